@@ -1,0 +1,1 @@
+"""The Kubernetes operator (kopf): thin handlers, pure builders, pure status computation."""

@@ -1,0 +1,1 @@
+"""Session-affine weighted router across sampler groups (library and HTTP service)."""

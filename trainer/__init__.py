@@ -1,0 +1,1 @@
+"""The trainer: corrected objective, advantages, metrics, async rollout driver, backends."""
