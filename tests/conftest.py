@@ -1,2 +1,69 @@
-"""Shared pytest configuration. Area fixtures live next to their tests; the real control plane
-fixture (`kube`) lives in tests/cluster/ and is re-exported here so every area can use it."""
+"""Shared pytest configuration.
+
+`kube` (session scope): a real Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler, kwok fake GPU/CPU nodes) built from Go modules by tests/cluster/controlplane.py. It is
+started lazily, once per session, on free ports in a temp dir, and stopped at session end. Set
+RLFLEET_KUBE_WORKDIR=<dir of a `controlplane.py up`> to reuse a running one instead (fast iteration).
+`namespace` (function scope): a fresh namespace, deleted afterwards. See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_CONTROLPLANE_PY = Path(__file__).resolve().parent / "cluster" / "controlplane.py"
+
+
+def _controlplane_module():
+    """tests/ is not a package (and the repo root must not go on sys.path): load the file directly."""
+    name = "rlfleet_tests_controlplane"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _CONTROLPLANE_PY)
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def kube() -> Iterator:
+    """The running control plane: a `controlplane.KubeCluster`.
+
+    Attributes: kubeconfig, kubectl_bin, bin_dir, server, gpu_nodes {class: [node, ...]}, cpu_nodes,
+    start_seconds; methods env(), kubectl(*args, input=None, check=True), api_client(), get_json(*args).
+    """
+    cp = _controlplane_module()
+    attach = os.environ.get("RLFLEET_KUBE_WORKDIR")
+    if attach:
+        yield cp.KubeCluster.from_state(Path(attach))
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="rlfleet-kube-"))
+    plane = cp.ControlPlane(workdir, log=lambda msg: print(f"[controlplane] {msg}", file=sys.stderr))
+    try:
+        cluster = plane.start()
+        print(f"\n[controlplane] started in {cluster.start_seconds:.1f}s at {cluster.server}", file=sys.stderr)
+        yield cluster
+    finally:
+        plane.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def namespace(kube) -> Iterator[str]:
+    """A fresh namespace for one test; deleted (without waiting) afterwards."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    kube.kubectl("create", "namespace", name)
+    # Pods need the namespace's default ServiceAccount (created by kube-controller-manager).
+    kube.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=30s")
+    yield name
+    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)

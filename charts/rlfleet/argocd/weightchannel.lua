@@ -1,0 +1,62 @@
+-- Argo CD health check for rlfleet.dev/WeightChannel (Argo CD runs gopher-lua, i.e. Lua 5.1).
+-- Healthy only when observedGeneration == metadata.generation and Ready is True.
+-- Degraded on CollapseRisk True or phase Degraded/Failed (e.g. a view failed its checksum).
+-- Before the first published version the channel is Progressing.
+local hs = { status = "Progressing", message = "Waiting for the rlfleet operator to report status" }
+local status = obj.status
+if status == nil then
+  return hs
+end
+
+local function condition(kind)
+  if status.conditions == nil then
+    return nil
+  end
+  for _, c in ipairs(status.conditions) do
+    if c.type == kind then
+      return c
+    end
+  end
+  return nil
+end
+
+local function explain(c, fallback)
+  if c ~= nil and c.message ~= nil and c.message ~= "" then
+    return c.message
+  end
+  if status.message ~= nil and status.message ~= "" then
+    return status.message
+  end
+  return fallback
+end
+
+local collapse = condition("CollapseRisk")
+if collapse ~= nil and collapse.status == "True" then
+  hs.status = "Degraded"
+  hs.message = "CollapseRisk: " .. explain(collapse, "collapse precursors detected")
+  return hs
+end
+if status.phase == "Failed" or status.phase == "Degraded" then
+  hs.status = "Degraded"
+  hs.message = status.phase .. ": " .. explain(condition("Ready"), "the channel cannot publish or serve versions")
+  return hs
+end
+
+local generation = obj.metadata.generation
+if status.observedGeneration == nil or generation == nil or status.observedGeneration ~= generation then
+  hs.message = "Waiting for the operator to observe generation " .. tostring(generation)
+  return hs
+end
+
+local ready = condition("Ready")
+if ready ~= nil and ready.status == "True" then
+  hs.status = "Healthy"
+  if status.latestVersion ~= nil then
+    hs.message = "Latest version " .. tostring(status.latestVersion)
+  else
+    hs.message = explain(ready, "Ready")
+  end
+  return hs
+end
+hs.message = explain(ready, "No version published yet")
+return hs

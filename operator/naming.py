@@ -1,0 +1,100 @@
+"""Every name the operator puts on objects: labels, annotations, field managers, child names, ports.
+
+One module so that builders, status code, handlers, tests and the Helm chart agree.
+"""
+
+from __future__ import annotations
+
+from rlfleet.api.common import API_VERSION, GROUP
+
+# --- ownership and bookkeeping ------------------------------------------------------------------------
+FIELD_MANAGER = "rlfleet-operator"  # server-side apply of children
+STATUS_FIELD_MANAGER = "rlfleet-operator-status"  # server-side apply of the status subresource
+FINALIZER = f"{GROUP}/finalizer"  # kopf's finalizer name (only used if a delete handler ever needs one)
+KOPF_PREFIX = GROUP  # kopf progress / diff-base annotations: rlfleet.dev/...
+
+# --- labels ------------------------------------------------------------------------------------------
+LABEL_JOB = f"{GROUP}/job"
+LABEL_GROUP = f"{GROUP}/group"  # group name inside the job (e.g. h100-fp8)
+LABEL_SAMPLERGROUP = f"{GROUP}/samplergroup"  # SamplerGroup object name (<job>-<group>): pod selector
+LABEL_COMPONENT = "app.kubernetes.io/component"  # sampler | trainer | router | config | weights
+LABEL_ACCELERATOR = f"{GROUP}/accelerator"
+LABEL_WEIGHT_FORMAT = f"{GROUP}/weight-format"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "rlfleet-operator"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+
+# --- annotations -------------------------------------------------------------------------------------
+# The group's replicas in the RLJob when the operator last applied the SamplerGroup: if the RLJob value
+# is unchanged, a `kubectl scale sg/...` override is kept (the RLJob is the source only of changes).
+ANN_JOB_REPLICAS = f"{GROUP}/job-replicas"
+ANN_SPEC_HASH = f"{GROUP}/spec-hash"  # hash of the pod-relevant spec (rolls pods on change)
+ANN_PROM_SCRAPE = "prometheus.io/scrape"
+ANN_PROM_PORT = "prometheus.io/port"
+ANN_PROM_PATH = "prometheus.io/path"
+
+# --- ports and paths ---------------------------------------------------------------------------------
+SYNC_PORT = 9400  # weight-sync sidecar: /metrics /status /health
+ROUTER_PORT = 8000
+TRAINER_RDZV_PORT = 29500
+TRAINER_METRICS_PORT = 9500
+CONFIG_MOUNT = "/etc/rlfleet/run"
+CONFIG_FILE = "rljob.yaml"
+ROUTER_CONFIG_FILE = "router.yaml"
+ROUTER_TOKEN_MOUNT = "/etc/rlfleet/router-admin"
+WEIGHTS_CACHE = "/var/lib/rlfleet/weights"
+
+KINDS = ("RLJob", "SamplerGroup", "WeightChannel")
+RLFLEET_API_VERSION = API_VERSION
+
+
+def samplergroup_name(job: str, group: str) -> str:
+    """SamplerGroup (and its Deployment and Service): <job>-<group> (<= 63 by the CRD's rules)."""
+    return f"{job}-{group}"
+
+
+def weightchannel_name(job: str) -> str:
+    return f"{job}-weights"
+
+
+def trainer_name(job: str) -> str:
+    """Trainer StatefulSet and its headless Service."""
+    return f"{job}-trainer"
+
+
+def router_name(job: str) -> str:
+    """Router Deployment and Service."""
+    return f"{job}-router"
+
+
+def config_name(job: str) -> str:
+    """ConfigMap with the resolved run config."""
+    return f"{job}-config"
+
+
+def router_secret_name(job: str) -> str:
+    """Secret with the router admin token (created once if the job names none)."""
+    return f"{job}-router-admin"
+
+
+def job_labels(job: str, component: str) -> dict[str, str]:
+    """Common labels of every child of a job."""
+    return {
+        LABEL_NAME: f"rlfleet-{component}",
+        LABEL_INSTANCE: job,
+        LABEL_COMPONENT: component,
+        LABEL_PART_OF: "rlfleet",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_JOB: job,
+    }
+
+
+def sampler_selector(samplergroup: str) -> dict[str, str]:
+    """Pod selector of a sampler group (immutable in the Deployment: keep it minimal)."""
+    return {LABEL_SAMPLERGROUP: samplergroup}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))

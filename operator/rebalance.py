@@ -1,0 +1,430 @@
+"""Routing shares from live throughput, cost and mismatch. PURE: no I/O, no clock, no Kubernetes.
+
+One call per rebalance interval:
+
+    result = rebalance(groups, state, now, RebalanceConfig(policy="throughput", ...))
+
+`groups` carry each group's parsed SGLang /metrics per pod (`parse_sglang_metrics`), its ready
+replicas, GPUs and price per GPU-hour (from the catalog), and the trainer's per-group KL and
+out-of-range fraction; `state` is the previous result's `state` (None the first time). The result
+holds the new shares (push them to the router), per-group status fields (patch SamplerGroup status),
+a bounded share history with reasons, and the fleet's blended cost per 1M tokens against an
+all-trainer-class baseline.
+
+The rules, in order:
+1. Throughput per group = the rate of `sglang:generation_tokens_total` since the previous scrape,
+   summed over pods (a counter that went down is a restarted pod: its new value is the increase); a
+   pod without a previous sample contributes its `sglang:gen_throughput` gauge. Then an EMA
+   (`smoothing` = weight of the newest sample).
+2. Target shares by policy over eligible groups (not quarantined, >= 1 ready replica):
+   `throughput`: proportional to tokens/s; `cost`: proportional to USEFUL tokens/s (tokens/s x
+   (1 - oor_fraction): out-of-range tokens are masked by MIS and teach nothing) times
+   cheapest_cost / own_cost, where cost = USD per 1M useful tokens - the cheapest group gets its full
+   capacity share, a group twice as expensive half of it; `static`: the configured shares.
+   Every eligible group gets at least `min_share`. Ineligible groups get 0.
+3. Quarantined or replica-less groups drop to 0 at once; everything else moves from the current
+   shares toward the target along a straight line, as far as `max_share_change` allows for the
+   group that moves most (so shares keep summing to 1 and no share moves more than the bound).
+Shares follow DELIVERED throughput, which equals capacity when groups are busy (asynchronous RL
+keeps samplers saturated); a group starved of sessions shows low throughput and is not raised by
+this rule alone, which is why every group keeps `min_share`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+
+Policy = Literal["throughput", "cost", "static"]
+
+TOKENS_COUNTER = "sglang:generation_tokens"  # the parser strips `_total` from counter family names
+THROUGHPUT_GAUGE = "sglang:gen_throughput"
+RUNNING_GAUGE = "sglang:num_running_reqs"
+QUEUE_GAUGE = "sglang:num_queue_reqs"
+REQUESTS_COUNTER = "sglang:num_requests"
+
+
+# --- parsing ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodSample:
+    """What one sampler pod's /metrics says (summed over its label sets, i.e. DP ranks)."""
+
+    generation_tokens_total: float | None = None
+    gen_throughput: float | None = None
+    num_running_reqs: float | None = None
+    num_queue_reqs: float | None = None
+    num_requests_total: float | None = None
+
+
+def parse_sglang_metrics(text: str) -> PodSample:
+    """Parse SGLang's Prometheus text. Raises ValueError on text that is not exposition format."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            # Counter samples are `<family>_total`; `_created` timestamps are not values.
+            if sample.name.endswith("_created"):
+                continue
+            name = sample.name[: -len("_total")] if sample.name.endswith("_total") else sample.name
+            if math.isfinite(sample.value):
+                sums[name] = sums.get(name, 0.0) + sample.value
+    return PodSample(
+        generation_tokens_total=sums.get(TOKENS_COUNTER),
+        gen_throughput=sums.get(THROUGHPUT_GAUGE),
+        num_running_reqs=sums.get(RUNNING_GAUGE),
+        num_queue_reqs=sums.get(QUEUE_GAUGE),
+        num_requests_total=sums.get(REQUESTS_COUNTER),
+    )
+
+
+def parse_trainer_group_metrics(text: str) -> dict[str, dict[str, float]]:
+    """Per-group trainer metrics from the trainer's exporter (`rlfleet_trainer_<metric>{scope="group",
+    key="<group>"}`): {group: {"kl_k3": .., "oor_fraction": .., "token_share": .., "oor_share": ..}}."""
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("scope") != "group" or not sample.name.startswith("rlfleet_trainer_"):
+                continue
+            if not math.isfinite(sample.value):
+                continue
+            metric = sample.name[len("rlfleet_trainer_") :]
+            out.setdefault(sample.labels.get("key", ""), {})[metric] = sample.value
+    return out
+
+
+# --- inputs, state, outputs -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupInput:
+    name: str
+    ready_replicas: int
+    gpus: int  # GPUs the group pays for (replicas x tensor parallel)
+    price_per_gpu_hour: float  # from the catalog; 0 = unknown
+    pods: Mapping[str, PodSample] = field(default_factory=dict)  # pod name -> sample taken at `now`
+    accelerator: str = ""
+    kl: float | None = None  # trainer's kl_k3 for this group's tokens
+    oor_fraction: float | None = None  # share of this group's tokens outside the MIS band
+    token_share: float | None = None  # trainer's view: share of trained tokens from this group
+    oor_share: float | None = None  # trainer's view: share of all out-of-range tokens
+    quarantined: bool = False
+    static_share: float | None = None
+    tokens_per_second: float | None = None  # a direct reading (e.g. from Prometheus) instead of pods
+
+
+@dataclass
+class GroupMemory:
+    """What the rebalancer remembers about a group between intervals (JSON-serialisable)."""
+
+    counters: dict[str, float] = field(default_factory=dict)  # pod -> generation_tokens_total
+    time: float | None = None
+    ema_tokens_per_second: float | None = None
+    share: float | None = None  # the share computed last time (what the router was told)
+    recorded_share: float | None = None  # the share of the last history entry
+    history: list[dict[str, object]] = field(default_factory=list)
+
+
+@dataclass
+class RebalanceState:
+    groups: dict[str, GroupMemory] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"groups": {name: asdict(m) for name, m in self.groups.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object] | None) -> RebalanceState:
+        if not data:
+            return cls()
+        groups = data.get("groups", {})
+        assert isinstance(groups, Mapping)
+        return cls(groups={name: GroupMemory(**dict(m)) for name, m in groups.items()})
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    policy: Policy = "throughput"
+    max_share_change: float = 0.1
+    min_share: float = 0.02
+    smoothing: float = 0.5
+    history_length: int = 5
+    history_min_change: float = 0.005  # smaller moves are not worth a history entry
+    trainer_accelerator: str = "b200"  # the baseline: every token made on the trainer's class
+    trainer_price_per_gpu_hour: float | None = None
+    trainer_tokens_per_gpu_second: float | None = None  # if no group runs on the trainer's class
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("throughput", "cost", "static"):
+            raise ValueError(f"unknown policy {self.policy!r} (throughput | cost | static)")
+        if not 0.0 < self.max_share_change <= 1.0:
+            raise ValueError("max_share_change must be in (0, 1]")
+        if not 0.0 <= self.min_share <= 0.5:
+            raise ValueError("min_share must be in [0, 0.5]")
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError("smoothing must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    name: str
+    tokens_per_second: float | None
+    share: float
+    previous_share: float | None
+    target_share: float
+    reason: str
+    cost_per_1m_tokens: float | None  # USD per 1M tokens, all tokens
+    cost_per_1m_useful_tokens: float | None  # USD per 1M in-band tokens
+    token_share: float | None
+    oor_share: float | None
+    kl: float | None
+    oor_fraction: float | None
+    quarantined: bool
+    history: tuple[dict[str, object], ...]
+
+    def status_patch(self) -> dict[str, object]:
+        """The SamplerGroup status fields the rebalancer owns (camelCase, None dropped)."""
+        fields: dict[str, object | None] = {
+            "tokensPerSecond": _round(self.tokens_per_second, 1),
+            "share": _round(self.share, 4),
+            "costPer1MTokens": _round(self.cost_per_1m_useful_tokens, 4),
+            "kl": _round(self.kl, 6),
+            "oorFraction": _round(self.oor_fraction, 6),
+            "tokenShare": _round(self.token_share, 4),
+            "oorShare": _round(self.oor_share, 4),
+            "quarantined": self.quarantined,
+            "shareHistory": [dict(h) for h in self.history],
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class RebalanceResult:
+    shares: dict[str, float]
+    groups: dict[str, GroupResult]
+    state: RebalanceState
+    fleet_cost_per_1m_tokens: float | None
+    baseline_cost_per_1m_tokens: float | None
+    changes: tuple[str, ...]  # one human-readable line per group whose share moved (for Events)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changes)
+
+
+# --- the computation ----------------------------------------------------------------------------
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None or not math.isfinite(value) else round(value, digits)
+
+
+def _cost_per_1m(price_per_gpu_hour: float, gpus: int, tokens_per_second: float | None) -> float | None:
+    # Same formula as rlfleet.catalog.cost_per_1m_tokens (which needs a catalog class object).
+    if not tokens_per_second or tokens_per_second <= 0 or price_per_gpu_hour <= 0 or gpus <= 0:
+        return None
+    return price_per_gpu_hour * gpus / 3600.0 / tokens_per_second * 1e6
+
+
+def group_rate(pods: Mapping[str, PodSample], memory: GroupMemory, now: float) -> float | None:
+    """Tokens/s of a group since the last scrape (counters), gauges for pods seen the first time."""
+    elapsed = now - memory.time if memory.time is not None else None
+    total = 0.0
+    known = False
+    for pod, sample in pods.items():
+        previous = memory.counters.get(pod)
+        counter = sample.generation_tokens_total
+        if counter is not None and previous is not None and elapsed is not None and elapsed > 0:
+            increase = counter - previous if counter >= previous else counter  # restart: counter reset
+            total += increase / elapsed
+            known = True
+        elif sample.gen_throughput is not None:
+            total += sample.gen_throughput
+            known = True
+    return total if known else None
+
+
+def _target_shares(
+    eligible: list[str],
+    raw: Mapping[str, float],
+    min_share: float,
+) -> dict[str, float]:
+    """raw weights -> shares with a floor: floor + (1 - n floor) * raw / sum(raw)."""
+    n = len(eligible)
+    if n == 0:
+        return {}
+    floor = min(min_share, 1.0 / n)
+    total = sum(max(raw.get(g, 0.0), 0.0) for g in eligible)
+    if total <= 0.0:
+        return {g: 1.0 / n for g in eligible}
+    return {g: floor + (1.0 - n * floor) * max(raw.get(g, 0.0), 0.0) / total for g in eligible}
+
+
+def rebalance(
+    groups: Iterable[GroupInput],
+    state: RebalanceState | None,
+    now: float,
+    config: RebalanceConfig,
+    current_shares: Mapping[str, float] | None = None,
+) -> RebalanceResult:
+    """One rebalance step. `now` is epoch seconds; `current_shares` (optional) are the router's
+    shares if known (else the previous result's, else equal)."""
+    inputs = list(groups)
+    previous_state = state or RebalanceState()
+    new_state = RebalanceState()
+
+    # 1. Throughput (EMA) per group.
+    tps: dict[str, float | None] = {}
+    for g in inputs:
+        memory = previous_state.groups.get(g.name, GroupMemory())
+        observed = g.tokens_per_second if g.tokens_per_second is not None else group_rate(g.pods, memory, now)
+        ema = memory.ema_tokens_per_second
+        if observed is not None:
+            ema = observed if ema is None else config.smoothing * observed + (1.0 - config.smoothing) * ema
+        tps[g.name] = ema
+        counters = {
+            pod: s.generation_tokens_total for pod, s in g.pods.items() if s.generation_tokens_total is not None
+        }
+        new_state.groups[g.name] = GroupMemory(
+            counters=counters,
+            time=now,
+            ema_tokens_per_second=ema,
+            share=memory.share,
+            recorded_share=memory.recorded_share,
+            history=list(memory.history),
+        )
+
+    # 2. Targets by policy.
+    names = [g.name for g in inputs]
+    by_name = {g.name: g for g in inputs}
+    eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
+    useful = {n: (tps[n] or 0.0) * (1.0 - min(max(by_name[n].oor_fraction or 0.0, 0.0), 1.0)) for n in names}
+    useful_cost = {n: _cost_per_1m(by_name[n].price_per_gpu_hour, by_name[n].gpus, useful[n]) for n in names}
+    raw: dict[str, float] = {}
+    known = [n for n in eligible if tps[n] is not None]
+    neutral = sum(tps[n] or 0.0 for n in known) / len(known) if known else 1.0
+    if config.policy == "static":
+        raw = {n: max(by_name[n].static_share if by_name[n].static_share is not None else 0.0, 0.0) for n in eligible}
+    elif config.policy == "throughput":
+        # A group without a reading yet (just added) gets the average until it has one.
+        raw = {n: (tps[n] if tps[n] is not None else neutral) for n in eligible}
+    else:  # cost
+        costs = [c for n in eligible if (c := useful_cost[n]) is not None]
+        cheapest = min(costs) if costs else None
+        for n in eligible:
+            base = useful[n] if tps[n] is not None else neutral
+            cost = useful_cost[n]
+            raw[n] = base * (cheapest / cost) if cheapest is not None and cost is not None else base
+    target = {n: 0.0 for n in names}
+    target.update(_target_shares(eligible, raw, config.min_share))
+
+    # 3. Bounded move from the current shares.
+    if current_shares is not None:
+        old = {n: max(float(current_shares.get(n, 0.0)), 0.0) for n in names}
+    else:
+        old = {n: (previous_state.groups[n].share if n in previous_state.groups else None) for n in names}
+        if all(v is None for v in old.values()):
+            old = {n: 1.0 for n in names}
+        old = {n: (v if v is not None else 0.0) for n, v in old.items()}
+    base = {n: (old[n] if n in eligible else 0.0) for n in names}
+    base_total = sum(base.values())
+    base = {n: (v / base_total if base_total > 0 else (1.0 / len(eligible) if n in eligible else 0.0)) for n, v in base.items()}
+    if not eligible:
+        base = {n: 0.0 for n in names}
+    largest = max((abs(target[n] - base[n]) for n in names), default=0.0)
+    step = 1.0 if largest <= config.max_share_change else config.max_share_change / largest
+    shares = {n: base[n] + step * (target[n] - base[n]) for n in names}
+
+    # 4. Status, history, costs.
+    old_total = sum(old.values())
+    old_normalised = {n: (old[n] / old_total if old_total > 0 else 0.0) for n in names}
+    total_tps = sum(tps[n] or 0.0 for n in names)
+    total_oor_tokens = sum((tps[n] or 0.0) * (by_name[n].oor_fraction or 0.0) for n in names)
+    timestamp = datetime.fromtimestamp(now, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    results: dict[str, GroupResult] = {}
+    changes: list[str] = []
+    for name in names:
+        g = by_name[name]
+        memory = new_state.groups[name]
+        if g.quarantined:
+            reason = "quarantined"
+        elif g.ready_replicas <= 0:
+            reason = "no ready replicas"
+        elif config.policy == "static":
+            reason = "static"
+        elif config.policy == "throughput":
+            reason = f"throughput {tps[name]:.0f} tok/s" if tps[name] is not None else "throughput (no reading yet)"
+        else:
+            cost = useful_cost[name]
+            reason = f"cost ${cost:.3f}/1M useful tokens" if cost is not None else "cost (no reading yet)"
+        if step < 1.0 and name in eligible:
+            reason += f"; bounded toward {target[name]:.3f}"
+        previous_recorded = memory.recorded_share if memory.recorded_share is not None else old_normalised[name]
+        if abs(shares[name] - previous_recorded) >= config.history_min_change:
+            memory.history.append(
+                {"time": timestamp, "from": round(previous_recorded, 4), "to": round(shares[name], 4), "reason": reason}
+            )
+            memory.history = memory.history[-config.history_length :]
+            changes.append(f"{name}: share {previous_recorded:.3f} -> {shares[name]:.3f} ({reason})")
+            memory.recorded_share = shares[name]
+        elif memory.recorded_share is None:
+            memory.recorded_share = shares[name]
+        memory.share = shares[name]
+        token_share = g.token_share if g.token_share is not None else ((tps[name] or 0.0) / total_tps if total_tps else None)
+        if g.oor_share is not None:
+            oor_share = g.oor_share
+        elif total_oor_tokens > 0:
+            oor_share = (tps[name] or 0.0) * (g.oor_fraction or 0.0) / total_oor_tokens
+        else:
+            oor_share = None
+        results[name] = GroupResult(
+            name=name,
+            tokens_per_second=tps[name],
+            share=shares[name],
+            previous_share=old_normalised[name] if old_total > 0 else None,
+            target_share=target[name],
+            reason=reason,
+            cost_per_1m_tokens=_cost_per_1m(g.price_per_gpu_hour, g.gpus, tps[name]),
+            cost_per_1m_useful_tokens=useful_cost[name],
+            token_share=token_share,
+            oor_share=oor_share,
+            kl=g.kl,
+            oor_fraction=g.oor_fraction,
+            quarantined=g.quarantined,
+            history=tuple(memory.history),
+        )
+
+    fleet_cost, baseline_cost = _fleet_costs(inputs, tps, config)
+    return RebalanceResult(
+        shares=shares,
+        groups=results,
+        state=new_state,
+        fleet_cost_per_1m_tokens=fleet_cost,
+        baseline_cost_per_1m_tokens=baseline_cost,
+        changes=tuple(changes),
+    )
+
+
+def _fleet_costs(
+    inputs: list[GroupInput], tps: Mapping[str, float | None], config: RebalanceConfig
+) -> tuple[float | None, float | None]:
+    """Blended USD per 1M tokens of the whole fleet, and what the same tokens would cost if every
+    one were made on the trainer's accelerator class (its tokens/s per GPU from a group of that
+    class when there is one, else the configured estimate)."""
+    running = [g for g in inputs if (tps[g.name] or 0.0) > 0 and g.gpus > 0]
+    total_tps = sum(tps[g.name] or 0.0 for g in running)
+    dollars_per_hour = sum(g.price_per_gpu_hour * g.gpus for g in running)
+    fleet = dollars_per_hour / 3600.0 / total_tps * 1e6 if total_tps > 0 and dollars_per_hour > 0 else None
+    trainer_groups = [g for g in running if g.accelerator == config.trainer_accelerator]
+    per_gpu = config.trainer_tokens_per_gpu_second
+    if trainer_groups:
+        per_gpu = sum(tps[g.name] or 0.0 for g in trainer_groups) / sum(g.gpus for g in trainer_groups)
+    price = config.trainer_price_per_gpu_hour
+    if price is None and trainer_groups:
+        price = trainer_groups[0].price_per_gpu_hour
+    baseline = _cost_per_1m(price, 1, per_gpu) if price is not None and per_gpu else None
+    return fleet, baseline

@@ -1,0 +1,98 @@
+"""Shared pieces of the API models: the base class, enums, conditions, and small helpers.
+
+Every model is camelCase on the wire (YAML / Kubernetes) and snake_case in Python. Field docstrings
+become the `description` of every CRD field (pydantic `use_attribute_docstrings`), so the docstring
+IS the user documentation: write it for the person reading `kubectl explain`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "rlfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# Weight formats a sampler group can serve (each is a published precision view of the channel).
+WeightFormat = Literal["bf16", "fp8", "nvfp4", "mxfp4"]
+WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")
+# SGLang --kv-cache-dtype values (auto = the model dtype).
+KvCacheDtype = Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4"]
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")
+CorrectionMode = Literal["sc-mis-topp", "sc-mis", "mis", "sc", "none"]
+RouterPolicy = Literal["throughput", "cost", "static"]
+SafetyAction = Literal["alert", "quarantine-group", "pause"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+# Kubernetes object names used as prefixes of child names: the job name + "-" + group name must fit a
+# DNS-1035 label (63) because it names the group's Service.
+DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_JOB_NAME = 38
+MAX_GROUP_NAME = 24
+# Sampling-mask cap of SGLang (`--sampling-mask-max-tokens`, default 4096): a finite top_k must fit it.
+MAX_TOP_K = 4096
+
+
+class ApiModel(BaseModel):
+    """Base of every API model: camelCase aliases, unknown fields rejected, docstrings as descriptions."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=False,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """JSON-able dict with camelCase keys, unset optional fields left out (what goes to the API)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Condition(ApiModel):
+    """A Kubernetes-style condition (metav1.Condition)."""
+
+    type: str = Field(max_length=64)
+    """Condition type: Ready, Progressing, Degraded or CollapseRisk."""
+    status: ConditionStatus
+    """True, False or Unknown."""
+    reason: str = Field(default="", max_length=128)
+    """Machine-readable CamelCase reason of the last transition."""
+    message: str = Field(default="", max_length=4096)
+    """Human-readable explanation."""
+    last_transition_time: datetime | None = None
+    """When the status last changed."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """metadata.generation of the spec this condition was computed from."""
+
+
+def conditions_field() -> Any:
+    """A conditions list: a map keyed by type (merge-friendly for server-side apply)."""
+    return Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class LocalObjectReference(ApiModel):
+    """Reference to an object in the same namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the referenced object (e.g. a Secret)."""
+
+
+def kube_manifest_check(manifest: Any, kind: str) -> dict[str, Any]:
+    """Check the envelope of a manifest (apiVersion/kind); return it as a dict. Clear errors."""
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{kind} manifest must be a mapping, got {type(manifest).__name__}")
+    api_version = manifest.get("apiVersion")
+    if api_version != API_VERSION:
+        raise ValueError(f"{kind} manifest: apiVersion must be {API_VERSION!r}, got {api_version!r}")
+    if manifest.get("kind") != kind:
+        raise ValueError(f"manifest kind must be {kind!r}, got {manifest.get('kind')!r}")
+    return manifest

@@ -1,0 +1,434 @@
+"""RLJob: one asynchronous RL run (trainer + heterogeneous sampler fleet + router + weight channel)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from rlfleet.api.common import (
+    API_VERSION,
+    MAX_JOB_NAME,
+    MAX_TOP_K,
+    ApiModel,
+    Condition,
+    CorrectionMode,
+    RouterPolicy,
+    SafetyAction,
+    conditions_field,
+    kube_manifest_check,
+)
+from rlfleet.api.meta import ObjectMeta
+from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
+from rlfleet.api.weightchannel import RetentionSpec, StoreSpec
+
+# Cross-field rules: the CEL rule in the CRD and the Python check share the message, so a user sees
+# the same words from `kubectl apply` and from `rlfleet run --local`.
+TOP_P_RULE = f"self.topP >= 1.0 || (self.topK >= 1 && self.topK <= {MAX_TOP_K})"
+TOP_P_MESSAGE = (
+    f"rollout: topP < 1 requires a finite topK in [1, {MAX_TOP_K}] "
+    "(SGLang returns the sampling mask only with a finite top_k)"
+)
+MIS_RULE = "self.misLow < self.misHigh"
+MIS_MESSAGE = "correction: misLow must be < misHigh"
+GROUP_NAMES_RULE = "self.all(g, self.exists_one(h, h.name == g.name))"
+GROUP_NAMES_MESSAGE = "samplerGroups: group names must be unique"
+JOB_NAME_RULE = f"size(self.metadata.name) <= {MAX_JOB_NAME}"
+JOB_NAME_MESSAGE = f"metadata.name must be at most {MAX_JOB_NAME} characters (child names are <job>-<group>)"
+STATIC_SHARES_RULE = "self.policy != 'static' || size(self.staticShares) > 0"
+STATIC_SHARES_MESSAGE = "router: policy static needs staticShares"
+
+
+class ModelSpec(ApiModel):
+    """The policy model."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Model name (served model name of the samplers)."""
+    path: str = Field(min_length=1, max_length=2048)
+    """Initial weights: Hugging Face id, or a path on the shared volume / an s3:// URI."""
+    revision: str | None = Field(default=None, max_length=128)
+    """Hugging Face revision (commit or tag)."""
+    max_seq_len: int | None = Field(default=None, ge=16, le=1048576)
+    """Context length (prompt + generation) used by trainer and samplers (none: the model's)."""
+
+
+class ParallelismSpec(ApiModel):
+    """Trainer model parallelism (Megatron-core)."""
+
+    tensor: int = Field(default=1, ge=1, le=64)
+    """Tensor-parallel size."""
+    pipeline: int = Field(default=1, ge=1, le=64)
+    """Pipeline-parallel size."""
+    context: int = Field(default=1, ge=1, le=64)
+    """Context-parallel size."""
+
+
+class OptimizerSpec(ApiModel):
+    """Trainer optimizer (AdamW)."""
+
+    learning_rate: float = Field(default=1e-6, gt=0.0, le=1.0)
+    """Learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Decoupled weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    """Gradient clipping norm."""
+
+
+class TrainerSpec(ApiModel):
+    """The BF16 trainer (a StatefulSet of torchrun ranks)."""
+
+    accelerator: str = Field(
+        default="b200", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+    )
+    """Accelerator class of the trainer nodes."""
+    replicas: int = Field(default=1, ge=1, le=1024)
+    """Number of trainer pods (torchrun nodes)."""
+    gpus_per_replica: int = Field(default=8, ge=1, le=8)
+    """GPUs per trainer pod (torchrun --nproc-per-node)."""
+    backend: Literal["megatron", "torch"] = "megatron"
+    """Training backend: megatron (megatron-core, GPUs) or torch (reference backend)."""
+    precision: Literal["bf16"] = "bf16"
+    """Trainer precision (always BF16: the corrected objective absorbs the samplers' precision)."""
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, json_schema_extra={"default": {}})
+    """Model parallelism."""
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, json_schema_extra={"default": {}})
+    """Optimizer."""
+    image: str = Field(default="ghcr.io/rlfleet/trainer:0.1.0", min_length=1, max_length=512)
+    """Trainer image."""
+    total_steps: int | None = Field(default=None, ge=1)
+    """Stop after this many optimizer steps (none: run until deleted)."""
+
+
+class RolloutSpec(ApiModel):
+    """How rollouts are sampled."""
+
+    model_config = {
+        "json_schema_extra": {"x-kubernetes-validations": [{"rule": TOP_P_RULE, "message": TOP_P_MESSAGE}]}
+    }
+
+    prompts_per_step: int = Field(default=128, ge=1, le=65536)
+    """Prompts per optimizer step."""
+    samples_per_prompt: int = Field(default=8, ge=1, le=1024)
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold. topP < 1 needs a finite topK (mask replay)."""
+    top_k: int = Field(default=-1, ge=-1, le=MAX_TOP_K)
+    """Top-k (-1: off). Must be finite (1..4096) when topP < 1."""
+    max_new_tokens: int = Field(default=1024, ge=1, le=1048576)
+    """Maximum generated tokens per turn."""
+    max_turns: int = Field(default=1, ge=1, le=1024)
+    """Maximum model turns per episode (multi-turn environments)."""
+    dataset: str | None = Field(default=None, max_length=2048)
+    """Prompt source: a JSONL path / URI, or builtin:<task> (none: the environment's built-in prompts)."""
+    environment: str = Field(default="copy_digit", min_length=1, max_length=512)
+    """Reward / environment entry point: module:attr, or a built-in name (copy_digit, tool_add)."""
+
+    @model_validator(mode="after")
+    def _check_top_p(self) -> RolloutSpec:
+        if self.top_p < 1.0 and not (1 <= self.top_k <= MAX_TOP_K):
+            raise ValueError(TOP_P_MESSAGE)
+        return self
+
+
+class CorrectionSpec(ApiModel):
+    """The corrected objective (method.md)."""
+
+    model_config = {
+        "json_schema_extra": {"x-kubernetes-validations": [{"rule": MIS_RULE, "message": MIS_MESSAGE}]}
+    }
+
+    mode: CorrectionMode = "sc-mis-topp"
+    """sc-mis-topp (score centering + masked IS + top-p mask replay), sc-mis, mis, sc, or none (plain GRPO)."""
+    mis_low: float = Field(default=0.2, gt=0.0, le=1.0)
+    """Lower edge c_min of the MIS band."""
+    mis_high: float = Field(default=5.0, ge=1.0, le=1000.0)
+    """Upper edge c_max of the MIS band."""
+    sc_head_size: int = Field(default=128, ge=1, le=MAX_TOP_K)
+    """Candidates recorded per token for score centering when no mask is replayed (top_logprobs_num)."""
+
+    @model_validator(mode="after")
+    def _check_band(self) -> CorrectionSpec:
+        if not self.mis_low < self.mis_high:
+            raise ValueError(MIS_MESSAGE)
+        return self
+
+
+class StalenessSpec(ApiModel):
+    """Bound on policy staleness."""
+
+    max_steps: int | None = Field(default=None, ge=0, le=1000000)
+    """Drop samples generated with weights more than this many versions old (none: unbounded, fully async)."""
+
+
+class RouterSpec(ApiModel):
+    """Router and rebalancer."""
+
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [{"rule": STATIC_SHARES_RULE, "message": STATIC_SHARES_MESSAGE}]
+        }
+    }
+
+    policy: RouterPolicy = "throughput"
+    """throughput (share proportional to delivered tokens/s), cost (cheapest useful tokens) or static."""
+    rebalance_interval_seconds: int = Field(default=30, ge=5, le=86400)
+    """How often the operator recomputes shares."""
+    max_share_change: float = Field(default=0.1, gt=0.0, le=1.0)
+    """Largest change of any group's share per interval."""
+    min_share: float = Field(default=0.02, ge=0.0, le=0.5)
+    """Smallest share of a healthy, non-quarantined group."""
+    smoothing: float = Field(default=0.5, gt=0.0, le=1.0)
+    """EMA weight of the newest throughput sample."""
+    static_shares: dict[str, float] = Field(default_factory=dict, max_length=64)
+    """policy static: share per group name (normalised)."""
+    prometheus_url: str | None = Field(default=None, max_length=1024)
+    """Read throughput from this Prometheus instead of scraping the sampler pods."""
+    replicas: int = Field(default=1, ge=1, le=16)
+    """Router replicas."""
+    image: str = Field(default="ghcr.io/rlfleet/operator:0.1.0", min_length=1, max_length=512)
+    """Router image (runs `rlfleet router serve`)."""
+    admin_token_secret: str | None = Field(default=None, max_length=253)
+    """Secret (key `token`) with the router admin token (none: the operator creates one)."""
+
+    @model_validator(mode="after")
+    def _check_static(self) -> RouterSpec:
+        if self.policy == "static" and not self.static_shares:
+            raise ValueError(STATIC_SHARES_MESSAGE)
+        return self
+
+
+class WeightChannelTemplate(ApiModel):
+    """The run's weight channel."""
+
+    store: StoreSpec
+    """Where versions live."""
+    retention: RetentionSpec = Field(default_factory=RetentionSpec, json_schema_extra={"default": {}})
+    """Retention of old versions."""
+
+
+class SafetySpec(ApiModel):
+    """Collapse detection thresholds and what to do."""
+
+    kl_surge_factor: float = Field(default=3.0, gt=1.0, le=1000.0)
+    """Alert when a group's KL exceeds this multiple of its running baseline."""
+    oor_share_factor: float = Field(default=2.0, gt=1.0, le=100.0)
+    """Alert when a group's share of out-of-range tokens exceeds this multiple of its token share."""
+    sc_tail_ratio_max: float = Field(default=5.0, gt=1.0)
+    """Alert when the score-centering tail ratio rho exceeds this."""
+    window_steps: int = Field(default=10, ge=1, le=10000)
+    """Steps in the detector's window."""
+    action: SafetyAction = "alert"
+    """alert (condition + Event), quarantine-group (route no new sessions to the group), or pause (suspend the job)."""
+
+
+class TinyModelSpec(ApiModel):
+    """Tiny TinyGPT used instead of the real model in --local mode."""
+
+    vocab_size: int = Field(default=64, ge=32, le=65536)
+    """Vocabulary size."""
+    n_layer: int = Field(default=2, ge=1, le=48)
+    """Transformer layers."""
+    n_head: int = Field(default=2, ge=1, le=64)
+    """Attention heads."""
+    d_model: int = Field(default=64, ge=8, le=8192)
+    """Hidden size."""
+    max_seq_len: int = Field(default=64, ge=8, le=65536)
+    """Context length."""
+
+
+class LocalSpec(ApiModel):
+    """Knobs for `rlfleet run --local` (one CPU machine). Ignored on clusters."""
+
+    steps: int = Field(default=20, ge=1, le=100000)
+    """Optimizer steps of the local run."""
+    prompts_per_step: int = Field(default=8, ge=1, le=4096)
+    """Prompts per step (replaces rollout.promptsPerStep locally)."""
+    samples_per_prompt: int = Field(default=4, ge=1, le=256)
+    """Samples per prompt (replaces rollout.samplesPerPrompt locally)."""
+    max_new_tokens: int = Field(default=8, ge=1, le=4096)
+    """Generated tokens per turn (replaces rollout.maxNewTokens locally)."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the tiny model, prompts and sampling."""
+    model: TinyModelSpec = Field(default_factory=TinyModelSpec, json_schema_extra={"default": {}})
+    """The tiny model."""
+
+
+class RLJobSpec(ApiModel):
+    """Desired state of an RLJob."""
+
+    model: ModelSpec
+    """The policy model."""
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, json_schema_extra={"default": {}})
+    """The BF16 trainer."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, json_schema_extra={"default": {}})
+    """Sampling."""
+    correction: CorrectionSpec = Field(default_factory=CorrectionSpec, json_schema_extra={"default": {}})
+    """The corrected objective."""
+    staleness: StalenessSpec = Field(default_factory=StalenessSpec, json_schema_extra={"default": {}})
+    """Staleness bound."""
+    sampler_groups: list[SamplerGroupTemplate] = Field(
+        min_length=1,
+        max_length=32,
+        json_schema_extra={
+            "x-kubernetes-validations": [{"rule": GROUP_NAMES_RULE, "message": GROUP_NAMES_MESSAGE}]
+        },
+    )
+    """Sampler groups: one per accelerator class + precision."""
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra={"default": {}})
+    """Router and rebalancer."""
+    weight_channel: WeightChannelTemplate
+    """Weight channel store."""
+    safety: SafetySpec = Field(default_factory=SafetySpec, json_schema_extra={"default": {}})
+    """Collapse detection."""
+    suspend: bool = False
+    """Scale samplers and trainer to zero (resume restores them). Groups keep their replicas."""
+    sampler_images: SamplerImages = Field(default_factory=SamplerImages, json_schema_extra={"default": {}})
+    """Images of the sampler pods."""
+    local: LocalSpec = Field(default_factory=LocalSpec, json_schema_extra={"default": {}})
+    """Knobs for --local runs (ignored on clusters)."""
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> RLJobSpec:
+        names = [g.name for g in self.sampler_groups]
+        if len(names) != len(set(names)):
+            dups = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"{GROUP_NAMES_MESSAGE} (duplicated: {', '.join(dups)})")
+        return self
+
+
+class TrainerStatus(ApiModel):
+    """Observed trainer."""
+
+    replicas: int | None = Field(default=None, ge=0)
+    """Desired trainer pods."""
+    ready_replicas: int | None = Field(default=None, ge=0)
+    """Ready trainer pods."""
+
+
+class GroupSummary(ApiModel):
+    """One line per sampler group in the RLJob status."""
+
+    name: str = Field(max_length=63)
+    """Group name."""
+    phase: str | None = Field(default=None, max_length=32)
+    """SamplerGroup phase."""
+    ready: str | None = Field(default=None, max_length=32)
+    """Ready/desired replicas."""
+    share: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Routing share."""
+
+
+class RunMetrics(ApiModel):
+    """Latest training metrics (reported by the trainer)."""
+
+    reward: float | None = None
+    """Mean reward of the last batch."""
+    kl: float | None = None
+    """Mean sampler/trainer KL (kl_k3)."""
+    oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Share of tokens outside the MIS band."""
+    entropy: float | None = None
+    """Mean token entropy."""
+    sc_tail_ratio: float | None = None
+    """Score-centering tail ratio rho."""
+    updated_at: datetime | None = None
+    """When these metrics were reported."""
+
+
+class RLJobStatus(ApiModel):
+    """Observed state of an RLJob."""
+
+    phase: Literal["Pending", "Running", "Degraded", "Suspended", "Failed", "Succeeded"] | None = None
+    """Pending, Running, Degraded, Suspended, Failed or Succeeded."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """metadata.generation the status was computed from."""
+    reason: str | None = Field(default=None, max_length=128)
+    """Machine-readable reason of the phase."""
+    message: str | None = Field(default=None, max_length=4096)
+    """Human-readable summary."""
+    ready_groups: str | None = Field(default=None, max_length=32)
+    """Ready sampler groups over all groups, e.g. "8/8"."""
+    groups: list[GroupSummary] = Field(default_factory=list, max_length=32)
+    """Per-group summary."""
+    trainer: TrainerStatus | None = None
+    """Trainer pods."""
+    step: int | None = Field(default=None, ge=0)
+    """Last optimizer step (reported by the trainer)."""
+    weight_version: int | None = Field(default=None, ge=0)
+    """Latest published weight version."""
+    metrics: RunMetrics | None = None
+    """Latest training metrics."""
+    cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")
+    """Blended fleet cost per million useful tokens."""
+    baseline_cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="baselineCostPer1MTokens")
+    """Same, if every sampler ran on the trainer's class in BF16."""
+    conditions: list[Condition] = conditions_field()
+    """Ready, Progressing, Degraded and CollapseRisk conditions."""
+
+
+class RLJob(ApiModel):
+    """An RLJob object (kind RLJob, short name rlj)."""
+
+    api_version: Literal["rlfleet.dev/v1alpha1"] = API_VERSION
+    """API version."""
+    kind: Literal["RLJob"] = "RLJob"
+    """Kind."""
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    """Object metadata."""
+    spec: RLJobSpec
+    """Desired state."""
+    status: RLJobStatus | None = None
+    """Observed state."""
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name or "rljob"
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> RLJob:
+        """Parse an RLJob manifest (dict from YAML or the API). Raises pydantic ValidationError."""
+        job = cls.model_validate(kube_manifest_check(manifest, "RLJob"))
+        if job.metadata.name is not None and len(job.metadata.name) > MAX_JOB_NAME:
+            raise ValueError(JOB_NAME_MESSAGE)
+        return job
+
+
+class RLJobLoadError(ValueError):
+    """An RLJob file cannot be read or is invalid (message is one clear paragraph, no stack trace)."""
+
+
+def load_rljob(path: str | Path) -> RLJob:
+    """Read and validate an RLJob YAML file. Raises RLJobLoadError with a readable message."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise RLJobLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise RLJobLoadError(f"{path}: not valid YAML: {exc}") from None
+    jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "RLJob"]
+    if len(jobs) != 1:
+        raise RLJobLoadError(f"{path}: expected exactly one RLJob document, found {len(jobs)}")
+    try:
+        return RLJob.from_manifest(jobs[0])
+    except ValidationError as exc:
+        raise RLJobLoadError(f"{path}: invalid RLJob:\n{format_validation_error(exc)}") from None
+    except ValueError as exc:
+        raise RLJobLoadError(f"{path}: invalid RLJob: {exc}") from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per error: `spec.rollout.topK: message` (camelCase paths, as in the YAML)."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)

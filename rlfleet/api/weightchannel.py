@@ -1,0 +1,147 @@
+"""WeightChannel: versioned weights from the trainer to every sampler group, one view per precision."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlfleet.api.common import (
+    API_VERSION,
+    ApiModel,
+    Condition,
+    LocalObjectReference,
+    WeightFormat,
+    conditions_field,
+    kube_manifest_check,
+)
+from rlfleet.api.meta import ObjectMeta
+
+STORE_RULE = "self.type == 'filesystem' ? has(self.path) : has(self.bucket)"
+STORE_MESSAGE = "store: type filesystem needs path; type s3 needs bucket"
+
+
+class StoreSpec(ApiModel):
+    """Where versions live: a filesystem path on a shared volume, or an S3-compatible bucket."""
+
+    model_config = {
+        "json_schema_extra": {"x-kubernetes-validations": [{"rule": STORE_RULE, "message": STORE_MESSAGE}]}
+    }
+
+    type: Literal["filesystem", "s3"] = "filesystem"
+    """filesystem (a shared ReadWriteMany volume) or s3 (any S3-compatible object store)."""
+    path: str | None = Field(default=None, min_length=1, max_length=1024)
+    """filesystem: directory of the channel inside every pod (the volume's mount path)."""
+    volume_claim_name: str | None = Field(default=None, min_length=1, max_length=253)
+    """filesystem: PersistentVolumeClaim mounted at path in the trainer and sampler pods (none: the path must already exist on the nodes, tests only)."""
+    bucket: str | None = Field(default=None, min_length=3, max_length=63)
+    """s3: bucket name."""
+    prefix: str = Field(default="", max_length=1024)
+    """s3: key prefix of the channel inside the bucket."""
+    endpoint: str | None = Field(default=None, max_length=1024)
+    """s3: endpoint URL of an S3-compatible server (none: AWS)."""
+    region: str | None = Field(default=None, max_length=64)
+    """s3: region."""
+    secret_ref: LocalObjectReference | None = None
+    """s3: Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (injected by reference, never copied)."""
+
+    @model_validator(mode="after")
+    def _check_store(self) -> StoreSpec:
+        if (self.type == "filesystem" and not self.path) or (self.type == "s3" and not self.bucket):
+            raise ValueError(STORE_MESSAGE)
+        return self
+
+
+class RetentionSpec(ApiModel):
+    """How many versions to keep."""
+
+    keep_versions: int = Field(default=3, ge=1, le=1000)
+    """Versions kept besides any version a subscriber still reports using."""
+
+
+class WeightChannelSpec(ApiModel):
+    """Desired state of a WeightChannel (written by the operator from the RLJob's weightChannel)."""
+
+    job_name: str | None = Field(default=None, max_length=63)
+    """Name of the RLJob publishing into this channel."""
+    store: StoreSpec
+    """Where versions live."""
+    views: list[WeightFormat] = Field(
+        default_factory=lambda: ["bf16"],
+        min_length=1,
+        max_length=4,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    """Precision views published for every version (the union of the subscribed groups' weightFormat)."""
+    retention: RetentionSpec = Field(default_factory=RetentionSpec, json_schema_extra={"default": {}})
+    """Retention of old versions."""
+
+
+class ViewArtifact(ApiModel):
+    """One published precision view of a version."""
+
+    view: WeightFormat
+    """Precision view."""
+    version: int = Field(ge=0)
+    """Weight version."""
+    uri: str = Field(default="", max_length=2048)
+    """Where the view's files are (path or s3:// URI)."""
+    sha256: str = Field(default="", max_length=64)
+    """sha256 of the view's manifest."""
+    bytes: int = Field(default=0, ge=0)
+    """Total size of the view's files."""
+    time: datetime | None = None
+    """When the view was published."""
+
+
+class GroupVersion(ApiModel):
+    """Weight version a subscribed sampler group has applied."""
+
+    group: str = Field(max_length=253)
+    """SamplerGroup name."""
+    view: WeightFormat | None = None
+    """View the group follows."""
+    applied_version: int | None = Field(default=None, ge=0)
+    """Lowest version applied by the group's ready replicas (none: unknown)."""
+    lag: int | None = Field(default=None, ge=0)
+    """latestVersion - appliedVersion."""
+
+
+class WeightChannelStatus(ApiModel):
+    """Observed state of a WeightChannel."""
+
+    phase: Literal["Pending", "Ready", "Degraded"] | None = None
+    """Pending (no version published yet or store unreadable), Ready, Degraded."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """metadata.generation the status was computed from."""
+    latest_version: int | None = Field(default=None, ge=0)
+    """Version the channel pointer names (none: unknown or nothing published)."""
+    artifacts: list[ViewArtifact] = Field(default_factory=list, max_length=16)
+    """Per-view artifacts of the latest version."""
+    groups: list[GroupVersion] = Field(default_factory=list, max_length=64)
+    """Per-group applied version."""
+    conditions: list[Condition] = conditions_field()
+    """Ready condition."""
+    message: str | None = Field(default=None, max_length=4096)
+    """Human-readable summary (e.g. why the latest version is unknown)."""
+
+
+class WeightChannel(ApiModel):
+    """A WeightChannel object (kind WeightChannel, short name wc)."""
+
+    api_version: Literal["rlfleet.dev/v1alpha1"] = API_VERSION
+    """API version."""
+    kind: Literal["WeightChannel"] = "WeightChannel"
+    """Kind."""
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    """Object metadata."""
+    spec: WeightChannelSpec
+    """Desired state."""
+    status: WeightChannelStatus | None = None
+    """Observed state."""
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> WeightChannel:
+        """Parse a WeightChannel manifest."""
+        return cls.model_validate(kube_manifest_check(manifest, "WeightChannel"))

@@ -1,0 +1,464 @@
+"""The accelerator catalog, and the ONE pure function turning (group, class) into an SGLang launch.
+
+A class says how to find its nodes (GPU Feature Discovery `nvidia.com/gpu.product` values, several per
+class because SKUs differ, plus GKE `cloud.google.com/gke-accelerator` values), what it can run
+(weight formats, each `native` or `degraded`, and KV-cache dtypes), which SGLang flags select the
+right kernels, its default tensor parallelism and its price per GPU-hour.
+
+Facts (references.md, SGLang 0.5.23): A100 (sm80) runs FP8 only weight-only (Marlin W8A16); Hopper
+(sm90) has native FP8 but no FP4 tensor cores; B200/B300 (sm100/sm103) and RTX PRO 6000 (sm120) run
+native NVFP4 (`--quantization modelopt_fp4`, GEMM backend flashinfer_cutlass on sm100, flashinfer_cudnn
+on sm120); mxfp8 / nvfp4 KV caches need sm100+ / sm100 or sm120. NVFP4 on sm80/sm90 would only be
+Marlin W4A16 weight-only, which the built-in catalog rejects (add it with an override if wanted).
+
+Overrides: a YAML file named by `RLFLEET_CATALOG` (the Helm chart mounts a ConfigMap there) with
+`classes: {name: {...}}`; fields of an existing class are merged over the built-in one, a new name
+must be complete. The CRD's accelerator enum and support-matrix CEL are generated from a catalog
+(`rlfleet crds --catalog FILE` for an overridden one), so kubectl rejects what the catalog cannot run.
+
+Core module: imports nothing of the product packages (and not kopf or torch).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+CATALOG_ENV = "RLFLEET_CATALOG"
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+GKE_LABEL = "cloud.google.com/gke-accelerator"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TOLERATION: dict[str, str] = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+class CatalogError(ValueError):
+    """A group asks for something the catalog cannot give (unknown class, unsupported precision)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class FormatProfile(_Model):
+    """How one class runs one weight format."""
+
+    mode: Literal["native", "degraded"] = "native"
+    flags: list[str] = Field(default_factory=list)  # SGLang flags selecting the format and its kernels
+    env: dict[str, str] = Field(default_factory=dict)
+    note: str = ""  # what the mode means (shown in SamplerGroup status)
+
+
+class AcceleratorClass(_Model):
+    """One GPU class."""
+
+    name: str
+    display_name: str
+    product_labels: list[str] = Field(min_length=1)  # nvidia.com/gpu.product values (GFD)
+    gke_accelerators: list[str] = Field(default_factory=list)  # cloud.google.com/gke-accelerator values
+    compute_capability: str  # "9.0"
+    memory_gib: int = Field(gt=0)
+    weight_formats: dict[str, FormatProfile]
+    unsupported: dict[str, str] = Field(default_factory=dict)  # format -> why not (for clear errors)
+    kv_cache_dtypes: list[str]
+    default_tensor_parallel: int = Field(default=1, ge=1, le=8)
+    cost_per_gpu_hour: float = Field(ge=0.0)  # USD, list price; override per cluster
+    env: dict[str, str] = Field(default_factory=dict)  # env for every SGLang server of the class
+
+    @property
+    def sm(self) -> str:
+        major, _, minor = self.compute_capability.partition(".")
+        return f"sm{major}{minor or '0'}"
+
+    def node_selector_terms(self) -> list[dict[str, Any]]:
+        """Required node-affinity terms (ORed): GFD product labels, or GKE accelerator labels."""
+        terms: list[dict[str, Any]] = [
+            {
+                "matchExpressions": [
+                    {"key": PRODUCT_LABEL, "operator": "In", "values": list(self.product_labels)}
+                ]
+            }
+        ]
+        if self.gke_accelerators:
+            terms.append(
+                {
+                    "matchExpressions": [
+                        {"key": GKE_LABEL, "operator": "In", "values": list(self.gke_accelerators)}
+                    ]
+                }
+            )
+        return terms
+
+
+_BASE_KV = ["auto", "bf16", "fp8_e4m3", "fp8_e5m2"]
+_BLACKWELL_KV = [*_BASE_KV, "mxfp8", "nvfp4"]
+_NVFP4_NEEDS_BLACKWELL = (
+    "native NVFP4 needs Blackwell FP4 tensor cores (b200, b300, rtx-pro-6000); on {sm} SGLang could only "
+    "run it as Marlin W4A16 weight-only, so use fp8 or bf16"
+)
+_FP8_W8A16_NOTE = (
+    "FP8 weight-only: A100 has no FP8 tensor cores, SGLang runs Marlin W8A16 (FP8 weights, BF16 compute)"
+)
+_MXFP4_HOPPER_NOTE = "MXFP4 (MoE experts only) without FP4 tensor cores: W4A16 Triton kernels"
+
+
+def _fp8(backend: str | None) -> FormatProfile:
+    flags = ["--quantization", "fp8"]
+    if backend:
+        flags += ["--fp8-gemm-backend", backend]
+    return FormatProfile(mode="native", flags=flags, note="native FP8 W8A8 (block-128 weights)")
+
+
+def _nvfp4(backend: str) -> FormatProfile:
+    return FormatProfile(
+        mode="native",
+        flags=["--quantization", "modelopt_fp4", "--fp4-gemm-backend", backend],
+        note=f"native NVFP4 W4A4 ({backend})",
+    )
+
+
+_MXFP4_NATIVE = FormatProfile(
+    mode="native", flags=["--quantization", "mxfp4"], note="native MXFP4 (MoE experts only)"
+)
+_BF16 = FormatProfile(mode="native", flags=[], note="BF16, same precision as the trainer")
+
+
+def builtin_classes() -> dict[str, AcceleratorClass]:
+    """The built-in catalog (a fresh copy)."""
+    classes = [
+        AcceleratorClass(
+            name="a100",
+            display_name="NVIDIA A100 (Ampere, sm80)",
+            product_labels=[
+                "NVIDIA-A100-SXM4-80GB",
+                "NVIDIA-A100-SXM4-40GB",
+                "NVIDIA-A100-80GB-PCIe",
+                "NVIDIA-A100-PCIE-40GB",
+            ],
+            gke_accelerators=["nvidia-a100-80gb", "nvidia-tesla-a100"],
+            compute_capability="8.0",
+            memory_gib=80,
+            weight_formats={
+                "bf16": _BF16,
+                "fp8": FormatProfile(mode="degraded", flags=["--quantization", "fp8"], note=_FP8_W8A16_NOTE),
+            },
+            unsupported={
+                "nvfp4": _NVFP4_NEEDS_BLACKWELL.format(sm="sm80"),
+                "mxfp4": "MXFP4 kernels need sm90 or newer",
+            },
+            kv_cache_dtypes=list(_BASE_KV),
+            default_tensor_parallel=1,
+            cost_per_gpu_hour=1.79,
+        ),
+        AcceleratorClass(
+            name="h100",
+            display_name="NVIDIA H100 (Hopper, sm90)",
+            product_labels=[
+                "NVIDIA-H100-80GB-HBM3",
+                "NVIDIA-H100-SXM5-80GB",
+                "NVIDIA-H100-PCIe",
+                "NVIDIA-H100-NVL",
+            ],
+            gke_accelerators=["nvidia-h100-80gb", "nvidia-h100-mega-80gb"],
+            compute_capability="9.0",
+            memory_gib=80,
+            weight_formats={
+                "bf16": _BF16,
+                "fp8": _fp8("deep_gemm"),
+                "mxfp4": FormatProfile(
+                    mode="degraded", flags=["--quantization", "mxfp4"], note=_MXFP4_HOPPER_NOTE
+                ),
+            },
+            unsupported={"nvfp4": _NVFP4_NEEDS_BLACKWELL.format(sm="sm90")},
+            kv_cache_dtypes=list(_BASE_KV),
+            default_tensor_parallel=1,
+            cost_per_gpu_hour=2.99,
+        ),
+        AcceleratorClass(
+            name="h200",
+            display_name="NVIDIA H200 (Hopper, sm90)",
+            product_labels=["NVIDIA-H200", "NVIDIA-H200-NVL"],
+            gke_accelerators=["nvidia-h200-141gb"],
+            compute_capability="9.0",
+            memory_gib=141,
+            weight_formats={
+                "bf16": _BF16,
+                "fp8": _fp8("deep_gemm"),
+                "mxfp4": FormatProfile(
+                    mode="degraded", flags=["--quantization", "mxfp4"], note=_MXFP4_HOPPER_NOTE
+                ),
+            },
+            unsupported={"nvfp4": _NVFP4_NEEDS_BLACKWELL.format(sm="sm90")},
+            kv_cache_dtypes=list(_BASE_KV),
+            default_tensor_parallel=1,
+            cost_per_gpu_hour=3.79,
+        ),
+        AcceleratorClass(
+            name="b200",
+            display_name="NVIDIA B200 (Blackwell, sm100)",
+            product_labels=["NVIDIA-B200"],
+            gke_accelerators=["nvidia-b200"],
+            compute_capability="10.0",
+            memory_gib=180,
+            weight_formats={
+                "bf16": _BF16,
+                "fp8": _fp8("flashinfer_trtllm"),
+                "nvfp4": _nvfp4("flashinfer_cutlass"),
+                "mxfp4": _MXFP4_NATIVE,
+            },
+            kv_cache_dtypes=list(_BLACKWELL_KV),
+            default_tensor_parallel=1,
+            cost_per_gpu_hour=5.99,
+        ),
+        AcceleratorClass(
+            name="b300",
+            display_name="NVIDIA B300 (Blackwell Ultra, sm103)",
+            product_labels=["NVIDIA-B300-SXM6-AC", "NVIDIA-B300"],
+            gke_accelerators=["nvidia-b300"],
+            compute_capability="10.3",
+            memory_gib=270,
+            weight_formats={
+                "bf16": _BF16,
+                "fp8": _fp8("flashinfer_trtllm"),
+                "nvfp4": _nvfp4("flashinfer_cutlass"),
+                "mxfp4": _MXFP4_NATIVE,
+            },
+            kv_cache_dtypes=list(_BLACKWELL_KV),
+            default_tensor_parallel=1,
+            cost_per_gpu_hour=7.49,
+        ),
+        AcceleratorClass(
+            name="rtx-pro-6000",
+            display_name="NVIDIA RTX PRO 6000 Blackwell Server Edition (sm120)",
+            product_labels=[
+                "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+                "NVIDIA-RTX-PRO-6000-Blackwell-Workstation-Edition",
+            ],
+            gke_accelerators=["nvidia-rtx-pro-6000"],
+            compute_capability="12.0",
+            memory_gib=96,
+            weight_formats={
+                "bf16": _BF16,
+                "fp8": _fp8("cutlass"),
+                "nvfp4": _nvfp4("flashinfer_cudnn"),
+                "mxfp4": _MXFP4_NATIVE,
+            },
+            kv_cache_dtypes=list(_BLACKWELL_KV),
+            default_tensor_parallel=1,
+            cost_per_gpu_hour=1.89,
+        ),
+    ]
+    return {c.name: c for c in classes}
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """A set of accelerator classes by name."""
+
+    classes: Mapping[str, AcceleratorClass]
+    source: str = "built-in"
+
+    def names(self) -> list[str]:
+        return sorted(self.classes)
+
+    def get(self, name: str) -> AcceleratorClass:
+        try:
+            return self.classes[name]
+        except KeyError:
+            raise CatalogError(
+                f"unknown accelerator {name!r}: the catalog ({self.source}) has {', '.join(self.names())}"
+            ) from None
+
+
+def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def catalog_from_mapping(data: Any, source: str = "override") -> Catalog:
+    """Built-in classes with `data` ({"classes": {name: fields}}) merged over them."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping) or not isinstance(data.get("classes", {}), Mapping):
+        raise CatalogError(f"catalog {source}: expected a mapping with a 'classes' mapping")
+    unknown_top = set(data) - {"classes"}
+    if unknown_top:
+        raise CatalogError(
+            f"catalog {source}: unknown top-level keys {sorted(unknown_top)} (expected 'classes')"
+        )
+    builtin = builtin_classes()
+    merged: dict[str, AcceleratorClass] = dict(builtin)
+    for name, fields in dict(data.get("classes", {})).items():
+        if not isinstance(fields, Mapping):
+            raise CatalogError(f"catalog {source}: class {name!r} must be a mapping")
+        base = builtin[name].model_dump(by_alias=True) if name in builtin else {"name": name}
+        try:
+            merged[name] = AcceleratorClass.model_validate(_deep_merge(base, {**fields, "name": name}))
+        except ValidationError as exc:
+            errs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise CatalogError(f"catalog {source}: class {name!r} is invalid: {errs}") from None
+    return Catalog(classes=merged, source=source)
+
+
+def load_catalog(path: str | Path | None = None) -> Catalog:
+    """The catalog: built-in, merged with the YAML file at `path` if given."""
+    if path is None:
+        return Catalog(classes=builtin_classes())
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise CatalogError(f"catalog {path}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"catalog {path}: not valid YAML: {exc}") from None
+    return catalog_from_mapping(data, source=str(path))
+
+
+@lru_cache(maxsize=8)
+def _cached(path: str | None) -> Catalog:
+    return load_catalog(path)
+
+
+def get_catalog() -> Catalog:
+    """The catalog in effect: built-in, or overridden by the file named in $RLFLEET_CATALOG."""
+    return _cached(os.environ.get(CATALOG_ENV) or None)
+
+
+def check_group(
+    accelerator: str, weight_format: str, kv_cache_dtype: str = "auto", catalog: Catalog | None = None
+) -> FormatProfile:
+    """The format profile the class uses for this group, or CatalogError saying why not."""
+    cat = catalog or get_catalog()
+    cls = cat.get(accelerator)
+    profile = cls.weight_formats.get(weight_format)
+    if profile is None:
+        why = cls.unsupported.get(weight_format, "not in the catalog's support list")
+        raise CatalogError(
+            f"accelerator {accelerator} ({cls.sm}) cannot run weightFormat {weight_format}: {why} "
+            f"(supported: {', '.join(cls.weight_formats)})"
+        )
+    if kv_cache_dtype not in cls.kv_cache_dtypes:
+        raise CatalogError(
+            f"accelerator {accelerator} ({cls.sm}) cannot use kvCacheDtype {kv_cache_dtype} "
+            f"(supported: {', '.join(cls.kv_cache_dtypes)}; mxfp8 and nvfp4 KV caches need Blackwell)"
+        )
+    return profile
+
+
+@dataclass(frozen=True)
+class SGLangLaunch:
+    """Everything needed to start one SGLang server of a group."""
+
+    argv: list[str]  # full command line, argv[0] is the interpreter
+    env: dict[str, str]
+    tensor_parallel: int
+    mode: Literal["native", "degraded"]
+    note: str
+    accelerator: str
+    selection_reason: str = ""
+    flags: list[str] = field(default_factory=list)  # the precision flags alone (format + kv)
+
+    @property
+    def degraded(self) -> bool:
+        return self.mode == "degraded"
+
+
+def sglang_launch(
+    *,
+    accelerator: AcceleratorClass,
+    weight_format: str,
+    kv_cache_dtype: str = "auto",
+    tensor_parallel: int | None = None,
+    extra_args: Sequence[str] = (),
+    model_path: str,
+    served_model_name: str,
+    host: str = "0.0.0.0",
+    port: int = 30000,
+    sampling_mask_max_tokens: int = 4096,
+    weight_version: int | None = None,
+    python: str = "python3",
+) -> SGLangLaunch:
+    """THE pure function: (group fields, class) -> SGLang command line + env. Raises CatalogError.
+
+    `sglang_launch_for_group` takes a SamplerGroup spec directly; this form takes plain values so the
+    sampler (`rlfleet sampler serve --engine sglang`) and local mode need no API object.
+    """
+    cls = accelerator
+    catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
+    profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
+    tp = tensor_parallel or cls.default_tensor_parallel
+    precision_flags = list(profile.flags)
+    if kv_cache_dtype != "auto":
+        precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
+    argv = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(tp),
+        "--dtype", "bfloat16",
+        "--enable-metrics",
+        "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
+    ]  # fmt: skip
+    if weight_version is not None:
+        argv += ["--weight-version", str(weight_version)]
+    argv += precision_flags
+    argv += list(extra_args)
+    env = {**cls.env, **profile.env}
+    terms = [f"{PRODUCT_LABEL} in [{', '.join(cls.product_labels)}]"]
+    if cls.gke_accelerators:
+        terms.append(f"{GKE_LABEL} in [{', '.join(cls.gke_accelerators)}]")
+    reason = f"{cls.display_name}: nodes with {' or '.join(terms)}; {weight_format} {profile.mode} ({profile.note})"
+    return SGLangLaunch(
+        argv=argv,
+        env=env,
+        tensor_parallel=tp,
+        mode=profile.mode,
+        note=profile.note,
+        accelerator=cls.name,
+        selection_reason=reason,
+        flags=precision_flags,
+    )
+
+
+def sglang_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs: Any) -> SGLangLaunch:
+    """sglang_launch for a SamplerGroupSpec / SamplerGroupTemplate (model comes from kwargs or group.model)."""
+    cat = catalog or get_catalog()
+    model = getattr(group, "model", None)
+    kwargs.setdefault("model_path", getattr(model, "path", None))
+    kwargs.setdefault("served_model_name", getattr(model, "name", None))
+    if getattr(group, "port", None) is not None:
+        kwargs.setdefault("port", group.port)
+    if getattr(group, "sampling_mask_max_tokens", None) is not None:
+        kwargs.setdefault("sampling_mask_max_tokens", group.sampling_mask_max_tokens)
+    if kwargs["model_path"] is None or kwargs["served_model_name"] is None:
+        raise CatalogError("sglang launch: model_path and served_model_name are required")
+    return sglang_launch(
+        accelerator=cat.get(group.accelerator),
+        weight_format=group.weight_format,
+        kv_cache_dtype=group.kv_cache_dtype,
+        tensor_parallel=group.tensor_parallel,
+        extra_args=group.extra_args,
+        **kwargs,
+    )
+
+
+def cost_per_1m_tokens(cls: AcceleratorClass, gpus: int, tokens_per_second: float) -> float | None:
+    """USD per million tokens for `gpus` GPUs of `cls` delivering `tokens_per_second` (None if idle)."""
+    if tokens_per_second <= 0:
+        return None
+    return cls.cost_per_gpu_hour * gpus / 3600.0 / tokens_per_second * 1e6

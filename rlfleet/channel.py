@@ -1,0 +1,544 @@
+"""The weight channel: versioned precision views of the trainer's weights in a `Store`.
+
+Layout under the store root (keys are relative to it):
+
+    pointer.json                     {"version": N, "manifest": "v{N}/manifest.json", "manifest_sha256": ..., ...}
+    claims/v{N}                      exclusive claim of version number N (one publisher per number)
+    v{N}/{view}/<files>              the view's files (safetensors + a small view config json)
+    v{N}/manifest.json               sha256 + size of every file, dtype + shape of every tensor
+    subscribers/{group}/{replica}.json   what a sidecar reports: view, applied version, versions in use
+
+Guarantees (see docs/weights.md for the argument):
+- A version's bytes are durable before its manifest is written, and the manifest before the pointer
+  names it: the pointer never names partial bytes. A publisher killed at any point leaves the pointer
+  unchanged; its half-written `v{N}/` is garbage that `retain` removes.
+- One publisher per version number (`claims/v{N}` is created exclusively), so a version is never a
+  mix of two publishers' bytes.
+- The pointer only moves forward (compare-and-swap that refuses a lower or equal version), so two
+  racing publishers never make readers see a lower version.
+- `retain` deletes old versions but never the latest, an in-flight (higher) one, or any version a
+  subscriber reports as in use.
+
+Pure of torch (safetensors headers are parsed as JSON), so the operator can read channel status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import struct
+import uuid
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rlfleet.store import FileDigest, KeyNotFoundError, Store, StoreError
+
+MANIFEST_FORMAT = "rlfleet.weights/v1"
+VIEW_NAMES = ("bf16", "fp8", "nvfp4", "mxfp4")
+"""Precision views (rlfleet.numerics.views implements them; listed here so torch-free code can validate)."""
+POINTER_KEY = "pointer.json"
+_VERSION_KEY = re.compile(r"^v(\d+)/")
+_CLAIM_KEY = re.compile(r"^claims/v(\d+)$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
+
+
+class ChannelError(StoreError):
+    """A channel-level error (bad version, bad manifest)."""
+
+
+class VersionConflictError(ChannelError):
+    """The requested version number is taken or not above the pointer."""
+
+
+class ChecksumMismatchError(ChannelError):
+    """Downloaded bytes do not match the manifest (corrupted or tampered). Never use them."""
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Views, groups and replicas become key components: keep them to a safe alphabet."""
+    if not _NAME.match(name):
+        raise ValueError(f"invalid {kind} name {name!r} (letters, digits, '_', '.', '-'; starts alphanumeric)")
+    return name
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> {dtype, shape} from a safetensors file header (8-byte length + JSON)."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise ChannelError(f"{path} is not a safetensors file (too short)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > 100 * 1024 * 1024:
+            raise ChannelError(f"{path}: safetensors header of {length} bytes is implausible")
+        header = json.loads(f.read(length))
+    return {
+        name: {"dtype": entry["dtype"], "shape": list(entry["shape"])}
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What `pointer.json` says."""
+
+    version: int
+    manifest: str
+    manifest_sha256: str
+    published_at: str
+    publisher: str = ""
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Pointer:
+        raw = json.loads(data)
+        return cls(
+            version=int(raw["version"]),
+            manifest=str(raw["manifest"]),
+            manifest_sha256=str(raw["manifest_sha256"]),
+            published_at=str(raw.get("published_at", "")),
+            publisher=str(raw.get("publisher", "")),
+        )
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(asdict(self))
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ViewManifest:
+    """One view of one version."""
+
+    view: str
+    files: dict[str, FileEntry]
+    """Path relative to the view directory -> checksum and size."""
+    tensors: dict[str, dict[str, Any]]
+    """Tensor name -> {"dtype": safetensors dtype string, "shape": [...]} over all safetensors files."""
+
+    @property
+    def bytes(self) -> int:
+        return sum(entry.bytes for entry in self.files.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "files": {path: asdict(entry) for path, entry in sorted(self.files.items())},
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+        }
+
+    @property
+    def sha256(self) -> str:
+        """Digest of this view's manifest entry (what status reports as the view's sha256)."""
+        return hashlib.sha256(canonical_json(self.to_dict())).hexdigest()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    version: int
+    published_at: str
+    publisher: str
+    views: dict[str, ViewManifest]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "format": MANIFEST_FORMAT,
+                "version": self.version,
+                "published_at": self.published_at,
+                "publisher": self.publisher,
+                "views": {name: view.to_dict() for name, view in sorted(self.views.items())},
+                "metadata": self.metadata,
+            },
+            sort_keys=True,
+            indent=1,
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        try:
+            raw = json.loads(data)
+            if raw.get("format") != MANIFEST_FORMAT:
+                raise ChannelError(f"unknown manifest format {raw.get('format')!r}")
+            views = {
+                name: ViewManifest(
+                    view=name,
+                    files={p: FileEntry(str(e["sha256"]), int(e["bytes"])) for p, e in v["files"].items()},
+                    tensors=dict(v.get("tensors", {})),
+                )
+                for name, v in raw["views"].items()
+            }
+            return cls(int(raw["version"]), str(raw["published_at"]), str(raw.get("publisher", "")), views, dict(raw.get("metadata", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ChannelError(f"malformed manifest: {e}") from e
+
+
+@dataclass(frozen=True)
+class SubscriberReport:
+    """What one sidecar reports about its replica (stored at subscribers/{group}/{replica}.json)."""
+
+    group: str
+    replica: str
+    view: str
+    applied_version: int | None
+    in_use: list[int]
+    """Versions the replica serves or is downloading: retention keeps them."""
+    updated_at: str = ""
+    failures: int = 0
+    last_error: str | None = None
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SubscriberReport:
+        raw = json.loads(data)
+        return cls(
+            group=str(raw["group"]),
+            replica=str(raw["replica"]),
+            view=str(raw["view"]),
+            applied_version=None if raw.get("applied_version") is None else int(raw["applied_version"]),
+            in_use=[int(v) for v in raw.get("in_use", [])],
+            updated_at=str(raw.get("updated_at", "")),
+            failures=int(raw.get("failures", 0)),
+            last_error=raw.get("last_error"),
+        )
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    version: int
+    advanced: bool
+    """True if this publish moved the pointer; False if a higher version was already published."""
+    manifest: Manifest
+    bytes: int
+
+
+# ----------------------------------------------------------------------------------------------
+# The channel
+
+
+def _version_key(version: int) -> str:
+    return f"v{version}"
+
+
+def manifest_key(version: int) -> str:
+    return f"{_version_key(version)}/manifest.json"
+
+
+class WeightChannel:
+    """Publish and read versions of precision views in a Store."""
+
+    def __init__(self, store: Store, *, publisher_id: str | None = None, upload_workers: int = 2) -> None:
+        self.store = store
+        self.publisher_id = publisher_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.upload_workers = max(1, upload_workers)
+
+    # -- reading
+    def latest(self) -> Pointer | None:
+        """The pointer (None: nothing published yet)."""
+        value = self.store.read_pointer(POINTER_KEY)
+        return None if value is None else Pointer.from_bytes(value.data)
+
+    def manifest(self, version: int, *, expected_sha256: str | None = None) -> Manifest:
+        data = self.store.get(manifest_key(version))
+        if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
+            raise ChecksumMismatchError(f"manifest of v{version} does not match the pointer's sha256")
+        manifest = Manifest.from_bytes(data)
+        if manifest.version != version:
+            raise ChecksumMismatchError(f"manifest at v{version} claims version {manifest.version}")
+        return manifest
+
+    def versions(self) -> list[int]:
+        """Versions with a complete manifest, ascending."""
+        found = set()
+        for key in self.store.list("v"):
+            m = _VERSION_KEY.match(key)
+            if m and key == manifest_key(int(m.group(1))):
+                found.add(int(m.group(1)))
+        return sorted(found)
+
+    # -- publishing
+    def _claim(self, version: int | None) -> int:
+        pointer = self.latest()
+        current = -1 if pointer is None else pointer.version
+        if version is not None:
+            if version <= current:
+                raise VersionConflictError(f"version {version} is not above the published version {current}")
+            if not self.store.create(f"claims/{_version_key(version)}", self.publisher_id.encode()):
+                raise VersionConflictError(f"version {version} is already claimed by another publisher")
+            return version
+        claimed = [int(m.group(1)) for k in self.store.list("claims/") if (m := _CLAIM_KEY.match(k))]
+        candidate = max([current, *claimed]) + 1
+        for _ in range(1000):
+            if self.store.create(f"claims/{_version_key(candidate)}", self.publisher_id.encode()):
+                return candidate
+            candidate += 1
+        raise ChannelError("could not claim a version number after 1000 attempts")
+
+    def publish(
+        self,
+        view_dirs: Mapping[str, Path],
+        *,
+        version: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> PublishResult:
+        """Upload local view directories as one new version and advance the pointer to it.
+
+        `view_dirs`: view name -> local directory (as written by `rlfleet.numerics.views.save_view`).
+        `version`: an explicit number (e.g. the trainer step); default: the next free number."""
+        if not view_dirs:
+            raise ValueError("publish needs at least one view")
+        files: list[tuple[str, str, Path]] = []  # (view, relative path, local path)
+        for view, directory in sorted(view_dirs.items()):
+            check_name("view", view)
+            directory = Path(directory)
+            if not directory.is_dir():
+                raise ValueError(f"view {view}: {directory} is not a directory")
+            for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+                rel = path.relative_to(directory).as_posix()
+                files.append((view, rel, path))
+            if not any(v == view for v, _, _ in files):
+                raise ValueError(f"view {view}: {directory} has no files")
+
+        number = self._claim(version)
+        prefix = _version_key(number)
+
+        def upload(item: tuple[str, str, Path]) -> FileDigest:
+            view, rel, path = item
+            return self.store.put_file(f"{prefix}/{view}/{rel}", path)
+
+        # Uploads are I/O + hashing (both release the GIL): a couple of threads overlap them.
+        with ThreadPoolExecutor(max_workers=self.upload_workers) as pool:
+            digests = list(pool.map(upload, files))
+
+        views: dict[str, ViewManifest] = {}
+        for (view, rel, path), digest in zip(files, digests, strict=True):
+            vm = views.setdefault(view, ViewManifest(view=view, files={}, tensors={}))
+            vm.files[rel] = FileEntry(digest.sha256, digest.bytes)
+            if rel.endswith(".safetensors"):
+                vm.tensors.update(safetensors_header(path))
+        manifest = Manifest(number, now_iso(), self.publisher_id, views, dict(metadata or {}))
+        manifest_bytes = manifest.to_bytes()
+        # Every byte above is durable (put_file returns after fsync / S3 200); only now the manifest.
+        self.store.put(manifest_key(number), manifest_bytes)
+        pointer = Pointer(number, manifest_key(number), hashlib.sha256(manifest_bytes).hexdigest(), manifest.published_at, self.publisher_id)
+        advanced = self._advance(pointer)
+        return PublishResult(number, advanced, manifest, sum(d.bytes for d in digests))
+
+    def _advance(self, pointer: Pointer) -> bool:
+        """Compare-and-swap the pointer forward; False if it already names an equal or higher version."""
+        for _ in range(1000):
+            current = self.store.read_pointer(POINTER_KEY)
+            if current is not None and Pointer.from_bytes(current.data).version >= pointer.version:
+                return False
+            if self.store.compare_and_swap(POINTER_KEY, None if current is None else current.token, pointer.to_bytes()):
+                return True
+        raise ChannelError("pointer compare-and-swap kept failing")
+
+    # -- downloading (sidecar side)
+    def download_view(self, version: int, view: str, dest: Path, *, manifest: Manifest | None = None) -> Path:
+        """Download one view of a version into `dest` and verify every file against the manifest.
+
+        Raises ChecksumMismatchError (and leaves nothing at `dest`) if any byte differs. Files are
+        written to a temporary sibling directory that is renamed to `dest` only after verification."""
+        manifest = manifest or self.manifest(version)
+        if view not in manifest.views:
+            raise ChannelError(f"version {version} has no view {view!r} (has {sorted(manifest.views)})")
+        dest = Path(dest)
+        tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+        try:
+            for rel, entry in sorted(manifest.views[view].files.items()):
+                digest = self.store.get_file(f"{_version_key(version)}/{view}/{rel}", tmp / rel)
+                if digest.sha256 != entry.sha256 or digest.bytes != entry.bytes:
+                    raise ChecksumMismatchError(
+                        f"v{version}/{view}/{rel}: sha256 {digest.sha256[:12]}.. ({digest.bytes} B) "
+                        f"!= manifest {entry.sha256[:12]}.. ({entry.bytes} B)"
+                    )
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+    # -- subscribers
+    def report(self, report: SubscriberReport) -> None:
+        check_name("group", report.group)
+        check_name("replica", report.replica)
+        if not report.updated_at:
+            report = SubscriberReport(**{**asdict(report), "updated_at": now_iso()})
+        self.store.put(f"subscribers/{report.group}/{report.replica}.json", report.to_bytes())
+
+    def subscribers(self) -> list[SubscriberReport]:
+        reports = []
+        for key in self.store.list("subscribers/"):
+            if not key.endswith(".json"):
+                continue
+            try:
+                reports.append(SubscriberReport.from_bytes(self.store.get(key)))
+            except KeyNotFoundError:
+                continue  # removed meanwhile
+            except (ValueError, KeyError, TypeError):
+                continue  # a malformed report pins nothing and shows nothing
+        return reports
+
+    def remove_subscriber(self, group: str, replica: str) -> None:
+        self.store.delete(f"subscribers/{check_name('group', group)}/{check_name('replica', replica)}.json")
+
+    def subscribed_views(self) -> set[str]:
+        return {r.view for r in self.subscribers()}
+
+    # -- retention
+    def retain(self, keep: int = 3) -> list[int]:
+        """Delete versions beyond the newest `keep` complete ones, never the pointer's version, a
+        version above it (in flight), or one any subscriber reports in use. Returns deleted versions."""
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        pointer = self.latest()
+        if pointer is None:
+            return []
+        keys = self.store.list("v")
+        by_version: dict[int, list[str]] = {}
+        for key in keys:
+            if m := _VERSION_KEY.match(key):
+                by_version.setdefault(int(m.group(1)), []).append(key)
+        claims = {int(m.group(1)): k for k in self.store.list("claims/") if (m := _CLAIM_KEY.match(k))}
+        complete = sorted(v for v, ks in by_version.items() if manifest_key(v) in ks and v <= pointer.version)
+        protected = set(complete[-keep:]) | {pointer.version}
+        for r in self.subscribers():
+            protected.update(r.in_use)
+            if r.applied_version is not None:
+                protected.add(r.applied_version)
+        doomed = sorted(v for v in set(by_version) | set(claims) if v < pointer.version and v not in protected)
+        for v in doomed:
+            # Manifest first: a half-deleted version is then "incomplete", never "complete but broken".
+            ks = sorted(by_version.get(v, []), key=lambda k: k != manifest_key(v))
+            self.store.delete_many(ks)
+            if v in claims:
+                self.store.delete(claims[v])
+        return doomed
+
+
+# ----------------------------------------------------------------------------------------------
+# Status for the operator (pure: no torch, no kube)
+
+
+@dataclass(frozen=True)
+class ViewArtifactStatus:
+    view: str
+    version: int
+    uri: str
+    sha256: str
+    bytes: int
+    time: str
+
+
+@dataclass(frozen=True)
+class GroupVersionStatus:
+    group: str
+    view: str | None
+    applied_version: int | None
+    """Lowest version applied by the group's (fresh) replicas."""
+    lag: int | None
+    replicas: dict[str, int | None]
+
+
+@dataclass(frozen=True)
+class ChannelStatus:
+    latest_version: int | None
+    published_at: str | None
+    artifacts: list[ViewArtifactStatus]
+    groups: list[GroupVersionStatus]
+    retained_versions: list[int]
+    subscribers: list[SubscriberReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def group_versions(
+    reports: Iterable[SubscriberReport], latest_version: int | None, *, stale_after_seconds: float | None = None, now: datetime | None = None
+) -> list[GroupVersionStatus]:
+    """Pure: per-group applied version (min over fresh replicas) and lag from subscriber reports."""
+    now = now or datetime.now(UTC)
+    by_group: dict[str, list[SubscriberReport]] = {}
+    for r in reports:
+        if stale_after_seconds is not None and r.updated_at:
+            try:
+                age = (now - datetime.fromisoformat(r.updated_at)).total_seconds()
+            except ValueError:
+                age = float("inf")
+            if age > stale_after_seconds:
+                continue
+        by_group.setdefault(r.group, []).append(r)
+    groups = []
+    for name, rs in sorted(by_group.items()):
+        applied = [r.applied_version for r in rs]
+        known = [v for v in applied if v is not None]
+        lowest = None if len(known) != len(applied) or not known else min(known)
+        views = {r.view for r in rs}
+        lag = None if lowest is None or latest_version is None else max(0, latest_version - lowest)
+        groups.append(
+            GroupVersionStatus(
+                group=name,
+                view=views.pop() if len(views) == 1 else None,
+                applied_version=lowest,
+                lag=lag,
+                replicas={r.replica: r.applied_version for r in sorted(rs, key=lambda r: r.replica)},
+            )
+        )
+    return groups
+
+
+def read_channel_status(store: Store, *, stale_after_seconds: float | None = None) -> ChannelStatus:
+    """Everything the operator shows for a WeightChannel. Raises StoreError if the store is unreachable."""
+    channel = WeightChannel(store, publisher_id="status-reader")
+    pointer = channel.latest()
+    reports = channel.subscribers()
+    if pointer is None:
+        return ChannelStatus(None, None, [], group_versions(reports, None, stale_after_seconds=stale_after_seconds), [], reports)
+    manifest = channel.manifest(pointer.version)
+    artifacts = [
+        ViewArtifactStatus(
+            view=name,
+            version=pointer.version,
+            uri=store.uri_of(f"{_version_key(pointer.version)}/{name}"),
+            sha256=vm.sha256,
+            bytes=vm.bytes,
+            time=manifest.published_at,
+        )
+        for name, vm in sorted(manifest.views.items())
+    ]
+    return ChannelStatus(
+        latest_version=pointer.version,
+        published_at=pointer.published_at,
+        artifacts=artifacts,
+        groups=group_versions(reports, pointer.version, stale_after_seconds=stale_after_seconds),
+        retained_versions=channel.versions(),
+        subscribers=reports,
+    )

@@ -1,0 +1,711 @@
+"""Object stores for the weight channel: a small interface and two real implementations.
+
+`Store` is deliberately small: put / get / list / delete, an exclusive `create` (put-if-absent) and
+an atomic compare-and-swap on a pointer object. Everything the channel guarantees (bytes durable
+before the pointer moves, monotonic versions, no mixed version) is built on these primitives in
+`rlfleet.channel`.
+
+- `FilesystemStore`: a directory on a shared volume (ReadWriteMany PVC, NFS, local disk in tests).
+  Every write is temp file + fsync + rename + fsync of the directory, so a reader never sees a
+  partial object and an acknowledged write survives a crash. `create` is `link(2)` of a fsynced temp
+  file (atomic, fails if the name exists); compare-and-swap holds an `flock(2)` on a sidecar lock
+  file (released by the kernel if the holder is SIGKILLed; NFSv4 maps it to POSIX byte-range locks).
+- `S3Store`: any S3-compatible bucket via boto3. Credentials come from boto3's default chain (the
+  pod gets `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` from the Secret named by the WeightChannel's
+  `secretRef`; nothing is copied into the spec). The pointer uses S3 conditional writes
+  (`If-None-Match: *` to create, `If-Match: <etag>` to swap) when the server honours them (probed
+  once, or forced with `conditional_writes=True/False`). Without them a lock-free scheme is used,
+  see `S3Store` and docs/weights.md.
+
+No torch here: the operator reads channel status through this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+CHUNK_BYTES = 8 * 1024 * 1024
+"""Streaming chunk: big enough that hashlib releases the GIL and syscalls are amortised."""
+
+
+class StoreError(Exception):
+    """Base class of store errors."""
+
+
+class KeyNotFoundError(StoreError, KeyError):
+    """The key does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the plain message
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class StoreUnavailableError(StoreError):
+    """The store could not be reached (network, endpoint down, volume missing). Retry later."""
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """sha256 (hex) and size of bytes written or read."""
+
+    sha256: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PointerValue:
+    """Current content of a pointer object and the opaque token to swap it with."""
+
+    data: bytes
+    token: str
+
+
+def check_key(key: str) -> str:
+    """Keys are relative, '/'-separated, without empty, '.' or '..' parts or hidden components."""
+    if not key or key.startswith("/") or key.endswith("/"):
+        raise ValueError(f"invalid store key {key!r}")
+    for part in key.split("/"):
+        if part in ("", ".", "..") or part.startswith("."):
+            raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+def sha256_file(path: Path) -> FileDigest:
+    """sha256 and size of a local file, streamed."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return FileDigest(digest.hexdigest(), size)
+
+
+class Store(ABC):
+    """A flat key -> bytes store with an exclusive create and a pointer compare-and-swap."""
+
+    @property
+    @abstractmethod
+    def uri(self) -> str:
+        """Where the store lives (a path or s3:// URI), for status and logs."""
+
+    def uri_of(self, key: str) -> str:
+        """URI of one key (or prefix)."""
+        return f"{self.uri.rstrip('/')}/{key}"
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Write (or overwrite) `key` durably; readers see the old or the new bytes, never a mix."""
+
+    @abstractmethod
+    def put_file(self, key: str, path: Path) -> FileDigest:
+        """Upload a local file to `key` durably; return the sha256 and size of the bytes sent."""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """Bytes of `key` (KeyNotFoundError if absent)."""
+
+    @abstractmethod
+    def get_file(self, key: str, path: Path) -> FileDigest:
+        """Download `key` into local `path` (written atomically); return sha256 and size received."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys starting with `prefix` (string prefix, as S3)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Delete `key` (no error if absent)."""
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete several keys."""
+        for key in keys:
+            self.delete(key)
+
+    @abstractmethod
+    def create(self, key: str, data: bytes) -> bool:
+        """Write `key` only if it does not exist. True if this call created it."""
+
+    @abstractmethod
+    def read_pointer(self, key: str) -> PointerValue | None:
+        """Current pointer content and swap token (None: the pointer does not exist)."""
+
+    @abstractmethod
+    def compare_and_swap(self, key: str, expected_token: str | None, data: bytes) -> bool:
+        """Atomically replace the pointer if it still has `expected_token` (None: create it).
+
+        Returns False when another writer got there first; the caller re-reads and decides."""
+
+    def close(self) -> None:
+        """Release clients (default: nothing)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Filesystem
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FilesystemStore(Store):
+    """A directory on a (shared) filesystem. See the module docstring for the durability scheme."""
+
+    def __init__(self, root: str | Path, *, create: bool = False, fsync: bool = True) -> None:
+        self.root = Path(root).absolute()
+        # fsync=False only for throwaway stores (never for a channel others read).
+        self.fsync = fsync
+        if create:
+            # Publishers may create the channel directory; readers must not (a missing directory
+            # means the volume is not mounted, which must surface as "store unavailable").
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def uri(self) -> str:
+        return str(self.root)
+
+    def uri_of(self, key: str) -> str:
+        return str(self.root / key)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _require_root(self) -> None:
+        if not self.root.is_dir():
+            raise StoreUnavailableError(f"store directory {self.root} does not exist (volume not mounted?)")
+
+    def _mkdirs(self, directory: Path) -> None:
+        """Create missing parents and fsync each new directory's parent (so the entry is durable)."""
+        missing: list[Path] = []
+        d = directory
+        while not d.exists():
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                d.mkdir()
+            if self.fsync:
+                _fsync_dir(d.parent)
+
+    def _temp_for(self, path: Path) -> Path:
+        return path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+
+    def _write_temp(self, path: Path, chunks: Iterator[bytes]) -> tuple[Path, FileDigest]:
+        self._require_root()
+        self._mkdirs(path.parent)
+        tmp = self._temp_for(path)
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                for chunk in chunks:
+                    digest.update(chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[f.write(view) :]
+                    size += len(chunk)
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return tmp, FileDigest(digest.hexdigest(), size)
+
+    def _commit(self, tmp: Path, path: Path) -> None:
+        os.replace(tmp, path)
+        if self.fsync:
+            _fsync_dir(path.parent)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp, _ = self._write_temp(path, iter([data]))
+        self._commit(tmp, path)
+
+    def put_file(self, key: str, path: Path) -> FileDigest:
+        target = self._path(key)
+
+        def chunks() -> Iterator[bytes]:
+            with open(path, "rb", buffering=0) as f:
+                while chunk := f.read(CHUNK_BYTES):
+                    yield chunk
+
+        tmp, digest = self._write_temp(target, chunks())
+        self._commit(tmp, target)
+        return digest
+
+    def get(self, key: str) -> bytes:
+        self._require_root()
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
+
+    def get_file(self, key: str, path: Path) -> FileDigest:
+        self._require_root()
+        source = self._path(key)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as dst:
+                while chunk := src.read(CHUNK_BYTES):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                    size += len(chunk)
+            os.replace(tmp, path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
+        return FileDigest(digest.hexdigest(), size)
+
+    def list(self, prefix: str = "") -> list[str]:
+        self._require_root()
+        # Walk only the deepest directory the prefix names.
+        base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self.root / base_rel if base_rel else self.root
+        if not base.is_dir():
+            return []
+        keys: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                if name.startswith("."):
+                    continue  # temp and lock files
+                key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        # Remove now-empty parent directories (best effort; a concurrent writer may refill them).
+        parent = path.parent
+        while parent != self.root and parent.is_relative_to(self.root):
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def create(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        if path.exists():
+            return False
+        tmp, _ = self._write_temp(path, iter([data]))
+        try:
+            os.link(tmp, path)  # atomic and exclusive: EEXIST if someone else created it
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        if self.fsync:
+            _fsync_dir(path.parent)
+        return True
+
+    @contextlib.contextmanager
+    def _locked(self, path: Path) -> Iterator[None]:
+        self._require_root()
+        self._mkdirs(path.parent)
+        lock = path.parent / f".{path.name}.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    @staticmethod
+    def _token(data: bytes) -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    def read_pointer(self, key: str) -> PointerValue | None:
+        try:
+            data = self.get(key)
+        except KeyNotFoundError:
+            return None
+        return PointerValue(data, self._token(data))
+
+    def compare_and_swap(self, key: str, expected_token: str | None, data: bytes) -> bool:
+        path = self._path(key)
+        with self._locked(path):
+            try:
+                current: str | None = self._token(path.read_bytes())
+            except FileNotFoundError:
+                current = None
+            if current != expected_token:
+                return False
+            tmp, _ = self._write_temp(path, iter([data]))
+            self._commit(tmp, path)
+            return True
+
+
+# ----------------------------------------------------------------------------------------------
+# S3
+
+
+class S3Store(Store):
+    """An S3-compatible bucket (boto3), optionally under a key prefix.
+
+    Pointer with conditional writes (AWS S3 since 2024, and most S3-compatible servers): the pointer
+    is one object; create = `PutObject If-None-Match: *`, swap = `PutObject If-Match: <etag>`.
+
+    Lock-free fallback (servers that ignore conditional headers): S3 has strong read-after-write
+    and list-after-write consistency, so an exclusive create is a claim protocol: write
+    `_claims/<key>/<uuid>`, list `_claims/<key>/`, win only if no other fresh claim is listed (two
+    racers both see each other and both back off: safe, the caller retries), then write the key. A
+    claim older than `claim_ttl_seconds` is ignored (its writer crashed between claim and write).
+    The pointer is then an append-only log `_log/<key>/<seq:020d>` whose entries are created with
+    that protocol; the current value is the highest entry and the swap token is its seq, so a swap
+    is "create entry seq+1". Readers never see a lower value than one they saw before.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        conditional_writes: bool | None = None,
+        client: Any = None,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 3,
+        claim_ttl_seconds: float = 600.0,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.claim_ttl_seconds = claim_ttl_seconds
+        if client is None:
+            import boto3
+            from botocore.config import Config
+
+            config = Config(
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                retries={"max_attempts": max_attempts, "mode": "standard"},
+                s3={"addressing_style": "path"},
+            )
+            client = boto3.session.Session().client(
+                "s3",
+                endpoint_url=self.endpoint_url,
+                region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+                config=config,
+            )
+        self.client = client
+        self._conditional = conditional_writes
+
+    # -- helpers
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def _k(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    @contextlib.contextmanager
+    def _errors(self, key: str) -> Iterator[None]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
+            if code in ("NoSuchBucket",):
+                raise StoreUnavailableError(f"bucket {self.bucket} does not exist") from e
+            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if status >= 500:
+                raise StoreUnavailableError(f"{self.uri}: {code} ({status})") from e
+            raise StoreError(f"{self.uri}: {key}: {code}: {e}") from e
+        except BotoCoreError as e:  # connection refused, timeouts, DNS, ...
+            raise StoreUnavailableError(f"{self.uri} unreachable: {e}") from e
+
+    @staticmethod
+    def _precondition_failed(e: Exception) -> bool:
+        response = getattr(e, "response", None) or {}
+        code = str(response.get("Error", {}).get("Code", ""))
+        status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        # 412 PreconditionFailed; 409 ConditionalRequestConflict (concurrent conditional write).
+        return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+    # -- basic operations
+    def put(self, key: str, data: bytes) -> None:
+        with self._errors(key):
+            self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
+
+    def put_file(self, key: str, path: Path) -> FileDigest:
+        from boto3.s3.transfer import TransferConfig
+
+        digest = sha256_file(Path(path))
+        with self._errors(key):
+            self.client.upload_file(
+                str(path),
+                self.bucket,
+                self._k(key),
+                Config=TransferConfig(multipart_threshold=64 * 1024 * 1024, multipart_chunksize=64 * 1024 * 1024),
+            )
+        return digest
+
+    def get(self, key: str) -> bytes:
+        with self._errors(key):
+            return self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
+
+    def get_file(self, key: str, path: Path) -> FileDigest:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with self._errors(key):
+                body = self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"]
+                with open(tmp, "wb") as f:
+                    for chunk in body.iter_chunks(CHUNK_BYTES):
+                        digest.update(chunk)
+                        f.write(chunk)
+                        size += len(chunk)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        return FileDigest(digest.hexdigest(), size)
+
+    def _list_full(self, prefix: str) -> list[dict[str, Any]]:
+        full_prefix = (f"{self.prefix}/{prefix}" if self.prefix else prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        items: list[dict[str, Any]] = []
+        with self._errors(prefix or "/"):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full_prefix):
+                items.extend(page.get("Contents", []))
+        return items
+
+    def list(self, prefix: str = "") -> list[str]:
+        keys = [self._rel(item["Key"]) for item in self._list_full(prefix)]
+        return sorted(k for k in keys if not k.startswith(("_claims/", "_log/", "_probe/")))
+
+    def delete(self, key: str) -> None:
+        with self._errors(key):
+            self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+
+    def delete_many(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self._k(k)} for k in keys[start : start + 1000]]
+            if batch:
+                with self._errors(keys[start]):
+                    self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+
+    # -- conditional writes
+    @property
+    def conditional_writes(self) -> bool:
+        """Whether the server honours If-None-Match / If-Match on PutObject (probed once)."""
+        if self._conditional is None:
+            self._conditional = self._probe_conditional_writes()
+        return self._conditional
+
+    def _probe_conditional_writes(self) -> bool:
+        from botocore.exceptions import ClientError
+
+        probe = self._k(f"_probe/{uuid.uuid4().hex}")
+        try:
+            with self._errors(probe):
+                self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"1", IfNoneMatch="*")
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"2", IfNoneMatch="*")
+                    return False  # the header was ignored
+                except ClientError as e:
+                    if not self._precondition_failed(e):
+                        raise
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"3", IfMatch='"0000"')
+                    return False
+                except ClientError as e:
+                    return self._precondition_failed(e)
+        finally:
+            with contextlib.suppress(Exception):
+                self.client.delete_object(Bucket=self.bucket, Key=probe)
+
+    def create(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        if not self.conditional_writes:
+            return self._create_lock_free(key, data)
+        try:
+            with self._errors(key):
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data, IfNoneMatch="*")
+                except ClientError as e:
+                    if self._precondition_failed(e):
+                        return False
+                    raise
+        except KeyNotFoundError:
+            return False
+        return True
+
+    def _exists(self, key: str) -> bool:
+        try:
+            with self._errors(key):
+                self.client.head_object(Bucket=self.bucket, Key=self._k(key))
+            return True
+        except KeyNotFoundError:
+            return False
+
+    def _create_lock_free(self, key: str, data: bytes) -> bool:
+        if self._exists(key):
+            return False
+        claim_prefix = f"_claims/{key}/"
+        mine = f"{claim_prefix}{uuid.uuid4().hex}"
+        with self._errors(mine):
+            self.client.put_object(Bucket=self.bucket, Key=self._k(mine), Body=b"")
+        try:
+            now = time.time()
+            others = [
+                item
+                for item in self._list_full(claim_prefix)
+                if self._rel(item["Key"]) != mine
+                and now - item["LastModified"].timestamp() < self.claim_ttl_seconds
+            ]
+            if others or self._exists(key):
+                return False  # contention (or lost): back off, the caller retries
+            self.put(key, data)
+            return True
+        finally:
+            # A later claimant checks the key after listing, so the claim is not needed once the
+            # key exists (and a loser's claim must go so it does not block the next round).
+            with contextlib.suppress(StoreError):
+                self.delete(mine)
+
+    def read_pointer(self, key: str) -> PointerValue | None:
+        if not self.conditional_writes:
+            entries = [item["Key"] for item in self._list_full(f"_log/{key}/")]
+            if not entries:
+                return None
+            latest = max(entries)
+            seq = latest.rsplit("/", 1)[1]
+            try:
+                with self._errors(key):
+                    data = self.client.get_object(Bucket=self.bucket, Key=latest)["Body"].read()
+            except KeyNotFoundError:
+                return None  # pruned between list and get: caller re-reads
+            return PointerValue(data, seq)
+        try:
+            with self._errors(key):
+                response = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
+                return PointerValue(response["Body"].read(), response["ETag"])
+        except KeyNotFoundError:
+            return None
+
+    def compare_and_swap(self, key: str, expected_token: str | None, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        if not self.conditional_writes:
+            current = self.read_pointer(key)
+            if (current.token if current else None) != expected_token:
+                return False
+            seq = 0 if expected_token is None else int(expected_token) + 1
+            if not self._create_lock_free(f"_log/{key}/{seq:020d}", data):
+                return False
+            # Prune old log entries (keep a few so a reader between list and get still finds one).
+            old = [self._rel(item["Key"]) for item in self._list_full(f"_log/{key}/")]
+            stale = sorted(old)[:-4]
+            if stale:
+                with contextlib.suppress(StoreError):
+                    self.delete_many(stale)
+            return True
+        kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if expected_token is None else {"IfMatch": expected_token}
+        try:
+            with self._errors(key):
+                try:
+                    self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data, **kwargs)
+                except ClientError as e:
+                    if self._precondition_failed(e):
+                        return False
+                    raise
+        except KeyNotFoundError:  # If-Match on a pointer deleted meanwhile
+            return False
+        return True
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Construction from a URI or a WeightChannel store spec
+
+
+def open_store(uri: str, **s3_options: Any) -> Store:
+    """`/path`, `file:///path` -> FilesystemStore; `s3://bucket/prefix[?endpoint=URL&region=R]` -> S3Store.
+
+    Raises ValueError with a one-line message on anything else."""
+    if not uri:
+        raise ValueError("store URI is empty")
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        path = parsed.path if parsed.scheme == "file" else uri
+        if not path:
+            raise ValueError(f"store URI {uri!r} has no path")
+        return FilesystemStore(path)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"store URI {uri!r} has no bucket")
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        options = dict(s3_options)
+        if "endpoint" in query:
+            options.setdefault("endpoint_url", query["endpoint"])
+        if "region" in query:
+            options.setdefault("region", query["region"])
+        if "conditional" in query:
+            options.setdefault("conditional_writes", query["conditional"].lower() in ("1", "true", "yes"))
+        return S3Store(parsed.netloc, parsed.path.strip("/"), **options)
+    raise ValueError(f"unsupported store URI {uri!r}: use a path, file:// or s3://")
+
+
+def store_from_spec(spec: Any, **s3_options: Any) -> Store:
+    """A Store from a `rlfleet.api.weightchannel.StoreSpec` (or anything with the same fields)."""
+    if getattr(spec, "type", "filesystem") == "s3":
+        return S3Store(
+            spec.bucket,
+            getattr(spec, "prefix", "") or "",
+            endpoint_url=getattr(spec, "endpoint", None),
+            region=getattr(spec, "region", None),
+            **s3_options,
+        )
+    if not getattr(spec, "path", None):
+        raise ValueError("filesystem store needs a path")
+    return FilesystemStore(spec.path)
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """True for errors worth retrying later (store down), false for logic errors."""
+    if isinstance(error, StoreUnavailableError):
+        return True
+    return isinstance(error, OSError) and error.errno in (errno.ENOENT, errno.EIO, errno.ESTALE, errno.ENOTCONN)

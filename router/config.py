@@ -1,0 +1,145 @@
+"""Router configuration (the file `rlfleet router serve --config` reads) and admin API bodies.
+
+camelCase in YAML/JSON (like the CRDs), snake_case in Python. Unknown keys are errors, so a typo in
+a ConfigMap fails at start with a clear message instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+def normalise_url(url: str) -> str:
+    """`http://host:port` without a trailing slash; rejects anything that is not http(s)://host."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"replica url must look like http://host:port, got {url!r}")
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+
+
+class GroupConfig(_Model):
+    """One sampler group: a routing share (any non-negative weight; normalised) and its replicas."""
+
+    name: str = Field(min_length=1, max_length=63)
+    share: float = Field(default=1.0, ge=0.0)
+    replicas: list[str] = Field(default_factory=list)
+    quarantined: bool = False
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        urls = [normalise_url(u) for u in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError("replica urls must be unique")
+        return urls
+
+
+class RouterConfig(_Model):
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=0, le=65535)
+    groups: list[GroupConfig] = Field(default_factory=list)
+    # Active health checks: GET /health (+ /model_info for the served weight version).
+    health_interval_seconds: float = Field(default=2.0, gt=0.0)
+    health_timeout_seconds: float = Field(default=2.0, gt=0.0)
+    failure_threshold: int = Field(default=2, ge=1)
+    # Upstream client. No read timeout by default: a long generation is not a failure.
+    connect_timeout_seconds: float = Field(default=2.0, gt=0.0)
+    request_timeout_seconds: float | None = Field(default=None, gt=0.0)
+    max_connections_per_replica: int = Field(default=256, ge=1)
+    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
+    # Attempts per request across replicas and groups before answering 503.
+    max_attempts: int = Field(default=8, ge=1)
+    # Inside a group, keep a session on its own replica (prefix cache) unless that replica has more
+    # than `loadSlack` requests in flight above the least loaded one.
+    load_slack: int = Field(default=2, ge=0)
+    retry_after_seconds: int = Field(default=1, ge=0)
+    max_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    # Admin API bearer token: read from this file (a mounted Secret) or else this env variable.
+    admin_token_file: str | None = None
+    admin_token_env: str = "RLFLEET_ROUTER_ADMIN_TOKEN"
+    # Annotate JSON responses: meta_info gets rlfleet_group / rlfleet_replica fields.
+    annotate_body: bool = True
+
+    @model_validator(mode="after")
+    def _unique_groups(self) -> RouterConfig:
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"group names must be unique, got {names}")
+        return self
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read a YAML or JSON config file. Raises ValueError with a one-line reason on bad input."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read router config {str(file)!r}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"router config {str(file)!r} is not valid YAML/JSON: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"router config {str(file)!r} must be a mapping")
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid router config {str(file)!r}: {format_validation_error(exc)}") from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """pydantic errors as one line: `groups.0.share: Input should be >= 0; ...`."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+# --- admin API bodies -------------------------------------------------------------------------
+
+
+class SharesUpdate(_Model):
+    """PUT /admin/shares: new weights per group (normalised by the router). Unknown groups are errors."""
+
+    shares: dict[str, float]
+    reason: str | None = None
+
+    @field_validator("shares")
+    @classmethod
+    def _non_negative(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, share in value.items():
+            if not share >= 0.0 or share == float("inf"):
+                raise ValueError(f"share of {name!r} must be a finite number >= 0, got {share}")
+        return value
+
+
+class GroupUpdate(_Model):
+    """PUT /admin/groups/{name}: create or replace a group's replicas (and optionally share/quarantine)."""
+
+    replicas: list[str] | None = None
+    share: float | None = Field(default=None, ge=0.0)
+    quarantined: bool | None = None
+
+    @field_validator("replicas")
+    @classmethod
+    def _urls(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        urls = [normalise_url(u) for u in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError("replica urls must be unique")
+        return urls

@@ -1,0 +1,315 @@
+"""The router as a library: route one request with retries, keep replica health and versions fresh.
+
+Usage (inside a running event loop):
+
+    router = Router(RouterConfig(groups=[GroupConfig(name="h100-fp8", replicas=["http://..."])]))
+    await router.start()
+    result = await router.route("/generate", body_bytes, session_key="episode-17", min_version=None)
+    ...
+    await router.close()
+
+Failure semantics (why no request is lost): a refused/dropped/timed-out connection or an HTTP
+502/503/504 from a replica is a replica failure; the request is retried on the next replica of the
+same group, and when the group has none left, on the session's next group in its rendezvous order
+(the session re-sticks there until its group is back). /generate is safe to repeat: sampling has
+no side effects. Other statuses (400, 500, ...) are the request's own outcome and pass through.
+
+Minimum weight version (header `X-Min-Weight-Version`): replicas known to serve an older version
+are skipped; a response whose meta_info reports an older version is discarded and retried; when no
+replica of the session's group can serve the version yet, the answer is HTTP 409 with Retry-After.
+The session is NOT moved to another group for that (its group is only lagging by seconds, and a
+trajectory should keep one precision); a dead group is different and does move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from rlfleet.router import hashing, meta
+from rlfleet.router.config import RouterConfig
+from rlfleet.router.metrics import RouterMetrics
+from rlfleet.router.table import Replica, RoutingTable, VersionConflict
+from rlfleet.router.transport import StreamingResponse, Transport, UpstreamError, make_transport
+
+log = logging.getLogger("rlfleet.router")
+
+RETRYABLE_STATUSES = frozenset({502, 503, 504})
+HEADER_GROUP = "X-RLFleet-Group"
+HEADER_REPLICA = "X-RLFleet-Replica"
+HEADER_VERSION = "X-RLFleet-Weight-Version"
+HEADER_ATTEMPTS = "X-RLFleet-Attempts"
+
+
+@dataclass
+class RouteResult:
+    status: int
+    content_type: str
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+    group: str | None = None
+    replica: str | None = None
+    weight_version: int | None = None
+    attempts: int = 0
+    stream: StreamingResponse | None = None
+    _replica_obj: Replica | None = None
+    _started: float = 0.0
+
+
+def _json_error(status: int, message: str, **extra: object) -> RouteResult:
+    body = json.dumps({"error": {"message": message, "code": status, **extra}}).encode()
+    return RouteResult(status=status, content_type="application/json", body=body)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, transport: Transport | None = None) -> None:
+        self.config = config
+        self.table = RoutingTable()
+        for group in config.groups:
+            self.table.set_group(group.name, group.replicas, group.share, group.quarantined)
+        self.metrics = RouterMetrics(self.table)
+        self._transport = transport
+        self._health_task: asyncio.Task[None] | None = None
+        self._random = random.Random()
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            raise RuntimeError("Router.start() must be awaited first")
+        return self._transport
+
+    async def start(self, health_checks: bool = True) -> None:
+        if self._transport is None:
+            self._transport = make_transport(
+                self.config.upstream_client,
+                self.config.connect_timeout_seconds,
+                self.config.request_timeout_seconds,
+                self.config.max_connections_per_replica,
+            )
+        if health_checks and self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(), name="rlfleet-router-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._transport is not None:
+            await self._transport.close()
+            self._transport = None
+
+    # --- routing ----------------------------------------------------------------------------
+
+    async def route(
+        self,
+        path: str,
+        body: bytes,
+        session_key: str | None,
+        min_version: int | None = None,
+        headers: dict[str, str] | None = None,
+        stream: bool = False,
+    ) -> RouteResult:
+        """Forward one request. With `stream=True` a successful result holds an open `stream`
+        that the caller must drain and then pass to `finish_stream`."""
+        started = time.perf_counter()
+        key_h = hashing.key_hash(session_key) if session_key else self._random.getrandbits(64)
+        order = self.table.group_order(key_h)
+        if not order:
+            return self._unroutable("no sampler group can take traffic (all down, quarantined or share 0)")
+        upstream_headers = headers if headers is not None else {"Content-Type": "application/json"}
+        max_attempts = self.config.max_attempts
+        tried: set[str] = set()
+        attempts = 0
+        last_error = ""
+        for group_name in order:
+            group = self.table.groups.get(group_name)
+            if group is None:
+                continue
+            conflict: VersionConflict | None = None
+            while attempts < max_attempts:
+                choice = self.table.choose_replica(group, key_h, tried, min_version, self.config.load_slack)
+                if choice is None:
+                    break
+                if isinstance(choice, VersionConflict):
+                    conflict = choice
+                    break
+                replica = choice
+                tried.add(replica.url)
+                if attempts:
+                    self.metrics.retry(group.name)
+                attempts += 1
+                replica.requests += 1
+                replica.inflight += 1
+                url = replica.url + path
+                try:
+                    if stream:
+                        opened = await self.transport.open_stream(url, body, upstream_headers)
+                        status, content_type, data = opened.status, opened.content_type, b""
+                    else:
+                        response = await self.transport.post(url, body, upstream_headers)
+                        status, content_type, data = response.status, response.content_type, response.body
+                except UpstreamError as exc:
+                    replica.inflight -= 1
+                    replica.failures += 1
+                    self.table.mark_result(replica, False, self.config.failure_threshold, hard=exc.hard)
+                    self.metrics.error(group.name, exc.kind)
+                    last_error = f"{replica.url}: {exc}"
+                    log.info("attempt %d on %s failed: %s", attempts, replica.url, exc)
+                    continue
+                if status in RETRYABLE_STATUSES or status == 409:
+                    if stream:
+                        await opened.release()
+                    replica.inflight -= 1
+                    if status == 409:
+                        # The replica itself says it lags the requested version: try a sibling.
+                        self.metrics.error(group.name, "version_conflict")
+                        conflict = VersionConflict(group.name, min_version or 0, (replica.weight_version,))
+                    else:
+                        replica.failures += 1
+                        self.table.mark_result(replica, False, self.config.failure_threshold)
+                        self.metrics.error(group.name, "http_5xx")
+                        last_error = f"{replica.url}: HTTP {status}"
+                    continue
+                if stream:
+                    result = RouteResult(status=status, content_type=content_type, stream=opened)
+                    result.weight_version = replica.weight_version
+                    return self._finish(result, group.name, replica, attempts, started, keep_inflight=True)
+                replica.inflight -= 1
+                scan = meta.scan(data) if status == 200 else None
+                version = scan.weight_version if scan is not None else None
+                if min_version is not None and version is not None and version < min_version:
+                    replica.observe_version(version)
+                    self.metrics.error(group.name, "version_conflict")
+                    conflict = VersionConflict(group.name, min_version, (version,))
+                    continue
+                self.table.mark_result(replica, True, self.config.failure_threshold)
+                replica.observe_version(version)
+                if scan is not None and scan.insert_at and self.config.annotate_body:
+                    fields = meta.annotation({"rlfleet_group": group.name, "rlfleet_replica": replica.url})
+                    data = meta.annotate(data, scan.insert_at, fields)
+                result = RouteResult(status=status, content_type=content_type or "application/json", body=data)
+                result.weight_version = version if version is not None else replica.weight_version
+                self._finish(result, group.name, replica, attempts, started, keep_inflight=False)
+                self.metrics.answered(
+                    group.name,
+                    status,
+                    time.perf_counter() - started,
+                    scan.completion_tokens if scan else 0,
+                    scan.prompt_tokens if scan else 0,
+                )
+                return result
+            if conflict is not None:
+                served = sorted({v for v in conflict.served_versions if v is not None})
+                result = _json_error(
+                    409,
+                    f"no replica of group {conflict.group!r} serves weight version >= {min_version} yet; retry",
+                    group=conflict.group,
+                    minWeightVersion=min_version,
+                    servedVersions=served,
+                )
+                result.headers = {"Retry-After": str(self.config.retry_after_seconds), HEADER_GROUP: conflict.group}
+                result.group = conflict.group
+                result.attempts = attempts
+                self.metrics.answered(conflict.group, 409, time.perf_counter() - started, 0, 0)
+                return result
+            if attempts >= max_attempts:
+                break
+        return self._unroutable(
+            f"no replica could serve the request after {attempts} attempt(s); last error: {last_error or 'none'}",
+            attempts=attempts,
+        )
+
+    def _unroutable(self, message: str, attempts: int = 0) -> RouteResult:
+        result = _json_error(503, message)
+        result.headers = {"Retry-After": str(self.config.retry_after_seconds)}
+        result.attempts = attempts
+        self.metrics.answered("none", 503, 0.0, 0, 0)
+        return result
+
+    def _finish(
+        self, result: RouteResult, group: str, replica: Replica, attempts: int, started: float, keep_inflight: bool
+    ) -> RouteResult:
+        result.group = group
+        result.replica = replica.url
+        result.attempts = attempts
+        result.headers = {HEADER_GROUP: group, HEADER_REPLICA: replica.url, HEADER_ATTEMPTS: str(attempts)}
+        if result.weight_version is not None:
+            result.headers[HEADER_VERSION] = str(result.weight_version)
+        if keep_inflight:
+            result._replica_obj = replica
+            result._started = started
+        return result
+
+    async def finish_stream(self, result: RouteResult, ok: bool) -> None:
+        """Release a streamed upstream response and account for it."""
+        if result.stream is not None:
+            await result.stream.release()
+        replica = result._replica_obj
+        if replica is not None:
+            replica.inflight -= 1
+            self.table.mark_result(replica, ok, self.config.failure_threshold)
+            result._replica_obj = None
+        if result.group is not None:
+            self.metrics.answered(result.group, result.status, time.perf_counter() - result._started, 0, 0)
+            if not ok:
+                self.metrics.error(result.group, "disconnect")
+
+    # --- health -----------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_health_once()
+            except Exception:  # a bug in one round must not stop health checking
+                log.exception("health check round failed")
+            await asyncio.sleep(self.config.health_interval_seconds)
+
+    async def check_health_once(self) -> None:
+        replicas = [r for g in list(self.table.groups.values()) for r in list(g.replicas.values())]
+        if replicas:
+            await asyncio.gather(*(self._check_replica(r) for r in replicas))
+
+    async def _check_replica(self, replica: Replica) -> None:
+        timeout = self.config.health_timeout_seconds
+        threshold = self.config.failure_threshold
+        try:
+            response = await self.transport.get(replica.url + "/health", timeout)
+        except UpstreamError as exc:
+            self.table.mark_result(replica, False, threshold, hard=exc.hard)
+            return
+        if response.status != 200:
+            self.table.mark_result(replica, False, threshold)
+            return
+        self.table.mark_result(replica, True, threshold)
+        await self._refresh_version(replica, timeout)
+
+    async def _refresh_version(self, replica: Replica, timeout: float) -> None:
+        # SGLang serves /model_info (newer) and /get_model_info (older); both carry weight_version.
+        while replica.model_info_path is not None:
+            try:
+                response = await self.transport.get(replica.url + replica.model_info_path, timeout)
+            except UpstreamError:
+                return
+            if response.status == 404:
+                replica.model_info_path = "/get_model_info" if replica.model_info_path == "/model_info" else None
+                continue
+            if response.status == 200:
+                replica.observe_version(_parse_version(response.body))
+            return
+
+
+def _parse_version(body: bytes) -> int | None:
+    try:
+        value = json.loads(body).get("weight_version")
+    except (ValueError, AttributeError):
+        return None
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None

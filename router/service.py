@@ -1,0 +1,307 @@
+"""`rlfleet router serve`: the router as an HTTP service (aiohttp).
+
+Data plane (SGLang-compatible, unauthenticated like SGLang itself; keep it inside the cluster):
+  POST /generate, /v1/chat/completions, /v1/completions   routed by `X-Session-Id` (or
+       `X-SMG-Routing-Key`, SGLang router's header); optional `X-Min-Weight-Version: N`.
+       Responses carry X-RLFleet-Group / -Replica / -Weight-Version / -Attempts headers, and JSON
+       bodies get `rlfleet_group` / `rlfleet_replica` inside each `meta_info`.
+  GET /health, GET /metrics (Prometheus).
+Admin API (bearer token from a mounted Secret file or an env variable; disabled without one):
+  GET /admin/state; PUT /admin/shares {"shares": {group: weight}}; PUT /admin/groups/{name}
+  {"replicas": [...], "share": w, "quarantined": b}; DELETE /admin/groups/{name}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from rlfleet.router.config import (
+    GroupConfig,
+    GroupUpdate,
+    RouterConfig,
+    SharesUpdate,
+    format_validation_error,
+    load_config,
+)
+from rlfleet.router.core import Router
+
+log = logging.getLogger("rlfleet.router")
+
+SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")
+MIN_VERSION_HEADER = "X-Min-Weight-Version"
+PROXIED_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
+
+
+class TokenSource:
+    """The admin bearer token: a file (re-read when it changes: Secrets rotate) or an env variable."""
+
+    def __init__(self, path: str | None, env_name: str | None) -> None:
+        self._path = Path(path) if path else None
+        self._env_name = env_name
+        self._cached: tuple[float, str | None] | None = None
+
+    def token(self) -> str | None:
+        if self._path is not None:
+            try:
+                mtime = self._path.stat().st_mtime
+            except OSError:
+                return None
+            if self._cached is None or self._cached[0] != mtime:
+                self._cached = (mtime, self._path.read_text().strip() or None)
+            return self._cached[1]
+        if self._env_name:
+            return os.environ.get(self._env_name) or None
+        return None
+
+
+ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
+TOKEN_KEY: web.AppKey[TokenSource] = web.AppKey("token", TokenSource)
+
+
+def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json", headers=headers)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return _json(status, {"error": {"message": message, "code": status}}, headers)
+
+
+def _wants_stream(body: bytes) -> bool:
+    if b'"stream"' not in body:  # cheap check first: decoding a big prompt costs real time
+        return False
+    try:
+        decoded = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(decoded, dict) and decoded.get("stream") is True
+
+
+async def _proxy(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    body = await request.read()
+    headers = request.headers
+    session_key = headers.get(SESSION_HEADERS[0]) or headers.get(SESSION_HEADERS[1])
+    min_version: int | None = None
+    raw_version = headers.get(MIN_VERSION_HEADER)
+    if raw_version is not None:
+        try:
+            min_version = int(raw_version)
+        except ValueError:
+            min_version = -1
+        if min_version < 0:
+            return _error(400, f"{MIN_VERSION_HEADER} must be a non-negative integer, got {raw_version!r}")
+    upstream_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
+    stream = _wants_stream(body)
+    result = await router.route(request.path, body, session_key, min_version, upstream_headers, stream)
+    if result.stream is None:
+        return web.Response(
+            status=result.status, body=result.body, headers={**result.headers, "Content-Type": result.content_type}
+        )
+    response = web.StreamResponse(status=result.status, headers={**result.headers, "Content-Type": result.content_type})
+    ok = False
+    try:
+        await response.prepare(request)
+        async for chunk in result.stream.chunks():
+            await response.write(chunk)
+        await response.write_eof()
+        ok = True
+    except Exception as exc:  # upstream died mid-stream: nothing to retry once bytes went out
+        log.info("stream from %s ended early: %s", result.replica, exc)
+    finally:
+        await router.finish_stream(result, ok)
+    return response
+
+
+async def _health(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    shares = router.table.effective_shares()
+    routable = sorted(name for name, share in shares.items() if share > 0.0)
+    return _json(200, {"status": "ok", "routableGroups": routable})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    return web.Response(body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# --- admin ------------------------------------------------------------------------------------
+
+
+def _authorised(request: web.Request) -> web.Response | None:
+    expected = request.app[TOKEN_KEY].token()
+    if expected is None:
+        return _error(403, "admin API disabled: no token configured (adminTokenFile or the token env variable)")
+    header = request.headers.get("Authorization", "")
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected.encode()):
+        return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+    return None
+
+
+async def _read_model(request: web.Request, model: type):
+    try:
+        data = await request.json()
+    except ValueError:
+        return None, _error(400, "request body must be JSON")
+    try:
+        return model.model_validate(data), None
+    except ValidationError as exc:
+        return None, _error(400, format_validation_error(exc))
+
+
+async def _admin_state(request: web.Request) -> web.Response:
+    if (denied := _authorised(request)) is not None:
+        return denied
+    return _json(200, request.app[ROUTER_KEY].table.snapshot())
+
+
+async def _admin_shares(request: web.Request) -> web.Response:
+    if (denied := _authorised(request)) is not None:
+        return denied
+    update, bad = await _read_model(request, SharesUpdate)
+    if bad is not None:
+        return bad
+    router = request.app[ROUTER_KEY]
+    try:
+        router.table.set_shares(update.shares)
+    except KeyError as exc:
+        return _error(404, str(exc.args[0]))
+    log.info("shares set to %s (%s)", update.shares, update.reason or "no reason given")
+    return _json(200, router.table.snapshot())
+
+
+async def _admin_put_group(request: web.Request) -> web.Response:
+    if (denied := _authorised(request)) is not None:
+        return denied
+    update, bad = await _read_model(request, GroupUpdate)
+    if bad is not None:
+        return bad
+    name = request.match_info["name"]
+    try:
+        GroupConfig(name=name)
+    except ValidationError as exc:
+        return _error(400, format_validation_error(exc))
+    router = request.app[ROUTER_KEY]
+    router.table.set_group(name, update.replicas, update.share, update.quarantined)
+    return _json(200, router.table.snapshot())
+
+
+async def _admin_delete_group(request: web.Request) -> web.Response:
+    if (denied := _authorised(request)) is not None:
+        return denied
+    router = request.app[ROUTER_KEY]
+    name = request.match_info["name"]
+    if not router.table.remove_group(name):
+        return _error(404, f"unknown group: {name}")
+    return _json(200, router.table.snapshot())
+
+
+def build_app(router: Router, token: TokenSource) -> web.Application:
+    """The aiohttp application. The caller starts/closes the router (see `serve`)."""
+    app = web.Application(client_max_size=router.config.max_body_bytes)
+    app[ROUTER_KEY] = router
+    app[TOKEN_KEY] = token
+    for path in PROXIED_PATHS:
+        app.router.add_post(path, _proxy)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/admin/state", _admin_state)
+    app.router.add_put("/admin/shares", _admin_shares)
+    app.router.add_put("/admin/groups/{name}", _admin_put_group)
+    app.router.add_delete("/admin/groups/{name}", _admin_delete_group)
+    return app
+
+
+async def start_service(config: RouterConfig, health_checks: bool = True) -> tuple[Router, web.AppRunner, int]:
+    """Start router + HTTP server; returns the bound port (config.port 0 = any free port)."""
+    router = Router(config)
+    await router.start(health_checks=health_checks)
+    token = TokenSource(config.admin_token_file, config.admin_token_env)
+    runner = web.AppRunner(build_app(router, token), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    await site.start()
+    port = runner.addresses[0][1]
+    return router, runner, port
+
+
+async def serve(config: RouterConfig) -> None:
+    router, runner, port = await start_service(config)
+    print(f"rlfleet router listening on http://{config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await router.close()
+
+
+def _parse_group_flag(value: str) -> GroupConfig:
+    """`NAME=URL[,URL...][@SHARE]` -> GroupConfig (for quick local use without a config file)."""
+    name, sep, rest = value.partition("=")
+    if not sep or not name:
+        raise ValueError(f"--group expects NAME=URL[,URL...][@SHARE], got {value!r}")
+    urls, _, share = rest.partition("@")
+    try:
+        return GroupConfig(name=name, replicas=[u for u in urls.split(",") if u], share=float(share) if share else 1.0)
+    except ValidationError as exc:
+        raise ValueError(f"--group {value!r}: {format_validation_error(exc)}") from None
+    except ValueError:
+        raise ValueError(f"--group {value!r}: share must be a number") from None
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rlfleet router serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="router config file (YAML or JSON)")
+    parser.add_argument("--host", help="bind address (overrides the config)")
+    parser.add_argument("--port", type=int, help="port (overrides the config; 0 = any free port)")
+    parser.add_argument("--group", action="append", default=[], help="NAME=URL[,URL...][@SHARE] (repeatable)")
+    parser.add_argument("--admin-token-file", help="file holding the admin bearer token")
+    parser.add_argument("--upstream-client", choices=["aiohttp", "httpx"], help="upstream HTTP client")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config) if args.config else RouterConfig()
+        updates: dict[str, object] = {}
+        if args.host is not None:
+            updates["host"] = args.host
+        if args.port is not None:
+            updates["port"] = args.port
+        if args.admin_token_file is not None:
+            updates["admin_token_file"] = args.admin_token_file
+        if args.upstream_client is not None:
+            updates["upstream_client"] = args.upstream_client
+        if args.group:
+            updates["groups"] = [*config.groups, *(_parse_group_flag(g) for g in args.group)]
+        config = RouterConfig.model_validate({**config.model_dump(), **updates})
+    except ValidationError as exc:
+        print(f"rlfleet router serve: {format_validation_error(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"rlfleet router serve: {exc}", file=sys.stderr)
+        return 2
+    if args.log_level.upper() not in logging.getLevelNamesMapping():
+        print(f"rlfleet router serve: unknown --log-level {args.log_level!r}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"rlfleet router serve: cannot listen on {config.host}:{config.port}: {exc.strerror}", file=sys.stderr)
+        return 1
+    return 0

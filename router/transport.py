@@ -1,0 +1,181 @@
+"""Pooled keep-alive HTTP clients to the sampler replicas, behind one small interface.
+
+Two implementations so the choice is measured, not assumed (benchmarks/router.py runs both):
+`aiohttp` (the default: measurably cheaper per request, see docs/benchmarks.md) and `httpx`.
+Failures are normalised into `UpstreamError(kind, hard)`; `hard` means the replica is certainly
+down (connection refused / unresolvable), as opposed to a dropped or timed-out connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class UpstreamError(Exception):
+    def __init__(self, kind: str, hard: bool, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+        self.hard = hard
+
+
+@dataclass
+class UpstreamResponse:
+    status: int
+    content_type: str
+    body: bytes
+
+
+class StreamingResponse(Protocol):
+    status: int
+    content_type: str
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def release(self) -> None: ...
+
+
+class Transport(Protocol):
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse: ...
+
+    async def open_stream(self, url: str, body: bytes, headers: dict[str, str]) -> StreamingResponse: ...
+
+    async def get(self, url: str, timeout: float) -> UpstreamResponse: ...
+
+    async def close(self) -> None: ...
+
+
+# --- aiohttp ----------------------------------------------------------------------------------
+
+
+class _AiohttpStream:
+    def __init__(self, response) -> None:  # aiohttp.ClientResponse
+        self._response = response
+        self.status = response.status
+        self.content_type = response.headers.get("Content-Type", "application/octet-stream")
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in self._response.content.iter_any():
+            yield chunk
+
+    async def release(self) -> None:
+        self._response.release()
+
+
+class AiohttpTransport:
+    def __init__(self, connect_timeout: float, read_timeout: float | None, limit_per_host: int) -> None:
+        import aiohttp
+
+        self._aiohttp = aiohttp
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=limit_per_host, keepalive_timeout=30),
+            timeout=self._timeout,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+
+    def _error(self, exc: BaseException) -> UpstreamError:
+        aiohttp = self._aiohttp
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            return UpstreamError("connect", hard=True, detail=str(exc))
+        if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+            return UpstreamError("timeout", hard=False, detail=str(exc))
+        return UpstreamError("disconnect", hard=False, detail=f"{type(exc).__name__}: {exc}")
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        try:
+            async with self._session.post(url, data=body, headers=headers) as response:
+                data = await response.read()
+                return UpstreamResponse(response.status, response.headers.get("Content-Type", ""), data)
+        except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise self._error(exc) from exc
+
+    async def open_stream(self, url: str, body: bytes, headers: dict[str, str]) -> StreamingResponse:
+        try:
+            response = await self._session.post(url, data=body, headers=headers)
+        except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise self._error(exc) from exc
+        return _AiohttpStream(response)
+
+    async def get(self, url: str, timeout: float) -> UpstreamResponse:
+        try:
+            async with self._session.get(url, timeout=self._aiohttp.ClientTimeout(total=timeout)) as response:
+                data = await response.read()
+                return UpstreamResponse(response.status, response.headers.get("Content-Type", ""), data)
+        except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise self._error(exc) from exc
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+# --- httpx ------------------------------------------------------------------------------------
+
+
+class _HttpxStream:
+    def __init__(self, response) -> None:  # httpx.Response (streaming)
+        self._response = response
+        self.status = response.status_code
+        self.content_type = response.headers.get("Content-Type", "application/octet-stream")
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in self._response.aiter_raw():
+            yield chunk
+
+    async def release(self) -> None:
+        await self._response.aclose()
+
+
+class HttpxTransport:
+    def __init__(self, connect_timeout: float, read_timeout: float | None, limit_per_host: int) -> None:
+        import httpx
+
+        self._httpx = httpx
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=None, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=limit_per_host * 16),
+        )
+
+    def _error(self, exc: BaseException) -> UpstreamError:
+        httpx = self._httpx
+        if isinstance(exc, httpx.ConnectError):
+            return UpstreamError("connect", hard=True, detail=str(exc))
+        if isinstance(exc, httpx.TimeoutException):
+            return UpstreamError("timeout", hard=False, detail=str(exc))
+        return UpstreamError("disconnect", hard=False, detail=f"{type(exc).__name__}: {exc}")
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        try:
+            response = await self._client.post(url, content=body, headers=headers)
+        except (self._httpx.HTTPError, OSError) as exc:
+            raise self._error(exc) from exc
+        return UpstreamResponse(response.status_code, response.headers.get("Content-Type", ""), response.content)
+
+    async def open_stream(self, url: str, body: bytes, headers: dict[str, str]) -> StreamingResponse:
+        try:
+            request = self._client.build_request("POST", url, content=body, headers=headers)
+            response = await self._client.send(request, stream=True)
+        except (self._httpx.HTTPError, OSError) as exc:
+            raise self._error(exc) from exc
+        return _HttpxStream(response)
+
+    async def get(self, url: str, timeout: float) -> UpstreamResponse:
+        try:
+            response = await self._client.get(url, timeout=timeout)
+        except (self._httpx.HTTPError, OSError) as exc:
+            raise self._error(exc) from exc
+        return UpstreamResponse(response.status_code, response.headers.get("Content-Type", ""), response.content)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def make_transport(kind: str, connect_timeout: float, read_timeout: float | None, limit_per_host: int) -> Transport:
+    if kind == "aiohttp":
+        return AiohttpTransport(connect_timeout, read_timeout, limit_per_host)
+    if kind == "httpx":
+        return HttpxTransport(connect_timeout, read_timeout, limit_per_host)
+    raise ValueError(f"unknown upstream client {kind!r} (aiohttp | httpx)")

@@ -1,0 +1,268 @@
+"""Async SGLang client: one `/generate` call -> one validated `SampledTurn`, with a stated error policy.
+
+Error policy (every outcome is counted in `ClientStats`):
+- 200: parsed and validated; invalid tokens are flagged in the turn (`valid`, `invalid_reasons`) and
+  counted, never dropped silently and never raised. An unreadable body fails the turn
+  (`malformed_response`).
+- 400 (support mode, message about top_k / the sampling mask: the kept set would exceed the server's
+  --sampling-mask-max-tokens): retry with a smaller top_k (the server's cap when known, else half),
+  at most `max_shrink_retries` times and never below `min_top_k`; any other 400 fails the turn
+  (`bad_request`): a malformed request does not heal by repetition.
+- 500 (SGLang: sampled token outside the captured set): retry once, then fail the turn
+  (`server_error`).
+- 409 (our router / reference server: no replica serves `X-Min-Weight-Version` yet): wait
+  Retry-After (capped) and retry, up to `max_version_retries` (`version_conflict`).
+- timeouts, connection loss, 502/503/504: bounded retries with exponential backoff and jitter
+  (`max_transport_retries`), then fail the turn (`unavailable`).
+- any other status fails the turn (`http_<status>`).
+A failed turn raises `TurnFailed(reason, ...)`; the caller decides (the rollout drops the group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from rlfleet.records import SUPPORT_MODE, SampledTurn
+from rlfleet.sampler.protocol import (
+    ProtocolError,
+    SamplingConfig,
+    build_generate_request,
+    error_message,
+    parse_generate_response,
+)
+
+SESSION_HEADER = "X-Session-Id"  # our router's session affinity key (also X-SMG-Routing-Key)
+MIN_VERSION_HEADER = "X-Min-Weight-Version"
+GROUP_HEADER = "X-RLFleet-Group"
+REPLICA_HEADER = "X-RLFleet-Replica"
+TRANSPORT_RETRY_STATUSES = frozenset({502, 503, 504})
+_CAP_WORDS = re.compile(r"top_k|sampling[_ ]mask|mask", re.IGNORECASE)
+
+
+@dataclass
+class RetryPolicy:
+    max_transport_retries: int = 3
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 2.0
+    max_server_error_retries: int = 1
+    max_shrink_retries: int = 2
+    min_top_k: int = 64
+    max_version_retries: int = 20
+    version_wait_cap_s: float = 2.0
+
+
+@dataclass
+class ClientStats:
+    requests: int = 0
+    turns: int = 0
+    tokens: int = 0
+    retries: Counter = field(default_factory=Counter)  # reason -> retries
+    failures: Counter = field(default_factory=Counter)  # reason -> failed turns
+    invalid_tokens: Counter = field(default_factory=Counter)  # validation reason -> tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "turns": self.turns,
+            "tokens": self.tokens,
+            "retries": dict(self.retries),
+            "failures": dict(self.failures),
+            "invalid_tokens": dict(self.invalid_tokens),
+        }
+
+
+class TurnFailed(RuntimeError):
+    def __init__(self, reason: str, message: str, status: int | None = None, attempts: int = 0) -> None:
+        super().__init__(f"{reason}: {message} (status={status}, attempts={attempts})")
+        self.reason = reason
+        self.status = status
+        self.attempts = attempts
+
+
+class SamplerClient:
+    """Talks to one SGLang-compatible endpoint (a replica, or our router in front of a fleet).
+
+    `client(session_id, input_ids, params)` has the rollout driver's GenerateFn signature."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        group: str = "",
+        replica: str = "",
+        timeout_s: float = 120.0,
+        policy: RetryPolicy | None = None,
+        vocab_size: int | None = None,
+        mask_cap: int | None = None,
+        http: httpx.AsyncClient | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.group = group
+        self.replica = replica or self.base_url
+        self.policy = policy or RetryPolicy()
+        self.vocab_size = vocab_size
+        self.mask_cap = mask_cap  # server's --sampling-mask-max-tokens when known
+        self.stats = ClientStats()
+        self._own_http = http is None
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
+        self._rng = rng or random.Random()
+
+    async def aclose(self) -> None:
+        if self._own_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> SamplerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def __call__(self, session_id: str, input_ids: list[int], params: Mapping[str, Any]) -> SampledTurn:
+        seed = params.get("sampling_seed")
+        return await self.generate(
+            input_ids,
+            SamplingConfig.from_dict(params),
+            session_id=session_id,
+            sampling_seed=None if seed is None else int(seed),
+            min_weight_version=params.get("min_weight_version"),
+        )
+
+    # ------------------------------------------------------------------------------------ generate
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        config: SamplingConfig | Mapping[str, Any],
+        *,
+        session_id: str | None = None,
+        sampling_seed: int | None = None,
+        min_weight_version: int | None = None,
+    ) -> SampledTurn:
+        cfg = config if isinstance(config, SamplingConfig) else SamplingConfig.from_dict(config)
+        ids = [int(i) for i in input_ids]
+        top_k = cfg.wire_top_k()
+        if cfg.mode == SUPPORT_MODE and self.mask_cap is not None and top_k > self.mask_cap:
+            top_k = self.mask_cap
+        headers = {}
+        if session_id is not None:
+            headers[SESSION_HEADER] = str(session_id)
+        if min_weight_version is not None:
+            headers[MIN_VERSION_HEADER] = str(int(min_weight_version))
+        p = self.policy
+        transport_tries = server_errors = shrinks = version_waits = 0
+        attempts = 0
+        while True:
+            attempts += 1
+            body = build_generate_request(ids, cfg, sampling_seed=sampling_seed, top_k_override=top_k)
+            self.stats.requests += 1
+            try:
+                resp = await self._http.post(self.base_url + "/generate", json=body, headers=headers)
+            except (httpx.TimeoutException, httpx.TransportError) as exc:
+                transport_tries += 1
+                if transport_tries > p.max_transport_retries:
+                    raise self._fail("unavailable", f"{type(exc).__name__}: {exc}", None, attempts) from None
+                await self._backoff("transport", transport_tries)
+                continue
+            status = resp.status_code
+            if status == 200:
+                return self._accept(resp, ids, cfg, attempts)
+            message = _message_of(resp)
+            if status in TRANSPORT_RETRY_STATUSES:
+                transport_tries += 1
+                if transport_tries > p.max_transport_retries:
+                    raise self._fail("unavailable", message, status, attempts)
+                await self._backoff(f"http_{status}", transport_tries)
+            elif status == 409:
+                version_waits += 1
+                if version_waits > p.max_version_retries:
+                    raise self._fail("version_conflict", message, status, attempts)
+                self.stats.retries["version_conflict"] += 1
+                await asyncio.sleep(self._retry_after(resp, version_waits))
+            elif status == 400:
+                shrinkable = cfg.mode == SUPPORT_MODE and top_k > p.min_top_k and _CAP_WORDS.search(message)
+                if not shrinkable or shrinks >= p.max_shrink_retries:
+                    raise self._fail("bad_request", message, status, attempts)
+                shrinks += 1
+                cap = self.mask_cap if self.mask_cap is not None and self.mask_cap < top_k else top_k // 2
+                top_k = max(p.min_top_k, cap)
+                self.stats.retries["shrink_top_k"] += 1
+            elif status == 500:
+                server_errors += 1
+                if server_errors > p.max_server_error_retries:
+                    raise self._fail("server_error", message, status, attempts)
+                self.stats.retries["server_error"] += 1
+            else:
+                raise self._fail(f"http_{status}", message, status, attempts)
+
+    def _accept(self, resp: httpx.Response, ids: list[int], cfg: SamplingConfig, attempts: int) -> SampledTurn:
+        try:
+            payload = resp.json()
+            if isinstance(payload, list) and len(payload) == 1:  # batch form with one request
+                payload = payload[0]
+            turn = parse_generate_response(
+                payload,
+                ids,
+                group=resp.headers.get(GROUP_HEADER) or self.group,
+                replica=resp.headers.get(REPLICA_HEADER) or self.replica,
+                vocab_size=self.vocab_size,
+                untruncated=not cfg.truncates,
+            )
+        except (ProtocolError, ValueError, json.JSONDecodeError) as exc:
+            raise self._fail("malformed_response", str(exc), 200, attempts) from None
+        self.stats.turns += 1
+        self.stats.tokens += turn.num_tokens
+        self.stats.invalid_tokens.update(turn.invalid_reasons)
+        return turn
+
+    def _fail(self, reason: str, message: str, status: int | None, attempts: int) -> TurnFailed:
+        self.stats.failures[reason] += 1
+        return TurnFailed(reason, message, status, attempts)
+
+    async def _backoff(self, reason: str, attempt: int) -> None:
+        self.stats.retries[reason] += 1
+        delay = min(self.policy.backoff_max_s, self.policy.backoff_initial_s * 2 ** (attempt - 1))
+        await asyncio.sleep(delay * (0.5 + self._rng.random() / 2))
+
+    def _retry_after(self, resp: httpx.Response, attempt: int) -> float:
+        try:
+            wait = float(resp.headers.get("Retry-After", ""))
+        except ValueError:
+            wait = self.policy.backoff_initial_s * attempt
+        return max(0.0, min(wait, self.policy.version_wait_cap_s))
+
+    # ------------------------------------------------------------------------------------ info
+    async def get_json(self, path: str) -> Any:
+        resp = await self._http.get(self.base_url + path)
+        resp.raise_for_status()
+        return resp.json()
+
+    async def healthy(self) -> bool:
+        try:
+            resp = await self._http.get(self.base_url + "/health")
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def discover_mask_cap(self) -> int | None:
+        """Read --sampling-mask-max-tokens from /server_info (SGLang echoes its server args there)."""
+        info = await self.get_json("/server_info")
+        cap = info.get("sampling_mask_max_tokens") if isinstance(info, Mapping) else None
+        if cap is not None:
+            self.mask_cap = int(cap)
+        return self.mask_cap
+
+
+def _message_of(resp: httpx.Response) -> str:
+    try:
+        return error_message(resp.json())
+    except ValueError:
+        return resp.text[:500]

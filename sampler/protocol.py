@@ -1,0 +1,344 @@
+"""SGLang 0.5.23 `/generate` wire format: building requests and parsing responses into `SampledTurn`s.
+
+Pure functions, no I/O (the async client in `client.py` does the HTTP and the retry policy).
+
+Request (references.md): `input_ids` (token-in/token-out, never re-tokenised), `sampling_params
+{temperature, top_p, top_k, min_p, max_new_tokens, stop_token_ids, sampling_seed}`,
+`return_logprob: true`, and either
+- support mode: `return_sampling_mask: true`, `sampling_logprobs_mode: "support"`: per token the
+  kept set (top-k ∩ top-p, then min-p; sorted by probability desc) and q renormalised inside it. SGLang
+  only returns the mask for top_k == 1 or 1 < top_k <= --sampling-mask-max-tokens, so whenever the
+  policy truncates (top_p < 1 or min_p > 0) with top_k = -1 we send a finite `mask_top_k` (1024);
+- head mode: `top_logprobs_num: K`: per token the top-K of the full-vocabulary q (for SC's tail model
+  when sampling is not truncated).
+
+Response: `{"text", "output_ids", "meta_info": {"output_token_logprobs": [[logprob, id, text|null]...],
+"output_top_logprobs", "output_token_sampling_mask", "output_token_sampling_logprobs",
+"output_token_sampling_mask_length", "weight_version": "<int>", "finish_reason": {"type": ...} ,
+"completion_tokens", "cached_tokens", ...}}`. rlfleet extensions read when present:
+`meta_info.output_token_weight_versions` (per-token versions from the reference server),
+`meta_info.rlfleet_group` / `rlfleet_replica` (added by our router).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlfleet.records import HEAD_MODE, LOGPROB_TOL, R_MALFORMED, SUPPORT_MODE, SampledTurn, validate_turn
+
+DEFAULT_MASK_TOP_K = 1024  # finite top_k sent with top_p < 1 when the caller said -1 (SGLang needs one)
+DEFAULT_MASK_CAP = 4096  # SGLang's --sampling-mask-max-tokens default
+R_LENGTH_MISMATCH = "meta_info_lengths_disagree"
+R_SUPPORT_MISSING = "support_logprobs_missing"  # selected mode: q over the support was not returned
+R_MASK_LENGTH = "sampling_mask_length_disagrees"
+
+
+class ProtocolError(ValueError):
+    """A response that cannot be read as an SGLang /generate answer at all."""
+
+
+@dataclass
+class SamplingConfig:
+    """What the rollout asks for; `candidate_mode=None` picks support mode when sampling truncates
+    (top_p < 1, finite top_k or min_p > 0) and head mode otherwise."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    candidate_mode: str | None = None
+    head_size: int = 128  # top_logprobs_num in head mode
+    mask_top_k: int = DEFAULT_MASK_TOP_K
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_new_tokens < 0:
+            raise ValueError("max_new_tokens must be >= 0")
+        if self.candidate_mode not in (None, SUPPORT_MODE, HEAD_MODE):
+            raise ValueError(f"candidate_mode must be support or head, got {self.candidate_mode!r}")
+        if self.head_size < 1 or self.mask_top_k < 2:
+            raise ValueError("head_size must be >= 1 and mask_top_k >= 2")
+
+    @classmethod
+    def from_dict(cls, params: Mapping[str, Any]) -> SamplingConfig:
+        """From the rollout's sampling dict (unknown keys are ignored)."""
+        known = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in params.items() if k in known}
+        if "stop_token_ids" in kwargs:
+            kwargs["stop_token_ids"] = [int(t) for t in kwargs["stop_token_ids"] or []]
+        return cls(**kwargs)
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_p < 1 or self.top_k > 0 or self.min_p > 0 or self.temperature == 0
+
+    @property
+    def mode(self) -> str:
+        if self.candidate_mode is not None:
+            return self.candidate_mode
+        return SUPPORT_MODE if self.truncates else HEAD_MODE
+
+    def wire_top_k(self) -> int:
+        """top_k as sent: finite whenever the sampling mask is requested (SGLang rejects -1 with it)."""
+        if self.mode == SUPPORT_MODE and self.top_k == -1:
+            return self.mask_top_k
+        return self.top_k
+
+
+def build_generate_request(
+    input_ids: Sequence[int],
+    config: SamplingConfig,
+    sampling_seed: int | None = None,
+    top_k_override: int | None = None,
+    rid: str | None = None,
+) -> dict[str, Any]:
+    """The JSON body of one `/generate` call."""
+    params: dict[str, Any] = {
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": top_k_override if top_k_override is not None else config.wire_top_k(),
+        "max_new_tokens": config.max_new_tokens,
+        "stop_token_ids": list(config.stop_token_ids),
+    }
+    if config.min_p > 0:
+        params["min_p"] = config.min_p
+    if sampling_seed is not None:
+        params["sampling_seed"] = int(sampling_seed)
+    body: dict[str, Any] = {
+        "input_ids": [int(i) for i in input_ids],
+        "sampling_params": params,
+        "return_logprob": True,
+    }
+    if config.mode == SUPPORT_MODE:
+        body["return_sampling_mask"] = True
+        body["sampling_logprobs_mode"] = "support"
+    else:
+        body["top_logprobs_num"] = config.head_size
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+def finish_reason_of(raw: object) -> str:
+    """SGLang reports an object ({"type": "stop", "matched": 2}, {"type": "length", "length": 16},
+    {"type": "abort", "message": ...}); older builds a plain string; None while unfinished."""
+    if isinstance(raw, Mapping):
+        return str(raw.get("type") or "")
+    return "" if raw is None else str(raw)
+
+
+def weight_version_of(raw: object) -> int:
+    """meta_info.weight_version is the decimal string of our int version; -1 when absent or not an int
+    (those tokens then fail validation: a record must say which weights produced it)."""
+    try:
+        v = int(str(raw))
+    except (TypeError, ValueError):
+        return -1
+    return v if v >= 0 else -1
+
+
+def _flatten_float(rows: Sequence[Sequence[float]], count: int) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.float64, count=count).astype(np.float32)
+
+
+def _flatten_int(rows: Sequence[Sequence[int]], count: int) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=count).astype(np.int32)
+
+
+def _float_or_nan(x: object) -> float:
+    return float("nan") if x is None else float(x)  # type: ignore[arg-type]
+
+
+def parse_generate_response(
+    body: Mapping[str, Any],
+    prompt_ids: Sequence[int] | np.ndarray,
+    *,
+    group: str = "",
+    replica: str = "",
+    vocab_size: int | None = None,
+    untruncated: bool = False,
+    tol: float = LOGPROB_TOL,
+) -> SampledTurn:
+    """One SGLang /generate JSON answer -> a validated SampledTurn.
+
+    Support mode is detected from `output_token_sampling_mask`, head mode from `output_top_logprobs`.
+    `untruncated=True` (top_p = 1, top_k = -1, min_p = 0) lets head mode fill `sampled_logprobs` with
+    the full-vocabulary logprob (q_S = q then). Raises ProtocolError only when there is no readable
+    token list at all; every other defect becomes invalid tokens counted by reason.
+    """
+    meta = body.get("meta_info") if isinstance(body, Mapping) else None
+    if not isinstance(meta, Mapping):
+        raise ProtocolError("response has no meta_info object")
+    otl = meta.get("output_token_logprobs")
+    if not isinstance(otl, list):
+        raise ProtocolError("meta_info.output_token_logprobs missing: was return_logprob sent?")
+    n = len(otl)
+    try:
+        # [[logprob, token_id, text|null], ...]
+        output_ids = np.asarray([int(t[1]) for t in otl], dtype=np.int64).astype(np.int32)
+        logprobs = np.asarray([_float_or_nan(t[0]) for t in otl], dtype=np.float32)
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ProtocolError(f"output_token_logprobs entries must be [logprob, id, text]: {exc}") from None
+    prompt = np.asarray(prompt_ids, dtype=np.int32)
+    group = str(meta.get("rlfleet_group") or group)
+    replica = str(meta.get("rlfleet_replica") or replica)
+    version = weight_version_of(meta.get("weight_version"))
+    per_token_versions = meta.get("output_token_weight_versions")
+    common = dict(
+        prompt_ids=prompt,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason_of(meta.get("finish_reason")),
+        group=group,
+        replica=replica,
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+    )
+
+    problems: list[str] = []
+    if "output_ids" in body and body["output_ids"] is not None and list(body["output_ids"]) != output_ids.tolist():
+        problems.append("output_ids")
+    completion = meta.get("completion_tokens")
+    if completion is not None and int(completion) != n:
+        problems.append("completion_tokens")
+    if isinstance(per_token_versions, list) and len(per_token_versions) == n:
+        versions = np.asarray(per_token_versions, dtype=np.int64)
+    else:
+        if per_token_versions is not None:
+            problems.append("output_token_weight_versions")
+        versions = np.full(n, version, dtype=np.int64)
+
+    mask = meta.get("output_token_sampling_mask")
+    head = meta.get("output_top_logprobs")
+    per_token_flags: dict[str, np.ndarray] = {}
+    if mask is not None:
+        mode = SUPPORT_MODE
+        s_lps = meta.get("output_token_sampling_logprobs")
+        if not isinstance(mask, list) or len(mask) != n or not isinstance(s_lps, list) or len(s_lps) != n:
+            problems.append("output_token_sampling_mask/logprobs")
+            sizes, sid, slp, sampled = np.zeros(n, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), None
+        else:
+            sizes = np.fromiter(map(len, mask), dtype=np.int64, count=n)
+            nnz = int(sizes.sum())
+            sid = _flatten_int(mask, nnz)
+            selected = n > 0 and not isinstance(s_lps[0], list)
+            if selected:  # sampling_logprobs_mode "selected": one renormalised float per token
+                sampled = np.asarray([_float_or_nan(x) for x in s_lps], dtype=np.float32)
+                slp = np.full(nnz, np.nan, dtype=np.float32)
+                per_token_flags[R_SUPPORT_MISSING] = np.ones(n, dtype=bool)
+            else:
+                lens = np.fromiter(map(len, s_lps), dtype=np.int64, count=n)
+                if not np.array_equal(lens, sizes):
+                    problems.append("output_token_sampling_logprobs row lengths")
+                    slp = np.zeros(0, np.float32)
+                    sizes = np.zeros(n, np.int64)
+                    sid = np.zeros(0, np.int32)
+                else:
+                    slp = _flatten_float(s_lps, nnz)
+                sampled = None
+            mlen = meta.get("output_token_sampling_mask_length")
+            if isinstance(mlen, list) and len(mlen) == n:
+                per_token_flags[R_MASK_LENGTH] = np.asarray(mlen, dtype=np.int64) != np.fromiter(
+                    map(len, mask), dtype=np.int64, count=n
+                )
+            elif mlen is not None:
+                problems.append("output_token_sampling_mask_length")
+    elif head is not None:
+        mode = HEAD_MODE
+        if not isinstance(head, list) or len(head) != n:
+            problems.append("output_top_logprobs")
+            sizes, sid, slp = np.zeros(n, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
+        else:
+            rows = [r or [] for r in head]
+            sizes = np.fromiter(map(len, rows), dtype=np.int64, count=n)
+            nnz = int(sizes.sum())
+            flat = list(itertools.chain.from_iterable(rows))
+            slp = np.asarray([_float_or_nan(t[0]) for t in flat], dtype=np.float32)
+            sid = np.asarray([t[1] for t in flat], dtype=np.int64).astype(np.int32)
+        sampled = logprobs.copy() if untruncated else None
+    else:
+        raise ProtocolError("response carries neither output_token_sampling_mask nor output_top_logprobs")
+
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(sizes, out=offsets[1:])
+    if sampled is None:
+        sampled = _sampled_from_support(output_ids, offsets, sid, slp) if mode == SUPPORT_MODE else (
+            np.full(n, np.nan, dtype=np.float32)
+        )
+    turn = SampledTurn(
+        sampled_logprobs=sampled,
+        support_offsets=offsets,
+        support_ids=sid,
+        support_logprobs=slp,
+        weight_versions=versions,
+        candidate_mode=mode,
+        **common,  # type: ignore[arg-type]
+    )
+    if problems:  # the arrays do not line up: nothing of this turn may be trained on
+        turn.valid = np.zeros(n, dtype=bool)
+        turn.invalid_reasons = {R_LENGTH_MISMATCH: max(n, 1)}
+        return turn
+    validate_turn(turn, vocab_size=vocab_size, tol=tol)
+    for reason, flags in per_token_flags.items():
+        count = int(flags.sum())
+        if count:
+            turn.valid &= ~flags
+            turn.invalid_reasons[reason] = turn.invalid_reasons.get(reason, 0) + count
+    return turn
+
+
+def _sampled_from_support(out: np.ndarray, offsets: np.ndarray, sid: np.ndarray, slp: np.ndarray) -> np.ndarray:
+    """log q_S(y): the support logprob at the sampled token (NaN when y is not in its support)."""
+    n = out.shape[0]
+    sampled = np.full(n, np.nan, dtype=np.float32)
+    if sid.size == 0:
+        return sampled
+    row = np.repeat(np.arange(n), np.diff(offsets))
+    hit = np.flatnonzero(sid == out[row])
+    sampled[row[hit[::-1]]] = slp[hit[::-1]]  # first hit per row wins
+    return sampled
+
+
+def error_message(body: object) -> str:
+    """SGLang error bodies look like {"error": {"message": ...}} (also {"detail": ...} / {"message": ...})."""
+    if isinstance(body, Mapping):
+        err = body.get("error")
+        if isinstance(err, Mapping) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if key in body:
+                return str(body[key])
+    return "" if body is None else str(body)
+
+
+__all__ = [
+    "DEFAULT_MASK_CAP",
+    "DEFAULT_MASK_TOP_K",
+    "ProtocolError",
+    "R_LENGTH_MISMATCH",
+    "R_MALFORMED",
+    "R_MASK_LENGTH",
+    "R_SUPPORT_MISSING",
+    "SamplingConfig",
+    "build_generate_request",
+    "error_message",
+    "finish_reason_of",
+    "parse_generate_response",
+    "weight_version_of",
+]

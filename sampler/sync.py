@@ -1,0 +1,512 @@
+"""Weight-sync sidecar: reconciles its pod's engine to the weight channel's pointer.
+
+    rlfleet sampler sync --store /mnt/weights/job --view fp8 --engine-url http://127.0.0.1:30000 \\
+        --group h100-fp8 --replica $POD_NAME --cache-dir /weights-cache --port 9400
+
+Loop: read the pointer; if it names a version newer than the applied one, report it as "in use"
+(so retention keeps it), download this pod's view into the cache directory (an emptyDir shared with
+the engine container), verify the manifest against the pointer's sha256 and every file against the
+manifest BEFORE the engine sees the directory, then apply:
+
+- disk mode (default): `POST /update_weights_from_disk {model_path, weight_version, flush_cache,
+  abort_all_requests}` (SGLang re-quantizes on load and rolls back by itself on failure);
+- push mode: `/init_weights_update_group` once, then per version `/pause_generation {mode: retract}`
+  -> `/begin_weight_update` -> n x `/update_weights_from_distributed {names, dtypes, shapes,
+  group_name, weight_version, load_format}` -> `/end_weight_update` -> `/continue_generation`
+  (`continue` is always sent once `pause` was, so a failed push leaves the engine serving). The
+  tensor bytes travel over the NCCL group (rank 0 = this sidecar, `sender` hook); that data plane
+  needs GPUs and is not exercised on CPU.
+
+Any failure (store unreachable, checksum mismatch, engine error) is counted by reason, the engine
+keeps serving the version it has, and the sidecar retries with exponential backoff (with jitter).
+It serves `/metrics` (Prometheus), `/status` (JSON) and `/health`, and writes its report to the
+store (`subscribers/<group>/<replica>.json`) for retention and the operator's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import shutil
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from rlfleet.channel import (
+    VIEW_NAMES,
+    ChannelError,
+    ChecksumMismatchError,
+    Manifest,
+    SubscriberReport,
+    WeightChannel,
+    check_name,
+    now_iso,
+)
+from rlfleet.store import Store, StoreError, open_store
+
+log = logging.getLogger("rlfleet.sampler.sync")
+
+# safetensors dtype -> torch dtype name (what SGLang's update_weights_from_distributed expects)
+TORCH_DTYPES = {
+    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
+}
+
+
+class EngineError(Exception):
+    """The engine refused or failed an update (it keeps serving its previous weights)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Engine clients (SGLang HTTP API, 0.5.23)
+
+
+def _check_response(response: httpx.Response, what: str) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"message": response.text[:200]}
+    if not isinstance(body, dict):
+        body = {"message": str(body)[:200]}
+    if response.status_code != 200 or body.get("success") is False:
+        raise EngineError(f"{what}: HTTP {response.status_code}: {body.get('message', '')}".strip())
+    return body
+
+
+class DiskEngine:
+    """Applies a verified local directory with `/update_weights_from_disk`."""
+
+    mode = "disk"
+
+    def __init__(self, client: httpx.AsyncClient, *, flush_cache: bool = True, abort_all_requests: bool = False) -> None:
+        self.client = client
+        self.flush_cache = flush_cache
+        self.abort_all_requests = abort_all_requests
+
+    async def apply(self, version: int, model_dir: Path, manifest: Manifest, view: str) -> None:
+        body = {
+            "model_path": str(model_dir),
+            "weight_version": str(version),
+            "flush_cache": self.flush_cache,
+            "abort_all_requests": self.abort_all_requests,
+        }
+        _check_response(await self.client.post("/update_weights_from_disk", json=body), "update_weights_from_disk")
+
+
+Sender = Callable[[int, Path, list[str]], Awaitable[None]]
+"""Push data plane: broadcast the named tensors of `model_dir` over the NCCL update group (GPU only)."""
+
+
+@dataclass
+class PushGroup:
+    master_address: str
+    master_port: int
+    rank_offset: int = 1
+    world_size: int = 2
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class PushEngine:
+    """Applies a version with the pause / begin / update_weights_from_distributed / end / continue sequence."""
+
+    mode = "push"
+
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        group: PushGroup,
+        *,
+        sender: Sender | None = None,
+        bucket_bytes: int = 512 * 1024 * 1024,
+        load_format: str | None = None,
+    ) -> None:
+        self.client = client
+        self.group = group
+        self.sender = sender
+        self.bucket_bytes = bucket_bytes
+        self.load_format = load_format
+        self._initialized = False
+
+    @staticmethod
+    def buckets(manifest: Manifest, view: str, bucket_bytes: int) -> list[list[tuple[str, str, list[int]]]]:
+        """Tensors of the view as (name, torch dtype, shape), in buckets of at most ~bucket_bytes."""
+        sizes = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+        out: list[list[tuple[str, str, list[int]]]] = [[]]
+        used = 0
+        for name, meta in sorted(manifest.views[view].tensors.items()):
+            n = sizes.get(meta["dtype"], 4)
+            for d in meta["shape"]:
+                n *= d
+            if out[-1] and used + n > bucket_bytes:
+                out.append([])
+                used = 0
+            out[-1].append((name, TORCH_DTYPES.get(meta["dtype"], meta["dtype"].lower()), list(meta["shape"])))
+            used += n
+        return [b for b in out if b]
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return _check_response(await self.client.post(path, json=body), path.lstrip("/"))
+
+    async def apply(self, version: int, model_dir: Path, manifest: Manifest, view: str) -> None:
+        if not self._initialized:
+            await self._post("/init_weights_update_group", asdict(self.group))
+            self._initialized = True
+        await self._post("/pause_generation", {"mode": "retract"})
+        try:
+            await self._post("/begin_weight_update", {})
+            for bucket in self.buckets(manifest, view, self.bucket_bytes):
+                names = [n for n, _, _ in bucket]
+                request = self._post(
+                    "/update_weights_from_distributed",
+                    {
+                        "names": names,
+                        "dtypes": [d for _, d, _ in bucket],
+                        "shapes": [s for _, _, s in bucket],
+                        "group_name": self.group.group_name,
+                        "weight_version": str(version),
+                        "load_format": self.load_format,
+                    },
+                )
+                if self.sender is None:
+                    await request
+                else:  # the engine's request blocks until it received the broadcast
+                    await asyncio.gather(request, self.sender(version, model_dir, names))
+            await self._post("/end_weight_update", {})
+        finally:
+            await self._post("/continue_generation", {})
+
+
+# ----------------------------------------------------------------------------------------------
+# The reconciler
+
+
+@dataclass
+class SyncConfig:
+    store: str
+    view: str
+    engine_url: str
+    group: str
+    replica: str
+    cache_dir: Path = Path("/tmp/rlfleet-weights")
+    host: str = "0.0.0.0"
+    port: int = 9400
+    poll_interval: float = 2.0
+    backoff_base: float = 1.0
+    backoff_max: float = 60.0
+    keep_local: int = 2
+    initial_version: int | None = None
+    request_timeout: float = 600.0
+
+
+@dataclass
+class LastApply:
+    version: int
+    download_seconds: float
+    apply_seconds: float
+    total_seconds: float
+    bytes: int
+    at: str
+
+
+@dataclass
+class SyncState:
+    applied_version: int | None = None
+    latest_version: int | None = None
+    phase: str = "starting"
+    consecutive_failures: int = 0
+    failures: dict[str, int] = field(default_factory=lambda: {"store": 0, "checksum": 0, "engine": 0})
+    last_error: str | None = None
+    last_apply: LastApply | None = None
+    next_attempt_at: float = 0.0
+
+
+class Metrics:
+    def __init__(self, group: str, view: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"group": group, "view": view}
+        self.applied = Gauge("rlfleet_weight_sync_applied_version", "Weight version the engine serves (-1: unknown).", list(labels), registry=self.registry).labels(**labels)
+        self.latest = Gauge("rlfleet_weight_sync_latest_version", "Version the channel pointer names (-1: none).", list(labels), registry=self.registry).labels(**labels)
+        self.lag = Gauge("rlfleet_weight_sync_lag_versions", "latest - applied.", list(labels), registry=self.registry).labels(**labels)
+        self.applies = Counter("rlfleet_weight_sync_applies", "Versions applied.", list(labels), registry=self.registry).labels(**labels)
+        failures = Counter("rlfleet_weight_sync_failures", "Failed sync attempts by reason.", [*labels, "reason"], registry=self.registry)
+        self.failures = {r: failures.labels(**labels, reason=r) for r in ("store", "checksum", "engine")}
+        buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+        self.download = Histogram("rlfleet_weight_sync_download_seconds", "Download + verification time.", list(labels), buckets=buckets, registry=self.registry).labels(**labels)
+        self.apply = Histogram("rlfleet_weight_sync_apply_seconds", "Engine apply time.", list(labels), buckets=buckets, registry=self.registry).labels(**labels)
+        self.applied.set(-1)
+        self.latest.set(-1)
+
+
+class Syncer:
+    """Reconciles one engine to the channel pointer."""
+
+    def __init__(self, config: SyncConfig, store: Store, engine: DiskEngine | PushEngine) -> None:
+        self.config = config
+        self.channel = WeightChannel(store, publisher_id=f"sync-{config.group}-{config.replica}")
+        self.engine = engine
+        self.state = SyncState(applied_version=config.initial_version)
+        self.metrics = Metrics(config.group, config.view)
+        if config.initial_version is not None:
+            self.metrics.applied.set(config.initial_version)
+        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._wake = asyncio.Event()
+
+    # -- one reconciliation step
+    async def reconcile_once(self) -> bool:
+        """Bring the engine to the pointer. True if a version was applied; raises nothing."""
+        state = self.state
+        try:
+            pointer = await asyncio.to_thread(self.channel.latest)
+        except (StoreError, OSError, ValueError) as e:
+            self._failed("store", f"read pointer: {e}")
+            return False
+        if pointer is None:
+            state.phase = "waiting"
+            await self._report()
+            return False
+        state.latest_version = pointer.version
+        self.metrics.latest.set(pointer.version)
+        self._update_lag()
+        if state.applied_version is not None and pointer.version <= state.applied_version:
+            state.phase = "in-sync"
+            state.consecutive_failures = 0
+            await self._report()
+            return False
+        version = pointer.version
+        target = self.config.cache_dir / f"v{version}-{self.config.view}"
+        state.phase = "downloading"
+        await self._report(target=version)
+        t0 = time.perf_counter()
+        try:
+            manifest = await asyncio.to_thread(self.channel.manifest, version, expected_sha256=pointer.manifest_sha256)
+            await asyncio.to_thread(self.channel.download_view, version, self.config.view, target, manifest=manifest)
+        except ChecksumMismatchError as e:
+            self._failed("checksum", f"v{version}: {e}")
+            await self._report()
+            return False
+        except (StoreError, OSError, ValueError) as e:
+            reason = "checksum" if isinstance(e, ChannelError) and "no view" not in str(e) else "store"
+            self._failed(reason, f"v{version}: {e}")
+            await self._report()
+            return False
+        t1 = time.perf_counter()
+        state.phase = "applying"
+        try:
+            await self.engine.apply(version, target, manifest, self.config.view)
+        except (EngineError, httpx.HTTPError) as e:
+            self._failed("engine", f"v{version}: {e}")
+            await self._report()
+            return False
+        t2 = time.perf_counter()
+        state.applied_version = version
+        state.consecutive_failures = 0
+        state.last_error = None
+        state.phase = "in-sync"
+        state.last_apply = LastApply(version, t1 - t0, t2 - t1, t2 - t0, manifest.views[self.config.view].bytes, now_iso())
+        self.metrics.applied.set(version)
+        self.metrics.applies.inc()
+        self.metrics.download.observe(t1 - t0)
+        self.metrics.apply.observe(t2 - t1)
+        self._update_lag()
+        self._prune_local()
+        log.info("applied weights v%d (%s) download %.2fs apply %.2fs", version, self.config.view, t1 - t0, t2 - t1)
+        await self._report()
+        return True
+
+    def _failed(self, reason: str, message: str) -> None:
+        state = self.state
+        state.failures[reason] += 1
+        state.consecutive_failures += 1
+        state.last_error = f"{reason}: {message}"[:1000]
+        state.phase = "backoff"
+        self.metrics.failures[reason].inc()
+        log.warning("weight sync failed (%s), keeping v%s: %s", reason, state.applied_version, message)
+
+    def _update_lag(self) -> None:
+        s = self.state
+        if s.latest_version is not None and s.applied_version is not None:
+            self.metrics.lag.set(max(0, s.latest_version - s.applied_version))
+
+    def _prune_local(self) -> None:
+        dirs = sorted(
+            (p for p in self.config.cache_dir.glob(f"v*-{self.config.view}") if p.is_dir()),
+            key=lambda p: int(p.name[1:].split("-", 1)[0]) if p.name[1:].split("-", 1)[0].isdigit() else -1,
+        )
+        for stale in dirs[: -self.config.keep_local]:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    async def _report(self, target: int | None = None) -> None:
+        in_use = sorted({v for v in (self.state.applied_version, target) if v is not None})
+        report = SubscriberReport(
+            group=self.config.group,
+            replica=self.config.replica,
+            view=self.config.view,
+            applied_version=self.state.applied_version,
+            in_use=in_use,
+            updated_at=now_iso(),
+            failures=sum(self.state.failures.values()),
+            last_error=self.state.last_error,
+        )
+        try:
+            await asyncio.to_thread(self.channel.report, report)
+        except (StoreError, OSError) as e:  # the store is down: the failure is already counted
+            log.debug("could not write subscriber report: %s", e)
+
+    def backoff_seconds(self) -> float:
+        n = self.state.consecutive_failures
+        if n == 0:
+            return self.config.poll_interval
+        delay = min(self.config.backoff_max, self.config.backoff_base * 2 ** (n - 1))
+        return delay * random.uniform(0.5, 1.0)  # jitter: replicas do not retry in lockstep
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.reconcile_once()
+            delay = self.backoff_seconds()
+            self.state.next_attempt_at = time.time() + delay
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+
+    # -- HTTP
+    def status(self) -> dict[str, Any]:
+        s = self.state
+        lag = None if s.latest_version is None or s.applied_version is None else max(0, s.latest_version - s.applied_version)
+        return {
+            "group": self.config.group,
+            "replica": self.config.replica,
+            "view": self.config.view,
+            "mode": self.engine.mode,
+            "store": self.channel.store.uri,
+            "engine_url": self.config.engine_url,
+            "applied_version": s.applied_version,
+            "latest_version": s.latest_version,
+            "lag": lag,
+            "phase": s.phase,
+            "consecutive_failures": s.consecutive_failures,
+            "failures": dict(s.failures),
+            "last_error": s.last_error,
+            "last_apply": asdict(s.last_apply) if s.last_apply else None,
+            "next_attempt_in_seconds": max(0.0, round(s.next_attempt_at - time.time(), 3)) if s.next_attempt_at else None,
+        }
+
+    def app(self) -> web.Application:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(self.status())
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/status", status)
+        app.router.add_get("/health", health)
+        return app
+
+
+async def engine_weight_version(client: httpx.AsyncClient) -> int | None:
+    """The version the engine reports serving, if it says (best effort: /model_info weight_version)."""
+    with contextlib.suppress(httpx.HTTPError, ValueError, TypeError, AttributeError):
+        response = await client.get("/model_info", timeout=5.0)
+        if response.status_code == 200:
+            value = response.json().get("weight_version")
+            if value is not None and str(value).isdigit():
+                return int(value)
+    return None
+
+
+async def serve(config: SyncConfig, *, push_group: PushGroup | None = None, stop: asyncio.Event | None = None, ready: Callable[[int], None] | None = None) -> None:
+    """Run the sidecar until `stop` is set (or forever)."""
+    stop = stop or asyncio.Event()
+    store = open_store(config.store)
+    async with httpx.AsyncClient(base_url=config.engine_url.rstrip("/"), timeout=config.request_timeout) as client:
+        if config.initial_version is None:
+            config.initial_version = await engine_weight_version(client)
+        engine: DiskEngine | PushEngine = DiskEngine(client) if push_group is None else PushEngine(client, push_group)
+        syncer = Syncer(config, store, engine)
+        runner = web.AppRunner(syncer.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else config.port  # type: ignore[union-attr]
+        log.info("weight sync sidecar for %s/%s (%s) on :%d", config.group, config.replica, config.view, port)
+        if ready is not None:
+            ready(port)
+        try:
+            await syncer.run(stop)
+        finally:
+            await runner.cleanup()
+            store.close()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlfleet sampler sync", description="Weight-sync sidecar: reconcile an engine to the weight channel.")
+    p.add_argument("--store", required=True, help="channel store: a path, file://path or s3://bucket/prefix[?endpoint=URL]")
+    p.add_argument("--view", required=True, choices=VIEW_NAMES, help="precision view this engine loads")
+    p.add_argument("--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--group", required=True, help="SamplerGroup name")
+    p.add_argument("--replica", required=True, help="replica (pod) name")
+    p.add_argument("--cache-dir", default="/tmp/rlfleet-weights", help="local directory shared with the engine")
+    p.add_argument("--host", default="0.0.0.0", help="bind address of /metrics /status /health")
+    p.add_argument("--port", type=int, default=9400, help="port of /metrics /status /health (0: any free port)")
+    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between pointer reads when in sync")
+    p.add_argument("--backoff-max", type=float, default=60.0, help="cap of the exponential retry backoff (seconds)")
+    p.add_argument("--initial-version", type=int, default=None, help="version the engine starts with (default: ask /model_info)")
+    p.add_argument("--mode", choices=("disk", "push"), default="disk", help="disk: /update_weights_from_disk; push: NCCL update group")
+    p.add_argument("--push-master", default=None, help="push mode: master_address:master_port of the update group")
+    return p
+
+
+def cli(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        check_name("group", args.group)
+        check_name("replica", args.replica)
+        open_store(args.store)
+    except ValueError as e:
+        parser.error(str(e))
+    if not args.engine_url.startswith(("http://", "https://")):
+        parser.error(f"--engine-url must be an http(s) URL, got {args.engine_url!r}")
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be in 0..65535")
+    push_group = None
+    if args.mode == "push":
+        if not args.push_master or ":" not in args.push_master:
+            parser.error("--mode push needs --push-master host:port")
+        host, _, port = args.push_master.rpartition(":")
+        if not port.isdigit():
+            parser.error("--push-master port must be a number")
+        push_group = PushGroup(master_address=host, master_port=int(port))
+    config = SyncConfig(
+        store=args.store, view=args.view, engine_url=args.engine_url, group=args.group, replica=args.replica,
+        cache_dir=Path(args.cache_dir), host=args.host, port=args.port, poll_interval=args.poll_interval,
+        backoff_max=args.backoff_max, initial_version=args.initial_version,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    async def main() -> None:
+        import signal
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)  # finish the current step, then exit cleanly
+        await serve(config, push_group=push_group, stop=stop)
+
+    asyncio.run(main())
+    return 0

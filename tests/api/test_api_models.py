@@ -1,0 +1,224 @@
+"""The API models: the example parses to the reference fleet, defaults, and every invalid case is
+rejected by pydantic with the same words the CRD's CEL uses."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from rlfleet.api import (
+    RLJob,
+    RLJobLoadError,
+    RLJobSpec,
+    SamplerGroup,
+    SamplerGroupStatus,
+    WeightChannel,
+    load_rljob,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "rljob.yaml"
+CASES = yaml.safe_load((Path(__file__).parent / "invalid_rljobs.yaml").read_text())
+
+
+def example_manifest() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def apply_case(manifest: dict, case: dict) -> dict:
+    out = copy.deepcopy(manifest)
+    for dotted, value in case["set"].items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key = int(leaf) if isinstance(node, list) else leaf
+        if case.get("delete"):
+            del node[key]
+        else:
+            node[key] = value
+    return out
+
+
+def test_example_is_the_reference_fleet() -> None:
+    job = load_rljob(EXAMPLE)
+    spec = job.spec
+    assert job.name == "reference-fleet"
+    assert (spec.trainer.accelerator, spec.trainer.precision) == ("b200", "bf16")
+    assert [(g.name, g.accelerator, g.weight_format) for g in spec.sampler_groups] == [
+        ("b200-nvfp4", "b200", "nvfp4"),
+        ("b300-nvfp4", "b300", "nvfp4"),
+        ("h100-fp8", "h100", "fp8"),
+        ("h100-bf16", "h100", "bf16"),
+        ("h200-fp8", "h200", "fp8"),
+        ("h200-bf16", "h200", "bf16"),
+        ("a100-bf16", "a100", "bf16"),
+        ("rtx-pro-6000-bf16", "rtx-pro-6000", "bf16"),
+    ]
+    assert spec.sampler_groups[-1].kv_cache_dtype == "fp8_e4m3"
+    assert all(g.kv_cache_dtype == "auto" for g in spec.sampler_groups[:-1])
+    assert (spec.rollout.prompts_per_step, spec.rollout.samples_per_prompt) == (128, 8)
+    assert (spec.rollout.top_p, spec.rollout.top_k) == (0.97, 64)
+    assert (spec.correction.mode, spec.correction.mis_low, spec.correction.mis_high) == (
+        "sc-mis-topp",
+        0.2,
+        5.0,
+    )
+    assert spec.staleness.max_steps is None
+    # local mode must be small: a tiny model, few steps, fewer prompts than the cluster run
+    assert spec.local.prompts_per_step < spec.rollout.prompts_per_step
+    assert spec.local.steps <= 50 and spec.local.model.d_model <= 128
+
+
+def test_defaults_of_a_minimal_job() -> None:
+    job = RLJob.from_manifest(
+        {
+            "apiVersion": "rlfleet.dev/v1alpha1",
+            "kind": "RLJob",
+            "metadata": {"name": "tiny"},
+            "spec": {
+                "model": {"name": "m", "path": "/models/m"},
+                "samplerGroups": [{"name": "g", "accelerator": "h100"}],
+                "weightChannel": {"store": {"path": "/weights"}},
+            },
+        }
+    )
+    s = job.spec
+    assert (s.rollout.prompts_per_step, s.rollout.samples_per_prompt, s.rollout.top_p, s.rollout.top_k) == (
+        128,
+        8,
+        1.0,
+        -1,
+    )
+    assert (s.correction.mode, s.correction.mis_low, s.correction.mis_high, s.correction.sc_head_size) == (
+        "sc-mis-topp", 0.2, 5.0, 128,
+    )  # fmt: skip
+    assert s.staleness.max_steps is None
+    assert (s.router.policy, s.router.rebalance_interval_seconds) == ("throughput", 30)
+    assert s.weight_channel.store.type == "filesystem"
+    g = s.sampler_groups[0]
+    assert (g.replicas, g.weight_format, g.kv_cache_dtype, g.tensor_parallel) == (1, "bf16", "auto", None)
+    assert s.suspend is False and s.safety.action == "alert"
+
+
+def test_wire_form_is_camel_case_and_round_trips() -> None:
+    job = load_rljob(EXAMPLE)
+    wire = job.to_wire()
+    assert "samplerGroups" in wire["spec"] and "promptsPerStep" in wire["spec"]["rollout"]
+    assert wire["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
+    assert RLJob.from_manifest(wire) == job
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_invalid_manifest_rejected_with_clear_message(case: dict) -> None:
+    manifest = apply_case(example_manifest(), case)
+    with pytest.raises((ValidationError, ValueError)) as info:
+        RLJob.from_manifest(manifest)
+    assert case.get("expect_local", case["expect"]) in str(info.value)
+
+
+def test_at_least_twelve_invalid_cases() -> None:
+    assert len(CASES) >= 12 and len({c["name"] for c in CASES}) == len(CASES)
+
+
+def test_load_rljob_errors_are_one_readable_message(tmp_path: Path) -> None:
+    bad = apply_case(example_manifest(), next(c for c in CASES if c["name"] == "top-p-without-top-k"))
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    with pytest.raises(RLJobLoadError) as info:
+        load_rljob(path)
+    text = str(info.value)
+    assert "spec.rollout" in text and "topP < 1 requires a finite topK" in text and "Traceback" not in text
+    with pytest.raises(RLJobLoadError, match="cannot read"):
+        load_rljob(tmp_path / "missing.yaml")
+    (tmp_path / "two.yaml").write_text("kind: Service\n---\nkind: ConfigMap\n")
+    with pytest.raises(RLJobLoadError, match="exactly one RLJob"):
+        load_rljob(tmp_path / "two.yaml")
+    (tmp_path / "broken.yaml").write_text("spec: [unclosed\n")
+    with pytest.raises(RLJobLoadError, match="not valid YAML"):
+        load_rljob(tmp_path / "broken.yaml")
+
+
+def test_wrong_api_version_is_rejected() -> None:
+    manifest = example_manifest()
+    manifest["apiVersion"] = "rlfleet.dev/v1"
+    with pytest.raises(ValueError, match="apiVersion must be 'rlfleet.dev/v1alpha1'"):
+        RLJob.from_manifest(manifest)
+
+
+def test_degraded_formats_are_accepted() -> None:
+    """FP8 on A100 runs weight-only: accepted (flagged in status by the operator), not rejected."""
+    manifest = apply_case(example_manifest(), {"set": {"spec.samplerGroups.6.weightFormat": "fp8"}})
+    assert RLJob.from_manifest(manifest).spec.sampler_groups[6].weight_format == "fp8"
+
+
+def test_samplergroup_and_weightchannel_parse_api_objects() -> None:
+    sg = SamplerGroup.from_manifest(
+        {
+            "apiVersion": "rlfleet.dev/v1alpha1",
+            "kind": "SamplerGroup",
+            "metadata": {"name": "j-g", "managedFields": [{"manager": "x"}], "generation": 3},
+            "spec": {
+                "name": "g",
+                "accelerator": "b200",
+                "weightFormat": "nvfp4",
+                "model": {"name": "m", "path": "p"},
+            },
+            "status": {
+                "readyReplicas": 2,
+                "costPer1MTokens": 0.5,
+                "shareHistory": [
+                    {"time": "2026-01-01T00:00:00Z", "from": 0.1, "to": 0.2, "reason": "throughput"}
+                ],
+            },
+        }
+    )
+    assert sg.metadata.generation == 3 and sg.status.cost_per_1m_tokens == 0.5
+    assert sg.status.share_history[0].to_share == 0.2
+    assert sg.status.to_wire()["shareHistory"][0]["from"] == 0.1
+    with pytest.raises(ValidationError, match="at most 5 items"):
+        SamplerGroupStatus.model_validate(
+            {"shareHistory": [{"time": "2026-01-01T00:00:00Z", "from": 0, "to": 1}] * 6}
+        )
+    wc = WeightChannel.from_manifest(
+        {
+            "apiVersion": "rlfleet.dev/v1alpha1",
+            "kind": "WeightChannel",
+            "metadata": {"name": "w"},
+            "spec": {
+                "store": {"type": "s3", "bucket": "weights", "secretRef": {"name": "s3"}},
+                "views": ["bf16", "fp8"],
+            },
+        }
+    )
+    assert wc.spec.store.secret_ref.name == "s3" and wc.spec.retention.keep_versions == 3
+    with pytest.raises(ValidationError, match="type s3 needs bucket"):
+        WeightChannel.from_manifest(
+            {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "WeightChannel", "spec": {"store": {"type": "s3"}}}
+        )
+
+
+def test_every_spec_field_is_documented() -> None:
+    """Descriptions come from field docstrings; a field without one would ship an undocumented CRD field."""
+    missing = []
+
+    def visit(model: type) -> None:
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(f"{model.__name__}.{name}")
+            ann = field.annotation
+            for sub in getattr(ann, "__args__", ()) + (ann,):
+                if (
+                    isinstance(sub, type)
+                    and hasattr(sub, "model_fields")
+                    and sub.__module__.startswith("rlfleet.api")
+                ):
+                    if sub.__name__ != "ObjectMeta":
+                        visit(sub)
+
+    visit(RLJobSpec)
+    assert missing == []

@@ -1,0 +1,199 @@
+"""Small real HTTP upstreams speaking the SGLang subset the router needs (test helper, not a mock:
+real aiohttp servers on 127.0.0.1, real sockets).
+
+`/generate` answers an SGLang-shaped JSON body (`text`, `output_ids`, `meta_info` with
+`prompt_tokens`, `completion_tokens`, `weight_version`, ...). Capacity is modelled like a saturated
+GPU: `slots` requests run at once and each produces tokens at `tokens_per_second / slots`, so the
+replica delivers at most `tokens_per_second` and a queue forms beyond that. `/metrics` exposes
+`sglang:generation_tokens_total`, `sglang:num_requests_total`, `sglang:gen_throughput`,
+`sglang:num_running_reqs`, `sglang:num_queue_reqs` with SGLang's label names.
+
+Run as a script (`python router_upstreams.py --tps 2000`) to get a process that a test can SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+
+@dataclass
+class UpstreamState:
+    name: str
+    tokens_per_second: float | None = None  # None: answer at once
+    tokens_per_request: int = 16
+    slots: int = 4
+    weight_version: int = 0
+    fail_status: int | None = None  # answer every /generate with this status (e.g. 503)
+    sessions: list[str] = field(default_factory=list)
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens)
+
+
+def make_app(state: UpstreamState) -> web.Application:
+    registry = CollectorRegistry()
+    labels = {"model_name": "tiny", "tp_rank": "0"}
+    generated = Counter("sglang:generation_tokens", "generated tokens", list(labels), registry=registry).labels(**labels)
+    prompt_total = Counter("sglang:prompt_tokens", "prompt tokens", list(labels), registry=registry).labels(**labels)
+    requests_total = Counter("sglang:num_requests", "requests", list(labels), registry=registry).labels(**labels)
+    throughput = Gauge("sglang:gen_throughput", "tokens/s", list(labels), registry=registry).labels(**labels)
+    running = Gauge("sglang:num_running_reqs", "running", list(labels), registry=registry).labels(**labels)
+    queued = Gauge("sglang:num_queue_reqs", "queued", list(labels), registry=registry).labels(**labels)
+    slots = asyncio.Semaphore(state.slots)
+    counts = {"running": 0, "queued": 0}
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        state.sessions.append(request.headers.get("X-Session-Id", ""))
+        if state.fail_status is not None:
+            return web.json_response({"error": "failing on purpose"}, status=state.fail_status)
+        n_tokens = int(body.get("sampling_params", {}).get("max_new_tokens", state.tokens_per_request))
+        prompt = body.get("input_ids") or []
+        counts["queued"] += 1
+        async with slots:
+            counts["queued"] -= 1
+            counts["running"] += 1
+            try:
+                if state.tokens_per_second:
+                    await asyncio.sleep(n_tokens * state.slots / state.tokens_per_second)
+            finally:
+                counts["running"] -= 1
+        generated.inc(n_tokens)
+        prompt_total.inc(len(prompt))
+        requests_total.inc()
+        state.recent.append((time.monotonic(), n_tokens))
+        if body.get("stream") is True:
+            # SGLang streams server-sent events: cumulative JSON chunks, then [DONE].
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for i in range(1, 4):
+                chunk = {"text": "x" * i, "meta_info": {"completion_tokens": i, "upstream": state.name}}
+                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        return web.json_response(
+            {
+                "text": "x" * n_tokens,
+                "output_ids": list(range(n_tokens)),
+                "meta_info": {
+                    "id": "r",
+                    "finish_reason": {"type": "length", "length": n_tokens},
+                    "prompt_tokens": len(prompt),
+                    "weight_version": str(state.weight_version),
+                    "completion_tokens": n_tokens,
+                    "cached_tokens": 0,
+                    "upstream": state.name,
+                },
+            }
+        )
+
+    async def metrics(request: web.Request) -> web.Response:
+        now = time.monotonic()
+        window = [(t, n) for t, n in state.recent if now - t <= 2.0]
+        throughput.set(sum(n for _, n in window) / 2.0)
+        running.set(counts["running"])
+        queued.set(counts["queued"])
+        return web.Response(body=generate_latest(registry), content_type="text/plain")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "tiny", "weight_version": str(state.weight_version)})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    app.router.add_get("/model_info", model_info)
+    return app
+
+
+class InProcessUpstream:
+    def __init__(self, state: UpstreamState) -> None:
+        self.state = state
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self, port: int = 0) -> InProcessUpstream:
+        self.runner = web.AppRunner(make_app(self.state), access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class SubprocessUpstream:
+    """An upstream in its own process, so a test can kill it like a crashed pod (SIGKILL)."""
+
+    def __init__(
+        self, name: str, tokens_per_second: float | None = None, weight_version: int = 0, port: int = 0
+    ) -> None:
+        self.name = name
+        args = [sys.executable, os.path.abspath(__file__), "--name", name, "--version", str(weight_version)]
+        args += ["--port", str(port)]
+        if tokens_per_second:
+            args += ["--tps", str(tokens_per_second)]
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+        line = self.process.stdout.readline()
+        self.port = int(json.loads(line)["port"])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    upstream = InProcessUpstream(UpstreamState(args.name, tokens_per_second=args.tps, weight_version=args.version))
+    await upstream.start(args.port)
+    print(json.dumps({"port": upstream.port}), flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", default="upstream")
+    parser.add_argument("--tps", type=float, default=None)
+    parser.add_argument("--version", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    asyncio.run(_main(parser.parse_args()))

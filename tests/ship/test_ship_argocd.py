@@ -1,0 +1,162 @@
+"""Argo CD health checks (charts/rlfleet/argocd/*.lua) run in a Lua 5.1 interpreter, as Argo CD's
+gopher-lua does, against sample live objects; plus the argocd-cm snippet and the example Application."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+lua51 = pytest.importorskip("lupa.lua51")
+
+REPO = Path(__file__).resolve().parents[2]
+ARGOCD = REPO / "charts" / "rlfleet" / "argocd"
+KINDS = ("RLJob", "SamplerGroup", "WeightChannel")
+ARGO_STATUSES = {"Healthy", "Progressing", "Degraded", "Suspended", "Missing", "Unknown"}
+
+
+def _to_lua(runtime: Any, value: Any) -> Any:
+    """Python JSON value -> Lua value the way Argo CD hands `obj` to gopher-lua (arrays 1-based)."""
+    if isinstance(value, dict):
+        return runtime.table_from({k: _to_lua(runtime, v) for k, v in value.items()})
+    if isinstance(value, list):
+        return runtime.table_from([_to_lua(runtime, v) for v in value])
+    return value
+
+
+def health(kind: str, obj: dict[str, Any]) -> dict[str, str]:
+    runtime = lua51.LuaRuntime(unpack_returned_tuples=True)
+    assert runtime.eval("_VERSION") == "Lua 5.1"
+    runtime.globals().obj = _to_lua(runtime, obj)
+    result = runtime.execute((ARGOCD / f"{kind.lower()}.lua").read_text())
+    return dict(result.items())
+
+
+def cond(kind: str, status: str, message: str = "", generation: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": kind, "status": status, "reason": "Test", "message": message}
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def obj_of(kind: str, generation: int = 3, status: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": kind,
+        "metadata": {"name": "demo", "namespace": "ml", "generation": generation},
+        "spec": {},
+    }
+    if status is not None:
+        out["status"] = status
+    return out
+
+
+READY = [cond("Ready", "True", "all groups ready"), cond("CollapseRisk", "False")]
+
+CASES = [
+    # (kind, status, expected health, substring of the message)
+    *[(k, None, "Progressing", "Waiting for the rlfleet operator") for k in KINDS],
+    *[(k, {"observedGeneration": 3, "conditions": READY}, "Healthy", "") for k in KINDS],
+    *[(k, {"observedGeneration": 2, "conditions": READY}, "Progressing", "generation 3") for k in KINDS],
+    *[(k, {"conditions": READY}, "Progressing", "generation 3") for k in KINDS],
+    *[(k, {"observedGeneration": 3, "conditions": [cond("Ready", "False", "2/8 groups ready")]},
+       "Progressing", "2/8 groups ready") for k in KINDS],
+    *[(k, {"observedGeneration": 3}, "Progressing", "") for k in KINDS],
+    *[(k, {"observedGeneration": 3, "conditions": [*READY[:1], cond("CollapseRisk", "True", "OOR share 0.4 > 0.2")]},
+       "Degraded", "OOR share 0.4") for k in KINDS],
+    # collapse risk wins even while a new generation is being rolled out
+    *[(k, {"observedGeneration": 1, "conditions": [cond("CollapseRisk", "True", "KL rising")]},
+       "Degraded", "CollapseRisk: KL rising") for k in KINDS],
+    *[(k, {"observedGeneration": 3, "phase": "Failed", "conditions": [cond("Ready", "False", "trainer crashed")]},
+       "Degraded", "trainer crashed") for k in KINDS],
+    ("RLJob", {"observedGeneration": 3, "phase": "Suspended", "message": "suspended by spec",
+               "conditions": [cond("Ready", "False")]}, "Suspended", "suspended by spec"),
+    ("RLJob", {"observedGeneration": 3, "phase": "Succeeded", "conditions": [cond("Ready", "False")]},
+     "Healthy", "Succeeded"),
+    ("RLJob", {"observedGeneration": 2, "phase": "Succeeded"}, "Progressing", "generation 3"),
+    ("RLJob", {"observedGeneration": 3, "phase": "Degraded", "conditions": [cond("Ready", "False", "h100-fp8 1/2")]},
+     "Progressing", "h100-fp8 1/2"),
+    ("SamplerGroup", {"observedGeneration": 3, "phase": "Suspended", "conditions": [cond("Ready", "False")]},
+     "Suspended", "Suspended"),
+    ("SamplerGroup", {"observedGeneration": 3, "phase": "Running", "ready": "2/2", "conditions": READY},
+     "Healthy", "Ready 2/2"),
+    ("SamplerGroup", {"observedGeneration": 3, "phase": "Degraded", "ready": "1/2",
+                      "conditions": [cond("Ready", "False", "1/2 replicas ready")]}, "Progressing", "1/2 replicas"),
+    ("SamplerGroup", {"observedGeneration": 3, "phase": "Quarantined", "quarantined": True,
+                      "message": "OOR share 3x token share", "conditions": READY}, "Degraded", "Quarantined: OOR share"),
+    ("SamplerGroup", {"observedGeneration": 3, "quarantined": False, "degradedPrecision": True,
+                      "conditions": READY}, "Healthy", ""),
+    ("WeightChannel", {"observedGeneration": 3, "phase": "Ready", "latestVersion": 17, "conditions": READY},
+     "Healthy", "Latest version 17"),
+    ("WeightChannel", {"observedGeneration": 3, "phase": "Degraded", "message": "sha256 mismatch in fp8 view",
+                       "conditions": [cond("Ready", "False")]}, "Degraded", "sha256 mismatch"),
+    ("WeightChannel", {"observedGeneration": 3, "phase": "Pending", "conditions": [cond("Ready", "False")]},
+     "Progressing", "No version published yet"),
+]
+
+
+@pytest.mark.parametrize(("kind", "status", "expected", "message"), CASES)
+def test_health_of_sample_objects(kind: str, status: dict[str, Any] | None, expected: str, message: str) -> None:
+    hs = health(kind, obj_of(kind, status=copy.deepcopy(status)))
+    assert hs["status"] == expected, hs
+    assert message in hs["message"], hs
+    assert isinstance(hs["message"], str) and hs["message"]
+
+
+condition_st = st.fixed_dictionaries(
+    {"type": st.sampled_from(["Ready", "Progressing", "Degraded", "CollapseRisk"]),
+     "status": st.sampled_from(["True", "False", "Unknown"]),
+     "message": st.text(max_size=20)}
+)
+status_st = st.none() | st.fixed_dictionaries(
+    {},
+    optional={
+        "observedGeneration": st.integers(0, 5),
+        "phase": st.sampled_from(
+            ["Pending", "Running", "Ready", "Degraded", "Suspended", "Quarantined", "Failed", "Succeeded"]
+        ),
+        "conditions": st.lists(condition_st, max_size=4, unique_by=lambda c: c["type"]),
+        "message": st.text(max_size=20),
+        "quarantined": st.booleans(),
+        "ready": st.sampled_from(["0/1", "1/1"]),
+        "latestVersion": st.integers(0, 100),
+    },
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(KINDS), generation=st.integers(1, 5), status=status_st)
+def test_healthy_only_when_current_and_ready(kind: str, generation: int, status: dict[str, Any] | None) -> None:
+    hs = health(kind, obj_of(kind, generation=generation, status=status))
+    assert hs["status"] in ARGO_STATUSES
+    conditions = {c["type"]: c["status"] for c in (status or {}).get("conditions", [])}
+    if hs["status"] == "Healthy":
+        assert status is not None and status.get("observedGeneration") == generation
+        assert conditions.get("Ready") == "True" or (kind == "RLJob" and status.get("phase") == "Succeeded")
+        assert conditions.get("CollapseRisk") != "True"
+        assert status.get("phase") != "Failed"
+    if conditions.get("CollapseRisk") == "True" or (status or {}).get("phase") == "Failed":
+        assert hs["status"] == "Degraded"
+
+
+def test_argocd_cm_snippet_embeds_the_lua_files_verbatim() -> None:
+    cm = yaml.safe_load((ARGOCD / "argocd-cm.yaml").read_text())
+    assert cm["kind"] == "ConfigMap" and cm["metadata"]["name"] == "argocd-cm"
+    expected = {f"resource.customizations.health.rlfleet.dev_{k}": (ARGOCD / f"{k.lower()}.lua").read_text()
+                for k in KINDS}
+    assert cm["data"] == expected
+
+
+def test_example_application_syncs_crds_first_with_server_side_apply() -> None:
+    app = yaml.safe_load((REPO / "examples" / "argocd-application.yaml").read_text())
+    assert app["apiVersion"] == "argoproj.io/v1alpha1" and app["kind"] == "Application"
+    options = app["spec"]["syncPolicy"]["syncOptions"]
+    assert "ServerSideApply=true" in options
+    assert "SkipDryRunOnMissingResource=true" in options
+    source = app["spec"]["source"]
+    assert source["path"] == "charts/rlfleet" or source.get("chart") == "rlfleet"

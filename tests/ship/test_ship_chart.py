@@ -1,0 +1,358 @@
+"""The Helm chart rendered by a real helm (no cluster): objects, RBAC modes, security, catalog
+override, schema validation, CRD copies, monitoring (rules and dashboard parse as PromQL and name
+only metrics the code exports)."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "rlfleet"
+
+
+def find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def operator_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = find(objs, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def rules_of(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+# --- chart files ------------------------------------------------------------------------------------
+
+
+def test_chart_crds_are_exact_copies_of_the_generated_crds() -> None:
+    generated = sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
+    assert generated, "crds/*.yaml missing (rlfleet crds)"
+    for name in generated:
+        assert (CHART / "crds" / name).read_bytes() == (REPO / "crds" / name).read_bytes(), (
+            f"charts/rlfleet/crds/{name} differs from crds/{name}: cp crds/*.yaml charts/rlfleet/crds/"
+        )
+    extra = sorted(p.name for p in (CHART / "crds").glob("*.yaml")) 
+    assert set(extra) - set(generated) == {"kopf.dev_peerings.yaml"}
+
+
+def test_kopf_peering_crds_match_what_kopf_watches() -> None:
+    from kopf._cogs.structs import references
+
+    crds = list(yaml.safe_load_all((CHART / "crds" / "kopf.dev_peerings.yaml").read_text()))
+    served = {(c["spec"]["group"], c["spec"]["names"]["plural"], c["spec"]["scope"]) for c in crds}
+    assert (references.CLUSTER_PEERINGS_K.group, references.CLUSTER_PEERINGS_K.plural, "Cluster") in served
+    assert (references.NAMESPACED_PEERINGS_K.group, references.NAMESPACED_PEERINGS_K.plural, "Namespaced") in served
+    for crd in crds:  # kopf keeps its keep-alives in .status (no status subresource): it must be preserved
+        status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+        assert status["x-kubernetes-preserve-unknown-fields"] is True
+        assert "subresources" not in crd["spec"]["versions"][0]
+
+
+def test_helm_lint_passes(helm) -> None:
+    out = helm("lint", str(CHART), "--strict", "--kube-version", "v1.36.3")
+    assert "0 chart(s) failed" in out
+
+
+# --- default render -----------------------------------------------------------------------------------
+
+
+def test_default_render_has_the_operator_objects(render) -> None:
+    objs = render()
+    kinds = sorted(o["kind"] for o in objs)
+    assert kinds == sorted(
+        ["ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "ClusterKopfPeering"]
+    )
+    for obj in objs:
+        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
+            assert obj["metadata"]["namespace"] == "rlfleet-system", obj["kind"]
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlfleet"
+
+
+def test_operator_pod_is_non_root_read_only_and_probed(render) -> None:
+    objs = render()
+    (deployment,) = find(objs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    container = operator_container(objs)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["livenessProbe"]["httpGet"]["port"] == "health"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert f"--liveness=http://0.0.0.0:{ports['health']}/healthz" in container["args"]
+    assert f"--metrics-port={ports['metrics']}" in container["args"]
+    assert container["image"] == "ghcr.io/rlfleet/operator:0.1.0"  # appVersion
+    assert pod["serviceAccountName"] == find(objs, "ServiceAccount")[0]["metadata"]["name"]
+
+
+def test_image_digest_pins_the_image(render) -> None:
+    digest = "sha256:" + "ab" * 32
+    assert operator_container(render({"image": {"digest": digest}}))["image"] == f"ghcr.io/rlfleet/operator@{digest}"
+
+
+def test_ha_peering_gives_each_pod_an_identity_and_a_distinct_priority(render) -> None:
+    objs = render()
+    (deployment,) = find(objs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    container = operator_container(objs)
+    assert "--peering=rlfleet" in container["args"]
+    assert "--priority=auto" in container["args"]  # same priorities would freeze every replica (kopf)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    (peering,) = find(objs, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "rlfleet"
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_standalone_mode_has_no_peering_and_refuses_two_replicas(render, helm) -> None:
+    objs = render({"operator": {"replicas": 1, "peering": {"enabled": False, "name": "rlfleet"}}})
+    assert not find(objs, "ClusterKopfPeering")
+    assert "--standalone" in operator_container(objs)["args"]
+    clusterrole = find(objs, "ClusterRole")[0]
+    assert not any(r[0] == "kopf.dev" for r in rules_of(clusterrole))
+    with pytest.raises(Exception, match="peering"):
+        render({"operator": {"replicas": 2, "peering": {"enabled": False, "name": "rlfleet"}}})
+
+
+# --- RBAC ---------------------------------------------------------------------------------------------
+
+NAMESPACED_RULES = {
+    *{("rlfleet.dev", "rljobs", v) for v in ("get", "list", "watch", "patch")},
+    *{("rlfleet.dev", r, v) for r in ("samplergroups", "weightchannels")
+      for v in ("get", "list", "watch", "create", "patch", "delete")},
+    *{("rlfleet.dev", f"{r}/status", v) for r in ("rljobs", "samplergroups", "weightchannels") for v in ("get", "patch")},
+    *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("get", "list", "watch", "create", "patch", "delete")},
+    *{("", r, v) for r in ("services", "configmaps") for v in ("get", "list", "watch", "create", "patch", "delete")},
+    ("", "events", "create"),
+}
+
+
+def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
+    objs = render()
+    (role,) = find(objs, "ClusterRole")
+    expected = NAMESPACED_RULES | {
+        *{("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")},
+        ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
+        ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
+    }
+    assert rules_of(role) == expected
+    assert not any("*" in (g, r, v) for g, r, v in rules_of(role))
+    assert not any(r in ("secrets", "pods/exec", "nodes/proxy") for _, r, _ in rules_of(role))
+    (binding,) = find(objs, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": find(objs, "ServiceAccount")[0]["metadata"]["name"], "namespace": "rlfleet-system"}
+    ]
+    assert "--all-namespaces" in operator_container(objs)["args"]
+
+
+def test_namespace_mode_has_no_cluster_wide_permission(render) -> None:
+    objs = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}}, namespace="ops")
+    assert not find(objs, "ClusterRole") and not find(objs, "ClusterRoleBinding") and not find(objs, "ClusterKopfPeering")
+    roles = find(objs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert rules_of(role) == NAMESPACED_RULES | {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
+    bindings = find(objs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert all(b["subjects"][0]["namespace"] == "ops" for b in bindings)
+    assert sorted(p["metadata"]["namespace"] for p in find(objs, "KopfPeering")) == ["team-a", "team-b"]
+    args = operator_container(objs)["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+
+
+# --- accelerator catalog override -------------------------------------------------------------------
+
+
+def test_catalog_override_reaches_the_operator_as_the_file_it_reads(render) -> None:
+    from rlfleet import catalog
+
+    override = {
+        "h100": {"costPerGpuHour": 1.23},
+        "l40s": {
+            "name": "l40s", "displayName": "NVIDIA L40S", "productLabels": ["NVIDIA-L40S"],
+            "computeCapability": "8.9", "memoryGib": 48, "weightFormats": {"bf16": {}},
+            "kvCacheDtypes": ["auto", "bf16"], "costPerGpuHour": 0.9,
+        },
+    }
+    objs = render({"catalog": {"classes": override}})
+    container = operator_container(objs)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    path = Path(env[catalog.CATALOG_ENV])
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "catalog"]
+    assert path.parent == Path(mount["mountPath"])
+    (deployment,) = find(objs, "Deployment")
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "catalog"]
+    (configmap,) = find(objs, "ConfigMap", volume["configMap"]["name"])
+    loaded = catalog.catalog_from_mapping(yaml.safe_load(configmap["data"][path.name]), source="chart")
+    assert loaded.get("h100").cost_per_gpu_hour == 1.23
+    assert loaded.get("h100").product_labels == catalog.builtin_classes()["h100"].product_labels  # merged
+    assert "l40s" in loaded.names() and "b200" in loaded.names()
+    # a catalog change rolls the operator pods (it reads the file at start)
+    default_checksum = find(render(), "Deployment")[0]["spec"]["template"]["metadata"]["annotations"]["checksum/catalog"]
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["checksum/catalog"] != default_checksum
+
+
+def test_default_catalog_configmap_is_a_valid_empty_override(render) -> None:
+    from rlfleet import catalog
+
+    (configmap,) = [c for c in find(render(), "ConfigMap") if c["metadata"]["name"].endswith("-catalog")]
+    loaded = catalog.catalog_from_mapping(yaml.safe_load(configmap["data"]["catalog.yaml"]), source="chart")
+    assert sorted(loaded.names()) == sorted(catalog.builtin_classes())
+
+
+# --- values schema ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"operator": {"replica": 3}}, "replica"),
+        ({"operator": {"logLevel": "loud"}}, "logLevel"),
+        ({"operator": {"watchNamespaces": ["Not_A_Namespace"]}}, "watchNamespaces"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+        ({"image": {"digest": "latest"}}, "digest"),
+        ({"metrics": {"prometheusRule": {"thresholds": {"klRatio": -1}}}}, "klRatio"),
+        ({"catalog": {"classes": {"H100!": {}}}}, "classes"),
+        ({"grafana": {"dashbord": {}}}, "dashbord"),
+    ],
+)
+def test_schema_rejects_bad_values_with_the_field_named(render, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(Exception, match=re.escape(message)):
+        render(values)
+
+
+# --- monitoring -----------------------------------------------------------------------------------------
+
+
+def _promql_metric_names(expr: str) -> set[str]:
+    import promql_parser
+
+    names: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if type(node).__name__ == "VectorSelector":
+            names.add(node.name)
+            return
+        for attr in ("lhs", "rhs", "expr", "args", "param", "vector_selector"):
+            child = getattr(node, attr, None)
+            for item in child if isinstance(child, list) else [child]:
+                if item is not None:
+                    walk(item)
+
+    walk(promql_parser.parse(expr))
+    return names
+
+
+@pytest.fixture(scope="module")
+def exported_metric_names() -> set[str]:
+    """Names the code really exports: the router's registry and the trainer's exporter, scraped."""
+    from prometheus_client import generate_latest
+
+    from rlfleet.router.metrics import RouterMetrics
+    from rlfleet.router.table import RoutingTable
+    from rlfleet.trainer.metrics import MEAN_METRICS, PrometheusExporter
+
+    table = RoutingTable()
+    table.set_group("h100-fp8", replicas=["http://127.0.0.1:1"], share=1.0)
+    table.groups["h100-fp8"].replicas["http://127.0.0.1:1"].observe_version(3)
+    router = RouterMetrics(table)
+    router.answered("h100-fp8", 200, 0.1, completion=5, prompt=3)
+    router.error("h100-fp8", "timeout")
+    router.retry("h100-fp8")
+    text = generate_latest(router.registry).decode()
+
+    exporter = PrometheusExporter(port=0)
+    try:
+        # fleet + per-group objective metrics, the rollout metrics and the loop's grad_norm
+        # (trainer/loop.py), exactly as the trainer feeds its exporter
+        step_metrics = {k: 0.5 for k in MEAN_METRICS}
+        step_metrics |= {f"group/h100-fp8/{k}": 0.5 for k in (*MEAN_METRICS, "token_share", "oor_share")}
+        step_metrics |= {k: 0.1 for k in ("reward_mean", "empty_reply_rate", "no_tool_call_rate", "grad_norm")}
+        exporter.update(7, step_metrics)
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as response:
+            text += response.read().decode()
+    finally:
+        exporter.close()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    # SGLang's own metrics (references.md; served by the engine, not by our code)
+    return names | {"sglang:gen_throughput", "sglang:generation_tokens_total"}
+
+
+def test_alert_rules_parse_and_use_only_exported_metrics(render, exported_metric_names: set[str]) -> None:
+    objs = render({"metrics": {"prometheusRule": {"enabled": True}}})
+    (rule,) = find(objs, "PrometheusRule")
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert {"RLFleetKLSurge", "RLFleetRewardCliff", "RLFleetEntropyCollapse", "RLFleetGradNormSpike",
+            "RLFleetTailRatioBlowup", "RLFleetToolCallsStopped", "RLFleetGroupOutOfRangeShare",
+            "RLFleetWeightVersionLag"} <= set(alerts)
+    for name, alert in alerts.items():
+        used = _promql_metric_names(alert["expr"])
+        assert used and used <= exported_metric_names, (name, used - exported_metric_names)
+        assert alert["labels"]["severity"] in ("warning", "critical")
+        assert alert["annotations"]["summary"]
+
+
+def test_alert_thresholds_default_to_the_collapse_detector(render) -> None:
+    from rlfleet.trainer.collapse import CollapseThresholds
+
+    defaults = CollapseThresholds()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["prometheusRule"]["thresholds"]
+    pairs = {"klRatio": defaults.kl_ratio, "oorRatio": defaults.oor_ratio, "klFloor": defaults.kl_floor,
+             "oorFloor": defaults.oor_floor, "entropyMin": defaults.entropy_min, "gradRatio": defaults.grad_ratio,
+             "rhoMax": defaults.rho_max, "rewardCliffAbs": defaults.cliff_abs,
+             "rewardCliffRel": defaults.cliff_rel, "rateAbs": defaults.rate_abs}
+    assert {k: values[k] for k in pairs} == pairs
+    objs = render({"metrics": {"prometheusRule": {"enabled": True, "thresholds": {"klRatio": 7.5}}}})
+    (rule,) = find(objs, "PrometheusRule")
+    (kl,) = [r for g in rule["spec"]["groups"] for r in g["rules"] if r["alert"] == "RLFleetKLSurge"]
+    assert "> 7.5 * clamp_min" in kl["expr"]
+
+
+def test_monitoring_is_off_by_default_and_selects_the_operator(render) -> None:
+    assert not find(render(), "ServiceMonitor") and not find(render(), "PrometheusRule")
+    objs = render({"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}})
+    (monitor,) = find(objs, "ServiceMonitor")
+    (service,) = find(objs, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"] == "metrics"
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    (pods,) = find(objs, "PodMonitor")
+    targets = {r["targetLabel"] for e in pods["spec"]["podMetricsEndpoints"] for r in e["relabelings"]}
+    assert {"rljob", "group"} <= targets
+
+
+def test_grafana_dashboard_covers_the_fleet(render, exported_metric_names: set[str]) -> None:
+    objs = render({"grafana": {"dashboard": {"enabled": True}}})
+    (configmap,) = [c for c in find(objs, "ConfigMap") if c["metadata"]["name"].endswith("-dashboard")]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(configmap["data"]["rlfleet.json"])
+    assert dashboard["uid"] == "rlfleet-fleet"
+    used: set[str] = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$namespace", "x").replace("$rljob", "x")
+            used |= _promql_metric_names(expr)
+    assert used <= exported_metric_names, used - exported_metric_names
+    titles = " ".join(p["title"].lower() for p in dashboard["panels"])
+    for needed in ("throughput", "share", "lag", "kl", "out-of-range", "reward"):
+        assert needed in titles
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))

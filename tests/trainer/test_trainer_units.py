@@ -1,0 +1,261 @@
+"""Unit + property tests of the trainer's pure parts: environments, prompts, advantages, metrics,
+collapse detector, checkpoints, report."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.trainer import advantages, checkpoint, collapse, environments, metrics, prompts, report
+from rlfleet.trainer.environments import ToyVocab as V
+
+
+# ---------------------------------------------------------------- environments
+def test_copy_digit_reward_is_exactly_the_share_of_target_tokens():
+    p = environments.copy_digit_prompt(0, 7)
+    assert p.input_ids == [V.BOS, V.digit(7), V.SEP]
+    assert environments.copy_digit_reward(p, [V.digit(7)] * 4 + [V.EOS]) == 1.0
+    assert environments.copy_digit_reward(p, [V.digit(7), V.digit(3), 25, 25, V.EOS]) == pytest.approx((1 + 0.1) / 4)
+    assert environments.copy_digit_reward(p, [V.EOS, V.digit(7)]) == 0.0  # nothing after EOS counts
+    assert environments.copy_digit_reward(p, []) == 0.0
+
+
+def test_tool_add_episode_call_then_answer():
+    env = environments.ToolAddEnv()
+    p = environments.tool_add_prompt(0, 4, 9)
+    st_ = env.start(p)
+    s1 = env.step(p, st_, [V.CALL, V.digit(4), V.digit(9), V.END_CALL], "stop")
+    assert not s1.done and s1.tool_call and not s1.format_error
+    assert s1.append_ids == [V.RESULT, V.digit(3), V.END_RESULT]
+    s2 = env.step(p, st_, [V.digit(3), V.EOS], "stop")
+    assert s2.done
+    out = env.score(p, st_, [[V.CALL, V.digit(4), V.digit(9), V.END_CALL], [V.digit(3), V.EOS]])
+    assert out.reward == pytest.approx(1.0) and out.tool_calls == 1 and out.format_errors == 0
+    assert not out.no_tool_call_termination and not out.empty_final_reply
+
+
+def test_tool_add_three_turns_without_tool_call_end_the_episode():
+    env = environments.ToolAddEnv(max_turns=5, max_turns_without_tool=3)
+    p = environments.tool_add_prompt(0, 1, 1)
+    st_ = env.start(p)
+    steps = [env.step(p, st_, [25, 26], "length") for _ in range(3)]
+    assert [s.done for s in steps] == [False, False, True]
+    out = env.score(p, st_, [[25, 26]] * 3)
+    assert out.no_tool_call_termination and out.reward == 0.0
+
+
+def test_tool_add_malformed_call_gets_err_and_counts():
+    env = environments.ToolAddEnv()
+    p = environments.tool_add_prompt(0, 1, 2)
+    st_ = env.start(p)
+    s = env.step(p, st_, [V.CALL, V.digit(1), V.END_CALL], "stop")
+    assert s.format_error and s.append_ids == [V.RESULT, V.ERR, V.END_RESULT]
+
+
+def test_load_environment_entry_points(tmp_path, monkeypatch):
+    assert environments.load_environment("copy_digit") is environments.copy_digit
+    env = environments.load_environment("rlfleet.trainer.environments:ToolAddEnv", max_turns=2)
+    assert isinstance(env, environments.ToolAddEnv) and env.max_turns == 2
+    (tmp_path / "myreward.py").write_text("def reward(prompt, ids):\n    return float(len(ids))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = environments.load_environment("myreward:reward")
+    p = environments.copy_digit_prompt(0, 1)
+    assert env.score(p, {}, [[5, 6, 7]]).reward == 3.0
+    for bad in ("nocolon", "no_such_module_xyz:f", "rlfleet.trainer.environments:nope"):
+        with pytest.raises(environments.EnvironmentLoadError):
+            environments.load_environment(bad)
+
+
+# ---------------------------------------------------------------- prompts
+def test_generated_prompts_are_a_pure_function_of_seed_and_index():
+    a, b = prompts.GeneratedPromptSource("tool_add", seed=3), prompts.GeneratedPromptSource("tool_add", seed=3)
+    assert [a.get(i).input_ids for i in range(20)] == [b.get(i).input_ids for i in reversed(range(20))][::-1]
+    assert len({tuple(a.get(i).input_ids) for i in range(50)}) > 10
+
+
+def test_jsonl_prompts_cycle_epochs_and_reject_bad_rows(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"input_ids": [1, i + 10], "answer": i}) for i in range(5)) + "\n")
+    src = prompts.JsonlPromptSource(path, seed=1)
+    epoch0 = sorted(src.get(i).meta["answer"] for i in range(5))
+    epoch1 = sorted(src.get(i).meta["answer"] for i in range(5, 10))
+    assert epoch0 == epoch1 == list(range(5))
+    assert src.get(7).input_ids == prompts.JsonlPromptSource(path, seed=1).get(7).input_ids
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": "hello"}\n')
+    with pytest.raises(prompts.PromptFileError, match="bad.jsonl:1"):
+        prompts.JsonlPromptSource(bad)
+    with pytest.raises(prompts.PromptFileError, match="vocab"):
+        prompts.JsonlPromptSource(path, vocab_size=12)
+
+
+# ---------------------------------------------------------------- advantages
+@given(st.lists(st.floats(-10, 10, allow_nan=False), min_size=1, max_size=16), st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_grpo_advantages_are_centered_and_shift_invariant(rewards, norm):
+    a = advantages.grpo_advantages(np.array(rewards), normalize_std=norm)
+    assert abs(float(a.sum())) < 1e-3 * max(1.0, len(rewards)) * (1 if not norm else 1e3)
+    shifted = advantages.grpo_advantages(np.array(rewards) + 3.0, normalize_std=norm)
+    np.testing.assert_allclose(a, shifted, atol=1e-3 if norm else 1e-4)
+    if not norm:
+        np.testing.assert_allclose(a, np.array(rewards) - np.mean(rewards), atol=1e-4)
+
+
+def test_grpo_advantages_constant_group_is_zero_and_std_norm_is_unit():
+    assert not advantages.grpo_advantages(np.ones(8)).any()
+    a = advantages.grpo_advantages(np.array([0.0, 1.0, 0.0, 1.0]), normalize_std=True)
+    assert np.allclose(a, [-1, 1, -1, 1], atol=1e-5)
+    assert advantages.token_advantages(np.array([1.0, -2.0]), np.array([2, 3])).tolist() == [1, 1, -2, -2, -2]
+
+
+# ---------------------------------------------------------------- metrics
+@given(st.lists(st.floats(-3, 3), min_size=1, max_size=64))
+@settings(max_examples=100, deadline=None)
+def test_kl_k3_is_nonnegative_and_zero_iff_ratios_are_one(log_ratios):
+    m = metrics.ratio_metrics(np.array(log_ratios), 0.2, 5.0)
+    assert m["kl_k3"] >= -1e-12
+    r = np.exp(np.array(log_ratios))
+    assert m["oor_fraction"] == pytest.approx(np.mean((r < 0.2) | (r > 5.0)))
+    assert 0 < m["ess"] <= 1 + 1e-9
+    z = metrics.ratio_metrics(np.zeros(len(log_ratios)), 0.2, 5.0)
+    assert z["kl_k3"] == 0 and z["oor_fraction"] == 0 and z["ess"] == pytest.approx(1.0)
+
+
+def test_token_metrics_breakdowns_and_shares():
+    lr = np.array([0.0, 0.0, 3.0, -3.0, 0.1, 0.0])  # tokens 2 and 3 are out of [0.2, 5]
+    groups = ["h100-fp8", "h100-fp8", "h100-fp8", "b200-nvfp4", "b200-nvfp4", "b200-nvfp4"]
+    views = ["fp8", "fp8", "fp8", "nvfp4", "nvfp4", "nvfp4"]
+    m = metrics.token_metrics(lr, groups, views, np.array([0, 1, 2, 3, 6, 9]), 0.2, 5.0)
+    assert m["oor_fraction"] == pytest.approx(2 / 6)
+    assert m["group/h100-fp8/token_share"] == 0.5 and m["group/h100-fp8/oor_share"] == 0.5
+    assert m["view/fp8/oor_fraction"] == pytest.approx(1 / 3)
+    assert m["staleness/0-1/tokens"] == 2 and m["staleness/6+/tokens"] == 2 and m["staleness/2-3/tokens"] == 2
+    assert m["staleness_max"] == 9
+    assert metrics.staleness_bucket(5) == "4-5"
+
+
+def test_prometheus_exporter_serves_the_latest_values():
+    import httpx
+
+    exp = metrics.PrometheusExporter(port=0)
+    try:
+        exp.update(3, {"kl_k3": 0.25, "group/a/oor_fraction": 0.5})
+        text = httpx.get(f"http://127.0.0.1:{exp.port}/metrics").text
+        assert 'rlfleet_trainer_kl_k3{key="",scope="fleet"} 0.25' in text
+        assert 'rlfleet_trainer_oor_fraction{key="a",scope="group"} 0.5' in text
+        assert 'rlfleet_trainer_step{key="",scope="fleet"} 3.0' in text
+    finally:
+        exp.close()
+
+
+# ---------------------------------------------------------------- collapse detector
+def healthy(step: int, rng: np.random.Generator) -> dict[str, float]:
+    return {
+        "reward_mean": min(0.9, 0.1 + 0.02 * step) + rng.normal(0, 0.03),
+        "kl_k3": 0.01 * (1 + rng.normal(0, 0.1)),
+        "oor_fraction": 0.002 * (1 + rng.normal(0, 0.2)),
+        "group/a/kl_k3": 0.01 * (1 + rng.normal(0, 0.1)),
+        "group/a/oor_fraction": 0.002,
+        "entropy": 2.0 - 0.01 * step,
+        "grad_norm": 1.0 + rng.normal(0, 0.1),
+        "sc_tail_ratio": 1.0 + abs(rng.normal(0, 0.05)),
+        "empty_reply_rate": 0.02,
+        "no_tool_call_rate": 0.05,
+    }
+
+
+def test_detector_is_quiet_on_a_healthy_run():
+    rng = np.random.default_rng(0)
+    det = collapse.CollapseDetector()
+    for step in range(100):
+        assert not det.observe(step, healthy(step, rng)).fired, det.history
+
+
+@pytest.mark.parametrize(
+    "signal,inject",
+    [
+        ("reward_cliff", {"reward_mean": 0.05}),
+        ("kl_surge", {"kl_k3": 0.2, "oor_fraction": 0.1}),
+        ("tool_calls_stop", {"no_tool_call_rate": 0.9, "empty_reply_rate": 0.9}),
+        ("entropy_collapse", {"entropy": 0.001}),
+        ("grad_norm_spike", {"grad_norm": 25.0}),
+        ("rho_blowup", {"sc_tail_ratio": 52.0}),
+    ],
+)
+def test_detector_fires_on_each_injected_precursor(signal, inject):
+    rng = np.random.default_rng(1)
+    det = collapse.CollapseDetector(action="pause")
+    for step in range(30):
+        assert not det.observe(step, healthy(step, rng)).fired
+    fired_at = None
+    for step in range(30, 35):
+        d = det.observe(step, {**healthy(step, rng), **inject})
+        if d.fired:
+            fired_at = step
+            assert signal in {a.signal for a in d.alerts} and d.pause
+            break
+    assert fired_at == 31  # patience 2: the second consecutive bad step
+
+
+def test_kl_surge_without_oor_surge_does_not_fire():
+    rng = np.random.default_rng(2)
+    det = collapse.CollapseDetector()
+    for step in range(40):
+        m = healthy(step, rng)
+        if step >= 20:
+            m["kl_k3"] = 0.1  # 10x KL but OOR flat: method.md wants both
+        assert not det.observe(step, m).fired
+
+
+def test_quarantine_action_names_the_offending_group_once():
+    rng = np.random.default_rng(3)
+    det = collapse.CollapseDetector(action="quarantine-group")
+    for step in range(20):
+        det.observe(step, healthy(step, rng))
+    bad = {"group/a/kl_k3": 0.5, "group/a/oor_fraction": 0.2}
+    d1 = det.observe(20, {**healthy(20, rng), **bad})
+    d2 = det.observe(21, {**healthy(21, rng), **bad})
+    d3 = det.observe(22, {**healthy(22, rng), **bad})
+    assert not d1.quarantine and d2.quarantine == ["a"] and d3.quarantine == [] and det.quarantined == {"a"}
+    restored = collapse.CollapseDetector(action="quarantine-group")
+    restored.load_state_dict(json.loads(json.dumps(det.state_dict())))
+    assert restored.state_dict() == det.state_dict()
+
+
+def test_thresholds_from_spec_accept_camel_case_and_reject_unknown():
+    t = collapse.CollapseThresholds.from_spec({"klRatio": 4, "rho_max": 10})
+    assert t.kl_ratio == 4.0 and t.rho_max == 10.0
+    with pytest.raises(ValueError, match="unknown collapse threshold"):
+        collapse.CollapseThresholds.from_spec({"bogus": 1})
+    with pytest.raises(ValueError):
+        collapse.CollapseDetector(action="explode")
+
+
+# ---------------------------------------------------------------- checkpoint + report
+def test_checkpoint_roundtrip_keeps_latest_and_prunes(tmp_path):
+    import torch
+
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(tmp_path, {"step": step, "w": torch.full((2,), float(step)), "data_position": 10 * step})
+    state = checkpoint.load_latest(tmp_path)
+    assert state["step"] == 3 and state["data_position"] == 30 and state["w"].tolist() == [3.0, 3.0]
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-00000002.pt", "ckpt-00000003.pt"]
+    assert checkpoint.load_latest(tmp_path / "none") is None
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_report_writes_json_csv_and_plots(tmp_path):
+    rows = [{"step": s, "reward_mean": 0.1 * s, "kl_k3": 0.01, "group/a/kl_k3": 0.02, "grad_norm": 1.0} for s in range(5)]
+    report.write_report(rows, tmp_path, {"final_reward": 0.4})
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert data["summary"]["final_reward"] == 0.4 and len(data["steps"]) == 5
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[0] == "step" and "group/a/kl_k3" in header
+    for name in ("reward.png", "kl.png", "oor.png", "entropy.png", "grad_norm.png", "sc_tail_ratio.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert math.isclose(data["steps"][4]["reward_mean"], 0.4)

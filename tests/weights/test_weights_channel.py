@@ -1,0 +1,257 @@
+"""Weight channel: versions, manifests, checksums, pointer, retention, racing publishers, status.
+
+Runs against a real directory and a real S3-compatible server (moto_server process)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from rlfleet.channel import (
+    POINTER_KEY,
+    ChecksumMismatchError,
+    SubscriberReport,
+    VersionConflictError,
+    WeightChannel,
+    group_versions,
+    manifest_key,
+    read_channel_status,
+)
+from rlfleet.store import FilesystemStore, Store
+
+
+def make_view(directory: Path, view: str, tag: str, *, rows: int = 8) -> Path:
+    """A small view directory: one safetensors file whose values encode `tag`, plus a config."""
+    directory.mkdir(parents=True, exist_ok=True)
+    seed = int(hashlib.sha256(tag.encode()).hexdigest()[:8], 16)
+    rng = np.random.default_rng(seed)
+    save_file(
+        {
+            "model.layers.0.mlp.up_proj.weight": rng.standard_normal((rows, 16)).astype(np.float32),
+            "model.norm.weight": np.ones(16, dtype=np.float32),
+            "tag": np.frombuffer(tag.encode().ljust(64, b" "), dtype=np.uint8).copy(),
+        },
+        str(directory / "model.safetensors"),
+    )
+    (directory / "rlfleet_view.json").write_text(json.dumps({"view": view, "tag": tag}))
+    return directory
+
+
+def tag_of(view_dir: Path) -> str:
+    return json.loads((view_dir / "rlfleet_view.json").read_text())["tag"]
+
+
+def test_publish_download_roundtrip(any_store: Store, tmp_path: Path) -> None:
+    channel = WeightChannel(any_store, publisher_id="p1")
+    assert channel.latest() is None
+    views = {"bf16": make_view(tmp_path / "a" / "bf16", "bf16", "a"), "fp8": make_view(tmp_path / "a" / "fp8", "fp8", "a", rows=4)}
+    first = channel.publish(views)
+    assert (first.version, first.advanced) == (0, True)
+    second = channel.publish({"bf16": make_view(tmp_path / "b" / "bf16", "bf16", "b"), "fp8": make_view(tmp_path / "b" / "fp8", "fp8", "b")})
+    assert (second.version, second.advanced) == (1, True)
+    pointer = channel.latest()
+    assert pointer is not None and pointer.version == 1
+
+    manifest = channel.manifest(0, expected_sha256=None)
+    fp8 = manifest.views["fp8"]
+    local = tmp_path / "a" / "fp8" / "model.safetensors"
+    assert fp8.files["model.safetensors"].sha256 == hashlib.sha256(local.read_bytes()).hexdigest()
+    assert fp8.files["model.safetensors"].bytes == local.stat().st_size
+    assert fp8.tensors["model.layers.0.mlp.up_proj.weight"] == {"dtype": "F32", "shape": [4, 16]}
+    assert fp8.tensors["tag"] == {"dtype": "U8", "shape": [64]}
+
+    out = channel.download_view(1, "bf16", tmp_path / "dl" / "v1-bf16")
+    assert tag_of(out) == "b"
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "b" / "bf16" / "model.safetensors").read_bytes()
+    assert channel.versions() == [0, 1]
+
+
+def test_tampered_file_is_refused_and_nothing_is_left(any_store: Store, tmp_path: Path) -> None:
+    channel = WeightChannel(any_store)
+    channel.publish({"bf16": make_view(tmp_path / "bf16", "bf16", "x")})
+    key = "v0/bf16/model.safetensors"
+    data = bytearray(any_store.get(key))
+    data[-1] ^= 0xFF  # one flipped bit in the tensor bytes
+    any_store.put(key, bytes(data))
+    dest = tmp_path / "dl" / "v0"
+    with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+        channel.download_view(0, "bf16", dest)
+    assert not dest.exists()
+    assert not list((tmp_path / "dl").iterdir())  # no partial directory either
+
+
+def test_tampered_manifest_is_refused(any_store: Store, tmp_path: Path) -> None:
+    channel = WeightChannel(any_store)
+    channel.publish({"bf16": make_view(tmp_path / "bf16", "bf16", "x")})
+    pointer = channel.latest()
+    assert pointer is not None
+    raw = json.loads(any_store.get(manifest_key(0)))
+    raw["views"]["bf16"]["files"]["model.safetensors"]["sha256"] = "0" * 64  # attacker rewrites the manifest
+    any_store.put(manifest_key(0), json.dumps(raw).encode())
+    with pytest.raises(ChecksumMismatchError, match="manifest"):
+        channel.manifest(0, expected_sha256=pointer.manifest_sha256)
+
+
+def test_explicit_versions_must_increase(tmp_path: Path) -> None:
+    channel = WeightChannel(FilesystemStore(tmp_path / "s", create=True))
+    view = {"bf16": make_view(tmp_path / "bf16", "bf16", "x")}
+    assert channel.publish(view, version=5).version == 5
+    with pytest.raises(VersionConflictError):
+        channel.publish(view, version=5)
+    with pytest.raises(VersionConflictError):
+        channel.publish(view, version=3)
+    assert channel.publish(view).version == 6
+    pointer = channel.latest()
+    assert pointer is not None and pointer.version == 6
+
+
+def test_publish_rejects_bad_input(tmp_path: Path) -> None:
+    channel = WeightChannel(FilesystemStore(tmp_path / "s", create=True))
+    with pytest.raises(ValueError):
+        channel.publish({})
+    with pytest.raises(ValueError, match="not a directory"):
+        channel.publish({"bf16": tmp_path / "missing"})
+    with pytest.raises(ValueError, match="invalid view"):
+        channel.publish({"../x": make_view(tmp_path / "v", "bf16", "x")})
+    assert channel.latest() is None
+
+
+def test_retention_keeps_latest_and_what_subscribers_use(any_store: Store, tmp_path: Path) -> None:
+    channel = WeightChannel(any_store)
+    for i in range(6):
+        channel.publish({"bf16": make_view(tmp_path / str(i), "bf16", str(i))})
+    # an abandoned publish (claim + partial bytes, no manifest) below the pointer
+    any_store.create("claims/v2", b"dead")  # already claimed by the real v2: returns False, fine
+    channel.report(SubscriberReport("h100-fp8", "pod-a", "bf16", applied_version=1, in_use=[1]))
+    channel.report(SubscriberReport("b200-nvfp4", "pod-b", "bf16", applied_version=5, in_use=[5]))
+    deleted = channel.retain(keep=2)
+    assert deleted == [0, 2, 3]
+    assert channel.versions() == [1, 4, 5]
+    assert [k for k in any_store.list("claims/")] == ["claims/v1", "claims/v4", "claims/v5"]
+    assert tag_of(channel.download_view(1, "bf16", tmp_path / "dl1")) == "1"
+    # the subscriber moves on: v1 is no longer protected
+    channel.report(SubscriberReport("h100-fp8", "pod-a", "bf16", applied_version=5, in_use=[5]))
+    assert channel.retain(keep=2) == [1]
+    pointer = channel.latest()
+    assert pointer is not None and pointer.version == 5
+
+
+def test_retention_removes_abandoned_partial_versions(tmp_path: Path) -> None:
+    store = FilesystemStore(tmp_path / "s", create=True)
+    channel = WeightChannel(store)
+    channel.publish({"bf16": make_view(tmp_path / "0", "bf16", "0")})
+    store.create("claims/v1", b"killed publisher")
+    store.put("v1/bf16/model.safetensors", b"half")
+    channel.publish({"bf16": make_view(tmp_path / "2", "bf16", "2")})
+    assert channel.latest().version == 2  # type: ignore[union-attr]
+    assert channel.versions() == [0, 2]
+    assert channel.retain(keep=5) == [1]
+    assert store.list("v1/") == [] and store.list("claims/v1") == []
+
+
+@pytest.mark.parametrize("kind", ["filesystem", "s3-lock-free", "s3-conditional"])
+def test_racing_publishers_monotonic_and_never_mixed(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Two publishers publish concurrently while a reader polls the pointer: every version is
+    entirely one publisher's bytes, the pointer never goes backwards and ends at the highest version."""
+    if kind == "filesystem":
+        store: Store = FilesystemStore(tmp_path / "s", create=True)
+    else:
+        from conftest import make_bucket
+
+        from rlfleet.store import S3Store
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        store = S3Store(make_bucket(endpoint), endpoint_url=endpoint, conditional_writes=(kind == "s3-conditional"))
+    rounds = 4
+    results: dict[str, list[int]] = {"A": [], "B": []}
+    seen: list[int] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def publisher(name: str) -> None:
+        try:
+            channel = WeightChannel(store, publisher_id=name)
+            for i in range(rounds):
+                views = {v: make_view(tmp_path / name / str(i) / v, v, f"{name}-{i}") for v in ("bf16", "fp8")}
+                results[name].append(channel.publish(views).version)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    def reader() -> None:
+        channel = WeightChannel(store)
+        while not stop.is_set():
+            pointer = channel.latest()
+            if pointer is not None:
+                seen.append(pointer.version)
+
+    threads = [threading.Thread(target=publisher, args=(n,)) for n in "AB"]
+    watcher = threading.Thread(target=reader)
+    watcher.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stop.set()
+    watcher.join(10)
+    assert not errors, errors
+    all_versions = results["A"] + results["B"]
+    assert len(set(all_versions)) == 2 * rounds  # every publish got its own number
+    for name in "AB":
+        assert results[name] == sorted(results[name])
+    assert seen == sorted(seen)  # the pointer never went backwards
+    channel = WeightChannel(store)
+    assert channel.latest().version == max(all_versions)  # type: ignore[union-attr]
+    for version in all_versions:
+        manifest = channel.manifest(version)
+        owner = manifest.publisher
+        assert version in results[owner]
+        tags = {tag_of(channel.download_view(version, v, tmp_path / "dl" / f"{version}-{v}")) for v in ("bf16", "fp8")}
+        assert len(tags) == 1 and tags.pop().startswith(f"{owner}-")  # one publisher's bytes only
+
+
+def test_channel_status_for_the_operator(any_store: Store, tmp_path: Path) -> None:
+    channel = WeightChannel(any_store)
+    empty = read_channel_status(any_store)
+    assert empty.latest_version is None and empty.artifacts == [] and empty.groups == []
+    for i in range(3):
+        channel.publish({v: make_view(tmp_path / str(i) / v, v, str(i)) for v in ("bf16", "nvfp4")})
+    channel.report(SubscriberReport("h100", "pod-0", "bf16", applied_version=2, in_use=[2]))
+    channel.report(SubscriberReport("h100", "pod-1", "bf16", applied_version=1, in_use=[1, 2]))
+    channel.report(SubscriberReport("b200", "pod-0", "nvfp4", applied_version=None, in_use=[], failures=3, last_error="checksum"))
+    status = read_channel_status(any_store)
+    assert status.latest_version == 2
+    assert [a.view for a in status.artifacts] == ["bf16", "nvfp4"]
+    manifest = channel.manifest(2)
+    for artifact in status.artifacts:
+        assert artifact.version == 2
+        assert artifact.bytes == sum(e.bytes for e in manifest.views[artifact.view].files.values()) > 0
+        assert artifact.sha256 == manifest.views[artifact.view].sha256 and len(artifact.sha256) == 64
+        assert artifact.uri.endswith(f"v2/{artifact.view}")
+    groups = {g.group: g for g in status.groups}
+    assert (groups["h100"].applied_version, groups["h100"].lag, groups["h100"].view) == (1, 1, "bf16")
+    assert groups["h100"].replicas == {"pod-0": 2, "pod-1": 1}
+    assert (groups["b200"].applied_version, groups["b200"].lag) == (None, None)
+    assert status.retained_versions == [0, 1, 2]
+    assert json.dumps(status.to_dict())  # plain data, serialisable
+    assert any_store.read_pointer(POINTER_KEY) is not None
+
+
+def test_group_versions_ignores_stale_replicas() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    fresh = (now - timedelta(seconds=5)).isoformat()
+    old = (now - timedelta(hours=1)).isoformat()
+    reports = [
+        SubscriberReport("g", "a", "fp8", 7, [7], updated_at=fresh),
+        SubscriberReport("g", "dead", "fp8", 2, [2], updated_at=old),
+    ]
+    [with_stale] = group_versions(reports, 9, now=now)
+    assert (with_stale.applied_version, with_stale.lag) == (2, 7)
+    [fresh_only] = group_versions(reports, 9, stale_after_seconds=60, now=now)
+    assert (fresh_only.applied_version, fresh_only.lag, fresh_only.replicas) == (7, 2, {"a": 7})

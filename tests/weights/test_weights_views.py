@@ -1,0 +1,125 @@
+"""Precision views: save_view / load_view use exactly the shared format implementation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlfleet.channel import safetensors_header
+from rlfleet.numerics import formats
+from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+from rlfleet.numerics.views import VIEWS, load_view, save_view
+
+FAKE_QUANT = {"fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+
+
+@pytest.fixture(scope="module")
+def state_dict() -> dict[str, torch.Tensor]:
+    model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=3))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("view", VIEWS)
+def test_roundtrip_equals_the_shared_format(view: str, state_dict: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    files = save_view(state_dict, view, tmp_path / view)
+    assert {f.name for f in files} >= {"model.safetensors", "rlfleet_view.json"}
+    loaded_view, loaded = load_view(tmp_path / view)
+    assert loaded_view == view
+    assert set(loaded) == set(state_dict)
+    config = json.loads((tmp_path / view / "rlfleet_view.json").read_text())
+    quantized = set(config["quantized"])
+    if view == "bf16":
+        assert quantized == set()
+    else:
+        # every projection is quantized, embeddings / norms / lm_head are not
+        assert quantized == {n for n in state_dict if n.endswith("_proj.weight")}
+    for name, w in state_dict.items():
+        got = loaded[name]
+        assert got.dtype == torch.float32 and got.shape == w.shape
+        expected = formats.fake_quantize(w, FAKE_QUANT[view]) if name in quantized else w.to(torch.bfloat16).float()
+        assert torch.equal(got, expected), name
+
+
+def test_view_tensor_layouts(state_dict: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    name = "model.layers.0.mlp.up_proj.weight"
+    n, k = state_dict[name].shape
+    base = name[: -len(".weight")]
+    layouts = {}
+    for view in VIEWS:
+        save_view(state_dict, view, tmp_path / view)
+        layouts[view] = safetensors_header(tmp_path / view / "model.safetensors")
+    assert layouts["bf16"][name] == {"dtype": "BF16", "shape": [n, k]}
+    assert layouts["fp8"][name] == {"dtype": "F8_E4M3", "shape": [n, k]}
+    assert layouts["fp8"][f"{base}.weight_scale_inv"] == {"dtype": "F32", "shape": [-(-n // 128), -(-k // 128)]}
+    assert layouts["nvfp4"][name] == {"dtype": "U8", "shape": [n, k // 2]}
+    assert layouts["nvfp4"][f"{base}.weight_scale"] == {"dtype": "F8_E4M3", "shape": [n, k // 16]}
+    assert layouts["nvfp4"][f"{base}.weight_scale_2"] == {"dtype": "F32", "shape": []}
+    assert layouts["mxfp4"][name] == {"dtype": "U8", "shape": [n, k // 2]}
+    assert layouts["mxfp4"][f"{base}.weight_scale"] == {"dtype": "U8", "shape": [n, k // 32]}
+    for view in VIEWS:  # embeddings and norms stay bf16 everywhere
+        assert layouts[view]["model.embed_tokens.weight"]["dtype"] == "BF16"
+        assert layouts[view]["model.norm.weight"]["dtype"] == "BF16"
+    sizes = {v: (tmp_path / v / "model.safetensors").stat().st_size for v in VIEWS}
+    assert sizes["nvfp4"] < sizes["fp8"] < sizes["bf16"]
+    assert sizes["mxfp4"] < sizes["fp8"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    k_blocks=st.integers(1, 4),
+    scale=st.floats(1e-3, 1e3),
+    view=st.sampled_from(["fp8", "nvfp4", "mxfp4"]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_any_linear_shape_roundtrips_exactly(n: int, k_blocks: int, scale: float, view: str, seed: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    k = 32 * k_blocks
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * scale
+    directory = tmp_path_factory.mktemp("prop")
+    save_view({"model.layers.0.self_attn.q_proj.weight": w}, view, directory)
+    _, loaded = load_view(directory)
+    assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], formats.fake_quantize(w, FAKE_QUANT[view]))
+
+
+def test_weights_that_do_not_fit_blocks_stay_bf16(tmp_path: Path) -> None:
+    w = torch.randn(8, 24)  # K=24: not a multiple of 16 or 32
+    for view in ("nvfp4", "mxfp4"):
+        save_view({"model.layers.0.mlp.down_proj.weight": w}, view, tmp_path / view)
+        config = json.loads((tmp_path / view / "rlfleet_view.json").read_text())
+        assert config["quantized"] == []
+        _, loaded = load_view(tmp_path / view)
+        assert torch.equal(loaded["model.layers.0.mlp.down_proj.weight"], w.to(torch.bfloat16).float())
+    save_view({"model.layers.0.mlp.down_proj.weight": w}, "fp8", tmp_path / "fp8")  # fp8 blocks pad: quantized
+    assert json.loads((tmp_path / "fp8" / "rlfleet_view.json").read_text())["quantized"] == ["model.layers.0.mlp.down_proj.weight"]
+
+
+def test_model_config_carries_quantization_config(state_dict: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
+    save_view(state_dict, "fp8", tmp_path / "fp8", model_config=hf)
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert config["hidden_size"] == 64
+    save_view(state_dict, "nvfp4", tmp_path / "nvfp4")
+    quant = json.loads((tmp_path / "nvfp4" / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["quant_algo"] == "NVFP4" and "lm_head" in quant["exclude_modules"]
+
+
+def test_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown weight view"):
+        save_view({"a.weight": torch.zeros(2, 2)}, "int4", tmp_path / "x")
+    with pytest.raises(ValueError, match="not a weight view"):
+        load_view(tmp_path)
+    save_view({"model.layers.0.mlp.up_proj.weight": torch.randn(4, 32)}, "nvfp4", tmp_path / "v")
+    # a view whose scale tensor went missing is refused with a clear message
+    from safetensors.torch import load_file, save_file
+
+    raw = load_file(str(tmp_path / "v" / "model.safetensors"))
+    del raw["model.layers.0.mlp.up_proj.weight_scale_2"]
+    save_file(raw, str(tmp_path / "v" / "model.safetensors"))
+    with pytest.raises(ValueError, match="scale tensor"):
+        load_view(tmp_path / "v")

@@ -1,0 +1,130 @@
+"""Prompt groups -> one training batch: padded sequences for the forward pass plus one row per
+sampled token for the objective.
+
+Positions: the logit that predicts the token at sequence position s sits at position s - 1, so the
+row of a sampled token at position s is (sequence b, logit position s - 1). Only sampled (loss-mask
+1) positions that the sampler marked valid become rows: prompt and environment ids are context,
+never trained on; malformed tokens are dropped and counted. The rows' `target_ids` are exactly the
+sampled ids (the loop invariant "tokens trained on are exactly the tokens sampled" is checked here
+against the rollout's own token sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlfleet.records import HEAD_MODE, SUPPORT_MODE
+from rlfleet.trainer.advantages import grpo_advantages
+from rlfleet.trainer.rollout import PromptGroup, Rollout
+
+
+@dataclass
+class FlatBatch:
+    """numpy view of a batch; `to_token_batch` turns it into the objective's TokenBatch."""
+
+    input_ids: np.ndarray  # int64 [B, S] right-padded with 0
+    seq_lens: np.ndarray  # int64 [B]
+    row_seq: np.ndarray  # int64 [T] which sequence each trained token belongs to
+    row_pos: np.ndarray  # int64 [T] logit position (token position - 1)
+    target_ids: np.ndarray  # int64 [T] the sampled ids
+    advantages: np.ndarray  # float32 [T]
+    logq: np.ndarray  # float32 [T] full-vocab log q(y)
+    logq_support: np.ndarray  # float32 [T] log q_S(y) renormalised in the support (NaN if absent)
+    cand_offsets: np.ndarray  # int64 [T + 1] CSR into cand_ids / cand_logq
+    cand_ids: np.ndarray  # int64 [nnz]
+    cand_logq: np.ndarray  # float32 [nnz]
+    candidate_mode: str  # SUPPORT_MODE | HEAD_MODE (one mode per batch)
+    versions: np.ndarray  # int64 [T] weight version of each token
+    staleness: np.ndarray  # int64 [T] trainer version - the token's SAMPLE's oldest version
+    groups: np.ndarray  # object [T] sampler group of each token
+    rollout_uids: list[str] = field(default_factory=list)  # one per sequence
+    dropped_invalid_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.target_ids.shape[0])
+
+
+def flatten_groups(
+    groups: Sequence[PromptGroup],
+    trainer_version: int,
+    normalize_std: bool = False,
+) -> FlatBatch:
+    rollouts: list[Rollout] = []
+    adv_per_rollout: list[float] = []
+    for g in groups:
+        rewards = np.array([r.outcome.reward for r in g.rollouts], dtype=np.float64)
+        adv = grpo_advantages(rewards, normalize_std=normalize_std)
+        rollouts.extend(g.rollouts)
+        adv_per_rollout.extend(float(a) for a in adv)
+
+    seqs = [r.token_ids() for r in rollouts]
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    input_ids = np.zeros((len(seqs), int(lens.max()) if len(seqs) else 0), dtype=np.int64)
+    for b, s in enumerate(seqs):
+        input_ids[b, : len(s)] = s
+
+    cols: dict[str, list] = {k: [] for k in ("seq", "pos", "tgt", "adv", "logq", "logqs", "ver", "stale", "grp")}
+    cand_ids: list[np.ndarray] = []
+    cand_logq: list[np.ndarray] = []
+    cand_counts: list[int] = []
+    modes: set[str] = set()
+    dropped = 0
+    for b, (r, adv) in enumerate(zip(rollouts, adv_per_rollout, strict=True)):
+        sample_stale = max(0, trainer_version - r.min_version)
+        pos = len(r.prompt.input_ids)
+        for turn, env in zip(r.turns, r.env_ids, strict=True):
+            modes.add(turn.candidate_mode)
+            valid = np.ones(turn.num_tokens, dtype=bool) if turn.valid is None else np.asarray(turn.valid, dtype=bool)
+            offs = np.asarray(turn.support_offsets, dtype=np.int64)
+            for i in range(turn.num_tokens):
+                token_pos = pos + i
+                if not valid[i]:
+                    dropped += 1
+                    continue
+                tgt = int(turn.output_ids[i])
+                if seqs[b][token_pos] != tgt:  # the invariant: we train on the sampled ids, at their positions
+                    raise AssertionError(f"{r.uid}: token {token_pos} is {seqs[b][token_pos]}, sampled {tgt}")
+                cols["seq"].append(b)
+                cols["pos"].append(token_pos - 1)
+                cols["tgt"].append(tgt)
+                cols["adv"].append(adv)
+                cols["logq"].append(float(turn.logprobs[i]))
+                cols["logqs"].append(float(turn.sampled_logprobs[i]))
+                cols["ver"].append(int(turn.weight_versions[i]))
+                cols["stale"].append(sample_stale)
+                cols["grp"].append(turn.group)
+                lo, hi = int(offs[i]), int(offs[i + 1])
+                cand_ids.append(np.asarray(turn.support_ids[lo:hi], dtype=np.int64))
+                cand_logq.append(np.asarray(turn.support_logprobs[lo:hi], dtype=np.float32))
+                cand_counts.append(hi - lo)
+            pos += turn.num_tokens + len(env)
+    if len(modes) > 1:
+        raise ValueError(f"a batch mixes candidate modes {sorted(modes)}; configure one mode per run")
+    offsets = np.zeros(len(cand_counts) + 1, dtype=np.int64)
+    np.cumsum(cand_counts, out=offsets[1:])
+    return FlatBatch(
+        input_ids=input_ids,
+        seq_lens=lens,
+        row_seq=np.array(cols["seq"], dtype=np.int64),
+        row_pos=np.array(cols["pos"], dtype=np.int64),
+        target_ids=np.array(cols["tgt"], dtype=np.int64),
+        advantages=np.array(cols["adv"], dtype=np.float32),
+        logq=np.array(cols["logq"], dtype=np.float32),
+        logq_support=np.array(cols["logqs"], dtype=np.float32),
+        cand_offsets=offsets,
+        cand_ids=np.concatenate(cand_ids) if cand_ids else np.zeros(0, dtype=np.int64),
+        cand_logq=np.concatenate(cand_logq) if cand_logq else np.zeros(0, dtype=np.float32),
+        candidate_mode=modes.pop() if modes else SUPPORT_MODE,
+        versions=np.array(cols["ver"], dtype=np.int64),
+        staleness=np.array(cols["stale"], dtype=np.int64),
+        groups=np.array(cols["grp"], dtype=object),
+        rollout_uids=[r.uid for r in rollouts],
+        dropped_invalid_tokens=dropped,
+    )
+
+
+__all__ = ["FlatBatch", "flatten_groups", "HEAD_MODE", "SUPPORT_MODE"]

@@ -1,0 +1,67 @@
+"""Checkpoints: model, optimizer, step, weight version, data position, detector state, RNG.
+
+Buffer policy (stated, and tested): rollouts that were generated or in flight but NOT yet trained
+on when the checkpoint was taken are discarded on resume, and their prompts are not re-issued. The
+checkpoint stores `data_position` = the index of the next prompt never dispatched; a resumed run
+dispatches from there, so no consumed rollout is reused and no prompt is served twice. (Re-using
+buffered rollouts would train on samples from weights older than the resumed trainer, for no gain
+on a restart that already costs a fresh rollout pipeline.)
+
+Files: `<dir>/ckpt-<step:08d>.pt` written to a temp name, fsynced, renamed; then `<dir>/latest`
+(a text file naming the checkpoint) is replaced atomically. A crash mid-write leaves the previous
+checkpoint as `latest`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LATEST = "latest"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_bytes(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int = 2) -> Path:
+    """`state` must contain `step` (int); returns the checkpoint path. Keeps the newest `keep`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    step = int(state["step"])
+    path = directory / f"ckpt-{step:08d}.pt"
+    _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
+    _atomic_write_bytes(directory / LATEST, lambda fh: fh.write(path.name.encode()))
+    old = sorted(directory.glob("ckpt-*.pt"))[:-keep] if keep > 0 else []
+    for p in old:
+        p.unlink(missing_ok=True)
+    return path
+
+
+def load_latest(directory: str | Path) -> dict[str, Any] | None:
+    """The state of the checkpoint `latest` names, or None if there is none."""
+    directory = Path(directory)
+    pointer = directory / LATEST
+    if not pointer.is_file():
+        return None
+    path = directory / pointer.read_text().strip()
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint pointer names {path.name}, which is missing")
+    return torch.load(path, map_location="cpu", weights_only=False)

@@ -1,0 +1,221 @@
+"""Collapse detector: watches method.md's precursors in the per-step metrics and decides an action.
+
+Signals (all compared with running baselines the detector keeps itself; a step that raises a signal
+does not update that signal's baseline, so a surge cannot hide itself):
+1. `reward_cliff`: reward falls more than max(cliff_abs, cliff_rel * |baseline|) below its EMA.
+2. `kl_surge` (fleet and per group): kl_k3 > kl_ratio x baseline AND oor_fraction > oor_ratio x
+   baseline (method.md: "> 3x its running baseline (and oor_fraction > 10x)").
+3. `tool_calls_stop`: no-tool-call terminations or empty final replies exceed an absolute rate and
+   3x their baseline (trajectory length is deliberately NOT a signal).
+4. `entropy_collapse`: entropy of p below an absolute floor.
+5. `grad_norm_spike`: grad_norm > grad_ratio x baseline (plain GRPO spiked 20x).
+6. `rho_blowup`: sc_tail_ratio above rho_max (reference run: 1.2 -> 52 before collapse).
+A signal must hold `patience` consecutive steps, and nothing fires during `warmup_steps`.
+
+Actions (RLJob `safety.action`): `alert` (report only), `quarantine-group` (per-group signals
+quarantine that group: the router sends it no new sessions; fleet-wide signals alert), `pause`
+(training stops stepping; the run reports why). Metrics are the flat dict of `rlfleet.trainer.metrics`
+(`kl_k3`, `group/<name>/kl_k3`, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ACTIONS = ("alert", "quarantine-group", "pause")
+
+
+@dataclass
+class CollapseThresholds:
+    warmup_steps: int = 5
+    patience: int = 2
+    ema_decay: float = 0.8
+    cliff_abs: float = 0.25
+    cliff_rel: float = 0.5
+    kl_ratio: float = 3.0
+    oor_ratio: float = 10.0
+    oor_floor: float = 1e-3  # baseline OOR is at least this (a 0 baseline would make any OOR "10x")
+    kl_floor: float = 1e-4
+    rate_abs: float = 0.5  # empty-reply / no-tool-call rate that counts as "tool calls stopped"
+    rate_ratio: float = 3.0
+    entropy_min: float = 0.02  # nats
+    grad_ratio: float = 10.0
+    rho_max: float = 5.0
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any] | None) -> CollapseThresholds:
+        """Accepts snake_case or camelCase keys (the RLJob `safety.thresholds` block)."""
+        if not spec:
+            return cls()
+        names = {f: f for f in cls.__dataclass_fields__}
+        names.update({_camel(f): f for f in cls.__dataclass_fields__})
+        kwargs = {}
+        for key, value in spec.items():
+            if key not in names:
+                raise ValueError(f"unknown collapse threshold {key!r} (known: {sorted(cls.__dataclass_fields__)})")
+            if value is not None:
+                kwargs[names[key]] = type(getattr(cls(), names[key]))(value)
+        return cls(**kwargs)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(p.title() for p in rest)
+
+
+@dataclass
+class Alert:
+    step: int
+    signal: str
+    value: float
+    baseline: float
+    group: str | None = None  # set for per-group signals
+    message: str = ""
+
+
+@dataclass
+class Decision:
+    alerts: list[Alert] = field(default_factory=list)
+    quarantine: list[str] = field(default_factory=list)
+    pause: bool = False
+
+    @property
+    def fired(self) -> bool:
+        return bool(self.alerts)
+
+
+class CollapseDetector:
+    def __init__(self, thresholds: CollapseThresholds | None = None, action: str = "alert") -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"unknown safety action {action!r} (use one of {ACTIONS})")
+        self.t = thresholds or CollapseThresholds()
+        self.action = action
+        self.steps_seen = 0
+        self.baselines: dict[str, float] = {}
+        self.streaks: dict[str, int] = {}
+        self.history: list[Alert] = []
+        self.quarantined: set[str] = set()
+
+    # -- state (checkpointed with the run) --
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps_seen": self.steps_seen,
+            "baselines": dict(self.baselines),
+            "streaks": dict(self.streaks),
+            "history": [asdict(a) for a in self.history],
+            "quarantined": sorted(self.quarantined),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps_seen = int(state["steps_seen"])
+        self.baselines = dict(state["baselines"])
+        self.streaks = dict(state["streaks"])
+        self.history = [Alert(**a) for a in state["history"]]
+        self.quarantined = set(state["quarantined"])
+
+    # -- helpers --
+    def _ema(self, key: str, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        old = self.baselines.get(key)
+        self.baselines[key] = value if old is None else self.t.ema_decay * old + (1 - self.t.ema_decay) * value
+
+    def _check(self, key: str, raised: bool) -> bool:
+        """Count consecutive raised steps; True once the streak reaches `patience` (after warmup)."""
+        self.streaks[key] = self.streaks.get(key, 0) + 1 if raised else 0
+        return self.steps_seen > self.t.warmup_steps and self.streaks[key] >= self.t.patience
+
+    def observe(self, step: int, metrics: dict[str, float]) -> Decision:
+        """Feed one step's flat metrics; returns the alerts that fired this step and the action."""
+        self.steps_seen += 1
+        t = self.t
+        alerts: list[Alert] = []
+
+        def get(key: str) -> float | None:
+            v = metrics.get(key)
+            return float(v) if v is not None and math.isfinite(float(v)) else None
+
+        # 1. reward cliff
+        reward = get("reward_mean")
+        if reward is not None:
+            base = self.baselines.get("reward_mean")
+            raised = base is not None and (base - reward) > max(t.cliff_abs, t.cliff_rel * abs(base))
+            if self._check("reward_cliff", raised):
+                alerts.append(Alert(step, "reward_cliff", reward, base or 0.0,
+                                    message=f"reward {reward:.3f} fell below its running {base:.3f}"))
+            if not raised:
+                self._ema("reward_mean", reward)
+
+        # 2. KL surge with OOR surge, fleet-wide and per group
+        prefixes = [""] + sorted({k.split("/")[1] for k in metrics if k.startswith("group/")})
+        for g in prefixes:
+            pre = f"group/{g}/" if g else ""
+            kl, oor = get(pre + "kl_k3"), get(pre + "oor_fraction")
+            if kl is None or oor is None:
+                continue
+            kl_base = self.baselines.get(pre + "kl_k3")
+            oor_base = self.baselines.get(pre + "oor_fraction")
+            raised = (
+                kl_base is not None
+                and oor_base is not None
+                and kl > t.kl_ratio * max(kl_base, t.kl_floor)
+                and oor > t.oor_ratio * max(oor_base, t.oor_floor)
+            )
+            if self._check(pre + "kl_surge", raised):
+                alerts.append(Alert(step, "kl_surge", kl, kl_base or 0.0, group=g or None,
+                                    message=f"{'group ' + g if g else 'fleet'} KL {kl:.4g} > {t.kl_ratio}x "
+                                    f"baseline {kl_base:.4g} with OOR {oor:.3g} > {t.oor_ratio}x {oor_base:.3g}"))
+            if not raised:
+                self._ema(pre + "kl_k3", kl)
+                self._ema(pre + "oor_fraction", oor)
+
+        # 3. tool calls stop / empty replies
+        for key in ("no_tool_call_rate", "empty_reply_rate"):
+            rate = get(key)
+            if rate is None:
+                continue
+            base = self.baselines.get(key)
+            raised = base is not None and rate > t.rate_abs and rate > t.rate_ratio * base + 0.05
+            if self._check(key, raised):
+                alerts.append(Alert(step, "tool_calls_stop", rate, base or 0.0,
+                                    message=f"{key} {rate:.2f} (baseline {base:.2f})"))
+            if not raised:
+                self._ema(key, rate)
+
+        # 4. entropy collapse
+        ent = get("entropy")
+        if ent is not None and self._check("entropy_collapse", ent < t.entropy_min):
+            alerts.append(Alert(step, "entropy_collapse", ent, t.entropy_min, message=f"entropy {ent:.4f} nats"))
+
+        # 5. grad-norm spike
+        gn = get("grad_norm")
+        if gn is not None:
+            base = self.baselines.get("grad_norm")
+            raised = base is not None and base > 0 and gn > t.grad_ratio * base
+            if self._check("grad_norm_spike", raised):
+                alerts.append(Alert(step, "grad_norm_spike", gn, base or 0.0,
+                                    message=f"grad norm {gn:.3g} > {t.grad_ratio}x baseline {base:.3g}"))
+            if not raised:
+                self._ema("grad_norm", gn)
+
+        # 6. rho blow-up
+        rho = get("sc_tail_ratio")
+        if rho is not None and self._check("rho_blowup", rho > t.rho_max):
+            alerts.append(Alert(step, "rho_blowup", rho, t.rho_max, message=f"sc_tail_ratio {rho:.3g} > {t.rho_max}"))
+
+        decision = Decision(alerts=alerts)
+        if alerts:
+            self.history.extend(alerts)
+            if self.action == "pause":
+                decision.pause = True
+            elif self.action == "quarantine-group":
+                groups = sorted({a.group for a in alerts if a.group} - self.quarantined)
+                decision.quarantine = groups
+                self.quarantined.update(groups)
+        return decision
+
+    @property
+    def first_alert_step(self) -> int | None:
+        return self.history[0].step if self.history else None

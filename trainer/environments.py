@@ -1,0 +1,274 @@
+"""Environments: what turns a model's sampled tokens into a reward (and, multi-turn, into more turns).
+
+Two shapes, both user-pluggable by an entry point "module:attr" (`rollout.environment` in the RLJob):
+- a single-turn reward function `fn(prompt: Prompt, completion_ids: list[int]) -> float`, wrapped in
+  `RewardFunctionEnv`;
+- a multi-turn `Environment` (subclass or instance): after every model turn `step()` either ends the
+  episode or returns the environment's tokens to append (as ids, loss mask 0: nothing is ever
+  detokenised and re-tokenised, so the trainer scores exactly the ids the sampler produced).
+
+Built-in toy tasks live on a tiny fixed vocabulary (`ToyVocab`, >= 32 ids) so that a randomly
+initialised TinyGPT can learn them on CPU in minutes and every reward is exactly verifiable:
+- `copy_digit` (single turn): the prompt names a digit d; reward = share of the reply's tokens equal
+  to d (a constant-digit policy earns only 0.1, so the task needs attention to the prompt).
+- `tool_add` (multi turn): the prompt holds two digits a, b; the model calls the tool
+  `CALL x y END_CALL`, the environment answers `RESULT (x+y)%10 END_RESULT`, and the model must then
+  reply with the digit (a+b)%10 and EOS (shaped reward, see `ToolAddEnv.score`). Episodes end on an answer, on `max_turns`, or after
+  `max_turns_without_tool` consecutive turns without a tool call (method.md's collapse precursor).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfleet.trainer.prompts import Prompt
+
+
+class ToyVocab:
+    """Token ids of the built-in toy tasks. Ids >= FIRST_FILLER are meaningless filler tokens."""
+
+    PAD = 0
+    BOS = 1
+    EOS = 2
+    SEP = 3  # end of prompt / start of the reply
+    CALL = 4  # tool call opens
+    END_CALL = 5  # tool call closes (a stop token: the environment answers)
+    RESULT = 6  # tool result opens (environment tokens only)
+    END_RESULT = 7
+    ERR = 8  # tool result for a malformed call
+    DIGIT0 = 10  # digits 0..9 are ids 10..19
+    FIRST_FILLER = 20
+    MIN_VOCAB = 32
+
+    @classmethod
+    def digit(cls, d: int) -> int:
+        return cls.DIGIT0 + int(d) % 10
+
+    @classmethod
+    def is_digit(cls, token_id: int) -> bool:
+        return cls.DIGIT0 <= token_id < cls.DIGIT0 + 10
+
+    @classmethod
+    def value(cls, token_id: int) -> int:
+        return token_id - cls.DIGIT0
+
+
+@dataclass
+class EnvStep:
+    """The environment's answer to one model turn."""
+
+    done: bool
+    append_ids: list[int] = field(default_factory=list)  # env tokens to append (loss mask 0) if not done
+    tool_call: bool = False  # this turn contained a (well- or malformed) tool call
+    format_error: bool = False  # this turn was malformed (bad tool call, no parsable answer)
+
+
+@dataclass
+class EpisodeOutcome:
+    """Scored once per trajectory, when the episode ends."""
+
+    reward: float
+    num_turns: int
+    empty_final_reply: bool  # the last model turn produced no token other than EOS
+    no_tool_call_termination: bool  # ended because of `max_turns_without_tool`
+    format_errors: int
+    tool_calls: int
+
+
+class Environment:
+    """Multi-turn environment. Subclass and override `step` and `score`.
+
+    `state` is a per-episode dict owned by the environment; the rollout driver keeps it with the
+    trajectory and passes it back. `stop_token_ids` end a model turn early (e.g. END_CALL).
+    """
+
+    max_turns: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+
+    def start(self, prompt: Prompt) -> dict[str, Any]:
+        return {}
+
+    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+        return EnvStep(done=True)
+
+    def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
+        raise NotImplementedError
+
+
+RewardFn = Callable[[Prompt, list[int]], float]
+
+
+class RewardFunctionEnv(Environment):
+    """A single-turn environment around a reward function `fn(prompt, completion_ids) -> float`."""
+
+    max_turns = 1
+
+    def __init__(self, fn: RewardFn, stop_token_ids: Sequence[int] = (ToyVocab.EOS,)) -> None:
+        self.fn = fn
+        self.stop_token_ids = tuple(stop_token_ids)
+
+    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+        return EnvStep(done=True)
+
+    def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
+        reply = replies[-1] if replies else []
+        content = [t for t in reply if t != ToyVocab.EOS]
+        return EpisodeOutcome(
+            reward=float(self.fn(prompt, list(reply))),
+            num_turns=len(replies),
+            empty_final_reply=len(content) == 0,
+            no_tool_call_termination=False,
+            format_errors=0,
+            tool_calls=0,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in toy tasks
+
+
+def _strip_eos(ids: Sequence[int]) -> list[int]:
+    out: list[int] = []
+    for t in ids:
+        if t == ToyVocab.EOS:
+            break
+        out.append(int(t))
+    return out
+
+
+def copy_digit_reward(prompt: Prompt, completion_ids: list[int]) -> float:
+    """Share of reply tokens (before EOS) equal to the prompt's digit."""
+    target = ToyVocab.digit(int(prompt.meta["digit"]))
+    content = _strip_eos(completion_ids)
+    if not content:
+        return 0.0
+    score = sum(1.0 if t == target else 0.0 for t in content)
+    return score / len(content)
+
+
+def copy_digit_prompt(index: int, rng_digit: int) -> Prompt:
+    d = int(rng_digit) % 10
+    return Prompt(index=index, input_ids=[ToyVocab.BOS, ToyVocab.digit(d), ToyVocab.SEP], meta={"digit": d})
+
+
+class ToolAddEnv(Environment):
+    """Multi-turn tool use: call `CALL x y END_CALL`, read `RESULT s END_RESULT`, answer `s EOS`."""
+
+    stop_token_ids = (ToyVocab.EOS, ToyVocab.END_CALL)
+
+    def __init__(self, max_turns: int = 4, max_turns_without_tool: int = 3) -> None:
+        self.max_turns = max_turns
+        self.max_turns_without_tool = max_turns_without_tool
+
+    def start(self, prompt: Prompt) -> dict[str, Any]:
+        return {"turns": 0, "turns_without_tool": 0, "tool_calls": 0, "format_errors": 0,
+                "answer": None, "no_tool_end": False, "used_result": None}
+
+    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+        state["turns"] += 1
+        ids = [int(t) for t in output_ids]
+        if ToyVocab.CALL in ids:
+            state["tool_calls"] += 1
+            state["turns_without_tool"] = 0
+            args = ids[ids.index(ToyVocab.CALL) + 1 :]
+            if args and args[-1] == ToyVocab.END_CALL:
+                args = args[:-1]
+            well_formed = len(args) == 2 and all(ToyVocab.is_digit(t) for t in args) and ids[-1] == ToyVocab.END_CALL
+            if well_formed:
+                s = (ToyVocab.value(args[0]) + ToyVocab.value(args[1])) % 10
+                state["used_result"] = s
+                result = [ToyVocab.RESULT, ToyVocab.digit(s), ToyVocab.END_RESULT]
+            else:
+                state["format_errors"] += 1
+                result = [ToyVocab.RESULT, ToyVocab.ERR, ToyVocab.END_RESULT]
+            done = state["turns"] >= self.max_turns
+            return EnvStep(done=done, append_ids=[] if done else result, tool_call=True, format_error=not well_formed)
+        state["turns_without_tool"] += 1
+        content = _strip_eos(ids)
+        digits = [t for t in content if ToyVocab.is_digit(t)]
+        if digits and ids and ids[-1] == ToyVocab.EOS:
+            state["answer"] = ToyVocab.value(digits[-1])
+            return EnvStep(done=True)
+        if state["turns_without_tool"] >= self.max_turns_without_tool:
+            state["no_tool_end"] = True
+            return EnvStep(done=True, format_error=bool(content))
+        done = state["turns"] >= self.max_turns
+        # No answer and no call: nudge the model with an empty tool result so the turn structure holds.
+        return EnvStep(done=done, append_ids=[] if done else [ToyVocab.SEP], format_error=bool(content))
+
+    def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
+        """Shaped so that a random tiny model gets signal from step 0, each part exactly checkable:
+        0.1 for calling the tool, +0.2 if a call was well formed, +0.2 for then answering with a digit
+        and EOS, +0.5 if that answer is (a + b) % 10. Maximum 1.0."""
+        truth = (int(prompt.meta["a"]) + int(prompt.meta["b"])) % 10
+        reward = 0.0
+        if state["tool_calls"] > 0:
+            reward += 0.1
+        if state["used_result"] is not None:
+            reward += 0.2
+            if state["answer"] is not None:
+                reward += 0.2 + (0.5 if state["answer"] == truth else 0.0)
+        last = replies[-1] if replies else []
+        return EpisodeOutcome(
+            reward=reward,
+            num_turns=len(replies),
+            empty_final_reply=len(_strip_eos(last)) == 0,
+            no_tool_call_termination=bool(state["no_tool_end"]),
+            format_errors=int(state["format_errors"]),
+            tool_calls=int(state["tool_calls"]),
+        )
+
+
+def tool_add_prompt(index: int, a: int, b: int) -> Prompt:
+    return Prompt(
+        index=index,
+        input_ids=[ToyVocab.BOS, ToyVocab.digit(a), ToyVocab.digit(b), ToyVocab.SEP],
+        meta={"a": int(a) % 10, "b": int(b) % 10},
+    )
+
+
+copy_digit = RewardFunctionEnv(copy_digit_reward)
+tool_add = ToolAddEnv()
+
+BUILTIN: dict[str, str] = {
+    "copy_digit": "rlfleet.trainer.environments:copy_digit",
+    "tool_add": "rlfleet.trainer.environments:tool_add",
+}
+
+
+class EnvironmentLoadError(ValueError):
+    """The environment entry point cannot be resolved (clear, one line)."""
+
+
+def load_environment(entry_point: str, **options: Any) -> Environment:
+    """Resolve "module:attr" (or a built-in name) to an Environment.
+
+    attr may be an Environment instance, an Environment subclass (instantiated with `options`), or a
+    reward function of (prompt, completion_ids) (wrapped single-turn).
+    """
+    target = BUILTIN.get(entry_point, entry_point)
+    if ":" not in target:
+        raise EnvironmentLoadError(
+            f"environment {entry_point!r}: expected 'module:attr' or one of {sorted(BUILTIN)}"
+        )
+    module_name, attr = target.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EnvironmentLoadError(f"environment {entry_point!r}: cannot import {module_name!r}: {exc}") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise EnvironmentLoadError(f"environment {entry_point!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, Environment):
+        return obj
+    if inspect.isclass(obj) and issubclass(obj, Environment):
+        return obj(**options)
+    if callable(obj):
+        return RewardFunctionEnv(obj)
+    raise EnvironmentLoadError(f"environment {entry_point!r}: {attr!r} is neither an Environment nor callable")

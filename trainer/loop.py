@@ -1,0 +1,201 @@
+"""The training loop, top to bottom. Fully asynchronous: the rollout driver (its own thread) keeps
+sampling with whatever weights the samplers serve; the trainer takes complete prompt groups from the
+buffer, trains one step on them, publishes a new weight version, and never waits for samplers to
+catch up. Staleness is measured per token and corrected by the objective, not prevented.
+
+One step:
+1. take `prompts_per_step` complete prompt groups from the buffer (blocks until they exist);
+2. (optional) drop groups older than `max_staleness` versions (counted);
+3. GRPO advantages per group, flatten to one row per sampled token (batching.py);
+4. forward + corrected loss + backward + clip + AdamW (the backend);
+5. metrics: the objective's (fleet / per group / per staleness bucket) + per view + rollout side;
+6. collapse detector -> alert / quarantine a group / pause;
+7. every `publish_every` steps: publish the new weights as version = step count (the channel);
+8. every `checkpoint_every` steps: checkpoint (model, optimizer, step, data position, detector).
+
+Versions: the initial weights are version 0; after k optimizer steps the trainer holds version k. A
+token sampled with version v and trained on at trainer version k has staleness k - v.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rlfleet.trainer import checkpoint as ckpt
+from rlfleet.trainer.batching import flatten_groups
+from rlfleet.trainer.collapse import CollapseDetector, Decision
+from rlfleet.trainer.metrics import finite, objective_metrics, rollout_metrics
+from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopConfig:
+    total_steps: int
+    prompts_per_step: int
+    normalize_std: bool = False
+    max_staleness: int | None = None  # None: unbounded (fully asynchronous)
+    publish_every: int = 1
+    checkpoint_every: int = 0  # 0: only at the end / on stop
+    checkpoint_dir: Path | None = None
+    take_timeout: float = 900.0  # seconds without a complete group before the run fails
+
+
+class InvariantError(AssertionError):
+    """A loop invariant broke (a rollout trained twice, ...): a bug, never silently continued."""
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps done = the trainer's weight version
+    history: list[dict[str, float]] = field(default_factory=list)
+    trained_uids: set[str] = field(default_factory=set)
+    dropped_stale_groups: int = 0
+    paused: bool = False
+    pause_reason: str = ""
+
+
+class TrainingLoop:
+    def __init__(
+        self,
+        config: LoopConfig,
+        backend: Any,  # TorchBackend or MegatronBackend: train_step, weights, state_dict, load_state_dict
+        driver: RolloutDriver,
+        publish: Callable[[int, dict], None],
+        detector: CollapseDetector,
+        group_names: list[str],
+        group_views: dict[str, str],
+        on_step: Callable[[dict[str, float], Decision], None] | None = None,
+        on_quarantine: Callable[[list[str]], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.cfg = config
+        self.backend = backend
+        self.driver = driver
+        self.publish = publish
+        self.detector = detector
+        self.group_names = list(group_names)
+        self.group_index = {g: i for i, g in enumerate(self.group_names)}
+        self.group_views = group_views
+        self.on_step = on_step
+        self.on_quarantine = on_quarantine
+        self.stop = stop or threading.Event()
+        self.state = LoopState()
+        self.last_checkpoint_position: int | None = None
+
+    # ---------------------------------------------------------------- checkpoint / resume
+    def checkpoint(self) -> Path | None:
+        if self.cfg.checkpoint_dir is None:
+            return None
+        position = self.driver.next_position  # prompts before it are trained or discarded on resume
+        self.last_checkpoint_position = position
+        return ckpt.save_checkpoint(
+            self.cfg.checkpoint_dir,
+            {
+                "step": self.state.step,
+                "backend": self.backend.state_dict(),
+                "data_position": position,
+                "detector": self.detector.state_dict(),
+                "history": self.state.history,
+                "trained_uids": sorted(self.state.trained_uids),
+                "dropped_stale_groups": self.state.dropped_stale_groups,
+                "buffer_policy": "discard-unconsumed",
+            },
+        )
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load a checkpoint BEFORE starting the driver; the driver must start at `data_position`."""
+        self.backend.load_state_dict(state["backend"])
+        self.detector.load_state_dict(state["detector"])
+        self.state.step = int(state["step"])
+        self.state.history = list(state["history"])
+        self.state.trained_uids = set(state["trained_uids"])
+        self.state.dropped_stale_groups = int(state["dropped_stale_groups"])
+
+    # ---------------------------------------------------------------- one step
+    def _take(self) -> tuple[list[PromptGroup], float]:
+        t0 = time.monotonic()
+        groups: list[PromptGroup] = []
+        while len(groups) < self.cfg.prompts_per_step and not self.stop.is_set():
+            self.driver.check()
+            got = self.driver.buffer.take(self.cfg.prompts_per_step - len(groups), timeout=1.0, stop=self.stop)
+            for g in got:
+                stale = g.staleness(self.state.step)
+                if self.cfg.max_staleness is not None and stale > self.cfg.max_staleness:
+                    self.state.dropped_stale_groups += 1
+                    continue
+                groups.append(g)
+            if not got and time.monotonic() - t0 > self.cfg.take_timeout:
+                raise TimeoutError(f"no complete rollout group for {self.cfg.take_timeout:.0f}s")
+        return groups, time.monotonic() - t0
+
+    def train_step(self, groups: list[PromptGroup]) -> tuple[dict[str, float], Decision]:
+        version = self.state.step
+        uids = [r.uid for g in groups for r in g.rollouts]
+        dup = set(uids) & self.state.trained_uids
+        if dup or len(set(uids)) != len(uids):
+            raise InvariantError(f"rollouts trained twice: {sorted(dup)[:5]}")
+        flat = flatten_groups(groups, trainer_version=version, normalize_std=self.cfg.normalize_std)
+        t0 = time.monotonic()
+        loss_out, grad_norm = self.backend.train_step(flat, self.group_index)
+        t_train = time.monotonic() - t0
+        self.state.trained_uids.update(uids)
+        self.state.step += 1
+
+        rollouts = [r for g in groups for r in g.rollouts]
+        metrics = objective_metrics(loss_out, self.group_names, self.group_views)
+        metrics.update(
+            rollout_metrics([r.outcome for r in rollouts], [r.completion_ids() for r in rollouts], [r.group for r in rollouts])
+        )
+        metrics.update(
+            {
+                "loss": float(loss_out.loss.detach()),
+                "grad_norm": grad_norm,
+                "trained_tokens": float(flat.num_tokens),
+                "dropped_invalid_tokens": float(flat.dropped_invalid_tokens),
+                "dropped_stale_groups": float(self.state.dropped_stale_groups),
+                "staleness_mean": float(flat.staleness.mean()) if flat.num_tokens else 0.0,
+                "staleness_max": float(flat.staleness.max()) if flat.num_tokens else 0.0,
+                "time/train": t_train,
+                "data_position": float(self.driver.next_position),
+            }
+        )
+        metrics = finite(metrics)
+        metrics["step"] = float(self.state.step)
+        decision = self.detector.observe(self.state.step, metrics)
+        metrics["collapse_alerts"] = float(len(decision.alerts))
+        return metrics, decision
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> LoopState:
+        """Run until `total_steps` (counting steps restored from a checkpoint), a pause, or `stop`."""
+        while self.state.step < self.cfg.total_steps and not self.stop.is_set():
+            groups, t_wait = self._take()
+            if self.stop.is_set() or len(groups) < self.cfg.prompts_per_step:
+                break
+            metrics, decision = self.train_step(groups)
+            metrics["time/wait_rollouts"] = t_wait
+            t0 = time.monotonic()
+            if self.state.step % self.cfg.publish_every == 0 or self.state.step == self.cfg.total_steps:
+                self.publish(self.state.step, self.backend.weights())
+            metrics["time/publish"] = time.monotonic() - t0
+            self.state.history.append(metrics)
+            if decision.quarantine and self.on_quarantine is not None:
+                self.on_quarantine(decision.quarantine)
+            if self.on_step is not None:
+                self.on_step(metrics, decision)
+            if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
+                self.checkpoint()
+            if decision.pause:
+                self.state.paused = True
+                self.state.pause_reason = "; ".join(a.message for a in decision.alerts)
+                log.warning("collapse detector paused training at step %d: %s", self.state.step, self.state.pause_reason)
+                break
+        return self.state

@@ -1,0 +1,136 @@
+"""Per-step metrics (method.md) as ONE flat dict str -> float, plus a Prometheus exporter.
+
+Keys: fleet-wide `kl_k3`, `oor_fraction`, ...; broken down as `group/<name>/<metric>`,
+`view/<precision view>/<metric>` and `staleness/<bucket>/<metric>` (buckets 0-1, 2-3, 4-5, 6+);
+rollout-side `reward_mean`, `response_length`, `empty_reply_rate`, `no_tool_call_rate`,
+`format_error_rate`, `repetition_fraction`; and per group `group/<name>/token_share` and
+`group/<name>/oor_share` (the group's share of all tokens vs of all out-of-range tokens).
+
+Token metrics (kl_k3, oor_fraction, ess, entropy, sc_tail_ratio, ...) are computed by the objective
+itself (`LossOutput`, one implementation); this module names and flattens them, adds the per-view and
+share breakdowns, and computes the rollout-side metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+MEAN_METRICS = ("kl_k3", "oor_fraction", "oor_low", "oor_high", "logprob_abs_diff", "entropy", "sc_correction", "sc_tail_ratio")
+
+
+def objective_metrics(
+    loss_output: Any,
+    group_names: Sequence[str],
+    group_views: dict[str, str],
+) -> dict[str, float]:
+    """Flatten the objective's LossOutput (fleet metrics, per group id, per staleness bucket) and add
+    the per-precision-view breakdown and each group's token share vs out-of-range share.
+
+    `group_names[i]` is the name of group id i in the TokenBatch; `group_views` maps a group name to
+    the precision view it serves (bf16 | fp8 | nvfp4 | mxfp4). View metrics are token-weighted means
+    of the groups' means (exact for every mean metric; ESS is not decomposable and is left out)."""
+    out: dict[str, float] = {k: float(v) for k, v in loss_output.metrics.items()}
+    total = float(loss_output.metrics.get("num_tokens", 0.0))
+    total_oor = total * float(loss_output.metrics.get("oor_fraction", 0.0))
+    views: dict[str, dict[str, float]] = {}
+    for gid, gm in loss_output.per_group.items():
+        name = group_names[gid] if 0 <= gid < len(group_names) else f"group{gid}"
+        for k, v in gm.items():
+            out[f"group/{name}/{k}"] = float(v)
+        n = float(gm.get("num_tokens", 0.0))
+        out[f"group/{name}/token_share"] = n / total if total else 0.0
+        out[f"group/{name}/oor_share"] = (n * gm.get("oor_fraction", 0.0)) / total_oor if total_oor else 0.0
+        view = group_views.get(name, "unknown")
+        acc = views.setdefault(view, {"num_tokens": 0.0})
+        acc["num_tokens"] += n
+        for k in MEAN_METRICS:
+            if k in gm:
+                acc[k] = acc.get(k, 0.0) + n * float(gm[k])
+                acc["_n_" + k] = acc.get("_n_" + k, 0.0) + n
+    for view, acc in views.items():
+        out[f"view/{view}/num_tokens"] = acc["num_tokens"]
+        for k in MEAN_METRICS:
+            if acc.get("_n_" + k):
+                out[f"view/{view}/{k}"] = acc[k] / acc["_n_" + k]
+    for bucket, bm in loss_output.per_staleness.items():
+        for k, v in bm.items():
+            out[f"staleness/{bucket}/{k}"] = float(v)
+    return out
+
+
+def repetition_fraction(ids: Sequence[int]) -> float:
+    """Share of tokens that repeat the token right before them (loops show up as ~1)."""
+    if len(ids) < 2:
+        return 0.0
+    a = np.asarray(ids)
+    return float(np.mean(a[1:] == a[:-1]))
+
+
+def rollout_metrics(outcomes: Sequence[Any], completions: Sequence[Sequence[int]], groups: Sequence[str]) -> dict[str, float]:
+    """Rollout side: `outcomes` are EpisodeOutcome, `completions` the model-generated ids per episode."""
+    n = len(outcomes)
+    if n == 0:
+        return {}
+    rewards = np.array([o.reward for o in outcomes], dtype=np.float64)
+    out = {
+        "episodes": float(n),
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()),
+        "response_length": float(np.mean([len(c) for c in completions])),
+        "empty_reply_rate": float(np.mean([o.empty_final_reply for o in outcomes])),
+        "no_tool_call_rate": float(np.mean([o.no_tool_call_termination for o in outcomes])),
+        "format_error_rate": float(np.mean([o.format_errors > 0 for o in outcomes])),
+        "tool_calls_per_episode": float(np.mean([o.tool_calls for o in outcomes])),
+        "turns_per_episode": float(np.mean([o.num_turns for o in outcomes])),
+        "repetition_fraction": float(np.mean([repetition_fraction(c) for c in completions])),
+    }
+    g = np.asarray(groups, dtype=object)
+    for label in sorted(set(g.tolist())):
+        sel = g == label
+        out[f"group/{label}/reward_mean"] = float(rewards[sel].mean())
+        out[f"group/{label}/episodes"] = float(sel.sum())
+    return out
+
+
+def finite(metrics: dict[str, float]) -> dict[str, float]:
+    """Drop NaN/inf values (JSON and Prometheus friendly)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+
+
+class PrometheusExporter:
+    """Exposes the latest step's flat metrics as gauges `rlfleet_trainer_<metric>{scope,key}`.
+
+    Binds 127.0.0.1 by default (metrics only, no control surface). port=0 picks a free port.
+    """
+
+    def __init__(self, port: int = 0, addr: str = "127.0.0.1") -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.registry = CollectorRegistry()
+        self._gauges: dict[str, Any] = {}
+        self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.port = int(self._server.server_address[1])
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        from prometheus_client import Gauge
+
+        for key, value in finite({**metrics, "step": float(step)}).items():
+            parts = key.split("/")
+            if len(parts) == 3:
+                scope, label, name = parts
+            else:
+                scope, label, name = "fleet", "", key
+            metric = "rlfleet_trainer_" + "".join(c if c.isalnum() else "_" for c in name)
+            gauge = self._gauges.get(metric)
+            if gauge is None:
+                gauge = Gauge(metric, f"rlfleet trainer metric {name}", ["scope", "key"], registry=self.registry)
+                self._gauges[metric] = gauge
+            gauge.labels(scope=scope, key=label).set(value)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,304 @@
+"""Asynchronous rollout driver: prompts -> sessions through the router -> token-exact trajectories ->
+environment reward -> buffer of prompt groups.
+
+Runs in its own thread with its own asyncio loop, so generation keeps going while the trainer
+computes a step (fully asynchronous: nothing waits for a weight update; staleness is recorded, not
+prevented). Per prompt it starts `samples_per_prompt` sessions (session id `p<index>/<k>`, the
+router keeps a session on one group); each session loops turn by turn: generate from the exact ids
+so far, let the environment answer, append the environment's ids (loss mask 0) and continue. The
+trajectory is never detokenised: turn k's `prompt_ids` ARE the ids of the trajectory so far (checked).
+
+Invariants the tests pin:
+- every trajectory is scored exactly once (`env.score` at episode end, nowhere else);
+- a prompt group reaches the buffer once, complete, or not at all (failures are counted);
+- the ids sent for turn k+1 equal the prompt + all sampled ids + all environment ids so far.
+
+Backpressure: at most `max_ahead_prompts` prompt groups are in flight or buffered. Staleness is
+unbounded by default; `max_staleness` is enforced where the trainer takes a batch (stale groups are
+dropped and counted), because only the trainer knows its version at training time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rlfleet.records import SampledTurn
+from rlfleet.trainer.environments import Environment, EpisodeOutcome
+from rlfleet.trainer.prompts import Prompt, PromptSource
+
+log = logging.getLogger(__name__)
+
+# async (session_id, input_ids, sampling_params) -> SampledTurn
+GenerateFn = Callable[[str, list[int], dict[str, Any]], Awaitable[SampledTurn]]
+
+
+@dataclass
+class Rollout:
+    """One episode: the prompt, every model turn as the sampler recorded it, the env ids between."""
+
+    prompt: Prompt
+    sample: int  # k in 0..samples_per_prompt-1
+    turns: list[SampledTurn] = field(default_factory=list)
+    env_ids: list[list[int]] = field(default_factory=list)  # env tokens appended after turn i
+    outcome: EpisodeOutcome | None = None
+    dispatched_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def uid(self) -> str:
+        return f"p{self.prompt.index}/{self.sample}"
+
+    def token_ids(self) -> np.ndarray:
+        """int64 [L]: prompt + turn_0 output + env_0 + turn_1 output + ... (the exact sampled ids)."""
+        parts: list[np.ndarray] = [np.asarray(self.prompt.input_ids, dtype=np.int64)]
+        for turn, env in zip(self.turns, self.env_ids, strict=True):
+            parts.append(np.asarray(turn.output_ids, dtype=np.int64))
+            parts.append(np.asarray(env, dtype=np.int64))
+        return np.concatenate(parts)
+
+    def loss_mask(self) -> np.ndarray:
+        """bool [L]: True exactly at sampled (model-generated) positions."""
+        parts = [np.zeros(len(self.prompt.input_ids), dtype=bool)]
+        for turn, env in zip(self.turns, self.env_ids, strict=True):
+            parts.append(np.ones(turn.num_tokens, dtype=bool))
+            parts.append(np.zeros(len(env), dtype=bool))
+        return np.concatenate(parts)
+
+    def completion_ids(self) -> list[int]:
+        return [int(t) for turn in self.turns for t in turn.output_ids]
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(t.num_tokens for t in self.turns)
+
+    def weight_versions(self) -> np.ndarray:
+        if not self.turns:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.asarray(t.weight_versions, dtype=np.int64) for t in self.turns])
+
+    @property
+    def min_version(self) -> int:
+        v = self.weight_versions()
+        return int(v.min()) if v.size else 0
+
+    @property
+    def group(self) -> str:
+        """The sampler group of the first turn (sessions are sticky; per-token groups come from turns)."""
+        return self.turns[0].group if self.turns else ""
+
+
+@dataclass
+class PromptGroup:
+    """All samples of one prompt (the GRPO group)."""
+
+    prompt: Prompt
+    rollouts: list[Rollout]
+
+    def staleness(self, trainer_version: int) -> int:
+        """Trainer version minus the OLDEST weight version any token of the group was sampled with."""
+        return max(0, trainer_version - min(r.min_version for r in self.rollouts))
+
+
+@dataclass
+class DriverStats:
+    dispatched_prompts: int = 0
+    completed_groups: int = 0
+    failed_groups: int = 0
+    generate_errors: int = 0
+    scored_episodes: int = 0
+    sampled_tokens: int = 0
+    generate_seconds: float = 0.0
+
+
+class RolloutBuffer:
+    """Thread-safe FIFO of complete prompt groups between the rollout thread and the trainer."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue[PromptGroup] = queue.Queue()
+
+    def put(self, group: PromptGroup) -> None:
+        self._q.put(group)
+
+    def qsize(self) -> int:
+        return self._q.qsize()
+
+    def take(self, n: int, timeout: float | None = None, stop: threading.Event | None = None) -> list[PromptGroup]:
+        """Block until `n` groups are available (or `stop` is set / timeout: returns what it has)."""
+        out: list[PromptGroup] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(out) < n:
+            if stop is not None and stop.is_set():
+                break
+            wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            try:
+                out.append(self._q.get(timeout=wait))
+            except queue.Empty:
+                continue
+        return out
+
+    def drain(self) -> list[PromptGroup]:
+        out = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+
+class RolloutDriver:
+    def __init__(
+        self,
+        generate: GenerateFn,
+        env: Environment,
+        prompts: PromptSource,
+        *,
+        samples_per_prompt: int,
+        sampling: dict[str, Any],
+        max_seq_len: int,
+        start_position: int = 0,
+        max_ahead_prompts: int = 8,
+        max_retries: int = 2,
+        buffer: RolloutBuffer | None = None,
+    ) -> None:
+        self.generate = generate
+        self.env = env
+        self.prompts = prompts
+        self.samples_per_prompt = samples_per_prompt
+        self.sampling = dict(sampling)
+        self.max_seq_len = max_seq_len
+        self.next_position = start_position  # data position: next prompt index never dispatched
+        self.max_ahead_prompts = max_ahead_prompts
+        self.max_retries = max_retries
+        self.buffer = buffer or RolloutBuffer()
+        self.stats = DriverStats()
+        self._in_flight = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+
+    # ---- one episode ----
+    async def run_episode(self, prompt: Prompt, sample: int) -> Rollout:
+        rollout = Rollout(prompt=prompt, sample=sample, dispatched_at=time.monotonic())
+        state = self.env.start(prompt)
+        ids: list[int] = list(prompt.input_ids)
+        stop_ids = list(dict.fromkeys([*self.sampling.get("stop_token_ids", []), *self.env.stop_token_ids]))
+        for _turn_index in range(self.env.max_turns):
+            budget = min(int(self.sampling["max_new_tokens"]), self.max_seq_len - len(ids))
+            if budget <= 0:
+                break
+            params = {**self.sampling, "max_new_tokens": budget, "stop_token_ids": stop_ids}
+            turn = await self._generate_with_retry(rollout.uid, ids, params)
+            if list(np.asarray(turn.prompt_ids).tolist()) != ids:
+                raise RuntimeError(f"{rollout.uid}: sampler echoed different prompt ids (re-tokenised?)")
+            out_ids = [int(t) for t in turn.output_ids]
+            step = self.env.step(prompt, state, out_ids, turn.finish_reason)
+            append = [] if step.done else [int(t) for t in step.append_ids]
+            rollout.turns.append(turn)
+            rollout.env_ids.append(append)
+            ids = ids + out_ids + append
+            if step.done:
+                break
+        # Scored exactly once, here, whatever ended the episode.
+        rollout.outcome = self.env.score(prompt, state, [[int(t) for t in t_.output_ids] for t_ in rollout.turns])
+        self.stats.scored_episodes += 1
+        rollout.finished_at = time.monotonic()
+        return rollout
+
+    async def _generate_with_retry(self, session: str, ids: list[int], params: dict[str, Any]) -> SampledTurn:
+        for attempt in range(self.max_retries + 1):
+            t0 = time.monotonic()
+            try:
+                turn = await self.generate(session, list(ids), params)
+                self.stats.generate_seconds += time.monotonic() - t0
+                self.stats.sampled_tokens += turn.num_tokens
+                return turn
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # connection loss, timeouts, HTTP errors: retry then fail the group
+                self.stats.generate_errors += 1
+                if attempt == self.max_retries:
+                    raise
+                log.warning("generate %s failed (%s), retry %d", session, exc, attempt + 1)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def run_group(self, prompt: Prompt) -> PromptGroup | None:
+        try:
+            rollouts = await asyncio.gather(*(self.run_episode(prompt, k) for k in range(self.samples_per_prompt)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.stats.failed_groups += 1
+            log.warning("prompt %d dropped: %s", prompt.index, exc)
+            return None
+        return PromptGroup(prompt=prompt, rollouts=list(rollouts))
+
+    # ---- the dispatch loop ----
+    async def run(self) -> None:
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not self._stop.is_set():
+                if self._in_flight + self.buffer.qsize() >= self.max_ahead_prompts:
+                    await asyncio.sleep(0.01)
+                    continue
+                prompt = self.prompts.get(self.next_position)
+                self.next_position += 1
+                self.stats.dispatched_prompts += 1
+                self._in_flight += 1
+                task = asyncio.create_task(self._group_task(prompt))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _group_task(self, prompt: Prompt) -> None:
+        try:
+            group = await self.run_group(prompt)
+            if group is not None and not self._stop.is_set():
+                self.stats.completed_groups += 1
+                self.buffer.put(group)
+        finally:
+            self._in_flight -= 1
+
+    def start(self) -> None:
+        def main() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(self.run())
+            except BaseException as exc:  # surfaced to the trainer by `check()`
+                self.error = exc
+            finally:
+                closer = getattr(self.generate, "aclose", None)
+                if closer is not None:
+                    try:
+                        self._loop.run_until_complete(closer())
+                    except Exception:
+                        pass
+                self._loop.close()
+
+        self._thread = threading.Thread(target=main, name="rollout-driver", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"rollout driver failed: {self.error!r}") from self.error
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
