@@ -18,9 +18,9 @@ from urllib.parse import quote, urlencode
 import aiohttp
 import kopf
 import yaml
+from rlfleet.operator.naming import FIELD_MANAGER
 
 from rlfleet.api.common import API_VERSION
-from rlfleet.operator.naming import FIELD_MANAGER
 
 # (apiVersion, kind) -> plural. Everything the operator reads or writes.
 RESOURCES: dict[tuple[str, str], str] = {
@@ -123,11 +123,15 @@ class KubeApi:
                     force: bool = True) -> dict[str, Any]:  # fmt: skip
         """Server-side apply of `body` (as `field_manager`, taking over conflicting fields when forced)."""
         meta = body["metadata"]
-        path = resource_path(body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"], subresource)
+        path = resource_path(
+            body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"], subresource
+        )
         query = {"fieldManager": field_manager, "fieldValidation": "Strict"}
         if force:
             query["force"] = "true"
-        return await self._request("PATCH", path, query=query, body=body, content_type="application/apply-patch+yaml")
+        return await self._request(
+            "PATCH", path, query=query, body=body, content_type="application/apply-patch+yaml"
+        )
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -137,7 +141,9 @@ class KubeApi:
                 return None
             raise
 
-    async def list(self, api_version: str, kind: str, namespace: str, label_selector: str | None = None) -> list[dict]:
+    async def list(
+        self, api_version: str, kind: str, namespace: str, label_selector: str | None = None
+    ) -> list[dict]:
         query = {"labelSelector": label_selector} if label_selector else None
         result = await self._request("GET", resource_path(api_version, kind, namespace), query=query)
         return list(result.get("items", []))

@@ -69,7 +69,9 @@ def now_iso() -> str:
 def check_name(kind: str, name: str) -> str:
     """Views, groups and replicas become key components: keep them to a safe alphabet."""
     if not _NAME.match(name):
-        raise ValueError(f"invalid {kind} name {name!r} (letters, digits, '_', '.', '-'; starts alphanumeric)")
+        raise ValueError(
+            f"invalid {kind} name {name!r} (letters, digits, '_', '.', '-'; starts alphanumeric)"
+        )
     return name
 
 
@@ -192,7 +194,13 @@ class Manifest:
                 )
                 for name, v in raw["views"].items()
             }
-            return cls(int(raw["version"]), str(raw["published_at"]), str(raw.get("publisher", "")), views, dict(raw.get("metadata", {})))
+            return cls(
+                int(raw["version"]),
+                str(raw["published_at"]),
+                str(raw.get("publisher", "")),
+                views,
+                dict(raw.get("metadata", {})),
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ChannelError(f"malformed manifest: {e}") from e
 
@@ -346,7 +354,13 @@ class WeightChannel:
         manifest_bytes = manifest.to_bytes()
         # Every byte above is durable (put_file returns after fsync / S3 200); only now the manifest.
         self.store.put(manifest_key(number), manifest_bytes)
-        pointer = Pointer(number, manifest_key(number), hashlib.sha256(manifest_bytes).hexdigest(), manifest.published_at, self.publisher_id)
+        pointer = Pointer(
+            number,
+            manifest_key(number),
+            hashlib.sha256(manifest_bytes).hexdigest(),
+            manifest.published_at,
+            self.publisher_id,
+        )
         advanced = self._advance(pointer)
         return PublishResult(number, advanced, manifest, sum(d.bytes for d in digests))
 
@@ -356,7 +370,9 @@ class WeightChannel:
             current = self.store.read_pointer(POINTER_KEY)
             if current is not None and Pointer.from_bytes(current.data).version >= pointer.version:
                 return False
-            if self.store.compare_and_swap(POINTER_KEY, None if current is None else current.token, pointer.to_bytes()):
+            if self.store.compare_and_swap(
+                POINTER_KEY, None if current is None else current.token, pointer.to_bytes()
+            ):
                 return True
         raise ChannelError("pointer compare-and-swap kept failing")
 
@@ -434,7 +450,9 @@ class WeightChannel:
             protected.update(r.in_use)
             if r.applied_version is not None:
                 protected.add(r.applied_version)
-        doomed = sorted(v for v in set(by_version) | set(claims) if v < pointer.version and v not in protected)
+        doomed = sorted(
+            v for v in set(by_version) | set(claims) if v < pointer.version and v not in protected
+        )
         for v in doomed:
             # Manifest first: a half-deleted version is then "incomplete", never "complete but broken".
             ks = sorted(by_version.get(v, []), key=lambda k: k != manifest_key(v))
@@ -482,7 +500,11 @@ class ChannelStatus:
 
 
 def group_versions(
-    reports: Iterable[SubscriberReport], latest_version: int | None, *, stale_after_seconds: float | None = None, now: datetime | None = None
+    reports: Iterable[SubscriberReport],
+    latest_version: int | None,
+    *,
+    stale_after_seconds: float | None = None,
+    now: datetime | None = None,
 ) -> list[GroupVersionStatus]:
     """Pure: per-group applied version (min over fresh replicas) and lag from subscriber reports."""
     now = now or datetime.now(UTC)
@@ -521,7 +543,14 @@ def read_channel_status(store: Store, *, stale_after_seconds: float | None = Non
     pointer = channel.latest()
     reports = channel.subscribers()
     if pointer is None:
-        return ChannelStatus(None, None, [], group_versions(reports, None, stale_after_seconds=stale_after_seconds), [], reports)
+        return ChannelStatus(
+            None,
+            None,
+            [],
+            group_versions(reports, None, stale_after_seconds=stale_after_seconds),
+            [],
+            reports,
+        )
     manifest = channel.manifest(pointer.version)
     artifacts = [
         ViewArtifactStatus(

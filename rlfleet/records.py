@@ -219,7 +219,7 @@ def validate_turn(turn: SampledTurn, vocab_size: int | None = None, tol: float =
         found[hit_row] = True
         flag(R_NOT_IN_SUPPORT, nonempty & ~found)
         sampled = turn.sampled_logprobs.astype(np.float64)
-        flag(R_SAMPLED_NONFINITE, ~np.isfinite(sampled))
+        flag(R_SAMPLED_NONFINITE, found & ~np.isfinite(sampled))  # not-found tokens are flagged above
         # the support's logprob of the sampled token (first hit per row)
         support_at_y = np.full(n, np.nan)
         support_at_y[hit_row[::-1]] = s_lp[hit_pos[::-1]]  # reversed so the first hit wins

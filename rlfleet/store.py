@@ -27,6 +27,8 @@ import errno
 import fcntl
 import hashlib
 import os
+import shutil
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -147,7 +149,7 @@ class Store(ABC):
 
         Returns False when another writer got there first; the caller re-reads and decides."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook, not abstract)
         """Release clients (default: nothing)."""
 
 
@@ -238,14 +240,43 @@ class FilesystemStore(Store):
         self._commit(tmp, path)
 
     def put_file(self, key: str, path: Path) -> FileDigest:
+        """Kernel copy (copy_file_range / sendfile: no user-space pass over the bytes) while another
+        thread hashes the source, so publishing costs about max(copy, hash) instead of their sum.
+        The digest is of the local source; the sidecar re-hashes what it downloads, so a byte the
+        store got wrong is still refused before use."""
         target = self._path(key)
+        self._require_root()
+        self._mkdirs(target.parent)
+        tmp = self._temp_for(target)
+        digest_box: list[FileDigest | BaseException] = []
 
-        def chunks() -> Iterator[bytes]:
-            with open(path, "rb", buffering=0) as f:
-                while chunk := f.read(CHUNK_BYTES):
-                    yield chunk
+        def hash_source() -> None:
+            try:
+                digest_box.append(sha256_file(Path(path)))
+            except BaseException as e:  # re-raised in the caller
+                digest_box.append(e)
 
-        tmp, digest = self._write_temp(target, chunks())
+        hasher = threading.Thread(target=hash_source, daemon=True)
+        hasher.start()
+        try:
+            shutil.copyfile(path, tmp)
+            if self.fsync:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            hasher.join()
+            if isinstance(digest_box[0], BaseException):
+                raise digest_box[0]
+            digest = digest_box[0]
+            if digest.bytes != tmp.stat().st_size:
+                raise StoreError(f"{path} changed while it was uploaded")
+        except BaseException:
+            hasher.join()
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         self._commit(tmp, target)
         return digest
 
@@ -262,20 +293,16 @@ class FilesystemStore(Store):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
-        digest = hashlib.sha256()
-        size = 0
         try:
-            with open(source, "rb", buffering=0) as src, open(tmp, "wb", buffering=0) as dst:
-                while chunk := src.read(CHUNK_BYTES):
-                    digest.update(chunk)
-                    dst.write(chunk)
-                    size += len(chunk)
-            os.replace(tmp, path)
+            shutil.copyfile(source, tmp)  # in-kernel copy
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
-        return FileDigest(digest.hexdigest(), size)
+        # Hash the LOCAL copy (what the engine will load), not the store's file.
+        digest = sha256_file(tmp)
+        os.replace(tmp, path)
+        return digest
 
     def list(self, prefix: str = "") -> list[str]:
         self._require_root()
@@ -398,7 +425,9 @@ class S3Store(Store):
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.endpoint_url = (
+            endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        )
         self.claim_ttl_seconds = claim_ttl_seconds
         if client is None:
             import boto3
@@ -413,7 +442,10 @@ class S3Store(Store):
             client = boto3.session.Session().client(
                 "s3",
                 endpoint_url=self.endpoint_url,
-                region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+                region_name=region
+                or os.environ.get("AWS_REGION")
+                or os.environ.get("AWS_DEFAULT_REGION")
+                or "us-east-1",
                 config=config,
             )
         self.client = client
@@ -472,7 +504,9 @@ class S3Store(Store):
                 str(path),
                 self.bucket,
                 self._k(key),
-                Config=TransferConfig(multipart_threshold=64 * 1024 * 1024, multipart_chunksize=64 * 1024 * 1024),
+                Config=TransferConfig(
+                    multipart_threshold=64 * 1024 * 1024, multipart_chunksize=64 * 1024 * 1024
+                ),
             )
         return digest
 
@@ -501,10 +535,16 @@ class S3Store(Store):
         return FileDigest(digest.hexdigest(), size)
 
     def _list_full(self, prefix: str) -> list[dict[str, Any]]:
-        full_prefix = (f"{self.prefix}/{prefix}" if self.prefix else prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        full_prefix = (
+            (f"{self.prefix}/{prefix}" if self.prefix else prefix)
+            if prefix
+            else (f"{self.prefix}/" if self.prefix else "")
+        )
         items: list[dict[str, Any]] = []
         with self._errors(prefix or "/"):
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full_prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full_prefix
+            ):
                 items.extend(page.get("Contents", []))
         return items
 
@@ -640,7 +680,9 @@ class S3Store(Store):
                 with contextlib.suppress(StoreError):
                     self.delete_many(stale)
             return True
-        kwargs: dict[str, Any] = {"IfNoneMatch": "*"} if expected_token is None else {"IfMatch": expected_token}
+        kwargs: dict[str, Any] = (
+            {"IfNoneMatch": "*"} if expected_token is None else {"IfMatch": expected_token}
+        )
         try:
             with self._errors(key):
                 try:
@@ -708,4 +750,9 @@ def is_unavailable(error: BaseException) -> bool:
     """True for errors worth retrying later (store down), false for logic errors."""
     if isinstance(error, StoreUnavailableError):
         return True
-    return isinstance(error, OSError) and error.errno in (errno.ENOENT, errno.EIO, errno.ESTALE, errno.ENOTCONN)
+    return isinstance(error, OSError) and error.errno in (
+        errno.ENOENT,
+        errno.EIO,
+        errno.ESTALE,
+        errno.ENOTCONN,
+    )

@@ -90,13 +90,13 @@ class AiohttpTransport:
             async with self._session.post(url, data=body, headers=headers) as response:
                 data = await response.read()
                 return UpstreamResponse(response.status, response.headers.get("Content-Type", ""), data)
-        except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, self._aiohttp.ClientError, OSError) as exc:
             raise self._error(exc) from exc
 
     async def open_stream(self, url: str, body: bytes, headers: dict[str, str]) -> StreamingResponse:
         try:
             response = await self._session.post(url, data=body, headers=headers)
-        except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, self._aiohttp.ClientError, OSError) as exc:
             raise self._error(exc) from exc
         return _AiohttpStream(response)
 
@@ -105,7 +105,7 @@ class AiohttpTransport:
             async with self._session.get(url, timeout=self._aiohttp.ClientTimeout(total=timeout)) as response:
                 data = await response.read()
                 return UpstreamResponse(response.status, response.headers.get("Content-Type", ""), data)
-        except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, self._aiohttp.ClientError, OSError) as exc:
             raise self._error(exc) from exc
 
     async def close(self) -> None:

@@ -30,8 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-
-from rlfleet.records import SUPPORT_MODE, SampledTurn
 from rlfleet.sampler.protocol import (
     ProtocolError,
     SamplingConfig,
@@ -39,6 +37,8 @@ from rlfleet.sampler.protocol import (
     error_message,
     parse_generate_response,
 )
+
+from rlfleet.records import SUPPORT_MODE, SampledTurn
 
 SESSION_HEADER = "X-Session-Id"  # our router's session affinity key (also X-SMG-Routing-Key)
 MIN_VERSION_HEADER = "X-Min-Weight-Version"
@@ -65,15 +65,17 @@ class ClientStats:
     requests: int = 0
     turns: int = 0
     tokens: int = 0
+    invalid: int = 0  # tokens flagged invalid (each may fail several checks, see invalid_tokens)
     retries: Counter = field(default_factory=Counter)  # reason -> retries
     failures: Counter = field(default_factory=Counter)  # reason -> failed turns
-    invalid_tokens: Counter = field(default_factory=Counter)  # validation reason -> tokens
+    invalid_tokens: Counter = field(default_factory=Counter)  # validation reason -> tokens failing that check
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
             "turns": self.turns,
             "tokens": self.tokens,
+            "invalid": self.invalid,
             "retries": dict(self.retries),
             "failures": dict(self.failures),
             "invalid_tokens": dict(self.invalid_tokens),
@@ -220,6 +222,7 @@ class SamplerClient:
             raise self._fail("malformed_response", str(exc), 200, attempts) from None
         self.stats.turns += 1
         self.stats.tokens += turn.num_tokens
+        self.stats.invalid += turn.num_invalid
         self.stats.invalid_tokens.update(turn.invalid_reasons)
         return turn
 

@@ -59,9 +59,18 @@ log = logging.getLogger("rlfleet.sampler.sync")
 
 # safetensors dtype -> torch dtype name (what SGLang's update_weights_from_distributed expects)
 TORCH_DTYPES = {
-    "BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "I32": "int32",
+    "I64": "int64",
+    "BOOL": "bool",
 }
 
 
@@ -90,7 +99,9 @@ class DiskEngine:
 
     mode = "disk"
 
-    def __init__(self, client: httpx.AsyncClient, *, flush_cache: bool = True, abort_all_requests: bool = False) -> None:
+    def __init__(
+        self, client: httpx.AsyncClient, *, flush_cache: bool = True, abort_all_requests: bool = False
+    ) -> None:
         self.client = client
         self.flush_cache = flush_cache
         self.abort_all_requests = abort_all_requests
@@ -102,7 +113,9 @@ class DiskEngine:
             "flush_cache": self.flush_cache,
             "abort_all_requests": self.abort_all_requests,
         }
-        _check_response(await self.client.post("/update_weights_from_disk", json=body), "update_weights_from_disk")
+        _check_response(
+            await self.client.post("/update_weights_from_disk", json=body), "update_weights_from_disk"
+        )
 
 
 Sender = Callable[[int, Path, list[str]], Awaitable[None]]
@@ -143,7 +156,20 @@ class PushEngine:
     @staticmethod
     def buckets(manifest: Manifest, view: str, bucket_bytes: int) -> list[list[tuple[str, str, list[int]]]]:
         """Tensors of the view as (name, torch dtype, shape), in buckets of at most ~bucket_bytes."""
-        sizes = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}
+        sizes = {
+            "BF16": 2,
+            "F16": 2,
+            "F32": 4,
+            "F64": 8,
+            "F8_E4M3": 1,
+            "F8_E5M2": 1,
+            "U8": 1,
+            "I8": 1,
+            "I16": 2,
+            "I32": 4,
+            "I64": 8,
+            "BOOL": 1,
+        }
         out: list[list[tuple[str, str, list[int]]]] = [[]]
         used = 0
         for name, meta in sorted(manifest.views[view].tensors.items()):
@@ -153,7 +179,9 @@ class PushEngine:
             if out[-1] and used + n > bucket_bytes:
                 out.append([])
                 used = 0
-            out[-1].append((name, TORCH_DTYPES.get(meta["dtype"], meta["dtype"].lower()), list(meta["shape"])))
+            out[-1].append(
+                (name, TORCH_DTYPES.get(meta["dtype"], meta["dtype"].lower()), list(meta["shape"]))
+            )
             used += n
         return [b for b in out if b]
 
@@ -237,15 +265,46 @@ class Metrics:
     def __init__(self, group: str, view: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"group": group, "view": view}
-        self.applied = Gauge("rlfleet_weight_sync_applied_version", "Weight version the engine serves (-1: unknown).", list(labels), registry=self.registry).labels(**labels)
-        self.latest = Gauge("rlfleet_weight_sync_latest_version", "Version the channel pointer names (-1: none).", list(labels), registry=self.registry).labels(**labels)
-        self.lag = Gauge("rlfleet_weight_sync_lag_versions", "latest - applied.", list(labels), registry=self.registry).labels(**labels)
-        self.applies = Counter("rlfleet_weight_sync_applies", "Versions applied.", list(labels), registry=self.registry).labels(**labels)
-        failures = Counter("rlfleet_weight_sync_failures", "Failed sync attempts by reason.", [*labels, "reason"], registry=self.registry)
+        self.applied = Gauge(
+            "rlfleet_weight_sync_applied_version",
+            "Weight version the engine serves (-1: unknown).",
+            list(labels),
+            registry=self.registry,
+        ).labels(**labels)
+        self.latest = Gauge(
+            "rlfleet_weight_sync_latest_version",
+            "Version the channel pointer names (-1: none).",
+            list(labels),
+            registry=self.registry,
+        ).labels(**labels)
+        self.lag = Gauge(
+            "rlfleet_weight_sync_lag_versions", "latest - applied.", list(labels), registry=self.registry
+        ).labels(**labels)
+        self.applies = Counter(
+            "rlfleet_weight_sync_applies", "Versions applied.", list(labels), registry=self.registry
+        ).labels(**labels)
+        failures = Counter(
+            "rlfleet_weight_sync_failures",
+            "Failed sync attempts by reason.",
+            [*labels, "reason"],
+            registry=self.registry,
+        )
         self.failures = {r: failures.labels(**labels, reason=r) for r in ("store", "checksum", "engine")}
         buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-        self.download = Histogram("rlfleet_weight_sync_download_seconds", "Download + verification time.", list(labels), buckets=buckets, registry=self.registry).labels(**labels)
-        self.apply = Histogram("rlfleet_weight_sync_apply_seconds", "Engine apply time.", list(labels), buckets=buckets, registry=self.registry).labels(**labels)
+        self.download = Histogram(
+            "rlfleet_weight_sync_download_seconds",
+            "Download + verification time.",
+            list(labels),
+            buckets=buckets,
+            registry=self.registry,
+        ).labels(**labels)
+        self.apply = Histogram(
+            "rlfleet_weight_sync_apply_seconds",
+            "Engine apply time.",
+            list(labels),
+            buckets=buckets,
+            registry=self.registry,
+        ).labels(**labels)
         self.applied.set(-1)
         self.latest.set(-1)
 
@@ -291,8 +350,12 @@ class Syncer:
         await self._report(target=version)
         t0 = time.perf_counter()
         try:
-            manifest = await asyncio.to_thread(self.channel.manifest, version, expected_sha256=pointer.manifest_sha256)
-            await asyncio.to_thread(self.channel.download_view, version, self.config.view, target, manifest=manifest)
+            manifest = await asyncio.to_thread(
+                self.channel.manifest, version, expected_sha256=pointer.manifest_sha256
+            )
+            await asyncio.to_thread(
+                self.channel.download_view, version, self.config.view, target, manifest=manifest
+            )
         except ChecksumMismatchError as e:
             self._failed("checksum", f"v{version}: {e}")
             await self._report()
@@ -315,14 +378,18 @@ class Syncer:
         state.consecutive_failures = 0
         state.last_error = None
         state.phase = "in-sync"
-        state.last_apply = LastApply(version, t1 - t0, t2 - t1, t2 - t0, manifest.views[self.config.view].bytes, now_iso())
+        state.last_apply = LastApply(
+            version, t1 - t0, t2 - t1, t2 - t0, manifest.views[self.config.view].bytes, now_iso()
+        )
         self.metrics.applied.set(version)
         self.metrics.applies.inc()
         self.metrics.download.observe(t1 - t0)
         self.metrics.apply.observe(t2 - t1)
         self._update_lag()
         self._prune_local()
-        log.info("applied weights v%d (%s) download %.2fs apply %.2fs", version, self.config.view, t1 - t0, t2 - t1)
+        log.info(
+            "applied weights v%d (%s) download %.2fs apply %.2fs", version, self.config.view, t1 - t0, t2 - t1
+        )
         await self._report()
         return True
 
@@ -383,7 +450,11 @@ class Syncer:
     # -- HTTP
     def status(self) -> dict[str, Any]:
         s = self.state
-        lag = None if s.latest_version is None or s.applied_version is None else max(0, s.latest_version - s.applied_version)
+        lag = (
+            None
+            if s.latest_version is None or s.applied_version is None
+            else max(0, s.latest_version - s.applied_version)
+        )
         return {
             "group": self.config.group,
             "replica": self.config.replica,
@@ -399,12 +470,16 @@ class Syncer:
             "failures": dict(s.failures),
             "last_error": s.last_error,
             "last_apply": asdict(s.last_apply) if s.last_apply else None,
-            "next_attempt_in_seconds": max(0.0, round(s.next_attempt_at - time.time(), 3)) if s.next_attempt_at else None,
+            "next_attempt_in_seconds": max(0.0, round(s.next_attempt_at - time.time(), 3))
+            if s.next_attempt_at
+            else None,
         }
 
     def app(self) -> web.Application:
         async def metrics(_: web.Request) -> web.Response:
-            return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+            return web.Response(
+                body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            )
 
         async def status(_: web.Request) -> web.Response:
             return web.json_response(self.status())
@@ -430,20 +505,32 @@ async def engine_weight_version(client: httpx.AsyncClient) -> int | None:
     return None
 
 
-async def serve(config: SyncConfig, *, push_group: PushGroup | None = None, stop: asyncio.Event | None = None, ready: Callable[[int], None] | None = None) -> None:
+async def serve(
+    config: SyncConfig,
+    *,
+    push_group: PushGroup | None = None,
+    stop: asyncio.Event | None = None,
+    ready: Callable[[int], None] | None = None,
+) -> None:
     """Run the sidecar until `stop` is set (or forever)."""
     stop = stop or asyncio.Event()
     store = open_store(config.store)
-    async with httpx.AsyncClient(base_url=config.engine_url.rstrip("/"), timeout=config.request_timeout) as client:
+    async with httpx.AsyncClient(
+        base_url=config.engine_url.rstrip("/"), timeout=config.request_timeout
+    ) as client:
         if config.initial_version is None:
             config.initial_version = await engine_weight_version(client)
-        engine: DiskEngine | PushEngine = DiskEngine(client) if push_group is None else PushEngine(client, push_group)
+        engine: DiskEngine | PushEngine = (
+            DiskEngine(client) if push_group is None else PushEngine(client, push_group)
+        )
         syncer = Syncer(config, store, engine)
         runner = web.AppRunner(syncer.app(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else config.port  # type: ignore[union-attr]
+        port = (
+            site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else config.port
+        )  # type: ignore[union-attr]
         log.info("weight sync sidecar for %s/%s (%s) on :%d", config.group, config.replica, config.view, port)
         if ready is not None:
             ready(port)
@@ -454,21 +541,55 @@ async def serve(config: SyncConfig, *, push_group: PushGroup | None = None, stop
             store.close()
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Bad input: one clear line on stderr and exit 2 (no usage dump, no stack trace)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlfleet sampler sync", description="Weight-sync sidecar: reconcile an engine to the weight channel.")
-    p.add_argument("--store", required=True, help="channel store: a path, file://path or s3://bucket/prefix[?endpoint=URL]")
+    p = _OneLineErrorParser(
+        prog="rlfleet sampler sync",
+        description="Weight-sync sidecar: reconcile an engine to the weight channel.",
+    )
+    p.add_argument(
+        "--store",
+        required=True,
+        help="channel store: a path, file://path or s3://bucket/prefix[?endpoint=URL]",
+    )
     p.add_argument("--view", required=True, choices=VIEW_NAMES, help="precision view this engine loads")
     p.add_argument("--engine-url", required=True, help="engine base URL, e.g. http://127.0.0.1:30000")
     p.add_argument("--group", required=True, help="SamplerGroup name")
     p.add_argument("--replica", required=True, help="replica (pod) name")
-    p.add_argument("--cache-dir", default="/tmp/rlfleet-weights", help="local directory shared with the engine")
+    p.add_argument(
+        "--cache-dir", default="/tmp/rlfleet-weights", help="local directory shared with the engine"
+    )
     p.add_argument("--host", default="0.0.0.0", help="bind address of /metrics /status /health")
-    p.add_argument("--port", type=int, default=9400, help="port of /metrics /status /health (0: any free port)")
-    p.add_argument("--poll-interval", type=float, default=2.0, help="seconds between pointer reads when in sync")
-    p.add_argument("--backoff-max", type=float, default=60.0, help="cap of the exponential retry backoff (seconds)")
-    p.add_argument("--initial-version", type=int, default=None, help="version the engine starts with (default: ask /model_info)")
-    p.add_argument("--mode", choices=("disk", "push"), default="disk", help="disk: /update_weights_from_disk; push: NCCL update group")
-    p.add_argument("--push-master", default=None, help="push mode: master_address:master_port of the update group")
+    p.add_argument(
+        "--port", type=int, default=9400, help="port of /metrics /status /health (0: any free port)"
+    )
+    p.add_argument(
+        "--poll-interval", type=float, default=2.0, help="seconds between pointer reads when in sync"
+    )
+    p.add_argument(
+        "--backoff-max", type=float, default=60.0, help="cap of the exponential retry backoff (seconds)"
+    )
+    p.add_argument(
+        "--initial-version",
+        type=int,
+        default=None,
+        help="version the engine starts with (default: ask /model_info)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("disk", "push"),
+        default="disk",
+        help="disk: /update_weights_from_disk; push: NCCL update group",
+    )
+    p.add_argument(
+        "--push-master", default=None, help="push mode: master_address:master_port of the update group"
+    )
     return p
 
 
@@ -494,11 +615,22 @@ def cli(argv: list[str]) -> int:
             parser.error("--push-master port must be a number")
         push_group = PushGroup(master_address=host, master_port=int(port))
     config = SyncConfig(
-        store=args.store, view=args.view, engine_url=args.engine_url, group=args.group, replica=args.replica,
-        cache_dir=Path(args.cache_dir), host=args.host, port=args.port, poll_interval=args.poll_interval,
-        backoff_max=args.backoff_max, initial_version=args.initial_version,
+        store=args.store,
+        view=args.view,
+        engine_url=args.engine_url,
+        group=args.group,
+        replica=args.replica,
+        cache_dir=Path(args.cache_dir),
+        host=args.host,
+        port=args.port,
+        poll_interval=args.poll_interval,
+        backoff_max=args.backoff_max,
+        initial_version=args.initial_version,
     )
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
     async def main() -> None:
         import signal
 

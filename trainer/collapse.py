@@ -13,7 +13,8 @@ does not update that signal's baseline, so a surge cannot hide itself):
 A signal must hold `patience` consecutive steps, and nothing fires during `warmup_steps`.
 
 Actions (RLJob `safety.action`): `alert` (report only), `quarantine-group` (per-group signals
-quarantine that group: the router sends it no new sessions; fleet-wide signals alert), `pause`
+quarantine that group: the router sends it no new sessions; a fleet-wide KL surge quarantines the
+groups whose share of out-of-range tokens exceeds `oor_share_factor` x their token share), `pause`
 (training stops stepping; the run reports why). Metrics are the flat dict of `rlfleet.trainer.metrics`
 (`kl_k3`, `group/<name>/kl_k3`, ...).
 """
@@ -36,13 +37,14 @@ class CollapseThresholds:
     cliff_rel: float = 0.5
     kl_ratio: float = 3.0
     oor_ratio: float = 10.0
-    oor_floor: float = 1e-3  # baseline OOR is at least this (a 0 baseline would make any OOR "10x")
+    oor_floor: float = 5e-3  # baseline OOR is at least this (a 0 baseline would make any OOR "10x")
     kl_floor: float = 1e-4
     rate_abs: float = 0.5  # empty-reply / no-tool-call rate that counts as "tool calls stopped"
     rate_ratio: float = 3.0
     entropy_min: float = 0.02  # nats
     grad_ratio: float = 10.0
     rho_max: float = 5.0
+    oor_share_factor: float = 2.0  # quarantine picks groups whose OOR share > this x their token share
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any] | None) -> CollapseThresholds:
@@ -58,6 +60,18 @@ class CollapseThresholds:
             if value is not None:
                 kwargs[names[key]] = type(getattr(cls(), names[key]))(value)
         return cls(**kwargs)
+
+
+    @classmethod
+    def from_safety(cls, safety: Any) -> CollapseThresholds:
+        """From the RLJob `safety` block (rlfleet.api SafetySpec): klSurgeFactor -> kl_ratio,
+        scTailRatioMax -> rho_max, windowSteps -> the EMA window (decay 1 - 2 / (window + 1))."""
+        return cls(
+            kl_ratio=float(safety.kl_surge_factor),
+            rho_max=float(safety.sc_tail_ratio_max),
+            ema_decay=1.0 - 2.0 / (int(safety.window_steps) + 1),
+            oor_share_factor=float(safety.oor_share_factor),
+        )
 
 
 def _camel(name: str) -> str:
@@ -211,7 +225,15 @@ class CollapseDetector:
             if self.action == "pause":
                 decision.pause = True
             elif self.action == "quarantine-group":
-                groups = sorted({a.group for a in alerts if a.group} - self.quarantined)
+                culprits = {a.group for a in alerts if a.group}
+                if any(a.signal == "kl_surge" and a.group is None for a in alerts):
+                    # a fleet-wide surge: blame the groups over-represented among out-of-range tokens
+                    culprits |= {
+                        k.split("/")[1] for k in metrics
+                        if k.endswith("/oor_share") and k.startswith("group/")
+                        and metrics[k] > t.oor_share_factor * metrics.get(k.replace("/oor_share", "/token_share"), 1.0)
+                    }
+                groups = sorted(culprits - self.quarantined)
                 decision.quarantine = groups
                 self.quarantined.update(groups)
         return decision

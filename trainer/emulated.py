@@ -3,10 +3,11 @@
 Local mode (`rlfleet run --local`) never uses this: it starts the real reference sampler servers.
 The ablation runs 12 arms x tens of steps on 2 cores and uses this path for speed (documented in
 docs/ablation.md). The emulation is the same as the reference server's: TinyGPT with the group's
-weight format applied by `rlfleet.numerics.formats.fake_quantize` to every linear projection, a bf16
+weight format applied by `rlfleet.numerics.tinygpt.precision_view` (projections fake-quantised, the
+rest bf16), a bf16
 kernel with a split-K reduction (so even a bf16 group differs from the fp32 trainer), the group's KV
-cache dtype, and SGLang's torch sampling reference: temperature, sorted top-k, top-p on the
-exclusive cumulative sum (the token crossing top_p is kept).
+cache dtype, and the sampler's implementation of SGLang's torch sampling reference
+(`rlfleet.sampler.sampling.sample`: temperature, sorted top-k, top-p on the exclusive cumulative sum).
 
 Records are `SampledTurn`s exactly as the client builds them from SGLang: full-vocabulary log q(y)
 before truncation, the kept support with q renormalised inside it (support mode), or a top-K head of
@@ -23,51 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.numerics.formats import fake_quantize
-from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig
+from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE, SampledTurn
+from rlfleet.sampler.sampling import RowParams, sample
 
 # RLJob weightFormat -> the fake-quantisation format of the emulation (fp8 views are block-128).
 VIEW_FORMATS = {"bf16": "bf16", "fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 # SGLang --kv-cache-dtype -> the TinyGPT cache emulation (formats it cannot emulate round like fp8).
 KV_EMULATION = {"auto": "bf16", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e4m3",
                 "mxfp8": "fp8_e4m3", "nvfp4": "fp8_e4m3"}
-
-
-def quantized_weights(weights: dict[str, torch.Tensor], weight_format: str) -> dict[str, torch.Tensor]:
-    """The weights a group of this format really computes with: projections in the format, the rest
-    (embeddings, norms, lm_head) rounded to bf16 as served checkpoints keep them."""
-    fmt = VIEW_FORMATS[weight_format]
-    out = {}
-    for name, w in weights.items():
-        if name.endswith("_proj.weight") and w.dim() == 2:
-            out[name] = fake_quantize(w.float(), fmt)
-        else:
-            out[name] = w.float().to(torch.bfloat16).float()
-    return out
-
-
-def sglang_sample(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SGLang's torch sampling reference on logits [B, V].
-
-    Returns y [B], log q(y) full-vocab [B], sorted ids [B, V], log q full sorted [B, V], kept [B, V]
-    (bool, a prefix of the sorted order: top-k then top-p with the exclusive cumsum)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    probs = logp.exp()
-    probs_sort, idx = probs.sort(dim=-1, descending=True)
-    cums = probs_sort.cumsum(dim=-1)
-    ranks = torch.arange(probs.shape[-1])[None, :]
-    kept = torch.ones_like(probs_sort, dtype=torch.bool)
-    if top_k > 0:
-        kept &= ranks < top_k
-    kept &= (cums - probs_sort) <= top_p
-    kept[:, 0] = True
-    weights = torch.where(kept, probs_sort, 0.0)
-    choice = torch.multinomial(weights, 1, generator=gen)[:, 0]  # position in the sorted order
-    y = idx.gather(1, choice[:, None])[:, 0]
-    return y, logp.gather(1, y[:, None])[:, 0], idx, logp.gather(1, idx), kept
 
 
 @dataclass
@@ -98,7 +63,7 @@ class EmulatedSampler:
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         with torch.no_grad():
-            self.model.load_state_dict(quantized_weights(weights, self.weight_format), strict=True)
+            self.model.load_state_dict(precision_view(weights, VIEW_FORMATS[self.weight_format]), strict=True)
         self.version = int(version)
 
     @torch.no_grad()
@@ -120,27 +85,25 @@ class EmulatedSampler:
         outs: list[dict[str, list]] = [{"ids": [], "lq": [], "lqs": [], "sid": [], "slq": []} for _ in range(n)]
         finish = ["length"] * n
         active = list(range(n))
+        row = RowParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0)
         while active:
-            y, lq, idx, lq_sorted, kept = sglang_sample(logits, temperature, top_k, top_p, self.gen)
+            res = sample(logits, [row] * len(active), torch.rand(len(active), generator=self.gen))
             still = []
             for j, b in enumerate(active):
                 o = outs[b]
-                tok = int(y[j])
+                tok = int(res.token_ids[j])
                 o["ids"].append(tok)
-                o["lq"].append(float(lq[j]))
+                o["lq"].append(float(res.logprobs[j]))
                 if mode == HEAD_MODE:
-                    k = min(head, idx.shape[1])
-                    o["sid"].append(idx[j, :k].tolist())
-                    o["slq"].append(lq_sorted[j, :k].tolist())
+                    k = min(head, res.sorted_ids.shape[1])
+                    o["sid"].append(res.sorted_ids[j, :k].tolist())
+                    o["slq"].append(res.sorted_logprobs[j, :k].tolist())
                     o["lqs"].append(float("nan"))
                 else:
-                    m = int(kept[j].sum())
-                    ls = lq_sorted[j, :m]
-                    ls = ls - torch.logsumexp(ls, 0)
-                    ids = idx[j, :m].tolist()
-                    o["sid"].append(ids)
-                    o["slq"].append(ls.tolist())
-                    o["lqs"].append(float(ls[ids.index(tok)]))
+                    m = int(res.kept[j])
+                    o["sid"].append(res.sorted_ids[j, :m].tolist())
+                    o["slq"].append(res.kept_logprobs[j, :m].tolist())
+                    o["lqs"].append(float(res.kept_logprobs[j, int(res.sampled_rank[j])]))
                 r = requests[b]
                 if tok in r.stop_token_ids:
                     finish[b] = "stop"

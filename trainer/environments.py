@@ -166,7 +166,7 @@ class ToolAddEnv(Environment):
 
     def start(self, prompt: Prompt) -> dict[str, Any]:
         return {"turns": 0, "turns_without_tool": 0, "tool_calls": 0, "format_errors": 0,
-                "answer": None, "no_tool_end": False, "used_result": None}
+                "answer": None, "no_tool_end": False, "used_result": None, "closed_calls": 0}
 
     def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
         state["turns"] += 1
@@ -175,6 +175,8 @@ class ToolAddEnv(Environment):
             state["tool_calls"] += 1
             state["turns_without_tool"] = 0
             args = ids[ids.index(ToyVocab.CALL) + 1 :]
+            if ids[-1] == ToyVocab.END_CALL:
+                state["closed_calls"] += 1
             if args and args[-1] == ToyVocab.END_CALL:
                 args = args[:-1]
             well_formed = len(args) == 2 and all(ToyVocab.is_digit(t) for t in args) and ids[-1] == ToyVocab.END_CALL
@@ -202,14 +204,17 @@ class ToolAddEnv(Environment):
 
     def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
         """Shaped so that a random tiny model gets signal from step 0, each part exactly checkable:
-        0.1 for calling the tool, +0.2 if a call was well formed, +0.2 for then answering with a digit
-        and EOS, +0.5 if that answer is (a + b) % 10. Maximum 1.0."""
+        0.1 for calling the tool, +0.1 if a call was closed by END_CALL, +0.1 if a call was well formed
+        (two digit arguments), +0.2 for then answering with a digit and EOS, +0.5 if that answer is
+        (a + b) % 10. Maximum 1.0."""
         truth = (int(prompt.meta["a"]) + int(prompt.meta["b"])) % 10
         reward = 0.0
         if state["tool_calls"] > 0:
             reward += 0.1
+        if state["closed_calls"] > 0:
+            reward += 0.1
         if state["used_result"] is not None:
-            reward += 0.2
+            reward += 0.1
             if state["answer"] is not None:
                 reward += 0.2 + (0.5 if state["answer"] == truth else 0.0)
         last = replies[-1] if replies else []

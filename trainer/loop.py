@@ -48,6 +48,18 @@ class LoopConfig:
     take_timeout: float = 900.0  # seconds without a complete group before the run fails
 
 
+def split_by_staleness(
+    groups: list[PromptGroup], trainer_version: int, max_staleness: int | None
+) -> tuple[list[PromptGroup], list[PromptGroup]]:
+    """(kept, dropped): a group is dropped when its oldest token is more than `max_staleness`
+    versions behind the trainer; None keeps everything (fully asynchronous)."""
+    if max_staleness is None:
+        return list(groups), []
+    kept = [g for g in groups if g.staleness(trainer_version) <= max_staleness]
+    dropped = [g for g in groups if g.staleness(trainer_version) > max_staleness]
+    return kept, dropped
+
+
 class InvariantError(AssertionError):
     """A loop invariant broke (a rollout trained twice, ...): a bug, never silently continued."""
 
@@ -126,12 +138,9 @@ class TrainingLoop:
         while len(groups) < self.cfg.prompts_per_step and not self.stop.is_set():
             self.driver.check()
             got = self.driver.buffer.take(self.cfg.prompts_per_step - len(groups), timeout=1.0, stop=self.stop)
-            for g in got:
-                stale = g.staleness(self.state.step)
-                if self.cfg.max_staleness is not None and stale > self.cfg.max_staleness:
-                    self.state.dropped_stale_groups += 1
-                    continue
-                groups.append(g)
+            kept, dropped = split_by_staleness(got, self.state.step, self.cfg.max_staleness)
+            groups.extend(kept)
+            self.state.dropped_stale_groups += len(dropped)
             if not got and time.monotonic() - t0 > self.cfg.take_timeout:
                 raise TimeoutError(f"no complete rollout group for {self.cfg.take_timeout:.0f}s")
         return groups, time.monotonic() - t0

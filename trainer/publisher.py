@@ -91,7 +91,9 @@ class WeightPublisher:
                 save_view(cpu_state, view, Path(tmp) / view, model_config=self.model_config)
                 dirs[view] = Path(tmp) / view
             t1 = time.perf_counter()
-            result = self.channel.publish(dirs, version=version, metadata={"views": views, **(metadata or {})})
+            result = self.channel.publish(
+                dirs, version=version, metadata={"views": views, **(metadata or {})}
+            )
             t2 = time.perf_counter()
         if self.keep_versions is not None:
             try:
@@ -102,6 +104,11 @@ class WeightPublisher:
         self.last_timings = PublishTimings(t1 - t0, t2 - t1, t3 - t2)
         log.info(
             "published weights v%d (%s, %.1f MB, advanced=%s) convert %.2fs upload %.2fs",
-            result.version, ",".join(views), result.bytes / 1e6, result.advanced, t1 - t0, t2 - t1,
+            result.version,
+            ",".join(views),
+            result.bytes / 1e6,
+            result.advanced,
+            t1 - t0,
+            t2 - t1,
         )
         return result

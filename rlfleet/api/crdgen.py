@@ -89,7 +89,8 @@ def _root_schema(spec: dict[str, Any], status: dict[str, Any], kind: str) -> dic
                 "description": "APIVersion of the object (rlfleet.dev/v1alpha1).",
             },
             "kind": {"type": "string", "description": f"Kind of the object ({kind})."},
-            "metadata": {"type": "object", "description": "Standard object metadata."},
+            # the API server allows nothing but the type here (metadata is implicitly specified)
+            "metadata": {"type": "object"},
             "spec": spec,
             "status": status,
         },
@@ -247,6 +248,9 @@ def cli(argv: list[str]) -> int:
     parser.add_argument(
         "--catalog", default=None, help="accelerator catalog override YAML (default: built-in)"
     )
+    parser.add_argument(
+        "--docs", default=None, help="also write (or --check) the API reference markdown here"
+    )
     args = parser.parse_args(argv)
     try:
         catalog = load_catalog(args.catalog)
@@ -254,10 +258,13 @@ def cli(argv: list[str]) -> int:
         print(f"rlfleet crds: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    docs = Path(args.docs) if args.docs else None
     if args.check:
         stale = stale_files(out, catalog)
+        if docs is not None and (not docs.exists() or docs.read_text() != render_docs(catalog)):
+            stale.append(str(docs))
         if stale:
-            print(f"rlfleet crds: stale or missing in {out}/: {', '.join(stale)} (run `rlfleet crds --out {out}`)",
+            print(f"rlfleet crds: stale or missing: {', '.join(stale)} (run `rlfleet crds --out {out}`)",
                   file=sys.stderr)  # fmt: skip
             return 1
         print(f"rlfleet crds: {out}/ is up to date")
@@ -266,4 +273,15 @@ def cli(argv: list[str]) -> int:
     for name, crd in generate(catalog).items():
         (out / name).write_text(render(crd))
         print(f"wrote {out / name}")
+    if docs is not None:
+        docs.parent.mkdir(parents=True, exist_ok=True)
+        docs.write_text(render_docs(catalog))
+        print(f"wrote {docs}")
     return 0
+
+
+def render_docs(catalog: Catalog | None = None) -> str:
+    """The API reference page (docs/api.md) for the CRDs generated from `catalog`."""
+    from rlfleet.api.docgen import render_reference
+
+    return render_reference(generate(catalog), catalog)

@@ -274,8 +274,12 @@ class RLJobSpec(ApiModel):
     sampler_groups: list[SamplerGroupTemplate] = Field(
         min_length=1,
         max_length=32,
+        # a map keyed by name: server-side apply merges groups field by field (GitOps tools and the
+        # API server's defaults co-own a group), and duplicate names are rejected; the CEL rule says why.
         json_schema_extra={
-            "x-kubernetes-validations": [{"rule": GROUP_NAMES_RULE, "message": GROUP_NAMES_MESSAGE}]
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            "x-kubernetes-validations": [{"rule": GROUP_NAMES_RULE, "message": GROUP_NAMES_MESSAGE}],
         },
     )
     """Sampler groups: one per accelerator class + precision."""

@@ -42,7 +42,27 @@ def model_openapi(model: type[BaseModel]) -> dict[str, Any]:
     """Structural OpenAPI v3 schema of a pydantic model (aliases = wire names)."""
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
-    return _convert(raw, defs, path=model.__name__)
+    return _expand_object_defaults(_convert(raw, defs, path=model.__name__))
+
+
+def _child_defaults(node: dict[str, Any]) -> dict[str, Any]:
+    return {name: sub["default"] for name, sub in node.get("properties", {}).items() if "default" in sub}
+
+
+def _expand_object_defaults(node: dict[str, Any]) -> dict[str, Any]:
+    """`default: {}` on an object becomes the object of its children's defaults (recursively).
+
+    The API server validates CEL rules against a default as written (without applying nested
+    defaults), so `{}` would fail a rule like `self.misLow < self.misHigh`; spelled out, the default
+    also reads better in `kubectl explain`.
+    """
+    for sub in node.get("properties", {}).values():
+        _expand_object_defaults(sub)
+    if isinstance(node.get("items"), dict):
+        _expand_object_defaults(node["items"])
+    if node.get("type") == "object" and node.get("default") == {} and node.get("properties"):
+        node["default"] = _child_defaults(node)
+    return node
 
 
 def _resolve(ref: str, defs: dict[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ class TinyGPTConfig:
     d_ff: int | None = None  # SwiGLU hidden size; default 8/3 * d_model rounded up to a multiple of 32
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    init_std: float = 0.02
+    init_std: float | None = None  # projections' init std; None = 1/sqrt(fan_in) (layers then matter)
     # std of the initial logits (lm_head std = logit_std / sqrt(d_model)); > 1 makes the untrained model's
     # distributions peaked enough that top-k / top-p supports are small and interesting.
     logit_std: float = 2.0
@@ -176,17 +176,18 @@ class TinyGPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Deterministic init from `seed` (independent of the global RNG): normal(0, init_std) for the
-        embedding and projections, residual outputs scaled by 1/sqrt(2 n_layer), norms at 1."""
+        """Deterministic init from `seed` (independent of the global RNG): embedding normal(0, 1),
+        projections normal(0, init_std or 1/sqrt(fan_in)) with the residual outputs (o_proj, down_proj)
+        scaled by 1/sqrt(2 n_layer), lm_head giving logits of std ~logit_std, norms at 1."""
         c = self.config
         gen = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("layernorm.weight") or name == "model.norm.weight":
                 p.fill_(1.0)
                 continue
-            std = c.init_std
+            std = c.init_std if c.init_std is not None else 1.0 / math.sqrt(p.shape[-1])
             if name.endswith(("o_proj.weight", "down_proj.weight")):
-                std = c.init_std / math.sqrt(2 * c.n_layer)
+                std = std / math.sqrt(2 * c.n_layer)
             elif name == "lm_head.weight":
                 std = c.logit_std / math.sqrt(c.d_model)
             elif name == "model.embed_tokens.weight":
@@ -293,3 +294,48 @@ def build_tinygpt(config: TinyGPTConfig, state_dict: dict[str, torch.Tensor] | N
     if state_dict is not None:
         model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     return model
+
+
+def is_quantizable(name: str, tensor: torch.Tensor) -> bool:
+    """Which weights a quantized view / online quantization touches: the 2-D projections inside the
+    decoder layers. Embeddings, norms and lm_head stay in bf16, as in real FP8/NVFP4 checkpoints
+    (SGLang and ModelOpt leave lm_head unquantized)."""
+    return tensor.dim() == 2 and name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def precision_view(state_dict: dict[str, torch.Tensor], weight_format: str) -> dict[str, torch.Tensor]:
+    """The float32 weights a sampler running `weight_format` really computes with.
+
+    fp32: unchanged; bf16: every tensor rounded to bf16; fp8 | fp8_block | nvfp4 | mxfp4: projections
+    round-tripped through the format (formats.fake_quantize), everything else bf16."""
+    from rlfleet.numerics.formats import FORMATS, fake_quantize
+
+    if weight_format not in FORMATS:
+        raise ValueError(f"unknown weight format {weight_format!r}; expected one of {', '.join(FORMATS)}")
+    out = {}
+    for name, t in state_dict.items():
+        t = t.detach().float()
+        if weight_format == "fp32":
+            out[name] = t.clone()
+        elif weight_format != "bf16" and is_quantizable(name, t):
+            out[name] = fake_quantize(t, weight_format)
+        else:
+            out[name] = t.to(torch.bfloat16).float()
+    return out
+
+
+def config_from_state_dict(
+    state_dict: dict[str, torch.Tensor], n_head: int, max_seq_len: int, seed: int = 0
+) -> TinyGPTConfig:
+    """Recover the shape part of a TinyGPTConfig from HF-named weights (n_head and max_seq_len are not
+    visible in the shapes and must be given)."""
+    try:
+        vocab, d_model = state_dict["model.embed_tokens.weight"].shape
+        n_layer = 1 + max(int(k.split(".")[2]) for k in state_dict if k.startswith("model.layers."))
+        d_ff = state_dict["model.layers.0.mlp.gate_proj.weight"].shape[0]
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"not a TinyGPT state dict (missing {exc})") from None
+    return TinyGPTConfig(
+        vocab_size=int(vocab), n_layer=n_layer, n_head=n_head, d_model=int(d_model),
+        max_seq_len=max_seq_len, seed=seed, d_ff=int(d_ff),
+    )

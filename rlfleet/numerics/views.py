@@ -62,15 +62,27 @@ def is_quantized_in(name: str, tensor: torch.Tensor, view: str) -> bool:
 def _quantization_config(view: str, excluded: list[str]) -> dict[str, Any] | None:
     """HF `quantization_config` as SGLang reads it for pre-quantized checkpoints."""
     if view == "fp8":
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
     if view == "nvfp4":
-        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": excluded}
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "exclude_modules": excluded,
+        }
     if view == "mxfp4":
         return {"quant_method": "mxfp4", "group_size": 32, "modules_to_not_convert": excluded}
     return None
 
 
-def view_tensors(state_dict: Mapping[str, torch.Tensor], view: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+def view_tensors(
+    state_dict: Mapping[str, torch.Tensor], view: str
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The tensors of one view (HF names) and the names of the quantized weights."""
     check_view(view)
     out: dict[str, torch.Tensor] = {}
@@ -110,14 +122,24 @@ def save_view(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     excluded = sorted(
-        n[: -len(".weight")] for n, t in state_dict.items() if n.endswith(".weight") and n not in quantized and view != "bf16" and t.dim() == 2
+        n[: -len(".weight")]
+        for n, t in state_dict.items()
+        if n.endswith(".weight") and n not in quantized and view != "bf16" and t.dim() == 2
     )
     files = [directory / WEIGHTS_FILE, directory / VIEW_CONFIG_FILE]
-    save_file(tensors, str(files[0]), metadata={"format": "pt", "rlfleet_view": view})
+    # One metadata key only: safetensors serialises metadata from a hash map, so several keys would
+    # make the bytes (and the published sha256) differ between two saves of the same weights.
+    save_file(tensors, str(files[0]), metadata={"format": "pt"})
     quant_config = _quantization_config(view, excluded)
     files[1].write_text(
         json.dumps(
-            {"format": VIEW_FORMAT, "view": view, "weights": WEIGHTS_FILE, "quantized": quantized, "quantization_config": quant_config},
+            {
+                "format": VIEW_FORMAT,
+                "view": view,
+                "weights": WEIGHTS_FILE,
+                "quantized": quantized,
+                "quantization_config": quant_config,
+            },
             indent=1,
             sort_keys=True,
         )
@@ -131,7 +153,13 @@ def save_view(
     if view == "nvfp4":
         files.append(directory / "hf_quant_config.json")
         files[-1].write_text(
-            json.dumps({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": excluded}}, indent=1)
+            json.dumps(
+                {
+                    "producer": {"name": "modelopt"},
+                    "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": excluded},
+                },
+                indent=1,
+            )
         )
     return files
 
@@ -156,7 +184,11 @@ def load_view(directory: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
     view = config["view"]
     raw = load_file(str(Path(directory) / config.get("weights", WEIGHTS_FILE)))
     quantized = set(config.get("quantized", []))
-    companions = {f"{n[: -len('.weight')]}.{s}" for n in quantized for s in ("weight_scale_inv", "weight_scale", "weight_scale_2")}
+    companions = {
+        f"{n[: -len('.weight')]}.{s}"
+        for n in quantized
+        for s in ("weight_scale_inv", "weight_scale", "weight_scale_2")
+    }
     out: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         if name in companions:
@@ -169,7 +201,9 @@ def load_view(directory: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
             if view == "fp8":
                 out[name] = formats.dequantize_fp8_block(t, raw[f"{base}.weight_scale_inv"])
             elif view == "nvfp4":
-                out[name] = formats.dequantize_nvfp4(t, raw[f"{base}.weight_scale"], raw[f"{base}.weight_scale_2"])
+                out[name] = formats.dequantize_nvfp4(
+                    t, raw[f"{base}.weight_scale"], raw[f"{base}.weight_scale_2"]
+                )
             elif view == "mxfp4":
                 out[name] = formats.dequantize_mxfp4(t, raw[f"{base}.weight_scale"])
             else:

@@ -46,7 +46,8 @@ def test_schema_is_structural_and_documented(kind: str) -> None:
     for path, node in walk(schema(kind)):
         if "type" not in node:
             untyped.append(path)
-        if path and not node.get("description") and not path.endswith("[]") and not path.endswith("{}"):
+        documented = path in ("", ".metadata") or path.endswith("[]") or path.endswith("{}")
+        if not documented and not node.get("description"):
             undocumented.append(path)
         assert "$ref" not in node and "anyOf" not in node and "allOf" not in node, path
         assert node.get("additionalProperties") is not False, path
@@ -97,7 +98,8 @@ def test_names_subresources_and_columns() -> None:
 def test_defaults_bounds_and_cel_rules_are_in_the_schema() -> None:
     spec = schema("RLJob")["properties"]["spec"]["properties"]
     rollout = spec["rollout"]
-    assert rollout["default"] == {} and rollout["properties"]["promptsPerStep"]["default"] == 128
+    assert rollout["default"]["promptsPerStep"] == 128 and rollout["default"]["topP"] == 1.0
+    assert rollout["properties"]["promptsPerStep"]["default"] == 128
     assert (
         rollout["properties"]["temperature"]["minimum"] == 0
         and rollout["properties"]["temperature"]["exclusiveMinimum"] is True
@@ -154,3 +156,18 @@ def test_rendered_yaml_is_stable_and_parseable() -> None:
         text = crdgen.render(c)
         assert text == crdgen.render(c)
         assert yaml.safe_load(text) == c
+
+
+def test_api_reference_page_is_generated_from_the_models() -> None:
+    docs = REPO / "docs" / "api.md"
+    assert docs.read_text() == crdgen.render_docs(), (
+        "docs/api.md is stale; run `rlfleet crds --out crds --docs docs/api.md`"
+    )
+    text = docs.read_text()
+    for field in (
+        "`spec.samplerGroups[].weightFormat`",
+        "`status.shareHistory[].from`",
+        "`spec.local.model.dModel`",
+    ):
+        assert field in text
+    assert "group names must be unique" in text and "| `rtx-pro-6000` |" in text

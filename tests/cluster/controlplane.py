@@ -206,6 +206,7 @@ def build_component(component: GoComponent, log: Callable[[str], None] = print) 
             if built.name != name:
                 built.rename(tmp / name)
         (tmp / ".stamp").write_text(component.stamp() + "\n")
+        tmp.chmod(0o755)  # mkdtemp made it private; the cache is shared by everyone on the machine
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -643,10 +644,7 @@ class ControlPlane:
                 [
                     str(bin_dir / "kube-scheduler"),
                     f"--kubeconfig={self.workdir}/kube-scheduler.kubeconfig",
-                    f"--authentication-kubeconfig={self.workdir}/kube-scheduler.kubeconfig",
-                    f"--authorization-kubeconfig={self.workdir}/kube-scheduler.kubeconfig",
-                    "--bind-address=127.0.0.1",
-                    f"--secure-port={free_port()}",
+                    "--secure-port=0",  # no health/metrics server: one port less, nothing to secure
                     "--leader-elect=false",
                     "--v=1",
                 ],

@@ -210,7 +210,10 @@ def test_crd_cel_rule_defaults_and_pruning(kube, namespace, widget_crd) -> None:
     assert bad.returncode != 0
     assert "minReplicas must not exceed maxReplicas" in bad.stderr
 
-    kube.kubectl("create", "-n", namespace, "-f", "-", input=widget("good", {"maxReplicas": 3, "bogus": "x"}))
+    unknown = widget("good", {"maxReplicas": 3, "bogus": "x"})
+    strict = kube.kubectl("create", "-n", namespace, "-f", "-", input=unknown, check=False)
+    assert strict.returncode != 0 and 'unknown field "spec.bogus"' in strict.stderr  # kubectl's default
+    kube.kubectl("create", "--validate=ignore", "-n", namespace, "-f", "-", input=unknown)
     stored = kube.get_json("widgets.controlplane-test.rlfleet.dev", "good", "-n", namespace)
     assert stored["spec"] == {"minReplicas": 1, "maxReplicas": 3, "format": "bf16"}  # defaulted, pruned
 
@@ -243,7 +246,7 @@ def test_server_side_apply_twice_changes_nothing(kube, namespace) -> None:
     kube.kubectl(*args, input=text)
 
     def snapshot() -> dict[str, tuple[str, str]]:
-        objs = kube.get_json("configmap/ssa-config", "deployment/ssa-deploy", "-n", namespace)["items"]
+        objs = kube.get_json("configmap/ssa-config", "deployment/ssa-deploy", "-n", namespace, "--show-managed-fields")["items"]
         return {
             o["kind"]: (o["metadata"]["resourceVersion"], json.dumps(o["metadata"]["managedFields"]))
             for o in objs

@@ -29,6 +29,7 @@ def _problem(seed: int, support: bool, num_tokens: int = 13, vocab: int = 18, k:
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_tokens, vocab, generator=gen, dtype=DTYPE) * 2.0
     logits[:, -1] = float("-inf")  # e.g. vocabulary padding masked by the model
+    logits[5, vocab // 2 :] = float("-inf")  # a row that is all -inf in rank 1's shard
     cand_ids = torch.stack([torch.randperm(vocab - 1, generator=gen)[:k] for _ in range(num_tokens)])
     cand_logq = torch.log_softmax(torch.randn(num_tokens, k, generator=gen, dtype=DTYPE), dim=1)
     if not support:  # a head of a full-vocabulary q: mass < 1

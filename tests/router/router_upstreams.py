@@ -3,10 +3,10 @@ real aiohttp servers on 127.0.0.1, real sockets).
 
 `/generate` answers an SGLang-shaped JSON body (`text`, `output_ids`, `meta_info` with
 `prompt_tokens`, `completion_tokens`, `weight_version`, ...). Capacity is modelled like a saturated
-GPU: `slots` requests run at once and each produces tokens at `tokens_per_second / slots`, so the
-replica delivers at most `tokens_per_second` and a queue forms beyond that. `/metrics` exposes
-`sglang:generation_tokens_total`, `sglang:num_requests_total`, `sglang:gen_throughput`,
-`sglang:num_running_reqs`, `sglang:num_queue_reqs` with SGLang's label names.
+GPU: the replica delivers at most `tokens_per_second` (requests are served back to back on an
+absolute schedule) and a queue forms beyond that. `/metrics` exposes
+`sglang:generation_tokens_total`, `sglang:num_requests_total`, `sglang:gen_throughput` and
+`sglang:num_running_reqs` with SGLang's label names.
 
 Run as a script (`python router_upstreams.py --tps 2000`) to get a process that a test can SIGKILL.
 """
@@ -20,12 +20,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 
 @dataclass
@@ -33,24 +34,41 @@ class UpstreamState:
     name: str
     tokens_per_second: float | None = None  # None: answer at once
     tokens_per_request: int = 16
-    slots: int = 4
     weight_version: int = 0
     fail_status: int | None = None  # answer every /generate with this status (e.g. 503)
     sessions: list[str] = field(default_factory=list)
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens)
 
 
+class _Counters(Collector):
+    """SGLang counts generated tokens as decoding proceeds, not when a request ends: the counter at
+    scrape time includes the finished part of the request being decoded (exact on the schedule)."""
+
+    def __init__(self, state: UpstreamState, clock: dict[str, float]) -> None:
+        self.state = state
+        self.clock = clock
+
+    def collect(self):
+        labels = ["model_name", "tp_rank"]
+        values = ["tiny", "0"]
+        now = asyncio.get_running_loop().time()
+        remaining = max(0.0, self.clock["busy_until"] - now) * (self.state.tokens_per_second or 0.0)
+        generated = CounterMetricFamily("sglang:generation_tokens", "generated tokens", labels=labels)
+        generated.add_metric(values, self.clock["scheduled_tokens"] - remaining)
+        requests = CounterMetricFamily("sglang:num_requests", "finished requests", labels=labels)
+        requests.add_metric(values, self.clock["finished"])
+        window = [n for t, n in self.state.recent if now - t <= 2.0]
+        throughput = GaugeMetricFamily("sglang:gen_throughput", "tokens/s", labels=labels)
+        throughput.add_metric(values, sum(window) / 2.0)
+        running = GaugeMetricFamily("sglang:num_running_reqs", "running", labels=labels)
+        running.add_metric(values, self.clock["running"])
+        yield from (generated, requests, throughput, running)
+
+
 def make_app(state: UpstreamState) -> web.Application:
     registry = CollectorRegistry()
-    labels = {"model_name": "tiny", "tp_rank": "0"}
-    generated = Counter("sglang:generation_tokens", "generated tokens", list(labels), registry=registry).labels(**labels)
-    prompt_total = Counter("sglang:prompt_tokens", "prompt tokens", list(labels), registry=registry).labels(**labels)
-    requests_total = Counter("sglang:num_requests", "requests", list(labels), registry=registry).labels(**labels)
-    throughput = Gauge("sglang:gen_throughput", "tokens/s", list(labels), registry=registry).labels(**labels)
-    running = Gauge("sglang:num_running_reqs", "running", list(labels), registry=registry).labels(**labels)
-    queued = Gauge("sglang:num_queue_reqs", "queued", list(labels), registry=registry).labels(**labels)
-    slots = asyncio.Semaphore(state.slots)
-    counts = {"running": 0, "queued": 0}
+    clock = {"busy_until": 0.0, "scheduled_tokens": 0.0, "finished": 0.0, "running": 0.0}
+    registry.register(_Counters(state, clock))
 
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
@@ -59,19 +77,20 @@ def make_app(state: UpstreamState) -> web.Application:
             return web.json_response({"error": "failing on purpose"}, status=state.fail_status)
         n_tokens = int(body.get("sampling_params", {}).get("max_new_tokens", state.tokens_per_request))
         prompt = body.get("input_ids") or []
-        counts["queued"] += 1
-        async with slots:
-            counts["queued"] -= 1
-            counts["running"] += 1
-            try:
-                if state.tokens_per_second:
-                    await asyncio.sleep(n_tokens * state.slots / state.tokens_per_second)
-            finally:
-                counts["running"] -= 1
-        generated.inc(n_tokens)
-        prompt_total.inc(len(prompt))
-        requests_total.inc()
-        state.recent.append((time.monotonic(), n_tokens))
+        loop = asyncio.get_running_loop()
+        clock["scheduled_tokens"] += n_tokens
+        clock["running"] += 1
+        try:
+            if state.tokens_per_second:
+                # A pipe of fixed capacity: requests finish one after another, each taking its
+                # tokens / capacity, on an absolute schedule (a late wake-up of this event loop does
+                # not lower the delivered rate: a saturated upstream delivers exactly its capacity).
+                clock["busy_until"] = max(clock["busy_until"], loop.time()) + n_tokens / state.tokens_per_second
+                await asyncio.sleep(max(0.0, clock["busy_until"] - loop.time()))
+        finally:
+            clock["running"] -= 1
+        clock["finished"] += 1
+        state.recent.append((loop.time(), n_tokens))
         if body.get("stream") is True:
             # SGLang streams server-sent events: cumulative JSON chunks, then [DONE].
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -99,11 +118,6 @@ def make_app(state: UpstreamState) -> web.Application:
         )
 
     async def metrics(request: web.Request) -> web.Response:
-        now = time.monotonic()
-        window = [(t, n) for t, n in state.recent if now - t <= 2.0]
-        throughput.set(sum(n for _, n in window) / 2.0)
-        running.set(counts["running"])
-        queued.set(counts["queued"])
         return web.Response(body=generate_latest(registry), content_type="text/plain")
 
     async def health(request: web.Request) -> web.Response:

@@ -15,10 +15,9 @@ from collections import Counter, defaultdict
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from router_upstreams import InProcessUpstream, UpstreamState
-
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
+from router_upstreams import InProcessUpstream, UpstreamState
 
 TOKEN = "s3cret-token"
 
@@ -85,7 +84,7 @@ async def fleet(monkeypatch):
 async def test_sessions_stick_and_responses_name_group_replica_and_version(fleet: Fleet) -> None:
     await fleet.start({"a100-bf16": 2, "h100-fp8": 2, "b200-nvfp4": 2}, weight_version=7)
     groups_by_session: dict[str, set[str]] = defaultdict(set)
-    for turn in range(4):
+    for _turn in range(4):
         for s in range(60):
             response = await fleet.generate(f"episode-{s}")
             assert response.status == 200

@@ -47,7 +47,7 @@ def test_chart_crds_are_exact_copies_of_the_generated_crds() -> None:
         assert (CHART / "crds" / name).read_bytes() == (REPO / "crds" / name).read_bytes(), (
             f"charts/rlfleet/crds/{name} differs from crds/{name}: cp crds/*.yaml charts/rlfleet/crds/"
         )
-    extra = sorted(p.name for p in (CHART / "crds").glob("*.yaml")) 
+    extra = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
     assert set(extra) - set(generated) == {"kopf.dev_peerings.yaml"}
 
 
@@ -56,8 +56,10 @@ def test_kopf_peering_crds_match_what_kopf_watches() -> None:
 
     crds = list(yaml.safe_load_all((CHART / "crds" / "kopf.dev_peerings.yaml").read_text()))
     served = {(c["spec"]["group"], c["spec"]["names"]["plural"], c["spec"]["scope"]) for c in crds}
-    assert (references.CLUSTER_PEERINGS_K.group, references.CLUSTER_PEERINGS_K.plural, "Cluster") in served
-    assert (references.NAMESPACED_PEERINGS_K.group, references.NAMESPACED_PEERINGS_K.plural, "Namespaced") in served
+    cluster, namespaced = references.CLUSTER_PEERINGS_K, references.NAMESPACED_PEERINGS_K
+    assert (cluster.group, cluster.version) == (namespaced.group, namespaced.version) == ("kopf.dev", "v1")
+    assert {(cluster.group, cluster.any_name, "Cluster"), (namespaced.group, namespaced.any_name, "Namespaced")} == served
+    assert {c["spec"]["versions"][0]["name"] for c in crds} == {cluster.version}
     for crd in crds:  # kopf keeps its keep-alives in .status (no status subresource): it must be preserved
         status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
         assert status["x-kubernetes-preserve-unknown-fields"] is True
@@ -141,6 +143,7 @@ NAMESPACED_RULES = {
     *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("get", "list", "watch", "create", "patch", "delete")},
     *{("", r, v) for r in ("services", "configmaps") for v in ("get", "list", "watch", "create", "patch", "delete")},
     ("", "events", "create"),
+    ("", "secrets", "create"),  # the router's admin token, created once; never read
 }
 
 
@@ -154,7 +157,8 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
     }
     assert rules_of(role) == expected
     assert not any("*" in (g, r, v) for g, r, v in rules_of(role))
-    assert not any(r in ("secrets", "pods/exec", "nodes/proxy") for _, r, _ in rules_of(role))
+    assert not any(r in ("pods/exec", "nodes/proxy") for _, r, _ in rules_of(role))
+    assert {v for _, r, v in rules_of(role) if r == "secrets"} == {"create"}  # no read access to any Secret
     (binding,) = find(objs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
@@ -225,12 +229,12 @@ def test_default_catalog_configmap_is_a_valid_empty_override(render) -> None:
     ("values", "message"),
     [
         ({"operator": {"replica": 3}}, "replica"),
-        ({"operator": {"logLevel": "loud"}}, "logLevel"),
+        ({"operator": {"logLevel": "warning"}}, "logLevel"),
         ({"operator": {"watchNamespaces": ["Not_A_Namespace"]}}, "watchNamespaces"),
         ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
         ({"image": {"digest": "latest"}}, "digest"),
         ({"metrics": {"prometheusRule": {"thresholds": {"klRatio": -1}}}}, "klRatio"),
-        ({"catalog": {"classes": {"H100!": {}}}}, "classes"),
+        ({"catalog": {"classes": {"H100!": {}}}}, "H100!"),
         ({"grafana": {"dashbord": {}}}, "dashbord"),
     ],
 )
@@ -356,3 +360,37 @@ def test_grafana_dashboard_covers_the_fleet(render, exported_metric_names: set[s
         assert needed in titles
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+# --- the chart's arguments against the real CLI ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"operator": {"watchNamespaces": ["a", "b"], "logLevel": "debug"}},
+        {"operator": {"replicas": 1, "peering": {"enabled": False, "name": "rlfleet"}}},
+    ],
+)
+def test_operator_cli_accepts_the_charts_arguments(render, values: dict[str, Any]) -> None:
+    from rlfleet.cli import COMMANDS
+    from rlfleet.operator.main import parse_args
+
+    args = operator_container(render(values))["args"]
+    assert tuple(args[:2]) in COMMANDS and COMMANDS[tuple(args[:2])][0] == "rlfleet.operator.main"
+    parsed = parse_args(args[2:])
+    watch = values.get("operator", {}).get("watchNamespaces", [])
+    assert parsed.all_namespaces is (not watch) and parsed.namespace == watch
+    peering = values.get("operator", {}).get("peering", {"enabled": True})
+    assert (parsed.peering == "rlfleet") is peering["enabled"] and parsed.standalone is (not peering["enabled"])
+    assert parsed.verbose is (values.get("operator", {}).get("logLevel") == "debug")
+    assert parsed.liveness.endswith(":8080/healthz") and parsed.metrics_port == 9090
+
+
+def test_auto_priorities_of_two_replicas_differ() -> None:
+    from rlfleet.operator.main import auto_priority
+
+    names = [f"rlfleet-7d9f8c6b5-{suffix}" for suffix in ("x2k4q", "p9z1m", "a0b1c", "zz9yy")]
+    priorities = {auto_priority(name) for name in names}
+    assert len(priorities) == len(names) and all(p > 0 for p in priorities)

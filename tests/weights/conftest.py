@@ -20,7 +20,11 @@ import pytest
 
 from rlfleet.store import FilesystemStore, S3Store
 
-CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 def free_port() -> int:
@@ -87,7 +91,12 @@ def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Filesy
         return
     endpoint = request.getfixturevalue("s3_endpoint")
     bucket = make_bucket(endpoint)
-    store = S3Store(bucket, "channel", endpoint_url=endpoint, conditional_writes=None if request.param == "s3-conditional" else False)
+    store = S3Store(
+        bucket,
+        "channel",
+        endpoint_url=endpoint,
+        conditional_writes=None if request.param == "s3-conditional" else False,
+    )
     if request.param == "s3-conditional":
         assert store.conditional_writes, "moto_server should honour If-None-Match / If-Match"
     yield store

@@ -51,10 +51,18 @@ def tag_of(view_dir: Path) -> str:
 def test_publish_download_roundtrip(any_store: Store, tmp_path: Path) -> None:
     channel = WeightChannel(any_store, publisher_id="p1")
     assert channel.latest() is None
-    views = {"bf16": make_view(tmp_path / "a" / "bf16", "bf16", "a"), "fp8": make_view(tmp_path / "a" / "fp8", "fp8", "a", rows=4)}
+    views = {
+        "bf16": make_view(tmp_path / "a" / "bf16", "bf16", "a"),
+        "fp8": make_view(tmp_path / "a" / "fp8", "fp8", "a", rows=4),
+    }
     first = channel.publish(views)
     assert (first.version, first.advanced) == (0, True)
-    second = channel.publish({"bf16": make_view(tmp_path / "b" / "bf16", "bf16", "b"), "fp8": make_view(tmp_path / "b" / "fp8", "fp8", "b")})
+    second = channel.publish(
+        {
+            "bf16": make_view(tmp_path / "b" / "bf16", "bf16", "b"),
+            "fp8": make_view(tmp_path / "b" / "fp8", "fp8", "b"),
+        }
+    )
     assert (second.version, second.advanced) == (1, True)
     pointer = channel.latest()
     assert pointer is not None and pointer.version == 1
@@ -69,7 +77,9 @@ def test_publish_download_roundtrip(any_store: Store, tmp_path: Path) -> None:
 
     out = channel.download_view(1, "bf16", tmp_path / "dl" / "v1-bf16")
     assert tag_of(out) == "b"
-    assert (out / "model.safetensors").read_bytes() == (tmp_path / "b" / "bf16" / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == (
+        tmp_path / "b" / "bf16" / "model.safetensors"
+    ).read_bytes()
     assert channel.versions() == [0, 1]
 
 
@@ -157,7 +167,9 @@ def test_retention_removes_abandoned_partial_versions(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["filesystem", "s3-lock-free", "s3-conditional"])
-def test_racing_publishers_monotonic_and_never_mixed(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_racing_publishers_monotonic_and_never_mixed(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Two publishers publish concurrently while a reader polls the pointer: every version is
     entirely one publisher's bytes, the pointer never goes backwards and ends at the highest version."""
     if kind == "filesystem":
@@ -168,7 +180,9 @@ def test_racing_publishers_monotonic_and_never_mixed(kind: str, tmp_path: Path, 
         from rlfleet.store import S3Store
 
         endpoint = request.getfixturevalue("s3_endpoint")
-        store = S3Store(make_bucket(endpoint), endpoint_url=endpoint, conditional_writes=(kind == "s3-conditional"))
+        store = S3Store(
+            make_bucket(endpoint), endpoint_url=endpoint, conditional_writes=(kind == "s3-conditional")
+        )
     rounds = 4
     results: dict[str, list[int]] = {"A": [], "B": []}
     seen: list[int] = []
@@ -179,7 +193,9 @@ def test_racing_publishers_monotonic_and_never_mixed(kind: str, tmp_path: Path, 
         try:
             channel = WeightChannel(store, publisher_id=name)
             for i in range(rounds):
-                views = {v: make_view(tmp_path / name / str(i) / v, v, f"{name}-{i}") for v in ("bf16", "fp8")}
+                views = {
+                    v: make_view(tmp_path / name / str(i) / v, v, f"{name}-{i}") for v in ("bf16", "fp8")
+                }
                 results[name].append(channel.publish(views).version)
         except BaseException as e:  # surfaced below
             errors.append(e)
@@ -212,7 +228,10 @@ def test_racing_publishers_monotonic_and_never_mixed(kind: str, tmp_path: Path, 
         manifest = channel.manifest(version)
         owner = manifest.publisher
         assert version in results[owner]
-        tags = {tag_of(channel.download_view(version, v, tmp_path / "dl" / f"{version}-{v}")) for v in ("bf16", "fp8")}
+        tags = {
+            tag_of(channel.download_view(version, v, tmp_path / "dl" / f"{version}-{v}"))
+            for v in ("bf16", "fp8")
+        }
         assert len(tags) == 1 and tags.pop().startswith(f"{owner}-")  # one publisher's bytes only
 
 
@@ -224,7 +243,11 @@ def test_channel_status_for_the_operator(any_store: Store, tmp_path: Path) -> No
         channel.publish({v: make_view(tmp_path / str(i) / v, v, str(i)) for v in ("bf16", "nvfp4")})
     channel.report(SubscriberReport("h100", "pod-0", "bf16", applied_version=2, in_use=[2]))
     channel.report(SubscriberReport("h100", "pod-1", "bf16", applied_version=1, in_use=[1, 2]))
-    channel.report(SubscriberReport("b200", "pod-0", "nvfp4", applied_version=None, in_use=[], failures=3, last_error="checksum"))
+    channel.report(
+        SubscriberReport(
+            "b200", "pod-0", "nvfp4", applied_version=None, in_use=[], failures=3, last_error="checksum"
+        )
+    )
     status = read_channel_status(any_store)
     assert status.latest_version == 2
     assert [a.view for a in status.artifacts] == ["bf16", "nvfp4"]

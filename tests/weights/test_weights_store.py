@@ -73,7 +73,9 @@ def test_compare_and_swap_semantics(any_store: Store) -> None:
 
 
 @pytest.mark.parametrize("kind", ["filesystem", "s3-lock-free"])
-def test_concurrent_compare_and_swap_loses_no_update(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_concurrent_compare_and_swap_loses_no_update(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     """Threads increment a counter through CAS loops: any non-atomic swap would lose increments.
     (Conditional S3 writes are atomic on AWS; moto's threaded server checks If-Match without a lock,
     so that path is only tested sequentially above.)"""
@@ -135,7 +137,13 @@ def test_filesystem_writes_leave_no_temp_files(tmp_path: Path) -> None:
 
 def test_s3_unreachable_endpoint_is_unavailable() -> None:
     port = free_port()  # nothing listens there
-    store = S3Store("bucket", endpoint_url=f"http://127.0.0.1:{port}", conditional_writes=True, max_attempts=1, connect_timeout=1)
+    store = S3Store(
+        "bucket",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        conditional_writes=True,
+        max_attempts=1,
+        connect_timeout=1,
+    )
     with pytest.raises(StoreUnavailableError):
         store.get("pointer.json")
     with pytest.raises(StoreUnavailableError):
@@ -154,7 +162,12 @@ def test_open_store_uris(tmp_path: Path) -> None:
     assert isinstance(open_store(f"file://{tmp_path}"), FilesystemStore)
     s3 = open_store("s3://bucket/some/prefix?endpoint=http://127.0.0.1:9&region=eu-west-1&conditional=false")
     assert isinstance(s3, S3Store)
-    assert (s3.bucket, s3.prefix, s3.endpoint_url, s3.conditional_writes) == ("bucket", "some/prefix", "http://127.0.0.1:9", False)
+    assert (s3.bucket, s3.prefix, s3.endpoint_url, s3.conditional_writes) == (
+        "bucket",
+        "some/prefix",
+        "http://127.0.0.1:9",
+        False,
+    )
     assert s3.uri_of("v1/bf16") == "s3://bucket/some/prefix/v1/bf16"
     for bad in ["", "s3://", "gs://bucket/x"]:
         with pytest.raises(ValueError):

@@ -25,7 +25,9 @@ def state_dict() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("view", VIEWS)
-def test_roundtrip_equals_the_shared_format(view: str, state_dict: dict[str, torch.Tensor], tmp_path: Path) -> None:
+def test_roundtrip_equals_the_shared_format(
+    view: str, state_dict: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
     files = save_view(state_dict, view, tmp_path / view)
     assert {f.name for f in files} >= {"model.safetensors", "rlfleet_view.json"}
     loaded_view, loaded = load_view(tmp_path / view)
@@ -41,7 +43,9 @@ def test_roundtrip_equals_the_shared_format(view: str, state_dict: dict[str, tor
     for name, w in state_dict.items():
         got = loaded[name]
         assert got.dtype == torch.float32 and got.shape == w.shape
-        expected = formats.fake_quantize(w, FAKE_QUANT[view]) if name in quantized else w.to(torch.bfloat16).float()
+        expected = (
+            formats.fake_quantize(w, FAKE_QUANT[view]) if name in quantized else w.to(torch.bfloat16).float()
+        )
         assert torch.equal(got, expected), name
 
 
@@ -55,7 +59,10 @@ def test_view_tensor_layouts(state_dict: dict[str, torch.Tensor], tmp_path: Path
         layouts[view] = safetensors_header(tmp_path / view / "model.safetensors")
     assert layouts["bf16"][name] == {"dtype": "BF16", "shape": [n, k]}
     assert layouts["fp8"][name] == {"dtype": "F8_E4M3", "shape": [n, k]}
-    assert layouts["fp8"][f"{base}.weight_scale_inv"] == {"dtype": "F32", "shape": [-(-n // 128), -(-k // 128)]}
+    assert layouts["fp8"][f"{base}.weight_scale_inv"] == {
+        "dtype": "F32",
+        "shape": [-(-n // 128), -(-k // 128)],
+    }
     assert layouts["nvfp4"][name] == {"dtype": "U8", "shape": [n, k // 2]}
     assert layouts["nvfp4"][f"{base}.weight_scale"] == {"dtype": "F8_E4M3", "shape": [n, k // 16]}
     assert layouts["nvfp4"][f"{base}.weight_scale_2"] == {"dtype": "F32", "shape": []}
@@ -77,13 +84,17 @@ def test_view_tensor_layouts(state_dict: dict[str, torch.Tensor], tmp_path: Path
     view=st.sampled_from(["fp8", "nvfp4", "mxfp4"]),
     seed=st.integers(0, 2**16),
 )
-def test_property_any_linear_shape_roundtrips_exactly(n: int, k_blocks: int, scale: float, view: str, seed: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_property_any_linear_shape_roundtrips_exactly(
+    n: int, k_blocks: int, scale: float, view: str, seed: int, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     k = 32 * k_blocks
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * scale
     directory = tmp_path_factory.mktemp("prop")
     save_view({"model.layers.0.self_attn.q_proj.weight": w}, view, directory)
     _, loaded = load_view(directory)
-    assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], formats.fake_quantize(w, FAKE_QUANT[view]))
+    assert torch.equal(
+        loaded["model.layers.0.self_attn.q_proj.weight"], formats.fake_quantize(w, FAKE_QUANT[view])
+    )
 
 
 def test_weights_that_do_not_fit_blocks_stay_bf16(tmp_path: Path) -> None:
@@ -94,11 +105,17 @@ def test_weights_that_do_not_fit_blocks_stay_bf16(tmp_path: Path) -> None:
         assert config["quantized"] == []
         _, loaded = load_view(tmp_path / view)
         assert torch.equal(loaded["model.layers.0.mlp.down_proj.weight"], w.to(torch.bfloat16).float())
-    save_view({"model.layers.0.mlp.down_proj.weight": w}, "fp8", tmp_path / "fp8")  # fp8 blocks pad: quantized
-    assert json.loads((tmp_path / "fp8" / "rlfleet_view.json").read_text())["quantized"] == ["model.layers.0.mlp.down_proj.weight"]
+    save_view(
+        {"model.layers.0.mlp.down_proj.weight": w}, "fp8", tmp_path / "fp8"
+    )  # fp8 blocks pad: quantized
+    assert json.loads((tmp_path / "fp8" / "rlfleet_view.json").read_text())["quantized"] == [
+        "model.layers.0.mlp.down_proj.weight"
+    ]
 
 
-def test_model_config_carries_quantization_config(state_dict: dict[str, torch.Tensor], tmp_path: Path) -> None:
+def test_model_config_carries_quantization_config(
+    state_dict: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
     hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
     save_view(state_dict, "fp8", tmp_path / "fp8", model_config=hf)
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())

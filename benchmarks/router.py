@@ -1,0 +1,315 @@
+"""Router overhead: added latency (p50, p99) and requests/s per core, against a direct connection.
+
+    .venv/bin/python benchmarks/router.py [--requests 3000] [--duration 6] [--concurrency 64]
+        [--smg /path/to/smg] [--variants aiohttp+uvloop,aiohttp+asyncio,httpx+uvloop]
+
+Setup (2 cores): the router under test runs alone on CPU 0 (taskset); a fast upstream (a minimal
+asyncio HTTP/1.1 server answering an SGLang-shaped /generate JSON, 8 listening ports = 4 groups x 2
+replicas) and this load generator share CPU 1. Latency: one keep-alive connection, sequential
+requests, each with its own session id; added = router percentile - direct percentile. Throughput:
+`--concurrency` connections for `--duration` seconds; "req/s per core" = answered requests / CPU
+seconds the router process consumed (from /proc), so it holds even when the load generator, not the
+router, is the bottleneck. Everything is compared in the same run; the machine is shared, so read
+ratios, not absolutes. Also: reading/annotating a 1 MB response on its bytes vs json decode+encode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+N_PORTS = 8
+PROMPT = list(range(1000, 1512))  # 512 prompt tokens
+OUTPUT_TOKENS = 64
+
+
+def response_body(n_tokens: int = OUTPUT_TOKENS, top: int = 0) -> bytes:
+    """An SGLang /generate response with logprobs (and `top` top-logprobs per position)."""
+    logprobs = [[-0.5 - i * 1e-3, 1000 + i, None] for i in range(n_tokens)]
+    meta = {
+        "id": "0123456789abcdef",
+        "finish_reason": {"type": "length", "length": n_tokens},
+        "prompt_tokens": len(PROMPT),
+        "weight_version": "12",
+        "completion_tokens": n_tokens,
+        "cached_tokens": 0,
+        "output_token_logprobs": logprobs,
+    }
+    if top:
+        meta["output_top_logprobs"] = [[[-1.0 - j * 1e-2, 2000 + j, None] for j in range(top)] for _ in range(n_tokens)]
+    return json.dumps({"text": "x" * n_tokens, "output_ids": list(range(n_tokens)), "meta_info": meta}).encode()
+
+
+# --- the fast upstream (its own process) -------------------------------------------------------
+
+
+class _UpstreamProtocol(asyncio.Protocol):
+    generate = b""
+    model_info = json.dumps({"model_path": "bench", "weight_version": "12", "is_generation": True}).encode()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.buffer = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            head_end = self.buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = self.buffer[:head_end].decode("latin-1")
+            length = 0
+            for line in head.split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self.buffer) < head_end + 4 + length:
+                return
+            self.buffer = self.buffer[head_end + 4 + length :]
+            method, path = head.split(" ", 2)[:2]
+            if method == "POST":
+                body = self.generate
+            elif path in ("/model_info", "/get_model_info", "/get_server_info", "/server_info", "/v1/models"):
+                body = self.model_info
+            else:
+                body = b"{}"
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+
+
+async def _serve_upstream(port_file: str) -> None:
+    _UpstreamProtocol.generate = response_body()
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(_UpstreamProtocol, "127.0.0.1", 0, backlog=1024) for _ in range(N_PORTS)]
+    ports = [s.sockets[0].getsockname()[1] for s in servers]
+    Path(port_file).write_text(json.dumps(ports))
+    await asyncio.Event().wait()
+
+
+# --- process helpers -----------------------------------------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its threads (smg is multi-threaded), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_port(port: int, timeout: float = 60.0) -> None:
+    import socket
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, argv: list[str], cpu: int, env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(
+            ["taskset", "-c", str(cpu), *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **(env or {})},
+        )
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+# --- load ---------------------------------------------------------------------------------------
+
+
+async def latency_run(url: str, n: int, header: str, client: str = "aiohttp") -> list[float]:
+    import aiohttp
+
+    body = json.dumps(
+        {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": OUTPUT_TOKENS, "temperature": 1.0}}
+    ).encode()
+    out: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        for i in range(n + 200):  # 200 warm-up requests
+            t0 = time.perf_counter()
+            async with http.post(
+                url + "/generate", data=body, headers={"Content-Type": "application/json", header: f"s{i % 500}"}
+            ) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            if i >= 200:
+                out.append(time.perf_counter() - t0)
+    return out
+
+
+async def throughput_run(url: str, seconds: float, concurrency: int, header: str, pid: int | None) -> tuple[float, float | None]:
+    import aiohttp
+
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": OUTPUT_TOKENS}}).encode()
+    done = 0
+    errors = 0
+    stop = False
+
+    async def worker(http, index: int) -> None:
+        nonlocal done, errors
+        i = 0
+        while not stop:
+            i += 1
+            async with http.post(
+                url + "/generate",
+                data=body,
+                headers={"Content-Type": "application/json", header: f"w{index}-{i % 50}"},
+            ) as r:
+                await r.read()
+                if r.status == 200:
+                    done += 1
+                else:
+                    errors += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        tasks = [asyncio.create_task(worker(http, i)) for i in range(concurrency)]
+        await asyncio.sleep(1.0)  # warm-up
+        done, errors = 0, 0
+        cpu0 = _cpu_seconds(pid) if pid else None
+        t0 = time.perf_counter()
+        await asyncio.sleep(seconds)
+        count, elapsed = done, time.perf_counter() - t0
+        cpu1 = _cpu_seconds(pid) if pid else None
+        stop = True
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if errors:
+        print(f"  ({errors} non-200 answers)")
+    per_core = count / (cpu1 - cpu0) if pid and cpu1 > cpu0 else None
+    return count / elapsed, per_core
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def meta_microbench() -> None:
+    from rlfleet.router import meta
+
+    body = response_body(n_tokens=1024, top=20)
+    fields = meta.annotation({"rlfleet_group": "h100-fp8", "rlfleet_replica": "http://10.0.0.7:30000"})
+    n = 20
+    t0 = time.perf_counter()
+    for _ in range(n):
+        scan = meta.scan(body)
+        meta.annotate(body, scan.insert_at, fields)
+    bytes_ms = (time.perf_counter() - t0) / n * 1e3
+    t0 = time.perf_counter()
+    for _ in range(n):
+        decoded = json.loads(body)
+        decoded["meta_info"].update({"rlfleet_group": "h100-fp8", "rlfleet_replica": "x"})
+        json.dumps(decoded).encode()
+    json_ms = (time.perf_counter() - t0) / n * 1e3
+    print(f"\nresponse of {len(body) / 1e6:.2f} MB (1024 tokens, 20 top logprobs): read+annotate on bytes "
+          f"{bytes_ms:.2f} ms vs json decode+encode {json_ms:.2f} ms ({json_ms / bytes_ms:.0f}x)")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--duration", type=float, default=6.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--variants", default="aiohttp+uvloop,aiohttp+asyncio,httpx+uvloop", help="upstream client + event loop"
+    )
+    parser.add_argument("--smg", default=shutil.which("smg") or "/tmp/smgvenv/bin/smg")
+    parser.add_argument("--serve-upstream", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_upstream:
+        asyncio.run(_serve_upstream(args.serve_upstream))
+        return 0
+
+    tmp = tempfile.mkdtemp()
+    port_file = os.path.join(tmp, "ports.json")
+    procs: list[Proc] = []
+    try:
+        procs.append(Proc([sys.executable, __file__, "--serve-upstream", port_file], cpu=1))
+        while not os.path.exists(port_file) or not Path(port_file).read_text():
+            time.sleep(0.05)
+        ports = json.loads(Path(port_file).read_text())
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        os.sched_setaffinity(0, {1})  # the load generator shares CPU 1 with the upstream
+
+        targets: list[tuple[str, str, str, int | None]] = [("direct (no router)", urls[0], "X-Session-Id", None)]
+        for variant in args.variants.split(","):
+            client, _, loop = variant.partition("+")
+            port = _free_port()
+            argv = [sys.executable, "-m", "rlfleet.cli", "router", "serve", "--port", str(port),
+                    "--upstream-client", client, "--loop", loop or "auto"]  # fmt: skip
+            for g in range(N_PORTS // 2):
+                argv += ["--group", f"g{g}={urls[2 * g]},{urls[2 * g + 1]}"]
+            proc = Proc(argv, cpu=0)
+            procs.append(proc)
+            _wait_port(port)
+            name = f"rlfleet router ({client}, {loop or 'auto'})"
+            targets.append((name, f"http://127.0.0.1:{port}", "X-Session-Id", proc.process.pid))
+        if args.smg and os.path.exists(args.smg):
+            port = _free_port()
+            argv = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                    "--policy", "consistent_hashing", "--log-level", "error", "--disable-health-check",
+                    "--prometheus-port", str(_free_port())]  # fmt: skip
+            proc = Proc(argv, cpu=0)
+            procs.append(proc)
+            try:
+                _wait_port(port)
+                time.sleep(2.0)  # smg registers workers asynchronously after binding
+                targets.append(("smg (SGLang router, Rust)", f"http://127.0.0.1:{port}", "X-SMG-Routing-Key", proc.process.pid))
+            except RuntimeError:
+                print(f"smg did not start: {proc.process.stderr.read(2000) if proc.process.poll() is not None else ''}")
+        else:
+            print("smg not found: pass --smg /path/to/smg (pip install smg into a separate venv)")
+
+        results = {}
+        for name, url, header, pid in targets:
+            lat = asyncio.run(latency_run(url, args.requests, header))
+            rps, per_core = asyncio.run(throughput_run(url, args.duration, args.concurrency, header, pid))
+            results[name] = (pct(lat, 0.5), pct(lat, 0.99), statistics.mean(lat), rps, per_core)
+        base50, base99, _, base_rps, _ = results["direct (no router)"]
+        print(f"\n{'target':34} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8} {'req/s/core':>11} {'vs direct':>9}")
+        for name, (p50, p99, _mean, rps, per_core) in results.items():
+            print(
+                f"{name:34} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {(p50 - base50) * 1e3:8.3f} {(p99 - base99) * 1e3:8.3f} "
+                f"{rps:8.0f} {per_core if per_core else float('nan'):11.0f} {rps / base_rps:9.2f}"
+            )
+        meta_microbench()
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

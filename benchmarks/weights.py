@@ -1,0 +1,348 @@
+"""Benchmark of the weight channel. Prints RATIOS against baselines run in the same process.
+
+1. bytes per view relative to bf16 (from the published manifest);
+2. publish throughput (WeightChannel.publish of the already-converted view files: hashing, durable
+   writes, manifest, pointer) relative to a plain copy of the same bytes to the same filesystem,
+   with and without fsync; the same against a real S3-compatible server (moto_server process)
+   relative to plain boto3 `upload_file` of the same files;
+3. apply latency: the sidecar's reconcile step (download + verify every sha256 + engine apply via
+   `POST /update_weights_from_disk`) on the reference sampler server (`rlfleet sampler serve
+   --engine reference`, started as a subprocess) relative to loading the same view in-process with
+   `load_view` (the floor any apply pays);
+4. deltas between consecutive versions (optional feature): share of bf16 elements that change after
+   one Adam step, and the zlib size of an XOR delta relative to the full bf16 view.
+
+    .venv/bin/python benchmarks/weights.py                       # ~64M parameters (128 MB bf16)
+    .venv/bin/python benchmarks/weights.py --layers 1 --reps 2   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from rlfleet.channel import WeightChannel
+from rlfleet.numerics.views import VIEWS, load_view, save_view
+from rlfleet.store import FilesystemStore, S3Store
+
+
+def synthetic_state(layers: int, d_model: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """HF-named decoder weights (fp32 master copy), std 0.02 like a trained LLM's projections."""
+    g = torch.Generator().manual_seed(seed)
+    ffn = 4 * d_model
+    sd: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(vocab, d_model, generator=g) * 0.02
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        for name in ("q", "k", "v", "o"):
+            sd[f"{p}.self_attn.{name}_proj.weight"] = torch.randn(d_model, d_model, generator=g) * 0.02
+        sd[f"{p}.mlp.gate_proj.weight"] = torch.randn(ffn, d_model, generator=g) * 0.02
+        sd[f"{p}.mlp.up_proj.weight"] = torch.randn(ffn, d_model, generator=g) * 0.02
+        sd[f"{p}.mlp.down_proj.weight"] = torch.randn(d_model, ffn, generator=g) * 0.02
+        sd[f"{p}.input_layernorm.weight"] = torch.ones(d_model)
+        sd[f"{p}.post_attention_layernorm.weight"] = torch.ones(d_model)
+    sd["model.norm.weight"] = torch.ones(d_model)
+    sd["lm_head.weight"] = torch.randn(vocab, d_model, generator=g) * 0.02
+    return sd
+
+
+def copy_tree(src: Path, dst: Path, fsync: bool) -> None:
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        target = dst / path.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        if fsync:
+            fd = os.open(target, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    if fsync:
+        for d in sorted({p.parent for p in dst.rglob("*")} | {dst}):
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_filesystem(view_dirs: dict[str, Path], total: int, work: Path, reps: int) -> dict[str, float]:
+    copy_plain, copy_fsync, publish = [], [], []
+    store = FilesystemStore(work / "store", create=True)
+    channel = WeightChannel(store)
+    for rep in range(reps):  # interleaved: every rep sees the same machine state for all three
+        t0 = time.perf_counter()
+        for v, d in view_dirs.items():
+            copy_tree(d, work / f"cp{rep}" / v, False)
+        t1 = time.perf_counter()
+        for v, d in view_dirs.items():
+            copy_tree(d, work / f"cpf{rep}" / v, True)
+        t2 = time.perf_counter()
+        channel.publish(view_dirs)
+        t3 = time.perf_counter()
+        copy_plain.append(t1 - t0)
+        copy_fsync.append(t2 - t1)
+        publish.append(t3 - t2)
+        channel.retain(keep=1)
+        shutil.rmtree(work / f"cp{rep}")
+        shutil.rmtree(work / f"cpf{rep}")
+    med = {
+        k: statistics.median(v)
+        for k, v in {"copy": copy_plain, "copy_fsync": copy_fsync, "publish": publish}.items()
+    }
+    return {
+        "publish_MBps": total / med["publish"] / 1e6,
+        "copy_MBps": total / med["copy"] / 1e6,
+        "copy_fsync_MBps": total / med["copy_fsync"] / 1e6,
+        "ratio_vs_copy": med["copy"] / med["publish"],
+        "ratio_vs_copy_fsync": med["copy_fsync"] / med["publish"],
+    }
+
+
+def bench_s3(view_dirs: dict[str, Path], total: int, reps: int) -> dict[str, float]:
+    import boto3
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "weights"))
+    from conftest import CREDS, free_port, start_moto  # the same real server the tests use
+
+    os.environ.update({k: os.environ.get(k, v) for k, v in CREDS.items()})
+    port = free_port()
+    proc = start_moto(port)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        client.create_bucket(Bucket="bench")
+        store = S3Store("bench", "channel", endpoint_url=endpoint)
+        channel = WeightChannel(store, upload_workers=2)
+        files = [(v, p) for v, d in view_dirs.items() for p in sorted(d.rglob("*")) if p.is_file()]
+        plain, publish = [], []
+        for rep in range(reps):
+            t0 = time.perf_counter()
+            for v, p in files:
+                client.upload_file(str(p), "bench", f"plain{rep}/{v}/{p.name}")
+            t1 = time.perf_counter()
+            channel.publish(view_dirs)
+            plain.append(t1 - t0)
+            publish.append(time.perf_counter() - t1)
+            channel.retain(keep=1)
+            client.delete_objects(
+                Bucket="bench", Delete={"Objects": [{"Key": f"plain{rep}/{v}/{p.name}"} for v, p in files]}
+            )
+        med_plain, med_pub = statistics.median(plain), statistics.median(publish)
+        return {
+            "publish_MBps": total / med_pub / 1e6,
+            "upload_MBps": total / med_plain / 1e6,
+            "ratio_vs_upload": med_plain / med_pub,
+        }
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def start_reference_server(work: Path, seed_view: Path) -> tuple[subprocess.Popen, str]:
+    """`rlfleet sampler serve --engine reference` on a free port (the sampler engineer's server)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "weights"))
+    import httpx
+    from conftest import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "sampler",
+        "serve",
+        "--engine",
+        "reference",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model-path",
+        str(seed_view),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(work / "server.log", "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"reference server exited: {(work / 'server.log').read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("reference server did not become healthy")
+
+
+def bench_apply(
+    state: dict[str, torch.Tensor], views: list[str], work: Path, reps: int
+) -> dict[str, dict[str, float]]:
+    import httpx
+    from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
+
+    store = FilesystemStore(work / "apply-store", create=True)
+    from rlfleet.trainer.publisher import WeightPublisher
+
+    publisher = WeightPublisher(store, views=views, follow_subscribers=False, keep_versions=None)
+    seed_dir = work / "seed"
+    save_view(state, "bf16", seed_dir)
+    proc, url = start_reference_server(work, seed_dir)
+    results: dict[str, dict[str, float]] = {}
+    try:
+        for view in views:
+            direct, download, apply = [], [], []
+            for rep in range(reps):
+                result = publisher.publish(state)
+
+                async def once(
+                    view: str = view, rep: int = rep, version: int = result.version
+                ) -> tuple[float, float]:
+                    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+                        config = SyncConfig(
+                            store="",
+                            view=view,
+                            engine_url=url,
+                            group="bench",
+                            replica=f"r{rep}",
+                            cache_dir=work / "cache" / view,
+                        )
+                        syncer = Syncer(config, store, DiskEngine(client))
+                        syncer.state.applied_version = version - 1
+                        assert await syncer.reconcile_once(), syncer.state.last_error
+                        last = syncer.state.last_apply
+                        assert last is not None
+                        return last.download_seconds, last.apply_seconds
+
+                d, a = asyncio.run(once())
+                download.append(d)
+                apply.append(a)
+                local = work / "cache" / view / f"v{result.version}-{view}"
+                t0 = time.perf_counter()
+                load_view(local)
+                direct.append(time.perf_counter() - t0)
+            med = {
+                k: statistics.median(v)
+                for k, v in {"direct": direct, "download": download, "apply": apply}.items()
+            }
+            results[view] = {
+                "download_verify_s": med["download"],
+                "engine_apply_s": med["apply"],
+                "total_s": med["download"] + med["apply"],
+                "load_view_s": med["direct"],
+                "apply_vs_load_view": med["apply"] / med["direct"],
+                "total_vs_load_view": (med["download"] + med["apply"]) / med["direct"],
+            }
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return results
+
+
+def bench_delta(state: dict[str, torch.Tensor], lrs: list[float]) -> dict[str, dict[str, float]]:
+    """One Adam step on the master weights (random gradient; Adam's first step moves every element by
+    ~lr), then how much of the bf16 view changes and how well an XOR delta compresses, vs the full view."""
+    names = [n for n in state if n.endswith("_proj.weight")]
+    before = torch.cat([state[n].to(torch.bfloat16).view(torch.int16).flatten() for n in names])
+    full = before.numpy().tobytes()
+    t0 = time.perf_counter()
+    full_z = zlib.compress(full, 1)
+    t_full = time.perf_counter() - t0
+    out = {}
+    for lr in lrs:
+        params = [torch.nn.Parameter(state[n].clone()) for n in names]
+        opt = torch.optim.Adam(params, lr=lr)
+        g = torch.Generator().manual_seed(1)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        after = torch.cat([p.detach().to(torch.bfloat16).view(torch.int16).flatten() for p in params])
+        changed = (after != before).float().mean().item()
+        xor = (after ^ before).numpy().tobytes()
+        t0 = time.perf_counter()
+        delta_z = zlib.compress(xor, 1)
+        t_delta = time.perf_counter() - t0
+        out[f"lr={lr:g}"] = {
+            "changed_share": changed,
+            "delta_zlib_vs_full": len(delta_z) / len(full),
+            "full_zlib_vs_full": len(full_z) / len(full),
+            "compress_MBps": len(xor) / t_delta / 1e6,
+        }
+    out["_full_compress_MBps"] = {"value": len(full) / t_full / 1e6}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--no-apply", action="store_true")
+    parser.add_argument(
+        "--workdir", default=None, help="directory on the filesystem to measure (default: a temp dir)"
+    )
+    args = parser.parse_args()
+
+    state = synthetic_state(args.layers, args.d_model, args.vocab)
+    params = sum(t.numel() for t in state.values())
+    report: dict[str, object] = {
+        "params": params,
+        "reps": args.reps,
+        "torch_threads": torch.get_num_threads(),
+    }
+    with tempfile.TemporaryDirectory(dir=args.workdir, prefix="rlfleet-bench-") as tmp:
+        work = Path(tmp)
+        view_dirs: dict[str, Path] = {}
+        convert: dict[str, float] = {}
+        for view in VIEWS:
+            view_dirs[view] = work / "views" / view
+            convert[view] = timed(lambda v=view: save_view(state, v, view_dirs[v]))
+        sizes = {v: sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) for v, d in view_dirs.items()}
+        total = sum(sizes.values())
+        report["bytes_per_view_vs_bf16"] = {v: round(sizes[v] / sizes["bf16"], 4) for v in VIEWS}
+        report["bytes_bf16_MB"] = round(sizes["bf16"] / 1e6, 1)
+        report["convert_s_vs_bf16"] = {v: round(convert[v] / convert["bf16"], 2) for v in VIEWS}
+        report["convert_s"] = {v: round(convert[v], 3) for v in VIEWS}
+        report["publish_filesystem"] = {
+            k: round(v, 3) for k, v in bench_filesystem(view_dirs, total, work, args.reps).items()
+        }
+        if not args.no_s3:
+            report["publish_s3_moto"] = {
+                k: round(v, 3) for k, v in bench_s3(view_dirs, total, args.reps).items()
+            }
+        if not args.no_apply:
+            report["apply_reference_server"] = {
+                v: {k: round(x, 4) for k, x in r.items()}
+                for v, r in bench_apply(state, ["bf16", "fp8", "nvfp4"], work, args.reps).items()
+            }
+        report["delta"] = {
+            k: {m: round(x, 4) for m, x in r.items()}
+            for k, r in bench_delta(state, [1e-6, 1e-5, 1e-4]).items()
+        }
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

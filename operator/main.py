@@ -1,0 +1,90 @@
+"""`rlfleet operator run`: the operator, in a cluster (service account, peering for HA) or out of it.
+
+    rlfleet operator run [--namespace NS ...| --all-namespaces] [--kubeconfig PATH]
+                         [--peering NAME | --standalone] [--priority N|auto]
+                         [--liveness URL] [--metrics-port PORT] [--verbose]
+
+Peering: kopf freezes every operator of a peering that sees a higher-priority peer, so HA replicas
+need distinct priorities: `--priority auto` hashes $POD_NAME (or the host name) into 1..2^30.
+Install kopf's peering CRDs (the Helm chart does) for named peerings; without them use --standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import socket
+import sys
+
+
+def auto_priority(identity: str) -> int:
+    """A stable priority in [1, 2^30] from a pod name (distinct per replica with high probability)."""
+    return 1 + int.from_bytes(hashlib.sha256(identity.encode()).digest()[:8], "big") % (2**30)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="rlfleet operator run", description="run the rlfleet operator (kopf)"
+    )
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    parser.add_argument(
+        "--kubeconfig", help="kubeconfig file (default: in-cluster service account, else $KUBECONFIG)"
+    )
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--peering", help="kopf peering name (HA: one active operator per peering)")
+    peering.add_argument("--standalone", action="store_true", help="no peering")
+    parser.add_argument("--priority", default="0", help="peering priority: an integer or 'auto'")
+    parser.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser.parse_args(argv)
+
+
+def cli(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.priority == "auto":
+        priority = auto_priority(os.environ.get("POD_NAME") or socket.gethostname())
+    else:
+        try:
+            priority = int(args.priority)
+        except ValueError:
+            print(
+                f"rlfleet operator run: --priority must be an integer or 'auto', got {args.priority!r}",
+                file=sys.stderr,
+            )
+            return 2
+    if args.kubeconfig:
+        if not os.path.isfile(args.kubeconfig):
+            print(f"rlfleet operator run: kubeconfig {args.kubeconfig!r} not found", file=sys.stderr)
+            return 2
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    if not args.namespace and not args.all_namespaces:
+        print("rlfleet operator run: give --namespace NS (repeatable) or --all-namespaces", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+
+    import kopf
+    import rlfleet.operator.handlers  # noqa: F401  (registers every handler)
+
+    kopf.run(
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace,
+        standalone=args.standalone or None,
+        peering_name=args.peering,
+        priority=priority,
+        liveness_endpoint=args.liveness,
+    )
+    return 0

@@ -1,0 +1,358 @@
+"""PURE status computation: observed objects -> the status fields the operator owns.
+
+Conventions (KubeRay / LWS): a phase plus Ready / Progressing / Degraded conditions, each with
+observedGeneration, a CamelCase reason and a message; lastTransitionTime changes only when a
+condition's status changes; handlers write status only when `status_changed` says so.
+Fields written by other components (rebalancer: tokensPerSecond, share, ...; CollapseRisk on groups)
+are never produced here, so server-side apply with the operator's own field manager leaves them alone.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+from rlfleet.operator import naming as n
+
+from rlfleet.api import SamplerGroupSpec
+from rlfleet.catalog import Catalog, CatalogError, sglang_launch_for_group
+
+Manifest = dict[str, Any]
+OPERATOR_CONDITIONS = ("Ready", "Progressing", "Degraded")
+
+
+def now_iso(now: datetime | None = None) -> str:
+    return (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "type": type_,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+    }
+    if generation is not None:
+        out["observedGeneration"] = generation
+    return out
+
+
+def merge_conditions(
+    old: list[dict[str, Any]] | None, new: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """`new` conditions with lastTransitionTime kept from `old` when the status did not change."""
+    previous = {c.get("type"): c for c in old or []}
+    out = []
+    for c in new:
+        prev = previous.get(c["type"])
+        ltt = prev.get("lastTransitionTime") if prev and prev.get("status") == c["status"] else None
+        out.append({**c, "lastTransitionTime": ltt or now})
+    return out
+
+
+def _get(d: Any, *path: str, default: Any = None) -> Any:
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return default
+        d = d[key]
+    return d
+
+
+def _deployment_condition(deployment: Manifest | None, type_: str) -> dict[str, Any] | None:
+    for c in _get(deployment, "status", "conditions", default=[]) or []:
+        if c.get("type") == type_:
+            return c
+    return None
+
+
+def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Catalog,
+                        channel_status: Manifest | None = None, now: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Operator-owned status of a SamplerGroup from the SG, its Deployment and its WeightChannel status."""
+    now = now or now_iso()
+    name = _get(sg, "metadata", "name", default="")
+    generation = _get(sg, "metadata", "generation")
+    spec = sg.get("spec", {})
+    old = sg.get("status") or {}
+    suspended = bool(spec.get("suspend"))
+    desired = 0 if suspended else int(spec.get("replicas", 1))
+    ready = int(_get(deployment, "status", "readyReplicas", default=0) or 0)
+    replicas = int(_get(deployment, "status", "replicas", default=0) or 0)
+    updated = int(_get(deployment, "status", "updatedReplicas", default=0) or 0)
+    dep_generation_seen = deployment is not None and _get(deployment, "status", "observedGeneration") == _get(
+        deployment, "metadata", "generation"
+    )
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "ready": f"{ready}/{desired}",
+        "selector": n.selector_string(n.sampler_selector(name)),
+    }
+    # What runs where, and whether the precision is degraded on this class.
+    try:
+        launch = sglang_launch_for_group(SamplerGroupSpec.model_validate(spec), catalog)
+        status.update(
+            selectedAccelerator=launch.accelerator,
+            selectionReason=launch.selection_reason[:1024],
+            degradedPrecision=launch.degraded,
+            precisionNote=launch.note,
+        )
+    except (CatalogError, ValueError) as exc:  # a class the runtime catalog cannot run
+        if isinstance(exc, ValidationError):
+            message = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())[:1000]
+        else:
+            message = str(exc).splitlines()[0][:1000]
+        status.update(
+            phase="Failed",
+            message=message,
+            conditions=merge_conditions(
+                old.get("conditions"),
+                [
+                    condition("Ready", False, "InvalidSpec", message, generation),
+                    condition("Progressing", False, "InvalidSpec", message, generation),
+                    condition("Degraded", True, "InvalidSpec", message, generation),
+                ],
+                now,
+            ),
+        )
+        return status
+    # Weight version of the group, from the channel status (sidecars report into the store).
+    if channel_status:
+        for g in channel_status.get("groups") or []:
+            if g.get("group") == name:
+                if g.get("appliedVersion") is not None:
+                    status["appliedWeightVersion"] = g["appliedVersion"]
+                if g.get("lag") is not None:
+                    status["versionLag"] = g["lag"]
+    deadline = _deployment_condition(deployment, "Progressing")
+    stalled = bool(deadline and deadline.get("reason") == "ProgressDeadlineExceeded")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    replica_failure = bool(failure and failure.get("status") == "True")
+    rolled_out = dep_generation_seen and updated >= desired and ready >= desired and replicas <= desired
+    if suspended:
+        phase, reason, message = "Suspended", "Suspended", "suspended: scaled to zero (spec.replicas kept)"
+    elif deployment is None:
+        phase, reason, message = "Pending", "Creating", "creating the Deployment"
+    elif stalled or replica_failure:
+        why = (failure or deadline or {}).get("message", "")
+        phase, reason, message = (
+            "Degraded",
+            "ReplicaFailure" if replica_failure else "ProgressDeadlineExceeded",
+            why,
+        )
+        message = f"{ready}/{desired} replicas ready: {message}"[:1000]
+    elif ready >= desired:
+        phase, reason, message = "Running", "AllReplicasReady", f"{ready}/{desired} replicas ready"
+    else:
+        phase, reason, message = "Pending", "ReplicasNotReady", f"{ready}/{desired} replicas ready"
+    if spec.get("quarantined") and phase == "Running":
+        phase, message = "Quarantined", f"{message}; quarantined (no new sessions)"
+    if status.get("degradedPrecision"):
+        message += f"; {spec.get('weightFormat')} runs degraded on {spec.get('accelerator')}: {status['precisionNote']}"
+    status["phase"] = phase
+    status["message"] = message[:4096]
+    is_ready = phase in ("Running", "Quarantined")
+    status["conditions"] = merge_conditions(
+        old.get("conditions"),
+        [
+            condition("Ready", is_ready, reason, message, generation),
+            condition(
+                "Progressing",
+                not suspended and not rolled_out and not stalled,
+                "RollingOut"
+                if not rolled_out and not suspended
+                else ("Suspended" if suspended else "RolledOut"),
+                f"{updated}/{desired} updated, {ready}/{desired} ready",
+                generation,
+            ),
+            condition(
+                "Degraded",
+                phase == "Degraded",
+                reason if phase == "Degraded" else "AsExpected",
+                message,
+                generation,
+            ),
+        ],
+        now,
+    )
+    return status
+
+
+def _cond(obj: Manifest, type_: str) -> dict[str, Any] | None:
+    for c in _get(obj, "status", "conditions", default=[]) or []:
+        if c.get("type") == type_:
+            return c
+    return None
+
+
+def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None, channel: Manifest | None,
+                 now: str | None = None, invalid: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Operator-owned status of an RLJob rolled up from its SamplerGroups, trainer StatefulSet and channel.
+    `groups` are the SamplerGroups the spec asks for (missing ones count as not ready)."""
+    now = now or now_iso()
+    generation = _get(job, "metadata", "generation")
+    old = job.get("status") or {}
+    spec = job.get("spec", {})
+    suspended = bool(spec.get("suspend"))
+    wanted = [g.get("name") for g in spec.get("samplerGroups", [])]
+    by_group = {_get(g, "spec", "name"): g for g in groups}
+    summaries, ready_groups, degraded_groups, risk_groups = [], 0, [], []
+    for name in wanted:
+        sg = by_group.get(name)
+        phase = _get(sg, "status", "phase")
+        stale = sg is None or _get(sg, "status", "observedGeneration") != _get(sg, "metadata", "generation")
+        entry: dict[str, Any] = {"name": name, "phase": phase or "Pending"}
+        if _get(sg, "status", "ready") is not None:
+            entry["ready"] = _get(sg, "status", "ready")
+        if _get(sg, "status", "share") is not None:
+            entry["share"] = _get(sg, "status", "share")
+        summaries.append(entry)
+        if not stale and phase in ("Running", "Quarantined"):
+            ready_groups += 1
+        if phase in ("Degraded", "Failed"):
+            degraded_groups.append(name)
+        risk = _cond(sg or {}, "CollapseRisk")
+        if risk and risk.get("status") == "True":
+            risk_groups.append(f"{name}: {risk.get('message', '')}".strip())
+    t_desired = 0 if suspended else int(_get(spec, "trainer", "replicas", default=1))
+    t_ready = int(_get(trainer, "status", "readyReplicas", default=0) or 0)
+    trainer_ready = trainer is not None and t_ready >= t_desired
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "readyGroups": f"{ready_groups}/{len(wanted)}",
+        "groups": summaries,
+        "trainer": {"replicas": t_desired, "readyReplicas": t_ready},
+    }
+    latest = _get(channel, "status", "latestVersion")
+    if latest is not None:
+        status["weightVersion"] = latest
+    if invalid:
+        phase, reason, message = "Failed", "InvalidSpec", invalid
+    elif suspended:
+        phase, reason, message = "Suspended", "Suspended", "suspended: samplers and trainer scaled to zero"
+    elif degraded_groups:
+        phase, reason = "Degraded", "GroupsDegraded"
+        message = f"degraded groups: {', '.join(degraded_groups)}"
+    elif ready_groups == len(wanted) and trainer_ready:
+        phase, reason, message = (
+            "Running",
+            "AllReady",
+            f"{ready_groups}/{len(wanted)} groups and trainer ready",
+        )
+    else:
+        phase, reason = "Pending", "Reconciling"
+        message = f"{ready_groups}/{len(wanted)} groups ready, trainer {t_ready}/{t_desired}"
+    status.update(phase=phase, reason=reason, message=message[:4096])
+    conditions = [
+        condition("Ready", phase == "Running", reason, message, generation),
+        condition(
+            "Progressing", phase == "Pending", reason if phase == "Pending" else "Stable", message, generation
+        ),
+        condition(
+            "Degraded",
+            phase in ("Degraded", "Failed"),
+            reason if phase in ("Degraded", "Failed") else "AsExpected",
+            message,
+            generation,
+        ),  # fmt: skip
+        condition(
+            "CollapseRisk",
+            bool(risk_groups),
+            "GroupCollapseRisk" if risk_groups else "NoSignal",
+            "; ".join(risk_groups)[:4000] if risk_groups else "no collapse precursor reported",
+            generation,
+        ),
+    ]
+    status["conditions"] = merge_conditions(old.get("conditions"), conditions, now)
+    return status
+
+
+def weightchannel_status(
+    wc: Manifest, channel: Any | None, error: str | None, now: str | None = None
+) -> dict[str, Any]:
+    """Status of a WeightChannel from `rlfleet.channel.read_channel_status(...)` (or the error reading it)."""
+    now = now or now_iso()
+    generation = _get(wc, "metadata", "generation")
+    old = wc.get("status") or {}
+    status: dict[str, Any] = {"observedGeneration": generation}
+    if channel is None:
+        message = f"latest version unknown: {error or 'store not readable from the operator'}"[:4096]
+        status.update(phase="Pending", message=message)
+        ok, reason = False, "StoreUnreadable"
+    else:
+        latest = channel.latest_version
+        status["artifacts"] = [
+            {
+                k: v
+                for k, v in {
+                    "view": a.view,
+                    "version": a.version,
+                    "uri": a.uri,
+                    "sha256": a.sha256,
+                    "bytes": a.bytes,
+                    "time": a.time,
+                }.items()
+                if v is not None
+            }  # fmt: skip
+            for a in channel.artifacts
+        ][:16]
+        status["groups"] = [
+            {
+                k: v
+                for k, v in {
+                    "group": g.group,
+                    "view": g.view,
+                    "appliedVersion": g.applied_version,
+                    "lag": g.lag,
+                }.items()
+                if v is not None
+            }  # fmt: skip
+            for g in channel.groups
+        ][:64]
+        if latest is None:
+            status.update(phase="Pending", message="no version published yet")
+            ok, reason = False, "NothingPublished"
+        else:
+            status.update(phase="Ready", latestVersion=latest, message=f"version {latest} published")
+            ok, reason = True, "Published"
+    status["conditions"] = merge_conditions(
+        old.get("conditions"), [condition("Ready", ok, reason, status["message"], generation)], now
+    )
+    return status
+
+
+def _strip_times(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_times(v) for k, v in value.items() if k != "lastTransitionTime"}
+    if isinstance(value, list):
+        return [_strip_times(v) for v in value]
+    return value
+
+
+def status_changed(observed: Manifest | None, desired: dict[str, Any]) -> bool:
+    """True when any operator-owned field differs from the observed status (transition times ignored;
+    conditions owned by others, e.g. CollapseRisk on a SamplerGroup, are not compared)."""
+    observed = observed or {}
+    for key, value in desired.items():
+        have = observed.get(key)
+        if key == "conditions":
+            mine = {c["type"] for c in value}
+            have = [c for c in have or [] if c.get("type") in mine]
+            if _strip_times(sorted(have, key=lambda c: c["type"])) != _strip_times(
+                sorted(value, key=lambda c: c["type"])
+            ):
+                return True
+        elif _strip_times(have) != _strip_times(value):
+            return True
+    return False
+
+
+def status_apply_body(obj: Manifest, status: dict[str, Any]) -> Manifest:
+    """Body for a server-side apply of the status subresource."""
+    return {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"].get("namespace")},
+        "status": status,
+    }

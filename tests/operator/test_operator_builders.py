@@ -1,0 +1,309 @@
+"""Pure builders: the reference RLJob -> every child manifest, placed, secured and flagged right."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from rlfleet.operator import builders
+from rlfleet.operator import naming as n
+
+from rlfleet.api import RLJob, SamplerGroup, load_rljob
+from rlfleet.catalog import load_catalog
+
+REPO = Path(__file__).resolve().parents[2]
+CATALOG = load_catalog(None)
+OWNER = {
+    "apiVersion": "rlfleet.dev/v1alpha1",
+    "kind": "RLJob",
+    "metadata": {"name": "reference-fleet", "uid": "u-1"},
+}
+NS = "team-a"
+PRODUCTS = {
+    "a100": "NVIDIA-A100-SXM4-80GB",
+    "h100": "NVIDIA-H100-80GB-HBM3",
+    "h200": "NVIDIA-H200",
+    "b200": "NVIDIA-B200",
+    "b300": "NVIDIA-B300-SXM6-AC",
+    "rtx-pro-6000": "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+}
+
+
+@pytest.fixture()
+def job() -> RLJob:
+    return load_rljob(REPO / "examples" / "rljob.yaml")
+
+
+def children(job: RLJob, observed: dict | None = None) -> dict[tuple[str, str], dict]:
+    out = builders.build_job_children(job, NS, OWNER, CATALOG, observed)
+    return {(c["kind"], c["metadata"]["name"]): c for c in out}
+
+
+def sampler_deployment(job: RLJob, group: str, store=None) -> dict:
+    sg_manifest = children(job)[("SamplerGroup", f"reference-fleet-{group}")]
+    sg = SamplerGroup.from_manifest(sg_manifest)
+    store = store if store is not None else job.spec.weight_channel.store
+    return builders.build_sampler_deployment(sg, NS, sg_manifest | {"metadata": {**sg_manifest["metadata"], "uid": "sg"}},
+                                             CATALOG, store)  # fmt: skip
+
+
+def test_every_child_exists_in_order_with_owner_and_labels(job: RLJob) -> None:
+    out = builders.build_job_children(job, NS, OWNER, CATALOG)
+    kinds = [c["kind"] for c in out]
+    assert kinds[:6] == ["ConfigMap", "WeightChannel", "Service", "StatefulSet", "Service", "Deployment"]
+    assert kinds[6:] == ["SamplerGroup"] * 8
+    for c in out:
+        meta = c["metadata"]
+        assert meta["namespace"] == NS
+        assert meta["ownerReferences"] == [
+            {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "name": "reference-fleet", "uid": "u-1",
+             "controller": True, "blockOwnerDeletion": True}
+        ]  # fmt: skip
+        assert meta["labels"][n.LABEL_JOB] == "reference-fleet"
+        assert meta["labels"][n.LABEL_MANAGED_BY] == n.MANAGED_BY
+    names = [c["metadata"]["name"] for c in out if c["kind"] == "SamplerGroup"]
+    assert names == [f"reference-fleet-{g.name}" for g in job.spec.sampler_groups]
+
+
+def test_samplergroups_carry_the_group_and_are_valid(job: RLJob) -> None:
+    sgs = [c for c in builders.build_job_children(job, NS, OWNER, CATALOG) if c["kind"] == "SamplerGroup"]
+    for manifest, group in zip(sgs, job.spec.sampler_groups, strict=True):
+        sg = SamplerGroup.from_manifest(manifest)  # the CRD's own model accepts what we build
+        assert (sg.spec.name, sg.spec.accelerator, sg.spec.weight_format) == (
+            group.name,
+            group.accelerator,
+            group.weight_format,
+        )
+        assert sg.spec.replicas == group.replicas and sg.spec.weight_channel == "reference-fleet-weights"
+        assert sg.spec.model.path == "Qwen/Qwen3-8B" and sg.spec.suspend is False
+        assert manifest["metadata"]["annotations"][n.ANN_JOB_REPLICAS] == str(group.replicas)
+
+
+def test_kubectl_scale_override_is_kept_until_the_job_changes_the_group(job: RLJob) -> None:
+    name = "reference-fleet-h100-fp8"
+    observed = {
+        name: {"metadata": {"name": name, "annotations": {n.ANN_JOB_REPLICAS: "2"}}, "spec": {"replicas": 5}}
+    }
+    assert children(job, observed)[("SamplerGroup", name)]["spec"]["replicas"] == 5
+    changed = copy.deepcopy(job)
+    changed.spec.sampler_groups[2].replicas = 3
+    assert children(changed, observed)[("SamplerGroup", name)]["spec"]["replicas"] == 3
+
+
+def test_suspend_scales_trainer_and_samplers_to_zero(job: RLJob) -> None:
+    job.spec.suspend = True
+    out = children(job)
+    assert out[("StatefulSet", "reference-fleet-trainer")]["spec"]["replicas"] == 0
+    sg = out[("SamplerGroup", "reference-fleet-h100-fp8")]
+    assert sg["spec"]["suspend"] is True and sg["spec"]["replicas"] == 2  # replicas kept for resume
+    dep = builders.build_sampler_deployment(SamplerGroup.from_manifest(sg), NS, None, CATALOG, None)
+    assert dep["spec"]["replicas"] == 0
+
+
+def test_weightchannel_publishes_the_views_the_groups_need(job: RLJob) -> None:
+    wc = children(job)[("WeightChannel", "reference-fleet-weights")]
+    assert wc["spec"]["views"] == ["bf16", "fp8", "nvfp4"]
+    assert wc["spec"]["store"] == {"type": "filesystem", "path": "/weights/reference-fleet",
+                                   "volumeClaimName": "rlfleet-weights", "prefix": ""}  # fmt: skip
+    assert wc["spec"]["retention"] == {"keepVersions": 3} and wc["spec"]["jobName"] == "reference-fleet"
+
+
+def test_trainer_statefulset_torchrun_gpus_and_b200_affinity(job: RLJob) -> None:
+    out = children(job)
+    svc = out[("Service", "reference-fleet-trainer")]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    sts = out[("StatefulSet", "reference-fleet-trainer")]
+    assert sts["spec"]["serviceName"] == "reference-fleet-trainer" and sts["spec"]["replicas"] == 1
+    pod = sts["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms[0]["matchExpressions"][0]["values"] == ["NVIDIA-B200"]
+    assert terms[1]["matchExpressions"][0] == {
+        "key": "cloud.google.com/gke-accelerator",
+        "operator": "In",
+        "values": ["nvidia-b200"],
+    }
+    (c,) = pod["containers"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["MASTER_ADDR"] == f"reference-fleet-trainer-0.reference-fleet-trainer.{NS}.svc"
+    assert env["NNODES"] == "1" and env["NPROC_PER_NODE"] == "8" and env["MASTER_PORT"] == "29500"
+    assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert c["command"] == ["torchrun"] and "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in c["args"]
+    assert c["args"][-6:] == [
+        "-m",
+        "rlfleet.cli",
+        "trainer",
+        "run",
+        "--config",
+        "/etc/rlfleet/run/rljob.yaml",
+    ]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["weights"] == "/weights/reference-fleet" and mounts["dshm"] == "/dev/shm"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    _assert_restricted(pod)
+
+
+def test_config_map_holds_the_resolved_run_and_router_config(job: RLJob) -> None:
+    cm = children(job)[("ConfigMap", "reference-fleet-config")]
+    run = yaml.safe_load(cm["data"]["rljob.yaml"])
+    again = RLJob.from_manifest(run)  # the trainer can load_rljob it
+    assert again.spec == job.spec and run["metadata"] == {"name": "reference-fleet", "namespace": NS}
+    router = yaml.safe_load(cm["data"]["router.yaml"])
+    assert [g["name"] for g in router["groups"]] == [g.name for g in job.spec.sampler_groups]
+    assert router["groups"][2]["replicas"] == [f"http://reference-fleet-h100-fp8.{NS}.svc:30000"]
+    assert sum(g["share"] for g in router["groups"]) == pytest.approx(1.0)
+    assert router["port"] == 8000 and router["adminTokenFile"] == "/etc/rlfleet/router-admin/token"
+
+
+def test_router_config_is_accepted_by_the_router() -> None:
+    config = pytest.importorskip("rlfleet.router.config")
+    job = load_rljob(REPO / "examples" / "rljob.yaml")
+    parsed = config.RouterConfig.model_validate(builders.router_config(job, NS))
+    assert len(parsed.groups) == 8
+
+
+def test_router_deployment_and_service(job: RLJob) -> None:
+    out = children(job)
+    dep = out[("Deployment", "reference-fleet-router")]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["args"][:2] == ["router", "serve"] and c["readinessProbe"]["httpGet"]["path"] == "/health"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["admin-token"]["secret"]["secretName"] == "reference-fleet-router-admin"
+    assert "affinity" not in pod and "tolerations" not in pod  # CPU nodes
+    _assert_restricted(pod)
+    assert out[("Service", "reference-fleet-router")]["spec"]["ports"][0]["port"] == 8000
+    # the router restarts when its config changes (new groups), not otherwise
+    h1 = dep["spec"]["template"]["metadata"]["annotations"]["rlfleet.dev/config-hash"]
+    job.spec.sampler_groups.pop()
+    h2 = children(job)[("Deployment", "reference-fleet-router")]["spec"]["template"]["metadata"][
+        "annotations"
+    ]["rlfleet.dev/config-hash"]
+    assert h1 != h2
+
+
+@pytest.mark.parametrize(
+    ("group", "accelerator", "flags"),
+    [
+        (
+            "b200-nvfp4",
+            "b200",
+            ["--quantization", "modelopt_fp4", "--fp4-gemm-backend", "flashinfer_cutlass"],
+        ),
+        (
+            "b300-nvfp4",
+            "b300",
+            ["--quantization", "modelopt_fp4", "--fp4-gemm-backend", "flashinfer_cutlass"],
+        ),
+        ("h100-fp8", "h100", ["--quantization", "fp8", "--fp8-gemm-backend", "deep_gemm"]),
+        ("h100-bf16", "h100", []),
+        ("h200-fp8", "h200", ["--quantization", "fp8", "--fp8-gemm-backend", "deep_gemm"]),
+        ("h200-bf16", "h200", []),
+        ("a100-bf16", "a100", []),
+        ("rtx-pro-6000-bf16", "rtx-pro-6000", ["--kv-cache-dtype", "fp8_e4m3"]),
+    ],
+)
+def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, flags: list[str]) -> None:
+    dep = sampler_deployment(job, group)
+    name = f"reference-fleet-{group}"
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["selector"] == {
+        "matchLabels": {n.LABEL_SAMPLERGROUP: name}
+    }
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    tmpl = dep["spec"]["template"]
+    assert tmpl["metadata"]["labels"][n.LABEL_SAMPLERGROUP] == name
+    assert tmpl["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "30000",
+        "prometheus.io/path": "/metrics",
+    }
+    pod = tmpl["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert PRODUCTS[accelerator] in terms[0]["matchExpressions"][0]["values"]
+    assert all(e["operator"] == "In" for t in terms for e in t["matchExpressions"])
+    # the class's labels and no other class's
+    others = {p for cls, p in PRODUCTS.items() if cls != accelerator}
+    assert not others & set(terms[0]["matchExpressions"][0]["values"])
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    engine, sidecar = pod["containers"]
+    argv = engine["command"] + engine["args"]
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    tail = argv[argv.index("--sampling-mask-max-tokens") + 2 :]
+    assert tail == flags
+    assert (
+        argv[argv.index("--model-path") + 1] == "Qwen/Qwen3-8B" and argv[argv.index("--tp-size") + 1] == "1"
+    )
+    assert engine["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    assert engine["startupProbe"]["httpGet"]["path"] == "/health"
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health_generate"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert vols["weights"]["persistentVolumeClaim"] == {"claimName": "rlfleet-weights", "readOnly": True}
+    assert sidecar["name"] == "weight-sync" and sidecar["command"] == ["rlfleet"]
+    args = sidecar["args"]
+    assert args[:2] == ["sampler", "sync"]
+    assert args[args.index("--store") + 1] == "/weights/reference-fleet"
+    assert (
+        args[args.index("--view") + 1]
+        == job.spec.sampler_groups[[g.name for g in job.spec.sampler_groups].index(group)].weight_format
+    )
+    assert args[args.index("--engine-url") + 1] == "http://127.0.0.1:30000"
+    assert args[args.index("--group") + 1] == name and args[args.index("--replica") + 1] == "$(POD_NAME)"
+    _assert_restricted(pod)
+
+
+def test_tensor_parallel_sets_gpus_and_tp_size(job: RLJob) -> None:
+    job.spec.sampler_groups[0].tensor_parallel = 4
+    dep = sampler_deployment(job, "b200-nvfp4")
+    engine = dep["spec"]["template"]["spec"]["containers"][0]
+    assert engine["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    assert engine["args"][engine["args"].index("--tp-size") + 1] == "4"
+
+
+def test_s3_store_secrets_by_reference(job: RLJob) -> None:
+    from rlfleet.api import StoreSpec
+
+    store = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "prefix": "runs/a/", "endpoint": "http://minio:9000",
+                                      "secretRef": {"name": "s3-creds"}})  # fmt: skip
+    dep = sampler_deployment(job, "h100-fp8", store=store)
+    sidecar = dep["spec"]["template"]["spec"]["containers"][1]
+    assert (
+        sidecar["args"][sidecar["args"].index("--store") + 1]
+        == "s3://wts/runs/a?endpoint=http%3A%2F%2Fminio%3A9000"
+    )
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"] == {
+        "secretKeyRef": {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}
+    }
+    assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
+    assert "weights" not in {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_sampler_service_is_headless_per_group(job: RLJob) -> None:
+    sg_manifest = children(job)[("SamplerGroup", "reference-fleet-a100-bf16")]
+    svc = builders.build_sampler_service(SamplerGroup.from_manifest(sg_manifest), NS, None)
+    assert svc["metadata"]["name"] == "reference-fleet-a100-bf16" and svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"] == {n.LABEL_SAMPLERGROUP: "reference-fleet-a100-bf16"}
+    assert {p["port"] for p in svc["spec"]["ports"]} == {30000, n.SYNC_PORT}
+
+
+def test_builders_are_pure(job: RLJob) -> None:
+    before = job.model_copy(deep=True)
+    a = builders.build_job_children(job, NS, OWNER, CATALOG)
+    b = builders.build_job_children(job, NS, OWNER, CATALOG)
+    assert a == b and job == before
+
+
+def _assert_restricted(pod: dict) -> None:
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for c in pod["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+        assert "privileged" not in sc

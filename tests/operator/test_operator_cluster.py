@@ -1,0 +1,310 @@
+"""The operator against the real control plane (etcd + kube-apiserver + controllers + scheduler + kwok).
+
+The operator runs under kopf's KopfRunner (in-process), or as `rlfleet operator run` subprocesses for
+the kill -9 test. Sampler pods are scheduled by the real kube-scheduler onto kwok's fake GPU nodes
+(GFD labels, 8 x nvidia.com/gpu, tainted) and kwok marks them Running and Ready.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "rljob.yaml"
+JOB = "reference-fleet"
+GROUPS = [g["name"] for g in yaml.safe_load(EXAMPLE.read_text())["spec"]["samplerGroups"]]
+FLAGS = {
+    "b200-nvfp4": ["--quantization", "modelopt_fp4", "--fp4-gemm-backend", "flashinfer_cutlass"],
+    "b300-nvfp4": ["--quantization", "modelopt_fp4", "--fp4-gemm-backend", "flashinfer_cutlass"],
+    "h100-fp8": ["--quantization", "fp8", "--fp8-gemm-backend", "deep_gemm"],
+    "h100-bf16": [],
+    "h200-fp8": ["--quantization", "fp8", "--fp8-gemm-backend", "deep_gemm"],
+    "h200-bf16": [],
+    "a100-bf16": [],
+    "rtx-pro-6000-bf16": ["--kv-cache-dtype", "fp8_e4m3"],
+}
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def crds(kube) -> None:
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+
+
+@pytest.fixture(autouse=True)
+def fast_timers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLFLEET_CHANNEL_STATUS_INTERVAL", "2")
+
+
+@contextmanager
+def operator(kube, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        yield runner
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as exc:  # noqa: BLE001 - objects may not exist yet
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def get(kube, namespace: str, *what: str) -> Any:
+    result = kube.kubectl("get", *what, "-n", namespace, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else None
+
+
+def job_phase(kube, namespace: str) -> str | None:
+    job = get(kube, namespace, "rljob", JOB)
+    return (job or {}).get("status", {}).get("phase")
+
+
+def wait_running(kube, namespace: str, timeout: float = 90.0) -> dict:
+    def running() -> dict | None:
+        job = get(kube, namespace, "rljob", JOB)
+        status = (job or {}).get("status", {})
+        if (
+            status.get("phase") == "Running"
+            and status.get("observedGeneration") == job["metadata"]["generation"]
+        ):
+            return job
+        return None
+
+    return wait_for("RLJob Running", running, timeout)
+
+
+def items(kube, namespace: str, kind: str, selector: str = f"rlfleet.dev/job={JOB}") -> list[dict]:
+    return get(kube, namespace, kind, "-l", selector)["items"]
+
+
+def test_example_job_creates_a_placed_ready_fleet(
+    kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with operator(kube, namespace, monkeypatch):
+        kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+        job = wait_running(kube, namespace)
+        status = job["status"]
+        assert status["readyGroups"] == "8/8" and status["trainer"] == {"replicas": 1, "readyReplicas": 1}
+        ready = {c["type"]: c for c in status["conditions"]}["Ready"]
+        assert ready["status"] == "True" and ready["observedGeneration"] == job["metadata"]["generation"]
+        # every child
+        for kind, name in [
+            ("configmap", f"{JOB}-config"), ("weightchannel", f"{JOB}-weights"), ("service", f"{JOB}-trainer"),
+            ("statefulset", f"{JOB}-trainer"), ("service", f"{JOB}-router"), ("deployment", f"{JOB}-router"),
+            ("secret", f"{JOB}-router-admin"),
+        ]:  # fmt: skip
+            assert get(kube, namespace, kind, name) is not None, (kind, name)
+        sgs = {sg["spec"]["name"]: sg for sg in items(kube, namespace, "samplergroups")}
+        assert sorted(sgs) == sorted(GROUPS)
+        # sampler pods: only on nodes of their class, Running, with the right precision flags
+        for group in GROUPS:
+            sg = sgs[group]
+            accelerator = sg["spec"]["accelerator"]
+            pods = items(kube, namespace, "pods", f"rlfleet.dev/samplergroup={JOB}-{group}")
+            assert len(pods) == 2, group
+            for pod in pods:
+                assert pod["spec"]["nodeName"] in kube.gpu_nodes[accelerator], (
+                    group,
+                    pod["spec"]["nodeName"],
+                )
+                assert pod["status"]["phase"] == "Running"
+                engine = pod["spec"]["containers"][0]
+                argv = engine["command"] + engine["args"]
+                assert argv[argv.index("--sampling-mask-max-tokens") + 2 :] == FLAGS[group], group
+                assert [c["name"] for c in pod["spec"]["containers"]] == ["sglang", "weight-sync"]
+            assert sg["status"]["phase"] == "Running" and sg["status"]["ready"] == "2/2"
+            assert sg["status"]["selectedAccelerator"] == accelerator
+            assert sg["status"]["degradedPrecision"] is False
+        trainer_pod = get(kube, namespace, "pod", f"{JOB}-trainer-0")
+        assert trainer_pod["spec"]["nodeName"] in kube.gpu_nodes["b200"]
+        # kubectl get samplergroups: the columns, with values
+        table = kube.kubectl("get", "samplergroups", "-n", namespace).stdout.splitlines()
+        assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "KV", "READY", "TOK/S", "SHARE", "VERSION", "LAG",
+                                    "KL", "OOR", "AGE"]  # fmt: skip
+        row = next(line.split() for line in table if line.startswith(f"{JOB}-rtx-pro-6000-bf16"))
+        assert row[1:5] == ["rtx-pro-6000", "bf16", "fp8_e4m3", "2/2"]
+        # the channel: no store mounted on this machine -> latest version unknown, said clearly
+        wc = wait_for(
+            "WeightChannel status",
+            lambda: (get(kube, namespace, "weightchannel", f"{JOB}-weights") or {}).get("status"),
+        )
+        assert wc["phase"] == "Pending" and wc["message"].startswith("latest version unknown")
+        # kubectl scale through the scale subresource
+        kube.kubectl("scale", "-n", namespace, f"sg/{JOB}-h100-fp8", "--replicas=1")
+        wait_for(
+            "h100-fp8 scaled to 1",
+            lambda: (
+                (get(kube, namespace, "sg", f"{JOB}-h100-fp8")["status"].get("ready") == "1/1")
+                and get(kube, namespace, "deployment", f"{JOB}-h100-fp8")["spec"]["replicas"] == 1
+            ),
+        )
+        scale = json.loads(
+            kube.kubectl(
+                "get",
+                "--raw",
+                f"/apis/rlfleet.dev/v1alpha1/namespaces/{namespace}/samplergroups/{JOB}-h100-fp8/scale",
+            ).stdout
+        )
+        assert (
+            scale["spec"]["replicas"] == 1
+            and scale["status"]["selector"] == f"rlfleet.dev/samplergroup={JOB}-h100-fp8"
+        )
+        # events on transitions
+        events = get(kube, namespace, "events")["items"]
+        assert any(e["reason"] == "PhaseRunning" and e["involvedObject"]["kind"] == "RLJob" for e in events)
+
+
+def test_spec_update_group_removal_suspend_resume_and_deletion(
+    kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with operator(kube, namespace, monkeypatch):
+        kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+        wait_running(kube, namespace)
+        # update: one group scaled in the RLJob, one group removed
+        manifest = yaml.safe_load(EXAMPLE.read_text())
+        manifest["spec"]["samplerGroups"] = [
+            g for g in manifest["spec"]["samplerGroups"] if g["name"] != "a100-bf16"
+        ]
+        next(g for g in manifest["spec"]["samplerGroups"] if g["name"] == "h200-bf16")["replicas"] = 1
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        wait_for("a100 group deleted", lambda: get(kube, namespace, "sg", f"{JOB}-a100-bf16") is None)
+        wait_for(
+            "a100 deployment collected",
+            lambda: get(kube, namespace, "deployment", f"{JOB}-a100-bf16") is None,
+        )
+        wait_for(
+            "h200-bf16 at 1",
+            lambda: get(kube, namespace, "deployment", f"{JOB}-h200-bf16")["spec"]["replicas"] == 1,
+        )
+        job = wait_running(kube, namespace)
+        assert job["status"]["readyGroups"] == "7/7"
+        router = yaml.safe_load(get(kube, namespace, "configmap", f"{JOB}-config")["data"]["router.yaml"])
+        assert "a100-bf16" not in [g["name"] for g in router["groups"]]
+        # suspend -> samplers and trainer at zero, spec.replicas kept; resume -> restored
+        kube.kubectl(
+            "patch", "rljob", JOB, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}'
+        )
+        wait_for("Suspended", lambda: job_phase(kube, namespace) == "Suspended")
+        for dep in items(
+            kube, namespace, "deployments", f"rlfleet.dev/job={JOB},app.kubernetes.io/component=sampler"
+        ):
+            assert dep["spec"]["replicas"] == 0
+        assert get(kube, namespace, "statefulset", f"{JOB}-trainer")["spec"]["replicas"] == 0
+        assert get(kube, namespace, "sg", f"{JOB}-h100-fp8")["spec"]["replicas"] == 2
+        wait_for(
+            "sampler pods gone",
+            lambda: not items(kube, namespace, "pods", "app.kubernetes.io/component=sampler"),
+        )
+        kube.kubectl(
+            "patch", "rljob", JOB, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+        )
+        job = wait_running(kube, namespace)
+        assert get(kube, namespace, "deployment", f"{JOB}-h100-fp8")["spec"]["replicas"] == 2
+        # the operator never wrote the spec: only the user's field managers own it
+        managers = {
+            m["manager"]
+            for m in job["metadata"]["managedFields"]
+            if "f:spec" in json.dumps(m.get("fieldsV1", {}))
+        }
+        assert not any("rlfleet" in m or "kopf" in m for m in managers), managers
+        # deletion cascades through owner references (garbage collector)
+        kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
+        wait_for("children collected", lambda: not items(kube, namespace, "samplergroups")
+                 and not items(kube, namespace, "deployments") and not items(kube, namespace, "statefulsets")
+                 and not items(kube, namespace, "configmaps") and not items(kube, namespace, "weightchannels"))  # fmt: skip
+
+
+def _start_operator(kube, namespace: str) -> subprocess.Popen:
+    env = {**kube.env(), "RLFLEET_CHANNEL_STATUS_INTERVAL": "2"}
+    return subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "rlfleet"),
+            "operator",
+            "run",
+            "--namespace",
+            namespace,
+            "--kubeconfig",
+            str(kube.kubeconfig),
+            "--standalone",
+        ],  # fmt: skip
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def test_operator_killed_mid_reconcile_converges_without_duplicates(kube, crds, namespace: str) -> None:
+    proc = _start_operator(kube, namespace)
+    try:
+        kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+        # kill -9 as soon as the first children appear, before the job is reconciled
+        wait_for(
+            "first child",
+            lambda: get(kube, namespace, "configmap", f"{JOB}-config"),
+            timeout=60,
+            interval=0.05,
+        )
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        partial = len(items(kube, namespace, "samplergroups"))
+        proc = _start_operator(kube, namespace)
+        job = wait_running(kube, namespace, timeout=120)
+        assert job["status"]["readyGroups"] == "8/8"
+        assert len(items(kube, namespace, "samplergroups")) == 8
+        assert len(items(kube, namespace, "deployments")) == 9  # 8 sampler groups + router
+        assert (
+            len(items(kube, namespace, "statefulsets")) == 1 and len(items(kube, namespace, "services")) == 10
+        )
+        assert len(items(kube, namespace, "pods", "app.kubernetes.io/component=sampler")) == 16
+
+        # and once more: a restart of a converged operator changes nothing and loses no status
+        def snapshot() -> dict:
+            return {
+                sg["metadata"]["name"]: (sg["spec"], sg["status"])
+                for sg in items(kube, namespace, "samplergroups")
+            }
+
+        before = snapshot()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        proc = _start_operator(kube, namespace)
+        time.sleep(5)
+        assert snapshot() == before, "a restart changed converged SamplerGroups (spec or status)"
+        assert job_phase(kube, namespace) == "Running"
+        print(f"killed with {partial}/8 SamplerGroups applied")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,105 @@
+"""The CRDs against the real kube-apiserver: valid examples are accepted (with defaults filled in), and
+every invalid case of tests/api/invalid_rljobs.yaml is rejected by `kubectl apply` with its message."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CASES = yaml.safe_load((REPO / "tests" / "api" / "invalid_rljobs.yaml").read_text())
+EXAMPLE = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def crds(kube) -> None:
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+
+
+def apply_case(manifest: dict, case: dict) -> dict:
+    out = copy.deepcopy(manifest)
+    for dotted, value in case["set"].items():
+        *parents, leaf = dotted.split(".")
+        node = out
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        key = int(leaf) if isinstance(node, list) else leaf
+        if case.get("delete"):
+            del node[key]
+        else:
+            node[key] = value
+    return out
+
+
+def test_crds_install_and_example_is_accepted_with_defaults(kube, crds, namespace: str) -> None:
+    kube.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "rljob.yaml"))
+    job = kube.get_json("rljob", "reference-fleet", "-n", namespace)
+    spec = job["spec"]
+    # defaults the example leaves out are filled in by the API server from the CRD
+    assert spec["router"]["maxShareChange"] == 0.1 and spec["samplerGroups"][0]["kvCacheDtype"] == "auto"
+    assert spec["safety"]["klSurgeFactor"] == 3.0 and spec["samplerImages"]["pullPolicy"] == "IfNotPresent"
+    # a minimal job gets every nested default (default: {} on parent objects)
+    minimal = {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "minimal"},
+        "spec": {
+            "model": {"name": "m", "path": "/m"},
+            "samplerGroups": [{"name": "g", "accelerator": "h100"}],
+            "weightChannel": {"store": {"path": "/w"}},
+        },
+    }
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(minimal))
+    spec = kube.get_json("rljob", "minimal", "-n", namespace)["spec"]
+    assert spec["rollout"]["promptsPerStep"] == 128 and spec["correction"]["misHigh"] == 5.0
+    assert spec["correction"]["mode"] == "sc-mis-topp" and spec["local"]["model"]["dModel"] == 64
+    assert spec["samplerGroups"][0]["weightFormat"] == "bf16" and spec["samplerGroups"][0]["replicas"] == 1
+    # degraded-but-valid: FP8 on A100 is accepted
+    a100 = apply_case(
+        EXAMPLE, {"set": {"spec.samplerGroups.6.weightFormat": "fp8", "metadata.name": "a100-fp8"}}
+    )
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(a100))
+    # GitOps: server-side apply of the same manifest twice changes nothing; kubectl diff is clean
+    gitops = apply_case(EXAMPLE, {"set": {"metadata.name": "gitops"}})
+    kube.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(gitops))
+    first = kube.get_json("rljob", "gitops", "-n", namespace)["metadata"]["resourceVersion"]
+    kube.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(gitops))
+    assert kube.get_json("rljob", "gitops", "-n", namespace)["metadata"]["resourceVersion"] == first
+    diff = kube.kubectl("diff", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(gitops), check=False)
+    assert diff.returncode == 0, diff.stdout + diff.stderr
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+def test_invalid_manifest_is_rejected_by_kubectl_apply(kube, crds, namespace: str, case: dict) -> None:
+    manifest = apply_case(EXAMPLE, case)
+    result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    assert result.returncode != 0, f"{case['name']} was accepted"
+    assert case["expect"] in result.stderr, result.stderr
+    name = manifest["metadata"]["name"]
+    assert kube.kubectl("get", "rljob", name, "-n", namespace, check=False).returncode != 0
+
+
+def test_samplergroup_crd_rejects_what_the_class_cannot_run(kube, crds, namespace: str) -> None:
+    sg = {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": "x-h200"},
+        "spec": {
+            "name": "h200",
+            "accelerator": "h200",
+            "weightFormat": "nvfp4",
+            "model": {"name": "m", "path": "p"},
+        },
+    }
+    result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg), check=False)
+    assert result.returncode != 0 and "native NVFP4 needs Blackwell" in result.stderr
+    sg["spec"]["weightFormat"] = "fp8"
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg))

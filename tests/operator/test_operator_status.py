@@ -1,0 +1,253 @@
+"""Pure status computation: phases, conditions with observedGeneration, transition times, change detection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlfleet.operator import status as st
+
+from rlfleet.catalog import load_catalog
+
+CATALOG = load_catalog(None)
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def sg(
+    replicas: int = 2, generation: int = 3, accelerator: str = "h100", fmt: str = "fp8", **spec: object
+) -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": "job-g", "namespace": "ns", "generation": generation},
+        "spec": {
+            "name": "g",
+            "accelerator": accelerator,
+            "weightFormat": fmt,
+            "replicas": replicas,
+            "model": {"name": "m", "path": "p"},
+            "weightChannel": "job-weights",
+            **spec,
+        },  # fmt: skip
+    }
+
+
+def deployment(ready: int, replicas: int, updated: int | None = None, conditions: list | None = None) -> dict:
+    return {
+        "metadata": {"generation": 2},
+        "status": {
+            "observedGeneration": 2,
+            "readyReplicas": ready,
+            "replicas": replicas,
+            "updatedReplicas": replicas if updated is None else updated,
+            "conditions": conditions or [],
+        },  # fmt: skip
+    }
+
+
+def conds(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_pending_then_running_with_generation_and_selector() -> None:
+    s = st.samplergroup_status(sg(), None, CATALOG, now=T0)
+    assert (s["phase"], s["ready"], s["observedGeneration"]) == ("Pending", "0/2", 3)
+    assert s["selector"] == "rlfleet.dev/samplergroup=job-g"
+    s = st.samplergroup_status(sg(), deployment(1, 2), CATALOG, now=T0)
+    assert s["phase"] == "Pending" and conds(s)["Ready"]["status"] == "False"
+    assert conds(s)["Progressing"]["status"] == "True"
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
+    c = conds(s)
+    assert s["phase"] == "Running" and s["readyReplicas"] == 2 and s["ready"] == "2/2"
+    assert c["Ready"] == {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "2/2 replicas ready",
+                          "observedGeneration": 3, "lastTransitionTime": T0}  # fmt: skip
+    assert c["Progressing"]["status"] == "False" and c["Degraded"]["status"] == "False"
+    assert s["selectedAccelerator"] == "h100" and "NVIDIA-H100-80GB-HBM3" in s["selectionReason"]
+    assert s["degradedPrecision"] is False
+
+
+def test_degraded_precision_is_flagged_for_fp8_on_a100() -> None:
+    s = st.samplergroup_status(sg(accelerator="a100", fmt="fp8"), deployment(2, 2), CATALOG, now=T0)
+    assert s["degradedPrecision"] is True and "W8A16" in s["precisionNote"]
+    assert s["phase"] == "Running" and "runs degraded on a100" in s["message"]
+
+
+def test_suspended_quarantined_and_deadline() -> None:
+    s = st.samplergroup_status(sg(suspend=True), deployment(0, 0), CATALOG, now=T0)
+    assert s["phase"] == "Suspended" and s["ready"] == "0/0" and conds(s)["Progressing"]["status"] == "False"
+    s = st.samplergroup_status(sg(quarantined=True), deployment(2, 2), CATALOG, now=T0)
+    assert s["phase"] == "Quarantined" and conds(s)["Ready"]["status"] == "True"
+    stalled = [
+        {
+            "type": "Progressing",
+            "status": "False",
+            "reason": "ProgressDeadlineExceeded",
+            "message": "timed out",
+        }
+    ]
+    s = st.samplergroup_status(sg(), deployment(1, 2, conditions=stalled), CATALOG, now=T0)
+    assert s["phase"] == "Degraded" and conds(s)["Degraded"]["reason"] == "ProgressDeadlineExceeded"
+    assert "timed out" in s["message"]
+
+
+def test_class_the_runtime_catalog_cannot_run_fails_clearly() -> None:
+    s = st.samplergroup_status(sg(accelerator="h100", fmt="nvfp4"), None, CATALOG, now=T0)
+    assert s["phase"] == "Failed" and "native NVFP4 needs Blackwell" in s["message"]
+    assert conds(s)["Ready"]["reason"] == "InvalidSpec"
+
+
+def test_transition_time_kept_while_status_unchanged() -> None:
+    first = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
+    obj = sg() | {"status": first}
+    again = st.samplergroup_status(obj, deployment(2, 2), CATALOG, now=T1)
+    assert conds(again)["Ready"]["lastTransitionTime"] == T0
+    assert not st.status_changed(first, again)  # nothing to write
+    down = st.samplergroup_status(obj, deployment(1, 2), CATALOG, now=T1)
+    assert conds(down)["Ready"]["lastTransitionTime"] == T1 and st.status_changed(first, down)
+
+
+def test_status_changed_ignores_fields_and_conditions_owned_by_others() -> None:
+    mine = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
+    observed = {**mine, "share": 0.3, "tokensPerSecond": 1234.0,
+                "conditions": [*mine["conditions"], {"type": "CollapseRisk", "status": "True"}]}  # fmt: skip
+    assert not st.status_changed(observed, mine)
+    assert st.status_changed({**observed, "readyReplicas": 1}, mine)
+
+
+def test_applied_version_and_lag_from_the_channel() -> None:
+    channel = {
+        "latestVersion": 9,
+        "groups": [{"group": "job-g", "appliedVersion": 7, "lag": 2}, {"group": "x", "appliedVersion": 1}],
+    }
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=channel, now=T0)
+    assert (s["appliedWeightVersion"], s["versionLag"]) == (7, 2)
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": []}, now=T0)
+    assert "appliedWeightVersion" not in s
+
+
+def job(groups: list[str], suspend: bool = False, generation: int = 4) -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": "job", "namespace": "ns", "generation": generation},
+        "spec": {
+            "suspend": suspend,
+            "trainer": {"replicas": 1},
+            "samplerGroups": [{"name": g} for g in groups],
+        },
+    }
+
+
+def group_obj(
+    name: str, phase: str, ready: str = "2/2", stale: bool = False, risk: str | None = None
+) -> dict:
+    conditions = [{"type": "CollapseRisk", "status": "True", "message": risk}] if risk else []
+    return {
+        "metadata": {"generation": 2},
+        "spec": {"name": name},
+        "status": {
+            "phase": phase,
+            "ready": ready,
+            "observedGeneration": 1 if stale else 2,
+            "share": 0.5,
+            "conditions": conditions,
+        },
+    }
+
+
+def trainer(ready: int) -> dict:
+    return {"status": {"readyReplicas": ready}}
+
+
+def test_job_rollup_running_pending_degraded_suspended() -> None:
+    groups = [group_obj("a", "Running"), group_obj("b", "Running")]
+    s = st.rljob_status(job(["a", "b"]), groups, trainer(1), {"status": {"latestVersion": 5}}, now=T0)
+    assert (s["phase"], s["readyGroups"], s["weightVersion"], s["observedGeneration"]) == (
+        "Running",
+        "2/2",
+        5,
+        4,
+    )
+    assert conds(s)["Ready"]["status"] == "True" and conds(s)["CollapseRisk"]["status"] == "False"
+    assert s["groups"] == [{"name": "a", "phase": "Running", "ready": "2/2", "share": 0.5},
+                           {"name": "b", "phase": "Running", "ready": "2/2", "share": 0.5}]  # fmt: skip
+    # a stale group status (older generation) does not count as ready; nor does a missing group
+    s = st.rljob_status(
+        job(["a", "b", "c"]), [groups[0], group_obj("b", "Running", stale=True)], trainer(1), None, now=T0
+    )
+    assert (s["phase"], s["readyGroups"]) == ("Pending", "1/3") and "weightVersion" not in s
+    assert s["groups"][2] == {"name": "c", "phase": "Pending"}
+    s = st.rljob_status(job(["a", "b"]), groups, trainer(0), None, now=T0)
+    assert s["phase"] == "Pending" and "trainer 0/1" in s["message"]
+    s = st.rljob_status(
+        job(["a", "b"]), [groups[0], group_obj("b", "Degraded", "1/2")], trainer(1), None, now=T0
+    )
+    assert s["phase"] == "Degraded" and conds(s)["Degraded"]["status"] == "True" and "b" in s["message"]
+    s = st.rljob_status(job(["a", "b"], suspend=True), groups, trainer(0), None, now=T0)
+    assert s["phase"] == "Suspended" and s["trainer"] == {"replicas": 0, "readyReplicas": 0}
+
+
+def test_job_collapse_risk_rolls_up_from_groups_and_invalid_spec_fails() -> None:
+    groups = [group_obj("a", "Running"), group_obj("b", "Running", risk="kl surge 4.1x")]
+    s = st.rljob_status(job(["a", "b"]), groups, trainer(1), None, now=T0)
+    risk = conds(s)["CollapseRisk"]
+    assert (
+        risk["status"] == "True" and "b: kl surge 4.1x" in risk["message"] and risk["observedGeneration"] == 4
+    )
+    s = st.rljob_status(job(["a"]), [], None, None, now=T0, invalid="invalid RLJob: bad")
+    assert (s["phase"], s["reason"]) == ("Failed", "InvalidSpec") and conds(s)["Degraded"]["status"] == "True"
+
+
+@dataclass
+class FakeArtifact:
+    view: str
+    version: int
+    uri: str = "u"
+    sha256: str = "ab"
+    bytes: int = 10
+    time: str | None = None
+
+
+@dataclass
+class FakeGroup:
+    group: str
+    view: str | None
+    applied_version: int | None
+    lag: int | None
+
+
+@dataclass
+class FakeChannel:
+    """Stands in for rlfleet.channel.ChannelStatus (same attribute names) so this pure test needs no store."""
+
+    latest_version: int | None
+    artifacts: list = field(default_factory=list)
+    groups: list = field(default_factory=list)
+
+
+def test_weightchannel_status_known_unknown_and_empty() -> None:
+    wc = {"metadata": {"generation": 1}}
+    s = st.weightchannel_status(wc, None, "store /w not mounted", now=T0)
+    assert s["phase"] == "Pending" and s["message"] == "latest version unknown: store /w not mounted"
+    assert "latestVersion" not in s and conds(s)["Ready"]["reason"] == "StoreUnreadable"
+    s = st.weightchannel_status(wc, FakeChannel(None), None, now=T0)
+    assert s["phase"] == "Pending" and conds(s)["Ready"]["reason"] == "NothingPublished"
+    ch = FakeChannel(
+        4,
+        [FakeArtifact("bf16", 4), FakeArtifact("fp8", 4)],
+        [FakeGroup("job-g", "fp8", 3, 1), FakeGroup("job-h", "bf16", None, None)],
+    )
+    s = st.weightchannel_status(wc, ch, None, now=T0)
+    assert (s["phase"], s["latestVersion"]) == ("Ready", 4)
+    assert s["artifacts"][1] == {"view": "fp8", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10}
+    assert s["groups"] == [
+        {"group": "job-g", "view": "fp8", "appliedVersion": 3, "lag": 1},
+        {"group": "job-h", "view": "bf16"},
+    ]
+
+
+def test_status_apply_body() -> None:
+    body = st.status_apply_body(
+        sg() | {"metadata": {"name": "job-g", "namespace": "ns", "uid": "x"}}, {"phase": "Running"}
+    )
+    assert body == {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
+                    "metadata": {"name": "job-g", "namespace": "ns"}, "status": {"phase": "Running"}}  # fmt: skip

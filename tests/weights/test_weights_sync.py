@@ -1,0 +1,548 @@
+"""The weight-sync sidecar against a real HTTP engine and real stores.
+
+The engine here is a small aiohttp server in the test speaking the SGLang weight-update API: its
+`/update_weights_from_disk` loads the directory with `rlfleet.numerics.views.load_view`, exactly
+as the reference sampler server does, and it records every request (contract test)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from aiohttp import web
+from conftest import free_port, make_bucket
+from rlfleet.sampler.sync import DiskEngine, PushEngine, PushGroup, SyncConfig, Syncer, serve
+from rlfleet.trainer.publisher import WeightPublisher
+
+from rlfleet.channel import WeightChannel
+from rlfleet.numerics import formats
+from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+from rlfleet.numerics.views import load_view
+from rlfleet.store import FilesystemStore, S3Store, Store
+
+
+def tiny_state(seed: int) -> dict[str, torch.Tensor]:
+    model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=seed))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class RecordingEngine:
+    """Real HTTP server with the SGLang weight-update endpoints; records requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.version: str | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.view: str | None = None
+        self.fail_next: dict[str, int] = {}
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        path = request.path
+        body = await request.json() if request.can_read_body else {}
+        self.requests.append((path, body))
+        if self.fail_next.get(path, 0) > 0:
+            self.fail_next[path] -= 1
+            return web.json_response({"success": False, "message": f"injected failure of {path}"}, status=400)
+        if path == "/update_weights_from_disk":
+            view, weights = await asyncio.to_thread(load_view, body["model_path"])
+            self.view, self.weights, self.version = view, weights, body["weight_version"]
+            return web.json_response(
+                {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+            )
+        if path == "/update_weights_from_distributed":
+            self.version = body["weight_version"]
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def _model_info(self, _: web.Request) -> web.Response:
+        return web.json_response({"model_path": "tiny", "weight_version": self.version})
+
+    async def start(self) -> RecordingEngine:
+        app = web.Application()
+        for path in (
+            "/update_weights_from_disk",
+            "/init_weights_update_group",
+            "/pause_generation",
+            "/begin_weight_update",
+            "/update_weights_from_distributed",
+            "/end_weight_update",
+            "/continue_generation",
+        ):
+            app.router.add_post(path, self._handle)
+        app.router.add_get("/model_info", self._model_info)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def engine() -> Any:
+    e = await RecordingEngine().start()
+    yield e
+    await e.stop()
+
+
+def make_syncer(
+    store: Store, engine: RecordingEngine, client: httpx.AsyncClient, tmp_path: Path, view: str = "fp8"
+) -> Syncer:
+    config = SyncConfig(
+        store="unused",
+        view=view,
+        engine_url=engine.url,
+        group="h100-fp8",
+        replica="pod-0",
+        cache_dir=tmp_path / "cache",
+        poll_interval=0.05,
+        backoff_base=0.05,
+        backoff_max=0.5,
+    )
+    return Syncer(config, store, DiskEngine(client))
+
+
+def expected_fp8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        k: formats.fake_quantize(v, "fp8_block")
+        if k.endswith("_proj.weight")
+        else v.to(torch.bfloat16).float()
+        for k, v in state.items()
+    }
+
+
+async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_path: Path) -> None:
+    store = FilesystemStore(tmp_path / "store", create=True)
+    publisher = WeightPublisher(store, views=["bf16", "fp8"])
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        syncer = make_syncer(store, engine, client, tmp_path)
+        assert await syncer.reconcile_once() is False  # nothing published yet
+        assert syncer.state.phase == "waiting"
+        for version, seed in enumerate([1, 2]):
+            state = tiny_state(seed)
+            assert publisher.publish(state).version == version
+            assert await syncer.reconcile_once() is True
+            assert engine.version == str(version) and engine.view == "fp8"
+            assert engine.weights is not None
+            for name, expected in expected_fp8(state).items():
+                assert torch.equal(engine.weights[name], expected), name
+        assert await syncer.reconcile_once() is False  # in sync: no further request
+    disk = [b for p, b in engine.requests if p == "/update_weights_from_disk"]
+    assert [b["weight_version"] for b in disk] == ["0", "1"]
+    assert disk[-1] == {
+        "model_path": str(tmp_path / "cache" / "v1-fp8"),
+        "weight_version": "1",
+        "flush_cache": True,
+        "abort_all_requests": False,
+    }
+    status = syncer.status()
+    assert (status["applied_version"], status["latest_version"], status["lag"], status["phase"]) == (
+        1,
+        1,
+        0,
+        "in-sync",
+    )
+    assert status["last_apply"]["version"] == 1 and status["last_apply"]["bytes"] > 0
+    [report] = WeightChannel(store).subscribers()
+    assert (report.group, report.replica, report.view, report.applied_version, report.in_use) == (
+        "h100-fp8",
+        "pod-0",
+        "fp8",
+        1,
+        [1],
+    )
+    # the publisher follows subscribed views: a group reporting nvfp4 gets it from the next version on
+    WeightChannel(store).report(type(report)("b200", "pod-0", "nvfp4", None, []))
+    assert set(publisher.publish(tiny_state(3)).manifest.views) == {"bf16", "fp8", "nvfp4"}
+
+
+async def test_tampered_file_refused_counted_old_version_kept(
+    engine: RecordingEngine, tmp_path: Path
+) -> None:
+    store = FilesystemStore(tmp_path / "store", create=True)
+    publisher = WeightPublisher(store, views=["fp8"])
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        syncer = make_syncer(store, engine, client, tmp_path)
+        first = tiny_state(1)
+        publisher.publish(first)
+        assert await syncer.reconcile_once()
+        publisher.publish(tiny_state(2))
+        key = "v1/fp8/model.safetensors"
+        data = bytearray(store.get(key))
+        data[len(data) // 2] ^= 0x01  # a single flipped bit inside the tensor bytes
+        store.put(key, bytes(data))
+        for attempt in (1, 2):
+            assert await syncer.reconcile_once() is False
+            assert syncer.state.failures["checksum"] == attempt
+        assert syncer.state.applied_version == 0 and engine.version == "0"
+        assert engine.weights is not None and torch.equal(
+            engine.weights["lm_head.weight"], first["lm_head.weight"].to(torch.bfloat16).float()
+        )
+        assert [p for p, _ in engine.requests].count(
+            "/update_weights_from_disk"
+        ) == 1  # the engine never saw v1
+        assert not (tmp_path / "cache" / "v1-fp8").exists()
+        assert syncer.backoff_seconds() <= syncer.config.backoff_base * 2  # 2 failures: base * 2^1, jittered
+        metrics = syncer.app()
+        assert metrics is not None
+        body = (await _get_metrics(syncer)).decode()
+        assert 'rlfleet_weight_sync_failures_total{group="h100-fp8",reason="checksum",view="fp8"} 2.0' in body
+        assert 'rlfleet_weight_sync_applied_version{group="h100-fp8",view="fp8"} 0.0' in body
+        assert "checksum" in (syncer.status()["last_error"] or "")
+        publisher.publish(tiny_state(3))  # the trainer moves on: v2 is clean
+        assert await syncer.reconcile_once() is True
+        assert syncer.state.applied_version == 2 and syncer.state.consecutive_failures == 0
+
+
+async def _get_metrics(syncer: Syncer) -> bytes:
+    runner = web.AppRunner(syncer.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with httpx.AsyncClient() as c:
+            return (await c.get(f"http://127.0.0.1:{port}/metrics")).content
+    finally:
+        await runner.cleanup()
+
+
+async def test_engine_failure_keeps_old_version_then_retries(engine: RecordingEngine, tmp_path: Path) -> None:
+    store = FilesystemStore(tmp_path / "store", create=True)
+    publisher = WeightPublisher(store, views=["fp8"])
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        syncer = make_syncer(store, engine, client, tmp_path)
+        publisher.publish(tiny_state(1))
+        assert await syncer.reconcile_once()
+        publisher.publish(tiny_state(2))
+        engine.fail_next["/update_weights_from_disk"] = 1
+        assert await syncer.reconcile_once() is False
+        assert (syncer.state.applied_version, syncer.state.failures["engine"]) == (0, 1)
+        assert "injected failure" in (syncer.state.last_error or "")
+        assert await syncer.reconcile_once() is True
+        assert syncer.state.applied_version == 1 and engine.version == "1"
+
+
+class TcpProxy:
+    """A real TCP forwarder we can take down and bring back: the store 'unreachable then back'."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._server: asyncio.base_events.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for w in self._writers:
+            w.close()
+        self._writers.clear()
+        await self._server.wait_closed()
+
+
+async def test_store_unreachable_then_back(engine: RecordingEngine, s3_endpoint: str, tmp_path: Path) -> None:
+    bucket = make_bucket(s3_endpoint)
+    direct = S3Store(bucket, "job", endpoint_url=s3_endpoint)
+    publisher = WeightPublisher(direct, views=["fp8"])
+    proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+    await proxy.start()
+    sidecar_store = S3Store(
+        bucket,
+        "job",
+        endpoint_url=f"http://127.0.0.1:{proxy.port}",
+        max_attempts=1,
+        connect_timeout=1,
+        read_timeout=5,
+    )
+    try:
+        async with httpx.AsyncClient(base_url=engine.url) as client:
+            syncer = make_syncer(sidecar_store, engine, client, tmp_path)
+            publisher.publish(tiny_state(1))
+            assert await syncer.reconcile_once() and syncer.state.applied_version == 0
+            await proxy.stop()  # the store goes away
+            publisher.publish(tiny_state(2))  # the trainer still reaches it
+            delays = []
+            for attempt in (1, 2, 3):
+                assert await syncer.reconcile_once() is False
+                assert syncer.state.failures["store"] == attempt
+                delays.append(syncer.config.backoff_base * 2 ** (attempt - 1))
+            assert syncer.state.applied_version == 0 and engine.version == "0"
+            assert syncer.status()["phase"] == "backoff" and "store" in (syncer.status()["last_error"] or "")
+            assert min(syncer.config.backoff_max, delays[-1]) * 0.5 <= syncer.backoff_seconds() <= delays[-1]
+            await proxy.start()  # back
+            assert await syncer.reconcile_once() is True
+            assert syncer.state.applied_version == 1 and engine.version == "1"
+            assert syncer.state.consecutive_failures == 0
+    finally:
+        sidecar_store.close()
+        direct.close()
+
+
+async def test_push_sequence_contract(engine: RecordingEngine, tmp_path: Path) -> None:
+    """The push-mode request sequence and bodies (SGLang 0.5.23 API). The NCCL data plane needs GPUs:
+    no sender here, the engine just acknowledges (the one thing that cannot exist on this machine)."""
+    store = FilesystemStore(tmp_path / "store", create=True)
+    WeightPublisher(store, views=["nvfp4"]).publish(tiny_state(1))
+    WeightPublisher(store, views=["nvfp4"]).publish(tiny_state(2))
+    channel = WeightChannel(store)
+    group = PushGroup(master_address="10.0.0.5", master_port=29500)
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        config = SyncConfig(
+            store="unused",
+            view="nvfp4",
+            engine_url=engine.url,
+            group="b200",
+            replica="pod-1",
+            cache_dir=tmp_path / "c",
+        )
+        push = PushEngine(client, group, bucket_bytes=20_000)
+        syncer = Syncer(config, store, push)
+        assert await syncer.reconcile_once()
+        paths = [p for p, _ in engine.requests]
+        n_buckets = paths.count("/update_weights_from_distributed")
+        assert n_buckets >= 2  # small buckets force several requests
+        assert paths == [
+            "/init_weights_update_group",
+            "/pause_generation",
+            "/begin_weight_update",
+            *["/update_weights_from_distributed"] * n_buckets,
+            "/end_weight_update",
+            "/continue_generation",
+        ]
+        bodies = dict(engine.requests[:3])
+        assert bodies["/init_weights_update_group"] == {
+            "master_address": "10.0.0.5",
+            "master_port": 29500,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "weight_update_group",
+            "backend": "nccl",
+        }
+        assert bodies["/pause_generation"] == {"mode": "retract"}
+        updates = [b for p, b in engine.requests if p == "/update_weights_from_distributed"]
+        tensors = channel.manifest(1).views["nvfp4"].tensors
+        sent = {
+            n: (d, s) for b in updates for n, d, s in zip(b["names"], b["dtypes"], b["shapes"], strict=True)
+        }
+        assert set(sent) == set(tensors)
+        q = "model.layers.0.self_attn.q_proj"
+        assert sent[f"{q}.weight"] == ("uint8", [64, 32])
+        assert sent[f"{q}.weight_scale"] == ("float8_e4m3fn", [64, 4])
+        assert sent[f"{q}.weight_scale_2"] == ("float32", [])
+        assert all(
+            b["weight_version"] == "1"
+            and b["group_name"] == "weight_update_group"
+            and b["load_format"] is None
+            for b in updates
+        )
+        # a failing push still resumes generation and keeps the old version; init is not repeated
+        WeightPublisher(store, views=["nvfp4"]).publish(tiny_state(3))
+        engine.requests.clear()
+        engine.fail_next["/update_weights_from_distributed"] = 1
+        assert await syncer.reconcile_once() is False
+        paths = [p for p, _ in engine.requests]
+        assert paths == [
+            "/pause_generation",
+            "/begin_weight_update",
+            "/update_weights_from_distributed",
+            "/continue_generation",
+        ]
+        assert syncer.state.applied_version == 1 and syncer.state.failures["engine"] == 1
+
+
+async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    store = FilesystemStore(store_dir, create=True)
+    WeightPublisher(store, views=["bf16"]).publish(tiny_state(1))
+    engine.version = None
+    config = SyncConfig(
+        store=str(store_dir),
+        view="bf16",
+        engine_url=engine.url,
+        group="a100",
+        replica="pod-9",
+        cache_dir=tmp_path / "cache",
+        host="127.0.0.1",
+        port=0,
+        poll_interval=0.05,
+    )
+    stop = asyncio.Event()
+    ports: list[int] = []
+    task = asyncio.create_task(serve(config, stop=stop, ready=ports.append))
+    try:
+        async with httpx.AsyncClient() as client:
+            for _ in range(200):
+                if ports and engine.version == "0":
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.version == "0"
+            status = (await client.get(f"http://127.0.0.1:{ports[0]}/status")).json()
+            assert (status["applied_version"], status["view"], status["mode"]) == (0, "bf16", "disk")
+            metrics = (await client.get(f"http://127.0.0.1:{ports[0]}/metrics")).text
+            assert 'rlfleet_weight_sync_applied_version{group="a100",view="bf16"} 0.0' in metrics
+            assert 'rlfleet_weight_sync_applies_total{group="a100",view="bf16"} 1.0' in metrics
+            assert "rlfleet_weight_sync_apply_seconds_bucket" in metrics
+            assert (await client.get(f"http://127.0.0.1:{ports[0]}/health")).json() == {"ok": True}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_initial_version_from_engine_is_not_reapplied(engine: RecordingEngine, tmp_path: Path) -> None:
+    store = FilesystemStore(tmp_path / "store", create=True)
+    WeightPublisher(store, views=["bf16"]).publish(tiny_state(1))
+    engine.version = "0"  # the engine was started with --weight-version 0
+    config = SyncConfig(
+        store=str(tmp_path / "store"),
+        view="bf16",
+        engine_url=engine.url,
+        group="g",
+        replica="r",
+        cache_dir=tmp_path / "cache",
+        host="127.0.0.1",
+        port=0,
+        poll_interval=0.05,
+    )
+    stop = asyncio.Event()
+    ports: list[int] = []
+    task = asyncio.create_task(serve(config, stop=stop, ready=ports.append))
+    await asyncio.sleep(0.5)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    assert ports and not [p for p, _ in engine.requests if p == "/update_weights_from_disk"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--view", "fp8", "--engine-url", "http://x", "--group", "g", "--replica", "r"], "--store"),
+        (
+            [
+                "--store",
+                "/tmp/x",
+                "--view",
+                "int3",
+                "--engine-url",
+                "http://x",
+                "--group",
+                "g",
+                "--replica",
+                "r",
+            ],
+            "invalid choice",
+        ),
+        (
+            [
+                "--store",
+                "gs://b",
+                "--view",
+                "fp8",
+                "--engine-url",
+                "http://x",
+                "--group",
+                "g",
+                "--replica",
+                "r",
+            ],
+            "unsupported store URI",
+        ),
+        (
+            [
+                "--store",
+                "/tmp/x",
+                "--view",
+                "fp8",
+                "--engine-url",
+                "localhost:1",
+                "--group",
+                "g",
+                "--replica",
+                "r",
+            ],
+            "http(s) URL",
+        ),
+        (
+            [
+                "--store",
+                "/tmp/x",
+                "--view",
+                "fp8",
+                "--engine-url",
+                "http://x",
+                "--group",
+                "../g",
+                "--replica",
+                "r",
+            ],
+            "invalid group",
+        ),
+        (
+            [
+                "--store",
+                "/tmp/x",
+                "--view",
+                "fp8",
+                "--engine-url",
+                "http://x",
+                "--group",
+                "g",
+                "--replica",
+                "r",
+                "--mode",
+                "push",
+            ],
+            "--push-master",
+        ),
+    ],
+)
+def test_cli_bad_input_is_one_clear_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rlfleet.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sampler", "sync", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("rlfleet sampler sync: error:")
+
+
+def test_cli_help_runs_without_torch() -> None:
+    """The sidecar image path: `rlfleet sampler sync --help` works and never imports torch."""
+    import subprocess
+
+    code = "import sys; from rlfleet.cli import main\ntry:\n    main(['sampler','sync','--help'])\nexcept SystemExit as e:\n    assert e.code == 0\nassert 'torch' not in sys.modules, 'torch imported'\nprint('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "--engine-url" in result.stdout and result.stdout.strip().endswith("ok")

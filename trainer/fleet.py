@@ -1,0 +1,190 @@
+"""The local sampler fleet: one process hosting, on one asyncio loop, a REAL reference sampler server per
+sampler group (HTTP, SGLang API subset, the group's emulated weight format, KV dtype and kernel), the
+router (HTTP, session-affine, weighted) in front of them, and one weight-sync sidecar loop per group
+(the real `rlfleet.sampler.sync.Syncer`: reads the channel pointer, downloads and verifies the group's
+view, applies it with `/update_weights_from_disk`).
+
+Why one process and not one per group: on a 2-core machine eight torch processes would mostly fight
+for the cores; the servers are still separate HTTP endpoints with their own engines and ports, and
+the trainer talks to them only through the router. `rlfleet run --local` starts this host as ONE
+subprocess (`python -m rlfleet.trainer.fleet SPEC.json`), reads one JSON line with the URLs from its
+stdout, and stops it with SIGTERM; the host also exits when its stdin closes, so it can never outlive
+the trainer (no orphans, even on SIGKILL of the parent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rlfleet.fleet")
+
+# SGLang weightFormat -> the reference engine's emulation (the API's fp8 is block-128)
+ENGINE_FORMATS = {"bf16": "bf16", "fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+# --kv-cache-dtype values the reference engine cannot emulate exactly are rounded like fp8 e4m3
+ENGINE_KV = {"auto": "auto", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e4m3", "mxfp8": "fp8_e4m3", "nvfp4": "fp8_e4m3"}
+# A different split-K reduction order per GPU class: kernels differ across generations even in bf16.
+SPLIT_K = {"a100": 1, "h100": 2, "h200": 2, "b200": 4, "b300": 4, "rtx-pro-6000": 3}
+ADMIN_TOKEN_ENV = "RLFLEET_ROUTER_ADMIN_TOKEN"
+
+
+@dataclass
+class GroupSpec:
+    name: str
+    accelerator: str
+    weight_format: str  # bf16 | fp8 | nvfp4 | mxfp4 (RLJob)
+    kv_cache_dtype: str = "auto"
+    share: float = 1.0
+    quarantined: bool = False
+
+
+@dataclass
+class FleetSpec:
+    groups: list[GroupSpec]
+    store: str  # channel store (local directory)
+    cache_dir: str
+    model: dict[str, Any]  # TinyGPTConfig fields
+    seed: int = 0
+    max_running_requests: int = 64
+    poll_interval: float = 0.2
+    threads: int = 1
+
+    @classmethod
+    def from_json(cls, text: str) -> FleetSpec:
+        raw = json.loads(text)
+        raw["groups"] = [GroupSpec(**g) for g in raw["groups"]]
+        return cls(**raw)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+@dataclass
+class RunningFleet:
+    router_url: str
+    servers: dict[str, str] = field(default_factory=dict)  # group -> server URL
+    closers: list[Any] = field(default_factory=list)
+
+
+async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFleet, list[asyncio.Task]]:
+    import httpx
+    import torch
+
+    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig
+    from rlfleet.router.config import GroupConfig, RouterConfig
+    from rlfleet.router.service import start_service
+    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
+    from rlfleet.sampler.server import start_reference_server
+    from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
+    from rlfleet.store import open_store
+
+    torch.set_num_threads(max(1, spec.threads))
+    model_cfg = TinyGPTConfig(**spec.model)
+    fleet = RunningFleet(router_url="")
+    tasks: list[asyncio.Task] = []
+    store = open_store(spec.store)
+    fleet.closers.append(store.close)
+    for i, g in enumerate(spec.groups):
+        engine = ReferenceEngine(
+            EngineConfig(
+                model=model_cfg,
+                weight_format=ENGINE_FORMATS[g.weight_format],
+                kv_cache_dtype=ENGINE_KV.get(g.kv_cache_dtype, "fp8_e4m3"),
+                kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(g.accelerator, 1)),
+                max_running_requests=spec.max_running_requests,
+                served_model_name=g.name,
+                seed=spec.seed + i,
+            )
+        )
+        server = await start_reference_server(engine, "127.0.0.1", 0)
+        fleet.servers[g.name] = server.url
+        fleet.closers.append(server.stop)
+        client = httpx.AsyncClient(base_url=server.url, timeout=120.0)
+        fleet.closers.append(client.aclose)
+        # initial_version None: the syncer applies whatever the pointer names first (the trainer's v0)
+        syncer = Syncer(
+            SyncConfig(store=spec.store, view=g.weight_format, engine_url=server.url, group=g.name,
+                       replica=f"{g.name}-0", cache_dir=Path(spec.cache_dir) / g.name,
+                       poll_interval=spec.poll_interval, backoff_base=spec.poll_interval, initial_version=None),
+            store,
+            DiskEngine(client),
+        )
+        tasks.append(asyncio.create_task(syncer.run(stop), name=f"sync-{g.name}"))
+    router, runner, port = await start_service(
+        RouterConfig(
+            host="127.0.0.1",
+            port=0,
+            groups=[GroupConfig(name=g.name, share=g.share, replicas=[fleet.servers[g.name]], quarantined=g.quarantined)
+                    for g in spec.groups],
+            admin_token_env=ADMIN_TOKEN_ENV,
+            health_interval_seconds=1.0,
+        )
+    )
+    fleet.router_url = f"http://127.0.0.1:{port}"
+    fleet.closers.insert(0, router.close)
+    fleet.closers.insert(0, runner.cleanup)
+    return fleet, tasks
+
+
+async def wait_until_serving(fleet: RunningFleet, version: int, timeout: float = 120.0) -> None:
+    """Block until every server reports serving at least `version` (the trainer's first publish)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        deadline = asyncio.get_running_loop().time() + timeout
+        pending = dict(fleet.servers)
+        while pending:
+            for name, url in list(pending.items()):
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    v = (await client.get(url + "/model_info")).json().get("weight_version")
+                    if v is not None and int(v) >= version:
+                        pending.pop(name)
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"groups {sorted(pending)} did not load weight version {version}")
+            await asyncio.sleep(0.1)
+
+
+async def _host(spec: FleetSpec) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+
+    def watch_stdin() -> None:  # the parent holds our stdin: EOF means it is gone
+        with contextlib.suppress(Exception):
+            sys.stdin.read()
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=watch_stdin, daemon=True).start()
+    fleet, tasks = await start_fleet(spec, stop)
+    print(json.dumps({"router": fleet.router_url, "servers": fleet.servers}), flush=True)
+    await stop.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for close in fleet.closers:
+        with contextlib.suppress(Exception):
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=os.environ.get("RLFLEET_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = FleetSpec.from_json(Path(argv[0]).read_text())
+    return asyncio.run(_host(spec))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

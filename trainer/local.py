@@ -1,0 +1,504 @@
+"""`rlfleet run RLJOB.yaml --local`: the same RLJob manifest as on a cluster, on this machine.
+
+What starts (all on 127.0.0.1, free ports chosen by the OS):
+- a weight channel on a local directory (`<out>/channel`, the filesystem store),
+- ONE fleet-host subprocess (trainer/fleet.py) with a real reference sampler server per sampler group
+  (the group's weight format, KV-cache dtype and a per-GPU-class kernel, emulated on CPU), the router
+  in front of them, and a weight-sync loop per group,
+- the trainer in this process: TinyGPT (the manifest's `local.model`), the corrected objective of
+  `correction.mode`, the async rollout driver talking to the router, the collapse detector.
+The manifest's `local` block sizes the run (steps, prompts per step, samples per prompt, tokens per
+turn, the tiny model); everything else (groups, correction, sampling, staleness, safety) applies as
+written. Ctrl-C stops at the next step boundary (a second Ctrl-C stops at once); the run checkpoints
+every step, so `--resume` continues it. A report (metrics JSON/CSV + plots) lands in `<out>/report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_LOCAL_LR = 3e-3  # the tiny model's learning rate (the manifest's is for the real model)
+
+
+class LocalRunError(RuntimeError):
+    """A clear one-line problem with the run (printed without a stack trace, exit 2)."""
+
+
+@dataclass
+class RunConfig:
+    """Everything the training loop needs, resolved from an RLJob (local or cluster)."""
+
+    job_name: str
+    steps: int
+    prompts_per_step: int
+    samples_per_prompt: int
+    sampling: dict[str, Any]
+    correction_mode: str
+    mis_low: float
+    mis_high: float
+    max_staleness: int | None
+    environment: str
+    max_turns: int
+    dataset: str | None
+    seed: int
+    model: dict[str, Any]
+    learning_rate: float
+    weight_decay: float
+    max_grad_norm: float
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    safety: Any = None
+
+
+def resolve_run(job: Any, local: bool = True) -> RunConfig:
+    """RLJob -> RunConfig. `local` swaps in the `local` block (sizes, tiny model, seed, LR)."""
+    from rlfleet.trainer.objective import CORRECTION_MODES
+
+    spec = job.spec
+    lo = spec.local
+    replay = CORRECTION_MODES[spec.correction.mode][1]
+    vocab = lo.model.vocab_size if local else None
+    head = spec.correction.sc_head_size if vocab is None else min(spec.correction.sc_head_size, vocab)
+    sampling = {
+        "temperature": spec.rollout.temperature,
+        "top_p": spec.rollout.top_p,
+        "top_k": spec.rollout.top_k,
+        "max_new_tokens": lo.max_new_tokens if local else spec.rollout.max_new_tokens,
+        # replay needs the exact sampling support; the other modes score against the full-vocabulary q
+        # and, for score centering, its top-K head
+        "candidate_mode": "support" if replay else "head",
+        "head_size": head,
+    }
+    model = (
+        {"vocab_size": lo.model.vocab_size, "n_layer": lo.model.n_layer, "n_head": lo.model.n_head,
+         "d_model": lo.model.d_model, "max_seq_len": lo.model.max_seq_len, "seed": lo.seed}
+        if local else {}
+    )
+    opt = spec.trainer.optimizer
+    return RunConfig(
+        job_name=job.name,
+        steps=lo.steps if local else (spec.trainer.total_steps or 10**12),
+        prompts_per_step=lo.prompts_per_step if local else spec.rollout.prompts_per_step,
+        samples_per_prompt=lo.samples_per_prompt if local else spec.rollout.samples_per_prompt,
+        sampling=sampling,
+        correction_mode=spec.correction.mode,
+        mis_low=spec.correction.mis_low,
+        mis_high=spec.correction.mis_high,
+        max_staleness=spec.staleness.max_steps,
+        environment=spec.rollout.environment,
+        max_turns=spec.rollout.max_turns,
+        dataset=spec.rollout.dataset,
+        seed=lo.seed,
+        model=model,
+        learning_rate=float(getattr(lo, "learning_rate", None) or DEFAULT_LOCAL_LR) if local else opt.learning_rate,
+        weight_decay=opt.weight_decay,
+        max_grad_norm=opt.max_grad_norm,
+        groups=[
+            {"name": g.name, "accelerator": g.accelerator, "weight_format": g.weight_format,
+             "kv_cache_dtype": g.kv_cache_dtype, "quarantined": g.quarantined}
+            for g in spec.sampler_groups
+            if g.replicas > 0
+        ],
+        safety=spec.safety,
+    )
+
+
+def build_environment(rc: RunConfig) -> Any:
+    from rlfleet.trainer.environments import load_environment
+
+    env = copy.copy(load_environment(rc.environment))  # never mutate a shared built-in instance
+    if hasattr(env, "max_turns") and env.max_turns != 1:
+        env.max_turns = rc.max_turns
+    return env
+
+
+# ------------------------------------------------------------------------------------------ display
+class Progress:
+    """Live progress with rich: step, reward, and a per-group table (tok/s, share, version lag, KL, OOR).
+    Plain one-line-per-step output when stdout is not a terminal (tests, CI, logs)."""
+
+    def __init__(self, rc: RunConfig, live: bool) -> None:
+        self.rc = rc
+        self.t0 = time.monotonic()
+        self.last_t = self.t0
+        self.live = None
+        if live:
+            from rich.console import Console
+            from rich.live import Live
+
+            console = Console()
+            if console.is_terminal:
+                self.live = Live(self._render(None, []), console=console, refresh_per_second=4)
+                self.live.start()
+
+    def _render(self, m: dict[str, float] | None, alerts: list[str]) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
+        rc = self.rc
+        if m is None:
+            return Text(f"{rc.job_name}: starting {len(rc.groups)} sampler groups, router and weight channel ...")
+        head = Text(
+            f"{rc.job_name}  step {int(m['step'])}/{rc.steps}  reward {m.get('reward_mean', 0):.3f}  "
+            f"KL {m.get('kl_k3', 0):.4f}  OOR {m.get('oor_fraction', 0):.3%}  entropy {m.get('entropy', 0):.3f}  "
+            f"grad {m.get('grad_norm', 0):.3g}  staleness {m.get('staleness_mean', 0):.2f}  "
+            f"elapsed {time.monotonic() - self.t0:.0f}s"
+        )
+        table = Table(show_edge=False)
+        for col in ("group", "weights", "KV", "tok/s", "share", "version", "lag", "KL", "OOR", "reward"):
+            table.add_column(col, justify="right" if col not in ("group", "weights", "KV") else "left")
+        for g in rc.groups:
+            p = f"group/{g['name']}/"
+            n = m.get(p + "num_tokens", 0.0)
+            version = m.get(p + "version_max")
+            table.add_row(
+                g["name"], g["weight_format"], g["kv_cache_dtype"],
+                f"{m.get(p + 'tokens_per_second', 0):.0f}", f"{m.get(p + 'token_share', 0):.0%}",
+                "-" if version is None else f"{version:.0f}",
+                "-" if version is None else f"{m['step'] - 1 - version:.0f}",
+                f"{m.get(p + 'kl_k3', 0):.4f}" if n else "-", f"{m.get(p + 'oor_fraction', 0):.2%}" if n else "-",
+                f"{m.get(p + 'reward_mean', 0):.2f}" if p + "reward_mean" in m else "-",
+            )
+        parts = [head, table]
+        if alerts:
+            parts.append(Text("collapse detector: " + "; ".join(alerts), style="bold red"))
+        return Group(*parts)
+
+    def update(self, m: dict[str, float], alerts: list[str]) -> None:
+        if self.live is not None:
+            self.live.update(self._render(m, alerts))
+        else:
+            print(
+                f"step {int(m['step'])}/{self.rc.steps} reward={m.get('reward_mean', 0):.3f} kl={m.get('kl_k3', 0):.4f} "
+                f"oor={m.get('oor_fraction', 0):.4f} entropy={m.get('entropy', 0):.3f} grad_norm={m.get('grad_norm', 0):.3g} "
+                f"staleness={m.get('staleness_mean', 0):.2f}" + (f" ALERT {'; '.join(alerts)}" if alerts else ""),
+                flush=True,
+            )
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def group_rollout_extras(groups: list[Any], dt: float) -> dict[str, float]:
+    """Per-group tokens/s and newest weight version seen in this step's rollouts (for the live table)."""
+    tokens: dict[str, int] = {}
+    newest: dict[str, int] = {}
+    for g in groups:
+        for r in g.rollouts:
+            for t in r.turns:
+                tokens[t.group] = tokens.get(t.group, 0) + t.num_tokens
+                if t.num_tokens:
+                    newest[t.group] = max(newest.get(t.group, -1), int(max(t.weight_versions)))
+    out = {}
+    for name, n in tokens.items():
+        out[f"group/{name}/tokens_per_second"] = n / dt if dt > 0 else 0.0
+    for name, v in newest.items():
+        out[f"group/{name}/version_max"] = float(v)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the run
+class FleetProcess:
+    """The fleet-host subprocess (servers + router + syncers). Started and stopped by its pid only."""
+
+    def __init__(self, spec_path: Path, log_path: Path, admin_token: str) -> None:
+        env = {**os.environ, "RLFLEET_ROUTER_ADMIN_TOKEN": admin_token, "PYTHONUNBUFFERED": "1"}
+        self.log = open(log_path, "ab")
+        # cwd = the run directory: `python -m` puts cwd on sys.path, and the repo root must never be
+        # there (its operator/ folder would shadow the standard library).
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlfleet.trainer.fleet", str(spec_path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=spec_path.parent, env=env,
+            start_new_session=True,  # our Ctrl-C goes to the trainer, which stops the fleet in order
+        )
+
+    def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
+        box: dict[str, Any] = {}
+
+        def read() -> None:
+            line = self.proc.stdout.readline() if self.proc.stdout else b""
+            box["line"] = line
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(timeout)
+        line = box.get("line", b"")
+        if not line:
+            self.stop()
+            raise LocalRunError(f"the sampler fleet did not start (see {self.log.name})")
+        return json.loads(line)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stdin:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        self.log.close()
+
+
+def _admin_quarantine(router_url: str, token: str, group: str) -> None:
+    import httpx
+
+    state = httpx.get(router_url + "/admin/state", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
+    for g in state.get("groups", []):
+        if g.get("name") == group:
+            body = {"replicas": [r["url"] if isinstance(r, dict) else r for r in g.get("replicas", [])],
+                    "share": g.get("share", 1.0), "quarantined": True}
+            httpx.put(f"{router_url}/admin/groups/{group}", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=5)
+
+
+def run_local(
+    rc: RunConfig, out: Path, resume: bool = False, live: bool = True, stop: threading.Event | None = None
+) -> dict[str, Any]:
+    """Run (or resume) the local job; returns the summary written to the report."""
+    import torch
+
+    from rlfleet.numerics.tinygpt import TinyGPTConfig
+    from rlfleet.sampler.client import SamplerClient
+    from rlfleet.store import open_store
+    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
+    from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
+    from rlfleet.trainer.fleet import FleetSpec, GroupSpec
+    from rlfleet.trainer.loop import LoopConfig, TrainingLoop
+    from rlfleet.trainer.objective import ObjectiveConfig
+    from rlfleet.trainer.prompts import PromptFileError, open_prompt_source
+    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.report import write_report
+    from rlfleet.trainer.rollout import RolloutDriver
+
+    stop = stop or threading.Event()
+    ckpt_dir, channel_dir, report_dir = out / "checkpoints", out / "channel", out / "report"
+    state = ckpt.load_latest(ckpt_dir) if resume else None
+    if resume and state is None:
+        raise LocalRunError(f"nothing to resume in {out} (no checkpoint); run without --resume to start")
+    if not resume and out.exists():
+        for sub in (ckpt_dir, channel_dir, out / "cache", report_dir):
+            shutil.rmtree(sub, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    channel_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(rc.seed)
+    torch.set_num_threads(1)  # the fleet host uses the other core
+
+    model_cfg = TinyGPTConfig(**rc.model)
+    env = build_environment(rc)
+    try:
+        prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=model_cfg.vocab_size)
+    except PromptFileError as exc:
+        raise LocalRunError(str(exc)) from None
+    objective = ObjectiveConfig.from_correction(rc.correction_mode, mis_low=rc.mis_low, mis_high=rc.mis_high)
+    backend = TorchBackend(
+        model_cfg, objective,
+        OptimConfig(learning_rate=rc.learning_rate, weight_decay=rc.weight_decay, max_grad_norm=rc.max_grad_norm),
+        temperature=rc.sampling["temperature"],
+    )
+    detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
+    views = sorted({g["weight_format"] for g in rc.groups})
+    store = open_store(str(channel_dir.resolve()))
+    publisher = WeightPublisher(store, views=views, keep_versions=4, follow_subscribers=False)
+
+    start_step, position = 0, 0
+    if state is not None:
+        start_step, position = int(state["step"]), int(state["data_position"])
+    # Versions are trainer steps. The checkpoint is written before each publish, so the channel is
+    # never ahead of a checkpoint; (re)publishing the current weights gives the fleet version == step.
+    latest = publisher.channel.latest()
+    if latest is not None and latest.version > start_step:
+        raise LocalRunError(f"the channel in {channel_dir} is at version {latest.version}, ahead of the checkpoint (step {start_step})")
+
+    admin_token = secrets.token_hex(16)
+    spec = FleetSpec(
+        groups=[GroupSpec(g["name"], g["accelerator"], g["weight_format"], g["kv_cache_dtype"], quarantined=g["quarantined"])
+                for g in rc.groups],
+        store=str(channel_dir.resolve()), cache_dir=str((out / "cache").resolve()),
+        model={k: v for k, v in rc.model.items()}, seed=rc.seed,
+    )
+    (out / "fleet.json").write_text(spec.to_json())
+    (out / "run.json").write_text(json.dumps({"job": rc.job_name, "config": rc.__dict__ | {"safety": None}}, default=str, indent=1))
+
+    loop_holder: dict[str, Any] = {}
+
+    def publish(version: int, weights: dict) -> None:
+        loop = loop_holder.get("loop")
+        if loop is not None:
+            loop.checkpoint()  # checkpoint BEFORE the pointer moves (see above)
+        publisher.publish(weights, version=version)
+
+    progress = Progress(rc, live)
+    fleet = None
+    driver = None
+    interrupted = False
+    try:
+        if state is not None:
+            backend.load_state_dict(state["backend"])
+        if latest is None or latest.version < start_step or state is None:
+            publisher.publish(backend.weights(), version=start_step)
+        fleet = FleetProcess(out / "fleet.json", out / "fleet.log", admin_token)
+        urls = fleet.wait_ready()
+        import asyncio
+
+        from rlfleet.trainer.fleet import RunningFleet, wait_until_serving
+
+        asyncio.run(wait_until_serving(RunningFleet(router_url=urls["router"], servers=urls["servers"]), start_step))
+
+        client = SamplerClient(urls["router"], vocab_size=model_cfg.vocab_size)
+        driver = RolloutDriver(
+            client, env, prompts, samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling,
+            max_seq_len=model_cfg.max_seq_len, start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
+        )
+        loop = TrainingLoop(
+            LoopConfig(total_steps=rc.steps, prompts_per_step=rc.prompts_per_step, max_staleness=rc.max_staleness,
+                       checkpoint_every=0, checkpoint_dir=ckpt_dir),
+            backend, driver, publish, detector,
+            group_names=[g["name"] for g in rc.groups], group_views={g["name"]: g["weight_format"] for g in rc.groups},
+            stop=stop,
+        )
+        loop_holder["loop"] = loop
+        if state is not None:
+            loop.restore(state)
+        last = {"t": time.monotonic()}
+
+        def on_step(m: dict[str, float], decision: Any) -> None:
+            now = time.monotonic()
+            groups = loop_holder.pop("last_groups", [])
+            m.update(group_rollout_extras(groups, now - last["t"]))
+            last["t"] = now
+            progress.update(m, [a.message for a in detector.history if a.step == int(m["step"])])
+
+        def on_quarantine(groups: list[str]) -> None:
+            for g in groups:
+                _admin_quarantine(urls["router"], admin_token, g)
+
+        original_train_step = loop.train_step
+
+        def train_step(groups: list[Any]):  # keep the step's groups for the live per-group figures
+            loop_holder["last_groups"] = groups
+            return original_train_step(groups)
+
+        loop.train_step = train_step  # type: ignore[method-assign]
+        loop.on_step = on_step
+        loop.on_quarantine = on_quarantine
+        driver.start()
+        result = loop.run()
+        interrupted = stop.is_set() and result.step < rc.steps
+        loop.checkpoint()
+    finally:
+        progress.stop()
+        if driver is not None:
+            driver.stop()
+        if fleet is not None:
+            fleet.stop()
+        store.close()
+
+    history = loop.state.history
+    rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
+    k = max(1, min(3, len(rewards) // 3 or 1))
+    summary = {
+        "job": rc.job_name,
+        "steps": loop.state.step,
+        "interrupted": interrupted,
+        "paused_by_detector": loop.state.paused,
+        "pause_reason": loop.state.pause_reason,
+        "reward_first": sum(rewards[:k]) / k if rewards else None,
+        "reward_last": sum(rewards[-k:]) / k if rewards else None,
+        "collapse_alerts": [a.__dict__ for a in detector.history],
+        "rollouts_trained": len(loop.state.trained_uids),
+        "dropped_stale_groups": loop.state.dropped_stale_groups,
+        "driver": driver.stats.__dict__ if driver is not None else {},
+        "seconds": time.monotonic() - progress.t0,
+    }
+    write_report(history, report_dir, summary)
+    return summary
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="rlfleet run", description="Run an RLJob manifest.")
+    parser.add_argument("manifest", help="RLJob YAML (the same file `kubectl apply -f` takes)")
+    parser.add_argument("--local", action="store_true", help="run everything on this machine (tiny model, CPU)")
+    parser.add_argument("--steps", type=int, help="override local.steps")
+    parser.add_argument("--out", help="run directory (default: ./rlfleet-runs/<job name>)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    parser.add_argument("--environment", help="override rollout.environment (module:attr or a built-in name)")
+    parser.add_argument("--no-live", action="store_true", help="one line per step instead of the live table")
+    args = parser.parse_args(argv)
+    if not args.local:
+        print(f"rlfleet run: cluster runs are applied, not run: `kubectl apply -f {args.manifest}` (the operator "
+              "runs it); add --local to run it on this machine", file=sys.stderr)
+        return 2
+    if args.steps is not None and args.steps < 1:
+        print("rlfleet run: --steps must be >= 1", file=sys.stderr)
+        return 2
+    from rlfleet.api import load_rljob
+    from rlfleet.api.rljob import RLJobLoadError
+
+    try:
+        job = load_rljob(args.manifest)
+    except RLJobLoadError as exc:
+        print(f"rlfleet run: {exc}", file=sys.stderr)
+        return 2
+    rc = resolve_run(job, local=True)
+    if args.steps is not None:
+        rc.steps = args.steps
+    if args.environment:
+        rc.environment = args.environment
+    try:
+        build_environment(rc)
+    except ValueError as exc:
+        print(f"rlfleet run: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("rlfleet-runs") / rc.job_name)
+    stop = threading.Event()
+    presses = {"n": 0}
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        presses["n"] += 1
+        stop.set()
+        if presses["n"] == 1:
+            print("\nstopping at the next step boundary (Ctrl-C again to stop now) ...", file=sys.stderr, flush=True)
+        else:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, on_sigint)
+    try:
+        summary = run_local(rc, out, resume=args.resume, live=not args.no_live, stop=stop)
+    except LocalRunError as exc:
+        print(f"rlfleet run: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted; resume with: rlfleet run {args.manifest} --local --resume --out {out}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    first, last = summary["reward_first"], summary["reward_last"]
+    print(
+        f"{rc.job_name}: {summary['steps']} steps in {summary['seconds']:.0f}s; reward {first:.3f} -> {last:.3f}; "
+        f"{len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}"
+        if first is not None else f"{rc.job_name}: no step completed; report: {out / 'report'}"
+    )
+    if summary["interrupted"]:
+        print(f"stopped early; resume with: rlfleet run {args.manifest} --local --resume --out {out}")
+        return 130
+    return 0
