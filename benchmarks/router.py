@@ -215,6 +215,36 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+async def library_overhead(url: str, n: int) -> tuple[float, float]:
+    """p50 of Router.route() minus p50 of the same request sent directly, in one process: the routing
+    library's own added latency (hashing, replica choice, metrics, meta scan + annotation)."""
+    import aiohttp
+
+    from rlfleet.router.config import GroupConfig, RouterConfig
+    from rlfleet.router.core import Router
+
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": OUTPUT_TOKENS}}).encode()
+    headers = {"Content-Type": "application/json"}
+    router = Router(RouterConfig(groups=[GroupConfig(name=f"g{i}", replicas=[url]) for i in range(4)]))
+    await router.start(health_checks=False)
+    direct: list[float] = []
+    routed: list[float] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+        for i in range(n + 200):
+            t0 = time.perf_counter()
+            async with http.post(url + "/generate", data=body, headers=headers) as r:
+                await r.read()
+            t1 = time.perf_counter()
+            result = await router.route("/generate", body, f"s{i % 500}", None, headers)
+            t2 = time.perf_counter()
+            assert result.status == 200
+            if i >= 200:
+                direct.append(t1 - t0)
+                routed.append(t2 - t1)
+    await router.close()
+    return pct(routed, 0.5) - pct(direct, 0.5), pct(routed, 0.99) - pct(direct, 0.99)
+
+
 def meta_microbench() -> None:
     from rlfleet.router import meta
 
@@ -303,7 +333,11 @@ def main() -> int:
                 f"{name:34} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {(p50 - base50) * 1e3:8.3f} {(p99 - base99) * 1e3:8.3f} "
                 f"{rps:8.0f} {per_core if per_core else float('nan'):11.0f} {rps / base_rps:9.2f}"
             )
+        lib50, lib99 = asyncio.run(library_overhead(urls[0], args.requests))
+        print(f"\nrouting library in-process (Router.route vs direct, same client): +p50 {lib50 * 1e3:.3f} ms, "
+              f"+p99 {lib99 * 1e3:.3f} ms")  # fmt: skip
         meta_microbench()
+        print(f"load average during the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -76,6 +76,28 @@ def _lock(kind: str, namespace: str, name: str) -> asyncio.Lock:
     return lock
 
 
+_queued: set[tuple[int, str, str, str]] = set()
+
+
+async def _coalesced(kind: str, namespace: str, name: str, refresh: Any) -> None:
+    """Run `refresh()` under the object's lock, but at most one waiter per object: a burst of child
+    events becomes one refresh in flight plus one queued (which reads the state after the burst)."""
+    key = (id(asyncio.get_running_loop()), kind, namespace, name)
+    if key in _queued:
+        return
+    _queued.add(key)
+    try:
+        async with _lock(kind, namespace, name):
+            _queued.discard(key)
+            await refresh()
+    finally:
+        _queued.discard(key)
+
+
+async def _none() -> None:
+    return None
+
+
 def _temporary(exc: kube.KubeError) -> kopf.TemporaryError:
     return kopf.TemporaryError(str(exc), delay=2 if exc.status in (409, 429, 500, 503, 504) else 5)
 
@@ -196,18 +218,23 @@ def _owned_by(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
 
 async def refresh_job_status(namespace: str, name: str) -> None:
     """Recompute an RLJob's status from its children; write it (and an Event) only when it changed."""
+    await _coalesced("RLJob", namespace, name, lambda: _refresh_job_status(namespace, name))
+
+
+async def _refresh_job_status(namespace: str, name: str) -> None:
     api = kube.api()
-    async with _lock("RLJob", namespace, name):
-        job = await api.get(API_VERSION, "RLJob", namespace, name)
-        if job is None or job["metadata"].get("deletionTimestamp"):
-            return
-        _, invalid = _parse_job(job)
-        groups = await api.list(API_VERSION, "SamplerGroup", namespace, f"{n.LABEL_JOB}={name}")
-        groups = [g for g in groups if _owned_by(g, job)]
-        trainer = await api.get("apps/v1", "StatefulSet", namespace, n.trainer_name(name))
-        channel = await api.get(API_VERSION, "WeightChannel", namespace, n.weightchannel_name(name))
-        desired = st.rljob_status(job, groups, trainer, channel, invalid=invalid)
-        await _write_status(job, desired, "RLJob")
+    job = await api.get(API_VERSION, "RLJob", namespace, name)
+    if job is None or job["metadata"].get("deletionTimestamp"):
+        return
+    _, invalid = _parse_job(job)
+    groups, trainer, channel = await asyncio.gather(
+        api.list(API_VERSION, "SamplerGroup", namespace, f"{n.LABEL_JOB}={name}"),
+        api.get("apps/v1", "StatefulSet", namespace, n.trainer_name(name)),
+        api.get(API_VERSION, "WeightChannel", namespace, n.weightchannel_name(name)),
+    )
+    groups = [g for g in groups if _owned_by(g, job)]
+    desired = st.rljob_status(job, groups, trainer, channel, invalid=invalid)
+    await _write_status(job, desired, "RLJob")
 
 
 async def _write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str) -> bool:
@@ -275,19 +302,22 @@ async def reconcile_samplergroup(body: kopf.Body, name: str, namespace: str, **_
 
 
 async def refresh_samplergroup_status(namespace: str, name: str) -> None:
+    await _coalesced("SamplerGroup", namespace, name, lambda: _refresh_samplergroup_status(namespace, name))
+
+
+async def _refresh_samplergroup_status(namespace: str, name: str) -> None:
     api = kube.api()
-    async with _lock("SamplerGroup", namespace, name):
-        sg = await api.get(API_VERSION, "SamplerGroup", namespace, name)
-        if sg is None or sg["metadata"].get("deletionTimestamp"):
-            return
-        deployment = await api.get("apps/v1", "Deployment", namespace, name)
-        channel_status = None
-        channel_name = sg.get("spec", {}).get("weightChannel")
-        if channel_name:
-            wc = await api.get(API_VERSION, "WeightChannel", namespace, channel_name)
-            channel_status = (wc or {}).get("status")
-        desired = st.samplergroup_status(sg, deployment, get_catalog(), channel_status)
-        await _write_status(sg, desired, "SamplerGroup")
+    sg = await api.get(API_VERSION, "SamplerGroup", namespace, name)
+    if sg is None or sg["metadata"].get("deletionTimestamp"):
+        return
+    channel_name = sg.get("spec", {}).get("weightChannel")
+    deployment, wc = await asyncio.gather(
+        api.get("apps/v1", "Deployment", namespace, name),
+        api.get(API_VERSION, "WeightChannel", namespace, channel_name) if channel_name else _none(),
+    )
+    channel_status = (wc or {}).get("status")
+    desired = st.samplergroup_status(sg, deployment, get_catalog(), channel_status)
+    await _write_status(sg, desired, "SamplerGroup")
 
 
 # --- children events -> parent status ----------------------------------------------------------------------

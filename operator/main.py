@@ -71,6 +71,10 @@ def cli(argv: list[str]) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if not args.verbose:
+        # one INFO line per handler call is most of the operator's CPU under load; errors still show
+        for name in ("kopf.objects", "kopf.activities", "kopf._core"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     if args.metrics_port:
         from prometheus_client import start_http_server
 

@@ -131,7 +131,10 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     replica_failure = bool(failure and failure.get("status") == "True")
     rolled_out = dep_generation_seen and updated >= desired and ready >= desired and replicas <= desired
     if suspended:
-        phase, reason, message = "Suspended", "Suspended", "suspended: scaled to zero (spec.replicas kept)"
+        if replicas == 0 and _get(deployment, "spec", "replicas") == 0:
+            phase, reason, message = "Suspended", "Suspended", "suspended: scaled to zero (spec.replicas kept)"
+        else:
+            phase, reason, message = "Pending", "Suspending", f"suspending: {replicas} pods left"
     elif deployment is None:
         phase, reason, message = "Pending", "Creating", "creating the Deployment"
     elif stalled or replica_failure:
@@ -230,7 +233,12 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     if invalid:
         phase, reason, message = "Failed", "InvalidSpec", invalid
     elif suspended:
-        phase, reason, message = "Suspended", "Suspended", "suspended: samplers and trainer scaled to zero"
+        groups_down = all(_get(by_group.get(g), "status", "phase") == "Suspended" for g in wanted)
+        t_pods = int(_get(trainer, "status", "replicas", default=0) or 0)
+        if groups_down and t_pods == 0:
+            phase, reason, message = "Suspended", "Suspended", "suspended: samplers and trainer scaled to zero"
+        else:
+            phase, reason, message = "Pending", "Suspending", "suspending: scaling samplers and trainer to zero"
     elif degraded_groups:
         phase, reason = "Degraded", "GroupsDegraded"
         message = f"degraded groups: {', '.join(degraded_groups)}"

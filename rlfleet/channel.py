@@ -314,11 +314,13 @@ class WeightChannel:
         *,
         version: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        move: bool = False,
     ) -> PublishResult:
         """Upload local view directories as one new version and advance the pointer to it.
 
         `view_dirs`: view name -> local directory (as written by `rlfleet.numerics.views.save_view`).
-        `version`: an explicit number (e.g. the trainer step); default: the next free number."""
+        `version`: an explicit number (e.g. the trainer step); default: the next free number.
+        `move`: the directories are private staging copies the store may take over (rename)."""
         if not view_dirs:
             raise ValueError("publish needs at least one view")
         files: list[tuple[str, str, Path]] = []  # (view, relative path, local path)
@@ -333,23 +335,25 @@ class WeightChannel:
             if not any(v == view for v, _, _ in files):
                 raise ValueError(f"view {view}: {directory} has no files")
 
+        # dtype + shape of every tensor, read before any file may be moved into the store
+        headers = {(v, rel): safetensors_header(p) for v, rel, p in files if rel.endswith(".safetensors")}
         number = self._claim(version)
         prefix = _version_key(number)
 
         def upload(item: tuple[str, str, Path]) -> FileDigest:
             view, rel, path = item
-            return self.store.put_file(f"{prefix}/{view}/{rel}", path)
+            return self.store.put_file(f"{prefix}/{view}/{rel}", path, move=move)
 
         # Uploads are I/O + hashing (both release the GIL): a couple of threads overlap them.
         with ThreadPoolExecutor(max_workers=self.upload_workers) as pool:
             digests = list(pool.map(upload, files))
 
         views: dict[str, ViewManifest] = {}
-        for (view, rel, path), digest in zip(files, digests, strict=True):
+        for (view, rel, _), digest in zip(files, digests, strict=True):
             vm = views.setdefault(view, ViewManifest(view=view, files={}, tensors={}))
             vm.files[rel] = FileEntry(digest.sha256, digest.bytes)
             if rel.endswith(".safetensors"):
-                vm.tensors.update(safetensors_header(path))
+                vm.tensors.update(headers[(view, rel)])
         manifest = Manifest(number, now_iso(), self.publisher_id, views, dict(metadata or {}))
         manifest_bytes = manifest.to_bytes()
         # Every byte above is durable (put_file returns after fsync / S3 200); only now the manifest.
@@ -453,6 +457,9 @@ class WeightChannel:
         doomed = sorted(
             v for v in set(by_version) | set(claims) if v < pointer.version and v not in protected
         )
+        clean_staging = getattr(self.store, "clean_staging", None)
+        if clean_staging is not None:
+            clean_staging()
         for v in doomed:
             # Manifest first: a half-deleted version is then "incomplete", never "complete but broken".
             ks = sorted(by_version.get(v, []), key=lambda k: k != manifest_key(v))

@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,8 +111,16 @@ class Store(ABC):
         """Write (or overwrite) `key` durably; readers see the old or the new bytes, never a mix."""
 
     @abstractmethod
-    def put_file(self, key: str, path: Path) -> FileDigest:
-        """Upload a local file to `key` durably; return the sha256 and size of the bytes sent."""
+    def put_file(self, key: str, path: Path, *, move: bool = False) -> FileDigest:
+        """Upload a local file to `key` durably; return the sha256 and size of the bytes sent.
+
+        `move=True`: the caller gives the file up (a private staging file); a store on the same
+        filesystem may rename it into place instead of copying its bytes."""
+
+    def staging_dir(self) -> Path | None:
+        """A local directory on the store's own filesystem for files later put with move=True
+        (None: the store has none, stage anywhere)."""
+        return None
 
     @abstractmethod
     def get(self, key: str) -> bytes:
@@ -239,15 +247,70 @@ class FilesystemStore(Store):
         tmp, _ = self._write_temp(path, iter([data]))
         self._commit(tmp, path)
 
-    def put_file(self, key: str, path: Path) -> FileDigest:
-        """Kernel copy (copy_file_range / sendfile: no user-space pass over the bytes) while another
-        thread hashes the source, so publishing costs about max(copy, hash) instead of their sum.
+    STAGING = ".staging"
+
+    def staging_dir(self) -> Path | None:
+        """`<root>/.staging`: hidden from `list`, on the same filesystem, so put_file(move=True) of a
+        file staged there is a rename (the bytes are written once, by the publisher)."""
+        self._require_root()
+        path = self.root / self.STAGING
+        path.mkdir(exist_ok=True)
+        return path
+
+    def clean_staging(self, older_than_seconds: float = 3600.0) -> None:
+        """Remove staging leftovers of killed publishers."""
+        path = self.root / self.STAGING
+        if not path.is_dir():
+            return
+        now = time.time()
+        for entry in path.iterdir():
+            with contextlib.suppress(OSError):
+                if now - entry.stat().st_mtime > older_than_seconds:
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+
+    def _fsync_file(self, path: Path) -> None:
+        if self.fsync:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def put_file(self, key: str, path: Path, *, move: bool = False) -> FileDigest:
+        """Copy: kernel copy (copy_file_range / sendfile: no user-space pass over the bytes) while
+        another thread hashes the source, so it costs about max(copy, hash), not their sum.
+        Move (same filesystem): fsync + hash, then rename into place: the bytes are never copied.
         The digest is of the local source; the sidecar re-hashes what it downloads, so a byte the
         store got wrong is still refused before use."""
         target = self._path(key)
         self._require_root()
         self._mkdirs(target.parent)
+        if move and os.stat(path).st_dev == os.stat(self.root).st_dev:
+            digest = self._hash_while(Path(path), lambda: self._fsync_file(Path(path)))
+            os.rename(path, target)
+            if self.fsync:
+                _fsync_dir(target.parent)
+            return digest
         tmp = self._temp_for(target)
+
+        def copy() -> None:
+            shutil.copyfile(path, tmp)
+            self._fsync_file(tmp)
+
+        try:
+            digest = self._hash_while(Path(path), copy)
+            if digest.bytes != tmp.stat().st_size:
+                raise StoreError(f"{path} changed while it was uploaded")
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        self._commit(tmp, target)
+        return digest
+
+    @staticmethod
+    def _hash_while(path: Path, work: Callable[[], None]) -> FileDigest:
+        """sha256 of `path` computed in a second thread while `work()` runs (both release the GIL)."""
         digest_box: list[FileDigest | BaseException] = []
 
         def hash_source() -> None:
@@ -259,26 +322,12 @@ class FilesystemStore(Store):
         hasher = threading.Thread(target=hash_source, daemon=True)
         hasher.start()
         try:
-            shutil.copyfile(path, tmp)
-            if self.fsync:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            work()
+        finally:
             hasher.join()
-            if isinstance(digest_box[0], BaseException):
-                raise digest_box[0]
-            digest = digest_box[0]
-            if digest.bytes != tmp.stat().st_size:
-                raise StoreError(f"{path} changed while it was uploaded")
-        except BaseException:
-            hasher.join()
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        self._commit(tmp, target)
-        return digest
+        if isinstance(digest_box[0], BaseException):
+            raise digest_box[0]
+        return digest_box[0]
 
     def get(self, key: str) -> bytes:
         self._require_root()
@@ -495,7 +544,7 @@ class S3Store(Store):
         with self._errors(key):
             self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
 
-    def put_file(self, key: str, path: Path) -> FileDigest:
+    def put_file(self, key: str, path: Path, *, move: bool = False) -> FileDigest:
         from boto3.s3.transfer import TransferConfig
 
         digest = sha256_file(Path(path))

@@ -21,7 +21,6 @@ A failed turn raises `TurnFailed(reason, ...)`; the caller decides (the rollout 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 from collections import Counter
@@ -35,6 +34,7 @@ from rlfleet.sampler.protocol import (
     SamplingConfig,
     build_generate_request,
     error_message,
+    loads_json,
     parse_generate_response,
 )
 
@@ -207,7 +207,7 @@ class SamplerClient:
 
     def _accept(self, resp: httpx.Response, ids: list[int], cfg: SamplingConfig, attempts: int) -> SampledTurn:
         try:
-            payload = resp.json()
+            payload = loads_json(resp.content)
             if isinstance(payload, list) and len(payload) == 1:  # batch form with one request
                 payload = payload[0]
             turn = parse_generate_response(
@@ -218,7 +218,7 @@ class SamplerClient:
                 vocab_size=self.vocab_size,
                 untruncated=not cfg.truncates,
             )
-        except (ProtocolError, ValueError, json.JSONDecodeError) as exc:
+        except (ProtocolError, ValueError) as exc:  # orjson.JSONDecodeError and json's are ValueErrors
             raise self._fail("malformed_response", str(exc), 200, attempts) from None
         self.stats.turns += 1
         self.stats.tokens += turn.num_tokens
@@ -266,6 +266,6 @@ class SamplerClient:
 
 def _message_of(resp: httpx.Response) -> str:
     try:
-        return error_message(resp.json())
+        return error_message(loads_json(resp.content))
     except ValueError:
         return resp.text[:500]

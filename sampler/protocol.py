@@ -30,6 +30,19 @@ from typing import Any
 
 import numpy as np
 
+try:  # 5-10x faster than the stdlib on logprob-heavy bodies (1.8 KB of JSON per token at K = 64)
+    import orjson
+
+    def loads_json(data: bytes | str) -> Any:
+        return orjson.loads(data)
+
+except ImportError:  # pragma: no cover - orjson is in the sampler/trainer extras
+    import json
+
+    def loads_json(data: bytes | str) -> Any:
+        return json.loads(data)
+
+
 from rlfleet.records import HEAD_MODE, LOGPROB_TOL, R_MALFORMED, SUPPORT_MODE, SampledTurn, validate_turn
 
 DEFAULT_MASK_TOP_K = 1024  # finite top_k sent with top_p < 1 when the caller said -1 (SGLang needs one)
@@ -339,6 +352,7 @@ __all__ = [
     "build_generate_request",
     "error_message",
     "finish_reason_of",
+    "loads_json",
     "parse_generate_response",
     "weight_version_of",
 ]

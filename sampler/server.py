@@ -411,7 +411,7 @@ class RunningServer:
             self._runner = None
 
     async def __aenter__(self) -> RunningServer:
-        return await self.start()
+        return self if self._runner is not None else await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
@@ -499,9 +499,9 @@ def sglang_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 
 def _reference_engine(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
+    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
 
     from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, config_from_state_dict
-    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
 
     torch.set_num_threads(max(1, args.threads))
     weights, view = None, "fp32"

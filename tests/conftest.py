@@ -13,7 +13,6 @@ import importlib.util
 import os
 import shutil
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,15 +46,17 @@ def kube() -> Iterator:
     if attach:
         yield cp.KubeCluster.from_state(Path(attach))
         return
-    workdir = Path(tempfile.mkdtemp(prefix="rlfleet-kube-"))
+    workdir = cp.scratch_dir()
     plane = cp.ControlPlane(workdir, log=lambda msg: print(f"[controlplane] {msg}", file=sys.stderr))
     try:
         cluster = plane.start()
         print(f"\n[controlplane] started in {cluster.start_seconds:.1f}s at {cluster.server}", file=sys.stderr)
         yield cluster
     finally:
-        plane.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            plane.stop()
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ How a step runs (documented megatron-core API, nothing private):
   pre_process, post_process, parallel_output=True, share_embeddings_and_output_weights=False,
   position_embedding_type="rope")`, wrapped in `DistributedDataParallel`; optimizer from
   `get_megatron_optimizer(OptimizerConfig(...), [model])`.
-- Rank 0 drives the rollouts; the batch is broadcast, each data-parallel rank takes its share of the
-  sequences and cuts it into micro-batches.
+- Rank 0 drives the rollouts and the loop; every other rank runs `follow()`, executing the commands
+  rank 0 broadcasts (`step` with the batch, `weights`, `stop`). Each data-parallel rank takes its
+  share of the batch's sequences and cuts it into micro-batches.
 - `get_forward_backward_func()(forward_step_func=..., data_iterator=..., model=[model],
   num_microbatches=n, seq_length=S, micro_batch_size=m, forward_only=False)`.
   `forward_step_func(data_iterator, model) -> (logits, partial(loss_func, micro_batch))`; with
@@ -362,16 +363,35 @@ class MegatronBackend:
                 if name in full:
                     tensor.copy_(split_tp_shard(name, full[name], rank, world).to(tensor.dtype))
 
-    def _broadcast(self, flat: FlatBatch | None) -> FlatBatch:
-        """Rank 0 holds the batch (it drives the rollouts); every rank gets it."""
-        box = [flat]
+    # -- rank 0 drives, every other rank follows (commands broadcast from global rank 0) --
+    def _command(self, command: tuple | None = None) -> tuple:
+        box = [command]
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def follow(self) -> None:
+        """Non-zero ranks: execute rank 0's commands until it says stop."""
+        while True:
+            command = self._command()
+            if command[0] == "step":
+                self._train_step(command[1], command[2])
+            elif command[0] == "weights":
+                self._weights()
+            else:
+                return
+
+    def close(self) -> None:
+        if torch.distributed.get_rank() == 0:
+            self._command(("stop",))
+
     # -- the step --
-    def train_step(self, flat: FlatBatch | None, group_index: dict[str, int]) -> tuple[LossOutput, float]:
+    def train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:
+        """Rank 0: broadcast the batch (it drives the rollouts), then train like every rank."""
+        self._command(("step", flat, group_index))
+        return self._train_step(flat, group_index)
+
+    def _train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:
         mg, ps = self.mg, self.mg.parallel_state
-        flat = self._broadcast(flat)
         dp_rank, dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         my_seqs = np.arange(flat.input_ids.shape[0])[dp_rank::dp_world]
         mbs = self.cfg.micro_batch_size
@@ -412,6 +432,11 @@ class MegatronBackend:
         return merged, float(grad_norm) if grad_norm is not None else float("nan")
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0: all ranks gather the TP shards; returns HF-named bf16 weights."""
+        self._command(("weights",))
+        return self._weights()
+
+    def _weights(self) -> dict[str, torch.Tensor]:
         """All-gather the TP shards and return HF-named bf16 weights on global rank 0 ({} elsewhere)."""
         if self.cfg.pipeline_parallel != 1:
             raise NotImplementedError("publishing with pipeline parallelism > 1 is not supported yet")

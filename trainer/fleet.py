@@ -28,8 +28,8 @@ from typing import Any
 
 log = logging.getLogger("rlfleet.fleet")
 
-# SGLang weightFormat -> the reference engine's emulation (the API's fp8 is block-128)
-ENGINE_FORMATS = {"bf16": "bf16", "fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
+# RLJob weightFormat -> the reference engine format (the channel publishes fp8 as block-128)
+ENGINE_FORMATS = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 # --kv-cache-dtype values the reference engine cannot emulate exactly are rounded like fp8 e4m3
 ENGINE_KV = {"auto": "auto", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e4m3", "mxfp8": "fp8_e4m3", "nvfp4": "fp8_e4m3"}
 # A different split-K reduction order per GPU class: kernels differ across generations even in bf16.

@@ -82,9 +82,12 @@ class WeightPublisher:
         if not views:
             raise ValueError("no view to publish")
         cpu_state = {name: t.detach().to("cpu") for name, t in state_dict.items()}
-        if self.staging_dir is not None:
-            self.staging_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="rlfleet-publish-", dir=self.staging_dir) as tmp:
+        # Stage on the store's own filesystem when it has one: the view files are then written once
+        # and renamed into place (no second copy of the bytes).
+        staging = self.staging_dir or self.channel.store.staging_dir()
+        if staging is not None:
+            staging.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="rlfleet-publish-", dir=staging) as tmp:
             t0 = time.perf_counter()
             dirs = {}
             for view in views:
@@ -92,7 +95,7 @@ class WeightPublisher:
                 dirs[view] = Path(tmp) / view
             t1 = time.perf_counter()
             result = self.channel.publish(
-                dirs, version=version, metadata={"views": views, **(metadata or {})}
+                dirs, version=version, metadata={"views": views, **(metadata or {})}, move=True
             )
             t2 = time.perf_counter()
         if self.keep_versions is not None:

@@ -120,13 +120,17 @@ class KVCache:
         self.lengths[torch.as_tensor(rows, dtype=torch.long)] = 0
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half convention). x [B, H, S, D], positions [B, S]."""
-    d = x.shape[-1]
+def _rope_tables(positions: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, S, D] for positions [B, S] (computed once per forward, shared by the layers)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # [D/2]
     ang = positions.float()[..., None] * inv_freq  # [B, S, D/2]
-    cos = torch.cat((ang.cos(), ang.cos()), dim=-1)[:, None]  # [B, 1, S, D]
-    sin = torch.cat((ang.sin(), ang.sin()), dim=-1)[:, None]
+    ang = torch.cat((ang, ang), dim=-1)[:, None]  # [B, 1, S, D]
+    return ang.cos(), ang.sin()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention). x [B, H, S, D]."""
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -238,14 +242,15 @@ class TinyGPT(nn.Module):
             raise ValueError(f"sequence longer than max_seq_len {c.max_seq_len}")
 
         h = self.model.embed_tokens(input_ids).float()  # [B, S, D]
+        cos, sin = _rope_tables(positions, c.head_dim, c.rope_theta)
         for li, layer in enumerate(self.model.layers):
             x = layer.input_layernorm(h)
             att = layer.self_attn
             q = self._linear(x, att.q_proj).view(bsz, seq, c.n_head, c.head_dim).transpose(1, 2)  # [B,H,S,Dh]
             k = self._linear(x, att.k_proj).view(bsz, seq, c.n_head, c.head_dim).transpose(1, 2)
             v = self._linear(x, att.v_proj).view(bsz, seq, c.n_head, c.head_dim).transpose(1, 2)
-            q = _rope(q, positions, c.rope_theta)
-            k = _rope(k, positions, c.rope_theta)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
             if cache is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:

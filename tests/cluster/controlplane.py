@@ -50,12 +50,13 @@ import yaml
 
 CLUSTER_DIR = Path(__file__).resolve().parent
 GO_DIR = CLUSTER_DIR / "go"
-BIN_ROOT = CLUSTER_DIR / "bin"
+BIN_ROOT = Path(os.environ.get("RLFLEET_KUBE_BIN_ROOT", CLUSTER_DIR / "bin"))  # override: e.g. a CI cache
 WORK_ROOT = CLUSTER_DIR / ".work"
 KWOK_STAGES = CLUSTER_DIR / "kwok-stages.yaml"
 SERVICE_CIDR = "10.0.0.0/24"
 POD_CIDR = "10.244.0.1/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+CONTROL_PLANE_COMPONENTS = ("kubernetes", "etcd", "kwok")  # what ControlPlane.start() needs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ class GoComponent:
     module: str
     binaries: dict[str, str]
     ldflags: Callable[[str], list[str]] = lambda version: []
-    default: bool = True  # built by `controlplane.py build` without names (and by scripts/test)
+    default: bool = True  # built by `controlplane.py build` without names (scripts/test runs that)
 
     @property
     def wrapper_dir(self) -> Path:
@@ -147,8 +148,7 @@ COMPONENTS: dict[str, GoComponent] = {
             module="helm.sh/helm/v4",
             binaries={"helm": "helm.sh/helm/v4/cmd/helm"},
             ldflags=lambda v: [f"-X helm.sh/helm/v4/internal/version.version={v}"],
-            default=False,  # not needed by the control plane; `controlplane.py build helm`
-        ),
+        ),  # for the chart tests (tests/ship); the control plane itself does not need it
     )
 }
 
@@ -194,7 +194,8 @@ def build_component(component: GoComponent, log: Callable[[str], None] = print) 
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=BIN_ROOT))
         ldflags = " ".join(["-s", "-w", *component.ldflags(version)])
         cmd = [go_binary(), "build", "-trimpath", "-ldflags", ldflags, "-o", f"{tmp}/", *component.binaries.values()]
-        env = {**os.environ, "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": "-mod=readonly"}
+        goflags = f"{os.environ.get('GOFLAGS', '')} -mod=readonly".strip()  # go.sum pins every module
+        env = {**os.environ, "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": goflags}
         log(f"building {component.name} {version} (cold builds take minutes) ...")
         started = time.monotonic()
         result = subprocess.run(cmd, cwd=component.wrapper_dir, env=env, capture_output=True, text=True)
@@ -600,7 +601,9 @@ class ControlPlane:
     def start(self) -> KubeCluster:
         started = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        bins = build(log=self.log)
+        bins = build(CONTROL_PLANE_COMPONENTS, log=self.log)
+        # extras already built (helm) are linked too, never built here
+        bins |= {n: c.bin_dir() for n, c in COMPONENTS.items() if n not in bins and c.up_to_date()}
         bin_dir = self.workdir / "bin"  # one PATH entry with every binary of this control plane
         bin_dir.mkdir(exist_ok=True)
         for name, directory in bins.items():
@@ -609,10 +612,6 @@ class ControlPlane:
                 if link.is_symlink() or link.exists():
                     link.unlink()
                 link.symlink_to(directory / binary)
-        helm = COMPONENTS["helm"]
-        if helm.up_to_date():
-            (bin_dir / "helm").unlink(missing_ok=True)
-            (bin_dir / "helm").symlink_to(helm.bin_dir() / "helm")
 
         pki = self.workdir / "pki"
         _write_pki(pki)
@@ -754,14 +753,37 @@ class ControlPlane:
         return True
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            _stop_group(proc.popen.pid, lambda t, p=proc: _wait_popen(p.popen, t))
-        self.procs.clear()
-        self._write_pids_if_possible()
+        try:
+            for proc in reversed(self.procs):
+                _stop_group(proc.popen.pid, lambda t, p=proc: _wait_popen(p.popen, t))
+        except BaseException:  # e.g. a second Ctrl-C: no more grace, kill every group now
+            for proc in self.procs:
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise
+        finally:
+            self.procs.clear()
+            self._write_pids_if_possible()
 
     def _write_pids_if_possible(self) -> None:
         if self.workdir.is_dir():
             (self.workdir / "pids.json").write_text("{}")
+
+
+def scratch_dir(prefix: str = "rlfleet-kube-") -> Path:
+    """A temp dir owned by this process; removes dirs left by owners that were killed (SIGKILL)."""
+    for stale in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            owner = int((stale / "owner.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(owner):
+            shutil.rmtree(stale, ignore_errors=True)
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    (workdir / "owner.pid").write_text(str(os.getpid()))
+    return workdir
 
 
 def _wait_popen(popen: subprocess.Popen, timeout: float) -> bool:
@@ -850,7 +872,7 @@ def cmd_up(workdir: Path, foreground: bool) -> int:
         print(f"already running; KUBECONFIG={workdir / 'kubeconfig'}", file=sys.stderr)
         print(workdir / "kubeconfig")
         return 0
-    build(log=lambda msg: print(msg, file=sys.stderr))
+    build(CONTROL_PLANE_COMPONENTS, log=lambda msg: print(msg, file=sys.stderr))
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -76,6 +78,20 @@ def test_versions_are_the_pinned_release(kube) -> None:
     versions = json.loads(kube.kubectl("version", "-o", "json").stdout)
     assert versions["clientVersion"]["gitVersion"] == "v1.36.3"
     assert versions["serverVersion"]["gitVersion"] == "v1.36.3"
+    # env(): our kubectl first on PATH, KUBECONFIG pointing at this control plane
+    env = kube.env()
+    assert shutil.which("kubectl", path=env["PATH"]) == str(kube.bin_dir / "kubectl")
+    out = subprocess.run(["kubectl", "get", "--raw", "/version"], env=env, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["gitVersion"] == "v1.36.3"
+
+
+def test_api_client_talks_to_the_control_plane(kube) -> None:
+    from kubernetes import client
+
+    with kube.api_client() as api:
+        names = {n.metadata.name for n in client.CoreV1Api(api).list_node().items}
+    assert set(kube.cpu_nodes) | set(kube.gpu_nodes["h100"]) <= names
+    assert api.configuration.host == kube.server
 
 
 def test_fake_gpu_nodes_are_ready_labelled_and_tainted(kube) -> None:

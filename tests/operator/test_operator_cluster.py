@@ -62,6 +62,31 @@ def operator(kube, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     assert "Traceback" not in runner.output, runner.output
 
 
+def shared_volume(kube, namespace: str) -> None:
+    """The example's weights PVC (`rlfleet-weights`), statically bound to a hostPath PV: on a real cluster
+    this is a ReadWriteMany volume the user provides; kwok never mounts it."""
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"weights-{namespace}"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "hostPath": {"path": f"/tmp/rlfleet-weights-{namespace}"},
+            "claimRef": {"namespace": namespace, "name": "rlfleet-weights"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "rlfleet-weights", "namespace": namespace},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv["metadata"]["name"],
+                 "resources": {"requests": {"storage": "1Gi"}}},  # fmt: skip
+    }
+    kube.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]}))
+
+
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -108,6 +133,7 @@ def test_example_job_creates_a_placed_ready_fleet(
     kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with operator(kube, namespace, monkeypatch):
+        shared_volume(kube, namespace)
         kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
         job = wait_running(kube, namespace)
         status = job["status"]
@@ -185,6 +211,7 @@ def test_spec_update_group_removal_suspend_resume_and_deletion(
     kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with operator(kube, namespace, monkeypatch):
+        shared_volume(kube, namespace)
         kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
         wait_running(kube, namespace)
         # update: one group scaled in the RLJob, one group removed
@@ -265,6 +292,7 @@ def _start_operator(kube, namespace: str) -> subprocess.Popen:
 def test_operator_killed_mid_reconcile_converges_without_duplicates(kube, crds, namespace: str) -> None:
     proc = _start_operator(kube, namespace)
     try:
+        shared_volume(kube, namespace)
         kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
         # kill -9 as soon as the first children appear, before the job is reconciled
         wait_for(

@@ -72,7 +72,10 @@ def test_degraded_precision_is_flagged_for_fp8_on_a100() -> None:
 
 
 def test_suspended_quarantined_and_deadline() -> None:
-    s = st.samplergroup_status(sg(suspend=True), deployment(0, 0), CATALOG, now=T0)
+    s = st.samplergroup_status(sg(suspend=True), deployment(2, 2), CATALOG, now=T0)
+    assert (s["phase"], conds(s)["Ready"]["reason"]) == ("Pending", "Suspending")  # pods still up
+    down = deployment(0, 0) | {"spec": {"replicas": 0}}
+    s = st.samplergroup_status(sg(suspend=True), down, CATALOG, now=T0)
     assert s["phase"] == "Suspended" and s["ready"] == "0/0" and conds(s)["Progressing"]["status"] == "False"
     s = st.samplergroup_status(sg(quarantined=True), deployment(2, 2), CATALOG, now=T0)
     assert s["phase"] == "Quarantined" and conds(s)["Ready"]["status"] == "True"
@@ -183,6 +186,9 @@ def test_job_rollup_running_pending_degraded_suspended() -> None:
     )
     assert s["phase"] == "Degraded" and conds(s)["Degraded"]["status"] == "True" and "b" in s["message"]
     s = st.rljob_status(job(["a", "b"], suspend=True), groups, trainer(0), None, now=T0)
+    assert (s["phase"], s["reason"]) == ("Pending", "Suspending")  # groups still running
+    down = [group_obj("a", "Suspended", "0/0"), group_obj("b", "Suspended", "0/0")]
+    s = st.rljob_status(job(["a", "b"], suspend=True), down, trainer(0), None, now=T0)
     assert s["phase"] == "Suspended" and s["trainer"] == {"replicas": 0, "readyReplicas": 0}
 
 

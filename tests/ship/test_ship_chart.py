@@ -137,13 +137,16 @@ def test_standalone_mode_has_no_peering_and_refuses_two_replicas(render, helm) -
 
 NAMESPACED_RULES = {
     *{("rlfleet.dev", "rljobs", v) for v in ("get", "list", "watch", "patch")},
-    *{("rlfleet.dev", r, v) for r in ("samplergroups", "weightchannels")
-      for v in ("get", "list", "watch", "create", "patch", "delete")},
-    *{("rlfleet.dev", f"{r}/status", v) for r in ("rljobs", "samplergroups", "weightchannels") for v in ("get", "patch")},
-    *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("get", "list", "watch", "create", "patch", "delete")},
-    *{("", r, v) for r in ("services", "configmaps") for v in ("get", "list", "watch", "create", "patch", "delete")},
+    *{("rlfleet.dev", "samplergroups", v) for v in ("get", "list", "watch", "create", "patch", "delete")},
+    *{("rlfleet.dev", "weightchannels", v) for v in ("get", "list", "watch", "create", "patch")},
+    *{("rlfleet.dev", f"{r}/status", "patch") for r in ("rljobs", "samplergroups", "weightchannels")},
+    *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("get", "list", "watch", "create", "patch")},
+    *{("", r, v) for r in ("services", "configmaps") for v in ("create", "patch")},
     ("", "events", "create"),
-    ("", "secrets", "create"),  # the router's admin token, created once; never read
+    ("", "secrets", "create"),  # the router's admin token, created once per job
+    ("", "secrets", "get"),  # ... and read back by name by the rebalancer (never listed or watched)
+    ("", "pods", "get"),  # the rebalancer scrapes ready pods
+    ("", "pods", "list"),
 }
 
 
@@ -151,14 +154,14 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
     objs = render()
     (role,) = find(objs, "ClusterRole")
     expected = NAMESPACED_RULES | {
-        *{("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")},
+        *{("kopf.dev", "clusterkopfpeerings", v) for v in ("list", "watch", "patch")},
         ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
         ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
     }
     assert rules_of(role) == expected
     assert not any("*" in (g, r, v) for g, r, v in rules_of(role))
     assert not any(r in ("pods/exec", "nodes/proxy") for _, r, _ in rules_of(role))
-    assert {v for _, r, v in rules_of(role) if r == "secrets"} == {"create"}  # no read access to any Secret
+    assert {v for _, r, v in rules_of(role) if r == "secrets"} == {"create", "get"}  # never list/watch Secrets
     (binding,) = find(objs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
@@ -173,7 +176,7 @@ def test_namespace_mode_has_no_cluster_wide_permission(render) -> None:
     roles = find(objs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
-        assert rules_of(role) == NAMESPACED_RULES | {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
+        assert rules_of(role) == NAMESPACED_RULES | {("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")}
     bindings = find(objs, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert all(b["subjects"][0]["namespace"] == "ops" for b in bindings)

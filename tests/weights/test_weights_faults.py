@@ -29,8 +29,8 @@ SLOW_PUBLISHER = textwrap.dedent(
     from rlfleet.trainer.publisher import WeightPublisher
 
     class SlowStore(FilesystemStore):
-        def put_file(self, key, path):
-            digest = super().put_file(key, path)
+        def put_file(self, key, path, **kwargs):
+            digest = super().put_file(key, path, **kwargs)
             time.sleep(float(sys.argv[2]))
             return digest
 

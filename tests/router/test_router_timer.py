@@ -1,0 +1,132 @@
+"""The rebalancer timer's pieces that need no cluster: status diffing, state seeding, catalog inputs,
+the Prometheus query, and pushing a result to a real router service over its admin API."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from rlfleet.api import RLJob
+from rlfleet.operator import rebalance_timer as timer
+from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
+from rlfleet.router.config import GroupConfig, RouterConfig
+from rlfleet.router.service import start_service
+
+JOB = {
+    "apiVersion": "rlfleet.dev/v1alpha1",
+    "kind": "RLJob",
+    "metadata": {"name": "j", "namespace": "ns"},
+    "spec": {
+        "model": {"name": "m", "path": "/m"},
+        "samplerGroups": [
+            {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8"},
+            {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "tensorParallel": 2},
+        ],
+        "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
+    },
+}
+
+
+def samplergroup(name: str, status: dict | None = None, **spec) -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": f"j-{name}", "namespace": "ns", "annotations": spec.pop("annotations", {})},
+        "spec": {"name": name, **spec},
+        "status": status or {},
+    }
+
+
+def test_group_input_takes_price_gpus_quarantine_and_trainer_metrics_from_the_right_places() -> None:
+    from rlfleet.catalog import get_catalog
+
+    job = RLJob.from_manifest(JOB)
+    sg = samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1, tensorParallel=2,
+                      annotations={timer.ANN_QUARANTINED: "true"})  # fmt: skip
+    inp = timer.group_input(job, sg, {}, {"kl_k3": 0.01, "oor_fraction": 0.002}, tokens_per_second=123.0)
+    assert inp.price_per_gpu_hour == get_catalog().get("a100").cost_per_gpu_hour
+    assert (inp.gpus, inp.ready_replicas, inp.quarantined) == (2, 1, True)
+    assert (inp.kl, inp.oor_fraction, inp.tokens_per_second) == (0.01, 0.002, 123.0)
+    plain = timer.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, {}, None)
+    assert (plain.gpus, plain.ready_replicas, plain.quarantined) == (2, 0, False)
+    config = timer.job_config(job)
+    assert config.trainer_accelerator == "b200" and config.max_share_change == 0.1
+    assert config.trainer_price_per_gpu_hour == get_catalog().get("b200").cost_per_gpu_hour
+
+
+def test_status_is_written_only_when_a_field_changed() -> None:
+    observed = {"share": 0.25, "tokensPerSecond": 100, "phase": "Running", "shareHistory": [{"to": 0.25}]}
+    assert not timer.status_changed(observed, {"share": 0.25, "tokensPerSecond": 100.0})
+    assert timer.status_changed(observed, {"share": 0.2501})
+    assert timer.status_changed(observed, {"shareHistory": []})
+    assert timer.status_changed(None, {"share": 0.0})
+
+
+def test_state_is_reseeded_from_status_after_a_restart() -> None:
+    history = [{"time": "2026-01-01T00:00:00Z", "from": 0.5, "to": 0.6, "reason": "throughput"}]
+    sgs = [samplergroup("a", {"share": 0.6, "tokensPerSecond": 300.0, "shareHistory": history}),
+           samplergroup("b", {"share": 0.4, "tokensPerSecond": 100.0}), samplergroup("c", {})]  # fmt: skip
+    state = timer.seed_state(sgs)
+    assert set(state.groups) == {"a", "b"}
+    inputs = [GroupInput(n, 1, 1, 1.0, tokens_per_second=t) for n, t in (("a", 300.0), ("b", 100.0))]
+    result = rebalance(inputs, state, 0.0, RebalanceConfig())
+    # Continues from 0.6 / 0.4 toward 0.75 / 0.25 (bounded), keeping the history.
+    assert result.shares["a"] == pytest.approx(0.7) and result.groups["a"].history[0] == history[0]
+
+
+def test_pod_ready() -> None:
+    ready = {"metadata": {}, "status": {"phase": "Running", "podIP": "10.0.0.1",
+                                        "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    assert timer.pod_ready(ready)
+    assert not timer.pod_ready({**ready, "metadata": {"deletionTimestamp": "x"}})
+    assert not timer.pod_ready({"metadata": {}, "status": {**ready["status"], "conditions": []}})
+
+
+async def test_prometheus_rate_is_read_from_a_real_http_api() -> None:
+    seen: list[str] = []
+
+    async def query(request: web.Request) -> web.Response:
+        seen.append(request.query["query"])
+        return web.json_response({"status": "success", "data": {"resultType": "vector",
+                                  "result": [{"metric": {}, "value": [1.0, "1234.5"]}]}})  # fmt: skip
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", query)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            q = timer.prometheus_query("ns", "j-h100-fp8", 60)
+            assert await timer.prometheus_tokens_per_second(http, url, q) == 1234.5
+            assert await timer.prometheus_tokens_per_second(http, "http://127.0.0.1:1", q) is None
+    finally:
+        await runner.cleanup()
+    assert seen == ['sum(rate(sglang:generation_tokens_total{namespace="ns",pod=~"j-h100-fp8-[a-z0-9]+-[a-z0-9]+"}[60s]))']
+
+
+async def test_push_to_router_sets_replicas_quarantine_and_shares(monkeypatch) -> None:
+    monkeypatch.setenv("RLFLEET_ROUTER_ADMIN_TOKEN", "tok")
+    config = RouterConfig(port=0, groups=[GroupConfig(name="a", replicas=["http://svc-a:30000"]),
+                                          GroupConfig(name="b", replicas=["http://svc-b:30000"])])  # fmt: skip
+    router, runner, port = await start_service(config, health_checks=False)
+    url = f"http://127.0.0.1:{port}"
+    inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
+    result = rebalance(inputs, None, 0.0, RebalanceConfig(max_share_change=1.0, min_share=0.0))
+    try:
+        async with aiohttp.ClientSession() as http:
+            replicas = {"a": ["http://10.0.0.1:30000", "http://10.0.0.2:30000"], "b": []}
+            assert await timer.push_to_router(http, url, "tok", result, replicas, {"a": False, "b": True})
+            assert not await timer.push_to_router(http, url, "wrong", result, replicas, {})
+            assert not await timer.push_to_router(http, "http://127.0.0.1:1", "tok", result, replicas, {})
+        table = router.table
+        assert sorted(table.groups["a"].replicas) == replicas["a"]
+        assert list(table.groups["b"].replicas) == ["http://svc-b:30000"]  # no pods known: left as is
+        assert table.groups["b"].quarantined and table.effective_shares() == {"a": 1.0, "b": 0.0}
+        assert table.groups["a"].share == pytest.approx(0.75)
+    finally:
+        await runner.cleanup()
+        await router.close()

@@ -1,0 +1,148 @@
+"""Against the real control plane: the operator's rebalance timer updates SamplerGroup status columns
+(Tok/s, Share), the share history, Events, and the RLJob's blended cost per 1M tokens.
+
+Sampler pods are kwok fakes (no process behind their IPs), so throughput comes from the
+`spec.router.prometheusUrl` path, served by a small real Prometheus-API HTTP server on 127.0.0.1
+that reports 3000 tok/s for the b200 group and 1000 tok/s for the a100 group.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "rebal"
+TPS = {f"{JOB}-b200-nvfp4": 3000.0, f"{JOB}-a100-bf16": 1000.0}
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+class _Prometheus(BaseHTTPRequestHandler):
+    queries: list[str] = []
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's API
+        query = parse_qs(urlsplit(self.path).query).get("query", [""])[0]
+        _Prometheus.queries.append(query)
+        match = re.search(r'pod=~"([a-z0-9-]+?)-\[a-z0-9\]', query)
+        value = TPS.get(match.group(1), 0.0) if match else 0.0
+        body = json.dumps({"status": "success", "data": {"resultType": "vector",
+                           "result": [{"metric": {}, "value": [time.time(), str(value)]}]}}).encode()  # fmt: skip
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def prometheus() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Prometheus)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def manifest(prometheus_url: str) -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": JOB},
+        "spec": {
+            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
+            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
+            "samplerGroups": [
+                {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
+                {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "weightFormat": "bf16"},
+            ],
+            "router": {"policy": "throughput", "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url},
+            "weightChannel": {"store": {"type": "filesystem", "path": "/weights/rebal"}},
+        },
+    }
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as exc:  # noqa: BLE001 - objects may not exist yet
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
+    kube, namespace: str, prometheus: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+
+    def sg(name: str) -> dict:
+        return json.loads(kube.kubectl("get", "samplergroup", f"{JOB}-{name}", "-n", namespace, "-o", "json").stdout)
+
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest(prometheus)))
+
+        def converged() -> dict | None:
+            fast, slow = sg("b200-nvfp4")["status"], sg("a100-bf16")["status"]
+            if fast.get("share", 0) >= 0.74 and len(fast.get("shareHistory", [])) >= 2:
+                return {"fast": fast, "slow": slow}
+            return None
+
+        status = wait_for("shares to reach the throughput ratio", converged, timeout=150)
+        fast, slow = status["fast"], status["slow"]
+        assert fast["tokensPerSecond"] == 3000.0 and slow["tokensPerSecond"] == 1000.0
+        assert fast["share"] == pytest.approx(0.745, abs=0.006)  # 0.02 floor + 0.96 * 0.75
+        assert slow["share"] == pytest.approx(1 - fast["share"], abs=1e-3)
+        assert fast["tokenShare"] == 0.75 and fast["quarantined"] is False
+        assert fast["costPer1MTokens"] > 0 and slow["costPer1MTokens"] > 0
+        # Bounded change per interval once the group is up (before its pods were ready it had 0).
+        moves = [h for h in fast["shareHistory"] if h["from"] > 0 and h["reason"].startswith("throughput 3000 tok/s")]
+        assert len(moves) >= 2 and all(0 < h["to"] - h["from"] <= 0.1 + 1e-3 for h in moves), fast["shareHistory"]
+        # The operator's own fields survive next to the rebalancer's (separate field managers).
+        assert fast.get("phase") and fast.get("ready")
+
+        table = kube.kubectl("get", "samplergroups", "-n", namespace).stdout
+        header, *rows = table.strip().splitlines()
+        assert "TOK/S" in header and "SHARE" in header
+        row = next(r for r in rows if r.startswith(f"{JOB}-b200-nvfp4"))
+        assert "3000" in row.split() and any(c.startswith("0.74") for c in row.split()), table
+
+        job = json.loads(kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "json").stdout)
+        # Blended: (b200 $/h + a100 $/h) over 4000 tok/s; baseline: all tokens at the b200 group's rate.
+        assert job["status"]["costPer1MTokens"] > 0 and job["status"]["baselineCostPer1MTokens"] > 0
+        events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        assert any(e.get("reason") == "ShareChanged" for e in events)
+
+        # Quarantine by annotation: the group drops to share 0 at the next interval.
+        kube.kubectl("annotate", "samplergroup", f"{JOB}-a100-bf16", "-n", namespace, "rlfleet.dev/quarantined=true")
+        wait_for("quarantine", lambda: sg("a100-bf16")["status"].get("quarantined") is True
+                 and sg("a100-bf16")["status"]["share"] == 0.0, timeout=60)  # fmt: skip
+        assert sg("b200-nvfp4")["status"]["share"] == 1.0
+        kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output
+    assert _Prometheus.queries and all("sglang:generation_tokens_total" in q for q in _Prometheus.queries)

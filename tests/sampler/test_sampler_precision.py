@@ -1,0 +1,49 @@
+"""Precision emulation is ordered sensibly: measured KL(q || p) of each emulated sampler configuration
+against the fp32 trainer model (KV-cached decode vs full forward, as in serving vs training)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rlfleet.sampler.reference_engine import measure_kl
+
+from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """2 shared cores: torch's default 2-thread pool spins against other processes (30x slower here)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+CFG = TinyGPTConfig(vocab_size=128, n_layer=2, n_head=2, d_model=64, max_seq_len=32, seed=3)
+BF16_KERNEL = KernelConfig("bfloat16")
+
+
+def _kl(trainer: TinyGPT, fmt: str, kv: str, kernel: KernelConfig) -> float:
+    sampler = TinyGPT(CFG, kernel).eval()
+    sampler.load_state_dict(precision_view(trainer.state_dict(), fmt))
+    ids = torch.randint(0, CFG.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
+    return measure_kl(trainer, sampler, kv, ids, prompt_len=6)
+
+
+def test_kl_ordering_kernel_lt_fp8_lt_fp4():
+    trainer = TinyGPT(CFG).eval()
+    kl = {
+        "exact": _kl(trainer, "fp32", "auto", KernelConfig()),
+        "kernel": _kl(trainer, "bf16", "auto", BF16_KERNEL),
+        "kernel_splitk": _kl(trainer, "bf16", "auto", KernelConfig("bfloat16", split_k=4)),
+        "kv_fp8": _kl(trainer, "bf16", "fp8_e4m3", BF16_KERNEL),
+        "fp8": _kl(trainer, "fp8", "auto", BF16_KERNEL),
+        "fp8_block": _kl(trainer, "fp8_block", "auto", BF16_KERNEL),
+        "nvfp4": _kl(trainer, "nvfp4", "auto", BF16_KERNEL),
+        "mxfp4": _kl(trainer, "mxfp4", "auto", BF16_KERNEL),
+    }
+    assert abs(kl["exact"]) < 1e-7  # the cached decode path itself adds nothing
+    assert 0 < kl["kernel"] < kl["kv_fp8"] < kl["fp8"] < kl["nvfp4"]
+    assert kl["kernel"] < kl["fp8_block"] < kl["mxfp4"]
+    assert kl["kernel"] < kl["kernel_splitk"] < kl["fp8"]  # reduction order alone is a (small) mismatch
+    assert kl["fp8"] * 3 < min(kl["nvfp4"], kl["mxfp4"])  # 4-bit is a different league from 8-bit

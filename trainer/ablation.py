@@ -1,0 +1,273 @@
+"""`rlfleet ablate`: the correction ablation in miniature (method.md), seeded, same budget per arm.
+
+Arms (objective): pg (uncorrected GRPO), mis, sc (full-vocabulary SC with the tail model over a
+top-K head), pg+topp (uncorrected GRPO with top-p mask replay), sc_mis, sc_mis+topp. Each runs on a
+homogeneous fleet (all B200 BF16) and on the mixed fleet of examples/rljob.yaml (NVFP4 / FP8 / BF16
+groups, one fp8 KV cache, different kernels per GPU class).
+
+How it runs (stated because it differs from local mode): in ONE process, without HTTP, with the
+in-process emulated sampler engines of trainer/emulated.py (same weight formats via
+`precision_view`, same SGLang sampling code as the reference server), and deterministic
+asynchrony: the samplers always serve the weights of `lag` steps ago (a fully asynchronous run on a
+real fleet sees a spread of staleness; a fixed lag makes the arms comparable and the run seeded).
+Sessions are assigned to groups by the router's weighted rendezvous hash. Each step trains on
+`prompts` prompt groups of `samples` samples through the SAME `TrainingLoop.train_step` as local and
+cluster runs (batching, objective, metrics, collapse detector).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask replay)
+    "pg": ("pg", False),
+    "mis": ("mis", False),
+    "sc": ("sc", False),
+    "pg+topp": ("pg", True),
+    "sc_mis": ("sc_mis", False),
+    "sc_mis+topp": ("sc_mis", True),
+}
+# (name, accelerator, weight format, kv cache dtype)
+FLEETS: dict[str, list[tuple[str, str, str, str]]] = {
+    "homogeneous": [("b200-bf16-a", "b200", "bf16", "auto"), ("b200-bf16-b", "b200", "bf16", "auto")],
+    "mixed": [
+        ("b200-nvfp4", "b200", "nvfp4", "auto"), ("b300-nvfp4", "b300", "nvfp4", "auto"),
+        ("h100-fp8", "h100", "fp8", "auto"), ("h100-bf16", "h100", "bf16", "auto"),
+        ("h200-fp8", "h200", "fp8", "auto"), ("h200-bf16", "h200", "bf16", "auto"),
+        ("a100-bf16", "a100", "bf16", "auto"), ("rtx-pro-6000-bf16", "rtx-pro-6000", "bf16", "fp8_e4m3"),
+    ],
+}
+
+
+@dataclass
+class AblationConfig:
+    steps: int = 80
+    prompts: int = 16
+    samples: int = 8
+    max_new_tokens: int = 6
+    lag: int = 2
+    learning_rate: float = 3e-3
+    top_p: float = 0.9
+    head_size: int = 16
+    task: str = "copy_digit"
+    seed: int = 0
+    vocab_size: int = 64
+    d_model: int = 64
+    n_layer: int = 2
+    n_head: int = 2
+    logit_std: float = 2.0
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    fleet: str
+    final_reward: float
+    peak_reward: float
+    kl_start: float
+    kl_peak_ratio: float
+    kl_mean: float
+    oor_fraction: float
+    collapse_step: int | None
+    collapse_signals: list[str]
+    max_sc_tail_ratio: float | None
+    seconds: float
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class _Position:
+    """Stands in for the rollout driver's data position in TrainingLoop's metrics."""
+
+    next_position = 0
+
+
+def run_arm(arm: str, fleet: str, cfg: AblationConfig) -> ArmResult:
+    import numpy as np
+    import torch
+
+    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig
+    from rlfleet.router.hashing import pick
+    from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
+    from rlfleet.trainer.collapse import CollapseDetector
+    from rlfleet.trainer.emulated import EmulatedSampler, Request
+    from rlfleet.trainer.environments import load_environment
+    from rlfleet.trainer.fleet import SPLIT_K
+    from rlfleet.trainer.loop import LoopConfig, TrainingLoop
+    from rlfleet.trainer.objective import ObjectiveConfig
+    from rlfleet.trainer.prompts import GeneratedPromptSource
+    from rlfleet.trainer.rollout import PromptGroup, Rollout
+
+    t0 = time.monotonic()
+    torch.manual_seed(cfg.seed)
+    model_cfg = TinyGPTConfig(vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model,
+                              max_seq_len=32, seed=cfg.seed, logit_std=cfg.logit_std)
+    mode, replay = ARMS[arm]
+    backend = TorchBackend(model_cfg, ObjectiveConfig(mode=mode, replay=replay), OptimConfig(learning_rate=cfg.learning_rate))
+    groups = FLEETS[fleet]
+    samplers = {
+        name: EmulatedSampler(name, fmt, kv, model_cfg, seed=cfg.seed + i,
+                              kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)))
+        for i, (name, acc, fmt, kv) in enumerate(groups)
+    }
+    env = load_environment(cfg.task)
+    prompts = GeneratedPromptSource(cfg.task, cfg.seed)
+    sampling = {"temperature": 1.0, "top_p": cfg.top_p, "top_k": -1, "max_new_tokens": cfg.max_new_tokens,
+                "candidate_mode": "support" if replay else "head", "head_size": cfg.head_size}
+    detector = CollapseDetector()
+    loop = TrainingLoop(LoopConfig(total_steps=cfg.steps, prompts_per_step=cfg.prompts), backend, _Position(),  # type: ignore[arg-type]
+                        publish=lambda v, w: None, detector=detector, group_names=[g[0] for g in groups],
+                        group_views={g[0]: g[2] for g in groups})
+    snapshots = {0: backend.weights()}
+    shares = {g[0]: 1.0 for g in groups}
+    serving = -1
+    for step in range(cfg.steps):
+        version = max(0, step - cfg.lag)
+        if version != serving:
+            for s in samplers.values():
+                s.load_weights(snapshots[version], version)
+            serving = version
+        batch_prompts = [prompts.get(step * cfg.prompts + i) for i in range(cfg.prompts)]
+        per_group: dict[str, list[tuple[int, int]]] = {name: [] for name in samplers}
+        for pi, p in enumerate(batch_prompts):
+            for k in range(cfg.samples):
+                per_group[pick(f"p{p.index}/{k}", shares)].append((pi, k))
+        rollouts: dict[tuple[int, int], Rollout] = {}
+        for name, items in per_group.items():
+            if not items:
+                continue
+            reqs = [Request(list(batch_prompts[pi].input_ids), cfg.max_new_tokens, tuple(env.stop_token_ids)) for pi, _ in items]
+            for (pi, k), turn in zip(items, samplers[name].generate_batch(reqs, sampling), strict=True):
+                p = batch_prompts[pi]
+                r = Rollout(prompt=p, sample=k, turns=[turn], env_ids=[[]])
+                state = env.start(p)
+                env.step(p, state, [int(t) for t in turn.output_ids], turn.finish_reason)
+                r.outcome = env.score(p, state, [[int(t) for t in turn.output_ids]])
+                rollouts[(pi, k)] = r
+        pgs = [PromptGroup(p, [rollouts[(pi, k)] for k in range(cfg.samples)]) for pi, p in enumerate(batch_prompts)]
+        metrics, _decision = loop.train_step(pgs)
+        loop.state.history.append(metrics)
+        snapshots[loop.state.step] = backend.weights()
+        snapshots.pop(loop.state.step - cfg.lag - 2, None)
+    hist = loop.state.history
+    rewards = np.array([h.get("reward_mean", 0.0) for h in hist])
+    kls = np.array([h.get("kl_k3", 0.0) for h in hist])
+    start = max(1e-9, float(kls[cfg.lag : cfg.lag + 3].mean()) if len(kls) > cfg.lag else float(kls[:3].mean()))
+    rhos = [h["sc_tail_ratio_max"] for h in hist if "sc_tail_ratio_max" in h]
+    tail = max(1, len(rewards) // 10)
+    return ArmResult(
+        arm=arm, fleet=fleet,
+        final_reward=float(rewards[-tail:].mean()),
+        peak_reward=float(rewards.max()),
+        kl_start=start,
+        kl_peak_ratio=float(kls.max() / start),
+        kl_mean=float(kls.mean()),
+        oor_fraction=float(np.mean([h.get("oor_fraction", 0.0) for h in hist])),
+        collapse_step=detector.first_alert_step,
+        collapse_signals=sorted({a.signal for a in detector.history}),
+        max_sc_tail_ratio=float(max(rhos)) if rhos else None,
+        seconds=time.monotonic() - t0,
+        history=hist,
+    )
+
+
+def table(results: list[ArmResult]) -> str:
+    by = {(r.arm, r.fleet): r for r in results}
+    lines = [
+        "| arm | fleet | final reward | peak reward | peak KL / start | mean KL | OOR fraction | collapse detected (step: signals) | max sc_tail_ratio | mixed/homog. KL |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        other = by.get((r.arm, "homogeneous"))
+        ratio = f"{r.kl_mean / other.kl_mean:.1f}x" if r.fleet == "mixed" and other and other.kl_mean > 0 else ""
+        collapse = f"{r.collapse_step}: {', '.join(r.collapse_signals)}" if r.collapse_step is not None else "no"
+        rho = f"{r.max_sc_tail_ratio:.2f}" if r.max_sc_tail_ratio is not None else "-"
+        lines.append(
+            f"| {r.arm} | {r.fleet} | {r.final_reward:.3f} | {r.peak_reward:.3f} | {r.kl_peak_ratio:.1f}x | {r.kl_mean:.4f} | "
+            f"{r.oor_fraction:.2%} | {collapse} | {rho} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def plots(results: list[ArmResult], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, title in (("reward_mean", "reward"), ("kl_k3", "sampler/trainer KL (k3)"), ("oor_fraction", "OOR fraction"),
+                       ("grad_norm", "grad norm"), ("entropy", "entropy"), ("sc_tail_ratio", "sc_tail_ratio")):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+        for ax, fleet in zip(axes, ("homogeneous", "mixed"), strict=True):
+            for r in results:
+                if r.fleet != fleet:
+                    continue
+                xs = [h["step"] for h in r.history if key in h]
+                ys = [h[key] for h in r.history if key in h]
+                if ys:
+                    ax.plot(xs, ys, label=r.arm, linewidth=1.2)
+            ax.set_title(f"{title}: {fleet} fleet")
+            ax.set_xlabel("step")
+            if key in ("kl_k3", "grad_norm", "sc_tail_ratio"):
+                ax.set_yscale("log")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"ablation_{key}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def cli(argv: Sequence[str]) -> int:
+    d = AblationConfig()
+    p = argparse.ArgumentParser(prog="rlfleet ablate", description="Correction ablation: pg, mis, sc, pg+topp, sc_mis, sc_mis+topp on a homogeneous and a mixed fleet.")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--fleets", default="homogeneous,mixed")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--prompts", type=int, default=d.prompts)
+    p.add_argument("--samples", type=int, default=d.samples)
+    p.add_argument("--lag", type=int, default=d.lag, help="sampler weights are this many steps old")
+    p.add_argument("--lr", type=float, default=d.learning_rate)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--head-size", type=int, default=d.head_size)
+    p.add_argument("--task", default=d.task, choices=("copy_digit",))
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--out", default="rlfleet-ablation")
+    args = p.parse_args(list(argv))
+    arms = [a for a in args.arms.split(",") if a]
+    fleets = [f for f in args.fleets.split(",") if f]
+    bad = [a for a in arms if a not in ARMS] + [f for f in fleets if f not in FLEETS]
+    if bad:
+        print(f"rlfleet ablate: unknown arm/fleet {', '.join(bad)} (arms: {', '.join(ARMS)}; fleets: {', '.join(FLEETS)})", file=sys.stderr)
+        return 2
+    if args.steps < 4 or args.prompts < 1 or args.samples < 2 or args.lag < 0 or not 0 < args.top_p <= 1:
+        print("rlfleet ablate: need --steps >= 4, --prompts >= 1, --samples >= 2, --lag >= 0, 0 < --top-p <= 1", file=sys.stderr)
+        return 2
+    cfg = AblationConfig(steps=args.steps, prompts=args.prompts, samples=args.samples, lag=args.lag, learning_rate=args.lr,
+                         top_p=args.top_p, head_size=args.head_size, task=args.task, seed=args.seed)
+    import torch
+
+    torch.set_num_threads(2)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for fleet in fleets:
+        for arm in arms:
+            r = run_arm(arm, fleet, cfg)
+            results.append(r)
+            print(f"{arm:>12} {fleet:>11}: reward {r.final_reward:.3f} (peak {r.peak_reward:.3f}) KL x{r.kl_peak_ratio:.1f} "
+                  f"OOR {r.oor_fraction:.2%} collapse {r.collapse_step} {r.collapse_signals} ({r.seconds:.0f}s)", flush=True)
+    md = table(results)
+    print(md)
+    (out / "ablation.md").write_text(md + "\n")
+    (out / "ablation.json").write_text(json.dumps({"config": asdict(cfg), "results": [asdict(r) for r in results]}, indent=1))
+    plots(results, out)
+    return 0
