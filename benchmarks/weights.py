@@ -165,107 +165,80 @@ def bench_s3(view_dirs: dict[str, Path], total: int, reps: int) -> dict[str, flo
         proc.wait(10)
 
 
-def start_reference_server(work: Path, seed_view: Path) -> tuple[subprocess.Popen, str]:
-    """`rlfleet sampler serve --engine reference` on a free port (the sampler engineer's server)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "weights"))
-    import httpx
-    from conftest import free_port
-
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlfleet.cli",
-        "sampler",
-        "serve",
-        "--engine",
-        "reference",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--model-path",
-        str(seed_view),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(work / "server.log", "w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+def start_reference_server(
+    work: Path, seed_view: Path, weight_format: str, n_head: int
+) -> tuple[subprocess.Popen, str]:
+    """`rlfleet sampler serve --engine reference` (the sampler engineer's server) on a free port."""
+    port_file = work / f"server-{weight_format}.port"
+    log = work / f"server-{weight_format}.log"
+    cmd = [sys.executable, "-m", "rlfleet.cli", "sampler", "serve", "--engine", "reference", "--port", "0",
+           "--port-file", str(port_file), "--model-path", str(seed_view), "--n-head", str(n_head),
+           "--weight-format", weight_format]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"reference server exited: {(work / 'server.log').read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+            raise RuntimeError(f"reference server exited: {log.read_text()[-2000:]}")
+        if port_file.exists() and port_file.read_text().strip():
+            return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
+        time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("reference server did not become healthy")
+    raise RuntimeError("reference server did not start")
 
 
 def bench_apply(
-    state: dict[str, torch.Tensor], views: list[str], work: Path, reps: int
+    state: dict[str, torch.Tensor], views: list[str], work: Path, reps: int, n_head: int
 ) -> dict[str, dict[str, float]]:
+    """Per view: a reference server of that weight format, `reps` versions applied by the sidecar."""
     import httpx
     from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
-
-    store = FilesystemStore(work / "apply-store", create=True)
     from rlfleet.trainer.publisher import WeightPublisher
 
-    publisher = WeightPublisher(store, views=views, follow_subscribers=False, keep_versions=None)
+    store = FilesystemStore(work / "apply-store", create=True)
     seed_dir = work / "seed"
     save_view(state, "bf16", seed_dir)
-    proc, url = start_reference_server(work, seed_dir)
     results: dict[str, dict[str, float]] = {}
-    try:
-        for view in views:
-            direct, download, apply = [], [], []
-            for rep in range(reps):
-                result = publisher.publish(state)
 
-                async def once(
-                    view: str = view, rep: int = rep, version: int = result.version
-                ) -> tuple[float, float]:
-                    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-                        config = SyncConfig(
-                            store="",
-                            view=view,
-                            engine_url=url,
-                            group="bench",
-                            replica=f"r{rep}",
-                            cache_dir=work / "cache" / view,
-                        )
-                        syncer = Syncer(config, store, DiskEngine(client))
-                        syncer.state.applied_version = version - 1
-                        assert await syncer.reconcile_once(), syncer.state.last_error
-                        last = syncer.state.last_apply
-                        assert last is not None
-                        return last.download_seconds, last.apply_seconds
+    async def apply_once(url: str, view: str, version: int) -> tuple[float, float]:
+        async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+            config = SyncConfig(store="", view=view, engine_url=url, group="bench", replica="r0",
+                                cache_dir=work / "cache" / view)  # fmt: skip
+            syncer = Syncer(config, store, DiskEngine(client))
+            syncer.state.applied_version = version - 1
+            ok = await syncer.reconcile_once()
+            assert ok, syncer.state.last_error
+            last = syncer.state.last_apply
+            assert last is not None
+            return last.download_seconds, last.apply_seconds
 
-                d, a = asyncio.run(once())
-                download.append(d)
-                apply.append(a)
-                local = work / "cache" / view / f"v{result.version}-{view}"
-                t0 = time.perf_counter()
-                load_view(local)
-                direct.append(time.perf_counter() - t0)
-            med = {
-                k: statistics.median(v)
-                for k, v in {"direct": direct, "download": download, "apply": apply}.items()
-            }
-            results[view] = {
-                "download_verify_s": med["download"],
-                "engine_apply_s": med["apply"],
-                "total_s": med["download"] + med["apply"],
-                "load_view_s": med["direct"],
-                "apply_vs_load_view": med["apply"] / med["direct"],
-                "total_vs_load_view": (med["download"] + med["apply"]) / med["direct"],
-            }
-    finally:
-        proc.terminate()
+    for view in views:
+        proc, url = start_reference_server(work, seed_dir, view, n_head)
+        runs: dict[str, list[float]] = {"direct": [], "download": [], "apply": []}
         try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            publisher = WeightPublisher(store, views=[view], follow_subscribers=False, keep_versions=2)
+            for _ in range(reps):
+                version = publisher.publish(state).version  # the pointer names the version to apply
+                d, a = asyncio.run(apply_once(url, view, version))
+                runs["download"].append(d)
+                runs["apply"].append(a)
+                t0 = time.perf_counter()
+                load_view(work / "cache" / view / f"v{version}-{view}")
+                runs["direct"].append(time.perf_counter() - t0)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        results[view] = {
+            "download_verify_s": med["download"],
+            "engine_apply_s": med["apply"],
+            "total_s": med["download"] + med["apply"],
+            "load_view_s": med["direct"],
+            "apply_vs_load_view": med["apply"] / med["direct"],
+            "total_vs_load_view": (med["download"] + med["apply"]) / med["direct"],
+        }
     return results
 
 
@@ -345,7 +318,9 @@ def main() -> int:
         if not args.no_apply:
             report["apply_reference_server"] = {
                 v: {k: round(x, 4) for k, x in r.items()}
-                for v, r in bench_apply(state, ["bf16", "fp8", "nvfp4"], work, args.reps).items()
+                for v, r in bench_apply(
+                    state, ["bf16", "fp8", "nvfp4"], work, args.reps, max(1, args.d_model // 64)
+                ).items()
             }
         report["delta"] = {
             k: {m: round(x, 4) for m, x in r.items()}

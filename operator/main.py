@@ -42,6 +42,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--priority", default="0", help="peering priority: an integer or 'auto'")
     parser.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port")
+    parser.add_argument(
+        "--metrics-address", default="0.0.0.0", help="bind address of /metrics (default 0.0.0.0)"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
 
@@ -78,7 +81,7 @@ def cli(argv: list[str]) -> int:
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port)
+        start_http_server(args.metrics_port, addr=args.metrics_address)
 
     import kopf
     import rlfleet.operator.handlers  # noqa: F401  (registers every handler)

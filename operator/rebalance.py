@@ -259,9 +259,9 @@ def _target_shares(
         return {}
     floor = min(min_share, 1.0 / n)
     total = sum(max(raw.get(g, 0.0), 0.0) for g in eligible)
-    if total <= 0.0:
+    if total <= 1e-12:  # nothing measurable (also keeps denormal rounding out of the division)
         return {g: 1.0 / n for g in eligible}
-    return {g: floor + (1.0 - n * floor) * max(raw.get(g, 0.0), 0.0) / total for g in eligible}
+    return {g: floor + (1.0 - n * floor) * (max(raw.get(g, 0.0), 0.0) / total) for g in eligible}
 
 
 def rebalance(

@@ -111,9 +111,13 @@ class SampledTurn:
         """Build a turn from plain Python lists (tests, small tools). Not the fast path."""
         n = len(output_ids)
         sizes = [len(s) for s in supports]
-        offsets = np.zeros(n + 1 if len(sizes) == n else len(sizes) + 1, dtype=np.int32)
+        offsets = np.zeros(len(sizes) + 1, dtype=np.int32)  # len(supports) != n is caught by validate()
         np.cumsum(sizes, out=offsets[1:])
-        wv = np.full(n, weight_versions, dtype=np.int64) if isinstance(weight_versions, int) else weight_versions
+        wv = (
+            np.full(n, weight_versions, dtype=np.int64)
+            if isinstance(weight_versions, int)
+            else weight_versions
+        )
         return cls(
             prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
             output_ids=np.asarray(output_ids, dtype=np.int32),
@@ -411,7 +415,9 @@ class Trajectory:
         if self.turns and turn.candidate_mode != self.turns[0].candidate_mode:
             raise ValueError("all turns of a trajectory must share one candidate_mode")
         sent = turn.prompt_ids
-        if sent.shape[0] != len(self._ids) or not np.array_equal(sent, np.asarray(self._ids, dtype=sent.dtype)):
+        if sent.shape[0] != len(self._ids) or not np.array_equal(
+            sent, np.asarray(self._ids, dtype=sent.dtype)
+        ):
             raise TokenMismatchError(
                 f"turn prompt ({sent.shape[0]} ids) is not the trajectory so far ({len(self._ids)} ids): "
                 "send next_prompt_ids() verbatim"
@@ -464,7 +470,9 @@ class Trajectory:
             valid=valid,
             support_offsets=offsets,
             support_ids=np.concatenate([empty_i, *(t.support_ids for t in self.turns)]).astype(np.int32),
-            support_logprobs=np.concatenate([empty_f, *(t.support_logprobs for t in self.turns)]).astype(np.float32),
+            support_logprobs=np.concatenate([empty_f, *(t.support_logprobs for t in self.turns)]).astype(
+                np.float32
+            ),
             candidate_mode=self.turns[0].candidate_mode if self.turns else SUPPORT_MODE,
         )
 

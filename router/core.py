@@ -127,13 +127,16 @@ class Router:
         tried: set[str] = set()
         attempts = 0
         last_error = ""
-        for group_name in order:
+        for position, group_name in enumerate(order):
             group = self.table.groups.get(group_name)
             if group is None:
                 continue
+            allow_unhealthy = position == len(order) - 1 or not group.routable()
             conflict: VersionConflict | None = None
             while attempts < max_attempts:
-                choice = self.table.choose_replica(group, key_h, tried, min_version, self.config.load_slack)
+                choice = self.table.choose_replica(
+                    group, key_h, tried, min_version, self.config.load_slack, allow_unhealthy
+                )
                 if choice is None:
                     break
                 if isinstance(choice, VersionConflict):

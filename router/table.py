@@ -178,14 +178,17 @@ class RoutingTable:
         exclude: set[str],
         min_version: int | None,
         load_slack: int,
+        allow_unhealthy: bool = True,
     ) -> Replica | VersionConflict | None:
-        """The replica to try next in a group; None when the group has nothing left to try."""
+        """The replica to try next in a group; None when the group has nothing left to try.
+        `allow_unhealthy`: as a last resort, try replicas marked down (they may be back before the
+        next health check); the router allows it only when no other group is left to try, because
+        a dead pod's address can take the whole connect timeout to fail."""
         candidates = [r for r in group.replicas.values() if r.healthy and r.url not in exclude]
-        if not candidates:
-            # Last resort: replicas marked down may be back before the next health check.
+        if not candidates and allow_unhealthy:
             candidates = [r for r in group.replicas.values() if r.url not in exclude]
-            if not candidates:
-                return None
+        if not candidates:
+            return None
         if min_version is not None:
             # Unknown versions are tried (and verified on the response's meta_info).
             fresh = [r for r in candidates if r.weight_version is None or r.weight_version >= min_version]

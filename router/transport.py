@@ -71,7 +71,9 @@ class AiohttpTransport:
         self._aiohttp = aiohttp
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=limit_per_host, keepalive_timeout=30),
+            # Idle connections are dropped after 4 s, before the upstream does (uvicorn, which SGLang
+            # runs on, closes them after 5 s): reusing one the server closed fails a POST.
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=limit_per_host, keepalive_timeout=4),
             timeout=self._timeout,
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
@@ -136,7 +138,9 @@ class HttpxTransport:
         self._httpx = httpx
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout, read=read_timeout, write=None, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=limit_per_host * 16),
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=limit_per_host * 16, keepalive_expiry=4.0
+            ),
         )
 
     def _error(self, exc: BaseException) -> UpstreamError:

@@ -33,6 +33,7 @@ from rlfleet.sampler.protocol import (
     ProtocolError,
     SamplingConfig,
     build_generate_request,
+    dumps_json,
     error_message,
     loads_json,
     parse_generate_response,
@@ -167,7 +168,11 @@ class SamplerClient:
             body = build_generate_request(ids, cfg, sampling_seed=sampling_seed, top_k_override=top_k)
             self.stats.requests += 1
             try:
-                resp = await self._http.post(self.base_url + "/generate", json=body, headers=headers)
+                resp = await self._http.post(
+                    self.base_url + "/generate",
+                    content=dumps_json(body),
+                    headers={**headers, "Content-Type": "application/json"},
+                )
             except (httpx.TimeoutException, httpx.TransportError) as exc:
                 transport_tries += 1
                 if transport_tries > p.max_transport_retries:
@@ -205,7 +210,9 @@ class SamplerClient:
             else:
                 raise self._fail(f"http_{status}", message, status, attempts)
 
-    def _accept(self, resp: httpx.Response, ids: list[int], cfg: SamplingConfig, attempts: int) -> SampledTurn:
+    def _accept(
+        self, resp: httpx.Response, ids: list[int], cfg: SamplingConfig, attempts: int
+    ) -> SampledTurn:
         try:
             payload = loads_json(resp.content)
             if isinstance(payload, list) and len(payload) == 1:  # batch form with one request

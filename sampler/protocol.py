@@ -36,11 +36,17 @@ try:  # 5-10x faster than the stdlib on logprob-heavy bodies (1.8 KB of JSON per
     def loads_json(data: bytes | str) -> Any:
         return orjson.loads(data)
 
+    def dumps_json(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+
 except ImportError:  # pragma: no cover - orjson is in the sampler/trainer extras
     import json
 
     def loads_json(data: bytes | str) -> Any:
         return json.loads(data)
+
+    def dumps_json(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 from rlfleet.records import HEAD_MODE, LOGPROB_TOL, R_MALFORMED, SUPPORT_MODE, SampledTurn, validate_turn
@@ -223,7 +229,11 @@ def parse_generate_response(
     )
 
     problems: list[str] = []
-    if "output_ids" in body and body["output_ids"] is not None and list(body["output_ids"]) != output_ids.tolist():
+    if (
+        "output_ids" in body
+        and body["output_ids"] is not None
+        and list(body["output_ids"]) != output_ids.tolist()
+    ):
         problems.append("output_ids")
     completion = meta.get("completion_tokens")
     if completion is not None and int(completion) != n:
@@ -243,7 +253,12 @@ def parse_generate_response(
         s_lps = meta.get("output_token_sampling_logprobs")
         if not isinstance(mask, list) or len(mask) != n or not isinstance(s_lps, list) or len(s_lps) != n:
             problems.append("output_token_sampling_mask/logprobs")
-            sizes, sid, slp, sampled = np.zeros(n, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), None
+            sizes, sid, slp, sampled = (
+                np.zeros(n, np.int64),
+                np.zeros(0, np.int32),
+                np.zeros(0, np.float32),
+                None,
+            )
         else:
             sizes = np.fromiter(map(len, mask), dtype=np.int64, count=n)
             nnz = int(sizes.sum())
@@ -289,8 +304,10 @@ def parse_generate_response(
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(sizes, out=offsets[1:])
     if sampled is None:
-        sampled = _sampled_from_support(output_ids, offsets, sid, slp) if mode == SUPPORT_MODE else (
-            np.full(n, np.nan, dtype=np.float32)
+        sampled = (
+            _sampled_from_support(output_ids, offsets, sid, slp)
+            if mode == SUPPORT_MODE
+            else (np.full(n, np.nan, dtype=np.float32))
         )
     turn = SampledTurn(
         sampled_logprobs=sampled,
@@ -314,7 +331,9 @@ def parse_generate_response(
     return turn
 
 
-def _sampled_from_support(out: np.ndarray, offsets: np.ndarray, sid: np.ndarray, slp: np.ndarray) -> np.ndarray:
+def _sampled_from_support(
+    out: np.ndarray, offsets: np.ndarray, sid: np.ndarray, slp: np.ndarray
+) -> np.ndarray:
     """log q_S(y): the support logprob at the sampled token (NaN when y is not in its support)."""
     n = out.shape[0]
     sampled = np.full(n, np.nan, dtype=np.float32)
@@ -350,6 +369,7 @@ __all__ = [
     "R_SUPPORT_MISSING",
     "SamplingConfig",
     "build_generate_request",
+    "dumps_json",
     "error_message",
     "finish_reason_of",
     "loads_json",

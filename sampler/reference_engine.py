@@ -95,16 +95,21 @@ class GenRequest:
     next_logits: torch.Tensor | None = None  # [V] logits for the next token
     next_version: int = 0  # weight version that computed next_logits
     generator: torch.Generator | None = None
+    cancelled: bool = False  # the client went away: free the slot at the next step (SGLang aborts too)
 
 
 class ReferenceEngine:
-    def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor] | None = None, view: str = "fp32"):
+    def __init__(
+        self, config: EngineConfig, weights: dict[str, torch.Tensor] | None = None, view: str = "fp32"
+    ):
         self.config = config
         self.model = TinyGPT(config.model, config.kernel).eval()
         self.view = "init"
         self.effective_format = config.weight_format
         self.weight_version = config.weight_version
-        self.load_weights(weights if weights is not None else self.model.state_dict(), view, config.weight_version)
+        self.load_weights(
+            weights if weights is not None else self.model.state_dict(), view, config.weight_version
+        )
         self.cache = self.model.new_cache(config.max_running_requests, kv_dtype=config.kv_cache_dtype)
         self.free_slots = list(range(config.max_running_requests))[::-1]
         self.waiting: deque[GenRequest] = deque()
@@ -127,7 +132,12 @@ class ReferenceEngine:
             self.effective_format = self.config.weight_format
         else:
             if view != self.config.weight_format:
-                log.warning("loaded a %s view into a %s engine: serving it as %s", view, self.config.weight_format, view)
+                log.warning(
+                    "loaded a %s view into a %s engine: serving it as %s",
+                    view,
+                    self.config.weight_format,
+                    view,
+                )
             emulated = precision_view(weights, "fp32")
             self.effective_format = view
         missing = set(self.model.state_dict()) ^ set(emulated)
@@ -135,7 +145,9 @@ class ReferenceEngine:
             raise ValueError(f"weights do not match the model: {sorted(missing)[:4]}")
         for name, t in emulated.items():
             if t.shape != self.model.state_dict()[name].shape:
-                raise ValueError(f"{name}: shape {tuple(t.shape)} != model {tuple(self.model.state_dict()[name].shape)}")
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} != model {tuple(self.model.state_dict()[name].shape)}"
+                )
         with torch.no_grad():
             self.model.load_state_dict(emulated, strict=True)
         self.view = view
@@ -167,7 +179,11 @@ class ReferenceEngine:
             return req
         self.waiting.append(req)
         self._wake.set()
-        return await req.future
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            req.cancelled = True
+            raise
 
     def abort_all(self, message: str) -> int:
         """Finish every waiting and running request now with finish_reason abort (partial output kept).
@@ -217,6 +233,8 @@ class ReferenceEngine:
         admitted = []
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
+            if req.cancelled:
+                continue
             req.slot = self.free_slots.pop()
             self.cache.reset([req.slot])
             admitted.append(req)
@@ -231,6 +249,10 @@ class ReferenceEngine:
         for req in admitted:  # ragged prompts: one prefill each
             logits = self.model(torch.tensor([req.input_ids]), self.cache, torch.tensor([req.slot]))
             req.next_logits, req.next_version = logits[0, -1], version
+        for req in [r for r in self.running if r.cancelled]:
+            req.finish = {"type": "abort", "message": "client disconnected"}
+            self._release(req)
+        self.running = [r for r in self.running if not r.cancelled]
         self.running.extend(admitted)
         if not self.running:
             return 0, []
@@ -280,7 +302,12 @@ class ReferenceEngine:
         if req.top_logprobs_num:
             k = req.top_logprobs_num
             req.heads.append(
-                [[lp, i, None] for lp, i in zip(res.sorted_logprobs[b, :k].tolist(), res.sorted_ids[b, :k].tolist(), strict=True)]
+                [
+                    [lp, i, None]
+                    for lp, i in zip(
+                        res.sorted_logprobs[b, :k].tolist(), res.sorted_ids[b, :k].tolist(), strict=True
+                    )
+                ]
             )
 
     def _release(self, req: GenRequest) -> None:
@@ -307,7 +334,9 @@ class ReferenceEngine:
             "completion_tokens": n,
             "cached_tokens": 0,
             "e2e_latency": round(time.monotonic() - req.created, 6),
-            "output_token_logprobs": [[lp, t, None] for lp, t in zip(req.out_logprobs, req.out_ids, strict=True)],
+            "output_token_logprobs": [
+                [lp, t, None] for lp, t in zip(req.out_logprobs, req.out_ids, strict=True)
+            ],
             "output_token_weight_versions": list(req.versions),  # rlfleet extension: per-token versions
         }
         if req.top_logprobs_num:

@@ -109,7 +109,9 @@ class ServerMetrics:
         labels = ["model_name", "tp_rank"]
         self.labels = {"model_name": model_name, "tp_rank": "0"}
         r = self.registry
-        self.gen_throughput = Gauge("sglang:gen_throughput", "Generation throughput (tokens/s)", labels, registry=r)
+        self.gen_throughput = Gauge(
+            "sglang:gen_throughput", "Generation throughput (tokens/s)", labels, registry=r
+        )
         self.num_running = Gauge("sglang:num_running_reqs", "Running requests", labels, registry=r)
         self.num_queue = Gauge("sglang:num_queue_reqs", "Queued requests", labels, registry=r)
         self.token_usage = Gauge("sglang:token_usage", "KV cache slot usage (0..1)", labels, registry=r)
@@ -118,14 +120,22 @@ class ServerMetrics:
         self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=r)
         self.num_requests = Counter("sglang:num_requests", "Requests", labels, registry=r)
         self.ttft = Histogram(
-            "sglang:time_to_first_token_seconds", "Time to first token", labels, registry=r,
+            "sglang:time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            registry=r,
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
         self.e2e = Histogram(
-            "sglang:e2e_request_latency_seconds", "End-to-end request latency", labels, registry=r,
+            "sglang:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            labels,
+            registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
         )
-        self.weight_version = Gauge("rlfleet_sampler_weight_version", "Served weight version", labels, registry=r)
+        self.weight_version = Gauge(
+            "rlfleet_sampler_weight_version", "Served weight version", labels, registry=r
+        )
         self._exported = {"gen": 0, "prompt": 0, "req": 0}
 
     def refresh(self, engine: Any) -> None:
@@ -163,6 +173,7 @@ class ServerSettings:
 
 def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Application:
     """The aiohttp application around a ReferenceEngine (thin handlers: validate, call, shape JSON)."""
+    from rlfleet.sampler.protocol import dumps_json
     from rlfleet.sampler.reference_engine import GenRequest
     from rlfleet.sampler.sampling import RowParams
 
@@ -174,7 +185,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
     async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
         if settings.api_key and request.path not in OPEN_PATHS:
             scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(presented.encode(), settings.api_key.encode()):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                presented.encode(), settings.api_key.encode()
+            ):
                 return _error(401, "missing or wrong API key")
         return await handler(request)
 
@@ -189,7 +202,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
     async def generate(request: web.Request) -> web.Response:
         raw = await read_json(request)
         if isinstance(raw, dict) and raw.get("input_ids") and isinstance(raw["input_ids"][0], list):
-            return _error(400, "batched input_ids are not supported by the reference server; send one request each")
+            return _error(
+                400, "batched input_ids are not supported by the reference server; send one request each"
+            )
         try:
             body = GenerateIn.model_validate(raw)
         except ValidationError as exc:
@@ -201,7 +216,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
         if any(i < 0 or i >= vocab for i in body.input_ids):
             return _error(400, f"input_ids must be token ids in [0, {vocab})")
         if len(body.input_ids) >= cfg.model.max_seq_len:
-            return _error(400, f"prompt of {len(body.input_ids)} tokens leaves no room (max_seq_len {cfg.model.max_seq_len})")
+            return _error(
+                400,
+                f"prompt of {len(body.input_ids)} tokens leaves no room (max_seq_len {cfg.model.max_seq_len})",
+            )
         if body.return_sampling_mask:
             cap = cfg.sampling_mask_max_tokens
             if not (sp.top_k == 1 or 1 < sp.top_k <= cap):
@@ -211,7 +229,10 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
                     f"got top_k={sp.top_k}",
                 )
         if body.sampling_logprobs_mode == "selected" and body.return_sampling_mask:
-            return _error(400, "sampling_logprobs_mode 'selected' is not implemented by the reference server; use 'support'")
+            return _error(
+                400,
+                "sampling_logprobs_mode 'selected' is not implemented by the reference server; use 'support'",
+            )
         min_version = request.headers.get(MIN_VERSION_HEADER)
         if min_version is not None:
             try:
@@ -240,13 +261,15 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
         if not body.return_logprob:  # SGLang only returns logprob fields when asked
             for key in ("output_token_logprobs", "output_top_logprobs"):
                 out["meta_info"].pop(key, None)
-        return web.json_response(out)
+        return web.Response(body=dumps_json(out), content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     async def health_generate(request: web.Request) -> web.Response:
-        req = GenRequest(input_ids=[0], params=RowParams(0.0, 1.0, 1, 0.0), max_new_tokens=1, stop_token_ids=frozenset())
+        req = GenRequest(
+            input_ids=[0], params=RowParams(0.0, 1.0, 1, 0.0), max_new_tokens=1, stop_token_ids=frozenset()
+        )
         try:
             await asyncio.wait_for(engine.submit(req), timeout=20)
         except TimeoutError:
@@ -283,7 +306,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
                 "port": settings.port,
                 "tp_size": 1,
                 "dtype": "bfloat16",
-                "quantization": None if engine.effective_format in ("bf16", "fp32") else engine.effective_format,
+                "quantization": None
+                if engine.effective_format in ("bf16", "fp32")
+                else engine.effective_format,
                 "kv_cache_dtype": cfg.kv_cache_dtype,
                 "sampling_mask_max_tokens": cfg.sampling_mask_max_tokens,
                 "max_running_requests": cfg.max_running_requests,
@@ -302,7 +327,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
 
     async def metrics_handler(request: web.Request) -> web.Response:
         metrics.refresh(engine)
-        return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def update_weights_from_disk(request: web.Request) -> web.Response:
         try:
@@ -315,21 +342,29 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
                 raise ValueError
         except ValueError:
             return web.json_response(
-                {"success": False, "message": f"weight_version must be a non-negative integer, got {body.weight_version!r}"},
+                {
+                    "success": False,
+                    "message": f"weight_version must be a non-negative integer, got {body.weight_version!r}",
+                },
                 status=400,
             )
         try:
             from rlfleet.numerics.views import load_view
         except ImportError as exc:
             return web.json_response(
-                {"success": False, "message": f"weight views unavailable (rlfleet.numerics.views): {exc}"}, status=400
+                {"success": False, "message": f"weight views unavailable (rlfleet.numerics.views): {exc}"},
+                status=400,
             )
         try:  # load and check fully before touching the engine: a failure leaves the old weights serving
             view, weights = await asyncio.to_thread(load_view, body.model_path)
         except (OSError, ValueError, KeyError) as exc:
-            return web.json_response({"success": False, "message": f"failed to load {body.model_path}: {exc}"}, status=400)
+            return web.json_response(
+                {"success": False, "message": f"failed to load {body.model_path}: {exc}"}, status=400
+            )
         async with engine.lock:  # between two scheduler steps
-            aborted = engine.abort_all("weights updated (abort_all_requests)") if body.abort_all_requests else 0
+            aborted = (
+                engine.abort_all("weights updated (abort_all_requests)") if body.abort_all_requests else 0
+            )
             try:
                 engine.load_weights(weights, view, version)
             except ValueError as exc:
@@ -337,7 +372,12 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
             settings.model_path = body.model_path
         log.info("weights %s (view %s) -> version %d", body.model_path, view, version)
         return web.json_response(
-            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0, "num_aborted_requests": aborted}
+            {
+                "success": True,
+                "message": "Succeeded to update model weights.",
+                "num_paused_requests": 0,
+                "num_aborted_requests": aborted,
+            }
         )
 
     async def pause_generation(request: web.Request) -> web.Response:
@@ -396,7 +436,9 @@ class RunningServer:
 
     async def start(self) -> RunningServer:
         app = build_app(self.engine, self.settings)
-        self._runner = web.AppRunner(app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, and the engine frees the
+        # request's slot at the next step (aiohttp >= 3.9 does not cancel by default)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
         await site.start()
@@ -418,9 +460,15 @@ class RunningServer:
 
 
 async def start_reference_server(
-    engine: Any, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, model_path: str | None = None
+    engine: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    model_path: str | None = None,
 ) -> RunningServer:
-    return await RunningServer(engine, ServerSettings(api_key=api_key, model_path=model_path, host=host, port=port)).start()
+    return await RunningServer(
+        engine, ServerSettings(api_key=api_key, model_path=model_path, host=host, port=port)
+    ).start()
 
 
 # ------------------------------------------------------------------------------------ CLI
@@ -429,18 +477,32 @@ class CliError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlfleet sampler serve", description="Serve a sampler: reference engine or real SGLang.")
+    p = argparse.ArgumentParser(
+        prog="rlfleet sampler serve", description="Serve a sampler: reference engine or real SGLang."
+    )
     p.add_argument("--engine", choices=("reference", "sglang"), default="reference")
     p.add_argument("--host", default=None, help="default 127.0.0.1 (reference) / 0.0.0.0 (sglang, in a pod)")
-    p.add_argument("--port", type=int, default=30000, help="0 = any free port (printed, and written to --port-file)")
+    p.add_argument(
+        "--port", type=int, default=30000, help="0 = any free port (printed, and written to --port-file)"
+    )
     p.add_argument("--port-file", help="write the bound port here once listening")
-    p.add_argument("--model-path", help="weight view directory (rlfleet.numerics.views); default: seeded TinyGPT init")
+    p.add_argument(
+        "--model-path", help="weight view directory (rlfleet.numerics.views); default: seeded TinyGPT init"
+    )
     p.add_argument("--served-model-name", default="tinygpt")
-    p.add_argument("--weight-format", default="bf16", help="reference: fp32|bf16|fp8|fp8_block|nvfp4|mxfp4; sglang: bf16|fp8|nvfp4|mxfp4")
+    p.add_argument(
+        "--weight-format",
+        default="bf16",
+        help="reference: fp32|bf16|fp8|fp8_block|nvfp4|mxfp4; sglang: bf16|fp8|nvfp4|mxfp4",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument("--sampling-mask-max-tokens", type=int, default=4096)
-    p.add_argument("--api-key", default=os.environ.get("RLFLEET_SAMPLER_API_KEY"), help="bearer token (env RLFLEET_SAMPLER_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RLFLEET_SAMPLER_API_KEY"),
+        help="bearer token (env RLFLEET_SAMPLER_API_KEY)",
+    )
     ref = p.add_argument_group("reference engine")
     ref.add_argument("--seed", type=int, default=0)
     ref.add_argument("--vocab-size", type=int, default=256)
@@ -451,13 +513,17 @@ def _parser() -> argparse.ArgumentParser:
     ref.add_argument("--kernel-act-dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ref.add_argument("--kernel-split-k", type=int, default=1)
     ref.add_argument("--max-running-requests", type=int, default=32)
-    ref.add_argument("--max-tokens-per-second", type=float, default=None, help="throttle (emulates a slower GPU)")
+    ref.add_argument(
+        "--max-tokens-per-second", type=float, default=None, help="throttle (emulates a slower GPU)"
+    )
     ref.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     sg = p.add_argument_group("sglang engine")
     sg.add_argument("--accelerator", help="catalog class (a100, h100, h200, b200, b300, rtx-pro-6000)")
     sg.add_argument("--tensor-parallel", type=int, default=None)
     sg.add_argument("--python", default=sys.executable)
-    sg.add_argument("--print-argv", action="store_true", help="print the SGLang command line instead of exec'ing it")
+    sg.add_argument(
+        "--print-argv", action="store_true", help="print the SGLang command line instead of exec'ing it"
+    )
     sg.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra SGLang arguments")
     return p
 
@@ -517,8 +583,12 @@ def _reference_engine(args: argparse.Namespace) -> tuple[Any, str]:
             raise CliError(f"cannot load --model-path {args.model_path}: {exc}") from None
     else:
         model_cfg = TinyGPTConfig(
-            vocab_size=args.vocab_size, n_layer=args.n_layer, n_head=args.n_head,
-            d_model=args.d_model, max_seq_len=args.max_seq_len, seed=args.seed,
+            vocab_size=args.vocab_size,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            d_model=args.d_model,
+            max_seq_len=args.max_seq_len,
+            seed=args.seed,
         )
     cfg = EngineConfig(
         model=model_cfg,

@@ -569,6 +569,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=int, default=9400, help="port of /metrics /status /health (0: any free port)"
     )
+    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
     p.add_argument(
         "--poll-interval", type=float, default=2.0, help="seconds between pointer reads when in sync"
     )
@@ -638,7 +639,12 @@ def cli(argv: list[str]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)  # finish the current step, then exit cleanly
-        await serve(config, push_group=push_group, stop=stop)
+
+        def ready(port: int) -> None:
+            if args.port_file:
+                Path(args.port_file).write_text(str(port))
+
+        await serve(config, push_group=push_group, stop=stop, ready=ready)
 
     asyncio.run(main())
     return 0

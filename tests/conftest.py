@@ -50,7 +50,9 @@ def kube() -> Iterator:
     plane = cp.ControlPlane(workdir, log=lambda msg: print(f"[controlplane] {msg}", file=sys.stderr))
     try:
         cluster = plane.start()
-        print(f"\n[controlplane] started in {cluster.start_seconds:.1f}s at {cluster.server}", file=sys.stderr)
+        print(
+            f"\n[controlplane] started in {cluster.start_seconds:.1f}s at {cluster.server}", file=sys.stderr
+        )
         yield cluster
     finally:
         try:

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
 from rlfleet.trainer.vocab_parallel import compute_dtype, gather_logits, log_softmax_at
+from torch import Tensor
 
 MODES = ("pg", "mis", "sc", "sc_mis")
 STALENESS_BUCKETS = ("0-1", "2-3", "4-5", "6+")
@@ -85,7 +84,9 @@ class ObjectiveConfig:
         if not 0.0 <= self.mis_low < self.mis_high:
             raise ValueError(f"need 0 <= mis_low < mis_high, got [{self.mis_low}, {self.mis_high}]")
         if not (0.0 <= self.clip_eps_low < 1.0 and self.clip_eps_high >= 0.0):
-            raise ValueError(f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {self.clip_eps_low}, {self.clip_eps_high}")
+            raise ValueError(
+                f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {self.clip_eps_low}, {self.clip_eps_high}"
+            )
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
 
@@ -93,7 +94,9 @@ class ObjectiveConfig:
     def from_correction(cls, correction_mode: str, **overrides: object) -> ObjectiveConfig:
         """Config for an RLJob `correction.mode` (none | mis | sc | sc-mis | sc-mis-topp)."""
         if correction_mode not in CORRECTION_MODES:
-            raise ValueError(f"unknown correction mode {correction_mode!r}; expected one of {', '.join(CORRECTION_MODES)}")
+            raise ValueError(
+                f"unknown correction mode {correction_mode!r}; expected one of {', '.join(CORRECTION_MODES)}"
+            )
         mode, replay = CORRECTION_MODES[correction_mode]
         return cls(mode=mode, replay=replay, **overrides)  # type: ignore[arg-type]
 
@@ -123,18 +126,30 @@ class LossOutput:
 
 def _check_inputs(logits: Tensor, batch: TokenBatch, config: ObjectiveConfig) -> None:
     if config.replay and not batch.candidates_are_support:
-        raise ValueError("replay=True needs candidates_are_support=True (a head of q is not a sampling support)")
+        raise ValueError(
+            "replay=True needs candidates_are_support=True (a head of q is not a sampling support)"
+        )
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
     num_tokens = logits.shape[0]
-    for name in ("tokens", "advantages", "loss_mask", "sampler_logprobs", "group_ids", "staleness", "old_logprobs"):
+    for name in (
+        "tokens",
+        "advantages",
+        "loss_mask",
+        "sampler_logprobs",
+        "group_ids",
+        "staleness",
+        "old_logprobs",
+    ):
         value = getattr(batch, name)
         if value is not None and tuple(value.shape) != (num_tokens,):
             raise ValueError(f"batch.{name} must have shape [T] = ({num_tokens},), got {tuple(value.shape)}")
     if batch.candidate_ids.dim() != 2 or batch.candidate_ids.shape[0] != num_tokens:
-        raise ValueError(f"batch.candidate_ids must be [T, K] with T = {num_tokens}, got {tuple(batch.candidate_ids.shape)}")
+        raise ValueError(
+            f"batch.candidate_ids must be [T, K] with T = {num_tokens}, got {tuple(batch.candidate_ids.shape)}"
+        )
     if batch.candidate_logprobs.shape != batch.candidate_ids.shape:
         raise ValueError(
             f"batch.candidate_logprobs {tuple(batch.candidate_logprobs.shape)} must match candidate_ids {tuple(batch.candidate_ids.shape)}"
@@ -165,7 +180,9 @@ class _Screened:
     old_logprobs: Tensor | None  # [T] 0 where invalid
 
 
-def _screen_records(batch: TokenBatch, config: ObjectiveConfig, vocab_size: int, dtype: torch.dtype) -> _Screened:
+def _screen_records(
+    batch: TokenBatch, config: ObjectiveConfig, vocab_size: int, dtype: torch.dtype
+) -> _Screened:
     tokens = batch.tokens.long()
     cand_ids = batch.candidate_ids.long()
     log_q_cand = batch.candidate_logprobs.to(dtype)
@@ -173,8 +190,10 @@ def _screen_records(batch: TokenBatch, config: ObjectiveConfig, vocab_size: int,
     advantages = batch.advantages.to(dtype)
 
     present = cand_ids >= 0  # [T, K]
-    # A real candidate must have a legal id and a log q that is a number <= +inf excluded (-inf = q 0 is fine).
-    bad_candidate = present & ((cand_ids >= vocab_size) | torch.isnan(log_q_cand) | (log_q_cand == float("inf")))
+    # A real candidate needs a legal id and a log q that is not NaN or +inf (-inf, i.e. q = 0, is fine).
+    bad_candidate = present & (
+        (cand_ids >= vocab_size) | torch.isnan(log_q_cand) | (log_q_cand == float("inf"))
+    )
     # Duplicate ids would count one token's probability twice.
     sorted_ids = torch.where(present, cand_ids, -1).sort(dim=1).values
     duplicate = ((sorted_ids[:, 1:] == sorted_ids[:, :-1]) & (sorted_ids[:, 1:] >= 0)).any(dim=1)
@@ -224,8 +243,11 @@ class _TrainerLogprobs:
     valid: Tensor  # bool [T] screening AND finite trainer values
 
 
-def _full_vocab_logprobs(logits: Tensor, rec: _Screened, vocab_start: int, group, chunk_tokens: int) -> _TrainerLogprobs:
-    log_p, lse, entropy = log_softmax_at(logits, rec.ids, vocab_start, group, chunk_tokens)  # [T, 1+K], [T], [T]
+def _full_vocab_logprobs(
+    logits: Tensor, rec: _Screened, vocab_start: int, group, chunk_tokens: int
+) -> _TrainerLogprobs:
+    # [T, 1 + K], [T], [T]
+    log_p, lse, entropy = log_softmax_at(logits, rec.ids, vocab_start, group, chunk_tokens)
     log_p_y, log_p_cand = log_p[:, 0], log_p[:, 1:]
     # NaN/inf trainer logits and candidates the trainer finds impossible (-inf) make the token unusable.
     cand_finite = torch.isfinite(log_p_cand.detach()) | ~rec.present
@@ -321,7 +343,9 @@ def policy_loss(
             if config.mode == "sc":
                 alpha = tail_ratio
             else:
-                alpha = ((tail_ratio >= 1.0 / config.mis_high) & (tail_ratio * config.mis_low <= 1.0)).to(dtype)
+                alpha = ((tail_ratio >= 1.0 / config.mis_high) & (tail_ratio * config.mis_low <= 1.0)).to(
+                    dtype
+                )
             coef_cand = coef_cand - alpha[:, None] * p_cand
 
     # The differentiable part: sampled-token term minus the centering term.
@@ -359,7 +383,9 @@ def policy_loss(
     per_group: dict[int, dict[str, float]] = {}
     if batch.group_ids is not None:
         for group_id in torch.unique(batch.group_ids).tolist():
-            per_group[int(group_id)] = _summarise(per_token_metrics, valid, invalid, batch.group_ids == group_id)
+            per_group[int(group_id)] = _summarise(
+                per_token_metrics, valid, invalid, batch.group_ids == group_id
+            )
     per_staleness: dict[str, dict[str, float]] = {}
     if batch.staleness is not None:
         bucket = staleness_bucket_index(batch.staleness)
@@ -427,7 +453,9 @@ def _per_token_metrics(
     return values
 
 
-def _summarise(values: dict[str, Tensor], valid: Tensor, invalid: Tensor, selected: Tensor) -> dict[str, float]:
+def _summarise(
+    values: dict[str, Tensor], valid: Tensor, invalid: Tensor, selected: Tensor
+) -> dict[str, float]:
     """Metrics over the valid tokens of `selected` (bool [T]); counts for the rest."""
     use = valid & selected
     count = int(use.sum())
@@ -435,7 +463,14 @@ def _summarise(values: dict[str, Tensor], valid: Tensor, invalid: Tensor, select
     if count == 0:
         return out
     sums = {name: float(torch.where(use, value, 0.0).sum()) for name, value in values.items()}
-    for name in ("kl_k3", "logprob_abs_diff", "entropy", "sc_correction", "sc_tail_ratio", "ppo_clip_fraction"):
+    for name in (
+        "kl_k3",
+        "logprob_abs_diff",
+        "entropy",
+        "sc_correction",
+        "sc_tail_ratio",
+        "ppo_clip_fraction",
+    ):
         if name in sums:
             out[name] = sums[name] / count
     out["oor_low"] = sums["oor_low"] / count

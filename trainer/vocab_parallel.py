@@ -128,7 +128,9 @@ def log_normaliser(
             global_max = _all_reduce_(row_max.clone(), dist.ReduceOp.MAX, group)
             scale = (row_max - global_max).exp()  # [T] this shard's share, exp(m_r - M)
             # S = sum_r k_r S_r;  X = sum_r k_r (X_r + (m_r - M) S_r), relative to the global max M.
-            sums = torch.stack([scale * sum_exp, scale * (sum_exp_shifted + (row_max - global_max) * sum_exp)])
+            sums = torch.stack(
+                [scale * sum_exp, scale * (sum_exp_shifted + (row_max - global_max) * sum_exp)]
+            )
             _all_reduce_(sums, dist.ReduceOp.SUM, group)
             row_max, (sum_exp, sum_exp_shifted) = global_max, sums
         lse = row_max + sum_exp.log()
@@ -162,7 +164,9 @@ class _LogSoftmaxAt(torch.autograd.Function):
             if logits_shard.dtype == dtype:  # softmax straight into the output buffer: no temporary
                 torch.softmax(logits_shard[rows], dim=1, out=grad_logits[rows]).mul_(row_coef[rows, None])
             else:  # low-precision logits: softmax in the compute dtype, one chunk at a time
-                grad_logits[rows] = torch.softmax(logits_shard[rows].to(dtype), dim=1).mul_(row_coef[rows, None])
+                grad_logits[rows] = torch.softmax(logits_shard[rows].to(dtype), dim=1).mul_(
+                    row_coef[rows, None]
+                )
         grad_logits.scatter_add_(1, local_ids, torch.where(in_shard, grad_logp, 0.0).to(grad_logits.dtype))
         # Rows whose normaliser is not finite (NaN/inf trainer logits) are excluded by the caller, and
         # rows that are all -inf in this shard have p = 0 here; the softmax of either is NaN, so clear

@@ -85,7 +85,9 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale_inv
 
 
-def dequantize_fp8_block(w_e4m3: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+def dequantize_fp8_block(
+    w_e4m3: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK
+) -> torch.Tensor:
     n, k = w_e4m3.shape
     scale_full = scale_inv.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
     return w_e4m3.float() * scale_full
@@ -145,7 +147,9 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return pack_fp4(codes), weight_scale, weight_scale_2.reshape(())
 
 
-def dequantize_nvfp4(packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+def dequantize_nvfp4(
+    packed: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor
+) -> torch.Tensor:
     n = packed.shape[0]
     vals = e2m1_values(unpack_fp4(packed))  # [N, K]
     k = vals.shape[1]

@@ -94,7 +94,9 @@ class KVCache:
     """Preallocated slot cache: per layer K and V [slots, n_head, capacity, head_dim] (float32 storage;
     fp8_e4m3 values are rounded through E4M3 on write) and lengths [slots]."""
 
-    def __init__(self, config: TinyGPTConfig, slots: int, capacity: int | None = None, kv_dtype: str = "auto"):
+    def __init__(
+        self, config: TinyGPTConfig, slots: int, capacity: int | None = None, kv_dtype: str = "auto"
+    ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
         self.capacity = capacity or config.max_seq_len
@@ -341,6 +343,11 @@ def config_from_state_dict(
     except (KeyError, ValueError) as exc:
         raise ValueError(f"not a TinyGPT state dict (missing {exc})") from None
     return TinyGPTConfig(
-        vocab_size=int(vocab), n_layer=n_layer, n_head=n_head, d_model=int(d_model),
-        max_seq_len=max_seq_len, seed=seed, d_ff=int(d_ff),
+        vocab_size=int(vocab),
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=int(d_model),
+        max_seq_len=max_seq_len,
+        seed=seed,
+        d_ff=int(d_ff),
     )

@@ -136,7 +136,9 @@ COMPONENTS: dict[str, GoComponent] = {
             },
             ldflags=_k8s_version_ldflags,
         ),
-        GoComponent(name="etcd", module="go.etcd.io/etcd/server/v3", binaries={"etcd": "go.etcd.io/etcd/server/v3"}),
+        GoComponent(
+            name="etcd", module="go.etcd.io/etcd/server/v3", binaries={"etcd": "go.etcd.io/etcd/server/v3"}
+        ),
         GoComponent(
             name="kwok",
             module="sigs.k8s.io/kwok",
@@ -193,7 +195,16 @@ def build_component(component: GoComponent, log: Callable[[str], None] = print) 
         version = component.version()
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=BIN_ROOT))
         ldflags = " ".join(["-s", "-w", *component.ldflags(version)])
-        cmd = [go_binary(), "build", "-trimpath", "-ldflags", ldflags, "-o", f"{tmp}/", *component.binaries.values()]
+        cmd = [
+            go_binary(),
+            "build",
+            "-trimpath",
+            "-ldflags",
+            ldflags,
+            "-o",
+            f"{tmp}/",
+            *component.binaries.values(),
+        ]
         goflags = f"{os.environ.get('GOFLAGS', '')} -mod=readonly".strip()  # go.sum pins every module
         env = {**os.environ, "GOTOOLCHAIN": "local", "CGO_ENABLED": "0", "GOFLAGS": goflags}
         log(f"building {component.name} {version} (cold builds take minutes) ...")
@@ -404,12 +415,18 @@ def _write_kubeconfig(path: Path, server: str, pki: Path, user: str) -> None:
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [
-            {"name": "rlfleet-test", "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")}}
+            {
+                "name": "rlfleet-test",
+                "cluster": {"server": server, "certificate-authority-data": b64("ca.crt")},
+            }
         ],
         "users": [
             {
                 "name": user,
-                "user": {"client-certificate-data": b64(f"{user}.crt"), "client-key-data": b64(f"{user}.key")},
+                "user": {
+                    "client-certificate-data": b64(f"{user}.crt"),
+                    "client-key-data": b64(f"{user}.key"),
+                },
             }
         ],
         "contexts": [{"name": "rlfleet-test", "context": {"cluster": "rlfleet-test", "user": user}}],
@@ -504,7 +521,9 @@ class KubeCluster:
             "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
         }
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess:
         cmd = [str(self.kubectl_bin), *args]
         result = subprocess.run(cmd, env=self.env(), input=input, text=True, capture_output=True, timeout=120)
         if check and result.returncode != 0:
@@ -515,6 +534,33 @@ class KubeCluster:
         from kubernetes import config
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    @property
+    def ca_file(self) -> Path:
+        """The cluster CA (PEM), e.g. for a client that authenticates with a ServiceAccount token."""
+        return self.workdir / "pki" / "ca.crt"
+
+    def token_kubeconfig(self, token: str, path: Path) -> Path:
+        """Write a kubeconfig that authenticates with `token` (e.g. from `kubectl create token`)."""
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "rlfleet-test",
+                    "cluster": {
+                        "server": self.server,
+                        "certificate-authority-data": base64.b64encode(self.ca_file.read_bytes()).decode(),
+                    },
+                }
+            ],
+            "users": [{"name": "token", "user": {"token": token}}],
+            "contexts": [{"name": "rlfleet-test", "context": {"cluster": "rlfleet-test", "user": "token"}}],
+            "current-context": "rlfleet-test",
+        }
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        path.chmod(0o600)
+        return path
 
     def get_json(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
@@ -541,6 +587,7 @@ class ControlPlane:
         self.log = log
         self.procs: list[Proc] = []
         self.cluster: KubeCluster | None = None
+        self._ssl: ssl.SSLContext | None = None
 
     # ---- helpers ----
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
@@ -586,14 +633,17 @@ class ControlPlane:
             time.sleep(0.2)
 
     def _https_context(self) -> ssl.SSLContext:
-        pki = self.workdir / "pki"
-        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-        ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
-        return ctx
+        if self._ssl is None:
+            pki = self.workdir / "pki"
+            self._ssl = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+            self._ssl.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+        return self._ssl
 
     def api_get(self, path: str) -> Any:
         assert self.cluster is not None
-        with urllib.request.urlopen(self.cluster.server + path, context=self._https_context(), timeout=5) as r:
+        with urllib.request.urlopen(
+            self.cluster.server + path, context=self._https_context(), timeout=5
+        ) as r:
             body = r.read()
         return json.loads(body) if body[:1] in (b"{", b"[") else body.decode()
 
@@ -725,7 +775,9 @@ class ControlPlane:
                 ],
             )
             try:
-                self._wait("kube-apiserver /readyz", lambda: self.api_get("/readyz") == "ok", 90, [etcd, apiserver])
+                self._wait(
+                    "kube-apiserver /readyz", lambda: self.api_get("/readyz") == "ok", 90, [etcd, apiserver]
+                )
                 return
             except ControlPlaneError as err:
                 in_use = "address already in use" in (etcd.tail(50) + apiserver.tail(50))
@@ -892,14 +944,19 @@ def cmd_up(workdir: Path, foreground: bool) -> int:
     while not (workdir / "state.json").exists():
         if popen.poll() is not None or time.monotonic() > deadline:
             error = (workdir / "error.txt").read_text() if (workdir / "error.txt").exists() else ""
-            print(f"error: control plane did not start: {error or 'see ' + str(workdir / 'supervisor.log')}",
-                  file=sys.stderr)
+            print(
+                f"error: control plane did not start: {error or 'see ' + str(workdir / 'supervisor.log')}",
+                file=sys.stderr,
+            )
             cmd_down(workdir)
             return 1
         time.sleep(0.2)
     state = json.loads((workdir / "state.json").read_text())
-    print(f"control plane up in {state['start_seconds']}s (server {state['server']}); stop with: "
-          f"{Path(__file__).name} down", file=sys.stderr)
+    print(
+        f"control plane up in {state['start_seconds']}s (server {state['server']}); stop with: "
+        f"{Path(__file__).name} down",
+        file=sys.stderr,
+    )
     print(state["kubeconfig"])
     return 0
 
@@ -943,7 +1000,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="controlplane.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_build = sub.add_parser("build", help="build (or reuse cached) binaries")
-    p_build.add_argument("names", nargs="*", help=f"components (default: all default ones) of {sorted(COMPONENTS)}")
+    p_build.add_argument(
+        "names", nargs="*", help=f"components (default: all default ones) of {sorted(COMPONENTS)}"
+    )
     for name, help_text in (
         ("up", "start a control plane; prints the KUBECONFIG path"),
         ("down", "stop it; leaves no process or port"),

@@ -81,7 +81,9 @@ def test_versions_are_the_pinned_release(kube) -> None:
     # env(): our kubectl first on PATH, KUBECONFIG pointing at this control plane
     env = kube.env()
     assert shutil.which("kubectl", path=env["PATH"]) == str(kube.bin_dir / "kubectl")
-    out = subprocess.run(["kubectl", "get", "--raw", "/version"], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["kubectl", "get", "--raw", "/version"], env=env, capture_output=True, text=True, check=True
+    )
     assert json.loads(out.stdout)["gitVersion"] == "v1.36.3"
 
 
@@ -108,7 +110,9 @@ def test_fake_gpu_nodes_are_ready_labelled_and_tainted(kube) -> None:
         assert (labels["nvidia.com/gpu.compute.major"], labels["nvidia.com/gpu.compute.minor"]) == ("10", "3")
         assert labels["nvidia.com/gpu.family"] == "blackwell"
         assert nodes[name]["status"]["allocatable"]["nvidia.com/gpu"] == "8"
-        assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in nodes[name]["spec"]["taints"]
+        assert {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"} in nodes[name]["spec"][
+            "taints"
+        ]
     for name in kube.cpu_nodes:
         assert "nvidia.com/gpu" not in nodes[name]["status"]["allocatable"]
 
@@ -120,8 +124,13 @@ def test_node_leases_are_renewed(kube) -> None:
     def renew_time() -> str:
         return kube.get_json("lease", node, "-n", "kube-node-lease")["spec"]["renewTime"]
 
-    first = wait_for("the node lease", lambda: kube.kubectl("get", "lease", node, "-n", "kube-node-lease",
-                                                            check=False).returncode == 0 and renew_time())
+    first = wait_for(
+        "the node lease",
+        lambda: (
+            kube.kubectl("get", "lease", node, "-n", "kube-node-lease", check=False).returncode == 0
+            and renew_time()
+        ),
+    )
     wait_for("a lease renewal", lambda: renew_time() != first, timeout=45, interval=1)
 
 
@@ -144,7 +153,9 @@ def test_more_gpus_than_exist_stay_pending_with_a_scheduler_event(kube, namespac
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
 
     def failed_scheduling() -> list[dict]:
-        events = kube.get_json("events", "-n", namespace, "--field-selector", "reason=FailedScheduling")["items"]
+        events = kube.get_json("events", "-n", namespace, "--field-selector", "reason=FailedScheduling")[
+            "items"
+        ]
         return [e for e in events if e["involvedObject"]["kind"] == "Pod"]
 
     events = wait_for("a FailedScheduling event", failed_scheduling, timeout=60)
@@ -208,7 +219,12 @@ def widget_crd(kube):
 
 def widget(name: str, spec: dict[str, Any]) -> str:
     return json.dumps(
-        {"apiVersion": "controlplane-test.rlfleet.dev/v1", "kind": "Widget", "metadata": {"name": name}, "spec": spec}
+        {
+            "apiVersion": "controlplane-test.rlfleet.dev/v1",
+            "kind": "Widget",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
     )
 
 
@@ -216,11 +232,22 @@ def test_crd_cel_rule_defaults_and_pruning(kube, namespace, widget_crd) -> None:
     # Discovery can lag Established by a moment: retry the first create until the kind is known.
     bad = wait_for(
         "the Widget kind to be served",
-        lambda: (r := kube.kubectl("create", "-n", namespace, "-f", "-", check=False,
-                                   input=widget("bad", {"minReplicas": 5, "maxReplicas": 2})))
-        and "the server doesn't have a resource type" not in r.stderr
-        and "no matches for kind" not in r.stderr
-        and r,
+        lambda: (
+            (
+                r := kube.kubectl(
+                    "create",
+                    "-n",
+                    namespace,
+                    "-f",
+                    "-",
+                    check=False,
+                    input=widget("bad", {"minReplicas": 5, "maxReplicas": 2}),
+                )
+            )
+            and "the server doesn't have a resource type" not in r.stderr
+            and "no matches for kind" not in r.stderr
+            and r
+        ),
         timeout=30,
     )
     assert bad.returncode != 0
@@ -241,7 +268,11 @@ def test_deleting_an_owner_garbage_collects_its_children(kube, namespace) -> Non
         ("child", [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner_uid}]),
         ("orphan", []),
     ):
-        manifest = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "ownerReferences": owners}}
+        manifest = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "ownerReferences": owners},
+        }
         kube.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(manifest))
     kube.kubectl("delete", "configmap", "owner", "-n", namespace)
 
@@ -262,7 +293,9 @@ def test_server_side_apply_twice_changes_nothing(kube, namespace) -> None:
     kube.kubectl(*args, input=text)
 
     def snapshot() -> dict[str, tuple[str, str]]:
-        objs = kube.get_json("configmap/ssa-config", "deployment/ssa-deploy", "-n", namespace, "--show-managed-fields")["items"]
+        objs = kube.get_json(
+            "configmap/ssa-config", "deployment/ssa-deploy", "-n", namespace, "--show-managed-fields"
+        )["items"]
         return {
             o["kind"]: (o["metadata"]["resourceVersion"], json.dumps(o["metadata"]["managedFields"]))
             for o in objs
@@ -273,28 +306,40 @@ def test_server_side_apply_twice_changes_nothing(kube, namespace) -> None:
     before = snapshot()
     kube.kubectl(*args, input=text)
     assert snapshot() == before
-    diff = kube.kubectl("diff", "--server-side", "--field-manager=rlfleet-test", "-n", namespace, "-f", "-",
-                        input=text, check=False)
+    diff = kube.kubectl(
+        "diff",
+        "--server-side",
+        "--field-manager=rlfleet-test",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=text,
+        check=False,
+    )
     assert diff.returncode == 0, diff.stdout + diff.stderr
     managers = {m["manager"] for m in json.loads(before["ConfigMap"][1])}
     assert "rlfleet-test" in managers
 
 
-def test_service_account_tokens_and_root_ca(kube, namespace) -> None:
+def test_service_account_tokens_and_root_ca(kube, namespace, tmp_path) -> None:
     """What the operator's RBAC tests need: TokenRequest works and the token authenticates."""
     kube.kubectl("create", "serviceaccount", "operator", "-n", namespace)
     token = kube.kubectl("create", "token", "operator", "-n", namespace, "--duration=10m").stdout.strip()
     payload = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
     assert payload["sub"] == f"system:serviceaccount:{namespace}:operator"
-    whoami = kube.kubectl("auth", "whoami", "-o", "json", f"--token={token}", "--kubeconfig=/dev/null",
-                          f"--server={kube.server}", f"--certificate-authority={kube.workdir}/pki/ca.crt")
+    as_sa = kube.token_kubeconfig(token, tmp_path / "sa.kubeconfig")
+    whoami = kube.kubectl("auth", "whoami", "-o", "json", f"--kubeconfig={as_sa}")
     assert json.loads(whoami.stdout)["status"]["userInfo"]["username"] == payload["sub"]
-    # least privilege holds: a fresh ServiceAccount may not list pods
-    denied = kube.kubectl("auth", "can-i", "list", "pods", "-n", namespace,
-                          f"--as=system:serviceaccount:{namespace}:operator", check=False)
-    assert denied.stdout.strip() == "no"
-    root_ca = wait_for("kube-root-ca.crt", lambda: kube.kubectl("get", "configmap", "kube-root-ca.crt", "-n",
-                                                                namespace, check=False).returncode == 0)
+    # RBAC holds for the token: a fresh ServiceAccount may not list pods
+    denied = kube.kubectl("get", "pods", "-n", namespace, f"--kubeconfig={as_sa}", check=False)
+    assert denied.returncode != 0 and "Forbidden" in denied.stderr
+    root_ca = wait_for(
+        "kube-root-ca.crt",
+        lambda: (
+            kube.kubectl("get", "configmap", "kube-root-ca.crt", "-n", namespace, check=False).returncode == 0
+        ),
+    )
     assert root_ca
 
 

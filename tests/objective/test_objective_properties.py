@@ -12,7 +12,6 @@ import math
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
 from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
 
 DTYPE = torch.float64
@@ -66,7 +65,9 @@ def expected_grad_support(logits, support, q, padding, config, advantage_of) -> 
     """sum over y in S of q(y) * grad loss(y): the exact expectation over y ~ q."""
     total = torch.zeros_like(logits)
     for y, q_y in zip(support.tolist(), q.tolist(), strict=True):
-        grad, _ = one_token_grad(logits, y, math.log(q_y), advantage_of(y), support, q.log(), padding, True, config)
+        grad, _ = one_token_grad(
+            logits, y, math.log(q_y), advantage_of(y), support, q.log(), padding, True, config
+        )
         total += q_y * grad
     return total
 
@@ -77,7 +78,9 @@ def scatter(values: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor
 
 @FAST
 @given(positions(), st.sampled_from(["sc", "sc_mis"]), st.booleans(), st.floats(-3.0, 3.0))
-def test_centered_modes_have_zero_expected_gradient_under_constant_advantage(position, mode, replay, advantage):
+def test_centered_modes_have_zero_expected_gradient_under_constant_advantage(
+    position, mode, replay, advantage
+):
     logits, support, q, padding = position
     config = ObjectiveConfig(mode=mode, replay=replay)
     expected = expected_grad_support(logits, support, q, padding, config, lambda _y: advantage)
@@ -97,7 +100,9 @@ def head_positions(draw):
     p_tail = float(p[~in_head].sum())
     assume(p_tail > 1e-3)
     rho = draw(st.floats(0.001, 0.999)) / p_tail  # keeps sum_H q = 1 - rho * p_tail in (0, 1)
-    head_weights = torch.tensor(draw(st.lists(st.floats(0.05, 10.0), min_size=head_size, max_size=head_size)), dtype=DTYPE)
+    head_weights = torch.tensor(
+        draw(st.lists(st.floats(0.05, 10.0), min_size=head_size, max_size=head_size)), dtype=DTYPE
+    )
     q = rho * p
     q[head] = head_weights / head_weights.sum() * (1.0 - rho * p_tail)
     return logits, head, q, padding
@@ -110,7 +115,9 @@ def test_tail_modelled_centering_is_exact_when_the_tail_follows_the_model(positi
     config = ObjectiveConfig(mode=mode)
     expected = torch.zeros_like(logits)
     for y in range(logits.shape[0]):  # y ranges over the whole vocabulary, head and tail
-        grad, _ = one_token_grad(logits, y, math.log(q_full[y]), advantage, head, q_full[head].log(), padding, False, config)
+        grad, _ = one_token_grad(
+            logits, y, math.log(q_full[y]), advantage, head, q_full[head].log(), padding, False, config
+        )
         expected += q_full[y] * grad
     assert torch.allclose(expected, torch.zeros_like(expected), atol=1e-11)
 
@@ -120,7 +127,9 @@ def test_tail_modelled_centering_is_exact_when_the_tail_follows_the_model(positi
 def test_uncorrected_pg_drifts_toward_q(position, replay):
     """A = 1: E_q[grad loss] = -sum_v q(v) grad log p(v), computed independently with log_softmax."""
     logits, support, q, padding = position
-    expected = expected_grad_support(logits, support, q, padding, ObjectiveConfig(mode="pg", replay=replay), lambda _y: 1.0)
+    expected = expected_grad_support(
+        logits, support, q, padding, ObjectiveConfig(mode="pg", replay=replay), lambda _y: 1.0
+    )
     z = logits.clone().requires_grad_(True)
     if replay:  # p_S: log-softmax over the support only
         reference_loss = -(q * torch.log_softmax(z[support], 0)).sum()
@@ -170,10 +179,30 @@ def test_replay_touches_only_the_support_and_p_s_sums_to_one(position, mode, adv
     outside[support] = False
     log_p_s_sum = 0.0
     for y, q_y in zip(support.tolist(), q.tolist(), strict=True):
-        grad, _ = one_token_grad(logits, y, math.log(q_y), advantage, support, q.log(), padding, True, ObjectiveConfig(mode=mode, replay=True))
+        grad, _ = one_token_grad(
+            logits,
+            y,
+            math.log(q_y),
+            advantage,
+            support,
+            q.log(),
+            padding,
+            True,
+            ObjectiveConfig(mode=mode, replay=True),
+        )
         assert torch.all(grad[outside] == 0.0)
         # pg with A = 1 has loss = -log p_S(y)
-        _, loss = one_token_grad(logits, y, math.log(q_y), 1.0, support, q.log(), padding, True, ObjectiveConfig(mode="pg", replay=True))
+        _, loss = one_token_grad(
+            logits,
+            y,
+            math.log(q_y),
+            1.0,
+            support,
+            q.log(),
+            padding,
+            True,
+            ObjectiveConfig(mode="pg", replay=True),
+        )
         log_p_s_sum += math.exp(-loss)
     assert math.isclose(log_p_s_sum, 1.0, rel_tol=0, abs_tol=1e-12)
 
@@ -189,8 +218,12 @@ def test_head_covering_the_support_equals_exact_centering(position, mode, advant
     config = ObjectiveConfig(mode=mode)
     p_tail = 1.0 - float(torch.softmax(logits, 0)[support].sum())
     for y, q_y in zip(support.tolist(), q.tolist(), strict=True):
-        head_grad, _ = one_token_grad(logits, y, math.log(q_y), advantage, support, q.log(), padding, False, config)
-        exact_grad, _ = one_token_grad(logits, y, math.log(q_y), advantage, support, q.log(), padding, True, config)
+        head_grad, _ = one_token_grad(
+            logits, y, math.log(q_y), advantage, support, q.log(), padding, False, config
+        )
+        exact_grad, _ = one_token_grad(
+            logits, y, math.log(q_y), advantage, support, q.log(), padding, True, config
+        )
         difference = float((head_grad - exact_grad).abs().sum())
         assert difference <= (2e-6 if mode == "sc" else 1e-5) * abs(advantage) + 1e-12
         if mode == "sc_mis" and p_tail > 5e-6 + 1e-9:  # rho < 1/mis_high: alpha = 0, exactly exact SC

@@ -11,7 +11,6 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
 
 WORLD = 2
@@ -96,7 +95,10 @@ def _worker(rank: int, port: int) -> None:
                 _close(sharded.metrics, reference.metrics)
                 and sharded.per_group.keys() == reference.per_group.keys()
                 and all(_close(sharded.per_group[g], reference.per_group[g]) for g in reference.per_group)
-                and all(_close(sharded.per_staleness[b], reference.per_staleness[b]) for b in reference.per_staleness)
+                and all(
+                    _close(sharded.per_staleness[b], reference.per_staleness[b])
+                    for b in reference.per_staleness
+                )
             ):
                 failures.append(f"{case}: metrics differ")
         assert not failures, "\n".join(failures)

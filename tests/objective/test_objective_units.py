@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
 from rlfleet.trainer.vocab_parallel import gather_logits, log_normaliser, log_softmax_at
 
@@ -19,7 +18,9 @@ def _seeded():
     torch.manual_seed(0)  # unseeded randn below draws from here: every run sees the same numbers
 
 
-def make_batch(logits: torch.Tensor, support: bool = True, seed: int = 0, k: int = 4, **overrides) -> TokenBatch:
+def make_batch(
+    logits: torch.Tensor, support: bool = True, seed: int = 0, k: int = 4, **overrides
+) -> TokenBatch:
     """Candidates = k random ids per row with q from a softmax; y = first candidate."""
     gen = torch.Generator().manual_seed(seed)
     num_tokens, vocab = logits.shape
@@ -66,7 +67,9 @@ def subset(batch: TokenBatch, keep: torch.Tensor) -> TokenBatch:
 
 
 ALL_CONFIGS = [
-    ObjectiveConfig(mode=mode, replay=replay) for mode in ("pg", "mis", "sc", "sc_mis") for replay in (False, True)
+    ObjectiveConfig(mode=mode, replay=replay)
+    for mode in ("pg", "mis", "sc", "sc_mis")
+    for replay in (False, True)
 ]
 
 
@@ -146,7 +149,8 @@ def test_bad_records_are_excluded_and_counted(config):
     assert out.num_valid_tokens == 3 and out.metrics["num_tokens"] == 3.0
     assert torch.isfinite(out.loss) and math.isclose(out.loss.item(), clean_out.loss.item(), abs_tol=1e-12)
     assert torch.all(grad[bad] == 0.0)
-    assert torch.allclose(grad[~bad], clean_grad, atol=1e-12)  # the mean is over the 3 valid tokens, not 10 rows
+    # the mean is over the 3 valid tokens, not the 10 rows
+    assert torch.allclose(grad[~bad], clean_grad, atol=1e-12)
 
 
 def test_out_of_range_ids_are_invalid_not_a_crash():
@@ -217,7 +221,10 @@ def test_metrics_when_trainer_equals_sampler():
     assert abs(m["kl_k3"]) < 1e-12 and abs(m["logprob_abs_diff"]) < 1e-12
     assert m["oor_fraction"] == 0.0 and math.isclose(m["ess"], 1.0, abs_tol=1e-12)
     assert abs(m["sc_correction"]) < 1e-12
-    entropies = [-(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2)), -(0.6 * math.log(0.6) + 0.4 * math.log(0.4))]
+    entropies = [
+        -(0.5 * math.log(0.5) + 0.3 * math.log(0.3) + 0.2 * math.log(0.2)),
+        -(0.6 * math.log(0.6) + 0.4 * math.log(0.4)),
+    ]
     assert math.isclose(m["entropy"], sum(entropies) / 2, abs_tol=1e-9)
 
 
@@ -286,7 +293,9 @@ def test_per_group_and_per_staleness_metrics_equal_sub_batch_metrics():
         keep[rows] = True
         sub, _ = run(logits[keep], subset(batch, keep), config)
         assert out.per_staleness[name].keys() == sub.metrics.keys()
-        assert all(math.isclose(out.per_staleness[name][k], sub.metrics[k], abs_tol=1e-12) for k in sub.metrics)
+        assert all(
+            math.isclose(out.per_staleness[name][k], sub.metrics[k], abs_tol=1e-12) for k in sub.metrics
+        )
     for group in (2, 5, 9):
         keep = groups == group
         sub, _ = run(logits[keep], subset(batch, keep), config)
@@ -309,7 +318,9 @@ def test_ppo_clip_is_neutral_on_the_first_pass():
         else:
             log_p_old = torch.log_softmax(logits, 1)[torch.arange(6), batch.tokens]
         batch.old_logprobs = log_p_old.clone()
-        clipped, clipped_grad = run(logits, batch, ObjectiveConfig(mode="sc_mis", replay=replay, ppo_clip=True))
+        clipped, clipped_grad = run(
+            logits, batch, ObjectiveConfig(mode="sc_mis", replay=replay, ppo_clip=True)
+        )
         assert torch.allclose(plain_grad, clipped_grad, atol=1e-12)
         assert clipped.metrics["ppo_clip_fraction"] == 0.0
 
@@ -334,7 +345,8 @@ def test_ppo_clip_stops_the_sampled_token_gradient_outside_the_trust_region():
     out, grad = run(logits, batch, ObjectiveConfig(mode="pg", ppo_clip=True))
     assert out.metrics["ppo_clip_fraction"] == 0.5
     assert torch.all(grad[0] == 0)
-    expected = -(-1.0) * 2.0 * (torch.nn.functional.one_hot(tokens[1], 7) - log_p[1].exp()) / 2
+    advantage, s = -1.0, 2.0  # token mean over the 2 tokens: d loss = -(A s / 2) grad log p(y)
+    expected = -(advantage * s / 2) * (torch.nn.functional.one_hot(tokens[1], 7) - log_p[1].exp())
     assert torch.allclose(grad[1], expected, atol=1e-12)
 
 
@@ -356,7 +368,9 @@ def test_bad_config_is_a_clear_value_error(kwargs, message):
 
 
 def test_correction_modes_map_to_configs():
-    assert ObjectiveConfig.from_correction("sc-mis-topp", mis_low=0.5) == ObjectiveConfig(mode="sc_mis", replay=True, mis_low=0.5)
+    assert ObjectiveConfig.from_correction("sc-mis-topp", mis_low=0.5) == ObjectiveConfig(
+        mode="sc_mis", replay=True, mis_low=0.5
+    )
     assert ObjectiveConfig.from_correction("none").mode == "pg"
     with pytest.raises(ValueError, match="unknown correction mode"):
         ObjectiveConfig.from_correction("icepop")
@@ -369,7 +383,9 @@ def test_inconsistent_batch_is_a_clear_value_error():
     with pytest.raises(ValueError, match=r"batch.advantages must have shape \[T\]"):
         policy_loss(logits, make_batch(logits, advantages=torch.ones(4, dtype=DTYPE)), ObjectiveConfig())
     with pytest.raises(ValueError, match="candidate_logprobs"):
-        policy_loss(logits, make_batch(logits, candidate_logprobs=torch.zeros(3, 2, dtype=DTYPE)), ObjectiveConfig())
+        policy_loss(
+            logits, make_batch(logits, candidate_logprobs=torch.zeros(3, 2, dtype=DTYPE)), ObjectiveConfig()
+        )
     with pytest.raises(ValueError, match="old_logprobs"):
         policy_loss(logits, make_batch(logits), ObjectiveConfig(ppo_clip=True))
     with pytest.raises(ValueError, match="staleness must be >= 0"):
@@ -391,8 +407,16 @@ def test_no_vocabulary_sized_tensor_is_saved_for_backward(config):
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = policy_loss(logits, batch, config)
-    big = [t for t in saved if t.numel() >= num_tokens * vocab // 4 and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()]
+    big = [
+        t
+        for t in saved
+        if t.numel() >= num_tokens * vocab // 4
+        and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
+    ]
     assert not big, [tuple(t.shape) for t in big]
-    assert max((t.numel() for t in saved if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()), default=0) <= num_tokens * (k + 1)
+    assert max(
+        (t.numel() for t in saved if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()),
+        default=0,
+    ) <= num_tokens * (k + 1)
     out.loss.backward()
     assert logits.grad is not None and torch.isfinite(logits.grad).all()

@@ -255,6 +255,7 @@ def test_spec_update_group_removal_suspend_resume_and_deletion(
         job = wait_running(kube, namespace)
         assert get(kube, namespace, "deployment", f"{JOB}-h100-fp8")["spec"]["replicas"] == 2
         # the operator never wrote the spec: only the user's field managers own it
+        job = json.loads(kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "json", "--show-managed-fields").stdout)
         managers = {
             m["manager"]
             for m in job["metadata"]["managedFields"]

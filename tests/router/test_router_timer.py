@@ -6,12 +6,12 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from aiohttp import web
-
-from rlfleet.api import RLJob
 from rlfleet.operator import rebalance_timer as timer
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
+
+from rlfleet.api import RLJob
 
 JOB = {
     "apiVersion": "rlfleet.dev/v1alpha1",

@@ -43,7 +43,9 @@ def test_request_support_mode_sends_finite_top_k_and_mask_fields():
 
 
 def test_request_head_mode_when_untruncated():
-    cfg = proto.SamplingConfig.from_dict({"temperature": 1.0, "top_p": 1.0, "top_k": -1, "head_size": 64, "junk": 1})
+    cfg = proto.SamplingConfig.from_dict(
+        {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "head_size": 64, "junk": 1}
+    )
     body = proto.build_generate_request([5], cfg)
     assert cfg.mode == rec.HEAD_MODE
     assert body["top_logprobs_num"] == 64 and "return_sampling_mask" not in body
@@ -61,7 +63,9 @@ def _check_support_turn(fx: dict, turn: rec.SampledTurn) -> None:
     assert turn.prompt_ids.tolist() == fx["request"]["input_ids"]
     assert turn.output_ids.tolist() == [t[1] for t in meta["output_token_logprobs"]]
     assert np.allclose(turn.logprobs, [t[0] for t in meta["output_token_logprobs"]])
-    for i, (mask, lps) in enumerate(zip(meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"], strict=True)):
+    for i, (mask, lps) in enumerate(
+        zip(meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"], strict=True)
+    ):
         ids, lp = turn.support(i)
         assert ids.tolist() == mask and np.allclose(lp, lps)
         assert math.isclose(turn.sampled_logprobs[i], lps[mask.index(int(turn.output_ids[i]))], rel_tol=1e-6)
@@ -143,8 +147,12 @@ def test_length_disagreement_invalidates_turn_and_garbage_raises():
 
 
 def test_error_fixtures_messages():
-    assert "sampling_mask_max_tokens" in proto.error_message(load("sglang_error_400_mask_cap.json")["response"])
-    assert "not in the captured" in proto.error_message(load("sglang_error_500_outside_mask.json")["response"])
+    assert "sampling_mask_max_tokens" in proto.error_message(
+        load("sglang_error_400_mask_cap.json")["response"]
+    )
+    assert "not in the captured" in proto.error_message(
+        load("sglang_error_500_outside_mask.json")["response"]
+    )
     assert proto.finish_reason_of({"type": "abort", "message": "x"}) == "abort"
     assert proto.weight_version_of("12") == 12 and proto.weight_version_of(None) == -1
 

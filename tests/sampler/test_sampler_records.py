@@ -11,7 +11,9 @@ from rlfleet import records as rec
 from rlfleet.records import HEAD_MODE, SampledTurn, Trajectory, decode_turns, encode_turns, validate_turn
 
 
-def _turn(rng: np.random.Generator, n: int, k: int, vocab: int = 1000, prompt=(1, 2, 3), version=3) -> SampledTurn:
+def _turn(
+    rng: np.random.Generator, n: int, k: int, vocab: int = 1000, prompt=(1, 2, 3), version=3
+) -> SampledTurn:
     """A well-formed support-mode turn: supports of size 1..k, renormalised, sampled token inside."""
     sizes = rng.integers(1, k + 1, size=n)
     out, lp, slp, sids, slps = [], [], [], [], []
@@ -68,7 +70,9 @@ def test_support_sum_sorting_and_emptiness():
     validate_turn(t)
     assert rec.R_UNSORTED in t.invalid_reasons and not t.valid[row]
     # an empty support in support mode
-    t = SampledTurn.from_lists([1], [5, 6], [-1.0, -1.0], [[5], []], [[0.0], []], 0, sampled_logprobs=[0.0, 0.0])
+    t = SampledTurn.from_lists(
+        [1], [5, 6], [-1.0, -1.0], [[5], []], [[0.0], []], 0, sampled_logprobs=[0.0, 0.0]
+    )
     t.validate()
     assert t.valid.tolist() == [True, False] and rec.R_EMPTY_SUPPORT in t.invalid_reasons
 
@@ -109,9 +113,14 @@ def test_transport_round_trip_is_exact(seed, lengths, validate):
             assert getattr(a, name).dtype == getattr(b, name).dtype
         for name in ("logprobs", "sampled_logprobs", "support_logprobs"):
             assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True)
-        assert (a.finish_reason, a.group, a.replica, a.cached_tokens, a.invalid_reasons, a.candidate_mode) == (
-            b.finish_reason, b.group, b.replica, b.cached_tokens, b.invalid_reasons, b.candidate_mode
-        )
+        assert (
+            a.finish_reason,
+            a.group,
+            a.replica,
+            a.cached_tokens,
+            a.invalid_reasons,
+            a.candidate_mode,
+        ) == (b.finish_reason, b.group, b.replica, b.cached_tokens, b.invalid_reasons, b.candidate_mode)
         assert (a.valid is None and b.valid is None) or np.array_equal(a.valid, b.valid)
 
 
@@ -151,7 +160,9 @@ def test_trajectory_is_token_exact_across_turns():
     assert arr.weight_versions[sampled].tolist() == [3] * 4 + [4] * 3
     assert arr.valid.tolist() == sampled.tolist()
     sizes = np.diff(arr.support_offsets)
-    assert (sizes[~sampled] == 0).all() and np.array_equal(sizes[sampled], np.r_[t1.support_sizes, t2.support_sizes])
+    assert (sizes[~sampled] == 0).all() and np.array_equal(
+        sizes[sampled], np.r_[t1.support_sizes, t2.support_sizes]
+    )
     assert np.array_equal(arr.support_ids, np.r_[t1.support_ids, t2.support_ids])
     # a turn whose prompt is not the trajectory so far (e.g. re-tokenised text) is refused
     bad = _turn(rng, 2, 3, prompt=[10, 11, 12])

@@ -172,3 +172,15 @@ def test_open_store_uris(tmp_path: Path) -> None:
     for bad in ["", "s3://", "gs://bucket/x"]:
         with pytest.raises(ValueError):
             open_store(bad)
+
+
+def test_put_file_move_renames_on_the_same_filesystem(any_store: Store, tmp_path: Path) -> None:
+    staging = any_store.staging_dir() or tmp_path
+    src = staging / "staged.bin"
+    src.write_bytes(b"x" * 100_000)
+    digest = any_store.put_file("v3/fp8/model.safetensors", src, move=True)
+    assert digest.sha256 == hashlib.sha256(b"x" * 100_000).hexdigest() and digest.bytes == 100_000
+    assert any_store.get("v3/fp8/model.safetensors") == b"x" * 100_000
+    if isinstance(any_store, FilesystemStore):
+        assert not src.exists()  # renamed, not copied
+        assert ".staging" not in " ".join(any_store.list(""))  # staging is invisible to readers

@@ -1,0 +1,182 @@
+"""End to end on localhost, every part a real process: three reference sampler servers
+(`rlfleet sampler serve --engine reference`, views bf16 / fp8 / nvfp4) each with its weight-sync
+sidecar (`rlfleet sampler sync`), a trainer-side WeightPublisher publishing three versions into a
+filesystem channel. Every sampler converges to every version, its /generate responses carry the
+serving version, and the channel status shows every group at the latest version."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from rlfleet.trainer.publisher import WeightPublisher
+
+from rlfleet.channel import read_channel_status
+from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+from rlfleet.store import FilesystemStore
+
+MODEL = {"vocab-size": 64, "n-layer": 1, "n-head": 2, "d-model": 64, "max-seq-len": 64}
+GROUPS = {"a100-bf16": "bf16", "h100-fp8": "fp8", "b200-nvfp4": "nvfp4"}
+
+
+def rlfleet(*args: str, log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.cli", *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT
+    )
+
+
+def wait_port(port_file: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args} exited {proc.returncode}: {log.read_text()[-2000:]}")
+        if port_file.exists() and port_file.read_text().strip():
+            return int(port_file.read_text())
+        time.sleep(0.1)
+    raise AssertionError(f"{proc.args} did not start: {log.read_text()[-2000:]}")
+
+
+def trained(step: int) -> dict[str, torch.Tensor]:
+    """Weights of 'training step' `step`: the init plus a deterministic step-dependent perturbation."""
+    model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=64, seed=0))
+    g = torch.Generator().manual_seed(step)
+    return {k: v.detach() + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], dict[str, str]]]:
+    """Servers + sidecars; yields (store dir, group -> server url, group -> sidecar url)."""
+    store_dir = tmp_path / "channel"
+    store_dir.mkdir()
+    procs: list[subprocess.Popen[bytes]] = []
+    servers: dict[str, str] = {}
+    sidecars: dict[str, str] = {}
+    try:
+        started = []
+        for group, view in GROUPS.items():
+            log, port_file = tmp_path / f"{group}-server.log", tmp_path / f"{group}-server.port"
+            model_args = [a for k, v in MODEL.items() for a in (f"--{k}", str(v))]
+            proc = rlfleet(
+                "sampler",
+                "serve",
+                "--engine",
+                "reference",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--weight-format",
+                view,
+                "--weight-version",
+                "0",
+                "--seed",
+                "0",
+                *model_args,
+                log=log,
+            )
+            procs.append(proc)
+            started.append((group, proc, port_file, log))
+        for group, proc, port_file, log in started:
+            servers[group] = f"http://127.0.0.1:{wait_port(port_file, proc, log)}"
+        started = []
+        for group, view in GROUPS.items():
+            log, port_file = tmp_path / f"{group}-sync.log", tmp_path / f"{group}-sync.port"
+            proc = rlfleet(
+                "sampler",
+                "sync",
+                "--store",
+                str(store_dir),
+                "--view",
+                view,
+                "--engine-url",
+                servers[group],
+                "--group",
+                group,
+                "--replica",
+                f"{group}-0",
+                "--cache-dir",
+                str(tmp_path / f"{group}-cache"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--poll-interval",
+                "0.2",
+                log=log,
+            )
+            procs.append(proc)
+            started.append((group, proc, port_file, log))
+        for group, proc, port_file, log in started:
+            sidecars[group] = f"http://127.0.0.1:{wait_port(port_file, proc, log)}"
+        yield store_dir, servers, sidecars
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.slow
+def test_three_views_converge_to_three_versions(fleet: tuple[Path, dict[str, str], dict[str, str]]) -> None:
+    store_dir, servers, sidecars = fleet
+    store = FilesystemStore(store_dir)
+    publisher = WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], keep_versions=2)
+    prompt = {
+        "input_ids": [1, 2, 3, 4],
+        "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "sampling_seed": 7},
+        "return_logprob": True,
+    }
+    with httpx.Client(timeout=30) as client:
+        before = {g: client.post(f"{u}/generate", json=prompt).json() for g, u in servers.items()}
+        assert {b["meta_info"]["weight_version"] for b in before.values()} == {"0"}
+        previous = {g: b["meta_info"]["output_token_logprobs"] for g, b in before.items()}
+        for version in (1, 2, 3):
+            result = publisher.publish(trained(version), version=version)
+            assert (result.version, result.advanced) == (version, True)
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline:
+                status = {g: client.get(f"{u}/status").json() for g, u in sidecars.items()}
+                if all(s["applied_version"] == version for s in status.values()):
+                    break
+                time.sleep(0.2)
+            assert all(s["applied_version"] == version for s in status.values()), status
+            for group, url in servers.items():
+                info = client.get(f"{url}/model_info").json()
+                assert info["weight_version"] == str(version)
+                assert info["weight_format"] == GROUPS[group]  # the engine serves its own view
+                body = client.post(f"{url}/generate", json=prompt).json()
+                meta = body["meta_info"]
+                assert meta["weight_version"] == str(version)
+                assert set(meta.get("output_token_weight_versions", [version])) == {version}
+                logprobs = meta["output_token_logprobs"]
+                assert logprobs != previous[group]  # new weights, new distribution
+                previous[group] = logprobs
+                metrics = client.get(f"{sidecars[group]}/metrics").text
+                assert (
+                    f'rlfleet_weight_sync_applied_version{{group="{group}",view="{GROUPS[group]}"}} {float(version)}'
+                    in metrics
+                )
+    channel_status = read_channel_status(store)
+    assert channel_status.latest_version == 3
+    assert {a.view for a in channel_status.artifacts} == {"bf16", "fp8", "nvfp4"}
+    assert {(g.group, g.view, g.applied_version, g.lag) for g in channel_status.groups} == {
+        (group, view, 3, 0) for group, view in GROUPS.items()
+    }
+    assert (
+        channel_status.retained_versions[-1] == 3 and 1 not in channel_status.retained_versions
+    )  # retention ran
+    # the three views differ in bytes as they should
+    sizes = {a.view: a.bytes for a in channel_status.artifacts}
+    assert sizes["nvfp4"] < sizes["fp8"] < sizes["bf16"]
