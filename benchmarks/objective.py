@@ -3,9 +3,11 @@
 Every case runs in a FRESH subprocess (peak memory is a per-process high-water mark), on the same
 random logits [T, V] (float32 by default, seed 0), and reports:
 
-- time: the minimum over --reps of forward + backward (the least disturbed run: the machine is
-  shared, and interference only ever adds time), as a ratio to a plain token-level PG loss
-  (log_softmax + gather) timed in the SAME subprocess, interleaved with the case;
+- time: forward + backward as a ratio to a plain token-level PG loss (log_softmax + gather) timed in
+  the SAME subprocess, interleaved with the case. Both CPU time of the process (user + sys, which
+  includes page faults; with one torch thread it is what the work costs, unaffected by neighbours
+  taking the wall clock on a shared machine) and wall time are recorded, each as the minimum over
+  --reps (interference only ever adds time);
 - memory: the Linux peak resident set (VmHWM) during the first forward + backward, minus the resident
   set just before it (which already holds the logits): the extra memory the loss needs, including
   the [T, V] gradient. The peak is reset with /proc/self/clear_refs first. This sees every torch CPU
@@ -32,7 +34,11 @@ import time
 VOCAB = 151_936
 BASELINES = ("pg_plain", "sc_naive")
 MODES = ("pg", "mis", "sc", "sc_mis")
-CASES = BASELINES + tuple(f"{mode}/support-replay" for mode in MODES) + tuple(f"{mode}/head-full" for mode in MODES)
+CASES = (
+    BASELINES
+    + tuple(f"{mode}/support-replay" for mode in MODES)
+    + tuple(f"{mode}/head-full" for mode in MODES)
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,7 +63,6 @@ def _make_inputs(args, support: bool):
     """Logits [T, V] and a TokenBatch whose candidates are the top-K of a perturbed copy of the logits
     (a sampler slightly off the trainer), built in row chunks so setup never holds a second [T, V]."""
     import torch
-
     from rlfleet.trainer.objective import TokenBatch
 
     torch.manual_seed(0)
@@ -104,7 +109,6 @@ def _sc_naive(logits, batch):
 
 def run_case(args) -> dict:
     import torch
-
     from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
     torch.set_num_threads(args.threads)
@@ -117,27 +121,30 @@ def run_case(args) -> dict:
         loss_fn = _sc_naive
     else:
         mode, variant = case.split("/")
-        config = ObjectiveConfig(mode=mode, replay=variant == "support-replay", chunk_tokens=args.chunk_tokens)
+        config = ObjectiveConfig(
+            mode=mode, replay=variant == "support-replay", chunk_tokens=args.chunk_tokens
+        )
 
         def loss_fn(z, b):
             return policy_loss(z, b, config).loss
 
     logits.requires_grad_(True)
 
-    def step(fn) -> float:
+    def step(fn) -> tuple[float, float]:
+        """(CPU seconds, wall seconds) of one forward + backward."""
         logits.grad = None
-        start = time.perf_counter()
+        start_cpu, start_wall = time.process_time(), time.perf_counter()
         fn(logits, batch).backward()
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start_cpu, time.perf_counter() - start_wall
         logits.grad = None
         return elapsed
 
     rss_before_kib = _status_kib("VmRSS")
     _reset_peak()
-    first = step(loss_fn)
+    step(loss_fn)  # the first run is the memory measurement (and a warm-up)
     peak_kib = _status_kib("VmHWM")
-    case_times, pg_times = [first], []
-    for _ in range(args.reps):
+    case_times, pg_times = [], []
+    for _ in range(max(args.reps, 1)):
         pg_times.append(step(_pg_plain))
         case_times.append(step(loss_fn))
     return {
@@ -148,10 +155,11 @@ def run_case(args) -> dict:
         "logits_bytes": logits.numel() * logits.element_size(),
         "rss_before_bytes": rss_before_kib * 1024,
         "extra_peak_bytes": (peak_kib - rss_before_kib) * 1024,
-        "time_s": min(case_times[1:] if args.reps else case_times),
-        "pg_plain_time_s": min(pg_times) if pg_times else float("nan"),
-        "time_median_s": statistics.median(case_times[1:] if args.reps else case_times),
-        "pg_plain_time_median_s": statistics.median(pg_times) if pg_times else float("nan"),
+        "cpu_s": min(cpu for cpu, _ in case_times),
+        "pg_plain_cpu_s": min(cpu for cpu, _ in pg_times),
+        "wall_s": min(wall for _, wall in case_times),
+        "pg_plain_wall_s": min(wall for _, wall in pg_times),
+        "wall_median_s": statistics.median(wall for _, wall in case_times),
     }
 
 
@@ -184,16 +192,24 @@ def _gib(value: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096, help="T (halved automatically if memory is short)")
+    parser.add_argument(
+        "--tokens", type=int, default=4096, help="T (halved automatically if memory is short)"
+    )
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--support-k", type=int, default=64)
     parser.add_argument("--head-k", type=int, default=128)
     parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per case (the machine is shared)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per case (the machine is shared)"
+    )
     parser.add_argument("--chunk-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
-    parser.add_argument("--no-shrink", action="store_true", help="run the requested T even if memory looks short")
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES)
+    )
+    parser.add_argument(
+        "--no-shrink", action="store_true", help="run the requested T even if memory looks short"
+    )
     parser.add_argument("--markdown", action="store_true", help="print the result table as markdown")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print JSON
     args = parser.parse_args(argv)
@@ -212,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
             cases.insert(0, baseline)
     tokens = args.tokens if args.no_shrink else _choose_tokens(args)
     if tokens != args.tokens:
-        print(f"note: T shrunk from {args.tokens} to {tokens} to fit half of MemAvailable ({_gib(_mem_available_bytes())} GiB)")
+        print(
+            f"note: T shrunk from {args.tokens} to {tokens} to fit half of MemAvailable ({_gib(_mem_available_bytes())} GiB)"
+        )
     results: dict[str, dict] = {}
     for case in cases:
         command = [
@@ -226,26 +244,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: case {case} failed:\n{completed.stderr[-2000:]}", file=sys.stderr)
             return 1
         results[case] = json.loads(completed.stdout.strip().splitlines()[-1])
-        print(f"  done {case}: {results[case]['time_s']:.3f} s, extra peak {_gib(results[case]['extra_peak_bytes'])} GiB", file=sys.stderr)
+        print(
+            f"  done {case}: {results[case]['cpu_s']:.3f} CPU-s, extra peak {_gib(results[case]['extra_peak_bytes'])} GiB",
+            file=sys.stderr,
+        )
 
     pg, naive = results["pg_plain"], results["sc_naive"]
-    naive_time_ratio = naive["time_s"] / naive["pg_plain_time_s"]
+    naive_cpu_ratio = naive["cpu_s"] / naive["pg_plain_cpu_s"]
     rows = []
     for case, r in results.items():
-        time_vs_pg = r["time_s"] / r["pg_plain_time_s"]
+        cpu_vs_pg = r["cpu_s"] / r["pg_plain_cpu_s"]
         rows.append(
             [
                 case,
-                f"{r['time_s']:.2f}",
-                f"{time_vs_pg:.2f}x",
-                f"{time_vs_pg / naive_time_ratio:.2f}x",
+                f"{r['cpu_s']:.2f}",
+                f"{cpu_vs_pg:.2f}x",
+                f"{r['wall_s'] / r['pg_plain_wall_s']:.2f}x",
+                f"{cpu_vs_pg / naive_cpu_ratio:.2f}x",
                 _gib(r["extra_peak_bytes"]),
                 f"{r['extra_peak_bytes'] / pg['extra_peak_bytes']:.2f}x",
                 f"{(r['rss_before_bytes'] + r['extra_peak_bytes']) / (pg['rss_before_bytes'] + pg['extra_peak_bytes']):.2f}x",
                 f"{naive['extra_peak_bytes'] / max(r['extra_peak_bytes'], 1):.2f}x",
             ]
         )
-    header = ["case", "time s", "time / pg_plain", "time / sc_naive", "extra peak GiB", "extra / pg_plain", "total peak / pg_plain", "sc_naive extra / this"]
+    header = [
+        "case",
+        "CPU s",
+        "CPU / pg_plain",
+        "wall / pg_plain",
+        "CPU / sc_naive",
+        "extra peak GiB",
+        "extra / pg_plain",
+        "total peak / pg_plain",
+        "sc_naive extra / this",
+    ]
     print(f"T={tokens} V={args.vocab} support K={args.support_k} head K={args.head_k} dtype={args.dtype} "
           f"threads={args.threads} chunk={args.chunk_tokens} logits {_gib(pg['logits_bytes'])} GiB")  # fmt: skip
     if args.markdown:

@@ -128,10 +128,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+PIN = True
+
+
 class Proc:
     def __init__(self, argv: list[str], cpu: int, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
-            ["taskset", "-c", str(cpu), *argv],
+            (["taskset", "-c", str(cpu)] if PIN else []) + argv,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env={**os.environ, **(env or {})},
@@ -274,8 +277,11 @@ def main() -> int:
         "--variants", default="aiohttp+uvloop,aiohttp+asyncio,httpx+uvloop", help="upstream client + event loop"
     )
     parser.add_argument("--smg", default=shutil.which("smg") or "/tmp/smgvenv/bin/smg")
+    parser.add_argument("--no-pin", action="store_true", help="let the scheduler place every process")
     parser.add_argument("--serve-upstream", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global PIN
+    PIN = not args.no_pin
     if args.serve_upstream:
         asyncio.run(_serve_upstream(args.serve_upstream))
         return 0
@@ -289,7 +295,8 @@ def main() -> int:
             time.sleep(0.05)
         ports = json.loads(Path(port_file).read_text())
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        os.sched_setaffinity(0, {1})  # the load generator shares CPU 1 with the upstream
+        if PIN:
+            os.sched_setaffinity(0, {1})  # the load generator shares CPU 1 with the upstream
 
         targets: list[tuple[str, str, str, int | None]] = [("direct (no router)", urls[0], "X-Session-Id", None)]
         for variant in args.variants.split(","):

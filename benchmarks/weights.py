@@ -287,6 +287,7 @@ def main() -> int:
         "--workdir", default=None, help="directory on the filesystem to measure (default: a temp dir)"
     )
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as the reference server (--threads 1); a 2-thread pool spins on a loaded box
 
     state = synthetic_state(args.layers, args.d_model, args.vocab)
     params = sum(t.numel() for t in state.values())

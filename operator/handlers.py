@@ -3,6 +3,8 @@
 Importing this module registers every handler of the operator (including the rebalancer's timer from
 `rlfleet.operator.rebalance_timer`, owned by the router engineer, when present).
 
+- In-memory kopf indexes of the watched objects (RLJobs, SamplerGroups, WeightChannels, sampler
+  Deployments, trainer StatefulSets) replace list/get round trips: status is computed from them.
 - RLJob create/update(spec)/resume -> server-side apply of every child (owner references, common
   labels), deletion of SamplerGroups no longer in the spec, status roll-up.
 - SamplerGroup create/update(spec)/resume -> its Deployment + Service.
@@ -20,7 +22,8 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -39,6 +42,9 @@ log = logging.getLogger("rlfleet.operator")
 JOB_STATUS_INTERVAL = float(os.environ.get("RLFLEET_JOB_STATUS_INTERVAL", "30"))
 GROUP_STATUS_INTERVAL = float(os.environ.get("RLFLEET_GROUP_STATUS_INTERVAL", "60"))
 CHANNEL_STATUS_INTERVAL = float(os.environ.get("RLFLEET_CHANNEL_STATUS_INTERVAL", "10"))
+
+SAMPLER_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "sampler"}
+TRAINER_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "trainer"}
 
 # Reconcile metrics (exported by `rlfleet operator run --metrics-port`).
 try:
@@ -63,11 +69,88 @@ def plain(body: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy({k: body[k] for k in body})
 
 
+# --- indexes: in-memory views of what the operator watches ------------------------------------------------
+
+
+@kopf.index(GROUP, VERSION, "rljobs")
+def rljobs_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): plain(body)}
+
+
+@kopf.index(GROUP, VERSION, "samplergroups")
+def samplergroups_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): plain(body)}
+
+
+@kopf.index(GROUP, VERSION, "samplergroups")
+def samplergroups_by_job_idx(namespace: str, body: kopf.Body, **_: Any) -> dict | None:
+    job = body.get("spec", {}).get("jobName")
+    return {(namespace, job): plain(body)} if job else None
+
+
+@kopf.index(GROUP, VERSION, "weightchannels")
+def weightchannels_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): plain(body)}
+
+
+def _workload(body: kopf.Body) -> dict[str, Any]:
+    return {
+        "metadata": {"name": body["metadata"]["name"], "generation": body["metadata"].get("generation")},
+        "spec": {"replicas": body.get("spec", {}).get("replicas")},
+        "status": copy.deepcopy(dict(body.get("status") or {})),
+    }
+
+
+@kopf.index("apps", "v1", "deployments", labels=SAMPLER_LABELS)
+def sampler_deployments_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): _workload(body)}
+
+
+@kopf.index("apps", "v1", "statefulsets", labels=TRAINER_LABELS)
+def trainers_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, name): _workload(body)}
+
+
+@dataclass(frozen=True)
+class View:
+    """The indexes, as handed to handlers by kopf (keyword arguments named after the index functions)."""
+
+    rljobs: Any
+    samplergroups: Any
+    samplergroups_by_job: Any
+    weightchannels: Any
+    sampler_deployments: Any
+    trainers: Any
+
+    @classmethod
+    def of(cls, kwargs: Mapping[str, Any]) -> View:
+        return cls(
+            rljobs=kwargs["rljobs_idx"],
+            samplergroups=kwargs["samplergroups_idx"],
+            samplergroups_by_job=kwargs["samplergroups_by_job_idx"],
+            weightchannels=kwargs["weightchannels_idx"],
+            sampler_deployments=kwargs["sampler_deployments_idx"],
+            trainers=kwargs["trainers_idx"],
+        )
+
+    @staticmethod
+    def one(index: Any, key: tuple[str, str]) -> dict[str, Any] | None:
+        store = index.get(key)
+        return next(iter(store), None) if store else None
+
+    @staticmethod
+    def all(index: Any, key: tuple[str, str]) -> list[dict[str, Any]]:
+        store = index.get(key)
+        return list(store) if store else []
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
 _locks: dict[tuple[int, str, str, str], asyncio.Lock] = {}
+_queued: set[tuple[int, str, str, str]] = set()
 
 
 def _lock(kind: str, namespace: str, name: str) -> asyncio.Lock:
-    """Serialise status refreshes of one object (events of many children race otherwise)."""
     key = (id(asyncio.get_running_loop()), kind, namespace, name)
     lock = _locks.get(key)
     if lock is None:
@@ -75,12 +158,9 @@ def _lock(kind: str, namespace: str, name: str) -> asyncio.Lock:
     return lock
 
 
-_queued: set[tuple[int, str, str, str]] = set()
-
-
-async def _coalesced(kind: str, namespace: str, name: str, refresh: Any) -> None:
-    """Run `refresh()` under the object's lock, but at most one waiter per object: a burst of child
-    events becomes one refresh in flight plus one queued (which reads the state after the burst)."""
+async def _coalesced(kind: str, namespace: str, name: str, refresh: Callable[[], Awaitable[None]]) -> None:
+    """Run `refresh()` under the object's lock, with at most one waiter per object: a burst of child
+    events becomes one refresh in flight plus one queued (which sees the state after the burst)."""
     key = (id(asyncio.get_running_loop()), kind, namespace, name)
     if key in _queued:
         return
@@ -93,12 +173,47 @@ async def _coalesced(kind: str, namespace: str, name: str, refresh: Any) -> None
         _queued.discard(key)
 
 
-async def _none() -> None:
-    return None
-
-
 def _temporary(exc: kube.KubeError) -> kopf.TemporaryError:
     return kopf.TemporaryError(str(exc), delay=2 if exc.status in (409, 429, 500, 503, 504) else 5)
+
+
+async def _quietly(coro: Awaitable[None]) -> None:
+    """Event handlers must not fail the watch: log API errors, the next event or timer retries."""
+    try:
+        await coro
+    except kube.KubeError as exc:
+        log.warning("status refresh failed: %s", exc)
+
+
+def _owned_by(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
+    uid = owner["metadata"].get("uid")
+    return any(ref.get("uid") == uid for ref in child.get("metadata", {}).get("ownerReferences", []) or [])
+
+
+async def _write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str) -> bool:
+    """Server-side apply of the status when an operator-owned field changed; an Event on phase change."""
+    old = obj.get("status") or {}
+    if not st.status_changed(old, desired):
+        return False
+    try:
+        await kube.api().apply(
+            st.status_apply_body(obj, desired), field_manager=n.STATUS_FIELD_MANAGER, subresource="status"
+        )
+    except kube.KubeError as exc:
+        if exc.status == 404:
+            return False
+        raise
+    _count(STATUS_WRITES, kind)
+    before, after = old.get("phase"), desired.get("phase")
+    if after and before != after:
+        kopf.event(
+            obj,
+            type="Warning" if after in ("Degraded", "Failed") else "Normal",
+            reason=f"Phase{after}",
+            message=f"{kind} phase {before or 'None'} -> {after}: {desired.get('message', '')}"[:1000],
+        )
+    obj["status"] = {**old, **desired}  # our copy now reflects the write (the index catches up on the event)
+    return True
 
 
 # --- operator lifecycle --------------------------------------------------------------------------------
@@ -156,10 +271,10 @@ def _parse_job(body: Mapping[str, Any]) -> tuple[RLJob | None, str | None]:
 @kopf.on.resume(GROUP, VERSION, "rljobs")
 @kopf.on.create(GROUP, VERSION, "rljobs")
 @kopf.on.update(GROUP, VERSION, "rljobs", field="spec")
-async def reconcile_rljob(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
+async def reconcile_rljob(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
     started = time.perf_counter()
     try:
-        await reconcile_job(plain(body), namespace)
+        await reconcile_job(plain(body), namespace, View.of(kwargs))
         _count(RECONCILES, "RLJob", "ok")
     except kopf.PermanentError:
         _count(RECONCILES, "RLJob", "invalid")
@@ -173,30 +288,28 @@ async def reconcile_rljob(body: kopf.Body, name: str, namespace: str, **_: Any) 
             RECONCILE_SECONDS.labels("RLJob").observe(time.perf_counter() - started)
 
 
-async def reconcile_job(body: dict[str, Any], namespace: str) -> None:
+async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> None:
     """Apply every child of the job, delete removed groups, refresh the status."""
     api = kube.api()
     name = body["metadata"]["name"]
     job, invalid = _parse_job(body)
     if job is None:
         kopf.warn(body, reason="InvalidSpec", message=invalid or "")
-        await refresh_job_status(namespace, name)
+        await _refresh_job_status(namespace, name, view, body)
         raise kopf.PermanentError(invalid)
-    catalog = get_catalog()
-    selector = f"{n.LABEL_JOB}={name},{n.LABEL_COMPONENT}=sampler"
     observed = {
         sg["metadata"]["name"]: sg
-        for sg in await api.list(API_VERSION, "SamplerGroup", namespace, selector)
+        for sg in view.all(view.samplergroups_by_job, (namespace, name))
         if _owned_by(sg, body)
     }
-    children = builders.build_job_children(job, namespace, body, catalog, observed)
+    children = builders.build_job_children(job, namespace, body, get_catalog(), observed)
     if not job.spec.router.admin_token_secret:
         token = tokens.new_admin_token(body["metadata"]["uid"])
         await api.create(builders.build_router_secret(job, namespace, body, token))
     first = [c for c in children if c["kind"] != "SamplerGroup"]
     groups = [c for c in children if c["kind"] == "SamplerGroup"]
-    for child in first:
-        await api.apply(child)
+    # config, channel and trainer first (the trainer asks for whole GPU nodes), then the groups at once
+    await asyncio.gather(*(api.apply(c) for c in first))
     try:
         await asyncio.gather(*(api.apply(g) for g in groups))
     except kube.KubeError as exc:
@@ -210,59 +323,26 @@ async def reconcile_job(body: dict[str, Any], namespace: str) -> None:
             kopf.info(
                 body, reason="GroupRemoved", message=f"deleted SamplerGroup {sg_name} (removed from spec)"
             )
-    await refresh_job_status(namespace, name)
+    await refresh_job_status(namespace, name, view)
 
 
-def _owned_by(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
-    uid = owner["metadata"].get("uid")
-    return any(ref.get("uid") == uid for ref in child.get("metadata", {}).get("ownerReferences", []) or [])
-
-
-async def refresh_job_status(namespace: str, name: str) -> None:
+async def refresh_job_status(namespace: str, name: str, view: View) -> None:
     """Recompute an RLJob's status from its children; write it (and an Event) only when it changed."""
-    await _coalesced("RLJob", namespace, name, lambda: _refresh_job_status(namespace, name))
+    await _coalesced("RLJob", namespace, name, lambda: _refresh_job_status(namespace, name, view))
 
 
-async def _refresh_job_status(namespace: str, name: str) -> None:
-    api = kube.api()
-    job = await api.get(API_VERSION, "RLJob", namespace, name)
+async def _refresh_job_status(
+    namespace: str, name: str, view: View, job: dict[str, Any] | None = None
+) -> None:
+    job = job or view.one(view.rljobs, (namespace, name))
     if job is None or job["metadata"].get("deletionTimestamp"):
         return
     _, invalid = _parse_job(job)
-    groups, trainer, channel = await asyncio.gather(
-        api.list(API_VERSION, "SamplerGroup", namespace, f"{n.LABEL_JOB}={name}"),
-        api.get("apps/v1", "StatefulSet", namespace, n.trainer_name(name)),
-        api.get(API_VERSION, "WeightChannel", namespace, n.weightchannel_name(name)),
-    )
-    groups = [g for g in groups if _owned_by(g, job)]
+    groups = [g for g in view.all(view.samplergroups_by_job, (namespace, name)) if _owned_by(g, job)]
+    trainer = view.one(view.trainers, (namespace, n.trainer_name(name)))
+    channel = view.one(view.weightchannels, (namespace, n.weightchannel_name(name)))
     desired = st.rljob_status(job, groups, trainer, channel, invalid=invalid)
     await _write_status(job, desired, "RLJob")
-
-
-async def _write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str) -> bool:
-    old = obj.get("status") or {}
-    if not st.status_changed(old, desired):
-        return False
-    api = kube.api()
-    try:
-        await api.apply(
-            st.status_apply_body(obj, desired), field_manager=n.STATUS_FIELD_MANAGER, subresource="status"
-        )
-    except kube.KubeError as exc:
-        if exc.status == 404:
-            return False
-        raise
-    _count(STATUS_WRITES, kind)
-    before, after = old.get("phase"), desired.get("phase")
-    if after and before != after:
-        warn = after in ("Degraded", "Failed")
-        kopf.event(
-            obj,
-            type="Warning" if warn else "Normal",
-            reason=f"Phase{after}",
-            message=f"{kind} phase {before or 'None'} -> {after}: {desired.get('message', '')}"[:1000],
-        )
-    return True
 
 
 # --- SamplerGroup -> Deployment + Service ----------------------------------------------------------------
@@ -271,8 +351,9 @@ async def _write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str)
 @kopf.on.resume(GROUP, VERSION, "samplergroups")
 @kopf.on.create(GROUP, VERSION, "samplergroups")
 @kopf.on.update(GROUP, VERSION, "samplergroups", field="spec")
-async def reconcile_samplergroup(body: kopf.Body, name: str, namespace: str, **_: Any) -> None:
+async def reconcile_samplergroup(body: kopf.Body, name: str, namespace: str, **kwargs: Any) -> None:
     started = time.perf_counter()
+    view = View.of(kwargs)
     api = kube.api()
     raw = plain(body)
     try:
@@ -280,19 +361,20 @@ async def reconcile_samplergroup(body: kopf.Body, name: str, namespace: str, **_
     except (ValidationError, ValueError) as exc:
         message = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
         kopf.warn(body, reason="InvalidSpec", message=message[:1000])
-        await refresh_samplergroup_status(namespace, name)
+        await _refresh_samplergroup_status(namespace, name, view, raw)
         _count(RECONCILES, "SamplerGroup", "invalid")
         raise kopf.PermanentError(message) from None
     try:
         store: StoreSpec | None = None
         if sg.spec.weight_channel:
-            wc = await api.get(API_VERSION, "WeightChannel", namespace, sg.spec.weight_channel)
+            wc = view.one(view.weightchannels, (namespace, sg.spec.weight_channel))
+            wc = wc or await api.get(API_VERSION, "WeightChannel", namespace, sg.spec.weight_channel)
             if wc is None:
                 raise kopf.TemporaryError(f"WeightChannel {sg.spec.weight_channel} not found yet", delay=2)
             store = StoreSpec.model_validate(wc["spec"]["store"])
-        for child in builders.build_samplergroup_children(sg, namespace, raw, get_catalog(), store):
-            await api.apply(child)
-        await refresh_samplergroup_status(namespace, name)
+        children = builders.build_samplergroup_children(sg, namespace, raw, get_catalog(), store)
+        await asyncio.gather(*(api.apply(c) for c in children))
+        await refresh_samplergroup_status(namespace, name, view)
         _count(RECONCILES, "SamplerGroup", "ok")
     except kube.KubeError as exc:
         _count(RECONCILES, "SamplerGroup", "error")
@@ -303,71 +385,59 @@ async def reconcile_samplergroup(body: kopf.Body, name: str, namespace: str, **_
             RECONCILE_SECONDS.labels("SamplerGroup").observe(time.perf_counter() - started)
 
 
-async def refresh_samplergroup_status(namespace: str, name: str) -> None:
-    await _coalesced("SamplerGroup", namespace, name, lambda: _refresh_samplergroup_status(namespace, name))
+async def refresh_samplergroup_status(namespace: str, name: str, view: View) -> None:
+    await _coalesced(
+        "SamplerGroup", namespace, name, lambda: _refresh_samplergroup_status(namespace, name, view)
+    )
 
 
-async def _refresh_samplergroup_status(namespace: str, name: str) -> None:
-    api = kube.api()
-    sg = await api.get(API_VERSION, "SamplerGroup", namespace, name)
+async def _refresh_samplergroup_status(
+    namespace: str, name: str, view: View, sg: dict[str, Any] | None = None
+) -> None:
+    sg = sg or view.one(view.samplergroups, (namespace, name))
     if sg is None or sg["metadata"].get("deletionTimestamp"):
         return
+    deployment = view.one(view.sampler_deployments, (namespace, name))
     channel_name = sg.get("spec", {}).get("weightChannel")
-    deployment, wc = await asyncio.gather(
-        api.get("apps/v1", "Deployment", namespace, name),
-        api.get(API_VERSION, "WeightChannel", namespace, channel_name) if channel_name else _none(),
-    )
-    channel_status = (wc or {}).get("status")
-    desired = st.samplergroup_status(sg, deployment, get_catalog(), channel_status)
+    wc = view.one(view.weightchannels, (namespace, channel_name)) if channel_name else None
+    desired = st.samplergroup_status(sg, deployment, get_catalog(), (wc or {}).get("status"))
     await _write_status(sg, desired, "SamplerGroup")
 
 
 # --- children events -> parent status ----------------------------------------------------------------------
 
 
-@kopf.on.event(
-    "apps", "v1", "deployments", labels={n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "sampler"}
-)
-async def sampler_deployment_event(body: kopf.Body, namespace: str, **_: Any) -> None:
+@kopf.on.event("apps", "v1", "deployments", labels=SAMPLER_LABELS)
+async def sampler_deployment_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
     sg_name = body.get("metadata", {}).get("labels", {}).get(n.LABEL_SAMPLERGROUP)
     if sg_name:
-        await _quietly(refresh_samplergroup_status(namespace, sg_name))
+        await _quietly(refresh_samplergroup_status(namespace, sg_name, View.of(kwargs)))
 
 
 @kopf.on.event(GROUP, VERSION, "samplergroups")
-async def samplergroup_event(body: kopf.Body, namespace: str, **_: Any) -> None:
+async def samplergroup_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
     job = body.get("spec", {}).get("jobName")
     if job:
-        await _quietly(refresh_job_status(namespace, job))
+        await _quietly(refresh_job_status(namespace, job, View.of(kwargs)))
 
 
-@kopf.on.event(
-    "apps", "v1", "statefulsets", labels={n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "trainer"}
-)
-async def trainer_event(body: kopf.Body, namespace: str, **_: Any) -> None:
+@kopf.on.event("apps", "v1", "statefulsets", labels=TRAINER_LABELS)
+async def trainer_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
     job = body.get("metadata", {}).get("labels", {}).get(n.LABEL_JOB)
     if job:
-        await _quietly(refresh_job_status(namespace, job))
-
-
-async def _quietly(coro: Any) -> None:
-    """Event handlers must not fail the watch: log API errors, the next event or timer retries."""
-    try:
-        await coro
-    except kube.KubeError as exc:
-        log.warning("status refresh failed: %s", exc)
+        await _quietly(refresh_job_status(namespace, job, View.of(kwargs)))
 
 
 @kopf.timer(GROUP, VERSION, "rljobs", interval=JOB_STATUS_INTERVAL, initial_delay=JOB_STATUS_INTERVAL)
-async def rljob_status_timer(name: str, namespace: str, **_: Any) -> None:
-    await _quietly(refresh_job_status(namespace, name))
+async def rljob_status_timer(name: str, namespace: str, **kwargs: Any) -> None:
+    await _quietly(refresh_job_status(namespace, name, View.of(kwargs)))
 
 
 @kopf.timer(
     GROUP, VERSION, "samplergroups", interval=GROUP_STATUS_INTERVAL, initial_delay=GROUP_STATUS_INTERVAL
 )
-async def samplergroup_status_timer(name: str, namespace: str, **_: Any) -> None:
-    await _quietly(refresh_samplergroup_status(namespace, name))
+async def samplergroup_status_timer(name: str, namespace: str, **kwargs: Any) -> None:
+    await _quietly(refresh_samplergroup_status(namespace, name, View.of(kwargs)))
 
 
 # --- WeightChannel status from the store ---------------------------------------------------------------------
@@ -396,34 +466,39 @@ def read_channel(spec: Mapping[str, Any]) -> tuple[Any | None, str | None]:
 
 @kopf.on.resume(GROUP, VERSION, "weightchannels")
 @kopf.on.create(GROUP, VERSION, "weightchannels")
-async def weightchannel_created(name: str, namespace: str, **_: Any) -> None:
-    await _quietly(refresh_weightchannel_status(namespace, name))
+async def weightchannel_created(name: str, namespace: str, body: kopf.Body, **kwargs: Any) -> None:
+    await _quietly(refresh_weightchannel_status(namespace, name, View.of(kwargs), plain(body)))
 
 
 @kopf.timer(
     GROUP, VERSION, "weightchannels", interval=CHANNEL_STATUS_INTERVAL, initial_delay=CHANNEL_STATUS_INTERVAL
 )
-async def weightchannel_timer(name: str, namespace: str, **_: Any) -> None:
-    await _quietly(refresh_weightchannel_status(namespace, name))
+async def weightchannel_timer(name: str, namespace: str, **kwargs: Any) -> None:
+    await _quietly(refresh_weightchannel_status(namespace, name, View.of(kwargs)))
 
 
-async def refresh_weightchannel_status(namespace: str, name: str) -> None:
-    api = kube.api()
+async def refresh_weightchannel_status(
+    namespace: str, name: str, view: View, wc: dict[str, Any] | None = None
+) -> None:
     async with _lock("WeightChannel", namespace, name):
-        wc = await api.get(API_VERSION, "WeightChannel", namespace, name)
+        wc = wc or view.one(view.weightchannels, (namespace, name))
         if wc is None or wc["metadata"].get("deletionTimestamp"):
             return
         channel, error = await asyncio.to_thread(read_channel, wc.get("spec", {}))
         desired = st.weightchannel_status(wc, channel, error)
-        old_latest = (wc.get("status") or {}).get("latestVersion")
-        changed = await _write_status(wc, desired, "WeightChannel")
-    job = wc.get("spec", {}).get("jobName")
-    if changed and job:
-        # versions moved: group lags and the job's weight version follow
-        for sg in await api.list(API_VERSION, "SamplerGroup", namespace, f"{n.LABEL_JOB}={job}"):
-            await _quietly(refresh_samplergroup_status(namespace, sg["metadata"]["name"]))
-        if desired.get("latestVersion") != old_latest:
-            await _quietly(refresh_job_status(namespace, job))
+        await _write_status(wc, desired, "WeightChannel")
+
+
+@kopf.on.event(GROUP, VERSION, "weightchannels")
+async def weightchannel_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+    """Channel status moved (new version, a group applied one): group lags and the job's version follow."""
+    job = body.get("spec", {}).get("jobName")
+    if not job:
+        return
+    view = View.of(kwargs)
+    for sg in view.all(view.samplergroups_by_job, (namespace, job)):
+        await _quietly(refresh_samplergroup_status(namespace, sg["metadata"]["name"], view))
+    await _quietly(refresh_job_status(namespace, job, view))
 
 
 # --- the rebalancer's timer (router engineer) registers itself on import -----------------------------------

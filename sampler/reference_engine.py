@@ -39,6 +39,7 @@ log = logging.getLogger("rlfleet.sampler.engine")
 
 WEIGHT_FORMATS = ("fp32", "bf16", "fp8", "fp8_block", "nvfp4", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
+THROTTLE_BURST_S = 0.1  # budget (in seconds of the cap) the throttle may bank
 
 
 @dataclass
@@ -212,6 +213,7 @@ class ReferenceEngine:
                 await self._wake.wait()
                 continue
             await self._throttle()
+            step_started = time.monotonic()
             async with self.lock:
                 if self.paused:
                     continue
@@ -221,7 +223,13 @@ class ReferenceEngine:
                     self._resolve(req)
             self.stats.record_step(produced, len(self.running), len(self.waiting))
             if self.config.max_tokens_per_second:
-                self._next_step_at = time.monotonic() + produced / self.config.max_tokens_per_second
+                # Token bucket: pacing counts from the step's START (compute time is part of the budget) and
+                # up to THROTTLE_BURST_S of budget survives a late wake-up or a short idle gap, so the
+                # long-run rate is min(cap, what the CPU delivers), not the cap diluted by event-loop jitter.
+                floor = step_started - THROTTLE_BURST_S
+                self._next_step_at = (
+                    max(self._next_step_at, floor) + produced / self.config.max_tokens_per_second
+                )
             await asyncio.sleep(0)  # let handlers run between steps
 
     async def _throttle(self) -> None:

@@ -237,6 +237,8 @@ class SyncConfig:
     keep_local: int = 2
     initial_version: int | None = None
     request_timeout: float = 600.0
+    report_interval: float = 30.0
+    """Heartbeat of the subscriber report when nothing changed (seconds)."""
 
 
 @dataclass
@@ -255,7 +257,9 @@ class SyncState:
     latest_version: int | None = None
     phase: str = "starting"
     consecutive_failures: int = 0
-    failures: dict[str, int] = field(default_factory=lambda: {"store": 0, "checksum": 0, "engine": 0})
+    failures: dict[str, int] = field(
+        default_factory=lambda: {"store": 0, "checksum": 0, "engine": 0, "internal": 0}
+    )
     last_error: str | None = None
     last_apply: LastApply | None = None
     next_attempt_at: float = 0.0
@@ -289,7 +293,9 @@ class Metrics:
             [*labels, "reason"],
             registry=self.registry,
         )
-        self.failures = {r: failures.labels(**labels, reason=r) for r in ("store", "checksum", "engine")}
+        self.failures = {
+            r: failures.labels(**labels, reason=r) for r in ("store", "checksum", "engine", "internal")
+        }
         buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
         self.download = Histogram(
             "rlfleet_weight_sync_download_seconds",
@@ -321,7 +327,8 @@ class Syncer:
         if config.initial_version is not None:
             self.metrics.applied.set(config.initial_version)
         self.config.cache_dir.mkdir(parents=True, exist_ok=True)
-        self._wake = asyncio.Event()
+        self._last_report: tuple[Any, ...] | None = None
+        self._last_report_at = 0.0
 
     # -- one reconciliation step
     async def reconcile_once(self) -> bool:
@@ -427,8 +434,21 @@ class Syncer:
             failures=sum(self.state.failures.values()),
             last_error=self.state.last_error,
         )
+        # Write when something changed, else only as a heartbeat (every replica polls every few
+        # seconds: rewriting an unchanged report each time would be most of the store's traffic).
+        content = (
+            report.view,
+            report.applied_version,
+            tuple(report.in_use),
+            report.failures,
+            report.last_error,
+        )
+        now = time.monotonic()
+        if content == self._last_report and now - self._last_report_at < self.config.report_interval:
+            return
         try:
             await asyncio.to_thread(self.channel.report, report)
+            self._last_report, self._last_report_at = content, now
         except (StoreError, OSError) as e:  # the store is down: the failure is already counted
             log.debug("could not write subscriber report: %s", e)
 
@@ -441,7 +461,11 @@ class Syncer:
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await self.reconcile_once()
+            try:
+                await self.reconcile_once()
+            except Exception as e:  # a bug must not stop the sidecar: count it, keep serving, retry
+                log.exception("weight sync step crashed")
+                self._failed("internal", repr(e))
             delay = self.backoff_seconds()
             self.state.next_attempt_at = time.time() + delay
             with contextlib.suppress(TimeoutError):

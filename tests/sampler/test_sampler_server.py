@@ -19,7 +19,7 @@ import pytest
 import torch
 from rlfleet.sampler import server as srv_mod
 from rlfleet.sampler.client import SamplerClient
-from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
+from rlfleet.sampler.reference_engine import THROTTLE_BURST_S, EngineConfig, ReferenceEngine
 from rlfleet.sampler.server import start_reference_server
 
 from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig
@@ -307,8 +307,9 @@ async def test_throttle_bounds_the_token_rate():
         t0 = time.monotonic()
         await asyncio.gather(*[client.generate([i + 1], {**SUPPORT, "max_new_tokens": 10}) for i in range(3)])
         elapsed = time.monotonic() - t0
-    # 30 tokens at <= 100 tokens/s: the throttle cannot be beaten, only a slow machine adds time
-    assert elapsed >= (30 - 3) / 100.0
+    # 30 tokens at <= 100 tokens/s (the bucket may bank THROTTLE_BURST_S of budget): the throttle cannot
+    # be beaten, only a slow machine adds time
+    assert elapsed >= (30 - 3) / 100.0 - THROTTLE_BURST_S
 
 
 async def test_metrics_health_info_and_api_key():

@@ -136,11 +136,11 @@ def test_standalone_mode_has_no_peering_and_refuses_two_replicas(render, helm) -
 # --- RBAC ---------------------------------------------------------------------------------------------
 
 NAMESPACED_RULES = {
-    *{("rlfleet.dev", "rljobs", v) for v in ("get", "list", "watch", "patch")},
-    *{("rlfleet.dev", "samplergroups", v) for v in ("get", "list", "watch", "create", "patch", "delete")},
+    *{("rlfleet.dev", "rljobs", v) for v in ("list", "watch", "patch")},
+    *{("rlfleet.dev", "samplergroups", v) for v in ("list", "watch", "create", "patch", "delete")},
     *{("rlfleet.dev", "weightchannels", v) for v in ("get", "list", "watch", "create", "patch")},
     *{("rlfleet.dev", f"{r}/status", "patch") for r in ("rljobs", "samplergroups", "weightchannels")},
-    *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("get", "list", "watch", "create", "patch")},
+    *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("list", "watch", "create", "patch")},
     *{("", r, v) for r in ("services", "configmaps") for v in ("create", "patch")},
     ("", "events", "create"),
     ("", "secrets", "create"),  # the router's admin token, created once per job
@@ -270,7 +270,6 @@ def _promql_metric_names(expr: str) -> set[str]:
 def exported_metric_names() -> set[str]:
     """Names the code really exports: the router's registry and the trainer's exporter, scraped."""
     from prometheus_client import generate_latest
-
     from rlfleet.router.metrics import RouterMetrics
     from rlfleet.router.table import RoutingTable
     from rlfleet.trainer.metrics import MEAN_METRICS, PrometheusExporter
@@ -375,8 +374,9 @@ def test_grafana_dashboard_covers_the_fleet(render, exported_metric_names: set[s
     ],
 )
 def test_operator_cli_accepts_the_charts_arguments(render, values: dict[str, Any]) -> None:
-    from rlfleet.cli import COMMANDS
     from rlfleet.operator.main import parse_args
+
+    from rlfleet.cli import COMMANDS
 
     args = operator_container(render(values))["args"]
     assert tuple(args[:2]) in COMMANDS and COMMANDS[tuple(args[:2])][0] == "rlfleet.operator.main"

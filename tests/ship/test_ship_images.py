@@ -14,6 +14,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {p.name.split(".")[1]: p for p in sorted((REPO / "images").glob("Dockerfile.*")) if p.suffix != ".dockerignore"}
@@ -28,7 +29,7 @@ EXTRAS = {"operator": "operator", "sampler": "sampler", "trainer": "trainer"}
 def instructions(path: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
     out: list[tuple[str, str]] = []
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    text = re.sub(r"\\\n", " ", "\n".join(x for x in path.read_text().splitlines() if not x.lstrip().startswith("#")))
     for line in text.splitlines():
         if line.strip():
             word, _, rest = line.strip().partition(" ")
@@ -137,3 +138,48 @@ def test_dockerignore_keeps_only_the_package_sources() -> None:
         copied = {rest.split()[0].rstrip("/") for word, rest in instructions(path) if word == "COPY" and "--from" not in rest}
         for source in copied:
             assert f"!{source}" in ignore or f"!{source}/" in ignore, (name, source)
+
+
+def _container_commands() -> list[tuple[str, str, list[str]]]:
+    """(image, container name, command + args) of every container the operator builds for the example."""
+    from rlfleet.operator import builders
+
+    from rlfleet.api import RLJob, SamplerGroup, StoreSpec
+    from rlfleet.catalog import get_catalog
+
+    job = RLJob.from_manifest(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text()))
+    catalog = get_catalog()
+    objs = builders.build_job_children(job, "rl", None, catalog)
+    store = StoreSpec.model_validate(job.spec.weight_channel.store.model_dump())
+    for sg in [o for o in objs if o["kind"] == "SamplerGroup"]:
+        objs += builders.build_samplergroup_children(SamplerGroup.from_manifest(sg), "rl", None, catalog, store)
+    out = []
+    for obj in objs:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            for c in obj["spec"]["template"]["spec"]["containers"]:
+                out.append((c["image"], c["name"], [*c.get("command", []), *c.get("args", [])]))
+    return out
+
+
+def test_every_container_the_operator_builds_runs_a_command_its_image_has() -> None:
+    """The operator overrides the images' ENTRYPOINTs: each command must exist in the image it runs in
+    (our console script and subcommands; torchrun from NGC PyTorch; SGLang's launcher from SGLang)."""
+    from rlfleet.cli import COMMANDS
+
+    repository_of = {"operator": "ghcr.io/rlfleet/operator", "sampler": "ghcr.io/rlfleet/sampler",
+                     "trainer": "ghcr.io/rlfleet/trainer"}
+    seen = set()
+    for image, name, argv in _container_commands():
+        kind = next(k for k, repo in repository_of.items() if image.startswith(repo + ":"))
+        seen.add((kind, argv[0]))
+        if argv[0] == "rlfleet" or (argv[0] == "torchrun" and "rlfleet.cli" in argv):
+            words = argv[1:] if argv[0] == "rlfleet" else argv[argv.index("rlfleet.cli") + 1 :]
+            matches = [w for w in COMMANDS if tuple(words[: len(w)]) == w]
+            assert matches, f"{name}: {argv} is no rlfleet subcommand"
+            assert find_spec(COMMANDS[max(matches, key=len)][0]) is not None, argv
+        if argv[0] == "torchrun":
+            assert kind == "trainer" and resolved_bases(IMAGES["trainer"])[0].startswith("nvcr.io/nvidia/pytorch:")
+            assert "rlfleet.cli" in argv
+        if argv[:3] == ["python3", "-m", "sglang.launch_server"]:
+            assert kind == "sampler" and resolved_bases(IMAGES["sampler"]) == ["lmsysorg/sglang:v0.5.23-cu130"]
+    assert {("sampler", "python3"), ("sampler", "rlfleet"), ("trainer", "torchrun"), ("operator", "rlfleet")} <= seen

@@ -137,7 +137,9 @@ async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_pa
             assert engine.weights is not None
             for name, expected in expected_fp8(state).items():
                 assert torch.equal(engine.weights[name], expected), name
-        assert await syncer.reconcile_once() is False  # in sync: no further request
+        report_before = store.get("subscribers/h100-fp8/pod-0.json")
+        assert await syncer.reconcile_once() is False  # in sync: no further request ...
+        assert store.get("subscribers/h100-fp8/pod-0.json") == report_before  # ... and no report rewrite
     disk = [b for p, b in engine.requests if p == "/update_weights_from_disk"]
     assert [b["weight_version"] for b in disk] == ["0", "1"]
     assert disk[-1] == {
