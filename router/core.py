@@ -165,14 +165,16 @@ class Router:
                     last_error = f"{replica.url}: {exc}"
                     log.info("attempt %d on %s failed: %s", attempts, replica.url, exc)
                     continue
-                if status in RETRYABLE_STATUSES or status == 409:
+                # 409 is a version conflict only when the request asked for a version; otherwise
+                # it is the request's own answer and passes through.
+                if status in RETRYABLE_STATUSES or (status == 409 and min_version is not None):
                     if stream:
                         await opened.release()
                     replica.inflight -= 1
                     if status == 409:
                         # The replica itself says it lags the requested version: try a sibling.
                         self.metrics.error(group.name, "version_conflict")
-                        conflict = VersionConflict(group.name, min_version or 0, (replica.weight_version,))
+                        conflict = VersionConflict(group.name, min_version, (replica.weight_version,))
                     else:
                         replica.failures += 1
                         self.table.mark_result(replica, False, self.config.failure_threshold)

@@ -36,6 +36,7 @@ class UpstreamState:
     tokens_per_request: int = 16
     weight_version: int = 0
     fail_status: int | None = None  # answer every /generate with this status (e.g. 503)
+    check_min_version: bool = False  # answer 409 to X-Min-Weight-Version above the served version
     sessions: list[str] = field(default_factory=list)
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens)
 
@@ -75,6 +76,9 @@ def make_app(state: UpstreamState) -> web.Application:
         state.sessions.append(request.headers.get("X-Session-Id", ""))
         if state.fail_status is not None:
             return web.json_response({"error": "failing on purpose"}, status=state.fail_status)
+        wanted = request.headers.get("X-Min-Weight-Version")
+        if state.check_min_version and wanted is not None and int(wanted) > state.weight_version:
+            return web.json_response({"error": {"message": "weight version behind"}}, status=409)
         n_tokens = int(body.get("sampling_params", {}).get("max_new_tokens", state.tokens_per_request))
         prompt = body.get("input_ids") or []
         loop = asyncio.get_running_loop()

@@ -224,6 +224,23 @@ async def test_version_learned_from_responses_discards_stale_answers(fleet: Flee
     assert {r.headers["X-RLFleet-Replica"] for r in results} == {fleet.upstreams["g"][0].url}
 
 
+async def test_a_replica_that_answers_409_itself_is_retried_on_a_sibling(fleet: Fleet) -> None:
+    """The router forwards X-Min-Weight-Version; a replica checking it at serving time (like the
+    reference sampler) answers 409, and the router tries the sibling, then answers 409 itself."""
+    await fleet.start({"g": 2}, weight_version=2, check_min_version=True)
+    fleet.upstreams["g"][1].state.weight_version = 6
+    results = [await fleet.generate(f"s{i}", headers={"X-Min-Weight-Version": "6"}) for i in range(10)]
+    assert all(r.status == 200 for r in results)
+    assert {r.headers["X-RLFleet-Replica"] for r in results} == {fleet.upstreams["g"][1].url}
+    too_new = await fleet.generate("s", headers={"X-Min-Weight-Version": "9"})
+    assert too_new.status == 409 and too_new.headers["Retry-After"] == "1"
+    # Without a version request a 409 is the request's own answer and passes through unretried.
+    fleet.upstreams["g"][0].state.fail_status = 409
+    fleet.upstreams["g"][1].state.fail_status = 409
+    plain = await fleet.generate("s")
+    assert plain.status == 409 and plain.headers["X-RLFleet-Attempts"] == "1"
+
+
 async def test_streaming_is_passed_through(fleet: Fleet) -> None:
     await fleet.start({"g": 1})
     response = await fleet.http.post(

@@ -515,8 +515,8 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
                 groups = job["spec"]["samplerGroups"]
                 wait_for("children by the active replica",
                          lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups), timeout=90)
-                assert "rljob" in active_log.read_text().lower()
-                assert "Handler 'rljob" not in standby_log.read_text()
+                assert "Handler 'reconcile_rljob' succeeded" in active_log.read_text()
+                assert "Handler 'reconcile_rljob'" not in standby_log.read_text()
 
                 stop_operator(active)  # a clean stop removes its keep-alive from the peering
                 wait_for("the standby to resume",
@@ -525,6 +525,7 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
                              "-p", json.dumps([{"op": "remove", "path": f"/spec/samplerGroups/{len(groups) - 1}"}]))
                 wait_for("the former standby to reconcile the change",
                          lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups) - 1, timeout=60)
+                assert "Handler 'reconcile_rljob' succeeded" in standby_log.read_text()
                 assert standby.poll() is None
             finally:
                 stop_operator(active)
