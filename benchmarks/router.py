@@ -1,7 +1,7 @@
 """Router overhead: added latency (p50, p99) and requests/s per core, against a direct connection.
 
     .venv/bin/python benchmarks/router.py [--requests 3000] [--duration 6] [--concurrency 64]
-        [--smg /path/to/smg] [--variants aiohttp+uvloop,aiohttp+asyncio,httpx+uvloop]
+        [--smg /path/to/smg | --install-smg] [--variants aiohttp+uvloop,aiohttp+asyncio,httpx+uvloop] [--no-pin]
 
 Setup (2 cores): the router under test runs alone on CPU 0 (taskset); a fast upstream (a minimal
 asyncio HTTP/1.1 server answering an SGLang-shaped /generate JSON, 8 listening ports = 4 groups x 2
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 N_PORTS = 8
+SMG_VENV = "/tmp/smgvenv"
 PROMPT = list(range(1000, 1512))  # 512 prompt tokens
 OUTPUT_TOKENS = 64
 
@@ -276,7 +277,10 @@ def main() -> int:
     parser.add_argument(
         "--variants", default="aiohttp+uvloop,aiohttp+asyncio,httpx+uvloop", help="upstream client + event loop"
     )
-    parser.add_argument("--smg", default=shutil.which("smg") or "/tmp/smgvenv/bin/smg")
+    parser.add_argument("--smg", default=shutil.which("smg") or SMG_VENV + "/bin/smg")
+    parser.add_argument(
+        "--install-smg", action="store_true", help=f"pip install smg into {SMG_VENV} first (kept out of .venv)"
+    )
     parser.add_argument("--no-pin", action="store_true", help="let the scheduler place every process")
     parser.add_argument("--serve-upstream", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -286,6 +290,11 @@ def main() -> int:
         asyncio.run(_serve_upstream(args.serve_upstream))
         return 0
 
+    if args.install_smg and not os.path.exists(args.smg):
+        # smg brings grpcio + protobuf 7 with it: a venv of its own keeps the project's env untouched.
+        subprocess.run([sys.executable, "-m", "venv", SMG_VENV], check=True)
+        subprocess.run([SMG_VENV + "/bin/pip", "install", "-q", "smg>=1.13,<2"], check=True)
+        args.smg = SMG_VENV + "/bin/smg"
     tmp = tempfile.mkdtemp()
     port_file = os.path.join(tmp, "ports.json")
     procs: list[Proc] = []

@@ -45,6 +45,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--metrics-address", default="0.0.0.0", help="bind address of /metrics (default 0.0.0.0)"
     )
+    parser.add_argument(
+        "--webhook-port", type=int, help="serve the validating webhook (live-catalog rules) here"
+    )
+    parser.add_argument("--webhook-address", default="0.0.0.0", help="bind address of the webhook server")
+    parser.add_argument(
+        "--webhook-host", default="127.0.0.1", help="name/IP the API server uses to reach the webhook"
+    )
+    parser.add_argument("--webhook-cert", help="TLS certificate (PEM) of the webhook; default: self-signed")
+    parser.add_argument("--webhook-key", help="TLS private key (PEM) of the webhook")
+    parser.add_argument("--webhook-managed", action="store_true",
+                        help="let the operator create the ValidatingWebhookConfiguration rlfleet.dev")  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
 
@@ -83,8 +94,24 @@ def cli(argv: list[str]) -> int:
 
         start_http_server(args.metrics_port, addr=args.metrics_address)
 
+    if bool(args.webhook_cert) != bool(args.webhook_key):
+        print("rlfleet operator run: --webhook-cert and --webhook-key go together", file=sys.stderr)
+        return 2
     import kopf
     import rlfleet.operator.handlers  # noqa: F401  (registers every handler)
+
+    if args.webhook_port:
+        from rlfleet.operator.webhook import WEBHOOK_ENV
+
+        os.environ[WEBHOOK_ENV["port"]] = str(args.webhook_port)
+        os.environ[WEBHOOK_ENV["addr"]] = args.webhook_address
+        os.environ[WEBHOOK_ENV["host"]] = args.webhook_host
+        if args.webhook_cert:
+            os.environ[WEBHOOK_ENV["cert"]] = args.webhook_cert
+            os.environ[WEBHOOK_ENV["key"]] = args.webhook_key
+        if args.webhook_managed:
+            os.environ[WEBHOOK_ENV["managed"]] = "1"
+        import rlfleet.operator.webhook  # noqa: F401  (registers the validating handlers)
 
     kopf.run(
         clusterwide=args.all_namespaces,

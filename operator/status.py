@@ -149,7 +149,8 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         phase, reason, message = "Running", "AllReplicasReady", f"{ready}/{desired} replicas ready"
     else:
         phase, reason, message = "Pending", "ReplicasNotReady", f"{ready}/{desired} replicas ready"
-    if spec.get("quarantined") and phase == "Running":
+    # quarantined by the spec, or by the rebalancer / collapse detector (its status field)
+    if (spec.get("quarantined") or old.get("quarantined")) and phase == "Running":
         phase, message = "Quarantined", f"{message}; quarantined (no new sessions)"
     if status.get("degradedPrecision"):
         message += f"; {spec.get('weightFormat')} runs degraded on {spec.get('accelerator')}: {status['precisionNote']}"

@@ -12,8 +12,9 @@ on sm120); mxfp8 / nvfp4 KV caches need sm100+ / sm100 or sm120. NVFP4 on sm80/s
 Marlin W4A16 weight-only, which the built-in catalog rejects (add it with an override if wanted).
 
 Overrides: a YAML file named by `RLFLEET_CATALOG` (the Helm chart mounts a ConfigMap there) with
-`classes: {name: {...}}`; fields of an existing class are merged over the built-in one, a new name
-must be complete. The CRD's accelerator enum and support-matrix CEL are generated from a catalog
+`classes: {name: {...}}`; fields of an existing class are merged over the built-in one (mappings
+merge, lists replace, `null` removes an entry, e.g. `weightFormats: {fp8: null}`), a new name must be
+complete. The CRD's accelerator enum and support-matrix CEL are generated from a catalog
 (`rlfleet crds --catalog FILE` for an overridden one), so kubectl rejects what the catalog cannot run.
 
 Core module: imports nothing of the product packages (and not kopf or torch).
@@ -281,7 +282,9 @@ class Catalog:
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+        if value is None:  # `fp8: null` removes an entry (e.g. a format a class must not run here)
+            out.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(out.get(key), dict):
             out[key] = _deep_merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

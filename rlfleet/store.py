@@ -212,17 +212,28 @@ class FilesystemStore(Store):
             if self.fsync:
                 _fsync_dir(d.parent)
 
+    def _in_dir(self, directory: Path, action: Callable[[], Any]) -> Any:
+        """Run `action` (which creates an entry in `directory`) after making sure the directory
+        exists, again if a concurrent `delete` pruned it as empty in between."""
+        for attempt in range(5):
+            self._mkdirs(directory)
+            try:
+                return action()
+            except FileNotFoundError:
+                if attempt == 4 or directory.is_dir():
+                    raise  # something else is missing (e.g. the source file)
+        raise AssertionError("unreachable")
+
     def _temp_for(self, path: Path) -> Path:
         return path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
 
     def _write_temp(self, path: Path, chunks: Iterator[bytes]) -> tuple[Path, FileDigest]:
         self._require_root()
-        self._mkdirs(path.parent)
         tmp = self._temp_for(path)
         digest = hashlib.sha256()
         size = 0
         try:
-            with open(tmp, "wb", buffering=0) as f:
+            with self._in_dir(path.parent, lambda: open(tmp, "wb", buffering=0)) as f:
                 for chunk in chunks:
                     digest.update(chunk)
                     view = memoryview(chunk)
@@ -287,14 +298,14 @@ class FilesystemStore(Store):
         self._mkdirs(target.parent)
         if move and os.stat(path).st_dev == os.stat(self.root).st_dev:
             digest = self._hash_while(Path(path), lambda: self._fsync_file(Path(path)))
-            os.rename(path, target)
+            self._in_dir(target.parent, lambda: os.rename(path, target))
             if self.fsync:
                 _fsync_dir(target.parent)
             return digest
         tmp = self._temp_for(target)
 
         def copy() -> None:
-            shutil.copyfile(path, tmp)
+            self._in_dir(target.parent, lambda: shutil.copyfile(path, tmp))
             self._fsync_file(tmp)
 
         try:
@@ -406,7 +417,7 @@ class FilesystemStore(Store):
         self._require_root()
         self._mkdirs(path.parent)
         lock = path.parent / f".{path.name}.lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._in_dir(path.parent, lambda: os.open(lock, os.O_RDWR | os.O_CREAT, 0o644))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

@@ -68,6 +68,12 @@ class RouterConfig(_Model):
     # Admin API bearer token: read from this file (a mounted Secret) or else this env variable.
     admin_token_file: str | None = None
     admin_token_env: str = "RLFLEET_ROUTER_ADMIN_TOKEN"
+    # Data-plane key (optional): when set, /generate & co. need `Authorization: Bearer <key>` and the
+    # router sends the same key to the replicas (SGLang / the reference sampler with --api-key).
+    # Without one the data plane is open (keep the Service cluster-internal) and a client's
+    # Authorization header is passed through to the replicas.
+    api_key_file: str | None = None
+    api_key_env: str | None = None
     # Annotate JSON responses: meta_info gets rlfleet_group / rlfleet_replica fields.
     annotate_body: bool = True
 

@@ -29,6 +29,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlfleet.router import hashing, meta
@@ -76,6 +77,8 @@ class Router:
         self._transport = transport
         self._health_task: asyncio.Task[None] | None = None
         self._random = random.Random()
+        # Returns the data-plane key the replicas want (or None); set by the service.
+        self.upstream_key: Callable[[], str | None] = lambda: None
 
     @property
     def transport(self) -> Transport:
@@ -157,6 +160,9 @@ class Router:
                     else:
                         response = await self.transport.post(url, body, upstream_headers)
                         status, content_type, data = response.status, response.content_type, response.body
+                except asyncio.CancelledError:  # the client went away (or shutdown): keep counts right
+                    replica.inflight -= 1
+                    raise
                 except UpstreamError as exc:
                     replica.inflight -= 1
                     replica.failures += 1
@@ -283,8 +289,10 @@ class Router:
     async def _check_replica(self, replica: Replica) -> None:
         timeout = self.config.health_timeout_seconds
         threshold = self.config.failure_threshold
+        key = self.upstream_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            response = await self.transport.get(replica.url + "/health", timeout)
+            response = await self.transport.get(replica.url + "/health", timeout, headers)
         except UpstreamError as exc:
             self.table.mark_result(replica, False, threshold, hard=exc.hard)
             return
@@ -292,13 +300,13 @@ class Router:
             self.table.mark_result(replica, False, threshold)
             return
         self.table.mark_result(replica, True, threshold)
-        await self._refresh_version(replica, timeout)
+        await self._refresh_version(replica, timeout, headers)
 
-    async def _refresh_version(self, replica: Replica, timeout: float) -> None:
+    async def _refresh_version(self, replica: Replica, timeout: float, headers: dict[str, str] | None) -> None:
         # SGLang serves /model_info (newer) and /get_model_info (older); both carry weight_version.
         while replica.model_info_path is not None:
             try:
-                response = await self.transport.get(replica.url + replica.model_info_path, timeout)
+                response = await self.transport.get(replica.url + replica.model_info_path, timeout, headers)
             except UpstreamError:
                 return
             if response.status == 404:

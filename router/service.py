@@ -1,6 +1,7 @@
 """`rlfleet router serve`: the router as an HTTP service (aiohttp).
 
-Data plane (SGLang-compatible, unauthenticated like SGLang itself; keep it inside the cluster):
+Data plane (SGLang-compatible; with `apiKeyFile`/`apiKeyEnv` it needs `Authorization: Bearer <key>`
+and the router presents the same key to the replicas, like SGLang's --api-key; without, it is open):
   POST /generate, /v1/chat/completions, /v1/completions   routed by `X-Session-Id` (or
        `X-SMG-Routing-Key`, SGLang router's header); optional `X-Min-Weight-Version: N`.
        Responses carry X-RLFleet-Group / -Replica / -Weight-Version / -Attempts headers, and JSON
@@ -67,6 +68,7 @@ class TokenSource:
 
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
 TOKEN_KEY: web.AppKey[TokenSource] = web.AppKey("token", TokenSource)
+API_KEY: web.AppKey[TokenSource] = web.AppKey("api_key", TokenSource)
 
 
 def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> web.Response:
@@ -102,6 +104,13 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         if min_version < 0:
             return _error(400, f"{MIN_VERSION_HEADER} must be a non-negative integer, got {raw_version!r}")
     upstream_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
+    api_key = request.app[API_KEY].token()
+    if api_key is not None:
+        if not _bearer_matches(headers, api_key):
+            return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+        upstream_headers["Authorization"] = f"Bearer {api_key}"
+    elif "Authorization" in headers:
+        upstream_headers["Authorization"] = headers["Authorization"]
     # Forwarded so a replica can check the version itself at serving time (exact, no race with the
     # router's view) and answer 409, which the router retries on a sibling.
     if raw_version is not None:
@@ -144,13 +153,16 @@ async def _metrics(request: web.Request) -> web.Response:
 # --- admin ------------------------------------------------------------------------------------
 
 
+def _bearer_matches(headers, expected: str) -> bool:
+    scheme, _, presented = headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), expected.encode())
+
+
 def _authorised(request: web.Request) -> web.Response | None:
     expected = request.app[TOKEN_KEY].token()
     if expected is None:
         return _error(403, "admin API disabled: no token configured (adminTokenFile or the token env variable)")
-    header = request.headers.get("Authorization", "")
-    scheme, _, presented = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected.encode()):
+    if not _bearer_matches(request.headers, expected):
         return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
     return None
 
@@ -213,11 +225,13 @@ async def _admin_delete_group(request: web.Request) -> web.Response:
     return _json(200, router.table.snapshot())
 
 
-def build_app(router: Router, token: TokenSource) -> web.Application:
+def build_app(router: Router, token: TokenSource, api_key: TokenSource | None = None) -> web.Application:
     """The aiohttp application. The caller starts/closes the router (see `serve`)."""
     app = web.Application(client_max_size=router.config.max_body_bytes)
     app[ROUTER_KEY] = router
     app[TOKEN_KEY] = token
+    app[API_KEY] = api_key or TokenSource(None, None)
+    router.upstream_key = app[API_KEY].token
     for path in PROXIED_PATHS:
         app.router.add_post(path, _proxy)
     app.router.add_get("/health", _health)
@@ -232,9 +246,11 @@ def build_app(router: Router, token: TokenSource) -> web.Application:
 async def start_service(config: RouterConfig, health_checks: bool = True) -> tuple[Router, web.AppRunner, int]:
     """Start router + HTTP server; returns the bound port (config.port 0 = any free port)."""
     router = Router(config)
-    await router.start(health_checks=health_checks)
     token = TokenSource(config.admin_token_file, config.admin_token_env)
-    runner = web.AppRunner(build_app(router, token), access_log=None, handle_signals=False)
+    api_key = TokenSource(config.api_key_file, config.api_key_env)
+    app = build_app(router, token, api_key)  # before start(): health checks need the upstream key
+    await router.start(health_checks=health_checks)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, backlog=1024)
     await site.start()

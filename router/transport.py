@@ -42,7 +42,7 @@ class Transport(Protocol):
 
     async def open_stream(self, url: str, body: bytes, headers: dict[str, str]) -> StreamingResponse: ...
 
-    async def get(self, url: str, timeout: float) -> UpstreamResponse: ...
+    async def get(self, url: str, timeout: float, headers: dict[str, str] | None = None) -> UpstreamResponse: ...
 
     async def close(self) -> None: ...
 
@@ -102,9 +102,10 @@ class AiohttpTransport:
             raise self._error(exc) from exc
         return _AiohttpStream(response)
 
-    async def get(self, url: str, timeout: float) -> UpstreamResponse:
+    async def get(self, url: str, timeout: float, headers: dict[str, str] | None = None) -> UpstreamResponse:
         try:
-            async with self._session.get(url, timeout=self._aiohttp.ClientTimeout(total=timeout)) as response:
+            client_timeout = self._aiohttp.ClientTimeout(total=timeout)
+            async with self._session.get(url, timeout=client_timeout, headers=headers) as response:
                 data = await response.read()
                 return UpstreamResponse(response.status, response.headers.get("Content-Type", ""), data)
         except (TimeoutError, self._aiohttp.ClientError, OSError) as exc:
@@ -166,9 +167,9 @@ class HttpxTransport:
             raise self._error(exc) from exc
         return _HttpxStream(response)
 
-    async def get(self, url: str, timeout: float) -> UpstreamResponse:
+    async def get(self, url: str, timeout: float, headers: dict[str, str] | None = None) -> UpstreamResponse:
         try:
-            response = await self._client.get(url, timeout=timeout)
+            response = await self._client.get(url, timeout=timeout, headers=headers)
         except (self._httpx.HTTPError, OSError) as exc:
             raise self._error(exc) from exc
         return UpstreamResponse(response.status_code, response.headers.get("Content-Type", ""), response.content)

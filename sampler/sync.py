@@ -347,10 +347,19 @@ class Syncer:
         self.metrics.latest.set(pointer.version)
         self._update_lag()
         if state.applied_version is not None and pointer.version <= state.applied_version:
-            state.phase = "in-sync"
-            state.consecutive_failures = 0
-            await self._report()
-            return False
+            serving = await engine_weight_version(self.engine.client)
+            if serving is None or serving == state.applied_version:
+                state.phase = "in-sync"
+                state.consecutive_failures = 0
+                await self._report()
+                return False
+            # The engine restarted (or someone else loaded weights): it no longer serves what we
+            # applied. Believe the engine and bring it back to the pointer.
+            log.warning("engine serves v%d, not the applied v%d: re-applying", serving, state.applied_version)
+            state.applied_version = serving
+            self.metrics.applied.set(serving)
+            if pointer.version <= serving:
+                return False
         version = pointer.version
         target = self.config.cache_dir / f"v{version}-{self.config.view}"
         state.phase = "downloading"

@@ -8,7 +8,9 @@ groups, one fp8 KV cache, different kernels per GPU class).
 How it runs (stated because it differs from local mode): in ONE process, without HTTP, with the
 in-process emulated sampler engines of trainer/emulated.py (same weight formats via
 `precision_view`, same SGLang sampling code as the reference server), and deterministic
-asynchrony: the samplers always serve the weights of `lag` steps ago (a fully asynchronous run on a
+asynchrony: the samplers always serve the weights of `lag` steps ago. Kernels: fp32 activations with
+a per-GPU-class split-K reduction order (bf16 activation rounding, as the reference server does, costs
+~10x on this CPU; the weight formats and the fp8 KV cache are the dominant mismatch either way) (a fully asynchronous run on a
 real fleet sees a spread of staleness; a fixed lag makes the arms comparable and the run seeded).
 Sessions are assigned to groups by the router's weighted rendezvous hash. Each step trains on
 `prompts` prompt groups of `samples` samples through the SAME `TrainingLoop.train_step` as local and
@@ -92,11 +94,11 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig) -> ArmResult:
     import numpy as np
     import torch
 
-    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig
+    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, precision_view
     from rlfleet.router.hashing import pick
     from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
     from rlfleet.trainer.collapse import CollapseDetector
-    from rlfleet.trainer.emulated import EmulatedSampler, Request
+    from rlfleet.trainer.emulated import VIEW_FORMATS, EmulatedSampler, Request
     from rlfleet.trainer.environments import load_environment
     from rlfleet.trainer.fleet import SPLIT_K
     from rlfleet.trainer.loop import LoopConfig, TrainingLoop
@@ -113,7 +115,7 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig) -> ArmResult:
     groups = FLEETS[fleet]
     samplers = {
         name: EmulatedSampler(name, fmt, kv, model_cfg, seed=cfg.seed + i,
-                              kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)))
+                              kernel=KernelConfig(act_dtype="float32", split_k=SPLIT_K.get(acc, 1)))
         for i, (name, acc, fmt, kv) in enumerate(groups)
     }
     env = load_environment(cfg.task)
@@ -130,8 +132,9 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig) -> ArmResult:
     for step in range(cfg.steps):
         version = max(0, step - cfg.lag)
         if version != serving:
-            for s in samplers.values():
-                s.load_weights(snapshots[version], version)
+            views = {fmt: precision_view(snapshots[version], VIEW_FORMATS[fmt]) for fmt in {g[2] for g in groups}}
+            for (name, _, fmt, _) in groups:
+                samplers[name].load_weights(snapshots[version], version, view=views[fmt])
             serving = version
         batch_prompts = [prompts.get(step * cfg.prompts + i) for i in range(cfg.prompts)]
         per_group: dict[str, list[tuple[int, int]]] = {name: [] for name in samplers}

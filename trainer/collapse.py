@@ -1,7 +1,7 @@
 """Collapse detector: watches method.md's precursors in the per-step metrics and decides an action.
 
-Signals (all compared with running baselines the detector keeps itself; a step that raises a signal
-does not update that signal's baseline, so a surge cannot hide itself):
+Signals (all compared with running baselines the detector keeps itself; after warmup a step that raises a
+signal does not update that signal's baseline, so a surge cannot hide itself):
 1. `reward_cliff`: reward falls more than max(cliff_abs, cliff_rel * |baseline|) below its EMA.
 2. `kl_surge` (fleet and per group): kl_k3 > kl_ratio x baseline AND oor_fraction > oor_ratio x
    baseline (method.md: "> 3x its running baseline (and oor_fraction > 10x)").
@@ -130,6 +130,10 @@ class CollapseDetector:
         self.quarantined = set(state["quarantined"])
 
     # -- helpers --
+    def _warming(self) -> bool:
+        """During warmup baselines always learn (nothing fires yet; early steps are not representative)."""
+        return self.steps_seen <= self.t.warmup_steps
+
     def _ema(self, key: str, value: float) -> None:
         if not math.isfinite(value):
             return
@@ -159,7 +163,7 @@ class CollapseDetector:
             if self._check("reward_cliff", raised):
                 alerts.append(Alert(step, "reward_cliff", reward, base or 0.0,
                                     message=f"reward {reward:.3f} fell below its running {base:.3f}"))
-            if not raised:
+            if not raised or self._warming():
                 self._ema("reward_mean", reward)
 
         # 2. KL surge with OOR surge, fleet-wide and per group
@@ -181,7 +185,7 @@ class CollapseDetector:
                 alerts.append(Alert(step, "kl_surge", kl, kl_base or 0.0, group=g or None,
                                     message=f"{'group ' + g if g else 'fleet'} KL {kl:.4g} > {t.kl_ratio}x "
                                     f"baseline {kl_base:.4g} with OOR {oor:.3g} > {t.oor_ratio}x {oor_base:.3g}"))
-            if not raised:
+            if not raised or self._warming():
                 self._ema(pre + "kl_k3", kl)
                 self._ema(pre + "oor_fraction", oor)
 
@@ -195,7 +199,7 @@ class CollapseDetector:
             if self._check(key, raised):
                 alerts.append(Alert(step, "tool_calls_stop", rate, base or 0.0,
                                     message=f"{key} {rate:.2f} (baseline {base:.2f})"))
-            if not raised:
+            if not raised or self._warming():
                 self._ema(key, rate)
 
         # 4. entropy collapse
@@ -211,7 +215,7 @@ class CollapseDetector:
             if self._check("grad_norm_spike", raised):
                 alerts.append(Alert(step, "grad_norm_spike", gn, base or 0.0,
                                     message=f"grad norm {gn:.3g} > {t.grad_ratio}x baseline {base:.3g}"))
-            if not raised:
+            if not raised or self._warming():
                 self._ema("grad_norm", gn)
 
         # 6. rho blow-up

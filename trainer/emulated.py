@@ -61,9 +61,10 @@ class EmulatedSampler:
         self.version = 0
         self.gen = torch.Generator().manual_seed(seed)
 
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int, view: dict[str, torch.Tensor] | None = None) -> None:
+        """`view`: the already fake-quantised weights of this group's format (shared between groups)."""
         with torch.no_grad():
-            self.model.load_state_dict(precision_view(weights, VIEW_FORMATS[self.weight_format]), strict=True)
+            self.model.load_state_dict(view if view is not None else precision_view(weights, VIEW_FORMATS[self.weight_format]), strict=True)
         self.version = int(version)
 
     @torch.no_grad()
@@ -77,11 +78,13 @@ class EmulatedSampler:
         n = len(requests)
         cap = max(len(r.input_ids) + r.max_new_tokens for r in requests)
         cache = self.model.new_cache(n, capacity=cap, kv_dtype=self.kv_dtype)
-        last = []
-        for b, r in enumerate(requests):  # ragged prompts: prefill row by row
-            logits = self.model(torch.tensor([r.input_ids]), cache, rows=torch.tensor([b]))
-            last.append(logits[0, -1])
-        logits = torch.stack(last)  # [B, V]
+        logits = torch.empty(n, self.model.config.vocab_size)
+        by_len: dict[int, list[int]] = {}
+        for b, r in enumerate(requests):  # ragged prompts: one batched prefill per prompt length
+            by_len.setdefault(len(r.input_ids), []).append(b)
+        for rows in by_len.values():
+            ids = torch.tensor([requests[b].input_ids for b in rows])
+            logits[rows] = self.model(ids, cache, rows=torch.tensor(rows))[:, -1]
         outs: list[dict[str, list]] = [{"ids": [], "lq": [], "lqs": [], "sid": [], "slq": []} for _ in range(n)]
         finish = ["length"] * n
         active = list(range(n))

@@ -175,6 +175,7 @@ def test_override_file_merges_and_adds_classes(tmp_path: Path, monkeypatch: pyte
         "  h100:\n    costPerGpuHour: 1.5\n    productLabels: [NVIDIA-H100-CUSTOM]\n"
         "  a100:\n    weightFormats:\n      nvfp4: {mode: degraded, flags: [--quantization, modelopt_fp4, --fp4-gemm-backend, marlin],"
         " note: Marlin W4A16}\n"
+        "  h200:\n    weightFormats: {mxfp4: null}\n"
         "  l4:\n    displayName: NVIDIA L4\n    productLabels: [NVIDIA-L4]\n    computeCapability: '8.9'\n"
         "    memoryGib: 24\n    weightFormats: {bf16: {}}\n    kvCacheDtypes: [auto]\n    costPerGpuHour: 0.7\n"
     )
@@ -186,6 +187,7 @@ def test_override_file_merges_and_adds_classes(tmp_path: Path, monkeypatch: pyte
     assert cat.get("h100").weight_formats["fp8"].flags[-1] == "deep_gemm"  # untouched fields kept
     assert check_group("a100", "nvfp4").mode == "degraded"  # an override can enable Marlin W4A16
     assert cat.get("l4").sm == "sm89" and "l4" in cat.names()
+    assert list(cat.get("h200").weight_formats) == ["bf16", "fp8"]  # null removed mxfp4
     monkeypatch.delenv(CATALOG_ENV)
     with pytest.raises(CatalogError, match="cannot run weightFormat nvfp4"):
         check_group("a100", "nvfp4")

@@ -222,3 +222,10 @@ def test_every_spec_field_is_documented() -> None:
 
     visit(RLJobSpec)
     assert missing == []
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("rljob*.yaml")), ids=lambda p: p.name)
+def test_every_example_rljob_is_valid(path: Path) -> None:
+    job = load_rljob(path)
+    assert job.name and len(job.spec.sampler_groups) >= 1
+    assert job.spec.local.steps <= 50  # examples double as quick local runs

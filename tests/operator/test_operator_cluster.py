@@ -81,10 +81,25 @@ def shared_volume(kube, namespace: str) -> None:
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
         "metadata": {"name": "rlfleet-weights", "namespace": namespace},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv["metadata"]["name"],
-                 "resources": {"requests": {"storage": "1Gi"}}},  # fmt: skip
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "volumeName": pv["metadata"]["name"],
+            "resources": {"requests": {"storage": "1Gi"}},
+        },  # fmt: skip
     }
-    kube.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]}))
+    kube.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]})
+    )
+
+
+def column(table: list[str], name: str, row: int = 1) -> str:
+    """The cell of a `kubectl get` table under the header `name` (cells may be empty)."""
+    header = table[0]
+    start = header.index(f"{name} ") if f"{name} " in header else header.index(name)
+    rest = header[start + len(name) :]
+    end = start + len(name) + (len(rest) - len(rest.lstrip())) if rest.strip() else None
+    return table[row][start:end].strip()
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5) -> Any:
@@ -255,7 +270,9 @@ def test_spec_update_group_removal_suspend_resume_and_deletion(
         job = wait_running(kube, namespace)
         assert get(kube, namespace, "deployment", f"{JOB}-h100-fp8")["spec"]["replicas"] == 2
         # the operator never wrote the spec: only the user's field managers own it
-        job = json.loads(kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "json", "--show-managed-fields").stdout)
+        job = json.loads(
+            kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "json", "--show-managed-fields").stdout
+        )
         managers = {
             m["manager"]
             for m in job["metadata"]["managedFields"]
@@ -337,3 +354,59 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(kube, crds, 
                 proc.wait(15)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_weightchannel_and_group_versions_from_a_real_store(
+    kube, crds, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem channel the operator can read: published versions and the sidecars' reports (written
+    here with the weights engineer's WeightChannel API, as the trainer and sync sidecars do) show up as
+    WeightChannel latestVersion/artifacts, SamplerGroup VERSION/LAG columns and the RLJob's weightVersion."""
+    from rlfleet.channel import SubscriberReport
+    from rlfleet.channel import WeightChannel as Channel
+    from rlfleet.store import FilesystemStore
+
+    store_dir = tmp_path / "channel"
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["metadata"]["name"] = "small"
+    manifest["spec"]["samplerGroups"] = [
+        {"name": "h100-fp8", "accelerator": "h100", "replicas": 1, "weightFormat": "fp8"},
+        {"name": "h200-bf16", "accelerator": "h200", "replicas": 1, "weightFormat": "bf16"},
+    ]
+    manifest["spec"]["weightChannel"]["store"] = {"type": "filesystem", "path": str(store_dir)}
+    channel = Channel(FilesystemStore(store_dir, create=True))
+    views = {}
+    for view in ("bf16", "fp8"):
+        d = tmp_path / "views" / view
+        d.mkdir(parents=True)
+        (d / "config.json").write_text(json.dumps({"view": view}))
+        views[view] = d
+    channel.publish(views, version=1)
+    with operator(kube, namespace, monkeypatch):
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+
+        def wc_status() -> dict | None:
+            status = (get(kube, namespace, "wc", "small-weights") or {}).get("status", {})
+            return status if status.get("latestVersion") == 2 and status.get("groups") else None
+
+        channel.publish(views, version=2)
+        channel.report(
+            SubscriberReport(
+                group="small-h100-fp8", replica="pod-a", view="fp8", applied_version=1, in_use=[1]
+            )
+        )
+        status = wait_for("channel status", wc_status)
+        assert status["phase"] == "Ready" and {a["view"] for a in status["artifacts"]} == {"bf16", "fp8"}
+        assert all(a["version"] == 2 and len(a["sha256"]) == 64 for a in status["artifacts"])
+        assert {"group": "small-h100-fp8", "view": "fp8", "appliedVersion": 1, "lag": 1} in status["groups"]
+        sg = wait_for(
+            "group version", lambda: (get(kube, namespace, "sg", "small-h100-fp8") or {}).get("status", {}).get("versionLag") == 1
+            and get(kube, namespace, "sg", "small-h100-fp8")["status"]
+        )  # fmt: skip
+        assert sg["appliedWeightVersion"] == 1
+        table = kube.kubectl("get", "sg", "small-h100-fp8", "-n", namespace).stdout.splitlines()
+        assert column(table, "VERSION") == "1" and column(table, "LAG") == "1" and column(table, "WEIGHTS") == "fp8"
+        wait_for(
+            "job weight version",
+            lambda: get(kube, namespace, "rlj", "small")["status"].get("weightVersion") == 2,
+        )

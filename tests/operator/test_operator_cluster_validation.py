@@ -73,7 +73,9 @@ def test_crds_install_and_example_is_accepted_with_defaults(kube, crds, namespac
     first = kube.get_json("rljob", "gitops", "-n", namespace)["metadata"]["resourceVersion"]
     kube.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(gitops))
     assert kube.get_json("rljob", "gitops", "-n", namespace)["metadata"]["resourceVersion"] == first
-    diff = kube.kubectl("diff", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(gitops), check=False)
+    diff = kube.kubectl(
+        "diff", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(gitops), check=False
+    )
     assert diff.returncode == 0, diff.stdout + diff.stderr
 
 
@@ -103,3 +105,38 @@ def test_samplergroup_crd_rejects_what_the_class_cannot_run(kube, crds, namespac
     assert result.returncode != 0 and "native NVFP4 needs Blackwell" in result.stderr
     sg["spec"]["weightFormat"] = "fp8"
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg))
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("rljob*.yaml")), ids=lambda p: p.name)
+def test_every_example_passes_server_side_validation(kube, crds, namespace: str, path: Path) -> None:
+    result = kube.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path), check=False)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.slow
+def test_crd_cel_matches_the_catalog_for_every_class_format_kv(kube, crds, namespace: str) -> None:
+    """All 6 x 4 x 6 SamplerGroups, server-side dry run: the API server accepts exactly what the catalog runs."""
+    import itertools
+
+    from rlfleet.api import KV_CACHE_DTYPES, WEIGHT_FORMATS
+    from rlfleet.catalog import CatalogError, check_group, load_catalog
+
+    catalog = load_catalog(None)
+    expected, items = {}, []
+    for i, (cls, fmt, kv) in enumerate(itertools.product(catalog.names(), WEIGHT_FORMATS, KV_CACHE_DTYPES)):
+        name = f"combo-{i:03d}"
+        try:
+            check_group(cls, fmt, kv, catalog=catalog)
+            expected[name] = True
+        except CatalogError:
+            expected[name] = False
+        items.append({"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup", "metadata": {"name": name},
+                      "spec": {"name": "g", "accelerator": cls, "weightFormat": fmt, "kvCacheDtype": kv,
+                               "model": {"name": "m", "path": "p"}}})  # fmt: skip
+    result = kube.kubectl(
+        "apply", "--dry-run=server", "-n", namespace, "-f", "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
+    )  # fmt: skip
+    accepted = {line.split("/")[1].split()[0] for line in result.stdout.splitlines() if "created" in line}
+    assert len(expected) == 144 and sum(expected.values()) == len(accepted) > 0
+    assert {n for n, ok in expected.items() if ok} == accepted

@@ -79,6 +79,9 @@ def test_suspended_quarantined_and_deadline() -> None:
     assert s["phase"] == "Suspended" and s["ready"] == "0/0" and conds(s)["Progressing"]["status"] == "False"
     s = st.samplergroup_status(sg(quarantined=True), deployment(2, 2), CATALOG, now=T0)
     assert s["phase"] == "Quarantined" and conds(s)["Ready"]["status"] == "True"
+    # quarantined by the rebalancer / collapse detector (its status field), spec untouched
+    s = st.samplergroup_status(sg() | {"status": {"quarantined": True}}, deployment(2, 2), CATALOG, now=T0)
+    assert s["phase"] == "Quarantined"
     stalled = [
         {
             "type": "Progressing",
@@ -257,3 +260,25 @@ def test_status_apply_body() -> None:
     )
     assert body == {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
                     "metadata": {"name": "job-g", "namespace": "ns"}, "status": {"phase": "Running"}}  # fmt: skip
+
+
+def test_webhook_admission_message_uses_the_runtime_catalog(monkeypatch, tmp_path) -> None:
+    """The webhook's decision function: valid -> None; what the catalog in effect cannot run -> the message."""
+    import copy
+    from pathlib import Path
+
+    import yaml
+    from rlfleet.operator.webhook import admission_message
+
+    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml").read_text())
+    assert admission_message("RLJob", example) is None
+    catalog = tmp_path / "catalog.yaml"
+    catalog.write_text("classes:\n  h100:\n    weightFormats: {fp8: null}\n")
+    monkeypatch.setenv("RLFLEET_CATALOG", str(catalog))
+    message = admission_message("RLJob", copy.deepcopy(example))
+    assert message is not None and "accelerator h100 (sm90) cannot run weightFormat fp8" in message
+    sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup", "metadata": {"name": "x"},
+          "spec": {"name": "g", "accelerator": "h100", "weightFormat": "bf16", "model": {"name": "m", "path": "p"}}}  # fmt: skip
+    assert admission_message("SamplerGroup", sg) is None
+    sg["spec"]["weightFormat"] = "fp8"
+    assert "cannot run weightFormat fp8" in admission_message("SamplerGroup", sg)

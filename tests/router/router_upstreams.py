@@ -37,6 +37,8 @@ class UpstreamState:
     weight_version: int = 0
     fail_status: int | None = None  # answer every /generate with this status (e.g. 503)
     check_min_version: bool = False  # answer 409 to X-Min-Weight-Version above the served version
+    api_key: str | None = None  # like SGLang --api-key: /generate and /model_info need the bearer token
+    authorizations: list[str] = field(default_factory=list)
     sessions: list[str] = field(default_factory=list)
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens)
 
@@ -72,6 +74,9 @@ def make_app(state: UpstreamState) -> web.Application:
     registry.register(_Counters(state, clock))
 
     async def generate(request: web.Request) -> web.Response:
+        state.authorizations.append(request.headers.get("Authorization", ""))
+        if state.api_key and request.headers.get("Authorization") != f"Bearer {state.api_key}":
+            return web.json_response({"error": {"message": "unauthorized"}}, status=401)
         body = await request.json()
         state.sessions.append(request.headers.get("X-Session-Id", ""))
         if state.fail_status is not None:
@@ -128,6 +133,8 @@ def make_app(state: UpstreamState) -> web.Application:
         return web.Response(text="ok")
 
     async def model_info(request: web.Request) -> web.Response:
+        if state.api_key and request.headers.get("Authorization") != f"Bearer {state.api_key}":
+            return web.json_response({"error": {"message": "unauthorized"}}, status=401)
         return web.json_response({"model_path": "tiny", "weight_version": str(state.weight_version)})
 
     app = web.Application()

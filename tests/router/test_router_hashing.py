@@ -28,7 +28,7 @@ def moved_fraction(a: list[str | None], b: list[str | None]) -> float:
     return sum(x != y for x, y in zip(a, b, strict=True)) / len(a)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(weights_strategy)
 def test_each_group_gets_its_share_of_sessions(weights: dict[str, float]) -> None:
     assignment = assign(weights)
@@ -39,14 +39,14 @@ def test_each_group_gets_its_share_of_sessions(weights: dict[str, float]) -> Non
         assert abs(observed - share) <= 4.5 * math.sqrt(share * (1 - share) / N_KEYS) + 1e-9, (name, observed, share)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(weights_strategy, st.floats(min_value=0.01, max_value=100.0))
 def test_scaling_all_weights_moves_nothing(weights: dict[str, float], factor: float) -> None:
     scaled = {m: w * factor for m, w in weights.items()}
     assert assign(weights) == assign(scaled)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(weights_strategy, st.data())
 def test_changing_one_weight_moves_at_most_delta_plus_2_percent_and_only_through_that_group(
     weights: dict[str, float], data: st.DataObject
@@ -63,7 +63,7 @@ def test_changing_one_weight_moves_at_most_delta_plus_2_percent_and_only_through
             assert changed in (old, new)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(weights_strategy, st.data())
 def test_any_weight_change_moves_the_p_minhash_optimum(weights: dict[str, float], data: st.DataObject) -> None:
     """Several weights at once: the exact expectation is 1 - J_P, between TV and 2 TV / (1 + TV)."""

@@ -241,6 +241,26 @@ async def test_a_replica_that_answers_409_itself_is_retried_on_a_sibling(fleet: 
     assert plain.status == 409 and plain.headers["X-RLFleet-Attempts"] == "1"
 
 
+async def test_data_plane_key_is_required_and_presented_to_replicas(fleet: Fleet, tmp_path) -> None:
+    key_file = tmp_path / "api-key"
+    key_file.write_text("data-key\n")
+    await fleet.start({"g": 1}, config_extra={"api_key_file": str(key_file)}, api_key="data-key", weight_version=4)
+    await fleet.router.check_health_once()  # /model_info needs the key too
+    assert fleet.router.table.groups["g"].replicas[fleet.upstreams["g"][0].url].weight_version == 4
+    assert (await fleet.generate("s")).status == 401
+    assert (await fleet.generate("s", headers={"Authorization": "Bearer nope"})).status == 401
+    ok = await fleet.generate("s", headers={"Authorization": "Bearer data-key"})
+    assert ok.status == 200
+    upstream = fleet.upstreams["g"][0].state
+    assert upstream.authorizations == ["Bearer data-key"]  # only the authorised request got through
+
+
+async def test_without_a_data_plane_key_the_clients_authorization_passes_through(fleet: Fleet) -> None:
+    await fleet.start({"g": 1}, api_key="sglang-key")
+    assert (await fleet.generate("s")).status == 401  # the replica's own answer
+    assert (await fleet.generate("s", headers={"Authorization": "Bearer sglang-key"})).status == 200
+
+
 async def test_streaming_is_passed_through(fleet: Fleet) -> None:
     await fleet.start({"g": 1})
     response = await fleet.http.post(

@@ -484,8 +484,8 @@ def test_diff_stays_clean_after_the_operator_reconciled(kube, operator_as_servic
 
 def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_path: Path) -> None:
     """Two operators with the chart's peering arguments (namespace mode: a KopfPeering in the watched
-    namespace): distinct auto priorities, the lower one pauses; when the active one stops, the standby
-    resumes and reconciles."""
+    namespace): distinct auto priorities, only the higher one works; when it stops, the standby resumes
+    and reconciles."""
     from rlfleet.operator.main import auto_priority
 
     jobs = unique("ha")
@@ -497,26 +497,32 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
             names = [f"{chart['release']}-rlfleet-5c8d7-{suffix}" for suffix in ("abcde", "vwxyz")]
             names.sort(key=auto_priority)  # [standby, active]
             assert auto_priority(names[0]) != auto_priority(names[1])
-            standby, standby_log = start_operator(chart, kubeconfig, names[0], (free_port(), free_port()))
-            active, active_log = start_operator(chart, kubeconfig, names[1], (free_port(), free_port()))
-            try:
-                def peers() -> dict[str, Any]:
-                    obj = kube.get_json("kopfpeering", chart["release"], "-n", jobs)
-                    return {k: v for k, v in (obj.get("status") or {}).items() if v}
+            def peers() -> dict[str, Any]:
+                obj = kube.get_json("kopfpeering", chart["release"], "-n", jobs)
+                return {k: v for k, v in (obj.get("status") or {}).items() if v}
 
+            # the active replica first, then a standby joins (as in a rollout); simultaneous starts are
+            # left to kopf
+            active, active_log = start_operator(chart, kubeconfig, names[1], (free_port(), free_port()))
+            standby = None
+            try:
+                wait_for("the first replica in the KopfPeering", lambda: names[1] in peers(), timeout=60)
+                standby, standby_log = start_operator(chart, kubeconfig, names[0], (free_port(), free_port()))
                 wait_for("both replicas in the KopfPeering", lambda: set(peers()) == set(names), timeout=60)
                 assert {peers()[n]["priority"] for n in names} == {auto_priority(n) for n in names}
-                wait_for("the lower-priority replica to pause",
-                         lambda: "Pausing operations in favour of" in standby_log.read_text(), timeout=60)
-                assert "Pausing operations" not in active_log.read_text()
-
+                # kopf starts paused until it has seen the peers: the active replica resumes, the standby
+                # (a live peer of higher priority exists) never does
+                wait_for("the higher-priority replica to resume",
+                         lambda: "Resuming operations" in active_log.read_text(), timeout=60)
                 kube.kubectl("apply", "--server-side", "-n", jobs, "-f", str(EXAMPLE))
                 job = yaml.safe_load(EXAMPLE.read_text())
                 groups = job["spec"]["samplerGroups"]
                 wait_for("children by the active replica",
                          lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups), timeout=90)
-                assert "Handler 'reconcile_rljob' succeeded" in active_log.read_text()
+                wait_for("the active replica's handler to finish",
+                         lambda: "Handler 'reconcile_rljob' succeeded" in active_log.read_text(), timeout=30)
                 assert "Handler 'reconcile_rljob'" not in standby_log.read_text()
+                assert "Resuming operations" not in standby_log.read_text()
 
                 stop_operator(active)  # a clean stop removes its keep-alive from the peering
                 wait_for("the standby to resume",
@@ -525,10 +531,12 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
                              "-p", json.dumps([{"op": "remove", "path": f"/spec/samplerGroups/{len(groups) - 1}"}]))
                 wait_for("the former standby to reconcile the change",
                          lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups) - 1, timeout=60)
-                assert "Handler 'reconcile_rljob' succeeded" in standby_log.read_text()
+                wait_for("the former standby's handler to finish",
+                         lambda: "Handler 'reconcile_rljob' succeeded" in standby_log.read_text(), timeout=30)
                 assert standby.poll() is None
             finally:
                 stop_operator(active)
-                stop_operator(standby)
+                if standby is not None:
+                    stop_operator(standby)
     finally:
         kube.kubectl("delete", "namespace", jobs, "--wait=false", check=False)

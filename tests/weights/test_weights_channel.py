@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from rlfleet.channel import (
@@ -278,3 +280,55 @@ def test_group_versions_ignores_stale_replicas() -> None:
     assert (with_stale.applied_version, with_stale.lag) == (2, 7)
     [fresh_only] = group_versions(reports, 9, stale_after_seconds=60, now=now)
     assert (fresh_only.applied_version, fresh_only.lag, fresh_only.replicas) == (7, 2, {"a": 7})
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("publish"), st.integers(0, 3)),  # 0: next number, else explicit latest + n
+            st.tuples(st.just("report"), st.integers(0, 2), st.integers(0, 50)),  # replica, which version
+            st.tuples(st.just("retain"), st.integers(1, 3)),  # keep
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_property_publish_report_retain_invariants(ops: list[tuple], tmp_path: Path) -> None:
+    """Any sequence of publishes, subscriber reports and retention keeps: the pointer at the highest
+    published version, versions strictly increasing, the newest `keep` and every reported version
+    present and verifiable, and nothing deleted that is still listed. (fsync off: invariants only.)"""
+    import uuid
+
+    root = tmp_path / uuid.uuid4().hex
+    store = FilesystemStore(root, create=True, fsync=False)
+    channel = WeightChannel(store)
+    view = make_view(root.parent / f"{root.name}-view" / "bf16", "bf16", "p", rows=2)
+    published: list[int] = []
+    in_use: dict[int, int] = {}
+    for op in ops:
+        if op[0] == "publish":
+            explicit = None if op[1] == 0 else (published[-1] if published else -1) + op[1]
+            result = channel.publish({"bf16": view}, version=explicit)
+            assert result.advanced and result.version > (published[-1] if published else -1)
+            if explicit is not None:
+                assert result.version == explicit
+            published.append(result.version)
+        elif op[0] == "report" and published:
+            version = published[op[2] % len(published)]
+            if version in channel.versions():  # a replica can only be using a version that exists
+                in_use[op[1]] = version
+                channel.report(SubscriberReport("g", f"r{op[1]}", "bf16", version, [version]))
+        elif op[0] == "retain":
+            before = channel.versions()
+            deleted = channel.retain(keep=op[1])
+            remaining = channel.versions()
+            assert not set(deleted) & set(remaining)
+            assert set(before[-op[1] :]) <= set(remaining)  # the newest `keep` survive
+            assert set(in_use.values()) <= set(remaining)  # so does every reported version
+            assert set(before) - set(remaining) == set(deleted)
+        if published:
+            pointer = channel.latest()
+            assert pointer is not None and pointer.version == published[-1]
+    for version in channel.versions():
+        channel.download_view(version, "bf16", tmp_path / "dl" / uuid.uuid4().hex)  # verifies every sha256

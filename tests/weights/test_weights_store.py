@@ -184,3 +184,32 @@ def test_put_file_move_renames_on_the_same_filesystem(any_store: Store, tmp_path
     if isinstance(any_store, FilesystemStore):
         assert not src.exists()  # renamed, not copied
         assert ".staging" not in " ".join(any_store.list(""))  # staging is invisible to readers
+
+
+def test_filesystem_write_survives_a_concurrent_prune_of_its_directory(tmp_path: Path) -> None:
+    """`delete` prunes empty parent directories; a writer that just created the directory must not
+    fail when a concurrent delete removes it before the file lands (simulated deterministically:
+    the directory vanishes right after the first mkdir, as if retention pruned `claims/`)."""
+
+    class PrunedOnce(FilesystemStore):
+        pruned = 0
+
+        def _mkdirs(self, directory: Path) -> None:
+            super()._mkdirs(directory)
+            if self.pruned < 1 and not any(directory.iterdir()):
+                self.pruned += 1
+                directory.rmdir()  # what a concurrent `delete` of the dir's last entry does
+
+    store = PrunedOnce(tmp_path / "s", create=True)
+    assert store.create("claims/v4", b"me")
+    assert store.pruned == 1 and store.get("claims/v4") == b"me"
+    src = tmp_path / "f.bin"
+    src.write_bytes(b"abc")
+    store2 = PrunedOnce(tmp_path / "s2", create=True)
+    assert store2.put_file("claims/x", src).bytes == 3  # the copy path retries too
+    staged = store2.staging_dir() / "f.bin"  # type: ignore[operator]
+    staged.write_bytes(b"defg")
+    store3 = PrunedOnce(tmp_path / "s2")
+    assert store3.put_file("claims/y/z", staged, move=True).bytes == 4  # and the rename path
+    assert store3.pruned == 1 and not staged.exists()
+    assert store2.get("claims/x") == b"abc" and store2.get("claims/y/z") == b"defg"

@@ -220,6 +220,24 @@ async def _get_metrics(syncer: Syncer) -> bytes:
         await runner.cleanup()
 
 
+async def test_engine_restart_is_detected_and_reapplied(engine: RecordingEngine, tmp_path: Path) -> None:
+    """The engine container restarts with its initial weights: the sidecar notices (/model_info
+    weight_version) and brings it back to the pointer instead of believing its own bookkeeping."""
+    store = FilesystemStore(tmp_path / "store", create=True)
+    publisher = WeightPublisher(store, views=["fp8"])
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        syncer = make_syncer(store, engine, client, tmp_path)
+        publisher.publish(tiny_state(1))
+        publisher.publish(tiny_state(2))
+        assert await syncer.reconcile_once() and engine.version == "1"
+        engine.version, engine.weights = "0", None  # restarted with --weight-version 0
+        assert await syncer.reconcile_once() is True
+        assert engine.version == "1" and engine.weights is not None
+        assert syncer.state.applied_version == 1
+        disk = [b["weight_version"] for p, b in engine.requests if p == "/update_weights_from_disk"]
+        assert disk == ["1", "1"]
+
+
 async def test_engine_failure_keeps_old_version_then_retries(engine: RecordingEngine, tmp_path: Path) -> None:
     store = FilesystemStore(tmp_path / "store", create=True)
     publisher = WeightPublisher(store, views=["fp8"])
