@@ -235,6 +235,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.execution.max_workers = 4
     # Our kinds are fixed: no CRD scanning (saves a cluster-wide list/watch on CRDs in RBAC).
     settings.scanning.disabled = True
+    # HA: how long a silent peer still counts as alive (a standby takes over after at most this).
+    settings.peering.lifetime = int(os.environ.get("RLFLEET_PEERING_LIFETIME", "60"))
 
 
 @kopf.on.login()
@@ -407,25 +409,71 @@ async def _refresh_samplergroup_status(
 # --- children events -> parent status ----------------------------------------------------------------------
 
 
+def _alive(obj: Mapping[str, Any] | None) -> bool:
+    return obj is not None and not obj["metadata"].get("deletionTimestamp")
+
+
+async def heal_job(namespace: str, name: str, view: View) -> None:
+    """A child of a live job was deleted by someone else: apply the job's children again."""
+    job = view.one(view.rljobs, (namespace, name))
+    if _alive(job):
+        log.warning("child of RLJob %s/%s deleted: re-applying its children", namespace, name)
+        await _coalesced("RLJob-heal", namespace, name, lambda: _heal_job(namespace, job, view))
+
+
+async def _heal_job(namespace: str, job: dict[str, Any], view: View) -> None:
+    try:
+        await reconcile_job(copy.deepcopy(job), namespace, view)
+    except kopf.PermanentError:
+        pass
+
+
+async def heal_samplergroup(namespace: str, name: str, view: View) -> None:
+    """The Deployment of a live SamplerGroup was deleted: apply it again."""
+    raw = view.one(view.samplergroups, (namespace, name))
+    if not _alive(raw):
+        return
+    sg = SamplerGroup.from_manifest(copy.deepcopy(raw))
+    wc = (
+        view.one(view.weightchannels, (namespace, sg.spec.weight_channel)) if sg.spec.weight_channel else None
+    )
+    store = StoreSpec.model_validate(wc["spec"]["store"]) if wc else None
+    log.warning("Deployment of SamplerGroup %s/%s deleted: re-applying it", namespace, name)
+    for child in builders.build_samplergroup_children(sg, namespace, raw, get_catalog(), store):
+        await kube.api().apply(child)
+
+
 @kopf.on.event("apps", "v1", "deployments", labels=SAMPLER_LABELS)
-async def sampler_deployment_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+async def sampler_deployment_event(body: kopf.Body, namespace: str, type: str | None, **kwargs: Any) -> None:
     sg_name = body.get("metadata", {}).get("labels", {}).get(n.LABEL_SAMPLERGROUP)
     if sg_name:
-        await _quietly(refresh_samplergroup_status(namespace, sg_name, View.of(kwargs)))
+        view = View.of(kwargs)
+        if type == "DELETED":
+            await _quietly(heal_samplergroup(namespace, sg_name, view))
+        await _quietly(refresh_samplergroup_status(namespace, sg_name, view))
 
 
 @kopf.on.event(GROUP, VERSION, "samplergroups")
-async def samplergroup_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+async def samplergroup_event(body: kopf.Body, namespace: str, type: str | None, **kwargs: Any) -> None:
     job = body.get("spec", {}).get("jobName")
     if job:
-        await _quietly(refresh_job_status(namespace, job, View.of(kwargs)))
+        view = View.of(kwargs)
+        if type == "DELETED":
+            job_body = view.one(view.rljobs, (namespace, job))
+            wanted = {g.get("name") for g in (job_body or {}).get("spec", {}).get("samplerGroups", [])}
+            if body.get("spec", {}).get("name") in wanted and _owned_by(body, job_body or {"metadata": {}}):
+                await _quietly(heal_job(namespace, job, view))
+        await _quietly(refresh_job_status(namespace, job, view))
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=TRAINER_LABELS)
-async def trainer_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+async def trainer_event(body: kopf.Body, namespace: str, type: str | None, **kwargs: Any) -> None:
     job = body.get("metadata", {}).get("labels", {}).get(n.LABEL_JOB)
     if job:
-        await _quietly(refresh_job_status(namespace, job, View.of(kwargs)))
+        view = View.of(kwargs)
+        if type == "DELETED":
+            await _quietly(heal_job(namespace, job, view))
+        await _quietly(refresh_job_status(namespace, job, view))
 
 
 @kopf.timer(GROUP, VERSION, "rljobs", interval=JOB_STATUS_INTERVAL, initial_delay=JOB_STATUS_INTERVAL)

@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask replay)
     "pg": ("pg", False),
@@ -93,8 +92,6 @@ class _Position:
 def run_arm(arm: str, fleet: str, cfg: AblationConfig) -> ArmResult:
     import numpy as np
     import torch
-
-    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, precision_view
     from rlfleet.router.hashing import pick
     from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
     from rlfleet.trainer.collapse import CollapseDetector
@@ -105,6 +102,8 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig) -> ArmResult:
     from rlfleet.trainer.objective import ObjectiveConfig
     from rlfleet.trainer.prompts import GeneratedPromptSource
     from rlfleet.trainer.rollout import PromptGroup, Rollout
+
+    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, precision_view
 
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)

@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from rlfleet.trainer.backend_torch import OptimConfig, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss
@@ -183,7 +182,7 @@ def merge_loss_outputs(outs: list[LossOutput]) -> LossOutput:
             per_group.setdefault(g, []).append(m)
         for b, m in o.per_staleness.items():
             per_stale.setdefault(b, []).append(m)
-    loss_sum = sum(float(o.loss_sum) if o.loss_sum is not None else 0.0 for o in outs)
+    loss_sum = sum(float(o.loss_sum.detach()) if o.loss_sum is not None else 0.0 for o in outs)
     n_valid = sum(o.num_valid_tokens for o in outs)
     return LossOutput(
         loss=torch.tensor(loss_sum / max(n_valid, 1)),
@@ -234,7 +233,11 @@ def _megatron() -> Any:
     try:
         import megatron.core as mcore  # noqa: F401
         from megatron.core import parallel_state, tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -274,10 +274,7 @@ def run_local(
 ) -> dict[str, Any]:
     """Run (or resume) the local job; returns the summary written to the report."""
     import torch
-
-    from rlfleet.numerics.tinygpt import TinyGPTConfig
     from rlfleet.sampler.client import SamplerClient
-    from rlfleet.store import open_store
     from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
@@ -288,6 +285,9 @@ def run_local(
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.report import write_report
     from rlfleet.trainer.rollout import RolloutDriver
+
+    from rlfleet.numerics.tinygpt import TinyGPTConfig
+    from rlfleet.store import open_store
 
     stop = stop or threading.Event()
     ckpt_dir, channel_dir, report_dir = out / "checkpoints", out / "channel", out / "report"

@@ -217,6 +217,23 @@ def test_example_job_creates_a_placed_ready_fleet(
             scale["spec"]["replicas"] == 1
             and scale["status"]["selector"] == f"rlfleet.dev/samplergroup={JOB}-h100-fp8"
         )
+        # self-healing: children deleted behind the operator's back come back
+        old_uid = get(kube, namespace, "sg", f"{JOB}-h200-fp8")["metadata"]["uid"]
+        kube.kubectl(
+            "delete", "-n", namespace, f"deployment/{JOB}-a100-bf16", f"sg/{JOB}-h200-fp8", "--wait=false"
+        )
+        wait_for("a100 Deployment re-created", lambda: get(kube, namespace, "deployment", f"{JOB}-a100-bf16"))
+        wait_for(
+            "h200-fp8 SamplerGroup re-created",
+            lambda: (
+                (get(kube, namespace, "sg", f"{JOB}-h200-fp8") or {"metadata": {"uid": old_uid}})["metadata"][
+                    "uid"
+                ]
+                != old_uid
+            ),
+        )
+        wait_for("h200-fp8 Deployment back", lambda: get(kube, namespace, "deployment", f"{JOB}-h200-fp8"))
+        wait_running(kube, namespace)
         # events on transitions
         events = get(kube, namespace, "events")["items"]
         assert any(e["reason"] == "PhaseRunning" and e["involvedObject"]["kind"] == "RLJob" for e in events)
@@ -405,8 +422,70 @@ def test_weightchannel_and_group_versions_from_a_real_store(
         )  # fmt: skip
         assert sg["appliedWeightVersion"] == 1
         table = kube.kubectl("get", "sg", "small-h100-fp8", "-n", namespace).stdout.splitlines()
-        assert column(table, "VERSION") == "1" and column(table, "LAG") == "1" and column(table, "WEIGHTS") == "fp8"
+        assert (
+            column(table, "VERSION") == "1"
+            and column(table, "LAG") == "1"
+            and column(table, "WEIGHTS") == "fp8"
+        )
         wait_for(
             "job weight version",
             lambda: get(kube, namespace, "rlj", "small")["status"].get("weightVersion") == 2,
         )
+
+
+def test_ha_peering_standby_takes_over(kube, crds, namespace: str) -> None:
+    """Two operators in one kopf peering (distinct priorities): the standby stays passive while the leader
+    lives and takes over after the leader is killed."""
+    kube.kubectl(
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        str(REPO / "charts" / "rlfleet" / "crds" / "kopf.dev_peerings.yaml"),
+    )
+    kube.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=60s")
+    kube.kubectl("apply", "-n", namespace, "-f", "-",
+                 input=json.dumps({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlfleet"}}))  # fmt: skip
+    shared_volume(kube, namespace)
+    manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
+
+    def start(priority: int) -> subprocess.Popen:
+        env = {**kube.env(), "RLFLEET_PEERING_LIFETIME": "6"}
+        return subprocess.Popen(
+            [str(Path(sys.executable).parent / "rlfleet"), "operator", "run", "--namespace", namespace,
+             "--kubeconfig", str(kube.kubeconfig), "--peering", "rlfleet", "--priority", str(priority)],  # fmt: skip
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+
+    leader, standby = start(200), start(100)
+    try:
+        wait_for(
+            "both peers announced",
+            lambda: len((get(kube, namespace, "kopfpeering", "rlfleet") or {}).get("status", {}) or {}) >= 2,
+        )
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        wait_for(
+            "small job Running",
+            lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
+        )
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait(10)
+        manifest["spec"]["samplerGroups"][0]["replicas"] = 2
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        # the standby notices the leader is gone (lifetime 6 s) and reconciles the change
+        wait_for(
+            "standby reconciled the update",
+            lambda: (
+                (get(kube, namespace, "deployment", "small-h200-fp8") or {}).get("spec", {}).get("replicas")
+                == 2
+            ),
+            timeout=90,
+        )
+    finally:
+        for proc in (leader, standby):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)

@@ -130,3 +130,17 @@ async def test_push_to_router_sets_replicas_quarantine_and_shares(monkeypatch) -
     finally:
         await runner.cleanup()
         await router.close()
+
+
+def test_the_operators_router_config_is_a_valid_router_config() -> None:
+    """Contract with operator/builders.py: the ConfigMap it writes is what `rlfleet router serve` reads."""
+    from pathlib import Path
+
+    from rlfleet.operator import builders
+
+    from rlfleet.api import load_rljob
+
+    job = load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml")
+    config = RouterConfig.model_validate(builders.router_config(job, "ns"))
+    assert [g.name for g in config.groups] == [g.name for g in job.spec.sampler_groups]
+    assert config.admin_token_file and all(len(g.replicas) == 1 for g in config.groups)

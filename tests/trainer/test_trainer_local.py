@@ -9,12 +9,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-
 from rlfleet.trainer import local
 
 REPO = Path(__file__).resolve().parents[2]

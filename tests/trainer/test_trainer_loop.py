@@ -9,10 +9,7 @@ import collections
 import threading
 
 import numpy as np
-import pytest
 import torch
-
-from rlfleet.numerics.tinygpt import TinyGPTConfig
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
 from rlfleet.trainer.batching import flatten_groups
@@ -23,6 +20,8 @@ from rlfleet.trainer.loop import LoopConfig, TrainingLoop, split_by_staleness
 from rlfleet.trainer.objective import ObjectiveConfig
 from rlfleet.trainer.prompts import GeneratedPromptSource
 from rlfleet.trainer.rollout import RolloutDriver
+
+from rlfleet.numerics.tinygpt import TinyGPTConfig
 
 CFG = TinyGPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=32, max_seq_len=48, seed=0)
 GROUPS = [("g-bf16", "bf16", "auto"), ("g-nvfp4", "nvfp4", "fp8_e4m3")]
@@ -124,7 +123,7 @@ def test_tokens_trained_on_are_exactly_the_tokens_sampled(tmp_path):
         # turn k was generated from exactly the ids of the trajectory so far (no re-tokenisation)
         seq = r.token_ids()
         pos = len(r.prompt.input_ids)
-        for turn, env_ids in zip(r.turns, r.env_ids):
+        for turn, env_ids in zip(r.turns, r.env_ids, strict=True):
             assert np.array_equal(np.asarray(turn.prompt_ids), seq[:pos])
             pos += turn.num_tokens + len(env_ids)
         # environment tokens are context, never trained on

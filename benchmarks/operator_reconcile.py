@@ -1,6 +1,6 @@
 """Operator reconcile latency against the real control plane (etcd + kube-apiserver + controllers + kwok).
 
-    .venv/bin/python benchmarks/operator.py [--repeats 3] [--jobs 20] [--attach WORKDIR]
+    .venv/bin/python benchmarks/operator_reconcile.py [--repeats 3] [--jobs 20] [--attach WORKDIR]
 
 1. The reference job (examples/rljob.yaml), `--repeats` times in fresh namespaces: time from `apply`
    to (a) every child object existing (ConfigMap, WeightChannel, trainer StatefulSet + Service, router
