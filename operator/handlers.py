@@ -38,9 +38,10 @@ from rlfleet.catalog import CatalogError, get_catalog
 
 log = logging.getLogger("rlfleet.operator")
 
-# Status refresh intervals of the safety-net timers (events do the fast path).
+# Status refresh intervals of the safety-net timers (events do the fast path). No timer on SamplerGroups:
+# kopf puts a finalizer on every object with a timer, and a group's status follows its Deployment's
+# events; the job timer re-checks the job's roll-up.
 JOB_STATUS_INTERVAL = float(os.environ.get("RLFLEET_JOB_STATUS_INTERVAL", "30"))
-GROUP_STATUS_INTERVAL = float(os.environ.get("RLFLEET_GROUP_STATUS_INTERVAL", "60"))
 CHANNEL_STATUS_INTERVAL = float(os.environ.get("RLFLEET_CHANNEL_STATUS_INTERVAL", "10"))
 
 SAMPLER_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "sampler"}
@@ -479,13 +480,6 @@ async def trainer_event(body: kopf.Body, namespace: str, type: str | None, **kwa
 @kopf.timer(GROUP, VERSION, "rljobs", interval=JOB_STATUS_INTERVAL, initial_delay=JOB_STATUS_INTERVAL)
 async def rljob_status_timer(name: str, namespace: str, **kwargs: Any) -> None:
     await _quietly(refresh_job_status(namespace, name, View.of(kwargs)))
-
-
-@kopf.timer(
-    GROUP, VERSION, "samplergroups", interval=GROUP_STATUS_INTERVAL, initial_delay=GROUP_STATUS_INTERVAL
-)
-async def samplergroup_status_timer(name: str, namespace: str, **kwargs: Any) -> None:
-    await _quietly(refresh_samplergroup_status(namespace, name, View.of(kwargs)))
 
 
 # --- WeightChannel status from the store ---------------------------------------------------------------------

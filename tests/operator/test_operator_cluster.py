@@ -433,7 +433,7 @@ def test_weightchannel_and_group_versions_from_a_real_store(
         )
 
 
-def test_ha_peering_standby_takes_over(kube, crds, namespace: str) -> None:
+def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Path) -> None:
     """Two operators in one kopf peering (distinct priorities): the standby stays passive while the leader
     lives and takes over after the leader is killed."""
     kube.kubectl(
@@ -449,12 +449,16 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str) -> None:
     shared_volume(kube, namespace)
     manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
 
+    logs = {}
+
     def start(priority: int) -> subprocess.Popen:
         env = {**kube.env(), "RLFLEET_PEERING_LIFETIME": "6"}
+        logs[priority] = open(tmp_path / f"operator-{priority}.log", "w")  # noqa: SIM115 - closed below
         return subprocess.Popen(
             [str(Path(sys.executable).parent / "rlfleet"), "operator", "run", "--namespace", namespace,
-             "--kubeconfig", str(kube.kubeconfig), "--peering", "rlfleet", "--priority", str(priority)],  # fmt: skip
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+             "--kubeconfig", str(kube.kubeconfig), "--peering", "rlfleet", "--priority", str(priority),
+             "--verbose"],  # fmt: skip
+            env=env, stdout=subprocess.DEVNULL, stderr=logs[priority], start_new_session=True,
         )  # fmt: skip
 
     leader, standby = start(200), start(100)
@@ -468,6 +472,9 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str) -> None:
             "small job Running",
             lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
         )
+        standby_log = tmp_path / "operator-100.log"
+        assert "Pausing the watch-stream for rljobs" in standby_log.read_text()  # the standby is passive
+        assert "Handler 'reconcile_rljob' succeeded" not in standby_log.read_text()  # the leader did the work
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait(10)
         manifest["spec"]["samplerGroups"][0]["replicas"] = 2
@@ -481,7 +488,10 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str) -> None:
             ),
             timeout=90,
         )
+        assert "Handler 'reconcile_rljob' succeeded" in standby_log.read_text()
     finally:
+        for f in logs.values():
+            f.close()
         for proc in (leader, standby):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -72,3 +72,17 @@ def render(helm_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable
 def helm(helm_bin: Path) -> Callable[..., str]:
     """helm(*args, env=None) -> stdout; raises HelmError with helm's message on failure."""
     return lambda *args, env=None: run_helm(helm_bin, *args, env=env)
+
+
+@pytest.fixture(scope="session")
+def promtool_bin() -> Path:
+    """promtool built from tests/cluster/go/promtool (cached like the control plane's binaries)."""
+    cp = _controlplane()
+    component = cp.GoComponent(
+        name="promtool",
+        module="github.com/prometheus/prometheus",
+        binaries={"promtool": "github.com/prometheus/prometheus/cmd/promtool"},
+        default=False,
+    )
+    out = cp.build_component(component, log=lambda msg: print(f"[promtool] {msg}", file=sys.stderr))
+    return out / "promtool"

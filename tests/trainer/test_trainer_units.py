@@ -268,3 +268,21 @@ def test_report_writes_json_csv_and_plots(tmp_path):
     for name in ("reward.png", "kl.png", "oor.png", "entropy.png", "grad_norm.png", "sc_tail_ratio.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert math.isclose(data["steps"][4]["reward_mean"], 0.4)
+
+
+# ---------------------------------------------------------------- trainer pod entrypoint
+def test_entrypoint_rejects_missing_config_and_builds_status(capsys, monkeypatch):
+    from rlfleet.trainer import entrypoint
+
+    monkeypatch.delenv("RLFLEET_CONFIG", raising=False)
+    assert entrypoint.cli([]) == 2
+    assert "--config" in capsys.readouterr().err
+    alert = collapse.Alert(step=7, signal="kl_surge", value=0.3, baseline=0.01, group="h100-fp8", message="group h100-fp8 KL")
+    body = entrypoint.status_patch(7, {"reward_mean": 0.5, "kl_k3": 0.02, "oor_fraction": 0.01}, [alert], generation=3)
+    assert body["step"] == 7 and body["weightVersion"] == 7
+    assert body["metrics"]["reward"] == 0.5 and body["metrics"]["oorFraction"] == 0.01 and "entropy" not in body["metrics"]
+    cond = body["conditions"][0]
+    assert cond["type"] == "CollapseRisk" and cond["reason"] == "KlSurge" and cond["observedGeneration"] == 3
+    from rlfleet.api.rljob import RLJobStatus
+
+    RLJobStatus.model_validate(body)  # the patch is a valid status of the CRD's schema
