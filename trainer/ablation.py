@@ -183,14 +183,19 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
 
 
 def table(results: list[ArmResult]) -> str:
+    """Markdown table. "mixed/homog. KL": the arm's mean KL on the mixed fleet over its mean KL on the
+    homogeneous fleet (staleness included), and at step 1 (on-policy: precision and kernels only)."""
     by = {(r.arm, r.fleet): r for r in results}
     lines = [
-        "| arm | fleet | final reward | peak reward | peak KL / start | mean KL | OOR fraction | collapse detected (step: signals) | max sc_tail_ratio | mixed/homog. KL |",
+        "| arm | fleet | final reward | peak reward | peak KL / start | mean KL | OOR fraction | collapse detected (step: signals) | max sc_tail_ratio | mixed/homog. KL (run / step 1) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         other = by.get((r.arm, "homogeneous"))
-        ratio = f"{r.kl_mean / other.kl_mean:.1f}x" if r.fleet == "mixed" and other and other.kl_mean > 0 else ""
+        ratio = ""
+        if r.fleet == "mixed" and other and other.kl_mean > 0:
+            first = (r.history[0].get("kl_k3", 0.0) / other.history[0]["kl_k3"]) if other.history and other.history[0].get("kl_k3") else float("nan")
+            ratio = f"{r.kl_mean / other.kl_mean:.1f}x / {first:.1f}x"
         collapse = f"{r.collapse_step}: {', '.join(r.collapse_signals)}" if r.collapse_step is not None else "no"
         rho = f"{r.max_sc_tail_ratio:.2f}" if r.max_sc_tail_ratio is not None else "-"
         lines.append(
@@ -222,7 +227,8 @@ def plots(results: list[ArmResult], out: Path) -> list[Path]:
             ax.set_xlabel("step")
             if key in ("kl_k3", "grad_norm", "sc_tail_ratio"):
                 ax.set_yscale("log")
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
         fig.tight_layout()
         path = out / f"ablation_{key}.png"
         fig.savefig(path, dpi=90)

@@ -27,7 +27,9 @@ The accelerator enum and the per-class weight-format / KV-dtype rules are genera
 accelerator catalog: with a catalog override (`RLFLEET_CATALOG`, Helm values) regenerate the CRDs
 with `rlfleet crds --catalog FILE --out crds/` and apply them, so the API server knows the new
 classes; the operator also re-checks every group against the catalog it runs with and marks a
-group it cannot run `Failed` (reason `InvalidSpec`).
+group it cannot run `Failed` (reason `InvalidSpec`). With `rlfleet operator run --webhook-port P` a
+validating webhook applies the live catalog at `kubectl apply` time as well (same messages as
+`load_rljob`).
 
 Children of an RLJob named `J` (labels `rlfleet.dev/job=J`, owner reference to the RLJob, so deleting
 the job deletes them): SamplerGroups `J-<group>` (each with a Deployment and a headless Service of the

@@ -1,0 +1,87 @@
+"""`rlfleet operator run` argument handling, the REST paths and kubeconfig parsing of the operator's client,
+and the router admin tokens (pure parts; the running operator is tested against the real control plane)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+import yaml
+from rlfleet.operator import kube, tokens
+from rlfleet.operator.main import auto_priority, cli
+
+
+def test_auto_priority_is_stable_in_range_and_distinct() -> None:
+    a, b = auto_priority("rlfleet-operator-7d9f-abcde"), auto_priority("rlfleet-operator-7d9f-fghij")
+    assert a == auto_priority("rlfleet-operator-7d9f-abcde") and a != b
+    assert all(1 <= p <= 2**30 for p in (a, b))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--namespace", "x", "--priority", "high"], "--priority must be an integer or 'auto'"),
+        (
+            ["--namespace", "x", "--kubeconfig", "/nonexistent/kubeconfig"],
+            "kubeconfig '/nonexistent/kubeconfig' not found",
+        ),
+        ([], "give --namespace NS (repeatable) or --all-namespaces"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_resource_paths() -> None:
+    assert kube.resource_path("v1", "ConfigMap", "ns", "c") == "/api/v1/namespaces/ns/configmaps/c"
+    assert kube.resource_path("apps/v1", "Deployment", "ns") == "/apis/apps/v1/namespaces/ns/deployments"
+    assert (
+        kube.resource_path("rlfleet.dev/v1alpha1", "SamplerGroup", "ns", "j-g", "status")
+        == "/apis/rlfleet.dev/v1alpha1/namespaces/ns/samplergroups/j-g/status"
+    )
+    with pytest.raises(ValueError, match="not known to the operator's client"):
+        kube.resource_path("batch/v1", "Job", "ns")
+
+
+def test_connection_from_kubeconfig(tmp_path: Path) -> None:
+    ca = base64.b64encode(b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n").decode()
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "c",
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u", "namespace": "team"}}],
+        "clusters": [
+            {"name": "k", "cluster": {"server": "https://127.0.0.1:6443", "certificate-authority-data": ca}}
+        ],
+        "users": [{"name": "u", "user": {"token": "t0k"}}],
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    info = kube.connection_from_kubeconfig(path)
+    assert (info.server, info.token, info.scheme, info.default_namespace) == (
+        "https://127.0.0.1:6443",
+        "t0k",
+        "Bearer",
+        "team",
+    )
+    assert info.ca_data == ca and info.as_http_headers() == {"Authorization": "Bearer t0k"}
+
+
+def test_router_admin_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(tokens.KEY_ENV, raising=False)
+    monkeypatch.delenv(tokens.KEY_FILE_ENV, raising=False)
+    assert tokens.admin_token_for("uid-1") is None
+    assert tokens.new_admin_token("uid-1") != tokens.new_admin_token("uid-1")  # random without a key
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    monkeypatch.setenv(tokens.KEY_FILE_ENV, str(key_file))
+    t1 = tokens.admin_token_for("uid-1")
+    assert t1 == tokens.derive_token("uid-1", b"s3cret") == tokens.new_admin_token("uid-1")
+    assert t1 != tokens.admin_token_for("uid-2") and len(t1) == 64
+    monkeypatch.setenv(tokens.KEY_ENV, "other")
+    assert tokens.admin_token_for("uid-1") == tokens.derive_token("uid-1", b"other")
