@@ -8,7 +8,7 @@ Library + CLI:
     .venv/bin/python tests/cluster/controlplane.py down                # no process, no port left
 
 Components (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok) are built from the
-pinned wrapper modules under tests/cluster/go/<name>/ into tests/cluster/bin/<name>-<version>/ and
+pinned wrapper modules under tests/cluster/go/<name>/ into ~/.cache/rlfleet/kube-bin/<name>-<version>/ and
 started on free 127.0.0.1 ports in a scratch directory. Each runs in its own process group and gets
 SIGKILL if the process that started it dies (PR_SET_PDEATHSIG), so nothing outlives a test session.
 kwok fakes the nodes: two per GPU class (GPU Feature Discovery labels, `nvidia.com/gpu: 8`, taint
@@ -50,7 +50,10 @@ import yaml
 
 CLUSTER_DIR = Path(__file__).resolve().parent
 GO_DIR = CLUSTER_DIR / "go"
-BIN_ROOT = Path(os.environ.get("RLFLEET_KUBE_BIN_ROOT", CLUSTER_DIR / "bin"))  # override: e.g. a CI cache
+# Binaries live in the user's cache, keyed by component, version and a hash of the wrapper module,
+# so a fresh clone on a machine that built them before starts warm (never required: cold builds).
+_USER_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+BIN_ROOT = Path(os.environ.get("RLFLEET_KUBE_BIN_ROOT") or _USER_CACHE / "rlfleet" / "kube-bin")
 WORK_ROOT = CLUSTER_DIR / ".work"
 KWOK_STAGES = CLUSTER_DIR / "kwok-stages.yaml"
 SERVICE_CIDR = "10.0.0.0/24"
