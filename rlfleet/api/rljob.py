@@ -254,6 +254,8 @@ class LocalSpec(ApiModel):
     """Generated tokens per turn (replaces rollout.maxNewTokens locally)."""
     seed: int = Field(default=0, ge=0)
     """Seed of the tiny model, prompts and sampling."""
+    learning_rate: float = Field(default=3e-3, gt=0, le=1.0)
+    """Learning rate of the tiny model (trainer.optimizer.learningRate is sized for the real model)."""
     model: TinyModelSpec = Field(default_factory=TinyModelSpec, json_schema_extra={"default": {}})
     """The tiny model."""
 

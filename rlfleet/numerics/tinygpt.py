@@ -209,7 +209,9 @@ class TinyGPT(nn.Module):
         dt = torch.bfloat16 if k.act_dtype == "bfloat16" else torch.float32
         xq, wq = x.to(dt), w.to(dt)
         if k.split_k == 1:
-            return F.linear(xq, wq).float()
+            # inputs rounded to dt, fp32 accumulation, output rounded to dt: what a bf16 GEMM does, and
+            # ~10x faster on CPUs without native bf16 matmul than F.linear on bf16 tensors
+            return F.linear(xq.float(), wq.float()).to(dt).float()
         chunks = torch.arange(x.shape[-1]).tensor_split(k.split_k)
         acc = None
         for idx in chunks:  # partial sums rounded to dt and added in order: a different reduction tree
