@@ -30,9 +30,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--environment", default="tool_add")
     args = p.parse_args(argv)
 
-    from rlfleet.trainer.local import resolve_run, run_local
-
     from rlfleet.api import load_rljob
+    from rlfleet.trainer.local import resolve_run, run_local
 
     doc = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     if args.groups == 2:

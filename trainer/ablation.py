@@ -49,13 +49,13 @@ FLEETS: dict[str, list[tuple[str, str, str, str]]] = {
 
 @dataclass
 class AblationConfig:
-    steps: int = 50
+    steps: int = 120
     prompts: int = 8
     samples: int = 8
     max_new_tokens: int = 6
-    lag: int = 2
-    learning_rate: float = 3e-3
-    top_p: float = 0.9
+    lag: int = 4
+    learning_rate: float = 1e-3
+    top_p: float = 0.95
     head_size: int = 16
     task: str = "copy_digit"
     seed: int = 0
@@ -92,6 +92,8 @@ class _Position:
 def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -> ArmResult:
     import numpy as np
     import torch
+
+    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, precision_view
     from rlfleet.router.hashing import pick
     from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
     from rlfleet.trainer.collapse import CollapseDetector
@@ -102,8 +104,6 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
     from rlfleet.trainer.objective import ObjectiveConfig
     from rlfleet.trainer.prompts import GeneratedPromptSource
     from rlfleet.trainer.rollout import PromptGroup, Rollout
-
-    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, precision_view
 
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)

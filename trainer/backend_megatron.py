@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from rlfleet.trainer.backend_torch import OptimConfig, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss

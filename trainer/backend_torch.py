@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from rlfleet.trainer.batching import FlatBatch
-from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 
 from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.records import SUPPORT_MODE
+from rlfleet.trainer.batching import FlatBatch
+from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 
 
 @dataclass

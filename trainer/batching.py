@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from rlfleet.trainer.advantages import grpo_advantages
-from rlfleet.trainer.rollout import PromptGroup, Rollout
 
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
+from rlfleet.trainer.advantages import grpo_advantages
+from rlfleet.trainer.rollout import PromptGroup, Rollout
 
 
 @dataclass

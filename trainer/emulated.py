@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from rlfleet.sampler.sampling import RowParams, sample
 
 from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE, SampledTurn
+from rlfleet.sampler.sampling import RowParams, sample
 
 # RLJob weightFormat -> the fake-quantisation format of the emulation (fp8 views are block-128).
 VIEW_FORMATS = {"bf16": "bf16", "fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}

@@ -104,9 +104,8 @@ def _build_backend(job: Any, rc: Any) -> Any:
 
     _, hf = load_view(job.spec.model.path)  # the initial weights: a view directory with HF names
     if job.spec.trainer.backend == "torch":
-        from rlfleet.trainer.backend_torch import TorchBackend
-
         from rlfleet.numerics.tinygpt import config_from_state_dict
+        from rlfleet.trainer.backend_torch import TorchBackend
 
         n_head = int(os.environ.get("RLFLEET_N_HEAD", "4"))
         cfg = config_from_state_dict(hf, n_head, job.spec.model.max_seq_len or 2048, rc.seed)
@@ -132,6 +131,7 @@ def _build_backend(job: Any, rc: Any) -> Any:
 
 def run(job: Any, args: argparse.Namespace) -> int:
     from rlfleet.sampler.client import SamplerClient
+    from rlfleet.store import store_from_spec
     from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.local import build_environment, resolve_run
@@ -140,8 +140,6 @@ def run(job: Any, args: argparse.Namespace) -> int:
     from rlfleet.trainer.prompts import open_prompt_source
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.rollout import RolloutDriver
-
-    from rlfleet.store import store_from_spec
 
     rc = resolve_run(job, local=False)
     backend, vocab, max_seq_len = _build_backend(job, rc)

@@ -78,13 +78,13 @@ class RunningFleet:
 async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFleet, list[asyncio.Task]]:
     import httpx
     import torch
+
+    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig
     from rlfleet.router.config import GroupConfig, RouterConfig
     from rlfleet.router.service import start_service
     from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
     from rlfleet.sampler.server import start_reference_server
     from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
-
-    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig
     from rlfleet.store import open_store
 
     torch.set_num_threads(max(1, spec.threads))

@@ -157,9 +157,10 @@ class Progress:
             f"grad {m.get('grad_norm', 0):.3g}  staleness {m.get('staleness_mean', 0):.2f}  "
             f"elapsed {time.monotonic() - self.t0:.0f}s"
         )
-        table = Table(show_edge=False)
-        for col in ("group", "weights", "KV", "tok/s", "share", "version", "lag", "KL", "OOR", "reward"):
-            table.add_column(col, justify="right" if col not in ("group", "weights", "KV") else "left")
+        table = Table(show_edge=False, pad_edge=False)
+        table.add_column("group", no_wrap=True, min_width=max(len(g["name"]) for g in rc.groups))
+        for col in ("fmt", "KV", "tok/s", "share", "ver", "lag", "KL", "OOR", "reward"):
+            table.add_column(col, justify="left" if col in ("fmt", "KV") else "right", no_wrap=True)
         for g in rc.groups:
             p = f"group/{g['name']}/"
             n = m.get(p + "num_tokens", 0.0)
@@ -274,7 +275,10 @@ def run_local(
 ) -> dict[str, Any]:
     """Run (or resume) the local job; returns the summary written to the report."""
     import torch
+
+    from rlfleet.numerics.tinygpt import TinyGPTConfig
     from rlfleet.sampler.client import SamplerClient
+    from rlfleet.store import open_store
     from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
@@ -285,9 +289,6 @@ def run_local(
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.report import write_report
     from rlfleet.trainer.rollout import RolloutDriver
-
-    from rlfleet.numerics.tinygpt import TinyGPTConfig
-    from rlfleet.store import open_store
 
     stop = stop or threading.Event()
     ckpt_dir, channel_dir, report_dir = out / "checkpoints", out / "channel", out / "report"

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from rlfleet.trainer.environments import Environment, EpisodeOutcome
-from rlfleet.trainer.prompts import Prompt, PromptSource
 
 from rlfleet.records import SampledTurn
+from rlfleet.trainer.environments import Environment, EpisodeOutcome
+from rlfleet.trainer.prompts import Prompt, PromptSource
 
 log = logging.getLogger(__name__)
 

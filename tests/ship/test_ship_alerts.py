@@ -4,6 +4,7 @@ half of it does (e.g. KL up without out-of-range tokens)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,14 @@ JOB = {"namespace": "rl", "rljob": "fleet"}
 
 
 def series(metric: str, labels: dict[str, str], values: str) -> dict[str, str]:
-    body = ",".join(f'{k}="{v}"' for k, v in {**JOB, **labels}.items())
+    body = ",".join(f'{k}="{v}"' for k, v in {**JOB, **labels}.items() if v)
     return {"series": f"{metric}{{{body}}}", "values": values}
 
 
 def alert(name: str, at: str, *expected: dict[str, str]) -> dict[str, Any]:
-    return {"eval_time": at, "alertname": name, "exp_alerts": [{"exp_labels": e} for e in expected]}
+    """Expected alerts at `at` (Prometheus drops empty labels, e.g. the fleet scope's key="")."""
+    labels = [{k: v for k, v in e.items() if v} for e in expected]
+    return {"eval_time": at, "alertname": name, "exp_alerts": [{"exp_labels": e} for e in labels]}
 
 
 GROUP = {"scope": "group", "key": "h100-fp8"}
@@ -32,7 +35,8 @@ CASES: dict[str, tuple[list[dict[str, str]], list[dict[str, Any]]]] = {
         [series("rlfleet_trainer_kl_k3", GROUP, "0.01x90 0.1x30"),
          series("rlfleet_trainer_oor_fraction", GROUP, "0.001x90 0.1x30")],
         [alert("RLFleetKLSurge", "89m"),
-         alert("RLFleetKLSurge", "100m", {"severity": "critical", **JOB, **GROUP})],
+         alert("RLFleetKLSurge", "97m", {"severity": "critical", **JOB, **GROUP}),
+         alert("RLFleetKLSurge", "115m", {"severity": "critical", **JOB, **GROUP})],  # sustained: still firing
     ),
     # KL alone (the correction absorbs it: no out-of-range surge): silent
     "kl_without_oor": (
@@ -49,7 +53,8 @@ CASES: dict[str, tuple[list[dict[str, str]], list[dict[str, Any]]]] = {
     "reward_cliff": (
         [series("rlfleet_trainer_reward_mean", FLEET, "0.8x90 0.1x30")],
         [alert("RLFleetRewardCliff", "89m"),
-         alert("RLFleetRewardCliff", "100m", {"severity": "critical", **JOB, **FLEET})],
+         alert("RLFleetRewardCliff", "97m", {"severity": "critical", **JOB, **FLEET}),
+         alert("RLFleetRewardCliff", "115m", {"severity": "critical", **JOB, **FLEET})],
     ),
     "reward_dip_within_tolerance": (  # 0.8 -> 0.6 is less than max(0.25, 0.5 * 0.8)
         [series("rlfleet_trainer_reward_mean", FLEET, "0.8x90 0.6x30")],
@@ -66,7 +71,9 @@ CASES: dict[str, tuple[list[dict[str, str]], list[dict[str, Any]]]] = {
     ),
     "grad_spike": (
         [series("rlfleet_trainer_grad_norm", FLEET, "0.05x90 2x30")],
-        [alert("RLFleetGradNormSpike", "100m", {"severity": "warning", **JOB, **FLEET})],
+        [alert("RLFleetGradNormSpike", "89m"),
+         alert("RLFleetGradNormSpike", "97m", {"severity": "warning", **JOB, **FLEET}),
+         alert("RLFleetGradNormSpike", "115m", {"severity": "warning", **JOB, **FLEET})],
     ),
     "group_oor_share": (
         [series("rlfleet_trainer_oor_share", GROUP, "0.6x30"),
@@ -108,6 +115,14 @@ def test_promtool_accepts_the_rules(promtool_bin: Path, rule_file: Path) -> None
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_alert_fires_exactly_when_its_precursor_appears(promtool_bin: Path, rule_file: Path, case: str) -> None:
     inputs, checks = CASES[case]
+    annotations = {r["alert"]: r["annotations"] for g in yaml.safe_load(rule_file.read_text())["groups"] for r in g["rules"]}
+    for check in checks:  # promtool compares annotations too: expand the rule's templates for each alert
+        for expected in check["exp_alerts"]:
+            labels = expected["exp_labels"]
+            expected["exp_annotations"] = {
+                key: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m, lb=labels: lb.get(m.group(1), ""), text)
+                for key, text in annotations[check["alertname"]].items()
+            }
     spec = {"rule_files": [rule_file.name], "evaluation_interval": "1m",
             "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": checks}]}
     test_file = rule_file.parent / f"test-{case}.yaml"

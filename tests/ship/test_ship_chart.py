@@ -270,6 +270,7 @@ def _promql_metric_names(expr: str) -> set[str]:
 def exported_metric_names() -> set[str]:
     """Names the code really exports: the router's registry and the trainer's exporter, scraped."""
     from prometheus_client import generate_latest
+
     from rlfleet.router.metrics import RouterMetrics
     from rlfleet.router.table import RoutingTable
     from rlfleet.trainer.metrics import MEAN_METRICS, PrometheusExporter
@@ -374,9 +375,8 @@ def test_grafana_dashboard_covers_the_fleet(render, exported_metric_names: set[s
     ],
 )
 def test_operator_cli_accepts_the_charts_arguments(render, values: dict[str, Any]) -> None:
-    from rlfleet.operator.main import parse_args
-
     from rlfleet.cli import COMMANDS
+    from rlfleet.operator.main import parse_args
 
     args = operator_container(render(values))["args"]
     assert tuple(args[:2]) in COMMANDS and COMMANDS[tuple(args[:2])][0] == "rlfleet.operator.main"
@@ -395,3 +395,36 @@ def test_auto_priorities_of_two_replicas_differ() -> None:
     names = [f"rlfleet-7d9f8c6b5-{suffix}" for suffix in ("x2k4q", "p9z1m", "a0b1c", "zz9yy")]
     priorities = {auto_priority(name) for name in names}
     assert len(priorities) == len(names) and all(p > 0 for p in priorities)
+
+
+def test_podmonitor_selects_and_scrapes_the_pods_the_operator_builds(render) -> None:
+    """The PodMonitor's selector, ports and relabelled labels match the pod templates of the operator's
+    real builders (trainer, router, sampler + weight-sync sidecar) for the example job."""
+    from rlfleet.api import RLJob, SamplerGroup, StoreSpec
+    from rlfleet.catalog import get_catalog
+    from rlfleet.operator import builders
+
+    job = RLJob.from_manifest(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text()))
+    catalog = get_catalog()
+    objs = builders.build_job_children(job, "rl", None, catalog)
+    store = StoreSpec.model_validate(job.spec.weight_channel.store.model_dump())
+    for sg in [o for o in objs if o["kind"] == "SamplerGroup"]:
+        objs += builders.build_samplergroup_children(SamplerGroup.from_manifest(sg), "rl", None, catalog, store)
+    templates = {o["metadata"]["name"]: o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+
+    (monitor,) = find(render({"metrics": {"serviceMonitor": {"enabled": True}}}), "PodMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["workloadLabels"]
+    scraped_components = set()
+    for name, template in templates.items():
+        labels = template["metadata"]["labels"]
+        assert selector.items() <= labels.items(), name
+        named = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        assert named & ports, f"{name}: no container port in {sorted(ports)}"
+        assert "rlfleet.dev/job" in labels and labels["rlfleet.dev/job"] == job.name
+        scraped_components.add(labels["app.kubernetes.io/component"])
+        if labels["app.kubernetes.io/component"] == "sampler":
+            assert {"http", "sync"} <= named and "rlfleet.dev/group" in labels
+    assert scraped_components == {"trainer", "router", "sampler"}
+    assert set(values) == {"rlfleet.dev/job", "rlfleet.dev/group", "app.kubernetes.io/component"}

@@ -142,10 +142,9 @@ def test_dockerignore_keeps_only_the_package_sources() -> None:
 
 def _container_commands() -> list[tuple[str, str, list[str]]]:
     """(image, container name, command + args) of every container the operator builds for the example."""
-    from rlfleet.operator import builders
-
     from rlfleet.api import RLJob, SamplerGroup, StoreSpec
     from rlfleet.catalog import get_catalog
+    from rlfleet.operator import builders
 
     job = RLJob.from_manifest(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text()))
     catalog = get_catalog()

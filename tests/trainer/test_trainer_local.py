@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from rlfleet.trainer import local
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,6 +10,8 @@ import threading
 
 import numpy as np
 import torch
+
+from rlfleet.numerics.tinygpt import TinyGPTConfig
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
 from rlfleet.trainer.batching import flatten_groups
@@ -20,8 +22,6 @@ from rlfleet.trainer.loop import LoopConfig, TrainingLoop, split_by_staleness
 from rlfleet.trainer.objective import ObjectiveConfig
 from rlfleet.trainer.prompts import GeneratedPromptSource
 from rlfleet.trainer.rollout import RolloutDriver
-
-from rlfleet.numerics.tinygpt import TinyGPTConfig
 
 CFG = TinyGPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=32, max_seq_len=48, seed=0)
 GROUPS = [("g-bf16", "bf16", "auto"), ("g-nvfp4", "nvfp4", "fp8_e4m3")]

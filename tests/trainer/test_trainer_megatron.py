@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.trainer import backend_megatron as bm
 from rlfleet.trainer.backend_torch import to_token_batch
 from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
-
-from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 
 CFG = bm.MegatronModelConfig(vocab_size=32, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                              ffn_hidden_size=64, max_seq_len=16)

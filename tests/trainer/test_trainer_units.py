@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rlfleet.trainer import advantages, checkpoint, collapse, environments, metrics, prompts, report
 from rlfleet.trainer.environments import ToyVocab as V
 
