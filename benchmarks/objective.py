@@ -63,6 +63,7 @@ def _make_inputs(args, support: bool):
     """Logits [T, V] and a TokenBatch whose candidates are the top-K of a perturbed copy of the logits
     (a sampler slightly off the trainer), built in row chunks so setup never holds a second [T, V]."""
     import torch
+
     from rlfleet.trainer.objective import TokenBatch
 
     torch.manual_seed(0)
@@ -109,6 +110,7 @@ def _sc_naive(logits, batch):
 
 def run_case(args) -> dict:
     import torch
+
     from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
     torch.set_num_threads(args.threads)

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rlfleet.operator import builders
-from rlfleet.operator.kube import KubeApi, KubeError, connection_from_kubeconfig
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
+from rlfleet.operator import builders
+from rlfleet.operator.kube import KubeApi, KubeError, connection_from_kubeconfig
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())

@@ -223,6 +223,7 @@ async def library_overhead(url: str, n: int) -> tuple[float, float]:
     """p50 of Router.route() minus p50 of the same request sent directly, in one process: the routing
     library's own added latency (hashing, replica choice, metrics, meta scan + annotation)."""
     import aiohttp
+
     from rlfleet.router.config import GroupConfig, RouterConfig
     from rlfleet.router.core import Router
 

@@ -20,13 +20,13 @@ import time
 
 import numpy as np
 import torch
+
+from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
+from rlfleet.records import decode_turns, encode_turns
 from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.protocol import loads_json, parse_generate_response
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, measure_kl
 from rlfleet.sampler.server import start_reference_server
-
-from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
-from rlfleet.records import decode_turns, encode_turns
 
 
 def synthetic_response(n: int, k: int, vocab: int = 151_936, seed: int = 0) -> dict:

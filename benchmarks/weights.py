@@ -191,6 +191,7 @@ def bench_apply(
 ) -> dict[str, dict[str, float]]:
     """Per view: a reference server of that weight format, `reps` versions applied by the sidecar."""
     import httpx
+
     from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
     from rlfleet.trainer.publisher import WeightPublisher
 

@@ -12,11 +12,11 @@ from typing import Any
 from urllib.parse import urlencode
 
 import yaml
-from rlfleet.operator import naming as n
 
 from rlfleet.api import RLJob, SamplerGroup, SamplerGroupTemplate, StoreSpec
 from rlfleet.api.common import API_VERSION, WEIGHT_FORMATS
 from rlfleet.catalog import GPU_RESOURCE, GPU_TOLERATION, Catalog, sglang_launch_for_group
+from rlfleet.operator import naming as n
 
 Manifest = dict[str, Any]
 

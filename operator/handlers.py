@@ -28,13 +28,13 @@ from typing import Any
 
 import kopf
 from pydantic import ValidationError
-from rlfleet.operator import builders, kube, tokens
-from rlfleet.operator import naming as n
-from rlfleet.operator import status as st
 
 from rlfleet.api import RLJob, SamplerGroup, StoreSpec, format_validation_error
 from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.catalog import CatalogError, get_catalog
+from rlfleet.operator import builders, kube, tokens
+from rlfleet.operator import naming as n
+from rlfleet.operator import status as st
 
 log = logging.getLogger("rlfleet.operator")
 

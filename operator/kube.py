@@ -18,9 +18,9 @@ from urllib.parse import quote, urlencode
 import aiohttp
 import kopf
 import yaml
-from rlfleet.operator.naming import FIELD_MANAGER
 
 from rlfleet.api.common import API_VERSION
+from rlfleet.operator.naming import FIELD_MANAGER
 
 # (apiVersion, kind) -> plural. Everything the operator reads or writes.
 RESOURCES: dict[tuple[str, str], str] = {

@@ -98,6 +98,7 @@ def cli(argv: list[str]) -> int:
         print("rlfleet operator run: --webhook-cert and --webhook-key go together", file=sys.stderr)
         return 2
     import kopf
+
     import rlfleet.operator.handlers  # noqa: F401  (registers every handler)
 
     if args.webhook_port:

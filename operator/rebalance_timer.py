@@ -33,6 +33,10 @@ from urllib.parse import quote
 import aiohttp
 import kopf
 from pydantic import ValidationError
+
+from rlfleet.api import RLJob
+from rlfleet.api.common import API_VERSION, GROUP, VERSION
+from rlfleet.catalog import CatalogError, get_catalog
 from rlfleet.operator import kube
 from rlfleet.operator import naming as n
 from rlfleet.operator.rebalance import (
@@ -46,10 +50,6 @@ from rlfleet.operator.rebalance import (
     parse_trainer_group_metrics,
     rebalance,
 )
-
-from rlfleet.api import RLJob
-from rlfleet.api.common import API_VERSION, GROUP, VERSION
-from rlfleet.catalog import CatalogError, get_catalog
 
 log = logging.getLogger("rlfleet.operator.rebalance")
 

@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
-from rlfleet.operator import naming as n
 
 from rlfleet.api import SamplerGroupSpec
 from rlfleet.catalog import Catalog, CatalogError, sglang_launch_for_group
+from rlfleet.operator import naming as n
 
 Manifest = dict[str, Any]
 OPERATOR_CONDITIONS = ("Ready", "Progressing", "Degraded")

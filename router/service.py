@@ -27,6 +27,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+
 from rlfleet.router.config import (
     GroupConfig,
     GroupUpdate,

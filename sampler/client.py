@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from rlfleet.records import SUPPORT_MODE, SampledTurn
 from rlfleet.sampler.protocol import (
     ProtocolError,
     SamplingConfig,
@@ -38,8 +40,6 @@ from rlfleet.sampler.protocol import (
     loads_json,
     parse_generate_response,
 )
-
-from rlfleet.records import SUPPORT_MODE, SampledTurn
 
 SESSION_HEADER = "X-Session-Id"  # our router's session affinity key (also X-SMG-Routing-Key)
 MIN_VERSION_HEADER = "X-Min-Weight-Version"

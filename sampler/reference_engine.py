@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from rlfleet.sampler.sampling import RowParams, sample
 
 from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
+from rlfleet.sampler.sampling import RowParams, sample
 
 log = logging.getLogger("rlfleet.sampler.engine")
 

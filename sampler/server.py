@@ -565,9 +565,9 @@ def sglang_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 
 def _reference_engine(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
-    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
 
     from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, config_from_state_dict
+    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
 
     torch.set_num_threads(max(1, args.threads))
     weights, view = None, "fp32"

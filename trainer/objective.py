@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from rlfleet.trainer.vocab_parallel import compute_dtype, gather_logits, log_softmax_at
 from torch import Tensor
+
+from rlfleet.trainer.vocab_parallel import compute_dtype, gather_logits, log_softmax_at
 
 MODES = ("pg", "mis", "sc", "sc_mis")
 STALENESS_BUCKETS = ("0-1", "2-3", "4-5", "6+")

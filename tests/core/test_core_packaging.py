@@ -39,8 +39,8 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 @pytest.mark.parametrize("argv", [["--help"], ["--version"]])
 def test_cli_answers_without_heavy_imports(argv: list[str]) -> None:
     code = (
-        "import sys; from rlfleet.cli import main; rc = main(%r); "
-        "assert 'torch' not in sys.modules and 'kopf' not in sys.modules; sys.exit(rc)" % argv
+        f"import sys; from rlfleet.cli import main; rc = main({argv!r}); "
+        "assert 'torch' not in sys.modules and 'kopf' not in sys.modules; sys.exit(rc)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert result.returncode == 0, result.stderr

@@ -12,6 +12,7 @@ import math
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
 from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
 
 DTYPE = torch.float64

@@ -11,6 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
 
 WORLD = 2

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
 from rlfleet.trainer.vocab_parallel import gather_logits, log_normaliser, log_softmax_at
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from rlfleet.operator import builders
-from rlfleet.operator import naming as n
 
 from rlfleet.api import RLJob, SamplerGroup, load_rljob
 from rlfleet.catalog import load_catalog
+from rlfleet.operator import builders
+from rlfleet.operator import naming as n
 
 REPO = Path(__file__).resolve().parents[2]
 CATALOG = load_catalog(None)

@@ -28,9 +28,8 @@ def free_port() -> int:
 def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
     kube, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rlfleet.operator.webhook import self_signed
-
     from rlfleet.catalog import check_group, load_catalog
+    from rlfleet.operator.webhook import self_signed
 
     kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     kube.kubectl("wait", "--for=condition=Established", "crd/rljobs.rlfleet.dev", "--timeout=60s")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from rlfleet.operator import kube, tokens
 from rlfleet.operator.main import auto_priority, cli
 

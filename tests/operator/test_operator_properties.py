@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st_
-from rlfleet.operator import builders
-from rlfleet.operator import status as st
 
 from rlfleet.api import KV_CACHE_DTYPES, WEIGHT_FORMATS, SamplerGroup
 from rlfleet.catalog import CatalogError, check_group, load_catalog
+from rlfleet.operator import builders
+from rlfleet.operator import status as st
 
 CATALOG = load_catalog(None)
 

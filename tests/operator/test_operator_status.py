@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlfleet.operator import status as st
-
 from rlfleet.catalog import load_catalog
+from rlfleet.operator import status as st
 
 CATALOG = load_catalog(None)
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -268,6 +267,7 @@ def test_webhook_admission_message_uses_the_runtime_catalog(monkeypatch, tmp_pat
     from pathlib import Path
 
     import yaml
+
     from rlfleet.operator.webhook import admission_message
 
     example = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml").read_text())

@@ -8,10 +8,11 @@ import asyncio
 
 import aiohttp
 import pytest
+from router_upstreams import InProcessUpstream, UpstreamState
+
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, parse_sglang_metrics, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
-from router_upstreams import InProcessUpstream, UpstreamState
 
 TOKEN = "t0ken"
 CAPACITY = {"a100-bf16": 100.0, "h100-fp8": 200.0, "b200-nvfp4": 400.0}  # tokens/s, deliberately 1:2:4

@@ -10,9 +10,10 @@ from collections import defaultdict
 
 import aiohttp
 import pytest
+from router_upstreams import SubprocessUpstream
+
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
-from router_upstreams import SubprocessUpstream
 
 GROUPS = ("a100-bf16", "h100-fp8", "b200-nvfp4")
 

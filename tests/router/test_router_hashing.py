@@ -6,6 +6,7 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rlfleet.router import hashing
 
 N_KEYS = 6000

@@ -6,6 +6,7 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rlfleet.router import meta
 
 FIELDS = {"rlfleet_group": "h100-fp8", "rlfleet_replica": "http://10.0.0.7:30000"}

@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rlfleet.operator.rebalance import (
     GroupInput,
     PodSample,

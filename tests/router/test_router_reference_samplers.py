@@ -10,13 +10,13 @@ import asyncio
 import aiohttp
 import pytest
 import torch
+
+from rlfleet.numerics.tinygpt import TinyGPTConfig
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, parse_sglang_metrics, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
 from rlfleet.sampler.server import start_reference_server
-
-from rlfleet.numerics.tinygpt import TinyGPTConfig
 
 SPEEDS = {"a100-bf16": 50.0, "h100-fp8": 100.0, "b200-nvfp4": 200.0}  # tokens/s (throttle)
 FORMATS = {"a100-bf16": "bf16", "h100-fp8": "fp8", "b200-nvfp4": "nvfp4"}

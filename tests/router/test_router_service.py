@@ -15,9 +15,10 @@ from collections import Counter, defaultdict
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from router_upstreams import InProcessUpstream, UpstreamState
+
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
-from router_upstreams import InProcessUpstream, UpstreamState
 
 TOKEN = "s3cret-token"
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from aiohttp import web
+
+from rlfleet.api import RLJob
 from rlfleet.operator import rebalance_timer as timer
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
-
-from rlfleet.api import RLJob
 
 JOB = {
     "apiVersion": "rlfleet.dev/v1alpha1",
@@ -136,9 +136,8 @@ def test_the_operators_router_config_is_a_valid_router_config() -> None:
     """Contract with operator/builders.py: the ConfigMap it writes is what `rlfleet router serve` reads."""
     from pathlib import Path
 
-    from rlfleet.operator import builders
-
     from rlfleet.api import load_rljob
+    from rlfleet.operator import builders
 
     job = load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml")
     config = RouterConfig.model_validate(builders.router_config(job, "ns"))

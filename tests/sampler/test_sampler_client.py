@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from aiohttp import web
-from rlfleet.sampler import protocol as proto
-from rlfleet.sampler.client import RetryPolicy, SamplerClient, TurnFailed
 
 from rlfleet import records as rec
+from rlfleet.sampler import protocol as proto
+from rlfleet.sampler.client import RetryPolicy, SamplerClient, TurnFailed
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rlfleet.sampler.reference_engine import measure_kl
 
 from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
+from rlfleet.sampler.reference_engine import measure_kl
 
 
 @pytest.fixture(autouse=True)

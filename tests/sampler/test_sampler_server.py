@@ -17,13 +17,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
+
+from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig
+from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler import server as srv_mod
 from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.reference_engine import THROTTLE_BURST_S, EngineConfig, ReferenceEngine
 from rlfleet.sampler.server import start_reference_server
-
-from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig
-from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 
 
 @pytest.fixture(autouse=True)

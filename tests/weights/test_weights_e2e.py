@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from rlfleet.trainer.publisher import WeightPublisher
 
 from rlfleet.channel import read_channel_status
 from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.store import FilesystemStore
+from rlfleet.trainer.publisher import WeightPublisher
 
 MODEL = {"vocab-size": 64, "n-layer": 1, "n-head": 2, "d-model": 64, "max-seq-len": 64}
 GROUPS = {"a100-bf16": "bf16", "h100-fp8": "fp8", "b200-nvfp4": "nvfp4"}

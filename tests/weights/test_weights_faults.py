@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from rlfleet.trainer.publisher import WeightPublisher
 
 from rlfleet.channel import WeightChannel
 from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.store import FilesystemStore
+from rlfleet.trainer.publisher import WeightPublisher
 
 # A publisher in its own process. Its store sleeps after each durable file (a slow shared volume),
 # so the test can SIGKILL it with some bytes written and the manifest / pointer not yet.

@@ -16,14 +16,14 @@ import pytest
 import torch
 from aiohttp import web
 from conftest import free_port, make_bucket
-from rlfleet.sampler.sync import DiskEngine, PushEngine, PushGroup, SyncConfig, Syncer, serve
-from rlfleet.trainer.publisher import WeightPublisher
 
 from rlfleet.channel import WeightChannel
 from rlfleet.numerics import formats
 from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.numerics.views import load_view
+from rlfleet.sampler.sync import DiskEngine, PushEngine, PushGroup, SyncConfig, Syncer, serve
 from rlfleet.store import FilesystemStore, S3Store, Store
+from rlfleet.trainer.publisher import WeightPublisher
 
 
 def tiny_state(seed: int) -> dict[str, torch.Tensor]:
