@@ -111,6 +111,15 @@ _FP8_W8A16_NOTE = (
 _MXFP4_HOPPER_NOTE = "MXFP4 (MoE experts only) without FP4 tensor cores: W4A16 Triton kernels"
 
 
+def _hopper_weight_formats() -> dict[str, FormatProfile]:
+    """H100 and H200 (sm90) run the same kernels: native FP8 (DeepGEMM), MXFP4 only degraded."""
+    return {
+        "bf16": _BF16,
+        "fp8": _fp8("deep_gemm"),
+        "mxfp4": FormatProfile(mode="degraded", flags=["--quantization", "mxfp4"], note=_MXFP4_HOPPER_NOTE),
+    }
+
+
 def _fp8(backend: str | None) -> FormatProfile:
     flags = ["--quantization", "fp8"]
     if backend:
@@ -171,13 +180,7 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             gke_accelerators=["nvidia-h100-80gb", "nvidia-h100-mega-80gb"],
             compute_capability="9.0",
             memory_gib=80,
-            weight_formats={
-                "bf16": _BF16,
-                "fp8": _fp8("deep_gemm"),
-                "mxfp4": FormatProfile(
-                    mode="degraded", flags=["--quantization", "mxfp4"], note=_MXFP4_HOPPER_NOTE
-                ),
-            },
+            weight_formats=_hopper_weight_formats(),
             unsupported={"nvfp4": _NVFP4_NEEDS_BLACKWELL.format(sm="sm90")},
             kv_cache_dtypes=list(_BASE_KV),
             default_tensor_parallel=1,
@@ -190,13 +193,7 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             gke_accelerators=["nvidia-h200-141gb"],
             compute_capability="9.0",
             memory_gib=141,
-            weight_formats={
-                "bf16": _BF16,
-                "fp8": _fp8("deep_gemm"),
-                "mxfp4": FormatProfile(
-                    mode="degraded", flags=["--quantization", "mxfp4"], note=_MXFP4_HOPPER_NOTE
-                ),
-            },
+            weight_formats=_hopper_weight_formats(),
             unsupported={"nvfp4": _NVFP4_NEEDS_BLACKWELL.format(sm="sm90")},
             kv_cache_dtypes=list(_BASE_KV),
             default_tensor_parallel=1,
