@@ -241,9 +241,17 @@ def stale_files(out: Path, catalog: Catalog | None = None) -> list[str]:
     return stale
 
 
+DEFAULT_OUTS = ("crds", "charts/rlfleet/crds")
+
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlfleet crds", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="crds", help="output directory (default: crds/)")
+    parser.add_argument(
+        "--out",
+        action="append",
+        default=None,
+        help="output directory, repeatable (default: crds/ and the Helm chart's charts/rlfleet/crds/)",
+    )
     parser.add_argument("--check", action="store_true", help="exit 1 if the files differ from the models")
     parser.add_argument(
         "--catalog", default=None, help="accelerator catalog override YAML (default: built-in)"
@@ -257,22 +265,24 @@ def cli(argv: list[str]) -> int:
     except CatalogError as exc:
         print(f"rlfleet crds: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    # one generated source, two copies: the repo's crds/ (kubectl apply -f crds/) and the chart's
+    outs = [Path(o) for o in (args.out or DEFAULT_OUTS)]
     docs = Path(args.docs) if args.docs else None
     if args.check:
-        stale = stale_files(out, catalog)
+        stale = [f"{out}/{name}" for out in outs for name in stale_files(out, catalog)]
         if docs is not None and (not docs.exists() or docs.read_text() != render_docs(catalog)):
             stale.append(str(docs))
         if stale:
-            print(f"rlfleet crds: stale or missing: {', '.join(stale)} (run `rlfleet crds --out {out}`)",
-                  file=sys.stderr)  # fmt: skip
+            print(f"rlfleet crds: stale or missing: {', '.join(stale)} (run `rlfleet crds`)", file=sys.stderr)
             return 1
-        print(f"rlfleet crds: {out}/ is up to date")
+        print(f"rlfleet crds: {', '.join(f'{o}/' for o in outs)} up to date")
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    for name, crd in generate(catalog).items():
-        (out / name).write_text(render(crd))
-        print(f"wrote {out / name}")
+    generated = generate(catalog)
+    for out in outs:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, crd in generated.items():
+            (out / name).write_text(render(crd))
+            print(f"wrote {out / name}")
     if docs is not None:
         docs.parent.mkdir(parents=True, exist_ok=True)
         docs.write_text(render_docs(catalog))

@@ -25,7 +25,7 @@ def schema(kind: str) -> dict:
 
 def test_committed_crds_match_the_models() -> None:
     stale = crdgen.stale_files(CRDS)
-    assert stale == [], f"crds/ is stale: {stale}; run `rlfleet crds --out crds`"
+    assert stale == [], f"crds/ is stale: {stale}; run `rlfleet crds`"
     assert sorted(p.name for p in CRDS.glob("*.yaml")) == sorted(crdgen.generate())
 
 
@@ -161,7 +161,7 @@ def test_rendered_yaml_is_stable_and_parseable() -> None:
 def test_api_reference_page_is_generated_from_the_models() -> None:
     docs = REPO / "docs" / "api.md"
     assert docs.read_text() == crdgen.render_docs(), (
-        "docs/api.md is stale; run `rlfleet crds --out crds --docs docs/api.md`"
+        "docs/api.md is stale; run `rlfleet crds --docs docs/api.md`"
     )
     text = docs.read_text()
     for field in (
@@ -171,3 +171,20 @@ def test_api_reference_page_is_generated_from_the_models() -> None:
     ):
         assert field in text
     assert "group names must be unique" in text and "| `rtx-pro-6000` |" in text
+
+
+def test_crds_cli_writes_every_output_and_check_names_the_stale_copy(tmp_path, capsys) -> None:
+    from rlfleet.api.crdgen import cli
+
+    first, second = tmp_path / "crds", tmp_path / "chart-crds"
+    assert cli(["--out", str(first), "--out", str(second)]) == 0
+    names = sorted(p.name for p in first.iterdir())
+    assert names and names == sorted(p.name for p in second.iterdir())
+    for name in names:
+        assert (first / name).read_text() == (second / name).read_text()
+    assert cli(["--check", "--out", str(first), "--out", str(second)]) == 0
+    (second / names[0]).write_text("tampered\n")
+    capsys.readouterr()
+    assert cli(["--check", "--out", str(first), "--out", str(second)]) == 1
+    err = capsys.readouterr().err
+    assert f"{second}/{names[0]}" in err and str(first) not in err.replace(str(second), "")

@@ -154,6 +154,11 @@ COMPONENTS: dict[str, GoComponent] = {
             binaries={"helm": "helm.sh/helm/v4/cmd/helm"},
             ldflags=lambda v: [f"-X helm.sh/helm/v4/internal/version.version={v}"],
         ),  # for the chart tests (tests/ship); the control plane itself does not need it
+        GoComponent(
+            name="promtool",
+            module="github.com/prometheus/prometheus",
+            binaries={"promtool": "github.com/prometheus/prometheus/cmd/promtool"},
+        ),  # runs the chart's PrometheusRule alerts on synthetic series (tests/ship)
     )
 }
 

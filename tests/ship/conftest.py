@@ -78,11 +78,6 @@ def helm(helm_bin: Path) -> Callable[..., str]:
 def promtool_bin() -> Path:
     """promtool built from tests/cluster/go/promtool (cached like the control plane's binaries)."""
     cp = _controlplane()
-    component = cp.GoComponent(
-        name="promtool",
-        module="github.com/prometheus/prometheus",
-        binaries={"promtool": "github.com/prometheus/prometheus/cmd/promtool"},
-        default=False,
-    )
+    component = cp.COMPONENTS["promtool"]
     out = cp.build_component(component, log=lambda msg: print(f"[promtool] {msg}", file=sys.stderr))
     return out / "promtool"

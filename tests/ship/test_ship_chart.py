@@ -45,7 +45,7 @@ def test_chart_crds_are_exact_copies_of_the_generated_crds() -> None:
     assert generated, "crds/*.yaml missing (rlfleet crds)"
     for name in generated:
         assert (CHART / "crds" / name).read_bytes() == (REPO / "crds" / name).read_bytes(), (
-            f"charts/rlfleet/crds/{name} differs from crds/{name}: cp crds/*.yaml charts/rlfleet/crds/"
+            f"charts/rlfleet/crds/{name} differs from crds/{name}: run `rlfleet crds` (it writes both)"
         )
     extra = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
     assert set(extra) - set(generated) == {"kopf.dev_peerings.yaml"}
