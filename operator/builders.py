@@ -348,6 +348,7 @@ def build_trainer_statefulset(
                     "affinity": gpu_affinity(catalog, t.accelerator),
                     "tolerations": [dict(GPU_TOLERATION)],
                     "securityContext": pod_security_context(),
+                    "automountServiceAccountToken": False,  # no API rights: the operator writes its status
                     "terminationGracePeriodSeconds": 120,
                     "containers": [container],
                     "volumes": [

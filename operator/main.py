@@ -102,7 +102,7 @@ def cli(argv: list[str]) -> int:
     import rlfleet.operator.handlers  # noqa: F401  (registers every handler)
 
     if args.webhook_port:
-        from rlfleet.operator.webhook import WEBHOOK_ENV
+        from rlfleet.operator.admission import WEBHOOK_ENV
 
         os.environ[WEBHOOK_ENV["port"]] = str(args.webhook_port)
         os.environ[WEBHOOK_ENV["addr"]] = args.webhook_address

@@ -13,7 +13,12 @@ and is re-seeded from the SamplerGroups' status after an operator restart.
 
 Quarantine: `spec.quarantined` of the group (the RLJob's samplerGroups[].quarantined), or the
 annotation `rlfleet.dev/quarantined: "true"` on the SamplerGroup (for the collapse detector / an
-on-call human: `kubectl annotate sg/<job>-<group> rlfleet.dev/quarantined=true`).
+on-call human: `kubectl annotate sg/<job>-<group> rlfleet.dev/quarantined=true`), or, with
+`spec.safety.action: quarantine-group`, a group the trainer's collapse detector quarantined.
+
+The trainer has no API rights: from the same scrape of its exporter this timer also writes the RLJob's
+step, weightVersion, metrics and CollapseRisk condition (`trainer_report.py`, pure), in the same apply as
+the costs, with an Event when CollapseRisk turns on or off.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.catalog import CatalogError, get_catalog
 from rlfleet.operator import kube
 from rlfleet.operator import naming as n
+from rlfleet.operator import status as st
 from rlfleet.operator.rebalance import (
     GroupInput,
     GroupMemory,
@@ -49,6 +55,12 @@ from rlfleet.operator.rebalance import (
     parse_sglang_metrics,
     parse_trainer_group_metrics,
     rebalance,
+)
+from rlfleet.operator.trainer_report import (
+    TrainerReport,
+    TrainerStatusResult,
+    parse_trainer_report,
+    trainer_job_status,
 )
 
 log = logging.getLogger("rlfleet.operator.rebalance")
@@ -138,6 +150,7 @@ def group_input(
     pods: Mapping[str, PodSample],
     trainer: Mapping[str, float],
     tokens_per_second: float | None,
+    collapse_quarantine: frozenset[str] = frozenset(),
 ) -> GroupInput:
     spec = sg.get("spec") or {}
     status = sg.get("status") or {}
@@ -161,10 +174,16 @@ def group_input(
         oor_fraction=trainer.get("oor_fraction"),
         token_share=trainer.get("token_share"),
         oor_share=trainer.get("oor_share"),
-        quarantined=bool(spec.get("quarantined")) or annotations.get(ANN_QUARANTINED) == "true",
+        quarantined=bool(spec.get("quarantined")) or annotations.get(ANN_QUARANTINED) == "true"
+        or name in collapse_quarantine,
         static_share=job.spec.router.static_shares.get(name),
         tokens_per_second=tokens_per_second,
     )
+
+
+def trainer_metrics_url(pod: Mapping[str, Any]) -> str:
+    """The exporter of trainer rank 0 (`rlfleet_trainer_*`)."""
+    return f"http://{pod['status']['podIP']}:{n.TRAINER_METRICS_PORT}/metrics"
 
 
 # --- I/O -----------------------------------------------------------------------------------------------
@@ -267,14 +286,16 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, now: float | No
     window = max(2 * job.spec.router.rebalance_interval_seconds, 60)
     async with aiohttp.ClientSession() as http:
         trainer_metrics: dict[str, dict[str, float]] = {}
+        report: TrainerReport | None = None
         trainer_pod = await api.get("v1", "Pod", namespace, f"{n.trainer_name(job.name)}-0")
         if trainer_pod is not None and pod_ready(trainer_pod):
-            text = await _get_text(http, f"http://{trainer_pod['status']['podIP']}:{n.TRAINER_METRICS_PORT}/metrics")
+            text = await _get_text(http, trainer_metrics_url(trainer_pod))
             if text:
                 try:
-                    trainer_metrics = parse_trainer_group_metrics(text)
+                    trainer_metrics, report = parse_trainer_group_metrics(text), parse_trainer_report(text)
                 except ValueError:
-                    trainer_metrics = {}
+                    trainer_metrics, report = {}, None
+        trainer = trainer_job_status(body, samplergroups, report, st.now_iso())
         inputs: list[GroupInput] = []
         replicas: dict[str, list[str]] = {}
         for sg in samplergroups:
@@ -290,7 +311,8 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, now: float | No
                 tps = await prometheus_tokens_per_second(http, prometheus, prometheus_query(namespace, sg_name, window))
             else:
                 samples, tps = await scrape_pods(http, pods, port), None
-            inputs.append(group_input(job, sg, samples, trainer_metrics.get(spec.get("name", ""), {}), tps))
+            inputs.append(group_input(job, sg, samples, trainer_metrics.get(spec.get("name", ""), {}), tps,
+                                      trainer.quarantine))  # fmt: skip
         result = rebalance(inputs, memory.state, now, job_config(job))
         memory.state = result.state
 
@@ -305,12 +327,13 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, now: float | No
                 url = f"http://{pod['status']['podIP']}:{n.ROUTER_PORT}"
                 await push_to_router(http, url, memory.token, result, replicas, quarantined)
 
-    await write_status(api, body, samplergroups, result)
+    await write_status(api, body, samplergroups, result, trainer)
     return result
 
 
 async def write_status(
-    api: kube.KubeApi, job_body: Mapping[str, Any], samplergroups: list[Mapping[str, Any]], result: RebalanceResult
+    api: kube.KubeApi, job_body: Mapping[str, Any], samplergroups: list[Mapping[str, Any]], result: RebalanceResult,
+    trainer: TrainerStatusResult | None = None,
 ) -> None:
     for sg in samplergroups:
         name = (sg.get("spec") or {}).get("name")
@@ -331,8 +354,15 @@ async def write_status(
         else round(result.baseline_cost_per_1m_tokens, 4),
     }
     costs = {k: v for k, v in costs.items() if v is not None}
-    if costs and status_changed(job_body.get("status"), costs):
-        await _apply_status(api, job_body, costs)
+    # ONE apply for every RLJob field this manager owns (a field left out of an apply is removed)
+    desired = {**costs, **(trainer.status if trainer else {})}
+    if desired and st.status_changed(job_body.get("status"), desired):  # compares only our condition type
+        await _apply_status(api, job_body, desired)
+    if trainer is not None and trainer.risk_changed:
+        condition = trainer.status["conditions"][0]
+        kopf.event(dict(job_body), type="Warning" if trainer.risk else "Normal",
+                   reason=condition["reason"] if trainer.risk else "CollapseRiskCleared",
+                   message=condition["message"][:1000])  # fmt: skip
 
 
 async def _apply_status(api: kube.KubeApi, obj: Mapping[str, Any], status: dict[str, Any]) -> None:

@@ -3,7 +3,8 @@
 Conventions (KubeRay / LWS): a phase plus Ready / Progressing / Degraded conditions, each with
 observedGeneration, a CamelCase reason and a message; lastTransitionTime changes only when a
 condition's status changes; handlers write status only when `status_changed` says so.
-Fields written by other components (rebalancer: tokensPerSecond, share, ...; CollapseRisk on groups)
+Fields written by other components (rebalancer: tokensPerSecond, share, ...; CollapseRisk on groups;
+the RLJob's step, metrics and CollapseRisk from the trainer's exporter, see trainer_report.py)
 are never produced here, so server-side apply with the operator's own field manager leaves them alone.
 """
 
@@ -201,7 +202,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     suspended = bool(spec.get("suspend"))
     wanted = [g.get("name") for g in spec.get("samplerGroups", [])]
     by_group = {_get(g, "spec", "name"): g for g in groups}
-    summaries, ready_groups, degraded_groups, risk_groups = [], 0, [], []
+    summaries, ready_groups, degraded_groups = [], 0, []
     for name in wanted:
         sg = by_group.get(name)
         phase = _get(sg, "status", "phase")
@@ -216,9 +217,6 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
             ready_groups += 1
         if phase in ("Degraded", "Failed"):
             degraded_groups.append(name)
-        risk = _cond(sg or {}, "CollapseRisk")
-        if risk and risk.get("status") == "True":
-            risk_groups.append(f"{name}: {risk.get('message', '')}".strip())
     t_desired = 0 if suspended else int(_get(spec, "trainer", "replicas", default=1))
     t_ready = int(_get(trainer, "status", "readyReplicas", default=0) or 0)
     trainer_ready = trainer is not None and t_ready >= t_desired
@@ -265,14 +263,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
             message,
             generation,
         ),  # fmt: skip
-        condition(
-            "CollapseRisk",
-            bool(risk_groups),
-            "GroupCollapseRisk" if risk_groups else "NoSignal",
-            "; ".join(risk_groups)[:4000] if risk_groups else "no collapse precursor reported",
-            generation,
-        ),
-    ]
+    ]  # CollapseRisk (trainer signals + groups' CollapseRisk) is the rebalancer's: trainer_report.py
     status["conditions"] = merge_conditions(old.get("conditions"), conditions, now)
     return status
 

@@ -4,9 +4,13 @@ Reads the resolved RLJob the operator wrote into the ConfigMap; cluster endpoint
 operator sets (RLFLEET_ROUTER_URL, RLFLEET_TRAINER_BACKEND, store credentials by reference). Global rank
 0 drives everything: rollouts through the router, the loop, publishing to the weight channel, the
 Prometheus exporter (`rlfleet_trainer_*`, scope=group/view/staleness: the rebalancer reads the
-per-group KL/OOR from it), checkpoints on the channel's volume, and the RLJob status (step, weight
-version, metrics, CollapseRisk condition). With the megatron backend every other rank runs
-`backend.follow()` and executes rank 0's broadcast commands.
+per-group KL/OOR from it), checkpoints on the channel's volume. The trainer has NO Kubernetes API rights
+(its pods do not mount a ServiceAccount token): step, published weight version, fleet metrics and the
+collapse detector's state (`rlfleet_trainer_collapse_risk{signal,group}`, `..._quarantine_requested{group}`,
+`..._pause_requested`) are exported, and the operator's rebalance timer writes them into the RLJob status
+and acts on them. After a `pause` decision the process stops stepping but keeps exporting until the pod
+is stopped. With the megatron backend every other rank runs `backend.follow()` and executes rank 0's
+broadcast commands.
 """
 
 from __future__ import annotations
@@ -16,57 +20,11 @@ import logging
 import os
 import sys
 import threading
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("rlfleet.trainer")
 METRICS_PORT = 9500  # operator naming.TRAINER_METRICS_PORT
-
-
-def status_patch(step: int, metrics: dict[str, float], alerts: list[Any], generation: int | None) -> dict[str, Any]:
-    """The RLJob status fields the trainer owns (pure; camelCase as in the CRD)."""
-    now = datetime.now(UTC).isoformat()
-    body: dict[str, Any] = {
-        "step": step,
-        "weightVersion": step,
-        "metrics": {
-            k: v for k, v in {
-                "reward": metrics.get("reward_mean"), "kl": metrics.get("kl_k3"),
-                "oorFraction": metrics.get("oor_fraction"), "entropy": metrics.get("entropy"),
-                "scTailRatio": metrics.get("sc_tail_ratio"), "updatedAt": now,
-            }.items() if v is not None
-        },
-    }
-    if alerts:
-        body["conditions"] = [{
-            "type": "CollapseRisk", "status": "True", "reason": "".join(p.title() for p in alerts[-1].signal.split("_")),
-            "message": "; ".join(a.message for a in alerts)[:4000], "lastTransitionTime": now,
-            **({"observedGeneration": generation} if generation is not None else {}),
-        }]
-    return body
-
-
-def _kube_status_reporter(namespace: str, name: str):
-    """Patch RLJob status (best effort; only if the kubernetes client and in-cluster config exist)."""
-    try:
-        from kubernetes import client, config
-
-        config.load_incluster_config()
-        api = client.CustomObjectsApi()
-    except Exception as exc:  # not in a cluster / no client: metrics still flow to Prometheus
-        log.info("RLJob status reporting disabled: %s", exc)
-        return None
-
-    def report(body: dict[str, Any]) -> None:
-        try:
-            api.patch_namespaced_custom_object_status(
-                "rlfleet.dev", "v1alpha1", namespace, "rljobs", name, {"status": body}
-            )
-        except Exception as exc:
-            log.warning("RLJob status patch failed: %s", exc)
-
-    return report
 
 
 def cli(argv: list[str]) -> int:
@@ -161,17 +119,18 @@ def run(job: Any, args: argparse.Namespace) -> int:
         samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling, max_seq_len=max_seq_len,
         start_position=int(state["data_position"]) if state else 0, max_ahead_prompts=2 * rc.prompts_per_step,
     )
-    report = _kube_status_reporter(job.metadata.namespace or os.environ.get("RLFLEET_NAMESPACE", "default"), job.name)
     loop_ref: dict[str, Any] = {}
+    published = {"version": latest.version if (latest := publisher.channel.latest()) is not None else None}
 
     def publish(version: int, weights: dict) -> None:
         loop_ref["loop"].checkpoint()  # before the pointer moves: the channel is never ahead of a checkpoint
         publisher.publish(weights, version=version)
+        published["version"] = version
 
     def on_step(metrics: dict[str, float], decision: Any) -> None:
-        exporter.update(int(metrics["step"]), metrics)
-        if report is not None:
-            report(status_patch(int(metrics["step"]), metrics, detector.history[-3:], job.metadata.generation))
+        version = {} if published["version"] is None else {"weight_version": float(published["version"])}
+        exporter.update(int(metrics["step"]), {**metrics, **version})
+        exporter.update_collapse(decision.alerts, sorted(detector.quarantined), decision.pause)
 
     loop = TrainingLoop(
         LoopConfig(total_steps=rc.steps, prompts_per_step=rc.prompts_per_step, max_staleness=rc.max_staleness,
@@ -186,12 +145,18 @@ def run(job: Any, args: argparse.Namespace) -> int:
     latest = publisher.channel.latest()
     if latest is None or latest.version < loop.state.step:
         publisher.publish(backend.weights(), version=loop.state.step)
+        published["version"] = loop.state.step
     driver.start()
     try:
         loop.run()
         loop.checkpoint()
     finally:
         driver.stop()
+    try:
+        if loop.state.paused:  # keep exporting the pause (and why) for the operator until the pod is stopped
+            log.warning("training paused by the collapse detector; exporting metrics until stopped")
+            threading.Event().wait()
+    finally:
         exporter.close()
         if hasattr(backend, "close"):
             backend.close()

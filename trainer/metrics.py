@@ -112,6 +112,7 @@ class PrometheusExporter:
 
         self.registry = CollectorRegistry()
         self._gauges: dict[str, Any] = {}
+        self._risk_labels: set[tuple[str, str]] = set()
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         self.port = int(self._server.server_address[1])
 
@@ -130,6 +131,36 @@ class PrometheusExporter:
                 gauge = Gauge(metric, f"rlfleet trainer metric {name}", ["scope", "key"], registry=self.registry)
                 self._gauges[metric] = gauge
             gauge.labels(scope=scope, key=label).set(value)
+
+    def update_collapse(self, alerts: Sequence[Any], quarantined: Sequence[str], pause: bool) -> None:
+        """The collapse detector's state, for the operator (the trainer has no Kubernetes API rights):
+        `rlfleet_trainer_collapse_risk{signal,group}` 1 for each alert of the latest step (0 once a
+        signal stops), with `rlfleet_trainer_collapse_value` / `_baseline` for the message;
+        `rlfleet_trainer_quarantine_requested{group}` 1 for every group the detector quarantined
+        (cumulative, as the detector's state); `rlfleet_trainer_pause_requested` 0/1. group="" = fleet."""
+        from prometheus_client import Gauge
+
+        if "collapse_risk" not in self._gauges:
+            labels = ["signal", "group"]
+            self._gauges["collapse_risk"] = Gauge("rlfleet_trainer_collapse_risk", "collapse signal raised at the latest step", labels, registry=self.registry)  # fmt: skip
+            self._gauges["collapse_value"] = Gauge("rlfleet_trainer_collapse_value", "value of the raised collapse signal", labels, registry=self.registry)  # fmt: skip
+            self._gauges["collapse_baseline"] = Gauge("rlfleet_trainer_collapse_baseline", "baseline of the raised collapse signal", labels, registry=self.registry)  # fmt: skip
+            self._gauges["quarantine_requested"] = Gauge("rlfleet_trainer_quarantine_requested", "group quarantined by the collapse detector", ["group"], registry=self.registry)  # fmt: skip
+            self._gauges["pause_requested"] = Gauge("rlfleet_trainer_pause_requested", "collapse detector paused training", registry=self.registry)  # fmt: skip
+        risk = self._gauges["collapse_risk"]
+        for labels in list(self._risk_labels):  # signals that stopped read 0 (a transition the operator sees)
+            risk.labels(*labels).set(0.0)
+        for a in alerts:
+            labels = (a.signal, a.group or "")
+            self._risk_labels.add(labels)
+            risk.labels(*labels).set(1.0)
+            if math.isfinite(float(a.value)):
+                self._gauges["collapse_value"].labels(*labels).set(float(a.value))
+            if math.isfinite(float(a.baseline)):
+                self._gauges["collapse_baseline"].labels(*labels).set(float(a.baseline))
+        for group in quarantined:
+            self._gauges["quarantine_requested"].labels(group=group).set(1.0)
+        self._gauges["pause_requested"].set(1.0 if pause else 0.0)
 
     def close(self) -> None:
         self._server.shutdown()

@@ -1,17 +1,24 @@
 """The validating webhook enforces the LIVE accelerator catalog at `kubectl apply` (real kube-apiserver ->
-kopf's webhook server over TLS), where the CRD's CEL only knows the built-in catalog."""
+kopf's webhook server over TLS), where the CRD's CEL only knows the built-in catalog.
+
+The operator runs as `rlfleet operator run --webhook-port ...` in a subprocess: that is the production
+path, and it keeps the admission handlers out of this test process's global kopf registry (an in-process
+runner started later without a webhook server would refuse to run with them registered)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from kopf.testing import KopfRunner
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
@@ -26,10 +33,10 @@ def free_port() -> int:
 
 
 def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
-    kube, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kube, namespace: str, tmp_path: Path
 ) -> None:
     from rlfleet.catalog import check_group, load_catalog
-    from rlfleet.operator.webhook import self_signed
+    from rlfleet.operator.admission import self_signed
 
     kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     kube.kubectl("wait", "--for=condition=Established", "crd/rljobs.rlfleet.dev", "--timeout=60s")
@@ -38,12 +45,7 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
     catalog.write_text("classes:\n  h100:\n    kvCacheDtypes: [auto, bf16]\n")
     certfile, keyfile, ca = self_signed("127.0.0.1", tmp_path)
     port = free_port()
-    for key, value in {
-        "KUBECONFIG": str(kube.kubeconfig), "RLFLEET_CATALOG": str(catalog), "RLFLEET_WEBHOOK_PORT": str(port),
-        "RLFLEET_WEBHOOK_ADDR": "127.0.0.1", "RLFLEET_WEBHOOK_HOST": "127.0.0.1",
-        "RLFLEET_WEBHOOK_CERT": str(certfile), "RLFLEET_WEBHOOK_KEY": str(keyfile),
-    }.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
+    env = {**kube.env(), "RLFLEET_CATALOG": str(catalog)}
     config_name = f"rlfleet-test-{namespace}"
     webhook = {
         "apiVersion": "admissionregistration.k8s.io/v1",
@@ -73,20 +75,21 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
             }
         ],
     }
-    args = [
-        "run",
-        "--standalone",
-        "--namespace",
-        namespace,
-        "-m",
-        "rlfleet.operator.handlers",
-        "-m",
-        "rlfleet.operator.webhook",
-    ]
+    argv = [
+        sys.executable, "-c", "from rlfleet.cli import main; raise SystemExit(main())",
+        "operator", "run", "--standalone", "--namespace", namespace, "--kubeconfig", str(kube.kubeconfig),
+        "--webhook-port", str(port), "--webhook-address", "127.0.0.1", "--webhook-host", "127.0.0.1",
+        "--webhook-cert", str(certfile), "--webhook-key", str(keyfile),
+    ]  # fmt: skip
+    log = tmp_path / "operator.log"
+    operator = subprocess.Popen(  # noqa: S603
+        argv, env=env, cwd="/", stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
-        with KopfRunner(args, timeout=60) as runner:
-            deadline = time.monotonic() + 30
+        if True:  # the operator subprocess runs for the whole block
+            deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
+                assert operator.poll() is None, log.read_text()
                 with socket.socket() as s:
                     if s.connect_ex(("127.0.0.1", port)) == 0:
                         break
@@ -103,8 +106,15 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
             check_group("h100", "bf16", "fp8_e4m3", catalog=load_catalog(None))
             # and a valid job passes the webhook
             kube.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "rljob.yaml"))
-        assert runner.exception is None, runner.output
+        assert operator.poll() is None, log.read_text()
     finally:
+        if operator.poll() is None:
+            os.killpg(operator.pid, signal.SIGTERM)
+            try:
+                operator.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(operator.pid, signal.SIGKILL)
+                operator.wait()
         kube.kubectl(
             "delete", "validatingwebhookconfiguration", config_name, "--ignore-not-found", check=False
         )

@@ -272,18 +272,34 @@ def test_report_writes_json_csv_and_plots(tmp_path):
 
 
 # ---------------------------------------------------------------- trainer pod entrypoint
-def test_entrypoint_rejects_missing_config_and_builds_status(capsys, monkeypatch):
+def test_entrypoint_rejects_missing_config_and_makes_no_api_call(capsys, monkeypatch):
     from rlfleet.trainer import entrypoint
 
     monkeypatch.delenv("RLFLEET_CONFIG", raising=False)
     assert entrypoint.cli([]) == 2
     assert "--config" in capsys.readouterr().err
-    alert = collapse.Alert(step=7, signal="kl_surge", value=0.3, baseline=0.01, group="h100-fp8", message="group h100-fp8 KL")
-    body = entrypoint.status_patch(7, {"reward_mean": 0.5, "kl_k3": 0.02, "oor_fraction": 0.01}, [alert], generation=3)
-    assert body["step"] == 7 and body["weightVersion"] == 7
-    assert body["metrics"]["reward"] == 0.5 and body["metrics"]["oorFraction"] == 0.01 and "entropy" not in body["metrics"]
-    cond = body["conditions"][0]
-    assert cond["type"] == "CollapseRisk" and cond["reason"] == "KlSurge" and cond["observedGeneration"] == 3
-    from rlfleet.api.rljob import RLJobStatus
+    # least privilege: the trainer has no Kubernetes client code path at all (the operator writes status)
+    source = open(entrypoint.__file__).read()
+    assert "kubernetes" not in source.replace("Kubernetes", "") and "load_incluster_config" not in source
 
-    RLJobStatus.model_validate(body)  # the patch is a valid status of the CRD's schema
+
+def test_exporter_publishes_the_collapse_state_the_operator_parses():
+    """Real exporter over HTTP -> the operator's parser (rlfleet.operator.trainer_report)."""
+    import httpx
+
+    from rlfleet.operator.trainer_report import parse_trainer_report
+
+    exp = metrics.PrometheusExporter(port=0)
+    try:
+        alert = collapse.Alert(step=7, signal="kl_surge", value=0.3, baseline=0.01, group="h100-fp8", message="m")
+        exp.update(7, {"reward_mean": 0.5, "kl_k3": 0.02, "weight_version": 6.0, "group/h100-fp8/kl_k3": 0.3})
+        exp.update_collapse([alert], ["h100-fp8"], pause=False)
+        report = parse_trainer_report(httpx.get(f"http://127.0.0.1:{exp.port}/metrics").text)
+        assert (report.step, report.weight_version, report.fleet["reward_mean"]) == (7, 6, 0.5)
+        assert [(s.signal, s.group, s.value, s.baseline) for s in report.signals] == [("kl_surge", "h100-fp8", 0.3, 0.01)]
+        assert report.quarantine_requested == ("h100-fp8",) and not report.pause_requested
+        exp.update_collapse([], ["h100-fp8"], pause=True)  # the signal stopped: it reads 0, quarantine stays
+        report = parse_trainer_report(httpx.get(f"http://127.0.0.1:{exp.port}/metrics").text)
+        assert report.signals == () and report.quarantine_requested == ("h100-fp8",) and report.pause_requested
+    finally:
+        exp.close()

@@ -1,0 +1,136 @@
+"""Against the real control plane: the trainer has no API rights, so the operator's rebalance timer writes
+what the trainer EXPORTS (step, weight version, metrics, the collapse detector's state) into the RLJob
+status, raises CollapseRisk with an Event, and quarantines the group the detector named
+(`safety.action: quarantine-group`).
+
+The trainer's exporter is the real `rlfleet.trainer.metrics.PrometheusExporter` on 127.0.0.1 (free
+port). The trainer pod itself is a kwok fake (Running + Ready, but no process behind its pod IP), so the
+one thing replaced is the pod's address: `rebalance_timer.trainer_metrics_url(pod)` is pointed at the
+local exporter (the operator runs in this process via KopfRunner), after checking it is asked for
+trainer pod 0 — the same approach as tests/router/test_router_timer_cluster.py's local Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+from rlfleet.operator import rebalance_timer
+from rlfleet.trainer.collapse import Alert
+from rlfleet.trainer.metrics import PrometheusExporter
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "tstat"
+
+pytestmark = pytest.mark.cluster  # ~30 s: runs with -m "not slow"
+
+
+@pytest.fixture
+def exporter() -> Iterator[PrometheusExporter]:
+    exp = PrometheusExporter(port=0)  # 127.0.0.1
+    yield exp
+    exp.close()
+
+
+def manifest() -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": JOB},
+        "spec": {
+            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
+            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
+            "samplerGroups": [
+                {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
+                {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "weightFormat": "bf16"},
+            ],
+            "router": {"policy": "throughput", "rebalanceIntervalSeconds": 5},
+            "safety": {"action": "quarantine-group"},
+            "weightChannel": {"store": {"type": "filesystem", "path": "/weights/tstat"}},
+        },
+    }
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except Exception as exc:  # noqa: BLE001 - objects may not exist yet
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
+    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    asked: list[str] = []
+
+    def local_exporter(pod: dict) -> str:
+        asked.append(pod["metadata"]["name"])
+        assert pod["status"]["podIP"]  # a ready trainer pod of the job
+        return f"http://127.0.0.1:{exporter.port}/metrics"
+
+    monkeypatch.setattr(rebalance_timer, "trainer_metrics_url", local_exporter)
+    exporter.update(12, {"reward_mean": 0.42, "kl_k3": 0.031, "oor_fraction": 0.07, "entropy": 1.5,
+                         "sc_tail_ratio": 1.3, "weight_version": 11.0, "group/b200-nvfp4/kl_k3": 0.2})  # fmt: skip
+    exporter.update_collapse([], [], pause=False)
+
+    def job() -> dict:
+        return json.loads(kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "json").stdout)
+
+    def sg(name: str) -> dict:
+        return json.loads(kube.kubectl("get", "samplergroup", f"{JOB}-{name}", "-n", namespace, "-o", "json").stdout)
+
+    def risk() -> dict:
+        return next(c for c in job()["status"]["conditions"] if c["type"] == "CollapseRisk")
+
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest()))
+        status = wait_for("step and metrics from the exporter", lambda: (s := job().get("status", {})).get("step") == 12 and s)
+        assert status["metrics"]["reward"] == 0.42 and status["metrics"]["kl"] == 0.031
+        assert status["metrics"]["oorFraction"] == 0.07 and status["metrics"]["updatedAt"]
+        assert status["weightVersion"] >= 11
+        assert risk()["status"] == "False" and risk()["reason"] == "NoSignal"
+        assert set(asked) == {f"{JOB}-trainer-0"}
+
+        # the detector fires on one group and quarantines it
+        alert = Alert(step=13, signal="kl_surge", value=0.2, baseline=0.01, group="b200-nvfp4")
+        exporter.update(13, {"kl_k3": 0.09, "weight_version": 12.0})
+        exporter.update_collapse([alert], ["b200-nvfp4"], pause=False)
+        wait_for("CollapseRisk", lambda: risk()["status"] == "True", timeout=60)
+        cond = risk()
+        assert cond["reason"] == "KlSurge" and "kl_surge (group b200-nvfp4)" in cond["message"]
+        assert cond["observedGeneration"] == job()["metadata"]["generation"]
+        assert job()["status"]["step"] == 13 and job()["status"]["weightVersion"] >= 12
+        wait_for("quarantine", lambda: sg("b200-nvfp4")["status"].get("quarantined") is True
+                 and sg("b200-nvfp4")["status"].get("share") == 0.0, timeout=60)  # fmt: skip
+        assert sg("a100-bf16")["status"].get("quarantined") is False
+        assert not sg("b200-nvfp4")["spec"].get("quarantined")  # status only; the spec stays the user's
+        assert not job()["spec"]["samplerGroups"][0].get("quarantined")
+        events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        assert any(e.get("reason") == "KlSurge" and e["involvedObject"]["kind"] == "RLJob" for e in events)
+
+        # the signal stops: CollapseRisk clears (the quarantine stays: the detector's state is cumulative)
+        exporter.update_collapse([], ["b200-nvfp4"], pause=False)
+        wait_for("CollapseRisk cleared", lambda: risk()["status"] == "False", timeout=60)
+        assert sg("b200-nvfp4")["status"]["quarantined"] is True
+        kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output
