@@ -120,6 +120,16 @@ def _hopper_weight_formats() -> dict[str, FormatProfile]:
     }
 
 
+def _blackwell_weight_formats(fp8_backend: str, fp4_backend: str) -> dict[str, FormatProfile]:
+    """Blackwell (sm100/sm103/sm120) runs every format natively; only the GEMM backends differ."""
+    return {
+        "bf16": _BF16,
+        "fp8": _fp8(fp8_backend),
+        "nvfp4": _nvfp4(fp4_backend),
+        "mxfp4": _MXFP4_NATIVE,
+    }
+
+
 def _fp8(backend: str | None) -> FormatProfile:
     flags = ["--quantization", "fp8"]
     if backend:
@@ -206,12 +216,9 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             gke_accelerators=["nvidia-b200"],
             compute_capability="10.0",
             memory_gib=180,
-            weight_formats={
-                "bf16": _BF16,
-                "fp8": _fp8("flashinfer_trtllm"),
-                "nvfp4": _nvfp4("flashinfer_cutlass"),
-                "mxfp4": _MXFP4_NATIVE,
-            },
+            weight_formats=_blackwell_weight_formats(
+                fp8_backend="flashinfer_trtllm", fp4_backend="flashinfer_cutlass"
+            ),
             kv_cache_dtypes=list(_BLACKWELL_KV),
             default_tensor_parallel=1,
             cost_per_gpu_hour=5.99,
@@ -223,12 +230,9 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             gke_accelerators=["nvidia-b300"],
             compute_capability="10.3",
             memory_gib=270,
-            weight_formats={
-                "bf16": _BF16,
-                "fp8": _fp8("flashinfer_trtllm"),
-                "nvfp4": _nvfp4("flashinfer_cutlass"),
-                "mxfp4": _MXFP4_NATIVE,
-            },
+            weight_formats=_blackwell_weight_formats(
+                fp8_backend="flashinfer_trtllm", fp4_backend="flashinfer_cutlass"
+            ),
             kv_cache_dtypes=list(_BLACKWELL_KV),
             default_tensor_parallel=1,
             cost_per_gpu_hour=7.49,
@@ -243,12 +247,7 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             gke_accelerators=["nvidia-rtx-pro-6000"],
             compute_capability="12.0",
             memory_gib=96,
-            weight_formats={
-                "bf16": _BF16,
-                "fp8": _fp8("cutlass"),
-                "nvfp4": _nvfp4("flashinfer_cudnn"),
-                "mxfp4": _MXFP4_NATIVE,
-            },
+            weight_formats=_blackwell_weight_formats(fp8_backend="cutlass", fp4_backend="flashinfer_cudnn"),
             kv_cache_dtypes=list(_BLACKWELL_KV),
             default_tensor_parallel=1,
             cost_per_gpu_hour=1.89,
