@@ -469,7 +469,8 @@ def cli(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"rlfleet run: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out or Path("rlfleet-runs") / rc.job_name)
+    # absolute: the fleet subprocess runs with the run directory as its cwd (see the fleet start)
+    out = Path(args.out or Path("rlfleet-runs") / rc.job_name).resolve()
     stop = threading.Event()
     presses = {"n": 0}
 

@@ -80,7 +80,8 @@ def test_local_run_interrupt_resume_report_and_reward(tmp_path):
     report covers all 8 steps and the toy reward rises."""
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--steps", "8", "--out", str(out), "--no-live"]
+    # --out relative to the cwd, as a user types it (the fleet subprocess runs in another directory)
+    cmd = [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--steps", "8", "--out", "run", "--no-live"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
