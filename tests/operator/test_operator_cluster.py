@@ -13,13 +13,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from cluster_wait import wait_for
 from kopf.testing import KopfRunner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,20 +101,6 @@ def column(table: list[str], name: str, row: int = 1) -> str:
     rest = header[start + len(name) :]
     end = start + len(name) + (len(rest) - len(rest.lstrip())) if rest.strip() else None
     return table[row][start:end].strip()
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except Exception as exc:  # noqa: BLE001 - objects may not exist yet
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def get(kube, namespace: str, *what: str) -> Any:

@@ -12,12 +12,12 @@ trainer pod 0 — the same approach as tests/router/test_router_timer_cluster.py
 
 from __future__ import annotations
 
+import functools
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+import cluster_wait
 import pytest
 import yaml
 from kopf.testing import KopfRunner
@@ -25,6 +25,9 @@ from kopf.testing import KopfRunner
 from rlfleet.operator import rebalance_timer
 from rlfleet.trainer.collapse import Alert
 from rlfleet.trainer.metrics import PrometheusExporter
+
+# these tests wait on rebalance intervals: longer timeout, coarser polling than the default
+wait_for = functools.partial(cluster_wait.wait_for, timeout=120.0, interval=1.0)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "tstat"
@@ -56,20 +59,6 @@ def manifest() -> dict:
             "weightChannel": {"store": {"type": "filesystem", "path": "/weights/tstat"}},
         },
     }
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except Exception as exc:  # noqa: BLE001 - objects may not exist yet
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def test_operator_writes_trainer_status_collapse_risk_and_quarantines(

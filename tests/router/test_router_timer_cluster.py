@@ -8,19 +8,24 @@ that reports 3000 tok/s for the b200 group and 1000 tok/s for the a100 group.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import cluster_wait
 import pytest
 import yaml
 from kopf.testing import KopfRunner
+
+# these tests wait on rebalance intervals: longer timeout, coarser polling than the default
+wait_for = functools.partial(cluster_wait.wait_for, timeout=120.0, interval=1.0)
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "rebal"
@@ -75,20 +80,6 @@ def manifest(prometheus_url: str) -> dict:
             "weightChannel": {"store": {"type": "filesystem", "path": "/weights/rebal"}},
         },
     }
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except Exception as exc:  # noqa: BLE001 - objects may not exist yet
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(1.0)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
