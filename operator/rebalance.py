@@ -227,7 +227,9 @@ def _cost_per_1m(price_per_gpu_hour: float, gpus: int, tokens_per_second: float 
     # Same formula as rlfleet.catalog.cost_per_1m_tokens (which needs a catalog class object).
     if not tokens_per_second or tokens_per_second <= 0 or price_per_gpu_hour <= 0 or gpus <= 0:
         return None
-    return price_per_gpu_hour * gpus / 3600.0 / tokens_per_second * 1e6
+    cost = price_per_gpu_hour * gpus / 3600.0 / tokens_per_second * 1e6
+    # A subnormal rate overflows to inf, and inf / inf would make every share NaN: no usable reading.
+    return cost if math.isfinite(cost) else None
 
 
 def group_rate(pods: Mapping[str, PodSample], memory: GroupMemory, now: float) -> float | None:

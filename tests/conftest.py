@@ -18,6 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests are derandomised (a fixed example sequence per test, no example database), so CI is
+# deterministic: a failure found once is found on every run. HYPOTHESIS_PROFILE=explore searches anew.
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 _CONTROLPLANE_PY = Path(__file__).resolve().parent / "cluster" / "controlplane.py"
 

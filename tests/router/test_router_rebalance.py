@@ -131,6 +131,18 @@ def test_throughput_shares_converge_within_10_percent_in_3_intervals_with_defaul
         previous = r.shares
 
 
+def test_cost_policy_with_a_subnormal_rate_gives_finite_shares() -> None:
+    """Found by Hypothesis: tokens/s of 2.2e-308 made the cost per token inf and every share NaN."""
+    inputs = [
+        GroupInput("g0", 1, 1, 1.0, tokens_per_second=0.0),
+        GroupInput("g1", 1, 1, 1.0, tokens_per_second=2.2250738585072014e-308),
+    ]
+    config = RebalanceConfig(policy="cost", max_share_change=1.0, min_share=0.0)
+    result = rebalance(inputs, None, 0.0, config, current_shares={"g0": 0.0, "g1": 0.0})
+    assert all(math.isfinite(v) for v in result.shares.values()), result.shares
+    assert math.isclose(sum(result.shares.values()), 1.0, rel_tol=1e-9)
+
+
 shares_strategy = st.lists(st.floats(0.0, 1.0), min_size=2, max_size=6)
 
 
