@@ -31,8 +31,17 @@ ConditionStatus = Literal["True", "False", "Unknown"]
 # Kubernetes object names used as prefixes of child names: the job name + "-" + group name must fit a
 # DNS-1035 label (63) because it names the group's Service.
 DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# DNS-1123 subdomain: names of Secrets, PersistentVolumeClaims, WeightChannels.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 MAX_JOB_NAME = 38
 MAX_GROUP_NAME = 24
+# Suffixes of the job's own children (<job>-trainer Service and StatefulSet, <job>-router Service and
+# Deployment, <job>-config, <job>-weights, <job>-router-admin): a sampler group of the same name would
+# collide with them (operator/naming.py builds the names; a test checks the two agree).
+RESERVED_GROUP_NAMES: tuple[str, ...] = ("trainer", "router", "router-admin", "config", "weights")
+# Port of the weight-sync sidecar in every sampler pod (SGLang must listen elsewhere).
+SYNC_SIDECAR_PORT = 9400
+HTTP_URL_PATTERN = r"^https?://[^\s/]+(/\S*)?$"
 # Sampling-mask cap of SGLang (`--sampling-mask-max-tokens`, default 4096): a finite top_k must fit it.
 MAX_TOP_K = 4096
 
@@ -82,8 +91,13 @@ def conditions_field() -> Any:
 class LocalObjectReference(ApiModel):
     """Reference to an object in the same namespace."""
 
-    name: str = Field(min_length=1, max_length=253)
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """Name of the referenced object (e.g. a Secret)."""
+
+
+def cel_list(values: tuple[str, ...] | list[str]) -> str:
+    """A CEL list literal of strings."""
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
 
 
 def kube_manifest_check(manifest: Any, kind: str) -> dict[str, Any]:

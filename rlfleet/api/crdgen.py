@@ -17,8 +17,16 @@ from typing import Any
 import yaml
 
 from rlfleet.api.common import GROUP, VERSION
-from rlfleet.api.rljob import JOB_NAME_MESSAGE, JOB_NAME_RULE, STATIC_SHARES_MESSAGE, RLJobSpec, RLJobStatus
-from rlfleet.api.samplergroup import SamplerGroupSpec, SamplerGroupStatus
+from rlfleet.api.rljob import (
+    JOB_NAME_DNS_MESSAGE,
+    JOB_NAME_DNS_RULE,
+    JOB_NAME_MESSAGE,
+    JOB_NAME_RULE,
+    STATIC_SHARES_MESSAGE,
+    RLJobSpec,
+    RLJobStatus,
+)
+from rlfleet.api.samplergroup import SG_NAME_MESSAGE, SG_NAME_RULE, SamplerGroupSpec, SamplerGroupStatus
 from rlfleet.api.schema import model_openapi
 from rlfleet.api.weightchannel import WeightChannelSpec, WeightChannelStatus
 from rlfleet.catalog import Catalog, CatalogError, load_catalog
@@ -152,7 +160,10 @@ def rljob_crd(catalog: Catalog) -> dict[str, Any]:
     status = model_openapi(RLJobStatus)
     status["description"] = "Observed state (written by the operator and the trainer)."
     schema = _root_schema(spec, status, "RLJob")
-    schema["x-kubernetes-validations"] = [{"rule": JOB_NAME_RULE, "message": JOB_NAME_MESSAGE}]
+    schema["x-kubernetes-validations"] = [
+        {"rule": JOB_NAME_RULE, "message": JOB_NAME_MESSAGE},
+        {"rule": JOB_NAME_DNS_RULE, "message": JOB_NAME_DNS_MESSAGE},
+    ]
     columns = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {
@@ -179,6 +190,7 @@ def samplergroup_crd(catalog: Catalog) -> dict[str, Any]:
     status = model_openapi(SamplerGroupStatus)
     status["description"] = "Observed state (operator, rebalancer and weight-sync sidecars)."
     schema = _root_schema(spec, status, "SamplerGroup")
+    schema["x-kubernetes-validations"] = [{"rule": SG_NAME_RULE, "message": SG_NAME_MESSAGE}]
     columns = [
         {"name": "Accelerator", "type": "string", "jsonPath": ".spec.accelerator"},
         {"name": "Weights", "type": "string", "jsonPath": ".spec.weightFormat"},

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from rlfleet.api.common import (
     API_VERSION,
+    DNS_LABEL_PATTERN,
+    DNS_SUBDOMAIN_PATTERN,
+    HTTP_URL_PATTERN,
     MAX_JOB_NAME,
     MAX_TOP_K,
     ApiModel,
@@ -38,8 +42,63 @@ GROUP_NAMES_RULE = "self.all(g, self.exists_one(h, h.name == g.name))"
 GROUP_NAMES_MESSAGE = "samplerGroups: group names must be unique"
 JOB_NAME_RULE = f"size(self.metadata.name) <= {MAX_JOB_NAME}"
 JOB_NAME_MESSAGE = f"metadata.name must be at most {MAX_JOB_NAME} characters (child names are <job>-<group>)"
+JOB_NAME_DNS_RULE = f"self.metadata.name.matches('{DNS_LABEL_PATTERN}')"
+JOB_NAME_DNS_MESSAGE = (
+    "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter; no "
+    "dots): it prefixes the names of the job's Services <job>-trainer, <job>-router and <job>-<group>"
+)
 STATIC_SHARES_RULE = "self.policy != 'static' || size(self.staticShares) > 0"
 STATIC_SHARES_MESSAGE = "router: policy static needs staticShares"
+STATIC_SHARES_POSITIVE_RULE = "!has(self.staticShares) || size(self.staticShares) == 0 || self.staticShares.exists(k, self.staticShares[k] > 0.0)"
+STATIC_SHARES_POSITIVE_MESSAGE = "router.staticShares: at least one share must be > 0"
+STATIC_SHARES_GROUPS_RULE = "!has(self.router.staticShares) || self.router.staticShares.all(k, self.samplerGroups.exists(g, g.name == k))"
+STATIC_SHARES_GROUPS_MESSAGE = "router.staticShares: every key must be the name of a group in samplerGroups"
+PIPELINE_RULE = "self.pipeline == 1"
+PIPELINE_MESSAGE = (
+    "trainer.parallelism: pipeline parallelism is not supported yet (the megatron backend loads and "
+    "publishes weights only with pipeline 1)"
+)
+PARALLEL_FIT_RULE = "self.gpusPerReplica % (self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.context) == 0"
+PARALLEL_FIT_MESSAGE = (
+    "trainer: parallelism tensor x pipeline x context must divide gpusPerReplica (each trainer pod holds "
+    "whole model-parallel groups)"
+)
+TORCH_SINGLE_RULE = (
+    "self.backend != 'torch' || (self.replicas == 1 && self.gpusPerReplica == 1 && "
+    "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.context == 1)"
+)
+TORCH_SINGLE_MESSAGE = (
+    "trainer: backend torch is one process on one GPU (replicas 1, gpusPerReplica 1, parallelism 1 x 1 x 1); "
+    "use backend megatron for more"
+)
+GROUP_SIZE_RULE = "self.samplesPerPrompt >= 2"
+GROUP_SIZE_MESSAGE = (
+    "samplesPerPrompt must be at least 2: advantages are group-relative (GRPO), with one sample per "
+    "prompt every advantage is 0 and nothing is learned"
+)
+CONTEXT_RULE = "!has(self.model.maxSeqLen) || self.rollout.maxNewTokens < self.model.maxSeqLen"
+CONTEXT_MESSAGE = "rollout.maxNewTokens must be < model.maxSeqLen (prompt and generation share the context)"
+LOCAL_CONTEXT_RULE = "self.maxNewTokens < self.model.maxSeqLen"
+LOCAL_CONTEXT_MESSAGE = (
+    "local.maxNewTokens must be < local.model.maxSeqLen (prompt and generation share the context)"
+)
+TINY_HEADS_RULE = "self.dModel % self.nHead == 0 && (self.dModel / self.nHead) % 2 == 0"
+TINY_HEADS_MESSAGE = (
+    "local.model: dModel must be a multiple of nHead with an even head size (rotary embeddings)"
+)
+TRAINER_ACCELERATOR_RULE = "self.suspend || self.trainer.accelerator == oldSelf.trainer.accelerator"
+TRAINER_ACCELERATOR_MESSAGE = (
+    "trainer.accelerator cannot change on an existing RLJob (the trainer pods would restart mid-run on other "
+    "GPUs): set spec.suspend: true in the same change, or create a new job"
+)
+GROUP_ACCELERATOR_RULE = (
+    "self.suspend || self.samplerGroups.all(g, !oldSelf.samplerGroups.exists(o, o.name == g.name && "
+    "o.accelerator != g.accelerator))"
+)
+GROUP_ACCELERATOR_MESSAGE = (
+    "samplerGroups[].accelerator cannot change on an existing group (its pods would restart mid-run on other "
+    "GPUs): add a group under a new name and remove this one, or set spec.suspend: true in the same change"
+)
 
 
 class ModelSpec(ApiModel):
@@ -58,12 +117,31 @@ class ModelSpec(ApiModel):
 class ParallelismSpec(ApiModel):
     """Trainer model parallelism (Megatron-core)."""
 
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": PIPELINE_RULE, "message": PIPELINE_MESSAGE, "fieldPath": ".pipeline"}
+            ]
+        }
+    }
+
     tensor: int = Field(default=1, ge=1, le=64)
     """Tensor-parallel size."""
     pipeline: int = Field(default=1, ge=1, le=64)
-    """Pipeline-parallel size."""
+    """Pipeline-parallel size (only 1 is supported yet)."""
     context: int = Field(default=1, ge=1, le=64)
     """Context-parallel size."""
+
+    @property
+    def size(self) -> int:
+        """GPUs of one model replica: tensor x pipeline x context."""
+        return self.tensor * self.pipeline * self.context
+
+    @model_validator(mode="after")
+    def _check_pipeline(self) -> ParallelismSpec:
+        if self.pipeline != 1:
+            raise ValueError(PIPELINE_MESSAGE)
+        return self
 
 
 class OptimizerSpec(ApiModel):
@@ -79,6 +157,15 @@ class OptimizerSpec(ApiModel):
 
 class TrainerSpec(ApiModel):
     """The BF16 trainer (a StatefulSet of torchrun ranks)."""
+
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": PARALLEL_FIT_RULE, "message": PARALLEL_FIT_MESSAGE, "fieldPath": ".parallelism"},
+                {"rule": TORCH_SINGLE_RULE, "message": TORCH_SINGLE_MESSAGE, "fieldPath": ".backend"},
+            ]
+        }
+    }
 
     accelerator: str = Field(
         default="b200", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -101,18 +188,36 @@ class TrainerSpec(ApiModel):
     total_steps: int | None = Field(default=None, ge=1)
     """Stop after this many optimizer steps (none: run until deleted)."""
 
+    @model_validator(mode="after")
+    def _check_fit(self) -> TrainerSpec:
+        size = self.parallelism.size
+        if self.gpus_per_replica % size:
+            raise ValueError(f"{PARALLEL_FIT_MESSAGE}: {size} does not divide {self.gpus_per_replica}")
+        if self.backend == "torch" and (self.replicas, self.gpus_per_replica, size) != (1, 1, 1):
+            raise ValueError(TORCH_SINGLE_MESSAGE)
+        return self
+
 
 class RolloutSpec(ApiModel):
     """How rollouts are sampled."""
 
     model_config = {
-        "json_schema_extra": {"x-kubernetes-validations": [{"rule": TOP_P_RULE, "message": TOP_P_MESSAGE}]}
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": TOP_P_RULE, "message": TOP_P_MESSAGE},
+                {
+                    "rule": GROUP_SIZE_RULE,
+                    "message": f"rollout.{GROUP_SIZE_MESSAGE}",
+                    "fieldPath": ".samplesPerPrompt",
+                },
+            ]
+        }
     }
 
     prompts_per_step: int = Field(default=128, ge=1, le=65536)
     """Prompts per optimizer step."""
     samples_per_prompt: int = Field(default=8, ge=1, le=1024)
-    """Samples per prompt (the GRPO group size)."""
+    """Samples per prompt (the GRPO group size, at least 2)."""
     temperature: float = Field(default=1.0, gt=0.0, le=10.0)
     """Sampling temperature."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -132,6 +237,8 @@ class RolloutSpec(ApiModel):
     def _check_top_p(self) -> RolloutSpec:
         if self.top_p < 1.0 and not (1 <= self.top_k <= MAX_TOP_K):
             raise ValueError(TOP_P_MESSAGE)
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"rollout.{GROUP_SIZE_MESSAGE}")
         return self
 
 
@@ -170,7 +277,10 @@ class RouterSpec(ApiModel):
 
     model_config = {
         "json_schema_extra": {
-            "x-kubernetes-validations": [{"rule": STATIC_SHARES_RULE, "message": STATIC_SHARES_MESSAGE}]
+            "x-kubernetes-validations": [
+                {"rule": STATIC_SHARES_RULE, "message": STATIC_SHARES_MESSAGE},
+                {"rule": STATIC_SHARES_POSITIVE_RULE, "message": STATIC_SHARES_POSITIVE_MESSAGE},
+            ]
         }
     }
 
@@ -184,21 +294,25 @@ class RouterSpec(ApiModel):
     """Smallest share of a healthy, non-quarantined group."""
     smoothing: float = Field(default=0.5, gt=0.0, le=1.0)
     """EMA weight of the newest throughput sample."""
-    static_shares: dict[str, float] = Field(default_factory=dict, max_length=64)
+    static_shares: dict[str, Annotated[float, Field(ge=0.0, le=1000000.0)]] = Field(
+        default_factory=dict, max_length=64
+    )
     """policy static: share per group name (normalised)."""
-    prometheus_url: str | None = Field(default=None, max_length=1024)
+    prometheus_url: str | None = Field(default=None, max_length=1024, pattern=HTTP_URL_PATTERN)
     """Read throughput from this Prometheus instead of scraping the sampler pods."""
     replicas: int = Field(default=1, ge=1, le=16)
     """Router replicas."""
     image: str = Field(default="ghcr.io/rlfleet/operator:0.1.0", min_length=1, max_length=512)
     """Router image (runs `rlfleet router serve`)."""
-    admin_token_secret: str | None = Field(default=None, max_length=253)
+    admin_token_secret: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """Secret (key `token`) with the router admin token (none: the operator creates one)."""
 
     @model_validator(mode="after")
     def _check_static(self) -> RouterSpec:
         if self.policy == "static" and not self.static_shares:
             raise ValueError(STATIC_SHARES_MESSAGE)
+        if self.static_shares and not any(v > 0 for v in self.static_shares.values()):
+            raise ValueError(STATIC_SHARES_POSITIVE_MESSAGE)
         return self
 
 
@@ -229,6 +343,12 @@ class SafetySpec(ApiModel):
 class TinyModelSpec(ApiModel):
     """Tiny TinyGPT used instead of the real model in --local mode."""
 
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [{"rule": TINY_HEADS_RULE, "message": TINY_HEADS_MESSAGE}]
+        }
+    }
+
     vocab_size: int = Field(default=64, ge=32, le=65536)
     """Vocabulary size."""
     n_layer: int = Field(default=2, ge=1, le=48)
@@ -240,9 +360,28 @@ class TinyModelSpec(ApiModel):
     max_seq_len: int = Field(default=64, ge=8, le=65536)
     """Context length."""
 
+    @model_validator(mode="after")
+    def _check_heads(self) -> TinyModelSpec:
+        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+            raise ValueError(TINY_HEADS_MESSAGE)
+        return self
+
 
 class LocalSpec(ApiModel):
     """Knobs for `rlfleet run --local` (one CPU machine). Ignored on clusters."""
+
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": GROUP_SIZE_RULE,
+                    "message": f"local.{GROUP_SIZE_MESSAGE}",
+                    "fieldPath": ".samplesPerPrompt",
+                },
+                {"rule": LOCAL_CONTEXT_RULE, "message": LOCAL_CONTEXT_MESSAGE, "fieldPath": ".maxNewTokens"},
+            ]
+        }
+    }
 
     steps: int = Field(default=20, ge=1, le=100000)
     """Optimizer steps of the local run."""
@@ -259,9 +398,40 @@ class LocalSpec(ApiModel):
     model: TinyModelSpec = Field(default_factory=TinyModelSpec, json_schema_extra={"default": {}})
     """The tiny model."""
 
+    @model_validator(mode="after")
+    def _check_local(self) -> LocalSpec:
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"local.{GROUP_SIZE_MESSAGE}")
+        if self.max_new_tokens >= self.model.max_seq_len:
+            raise ValueError(LOCAL_CONTEXT_MESSAGE)
+        return self
+
 
 class RLJobSpec(ApiModel):
     """Desired state of an RLJob."""
+
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {
+                    "rule": STATIC_SHARES_GROUPS_RULE,
+                    "message": STATIC_SHARES_GROUPS_MESSAGE,
+                    "fieldPath": ".router.staticShares",
+                },
+                {"rule": CONTEXT_RULE, "message": CONTEXT_MESSAGE, "fieldPath": ".rollout.maxNewTokens"},
+                {
+                    "rule": TRAINER_ACCELERATOR_RULE,
+                    "message": TRAINER_ACCELERATOR_MESSAGE,
+                    "fieldPath": ".trainer.accelerator",
+                },
+                {
+                    "rule": GROUP_ACCELERATOR_RULE,
+                    "message": GROUP_ACCELERATOR_MESSAGE,
+                    "fieldPath": ".samplerGroups",
+                },
+            ]
+        }
+    }
 
     model: ModelSpec
     """The policy model."""
@@ -304,6 +474,12 @@ class RLJobSpec(ApiModel):
         if len(names) != len(set(names)):
             dups = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"{GROUP_NAMES_MESSAGE} (duplicated: {', '.join(dups)})")
+        unknown = sorted(set(self.router.static_shares) - set(names))
+        if unknown:
+            raise ValueError(f"{STATIC_SHARES_GROUPS_MESSAGE} (unknown: {', '.join(unknown)})")
+        max_seq_len = self.model.max_seq_len
+        if max_seq_len is not None and self.rollout.max_new_tokens >= max_seq_len:
+            raise ValueError(f"{CONTEXT_MESSAGE}: {self.rollout.max_new_tokens} >= {max_seq_len}")
         return self
 
 
@@ -399,8 +575,11 @@ class RLJob(ApiModel):
     def from_manifest(cls, manifest: dict[str, Any]) -> RLJob:
         """Parse an RLJob manifest (dict from YAML or the API). Raises pydantic ValidationError."""
         job = cls.model_validate(kube_manifest_check(manifest, "RLJob"))
-        if job.metadata.name is not None and len(job.metadata.name) > MAX_JOB_NAME:
+        name = job.metadata.name
+        if name is not None and len(name) > MAX_JOB_NAME:
             raise ValueError(JOB_NAME_MESSAGE)
+        if name is not None and not re.fullmatch(DNS_LABEL_PATTERN, name):
+            raise ValueError(f"{JOB_NAME_DNS_MESSAGE}: got {name!r}")
         return job
 
 

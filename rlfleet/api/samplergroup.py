@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from rlfleet.api.common import (
     API_VERSION,
     DNS_LABEL_PATTERN,
+    DNS_SUBDOMAIN_PATTERN,
     MAX_GROUP_NAME,
+    RESERVED_GROUP_NAMES,
+    SYNC_SIDECAR_PORT,
     ApiModel,
     Condition,
     KvCacheDtype,
     WeightFormat,
+    cel_list,
     conditions_field,
     kube_manifest_check,
 )
@@ -22,9 +27,64 @@ from rlfleet.api.meta import ObjectMeta
 
 ACCELERATOR_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
+# Cross-field rules: CEL in the CRD and the pydantic check share the message (kubectl apply and
+# `rlfleet run --local` say the same words).
+RESERVED_NAME_RULE = f"!(self.name in {cel_list(RESERVED_GROUP_NAMES)})"
+RESERVED_NAME_MESSAGE = (
+    f"group name must not be one of {', '.join(RESERVED_GROUP_NAMES)}: the job's own children are named "
+    "<job>-trainer, <job>-router, ... and <job>-<group> would collide with them"
+)
+# SGLang flags the operator sets from the spec. The GPU-count flags must follow tensorParallel (the pod
+# requests exactly tensorParallel GPUs); the others follow model, port, weightFormat, kvCacheDtype, ...
+# Option strings as SGLang 0.5.23's parser spells them (tests/api/test_api_models.py reads the parser).
+OWNED_SGLANG_FLAGS: tuple[str, ...] = (
+    "--tp-size", "--tensor-parallel-size", "--dp-size", "--data-parallel-size",
+    "--pp-size", "--pipeline-parallel-size", "--nnodes",
+    "--model-path", "--model", "--served-model-name", "--host", "--port", "--dtype",
+    "--quantization", "--fp8-gemm-backend", "--fp4-gemm-backend", "--kv-cache-dtype",
+    "--sampling-mask-max-tokens", "--weight-version",
+)  # fmt: skip
+EXTRA_ARGS_RULE = (
+    f"!has(self.extraArgs) || self.extraArgs.all(a, !(a in {cel_list(OWNED_SGLANG_FLAGS)}) && "
+    f"!{cel_list(OWNED_SGLANG_FLAGS)}.exists(f, a.startsWith(f + '=')))"
+)
+EXTRA_ARGS_MESSAGE = (
+    "extraArgs must not set flags the operator derives from the spec: the GPU count (--tp-size, --dp-size, "
+    "--pp-size, --nnodes) follows tensorParallel, which is also the pod's GPU request; --model-path, --port, "
+    "--quantization, --kv-cache-dtype and the like follow model, port, weightFormat and kvCacheDtype"
+)
+PORT_RULE = f"self.port != {SYNC_SIDECAR_PORT}"
+PORT_MESSAGE = f"port {SYNC_SIDECAR_PORT} is the weight-sync sidecar's port in the same pod: pick another"
+ACCELERATOR_CHANGE_RULE = "self.suspend || self.accelerator == oldSelf.accelerator"
+ACCELERATOR_CHANGE_MESSAGE = (
+    "accelerator cannot change on an existing SamplerGroup (its pods would restart mid-run on other GPUs): "
+    "set suspend: true in the same change, or create a new group and delete this one"
+)
+
+
+SG_NAME_RULE = f"size(self.metadata.name) <= 63 && self.metadata.name.matches('{DNS_LABEL_PATTERN}')"
+SG_NAME_MESSAGE = (
+    "metadata.name must be a DNS-1035 label of at most 63 characters (lowercase letters, digits and '-', "
+    "starting with a letter; no dots): it names the group's Deployment and Service"
+)
+
+
+def owned_flags_in(args: list[str]) -> list[str]:
+    """The arguments of `args` that set a flag of OWNED_SGLANG_FLAGS (`--flag` or `--flag=value`)."""
+    return [a for a in args if a.split("=", 1)[0] in OWNED_SGLANG_FLAGS]
+
 
 class SamplerGroupTemplate(ApiModel):
     """One sampler group of an RLJob: which GPU class, how many replicas, which precision."""
+
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": RESERVED_NAME_RULE, "message": RESERVED_NAME_MESSAGE, "fieldPath": ".name"},
+                {"rule": EXTRA_ARGS_RULE, "message": EXTRA_ARGS_MESSAGE, "fieldPath": ".extraArgs"},
+            ]
+        }
+    }
 
     name: str = Field(min_length=1, max_length=MAX_GROUP_NAME, pattern=DNS_LABEL_PATTERN)
     """Group name, unique in the job (DNS label, <= 24 characters); the SamplerGroup is named <job>-<name>."""
@@ -38,7 +98,7 @@ class SamplerGroupTemplate(ApiModel):
     """SGLang --kv-cache-dtype: auto (model dtype), bf16, fp8_e4m3, fp8_e5m2, mxfp8 (sm100+) or nvfp4 (sm100/sm120)."""
     tensor_parallel: int | None = Field(default=None, ge=1, le=8)
     """GPUs per replica (SGLang --tp-size, and the nvidia.com/gpu request). Default: the class's default TP from the catalog."""
-    extra_args: list[str] = Field(default_factory=list, max_length=64)
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=64)
     """Extra SGLang command-line arguments appended verbatim (e.g. ["--mem-fraction-static", "0.85"])."""
     quarantined: bool = False
     """Manually quarantine the group: the router sends it no new sessions (its pods keep running)."""
@@ -49,6 +109,11 @@ class SamplerGroupTemplate(ApiModel):
         # loaded at runtime, so local mode and overridden catalogs give the same clear message.
         from rlfleet import catalog
 
+        if self.name in RESERVED_GROUP_NAMES:
+            raise ValueError(RESERVED_NAME_MESSAGE)
+        owned = owned_flags_in(self.extra_args)
+        if owned:
+            raise ValueError(f"{EXTRA_ARGS_MESSAGE} (got {', '.join(owned)})")
         catalog.check_group(self.accelerator, self.weight_format, self.kv_cache_dtype)
         return self
 
@@ -76,11 +141,26 @@ class GroupModelRef(ApiModel):
 class SamplerGroupSpec(SamplerGroupTemplate):
     """Desired state of a SamplerGroup (written by the operator from its RLJob; may be created by hand)."""
 
-    job_name: str | None = Field(default=None, max_length=63)
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": RESERVED_NAME_RULE, "message": RESERVED_NAME_MESSAGE, "fieldPath": ".name"},
+                {"rule": EXTRA_ARGS_RULE, "message": EXTRA_ARGS_MESSAGE, "fieldPath": ".extraArgs"},
+                {"rule": PORT_RULE, "message": PORT_MESSAGE, "fieldPath": ".port"},
+                {
+                    "rule": ACCELERATOR_CHANGE_RULE,
+                    "message": ACCELERATOR_CHANGE_MESSAGE,
+                    "fieldPath": ".accelerator",
+                },
+            ]
+        }
+    }
+
+    job_name: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL_PATTERN)
     """Name of the RLJob this group belongs to (empty for a standalone group)."""
     model: GroupModelRef
     """Model to serve."""
-    weight_channel: str | None = Field(default=None, max_length=253)
+    weight_channel: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """Name of the WeightChannel the sidecar follows (none: the group serves its initial weights)."""
     suspend: bool = False
     """Scale the group's pods to zero while keeping spec.replicas (set from the RLJob's suspend)."""
@@ -90,6 +170,12 @@ class SamplerGroupSpec(SamplerGroupTemplate):
     """SGLang --sampling-mask-max-tokens: the largest kept set a request may ask for."""
     images: SamplerImages = Field(default_factory=SamplerImages, json_schema_extra={"default": {}})
     """Container images."""
+
+    @model_validator(mode="after")
+    def _check_port(self) -> SamplerGroupSpec:
+        if self.port == SYNC_SIDECAR_PORT:
+            raise ValueError(PORT_MESSAGE)
+        return self
 
 
 class ShareChange(ApiModel):
@@ -173,4 +259,8 @@ class SamplerGroup(ApiModel):
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> SamplerGroup:
         """Parse a SamplerGroup manifest (a dict from YAML or the API)."""
-        return cls.model_validate(kube_manifest_check(manifest, "SamplerGroup"))
+        sg = cls.model_validate(kube_manifest_check(manifest, "SamplerGroup"))
+        name = sg.metadata.name
+        if name is not None and not (len(name) <= 63 and re.fullmatch(DNS_LABEL_PATTERN, name)):
+            raise ValueError(f"{SG_NAME_MESSAGE}: got {name!r}")
+        return sg

@@ -9,6 +9,8 @@ from pydantic import Field, model_validator
 
 from rlfleet.api.common import (
     API_VERSION,
+    DNS_SUBDOMAIN_PATTERN,
+    HTTP_URL_PATTERN,
     ApiModel,
     Condition,
     LocalObjectReference,
@@ -20,26 +22,40 @@ from rlfleet.api.meta import ObjectMeta
 
 STORE_RULE = "self.type == 'filesystem' ? has(self.path) : has(self.bucket)"
 STORE_MESSAGE = "store: type filesystem needs path; type s3 needs bucket"
+STORE_PATH_RULE = "!has(self.path) || self.path.startsWith('/')"
+STORE_PATH_MESSAGE = (
+    "store.path must be an absolute path (the volume's mount path in every pod; a relative path would "
+    "resolve against each process's working directory)"
+)
+# S3 bucket naming rules (3-63 characters: lowercase letters, digits, dots and hyphens).
+BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 
 
 class StoreSpec(ApiModel):
     """Where versions live: a filesystem path on a shared volume, or an S3-compatible bucket."""
 
     model_config = {
-        "json_schema_extra": {"x-kubernetes-validations": [{"rule": STORE_RULE, "message": STORE_MESSAGE}]}
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": STORE_RULE, "message": STORE_MESSAGE},
+                {"rule": STORE_PATH_RULE, "message": STORE_PATH_MESSAGE, "fieldPath": ".path"},
+            ]
+        }
     }
 
     type: Literal["filesystem", "s3"] = "filesystem"
     """filesystem (a shared ReadWriteMany volume) or s3 (any S3-compatible object store)."""
     path: str | None = Field(default=None, min_length=1, max_length=1024)
     """filesystem: directory of the channel inside every pod (the volume's mount path)."""
-    volume_claim_name: str | None = Field(default=None, min_length=1, max_length=253)
+    volume_claim_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN
+    )
     """filesystem: PersistentVolumeClaim mounted at path in the trainer and sampler pods (none: the path must already exist on the nodes, tests only)."""
-    bucket: str | None = Field(default=None, min_length=3, max_length=63)
+    bucket: str | None = Field(default=None, min_length=3, max_length=63, pattern=BUCKET_PATTERN)
     """s3: bucket name."""
     prefix: str = Field(default="", max_length=1024)
     """s3: key prefix of the channel inside the bucket."""
-    endpoint: str | None = Field(default=None, max_length=1024)
+    endpoint: str | None = Field(default=None, max_length=1024, pattern=HTTP_URL_PATTERN)
     """s3: endpoint URL of an S3-compatible server (none: AWS)."""
     region: str | None = Field(default=None, max_length=64)
     """s3: region."""
@@ -50,6 +66,8 @@ class StoreSpec(ApiModel):
     def _check_store(self) -> StoreSpec:
         if (self.type == "filesystem" and not self.path) or (self.type == "s3" and not self.bucket):
             raise ValueError(STORE_MESSAGE)
+        if self.path is not None and not self.path.startswith("/"):
+            raise ValueError(f"{STORE_PATH_MESSAGE}: got {self.path!r}")
         return self
 
 
@@ -63,7 +81,7 @@ class RetentionSpec(ApiModel):
 class WeightChannelSpec(ApiModel):
     """Desired state of a WeightChannel (written by the operator from the RLJob's weightChannel)."""
 
-    job_name: str | None = Field(default=None, max_length=63)
+    job_name: str | None = Field(default=None, max_length=63, pattern=DNS_SUBDOMAIN_PATTERN)
     """Name of the RLJob publishing into this channel."""
     store: StoreSpec
     """Where versions live."""

@@ -229,3 +229,103 @@ def test_every_example_rljob_is_valid(path: Path) -> None:
     job = load_rljob(path)
     assert job.name and len(job.spec.sampler_groups) >= 1
     assert job.spec.local.steps <= 50  # examples double as quick local runs
+
+
+def _samplergroup(name: str = "solo-h100", spec: dict | None = None) -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": name},
+        "spec": {"name": "h100", "accelerator": "h100", "model": {"name": "m", "path": "p"}, **(spec or {})},
+    }
+
+
+def test_samplergroup_refuses_what_cannot_run() -> None:
+    from rlfleet.api.samplergroup import (
+        EXTRA_ARGS_MESSAGE,
+        PORT_MESSAGE,
+        RESERVED_NAME_MESSAGE,
+        SG_NAME_MESSAGE,
+    )
+
+    assert SamplerGroup.from_manifest(_samplergroup()).spec.port == 30000
+    with pytest.raises(ValueError, match="must be a DNS-1035 label") as info:
+        SamplerGroup.from_manifest(_samplergroup("solo.h100"))
+    assert SG_NAME_MESSAGE in str(info.value)
+    with pytest.raises(ValueError, match="must be a DNS-1035 label"):
+        SamplerGroup.from_manifest(_samplergroup("x" * 64))
+    for spec, message in [
+        ({"port": 9400}, PORT_MESSAGE),
+        ({"name": "router"}, RESERVED_NAME_MESSAGE),
+        ({"extraArgs": ["--dp-size", "2"]}, EXTRA_ARGS_MESSAGE),
+        ({"extraArgs": ["--model-path=/other"]}, EXTRA_ARGS_MESSAGE),
+    ]:
+        with pytest.raises(ValidationError) as err:
+            SamplerGroup.from_manifest(_samplergroup(spec=spec))
+        assert message in str(err.value), spec
+    # flags the operator does not set pass through (a prefix of an owned flag is not the flag)
+    ok = SamplerGroup.from_manifest(
+        _samplergroup(spec={"extraArgs": ["--mem-fraction-static", "0.8", "--tp-size-x"]})
+    )
+    assert ok.spec.extra_args[-1] == "--tp-size-x"
+
+
+def test_reserved_group_names_are_the_suffixes_of_every_child_name() -> None:
+    """A group named like a child suffix would give <job>-<group> == that child's name (operator/naming.py)."""
+    from rlfleet.api.common import RESERVED_GROUP_NAMES
+    from rlfleet.operator import naming
+
+    children = [naming.trainer_name, naming.router_name, naming.config_name, naming.weightchannel_name,
+                naming.router_secret_name]  # fmt: skip
+    suffixes = {f("job").removeprefix("job-") for f in children}
+    assert suffixes == set(RESERVED_GROUP_NAMES)
+    for suffix in suffixes:
+        assert naming.samplergroup_name("job", suffix) in {f("job") for f in children}
+
+
+def test_owned_sglang_flags_are_every_spelling_sglang_parses_for_what_the_operator_sets() -> None:
+    """The real SGLang 0.5.23 parser: every option string of every destination the launch line sets (plus
+    the GPU-count flags) is refused in extraArgs, and nothing else."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from rlfleet.api.samplergroup import OWNED_SGLANG_FLAGS
+    from rlfleet.catalog import load_catalog, sglang_launch
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    by_flag = {opt: action.dest for action in parser._actions for opt in action.option_strings}
+    catalog = load_catalog(None)
+    set_by_launch: set[str] = set()
+    for cls in catalog.names():  # every class and format: the precision flags differ (GEMM backends)
+        for fmt in catalog.get(cls).weight_formats:
+            launch = sglang_launch(accelerator=catalog.get(cls), weight_format=fmt, kv_cache_dtype="fp8_e4m3",
+                                   model_path="/m", served_model_name="m", weight_version=0)  # fmt: skip
+            set_by_launch |= {by_flag[a] for a in launch.argv if a.startswith("--")} - {"enable_metrics"}
+    owned_dests = set_by_launch | {"dp_size", "pp_size", "nnodes"}
+    expected = {opt for opt, dest in by_flag.items() if dest in owned_dests}
+    assert set(OWNED_SGLANG_FLAGS) == expected
+
+
+def test_parallelism_and_budgets_name_the_numbers() -> None:
+    manifest = apply_case(example_manifest(), {"set": {"spec.trainer.parallelism.tensor": 3}})
+    with pytest.raises(ValidationError, match="3 does not divide 8"):
+        RLJob.from_manifest(manifest)
+    manifest = apply_case(example_manifest(), {"set": {"spec.model.maxSeqLen": 8192}})
+    with pytest.raises(ValidationError, match="8192 >= 8192"):
+        RLJob.from_manifest(manifest)
+    manifest = apply_case(example_manifest(), {"set": {"spec.model.maxSeqLen": 8193}})
+    assert RLJob.from_manifest(manifest).spec.model.max_seq_len == 8193
+    # context parallelism that fits is accepted; torch on one GPU is accepted
+    manifest = apply_case(
+        example_manifest(), {"set": {"spec.trainer.parallelism": {"tensor": 4, "context": 2}}}
+    )
+    assert RLJob.from_manifest(manifest).spec.trainer.parallelism.size == 8
+    manifest = apply_case(
+        example_manifest(), {"set": {"spec.trainer": {"backend": "torch", "gpusPerReplica": 1}}}
+    )
+    assert RLJob.from_manifest(manifest).spec.trainer.backend == "torch"
+    manifest = apply_case(example_manifest(), {"set": {"spec.router.policy": "static",
+                                                       "spec.router.staticShares": {"h200-fp8": 0.0, "a100-bf16": 1.0}}})  # fmt: skip
+    assert RLJob.from_manifest(manifest).spec.router.static_shares["a100-bf16"] == 1.0

@@ -52,7 +52,7 @@ def test_crds_install_and_example_is_accepted_with_defaults(kube, crds, namespac
         "kind": "RLJob",
         "metadata": {"name": "minimal"},
         "spec": {
-            "model": {"name": "m", "path": "/m"},
+            "model": {"name": "m", "path": "/m", "maxSeqLen": None},  # null: the model's own context
             "samplerGroups": [{"name": "g", "accelerator": "h100"}],
             "weightChannel": {"store": {"path": "/w"}},
         },
@@ -140,3 +140,52 @@ def test_crd_cel_matches_the_catalog_for_every_class_format_kv(kube, crds, names
     accepted = {line.split("/")[1].split()[0] for line in result.stdout.splitlines() if "created" in line}
     assert len(expected) == 144 and sum(expected.values()) == len(accepted) > 0
     assert {n for n, ok in expected.items() if ok} == accepted
+
+
+def _refused(kube, namespace: str, manifest: dict) -> str:
+    result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    assert result.returncode != 0, f"{manifest['metadata']['name']} update was accepted"
+    return result.stderr
+
+
+def test_accelerator_of_a_running_trainer_or_group_cannot_change(kube, crds, namespace: str) -> None:
+    """CEL transition rules: moving the trainer or a group to other GPUs would restart its pods mid-run;
+    refused unless the same change suspends the job (or the group is replaced under a new name)."""
+    from rlfleet.api.rljob import GROUP_ACCELERATOR_MESSAGE, TRAINER_ACCELERATOR_MESSAGE
+
+    job = apply_case(EXAMPLE, {"set": {"metadata.name": "moving"}})
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job))
+    assert TRAINER_ACCELERATOR_MESSAGE in _refused(
+        kube, namespace, apply_case(job, {"set": {"spec.trainer.accelerator": "h200"}})
+    )
+    assert GROUP_ACCELERATOR_MESSAGE in _refused(
+        kube, namespace, apply_case(job, {"set": {"spec.samplerGroups.2.accelerator": "h200"}})
+    )
+    # a new group under a new name replaces the old one: accepted
+    renamed = apply_case(
+        job, {"set": {"spec.samplerGroups.2.name": "h200-fp8-b", "spec.samplerGroups.2.accelerator": "h200"}}
+    )
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(renamed))
+    # suspending in the same change: accepted, and the object holds the new class
+    moved = apply_case(renamed, {"set": {"spec.suspend": True, "spec.trainer.accelerator": "b300"}})
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(moved))
+    assert kube.get_json("rljob", "moving", "-n", namespace)["spec"]["trainer"]["accelerator"] == "b300"
+
+
+def test_samplergroup_names_ports_and_moves_are_refused(kube, crds, namespace: str) -> None:
+    from rlfleet.api.samplergroup import ACCELERATOR_CHANGE_MESSAGE, PORT_MESSAGE, SG_NAME_MESSAGE
+
+    sg = {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": "solo-h100"},
+        "spec": {"name": "h100", "accelerator": "h100", "model": {"name": "m", "path": "p"}},
+    }
+    assert SG_NAME_MESSAGE in _refused(kube, namespace, {**sg, "metadata": {"name": "solo.h100"}})
+    assert PORT_MESSAGE in _refused(kube, namespace, {**sg, "spec": {**sg["spec"], "port": 9400}})
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg))
+    assert ACCELERATOR_CHANGE_MESSAGE in _refused(
+        kube, namespace, {**sg, "spec": {**sg["spec"], "accelerator": "h200"}}
+    )
+    kube.kubectl("apply", "-n", namespace, "-f", "-",
+                 input=json.dumps({**sg, "spec": {**sg["spec"], "accelerator": "h200", "suspend": True}}))  # fmt: skip
