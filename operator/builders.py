@@ -15,7 +15,16 @@ import yaml
 
 from rlfleet.api import RLJob, SamplerGroup, SamplerGroupTemplate, StoreSpec
 from rlfleet.api.common import API_VERSION, WEIGHT_FORMATS
-from rlfleet.catalog import GPU_RESOURCE, GPU_TOLERATION, Catalog, sglang_launch_for_group
+from rlfleet.catalog import (
+    GPU_RESOURCE,
+    GPU_TOLERATION,
+    LAUNCH_FILE,
+    MODEL_DIR_REF,
+    WEIGHT_VERSION_REF,
+    Catalog,
+    launch_from_file,
+    sglang_launch_for_group,
+)
 from rlfleet.operator import naming as n
 
 Manifest = dict[str, Any]
@@ -26,7 +35,12 @@ RESTRICTED_CONTAINER: dict[str, Any] = {
     "capabilities": {"drop": ["ALL"]},
     "runAsNonRoot": True,
 }
-NON_ROOT_UID = 1000
+NON_ROOT_UID = 10001
+"""The one uid of every rlfleet image (images/Dockerfile.*: USER 10001:10001) and of every pod the
+operator builds; the chart runs the operator with it too."""
+HF_HOME = "/tmp/huggingface"
+"""Hugging Face cache of the trainer and SGLang, on the pod's writable /tmp emptyDir (the image's own
+home belongs to the image user and the root filesystem may be read-only)."""
 
 
 def owner_reference(owner: Manifest) -> dict[str, Any]:
@@ -288,6 +302,7 @@ def build_trainer_statefulset(
         {"name": "MASTER_PORT", "value": str(n.TRAINER_RDZV_PORT)},
         {"name": "RLFLEET_TRAINER_BACKEND", "value": t.backend},
         {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": HF_HOME},
         *store_env(store),
     ]
     container = {
@@ -392,9 +407,11 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
         "readinessProbe": probe,
         "livenessProbe": {**probe, "failureThreshold": 6},
         "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "env": [{"name": "HOME", "value": "/tmp"}],
         "volumeMounts": [
             {"name": "config", "mountPath": n.CONFIG_MOUNT, "readOnly": True},
             {"name": "admin-token", "mountPath": n.ROUTER_TOKEN_MOUNT, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
         ],
         "securityContext": {**RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True},
     }
@@ -422,6 +439,7 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
                     "volumes": [
                         {"name": "config", "configMap": {"name": n.config_name(job.name)}},
                         {"name": "admin-token", "secret": {"secretName": secret}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
                     ],
                 },
             },
@@ -487,7 +505,17 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
     health probes, Prometheus annotations, the weight-sync sidecar, restricted security context."""
     name = sg.metadata.name or ""
     spec = sg.spec
-    launch = sglang_launch_for_group(spec, catalog)
+    from_channel = bool(spec.weight_channel) and store is not None
+    if from_channel:
+        # SGLang starts from the checkpoint the init container fetched and verified: the newest version
+        # of this group's view (its format), never spec.model.path (docs/weights.md).
+        launch = sglang_launch_for_group(
+            spec, catalog, model_path=MODEL_DIR_REF, weight_version=WEIGHT_VERSION_REF
+        )
+        engine_command = launch_from_file(launch.argv, f"{n.WEIGHTS_CACHE}/{LAUNCH_FILE}")
+    else:  # a standalone group serves one fixed checkpoint, which must already be in its format
+        launch = sglang_launch_for_group(spec, catalog, model_path=spec.model.path, weight_version=0)
+        engine_command = launch.argv
     labels = _sampler_labels(sg)
     port = spec.port
     volumes = [
@@ -508,20 +536,22 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
     if store is not None:
         store_vols, store_mounts = store_volume(store, read_only=True)
         volumes += store_vols
-        engine_mounts += store_mounts
-        sync_mounts += store_mounts
+        sync_mounts += store_mounts  # only the sync side reads the store; SGLang reads the verified cache
         store_envs = store_env(store)
     env = [
         {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": HF_HOME},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         *({"name": k, "value": v} for k, v in sorted(launch.env.items())),
     ]
+    if from_channel:  # everything SGLang loads is local and verified: never reach for the Hub
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     engine = {
         "name": "sglang",
         "image": spec.images.sampler,
         "imagePullPolicy": spec.images.pull_policy,
-        "command": launch.argv[:3],
-        "args": launch.argv[3:],
+        "command": engine_command[:3] if not from_channel else engine_command[:2],
+        "args": engine_command[3:] if not from_channel else engine_command[2:],
         "env": env,
         "ports": [{"name": "http", "containerPort": port}],
         "startupProbe": {
@@ -550,41 +580,60 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
         "securityContext": dict(RESTRICTED_CONTAINER),
     }
     containers = [engine]
-    if spec.weight_channel and store is not None:
+    init_containers: list[dict[str, Any]] = []
+    if from_channel and store is not None:
+        sync_args = [
+            "sampler",
+            "sync",
+            "--store",
+            store_uri(store),
+            "--view",
+            spec.weight_format,
+            "--engine-url",
+            f"http://127.0.0.1:{port}",
+            "--group",
+            name,
+            "--replica",
+            "$(POD_NAME)",
+            "--cache-dir",
+            n.WEIGHTS_CACHE,
+            "--require-checkpoint",
+        ]  # fmt: skip
+        sync_env = [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "HF_HOME", "value": HF_HOME},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            *store_envs,
+        ]
+        sync_security = {**RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True}
+        init_containers.append(
+            {
+                # waits for the newest version of the view (version 0 comes from the base checkpoint
+                # before the trainer's first step), downloads + verifies it, writes the launch file
+                "name": "weight-fetch",
+                "image": spec.images.sync,
+                "imagePullPolicy": spec.images.pull_policy,
+                "command": ["rlfleet"],
+                "args": [*sync_args, "--fetch-only"],
+                "env": sync_env,
+                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+                "volumeMounts": sync_mounts,
+                "securityContext": sync_security,
+            }
+        )
         containers.append(
             {
                 "name": "weight-sync",
                 "image": spec.images.sync,
                 "imagePullPolicy": spec.images.pull_policy,
                 "command": ["rlfleet"],
-                "args": [
-                    "sampler",
-                    "sync",
-                    "--store",
-                    store_uri(store),
-                    "--view",
-                    spec.weight_format,
-                    "--engine-url",
-                    f"http://127.0.0.1:{port}",
-                    "--group",
-                    name,
-                    "--replica",
-                    "$(POD_NAME)",
-                    "--port",
-                    str(n.SYNC_PORT),
-                    "--cache-dir",
-                    n.WEIGHTS_CACHE,
-                ],  # fmt: skip
-                "env": [
-                    {"name": "HOME", "value": "/tmp"},
-                    {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                    *store_envs,
-                ],
+                "args": [*sync_args, "--port", str(n.SYNC_PORT)],
+                "env": sync_env,
                 "ports": [{"name": "sync", "containerPort": n.SYNC_PORT}],
                 "readinessProbe": {"httpGet": {"path": "/health", "port": n.SYNC_PORT}, "periodSeconds": 10},
                 "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
                 "volumeMounts": sync_mounts,
-                "securityContext": {**RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True},
+                "securityContext": sync_security,
             }
         )
     replicas = 0 if spec.suspend else spec.replicas
@@ -612,6 +661,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,
                     "terminationGracePeriodSeconds": 60,
+                    **({"initContainers": init_containers} if init_containers else {}),
                     "containers": containers,
                     "volumes": volumes,
                 },

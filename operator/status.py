@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlfleet.api import SamplerGroupSpec
-from rlfleet.catalog import Catalog, CatalogError, sglang_launch_for_group
+from rlfleet.catalog import Catalog, CatalogError, group_precision
 from rlfleet.operator import naming as n
 
 Manifest = dict[str, Any]
@@ -92,12 +92,12 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     }
     # What runs where, and whether the precision is degraded on this class.
     try:
-        launch = sglang_launch_for_group(SamplerGroupSpec.model_validate(spec), catalog)
+        precision = group_precision(SamplerGroupSpec.model_validate(spec), catalog)
         status.update(
-            selectedAccelerator=launch.accelerator,
-            selectionReason=launch.selection_reason[:1024],
-            degradedPrecision=launch.degraded,
-            precisionNote=launch.note,
+            selectedAccelerator=precision.accelerator,
+            selectionReason=precision.selection_reason[:1024],
+            degradedPrecision=precision.degraded,
+            precisionNote=precision.note,
         )
     except (CatalogError, ValueError) as exc:  # a class the runtime catalog cannot run
         if isinstance(exc, ValidationError):
@@ -150,6 +150,9 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         phase, reason, message = "Running", "AllReplicasReady", f"{ready}/{desired} replicas ready"
     else:
         phase, reason, message = "Pending", "ReplicasNotReady", f"{ready}/{desired} replicas ready"
+        waiting = weights_wait_reason(spec, channel_status)
+        if waiting is not None:
+            reason, message = "WaitingForWeights", f"{message}: {waiting}"
     # quarantined by the spec, or by the rebalancer / collapse detector (its status field)
     if (spec.get("quarantined") or old.get("quarantined")) and phase == "Running":
         phase, message = "Quarantined", f"{message}; quarantined (no new sessions)"
@@ -182,6 +185,32 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         now,
     )
     return status
+
+
+def weights_wait_reason(spec: Manifest, channel_status: Manifest | None) -> str | None:
+    """Why a group's pods cannot start SGLang yet, from the WeightChannel status (None: they can).
+
+    Sampler pods launch from the newest published version of their own view (their init container
+    waits for it), so until the channel has one the group cannot become ready; say so."""
+    channel = spec.get("weightChannel")
+    if not channel:
+        return None
+    view = spec.get("weightFormat", "bf16")
+    if not channel_status:
+        return f"waiting for version 0 of view {view} in channel {channel} (channel status not read yet)"
+    if channel_status.get("latestVersion") is None:
+        why = channel_status.get("message") or "nothing published yet"
+        return (
+            f"waiting for version 0 of view {view} in channel {channel}: {why} "
+            "(the trainer publishes version 0 of every view before step 1)"
+        )[:1000]
+    views = sorted({a.get("view") for a in channel_status.get("artifacts") or [] if a.get("view")})
+    if view not in views:
+        return (
+            f"waiting for view {view} in channel {channel}: version {channel_status['latestVersion']} "
+            f"has views {', '.join(views) or 'none'}"
+        )
+    return None
 
 
 def _cond(obj: Manifest, type_: str) -> dict[str, Any] | None:

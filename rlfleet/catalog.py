@@ -5,11 +5,27 @@ class because SKUs differ, plus GKE `cloud.google.com/gke-accelerator` values), 
 (weight formats, each `native` or `degraded`, and KV-cache dtypes), which SGLang flags select the
 right kernels, its default tensor parallelism and its price per GPU-hour.
 
-Facts (references.md, SGLang 0.5.23): A100 (sm80) runs FP8 only weight-only (Marlin W8A16); Hopper
-(sm90) has native FP8 but no FP4 tensor cores; B200/B300 (sm100/sm103) and RTX PRO 6000 (sm120) run
-native NVFP4 (`--quantization modelopt_fp4`, GEMM backend flashinfer_cutlass on sm100, flashinfer_cudnn
-on sm120); mxfp8 / nvfp4 KV caches need sm100+ / sm100 or sm120. NVFP4 on sm80/sm90 would only be
-Marlin W4A16 weight-only, which the built-in catalog rejects (add it with an override if wanted).
+What each class really runs (SGLang 0.5.23's code; docs/sampler.md has the table):
+- A100 (sm80) has no FP8 tensor cores: a block-128 FP8 checkpoint runs as Marlin W8A16 (FP8 weights,
+  BF16 activations; layers/quantization/fp8.py `can_auto_enable_marlin_fp8` is true on sm80-sm88).
+- Hopper (sm90) runs block-128 FP8 natively (W8A8, DeepGEMM) but has no FP4 tensor cores: NVFP4 there
+  would be weight-only W4A16 through `--fp4-gemm-backend marlin` (modelopt_quant.py refuses the native
+  dense GEMMs below SM100), so the built-in catalog rejects nvfp4 on sm80/sm90.
+- B200/B300 (sm100/sm103) and RTX PRO 6000 (sm120) run NVFP4 W4A4 natively (`--quantization
+  modelopt_fp4`, GEMM backend flashinfer_cutlass on sm100, flashinfer_cudnn on sm120); mxfp8 / nvfp4 KV
+  caches need sm100+ / sm100 or sm120.
+- MXFP4 is MoE-experts-only: SGLang's Mxfp4Config quantizes FusedMoE layers and leaves every dense
+  linear layer unquantized, so a dense model in the mxfp4 view serves its linear layers in BF16.
+
+Every quantized format launches from a checkpoint already in that format (a published view of the
+weight channel: config.json carries the `quantization_config`), never from a BF16 checkpoint with an
+online `--quantization`: `/update_weights_from_disk` reloads into the launch-time model with its
+launch-time quantization method, and online FP8 / online ModelOpt FP4 cannot take a later checkpoint
+(docs/weights.md). The `--quantization` value each profile passes is the one SGLang's
+`ModelConfig._verify_quantization` resolves from that checkpoint's config, so it only confirms what the
+checkpoint says. It is no guard against a checkpoint of another format (SGLang refuses some pairs and
+silently runs others, tests/api/test_api_catalog.py), so the weight-sync init container checks the
+checkpoint's declared quantization before SGLang starts (sampler/sync.py `check_launchable`).
 
 Overrides: a YAML file named by `RLFLEET_CATALOG` (the Helm chart mounts a ConfigMap there) with
 `classes: {name: {...}}`; fields of an existing class are merged over the built-in one (mappings
@@ -24,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -39,6 +56,17 @@ PRODUCT_LABEL = "nvidia.com/gpu.product"
 GKE_LABEL = "cloud.google.com/gke-accelerator"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TOLERATION: dict[str, str] = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+LAUNCH_FILE = "launch"
+"""File in a sampler pod's weights cache naming the checkpoint SGLang launches from: one line
+"<version> <directory>", written atomically by the weight-sync init container (before SGLang starts)
+and rewritten by the sidecar after every applied version (a restarted engine container launches from
+what the pod serves). sampler/sync.py writes it; `launch_from_file` reads it."""
+WEIGHT_VERSION_REF = "$RLFLEET_WEIGHT_VERSION"
+MODEL_DIR_REF = "$RLFLEET_MODEL_DIR"
+"""Placeholders for `sglang_launch(weight_version=..., model_path=...)` that `launch_from_file` fills
+from the launch file at container start."""
 
 
 class CatalogError(ValueError):
@@ -106,9 +134,11 @@ _NVFP4_NEEDS_BLACKWELL = (
     "run it as Marlin W4A16 weight-only, so use fp8 or bf16"
 )
 _FP8_W8A16_NOTE = (
-    "FP8 weight-only: A100 has no FP8 tensor cores, SGLang runs Marlin W8A16 (FP8 weights, BF16 compute)"
+    "FP8 W8A16 weight-only: A100 has no FP8 tensor cores, SGLang runs Marlin (FP8 block-128 weights, "
+    "BF16 activations and compute)"
 )
-_MXFP4_HOPPER_NOTE = "MXFP4 (MoE experts only) without FP4 tensor cores: W4A16 Triton kernels"
+_MOE_ONLY = "MoE experts only: a dense model's linear layers stay BF16"
+_MXFP4_HOPPER_NOTE = f"MXFP4 W4A16 without FP4 tensor cores (Triton/Marlin MoE kernels); {_MOE_ONLY}"
 
 
 def _hopper_weight_formats() -> dict[str, FormatProfile]:
@@ -130,23 +160,24 @@ def _blackwell_weight_formats(fp8_backend: str, fp4_backend: str) -> dict[str, F
     }
 
 
-def _fp8(backend: str | None) -> FormatProfile:
-    flags = ["--quantization", "fp8"]
-    if backend:
-        flags += ["--fp8-gemm-backend", backend]
-    return FormatProfile(mode="native", flags=flags, note="native FP8 W8A8 (block-128 weights)")
+def _fp8(backend: str) -> FormatProfile:
+    return FormatProfile(
+        mode="native",
+        flags=["--quantization", "fp8", "--fp8-gemm-backend", backend],
+        note=f"native FP8 W8A8 ({backend}): block-128 FP8 weights, activations FP8 per token-group of 128",
+    )
 
 
 def _nvfp4(backend: str) -> FormatProfile:
     return FormatProfile(
         mode="native",
         flags=["--quantization", "modelopt_fp4", "--fp4-gemm-backend", backend],
-        note=f"native NVFP4 W4A4 ({backend})",
+        note=f"native NVFP4 W4A4 ({backend}): ModelOpt NVFP4 checkpoint, dense and MoE layers",
     )
 
 
 _MXFP4_NATIVE = FormatProfile(
-    mode="native", flags=["--quantization", "mxfp4"], note="native MXFP4 (MoE experts only)"
+    mode="native", flags=["--quantization", "mxfp4"], note=f"native MXFP4 W4A4; {_MOE_ONLY}"
 )
 _BF16 = FormatProfile(mode="native", flags=[], note="BF16, same precision as the trainer")
 
@@ -375,6 +406,14 @@ class SGLangLaunch:
         return self.mode == "degraded"
 
 
+def selection_reason(cls: AcceleratorClass, weight_format: str, profile: FormatProfile) -> str:
+    """Why a group runs where it runs (SamplerGroup status `selectionReason`)."""
+    terms = [f"{PRODUCT_LABEL} in [{', '.join(cls.product_labels)}]"]
+    if cls.gke_accelerators:
+        terms.append(f"{GKE_LABEL} in [{', '.join(cls.gke_accelerators)}]")
+    return f"{cls.display_name}: nodes with {' or '.join(terms)}; {weight_format} {profile.mode} ({profile.note})"
+
+
 def sglang_launch(
     *,
     accelerator: AcceleratorClass,
@@ -384,16 +423,20 @@ def sglang_launch(
     extra_args: Sequence[str] = (),
     model_path: str,
     served_model_name: str,
+    weight_version: int | str,
     host: str = "0.0.0.0",
     port: int = 30000,
     sampling_mask_max_tokens: int = 4096,
-    weight_version: int | None = None,
     python: str = "python3",
 ) -> SGLangLaunch:
     """THE pure function: (group fields, class) -> SGLang command line + env. Raises CatalogError.
 
-    `sglang_launch_for_group` takes a SamplerGroup spec directly; this form takes plain values so the
-    sampler (`rlfleet sampler serve --engine sglang`) and local mode need no API object.
+    `model_path` is a checkpoint already in `weight_format` (the channel's view of that format, whose
+    config.json carries the quantization_config the precision flags confirm); `weight_version` is the
+    version of that checkpoint, always passed: without it SGLang labels every token "default" until
+    the first update. `sglang_launch_for_group` takes a SamplerGroup spec directly; this form takes
+    plain values so the sampler (`rlfleet sampler serve --engine sglang`) and local mode need no API
+    object.
     """
     cls = accelerator
     catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
@@ -412,16 +455,11 @@ def sglang_launch(
         "--dtype", "bfloat16",
         "--enable-metrics",
         "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
+        "--weight-version", str(weight_version),
     ]  # fmt: skip
-    if weight_version is not None:
-        argv += ["--weight-version", str(weight_version)]
     argv += precision_flags
     argv += list(extra_args)
     env = {**cls.env, **profile.env}
-    terms = [f"{PRODUCT_LABEL} in [{', '.join(cls.product_labels)}]"]
-    if cls.gke_accelerators:
-        terms.append(f"{GKE_LABEL} in [{', '.join(cls.gke_accelerators)}]")
-    reason = f"{cls.display_name}: nodes with {' or '.join(terms)}; {weight_format} {profile.mode} ({profile.note})"
     return SGLangLaunch(
         argv=argv,
         env=env,
@@ -429,23 +467,38 @@ def sglang_launch(
         mode=profile.mode,
         note=profile.note,
         accelerator=cls.name,
-        selection_reason=reason,
+        selection_reason=selection_reason(cls, weight_format, profile),
         flags=precision_flags,
     )
 
 
+def launch_from_file(argv: Sequence[str], launch_file: str) -> list[str]:
+    """`/bin/sh -c` command running `argv` (built with WEIGHT_VERSION_REF / MODEL_DIR_REF) with the
+    version and directory read from `launch_file`. Fails (exit 1, one line) if the file is missing:
+    the init container did not finish, so there is nothing verified to launch from."""
+    refs = {WEIGHT_VERSION_REF, MODEL_DIR_REF}
+    words = [f'"{a}"' if a in refs else shlex.quote(a) for a in argv]
+    file = shlex.quote(launch_file)
+    script = (
+        f"test -s {file} || {{ echo 'no verified weights: {launch_file} missing' >&2; exit 1; }}; "
+        f"read -r {WEIGHT_VERSION_REF[1:]} {MODEL_DIR_REF[1:]} < {file} && exec {' '.join(words)}"
+    )
+    return ["/bin/sh", "-c", script]
+
+
 def sglang_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs: Any) -> SGLangLaunch:
-    """sglang_launch for a SamplerGroupSpec / SamplerGroupTemplate (model comes from kwargs or group.model)."""
+    """sglang_launch for a SamplerGroupSpec / SamplerGroupTemplate (model_path, weight_version and
+    served_model_name come from kwargs; the served name defaults to group.model.name)."""
     cat = catalog or get_catalog()
     model = getattr(group, "model", None)
-    kwargs.setdefault("model_path", getattr(model, "path", None))
     kwargs.setdefault("served_model_name", getattr(model, "name", None))
     if getattr(group, "port", None) is not None:
         kwargs.setdefault("port", group.port)
     if getattr(group, "sampling_mask_max_tokens", None) is not None:
         kwargs.setdefault("sampling_mask_max_tokens", group.sampling_mask_max_tokens)
-    if kwargs["model_path"] is None or kwargs["served_model_name"] is None:
-        raise CatalogError("sglang launch: model_path and served_model_name are required")
+    missing = [k for k in ("model_path", "served_model_name", "weight_version") if kwargs.get(k) is None]
+    if missing:
+        raise CatalogError(f"sglang launch: {', '.join(missing)} required")
     return sglang_launch(
         accelerator=cat.get(group.accelerator),
         weight_format=group.weight_format,
@@ -454,6 +507,28 @@ def sglang_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs
         extra_args=group.extra_args,
         **kwargs,
     )
+
+
+@dataclass(frozen=True)
+class GroupPrecision:
+    """What a group's class runs for its format (SamplerGroup status), without a launch."""
+
+    accelerator: str
+    mode: Literal["native", "degraded"]
+    note: str
+    selection_reason: str
+
+    @property
+    def degraded(self) -> bool:
+        return self.mode == "degraded"
+
+
+def group_precision(group: Any, catalog: Catalog | None = None) -> GroupPrecision:
+    """The class, mode and note a SamplerGroupSpec gets (CatalogError if the class cannot run it)."""
+    cat = catalog or get_catalog()
+    cls = cat.get(group.accelerator)
+    profile = check_group(cls.name, group.weight_format, group.kv_cache_dtype, catalog=cat)
+    return GroupPrecision(cls.name, profile.mode, profile.note, selection_reason(cls, group.weight_format, profile))
 
 
 def cost_per_1m_tokens(cls: AcceleratorClass, gpus: int, tokens_per_second: float) -> float | None:

@@ -1,7 +1,16 @@
 """Weight-sync sidecar: reconciles its pod's engine to the weight channel's pointer.
 
     rlfleet sampler sync --store /mnt/weights/job --view fp8 --engine-url http://127.0.0.1:30000 \\
-        --group h100-fp8 --replica $POD_NAME --cache-dir /weights-cache --port 9400
+        --group h100-fp8 --replica $POD_NAME --cache-dir /weights-cache --port 9400 [--fetch-only]
+
+Launch (`--fetch-only`, the pod's init container): SGLang must START from a checkpoint already in the
+group's format (`/update_weights_from_disk` reloads into the launch-time model with its launch-time
+quantization method; docs/weights.md), so before SGLang starts the init container waits for the newest
+version of this pod's view, downloads and verifies it (sha256) into the cache, checks its config.json
+declares the view's quantization (what SGLang auto-detects), writes the cache's launch file ("<version>
+<dir>", rlfleet.catalog.LAUNCH_FILE) and exits. The engine container execs SGLang with `--model-path
+<dir> --weight-version <version>` from that file; the sidecar starts from the same version and rewrites
+the file after every applied version, so a restarted engine container launches from what it served.
 
 Loop: read the pointer; if it names a version newer than the applied one, report it as "in use"
 (so retention keeps it), download this pod's view into the cache directory (an emptyDir shared with
@@ -28,7 +37,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import random
 import shutil
 import sys
@@ -43,6 +54,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from rlfleet.catalog import LAUNCH_FILE
 from rlfleet.channel import (
     VIEW_NAMES,
     ChannelError,
@@ -76,6 +88,108 @@ TORCH_DTYPES = {
 
 class EngineError(Exception):
     """The engine refused or failed an update (it keeps serving its previous weights)."""
+
+
+class NotLaunchableError(ValueError):
+    """A downloaded view is not a checkpoint SGLang would load in the view's format."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Which version to load, and whether SGLang would load it in the view's format
+
+
+def newest_version_of_view(channel: WeightChannel, view: str) -> tuple[int, Manifest] | None:
+    """The newest complete version that has `view`, with its manifest (None: none yet).
+
+    The pointer's version first (its manifest checked against the pointer's sha256); if that version
+    lacks the view, older complete versions, newest first."""
+    pointer = channel.latest()
+    if pointer is None:
+        return None
+    manifest = channel.manifest(pointer.version, expected_sha256=pointer.manifest_sha256)
+    if view in manifest.views:
+        return pointer.version, manifest
+    for version in sorted((v for v in channel.versions() if v < pointer.version), reverse=True):
+        older = channel.manifest(version)
+        if view in older.views:
+            return version, older
+    return None
+
+
+def _quant_method(directory: Path, require_config: bool = True) -> tuple[str | None, dict[str, Any] | None]:
+    """(method, quantization config) the way SGLang 0.5.23's ModelConfig._parse_quant_hf_config reads
+    a local checkpoint: config.json `quantization_config`, else hf_quant_config.json; a ModelOpt config
+    (quant_method "modelopt" or absent) resolves through its quant_algo (NVFP4 -> modelopt_fp4)."""
+    config_path = directory / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        if not require_config:
+            return None, None
+        raise NotLaunchableError(f"{directory}: no config.json (not a launchable checkpoint)") from None
+    except ValueError as e:
+        raise NotLaunchableError(f"{config_path}: not JSON: {e}") from None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if quant is None and (directory / "hf_quant_config.json").is_file():
+        raw = json.loads((directory / "hf_quant_config.json").read_text())
+        quant = raw.get("quantization", raw) if isinstance(raw, dict) else None
+    if not isinstance(quant, dict):
+        return None, None
+    method = str(quant.get("quant_method", "modelopt")).lower()
+    if method == "modelopt":
+        algo = str(quant.get("quant_algo", "")).upper()
+        method = "modelopt_fp4" if "FP4" in algo else ("modelopt_fp8" if algo == "FP8" else method)
+    return method, quant
+
+
+VIEW_QUANT_METHODS: dict[str, str | None] = {
+    "bf16": None,
+    "fp8": "fp8",
+    "nvfp4": "modelopt_fp4",
+    "mxfp4": "mxfp4",
+}
+"""The quantization method SGLang must detect in each view's checkpoint (the catalog's
+`--quantization` value for the format; bf16: none)."""
+
+
+def check_launchable(directory: Path, view: str, *, require_config: bool = True) -> str | None:
+    """Raise NotLaunchableError unless `directory` is a checkpoint SGLang loads in `view`'s format;
+    return the detected quantization method. Catches a BF16 checkpoint handed to an fp8 / nvfp4 group
+    (SGLang would quantize it online and never take a later update). `require_config=False` (engines
+    that read rlfleet's own view files, e.g. the reference sampler) accepts a view without config.json
+    but still refuses one whose config.json declares another format."""
+    if not require_config and not (directory / "config.json").is_file():
+        return None
+    method, quant = _quant_method(directory, require_config)
+    expected = VIEW_QUANT_METHODS[view]
+    if method != expected:
+        raise NotLaunchableError(
+            f"{directory}: view {view} needs a checkpoint with quantization method {expected or 'none'}, "
+            f"its config declares {method or 'none'}"
+        )
+    if view == "fp8" and list((quant or {}).get("weight_block_size") or []) != [128, 128]:
+        raise NotLaunchableError(f"{directory}: fp8 view needs weight_block_size [128, 128] (block FP8)")
+    if not any(directory.glob("*.safetensors")):
+        raise NotLaunchableError(f"{directory}: no *.safetensors weights")
+    return method
+
+
+def read_launch_file(cache_dir: Path) -> tuple[int, Path] | None:
+    """(version, directory) from the cache's launch file, None if absent or malformed."""
+    try:
+        version, _, directory = (cache_dir / LAUNCH_FILE).read_text().strip().partition(" ")
+    except FileNotFoundError:
+        return None
+    if not version.isdigit() or not directory:
+        return None
+    return int(version), Path(directory)
+
+
+def write_launch_file(cache_dir: Path, version: int, directory: Path) -> None:
+    """Atomically (temp file + rename) name the checkpoint SGLang launches from."""
+    tmp = cache_dir / f".{LAUNCH_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(f"{version} {directory}\n")
+    os.replace(tmp, cache_dir / LAUNCH_FILE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,6 +353,8 @@ class SyncConfig:
     request_timeout: float = 600.0
     report_interval: float = 30.0
     """Heartbeat of the subscriber report when nothing changed (seconds)."""
+    require_checkpoint: bool = False
+    """Refuse a view without config.json (SGLang: it launches and reloads only HF checkpoints)."""
 
 
 @dataclass
@@ -335,18 +451,23 @@ class Syncer:
         """Bring the engine to the pointer. True if a version was applied; raises nothing."""
         state = self.state
         try:
-            pointer = await asyncio.to_thread(self.channel.latest)
+            found = await asyncio.to_thread(newest_version_of_view, self.channel, self.config.view)
+        except ChecksumMismatchError as e:
+            self._failed("checksum", f"manifest: {e}")
+            await self._report()
+            return False
         except (StoreError, OSError, ValueError) as e:
             self._failed("store", f"read pointer: {e}")
             return False
-        if pointer is None:
+        if found is None:
             state.phase = "waiting"
             await self._report()
             return False
-        state.latest_version = pointer.version
-        self.metrics.latest.set(pointer.version)
+        version, manifest = found
+        state.latest_version = version
+        self.metrics.latest.set(version)
         self._update_lag()
-        if state.applied_version is not None and pointer.version <= state.applied_version:
+        if state.applied_version is not None and version <= state.applied_version:
             serving = await engine_weight_version(self.engine.client)
             if serving is None or serving == state.applied_version:
                 state.phase = "in-sync"
@@ -358,21 +479,18 @@ class Syncer:
             log.warning("engine serves v%d, not the applied v%d: re-applying", serving, state.applied_version)
             state.applied_version = serving
             self.metrics.applied.set(serving)
-            if pointer.version <= serving:
+            if version <= serving:
                 return False
-        version = pointer.version
-        target = self.config.cache_dir / f"v{version}-{self.config.view}"
         state.phase = "downloading"
         await self._report(target=version)
         t0 = time.perf_counter()
         try:
-            manifest = await asyncio.to_thread(
-                self.channel.manifest, version, expected_sha256=pointer.manifest_sha256
-            )
-            await asyncio.to_thread(
-                self.channel.download_view, version, self.config.view, target, manifest=manifest
-            )
+            target = await asyncio.to_thread(self._download_verified, version, manifest)
         except ChecksumMismatchError as e:
+            self._failed("checksum", f"v{version}: {e}")
+            await self._report()
+            return False
+        except NotLaunchableError as e:
             self._failed("checksum", f"v{version}: {e}")
             await self._report()
             return False
@@ -402,12 +520,61 @@ class Syncer:
         self.metrics.download.observe(t1 - t0)
         self.metrics.apply.observe(t2 - t1)
         self._update_lag()
+        write_launch_file(self.config.cache_dir, version, target)  # a restarted engine starts here
         self._prune_local()
         log.info(
             "applied weights v%d (%s) download %.2fs apply %.2fs", version, self.config.view, t1 - t0, t2 - t1
         )
         await self._report()
         return True
+
+    def _download_verified(self, version: int, manifest: Manifest) -> Path:
+        """Download this pod's view of `version`, verify every file (sha256) and that SGLang would load
+        it in the view's format; the directory is never used otherwise."""
+        target = self.config.cache_dir / f"v{version}-{self.config.view}"
+        self.channel.download_view(version, self.config.view, target, manifest=manifest)
+        try:
+            check_launchable(target, self.config.view, require_config=self.config.require_checkpoint)
+        except NotLaunchableError:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        return target
+
+    async def fetch_for_launch(self, stop: asyncio.Event) -> tuple[int, Path] | None:
+        """Init-container mode: wait for the newest version of the view, download + verify it, write
+        the launch file. Returns (version, dir), or None if stopped first. Retries every failure
+        (nothing published yet, store down, checksum) with the sidecar's backoff."""
+        state = self.state
+        while not stop.is_set():
+            try:
+                found = await asyncio.to_thread(newest_version_of_view, self.channel, self.config.view)
+                if found is None:
+                    state.phase = "waiting"
+                    state.consecutive_failures = 0
+                    log.info("waiting for version 0 of view %s in %s", self.config.view, self.channel.store.uri)
+                    await self._report()
+                else:
+                    version, manifest = found
+                    state.latest_version = version
+                    state.phase = "downloading"
+                    await self._report(target=version)
+                    target = await asyncio.to_thread(self._download_verified, version, manifest)
+                    write_launch_file(self.config.cache_dir, version, target)
+                    state.phase = "fetched"
+                    log.info("launch checkpoint: v%d (%s) at %s", version, self.config.view, target)
+                    # applied_version stays None (SGLang is not up yet); in_use keeps v from retention
+                    await self._report(target=version)
+                    return version, target
+            except ChecksumMismatchError as e:
+                self._failed("checksum", str(e))
+            except NotLaunchableError as e:
+                self._failed("checksum", str(e))
+            except (StoreError, OSError, ValueError) as e:
+                self._failed("store", str(e))
+            await self._report()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.backoff_seconds())
+        return None
 
     def _failed(self, reason: str, message: str) -> None:
         state = self.state
@@ -551,8 +718,9 @@ async def serve(
     async with httpx.AsyncClient(
         base_url=config.engine_url.rstrip("/"), timeout=config.request_timeout
     ) as client:
-        if config.initial_version is None:
-            config.initial_version = await engine_weight_version(client)
+        if config.initial_version is None:  # the version SGLang launched from (engine may still load)
+            launched = read_launch_file(config.cache_dir)
+            config.initial_version = launched[0] if launched else await engine_weight_version(client)
         engine: DiskEngine | PushEngine = (
             DiskEngine(client) if push_group is None else PushEngine(client, push_group)
         )
@@ -572,6 +740,17 @@ async def serve(
         finally:
             await runner.cleanup()
             store.close()
+
+
+async def fetch(config: SyncConfig, *, stop: asyncio.Event | None = None) -> tuple[int, Path] | None:
+    """Init-container mode (`--fetch-only`): the launch checkpoint, or None if stopped first."""
+    store = open_store(config.store)
+    try:
+        async with httpx.AsyncClient(base_url=config.engine_url.rstrip("/")) as client:
+            syncer = Syncer(config, store, DiskEngine(client))
+            return await syncer.fetch_for_launch(stop or asyncio.Event())
+    finally:
+        store.close()
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -624,6 +803,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--push-master", default=None, help="push mode: master_address:master_port of the update group"
     )
+    p.add_argument(
+        "--fetch-only",
+        action="store_true",
+        help="init container: wait for the newest version of the view, download + verify it into "
+        "--cache-dir, write the launch file SGLang starts from, exit (implies --require-checkpoint)",
+    )
+    p.add_argument(
+        "--require-checkpoint",
+        action="store_true",
+        help="load only views that are HF checkpoints (config.json whose quantization matches the view)",
+    )
     return p
 
 
@@ -660,12 +850,13 @@ def cli(argv: list[str]) -> int:
         poll_interval=args.poll_interval,
         backoff_max=args.backoff_max,
         initial_version=args.initial_version,
+        require_checkpoint=args.require_checkpoint or args.fetch_only,
     )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
 
-    async def main() -> None:
+    async def main() -> int:
         import signal
 
         stop = asyncio.Event()
@@ -673,11 +864,14 @@ def cli(argv: list[str]) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)  # finish the current step, then exit cleanly
 
+        if args.fetch_only:
+            return 0 if await fetch(config, stop=stop) is not None else 1
+
         def ready(port: int) -> None:
             if args.port_file:
                 Path(args.port_file).write_text(str(port))
 
         await serve(config, push_group=push_group, stop=stop, ready=ready)
+        return 0
 
-    asyncio.run(main())
-    return 0
+    return asyncio.run(main())

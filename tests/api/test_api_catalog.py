@@ -116,7 +116,8 @@ def test_classes_and_node_labels() -> None:
 def test_every_class_format_kv_combination(cls: str, fmt: str, kv: str) -> None:
     accel = CATALOG.get(cls)
     kwargs = dict(
-        accelerator=accel, weight_format=fmt, kv_cache_dtype=kv, model_path="/m", served_model_name="m"
+        accelerator=accel, weight_format=fmt, kv_cache_dtype=kv, model_path=f"/weights-cache/v3-{fmt}",
+        served_model_name="m", weight_version=3,
     )
     if (cls, fmt) in EXPECTED and kv_ok(cls, kv):
         launch = sglang_launch(**kwargs)
@@ -129,6 +130,10 @@ def test_every_class_format_kv_combination(cls: str, fmt: str, kv: str) -> None:
         assert launch.argv.count("--quantization") == (1 if fmt != "bf16" else 0)
         assert launch.argv[launch.argv.index("--tp-size") + 1] == "1"
         assert "--enable-metrics" in launch.argv
+        # launched from the view's own local checkpoint, labelled with its version
+        assert launch.argv[launch.argv.index("--model-path") + 1] == f"/weights-cache/v3-{fmt}"
+        assert launch.argv[launch.argv.index("--weight-version") + 1] == "3"
+        assert launch.argv.count("--weight-version") == 1 and launch.argv.count("--model-path") == 1
     else:
         with pytest.raises(CatalogError) as info:
             sglang_launch(**kwargs)
@@ -145,10 +150,10 @@ def test_launch_for_group_spec_full_command_line() -> None:
         {
             "name": "h100-fp8", "accelerator": "h100", "weightFormat": "fp8", "kvCacheDtype": "fp8_e4m3",
             "tensorParallel": 2, "extraArgs": ["--mem-fraction-static", "0.8"],
-            "model": {"name": "qwen", "path": "/weights/v0/fp8"}, "port": 31000,
+            "model": {"name": "qwen", "path": "Qwen/Qwen3-8B"}, "port": 31000,
         }
     )  # fmt: skip
-    launch = sglang_launch_for_group(spec, weight_version=7)
+    launch = sglang_launch_for_group(spec, model_path="/weights/v0/fp8", weight_version=7)
     assert launch.argv == [
         "python3", "-m", "sglang.launch_server",
         "--model-path", "/weights/v0/fp8", "--served-model-name", "qwen",
@@ -215,3 +220,147 @@ def test_cost_per_million_tokens() -> None:
     # 8 GPUs at 5.99 $/h delivering 10,000 tok/s: 47.92 $/h / 36e6 tok/h * 1e6
     assert cost_per_1m_tokens(b200, 8, 10_000.0) == pytest.approx(5.99 * 8 / 36.0)
     assert cost_per_1m_tokens(b200, 8, 0.0) is None
+
+
+# --- pre-quantized checkpoints: SGLang 0.5.23's own quantization resolution ---------------------------
+
+SGLANG = Path(__file__).resolve().parents[2] / ".venv/lib/python3.11/site-packages/sglang"
+# config.json quantization_config per view as docs/weights.md publishes it
+VIEW_QUANT = {
+    "bf16": None,
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    "mxfp4": {"quant_method": "mxfp4", "group_size": 32, "modules_to_not_convert": ["lm_head"]},
+}
+
+
+def sglang_resolve(quantization: str | None, quant_config: dict | None, model_dir: Path) -> str | None:
+    """SGLang 0.5.23's ModelConfig._verify_quantization (the real method) on a checkpoint whose
+    config.json carries `quant_config`: the quantization method the server would run, or ValueError.
+    Only the attributes the method reads are provided (no GPU, no model load)."""
+    import types
+
+    from sglang.srt.configs.model_config import ModelConfig
+
+    fake = types.SimpleNamespace(
+        quantization=quantization,
+        hf_config=types.SimpleNamespace(quantization_config=quant_config),
+        model_path=str(model_dir),
+        is_draft_model=False,
+        is_draft_quantization_explicit=False,
+    )
+    for name in ("_parse_quant_hf_config", "_parse_modelopt_quant_config", "_find_quant_modelslim_config"):
+        setattr(fake, name, types.MethodType(getattr(ModelConfig, name), fake))
+    ModelConfig._verify_quantization(fake)  # type: ignore[arg-type]
+    return fake.quantization
+
+
+@pytest.mark.parametrize(("cls", "fmt"), sorted(EXPECTED), ids=lambda v: str(v))
+def test_precision_flags_confirm_the_views_checkpoint_in_sglang(
+    cls: str, fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The catalog's --quantization for a format is exactly what SGLang detects from that view's
+    checkpoint (so it confirms it), and the weight-sync fetcher's check expects the same method.
+
+    Stub: SGLang registers "mxfp4" only when `is_cpu() or is_cuda() or ...` (layers/quantization/
+    __init__.py, checked below); this CPU-only build is neither, so the test registers the real
+    Mxfp4Config the way a CUDA build does."""
+    from sglang.srt.layers import quantization as q
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
+
+    from rlfleet.sampler.sync import VIEW_QUANT_METHODS
+
+    source = (SGLANG / "srt/layers/quantization/__init__.py").read_text()
+    assert 'if is_cpu() or is_cuda() or _is_gfx95_supported or is_xpu():' in source
+    assert '"mxfp4": Mxfp4Config,' in source
+    monkeypatch.setitem(q.QUANTIZATION_METHODS, "mxfp4", Mxfp4Config)
+
+    launch = sglang_launch(accelerator=CATALOG.get(cls), weight_format=fmt, model_path=str(tmp_path),
+                           served_model_name="m", weight_version=0)  # fmt: skip
+    flag = launch.flags[launch.flags.index("--quantization") + 1] if "--quantization" in launch.flags else None
+    detected = sglang_resolve(None, VIEW_QUANT[fmt], tmp_path)
+    assert detected == VIEW_QUANT_METHODS[fmt] == flag
+    assert sglang_resolve(flag, VIEW_QUANT[fmt], tmp_path) == detected
+    # The flag on a checkpoint of ANOTHER quantized format: SGLang refuses some pairs and silently runs
+    # others (ModelOpt configs override the flag; modelopt_fp4 accepts an fp8 checkpoint and
+    # re-quantizes its MoE experts). The flag is no guard, hence the fetcher's check_launchable.
+    for other in sorted({"fp8", "nvfp4", "mxfp4"} - {fmt}):
+        if flag is not None:
+            try:
+                outcome = sglang_resolve(flag, VIEW_QUANT[other], tmp_path)
+            except ValueError as exc:
+                assert "does not match" in str(exc)
+                outcome = "refused"
+            assert outcome == CROSS_FORMAT[(flag, other)], (flag, other)
+
+
+CROSS_FORMAT = {  # (--quantization, checkpoint view) -> what SGLang 0.5.23 does
+    ("fp8", "nvfp4"): "modelopt_fp4",
+    ("fp8", "mxfp4"): "refused",
+    ("modelopt_fp4", "fp8"): "modelopt_fp4",
+    ("modelopt_fp4", "mxfp4"): "refused",
+    ("mxfp4", "fp8"): "refused",
+    ("mxfp4", "nvfp4"): "modelopt_fp4",
+}
+
+
+def test_online_quantization_of_a_bf16_checkpoint_is_silent_in_sglang(tmp_path: Path) -> None:
+    """Why the fetcher checks the checkpoint (sampler/sync.py check_launchable): SGLang accepts
+    `--quantization fp8` / `modelopt_fp4` on a BF16 checkpoint without a word (online quantization,
+    whose model takes no later /update_weights_from_disk)."""
+    assert sglang_resolve("fp8", None, tmp_path) == "fp8"
+    assert sglang_resolve("modelopt_fp4", None, tmp_path) == "modelopt_fp4"
+
+
+def test_precision_notes_say_what_sglang_really_runs() -> None:
+    """The notes shown in SamplerGroup status, held against the SGLang 0.5.23 source lines they rest on."""
+    fp8_utils = (SGLANG / "srt/layers/quantization/fp8_utils.py").read_text()
+    modelopt = (SGLANG / "srt/layers/quantization/modelopt_quant.py").read_text()
+    mxfp4 = (SGLANG / "srt/layers/quantization/mxfp4.py").read_text()
+    assert "return 80 <= sm < 89" in fp8_utils  # Marlin FP8 (weight-only) on sm80-sm88
+    assert "Use --fp4-gemm-backend marlin on SM80-SM90." in modelopt  # no native FP4 GEMM below SM100
+    assert "elif isinstance(layer, FusedMoE):" in mxfp4 and "return Mxfp4MoEMethod(prefix=prefix)" in mxfp4
+
+    a100 = CATALOG.get("a100").weight_formats["fp8"]
+    assert a100.mode == "degraded" and "W8A16" in a100.note and "Marlin" in a100.note
+    for cls in ("a100", "h100", "h200"):
+        assert "Marlin W4A16" in CATALOG.get(cls).unsupported["nvfp4"]
+    for cls in CATALOG.names():
+        profiles = CATALOG.get(cls).weight_formats
+        if "mxfp4" in profiles:
+            assert "MoE experts only" in profiles["mxfp4"].note and "BF16" in profiles["mxfp4"].note
+        if "nvfp4" in profiles:
+            assert "W4A4" in profiles["nvfp4"].note and profiles["nvfp4"].mode == "native"
+    for cls in ("h100", "h200", "b200", "b300", "rtx-pro-6000"):
+        assert "W8A8" in CATALOG.get(cls).weight_formats["fp8"].note
+
+
+def test_launch_from_file_runs_the_argv_with_the_files_version_and_dir(tmp_path: Path) -> None:
+    """The engine container's /bin/sh wrapper (real sh): argv exactly as sglang_launch builds it with
+    the launch file's version and directory; a missing file is one clear line and exit 1."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from rlfleet.catalog import MODEL_DIR_REF, WEIGHT_VERSION_REF, launch_from_file
+
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "python3").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    (shim / "python3").chmod(0o755)
+    accel = CATALOG.get("b200")
+    placeholder = sglang_launch(accelerator=accel, weight_format="nvfp4", model_path=MODEL_DIR_REF,
+                                served_model_name="m", weight_version=WEIGHT_VERSION_REF,
+                                extra_args=["--chat-template", "it's $HOME"])  # fmt: skip
+    launch_file = tmp_path / "cache" / "launch"
+    command = launch_from_file(placeholder.argv, str(launch_file))
+    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+    missing = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert missing.returncode == 1 and missing.stderr.strip() == f"no verified weights: {launch_file} missing"
+    launch_file.parent.mkdir()
+    launch_file.write_text(f"12 {tmp_path}/cache/v12-nvfp4\n")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+    real = sglang_launch(accelerator=accel, weight_format="nvfp4", model_path=f"{tmp_path}/cache/v12-nvfp4",
+                         served_model_name="m", weight_version=12, extra_args=["--chat-template", "it's $HOME"])
+    assert json.loads(result.stdout) == real.argv[1:]

@@ -41,6 +41,28 @@ def children(job: RLJob, observed: dict | None = None) -> dict[tuple[str, str], 
     return {(c["kind"], c["metadata"]["name"]): c for c in out}
 
 
+def launched_argv(engine: dict, version: int, directory: str, tmp: Path | None = None) -> list[str]:
+    """The argv the engine container's /bin/sh wrapper execs, run for real with `python3` replaced by
+    a shim printing its arguments and the launch file holding `version directory`."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmpdir:
+        root = Path(tmpdir)
+        (root / "python3").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv))\n")
+        (root / "python3").chmod(0o755)
+        (root / "launch").write_text(f"{version} {directory}\n")
+        script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
+        assert script != engine["args"][0] and len(engine["args"]) == 1
+        out = subprocess.run([*engine["command"], script], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"})  # fmt: skip
+    argv = json.loads(out.stdout)
+    return ["python3", *argv[1:]]
+
+
 def sampler_deployment(job: RLJob, group: str, store=None) -> dict:
     sg_manifest = children(job)[("SamplerGroup", f"reference-fleet-{group}")]
     sg = SamplerGroup.from_manifest(sg_manifest)
@@ -232,13 +254,25 @@ def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, 
     assert not others & set(terms[0]["matchExpressions"][0]["values"])
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     engine, sidecar = pod["containers"]
-    argv = engine["command"] + engine["args"]
+    # SGLang starts from the launch file the init container wrote: the view's verified local
+    # checkpoint and its version (never spec.model.path)
+    assert engine["command"] == ["/bin/sh", "-c"]
+    argv = launched_argv(engine, version=5, directory=f"{n.WEIGHTS_CACHE}/v5-x")
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
-    tail = argv[argv.index("--sampling-mask-max-tokens") + 2 :]
+    tail = argv[argv.index("--weight-version") + 2 :]
     assert tail == flags
-    assert (
-        argv[argv.index("--model-path") + 1] == "Qwen/Qwen3-8B" and argv[argv.index("--tp-size") + 1] == "1"
-    )
+    assert argv[argv.index("--weight-version") + 1] == "5"
+    assert argv[argv.index("--model-path") + 1] == f"{n.WEIGHTS_CACHE}/v5-x"
+    assert argv[argv.index("--tp-size") + 1] == "1" and "Qwen/Qwen3-8B" not in argv
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert env["HF_HOME"].startswith("/tmp/") and env["HF_HUB_OFFLINE"] == "1"
+    (fetch,) = pod["initContainers"]
+    assert fetch["name"] == "weight-fetch" and fetch["image"] == sidecar["image"]
+    assert fetch["args"] == [*sidecar["args"][: sidecar["args"].index("--port")], "--fetch-only"]
+    assert "--require-checkpoint" in sidecar["args"]
+    assert fetch["volumeMounts"] == sidecar["volumeMounts"]
+    assert {"name": "weights-cache", "mountPath": n.WEIGHTS_CACHE} in fetch["volumeMounts"]
+    assert "weights" not in {m["name"] for m in engine["volumeMounts"]}  # SGLang reads only the verified cache
     assert engine["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert engine["startupProbe"]["httpGet"]["path"] == "/health"
     assert engine["readinessProbe"]["httpGet"]["path"] == "/health_generate"
@@ -263,7 +297,8 @@ def test_tensor_parallel_sets_gpus_and_tp_size(job: RLJob) -> None:
     dep = sampler_deployment(job, "b200-nvfp4")
     engine = dep["spec"]["template"]["spec"]["containers"][0]
     assert engine["resources"]["limits"] == {"nvidia.com/gpu": "4"}
-    assert engine["args"][engine["args"].index("--tp-size") + 1] == "4"
+    argv = launched_argv(engine, version=0, directory="/d")
+    assert argv[argv.index("--tp-size") + 1] == "4"
 
 
 def test_s3_store_secrets_by_reference(job: RLJob) -> None:
@@ -301,9 +336,9 @@ def test_builders_are_pure(job: RLJob) -> None:
 
 
 def _assert_restricted(pod: dict) -> None:
-    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 10001
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    for c in pod["containers"]:
+    for c in [*pod.get("initContainers", []), *pod["containers"]]:
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
         assert "privileged" not in sc

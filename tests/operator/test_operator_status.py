@@ -284,3 +284,31 @@ def test_webhook_admission_message_uses_the_runtime_catalog(monkeypatch, tmp_pat
     assert admission_message("SamplerGroup", sg) is None
     sg["spec"]["weightFormat"] = "fp8"
     assert "cannot run weightFormat fp8" in admission_message("SamplerGroup", sg)
+
+
+def test_group_waiting_for_its_views_first_version_says_so() -> None:
+    """The pods' init container waits for the newest version of the group's view: until the channel
+    has one, the group's status names the view, the channel and why (from the WeightChannel status)."""
+    pending_channel = {"phase": "Pending", "message": "no version published yet"}
+    s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, pending_channel, now=T0)
+    assert s["phase"] == "Pending" and conds(s)["Ready"]["reason"] == "WaitingForWeights"
+    assert s["message"] == (
+        "0/2 replicas ready: waiting for version 0 of view fp8 in channel job-weights: no version published "
+        "yet (the trainer publishes version 0 of every view before step 1)"
+    )
+    unreadable = {"phase": "Pending", "message": "latest version unknown: store directory /w does not exist"}
+    s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, unreadable, now=T0)
+    assert "store directory /w does not exist" in s["message"]
+    s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, None, now=T0)
+    assert "channel status not read yet" in s["message"] and conds(s)["Ready"]["reason"] == "WaitingForWeights"
+    # a version without this group's view
+    bf16_only = {"latestVersion": 4, "artifacts": [{"view": "bf16", "version": 4}]}
+    s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, bf16_only, now=T0)
+    assert s["message"].endswith("waiting for view fp8 in channel job-weights: version 4 has views bf16")
+    # the view is published: the pods are merely starting (SGLang loading)
+    published = {"latestVersion": 0, "artifacts": [{"view": "bf16", "version": 0}, {"view": "fp8", "version": 0}]}
+    s = st.samplergroup_status(sg(), deployment(1, 2), CATALOG, published, now=T0)
+    assert conds(s)["Ready"]["reason"] == "ReplicasNotReady" and s["message"] == "1/2 replicas ready"
+    # a group without a channel never waits for one
+    s = st.samplergroup_status(sg(weightChannel=None), deployment(0, 2), CATALOG, None, now=T0)
+    assert conds(s)["Ready"]["reason"] == "ReplicasNotReady"

@@ -140,6 +140,30 @@ def test_dockerignore_keeps_only_the_package_sources() -> None:
             assert f"!{source}" in ignore or f"!{source}/" in ignore, (name, source)
 
 
+def _example_workloads() -> list[dict]:
+    """Every Deployment / StatefulSet the operator builds for examples/rljob.yaml (real builders)."""
+    from rlfleet.api import RLJob, SamplerGroup, StoreSpec
+    from rlfleet.catalog import get_catalog
+    from rlfleet.operator import builders
+
+    job = RLJob.from_manifest(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text()))
+    catalog = get_catalog()
+    objs = builders.build_job_children(job, "rl", None, catalog)
+    store = StoreSpec.model_validate(job.spec.weight_channel.store.model_dump())
+    for sg in [o for o in objs if o["kind"] == "SamplerGroup"]:
+        objs += builders.build_samplergroup_children(SamplerGroup.from_manifest(sg), "rl", None, catalog, store)
+    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _shell_exec_argv(argv: list[str]) -> list[str]:
+    """The command a `/bin/sh -c '...; exec CMD ...'` wrapper finally runs (placeholders kept)."""
+    import shlex
+
+    if argv[:2] != ["/bin/sh", "-c"]:
+        return argv
+    return shlex.split(argv[2].rsplit("&& exec ", 1)[1])
+
+
 def _container_commands() -> list[tuple[str, str, list[str]]]:
     """(image, container name, command + args) of every container the operator builds for the example."""
     from rlfleet.api import RLJob, SamplerGroup, StoreSpec
@@ -155,8 +179,9 @@ def _container_commands() -> list[tuple[str, str, list[str]]]:
     out = []
     for obj in objs:
         if obj["kind"] in ("Deployment", "StatefulSet"):
-            for c in obj["spec"]["template"]["spec"]["containers"]:
-                out.append((c["image"], c["name"], [*c.get("command", []), *c.get("args", [])]))
+            pod = obj["spec"]["template"]["spec"]
+            for c in [*pod.get("initContainers", []), *pod["containers"]]:
+                out.append((c["image"], c["name"], _shell_exec_argv([*c.get("command", []), *c.get("args", [])])))
     return out
 
 
@@ -182,3 +207,66 @@ def test_every_container_the_operator_builds_runs_a_command_its_image_has() -> N
         if argv[:3] == ["python3", "-m", "sglang.launch_server"]:
             assert kind == "sampler" and resolved_bases(IMAGES["sampler"]) == ["lmsysorg/sglang:v0.5.23-cu130"]
     assert {("sampler", "python3"), ("sampler", "rlfleet"), ("trainer", "torchrun"), ("operator", "rlfleet")} <= seen
+    # the SGLang wrapper's /bin/sh exists in the SGLang base (Ubuntu) and is what the pods run
+    sampler_pods = [w["spec"]["template"]["spec"] for w in _example_workloads() if "sglang" in
+                    {c["name"] for c in w["spec"]["template"]["spec"]["containers"]}]  # fmt: skip
+    assert sampler_pods and all(p["containers"][0]["command"] == ["/bin/sh", "-c"] for p in sampler_pods)
+
+
+def _image_facts(path: Path) -> dict:
+    """USER uid, ENV and the home directories `useradd --create-home` makes (owned by that uid)."""
+    facts: dict = {"env": {}, "owned": set()}
+    for word, rest in instructions(path):
+        if word == "USER":
+            facts["uid"] = int(rest.split(":")[0])
+        elif word == "ENV":
+            for key, value in re.findall(r'(\w+)=("[^"]*"|\S+)', rest):
+                facts["env"][key] = value.strip('"')
+        elif word == "RUN" and "useradd" in rest and "--create-home" in rest:
+            uid = re.search(r"--uid (\d+)", rest)
+            home = re.search(r"--home-dir (\S+)", rest)
+            if uid and home:
+                facts["owned"].add((int(uid.group(1)), home.group(1)))
+    return facts
+
+
+def test_pods_and_images_agree_on_one_uid_and_every_written_path_is_writable() -> None:
+    """Each container of the example's pods (real builders) runs as its image's USER uid, and every
+    path it writes (HOME, HF_HOME, /tmp, the weights cache) is on a writable volume of the pod or,
+    without one, a directory the Dockerfile creates for that uid on a writable root filesystem."""
+    facts = {name: _image_facts(path) for name, path in IMAGES.items()}
+    assert len({f["uid"] for f in facts.values()}) == 1, {n: f["uid"] for n, f in facts.items()}
+    chart = yaml.safe_load((REPO / "charts" / "rlfleet" / "values.yaml").read_text())
+    assert chart["operator"]["podSecurityContext"]["runAsUser"] == facts["operator"]["uid"]
+    repository_of = {"ghcr.io/rlfleet/operator": "operator", "ghcr.io/rlfleet/sampler": "sampler",
+                     "ghcr.io/rlfleet/trainer": "trainer"}  # fmt: skip
+    checked = 0
+    for workload in _example_workloads():
+        pod = workload["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            kind = repository_of[c["image"].rsplit(":", 1)[0]]
+            image = facts[kind]
+            uid = (c.get("securityContext") or {}).get("runAsUser", pod["securityContext"]["runAsUser"])
+            assert uid == image["uid"], (workload["metadata"]["name"], c["name"], uid, image["uid"])
+            env = {**image["env"], **{e["name"]: e["value"] for e in c.get("env", []) if "value" in e}}
+            written = {"/tmp", env["HOME"], env.get("HF_HOME", env["HOME"] + "/.cache/huggingface")}
+            args = c.get("args", [])
+            if "--cache-dir" in args:
+                written.add(args[args.index("--cache-dir") + 1])
+            if c["name"] == "sglang":
+                written.add(next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "weights-cache"))
+            read_only_root = (c.get("securityContext") or {}).get("readOnlyRootFilesystem", False)
+            for path in written:
+                mounts = [m for m in c.get("volumeMounts", [])
+                          if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]  # fmt: skip
+                if mounts:
+                    mount = max(mounts, key=lambda m: len(m["mountPath"]))
+                    volume = volumes[mount["name"]]
+                    assert not mount.get("readOnly") and ("emptyDir" in volume or "persistentVolumeClaim" in volume), (
+                        c["name"], path, mount)
+                else:
+                    owned = any(u == uid and (path == home or path.startswith(home + "/")) for u, home in image["owned"])
+                    assert owned and not read_only_root, (workload["metadata"]["name"], c["name"], path)
+                checked += 1
+    assert checked > 20

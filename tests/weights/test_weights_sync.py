@@ -566,3 +566,176 @@ def test_cli_help_runs_without_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--engine-url" in result.stdout and result.stdout.strip().endswith("ok")
+
+
+# --- launch: the init container fetches the newest version of the pod's view before SGLang starts ------
+
+HF_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16"}
+# config.json `quantization_config` per view as docs/weights.md publishes it (what SGLang 0.5.23
+# auto-detects; tests/api/test_api_catalog.py runs SGLang's own resolution on these)
+QUANT_CONFIGS: dict[str, dict[str, Any] | None] = {
+    "bf16": None,
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    "mxfp4": {"quant_method": "mxfp4", "group_size": 32, "modules_to_not_convert": ["lm_head"]},
+}
+
+
+def hf_view(state: dict[str, torch.Tensor], view: str, directory: Path, declared: str | None = None) -> Path:
+    """A view directory with the checkpoint's config.json (declaring `declared`'s quantization)."""
+    import json
+
+    from rlfleet.numerics.views import save_view
+
+    save_view(state, view, directory)
+    quant = QUANT_CONFIGS[declared or view]
+    config = {**HF_CONFIG, **({"quantization_config": quant} if quant else {})}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def publish_hf(store: Store, state: dict[str, torch.Tensor], views: list[str], tmp: Path) -> int:
+    import uuid
+
+    base = tmp / f"views-{uuid.uuid4().hex[:6]}"
+    return WeightChannel(store).publish({v: hf_view(state, v, base / v) for v in views}).version
+
+
+def _wait(check: Any, timeout: float = 30.0) -> Any:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+    return value
+
+
+def test_fetch_only_waits_for_version_0_then_writes_the_launch_file(tmp_path: Path) -> None:
+    """The real CLI as the init container runs it: it waits (reporting in the store) until version 0
+    exists, downloads + verifies the fp8 view, checks it is a block-FP8 checkpoint, writes the launch
+    file and exits 0."""
+    import json
+    import subprocess
+
+    from rlfleet.catalog import LAUNCH_FILE
+    from rlfleet.sampler.sync import read_launch_file
+
+    store = FilesystemStore(tmp_path / "store", create=True)
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "rlfleet"), "sampler", "sync", "--fetch-only",
+         "--store", str(tmp_path / "store"), "--view", "fp8", "--engine-url", "http://127.0.0.1:9",
+         "--group", "h100-fp8", "--replica", "pod-0", "--cache-dir", str(cache), "--poll-interval", "0.1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        # waiting is visible: its subscriber report exists, with nothing applied and nothing in use
+        _wait(lambda: WeightChannel(store).subscribers())
+        [report] = WeightChannel(store).subscribers()
+        assert (report.view, report.applied_version, report.in_use) == ("fp8", None, [])
+        assert proc.poll() is None and not (cache / LAUNCH_FILE).exists()
+        state = tiny_state(1)
+        publish_hf(store, state, ["bf16", "fp8"], tmp_path)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert read_launch_file(cache) == (0, cache / "v0-fp8")
+    assert (cache / LAUNCH_FILE).read_text() == f"0 {cache / 'v0-fp8'}\n"
+    config = json.loads((cache / "v0-fp8" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    view, weights = load_view(cache / "v0-fp8")
+    assert view == "fp8"
+    for name, expected in expected_fp8(state).items():
+        assert torch.equal(weights[name], expected), name
+    # retention keeps what the pod launches from
+    [report] = WeightChannel(store).subscribers()
+    assert report.in_use == [0] and report.applied_version is None
+
+
+async def test_fetch_refuses_a_bf16_checkpoint_published_as_the_fp8_view(tmp_path: Path) -> None:
+    """A BF16 checkpoint under the fp8 view would make SGLang quantize online (no later update could
+    load): it never reaches the launch file."""
+    from rlfleet.catalog import LAUNCH_FILE
+    store = FilesystemStore(tmp_path / "store", create=True)
+    WeightChannel(store).publish({"fp8": hf_view(tiny_state(1), "bf16", tmp_path / "bf16")})
+    config = SyncConfig(store="unused", view="fp8", engine_url="http://127.0.0.1:9", group="g", replica="r",
+                        cache_dir=tmp_path / "cache", backoff_base=0.05, backoff_max=0.1)  # fmt: skip
+    async with httpx.AsyncClient() as client:
+        syncer = Syncer(config, store, DiskEngine(client))
+        stop = asyncio.Event()
+        task = asyncio.create_task(syncer.fetch_for_launch(stop))
+        for _ in range(400):
+            if syncer.state.failures["checksum"] >= 2:
+                break
+            await asyncio.sleep(0.025)
+        stop.set()
+        assert await asyncio.wait_for(task, 10) is None
+    assert syncer.state.failures["checksum"] >= 2
+    assert "quantization method fp8" in (syncer.state.last_error or "") and "declares none" in syncer.state.last_error
+    assert not (tmp_path / "cache" / LAUNCH_FILE).exists() and not (tmp_path / "cache" / "v0-fp8").exists()
+
+
+def test_check_launchable_per_view(tmp_path: Path) -> None:
+    from rlfleet.numerics.views import save_view
+    from rlfleet.sampler.sync import NotLaunchableError, check_launchable
+
+    state = tiny_state(1)
+    for view, method in (("bf16", None), ("fp8", "fp8"), ("nvfp4", "modelopt_fp4"), ("mxfp4", "mxfp4")):
+        hf_view(state, view, tmp_path / view)
+        assert check_launchable(tmp_path / view, view) == method
+        for other in {"bf16", "fp8", "nvfp4", "mxfp4"} - {view}:
+            with pytest.raises(NotLaunchableError, match=f"view {other} needs"):
+                check_launchable(tmp_path / view, other)
+    save_view(state, "fp8", tmp_path / "bare")  # no config.json: the reference engine's own view files
+    with pytest.raises(NotLaunchableError, match="no config.json"):
+        check_launchable(tmp_path / "bare", "fp8")
+    assert check_launchable(tmp_path / "bare", "fp8", require_config=False) is None
+
+
+def test_newest_version_of_view_skips_versions_without_it(tmp_path: Path) -> None:
+    from rlfleet.sampler.sync import newest_version_of_view
+
+    store = FilesystemStore(tmp_path / "store", create=True)
+    channel = WeightChannel(store)
+    assert newest_version_of_view(channel, "fp8") is None
+    assert publish_hf(store, tiny_state(1), ["bf16", "fp8"], tmp_path) == 0
+    assert publish_hf(store, tiny_state(2), ["bf16"], tmp_path) == 1
+    version, manifest = newest_version_of_view(channel, "fp8")
+    assert version == 0 and "fp8" in manifest.views
+    assert newest_version_of_view(channel, "bf16")[0] == 1
+    assert newest_version_of_view(channel, "nvfp4") is None
+
+
+async def test_sidecar_starts_from_the_launch_file_and_rewrites_it(engine: RecordingEngine, tmp_path: Path) -> None:
+    """The engine is still loading (it reports no version): the sidecar believes the launch file, does
+    not re-apply v0, applies v1 and names it in the launch file (a restarted engine container starts
+    from v1 with --weight-version 1)."""
+    from rlfleet.sampler.sync import read_launch_file, write_launch_file
+
+    store = FilesystemStore(tmp_path / "store", create=True)
+    publish_hf(store, tiny_state(1), ["fp8"], tmp_path)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    write_launch_file(cache, 0, cache / "v0-fp8")
+    config = SyncConfig(store=str(tmp_path / "store"), view="fp8", engine_url=engine.url, group="g",
+                        replica="r", cache_dir=cache, host="127.0.0.1", port=0, poll_interval=0.05,
+                        require_checkpoint=True)  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, stop=stop))
+    try:
+        publish_hf(store, tiny_state(2), ["fp8"], tmp_path)
+        for _ in range(400):
+            if engine.version == "1":
+                break
+            await asyncio.sleep(0.025)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    disk = [b["weight_version"] for p, b in engine.requests if p == "/update_weights_from_disk"]
+    assert disk == ["1"]
+    assert read_launch_file(cache) == (1, cache / "v1-fp8")
