@@ -38,10 +38,9 @@ from rlfleet.operator import status as st
 
 log = logging.getLogger("rlfleet.operator")
 
-# Status refresh intervals of the safety-net timers (events do the fast path). No timer on SamplerGroups:
-# kopf puts a finalizer on every object with a timer, and a group's status follows its Deployment's
-# events; the job timer re-checks the job's roll-up.
-JOB_STATUS_INTERVAL = float(os.environ.get("RLFLEET_JOB_STATUS_INTERVAL", "30"))
+# Interval of the WeightChannel timer (reads the store; also re-checks the job's roll-up as a safety net,
+# events do the fast path). No timer on RLJobs or SamplerGroups: kopf puts a finalizer on every object
+# with a timer, and deleting an RLJob must not hang when the operator is gone (docs/operations.md).
 CHANNEL_STATUS_INTERVAL = float(os.environ.get("RLFLEET_CHANNEL_STATUS_INTERVAL", "10"))
 
 SAMPLER_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "sampler"}
@@ -311,14 +310,19 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
         await api.create(builders.build_router_secret(job, namespace, body, token))
     first = [c for c in children if c["kind"] != "SamplerGroup"]
     groups = [c for c in children if c["kind"] == "SamplerGroup"]
-    # config, channel and trainer first (the trainer asks for whole GPU nodes), then the groups at once
-    await asyncio.gather(*(api.apply(c) for c in first))
     try:
+        # config, channel and trainer first (the trainer asks for whole GPU nodes), then the groups at once
+        await asyncio.gather(*(api.apply(c) for c in first))
         await asyncio.gather(*(api.apply(g) for g in groups))
     except kube.KubeError as exc:
-        if exc.status == 422:  # e.g. the live CRD's CEL rejects what the runtime catalog allowed
-            kopf.warn(body, reason="InvalidSpec", message=exc.message[:1000])
-            raise kopf.PermanentError(exc.message) from None
+        # 422: the API server refuses a child (e.g. an older CRD without today's admission rules, or the
+        # live CRD's CEL rejecting what the runtime catalog allowed). Retrying cannot help: say why in
+        # status and stop, instead of a retry loop behind a status that says nothing is wrong.
+        if exc.status == 422:
+            message = f"invalid RLJob: the API server refused a child: {exc.message}"[:4000]
+            kopf.warn(body, reason="InvalidSpec", message=message[:1000])
+            await _refresh_job_status(namespace, name, view, body, invalid=message)
+            raise kopf.PermanentError(message) from None
         raise
     wanted = {g["metadata"]["name"] for g in groups}
     for sg_name in sorted(set(observed) - wanted):
@@ -335,12 +339,12 @@ async def refresh_job_status(namespace: str, name: str, view: View) -> None:
 
 
 async def _refresh_job_status(
-    namespace: str, name: str, view: View, job: dict[str, Any] | None = None
+    namespace: str, name: str, view: View, job: dict[str, Any] | None = None, invalid: str | None = None
 ) -> None:
     job = job or view.one(view.rljobs, (namespace, name))
     if job is None or job["metadata"].get("deletionTimestamp"):
         return
-    _, invalid = _parse_job(job)
+    invalid = invalid or _parse_job(job)[1]
     groups = [g for g in view.all(view.samplergroups_by_job, (namespace, name)) if _owned_by(g, job)]
     trainer = view.one(view.trainers, (namespace, n.trainer_name(name)))
     channel = view.one(view.weightchannels, (namespace, n.weightchannel_name(name)))
@@ -455,8 +459,12 @@ async def sampler_deployment_event(body: kopf.Body, namespace: str, type: str | 
 
 
 @kopf.on.event(GROUP, VERSION, "samplergroups")
-async def samplergroup_event(body: kopf.Body, namespace: str, type: str | None, **kwargs: Any) -> None:
+async def samplergroup_event(
+    body: kopf.Body, name: str, namespace: str, type: str | None, **kwargs: Any
+) -> None:
     job = body.get("spec", {}).get("jobName")
+    if type != "DELETED":  # the rebalancer moved the share: sharePercent follows (no write if unchanged)
+        await _quietly(refresh_samplergroup_status(namespace, name, View.of(kwargs)))
     if job:
         view = View.of(kwargs)
         if type == "DELETED":
@@ -475,11 +483,6 @@ async def trainer_event(body: kopf.Body, namespace: str, type: str | None, **kwa
         if type == "DELETED":
             await _quietly(heal_job(namespace, job, view))
         await _quietly(refresh_job_status(namespace, job, view))
-
-
-@kopf.timer(GROUP, VERSION, "rljobs", interval=JOB_STATUS_INTERVAL, initial_delay=JOB_STATUS_INTERVAL)
-async def rljob_status_timer(name: str, namespace: str, **kwargs: Any) -> None:
-    await _quietly(refresh_job_status(namespace, name, View.of(kwargs)))
 
 
 # --- WeightChannel status from the store ---------------------------------------------------------------------
@@ -515,8 +518,12 @@ async def weightchannel_created(name: str, namespace: str, body: kopf.Body, **kw
 @kopf.timer(
     GROUP, VERSION, "weightchannels", interval=CHANNEL_STATUS_INTERVAL, initial_delay=CHANNEL_STATUS_INTERVAL
 )
-async def weightchannel_timer(name: str, namespace: str, **kwargs: Any) -> None:
-    await _quietly(refresh_weightchannel_status(namespace, name, View.of(kwargs)))
+async def weightchannel_timer(name: str, namespace: str, body: kopf.Body, **kwargs: Any) -> None:
+    view = View.of(kwargs)
+    await _quietly(refresh_weightchannel_status(namespace, name, view))
+    job = body.get("spec", {}).get("jobName")
+    if job:  # safety net of the job's roll-up (the job itself carries no timer, hence no finalizer)
+        await _quietly(refresh_job_status(namespace, job, view))
 
 
 async def refresh_weightchannel_status(

@@ -5,12 +5,14 @@ One module so that builders, status code, handlers, tests and the Helm chart agr
 
 from __future__ import annotations
 
-from rlfleet.api.common import API_VERSION, GROUP
+from rlfleet.api.common import API_VERSION, GROUP, SYNC_SIDECAR_PORT
 
 # --- ownership and bookkeeping ------------------------------------------------------------------------
 FIELD_MANAGER = "rlfleet-operator"  # server-side apply of children
 STATUS_FIELD_MANAGER = "rlfleet-operator-status"  # server-side apply of the status subresource
-FINALIZER = f"{GROUP}/finalizer"  # kopf's finalizer name (only used if a delete handler ever needs one)
+# kopf's finalizer name: kopf puts it on objects with a timer (WeightChannels only; RLJobs and SamplerGroups
+# carry none, so they delete without the operator: docs/operations.md)
+FINALIZER = f"{GROUP}/finalizer"
 KOPF_PREFIX = GROUP  # kopf progress / diff-base annotations: rlfleet.dev/...
 
 # --- labels ------------------------------------------------------------------------------------------
@@ -36,7 +38,7 @@ ANN_PROM_PORT = "prometheus.io/port"
 ANN_PROM_PATH = "prometheus.io/path"
 
 # --- ports and paths ---------------------------------------------------------------------------------
-SYNC_PORT = 9400  # weight-sync sidecar: /metrics /status /health
+SYNC_PORT = SYNC_SIDECAR_PORT  # weight-sync sidecar: /metrics /status /health (admission keeps SGLang off it)
 ROUTER_PORT = 8000
 TRAINER_RDZV_PORT = 29500
 TRAINER_METRICS_PORT = 9500

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 import logging
 import math
@@ -379,10 +380,18 @@ async def _apply_status(api: kube.KubeApi, obj: Mapping[str, Any], status: dict[
             raise
 
 
-@kopf.timer(GROUP, VERSION, "rljobs", interval=TICK_SECONDS, initial_delay=TICK_SECONDS)
-async def rebalance_timer(body: kopf.Body, namespace: str, **_: Any) -> None:
+# On the job's WeightChannel, not on the RLJob: kopf puts a finalizer on every object with a timer, and
+# deleting an RLJob must not hang while the operator is gone (docs/operations.md). The job comes from
+# the operator's RLJob index (handlers.py).
+@kopf.timer(GROUP, VERSION, "weightchannels", interval=TICK_SECONDS, initial_delay=TICK_SECONDS)
+async def rebalance_timer(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+    job_name = body.get("spec", {}).get("jobName")
+    jobs = kwargs["rljobs_idx"].get((namespace, job_name)) if job_name else None
+    job = next(iter(jobs), None) if jobs else None
+    if job is None or job["metadata"].get("deletionTimestamp"):
+        return
     try:
-        await rebalance_job({k: body[k] for k in body}, namespace)
+        await rebalance_job(copy.deepcopy(dict(job)), namespace)
     except kube.KubeError as exc:
         log.warning("rebalance of %s/%s failed: %s", namespace, body.get("metadata", {}).get("name"), exc)
 

@@ -6,6 +6,7 @@ condition's status changes; handlers write status only when `status_changed` say
 Fields written by other components (rebalancer: tokensPerSecond, share, ...; CollapseRisk on groups;
 the RLJob's step, metrics and CollapseRisk from the trainer's exporter, see trainer_report.py)
 are never produced here, so server-side apply with the operator's own field manager leaves them alone.
+The one derived field: a SamplerGroup's sharePercent (printer column) follows the rebalancer's share.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
             message = str(exc).splitlines()[0][:1000]
         status.update(
             phase="Failed",
+            reason="InvalidSpec",
             message=message,
             conditions=merge_conditions(
                 old.get("conditions"),
@@ -159,7 +161,11 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     if status.get("degradedPrecision"):
         message += f"; {spec.get('weightFormat')} runs degraded on {spec.get('accelerator')}: {status['precisionNote']}"
     status["phase"] = phase
+    status["reason"] = reason
     status["message"] = message[:4096]
+    # the rebalancer writes share (0..1); the printer column shows it as a percentage
+    if old.get("share") is not None:
+        status["sharePercent"] = round(100.0 * float(old["share"]), 1)
     is_ready = phase in ("Running", "Quarantined")
     status["conditions"] = merge_conditions(
         old.get("conditions"),
@@ -253,7 +259,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         "observedGeneration": generation,
         "readyGroups": f"{ready_groups}/{len(wanted)}",
         "groups": summaries,
-        "trainer": {"replicas": t_desired, "readyReplicas": t_ready},
+        "trainer": {"replicas": t_desired, "readyReplicas": t_ready, "ready": f"{t_ready}/{t_desired}"},
     }
     latest = _get(channel, "status", "latestVersion")
     if latest is not None:

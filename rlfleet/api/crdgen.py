@@ -172,12 +172,19 @@ def rljob_crd(catalog: Catalog) -> dict[str, Any]:
             "jsonPath": ".status.readyGroups",
             "description": "Ready groups / groups",
         },
+        {
+            "name": "Trainer",
+            "type": "string",
+            "jsonPath": ".status.trainer.ready",
+            "description": "Ready trainer pods / trainer pods",
+        },
         {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
         {"name": "Version", "type": "integer", "jsonPath": ".status.weightVersion"},
         {"name": "Reward", "type": "number", "jsonPath": ".status.metrics.reward"},
         {"name": "KL", "type": "number", "jsonPath": ".status.metrics.kl"},
+        {"name": "Reason", "type": "string", "jsonPath": ".status.reason"},
         {"name": "$/1M", "type": "number", "jsonPath": ".status.costPer1MTokens", "priority": 1},
-        {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
+        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         _age(),
     ]
     return _crd("RLJob", "rljobs", "rlj", schema, columns)
@@ -194,17 +201,19 @@ def samplergroup_crd(catalog: Catalog) -> dict[str, Any]:
     columns = [
         {"name": "Accelerator", "type": "string", "jsonPath": ".spec.accelerator"},
         {"name": "Weights", "type": "string", "jsonPath": ".spec.weightFormat"},
-        {"name": "KV", "type": "string", "jsonPath": ".spec.kvCacheDtype"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
         {"name": "Tok/s", "type": "number", "jsonPath": ".status.tokensPerSecond"},
-        {"name": "Share", "type": "number", "jsonPath": ".status.share"},
+        {"name": "Share%", "type": "number", "jsonPath": ".status.sharePercent"},
         {"name": "Version", "type": "integer", "jsonPath": ".status.appliedWeightVersion"},
         {"name": "Lag", "type": "integer", "jsonPath": ".status.versionLag"},
         {"name": "KL", "type": "number", "jsonPath": ".status.kl"},
         {"name": "OOR", "type": "number", "jsonPath": ".status.oorFraction"},
-        {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "priority": 1},
+        {"name": "Reason", "type": "string", "jsonPath": ".status.reason"},
+        {"name": "KV", "type": "string", "jsonPath": ".spec.kvCacheDtype", "priority": 1},
         {"name": "$/1M", "type": "number", "jsonPath": ".status.costPer1MTokens", "priority": 1},
         {"name": "Degraded", "type": "boolean", "jsonPath": ".status.degradedPrecision", "priority": 1},
+        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         _age(),
     ]
     return _crd("SamplerGroup", "samplergroups", "sg", schema, columns, scale=True)

@@ -490,6 +490,8 @@ class TrainerStatus(ApiModel):
     """Desired trainer pods."""
     ready_replicas: int | None = Field(default=None, ge=0)
     """Ready trainer pods."""
+    ready: str | None = Field(default=None, max_length=32)
+    """Ready over desired trainer pods, e.g. "1/1" (printer column)."""
 
 
 class GroupSummary(ApiModel):

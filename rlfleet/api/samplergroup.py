@@ -196,6 +196,8 @@ class SamplerGroupStatus(ApiModel):
 
     phase: Literal["Pending", "Running", "Degraded", "Suspended", "Quarantined", "Failed"] | None = None
     """Pending (pods not ready), Running, Degraded (some replicas not ready), Suspended, Quarantined, Failed."""
+    reason: str | None = Field(default=None, max_length=128)
+    """Machine-readable CamelCase reason of the phase (the Ready condition's reason)."""
     observed_generation: int | None = Field(default=None, ge=0)
     """metadata.generation the status was computed from."""
     replicas: int | None = Field(default=None, ge=0)
@@ -218,6 +220,8 @@ class SamplerGroupStatus(ApiModel):
     """Delivered generation throughput (sglang:generation_tokens_total rate), tokens/s."""
     share: float | None = Field(default=None, ge=0.0, le=1.0)
     """Current routing share of new sessions (0..1)."""
+    share_percent: float | None = Field(default=None, ge=0.0, le=100.0)
+    """share as a percentage (printer column), written by the operator from share."""
     applied_weight_version: int | None = Field(default=None, ge=0)
     """Lowest weight version applied by the group's ready replicas."""
     version_lag: int | None = Field(default=None, ge=0)

@@ -69,19 +69,14 @@ def test_names_subresources_and_columns() -> None:
         "labelSelectorPath": ".status.selector",
     }
     visible = [c["name"] for c in sg["additionalPrinterColumns"] if not c.get("priority")]
+    # the cockpit: what a group does and why, without -o wide (share as a percentage)
     assert visible == [
-        "Accelerator",
-        "Weights",
-        "KV",
-        "Ready",
-        "Tok/s",
-        "Share",
-        "Version",
-        "Lag",
-        "KL",
-        "OOR",
-        "Age",
-    ]
+        "Accelerator", "Weights", "Phase", "Ready", "Tok/s", "Share%", "Version", "Lag", "KL", "OOR",
+        "Reason", "Age",
+    ]  # fmt: skip
+    rlj = crd("RLJob")["spec"]["versions"][0]
+    visible = [c["name"] for c in rlj["additionalPrinterColumns"] if not c.get("priority")]
+    assert visible == ["Phase", "Groups", "Trainer", "Step", "Version", "Reward", "KL", "Reason", "Age"]
     for c in crdgen.generate().values():
         version = c["spec"]["versions"][0]
         assert version["subresources"]["status"] == {}

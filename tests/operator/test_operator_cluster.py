@@ -174,10 +174,10 @@ def test_example_job_creates_a_placed_ready_fleet(
         assert trainer_pod["spec"]["nodeName"] in kube.gpu_nodes["b200"]
         # kubectl get samplergroups: the columns, with values
         table = kube.kubectl("get", "samplergroups", "-n", namespace).stdout.splitlines()
-        assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "KV", "READY", "TOK/S", "SHARE", "VERSION", "LAG",
-                                    "KL", "OOR", "AGE"]  # fmt: skip
+        assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "PHASE", "READY", "TOK/S", "SHARE%", "VERSION",
+                                    "LAG", "KL", "OOR", "REASON", "AGE"]  # fmt: skip
         row = next(line.split() for line in table if line.startswith(f"{JOB}-rtx-pro-6000-bf16"))
-        assert row[1:5] == ["rtx-pro-6000", "bf16", "fp8_e4m3", "2/2"]
+        assert row[1:5] == ["rtx-pro-6000", "bf16", "Running", "2/2"]
         # the channel: no store mounted on this machine -> latest version unknown, said clearly
         wc = wait_for(
             "WeightChannel status",
@@ -288,6 +288,42 @@ def test_spec_update_group_removal_suspend_resume_and_deletion(
         wait_for("children collected", lambda: not items(kube, namespace, "samplergroups")
                  and not items(kube, namespace, "deployments") and not items(kube, namespace, "statefulsets")
                  and not items(kube, namespace, "configmaps") and not items(kube, namespace, "weightchannels"))  # fmt: skip
+
+
+def test_cockpit_columns_and_deletion_without_the_operator(
+    kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kubectl get rlj` / `kubectl get sg` say what runs and why without -o wide (share in percent); the
+    RLJob carries no finalizer, so it deletes while the operator is stopped (docs/operations.md)."""
+    manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
+    with operator(kube, namespace, monkeypatch):
+        shared_volume(kube, namespace)
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        wait_for("small Running", lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
+                 timeout=120)  # fmt: skip
+        table = kube.kubectl("get", "rlj", "small", "-n", namespace).stdout.splitlines()
+        assert table[0].split() == ["NAME", "PHASE", "GROUPS", "TRAINER", "STEP", "VERSION", "REWARD", "KL",
+                                    "REASON", "AGE"]  # fmt: skip
+        assert [column(table, c) for c in ("PHASE", "GROUPS", "TRAINER", "REASON")] == [
+            "Running", "2/2", "1/1", "AllReady",
+        ]  # fmt: skip
+        # the rebalancer writes share (0..1) with its own field manager; the column shows percent
+        kube.kubectl("patch", "sg", "small-h200-fp8", "-n", namespace, "--subresource=status", "--type=merge",
+                     "-p", json.dumps({"status": {"share": 0.125}}))  # fmt: skip
+
+        def sg_table() -> list[str] | None:
+            table = kube.kubectl("get", "sg", "small-h200-fp8", "-n", namespace).stdout.splitlines()
+            return table if column(table, "SHARE%") == "12.5" else None
+
+        table = wait_for("share in percent", sg_table)
+        assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "PHASE", "READY", "TOK/S", "SHARE%", "VERSION",
+                                    "LAG", "KL", "OOR", "REASON", "AGE"]  # fmt: skip
+        assert [column(table, c) for c in ("PHASE", "READY", "REASON")] == ["Running", "1/1", "AllReplicasReady"]
+        assert not get(kube, namespace, "rlj", "small")["metadata"].get("finalizers")
+    # the operator is stopped: the job still deletes (the garbage collector takes its children)
+    kube.kubectl("delete", "rlj", "small", "-n", namespace, "--wait=false")
+    wait_for("RLJob gone without the operator", lambda: get(kube, namespace, "rlj", "small") is None, timeout=30)
+    wait_for("groups collected", lambda: not items(kube, namespace, "samplergroups", "rlfleet.dev/job=small"))
 
 
 def _start_operator(kube, namespace: str) -> subprocess.Popen:
@@ -450,17 +486,22 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
 
     leader, standby = start(200), start(100)
     try:
+        standby_log = tmp_path / "operator-100.log"
+        # bounded waits on what each peer says, never on timing: the standby has seen the leader and paused
+        # before the job exists (under load it can take long to start), so the leader does all the work
         wait_for(
             "both peers announced",
             lambda: len((get(kube, namespace, "kopfpeering", "rlfleet") or {}).get("status", {}) or {}) >= 2,
+            timeout=120,
         )
+        wait_for("standby paused for the leader", lambda: "Pausing operations in favour of" in standby_log.read_text(),
+                 timeout=120)  # fmt: skip
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
         wait_for(
             "small job Running",
             lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
+            timeout=180,
         )
-        standby_log = tmp_path / "operator-100.log"
-        assert "Pausing the watch-stream for rljobs" in standby_log.read_text()  # the standby is passive
         assert "Handler 'reconcile_rljob' is invoked" not in standby_log.read_text()  # the leader did the work
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait(10)
@@ -473,7 +514,7 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
                 (get(kube, namespace, "deployment", "small-h200-fp8") or {}).get("spec", {}).get("replicas")
                 == 2
             ),
-            timeout=90,
+            timeout=180,
         )
         assert "Handler 'reconcile_rljob' is invoked" in standby_log.read_text()
     finally:

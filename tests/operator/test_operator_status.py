@@ -191,7 +191,7 @@ def test_job_rollup_running_pending_degraded_suspended() -> None:
     assert (s["phase"], s["reason"]) == ("Pending", "Suspending")  # groups still running
     down = [group_obj("a", "Suspended", "0/0"), group_obj("b", "Suspended", "0/0")]
     s = st.rljob_status(job(["a", "b"], suspend=True), down, trainer(0), None, now=T0)
-    assert s["phase"] == "Suspended" and s["trainer"] == {"replicas": 0, "readyReplicas": 0}
+    assert s["phase"] == "Suspended" and s["trainer"] == {"replicas": 0, "readyReplicas": 0, "ready": "0/0"}
 
 
 def test_job_collapse_risk_rolls_up_from_groups_and_invalid_spec_fails() -> None:
