@@ -1,16 +1,26 @@
-"""The `megatron` backend: megatron-core (0.19) GPTModel, its pipeline schedules and the distributed
-optimizer, with the vocab-parallel corrected objective. GPU only; megatron is imported lazily so this
-module imports (and its pure parts are tested) anywhere.
+"""The `megatron` backend: megatron-core (0.19) GPTModel, its schedules and the distributed optimizer,
+with the vocab-parallel corrected objective. Runs on CUDA GPUs; megatron is imported lazily so this
+module imports (and its pure parts are tested) anywhere. The CPU tier (docs/testing.md) runs it for
+real on CPU (device "cpu", gloo, fp32) against transformers' Qwen3.
 
 How a step runs (documented megatron-core API, nothing private):
-- `parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)` once, under torchrun.
+- `MegatronModelConfig.from_hf_config(config.json)`: Qwen3 dense. `head_dim` -> `kv_channels`,
+  `tie_word_embeddings` -> `share_embeddings_and_output_weights`, QK-norm (`qk_layernorm` in BOTH the
+  TransformerConfig and the layer spec), rope theta from `rope_theta` (transformers 4) or
+  `rope_parameters` (transformers 5), dropout 0 (megatron defaults to 0.1). Layouts outside
+  `megatron_support.parallelism_support` (PP > 1, CP > 1) are refused before anything is built.
+- `parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=1)` once, under torchrun.
 - `GPTModel(config=TransformerConfig(...), transformer_layer_spec=..., vocab_size, max_sequence_length,
-  pre_process, post_process, parallel_output=True, share_embeddings_and_output_weights=False,
+  pre_process, post_process, parallel_output=True, share_embeddings_and_output_weights=tied,
   position_embedding_type="rope")`, wrapped in `DistributedDataParallel`; optimizer from
-  `get_megatron_optimizer(OptimizerConfig(...), [model])`.
+  `get_megatron_optimizer(OptimizerConfig(...), [model])` (distributed optimizer). Layer spec: the
+  TransformerEngine spec when TE is installed (the GPU image), else the local spec with
+  `LocalRMSNorm` (torch's RMSNorm that also runs under sequence parallelism).
 - Rank 0 drives the rollouts and the loop; every other rank runs `follow()`, executing the commands
-  rank 0 broadcasts (`step` with the batch, `weights`, `stop`). Each data-parallel rank takes its
-  share of the batch's sequences and cuts it into micro-batches.
+  rank 0 broadcasts (`step` with the batch, `weights`, `state`, `load`, `stop`). Each data-parallel
+  rank takes its share of the batch's sequences and cuts it into micro-batches.
+- Sequence parallelism is on when TP > 1; it needs S % TP == 0, so the batch is right-padded to a
+  multiple of TP (causal attention: real positions are unchanged; the loss reads real positions only).
 - `get_forward_backward_func()(forward_step_func=..., data_iterator=..., model=[model],
   num_microbatches=n, seq_length=S, micro_batch_size=m, forward_only=False)`.
   `forward_step_func(data_iterator, model) -> (logits, partial(loss_func, micro_batch))`; with
@@ -21,13 +31,21 @@ How a step runs (documented megatron-core API, nothing private):
   `TransformerConfig.calculate_per_token_loss=True` + `finalize_model_grads` make the gradient a
   token mean over the WHOLE batch (all micro-batches, all DP ranks), as method.md prescribes.
 - `optimizer.step() -> (ok, grad_norm, num_zeros)` (clipping inside, `OptimizerConfig.clip_grad`).
-- Publishing: the TP shards are all-gathered and renamed to Hugging Face names (`megatron_to_hf`),
-  the same names TinyGPT and SGLang use, so the weight publisher makes every view from them.
+- Publishing: only the TP group of rank 0 (data-parallel rank 0) sends its shards to rank 0 (gather,
+  not all-gather); rank 0 merges them and renames to Hugging Face names (`megatron_to_hf`), the same
+  names TinyGPT and SGLang use, so the weight publisher makes every view from them.
+- Checkpoints: `state_dict()` on rank 0 gathers every rank's model shard, optimizer state_dict and
+  the distributed optimizer's parameter state (`save_parameter_state`: fp32 main params and Adam
+  moments, which its state_dict leaves out); `load_state_dict` scatters them back, loads the model,
+  `reload_model_params()` (main params from the restored model), the optimizer state and
+  `load_parameter_state`. Same parallel layout only.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -37,11 +55,16 @@ import torch
 
 from rlfleet.trainer.backend_torch import OptimConfig, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
+from rlfleet.trainer.megatron_support import parallelism_support, shape_support
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss
 
 
 class BackendUnavailable(RuntimeError):
     """megatron-core or CUDA is missing (clear message, raised at construction)."""
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint's config.json or the parallel layout is one the backend does not run."""
 
 
 @dataclass
@@ -55,20 +78,72 @@ class MegatronModelConfig:
     max_seq_len: int
     rotary_base: float = 10000.0
     norm_eps: float = 1e-6
+    kv_channels: int | None = None  # config.json `head_dim`; None: hidden_size // num_attention_heads
+    qk_layernorm: bool = False  # Qwen3: RMSNorm of each head's q and k before RoPE
+    tie_word_embeddings: bool = False  # -> share_embeddings_and_output_weights (no lm_head tensor)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1
     micro_batch_size: int = 1
     seed: int = 0
+    params_dtype: str = "bfloat16"  # the trainer's precision; "float32" in the CPU parity tier
+    device: str = "cuda"  # "cpu" only in the CPU tier (gloo, local layer spec; docs/testing.md)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tensor_parallel > 1
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], *, max_seq_len: int | None = None, tensor_parallel: int = 1,
+                       pipeline_parallel: int = 1, context_parallel: int = 1, **kwargs: Any) -> MegatronModelConfig:
+        """The model of a Hugging Face config.json (Qwen3 dense), written by transformers 4 (`rope_theta`)
+        or 5 (`rope_parameters`). Anything the megatron model would compute differently is refused."""
+        model_type = hf.get("model_type")
+        if model_type != "qwen3":
+            raise UnsupportedModel(f"megatron backend: model_type {model_type!r} is not supported (only 'qwen3' dense)")
+        rope = hf.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default" or hf.get("rope_scaling"):
+            raise UnsupportedModel(f"megatron backend: rope scaling {rope_type!r} / {hf.get('rope_scaling')!r} is not supported")
+        theta = rope.get("rope_theta", hf.get("rope_theta"))
+        if theta is None:
+            raise UnsupportedModel("megatron backend: config.json has neither rope_parameters.rope_theta nor rope_theta")
+        if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
+            raise UnsupportedModel("megatron backend: only hidden_act 'silu' without attention bias is supported")
+        if hf.get("use_sliding_window", False):
+            raise UnsupportedModel("megatron backend: sliding-window attention is not supported")
+        return cls(
+            vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            ffn_hidden_size=hf["intermediate_size"],
+            max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
+            rotary_base=float(theta), norm_eps=hf.get("rms_norm_eps", 1e-6), kv_channels=hf.get("head_dim"),
+            qk_layernorm=True, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, context_parallel=context_parallel,
+            **kwargs,
+        )
+
+    def check_supported(self) -> None:
+        """Raise `UnsupportedModel` (with the reason) for a layout or shape the backend does not run."""
+        for verdict in (
+            parallelism_support(self.tensor_parallel, self.pipeline_parallel, self.context_parallel, self.sequence_parallel),
+            shape_support(self.tensor_parallel, num_attention_heads=self.num_attention_heads,
+                          num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size,
+                          vocab_size=self.vocab_size),
+        ):
+            if not verdict.ok:
+                raise UnsupportedModel(f"megatron backend: {verdict.reason}")
 
 
 # ---------------------------------------------------------------------------------------------
 # Pure name/layout conversion between Megatron (fused qkv, fused gate/up) and Hugging Face names.
-# Tested on CPU; used to initialise Megatron from an HF checkpoint and to publish HF-named weights.
+# Tested on CPU against the real megatron-core GPTModel and transformers' Qwen3 (docs/testing.md);
+# used to initialise Megatron from an HF checkpoint and to publish HF-named weights.
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spec: bool = True) -> dict[str, torch.Tensor]:
@@ -85,6 +160,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spe
         v = hf[p + "self_attn.v_proj.weight"].view(ng, hd, -1)
         out[m + "self_attention.linear_qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, cfg.hidden_size)
         out[m + "self_attention.linear_proj.weight"] = hf[p + "self_attn.o_proj.weight"]
+        if cfg.qk_layernorm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[p + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[p + "self_attn.k_norm.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)
         out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
         if te_spec:  # TransformerEngine fuses the pre-norms into the following linear
@@ -94,7 +172,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spe
             out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
             out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    out["output_layer.weight"] = hf["lm_head.weight"]
+    if not cfg.tie_word_embeddings:  # tied: the output layer reads the embedding (no tensor of its own)
+        out["output_layer.weight"] = hf["lm_head.weight"]
     return out
 
 
@@ -113,6 +192,9 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: MegatronModelConfig) -> dic
         out[p + "self_attn.k_proj.weight"] = k.reshape(-1, cfg.hidden_size)
         out[p + "self_attn.v_proj.weight"] = v.reshape(-1, cfg.hidden_size)
         out[p + "self_attn.o_proj.weight"] = mg[m + "self_attention.linear_proj.weight"]
+        if cfg.qk_layernorm:
+            out[p + "self_attn.q_norm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
+            out[p + "self_attn.k_norm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
         gate, up = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
         out[p + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
@@ -121,7 +203,8 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: MegatronModelConfig) -> dic
         te = m + "mlp.linear_fc1.layer_norm_weight"
         out[p + "post_attention_layernorm.weight"] = mg[te] if te in mg else mg[m + "pre_mlp_layernorm.weight"]
     out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
-    out["lm_head.weight"] = mg["output_layer.weight"][: cfg.vocab_size]
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = mg["output_layer.weight"][: cfg.vocab_size]
     return out
 
 
@@ -230,6 +313,18 @@ def slice_batch(flat: FlatBatch, seqs: np.ndarray) -> FlatBatch:
 # The backend (GPU).
 
 
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """The local (no TransformerEngine) spec's RMSNorm: torch's RMSNorm, as megatron's own
+    WrappedTorchNorm builds it, that also runs under sequence parallelism. Like megatron's fused
+    norms it marks its weight `sequence_parallel`, so `finalize_model_grads` sums the weight's
+    gradient over the TP ranks, each of which saw only its slice of the sequence (WrappedTorchNorm
+    refuses sequence parallelism instead)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
 def _megatron() -> Any:
     try:
         import megatron.core as mcore  # noqa: F401
@@ -240,34 +335,54 @@ def _megatron() -> Any:
             finalize_model_grads,
         )
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_local_spec,
+            get_gpt_layer_with_transformer_engine_spec,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
         from megatron.core.transformer.transformer_config import TransformerConfig
     except ImportError as exc:
         raise BackendUnavailable(
             "trainer backend 'megatron' needs megatron-core 0.19 (pip install 'rlfleet[trainer]' on Python >= 3.12) "
             f"and CUDA; import failed: {exc}"
         ) from None
+    try:
+        import transformer_engine  # noqa: F401
+
+        te = True
+    except ImportError:  # no TransformerEngine: the local (pure PyTorch) spec
+        te = False
+
+    def layer_spec(qk_layernorm: bool, num_layers: int) -> Any:
+        # qk_layernorm must be set in the spec (q/k norm modules) AND in TransformerConfig
+        if te:
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = LocalRMSNorm
+        if qk_layernorm:
+            attn = layer.submodules.self_attention.submodules
+            attn.q_layernorm = attn.k_layernorm = LocalRMSNorm
+        return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalRMSNorm)
+
     ns = dict(
         parallel_state=parallel_state, tensor_parallel=tensor_parallel, DDP=DistributedDataParallel,
         DDPConfig=DistributedDataParallelConfig, finalize_model_grads=finalize_model_grads, GPTModel=GPTModel,
         OptimizerConfig=OptimizerConfig, get_megatron_optimizer=get_megatron_optimizer,
         get_forward_backward_func=get_forward_backward_func, TransformerConfig=TransformerConfig,
+        layer_spec=staticmethod(layer_spec), te=te,
     )
-    try:
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        ns["layer_spec"], ns["te"] = get_gpt_layer_with_transformer_engine_spec(), True
-    except ImportError:  # no TransformerEngine: the local (pure PyTorch) spec
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        ns["layer_spec"], ns["te"] = get_gpt_layer_local_spec(), False
     return type("Megatron", (), ns)
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class MegatronBackend:
     """Same interface as TorchBackend: train_step(flat, group_index) -> (LossOutput, grad_norm),
-    weights() -> HF-named full state dict (on global rank 0; {} elsewhere), state_dict/load_state_dict."""
+    weights() -> HF-named full state dict (on global rank 0; {} elsewhere), state_dict/load_state_dict
+    (on global rank 0; they carry every rank's shard)."""
 
     name = "megatron"
 
@@ -279,17 +394,21 @@ class MegatronBackend:
         temperature: float = 1.0,
         initial_hf_weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        if not torch.cuda.is_available():
+        model_config.check_supported()
+        if model_config.device == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("trainer backend 'megatron' needs CUDA GPUs (use backend 'torch' on CPU)")
         mg = _megatron()
         self.mg = mg
         self.cfg = model_config
+        self.device = torch.device(model_config.device)
         self.objective = objective
         self.optim_config = optim or OptimConfig()
         self.temperature = temperature
+        on_gpu = self.device.type == "cuda"
         if not torch.distributed.is_initialized():  # torchrun sets RANK / WORLD_SIZE / MASTER_ADDR
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            torch.distributed.init_process_group(backend="nccl")
+            if on_gpu:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(backend="nccl" if on_gpu else "gloo")
         ps = mg.parallel_state
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(
@@ -297,8 +416,13 @@ class MegatronBackend:
                 pipeline_model_parallel_size=model_config.pipeline_parallel,
                 context_parallel_size=model_config.context_parallel,
             )
-        mg.tensor_parallel.model_parallel_cuda_manual_seed(model_config.seed)
+        if on_gpu:
+            mg.tensor_parallel.model_parallel_cuda_manual_seed(model_config.seed)
+        else:
+            torch.manual_seed(model_config.seed)
         c = model_config
+        dtype = _DTYPES[c.params_dtype]
+        bf16 = dtype == torch.bfloat16
         self.tconfig = mg.TransformerConfig(
             num_layers=c.num_layers,
             hidden_size=c.hidden_size,
@@ -308,30 +432,35 @@ class MegatronBackend:
             kv_channels=c.head_dim,
             normalization="RMSNorm",
             layernorm_epsilon=c.norm_eps,
+            qk_layernorm=c.qk_layernorm,
             gated_linear_unit=True,
             activation_func=torch.nn.functional.silu,
             add_bias_linear=False,
-            bf16=True,
-            params_dtype=torch.bfloat16,
-            pipeline_dtype=torch.bfloat16,
+            add_qkv_bias=False,
+            hidden_dropout=0.0,  # megatron defaults to 0.1; Qwen3 trains without dropout
+            attention_dropout=0.0,
+            bf16=bf16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            use_cpu_initialization=not on_gpu,
             tensor_model_parallel_size=c.tensor_parallel,
             pipeline_model_parallel_size=c.pipeline_parallel,
             context_parallel_size=c.context_parallel,
-            sequence_parallel=c.tensor_parallel > 1,
+            sequence_parallel=c.sequence_parallel,
             calculate_per_token_loss=True,  # loss_func returns (sum, n_tokens): token mean over the batch
         )
         model = mg.GPTModel(
             config=self.tconfig,
-            transformer_layer_spec=mg.layer_spec,
+            transformer_layer_spec=mg.layer_spec(c.qk_layernorm, c.num_layers),
             vocab_size=c.vocab_size,
             max_sequence_length=c.max_seq_len,
             pre_process=ps.is_pipeline_first_stage(),
             post_process=ps.is_pipeline_last_stage(),
             parallel_output=True,  # keep logits vocabulary-sharded: the objective is vocab-parallel
-            share_embeddings_and_output_weights=False,
+            share_embeddings_and_output_weights=c.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=int(c.rotary_base),
-        ).cuda()
+        ).to(self.device)
         if initial_hf_weights is not None:
             self._load_hf(model, initial_hf_weights)
         ddp_config = mg.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
@@ -345,7 +474,8 @@ class MegatronBackend:
                 adam_beta1=self.optim_config.betas[0],
                 adam_beta2=self.optim_config.betas[1],
                 clip_grad=self.optim_config.max_grad_norm,
-                bf16=True,
+                bf16=bf16,
+                params_dtype=dtype,
                 use_distributed_optimizer=True,
             ),
             [self.model],
@@ -357,21 +487,27 @@ class MegatronBackend:
         return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
 
     def _load_hf(self, model: torch.nn.Module, hf: dict[str, torch.Tensor]) -> None:
-        if self.cfg.pipeline_parallel != 1:
-            raise NotImplementedError("loading HF weights with pipeline parallelism > 1 is not supported yet")
         _, rank, world = self._tp()
         full = hf_to_megatron(hf, self.cfg, te_spec=self.mg.te)
-        own = model.state_dict()
+        own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k and isinstance(v, torch.Tensor)}
+        if set(own) != set(full):  # a name the mapping misses would silently stay at its random init
+            raise UnsupportedModel(f"megatron backend: HF mapping mismatch: model only {sorted(set(own) - set(full))}, "
+                                   f"mapping only {sorted(set(full) - set(own))}")
         with torch.no_grad():
             for name, tensor in own.items():
-                if name in full:
-                    tensor.copy_(split_tp_shard(name, full[name], rank, world).to(tensor.dtype))
+                shard = split_tp_shard(name, full[name], rank, world)
+                if shard.shape != tensor.shape:
+                    raise UnsupportedModel(f"megatron backend: {name}: checkpoint shard {tuple(shard.shape)} != model {tuple(tensor.shape)}")
+                tensor.copy_(shard.to(tensor.dtype))
 
     # -- rank 0 drives, every other rank follows (commands broadcast from global rank 0) --
     def _command(self, command: tuple | None = None) -> tuple:
         box = [command]
-        torch.distributed.broadcast_object_list(box, src=0)
+        torch.distributed.broadcast_object_list(box, src=0, device=self._object_device())
         return box[0]
+
+    def _object_device(self) -> torch.device | None:
+        return torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else None
 
     def follow(self) -> None:
         """Non-zero ranks: execute rank 0's commands until it says stop."""
@@ -381,6 +517,10 @@ class MegatronBackend:
                 self._train_step(command[1], command[2])
             elif command[0] == "weights":
                 self._weights()
+            elif command[0] == "state":
+                self._state_dict()
+            elif command[0] == "load":
+                self._load_state_dict(None)
             else:
                 return
 
@@ -396,18 +536,24 @@ class MegatronBackend:
 
     def _train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:
         mg, ps = self.mg, self.mg.parallel_state
+        dev = self.device
         dp_rank, dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         my_seqs = np.arange(flat.input_ids.shape[0])[dp_rank::dp_world]
         mbs = self.cfg.micro_batch_size
         micro = [slice_batch(flat, my_seqs[i : i + mbs]) for i in range(0, len(my_seqs), mbs)] or [slice_batch(flat, my_seqs[:0])]
+        # Sequence parallel splits the sequence over the TP ranks and asserts S % TP == 0: pad at the
+        # end. Attention is causal, so the padding changes no real position's logits, and the loss
+        # rows (row_seq, row_pos) address real positions only.
         seq_len = int(flat.input_ids.shape[1])
+        if self.cfg.sequence_parallel:
+            seq_len += -seq_len % self.cfg.tensor_parallel
         tp_group = ps.get_tensor_model_parallel_group()
         outputs: list[LossOutput] = []
 
         def loss_func(mb: FlatBatch, logits: torch.Tensor):  # logits [b, s, V/tp], vocabulary-sharded
-            rows = logits[torch.from_numpy(mb.row_seq).cuda(), torch.from_numpy(mb.row_pos).cuda()].float() / self.temperature
+            rows = logits[torch.from_numpy(mb.row_seq).to(dev), torch.from_numpy(mb.row_pos).to(dev)].float() / self.temperature
             batch = to_token_batch(mb, group_index)
-            batch = type(batch)(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()})
+            batch = type(batch)(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()})
             out = policy_loss(rows, batch, self.objective, process_group=tp_group)
             outputs.append(out)
             n = torch.tensor(out.num_valid_tokens, dtype=torch.int, device=rows.device)
@@ -415,8 +561,9 @@ class MegatronBackend:
 
         def forward_step_func(data_iterator, model):
             mb: FlatBatch = next(data_iterator)
-            ids = torch.from_numpy(mb.input_ids).cuda()
-            pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            ids = torch.zeros((mb.input_ids.shape[0], seq_len), dtype=torch.long, device=dev)
+            ids[:, : mb.input_ids.shape[1]] = torch.from_numpy(mb.input_ids).to(dev)
+            pos = torch.arange(seq_len, device=dev).expand_as(ids)
             logits = model(ids, pos, attention_mask=None)  # causal mask from the layer spec
             return logits, partial(loss_func, mb)
 
@@ -435,30 +582,111 @@ class MegatronBackend:
         merged = merge_loss_outputs(outputs) if outputs else LossOutput(loss=torch.tensor(0.0), metrics={})
         return merged, float(grad_norm) if grad_norm is not None else float("nan")
 
+    # -- publishing --
     def weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0: all ranks gather the TP shards; returns HF-named bf16 weights."""
+        """Rank 0: the TP group of rank 0 gathers its shards; returns HF-named weights."""
         self._command(("weights",))
         return self._weights()
 
     def _weights(self) -> dict[str, torch.Tensor]:
-        """All-gather the TP shards and return HF-named bf16 weights on global rank 0 ({} elsewhere)."""
-        if self.cfg.pipeline_parallel != 1:
-            raise NotImplementedError("publishing with pipeline parallelism > 1 is not supported yet")
-        group, _, world = self._tp()
+        """HF-named full weights on global rank 0 ({} elsewhere). Only the TP group holding rank 0
+        (data-parallel rank 0) communicates: each of its ranks sends its shards to rank 0, nobody else
+        materialises the whole model; the other data-parallel replicas hold the same weights and skip."""
+        ps = self.mg.parallel_state
+        if ps.get_data_parallel_rank() != 0:
+            return {}
+        group, tp_rank, world = self._tp()
+        dst = torch.distributed.get_global_rank(group, 0) if world > 1 else torch.distributed.get_rank()
         full: dict[str, torch.Tensor] = {}
         for name, tensor in self.model.module.state_dict().items():
             if "_extra_state" in name or not isinstance(tensor, torch.Tensor):
                 continue
-            shards = [torch.empty_like(tensor) for _ in range(world)]
-            torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
-            full[name] = merge_tp_shards(name, [s.cpu() for s in shards])
+            if world == 1:
+                full[name] = tensor.detach().cpu().clone()
+                continue
+            shards = [torch.empty_like(tensor) for _ in range(world)] if tp_rank == 0 else None
+            torch.distributed.gather(tensor.contiguous(), shards, dst=dst, group=group)
+            if tp_rank == 0:
+                full[name] = merge_tp_shards(name, [s.cpu() for s in shards])
         if torch.distributed.get_rank() != 0:
             return {}
         return megatron_to_hf(full, self.cfg)
 
+    # -- checkpoints: global rank 0 holds every rank's part (the loop saves one file from rank 0) --
+    def _layout(self) -> dict[str, int]:
+        ps = self.mg.parallel_state
+        return {"world": torch.distributed.get_world_size(), "tp": self.cfg.tensor_parallel, "pp": self.cfg.pipeline_parallel,
+                "cp": self.cfg.context_parallel, "dp": ps.get_data_parallel_world_size()}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        """Rank 0: every rank's model shard, optimizer state and (on data-parallel rank 0 of each model
+        shard) the distributed optimizer's parameter state: fp32 main params and Adam moments, which
+        the DistributedOptimizer's own state_dict leaves out."""
+        self._command(("state",))
+        return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
+        import tempfile
+
+        model = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in self.model.state_dict().items()}
+        with tempfile.TemporaryDirectory(prefix="rlfleet-mg-") as tmp:
+            path = os.path.join(tmp, "param_state.pt")
+            self.optimizer.save_parameter_state(path)  # collective over the DP group; writes on DP rank 0
+            param_state = torch.load(path, weights_only=False) if os.path.exists(path) else None
+        local = {"model": model, "optimizer": self.optimizer.state_dict(), "param_state": param_state}
+        rank = torch.distributed.get_rank()
+        parts: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None
+        torch.distributed.gather_object(local, parts, dst=0)
+        return {"layout": self._layout(), "ranks": parts} if rank == 0 else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Rank 0: restore every rank from `state_dict()`'s output (same parallel layout only)."""
+        if state.get("layout") != self._layout():
+            raise ValueError(f"megatron checkpoint layout {state.get('layout')} != this run's {self._layout()}: "
+                             "resharding a checkpoint is not supported")
+        self._command(("load",))
+        self._load_state_dict(state["ranks"])
+
+    def _load_state_dict(self, parts: list[Any] | None) -> None:
+        import tempfile
+
+        box: list[Any] = [None]
+        torch.distributed.scatter_object_list(box, parts, src=0)
+        local = box[0]
+        self.model.load_state_dict(local["model"])
+        # The fp32 main params are the optimizer's own copy: without this they keep the weights the
+        # optimizer was built from, and the next step would write them back over the restored model.
+        self.optimizer.reload_model_params()
+        self.optimizer.load_state_dict(local["optimizer"])
+        self._unshare_step_tensors()
+        with tempfile.TemporaryDirectory(prefix="rlfleet-mg-") as tmp:
+            path = os.path.join(tmp, "param_state.pt")
+            if local["param_state"] is not None:
+                torch.save(local["param_state"], path)
+            with torch.no_grad(), self._step_tensors_set_aside():  # copies into leaf main params
+                self.optimizer.load_parameter_state(path)  # DP rank 0 reads it and scatters main params + moments
+
+    def _inner_optimizers(self) -> list[Any]:
+        return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    def _unshare_step_tensors(self) -> None:
+        """megatron-core 0.19.2 without Apex/TE (torch's own Adam): `load_state_dict` gives every
+        parameter's state the SAME `step` tensor, which torch's Adam then increments once per
+        parameter per step (wrong bias correction from the first step after a restore). One each."""
+        for opt in self._inner_optimizers():
+            for st in opt.state.values():
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].clone()
+
+    @contextmanager
+    def _step_tensors_set_aside(self) -> Iterator[None]:
+        """megatron-core 0.19.2 without Apex/TE (torch's own Adam): `load_state_dict` puts a `step`
+        tensor into every parameter's state, and `load_parameter_state` then copies every tensor of
+        that state from the checkpoint, which has no `step` (KeyError). Set the steps aside while the
+        parameter state loads. With TE's FusedAdam (the GPU image) there are none: a no-op."""
+        aside = [(st, st.pop("step")) for opt in self._inner_optimizers() for st in opt.state.values() if isinstance(st.get("step"), torch.Tensor)]
+        try:
+            yield
+        finally:
+            for st, step in aside:
+                st["step"] = step

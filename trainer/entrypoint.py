@@ -76,13 +76,9 @@ def _build_backend(job: Any, rc: Any) -> Any:
     import json
 
     hf_cfg = json.loads((Path(job.spec.model.path) / "config.json").read_text())
-    cfg = MegatronModelConfig(
-        vocab_size=hf_cfg["vocab_size"], num_layers=hf_cfg["num_hidden_layers"], hidden_size=hf_cfg["hidden_size"],
-        num_attention_heads=hf_cfg["num_attention_heads"],
-        num_query_groups=hf_cfg.get("num_key_value_heads", hf_cfg["num_attention_heads"]),
-        ffn_hidden_size=hf_cfg["intermediate_size"], max_seq_len=job.spec.model.max_seq_len or hf_cfg.get("max_position_embeddings", 4096),
-        rotary_base=hf_cfg.get("rope_theta", 10000.0), norm_eps=hf_cfg.get("rms_norm_eps", 1e-6),
-        tensor_parallel=p.tensor, pipeline_parallel=p.pipeline, context_parallel=p.context,
+    cfg = MegatronModelConfig.from_hf_config(  # head_dim, tied embeddings, QK-norm, either rope form
+        hf_cfg, max_seq_len=job.spec.model.max_seq_len, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
+        context_parallel=p.context,
     )
     return MegatronBackend(cfg, objective, optim, rc.sampling["temperature"], initial_hf_weights=hf), cfg.vocab_size, cfg.max_seq_len
 

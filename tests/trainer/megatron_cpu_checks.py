@@ -1,0 +1,349 @@
+"""The megatron CPU tier: the REAL megatron-core 0.19.2 GPTModel, built by our backend
+(`rlfleet.trainer.backend_megatron.MegatronBackend`, device "cpu", gloo), against transformers 5.19's
+Qwen3 on tiny checkpoints made here with `Qwen3Config` + `save_pretrained`.
+
+Runs under .venv312 (CPython 3.12; scripts/bootstrap) as `python megatron_cpu_checks.py OUT.json`;
+tests/trainer/test_trainer_megatron.py (the main suite, Python 3.11) launches it and asserts on the
+JSON it writes: {"checks": {name: {"ok": bool, ...numbers}}, "wall_s": float}. Phase 1 runs in this
+process (world size 1, TP=1); phase 2 spawns 2 processes (TP=2, sequence parallel, gloo).
+
+Stubs, only for CUDA-only calls that megatron-core makes unconditionally (nothing else is replaced):
+- `CudaDevicesOnCpu` (a TorchFunctionMode): tensors megatron creates with `device="cuda"` /
+  `torch.cuda.current_device()` (the schedule's token counter, the optimizer's found-inf and scale
+  tensors, grad-norm buffers) are created on the CPU instead; `Tensor.cuda()` is the identity;
+  `Tensor.type()` answers `torch.cuda.*Tensor` (the distributed optimizer dispatches on that string).
+- `torch.cuda.current_device` returns the CPU device (no CUDA runtime to ask; also where autograd
+  runs backward outside the mode above); `torch.cuda.current_stream`
+  returns a stream object whose waits do nothing (the gradient buffer waits on CUDA-graph events,
+  of which there are none; CPU work is synchronous).
+- `CudaRNGStatesTracker.fork` is a null context: the CUDA RNG tracker forks CUDA RNG states around
+  dropout; dropout is 0 here (as in the backend) so no random number is drawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+VOCAB = 64
+SEQ = 7  # odd: sequence parallel over TP=2 needs the backend's padding
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, int):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class CudaDevicesOnCpu(TorchFunctionMode):
+    """Stub (see the module docstring): CUDA placements -> CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class _SynchronousStream:
+    """Stub (see the module docstring) for torch.cuda.current_stream()."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def install_stubs() -> contextlib.AbstractContextManager:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_stream = lambda *a, **k: _SynchronousStream()
+    CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+    mode = CudaDevicesOnCpu()
+    mode.__enter__()
+    return mode
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+VARIANTS = {
+    # Qwen3 as transformers 5 writes it: QK-norm, head_dim (12) != hidden/heads (8), rope_parameters
+    "qwen3_head_dim_rope_parameters": dict(head_dim=12, tie_word_embeddings=False, legacy_rope=False),
+    # the same written as transformers 4 did: top-level rope_theta
+    "qwen3_rope_theta": dict(head_dim=12, tie_word_embeddings=False, legacy_rope=True),
+    # tied embeddings (no lm_head tensor in the checkpoint), the default head_dim
+    "qwen3_tied": dict(head_dim=8, tie_word_embeddings=True, legacy_rope=False),
+}
+
+
+def make_checkpoint(directory: Path, head_dim: int, tie_word_embeddings: bool, legacy_rope: bool) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=head_dim, tie_word_embeddings=tie_word_embeddings,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # norms away from 1 so a missing or mis-mapped norm shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(directory)
+    if legacy_rope:
+        path = directory / "config.json"
+        data = json.loads(path.read_text())
+        data["rope_theta"] = data.pop("rope_parameters")["rope_theta"]
+        path.write_text(json.dumps(data))
+    return directory
+
+
+def hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+def build(directory: Path, tp: int, dtype: str = "float32", weights: dict[str, torch.Tensor] | None = None):
+    from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
+    from rlfleet.trainer.backend_torch import OptimConfig
+    from rlfleet.trainer.objective import ObjectiveConfig
+
+    hf_cfg = json.loads((directory / "config.json").read_text())
+    cfg = MegatronModelConfig.from_hf_config(hf_cfg, tensor_parallel=tp, params_dtype=dtype, device="cpu", micro_batch_size=2)
+    return MegatronBackend(cfg, ObjectiveConfig(mode="sc_mis", replay=True), OptimConfig(learning_rate=1e-2),
+                           initial_hf_weights=hf_tensors(directory) if weights is None else weights)
+
+
+def full_logits(backend, ids: torch.Tensor) -> torch.Tensor:
+    """The GPTModel's logits with the vocabulary shards all-gathered over the TP group."""
+    from megatron.core import parallel_state as ps
+
+    with torch.no_grad():
+        local = backend.model.module(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+    world = ps.get_tensor_model_parallel_world_size()
+    if world == 1:
+        return local
+    shards = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(shards, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=-1)
+
+
+def flat_batch(seed: int):
+    from rlfleet.trainer.batching import FlatBatch
+
+    rng = np.random.default_rng(seed)
+    b, k = 4, 4
+    row_seq = np.repeat(np.arange(b), SEQ - 1)
+    row_pos = np.tile(np.arange(SEQ - 1), b)  # every position but the last: the odd length matters
+    t = len(row_seq)
+    cand = np.stack([rng.permutation(VOCAB)[:k] for _ in range(t)])
+    lq = np.log(rng.dirichlet(np.ones(k), size=t)).astype(np.float32)
+    return FlatBatch(
+        input_ids=rng.integers(0, VOCAB, size=(b, SEQ)), seq_lens=np.full(b, SEQ), row_seq=row_seq, row_pos=row_pos,
+        target_ids=cand[:, 0], advantages=rng.normal(size=t).astype(np.float32), logq=lq[:, 0].copy(),
+        logq_support=lq[:, 0].copy(), cand_offsets=np.arange(t + 1) * k, cand_ids=cand.reshape(-1),
+        cand_logq=lq.reshape(-1), candidate_mode="support", versions=np.zeros(t, dtype=np.int64),
+        staleness=np.zeros(t, dtype=np.int64), groups=np.array(["a", "b"] * (t // 2), dtype=object),
+        rollout_uids=[f"u{i}" for i in range(b)],
+    )
+
+
+GROUPS = {"a": 0, "b": 1}
+
+
+def token_ids(seed: int) -> torch.Tensor:
+    """Logit checks call the GPTModel directly (no backend padding): an even length."""
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, VOCAB, size=(2, SEQ + 1)))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def roundtrip(backend, directory: Path) -> dict[str, Any]:
+    exported = backend.weights()
+    if torch.distributed.get_rank() != 0:
+        return {}
+    original = hf_tensors(directory)
+    bad = sorted(k for k in original if k not in exported or not torch.equal(exported[k], original[k]))
+    return {"ok": set(exported) == set(original) and not bad, "names": len(original),
+            "extra": sorted(set(exported) - set(original)), "unequal": bad}
+
+
+def local_state(backend) -> dict[str, torch.Tensor]:
+    """This rank's model shard and its optimizer parameter state (main params, Adam moments)."""
+    out = {f"model.{k}": v.detach().clone() for k, v in backend.model.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    for i, opt in enumerate(backend.optimizer.chained_optimizers if hasattr(backend.optimizer, "chained_optimizers") else [backend.optimizer]):
+        for g, group in enumerate(opt.optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                out[f"main.{i}.{g}.{j}"] = p.detach().clone()
+                for key, val in opt.optimizer.state.get(p, {}).items():
+                    if isinstance(val, torch.Tensor):
+                        out[f"state.{i}.{g}.{j}.{key}"] = val.detach().clone()
+    return out
+
+
+# --------------------------------------------------------------------------- phase 1: TP=1
+
+
+def phase_tp1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    checks: dict[str, Any] = {}
+    refs: dict[str, Any] = {}
+    ids = token_ids(1)
+    for name, variant in VARIANTS.items():
+        directory = make_checkpoint(work / name, **variant)
+        backend = build(directory, tp=1)
+        ours, theirs = full_logits(backend, ids), hf_logits(directory, ids)
+        d = max_diff(ours, theirs)
+        checks[f"logits_match_transformers[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d,
+                                                        "logit_scale": float(theirs.abs().max())}
+        checks[f"hf_export_roundtrip_tp1[{name}]"] = roundtrip(backend, directory)
+        refs[f"logits[{name}]"] = ours
+    # the odd-length step at TP=1 (no sequence parallel): the reference for TP=2 + SP
+    backend = build(work / "qwen3_head_dim_rope_parameters", tp=1)
+    out, grad_norm = backend.train_step(flat_batch(7), GROUPS)
+    refs["odd_loss"], refs["odd_grad_norm"] = float(out.loss), grad_norm
+    refs["odd_weights"] = backend.weights()
+    return checks, refs
+
+
+# --------------------------------------------------------------------------- phase 2: TP=2
+
+
+def drive(backend, rank: int, script) -> Any:
+    """As in production: global rank 0 runs `script` (its calls broadcast commands), every other
+    rank executes them in `follow()` until rank 0 closes."""
+    if rank != 0:
+        backend.follow()
+        return None
+    try:
+        return script(backend)
+    finally:
+        backend.close()
+
+
+def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    install_stubs()
+    work_dir = Path(work)
+    refs = torch.load(refs_path, weights_only=False)
+    checks: dict[str, Any] = {}
+    ids = token_ids(1)
+    for name in VARIANTS:
+        backend = build(work_dir / name, tp=2)
+        d = max_diff(full_logits(backend, ids), refs[f"logits[{name}]"])
+        checks[f"tp2_logits_equal_tp1[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d}
+        result = drive(backend, rank, lambda b, name=name: roundtrip(b, work_dir / name))
+        if rank == 0:
+            checks[f"hf_export_roundtrip_tp2[{name}]"] = result
+
+    # odd sequence length, TP=2 with sequence parallel: padded, same loss / grad norm / update as TP=1
+    backend = build(work_dir / "qwen3_head_dim_rope_parameters", tp=2)
+    assert backend.tconfig.sequence_parallel
+    result = drive(backend, rank, lambda b: (b.train_step(flat_batch(7), GROUPS), b.weights()))
+    if rank == 0:
+        (out, grad_norm), weights = result
+        wd = max(max_diff(weights[k], refs["odd_weights"][k]) for k in weights)
+        dl, dg = abs(float(out.loss) - refs["odd_loss"]), abs(grad_norm - refs["odd_grad_norm"])
+        checks["odd_seq_sequence_parallel_tp2_equals_tp1"] = {
+            "ok": dl <= 1e-6 and dg <= 1e-5 and wd <= 1e-6, "seq_len": SEQ, "loss_diff": dl, "grad_norm_diff": dg,
+            "updated_weights_max_diff": wd, "loss": float(out.loss)}
+
+    # save -> restore -> one step == uninterrupted, on every rank, bf16 (separate fp32 main params)
+    def uninterrupted(b):
+        b.train_step(flat_batch(11), GROUPS)
+        torch.save(b.state_dict(), work_dir / "ckpt.pt")  # through a file, as the loop's checkpoint does
+        b.train_step(flat_batch(12), GROUPS)
+
+    def restored(b):
+        b.load_state_dict(torch.load(work_dir / "ckpt.pt", weights_only=False))
+        b.train_step(flat_batch(12), GROUPS)
+
+    run_a = build(work_dir / "qwen3_head_dim_rope_parameters", tp=2, dtype="bfloat16")
+    drive(run_a, rank, uninterrupted)
+    expected = local_state(run_a)
+    run_b = build(work_dir / "other_init", tp=2, dtype="bfloat16")  # other weights: all must come from the restore
+    before = local_state(run_b)
+    drive(run_b, rank, restored)
+    got = local_state(run_b)
+    unequal = sorted(k for k in expected if not torch.equal(expected[k], got[k]))
+    moments = [k for k in expected if k.endswith(("exp_avg", "exp_avg_sq"))]
+    changed = sum(not torch.equal(before[k], got[k]) for k in got if k.startswith("model."))
+    local = {"ok": not unequal and bool(moments) and set(expected) == set(got), "tensors": len(expected),
+             "adam_moment_tensors": len(moments), "unequal": unequal[:10], "n_unequal": len(unequal), "unequal_max_diff": max([max_diff(expected[k], got[k]) for k in unequal], default=0.0), "unequal_kinds": sorted({k.split(".")[0] + k.rsplit(".", 1)[-1] for k in unequal}), "model_tensors_changed_by_restore": changed}
+    parts: list[Any] | None = [None, None] if rank == 0 else None
+    torch.distributed.gather_object(local, parts, dst=0)
+    if rank == 0:
+        checks["restore_then_step_equals_uninterrupted_all_ranks"] = {"ok": all(p["ok"] for p in parts), "per_rank": parts}
+        Path(out_path).write_text(json.dumps(checks, default=str))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(out: str) -> int:
+    t0 = time.monotonic()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    install_stubs()
+    with tempfile.TemporaryDirectory(prefix="rlfleet-mg-cpu-") as tmp:
+        work = Path(tmp)
+        checks, refs = phase_tp1(work)
+        # run B of the restore check starts from other weights of the same shapes
+        from safetensors.torch import save_file
+
+        source, other_dir = work / "qwen3_head_dim_rope_parameters", work / "other_init"
+        other_dir.mkdir()
+        (other_dir / "config.json").write_text((source / "config.json").read_text())
+        save_file({k: torch.randn_like(v) * 0.1 for k, v in hf_tensors(source).items()}, str(other_dir / "model.safetensors"))
+        torch.save(refs, work / "refs.pt")
+        torch.distributed.destroy_process_group()
+        t1 = time.monotonic()
+        import torch.multiprocessing as mp
+
+        tp2_out = work / "tp2.json"
+        mp.spawn(phase_tp2, args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_out)), nprocs=2, join=True)
+        checks.update(json.loads(tp2_out.read_text()))
+    Path(out).write_text(json.dumps({"checks": checks, "wall_s": time.monotonic() - t0, "tp1_s": t1 - t0,
+                                     "tp2_s": time.monotonic() - t1}, indent=1, default=str))
+    return 0 if all(c.get("ok") for c in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
