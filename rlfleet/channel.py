@@ -315,12 +315,15 @@ class WeightChannel:
         version: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         move: bool = False,
+        digests: Mapping[Path, FileDigest] | None = None,
     ) -> PublishResult:
         """Upload local view directories as one new version and advance the pointer to it.
 
         `view_dirs`: view name -> local directory (as written by `rlfleet.numerics.views.save_view`).
         `version`: an explicit number (e.g. the trainer step); default: the next free number.
-        `move`: the directories are private staging copies the store may take over (rename)."""
+        `move`: the directories are private staging copies the store may take over (rename).
+        `digests`: local file path -> sha256 and size computed while the file was written
+        (`rlfleet.numerics.views.save_view` returns them): those files are not read again to hash."""
         if not view_dirs:
             raise ValueError("publish needs at least one view")
         files: list[tuple[str, str, Path]] = []  # (view, relative path, local path)
@@ -342,7 +345,8 @@ class WeightChannel:
 
         def upload(item: tuple[str, str, Path]) -> FileDigest:
             view, rel, path = item
-            return self.store.put_file(f"{prefix}/{view}/{rel}", path, move=move)
+            known = None if digests is None else digests.get(path)
+            return self.store.put_file(f"{prefix}/{view}/{rel}", path, move=move, digest=known)
 
         # Uploads are I/O + hashing (both release the GIL): a couple of threads overlap them.
         with ThreadPoolExecutor(max_workers=self.upload_workers) as pool:

@@ -32,7 +32,8 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,31 @@ def sha256_file(path: Path) -> FileDigest:
     return FileDigest(digest.hexdigest(), size)
 
 
+def write_file_hashed(path: Path, chunks: Iterable[bytes | memoryview]) -> FileDigest:
+    """Write `chunks` to a new file at `path` and return their sha256 and size, computed in the SAME
+    pass: while chunk i is written, a second thread hashes it (hashlib and write(2) both release the
+    GIL), so the bytes are read from memory once for both and the cost is about max(write, hash).
+    Not durable by itself: `Store.put_file(..., move=True, digest=...)` fsyncs and renames it."""
+    digest = hashlib.sha256()
+    size = 0
+    with ThreadPoolExecutor(max_workers=1) as hasher, open(path, "wb", buffering=0) as f:
+        pending: Future[None] | None = None
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            for start in range(0, len(view), CHUNK_BYTES):
+                piece = view[start : start + CHUNK_BYTES]
+                if pending is not None:
+                    pending.result()  # hash order must follow byte order
+                pending = hasher.submit(digest.update, piece)
+                rest = piece
+                while rest:
+                    rest = rest[f.write(rest) :]
+                size += len(piece)
+        if pending is not None:
+            pending.result()
+    return FileDigest(digest.hexdigest(), size)
+
+
 class Store(ABC):
     """A flat key -> bytes store with an exclusive create and a pointer compare-and-swap."""
 
@@ -111,11 +137,15 @@ class Store(ABC):
         """Write (or overwrite) `key` durably; readers see the old or the new bytes, never a mix."""
 
     @abstractmethod
-    def put_file(self, key: str, path: Path, *, move: bool = False) -> FileDigest:
+    def put_file(
+        self, key: str, path: Path, *, move: bool = False, digest: FileDigest | None = None
+    ) -> FileDigest:
         """Upload a local file to `key` durably; return the sha256 and size of the bytes sent.
 
         `move=True`: the caller gives the file up (a private staging file); a store on the same
-        filesystem may rename it into place instead of copying its bytes."""
+        filesystem may rename it into place instead of copying its bytes.
+        `digest`: the file's sha256 and size, already computed by whoever wrote it
+        (`write_file_hashed`): the store does not read the bytes again to hash them."""
 
     def staging_dir(self) -> Path | None:
         """A local directory on the store's own filesystem for files later put with move=True
@@ -287,7 +317,9 @@ class FilesystemStore(Store):
             finally:
                 os.close(fd)
 
-    def put_file(self, key: str, path: Path, *, move: bool = False) -> FileDigest:
+    def put_file(
+        self, key: str, path: Path, *, move: bool = False, digest: FileDigest | None = None
+    ) -> FileDigest:
         """Copy: kernel copy (copy_file_range / sendfile: no user-space pass over the bytes) while
         another thread hashes the source, so it costs about max(copy, hash), not their sum.
         Move (same filesystem): fsync + hash, then rename into place: the bytes are never copied.
@@ -296,11 +328,18 @@ class FilesystemStore(Store):
         target = self._path(key)
         self._require_root()
         self._mkdirs(target.parent)
+        known = digest
+        if known is not None and known.bytes != os.stat(path).st_size:
+            raise StoreError(f"{path} has {os.stat(path).st_size} bytes, its digest says {known.bytes}")
         if move and os.stat(path).st_dev == os.stat(self.root).st_dev:
-            digest = self._hash_while(Path(path), lambda: self._fsync_file(Path(path)))
+            if known is None:
+                digest = self._hash_while(Path(path), lambda: self._fsync_file(Path(path)))
+            else:
+                self._fsync_file(Path(path))
             self._in_dir(target.parent, lambda: os.rename(path, target))
             if self.fsync:
                 _fsync_dir(target.parent)
+            assert digest is not None
             return digest
         tmp = self._temp_for(target)
 
@@ -309,7 +348,11 @@ class FilesystemStore(Store):
             self._fsync_file(tmp)
 
         try:
-            digest = self._hash_while(Path(path), copy)
+            if known is None:
+                digest = self._hash_while(Path(path), copy)
+            else:
+                copy()
+            assert digest is not None
             if digest.bytes != tmp.stat().st_size:
                 raise StoreError(f"{path} changed while it was uploaded")
         except BaseException:
@@ -555,10 +598,12 @@ class S3Store(Store):
         with self._errors(key):
             self.client.put_object(Bucket=self.bucket, Key=self._k(key), Body=data)
 
-    def put_file(self, key: str, path: Path, *, move: bool = False) -> FileDigest:
+    def put_file(
+        self, key: str, path: Path, *, move: bool = False, digest: FileDigest | None = None
+    ) -> FileDigest:
         from boto3.s3.transfer import TransferConfig
 
-        digest = sha256_file(Path(path))
+        digest = digest or sha256_file(Path(path))
         with self._errors(key):
             self.client.upload_file(
                 str(path),

@@ -1,12 +1,16 @@
 """Trainer side of the weight channel: state dict -> the views subscribed groups need -> store -> pointer.
 
-    publisher = WeightPublisher(open_store("/mnt/weights/job"), views=["bf16", "fp8"])
+    publisher = WeightPublisher(open_store("/mnt/weights/job"), views=["bf16", "fp8"],
+                                base_checkpoint="/models/Qwen3-8B")
     result = publisher.publish(model.state_dict(), version=step)   # PublishResult(version, advanced, ...)
 
-Views are written with `rlfleet.numerics.views.save_view` into a local staging directory, then
-uploaded by `rlfleet.channel.WeightChannel.publish` (bytes durable -> manifest -> pointer). The set of
-views is the configured one plus any view a subscribed sidecar reports following, so a group added
-later gets its precision from the next version on.
+Views are written with `rlfleet.numerics.views.save_view` into a local staging directory (each file
+hashed in the same pass that writes it), then uploaded by `rlfleet.channel.WeightChannel.publish`
+(bytes durable -> manifest -> pointer). `base_checkpoint` is the HF checkpoint directory the model
+came from: every view is then a complete checkpoint (config + quantization config, tokenizer,
+generation config) a sampler group launches from; without it (TinyGPT) views are tensor-only.
+The set of views is the configured one plus any view a subscribed sidecar reports following, so a
+group added later gets its precision from the next version on.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 
 from rlfleet.channel import PublishResult, WeightChannel
-from rlfleet.numerics.views import VIEWS, check_view, save_view
+from rlfleet.numerics.views import VIEWS, check_view, check_view_for_model, read_base_config, save_view
 from rlfleet.store import Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -46,16 +50,23 @@ class WeightPublisher:
         follow_subscribers: bool = True,
         keep_versions: int | None = 3,
         staging_dir: str | Path | None = None,
-        model_config: Mapping[str, Any] | None = None,
+        base_checkpoint: str | Path | None = None,
         publisher_id: str | None = None,
         upload_workers: int = 2,
+        max_shard_bytes: int | None = None,
     ) -> None:
+        """`base_checkpoint`: HF checkpoint directory of the model (config.json, tokenizer files,
+        generation_config.json); None for a model without an HF config (tensor-only views)."""
+        self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
+        self.model_config = read_base_config(self.base_checkpoint) if self.base_checkpoint else None
         self.views = [check_view(v) for v in dict.fromkeys(views)]
+        for view in self.views:  # e.g. mxfp4 of a dense model: refused before any training step
+            check_view_for_model(view, self.model_config)
+        self.max_shard_bytes = max_shard_bytes
         self.channel = WeightChannel(store, publisher_id=publisher_id, upload_workers=upload_workers)
         self.follow_subscribers = follow_subscribers
         self.keep_versions = keep_versions
         self.staging_dir = Path(staging_dir) if staging_dir else None
-        self.model_config = dict(model_config) if model_config is not None else None
         self.last_timings: PublishTimings | None = None
 
     def views_needed(self) -> list[str]:
@@ -67,7 +78,13 @@ class WeightPublisher:
             except StoreError as e:  # publishing must not depend on reading reports
                 log.warning("could not read subscriber reports: %s", e)
                 reported = set()
-            needed += sorted(v for v in reported if v in VIEWS and v not in needed)
+            for view in sorted(v for v in reported if v in VIEWS and v not in needed):
+                try:
+                    check_view_for_model(view, self.model_config)
+                except ValueError as e:  # a misconfigured group must not stop training
+                    log.error("not publishing the view a subscriber follows: %s", e)
+                    continue
+                needed.append(view)
         return needed
 
     def publish(
@@ -76,8 +93,11 @@ class WeightPublisher:
         *,
         version: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        activation_amax: Mapping[str, float] | None = None,
     ) -> PublishResult:
-        """Convert, upload and advance the pointer. `version`: e.g. the trainer step (must increase)."""
+        """Convert, upload and advance the pointer. `version`: e.g. the trainer step (must increase).
+        `activation_amax`: calibrated input amax per linear module (nvfp4 `input_scale`; see
+        `rlfleet.numerics.views.calibrate_activation_amax`); required when an nvfp4 HF view is published."""
         views = self.views_needed()
         if not views:
             raise ValueError("no view to publish")
@@ -90,12 +110,27 @@ class WeightPublisher:
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-", dir=staging) as tmp:
             t0 = time.perf_counter()
             dirs = {}
+            digests = {}
+            shard = {} if self.max_shard_bytes is None else {"max_shard_bytes": self.max_shard_bytes}
             for view in views:
-                save_view(cpu_state, view, Path(tmp) / view, model_config=self.model_config)
                 dirs[view] = Path(tmp) / view
+                digests.update(
+                    save_view(
+                        cpu_state,
+                        view,
+                        dirs[view],
+                        base_checkpoint=self.base_checkpoint,
+                        activation_amax=activation_amax,
+                        **shard,
+                    )
+                )
             t1 = time.perf_counter()
             result = self.channel.publish(
-                dirs, version=version, metadata={"views": views, **(metadata or {})}, move=True
+                dirs,
+                version=version,
+                metadata={"views": views, **(metadata or {})},
+                move=True,
+                digests=digests,
             )
             t2 = time.perf_counter()
         if self.keep_versions is not None:

@@ -128,17 +128,30 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """The NVFP4 per-tensor (global) scale amax / (448 * 6), fp32 scalar. ModelOpt uses the same
+    formula for a weight's `weight_scale_2` and for an activation's `input_scale`."""
+    return torch.as_tensor(amax, dtype=torch.float32).reshape(()) / (FP8_E4M3_MAX * FP4_E2M1_MAX)
+
+
+def quantize_nvfp4(
+    w: torch.Tensor, global_amax: torch.Tensor | float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] (K % 16 == 0) -> (packed uint8 [N, K//2], weight_scale e4m3 [N, K//16], weight_scale_2 fp32 []).
 
     weight_scale_2 = amax / (448 * 6); block scale = block_amax / 6 / weight_scale_2 rounded to E4M3,
-    so the largest block scale uses the full E4M3 range."""
+    so the largest block scale uses the full E4M3 range. `global_amax` (>= this tensor's amax): the
+    amax shared by every member of a fused layer (q/k/v, gate/up), because an engine that fuses
+    them keeps ONE weight_scale_2 per fused layer (docs/weights.md, "nvfp4")."""
     _check_2d(w)
     n, k = w.shape
     if k % NVFP4_BLOCK:
         raise ValueError(f"nvfp4 needs K divisible by {NVFP4_BLOCK}, got shape {tuple(w.shape)}")
     w32 = w.float()
-    weight_scale_2 = w32.abs().amax() / (FP8_E4M3_MAX * FP4_E2M1_MAX)  # fp32 scalar
+    amax = w32.abs().amax() if global_amax is None else torch.as_tensor(global_amax, dtype=torch.float32)
+    if global_amax is not None and bool(amax < w32.abs().amax()):
+        raise ValueError("global_amax is below the tensor's own amax: block scales would overflow E4M3")
+    weight_scale_2 = nvfp4_global_scale(amax)  # fp32 scalar
     blocks = w32.view(n, k // NVFP4_BLOCK, NVFP4_BLOCK)  # [N, K/16, 16]
     block_amax = blocks.abs().amax(dim=-1)  # [N, K/16]
     weight_scale = cast_fp8_e4m3(_safe_div(block_amax / FP4_E2M1_MAX, weight_scale_2))  # [N, K/16] e4m3

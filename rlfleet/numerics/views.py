@@ -1,42 +1,98 @@
-"""Precision views of a state dict on disk: what the trainer publishes and samplers load.
+"""Precision views of a state dict on disk: what the trainer publishes and sampler groups launch from.
 
-One directory per view, holding `model.safetensors` (Hugging Face tensor names) and
-`rlfleet_view.json` naming the view (plus, if the publisher passes the model's HF config, a
-`config.json` carrying the matching `quantization_config`, and for nvfp4 `hf_quant_config.json`, so a
-real SGLang server recognises the pre-quantized checkpoint).
+Two layouts (docs/weights.md, "Layout of a published version"):
 
+- **HF checkpoint** (the base model is a Hugging Face checkpoint directory, `base_checkpoint=`): a
+  complete checkpoint SGLang 0.5.23 launches from and reloads: the base `config.json` with the view's
+  `quantization_config` exactly as SGLang's parsers read it, tokenizer files and
+  `generation_config.json` copied from the base, `model.safetensors` (or HF shards +
+  `model.safetensors.index.json` above `max_shard_bytes`) with checkpoint tensor names (fused MoE
+  experts of transformers' in-memory model split into `experts.{e}.{gate,up,down}_proj.weight`), and
+  `rlfleet_view.json`.
+- **tensor-only** (no HF config, e.g. local mode's TinyGPT): `model.safetensors` + `rlfleet_view.json`
+  (`hf_checkpoint: false`); the reference sampler loads it, SGLang cannot launch from it.
+
+Formats (the ONE implementation of each is `rlfleet.numerics.formats`):
 - `bf16`:  every floating tensor in bfloat16.
-- `fp8`:   block-128 FP8 (DeepSeek / SGLang layout): `X.weight` float8_e4m3fn [N, K] and
-           `X.weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)] (a dequantisation multiplier).
-- `nvfp4`: `X.weight` packed E2M1 uint8 [N, K/2], `X.weight_scale` float8_e4m3fn [N, K/16],
-           `X.weight_scale_2` fp32 scalar (ModelOpt layout).
-- `mxfp4`: `X.weight` packed E2M1 uint8 [N, K/2], `X.weight_scale` uint8 E8M0 [N, K/32].
+- `fp8`:   block-128 FP8 (SGLang `Fp8Config` with `weight_block_size: [128, 128]`): `X.weight`
+           float8_e4m3fn [N, K] and `X.weight_scale_inv` fp32 [ceil(N/128), ceil(K/128)].
+- `nvfp4`: ModelOpt NVFP4: `X.weight` packed E2M1 uint8 [N, K/2], `X.weight_scale` float8_e4m3fn
+           [N, K/16], `X.weight_scale_2` fp32 [] SHARED by the members of a fused layer (q/k/v,
+           gate/up; SGLang keeps one per fused layer), and in HF checkpoints `X.input_scale` fp32 []
+           = calibrated activation amax / (448 * 6).
+- `mxfp4`: `X.weight` packed E2M1 uint8 [N, K/2], `X.weight_scale` uint8 E8M0 [N, K/32]. Tensor-only
+           (reference sampler): SGLang 0.5.23 can launch no Qwen3-family mxfp4 group, so an HF
+           model's mxfp4 view is refused (`check_view_for_model`).
 
-Quantized views quantize only 2-D linear weights (`*.weight` of projections): embeddings, norms and
-`lm_head` stay bf16, as in FP8 / ModelOpt checkpoints. A linear weight whose K does not fit the
-format's block (nvfp4: K % 16, mxfp4: K % 32) also stays bf16; `rlfleet_view.json` lists exactly
-which tensors are quantized. All conversions are the ONE implementation in `rlfleet.numerics.formats`.
+Embeddings, norms, `lm_head` and MoE routers stay bf16 in every view. A linear whose K does not fit
+the format's block (nvfp4: 16, mxfp4: 32) stays bf16; `rlfleet_view.json` lists what is quantized.
+Every file is written with its sha256 computed in the same pass (`write_file_hashed`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from rlfleet.channel import VIEW_NAMES
 from rlfleet.numerics import formats
+from rlfleet.store import FileDigest, write_file_hashed
 
 VIEWS = VIEW_NAMES
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 VIEW_CONFIG_FILE = "rlfleet_view.json"
-VIEW_FORMAT = "rlfleet.view/v1"
-# Modules kept in bf16 in every quantized view (real FP8 / NVFP4 checkpoints exclude them too).
-EXCLUDED_SUBSTRINGS = ("embed_tokens", "lm_head", "norm")
+HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
+VIEW_FORMAT = "rlfleet.view/v2"
+READABLE_FORMATS = ("rlfleet.view/v1", VIEW_FORMAT)
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+"""Above this a view is sharded (HF's `model-0000i-of-0000n.safetensors` + index)."""
+# Files of the base checkpoint every view carries unchanged (tokenizer, chat template, generation).
+BASE_CHECKPOINT_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# `--quantization` to launch SGLang with, per view (null: none). fp8 is auto-detected from config.json.
+LAUNCH_QUANTIZATION = {"bf16": None, "fp8": "fp8", "nvfp4": "modelopt_fp4", "mxfp4": "mxfp4"}
+# Modules kept in bf16 in every quantized view (real FP8 / NVFP4 checkpoints exclude them too);
+# `.mlp.gate.` is an MoE router (SGLang builds it unquantized).
+EXCLUDED_SUBSTRINGS = ("embed_tokens", "lm_head", "norm", ".mlp.gate.", "shared_expert_gate")
+# Members of one fused SGLang layer: q/k/v -> qkv_proj, gate/up -> gate_up_proj (experts: w13).
+_FUSED = re.compile(r"^(?P<base>.*)\.(?P<member>q|k|v|gate|up)_proj\.weight$")
+_FUSED_NAME = {
+    "q": "qkv_proj",
+    "k": "qkv_proj",
+    "v": "qkv_proj",
+    "gate": "gate_up_proj",
+    "up": "gate_up_proj",
+}
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def check_view(view: str) -> str:
@@ -45,6 +101,72 @@ def check_view(view: str) -> str:
     return view
 
 
+# --------------------------------------------------------------------------------- base checkpoint
+def read_base_config(base_checkpoint: str | Path) -> dict[str, Any]:
+    """The base checkpoint's `config.json` (a clear error when the directory is not a checkpoint)."""
+    path = Path(base_checkpoint) / "config.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except FileNotFoundError as e:
+        raise ValueError(
+            f"base checkpoint {base_checkpoint} has no config.json (not an HF checkpoint)"
+        ) from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON: {e}") from e
+
+
+def is_moe_config(config: Mapping[str, Any]) -> bool:
+    """Whether an HF config describes a mixture-of-experts model (Qwen3-MoE: `num_experts` or, as
+    transformers 5 writes it, `num_local_experts`)."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
+    return bool(experts and int(experts) > 1)
+
+
+def check_view_for_model(view: str, config: Mapping[str, Any] | None) -> None:
+    """Refuse a view no SGLang 0.5.23 group can launch from for this model (docs/weights.md, "mxfp4").
+
+    mxfp4 quantizes MoE experts only there (`Mxfp4Config.get_quant_method` gives linear layers no
+    method on CUDA), so a dense model has no mxfp4 group; and Qwen3-MoE builds its attention linears
+    with the model's quant config, which then fails at construction, so no Qwen3-family model has
+    one either. Tensor-only views (no HF config) stay available to the reference sampler."""
+    check_view(view)
+    if view != "mxfp4" or config is None:
+        return
+    arch = ",".join(config.get("architectures") or [str(config.get("model_type", "?"))])
+    if not is_moe_config(config):
+        raise ValueError(
+            f"mxfp4 view refused for the dense model {arch}: SGLang 0.5.23's mxfp4 quantizes MoE experts "
+            "only (dense linears stay unquantized), so a dense mxfp4 group cannot exist; publish bf16, "
+            "fp8 or nvfp4 for it (docs/weights.md)"
+        )
+    raise ValueError(
+        f"mxfp4 view refused for {arch}: SGLang 0.5.23 builds this model's attention linears with the "
+        "mxfp4 quant config, which has no linear method for them on NVIDIA GPUs, so an mxfp4 group of it "
+        "fails at launch; publish bf16, fp8 or nvfp4 for it (docs/weights.md)"
+    )
+
+
+def checkpoint_tensors(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF checkpoint names of an in-memory state dict: transformers 5 keeps a Qwen3-MoE layer's
+    experts fused (`mlp.experts.gate_up_proj` [E, 2I, H] with gate rows first, `mlp.experts.down_proj`
+    [E, H, I]); its checkpoints (and SGLang's loader) use `mlp.experts.{e}.{gate,up,down}_proj.weight`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        if name.endswith(".mlp.experts.gate_up_proj") and t.dim() == 3:
+            prefix, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:]
+        elif name.endswith(".mlp.experts.down_proj") and t.dim() == 3:
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+# ------------------------------------------------------------------------------------ which tensors
 def is_quantized_in(name: str, tensor: torch.Tensor, view: str) -> bool:
     """Whether `view` stores `name` quantized (2-D linear weight whose shape fits the format)."""
     if view == "bf16" or tensor.dim() != 2 or not name.endswith(".weight") or not tensor.is_floating_point():
@@ -59,37 +181,91 @@ def is_quantized_in(name: str, tensor: torch.Tensor, view: str) -> bool:
     return True
 
 
+def fused_layer_of(name: str) -> str | None:
+    """The SGLang fused layer a checkpoint weight loads into (`...self_attn.qkv_proj`,
+    `...mlp.gate_up_proj`, `...mlp.experts.{e}.gate_up_proj`), or None when it loads alone."""
+    m = _FUSED.match(name)
+    return None if m is None else f"{m.group('base')}.{_FUSED_NAME[m.group('member')]}"
+
+
+def _fused_amax(state: Mapping[str, torch.Tensor], quantized: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Per fused layer, the amax over all its quantized members (their shared nvfp4 global scale)."""
+    amax: dict[str, torch.Tensor] = {}
+    for name in quantized:
+        layer = fused_layer_of(name) or name
+        a = state[name].detach().float().abs().amax()
+        amax[layer] = torch.maximum(amax[layer], a) if layer in amax else a
+    return amax
+
+
+def _check_fp8_fused_shapes(state: Mapping[str, torch.Tensor], quantized: Iterable[str]) -> None:
+    """SGLang's block-FP8 linears refuse a merged layer (q/k/v, gate/up) whose member N is not a
+    multiple of the 128 block (fp8.py `validate_block_quant_shapes`): refuse it here, at publish."""
+    for name in quantized:
+        n = state[name].shape[0]
+        if fused_layer_of(name) is not None and n % formats.FP8_BLOCK:
+            raise ValueError(
+                f"fp8 view: {name} has {n} output rows, not a multiple of {formats.FP8_BLOCK}; SGLang "
+                "cannot load a block-128 FP8 fused layer with it (use bf16 or nvfp4 for this model)"
+            )
+
+
 def _quantization_config(view: str, excluded: list[str]) -> dict[str, Any] | None:
-    """HF `quantization_config` as SGLang reads it for pre-quantized checkpoints."""
+    """HF `quantization_config` exactly as SGLang 0.5.23 reads it (Fp8Config / ModelOptFp4Config /
+    Mxfp4Config `from_config`; tests/weights/test_weights_sglang_loaders.py parses it with them)."""
     if view == "fp8":
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
+            "weight_block_size": [formats.FP8_BLOCK, formats.FP8_BLOCK],
+            "ignored_layers": excluded,
         }
     if view == "nvfp4":
         return {
             "quant_method": "modelopt",
             "quant_algo": "NVFP4",
-            "group_size": 16,
+            "group_size": formats.NVFP4_BLOCK,
+            "kv_cache_quant_algo": None,
             "exclude_modules": excluded,
         }
     if view == "mxfp4":
-        return {"quant_method": "mxfp4", "group_size": 32, "modules_to_not_convert": excluded}
+        return {"quant_method": "mxfp4", "modules_to_not_convert": excluded}
     return None
 
 
 def view_tensors(
-    state_dict: Mapping[str, torch.Tensor], view: str
+    state_dict: Mapping[str, torch.Tensor],
+    view: str,
+    *,
+    hf: bool = False,
+    activation_amax: Mapping[str, float] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The tensors of one view (HF names) and the names of the quantized weights."""
+    """The tensors of one view (checkpoint names) and the names of the quantized weights.
+
+    `activation_amax`: module name (e.g. `model.layers.0.self_attn.q_proj`) -> calibrated amax of its
+    input; required for nvfp4 HF checkpoints (written as `input_scale`)."""
     check_view(view)
+    state = {n: t.detach().to("cpu") for n, t in checkpoint_tensors(state_dict).items()}
+    quantized = [n for n, t in state.items() if is_quantized_in(n, t, view)]
+    if view == "fp8" and hf:
+        _check_fp8_fused_shapes(state, quantized)
+    fused_amax = _fused_amax(state, quantized) if view == "nvfp4" else {}
+    if view == "nvfp4" and hf:
+        missing = [
+            n[: -len(".weight")]
+            for n in quantized
+            if (activation_amax or {}).get(n[: -len(".weight")]) is None
+        ]
+        if missing:
+            raise ValueError(
+                f"nvfp4 checkpoint needs a calibrated activation amax per quantized linear (input_scale); "
+                f"missing for {len(missing)} modules, e.g. {missing[:3]} (see calibrate_activation_amax)"
+            )
     out: dict[str, torch.Tensor] = {}
-    quantized: list[str] = []
-    for name, tensor in state_dict.items():
-        t = tensor.detach().to("cpu")
-        if not is_quantized_in(name, t, view):
+    qset = set(quantized)
+    for name, t in state.items():
+        if name not in qset:
             out[name] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
             continue
         w = t.float()  # [N, K]
@@ -98,13 +274,69 @@ def view_tensors(
             w_e4m3, scale_inv = formats.quantize_fp8_block(w)
             out[name], out[f"{base}.weight_scale_inv"] = w_e4m3, scale_inv
         elif view == "nvfp4":
-            packed, scale, scale_2 = formats.quantize_nvfp4(w)
+            packed, scale, scale_2 = formats.quantize_nvfp4(w, fused_amax[fused_layer_of(name) or name])
             out[name], out[f"{base}.weight_scale"], out[f"{base}.weight_scale_2"] = packed, scale, scale_2
+            if hf:
+                assert activation_amax is not None
+                out[f"{base}.input_scale"] = formats.nvfp4_global_scale(float(activation_amax[base]))
         else:
             packed, scales = formats.quantize_mxfp4(w)
             out[name], out[f"{base}.weight_scale"] = packed, scales
-        quantized.append(name)
     return {k: v.contiguous() for k, v in out.items()}, quantized
+
+
+# -------------------------------------------------------------------------------------- safetensors
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None
+) -> FileDigest:
+    """Write a safetensors file (8-byte little-endian header length, JSON header padded with spaces
+    to 8 bytes, raw little-endian tensor bytes in header order) and return its sha256, computed while
+    writing. Deterministic: the same tensors give the same bytes."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+
+    def chunks() -> Iterator[bytes | memoryview]:
+        yield len(raw).to_bytes(8, "little") + raw
+        for name in names:
+            yield _tensor_bytes(tensors[name])
+
+    return write_file_hashed(path, chunks())
+
+
+def _shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_json(path: Path, obj: Any) -> FileDigest:
+    return write_file_hashed(path, [json.dumps(obj, indent=1, sort_keys=True).encode()])
 
 
 def save_view(
@@ -112,58 +344,138 @@ def save_view(
     view: str,
     directory: str | Path,
     *,
-    model_config: Mapping[str, Any] | None = None,
-) -> list[Path]:
-    """Write one precision view of `state_dict` into `directory`; return the files written.
+    base_checkpoint: str | Path | None = None,
+    activation_amax: Mapping[str, float] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> dict[Path, FileDigest]:
+    """Write one precision view of `state_dict` into `directory`; return every file written with its
+    sha256 and size (hashed while written; pass them to `WeightChannel.publish(digests=...)`).
 
-    `model_config`: optional Hugging Face model config (dict); written as `config.json` with the
-    view's `quantization_config` so a real SGLang server loads the directory as a checkpoint."""
-    tensors, quantized = view_tensors(state_dict, view)
+    `base_checkpoint`: the HF checkpoint directory the model was loaded from (config.json, tokenizer,
+    generation config). Given: the view is a complete HF checkpoint SGLang launches from. Absent: a
+    tensor-only view (reference sampler only)."""
+    check_view(view)
+    config = read_base_config(base_checkpoint) if base_checkpoint is not None else None
+    hf = config is not None
+    check_view_for_model(view, config)
+    tensors, quantized = view_tensors(state_dict, view, hf=hf, activation_amax=activation_amax)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    qset = set(quantized)
     excluded = sorted(
         n[: -len(".weight")]
-        for n, t in state_dict.items()
-        if n.endswith(".weight") and n not in quantized and view != "bf16" and t.dim() == 2
+        for n, t in checkpoint_tensors(state_dict).items()
+        if view != "bf16" and n.endswith(".weight") and n not in qset and t.dim() == 2
     )
-    files = [directory / WEIGHTS_FILE, directory / VIEW_CONFIG_FILE]
-    # One metadata key only: safetensors serialises metadata from a hash map, so several keys would
-    # make the bytes (and the published sha256) differ between two saves of the same weights.
-    save_file(tensors, str(files[0]), metadata={"format": "pt"})
     quant_config = _quantization_config(view, excluded)
-    files[1].write_text(
-        json.dumps(
-            {
-                "format": VIEW_FORMAT,
-                "view": view,
-                "weights": WEIGHTS_FILE,
-                "quantized": quantized,
-                "quantization_config": quant_config,
-            },
-            indent=1,
-            sort_keys=True,
+    written: dict[Path, FileDigest] = {}
+    shards = _shards(tensors, max_shard_bytes) if hf else [sorted(tensors)]
+    # One metadata key only ("format": "pt", as transformers writes): deterministic bytes.
+    if len(shards) == 1:
+        weight_files = [WEIGHTS_FILE]
+    else:
+        weight_files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, names in zip(weight_files, shards, strict=True):
+        written[directory / file] = write_safetensors(
+            {n: tensors[n] for n in names}, directory / file, {"format": "pt"}
         )
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map = {n: file for file, names in zip(weight_files, shards, strict=True) for n in names}
+        written[directory / INDEX_FILE] = _write_json(
+            directory / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map}
+        )
+    written[directory / VIEW_CONFIG_FILE] = _write_json(
+        directory / VIEW_CONFIG_FILE,
+        {
+            "format": VIEW_FORMAT,
+            "view": view,
+            "hf_checkpoint": hf,
+            "weights": weight_files,
+            "quantized": quantized,
+            "quantization_config": quant_config,
+            "launch": {"quantization": LAUNCH_QUANTIZATION[view] if hf else None},
+            "note": None
+            if hf
+            else "tensor-only view (the model has no HF config): the reference sampler loads it, SGLang cannot",
+        },
     )
-    if model_config is not None:
-        config = dict(model_config)
-        if quant_config is not None:
-            config["quantization_config"] = quant_config
-        files.append(directory / "config.json")
-        files[-1].write_text(json.dumps(config, indent=1, sort_keys=True))
-    if view == "nvfp4":
-        files.append(directory / "hf_quant_config.json")
-        files[-1].write_text(
-            json.dumps(
-                {
-                    "producer": {"name": "modelopt"},
-                    "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": excluded},
+    if config is None:
+        return written
+    assert base_checkpoint is not None
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    dtype_key = "dtype" if "dtype" in config or "torch_dtype" not in config else "torch_dtype"
+    config[dtype_key] = "bfloat16"  # every unquantized tensor of every view is bf16
+    if quant_config is not None:
+        config["quantization_config"] = quant_config
+    written[directory / "config.json"] = _write_json(directory / "config.json", config)
+    if view == "nvfp4":  # ModelOpt's legacy nested form, read when config.json's is not
+        written[directory / HF_QUANT_CONFIG_FILE] = _write_json(
+            directory / HF_QUANT_CONFIG_FILE,
+            {
+                "producer": {"name": "modelopt"},
+                "quantization": {
+                    "quant_algo": "NVFP4",
+                    "group_size": formats.NVFP4_BLOCK,
+                    "kv_cache_quant_algo": None,
+                    "exclude_modules": excluded,
                 },
-                indent=1,
-            )
+            },
         )
-    return files
+    for file in BASE_CHECKPOINT_FILES:
+        source = Path(base_checkpoint) / file
+        if source.is_file():
+            written[directory / file] = write_file_hashed(directory / file, [source.read_bytes()])
+    return written
 
 
+# ---------------------------------------------------------------------------------------- calibration
+@torch.no_grad()
+def calibrate_activation_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]) -> dict[str, float]:
+    """Amax of the input of every linear of an HF model over calibration batches of token ids, keyed
+    by checkpoint module name (what nvfp4's `input_scale` = amax / (448 * 6) needs).
+
+    MoE experts kept fused by transformers (`mlp.experts`) are calibrated over ALL tokens entering
+    the block (a superset of those routed to each expert, so no routed token is clipped): gate/up on
+    the block input x, down on silu(x W_gate^T) * (x W_up^T) for that expert."""
+    amax: dict[str, float] = {}
+    expert_inputs: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+
+    def record(name: str, x: torch.Tensor) -> None:
+        amax[name] = max(amax.get(name, 0.0), float(x.detach().float().abs().amax()))
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: record(n, a[0])))
+        elif name.endswith(".mlp.experts") and hasattr(module, "gate_up_proj"):
+            hooks.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, n=name: expert_inputs.setdefault(n, []).append(a[0].detach().float())
+                )
+            )
+    try:
+        model.eval()
+        for batch in batches:
+            model(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    for name, xs in expert_inputs.items():
+        experts = model.get_submodule(name)
+        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
+        gate_up = experts.gate_up_proj.detach().float()  # [E, 2I, H]
+        inter = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            h = x @ gate_up[e].T
+            act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+            a = float(x.abs().amax())
+            amax[f"{name}.{e}.gate_proj"] = amax[f"{name}.{e}.up_proj"] = a
+            amax[f"{name}.{e}.down_proj"] = float(act.abs().amax())
+    return amax
+
+
+# -------------------------------------------------------------------------------------------- reading
 def read_view_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / VIEW_CONFIG_FILE
     try:
@@ -172,22 +484,33 @@ def read_view_config(directory: str | Path) -> dict[str, Any]:
         raise ValueError(f"{directory} is not a weight view (no {VIEW_CONFIG_FILE})") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON: {e}") from e
-    if config.get("format") != VIEW_FORMAT:
+    if config.get("format") not in READABLE_FORMATS:
         raise ValueError(f"{path}: unknown view format {config.get('format')!r}")
     check_view(config.get("view", ""))
     return config
 
 
-def load_view(directory: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
-    """(view, dequantized float32 state dict with HF names) of a view directory."""
+def read_view_tensors(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(rlfleet_view.json, every stored tensor over all shards) of a view directory."""
+    from safetensors.torch import load_file
+
     config = read_view_config(directory)
+    files = config.get("weights", WEIGHTS_FILE)
+    raw: dict[str, torch.Tensor] = {}
+    for file in [files] if isinstance(files, str) else files:
+        raw.update(load_file(str(Path(directory) / file)))
+    return config, raw
+
+
+def load_view(directory: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """(view, dequantized float32 state dict with checkpoint names) of a view directory."""
+    config, raw = read_view_tensors(directory)
     view = config["view"]
-    raw = load_file(str(Path(directory) / config.get("weights", WEIGHTS_FILE)))
     quantized = set(config.get("quantized", []))
     companions = {
         f"{n[: -len('.weight')]}.{s}"
         for n in quantized
-        for s in ("weight_scale_inv", "weight_scale", "weight_scale_2")
+        for s in ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale")
     }
     out: dict[str, torch.Tensor] = {}
     for name, t in raw.items():

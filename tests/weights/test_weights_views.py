@@ -18,6 +18,11 @@ from rlfleet.numerics.views import VIEWS, load_view, save_view
 FAKE_QUANT = {"fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 
 
+_QKV = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+_GATE_UP = [f"model.layers.0.mlp.{p}_proj.weight" for p in ("gate", "up")]
+FUSED_MEMBERS = {m: group for group in (_QKV, _GATE_UP) for m in group}
+
+
 @pytest.fixture(scope="module")
 def state_dict() -> dict[str, torch.Tensor]:
     model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=3))
@@ -43,9 +48,15 @@ def test_roundtrip_equals_the_shared_format(
     for name, w in state_dict.items():
         got = loaded[name]
         assert got.dtype == torch.float32 and got.shape == w.shape
-        expected = (
-            formats.fake_quantize(w, FAKE_QUANT[view]) if name in quantized else w.to(torch.bfloat16).float()
-        )
+        if name not in quantized:
+            expected = w.to(torch.bfloat16).float()
+        elif view == "nvfp4" and name in FUSED_MEMBERS:
+            # one global scale per fused layer (q/k/v, gate/up): amax over all its members
+            group = FUSED_MEMBERS[name]
+            amax = max(float(state_dict[m].abs().amax()) for m in group)
+            expected = formats.dequantize_nvfp4(*formats.quantize_nvfp4(w, amax))
+        else:
+            expected = formats.fake_quantize(w, FAKE_QUANT[view])
         assert torch.equal(got, expected), name
 
 
@@ -113,17 +124,39 @@ def test_weights_that_do_not_fit_blocks_stay_bf16(tmp_path: Path) -> None:
     ]
 
 
-def test_model_config_carries_quantization_config(
+def test_nvfp4_fused_members_share_one_global_scale(
     state_dict: dict[str, torch.Tensor], tmp_path: Path
 ) -> None:
-    hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
-    save_view(state_dict, "fp8", tmp_path / "fp8", model_config=hf)
-    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
-    assert config["quantization_config"]["weight_block_size"] == [128, 128]
-    assert config["hidden_size"] == 64
-    save_view(state_dict, "nvfp4", tmp_path / "nvfp4")
-    quant = json.loads((tmp_path / "nvfp4" / "hf_quant_config.json").read_text())["quantization"]
-    assert quant["quant_algo"] == "NVFP4" and "lm_head" in quant["exclude_modules"]
+    from safetensors.torch import load_file
+
+    save_view(state_dict, "nvfp4", tmp_path / "v")
+    raw = load_file(str(tmp_path / "v" / "model.safetensors"))
+    for group in (_QKV, _GATE_UP):
+        amax = max(float(state_dict[m].abs().amax()) for m in group)
+        for m in group:  # amax / (448 * 6), the same fp32 value for every member
+            assert raw[m.replace(".weight", ".weight_scale_2")].item() == torch.tensor(amax / 2688.0).item()
+    o = "model.layers.0.self_attn.o_proj.weight"  # not fused: its own amax
+    assert (
+        raw[o.replace(".weight", ".weight_scale_2")].item()
+        == torch.tensor(float(state_dict[o].abs().amax()) / 2688.0).item()
+    )
+
+
+def test_tensor_only_view_without_hf_config(state_dict: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    files = save_view(state_dict, "nvfp4", tmp_path / "v")
+    assert {f.name for f in files} == {"model.safetensors", "rlfleet_view.json"}
+    config = json.loads((tmp_path / "v" / "rlfleet_view.json").read_text())
+    assert config["hf_checkpoint"] is False and "SGLang cannot" in config["note"]
+    assert config["launch"] == {"quantization": None}
+
+
+def test_save_view_digests_are_the_files_sha256(state_dict: dict[str, torch.Tensor], tmp_path: Path) -> None:
+    import hashlib
+
+    files = save_view(state_dict, "fp8", tmp_path / "v")
+    for path, digest in files.items():
+        data = path.read_bytes()
+        assert digest.sha256 == hashlib.sha256(data).hexdigest() and digest.bytes == len(data)
 
 
 def test_bad_input(tmp_path: Path) -> None:
