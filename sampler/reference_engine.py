@@ -8,15 +8,16 @@ What it emulates (so that q really differs from the trainer's p the way a GPU fl
   bf16-vs-bf16 differ slightly;
 - speed: `max_tokens_per_second` throttles generation, to build deliberately slow / fast groups.
 
-Scheduling: continuous batching. A single loop admits waiting requests into free KV slots (prefill one
-by one: ragged prompts), samples the next token of every running request in one batched call, then runs
-one batched decode forward for all unfinished rows. Model work runs in a worker thread so the HTTP
-side (health, metrics) stays responsive; a lock keeps weight swaps between steps.
+Scheduling: continuous batching. A single loop admits waiting requests into free KV slots; each step
+runs one batched decode forward for the running rows and one prefill per admitted prompt (ragged), then
+samples every row in one batched call (sampling.py: SGLang's sampler). Model work runs in a worker
+thread so the HTTP side (health, metrics) stays responsive; a lock keeps weight swaps between steps.
 
-Weight versions: each token records the version of the weights that computed its logits (a request
-that straddles an update has mixed versions, `output_token_weight_versions`); meta_info.weight_version
-(SGLang reports one per request) is the version of the request's LAST token (the server's current
-version when it produced no token).
+Weight versions: each token records the version of the weights that computed its logits, which is the
+version at its step (forward and sample happen in the same step, as in SGLang). meta_info carries them
+as SGLang 0.5.23 does (srt/utils/weight_versions.py): `weight_versions` = spans
+`[{version, start, end}, ...]` over the output tokens, several when an update landed mid-request, and
+`weight_version` = the last span's version.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
-from rlfleet.sampler.sampling import RowParams, sample
+from rlfleet.sampler.sampling import MaskStatus, RowParams, SampleResult, sample
 
 log = logging.getLogger("rlfleet.sampler.engine")
 
@@ -77,9 +78,12 @@ class GenRequest:
     params: RowParams
     max_new_tokens: int
     stop_token_ids: frozenset[int]
+    return_logprob: bool = False
     return_mask: bool = False
+    logprob_mode: str = "selected"  # sampling_logprobs_mode: "selected" (SGLang's default) | "support"
     top_logprobs_num: int = 0
     seed: int | None = None
+    log_metrics: bool = True  # False for /health_generate (SGLang does not count it either)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     # filled by the engine
     future: asyncio.Future | None = None
@@ -87,16 +91,56 @@ class GenRequest:
     out_ids: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
     masks: list[list[int]] = field(default_factory=list)
-    mask_logprobs: list[list[float]] = field(default_factory=list)
+    mask_logprobs: list[list[float] | float] = field(default_factory=list)
     heads: list[list[list]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    next_logits: torch.Tensor | None = None  # [V] logits for the next token
-    next_version: int = 0  # weight version that computed next_logits
     generator: torch.Generator | None = None
+    prefilled: bool = False
     cancelled: bool = False  # the client went away: free the slot at the next step (SGLang aborts too)
+
+    @property
+    def error_status(self) -> int | None:
+        """The HTTP status SGLang answers for this request's abort (None: a normal response)."""
+        code = (self.finish or {}).get("status_code")
+        return int(code) if code is not None and 400 <= int(code) < 600 else None
+
+
+def abort_reason(message: str, status_code: int | None = None, err_type: str | None = None) -> dict[str, Any]:
+    """SGLang's FINISH_ABORT.to_json() (srt/managers/schedule_batch.py)."""
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+# SGLang's scheduler messages for a mask that cannot be committed (batch_result_processor.py
+# get_sampling_mask_finish_reason); the request aborts and its token is not committed.
+def mask_abort_reason(status: int, mask_max_tokens: int) -> dict[str, Any]:
+    if status == MaskStatus.OVERFLOW:
+        return abort_reason(
+            f"Sampling support exceeds --sampling-mask-max-tokens={mask_max_tokens}, commonly because "
+            "of cutoff ties. Lower top_k to leave more headroom or increase the server limit.",
+            400,
+            "BadRequestError",
+        )
+    return abort_reason(
+        "The sampling backend selected a token outside its captured sampling support.",
+        500,
+        "InternalServerError",
+    )
+
+
+def weight_version_spans(versions: list[int], current: int) -> list[dict[str, Any]]:
+    """meta_info.weight_versions: runs of equal versions over the output tokens as SGLang's
+    compute_weight_version_spans + add_weight_versions_to_meta_info build them ({version: str,
+    start, end}); no token yet: one empty span of the current version."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans or [{"version": str(current), "start": 0, "end": 0}]
 
 
 class ReferenceEngine:
@@ -172,11 +216,10 @@ class ReferenceEngine:
     async def submit(self, req: GenRequest) -> GenRequest:
         req.future = asyncio.get_running_loop().create_future()
         seed = req.seed if req.seed is not None else self._rng.getrandbits(63)
-        req.generator = torch.Generator().manual_seed(int(seed))
-        self.stats.requests_total += 1
-        self.stats.prompt_tokens_total += len(req.input_ids)
+        req.generator = torch.Generator().manual_seed(int(seed) % (1 << 64))
         if req.max_new_tokens == 0:
             req.finish = {"type": "length", "length": 0}
+            self.stats.record_finish(req, time.monotonic())
             return req
         self.waiting.append(req)
         self._wake.set()
@@ -193,7 +236,7 @@ class ReferenceEngine:
         self.waiting.clear()
         self.running = []
         for req in victims:
-            req.finish = {"type": "abort", "message": message}
+            req.finish = abort_reason(message)
             self._release(req)
             self._resolve(req)
         return len(victims)
@@ -250,37 +293,56 @@ class ReferenceEngine:
 
     @torch.no_grad()
     def _step(self, admitted: list[GenRequest]) -> tuple[int, list[GenRequest]]:
-        """One scheduler step (worker thread): prefill the admitted, sample one token for every running
-        request, then one batched forward for the unfinished ones. Returns (tokens produced, finished
-        requests); their futures are resolved on the event loop by the caller."""
+        """One scheduler step (worker thread), in SGLang's order: the forward that computes each running
+        request's next-token logits (a batched decode of the last token; a prefill for the newly
+        admitted), then one batched sample, so every token carries the weight version that computed it.
+        Returns (tokens produced, finished requests); their futures are resolved on the event loop."""
         version = self.weight_version
-        for req in admitted:  # ragged prompts: one prefill each
-            logits = self.model(torch.tensor([req.input_ids]), self.cache, torch.tensor([req.slot]))
-            req.next_logits, req.next_version = logits[0, -1], version
         for req in [r for r in self.running if r.cancelled]:
-            req.finish = {"type": "abort", "message": "client disconnected"}
+            req.finish = abort_reason("client disconnected")
             self._release(req)
         self.running = [r for r in self.running if not r.cancelled]
-        self.running.extend(admitted)
-        if not self.running:
+        rows: list[torch.Tensor] = []
+        if self.running:
+            slots = torch.tensor([r.slot for r in self.running])
+            nxt = torch.tensor([[r.out_ids[-1]] for r in self.running])
+            rows.extend(self.model(nxt, self.cache, slots)[:, 0])  # [B, V]
+        for req in admitted:  # ragged prompts: one prefill each
+            rows.append(
+                self.model(torch.tensor([req.input_ids]), self.cache, torch.tensor([req.slot]))[0, -1]
+            )
+            self.stats.realtime_prefill_tokens += len(req.input_ids)
+        batch = self.running + admitted
+        if not batch:
             return 0, []
-        batch = self.running
-        logits = torch.stack([r.next_logits for r in batch])  # [B, V]
-        uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in batch])
-        res = sample(logits, [r.params for r in batch], uniforms)
+        res = sample(
+            torch.stack(rows),
+            [r.params for r in batch],
+            [r.generator for r in batch],
+            self.config.sampling_mask_max_tokens,
+        )
+        heads = res.top_logprobs([r.top_logprobs_num if r.return_logprob else 0 for r in batch])
         now = time.monotonic()
         capacity = min(self.cache.capacity, self.config.model.max_seq_len)
         still: list[GenRequest] = []
         finished: list[GenRequest] = []
+        produced = 0
         for b, req in enumerate(batch):
-            self._record(req, res, b)
+            status = int(res.statuses[b])
+            if req.return_mask and status != MaskStatus.OK:  # SGLang: abort, the token is not committed
+                req.finish = mask_abort_reason(status, self.config.sampling_mask_max_tokens)
+                self._release(req)
+                finished.append(req)
+                continue
+            self._record(req, res, b, heads[b], version)
+            produced += 1
             if req.first_token_at is None:
                 req.first_token_at = now
             tok = req.out_ids[-1]
             if tok in req.stop_token_ids:
                 req.finish = {"type": "stop", "matched": tok}
             elif len(req.out_ids) >= req.max_new_tokens:
-                req.finish = {"type": "length", "length": len(req.out_ids)}
+                req.finish = {"type": "length", "length": req.max_new_tokens}
             elif len(req.input_ids) + len(req.out_ids) >= capacity:
                 req.finish = {"type": "length", "length": len(req.out_ids)}
             else:
@@ -288,41 +350,28 @@ class ReferenceEngine:
                 continue
             self._release(req)
             finished.append(req)
-        if still:
-            rows = torch.tensor([r.slot for r in still])
-            nxt = torch.tensor([[r.out_ids[-1]] for r in still])
-            step_logits = self.model(nxt, self.cache, rows)[:, 0]  # [B', V]
-            for i, req in enumerate(still):
-                req.next_logits, req.next_version = step_logits[i], version
         self.running = still
-        return len(batch), finished
+        return produced, finished
 
     @staticmethod
-    def _record(req: GenRequest, res: Any, b: int) -> None:
+    def _record(req: GenRequest, res: SampleResult, b: int, head: list[list] | None, version: int) -> None:
         tok = int(res.token_ids[b])
         req.out_ids.append(tok)
-        req.out_logprobs.append(float(res.logprobs[b]))
-        req.versions.append(req.next_version)
+        req.out_logprobs.append(res.token_logprob(b))
+        req.versions.append(version)
         if req.return_mask:
-            m = int(res.kept[b])
-            req.masks.append(res.sorted_ids[b, :m].tolist())
-            req.mask_logprobs.append(res.kept_logprobs[b, :m].tolist())
-        if req.top_logprobs_num:
-            k = req.top_logprobs_num
-            req.heads.append(
-                [
-                    [lp, i, None]
-                    for lp, i in zip(
-                        res.sorted_logprobs[b, :k].tolist(), res.sorted_ids[b, :k].tolist(), strict=True
-                    )
-                ]
+            ids, lps = res.mask(b)
+            req.masks.append(ids)
+            req.mask_logprobs.append(
+                lps if req.logprob_mode == "support" else float(res.selected_logprobs[b])
             )
+        if head is not None:
+            req.heads.append(head)
 
     def _release(self, req: GenRequest) -> None:
         if req.slot >= 0:
             self.free_slots.append(req.slot)
             req.slot = -1
-        req.next_logits = None
         self.stats.record_finish(req, time.monotonic())
 
     @staticmethod
@@ -332,49 +381,68 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------------------------ output
     def response(self, req: GenRequest) -> dict[str, Any]:
-        """The SGLang /generate JSON for a finished request."""
+        """The SGLang /generate JSON of a finished request, with meta_info keys in the order
+        srt/managers/tokenizer_manager.py `_handle_batch_output` builds them (the fields SGLang adds only
+        with --enable-metrics timing, speculative decoding, multimodal or hidden states are absent)."""
         n = len(req.out_ids)
+        spans = weight_version_spans(req.versions, self.weight_version)
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": req.finish,
             "prompt_tokens": len(req.input_ids),
-            "weight_version": str(req.versions[-1] if req.versions else self.weight_version),
-            "completion_tokens": n,
-            "cached_tokens": 0,
-            "e2e_latency": round(time.monotonic() - req.created, 6),
-            "output_token_logprobs": [
-                [lp, t, None] for lp, t in zip(req.out_logprobs, req.out_ids, strict=True)
-            ],
-            "output_token_weight_versions": list(req.versions),  # rlfleet extension: per-token versions
+            "weight_version": spans[-1]["version"],
+            "num_retractions": 0,
         }
-        if req.top_logprobs_num:
-            meta["output_top_logprobs"] = req.heads
+        if req.return_logprob:
+            # logprob_start_len -1 with return_logprob: output logprobs only, no prompt positions
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(req.out_logprobs, req.out_ids, strict=True)
+            ]
+            meta["output_token_logprobs_length"] = n
+            if req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = req.heads
         if req.return_mask:
             meta["output_token_sampling_mask"] = req.masks
             meta["output_token_sampling_logprobs"] = req.mask_logprobs
-            meta["output_token_sampling_mask_length"] = [len(m) for m in req.masks]
+            meta["output_token_sampling_mask_length"] = len(req.masks)
+        meta["reasoning_tokens"] = 0
+        meta["completion_tokens"] = n
+        meta["cached_tokens"] = 0
+        meta["weight_versions"] = spans
+        meta["e2e_latency"] = round(time.monotonic() - req.created, 6)
         # No tokenizer in the reference engine: text is "" (token-in/token-out is the contract anyway).
         return {"text": "", "output_ids": list(req.out_ids), "meta_info": meta}
 
 
 @dataclass
 class EngineStats:
-    """Counters and windows behind /metrics (SGLang metric names are applied in server.py)."""
+    """What /metrics exports (SGLang's names and labels are applied in server.py). Like SGLang's
+    TokenizerMetricsCollector.observe_one_finished_request, requests, prompt and generation tokens are
+    counted when a request FINISHES; realtime tokens and the throughput window move every step."""
 
     requests_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    realtime_prefill_tokens: int = 0
+    realtime_decode_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
     finished: deque = field(default_factory=lambda: deque(maxlen=4096))  # (ttft, e2e) awaiting export
     window: deque = field(default_factory=lambda: deque(maxlen=256))  # (time, tokens) of recent steps
 
     def record_step(self, produced: int, running: int, waiting: int) -> None:
-        self.generation_tokens_total += produced
+        self.realtime_decode_tokens += produced
         self.num_running, self.num_waiting = running, waiting
         self.window.append((time.monotonic(), produced))
 
     def record_finish(self, req: GenRequest, now: float) -> None:
+        if not req.log_metrics:
+            return
+        self.requests_total += 1
+        self.prompt_tokens_total += len(req.input_ids)
+        self.generation_tokens_total += len(req.out_ids)
         ttft = (req.first_token_at - req.created) if req.first_token_at is not None else None
         self.finished.append((ttft, now - req.created))
 

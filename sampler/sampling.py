@@ -1,84 +1,196 @@
-"""Sampling exactly as SGLang's torch reference (`top_k_top_p_min_p_sampling_from_probs_torch`).
+"""One sampler step exactly as SGLang 0.5.23's `Sampler.forward` with `--sampling-backend pytorch`.
 
-Per row: probs = softmax(logits / T); sort descending; keep rank < top_k; keep where the EXCLUSIVE
-cumulative sum (cumsum - p) <= top_p, so the token that crosses top_p is kept; then min-p keeps
-p >= min_p * p_max; sample from the kept probabilities renormalised. The kept set is always a prefix
-of the sorted order, returned sorted by probability desc with log q renormalised inside it: these are
-the values the sample was really drawn from.
+SGLang picks the pytorch backend wherever FlashInfer is absent (srt/arg_groups/overrides.py
+`_sampling_backend_default`), i.e. on every CPU device, so this is the SGLang path the reference
+server can run and the one the contract tests hold it against (tests/sglang_contract/
+test_sglang_reference_sampler.py runs SGLang's own functions on the same logits). Per batch:
 
-Deviations, stated: sorting is stable (ties ordered by token id) where SGLang's GPU sort leaves tie
-order unspecified; the draw is an inverse-CDF lookup with one uniform per token from a per-request
-generator (seeded by `sampling_seed`, so a request is reproducible whatever it is batched with) instead
-of torch.multinomial. Temperature 0 is greedy the SGLang way: temperature 1 and top_k 1.
+- all rows greedy (top_k <= 1 after normalisation): argmax of the raw logits; logprobs are
+  log_softmax(logits) WITHOUT temperature (SGLang's `is_all_greedy` branch); the mask is the token
+  alone with logprob 0;
+- otherwise: probs = softmax(logits / T) (float32); `top_k_top_p_min_p_sampling_from_probs_torch`:
+  descending sort, zero ranks >= top_k, zero where the EXCLUSIVE cumsum of the full sorted
+  distribution > top_p (the crossing token stays; top_p = 1 still compares, so a float32 cumsum that
+  overshoots 1 drops tail tokens), then min-p: zero p < p_max * min_p; draw from the zeroed weights;
+  logprobs are log(probs) (before truncation). The kept set is the positive weights (a probability
+  that underflowed to 0 is never in it), in sort order, with log(w / sum w) as support logprobs
+  (`Sampler._build_sampling_mask_output`); a support over `--sampling-mask-max-tokens` is OVERFLOW,
+  a sampled token outside it INVALID.
+
+Every logprob is clamped at float32's min like SGLang's `OutputLogprobProcessor.compute_logprobs`.
+
+Deviation, stated: the draw is `torch.multinomial` per row with the request's own generator (seeded
+by `sampling_seed`, so a request is reproducible whatever it is batched with); SGLang draws the whole
+batch from the global generator and ignores `sampling_seed` unless deterministic inference is on.
+Only the draw differs: kept sets, orders and logprobs are SGLang's, to the bit on CPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
-SAMPLING_EPS = 1e-6
+SAMPLING_EPS = 1e-6  # SGLang sampling_params._SAMPLING_EPS
+TOP_K_ALL = 1 << 30  # SGLang sampling_params.TOP_K_ALL: top_k -1 means the whole vocabulary
 
 
-@dataclass
+class MaskStatus(IntEnum):
+    """SGLang's SamplingMaskStatus (srt/layers/logits_processor.py)."""
+
+    OK = 0
+    OVERFLOW = 1
+    INVALID = 2
+
+
+@dataclass(frozen=True)
 class RowParams:
     temperature: float
     top_p: float
-    top_k: int  # -1 = whole vocabulary
+    top_k: int  # -1 or TOP_K_ALL = whole vocabulary
     min_p: float
 
     def normalised(self) -> RowParams:
-        if self.temperature < SAMPLING_EPS:  # SGLang: greedy = temperature 1, top_k 1
+        """SGLang's SamplingParams.__post_init__: temperature < 1e-6 is greedy (T 1, top_k 1), -1 is ALL."""
+        if 0 <= self.temperature < SAMPLING_EPS:
             return RowParams(1.0, self.top_p, 1, self.min_p)
+        if self.top_k == -1:
+            return RowParams(self.temperature, self.top_p, TOP_K_ALL, self.min_p)
         return self
 
 
 @dataclass
 class SampleResult:
     token_ids: torch.Tensor  # int64 [B] sampled ids
-    logprobs: torch.Tensor  # float32 [B] full-vocab log q(y) at the temperature (before truncation)
-    sorted_ids: torch.Tensor  # int64 [B, V] ids by probability desc
-    sorted_logprobs: torch.Tensor  # float32 [B, V] full-vocab log q in that order (the head for top_logprobs)
-    kept: torch.Tensor  # int64 [B] size of the kept prefix
-    kept_logprobs: torch.Tensor  # float32 [B, V] log q renormalised inside the kept prefix (-inf beyond)
-    sampled_rank: torch.Tensor  # int64 [B] position of y in the sorted order (< kept)
+    logprobs: torch.Tensor  # float32 [B, V] what output_token_logprobs / output_top_logprobs read
+    mask_ids: torch.Tensor  # int32 [B, P] kept ids by weight desc (P = min(cap, V)); valid up to lengths
+    mask_lengths: torch.Tensor  # int32 [B] realised support size, clamped at P
+    selected_logprobs: torch.Tensor  # float32 [B] log q_S(y) (selected mode)
+    support_logprobs: torch.Tensor  # float32 [B, P] log q_S over the mask (support mode)
+    statuses: torch.Tensor  # int32 [B] MaskStatus
+
+    def token_logprob(self, b: int) -> float:
+        return float(self.logprobs[b, int(self.token_ids[b])])
+
+    def top_logprobs(self, nums: list[int]) -> list[list[list] | None]:
+        """Per row [[logprob, id, None], ...] of its top nums[b] (None where 0): SGLang's get_top_logprobs
+        takes one topk of the batch's largest k and slices it, which fixes the order of ties."""
+        max_k = max(nums, default=0)
+        if max_k <= 0:
+            return [None] * len(nums)
+        values, indices = self.logprobs.topk(max_k, dim=-1)
+        vals, idx = values.tolist(), indices.tolist()
+        return [
+            [[v, i, None] for v, i in zip(vals[b][:k], idx[b][:k], strict=True)] if k > 0 else None
+            for b, k in enumerate(nums)
+        ]
+
+    def mask(self, b: int) -> tuple[list[int], list[float]]:
+        n = int(self.mask_lengths[b])
+        return self.mask_ids[b, :n].tolist(), self.support_logprobs[b, :n].tolist()
 
 
-def sample(logits: torch.Tensor, params: list[RowParams], uniforms: torch.Tensor) -> SampleResult:
-    """logits float32 [B, V], one RowParams and one uniform in [0, 1) per row -> SampleResult."""
+def sample(
+    logits: torch.Tensor,
+    params: list[RowParams],
+    generators: list[torch.Generator | None],
+    mask_max_tokens: int = 4096,
+) -> SampleResult:
+    """logits float32 [B, V], one RowParams and one generator per row -> SampleResult."""
     bsz, vocab = logits.shape
     ps = [p.normalised() for p in params]
-    temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32)[:, None]
-    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], dtype=torch.int64)[:, None]
-    top_ps = torch.tensor([p.top_p for p in ps], dtype=torch.float32)[:, None]
-    min_ps = torch.tensor([p.min_p for p in ps], dtype=torch.float32)[:, None]
-
-    logprobs_full = torch.log_softmax(logits.float() / temps, dim=-1)  # [B, V]
-    probs = logprobs_full.exp()
-    probs_sort, idx = probs.sort(dim=-1, descending=True, stable=True)  # [B, V]
-    probs_sum = probs_sort.cumsum(dim=-1)
-    rank = torch.arange(vocab)[None, :]
-    keep = rank < top_ks
-    keep &= (probs_sum - probs_sort) <= top_ps  # exclusive cumsum: the crossing token stays
-    keep &= probs_sort >= probs_sort[:, :1] * min_ps
-    keep[:, 0] = True  # the most likely token is always kept (also guards top_p rounding)
-    kept = keep.sum(dim=-1)  # [B]; keep is a prefix: every condition is monotone in rank
-
-    lp_sorted = logprobs_full.gather(1, idx)  # [B, V]
-    masked = lp_sorted.masked_fill(~keep, float("-inf"))
-    kept_lp = masked - torch.logsumexp(masked, dim=-1, keepdim=True)  # renormalised inside the kept set
-    cdf = kept_lp.exp().cumsum(dim=-1)  # [B, V], reaches ~1 at the end of the kept prefix
-    target = uniforms.float()[:, None] * cdf[:, -1:]
-    pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    pos = torch.minimum(pos, kept - 1)  # fp slack can never step outside the kept set
-    y = idx.gather(1, pos[:, None]).squeeze(1)
-    return SampleResult(
-        token_ids=y,
-        logprobs=logprobs_full.gather(1, y[:, None]).squeeze(1),
-        sorted_ids=idx,
-        sorted_logprobs=lp_sorted,
-        kept=kept,
-        kept_logprobs=kept_lp,
-        sampled_rank=pos,
+    logits = logits.float().clone()
+    if all(p.top_k <= 1 for p in ps):  # SGLang: sampling_info.is_all_greedy
+        ids = torch.argmax(logits, -1)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs.clamp_(min=torch.finfo(logprobs.dtype).min)
+        packed = min(mask_max_tokens, vocab)
+        mask_ids = torch.zeros(bsz, packed, dtype=torch.int32)
+        mask_ids[:, 0] = ids.to(torch.int32)
+        return SampleResult(
+            token_ids=ids,
+            logprobs=logprobs,
+            mask_ids=mask_ids,
+            mask_lengths=torch.ones(bsz, dtype=torch.int32),
+            selected_logprobs=torch.zeros(bsz, dtype=torch.float32),
+            support_logprobs=torch.zeros(bsz, packed, dtype=torch.float32),
+            statuses=torch.zeros(bsz, dtype=torch.int32),
+        )
+    temperatures = torch.tensor([p.temperature for p in ps], dtype=torch.float32).view(-1, 1)
+    top_ks = torch.tensor([p.top_k for p in ps], dtype=torch.int64)
+    top_ps = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+    min_ps = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
+    logits.div_(temperatures)
+    probs = torch.softmax(logits, dim=-1)
+    weights, order = filtered_probs(probs, top_ks, top_ps, min_ps, any(p.min_p > 0 for p in ps))
+    sampled_index = torch.cat(
+        [torch.multinomial(weights[b : b + 1], 1, generator=generators[b]) for b in range(bsz)]
+    )  # [B, 1]
+    selected_weight = torch.gather(weights, 1, sampled_index).view(-1)
+    token_ids = torch.gather(order, 1, sampled_index).view(-1)
+    logprobs = torch.log(probs)
+    logprobs.clamp_(min=torch.finfo(logprobs.dtype).min)
+    mask_ids, lengths, selected, support, statuses = pack_mask(
+        token_ids, weights, order, selected_weight, mask_max_tokens
     )
+    return SampleResult(
+        token_ids=token_ids.long(),
+        logprobs=logprobs,
+        mask_ids=mask_ids,
+        mask_lengths=lengths,
+        selected_logprobs=selected,
+        support_logprobs=support,
+        statuses=statuses,
+    )
+
+
+def filtered_probs(
+    probs: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    need_min_p_sampling: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filter of SGLang's `top_k_top_p_min_p_sampling_from_probs_torch` (the same torch ops in the
+    same order) -> (sorted weights with the dropped ones zeroed [B, V], int32 token ids in that order)."""
+    probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
+    probs_sum = torch.cumsum(probs_sort, dim=-1)
+    probs_sort[torch.arange(0, probs_sort.shape[-1]).view(1, -1) >= top_ks.view(-1, 1)] = 0.0
+    probs_sort[(probs_sum - probs_sort) > top_ps.view(-1, 1)] = 0.0
+    if need_min_p_sampling:
+        min_p_thresholds = probs_sort[:, 0] * min_ps
+        probs_sort[probs_sort < min_p_thresholds.view(-1, 1)] = 0.0
+    return probs_sort, probs_idx.to(torch.int32)
+
+
+def pack_mask(
+    sampled: torch.Tensor,
+    weights: torch.Tensor,
+    token_ids: torch.Tensor,
+    selected_weight: torch.Tensor,
+    mask_max_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SGLang's `Sampler._build_sampling_mask_output` for the pytorch producer (weights already sorted
+    with their ids) -> (ids [B, P], lengths [B], selected logprobs [B], support logprobs [B, P],
+    statuses [B])."""
+    sampled_tokens = sampled.view(-1, 1).to(torch.int32)
+    sampled_in_capture = (token_ids == sampled_tokens).any(dim=-1)
+    support = weights > 0
+    support_mass = torch.where(support, weights, torch.zeros_like(weights)).sum(dim=-1, dtype=torch.float32)
+    selected_logprobs = torch.log(selected_weight.float() / support_mass)
+    invalid = ~(
+        sampled_in_capture & (selected_weight > 0) & (support_mass > 0) & torch.isfinite(selected_logprobs)
+    )
+    realized_lengths = support.sum(dim=-1, dtype=torch.int32)
+    overflow = realized_lengths > mask_max_tokens
+    statuses = torch.where(
+        invalid,
+        int(MaskStatus.INVALID),
+        torch.where(overflow, int(MaskStatus.OVERFLOW), int(MaskStatus.OK)),
+    ).to(torch.int32)
+    packed_size = min(mask_max_tokens, weights.shape[-1])
+    packed_ids = token_ids[:, :packed_size].contiguous()
+    packed_weights = weights[:, :packed_size]
+    support_logprobs = torch.log(packed_weights.float() / support_mass.unsqueeze(-1))
+    return packed_ids, realized_lengths.clamp(max=packed_size), selected_logprobs, support_logprobs, statuses

@@ -1,16 +1,25 @@
-"""SGLang's sampling rule, pinned by properties: the kept set is exactly top-k ∩ exclusive-cumsum top-p
-∩ min-p on the sorted post-temperature distribution, the returned q is renormalised on it, and the
-sampled token is drawn from exactly that q."""
+"""The reference sampler's sampling step against SGLang 0.5.23's own `Sampler.forward` (the pytorch
+sampling backend, which SGLang selects wherever FlashInfer is absent), run on CPU on the same logits:
+kept sets, their order, support and selected logprobs, output and top logprobs agree to 1e-6 (in fact
+bit for bit) over top-k / top-p / min-p / temperature grids, mixed and all-greedy batches.
+
+Stubbed, because it cannot exist here: SGLang's process-wide parallel state. The Sampler is built with
+`__new__` and given the attributes its `__init__` would read from it (no TP group, no deterministic
+inference, no RL on-policy target), and `get_exec()` answers `sampling_backend="pytorch"`. Everything
+the forward computes is SGLang's code. The draw is the one deliberate difference (our per-request
+generator vs SGLang's global one), so SGLang's sampled token is looked up in our capture."""
 
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from rlfleet.sampler.sampling import RowParams, sample
+from rlfleet.sampler.sampling import TOP_K_ALL, MaskStatus, RowParams, sample
+
+CAP = 4096
 
 
 @pytest.fixture(autouse=True)
@@ -21,84 +30,165 @@ def _one_torch_thread():
     torch.set_num_threads(previous)
 
 
-def reference_kept(logits: np.ndarray, p: RowParams) -> np.ndarray:
-    """Plain restatement (float64, per row): which sorted ranks SGLang keeps."""
-    if p.temperature < 1e-6:
-        p = RowParams(1.0, p.top_p, 1, p.min_p)
-    z = logits.astype(np.float64) / p.temperature
-    probs = np.exp(z - z.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
-    ps = probs[order]
-    k = p.top_k if p.top_k > 0 else len(ps)
-    keep = (np.arange(len(ps)) < k) & ((np.cumsum(ps) - ps) <= p.top_p) & (ps >= ps[0] * p.min_p)
-    return order[keep]
+@pytest.fixture
+def sglang_forward(monkeypatch):
+    """SGLang's Sampler.forward on CPU -> (token ids, token logprobs, top logprobs, mask output)."""
+    from sglang.srt.layers import sampler as sglang_sampler
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.layers.logprob_processor import OutputLogprobProcessor
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from torch import nn
 
-
-params_st = st.builds(
-    RowParams,
-    temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]),
-    top_p=st.floats(0.05, 1.0),
-    top_k=st.sampled_from([-1, 1, 2, 5, 17]),
-    min_p=st.sampled_from([0.0, 0.05, 0.3]),
-)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31),
-    vocab=st.integers(2, 40),
-    rows=st.lists(params_st, min_size=1, max_size=4),
-    integer_logits=st.booleans(),
-)
-def test_kept_set_renormalisation_and_draw(seed, vocab, rows, integer_logits):
-    rng = np.random.default_rng(seed)
-    # integer logits create exact ties, also at the cutoffs
-    logits = (
-        rng.integers(-3, 3, (len(rows), vocab)).astype(np.float32)
-        if integer_logits
-        else rng.normal(0, 2, (len(rows), vocab)).astype(np.float32)
+    monkeypatch.setattr(
+        sglang_sampler,
+        "get_exec",
+        lambda: types.SimpleNamespace(kernel=types.SimpleNamespace(sampling_backend="pytorch")),
     )
-    u = torch.tensor(rng.uniform(0, 1, len(rows)), dtype=torch.float32)
-    res = sample(torch.from_numpy(logits), rows, u)
-    for b, p in enumerate(rows):
-        m = int(res.kept[b])
-        ids = res.sorted_ids[b, :m].numpy()
-        ref = reference_kept(logits[b], p)
-        if integer_logits or p.top_p == 1.0:
-            assert ids.tolist() == ref.tolist()
-        else:  # float32 vs float64 cumsums may disagree only for a token sitting on the top_p boundary
-            assert (
-                abs(len(ids) - len(ref)) <= 1
-                and ids[: min(len(ids), len(ref))].tolist() == ref[: min(len(ids), len(ref))].tolist()
-            )
-        lq = res.kept_logprobs[b, :m].double()
-        assert abs(torch.logsumexp(lq, 0).item()) < 1e-5  # q_S sums to 1 on S
-        assert torch.isinf(res.kept_logprobs[b, m:]).all()  # and is 0 outside S
-        assert (lq[:-1] >= lq[1:] - 1e-6).all()  # sorted by probability
-        y, pos = int(res.token_ids[b]), int(res.sampled_rank[b])
-        assert 0 <= pos < m and int(res.sorted_ids[b, pos]) == y  # drawn from inside S
-        cdf = torch.cumsum(lq.exp(), 0)
-        lo = 0.0 if pos == 0 else cdf[pos - 1].item()
-        assert lo - 1e-6 <= u[b].item() * cdf[-1].item() <= cdf[pos].item() + 1e-6  # inverse CDF of q_S
-        t = 1.0 if p.temperature < 1e-6 else p.temperature
-        full = torch.log_softmax(torch.from_numpy(logits[b]).double() / t, 0)
-        assert abs(res.logprobs[b].item() - full[y].item()) < 1e-5  # full-vocab log q(y) before truncation
-        if p.temperature == 0.0:
-            assert m == 1 and y == int(np.argmax(logits[b]))
+    sampler = sglang_sampler.Sampler.__new__(sglang_sampler.Sampler)
+    nn.Module.__init__(sampler)
+    sampler.tp_sync_group = sampler.cp_sync_group = sampler.rl_on_policy_target = None
+    sampler.enable_deterministic = sampler.use_log_softmax_logprob = sampler.use_ascend_backend = False
+    sampler.sampling_mask_max_tokens = CAP
+    sampler.output_logprob_processor = OutputLogprobProcessor()
+
+    def run(logits: torch.Tensor, rows: list[RowParams], top_k_logprobs: int, seed: int):
+        sps = [
+            SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p)
+            for r in rows
+        ]
+        n = len(sps)
+        info = SamplingBatchInfo(
+            temperatures=torch.tensor([[s.temperature] for s in sps], dtype=torch.float32),
+            top_ps=torch.tensor([s.top_p for s in sps], dtype=torch.float32),
+            top_ks=torch.tensor([s.top_k for s in sps], dtype=torch.int32),
+            min_ps=torch.tensor([s.min_p for s in sps], dtype=torch.float32),
+            is_all_greedy=all(s.top_k <= 1 for s in sps),
+            is_any_greedy=any(s.top_k <= 1 for s in sps),
+            need_top_p_sampling=any(s.top_p != 1.0 for s in sps),
+            need_top_k_sampling=any(s.top_k != TOP_K_ALL for s in sps),
+            need_min_p_sampling=any(s.min_p > 0 for s in sps),
+            vocab_size=logits.shape[1],
+            device="cpu",
+            return_sampling_masks=[True] * n,
+            return_sampling_support_logprobs=[True] * n,
+            sampling_mask_batch_indices=torch.arange(n),
+            sampling_support_logprobs_capture_indices=torch.arange(n),
+        )  # the same construction as SamplingBatchInfo.from_schedule_batch (flags from the params)
+        out = LogitsProcessorOutput(next_token_logits=logits.clone())
+        torch.manual_seed(seed)
+        ids = sampler.forward(
+            out, info, True, [top_k_logprobs] * n, [None] * n, torch.zeros(n, dtype=torch.int64)
+        )
+        return (
+            ids.long(),
+            out.next_token_logprobs,
+            out.next_token_top_logprobs_val,
+            out.next_token_top_logprobs_idx,
+            out.sampling_mask_output,
+        )
+
+    return run
 
 
-def test_crossing_token_is_kept_and_empirical_frequencies_match_q():
+def _logits(rng: np.random.Generator, rows: int, vocab: int, kind: str) -> torch.Tensor:
+    if kind == "integer":  # exact ties, also at every cutoff
+        return torch.from_numpy(rng.integers(-3, 3, (rows, vocab)).astype(np.float32))
+    if kind == "peaked":  # a float32 cumsum that saturates before the tail; probabilities that underflow to 0
+        x = rng.normal(0, 1, (rows, vocab)).astype(np.float32)
+        x[:, : vocab // 8] += 30.0
+        x[:, -3:] = -1e4
+        return torch.from_numpy(x)
+    return torch.from_numpy((rng.normal(0, 2.5, (rows, vocab))).astype(np.float32))
+
+
+GRID = [
+    RowParams(t, p, k, m)
+    for t in (0.3, 0.7, 1.0, 1.5)
+    for p in (0.5, 0.9, 0.95, 1.0)
+    for k in (1, 2, 7, 40, 200)
+    for m in (0.0, 0.05, 0.3)
+]
+
+
+@pytest.mark.parametrize("kind", ["normal", "integer", "peaked"])
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_sets_and_logprobs_equal_sglangs_sampler(sglang_forward, kind, seed):
+    rng = np.random.default_rng(1000 * seed + len(kind))
+    vocab = int(rng.choice([37, 96, 151]))
+    rows = [GRID[i] for i in rng.choice(len(GRID), 24, replace=False)]
+    rows[0] = RowParams(0.0, 1.0, -1, 0.0)  # a greedy row in a sampling batch
+    logits = _logits(rng, len(rows), vocab, kind)
+    ids, lps, top_val, top_idx, mask = sglang_forward(logits, rows, 5, seed)
+    ours = sample(
+        logits, rows, [torch.Generator().manual_seed(seed * 100 + b) for b in range(len(rows))], CAP
+    )
+    assert torch.equal(ours.mask_lengths, mask.lengths) and torch.equal(ours.statuses, mask.statuses)
+    heads = ours.top_logprobs([5] * len(rows))
+    for b in range(len(rows)):
+        n = int(mask.lengths[b])
+        got_ids, got_lps = ours.mask(b)
+        assert got_ids == mask.token_ids[b, :n].tolist()  # same set, same order (ties included)
+        assert np.allclose(got_lps, mask.support_logprobs[b, :n].numpy(), rtol=0, atol=1e-6)
+        y = int(ids[b])
+        assert y in got_ids  # SGLang's draw lies in our kept set
+        assert (
+            abs(float(ours.logprobs[b, y]) - float(lps[b])) <= 1e-6
+        )  # full-vocab log q(y) before truncation
+        # selected mode: SGLang's one float per token is our support logprob at its drawn token
+        assert abs(got_lps[got_ids.index(y)] - float(mask.selected_logprobs[b])) <= 1e-6
+        assert [h[1] for h in heads[b]] == list(top_idx[b]) and np.allclose(
+            [h[0] for h in heads[b]], top_val[b], atol=1e-6
+        )
+        assert int(ours.token_ids[b]) in got_ids and ours.statuses[b] == MaskStatus.OK  # our own draw too
+        sel = float(ours.selected_logprobs[b])
+        assert abs(sel - got_lps[got_ids.index(int(ours.token_ids[b]))]) <= 1e-6
+    # the SGLang-side cases the brief names hold on this path: no zero-probability token is ever kept
+    probs = torch.softmax(logits / torch.tensor([[r.normalised().temperature] for r in rows]), -1)
+    for b in range(len(rows)):
+        assert all(float(probs[b, i]) > 0 for i in ours.mask(b)[0])
+
+
+def test_all_greedy_batch_uses_raw_logits_like_sglang(sglang_forward):
+    """Every row top_k <= 1: SGLang takes argmax and log_softmax of the logits WITHOUT temperature."""
+    rng = np.random.default_rng(7)
+    logits = _logits(rng, 3, 50, "normal")
+    rows = [RowParams(0.0, 1.0, -1, 0.0), RowParams(0.5, 0.9, 1, 0.0), RowParams(1e-7, 0.3, 7, 0.2)]
+    ids, lps, top_val, top_idx, mask = sglang_forward(logits, rows, 3, 0)
+    ours = sample(logits, rows, [None, None, None], CAP)
+    assert ours.token_ids.tolist() == ids.tolist() == logits.argmax(-1).tolist()
+    assert torch.allclose(ours.logprobs.gather(1, ids.view(-1, 1)).view(-1), lps, atol=1e-6)
+    assert torch.allclose(ours.logprobs, torch.log_softmax(logits, -1))  # no temperature at all
+    assert ours.mask_lengths.tolist() == mask.lengths.tolist() == [1, 1, 1]
+    assert [ours.mask(b) for b in range(3)] == [([int(i)], [0.0]) for i in ids]
+    assert torch.equal(ours.selected_logprobs, mask.selected_logprobs)
+
+
+def test_top_p_one_is_compared_on_the_pytorch_path(sglang_forward):
+    """With top_p = 1 SGLang's torch path still applies `cumsum - p > top_p`: where the float32 cumsum
+    reaches 1 before the tail, the tail is dropped by both (the CUDA FlashInfer path skips the filter
+    when no row has top_p < 1; the reference server runs the pytorch path)."""
+    rng = np.random.default_rng(3)
+    logits = torch.from_numpy(rng.normal(0, 10, (48, 151)).astype(np.float32))
+    rows = [RowParams(1.0, 1.0, 100, 0.0)] * 48
+    ids, _, _, _, mask = sglang_forward(logits, rows, 0, 0)
+    ours = sample(logits, rows, [torch.Generator().manual_seed(b) for b in range(48)], CAP)
+    assert ours.mask_lengths.tolist() == mask.lengths.tolist()
+    assert [ours.mask(b)[0] for b in range(48)] == [
+        mask.token_ids[b, : int(n)].tolist() for b, n in enumerate(mask.lengths)
+    ]
+    positive = torch.clamp((torch.softmax(logits, -1) > 0).sum(-1), max=100)
+    assert int((mask.lengths < positive).sum()) >= 5  # the case is really exercised (rows lose their tail)
+
+
+def test_draw_is_per_request_reproducible_and_follows_q():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()[None]
-    # exclusive cumsums 0, .5, .8, .95: top_p = 0.6 keeps ranks 0,1 (the crossing token at rank 1 too)
-    res = sample(logits, [RowParams(1.0, 0.6, -1, 0.0)], torch.tensor([0.0]))
-    assert int(res.kept[0]) == 2
-    gen = torch.Generator().manual_seed(0)
-    n = 20_000
-    uniforms = torch.rand(n, generator=gen)
-    res = sample(logits.expand(n, -1), [RowParams(1.0, 0.85, -1, 0.0)] * n, uniforms)
-    counts = torch.bincount(res.token_ids, minlength=4).double() / n
-    q = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
-    assert torch.allclose(counts, q.double(), atol=0.015)
-    assert counts[3] == 0  # outside the support: never sampled
+    logits = probs.log()[None].expand(20_000, -1).contiguous()
+    rows = [RowParams(1.0, 0.85, 4, 0.0)] * logits.shape[0]
+    gen = [torch.Generator().manual_seed(i) for i in range(logits.shape[0])]
+    res = sample(logits, rows, gen, CAP)
+    again = sample(logits[:3], rows[:3], [torch.Generator().manual_seed(i) for i in range(3)], CAP)
+    assert res.token_ids[:3].tolist() == again.token_ids.tolist()  # a request's draws ignore its batch
+    counts = torch.bincount(res.token_ids, minlength=4).double() / logits.shape[0]
+    q = torch.tensor([0.5, 0.3, 0.15, 0.0], dtype=torch.float64) / 0.95  # exclusive cumsum .95 > .85: 4th out
+    assert torch.allclose(counts, q, atol=0.015) and counts[3] == 0
