@@ -18,7 +18,8 @@ How a step runs (documented megatron-core API, nothing private):
   `LocalRMSNorm` (torch's RMSNorm that also runs under sequence parallelism).
 - Rank 0 drives the rollouts and the loop; every other rank runs `follow()`, executing the commands
   rank 0 broadcasts (`step` with the batch, `weights`, `state`, `load`, `stop`). Each data-parallel
-  rank takes its share of the batch's sequences and cuts it into micro-batches.
+  rank takes its share of the batch's sequences and cuts it into micro-batches; the loss and metrics
+  rank 0 returns are merged over all data-parallel replicas.
 - Sequence parallelism is on when TP > 1; it needs S % TP == 0, so the batch is right-padded to a
   multiple of TP (causal attention: real positions are unchanged; the loss reads real positions only).
 - `get_forward_backward_func()(forward_step_func=..., data_iterator=..., model=[model],
@@ -46,7 +47,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -555,7 +556,7 @@ class MegatronBackend:
             batch = to_token_batch(mb, group_index)
             batch = type(batch)(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()})
             out = policy_loss(rows, batch, self.objective, process_group=tp_group)
-            outputs.append(out)
+            outputs.append(replace(out, loss=out.loss.detach().cpu(), loss_sum=out.loss_sum.detach().cpu()))
             n = torch.tensor(out.num_valid_tokens, dtype=torch.int, device=rows.device)
             return out.loss_sum, n, {"loss_sum": out.loss_sum.detach(), "num_tokens": n}
 
@@ -579,6 +580,13 @@ class MegatronBackend:
             forward_only=False,
         )
         _ok, grad_norm, _zeros = self.optimizer.step()
+        # The loss and metrics of the WHOLE batch: every data-parallel replica trained on its share of
+        # the sequences; rank 0 (data-parallel rank 0 of its group) merges them all.
+        if dp_world > 1:
+            group = ps.get_data_parallel_group()
+            parts: list[Any] | None = [None] * dp_world if dp_rank == 0 else None
+            torch.distributed.gather_object(outputs, parts, dst=torch.distributed.get_global_rank(group, 0), group=group)
+            outputs = [o for part in parts for o in part] if parts is not None else outputs
         merged = merge_loss_outputs(outputs) if outputs else LossOutput(loss=torch.tensor(0.0), metrics={})
         return merged, float(grad_norm) if grad_norm is not None else float("nan")
 

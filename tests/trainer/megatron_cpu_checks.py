@@ -5,7 +5,8 @@ Qwen3 on tiny checkpoints made here with `Qwen3Config` + `save_pretrained`.
 Runs under .venv312 (CPython 3.12; scripts/bootstrap) as `python megatron_cpu_checks.py OUT.json`;
 tests/trainer/test_trainer_megatron.py (the main suite, Python 3.11) launches it and asserts on the
 JSON it writes: {"checks": {name: {"ok": bool, ...numbers}}, "wall_s": float}. Phase 1 runs in this
-process (world size 1, TP=1); phase 2 spawns 2 processes (TP=2, sequence parallel, gloo).
+process (world size 1, TP=1); phase 2 spawns 2 processes (TP=2, sequence parallel, gloo); phase 3
+spawns 2 data-parallel replicas (TP=1, DP=2).
 
 Stubs, only for CUDA-only calls that megatron-core makes unconditionally (nothing else is replaced):
 - `CudaDevicesOnCpu` (a TorchFunctionMode): tensors megatron creates with `device="cuda"` /
@@ -234,6 +235,7 @@ def phase_tp1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     backend = build(work / "qwen3_head_dim_rope_parameters", tp=1)
     out, grad_norm = backend.train_step(flat_batch(7), GROUPS)
     refs["odd_loss"], refs["odd_grad_norm"] = float(out.loss), grad_norm
+    refs["odd_kl_k3"], refs["odd_tokens"] = out.metrics["kl_k3"], out.num_valid_tokens
     refs["odd_weights"] = backend.weights()
     return checks, refs
 
@@ -312,6 +314,28 @@ def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
     torch.distributed.destroy_process_group()
 
 
+def phase_dp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
+    """Two data-parallel replicas (TP=1): each trains on half the sequences; the gradient, the update
+    and the loss rank 0 reports are the whole batch's (equal to the single-process run)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    install_stubs()
+    refs = torch.load(refs_path, weights_only=False)
+    backend = build(Path(work) / "qwen3_head_dim_rope_parameters", tp=1)
+    result = drive(backend, rank, lambda b: (b.train_step(flat_batch(7), GROUPS), b.weights()))
+    if rank == 0:
+        (out, grad_norm), weights = result
+        wd = max(max_diff(weights[k], refs["odd_weights"][k]) for k in weights)
+        dl, dg = abs(float(out.loss) - refs["odd_loss"]), abs(grad_norm - refs["odd_grad_norm"])
+        dk = abs(out.metrics["kl_k3"] - refs["odd_kl_k3"])
+        Path(out_path).write_text(json.dumps({"dp2_step_equals_single_process": {
+            "ok": dl <= 1e-6 and dg <= 1e-5 and wd <= 1e-6 and dk <= 1e-6 and out.num_valid_tokens == refs["odd_tokens"],
+            "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd,
+            "num_valid_tokens": out.num_valid_tokens}}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -340,8 +364,11 @@ def main(out: str) -> int:
         tp2_out = work / "tp2.json"
         mp.spawn(phase_tp2, args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_out)), nprocs=2, join=True)
         checks.update(json.loads(tp2_out.read_text()))
+        dp2_out = work / "dp2.json"
+        mp.spawn(phase_dp2, args=(free_port(), str(work), str(work / "refs.pt"), str(dp2_out)), nprocs=2, join=True)
+        checks.update(json.loads(dp2_out.read_text()))
     Path(out).write_text(json.dumps({"checks": checks, "wall_s": time.monotonic() - t0, "tp1_s": t1 - t0,
-                                     "tp2_s": time.monotonic() - t1}, indent=1, default=str))
+                                     "spawned_s": time.monotonic() - t1}, indent=1, default=str))
     return 0 if all(c.get("ok") for c in checks.values()) else 1
 
 

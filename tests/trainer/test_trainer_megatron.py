@@ -207,6 +207,7 @@ CHECKS = [
       for kind in ("logits_match_transformers", "hf_export_roundtrip_tp1", "tp2_logits_equal_tp1", "hf_export_roundtrip_tp2")),
     "odd_seq_sequence_parallel_tp2_equals_tp1",
     "restore_then_step_equals_uninterrupted_all_ranks",
+    "dp2_step_equals_single_process",
 ]
 
 
@@ -229,7 +230,9 @@ def test_megatron_cpu_tier(megatron_cpu_tier, name):
     """Logits of the GPTModel our backend builds equal transformers' Qwen3 (fp32, 1e-5) for QK-norm +
     custom head_dim, both rope forms and tied embeddings; TP=2 equals TP=1; HF -> megatron -> HF is
     bit-exact at TP 1 and 2; an odd sequence length under TP=2 sequence parallel gives the TP=1 loss;
-    restore + one step is bit-equal to the uninterrupted run on every rank, Adam moments included."""
+    restore + one step is bit-equal to the uninterrupted run on every rank, Adam moments included;
+    two data-parallel replicas give the single process's update, and rank 0 reports the whole
+    batch's loss and metrics."""
     check = megatron_cpu_tier["checks"][name]
     assert check["ok"], check
 
