@@ -12,9 +12,11 @@ a bounded share history with reasons, and the fleet's blended cost per 1M tokens
 all-trainer-class baseline.
 
 The rules, in order:
-1. Throughput per group = the rate of `sglang:generation_tokens_total` since the previous scrape,
-   summed over pods (a counter that went down is a restarted pod: its new value is the increase); a
-   pod without a previous sample contributes its `sglang:gen_throughput` gauge. Then an EMA
+1. Throughput per group = decode tokens/s as SGLang exports them per interval, summed over pods: the
+   rate of `sglang:realtime_tokens_total{mode="decode"}` (counted every decode step) since the
+   previous scrape; a pod without a previous sample, or whose counter went down (restarted), gives its
+   `sglang:gen_throughput` gauge. `sglang:generation_tokens_total` is NOT used: SGLang counts it when
+   a request FINISHES, so a busy group with long rollouts would read 0 for minutes. Then an EMA
    (`smoothing` = weight of the newest sample).
 2. Target shares by policy over eligible groups (not quarantined, >= 1 ready replica):
    `throughput`: proportional to tokens/s; `cost`: proportional to USEFUL tokens/s (tokens/s x
@@ -43,6 +45,8 @@ from prometheus_client.parser import text_string_to_metric_families
 Policy = Literal["throughput", "cost", "static"]
 
 TOKENS_COUNTER = "sglang:generation_tokens"  # the parser strips `_total` from counter family names
+DECODE_COUNTER = "sglang:realtime_tokens"  # labelled mode=prefill_compute | prefill_cache | decode
+DECODE_MODE = "decode"
 THROUGHPUT_GAUGE = "sglang:gen_throughput"
 RUNNING_GAUGE = "sglang:num_running_reqs"
 QUEUE_GAUGE = "sglang:num_queue_reqs"
@@ -56,7 +60,8 @@ REQUESTS_COUNTER = "sglang:num_requests"
 class PodSample:
     """What one sampler pod's /metrics says (summed over its label sets, i.e. DP ranks)."""
 
-    generation_tokens_total: float | None = None
+    generation_tokens_total: float | None = None  # counted when requests finish (not a rate source)
+    realtime_decode_tokens_total: float | None = None  # sglang:realtime_tokens_total{mode="decode"}
     gen_throughput: float | None = None
     num_running_reqs: float | None = None
     num_queue_reqs: float | None = None
@@ -72,10 +77,14 @@ def parse_sglang_metrics(text: str) -> PodSample:
             if sample.name.endswith("_created"):
                 continue
             name = sample.name[: -len("_total")] if sample.name.endswith("_total") else sample.name
+            if name == DECODE_COUNTER:
+                if sample.labels.get("mode") != DECODE_MODE:
+                    continue
             if math.isfinite(sample.value):
                 sums[name] = sums.get(name, 0.0) + sample.value
     return PodSample(
         generation_tokens_total=sums.get(TOKENS_COUNTER),
+        realtime_decode_tokens_total=sums.get(DECODE_COUNTER),
         gen_throughput=sums.get(THROUGHPUT_GAUGE),
         num_running_reqs=sums.get(RUNNING_GAUGE),
         num_queue_reqs=sums.get(QUEUE_GAUGE),
@@ -122,7 +131,7 @@ class GroupInput:
 class GroupMemory:
     """What the rebalancer remembers about a group between intervals (JSON-serialisable)."""
 
-    counters: dict[str, float] = field(default_factory=dict)  # pod -> generation_tokens_total
+    counters: dict[str, float] = field(default_factory=dict)  # pod -> realtime_decode_tokens_total
     time: float | None = None
     ema_tokens_per_second: float | None = None
     share: float | None = None  # the share computed last time (what the router was told)
@@ -233,19 +242,23 @@ def _cost_per_1m(price_per_gpu_hour: float, gpus: int, tokens_per_second: float 
 
 
 def group_rate(pods: Mapping[str, PodSample], memory: GroupMemory, now: float) -> float | None:
-    """Tokens/s of a group since the last scrape (counters), gauges for pods seen the first time."""
+    """Decode tokens/s of a group since the last scrape: the realtime decode counter's increase per pod
+    (SGLang bumps it every decode step, finished requests or not); the `gen_throughput` gauge for a pod
+    seen the first time or restarted (counter went down). None when no pod reports either."""
     elapsed = now - memory.time if memory.time is not None else None
     total = 0.0
     known = False
     for pod, sample in pods.items():
         previous = memory.counters.get(pod)
-        counter = sample.generation_tokens_total
-        if counter is not None and previous is not None and elapsed is not None and elapsed > 0:
-            increase = counter - previous if counter >= previous else counter  # restart: counter reset
-            total += increase / elapsed
+        counter = sample.realtime_decode_tokens_total
+        if counter is not None and previous is not None and elapsed is not None and elapsed > 0 and counter >= previous:
+            total += (counter - previous) / elapsed
             known = True
         elif sample.gen_throughput is not None:
             total += sample.gen_throughput
+            known = True
+        elif counter is not None and previous is not None and elapsed is not None and elapsed > 0:
+            total += counter / elapsed  # restarted and no gauge: what it decoded since the restart
             known = True
     return total if known else None
 
@@ -289,7 +302,9 @@ def rebalance(
             ema = observed if ema is None else config.smoothing * observed + (1.0 - config.smoothing) * ema
         tps[g.name] = ema
         counters = {
-            pod: s.generation_tokens_total for pod, s in g.pods.items() if s.generation_tokens_total is not None
+            pod: s.realtime_decode_tokens_total
+            for pod, s in g.pods.items()
+            if s.realtime_decode_tokens_total is not None
         }
         new_state.groups[g.name] = GroupMemory(
             counters=counters,

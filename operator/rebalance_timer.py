@@ -123,9 +123,11 @@ def status_changed(observed: Mapping[str, Any] | None, desired: Mapping[str, Any
 
 
 def prometheus_query(namespace: str, samplergroup: str, window_seconds: int) -> str:
-    """Tokens/s of a group's pods (Deployment pods are <samplergroup>-<rs hash>-<pod hash>)."""
-    selector = f'namespace="{namespace}",pod=~"{samplergroup}-[a-z0-9]+-[a-z0-9]+"'
-    return f"sum(rate(sglang:generation_tokens_total{{{selector}}}[{window_seconds}s]))"
+    """Decode tokens/s of a group's pods (Deployment pods are <samplergroup>-<rs hash>-<pod hash>), from
+    SGLang's per-step `realtime_tokens_total{mode="decode"}`, not the finish-time
+    `generation_tokens_total` (0 for minutes while long rollouts run; rebalance.py)."""
+    selector = f'mode="decode",namespace="{namespace}",pod=~"{samplergroup}-[a-z0-9]+-[a-z0-9]+"'
+    return f"sum(rate(sglang:realtime_tokens_total{{{selector}}}[{window_seconds}s]))"
 
 
 def job_config(job: RLJob) -> RebalanceConfig:

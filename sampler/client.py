@@ -1,20 +1,27 @@
-"""Async SGLang client: one `/generate` call -> one validated `SampledTurn`, with a stated error policy.
+"""Async SGLang client: one `/generate` call -> one validated `SampledTurn`, with a stated retry policy.
 
-Error policy (every outcome is counted in `ClientStats`):
+Retry policy (SGLang 0.5.23's answers, srt/entrypoints/http_server.py + scheduler aborts; every
+outcome is counted in `ClientStats`; docs/sampler.md):
 - 200: parsed and validated; invalid tokens are flagged in the turn (`valid`, `invalid_reasons`) and
-  counted, never dropped silently and never raised. An unreadable body fails the turn
-  (`malformed_response`).
-- 400 (support mode, message about top_k / the sampling mask: the kept set would exceed the server's
-  --sampling-mask-max-tokens): retry with a smaller top_k (the server's cap when known, else half),
-  at most `max_shrink_retries` times and never below `min_top_k`; any other 400 fails the turn
-  (`bad_request`): a malformed request does not heal by repetition.
-- 500 (SGLang: sampled token outside the captured set): retry once, then fail the turn
-  (`server_error`).
-- 409 (our router / reference server: no replica serves `X-Min-Weight-Version` yet): wait
-  Retry-After (capped) and retry, up to `max_version_retries` (`version_conflict`).
-- timeouts, connection loss, 502/503/504: bounded retries with exponential backoff and jitter
-  (`max_transport_retries`), then fail the turn (`unavailable`).
-- any other status fails the turn (`http_<status>`).
+  counted, never dropped silently and never raised. A 200 with `finish_reason {type: abort}` and no
+  status (e.g. `abort_all_requests` on a weight reload) is a turn: its tokens are real samples. An
+  unreadable body fails the turn (`malformed_response`), final.
+- 400 "return_sampling_mask requires top_k=1 ... top_k <= CAP" (support mode): the server's
+  --sampling-mask-max-tokens is learnt from the message and the request is resent once with top_k = CAP.
+- 400 "Sampling support exceeds --sampling-mask-max-tokens=CAP" (ties at the cutoff grew the kept set
+  past the cap mid-request): resent with top_k halved (and <= CAP), at most `max_shrink_retries` times,
+  never below `min_top_k`.
+- any other 400 (SGLang's contract gate, a ValueError such as "sampling_logprobs_mode can only be set
+  when return_sampling_mask=true", request validation) fails the turn at once (`bad_request`): a
+  malformed request does not heal by repetition.
+- 500 (ErrorResponse: "The sampling backend selected a token outside its captured sampling support",
+  or no captured support): resent `max_server_error_retries` (1) times, then `server_error`.
+- 503 (queue full, retracted under memory pressure, timeout aborts), 502/504 (a proxy), timeouts and
+  connection loss: exponential backoff with jitter (`backoff_initial_s` doubling to `backoff_max_s`,
+  x U(0.5, 1)), at most `max_transport_retries` (3) times, then `unavailable`.
+- 409 (our router / reference server: no replica serves `X-Min-Weight-Version` yet): wait Retry-After
+  (capped at `version_wait_cap_s`) and retry, up to `max_version_retries` (`version_conflict`).
+- any other status fails the turn (`http_<status>`), final.
 A failed turn raises `TurnFailed(reason, ...)`; the caller decides (the rollout drops the group).
 """
 
@@ -22,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +44,7 @@ from rlfleet.sampler.protocol import (
     dumps_json,
     error_message,
     loads_json,
+    mask_cap_error,
     parse_generate_response,
 )
 
@@ -46,7 +53,6 @@ MIN_VERSION_HEADER = "X-Min-Weight-Version"
 GROUP_HEADER = "X-RLFleet-Group"
 REPLICA_HEADER = "X-RLFleet-Replica"
 TRANSPORT_RETRY_STATUSES = frozenset({502, 503, 504})
-_CAP_WORDS = re.compile(r"top_k|sampling[_ ]mask|mask", re.IGNORECASE)
 
 
 @dataclass
@@ -195,12 +201,11 @@ class SamplerClient:
                 self.stats.retries["version_conflict"] += 1
                 await asyncio.sleep(self._retry_after(resp, version_waits))
             elif status == 400:
-                shrinkable = cfg.mode == SUPPORT_MODE and top_k > p.min_top_k and _CAP_WORDS.search(message)
-                if not shrinkable or shrinks >= p.max_shrink_retries:
+                smaller = self._smaller_top_k(message, top_k) if cfg.mode == SUPPORT_MODE else None
+                if smaller is None or shrinks >= p.max_shrink_retries:
                     raise self._fail("bad_request", message, status, attempts)
                 shrinks += 1
-                cap = self.mask_cap if self.mask_cap is not None and self.mask_cap < top_k else top_k // 2
-                top_k = max(p.min_top_k, cap)
+                top_k = smaller
                 self.stats.retries["shrink_top_k"] += 1
             elif status == 500:
                 server_errors += 1
@@ -232,6 +237,20 @@ class SamplerClient:
         self.stats.invalid += turn.num_invalid
         self.stats.invalid_tokens.update(turn.invalid_reasons)
         return turn
+
+    def _smaller_top_k(self, message: str, top_k: int) -> int | None:
+        """The top_k to resend after one of SGLang's sampling-mask 400s (None: the 400 is final)."""
+        found = mask_cap_error(message)
+        if found is None:
+            return None
+        kind, cap = found
+        self.mask_cap = cap
+        if kind == "top_k_rejected":
+            smaller = cap if 1 < cap < top_k else None
+        else:  # support_overflow: ties past the cutoff; leave headroom under the cap
+            smaller = max(self.policy.min_top_k, min(top_k, cap) // 2)
+            smaller = smaller if smaller < top_k else None
+        return smaller
 
     def _fail(self, reason: str, message: str, status: int | None, attempts: int) -> TurnFailed:
         self.stats.failures[reason] += 1

@@ -1,29 +1,36 @@
 """SGLang 0.5.23 `/generate` wire format: building requests and parsing responses into `SampledTurn`s.
 
-Pure functions, no I/O (the async client in `client.py` does the HTTP and the retry policy).
+Pure functions, no I/O (the async client in `client.py` does the HTTP and the retry policy). The shapes
+below are SGLang's own (srt/managers/tokenizer_manager.py builds meta_info; the contract tier in
+tests/sglang_contract runs that code and parses its output with this module; docs/sampler.md).
 
-Request (references.md): `input_ids` (token-in/token-out, never re-tokenised), `sampling_params
-{temperature, top_p, top_k, min_p, max_new_tokens, stop_token_ids, sampling_seed}`,
-`return_logprob: true`, and either
+Request: `input_ids` (token-in/token-out, never re-tokenised), `sampling_params {temperature, top_p,
+top_k, min_p, max_new_tokens, stop_token_ids, sampling_seed}`, `return_logprob: true`, and either
 - support mode: `return_sampling_mask: true`, `sampling_logprobs_mode: "support"`: per token the
   kept set (top-k ∩ top-p, then min-p; sorted by probability desc) and q renormalised inside it. SGLang
-  only returns the mask for top_k == 1 or 1 < top_k <= --sampling-mask-max-tokens, so whenever the
-  policy truncates (top_p < 1 or min_p > 0) with top_k = -1 we send a finite `mask_top_k` (1024);
+  only accepts the mask with top_k == 1 or 1 < top_k <= --sampling-mask-max-tokens, so whenever the
+  policy truncates with top_k = -1 we send a finite `mask_top_k` (1024);
 - head mode: `top_logprobs_num: K`: per token the top-K of the full-vocabulary q (for SC's tail model
   when sampling is not truncated).
 
-Response: `{"text", "output_ids", "meta_info": {"output_token_logprobs": [[logprob, id, text|null]...],
-"output_top_logprobs", "output_token_sampling_mask", "output_token_sampling_logprobs",
-"output_token_sampling_mask_length", "weight_version": "<int>", "finish_reason": {"type": ...} ,
-"completion_tokens", "cached_tokens", ...}}`. rlfleet extensions read when present:
-`meta_info.output_token_weight_versions` (per-token versions from the reference server),
-`meta_info.rlfleet_group` / `rlfleet_replica` (added by our router).
+Response `{"text", "output_ids", "meta_info": {...}}`, meta_info keys read here:
+- `output_token_logprobs`: [[logprob, id, text|null], ...], one per output token;
+- `output_token_sampling_mask`: per token the kept ids; `output_token_sampling_logprobs`: per token a
+  list aligned with the mask ("support" mode) or ONE float, log q_S(y) (the default "selected" mode);
+  `output_token_sampling_mask_length`: ONE int, the number of mask rows;
+- `output_top_logprobs`: per token a list of [logprob, id, text] triples (head mode);
+- `weight_versions`: spans `[{"version": "<str>", "start": i, "end": j}, ...]` covering the output
+  tokens (several when the request straddled a weight update); `weight_version` (the last span's
+  version, else the server's launch `--weight-version`); versions are our ints as decimal strings;
+- `completion_tokens`, `cached_tokens`, `finish_reason` ({"type": "stop" | "length" | "abort", ...}).
+`meta_info.rlfleet_group` / `rlfleet_replica` (added by our router) are read when present.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +62,7 @@ DEFAULT_MASK_TOP_K = 1024  # finite top_k sent with top_p < 1 when the caller sa
 DEFAULT_MASK_CAP = 4096  # SGLang's --sampling-mask-max-tokens default
 R_LENGTH_MISMATCH = "meta_info_lengths_disagree"
 R_SUPPORT_MISSING = "support_logprobs_missing"  # selected mode: q over the support was not returned
-R_MASK_LENGTH = "sampling_mask_length_disagrees"
+R_MASK_LENGTH = "output_token_sampling_mask_length"  # the mask row count disagrees with the token count
 
 
 class ProtocolError(ValueError):
@@ -171,6 +178,35 @@ def weight_version_of(raw: object) -> int:
     return v if v >= 0 else -1
 
 
+def token_weight_versions(meta: Mapping[str, Any], n: int) -> np.ndarray | None:
+    """Per-token weight versions from `meta_info.weight_versions` spans (srt/utils/weight_versions.py:
+    `{version, start, end}` back to back from token 0 to the last output token; `weight_version` is the
+    last span's version). Without spans (SGLang omits them only on unfinished stream chunks) every token
+    gets `weight_version`. None when the spans do not tile [0, n) or disagree with `weight_version`."""
+    scalar = weight_version_of(meta.get("weight_version"))
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return np.full(n, scalar, dtype=np.int64)
+    if not isinstance(spans, list) or not spans:
+        return None
+    versions = np.empty(n, dtype=np.int64)
+    position = 0
+    for span in spans:
+        if not isinstance(span, Mapping):
+            return None
+        try:
+            start, end = int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if start != position or end < start or end > n:
+            return None
+        versions[start:end] = weight_version_of(span.get("version"))
+        position = end
+    if position != n or str(spans[-1].get("version")) != str(meta.get("weight_version", spans[-1].get("version"))):
+        return None
+    return versions
+
+
 def _flatten_float(rows: Sequence[Sequence[float]], count: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.float64, count=count).astype(np.float32)
 
@@ -216,8 +252,6 @@ def parse_generate_response(
     prompt = np.asarray(prompt_ids, dtype=np.int32)
     group = str(meta.get("rlfleet_group") or group)
     replica = str(meta.get("rlfleet_replica") or replica)
-    version = weight_version_of(meta.get("weight_version"))
-    per_token_versions = meta.get("output_token_weight_versions")
     common = dict(
         prompt_ids=prompt,
         output_ids=output_ids,
@@ -238,12 +272,12 @@ def parse_generate_response(
     completion = meta.get("completion_tokens")
     if completion is not None and int(completion) != n:
         problems.append("completion_tokens")
-    if isinstance(per_token_versions, list) and len(per_token_versions) == n:
-        versions = np.asarray(per_token_versions, dtype=np.int64)
+    spanned = token_weight_versions(meta, n)
+    if spanned is None:
+        problems.append("weight_versions")
+        versions = np.full(n, -1, dtype=np.int64)
     else:
-        if per_token_versions is not None:
-            problems.append("output_token_weight_versions")
-        versions = np.full(n, version, dtype=np.int64)
+        versions = spanned
 
     mask = meta.get("output_token_sampling_mask")
     head = meta.get("output_top_logprobs")
@@ -263,8 +297,12 @@ def parse_generate_response(
             sizes = np.fromiter(map(len, mask), dtype=np.int64, count=n)
             nnz = int(sizes.sum())
             sid = _flatten_int(mask, nnz)
-            selected = n > 0 and not isinstance(s_lps[0], list)
-            if selected:  # sampling_logprobs_mode "selected": one renormalised float per token
+            # SamplingMaskChunk.to_lists: "support" -> a list per row, "selected" -> one float per row
+            list_rows = sum(isinstance(x, list) for x in s_lps)
+            if 0 < list_rows < n:
+                problems.append("output_token_sampling_logprobs mixes lists and floats")
+                sizes, sid, slp, sampled = np.zeros(n, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), None
+            elif list_rows == 0:  # "selected": log q_S(y) only, no q over the rest of the support
                 sampled = np.asarray([_float_or_nan(x) for x in s_lps], dtype=np.float32)
                 slp = np.full(nnz, np.nan, dtype=np.float32)
                 per_token_flags[R_SUPPORT_MISSING] = np.ones(n, dtype=bool)
@@ -278,13 +316,10 @@ def parse_generate_response(
                 else:
                     slp = _flatten_float(s_lps, nnz)
                 sampled = None
+            # ONE int: the number of mask rows (tokenizer_manager: len(state.output_token_sampling_mask))
             mlen = meta.get("output_token_sampling_mask_length")
-            if isinstance(mlen, list) and len(mlen) == n:
-                per_token_flags[R_MASK_LENGTH] = np.asarray(mlen, dtype=np.int64) != np.fromiter(
-                    map(len, mask), dtype=np.int64, count=n
-                )
-            elif mlen is not None:
-                problems.append("output_token_sampling_mask_length")
+            if mlen is not None and (isinstance(mlen, bool) or not isinstance(mlen, int) or mlen != n):
+                problems.append(R_MASK_LENGTH)
     elif head is not None:
         mode = HEAD_MODE
         if not isinstance(head, list) or len(head) != n:
@@ -346,7 +381,12 @@ def _sampled_from_support(
 
 
 def error_message(body: object) -> str:
-    """SGLang error bodies look like {"error": {"message": ...}} (also {"detail": ...} / {"message": ...})."""
+    """The message of an SGLang /generate error body. SGLang 0.5.23 answers in three shapes
+    (srt/entrypoints/http_server.py): the JSON contract gate `{"error": "<text>"}` (400); a ValueError
+    (bad request, or a 400 abort such as the sampling-mask cap) `{"error": {"message": ...}}`; an
+    HTTPException (5xx aborts: sampled token outside the captured support) and request validation
+    errors as `ErrorResponse {"object": "error", "message", "type", "param", "code"}`. FastAPI's own
+    `{"detail": ...}` is read too."""
     if isinstance(body, Mapping):
         err = body.get("error")
         if isinstance(err, Mapping) and "message" in err:
@@ -357,6 +397,22 @@ def error_message(body: object) -> str:
             if key in body:
                 return str(body[key])
     return "" if body is None else str(body)
+
+
+# The two 400s SGLang gives a sampling-mask request (scheduler.py / batch_result_processor.py), both
+# naming the server's --sampling-mask-max-tokens: top_k outside (1, cap] before running, and a realised
+# support above the cap (ties at the cutoff) mid-request.
+_MASK_TOP_K_REJECTED = re.compile(r"return_sampling_mask requires top_k=1\b.*?top_k <= (\d+)", re.DOTALL)
+_MASK_OVERFLOW = re.compile(r"Sampling support exceeds --sampling-mask-max-tokens=(\d+)")
+
+
+def mask_cap_error(message: str) -> tuple[str, int] | None:
+    """("top_k_rejected" | "support_overflow", the server's cap) for SGLang's sampling-mask 400s."""
+    if m := _MASK_TOP_K_REJECTED.search(message):
+        return "top_k_rejected", int(m.group(1))
+    if m := _MASK_OVERFLOW.search(message):
+        return "support_overflow", int(m.group(1))
+    return None
 
 
 __all__ = [
@@ -373,6 +429,8 @@ __all__ = [
     "error_message",
     "finish_reason_of",
     "loads_json",
+    "mask_cap_error",
     "parse_generate_response",
+    "token_weight_versions",
     "weight_version_of",
 ]

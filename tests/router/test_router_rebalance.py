@@ -19,7 +19,8 @@ from rlfleet.operator.rebalance import (
     rebalance,
 )
 
-# As SGLang 0.5.x exposes it (prometheus_client, colons in names, model_name/tp_rank labels).
+# As SGLang 0.5.23 exposes it (prometheus_client, colons in names, model_name/tp_rank labels); the names
+# and labels are held against SGLang's own metrics collector in tests/sglang_contract.
 SGLANG_METRICS = """\
 # HELP sglang:gen_throughput The generation throughput (token/s).
 # TYPE sglang:gen_throughput gauge
@@ -34,6 +35,12 @@ sglang:num_queue_reqs{model_name="qwen",tp_rank="0"} 3.0
 # TYPE sglang:generation_tokens_total counter
 sglang:generation_tokens_total{model_name="qwen",tp_rank="0"} 1.5e+06
 sglang:generation_tokens_total{model_name="qwen",tp_rank="1"} 5e+05
+# HELP sglang:realtime_tokens_total Total number of tokens processed (updated on each log interval).
+# TYPE sglang:realtime_tokens_total counter
+sglang:realtime_tokens_total{mode="prefill_compute",model_name="qwen",tp_rank="0"} 9e+06
+sglang:realtime_tokens_total{mode="prefill_cache",model_name="qwen",tp_rank="0"} 1e+06
+sglang:realtime_tokens_total{mode="decode",model_name="qwen",tp_rank="0"} 2.5e+06
+sglang:realtime_tokens_total{mode="decode",model_name="qwen",tp_rank="1"} 5e+05
 # HELP sglang:num_requests_total Number of requests processed.
 # TYPE sglang:num_requests_total counter
 sglang:num_requests_total{model_name="qwen",tp_rank="0"} 4200.0
@@ -50,6 +57,7 @@ def test_parse_sglang_metrics_sums_label_sets() -> None:
     sample = parse_sglang_metrics(SGLANG_METRICS)
     assert sample == PodSample(
         generation_tokens_total=2.0e6,
+        realtime_decode_tokens_total=3.0e6,  # decode only, summed over ranks; prefill modes left out
         gen_throughput=1234.5,
         num_running_reqs=17.0,
         num_queue_reqs=3.0,
@@ -80,24 +88,51 @@ def test_parse_trainer_group_metrics() -> None:
 
 
 def group(name: str, tokens: float | None = None, gauge: float | None = None, **kw) -> GroupInput:
-    pods = {f"{name}-0": PodSample(generation_tokens_total=tokens, gen_throughput=gauge)}
+    """One pod whose realtime decode counter reads `tokens` and gen_throughput gauge `gauge`."""
+    pods = {f"{name}-0": PodSample(realtime_decode_tokens_total=tokens, gen_throughput=gauge)}
     return GroupInput(name=name, ready_replicas=kw.pop("ready", 1), gpus=kw.pop("gpus", 1),
                       price_per_gpu_hour=kw.pop("price", 0.0), pods=pods, **kw)  # fmt: skip
 
 
-def test_throughput_is_the_counter_rate_with_restarts_and_gauges_for_new_pods() -> None:
+def test_throughput_is_the_decode_counter_rate_with_gauges_for_new_and_restarted_pods() -> None:
     config = RebalanceConfig(smoothing=1.0)
     first = rebalance([group("a", tokens=1000, gauge=50)], None, now=100.0, config=config)
     assert first.groups["a"].tokens_per_second == 50  # no previous counter: the gauge
     second = rebalance([group("a", tokens=4000, gauge=999)], first.state, now=110.0, config=config)
     assert second.groups["a"].tokens_per_second == pytest.approx(300.0)  # (4000 - 1000) / 10
-    restarted = rebalance([group("a", tokens=500, gauge=999)], second.state, now=120.0, config=config)
-    assert restarted.groups["a"].tokens_per_second == pytest.approx(50.0)  # counter reset: 500 / 10
+    restarted = rebalance([group("a", tokens=500, gauge=80)], second.state, now=120.0, config=config)
+    assert restarted.groups["a"].tokens_per_second == pytest.approx(80.0)  # counter went down: the gauge
+    no_gauge = rebalance([group("a", tokens=100)], second.state, now=120.0, config=config)
+    assert no_gauge.groups["a"].tokens_per_second == pytest.approx(10.0)  # restarted, no gauge: 100 / 10
     two_pods = GroupInput(
         "a", 2, 2, 0.0,
-        pods={"a-0": PodSample(generation_tokens_total=1500), "a-1": PodSample(generation_tokens_total=10, gen_throughput=70)},
+        pods={"a-0": PodSample(realtime_decode_tokens_total=1500),
+              "a-1": PodSample(realtime_decode_tokens_total=10, gen_throughput=70)},
     )  # fmt: skip
     assert rebalance([two_pods], restarted.state, now=130.0, config=config).groups["a"].tokens_per_second == pytest.approx(170.0)
+
+
+def test_busy_group_with_long_rollouts_and_no_finished_request_does_not_read_zero() -> None:
+    """SGLang counts generation_tokens_total when a request FINISHES: 64 rollouts of 30k tokens decode
+    for minutes without moving it. The rate comes from the per-step decode counter (or the gauge)."""
+    config = RebalanceConfig(smoothing=1.0)
+    state = None
+    for i, decoded in enumerate([0.0, 10_000.0, 20_000.0, 30_000.0]):  # 1000 tok/s, nothing finished
+        pod = PodSample(generation_tokens_total=0.0, realtime_decode_tokens_total=decoded, gen_throughput=1000.0)
+        result = rebalance([GroupInput("busy", 1, 1, 1.0, pods={"busy-0": pod})], state, 10.0 * i, config)
+        assert result.groups["busy"].tokens_per_second == pytest.approx(1000.0)
+        state = result.state
+    # A server exporting only the gauge (no realtime counter) reads the gauge every interval.
+    gauge_only = PodSample(generation_tokens_total=0.0, gen_throughput=900.0)
+    state = None
+    for i in range(3):
+        result = rebalance([GroupInput("busy", 1, 1, 1.0, pods={"busy-0": gauge_only})], state, 10.0 * i, config)
+        assert result.groups["busy"].tokens_per_second == pytest.approx(900.0)
+        state = result.state
+    # The finish-time counter alone is no throughput reading at all (None, not 0).
+    finished_only = PodSample(generation_tokens_total=5e6)
+    result = rebalance([GroupInput("busy", 1, 1, 1.0, pods={"busy-0": finished_only})], None, 0.0, config)
+    assert result.groups["busy"].tokens_per_second is None
 
 
 def test_ema_smoothing() -> None:

@@ -105,7 +105,9 @@ async def test_prometheus_rate_is_read_from_a_real_http_api() -> None:
             assert await timer.prometheus_tokens_per_second(http, "http://127.0.0.1:1", q) is None
     finally:
         await runner.cleanup()
-    assert seen == ['sum(rate(sglang:generation_tokens_total{namespace="ns",pod=~"j-h100-fp8-[a-z0-9]+-[a-z0-9]+"}[60s]))']
+    # the per-step decode counter, not the finish-time sglang:generation_tokens_total (rebalance.py)
+    assert seen == ['sum(rate(sglang:realtime_tokens_total{mode="decode",namespace="ns",'
+                    'pod=~"j-h100-fp8-[a-z0-9]+-[a-z0-9]+"}[60s]))']
 
 
 async def test_push_to_router_sets_replicas_quarantine_and_shares(monkeypatch) -> None:

@@ -136,4 +136,4 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
     assert runner.exception is None, runner.output
     assert "Traceback" not in runner.output, runner.output
-    assert _Prometheus.queries and all("sglang:generation_tokens_total" in q for q in _Prometheus.queries)
+    assert _Prometheus.queries and all('sglang:realtime_tokens_total{mode="decode",' in q for q in _Prometheus.queries)

@@ -1,10 +1,10 @@
-"""SGLang contract: request shape, parsing of 0.5.23-shaped responses (fixtures), and the client's error
-policy against a real HTTP server (aiohttp on 127.0.0.1) that replays fixture answers."""
+"""SGLang client: request shape, parsing of SGLang 0.5.23's answers (fixtures assembled by SGLang's own
+code, tests/sglang_contract), and the client's retry policy against a real HTTP server (aiohttp on
+127.0.0.1) that replays those answers."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -57,36 +57,43 @@ def test_request_head_mode_when_untruncated():
 
 
 # ------------------------------------------------------------------------------------ fixtures
+# Every fixture is SGLang 0.5.23's own assembly (tests/sglang_contract/sglang_fixtures.py rebuilds and
+# compares each one).
+def _span_versions(meta: dict) -> list[int]:
+    return [int(s["version"]) for s in meta["weight_versions"] for _ in range(s["start"], s["end"])]
+
+
 def _check_support_turn(fx: dict, turn: rec.SampledTurn) -> None:
     meta = fx["response"]["meta_info"]
     assert turn.candidate_mode == rec.SUPPORT_MODE
     assert turn.prompt_ids.tolist() == fx["request"]["input_ids"]
     assert turn.output_ids.tolist() == [t[1] for t in meta["output_token_logprobs"]]
-    assert np.allclose(turn.logprobs, [t[0] for t in meta["output_token_logprobs"]])
+    assert np.array_equal(turn.logprobs, np.float32([t[0] for t in meta["output_token_logprobs"]]))
+    assert meta["output_token_sampling_mask_length"] == turn.num_tokens  # ONE int: the number of rows
     for i, (mask, lps) in enumerate(
         zip(meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"], strict=True)
     ):
         ids, lp = turn.support(i)
-        assert ids.tolist() == mask and np.allclose(lp, lps)
-        assert math.isclose(turn.sampled_logprobs[i], lps[mask.index(int(turn.output_ids[i]))], rel_tol=1e-6)
-    assert (turn.weight_versions == int(meta["weight_version"])).all()
+        assert ids.tolist() == mask and np.array_equal(lp, np.float32(lps))
+        assert turn.sampled_logprobs[i] == np.float32(lps[mask.index(int(turn.output_ids[i]))])
+    assert turn.weight_versions.tolist() == _span_versions(meta)
     assert turn.finish_reason == meta["finish_reason"]["type"]
 
 
-def test_fixture_support_top_p():
-    fx = load("sglang_support_topp.json")
+def test_fixture_request_straddling_a_weight_update():
+    fx = load("sglang_support_straddle.json")
     turn = proto.parse_generate_response(fx["response"], fx["request"]["input_ids"], group="g", replica="r0")
     _check_support_turn(fx, turn)
+    assert turn.weight_versions.tolist() == [11, 11, 12]  # per token from the spans, not all "12"
     assert turn.valid.all() and turn.finish_reason == "length" and turn.cached_tokens == 2
     assert (turn.group, turn.replica) == ("g", "r0")
-    assert turn.support_sizes.tolist() == fx["response"]["meta_info"]["output_token_sampling_mask_length"]
 
 
 def test_fixture_ties_at_the_cutoff_are_valid_records():
     fx = load("sglang_support_tie_at_cutoff.json")
     turn = proto.parse_generate_response(fx["response"], fx["request"]["input_ids"])
     _check_support_turn(fx, turn)
-    assert turn.valid.all() and turn.finish_reason == "stop"
+    assert turn.valid.all() and turn.finish_reason == "stop" and turn.weight_versions.tolist() == [12, 12]
     ids0, lp0 = turn.support(0)
     assert lp0[1] == lp0[2]  # an exact tie inside the kept set is not "unsorted"
     ids1, lp1 = turn.support(1)
@@ -97,7 +104,10 @@ def test_fixture_selected_mode_is_flagged_not_used():
     fx = load("sglang_selected_mode.json")
     turn = proto.parse_generate_response(fx["response"], fx["request"]["input_ids"])
     meta = fx["response"]["meta_info"]
-    assert np.allclose(turn.sampled_logprobs, meta["output_token_sampling_logprobs"])
+    assert np.array_equal(turn.sampled_logprobs, np.float32(meta["output_token_sampling_logprobs"]))
+    # the same tokens in support mode: the selected float is the support's logprob at the sampled token
+    twin = proto.parse_generate_response(load("sglang_support_tie_at_cutoff.json")["response"], [1])
+    assert np.array_equal(turn.sampled_logprobs, twin.sampled_logprobs)
     assert turn.support_ids.tolist() == sum(meta["output_token_sampling_mask"], [])
     assert not turn.valid.any()
     assert turn.invalid_reasons[proto.R_SUPPORT_MISSING] == 2
@@ -110,7 +120,7 @@ def test_fixture_head_mode():
     assert turn.candidate_mode == rec.HEAD_MODE and turn.valid.all()
     for i, head in enumerate(meta["output_top_logprobs"]):
         ids, lp = turn.support(i)
-        assert ids.tolist() == [t[1] for t in head] and np.allclose(lp, [t[0] for t in head])
+        assert ids.tolist() == [t[1] for t in head] and np.array_equal(lp, np.float32([t[0] for t in head]))
     # untruncated sampling: q_S = q, so the renormalised logprob is the full-vocabulary one
     assert np.array_equal(turn.sampled_logprobs, turn.logprobs)
     # token 2 was the 4th most likely: inside the head; head mode never requires membership anyway
@@ -128,18 +138,24 @@ def test_fixture_invalid_tokens_are_flagged_and_counted():
 
 
 def test_length_disagreement_invalidates_turn_and_garbage_raises():
-    fx = load("sglang_support_topp.json")
-    resp = json.loads(json.dumps(fx["response"]))
-    resp["meta_info"]["completion_tokens"] = 5
-    turn = proto.parse_generate_response(resp, [1])
-    assert not turn.valid.any() and turn.invalid_reasons == {proto.R_LENGTH_MISMATCH: 3}
-    resp = json.loads(json.dumps(fx["response"]))
-    resp["meta_info"]["output_token_sampling_mask"].pop()
-    assert not proto.parse_generate_response(resp, [1]).valid.any()
-    resp = json.loads(json.dumps(fx["response"]))
-    resp["meta_info"]["output_token_sampling_mask_length"][0] += 1
-    t = proto.parse_generate_response(resp, [1])
-    assert t.valid.tolist() == [False, True, True] and t.invalid_reasons == {proto.R_MASK_LENGTH: 1}
+    fx = load("sglang_support_straddle.json")
+
+    def broken(**meta: object) -> rec.SampledTurn:
+        resp = json.loads(json.dumps(fx["response"]))
+        resp["meta_info"].update(meta)
+        return proto.parse_generate_response(resp, [1])
+
+    whole_turn = {proto.R_LENGTH_MISMATCH: 3}
+    assert broken(completion_tokens=5).invalid_reasons == whole_turn
+    assert broken(output_token_sampling_mask_length=4).invalid_reasons == whole_turn
+    assert broken(output_token_sampling_mask_length=[3, 2, 1]).invalid_reasons == whole_turn  # not SGLang's shape
+    mask = fx["response"]["meta_info"]["output_token_sampling_mask"]
+    assert broken(output_token_sampling_mask=mask[:2]).invalid_reasons == whole_turn
+    assert broken(weight_versions=[{"version": "11", "start": 0, "end": 2}]).invalid_reasons == whole_turn
+    assert broken(weight_version="11").invalid_reasons == whole_turn  # not the last span's version
+    spanless = json.loads(json.dumps(fx["response"]))
+    del spanless["meta_info"]["weight_versions"]  # SGLang omits spans only on unfinished stream chunks
+    assert proto.parse_generate_response(spanless, [1]).weight_versions.tolist() == [12, 12, 12]
     with pytest.raises(proto.ProtocolError):
         proto.parse_generate_response({"text": "x"}, [1])
     with pytest.raises(proto.ProtocolError):
@@ -147,14 +163,16 @@ def test_length_disagreement_invalidates_turn_and_garbage_raises():
 
 
 def test_error_fixtures_messages():
-    assert "sampling_mask_max_tokens" in proto.error_message(
-        load("sglang_error_400_mask_cap.json")["response"]
-    )
-    assert "not in the captured" in proto.error_message(
-        load("sglang_error_500_outside_mask.json")["response"]
-    )
+    cap = load("sglang_error_400_mask_cap.json")
+    assert cap["status"] == 400
+    assert proto.mask_cap_error(proto.error_message(cap["response"])) == ("top_k_rejected", 4096)
+    overflow = load("sglang_error_400_mask_overflow.json")
+    assert proto.mask_cap_error(proto.error_message(overflow["response"])) == ("support_overflow", 4096)
+    outside = load("sglang_error_500_outside_mask.json")
+    assert outside["status"] == 500 and outside["response"]["object"] == "error"
+    assert "outside its captured sampling support" in proto.error_message(outside["response"])
     assert proto.finish_reason_of({"type": "abort", "message": "x"}) == "abort"
-    assert proto.weight_version_of("12") == 12 and proto.weight_version_of(None) == -1
+    assert proto.weight_version_of("12") == 12 and proto.weight_version_of("default") == -1
 
 
 # ------------------------------------------------------------------------------------ client policy
@@ -196,7 +214,7 @@ SUPPORT_PARAMS = {"temperature": 0.8, "top_p": 0.9, "top_k": 64, "max_new_tokens
 
 
 async def test_client_ok_passes_headers_and_router_annotations():
-    fx = load("sglang_support_topp.json")
+    fx = load("sglang_support_straddle.json")
     ok = (200, fx["response"], {"X-RLFleet-Group": "h100-fp8", "X-RLFleet-Replica": "http://r7"})
     srv = ReplayServer([ok])
     async with srv as url, SamplerClient(url, group="default", policy=FAST) as client:
@@ -210,15 +228,31 @@ async def test_client_ok_passes_headers_and_router_annotations():
     assert client.stats.turns == 1 and client.stats.tokens == 3
 
 
-async def test_client_400_cap_shrinks_top_k_then_succeeds():
-    fx = load("sglang_support_topp.json")
-    err = load("sglang_error_400_mask_cap.json")
+async def test_client_400_top_k_rejected_resends_at_the_servers_cap():
+    fx = load("sglang_support_straddle.json")
+    err = load("sglang_error_400_mask_cap.json")  # "... 1 < top_k <= 4096; got top_k=8192 ..."
     srv = ReplayServer([(400, err["response"], {}), (200, fx["response"], {})])
     async with srv as url, SamplerClient(url, policy=FAST) as client:
-        turn = await client.generate([1, 5, 9, 2], {**SUPPORT_PARAMS, "top_k": 512})
+        turn = await client.generate([1, 5, 9, 2], {**SUPPORT_PARAMS, "top_k": 8192})
+        assert client.mask_cap == 4096
     assert turn.valid.all()
-    assert [r["sampling_params"]["top_k"] for r in srv.requests] == [512, 256]
+    assert [r["sampling_params"]["top_k"] for r in srv.requests] == [8192, 4096]
     assert client.stats.retries["shrink_top_k"] == 1
+
+
+async def test_client_400_support_overflow_halves_top_k_then_fails_when_it_persists():
+    fx = load("sglang_support_straddle.json")
+    err = load("sglang_error_400_mask_overflow.json")["response"]  # ties grew the kept set past 4096
+    srv = ReplayServer([(400, err, {}), (200, fx["response"], {})])
+    async with srv as url, SamplerClient(url, policy=FAST) as client:
+        assert (await client.generate([1, 5, 9, 2], {**SUPPORT_PARAMS, "top_k": 4096})).valid.all()
+    assert [r["sampling_params"]["top_k"] for r in srv.requests] == [4096, 2048]
+    srv = ReplayServer([(400, err, {})] * 3)
+    async with srv as url, SamplerClient(url, policy=FAST) as client:
+        with pytest.raises(TurnFailed) as info:
+            await client.generate([1], {**SUPPORT_PARAMS, "top_k": 4096})
+    assert info.value.reason == "bad_request" and info.value.status == 400
+    assert [r["sampling_params"]["top_k"] for r in srv.requests] == [4096, 2048, 1024]  # max_shrink_retries
 
 
 async def test_client_400_other_reason_fails_turn_immediately():
@@ -231,7 +265,7 @@ async def test_client_400_other_reason_fails_turn_immediately():
 
 async def test_client_500_retries_once_then_fails():
     err = load("sglang_error_500_outside_mask.json")["response"]
-    fx = load("sglang_support_topp.json")["response"]
+    fx = load("sglang_support_straddle.json")["response"]
     srv = ReplayServer([(500, err, {}), (200, fx, {})])
     async with srv as url, SamplerClient(url, policy=FAST) as client:
         assert (await client.generate([1, 5, 9, 2], SUPPORT_PARAMS)).num_tokens == 3
@@ -243,7 +277,7 @@ async def test_client_500_retries_once_then_fails():
 
 
 async def test_client_409_version_conflict_waits_and_retries():
-    fx = load("sglang_support_topp.json")["response"]
+    fx = load("sglang_support_straddle.json")["response"]
     conflict = (409, {"error": {"message": "no replica at weight version >= 9"}}, {"Retry-After": "0"})
     srv = ReplayServer([conflict, conflict, (200, fx, {})])
     async with srv as url, SamplerClient(url, policy=FAST) as client:
@@ -252,7 +286,7 @@ async def test_client_409_version_conflict_waits_and_retries():
 
 
 async def test_client_connection_loss_and_503_are_bounded():
-    fx = load("sglang_support_topp.json")["response"]
+    fx = load("sglang_support_straddle.json")["response"]
     srv = ReplayServer([(0, None, {}), (503, {"error": {"message": "busy"}}, {}), (200, fx, {})])
     async with srv as url, SamplerClient(url, policy=FAST) as client:
         assert (await client.generate([1, 5, 9, 2], SUPPORT_PARAMS)).num_tokens == 3

@@ -1,0 +1,74 @@
+"""Every launch command the catalog can produce (each accelerator class x weight format x KV-cache dtype
+it allows, `check_group`) through SGLang 0.5.23's own argparse: `ServerArgs.add_cli_args` then
+`ServerArgs.from_cli_args`. Parsing only; nothing is launched. The parsed fields must be what we meant."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import pytest
+from sglang.srt.server_args import ServerArgs
+
+from rlfleet.catalog import check_group, get_catalog, sglang_launch
+
+# What each weight format means to SGLang (references.md), independent of the catalog's flag lists.
+QUANTIZATION = {"bf16": None, "fp8": "fp8", "nvfp4": "modelopt_fp4", "mxfp4": "mxfp4"}
+MODULE = ["-m", "sglang.launch_server"]
+
+
+@functools.cache
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(p)
+    return p
+
+
+def combinations() -> list[tuple[str, str, str]]:
+    out = []
+    catalog = get_catalog()
+    for name, cls in catalog.classes.items():
+        for weight_format in cls.weight_formats:
+            for kv in cls.kv_cache_dtypes:
+                check_group(name, weight_format, kv, catalog=catalog)  # the catalog allows it
+                out.append((name, weight_format, kv))
+    return out
+
+
+def sglang_parse(argv: list[str]) -> ServerArgs:
+    assert argv[1:3] == MODULE, argv
+    try:
+        return ServerArgs.from_cli_args(parser().parse_args(argv[3:]))
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise AssertionError(f"SGLang refuses {argv[3:]}: {exc}") from None
+
+
+def test_every_catalog_format_is_covered() -> None:
+    formats = {f for _, f, _ in combinations()}
+    assert formats <= set(QUANTIZATION), formats - set(QUANTIZATION)
+    assert len(combinations()) >= 20
+
+
+@pytest.mark.parametrize(("accelerator", "weight_format", "kv_cache_dtype"), combinations())
+def test_catalog_launch_parses_in_sglang_as_meant(accelerator: str, weight_format: str, kv_cache_dtype: str) -> None:
+    cls = get_catalog().get(accelerator)
+    for tp in (None, 2):
+        launch = sglang_launch(
+            accelerator=cls, weight_format=weight_format, kv_cache_dtype=kv_cache_dtype, tensor_parallel=tp,
+            model_path="/weights/views/fp8/v7", served_model_name="qwen3", weight_version=7,
+            sampling_mask_max_tokens=2048, port=30001,
+        )  # fmt: skip
+        args = sglang_parse(launch.argv)
+        assert args.model_path == "/weights/views/fp8/v7" and args.served_model_name == "qwen3"
+        assert args.quantization == QUANTIZATION[weight_format]
+        assert args.kv_cache_dtype == kv_cache_dtype
+        assert args.sampling_mask_max_tokens == 2048
+        assert args.weight_version == "7"  # SGLang keeps versions as strings; our client reads int("7")
+        assert args.tp_size == (tp or cls.default_tensor_parallel) == launch.tensor_parallel
+        assert args.enable_metrics is True and args.port == 30001 and args.dtype == "bfloat16"
+        # every `--flag value` we pass lands, unchanged, in the field SGLang's parser binds the flag to
+        rest = launch.argv[3:]
+        for i, token in enumerate(rest):
+            if token.startswith("--") and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+                field = parser()._option_string_actions[token].dest
+                assert str(getattr(args, field)) == rest[i + 1], (token, field, getattr(args, field))
