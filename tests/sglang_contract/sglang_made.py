@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import concurrent.futures
 import functools
 import importlib.util
 import pickle
@@ -43,6 +44,17 @@ import numpy as np
 import orjson
 
 VOCAB = 64
+
+
+def _run(coroutine: Any) -> Any:
+    """Run SGLang's async handlers to completion, also when called from inside an event loop (a test
+    server's handler): then on a thread of its own, with its own loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def sglang_source(relative: str) -> str:
@@ -151,7 +163,11 @@ def scheduler_mask_error(top_k: int, cap: int) -> str | None:
 
 
 class Rejected(ValueError):
-    """SGLang answered 400 with this message."""
+    """SGLang answers 400 with this message; `body` is the JSON it sends (http_server.py)."""
+
+    def __init__(self, message: str, body: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.body = body
 
 
 def admit(body: dict[str, Any], sampling_mask_max_tokens: int = 4096) -> Any:
@@ -164,7 +180,7 @@ def admit(body: dict[str, Any], sampling_mask_max_tokens: int = 4096) -> Any:
 
     contract_error = generate_contract_error(orjson.loads(orjson.dumps(body)))
     if contract_error is not None:
-        raise Rejected(contract_error)
+        raise Rejected(contract_error, {"error": contract_error})
     ctx = context("tokenizer", sampling_mask_max_tokens=sampling_mask_max_tokens)
     with use_context(ctx):
         tm = tokenizer_manager(ctx)
@@ -174,12 +190,14 @@ def admit(body: dict[str, Any], sampling_mask_max_tokens: int = 4096) -> Any:
             tm.rid_to_state[obj.rid] = tmm.ReqState([], False, None, obj, time_stats=APIServerReqTimeStats())
             tm._validate_one_request(obj, list(obj.input_ids))
             tokenized = tm._create_tokenized_object(obj, None, list(obj.input_ids), None, None, None)
-        except ValueError as exc:
-            raise Rejected(str(exc)) from None
+        except ValueError as exc:  # http_server._create_error_response
+            raise Rejected(str(exc), {"error": {"message": str(exc)}}) from None
     if tokenized.return_sampling_mask:
         message = scheduler_mask_error(tokenized.sampling_params.top_k, sampling_mask_max_tokens)
-        if message is not None:
-            raise Rejected(message)
+        if message is not None:  # Scheduler._reject_sampling_mask_request: prepare_abort(..., BAD_REQUEST)
+            from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+            raise Rejected(message, error_response(FINISH_ABORT(message, 400).to_json())[1])
     return tokenized
 
 
@@ -288,7 +306,7 @@ def generate_response(
             assert state.finished
             return orjson.loads(orjson_response(state.out_list[-1]).body)
 
-    response = asyncio.run(run())
+    response = _run(run())
     response["meta_info"].pop("e2e_latency", None)  # wall-clock time: left out so fixtures are stable
     return body, response
 
@@ -346,4 +364,4 @@ def error_response(finish_reason: dict[str, Any]) -> tuple[int, dict[str, Any]]:
                 return e.status_code, err.model_dump()
             raise AssertionError(f"SGLang did not treat {finish_reason} as an error")
 
-    return asyncio.run(run())
+    return _run(run())

@@ -4,14 +4,18 @@ the scheduler's sampling-mask top_k rule compiled from its source) and come out 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import sglang_made as sm
+from aiohttp import web
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
 
 from rlfleet import records as rec
 from rlfleet.sampler import protocol as proto
 from rlfleet.sampler.client import SamplerClient
 
+TOKENS = [sm.Token(7, -1.0, [7, 9], [-0.25, math.log(1 - math.exp(-0.25))]), sm.Token(9, -2.0, [9], [0.0])]
 CONFIGS = [
     # (SamplingConfig kwargs, top_k SGLang ends up with)
     ({"temperature": 0.8, "top_p": 0.9, "top_k": -1, "max_new_tokens": 7, "stop_token_ids": [3]}, 1024),
@@ -60,18 +64,38 @@ def test_sglang_rejects_what_our_config_never_sends() -> None:
         sm.admit({**body, "sampling_params": {**body["sampling_params"], "top_k": "64"}})
 
 
-def test_top_k_capped_by_a_smaller_server_is_admitted_by_that_server() -> None:
-    """A server launched with --sampling-mask-max-tokens 256: SGLang's rejection names the cap, our
-    client learns it from the message and the resent top_k passes the same rule."""
-    cfg = proto.SamplingConfig(temperature=1.0, top_p=0.9, top_k=-1, max_new_tokens=4)
-    body = proto.build_generate_request([1, 2], cfg)
-    with pytest.raises(sm.Rejected) as info:
-        sm.admit(body, sampling_mask_max_tokens=256)
-    client = SamplerClient("http://unused")
-    smaller = client._smaller_top_k(str(info.value), body["sampling_params"]["top_k"])
-    assert smaller == 256 and client.mask_cap == 256
-    resent = proto.build_generate_request([1, 2], cfg, top_k_override=smaller)
-    assert sm.admit(resent, sampling_mask_max_tokens=256).sampling_params.top_k == 256
+async def test_client_learns_a_smaller_servers_cap_from_sglangs_400_and_is_then_admitted() -> None:
+    """A real HTTP server whose /generate is SGLang's gate (launched with --sampling-mask-max-tokens 256)
+    and answers what SGLang assembles: our client's first body (top_k 1024) gets SGLang's 400, the
+    client learns the cap from SGLang's message, and the resent body passes the same gate."""
+    seen: list[int] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body["sampling_params"]["top_k"])
+        try:
+            sm.admit(body, sampling_mask_max_tokens=256)
+        except sm.Rejected as exc:
+            return web.json_response(exc.body, status=400)
+        _, answer = sm.generate_response(body["input_ids"], TOKENS, sampling_params=body["sampling_params"])
+        return web.json_response(answer)
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with SamplerClient(f"http://127.0.0.1:{port}") as client:
+            turn = await client.generate([1, 2], {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 2})
+            again = await client.generate([1, 2], {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 2})
+    finally:
+        await runner.cleanup()
+    assert seen == [1024, 256, 256]  # the learnt cap is kept for later requests
+    assert client.mask_cap == 256 and client.stats.retries["shrink_top_k"] == 1
+    assert turn.valid.all() and again.valid.all() and turn.output_ids.tolist() == [t.id for t in TOKENS]
 
 
 def test_scheduler_rule_compiled_from_sglang_source_matches_references() -> None:
