@@ -6,7 +6,7 @@ Runs under .venv312 (CPython 3.12; scripts/bootstrap) as `python megatron_cpu_ch
 tests/trainer/test_trainer_megatron.py (the main suite, Python 3.11) launches it and asserts on the
 JSON it writes: {"checks": {name: {"ok": bool, ...numbers}}, "wall_s": float}. Phase 1 runs in this
 process (world size 1, TP=1); phase 2 spawns 2 processes (TP=2, sequence parallel, gloo); phase 3
-spawns 2 data-parallel replicas (TP=1, DP=2).
+spawns 4 (TP=2 x DP=2: two data-parallel replicas, the distributed optimizer sharded over them).
 
 Stubs, only for CUDA-only calls that megatron-core makes unconditionally (nothing else is replaced):
 - `CudaDevicesOnCpu` (a TorchFunctionMode): tensors megatron creates with `device="cuda"` /
@@ -135,7 +135,7 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
-def build(directory: Path, tp: int, dtype: str = "float32", weights: dict[str, torch.Tensor] | None = None):
+def build(directory: Path, tp: int, dtype: str = "float32"):
     from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
     from rlfleet.trainer.backend_torch import OptimConfig
     from rlfleet.trainer.objective import ObjectiveConfig
@@ -143,7 +143,7 @@ def build(directory: Path, tp: int, dtype: str = "float32", weights: dict[str, t
     hf_cfg = json.loads((directory / "config.json").read_text())
     cfg = MegatronModelConfig.from_hf_config(hf_cfg, tensor_parallel=tp, params_dtype=dtype, device="cpu", micro_batch_size=2)
     return MegatronBackend(cfg, ObjectiveConfig(mode="sc_mis", replay=True), OptimConfig(learning_rate=1e-2),
-                           initial_hf_weights=hf_tensors(directory) if weights is None else weights)
+                           initial_hf_weights=hf_tensors(directory))
 
 
 def full_logits(backend, ids: torch.Tensor) -> torch.Tensor:
@@ -283,55 +283,68 @@ def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
             "ok": dl <= 1e-6 and dg <= 1e-5 and wd <= 1e-6, "seq_len": SEQ, "loss_diff": dl, "grad_norm_diff": dg,
             "updated_weights_max_diff": wd, "loss": float(out.loss)}
 
-    # save -> restore -> one step == uninterrupted, on every rank, bf16 (separate fp32 main params)
-    def uninterrupted(b):
-        b.train_step(flat_batch(11), GROUPS)
-        torch.save(b.state_dict(), work_dir / "ckpt.pt")  # through a file, as the loop's checkpoint does
-        b.train_step(flat_batch(12), GROUPS)
-
-    def restored(b):
-        b.load_state_dict(torch.load(work_dir / "ckpt.pt", weights_only=False))
-        b.train_step(flat_batch(12), GROUPS)
-
-    run_a = build(work_dir / "qwen3_head_dim_rope_parameters", tp=2, dtype="bfloat16")
-    drive(run_a, rank, uninterrupted)
-    expected = local_state(run_a)
-    run_b = build(work_dir / "other_init", tp=2, dtype="bfloat16")  # other weights: all must come from the restore
-    before = local_state(run_b)
-    drive(run_b, rank, restored)
-    got = local_state(run_b)
-    unequal = sorted(k for k in expected if not torch.equal(expected[k], got[k]))
-    moments = [k for k in expected if k.endswith(("exp_avg", "exp_avg_sq"))]
-    changed = sum(not torch.equal(before[k], got[k]) for k in got if k.startswith("model."))
-    local = {"ok": not unequal and bool(moments) and set(expected) == set(got), "tensors": len(expected),
-             "adam_moment_tensors": len(moments), "unequal": unequal[:10], "n_unequal": len(unequal), "unequal_max_diff": max([max_diff(expected[k], got[k]) for k in unequal], default=0.0), "unequal_kinds": sorted({k.split(".")[0] + k.rsplit(".", 1)[-1] for k in unequal}), "model_tensors_changed_by_restore": changed}
-    parts: list[Any] | None = [None, None] if rank == 0 else None
-    torch.distributed.gather_object(local, parts, dst=0)
+    checks["restore_then_step_equals_uninterrupted_all_ranks"] = restore_check(rank, work_dir, tp=2)
     if rank == 0:
-        checks["restore_then_step_equals_uninterrupted_all_ranks"] = {"ok": all(p["ok"] for p in parts), "per_rank": parts}
         Path(out_path).write_text(json.dumps(checks, default=str))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def phase_dp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
-    """Two data-parallel replicas (TP=1): each trains on half the sequences; the gradient, the update
-    and the loss rank 0 reports are the whole batch's (equal to the single-process run)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def restore_check(rank: int, work_dir: Path, tp: int) -> dict[str, Any] | None:
+    """save -> restore -> one step == uninterrupted, on every rank, bf16 (separate fp32 main params).
+    Run B starts from OTHER weights, so everything it ends with must come from the restore."""
+    def uninterrupted(b):
+        b.train_step(flat_batch(11), GROUPS)
+        torch.save(b.state_dict(), work_dir / f"ckpt-{tp}.pt")  # through a file, as the loop's checkpoint does
+        b.train_step(flat_batch(12), GROUPS)
+
+    def restored(b):
+        b.load_state_dict(torch.load(work_dir / f"ckpt-{tp}.pt", weights_only=False))
+        b.train_step(flat_batch(12), GROUPS)
+
+    run_a = build(work_dir / "qwen3_head_dim_rope_parameters", tp=tp, dtype="bfloat16")
+    drive(run_a, rank, uninterrupted)
+    expected = local_state(run_a)
+    run_b = build(work_dir / "other_init", tp=tp, dtype="bfloat16")
+    before = local_state(run_b)
+    drive(run_b, rank, restored)
+    got = local_state(run_b)
+    unequal = sorted(k for k in expected if not torch.equal(expected[k], got[k]))
+    moments = [k for k in expected if k.endswith(("exp_avg", "exp_avg_sq"))]
+    local = {"ok": not unequal and bool(moments) and set(expected) == set(got), "tensors": len(expected),
+             "adam_moment_tensors": len(moments), "n_unequal": len(unequal), "unequal": unequal[:10],
+             "unequal_max_diff": max([max_diff(expected[k], got[k]) for k in unequal], default=0.0),
+             "model_tensors_changed_by_restore": sum(not torch.equal(before[k], got[k]) for k in got if k.startswith("model."))}
+    world = torch.distributed.get_world_size()
+    parts: list[Any] | None = [None] * world if rank == 0 else None
+    torch.distributed.gather_object(local, parts, dst=0)
+    return {"ok": all(p["ok"] for p in parts), "per_rank": parts} if rank == 0 else None
+
+
+def phase_tp2_dp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
+    """Four processes, TP=2 x DP=2 (the production shape): each replica trains on half the sequences;
+    the gradient, the update and the loss rank 0 reports are the whole batch's, and a restore with
+    the optimizer state sharded over the replicas is exact on every rank."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     install_stubs()
+    work_dir = Path(work)
     refs = torch.load(refs_path, weights_only=False)
-    backend = build(Path(work) / "qwen3_head_dim_rope_parameters", tp=1)
+    checks: dict[str, Any] = {}
+    backend = build(work_dir / "qwen3_head_dim_rope_parameters", tp=2)
     result = drive(backend, rank, lambda b: (b.train_step(flat_batch(7), GROUPS), b.weights()))
     if rank == 0:
         (out, grad_norm), weights = result
         wd = max(max_diff(weights[k], refs["odd_weights"][k]) for k in weights)
         dl, dg = abs(float(out.loss) - refs["odd_loss"]), abs(grad_norm - refs["odd_grad_norm"])
         dk = abs(out.metrics["kl_k3"] - refs["odd_kl_k3"])
-        Path(out_path).write_text(json.dumps({"dp2_step_equals_single_process": {
+        checks["tp2_dp2_step_equals_single_process"] = {
             "ok": dl <= 1e-6 and dg <= 1e-5 and wd <= 1e-6 and dk <= 1e-6 and out.num_valid_tokens == refs["odd_tokens"],
             "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd,
-            "num_valid_tokens": out.num_valid_tokens}}))
+            "num_valid_tokens": out.num_valid_tokens}
+    checks["tp2_dp2_restore_then_step_equals_uninterrupted_all_ranks"] = restore_check(rank, work_dir, tp=2)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(checks, default=str))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -364,8 +377,8 @@ def main(out: str) -> int:
         tp2_out = work / "tp2.json"
         mp.spawn(phase_tp2, args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_out)), nprocs=2, join=True)
         checks.update(json.loads(tp2_out.read_text()))
-        dp2_out = work / "dp2.json"
-        mp.spawn(phase_dp2, args=(free_port(), str(work), str(work / "refs.pt"), str(dp2_out)), nprocs=2, join=True)
+        dp2_out = work / "tp2_dp2.json"
+        mp.spawn(phase_tp2_dp2, args=(free_port(), str(work), str(work / "refs.pt"), str(dp2_out)), nprocs=4, join=True)
         checks.update(json.loads(dp2_out.read_text()))
     Path(out).write_text(json.dumps({"checks": checks, "wall_s": time.monotonic() - t0, "tp1_s": t1 - t0,
                                      "spawned_s": time.monotonic() - t1}, indent=1, default=str))

@@ -207,7 +207,8 @@ CHECKS = [
       for kind in ("logits_match_transformers", "hf_export_roundtrip_tp1", "tp2_logits_equal_tp1", "hf_export_roundtrip_tp2")),
     "odd_seq_sequence_parallel_tp2_equals_tp1",
     "restore_then_step_equals_uninterrupted_all_ranks",
-    "dp2_step_equals_single_process",
+    "tp2_dp2_step_equals_single_process",
+    "tp2_dp2_restore_then_step_equals_uninterrupted_all_ranks",
 ]
 
 
@@ -230,9 +231,9 @@ def test_megatron_cpu_tier(megatron_cpu_tier, name):
     """Logits of the GPTModel our backend builds equal transformers' Qwen3 (fp32, 1e-5) for QK-norm +
     custom head_dim, both rope forms and tied embeddings; TP=2 equals TP=1; HF -> megatron -> HF is
     bit-exact at TP 1 and 2; an odd sequence length under TP=2 sequence parallel gives the TP=1 loss;
-    restore + one step is bit-equal to the uninterrupted run on every rank, Adam moments included;
-    two data-parallel replicas give the single process's update, and rank 0 reports the whole
-    batch's loss and metrics."""
+    restore + one step is bit-equal to the uninterrupted run on every rank, Adam moments included
+    (TP=2, and TP=2 x DP=2 with the optimizer state sharded over the replicas); TP=2 x DP=2 gives the
+    single process's update, and rank 0 reports the whole batch's loss and metrics."""
     check = megatron_cpu_tier["checks"][name]
     assert check["ok"], check
 
@@ -243,5 +244,8 @@ def test_megatron_cpu_tier_thresholds_are_tight(megatron_cpu_tier):
         if name.startswith(("logits_match", "tp2_logits")):
             assert checks[name]["max_abs_diff"] <= 1e-5, name
     assert checks["odd_seq_sequence_parallel_tp2_equals_tp1"]["seq_len"] % 2 == 1
-    assert all(r["adam_moment_tensors"] > 0 and r["model_tensors_changed_by_restore"] > 0
-               for r in checks["restore_then_step_equals_uninterrupted_all_ranks"]["per_rank"])
+    for name in ("restore_then_step_equals_uninterrupted_all_ranks", "tp2_dp2_restore_then_step_equals_uninterrupted_all_ranks"):
+        ranks = checks[name]["per_rank"]
+        assert len(ranks) == (2 if name.startswith("restore") else 4)
+        assert all(r["adam_moment_tensors"] > 0 and r["model_tensors_changed_by_restore"] > 0 for r in ranks)
+    assert checks["tp2_dp2_step_equals_single_process"]["num_valid_tokens"] == 24  # the whole batch, not a replica's half
