@@ -3,7 +3,9 @@
 1. bytes per view relative to bf16 (from the published manifest);
 2. publish throughput (WeightChannel.publish of the already-converted view files: hashing, durable
    writes, manifest, pointer) relative to a plain copy of the same bytes to the same filesystem,
-   with and without fsync; the same against a real S3-compatible server (moto_server process)
+   with and without fsync; the publisher's own path from converted tensors (each file hashed in the
+   pass that writes it, then fsync + rename + manifest + pointer) relative to a plain page-cache
+   copy of the same bytes; the same against a real S3-compatible server (moto_server process)
    relative to plain boto3 `upload_file` of the same files;
 3. apply latency: the sidecar's reconcile step (download + verify every sha256 + engine apply via
    `POST /update_weights_from_disk`) on the reference sampler server (`rlfleet sampler serve
@@ -29,13 +31,14 @@ import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from rlfleet.channel import WeightChannel
-from rlfleet.numerics.views import VIEWS, load_view, save_view
-from rlfleet.store import FilesystemStore, S3Store
+from rlfleet.numerics.views import VIEWS, load_view, save_view, view_tensors, write_safetensors
+from rlfleet.store import FileDigest, FilesystemStore, S3Store
 
 
 def synthetic_state(layers: int, d_model: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -122,6 +125,70 @@ def bench_filesystem(view_dirs: dict[str, Path], total: int, work: Path, reps: i
         "publish_copy_vs_plain_copy_fsync": med["copy_fsync"] / med["publish"],
         "publish_move_vs_plain_copy": med["copy"] / med["publish_move"],
         "publish_move_vs_plain_copy_fsync": med["copy_fsync"] / med["publish_move"],
+    }
+
+
+def bench_write_publish(
+    state: dict[str, torch.Tensor], view_dirs: dict[str, Path], total: int, work: Path, reps: int
+) -> dict[str, float]:
+    """The publisher's whole path from converted tensors: every view file written with its sha256
+    computed in the SAME pass (`write_safetensors` -> `write_file_hashed`), then
+    `WeightChannel.publish(move=True, digests=...)` (fsync, rename, manifest, pointer; no second read
+    to hash). Baselines, interleaved per rep: a plain page-cache copy of the same bytes (copyfile,
+    no fsync), the same + fsync, and safetensors' own `save_file` of the same tensors (no hash)."""
+    from safetensors.torch import save_file
+
+    tensors = {v: view_tensors(state, v)[0] for v in view_dirs}
+    runs: dict[str, list[float]] = {
+        "copy": [], "copy_fsync": [], "plain_write": [], "publisher": [], "publisher_page_cache": []
+    }  # fmt: skip
+    durable = FilesystemStore(work / "wp-store", create=True)
+    volatile = FilesystemStore(work / "wp-store-nofsync", create=True, fsync=False)
+
+    def publish_path(store: FilesystemStore, rep: int) -> None:
+        staging = store.staging_dir()
+        assert staging is not None
+        staged = {v: staging / f"rep{rep}" / v for v in view_dirs}
+
+        def write(v: str) -> FileDigest:  # views in parallel, as WeightPublisher.publish does
+            staged[v].mkdir(parents=True)
+            return write_safetensors(tensors[v], staged[v] / "model.safetensors", {"format": "pt"})
+
+        with ThreadPoolExecutor(max_workers=min(len(staged), os.cpu_count() or 1)) as pool:
+            digests = dict(
+                zip((d / "model.safetensors" for d in staged.values()), pool.map(write, staged), strict=True)
+            )
+        WeightChannel(store).publish(staged, move=True, digests=digests)
+
+    def plain_write(rep: int) -> None:
+        (work / f"wpw{rep}").mkdir()
+        for v in view_dirs:
+            save_file(tensors[v], str(work / f"wpw{rep}" / f"{v}.safetensors"), metadata={"format": "pt"})
+
+    cases = {
+        "copy": lambda rep: [copy_tree(d, work / f"wcp{rep}" / v, False) for v, d in view_dirs.items()],
+        "copy_fsync": lambda rep: [copy_tree(d, work / f"wcpf{rep}" / v, True) for v, d in view_dirs.items()],
+        "plain_write": plain_write,
+        "publisher": lambda rep: publish_path(durable, rep),
+        "publisher_page_cache": lambda rep: publish_path(volatile, rep),
+    }
+    for rep in range(reps):  # interleaved; each case starts with no dirty pages (no writeback throttling)
+        for key, case in cases.items():
+            os.sync()
+            t0 = time.perf_counter()
+            case(rep)
+            runs[key].append(time.perf_counter() - t0)
+        for store in (durable, volatile):
+            WeightChannel(store).retain(keep=1)
+        for d in (f"wcp{rep}", f"wcpf{rep}", f"wpw{rep}"):
+            shutil.rmtree(work / d)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        **{f"{k}_MBps": total / t / 1e6 for k, t in med.items()},
+        "publisher_vs_plain_copy": med["copy"] / med["publisher"],
+        "publisher_vs_plain_copy_fsync": med["copy_fsync"] / med["publisher"],
+        "publisher_page_cache_vs_plain_copy": med["copy"] / med["publisher_page_cache"],
+        "publisher_page_cache_vs_plain_write": med["plain_write"] / med["publisher_page_cache"],
     }
 
 
@@ -312,6 +379,9 @@ def main() -> int:
         report["convert_s"] = {v: round(convert[v], 3) for v in VIEWS}
         report["publish_filesystem"] = {
             k: round(v, 3) for k, v in bench_filesystem(view_dirs, total, work, args.reps).items()
+        }
+        report["write_and_publish_filesystem"] = {
+            k: round(v, 3) for k, v in bench_write_publish(state, view_dirs, total, work, args.reps).items()
         }
         if not args.no_s3:
             report["publish_s3_moto"] = {

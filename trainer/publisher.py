@@ -16,9 +16,11 @@ group added later gets its precision from the next version on.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ import torch
 
 from rlfleet.channel import PublishResult, WeightChannel
 from rlfleet.numerics.views import VIEWS, check_view, check_view_for_model, read_base_config, save_view
-from rlfleet.store import Store, StoreError
+from rlfleet.store import FileDigest, Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -109,21 +111,25 @@ class WeightPublisher:
             staging.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="rlfleet-publish-", dir=staging) as tmp:
             t0 = time.perf_counter()
-            dirs = {}
-            digests = {}
+            dirs = {view: Path(tmp) / view for view in views}
             shard = {} if self.max_shard_bytes is None else {"max_shard_bytes": self.max_shard_bytes}
-            for view in views:
-                dirs[view] = Path(tmp) / view
-                digests.update(
-                    save_view(
-                        cpu_state,
-                        view,
-                        dirs[view],
-                        base_checkpoint=self.base_checkpoint,
-                        activation_amax=activation_amax,
-                        **shard,
-                    )
+
+            def write(view: str) -> dict[Path, FileDigest]:
+                return save_view(
+                    cpu_state,
+                    view,
+                    dirs[view],
+                    base_checkpoint=self.base_checkpoint,
+                    activation_amax=activation_amax,
+                    **shard,
                 )
+
+            # Views convert and hash in parallel: torch kernels and sha256 release the GIL, and one
+            # file's sha256 is one core's work (docs/benchmarks.md, "Weights").
+            digests: dict[Path, FileDigest] = {}
+            with ThreadPoolExecutor(max_workers=max(1, min(len(views), os.cpu_count() or 1))) as pool:
+                for written in pool.map(write, views):
+                    digests.update(written)
             t1 = time.perf_counter()
             result = self.channel.publish(
                 dirs,

@@ -32,8 +32,10 @@ Every file is written with its sha256 computed in the same pass (`write_file_has
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -375,10 +377,15 @@ def save_view(
         weight_files = [WEIGHTS_FILE]
     else:
         weight_files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for file, names in zip(weight_files, shards, strict=True):
-        written[directory / file] = write_safetensors(
-            {n: tensors[n] for n in names}, directory / file, {"format": "pt"}
+    # Shards are hashed in parallel (sha256 is one core's work per file; see docs/benchmarks.md).
+    with ThreadPoolExecutor(max_workers=max(1, min(len(shards), os.cpu_count() or 1))) as pool:
+        digests = pool.map(
+            lambda item: write_safetensors(
+                {n: tensors[n] for n in item[1]}, directory / item[0], {"format": "pt"}
+            ),
+            zip(weight_files, shards, strict=True),
         )
+        written.update({directory / file: d for file, d in zip(weight_files, digests, strict=True)})
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map = {n: file for file, names in zip(weight_files, shards, strict=True) for n in names}
