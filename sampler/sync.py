@@ -18,7 +18,8 @@ the engine container), verify the manifest against the pointer's sha256 and ever
 manifest BEFORE the engine sees the directory, then apply:
 
 - disk mode (default): `POST /update_weights_from_disk {model_path, weight_version, flush_cache,
-  abort_all_requests}` (SGLang re-quantizes on load and rolls back by itself on failure);
+  abort_all_requests}` with the next version of the SAME view (SGLang loads it into the launch-time
+  model with its launch-time quantization method, never re-quantizing; it rolls back on failure);
 - push mode: `/init_weights_update_group` once, then per version `/pause_generation {mode: retract}`
   -> `/begin_weight_update` -> n x `/update_weights_from_distributed {names, dtypes, shapes,
   group_name, weight_version, load_format}` -> `/end_weight_update` -> `/continue_generation`

@@ -342,3 +342,19 @@ def _assert_restricted(pod: dict) -> None:
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
         assert "privileged" not in sc
+
+
+def test_standalone_group_without_a_channel_serves_its_model_path_as_version_0(job: RLJob) -> None:
+    """No WeightChannel: no fetcher, no sidecar; SGLang runs spec.model.path directly, still labelled
+    with a version (0) so its tokens never carry "default"."""
+    sg_manifest = children(job)[("SamplerGroup", "reference-fleet-h100-bf16")]
+    sg = SamplerGroup.from_manifest(sg_manifest)
+    dep = builders.build_sampler_deployment(sg, NS, None, CATALOG, None)
+    pod = dep["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    assert "initContainers" not in pod
+    argv = engine["command"] + engine["args"]
+    assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert argv[argv.index("--model-path") + 1] == "Qwen/Qwen3-8B"
+    assert argv[argv.index("--weight-version") + 1] == "0"
+    _assert_restricted(pod)

@@ -226,6 +226,32 @@ def test_default_catalog_configmap_is_a_valid_empty_override(render) -> None:
 # --- values schema ------------------------------------------------------------------------------------
 
 
+def test_weight_stores_reach_the_operator_read_only_and_by_reference(render) -> None:
+    """Filesystem stores as read-only volumes at the channels' path; S3 keys as secretKeyRefs only
+    (docs/install.md "Weight stores"). The default render has neither."""
+    container = operator_container(render())
+    assert not [e for e in container["env"] if e["name"].startswith("AWS_")]
+    assert [m["name"] for m in container["volumeMounts"]] == ["catalog", "tmp"]
+    objs = render({"weightStores": {
+        "filesystem": [{"name": "weights", "mountPath": "/weights", "claimName": "rlfleet-weights-ro"},
+                       {"name": "nfs", "mountPath": "/mnt/nfs", "volume": {"nfs": {"server": "nfs.example", "path": "/w"}}}],
+        "s3": {"secretName": "rlfleet-s3", "secretAccessKeyKey": "secret"}}})  # fmt: skip
+    (deployment,) = find(objs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = operator_container(objs)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["store-weights"]["persistentVolumeClaim"] == {"claimName": "rlfleet-weights-ro", "readOnly": True}
+    assert volumes["store-nfs"]["nfs"] == {"server": "nfs.example", "path": "/w"}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["store-weights"] == {"name": "store-weights", "mountPath": "/weights", "readOnly": True}
+    assert mounts["store-nfs"]["readOnly"] is True and mounts["store-nfs"]["mountPath"] == "/mnt/nfs"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["AWS_ACCESS_KEY_ID"] == {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {
+        "name": "rlfleet-s3", "key": "AWS_ACCESS_KEY_ID"}}}  # fmt: skip
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "rlfleet-s3", "key": "secret"}
+    assert all("value" not in e for e in env.values() if e["name"].startswith("AWS_"))
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -237,6 +263,10 @@ def test_default_catalog_configmap_is_a_valid_empty_override(render) -> None:
         ({"metrics": {"prometheusRule": {"thresholds": {"klRatio": -1}}}}, "klRatio"),
         ({"catalog": {"classes": {"H100!": {}}}}, "H100!"),
         ({"grafana": {"dashbord": {}}}, "dashbord"),
+        # S3 keys only by Secret reference: an inline key is not a value the chart has
+        ({"weightStores": {"s3": {"accessKey": "AKIA..."}}}, "accessKey"),
+        ({"weightStores": {"filesystem": [{"name": "w", "mountPath": "/w"}]}}, "filesystem"),
+        ({"weightStores": {"filesystem": [{"name": "w", "mountPath": "rel", "claimName": "c"}]}}, "mountPath"),
     ],
 )
 def test_schema_rejects_bad_values_with_the_field_named(render, values: dict[str, Any], message: str) -> None:

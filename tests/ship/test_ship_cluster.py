@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 import os
 import re
@@ -266,7 +267,8 @@ class ApiRecorder:
 
 
 @contextmanager
-def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values: dict[str, Any],
+                                         values: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """Apply everything the chart renders except the operator Deployment (its pods would be kwok's fakes);
     yield what an out-of-cluster operator needs to run exactly like the Deployment's container."""
     release = unique("op")
@@ -274,7 +276,8 @@ def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values:
     kube.kubectl("create", "namespace", namespace)
     apply_crds(kube)
     health, metrics = free_port(), free_port()
-    values = {"operator": {"peering": {"enabled": True, "name": release}, "healthPort": health,
+    values = {**(values or {}),
+              "operator": {"peering": {"enabled": True, "name": release}, "healthPort": health,
                            "metricsPort": metrics, "logLevel": "debug", **operator_values}}
     objs = [d for d in yaml.safe_load_all(helm_template(helm, release, namespace, values, tmp)) if d]
     deployment = next(o for o in objs if o["kind"] == "Deployment")
@@ -291,6 +294,7 @@ def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values:
     catalog_file.write_text(catalog_cm["data"][catalog_file.name])
     try:
         yield {"release": release, "namespace": namespace, "container": container, "token": token,
+               "pod": deployment["spec"]["template"]["spec"],
                "ca_data": admin["clusters"][0]["cluster"]["certificate-authority-data"],
                "catalog_file": catalog_file, "objects": rest, "health": health, "metrics": metrics, "tmp": tmp}
     finally:
@@ -314,15 +318,20 @@ def write_kubeconfig(path: Path, server: str, namespace: str, token: str, ca_dat
 
 
 def start_operator(chart: dict[str, Any], kubeconfig: Path, pod_name: str, ports: tuple[int, int] | None = None,
-                   ) -> tuple[subprocess.Popen, Path]:
+                   env_from_pod: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     """`rlfleet` with the chart container's own args (liveness and metrics bound to 127.0.0.1: tests never
-    listen beyond the loopback) and the pod's env (POD_ID/POD_NAME from the downward API)."""
+    listen beyond the loopback) and the pod's env (POD_ID/POD_NAME from the downward API; `env_from_pod`:
+    the container's other env resolved as the kubelet would, e.g. secretKeyRefs)."""
     health, metrics = ports or (chart["health"], chart["metrics"])
     args = [a.replace("0.0.0.0", "127.0.0.1") for a in chart["container"]["args"]] + ["--metrics-address=127.0.0.1"]
     args = [re.sub(r":\d+/healthz$", f":{health}/healthz", a) for a in args]
     args = [f"--metrics-port={metrics}" if a.startswith("--metrics-port=") else a for a in args]
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "RLFLEET_CATALOG": str(chart["catalog_file"]),
-           "POD_ID": pod_name, "POD_NAME": pod_name, "POD_NAMESPACE": chart["namespace"]}
+    env = dict(os.environ)
+    if env_from_pod is not None:  # nothing of this machine's AWS setup leaks in: only what the pod gets
+        env = {k: v for k, v in env.items() if not k.startswith("AWS_")} | env_from_pod
+    # the mounted catalog and the downward API, as this machine has them
+    env |= {"KUBECONFIG": str(kubeconfig), "RLFLEET_CATALOG": str(chart["catalog_file"]),
+            "POD_ID": pod_name, "POD_NAME": pod_name, "POD_NAMESPACE": chart["namespace"]}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     log_path = chart["tmp"] / f"{pod_name}.log"
     with open(log_path, "w") as log:
@@ -555,3 +564,151 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
                     stop_operator(standby)
     finally:
         kube.kubectl("delete", "namespace", jobs, "--wait=false", check=False)
+
+
+# --- weight stores: WeightChannel status with the chart as shipped ----------------------------------------
+
+
+def _moto() -> Any:
+    """tests/weights/conftest.py's moto_server starter (one way to run the S3 test server)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("weights_conftest", REPO / "tests" / "weights" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _pod_env(kube, namespace: str, container: dict[str, Any]) -> dict[str, str]:
+    """The container's env as the kubelet resolves it: literal values and secretKeyRefs (read from the
+    real Secret); downward-API fields are set by start_operator."""
+    out: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            out[e["name"]] = e["value"]
+        elif ref := e.get("valueFrom", {}).get("secretKeyRef"):
+            secret = kube.get_json("secret", ref["name"], "-n", namespace)
+            out[e["name"]] = base64.b64decode(secret["data"][ref["key"]]).decode()
+    return out
+
+
+def _printed(kube, *args: str) -> dict[str, str]:
+    """`kubectl get` of one object as {column: cell}; cells (maybe empty) lie under their headers."""
+    header, row = kube.kubectl("get", *args).stdout.splitlines()[:2]
+    starts = [(m.start(), m.group()) for m in re.finditer(r"\S+", header)]
+    ends = [start for start, _ in starts[1:]] + [None]
+    return {name: row[start:end].strip() for (start, name), end in zip(starts, ends, strict=True)}
+
+
+def _get_or_none(kube, *args: str) -> dict[str, Any]:
+    result = kube.kubectl("get", *args, "-o", "json", check=False)
+    return json.loads(result.stdout) if result.returncode == 0 else {}
+
+
+def test_weightchannel_versions_with_the_charts_store_access(kube, helm, tmp_path_factory,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chart as shipped gives the operator read access to both store kinds: a filesystem store
+    through a read-only volume at the channels' path, an S3 store through credentials from a Secret the
+    user names (by reference). Published versions and a sidecar's report then appear as WeightChannel
+    status (LATEST) and the SamplerGroup VERSION / LAG columns. The operator runs out of the cluster
+    with the Deployment's own args and env (secretKeyRefs resolved from the real Secret, this machine's
+    AWS settings removed); the PVC mount is emulated by linking the rendered mountPath to the PV's
+    directory, so a path the chart does not mount does not exist for it."""
+    from rlfleet.channel import SubscriberReport, WeightChannel
+    from rlfleet.store import FilesystemStore, S3Store
+
+    tmp = tmp_path_factory.mktemp("stores")
+    mount_path = tmp / "mnt" / "weights"  # what the chart mounts in the operator pod
+    moto = _moto()
+    s3_port = moto.free_port()
+    s3 = moto.start_moto(s3_port)
+    endpoint = f"http://127.0.0.1:{s3_port}"
+    values = {"weightStores": {"filesystem": [{"name": "weights", "mountPath": str(mount_path),
+                                               "claimName": "rlfleet-weights-ro"}],
+                               "s3": {"secretName": "rlfleet-s3"}}}  # fmt: skip
+    try:
+        with chart_objects_without_the_deployment(kube, helm, tmp, {"replicas": 1}, values) as chart:
+            ns = chart["namespace"]
+            pod, container = chart["pod"], chart["container"]
+            # the rendered Deployment: the PVC read-only at the path, the keys by reference only
+            volume = next(v for v in pod["volumes"] if v["name"] == "store-weights")
+            assert volume["persistentVolumeClaim"] == {"claimName": "rlfleet-weights-ro", "readOnly": True}
+            assert {"name": "store-weights", "mountPath": str(mount_path), "readOnly": True} in container["volumeMounts"]
+            refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"].startswith("AWS_")}
+            assert refs == {"AWS_ACCESS_KEY_ID": {"name": "rlfleet-s3", "key": "AWS_ACCESS_KEY_ID"},
+                            "AWS_SECRET_ACCESS_KEY": {"name": "rlfleet-s3", "key": "AWS_SECRET_ACCESS_KEY"}}
+            kube.kubectl("create", "secret", "generic", "rlfleet-s3", "-n", ns,
+                         "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
+            # the "PV" behind the claim, "mounted" (linked) wherever the rendered pod mounts a store volume
+            pv = tmp / "pv"
+            pv.mkdir()
+            for mount in container["volumeMounts"]:
+                if mount["name"].startswith("store-"):
+                    Path(mount["mountPath"]).parent.mkdir(parents=True, exist_ok=True)
+                    Path(mount["mountPath"]).symlink_to(pv)
+            assert mount_path.is_dir()
+            # stores, written as the trainer (publish) and a sidecar (report) do
+            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # this test's own writes
+                monkeypatch.setenv(key, "testing")
+            import boto3
+
+            bucket = f"wc-{uuid.uuid4().hex[:10]}"
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+            stores = {"fs": FilesystemStore(pv / "fs-job", create=True),
+                      "s3": S3Store(bucket, "runs/s3-job", endpoint_url=endpoint, region="us-east-1")}
+            views = {}
+            for view in ("bf16", "fp8"):
+                d = tmp / "views" / view
+                d.mkdir(parents=True)
+                (d / "config.json").write_text(json.dumps({"view": view}))
+                views[view] = d
+            jobs_ns = f"{chart['release']}-jobs"
+            kube.kubectl("create", "namespace", jobs_ns)
+            example = yaml.safe_load(EXAMPLE.read_text())
+            store_specs = {"fs": {"type": "filesystem", "path": str(mount_path / "fs-job")},
+                           "s3": {"type": "s3", "bucket": bucket, "prefix": "runs/s3-job", "endpoint": endpoint,
+                                  "region": "us-east-1"}}  # fmt: skip
+            for store in stores.values():
+                WeightChannel(store).publish(views, version=0)
+            kubeconfig = write_kubeconfig(tmp / "sa.kubeconfig", kube.server, ns, chart["token"], chart["ca_data"])
+            proc, log_path = start_operator(chart, kubeconfig, f"{chart['release']}-pod",
+                                            env_from_pod=_pod_env(kube, ns, container))
+            try:
+                for kind in stores:
+                    job = copy.deepcopy(example)
+                    job["metadata"]["name"] = f"{kind}-job"
+                    job["spec"]["samplerGroups"] = [{"name": "h100-fp8", "accelerator": "h100", "replicas": 1,
+                                                     "weightFormat": "fp8"}]
+                    job["spec"]["weightChannel"]["store"] = store_specs[kind]
+                    kube.kubectl("apply", "-n", jobs_ns, "-f", "-", input=json.dumps(job))
+                for kind, store in stores.items():
+                    channel = WeightChannel(store)
+                    channel.publish(views, version=1)
+                    channel.report(SubscriberReport(group=f"{kind}-job-h100-fp8", replica="pod-a", view="fp8",
+                                                    applied_version=0, in_use=[0]))
+
+                def versions(kind: str) -> Callable[[], Any]:
+                    def check() -> Any:
+                        wc = _get_or_none(kube, "wc", f"{kind}-job-weights", "-n", jobs_ns)
+                        sg = _get_or_none(kube, "sg", f"{kind}-job-h100-fp8", "-n", jobs_ns)
+                        ok = (wc.get("status", {}).get("latestVersion") == 1
+                              and sg.get("status", {}).get("versionLag") == 1)  # fmt: skip
+                        return (wc["status"], sg["status"]) if ok else None
+                    return check
+
+                for kind in stores:
+                    try:
+                        wc, sg = wait_for(f"{kind} channel status", versions(kind), timeout=120)
+                    except AssertionError as exc:
+                        raise AssertionError(f"{exc}\n" + "\n".join(log_path.read_text().splitlines()[-30:])) from None
+                    assert wc["phase"] == "Ready" and {a["view"] for a in wc["artifacts"]} == {"bf16", "fp8"}
+                    assert sg["appliedWeightVersion"] == 0
+                    sg_row = _printed(kube, "sg", f"{kind}-job-h100-fp8", "-n", jobs_ns)
+                    assert (sg_row["VERSION"], sg_row["LAG"]) == ("0", "1"), sg_row
+                    assert _printed(kube, "wc", f"{kind}-job-weights", "-n", jobs_ns)["LATEST"] == "1"
+            finally:
+                stop_operator(proc)
+                kube.kubectl("delete", "namespace", jobs_ns, "--wait=false", check=False)
+    finally:
+        s3.terminate()
+        s3.wait(10)
