@@ -255,10 +255,37 @@ def drive(backend, rank: int, script) -> Any:
         backend.close()
 
 
-def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def join_group(rank: int, world: int, port: int) -> None:
+    """A spawned process: torchrun's environment (the backend initialises the gloo group), the stubs."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     install_stubs()
+
+
+def leave_group(rank: int, checks: dict[str, Any], out_path: str) -> None:
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(checks, default=str))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def step_equals_reference(backend, rank: int, refs: dict[str, Any]) -> dict[str, Any] | None:
+    """One train_step on the odd-length batch + publish, against the single-process run: loss,
+    kl_k3, token count (the whole batch's), grad norm and every updated weight."""
+    result = drive(backend, rank, lambda b: (b.train_step(flat_batch(7), GROUPS), b.weights()))
+    if rank != 0:
+        return None
+    (out, grad_norm), weights = result
+    wd = max(max_diff(weights[k], refs["odd_weights"][k]) for k in weights)
+    dl, dg = abs(float(out.loss) - refs["odd_loss"]), abs(grad_norm - refs["odd_grad_norm"])
+    dk = abs(out.metrics["kl_k3"] - refs["odd_kl_k3"])
+    return {"ok": dl <= 1e-6 and dg <= 1e-5 and wd <= 1e-6 and dk <= 1e-6 and out.num_valid_tokens == refs["odd_tokens"],
+            "seq_len": SEQ, "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd,
+            "num_valid_tokens": out.num_valid_tokens, "loss": float(out.loss)}
+
+
+def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
+    join_group(rank, 2, port)
     work_dir = Path(work)
     refs = torch.load(refs_path, weights_only=False)
     checks: dict[str, Any] = {}
@@ -274,20 +301,9 @@ def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
     # odd sequence length, TP=2 with sequence parallel: padded, same loss / grad norm / update as TP=1
     backend = build(work_dir / "qwen3_head_dim_rope_parameters", tp=2)
     assert backend.tconfig.sequence_parallel
-    result = drive(backend, rank, lambda b: (b.train_step(flat_batch(7), GROUPS), b.weights()))
-    if rank == 0:
-        (out, grad_norm), weights = result
-        wd = max(max_diff(weights[k], refs["odd_weights"][k]) for k in weights)
-        dl, dg = abs(float(out.loss) - refs["odd_loss"]), abs(grad_norm - refs["odd_grad_norm"])
-        checks["odd_seq_sequence_parallel_tp2_equals_tp1"] = {
-            "ok": dl <= 1e-6 and dg <= 1e-5 and wd <= 1e-6, "seq_len": SEQ, "loss_diff": dl, "grad_norm_diff": dg,
-            "updated_weights_max_diff": wd, "loss": float(out.loss)}
-
+    checks["odd_seq_sequence_parallel_tp2_equals_tp1"] = step_equals_reference(backend, rank, refs)
     checks["restore_then_step_equals_uninterrupted_all_ranks"] = restore_check(rank, work_dir, tp=2)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(checks, default=str))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_group(rank, checks, out_path)
 
 
 def restore_check(rank: int, work_dir: Path, tp: int) -> dict[str, Any] | None:
@@ -325,28 +341,14 @@ def phase_tp2_dp2(rank: int, port: int, work: str, refs_path: str, out_path: str
     """Four processes, TP=2 x DP=2 (the production shape): each replica trains on half the sequences;
     the gradient, the update and the loss rank 0 reports are the whole batch's, and a restore with
     the optimizer state sharded over the replicas is exact on every rank."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="4", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    install_stubs()
+    join_group(rank, 4, port)
     work_dir = Path(work)
     refs = torch.load(refs_path, weights_only=False)
     checks: dict[str, Any] = {}
     backend = build(work_dir / "qwen3_head_dim_rope_parameters", tp=2)
-    result = drive(backend, rank, lambda b: (b.train_step(flat_batch(7), GROUPS), b.weights()))
-    if rank == 0:
-        (out, grad_norm), weights = result
-        wd = max(max_diff(weights[k], refs["odd_weights"][k]) for k in weights)
-        dl, dg = abs(float(out.loss) - refs["odd_loss"]), abs(grad_norm - refs["odd_grad_norm"])
-        dk = abs(out.metrics["kl_k3"] - refs["odd_kl_k3"])
-        checks["tp2_dp2_step_equals_single_process"] = {
-            "ok": dl <= 1e-6 and dg <= 1e-5 and wd <= 1e-6 and dk <= 1e-6 and out.num_valid_tokens == refs["odd_tokens"],
-            "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd,
-            "num_valid_tokens": out.num_valid_tokens}
+    checks["tp2_dp2_step_equals_single_process"] = step_equals_reference(backend, rank, refs)
     checks["tp2_dp2_restore_then_step_equals_uninterrupted_all_ranks"] = restore_check(rank, work_dir, tp=2)
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(checks, default=str))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    leave_group(rank, checks, out_path)
 
 
 def free_port() -> int:
