@@ -238,6 +238,7 @@ def test_megatron_cpu_tier(megatron_cpu_tier, name):
     assert check["ok"], check
 
 
+@pytest.mark.slow
 def test_megatron_cpu_tier_thresholds_are_tight(megatron_cpu_tier):
     checks = megatron_cpu_tier["checks"]
     for name in CHECKS:
