@@ -596,8 +596,10 @@ class Syncer:
             (p for p in self.config.cache_dir.glob(f"v*-{self.config.view}") if p.is_dir()),
             key=lambda p: int(p.name[1:].split("-", 1)[0]) if p.name[1:].split("-", 1)[0].isdigit() else -1,
         )
+        launched = read_launch_file(self.config.cache_dir)
         for stale in dirs[: -self.config.keep_local]:
-            shutil.rmtree(stale, ignore_errors=True)
+            if launched is None or stale != launched[1]:  # never what a restarted engine would launch
+                shutil.rmtree(stale, ignore_errors=True)
 
     async def _report(self, target: int | None = None) -> None:
         in_use = sorted({v for v in (self.state.applied_version, target) if v is not None})

@@ -739,3 +739,21 @@ async def test_sidecar_starts_from_the_launch_file_and_rewrites_it(engine: Recor
     disk = [b["weight_version"] for p, b in engine.requests if p == "/update_weights_from_disk"]
     assert disk == ["1"]
     assert read_launch_file(cache) == (1, cache / "v1-fp8")
+    assert (cache / "v1-fp8" / "config.json").is_file()  # what the launch file names is kept
+
+
+async def test_prune_keeps_the_newest_local_versions_and_the_launch_checkpoint(
+    engine: RecordingEngine, tmp_path: Path
+) -> None:
+    from rlfleet.sampler.sync import read_launch_file
+
+    store = FilesystemStore(tmp_path / "store", create=True)
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        syncer = make_syncer(store, engine, client, tmp_path)
+        syncer.config.keep_local = 1
+        for seed in (1, 2, 3):
+            publish_hf(store, tiny_state(seed), ["fp8"], tmp_path)
+            assert await syncer.reconcile_once() is True
+    cache = tmp_path / "cache"
+    assert sorted(p.name for p in cache.glob("v*-fp8")) == ["v2-fp8"]
+    assert read_launch_file(cache) == (2, cache / "v2-fp8")
