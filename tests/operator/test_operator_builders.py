@@ -182,7 +182,7 @@ def test_config_map_holds_the_resolved_run_and_router_config(job: RLJob) -> None
 
 
 def test_router_config_is_accepted_by_the_router() -> None:
-    config = pytest.importorskip("rlfleet.router.config")
+    from rlfleet.router import config
     job = load_rljob(REPO / "examples" / "rljob.yaml")
     parsed = config.RouterConfig.model_validate(builders.router_config(job, NS))
     assert len(parsed.groups) == 8

@@ -484,25 +484,30 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
             env=env, stdout=subprocess.DEVNULL, stderr=logs[priority], start_new_session=True,
         )  # fmt: skip
 
-    leader, standby = start(200), start(100)
+    def peers() -> int:
+        return len((get(kube, namespace, "kopfpeering", "rlfleet") or {}).get("status", {}) or {})
+
+    leader_log, standby_log = tmp_path / "operator-200.log", tmp_path / "operator-100.log"
+    # Bounded waits on what each peer says, never on timing. kopf starts every peer paused and resumes
+    # it once it sees no live peer of higher priority; so the leader goes first, and the standby starts
+    # only when the leader's record is in the peering object: the standby's first look sees the leader
+    # and it never resumes, however slowly either process starts on a loaded machine.
+    leader = start(200)
+    standby = None
     try:
-        standby_log = tmp_path / "operator-100.log"
-        # bounded waits on what each peer says, never on timing: the standby has seen the leader and paused
-        # before the job exists (under load it can take long to start), so the leader does all the work
-        wait_for(
-            "both peers announced",
-            lambda: len((get(kube, namespace, "kopfpeering", "rlfleet") or {}).get("status", {}) or {}) >= 2,
-            timeout=120,
-        )
-        wait_for("standby paused for the leader", lambda: "Pausing operations in favour of" in standby_log.read_text(),
+        wait_for("leader active", lambda: peers() >= 1 and "Resuming operations" in leader_log.read_text(),
                  timeout=120)  # fmt: skip
+        standby = start(100)
+        wait_for("standby announced", lambda: peers() >= 2, timeout=120)
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
         wait_for(
             "small job Running",
             lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
             timeout=180,
         )
-        assert "Handler 'reconcile_rljob' is invoked" not in standby_log.read_text()  # the leader did the work
+        passive = standby_log.read_text()
+        assert "Resuming operations" not in passive  # the standby stayed paused
+        assert "Handler 'reconcile_rljob' is invoked" not in passive  # the leader did the work
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait(10)
         manifest["spec"]["samplerGroups"][0]["replicas"] = 2
@@ -521,7 +526,7 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
         for f in logs.values():
             f.close()
         for proc in (leader, standby):
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(15)

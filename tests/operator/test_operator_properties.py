@@ -81,3 +81,54 @@ def test_sampler_deployment_invariants(combo, replicas, tp, suspend, ready) -> N
     assert not st.status_changed(
         s, st.samplergroup_status(manifest | {"status": s}, observed, CATALOG, now="2026-02-01T00:00:00Z")
     )
+
+
+def _mounted(container: dict, path: str) -> str | None:
+    """Name of the volume under which `path` is visible in `container` (None: not mounted)."""
+    for mount in container.get("volumeMounts", []):
+        root = mount["mountPath"].rstrip("/")
+        if path == root or path.startswith(root + "/"):
+            return mount["name"]
+    return None
+
+
+@settings(max_examples=40, deadline=None)
+@given(combo=st_.sampled_from(COMBOS), suspend=st_.booleans())
+def test_sampler_pod_shares_one_weights_cache_and_has_no_api_token(combo, suspend) -> None:
+    """Every path under the weights cache a container of the pod uses (the engine's launch file and model
+    directory, the sidecar's --cache-dir, the init container's fetch) is on a mount of the SAME emptyDir
+    volume: the sidecar verifies into it and SGLang reads from it. And the pod gets no service-account
+    token (samplers need no API rights: the sidecar reports through the store)."""
+    from rlfleet.api import StoreSpec
+    from rlfleet.operator import naming as n
+
+    manifest = sg_manifest(*combo, replicas=1, tp=None, suspend=suspend)
+    manifest["spec"]["weightChannel"] = "job-weights"
+    sg = SamplerGroup.from_manifest(manifest)
+    store = StoreSpec(type="filesystem", path="/weights/job", volume_claim_name="weights")
+    pod = builders.build_sampler_deployment(sg, "ns", manifest, CATALOG, store)["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    containers = pod["containers"] + pod.get("initContainers", [])
+    used = 0
+    for container in containers:
+        words = [*container.get("command", []), *container.get("args", [])]
+        paths = {p for w in words for p in w.split() if p.startswith(n.WEIGHTS_CACHE)}
+        for path in paths:
+            volume = _mounted(container, path)
+            assert volume is not None, (container["name"], path)
+            assert "emptyDir" in volumes[volume], (container["name"], volume)
+            used += 1
+    cache_volumes = {_mounted(c, n.WEIGHTS_CACHE) for c in containers}
+    assert len(cache_volumes) == 1 and None not in cache_volumes  # one cache, mounted in every container
+    assert used >= 2  # the engine and the sidecar both really use it
+
+
+def test_trainer_pods_have_no_api_token() -> None:
+    from pathlib import Path
+
+    from rlfleet.api import load_rljob
+
+    job = load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml")
+    sts = builders.build_trainer_statefulset(job, "ns", None, CATALOG)
+    assert sts["spec"]["template"]["spec"]["automountServiceAccountToken"] is False

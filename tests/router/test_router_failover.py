@@ -55,8 +55,15 @@ class Load:
 
     async def stop(self) -> None:
         self._stop.set()
-        await asyncio.gather(*self._tasks)
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.http.close()
+        # a worker that died on anything but a recorded ClientError would hide its lost requests
+        crashed = [r for r in results if r is not None]
+        assert crashed == [], f"{len(crashed)} load workers crashed: {crashed[:3]!r}"
+
+    async def wait_records(self, phase: int, count: int = 60, timeout: float = 60.0) -> None:
+        """Until `count` answers of `phase` are in (a bounded wait on traffic, not a sleep)."""
+        await _wait_until(lambda: sum(1 for r in self.records if r[0] == phase) >= count, timeout)
 
     def groups_by_session(self, phase: int) -> dict[str, set[str | None]]:
         seen: dict[str, set[str | None]] = defaultdict(set)
@@ -87,7 +94,7 @@ async def fleet():
                 u.kill()
 
 
-async def _wait_until(predicate, timeout: float = 10.0) -> None:
+async def _wait_until(predicate, timeout: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
@@ -99,18 +106,19 @@ async def test_killing_a_replica_then_a_group_loses_nothing_and_sessions_re_stic
     upstreams, router, url = fleet
     load = Load(url)
     await load.start()
-    await asyncio.sleep(1.5)
+    # phase 0: every session has had a turn (120 sessions over 24 workers), most several
+    await load.wait_records(0, count=2 * load.sessions)
 
     # Phase 1: one replica of h100-fp8 crashes. Its sessions stay in their group (the sibling).
     load.phase = 1
     upstreams["h100-fp8"][0].kill()
-    await asyncio.sleep(1.5)
+    await load.wait_records(1, count=load.sessions)
 
     # Phase 2: the whole b200-nvfp4 group crashes. Its sessions move to their second choice.
     load.phase = 2
     for u in upstreams["b200-nvfp4"]:
         u.kill()
-    await asyncio.sleep(1.5)
+    await load.wait_records(2, count=load.sessions)
 
     # Phase 3: the group comes back on the same addresses; health checks notice, sessions return.
     load.phase = 3
@@ -119,7 +127,7 @@ async def test_killing_a_replica_then_a_group_loses_nothing_and_sessions_re_stic
     ]
     await _wait_until(lambda: router.table.groups["b200-nvfp4"].routable())
     load.phase = 4
-    await asyncio.sleep(1.5)
+    await load.wait_records(4, count=load.sessions)
     await load.stop()
 
     statuses = [status for _, _, status, _ in load.records]

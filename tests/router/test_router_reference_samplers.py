@@ -112,10 +112,13 @@ async def test_reference_samplers_shares_converge_and_a_stopped_group_loses_noth
         assert {group for _, group in after} <= {"a100-bf16", "h100-fp8"}
     finally:
         stop.set()
-        await asyncio.gather(*workers, return_exceptions=True)
+        results = await asyncio.gather(*workers, return_exceptions=True)
         await http.close()
         await runner.cleanup()
         await router.close()
         for server in servers.values():
             await server.stop()
+    # a worker that died (e.g. a ClientError: the router failed a request) would hide its lost request
+    crashed = [r for r in results if r is not None]
+    assert crashed == [], f"{len(crashed)} load workers crashed: {crashed[:3]!r}"
     assert all(status == 200 for status, _ in answers), [a for a in answers if a[0] != 200][:5]

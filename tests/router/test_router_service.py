@@ -346,3 +346,17 @@ async def test_cli_serves_until_sigterm(tmp_path) -> None:
             process.kill()
             await process.wait()
         await upstream.stop()
+
+
+async def test_in_flight_counts_return_to_zero_after_upstream_errors(fleet: Fleet) -> None:
+    """Least-loaded replica choice reads `inflight`: an attempt that ends in a 5xx or a dead connection
+    must give its slot back, or the failed replica looks busy forever (and a sibling idle)."""
+    await fleet.start({"g": 3})
+    failing, dead, healthy = fleet.upstreams["g"]
+    failing.state.fail_status = 503
+    await dead.stop()  # connection refused: an UpstreamError, not an HTTP answer
+    answers = [await fleet.generate(f"s{i}") for i in range(30)]
+    assert [r.status for r in answers] == [200] * 30  # every request retried onto the healthy replica
+    replicas = fleet.router.table.groups["g"].replicas
+    assert replicas[failing.url].failures >= 1 and replicas[dead.url].failures >= 1  # both paths were taken
+    assert {url: r.inflight for url, r in replicas.items()} == {u.url: 0 for u in (failing, dead, healthy)}

@@ -190,7 +190,7 @@ async def test_client_shrinks_top_k_against_the_server_cap():
 
 
 async def test_update_weights_from_disk_and_version_conflicts(tmp_path):
-    views = pytest.importorskip("rlfleet.numerics.views")
+    from rlfleet.numerics import views
     new_weights = TinyGPT(TinyGPTConfig(**{**MODEL.__dict__, "seed": 99})).state_dict()
     views.save_view(new_weights, "bf16", tmp_path / "v5")
     views.save_view(new_weights, "nvfp4", tmp_path / "v6")
@@ -229,7 +229,7 @@ async def test_update_weights_from_disk_and_version_conflicts(tmp_path):
 
 
 async def test_update_mid_generation_gives_weight_version_spans(tmp_path):
-    views = pytest.importorskip("rlfleet.numerics.views")
+    from rlfleet.numerics import views
     views.save_view(
         TinyGPT(TinyGPTConfig(**{**MODEL.__dict__, "seed": 5})).state_dict(), "bf16", tmp_path / "v3"
     )
@@ -252,7 +252,7 @@ async def test_update_mid_generation_gives_weight_version_spans(tmp_path):
 
 
 async def test_abort_all_requests_on_update_and_pause_continue(tmp_path):
-    views = pytest.importorskip("rlfleet.numerics.views")
+    from rlfleet.numerics import views
     views.save_view(TinyGPT(MODEL).state_dict(), "bf16", tmp_path / "v1")
     eng = engine(max_tokens_per_second=40.0)
     async with await start_reference_server(eng) as server, httpx.AsyncClient(timeout=30) as http:
@@ -356,7 +356,6 @@ async def test_metrics_health_info_and_api_key():
 
 def test_sglang_engine_argv_uses_the_catalog(capsys):
     """No SGLang (nor GPU) here: only the command line is checked, never executed."""
-    pytest.importorskip("rlfleet.catalog")
     rc = srv_mod.cli(
         [
             "--engine",
@@ -476,7 +475,7 @@ def test_cli_serves_reference_over_http(tmp_path):
 
 
 def test_cli_model_path_loads_a_view_and_infers_dims(tmp_path):
-    views = pytest.importorskip("rlfleet.numerics.views")
+    from rlfleet.numerics import views
     weights = TinyGPT(MODEL).state_dict()
     views.save_view(weights, "nvfp4", tmp_path / "view")
     args = srv_mod._parser().parse_args(
