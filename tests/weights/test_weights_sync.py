@@ -757,3 +757,45 @@ async def test_prune_keeps_the_newest_local_versions_and_the_launch_checkpoint(
     cache = tmp_path / "cache"
     assert sorted(p.name for p in cache.glob("v*-fp8")) == ["v2-fp8"]
     assert read_launch_file(cache) == (2, cache / "v2-fp8")
+
+
+@pytest.mark.parametrize("view", ["bf16", "fp8", "nvfp4"])
+async def test_fetch_launches_from_the_publishers_real_hf_checkpoint(view: str, tmp_path: Path) -> None:
+    """Version 0 as the trainer publishes it from a real (tiny) Qwen3 HF checkpoint (WeightPublisher,
+    rlfleet/numerics/views.py): the init container's fetch accepts it for its own view, the launch dir is
+    a complete checkpoint (config.json whose quantization is the catalog's --quantization for the view,
+    tokenizer files) and the other quantized views' checkpoints are refused for this view."""
+    import json
+
+    from test_weights_sglang_loaders import CALIBRATION, build_model, build_tokenizer
+
+    from rlfleet.catalog import load_catalog, sglang_launch
+    from rlfleet.numerics.views import calibrate_activation_amax
+    from rlfleet.sampler.sync import NotLaunchableError, check_launchable, read_launch_file
+
+    base = tmp_path / "base"
+    build_model("dense", seed=0).save_pretrained(base)
+    build_tokenizer(base)
+    store = FilesystemStore(tmp_path / "store", create=True)
+    model = build_model("dense", seed=1)
+    amax = calibrate_activation_amax(model, [CALIBRATION])
+    WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], base_checkpoint=base).publish(
+        model.state_dict(), activation_amax=amax
+    )
+    config = SyncConfig(store="unused", view=view, engine_url="http://127.0.0.1:9", group="g", replica="r",
+                        cache_dir=tmp_path / "cache", require_checkpoint=True)  # fmt: skip
+    async with httpx.AsyncClient() as client:
+        fetched = await Syncer(config, store, DiskEngine(client)).fetch_for_launch(asyncio.Event())
+    assert fetched == (0, tmp_path / "cache" / f"v0-{view}") == read_launch_file(tmp_path / "cache")
+    directory = fetched[1]
+    assert (directory / "tokenizer.json").is_file() and (directory / "tokenizer_config.json").is_file()
+    launch = sglang_launch(accelerator=load_catalog(None).get("b200"), weight_format=view,
+                           model_path=str(directory), served_model_name="m", weight_version=0)  # fmt: skip
+    flag = launch.flags[launch.flags.index("--quantization") + 1] if "--quantization" in launch.flags else None
+    assert check_launchable(directory, view) == flag
+    declared = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    assert (declared is None) == (view == "bf16")
+    for other in {"fp8", "nvfp4"} - {view}:
+        WeightChannel(store).download_view(0, other, tmp_path / other)
+        with pytest.raises(NotLaunchableError):
+            check_launchable(tmp_path / other, view)
