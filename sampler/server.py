@@ -441,9 +441,9 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
         try:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise web.HTTPBadRequest(
-                text=json.dumps({"error": {"message": "body is not JSON"}}), content_type="application/json"
-            ) from None
+            # FastAPI answers an undecodable body as a RequestValidationError (json_invalid)
+            body = error_response(400, "body is not valid JSON", "Bad Request").body
+            raise web.HTTPBadRequest(text=json.dumps(body), content_type="application/json") from None
 
     def gate(raw: Any) -> tuple[list[GenRequest], bool]:
         """SGLang's /generate gate in its order; raises RequestError."""
@@ -457,6 +457,13 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
         items, batched = normalise_generate(body)
         if body.stream:
             raise value_error("stream=true is not supported by the reference server")
+        for name, neutral in (("logprob_start_len", -1), ("return_text_in_logprobs", False),
+                              ("token_ids_logprob", None), ("return_hidden_states", False)):  # fmt: skip
+            value = raw.get(name)
+            if value not in (None, neutral, []) and not (
+                isinstance(value, list) and all(v in (None, neutral) for v in value)
+            ):
+                raise value_error(f"{name} is not supported by the reference server")
         vocab, context_len = cfg.model.vocab_size, cfg.model.max_seq_len
         reqs = []
         for item in items:
@@ -653,14 +660,17 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
             engine.pause()
             if mode == "abort":
                 engine.abort_all("generation paused (mode=abort)")
-        return web.json_response({"success": True, "message": f"Generation paused ({mode})."})
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(request: web.Request) -> web.Response:
         engine.resume()
-        return web.json_response({"success": True, "message": "Generation continued."})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(request: web.Request) -> web.Response:
-        return web.Response(text="Cache flushed.\n")  # no prefix cache in the reference engine
+        return web.Response(  # no prefix cache in the reference engine: nothing to flush
+            text="Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
 
     app = web.Application(middlewares=[auth], client_max_size=64 * 1024 * 1024)
     app.router.add_post("/generate", generate)

@@ -90,23 +90,24 @@ class EmulatedSampler:
         active = list(range(n))
         row = RowParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0)
         while active:
-            res = sample(logits, [row] * len(active), torch.rand(len(active), generator=self.gen))
+            res = sample(logits, [row] * len(active), [self.gen] * len(active))
+            k = min(head, logits.shape[1])
+            heads = res.top_logprobs([k] * len(active)) if mode == HEAD_MODE else None
             still = []
             for j, b in enumerate(active):
                 o = outs[b]
                 tok = int(res.token_ids[j])
                 o["ids"].append(tok)
-                o["lq"].append(float(res.logprobs[j]))
-                if mode == HEAD_MODE:
-                    k = min(head, res.sorted_ids.shape[1])
-                    o["sid"].append(res.sorted_ids[j, :k].tolist())
-                    o["slq"].append(res.sorted_logprobs[j, :k].tolist())
+                o["lq"].append(res.token_logprob(j))
+                if heads is not None:
+                    o["sid"].append([h[1] for h in heads[j]])
+                    o["slq"].append([h[0] for h in heads[j]])
                     o["lqs"].append(float("nan"))
                 else:
-                    m = int(res.kept[j])
-                    o["sid"].append(res.sorted_ids[j, :m].tolist())
-                    o["slq"].append(res.kept_logprobs[j, :m].tolist())
-                    o["lqs"].append(float(res.kept_logprobs[j, int(res.sampled_rank[j])]))
+                    ids, lps = res.mask(j)
+                    o["sid"].append(ids)
+                    o["slq"].append(lps)
+                    o["lqs"].append(float(res.selected_logprobs[j]))
                 r = requests[b]
                 if tok in r.stop_token_ids:
                     finish[b] = "stop"

@@ -167,7 +167,13 @@ async def test_mask_rule_and_bad_requests_are_sglangs_400s():
                 server.url + "/generate", json=mask_body([1, 2], {"top_k": 64, "max_new_tokens": 1})
             )
             assert r.status_code == 200
-            for bad in ({"input_ids": [999]}, {"input_ids": [1], "stream": True}, {"text": "hi"}):
+            for bad in (
+                {"input_ids": [999]},
+                {"input_ids": [1], "stream": True},
+                {"text": "hi"},
+                {"input_ids": [1], "return_logprob": True, "logprob_start_len": 0},  # no prompt logprobs here
+                {"input_ids": [1], "token_ids_logprob": [[3]]},
+            ):
                 r = await http.post(server.url + "/generate", json=bad)
                 assert r.status_code == 400 and r.json()["error"]["message"]
             r = await http.post(
@@ -178,7 +184,9 @@ async def test_mask_rule_and_bad_requests_are_sglangs_400s():
             r = await http.post(server.url + "/generate", json=[1, 2])
             assert r.status_code == 400 and r.json()["object"] == "error"
             r = await http.post(server.url + "/generate", content=b"{not json")
-            assert r.status_code == 400
+            assert (
+                r.status_code == 400 and r.json()["object"] == "error" and r.json()["type"] == "Bad Request"
+            )
 
 
 async def test_client_shrinks_top_k_against_the_server_cap():

@@ -416,3 +416,23 @@ async def test_metrics_are_sglangs_names_labels_and_counting():
     assert value(done, "sglang:generation_tokens_total", is_streaming="false") == 40
     assert value(done, "sglang:prompt_tokens_total") == 3 and value(done, "sglang:num_requests_total") == 1
     assert value(done, "sglang:realtime_tokens_total", mode="decode") == 41  # + the health check's token
+
+
+# ------------------------------------------------------------------------------------ control endpoints
+def http_server_content(function: str) -> dict[str, Any]:
+    """The literal `content=` dict a route of SGLang's http_server.py answers (read from its source:
+    the module needs the full server stack to import)."""
+    tree = ast.parse(sm.sglang_source("srt/entrypoints/http_server.py"))
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name == function)
+    keyword = next(
+        k for n in ast.walk(fn) if isinstance(n, ast.Call) for k in n.keywords if k.arg == "content"
+    )
+    return ast.literal_eval(keyword.value)
+
+
+async def test_pause_and_continue_answer_sglangs_bodies():
+    async with await start_reference_server(engine()) as server, httpx.AsyncClient() as http:
+        paused = await http.post(server.url + "/pause_generation", json={"mode": "retract"})
+        resumed = await http.post(server.url + "/continue_generation", json={})
+    assert (paused.status_code, paused.json()) == (200, http_server_content("pause_generation"))
+    assert (resumed.status_code, resumed.json()) == (200, http_server_content("continue_generation"))
