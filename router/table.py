@@ -11,7 +11,6 @@ Decisions made here (all pure given the table's state):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from rlfleet.router import hashing
@@ -161,10 +160,6 @@ class RoutingTable:
             order += hashing.rank(key_h, self._fallback, self._seeds)
         return order
 
-    def sticky_group(self, key_h: int) -> str | None:
-        self._refresh()
-        return hashing.pick(key_h, self._routable, self._seeds)
-
     def effective_shares(self) -> dict[str, float]:
         """The share of new sessions each group gets right now (normalised over routable groups)."""
         self._refresh()
@@ -223,7 +218,3 @@ class RoutingTable:
                 for g in self.groups.values()
             ]
         }
-
-
-def is_finite_share(value: float) -> bool:
-    return value >= 0.0 and math.isfinite(value)

@@ -139,7 +139,8 @@ def test_example_job_creates_a_placed_ready_fleet(
         kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
         job = wait_running(kube, namespace)
         status = job["status"]
-        assert status["readyGroups"] == "8/8" and status["trainer"] == {"replicas": 1, "readyReplicas": 1}
+        assert status["readyGroups"] == "8/8"
+        assert status["trainer"] == {"replicas": 1, "readyReplicas": 1, "ready": "1/1"}
         ready = {c["type"]: c for c in status["conditions"]}["Ready"]
         assert ready["status"] == "True" and ready["observedGeneration"] == job["metadata"]["generation"]
         # every child

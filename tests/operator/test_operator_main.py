@@ -4,6 +4,8 @@ and the router admin tokens (pure parts; the running operator is tested against 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 from pathlib import Path
 
 import pytest
@@ -82,7 +84,9 @@ def test_router_admin_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     key_file.write_text("s3cret\n")
     monkeypatch.setenv(tokens.KEY_FILE_ENV, str(key_file))
     t1 = tokens.admin_token_for("uid-1")
-    assert t1 == tokens.derive_token("uid-1", b"s3cret") == tokens.new_admin_token("uid-1")
+    # the documented derivation, computed here independently: HMAC-SHA256(key, "router-admin:" + uid)
+    assert t1 == hmac.new(b"s3cret", b"router-admin:uid-1", hashlib.sha256).hexdigest()
+    assert t1 == tokens.new_admin_token("uid-1")
     assert t1 != tokens.admin_token_for("uid-2") and len(t1) == 64
-    monkeypatch.setenv(tokens.KEY_ENV, "other")
-    assert tokens.admin_token_for("uid-1") == tokens.derive_token("uid-1", b"other")
+    monkeypatch.setenv(tokens.KEY_ENV, "other")  # the value wins over the file
+    assert tokens.admin_token_for("uid-1") == hmac.new(b"other", b"router-admin:uid-1", hashlib.sha256).hexdigest()

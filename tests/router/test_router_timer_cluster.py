@@ -120,7 +120,7 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
         header, *rows = table.strip().splitlines()
         assert "TOK/S" in header and "SHARE" in header
         row = next(r for r in rows if r.startswith(f"{JOB}-b200-nvfp4"))
-        assert "3000" in row.split() and any(c.startswith("0.74") for c in row.split()), table
+        assert "3000" in row.split() and row.split()[6].startswith("74"), table  # SHARE% column
 
         job = json.loads(kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "json").stdout)
         # Blended: (b200 $/h + a100 $/h) over 4000 tok/s; baseline: all tokens at the b200 group's rate.
