@@ -22,6 +22,7 @@ from rlfleet.api.common import (
     CorrectionMode,
     RouterPolicy,
     SafetyAction,
+    cel_list,
     conditions_field,
     kube_manifest_check,
 )
@@ -70,6 +71,14 @@ TORCH_SINGLE_RULE = (
 TORCH_SINGLE_MESSAGE = (
     "trainer: backend torch is one process on one GPU (replicas 1, gpusPerReplica 1, parallelism 1 x 1 x 1); "
     "use backend megatron for more"
+)
+# Built-in environments of the trainer (rlfleet/trainer/environments.py BUILTIN; a test keeps them equal).
+BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "tool_add")
+ENTRY_POINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
+ENVIRONMENT_RULE = f"self.environment in {cel_list(BUILTIN_ENVIRONMENTS)} || self.environment.matches('{ENTRY_POINT_PATTERN}')"
+ENVIRONMENT_MESSAGE = (
+    f"rollout.environment must be a built-in environment ({', '.join(BUILTIN_ENVIRONMENTS)}) or a "
+    "module:attr entry point"
 )
 GROUP_SIZE_RULE = "self.samplesPerPrompt >= 2"
 GROUP_SIZE_MESSAGE = (
@@ -210,6 +219,7 @@ class RolloutSpec(ApiModel):
                     "message": f"rollout.{GROUP_SIZE_MESSAGE}",
                     "fieldPath": ".samplesPerPrompt",
                 },
+                {"rule": ENVIRONMENT_RULE, "message": ENVIRONMENT_MESSAGE, "fieldPath": ".environment"},
             ]
         }
     }
@@ -239,6 +249,10 @@ class RolloutSpec(ApiModel):
             raise ValueError(TOP_P_MESSAGE)
         if self.samples_per_prompt < 2:
             raise ValueError(f"rollout.{GROUP_SIZE_MESSAGE}")
+        if self.environment not in BUILTIN_ENVIRONMENTS and not re.fullmatch(
+            ENTRY_POINT_PATTERN, self.environment
+        ):
+            raise ValueError(f"{ENVIRONMENT_MESSAGE}: got {self.environment!r}")
         return self
 
 

@@ -329,3 +329,12 @@ def test_parallelism_and_budgets_name_the_numbers() -> None:
     manifest = apply_case(example_manifest(), {"set": {"spec.router.policy": "static",
                                                        "spec.router.staticShares": {"h200-fp8": 0.0, "a100-bf16": 1.0}}})  # fmt: skip
     assert RLJob.from_manifest(manifest).spec.router.static_shares["a100-bf16"] == 1.0
+
+
+def test_builtin_environments_are_the_trainers() -> None:
+    from rlfleet.api.rljob import BUILTIN_ENVIRONMENTS
+    from rlfleet.trainer.environments import BUILTIN
+
+    assert set(BUILTIN_ENVIRONMENTS) == set(BUILTIN)
+    manifest = apply_case(example_manifest(), {"set": {"spec.rollout.environment": "my_pkg.envs:Maze"}})
+    assert RLJob.from_manifest(manifest).spec.rollout.environment == "my_pkg.envs:Maze"
