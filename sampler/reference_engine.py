@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
-from rlfleet.sampler.sampling import MaskStatus, RowParams, SampleResult, sample
+from rlfleet.sampler.sampling import SAMPLING_BACKENDS, MaskStatus, RowParams, SampleResult, sample
 
 log = logging.getLogger("rlfleet.sampler.engine")
 
@@ -52,6 +52,7 @@ class EngineConfig:
     max_running_requests: int = 32
     max_tokens_per_second: float | None = None  # None = as fast as the CPU goes
     sampling_mask_max_tokens: int = 4096
+    sampling_backend: str = "pytorch"  # SGLang --sampling-backend whose kept sets to emulate (sampling.py)
     weight_version: int = 0
     served_model_name: str = "tinygpt"
     model_path: str | None = None
@@ -68,6 +69,10 @@ class EngineConfig:
             raise ValueError("max_tokens_per_second must be > 0")
         if self.weight_version < 0:
             raise ValueError("weight_version must be >= 0")
+        if self.sampling_backend not in SAMPLING_BACKENDS:
+            raise ValueError(
+                f"sampling_backend must be one of {SAMPLING_BACKENDS}, got {self.sampling_backend!r}"
+            )
 
 
 @dataclass
@@ -320,6 +325,7 @@ class ReferenceEngine:
             [r.params for r in batch],
             [r.generator for r in batch],
             self.config.sampling_mask_max_tokens,
+            self.config.sampling_backend,
         )
         heads = res.top_logprobs([r.top_logprobs_num if r.return_logprob else 0 for r in batch])
         now = time.monotonic()

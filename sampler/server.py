@@ -588,7 +588,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
                 else engine.effective_format,
                 "kv_cache_dtype": cfg.kv_cache_dtype,
                 "sampling_mask_max_tokens": cfg.sampling_mask_max_tokens,
-                "sampling_backend": "pytorch",
+                "sampling_backend": cfg.sampling_backend,
                 "max_running_requests": cfg.max_running_requests,
                 "context_length": cfg.model.max_seq_len,
                 "weight_version": _weight_version(),
@@ -772,6 +772,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", type=int, default=0)
     p.add_argument("--sampling-mask-max-tokens", type=int, default=4096)
     p.add_argument(
+        "--sampling-backend",
+        choices=("pytorch", "flashinfer"),
+        default="pytorch",
+        help="reference: whose kept sets to emulate (SGLang's CPU pytorch path, or its CUDA flashinfer path)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("RLFLEET_SAMPLER_API_KEY"),
         help="bearer token (env RLFLEET_SAMPLER_API_KEY)",
@@ -871,6 +877,7 @@ def _reference_engine(args: argparse.Namespace) -> tuple[Any, str]:
         max_running_requests=args.max_running_requests,
         max_tokens_per_second=args.max_tokens_per_second,
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+        sampling_backend=args.sampling_backend,
         weight_version=args.weight_version,
         served_model_name=args.served_model_name,
         model_path=args.model_path,

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlfleet.sampler import sampling as sampling_mod
 from rlfleet.sampler.sampling import TOP_K_ALL, MaskStatus, RowParams, sample
 
 CAP = 4096
@@ -40,19 +41,42 @@ def sglang_forward(monkeypatch):
     from sglang.srt.sampling.sampling_params import SamplingParams
     from torch import nn
 
+    backend = {"name": "pytorch"}
     monkeypatch.setattr(
         sglang_sampler,
         "get_exec",
-        lambda: types.SimpleNamespace(kernel=types.SimpleNamespace(sampling_backend="pytorch")),
+        lambda: types.SimpleNamespace(kernel=types.SimpleNamespace(sampling_backend=backend["name"])),
+    )
+    # FlashInfer / sgl_kernel are CUDA-only: their renorm kernels are our emulations, their samplers
+    # draw from the support those kernels define (the composition around them is SGLang's code)
+    monkeypatch.setattr(sglang_sampler, "top_k_renorm_prob", sampling_mod.top_k_renorm_prob, raising=False)
+    monkeypatch.setattr(sglang_sampler, "top_p_renorm_prob", sampling_mod.top_p_renorm_prob, raising=False)
+
+    def min_p_sampling_from_probs(probs, min_ps):
+        kept = probs.masked_fill(probs < probs.max(-1).values.view(-1, 1) * min_ps.view(-1, 1), 0)
+        return torch.multinomial(kept, 1).view(-1).int()
+
+    def top_k_top_p_sampling_from_probs(probs, top_ks, top_ps, filter_apply_order):
+        assert filter_apply_order == "joint"
+        joint = sampling_mod.top_k_renorm_prob(probs, top_ks)
+        joint = joint.masked_fill(sampling_mod.top_p_renorm_prob(probs, top_ps) <= 0, 0)
+        return torch.multinomial(joint, 1).view(-1).int()
+
+    monkeypatch.setattr(sglang_sampler, "min_p_sampling_from_probs", min_p_sampling_from_probs, raising=False)
+    monkeypatch.setattr(
+        sglang_sampler, "top_k_top_p_sampling_from_probs", top_k_top_p_sampling_from_probs, raising=False
     )
     sampler = sglang_sampler.Sampler.__new__(sglang_sampler.Sampler)
     nn.Module.__init__(sampler)
     sampler.tp_sync_group = sampler.cp_sync_group = sampler.rl_on_policy_target = None
     sampler.enable_deterministic = sampler.use_log_softmax_logprob = sampler.use_ascend_backend = False
-    sampler.sampling_mask_max_tokens = CAP
     sampler.output_logprob_processor = OutputLogprobProcessor()
 
-    def run(logits: torch.Tensor, rows: list[RowParams], top_k_logprobs: int, seed: int):
+    def run(
+        logits: torch.Tensor, rows: list[RowParams], top_k_logprobs: int, seed: int, name="pytorch", cap=CAP
+    ):
+        backend["name"] = name
+        sampler.sampling_mask_max_tokens = cap
         sps = [
             SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, min_p=r.min_p)
             for r in rows
@@ -192,3 +216,29 @@ def test_draw_is_per_request_reproducible_and_follows_q():
     counts = torch.bincount(res.token_ids, minlength=4).double() / logits.shape[0]
     q = torch.tensor([0.5, 0.3, 0.15, 0.0], dtype=torch.float64) / 0.95  # exclusive cumsum .95 > .85: 4th out
     assert torch.allclose(counts, q, atol=0.015) and counts[3] == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_flashinfer_backend_keeps_what_sglangs_cuda_path_captures(sglang_forward, seed):
+    """`--sampling-backend flashinfer`: SGLang's CUDA composition (joint top-k / top-p supports, each only
+    when the batch needs it; sequential top-k -> top-p -> min-p with min_p > 0) on the same kernels:
+    equal supports, order, logprobs and statuses, incl. ties at the top-k cutoff that exceed top_k and
+    overflow the cap."""
+    rng = np.random.default_rng(50 + seed)
+    cap = 8
+    rows = [GRID[i] for i in rng.choice(len(GRID), 20, replace=False)]
+    rows[:4] = [RowParams(1.0, 1.0, 8, 0.0), RowParams(0.7, 0.9, 8, 0.0), RowParams(1.0, 0.95, 5, 0.1),
+                RowParams(1.0, 1.0, 6, 0.3)]  # fmt: skip
+    logits = _logits(rng, len(rows), 64, "integer" if seed < 2 else "normal")
+    for rows_now in (rows, [r for r in rows if r.top_p == 1.0 and r.min_p == 0.0]):  # a batch without top-p
+        ids, lps, _, _, mask = sglang_forward(logits[: len(rows_now)], rows_now, 0, seed, "flashinfer", cap)
+        gens = [torch.Generator().manual_seed(b) for b in range(len(rows_now))]
+        ours = sample(logits[: len(rows_now)], rows_now, gens, cap, backend="flashinfer")
+        assert ours.mask_lengths.tolist() == mask.lengths.tolist()
+        overflow = (mask.statuses == MaskStatus.OVERFLOW).tolist()
+        assert ours.statuses.tolist() == [MaskStatus.OVERFLOW if o else MaskStatus.OK for o in overflow]
+        for b in range(len(rows_now)):
+            n = int(mask.lengths[b])
+            assert ours.mask(b)[0] == mask.token_ids[b, :n].tolist()
+            assert np.allclose(ours.mask(b)[1], mask.support_logprobs[b, :n].numpy(), atol=1e-6)
+    assert any(overflow) or seed == 2  # integer logits: ties at the cutoff grow supports past the cap

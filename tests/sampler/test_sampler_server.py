@@ -199,6 +199,7 @@ async def test_client_shrinks_top_k_against_the_server_cap():
 
 async def test_update_weights_from_disk_and_version_conflicts(tmp_path):
     from rlfleet.numerics import views
+
     new_weights = TinyGPT(TinyGPTConfig(**{**MODEL.__dict__, "seed": 99})).state_dict()
     views.save_view(new_weights, "bf16", tmp_path / "v5")
     views.save_view(new_weights, "nvfp4", tmp_path / "v6")
@@ -238,6 +239,7 @@ async def test_update_weights_from_disk_and_version_conflicts(tmp_path):
 
 async def test_update_mid_generation_gives_weight_version_spans(tmp_path):
     from rlfleet.numerics import views
+
     views.save_view(
         TinyGPT(TinyGPTConfig(**{**MODEL.__dict__, "seed": 5})).state_dict(), "bf16", tmp_path / "v3"
     )
@@ -261,6 +263,7 @@ async def test_update_mid_generation_gives_weight_version_spans(tmp_path):
 
 async def test_abort_all_requests_on_update_and_pause_continue(tmp_path):
     from rlfleet.numerics import views
+
     views.save_view(TinyGPT(MODEL).state_dict(), "bf16", tmp_path / "v1")
     eng = engine(max_tokens_per_second=40.0)
     async with await start_reference_server(eng) as server, httpx.AsyncClient(timeout=30) as http:
@@ -447,6 +450,8 @@ def test_cli_serves_reference_over_http(tmp_path):
             "nvfp4",
             "--kv-cache-dtype",
             "fp8_e4m3",
+            "--weight-version",
+            "4",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -466,6 +471,7 @@ def test_cli_serves_reference_over_http(tmp_path):
             info["weight_format"] == "nvfp4"
             and info["kv_cache_dtype"] == "fp8_e4m3"
             and info["vocab_size"] == 64
+            and info["weight_version"] == "4"  # --weight-version: what it serves before any update
         )
         r = httpx.post(
             url + "/generate",
@@ -476,7 +482,11 @@ def test_cli_serves_reference_over_http(tmp_path):
                 "return_sampling_mask": True,
             },
         )
-        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
+        meta = r.json()["meta_info"]
+        assert r.status_code == 200 and meta["completion_tokens"] == 4
+        assert meta["weight_versions"] == [{"version": "4", "start": 0, "end": 4}]
+        assert meta["output_token_sampling_mask_length"] == 4  # selected mode by default
+        assert all(isinstance(x, float) for x in meta["output_token_sampling_logprobs"])
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
@@ -484,6 +494,7 @@ def test_cli_serves_reference_over_http(tmp_path):
 
 def test_cli_model_path_loads_a_view_and_infers_dims(tmp_path):
     from rlfleet.numerics import views
+
     weights = TinyGPT(MODEL).state_dict()
     views.save_view(weights, "nvfp4", tmp_path / "view")
     args = srv_mod._parser().parse_args(
