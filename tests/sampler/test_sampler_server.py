@@ -189,6 +189,29 @@ async def test_mask_rule_and_bad_requests_are_sglangs_400s():
             )
 
 
+async def test_flashinfer_ties_overflow_the_cap_mid_request():
+    """All logits equal (a zero lm_head): with `--sampling-backend flashinfer` the ties at the top-k
+    cutoff keep the whole vocabulary, more than the cap, and the request aborts with SGLang's 400; the
+    pytorch path keeps exactly top_k (the message is held against SGLang's in tests/sglang_contract)."""
+    from rlfleet.sampler.reference_engine import mask_abort_reason
+
+    weights = TinyGPT(MODEL).state_dict()
+    weights["lm_head.weight"] = torch.zeros_like(weights["lm_head.weight"])
+    body = mask_body([1, 2], {"top_k": 8, "max_new_tokens": 2})
+    for backend, status in (("flashinfer", 400), ("pytorch", 200)):
+        eng = ReferenceEngine(
+            EngineConfig(model=MODEL, sampling_mask_max_tokens=64, sampling_backend=backend), weights, "fp32"
+        )
+        async with await start_reference_server(eng) as server, httpx.AsyncClient() as http:
+            r = await http.post(server.url + "/generate", json=body)
+        assert r.status_code == status, r.text
+        if status == 400:
+            assert r.json() == {"error": {"message": mask_abort_reason(1, 64)["message"]}}
+            assert eng.stats.generation_tokens_total == 0  # the overflowing token was not committed
+        else:
+            assert [len(m) for m in r.json()["meta_info"]["output_token_sampling_mask"]] == [8, 8]
+
+
 async def test_client_shrinks_top_k_against_the_server_cap():
     async with await start_reference_server(engine(sampling_mask_max_tokens=64)) as server:
         async with SamplerClient(server.url) as client:
