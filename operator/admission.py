@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from pydantic import ValidationError
 
 from rlfleet.api import RLJob, SamplerGroup, format_validation_error
 from rlfleet.catalog import CatalogError
+from rlfleet.operator import naming as n
 
 WEBHOOK_ENV = {
     "port": "RLFLEET_WEBHOOK_PORT",
@@ -39,6 +41,49 @@ def admission_message(kind: str, manifest: dict[str, Any]) -> str | None:
         )
     except (CatalogError, ValueError) as exc:
         return f"{kind} rejected by rlfleet (catalog in effect): {exc}"
+    return None
+
+
+def own_child_names(job: str) -> set[str]:
+    """Names of a job's own children (besides its groups): <job>-trainer, -router, -config, ..."""
+    return {n.trainer_name(job), n.router_name(job), n.config_name(job), n.weightchannel_name(job),
+            n.router_secret_name(job)}  # fmt: skip
+
+
+def collision_message(
+    job: Mapping[str, Any],
+    other_jobs: Iterable[Mapping[str, Any]],
+    samplergroups: Iterable[Mapping[str, Any]],
+) -> str | None:
+    """Why `job`'s children would collide with another object of the namespace (None: they would not).
+
+    CEL sees one object, so it cannot tell that job `a` with group `b-c` and job `a-b` with group `c`
+    both want SamplerGroup (Deployment, Service) `a-b-c`, or that job `a`'s group `b-trainer` is named
+    like job `a-b`'s trainer. The webhook asks this with the operator's indexes of the namespace."""
+    name = job.get("metadata", {}).get("name") or ""
+    groups = {
+        n.samplergroup_name(name, g.get("name", "")) for g in job.get("spec", {}).get("samplerGroups", [])
+    }
+    mine = groups | own_child_names(name)
+    for sg in samplergroups:
+        sg_name = sg.get("metadata", {}).get("name")
+        owner = sg.get("spec", {}).get("jobName")
+        if owner != name and sg_name in mine:
+            whose = f"RLJob {owner}" if owner else "no RLJob (a standalone group)"
+            return (
+                f"RLJob rejected by rlfleet: the name {sg_name} (Deployment and Service) is taken by SamplerGroup "
+                f"{sg_name} of {whose}: rename this job or its group"
+            )
+    for other in other_jobs:
+        other_name = other.get("metadata", {}).get("name")
+        if other_name == name:
+            continue
+        taken = sorted(groups & own_child_names(other_name or ""))
+        if taken:
+            return (
+                f"RLJob rejected by rlfleet: group child {taken[0]} is named like a child of RLJob {other_name}: "
+                "rename this job or its group"
+            )
     return None
 
 

@@ -9,6 +9,9 @@ later. Enabled by `rlfleet operator run --webhook-port P` (this module is only i
 TLS: `--webhook-cert/--webhook-key` (e.g. from cert-manager); otherwise a self-signed certificate is
 generated for `--webhook-host` (needs `cryptography`). `--webhook-managed` lets kopf create and keep
 the ValidatingWebhookConfiguration `rlfleet.dev` (the chart can ship its own instead).
+
+It also refuses an RLJob whose child names would collide with another job's in the namespace (CEL
+sees one object only; the operator's indexes see the namespace): `admission.collision_message`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 import kopf
 
 from rlfleet.api.common import GROUP, VERSION
-from rlfleet.operator.admission import WEBHOOK_ENV, admission_message, self_signed
+from rlfleet.operator.admission import WEBHOOK_ENV, admission_message, collision_message, self_signed
 
 
 def _manifest(body: kopf.Body) -> dict[str, Any]:
@@ -30,10 +33,21 @@ def _manifest(body: kopf.Body) -> dict[str, Any]:
 
 @kopf.on.validate(GROUP, VERSION, "rljobs", id="validate-rljob", operation="CREATE")
 @kopf.on.validate(GROUP, VERSION, "rljobs", id="validate-rljob-update", operation="UPDATE")
-def validate_rljob(body: kopf.Body, **_: Any) -> None:
-    message = admission_message("RLJob", _manifest(body))
+def validate_rljob(body: kopf.Body, namespace: str | None = None, **kwargs: Any) -> None:
+    manifest = _manifest(body)
+    message = admission_message("RLJob", manifest)
+    if message is None and "rljobs_idx" in kwargs:  # the operator's indexes (handlers.py) are loaded
+        ns = namespace or manifest.get("metadata", {}).get("namespace")
+        message = collision_message(
+            manifest, _in_namespace(kwargs["rljobs_idx"], ns), _in_namespace(kwargs["samplergroups_idx"], ns)
+        )
     if message:
         raise kopf.AdmissionError(message, code=422)
+
+
+def _in_namespace(index: Any, namespace: str | None) -> list[dict[str, Any]]:
+    """The indexed objects (keyed (namespace, name)) of one namespace."""
+    return [obj for (ns, _), store in index.items() if ns == namespace for obj in store]
 
 
 @kopf.on.validate(GROUP, VERSION, "samplergroups", id="validate-samplergroup", operation="CREATE")

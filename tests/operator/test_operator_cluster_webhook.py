@@ -106,6 +106,19 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
             check_group("h100", "bf16", "fp8_e4m3", catalog=load_catalog(None))
             # and a valid job passes the webhook
             kube.kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "rljob.yaml"))
+            # child names colliding with another job's (CEL sees one object; the webhook the namespace):
+            # job "reference" + group "fleet-h100-fp8" would be reference-fleet's group h100-fp8
+            sg = "reference-fleet-h100-fp8"
+            deadline = time.monotonic() + 60
+            while kube.kubectl("get", "sg", sg, "-n", namespace, check=False).returncode != 0:
+                assert time.monotonic() < deadline, f"the operator never created {sg}"
+                time.sleep(0.5)
+            clash = json.loads(json.dumps(EXAMPLE))
+            clash["metadata"]["name"] = "reference"
+            clash["spec"]["samplerGroups"][2]["name"] = "fleet-h100-fp8"
+            result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(clash), check=False)
+            assert result.returncode != 0, "the webhook let a colliding child name through"
+            assert f"is taken by SamplerGroup {sg} of RLJob reference-fleet" in result.stderr, result.stderr
         assert operator.poll() is None, log.read_text()
     finally:
         if operator.poll() is None:

@@ -90,3 +90,26 @@ def test_router_admin_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert t1 != tokens.admin_token_for("uid-2") and len(t1) == 64
     monkeypatch.setenv(tokens.KEY_ENV, "other")  # the value wins over the file
     assert tokens.admin_token_for("uid-1") == hmac.new(b"other", b"router-admin:uid-1", hashlib.sha256).hexdigest()
+
+
+def test_collision_message_sees_child_names_taken_by_other_jobs() -> None:
+    """What the webhook refuses with the namespace's indexes (CEL sees one object): job `a` with group
+    `b-c` and job `a-b` with group `c` both want `a-b-c`; group `b-trainer` of job `a` is job `a-b`'s
+    trainer. The job's own groups (on update) and unrelated names pass."""
+    from rlfleet.operator.admission import collision_message
+
+    def job(name: str, *groups: str) -> dict:
+        return {"metadata": {"name": name}, "spec": {"samplerGroups": [{"name": g} for g in groups]}}
+
+    def sg(name: str, job_name: str | None) -> dict:
+        return {"metadata": {"name": name}, "spec": {"jobName": job_name} if job_name else {}}
+
+    taken = collision_message(job("a", "b-c"), [job("a-b", "c")], [sg("a-b-c", "a-b")])
+    assert taken is not None and "a-b-c" in taken and "RLJob a-b" in taken
+    standalone = collision_message(job("a", "h100"), [], [sg("a-h100", None)])
+    assert standalone is not None and "standalone" in standalone
+    trainer = collision_message(job("a", "b-trainer"), [job("a-b", "c")], [])
+    assert trainer is not None and "a-b-trainer" in trainer and "RLJob a-b" in trainer
+    mine = collision_message(job("a", "h100"), [job("a", "h100")], [sg("a-h100", "a")])
+    assert mine is None
+    assert collision_message(job("a", "h100"), [job("b", "h100")], [sg("b-h100", "b")]) is None
