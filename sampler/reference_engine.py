@@ -103,7 +103,6 @@ class GenRequest:
     created: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     generator: torch.Generator | None = None
-    prefilled: bool = False
     cancelled: bool = False  # the client went away: free the slot at the next step (SGLang aborts too)
 
     @property
