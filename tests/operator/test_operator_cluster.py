@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -327,7 +326,8 @@ def test_cockpit_columns_and_deletion_without_the_operator(
     wait_for("groups collected", lambda: not items(kube, namespace, "samplergroups", "rlfleet.dev/job=small"))
 
 
-def _start_operator(kube, namespace: str) -> subprocess.Popen:
+def _start_operator(kube, namespace: str, log: Path) -> subprocess.Popen:
+    """`rlfleet operator run` as a subprocess, its log (verbose: kopf's handler lines) in `log`."""
     env = {**kube.env(), "RLFLEET_CHANNEL_STATUS_INTERVAL": "2"}
     return subprocess.Popen(
         [
@@ -339,17 +339,19 @@ def _start_operator(kube, namespace: str) -> subprocess.Popen:
             "--kubeconfig",
             str(kube.kubeconfig),
             "--standalone",
+            "--verbose",
         ],  # fmt: skip
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        stderr=log.open("w"),
         start_new_session=True,
     )
 
 
-def test_operator_killed_mid_reconcile_converges_without_duplicates(kube, crds, namespace: str) -> None:
-    proc = _start_operator(kube, namespace)
+def test_operator_killed_mid_reconcile_converges_without_duplicates(
+    kube, crds, namespace: str, tmp_path: Path
+) -> None:
+    proc = _start_operator(kube, namespace, tmp_path / "operator-1.log")
     try:
         shared_volume(kube, namespace)
         kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
@@ -363,7 +365,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(kube, crds, 
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         partial = len(items(kube, namespace, "samplergroups"))
-        proc = _start_operator(kube, namespace)
+        proc = _start_operator(kube, namespace, tmp_path / "operator-2.log")
         job = wait_running(kube, namespace, timeout=120)
         assert job["status"]["readyGroups"] == "8/8"
         assert len(items(kube, namespace, "samplergroups")) == 8
@@ -383,8 +385,17 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(kube, crds, 
         before = snapshot()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        proc = _start_operator(kube, namespace)
-        time.sleep(5)
+        third = tmp_path / "operator-3.log"
+        proc = _start_operator(kube, namespace, third)
+
+        def resumed() -> bool:  # the restarted operator has handled the job and every group (resume)
+            text = third.read_text()
+            return (
+                text.count("Handler 'reconcile_rljob' succeeded") >= 1
+                and text.count("Handler 'reconcile_samplergroup' succeeded") >= 8
+            )
+
+        wait_for("restarted operator resumed every object", resumed, timeout=120)
         assert snapshot() == before, "a restart changed converged SamplerGroups (spec or status)"
         assert job_phase(kube, namespace) == "Running"
         print(f"killed with {partial}/8 SamplerGroups applied")
