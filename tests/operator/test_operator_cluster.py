@@ -21,6 +21,7 @@ import pytest
 import yaml
 from cluster_wait import wait_for
 from kopf.testing import KopfRunner
+from test_operator_builders import launched_argv
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rljob.yaml"
@@ -164,8 +165,9 @@ def test_example_job_creates_a_placed_ready_fleet(
                 )
                 assert pod["status"]["phase"] == "Running"
                 engine = pod["spec"]["containers"][0]
-                argv = engine["command"] + engine["args"]
-                assert argv[argv.index("--sampling-mask-max-tokens") + 2 :] == FLAGS[group], group
+                # the engine execs SGLang from the launch file the weight fetch writes: run the wrapper
+                argv = launched_argv(engine, version=0, directory="/var/lib/rlfleet/weights/v0")
+                assert argv[argv.index("--weight-version") + 2 :] == FLAGS[group], group
                 assert [c["name"] for c in pod["spec"]["containers"]] == ["sglang", "weight-sync"]
             assert sg["status"]["phase"] == "Running" and sg["status"]["ready"] == "2/2"
             assert sg["status"]["selectedAccelerator"] == accelerator
