@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -183,8 +184,25 @@ def bench_write_publish(
         for d in (f"wcp{rep}", f"wcpf{rep}", f"wpw{rep}"):
             shutil.rmtree(work / d)
     med = {k: statistics.median(v) for k, v in runs.items()}
+    # One core's rates in the same run: the publisher path costs a write AND a sha256 per byte, so
+    # matching `ratio` x a single-threaded page-cache copy needs this many free cores.
+    blob = os.urandom(64 * 1024 * 1024)
+    hash_s = statistics.median(timed(lambda: hashlib.sha256(blob).digest()) for _ in range(3))
+    probe = work / "write-probe"
+
+    def write_blob() -> None:
+        with open(probe, "wb", buffering=0) as f:
+            f.write(blob)
+
+    write_s = statistics.median(timed(write_blob) for _ in range(3))
+    probe.unlink()
+    copy_rate = total / med["copy"]
+    per_byte = (write_s + hash_s) / len(blob)
     return {
         **{f"{k}_MBps": total / t / 1e6 for k, t in med.items()},
+        "sha256_one_core_MBps": len(blob) / hash_s / 1e6,
+        "write_one_core_MBps": len(blob) / write_s / 1e6,
+        "cores_for_0.8x_plain_copy": 0.8 * copy_rate * per_byte,
         "publisher_vs_plain_copy": med["copy"] / med["publisher"],
         "publisher_vs_plain_copy_fsync": med["copy_fsync"] / med["publisher"],
         "publisher_page_cache_vs_plain_copy": med["copy"] / med["publisher_page_cache"],

@@ -257,12 +257,12 @@ def view_tensors(
         missing = [
             n[: -len(".weight")]
             for n in quantized
-            if (activation_amax or {}).get(n[: -len(".weight")]) is None
+            if not (float((activation_amax or {}).get(n[: -len(".weight")], 0.0)) > 0.0)
         ]
         if missing:
             raise ValueError(
-                f"nvfp4 checkpoint needs a calibrated activation amax per quantized linear (input_scale); "
-                f"missing for {len(missing)} modules, e.g. {missing[:3]} (see calibrate_activation_amax)"
+                f"nvfp4 checkpoint needs a calibrated activation amax > 0 per quantized linear "
+                f"(input_scale); missing or zero for {len(missing)} modules, e.g. {missing[:3]} (see calibrate_activation_amax)"
             )
     out: dict[str, torch.Tensor] = {}
     qset = set(quantized)
