@@ -120,6 +120,13 @@ def write_file_hashed(path: Path, chunks: Iterable[bytes | memoryview]) -> FileD
     return FileDigest(digest.hexdigest(), size)
 
 
+def check_digest(path: Path, digest: FileDigest | None) -> FileDigest | None:
+    """A writer's digest of `path`, refused when its size disagrees with the file (stale digest)."""
+    if digest is not None and digest.bytes != os.stat(path).st_size:
+        raise StoreError(f"{path} has {os.stat(path).st_size} bytes, its digest says {digest.bytes}")
+    return digest
+
+
 class Store(ABC):
     """A flat key -> bytes store with an exclusive create and a pointer compare-and-swap."""
 
@@ -328,9 +335,7 @@ class FilesystemStore(Store):
         target = self._path(key)
         self._require_root()
         self._mkdirs(target.parent)
-        known = digest
-        if known is not None and known.bytes != os.stat(path).st_size:
-            raise StoreError(f"{path} has {os.stat(path).st_size} bytes, its digest says {known.bytes}")
+        known = check_digest(path, digest)
         if move and os.stat(path).st_dev == os.stat(self.root).st_dev:
             if known is None:
                 digest = self._hash_while(Path(path), lambda: self._fsync_file(Path(path)))
@@ -603,7 +608,7 @@ class S3Store(Store):
     ) -> FileDigest:
         from boto3.s3.transfer import TransferConfig
 
-        digest = digest or sha256_file(Path(path))
+        digest = check_digest(path, digest) or sha256_file(Path(path))
         with self._errors(key):
             self.client.upload_file(
                 str(path),

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 from rlfleet.channel import (
     POINTER_KEY,
     ChecksumMismatchError,
+    FileEntry,
     SubscriberReport,
     VersionConflictError,
     WeightChannel,
@@ -26,7 +27,7 @@ from rlfleet.channel import (
     manifest_key,
     read_channel_status,
 )
-from rlfleet.store import FilesystemStore, Store
+from rlfleet.store import FileDigest, FilesystemStore, Store, StoreError
 
 
 def make_view(directory: Path, view: str, tag: str, *, rows: int = 8) -> Path:
@@ -97,6 +98,23 @@ def test_tampered_file_is_refused_and_nothing_is_left(any_store: Store, tmp_path
         channel.download_view(0, "bf16", dest)
     assert not dest.exists()
     assert not list((tmp_path / "dl").iterdir())  # no partial directory either
+
+
+def test_digests_from_the_writer_are_used_and_still_verified(any_store: Store, tmp_path: Path) -> None:
+    """publish(digests=...) trusts the writer's sha256 (no second read); a wrong one is refused by
+    the reader's verification, and a size that disagrees with the file is refused at publish."""
+    view = make_view(tmp_path / "bf16", "bf16", "x")
+    weights = view / "model.safetensors"
+    size = weights.stat().st_size
+    channel = WeightChannel(any_store)
+    with pytest.raises(StoreError, match="digest says"):
+        channel.publish({"bf16": view}, digests={weights: FileDigest("0" * 64, size + 1)})
+    real = FileDigest(hashlib.sha256(weights.read_bytes()).hexdigest(), size)
+    result = channel.publish({"bf16": view}, digests={weights: real})
+    assert result.manifest.views["bf16"].files["model.safetensors"] == FileEntry(real.sha256, size)
+    wrong = channel.publish({"bf16": view}, digests={weights: FileDigest("0" * 64, size)})
+    with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+        channel.download_view(wrong.version, "bf16", tmp_path / "dl")
 
 
 def test_tampered_manifest_is_refused(any_store: Store, tmp_path: Path) -> None:
