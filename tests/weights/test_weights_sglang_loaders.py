@@ -418,7 +418,7 @@ class Group(torch.nn.Module):
                     HIDDEN, [INTER, INTER], prefix=f"{p}.mlp.gate_up_proj", **kw
                 )
                 mlp.down_proj = RowParallelLinear(INTER, HIDDEN, prefix=f"{p}.mlp.down_proj", **kw)
-            else:  # the router is built unquantized (quant_config=None) by SGLang's Qwen3-MoE
+            else:  # SGLang's Qwen3-MoE builds the router unquantized (source line asserted below)
                 mlp.gate = ReplicatedLinear(
                     HIDDEN, EXPERTS, bias=False, quant_config=None, params_dtype=bf16, prefix=f"{p}.mlp.gate"
                 )
@@ -549,6 +549,24 @@ def test_views_load_into_their_group_with_sglang_load_weights(published: Publish
             check_values(published, group, view, version)
 
 
+def test_a_group_cannot_take_another_views_version(published: Published) -> None:
+    """Why a group must follow its own view. An fp8 version into a bf16 group: SGLang's Qwen3 raises
+    (KeyError on `gate_up_proj.weight_scale_inv`), its Qwen3-MoE skips the unknown scale names and
+    casts the fp8 codes to bf16 without their scales: wrong weights, no error. An nvfp4 version into
+    an fp8 group fails in SGLang's loaders (packed shapes)."""
+    bf16_group = Group(published.kind, "bf16", None)
+    if published.kind == "dense":
+        with pytest.raises(KeyError, match="weight_scale_inv"):
+            bf16_group.load(published.dirs[(1, "fp8")])
+    else:
+        bf16_group.load(published.dirs[(1, "fp8")])
+        with pytest.raises(AssertionError):
+            check_values(published, bf16_group, "bf16", 1)
+    fp8_config = parse_quant_config(published.dirs[(1, "fp8")], "fp8", published.kind)
+    with pytest.raises((AssertionError, KeyError, RuntimeError, ValueError)):
+        Group(published.kind, "fp8", fp8_config).load(published.dirs[(1, "nvfp4")])
+
+
 def check_values(published: Published, group: Group, view: str, version: int) -> None:
     trained, params, amax = published.trained[version], group.params(), published.amax[version]
     dense_view = view
@@ -627,6 +645,10 @@ def test_sglang_source_lines_the_stubs_rely_on() -> None:
     src = inspect.getsource(ModelOptFp4LinearMethod.process_weights_after_loading)
     assert "weight_scale_2 = layer.weight_scale_2.max()" in src
     assert "input_scale_2 = layer.input_scale.max()" in src
+    # Qwen3-MoE's router: unquantized unless the config is modelslim (the Group builds it so)
+    qwen3_moe = (SGLANG_SRC / "models/qwen3_moe.py").read_text()
+    assert "quant_config=gate_quant_config" in qwen3_moe
+    assert 'if (quant_config is not None and quant_config.get_name() == "modelslim")' in qwen3_moe
     # the real expert mapping Qwen3-MoE's load_weights uses
     mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts=2)
     assert ("experts.w13_", "experts.1.up_proj.", 1, "w3") in mapping
