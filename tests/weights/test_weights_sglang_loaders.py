@@ -55,7 +55,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlfleet.channel import WeightChannel
+from rlfleet.channel import SubscriberReport, WeightChannel
 from rlfleet.numerics.views import calibrate_activation_amax, checkpoint_tensors, save_view
 from rlfleet.store import FilesystemStore
 from rlfleet.trainer.publisher import WeightPublisher
@@ -318,6 +318,11 @@ def test_mxfp4_is_refused_with_the_reason_sglang_gives(tmp_path: Path) -> None:
         save_view(model.state_dict(), "nvfp4", tmp_path / "v", base_checkpoint=tmp_path / "moe")
     with pytest.raises(ValueError, match="has no config.json"):
         WeightPublisher(store, views=["bf16"], base_checkpoint=tmp_path)
+    # a group that reports following mxfp4 is logged and skipped, never published for (training goes on)
+    publisher = WeightPublisher(store, views=["bf16"], base_checkpoint=tmp_path / "moe")
+    publisher.channel.report(SubscriberReport("g", "r0", "mxfp4", None, []))
+    publisher.channel.report(SubscriberReport("h", "r0", "fp8", None, []))
+    assert publisher.views_needed() == ["bf16", "fp8"]
 
 
 # ------------------------------------------------------------------------------- the launch-time group
