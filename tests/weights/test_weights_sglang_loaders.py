@@ -216,6 +216,19 @@ def test_every_view_is_a_complete_hf_checkpoint(published: Published) -> None:
             assert [Path(s).name for s in shards] == ["model.safetensors"]
 
 
+def test_bf16_view_loads_in_transformers(published: Published) -> None:
+    """transformers' own loader (shard index, names, MoE expert fusing) reads the bf16 view back."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(published.dirs[(2, "bf16")])
+    assert loaded.dtype == torch.bfloat16
+    expected = {k: v.to(torch.bfloat16) for k, v in published.model.state_dict().items()}
+    got = loaded.state_dict()
+    assert set(got) == set(expected)
+    for name, t in expected.items():
+        assert torch.equal(got[name], t), name
+
+
 def test_checkpoint_names_are_those_transformers_saves(published: Published) -> None:
     """Our in-memory -> checkpoint renaming (fused MoE experts split) equals transformers' own."""
     from safetensors.torch import load_file
