@@ -1,0 +1,265 @@
+"""The `hf` backend: any Hugging Face causal LM (Qwen3, Llama, ...) through `AutoModelForCausalLM`.
+
+Same interface as the `torch` backend (trainer/backend_torch.py), so the training loop drives it
+unchanged: `train_step(flat, group_index) -> (LossOutput, grad_norm)`, `weights()` (HF-named fp32
+tensors for the publisher), `state_dict()` / `load_state_dict()` (checkpoints). The objective is the
+one corrected policy loss of trainer/objective.py, on the same gathered logit rows.
+
+Precision: fp32 master weights always. On CPU the compute is fp32 (a reference); on a GPU the
+forward runs in bf16 (autocast on one GPU, FSDP2's MixedPrecisionPolicy with fp32 gradient
+reduction on several), and the logits are cast to fp32 before the objective.
+
+Several processes (FSDP2, `torch.distributed.fsdp.fully_shard`, one shard per rank): every rank gets
+the SAME FlatBatch and trains on its share of the sequences (sequence b goes to rank b % world). The
+loss is the token mean over the WHOLE batch: each rank's sum over its tokens is divided by the global
+token count and multiplied by the world size, because FSDP2 averages gradients over ranks in its
+reduce-scatter; the reduced gradient is then exactly the one-process gradient (tests pin 1e-6 in
+fp32 with 2 gloo processes). Reported loss and mean metrics are combined across ranks (token-weighted,
+exact); `ess` is not decomposable from per-rank means and is reported only with one process.
+
+Logits: only the positions from the first sampled token on are projected (`logits_to_keep`), so the
+prompt's [S, V] block is never materialised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlfleet.trainer.backend_torch import OptimConfig, to_token_batch
+from rlfleet.trainer.batching import FlatBatch
+from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
+
+# Token-mean metrics of the objective (trainer/objective.py _summarise): exact to combine across ranks.
+MEAN_KEYS = ("kl_k3", "logprob_abs_diff", "entropy", "sc_correction", "sc_tail_ratio", "ppo_clip_fraction",
+             "oor_low", "oor_high", "oor_fraction")  # fmt: skip
+SUM_KEYS = ("num_tokens", "invalid_tokens")
+MAX_KEYS = ("sc_tail_ratio_max",)
+
+
+def select_rows(batch: TokenBatch, rows: torch.Tensor) -> TokenBatch:
+    """The TokenBatch restricted to `rows` (int64 indices), every per-token field alike."""
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows]
+
+    return TokenBatch(
+        tokens=batch.tokens[rows],
+        advantages=batch.advantages[rows],
+        loss_mask=batch.loss_mask[rows],
+        sampler_logprobs=batch.sampler_logprobs[rows],
+        candidate_ids=batch.candidate_ids[rows],
+        candidate_logprobs=batch.candidate_logprobs[rows],
+        candidates_are_support=batch.candidates_are_support,
+        group_ids=pick(batch.group_ids),
+        staleness=pick(batch.staleness),
+        old_logprobs=pick(batch.old_logprobs),
+    )
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per-rank metric dicts of one scope -> the whole batch's: counts add, token means are
+    token-weighted, maxima take the max. Non-decomposable keys (ess) are dropped."""
+    out: dict[str, float] = {k: sum(p.get(k, 0.0) for p in parts) for k in SUM_KEYS}
+    n = out["num_tokens"]
+    for k in MEAN_KEYS:
+        have = [p for p in parts if k in p]
+        if have and n:
+            out[k] = sum(p[k] * p["num_tokens"] for p in have) / n
+    for k in MAX_KEYS:
+        vals = [p[k] for p in parts if k in p]
+        if vals:
+            out[k] = max(vals)
+    return out
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        objective: ObjectiveConfig,
+        optim: OptimConfig | None = None,
+        temperature: float = 1.0,
+        device: str | torch.device | None = None,
+        distributed: bool | None = None,
+    ) -> None:
+        """`model`: an HF causal LM in fp32 (see `from_pretrained`). `distributed`: shard with FSDP2
+        over the default process group (default: when torch.distributed is initialised with > 1 rank)."""
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        if distributed is None:
+            distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.distributed = bool(distributed)
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.bf16 = self.device.type == "cuda"
+        model = model.to(device=self.device, dtype=torch.float32)
+        if self.distributed:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = (
+                MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                if self.bf16
+                else MixedPrecisionPolicy()
+            )
+            for layer in _decoder_layers(model):
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+        self.model = model
+        self.objective = objective
+        self.optim_config = optim or OptimConfig()
+        self.temperature = temperature
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.optim_config.learning_rate,
+            weight_decay=self.optim_config.weight_decay,
+            betas=self.optim_config.betas,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, objective: ObjectiveConfig, **kwargs: Any) -> HFBackend:
+        """Load a local HF checkpoint directory (config.json + safetensors) in fp32."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        return cls(model, objective, **kwargs)
+
+    # ------------------------------------------------------------------ forward
+    def local_sequences(self, flat: FlatBatch) -> np.ndarray:
+        """The sequences this rank trains on (b % world == rank)."""
+        n = int(flat.input_ids.shape[0])
+        if n < self.world:
+            raise ValueError(f"a batch of {n} sequences cannot be split over {self.world} trainer ranks")
+        return np.arange(self.rank, n, self.world)
+
+    def row_logits(self, flat: FlatBatch, seqs: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """fp32 logits [len(rows), V] / temperature at the rows (of sequences `seqs`) of sampled tokens."""
+        local_index = np.full(int(flat.input_ids.shape[0]), -1, dtype=np.int64)
+        local_index[seqs] = np.arange(len(seqs))
+        input_ids = torch.from_numpy(flat.input_ids[seqs]).to(self.device)
+        seq_len = int(input_ids.shape[1])
+        row_pos = flat.row_pos[rows]
+        first = int(row_pos.min()) if len(rows) else seq_len - 1
+        keep = seq_len - first  # logits of positions first..S-1
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16 and not self.distributed):
+            # Right padding needs no attention mask with causal attention: pads come after every row.
+            logits = self.model(input_ids=input_ids, logits_to_keep=keep, use_cache=False).logits
+        b = torch.from_numpy(local_index[flat.row_seq[rows]]).to(self.device)
+        p = torch.from_numpy(row_pos - first).to(self.device)
+        return logits[b, p].float() / self.temperature
+
+    def train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:
+        """One optimizer step on the batch; returns the objective's output and the pre-clip grad norm."""
+        self.model.train()
+        full = to_token_batch(flat, group_index)
+        seqs = self.local_sequences(flat)
+        rows = np.flatnonzero(np.isin(flat.row_seq, seqs))
+        batch = select_rows(full, torch.from_numpy(rows))
+        batch = _to_device(batch, self.device)
+        out = policy_loss(self.row_logits(flat, seqs, rows), batch, self.objective)
+        total_valid = self._all_sum(float(out.num_valid_tokens))
+        loss_sum = out.loss_sum if out.loss_sum is not None else out.loss * out.num_valid_tokens
+        # FSDP2 averages gradients over ranks: scale by world so the reduced gradient is the global mean.
+        scaled = loss_sum * (self.world / max(total_valid, 1.0))
+        self.optimizer.zero_grad(set_to_none=True)
+        scaled.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_config.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if np.isfinite(grad_norm):
+            self.optimizer.step()
+        return self._global_output(out, total_valid), grad_norm
+
+    # ------------------------------------------------------------------ reductions
+    def _all_sum(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _global_output(self, out: LossOutput, total_valid: float) -> LossOutput:
+        """The batch-wide LossOutput: the global token-mean loss (a detached value) and combined metrics."""
+        if not self.distributed:
+            return out
+        loss_sum = float((out.loss_sum if out.loss_sum is not None else out.loss).detach())
+        global_loss = self._all_sum(loss_sum) / max(total_valid, 1.0)
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, (out.metrics, out.per_group, out.per_staleness))
+        per_group: dict[int, dict[str, float]] = {}
+        for gid in sorted({g for p in parts for g in p[1]}):
+            per_group[gid] = combine_metrics([p[1][gid] for p in parts if gid in p[1]])
+        per_stale: dict[str, dict[str, float]] = {}
+        for bucket in sorted({b for p in parts for b in p[2]}):
+            per_stale[bucket] = combine_metrics([p[2][bucket] for p in parts if bucket in p[2]])
+        return LossOutput(
+            loss=torch.tensor(global_loss),
+            metrics=combine_metrics([p[0] for p in parts]),
+            per_group=per_group,
+            per_staleness=per_stale,
+            loss_sum=torch.tensor(global_loss * total_valid),
+            num_valid_tokens=int(total_valid),
+        )
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def weights(self) -> dict[str, torch.Tensor]:
+        """HF-named fp32 full tensors on CPU (every rank must call it: sharded tensors are gathered)."""
+        out: dict[str, torch.Tensor] = {}
+        for k, v in self.model.state_dict().items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = full.detach().to("cpu", torch.float32).clone()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.distributed:
+            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model_sd, optim_sd = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.distributed:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks (the FSDP2 units): `model.model.layers` in the Llama/Qwen3 families."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers)")
+    return list(layers)
+
+
+def _to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
+    if device.type == "cpu":
+        return batch
+    moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()}
+    return TokenBatch(**moved)
