@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("run",): ("rlfleet.trainer.local", "run an RLJob manifest (--local: everything on this machine)"),
     ("ablate",): ("rlfleet.trainer.ablation", "run the correction ablation (pg, mis, sc, sc_mis, +top-p)"),
+    ("model", "tiny-qwen3"): ("rlfleet.tiny_qwen3", "write the project's tiny Qwen3 HF checkpoint (tests, local runs)"),
     ("crds",): ("rlfleet.api.crdgen", "write (or --check) the CRD YAML generated from the API models"),
     ("operator", "run"): ("rlfleet.operator.main", "run the operator (in or out of a cluster)"),
     ("sampler", "serve"): ("rlfleet.sampler.server", "serve a sampler (--engine reference | sglang)"),

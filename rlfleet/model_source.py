@@ -1,0 +1,179 @@
+"""Where a model's base checkpoint comes from: ONE resolver for `spec.model.path` (docs/architecture.md,
+"Model sources"), used by the trainer and by anything on the sampler side that needs the base model.
+
+`resolve_model_source(path)` returns a local directory holding the checkpoint:
+- a local or PVC directory: used in place; it must hold `config.json` (a Hugging Face checkpoint) or
+  `rlfleet_view.json` (one of our own weight views, e.g. a tensor-only TinyGPT view);
+- `s3://bucket/prefix[?endpoint=URL&region=R]`: every object under the prefix is downloaded with the
+  weight channel's S3 store (`rlfleet.store`) into the cache and verified against the prefix's
+  `SHA256SUMS` (the `sha256sum` format; `rlfleet model tiny-qwen3` writes one) before use. A prefix
+  without `SHA256SUMS` is refused: weights are verified by checksum before use;
+- a Hugging Face id (`org/name`, optionally `revision`): fetched once with huggingface_hub's
+  `snapshot_download` into the Hugging Face cache (`HF_HOME`; on rlfleet pods `/tmp/huggingface`,
+  the writable emptyDir of the non-root uid 10001); the hub verifies the files it downloads.
+Anything else (another URI scheme, a missing directory, a directory that is not a checkpoint) is a
+`ModelSourceError` with a one-line message.
+
+No torch here (core module); boto3 and huggingface_hub are imported only for those sources.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+CHECKSUMS_FILE = "SHA256SUMS"
+HF_CONFIG = "config.json"
+VIEW_CONFIG = "rlfleet_view.json"  # rlfleet.numerics.views.VIEW_CONFIG_FILE (core must not import torch)
+HF_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+"""A Hugging Face repo id: `name` or `org/name` (letters, digits, `._-`)."""
+
+SnapshotDownload = Callable[..., str]
+
+
+class ModelSourceError(ValueError):
+    """`spec.model.path` cannot be resolved to a checkpoint directory (one-line message)."""
+
+
+def default_cache_dir() -> Path:
+    """`RLFLEET_MODEL_CACHE`, else `$HF_HOME/rlfleet-models`, else `~/.cache/rlfleet/models`."""
+    if os.environ.get("RLFLEET_MODEL_CACHE"):
+        return Path(os.environ["RLFLEET_MODEL_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "rlfleet-models"
+    return Path.home() / ".cache" / "rlfleet" / "models"
+
+
+def check_checkpoint_dir(directory: Path, source: str) -> Path:
+    """`directory` if it is a checkpoint (config.json or an rlfleet view), else a clear error."""
+    if not directory.is_dir():
+        raise ModelSourceError(f"model source {source}: {directory} is not a directory")
+    if not (directory / HF_CONFIG).is_file() and not (directory / VIEW_CONFIG).is_file():
+        raise ModelSourceError(
+            f"model source {source}: {directory} has no {HF_CONFIG} (not a Hugging Face checkpoint) "
+            f"and no {VIEW_CONFIG} (not an rlfleet weight view)"
+        )
+    return directory
+
+
+def is_hf_checkpoint(directory: str | Path) -> bool:
+    """True when the resolved directory is a Hugging Face checkpoint (it has config.json)."""
+    return (Path(directory) / HF_CONFIG).is_file()
+
+
+def parse_checksums(text: str, source: str) -> dict[str, str]:
+    """`sha256sum` output (`<hex>  <name>`, `*` for binary mode) -> {relative name: hex}."""
+    sums: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split(maxsplit=1)
+        if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{64}", parts[0]):
+            raise ModelSourceError(f"model source {source}: {CHECKSUMS_FILE} line {number} is not '<sha256>  <file>'")
+        name = parts[1].strip().lstrip("*").removeprefix("./")
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise ModelSourceError(f"model source {source}: {CHECKSUMS_FILE} names {name!r} outside the prefix")
+        sums[name] = parts[0]
+    return sums
+
+
+def write_checksums(directory: Path) -> Path:
+    """Write `SHA256SUMS` for every file under `directory` (what an s3:// model source must carry)."""
+    from rlfleet.store import sha256_file
+
+    lines = [
+        f"{sha256_file(p).sha256}  {p.relative_to(directory).as_posix()}"
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != CHECKSUMS_FILE
+    ]
+    path = directory / CHECKSUMS_FILE
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
+    from rlfleet.store import KeyNotFoundError, StoreError, open_store, sha256_file
+
+    parsed = urlparse(uri)
+    dest = cache_dir / "s3" / parsed.netloc / (parsed.path.strip("/") or "_root")
+    store = open_store(uri, **s3_options)
+    try:
+        try:
+            sums_text = store.get(CHECKSUMS_FILE).decode()
+            sums = parse_checksums(sums_text, uri)
+        except KeyNotFoundError:
+            raise ModelSourceError(
+                f"model source {uri}: no {CHECKSUMS_FILE} under the prefix (write one with "
+                f"`sha256sum` over the checkpoint's files; weights are verified before use)"
+            ) from None
+        except StoreError as e:
+            raise ModelSourceError(f"model source {uri}: {e}") from e
+        keys = set(store.list())
+        missing = sorted(set(sums) - keys)
+        if missing:
+            raise ModelSourceError(f"model source {uri}: {CHECKSUMS_FILE} names files not in the prefix: {missing[:3]}")
+        if all((dest / n).is_file() and sha256_file(dest / n).sha256 == h for n, h in sums.items()):
+            return dest  # already downloaded and still intact
+        staging = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        for name, expected in sorted(sums.items()):
+            digest = store.get_file(name, staging / name)  # sha256 computed while downloading
+            if digest.sha256 != expected:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise ModelSourceError(
+                    f"model source {uri}: {name} has sha256 {digest.sha256[:12]}.., "
+                    f"{CHECKSUMS_FILE} says {expected[:12]}.. (corrupted or tampered; not used)"
+                )
+        (staging / CHECKSUMS_FILE).write_text(sums_text)
+        shutil.rmtree(dest, ignore_errors=True)
+        staging.rename(dest)
+        return dest
+    finally:
+        store.close()
+
+
+def resolve_model_source(
+    path: str,
+    *,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    snapshot_download: SnapshotDownload | None = None,
+    **s3_options: Any,
+) -> Path:
+    """The local checkpoint directory for `spec.model.path` (see the module docstring).
+
+    `snapshot_download`: huggingface_hub's function (the default); tests pass a named stub."""
+    if not path:
+        raise ModelSourceError("model source is empty")
+    parsed = urlparse(path)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ModelSourceError(f"model source {path}: no bucket")
+        return check_checkpoint_dir(_download_s3(path, cache, **s3_options), path)
+    if parsed.scheme == "file":
+        return check_checkpoint_dir(Path(parsed.path), path)
+    if parsed.scheme:
+        raise ModelSourceError(
+            f"model source {path}: unknown scheme {parsed.scheme!r} (use a directory, file://, s3:// or a Hugging Face id)"
+        )
+    local = Path(path).expanduser()
+    if local.exists() or path.startswith(("/", ".", "~")) or not HF_ID.match(path):
+        if not local.exists():
+            raise ModelSourceError(f"model source {path}: no such directory")
+        return check_checkpoint_dir(local, path)
+    if snapshot_download is None:
+        from huggingface_hub import snapshot_download as hub_snapshot_download
+
+        snapshot_download = hub_snapshot_download
+    try:
+        # cache_dir None: the hub's own cache under HF_HOME, shared with SGLang on the same pod
+        fetched = snapshot_download(repo_id=path, revision=revision)
+    except Exception as e:  # the hub raises many types (offline, 404, gated): one clear line
+        raise ModelSourceError(f"model source {path}: Hugging Face download failed: {type(e).__name__}: {e}") from e
+    return check_checkpoint_dir(Path(fetched), path)
