@@ -1,0 +1,84 @@
+"""Report plots (trainer/report.py): axis labels on every plot and one vertical marker per collapse
+alert, checked on the real matplotlib Figure objects (not by eye); the written report draws the
+alerts the run summary carries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from rlfleet.trainer.collapse import Alert
+from rlfleet.trainer.report import ALERT_GID, PLOTS, build_figures, write_report
+
+ROWS = [
+    {
+        "step": float(s),
+        "reward_mean": 0.1 * s,
+        "kl_k3": 0.01 * s,
+        "group/h100-fp8/kl_k3": 0.02 * s,
+        "grad_norm": 1.0 + s,
+        "entropy": 2.0 - 0.1 * s,
+    }  # fmt: skip
+    for s in range(1, 9)
+]
+
+
+def _markers(fig) -> list:
+    return [line for line in fig.axes[0].get_lines() if line.get_gid() == ALERT_GID]
+
+
+def test_every_plot_has_axis_labels_and_one_marker_per_alert() -> None:
+    alerts = [Alert(3, "kl_surge", 0.5, 0.1, group="h100-fp8"), Alert(6, "reward_cliff", 0.1, 0.6),
+              {"step": 7, "signal": "rho_blowup", "value": 60.0, "baseline": 50.0, "group": None}]  # fmt: skip
+    figures = build_figures(ROWS, alerts)
+    try:
+        assert [name for name, _ in figures] == [p[0] for p in PLOTS]
+        for (_name, fig), (_, _title, _key, ylabel) in zip(figures, PLOTS, strict=True):
+            ax = fig.axes[0]
+            assert ax.get_xlabel() == "step"
+            assert ax.get_ylabel() == ylabel and ylabel
+            marks = _markers(fig)
+            assert len(marks) == 3  # one per alert, also on plots whose metric is absent
+            assert [float(m.get_xdata()[0]) for m in marks] == [3.0, 6.0, 7.0]
+            assert all(m.get_xdata()[0] == m.get_xdata()[1] for m in marks)  # vertical
+            texts = [t.get_text() for t in ax.texts]
+            assert "kl_surge (h100-fp8)" in texts and "reward_cliff" in texts
+            assert [t.get_text() for t in ax.get_legend().get_texts()].count("collapse alert") == 1
+        kl = dict(figures)["kl.png"].axes[0]
+        assert sorted(line.get_label() for line in kl.get_lines() if line.get_gid() != ALERT_GID) == [
+            "fleet",
+            "h100-fp8",
+        ]
+    finally:
+        for _, fig in figures:
+            plt.close(fig)
+
+
+def test_no_alerts_no_markers() -> None:
+    figures = build_figures(ROWS)
+    try:
+        assert all(_markers(fig) == [] for _, fig in figures)
+    finally:
+        for _, fig in figures:
+            plt.close(fig)
+
+
+def test_write_report_draws_the_summary_alerts(tmp_path: Path, monkeypatch) -> None:
+    """write_report passes the summary's `collapse_alerts` (the dicts local mode stores) to the plots."""
+    import rlfleet.trainer.report as report
+
+    seen: list = []
+    real = report.build_figures
+
+    def spy(rows, alerts=()):
+        figs = real(rows, alerts)
+        seen.extend(len(_markers(f)) for _, f in figs)
+        return figs
+
+    monkeypatch.setattr(report, "build_figures", spy)
+    alert = Alert(4, "grad_norm_spike", 9.0, 1.0)
+    write_report(ROWS, tmp_path, {"collapse_alerts": [alert.__dict__]})
+    assert seen == [1] * len(PLOTS)
+    assert all((tmp_path / p[0]).stat().st_size > 0 for p in PLOTS)
+    assert (tmp_path / "metrics.json").is_file()
