@@ -15,12 +15,19 @@ initialised TinyGPT can learn them on CPU in minutes and every reward is exactly
   `CALL x y END_CALL`, the environment answers `RESULT (x+y)%10 END_RESULT`, and the model must then
   reply with the digit (a+b)%10 and EOS (shaped reward, see `ToolAddEnv.score`). Episodes end on an answer, on `max_turns`, or after
   `max_turns_without_tool` consecutive turns without a tool call (method.md's collapse precursor).
+
+For real models (a tokenizer with a chat template): `MathEnv` (final-answer check, reward 1/0) and
+`ChatTurnEncoder`, which turns an environment message (a tool result) into the ids to append after
+the model's turn, so a multi-turn history is never re-rendered. docs/environments.md documents the
+plugin interface with a worked example.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,7 +99,9 @@ class Environment:
     def start(self, prompt: Prompt) -> dict[str, Any]:
         return {}
 
-    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+    def step(
+        self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str
+    ) -> EnvStep:
         return EnvStep(done=True)
 
     def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
@@ -111,7 +120,9 @@ class RewardFunctionEnv(Environment):
         self.fn = fn
         self.stop_token_ids = tuple(stop_token_ids)
 
-    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+    def step(
+        self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str
+    ) -> EnvStep:
         return EnvStep(done=True)
 
     def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
@@ -165,10 +176,20 @@ class ToolAddEnv(Environment):
         self.max_turns_without_tool = max_turns_without_tool
 
     def start(self, prompt: Prompt) -> dict[str, Any]:
-        return {"turns": 0, "turns_without_tool": 0, "tool_calls": 0, "format_errors": 0,
-                "answer": None, "no_tool_end": False, "used_result": None, "closed_calls": 0}
+        return {
+            "turns": 0,
+            "turns_without_tool": 0,
+            "tool_calls": 0,
+            "format_errors": 0,
+            "answer": None,
+            "no_tool_end": False,
+            "used_result": None,
+            "closed_calls": 0,
+        }
 
-    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+    def step(
+        self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str
+    ) -> EnvStep:
         state["turns"] += 1
         ids = [int(t) for t in output_ids]
         if ToyVocab.CALL in ids:
@@ -179,7 +200,9 @@ class ToolAddEnv(Environment):
                 state["closed_calls"] += 1
             if args and args[-1] == ToyVocab.END_CALL:
                 args = args[:-1]
-            well_formed = len(args) == 2 and all(ToyVocab.is_digit(t) for t in args) and ids[-1] == ToyVocab.END_CALL
+            well_formed = (
+                len(args) == 2 and all(ToyVocab.is_digit(t) for t in args) and ids[-1] == ToyVocab.END_CALL
+            )
             if well_formed:
                 s = (ToyVocab.value(args[0]) + ToyVocab.value(args[1])) % 10
                 state["used_result"] = s
@@ -188,7 +211,9 @@ class ToolAddEnv(Environment):
                 state["format_errors"] += 1
                 result = [ToyVocab.RESULT, ToyVocab.ERR, ToyVocab.END_RESULT]
             done = state["turns"] >= self.max_turns
-            return EnvStep(done=done, append_ids=[] if done else result, tool_call=True, format_error=not well_formed)
+            return EnvStep(
+                done=done, append_ids=[] if done else result, tool_call=True, format_error=not well_formed
+            )
         state["turns_without_tool"] += 1
         content = _strip_eos(ids)
         digits = [t for t in content if ToyVocab.is_digit(t)]
@@ -236,6 +261,136 @@ def tool_add_prompt(index: int, a: int, b: int) -> Prompt:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# Real models: chat turns as token ids, and the math final-answer environment
+
+
+def _ids(out: Any) -> list[int]:
+    ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
+    return [int(t) for t in ids]
+
+
+class ChatTurnEncoder:
+    """Token-in / token-out multi-turn with a chat template: the ids to APPEND after a model turn for
+    an environment message (a tool result, a user follow-up), ending with the generation prompt of
+    the next assistant turn. The history is never re-rendered: the appended ids are the template's
+    delta for one more message, measured on a fixed two-message probe chat, and start right after
+    the model's end-of-turn token (which the sampler produced; prepended when the turn was cut by
+    the length budget instead)."""
+
+    PROBE = ({"role": "user", "content": "0"}, {"role": "assistant", "content": "0"})
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("ChatTurnEncoder needs a tokenizer with a chat template")
+        self.tokenizer = tokenizer
+        self.end_of_turn_id = int(tokenizer.eos_token_id)
+
+    def message_ids(self, content: str, role: str = "tool") -> list[int]:
+        """Ids appended after the model's end-of-turn token for one `role` message."""
+        base = _ids(self.tokenizer.apply_chat_template(list(self.PROBE), tokenize=True))
+        more = _ids(
+            self.tokenizer.apply_chat_template(
+                [*self.PROBE, {"role": role, "content": content}], tokenize=True, add_generation_prompt=True
+            )
+        )
+        if more[: len(base)] != base or self.end_of_turn_id not in base:
+            raise ValueError("the chat template does not render a conversation as a prefix of its extension")
+        cut = len(base) - base[::-1].index(self.end_of_turn_id)  # right after the assistant's end of turn
+        return more[cut:]
+
+    def append_ids(self, output_ids: Sequence[int], content: str, role: str = "tool") -> list[int]:
+        """Ids to append after the model turn `output_ids` (closing it if the model did not)."""
+        closed = bool(output_ids) and int(output_ids[-1]) == self.end_of_turn_id
+        return ([] if closed else [self.end_of_turn_id]) + self.message_ids(content, role)
+
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (nested braces kept), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The reply's final answer: the last `\\boxed{}`, else the number after the last `####`, else the
+    last number in the text; None when there is none (a format error)."""
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    marks = re.findall(r"####\s*(" + _NUMBER + ")", text)
+    if marks:
+        return marks[-1]
+    numbers = re.findall(_NUMBER, text)
+    return numbers[-1] if numbers else None
+
+
+def _as_number(text: str) -> float | None:
+    t = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    t = re.sub(r"^\\(?:d?frac)\{(-?\d+)\}\{(\d+)\}$", r"\1/\2", t)
+    try:
+        if "/" in t:
+            num, den = t.split("/", 1)
+            return float(num) / float(den)
+        return float(t)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_match(given: str, truth: str) -> bool:
+    """Numerically equal (1e-6 relative; "1,000" == "1000.0" == "\\frac{2000}{2}"), else equal as
+    whitespace-free strings."""
+    a, b = _as_number(given), _as_number(truth)
+    if a is not None and b is not None:
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    return re.sub(r"\s+", "", given) == re.sub(r"\s+", "", truth)
+
+
+class MathEnv(Environment):
+    """Single-turn math with a verifiable final answer: reward 1 when the reply's final answer
+    (`extract_final_answer`) equals the prompt's `meta["answer"]` (a GSM8K-style "... #### 42" answer
+    is reduced to its final number), else 0; a reply without any parsable answer is a format error.
+    Needs the model's tokenizer (to read the reply's text; the ids themselves are never re-encoded).
+    Entry point: `rlfleet.trainer.environments:MathEnv`."""
+
+    max_turns = 1
+
+    def __init__(self, tokenizer: Any = None, answer_key: str = "answer") -> None:
+        if tokenizer is None:
+            raise ValueError("MathEnv needs the model's tokenizer (to read the replies)")
+        self.tokenizer = tokenizer
+        self.answer_key = answer_key
+        self.stop_token_ids = (int(tokenizer.eos_token_id),)
+
+    def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
+        if self.answer_key not in prompt.meta:
+            raise KeyError(
+                f"prompt {prompt.prompt_id} has no {self.answer_key!r} (a column of the prompt set)"
+            )
+        truth = str(prompt.meta[self.answer_key])
+        truth = extract_final_answer(truth) if "####" in truth else truth
+        reply = replies[-1] if replies else []
+        text = self.tokenizer.decode(reply, skip_special_tokens=True)
+        answer = extract_final_answer(text)
+        return EpisodeOutcome(
+            reward=1.0 if answer is not None and truth is not None and answers_match(answer, truth) else 0.0,
+            num_turns=len(replies),
+            empty_final_reply=not text.strip(),
+            no_tool_call_termination=False,
+            format_errors=1 if answer is None else 0,
+            tool_calls=0,
+        )
+
+
 copy_digit = RewardFunctionEnv(copy_digit_reward)
 tool_add = ToolAddEnv()
 
@@ -249,11 +404,12 @@ class EnvironmentLoadError(ValueError):
     """The environment entry point cannot be resolved (clear, one line)."""
 
 
-def load_environment(entry_point: str, **options: Any) -> Environment:
+def load_environment(entry_point: str, tokenizer: Any = None, **options: Any) -> Environment:
     """Resolve "module:attr" (or a built-in name) to an Environment.
 
-    attr may be an Environment instance, an Environment subclass (instantiated with `options`), or a
-    reward function of (prompt, completion_ids) (wrapped single-turn).
+    attr may be an Environment instance, an Environment subclass (instantiated with `options`, plus
+    the model's `tokenizer` when its constructor takes one), or a reward function of (prompt,
+    completion_ids) (wrapped single-turn).
     """
     target = BUILTIN.get(entry_point, entry_point)
     if ":" not in target:
@@ -264,16 +420,27 @@ def load_environment(entry_point: str, **options: Any) -> Environment:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise EnvironmentLoadError(f"environment {entry_point!r}: cannot import {module_name!r}: {exc}") from None
+        raise EnvironmentLoadError(
+            f"environment {entry_point!r}: cannot import {module_name!r}: {exc}"
+        ) from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise EnvironmentLoadError(f"environment {entry_point!r}: {module_name!r} has no attribute {attr!r}")
+            raise EnvironmentLoadError(
+                f"environment {entry_point!r}: {module_name!r} has no attribute {attr!r}"
+            )
         obj = getattr(obj, part)
     if isinstance(obj, Environment):
         return obj
     if inspect.isclass(obj) and issubclass(obj, Environment):
-        return obj(**options)
+        if "tokenizer" in inspect.signature(obj.__init__).parameters:
+            options = {"tokenizer": tokenizer, **options}
+        try:
+            return obj(**options)
+        except (TypeError, ValueError) as exc:
+            raise EnvironmentLoadError(f"environment {entry_point!r}: {exc}") from None
     if callable(obj):
         return RewardFunctionEnv(obj)
-    raise EnvironmentLoadError(f"environment {entry_point!r}: {attr!r} is neither an Environment nor callable")
+    raise EnvironmentLoadError(
+        f"environment {entry_point!r}: {attr!r} is neither an Environment nor callable"
+    )

@@ -1,0 +1,161 @@
+"""Environments for real models (trainer/environments.py): the math final-answer environment, the
+token-in / token-out multi-turn append (ChatTurnEncoder) with a real tokenizer and chat template, and
+a full multi-turn episode through the real RolloutDriver whose trajectory is checked to be exactly
+the ids the (fake, in-process) sampler produced plus the appended ids — never re-rendered. The
+sampler here is a stub because no engine can run in this test; it only echoes ids."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from chat_tokenizer import build_chat_tokenizer
+
+from rlfleet.records import SampledTurn
+from rlfleet.trainer.environments import (
+    ChatTurnEncoder,
+    Environment,
+    EnvironmentLoadError,
+    EnvStep,
+    EpisodeOutcome,
+    MathEnv,
+    answers_match,
+    extract_final_answer,
+    load_environment,
+)
+from rlfleet.trainer.prompts import Prompt, render_chat_prompt
+from rlfleet.trainer.rollout import RolloutDriver
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("so the answer is \\boxed{42}.", "42"),
+        ("\\boxed{\\frac{1}{2}} and later 7", "\\frac{1}{2}"),  # the boxed answer wins over later numbers
+        ("first \\boxed{1} then \\boxed{2}", "2"),
+        ("48 / 2 = 24, 48 + 24 = 72\n#### 72", "72"),
+        ("#### 1,000 is it; 3 more words", "1,000"),
+        ("She has 3 apples and eats 1, leaving 2.", "2"),
+        ("-3.5 degrees", "-3.5"),
+        ("no number here", None),
+        ("\\boxed{unclosed", None),
+    ],
+)
+def test_extract_final_answer(text: str, answer: str | None) -> None:
+    assert extract_final_answer(text) == answer
+
+
+def test_answers_match() -> None:
+    assert (
+        answers_match("1,000", "1000")
+        and answers_match("72.0", "72")
+        and answers_match("\\frac{1}{2}", "0.5")
+    )
+    assert answers_match("3/4", "0.75") and answers_match("x + 1", "x+1")
+    assert not answers_match("71", "72") and not answers_match("x", "y")
+
+
+def _reply(tok, text: str) -> list[int]:
+    return tok.encode(text) + [tok.eos_token_id]  # what the sampler produced, ending with the stop token
+
+
+def test_math_env_rewards_and_format_errors() -> None:
+    tok = build_chat_tokenizer()
+    env = load_environment("rlfleet.trainer.environments:MathEnv", tokenizer=tok)
+    assert isinstance(env, MathEnv) and env.stop_token_ids == (tok.eos_token_id,)
+    prompt = Prompt(index=0, input_ids=[1], meta={"answer": "Natalia sold 48 + 24 = 72 clips. #### 72"})
+    cases = {
+        "The answer is \\boxed{72}.": (1.0, 0),
+        "#### 72": (1.0, 0),
+        "It is 71": (0.0, 0),
+        "I do not know": (0.0, 1),
+    }
+    for text, (reward, errors) in cases.items():
+        out = env.score(prompt, env.start(prompt), [_reply(tok, text)])
+        assert (out.reward, out.format_errors) == (reward, errors), text
+        assert not out.empty_final_reply and out.num_turns == 1
+    assert env.score(prompt, {}, [[tok.eos_token_id]]).empty_final_reply
+    with pytest.raises(KeyError, match="has no 'answer'"):
+        env.score(Prompt(index=3, input_ids=[1]), {}, [_reply(tok, "5")])
+    with pytest.raises(EnvironmentLoadError, match="needs the model's tokenizer"):
+        load_environment("rlfleet.trainer.environments:MathEnv")
+
+
+def test_chat_turn_encoder_appends_the_template_delta() -> None:
+    tok = build_chat_tokenizer()
+    enc = ChatTurnEncoder(tok)
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    prompt_ids = render_chat_prompt(tok, chat)
+    call = _reply(tok, "calculator 2 + 3")
+    appended = enc.append_ids(call, "result: 5")
+    history = prompt_ids + call + appended
+    # The appended ids make the token history equal to the template's rendering of the whole chat
+    # (the model's own ids kept as sampled), ending with the next assistant generation prompt.
+    full = [
+        *chat,
+        {"role": "assistant", "content": "calculator 2 + 3"},
+        {"role": "tool", "content": "result: 5"},
+    ]
+    assert history == render_chat_prompt(tok, full)
+    assert tok.decode(appended) == "\n<|im_start|>tool\nresult: 5<|im_end|>\n<|im_start|>assistant\n"
+    # A turn cut by the length budget (no end-of-turn token) is closed first.
+    assert enc.append_ids(call[:-1], "result: 5") == [tok.eos_token_id] + appended
+    with pytest.raises(ValueError, match="chat template"):
+        ChatTurnEncoder(build_chat_tokenizer(None))
+
+
+class CalculatorEnv(Environment):
+    """A user-style plugin: tool turn then answer turn, tool results appended as ids."""
+
+    max_turns = 3
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.turns = ChatTurnEncoder(tokenizer)
+        self.stop_token_ids = (tokenizer.eos_token_id,)
+
+    def step(self, prompt, state, output_ids, finish_reason) -> EnvStep:
+        text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        if text.startswith("calculator"):
+            return EnvStep(
+                done=False, append_ids=self.turns.append_ids(output_ids, "result: 5"), tool_call=True
+            )
+        return EnvStep(done=True)
+
+    def score(self, prompt, state, replies) -> EpisodeOutcome:
+        text = self.tokenizer.decode(replies[-1], skip_special_tokens=True)
+        return EpisodeOutcome(reward=float(extract_final_answer(text) == "5"), num_turns=len(replies),
+                              empty_final_reply=False, no_tool_call_termination=False, format_errors=0,
+                              tool_calls=len(replies) - 1)  # fmt: skip
+
+
+def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
+    tok = build_chat_tokenizer()
+    env = CalculatorEnv(tok)
+    prompt = Prompt(
+        index=0, input_ids=render_chat_prompt(tok, [{"role": "user", "content": "What is 2 + 3?"}])
+    )
+    replies = [_reply(tok, "calculator 2 + 3"), _reply(tok, "The answer is \\boxed{5}.")]
+    sent: list[list[int]] = []
+
+    async def generate(session: str, ids: list[int], params: dict) -> SampledTurn:
+        sent.append(list(ids))
+        out = replies[len(sent) - 1]
+        n = len(out)
+        return SampledTurn(prompt_ids=np.asarray(ids), output_ids=np.asarray(out), logprobs=np.zeros(n),
+                           sampled_logprobs=np.zeros(n), support_offsets=np.arange(n + 1),
+                           support_ids=np.asarray(out), support_logprobs=np.zeros(n),
+                           weight_versions=np.zeros(n, dtype=np.int64), group="g", finish_reason="stop")  # fmt: skip
+
+    driver = RolloutDriver(generate, env, None, samples_per_prompt=1,  # type: ignore[arg-type]
+                           sampling={"max_new_tokens": 32}, max_seq_len=512)  # fmt: skip
+    rollout = asyncio.run(driver.run_episode(prompt, 0))
+    assert rollout.outcome is not None and rollout.outcome.reward == 1.0 and rollout.outcome.tool_calls == 1
+    tool = env.turns.append_ids(replies[0], "result: 5")
+    # Turn 2 was sent exactly prompt + sampled ids + appended ids: the history was not re-rendered.
+    assert sent[1] == prompt.input_ids + replies[0] + tool
+    assert rollout.token_ids().tolist() == prompt.input_ids + replies[0] + tool + replies[1]
+    mask = rollout.loss_mask()
+    assert mask.sum() == len(replies[0]) + len(replies[1])  # only the sampled ids are trained on
