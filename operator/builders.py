@@ -15,6 +15,14 @@ import yaml
 
 from rlfleet.api import RLJob, SamplerGroup, SamplerGroupTemplate, StoreSpec
 from rlfleet.api.common import API_VERSION, WEIGHT_FORMATS
+from rlfleet.api.scheduling import (
+    KUEUE_POD_GROUP_COUNT_ANNOTATION,
+    KUEUE_POD_GROUP_LABEL,
+    KUEUE_POD_GROUP_SERVING_ANNOTATION,
+    KUEUE_QUEUE_LABEL,
+    PodPlacement,
+    compact,
+)
 from rlfleet.catalog import (
     GPU_RESOURCE,
     GPU_TOLERATION,
@@ -75,15 +83,126 @@ def pod_security_context() -> dict[str, Any]:
     }
 
 
-def gpu_affinity(catalog: Catalog, accelerator: str) -> dict[str, Any]:
-    """Required node affinity: the class's GFD product labels OR its GKE accelerator labels."""
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+
+
+def _and_terms(catalog_terms: list[dict[str, Any]], user_terms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Node selector terms are ORed, requirements inside a term ANDed: (c1 | c2) & (u1 | u2) is the
+    cross product of terms, each with both sides' requirements."""
+    if not user_terms:
+        return catalog_terms
+    out = []
+    for c in catalog_terms:
+        for u in user_terms:
+            term: dict[str, Any] = {}
+            for key in ("matchExpressions", "matchFields"):
+                reqs = [*c.get(key, []), *u.get(key, [])]
+                if reqs:
+                    term[key] = reqs
+            out.append(term)
+    return out
+
+
+def pod_affinity(placement: PodPlacement, catalog: Catalog | None, accelerator: str | None,
+                 own_anti_affinity: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:  # fmt: skip
+    """The pods' affinity: the catalog's accelerator node terms AND the user's required node terms (the
+    class is never replaced), the user's preferences, and pod (anti-)affinity terms of user and operator."""
+    user = compact(placement.affinity.to_wire()) if placement.affinity is not None else {}
+    affinity: dict[str, Any] = {}
+    node = user.get("nodeAffinity", {})
+    user_required = node.get("requiredDuringSchedulingIgnoredDuringExecution", {}).get(
+        "nodeSelectorTerms", []
+    )
+    required = user_required
+    if catalog is not None and accelerator is not None:
+        required = _and_terms(catalog.get(accelerator).node_selector_terms(), user_required)
+    node_affinity: dict[str, Any] = {}
+    if required:
+        node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": required}
+    if node.get("preferredDuringSchedulingIgnoredDuringExecution"):
+        node_affinity["preferredDuringSchedulingIgnoredDuringExecution"] = node[
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+    if node_affinity:
+        affinity["nodeAffinity"] = node_affinity
+    for key, own in (("podAffinity", None), ("podAntiAffinity", own_anti_affinity)):
+        terms = {k: list(v) for k, v in user.get(key, {}).items() if v}
+        if own:
+            terms["requiredDuringSchedulingIgnoredDuringExecution"] = [
+                *terms.get("requiredDuringSchedulingIgnoredDuringExecution", []),
+                *own,
+            ]
+        if terms:
+            affinity[key] = terms
+    return affinity or None
+
+
+def pod_tolerations(placement: PodPlacement, gpu: bool) -> list[dict[str, Any]]:
+    """The GPU toleration (GPU pods) followed by the user's, without duplicates."""
+    out = [dict(GPU_TOLERATION)] if gpu else []
+    for t in placement.tolerations:
+        wire = compact(t.to_wire())
+        if wire not in out:
+            out.append(wire)
+    return out
+
+
+def container_resources(defaults: dict[str, dict[str, str]], placement: PodPlacement) -> dict[str, Any]:
+    """The operator's requests/limits with the user's merged over them per resource name (the CRD and
+    pydantic refuse nvidia.com/gpu there, so the GPU count stays the spec's)."""
+    out = {kind: dict(values) for kind, values in defaults.items()}
+    if placement.resources is not None:
+        for kind in ("requests", "limits"):
+            extra = getattr(placement.resources, kind)
+            if extra:
+                out.setdefault(kind, {}).update(extra)
+    return out
+
+
+def pod_template_metadata(labels: dict[str, str], annotations: dict[str, str],
+                          placement: PodPlacement) -> dict[str, Any]:  # fmt: skip
+    """Pod template labels and annotations: the user's extras, then the operator's (which win; the API
+    refuses user keys that collide with them)."""
     return {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": catalog.get(accelerator).node_selector_terms()
-            }
-        }
+        "labels": {**placement.pod_labels, **labels},
+        "annotations": {**placement.pod_annotations, **annotations},
     }
+
+
+def pod_placement_spec(placement: PodPlacement) -> dict[str, Any]:
+    """nodeSelector and priorityClassName of the pod spec (only when set)."""
+    out: dict[str, Any] = {}
+    if placement.node_selector:
+        out["nodeSelector"] = dict(placement.node_selector)
+    if placement.priority_class_name:
+        out["priorityClassName"] = placement.priority_class_name
+    return out
+
+
+def trainer_gang(job: RLJob) -> tuple[dict[str, str], dict[str, str], list[dict[str, Any]]]:
+    """(labels, annotations, anti-affinity terms) that make the trainer replicas ONE gang: with a Kueue
+    queue named in podLabels, a Kueue pod group of all replicas (admitted together or not at all); with
+    more than one replica, one replica per node (docs/scheduling.md)."""
+    t = job.spec.trainer
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+    if KUEUE_QUEUE_LABEL in t.pod_labels:
+        labels[KUEUE_POD_GROUP_LABEL] = n.trainer_name(job.name)
+        annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(t.replicas)
+        annotations[KUEUE_POD_GROUP_SERVING_ANNOTATION] = "true"  # long-running: replaced pods rejoin
+    anti: list[dict[str, Any]] = []
+    if t.replicas > 1:
+        anti.append(
+            {
+                "labelSelector": {"matchLabels": {n.LABEL_JOB: job.name, n.LABEL_COMPONENT: "trainer"}},
+                "topologyKey": HOSTNAME_TOPOLOGY,
+            }
+        )
+    return labels, annotations, anti
+
+
+def _optional(key: str, value: Any) -> dict[str, Any]:
+    return {key: value} if value else {}
 
 
 def channel_views(job: RLJob) -> list[str]:
@@ -165,6 +284,7 @@ def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, 
     }
     if group.tensor_parallel is not None:
         spec["tensorParallel"] = group.tensor_parallel
+    spec.update(group.placement_wire())
     return {
         "apiVersion": API_VERSION,
         "kind": "SamplerGroup",
@@ -290,6 +410,7 @@ def build_trainer_statefulset(
     store = job.spec.weight_channel.store
     volumes, mounts = store_volume(store, read_only=False)
     master = f"{name}-0.{name}.{namespace}.svc"
+    gang_labels, gang_annotations, gang_anti = trainer_gang(job)
     env = [
         *_common_env(job, namespace),
         {"name": "NNODES", "value": str(t.replicas)},
@@ -329,10 +450,13 @@ def build_trainer_statefulset(
             {"name": "rdzv", "containerPort": n.TRAINER_RDZV_PORT},
             {"name": "metrics", "containerPort": n.TRAINER_METRICS_PORT},
         ],
-        "resources": {
-            "requests": {GPU_RESOURCE: str(t.gpus_per_replica), "cpu": "8", "memory": "64Gi"},
-            "limits": {GPU_RESOURCE: str(t.gpus_per_replica)},
-        },
+        "resources": container_resources(
+            {
+                "requests": {GPU_RESOURCE: str(t.gpus_per_replica), "cpu": "8", "memory": "64Gi"},
+                "limits": {GPU_RESOURCE: str(t.gpus_per_replica)},
+            },
+            t,
+        ),
         "volumeMounts": [
             {"name": "config", "mountPath": n.CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
@@ -351,17 +475,20 @@ def build_trainer_statefulset(
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {
-                    "labels": labels,
-                    "annotations": {
+                "metadata": pod_template_metadata(
+                    {**labels, **gang_labels},
+                    {
                         n.ANN_PROM_SCRAPE: "true",
                         n.ANN_PROM_PORT: str(n.TRAINER_METRICS_PORT),
                         n.ANN_PROM_PATH: "/metrics",
+                        **gang_annotations,
                     },
-                },
+                    t,
+                ),
                 "spec": {
-                    "affinity": gpu_affinity(catalog, t.accelerator),
-                    "tolerations": [dict(GPU_TOLERATION)],
+                    "affinity": pod_affinity(t, catalog, t.accelerator, own_anti_affinity=gang_anti),
+                    "tolerations": pod_tolerations(t, gpu=True),
+                    **pod_placement_spec(t),
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,  # no API rights: the operator writes its status
                     "terminationGracePeriodSeconds": 120,
@@ -406,7 +533,9 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
         "ports": [{"name": "http", "containerPort": n.ROUTER_PORT}],
         "readinessProbe": probe,
         "livenessProbe": {**probe, "failureThreshold": 6},
-        "resources": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "resources": container_resources(
+            {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}, r
+        ),
         "env": [{"name": "HOME", "value": "/tmp"}],
         "volumeMounts": [
             {"name": "config", "mountPath": n.CONFIG_MOUNT, "readOnly": True},
@@ -423,16 +552,20 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
             "replicas": r.replicas,
             "selector": {"matchLabels": {n.LABEL_JOB: job.name, n.LABEL_COMPONENT: "router"}},
             "template": {
-                "metadata": {
-                    "labels": labels,
-                    "annotations": {
+                "metadata": pod_template_metadata(
+                    labels,
+                    {
                         "rlfleet.dev/config-hash": config_hash,
                         n.ANN_PROM_SCRAPE: "true",
                         n.ANN_PROM_PORT: str(n.ROUTER_PORT),
                         n.ANN_PROM_PATH: "/metrics",
                     },
-                },
+                    r,
+                ),
                 "spec": {
+                    **_optional("affinity", pod_affinity(r, None, None)),
+                    **_optional("tolerations", pod_tolerations(r, gpu=False)),
+                    **pod_placement_spec(r),
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,
                     "containers": [container],
@@ -572,10 +705,13 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
             "timeoutSeconds": 10,
             "failureThreshold": 5,
         },
-        "resources": {
-            "requests": {GPU_RESOURCE: str(launch.tensor_parallel), "cpu": "4", "memory": "32Gi"},
-            "limits": {GPU_RESOURCE: str(launch.tensor_parallel)},
-        },
+        "resources": container_resources(
+            {
+                "requests": {GPU_RESOURCE: str(launch.tensor_parallel), "cpu": "4", "memory": "32Gi"},
+                "limits": {GPU_RESOURCE: str(launch.tensor_parallel)},
+            },
+            spec,
+        ),
         "volumeMounts": engine_mounts,
         "securityContext": dict(RESTRICTED_CONTAINER),
     }
@@ -647,17 +783,15 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
             # GPUs are scarce: never surge, replace one replica at a time
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "template": {
-                "metadata": {
-                    "labels": labels,
-                    "annotations": {
-                        n.ANN_PROM_SCRAPE: "true",
-                        n.ANN_PROM_PORT: str(port),
-                        n.ANN_PROM_PATH: "/metrics",
-                    },
-                },
+                "metadata": pod_template_metadata(
+                    labels,
+                    {n.ANN_PROM_SCRAPE: "true", n.ANN_PROM_PORT: str(port), n.ANN_PROM_PATH: "/metrics"},
+                    spec,
+                ),
                 "spec": {
-                    "affinity": gpu_affinity(catalog, spec.accelerator),
-                    "tolerations": [dict(GPU_TOLERATION)],
+                    "affinity": pod_affinity(spec, catalog, spec.accelerator),
+                    "tolerations": pod_tolerations(spec, gpu=True),
+                    **pod_placement_spec(spec),
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,
                     "terminationGracePeriodSeconds": 60,

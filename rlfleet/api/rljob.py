@@ -28,6 +28,7 @@ from rlfleet.api.common import (
 )
 from rlfleet.api.meta import ObjectMeta
 from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
+from rlfleet.api.scheduling import PodPlacement
 from rlfleet.api.weightchannel import RetentionSpec, StoreSpec
 
 # Cross-field rules: the CEL rule in the CRD and the Python check share the message, so a user sees
@@ -164,8 +165,8 @@ class OptimizerSpec(ApiModel):
     """Gradient clipping norm."""
 
 
-class TrainerSpec(ApiModel):
-    """The BF16 trainer (a StatefulSet of torchrun ranks)."""
+class TrainerSpec(PodPlacement):
+    """The BF16 trainer (a StatefulSet of torchrun ranks), placed as one gang (docs/scheduling.md)."""
 
     model_config = {
         "json_schema_extra": {
@@ -286,7 +287,7 @@ class StalenessSpec(ApiModel):
     """Drop samples generated with weights more than this many versions old (none: unbounded, fully async)."""
 
 
-class RouterSpec(ApiModel):
+class RouterSpec(PodPlacement):
     """Router and rebalancer."""
 
     model_config = {

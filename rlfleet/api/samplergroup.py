@@ -24,6 +24,7 @@ from rlfleet.api.common import (
     kube_manifest_check,
 )
 from rlfleet.api.meta import ObjectMeta
+from rlfleet.api.scheduling import PodPlacement
 
 ACCELERATOR_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
@@ -74,7 +75,7 @@ def owned_flags_in(args: list[str]) -> list[str]:
     return [a for a in args if a.split("=", 1)[0] in OWNED_SGLANG_FLAGS]
 
 
-class SamplerGroupTemplate(ApiModel):
+class SamplerGroupTemplate(PodPlacement):
     """One sampler group of an RLJob: which GPU class, how many replicas, which precision."""
 
     model_config = {

@@ -183,6 +183,7 @@ def test_config_map_holds_the_resolved_run_and_router_config(job: RLJob) -> None
 
 def test_router_config_is_accepted_by_the_router() -> None:
     from rlfleet.router import config
+
     job = load_rljob(REPO / "examples" / "rljob.yaml")
     parsed = config.RouterConfig.model_validate(builders.router_config(job, NS))
     assert len(parsed.groups) == 8
@@ -272,7 +273,9 @@ def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, 
     assert "--require-checkpoint" in sidecar["args"]
     assert fetch["volumeMounts"] == sidecar["volumeMounts"]
     assert {"name": "weights-cache", "mountPath": n.WEIGHTS_CACHE} in fetch["volumeMounts"]
-    assert "weights" not in {m["name"] for m in engine["volumeMounts"]}  # SGLang reads only the verified cache
+    assert "weights" not in {
+        m["name"] for m in engine["volumeMounts"]
+    }  # SGLang reads only the verified cache
     assert engine["resources"]["limits"] == {"nvidia.com/gpu": "1"}
     assert engine["startupProbe"]["httpGet"]["path"] == "/health"
     assert engine["readinessProbe"]["httpGet"]["path"] == "/health_generate"
@@ -358,3 +361,168 @@ def test_standalone_group_without_a_channel_serves_its_model_path_as_version_0(j
     assert argv[argv.index("--model-path") + 1] == "Qwen/Qwen3-8B"
     assert argv[argv.index("--weight-version") + 1] == "0"
     _assert_restricted(pod)
+
+
+# --- placement fields (docs/scheduling.md) -------------------------------------------------------------
+
+PLACEMENT = {
+    "nodeSelector": {"pool": "rl"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}
+                ]
+            },
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 10, "preference": {"matchExpressions": [{"key": "spot", "operator": "DoesNotExist"}]}}
+            ],
+        },
+        "podAntiAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 5, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                  "labelSelector": {"matchLabels": {"noisy": "yes"}}}}
+            ]
+        },
+    },
+    "priorityClassName": "rl-high",
+    "resources": {"requests": {"cpu": "16", "ephemeral-storage": "100Gi"}, "limits": {"memory": "256Gi"}},
+    "podLabels": {"kueue.x-k8s.io/queue-name": "team-a", "team": "rl"},
+    "podAnnotations": {"example.com/owner": "rl-team"},
+}  # fmt: skip
+
+
+def with_placement(job: RLJob, where: str, extra: dict | None = None) -> RLJob:
+    """The example with PLACEMENT (plus `extra`) set on the trainer, the router or group 0."""
+    wire = job.to_wire()
+    target = wire["spec"]["samplerGroups"][0] if where == "group" else wire["spec"][where]
+    target.update(copy.deepcopy(PLACEMENT) | (extra or {}))
+    return RLJob.from_manifest(wire)
+
+
+def assert_placed(template: dict, container: str, default_requests: dict, gpus: str | None) -> None:
+    meta, pod = template["metadata"], template["spec"]
+    assert meta["labels"]["team"] == "rl" and meta["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert meta["annotations"]["example.com/owner"] == "rl-team"
+    assert meta["annotations"]["prometheus.io/scrape"] == "true"  # the operator's stay
+    assert pod["nodeSelector"] == {"pool": "rl"} and pod["priorityClassName"] == "rl-high"
+    assert {"key": "dedicated", "operator": "Equal", "value": "rl", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    node = pod["affinity"]["nodeAffinity"]
+    assert node["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"] == 10
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["podAffinityTerm"]["labelSelector"] == {"matchLabels": {"noisy": "yes"}}
+    (c,) = [c for c in pod["containers"] if c["name"] == container]
+    requests = {**default_requests, "cpu": "16", "ephemeral-storage": "100Gi"}
+    if gpus is not None:
+        requests["nvidia.com/gpu"] = gpus
+        assert c["resources"]["limits"] == {"nvidia.com/gpu": gpus, "memory": "256Gi"}
+    else:
+        assert c["resources"]["limits"] == {"memory": "256Gi"}
+    assert c["resources"]["requests"] == requests
+
+
+def catalog_and_zone_terms(pod: dict, accelerator: str) -> list[dict]:
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    zone = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}
+    catalog_terms = CATALOG.get(accelerator).node_selector_terms()
+    # every catalog term (GFD product, GKE accelerator) is kept, each ANDed with the user's zone term
+    assert terms == [{"matchExpressions": [*t["matchExpressions"], zone]} for t in catalog_terms]
+    assert len(terms) == 2 and terms[0]["matchExpressions"][0]["values"] == [PRODUCTS[accelerator]]
+    return terms
+
+
+def test_trainer_placement_fields_land_in_the_pod_template_and_keep_the_class(job: RLJob) -> None:
+    placed = with_placement(job, "trainer")
+    template = children(placed)[("StatefulSet", "reference-fleet-trainer")]["spec"]["template"]
+    assert_placed(template, "trainer", {"memory": "64Gi"}, gpus="8")
+    catalog_and_zone_terms(template["spec"], "b200")
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in template["spec"][
+        "tolerations"
+    ]
+
+
+def test_trainer_is_one_kueue_pod_group_with_one_replica_per_node(job: RLJob) -> None:
+    placed = with_placement(job, "trainer", {"replicas": 3})
+    sts = children(placed)[("StatefulSet", "reference-fleet-trainer")]
+    meta, pod = sts["spec"]["template"]["metadata"], sts["spec"]["template"]["spec"]
+    assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == "reference-fleet-trainer"
+    assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"
+    assert meta["annotations"]["kueue.x-k8s.io/pod-group-serving"] == "true"
+    assert sts["spec"]["selector"]["matchLabels"] == {"rlfleet.dev/job": "reference-fleet",
+                                                      "app.kubernetes.io/component": "trainer"}  # fmt: skip
+    (own,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert own == {"labelSelector": {"matchLabels": sts["spec"]["selector"]["matchLabels"]},
+                   "topologyKey": "kubernetes.io/hostname"}  # fmt: skip
+    # the user's preferred anti-affinity is kept next to the operator's required term
+    assert (
+        pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"]
+        == 5
+    )
+
+
+def test_trainer_without_a_queue_or_with_one_replica_adds_no_gang_keys(job: RLJob) -> None:
+    pod_template = children(job)[("StatefulSet", "reference-fleet-trainer")]["spec"]["template"]
+    assert not any(k.startswith("kueue.x-k8s.io/") for k in pod_template["metadata"]["labels"])
+    assert not any(k.startswith("kueue.x-k8s.io/") for k in pod_template["metadata"]["annotations"])
+    assert set(pod_template["spec"]["affinity"]) == {"nodeAffinity"}
+    assert "nodeSelector" not in pod_template["spec"] and "priorityClassName" not in pod_template["spec"]
+
+
+def test_group_placement_propagates_to_the_samplergroup_and_its_pods(job: RLJob) -> None:
+    placed = with_placement(job, "group")
+    sg = children(placed)[("SamplerGroup", "reference-fleet-b200-nvfp4")]
+    for key in (
+        "nodeSelector",
+        "tolerations",
+        "priorityClassName",
+        "resources",
+        "podLabels",
+        "podAnnotations",
+    ):
+        assert sg["spec"][key] == PLACEMENT[key], key
+    assert sg["spec"]["affinity"]["nodeAffinity"] == PLACEMENT["affinity"]["nodeAffinity"]
+    assert SamplerGroup.from_manifest(sg).spec.priority_class_name == "rl-high"
+    template = sampler_deployment(placed, "b200-nvfp4")["spec"]["template"]
+    assert_placed(template, "sglang", {"memory": "32Gi"}, gpus="1")
+    catalog_and_zone_terms(template["spec"], "b200")
+    # Kueue's pod group is the trainer's only: a sampler group is a set of independent servers
+    assert "kueue.x-k8s.io/pod-group-name" not in template["metadata"]["labels"]
+    # groups without placement fields carry none (no empty keys in the SamplerGroup)
+    plain = children(placed)[("SamplerGroup", "reference-fleet-h100-fp8")]["spec"]
+    assert not {"nodeSelector", "tolerations", "affinity", "resources", "podLabels"} & set(plain)
+
+
+def test_example_packs_the_b200_samplers_next_to_the_catalog_affinity(job: RLJob) -> None:
+    pod = sampler_deployment(job, "b200-nvfp4")["spec"]["template"]["spec"]
+    (term,) = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    labels = sampler_deployment(job, "b200-nvfp4")["spec"]["template"]["metadata"]["labels"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"].items() <= labels.items()  # it selects its own group's pods
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms == CATALOG.get("b200").node_selector_terms()
+
+
+def test_router_placement_fields_and_no_gpu_toleration(job: RLJob) -> None:
+    placed = with_placement(job, "router")
+    template = children(placed)[("Deployment", "reference-fleet-router")]["spec"]["template"]
+    assert_placed(template, "router", {"memory": "256Mi"}, gpus=None)
+    terms = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == PLACEMENT["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]  # fmt: skip
+    assert all(t["key"] != "nvidia.com/gpu" for t in template["spec"]["tolerations"])
+    plain = children(job)[("Deployment", "reference-fleet-router")]["spec"]["template"]["spec"]
+    assert "affinity" not in plain and "tolerations" not in plain
+
+
+@pytest.mark.parametrize("where", ["trainer", "router", "group"])
+@pytest.mark.parametrize("kind", ["requests", "limits"])
+def test_gpu_override_in_resources_is_refused(job: RLJob, where: str, kind: str) -> None:
+    with pytest.raises(ValueError, match="resources must not set nvidia.com/gpu"):
+        with_placement(job, where, {"resources": {kind: {"nvidia.com/gpu": "4"}}})
