@@ -13,8 +13,10 @@ a per-GPU-class split-K reduction order (bf16 activation rounding, as the refere
 ~10x on this CPU; the weight formats and the fp8 KV cache are the dominant mismatch either way) (a fully asynchronous run on a
 real fleet sees a spread of staleness; a fixed lag makes the arms comparable and the run seeded).
 Sessions are assigned to groups by the router's weighted rendezvous hash. Each step trains on
-`prompts` prompt groups of `samples` samples through the SAME `TrainingLoop.train_step` as local and
-cluster runs (batching, objective, metrics, collapse detector).
+`prompts` prompt groups of `samples` samples through the SAME composition root as local and cluster
+runs (trainer/run.py `run_training`: version 0 first, then the loop with its batching, objective,
+metrics and collapse detector); only the rollout source (`LockstepRollouts`) and where versions go
+(`SnapshotSink`, in memory) differ.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask replay)
     "pg": ("pg", False),
@@ -83,27 +86,94 @@ class ArmResult:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-class _Position:
-    """Stands in for the rollout driver's data position in TrainingLoop's metrics."""
+class SnapshotSink:
+    """The ablation's VersionSink (trainer/run.py): published versions stay in memory, no channel."""
 
-    next_position = 0
+    def __init__(self) -> None:
+        self.snapshots: dict[int, dict] = {}
+
+    def latest_version(self) -> int | None:
+        return max(self.snapshots) if self.snapshots else None
+
+    def publish(self, weights: dict, version: int) -> None:
+        self.snapshots[version] = weights
+
+
+class LockstepRollouts:
+    """The ablation's rollout source in place of the HTTP rollout driver: when the loop takes a step's
+    prompt groups, they are generated right then by the in-process emulated samplers serving the
+    weights of `lag` versions before the trainer's (deterministic asynchrony)."""
+
+    def __init__(self, cfg: AblationConfig, sink: SnapshotSink, samplers: dict, groups: list, env: object,
+                 prompts: object, sampling: dict) -> None:
+        self.cfg, self.sink, self.samplers, self.groups = cfg, sink, samplers, groups
+        self.env, self.prompts, self.sampling = env, prompts, sampling
+        self.serving = -1
+        self.next_position = 0
+        self.buffer = self  # the loop takes complete groups from `driver.buffer`
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def take(self, n: int, timeout: float, stop: object = None) -> list:
+        from rlfleet.numerics.tinygpt import precision_view
+        from rlfleet.router.hashing import pick
+        from rlfleet.trainer.emulated import VIEW_FORMATS, Request
+        from rlfleet.trainer.rollout import PromptGroup, Rollout
+
+        cfg, env = self.cfg, self.env
+        step = self.sink.latest_version() or 0  # the trainer's version = steps done
+        version = max(0, step - cfg.lag)
+        if version != self.serving:
+            snapshot = self.sink.snapshots[version]
+            views = {fmt: precision_view(snapshot, VIEW_FORMATS[fmt]) for fmt in {g[2] for g in self.groups}}
+            for (name, _, fmt, _) in self.groups:
+                self.samplers[name].load_weights(snapshot, version, view=views[fmt])
+            self.serving = version
+            for old in [v for v in self.sink.snapshots if v < version]:
+                del self.sink.snapshots[old]
+        batch_prompts = [self.prompts.get(self.next_position + i) for i in range(n)]  # type: ignore[attr-defined]
+        self.next_position += n
+        shares = {g[0]: 1.0 for g in self.groups}
+        per_group: dict[str, list[tuple[int, int]]] = {name: [] for name in self.samplers}
+        for pi, p in enumerate(batch_prompts):
+            for k in range(cfg.samples):
+                per_group[pick(f"p{p.index}/{k}", shares)].append((pi, k))
+        rollouts: dict[tuple[int, int], Rollout] = {}
+        for name, items in per_group.items():
+            if not items:
+                continue
+            reqs = [Request(list(batch_prompts[pi].input_ids), cfg.max_new_tokens, tuple(env.stop_token_ids))  # type: ignore[attr-defined]
+                    for pi, _ in items]
+            for (pi, k), turn in zip(items, self.samplers[name].generate_batch(reqs, self.sampling), strict=True):
+                p = batch_prompts[pi]
+                r = Rollout(prompt=p, sample=k, turns=[turn], env_ids=[[]])
+                state = env.start(p)  # type: ignore[attr-defined]
+                env.step(p, state, [int(t) for t in turn.output_ids], turn.finish_reason)  # type: ignore[attr-defined]
+                r.outcome = env.score(p, state, [[int(t) for t in turn.output_ids]])  # type: ignore[attr-defined]
+                rollouts[(pi, k)] = r
+        return [PromptGroup(p, [rollouts[(pi, k)] for k in range(cfg.samples)]) for pi, p in enumerate(batch_prompts)]
 
 
 def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -> ArmResult:
     import numpy as np
     import torch
 
-    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, precision_view
-    from rlfleet.router.hashing import pick
+    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig
     from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
     from rlfleet.trainer.collapse import CollapseDetector
-    from rlfleet.trainer.emulated import VIEW_FORMATS, EmulatedSampler, Request
+    from rlfleet.trainer.emulated import EmulatedSampler
     from rlfleet.trainer.environments import load_environment
     from rlfleet.trainer.fleet import SPLIT_K
-    from rlfleet.trainer.loop import LoopConfig, TrainingLoop
     from rlfleet.trainer.objective import ObjectiveConfig
     from rlfleet.trainer.prompts import GeneratedPromptSource
-    from rlfleet.trainer.rollout import PromptGroup, Rollout
+    from rlfleet.trainer.run import run_training
 
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
@@ -122,44 +192,20 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
     sampling = {"temperature": 1.0, "top_p": cfg.top_p, "top_k": -1, "max_new_tokens": cfg.max_new_tokens,
                 "candidate_mode": "support" if replay else "head", "head_size": cfg.head_size}
     detector = CollapseDetector()
-    loop = TrainingLoop(LoopConfig(total_steps=cfg.steps, prompts_per_step=cfg.prompts), backend, _Position(),  # type: ignore[arg-type]
-                        publish=lambda v, w: None, detector=detector, group_names=[g[0] for g in groups],
-                        group_views={g[0]: g[2] for g in groups})
-    snapshots = {0: backend.weights()}
-    shares = {g[0]: 1.0 for g in groups}
-    serving = -1
-    for step in range(cfg.steps):
-        version = max(0, step - cfg.lag)
-        if version != serving:
-            views = {fmt: precision_view(snapshots[version], VIEW_FORMATS[fmt]) for fmt in {g[2] for g in groups}}
-            for (name, _, fmt, _) in groups:
-                samplers[name].load_weights(snapshots[version], version, view=views[fmt])
-            serving = version
-        batch_prompts = [prompts.get(step * cfg.prompts + i) for i in range(cfg.prompts)]
-        per_group: dict[str, list[tuple[int, int]]] = {name: [] for name in samplers}
-        for pi, p in enumerate(batch_prompts):
-            for k in range(cfg.samples):
-                per_group[pick(f"p{p.index}/{k}", shares)].append((pi, k))
-        rollouts: dict[tuple[int, int], Rollout] = {}
-        for name, items in per_group.items():
-            if not items:
-                continue
-            reqs = [Request(list(batch_prompts[pi].input_ids), cfg.max_new_tokens, tuple(env.stop_token_ids)) for pi, _ in items]
-            for (pi, k), turn in zip(items, samplers[name].generate_batch(reqs, sampling), strict=True):
-                p = batch_prompts[pi]
-                r = Rollout(prompt=p, sample=k, turns=[turn], env_ids=[[]])
-                state = env.start(p)
-                env.step(p, state, [int(t) for t in turn.output_ids], turn.finish_reason)
-                r.outcome = env.score(p, state, [[int(t) for t in turn.output_ids]])
-                rollouts[(pi, k)] = r
-        pgs = [PromptGroup(p, [rollouts[(pi, k)] for k in range(cfg.samples)]) for pi, p in enumerate(batch_prompts)]
-        metrics, _decision = loop.train_step(pgs)
-        loop.state.history.append(metrics)
-        snapshots[loop.state.step] = backend.weights()
-        if progress and (step + 1) % 10 == 0:
-            print(f"  {arm}/{fleet} step {step + 1}: reward {metrics.get('reward_mean', 0):.3f} kl {metrics.get('kl_k3', 0):.4f}",
-                  flush=True)
-        snapshots.pop(loop.state.step - cfg.lag - 2, None)
+    sink = SnapshotSink()
+    run_cfg = SimpleNamespace(steps=cfg.steps, prompts_per_step=cfg.prompts, max_staleness=None,
+                              groups=[{"name": g[0], "weight_format": g[2]} for g in groups])
+
+    def on_step(metrics: dict, decision: object, step_groups: list) -> None:
+        if progress and int(metrics["step"]) % 10 == 0:
+            print(f"  {arm}/{fleet} step {int(metrics['step'])}: reward {metrics.get('reward_mean', 0):.3f} "
+                  f"kl {metrics.get('kl_k3', 0):.4f}", flush=True)
+
+    loop = run_training(
+        run_cfg, backend, sink, detector,
+        lambda position: LockstepRollouts(cfg, sink, samplers, groups, env, prompts, sampling),
+        checkpoint=None, on_step=on_step,
+    )
     hist = loop.state.history
     rewards = np.array([h.get("reward_mean", 0.0) for h in hist])
     kls = np.array([h.get("kl_k3", 0.0) for h in hist])

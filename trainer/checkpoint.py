@@ -10,17 +10,27 @@ on a restart that already costs a fresh rollout pipeline.)
 Files: `<dir>/ckpt-<step:08d>.pt` written to a temp name, fsynced, renamed; then `<dir>/latest`
 (a text file naming the checkpoint) is replaced atomically. A crash mid-write leaves the previous
 checkpoint as `latest`.
+
+On a cluster checkpoints live next to the weight channel: `<channel path>/checkpoints/` on a
+filesystem store, and the keys `checkpoints/ckpt-<step>.pt` + `checkpoints/latest` under the channel's
+prefix on an S3 store (pass the channel's `Store` instead of a directory; the channel's own keys are
+`v<N>/...`, `pointer.json`, ..., so retention never touches them).
 """
 
 from __future__ import annotations
 
+import io
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlfleet.store import KeyNotFoundError, Store
+
 LATEST = "latest"
+STORE_PREFIX = "checkpoints/"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -41,8 +51,36 @@ def _atomic_write_bytes(path: Path, write) -> None:
     _fsync_dir(path.parent)
 
 
-def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int = 2) -> Path:
-    """`state` must contain `step` (int); returns the checkpoint path. Keeps the newest `keep`."""
+def _save_to_store(store: Store, state: dict[str, Any], keep: int) -> Path:
+    name = f"ckpt-{int(state['step']):08d}.pt"
+    with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-", dir=store.staging_dir()) as tmp:
+        path = Path(tmp) / name
+        _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
+        store.put_file(STORE_PREFIX + name, path, move=True)  # durable before `latest` names it
+    store.put(STORE_PREFIX + LATEST, name.encode())
+    old = sorted(k for k in store.list(STORE_PREFIX + "ckpt-") if k.endswith(".pt"))
+    for key in old[:-keep] if keep > 0 else []:
+        store.delete(key)
+    return Path(name)
+
+
+def _load_from_store(store: Store) -> dict[str, Any] | None:
+    try:
+        name = store.get(STORE_PREFIX + LATEST).decode().strip()
+    except KeyNotFoundError:
+        return None
+    try:
+        data = store.get(STORE_PREFIX + name)
+    except KeyNotFoundError as e:
+        raise FileNotFoundError(f"checkpoint pointer names {name}, which is missing in {store.uri}") from e
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def save_checkpoint(directory: str | Path | Store, state: dict[str, Any], keep: int = 2) -> Path:
+    """`state` must contain `step` (int); returns the checkpoint path (the key's name on a store).
+    Keeps the newest `keep`."""
+    if isinstance(directory, Store):
+        return _save_to_store(directory, state, keep)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     step = int(state["step"])
@@ -55,8 +93,10 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], keep: int = 2)
     return path
 
 
-def load_latest(directory: str | Path) -> dict[str, Any] | None:
+def load_latest(directory: str | Path | Store) -> dict[str, Any] | None:
     """The state of the checkpoint `latest` names, or None if there is none."""
+    if isinstance(directory, Store):
+        return _load_from_store(directory)
     directory = Path(directory)
     pointer = directory / LATEST
     if not pointer.is_file():

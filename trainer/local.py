@@ -6,7 +6,9 @@ What starts (all on 127.0.0.1, free ports chosen by the OS):
   (the group's weight format, KV-cache dtype and a per-GPU-class kernel, emulated on CPU), the router
   in front of them, and a weight-sync loop per group,
 - the trainer in this process: TinyGPT (the manifest's `local.model`), the corrected objective of
-  `correction.mode`, the async rollout driver talking to the router, the collapse detector.
+  `correction.mode`, the async rollout driver talking to the router, the collapse detector, wired by
+  the one training composition root (trainer/run.py `run_training`, as on a cluster): version 0 of
+  every view is in the channel before the fleet starts and before step 1.
 The manifest's `local` block sizes the run (steps, prompts per step, samples per prompt, tokens per
 turn, the tiny model); everything else (groups, correction, sampling, staleness, safety) applies as
 written. Ctrl-C stops at the next step boundary (a second Ctrl-C stops at once); the run checkpoints
@@ -276,19 +278,16 @@ def run_local(
     """Run (or resume) the local job; returns the summary written to the report."""
     import torch
 
-    from rlfleet.numerics.tinygpt import TinyGPTConfig
     from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import open_store
     from rlfleet.trainer import checkpoint as ckpt
-    from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.fleet import FleetSpec, GroupSpec
-    from rlfleet.trainer.loop import LoopConfig, TrainingLoop
-    from rlfleet.trainer.objective import ObjectiveConfig
     from rlfleet.trainer.prompts import PromptFileError, open_prompt_source
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.report import write_report
     from rlfleet.trainer.rollout import RolloutDriver
+    from rlfleet.trainer.run import ChannelSink, TrainingStartError, build_backend, run_training
 
     stop = stop or threading.Event()
     ckpt_dir, channel_dir, report_dir = out / "checkpoints", out / "channel", out / "report"
@@ -303,31 +302,16 @@ def run_local(
     torch.manual_seed(rc.seed)
     torch.set_num_threads(1)  # the fleet host uses the other core
 
-    model_cfg = TinyGPTConfig(**rc.model)
+    base = build_backend(rc, backend="torch", source_dir=None)  # TinyGPT of the manifest's local.model
     env = build_environment(rc)
     try:
-        prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=model_cfg.vocab_size)
+        prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size)
     except PromptFileError as exc:
         raise LocalRunError(str(exc)) from None
-    objective = ObjectiveConfig.from_correction(rc.correction_mode, mis_low=rc.mis_low, mis_high=rc.mis_high)
-    backend = TorchBackend(
-        model_cfg, objective,
-        OptimConfig(learning_rate=rc.learning_rate, weight_decay=rc.weight_decay, max_grad_norm=rc.max_grad_norm),
-        temperature=rc.sampling["temperature"],
-    )
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     views = sorted({g["weight_format"] for g in rc.groups})
     store = open_store(str(channel_dir.resolve()))
     publisher = WeightPublisher(store, views=views, keep_versions=4, follow_subscribers=False)
-
-    start_step, position = 0, 0
-    if state is not None:
-        start_step, position = int(state["step"]), int(state["data_position"])
-    # Versions are trainer steps. The checkpoint is written before each publish, so the channel is
-    # never ahead of a checkpoint; (re)publishing the current weights gives the fleet version == step.
-    latest = publisher.channel.latest()
-    if latest is not None and latest.version > start_step:
-        raise LocalRunError(f"the channel in {channel_dir} is at version {latest.version}, ahead of the checkpoint (step {start_step})")
 
     admin_token = secrets.token_hex(16)
     spec = FleetSpec(
@@ -339,79 +323,51 @@ def run_local(
     (out / "fleet.json").write_text(spec.to_json())
     (out / "run.json").write_text(json.dumps({"job": rc.job_name, "config": rc.__dict__ | {"safety": None}}, default=str, indent=1))
 
-    loop_holder: dict[str, Any] = {}
-
-    def publish(version: int, weights: dict) -> None:
-        loop = loop_holder.get("loop")
-        if loop is not None:
-            loop.checkpoint()  # checkpoint BEFORE the pointer moves (see above)
-        publisher.publish(weights, version=version)
-
     progress = Progress(rc, live)
-    fleet = None
-    driver = None
-    interrupted = False
-    try:
-        if state is not None:
-            backend.load_state_dict(state["backend"])
-        if latest is None or latest.version < start_step or state is None:
-            publisher.publish(backend.weights(), version=start_step)
-        fleet = FleetProcess(out / "fleet.json", out / "fleet.log", admin_token)
-        urls = fleet.wait_ready()
+    started: dict[str, Any] = {}  # the fleet and the driver, once make_driver has started them
+    last = {"t": time.monotonic()}
+
+    def make_driver(position: int) -> RolloutDriver:
+        """Called by run_training after the trainer's version `step` is in the channel."""
         import asyncio
 
         from rlfleet.trainer.fleet import RunningFleet, wait_until_serving
 
+        fleet = started["fleet"] = FleetProcess(out / "fleet.json", out / "fleet.log", admin_token)
+        urls = started["urls"] = fleet.wait_ready()
+        start_step = int(state["step"]) if state is not None else 0
         asyncio.run(wait_until_serving(RunningFleet(router_url=urls["router"], servers=urls["servers"]), start_step))
-
-        client = SamplerClient(urls["router"], vocab_size=model_cfg.vocab_size)
-        driver = RolloutDriver(
+        client = SamplerClient(urls["router"], vocab_size=base.vocab_size)
+        driver = started["driver"] = RolloutDriver(
             client, env, prompts, samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling,
-            max_seq_len=model_cfg.max_seq_len, start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
+            max_seq_len=base.max_seq_len, start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
         )
-        loop = TrainingLoop(
-            LoopConfig(total_steps=rc.steps, prompts_per_step=rc.prompts_per_step, max_staleness=rc.max_staleness,
-                       checkpoint_every=0, checkpoint_dir=ckpt_dir),
-            backend, driver, publish, detector,
-            group_names=[g["name"] for g in rc.groups], group_views={g["name"]: g["weight_format"] for g in rc.groups},
-            stop=stop,
+        return driver
+
+    def on_step(m: dict[str, float], decision: Any, groups: list[Any]) -> None:
+        now = time.monotonic()
+        m.update(group_rollout_extras(groups, now - last["t"]))
+        last["t"] = now
+        progress.update(m, [a.message for a in detector.history if a.step == int(m["step"])])
+
+    def on_quarantine(groups: list[str]) -> None:
+        for g in groups:
+            _admin_quarantine(started["urls"]["router"], admin_token, g)
+
+    try:
+        loop = run_training(
+            rc, base.backend, ChannelSink(publisher), detector, make_driver, checkpoint=ckpt_dir, resume=state,
+            stop=stop, on_step=on_step, on_quarantine=on_quarantine,
         )
-        loop_holder["loop"] = loop
-        if state is not None:
-            loop.restore(state)
-        last = {"t": time.monotonic()}
-
-        def on_step(m: dict[str, float], decision: Any) -> None:
-            now = time.monotonic()
-            groups = loop_holder.pop("last_groups", [])
-            m.update(group_rollout_extras(groups, now - last["t"]))
-            last["t"] = now
-            progress.update(m, [a.message for a in detector.history if a.step == int(m["step"])])
-
-        def on_quarantine(groups: list[str]) -> None:
-            for g in groups:
-                _admin_quarantine(urls["router"], admin_token, g)
-
-        original_train_step = loop.train_step
-
-        def train_step(groups: list[Any]):  # keep the step's groups for the live per-group figures
-            loop_holder["last_groups"] = groups
-            return original_train_step(groups)
-
-        loop.train_step = train_step  # type: ignore[method-assign]
-        loop.on_step = on_step
-        loop.on_quarantine = on_quarantine
-        driver.start()
-        result = loop.run()
-        interrupted = stop.is_set() and result.step < rc.steps
-        loop.checkpoint()
+        interrupted = stop.is_set() and loop.state.step < rc.steps
+    except TrainingStartError as exc:
+        raise LocalRunError(f"{exc} (in {channel_dir})") from None
     finally:
         progress.stop()
-        if driver is not None:
-            driver.stop()
-        if fleet is not None:
-            fleet.stop()
+        if "fleet" in started:
+            started["fleet"].stop()
         store.close()
+    driver = started.get("driver")
 
     history = loop.state.history
     rewards = [h["reward_mean"] for h in history if "reward_mean" in h]

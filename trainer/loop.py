@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.store import Store
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.batching import flatten_groups
 from rlfleet.trainer.collapse import CollapseDetector, Decision
@@ -44,7 +45,7 @@ class LoopConfig:
     max_staleness: int | None = None  # None: unbounded (fully asynchronous)
     publish_every: int = 1
     checkpoint_every: int = 0  # 0: only at the end / on stop
-    checkpoint_dir: Path | None = None
+    checkpoint_dir: Path | Store | None = None  # a directory, or the channel's store (trainer/checkpoint.py)
     take_timeout: float = 900.0  # seconds without a complete group before the run fails
 
 
@@ -84,7 +85,7 @@ class TrainingLoop:
         detector: CollapseDetector,
         group_names: list[str],
         group_views: dict[str, str],
-        on_step: Callable[[dict[str, float], Decision], None] | None = None,
+        on_step: Callable[[dict[str, float], Decision, list[PromptGroup]], None] | None = None,
         on_quarantine: Callable[[list[str]], None] | None = None,
         stop: threading.Event | None = None,
     ) -> None:
@@ -198,8 +199,8 @@ class TrainingLoop:
             self.state.history.append(metrics)
             if decision.quarantine and self.on_quarantine is not None:
                 self.on_quarantine(decision.quarantine)
-            if self.on_step is not None:
-                self.on_step(metrics, decision)
+            if self.on_step is not None:  # the step's groups too: per-group figures of the live table
+                self.on_step(metrics, decision, groups)
             if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
                 self.checkpoint()
             if decision.pause:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -259,6 +261,41 @@ def test_checkpoint_roundtrip_keeps_latest_and_prunes(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_checkpoints_on_a_store_live_under_the_channel_prefix_next_to_its_versions(tmp_path):
+    """S3 channels keep checkpoints as `checkpoints/` keys under their prefix (here through the Store
+    interface on a filesystem store; the S3 store implements the same put_file/get/list/delete)."""
+    import torch
+
+    from rlfleet.store import FilesystemStore, S3Store
+    from rlfleet.trainer.run import checkpoint_target
+
+    store = FilesystemStore(tmp_path / "channel", create=True)
+    assert checkpoint.load_latest(store) is None
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(store, {"step": step, "w": torch.full((2,), float(step))})
+    assert store.list("checkpoints/") == ["checkpoints/ckpt-00000002.pt", "checkpoints/ckpt-00000003.pt",
+                                          "checkpoints/latest"]
+    assert checkpoint.load_latest(store)["w"].tolist() == [3.0, 3.0]
+    # where the entrypoint puts them: next to the channel, never /tmp
+    assert checkpoint_target(store) == tmp_path / "channel" / "checkpoints"
+    s3 = S3Store("bucket", "jobs/a", client=object())  # no request is made: the target is the store itself
+    assert checkpoint_target(s3) is s3
+    assert checkpoint_target(s3, "/override") == Path("/override")
+
+
+def test_run_training_refuses_a_channel_ahead_of_the_trainer():
+    from types import SimpleNamespace
+
+    from rlfleet.trainer.ablation import SnapshotSink
+    from rlfleet.trainer.run import TrainingStartError, run_training
+
+    sink = SnapshotSink()
+    sink.publish({}, 5)
+    rc = SimpleNamespace(steps=1, prompts_per_step=1, max_staleness=None, groups=[])
+    with pytest.raises(TrainingStartError, match="at version 5, ahead of the trainer \\(no checkpoint\\)"):
+        run_training(rc, object(), sink, collapse.CollapseDetector(), lambda position: None, checkpoint=None)
+
+
 def test_report_writes_json_csv_and_plots(tmp_path):
     rows = [{"step": s, "reward_mean": 0.1 * s, "kl_k3": 0.01, "group/a/kl_k3": 0.02, "grad_norm": 1.0} for s in range(5)]
     report.write_report(rows, tmp_path, {"final_reward": 0.4})
@@ -303,3 +340,27 @@ def test_exporter_publishes_the_collapse_state_the_operator_parses():
         assert report.signals == () and report.quarantine_requested == ("h100-fp8",) and report.pause_requested
     finally:
         exp.close()
+
+
+def test_build_backend_trains_an_hf_checkpoint_source_with_the_hf_backend(tmp_path):
+    """An HF checkpoint (the project's tiny Qwen3) -> the hf backend; its weights carry the checkpoint's
+    names, so version 0 published from them is the base checkpoint in HF layout."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from rlfleet.tiny_qwen3 import build_tiny_qwen3
+    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.run import build_backend
+
+    source = build_tiny_qwen3(tmp_path / "qwen3")
+    rc = SimpleNamespace(correction_mode="sc-mis-topp", mis_low=0.2, mis_high=5.0, learning_rate=1e-3,
+                         weight_decay=0.0, max_grad_norm=1.0, sampling={"temperature": 1.0}, seed=0)
+    base = build_backend(rc, backend="torch", source_dir=source)
+    assert isinstance(base.backend, HFBackend) and (base.vocab_size, base.max_seq_len) == (64, 256)
+    assert base.base_checkpoint == source
+    on_disk = load_file(str(source / "model.safetensors"))
+    weights = base.backend.weights()
+    assert set(on_disk) <= set(weights)
+    for name, tensor in on_disk.items():
+        assert torch.equal(weights[name], tensor.float()), name

@@ -1,0 +1,111 @@
+"""`rlfleet trainer run` (the trainer pod's entrypoint) as a REAL process against reference samplers.
+
+Real parts: the fleet host of local mode (trainer/fleet.py: real reference sampler servers over HTTP,
+the router, the real weight-sync loops that apply whatever the channel's pointer names first), a
+filesystem weight store, and the entrypoint started as `rlfleet trainer run` in a subprocess with the
+resolved RLJob YAML the operator would mount. The base model is a TinyGPT tensor-only view on disk
+(`spec.model.path`, resolved by rlfleet/model_source.py). Asserted: version 0 of EVERY view is
+published from the base checkpoint before step 1's version, steps advance to totalSteps, checkpoints
+land next to the channel, the process exits 0."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from rlfleet.channel import WeightChannel
+from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+from rlfleet.numerics.views import load_view, save_view
+from rlfleet.store import FilesystemStore
+from rlfleet.trainer import checkpoint
+from rlfleet.trainer.fleet import FleetSpec, GroupSpec
+from rlfleet.trainer.local import FleetProcess
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = {"vocab_size": 64, "n_layer": 2, "n_head": 2, "d_model": 64, "max_seq_len": 64, "seed": 0}
+STEPS = 3
+
+
+def job_manifest(tmp_path: Path, base: Path, channel: Path) -> Path:
+    doc = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
+    spec = doc["spec"]
+    spec["model"] = {"name": "tinygpt", "path": str(base), "maxSeqLen": MODEL["max_seq_len"]}
+    spec["trainer"] = {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 1, "backend": "torch",
+                       "totalSteps": STEPS, "optimizer": {"learningRate": 1.0e-3}}
+    spec["rollout"].update({"promptsPerStep": 2, "samplesPerPrompt": 2, "maxNewTokens": 4, "topK": 16,
+                            "environment": "copy_digit", "maxTurns": 1})
+    spec["correction"]["scHeadSize"] = 16
+    spec["samplerGroups"] = [
+        {"name": "h100-bf16", "accelerator": "h100", "replicas": 1, "weightFormat": "bf16"},
+        {"name": "h100-fp8", "accelerator": "h100", "replicas": 1, "weightFormat": "fp8"},
+    ]
+    spec["weightChannel"] = {"store": {"type": "filesystem", "path": str(channel)}, "retention": {"keepVersions": 10}}
+    path = tmp_path / "rljob.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.slow
+def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    base_weights = TinyGPT(TinyGPTConfig(**MODEL)).state_dict()
+    save_view(base_weights, "bf16", tmp_path / "base")  # the base checkpoint: a tensor-only view
+    channel_dir = tmp_path / "channel"
+    channel_dir.mkdir()
+    fleet_spec = FleetSpec(
+        groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")],
+        store=str(channel_dir), cache_dir=str(tmp_path / "cache"), model=dict(MODEL), seed=0,
+    )
+    (tmp_path / "fleet.json").write_text(fleet_spec.to_json())
+    fleet = FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8))
+    try:
+        urls = fleet.wait_ready()  # the samplers wait for the channel's first version (none yet)
+        assert WeightChannel(FilesystemStore(channel_dir)).latest() is None
+        trainer = subprocess.run(
+            [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run",
+             "--config", str(job_manifest(tmp_path, tmp_path / "base", channel_dir)),
+             "--router-url", urls["router"], "--metrics-port", "0"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "RLFLEET_N_HEAD": str(MODEL["n_head"]), "RLFLEET_LOG_LEVEL": "INFO"},
+        )
+    finally:
+        fleet.stop()
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+
+    channel = WeightChannel(FilesystemStore(channel_dir))
+    assert channel.versions() == list(range(STEPS + 1))
+    v0, v1 = channel.manifest(0), channel.manifest(1)
+    assert sorted(v0.views) == ["bf16", "fp8"] and sorted(v1.views) == ["bf16", "fp8"]
+    assert v0.published_at <= v1.published_at
+    log = trainer.stderr
+    assert log.index("published the trainer's weights as version 0 before step 1") < log.index("published weights v1 ")
+    # version 0 is the base checkpoint's weights (bf16 in, bf16 view out: exact)
+    _, v0_bf16 = load_view(channel.download_view(0, "bf16", tmp_path / "dl" / "v0"))
+    for name, tensor in base_weights.items():
+        assert torch.equal(v0_bf16[name], tensor.to(torch.bfloat16).float()), name
+    # checkpoints go next to the channel, and every step trained on rollouts
+    state = checkpoint.load_latest(channel_dir / "checkpoints")
+    assert state is not None and state["step"] == STEPS
+    assert [int(h["step"]) for h in state["history"]] == [1, 2, 3]
+    assert all(h["trained_tokens"] > 0 for h in state["history"])
+    assert state["data_position"] >= STEPS * 2
+
+
+def test_trainer_entrypoint_refuses_a_model_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "channel").mkdir()
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run",
+         "--config", str(job_manifest(tmp_path, tmp_path / "empty", tmp_path / "channel")),
+         "--router-url", "http://127.0.0.1:9"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2
+    assert "has no config.json (not a Hugging Face checkpoint)" in run.stderr and "Traceback" not in run.stderr

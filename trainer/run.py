@@ -1,0 +1,213 @@
+"""The ONE training composition root: local mode (trainer/local.py), the cluster entrypoint
+(trainer/entrypoint.py, `rlfleet trainer run`) and the ablation (trainer/ablation.py) all train through
+`run_training`. What differs between them is passed in: the backend (built by `build_backend` from the
+resolved model source), where versions go (`VersionSink`: the weight channel, or the ablation's
+in-memory snapshots), how rollouts are produced (`make_driver`: the HTTP rollout driver, or the
+ablation's lockstep in-process samplers) and the per-step hooks (live table, Prometheus exporter).
+
+Order (docs/architecture.md, "Trainer"):
+1. restore the checkpoint if there is one (model, optimizer, step, detector; the data position);
+2. publish the current weights as version `step` unless the channel already holds it: on a fresh start
+   this is version 0 of EVERY view, from the base checkpoint, before step 1 (sampler groups wait for
+   their view's version 0 before their engine starts, sampler/sync.py --fetch-only);
+3. only then build and start the rollout driver (samplers can serve now), and run the loop: each
+   version N is published after a checkpoint (the channel is never ahead of a checkpoint);
+4. a final checkpoint; the driver is stopped in every case.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rlfleet.model_source import is_hf_checkpoint
+from rlfleet.store import Store
+from rlfleet.trainer.collapse import CollapseDetector, Decision
+from rlfleet.trainer.loop import LoopConfig, TrainingLoop
+from rlfleet.trainer.rollout import PromptGroup
+
+log = logging.getLogger(__name__)
+
+
+class TrainingStartError(RuntimeError):
+    """The run cannot start as configured (one-line message, no stack trace for users)."""
+
+
+class VersionSink(Protocol):
+    """Where weight versions go: `publish(weights, version)`, `latest_version()` (None: none yet)."""
+
+    def latest_version(self) -> int | None: ...
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
+
+
+class ChannelSink:
+    """The weight channel as a VersionSink, through trainer/publisher.py's `WeightPublisher`."""
+
+    def __init__(self, publisher: Any) -> None:
+        self.publisher = publisher
+
+    def latest_version(self) -> int | None:
+        pointer = self.publisher.channel.latest()
+        return None if pointer is None else pointer.version
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.publisher.publish(weights, version=version)
+
+
+@dataclass
+class BaseModel:
+    """The trainer's model, built from the resolved model source."""
+
+    backend: Any  # TorchBackend (TinyGPT), HFBackend or MegatronBackend
+    vocab_size: int
+    max_seq_len: int
+    source_dir: Path | None  # the resolved checkpoint directory (None: TinyGPT from local.model)
+
+    @property
+    def base_checkpoint(self) -> Path | None:
+        """The HF checkpoint every published view is completed from (config, tokenizer); None: tensor-only."""
+        return self.source_dir if self.source_dir is not None and is_hf_checkpoint(self.source_dir) else None
+
+
+def load_base_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """HF-named tensors of a checkpoint directory: an rlfleet view (dequantized) or HF safetensors."""
+    from rlfleet.numerics.views import VIEW_CONFIG_FILE, load_view
+
+    if (directory / VIEW_CONFIG_FILE).is_file():
+        return load_view(directory)[1]
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise TrainingStartError(f"model {directory}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def build_backend(
+    rc: Any,
+    *,
+    backend: str,
+    source_dir: Path | None,
+    max_seq_len: int | None = None,
+    parallelism: Any = None,
+) -> BaseModel:
+    """The backend for `rc` (a local.RunConfig). `source_dir` None: TinyGPT of `rc.model` (local mode);
+    an rlfleet view: TinyGPT from its weights (torch); an HF checkpoint: the hf backend (torch) or
+    megatron (config.json via `MegatronModelConfig.from_hf_config`)."""
+    from rlfleet.trainer.backend_torch import OptimConfig
+    from rlfleet.trainer.objective import ObjectiveConfig
+
+    objective = ObjectiveConfig.from_correction(rc.correction_mode, mis_low=rc.mis_low, mis_high=rc.mis_high)
+    optim = OptimConfig(learning_rate=rc.learning_rate, weight_decay=rc.weight_decay, max_grad_norm=rc.max_grad_norm)
+    temperature = rc.sampling["temperature"]
+    if source_dir is None:
+        from rlfleet.numerics.tinygpt import TinyGPTConfig
+        from rlfleet.trainer.backend_torch import TorchBackend
+
+        cfg = TinyGPTConfig(**rc.model)
+        return BaseModel(TorchBackend(cfg, objective, optim, temperature=temperature), cfg.vocab_size, cfg.max_seq_len, None)
+    hf = is_hf_checkpoint(source_dir)
+    hf_config = json.loads((source_dir / "config.json").read_text()) if hf else None
+    if backend == "torch" and not hf:  # a tensor-only TinyGPT view
+        from rlfleet.numerics.tinygpt import config_from_state_dict
+        from rlfleet.trainer.backend_torch import TorchBackend
+
+        weights = load_base_weights(source_dir)
+        n_head = int(os.environ.get("RLFLEET_N_HEAD", "4"))  # not visible in the shapes
+        cfg = config_from_state_dict(weights, n_head, max_seq_len or 2048, rc.seed)
+        tiny = TorchBackend(cfg, objective, optim, temperature=temperature)
+        tiny.model.load_state_dict(weights)
+        return BaseModel(tiny, cfg.vocab_size, cfg.max_seq_len, source_dir)
+    if hf_config is None:
+        raise TrainingStartError(f"backend {backend} needs a Hugging Face checkpoint; {source_dir} has no config.json")
+    seq = int(max_seq_len or hf_config.get("max_position_embeddings") or 2048)
+    if backend == "torch":
+        from rlfleet.trainer.backend_hf import HFBackend
+
+        model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature)
+        return BaseModel(model, int(hf_config["vocab_size"]), seq, source_dir)
+    from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
+
+    p = parallelism
+    cfg = MegatronModelConfig.from_hf_config(  # head_dim, tied embeddings, QK-norm, either rope form
+        hf_config, max_seq_len=max_seq_len, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
+        context_parallel=p.context,
+    )
+    megatron = MegatronBackend(cfg, objective, optim, temperature, initial_hf_weights=load_base_weights(source_dir))
+    return BaseModel(megatron, cfg.vocab_size, cfg.max_seq_len, source_dir)
+
+
+def checkpoint_target(store: Store, override: str | Path | None = None) -> Path | Store:
+    """Checkpoints go next to the channel: `<channel dir>/checkpoints` on a filesystem store, the
+    `checkpoints/` keys under the channel's prefix on an S3 store (trainer/checkpoint.py)."""
+    if override is not None:
+        return Path(override)
+    from rlfleet.store import FilesystemStore
+
+    if isinstance(store, FilesystemStore):
+        return Path(store.root) / "checkpoints"
+    return store
+
+
+def run_training(
+    rc: Any,
+    backend: Any,
+    sink: VersionSink,
+    detector: CollapseDetector,
+    make_driver: Callable[[int], Any],
+    *,
+    checkpoint: Path | Store | None,
+    resume: dict[str, Any] | None = None,
+    stop: threading.Event | None = None,
+    on_step: Callable[[dict[str, float], Decision, list[PromptGroup]], None] | None = None,
+    on_quarantine: Callable[[list[str]], None] | None = None,
+) -> TrainingLoop:
+    """Train `rc.steps` steps (see the module docstring for the order). `make_driver(position)` builds
+    the rollout driver starting at data position `position` (called after the first publish);
+    `resume`: a checkpoint state (trainer/checkpoint.py). Returns the loop (state, history)."""
+    start_step = int(resume["step"]) if resume is not None else 0
+    latest = sink.latest_version()
+    if latest is not None and latest > start_step:
+        where = f"checkpoint step {start_step}" if resume is not None else "no checkpoint"
+        raise TrainingStartError(
+            f"the weight channel is at version {latest}, ahead of the trainer ({where}): use a fresh channel "
+            "or restore its checkpoints"
+        )
+
+    def publish(version: int, weights: dict[str, torch.Tensor]) -> None:
+        loop.checkpoint()  # BEFORE the pointer moves: the channel is never ahead of a checkpoint
+        sink.publish(weights, version)
+
+    loop = TrainingLoop(
+        LoopConfig(total_steps=rc.steps, prompts_per_step=rc.prompts_per_step, max_staleness=rc.max_staleness,
+                   checkpoint_dir=checkpoint),
+        backend, None, publish, detector,  # type: ignore[arg-type]  # the driver comes after version `step`
+        group_names=[g["name"] for g in rc.groups], group_views={g["name"]: g["weight_format"] for g in rc.groups},
+        on_step=on_step, on_quarantine=on_quarantine, stop=stop,
+    )
+    if resume is not None:
+        loop.restore(resume)
+    if latest is None or latest < start_step:  # fresh start: version 0 of every view before step 1
+        sink.publish(backend.weights(), start_step)
+        log.info("published the trainer's weights as version %d before step %d", start_step, start_step + 1)
+    driver = make_driver(int(resume["data_position"]) if resume is not None else 0)
+    loop.driver = driver
+    driver.start()
+    try:
+        loop.run()
+        loop.checkpoint()
+    finally:
+        driver.stop()
+    return loop
