@@ -218,7 +218,11 @@ class HFBackend:
     def weights(self) -> dict[str, torch.Tensor]:
         """HF-named fp32 full tensors on CPU (every rank must call it: sharded tensors are gathered)."""
         out: dict[str, torch.Tensor] = {}
-        for k, v in self.model.state_dict().items():
+        seen: set[int] = set()
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            if id(v) in seen:  # a tied weight (lm_head = embed_tokens): HF checkpoints store it once
+                continue
+            seen.add(id(v))
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
             out[k] = full.detach().to("cpu", torch.float32).clone()
         return out

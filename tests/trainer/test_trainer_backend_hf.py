@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -30,7 +31,7 @@ OBJECTIVE = ObjectiveConfig(mode="sc_mis", replay=True)
 OPTIM = OptimConfig(learning_rate=1e-2, max_grad_norm=1e9)  # no clipping: raw gradients are compared
 
 
-def tiny_qwen3(path: Path) -> Path:
+def tiny_qwen3(path: Path, tie: bool = False) -> Path:
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
@@ -126,6 +127,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # ~20 s on 2 shared cores: two spawned processes import torch + transformers
 def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     ckpt = tiny_qwen3(tmp_path / "qwen3")
     single = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu"), make_batch())
@@ -173,8 +175,10 @@ def test_one_process_loss_is_the_objective_on_the_model_logits_qwen3_and_llama(t
         assert set(out.per_group) == {0, 1}
 
 
-def test_checkpoint_round_trip_and_hf_weight_names(tmp_path: Path) -> None:
-    ckpt = tiny_qwen3(tmp_path / "q")
+@pytest.mark.parametrize("tie", [False, True])
+def test_checkpoint_round_trip_and_hf_weight_names(tmp_path: Path, tie: bool) -> None:
+    """`weights()` holds exactly the checkpoint's names: a tied lm_head (Qwen3-0.6B) is stored once."""
+    ckpt = tiny_qwen3(tmp_path / "q", tie=tie)
     a = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
     a.train_step(make_batch(seed=1), GROUPS)
     path = tmp_path / "ckpt.pt"
@@ -218,3 +222,16 @@ def test_batch_smaller_than_world_is_a_clear_error(tmp_path: Path) -> None:
         assert "3 sequences cannot be split over 4" in str(exc)
     else:
         raise AssertionError("no error")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_on_gpu_tracks_the_fp32_cpu_loss(tmp_path: Path) -> None:
+    """On a GPU the forward runs in bf16 (fp32 master weights): the loss is the fp32 one to bf16 accuracy."""
+    ckpt = tiny_qwen3(tmp_path / "q")
+    flat = make_batch(seed=5)
+    cpu, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").train_step(flat, GROUPS)
+    gpu_backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cuda")
+    assert gpu_backend.bf16 and next(gpu_backend.model.parameters()).dtype == torch.float32
+    gpu, grad_norm = gpu_backend.train_step(flat, GROUPS)
+    assert abs(float(gpu.loss.detach()) - float(cpu.loss.detach())) < 2e-2 and np.isfinite(grad_norm)
