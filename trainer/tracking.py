@@ -33,6 +33,9 @@ KINDS: dict[str, tuple[str, str]] = {  # kind -> (module it needs, extra that in
 }
 
 
+MLFLOW_BATCH_LIMIT = 1000  # metrics per MLflow log_batch request (the server's limit)
+
+
 class TrackingError(ValueError):
     """Tracking is misconfigured or its package is missing (clear, one line)."""
 
@@ -88,8 +91,8 @@ class MlflowTracker:
 
         now = int(time.time() * 1000)
         batch = [Metric(key, value, now, step) for key, value in finite(dict(metrics)).items()]
-        if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
+        for i in range(0, len(batch), MLFLOW_BATCH_LIMIT):  # a fleet's breakdown can exceed one batch
+            self.client.log_batch(self.run_id, metrics=batch[i : i + MLFLOW_BATCH_LIMIT])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
