@@ -235,3 +235,53 @@ def test_bf16_on_gpu_tracks_the_fp32_cpu_loss(tmp_path: Path) -> None:
     assert gpu_backend.bf16 and next(gpu_backend.model.parameters()).dtype == torch.float32
     gpu, grad_norm = gpu_backend.train_step(flat, GROUPS)
     assert abs(float(gpu.loss.detach()) - float(cpu.loss.detach())) < 2e-2 and np.isfinite(grad_norm)
+
+
+def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
+    """The pieces a real-model run composes: a text prompt set rendered with the chat template, the
+    math environment, the real rollout driver and batching, and one step of the hf backend on a Qwen3
+    whose vocabulary is the tokenizer's. The trained target ids are exactly the sampled ids. The
+    sampler is a stub (no engine runs here) that replies from a fixed list with a 2-token support."""
+    import asyncio
+    import json
+
+    from chat_tokenizer import build_chat_tokenizer
+
+    from rlfleet.records import SampledTurn
+    from rlfleet.trainer.batching import flatten_groups
+    from rlfleet.trainer.environments import load_environment
+    from rlfleet.trainer.prompts import open_prompt_source
+    from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+
+    tok = build_chat_tokenizer()
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "What is 2 + 3?", "answer": "5"}) + "\n")
+    prompts = open_prompt_source(str(tmp_path / "p.jsonl"), "math", tokenizer=tok, vocab_size=len(tok))
+    env = load_environment("rlfleet.trainer.environments:MathEnv", tokenizer=tok)
+    replies = [tok.encode(t) + [tok.eos_token_id] for t in ("The answer is \\boxed{5}.", "It is 7")]
+
+    async def generate(session: str, ids: list[int], params: dict) -> SampledTurn:
+        out = np.asarray(replies[int(session.split("/")[1])])
+        n = len(out)
+        other = (out + 1) % len(tok)
+        return SampledTurn(prompt_ids=np.asarray(ids), output_ids=out, logprobs=np.full(n, np.log(0.5)),
+                           sampled_logprobs=np.full(n, np.log(0.6)), support_offsets=np.arange(0, 2 * n + 1, 2),
+                           support_ids=np.stack([out, other], 1).reshape(-1),
+                           support_logprobs=np.tile(np.log([0.6, 0.4]), n).astype(np.float32),
+                           weight_versions=np.zeros(n, dtype=np.int64), group="h100-fp8", finish_reason="stop")  # fmt: skip
+
+    driver = RolloutDriver(
+        generate, env, prompts, samples_per_prompt=2, sampling={"max_new_tokens": 32}, max_seq_len=128
+    )
+    prompt = prompts.get(0)
+    rollouts = [asyncio.run(driver.run_episode(prompt, k)) for k in range(2)]
+    assert [r.outcome.reward for r in rollouts] == [1.0, 0.0]
+    flat = flatten_groups([PromptGroup(prompt=prompt, rollouts=rollouts)], trainer_version=0)
+    assert flat.target_ids.tolist() == replies[0] + replies[1]
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    backend = HFBackend.from_pretrained(tmp_path / "m", OBJECTIVE, optim=OPTIM, device="cpu")
+    out, grad_norm = backend.train_step(flat, {"h100-fp8": 0})
+    assert out.metrics["num_tokens"] == len(replies[0]) + len(replies[1]) and grad_norm > 0
