@@ -19,7 +19,6 @@ prefix on an S3 store (pass the channel's `Store` instead of a directory; the ch
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 from pathlib import Path
@@ -69,11 +68,13 @@ def _load_from_store(store: Store) -> dict[str, Any] | None:
         name = store.get(STORE_PREFIX + LATEST).decode().strip()
     except KeyNotFoundError:
         return None
-    try:
-        data = store.get(STORE_PREFIX + name)
-    except KeyNotFoundError as e:
-        raise FileNotFoundError(f"checkpoint pointer names {name}, which is missing in {store.uri}") from e
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-", dir=store.staging_dir()) as tmp:
+        path = Path(tmp) / name  # streamed to disk, not held in memory twice (optimizer state is large)
+        try:
+            store.get_file(STORE_PREFIX + name, path)
+        except KeyNotFoundError as e:
+            raise FileNotFoundError(f"checkpoint pointer names {name}, which is missing in {store.uri}") from e
+        return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def save_checkpoint(directory: str | Path | Store, state: dict[str, Any], keep: int = 2) -> Path:

@@ -283,6 +283,38 @@ def test_checkpoints_on_a_store_live_under_the_channel_prefix_next_to_its_versio
     assert checkpoint_target(s3, "/override") == Path("/override")
 
 
+def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
+    """The same on the REAL S3-compatible server of the weight tests (moto_server, started with
+    tests/weights/conftest.py's helpers): keys under the channel's prefix, next to its versions."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("weights_conftest", Path(__file__).parents[1] / "weights" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    wc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wc)
+    for k, v in wc.CREDS.items():
+        os.environ.setdefault(k, v)
+    port = wc.free_port()
+    proc = wc.start_moto(port)
+    try:
+        from rlfleet.store import S3Store
+
+        endpoint = f"http://127.0.0.1:{port}"
+        store = S3Store(wc.make_bucket(endpoint), "jobs/a/channel", endpoint_url=endpoint)
+        assert checkpoint.load_latest(store) is None
+        for step in (1, 2):
+            checkpoint.save_checkpoint(store, {"step": step, "w": torch.full((3,), float(step))}, keep=1)
+        assert store.list("checkpoints/") == ["checkpoints/ckpt-00000002.pt", "checkpoints/latest"]
+        assert store.client.get_object(Bucket=store.bucket, Key="jobs/a/channel/checkpoints/latest")["Body"].read() \
+            == b"ckpt-00000002.pt"
+        assert checkpoint.load_latest(store)["w"].tolist() == [2.0, 2.0, 2.0]
+        store.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_run_training_refuses_a_channel_ahead_of_the_trainer():
     from types import SimpleNamespace
 
