@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,8 +97,14 @@ def write_checksums(directory: Path) -> Path:
     return path
 
 
+def _intact(directory: Path, sums: dict[str, str]) -> bool:
+    from rlfleet.store import sha256_file
+
+    return all((directory / n).is_file() and sha256_file(directory / n).sha256 == h for n, h in sums.items())
+
+
 def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
-    from rlfleet.store import KeyNotFoundError, StoreError, open_store, sha256_file
+    from rlfleet.store import KeyNotFoundError, StoreError, open_store
 
     parsed = urlparse(uri)
     dest = cache_dir / "s3" / parsed.netloc / (parsed.path.strip("/") or "_root")
@@ -117,21 +124,30 @@ def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
         missing = sorted(set(sums) - keys)
         if missing:
             raise ModelSourceError(f"model source {uri}: {CHECKSUMS_FILE} names files not in the prefix: {missing[:3]}")
-        if all((dest / n).is_file() and sha256_file(dest / n).sha256 == h for n, h in sums.items()):
+        if _intact(dest, sums):
             return dest  # already downloaded and still intact
-        staging = dest.with_name(dest.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        for name, expected in sorted(sums.items()):
-            digest = store.get_file(name, staging / name)  # sha256 computed while downloading
-            if digest.sha256 != expected:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise ModelSourceError(
-                    f"model source {uri}: {name} has sha256 {digest.sha256[:12]}.., "
-                    f"{CHECKSUMS_FILE} says {expected[:12]}.. (corrupted or tampered; not used)"
-                )
-        (staging / CHECKSUMS_FILE).write_text(sums_text)
-        shutil.rmtree(dest, ignore_errors=True)
-        staging.rename(dest)
+        # A private staging directory per process: torchrun's ranks on one pod resolve the same source
+        # at once; the first complete, verified copy is renamed into place, the others are dropped.
+        staging = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex}"
+        try:
+            for name, expected in sorted(sums.items()):
+                digest = store.get_file(name, staging / name)  # sha256 computed while downloading
+                if digest.sha256 != expected:
+                    raise ModelSourceError(
+                        f"model source {uri}: {name} has sha256 {digest.sha256[:12]}.., "
+                        f"{CHECKSUMS_FILE} says {expected[:12]}.. (corrupted or tampered; not used)"
+                    )
+            (staging / CHECKSUMS_FILE).write_text(sums_text)
+            if not _intact(dest, sums):
+                if dest.exists() and not _intact(dest, sums):  # an old, damaged copy (rechecked just now)
+                    shutil.rmtree(dest, ignore_errors=True)
+                try:
+                    staging.rename(dest)
+                except OSError:  # another process renamed its verified copy first
+                    if not _intact(dest, sums):
+                        raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         return dest
     finally:
         store.close()

@@ -138,6 +138,14 @@ def test_s3_prefix_is_downloaded_verified_and_cached(s3: str, tiny: Path, tmp_pa
     for p in tiny.iterdir():
         assert (got / p.name).read_bytes() == p.read_bytes()
     assert resolve_model_source(uri, cache_dir=tmp_path / "cache") == got  # cached and intact: reused
+    # torchrun's ranks resolve the same source at once: every one gets the one verified copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: resolve_model_source(uri, cache_dir=tmp_path / "racing"), range(3)))
+    assert len(set(results)) == 1
+    assert (results[0] / "model.safetensors").read_bytes() == (tiny / "model.safetensors").read_bytes()
+    assert [p.name for p in results[0].parent.iterdir()] == ["tiny"]  # no staging left behind
 
     # tampered bytes in the bucket: refused, and the cache is not replaced by them
     client = boto3.client("s3", endpoint_url=s3, region_name="us-east-1")
