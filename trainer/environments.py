@@ -270,39 +270,75 @@ def _ids(out: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
+def _find(seq: list[int], sub: list[int], start: int = 0, last: bool = False) -> int:
+    """Index of the first (or last) occurrence of `sub` in `seq` at or after `start`; -1 if none."""
+    hits = [i for i in range(start, len(seq) - len(sub) + 1) if seq[i : i + len(sub)] == sub]
+    return (hits[-1] if last else hits[0]) if hits else -1
+
+
 class ChatTurnEncoder:
     """Token-in / token-out multi-turn with a chat template: the ids to APPEND after a model turn for
     an environment message (a tool result, a user follow-up), ending with the generation prompt of
-    the next assistant turn. The history is never re-rendered: the appended ids are the template's
-    delta for one more message, measured on a fixed two-message probe chat, and start right after
-    the model's end-of-turn token (which the sampler produced; prepended when the turn was cut by
-    the length budget instead)."""
+    the next assistant turn. The history is never re-rendered.
 
-    PROBE = ({"role": "user", "content": "0"}, {"role": "assistant", "content": "0"})
+    The template is probed once on a fixed chat (user "1", assistant "0"): the assistant turn's
+    end-of-turn id is the first id after its content (`<|im_end|>` in ChatML, whatever the template
+    uses otherwise, not necessarily the tokenizer's EOS). For a message, the chat + the message is
+    rendered and the ids after the probe assistant's end-of-turn are taken. Only ids AFTER the
+    assistant turn are used, so templates that render a past assistant turn differently from the
+    last one (Qwen3 drops the empty think block of earlier turns) still give the right ids, and the
+    model's own ids stay exactly as sampled. A turn that did not end with the end-of-turn id (cut by
+    the length budget) is closed with it first."""
+
+    USER = {"role": "user", "content": "1"}
+    ASSISTANT = {"role": "assistant", "content": "0"}
 
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("ChatTurnEncoder needs a tokenizer with a chat template")
         self.tokenizer = tokenizer
-        self.end_of_turn_id = int(tokenizer.eos_token_id)
+        gen = _ids(tokenizer.apply_chat_template([self.USER], tokenize=True, add_generation_prompt=True))
+        done = _ids(tokenizer.apply_chat_template([self.USER, self.ASSISTANT], tokenize=True))
+        self._content = _ids(tokenizer.encode(self.ASSISTANT["content"], add_special_tokens=False))
+        at = _find(done, self._content, start=len(gen) - 1, last=True) if done[: len(gen)] == gen else -1
+        if at < 0 or at + len(self._content) >= len(done):
+            raise ValueError(
+                "the chat template does not render an assistant turn as its content + an end-of-turn token"
+            )
+        self.end_of_turn_id = int(done[at + len(self._content)])
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys([self.end_of_turn_id, *([int(eos)] if eos is not None else [])])
+        )
 
     def message_ids(self, content: str, role: str = "tool") -> list[int]:
-        """Ids appended after the model's end-of-turn token for one `role` message."""
-        base = _ids(self.tokenizer.apply_chat_template(list(self.PROBE), tokenize=True))
-        more = _ids(
+        """Ids that follow the model's end-of-turn id for one `role` message."""
+        gen_len = len(
+            _ids(self.tokenizer.apply_chat_template([self.USER], tokenize=True, add_generation_prompt=True))
+        )
+        full = _ids(
             self.tokenizer.apply_chat_template(
-                [*self.PROBE, {"role": role, "content": content}], tokenize=True, add_generation_prompt=True
+                [self.USER, self.ASSISTANT, {"role": role, "content": content}],
+                tokenize=True,
+                add_generation_prompt=True,
             )
         )
-        if more[: len(base)] != base or self.end_of_turn_id not in base:
-            raise ValueError("the chat template does not render a conversation as a prefix of its extension")
-        cut = len(base) - base[::-1].index(self.end_of_turn_id)  # right after the assistant's end of turn
-        return more[cut:]
+        at = _find(full, [*self._content, self.end_of_turn_id], start=gen_len - 1)
+        if at < 0:
+            raise ValueError(f"the chat template does not render a {role!r} message after an assistant turn")
+        return full[at + len(self._content) + 1 :]
 
     def append_ids(self, output_ids: Sequence[int], content: str, role: str = "tool") -> list[int]:
         """Ids to append after the model turn `output_ids` (closing it if the model did not)."""
         closed = bool(output_ids) and int(output_ids[-1]) == self.end_of_turn_id
         return ([] if closed else [self.end_of_turn_id]) + self.message_ids(content, role)
+
+
+def chat_stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Ids that end a model turn: the chat template's end-of-turn id (if it has a template) and EOS."""
+    if getattr(tokenizer, "chat_template", None):
+        return ChatTurnEncoder(tokenizer).stop_token_ids
+    return (int(tokenizer.eos_token_id),)
 
 
 _NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
@@ -369,7 +405,7 @@ class MathEnv(Environment):
             raise ValueError("MathEnv needs the model's tokenizer (to read the replies)")
         self.tokenizer = tokenizer
         self.answer_key = answer_key
-        self.stop_token_ids = (int(tokenizer.eos_token_id),)
+        self.stop_token_ids = chat_stop_ids(tokenizer)
 
     def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
         if self.answer_key not in prompt.meta:

@@ -106,6 +106,60 @@ def test_chat_turn_encoder_appends_the_template_delta() -> None:
         ChatTurnEncoder(build_chat_tokenizer(None))
 
 
+# Written here (not copied from a model repository): ChatML with Qwen3's think gate — the empty think
+# block is rendered only for the LAST assistant turn after the last user query, so a past assistant
+# turn renders differently from the same turn rendered last (why the history is never re-rendered).
+THINK_GATED = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if loop.index0 > ns.last_query and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{ m.content + '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_chat_turn_encoder_with_a_think_gated_template() -> None:
+    tok = build_chat_tokenizer(THINK_GATED)
+    last = tok.apply_chat_template(
+        [{"role": "user", "content": "1"}, {"role": "assistant", "content": "0"}], tokenize=False
+    )
+    assert "<think>" in last  # the gate is live: a re-rendered history would differ from what was sampled
+    enc = ChatTurnEncoder(tok)
+    assert enc.end_of_turn_id == tok.convert_tokens_to_ids("<|im_end|>")
+    appended = enc.append_ids(_reply(tok, "calculator 2 + 3"), "result: 5")
+    expected = (
+        "\n<|im_start|>user\n<tool_response>\nresult: 5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.decode(appended) == expected
+
+
+def test_chat_turn_encoder_with_the_project_tiny_qwen3_tokenizer(tmp_path) -> None:
+    """The tokenizer `rlfleet model tiny-qwen3` ships: its turns end with <sep>, not with EOS."""
+    from transformers import AutoTokenizer
+
+    from rlfleet.tiny_qwen3 import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    enc = ChatTurnEncoder(tok)
+    assert enc.end_of_turn_id == tok.convert_tokens_to_ids("<sep>") != tok.eos_token_id
+    assert set(enc.stop_token_ids) == {enc.end_of_turn_id, tok.eos_token_id}
+    prompt = render_chat_prompt(tok, [{"role": "user", "content": "3 4"}])
+    turn = tok.encode("w20 5", add_special_tokens=False) + [enc.end_of_turn_id]
+    appended = enc.append_ids(turn, "7")
+    full = [
+        {"role": "user", "content": "3 4"},
+        {"role": "assistant", "content": "w20 5"},
+        {"role": "tool", "content": "7"},
+    ]
+    assert prompt + turn + appended == render_chat_prompt(tok, full)
+
+
 class CalculatorEnv(Environment):
     """A user-style plugin: tool turn then answer turn, tool results appended as ids."""
 
@@ -114,7 +168,7 @@ class CalculatorEnv(Environment):
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.turns = ChatTurnEncoder(tokenizer)
-        self.stop_token_ids = (tokenizer.eos_token_id,)
+        self.stop_token_ids = self.turns.stop_token_ids
 
     def step(self, prompt, state, output_ids, finish_reason) -> EnvStep:
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
