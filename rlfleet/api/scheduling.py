@@ -73,6 +73,14 @@ POD_ANNOTATIONS_MESSAGE = (
     f"podAnnotations must not set the operator's own annotations ({', '.join(p + '*' for p in OPERATOR_ANNOTATION_PREFIXES)}, "
     f"{', '.join(OPERATOR_ANNOTATION_KEYS)}): it writes them (metrics scraping, the trainer's Kueue pod group)"
 )
+EMPTY_TERM_RULE = (
+    "self.nodeSelectorTerms.all(t, (has(t.matchExpressions) && size(t.matchExpressions) > 0) || "
+    "(has(t.matchFields) && size(t.matchFields) > 0))"
+)
+EMPTY_TERM_MESSAGE = (
+    "nodeSelectorTerms: every term needs matchExpressions or matchFields (Kubernetes matches no node with "
+    "an empty term)"
+)
 TOLERATION_RULE = "self.operator != 'Exists' || !has(self.value) || self.value == ''"
 TOLERATION_MESSAGE = "toleration: operator Exists takes no value"
 
@@ -152,8 +160,22 @@ class NodeSelectorTerm(ApiModel):
 class NodeSelector(ApiModel):
     """Required node terms (ORed), each ANDed with the catalog's accelerator terms."""
 
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": EMPTY_TERM_RULE, "message": EMPTY_TERM_MESSAGE, "fieldPath": ".nodeSelectorTerms"}
+            ]
+        }
+    }
+
     node_selector_terms: list[NodeSelectorTerm] = Field(min_length=1, max_length=16)
     """Terms; a node fits when it matches one of them AND the accelerator class."""
+
+    @model_validator(mode="after")
+    def _check_terms(self) -> NodeSelector:
+        if any(not (t.match_expressions or t.match_fields) for t in self.node_selector_terms):
+            raise ValueError(EMPTY_TERM_MESSAGE)
+        return self
 
 
 class PreferredSchedulingTerm(ApiModel):
