@@ -1,17 +1,22 @@
-"""kopf handlers (thin): read what is needed, call the pure builders / status functions, apply.
+"""kopf handlers (thin): per resource ONE reconcile pipeline, KubeRay-shaped (docs/architecture.md):
 
-Importing this module registers every handler of the operator (including the rebalancer's timer from
-`rlfleet.operator.rebalance_timer`, owned by the router engineer, when present).
+    observe (kopf indexes + the rebalance tick's scrapes) -> pure compute (builders.py: children;
+    rebalance.py: shares; status.py: the WHOLE status) -> apply once (one field manager per write kind)
 
-- In-memory kopf indexes of the watched objects (RLJobs, SamplerGroups, WeightChannels, sampler
-  Deployments, trainer StatefulSets) replace list/get round trips: status is computed from them.
+- Observe: in-memory kopf indexes of the watched objects (RLJobs, SamplerGroups, WeightChannels, sampler
+  Deployments, trainer StatefulSets, and the operator's pods: `pods.pod_view`) replace list/get round
+  trips; the rebalance tick (`rebalance_timer.rebalance_job`) adds what only a scrape can see
+  (throughput, the trainer's report) and keeps it in memory.
 - RLJob create/update(spec)/resume -> server-side apply of every child (owner references, common
-  labels), deletion of SamplerGroups no longer in the spec, status roll-up.
-- SamplerGroup create/update(spec)/resume -> its Deployment + Service.
-- Events of the children (sampler Deployments, trainer StatefulSets, SamplerGroups) -> status of the
-  parent, written by server-side apply on the status subresource, only when it changed, with a
-  Kubernetes Event on each phase transition. Timers re-check as a safety net.
-- WeightChannel timer -> reads the channel (rlfleet.channel) and writes its status.
+  labels), deletion of SamplerGroups no longer in the spec, then the job's status pipeline.
+- SamplerGroup create/update(spec)/resume -> its Deployment + Service, then its status pipeline.
+- Status pipeline (`refresh_job_status`, `refresh_samplergroup_status`, `refresh_weightchannel_status`):
+  the whole status from the indexes and the tick's memory, written by server-side apply on the status
+  subresource as `STATUS_FIELD_MANAGER` (the only status writer), only when it changed, with a
+  Kubernetes Event on each phase (and CollapseRisk) transition. Events of children and pods re-run it.
+- One timer, on each job's WeightChannel (kopf puts a finalizer on objects with timers; RLJobs must
+  delete without the operator): it reads the channel's store, runs the rebalance tick, and re-runs the
+  same pipelines. It never writes anything itself.
 The operator never writes an RLJob's spec (Argo CD owns it).
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -32,19 +38,23 @@ from pydantic import ValidationError
 from rlfleet.api import RLJob, SamplerGroup, StoreSpec, format_validation_error
 from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.catalog import CatalogError, get_catalog
-from rlfleet.operator import builders, kube, tokens
+from rlfleet.operator import builders, kube, rebalance_timer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
+from rlfleet.operator.pods import pod_view
+from rlfleet.operator.trainer_report import trainer_job_status
 
 log = logging.getLogger("rlfleet.operator")
 
-# Interval of the WeightChannel timer (reads the store; also re-checks the job's roll-up as a safety net,
-# events do the fast path). No timer on RLJobs or SamplerGroups: kopf puts a finalizer on every object
-# with a timer, and deleting an RLJob must not hang when the operator is gone (docs/operations.md).
+# How often the WeightChannel timer reads the store; the timer itself ticks at the shorter of this and
+# the rebalance tick. No timer on RLJobs or SamplerGroups: kopf puts a finalizer on every object with a
+# timer, and deleting an RLJob must not hang when the operator is gone (docs/operations.md).
 CHANNEL_STATUS_INTERVAL = float(os.environ.get("RLFLEET_CHANNEL_STATUS_INTERVAL", "10"))
+TIMER_INTERVAL = min(CHANNEL_STATUS_INTERVAL, rebalance_timer.TICK_SECONDS)
 
 SAMPLER_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "sampler"}
 TRAINER_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "trainer"}
+POD_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY}
 
 # Reconcile metrics (exported by `rlfleet operator run --metrics-port`).
 try:
@@ -111,6 +121,22 @@ def trainers_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
     return {(namespace, name): _workload(body)}
 
 
+def _pod_owner(labels: Mapping[str, str]) -> tuple[str, str] | None:
+    """(component, owner): ("sampler", SamplerGroup name) or ("trainer" | "router", job name)."""
+    component = labels.get(n.LABEL_COMPONENT)
+    if component == "sampler" and labels.get(n.LABEL_SAMPLERGROUP):
+        return component, labels[n.LABEL_SAMPLERGROUP]
+    if component in ("trainer", "router") and labels.get(n.LABEL_JOB):
+        return component, labels[n.LABEL_JOB]
+    return None
+
+
+@kopf.index("", "v1", "pods", labels=POD_LABELS)
+def pods_idx(namespace: str, body: kopf.Body, **_: Any) -> dict | None:
+    owner = _pod_owner(body.get("metadata", {}).get("labels") or {})
+    return {(namespace, *owner): pod_view(body)} if owner else None
+
+
 @dataclass(frozen=True)
 class View:
     """The indexes, as handed to handlers by kopf (keyword arguments named after the index functions)."""
@@ -121,6 +147,7 @@ class View:
     weightchannels: Any
     sampler_deployments: Any
     trainers: Any
+    pods: Any
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> View:
@@ -131,7 +158,12 @@ class View:
             weightchannels=kwargs["weightchannels_idx"],
             sampler_deployments=kwargs["sampler_deployments_idx"],
             trainers=kwargs["trainers_idx"],
+            pods=kwargs["pods_idx"],
         )
+
+    def pods_of(self, namespace: str) -> Callable[[str, str], list[dict[str, Any]]]:
+        """(component, owner) -> the pod views of that workload in `namespace`."""
+        return lambda component, owner: self.all(self.pods, (namespace, component, owner))
 
     @staticmethod
     def one(index: Any, key: tuple[str, str]) -> dict[str, Any] | None:
@@ -191,18 +223,13 @@ def _owned_by(child: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
 
 
 async def _write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str) -> bool:
-    """Server-side apply of the status when an operator-owned field changed; an Event on phase change."""
+    """THE status writer: server-side apply of the whole status (as `STATUS_FIELD_MANAGER`) when a field
+    changed; an Event on each phase and CollapseRisk transition."""
     old = obj.get("status") or {}
     if not st.status_changed(old, desired):
         return False
-    try:
-        await kube.api().apply(
-            st.status_apply_body(obj, desired), field_manager=n.STATUS_FIELD_MANAGER, subresource="status"
-        )
-    except kube.KubeError as exc:
-        if exc.status == 404:
-            return False
-        raise
+    if await kube.api().patch_status(obj, desired) is None:
+        return False  # deleted meanwhile
     _count(STATUS_WRITES, kind)
     before, after = old.get("phase"), desired.get("phase")
     if after and before != after:
@@ -212,8 +239,19 @@ async def _write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str)
             reason=f"Phase{after}",
             message=f"{kind} phase {before or 'None'} -> {after}: {desired.get('message', '')}"[:1000],
         )
+    risk_before, risk_after = _condition(old, "CollapseRisk"), _condition(desired, "CollapseRisk")
+    if risk_after and (risk_before or {}).get("status", "False") != risk_after["status"]:
+        on = risk_after["status"] == "True"
+        if on or risk_before:
+            kopf.event(obj, type="Warning" if on else "Normal",
+                       reason=risk_after["reason"] if on else "CollapseRiskCleared",
+                       message=risk_after.get("message", "")[:1000])  # fmt: skip
     obj["status"] = {**old, **desired}  # our copy now reflects the write (the index catches up on the event)
     return True
+
+
+def _condition(status: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
 
 
 # --- operator lifecycle --------------------------------------------------------------------------------
@@ -341,6 +379,7 @@ async def refresh_job_status(namespace: str, name: str, view: View) -> None:
 async def _refresh_job_status(
     namespace: str, name: str, view: View, job: dict[str, Any] | None = None, invalid: str | None = None
 ) -> None:
+    """The RLJob's pipeline: observe (indexes + the tick's memory) -> status.rljob_status -> one apply."""
     job = job or view.one(view.rljobs, (namespace, name))
     if job is None or job["metadata"].get("deletionTimestamp"):
         return
@@ -348,7 +387,14 @@ async def _refresh_job_status(
     groups = [g for g in view.all(view.samplergroups_by_job, (namespace, name)) if _owned_by(g, job)]
     trainer = view.one(view.trainers, (namespace, n.trainer_name(name)))
     channel = view.one(view.weightchannels, (namespace, n.weightchannel_name(name)))
-    desired = st.rljob_status(job, groups, trainer, channel, invalid=invalid)
+    memory = rebalance_timer.observed(job)
+    now = st.now_iso()
+    desired = st.rljob_status(
+        job, groups, trainer, channel, now=now, invalid=invalid,
+        trainer_pods=view.pods_of(namespace)("trainer", name),
+        costs=rebalance_timer.fleet_costs(memory.result) if memory.result else None,
+        trainer_report=trainer_job_status(job, groups, memory.report, now).status,
+    )  # fmt: skip
     await _write_status(job, desired, "RLJob")
 
 
@@ -407,7 +453,17 @@ async def _refresh_samplergroup_status(
     deployment = view.one(view.sampler_deployments, (namespace, name))
     channel_name = sg.get("spec", {}).get("weightChannel")
     wc = view.one(view.weightchannels, (namespace, channel_name)) if channel_name else None
-    desired = st.samplergroup_status(sg, deployment, get_catalog(), (wc or {}).get("status"))
+    job_name = sg.get("spec", {}).get("jobName")
+    job = view.one(view.rljobs, (namespace, job_name)) if job_name else None
+    memory = rebalance_timer.observed(job) if job else rebalance_timer.JobMemory()
+    group = memory.result.groups.get(sg.get("spec", {}).get("name")) if memory.result else None
+    collapse = trainer_job_status(job, [], memory.report, st.now_iso()).quarantine if job else frozenset()
+    desired = st.samplergroup_status(
+        sg, deployment, get_catalog(), (wc or {}).get("status"),
+        pods=view.pods_of(namespace)("sampler", name),
+        rebalance=group.status_patch() if group is not None else None,
+        quarantine=st.quarantine_reason(sg, collapse),
+    )  # fmt: skip
     await _write_status(sg, desired, "SamplerGroup")
 
 
@@ -485,6 +541,21 @@ async def trainer_event(body: kopf.Body, namespace: str, type: str | None, **kwa
         await _quietly(refresh_job_status(namespace, job, view))
 
 
+@kopf.on.event("", "v1", "pods", labels=POD_LABELS)
+async def pod_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+    """A pod of the operator's moved (scheduled, ready, waiting on an image, crash-looping, gone): its
+    owner's pipeline re-runs (the pod index has the new view; no write when the status is the same)."""
+    owner = _pod_owner(body.get("metadata", {}).get("labels") or {})
+    if owner is None:
+        return
+    view = View.of(kwargs)
+    component, name = owner
+    if component == "sampler":
+        await _quietly(refresh_samplergroup_status(namespace, name, view))
+    elif component == "trainer":
+        await _quietly(refresh_job_status(namespace, name, view))
+
+
 # --- WeightChannel status from the store ---------------------------------------------------------------------
 
 
@@ -515,15 +586,32 @@ async def weightchannel_created(name: str, namespace: str, body: kopf.Body, **kw
     await _quietly(refresh_weightchannel_status(namespace, name, View.of(kwargs), plain(body)))
 
 
-@kopf.timer(
-    GROUP, VERSION, "weightchannels", interval=CHANNEL_STATUS_INTERVAL, initial_delay=CHANNEL_STATUS_INTERVAL
-)
+_channel_read: dict[tuple[int, str, str], float] = {}
+
+
+@kopf.timer(GROUP, VERSION, "weightchannels", interval=TIMER_INTERVAL, initial_delay=TIMER_INTERVAL)
 async def weightchannel_timer(name: str, namespace: str, body: kopf.Body, **kwargs: Any) -> None:
+    """The tick of the job's pipelines: read the store (every CHANNEL_STATUS_INTERVAL), run the rebalance
+    tick (observe: scrapes, shares, router push), then the same status pipelines the events run."""
     view = View.of(kwargs)
-    await _quietly(refresh_weightchannel_status(namespace, name, view))
-    job = body.get("spec", {}).get("jobName")
-    if job:  # safety net of the job's roll-up (the job itself carries no timer, hence no finalizer)
-        await _quietly(refresh_job_status(namespace, job, view))
+    key = (id(asyncio.get_running_loop()), namespace, name)
+    if time.monotonic() - _channel_read.get(key, -math.inf) >= CHANNEL_STATUS_INTERVAL - TIMER_INTERVAL / 2:
+        _channel_read[key] = time.monotonic()
+        await _quietly(refresh_weightchannel_status(namespace, name, view))
+    job_name = body.get("spec", {}).get("jobName")
+    job = view.one(view.rljobs, (namespace, job_name)) if job_name else None
+    if not _alive(job):
+        return
+    groups = [g for g in view.all(view.samplergroups_by_job, (namespace, job_name)) if _owned_by(g, job)]
+    try:
+        ran = await rebalance_timer.rebalance_job(copy.deepcopy(job), namespace, groups, view.pods_of(namespace))
+    except kube.KubeError as exc:
+        log.warning("rebalance of %s/%s failed: %s", namespace, job_name, exc)
+        ran = None
+    if ran is not None:
+        for sg in groups:
+            await _quietly(refresh_samplergroup_status(namespace, sg["metadata"]["name"], view))
+    await _quietly(refresh_job_status(namespace, job_name, view))  # also the safety net of the roll-up
 
 
 async def refresh_weightchannel_status(
@@ -548,11 +636,3 @@ async def weightchannel_event(body: kopf.Body, namespace: str, **kwargs: Any) ->
     for sg in view.all(view.samplergroups_by_job, (namespace, job)):
         await _quietly(refresh_samplergroup_status(namespace, sg["metadata"]["name"], view))
     await _quietly(refresh_job_status(namespace, job, view))
-
-
-# --- the rebalancer's timer (router engineer) registers itself on import -----------------------------------
-try:
-    import rlfleet.operator.rebalance_timer  # noqa: F401
-except ModuleNotFoundError as _exc:
-    if _exc.name != "rlfleet.operator.rebalance_timer":
-        raise

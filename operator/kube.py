@@ -1,40 +1,36 @@
-"""A small async Kubernetes REST client for the operator: server-side apply, get, list, delete.
+"""The operator's Kubernetes client: kubernetes_asyncio's dynamic client, with server-side apply.
 
-kopf watches and runs handlers; children are written with this client because kopf has no public
-server-side-apply API. It reuses kopf's credentials (`kopf.ConnectionInfo`: kubeconfig or in-cluster
-service account) and one aiohttp session per event loop. Only the kinds the operator touches are
-known (no discovery round trips).
+kopf watches and runs handlers; children and status are written with this client because kopf has no
+public server-side-apply API. The client is kubernetes_asyncio (maintained, async, `server_side_apply`
+of arbitrary dicts with a field manager and force, status subresources); the operator's callers use a
+small interface (`apply`, `patch_status`, `get`, `list`, `create`, `delete`) on plain dicts.
+
+Credentials: kopf's (`kopf.ConnectionInfo` from the login handler: kubeconfig or in-cluster service
+account) are the single source: the client's HTTP session is built from `info.as_ssl_context()` and
+`info.as_http_headers()`, never from a second kubeconfig parse. One client per event loop; kinds are
+resolved by the API server's discovery (cached by the library, per client).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-from pathlib import Path
+import tempfile
+from collections.abc import Awaitable, Mapping
 from typing import Any
-from urllib.parse import quote, urlencode
 
 import aiohttp
 import kopf
-import yaml
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client.rest import ApiException
+from kubernetes_asyncio.dynamic import DynamicClient
+from kubernetes_asyncio.dynamic.exceptions import ResourceNotFoundError
 
-from rlfleet.api.common import API_VERSION
-from rlfleet.operator.naming import FIELD_MANAGER
+from rlfleet.operator.naming import FIELD_MANAGER, STATUS_FIELD_MANAGER
 
-# (apiVersion, kind) -> plural. Everything the operator reads or writes.
-RESOURCES: dict[tuple[str, str], str] = {
-    ("v1", "ConfigMap"): "configmaps",
-    ("v1", "Service"): "services",
-    ("v1", "Secret"): "secrets",
-    ("v1", "Pod"): "pods",
-    ("v1", "Event"): "events",
-    ("apps/v1", "Deployment"): "deployments",
-    ("apps/v1", "StatefulSet"): "statefulsets",
-    (API_VERSION, "RLJob"): "rljobs",
-    (API_VERSION, "SamplerGroup"): "samplergroups",
-    (API_VERSION, "WeightChannel"): "weightchannels",
-}
+REQUEST_TIMEOUT_SECONDS = 60
 
 
 class KubeError(Exception):
@@ -47,95 +43,103 @@ class KubeError(Exception):
         self.message = message
 
 
-def resource_path(api_version: str, kind: str, namespace: str | None, name: str | None = None,
-                  subresource: str | None = None) -> str:  # fmt: skip
-    """URL path of a namespaced collection / object / subresource."""
+async def _result(call: Awaitable[Any]) -> Any:
+    """The API's JSON of a dynamic-client call made with `serialize=False` (its raw aiohttp response), or
+    KubeError with the API's Status. The dynamic client streams responses (`_preload_content=False`), so
+    it does not raise on HTTP errors itself: the status is checked here."""
     try:
-        plural = RESOURCES[(api_version, kind)]
-    except KeyError:
-        raise ValueError(f"kind {api_version}/{kind} is not known to the operator's client") from None
-    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
-    path = f"{base}/namespaces/{quote(namespace or 'default')}/{plural}"
-    if name:
-        path += f"/{quote(name)}"
-        if subresource:
-            path += f"/{subresource}"
-    return path
+        response = await call
+    except ApiException as exc:  # raised by the library before the request (e.g. bad arguments)
+        raise KubeError(int(exc.status or 0), str(exc.reason or exc), "") from None
+    text = await response.text()
+    try:
+        data = json.loads(text) if text else None
+    except ValueError:
+        data = None
+    if response.status >= 400:
+        message = data.get("message", text) if isinstance(data, dict) else text
+        reason = data.get("reason", "") if isinstance(data, dict) else str(response.reason or "")
+        raise KubeError(response.status, message, reason)
+    return data
 
 
-def connection_from_kubeconfig(path: str | os.PathLike[str]) -> kopf.ConnectionInfo:
-    """kopf.ConnectionInfo from a kubeconfig file (current context; embedded data or file paths)."""
-    config = yaml.safe_load(Path(path).read_text()) or {}
-    current = config.get("current-context")
-    contexts = {c["name"]: c.get("context") or {} for c in config.get("contexts", [])}
-    if current not in contexts:
-        raise kopf.LoginError(f"kubeconfig {path}: current context {current!r} not found")
-    context = contexts[current]
-    cluster = {c["name"]: c.get("cluster") or {} for c in config.get("clusters", [])}[context["cluster"]]
-    user = {u["name"]: u.get("user") or {} for u in config.get("users", [])}[context["user"]]
-    return kopf.ConnectionInfo(
-        server=cluster["server"],
-        ca_path=cluster.get("certificate-authority"),
-        ca_data=cluster.get("certificate-authority-data"),
-        insecure=cluster.get("insecure-skip-tls-verify"),
-        certificate_path=user.get("client-certificate"),
-        certificate_data=user.get("client-certificate-data"),
-        private_key_path=user.get("client-key"),
-        private_key_data=user.get("client-key-data"),
-        token=user.get("token"),
-        scheme="Bearer" if user.get("token") else None,
-        default_namespace=context.get("namespace"),
-    )
+def status_apply_body(obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
+    """Body of a server-side apply of the status subresource: identity + the fields this writer owns."""
+    return {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"].get("namespace")},
+        "status": dict(status),
+    }
 
 
 class KubeApi:
-    """Async client bound to one event loop."""
+    """Async client bound to one event loop (kubernetes_asyncio ApiClient + DynamicClient)."""
 
     def __init__(self, info: kopf.ConnectionInfo) -> None:
-        self.server = info.server.rstrip("/")
-        headers = {"User-Agent": "rlfleet-operator", **info.as_http_headers()}
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=32, ssl=info.as_ssl_context()),
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=60),
-        )
+        config = Configuration(host=info.server.rstrip("/"))
+        self.client = ApiClient(config)
+        self.client.user_agent = "rlfleet-operator"
+        for key, value in info.as_http_headers().items():
+            self.client.set_default_header(key, value)
+        self._ssl = info.as_ssl_context()
+        self._dynamic: DynamicClient | None = None
+        self._started = asyncio.Lock()  # children are applied concurrently: discover once
+        # discovery cached per client, never a file another process (or cluster) wrote
+        self._cache = os.path.join(tempfile.gettempdir(), f"rlfleet-discovery-{os.getpid()}-{id(self)}.json")
+
+    async def _dyn(self) -> DynamicClient:
+        async with self._started:
+            if self._dynamic is None:
+                # kopf's TLS context (CA, client certificate) instead of the library's own from a Configuration
+                rest = self.client.rest_client
+                await rest.pool_manager.close()
+                rest.pool_manager = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=32, ssl=self._ssl), trust_env=True, read_bufsize=2**21
+                )
+                self._dynamic = await DynamicClient(self.client, cache_file=self._cache)
+        return self._dynamic
+
+    async def _resource(self, api_version: str, kind: str, subresource: str | None = None) -> Any:
+        dyn = await self._dyn()
+        try:
+            resource = await dyn.resources.get(api_version=api_version, kind=kind)
+        except ResourceNotFoundError:
+            raise KubeError(404, f"kind {api_version}/{kind} is not served by the API server", "NotFound") from None
+        return resource.subresources[subresource] if subresource else resource
 
     async def close(self) -> None:
-        await self.session.close()
+        await self.client.close()
+        with contextlib.suppress(OSError):
+            os.remove(self._cache)
 
-    async def _request(self, method: str, path: str, *, query: dict[str, Any] | None = None,
-                       body: Any = None, content_type: str = "application/json") -> Any:  # fmt: skip
-        url = self.server + path + (f"?{urlencode(query)}" if query else "")
-        data = json.dumps(body) if body is not None else None
-        headers = {"Content-Type": content_type} if data is not None else {}
-        async with self.session.request(method, url, data=data, headers=headers) as response:
-            text = await response.text()
-            if response.status >= 400:
-                try:
-                    status = json.loads(text)
-                    message, reason = status.get("message", text), status.get("reason", "")
-                except ValueError:
-                    message, reason = text, ""
-                raise KubeError(response.status, message, reason)
-            return json.loads(text) if text else None
-
-    async def apply(self, body: dict[str, Any], *, field_manager: str = FIELD_MANAGER, subresource: str | None = None,
-                    force: bool = True) -> dict[str, Any]:  # fmt: skip
+    async def apply(self, body: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER,
+                    subresource: str | None = None, force: bool = True) -> dict[str, Any]:  # fmt: skip
         """Server-side apply of `body` (as `field_manager`, taking over conflicting fields when forced)."""
         meta = body["metadata"]
-        path = resource_path(
-            body["apiVersion"], body["kind"], meta.get("namespace"), meta["name"], subresource
-        )
-        query = {"fieldManager": field_manager, "fieldValidation": "Strict"}
-        if force:
-            query["force"] = "true"
-        return await self._request(
-            "PATCH", path, query=query, body=body, content_type="application/apply-patch+yaml"
-        )
+        resource = await self._resource(body["apiVersion"], body["kind"], subresource)
+        return await _result((await self._dyn()).server_side_apply(
+            resource, body=dict(body), name=meta["name"], namespace=meta.get("namespace"),
+            field_manager=field_manager, force_conflicts=force, query_params=[("fieldValidation", "Strict")],
+            serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS,
+        ))  # fmt: skip
+
+    async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any],
+                           field_manager: str = STATUS_FIELD_MANAGER) -> dict[str, Any] | None:  # fmt: skip
+        """Server-side apply of `status` on the object's status subresource; None if the object is gone."""
+        try:
+            return await self.apply(status_apply_body(obj, status), field_manager=field_manager, subresource="status")
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        resource = await self._resource(api_version, kind)
         try:
-            return await self._request("GET", resource_path(api_version, kind, namespace, name))
+            return await _result((await self._dyn()).get(
+                resource, name=name, namespace=namespace, serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            ))  # fmt: skip
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -143,17 +147,22 @@ class KubeApi:
 
     async def list(
         self, api_version: str, kind: str, namespace: str, label_selector: str | None = None
-    ) -> list[dict]:
-        query = {"labelSelector": label_selector} if label_selector else None
-        result = await self._request("GET", resource_path(api_version, kind, namespace), query=query)
-        return list(result.get("items", []))
+    ) -> list[dict[str, Any]]:
+        resource = await self._resource(api_version, kind)
+        result = await _result((await self._dyn()).get(
+            resource, namespace=namespace, label_selector=label_selector, serialize=False,
+            _request_timeout=REQUEST_TIMEOUT_SECONDS,
+        ))  # fmt: skip
+        return list((result or {}).get("items", []))
 
-    async def create(self, body: dict[str, Any]) -> dict[str, Any] | None:
+    async def create(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create; None if it already exists (for objects created once, e.g. a generated Secret)."""
-        meta = body["metadata"]
+        resource = await self._resource(body["apiVersion"], body["kind"])
         try:
-            return await self._request("POST", resource_path(body["apiVersion"], body["kind"], meta.get("namespace")),
-                                       body=body)  # fmt: skip
+            return await _result((await self._dyn()).create(
+                resource, body=dict(body), namespace=body["metadata"].get("namespace"), serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            ))  # fmt: skip
         except KubeError as exc:
             if exc.status == 409:
                 return None
@@ -162,12 +171,12 @@ class KubeApi:
     async def delete(self, api_version: str, kind: str, namespace: str, name: str,
                      propagation: str = "Background") -> bool:  # fmt: skip
         """Delete; False if it was already gone."""
+        resource = await self._resource(api_version, kind)
         try:
-            await self._request(
-                "DELETE",
-                resource_path(api_version, kind, namespace, name),
-                body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation},
-            )
+            await _result((await self._dyn()).delete(
+                resource, name=name, namespace=namespace, propagation_policy=propagation, serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            ))  # fmt: skip
             return True
         except KubeError as exc:
             if exc.status == 404:

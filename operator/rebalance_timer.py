@@ -1,37 +1,30 @@
-"""The rebalancer's kopf timer (thin): every RLJob's `spec.router.rebalanceIntervalSeconds`.
+"""The rebalance tick's OBSERVE step (no status writes): scrapes, the share policy, the router push.
 
-Per interval: read each SamplerGroup's live throughput (its ready pods' SGLang /metrics, or
-`spec.router.prometheusUrl`), the trainer's per-group KL / out-of-range metrics (rank 0's exporter),
-call the pure `rebalance.py`, push replicas (pod URLs) and shares to every router pod's admin API,
-and write the rebalancer-owned SamplerGroup status fields and the RLJob's blended cost per 1M tokens
-(server-side apply as field manager `rlfleet-rebalancer`, only when something changed), with a
-Kubernetes Event per share change. Importing this module registers the timer (handlers.py does).
+Called by the job's reconcile pipeline tick (handlers.py: the WeightChannel timer, every
+RLFLEET_REBALANCE_TICK seconds; it acts when the job's `spec.router.rebalanceIntervalSeconds` has
+elapsed). Per interval: read each SamplerGroup's live throughput (its ready pods' SGLang /metrics, or
+`spec.router.prometheusUrl`), the trainer's per-group KL / out-of-range metrics and its report (rank 0's
+exporter: step, weight version, metrics, the collapse detector's state), call the pure `rebalance.py`,
+push replicas (pod URLs), quarantine and shares to every router pod's admin API, and post a Kubernetes
+Event per share change. SamplerGroups and pods come from the operator's kopf indexes (no listing per
+tick). The result and the trainer's report stay in memory (`observed(...)`): the pipeline computes the
+WHOLE status of the groups and the job from them (status.py) and applies it once, under the operator's
+one status field manager. State (counters, EMA, history) is seeded from the SamplerGroups' status when
+a job is first seen (new, or after an operator restart), and the first step comes one interval later.
 
-kopf timers have a fixed interval, so the timer ticks every RLFLEET_REBALANCE_TICK seconds (5) and
-acts when the job's own interval has elapsed. State (counters, EMA, history) lives in memory per job
-and is re-seeded from the SamplerGroups' status after an operator restart.
-
-Quarantine: `spec.quarantined` of the group (the RLJob's samplerGroups[].quarantined), or the
-annotation `rlfleet.dev/quarantined: "true"` on the SamplerGroup (for the collapse detector / an
-on-call human: `kubectl annotate sg/<job>-<group> rlfleet.dev/quarantined=true`), or, with
-`spec.safety.action: quarantine-group`, a group the trainer's collapse detector quarantined.
-
-The trainer has no API rights: from the same scrape of its exporter this timer also writes the RLJob's
-step, weightVersion, metrics and CollapseRisk condition (`trainer_report.py`, pure), in the same apply as
-the costs, with an Event when CollapseRisk turns on or off.
+Quarantine has one path: `status.quarantine_reason` (spec, annotation, or the collapse detector with
+`spec.safety.action: quarantine-group`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import copy
 import json
 import logging
-import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -41,11 +34,11 @@ import kopf
 from pydantic import ValidationError
 
 from rlfleet.api import RLJob
-from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.catalog import CatalogError, get_catalog
 from rlfleet.operator import kube
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
+from rlfleet.operator.pods import pod_ready
 from rlfleet.operator.rebalance import (
     GroupInput,
     GroupMemory,
@@ -57,39 +50,41 @@ from rlfleet.operator.rebalance import (
     parse_trainer_group_metrics,
     rebalance,
 )
-from rlfleet.operator.trainer_report import (
-    TrainerReport,
-    TrainerStatusResult,
-    parse_trainer_report,
-    trainer_job_status,
-)
+from rlfleet.operator.trainer_report import TrainerReport, parse_trainer_report, trainer_job_status
 
 log = logging.getLogger("rlfleet.operator.rebalance")
 
 TICK_SECONDS = float(os.environ.get("RLFLEET_REBALANCE_TICK", "5"))
-FIELD_MANAGER = "rlfleet-rebalancer"
-ANN_QUARANTINED = f"{GROUP}/quarantined"
 HTTP_TIMEOUT = aiohttp.ClientTimeout(total=5, connect=2)
 
 
 @dataclass
 class JobMemory:
+    """What the last rebalance tick of a job observed and decided (the pipeline's input)."""
+
     last_run: float | None = None
     state: RebalanceState | None = None
     token: str | None = None
+    result: RebalanceResult | None = None  # None: not rebalanced since the operator started
+    report: TrainerReport | None = None  # the trainer's last readable report
 
 
 _JOBS: dict[tuple[str, str, str], JobMemory] = {}
 
 
+def observed(job: Mapping[str, Any]) -> JobMemory:
+    """The rebalance tick's memory of this RLJob (empty until its first tick)."""
+    meta = job.get("metadata") or {}
+    return _JOBS.get((meta.get("namespace", ""), meta.get("name", ""), str(meta.get("uid", ""))), JobMemory())
+
+
+def fleet_costs(result: RebalanceResult) -> dict[str, float]:
+    """The RLJob's blended and baseline cost per 1M tokens of a rebalance result (None dropped)."""
+    costs = {"costPer1MTokens": result.fleet_cost_per_1m_tokens, "baselineCostPer1MTokens": result.baseline_cost_per_1m_tokens}
+    return {k: round(v, 4) for k, v in costs.items() if v is not None}
+
+
 # --- pure helpers ------------------------------------------------------------------------------------
-
-
-def pod_ready(pod: Mapping[str, Any]) -> bool:
-    status = pod.get("status") or {}
-    if status.get("phase") != "Running" or not status.get("podIP") or pod["metadata"].get("deletionTimestamp"):
-        return False
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
 def seed_state(samplergroups: list[Mapping[str, Any]]) -> RebalanceState:
@@ -108,18 +103,6 @@ def seed_state(samplergroups: list[Mapping[str, Any]]) -> RebalanceState:
             history=history,
         )
     return state
-
-
-def status_changed(observed: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:
-    observed = observed or {}
-    for key, value in desired.items():
-        have = observed.get(key)
-        if isinstance(value, float) and isinstance(have, int | float):
-            if not math.isclose(value, float(have), rel_tol=1e-9, abs_tol=1e-12):
-                return True
-        elif have != value:
-            return True
-    return False
 
 
 def prometheus_query(namespace: str, samplergroup: str, window_seconds: int) -> str:
@@ -164,7 +147,6 @@ def group_input(
     except (CatalogError, KeyError):
         price, default_tp = 0.0, 1
     tp = spec.get("tensorParallel") or default_tp
-    annotations = (sg.get("metadata") or {}).get("annotations") or {}
     name = spec.get("name", "")
     return GroupInput(
         name=name,
@@ -177,16 +159,15 @@ def group_input(
         oor_fraction=trainer.get("oor_fraction"),
         token_share=trainer.get("token_share"),
         oor_share=trainer.get("oor_share"),
-        quarantined=bool(spec.get("quarantined")) or annotations.get(ANN_QUARANTINED) == "true"
-        or name in collapse_quarantine,
+        quarantined=st.quarantine_reason(dict(sg), collapse_quarantine) is not None,
         static_share=job.spec.router.static_shares.get(name),
         tokens_per_second=tokens_per_second,
     )
 
 
 def trainer_metrics_url(pod: Mapping[str, Any]) -> str:
-    """The exporter of trainer rank 0 (`rlfleet_trainer_*`)."""
-    return f"http://{pod['status']['podIP']}:{n.TRAINER_METRICS_PORT}/metrics"
+    """The exporter of trainer rank 0 (`rlfleet_trainer_*`); `pod` is a `pods.pod_view`."""
+    return f"http://{pod['podIP']}:{n.TRAINER_METRICS_PORT}/metrics"
 
 
 # --- I/O -----------------------------------------------------------------------------------------------
@@ -202,11 +183,11 @@ async def _get_text(http: aiohttp.ClientSession, url: str) -> str | None:
 
 async def scrape_pods(http: aiohttp.ClientSession, pods: list[Mapping[str, Any]], port: int) -> dict[str, PodSample]:
     async def one(pod: Mapping[str, Any]) -> tuple[str, PodSample | None]:
-        text = await _get_text(http, f"http://{pod['status']['podIP']}:{port}/metrics")
+        text = await _get_text(http, f"http://{pod['podIP']}:{port}/metrics")
         try:
-            return pod["metadata"]["name"], parse_sglang_metrics(text) if text else None
+            return pod["name"], parse_sglang_metrics(text) if text else None
         except ValueError:
-            return pod["metadata"]["name"], None
+            return pod["name"], None
 
     results = await asyncio.gather(*(one(p) for p in pods))
     return {name: sample for name, sample in results if sample is not None}
@@ -262,8 +243,14 @@ async def push_to_router(
         return False
 
 
-async def rebalance_job(body: Mapping[str, Any], namespace: str, now: float | None = None) -> RebalanceResult | None:
-    """One rebalance of one RLJob (if its interval has elapsed). Returns the result when it ran."""
+PodsOf = Callable[[str, str], list[dict[str, Any]]]  # (component, owner name) -> pod views of the namespace
+
+
+async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: list[Mapping[str, Any]],
+                        pods_of: PodsOf, now: float | None = None) -> RebalanceResult | None:  # fmt: skip
+    """One rebalance of one RLJob (if its interval has elapsed): scrape, decide, push to the routers, post
+    share-change Events, and keep the result and the trainer's report in memory for the status pipeline.
+    `samplergroups` and `pods_of` come from the operator's indexes. Returns the result when it ran."""
     try:
         job = RLJob.from_manifest(dict(body))
     except (ValidationError, ValueError):
@@ -273,127 +260,60 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, now: float | No
     now = time.time() if now is None else now
     key = (namespace, job.name, str(body.get("metadata", {}).get("uid", "")))
     memory = _JOBS.setdefault(key, JobMemory())
-    if memory.last_run is not None and now - memory.last_run < job.spec.router.rebalance_interval_seconds - TICK_SECONDS / 2:
-        return None
-    memory.last_run = now
-    api = kube.api()
-    samplergroups = [
-        sg for sg in await api.list(API_VERSION, "SamplerGroup", namespace, f"{n.LABEL_JOB}={job.name}")
-        if not sg["metadata"].get("deletionTimestamp")
-    ]  # fmt: skip
+    samplergroups = [sg for sg in samplergroups if not sg["metadata"].get("deletionTimestamp")]
     if not samplergroups:
         return None
     if memory.state is None:
-        memory.state = seed_state(samplergroups)
+        # first sight of the job (new, or the operator restarted): continue from its status, and take the
+        # first step one full interval later, so that a restart never moves shares early
+        memory.state, memory.last_run = seed_state(samplergroups), now
+        return None
+    if memory.last_run is not None and now - memory.last_run < job.spec.router.rebalance_interval_seconds - TICK_SECONDS / 2:
+        return None
+    memory.last_run = now
     prometheus = job.spec.router.prometheus_url
     window = max(2 * job.spec.router.rebalance_interval_seconds, 60)
     async with aiohttp.ClientSession() as http:
         trainer_metrics: dict[str, dict[str, float]] = {}
-        report: TrainerReport | None = None
-        trainer_pod = await api.get("v1", "Pod", namespace, f"{n.trainer_name(job.name)}-0")
+        memory.report = None  # unreadable this tick: the pipeline keeps the observed step and metrics
+        trainer_pod = next((p for p in pods_of("trainer", job.name) if p["name"] == f"{n.trainer_name(job.name)}-0"), None)
         if trainer_pod is not None and pod_ready(trainer_pod):
             text = await _get_text(http, trainer_metrics_url(trainer_pod))
             if text:
                 try:
-                    trainer_metrics, report = parse_trainer_group_metrics(text), parse_trainer_report(text)
+                    trainer_metrics, memory.report = parse_trainer_group_metrics(text), parse_trainer_report(text)
                 except ValueError:
-                    trainer_metrics, report = {}, None
-        trainer = trainer_job_status(body, samplergroups, report, st.now_iso())
+                    trainer_metrics = {}
+        collapse = trainer_job_status(body, samplergroups, memory.report, st.now_iso()).quarantine
         inputs: list[GroupInput] = []
         replicas: dict[str, list[str]] = {}
         for sg in samplergroups:
             spec = sg.get("spec") or {}
             sg_name = sg["metadata"]["name"]
             port = int(spec.get("port", 30000))
-            pods = [
-                p for p in await api.list("v1", "Pod", namespace, f"{n.LABEL_SAMPLERGROUP}={sg_name}") if pod_ready(p)
-            ]  # fmt: skip
-            replicas[spec.get("name", sg_name)] = sorted(f"http://{p['status']['podIP']}:{port}" for p in pods)
+            pods = [p for p in pods_of("sampler", sg_name) if pod_ready(p)]
+            replicas[spec.get("name", sg_name)] = sorted(f"http://{p['podIP']}:{port}" for p in pods)
             if prometheus:
                 samples: dict[str, PodSample] = {}
                 tps = await prometheus_tokens_per_second(http, prometheus, prometheus_query(namespace, sg_name, window))
             else:
                 samples, tps = await scrape_pods(http, pods, port), None
-            inputs.append(group_input(job, sg, samples, trainer_metrics.get(spec.get("name", ""), {}), tps,
-                                      trainer.quarantine))  # fmt: skip
+            inputs.append(group_input(job, sg, samples, trainer_metrics.get(spec.get("name", ""), {}), tps, collapse))
         result = rebalance(inputs, memory.state, now, job_config(job))
         memory.state = result.state
 
-        memory.token = memory.token or await admin_token(api, job, namespace)
+        memory.token = memory.token or await admin_token(kube.api(), job, namespace)
         if memory.token:
-            routers = [
-                p for p in await api.list("v1", "Pod", namespace, f"{n.LABEL_JOB}={job.name},{n.LABEL_COMPONENT}=router")
-                if pod_ready(p)
-            ]  # fmt: skip
             quarantined = {g.name: g.quarantined for g in inputs}
-            for pod in routers:
-                url = f"http://{pod['status']['podIP']}:{n.ROUTER_PORT}"
+            for pod in (p for p in pods_of("router", job.name) if pod_ready(p)):
+                url = f"http://{pod['podIP']}:{n.ROUTER_PORT}"
                 await push_to_router(http, url, memory.token, result, replicas, quarantined)
-
-    await write_status(api, body, samplergroups, result, trainer)
-    return result
-
-
-async def write_status(
-    api: kube.KubeApi, job_body: Mapping[str, Any], samplergroups: list[Mapping[str, Any]], result: RebalanceResult,
-    trainer: TrainerStatusResult | None = None,
-) -> None:
+    memory.result = result
     for sg in samplergroups:
         name = (sg.get("spec") or {}).get("name")
         group = result.groups.get(name)
-        if group is None:
-            continue
-        desired = group.status_patch()
-        if status_changed(sg.get("status"), desired):
-            await _apply_status(api, sg, desired)
         for line in result.changes:
-            if line.startswith(f"{name}: "):
+            if group is not None and line.startswith(f"{name}: "):
                 kopf.event(dict(sg), type="Warning" if group.quarantined else "Normal",
                            reason="Quarantined" if group.quarantined else "ShareChanged", message=line[:1000])  # fmt: skip
-    costs = {
-        "costPer1MTokens": None if result.fleet_cost_per_1m_tokens is None else round(result.fleet_cost_per_1m_tokens, 4),
-        "baselineCostPer1MTokens": None
-        if result.baseline_cost_per_1m_tokens is None
-        else round(result.baseline_cost_per_1m_tokens, 4),
-    }
-    costs = {k: v for k, v in costs.items() if v is not None}
-    # ONE apply for every RLJob field this manager owns (a field left out of an apply is removed)
-    desired = {**costs, **(trainer.status if trainer else {})}
-    if desired and st.status_changed(job_body.get("status"), desired):  # compares only our condition type
-        await _apply_status(api, job_body, desired)
-    if trainer is not None and trainer.risk_changed:
-        condition = trainer.status["conditions"][0]
-        kopf.event(dict(job_body), type="Warning" if trainer.risk else "Normal",
-                   reason=condition["reason"] if trainer.risk else "CollapseRiskCleared",
-                   message=condition["message"][:1000])  # fmt: skip
-
-
-async def _apply_status(api: kube.KubeApi, obj: Mapping[str, Any], status: dict[str, Any]) -> None:
-    body = {
-        "apiVersion": obj["apiVersion"],
-        "kind": obj["kind"],
-        "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"].get("namespace")},
-        "status": status,
-    }
-    try:
-        await api.apply(body, field_manager=FIELD_MANAGER, subresource="status")
-    except kube.KubeError as exc:
-        if exc.status != 404:
-            raise
-
-
-# On the job's WeightChannel, not on the RLJob: kopf puts a finalizer on every object with a timer, and
-# deleting an RLJob must not hang while the operator is gone (docs/operations.md). The job comes from
-# the operator's RLJob index (handlers.py).
-@kopf.timer(GROUP, VERSION, "weightchannels", interval=TICK_SECONDS, initial_delay=TICK_SECONDS)
-async def rebalance_timer(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
-    job_name = body.get("spec", {}).get("jobName")
-    jobs = kwargs["rljobs_idx"].get((namespace, job_name)) if job_name else None
-    job = next(iter(jobs), None) if jobs else None
-    if job is None or job["metadata"].get("deletionTimestamp"):
-        return
-    try:
-        await rebalance_job(copy.deepcopy(dict(job)), namespace)
-    except kube.KubeError as exc:
-        log.warning("rebalance of %s/%s failed: %s", namespace, body.get("metadata", {}).get("name"), exc)
-
+    return result

@@ -1,12 +1,17 @@
-"""PURE status computation: observed objects -> the status fields the operator owns.
+"""PURE status computation: everything the operator observed -> the WHOLE status of an object.
+
+One writer per resource (docs/architecture.md, "Operator"): the reconcile pipeline observes (kopf
+indexes of the objects and of the operator's pods, plus the rebalance tick's scrapes held in memory),
+calls these functions, and applies the result once under one field manager (`STATUS_FIELD_MANAGER`).
+So every status field, the rebalancer's shares and the trainer's step included, comes out of here; a
+field the pipeline has not observed yet (after a restart, before the first rebalance) is carried over
+from the observed status, never dropped.
 
 Conventions (KubeRay / LWS): a phase plus Ready / Progressing / Degraded conditions, each with
 observedGeneration, a CamelCase reason and a message; lastTransitionTime changes only when a
-condition's status changes; handlers write status only when `status_changed` says so.
-Fields written by other components (rebalancer: tokensPerSecond, share, ...; CollapseRisk on groups;
-the RLJob's step, metrics and CollapseRisk from the trainer's exporter, see trainer_report.py)
-are never produced here, so server-side apply with the operator's own field manager leaves them alone.
-The one derived field: a SamplerGroup's sharePercent (printer column) follows the rebalancer's share.
+condition's status changes; the pipeline writes status only when `status_changed` says so. Degraded
+says WHY and names the object: the scheduler's message for an unschedulable pod or a missing PVC, the
+kubelet's reason for a missing Secret, an image that does not pull or a crash loop (`pods.py`).
 """
 
 from __future__ import annotations
@@ -17,11 +22,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlfleet.api import SamplerGroupSpec
+from rlfleet.api.common import GROUP
 from rlfleet.catalog import Catalog, CatalogError, group_precision
 from rlfleet.operator import naming as n
+from rlfleet.operator.pods import PodProblem, workload_problem
 
 Manifest = dict[str, Any]
 OPERATOR_CONDITIONS = ("Ready", "Progressing", "Degraded")
+ANN_QUARANTINED = f"{GROUP}/quarantined"
+# SamplerGroup status fields that come from the rebalance tick (operator/rebalance.py GroupResult)
+REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPer1MTokens", "kl", "oorFraction", "tokenShare", "oorShare",
+                    "shareHistory")  # fmt: skip
+# RLJob status fields that come from the rebalance tick (fleet cost) and the trainer's exporter
+JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens")
 
 
 def now_iso(now: datetime | None = None) -> str:
@@ -68,14 +81,35 @@ def _deployment_condition(deployment: Manifest | None, type_: str) -> dict[str, 
     return None
 
 
+def quarantine_reason(sg: Manifest, collapse_quarantine: frozenset[str] = frozenset()) -> str | None:
+    """THE quarantine decision of a group (share 0, no new sessions), or None. One path for every source:
+    the group's spec (`spec.quarantined`, which the RLJob's samplerGroups[].quarantined sets), the
+    annotation `rlfleet.dev/quarantined: "true"` (on-call: `kubectl annotate sg/...`), or the trainer's
+    collapse detector with `safety.action: quarantine-group` (`collapse_quarantine`: group spec names)."""
+    if _get(sg, "spec", "quarantined"):
+        return "spec.quarantined"
+    if (_get(sg, "metadata", "annotations", default={}) or {}).get(ANN_QUARANTINED) == "true":
+        return f"annotation {ANN_QUARANTINED}"
+    if _get(sg, "spec", "name") in collapse_quarantine:
+        return "the trainer's collapse detector"
+    return None
+
+
 def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Catalog,
-                        channel_status: Manifest | None = None, now: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """Operator-owned status of a SamplerGroup from the SG, its Deployment and its WeightChannel status."""
+                        channel_status: Manifest | None = None, now: str | None = None,
+                        pods: list[Manifest] | tuple[Manifest, ...] = (), rebalance: Manifest | None = None,
+                        quarantine: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The whole status of a SamplerGroup from the SG, its Deployment, its pods (`pods.pod_view`s), its
+    WeightChannel status, the rebalance tick's fields for it (`GroupResult.status_patch()`; None: not
+    rebalanced since the operator started: the observed values are kept) and `quarantine_reason`."""
     now = now or now_iso()
     name = _get(sg, "metadata", "name", default="")
     generation = _get(sg, "metadata", "generation")
     spec = sg.get("spec", {})
     old = sg.get("status") or {}
+    balanced = {k: old[k] for k in REBALANCE_FIELDS if old.get(k) is not None} if rebalance is None else {
+        k: rebalance[k] for k in REBALANCE_FIELDS if rebalance.get(k) is not None
+    }  # fmt: skip
     suspended = bool(spec.get("suspend"))
     desired = 0 if suspended else int(spec.get("replicas", 1))
     ready = int(_get(deployment, "status", "readyReplicas", default=0) or 0)
@@ -90,6 +124,8 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         "readyReplicas": ready,
         "ready": f"{ready}/{desired}",
         "selector": n.selector_string(n.sampler_selector(name)),
+        **balanced,
+        "quarantined": quarantine is not None,
     }
     # What runs where, and whether the precision is degraded on this class.
     try:
@@ -150,22 +186,24 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         message = f"{ready}/{desired} replicas ready: {message}"[:1000]
     elif ready >= desired:
         phase, reason, message = "Running", "AllReplicasReady", f"{ready}/{desired} replicas ready"
+    elif (problem := workload_problem(pods)) is not None:
+        phase, reason = "Degraded", problem.reason
+        message = f"{ready}/{desired} replicas ready: Deployment {name}: {problem.message}"
     else:
         phase, reason, message = "Pending", "ReplicasNotReady", f"{ready}/{desired} replicas ready"
         waiting = weights_wait_reason(spec, channel_status)
         if waiting is not None:
             reason, message = "WaitingForWeights", f"{message}: {waiting}"
-    # quarantined by the spec, or by the rebalancer / collapse detector (its status field)
-    if (spec.get("quarantined") or old.get("quarantined")) and phase == "Running":
-        phase, message = "Quarantined", f"{message}; quarantined (no new sessions)"
+    if quarantine is not None and phase == "Running":
+        phase, message = "Quarantined", f"{message}; quarantined by {quarantine} (no new sessions)"
     if status.get("degradedPrecision"):
         message += f"; {spec.get('weightFormat')} runs degraded on {spec.get('accelerator')}: {status['precisionNote']}"
     status["phase"] = phase
     status["reason"] = reason
     status["message"] = message[:4096]
-    # the rebalancer writes share (0..1); the printer column shows it as a percentage
-    if old.get("share") is not None:
-        status["sharePercent"] = round(100.0 * float(old["share"]), 1)
+    # share is 0..1; the printer column shows it as a percentage
+    if status.get("share") is not None:
+        status["sharePercent"] = round(100.0 * float(status["share"]), 1)
     is_ready = phase in ("Running", "Quarantined")
     status["conditions"] = merge_conditions(
         old.get("conditions"),
@@ -227,8 +265,13 @@ def _cond(obj: Manifest, type_: str) -> dict[str, Any] | None:
 
 
 def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None, channel: Manifest | None,
-                 now: str | None = None, invalid: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """Operator-owned status of an RLJob rolled up from its SamplerGroups, trainer StatefulSet and channel.
+                 now: str | None = None, invalid: str | None = None,
+                 trainer_pods: list[Manifest] | tuple[Manifest, ...] = (), costs: Manifest | None = None,
+                 trainer_report: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
+    """The whole status of an RLJob: rolled up from its SamplerGroups, trainer StatefulSet and its pods
+    (`pods.pod_view`s: why the trainer does not run), the channel, the rebalance tick's fleet `costs`
+    (None: not rebalanced since the operator started: the observed values are kept) and the trainer's
+    report (`trainer_report.trainer_job_status(...).status`: step, metrics, weightVersion, CollapseRisk).
     `groups` are the SamplerGroups the spec asks for (missing ones count as not ready)."""
     now = now or now_iso()
     generation = _get(job, "metadata", "generation")
@@ -251,19 +294,27 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         if not stale and phase in ("Running", "Quarantined"):
             ready_groups += 1
         if phase in ("Degraded", "Failed"):
-            degraded_groups.append(name)
+            why = _get(sg, "status", "message")
+            degraded_groups.append(f"{name} ({_get(sg, 'status', 'reason')}: {why})" if why else name)
     t_desired = 0 if suspended else int(_get(spec, "trainer", "replicas", default=1))
     t_ready = int(_get(trainer, "status", "readyReplicas", default=0) or 0)
     trainer_ready = trainer is not None and t_ready >= t_desired
+    trainer_problem: PodProblem | None = None if trainer_ready or suspended else workload_problem(trainer_pods)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "readyGroups": f"{ready_groups}/{len(wanted)}",
         "groups": summaries,
         "trainer": {"replicas": t_desired, "readyReplicas": t_ready, "ready": f"{t_ready}/{t_desired}"},
     }
+    observed_costs = {k: old[k] for k in JOB_COST_FIELDS if old.get(k) is not None}
+    status.update(observed_costs if costs is None else {k: costs[k] for k in JOB_COST_FIELDS if costs.get(k) is not None})
+    report = dict(trainer_report or {})
+    report_conditions = report.pop("conditions", [])
+    status.update(report)
     latest = _get(channel, "status", "latestVersion")
-    if latest is not None:
-        status["weightVersion"] = latest
+    if latest is not None or report.get("weightVersion") is not None:
+        # the channel's pointer or the trainer's report, whichever is newer (never lowered)
+        status["weightVersion"] = max(v for v in (latest, report.get("weightVersion")) if v is not None)
     if invalid:
         phase, reason, message = "Failed", "InvalidSpec", invalid
     elif suspended:
@@ -273,9 +324,14 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
             phase, reason, message = "Suspended", "Suspended", "suspended: samplers and trainer scaled to zero"
         else:
             phase, reason, message = "Pending", "Suspending", "suspending: scaling samplers and trainer to zero"
+    elif trainer_problem is not None:
+        phase, reason = "Degraded", trainer_problem.reason
+        message = f"trainer StatefulSet {n.trainer_name(_get(job, 'metadata', 'name', default=''))}: {trainer_problem.message}"
+        if degraded_groups:
+            message += f"; degraded groups: {'; '.join(degraded_groups)}"
     elif degraded_groups:
         phase, reason = "Degraded", "GroupsDegraded"
-        message = f"degraded groups: {', '.join(degraded_groups)}"
+        message = f"degraded groups: {'; '.join(degraded_groups)}"
     elif ready_groups == len(wanted) and trainer_ready:
         phase, reason, message = (
             "Running",
@@ -298,8 +354,10 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
             message,
             generation,
         ),  # fmt: skip
-    ]  # CollapseRisk (trainer signals + groups' CollapseRisk) is the rebalancer's: trainer_report.py
-    status["conditions"] = merge_conditions(old.get("conditions"), conditions, now)
+    ]
+    status["conditions"] = merge_conditions(old.get("conditions"), conditions, now) + [
+        dict(c) for c in report_conditions  # CollapseRisk: its transition time is kept by trainer_report.py
+    ]
     return status
 
 
@@ -311,10 +369,12 @@ def weightchannel_status(
     generation = _get(wc, "metadata", "generation")
     old = wc.get("status") or {}
     status: dict[str, Any] = {"observedGeneration": generation}
+    unreachable: str | None = None
     if channel is None:
         message = f"latest version unknown: {error or 'store not readable from the operator'}"[:4096]
         status.update(phase="Pending", message=message)
         ok, reason = False, "StoreUnreadable"
+        unreachable = f"store {store_description(wc)} unreachable from the operator: {error or 'not readable'}"
     else:
         latest = channel.latest_version
         status["artifacts"] = [
@@ -352,9 +412,23 @@ def weightchannel_status(
             status.update(phase="Ready", latestVersion=latest, message=f"version {latest} published")
             ok, reason = True, "Published"
     status["conditions"] = merge_conditions(
-        old.get("conditions"), [condition("Ready", ok, reason, status["message"], generation)], now
+        old.get("conditions"),
+        [
+            condition("Ready", ok, reason, status["message"], generation),
+            condition("Degraded", unreachable is not None, "StoreUnreachable" if unreachable else "AsExpected",
+                      (unreachable or "store readable")[:4096], generation),  # fmt: skip
+        ],
+        now,
     )
     return status
+
+
+def store_description(wc: Manifest) -> str:
+    """The channel's store in words (names the object a Degraded condition is about)."""
+    store = _get(wc, "spec", "store", default={}) or {}
+    if store.get("type") == "s3":
+        return f"s3://{store.get('bucket', '')}/{store.get('prefix', '')}".rstrip("/")
+    return f"{store.get('type', 'filesystem')} {store.get('path', '')}".strip()
 
 
 def _strip_times(value: Any) -> Any:
@@ -381,13 +455,3 @@ def status_changed(observed: Manifest | None, desired: dict[str, Any]) -> bool:
         elif _strip_times(have) != _strip_times(value):
             return True
     return False
-
-
-def status_apply_body(obj: Manifest, status: dict[str, Any]) -> Manifest:
-    """Body for a server-side apply of the status subresource."""
-    return {
-        "apiVersion": obj["apiVersion"],
-        "kind": obj["kind"],
-        "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"].get("namespace")},
-        "status": status,
-    }

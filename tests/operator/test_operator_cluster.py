@@ -309,13 +309,16 @@ def test_cockpit_columns_and_deletion_without_the_operator(
         assert [column(table, c) for c in ("PHASE", "GROUPS", "TRAINER", "REASON")] == [
             "Running", "2/2", "1/1", "AllReady",
         ]  # fmt: skip
-        # the rebalancer writes share (0..1) with its own field manager; the column shows percent
-        kube.kubectl("patch", "sg", "small-h200-fp8", "-n", namespace, "--subresource=status", "--type=merge",
-                     "-p", json.dumps({"status": {"share": 0.125}}))  # fmt: skip
+        # the rebalance tick's share (0..1) is in the group's one status; the column shows percent
+        def balanced() -> dict | None:
+            status = (get(kube, namespace, "sg", "small-h200-fp8") or {}).get("status", {})
+            return status if status.get("share") is not None else None
+
+        share = wait_for("a share from the rebalance tick", balanced, timeout=120)["share"]
 
         def sg_table() -> list[str] | None:
             table = kube.kubectl("get", "sg", "small-h200-fp8", "-n", namespace).stdout.splitlines()
-            return table if column(table, "SHARE%") == "12.5" else None
+            return table if column(table, "SHARE%") and float(column(table, "SHARE%")) == round(100 * share, 1) else None
 
         table = wait_for("share in percent", sg_table)
         assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "PHASE", "READY", "TOK/S", "SHARE%", "VERSION",
@@ -398,7 +401,15 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
             )
 
         wait_for("restarted operator resumed every object", resumed, timeout=120)
-        assert snapshot() == before, "a restart changed converged SamplerGroups (spec or status)"
+        after = snapshot()
+        changed = [
+            (name, part, key, was.get(key), now.get(key))
+            for name in sorted(set(before) | set(after))
+            for part, was, now in zip(("spec", "status"), before.get(name, ({}, {})), after.get(name, ({}, {})), strict=True)
+            for key in sorted(set(was) | set(now))
+            if was.get(key) != now.get(key)
+        ]
+        assert not changed, f"a restart changed converged SamplerGroups (spec or status): {changed}"
         assert job_phase(kube, namespace) == "Running"
         print(f"killed with {partial}/8 SamplerGroups applied")
     finally:

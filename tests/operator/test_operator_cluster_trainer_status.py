@@ -1,5 +1,5 @@
-"""Against the real control plane: the trainer has no API rights, so the operator's rebalance timer writes
-what the trainer EXPORTS (step, weight version, metrics, the collapse detector's state) into the RLJob
+"""Against the real control plane: the trainer has no API rights, so the operator's rebalance tick scrapes
+and the RLJob's status pipeline writes what the trainer EXPORTS (step, weight version, metrics, the collapse detector's state) into the RLJob
 status, raises CollapseRisk with an Event, and quarantines the group the detector named
 (`safety.action: quarantine-group`).
 
@@ -70,9 +70,9 @@ def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
     monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
     asked: list[str] = []
 
-    def local_exporter(pod: dict) -> str:
-        asked.append(pod["metadata"]["name"])
-        assert pod["status"]["podIP"]  # a ready trainer pod of the job
+    def local_exporter(pod: dict) -> str:  # `pod` is the operator's view of the pod (its pod index)
+        asked.append(pod["name"])
+        assert pod["podIP"]  # a ready trainer pod of the job
         return f"http://127.0.0.1:{exporter.port}/metrics"
 
     monkeypatch.setattr(rebalance_timer, "trainer_metrics_url", local_exporter)

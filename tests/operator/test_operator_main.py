@@ -1,17 +1,15 @@
-"""`rlfleet operator run` argument handling, the REST paths and kubeconfig parsing of the operator's client,
-and the router admin tokens (pure parts; the running operator is tested against the real control plane)."""
+"""`rlfleet operator run` argument handling and the router admin tokens (pure parts; the running operator
+and its Kubernetes client are tested against the real control plane)."""
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import hmac
 from pathlib import Path
 
 import pytest
-import yaml
 
-from rlfleet.operator import kube, tokens
+from rlfleet.operator import tokens
 from rlfleet.operator.main import auto_priority, cli
 
 
@@ -38,41 +36,6 @@ def test_bad_arguments_are_one_line_errors(
     assert cli(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
-
-
-def test_resource_paths() -> None:
-    assert kube.resource_path("v1", "ConfigMap", "ns", "c") == "/api/v1/namespaces/ns/configmaps/c"
-    assert kube.resource_path("apps/v1", "Deployment", "ns") == "/apis/apps/v1/namespaces/ns/deployments"
-    assert (
-        kube.resource_path("rlfleet.dev/v1alpha1", "SamplerGroup", "ns", "j-g", "status")
-        == "/apis/rlfleet.dev/v1alpha1/namespaces/ns/samplergroups/j-g/status"
-    )
-    with pytest.raises(ValueError, match="not known to the operator's client"):
-        kube.resource_path("batch/v1", "Job", "ns")
-
-
-def test_connection_from_kubeconfig(tmp_path: Path) -> None:
-    ca = base64.b64encode(b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n").decode()
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "c",
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u", "namespace": "team"}}],
-        "clusters": [
-            {"name": "k", "cluster": {"server": "https://127.0.0.1:6443", "certificate-authority-data": ca}}
-        ],
-        "users": [{"name": "u", "user": {"token": "t0k"}}],
-    }
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump(config))
-    info = kube.connection_from_kubeconfig(path)
-    assert (info.server, info.token, info.scheme, info.default_namespace) == (
-        "https://127.0.0.1:6443",
-        "t0k",
-        "Bearer",
-        "team",
-    )
-    assert info.ca_data == ca and info.as_http_headers() == {"Authorization": "Bearer t0k"}
 
 
 def test_router_admin_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -76,11 +76,12 @@ def test_suspended_quarantined_and_deadline() -> None:
     down = deployment(0, 0) | {"spec": {"replicas": 0}}
     s = st.samplergroup_status(sg(suspend=True), down, CATALOG, now=T0)
     assert s["phase"] == "Suspended" and s["ready"] == "0/0" and conds(s)["Progressing"]["status"] == "False"
-    s = st.samplergroup_status(sg(quarantined=True), deployment(2, 2), CATALOG, now=T0)
-    assert s["phase"] == "Quarantined" and conds(s)["Ready"]["status"] == "True"
-    # quarantined by the rebalancer / collapse detector (its status field), spec untouched
-    s = st.samplergroup_status(sg() | {"status": {"quarantined": True}}, deployment(2, 2), CATALOG, now=T0)
-    assert s["phase"] == "Quarantined"
+    s = st.samplergroup_status(sg(quarantined=True), deployment(2, 2), CATALOG, now=T0,
+                               quarantine=st.quarantine_reason(sg(quarantined=True)))  # fmt: skip
+    assert s["phase"] == "Quarantined" and conds(s)["Ready"]["status"] == "True" and s["quarantined"] is True
+    assert "quarantined by spec.quarantined" in s["message"]
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0, quarantine=None)
+    assert s["phase"] == "Running" and s["quarantined"] is False
     stalled = [
         {
             "type": "Progressing",
@@ -255,12 +256,14 @@ def test_weightchannel_status_known_unknown_and_empty() -> None:
     ]
 
 
-def test_status_apply_body() -> None:
-    body = st.status_apply_body(
-        sg() | {"metadata": {"name": "job-g", "namespace": "ns", "uid": "x"}}, {"phase": "Running"}
-    )
-    assert body == {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
-                    "metadata": {"name": "job-g", "namespace": "ns"}, "status": {"phase": "Running"}}  # fmt: skip
+def test_one_quarantine_path_for_spec_annotation_and_collapse_detector() -> None:
+    annotated = sg() | {"metadata": {"name": "job-g", "annotations": {"rlfleet.dev/quarantined": "true"}}}
+    assert st.quarantine_reason(sg(quarantined=True)) == "spec.quarantined"
+    assert st.quarantine_reason(annotated) == "annotation rlfleet.dev/quarantined"
+    assert st.quarantine_reason(sg(), frozenset({"g"})) == "the trainer's collapse detector"
+    assert st.quarantine_reason(sg(), frozenset({"other"})) is None
+    not_true = sg() | {"metadata": {"name": "job-g", "annotations": {"rlfleet.dev/quarantined": "false"}}}
+    assert st.quarantine_reason(not_true) is None
 
 
 def test_webhook_admission_message_uses_the_runtime_catalog(monkeypatch, tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""The rebalancer timer's pieces that need no cluster: status diffing, state seeding, catalog inputs,
+"""The rebalance tick's pieces that need no cluster: the quarantine path, fleet costs, state seeding, catalog inputs,
 the Prometheus query, and pushing a result to a real router service over its admin API."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_group_input_takes_price_gpus_quarantine_and_trainer_metrics_from_the_ri
 
     job = RLJob.from_manifest(JOB)
     sg = samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1, tensorParallel=2,
-                      annotations={timer.ANN_QUARANTINED: "true"})  # fmt: skip
+                      annotations={"rlfleet.dev/quarantined": "true"})  # fmt: skip
     inp = timer.group_input(job, sg, {}, {"kl_k3": 0.01, "oor_fraction": 0.002}, tokens_per_second=123.0)
     assert inp.price_per_gpu_hour == get_catalog().get("a100").cost_per_gpu_hour
     assert (inp.gpus, inp.ready_replicas, inp.quarantined) == (2, 1, True)
@@ -55,12 +55,19 @@ def test_group_input_takes_price_gpus_quarantine_and_trainer_metrics_from_the_ri
     assert config.trainer_price_per_gpu_hour == get_catalog().get("b200").cost_per_gpu_hour
 
 
-def test_status_is_written_only_when_a_field_changed() -> None:
-    observed = {"share": 0.25, "tokensPerSecond": 100, "phase": "Running", "shareHistory": [{"to": 0.25}]}
-    assert not timer.status_changed(observed, {"share": 0.25, "tokensPerSecond": 100.0})
-    assert timer.status_changed(observed, {"share": 0.2501})
-    assert timer.status_changed(observed, {"shareHistory": []})
-    assert timer.status_changed(None, {"share": 0.0})
+def test_collapse_quarantine_goes_through_the_one_quarantine_path() -> None:
+    job = RLJob.from_manifest(JOB)
+    sg = samplergroup("h100-fp8", {"readyReplicas": 2}, accelerator="h100", replicas=2)
+    assert not timer.group_input(job, sg, {}, {}, None).quarantined
+    assert timer.group_input(job, sg, {}, {}, None, frozenset({"h100-fp8"})).quarantined
+
+
+def test_fleet_costs_are_rounded_and_unknown_ones_dropped() -> None:
+    inputs = [GroupInput("a", 1, 1, 2.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
+    result = rebalance(inputs, None, 0.0, RebalanceConfig())
+    # $3/h of GPUs over 400 tok/s = 3 / 3600 / 400 * 1e6 $ per 1M tokens; no trainer price: no baseline
+    assert timer.fleet_costs(result) == {"costPer1MTokens": round(3 / 3600 / 400 * 1e6, 4)}
+    assert timer.fleet_costs(rebalance([GroupInput("a", 0, 1, 1.0)], None, 0.0, RebalanceConfig())) == {}
 
 
 def test_state_is_reseeded_from_status_after_a_restart() -> None:
@@ -76,11 +83,13 @@ def test_state_is_reseeded_from_status_after_a_restart() -> None:
 
 
 def test_pod_ready() -> None:
-    ready = {"metadata": {}, "status": {"phase": "Running", "podIP": "10.0.0.1",
-                                        "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
-    assert timer.pod_ready(ready)
-    assert not timer.pod_ready({**ready, "metadata": {"deletionTimestamp": "x"}})
-    assert not timer.pod_ready({"metadata": {}, "status": {**ready["status"], "conditions": []}})
+    from rlfleet.operator.pods import pod_ready, pod_view
+
+    ready = {"metadata": {"name": "p"}, "status": {"phase": "Running", "podIP": "10.0.0.1",
+                                                   "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    assert pod_ready(pod_view(ready))
+    assert not pod_ready(pod_view({**ready, "metadata": {"name": "p", "deletionTimestamp": "x"}}))
+    assert not pod_ready(pod_view({"metadata": {}, "status": {**ready["status"], "conditions": []}}))
 
 
 async def test_prometheus_rate_is_read_from_a_real_http_api() -> None:

@@ -145,8 +145,8 @@ NAMESPACED_RULES = {
     ("", "events", "create"),
     ("", "secrets", "create"),  # the router's admin token, created once per job
     ("", "secrets", "get"),  # ... and read back by name by the rebalancer (never listed or watched)
-    ("", "pods", "get"),  # the rebalancer scrapes ready pods
-    ("", "pods", "list"),
+    ("", "pods", "list"),  # the operator's pods, watched into an index (status reasons, scrape targets)
+    ("", "pods", "watch"),
 }
 
 

@@ -1,0 +1,127 @@
+"""PURE: the operator's pods as it observes them (a kopf index on pods with the operator's labels), and
+WHY a pod is not running, from what the API server already says about it.
+
+- `pod_view(body)`: the few fields the operator needs from a pod (the index stores these, not the pod):
+  readiness and IP (the rebalancer scrapes and the router's replicas), the scheduler's PodScheduled
+  condition, and each container's waiting / last-terminated reason.
+- `pod_problem(pod)`: the first reason a pod cannot run, in the words of the component that knows:
+  the scheduler's message for an unschedulable pod (a missing PersistentVolumeClaim is one: the
+  scheduler's volume binding says `persistentvolumeclaim "x" not found`), the kubelet's waiting reason
+  for a container that cannot start (CreateContainerConfigError: a missing Secret or ConfigMap;
+  ErrImagePull / ImagePullBackOff; CrashLoopBackOff, with the container's name).
+- `workload_problem(pods)`: the problem of a set of pods (a Deployment's or StatefulSet's), naming the pod.
+Reasons are CamelCase (docs/operations.md, "Conditions and reasons").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet.operator import naming as n
+
+MESSAGE_LIMIT = 900
+
+# kubelet waiting reasons -> the operator's reason
+IMAGE_PULL = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError")
+_MISSING = re.compile(r'(persistentvolumeclaim|secret|configmap)s? "([^"]+)" not found', re.IGNORECASE)
+_MISSING_REASON = {
+    "persistentvolumeclaim": "MissingPersistentVolumeClaim",
+    "secret": "MissingSecret",
+    "configmap": "MissingConfigMap",
+}
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    reason: str  # CamelCase
+    message: str  # names the pod (and the container / missing object)
+
+
+def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a pod the operator uses (stored in its pod index)."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    labels = meta.get("labels") or {}
+
+    def containers(key: str) -> list[dict[str, Any]]:
+        out = []
+        for c in status.get(key) or []:
+            state, last = c.get("state") or {}, c.get("lastState") or {}
+            out.append({
+                "name": c.get("name"),
+                "ready": bool(c.get("ready")),
+                "waiting": dict(state["waiting"]) if state.get("waiting") else None,
+                "lastTerminated": {k: last["terminated"].get(k) for k in ("reason", "exitCode", "message")}
+                if last.get("terminated") else None,
+            })  # fmt: skip
+        return out
+
+    return {
+        "name": meta.get("name"),
+        "labels": {
+            k: labels[k] for k in (n.LABEL_SAMPLERGROUP, n.LABEL_JOB, n.LABEL_COMPONENT) if k in labels
+        },
+        "deleting": bool(meta.get("deletionTimestamp")),
+        "phase": status.get("phase"),
+        "podIP": status.get("podIP"),
+        "conditions": [
+            {k: c.get(k) for k in ("type", "status", "reason", "message")} for c in status.get("conditions") or []
+        ],
+        "initContainers": containers("initContainerStatuses"),
+        "containers": containers("containerStatuses"),
+    }
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """A pod view that is Running, with an IP, Ready=True and not being deleted."""
+    if pod.get("phase") != "Running" or not pod.get("podIP") or pod.get("deleting"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("conditions") or [])
+
+
+def _clip(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."
+
+
+def _missing(reason: str, message: str) -> str:
+    found = _MISSING.search(message or "")
+    return _MISSING_REASON[found.group(1).lower()] if found else reason
+
+
+def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
+    """Why this pod (a `pod_view`) cannot run, or None (running, or simply starting)."""
+    name = pod.get("name")
+    if pod.get("deleting") or pod.get("phase") == "Succeeded":
+        return None
+    for c in pod.get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            message = c.get("message") or "no node fits"
+            return PodProblem(_missing("Unschedulable", message), _clip(f"pod {name} cannot be scheduled: {message}"))
+    for kind, key in (("init container", "initContainers"), ("container", "containers")):
+        for c in pod.get(key) or []:
+            waiting = c.get("waiting") or {}
+            reason, message = waiting.get("reason") or "", waiting.get("message") or ""
+            where = f"pod {name} {kind} {c.get('name')}"
+            if reason in IMAGE_PULL:
+                return PodProblem("ImagePullError", _clip(f"{where}: {reason}: {message}".rstrip(": ")))
+            if reason in CONFIG_ERRORS:
+                return PodProblem(_missing(reason, message), _clip(f"{where}: {reason}: {message}".rstrip(": ")))
+            if reason == "CrashLoopBackOff":
+                last = c.get("lastTerminated") or {}
+                exited = f" (last exit: {last.get('reason') or 'Error'}, code {last.get('exitCode')})" if last else ""
+                return PodProblem("CrashLoopBackOff", _clip(f"{where}: CrashLoopBackOff{exited}: {message}".rstrip(": ")))
+    return None
+
+
+def workload_problem(pods: Iterable[Mapping[str, Any]]) -> PodProblem | None:
+    """The first problem among a workload's pods (by pod name, so the message is stable)."""
+    for pod in sorted(pods, key=lambda p: str(p.get("name"))):
+        problem = pod_problem(pod)
+        if problem is not None:
+            return problem
+    return None

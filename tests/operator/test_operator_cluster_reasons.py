@@ -1,0 +1,80 @@
+"""Against the real control plane: status says WHY. The operator observes its pods through a kopf index
+and puts the real kube-scheduler's words into the RLJob's Degraded condition, naming the object:
+a trainer that cannot be scheduled (three 8-GPU trainer pods on a class with two 8-GPU kwok nodes:
+tests/cluster/controlplane.py) and a job whose weights PVC does not exist (the scheduler's volume
+binding refuses every pod that mounts it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cluster_wait import wait_for
+from kopf.testing import KopfRunner
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.cluster
+
+
+def manifest(name: str, trainer: dict, store: dict) -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
+            "trainer": trainer,
+            "samplerGroups": [{"name": "h200-bf16", "accelerator": "h200", "replicas": 1, "weightFormat": "bf16"}],
+            "weightChannel": {"store": store},
+        },
+    }
+
+
+def test_unschedulable_trainer_and_missing_pvc_are_named_in_degraded(
+    kube, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    assert len(kube.gpu_nodes["b200"]) == 2  # the fleet: 8 GPUs per node, so 3 x 8 GPUs cannot fit
+
+    def degraded(job: str) -> dict | None:
+        got = json.loads(kube.kubectl("get", "rljob", job, "-n", namespace, "-o", "json").stdout)
+        cond = next((c for c in got.get("status", {}).get("conditions", []) if c["type"] == "Degraded"), None)
+        return cond if cond and cond["status"] == "True" else None
+
+    big = manifest("nogpu", {"accelerator": "b200", "replicas": 3, "gpusPerReplica": 8},
+                   {"type": "filesystem", "path": "/weights/nogpu"})  # fmt: skip
+    nopvc = manifest("nopvc", {"accelerator": "h100", "replicas": 1, "gpusPerReplica": 8},
+                     {"type": "filesystem", "path": "/weights/nopvc", "volumeClaimName": "no-such-claim"})  # fmt: skip
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        kube.kubectl("apply", "-n", namespace, "-f", "-",
+                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [big, nopvc]}))  # fmt: skip
+
+        cond = wait_for("nogpu Degraded", lambda: degraded("nogpu"), timeout=90)
+        assert cond["reason"] == "Unschedulable", cond
+        assert cond["message"].startswith("trainer StatefulSet nogpu-trainer: pod nogpu-trainer-"), cond
+        assert "nodes are available" in cond["message"] and "nvidia.com/gpu" in cond["message"], cond
+        job = json.loads(kube.kubectl("get", "rljob", "nogpu", "-n", namespace, "-o", "json").stdout)
+        assert job["status"]["phase"] == "Degraded" and job["status"]["reason"] == "Unschedulable"
+        assert cond["observedGeneration"] == job["metadata"]["generation"]
+
+        cond = wait_for("nopvc Degraded", lambda: degraded("nopvc"), timeout=90)
+        assert cond["reason"] == "MissingPersistentVolumeClaim", cond
+        assert 'persistentvolumeclaim "no-such-claim" not found' in cond["message"], cond
+        assert "nopvc-trainer" in cond["message"]
+        # the group's own status names its Deployment and the claim too
+        wait_for("group Degraded", lambda: json.loads(
+            kube.kubectl("get", "sg", "nopvc-h200-bf16", "-n", namespace, "-o", "json").stdout
+        )["status"].get("reason") == "MissingPersistentVolumeClaim", timeout=60)  # fmt: skip
+        sg = json.loads(kube.kubectl("get", "sg", "nopvc-h200-bf16", "-n", namespace, "-o", "json").stdout)
+        assert sg["status"]["message"].startswith("0/1 replicas ready: Deployment nopvc-h200-bf16: pod nopvc-h200-bf16-")
+        events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        assert any(e["reason"] == "PhaseDegraded" and e["involvedObject"]["name"] == "nogpu" for e in events)
+        kube.kubectl("delete", "rljob", "nogpu", "nopvc", "-n", namespace, "--wait=false")
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output

@@ -1,0 +1,165 @@
+"""The reconcile pipeline's pure decisions, without a cluster: why a pod does not run (each reason the
+operator maps, from the fields the scheduler and the kubelet write), how that reaches a SamplerGroup's and
+an RLJob's Degraded condition naming the object, a WeightChannel whose store is unreachable, and the WHOLE
+status of one writer (the rebalance tick's fields and the trainer's report composed in, observed values
+kept before the first tick)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.catalog import load_catalog
+from rlfleet.operator import status as st
+from rlfleet.operator.pods import pod_problem, pod_view, workload_problem
+from rlfleet.operator.trainer_report import TrainerReport, trainer_job_status
+
+CATALOG = load_catalog(None)
+T0 = "2026-01-01T00:00:00Z"
+# kube-scheduler's own words (FailedScheduling / PodScheduled=False) for the two cases of this issue
+NO_GPUS = ("0/20 nodes are available: 2 Insufficient nvidia.com/gpu, 2 node(s) didn't match Pod's node "
+           "affinity/selector, 16 node(s) had untolerated taint {nvidia.com/gpu: present}. preemption: 0/20 nodes "
+           "are available: 2 No preemption victims found for incoming pod, 18 Preemption is not helpful for "
+           "scheduling.")  # fmt: skip
+NO_PVC = 'persistentvolumeclaim "rlfleet-weights" not found. preemption: 0/20 nodes are available.'
+
+
+def pod(name: str = "j-trainer-0", *, conditions: list | None = None, containers: list | None = None,
+        init: list | None = None, phase: str = "Pending") -> dict:  # fmt: skip
+    return {
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/component": "trainer", "rlfleet.dev/job": "j"}},
+        "status": {"phase": phase, "conditions": conditions or [], "containerStatuses": containers or [],
+                   "initContainerStatuses": init or []},  # fmt: skip
+    }
+
+
+def unschedulable(message: str) -> dict:
+    return {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+
+
+def waiting(name: str, reason: str, message: str = "", last: dict | None = None) -> dict:
+    return {"name": name, "ready": False, "state": {"waiting": {"reason": reason, "message": message}},
+            "lastState": {"terminated": last} if last else {}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "reason", "words"),
+    [
+        (pod(conditions=[unschedulable(NO_GPUS)]), "Unschedulable",
+         ["pod j-trainer-0 cannot be scheduled", "Insufficient nvidia.com/gpu"]),
+        (pod(conditions=[unschedulable(NO_PVC)]), "MissingPersistentVolumeClaim",
+         ['persistentvolumeclaim "rlfleet-weights" not found']),
+        (pod(containers=[waiting("trainer", "CreateContainerConfigError", 'secret "hf-token" not found')]),
+         "MissingSecret", ["container trainer", 'secret "hf-token" not found']),
+        (pod(containers=[waiting("sglang", "CreateContainerConfigError", 'configmap "j-config" not found')]),
+         "MissingConfigMap", ["container sglang"]),
+        (pod(containers=[waiting("sglang", "CreateContainerConfigError", "couldn't find key token")]),
+         "CreateContainerConfigError", ["couldn't find key token"]),
+        (pod(containers=[waiting("sglang", "ErrImagePull", 'pull access denied for "x"')]), "ImagePullError",
+         ["container sglang: ErrImagePull"]),
+        (pod(init=[waiting("weight-fetch", "ImagePullBackOff", "Back-off pulling image")]), "ImagePullError",
+         ["init container weight-fetch: ImagePullBackOff"]),
+        (pod(phase="Running", containers=[waiting("sglang", "CrashLoopBackOff", "back-off 5m0s",
+                                                  {"reason": "OOMKilled", "exitCode": 137})]),
+         "CrashLoopBackOff", ["container sglang: CrashLoopBackOff (last exit: OOMKilled, code 137)"]),
+    ],
+)  # fmt: skip
+def test_each_reason_mapping(body: dict, reason: str, words: list[str]) -> None:
+    problem = pod_problem(pod_view(body))
+    assert problem is not None and problem.reason == reason, problem
+    assert all(w in problem.message for w in words), problem.message
+    assert problem.message.startswith("pod j-trainer-0 ")
+
+
+def test_starting_pods_are_not_problems() -> None:
+    assert pod_problem(pod_view(pod())) is None  # not scheduled yet: no verdict from the scheduler
+    assert pod_problem(pod_view(pod(containers=[waiting("sglang", "ContainerCreating")]))) is None
+    scheduled = {"type": "PodScheduled", "status": "True"}
+    assert pod_problem(pod_view(pod(conditions=[scheduled], init=[waiting("weight-fetch", "PodInitializing")]))) is None
+    deleting = pod(conditions=[unschedulable(NO_GPUS)])
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert pod_problem(pod_view(deleting)) is None
+    # the first problem by pod name, so the message does not flap between pods
+    views = [pod_view(pod("b", conditions=[unschedulable(NO_GPUS)])), pod_view(pod("a", conditions=[unschedulable(NO_PVC)]))]
+    assert workload_problem(views).reason == "MissingPersistentVolumeClaim"
+
+
+def job(generation: int = 2) -> dict:
+    return {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob",
+            "metadata": {"name": "j", "namespace": "ns", "generation": generation, "uid": "u"},
+            "spec": {"trainer": {"replicas": 1}, "samplerGroups": [{"name": "g"}]}}  # fmt: skip
+
+
+def running_group(**status: object) -> dict:
+    return {"metadata": {"generation": 1}, "spec": {"name": "g"},
+            "status": {"phase": "Running", "ready": "1/1", "observedGeneration": 1, **status}}  # fmt: skip
+
+
+def conds(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_unschedulable_trainer_degrades_the_job_with_the_schedulers_message() -> None:
+    trainer = {"status": {"readyReplicas": 0, "replicas": 1}}
+    views = [pod_view(pod(conditions=[unschedulable(NO_GPUS)]))]
+    s = st.rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views)
+    degraded = conds(s)["Degraded"]
+    assert s["phase"] == "Degraded" and degraded["status"] == "True" and degraded["reason"] == "Unschedulable"
+    assert degraded["message"].startswith("trainer StatefulSet j-trainer: pod j-trainer-0 cannot be scheduled: 0/20")
+    assert conds(s)["Ready"]["status"] == "False"
+    # once the trainer is ready its pods' past does not matter
+    s = st.rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0, trainer_pods=views)
+    assert s["phase"] == "Running" and conds(s)["Degraded"]["status"] == "False"
+
+
+def test_a_group_whose_pods_cannot_start_is_degraded_and_the_job_says_which() -> None:
+    sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
+          "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
+          "spec": {"name": "g", "accelerator": "h100", "weightFormat": "bf16", "replicas": 1,
+                   "model": {"name": "m", "path": "p"}}}  # fmt: skip
+    deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 1}}
+    views = [pod_view(pod("j-g-5d8f-x2", conditions=[unschedulable(NO_PVC)]))]
+    s = st.samplergroup_status(sg, deployment, CATALOG, now=T0, pods=views)
+    assert (s["phase"], s["reason"]) == ("Degraded", "MissingPersistentVolumeClaim")
+    assert conds(s)["Degraded"]["status"] == "True"
+    assert s["message"].startswith("0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 cannot be scheduled")
+    group = {"metadata": {"generation": 1}, "spec": {"name": "g"}, "status": {**s}}
+    r = st.rljob_status(job(), [group], {"status": {"readyReplicas": 1}}, None, now=T0)
+    assert r["phase"] == "Degraded" and r["reason"] == "GroupsDegraded"
+    assert 'g (MissingPersistentVolumeClaim: 0/1 replicas ready: Deployment j-g' in r["message"]
+
+
+def test_unreachable_store_degrades_the_weightchannel_naming_the_store() -> None:
+    wc = {"metadata": {"generation": 1}, "spec": {"store": {"type": "s3", "bucket": "ckpt", "prefix": "run1"}}}
+    s = st.weightchannel_status(wc, None, "EndpointConnectionError: Could not connect", now=T0)
+    degraded = conds(s)["Degraded"]
+    assert (degraded["status"], degraded["reason"]) == ("True", "StoreUnreachable")
+    assert degraded["message"] == "store s3://ckpt/run1 unreachable from the operator: EndpointConnectionError: Could not connect"
+    fs = {"metadata": {"generation": 1}, "spec": {"store": {"type": "filesystem", "path": "/w"}}}
+    assert "store filesystem /w unreachable" in conds(st.weightchannel_status(fs, None, "gone", now=T0))["Degraded"]["message"]
+
+
+def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before_the_first_tick() -> None:
+    sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
+          "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
+          "spec": {"name": "g", "accelerator": "h100", "weightFormat": "bf16", "replicas": 1,
+                   "model": {"name": "m", "path": "p"}},
+          "status": {"share": 0.25, "tokensPerSecond": 100.0, "shareHistory": [{"to": 0.25}]}}  # fmt: skip
+    deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "readyReplicas": 1, "replicas": 1,
+                                                            "updatedReplicas": 1}}  # fmt: skip
+    kept = st.samplergroup_status(sg, deployment, CATALOG, now=T0)  # operator restarted: no tick yet
+    assert (kept["share"], kept["tokensPerSecond"], kept["sharePercent"]) == (0.25, 100.0, 25.0)
+    assert kept["phase"] == "Running" and kept["quarantined"] is False
+    ticked = st.samplergroup_status(sg, deployment, CATALOG, now=T0, rebalance={"share": 0.5, "tokensPerSecond": 300.0})
+    assert (ticked["share"], ticked["tokensPerSecond"], ticked["sharePercent"]) == (0.5, 300.0, 50.0)
+    assert "shareHistory" not in ticked  # the tick's result is the whole truth once there is one
+
+    observed = job() | {"status": {"costPer1MTokens": 1.5, "step": 7, "weightVersion": 9}}
+    report = trainer_job_status(observed, [], TrainerReport(step=8, weight_version=4), T0).status
+    s = st.rljob_status(observed, [running_group()], {"status": {"readyReplicas": 1}},
+                        {"status": {"latestVersion": 6}}, now=T0, trainer_report=report)  # fmt: skip
+    assert (s["costPer1MTokens"], s["step"]) == (1.5, 8)
+    assert s["weightVersion"] == 9  # never lowered: max of the channel (6), the report (4) and the observed (9)
+    assert set(conds(s)) == {"Ready", "Progressing", "Degraded", "CollapseRisk"}
+    s = st.rljob_status(observed, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
+                        costs={"costPer1MTokens": 2.0, "baselineCostPer1MTokens": 3.0})  # fmt: skip
+    assert (s["costPer1MTokens"], s["baselineCostPer1MTokens"]) == (2.0, 3.0)
