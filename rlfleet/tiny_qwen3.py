@@ -18,14 +18,16 @@ from pathlib import Path
 
 VOCAB_SIZE = 64
 SIZES = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 256,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
+    "num_attention_heads": 2,
     "num_key_value_heads": 2,
-    "head_dim": 16,
+    "head_dim": 64,
     "max_position_embeddings": 256,
 }
+"""Every fused member (q, k, v: 128 rows; gate, up: 256) is a multiple of SGLang's 128 FP8 block, so every
+view (bf16, fp8 block-128, nvfp4) of this model is publishable and loadable (rlfleet/numerics/views.py)."""
 SPECIAL = ["<pad>", "<s>", "</s>", "<sep>", "<call>", "</call>", "<result>", "</result>", "<err>", "<unk>"]
 """ids 0..9: ToyVocab's PAD, BOS, EOS, SEP, CALL, END_CALL, RESULT, END_RESULT, ERR, and the unknown token."""
 CHAT_TEMPLATE = (

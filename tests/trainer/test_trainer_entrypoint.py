@@ -10,6 +10,7 @@ land next to the channel, the process exits 0."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -109,3 +110,58 @@ def test_trainer_entrypoint_refuses_a_model_path_that_is_not_a_checkpoint(tmp_pa
     )
     assert run.returncode == 2
     assert "has no config.json (not a Hugging Face checkpoint)" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_checkpoint(tmp_path: Path) -> None:
+    """With an HF base (the project's tiny Qwen3, hf backend) version 0 of every view is in the channel,
+    each a complete HF checkpoint from the base (config.json with the view's quantization config,
+    tokenizer), BEFORE the rollout source is even built. `rc.steps = 0`: no rollout is needed, and the
+    stand-in driver below is never asked for one (it records only that it was built after version 0)."""
+    from types import SimpleNamespace
+
+    from rlfleet.store import open_store
+    from rlfleet.tiny_qwen3 import build_tiny_qwen3
+    from rlfleet.trainer.collapse import CollapseDetector
+    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.run import ChannelSink, activation_calibration, build_backend, run_training
+
+    source = build_tiny_qwen3(tmp_path / "qwen3")
+    groups = [{"name": "h100-bf16", "weight_format": "bf16"}, {"name": "h100-fp8", "weight_format": "fp8"},
+              {"name": "b200-nvfp4", "weight_format": "nvfp4"}]
+    rc = SimpleNamespace(correction_mode="sc-mis-topp", mis_low=0.2, mis_high=5.0, learning_rate=1e-3,
+                         weight_decay=0.0, max_grad_norm=1.0, sampling={"temperature": 1.0}, seed=0,
+                         steps=0, prompts_per_step=1, max_staleness=None, groups=groups)
+    base = build_backend(rc, backend="torch", source_dir=source)
+    store = open_store(str(tmp_path / "channel"))
+    (tmp_path / "channel").mkdir()
+    publisher = WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], follow_subscribers=False,
+                                base_checkpoint=base.base_checkpoint)
+    channel = publisher.channel
+    seen: dict[str, object] = {}
+
+    class NoRollouts:  # stand-in driver: steps=0 never takes a rollout
+        next_position = 0
+
+        def start(self) -> None:
+            seen["started"] = True
+
+        def stop(self) -> None:
+            seen["stopped"] = True
+
+    def make_driver(position: int) -> NoRollouts:
+        latest = channel.latest()
+        seen["version_when_built"] = None if latest is None else latest.version
+        return NoRollouts()
+
+    sink = ChannelSink(publisher, calibrate=activation_calibration(base))  # nvfp4 needs activation amax
+    run_training(rc, base.backend, sink, CollapseDetector(), make_driver,
+                 checkpoint=tmp_path / "channel" / "checkpoints")
+    assert seen == {"version_when_built": 0, "started": True, "stopped": True}
+    manifest = channel.manifest(0)
+    assert sorted(manifest.views) == ["bf16", "fp8", "nvfp4"]
+    for view in ("bf16", "fp8", "nvfp4"):
+        got = channel.download_view(0, view, tmp_path / "dl" / view)
+        config = json.loads((got / "config.json").read_text())
+        assert config["model_type"] == "qwen3"
+        assert ("quantization_config" in config) == (view != "bf16")
+        assert (got / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
