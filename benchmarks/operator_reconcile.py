@@ -32,12 +32,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import kopf
 import yaml
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
 from rlfleet.operator import builders
-from rlfleet.operator.kube import KubeApi, KubeError, connection_from_kubeconfig
+from rlfleet.operator.kube import KubeApi, KubeError
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
@@ -207,7 +208,8 @@ def summary(values: list[float]) -> str:
 
 
 async def run(cluster: Any, repeats: int, jobs: int) -> None:
-    api = KubeApi(connection_from_kubeconfig(cluster.kubeconfig))
+    os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
+    api = KubeApi(kopf.login_with_kubeconfig(settings=kopf.OperatorSettings()))  # what the operator logs in with
     try:
         kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
         for crd in ("rljobs", "samplergroups", "weightchannels"):
