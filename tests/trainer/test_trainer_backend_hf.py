@@ -6,12 +6,12 @@ from their configs and saved as real HF checkpoints), fp32 on CPU.
 - FSDP2 (`fully_shard`) over 2 gloo processes on CPU: the same loss, the same gradients after the
   reduce-scatter and the same updated weights as one process, to 1e-6;
 - checkpoints round-trip and `weights()` carries the HF parameter names.
-No stubs: real models, real torch.distributed (gloo, tcp://127.0.0.1).
+No stubs: real models, real torch.distributed (gloo, a file:// rendezvous).
 """
 
 from __future__ import annotations
 
-import socket
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -104,11 +104,16 @@ def one_step(backend: HFBackend, flat: FlatBatch) -> dict:
             "grads": grads, "weights": backend.weights(), "grad_norm": grad_norm}  # fmt: skip
 
 
-def _worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, init_file: str, ckpt: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # A file:// rendezvous in the test's own tmp dir: concurrent runs cannot meet each other (a free
+    # TCP port can be taken by another run between probing and binding); a timeout turns a stuck
+    # collective into an error instead of a hang.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
     try:
         backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
         assert backend.distributed and backend.world == world
@@ -121,17 +126,12 @@ def _worker(rank: int, world: int, port: int, ckpt: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
+@pytest.mark.timeout(240)
 @pytest.mark.slow  # ~20 s on 2 shared cores: two spawned processes import torch + transformers
 def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     ckpt = tiny_qwen3(tmp_path / "qwen3")
     single = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu"), make_batch())
-    mp.spawn(_worker, args=(2, _free_port(), str(ckpt), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(ckpt), str(tmp_path)), nprocs=2, join=True)
     multi = torch.load(tmp_path / "result.pt", weights_only=False)
 
     assert abs(multi["loss"] - single["loss"]) < 1e-6
