@@ -51,7 +51,7 @@ def test_docs_only_show_real_rlfleet_commands() -> None:
     seen = 0
     for page in PAGES:
         for block in re.findall(r"```(?:bash|sh)\n(.*?)```", page.read_text(), re.DOTALL):
-            pattern = r"^\s*(?:\.venv/bin/|scripts/)?rlfleet ((?:[a-z][a-z-]* ?){1,2})"
+            pattern = r"^\s*(?:\.venv/bin/|scripts/)?rlfleet ((?:[a-z][a-z0-9-]* ?){1,2})"
             for words in re.findall(pattern, block, re.MULTILINE):
                 parts = tuple(words.split())
                 assert any(parts[: len(w)] == w for w in COMMANDS), f"{page.name}: `rlfleet {words}` is no command"
