@@ -203,7 +203,7 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             },
             unsupported={
                 "nvfp4": _NVFP4_NEEDS_BLACKWELL.format(sm="sm80"),
-                "mxfp4": "MXFP4 kernels need sm90 or newer",
+                "mxfp4": "MXFP4 is not offered on sm80 (SGLang 0.5.23 quantizes only MoE experts in MXFP4, and the mxfp4 view is refused for Qwen3 models: docs/weights.md); use bf16 or fp8",
             },
             kv_cache_dtypes=list(_BASE_KV),
             default_tensor_parallel=1,

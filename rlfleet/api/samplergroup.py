@@ -218,7 +218,7 @@ class SamplerGroupStatus(ApiModel):
     precision_note: str | None = Field(default=None, max_length=1024)
     """What the degraded form means (kernels, compute dtype)."""
     tokens_per_second: float | None = Field(default=None, ge=0.0)
-    """Delivered generation throughput (sglang:generation_tokens_total rate), tokens/s."""
+    """Decode throughput, tokens/s: the per-interval increase of sglang:realtime_tokens_total{mode="decode"} (the sglang:gen_throughput gauge for a pod seen the first time). Not generation_tokens_total, which SGLang counts only when a request finishes."""
     share: float | None = Field(default=None, ge=0.0, le=1.0)
     """Current routing share of new sessions (0..1)."""
     share_percent: float | None = Field(default=None, ge=0.0, le=100.0)

@@ -51,7 +51,7 @@ EXPECTED: dict[tuple[str, str], tuple[list[str], bool]] = {
 }
 REJECTED_FORMAT_WHY = {
     ("a100", "nvfp4"): "native NVFP4 needs Blackwell",
-    ("a100", "mxfp4"): "MXFP4 kernels need sm90",
+    ("a100", "mxfp4"): "MXFP4 is not offered on sm80",
     ("h100", "nvfp4"): "native NVFP4 needs Blackwell",
     ("h200", "nvfp4"): "native NVFP4 needs Blackwell",
 }
