@@ -54,15 +54,27 @@ def cli(argv: list[str]) -> int:
     return run(job, args)
 
 
+def rollout_inputs(rc: Any, base: Any) -> tuple[Any, Any]:
+    """The run's environment and prompt source, both given the base HF checkpoint's tokenizer where it
+    has one (text prompt sets, chat environments); TinyGPT views: none, token-id prompts as before."""
+    from rlfleet.trainer.local import build_environment
+    from rlfleet.trainer.prompts import open_prompt_source
+    from rlfleet.trainer.run import load_tokenizer
+
+    tokenizer = load_tokenizer(base)
+    prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size,
+                                 tokenizer=tokenizer)
+    return build_environment(rc, tokenizer=tokenizer), prompts
+
+
 def run(job: Any, args: argparse.Namespace) -> int:
     from rlfleet.model_source import ModelSourceError, resolve_model_source
     from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import store_from_spec
     from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
-    from rlfleet.trainer.local import build_environment, resolve_run
+    from rlfleet.trainer.local import resolve_run
     from rlfleet.trainer.metrics import PrometheusExporter
-    from rlfleet.trainer.prompts import open_prompt_source
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.rollout import RolloutDriver
     from rlfleet.trainer.run import (
@@ -99,9 +111,9 @@ def run(job: Any, args: argparse.Namespace) -> int:
     sink = ChannelSink(publisher, calibrate=activation_calibration(base))
 
     def make_driver(position: int) -> RolloutDriver:
+        env, prompts = rollout_inputs(rc, base)
         return RolloutDriver(
-            SamplerClient(args.router_url, vocab_size=base.vocab_size), build_environment(rc),
-            open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size),
+            SamplerClient(args.router_url, vocab_size=base.vocab_size), env, prompts,
             samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling, max_seq_len=base.max_seq_len,
             start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
         )

@@ -117,10 +117,11 @@ def resolve_run(job: Any, local: bool = True) -> RunConfig:
     )
 
 
-def build_environment(rc: RunConfig) -> Any:
+def build_environment(rc: RunConfig, tokenizer: Any = None) -> Any:
+    """`tokenizer`: the model's (trainer/run.py `load_tokenizer`), for environments that take one."""
     from rlfleet.trainer.environments import load_environment
 
-    env = copy.copy(load_environment(rc.environment))  # never mutate a shared built-in instance
+    env = copy.copy(load_environment(rc.environment, tokenizer=tokenizer))  # never mutate a shared built-in instance
     if hasattr(env, "max_turns") and env.max_turns != 1:
         env.max_turns = rc.max_turns
     return env

@@ -13,6 +13,9 @@ Order (docs/architecture.md, "Trainer"):
 3. only then build and start the rollout driver (samplers can serve now), and run the loop: each
    version N is published after a checkpoint (the channel is never ahead of a checkpoint);
 4. a final checkpoint; the driver is stopped in every case.
+
+Every step's metrics (the dict the `on_step` hook gets) also go to the experiment tracker
+(trainer/tracking.py, RLFLEET_TRACKING; nothing when unset), opened once and closed in every case.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rlfleet.store import Store
 from rlfleet.trainer.collapse import CollapseDetector, Decision
 from rlfleet.trainer.loop import LoopConfig, TrainingLoop
 from rlfleet.trainer.rollout import PromptGroup
+from rlfleet.trainer.tracking import Tracker, TrackingError, open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +110,21 @@ class BaseModel:
     def base_checkpoint(self) -> Path | None:
         """The HF checkpoint every published view is completed from (config, tokenizer); None: tensor-only."""
         return self.source_dir if self.source_dir is not None and is_hf_checkpoint(self.source_dir) else None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(base: BaseModel) -> Any | None:
+    """The base HF checkpoint's tokenizer (AutoTokenizer) for text prompt sets and chat environments;
+    None for TinyGPT (no checkpoint, or a tensor-only view) or a checkpoint without tokenizer files:
+    prompts are then token ids, as without a tokenizer (trainer/prompts.py)."""
+    directory = base.base_checkpoint
+    if directory is None or not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
 
 
 def load_base_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -203,10 +222,13 @@ def run_training(
     stop: threading.Event | None = None,
     on_step: Callable[[dict[str, float], Decision, list[PromptGroup]], None] | None = None,
     on_quarantine: Callable[[list[str]], None] | None = None,
+    tracker: Tracker | None = None,
 ) -> TrainingLoop:
     """Train `rc.steps` steps (see the module docstring for the order). `make_driver(position)` builds
     the rollout driver starting at data position `position` (called after the first publish);
-    `resume`: a checkpoint state (trainer/checkpoint.py). Returns the loop (state, history)."""
+    `resume`: a checkpoint state (trainer/checkpoint.py); `tracker`: where each step's metrics go
+    besides `on_step` (default: `open_tracker()`, from RLFLEET_TRACKING), closed when training ends.
+    Returns the loop (state, history)."""
     start_step = int(resume["step"]) if resume is not None else 0
     latest = sink.latest_version()
     if latest is not None and latest > start_step:
@@ -215,6 +237,17 @@ def run_training(
             f"the weight channel is at version {latest}, ahead of the trainer ({where}): use a fresh channel "
             "or restore its checkpoints"
         )
+    if tracker is None:
+        try:
+            tracker = open_tracker()
+        except TrackingError as exc:  # misconfigured or missing package: a clear error before anything runs
+            raise TrainingStartError(str(exc)) from None
+    tracker_open: Tracker = tracker
+
+    def step_done(metrics: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
+        if on_step is not None:
+            on_step(metrics, decision, groups)  # first: local mode adds its per-group rollout figures
+        tracker_open.log(int(metrics["step"]), metrics)
 
     def publish(version: int, weights: dict[str, torch.Tensor]) -> None:
         loop.checkpoint()  # BEFORE the pointer moves: the channel is never ahead of a checkpoint
@@ -225,19 +258,22 @@ def run_training(
                    checkpoint_dir=checkpoint),
         backend, None, publish, detector,  # type: ignore[arg-type]  # the driver comes after version `step`
         group_names=[g["name"] for g in rc.groups], group_views={g["name"]: g["weight_format"] for g in rc.groups},
-        on_step=on_step, on_quarantine=on_quarantine, stop=stop,
+        on_step=step_done, on_quarantine=on_quarantine, stop=stop,
     )
-    if resume is not None:
-        loop.restore(resume)
-    if latest is None or latest < start_step:  # fresh start: version 0 of every view before step 1
-        sink.publish(backend.weights(), start_step)
-        log.info("published the trainer's weights as version %d before step %d", start_step, start_step + 1)
-    driver = make_driver(int(resume["data_position"]) if resume is not None else 0)
-    loop.driver = driver
-    driver.start()
-    try:
-        loop.run()
-        loop.checkpoint()
+    try:  # the tracker is closed in every case from here on
+        if resume is not None:
+            loop.restore(resume)
+        if latest is None or latest < start_step:  # fresh start: version 0 of every view before step 1
+            sink.publish(backend.weights(), start_step)
+            log.info("published the trainer's weights as version %d before step %d", start_step, start_step + 1)
+        driver = make_driver(int(resume["data_position"]) if resume is not None else 0)
+        loop.driver = driver
+        driver.start()
+        try:
+            loop.run()
+            loop.checkpoint()
+        finally:
+            driver.stop()
     finally:
-        driver.stop()
+        tracker_open.close()
     return loop
