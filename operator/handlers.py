@@ -4,7 +4,8 @@
     rebalance.py: shares; status.py: the WHOLE status) -> apply once (one field manager per write kind)
 
 - Observe: in-memory kopf indexes of the watched objects (RLJobs, SamplerGroups, WeightChannels, sampler
-  Deployments, trainer StatefulSets, and the operator's pods: `pods.pod_view`) replace list/get round
+  Deployments, trainer StatefulSets, the operator's pods: `pods.pod_view`, and the kubelet's FailedMount
+  Events by pod: `pods.mount_failure_view`) replace list/get round
   trips; the rebalance tick (`rebalance_timer.rebalance_job`) adds what only a scrape can see
   (throughput, the trainer's report) and keeps it in memory.
 - RLJob create/update(spec)/resume -> server-side apply of every child (owner references, common
@@ -13,7 +14,8 @@
 - Status pipeline (`refresh_job_status`, `refresh_samplergroup_status`, `refresh_weightchannel_status`):
   the whole status from the indexes and the tick's memory, written by server-side apply on the status
   subresource as `STATUS_FIELD_MANAGER` (the only status writer), only when it changed, with a
-  Kubernetes Event on each phase (and CollapseRisk) transition. Events of children and pods re-run it.
+  Kubernetes Event on each phase (and CollapseRisk) transition. Events of children and pods (and a
+  FailedMount Event on a pod) re-run it.
 - One timer, on each job's WeightChannel (kopf puts a finalizer on objects with timers; RLJobs must
   delete without the operator): it reads the channel's store, runs the rebalance tick, and re-runs the
   same pipelines. It never writes anything itself.
@@ -41,7 +43,7 @@ from rlfleet.catalog import CatalogError, get_catalog
 from rlfleet.operator import builders, kube, rebalance_timer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
-from rlfleet.operator.pods import pod_view
+from rlfleet.operator.pods import latest_mount_failure, mount_failure_view, pod_view
 from rlfleet.operator.trainer_report import trainer_job_status
 
 log = logging.getLogger("rlfleet.operator")
@@ -137,6 +139,18 @@ def pods_idx(namespace: str, body: kopf.Body, **_: Any) -> dict | None:
     return {(namespace, *owner): pod_view(body)} if owner else None
 
 
+def _is_failed_mount(body: Mapping[str, Any], **_: Any) -> bool:
+    involved = body.get("involvedObject") or {}
+    return body.get("reason") == "FailedMount" and involved.get("kind") == "Pod" and bool(involved.get("name"))
+
+
+# Events carry no labels: keyed by the involved pod; only FailedMount (a Secret or ConfigMap missing from a
+# volume shows nowhere else). One small view per Event object: the index is bounded by the Events' own TTL.
+@kopf.index("", "v1", "events", when=_is_failed_mount)
+def mount_failures_idx(namespace: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, body["involvedObject"]["name"]): mount_failure_view(body)}
+
+
 @dataclass(frozen=True)
 class View:
     """The indexes, as handed to handlers by kopf (keyword arguments named after the index functions)."""
@@ -148,6 +162,7 @@ class View:
     sampler_deployments: Any
     trainers: Any
     pods: Any
+    mount_failures: Any
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> View:
@@ -159,11 +174,27 @@ class View:
             sampler_deployments=kwargs["sampler_deployments_idx"],
             trainers=kwargs["trainers_idx"],
             pods=kwargs["pods_idx"],
+            mount_failures=kwargs["mount_failures_idx"],
         )
 
     def pods_of(self, namespace: str) -> Callable[[str, str], list[dict[str, Any]]]:
-        """(component, owner) -> the pod views of that workload in `namespace`."""
-        return lambda component, owner: self.all(self.pods, (namespace, component, owner))
+        """(component, owner) -> the pod views of that workload in `namespace`, each with its latest
+        FailedMount message (`mountFailure`, None without one)."""
+
+        def of(component: str, owner: str) -> list[dict[str, Any]]:
+            return [
+                {**pod, "mountFailure": latest_mount_failure(self.all(self.mount_failures, (namespace, pod["name"])))}
+                for pod in self.all(self.pods, (namespace, component, owner))
+            ]
+
+        return of
+
+    def owner_of_pod(self, namespace: str, pod_name: str) -> tuple[str, str] | None:
+        """(component, owner) of one of the operator's pods, by name (None: not one of ours)."""
+        for key, store in self.pods.items():
+            if key[0] == namespace and any(p.get("name") == pod_name for p in store):
+                return key[1], key[2]
+        return None
 
     @staticmethod
     def one(index: Any, key: tuple[str, str]) -> dict[str, Any] | None:
@@ -549,6 +580,21 @@ async def pod_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
     if owner is None:
         return
     view = View.of(kwargs)
+    component, name = owner
+    if component == "sampler":
+        await _quietly(refresh_samplergroup_status(namespace, name, view))
+    elif component == "trainer":
+        await _quietly(refresh_job_status(namespace, name, view))
+
+
+@kopf.on.event("", "v1", "events", when=_is_failed_mount)
+async def mount_failure_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+    """The kubelet cannot mount a volume of one of the operator's pods (the pod itself does not change):
+    its owner's pipeline re-runs with the new message in the index."""
+    view = View.of(kwargs)
+    owner = view.owner_of_pod(namespace, body["involvedObject"]["name"])
+    if owner is None:
+        return
     component, name = owner
     if component == "sampler":
         await _quietly(refresh_samplergroup_status(namespace, name, view))

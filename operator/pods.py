@@ -8,7 +8,11 @@ WHY a pod is not running, from what the API server already says about it.
   the scheduler's message for an unschedulable pod (a missing PersistentVolumeClaim is one: the
   scheduler's volume binding says `persistentvolumeclaim "x" not found`), the kubelet's waiting reason
   for a container that cannot start (CreateContainerConfigError: a missing Secret or ConfigMap;
-  ErrImagePull / ImagePullBackOff; CrashLoopBackOff, with the container's name).
+  ErrImagePull / ImagePullBackOff; CrashLoopBackOff, with the container's name), and for a pod still
+  creating its containers, the kubelet's latest FailedMount Event on it (a Secret or ConfigMap missing
+  from a VOLUME shows only there: `MountVolume.SetUp failed for volume "v" : secret "s" not found`).
+- `mount_failure_view(body)`: the fields of a core/v1 FailedMount Event the operator keeps (a kopf index
+  keyed by (namespace, pod name): Events carry no labels), and `latest_mount_failure(views)`.
 - `workload_problem(pods)`: the problem of a set of pods (a Deployment's or StatefulSet's), naming the pod.
 Reasons are CamelCase (docs/operations.md, "Conditions and reasons").
 """
@@ -76,6 +80,20 @@ def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def mount_failure_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a FailedMount Event the operator keeps: its message (clipped) and when it was last seen."""
+    return {
+        "message": _clip(body.get("message") or ""),
+        "at": str(body.get("lastTimestamp") or body.get("eventTime") or body.get("firstTimestamp") or ""),
+    }
+
+
+def latest_mount_failure(views: Iterable[Mapping[str, Any]]) -> str | None:
+    """The message of the newest of a pod's FailedMount Event views (RFC 3339 UTC times sort as text)."""
+    newest = max(views, key=lambda v: str(v.get("at")), default=None)
+    return str(newest["message"]) if newest and newest.get("message") else None
+
+
 def pod_ready(pod: Mapping[str, Any]) -> bool:
     """A pod view that is Running, with an IP, Ready=True and not being deleted."""
     if pod.get("phase") != "Running" or not pod.get("podIP") or pod.get("deleting"):
@@ -115,7 +133,20 @@ def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
                 last = c.get("lastTerminated") or {}
                 exited = f" (last exit: {last.get('reason') or 'Error'}, code {last.get('exitCode')})" if last else ""
                 return PodProblem("CrashLoopBackOff", _clip(f"{where}: CrashLoopBackOff{exited}: {message}".rstrip(": ")))
+    mount = pod.get("mountFailure")
+    if mount and pod.get("phase") == "Pending" and _creating(pod):
+        found = _MISSING.search(mount)
+        if found and found.group(1).lower() in ("secret", "configmap"):
+            return PodProblem(_MISSING_REASON[found.group(1).lower()], _clip(f"pod {name} FailedMount: {mount}"))
     return None
+
+
+def _creating(pod: Mapping[str, Any]) -> bool:
+    """Every container (init ones too) is still waiting to be created: the kubelet is setting up volumes."""
+    statuses = [*(pod.get("initContainers") or []), *(pod.get("containers") or [])]
+    return bool(statuses) and all(
+        (c.get("waiting") or {}).get("reason") in ("ContainerCreating", "PodInitializing") for c in statuses
+    )
 
 
 def workload_problem(pods: Iterable[Mapping[str, Any]]) -> PodProblem | None:

@@ -10,7 +10,14 @@ import pytest
 
 from rlfleet.catalog import load_catalog
 from rlfleet.operator import status as st
-from rlfleet.operator.pods import pod_problem, pod_view, workload_problem
+from rlfleet.operator.pods import (
+    PodProblem,
+    latest_mount_failure,
+    mount_failure_view,
+    pod_problem,
+    pod_view,
+    workload_problem,
+)
 from rlfleet.operator.trainer_report import TrainerReport, trainer_job_status
 
 CATALOG = load_catalog(None)
@@ -163,3 +170,42 @@ def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before
     s = st.rljob_status(observed, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
                         costs={"costPer1MTokens": 2.0, "baselineCostPer1MTokens": 3.0})  # fmt: skip
     assert (s["costPer1MTokens"], s["baselineCostPer1MTokens"]) == (2.0, 3.0)
+
+
+# The kubelet's FailedMount Event message (pkg/kubelet/volumemanager: `MountVolume.SetUp failed for volume
+# %q : %v`, the error from the secret / configmap volume plugin: `secret "x" not found`).
+SECRET_MOUNT = 'MountVolume.SetUp failed for volume "admin-token" : secret "j-router-admin" not found'
+CONFIGMAP_MOUNT = 'MountVolume.SetUp failed for volume "run-config" : configmap "j-config" not found'
+
+
+def mount_event(message: str, at: str) -> dict:
+    return {"reason": "FailedMount", "involvedObject": {"kind": "Pod", "name": "j-trainer-0"}, "type": "Warning",
+            "message": message, "lastTimestamp": at}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("message", "reason", "named"),
+    [(SECRET_MOUNT, "MissingSecret", 'secret "j-router-admin" not found'),
+     (CONFIGMAP_MOUNT, "MissingConfigMap", 'configmap "j-config" not found')],
+)  # fmt: skip
+def test_a_volume_that_does_not_mount_names_the_missing_object(message: str, reason: str, named: str) -> None:
+    creating = pod_view(pod(conditions=[{"type": "PodScheduled", "status": "True"}],
+                            containers=[waiting("trainer", "ContainerCreating")]))  # fmt: skip
+    older = mount_failure_view(mount_event("MountVolume.SetUp failed for volume \"x\" : timed out", "2026-01-01T00:00:00Z"))
+    newer = mount_failure_view(mount_event(message, "2026-01-01T00:01:00Z"))
+    latest = latest_mount_failure([newer, older])
+    assert latest == message and latest_mount_failure([older, newer]) == message
+    problem = pod_problem({**creating, "mountFailure": latest})
+    assert problem == PodProblem(reason, f"pod j-trainer-0 FailedMount: {message}")
+    assert named in problem.message
+    # ... and reaches the job's Degraded condition through the trainer workload
+    assert workload_problem([{**creating, "mountFailure": latest}]) == problem
+
+
+def test_a_mount_failure_is_ignored_once_containers_run_or_when_it_names_no_missing_object() -> None:
+    running = pod_view(pod(phase="Running", containers=[{"name": "trainer", "ready": True, "state": {"running": {}}}]))
+    assert pod_problem({**running, "mountFailure": SECRET_MOUNT}) is None  # a stale Event after the Secret came
+    creating = pod_view(pod(containers=[waiting("trainer", "ContainerCreating")]))
+    assert pod_problem({**creating, "mountFailure": "MountVolume.SetUp failed for volume \"x\" : timed out"}) is None
+    assert pod_problem({**creating, "mountFailure": None}) is None
+    assert latest_mount_failure([]) is None

@@ -143,6 +143,8 @@ NAMESPACED_RULES = {
     *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("list", "watch", "create", "patch")},
     *{("", r, v) for r in ("services", "configmaps") for v in ("create", "patch")},
     ("", "events", "create"),
+    ("", "events", "list"),  # the kubelet's FailedMount Events, watched into an index (missing volume Secrets)
+    ("", "events", "watch"),
     ("", "secrets", "create"),  # the router's admin token, created once per job
     ("", "secrets", "get"),  # ... and read back by name by the rebalancer (never listed or watched)
     ("", "pods", "list"),  # the operator's pods, watched into an index (status reasons, scrape targets)
