@@ -69,6 +69,19 @@ def kube() -> Iterator:
 
 
 @pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """2 shared cores: torch's default 2-thread pool spins against other processes (30x slower here).
+
+    Test files that run torch models use it with `pytestmark = pytest.mark.usefixtures(...)`."""
+    import torch  # only the files that use it pay for the import
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
 def namespace(kube) -> Iterator[str]:
     """A fresh namespace for one test; deleted (without waiting) afterwards."""
     name = f"t-{uuid.uuid4().hex[:10]}"

@@ -120,12 +120,7 @@ class HFBackend:
         self.objective = objective
         self.optim_config = optim or OptimConfig()
         self.temperature = temperature
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.optim_config.learning_rate,
-            weight_decay=self.optim_config.weight_decay,
-            betas=self.optim_config.betas,
-        )
+        self.optimizer = self.optim_config.adamw(self.model.parameters())
 
     @classmethod
     def from_pretrained(cls, path: str | Path, objective: ObjectiveConfig, **kwargs: Any) -> HFBackend:

@@ -30,6 +30,10 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     betas: tuple[float, float] = (0.9, 0.99)
 
+    def adamw(self, params: Any) -> torch.optim.AdamW:
+        """The one optimizer both torch-side backends (TinyGPT and HF) train with."""
+        return torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay, betas=self.betas)
+
 
 def to_token_batch(flat: FlatBatch, group_index: dict[str, int]) -> TokenBatch:
     """FlatBatch (numpy, CSR candidates) -> the objective's TokenBatch (torch, padded [T, K])."""
@@ -78,12 +82,7 @@ class TorchBackend:
         self.objective = objective
         self.optim_config = optim or OptimConfig()
         self.temperature = temperature
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.optim_config.learning_rate,
-            weight_decay=self.optim_config.weight_decay,
-            betas=self.optim_config.betas,
-        )
+        self.optimizer = self.optim_config.adamw(self.model.parameters())
 
     def row_logits(self, flat: FlatBatch) -> torch.Tensor:
         """Logits [T, V] (divided by the temperature) at the rows of the sampled tokens."""

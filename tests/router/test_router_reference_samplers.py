@@ -9,7 +9,6 @@ import asyncio
 
 import aiohttp
 import pytest
-import torch
 
 from rlfleet.numerics.tinygpt import TinyGPTConfig
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, parse_sglang_metrics, rebalance
@@ -26,12 +25,7 @@ INTERVAL = 3.0
 TOKEN = "ref-token"
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.mark.slow

@@ -12,14 +12,7 @@ from hypothesis import strategies as st
 
 from rlfleet.numerics import formats as fm
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """2 shared cores: torch's default 2-thread pool spins against other processes (30x slower here)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

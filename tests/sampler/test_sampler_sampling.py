@@ -23,12 +23,7 @@ from rlfleet.sampler.sampling import TOP_K_ALL, MaskStatus, RowParams, sample
 CAP = 4096
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture

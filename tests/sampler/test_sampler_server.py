@@ -25,14 +25,7 @@ from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.reference_engine import THROTTLE_BURST_S, EngineConfig, ReferenceEngine
 from rlfleet.sampler.server import start_reference_server
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """2 shared cores: torch's default 2-thread pool spins against other processes (30x slower here)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 MODEL = TinyGPTConfig(vocab_size=128, n_layer=2, n_head=2, d_model=32, max_seq_len=64, seed=11)

@@ -7,14 +7,7 @@ import torch
 
 from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, build_tinygpt
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """2 shared cores: torch's default 2-thread pool spins against other processes (30x slower here)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 CFG = TinyGPTConfig(vocab_size=128, n_layer=2, n_head=4, d_model=32, max_seq_len=64, seed=7)

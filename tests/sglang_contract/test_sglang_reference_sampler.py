@@ -32,7 +32,6 @@ from typing import Any
 import httpx
 import pytest
 import sglang_made as sm
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
@@ -47,12 +46,7 @@ MODEL = TinyGPTConfig(vocab_size=sm.VOCAB, n_layer=1, n_head=2, d_model=32, max_
 SAMPLING = {"temperature": 0.9, "top_p": 0.9, "top_k": 12, "max_new_tokens": 6}
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def engine(**kw: Any) -> ReferenceEngine:
