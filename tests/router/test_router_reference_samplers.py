@@ -1,4 +1,4 @@
-"""Proof with the project's reference sampler servers (SGLang API subset, TinyGPT on CPU) throttled to
+"""Proof with the project's reference sampler servers (SGLang API subset, the tiny Qwen3 on CPU) throttled to
 deliberately different speeds (throttles 1:2:4): shares computed by rebalance.py from their scraped /metrics
 and pushed through the router's admin API converge to within 10% of the throughput ratio they
 deliver within 3 rebalance intervals; then one group is stopped under load and no request is lost."""
@@ -10,16 +10,16 @@ import asyncio
 import aiohttp
 import pytest
 
-from rlfleet.numerics.tinygpt import TinyGPTConfig
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, parse_sglang_metrics, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
-from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
+from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.sampler.server import start_reference_server
 
 SPEEDS = {"a100-bf16": 50.0, "h100-fp8": 100.0, "b200-nvfp4": 200.0}  # tokens/s (throttle)
 FORMATS = {"a100-bf16": "bf16", "h100-fp8": "fp8", "b200-nvfp4": "nvfp4"}
-MODEL = TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, max_seq_len=64, seed=3)
+MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
 TOKENS = 16
 INTERVAL = 3.0
 TOKEN = "ref-token"
@@ -33,7 +33,7 @@ async def test_reference_samplers_shares_converge_and_a_stopped_group_loses_noth
     monkeypatch.setenv("RLFLEET_ROUTER_ADMIN_TOKEN", TOKEN)
     servers = {
         name: await start_reference_server(
-            ReferenceEngine(EngineConfig(model=MODEL, weight_format=FORMATS[name], max_tokens_per_second=tps))
+            ReferenceEngine(EngineConfig(model=MODEL, seed=3, weight_format=FORMATS[name], max_tokens_per_second=tps))
         )
         for name, tps in SPEEDS.items()
     }

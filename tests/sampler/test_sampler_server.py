@@ -12,28 +12,52 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
 
-from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig
+from rlfleet.numerics.engine_model import KernelConfig
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler import server as srv_mod
 from rlfleet.sampler.client import SamplerClient
-from rlfleet.sampler.reference_engine import THROTTLE_BURST_S, EngineConfig, ReferenceEngine
+from rlfleet.sampler.reference_engine import THROTTLE_BURST_S, EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.sampler.server import start_reference_server
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-MODEL = TinyGPTConfig(vocab_size=128, n_layer=2, n_head=2, d_model=32, max_seq_len=64, seed=11)
+SIZES = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64}  # fmt: skip
+SEED = 11
+MODEL = tiny_shape(**SIZES)  # the tiny Qwen3 at test sizes; the engine serves its init from SEED
 SUPPORT = {"temperature": 0.9, "top_p": 0.8, "top_k": 40, "max_new_tokens": 12}
 
 
 def engine(**kw) -> ReferenceEngine:
-    return ReferenceEngine(EngineConfig(model=MODEL, **kw))
+    return ReferenceEngine(EngineConfig(model=MODEL, seed=SEED, **kw))
+
+
+def trainer(seed: int = SEED) -> torch.nn.Module:
+    """transformers' Qwen3ForCausalLM of the served model (seed SEED: the weights the engine starts with)."""
+    return tiny_model(TinyQwen3(**SIZES, seed=seed))
+
+
+def publish(model: torch.nn.Module, view: str, directory: Path, base: Path) -> None:
+    """A published view of `model` (an HF checkpoint, completed from the save_pretrained checkpoint
+    `base`, written first if absent), as the trainer's publisher writes it; nvfp4 with the activation
+    amax calibrated on a few prompts."""
+    from rlfleet.numerics import views
+
+    if not (base / "config.json").is_file():
+        model.save_pretrained(base)
+    amax = None
+    if view == "nvfp4":
+        amax = views.calibrate_activation_amax(model, [torch.arange(1, 17)[None]])
+    views.save_view(model.state_dict(), view, directory, base_checkpoint=base, activation_amax=amax)
 
 
 def exact_engine(**kw) -> ReferenceEngine:
@@ -76,13 +100,13 @@ async def test_support_and_logprobs_are_sglangs_sampler_on_the_model():
     """The served kept sets are what SGLang's torch sampler keeps on the trainer's logits."""
     from sglang.srt.layers.sampler import top_k_top_p_min_p_sampling_from_probs_torch
 
-    trainer = TinyGPT(MODEL).eval()
+    hf = trainer()
     prompt = [5, 17, 33, 2]
     async with await start_reference_server(exact_engine()) as server, httpx.AsyncClient() as http:
         out = await generate(http, server.url, mask_body(prompt, {**SUPPORT, "sampling_seed": 123}))
     meta = out["meta_info"]
     with torch.no_grad():
-        logits = trainer(torch.tensor([prompt + out["output_ids"]]))[0]  # [S, V]
+        logits = hf(torch.tensor([prompt + out["output_ids"]])).logits[0]  # [S, V]
     rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(out["output_ids"])] / 0.9
     probs = torch.softmax(rows, -1)
     n = probs.shape[0]
@@ -188,7 +212,7 @@ async def test_flashinfer_ties_overflow_the_cap_mid_request():
     pytorch path keeps exactly top_k (the message is held against SGLang's in tests/sglang_contract)."""
     from rlfleet.sampler.reference_engine import mask_abort_reason
 
-    weights = TinyGPT(MODEL).state_dict()
+    weights = trainer().state_dict()
     weights["lm_head.weight"] = torch.zeros_like(weights["lm_head.weight"])
     body = mask_body([1, 2], {"top_k": 8, "max_new_tokens": 2})
     for backend, status in (("flashinfer", 400), ("pytorch", 200)):
@@ -214,11 +238,10 @@ async def test_client_shrinks_top_k_against_the_server_cap():
 
 
 async def test_update_weights_from_disk_and_version_conflicts(tmp_path):
-    from rlfleet.numerics import views
-
-    new_weights = TinyGPT(TinyGPTConfig(**{**MODEL.__dict__, "seed": 99})).state_dict()
-    views.save_view(new_weights, "bf16", tmp_path / "v5")
-    views.save_view(new_weights, "nvfp4", tmp_path / "v6")
+    new_model = trainer(seed=99)
+    new_weights = new_model.state_dict()
+    publish(new_model, "bf16", tmp_path / "v5", tmp_path / "base")
+    publish(new_model, "nvfp4", tmp_path / "v6", tmp_path / "base")
     eng = engine()
     async with await start_reference_server(eng) as server, httpx.AsyncClient() as http:
         r = await http.post(
@@ -230,6 +253,13 @@ async def test_update_weights_from_disk_and_version_conflicts(tmp_path):
             json={"model_path": str(tmp_path / "nope"), "weight_version": "5"},
         )
         assert r.status_code == 400 and r.json()["success"] is False
+        other = tiny_model(TinyQwen3(**{**SIZES, "num_hidden_layers": 1}))
+        publish(other, "bf16", tmp_path / "other", tmp_path / "other-base")
+        r = await http.post(
+            server.url + "/update_weights_from_disk",
+            json={"model_path": str(tmp_path / "other"), "weight_version": "5"},
+        )  # another architecture: refused before the engine is touched
+        assert r.status_code == 400 and "differs from the served model" in r.json()["message"]
         assert (await http.get(server.url + "/model_info")).json()["weight_version"] == "0"
         assert (await http.get(server.url + "/get_weight_version")).status_code == 404  # not in SGLang
         r = await http.post(
@@ -254,11 +284,7 @@ async def test_update_weights_from_disk_and_version_conflicts(tmp_path):
 
 
 async def test_update_mid_generation_gives_weight_version_spans(tmp_path):
-    from rlfleet.numerics import views
-
-    views.save_view(
-        TinyGPT(TinyGPTConfig(**{**MODEL.__dict__, "seed": 5})).state_dict(), "bf16", tmp_path / "v3"
-    )
+    publish(trainer(seed=5), "bf16", tmp_path / "v3", tmp_path / "base")
     eng = engine(max_tokens_per_second=40.0)  # slow: the update lands while the request runs
     async with await start_reference_server(eng) as server, httpx.AsyncClient(timeout=30) as http:
         pending = asyncio.create_task(
@@ -278,9 +304,7 @@ async def test_update_mid_generation_gives_weight_version_spans(tmp_path):
 
 
 async def test_abort_all_requests_on_update_and_pause_continue(tmp_path):
-    from rlfleet.numerics import views
-
-    views.save_view(TinyGPT(MODEL).state_dict(), "bf16", tmp_path / "v1")
+    publish(trainer(), "bf16", tmp_path / "v1", tmp_path / "base")
     eng = engine(max_tokens_per_second=40.0)
     async with await start_reference_server(eng) as server, httpx.AsyncClient(timeout=30) as http:
         pending = asyncio.create_task(
@@ -363,16 +387,16 @@ async def test_metrics_health_info_and_api_key():
             info = (await http.get(server.url + "/server_info", headers=auth)).json()
             assert info["sampling_mask_max_tokens"] == 4096 and info["weight_version"] == "0"
             text = (await http.get(server.url + "/metrics")).text
-    sched = 'engine_type="unified",model_name="tinygpt",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+    sched = 'engine_type="unified",model_name="tiny-qwen3",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
     for name in ("sglang:gen_throughput", "sglang:num_running_reqs", "sglang:num_queue_reqs",
                  "sglang:token_usage", "sglang:cache_hit_rate"):  # fmt: skip
         assert f"{name}{{{sched}}}" in text
-    tok = '{engine_type="unified",is_streaming="false",model_name="tinygpt"}'
+    tok = '{engine_type="unified",is_streaming="false",model_name="tiny-qwen3"}'
     assert f"sglang:generation_tokens_total{tok} 3.0" in text  # health_generate is not counted (log_metrics)
     assert f"sglang:num_requests_total{tok} 1.0" in text
     assert f"sglang:prompt_tokens_total{tok} 1.0" in text
     decode = (
-        'engine_type="unified",mode="decode",model_name="tinygpt",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+        'engine_type="unified",mode="decode",model_name="tiny-qwen3",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
     )
     assert f"sglang:realtime_tokens_total{{{decode}}} 4.0" in text  # the scheduler sees both requests
     assert (
@@ -456,11 +480,13 @@ def test_cli_serves_reference_over_http(tmp_path):
             str(port_file),
             "--vocab-size",
             "64",
-            "--d-model",
+            "--hidden-size",
             "32",
-            "--n-head",
+            "--num-attention-heads",
             "2",
-            "--max-seq-len",
+            "--head-dim",
+            "16",
+            "--context-length",
             "32",
             "--weight-format",
             "nvfp4",
@@ -508,36 +534,30 @@ def test_cli_serves_reference_over_http(tmp_path):
         assert proc.wait(timeout=20) == 0
 
 
-def test_cli_model_path_loads_a_view_and_infers_dims(tmp_path):
+def test_cli_model_path_loads_a_view_or_a_checkpoint_and_reads_its_config(tmp_path):
+    """`--model-path`: a published nvfp4 view is served as loaded (not re-quantized), a plain
+    save_pretrained checkpoint is quantized online to --weight-format; the architecture comes from
+    config.json; a directory without one is a CLI error."""
     from rlfleet.numerics import views
 
-    weights = TinyGPT(MODEL).state_dict()
-    views.save_view(weights, "nvfp4", tmp_path / "view")
-    args = srv_mod._parser().parse_args(
-        [
-            "--model-path",
-            str(tmp_path / "view"),
-            "--n-head",
-            "2",
-            "--max-seq-len",
-            "64",
-            "--weight-format",
-            "nvfp4",
-        ]
-    )
+    model = trainer()
+    weights = model.state_dict()
+    publish(model, "nvfp4", tmp_path / "view", tmp_path / "base")
+    args = srv_mod._parser().parse_args(["--model-path", str(tmp_path / "view"), "--weight-format", "nvfp4"])
     eng, view = srv_mod._reference_engine(args)
     assert view == "nvfp4" and eng.effective_format == "nvfp4"
-    c = eng.config.model
-    assert (c.vocab_size, c.n_layer, c.d_model, c.ffn_dim) == (
-        MODEL.vocab_size,
-        MODEL.n_layer,
-        MODEL.d_model,
-        MODEL.ffn_dim,
-    )
+    assert eng.config.model == MODEL  # every dimension read from the view's config.json
     _, dequantized = views.load_view(tmp_path / "view")
     name = "model.layers.1.mlp.down_proj.weight"
     assert torch.equal(eng.model.state_dict()[name], dequantized[name])  # served as loaded, not re-quantized
     assert not torch.equal(eng.model.state_dict()[name], weights[name])  # and it is really 4-bit
-    bad = srv_mod._parser().parse_args(["--model-path", str(tmp_path / "missing")])
-    with pytest.raises(srv_mod.CliError, match="cannot load"):
-        srv_mod._reference_engine(bad)
+    base = srv_mod._parser().parse_args(["--model-path", str(tmp_path / "base"), "--weight-format", "bf16"])
+    eng, view = srv_mod._reference_engine(base)
+    assert view == "fp32" and eng.effective_format == "bf16" and eng.config.model == MODEL
+    assert torch.equal(eng.model.state_dict()[name], weights[name].to(torch.bfloat16).float())
+    # a tensor-only view has no config.json: the engine cannot know the architecture
+    views.save_view(weights, "bf16", tmp_path / "tensor-only")
+    for missing in ("missing", "tensor-only"):
+        bad = srv_mod._parser().parse_args(["--model-path", str(tmp_path / missing)])
+        with pytest.raises(srv_mod.CliError, match="cannot load .*no config.json"):
+            srv_mod._reference_engine(bad)

@@ -34,15 +34,18 @@ import pytest
 import sglang_made as sm
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.sampler import reference_engine as engine_mod
 from rlfleet.sampler import sampling as sampling_mod
 from rlfleet.sampler import server as srv_mod
-from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
+from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.sampler.server import start_reference_server
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
 # sglang_made's SGLang context: vocabulary 64, context length 512, --sampling-mask-max-tokens 4096
-MODEL = TinyGPTConfig(vocab_size=sm.VOCAB, n_layer=1, n_head=2, d_model=32, max_seq_len=512, seed=3)
+# the tiny Qwen3 at the sizes the CLI's tiny-Qwen3 flags build (intermediate 2 x hidden, KV heads = heads)
+SIZES = {"vocab_size": sm.VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512}  # fmt: skip
+MODEL = tiny_shape(**SIZES)
 SAMPLING = {"temperature": 0.9, "top_p": 0.9, "top_k": 12, "max_new_tokens": 6}
 
 
@@ -50,7 +53,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def engine(**kw: Any) -> ReferenceEngine:
-    return ReferenceEngine(EngineConfig(model=MODEL, **kw))
+    return ReferenceEngine(EngineConfig(model=MODEL, seed=3, **kw))
 
 
 def tokens_of(meta: dict[str, Any], support_meta: dict[str, Any] | None = None) -> list[sm.Token]:
@@ -134,14 +137,15 @@ async def test_responses_equal_what_sglang_assembles_in_every_mode():
 async def test_weight_version_flag_and_spans_across_an_update(tmp_path):
     from rlfleet.numerics import views
 
-    views.save_view(
-        TinyGPT(TinyGPTConfig(**{**MODEL.__dict__, "seed": 4})).state_dict(), "bf16", tmp_path / "v8"
-    )
+    update = tiny_model(TinyQwen3(**SIZES, seed=4))
+    update.save_pretrained(tmp_path / "base")
+    views.save_view(update.state_dict(), "bf16", tmp_path / "v8", base_checkpoint=tmp_path / "base")
     args = srv_mod._parser().parse_args(
-        ["--vocab-size", str(sm.VOCAB), "--n-layer", "1", "--n-head", "2", "--d-model", "32",
-         "--max-seq-len", "512", "--weight-version", "7", "--max-tokens-per-second", "40"]
+        ["--vocab-size", str(sm.VOCAB), "--hidden-size", "32", "--num-hidden-layers", "1", "--num-attention-heads",
+         "2", "--head-dim", "16", "--context-length", "512", "--weight-version", "7", "--max-tokens-per-second", "40"]
     )  # fmt: skip
     eng, _ = srv_mod._reference_engine(args)
+    assert eng.config.model == MODEL
     async with await start_reference_server(eng) as server, httpx.AsyncClient(timeout=30) as http:
         assert (await http.get(server.url + "/model_info")).json()["weight_version"] == "7"
         body = {"input_ids": [1, 2], "sampling_params": {**SAMPLING, "max_new_tokens": 16}, "rid": "rlfleet-contract",
