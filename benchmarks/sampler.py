@@ -5,7 +5,11 @@ survive a shared machine), plus the absolute numbers for the record.
      validate), vs a naive per-token Python parse of the same dict (baseline);
   2. transport: bytes/token of encode_turns vs the SGLang JSON, and decode speed;
   3. reference server tokens/s over real HTTP: N concurrent requests (batched) vs one at a time;
-  4. (--kl) mean KL(q || p) of each emulated precision vs the fp32 trainer model.
+  4. (--kl) mean KL(q || p) of each emulated precision (the reference engine's EngineModel, KV-cached decode)
+     vs the fp32 trainer model (transformers' Qwen3ForCausalLM of the same tiny Qwen3, full forward).
+
+The model is the project's tiny Qwen3 (rlfleet/tiny_qwen3.py, the local mode's default: hidden 128, 2 layers,
+2 heads x 64, V = 64) initialised from a seed.
 
 Usage: .venv/bin/python benchmarks/sampler.py [--tokens 4096] [--k 64] [--requests 16] [--new-tokens 32] [--kl]
 """
@@ -21,12 +25,13 @@ import time
 import numpy as np
 import torch
 
-from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
+from rlfleet.numerics.engine_model import EngineModel, KernelConfig, ModelShape, precision_view
 from rlfleet.records import decode_turns, encode_turns
 from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.protocol import loads_json, parse_generate_response
-from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, measure_kl
+from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, measure_kl, tiny_shape
 from rlfleet.sampler.server import start_reference_server
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
 
 def synthetic_response(n: int, k: int, vocab: int = 151_936, seed: int = 0) -> dict:
@@ -45,7 +50,7 @@ def synthetic_response(n: int, k: int, vocab: int = 151_936, seed: int = 0) -> d
         "id": "x", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": 4, "weight_version": "3",
         "completion_tokens": n, "cached_tokens": 0, "output_token_logprobs": out,
         "output_token_sampling_mask": masks, "output_token_sampling_logprobs": lps,
-        "output_token_sampling_mask_length": [k] * n,
+        "output_token_sampling_mask_length": n,  # one int, the number of mask rows, as SGLang writes it
     }  # fmt: skip
     return {"text": "", "output_ids": [t[1] for t in out], "meta_info": meta}
 
@@ -110,8 +115,9 @@ async def _server_throughput(
     requests: int, new_tokens: int, concurrent: bool, kernel: KernelConfig
 ) -> tuple[float, float]:
     """(tokens per wall second, tokens per CPU second of this process: server + HTTP + client)."""
-    model = TinyGPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, max_seq_len=128, seed=0)
-    engine = ReferenceEngine(EngineConfig(model=model, kernel=kernel, max_running_requests=max(requests, 1)))
+    engine = ReferenceEngine(
+        EngineConfig(model=tiny_shape(), kernel=kernel, max_running_requests=max(requests, 1), seed=0)
+    )
     params = {"temperature": 1.0, "top_p": 0.95, "top_k": 64, "max_new_tokens": new_tokens}
     async with await start_reference_server(engine) as server, SamplerClient(server.url) as client:
         await client.generate([1, 2, 3], {**params, "max_new_tokens": 2})  # warm-up
@@ -142,9 +148,9 @@ def bench_server(requests: int, new_tokens: int) -> dict[str, tuple[float, float
 
 
 def bench_kl() -> list[tuple[str, float]]:
-    cfg = TinyGPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, max_seq_len=128, seed=3)
-    trainer = TinyGPT(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (8, 48), generator=torch.Generator().manual_seed(1))
+    trainer = tiny_model(TinyQwen3(seed=3))
+    shape = ModelShape.from_hf_config(trainer.config.to_dict())
+    ids = torch.randint(0, shape.vocab_size, (8, 48), generator=torch.Generator().manual_seed(1))
     bf16 = KernelConfig("bfloat16")
     rows = []
     for label, fmt, kv, kernel in (
@@ -160,8 +166,8 @@ def bench_kl() -> list[tuple[str, float]]:
         ("nvfp4 + fp8_e4m3 KV", "nvfp4", "fp8_e4m3", bf16),
         ("mxfp4", "mxfp4", "auto", bf16),
     ):
-        sampler = TinyGPT(cfg, kernel).eval()
-        sampler.load_state_dict(precision_view(trainer.state_dict(), fmt))
+        sampler = EngineModel(shape, kernel).eval()
+        sampler.load_weights(precision_view(trainer.state_dict(), fmt))
         rows.append((label, measure_kl(trainer, sampler, kv, ids, prompt_len=16)))
     return rows
 
@@ -215,7 +221,7 @@ def main() -> None:
     if args.kl:
         rows = bench_kl()
         base = rows[2][1]
-        print("== mean KL(q || p) vs the fp32 trainer (TinyGPT 2x64, V=256, 8 x 32 decoded positions) ==")
+        print("== mean KL(q || p) vs the fp32 trainer (tiny Qwen3 2 x 128, V=64, 8 x 32 decoded positions) ==")
         for label, kl in rows:
             print(f"  {label:<42} {kl:.3e}  ({kl / base:7.2f}x kernel-only)")
 

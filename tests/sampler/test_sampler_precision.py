@@ -38,7 +38,6 @@ def test_kl_ordering_kernel_lt_fp8_lt_fp4():
         "nvfp4": _kl(trainer, "nvfp4", "auto", BF16_KERNEL),
         "mxfp4": _kl(trainer, "mxfp4", "auto", BF16_KERNEL),
     }
-    print(kl)
     assert abs(kl["exact"]) < 1e-7  # the cached decode path itself adds nothing
     assert 0 < kl["kernel"] < kl["kv_fp8"] < kl["fp8"] < kl["nvfp4"]
     assert kl["kernel"] < kl["fp8_block"] < kl["mxfp4"]
