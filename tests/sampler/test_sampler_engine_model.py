@@ -293,8 +293,22 @@ def _qwen3_dict(**overrides: Any) -> dict[str, Any]:
             ),
             "sliding-window attention is not implemented",
         ),
+        (
+            lambda: __import__("transformers").Qwen3Config(attention_bias=True).to_dict(),
+            "attention_bias .* is not implemented",
+        ),
+        (lambda: _qwen3_dict(hidden_act="gelu"), "hidden_act 'gelu' is not implemented"),
     ],
-    ids=["llama", "qwen3_moe", "no_model_type", "rope_linear", "rope_scaling_v4", "sliding_window"],
+    ids=[
+        "llama",
+        "qwen3_moe",
+        "no_model_type",
+        "rope_linear",
+        "rope_scaling_v4",
+        "sliding_window",
+        "attention_bias",
+        "hidden_act",
+    ],
 )
 def test_from_hf_config_refuses_what_the_engine_does_not_implement(config, message):
     with pytest.raises(UnsupportedModelError, match=message):

@@ -461,6 +461,15 @@ def test_sglang_engine_argv_uses_the_catalog(capsys):
     assert srv_mod.cli(["--weight-format", "int3"]) == 2
 
 
+def test_cli_refuses_bad_tiny_qwen3_sizes(capsys):
+    """transformers' own config validation (an odd head_dim has no rotary pairs) is a CLI error, not a
+    stack trace; so is an engine shape check."""
+    assert srv_mod.cli(["--engine", "reference", "--head-dim", "15", "--port", "0"]) == 2
+    assert "even rotary dimension" in capsys.readouterr().err
+    assert srv_mod.cli(["--engine", "reference", "--hidden-size", "0", "--port", "0"]) == 2
+    assert "hidden_size must be positive" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_serves_reference_over_http(tmp_path):
     port_file = tmp_path / "port"
