@@ -14,8 +14,9 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -79,6 +80,30 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project's tiny Qwen3 checkpoint (rlfleet/tiny_qwen3.py, default sizes: every projection a
+    multiple of 128, so bf16, fp8 and nvfp4 views all publish), built once per session. Read-only:
+    tests that change a checkpoint build their own."""
+    from rlfleet.tiny_qwen3 import build_tiny_qwen3
+
+    return build_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`build(**fields) -> checkpoint dir`: a tiny Qwen3 of `rlfleet.tiny_qwen3.TinyQwen3(**fields)`
+    (smaller sizes for tests that publish no fp8 view), built once per spec per session. Read-only."""
+    from rlfleet.tiny_qwen3 import TinyQwen3, cached_tiny_qwen3
+
+    root = tmp_path_factory.mktemp("tiny-qwen3-sized")
+
+    def build(**fields: Any) -> Path:
+        return cached_tiny_qwen3(root, TinyQwen3(**fields))
+
+    return build
 
 
 @pytest.fixture

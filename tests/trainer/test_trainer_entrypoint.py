@@ -3,10 +3,11 @@
 Real parts: the fleet host of local mode (trainer/fleet.py: real reference sampler servers over HTTP,
 the router, the real weight-sync loops that apply whatever the channel's pointer names first), a
 filesystem weight store, and the entrypoint started as `rlfleet trainer run` in a subprocess with the
-resolved RLJob YAML the operator would mount. The base model is a TinyGPT tensor-only view on disk
-(`spec.model.path`, resolved by rlfleet/model_source.py). Asserted: version 0 of EVERY view is
-published from the base checkpoint before step 1's version, steps advance to totalSteps, checkpoints
-land next to the channel, the process exits 0."""
+resolved RLJob YAML the operator would mount. The base model is the project's tiny Qwen3 checkpoint
+on disk (rlfleet/tiny_qwen3.py, `save_pretrained` + tokenizer; `spec.model.path`, resolved by
+rlfleet/model_source.py), trained by the transformers backend (`trainer.backend: torch`). Asserted:
+version 0 of EVERY view is published from the base checkpoint before step 1's version, steps advance
+to totalSteps, checkpoints land next to the channel, the process exits 0."""
 
 from __future__ import annotations
 
@@ -22,22 +23,22 @@ import torch
 import yaml
 
 from rlfleet.channel import WeightChannel
-from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
-from rlfleet.numerics.views import load_view, save_view
+from rlfleet.model_source import read_safetensors_dir
+from rlfleet.numerics.views import load_view
 from rlfleet.store import FilesystemStore
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.fleet import FleetSpec, GroupSpec
 from rlfleet.trainer.local import FleetProcess
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL = {"vocab_size": 64, "n_layer": 2, "n_head": 2, "d_model": 64, "max_seq_len": 64, "seed": 0}
+MAX_SEQ_LEN = 64
 STEPS = 3
 
 
 def job_manifest(tmp_path: Path, base: Path, channel: Path) -> Path:
     doc = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     spec = doc["spec"]
-    spec["model"] = {"name": "tinygpt", "path": str(base), "maxSeqLen": MODEL["max_seq_len"]}
+    spec["model"] = {"name": "tiny-qwen3", "path": str(base), "maxSeqLen": MAX_SEQ_LEN}
     spec["trainer"] = {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 1, "backend": "torch",
                        "totalSteps": STEPS, "optimizer": {"learningRate": 1.0e-3}}
     spec["rollout"].update({"promptsPerStep": 2, "samplesPerPrompt": 2, "maxNewTokens": 4, "topK": 16,
@@ -54,15 +55,14 @@ def job_manifest(tmp_path: Path, base: Path, channel: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    base_weights = TinyGPT(TinyGPTConfig(**MODEL)).state_dict()
-    save_view(base_weights, "bf16", tmp_path / "base")  # the base checkpoint: a tensor-only view
+def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    base = tiny_qwen3_dir  # the default sizes: every projection a multiple of 128, so the fp8 view publishes
+    base_weights = read_safetensors_dir(base)  # bf16, as save_pretrained wrote them
     channel_dir = tmp_path / "channel"
     channel_dir.mkdir()
     fleet_spec = FleetSpec(
         groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")],
-        store=str(channel_dir), cache_dir=str(tmp_path / "cache"), model=dict(MODEL), seed=0,
+        store=str(channel_dir), cache_dir=str(tmp_path / "cache"), model_path=str(base), seed=0,
     )
     (tmp_path / "fleet.json").write_text(fleet_spec.to_json())
     fleet = FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8))
@@ -71,10 +71,10 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
         assert WeightChannel(FilesystemStore(channel_dir)).latest() is None
         trainer = subprocess.run(
             [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run",
-             "--config", str(job_manifest(tmp_path, tmp_path / "base", channel_dir)),
+             "--config", str(job_manifest(tmp_path, base, channel_dir)),
              "--router-url", urls["router"], "--metrics-port", "0"],
             cwd=tmp_path, capture_output=True, text=True, timeout=300,
-            env={**os.environ, "RLFLEET_N_HEAD": str(MODEL["n_head"]), "RLFLEET_LOG_LEVEL": "INFO"},
+            env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"},
         )
     finally:
         fleet.stop()
@@ -89,6 +89,7 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     assert log.index("published the trainer's weights as version 0 before step 1") < log.index("published weights v1 ")
     # version 0 is the base checkpoint's weights (bf16 in, bf16 view out: exact)
     _, v0_bf16 = load_view(channel.download_view(0, "bf16", tmp_path / "dl" / "v0"))
+    assert sorted(v0_bf16) == sorted(base_weights)
     for name, tensor in base_weights.items():
         assert torch.equal(v0_bf16[name], tensor.to(torch.bfloat16).float()), name
     # checkpoints go next to the channel, and every step trained on rollouts
@@ -112,7 +113,9 @@ def test_trainer_entrypoint_refuses_a_model_path_that_is_not_a_checkpoint(tmp_pa
     assert "has no config.json (not a Hugging Face checkpoint)" in run.stderr and "Traceback" not in run.stderr
 
 
-def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_checkpoint(tmp_path: Path) -> None:
+def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_checkpoint(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     """With an HF base (the project's tiny Qwen3, hf backend) version 0 of every view is in the channel,
     each a complete HF checkpoint from the base (config.json with the view's quantization config,
     tokenizer), BEFORE the rollout source is even built. `rc.steps = 0`: no rollout is needed, and the
@@ -120,12 +123,11 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
     from types import SimpleNamespace
 
     from rlfleet.store import open_store
-    from rlfleet.tiny_qwen3 import build_tiny_qwen3
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.run import ChannelSink, activation_calibration, build_backend, run_training
 
-    source = build_tiny_qwen3(tmp_path / "qwen3")
+    source = tiny_qwen3_dir
     groups = [{"name": "h100-bf16", "weight_format": "bf16"}, {"name": "h100-fp8", "weight_format": "fp8"},
               {"name": "b200-nvfp4", "weight_format": "nvfp4"}]
     rc = SimpleNamespace(correction_mode="sc-mis-topp", mis_low=0.2, mis_high=5.0, learning_rate=1e-3,

@@ -1,6 +1,8 @@
-"""Loop invariants on real parts in one process: TinyGPT trainer, emulated low-precision sampler
-engines (real fake-quantised weights, the sampler's SGLang sampling; only HTTP is absent, local mode
-tests cover it), the async rollout driver in its own thread, the corrected objective, checkpoints."""
+"""Loop invariants on real parts in one process: the transformers trainer backend (HFBackend) on a tiny
+Qwen3 checkpoint built with `save_pretrained` (rlfleet/tiny_qwen3.py, as local mode and a cluster load
+it), emulated low-precision sampler engines of that checkpoint's shape (the reference engine's Qwen3,
+real fake-quantised weights, the sampler's SGLang sampling; only HTTP is absent, local mode tests cover
+it), the async rollout driver in its own thread, the corrected objective, checkpoints."""
 
 from __future__ import annotations
 
@@ -9,11 +11,12 @@ import collections
 import threading
 
 import numpy as np
+import pytest
 import torch
 
-from rlfleet.numerics.tinygpt import TinyGPTConfig
+from rlfleet.numerics.engine_model import ModelShape
 from rlfleet.trainer import checkpoint
-from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
+from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
 from rlfleet.trainer.batching import flatten_groups
 from rlfleet.trainer.collapse import CollapseDetector
 from rlfleet.trainer.emulated import EmulatedFleet, EmulatedSampler
@@ -23,7 +26,11 @@ from rlfleet.trainer.objective import ObjectiveConfig
 from rlfleet.trainer.prompts import GeneratedPromptSource
 from rlfleet.trainer.rollout import RolloutDriver
 
-CFG = TinyGPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=32, max_seq_len=48, seed=0)
+# the smallest tiny Qwen3 the loop needs (no fp8 view is published here: sizes need not be multiples of 128)
+SIZES = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 48, "seed": 0}
+MAX_SEQ_LEN = SIZES["max_position_embeddings"]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GROUPS = [("g-bf16", "bf16", "auto"), ("g-nvfp4", "nvfp4", "fp8_e4m3")]
 SAMPLING = {"temperature": 1.0, "top_p": 0.97, "top_k": 16, "max_new_tokens": 4, "candidate_mode": "support"}
 
@@ -59,16 +66,23 @@ class _SampleTagDriver(RolloutDriver):
             self.env.start = orig_start  # type: ignore[method-assign]
 
 
-def make(tmp_path, env=None, start_position=0, generate=None, steps=4, checkpoint_every=0):
+@pytest.fixture
+def model_dir(tiny_qwen3_factory):
+    return tiny_qwen3_factory(**SIZES)
+
+
+def make(model_dir, tmp_path, env=None, start_position=0, generate=None, steps=4, checkpoint_every=0):
     torch.manual_seed(0)
-    samplers = [EmulatedSampler(n, f, kv, CFG, seed=i) for i, (n, f, kv) in enumerate(GROUPS)]
+    shape = ModelShape.from_checkpoint(model_dir)
+    samplers = [EmulatedSampler(n, f, kv, shape, seed=i) for i, (n, f, kv) in enumerate(GROUPS)]
     fleet = EmulatedFleet(samplers)
-    backend = TorchBackend(CFG, ObjectiveConfig.from_correction("sc-mis-topp"), OptimConfig(learning_rate=1e-3))
+    backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig.from_correction("sc-mis-topp"),
+                                        optim=OptimConfig(learning_rate=1e-3))
     fleet.load_weights(backend.weights(), 0)
     env = env or ToolAddEnv(max_turns=3)
     driver_cls = _SampleTagDriver if isinstance(env, CountingEnv) else RolloutDriver
     driver = driver_cls(generate or fleet.generate, env, GeneratedPromptSource("tool_add", 0), samples_per_prompt=3,
-                        sampling=SAMPLING, max_seq_len=CFG.max_seq_len, start_position=start_position, max_ahead_prompts=6)
+                        sampling=SAMPLING, max_seq_len=MAX_SEQ_LEN, start_position=start_position, max_ahead_prompts=6)
     loop = TrainingLoop(
         LoopConfig(total_steps=steps, prompts_per_step=2, checkpoint_every=checkpoint_every, checkpoint_dir=tmp_path / "ckpt"),
         backend, driver, publish=lambda v, w: fleet.load_weights(w, v), detector=CollapseDetector(),
@@ -85,9 +99,9 @@ def run(loop, driver):
         driver.stop()
 
 
-def test_every_record_scored_once_and_trained_once(tmp_path):
+def test_every_record_scored_once_and_trained_once(model_dir, tmp_path):
     env = CountingEnv()
-    loop, driver, _ = make(tmp_path, env=env, steps=4)
+    loop, driver, _ = make(model_dir, tmp_path, env=env, steps=4)
     trained_batches = []
     original = loop.backend.train_step
 
@@ -105,8 +119,8 @@ def test_every_record_scored_once_and_trained_once(tmp_path):
     assert sum(env.scored.values()) == driver.stats.scored_episodes
 
 
-def test_tokens_trained_on_are_exactly_the_tokens_sampled(tmp_path):
-    loop, driver, _ = make(tmp_path, steps=1)
+def test_tokens_trained_on_are_exactly_the_tokens_sampled(model_dir, tmp_path):
+    loop, driver, _ = make(model_dir, tmp_path, steps=1)
     driver.start()
     try:
         groups = driver.buffer.take(3, timeout=120)
@@ -133,7 +147,7 @@ def test_tokens_trained_on_are_exactly_the_tokens_sampled(tmp_path):
         assert np.allclose(flat.logq_support[flat.row_seq == b], lq)
 
 
-def test_staleness_is_per_token_version_under_in_flight_updates(tmp_path):
+def test_staleness_is_per_token_version_under_in_flight_updates(model_dir, tmp_path):
     """Weights change between the turns of running episodes: each token keeps the version that
     produced it, and staleness is the trainer version minus the sample's OLDEST version."""
     holder = {}
@@ -148,7 +162,7 @@ def test_staleness_is_per_token_version_under_in_flight_updates(tmp_path):
             await asyncio.to_thread(fleet.load_weights, holder["weights"], new)
         return turn
 
-    loop, driver, fleet = make(tmp_path, generate=generate, steps=1)
+    loop, driver, fleet = make(model_dir, tmp_path, generate=generate, steps=1)
     holder["fleet"], holder["weights"] = fleet, loop.backend.weights()
     driver.start()
     try:
@@ -172,8 +186,8 @@ def test_staleness_is_per_token_version_under_in_flight_updates(tmp_path):
     assert split_by_staleness(groups, trainer_version, None) == (groups, [])
 
 
-def test_resume_continues_at_step_and_data_position_without_reuse(tmp_path):
-    loop, driver, _ = make(tmp_path, steps=3, checkpoint_every=1)
+def test_resume_continues_at_step_and_data_position_without_reuse(model_dir, tmp_path):
+    loop, driver, _ = make(model_dir, tmp_path, steps=3, checkpoint_every=1)
     first = run(loop, driver)
     assert first.step == 3
     state = checkpoint.load_latest(tmp_path / "ckpt")
@@ -182,7 +196,7 @@ def test_resume_continues_at_step_and_data_position_without_reuse(tmp_path):
     trained_before = set(state["trained_uids"])
     assert position >= 3 * 2  # at least the prompts trained on were dispatched
 
-    loop2, driver2, _ = make(tmp_path, steps=5, start_position=position, checkpoint_every=1)
+    loop2, driver2, _ = make(model_dir, tmp_path, steps=5, start_position=position, checkpoint_every=1)
     loop2.restore(state)
     # model and optimizer really came back
     for name, w in state["backend"]["model"].items():

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer import backend_megatron as bm
 from rlfleet.trainer import megatron_support as ms
-from rlfleet.trainer.backend_torch import to_token_batch
+from rlfleet.trainer.backend_common import to_token_batch
 from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
 CFG = bm.MegatronModelConfig(vocab_size=32, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -118,12 +118,13 @@ def _flat_batch():
 def test_micro_batches_reassemble_the_batch_loss_and_metrics():
     """Slicing by sequence and merging the objective's outputs gives the whole batch's token mean."""
     flat = _flat_batch()
-    model = TinyGPT(TinyGPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=16, max_seq_len=8))
+    model = tiny_model(TinyQwen3(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=8))
     cfg = ObjectiveConfig(mode="sc_mis", replay=True)
     gi = {"a": 0, "b": 1}
 
     def out_of(fb):
-        logits = model(torch.from_numpy(fb.input_ids))[torch.from_numpy(fb.row_seq), torch.from_numpy(fb.row_pos)]
+        logits = model(torch.from_numpy(fb.input_ids)).logits[torch.from_numpy(fb.row_seq), torch.from_numpy(fb.row_pos)]
         return policy_loss(logits, to_token_batch(fb, gi), cfg)
 
     whole = out_of(flat)

@@ -94,6 +94,13 @@ def test_wandb_offline(tmp_path: Path, monkeypatch) -> None:
     assert list(tmp_path.rglob("*.wandb"))
 
 
+@pytest.fixture
+def model_dir(tiny_qwen3_factory, one_torch_thread) -> Path:
+    """The loop tests' tiny Qwen3 (no fp8 view published: small sizes); torch on one thread."""
+    return tiny_qwen3_factory(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=48)
+
+
 class RecordingTracker:
     def __init__(self) -> None:
         self.logged: list[tuple[int, dict]] = []
@@ -106,16 +113,17 @@ class RecordingTracker:
         self.closed += 1
 
 
-def _composition_root_parts():
-    """The loop tests' smallest real setup (tests/trainer/test_trainer_loop.py): TinyGPT trainer,
-    emulated low-precision samplers, the async rollout driver, tool_add prompts."""
+def _composition_root_parts(model_dir: Path):
+    """The loop tests' smallest real setup (tests/trainer/test_trainer_loop.py): the transformers
+    trainer backend on a tiny Qwen3 checkpoint, emulated low-precision samplers of its shape, the async
+    rollout driver, tool_add prompts."""
     from types import SimpleNamespace
 
     import torch
 
-    from rlfleet.numerics.tinygpt import TinyGPTConfig
+    from rlfleet.numerics.engine_model import ModelShape
     from rlfleet.trainer.ablation import SnapshotSink
-    from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
+    from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
     from rlfleet.trainer.emulated import EmulatedFleet, EmulatedSampler
     from rlfleet.trainer.environments import ToolAddEnv
     from rlfleet.trainer.objective import ObjectiveConfig
@@ -123,10 +131,11 @@ def _composition_root_parts():
     from rlfleet.trainer.rollout import RolloutDriver
 
     torch.manual_seed(0)
-    cfg = TinyGPTConfig(vocab_size=32, n_layer=1, n_head=2, d_model=32, max_seq_len=48, seed=0)
+    shape = ModelShape.from_checkpoint(model_dir)
     groups = [{"name": "g-bf16", "weight_format": "bf16"}]
-    fleet = EmulatedFleet([EmulatedSampler("g-bf16", "bf16", "auto", cfg, seed=0)])
-    backend = TorchBackend(cfg, ObjectiveConfig.from_correction("sc-mis-topp"), OptimConfig(learning_rate=1e-3))
+    fleet = EmulatedFleet([EmulatedSampler("g-bf16", "bf16", "auto", shape, seed=0)])
+    backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig.from_correction("sc-mis-topp"),
+                                        optim=OptimConfig(learning_rate=1e-3))
 
     class FleetSink(SnapshotSink):  # versions go to the emulated samplers
         def publish(self, weights, version):
@@ -137,18 +146,18 @@ def _composition_root_parts():
 
     def make_driver(position):
         return RolloutDriver(fleet.generate, ToolAddEnv(max_turns=3), GeneratedPromptSource("tool_add", 0),
-                             samples_per_prompt=2, sampling=sampling, max_seq_len=cfg.max_seq_len,
+                             samples_per_prompt=2, sampling=sampling, max_seq_len=shape.max_position_embeddings,
                              start_position=position, max_ahead_prompts=4)
 
     rc = SimpleNamespace(steps=3, prompts_per_step=2, max_staleness=None, groups=groups)
     return rc, backend, FleetSink(), make_driver
 
 
-def test_run_training_logs_every_step_to_the_tracker_and_closes_it(tmp_path: Path) -> None:
+def test_run_training_logs_every_step_to_the_tracker_and_closes_it(tmp_path: Path, model_dir: Path) -> None:
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.run import run_training
 
-    rc, backend, sink, make_driver = _composition_root_parts()
+    rc, backend, sink, make_driver = _composition_root_parts(model_dir)
     tracker = RecordingTracker()
     hooked: list[dict] = []
     loop = run_training(rc, backend, sink, CollapseDetector(), make_driver, checkpoint=tmp_path / "ckpt",
@@ -159,11 +168,11 @@ def test_run_training_logs_every_step_to_the_tracker_and_closes_it(tmp_path: Pat
     assert tracker.closed == 1
 
 
-def test_run_training_closes_the_tracker_on_error(tmp_path: Path) -> None:
+def test_run_training_closes_the_tracker_on_error(tmp_path: Path, model_dir: Path) -> None:
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.run import run_training
 
-    rc, backend, sink, _ = _composition_root_parts()
+    rc, backend, sink, _ = _composition_root_parts(model_dir)
     tracker = RecordingTracker()
 
     def broken_driver(position):
@@ -175,11 +184,11 @@ def test_run_training_closes_the_tracker_on_error(tmp_path: Path) -> None:
     assert tracker.logged == [] and tracker.closed == 1
 
 
-def test_run_training_misconfigured_tracking_is_a_start_error(tmp_path: Path, monkeypatch) -> None:
+def test_run_training_misconfigured_tracking_is_a_start_error(tmp_path: Path, model_dir: Path, monkeypatch) -> None:
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.run import TrainingStartError, run_training
 
-    rc, backend, sink, make_driver = _composition_root_parts()
+    rc, backend, sink, make_driver = _composition_root_parts(model_dir)
     monkeypatch.setenv("RLFLEET_TRACKING", "neptune:x")
     with pytest.raises(TrainingStartError, match="unknown kind 'neptune'"):
         run_training(rc, backend, sink, CollapseDetector(), make_driver, checkpoint=tmp_path / "ckpt")

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from rlfleet.channel import read_channel_status
-from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+from rlfleet.numerics.views import calibrate_activation_amax
 from rlfleet.store import FilesystemStore
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import WeightPublisher
 
-MODEL = {"vocab-size": 64, "n-layer": 1, "n-head": 2, "d-model": 64, "max-seq-len": 64}
 GROUPS = {"a100-bf16": "bf16", "h100-fp8": "fp8", "b200-nvfp4": "nvfp4"}
 
 
@@ -42,16 +42,22 @@ def wait_port(port_file: Path, proc: subprocess.Popen[bytes], log: Path, timeout
     raise AssertionError(f"{proc.args} did not start: {log.read_text()[-2000:]}")
 
 
-def trained(step: int) -> dict[str, torch.Tensor]:
-    """Weights of 'training step' `step`: the init plus a deterministic step-dependent perturbation."""
-    model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=64, seed=0))
+def trained(step: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Weights of 'training step' `step`: the tiny Qwen3's init (the base checkpoint's model) plus a
+    deterministic step-dependent perturbation, and their activation amax (an nvfp4 HF view needs it)."""
+    model = tiny_model(TinyQwen3())
     g = torch.Generator().manual_seed(step)
-    return {k: v.detach() + 0.05 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return weights, calibrate_activation_amax(model, [torch.arange(32).reshape(2, 16)])
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], dict[str, str]]]:
-    """Servers + sidecars; yields (store dir, group -> server url, group -> sidecar url)."""
+def fleet(tmp_path: Path, tiny_qwen3_dir: Path) -> Iterator[tuple[Path, dict[str, str], dict[str, str]]]:
+    """Servers (serving the tiny Qwen3 checkpoint until the first update) + sidecars; yields
+    (store dir, group -> server url, group -> sidecar url)."""
     store_dir = tmp_path / "channel"
     store_dir.mkdir()
     procs: list[subprocess.Popen[bytes]] = []
@@ -61,7 +67,6 @@ def fleet(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], dict[str, str]
         started = []
         for group, view in GROUPS.items():
             log, port_file = tmp_path / f"{group}-server.log", tmp_path / f"{group}-server.port"
-            model_args = [a for k, v in MODEL.items() for a in (f"--{k}", str(v))]
             proc = rlfleet(
                 "sampler",
                 "serve",
@@ -75,9 +80,8 @@ def fleet(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], dict[str, str]
                 view,
                 "--weight-version",
                 "0",
-                "--seed",
-                "0",
-                *model_args,
+                "--model-path",
+                str(tiny_qwen3_dir),
                 log=log,
             )
             procs.append(proc)
@@ -129,10 +133,12 @@ def fleet(tmp_path: Path) -> Iterator[tuple[Path, dict[str, str], dict[str, str]
 
 
 @pytest.mark.slow
-def test_three_views_converge_to_three_versions(fleet: tuple[Path, dict[str, str], dict[str, str]]) -> None:
+def test_three_views_converge_to_three_versions(
+    fleet: tuple[Path, dict[str, str], dict[str, str]], tiny_qwen3_dir: Path
+) -> None:
     store_dir, servers, sidecars = fleet
     store = FilesystemStore(store_dir)
-    publisher = WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], keep_versions=2)
+    publisher = WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], keep_versions=2, base_checkpoint=tiny_qwen3_dir)
     prompt = {
         "input_ids": [1, 2, 3, 4],
         "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "sampling_seed": 7},
@@ -143,7 +149,8 @@ def test_three_views_converge_to_three_versions(fleet: tuple[Path, dict[str, str
         assert {b["meta_info"]["weight_version"] for b in before.values()} == {"0"}
         previous = {g: b["meta_info"]["output_token_logprobs"] for g, b in before.items()}
         for version in (1, 2, 3):
-            result = publisher.publish(trained(version), version=version)
+            weights, amax = trained(version)
+            result = publisher.publish(weights, version=version, activation_amax=amax)
             assert (result.version, result.advanced) == (version, True)
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:

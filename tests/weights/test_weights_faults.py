@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from rlfleet.channel import WeightChannel
-from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.store import FilesystemStore
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import WeightPublisher
 
 # A publisher in its own process. Its store sleeps after each durable file (a slow shared volume),
@@ -24,8 +24,10 @@ from rlfleet.trainer.publisher import WeightPublisher
 SLOW_PUBLISHER = textwrap.dedent(
     """
     import sys, time
-    from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
+    import torch
+    from rlfleet.numerics.views import calibrate_activation_amax
     from rlfleet.store import FilesystemStore
+    from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
     from rlfleet.trainer.publisher import WeightPublisher
 
     class SlowStore(FilesystemStore):
@@ -34,24 +36,23 @@ SLOW_PUBLISHER = textwrap.dedent(
             time.sleep(float(sys.argv[2]))
             return digest
 
-    model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=int(sys.argv[3])))
-    publisher = WeightPublisher(SlowStore(sys.argv[1]), views=sys.argv[6].split(","), publisher_id=sys.argv[4], keep_versions=None)
+    model = tiny_model(TinyQwen3(seed=int(sys.argv[3])))  # the shape of the base checkpoint sys.argv[7]
+    amax = calibrate_activation_amax(model, [torch.arange(32).reshape(2, 16)])  # nvfp4's input_scale
+    publisher = WeightPublisher(SlowStore(sys.argv[1]), views=sys.argv[6].split(","), publisher_id=sys.argv[4], keep_versions=None,
+                                base_checkpoint=sys.argv[7])
     for _ in range(int(sys.argv[5])):
-        print(publisher.publish(model.state_dict()).version, flush=True)
+        print(publisher.publish(model.state_dict(), activation_amax=amax).version, flush=True)
     """
 )
 
 
 def tiny_state(seed: int) -> dict[str, torch.Tensor]:
-    return dict(
-        TinyGPT(
-            TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=seed)
-        ).state_dict()
-    )
+    """The tiny Qwen3's tensors from `seed` (the shape of the `tiny_qwen3_dir` base checkpoint)."""
+    return dict(tiny_model(TinyQwen3(seed=seed)).state_dict())
 
 
 def spawn_publisher(
-    store_dir: Path, delay: float, seed: int, name: str, count: int, views: str = "bf16,fp8,nvfp4"
+    store_dir: Path, delay: float, seed: int, name: str, count: int, base: Path, views: str = "bf16,fp8,nvfp4"
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [
@@ -64,6 +65,7 @@ def spawn_publisher(
             name,
             str(count),
             views,
+            str(base),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -71,12 +73,12 @@ def spawn_publisher(
     )
 
 
-def test_publisher_sigkilled_mid_write_leaves_pointer_unchanged(tmp_path: Path) -> None:
+def test_publisher_sigkilled_mid_write_leaves_pointer_unchanged(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     store_dir = tmp_path / "store"
     store = FilesystemStore(store_dir, create=True)
     channel = WeightChannel(store)
-    WeightPublisher(store, views=["bf16"], keep_versions=None).publish(tiny_state(0))
-    proc = spawn_publisher(store_dir, 1.0, 1, "doomed", 1)
+    WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir).publish(tiny_state(0))
+    proc = spawn_publisher(store_dir, 1.0, 1, "doomed", 1, tiny_qwen3_dir)
     try:
         deadline = time.monotonic() + 60
         while not store.list("v1/") and time.monotonic() < deadline:
@@ -95,7 +97,7 @@ def test_publisher_sigkilled_mid_write_leaves_pointer_unchanged(tmp_path: Path) 
     assert channel.versions() == [0]
     channel.download_view(0, "bf16", tmp_path / "dl")  # ... and it is intact
     # the next publish succeeds (v1 is the dead publisher's number) and retention removes the debris
-    result = WeightPublisher(store, views=["bf16"], keep_versions=3).publish(tiny_state(2))
+    result = WeightPublisher(store, views=["bf16"], keep_versions=3, base_checkpoint=tiny_qwen3_dir).publish(tiny_state(2))
     assert (result.version, result.advanced) == (2, True)
     assert channel.latest().version == 2  # type: ignore[union-attr]
     assert store.list("v1/") == [] and channel.versions() == [0, 2]
@@ -137,11 +139,11 @@ def test_publisher_sigkilled_holding_the_pointer_lock_does_not_wedge_it(tmp_path
 
 
 @pytest.mark.slow
-def test_publishers_racing_from_two_processes(tmp_path: Path) -> None:
+def test_publishers_racing_from_two_processes(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     store_dir = tmp_path / "store"
     store = FilesystemStore(store_dir, create=True)
     procs = {
-        name: spawn_publisher(store_dir, 0.0, seed, name, 2, "bf16,fp8")
+        name: spawn_publisher(store_dir, 0.0, seed, name, 2, tiny_qwen3_dir, "bf16,fp8")
         for name, seed in (("A", 1), ("B", 2))
     }
     channel = WeightChannel(store)

@@ -19,16 +19,27 @@ from conftest import free_port, make_bucket
 
 from rlfleet.channel import WeightChannel
 from rlfleet.numerics import formats
-from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.numerics.views import load_view
 from rlfleet.sampler.sync import DiskEngine, PushEngine, PushGroup, SyncConfig, Syncer, serve
 from rlfleet.store import FilesystemStore, S3Store, Store
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import WeightPublisher
 
 
 def tiny_state(seed: int) -> dict[str, torch.Tensor]:
-    model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=seed))
+    """The HF-named tensors of the tiny Qwen3 (rlfleet/tiny_qwen3.py, the shape of the `tiny_qwen3_dir`
+    checkpoint the publishers here complete their views from: hidden 128, q/k/v 128 rows) from `seed`."""
+    model = tiny_model(TinyQwen3(seed=seed))
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def activation_amax(state: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The calibrated input amax per linear of `state` (an nvfp4 HF view's input_scale needs it)."""
+    from rlfleet.numerics.views import calibrate_activation_amax
+
+    model = tiny_model(TinyQwen3())
+    model.load_state_dict(state)
+    return calibrate_activation_amax(model, [torch.arange(32).reshape(2, 16)])
 
 
 class RecordingEngine:
@@ -122,9 +133,9 @@ def expected_fp8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_path: Path) -> None:
+async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["bf16", "fp8"])
+    publisher = WeightPublisher(store, views=["bf16", "fp8"], base_checkpoint=tiny_qwen3_dir)
     async with httpx.AsyncClient(base_url=engine.url) as client:
         syncer = make_syncer(store, engine, client, tmp_path)
         assert await syncer.reconcile_once() is False  # nothing published yet
@@ -166,14 +177,16 @@ async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_pa
     )
     # the publisher follows subscribed views: a group reporting nvfp4 gets it from the next version on
     WeightChannel(store).report(type(report)("b200", "pod-0", "nvfp4", None, []))
-    assert set(publisher.publish(tiny_state(3)).manifest.views) == {"bf16", "fp8", "nvfp4"}
+    state = tiny_state(3)
+    published = publisher.publish(state, activation_amax=activation_amax(state))  # nvfp4 needs input_scale
+    assert set(published.manifest.views) == {"bf16", "fp8", "nvfp4"}
 
 
 async def test_tampered_file_refused_counted_old_version_kept(
-    engine: RecordingEngine, tmp_path: Path
+    engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
     store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["fp8"])
+    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
     async with httpx.AsyncClient(base_url=engine.url) as client:
         syncer = make_syncer(store, engine, client, tmp_path)
         first = tiny_state(1)
@@ -220,11 +233,11 @@ async def _get_metrics(syncer: Syncer) -> bytes:
         await runner.cleanup()
 
 
-async def test_engine_restart_is_detected_and_reapplied(engine: RecordingEngine, tmp_path: Path) -> None:
+async def test_engine_restart_is_detected_and_reapplied(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     """The engine container restarts with its initial weights: the sidecar notices (/model_info
     weight_version) and brings it back to the pointer instead of believing its own bookkeeping."""
     store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["fp8"])
+    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
     async with httpx.AsyncClient(base_url=engine.url) as client:
         syncer = make_syncer(store, engine, client, tmp_path)
         publisher.publish(tiny_state(1))
@@ -238,9 +251,11 @@ async def test_engine_restart_is_detected_and_reapplied(engine: RecordingEngine,
         assert disk == ["1", "1"]
 
 
-async def test_engine_failure_keeps_old_version_then_retries(engine: RecordingEngine, tmp_path: Path) -> None:
+async def test_engine_failure_keeps_old_version_then_retries(
+    engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["fp8"])
+    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
     async with httpx.AsyncClient(base_url=engine.url) as client:
         syncer = make_syncer(store, engine, client, tmp_path)
         publisher.publish(tiny_state(1))
@@ -290,10 +305,12 @@ class TcpProxy:
         await self._server.wait_closed()
 
 
-async def test_store_unreachable_then_back(engine: RecordingEngine, s3_endpoint: str, tmp_path: Path) -> None:
+async def test_store_unreachable_then_back(
+    engine: RecordingEngine, s3_endpoint: str, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     bucket = make_bucket(s3_endpoint)
     direct = S3Store(bucket, "job", endpoint_url=s3_endpoint)
-    publisher = WeightPublisher(direct, views=["fp8"])
+    publisher = WeightPublisher(direct, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
     proxy = TcpProxy(int(s3_endpoint.rsplit(":", 1)[1]))
     await proxy.start()
     sidecar_store = S3Store(
@@ -328,12 +345,15 @@ async def test_store_unreachable_then_back(engine: RecordingEngine, s3_endpoint:
         direct.close()
 
 
-async def test_push_sequence_contract(engine: RecordingEngine, tmp_path: Path) -> None:
+async def test_push_sequence_contract(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     """The push-mode request sequence and bodies (SGLang 0.5.23 API). The NCCL data plane needs GPUs:
     no sender here, the engine just acknowledges (the one thing that cannot exist on this machine)."""
     store = FilesystemStore(tmp_path / "store", create=True)
-    WeightPublisher(store, views=["nvfp4"]).publish(tiny_state(1))
-    WeightPublisher(store, views=["nvfp4"]).publish(tiny_state(2))
+    for seed in (1, 2):
+        state = tiny_state(seed)
+        WeightPublisher(store, views=["nvfp4"], base_checkpoint=tiny_qwen3_dir).publish(
+            state, activation_amax=activation_amax(state)
+        )
     channel = WeightChannel(store)
     group = PushGroup(master_address="10.0.0.5", master_port=29500)
     async with httpx.AsyncClient(base_url=engine.url) as client:
@@ -375,9 +395,9 @@ async def test_push_sequence_contract(engine: RecordingEngine, tmp_path: Path) -
             n: (d, s) for b in updates for n, d, s in zip(b["names"], b["dtypes"], b["shapes"], strict=True)
         }
         assert set(sent) == set(tensors)
-        q = "model.layers.0.self_attn.q_proj"
-        assert sent[f"{q}.weight"] == ("uint8", [64, 32])
-        assert sent[f"{q}.weight_scale"] == ("float8_e4m3fn", [64, 4])
+        q = "model.layers.0.self_attn.q_proj"  # [2 heads x 64, hidden 128]: 2 fp4 per byte, a scale per 16
+        assert sent[f"{q}.weight"] == ("uint8", [128, 64])
+        assert sent[f"{q}.weight_scale"] == ("float8_e4m3fn", [128, 8])
         assert sent[f"{q}.weight_scale_2"] == ("float32", [])
         assert all(
             b["weight_version"] == "1"
@@ -386,7 +406,10 @@ async def test_push_sequence_contract(engine: RecordingEngine, tmp_path: Path) -
             for b in updates
         )
         # a failing push still resumes generation and keeps the old version; init is not repeated
-        WeightPublisher(store, views=["nvfp4"]).publish(tiny_state(3))
+        state = tiny_state(3)
+        WeightPublisher(store, views=["nvfp4"], base_checkpoint=tiny_qwen3_dir).publish(
+            state, activation_amax=activation_amax(state)
+        )
         engine.requests.clear()
         engine.fail_next["/update_weights_from_distributed"] = 1
         assert await syncer.reconcile_once() is False
@@ -400,10 +423,10 @@ async def test_push_sequence_contract(engine: RecordingEngine, tmp_path: Path) -
         assert syncer.state.applied_version == 1 and syncer.state.failures["engine"] == 1
 
 
-async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_path: Path) -> None:
+async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     store_dir = tmp_path / "store"
     store = FilesystemStore(store_dir, create=True)
-    WeightPublisher(store, views=["bf16"]).publish(tiny_state(1))
+    WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
     engine.version = None
     config = SyncConfig(
         store=str(store_dir),
@@ -438,9 +461,11 @@ async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_pat
         await asyncio.wait_for(task, 10)
 
 
-async def test_initial_version_from_engine_is_not_reapplied(engine: RecordingEngine, tmp_path: Path) -> None:
+async def test_initial_version_from_engine_is_not_reapplied(
+    engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     store = FilesystemStore(tmp_path / "store", create=True)
-    WeightPublisher(store, views=["bf16"]).publish(tiny_state(1))
+    WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
     engine.version = "0"  # the engine was started with --weight-version 0
     config = SyncConfig(
         store=str(tmp_path / "store"),
