@@ -3,25 +3,28 @@
 1. bytes per view relative to bf16 (from the published manifest);
 2. publish throughput (WeightChannel.publish of the already-converted view files: hashing, durable
    writes, manifest, pointer) relative to a plain copy of the same bytes to the same filesystem,
-   with and without fsync; the publisher's own path from converted tensors (each file hashed in the
-   pass that writes it, then fsync + rename + manifest + pointer) relative to a plain page-cache
-   copy of the same bytes; the same against a real S3-compatible server (moto_server process)
-   relative to plain boto3 `upload_file` of the same files;
-3. apply latency: the sidecar's reconcile step (download + verify every sha256 + engine apply via
+   with and without fsync; the publisher's own path from converted tensors (each file hashed with
+   BLAKE3 in the pass that writes it, then fsync + rename + manifest + pointer) relative to a plain
+   page-cache copy of the same bytes, with a sha256 row of the same path for comparison; the same
+   against a real S3-compatible server (moto_server process) relative to plain boto3 `upload_file`
+   of the same files;
+3. apply latency: the sidecar's reconcile step (download + verify every BLAKE3 digest + engine apply via
    `POST /update_weights_from_disk`) on the reference sampler server (`rlfleet sampler serve
    --engine reference`, started as a subprocess) relative to loading the same view in-process with
    `load_view` (the floor any apply pays);
 4. deltas between consecutive versions (optional feature): share of bf16 elements that change after
    one Adam step, and the zlib size of an XOR delta relative to the full bf16 view.
 
-    .venv/bin/python benchmarks/weights.py                       # ~64M parameters (128 MB bf16)
-    .venv/bin/python benchmarks/weights.py --layers 1 --reps 2   # quick
+    .venv/bin/python -P benchmarks/weights.py                       # ~64M parameters (128 MB bf16)
+    .venv/bin/python -P benchmarks/weights.py --layers 1 --reps 2   # quick
+    .venv/bin/python -P benchmarks/weights.py --only write-publish  # just the publisher-path rows
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -32,14 +35,23 @@ import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import blake3
 import torch
 
 from rlfleet.channel import WeightChannel
-from rlfleet.numerics.views import VIEWS, load_view, save_view, view_tensors, write_safetensors
-from rlfleet.store import FileDigest, FilesystemStore, S3Store
+from rlfleet.numerics.views import (
+    VIEWS,
+    load_view,
+    safetensors_chunks,
+    save_view,
+    view_tensors,
+    write_safetensors,
+)
+from rlfleet.store import FileDigest, FilesystemStore, S3Store, write_file_hashed
 
 
 def synthetic_state(layers: int, d_model: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -132,28 +144,34 @@ def bench_filesystem(view_dirs: dict[str, Path], total: int, work: Path, reps: i
 def bench_write_publish(
     state: dict[str, torch.Tensor], view_dirs: dict[str, Path], total: int, work: Path, reps: int
 ) -> dict[str, float]:
-    """The publisher's whole path from converted tensors: every view file written with its sha256
-    computed in the SAME pass (`write_safetensors` -> `write_file_hashed`), then
-    `WeightChannel.publish(move=True, digests=...)` (fsync, rename, manifest, pointer; no second read
-    to hash). Baselines, interleaved per rep: a plain page-cache copy of the same bytes (copyfile,
-    no fsync), the same + fsync, and safetensors' own `save_file` of the same tensors (no hash)."""
+    """The publisher's whole path from converted tensors: every view file written with its BLAKE3
+    digest computed in the SAME pass (`write_safetensors` -> `write_file_hashed`: a second thread
+    hashes chunk i while chunk i is written), then `WeightChannel.publish(move=True, digests=...)`
+    (fsync, rename, manifest, pointer; no second read to hash). The same path with sha256 (what the
+    manifest carried before) is a row of the same run. Baselines, interleaved per rep: a plain
+    page-cache copy of the same bytes (copyfile, no fsync), the same + fsync, and safetensors' own
+    `save_file` of the same tensors (no hash)."""
     from safetensors.torch import save_file
 
     tensors = {v: view_tensors(state, v)[0] for v in view_dirs}
     runs: dict[str, list[float]] = {
-        "copy": [], "copy_fsync": [], "plain_write": [], "publisher": [], "publisher_page_cache": []
+        "copy": [], "copy_fsync": [], "plain_write": [], "publisher": [], "publisher_page_cache": [],
+        "publisher_page_cache_sha256": [],
     }  # fmt: skip
     durable = FilesystemStore(work / "wp-store", create=True)
     volatile = FilesystemStore(work / "wp-store-nofsync", create=True, fsync=False)
 
-    def publish_path(store: FilesystemStore, rep: int) -> None:
+    def publish_path(store: FilesystemStore, rep: int, algorithm: str) -> None:
         staging = store.staging_dir()
         assert staging is not None
-        staged = {v: staging / f"rep{rep}" / v for v in view_dirs}
+        staged = {v: staging / f"rep{rep}-{algorithm}" / v for v in view_dirs}
 
         def write(v: str) -> FileDigest:  # views in parallel, as WeightPublisher.publish does
             staged[v].mkdir(parents=True)
-            return write_safetensors(tensors[v], staged[v] / "model.safetensors", {"format": "pt"})
+            path = staged[v] / "model.safetensors"
+            if algorithm == "blake3":  # the production function, exactly
+                return write_safetensors(tensors[v], path, {"format": "pt"})
+            return write_file_hashed(path, safetensors_chunks(tensors[v], {"format": "pt"}), algorithm)
 
         with ThreadPoolExecutor(max_workers=min(len(staged), os.cpu_count() or 1)) as pool:
             digests = dict(
@@ -170,8 +188,9 @@ def bench_write_publish(
         "copy": lambda rep: [copy_tree(d, work / f"wcp{rep}" / v, False) for v, d in view_dirs.items()],
         "copy_fsync": lambda rep: [copy_tree(d, work / f"wcpf{rep}" / v, True) for v, d in view_dirs.items()],
         "plain_write": plain_write,
-        "publisher": lambda rep: publish_path(durable, rep),
-        "publisher_page_cache": lambda rep: publish_path(volatile, rep),
+        "publisher": lambda rep: publish_path(durable, rep, "blake3"),
+        "publisher_page_cache": lambda rep: publish_path(volatile, rep, "blake3"),
+        "publisher_page_cache_sha256": lambda rep: publish_path(volatile, rep, "sha256"),
     }
     for rep in range(reps):  # interleaved; each case starts with no dirty pages (no writeback throttling)
         for key, case in cases.items():
@@ -179,35 +198,60 @@ def bench_write_publish(
             t0 = time.perf_counter()
             case(rep)
             runs[key].append(time.perf_counter() - t0)
-        for store in (durable, volatile):
-            WeightChannel(store).retain(keep=1)
+            for store in (durable, volatile):
+                WeightChannel(store).retain(keep=1)
         for d in (f"wcp{rep}", f"wcpf{rep}", f"wpw{rep}"):
             shutil.rmtree(work / d)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    # One core's rates in the same run: the publisher path costs a write AND a sha256 per byte, so
-    # matching `ratio` x a single-threaded page-cache copy needs this many free cores.
+    # One core's rates in the same run (64 MiB buffer): what each byte of the publisher path costs.
     blob = os.urandom(64 * 1024 * 1024)
-    hash_s = statistics.median(timed(lambda: hashlib.sha256(blob).digest()) for _ in range(3))
     probe = work / "write-probe"
 
     def write_blob() -> None:
         with open(probe, "wb", buffering=0) as f:
             f.write(blob)
 
-    write_s = statistics.median(timed(write_blob) for _ in range(3))
+    def hashed_write(algorithm: str) -> Callable[[], object]:
+        return lambda: write_file_hashed(probe, [blob], algorithm)
+
+    one_core: dict[str, float] = {}
+    for name, fn in {
+        "write": write_blob,
+        "blake3": lambda: blake3.blake3(blob).digest(),
+        "sha256": lambda: hashlib.sha256(blob).digest(),
+        "write_hashed_blake3": hashed_write("blake3"),
+        "write_hashed_sha256": hashed_write("sha256"),
+    }.items():
+        samples = []
+        for _ in range(5):
+            with contextlib.suppress(FileNotFoundError):
+                probe.unlink()
+            os.sync()
+            samples.append(timed(fn))
+        one_core[name] = statistics.median(samples)
     probe.unlink()
     copy_rate = total / med["copy"]
-    per_byte = (write_s + hash_s) / len(blob)
-    return {
+    out = {
         **{f"{k}_MBps": total / t / 1e6 for k, t in med.items()},
-        "sha256_one_core_MBps": len(blob) / hash_s / 1e6,
-        "write_one_core_MBps": len(blob) / write_s / 1e6,
-        "cores_for_0.8x_plain_copy": 0.8 * copy_rate * per_byte,
         "publisher_vs_plain_copy": med["copy"] / med["publisher"],
         "publisher_vs_plain_copy_fsync": med["copy_fsync"] / med["publisher"],
         "publisher_page_cache_vs_plain_copy": med["copy"] / med["publisher_page_cache"],
+        "publisher_page_cache_sha256_vs_plain_copy": med["copy"] / med["publisher_page_cache_sha256"],
         "publisher_page_cache_vs_plain_write": med["plain_write"] / med["publisher_page_cache"],
+        **{f"one_core_{k}_MBps": len(blob) / t / 1e6 for k, t in one_core.items()},
     }
+    for algorithm in ("blake3", "sha256"):
+        # Overlap check: 1.0 = the hash thread ran while write(2) did (cost = the slower of the two);
+        # (write + hash) / max(write, hash) = no overlap (the GIL or the handoff serialised them).
+        serial = one_core["write"] + one_core[algorithm]
+        slower = max(one_core["write"], one_core[algorithm])
+        out[f"one_file_{algorithm}_hashed_write_vs_max_write_hash"] = (
+            one_core[f"write_hashed_{algorithm}"] / slower
+        )
+        out[f"one_file_{algorithm}_serial_would_be_vs_max"] = serial / slower
+        # Matching 0.8 x a single-threaded page-cache copy needs this many free cores.
+        out[f"cores_for_0.8x_plain_copy_{algorithm}"] = 0.8 * copy_rate * serial / len(blob)
+    return out
 
 
 def bench_s3(view_dirs: dict[str, Path], total: int, reps: int) -> dict[str, float]:
@@ -370,6 +414,12 @@ def main() -> int:
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument("--no-apply", action="store_true")
     parser.add_argument(
+        "--only",
+        choices=["write-publish"],
+        default=None,
+        help="run only these rows (write-publish: the publisher path)",
+    )
+    parser.add_argument(
         "--workdir", default=None, help="directory on the filesystem to measure (default: a temp dir)"
     )
     args = parser.parse_args()
@@ -395,27 +445,30 @@ def main() -> int:
         report["bytes_bf16_MB"] = round(sizes["bf16"] / 1e6, 1)
         report["convert_s_vs_bf16"] = {v: round(convert[v] / convert["bf16"], 2) for v in VIEWS}
         report["convert_s"] = {v: round(convert[v], 3) for v in VIEWS}
-        report["publish_filesystem"] = {
-            k: round(v, 3) for k, v in bench_filesystem(view_dirs, total, work, args.reps).items()
-        }
+        every_row = args.only is None
+        if every_row:
+            report["publish_filesystem"] = {
+                k: round(v, 3) for k, v in bench_filesystem(view_dirs, total, work, args.reps).items()
+            }
         report["write_and_publish_filesystem"] = {
             k: round(v, 3) for k, v in bench_write_publish(state, view_dirs, total, work, args.reps).items()
         }
-        if not args.no_s3:
+        if every_row and not args.no_s3:
             report["publish_s3_moto"] = {
                 k: round(v, 3) for k, v in bench_s3(view_dirs, total, args.reps).items()
             }
-        if not args.no_apply:
+        if every_row and not args.no_apply:
             report["apply_reference_server"] = {
                 v: {k: round(x, 4) for k, x in r.items()}
                 for v, r in bench_apply(
                     state, ["bf16", "fp8", "nvfp4"], work, args.reps, max(1, args.d_model // 64)
                 ).items()
             }
-        report["delta"] = {
-            k: {m: round(x, 4) for m, x in r.items()}
-            for k, r in bench_delta(state, [1e-6, 1e-5, 1e-4]).items()
-        }
+        if every_row:
+            report["delta"] = {
+                k: {m: round(x, 4) for m, x in r.items()}
+                for k, r in bench_delta(state, [1e-6, 1e-5, 1e-4]).items()
+            }
     print(json.dumps(report, indent=1))
     return 0
 

@@ -5,7 +5,7 @@ Layout under the store root (keys are relative to it):
     pointer.json                     {"version": N, "manifest": "v{N}/manifest.json", "manifest_sha256": ..., ...}
     claims/v{N}                      exclusive claim of version number N (one publisher per number)
     v{N}/{view}/<files>              the view's files (safetensors + a small view config json)
-    v{N}/manifest.json               sha256 + size of every file, dtype + shape of every tensor
+    v{N}/manifest.json               digest ("blake3:<hex>") + size of every file, dtype + shape of every tensor
     subscribers/{group}/{replica}.json   what a sidecar reports: view, applied version, versions in use
 
 Guarantees (see docs/weights.md for the argument):
@@ -39,15 +39,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rlfleet.store import FileDigest, KeyNotFoundError, Store, StoreError
+from rlfleet.store import DIGEST_ALGORITHMS, FileDigest, KeyNotFoundError, Store, StoreError
 
-MANIFEST_FORMAT = "rlfleet.weights/v1"
+MANIFEST_FORMAT = "rlfleet.weights/v2"
+"""v2: file entries are {"digest": "<algorithm>:<hex>", "bytes": N} (v1 had a bare "sha256")."""
 VIEW_NAMES = ("bf16", "fp8", "nvfp4", "mxfp4")
 """Precision views (rlfleet.numerics.views implements them; listed here so torch-free code can validate)."""
 POINTER_KEY = "pointer.json"
 _VERSION_KEY = re.compile(r"^v(\d+)/")
 _CLAIM_KEY = re.compile(r"^claims/v(\d+)$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
+_HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")  # blake3 and sha256: 32 bytes
 
 
 class ChannelError(StoreError):
@@ -60,6 +62,11 @@ class VersionConflictError(ChannelError):
 
 class ChecksumMismatchError(ChannelError):
     """Downloaded bytes do not match the manifest (corrupted or tampered). Never use them."""
+
+
+class UnknownDigestError(ChecksumMismatchError):
+    """A manifest entry names a digest algorithm this reader does not know: its file cannot be
+    verified, so it is refused like a mismatch (a newer publisher than this reader?)."""
 
 
 def now_iso() -> str:
@@ -125,10 +132,24 @@ class Pointer:
         return canonical_json(asdict(self))
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    sha256: str
-    bytes: int
+def file_entry_to_dict(entry: FileDigest) -> dict[str, Any]:
+    """A manifest file entry: {"digest": "<algorithm>:<hex>", "bytes": N} (docs/weights.md)."""
+    return {"digest": f"{entry.algorithm}:{entry.hexdigest}", "bytes": entry.bytes}
+
+
+def file_entry_from_dict(path: str, raw: Mapping[str, Any]) -> FileDigest:
+    """Parse a manifest file entry; UnknownDigestError for an algorithm not in DIGEST_ALGORITHMS."""
+    if "digest" not in raw:
+        raise ChannelError(f"manifest entry of {path} has no digest (keys: {sorted(raw)})")
+    algorithm, _, hexdigest = str(raw["digest"]).partition(":")
+    if algorithm not in DIGEST_ALGORITHMS:
+        raise UnknownDigestError(
+            f"manifest entry of {path}: unknown digest algorithm {algorithm!r} "
+            f"(this reader verifies {', '.join(DIGEST_ALGORITHMS)}); refusing the file"
+        )
+    if not _HEX_DIGEST.match(hexdigest):
+        raise ChannelError(f"manifest entry of {path}: {raw['digest']!r} is not {algorithm}:<64 hex digits>")
+    return FileDigest(algorithm, hexdigest, int(raw["bytes"]))
 
 
 @dataclass(frozen=True)
@@ -136,8 +157,8 @@ class ViewManifest:
     """One view of one version."""
 
     view: str
-    files: dict[str, FileEntry]
-    """Path relative to the view directory -> checksum and size."""
+    files: dict[str, FileDigest]
+    """Path relative to the view directory -> digest (BLAKE3 as published) and size."""
     tensors: dict[str, dict[str, Any]]
     """Tensor name -> {"dtype": safetensors dtype string, "shape": [...]} over all safetensors files."""
 
@@ -147,7 +168,7 @@ class ViewManifest:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "files": {path: asdict(entry) for path, entry in sorted(self.files.items())},
+            "files": {path: file_entry_to_dict(entry) for path, entry in sorted(self.files.items())},
             "tensors": self.tensors,
             "bytes": self.bytes,
         }
@@ -189,7 +210,7 @@ class Manifest:
             views = {
                 name: ViewManifest(
                     view=name,
-                    files={p: FileEntry(str(e["sha256"]), int(e["bytes"])) for p, e in v["files"].items()},
+                    files={p: file_entry_from_dict(p, e) for p, e in v["files"].items()},
                     tensors=dict(v.get("tensors", {})),
                 )
                 for name, v in raw["views"].items()
@@ -322,8 +343,9 @@ class WeightChannel:
         `view_dirs`: view name -> local directory (as written by `rlfleet.numerics.views.save_view`).
         `version`: an explicit number (e.g. the trainer step); default: the next free number.
         `move`: the directories are private staging copies the store may take over (rename).
-        `digests`: local file path -> sha256 and size computed while the file was written
-        (`rlfleet.numerics.views.save_view` returns them): those files are not read again to hash."""
+        `digests`: local file path -> digest (BLAKE3) and size computed while the file was written
+        (`rlfleet.numerics.views.save_view` returns them): those files are not read again to hash.
+        The manifest records each file's digest with its algorithm."""
         if not view_dirs:
             raise ValueError("publish needs at least one view")
         files: list[tuple[str, str, Path]] = []  # (view, relative path, local path)
@@ -355,7 +377,7 @@ class WeightChannel:
         views: dict[str, ViewManifest] = {}
         for (view, rel, _), digest in zip(files, digests, strict=True):
             vm = views.setdefault(view, ViewManifest(view=view, files={}, tensors={}))
-            vm.files[rel] = FileEntry(digest.sha256, digest.bytes)
+            vm.files[rel] = digest
             if rel.endswith(".safetensors"):
                 vm.tensors.update(headers[(view, rel)])
         manifest = Manifest(number, now_iso(), self.publisher_id, views, dict(metadata or {}))
@@ -388,6 +410,7 @@ class WeightChannel:
     def download_view(self, version: int, view: str, dest: Path, *, manifest: Manifest | None = None) -> Path:
         """Download one view of a version into `dest` and verify every file against the manifest.
 
+        Every file is hashed (streaming, with the algorithm its manifest entry names) as it lands.
         Raises ChecksumMismatchError (and leaves nothing at `dest`) if any byte differs. Files are
         written to a temporary sibling directory that is renamed to `dest` only after verification."""
         manifest = manifest or self.manifest(version)
@@ -397,12 +420,11 @@ class WeightChannel:
         tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
         try:
             for rel, entry in sorted(manifest.views[view].files.items()):
-                digest = self.store.get_file(f"{_version_key(version)}/{view}/{rel}", tmp / rel)
-                if digest.sha256 != entry.sha256 or digest.bytes != entry.bytes:
-                    raise ChecksumMismatchError(
-                        f"v{version}/{view}/{rel}: sha256 {digest.sha256[:12]}.. ({digest.bytes} B) "
-                        f"!= manifest {entry.sha256[:12]}.. ({entry.bytes} B)"
-                    )
+                digest = self.store.get_file(
+                    f"{_version_key(version)}/{view}/{rel}", tmp / rel, algorithm=entry.algorithm
+                )
+                if digest != entry:
+                    raise ChecksumMismatchError(f"v{version}/{view}/{rel}: {digest} != manifest {entry}")
             if dest.exists():
                 shutil.rmtree(dest)
             os.replace(tmp, dest)

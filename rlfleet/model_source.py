@@ -85,10 +85,10 @@ def parse_checksums(text: str, source: str) -> dict[str, str]:
 
 def write_checksums(directory: Path) -> Path:
     """Write `SHA256SUMS` for every file under `directory` (what an s3:// model source must carry)."""
-    from rlfleet.store import sha256_file
+    from rlfleet.store import hash_file
 
     lines = [
-        f"{sha256_file(p).sha256}  {p.relative_to(directory).as_posix()}"
+        f"{hash_file(p, 'sha256').hexdigest}  {p.relative_to(directory).as_posix()}"
         for p in sorted(directory.rglob("*"))
         if p.is_file() and p.name != CHECKSUMS_FILE
     ]
@@ -98,9 +98,12 @@ def write_checksums(directory: Path) -> Path:
 
 
 def _intact(directory: Path, sums: dict[str, str]) -> bool:
-    from rlfleet.store import sha256_file
+    from rlfleet.store import hash_file
 
-    return all((directory / n).is_file() and sha256_file(directory / n).sha256 == h for n, h in sums.items())
+    return all(
+        (directory / n).is_file() and hash_file(directory / n, "sha256").hexdigest == h
+        for n, h in sums.items()
+    )
 
 
 def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
@@ -131,10 +134,11 @@ def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
         staging = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex}"
         try:
             for name, expected in sorted(sums.items()):
-                digest = store.get_file(name, staging / name)  # sha256 computed while downloading
-                if digest.sha256 != expected:
+                # SHA256SUMS is sha256sum's format: sha256 computed while downloading
+                digest = store.get_file(name, staging / name, algorithm="sha256")
+                if digest.hexdigest != expected:
                     raise ModelSourceError(
-                        f"model source {uri}: {name} has sha256 {digest.sha256[:12]}.., "
+                        f"model source {uri}: {name} has sha256 {digest.hexdigest[:12]}.., "
                         f"{CHECKSUMS_FILE} says {expected[:12]}.. (corrupted or tampered; not used)"
                     )
             (staging / CHECKSUMS_FILE).write_text(sums_text)

@@ -36,11 +36,21 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlparse
 
+import blake3
+
 CHUNK_BYTES = 8 * 1024 * 1024
-"""Streaming chunk: big enough that hashlib releases the GIL and syscalls are amortised."""
+"""Streaming chunk: big enough that the hashers release the GIL and syscalls are amortised."""
+
+FILE_DIGEST = "blake3"
+"""The algorithm of file digests the project computes (weight-view files in the channel manifest,
+checkpoints): BLAKE3, ~5x sha256 per core, so hashing while writing keeps up with a page-cache write
+(docs/weights.md "Manifest", docs/benchmarks.md). sha256 only where a format prescribes it
+(`SHA256SUMS` of model sources, the pointer's `manifest_sha256`)."""
+DIGEST_ALGORITHMS = ("blake3", "sha256")
+"""Algorithms `new_hasher` knows (and so a manifest entry may name)."""
 
 
 class StoreError(Exception):
@@ -60,10 +70,15 @@ class StoreUnavailableError(StoreError):
 
 @dataclass(frozen=True)
 class FileDigest:
-    """sha256 (hex) and size of bytes written or read."""
+    """Digest (algorithm + hex) and size of bytes written or read."""
 
-    sha256: str
+    algorithm: str
+    """One of DIGEST_ALGORITHMS."""
+    hexdigest: str
     bytes: int
+
+    def __str__(self) -> str:
+        return f"{self.algorithm}:{self.hexdigest[:12]}.. ({self.bytes} B)"
 
 
 @dataclass(frozen=True)
@@ -84,23 +99,41 @@ def check_key(key: str) -> str:
     return key
 
 
-def sha256_file(path: Path) -> FileDigest:
-    """sha256 and size of a local file, streamed."""
-    digest = hashlib.sha256()
+class _Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algorithm: str) -> _Hasher:
+    """A streaming hasher of `algorithm` (DIGEST_ALGORITHMS; ValueError otherwise). Both release the
+    GIL while hashing a large buffer, so a second thread hashes while another writes."""
+    if algorithm == "blake3":
+        return blake3.blake3()  # one thread: the caller overlaps it with the write (or the copy)
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest algorithm {algorithm!r} (known: {', '.join(DIGEST_ALGORITHMS)})")
+
+
+def hash_file(path: Path, algorithm: str = FILE_DIGEST) -> FileDigest:
+    """Digest and size of a local file, streamed."""
+    digest = new_hasher(algorithm)
     size = 0
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(CHUNK_BYTES):
             digest.update(chunk)
             size += len(chunk)
-    return FileDigest(digest.hexdigest(), size)
+    return FileDigest(algorithm, digest.hexdigest(), size)
 
 
-def write_file_hashed(path: Path, chunks: Iterable[bytes | memoryview]) -> FileDigest:
-    """Write `chunks` to a new file at `path` and return their sha256 and size, computed in the SAME
-    pass: while chunk i is written, a second thread hashes it (hashlib and write(2) both release the
+def write_file_hashed(
+    path: Path, chunks: Iterable[bytes | memoryview], algorithm: str = FILE_DIGEST
+) -> FileDigest:
+    """Write `chunks` to a new file at `path` and return their digest and size, computed in the SAME
+    pass: while chunk i is written, a second thread hashes it (the hashers and write(2) release the
     GIL), so the bytes are read from memory once for both and the cost is about max(write, hash).
     Not durable by itself: `Store.put_file(..., move=True, digest=...)` fsyncs and renames it."""
-    digest = hashlib.sha256()
+    digest = new_hasher(algorithm)
     size = 0
     with ThreadPoolExecutor(max_workers=1) as hasher, open(path, "wb", buffering=0) as f:
         pending: Future[None] | None = None
@@ -117,7 +150,7 @@ def write_file_hashed(path: Path, chunks: Iterable[bytes | memoryview]) -> FileD
                 size += len(piece)
         if pending is not None:
             pending.result()
-    return FileDigest(digest.hexdigest(), size)
+    return FileDigest(algorithm, digest.hexdigest(), size)
 
 
 def check_digest(path: Path, digest: FileDigest | None) -> FileDigest | None:
@@ -147,11 +180,12 @@ class Store(ABC):
     def put_file(
         self, key: str, path: Path, *, move: bool = False, digest: FileDigest | None = None
     ) -> FileDigest:
-        """Upload a local file to `key` durably; return the sha256 and size of the bytes sent.
+        """Upload a local file to `key` durably; return the digest and size of the bytes sent
+        (`digest` when given, else computed with FILE_DIGEST).
 
         `move=True`: the caller gives the file up (a private staging file); a store on the same
         filesystem may rename it into place instead of copying its bytes.
-        `digest`: the file's sha256 and size, already computed by whoever wrote it
+        `digest`: the file's digest and size, already computed by whoever wrote it
         (`write_file_hashed`): the store does not read the bytes again to hash them."""
 
     def staging_dir(self) -> Path | None:
@@ -164,8 +198,9 @@ class Store(ABC):
         """Bytes of `key` (KeyNotFoundError if absent)."""
 
     @abstractmethod
-    def get_file(self, key: str, path: Path) -> FileDigest:
-        """Download `key` into local `path` (written atomically); return sha256 and size received."""
+    def get_file(self, key: str, path: Path, *, algorithm: str = FILE_DIGEST) -> FileDigest:
+        """Download `key` into local `path` (written atomically); return the digest (`algorithm`)
+        and size of the local copy."""
 
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
@@ -264,26 +299,21 @@ class FilesystemStore(Store):
     def _temp_for(self, path: Path) -> Path:
         return path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
 
-    def _write_temp(self, path: Path, chunks: Iterator[bytes]) -> tuple[Path, FileDigest]:
+    def _write_temp(self, path: Path, data: bytes) -> Path:
         self._require_root()
         tmp = self._temp_for(path)
-        digest = hashlib.sha256()
-        size = 0
         try:
             with self._in_dir(path.parent, lambda: open(tmp, "wb", buffering=0)) as f:
-                for chunk in chunks:
-                    digest.update(chunk)
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[f.write(view) :]
-                    size += len(chunk)
+                view = memoryview(data)
+                while view:
+                    view = view[f.write(view) :]
                 if self.fsync:
                     os.fsync(f.fileno())
         except BaseException:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise
-        return tmp, FileDigest(digest.hexdigest(), size)
+        return tmp
 
     def _commit(self, tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
@@ -292,7 +322,7 @@ class FilesystemStore(Store):
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        tmp, _ = self._write_temp(path, iter([data]))
+        tmp = self._write_temp(path, data)
         self._commit(tmp, path)
 
     STAGING = ".staging"
@@ -369,12 +399,12 @@ class FilesystemStore(Store):
 
     @staticmethod
     def _hash_while(path: Path, work: Callable[[], None]) -> FileDigest:
-        """sha256 of `path` computed in a second thread while `work()` runs (both release the GIL)."""
+        """FILE_DIGEST of `path` computed in a second thread while `work()` runs (both release the GIL)."""
         digest_box: list[FileDigest | BaseException] = []
 
         def hash_source() -> None:
             try:
-                digest_box.append(sha256_file(Path(path)))
+                digest_box.append(hash_file(Path(path)))
             except BaseException as e:  # re-raised in the caller
                 digest_box.append(e)
 
@@ -395,21 +425,23 @@ class FilesystemStore(Store):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
             raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
 
-    def get_file(self, key: str, path: Path) -> FileDigest:
+    def get_file(self, key: str, path: Path, *, algorithm: str = FILE_DIGEST) -> FileDigest:
         self._require_root()
         source = self._path(key)
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
         try:
-            shutil.copyfile(source, tmp)  # in-kernel copy
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            try:
+                shutil.copyfile(source, tmp)  # in-kernel copy
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+                raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
+            # Hash the LOCAL copy (what the engine will load), not the store's file.
+            digest = hash_file(tmp, algorithm)
+            os.replace(tmp, path)
+        finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
-        # Hash the LOCAL copy (what the engine will load), not the store's file.
-        digest = sha256_file(tmp)
-        os.replace(tmp, path)
         return digest
 
     def list(self, prefix: str = "") -> list[str]:
@@ -448,7 +480,7 @@ class FilesystemStore(Store):
         path = self._path(key)
         if path.exists():
             return False
-        tmp, _ = self._write_temp(path, iter([data]))
+        tmp = self._write_temp(path, data)
         try:
             os.link(tmp, path)  # atomic and exclusive: EEXIST if someone else created it
         except FileExistsError:
@@ -492,7 +524,7 @@ class FilesystemStore(Store):
                 current = None
             if current != expected_token:
                 return False
-            tmp, _ = self._write_temp(path, iter([data]))
+            tmp = self._write_temp(path, data)
             self._commit(tmp, path)
             return True
 
@@ -608,7 +640,7 @@ class S3Store(Store):
     ) -> FileDigest:
         from boto3.s3.transfer import TransferConfig
 
-        digest = check_digest(path, digest) or sha256_file(Path(path))
+        digest = check_digest(path, digest) or hash_file(Path(path))
         with self._errors(key):
             self.client.upload_file(
                 str(path),
@@ -624,11 +656,11 @@ class S3Store(Store):
         with self._errors(key):
             return self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
 
-    def get_file(self, key: str, path: Path) -> FileDigest:
+    def get_file(self, key: str, path: Path, *, algorithm: str = FILE_DIGEST) -> FileDigest:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
-        digest = hashlib.sha256()
+        digest = new_hasher(algorithm)
         size = 0
         try:
             with self._errors(key):
@@ -642,7 +674,7 @@ class S3Store(Store):
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        return FileDigest(digest.hexdigest(), size)
+        return FileDigest(algorithm, digest.hexdigest(), size)
 
     def _list_full(self, prefix: str) -> list[dict[str, Any]]:
         full_prefix = (

@@ -6,7 +6,7 @@
 Launch (`--fetch-only`, the pod's init container): SGLang must START from a checkpoint already in the
 group's format (`/update_weights_from_disk` reloads into the launch-time model with its launch-time
 quantization method; docs/weights.md), so before SGLang starts the init container waits for the newest
-version of this pod's view, downloads and verifies it (sha256) into the cache, checks its config.json
+version of this pod's view, downloads and verifies it (BLAKE3 per file) into the cache, checks its config.json
 declares the view's quantization (what SGLang auto-detects), writes the cache's launch file ("<version>
 <dir>", rlfleet.catalog.LAUNCH_FILE) and exits. The engine container execs SGLang with `--model-path
 <dir> --weight-version <version>` from that file; the sidecar starts from the same version and rewrites
@@ -15,7 +15,8 @@ the file after every applied version, so a restarted engine container launches f
 Loop: read the pointer; if it names a version newer than the applied one, report it as "in use"
 (so retention keeps it), download this pod's view into the cache directory (an emptyDir shared with
 the engine container), verify the manifest against the pointer's sha256 and every file against the
-manifest BEFORE the engine sees the directory, then apply:
+manifest's digest (BLAKE3 of the local copy, streamed; an entry naming an algorithm this
+sidecar does not know is refused, reason "checksum") BEFORE the engine sees the directory, then apply:
 
 - disk mode (default): `POST /update_weights_from_disk {model_path, weight_version, flush_cache,
   abort_all_requests}` with the next version of the SAME view (SGLang loads it into the launch-time
@@ -530,7 +531,7 @@ class Syncer:
         return True
 
     def _download_verified(self, version: int, manifest: Manifest) -> Path:
-        """Download this pod's view of `version`, verify every file (sha256) and that SGLang would load
+        """Download this pod's view of `version`, verify every file (BLAKE3) and that SGLang would load
         it in the view's format; the directory is never used otherwise."""
         target = self.config.cache_dir / f"v{version}-{self.config.view}"
         self.channel.download_view(version, self.config.view, target, manifest=manifest)

@@ -26,7 +26,7 @@ Formats (the ONE implementation of each is `rlfleet.numerics.formats`):
 
 Embeddings, norms, `lm_head` and MoE routers stay bf16 in every view. A linear whose K does not fit
 the format's block (nvfp4: 16, mxfp4: 32) stays bf16; `rlfleet_view.json` lists what is quantized.
-Every file is written with its sha256 computed in the same pass (`write_file_hashed`).
+Every file is written with its BLAKE3 digest computed in the same pass (`write_file_hashed`).
 """
 
 from __future__ import annotations
@@ -296,9 +296,17 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
 def write_safetensors(
     tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None
 ) -> FileDigest:
-    """Write a safetensors file (8-byte little-endian header length, JSON header padded with spaces
-    to 8 bytes, raw little-endian tensor bytes in header order) and return its sha256, computed while
-    writing. Deterministic: the same tensors give the same bytes."""
+    """Write a safetensors file and return its digest (BLAKE3), computed while writing."""
+    return write_file_hashed(path, safetensors_chunks(tensors, metadata))
+
+
+def safetensors_chunks(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> Iterator[bytes | memoryview]:
+    """The bytes of a safetensors file (8-byte little-endian header length, JSON header padded with
+    spaces to 8 bytes, raw little-endian tensor bytes in header order) as chunks: the header, then
+    each tensor's memory (no copy). The header is built (and dtypes checked) before this returns.
+    Deterministic: the same tensors give the same bytes."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     names = sorted(tensors)
@@ -321,7 +329,7 @@ def write_safetensors(
         for name in names:
             yield _tensor_bytes(tensors[name])
 
-    return write_file_hashed(path, chunks())
+    return chunks()
 
 
 def _shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
@@ -351,7 +359,7 @@ def save_view(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> dict[Path, FileDigest]:
     """Write one precision view of `state_dict` into `directory`; return every file written with its
-    sha256 and size (hashed while written; pass them to `WeightChannel.publish(digests=...)`).
+    BLAKE3 digest and size (hashed while written; pass them to `WeightChannel.publish(digests=...)`).
 
     `base_checkpoint`: the HF checkpoint directory the model was loaded from (config.json, tokenizer,
     generation config). Given: the view is a complete HF checkpoint SGLang launches from. Absent: a
@@ -377,7 +385,7 @@ def save_view(
         weight_files = [WEIGHTS_FILE]
     else:
         weight_files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    # Shards are hashed in parallel (sha256 is one core's work per file; see docs/benchmarks.md).
+    # Shards are written (and hashed) in parallel: one file's write + hash is one core's work.
     with ThreadPoolExecutor(max_workers=max(1, min(len(shards), os.cpu_count() or 1))) as pool:
         digests = pool.map(
             lambda item: write_safetensors(

@@ -10,6 +10,7 @@ import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,9 +19,10 @@ from safetensors.numpy import save_file
 
 from rlfleet.channel import (
     POINTER_KEY,
+    ChannelError,
     ChecksumMismatchError,
-    FileEntry,
     SubscriberReport,
+    UnknownDigestError,
     VersionConflictError,
     WeightChannel,
     group_versions,
@@ -73,8 +75,14 @@ def test_publish_download_roundtrip(any_store: Store, tmp_path: Path) -> None:
     manifest = channel.manifest(0, expected_sha256=None)
     fp8 = manifest.views["fp8"]
     local = tmp_path / "a" / "fp8" / "model.safetensors"
-    assert fp8.files["model.safetensors"].sha256 == hashlib.sha256(local.read_bytes()).hexdigest()
-    assert fp8.files["model.safetensors"].bytes == local.stat().st_size
+    expected = blake3.blake3(local.read_bytes()).hexdigest()  # independently of rlfleet.store
+    assert fp8.files["model.safetensors"] == FileDigest("blake3", expected, local.stat().st_size)
+    raw = json.loads(any_store.get(manifest_key(0)))  # the stored format (docs/weights.md "Manifest")
+    assert raw["format"] == "rlfleet.weights/v2"
+    assert raw["views"]["fp8"]["files"]["model.safetensors"] == {
+        "digest": f"blake3:{expected}",
+        "bytes": local.stat().st_size,
+    }
     assert fp8.tensors["model.layers.0.mlp.up_proj.weight"] == {"dtype": "F32", "shape": [4, 16]}
     assert fp8.tensors["tag"] == {"dtype": "U8", "shape": [64]}
 
@@ -94,25 +102,68 @@ def test_tampered_file_is_refused_and_nothing_is_left(any_store: Store, tmp_path
     data[-1] ^= 0xFF  # one flipped bit in the tensor bytes
     any_store.put(key, bytes(data))
     dest = tmp_path / "dl" / "v0"
-    with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+    with pytest.raises(
+        ChecksumMismatchError, match=r"model.safetensors: blake3:\w{12}.. .* != manifest blake3:"
+    ):
         channel.download_view(0, "bf16", dest)
     assert not dest.exists()
     assert not list((tmp_path / "dl").iterdir())  # no partial directory either
 
 
+def _rewrite_entry(store: Store, version: int, digest: str) -> None:
+    """Replace the bf16 weights' manifest entry digest (as a publisher writing `digest` would)."""
+    raw = json.loads(store.get(manifest_key(version)))
+    raw["views"]["bf16"]["files"]["model.safetensors"]["digest"] = digest
+    store.put(manifest_key(version), json.dumps(raw).encode())
+
+
+def test_unknown_digest_algorithm_is_refused(any_store: Store, tmp_path: Path) -> None:
+    """A manifest entry naming an algorithm the reader cannot verify is refused when the manifest is
+    read (UnknownDigestError is a ChecksumMismatchError: the sidecar counts it as "checksum")."""
+    channel = WeightChannel(any_store)
+    channel.publish({"bf16": make_view(tmp_path / "bf16", "bf16", "x")})
+    local = tmp_path / "bf16" / "model.safetensors"
+    _rewrite_entry(any_store, 0, "md5:" + hashlib.md5(local.read_bytes()).hexdigest())
+    with pytest.raises(UnknownDigestError, match=r"unknown digest algorithm 'md5' .*blake3, sha256"):
+        channel.manifest(0)
+    with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
+        channel.download_view(0, "bf16", tmp_path / "dl" / "v0")
+    assert not (tmp_path / "dl").exists() or not list((tmp_path / "dl").iterdir())
+    _rewrite_entry(any_store, 0, "blake3:" + "0" * 63)  # known algorithm, malformed hex
+    with pytest.raises(ChannelError, match="not blake3:<64 hex digits>"):
+        channel.manifest(0)
+
+
+def test_an_entry_verifies_with_the_algorithm_it_names(any_store: Store, tmp_path: Path) -> None:
+    """sha256 is a known algorithm: an entry naming it is verified with sha256 (right: accepted,
+    one flipped bit: refused); verification follows the entry, not a fixed algorithm."""
+    channel = WeightChannel(any_store)
+    channel.publish({"bf16": make_view(tmp_path / "bf16", "bf16", "x")})
+    data = (tmp_path / "bf16" / "model.safetensors").read_bytes()
+    _rewrite_entry(any_store, 0, "sha256:" + hashlib.sha256(data).hexdigest())
+    out = channel.download_view(0, "bf16", tmp_path / "dl" / "ok")
+    assert (out / "model.safetensors").read_bytes() == data
+    wrong = bytearray(hashlib.sha256(data).digest())
+    wrong[0] ^= 1
+    _rewrite_entry(any_store, 0, "sha256:" + wrong.hex())
+    with pytest.raises(ChecksumMismatchError, match="sha256:"):
+        channel.download_view(0, "bf16", tmp_path / "dl" / "bad")
+    assert not (tmp_path / "dl" / "bad").exists()
+
+
 def test_digests_from_the_writer_are_used_and_still_verified(any_store: Store, tmp_path: Path) -> None:
-    """publish(digests=...) trusts the writer's sha256 (no second read); a wrong one is refused by
-    the reader's verification, and a size that disagrees with the file is refused at publish."""
+    """publish(digests=...) trusts the writer's BLAKE3 digest (no second read); a wrong one is refused
+    by the reader's verification, and a size that disagrees with the file is refused at publish."""
     view = make_view(tmp_path / "bf16", "bf16", "x")
     weights = view / "model.safetensors"
     size = weights.stat().st_size
     channel = WeightChannel(any_store)
     with pytest.raises(StoreError, match="digest says"):
-        channel.publish({"bf16": view}, digests={weights: FileDigest("0" * 64, size + 1)})
-    real = FileDigest(hashlib.sha256(weights.read_bytes()).hexdigest(), size)
+        channel.publish({"bf16": view}, digests={weights: FileDigest("blake3", "0" * 64, size + 1)})
+    real = FileDigest("blake3", blake3.blake3(weights.read_bytes()).hexdigest(), size)
     result = channel.publish({"bf16": view}, digests={weights: real})
-    assert result.manifest.views["bf16"].files["model.safetensors"] == FileEntry(real.sha256, size)
-    wrong = channel.publish({"bf16": view}, digests={weights: FileDigest("0" * 64, size)})
+    assert result.manifest.views["bf16"].files["model.safetensors"] == real
+    wrong = channel.publish({"bf16": view}, digests={weights: FileDigest("blake3", "0" * 64, size)})
     with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
         channel.download_view(wrong.version, "bf16", tmp_path / "dl")
 
@@ -123,7 +174,8 @@ def test_tampered_manifest_is_refused(any_store: Store, tmp_path: Path) -> None:
     pointer = channel.latest()
     assert pointer is not None
     raw = json.loads(any_store.get(manifest_key(0)))
-    raw["views"]["bf16"]["files"]["model.safetensors"]["sha256"] = "0" * 64  # attacker rewrites the manifest
+    # an attacker rewrites the manifest (the pointer's manifest_sha256 no longer matches)
+    raw["views"]["bf16"]["files"]["model.safetensors"]["digest"] = "blake3:" + "0" * 64
     any_store.put(manifest_key(0), json.dumps(raw).encode())
     with pytest.raises(ChecksumMismatchError, match="manifest"):
         channel.manifest(0, expected_sha256=pointer.manifest_sha256)

@@ -39,7 +39,6 @@ Stubs (only for what cannot exist on CPU), named:
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
 import logging
@@ -52,12 +51,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import blake3
 import pytest
 import torch
 
 from rlfleet.channel import SubscriberReport, WeightChannel
 from rlfleet.numerics.views import calibrate_activation_amax, checkpoint_tensors, save_view
-from rlfleet.store import FilesystemStore
+from rlfleet.store import FileDigest, FilesystemStore
 from rlfleet.trainer.publisher import WeightPublisher
 
 with warnings.catch_warnings():
@@ -192,11 +192,12 @@ def test_every_view_is_a_complete_hf_checkpoint(published: Published) -> None:
     for (version, view), d in published.dirs.items():
         files = {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()}
         assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= files
-        if version == 2:  # the manifest names every file, config and tokenizer included, with its sha256
+        if version == 2:  # the manifest names every file, config and tokenizer included, with its BLAKE3
             entries = manifest.views[view].files
             assert set(entries) == files
             for rel, entry in entries.items():
-                assert entry.sha256 == hashlib.sha256((d / rel).read_bytes()).hexdigest()
+                data = (d / rel).read_bytes()
+                assert entry == FileDigest("blake3", blake3.blake3(data).hexdigest(), len(data))
         for rel in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
             assert (d / rel).read_bytes() == (published.base / rel).read_bytes()
         config = json.loads((d / "config.json").read_text())

@@ -7,10 +7,12 @@ import hashlib
 import threading
 from pathlib import Path
 
+import blake3
 import pytest
 from conftest import free_port
 
 from rlfleet.store import (
+    FileDigest,
     FilesystemStore,
     KeyNotFoundError,
     S3Store,
@@ -44,10 +46,16 @@ def test_put_file_get_file_digests(any_store: Store, tmp_path: Path) -> None:
     src = tmp_path / "src.bin"
     src.write_bytes(data)
     sent = any_store.put_file("v0/bf16/model.safetensors", src)
-    assert sent.sha256 == hashlib.sha256(data).hexdigest() and sent.bytes == len(data)
+    assert sent == FileDigest("blake3", blake3.blake3(data).hexdigest(), len(data))  # the default
     got = any_store.get_file("v0/bf16/model.safetensors", tmp_path / "out" / "x.bin")
     assert got == sent
     assert (tmp_path / "out" / "x.bin").read_bytes() == data
+    # sha256 where a format prescribes it (model sources' SHA256SUMS)
+    got256 = any_store.get_file("v0/bf16/model.safetensors", tmp_path / "out" / "z.bin", algorithm="sha256")
+    assert got256 == FileDigest("sha256", hashlib.sha256(data).hexdigest(), len(data))
+    with pytest.raises(ValueError, match="unknown digest algorithm 'md5'"):
+        any_store.get_file("v0/bf16/model.safetensors", tmp_path / "out" / "w.bin", algorithm="md5")
+    assert not (tmp_path / "out" / "w.bin").exists()
     with pytest.raises(KeyNotFoundError):
         any_store.get_file("v0/bf16/missing", tmp_path / "out" / "y.bin")
     assert not (tmp_path / "out" / "y.bin").exists()
@@ -179,7 +187,7 @@ def test_put_file_move_renames_on_the_same_filesystem(any_store: Store, tmp_path
     src = staging / "staged.bin"
     src.write_bytes(b"x" * 100_000)
     digest = any_store.put_file("v3/fp8/model.safetensors", src, move=True)
-    assert digest.sha256 == hashlib.sha256(b"x" * 100_000).hexdigest() and digest.bytes == 100_000
+    assert digest == FileDigest("blake3", blake3.blake3(b"x" * 100_000).hexdigest(), 100_000)
     assert any_store.get("v3/fp8/model.safetensors") == b"x" * 100_000
     if isinstance(any_store, FilesystemStore):
         assert not src.exists()  # renamed, not copied

@@ -14,6 +14,7 @@ from rlfleet.channel import safetensors_header
 from rlfleet.numerics import formats
 from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.numerics.views import VIEWS, load_view, save_view
+from rlfleet.store import FileDigest
 
 FAKE_QUANT = {"fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 
@@ -150,13 +151,21 @@ def test_tensor_only_view_without_hf_config(state_dict: dict[str, torch.Tensor],
     assert config["launch"] == {"quantization": None}
 
 
-def test_save_view_digests_are_the_files_sha256(state_dict: dict[str, torch.Tensor], tmp_path: Path) -> None:
-    import hashlib
+def test_save_view_digests_are_the_files_blake3(
+    state_dict: dict[str, torch.Tensor], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest computed while writing (a second thread, chunk by chunk) is BLAKE3 of the file's
+    bytes as read back, computed here independently; several chunks per file (small CHUNK_BYTES)."""
+    import blake3
 
+    from rlfleet import store
+
+    monkeypatch.setattr(store, "CHUNK_BYTES", 4096)  # several chunks per file: hash order matters
     files = save_view(state_dict, "fp8", tmp_path / "v")
+    assert max(p.stat().st_size for p in files) > 4 * 4096
     for path, digest in files.items():
         data = path.read_bytes()
-        assert digest.sha256 == hashlib.sha256(data).hexdigest() and digest.bytes == len(data)
+        assert digest == FileDigest("blake3", blake3.blake3(data).hexdigest(), len(data))
 
 
 def test_bad_input(tmp_path: Path) -> None:
