@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from rlfleet.channel import safetensors_header
 from rlfleet.numerics import formats
-from rlfleet.numerics.tinygpt import TinyGPT, TinyGPTConfig
 from rlfleet.numerics.views import VIEWS, load_view, save_view
 from rlfleet.store import FileDigest
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
 FAKE_QUANT = {"fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
 
@@ -26,7 +26,7 @@ FUSED_MEMBERS = {m: group for group in (_QKV, _GATE_UP) for m in group}
 
 @pytest.fixture(scope="module")
 def state_dict() -> dict[str, torch.Tensor]:
-    model = TinyGPT(TinyGPTConfig(vocab_size=64, n_layer=1, n_head=2, d_model=64, max_seq_len=32, seed=3))
+    model = tiny_model(TinyQwen3(num_hidden_layers=1, seed=3))  # the tiny Qwen3's HF-named tensors
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
