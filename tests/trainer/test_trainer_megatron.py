@@ -123,6 +123,7 @@ def test_micro_batches_reassemble_the_batch_loss_and_metrics():
     cfg = ObjectiveConfig(mode="sc_mis", replay=True)
     gi = {"a": 0, "b": 1}
 
+    @torch.no_grad()
     def out_of(fb):
         logits = model(torch.from_numpy(fb.input_ids)).logits[torch.from_numpy(fb.row_seq), torch.from_numpy(fb.row_pos)]
         return policy_loss(logits, to_token_batch(fb, gi), cfg)
