@@ -3,7 +3,7 @@
 
 `resolve_model_source(path)` returns a local directory holding the checkpoint:
 - a local or PVC directory: used in place; it must hold `config.json` (a Hugging Face checkpoint) or
-  `rlfleet_view.json` (one of our own weight views, e.g. a tensor-only TinyGPT view);
+  `rlfleet_view.json` (one of our own weight views);
 - `s3://bucket/prefix[?endpoint=URL&region=R]`: every object under the prefix is downloaded with the
   weight channel's S3 store (`rlfleet.store`) into the cache and verified against the prefix's
   `SHA256SUMS` (the `sha256sum` format; `rlfleet model tiny-qwen3` writes one) before use. A prefix
@@ -65,6 +65,20 @@ def check_checkpoint_dir(directory: Path, source: str) -> Path:
 def is_hf_checkpoint(directory: str | Path) -> bool:
     """True when the resolved directory is a Hugging Face checkpoint (it has config.json)."""
     return (Path(directory) / HF_CONFIG).is_file()
+
+
+def read_safetensors_dir(directory: str | Path) -> dict[str, Any]:
+    """Every tensor of a Hugging Face checkpoint directory's `*.safetensors` files, HF-named, in their
+    stored dtype (shards of an index included: they are the directory's safetensors files)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"model {directory}: no *.safetensors files")
+    tensors: dict[str, Any] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
 
 
 def parse_checksums(text: str, source: str) -> dict[str, str]:

@@ -13,8 +13,11 @@ rlfleet/model_source.py). The same seed gives the same bytes.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 64
 SIZES = {
@@ -28,6 +31,8 @@ SIZES = {
 }
 """Every fused member (q, k, v: 128 rows; gate, up: 256) is a multiple of SGLang's 128 FP8 block, so every
 view (bf16, fp8 block-128, nvfp4) of this model is publishable and loadable (rlfleet/numerics/views.py)."""
+LOGIT_STD = 2.0
+"""std of the untrained model's logits (see `init_weights`)."""
 SPECIAL = ["<pad>", "<s>", "</s>", "<sep>", "<call>", "</call>", "<result>", "</result>", "<err>", "<unk>"]
 """ids 0..9: ToyVocab's PAD, BOS, EOS, SEP, CALL, END_CALL, RESULT, END_RESULT, ERR, and the unknown token."""
 CHAT_TEMPLATE = (
@@ -60,29 +65,109 @@ def build_tokenizer(directory: Path, vocab_size: int = VOCAB_SIZE) -> None:
     fast.save_pretrained(directory)
 
 
-def build_tiny_qwen3(out: str | Path, *, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Path:
-    """Write the tiny Qwen3 checkpoint (model, tokenizer, SHA256SUMS) into `out`; returns it."""
+@dataclass(frozen=True)
+class TinyQwen3:
+    """The sizes and init of a tiny Qwen3 (RLJob `local.model`; Hugging Face config names)."""
+
+    vocab_size: int = VOCAB_SIZE
+    hidden_size: int = SIZES["hidden_size"]
+    intermediate_size: int = SIZES["intermediate_size"]
+    num_hidden_layers: int = SIZES["num_hidden_layers"]
+    num_attention_heads: int = SIZES["num_attention_heads"]
+    num_key_value_heads: int = SIZES["num_key_value_heads"]
+    head_dim: int = SIZES["head_dim"]
+    max_position_embeddings: int = SIZES["max_position_embeddings"]
+    tie_word_embeddings: bool = False
+    logit_std: float = LOGIT_STD
+    seed: int = 0
+
+    def hf_config(self) -> Any:
+        from transformers import Qwen3Config
+
+        sizes = {k: v for k, v in asdict(self).items() if k not in ("logit_std", "seed")}
+        return Qwen3Config(bos_token_id=1, eos_token_id=2, pad_token_id=0, **sizes)
+
+
+def init_weights(model: Any, seed: int, logit_std: float = LOGIT_STD) -> None:
+    """Deterministic init from `seed` (independent of the global RNG): embedding normal(0, 1),
+    projections normal(0, 1/sqrt(fan_in)) with the residual outputs (o_proj, down_proj) scaled by
+    1/sqrt(2 layers), lm_head giving logits of std ~`logit_std`, norms (incl. QK-norm) at 1.
+
+    Why not transformers' init (std 0.02): its untrained model is a near-uniform distribution over the
+    vocabulary with near-identity layers; here every layer matters and the initial distributions are
+    peaked enough that top-k / top-p supports are small and quantization changes them (docs/local.md)."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = model.config
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = 1.0 / math.sqrt(p.shape[-1])
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                std = std / math.sqrt(2 * cfg.num_hidden_layers)
+            elif name == "lm_head.weight":
+                std = logit_std / math.sqrt(cfg.hidden_size)
+            elif name == "model.embed_tokens.weight":
+                std = logit_std / math.sqrt(cfg.hidden_size) if cfg.tie_word_embeddings else 1.0
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def tiny_model(spec: TinyQwen3 | None = None) -> Any:
+    """transformers' Qwen3ForCausalLM of `spec`, initialised by `init_weights` (fp32, eval mode)."""
+    from transformers import GenerationConfig, Qwen3ForCausalLM
+
+    spec = spec or TinyQwen3()
+    model = Qwen3ForCausalLM(spec.hf_config()).eval()
+    init_weights(model, spec.seed, spec.logit_std)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return model
+
+
+def build_tiny_qwen3(out: str | Path, spec: TinyQwen3 | None = None, *, seed: int | None = None) -> Path:
+    """Write the tiny Qwen3 checkpoint (bf16 safetensors, config, tokenizer, SHA256SUMS) into `out`."""
+    import torch
 
     from rlfleet.model_source import write_checksums
 
+    spec = spec or TinyQwen3()
+    if seed is not None:
+        spec = replace(spec, seed=seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = Qwen3Config(
-        vocab_size=vocab_size, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, **SIZES
-    )
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).eval()
-    finally:
-        torch.random.set_rng_state(generator_state)  # callers' RNG streams are not disturbed
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    build_tokenizer(out, vocab_size)
+    tiny_model(spec).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    build_tokenizer(out, spec.vocab_size)
     write_checksums(out)
     return out
+
+
+def cached_tiny_qwen3(cache_root: str | Path, spec: TinyQwen3) -> Path:
+    """`build_tiny_qwen3` once per spec under `cache_root` (a directory named by the spec's digest,
+    built in a temporary sibling and renamed into place, so a half-written build is never used)."""
+    import hashlib
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(cache_root)
+    target = root / f"tiny-qwen3-{key}"
+    if (target / "SHA256SUMS").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=root))
+    try:
+        build_tiny_qwen3(tmp, spec)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "SHA256SUMS").is_file():  # lost a race to another builder: theirs is complete
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def cli(argv: list[str]) -> int:
@@ -92,7 +177,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     args = parser.parse_args(argv)
     try:
-        path = build_tiny_qwen3(args.out, seed=args.seed, vocab_size=args.vocab_size)
+        path = build_tiny_qwen3(args.out, TinyQwen3(vocab_size=args.vocab_size, seed=args.seed))
     except ValueError as e:
         print(f"rlfleet model tiny-qwen3: {e}", file=sys.stderr)
         return 2

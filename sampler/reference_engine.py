@@ -1,4 +1,5 @@
-"""The reference sampler engine: TinyGPT on CPU with precision emulation and a batching scheduler.
+"""The reference sampler engine: a Qwen3 checkpoint on CPU with precision emulation and a batching
+scheduler (the model implementation: rlfleet/numerics/engine_model.py, held against transformers).
 
 What it emulates (so that q really differs from the trainer's p the way a GPU fleet's does):
 - weight precision: `precision_view(weights, fmt)` (bf16; fp8 per-channel / block-128; nvfp4; mxfp4);
@@ -33,10 +34,38 @@ from typing import Any
 
 import torch
 
-from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
+from rlfleet.numerics.engine_model import EngineModel, KernelConfig, ModelShape, precision_view
 from rlfleet.sampler.sampling import SAMPLING_BACKENDS, MaskStatus, RowParams, SampleResult, sample
 
 log = logging.getLogger("rlfleet.sampler.engine")
+
+
+def tiny_shape(**sizes: Any) -> ModelShape:
+    """The shape of the project's tiny Qwen3 (rlfleet/tiny_qwen3.py) with `sizes` overridden."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from rlfleet.tiny_qwen3 import TinyQwen3
+
+    try:
+        config = TinyQwen3(**sizes).hf_config()
+    except StrictDataclassError as exc:  # transformers' config validators (e.g. an odd head_dim): not a ValueError
+        raise ValueError(f"invalid tiny Qwen3 sizes: {exc.__cause__ or exc}") from None
+    return ModelShape.from_hf_config(config.to_dict())
+
+
+def seeded_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
+    """The tiny Qwen3 init (rlfleet/tiny_qwen3.py `init_weights`) of `shape` from `seed`: what an engine
+    started without a checkpoint serves until its first weight update."""
+    from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
+
+    spec = TinyQwen3(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=shape.tie_word_embeddings,
+        seed=seed,
+    )
+    return {k: v.detach() for k, v in tiny_model(spec).state_dict().items()}
 
 WEIGHT_FORMATS = ("fp32", "bf16", "fp8", "fp8_block", "nvfp4", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
@@ -45,7 +74,7 @@ THROTTLE_BURST_S = 0.1  # budget (in seconds of the cap) the throttle may bank
 
 @dataclass
 class EngineConfig:
-    model: TinyGPTConfig = field(default_factory=TinyGPTConfig)
+    model: ModelShape = field(default_factory=lambda: tiny_shape())
     weight_format: str = "bf16"
     kv_cache_dtype: str = "auto"
     kernel: KernelConfig = field(default_factory=lambda: KernelConfig(act_dtype="bfloat16"))
@@ -54,7 +83,7 @@ class EngineConfig:
     sampling_mask_max_tokens: int = 4096
     sampling_backend: str = "pytorch"  # SGLang --sampling-backend whose kept sets to emulate (sampling.py)
     weight_version: int = 0
-    served_model_name: str = "tinygpt"
+    served_model_name: str = "tiny-qwen3"
     model_path: str | None = None
     seed: int = 0
 
@@ -152,12 +181,12 @@ class ReferenceEngine:
         self, config: EngineConfig, weights: dict[str, torch.Tensor] | None = None, view: str = "fp32"
     ):
         self.config = config
-        self.model = TinyGPT(config.model, config.kernel).eval()
+        self.model = EngineModel(config.model, config.kernel).eval()
         self.view = "init"
         self.effective_format = config.weight_format
         self.weight_version = config.weight_version
         self.load_weights(
-            weights if weights is not None else self.model.state_dict(), view, config.weight_version
+            weights if weights is not None else seeded_weights(config.model, config.seed), view, config.weight_version
         )
         self.cache = self.model.new_cache(config.max_running_requests, kv_dtype=config.kv_cache_dtype)
         self.free_slots = list(range(config.max_running_requests))[::-1]
@@ -189,16 +218,7 @@ class ReferenceEngine:
                 )
             emulated = precision_view(weights, "fp32")
             self.effective_format = view
-        missing = set(self.model.state_dict()) ^ set(emulated)
-        if missing:
-            raise ValueError(f"weights do not match the model: {sorted(missing)[:4]}")
-        for name, t in emulated.items():
-            if t.shape != self.model.state_dict()[name].shape:
-                raise ValueError(
-                    f"{name}: shape {tuple(t.shape)} != model {tuple(self.model.state_dict()[name].shape)}"
-                )
-        with torch.no_grad():
-            self.model.load_state_dict(emulated, strict=True)
+        self.model.load_weights(emulated)  # names and shapes checked before anything is copied
         self.view = view
         self.weight_version = int(version)
 
@@ -328,7 +348,7 @@ class ReferenceEngine:
         )
         heads = res.top_logprobs([r.top_logprobs_num if r.return_logprob else 0 for r in batch])
         now = time.monotonic()
-        capacity = min(self.cache.capacity, self.config.model.max_seq_len)
+        capacity = min(self.cache.capacity, self.config.model.max_position_embeddings)
         still: list[GenRequest] = []
         finished: list[GenRequest] = []
         produced = 0
@@ -469,17 +489,18 @@ def kl_q_p(logits_q: torch.Tensor, logits_p: torch.Tensor, temperature: float = 
 
 
 def measure_kl(
-    trainer_model: TinyGPT,
-    sampler_model: TinyGPT,
+    trainer_model: torch.nn.Module,
+    sampler_model: EngineModel,
     kv_cache_dtype: str,
     input_ids: torch.Tensor,
     prompt_len: int,
 ) -> float:
     """Mean KL(q || p) over the continuation positions, with the sampler running its KV-cached decode
     path (prefill the prompt, then one token at a time, as the engine does) and the trainer its plain
-    full-sequence forward. input_ids [B, S]."""
+    full-sequence forward (`trainer_model`: transformers' causal LM of the same checkpoint).
+    input_ids [B, S]."""
     with torch.no_grad():
-        p_logits = trainer_model(input_ids)  # [B, S, V]
+        p_logits = trainer_model(input_ids).logits.float()  # [B, S, V]
         cache = sampler_model.new_cache(input_ids.shape[0], kv_dtype=kv_cache_dtype)
         rows = torch.arange(input_ids.shape[0])
         q_parts = [sampler_model(input_ids[:, :prompt_len], cache, rows)]

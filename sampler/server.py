@@ -1,6 +1,6 @@
 """`rlfleet sampler serve`: the reference sampler server (an SGLang 0.5.23 emulator) or the real SGLang launcher.
 
-`--engine reference` serves the TinyGPT reference engine (reference_engine.py) over a real aiohttp
+`--engine reference` serves the reference engine (reference_engine.py: a Qwen3 checkpoint on CPU) over a real aiohttp
 HTTP server speaking the part of SGLang 0.5.23's API rlfleet uses, with SGLang's keys, shapes,
 defaults, validation order, error bodies, status codes and metrics (each checked against SGLang's own
 code in tests/sglang_contract/test_sglang_reference_sampler.py; docs/sampler.md lists what):
@@ -464,7 +464,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
                 isinstance(value, list) and all(v in (None, neutral) for v in value)
             ):
                 raise value_error(f"{name} is not supported by the reference server")
-        vocab, context_len = cfg.model.vocab_size, cfg.model.max_seq_len
+        vocab, context_len = cfg.model.vocab_size, cfg.model.max_position_embeddings
         reqs = []
         for item in items:
             if any(i < 0 or i >= vocab for i in item.input_ids):
@@ -558,7 +558,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
     async def model_info(request: web.Request) -> web.Response:
         return web.json_response(
             {
-                "model_path": settings.model_path or cfg.model_path or f"tinygpt-seed{cfg.model.seed}",
+                "model_path": settings.model_path or cfg.model_path or f"tiny-qwen3-seed{cfg.seed}",
                 "served_model_name": cfg.served_model_name,
                 "tokenizer_path": None,
                 "is_generation": True,
@@ -566,8 +566,8 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
                 "weight_version": _weight_version(),
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
-                "model_type": "tinygpt",
-                "architectures": ["TinyGPT"],
+                "model_type": "qwen3",
+                "architectures": ["Qwen3ForCausalLM"],
                 "vocab_size": cfg.model.vocab_size,
                 "weight_format": engine.effective_format,
                 "kv_cache_dtype": cfg.kv_cache_dtype,
@@ -590,7 +590,7 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
                 "sampling_mask_max_tokens": cfg.sampling_mask_max_tokens,
                 "sampling_backend": cfg.sampling_backend,
                 "max_running_requests": cfg.max_running_requests,
-                "context_length": cfg.model.max_seq_len,
+                "context_length": cfg.model.max_position_embeddings,
                 "weight_version": _weight_version(),
                 "enable_metrics": True,
                 "version": SERVER_VERSION,
@@ -624,15 +624,12 @@ def build_app(engine: Any, settings: ServerSettings | None = None) -> web.Applic
                 },
                 status=400,
             )
-        try:
-            from rlfleet.numerics.views import load_view
-        except ImportError as exc:
-            return web.json_response(
-                {"success": False, "message": f"weight views unavailable (rlfleet.numerics.views): {exc}"},
-                status=400,
-            )
+        from rlfleet.numerics.engine_model import load_checkpoint
+
         try:  # load and check fully before touching the engine: a failure leaves the old weights serving
-            view, weights = await asyncio.to_thread(load_view, body.model_path)
+            view, shape, weights = await asyncio.to_thread(load_checkpoint, body.model_path)
+            if shape != cfg.model:
+                raise ValueError(f"its architecture {shape} differs from the served model's {cfg.model}")
         except (OSError, ValueError, KeyError) as exc:
             return web.json_response(
                 {"success": False, "message": f"failed to load {body.model_path}: {exc}"}, status=400
@@ -760,9 +757,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port-file", help="write the bound port here once listening")
     p.add_argument(
-        "--model-path", help="weight view directory (rlfleet.numerics.views); default: seeded TinyGPT init"
+        "--model-path",
+        help="Hugging Face checkpoint or weight view directory (Qwen3); reference default: the tiny Qwen3 "
+        "(rlfleet/tiny_qwen3.py) initialised from --seed",
     )
-    p.add_argument("--served-model-name", default="tinygpt")
+    p.add_argument("--served-model-name", default="tiny-qwen3")
     p.add_argument(
         "--weight-format",
         default="bf16",
@@ -784,11 +783,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ref = p.add_argument_group("reference engine")
     ref.add_argument("--seed", type=int, default=0)
-    ref.add_argument("--vocab-size", type=int, default=256)
-    ref.add_argument("--n-layer", type=int, default=2)
-    ref.add_argument("--n-head", type=int, default=4)
-    ref.add_argument("--d-model", type=int, default=64)
-    ref.add_argument("--max-seq-len", type=int, default=256)
+    ref.add_argument("--vocab-size", type=int, default=64, help="tiny Qwen3 without --model-path")
+    ref.add_argument("--hidden-size", type=int, default=128, help="tiny Qwen3 without --model-path")
+    ref.add_argument("--num-hidden-layers", type=int, default=2, help="tiny Qwen3 without --model-path")
+    ref.add_argument("--num-attention-heads", type=int, default=2, help="tiny Qwen3 without --model-path")
+    ref.add_argument("--head-dim", type=int, default=64, help="tiny Qwen3 without --model-path")
+    ref.add_argument("--context-length", type=int, default=256, help="tiny Qwen3 without --model-path")
     ref.add_argument("--kernel-act-dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ref.add_argument("--kernel-split-k", type=int, default=1)
     ref.add_argument("--max-running-requests", type=int, default=32)
@@ -845,30 +845,26 @@ def sglang_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 def _reference_engine(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
-    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig, config_from_state_dict
-    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
+    from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
+    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 
     torch.set_num_threads(max(1, args.threads))
     weights, view = None, "fp32"
     if args.model_path:
         try:
-            from rlfleet.numerics.views import load_view
-        except ImportError as exc:
-            raise CliError(f"--model-path needs rlfleet.numerics.views: {exc}") from None
-        try:
-            view, weights = load_view(args.model_path)
-            model_cfg = config_from_state_dict(weights, args.n_head, args.max_seq_len, args.seed)
+            view, model_cfg, weights = load_checkpoint(args.model_path)
         except (OSError, ValueError, KeyError) as exc:
             raise CliError(f"cannot load --model-path {args.model_path}: {exc}") from None
     else:
-        model_cfg = TinyGPTConfig(
-            vocab_size=args.vocab_size,
-            n_layer=args.n_layer,
-            n_head=args.n_head,
-            d_model=args.d_model,
-            max_seq_len=args.max_seq_len,
-            seed=args.seed,
-        )
+        try:
+            model_cfg = tiny_shape(
+                vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                num_hidden_layers=args.num_hidden_layers, num_attention_heads=args.num_attention_heads,
+                num_key_value_heads=args.num_attention_heads, head_dim=args.head_dim,
+                max_position_embeddings=args.context_length,
+            )
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     cfg = EngineConfig(
         model=model_cfg,
         weight_format=args.weight_format,

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask replay)
     "pg": ("pg", False),
@@ -47,6 +48,11 @@ FLEETS: dict[str, list[tuple[str, str, str, str]]] = {
         ("b200-nvfp4", "b200", "nvfp4", "auto"), ("h100-fp8", "h100", "fp8", "auto"),
         ("h100-bf16", "h100", "bf16", "auto"), ("rtx-pro-6000-bf16", "rtx-pro-6000", "bf16", "fp8_e4m3"),
     ],
+    # the positive-control lever "most tokens from 4-bit groups": 3 of 4 groups NVFP4 (docs/ablation.md)
+    "mixed_4bit": [
+        ("b200-nvfp4", "b200", "nvfp4", "auto"), ("b300-nvfp4", "b300", "nvfp4", "auto"),
+        ("b200-nvfp4-b", "b200", "nvfp4", "fp8_e4m3"), ("h100-fp8", "h100", "fp8", "auto"),
+    ],
 }
 
 
@@ -62,11 +68,23 @@ class AblationConfig:
     head_size: int = 16
     task: str = "copy_digit"
     seed: int = 0
+    # the tiny Qwen3 (rlfleet/tiny_qwen3.py), built once per seed into `model_cache`
     vocab_size: int = 64
-    d_model: int = 64
-    n_layer: int = 2
-    n_head: int = 2
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    head_dim: int = 64
     logit_std: float = 2.0
+    model_cache: str | None = None  # default: rlfleet.model_source.default_cache_dir()
+
+    def tiny_model(self) -> Any:
+        from rlfleet.tiny_qwen3 import TinyQwen3
+
+        return TinyQwen3(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                         intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+                         num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_attention_heads,
+                         head_dim=self.head_dim, max_position_embeddings=32, logit_std=self.logit_std, seed=self.seed)
 
 
 @dataclass
@@ -122,7 +140,7 @@ class LockstepRollouts:
         pass
 
     def take(self, n: int, timeout: float, stop: object = None) -> list:
-        from rlfleet.numerics.tinygpt import precision_view
+        from rlfleet.numerics.engine_model import precision_view
         from rlfleet.router.hashing import pick
         from rlfleet.trainer.emulated import VIEW_FORMATS, Request
         from rlfleet.trainer.rollout import PromptGroup, Rollout
@@ -165,8 +183,10 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
     import numpy as np
     import torch
 
-    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig
-    from rlfleet.trainer.backend_torch import OptimConfig, TorchBackend
+    from rlfleet.model_source import default_cache_dir
+    from rlfleet.numerics.engine_model import KernelConfig, ModelShape
+    from rlfleet.tiny_qwen3 import cached_tiny_qwen3
+    from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.emulated import EmulatedSampler
     from rlfleet.trainer.environments import load_environment
@@ -177,14 +197,15 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
 
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
-    model_cfg = TinyGPTConfig(vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model,
-                              max_seq_len=32, seed=cfg.seed, logit_std=cfg.logit_std)
+    model_dir = cached_tiny_qwen3(cfg.model_cache or default_cache_dir(), cfg.tiny_model())
+    model_cfg = ModelShape.from_checkpoint(model_dir)
     mode, replay = ARMS[arm]
-    backend = TorchBackend(model_cfg, ObjectiveConfig(mode=mode, replay=replay), OptimConfig(learning_rate=cfg.learning_rate))
+    backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig(mode=mode, replay=replay),
+                                        optim=OptimConfig(learning_rate=cfg.learning_rate))
     groups = FLEETS[fleet]
     samplers = {
         name: EmulatedSampler(name, fmt, kv, model_cfg, seed=cfg.seed + i,
-                              kernel=KernelConfig(act_dtype="float32", split_k=SPLIT_K.get(acc, 1)))
+                              kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)))
         for i, (name, acc, fmt, kv) in enumerate(groups)
     }
     env = load_environment(cfg.task)
@@ -283,21 +304,101 @@ def plots(results: list[ArmResult], out: Path) -> list[Path]:
     return written
 
 
+TASK_CHANCE = {"copy_digit": 0.1, "same_parity": 0.5}
+"""Chance-level reward of each ablation task: what a policy ignoring the prompt earns (copy_digit: a
+uniformly random digit, 0.1; same_parity: any digits, 0.5)."""
+
+
+def _run_job(job: tuple[str, str, AblationConfig]) -> ArmResult:
+    """One (arm, fleet, config) run in a worker process (1 torch thread: the workers share the cores)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    arm, fleet, cfg = job
+    return run_arm(arm, fleet, cfg)
+
+
+def run_grid(jobs: list[tuple[str, str, AblationConfig]], workers: int) -> list[ArmResult]:
+    """Every job, `workers` processes at a time (spawned: no torch state is forked); results in job order."""
+    if workers <= 1:
+        return [_run_job(j) for j in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_run_job, jobs))
+
+
+def grid(arms: list[str], fleets: list[str], seeds: list[int], cfg: AblationConfig, null_control: bool
+         ) -> list[tuple[str, str, AblationConfig]]:
+    """The runs of an ablation: every arm x fleet x seed at `cfg.lag`, plus (null_control) the null-arm
+    cells (trainer/claims.py NULL_ARMS on the homogeneous fleet at lag 0) unless they are already in."""
+    from dataclasses import replace
+
+    from rlfleet.trainer.claims import NULL_ARMS, NULL_FLEET, NULL_LAG
+
+    jobs = [(arm, fleet, replace(cfg, seed=seed)) for seed in seeds for fleet in fleets for arm in arms]
+    if null_control and cfg.lag != NULL_LAG:
+        jobs += [(arm, NULL_FLEET, replace(cfg, seed=seed, lag=NULL_LAG)) for seed in seeds for arm in NULL_ARMS]
+    return jobs
+
+
+def records_of(results: list[ArmResult], cfgs: list[AblationConfig]) -> list[Any]:
+    from rlfleet.trainer.claims import RunRecord
+
+    return [RunRecord(arm=r.arm, fleet=r.fleet, seed=c.seed, lag=c.lag, history=r.history)
+            for r, c in zip(results, cfgs, strict=True)]
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"5" -> seeds 0..4; "0,3,7" -> those seeds."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if len(parts) == 1 and "," not in text:
+        n = int(parts[0])
+        if n < 1:
+            raise ValueError("--seeds N needs N >= 1")
+        return list(range(n))
+    seeds = [int(p) for p in parts]
+    if len(set(seeds)) != len(seeds) or any(x < 0 for x in seeds):
+        raise ValueError("--seeds: distinct non-negative seeds")
+    return seeds
+
+
+DOCS_BEGIN, DOCS_END = "<!-- rlfleet ablate: begin -->", "<!-- rlfleet ablate: end -->"
+
+
+def write_docs_block(path: Path, body: str) -> None:
+    """Replace what stands between the two markers of `path` (they must be there, once each)."""
+    text = path.read_text()
+    if text.count(DOCS_BEGIN) != 1 or text.count(DOCS_END) != 1:
+        raise SystemExit(f"rlfleet ablate: {path} needs the lines {DOCS_BEGIN} and {DOCS_END} once each")
+    head, rest = text.split(DOCS_BEGIN)
+    _, tail = rest.split(DOCS_END)
+    path.write_text(f"{head}{DOCS_BEGIN}\n{body}\n{DOCS_END}{tail}")
+
+
 def cli(argv: Sequence[str]) -> int:
     d = AblationConfig()
-    p = argparse.ArgumentParser(prog="rlfleet ablate", description="Correction ablation: pg, mis, sc, pg+topp, sc_mis, sc_mis+topp on a homogeneous and a mixed fleet.")
+    p = argparse.ArgumentParser(prog="rlfleet ablate", description="Correction ablation: pg, mis, sc, pg+topp, sc_mis, sc_mis+topp on a homogeneous and a mixed fleet, several seeds, pre-registered claims (docs/ablation.md).")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
     p.add_argument("--fleets", default="homogeneous,mixed")
+    p.add_argument("--seeds", default="5", help="N (seeds 0..N-1) or a comma list of seeds (default 5)")
+    p.add_argument("--jobs", type=int, default=None, help="parallel worker processes (default: CPU cores)")
+    p.add_argument("--no-null-control", action="store_true", help="skip the null-arm cells (homogeneous, lag 0)")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--prompts", type=int, default=d.prompts)
     p.add_argument("--samples", type=int, default=d.samples)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--lag", type=int, default=d.lag, help="sampler weights are this many steps old")
     p.add_argument("--lr", type=float, default=d.learning_rate)
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--head-size", type=int, default=d.head_size)
-    p.add_argument("--task", default=d.task, choices=("copy_digit",))
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--logit-std", type=float, default=d.logit_std, help="std of the untrained model's logits")
+    p.add_argument("--task", default=d.task, choices=tuple(TASK_CHANCE))
     p.add_argument("--out", default="rlfleet-ablation")
+    p.add_argument("--docs", help="also write the results between the ablation markers of this file (docs/ablation.md)")
     args = p.parse_args(list(argv))
     arms = [a for a in args.arms.split(",") if a]
     fleets = [f for f in args.fleets.split(",") if f]
@@ -308,23 +409,64 @@ def cli(argv: Sequence[str]) -> int:
     if args.steps < 4 or args.prompts < 1 or args.samples < 2 or args.lag < 0 or not 0 < args.top_p <= 1:
         print("rlfleet ablate: need --steps >= 4, --prompts >= 1, --samples >= 2, --lag >= 0, 0 < --top-p <= 1", file=sys.stderr)
         return 2
-    cfg = AblationConfig(steps=args.steps, prompts=args.prompts, samples=args.samples, lag=args.lag, learning_rate=args.lr,
-                         top_p=args.top_p, head_size=args.head_size, task=args.task, seed=args.seed)
-    import torch
+    try:
+        seeds = parse_seeds(args.seeds)
+    except ValueError as exc:
+        print(f"rlfleet ablate: {exc}", file=sys.stderr)
+        return 2
+    import os
 
-    torch.set_num_threads(1)
+    from transformers.utils import logging as hf_logging
+
+    from rlfleet.trainer.claims import (
+        CollapseDefinition,
+        claims_table,
+        evaluate_claims,
+        paper_claims,
+        summary_table,
+    )
+
+    cfg = AblationConfig(steps=args.steps, prompts=args.prompts, samples=args.samples, max_new_tokens=args.max_new_tokens,
+                         lag=args.lag, learning_rate=args.lr, top_p=args.top_p, head_size=args.head_size,
+                         task=args.task, logit_std=args.logit_std)
+    hf_logging.disable_progress_bar()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for fleet in fleets:
-        for arm in arms:
-            r = run_arm(arm, fleet, cfg, progress=True)
-            results.append(r)
-            print(f"{arm:>12} {fleet:>11}: reward {r.final_reward:.3f} (peak {r.peak_reward:.3f}) KL x{r.kl_peak_ratio:.1f} "
-                  f"OOR {r.oor_fraction:.2%} collapse {r.collapse_step} {r.collapse_signals} ({r.seconds:.0f}s)", flush=True)
-    md = table(results)
+    jobs = grid(arms, fleets, seeds, cfg, null_control=not args.no_null_control)
+    workers = max(1, args.jobs or os.cpu_count() or 1)
+    print(f"rlfleet ablate: {len(jobs)} runs ({len(arms)} arms x {len(fleets)} fleets x {len(seeds)} seeds"
+          f"{' + null-arm control' if len(jobs) > len(arms) * len(fleets) * len(seeds) else ''}), {workers} workers", flush=True)
+    t0 = time.monotonic()
+    # build the tiny Qwen3 of every seed once, here, before the workers race for it
+    from rlfleet.model_source import default_cache_dir
+    from rlfleet.tiny_qwen3 import cached_tiny_qwen3
+
+    for seed in seeds:
+        from dataclasses import replace
+
+        cached_tiny_qwen3(cfg.model_cache or default_cache_dir(), replace(cfg, seed=seed).tiny_model())
+    results = run_grid(jobs, workers)
+    wall = time.monotonic() - t0
+    records = records_of(results, [c for _, _, c in jobs])
+    definition = CollapseDefinition(chance=TASK_CHANCE[cfg.task])
+    claims = evaluate_claims(paper_claims(definition, lag=cfg.lag), records)
+    by_seed0 = [r for r, (_, _, c) in zip(results, jobs, strict=True) if c.seed == seeds[0] and c.lag == cfg.lag]
+    cpu = sum(r.seconds for r in results)
+    md = "\n\n".join([
+        f"Runs: {len(jobs)}; wall {wall / 60:.1f} min with {workers} workers; {cpu / 60:.1f} CPU-minutes of runs.",
+        "### Claims\n\n" + claims_table(claims),
+        "### Per cell (all seeds)\n\n" + summary_table(records, definition),
+        f"### Seed {seeds[0]}, lag {cfg.lag}\n\n" + table(by_seed0),
+    ])
     print(md)
     (out / "ablation.md").write_text(md + "\n")
-    (out / "ablation.json").write_text(json.dumps({"config": asdict(cfg), "results": [asdict(r) for r in results]}, indent=1))
-    plots(results, out)
+    if args.docs:
+        command = "rlfleet ablate " + " ".join(argv)
+        write_docs_block(Path(args.docs), f"Generated by `{command}` (load average {os.getloadavg()[0]:.1f}).\n\n{md}")
+    (out / "ablation.json").write_text(json.dumps({
+        "config": asdict(cfg), "seeds": seeds,
+        "runs": [{"seed": c.seed, "lag": c.lag, **asdict(r)} for r, (_, _, c) in zip(results, jobs, strict=True)],
+        "claims": [{"id": c.id, "status": res.status, "evidence": res.evidence} for c, res in claims],
+    }, indent=1))
+    plots(by_seed0, out)
     return 0

@@ -1,7 +1,7 @@
-"""The `hf` backend: any Hugging Face causal LM (Qwen3, Llama, ...) through `AutoModelForCausalLM`.
+"""The `torch` backend of an RLJob (`trainer.backend: torch`, local mode, the ablation): any Hugging Face
+causal LM (Qwen3, Llama, ...) through transformers' `AutoModelForCausalLM`.
 
-Same interface as the `torch` backend (trainer/backend_torch.py), so the training loop drives it
-unchanged: `train_step(flat, group_index) -> (LossOutput, grad_norm)`, `weights()` (HF-named fp32
+The training loop drives it through `train_step(flat, group_index) -> (LossOutput, grad_norm)`, `weights()` (HF-named fp32
 tensors for the publisher), `state_dict()` / `load_state_dict()` (checkpoints). The objective is the
 one corrected policy loss of trainer/objective.py, on the same gathered logit rows.
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlfleet.trainer.backend_torch import OptimConfig, to_token_batch
+from rlfleet.trainer.backend_common import OptimConfig, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 

@@ -34,7 +34,7 @@ How a step runs (documented megatron-core API, nothing private):
 - `optimizer.step() -> (ok, grad_norm, num_zeros)` (clipping inside, `OptimizerConfig.clip_grad`).
 - Publishing: only the TP group of rank 0 (data-parallel rank 0) sends its shards to rank 0 (gather,
   not all-gather); rank 0 merges them and renames to Hugging Face names (`megatron_to_hf`), the same
-  names TinyGPT and SGLang use, so the weight publisher makes every view from them.
+  names transformers and SGLang use, so the weight publisher makes every view from them.
 - Checkpoints: `state_dict()` on rank 0 gathers every rank's model shard, optimizer state_dict and
   the distributed optimizer's parameter state (`save_parameter_state`: fp32 main params and Adam
   moments, which its state_dict leaves out); `load_state_dict` scatters them back, loads the model,
@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.trainer.backend_torch import OptimConfig, to_token_batch
+from rlfleet.trainer.backend_common import OptimConfig, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.megatron_support import parallelism_support, shape_support
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss

@@ -2,9 +2,9 @@
 
 Local mode (`rlfleet run --local`) never uses this: it starts the real reference sampler servers.
 The ablation runs 12 arms x tens of steps on 2 cores and uses this path for speed (documented in
-docs/ablation.md). The emulation is the same as the reference server's: TinyGPT with the group's
-weight format applied by `rlfleet.numerics.tinygpt.precision_view` (projections fake-quantised, the
-rest bf16), a bf16
+docs/ablation.md). The emulation is the same as the reference server's: the reference engine's Qwen3
+(rlfleet/numerics/engine_model.py, held against transformers) with the group's weight format applied by
+`precision_view` (projections fake-quantised, the rest bf16), a bf16
 kernel with a split-K reduction (so even a bf16 group differs from the fp32 trainer), the group's KV
 cache dtype, and the sampler's implementation of SGLang's torch sampling reference
 (`rlfleet.sampler.sampling.sample`: temperature, sorted top-k, top-p on the exclusive cumulative sum).
@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.numerics.tinygpt import KernelConfig, TinyGPT, TinyGPTConfig, precision_view
+from rlfleet.numerics.engine_model import EngineModel, KernelConfig, ModelShape, precision_view
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE, SampledTurn
 from rlfleet.sampler.sampling import RowParams, sample
 
 # RLJob weightFormat -> the fake-quantisation format of the emulation (fp8 views are block-128).
 VIEW_FORMATS = {"bf16": "bf16", "fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
-# SGLang --kv-cache-dtype -> the TinyGPT cache emulation (formats it cannot emulate round like fp8).
+# SGLang --kv-cache-dtype -> the engine's cache emulation (formats it cannot emulate round like fp8).
 KV_EMULATION = {"auto": "bf16", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e4m3",
                 "mxfp8": "fp8_e4m3", "nvfp4": "fp8_e4m3"}
 
@@ -50,21 +50,20 @@ class EmulatedSampler:
         name: str,
         weight_format: str,
         kv_cache_dtype: str,
-        model_config: TinyGPTConfig,
+        model_config: ModelShape,
         seed: int = 0,
         kernel: KernelConfig | None = None,
     ) -> None:
         self.name = name
         self.weight_format = weight_format
         self.kv_dtype = KV_EMULATION.get(kv_cache_dtype, "bf16")
-        self.model = TinyGPT(model_config, kernel or KernelConfig(act_dtype="bfloat16", split_k=2)).eval()
+        self.model = EngineModel(model_config, kernel or KernelConfig(act_dtype="bfloat16", split_k=2)).eval()
         self.version = 0
         self.gen = torch.Generator().manual_seed(seed)
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int, view: dict[str, torch.Tensor] | None = None) -> None:
         """`view`: the already fake-quantised weights of this group's format (shared between groups)."""
-        with torch.no_grad():
-            self.model.load_state_dict(view if view is not None else precision_view(weights, VIEW_FORMATS[self.weight_format]), strict=True)
+        self.model.load_weights(view if view is not None else precision_view(weights, VIEW_FORMATS[self.weight_format]))
         self.version = int(version)
 
     @torch.no_grad()
@@ -78,7 +77,7 @@ class EmulatedSampler:
         n = len(requests)
         cap = max(len(r.input_ids) + r.max_new_tokens for r in requests)
         cache = self.model.new_cache(n, capacity=cap, kv_dtype=self.kv_dtype)
-        logits = torch.empty(n, self.model.config.vocab_size)
+        logits = torch.empty(n, self.model.shape.vocab_size)
         by_len: dict[int, list[int]] = {}
         for b, r in enumerate(requests):  # ragged prompts: one batched prefill per prompt length
             by_len.setdefault(len(r.input_ids), []).append(b)

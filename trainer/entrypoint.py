@@ -54,19 +54,6 @@ def cli(argv: list[str]) -> int:
     return run(job, args)
 
 
-def rollout_inputs(rc: Any, base: Any) -> tuple[Any, Any]:
-    """The run's environment and prompt source, both given the base HF checkpoint's tokenizer where it
-    has one (text prompt sets, chat environments); TinyGPT views: none, token-id prompts as before."""
-    from rlfleet.trainer.local import build_environment
-    from rlfleet.trainer.prompts import open_prompt_source
-    from rlfleet.trainer.run import load_tokenizer
-
-    tokenizer = load_tokenizer(base)
-    prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size,
-                                 tokenizer=tokenizer)
-    return build_environment(rc, tokenizer=tokenizer), prompts
-
-
 def run(job: Any, args: argparse.Namespace) -> int:
     from rlfleet.model_source import ModelSourceError, resolve_model_source
     from rlfleet.sampler.client import SamplerClient
@@ -83,6 +70,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
         activation_calibration,
         build_backend,
         checkpoint_target,
+        rollout_inputs,
         run_training,
     )
 

@@ -8,9 +8,12 @@ Two shapes, both user-pluggable by an entry point "module:attr" (`rollout.enviro
   detokenised and re-tokenised, so the trainer scores exactly the ids the sampler produced).
 
 Built-in toy tasks live on a tiny fixed vocabulary (`ToyVocab`, >= 32 ids) so that a randomly
-initialised TinyGPT can learn them on CPU in minutes and every reward is exactly verifiable:
+initialised tiny Qwen3 (rlfleet/tiny_qwen3.py) can learn them on CPU in minutes and every reward is exactly verifiable:
 - `copy_digit` (single turn): the prompt names a digit d; reward = share of the reply's tokens equal
   to d (a constant-digit policy earns only 0.1, so the task needs attention to the prompt).
+- `same_parity` (single turn): the same prompts; reward = share of the reply's tokens that are digits
+  of d's parity (five right answers per position: an optimum that keeps entropy; a policy ignoring the
+  prompt earns 0.5).
 - `tool_add` (multi turn): the prompt holds two digits a, b; the model calls the tool
   `CALL x y END_CALL`, the environment answers `RESULT (x+y)%10 END_RESULT`, and the model must then
   reply with the digit (a+b)%10 and EOS (shaped reward, see `ToolAddEnv.score`). Episodes end on an answer, on `max_turns`, or after
@@ -161,6 +164,16 @@ def copy_digit_reward(prompt: Prompt, completion_ids: list[int]) -> float:
     return score / len(content)
 
 
+def same_parity_reward(prompt: Prompt, completion_ids: list[int]) -> float:
+    """Share of reply tokens (before EOS) that are digits of the prompt digit's parity: five correct
+    tokens at every position, so the optimum does not have to be deterministic (entropy up to ln 5)."""
+    parity = int(prompt.meta["digit"]) % 2
+    content = _strip_eos(completion_ids)
+    if not content:
+        return 0.0
+    return sum(1.0 for t in content if ToyVocab.is_digit(t) and ToyVocab.value(t) % 2 == parity) / len(content)
+
+
 def copy_digit_prompt(index: int, rng_digit: int) -> Prompt:
     d = int(rng_digit) % 10
     return Prompt(index=index, input_ids=[ToyVocab.BOS, ToyVocab.digit(d), ToyVocab.SEP], meta={"digit": d})
@@ -185,6 +198,7 @@ class ToolAddEnv(Environment):
             "no_tool_end": False,
             "used_result": None,
             "closed_calls": 0,
+            "digit_args": 0,
         }
 
     def step(
@@ -200,6 +214,7 @@ class ToolAddEnv(Environment):
                 state["closed_calls"] += 1
             if args and args[-1] == ToyVocab.END_CALL:
                 args = args[:-1]
+            state["digit_args"] = max(state["digit_args"], sum(ToyVocab.is_digit(t) for t in args[:2]))
             well_formed = (
                 len(args) == 2 and all(ToyVocab.is_digit(t) for t in args) and ids[-1] == ToyVocab.END_CALL
             )
@@ -228,20 +243,23 @@ class ToolAddEnv(Environment):
         return EnvStep(done=done, append_ids=[] if done else [ToyVocab.SEP], format_error=bool(content))
 
     def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
-        """Shaped so that a random tiny model gets signal from step 0, each part exactly checkable:
-        0.1 for calling the tool, +0.1 if a call was closed by END_CALL, +0.1 if a call was well formed
-        (two digit arguments), +0.2 for then answering with a digit and EOS, +0.5 if that answer is
-        (a + b) % 10. Maximum 1.0."""
+        """Shaped so that a random tiny model gets signal from step 0 and every step of the protocol has
+        its own gradient (no plateau where all samples score alike), each part exactly checkable:
+        0.1 for calling the tool, +0.1 if a call was closed by END_CALL, +0.05 per digit among a call's
+        first two arguments (best call), +0.1 if a call was well formed (exactly two digit arguments),
+        +0.1 for answering with a digit and EOS after a call, +0.5 if that answer is (a + b) % 10.
+        Maximum 1.0."""
         truth = (int(prompt.meta["a"]) + int(prompt.meta["b"])) % 10
         reward = 0.0
         if state["tool_calls"] > 0:
             reward += 0.1
         if state["closed_calls"] > 0:
             reward += 0.1
+        reward += 0.05 * state.get("digit_args", 0)
         if state["used_result"] is not None:
             reward += 0.1
-            if state["answer"] is not None:
-                reward += 0.2 + (0.5 if state["answer"] == truth else 0.0)
+        if state["tool_calls"] > 0 and state["answer"] is not None:
+            reward += 0.1 + (0.5 if state["answer"] == truth else 0.0)
         last = replies[-1] if replies else []
         return EpisodeOutcome(
             reward=reward,
@@ -428,11 +446,14 @@ class MathEnv(Environment):
 
 
 copy_digit = RewardFunctionEnv(copy_digit_reward)
+same_parity = RewardFunctionEnv(same_parity_reward)
 tool_add = ToolAddEnv()
 
 BUILTIN: dict[str, str] = {
     "copy_digit": "rlfleet.trainer.environments:copy_digit",
+    "same_parity": "rlfleet.trainer.environments:same_parity",
     "tool_add": "rlfleet.trainer.environments:tool_add",
+    "math": "rlfleet.trainer.environments:MathEnv",
 }
 
 

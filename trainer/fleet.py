@@ -52,7 +52,7 @@ class FleetSpec:
     groups: list[GroupSpec]
     store: str  # channel store (local directory)
     cache_dir: str
-    model: dict[str, Any]  # TinyGPTConfig fields
+    model_path: str  # the base Hugging Face checkpoint (engines start from it; the channel's v0 replaces it)
     seed: int = 0
     max_running_requests: int = 64
     poll_interval: float = 0.2
@@ -79,7 +79,7 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     import httpx
     import torch
 
-    from rlfleet.numerics.tinygpt import KernelConfig, TinyGPTConfig
+    from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
     from rlfleet.router.config import GroupConfig, RouterConfig
     from rlfleet.router.service import start_service
     from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
@@ -88,7 +88,7 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     from rlfleet.store import open_store
 
     torch.set_num_threads(max(1, spec.threads))
-    model_cfg = TinyGPTConfig(**spec.model)
+    base_view, model_cfg, base_weights = load_checkpoint(spec.model_path)
     fleet = RunningFleet(router_url="")
     tasks: list[asyncio.Task] = []
     store = open_store(spec.store)
@@ -102,8 +102,11 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
                 kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(g.accelerator, 1)),
                 max_running_requests=spec.max_running_requests,
                 served_model_name=g.name,
+                model_path=spec.model_path,
                 seed=spec.seed + i,
-            )
+            ),
+            base_weights,
+            base_view,
         )
         server = await start_reference_server(engine, "127.0.0.1", 0)
         fleet.servers[g.name] = server.url

@@ -5,7 +5,10 @@ What starts (all on 127.0.0.1, free ports chosen by the OS):
 - ONE fleet-host subprocess (trainer/fleet.py) with a real reference sampler server per sampler group
   (the group's weight format, KV-cache dtype and a per-GPU-class kernel, emulated on CPU), the router
   in front of them, and a weight-sync loop per group,
-- the trainer in this process: TinyGPT (the manifest's `local.model`), the corrected objective of
+- the trainer in this process: a tiny Qwen3 checkpoint built from the manifest's `local.model`
+  (rlfleet/tiny_qwen3.py: transformers' `Qwen3ForCausalLM` saved with `save_pretrained`, a tokenizer built
+  with `tokenizers`; cached under `<out>/models`) trained by the same transformers backend a cluster's
+  `trainer.backend: torch` runs, the corrected objective of
   `correction.mode`, the async rollout driver talking to the router, the collapse detector, wired by
   the one training composition root (trainer/run.py `run_training`, as on a cluster): version 0 of
   every view is in the channel before the fleet starts and before step 1.
@@ -32,8 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_LOCAL_LR = 3e-3  # the tiny model's learning rate (the manifest's is for the real model)
-
 
 class LocalRunError(RuntimeError):
     """A clear one-line problem with the run (printed without a stack trace, exit 2)."""
@@ -56,7 +57,7 @@ class RunConfig:
     max_turns: int
     dataset: str | None
     seed: int
-    model: dict[str, Any]
+    model: dict[str, Any]  # local: the tiny Qwen3 (rlfleet.tiny_qwen3.TinyQwen3 fields); cluster: {}
     learning_rate: float
     weight_decay: float
     max_grad_norm: float
@@ -83,11 +84,7 @@ def resolve_run(job: Any, local: bool = True) -> RunConfig:
         "candidate_mode": "support" if replay else "head",
         "head_size": head,
     }
-    model = (
-        {"vocab_size": lo.model.vocab_size, "n_layer": lo.model.n_layer, "n_head": lo.model.n_head,
-         "d_model": lo.model.d_model, "max_seq_len": lo.model.max_seq_len, "seed": lo.seed}
-        if local else {}
-    )
+    model = lo.model.model_dump() | {"seed": lo.seed} if local else {}  # rlfleet.tiny_qwen3.TinyQwen3 fields
     opt = spec.trainer.optimizer
     return RunConfig(
         job_name=job.name,
@@ -104,7 +101,7 @@ def resolve_run(job: Any, local: bool = True) -> RunConfig:
         dataset=spec.rollout.dataset,
         seed=lo.seed,
         model=model,
-        learning_rate=float(getattr(lo, "learning_rate", None) or DEFAULT_LOCAL_LR) if local else opt.learning_rate,
+        learning_rate=float(lo.learning_rate) if local else opt.learning_rate,  # local: sized for the tiny model
         weight_decay=opt.weight_decay,
         max_grad_norm=opt.max_grad_norm,
         groups=[
@@ -281,14 +278,22 @@ def run_local(
 
     from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import open_store
+    from rlfleet.tiny_qwen3 import TinyQwen3, cached_tiny_qwen3
     from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.fleet import FleetSpec, GroupSpec
-    from rlfleet.trainer.prompts import PromptFileError, open_prompt_source
+    from rlfleet.trainer.prompts import PromptFileError
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.report import write_report
     from rlfleet.trainer.rollout import RolloutDriver
-    from rlfleet.trainer.run import ChannelSink, TrainingStartError, build_backend, run_training
+    from rlfleet.trainer.run import (
+        ChannelSink,
+        TrainingStartError,
+        activation_calibration,
+        build_backend,
+        rollout_inputs,
+        run_training,
+    )
 
     stop = stop or threading.Event()
     ckpt_dir, channel_dir, report_dir = out / "checkpoints", out / "channel", out / "report"
@@ -303,23 +308,28 @@ def run_local(
     torch.manual_seed(rc.seed)
     torch.set_num_threads(1)  # the fleet host uses the other core
 
-    base = build_backend(rc, backend="torch", source_dir=None)  # TinyGPT of the manifest's local.model
-    env = build_environment(rc)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the run prints its own progress
+    # the tiny Qwen3 checkpoint of local.model: the model source, as spec.model.path is on a cluster
+    model_dir = cached_tiny_qwen3(out / "models", TinyQwen3(**rc.model))
     try:
-        prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size)
-    except PromptFileError as exc:
+        base = build_backend(rc, backend="torch", source_dir=model_dir)
+        env, prompts = rollout_inputs(rc, base)
+    except (TrainingStartError, PromptFileError) as exc:
         raise LocalRunError(str(exc)) from None
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     views = sorted({g["weight_format"] for g in rc.groups})
     store = open_store(str(channel_dir.resolve()))
-    publisher = WeightPublisher(store, views=views, keep_versions=4, follow_subscribers=False)
+    publisher = WeightPublisher(store, views=views, keep_versions=4, follow_subscribers=False,
+                                base_checkpoint=base.base_checkpoint)
 
     admin_token = secrets.token_hex(16)
     spec = FleetSpec(
         groups=[GroupSpec(g["name"], g["accelerator"], g["weight_format"], g["kv_cache_dtype"], quarantined=g["quarantined"])
                 for g in rc.groups],
         store=str(channel_dir.resolve()), cache_dir=str((out / "cache").resolve()),
-        model={k: v for k, v in rc.model.items()}, seed=rc.seed,
+        model_path=str(model_dir), seed=rc.seed,
     )
     (out / "fleet.json").write_text(spec.to_json())
     (out / "run.json").write_text(json.dumps({"job": rc.job_name, "config": rc.__dict__ | {"safety": None}}, default=str, indent=1))
@@ -357,7 +367,8 @@ def run_local(
 
     try:
         loop = run_training(
-            rc, base.backend, ChannelSink(publisher), detector, make_driver, checkpoint=ckpt_dir, resume=state,
+            rc, base.backend, ChannelSink(publisher, calibrate=activation_calibration(base)), detector, make_driver,
+            checkpoint=ckpt_dir, resume=state,
             stop=stop, on_step=on_step, on_quarantine=on_quarantine,
         )
         interrupted = stop.is_set() and loop.state.step < rc.steps
@@ -372,7 +383,8 @@ def run_local(
 
     history = loop.state.history
     rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
-    k = max(1, min(3, len(rewards) // 3 or 1))
+    entropies = [h["entropy"] for h in history if "entropy" in h]
+    k = max(1, min(3, len(rewards) // 3 or 1))  # the summary's first / last windows (steps)
     summary = {
         "job": rc.job_name,
         "steps": loop.state.step,
@@ -381,6 +393,9 @@ def run_local(
         "pause_reason": loop.state.pause_reason,
         "reward_first": sum(rewards[:k]) / k if rewards else None,
         "reward_last": sum(rewards[-k:]) / k if rewards else None,
+        "summary_window_steps": k,
+        "entropy_first": sum(entropies[:k]) / len(entropies[:k]) if entropies else None,
+        "entropy_last": sum(entropies[-k:]) / len(entropies[-k:]) if entropies else None,
         "collapse_alerts": [a.__dict__ for a in detector.history],
         "rollouts_trained": len(loop.state.trained_uids),
         "dropped_stale_groups": loop.state.dropped_stale_groups,
@@ -451,10 +466,12 @@ def cli(argv: list[str]) -> int:
         return 130
     finally:
         signal.signal(signal.SIGINT, previous)
-    first, last = summary["reward_first"], summary["reward_last"]
+    first, last, k, n = summary["reward_first"], summary["reward_last"], summary["summary_window_steps"], summary["steps"]
+    entropy = (f"; policy entropy {summary['entropy_first']:.2f} -> {summary['entropy_last']:.2f} nats/token"
+               if summary["entropy_first"] is not None else "")
     print(
-        f"{rc.job_name}: {summary['steps']} steps in {summary['seconds']:.0f}s; reward {first:.3f} -> {last:.3f}; "
-        f"{len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}"
+        f"{rc.job_name}: {n} steps in {summary['seconds']:.0f}s; mean reward of the first {k} steps {first:.3f} -> "
+        f"of the last {k} {last:.3f}{entropy}; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}"
         if first is not None else f"{rc.job_name}: no step completed; report: {out / 'report'}"
     )
     if summary["interrupted"]:

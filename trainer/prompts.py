@@ -205,7 +205,7 @@ class DatasetPromptSource:
 class GeneratedPromptSource:
     """Built-in toy prompts: a pure function of (task, seed, index)."""
 
-    TASKS = ("copy_digit", "tool_add")
+    TASKS = ("copy_digit", "same_parity", "tool_add")
 
     def __init__(self, task: str, seed: int = 0) -> None:
         if task not in self.TASKS:
@@ -217,7 +217,7 @@ class GeneratedPromptSource:
         from rlfleet.trainer.environments import copy_digit_prompt, tool_add_prompt
 
         rng = np.random.default_rng([self.seed, index])
-        if self.task == "copy_digit":
+        if self.task in ("copy_digit", "same_parity"):  # both: one digit to answer about
             return copy_digit_prompt(index, int(rng.integers(10)))
         a, b = (int(x) for x in rng.integers(10, size=2))
         return tool_add_prompt(index, a, b)

@@ -8,7 +8,7 @@ Views are written with `rlfleet.numerics.views.save_view` into a local staging d
 hashed in the same pass that writes it), then uploaded by `rlfleet.channel.WeightChannel.publish`
 (bytes durable -> manifest -> pointer). `base_checkpoint` is the HF checkpoint directory the model
 came from: every view is then a complete checkpoint (config + quantization config, tokenizer,
-generation config) a sampler group launches from; without it (TinyGPT) views are tensor-only.
+generation config) a sampler group launches from.
 The set of views is the configured one plus any view a subscribed sidecar reports following, so a
 group added later gets its precision from the next version on.
 """

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,7 +77,7 @@ CALIBRATION_TOKENS = 32
 def activation_calibration(base: BaseModel) -> Callable[[], Mapping[str, float]] | None:
     """For an HF base trained as a transformers module (the hf backend): a function returning the
     current weights' activation amax per linear (`calibrate_activation_amax`), so nvfp4 views can be
-    published. None otherwise (TinyGPT views are tensor-only; megatron holds no HF module)."""
+    published. None otherwise (megatron holds no HF module)."""
     model = getattr(base.backend, "model", None)
     if base.base_checkpoint is None or not isinstance(model, torch.nn.Module):
         return None
@@ -101,15 +100,15 @@ def activation_calibration(base: BaseModel) -> Callable[[], Mapping[str, float]]
 class BaseModel:
     """The trainer's model, built from the resolved model source."""
 
-    backend: Any  # TorchBackend (TinyGPT), HFBackend or MegatronBackend
+    backend: Any  # HFBackend (trainer.backend torch) or MegatronBackend
     vocab_size: int
     max_seq_len: int
-    source_dir: Path | None  # the resolved checkpoint directory (None: TinyGPT from local.model)
+    source_dir: Path  # the resolved Hugging Face checkpoint directory
 
     @property
     def base_checkpoint(self) -> Path | None:
         """The HF checkpoint every published view is completed from (config, tokenizer); None: tensor-only."""
-        return self.source_dir if self.source_dir is not None and is_hf_checkpoint(self.source_dir) else None
+        return self.source_dir if is_hf_checkpoint(self.source_dir) else None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -117,7 +116,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 def load_tokenizer(base: BaseModel) -> Any | None:
     """The base HF checkpoint's tokenizer (AutoTokenizer) for text prompt sets and chat environments;
-    None for TinyGPT (no checkpoint, or a tensor-only view) or a checkpoint without tokenizer files:
+    None for a checkpoint without tokenizer files:
     prompts are then token ids, as without a tokenizer (trainer/prompts.py)."""
     directory = base.base_checkpoint
     if directory is None or not any((directory / name).is_file() for name in TOKENIZER_FILES):
@@ -127,60 +126,55 @@ def load_tokenizer(base: BaseModel) -> Any | None:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
+def rollout_inputs(rc: Any, base: BaseModel) -> tuple[Any, Any]:
+    """The run's environment and prompt source (local mode and the cluster entrypoint alike), both
+    given the base checkpoint's tokenizer where it has one (text prompt sets, chat environments)."""
+    from rlfleet.trainer.local import build_environment
+    from rlfleet.trainer.prompts import open_prompt_source
+
+    tokenizer = load_tokenizer(base)
+    prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size,
+                                 tokenizer=tokenizer)
+    return build_environment(rc, tokenizer=tokenizer), prompts
+
+
 def load_base_weights(directory: Path) -> dict[str, torch.Tensor]:
     """HF-named tensors of a checkpoint directory: an rlfleet view (dequantized) or HF safetensors."""
+    from rlfleet.model_source import ModelSourceError, read_safetensors_dir
     from rlfleet.numerics.views import VIEW_CONFIG_FILE, load_view
 
     if (directory / VIEW_CONFIG_FILE).is_file():
         return load_view(directory)[1]
-    from safetensors.torch import load_file
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise TrainingStartError(f"model {directory}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
+    try:
+        return read_safetensors_dir(directory)
+    except ModelSourceError as exc:
+        raise TrainingStartError(str(exc)) from None
 
 
 def build_backend(
     rc: Any,
     *,
     backend: str,
-    source_dir: Path | None,
+    source_dir: Path,
     max_seq_len: int | None = None,
     parallelism: Any = None,
 ) -> BaseModel:
-    """The backend for `rc` (a local.RunConfig). `source_dir` None: TinyGPT of `rc.model` (local mode);
-    an rlfleet view: TinyGPT from its weights (torch); an HF checkpoint: the hf backend (torch) or
-    megatron (config.json via `MegatronModelConfig.from_hf_config`)."""
-    from rlfleet.trainer.backend_torch import OptimConfig
+    """The backend for `rc` (a local.RunConfig) from the Hugging Face checkpoint `source_dir` (local
+    mode: the tiny Qwen3 it built; a cluster: the resolved `spec.model.path`): `torch` = transformers'
+    AutoModelForCausalLM (trainer/backend_hf.py), `megatron` = megatron-core from config.json
+    (`MegatronModelConfig.from_hf_config`)."""
+    from rlfleet.trainer.backend_hf import OptimConfig
     from rlfleet.trainer.objective import ObjectiveConfig
 
     objective = ObjectiveConfig.from_correction(rc.correction_mode, mis_low=rc.mis_low, mis_high=rc.mis_high)
     optim = OptimConfig(learning_rate=rc.learning_rate, weight_decay=rc.weight_decay, max_grad_norm=rc.max_grad_norm)
     temperature = rc.sampling["temperature"]
-    if source_dir is None:
-        from rlfleet.numerics.tinygpt import TinyGPTConfig
-        from rlfleet.trainer.backend_torch import TorchBackend
-
-        cfg = TinyGPTConfig(**rc.model)
-        return BaseModel(TorchBackend(cfg, objective, optim, temperature=temperature), cfg.vocab_size, cfg.max_seq_len, None)
-    hf = is_hf_checkpoint(source_dir)
-    hf_config = json.loads((source_dir / "config.json").read_text()) if hf else None
-    if backend == "torch" and not hf:  # a tensor-only TinyGPT view
-        from rlfleet.numerics.tinygpt import config_from_state_dict
-        from rlfleet.trainer.backend_torch import TorchBackend
-
-        weights = load_base_weights(source_dir)
-        n_head = int(os.environ.get("RLFLEET_N_HEAD", "4"))  # not visible in the shapes
-        cfg = config_from_state_dict(weights, n_head, max_seq_len or 2048, rc.seed)
-        tiny = TorchBackend(cfg, objective, optim, temperature=temperature)
-        tiny.model.load_state_dict(weights)
-        return BaseModel(tiny, cfg.vocab_size, cfg.max_seq_len, source_dir)
-    if hf_config is None:
-        raise TrainingStartError(f"backend {backend} needs a Hugging Face checkpoint; {source_dir} has no config.json")
+    if not is_hf_checkpoint(source_dir):
+        raise TrainingStartError(
+            f"model {source_dir}: not a Hugging Face checkpoint (no config.json); spec.model.path names a "
+            "checkpoint directory, an s3:// prefix or a Hugging Face id"
+        )
+    hf_config = json.loads((source_dir / "config.json").read_text())
     seq = int(max_seq_len or hf_config.get("max_position_embeddings") or 2048)
     if backend == "torch":
         from rlfleet.trainer.backend_hf import HFBackend

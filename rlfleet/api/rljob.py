@@ -74,7 +74,14 @@ TORCH_SINGLE_MESSAGE = (
     "use backend megatron for more"
 )
 # Built-in environments of the trainer (rlfleet/trainer/environments.py BUILTIN; a test keeps them equal).
-BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "tool_add")
+BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "same_parity", "tool_add", "math")
+# Built-ins that read their prompts (and answers) from a prompt set, not generated ones.
+DATASET_ENVIRONMENTS: tuple[str, ...] = ("math",)
+DATASET_RULE = f"!(self.environment in {cel_list(DATASET_ENVIRONMENTS)}) || has(self.dataset)"
+DATASET_MESSAGE = (
+    "rollout.environment math needs rollout.dataset (a JSONL/Parquet prompt set with an answer column, "
+    "docs/environments.md)"
+)
 ENTRY_POINT_PATTERN = r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_.]*$"
 ENVIRONMENT_RULE = f"self.environment in {cel_list(BUILTIN_ENVIRONMENTS)} || self.environment.matches('{ENTRY_POINT_PATTERN}')"
 ENVIRONMENT_MESSAGE = (
@@ -88,13 +95,18 @@ GROUP_SIZE_MESSAGE = (
 )
 CONTEXT_RULE = "!has(self.model.maxSeqLen) || self.rollout.maxNewTokens < self.model.maxSeqLen"
 CONTEXT_MESSAGE = "rollout.maxNewTokens must be < model.maxSeqLen (prompt and generation share the context)"
-LOCAL_CONTEXT_RULE = "self.maxNewTokens < self.model.maxSeqLen"
+LOCAL_CONTEXT_RULE = "self.maxNewTokens < self.model.maxPositionEmbeddings"
 LOCAL_CONTEXT_MESSAGE = (
-    "local.maxNewTokens must be < local.model.maxSeqLen (prompt and generation share the context)"
+    "local.maxNewTokens must be < local.model.maxPositionEmbeddings (prompt and generation share the context)"
 )
-TINY_HEADS_RULE = "self.dModel % self.nHead == 0 && (self.dModel / self.nHead) % 2 == 0"
+TINY_HEADS_RULE = (
+    "self.numAttentionHeads % self.numKeyValueHeads == 0 && self.headDim % 2 == 0 && self.hiddenSize % 128 == 0 "
+    "&& self.intermediateSize % 128 == 0 && (self.numKeyValueHeads * self.headDim) % 128 == 0"
+)
 TINY_HEADS_MESSAGE = (
-    "local.model: dModel must be a multiple of nHead with an even head size (rotary embeddings)"
+    "local.model: numAttentionHeads must be a multiple of numKeyValueHeads, headDim even (rotary embeddings), and "
+    "hiddenSize, intermediateSize and numKeyValueHeads x headDim multiples of 128 (every projection then fits "
+    "the fp8 view's 128 x 128 blocks)"
 )
 TRAINER_ACCELERATOR_RULE = "self.suspend || self.trainer.accelerator == oldSelf.trainer.accelerator"
 TRAINER_ACCELERATOR_MESSAGE = (
@@ -221,6 +233,7 @@ class RolloutSpec(ApiModel):
                     "fieldPath": ".samplesPerPrompt",
                 },
                 {"rule": ENVIRONMENT_RULE, "message": ENVIRONMENT_MESSAGE, "fieldPath": ".environment"},
+                {"rule": DATASET_RULE, "message": DATASET_MESSAGE, "fieldPath": ".dataset"},
             ]
         }
     }
@@ -242,7 +255,7 @@ class RolloutSpec(ApiModel):
     dataset: str | None = Field(default=None, max_length=2048)
     """Prompt source: a JSONL path / URI, or builtin:<task> (none: the environment's built-in prompts)."""
     environment: str = Field(default="copy_digit", min_length=1, max_length=512)
-    """Reward / environment entry point: module:attr, or a built-in name (copy_digit, tool_add)."""
+    """Reward / environment entry point: module:attr, or a built-in name (copy_digit, same_parity, tool_add, math)."""
 
     @model_validator(mode="after")
     def _check_top_p(self) -> RolloutSpec:
@@ -254,6 +267,8 @@ class RolloutSpec(ApiModel):
             ENTRY_POINT_PATTERN, self.environment
         ):
             raise ValueError(f"{ENVIRONMENT_MESSAGE}: got {self.environment!r}")
+        if self.environment in DATASET_ENVIRONMENTS and self.dataset is None:
+            raise ValueError(DATASET_MESSAGE)
         return self
 
 
@@ -356,7 +371,8 @@ class SafetySpec(ApiModel):
 
 
 class TinyModelSpec(ApiModel):
-    """Tiny TinyGPT used instead of the real model in --local mode."""
+    """The tiny Qwen3 checkpoint `--local` builds and trains instead of `model.path` (Hugging Face config
+    names; rlfleet/tiny_qwen3.py builds it with transformers and a local tokenizer)."""
 
     model_config = {
         "json_schema_extra": {
@@ -365,19 +381,35 @@ class TinyModelSpec(ApiModel):
     }
 
     vocab_size: int = Field(default=64, ge=32, le=65536)
-    """Vocabulary size."""
-    n_layer: int = Field(default=2, ge=1, le=48)
-    """Transformer layers."""
-    n_head: int = Field(default=2, ge=1, le=64)
-    """Attention heads."""
-    d_model: int = Field(default=64, ge=8, le=8192)
+    """Vocabulary size (the toy environments' alphabet needs 32)."""
+    hidden_size: int = Field(default=128, ge=128, le=8192)
     """Hidden size."""
-    max_seq_len: int = Field(default=64, ge=8, le=65536)
+    intermediate_size: int = Field(default=256, ge=128, le=32768)
+    """SwiGLU MLP size."""
+    num_hidden_layers: int = Field(default=2, ge=1, le=48)
+    """Decoder layers."""
+    num_attention_heads: int = Field(default=2, ge=1, le=64)
+    """Query heads."""
+    num_key_value_heads: int = Field(default=2, ge=1, le=64)
+    """Key/value heads (grouped-query attention when fewer than the query heads)."""
+    head_dim: int = Field(default=64, ge=2, le=512)
+    """Per-head size."""
+    max_position_embeddings: int = Field(default=64, ge=8, le=65536)
     """Context length."""
+    tie_word_embeddings: bool = False
+    """Use the embedding as the output projection."""
+    logit_std: float = Field(default=2.0, gt=0, le=100.0)
+    """Std of the untrained model's logits (peaked initial distributions; rlfleet/tiny_qwen3.py)."""
 
     @model_validator(mode="after")
     def _check_heads(self) -> TinyModelSpec:
-        if self.d_model % self.n_head or (self.d_model // self.n_head) % 2:
+        if (
+            self.num_attention_heads % self.num_key_value_heads
+            or self.head_dim % 2
+            or self.hidden_size % 128
+            or self.intermediate_size % 128
+            or (self.num_key_value_heads * self.head_dim) % 128
+        ):
             raise ValueError(TINY_HEADS_MESSAGE)
         return self
 
@@ -408,7 +440,7 @@ class LocalSpec(ApiModel):
     """Generated tokens per turn (replaces rollout.maxNewTokens locally)."""
     seed: int = Field(default=0, ge=0)
     """Seed of the tiny model, prompts and sampling."""
-    learning_rate: float = Field(default=3e-3, gt=0, le=1.0)
+    learning_rate: float = Field(default=2e-4, gt=0, le=1.0)
     """Learning rate of the tiny model (trainer.optimizer.learningRate is sized for the real model)."""
     model: TinyModelSpec = Field(default_factory=TinyModelSpec, json_schema_extra={"default": {}})
     """The tiny model."""
@@ -417,7 +449,7 @@ class LocalSpec(ApiModel):
     def _check_local(self) -> LocalSpec:
         if self.samples_per_prompt < 2:
             raise ValueError(f"local.{GROUP_SIZE_MESSAGE}")
-        if self.max_new_tokens >= self.model.max_seq_len:
+        if self.max_new_tokens >= self.model.max_position_embeddings:
             raise ValueError(LOCAL_CONTEXT_MESSAGE)
         return self
 

@@ -162,7 +162,7 @@ def test_api_reference_page_is_generated_from_the_models() -> None:
     for field in (
         "`spec.samplerGroups[].weightFormat`",
         "`status.shareHistory[].from`",
-        "`spec.local.model.dModel`",
+        "`spec.local.model.hiddenSize`",
     ):
         assert field in text
     assert "group names must be unique" in text and "| `rtx-pro-6000` |" in text

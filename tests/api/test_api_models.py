@@ -71,7 +71,7 @@ def test_example_is_the_reference_fleet() -> None:
     assert spec.staleness.max_steps is None
     # local mode must be small: a tiny model, few steps, fewer prompts than the cluster run
     assert spec.local.prompts_per_step < spec.rollout.prompts_per_step
-    assert spec.local.steps <= 50 and spec.local.model.d_model <= 128
+    assert spec.local.steps <= 50 and spec.local.model.hidden_size <= 128
 
 
 def test_defaults_of_a_minimal_job() -> None:

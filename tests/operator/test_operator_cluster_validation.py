@@ -60,7 +60,7 @@ def test_crds_install_and_example_is_accepted_with_defaults(kube, crds, namespac
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(minimal))
     spec = kube.get_json("rljob", "minimal", "-n", namespace)["spec"]
     assert spec["rollout"]["promptsPerStep"] == 128 and spec["correction"]["misHigh"] == 5.0
-    assert spec["correction"]["mode"] == "sc-mis-topp" and spec["local"]["model"]["dModel"] == 64
+    assert spec["correction"]["mode"] == "sc-mis-topp" and spec["local"]["model"]["hiddenSize"] == 128
     assert spec["samplerGroups"][0]["weightFormat"] == "bf16" and spec["samplerGroups"][0]["replicas"] == 1
     # degraded-but-valid: FP8 on A100 is accepted
     a100 = apply_case(

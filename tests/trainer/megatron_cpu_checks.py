@@ -136,8 +136,8 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def build(directory: Path, tp: int, dtype: str = "float32"):
+    from rlfleet.trainer.backend_common import OptimConfig
     from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
-    from rlfleet.trainer.backend_torch import OptimConfig
     from rlfleet.trainer.objective import ObjectiveConfig
 
     hf_cfg = json.loads((directory / "config.json").read_text())

@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rlfleet.records import SUPPORT_MODE
+from rlfleet.trainer.backend_common import OptimConfig, to_token_batch
 from rlfleet.trainer.backend_hf import HFBackend, combine_metrics
-from rlfleet.trainer.backend_torch import OptimConfig, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
