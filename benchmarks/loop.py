@@ -77,9 +77,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _checkout(rev: str) -> Path:
-    """A detached worktree of `rev` whose `rlfleet` folder also holds the mapped product folders, so
-    PYTHONPATH=<worktree> imports that revision's code instead of the editable install."""
+ROWS = ("steps/s", "trained tokens/s", "share waiting for rollouts", "share training", "share publishing",
+        "step / train-only", "reward first -> last")  # the lines main() prints, parsed by compare()
+
+
+def _checkout(rev: str) -> tuple[Path, Path]:
+    """A detached worktree of `rev` whose `rlfleet` folder also holds the mapped product folders, and a
+    shim directory holding only that `rlfleet` (the worktree root itself must never be on sys.path: its
+    operator/ would shadow the standard library): PYTHONPATH=<shim> imports that revision's code
+    instead of the editable install. Returns (worktree, shim)."""
     tree = Path(tempfile.gettempdir()) / f"rlfleet-bench-{rev}"
     if not tree.exists():
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], check=True,
@@ -88,7 +94,11 @@ def _checkout(rev: str) -> Path:
         link = tree / "rlfleet" / folder
         if not link.exists():
             link.symlink_to(tree / folder, target_is_directory=True)
-    return tree
+    shim = tree.with_name(tree.name + "-shim")
+    shim.mkdir(exist_ok=True)
+    if not (shim / "rlfleet").exists():
+        (shim / "rlfleet").symlink_to(tree / "rlfleet", target_is_directory=True)
+    return tree, shim
 
 
 def _measure(script: Path, args: argparse.Namespace, pythonpath: Path | None) -> tuple[dict[str, str], float]:
@@ -107,15 +117,15 @@ def _measure(script: Path, args: argparse.Namespace, pythonpath: Path | None) ->
         raise SystemExit(f"{script} failed (status {status}):\n{out}")
     rows = {}
     for line in out.splitlines():
-        name, _, value = line.rpartition("  ")
-        if name.strip():
-            rows[name.strip()] = value.strip()
+        for name in ROWS:
+            if line.startswith(name + " "):
+                rows[name] = line[len(name):].strip()
     return rows, usage.ru_maxrss / 1024  # Linux: KiB
 
 
 def compare(args: argparse.Namespace) -> int:
-    tree = _checkout(args.baseline_rev)
-    before, rss_before = _measure(tree / "benchmarks" / "loop.py", args, tree)
+    tree, shim = _checkout(args.baseline_rev)
+    before, rss_before = _measure(tree / "benchmarks" / "loop.py", args, shim)
     after, rss_after = _measure(Path(__file__).resolve(), args, None)
     print(f"groups={args.groups} environment={args.environment} steps={args.steps} (first step excluded); "
           f"load average {os.getloadavg()[0]:.1f}")

@@ -366,6 +366,27 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def detector_table(results: list[ArmResult], records: list[Any], definition: Any) -> str:
+    """How often the product's collapse detector (default thresholds) fired on the runs that collapsed by
+    the pre-registered definition and on those that did not: its hit and false-alarm rates here."""
+    collapsed = [definition.step(rec.rewards) is not None for rec in records]
+    fired = [r.collapse_step is not None for r in results]
+    hits = sum(c and f for c, f in zip(collapsed, fired, strict=True))
+    false_alarms = sum(f and not c for c, f in zip(collapsed, fired, strict=True))
+    n_collapsed = sum(collapsed)
+    signals: dict[str, int] = {}
+    for r, c in zip(results, collapsed, strict=True):
+        for sig in r.collapse_signals if not c else ():
+            signals[sig] = signals.get(sig, 0) + 1
+    by_signal = ", ".join(f"{k} {v}" for k, v in sorted(signals.items(), key=lambda kv: -kv[1])) or "none"
+    return (
+        "| runs | collapsed (definition) | detector fired on them | not collapsed | detector fired on them (false alarms) |\n"
+        "|---|---|---|---|---|\n"
+        f"| {len(records)} | {n_collapsed} | {hits} | {len(records) - n_collapsed} | {false_alarms} |\n\n"
+        f"Signals in the false alarms (runs): {by_signal}."
+    )
+
+
 DOCS_BEGIN, DOCS_END = "<!-- rlfleet ablate: begin -->", "<!-- rlfleet ablate: end -->"
 
 
@@ -456,6 +477,7 @@ def cli(argv: Sequence[str]) -> int:
         f"Runs: {len(jobs)}; wall {wall / 60:.1f} min with {workers} workers; {cpu / 60:.1f} CPU-minutes of runs.",
         "### Claims\n\n" + claims_table(claims),
         "### Per cell (all seeds)\n\n" + summary_table(records, definition),
+        "### Collapse detector against the pre-registered definition\n\n" + detector_table(results, records, definition),
         f"### Seed {seeds[0]}, lag {cfg.lag}\n\n" + table(by_seed0),
     ])
     print(md)

@@ -58,7 +58,8 @@ class WeightPublisher:
         max_shard_bytes: int | None = None,
     ) -> None:
         """`base_checkpoint`: HF checkpoint directory of the model (config.json, tokenizer files,
-        generation_config.json); None for a model without an HF config (tensor-only views)."""
+        generation_config.json); local mode and the cluster entrypoint always pass it (None writes
+        tensor-only views nothing launches from: the format tests only)."""
         self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
         self.model_config = read_base_config(self.base_checkpoint) if self.base_checkpoint else None
         self.views = [check_view(v) for v in dict.fromkeys(views)]

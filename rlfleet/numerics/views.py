@@ -9,8 +9,9 @@ Two layouts (docs/weights.md, "Layout of a published version"):
   `model.safetensors.index.json` above `max_shard_bytes`) with checkpoint tensor names (fused MoE
   experts of transformers' in-memory model split into `experts.{e}.{gate,up,down}_proj.weight`), and
   `rlfleet_view.json`.
-- **tensor-only** (no HF config, e.g. local mode's TinyGPT): `model.safetensors` + `rlfleet_view.json`
-  (`hf_checkpoint: false`); the reference sampler loads it, SGLang cannot launch from it.
+- **tensor-only** (`save_view` without `base_checkpoint`; only the format tests write one, every
+  production path publishes from an HF base): `model.safetensors` + `rlfleet_view.json`
+  (`hf_checkpoint: false`); nothing launches from it (SGLang and the reference sampler read config.json).
 
 Formats (the ONE implementation of each is `rlfleet.numerics.formats`):
 - `bf16`:  every floating tensor in bfloat16.

@@ -66,7 +66,7 @@ def test_resolve_run_uses_the_local_block_and_the_correction_mode():
     from rlfleet.api import load_rljob
 
     rc = local.resolve_run(load_rljob(EXAMPLE), local=True)
-    assert rc.steps == 12 and rc.prompts_per_step == 8 and rc.samples_per_prompt == 8
+    assert rc.steps == 12 and rc.prompts_per_step == 8 and rc.samples_per_prompt == 4
     assert rc.sampling["candidate_mode"] == "support" and rc.sampling["top_k"] == 64 and rc.sampling["max_new_tokens"] == 8
     assert rc.model["vocab_size"] == 64 and len(rc.groups) == 8 and rc.max_staleness is None
     env = local.build_environment(rc)
@@ -112,9 +112,9 @@ def test_local_run_interrupt_resume_report_and_reward(tmp_path):
     assert steps == list(range(1, 9))
     positions = [r["data_position"] for r in report["steps"]]
     assert positions == sorted(positions)  # the prompt stream only moves forward across the resume
-    # 8 steps x promptsPerStep 8 x samplesPerPrompt 8 (examples/rljob.yaml local): no rollout trained twice
+    # 8 steps x promptsPerStep 8 x samplesPerPrompt 4 (examples/rljob.yaml local): no rollout trained twice
     # (the loop raises otherwise)
-    assert report["summary"]["rollouts_trained"] == 8 * 8 * 8
+    assert report["summary"]["rollouts_trained"] == 8 * 8 * 4
     rewards = [r["reward_mean"] for r in report["steps"]]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.02, rewards
     for name in ("metrics.csv", "reward.png", "kl.png", "oor.png", "entropy.png", "grad_norm.png", "sc_tail_ratio.png"):
