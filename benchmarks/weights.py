@@ -10,8 +10,8 @@
    of the same files;
 3. apply latency: the sidecar's reconcile step (download + verify every BLAKE3 digest + engine apply via
    `POST /update_weights_from_disk`) on the reference sampler server (`rlfleet sampler serve
-   --engine reference`, started as a subprocess) relative to loading the same view in-process with
-   `load_view` (the floor any apply pays);
+   --engine reference`, started as a subprocess, serving the project's tiny Qwen3 at the same sizes)
+   relative to loading the same view in-process with `load_view` (the floor any apply pays);
 4. deltas between consecutive versions (optional feature): share of bf16 elements that change after
    one Adam step, and the zlib size of an XOR delta relative to the full bf16 view.
 
@@ -178,6 +178,7 @@ def bench_write_publish(
                 zip((d / "model.safetensors" for d in staged.values()), pool.map(write, staged), strict=True)
             )
         WeightChannel(store).publish(staged, move=True, digests=digests)
+        shutil.rmtree(staging / f"rep{rep}-{algorithm}")  # the emptied staging directories
 
     def plain_write(rep: int) -> None:
         (work / f"wpw{rep}").mkdir()
@@ -192,12 +193,14 @@ def bench_write_publish(
         "publisher_page_cache": lambda rep: publish_path(volatile, rep, "blake3"),
         "publisher_page_cache_sha256": lambda rep: publish_path(volatile, rep, "sha256"),
     }
+    cpu: dict[str, list[float]] = {k: [] for k in runs}  # this process's CPU seconds (all threads)
     for rep in range(reps):  # interleaved; each case starts with no dirty pages (no writeback throttling)
         for key, case in cases.items():
             os.sync()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             case(rep)
             runs[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
             for store in (durable, volatile):
                 WeightChannel(store).retain(keep=1)
         for d in (f"wcp{rep}", f"wcpf{rep}", f"wpw{rep}"):
@@ -233,6 +236,9 @@ def bench_write_publish(
     copy_rate = total / med["copy"]
     out = {
         **{f"{k}_MBps": total / t / 1e6 for k, t in med.items()},
+        # cores the case kept busy (CPU seconds / wall seconds): the copy is one kernel thread, the
+        # publisher two threads per file (write + hash), so it needs a second free core to keep up
+        **{f"{k}_cores_used": statistics.median(cpu[k]) / med[k] for k in ("copy", "publisher_page_cache")},
         "publisher_vs_plain_copy": med["copy"] / med["publisher"],
         "publisher_vs_plain_copy_fsync": med["copy_fsync"] / med["publisher"],
         "publisher_page_cache_vs_plain_copy": med["copy"] / med["publisher_page_cache"],
@@ -294,15 +300,12 @@ def bench_s3(view_dirs: dict[str, Path], total: int, reps: int) -> dict[str, flo
         proc.wait(10)
 
 
-def start_reference_server(
-    work: Path, seed_view: Path, weight_format: str, n_head: int
-) -> tuple[subprocess.Popen, str]:
+def start_reference_server(work: Path, checkpoint: Path, weight_format: str) -> tuple[subprocess.Popen, str]:
     """`rlfleet sampler serve --engine reference` (the sampler engineer's server) on a free port."""
     port_file = work / f"server-{weight_format}.port"
     log = work / f"server-{weight_format}.log"
     cmd = [sys.executable, "-m", "rlfleet.cli", "sampler", "serve", "--engine", "reference", "--port", "0",
-           "--port-file", str(port_file), "--model-path", str(seed_view), "--n-head", str(n_head),
-           "--weight-format", weight_format]  # fmt: skip
+           "--port-file", str(port_file), "--model-path", str(checkpoint), "--weight-format", weight_format]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -316,17 +319,28 @@ def start_reference_server(
 
 
 def bench_apply(
-    state: dict[str, torch.Tensor], views: list[str], work: Path, reps: int, n_head: int
+    layers: int, d_model: int, vocab: int, views: list[str], work: Path, reps: int
 ) -> dict[str, dict[str, float]]:
-    """Per view: a reference server of that weight format, `reps` versions applied by the sidecar."""
+    """Per view: a reference server of that weight format, `reps` versions applied by the sidecar.
+    The reference engine serves Qwen3 checkpoints, so the model here is the project's tiny Qwen3
+    (rlfleet/tiny_qwen3.py) at the benchmark's sizes (head_dim 64), published as HF views of its
+    checkpoint (nvfp4 with calibrated activation amax)."""
     import httpx
 
+    from rlfleet.numerics.views import calibrate_activation_amax
     from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
+    from rlfleet.tiny_qwen3 import TinyQwen3, build_tiny_qwen3, tiny_model
     from rlfleet.trainer.publisher import WeightPublisher
 
+    heads = max(1, d_model // 64)
+    spec = TinyQwen3(vocab_size=vocab, hidden_size=d_model, intermediate_size=4 * d_model,
+                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                     head_dim=64)  # fmt: skip
+    checkpoint = build_tiny_qwen3(work / "qwen3-base", spec)
+    model = tiny_model(spec)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    amax = calibrate_activation_amax(model, [torch.arange(32).reshape(2, 16)])
     store = FilesystemStore(work / "apply-store", create=True)
-    seed_dir = work / "seed"
-    save_view(state, "bf16", seed_dir)
     results: dict[str, dict[str, float]] = {}
 
     async def apply_once(url: str, view: str, version: int) -> tuple[float, float]:
@@ -342,12 +356,15 @@ def bench_apply(
             return last.download_seconds, last.apply_seconds
 
     for view in views:
-        proc, url = start_reference_server(work, seed_dir, view, n_head)
+        proc, url = start_reference_server(work, checkpoint, view)
         runs: dict[str, list[float]] = {"direct": [], "download": [], "apply": []}
         try:
-            publisher = WeightPublisher(store, views=[view], follow_subscribers=False, keep_versions=2)
+            publisher = WeightPublisher(
+                store, views=[view], follow_subscribers=False, keep_versions=2, base_checkpoint=checkpoint
+            )
             for _ in range(reps):
-                version = publisher.publish(state).version  # the pointer names the version to apply
+                # the pointer names the version to apply
+                version = publisher.publish(state, activation_amax=amax).version
                 d, a = asyncio.run(apply_once(url, view, version))
                 runs["download"].append(d)
                 runs["apply"].append(a)
@@ -428,6 +445,7 @@ def main() -> int:
     state = synthetic_state(args.layers, args.d_model, args.vocab)
     params = sum(t.numel() for t in state.values())
     report: dict[str, object] = {
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "params": params,
         "reps": args.reps,
         "torch_threads": torch.get_num_threads(),
@@ -461,7 +479,7 @@ def main() -> int:
             report["apply_reference_server"] = {
                 v: {k: round(x, 4) for k, x in r.items()}
                 for v, r in bench_apply(
-                    state, ["bf16", "fp8", "nvfp4"], work, args.reps, max(1, args.d_model // 64)
+                    args.layers, args.d_model, args.vocab, ["bf16", "fp8", "nvfp4"], work, args.reps
                 ).items()
             }
         if every_row:
@@ -469,6 +487,7 @@ def main() -> int:
                 k: {m: round(x, 4) for m, x in r.items()}
                 for k, r in bench_delta(state, [1e-6, 1e-5, 1e-4]).items()
             }
+    report["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report, indent=1))
     return 0
 

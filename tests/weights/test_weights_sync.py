@@ -7,7 +7,10 @@ as the reference sampler server does, and it records every request (contract tes
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import torch
 from aiohttp import web
 from conftest import free_port, make_bucket
 
-from rlfleet.channel import WeightChannel
+from rlfleet.channel import POINTER_KEY, WeightChannel, manifest_key
 from rlfleet.numerics import formats
 from rlfleet.numerics.views import load_view
 from rlfleet.sampler.sync import DiskEngine, PushEngine, PushGroup, SyncConfig, Syncer, serve
@@ -218,6 +221,34 @@ async def test_tampered_file_refused_counted_old_version_kept(
         publisher.publish(tiny_state(3))  # the trainer moves on: v2 is clean
         assert await syncer.reconcile_once() is True
         assert syncer.state.applied_version == 2 and syncer.state.consecutive_failures == 0
+
+
+async def test_unknown_digest_algorithm_refused_as_checksum_old_version_kept(
+    engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """A manifest consistent with the pointer (as a newer publisher would write it) whose file entry
+    names a digest algorithm this sidecar cannot verify: refused before download, counted as
+    reason="checksum", the engine keeps v0 and nothing lands in the cache."""
+    store = FilesystemStore(tmp_path / "store", create=True)
+    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        syncer = make_syncer(store, engine, client, tmp_path)
+        publisher.publish(tiny_state(1))
+        assert await syncer.reconcile_once()
+        publisher.publish(tiny_state(2))
+        raw = json.loads(store.get(manifest_key(1)))
+        raw["views"]["fp8"]["files"]["model.safetensors"]["digest"] = "md5:" + "0" * 32
+        manifest_bytes = json.dumps(raw).encode()
+        store.put(manifest_key(1), manifest_bytes)
+        pointer = WeightChannel(store).latest()
+        assert pointer is not None and pointer.version == 1
+        rewritten = replace(pointer, manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest())
+        store.put(POINTER_KEY, rewritten.to_bytes())
+        assert await syncer.reconcile_once() is False
+        assert syncer.state.failures["checksum"] == 1 and syncer.state.failures["store"] == 0
+        assert "unknown digest algorithm 'md5'" in (syncer.state.last_error or "")
+        assert syncer.state.applied_version == 0 and engine.version == "0"
+        assert not (tmp_path / "cache" / "v1-fp8").exists()
 
 
 async def _get_metrics(syncer: Syncer) -> bytes:
