@@ -125,8 +125,8 @@ class WeightPublisher:
                     **shard,
                 )
 
-            # Views convert and hash in parallel: torch kernels and sha256 release the GIL, and one
-            # file's sha256 is one core's work (docs/benchmarks.md, "Weights").
+            # Views convert and hash in parallel: torch kernels, BLAKE3 and write(2) release the GIL,
+            # and one file's write + hash is about one core's work (docs/benchmarks.md, "Weights").
             digests: dict[Path, FileDigest] = {}
             with ThreadPoolExecutor(max_workers=max(1, min(len(views), os.cpu_count() or 1))) as pool:
                 for written in pool.map(write, views):
