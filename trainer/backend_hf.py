@@ -41,26 +41,6 @@ SUM_KEYS = ("num_tokens", "invalid_tokens")
 MAX_KEYS = ("sc_tail_ratio_max",)
 
 
-def select_rows(batch: TokenBatch, rows: torch.Tensor) -> TokenBatch:
-    """The TokenBatch restricted to `rows` (int64 indices), every per-token field alike."""
-
-    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[rows]
-
-    return TokenBatch(
-        tokens=batch.tokens[rows],
-        advantages=batch.advantages[rows],
-        loss_mask=batch.loss_mask[rows],
-        sampler_logprobs=batch.sampler_logprobs[rows],
-        candidate_ids=batch.candidate_ids[rows],
-        candidate_logprobs=batch.candidate_logprobs[rows],
-        candidates_are_support=batch.candidates_are_support,
-        group_ids=pick(batch.group_ids),
-        staleness=pick(batch.staleness),
-        old_logprobs=pick(batch.old_logprobs),
-    )
-
-
 def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """Per-rank metric dicts of one scope -> the whole batch's: counts add, token means are
     token-weighted, maxima take the max. Non-decomposable keys (ess) are dropped."""
@@ -160,7 +140,7 @@ class HFBackend:
         full = to_token_batch(flat, group_index)
         seqs = self.local_sequences(flat)
         rows = np.flatnonzero(np.isin(flat.row_seq, seqs))
-        batch = select_rows(full, torch.from_numpy(rows))
+        batch = full.select(torch.from_numpy(rows))
         batch = _to_device(batch, self.device)
         out = policy_loss(self.row_logits(flat, seqs, rows), batch, self.objective)
         total_valid = self._all_sum(float(out.num_valid_tokens))
@@ -223,6 +203,10 @@ class HFBackend:
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """The checkpoint state {"model", "optimizer"}. One process: the module's and optimizer's own
+        state dicts (live tensors: save them before the next step, as trainer/checkpoint.py does).
+        Several: a collective; rank 0 gets the FULL (unsharded, CPU) model and optimizer state, keyed by
+        parameter name (torch.distributed.checkpoint), every other rank empty dicts; rank 0 saves it."""
         if not self.distributed:
             return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -233,19 +217,28 @@ class HFBackend:
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state()`. Several processes: a collective; RANK 0's `state` is the checkpoint and is
+        broadcast tensor by tensor, each rank keeping its own shard of the weights and of the Adam
+        moments (and the step count); what the other ranks pass is ignored (their `state_dict()` was
+        empty), so only rank 0 needs to read the file."""
         if not self.distributed:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
         )
+
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        # Copies: these functions write their sharded tensors into the dicts they are given (the
+        # caller's checkpoint stays as loaded). Two calls, not set_state_dict: that one skips the model
+        # on a rank whose model dict is empty, so ranks != 0 would miss rank 0's broadcast.
+        model_sd = dict(state["model"]) if self.rank == 0 else {}
+        optim_sd = dict(state["optimizer"]) if self.rank == 0 else {}
+        set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=options)
+        set_model_state_dict(self.model, model_sd, options=options)
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

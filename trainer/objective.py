@@ -26,7 +26,7 @@ logits [T, V / tp] and the tensor-parallel process group; the loss and metrics a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,12 @@ class TokenBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    def select(self, rows: Tensor) -> TokenBatch:
+        """The batch restricted to `rows` (int64 token indices or a bool mask over the T tokens):
+        every tensor field is per token ([T] or [T, K]), so each is indexed alike; the flag is kept."""
+        picked = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v[rows] for k, v in picked.items() if isinstance(v, Tensor)})
 
 
 @dataclass(frozen=True)

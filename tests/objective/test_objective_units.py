@@ -49,22 +49,36 @@ def run(logits: torch.Tensor, batch: TokenBatch, config: ObjectiveConfig):
     return out, z.grad
 
 
-def subset(batch: TokenBatch, keep: torch.Tensor) -> TokenBatch:
-    def pick(value):
-        return None if value is None else value[keep]
-
-    return TokenBatch(
-        tokens=batch.tokens[keep],
-        advantages=batch.advantages[keep],
-        loss_mask=batch.loss_mask[keep],
-        sampler_logprobs=batch.sampler_logprobs[keep],
-        candidate_ids=batch.candidate_ids[keep],
-        candidate_logprobs=batch.candidate_logprobs[keep],
-        candidates_are_support=batch.candidates_are_support,
-        group_ids=pick(batch.group_ids),
-        staleness=pick(batch.staleness),
-        old_logprobs=pick(batch.old_logprobs),
+def test_token_batch_select_takes_the_same_rows_of_every_per_token_field():
+    """TokenBatch.select (the trainer's per-rank split, the sub-batches below): expectations by hand."""
+    inf = float("inf")
+    batch = TokenBatch(
+        tokens=torch.tensor([10, 11, 12, 13]),
+        advantages=torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=DTYPE),
+        loss_mask=torch.tensor([True, False, True, True]),
+        sampler_logprobs=torch.tensor([-0.1, -0.2, -0.3, -0.4], dtype=DTYPE),
+        candidate_ids=torch.tensor([[10, 1], [11, 2], [12, 3], [13, -1]]),
+        candidate_logprobs=torch.tensor(
+            [[-0.1, -2.0], [-0.2, -3.0], [-0.3, -4.0], [-0.4, -inf]], dtype=DTYPE
+        ),
+        candidates_are_support=False,
+        group_ids=torch.tensor([7, 8, 7, 9]),
+        staleness=torch.tensor([0, 1, 2, 3]),
     )
+    by_index = batch.select(torch.tensor([3, 0]))
+    assert by_index.tokens.tolist() == [13, 10]
+    assert by_index.advantages.tolist() == [0.0, 0.5]
+    assert by_index.loss_mask.tolist() == [True, True]
+    assert by_index.sampler_logprobs.tolist() == [-0.4, -0.1]
+    assert by_index.candidate_ids.tolist() == [[13, -1], [10, 1]]
+    assert by_index.candidate_logprobs.tolist() == [[-0.4, -inf], [-0.1, -2.0]]
+    assert by_index.group_ids.tolist() == [9, 7] and by_index.staleness.tolist() == [3, 0]
+    assert by_index.old_logprobs is None and by_index.candidates_are_support is False
+    by_mask = batch.select(torch.tensor([False, True, True, False]))
+    assert by_mask.tokens.tolist() == [11, 12] and by_mask.loss_mask.tolist() == [False, True]
+    assert by_mask.candidate_ids.tolist() == [[11, 2], [12, 3]] and by_mask.group_ids.tolist() == [8, 7]
+    assert by_mask.advantages.dtype == DTYPE and by_mask.num_tokens == 2
+    assert batch.tokens.tolist() == [10, 11, 12, 13]  # the batch itself is untouched
 
 
 ALL_CONFIGS = [
@@ -145,7 +159,7 @@ def test_bad_records_are_excluded_and_counted(config):
     logits = torch.randn(10, 12, dtype=DTYPE)
     batch, bad = corrupt(make_batch(logits))
     out, grad = run(logits, batch, config)
-    clean_out, clean_grad = run(logits[~bad], subset(batch, ~bad), config)
+    clean_out, clean_grad = run(logits[~bad], batch.select(~bad), config)
     assert out.metrics["invalid_tokens"] == 7.0
     assert out.num_valid_tokens == 3 and out.metrics["num_tokens"] == 3.0
     assert torch.isfinite(out.loss) and math.isclose(out.loss.item(), clean_out.loss.item(), abs_tol=1e-12)
@@ -181,7 +195,7 @@ def test_non_finite_trainer_logits_invalidate_only_their_row(config):
     broken[2, 5] = float("nan")
     out, grad = run(broken, batch, config)
     keep = torch.tensor([True, True, False, True, True])
-    clean_out, _ = run(logits[keep], subset(batch, keep), config)
+    clean_out, _ = run(logits[keep], batch.select(keep), config)
     assert out.metrics["invalid_tokens"] == 1.0
     assert torch.isfinite(grad).all() and torch.all(grad[2] == 0)
     assert math.isclose(out.loss.item(), clean_out.loss.item(), abs_tol=1e-12)
@@ -292,14 +306,14 @@ def test_per_group_and_per_staleness_metrics_equal_sub_batch_metrics():
     for name, rows in expected_buckets.items():
         keep = torch.zeros(12, dtype=torch.bool)
         keep[rows] = True
-        sub, _ = run(logits[keep], subset(batch, keep), config)
+        sub, _ = run(logits[keep], batch.select(keep), config)
         assert out.per_staleness[name].keys() == sub.metrics.keys()
         assert all(
             math.isclose(out.per_staleness[name][k], sub.metrics[k], abs_tol=1e-12) for k in sub.metrics
         )
     for group in (2, 5, 9):
         keep = groups == group
-        sub, _ = run(logits[keep], subset(batch, keep), config)
+        sub, _ = run(logits[keep], batch.select(keep), config)
         assert all(math.isclose(out.per_group[group][k], sub.metrics[k], abs_tol=1e-12) for k in sub.metrics)
     assert out.per_group[5]["invalid_tokens"] == 1.0 and out.per_staleness["0-1"]["invalid_tokens"] == 1.0
 

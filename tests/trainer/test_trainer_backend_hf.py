@@ -1,11 +1,14 @@
-"""The `hf` backend (trainer/backend_hf.py) on real transformers models (tiny Qwen3 and Llama built
-from their configs and saved as real HF checkpoints), fp32 on CPU.
+"""The `hf` backend (trainer/backend_hf.py) on real transformers models saved as real HF checkpoints
+(the project's tiny Qwen3, rlfleet/tiny_qwen3.py at small sizes, and a Llama built from its config),
+fp32 on CPU.
 
 - one process: the loss equals the objective on the model's full logits (the `logits_to_keep` row
   gather is exact), for Qwen3 and Llama;
 - FSDP2 (`fully_shard`) over 2 gloo processes on CPU: the same loss, the same gradients after the
   reduce-scatter and the same updated weights as one process, to 1e-6;
-- checkpoints round-trip and `weights()` carries the HF parameter names.
+- restore: a checkpoint taken after step 1 (saved by rank 0) restores a fresh backend on every rank,
+  weights and Adam moments, and step 2 equals the uninterrupted run bitwise (1 and 2 processes);
+- `weights()` carries exactly the HF checkpoint's parameter names.
 No stubs: real models, real torch.distributed (gloo, a file:// rendezvous).
 """
 
@@ -31,13 +34,10 @@ OBJECTIVE = ObjectiveConfig(mode="sc_mis", replay=True)
 OPTIM = OptimConfig(learning_rate=1e-2, max_grad_norm=1e9)  # no clipping: raw gradients are compared
 
 
-def tiny_qwen3(path: Path, tie: bool = False) -> Path:
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                      tie_word_embeddings=False)  # fmt: skip
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return path
+SMALL_QWEN3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip
+"""A tiny Qwen3 (rlfleet/tiny_qwen3.py, via the `tiny_qwen3_factory` fixture) small enough for a
+two-process CPU test: no fp8 view is published here, so no 128-multiples are needed."""
 
 
 def tiny_llama(path: Path) -> Path:
@@ -104,7 +104,9 @@ def one_step(backend: HFBackend, flat: FlatBatch) -> dict:
             "grads": grads, "weights": backend.weights(), "grad_norm": grad_norm}  # fmt: skip
 
 
-def _worker(rank: int, world: int, init_file: str, ckpt: str, out_dir: str) -> None:
+def _spawned(rank: int, world: int, init_file: str, out_dir: str, job, args: tuple) -> None:
+    """The multi-process harness: one gloo process group, `job(rank, *args)` on this rank, its result
+    saved as `<out_dir>/rank<r>.pt` (asserted in the test's own process)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -115,24 +117,39 @@ def _worker(rank: int, world: int, init_file: str, ckpt: str, out_dir: str) -> N
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
     )
     try:
-        backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
-        assert backend.distributed and backend.world == world
-        result = one_step(backend, make_batch())
-        sd = backend.state_dict()  # a collective: every rank calls it
-        result["state_keys"] = sorted(sd["model"])
-        if rank == 0:
-            torch.save(result, Path(out_dir) / "result.pt")
+        torch.save(job(rank, *args), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
+def spawn(tmp_path: Path, job, *args: object, world: int = 2) -> list[dict]:
+    """`job(rank, *args)` in `world` gloo processes; every rank's result (rendezvous and results in
+    `tmp_path`)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    mp.spawn(
+        _spawned,
+        args=(world, str(tmp_path / "rendezvous"), str(tmp_path), job, args),
+        nprocs=world,
+        join=True,
+    )
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _one_step_job(rank: int, ckpt: str) -> dict:
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    assert backend.distributed and backend.world == 2
+    result = one_step(backend, make_batch())
+    sd = backend.state_dict()  # a collective: every rank calls it
+    result["state_keys"] = sorted(sd["model"])
+    return result
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.slow  # ~20 s on 2 shared cores: two spawned processes import torch + transformers
-def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
-    ckpt = tiny_qwen3(tmp_path / "qwen3")
+def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path, tiny_qwen3_factory) -> None:
+    ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
     single = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu"), make_batch())
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(ckpt), str(tmp_path)), nprocs=2, join=True)
-    multi = torch.load(tmp_path / "result.pt", weights_only=False)
+    multi = spawn(tmp_path, _one_step_job, str(ckpt))[0]
 
     assert abs(multi["loss"] - single["loss"]) < 1e-6
     assert multi["grads"].keys() == single["grads"].keys()
@@ -152,6 +169,141 @@ def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path) -> None:
     assert "model.layers.0.self_attn.q_proj.weight" in multi["state_keys"]
 
 
+# --- checkpoint and restore ---------------------------------------------------------------------
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def trainer_state(backend: HFBackend) -> dict:
+    """What restore must bring back, read from the live model and optimizer (NOT through
+    `state_dict()`): this rank's own shards of the weights and Adam moments, and the full tensors."""
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    local: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in backend.model.named_parameters():
+        moments = backend.optimizer.state[p]
+        full[name] = {"param": _full(p), **{k: _full(moments[k]) for k in ADAM_KEYS}}
+        local[name] = {"param": _local(p), **{k: _local(moments[k]) for k in ADAM_KEYS}}
+    return {"full": full, "local": local}
+
+
+def _resume_job(rank: int, ckpts: list[str], out_dir: str) -> dict:
+    """Per checkpoint: train step 1, `state_dict()`, and rank 0 writes it to a file (the training loop
+    runs on rank 0: trainer/loop.py `checkpoint()` -> trainer/checkpoint.py `torch.save`). Then step 2
+    three ways on this rank: uninterrupted; a FRESH backend built from the same base checkpoint that
+    `load_state_dict`s what rank 0 read back from the file while the other ranks pass what their own
+    `state_dict()` returned; and a fresh one where every rank reads the file (a shared volume). One
+    process (rank 0, no process group) runs the same job."""
+    distributed = torch.distributed.is_initialized()
+    first, second = make_batch(seed=1), make_batch(seed=2)
+    out: dict = {}
+    for i, ckpt in enumerate(ckpts):
+        path = Path(out_dir) / f"trainer-ckpt-{i}.pt"
+        uninterrupted = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+        uninterrupted.train_step(first, GROUPS)
+        own_state = uninterrupted.state_dict()  # a collective: every rank calls it
+        if rank == 0:
+            torch.save(own_state, path)
+        if distributed:
+            torch.distributed.barrier()
+        runs: dict = {"after_step_1": trainer_state(uninterrupted)}
+        restores = {
+            "rank0_reads": torch.load(path, weights_only=False) if rank == 0 else own_state,
+            "every_rank_reads": torch.load(path, weights_only=False),
+        }
+        backends = {"uninterrupted": uninterrupted}
+        for how, state in restores.items():
+            backends[how] = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+            backends[how].load_state_dict(state)
+            runs[f"{how}_loaded"] = trainer_state(backends[how])
+        for how, backend in backends.items():
+            loss, _ = backend.train_step(second, GROUPS)
+            runs[how] = {
+                "loss": float(loss.loss.detach()),
+                "weights": backend.weights(),
+                **trainer_state(backend),
+            }
+        out[ckpt] = runs
+    return out
+
+
+def assert_same_state(got: dict, want: dict, where: str, atol: float = 0.0) -> None:
+    """Weights and Adam moments (full tensors and this rank's shards) equal, to `atol` (0: bitwise)."""
+    for scope in ("full", "local"):
+        assert got[scope].keys() == want[scope].keys(), where
+        for name, tensors in want[scope].items():
+            for key, t in tensors.items():
+                torch.testing.assert_close(got[scope][name][key], t, rtol=0, atol=atol,
+                                           msg=f"{where}: {scope} {name} {key}")  # fmt: skip
+
+
+def assert_resumed_equals_uninterrupted(runs: dict, where: str, atol: float = 0.0) -> None:
+    step1 = runs["after_step_1"]
+    assert all(float(m["step"]) == 1.0 for m in step1["full"].values()), where
+    assert all(float(m["exp_avg_sq"].abs().max()) > 0 for m in step1["full"].values()), where
+    want = runs["uninterrupted"]
+    assert all(float(m["step"]) == 2.0 for m in want["full"].values()), where
+    for how in ("rank0_reads", "every_rank_reads"):
+        # Right after load_state_dict: this rank's shards are the step-1 ones, not the initial weights.
+        assert_same_state(runs[f"{how}_loaded"], step1, f"{where} {how} after load", atol)
+        got = runs[how]
+        assert abs(got["loss"] - want["loss"]) <= atol, (where, how, got["loss"], want["loss"])
+        assert got["weights"].keys() == want["weights"].keys()
+        for name, w in want["weights"].items():
+            torch.testing.assert_close(
+                got["weights"][name], w, rtol=0, atol=atol, msg=f"{where} {how} {name}"
+            )
+        assert_same_state(got, want, f"{where} {how} after step 2", atol)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_one_process_restore_equals_the_uninterrupted_run(
+    tmp_path: Path, tiny_qwen3_factory, tie: bool
+) -> None:
+    """One process: the resumed step 2 is bit-identical to the uninterrupted one (same weights, same
+    Adam moments and step, same deterministic CPU kernels)."""
+    ckpt = str(tiny_qwen3_factory(**SMALL_QWEN3, tie_word_embeddings=tie))
+    runs = _resume_job(0, [ckpt], str(tmp_path))[ckpt]
+    assert_resumed_equals_uninterrupted(runs, "1 process")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow  # ~12 s on 2 shared cores: two spawned processes import torch + transformers
+def test_fsdp2_restore_on_two_gloo_processes_equals_the_uninterrupted_run(
+    tmp_path: Path, tiny_qwen3_factory
+) -> None:
+    """Two processes, untied and tied embeddings: a checkpoint saved by rank 0 restores EVERY rank's
+    shards of the weights and Adam moments, and the resumed step 2 equals the uninterrupted one on
+    every rank, bitwise (same shards, same gloo reduction order). The uninterrupted 2-process run
+    also equals one process's, to 1e-6 (fp32 sums over 2 shards vs 1: the reduce-scatter's order)."""
+    ckpts = [str(tiny_qwen3_factory(**SMALL_QWEN3, tie_word_embeddings=tie)) for tie in (False, True)]
+    per_rank = spawn(tmp_path / "multi", _resume_job, ckpts, str(tmp_path / "multi"))
+    single = _resume_job(0, ckpts, str(tmp_path))
+    for ckpt in ckpts:
+        for rank, result in enumerate(per_rank):
+            assert_resumed_equals_uninterrupted(result[ckpt], f"rank {rank} of 2")
+        multi, one = per_rank[0][ckpt]["uninterrupted"], single[ckpt]["uninterrupted"]
+        assert abs(multi["loss"] - one["loss"]) < 1e-6
+        for name, w in one["weights"].items():
+            torch.testing.assert_close(multi["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+    # The ranks hold different shards (a sharded run, not two replicas).
+    name = "model.layers.0.mlp.up_proj.weight"
+    ckpt = ckpts[0]
+    shards = [r[ckpt]["uninterrupted"]["local"][name]["param"] for r in per_rank]
+    assert (
+        shards[0].shape[0] + shards[1].shape[0]
+        == per_rank[0][ckpt]["uninterrupted"]["weights"][name].shape[0]
+    )
+    assert not torch.equal(shards[0], shards[1])
+
+
 def _reference_loss(model: torch.nn.Module, flat: FlatBatch) -> float:
     """The objective on the FULL logits of the model (no logits_to_keep), rows gathered by hand."""
     with torch.no_grad():
@@ -160,10 +312,12 @@ def _reference_loss(model: torch.nn.Module, flat: FlatBatch) -> float:
     return float(policy_loss(rows, to_token_batch(flat, GROUPS), OBJECTIVE).loss)
 
 
-def test_one_process_loss_is_the_objective_on_the_model_logits_qwen3_and_llama(tmp_path: Path) -> None:
+def test_one_process_loss_is_the_objective_on_the_model_logits_qwen3_and_llama(
+    tmp_path: Path, tiny_qwen3_factory
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    for ckpt in (tiny_qwen3(tmp_path / "q"), tiny_llama(tmp_path / "l")):
+    for ckpt in (tiny_qwen3_factory(**SMALL_QWEN3), tiny_llama(tmp_path / "l")):
         flat = make_batch(num_seqs=3, seed=4)
         expected = _reference_loss(AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32), flat)
         backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, temperature=0.7, device="cpu")
@@ -176,29 +330,18 @@ def test_one_process_loss_is_the_objective_on_the_model_logits_qwen3_and_llama(t
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_checkpoint_round_trip_and_hf_weight_names(tmp_path: Path, tie: bool) -> None:
+def test_weights_carry_exactly_the_hf_checkpoint_names(tiny_qwen3_factory, tie: bool) -> None:
     """`weights()` holds exactly the checkpoint's names: a tied lm_head (Qwen3-0.6B) is stored once."""
-    ckpt = tiny_qwen3(tmp_path / "q", tie=tie)
-    a = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
-    a.train_step(make_batch(seed=1), GROUPS)
-    path = tmp_path / "ckpt.pt"
-    torch.save(a.state_dict(), path)  # what trainer/checkpoint.py does: the state leaves the process
-    state = torch.load(path, weights_only=False)
-    b = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
-    b.load_state_dict(state)
-    flat = make_batch(seed=2)
-    out_a, _ = a.train_step(flat, GROUPS)
-    out_b, _ = b.train_step(flat, GROUPS)
-    assert float(out_a.loss.detach()) == float(
-        out_b.loss.detach()
-    )  # same weights and optimizer moments: bit-identical
-    wa, wb = a.weights(), b.weights()
     from safetensors import safe_open
 
+    ckpt = tiny_qwen3_factory(**SMALL_QWEN3, tie_word_embeddings=tie)
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    backend.train_step(make_batch(seed=1), GROUPS)
+    weights = backend.weights()
     with safe_open(str(ckpt / "model.safetensors"), "pt") as fh:
-        assert set(fh.keys()) == set(wa)  # exactly the HF checkpoint names
-    for k in wa:
-        assert wa[k].dtype == torch.float32 and torch.equal(wa[k], wb[k])
+        assert set(fh.keys()) == set(weights)
+    assert ("lm_head.weight" in weights) is not tie
+    assert all(w.dtype == torch.float32 for w in weights.values())
 
 
 def test_combine_metrics_token_weighted() -> None:
@@ -213,8 +356,10 @@ def test_combine_metrics_token_weighted() -> None:
     }
 
 
-def test_batch_smaller_than_world_is_a_clear_error(tmp_path: Path) -> None:
-    backend = HFBackend.from_pretrained(tiny_qwen3(tmp_path / "q"), OBJECTIVE, optim=OPTIM, device="cpu")
+def test_batch_smaller_than_world_is_a_clear_error(tiny_qwen3_factory) -> None:
+    backend = HFBackend.from_pretrained(
+        tiny_qwen3_factory(**SMALL_QWEN3), OBJECTIVE, optim=OPTIM, device="cpu"
+    )
     backend.world = 4  # the split rule alone (no process group needed)
     try:
         backend.local_sequences(make_batch(num_seqs=3))
@@ -226,9 +371,9 @@ def test_batch_smaller_than_world_is_a_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_on_gpu_tracks_the_fp32_cpu_loss(tmp_path: Path) -> None:
+def test_bf16_on_gpu_tracks_the_fp32_cpu_loss(tiny_qwen3_factory) -> None:
     """On a GPU the forward runs in bf16 (fp32 master weights): the loss is the fp32 one to bf16 accuracy."""
-    ckpt = tiny_qwen3(tmp_path / "q")
+    ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
     flat = make_batch(seed=5)
     cpu, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").train_step(flat, GROUPS)
     gpu_backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cuda")
