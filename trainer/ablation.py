@@ -63,7 +63,7 @@ class AblationConfig:
     samples: int = 8
     max_new_tokens: int = 6
     lag: int = 4
-    learning_rate: float = 1e-3
+    learning_rate: float = 2e-4
     top_p: float = 0.95
     head_size: int = 16
     task: str = "copy_digit"

@@ -19,7 +19,7 @@ def test_tiny_ablation_is_seeded_and_writes_table_and_plots(tmp_path, monkeypatc
     monkeypatch.setenv("RLFLEET_MODEL_CACHE", str(tmp_path / "models"))  # the tiny Qwen3 is built here, not in ~/.cache
     # one seed, no null-arm cells, in this process (one torch thread)
     args = ["--arms", "pg,sc_mis+topp", "--fleets", "homogeneous,mixed", "--steps", "4", "--prompts", "2",
-            "--samples", "4", "--lag", "1", "--seeds", "1", "--no-null-control", "--jobs", "1"]
+            "--samples", "4", "--lag", "1", "--seeds", "1", "--no-null-control", "--jobs", "1", "--lr", "1e-3"]
     assert ablation.cli([*args, "--out", str(tmp_path / "a")]) == 0
     report = (tmp_path / "a" / "ablation.md").read_text()
     table = report.split("### Seed 0, lag 1\n\n")[1]
