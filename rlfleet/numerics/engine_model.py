@@ -198,6 +198,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _norm(size: int) -> nn.Module:
+    """A module holding one RMSNorm weight (the engine applies it with `_rms_norm`)."""
+    m = nn.Module()
+    m.weight = nn.Parameter(torch.ones(size))
+    return m
+
+
 class _Attention(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
@@ -205,10 +212,8 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden_size, s.kv_size, bias=False)
         self.v_proj = nn.Linear(s.hidden_size, s.kv_size, bias=False)
         self.o_proj = nn.Linear(s.q_size, s.hidden_size, bias=False)
-        self.q_norm = nn.Module()
-        self.q_norm.weight = nn.Parameter(torch.ones(s.head_dim))
-        self.k_norm = nn.Module()
-        self.k_norm.weight = nn.Parameter(torch.ones(s.head_dim))
+        self.q_norm = _norm(s.head_dim)
+        self.k_norm = _norm(s.head_dim)
 
 
 class _MLP(nn.Module):
@@ -217,12 +222,6 @@ class _MLP(nn.Module):
         self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
-
-
-def _norm(size: int) -> nn.Module:
-    m = nn.Module()
-    m.weight = nn.Parameter(torch.ones(size))
-    return m
 
 
 class _Layer(nn.Module):
