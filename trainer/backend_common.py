@@ -1,5 +1,6 @@
 """What both trainer backends (trainer/backend_hf.py, trainer/backend_megatron.py) share: the optimizer
-configuration and the conversion of a FlatBatch into the objective's TokenBatch.
+configuration, the conversion of a FlatBatch into the objective's TokenBatch, and `RankCommands`, the
+way rank 0 drives the other ranks of a multi-process trainer.
 
 The trainer keeps fp32 master weights; what it PUBLISHES is the BF16 (or quantized) view, so every
 sampler group, even a bf16 one, sees weights rounded away from the trainer's, plus its own kernels:
@@ -58,3 +59,58 @@ def to_token_batch(flat: FlatBatch, group_index: dict[str, int]) -> TokenBatch:
         group_ids=torch.tensor([group_index.get(g, len(group_index)) for g in flat.groups], dtype=torch.long),
         staleness=torch.from_numpy(flat.staleness),
     )
+
+
+class RankCommands:
+    """Rank 0 drives, every other rank follows (the trainer entrypoint, trainer/entrypoint.py): rank 0
+    runs the loop and calls `train_step` / `weights` / `state_dict` / `load_state_dict` / `close`; each
+    of those first broadcasts a command (`broadcast_object_list` from global rank 0: "step" with the
+    FlatBatch and group index, "weights", "state", "load", "stop"), and every other rank's `follow()`
+    executes the same collective body with the same inputs until "stop". A backend defines the bodies
+    `_train_step(flat, group_index)`, `_weights()`, `_state_dict()`, `_load_state_dict(part)` (`part`:
+    what rank 0 passes; None on the followers) and `device`; `_has_followers()` says whether there are
+    other ranks to command (a one-process backend sends nothing)."""
+
+    device: torch.device
+
+    def _train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> Any: ...
+    def _weights(self) -> Any: ...
+    def _state_dict(self) -> Any: ...
+    def _load_state_dict(self, part: Any) -> None: ...
+
+    def _has_followers(self) -> bool:
+        return True
+
+    def _command(self, command: tuple | None = None) -> tuple:
+        """Rank 0: send `command`; every other rank: receive rank 0's."""
+        box = [command]
+        torch.distributed.broadcast_object_list(box, src=0, device=self._object_device())
+        return box[0]
+
+    def _send(self, command: tuple) -> None:
+        if self._has_followers():
+            self._command(command)
+
+    def _object_device(self) -> torch.device | None:
+        # NCCL moves the pickled command through a GPU tensor; gloo through a CPU one.
+        return torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else None
+
+    def follow(self) -> None:
+        """Non-zero ranks: execute rank 0's commands until it says stop."""
+        while True:
+            command = self._command()
+            if command[0] == "step":
+                self._train_step(command[1], command[2])
+            elif command[0] == "weights":
+                self._weights()
+            elif command[0] == "state":
+                self._state_dict()
+            elif command[0] == "load":
+                self._load_state_dict(None)
+            else:
+                return
+
+    def close(self) -> None:
+        """Rank 0: release the followers (their `follow()` returns)."""
+        if self._has_followers() and torch.distributed.get_rank() == 0:
+            self._command(("stop",))

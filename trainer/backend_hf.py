@@ -9,7 +9,11 @@ Precision: fp32 master weights always. On CPU the compute is fp32 (a reference);
 forward runs in bf16 (autocast on one GPU, FSDP2's MixedPrecisionPolicy with fp32 gradient
 reduction on several), and the logits are cast to fp32 before the objective.
 
-Several processes (FSDP2, `torch.distributed.fsdp.fully_shard`, one shard per rank): every rank gets
+Several processes (FSDP2, `torch.distributed.fsdp.fully_shard`, one shard per rank; `trainer.backend:
+torch` on one node, one rank per GPU under torchrun, which this backend joins when WORLD_SIZE > 1): rank
+0 drives and every other rank runs `follow()` (backend_common.RankCommands, the same commands as the
+megatron backend): each public call on rank 0 broadcasts its command (a step carries the FlatBatch and
+group index), and every rank then executes the same collectives with the same inputs. Every rank gets
 the SAME FlatBatch and trains on its share of the sequences (sequence b goes to rank b % world). The
 loss is the token mean over the WHOLE batch: each rank's sum over its tokens is divided by the global
 token count and multiplied by the world size, because FSDP2 averages gradients over ranks in its
@@ -23,6 +27,7 @@ prompt's [S, V] block is never materialised.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlfleet.trainer.backend_common import OptimConfig, to_token_batch
+from rlfleet.trainer.backend_common import OptimConfig, RankCommands, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 
@@ -57,7 +62,7 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-class HFBackend:
+class HFBackend(RankCommands):
     name = "hf"
 
     def __init__(
@@ -70,7 +75,10 @@ class HFBackend:
         distributed: bool | None = None,
     ) -> None:
         """`model`: an HF causal LM in fp32 (see `from_pretrained`). `distributed`: shard with FSDP2
-        over the default process group (default: when torch.distributed is initialised with > 1 rank)."""
+        over the default process group (default: when torch.distributed is initialised with > 1 rank;
+        under torchrun with WORLD_SIZE > 1 the process group is initialised here, nccl on GPUs)."""
+        if distributed is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _join_torchrun_group()
         self.device = (
             torch.device(device)
             if device is not None
@@ -134,8 +142,16 @@ class HFBackend:
         p = torch.from_numpy(row_pos - first).to(self.device)
         return logits[b, p].float() / self.temperature
 
+    def _has_followers(self) -> bool:
+        return self.distributed
+
     def train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:
-        """One optimizer step on the batch; returns the objective's output and the pre-clip grad norm."""
+        """One optimizer step on the batch; returns the objective's output and the pre-clip grad norm
+        (rank 0: the batch is broadcast to the followers first)."""
+        self._send(("step", flat, group_index))
+        return self._train_step(flat, group_index)
+
+    def _train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:
         self.model.train()
         full = to_token_batch(flat, group_index)
         seqs = self.local_sequences(flat)
@@ -191,7 +207,13 @@ class HFBackend:
 
     # ------------------------------------------------------------------ weights and checkpoints
     def weights(self) -> dict[str, torch.Tensor]:
-        """HF-named fp32 full tensors on CPU (every rank must call it: sharded tensors are gathered)."""
+        """HF-named fp32 full tensors on CPU, on rank 0 ({} on the other ranks, which take part in the
+        gather through `follow()`)."""
+        self._send(("weights",))
+        return self._weights()
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        # One parameter at a time: every rank all-gathers it (full_tensor), only rank 0 keeps a CPU copy.
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for k, v in self.model.state_dict(keep_vars=True).items():
@@ -199,14 +221,20 @@ class HFBackend:
                 continue
             seen.add(id(v))
             full = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k] = full.detach().to("cpu", torch.float32).clone()
+            if self.rank == 0:
+                out[k] = full.detach().to("cpu", torch.float32).clone()
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint state {"model", "optimizer"}. One process: the module's and optimizer's own
         state dicts (live tensors: save them before the next step, as trainer/checkpoint.py does).
         Several: a collective; rank 0 gets the FULL (unsharded, CPU) model and optimizer state, keyed by
-        parameter name (torch.distributed.checkpoint), every other rank empty dicts; rank 0 saves it."""
+        parameter name (torch.distributed.checkpoint), every other rank (through `follow()`) empty dicts;
+        rank 0 saves it."""
+        self._send(("state",))
+        return self._state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
         if not self.distributed:
             return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -220,8 +248,13 @@ class HFBackend:
         """Restore `state()`. Several processes: a collective; RANK 0's `state` is the checkpoint and is
         broadcast tensor by tensor, each rank keeping its own shard of the weights and of the Adam
         moments (and the step count); what the other ranks pass is ignored (their `state_dict()` was
-        empty), so only rank 0 needs to read the file."""
+        empty; through `follow()` they pass nothing), so only rank 0 needs to read the file."""
+        self._send(("load",))
+        self._load_state_dict(state)
+
+    def _load_state_dict(self, state: dict[str, Any] | None) -> None:
         if not self.distributed:
+            assert state is not None
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             return
@@ -235,10 +268,18 @@ class HFBackend:
         # Copies: these functions write their sharded tensors into the dicts they are given (the
         # caller's checkpoint stays as loaded). Two calls, not set_state_dict: that one skips the model
         # on a rank whose model dict is empty, so ranks != 0 would miss rank 0's broadcast.
-        model_sd = dict(state["model"]) if self.rank == 0 else {}
-        optim_sd = dict(state["optimizer"]) if self.rank == 0 else {}
+        model_sd = dict(state["model"]) if self.rank == 0 and state is not None else {}
+        optim_sd = dict(state["optimizer"]) if self.rank == 0 and state is not None else {}
         set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=options)
         set_model_state_dict(self.model, model_sd, options=options)
+
+
+def _join_torchrun_group() -> None:
+    """The process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK): nccl with
+    this rank's GPU when there are GPUs, else gloo."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

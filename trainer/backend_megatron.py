@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.trainer.backend_common import OptimConfig, to_token_batch
+from rlfleet.trainer.backend_common import OptimConfig, RankCommands, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.megatron_support import parallelism_support, shape_support
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss
@@ -380,10 +380,11 @@ def _megatron() -> Any:
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-class MegatronBackend:
-    """Same interface as TorchBackend: train_step(flat, group_index) -> (LossOutput, grad_norm),
+class MegatronBackend(RankCommands):
+    """Same interface as HFBackend: train_step(flat, group_index) -> (LossOutput, grad_norm),
     weights() -> HF-named full state dict (on global rank 0; {} elsewhere), state_dict/load_state_dict
-    (on global rank 0; they carry every rank's shard)."""
+    (on global rank 0; they carry every rank's shard). Rank 0 drives, every other rank runs `follow()`
+    (backend_common.RankCommands: the commands are broadcast from global rank 0)."""
 
     name = "megatron"
 
@@ -500,34 +501,6 @@ class MegatronBackend:
                 if shard.shape != tensor.shape:
                     raise UnsupportedModel(f"megatron backend: {name}: checkpoint shard {tuple(shard.shape)} != model {tuple(tensor.shape)}")
                 tensor.copy_(shard.to(tensor.dtype))
-
-    # -- rank 0 drives, every other rank follows (commands broadcast from global rank 0) --
-    def _command(self, command: tuple | None = None) -> tuple:
-        box = [command]
-        torch.distributed.broadcast_object_list(box, src=0, device=self._object_device())
-        return box[0]
-
-    def _object_device(self) -> torch.device | None:
-        return torch.device("cuda", torch.cuda.current_device()) if self.device.type == "cuda" else None
-
-    def follow(self) -> None:
-        """Non-zero ranks: execute rank 0's commands until it says stop."""
-        while True:
-            command = self._command()
-            if command[0] == "step":
-                self._train_step(command[1], command[2])
-            elif command[0] == "weights":
-                self._weights()
-            elif command[0] == "state":
-                self._state_dict()
-            elif command[0] == "load":
-                self._load_state_dict(None)
-            else:
-                return
-
-    def close(self) -> None:
-        if torch.distributed.get_rank() == 0:
-            self._command(("stop",))
 
     # -- the step --
     def train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:

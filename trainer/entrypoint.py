@@ -12,8 +12,8 @@ of every view from it before step 1: sampler groups wait for it before their eng
 collapse detector's state (`rlfleet_trainer_collapse_risk{signal,group}`, `..._quarantine_requested{group}`,
 `..._pause_requested`) are exported, and the operator's rebalance timer writes them into the RLJob status
 and acts on them. After a `pause` decision the process stops stepping but keeps exporting until the pod
-is stopped. With the megatron backend every other rank runs `backend.follow()` and executes rank 0's
-broadcast commands.
+is stopped. Every other rank (megatron, or torch's FSDP2 data parallel on one node) runs
+`backend.follow()` and executes rank 0's broadcast commands (trainer/backend_common.py RankCommands).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
     backend = base.backend
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
-        backend.follow()  # megatron: execute rank 0's commands until it stops
+        backend.follow()  # execute rank 0's commands until it closes the backend
         return 0
 
     store = store_from_spec(job.spec.weight_channel.store)

@@ -65,13 +65,15 @@ PARALLEL_FIT_MESSAGE = (
     "trainer: parallelism tensor x pipeline x context must divide gpusPerReplica (each trainer pod holds "
     "whole model-parallel groups)"
 )
-TORCH_SINGLE_RULE = (
-    "self.backend != 'torch' || (self.replicas == 1 && self.gpusPerReplica == 1 && "
+# The torch backend (trainer/backend_hf.py) is FSDP2 data parallel: one rank per GPU of ONE pod.
+TORCH_ONE_NODE_RULE = (
+    "self.backend != 'torch' || (self.replicas == 1 && "
     "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.context == 1)"
 )
-TORCH_SINGLE_MESSAGE = (
-    "trainer: backend torch is one process on one GPU (replicas 1, gpusPerReplica 1, parallelism 1 x 1 x 1); "
-    "use backend megatron for more"
+TORCH_ONE_NODE_MESSAGE = (
+    "trainer: backend torch runs FSDP2 data parallel on one node (replicas 1, one rank per GPU of "
+    "gpusPerReplica, parallelism 1 x 1 x 1); use backend megatron for several nodes or tensor, pipeline "
+    "or context parallelism"
 )
 # Built-in environments of the trainer (rlfleet/trainer/environments.py BUILTIN; a test keeps them equal).
 BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "same_parity", "tool_add", "math")
@@ -184,7 +186,7 @@ class TrainerSpec(PodPlacement):
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 {"rule": PARALLEL_FIT_RULE, "message": PARALLEL_FIT_MESSAGE, "fieldPath": ".parallelism"},
-                {"rule": TORCH_SINGLE_RULE, "message": TORCH_SINGLE_MESSAGE, "fieldPath": ".backend"},
+                {"rule": TORCH_ONE_NODE_RULE, "message": TORCH_ONE_NODE_MESSAGE, "fieldPath": ".backend"},
             ]
         }
     }
@@ -198,7 +200,7 @@ class TrainerSpec(PodPlacement):
     gpus_per_replica: int = Field(default=8, ge=1, le=8)
     """GPUs per trainer pod (torchrun --nproc-per-node)."""
     backend: Literal["megatron", "torch"] = "megatron"
-    """Training backend: megatron (megatron-core, GPUs) or torch (reference backend)."""
+    """Training backend: megatron (megatron-core, GPUs) or torch (transformers + FSDP2 data parallel on one node)."""
     precision: Literal["bf16"] = "bf16"
     """Trainer precision (always BF16: the corrected objective absorbs the samplers' precision)."""
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, json_schema_extra={"default": {}})
@@ -215,8 +217,8 @@ class TrainerSpec(PodPlacement):
         size = self.parallelism.size
         if self.gpus_per_replica % size:
             raise ValueError(f"{PARALLEL_FIT_MESSAGE}: {size} does not divide {self.gpus_per_replica}")
-        if self.backend == "torch" and (self.replicas, self.gpus_per_replica, size) != (1, 1, 1):
-            raise ValueError(TORCH_SINGLE_MESSAGE)
+        if self.backend == "torch" and (self.replicas, size) != (1, 1):
+            raise ValueError(f"{TORCH_ONE_NODE_MESSAGE}: replicas {self.replicas}, parallelism size {size}")
         return self
 
 

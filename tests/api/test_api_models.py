@@ -317,15 +317,15 @@ def test_parallelism_and_budgets_name_the_numbers() -> None:
         RLJob.from_manifest(manifest)
     manifest = apply_case(example_manifest(), {"set": {"spec.model.maxSeqLen": 8193}})
     assert RLJob.from_manifest(manifest).spec.model.max_seq_len == 8193
-    # context parallelism that fits is accepted; torch on one GPU is accepted
+    # context parallelism that fits is accepted; torch on one node of 8 GPUs (FSDP2 data parallel) too
     manifest = apply_case(
         example_manifest(), {"set": {"spec.trainer.parallelism": {"tensor": 4, "context": 2}}}
     )
     assert RLJob.from_manifest(manifest).spec.trainer.parallelism.size == 8
     manifest = apply_case(
-        example_manifest(), {"set": {"spec.trainer": {"backend": "torch", "gpusPerReplica": 1}}}
+        example_manifest(), {"set": {"spec.trainer": {"backend": "torch", "gpusPerReplica": 8}}}
     )
-    assert RLJob.from_manifest(manifest).spec.trainer.backend == "torch"
+    assert RLJob.from_manifest(manifest).spec.trainer.gpus_per_replica == 8
     manifest = apply_case(example_manifest(), {"set": {"spec.router.policy": "static",
                                                        "spec.router.staticShares": {"h200-fp8": 0.0, "a100-bf16": 1.0}}})  # fmt: skip
     assert RLJob.from_manifest(manifest).spec.router.static_shares["a100-bf16"] == 1.0

@@ -8,6 +8,8 @@ fp32 on CPU.
   reduce-scatter and the same updated weights as one process, to 1e-6;
 - restore: a checkpoint taken after step 1 (saved by rank 0) restores a fresh backend on every rank,
   weights and Adam moments, and step 2 equals the uninterrupted run bitwise (1 and 2 processes);
+- rank 0 drives, rank 1 only runs `follow()` (the trainer entrypoint's protocol, shared with the
+  megatron backend): the same losses and weights as one process, and `follow()` returns at `close()`;
 - `weights()` carries exactly the HF checkpoint's parameter names.
 No stubs: real models, real torch.distributed (gloo, a file:// rendezvous).
 """
@@ -302,6 +304,65 @@ def test_fsdp2_restore_on_two_gloo_processes_equals_the_uninterrupted_run(
         == per_rank[0][ckpt]["uninterrupted"]["weights"][name].shape[0]
     )
     assert not torch.equal(shards[0], shards[1])
+
+
+def _drive_or_follow_job(rank: int, ckpt: str) -> dict:
+    """What the trainer entrypoint does (trainer/entrypoint.py): rank 0 drives, every other rank only
+    calls `follow()`. Rank 0: step 1, `state_dict()` (serialised, as trainer/checkpoint.py saves it),
+    step 2, `weights()`, `load_state_dict(step-1 state)`, step 2 again, `weights()`, `close()`: every
+    command kind. Rank 1 returns its own shards once `follow()` has returned."""
+    import io
+
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    assert backend.distributed and backend.world == 2
+    if rank != 0:
+        backend.follow()
+        return {"follow_returned": True, "shards": {n: _local(p) for n, p in backend.model.named_parameters()}}
+    first, second = make_batch(seed=1), make_batch(seed=2)
+    losses = [float(backend.train_step(first, GROUPS)[0].loss.detach())]
+    buffer = io.BytesIO()
+    torch.save(backend.state_dict(), buffer)
+    losses.append(float(backend.train_step(second, GROUPS)[0].loss.detach()))
+    weights = backend.weights()
+    buffer.seek(0)
+    backend.load_state_dict(torch.load(buffer, weights_only=False))
+    replayed_loss = float(backend.train_step(second, GROUPS)[0].loss.detach())
+    replayed_weights = backend.weights()
+    backend.close()
+    return {"losses": losses, "weights": weights, "replayed_loss": replayed_loss,
+            "replayed_weights": replayed_weights}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow  # ~12 s on 2 shared cores: two spawned processes import torch + transformers
+def test_rank_0_drives_and_rank_1_follows_like_one_process(tmp_path: Path, tiny_qwen3_factory) -> None:
+    """Two gloo processes, rank 1 never calls the public methods: rank 0's losses and weights equal one
+    process's to 1e-6 (fp32; the 2-rank run sums the gradient in another order, over its two shards'
+    reduce-scatter, so it is not bitwise), the restored step 2 replays the first bitwise, rank 1's own
+    shards are the slices of rank 0's full weights (it really trained and restored), and its `follow()`
+    returned after `close()` (the job saves its result only then; a follower stuck in the broadcast
+    would time out and fail the spawn)."""
+    ckpt = str(tiny_qwen3_factory(**SMALL_QWEN3))
+    single = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    want_losses = [float(single.train_step(make_batch(seed=s), GROUPS)[0].loss.detach()) for s in (1, 2)]
+    want = single.weights()
+    driver, follower = spawn(tmp_path, _drive_or_follow_job, ckpt)
+
+    assert want_losses[0] != want_losses[1]
+    for got, expected in zip(driver["losses"], want_losses, strict=True):
+        assert abs(got - expected) < 1e-6
+    assert driver["weights"].keys() == want.keys()
+    initial = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").weights()
+    for name, w in want.items():
+        assert not torch.equal(w, initial[name]), name  # two steps moved every weight
+        torch.testing.assert_close(driver["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+    assert driver["replayed_loss"] == driver["losses"][1]
+    for name, w in driver["weights"].items():
+        assert torch.equal(driver["replayed_weights"][name], w), name
+    assert follower["follow_returned"]
+    assert follower["shards"].keys() == want.keys()
+    for name, shard in follower["shards"].items():  # FSDP2 shards dim 0: rank 1 holds the second chunk
+        assert torch.equal(shard, driver["replayed_weights"][name].chunk(2, dim=0)[1]), name
 
 
 def _reference_loss(model: torch.nn.Module, flat: FlatBatch) -> float:
