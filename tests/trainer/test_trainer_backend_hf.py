@@ -10,6 +10,7 @@ fp32 on CPU.
   weights and Adam moments, and step 2 equals the uninterrupted run bitwise (1 and 2 processes);
 - rank 0 drives, rank 1 only runs `follow()` (the trainer entrypoint's protocol, shared with the
   megatron backend): the same losses and weights as one process, and `follow()` returns at `close()`;
+  under a real `torchrun` (2 CPU ranks) the backend joins the process group torchrun describes;
 - `weights()` carries exactly the HF checkpoint's parameter names.
 No stubs: real models, real torch.distributed (gloo, a file:// rendezvous).
 """
@@ -363,6 +364,54 @@ def test_rank_0_drives_and_rank_1_follows_like_one_process(tmp_path: Path, tiny_
     assert follower["shards"].keys() == want.keys()
     for name, shard in follower["shards"].items():  # FSDP2 shards dim 0: rank 1 holds the second chunk
         assert torch.equal(shard, driver["replayed_weights"][name].chunk(2, dim=0)[1]), name
+
+
+TORCHRUN_WORKER = """
+import json, os, sys
+import torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+import torch.distributed as dist
+from rlfleet.trainer.backend_hf import HFBackend
+from test_trainer_backend_hf import GROUPS, OBJECTIVE, OPTIM, make_batch
+assert not dist.is_initialized()
+backend = HFBackend.from_pretrained({ckpt!r}, OBJECTIVE, optim=OPTIM, device="cpu")  # joins torchrun's group
+result = {{"rank": backend.rank, "world": backend.world, "backend": dist.get_backend()}}
+if backend.rank != 0:
+    backend.follow()
+else:
+    result["loss"] = float(backend.train_step(make_batch(seed=1), GROUPS)[0].loss.detach())
+    result["weights"] = len(backend.weights())
+    backend.close()
+with open(os.path.join({out!r}, "rank%d.json" % backend.rank), "w") as fh:
+    json.dump(result, fh)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow  # ~7 s: torchrun starts two processes that import torch + transformers
+def test_under_torchrun_the_backend_joins_the_process_group_and_rank_1_follows(
+    tmp_path: Path, tiny_qwen3_factory
+) -> None:
+    """The trainer pod's launch (operator/builders.py: torchrun, one rank per GPU; here 2 CPU ranks):
+    the backend initialises the process group torchrun describes (gloo without GPUs), rank 0 drives a
+    step and a publish, rank 1 follows until `close()`. `--standalone` picks its own free port."""
+    import json
+    import subprocess
+    import sys
+
+    ckpt = str(tiny_qwen3_factory(**SMALL_QWEN3))
+    script = tmp_path / "worker.py"
+    script.write_text(TORCHRUN_WORKER.format(tests=str(Path(__file__).parent), ckpt=ckpt, out=str(tmp_path)))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script)], capture_output=True, text=True, timeout=200)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["rank"], r["world"], r["backend"]) for r in ranks] == [(0, 2, "gloo"), (1, 2, "gloo")]
+    single = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    want = float(single.train_step(make_batch(seed=1), GROUPS)[0].loss.detach())
+    assert abs(ranks[0]["loss"] - want) < 1e-6
+    assert ranks[0]["weights"] == len(single.weights())
 
 
 def _reference_loss(model: torch.nn.Module, flat: FlatBatch) -> float:
