@@ -26,7 +26,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -336,8 +336,6 @@ def grid(arms: list[str], fleets: list[str], seeds: list[int], cfg: AblationConf
          ) -> list[tuple[str, str, AblationConfig]]:
     """The runs of an ablation: every arm x fleet x seed at `cfg.lag`, plus (null_control) the null-arm
     cells (trainer/claims.py NULL_ARMS on the homogeneous fleet at lag 0) unless they are already in."""
-    from dataclasses import replace
-
     from rlfleet.trainer.claims import NULL_ARMS, NULL_FLEET, NULL_LAG
 
     jobs = [(arm, fleet, replace(cfg, seed=seed)) for seed in seeds for fleet in fleets for arm in arms]
@@ -467,8 +465,6 @@ def cli(argv: Sequence[str]) -> int:
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
 
     for seed in seeds:
-        from dataclasses import replace
-
         cached_tiny_qwen3(cfg.model_cache or default_cache_dir(), replace(cfg, seed=seed).tiny_model())
     results = run_grid(jobs, workers)
     wall = time.monotonic() - t0

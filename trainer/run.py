@@ -140,13 +140,11 @@ def rollout_inputs(rc: Any, base: BaseModel) -> tuple[Any, Any]:
 
 def load_base_weights(directory: Path) -> dict[str, torch.Tensor]:
     """HF-named tensors of a checkpoint directory: an rlfleet view (dequantized) or HF safetensors."""
-    from rlfleet.model_source import ModelSourceError, read_safetensors_dir
-    from rlfleet.numerics.views import VIEW_CONFIG_FILE, load_view
+    from rlfleet.model_source import ModelSourceError
+    from rlfleet.numerics.views import load_checkpoint_weights
 
-    if (directory / VIEW_CONFIG_FILE).is_file():
-        return load_view(directory)[1]
     try:
-        return read_safetensors_dir(directory)
+        return load_checkpoint_weights(directory)[1]
     except ModelSourceError as exc:
         raise TrainingStartError(str(exc)) from None
 

@@ -422,13 +422,10 @@ def load_checkpoint(directory: str | Path) -> tuple[str, ModelShape, dict[str, t
     channel's views (rlfleet/numerics/views.py: `rlfleet_view.json`, dequantized to what the view
     holds; view = its format) or a plain Hugging Face checkpoint (`*.safetensors`; view "fp32": the
     engine quantizes it online to its own format)."""
-    from rlfleet.numerics.views import VIEW_CONFIG_FILE, load_view
+    from rlfleet.numerics.views import load_checkpoint_weights
 
-    directory = Path(directory)
     shape = ModelShape.from_checkpoint(directory)
-    if (directory / VIEW_CONFIG_FILE).is_file():
-        view, weights = load_view(directory)
-        return view, shape, weights
-    from rlfleet.model_source import read_safetensors_dir
-
-    return "fp32", shape, {k: v.float() for k, v in read_safetensors_dir(directory).items()}
+    view, weights = load_checkpoint_weights(directory)
+    if view is None:  # a plain HF checkpoint
+        return "fp32", shape, {k: v.float() for k, v in weights.items()}
+    return view, shape, weights

@@ -553,3 +553,15 @@ def load_view(directory: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
     if missing:
         raise ValueError(f"{directory}: quantized tensors listed but absent: {sorted(missing)[:3]}")
     return view, out
+
+
+def load_checkpoint_weights(directory: str | Path) -> tuple[str | None, dict[str, torch.Tensor]]:
+    """The HF-named tensors of a checkpoint directory and which view they are: one of the channel's
+    views (`rlfleet_view.json`: `load_view`, dequantized; the view's format) or a plain Hugging Face
+    checkpoint (every `*.safetensors` file in its stored dtype; None). The one reader the trainer's
+    base model and the reference engine share."""
+    from rlfleet.model_source import read_safetensors_dir
+
+    if (Path(directory) / VIEW_CONFIG_FILE).is_file():
+        return load_view(directory)
+    return None, read_safetensors_dir(directory)
