@@ -84,8 +84,19 @@ class AblationConfig:
         return TinyQwen3(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                          intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
                          num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_attention_heads,
-                         head_dim=self.head_dim, max_position_embeddings=max(32, 16 + self.max_new_tokens),
+                         head_dim=self.head_dim, max_position_embeddings=self.max_seq_len,
                          logit_std=self.logit_std, seed=self.seed)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The tiny Qwen3's context: one reply after a short prompt, or (multi-turn: tool_add,
+        retry_digit) every turn of an episode, each followed by the environment's answer (<= 3 ids)."""
+        from rlfleet.trainer.environments import load_environment
+
+        turns = load_environment(self.task).max_turns
+        if turns > 1:
+            return max(32, 8 + turns * (self.max_new_tokens + 3))
+        return max(32, 16 + self.max_new_tokens)
 
 
 @dataclass
@@ -144,7 +155,7 @@ class LockstepRollouts:
         from rlfleet.numerics.engine_model import precision_view
         from rlfleet.router.hashing import pick
         from rlfleet.trainer.emulated import VIEW_FORMATS, Request
-        from rlfleet.trainer.rollout import PromptGroup, Rollout
+        from rlfleet.trainer.rollout import Episode, PromptGroup, Rollout, turn_stop_ids
 
         cfg, env = self.cfg, self.env
         step = self.sink.latest_version() or 0  # the trainer's version = steps done
@@ -160,24 +171,30 @@ class LockstepRollouts:
         batch_prompts = [self.prompts.get(self.next_position + i) for i in range(n)]  # type: ignore[attr-defined]
         self.next_position += n
         shares = {g[0]: 1.0 for g in self.groups}
-        per_group: dict[str, list[tuple[int, int]]] = {name: [] for name in self.samplers}
-        for pi, p in enumerate(batch_prompts):
-            for k in range(cfg.samples):
-                per_group[pick(f"p{p.index}/{k}", shares)].append((pi, k))
-        rollouts: dict[tuple[int, int], Rollout] = {}
-        for name, items in per_group.items():
-            if not items:
-                continue
-            reqs = [Request(list(batch_prompts[pi].input_ids), cfg.max_new_tokens, tuple(env.stop_token_ids))  # type: ignore[attr-defined]
-                    for pi, _ in items]
-            for (pi, k), turn in zip(items, self.samplers[name].generate_batch(reqs, self.sampling), strict=True):
-                p = batch_prompts[pi]
-                r = Rollout(prompt=p, sample=k, turns=[turn], env_ids=[[]])
-                state = env.start(p)  # type: ignore[attr-defined]
-                env.step(p, state, [int(t) for t in turn.output_ids], turn.finish_reason)  # type: ignore[attr-defined]
-                r.outcome = env.score(p, state, [[int(t) for t in turn.output_ids]])  # type: ignore[attr-defined]
-                rollouts[(pi, k)] = r
-        return [PromptGroup(p, [rollouts[(pi, k)] for k in range(cfg.samples)]) for pi, p in enumerate(batch_prompts)]
+        episodes = {(pi, k): Episode(env, Rollout(prompt=p, sample=k))  # type: ignore[arg-type]
+                    for pi, p in enumerate(batch_prompts) for k in range(cfg.samples)}
+        # a session stays on its group for every turn (the router's rendezvous hash of `p<index>/<k>`)
+        group_of = {key: pick(e.rollout.uid, shares) for key, e in episodes.items()}
+        stop_ids = tuple(turn_stop_ids(env, self.sampling))  # type: ignore[arg-type]
+        for _turn_index in range(env.max_turns):  # type: ignore[attr-defined]
+            # one batched turn per sampler group over its episodes that go on (multi-turn: tool_add)
+            going = {key: e.budget(cfg.max_new_tokens, cfg.max_seq_len) for key, e in episodes.items() if not e.done}
+            going = {key: b for key, b in going.items() if b > 0}
+            if not going:
+                break
+            for name in self.samplers:
+                keys = [key for key in going if group_of[key] == name]
+                if not keys:
+                    continue
+                reqs = [Request(list(episodes[key].ids), going[key], stop_ids) for key in keys]
+                for key, turn in zip(keys, self.samplers[name].generate_batch(reqs, self.sampling), strict=True):
+                    episodes[key].add_turn(turn)
+            if all(e.done for e in episodes.values()):
+                break
+        for e in episodes.values():
+            e.score()  # exactly once per trajectory, whatever ended it
+        return [PromptGroup(p, [episodes[(pi, k)].rollout for k in range(cfg.samples)])
+                for pi, p in enumerate(batch_prompts)]
 
 
 def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -> ArmResult:
@@ -305,9 +322,11 @@ def plots(results: list[ArmResult], out: Path) -> list[Path]:
     return written
 
 
-TASK_CHANCE = {"copy_digit": 0.1, "same_parity": 0.5}
+TASK_CHANCE = {"copy_digit": 0.1, "same_parity": 0.5, "tool_add": 0.0, "retry_digit": 0.1 * (1 + 1 / 2 + 1 / 3 + 1 / 4)}
 """Chance-level reward of each ablation task: what a policy ignoring the prompt earns (copy_digit: a
-uniformly random digit, 0.1; same_parity: any digits, 0.5)."""
+uniformly random digit, 0.1; same_parity: any digits, 0.5; retry_digit: four distinct guesses, 0.208).
+tool_add (multi-turn): 0, since the protocol itself is what is learned (a uniformly random reply
+earns ~0.02; docs/ablation.md)."""
 
 
 def _run_job(job: tuple[str, str, AblationConfig]) -> ArmResult:

@@ -14,6 +14,10 @@ initialised tiny Qwen3 (rlfleet/tiny_qwen3.py) can learn them on CPU in minutes 
 - `same_parity` (single turn): the same prompts; reward = share of the reply's tokens that are digits
   of d's parity (five right answers per position: an optimum that keeps entropy; a policy ignoring the
   prompt earns 0.5).
+- `retry_digit` (multi turn): guess the prompt's hidden digit, retrying after a wrong guess; the
+  hidden digit is the shown one for ~64% of prompts and unrelated to it for the rest, so even the
+  optimal policy fails its first guess on ~36% of prompts and must explore (an optimum that keeps
+  entropy, and failing episodes are the longer ones: see `RetryDigitEnv`).
 - `tool_add` (multi turn): the prompt holds two digits a, b; the model calls the tool
   `CALL x y END_CALL`, the environment answers `RESULT (x+y)%10 END_RESULT`, and the model must then
   reply with the digit (a+b)%10 and EOS (shaped reward, see `ToolAddEnv.score`). Episodes end on an answer, on `max_turns`, or after
@@ -271,6 +275,68 @@ class ToolAddEnv(Environment):
         )
 
 
+class RetryDigitEnv(Environment):
+    """Guess the hidden digit, with retries: each model turn's first digit token (before EOS) is its
+    guess; a right guess ends the episode, a wrong one (or a turn without a digit) is answered
+    `ERR SEP` and the model guesses again, up to `max_turns` turns. Reward 1/t when turn t guessed
+    right, 0 if none did.
+
+    The prompt shows a digit d (`retry_digit_prompt`); the hidden digit (`meta["target"]`) is d for
+    60% of prompts and a uniformly random digit for the rest (also d a tenth of the time), drawn by the
+    prompt generator. The best policy guesses d, then the other digits without repeating: reward about
+    0.64 + 0.04 (1/2 + 1/3 + 1/4) = 0.68; a policy ignoring the prompt earns at most 0.1 (1 + 1/2 + 1/3
+    + 1/4) = 0.21 (chance). Why it exists (docs/ablation.md): its groups never become uniform (a third
+    of the prompts fail the first guess under any policy), its optimum is stochastic after a miss,
+    and its failing episodes are its long ones, so the conditional mean advantage of late-turn
+    contexts stays negative: the regime where uncorrected policy gradient's drift term
+    (docs/objective.md) is not switched off by a deterministic policy."""
+
+    stop_token_ids = (ToyVocab.EOS,)
+    RETRY_IDS = (ToyVocab.ERR, ToyVocab.SEP)
+
+    def __init__(self, max_turns: int = 4) -> None:
+        if max_turns < 1:
+            raise ValueError("max_turns must be >= 1")
+        self.max_turns = max_turns
+
+    def start(self, prompt: Prompt) -> dict[str, Any]:
+        return {"turns": 0, "solved_at": None, "format_errors": 0}
+
+    def step(
+        self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str
+    ) -> EnvStep:
+        state["turns"] += 1
+        digits = [t for t in _strip_eos(output_ids) if ToyVocab.is_digit(t)]
+        if not digits:
+            state["format_errors"] += 1
+        elif ToyVocab.value(digits[0]) == int(prompt.meta["target"]):
+            state["solved_at"] = state["turns"]
+            return EnvStep(done=True)
+        done = state["turns"] >= self.max_turns
+        return EnvStep(done=done, append_ids=[] if done else list(self.RETRY_IDS), format_error=not digits)
+
+    def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
+        solved = state["solved_at"]
+        last = replies[-1] if replies else []
+        return EpisodeOutcome(
+            reward=0.0 if solved is None else 1.0 / solved,
+            num_turns=len(replies),
+            empty_final_reply=len(_strip_eos(last)) == 0,
+            no_tool_call_termination=False,
+            format_errors=int(state["format_errors"]),
+            tool_calls=0,
+        )
+
+
+def retry_digit_prompt(index: int, shown: int, target: int) -> Prompt:
+    """`BOS shown SEP`; the hidden `target` is only in meta (the environment's answer key)."""
+    return Prompt(
+        index=index,
+        input_ids=[ToyVocab.BOS, ToyVocab.digit(shown), ToyVocab.SEP],
+        meta={"digit": int(shown) % 10, "target": int(target) % 10},
+    )
+
+
 def tool_add_prompt(index: int, a: int, b: int) -> Prompt:
     return Prompt(
         index=index,
@@ -448,11 +514,13 @@ class MathEnv(Environment):
 copy_digit = RewardFunctionEnv(copy_digit_reward)
 same_parity = RewardFunctionEnv(same_parity_reward)
 tool_add = ToolAddEnv()
+retry_digit = RetryDigitEnv()
 
 BUILTIN: dict[str, str] = {
     "copy_digit": "rlfleet.trainer.environments:copy_digit",
     "same_parity": "rlfleet.trainer.environments:same_parity",
     "tool_add": "rlfleet.trainer.environments:tool_add",
+    "retry_digit": "rlfleet.trainer.environments:retry_digit",
     "math": "rlfleet.trainer.environments:MathEnv",
 }
 

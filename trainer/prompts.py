@@ -205,7 +205,8 @@ class DatasetPromptSource:
 class GeneratedPromptSource:
     """Built-in toy prompts: a pure function of (task, seed, index)."""
 
-    TASKS = ("copy_digit", "same_parity", "tool_add")
+    TASKS = ("copy_digit", "same_parity", "tool_add", "retry_digit")
+    RETRY_SHOWN_SHARE = 0.6  # retry_digit: share of prompts whose hidden digit is the shown one
 
     def __init__(self, task: str, seed: int = 0) -> None:
         if task not in self.TASKS:
@@ -214,11 +215,14 @@ class GeneratedPromptSource:
         self.seed = seed
 
     def get(self, index: int) -> Prompt:
-        from rlfleet.trainer.environments import copy_digit_prompt, tool_add_prompt
+        from rlfleet.trainer.environments import copy_digit_prompt, retry_digit_prompt, tool_add_prompt
 
         rng = np.random.default_rng([self.seed, index])
         if self.task in ("copy_digit", "same_parity"):  # both: one digit to answer about
             return copy_digit_prompt(index, int(rng.integers(10)))
+        if self.task == "retry_digit":
+            shown, other, coin = int(rng.integers(10)), int(rng.integers(10)), float(rng.random())
+            return retry_digit_prompt(index, shown, shown if coin < self.RETRY_SHOWN_SHARE else other)
         a, b = (int(x) for x in rng.integers(10, size=2))
         return tool_add_prompt(index, a, b)
 

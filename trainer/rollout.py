@@ -96,6 +96,45 @@ class Rollout:
         return self.turns[0].group if self.turns else ""
 
 
+def turn_stop_ids(env: Environment, sampling: dict[str, Any]) -> list[int]:
+    """The stop ids of every model turn: the sampling's own and the environment's (e.g. END_CALL)."""
+    return list(dict.fromkeys([*sampling.get("stop_token_ids", []), *env.stop_token_ids]))
+
+
+class Episode:
+    """One episode in progress, turn by turn: the environment answers each sampled turn and its ids are
+    appended (never re-tokenised). Both rollout sources drive it: `RolloutDriver` (one HTTP session per
+    episode) and the ablation's lockstep rollouts (trainer/ablation.py, batched per sampler group)."""
+
+    def __init__(self, env: Environment, rollout: Rollout) -> None:
+        self.env, self.rollout = env, rollout
+        self.state = env.start(rollout.prompt)
+        self.ids: list[int] = list(rollout.prompt.input_ids)  # the trajectory so far
+        self.done = False
+
+    def budget(self, max_new_tokens: int, max_seq_len: int) -> int:
+        """Tokens the next turn may sample (<= 0: the context is full, the episode cannot go on)."""
+        return min(int(max_new_tokens), int(max_seq_len) - len(self.ids))
+
+    def add_turn(self, turn: SampledTurn) -> bool:
+        """Record a sampled turn and the environment's answer; True when the episode ended."""
+        if list(np.asarray(turn.prompt_ids).tolist()) != self.ids:
+            raise RuntimeError(f"{self.rollout.uid}: sampler echoed different prompt ids (re-tokenised?)")
+        out_ids = [int(t) for t in turn.output_ids]
+        step = self.env.step(self.rollout.prompt, self.state, out_ids, turn.finish_reason)
+        append = [] if step.done else [int(t) for t in step.append_ids]
+        self.rollout.turns.append(turn)
+        self.rollout.env_ids.append(append)
+        self.ids = self.ids + out_ids + append
+        self.done = step.done
+        return step.done
+
+    def score(self) -> EpisodeOutcome:
+        r = self.rollout
+        r.outcome = self.env.score(r.prompt, self.state, [[int(t) for t in t_.output_ids] for t_ in r.turns])
+        return r.outcome
+
+
 @dataclass
 class PromptGroup:
     """All samples of one prompt (the GRPO group)."""
@@ -191,27 +230,17 @@ class RolloutDriver:
     # ---- one episode ----
     async def run_episode(self, prompt: Prompt, sample: int) -> Rollout:
         rollout = Rollout(prompt=prompt, sample=sample, dispatched_at=time.monotonic())
-        state = self.env.start(prompt)
-        ids: list[int] = list(prompt.input_ids)
-        stop_ids = list(dict.fromkeys([*self.sampling.get("stop_token_ids", []), *self.env.stop_token_ids]))
+        episode = Episode(self.env, rollout)
+        stop_ids = turn_stop_ids(self.env, self.sampling)
         for _turn_index in range(self.env.max_turns):
-            budget = min(int(self.sampling["max_new_tokens"]), self.max_seq_len - len(ids))
+            budget = episode.budget(int(self.sampling["max_new_tokens"]), self.max_seq_len)
             if budget <= 0:
                 break
             params = {**self.sampling, "max_new_tokens": budget, "stop_token_ids": stop_ids}
-            turn = await self._generate_with_retry(rollout.uid, ids, params)
-            if list(np.asarray(turn.prompt_ids).tolist()) != ids:
-                raise RuntimeError(f"{rollout.uid}: sampler echoed different prompt ids (re-tokenised?)")
-            out_ids = [int(t) for t in turn.output_ids]
-            step = self.env.step(prompt, state, out_ids, turn.finish_reason)
-            append = [] if step.done else [int(t) for t in step.append_ids]
-            rollout.turns.append(turn)
-            rollout.env_ids.append(append)
-            ids = ids + out_ids + append
-            if step.done:
+            turn = await self._generate_with_retry(rollout.uid, episode.ids, params)
+            if episode.add_turn(turn):
                 break
-        # Scored exactly once, here, whatever ended the episode.
-        rollout.outcome = self.env.score(prompt, state, [[int(t) for t in t_.output_ids] for t_ in rollout.turns])
+        episode.score()  # exactly once, here, whatever ended the episode
         self.stats.scored_episodes += 1
         rollout.finished_at = time.monotonic()
         return rollout

@@ -76,7 +76,7 @@ TORCH_ONE_NODE_MESSAGE = (
     "or context parallelism"
 )
 # Built-in environments of the trainer (rlfleet/trainer/environments.py BUILTIN; a test keeps them equal).
-BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "same_parity", "tool_add", "math")
+BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "same_parity", "tool_add", "retry_digit", "math")
 # Built-ins that read their prompts (and answers) from a prompt set, not generated ones.
 DATASET_ENVIRONMENTS: tuple[str, ...] = ("math",)
 DATASET_RULE = f"!(self.environment in {cel_list(DATASET_ENVIRONMENTS)}) || has(self.dataset)"
@@ -257,7 +257,7 @@ class RolloutSpec(ApiModel):
     dataset: str | None = Field(default=None, max_length=2048)
     """Prompt source: a JSONL path / URI, or builtin:<task> (none: the environment's built-in prompts)."""
     environment: str = Field(default="copy_digit", min_length=1, max_length=512)
-    """Reward / environment entry point: module:attr, or a built-in name (copy_digit, same_parity, tool_add, math)."""
+    """Reward / environment entry point: module:attr, or a built-in name (copy_digit, same_parity, tool_add, retry_digit, math)."""
 
     @model_validator(mode="after")
     def _check_top_p(self) -> RolloutSpec:

@@ -52,3 +52,52 @@ def test_tiny_ablation_is_seeded_and_writes_table_and_plots(tmp_path, monkeypatc
     again = json.loads((tmp_path / "b" / "ablation.json").read_text())["runs"][0]
     for key in ("reward_mean", "kl_k3", "grad_norm"):  # (timers differ, numbers do not)
         assert [h[key] for h in again["history"]] == [h[key] for h in homog["pg"]["history"]]
+
+
+def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torch_thread):
+    """The ablation's rollout source runs multi-turn episodes (tool_add) as the HTTP driver does: every
+    turn is generated from the exact ids so far (prompt + sampled ids + the environment's ids), a
+    session's turns all come from its one sampler group, and each trajectory is scored once."""
+    from rlfleet.model_source import read_safetensors_dir
+    from rlfleet.numerics.engine_model import ModelShape
+    from rlfleet.router.hashing import pick
+    from rlfleet.tiny_qwen3 import cached_tiny_qwen3
+    from rlfleet.trainer.emulated import EmulatedSampler
+    from rlfleet.trainer.environments import ToyVocab, load_environment
+    from rlfleet.trainer.prompts import GeneratedPromptSource
+
+    cfg = ablation.AblationConfig(task="tool_add", prompts=4, samples=8, lag=0, logit_std=4.0)
+    assert cfg.max_seq_len == 8 + 4 * (cfg.max_new_tokens + 3)  # every turn of an episode fits the context
+    model_dir = cached_tiny_qwen3(tmp_path / "models", cfg.tiny_model())
+    sink = ablation.SnapshotSink()
+    sink.publish(read_safetensors_dir(model_dir), 0)
+    groups = ablation.FLEETS["mixed"]
+    samplers = {name: EmulatedSampler(name, fmt, kv, ModelShape.from_checkpoint(model_dir), seed=i)
+                for i, (name, _, fmt, kv) in enumerate(groups)}
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "candidate_mode": "head", "head_size": 8}
+    source = ablation.LockstepRollouts(cfg, sink, samplers, groups, load_environment("tool_add"),
+                                       GeneratedPromptSource("tool_add", 0), sampling)
+    batch = source.take(cfg.prompts, timeout=0)
+    rollouts = [r for g in batch for r in g.rollouts]
+    assert len(rollouts) == cfg.prompts * cfg.samples
+    assert max(len(r.turns) for r in rollouts) > 1  # multi-turn episodes happened
+    calls = 0
+    for r in rollouts:
+        assert r.outcome is not None and r.outcome.num_turns == len(r.turns)
+        so_far = list(r.prompt.input_ids)
+        for turn, env_ids in zip(r.turns, r.env_ids, strict=True):
+            assert turn.prompt_ids.tolist() == so_far  # never re-rendered
+            assert turn.group == pick(r.uid, {g[0]: 1.0 for g in groups})  # session affinity
+            out = turn.output_ids.tolist()
+            assert 1 <= len(out) <= cfg.max_new_tokens
+            if ToyVocab.CALL in out and env_ids:  # the tool answered (checked here from the ids)
+                calls += 1
+                args = out[out.index(ToyVocab.CALL) + 1 :]
+                if out[-1] == ToyVocab.END_CALL and len(args) == 3 and all(ToyVocab.is_digit(t) for t in args[:2]):
+                    s = (ToyVocab.value(args[0]) + ToyVocab.value(args[1])) % 10
+                    assert env_ids == [ToyVocab.RESULT, ToyVocab.digit(s), ToyVocab.END_RESULT]
+                else:
+                    assert env_ids == [ToyVocab.RESULT, ToyVocab.ERR, ToyVocab.END_RESULT]
+            so_far += out + env_ids
+        assert r.token_ids().tolist() == so_far and len(so_far) <= cfg.max_seq_len
+    assert calls > 0

@@ -49,3 +49,45 @@ def _episode(a: int, b: int, turns: list[list[int]]) -> float:
 )
 def test_tool_add_shaped_reward(turns: list[list[int]], reward: float) -> None:
     assert _episode(3, 4, turns) == pytest.approx(reward)
+
+
+ERR, SEP = ToyVocab.ERR, ToyVocab.SEP
+
+
+@pytest.mark.parametrize(
+    ("turns", "appended", "reward"),
+    [
+        ([[D(5), EOS]], [], 1.0),  # right at the first guess
+        ([[D(3), EOS], [D(5), EOS]], [[ERR, SEP]], 1 / 2),  # the shown digit 3 is not the hidden 5
+        ([[30, D(1), D(5), EOS], [D(5)]], [[ERR, SEP]], 1 / 2),  # a turn's FIRST digit is its guess
+        ([[30, EOS], [D(2), D(5)], [D(5), EOS]], [[ERR, SEP], [ERR, SEP]], 1 / 3),  # no digit: a wasted turn
+        ([[EOS], [D(5), EOS]], [[ERR, SEP]], 1 / 2),  # an empty turn is answered too
+        ([[D(1)], [D(2)], [D(3)], [D(4)]], [[ERR, SEP]] * 3, 0.0),  # four misses: max_turns, no answer after the last
+        ([[D(1), D(5) , EOS], [EOS, D(5)]] + [[D(1)]] * 2, [[ERR, SEP]] * 3, 0.0),  # digits after EOS do not count
+    ],
+)
+def test_retry_digit_episode(turns: list[list[int]], appended: list[list[int]], reward: float) -> None:
+    env = env_mod.RetryDigitEnv(max_turns=4)
+    prompt = env_mod.retry_digit_prompt(0, shown=3, target=5)
+    assert prompt.input_ids == [ToyVocab.BOS, D(3), SEP] and prompt.meta == {"digit": 3, "target": 5}
+    state = env.start(prompt)
+    got = []
+    for i, ids in enumerate(turns):
+        step = env.step(prompt, state, ids, "stop")
+        assert step.done == (i == len(turns) - 1)  # each case's last turn ends it, no earlier one does
+        got.append(step.append_ids)
+    outcome = env.score(prompt, state, turns)
+    assert got[:-1] == appended[: len(turns) - 1] and got[-1] == []
+    assert outcome.reward == pytest.approx(reward) and outcome.num_turns == len(turns)
+
+
+def test_retry_digit_prompts_hide_the_shown_digit_in_60_percent() -> None:
+    from rlfleet.trainer.prompts import GeneratedPromptSource
+
+    source = GeneratedPromptSource("retry_digit", seed=3)
+    prompts = [source.get(i) for i in range(4000)]
+    assert prompts[17].meta == GeneratedPromptSource("retry_digit", seed=3).get(17).meta  # a pure function
+    same = sum(p.meta["target"] == p.meta["digit"] for p in prompts) / len(prompts)
+    assert abs(same - (0.6 + 0.4 * 0.1)) < 0.025  # shown with prob 0.6, else uniform (shown 1 time in 10)
+    assert {p.meta["target"] for p in prompts} == set(range(10))
+    assert all(p.input_ids == [ToyVocab.BOS, D(p.meta["digit"]), SEP] for p in prompts)
