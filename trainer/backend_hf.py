@@ -41,7 +41,7 @@ from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, p
 
 # Token-mean metrics of the objective (trainer/objective.py _summarise): exact to combine across ranks.
 MEAN_KEYS = ("kl_k3", "logprob_abs_diff", "entropy", "sc_correction", "sc_tail_ratio", "ppo_clip_fraction",
-             "oor_low", "oor_high", "oor_fraction")  # fmt: skip
+             "single_token_support", "oor_low", "oor_high", "oor_fraction")  # fmt: skip
 SUM_KEYS = ("num_tokens", "invalid_tokens")
 MAX_KEYS = ("sc_tail_ratio_max",)
 

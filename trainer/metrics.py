@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-MEAN_METRICS = ("kl_k3", "oor_fraction", "oor_low", "oor_high", "logprob_abs_diff", "entropy", "sc_correction", "sc_tail_ratio")
+MEAN_METRICS = ("kl_k3", "oor_fraction", "oor_low", "oor_high", "logprob_abs_diff", "entropy", "sc_correction", "sc_tail_ratio",
+                "single_token_support")
 
 
 def objective_metrics(

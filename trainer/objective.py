@@ -383,6 +383,7 @@ def policy_loss(
         full_vocab=not config.replay,
         tail_ratio=tail_ratio,
         clipped=clipped,
+        support_size=(rec.log_q_cand > float("-inf")).sum(dim=1) if batch.candidates_are_support else None,
         config=config,
     )
     invalid = (batch.loss_mask > 0) & ~valid
@@ -431,6 +432,7 @@ def _per_token_metrics(
     full_vocab: bool,
     tail_ratio: Tensor | None,
     clipped: Tensor | None,
+    support_size: Tensor | None,
     config: ObjectiveConfig,
 ) -> dict[str, Tensor]:
     """Per-token values [T] whose (selected) sums give every metric; see _summarise."""
@@ -457,6 +459,10 @@ def _per_token_metrics(
         values["sc_tail_ratio"] = tail_ratio
     if clipped is not None:
         values["ppo_clip_fraction"] = clipped.to(ratio.dtype)
+    if support_size is not None:
+        # a one-token sampling support: under replay p_S = 1 there, so that position gets no gradient
+        # whatever its advantage (docs/objective.md, the limit of replay)
+        values["single_token_support"] = (support_size == 1).to(ratio.dtype)
     return values
 
 
@@ -477,6 +483,7 @@ def _summarise(
         "sc_correction",
         "sc_tail_ratio",
         "ppo_clip_fraction",
+        "single_token_support",
     ):
         if name in sums:
             out[name] = sums[name] / count

@@ -229,3 +229,22 @@ def test_head_covering_the_support_equals_exact_centering(position, mode, advant
         assert difference <= (2e-6 if mode == "sc" else 1e-5) * abs(advantage) + 1e-12
         if mode == "sc_mis" and p_tail > 5e-6 + 1e-9:  # rho < 1/mis_high: alpha = 0, exactly exact SC
             assert difference <= 1e-12
+
+
+@FAST
+@given(positions(min_vocab=2), st.sampled_from(["pg", "mis", "sc", "sc_mis"]), st.floats(-3.0, 3.0))
+def test_replay_gives_no_gradient_where_the_kept_set_is_one_token(position, mode, advantage):
+    """The limit of mask replay that docs/objective.md states: where top-p keeps ONE token (its
+    probability alone reaches top_p), p_S of it is 1 whatever the logits, so no advantage, however
+    negative, moves that position; without replay the same sample does push the full softmax."""
+    logits, support, _, padding = position
+    y = int(support[0])
+    kept = support[:1]
+    one = torch.zeros(1, dtype=DTYPE)  # log q = 0: q is 1 on the single kept token
+    grad, loss = one_token_grad(logits, y, 0.0, advantage, kept, one, padding, True,
+                                ObjectiveConfig(mode=mode, replay=True))
+    assert torch.all(grad == 0.0) and loss == 0.0
+    full, _ = one_token_grad(logits, y, 0.0, advantage, kept, one, padding, True, ObjectiveConfig(mode="pg"))
+    p = torch.softmax(logits, dim=0)
+    expected = -advantage * (torch.nn.functional.one_hot(torch.tensor(y), logits.shape[0]).to(DTYPE) - p)
+    assert torch.allclose(full, expected, atol=1e-12)  # pg without replay: -A (e_y - p), not 0

@@ -292,6 +292,27 @@ def test_sc_correction_is_twice_the_total_variation_under_replay():
     assert math.isclose(out.metrics["sc_correction"], float((q - 1 / 3).abs().sum()), rel_tol=1e-12)
 
 
+def test_single_token_support_counts_one_token_supports_in_support_mode_only():
+    """Rows with supports of 1, 3 (one id padded out with -1) and 1 token, the middle one with a q = 0
+    candidate that does not count: 2 of 3 tokens; head mode has no such metric."""
+    logits = torch.zeros(3, 6, dtype=DTYPE)
+    ninf = float("-inf")
+    ids = torch.tensor([[4, -1, -1, -1], [0, 1, 2, 5], [3, 1, -1, -1]])
+    logq = torch.tensor([[0.0, ninf, ninf, ninf], [math.log(0.5), math.log(0.3), math.log(0.2), ninf],
+                         [0.0, ninf, ninf, ninf]], dtype=DTYPE)
+    batch = TokenBatch(tokens=ids[:, 0].clone(), advantages=torch.tensor([1.0, -1.0, -2.0], dtype=DTYPE),
+                       loss_mask=torch.ones(3, dtype=torch.bool), sampler_logprobs=logq[:, 0].clone(),
+                       candidate_ids=ids, candidate_logprobs=logq, candidates_are_support=True)
+    for config in (ObjectiveConfig(mode="sc_mis", replay=True), ObjectiveConfig(mode="pg")):
+        out, grad = run(logits, batch, config)
+        assert out.metrics["num_tokens"] == 3 and math.isclose(out.metrics["single_token_support"], 2 / 3)
+        if config.replay:  # the two one-token rows get no gradient at all, the other one does
+            assert torch.all(grad[[0, 2]] == 0.0) and bool(grad[1].abs().sum() > 0)
+    head = make_batch(torch.randn(3, 6, dtype=DTYPE), support=False)
+    out, _ = run(torch.randn(3, 6, dtype=DTYPE), head, ObjectiveConfig(mode="sc_mis"))
+    assert "single_token_support" not in out.metrics
+
+
 def test_per_group_and_per_staleness_metrics_equal_sub_batch_metrics():
     logits = torch.randn(12, 10, dtype=DTYPE)
     staleness = torch.tensor([0, 1, 2, 3, 4, 5, 6, 100, 0, 2, 7, 1])
