@@ -436,6 +436,9 @@ def cli(argv: Sequence[str]) -> int:
     p.add_argument("--head-size", type=int, default=d.head_size)
     p.add_argument("--logit-std", type=float, default=d.logit_std, help="std of the untrained model's logits")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="the tiny Qwen3's vocabulary (>= 32)")
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size,
+                   help="the tiny Qwen3's hidden size (a multiple of 128, so every precision view publishes; MLP 2x)")
+    p.add_argument("--layers", type=int, default=d.num_hidden_layers, help="the tiny Qwen3's decoder layers")
     p.add_argument("--task", default=d.task, choices=tuple(TASK_CHANCE))
     p.add_argument("--out", default="rlfleet-ablation")
     p.add_argument("--docs", help="also write the results between the ablation markers of this file (docs/ablation.md)")
@@ -447,9 +450,10 @@ def cli(argv: Sequence[str]) -> int:
         print(f"rlfleet ablate: unknown arm/fleet {', '.join(bad)} (arms: {', '.join(ARMS)}; fleets: {', '.join(FLEETS)})", file=sys.stderr)
         return 2
     if (args.steps < 4 or args.prompts < 1 or args.samples < 2 or args.lag < 0 or not 0 < args.top_p <= 1
-            or args.vocab_size < 32 or args.max_new_tokens < 1):
+            or args.vocab_size < 32 or args.max_new_tokens < 1 or args.hidden_size < 128 or args.hidden_size % 128
+            or args.layers < 1):
         print("rlfleet ablate: need --steps >= 4, --prompts >= 1, --samples >= 2, --lag >= 0, 0 < --top-p <= 1, "
-              "--vocab-size >= 32, --max-new-tokens >= 1", file=sys.stderr)
+              "--vocab-size >= 32, --max-new-tokens >= 1, --hidden-size a multiple of 128, --layers >= 1", file=sys.stderr)
         return 2
     try:
         seeds = parse_seeds(args.seeds)
@@ -470,7 +474,9 @@ def cli(argv: Sequence[str]) -> int:
 
     cfg = AblationConfig(steps=args.steps, prompts=args.prompts, samples=args.samples, max_new_tokens=args.max_new_tokens,
                          lag=args.lag, learning_rate=args.lr, top_p=args.top_p, head_size=args.head_size,
-                         task=args.task, logit_std=args.logit_std, vocab_size=args.vocab_size)
+                         task=args.task, logit_std=args.logit_std, vocab_size=args.vocab_size,
+                         hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                         num_hidden_layers=args.layers)
     hf_logging.disable_progress_bar()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
