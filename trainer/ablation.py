@@ -8,11 +8,11 @@ homogeneous fleet (all B200 BF16) and on a mixed fleet with every precision of e
 How it runs (stated because it differs from local mode): in ONE process, without HTTP, with the
 in-process emulated sampler engines of trainer/emulated.py (same weight formats via
 `precision_view`, same SGLang sampling code as the reference server), and deterministic
-asynchrony: the samplers always serve the weights of `lag` steps ago. Kernels: fp32 activations with
-a per-GPU-class split-K reduction order (bf16 activation rounding, as the reference server does, costs
-~10x on this CPU; the weight formats and the fp8 KV cache are the dominant mismatch either way) (a fully asynchronous run on a
+asynchrony: the samplers always serve the weights of `lag` steps ago (a fully asynchronous run on a
 real fleet sees a spread of staleness; a fixed lag makes the arms comparable and the run seeded).
-Sessions are assigned to groups by the router's weighted rendezvous hash. Each step trains on
+Kernels: bf16 activations with a per-GPU-class split-K reduction order, as the reference server
+computes. Sessions are assigned to groups by the router's weighted rendezvous hash; multi-turn tasks
+run turn by turn (`LockstepRollouts`). Each step trains on
 `prompts` prompt groups of `samples` samples through the SAME composition root as local and cluster
 runs (trainer/run.py `run_training`: version 0 first, then the loop with its batching, objective,
 metrics and collapse detector); only the rollout source (`LockstepRollouts`) and where versions go
@@ -176,10 +176,11 @@ class LockstepRollouts:
         # a session stays on its group for every turn (the router's rendezvous hash of `p<index>/<k>`)
         group_of = {key: pick(e.rollout.uid, shares) for key, e in episodes.items()}
         stop_ids = tuple(turn_stop_ids(env, self.sampling))  # type: ignore[arg-type]
+        max_seq_len = cfg.max_seq_len
         for _turn_index in range(env.max_turns):  # type: ignore[attr-defined]
-            # one batched turn per sampler group over its episodes that go on (multi-turn: tool_add)
-            going = {key: e.budget(cfg.max_new_tokens, cfg.max_seq_len) for key, e in episodes.items() if not e.done}
-            going = {key: b for key, b in going.items() if b > 0}
+            # one batched turn per sampler group over the episodes that go on (multi-turn tasks)
+            budgets = {key: e.budget(cfg.max_new_tokens, max_seq_len) for key, e in episodes.items() if not e.done}
+            going = {key: b for key, b in budgets.items() if b > 0}
             if not going:
                 break
             for name in self.samplers:
@@ -189,8 +190,6 @@ class LockstepRollouts:
                 reqs = [Request(list(episodes[key].ids), going[key], stop_ids) for key in keys]
                 for key, turn in zip(keys, self.samplers[name].generate_batch(reqs, self.sampling), strict=True):
                     episodes[key].add_turn(turn)
-            if all(e.done for e in episodes.values()):
-                break
         for e in episodes.values():
             e.score()  # exactly once per trajectory, whatever ended it
         return [PromptGroup(p, [episodes[(pi, k)].rollout for k in range(cfg.samples)])

@@ -37,11 +37,10 @@ import torch.distributed as dist
 
 from rlfleet.trainer.backend_common import OptimConfig, RankCommands, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
-from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
+from rlfleet.trainer.objective import TOKEN_MEAN_METRICS, LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 
 # Token-mean metrics of the objective (trainer/objective.py _summarise): exact to combine across ranks.
-MEAN_KEYS = ("kl_k3", "logprob_abs_diff", "entropy", "sc_correction", "sc_tail_ratio", "ppo_clip_fraction",
-             "single_token_support", "oor_low", "oor_high", "oor_fraction")  # fmt: skip
+MEAN_KEYS = (*TOKEN_MEAN_METRICS, "oor_low", "oor_high", "oor_fraction")
 SUM_KEYS = ("num_tokens", "invalid_tokens")
 MAX_KEYS = ("sc_tail_ratio_max",)
 

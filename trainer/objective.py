@@ -466,6 +466,19 @@ def _per_token_metrics(
     return values
 
 
+# Metrics that are plain token means of a per-token value (the oor_* shares are too, summed below);
+# backends combine them across ranks weighted by num_tokens (trainer/backend_hf.py combine_metrics).
+TOKEN_MEAN_METRICS = (
+    "kl_k3",
+    "logprob_abs_diff",
+    "entropy",
+    "sc_correction",
+    "sc_tail_ratio",
+    "ppo_clip_fraction",
+    "single_token_support",
+)
+
+
 def _summarise(
     values: dict[str, Tensor], valid: Tensor, invalid: Tensor, selected: Tensor
 ) -> dict[str, float]:
@@ -476,15 +489,7 @@ def _summarise(
     if count == 0:
         return out
     sums = {name: float(torch.where(use, value, 0.0).sum()) for name, value in values.items()}
-    for name in (
-        "kl_k3",
-        "logprob_abs_diff",
-        "entropy",
-        "sc_correction",
-        "sc_tail_ratio",
-        "ppo_clip_fraction",
-        "single_token_support",
-    ):
+    for name in TOKEN_MEAN_METRICS:
         if name in sums:
             out[name] = sums[name] / count
     out["oor_low"] = sums["oor_low"] / count
