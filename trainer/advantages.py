@@ -6,6 +6,8 @@ uncorrected PG under mismatch; the objective's SC term does. These are plain num
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -22,6 +24,16 @@ def grpo_advantages(rewards: np.ndarray, normalize_std: bool = False, eps: float
     if normalize_std:
         adv = adv / (r.std() + eps)
     return adv.astype(np.float32)
+
+
+def uniform_group_fraction(group_rewards: Sequence[Sequence[float]]) -> float:
+    """Share of prompt groups whose rewards are all equal, so every advantage in them is 0 and they
+    train nothing (rewards float per group, >= 1 group). Near 1 with a low reward, learning has
+    stopped: a policy that became deterministic on its decision tokens scores alike in every sample,
+    the absorbing state uncorrected pg reaches under staleness (docs/ablation.md, "Third search")."""
+    if not group_rewards:
+        raise ValueError("need at least one group")
+    return float(np.mean([np.ptp(np.asarray(r, dtype=np.float64)) == 0.0 for r in group_rewards]))
 
 
 def token_advantages(advantages: np.ndarray, lengths: np.ndarray) -> np.ndarray:

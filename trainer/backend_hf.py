@@ -37,10 +37,8 @@ import torch.distributed as dist
 
 from rlfleet.trainer.backend_common import OptimConfig, RankCommands, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
-from rlfleet.trainer.objective import TOKEN_MEAN_METRICS, LossOutput, ObjectiveConfig, TokenBatch, policy_loss
+from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 
-# Token-mean metrics of the objective (trainer/objective.py _summarise): exact to combine across ranks.
-MEAN_KEYS = (*TOKEN_MEAN_METRICS, "oor_low", "oor_high", "oor_fraction")
 SUM_KEYS = ("num_tokens", "invalid_tokens")
 MAX_KEYS = ("sc_tail_ratio_max",)
 
@@ -50,7 +48,7 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     token-weighted, maxima take the max. Non-decomposable keys (ess) are dropped."""
     out: dict[str, float] = {k: sum(p.get(k, 0.0) for p in parts) for k in SUM_KEYS}
     n = out["num_tokens"]
-    for k in MEAN_KEYS:
+    for k in MEAN_METRICS:
         have = [p for p in parts if k in p]
         if have and n:
             out[k] = sum(p[k] * p["num_tokens"] for p in have) / n

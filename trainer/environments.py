@@ -285,8 +285,9 @@ class RetryDigitEnv(Environment):
     60% of prompts and a uniformly random digit for the rest (also d a tenth of the time), drawn by the
     prompt generator. The best policy guesses d, then the other digits without repeating: reward about
     0.64 + 0.04 (1/2 + 1/3 + 1/4) = 0.68; a policy ignoring the prompt earns at most 0.1 (1 + 1/2 + 1/3
-    + 1/4) = 0.21 (chance). Why it exists (docs/ablation.md): its groups never become uniform (a third
-    of the prompts fail the first guess under any policy), its optimum is stochastic after a miss,
+    + 1/4) = 0.21 (chance). Why it exists (docs/ablation.md): not all its groups can become uniform (a
+    third of the prompts fail the first guess under any policy, and their samples differ while the
+    retries keep entropy; the others do), its optimum is stochastic after a miss,
     and its failing episodes are its long ones, so the conditional mean advantage of late-turn
     contexts stays negative: the regime where uncorrected policy gradient's drift term
     (docs/objective.md) is not switched off by a deterministic policy."""

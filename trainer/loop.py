@@ -29,6 +29,7 @@ from typing import Any
 
 from rlfleet.store import Store
 from rlfleet.trainer import checkpoint as ckpt
+from rlfleet.trainer.advantages import uniform_group_fraction
 from rlfleet.trainer.batching import flatten_groups
 from rlfleet.trainer.collapse import CollapseDetector, Decision
 from rlfleet.trainer.metrics import finite, objective_metrics, rollout_metrics
@@ -171,6 +172,7 @@ class TrainingLoop:
                 "trained_tokens": float(flat.num_tokens),
                 "dropped_invalid_tokens": float(flat.dropped_invalid_tokens),
                 "dropped_stale_groups": float(self.state.dropped_stale_groups),
+                "uniform_group_fraction": uniform_group_fraction([[r.outcome.reward for r in g.rollouts] for g in groups]),
                 "staleness_mean": float(flat.staleness.mean()) if flat.num_tokens else 0.0,
                 "staleness_max": float(flat.staleness.max()) if flat.num_tokens else 0.0,
                 "time/train": t_train,

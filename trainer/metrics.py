@@ -3,7 +3,8 @@
 Keys: fleet-wide `kl_k3`, `oor_fraction`, ...; broken down as `group/<name>/<metric>`,
 `view/<precision view>/<metric>` and `staleness/<bucket>/<metric>` (buckets 0-1, 2-3, 4-5, 6+);
 rollout-side `reward_mean`, `response_length`, `empty_reply_rate`, `no_tool_call_rate`,
-`format_error_rate`, `repetition_fraction`; and per group `group/<name>/token_share` and
+`format_error_rate`, `repetition_fraction` (the loop adds `uniform_group_fraction`, from the prompt
+groups: trainer/advantages.py); and per group `group/<name>/token_share` and
 `group/<name>/oor_share` (the group's share of all tokens vs of all out-of-range tokens).
 
 Token metrics (kl_k3, oor_fraction, ess, entropy, sc_tail_ratio, ...) are computed by the objective
@@ -19,8 +20,7 @@ from typing import Any
 
 import numpy as np
 
-MEAN_METRICS = ("kl_k3", "oor_fraction", "oor_low", "oor_high", "logprob_abs_diff", "entropy", "sc_correction", "sc_tail_ratio",
-                "single_token_support")
+from rlfleet.trainer.objective import MEAN_METRICS
 
 
 def objective_metrics(

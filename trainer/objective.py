@@ -477,6 +477,9 @@ TOKEN_MEAN_METRICS = (
     "ppo_clip_fraction",
     "single_token_support",
 )
+# Every metric that is a token mean (the oor_* shares included): what backends combine across ranks and
+# what the per-view breakdown averages, both weighted by num_tokens.
+MEAN_METRICS = (*TOKEN_MEAN_METRICS, "oor_low", "oor_high", "oor_fraction")
 
 
 def _summarise(

@@ -145,6 +145,43 @@ def test_uncorrected_pg_drifts_toward_q(position, replay):
         assert expected.abs().max() > 0
 
 
+@st.composite
+def stale_positions(draw, max_vocab: int = 9):
+    """(trainer logits z [V], the trainer's logit move d [V] since the sampler's version): the sampler
+    serves q = softmax(z - d), its support the whole vocabulary."""
+    vocab = draw(st.integers(2, max_vocab))
+    z = draw(st.lists(st.floats(-6.0, 6.0), min_size=vocab, max_size=vocab))
+    d = draw(st.lists(st.floats(-2.0, 2.0), min_size=vocab, max_size=vocab))
+    return torch.tensor(z, dtype=DTYPE), torch.tensor(d, dtype=DTYPE)
+
+
+@FAST
+@given(stale_positions(), st.sampled_from([-1.0, -0.25, 0.25, 1.0]))
+def test_uncorrected_pg_on_stale_samples_keeps_moving_where_the_advantage_is_negative(position, advantage):
+    """docs/objective.md, staleness: with q a stale copy of p (the trainer moved its logits by d since),
+    pg's expected update under a constant advantage A is -lr A (p - q), and (p - q) . d >= 0 for every
+    z, d (softmax is the gradient of the convex log-sum-exp, and gradients of a convex function are
+    monotone). So where A < 0 pg moves the logits further the way they last moved (an overshoot that
+    repeats every step the lag lasts), where A > 0 it pulls them back; SC's update is 0 (the
+    centered-modes test above). Strict when d is not constant (then p != q)."""
+    z, d = position
+    vocab = z.shape[0]
+    q = torch.softmax(z - d, 0)
+    assume(float(q.min()) > 1e-12)
+    grad = expected_grad_support(z, torch.arange(vocab), q, 0, ObjectiveConfig(mode="pg"), lambda _y: advantage)
+    update = -grad  # one step of gradient descent on the loss, learning rate 1
+    p = torch.softmax(z, 0)
+    assert torch.allclose(update, advantage * (q - p), atol=1e-12)
+    along = float(update @ d)
+    spread = float(d.max() - d.min())
+    if advantage < 0:
+        assert along >= -1e-12
+    else:
+        assert along <= 1e-12
+    if spread > 1e-3 and float((p - q).abs().max()) > 1e-9:
+        assert abs(along) > 0
+
+
 @FAST
 @given(positions(), st.booleans(), st.lists(st.floats(-3.0, 3.0), min_size=9, max_size=9))
 def test_mis_expectation_equals_in_band_p_weighting(position, replay, advantages):

@@ -117,6 +117,14 @@ def test_every_record_scored_once_and_trained_once(model_dir, tmp_path):
     assert all(env.scored[u] == 1 for u in uids)  # each trained rollout scored exactly once
     assert max(env.scored.values()) == 1  # ... and so was every rollout the driver finished
     assert sum(env.scored.values()) == driver.stats.scored_episodes
+    # uniform_group_fraction: the share of each step's prompt groups (uid "p<index>/<sample>") whose
+    # trained tokens all carry advantage 0, read from the batch the backend really trained on
+    for flat, metrics in zip(trained_batches, state.history, strict=True):
+        by_prompt: dict[str, list[float]] = collections.defaultdict(list)
+        for seq, adv in zip(flat.row_seq, flat.advantages, strict=True):
+            by_prompt[flat.rollout_uids[seq].split("/")[0]].append(float(adv))
+        expected = sum(all(a == 0.0 for a in advs) for advs in by_prompt.values()) / len(by_prompt)
+        assert metrics["uniform_group_fraction"] == expected
 
 
 def test_tokens_trained_on_are_exactly_the_tokens_sampled(model_dir, tmp_path):

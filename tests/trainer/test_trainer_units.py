@@ -115,6 +115,16 @@ def test_grpo_advantages_constant_group_is_zero_and_std_norm_is_unit():
     assert advantages.token_advantages(np.array([1.0, -2.0]), np.array([2, 3])).tolist() == [1, 1, -2, -2, -2]
 
 
+def test_uniform_group_fraction_counts_groups_whose_advantages_are_all_zero():
+    groups = [[0.0, 0.0, 0.0], [1.0, 1.0], [0.0, 0.5, 0.0], [0.25]]  # uniform, uniform, mixed, one sample
+    assert advantages.uniform_group_fraction(groups) == 0.75
+    assert advantages.uniform_group_fraction([[1.0, 0.0]]) == 0.0
+    for g in groups:  # the metric's "uniform" is exactly grpo_advantages' all-zero case
+        assert (advantages.uniform_group_fraction([g]) == 1.0) == (not advantages.grpo_advantages(np.array(g)).any())
+    with pytest.raises(ValueError, match="at least one group"):
+        advantages.uniform_group_fraction([])
+
+
 # ---------------------------------------------------------------- metrics
 def test_objective_metrics_flatten_groups_views_and_shares():
     from rlfleet.trainer.objective import LossOutput
@@ -124,8 +134,8 @@ def test_objective_metrics_flatten_groups_views_and_shares():
         metrics={"num_tokens": 100.0, "kl_k3": 0.02, "oor_fraction": 0.1},
         per_group={
             0: {"num_tokens": 10.0, "kl_k3": 0.1, "oor_fraction": 0.3},  # 3 of the 10 OOR tokens
-            1: {"num_tokens": 30.0, "kl_k3": 0.02, "oor_fraction": 0.1},  # 3
-            2: {"num_tokens": 60.0, "kl_k3": 0.01, "oor_fraction": 4 / 60},  # 4
+            1: {"num_tokens": 30.0, "kl_k3": 0.02, "oor_fraction": 0.1, "ppo_clip_fraction": 0.2},  # 3
+            2: {"num_tokens": 60.0, "kl_k3": 0.01, "oor_fraction": 4 / 60, "ppo_clip_fraction": 0.05},  # 4
         },
         per_staleness={"0-1": {"num_tokens": 70.0, "kl_k3": 0.01}, "6+": {"num_tokens": 30.0, "kl_k3": 0.05}},
     )
@@ -137,6 +147,8 @@ def test_objective_metrics_flatten_groups_views_and_shares():
     assert m["view/nvfp4/num_tokens"] == 90
     assert m["view/nvfp4/kl_k3"] == pytest.approx((30 * 0.02 + 60 * 0.01) / 90)
     assert m["view/nvfp4/oor_fraction"] == pytest.approx(7 / 90)
+    assert m["view/nvfp4/ppo_clip_fraction"] == pytest.approx((30 * 0.2 + 60 * 0.05) / 90)  # every token mean
+    assert "view/fp8/ppo_clip_fraction" not in m  # a view none of whose groups reported it
     assert m["staleness/6+/kl_k3"] == 0.05 and m["kl_k3"] == 0.02
 
 
