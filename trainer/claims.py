@@ -115,6 +115,21 @@ def collapse_step(rewards: Sequence[float], window: int = WINDOW, *, chance: flo
     return None
 
 
+def lock_step(uniform_fractions: Sequence[float | None], min_steps: int = WINDOW) -> int | None:
+    """The first step t (1-based) from which every step to the end of the run has
+    `uniform_group_fraction` 1.0 (every prompt group scored alike, so every advantage and the gradient
+    are 0: learning has stopped for good), when that lasts at least `min_steps` steps; else None.
+    Reported beside the collapse definition, not part of it (docs/ablation.md: a run can lock in
+    before it ever learns). A step without the metric counts as not uniform."""
+    if min_steps < 1:
+        raise ValueError(f"min_steps must be >= 1, got {min_steps}")
+    n = len(uniform_fractions)
+    t = n
+    while t > 0 and uniform_fractions[t - 1] == 1.0:
+        t -= 1
+    return t + 1 if n - t >= min_steps else None
+
+
 @dataclass(frozen=True)
 class CollapseDefinition:
     """The pre-registered collapse definition: the task's chance-level reward (e.g. 0.1 for a 10-way
@@ -163,6 +178,10 @@ class RunRecord:
     @property
     def steps(self) -> int:
         return len(self.history)
+
+    @property
+    def uniform_fractions(self) -> list[float | None]:
+        return [h.get("uniform_group_fraction") for h in self.history]
 
     @property
     def rewards(self) -> list[float]:
@@ -551,23 +570,25 @@ def _median_text(values: Sequence[float | None], fmt: str) -> str:
 
 
 def summary_table(records: Sequence[RunRecord], definition: CollapseDefinition) -> str:
-    """Markdown, one row per (arm, fleet, lag): seeds, collapsed k/n, mean collapse step (never = steps + 1),
+    """Markdown, one row per (arm, fleet, lag): seeds, collapsed k/n, locked in k/n (`lock_step`), mean
+    collapse step (never = steps + 1),
     final reward mean ± sample std over seeds, and medians over seeds of kl_growth, on-policy (step-1)
     KL and final entropy (mean entropy of the last 10% of steps)."""
     index = _Index(records)
-    lines = ["| arm | fleet | lag | seeds | collapsed | mean collapse step (censored) | final reward (mean ± std) "
+    lines = ["| arm | fleet | lag | seeds | collapsed | locked in | mean collapse step (censored) | final reward (mean ± std) "
              "| kl_growth (median) | on-policy KL (median) | final entropy (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, fleet, lag in sorted(index.runs, key=lambda c: (c[2], _fleet_key(c[1]), _arm_key(c[0]))):
         runs = index.get((arm, fleet, lag), sorted(index.runs[(arm, fleet, lag)]))
         n = len(runs)
         collapsed = sum(definition.step(r.rewards) is not None for r in runs)
+        locked = sum(lock_step(r.uniform_fractions) is not None for r in runs)
         censored = _mean([censored_collapse_step(r, definition) for r in runs])
         finals = [record_final_reward(r) for r in runs]
         mean = _mean(finals)
         std = math.sqrt(math.fsum((f - mean) ** 2 for f in finals) / (n - 1)) if n > 1 else math.nan
         lines.append(
-            f"| {arm} | {fleet} | {lag} | {n} | {collapsed}/{n} | {censored:.1f} | {mean:.3f} ± {std:.3f} | "
+            f"| {arm} | {fleet} | {lag} | {n} | {collapsed}/{n} | {locked}/{n} | {censored:.1f} | {mean:.3f} ± {std:.3f} | "
             f"{_median_text([_growth_or_none(r) for r in runs], '.2f')} | {median(on_policy_kl(r) for r in runs):.3g} | "
             f"{_median_text([_final_entropy(r) for r in runs], '.3f')} |"
         )

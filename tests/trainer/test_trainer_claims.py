@@ -30,6 +30,7 @@ from rlfleet.trainer.claims import (
     evaluate_claims,
     final_reward,
     kl_growth,
+    lock_step,
     null_noise_floor,
     paired_difference,
     paper_claims,
@@ -347,9 +348,25 @@ def test_claims_table_and_summary_table():
     assert len(rows) == 2 + 13
     # lag 0 first, then homogeneous before mixed, arms in the ablation's order; null pg: finals .5 x 3,
     # KL flat at 1/16 (growth 1), entropy 1
-    assert rows[2] == "| pg | homogeneous | 0 | 3 | 0/3 | 11.0 | 0.500 ± 0.000 | 1.00 | 0.0625 | 1.000 |"
-    assert "| pg | mixed | 1 | 3 | 3/3 | 5.0 | 0.000 ± 0.000 | 4.00 | 0.25 | 1.000 |" in rows
-    assert "| sc_mis+topp | mixed | 1 | 3 | 0/3 | 11.0 | 0.750 ± 0.250 | 1.00 | 0.25 | 1.000 |" in rows
+    assert rows[2] == "| pg | homogeneous | 0 | 3 | 0/3 | 0/3 | 11.0 | 0.500 ± 0.000 | 1.00 | 0.0625 | 1.000 |"
+    assert "| pg | mixed | 1 | 3 | 3/3 | 0/3 | 5.0 | 0.000 ± 0.000 | 4.00 | 0.25 | 1.000 |" in rows
+    assert "| sc_mis+topp | mixed | 1 | 3 | 0/3 | 0/3 | 11.0 | 0.750 ± 0.250 | 1.00 | 0.25 | 1.000 |" in rows
+
+
+def test_lock_step_is_the_start_of_a_uniform_tail_of_at_least_min_steps():
+    assert lock_step([0.5, 1.0, 0.7] + [1.0] * 10) == 4  # the uniform tail starts at step 4
+    assert lock_step([0.5] + [1.0] * 9) is None  # 9 steps < 10
+    assert lock_step([0.5] + [1.0] * 9, min_steps=9) == 2
+    assert lock_step([1.0] * 12) == 1
+    assert lock_step([1.0] * 11 + [0.875]) is None  # the last step still trains something
+    assert lock_step([None] * 3 + [1.0] * 10) == 4  # a step without the metric is not uniform
+    with pytest.raises(ValueError, match="min_steps"):
+        lock_step([1.0], min_steps=0)
+    uniform_tail = [{"step": i + 1, "reward_mean": 0.1, "kl_k3": 0.0, "uniform_group_fraction": 1.0 if i >= 2 else 0.5}
+                    for i in range(12)]
+    assert RunRecord("pg", "mixed", 0, 4, uniform_tail).uniform_fractions[:3] == [0.5, 0.5, 1.0]
+    rows = summary_table([RunRecord("pg", "mixed", 0, 4, uniform_tail)], DEF).splitlines()
+    assert rows[2].startswith("| pg | mixed | 4 | 1 | 0/1 | 1/1 |")  # locked in, not collapsed (never learned)
 
 
 def test_names_match_the_ablation_and_the_doc_states_every_claim():
