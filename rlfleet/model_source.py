@@ -111,6 +111,28 @@ def write_checksums(directory: Path) -> Path:
     return path
 
 
+def build_once(target: Path, build: Callable[[Path], object]) -> Path:
+    """`target` once it holds a complete checkpoint (its SHA256SUMS), else `build(tmp)` into a temporary
+    sibling, checksummed and renamed into place: a half-written build is never used, and a builder
+    that loses the race to another keeps theirs."""
+    import tempfile
+
+    if (target / CHECKSUMS_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(tmp)
+        write_checksums(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / CHECKSUMS_FILE).is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def _intact(directory: Path, sums: dict[str, str]) -> bool:
     from rlfleet.store import hash_file
 

@@ -144,30 +144,15 @@ def build_tiny_qwen3(out: str | Path, spec: TinyQwen3 | None = None, *, seed: in
 
 
 def cached_tiny_qwen3(cache_root: str | Path, spec: TinyQwen3) -> Path:
-    """`build_tiny_qwen3` once per spec under `cache_root` (a directory named by the spec's digest,
-    built in a temporary sibling and renamed into place, so a half-written build is never used)."""
+    """`build_tiny_qwen3` once per spec under `cache_root`, in a directory named by the spec's digest
+    (`model_source.build_once`: built aside and renamed into place)."""
     import hashlib
     import json
-    import os
-    import shutil
-    import tempfile
+
+    from rlfleet.model_source import build_once
 
     key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(cache_root)
-    target = root / f"tiny-qwen3-{key}"
-    if (target / "SHA256SUMS").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=root))
-    try:
-        build_tiny_qwen3(tmp, spec)
-        os.replace(tmp, target)
-    except OSError:
-        if not (target / "SHA256SUMS").is_file():  # lost a race to another builder: theirs is complete
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(Path(cache_root) / f"tiny-qwen3-{key}", lambda tmp: build_tiny_qwen3(tmp, spec))
 
 
 def cli(argv: list[str]) -> int:

@@ -25,7 +25,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -76,6 +76,8 @@ class AblationConfig:
     num_attention_heads: int = 2
     head_dim: int = 64
     logit_std: float = 2.0
+    # steps of on-policy GRPO every arm starts from (`start_checkpoint`); 0: the untrained tiny Qwen3
+    warm_start: int = 0
     model_cache: str | None = None  # default: rlfleet.model_source.default_cache_dir()
 
     def tiny_model(self) -> Any:
@@ -196,13 +198,44 @@ class LockstepRollouts:
                 for pi, p in enumerate(batch_prompts)]
 
 
-def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -> ArmResult:
-    import numpy as np
+def start_checkpoint(cfg: AblationConfig) -> Path:
+    """The checkpoint every arm of `cfg` starts from: the seed's untrained tiny Qwen3, or (warm_start
+    > 0) that model after `warm_start` steps of on-policy GRPO (arm pg, homogeneous fleet, lag 0, the
+    same task and hyperparameters). Why (docs/ablation.md, fourth search): the paper's runs start from
+    a capable base model, so a run can learn first and then fall, which is what the pre-registered
+    collapse definition counts; from the untrained model a run that goes wrong never learned. Built
+    once per config under the model cache (`model_source.build_once`, like the untrained model); the
+    trainer then loads it as any bf16 checkpoint."""
+    import hashlib
+
     import torch
 
-    from rlfleet.model_source import default_cache_dir
-    from rlfleet.numerics.engine_model import KernelConfig, ModelShape
+    from rlfleet.model_source import build_once, default_cache_dir
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
+
+    root = Path(cfg.model_cache or default_cache_dir())
+    base = cached_tiny_qwen3(root, cfg.tiny_model())
+    if cfg.warm_start == 0:
+        return base
+    warm = replace(cfg, steps=cfg.warm_start, lag=0, warm_start=0, model_cache=None)
+    key = hashlib.sha256(json.dumps(asdict(warm), sort_keys=True).encode()).hexdigest()[:16]
+
+    def build(tmp: Path) -> None:
+        import shutil
+
+        backend, _, _ = _train("pg", "homogeneous", replace(warm, model_cache=cfg.model_cache), base)
+        shutil.copytree(base, tmp, dirs_exist_ok=True)  # tokenizer and generation config
+        backend.model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+
+    return build_once(root / f"tiny-qwen3-warm-{key}", build)
+
+
+def _train(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress: bool = False
+           ) -> tuple[Any, Any, Any]:
+    """Train `arm` on `fleet` from `model_dir` for cfg.steps: (backend, loop, collapse detector)."""
+    import torch
+
+    from rlfleet.numerics.engine_model import KernelConfig, ModelShape
     from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.emulated import EmulatedSampler
@@ -212,9 +245,7 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
     from rlfleet.trainer.prompts import GeneratedPromptSource
     from rlfleet.trainer.run import run_training
 
-    t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
-    model_dir = cached_tiny_qwen3(cfg.model_cache or default_cache_dir(), cfg.tiny_model())
     model_cfg = ModelShape.from_checkpoint(model_dir)
     mode, replay = ARMS[arm]
     backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig(mode=mode, replay=replay),
@@ -244,6 +275,14 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
         lambda position: LockstepRollouts(cfg, sink, samplers, groups, env, prompts, sampling),
         checkpoint=None, on_step=on_step,
     )
+    return backend, loop, detector
+
+
+def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -> ArmResult:
+    import numpy as np
+
+    t0 = time.monotonic()
+    _, loop, detector = _train(arm, fleet, cfg, start_checkpoint(cfg), progress)
     hist = loop.state.history
     rewards = np.array([h.get("reward_mean", 0.0) for h in hist])
     kls = np.array([h.get("kl_k3", 0.0) for h in hist])
@@ -339,15 +378,41 @@ def _run_job(job: tuple[str, str, AblationConfig]) -> ArmResult:
     return run_arm(arm, fleet, cfg)
 
 
-def run_grid(jobs: list[tuple[str, str, AblationConfig]], workers: int) -> list[ArmResult]:
-    """Every job, `workers` processes at a time (spawned: no torch state is forked); results in job order."""
+def _quiet_worker() -> None:
+    """A worker process of the ablation: 1 torch thread (the workers share the cores), no progress bars."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+
+
+def _pool_map(fn: Callable[[Any], Any], items: list, workers: int) -> list:
+    """fn over items, `workers` processes at a time (spawned: no torch state is forked), in order."""
     if workers <= 1:
-        return [_run_job(j) for j in jobs]
+        _quiet_worker()
+        return [fn(x) for x in items]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(_run_job, jobs))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_quiet_worker) as pool:
+        return list(pool.map(fn, items))
+
+
+def start_checkpoints(cfgs: list[AblationConfig], workers: int) -> list[Path]:
+    """`start_checkpoint` of every config (warm starts in parallel)."""
+    return _pool_map(start_checkpoint, cfgs, workers if any(c.warm_start for c in cfgs) else 1)
+
+
+def _run_job(job: tuple[str, str, AblationConfig]) -> ArmResult:
+    arm, fleet, cfg = job
+    return run_arm(arm, fleet, cfg)
+
+
+def run_grid(jobs: list[tuple[str, str, AblationConfig]], workers: int) -> list[ArmResult]:
+    """Every (arm, fleet, config) run, `workers` processes at a time; results in job order."""
+    return _pool_map(_run_job, jobs, workers)
 
 
 def grid(arms: list[str], fleets: list[str], seeds: list[int], cfg: AblationConfig, null_control: bool
@@ -439,6 +504,8 @@ def cli(argv: Sequence[str]) -> int:
                    help="the tiny Qwen3's hidden size (a multiple of 128, so every precision view publishes; MLP 2x)")
     p.add_argument("--layers", type=int, default=d.num_hidden_layers, help="the tiny Qwen3's decoder layers")
     p.add_argument("--task", default=d.task, choices=tuple(TASK_CHANCE))
+    p.add_argument("--warm-start", type=int, default=d.warm_start,
+                   help="every arm starts from the tiny Qwen3 after this many steps of on-policy GRPO (default 0: untrained)")
     p.add_argument("--out", default="rlfleet-ablation")
     p.add_argument("--docs", help="also write the results between the ablation markers of this file (docs/ablation.md)")
     args = p.parse_args(list(argv))
@@ -450,9 +517,9 @@ def cli(argv: Sequence[str]) -> int:
         return 2
     if (args.steps < 4 or args.prompts < 1 or args.samples < 2 or args.lag < 0 or not 0 < args.top_p <= 1
             or args.vocab_size < 32 or args.max_new_tokens < 1 or args.hidden_size < 128 or args.hidden_size % 128
-            or args.layers < 1):
+            or args.layers < 1 or args.warm_start < 0):
         print("rlfleet ablate: need --steps >= 4, --prompts >= 1, --samples >= 2, --lag >= 0, 0 < --top-p <= 1, "
-              "--vocab-size >= 32, --max-new-tokens >= 1, --hidden-size a multiple of 128, --layers >= 1", file=sys.stderr)
+              "--vocab-size >= 32, --max-new-tokens >= 1, --hidden-size a multiple of 128, --layers >= 1, --warm-start >= 0", file=sys.stderr)
         return 2
     try:
         seeds = parse_seeds(args.seeds)
@@ -475,7 +542,7 @@ def cli(argv: Sequence[str]) -> int:
                          lag=args.lag, learning_rate=args.lr, top_p=args.top_p, head_size=args.head_size,
                          task=args.task, logit_std=args.logit_std, vocab_size=args.vocab_size,
                          hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-                         num_hidden_layers=args.layers)
+                         num_hidden_layers=args.layers, warm_start=args.warm_start)
     hf_logging.disable_progress_bar()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -484,12 +551,9 @@ def cli(argv: Sequence[str]) -> int:
     print(f"rlfleet ablate: {len(jobs)} runs ({len(arms)} arms x {len(fleets)} fleets x {len(seeds)} seeds"
           f"{' + null-arm control' if len(jobs) > len(arms) * len(fleets) * len(seeds) else ''}), {workers} workers", flush=True)
     t0 = time.monotonic()
-    # build the tiny Qwen3 of every seed once, here, before the workers race for it
-    from rlfleet.model_source import default_cache_dir
-    from rlfleet.tiny_qwen3 import cached_tiny_qwen3
-
-    for seed in seeds:
-        cached_tiny_qwen3(cfg.model_cache or default_cache_dir(), replace(cfg, seed=seed).tiny_model())
+    # every seed's start checkpoint once, here, before the workers race for it (warm starts in parallel)
+    start_checkpoints([replace(cfg, seed=seed) for seed in seeds], workers)
+    warm_wall = time.monotonic() - t0
     results = run_grid(jobs, workers)
     wall = time.monotonic() - t0
     records = records_of(results, [c for _, _, c in jobs])
@@ -498,7 +562,10 @@ def cli(argv: Sequence[str]) -> int:
     by_seed0 = [r for r, (_, _, c) in zip(results, jobs, strict=True) if c.seed == seeds[0] and c.lag == cfg.lag]
     cpu = sum(r.seconds for r in results)
     md = "\n\n".join([
-        f"Runs: {len(jobs)}; wall {wall / 60:.1f} min with {workers} workers; {cpu / 60:.1f} CPU-minutes of runs.",
+        f"Runs: {len(jobs)}; wall {wall / 60:.1f} min with {workers} workers"
+        + (f" ({warm_wall / 60:.1f} of them training the warm starts: every arm starts from {cfg.warm_start} steps "
+           "of on-policy pg)" if cfg.warm_start else "")
+        + f"; {cpu / 60:.1f} CPU-minutes of runs.",
         "### Claims\n\n" + claims_table(claims),
         "### Per cell (all seeds)\n\n" + summary_table(records, definition),
         "### Collapse detector against the pre-registered definition\n\n" + detector_table(results, records, definition),

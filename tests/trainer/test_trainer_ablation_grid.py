@@ -55,3 +55,42 @@ def test_docs_block_is_replaced_between_the_markers(tmp_path: Path) -> None:
     doc.write_text("no markers\n")
     with pytest.raises(SystemExit, match="needs the lines"):
         write_docs_block(doc, "x")
+
+
+def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--warm-start N`: every arm starts from the tiny Qwen3 after N steps of pg on the homogeneous fleet
+    at lag 0. The checkpoint holds those trained weights (bf16, as every checkpoint here), its
+    SHA256SUMS match its files, one checkpoint serves every lag and step count of the config (not
+    another learning rate), and a second call reuses it instead of training again."""
+    import torch
+
+    from rlfleet.model_source import parse_checksums
+    from rlfleet.store import hash_file
+    from rlfleet.tiny_qwen3 import cached_tiny_qwen3
+
+    cfg = AblationConfig(steps=5, prompts=2, samples=4, max_new_tokens=4, lag=3, warm_start=2, task="retry_digit",
+                         model_cache=str(tmp_path))
+    base = cached_tiny_qwen3(tmp_path, cfg.tiny_model())
+    warm = ablation.start_checkpoint(cfg)
+    assert warm != base and ablation.start_checkpoint(replace(cfg, warm_start=0)) == base
+
+    sums = parse_checksums((warm / "SHA256SUMS").read_text(), str(warm))
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(sums)
+    assert all(hash_file(warm / name, "sha256").hexdigest == digest for name, digest in sums.items())
+
+    from rlfleet.model_source import read_safetensors_dir as read_dir
+
+    trained, _, _ = ablation._train("pg", "homogeneous", replace(cfg, steps=2, lag=0, warm_start=0), base)
+    saved, untrained = read_dir(warm), read_dir(base)
+    expected = {k: v.to(torch.bfloat16) for k, v in trained.weights().items()}
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in saved)
+    assert any(not torch.equal(saved[k], untrained[k]) for k in saved)
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the warm start was trained again")
+
+    monkeypatch.setattr(ablation, "_train", no_training)
+    assert ablation.start_checkpoint(replace(cfg, lag=0, steps=40)) == warm
+    with pytest.raises(AssertionError, match="trained again"):
+        ablation.start_checkpoint(replace(cfg, learning_rate=1e-3))
