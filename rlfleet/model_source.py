@@ -111,6 +111,15 @@ def write_checksums(directory: Path) -> Path:
     return path
 
 
+def spec_digest(spec: Any) -> str:
+    """16 hex digits naming a dataclass `spec` in a cache (sha256 of its fields as sorted JSON)."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    return hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
+
+
 def build_once(target: Path, build: Callable[[Path], object]) -> Path:
     """`target` once it holds a complete checkpoint (its SHA256SUMS), else `build(tmp)` into a temporary
     sibling, checksummed and renamed into place: a half-written build is never used, and a builder

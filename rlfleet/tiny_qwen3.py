@@ -146,13 +146,9 @@ def build_tiny_qwen3(out: str | Path, spec: TinyQwen3 | None = None, *, seed: in
 def cached_tiny_qwen3(cache_root: str | Path, spec: TinyQwen3) -> Path:
     """`build_tiny_qwen3` once per spec under `cache_root`, in a directory named by the spec's digest
     (`model_source.build_once`: built aside and renamed into place)."""
-    import hashlib
-    import json
+    from rlfleet.model_source import build_once, spec_digest
 
-    from rlfleet.model_source import build_once
-
-    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
-    return build_once(Path(cache_root) / f"tiny-qwen3-{key}", lambda tmp: build_tiny_qwen3(tmp, spec))
+    return build_once(Path(cache_root) / f"tiny-qwen3-{spec_digest(spec)}", lambda tmp: build_tiny_qwen3(tmp, spec))
 
 
 def cli(argv: list[str]) -> int:

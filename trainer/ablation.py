@@ -206,11 +206,9 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
     collapse definition counts; from the untrained model a run that goes wrong never learned. Built
     once per config under the model cache (`model_source.build_once`, like the untrained model); the
     trainer then loads it as any bf16 checkpoint."""
-    import hashlib
-
     import torch
 
-    from rlfleet.model_source import build_once, default_cache_dir
+    from rlfleet.model_source import build_once, default_cache_dir, spec_digest
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
 
     root = Path(cfg.model_cache or default_cache_dir())
@@ -218,7 +216,6 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
     if cfg.warm_start == 0:
         return base
     warm = replace(cfg, steps=cfg.warm_start, lag=0, warm_start=0, model_cache=None)
-    key = hashlib.sha256(json.dumps(asdict(warm), sort_keys=True).encode()).hexdigest()[:16]
 
     def build(tmp: Path) -> None:
         import shutil
@@ -227,7 +224,7 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
         shutil.copytree(base, tmp, dirs_exist_ok=True)  # tokenizer and generation config
         backend.model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
 
-    return build_once(root / f"tiny-qwen3-warm-{key}", build)
+    return build_once(root / f"tiny-qwen3-warm-{spec_digest(warm)}", build)
 
 
 def _train(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress: bool = False
@@ -402,7 +399,9 @@ def _pool_map(fn: Callable[[Any], Any], items: list, workers: int) -> list:
 
 def start_checkpoints(cfgs: list[AblationConfig], workers: int) -> list[Path]:
     """`start_checkpoint` of every config (warm starts in parallel)."""
-    return _pool_map(start_checkpoint, cfgs, workers if any(c.warm_start for c in cfgs) else 1)
+    if not any(c.warm_start for c in cfgs):
+        return [start_checkpoint(c) for c in cfgs]
+    return _pool_map(start_checkpoint, cfgs, workers)
 
 
 def _run_job(job: tuple[str, str, AblationConfig]) -> ArmResult:

@@ -64,7 +64,7 @@ def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(tmp_path:
     another learning rate), and a second call reuses it instead of training again."""
     import torch
 
-    from rlfleet.model_source import parse_checksums
+    from rlfleet.model_source import parse_checksums, read_safetensors_dir
     from rlfleet.store import hash_file
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
 
@@ -78,10 +78,8 @@ def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(tmp_path:
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(sums)
     assert all(hash_file(warm / name, "sha256").hexdigest == digest for name, digest in sums.items())
 
-    from rlfleet.model_source import read_safetensors_dir as read_dir
-
     trained, _, _ = ablation._train("pg", "homogeneous", replace(cfg, steps=2, lag=0, warm_start=0), base)
-    saved, untrained = read_dir(warm), read_dir(base)
+    saved, untrained = read_safetensors_dir(warm), read_safetensors_dir(base)
     expected = {k: v.to(torch.bfloat16) for k, v in trained.weights().items()}
     assert saved.keys() == expected.keys()
     assert all(torch.equal(saved[k], expected[k]) for k in saved)
