@@ -232,9 +232,10 @@ def _train(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress:
     """Train `arm` on `fleet` from `model_dir` for cfg.steps: (backend, loop, collapse detector)."""
     import torch
 
+    from rlfleet.api.rljob import SafetySpec
     from rlfleet.numerics.engine_model import KernelConfig, ModelShape
     from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
-    from rlfleet.trainer.collapse import CollapseDetector
+    from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.emulated import EmulatedSampler
     from rlfleet.trainer.environments import load_environment
     from rlfleet.trainer.fleet import SPLIT_K
@@ -257,7 +258,7 @@ def _train(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress:
     prompts = GeneratedPromptSource(cfg.task, cfg.seed)
     sampling = {"temperature": 1.0, "top_p": cfg.top_p, "top_k": -1, "max_new_tokens": cfg.max_new_tokens,
                 "candidate_mode": "support" if replay else "head", "head_size": cfg.head_size}
-    detector = CollapseDetector()
+    detector = CollapseDetector(CollapseThresholds.from_safety(SafetySpec()))  # a default RLJob's
     sink = SnapshotSink()
     run_cfg = SimpleNamespace(steps=cfg.steps, prompts_per_step=cfg.prompts, max_staleness=None,
                               groups=[{"name": g[0], "weight_format": g[2]} for g in groups])
@@ -447,27 +448,6 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def detector_table(results: list[ArmResult], records: list[Any], definition: Any) -> str:
-    """How often the product's collapse detector (default thresholds) fired on the runs that collapsed by
-    the pre-registered definition and on those that did not: its hit and false-alarm rates here."""
-    collapsed = [definition.step(rec.rewards) is not None for rec in records]
-    fired = [r.collapse_step is not None for r in results]
-    hits = sum(c and f for c, f in zip(collapsed, fired, strict=True))
-    false_alarms = sum(f and not c for c, f in zip(collapsed, fired, strict=True))
-    n_collapsed = sum(collapsed)
-    signals: dict[str, int] = {}
-    for r, c in zip(results, collapsed, strict=True):
-        for sig in r.collapse_signals if not c else ():
-            signals[sig] = signals.get(sig, 0) + 1
-    by_signal = ", ".join(f"{k} {v}" for k, v in sorted(signals.items(), key=lambda kv: -kv[1])) or "none"
-    return (
-        "| runs | collapsed (definition) | detector fired on them | not collapsed | detector fired on them (false alarms) |\n"
-        "|---|---|---|---|---|\n"
-        f"| {len(records)} | {n_collapsed} | {hits} | {len(records) - n_collapsed} | {false_alarms} |\n\n"
-        f"Signals in the false alarms (runs): {by_signal}."
-    )
-
-
 DOCS_BEGIN, DOCS_END = "<!-- rlfleet ablate: begin -->", "<!-- rlfleet ablate: end -->"
 
 
@@ -531,9 +511,12 @@ def cli(argv: Sequence[str]) -> int:
 
     from rlfleet.trainer.claims import (
         CollapseDefinition,
+        DetectorAlerts,
         claims_table,
+        detector_table,
         evaluate_claims,
         paper_claims,
+        score_detector,
         summary_table,
     )
 
@@ -567,7 +550,8 @@ def cli(argv: Sequence[str]) -> int:
         + f"; {cpu / 60:.1f} CPU-minutes of runs.",
         "### Claims\n\n" + claims_table(claims),
         "### Per cell (all seeds)\n\n" + summary_table(records, definition),
-        "### Collapse detector against the pre-registered definition\n\n" + detector_table(results, records, definition),
+        "### Collapse detector against the pre-registered definition\n\n" + detector_table(score_detector(
+            records, [DetectorAlerts(r.collapse_step, tuple(r.collapse_signals)) for r in results], definition)),
         f"### Seed {seeds[0]}, lag {cfg.lag}\n\n" + table(by_seed0),
     ])
     print(md)

@@ -593,3 +593,81 @@ def summary_table(records: Sequence[RunRecord], definition: CollapseDefinition) 
             f"{_median_text([_final_entropy(r) for r in runs], '.3f')} |"
         )
     return "\n".join(lines)
+
+
+def is_stable_run(record: RunRecord) -> bool:
+    """A run the collapse detector should stay quiet on: an arm the paper finds stable (`STABLE_ARMS`),
+    or a null-arm cell (homogeneous fleet, lag 0: no mismatch for a correction to matter)."""
+    return record.arm in STABLE_ARMS or (record.fleet == NULL_FLEET and record.lag == NULL_LAG and record.arm in NULL_ARMS)
+
+
+@dataclass(frozen=True)
+class DetectorAlerts:
+    """What the collapse detector said about one run: its first alert's step (None: it never fired) and
+    every signal it raised over the run."""
+
+    first_step: int | None
+    signals: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DetectorScore:
+    """The collapse detector against the pre-registered definition, run by run. Each run is in exactly
+    one row, taken in this order: `collapsed` (by the definition; `collapsed_ahead`: the detector fired
+    at or before the collapse step), `locked` (not collapsed, `lock_step` set: learning stopped for good,
+    which the detector may rightly report), `stable` (neither, and `is_stable_run`: every alert is a
+    false alarm), `other` (the rest: pg and the single corrections, whose deep dips are not collapses by
+    the definition but are what the detector exists to flag). `*_fired`: how many of the row fired;
+    `false_alarm_signals`: signal -> stable runs that raised it."""
+
+    collapsed: int
+    collapsed_ahead: int
+    collapsed_fired: int
+    locked: int
+    locked_fired: int
+    stable: int
+    stable_fired: int
+    other: int
+    other_fired: int
+    false_alarm_signals: dict[str, int]
+
+
+def score_detector(records: Sequence[RunRecord], alerts: Sequence[DetectorAlerts],
+                   definition: CollapseDefinition) -> DetectorScore:
+    if len(records) != len(alerts):
+        raise ValueError(f"{len(records)} runs but {len(alerts)} detector results")
+    n = dict.fromkeys(("collapsed", "collapsed_ahead", "collapsed_fired", "locked", "locked_fired",
+                       "stable", "stable_fired", "other", "other_fired"), 0)
+    signals: dict[str, int] = {}
+    for record, alert in zip(records, alerts, strict=True):
+        fired = alert.first_step is not None
+        collapsed_at = definition.step(record.rewards)
+        if collapsed_at is not None:
+            row = "collapsed"
+            n["collapsed_ahead"] += fired and alert.first_step <= collapsed_at
+        elif lock_step(record.uniform_fractions) is not None:
+            row = "locked"
+        elif is_stable_run(record):
+            row = "stable"
+            for sig in alert.signals:
+                signals[sig] = signals.get(sig, 0) + 1
+        else:
+            row = "other"
+        n[row] += 1
+        n[row + "_fired"] += fired
+    return DetectorScore(**n, false_alarm_signals=dict(sorted(signals.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+
+def detector_table(score: DetectorScore) -> str:
+    s = score
+    by_signal = ", ".join(f"{k} {v}" for k, v in s.false_alarm_signals.items()) or "none"
+    return (
+        "| runs | detector fired |\n|---|---|\n"
+        f"| collapsed by the definition: {s.collapsed} | {s.collapsed_fired} "
+        f"({s.collapsed_ahead} at or before the collapse step) |\n"
+        f"| locked in, not collapsed: {s.locked} | {s.locked_fired} |\n"
+        f"| stable arms (sc_mis, sc_mis+topp) and null cells, neither: {s.stable} | {s.stable_fired} "
+        "(false alarms) |\n"
+        f"| other arms, neither: {s.other} | {s.other_fired} |\n\n"
+        f"Signals in the false alarms (runs): {by_signal}."
+    )

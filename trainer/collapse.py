@@ -1,14 +1,23 @@
 """Collapse detector: watches method.md's precursors in the per-step metrics and decides an action.
 
-Signals (all compared with running baselines the detector keeps itself; after warmup a step that raises a
+Signals (compared with running baselines the detector keeps itself; after warmup a step that raises a
 signal does not update that signal's baseline, so a surge cannot hide itself):
-1. `reward_cliff`: reward falls more than max(cliff_abs, cliff_rel * |baseline|) below its EMA.
+1. `reward_cliff`: the mean reward of the last `window` steps falls below its running peak by more than
+   max(cliff_abs, cliff_rel * |peak|) (with the defaults: to half the peak, as docs/ablation.md's collapse
+   definition). A window, not one step: one step's reward is a few prompts, and a batch of hard prompts
+   is not a cliff (docs/ablation.md, "Collapse detector calibration"). A sudden cliff is seen once it
+   fills about half the window.
 2. `kl_surge` (fleet and per group): kl_k3 > kl_ratio x baseline AND oor_fraction > oor_ratio x
-   baseline (method.md: "> 3x its running baseline (and oor_fraction > 10x)").
+   baseline (method.md: "> 3x its running baseline (and oor_fraction > 10x)"). While the samples'
+   `staleness_max` reaches a new high (the first `lag` steps of a run fill the pipeline) the baseline is
+   that step's value and nothing is raised: staleness is most of the mismatch, so the baseline is the
+   mismatch at the staleness the run settles at.
 3. `tool_calls_stop`: no-tool-call terminations or empty final replies exceed an absolute rate and
    3x their baseline (trajectory length is deliberately NOT a signal).
 4. `entropy_collapse`: entropy of p below an absolute floor.
-5. `grad_norm_spike`: grad_norm > grad_ratio x baseline (plain GRPO spiked 20x).
+5. `grad_norm_spike`: grad_norm > grad_ratio x baseline (plain GRPO spiked 20x). A step that trains
+   nothing (every prompt group scored alike, `uniform_group_fraction` 1, so the gradient is 0) is not
+   a gradient-norm observation: it neither raises the signal nor pulls the baseline toward 0.
 6. `rho_blowup`: sc_tail_ratio above rho_max (reference run: 1.2 -> 52 before collapse).
 A signal must hold `patience` consecutive steps, and nothing fires during `warmup_steps`.
 
@@ -31,6 +40,7 @@ ACTIONS = ("alert", "quarantine-group", "pause")
 @dataclass
 class CollapseThresholds:
     warmup_steps: int = 5
+    window: int = 10  # steps in the reward window (RLJob safety.windowSteps)
     patience: int = 2
     ema_decay: float = 0.8
     cliff_abs: float = 0.25
@@ -47,36 +57,17 @@ class CollapseThresholds:
     oor_share_factor: float = 2.0  # quarantine picks groups whose OOR share > this x their token share
 
     @classmethod
-    def from_spec(cls, spec: dict[str, Any] | None) -> CollapseThresholds:
-        """Accepts snake_case or camelCase keys (the RLJob `safety.thresholds` block)."""
-        if not spec:
-            return cls()
-        names = {f: f for f in cls.__dataclass_fields__}
-        names.update({_camel(f): f for f in cls.__dataclass_fields__})
-        kwargs = {}
-        for key, value in spec.items():
-            if key not in names:
-                raise ValueError(f"unknown collapse threshold {key!r} (known: {sorted(cls.__dataclass_fields__)})")
-            if value is not None:
-                kwargs[names[key]] = type(getattr(cls(), names[key]))(value)
-        return cls(**kwargs)
-
-
-    @classmethod
     def from_safety(cls, safety: Any) -> CollapseThresholds:
         """From the RLJob `safety` block (rlfleet.api SafetySpec): klSurgeFactor -> kl_ratio,
-        scTailRatioMax -> rho_max, windowSteps -> the EMA window (decay 1 - 2 / (window + 1))."""
+        scTailRatioMax -> rho_max, windowSteps -> the reward window and the EMA window (decay
+        1 - 2 / (window + 1))."""
         return cls(
+            window=int(safety.window_steps),
             kl_ratio=float(safety.kl_surge_factor),
             rho_max=float(safety.sc_tail_ratio_max),
             ema_decay=1.0 - 2.0 / (int(safety.window_steps) + 1),
             oor_share_factor=float(safety.oor_share_factor),
         )
-
-
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(p.title() for p in rest)
 
 
 @dataclass
@@ -111,6 +102,9 @@ class CollapseDetector:
         self.streaks: dict[str, int] = {}
         self.history: list[Alert] = []
         self.quarantined: set[str] = set()
+        self.rewards: list[float] = []  # reward_mean of the last `window` steps
+        self.reward_peak: float | None = None  # running peak of their mean
+        self.staleness_high: float | None = None  # the highest staleness_max seen
 
     # -- state (checkpointed with the run) --
     def state_dict(self) -> dict[str, Any]:
@@ -120,6 +114,9 @@ class CollapseDetector:
             "streaks": dict(self.streaks),
             "history": [asdict(a) for a in self.history],
             "quarantined": sorted(self.quarantined),
+            "rewards": list(self.rewards),
+            "reward_peak": self.reward_peak,
+            "staleness_high": self.staleness_high,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -128,6 +125,10 @@ class CollapseDetector:
         self.streaks = dict(state["streaks"])
         self.history = [Alert(**a) for a in state["history"]]
         self.quarantined = set(state["quarantined"])
+        # a checkpoint written before the reward window and the staleness ramp existed restarts them
+        self.rewards = [float(r) for r in state.get("rewards", [])]
+        self.reward_peak = state.get("reward_peak")
+        self.staleness_high = state.get("staleness_high")
 
     # -- helpers --
     def _warming(self) -> bool:
@@ -155,18 +156,25 @@ class CollapseDetector:
             v = metrics.get(key)
             return float(v) if v is not None and math.isfinite(float(v)) else None
 
-        # 1. reward cliff
+        # 1. reward cliff: the window's mean reward against its running peak
         reward = get("reward_mean")
         if reward is not None:
-            base = self.baselines.get("reward_mean")
-            raised = base is not None and (base - reward) > max(t.cliff_abs, t.cliff_rel * abs(base))
-            if self._check("reward_cliff", raised):
-                alerts.append(Alert(step, "reward_cliff", reward, base or 0.0,
-                                    message=f"reward {reward:.3f} fell below its running {base:.3f}"))
-            if not raised or self._warming():
-                self._ema("reward_mean", reward)
+            self.rewards = (self.rewards + [reward])[-t.window :]
+            if len(self.rewards) == t.window:
+                mean = sum(self.rewards) / t.window
+                peak = self.reward_peak
+                raised = peak is not None and (peak - mean) > max(t.cliff_abs, t.cliff_rel * abs(peak))
+                if self._check("reward_cliff", raised):
+                    alerts.append(Alert(step, "reward_cliff", mean, peak or 0.0,
+                                        message=f"mean reward of the last {t.window} steps {mean:.3f} fell "
+                                        f"below its peak {peak:.3f}"))
+                self.reward_peak = mean if peak is None else max(peak, mean)
 
         # 2. KL surge with OOR surge, fleet-wide and per group
+        staleness = get("staleness_max")
+        ramp = staleness is not None and (self.staleness_high is None or staleness > self.staleness_high)
+        if ramp:
+            self.staleness_high = staleness
         prefixes = [""] + sorted({k.split("/")[1] for k in metrics if k.startswith("group/")})
         for g in prefixes:
             pre = f"group/{g}/" if g else ""
@@ -176,7 +184,8 @@ class CollapseDetector:
             kl_base = self.baselines.get(pre + "kl_k3")
             oor_base = self.baselines.get(pre + "oor_fraction")
             raised = (
-                kl_base is not None
+                not ramp
+                and kl_base is not None
                 and oor_base is not None
                 and kl > t.kl_ratio * max(kl_base, t.kl_floor)
                 and oor > t.oor_ratio * max(oor_base, t.oor_floor)
@@ -185,7 +194,9 @@ class CollapseDetector:
                 alerts.append(Alert(step, "kl_surge", kl, kl_base or 0.0, group=g or None,
                                     message=f"{'group ' + g if g else 'fleet'} KL {kl:.4g} > {t.kl_ratio}x "
                                     f"baseline {kl_base:.4g} with OOR {oor:.3g} > {t.oor_ratio}x {oor_base:.3g}"))
-            if not raised or self._warming():
+            if ramp:  # the samples just got older: the baseline is this step's mismatch
+                self.baselines[pre + "kl_k3"], self.baselines[pre + "oor_fraction"] = kl, oor
+            elif not raised or self._warming():
                 self._ema(pre + "kl_k3", kl)
                 self._ema(pre + "oor_fraction", oor)
 
@@ -207,9 +218,9 @@ class CollapseDetector:
         if ent is not None and self._check("entropy_collapse", ent < t.entropy_min):
             alerts.append(Alert(step, "entropy_collapse", ent, t.entropy_min, message=f"entropy {ent:.4f} nats"))
 
-        # 5. grad-norm spike
+        # 5. grad-norm spike, on the steps that trained something
         gn = get("grad_norm")
-        if gn is not None:
+        if gn is not None and gn > 0 and get("uniform_group_fraction") != 1.0:
             base = self.baselines.get("grad_norm")
             raised = base is not None and base > 0 and gn > t.grad_ratio * base
             if self._check("grad_norm_spike", raised):

@@ -367,7 +367,7 @@ class SafetySpec(ApiModel):
     sc_tail_ratio_max: float = Field(default=5.0, gt=1.0)
     """Alert when the score-centering tail ratio rho exceeds this."""
     window_steps: int = Field(default=10, ge=1, le=10000)
-    """Steps in the detector's window."""
+    """Steps in the detector's window: the reward cliff compares the mean reward of the last windowSteps steps with its running peak; the running baselines average over about as many steps."""
     action: SafetyAction = "alert"
     """alert (condition + Event), quarantine-group (route no new sessions to the group), or pause (suspend the job)."""
 

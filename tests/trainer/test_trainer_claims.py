@@ -24,16 +24,20 @@ from rlfleet.trainer.claims import (
     Claim,
     ClaimResult,
     CollapseDefinition,
+    DetectorAlerts,
     RunRecord,
     claims_table,
     collapse_step,
+    detector_table,
     evaluate_claims,
     final_reward,
+    is_stable_run,
     kl_growth,
     lock_step,
     null_noise_floor,
     paired_difference,
     paper_claims,
+    score_detector,
     summary_table,
     tail_steps,
 )
@@ -375,3 +379,39 @@ def test_names_match_the_ablation_and_the_doc_states_every_claim():
     section = doc[doc.index("## Pre-registered claims"):]
     for claim in paper_claims(CollapseDefinition(chance=0.1), lag=4):
         assert f"| {claim.id} | {claim.text} |" in section
+
+
+def test_detector_score_puts_each_run_in_one_row_by_hand():
+    """Two runs collapse at step 26 (reward 0.9 for 20 steps, then 0: the rolling-10 mean first drops
+    below half of 0.9 with 6 zeros in the window); the detector fired on one at step 26 (ahead) and on
+    the other at 27 (after). A locked run (its last 10 steps uniform) is its own row even on a stable arm.
+    Stable: sc_mis anywhere and the null cells (pg on the homogeneous fleet at lag 0); pg on the mixed
+    fleet at lag 0 is not a null cell."""
+    definition = CollapseDefinition(chance=0.1)
+    falls = history([0.9] * 20 + [0.0] * 20)
+    flat = history([0.5] * 40)
+    locked = [{**h, "uniform_group_fraction": 1.0 if h["step"] > 30 else 0.5} for h in flat]
+    runs = [
+        (RunRecord("pg", "mixed", 0, 4, falls), DetectorAlerts(26, ("rho_blowup",))),
+        (RunRecord("pg", "homogeneous", 0, 4, falls), DetectorAlerts(27, ("reward_cliff",))),
+        (RunRecord("sc_mis", "mixed", 0, 4, locked), DetectorAlerts(None, ())),
+        (RunRecord("sc_mis", "mixed", 1, 4, flat), DetectorAlerts(12, ("kl_surge",))),
+        (RunRecord("pg", "homogeneous", 0, 0, flat), DetectorAlerts(30, ("kl_surge", "reward_cliff"))),
+        (RunRecord("sc_mis+topp", "homogeneous", 0, 4, flat), DetectorAlerts(None, ())),
+        (RunRecord("pg", "mixed", 1, 4, flat), DetectorAlerts(40, ("grad_norm_spike",))),
+        (RunRecord("pg", "mixed", 0, 0, flat), DetectorAlerts(None, ())),
+        (RunRecord("mis", "homogeneous", 0, 4, flat), DetectorAlerts(None, ())),
+    ]
+    assert definition.step([h["reward_mean"] for h in falls]) == 26
+    assert [is_stable_run(r) for r, _ in runs] == [False, False, True, True, True, True, False, False, False]
+    score = score_detector([r for r, _ in runs], [a for _, a in runs], definition)
+    assert (score.collapsed, score.collapsed_fired, score.collapsed_ahead) == (2, 2, 1)
+    assert (score.locked, score.locked_fired) == (1, 0)
+    assert (score.stable, score.stable_fired) == (3, 2)
+    assert (score.other, score.other_fired) == (3, 1)
+    assert score.false_alarm_signals == {"kl_surge": 2, "reward_cliff": 1}
+    table = detector_table(score)
+    assert "| collapsed by the definition: 2 | 2 (1 at or before the collapse step) |" in table
+    assert "Signals in the false alarms (runs): kl_surge 2, reward_cliff 1." in table
+    with pytest.raises(ValueError, match="9 runs but 8 detector results"):
+        score_detector([r for r, _ in runs], [a for _, a in runs][:8], definition)

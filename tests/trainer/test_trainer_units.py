@@ -203,7 +203,6 @@ def test_detector_is_quiet_on_a_healthy_run():
 @pytest.mark.parametrize(
     "signal,inject",
     [
-        ("reward_cliff", {"reward_mean": 0.05}),
         ("kl_surge", {"kl_k3": 0.2, "oor_fraction": 0.1}),
         ("tool_calls_stop", {"no_tool_call_rate": 0.9, "empty_reply_rate": 0.9}),
         ("entropy_collapse", {"entropy": 0.001}),
@@ -224,6 +223,77 @@ def test_detector_fires_on_each_injected_precursor(signal, inject):
             assert signal in {a.signal for a in d.alerts} and d.pause
             break
     assert fired_at == 31  # patience 2: the second consecutive bad step
+
+
+def test_reward_cliff_is_the_window_mean_falling_to_half_its_peak():
+    """Reward 1.0 for 20 steps, then 0.0: after k zero steps the 10-step window's mean is (10 - k) / 10
+    against a peak of 1.0, so the cliff (peak - mean > max(0.25, 0.5 x 1.0)) is raised from k = 6 on
+    (index 25) and fires at k = 7 (index 26, patience 2); the alert carries the window mean and the peak."""
+    det = collapse.CollapseDetector()
+    fired = [i for i in range(40) if det.observe(i, {"reward_mean": 1.0 if i < 20 else 0.0}).fired]
+    assert fired[0] == 26
+    (alert,) = [a for a in det.history if a.step == 26]
+    assert (alert.signal, alert.value, alert.baseline) == ("reward_cliff", pytest.approx(0.3), 1.0)
+
+
+def test_a_batch_of_hard_prompts_is_not_a_reward_cliff():
+    """Three consecutive steps at reward 0 in a healthy run (a hard batch of prompts: one step's reward is
+    a few prompt groups) move the window mean by less than half the peak: no alert. The per-step rule this
+    replaced (reward below its EMA by max(0.25, 0.5 x EMA) for 2 steps) fired here."""
+    rng = np.random.default_rng(4)
+    det = collapse.CollapseDetector()
+    for step in range(60):
+        m = healthy(step, rng)
+        if 40 <= step < 43:
+            m["reward_mean"] = 0.0
+        assert not det.observe(step, m).fired, det.history
+
+
+def test_kl_rising_with_staleness_while_the_pipeline_fills_is_not_a_surge():
+    """Lag 8: staleness_max climbs 0..8 over steps 0-8 and the KL and out-of-range fraction climb with it
+    (x2 and x3 per step, far above 3x and 10x of any running baseline); every new staleness high makes
+    that step's mismatch the baseline, so nothing fires. At the settled staleness a real surge (5x KL,
+    20x OOR) still fires on its second step."""
+    det = collapse.CollapseDetector()
+    for step in range(9):
+        m = {"kl_k3": 1e-3 * 2**step, "oor_fraction": 1e-3 * 3**step, "staleness_max": float(step)}
+        assert not det.observe(step, m).fired, det.history
+    steady = {"kl_k3": 1e-3 * 2**8, "oor_fraction": 1e-3 * 3**8, "staleness_max": 8.0}
+    for step in range(9, 30):
+        assert not det.observe(step, steady).fired, det.history
+    surge = {"kl_k3": 5 * steady["kl_k3"], "oor_fraction": 20 * steady["oor_fraction"], "staleness_max": 8.0}
+    assert not det.observe(30, surge).fired
+    assert [a.signal for a in det.observe(31, surge).alerts] == ["kl_surge"]
+
+
+def test_steps_that_train_nothing_do_not_pull_the_grad_norm_baseline_to_zero():
+    """Grad norm 1.0 for 20 steps, then 30 steps where every prompt group scored alike (the gradient is
+    0), then a step with one informative group at grad norm 1.5: not a spike (the EMA the old rule kept
+    had decayed to ~2e-3 of 1.0, so 1.5 read as a ~700x spike). A 25x step still is one."""
+    det = collapse.CollapseDetector()
+    for step in range(20):
+        assert not det.observe(step, {"grad_norm": 1.0, "uniform_group_fraction": 0.5}).fired
+    for step in range(20, 50):
+        assert not det.observe(step, {"grad_norm": 0.0, "uniform_group_fraction": 1.0}).fired
+    for step in range(50, 53):
+        assert not det.observe(step, {"grad_norm": 1.5, "uniform_group_fraction": 0.875}).fired
+    assert not det.observe(53, {"grad_norm": 25.0, "uniform_group_fraction": 0.875}).fired
+    assert [a.signal for a in det.observe(54, {"grad_norm": 25.0, "uniform_group_fraction": 0.875}).alerts] == [
+        "grad_norm_spike"]
+
+
+def test_detector_state_from_before_the_reward_window_still_loads():
+    """A checkpoint whose detector state has no reward window or staleness high (written before they
+    existed) resumes: the window and the peak restart, the rest is kept."""
+    rng = np.random.default_rng(5)
+    det = collapse.CollapseDetector()
+    for step in range(20):
+        det.observe(step, healthy(step, rng))
+    old = {k: v for k, v in det.state_dict().items() if k not in ("rewards", "reward_peak", "staleness_high")}
+    restored = collapse.CollapseDetector()
+    restored.load_state_dict(old)
+    assert (restored.steps_seen, restored.baselines, restored.rewards, restored.reward_peak) == (
+        20, det.baselines, [], None)
 
 
 def test_kl_surge_without_oor_surge_does_not_fire():
@@ -251,12 +321,8 @@ def test_quarantine_action_names_the_offending_group_once():
     assert restored.state_dict() == det.state_dict()
 
 
-def test_thresholds_from_spec_accept_camel_case_and_reject_unknown():
-    t = collapse.CollapseThresholds.from_spec({"klRatio": 4, "rho_max": 10})
-    assert t.kl_ratio == 4.0 and t.rho_max == 10.0
-    with pytest.raises(ValueError, match="unknown collapse threshold"):
-        collapse.CollapseThresholds.from_spec({"bogus": 1})
-    with pytest.raises(ValueError):
+def test_detector_rejects_an_unknown_action():
+    with pytest.raises(ValueError, match="unknown safety action 'explode'"):
         collapse.CollapseDetector(action="explode")
 
 
