@@ -38,7 +38,7 @@ def replay(history: list[dict[str, float]], thresholds: CollapseThresholds) -> D
     detector = CollapseDetector(thresholds)
     for metrics in history:
         detector.observe(int(metrics["step"]), metrics)
-    return DetectorAlerts(detector.first_alert_step, tuple(sorted({a.signal for a in detector.history})))
+    return DetectorAlerts(detector.first_alert_step, tuple(detector.signals_raised))
 
 
 def line(name: str, s: DetectorScore) -> str:

@@ -215,6 +215,7 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
     base = cached_tiny_qwen3(root, cfg.tiny_model())
     if cfg.warm_start == 0:
         return base
+    # the warm start's own config; model_cache=None keeps the cache's location out of its digest
     warm = replace(cfg, steps=cfg.warm_start, lag=0, warm_start=0, model_cache=None)
 
     def build(tmp: Path) -> None:
@@ -296,7 +297,7 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
         kl_mean=float(kls.mean()),
         oor_fraction=float(np.mean([h.get("oor_fraction", 0.0) for h in hist])),
         collapse_step=detector.first_alert_step,
-        collapse_signals=sorted({a.signal for a in detector.history}),
+        collapse_signals=detector.signals_raised,
         max_sc_tail_ratio=float(max(rhos)) if rhos else None,
         seconds=time.monotonic() - t0,
         history=hist,

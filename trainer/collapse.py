@@ -256,3 +256,8 @@ class CollapseDetector:
     @property
     def first_alert_step(self) -> int | None:
         return self.history[0].step if self.history else None
+
+    @property
+    def signals_raised(self) -> list[str]:
+        """Every signal that fired over the run, sorted."""
+        return sorted({a.signal for a in self.history})
