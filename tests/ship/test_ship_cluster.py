@@ -443,6 +443,30 @@ def _applied_by(obj: dict[str, Any], manager: str) -> list[dict[str, Any]]:
     return [m for m in obj["metadata"].get("managedFields", []) if m["manager"] == manager and m["operation"] == "Apply"]
 
 
+def _assert_diff_clean(kube, namespace: str, manager: str) -> None:
+    """`kubectl diff --server-side` of the examples finds nothing to change.
+
+    `kubectl diff` reads the live objects, then dry-runs the apply: a status write (an operator
+    reconciling the namespace) landing in between shows up as a status-only difference. So: diff once
+    the RLJobs' resourceVersions have held still for 3 s, and allow a status write to race it twice."""
+    def settled() -> bool:
+        def versions() -> list[str]:
+            return [j["metadata"]["resourceVersion"] for j in kube.get_json("rljobs", "-n", namespace)["items"]]
+        first = versions()
+        time.sleep(3)
+        return versions() == first
+
+    wait_for("RLJob status to settle", settled, timeout=90, interval=0)
+    diffs = []
+    for _ in range(3):
+        diff = kube.kubectl("diff", "--server-side", f"--field-manager={manager}", "-n", namespace, "-f", str(EXAMPLE),
+                            check=False)
+        if diff.returncode == 0:
+            return
+        diffs.append(diff.stdout[-3000:] + diff.stderr[-1000:])
+    raise AssertionError("\n".join(diffs))
+
+
 def test_server_side_apply_of_the_examples_twice_changes_nothing(kube, namespace: str) -> None:
     """A no-op apply changes neither the spec, nor the generation, nor the applier's managed-fields entry
     (its timestamp only moves when an apply changes something), whatever else writes status meanwhile."""
@@ -460,8 +484,7 @@ def test_server_side_apply_of_the_examples_twice_changes_nothing(kube, namespace
         assert new["metadata"]["generation"] == old["metadata"]["generation"]
         assert new["spec"] == old["spec"]
         assert _applied_by(new, manager) == _applied_by(old, manager) != []
-    assert kube.kubectl("diff", "--server-side", f"--field-manager={manager}", "-n", namespace, "-f", str(EXAMPLE),
-                        check=False).returncode == 0
+    _assert_diff_clean(kube, namespace, manager)
 
 
 def test_diff_stays_clean_after_the_operator_reconciled(kube, operator_as_serviceaccount) -> None:
@@ -476,22 +499,7 @@ def test_diff_stays_clean_after_the_operator_reconciled(kube, operator_as_servic
             (j := kube.get_json("rljob", name, "-n", ns)).get("status", {}).get("observedGeneration")
             == j["metadata"]["generation"]), 90)
         wait_for("children", lambda: kube.get_json("samplergroups", "-n", ns)["items"], 60)
-        # `kubectl diff` reads the live object, then dry-runs the apply: a status write landing in between
-        # shows up as a (status-only) difference. Diff once the status has settled (pods Ready via kwok).
-        def settled() -> bool:
-            first = kube.get_json("rljob", name, "-n", ns)["metadata"]["resourceVersion"]
-            time.sleep(3)
-            return kube.get_json("rljob", name, "-n", ns)["metadata"]["resourceVersion"] == first
-
-        wait_for("RLJob status to settle", settled, timeout=90, interval=0)
-        diffs = []
-        for _ in range(3):
-            diff = kube.kubectl("diff", "--server-side", "--field-manager=gitops-smoke", "-n", ns, "-f", str(EXAMPLE),
-                                check=False)
-            if diff.returncode == 0:
-                break
-            diffs.append(diff.stdout[-3000:] + diff.stderr[-1000:])
-        assert diff.returncode == 0, "\n".join(diffs)
+        _assert_diff_clean(kube, ns, "gitops-smoke")
         job = _with_managed_fields(kube, "rljob", name, "-n", ns)
         # the operator reconciled without touching the spec Git owns
         assert job["spec"] == before["spec"] and job["metadata"]["generation"] == before["metadata"]["generation"]
