@@ -221,46 +221,55 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
     def build(tmp: Path) -> None:
         import shutil
 
-        backend, _, _ = _train("pg", "homogeneous", replace(warm, model_cache=cfg.model_cache), base)
+        backend, _, _ = train_arm("pg", "homogeneous", replace(warm, model_cache=cfg.model_cache), base)
         shutil.copytree(base, tmp, dirs_exist_ok=True)  # tokenizer and generation config
         backend.model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
 
     return build_once(root / f"tiny-qwen3-warm-{spec_digest(warm)}", build)
 
 
-def _train(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress: bool = False
-           ) -> tuple[Any, Any, Any]:
-    """Train `arm` on `fleet` from `model_dir` for cfg.steps: (backend, loop, collapse detector)."""
+def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str, Any]:
+    """{group name: EmulatedSampler} of `fleet`: each group's weight format, KV cache dtype and GPU
+    class's kernel (bf16 activations, its split-K reduction order), seeded from cfg.seed."""
+    from rlfleet.numerics.engine_model import KernelConfig, ModelShape
+    from rlfleet.trainer.emulated import EmulatedSampler
+    from rlfleet.trainer.fleet import SPLIT_K
+
+    model_cfg = ModelShape.from_checkpoint(model_dir)
+    return {
+        name: EmulatedSampler(name, fmt, kv, model_cfg, seed=cfg.seed + i,
+                              kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)))
+        for i, (name, acc, fmt, kv) in enumerate(FLEETS[fleet])
+    }
+
+
+def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress: bool = False,
+           sink: SnapshotSink | None = None) -> tuple[Any, Any, Any]:
+    """Train `arm` on `fleet` from `model_dir` for cfg.steps: (backend, loop, collapse detector).
+    `sink`: where versions go (default a fresh SnapshotSink; benchmarks/mismatch_direction.py passes
+    one that keeps every version)."""
     import torch
 
     from rlfleet.api.rljob import SafetySpec
-    from rlfleet.numerics.engine_model import KernelConfig, ModelShape
     from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
-    from rlfleet.trainer.emulated import EmulatedSampler
     from rlfleet.trainer.environments import load_environment
-    from rlfleet.trainer.fleet import SPLIT_K
     from rlfleet.trainer.objective import ObjectiveConfig
     from rlfleet.trainer.prompts import GeneratedPromptSource
     from rlfleet.trainer.run import run_training
 
     torch.manual_seed(cfg.seed)
-    model_cfg = ModelShape.from_checkpoint(model_dir)
     mode, replay = ARMS[arm]
     backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig(mode=mode, replay=replay),
                                         optim=OptimConfig(learning_rate=cfg.learning_rate))
     groups = FLEETS[fleet]
-    samplers = {
-        name: EmulatedSampler(name, fmt, kv, model_cfg, seed=cfg.seed + i,
-                              kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)))
-        for i, (name, acc, fmt, kv) in enumerate(groups)
-    }
+    samplers = fleet_samplers(fleet, cfg, model_dir)
     env = load_environment(cfg.task)
     prompts = GeneratedPromptSource(cfg.task, cfg.seed)
     sampling = {"temperature": 1.0, "top_p": cfg.top_p, "top_k": -1, "max_new_tokens": cfg.max_new_tokens,
                 "candidate_mode": "support" if replay else "head", "head_size": cfg.head_size}
     detector = CollapseDetector(CollapseThresholds.from_safety(SafetySpec()))  # a default RLJob's
-    sink = SnapshotSink()
+    sink = sink if sink is not None else SnapshotSink()
     run_cfg = SimpleNamespace(steps=cfg.steps, prompts_per_step=cfg.prompts, max_staleness=None,
                               groups=[{"name": g[0], "weight_format": g[2]} for g in groups])
 
@@ -281,7 +290,7 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
     import numpy as np
 
     t0 = time.monotonic()
-    _, loop, detector = _train(arm, fleet, cfg, start_checkpoint(cfg), progress)
+    _, loop, detector = train_arm(arm, fleet, cfg, start_checkpoint(cfg), progress)
     hist = loop.state.history
     rewards = np.array([h.get("reward_mean", 0.0) for h in hist])
     kls = np.array([h.get("kl_k3", 0.0) for h in hist])
@@ -364,17 +373,6 @@ TASK_CHANCE = {"copy_digit": 0.1, "same_parity": 0.5, "tool_add": 0.0, "retry_di
 uniformly random digit, 0.1; same_parity: any digits, 0.5; retry_digit: four distinct guesses, 0.208).
 tool_add (multi-turn): 0, since the protocol itself is what is learned (a uniformly random reply
 earns ~0.02; docs/ablation.md)."""
-
-
-def _run_job(job: tuple[str, str, AblationConfig]) -> ArmResult:
-    """One (arm, fleet, config) run in a worker process (1 torch thread: the workers share the cores)."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(1)
-    arm, fleet, cfg = job
-    return run_arm(arm, fleet, cfg)
 
 
 def _quiet_worker() -> None:

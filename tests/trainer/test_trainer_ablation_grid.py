@@ -78,7 +78,7 @@ def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(tmp_path:
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(sums)
     assert all(hash_file(warm / name, "sha256").hexdigest == digest for name, digest in sums.items())
 
-    trained, _, _ = ablation._train("pg", "homogeneous", replace(cfg, steps=2, lag=0, warm_start=0), base)
+    trained, _, _ = ablation.train_arm("pg", "homogeneous", replace(cfg, steps=2, lag=0, warm_start=0), base)
     saved, untrained = read_safetensors_dir(warm), read_safetensors_dir(base)
     expected = {k: v.to(torch.bfloat16) for k, v in trained.weights().items()}
     assert saved.keys() == expected.keys()
@@ -88,7 +88,7 @@ def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(tmp_path:
     def no_training(*args: object, **kwargs: object) -> None:
         raise AssertionError("the warm start was trained again")
 
-    monkeypatch.setattr(ablation, "_train", no_training)
+    monkeypatch.setattr(ablation, "train_arm", no_training)
     assert ablation.start_checkpoint(replace(cfg, lag=0, steps=40)) == warm
     with pytest.raises(AssertionError, match="trained again"):
         ablation.start_checkpoint(replace(cfg, learning_rate=1e-3))
