@@ -38,7 +38,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rlfleet.numerics.engine_model import precision_view
+from rlfleet.numerics.engine_model import is_quantizable, precision_view
 from rlfleet.trainer.ablation import (
     FLEETS,
     AblationConfig,
@@ -121,7 +121,8 @@ def rounding_error_cosine(weights: list[dict], views: list[dict], k: int) -> flo
     """Mean over t of the cosine between the projection weights' rounding error (view - weight) at
     version t and at t + k: does the weights' quantisation error keep its direction as they train."""
     def error(t: int) -> torch.Tensor:
-        return torch.cat([(views[t][n] - weights[t][n]).flatten() for n in sorted(weights[t]) if n.endswith("proj.weight")])
+        return torch.cat([(views[t][n] - weights[t][n]).flatten() for n in sorted(weights[t])
+                          if is_quantizable(n, weights[t][n])])
 
     return float(np.mean([cosine(error(t), error(t + k)) for t in range(len(views) - k)]))
 

@@ -53,6 +53,8 @@ FLEETS: dict[str, list[tuple[str, str, str, str]]] = {
         ("b200-nvfp4", "b200", "nvfp4", "auto"), ("b300-nvfp4", "b300", "nvfp4", "auto"),
         ("b200-nvfp4-b", "b200", "nvfp4", "fp8_e4m3"), ("h100-fp8", "h100", "fp8", "auto"),
     ],
+    # every token from NVFP4 (with --precision-error-scale: the fifth search of docs/ablation.md)
+    "nvfp4": [("b200-nvfp4", "b200", "nvfp4", "auto"), ("b300-nvfp4", "b300", "nvfp4", "auto")],
 }
 
 
@@ -78,6 +80,8 @@ class AblationConfig:
     logit_std: float = 2.0
     # steps of on-policy GRPO every arm starts from (`start_checkpoint`); 0: the untrained tiny Qwen3
     warm_start: int = 0
+    # the quantised groups' rounding error, times this (`scaled_view`); 1: the formats as they are
+    precision_error_scale: float = 1.0
     model_cache: str | None = None  # default: rlfleet.model_source.default_cache_dir()
 
     def tiny_model(self) -> Any:
@@ -164,7 +168,8 @@ class LockstepRollouts:
         version = max(0, step - cfg.lag)
         if version != self.serving:
             snapshot = self.sink.snapshots[version]
-            views = {fmt: precision_view(snapshot, VIEW_FORMATS[fmt]) for fmt in {g[2] for g in self.groups}}
+            views = {fmt: scaled_view(snapshot, precision_view(snapshot, VIEW_FORMATS[fmt]), fmt,
+                                      cfg.precision_error_scale) for fmt in {g[2] for g in self.groups}}
             for (name, _, fmt, _) in self.groups:
                 self.samplers[name].load_weights(snapshot, version, view=views[fmt])
             self.serving = version
@@ -198,6 +203,20 @@ class LockstepRollouts:
                 for pi, p in enumerate(batch_prompts)]
 
 
+def scaled_view(weights: dict, view: dict, weight_format: str, scale: float) -> dict:
+    """`view` (the `precision_view` of `weights` in `weight_format`) with the quantised tensors'
+    rounding error times `scale`: weights + scale * (view - weights) where the format quantises
+    (`is_quantizable`: the projections of an fp8 / nvfp4 / mxfp4 view), the view elsewhere; `view` itself at scale 1
+    and for bf16. A lever of the ablation, not a format any GPU runs: the rounding error keeps its own
+    direction (which weights round which way) at `scale` times its size (docs/ablation.md, fifth search)."""
+    from rlfleet.numerics.engine_model import is_quantizable
+
+    if scale == 1.0 or weight_format == "bf16":
+        return view
+    return {name: weights[name] + scale * (v - weights[name]) if is_quantizable(name, weights[name]) else v
+            for name, v in view.items()}
+
+
 def start_checkpoint(cfg: AblationConfig) -> Path:
     """The checkpoint every arm of `cfg` starts from: the seed's untrained tiny Qwen3, or (warm_start
     > 0) that model after `warm_start` steps of on-policy GRPO (arm pg, homogeneous fleet, lag 0, the
@@ -216,7 +235,8 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
     if cfg.warm_start == 0:
         return base
     # the warm start's own config; model_cache=None keeps the cache's location out of its digest
-    warm = replace(cfg, steps=cfg.warm_start, lag=0, warm_start=0, model_cache=None)
+    # (it trains on the bf16 fleet, so the precision lever stays out of it too)
+    warm = replace(cfg, steps=cfg.warm_start, lag=0, warm_start=0, model_cache=None, precision_error_scale=1.0)
 
     def build(tmp: Path) -> None:
         import shutil
@@ -484,6 +504,8 @@ def cli(argv: Sequence[str]) -> int:
     p.add_argument("--task", default=d.task, choices=tuple(TASK_CHANCE))
     p.add_argument("--warm-start", type=int, default=d.warm_start,
                    help="every arm starts from the tiny Qwen3 after this many steps of on-policy GRPO (default 0: untrained)")
+    p.add_argument("--precision-error-scale", type=float, default=d.precision_error_scale,
+                   help="multiply the fp8/nvfp4 groups' rounding error by this (default 1: the formats as they are)")
     p.add_argument("--out", default="rlfleet-ablation")
     p.add_argument("--docs", help="also write the results between the ablation markers of this file (docs/ablation.md)")
     args = p.parse_args(list(argv))
@@ -495,9 +517,10 @@ def cli(argv: Sequence[str]) -> int:
         return 2
     if (args.steps < 4 or args.prompts < 1 or args.samples < 2 or args.lag < 0 or not 0 < args.top_p <= 1
             or args.vocab_size < 32 or args.max_new_tokens < 1 or args.hidden_size < 128 or args.hidden_size % 128
-            or args.layers < 1 or args.warm_start < 0):
+            or args.layers < 1 or args.warm_start < 0 or not 0 <= args.precision_error_scale < float("inf")):
         print("rlfleet ablate: need --steps >= 4, --prompts >= 1, --samples >= 2, --lag >= 0, 0 < --top-p <= 1, "
-              "--vocab-size >= 32, --max-new-tokens >= 1, --hidden-size a multiple of 128, --layers >= 1, --warm-start >= 0", file=sys.stderr)
+              "--vocab-size >= 32, --max-new-tokens >= 1, --hidden-size a multiple of 128, --layers >= 1, --warm-start >= 0, "
+              "a finite --precision-error-scale >= 0", file=sys.stderr)
         return 2
     try:
         seeds = parse_seeds(args.seeds)
@@ -523,7 +546,8 @@ def cli(argv: Sequence[str]) -> int:
                          lag=args.lag, learning_rate=args.lr, top_p=args.top_p, head_size=args.head_size,
                          task=args.task, logit_std=args.logit_std, vocab_size=args.vocab_size,
                          hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-                         num_hidden_layers=args.layers, warm_start=args.warm_start)
+                         num_hidden_layers=args.layers, warm_start=args.warm_start,
+                         precision_error_scale=args.precision_error_scale)
     hf_logging.disable_progress_bar()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,9 @@ def test_ablate_rejects_unknown_arms_and_bad_budgets(tmp_path, capsys):
     assert "--hidden-size a multiple of 128" in capsys.readouterr().err
     assert ablation.cli(["--warm-start", "-1", "--out", str(tmp_path)]) == 2
     assert "--warm-start >= 0" in capsys.readouterr().err
+    for bad in ("-1", "nan", "inf"):
+        assert ablation.cli(["--precision-error-scale", bad, "--out", str(tmp_path)]) == 2
+        assert "a finite --precision-error-scale >= 0" in capsys.readouterr().err
 
 
 def test_tiny_ablation_is_seeded_and_writes_table_and_plots(tmp_path, monkeypatch, one_torch_thread):

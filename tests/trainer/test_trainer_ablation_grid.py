@@ -90,5 +90,36 @@ def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(tmp_path:
 
     monkeypatch.setattr(ablation, "train_arm", no_training)
     assert ablation.start_checkpoint(replace(cfg, lag=0, steps=40)) == warm
+    # the warm start trains on the bf16 fleet: the precision lever is not part of it
+    assert ablation.start_checkpoint(replace(cfg, precision_error_scale=3.0)) == warm
     with pytest.raises(AssertionError, match="trained again"):
         ablation.start_checkpoint(replace(cfg, learning_rate=1e-3))
+
+
+def test_scaled_view_multiplies_the_rounding_error_of_quantised_tensors_only() -> None:
+    """`--precision-error-scale K`: weights + K * (view - weights) on what the format quantises (the
+    decoder's projections), the view's own bf16 values elsewhere; the view itself at K = 1 and for a
+    bf16 group (its rounding is not a format's quantisation)."""
+    import torch
+
+    proj, norm = "model.layers.0.mlp.up_proj.weight", "model.norm.weight"
+    weights = {proj: torch.tensor([[1.0, 2.0]]), norm: torch.tensor([1.0])}
+    view = {proj: torch.tensor([[1.5, 1.0]]), norm: torch.tensor([1.25])}
+    scaled = ablation.scaled_view(weights, view, "nvfp4", 3.0)
+    assert torch.equal(scaled[proj], torch.tensor([[2.5, -1.0]])) and torch.equal(scaled[norm], torch.tensor([1.25]))
+    assert torch.equal(ablation.scaled_view(weights, view, "fp8", 0.0)[proj], weights[proj])
+    assert ablation.scaled_view(weights, view, "nvfp4", 1.0) is view
+    assert ablation.scaled_view(weights, view, "bf16", 3.0) is view
+
+
+def test_precision_error_scale_reaches_the_samplers(tmp_path: Path) -> None:
+    """The lever acts on what the samplers compute with: on the NVFP4 fleet the step-1 (on-policy, lag 0)
+    sampler/trainer KL grows with the scale (about as its square: KL is quadratic in a small error),
+    and scale 0 leaves only the bf16 rounding and kernel of the groups."""
+    from rlfleet.tiny_qwen3 import cached_tiny_qwen3
+
+    cfg = AblationConfig(steps=1, prompts=2, samples=4, max_new_tokens=3, lag=0, model_cache=str(tmp_path))
+    base = cached_tiny_qwen3(tmp_path, cfg.tiny_model())
+    kl = {scale: ablation.train_arm("pg", "nvfp4", replace(cfg, precision_error_scale=scale), base)[1]
+          .state.history[0]["kl_k3"] for scale in (0.0, 1.0, 3.0)}
+    assert kl[0.0] < kl[1.0] / 10 and kl[3.0] > 4 * kl[1.0], kl
