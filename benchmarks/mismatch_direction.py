@@ -46,6 +46,7 @@ from rlfleet.trainer.ablation import (
     SnapshotSink,
     fleet_samplers,
     parse_seeds,
+    sampling_params,
     start_checkpoint,
     train_arm,
 )
@@ -74,10 +75,9 @@ def probe_set(cfg: AblationConfig, start: object, version0: dict) -> tuple[torch
 
     sink = SnapshotSink()
     sink.publish(version0, 0)
-    sampling = {"temperature": 1.0, "top_p": cfg.top_p, "top_k": -1, "max_new_tokens": cfg.max_new_tokens,
-                "candidate_mode": "head", "head_size": cfg.head_size}
     rollouts = LockstepRollouts(cfg, sink, fleet_samplers("homogeneous", cfg, start), FLEETS["homogeneous"],
-                                load_environment(cfg.task), GeneratedPromptSource(cfg.task, cfg.seed), sampling)
+                                load_environment(cfg.task), GeneratedPromptSource(cfg.task, cfg.seed),
+                                sampling_params(cfg, replay=False))  # pg's samples
     episodes = [r for g in rollouts.take(cfg.prompts, timeout=0) for r in g.rollouts]
     width = max(len(r.token_ids()) for r in episodes)
     ids = torch.zeros(len(episodes), width, dtype=torch.long)
@@ -120,11 +120,9 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def rounding_error_cosine(weights: list[dict], views: list[dict], k: int) -> float:
     """Mean over t of the cosine between the projection weights' rounding error (view - weight) at
     version t and at t + k: does the weights' quantisation error keep its direction as they train."""
-    def error(t: int) -> torch.Tensor:
-        return torch.cat([(views[t][n] - weights[t][n]).flatten() for n in sorted(weights[t])
-                          if is_quantizable(n, weights[t][n])])
-
-    return float(np.mean([cosine(error(t), error(t + k)) for t in range(len(views) - k)]))
+    errors = [torch.cat([(view[n] - w[n]).flatten() for n in sorted(w) if is_quantizable(n, w[n])])
+              for w, view in zip(weights, views, strict=True)]
+    return float(np.mean([cosine(errors[t], errors[t + k]) for t in range(len(errors) - k)]))
 
 
 def measure(cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list[int]) -> dict[str, dict] | None:
@@ -146,12 +144,13 @@ def measure(cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list
 
     d: dict[str, list[torch.Tensor | None]] = {}
     weight_cos: dict[str, dict[int, float]] = {}
-    samplers = fleet_samplers("mixed", cfg, start)
-    homogeneous = fleet_samplers("homogeneous", cfg, start)
-    groups = [FLEETS["homogeneous"][0]] + FLEETS["mixed"]
-    for name, accelerator, fmt, kv in groups:
-        sampler = (homogeneous if name in homogeneous else samplers)[name]
-        views = [precision_view(w, VIEW_FORMATS[fmt]) for w in versions]
+    samplers = {**fleet_samplers("homogeneous", cfg, start), **fleet_samplers("mixed", cfg, start)}
+    views_of: dict[str, list[dict]] = {}  # weight format -> its view of every version (bf16 serves 3 groups)
+    for name, accelerator, fmt, kv in [FLEETS["homogeneous"][0]] + FLEETS["mixed"]:
+        sampler = samplers[name]
+        if fmt not in views_of:
+            views_of[fmt] = [precision_view(w, VIEW_FORMATS[fmt]) for w in versions]
+        views = views_of[fmt]
         label = f"{fmt} {accelerator}" + (f" kv {kv}" if KV_EMULATION.get(kv, "bf16") != "bf16" else "")
         d[label] = [sampler_probs(sampler, view, ids, where) - p[t] for t, view in enumerate(views)]
         if fmt in ("fp8", "nvfp4"):

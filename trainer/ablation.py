@@ -263,8 +263,15 @@ def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str
     }
 
 
+def sampling_params(cfg: AblationConfig, replay: bool) -> dict[str, Any]:
+    """The samplers' request parameters: temperature 1, cfg's top_p, and the candidates the records
+    carry (the kept support under mask replay, else a top-`head_size` head for SC)."""
+    return {"temperature": 1.0, "top_p": cfg.top_p, "top_k": -1, "max_new_tokens": cfg.max_new_tokens,
+            "candidate_mode": "support" if replay else "head", "head_size": cfg.head_size}
+
+
 def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress: bool = False,
-           sink: SnapshotSink | None = None) -> tuple[Any, Any, Any]:
+              sink: SnapshotSink | None = None) -> tuple[Any, Any, Any]:
     """Train `arm` on `fleet` from `model_dir` for cfg.steps: (backend, loop, collapse detector).
     `sink`: where versions go (default a fresh SnapshotSink; benchmarks/mismatch_direction.py passes
     one that keeps every version)."""
@@ -286,8 +293,7 @@ def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progre
     samplers = fleet_samplers(fleet, cfg, model_dir)
     env = load_environment(cfg.task)
     prompts = GeneratedPromptSource(cfg.task, cfg.seed)
-    sampling = {"temperature": 1.0, "top_p": cfg.top_p, "top_k": -1, "max_new_tokens": cfg.max_new_tokens,
-                "candidate_mode": "support" if replay else "head", "head_size": cfg.head_size}
+    sampling = sampling_params(cfg, replay)
     detector = CollapseDetector(CollapseThresholds.from_safety(SafetySpec()))  # a default RLJob's
     sink = sink if sink is not None else SnapshotSink()
     run_cfg = SimpleNamespace(steps=cfg.steps, prompts_per_step=cfg.prompts, max_staleness=None,
