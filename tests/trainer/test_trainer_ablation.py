@@ -47,13 +47,17 @@ def test_tiny_ablation_is_seeded_and_writes_table_and_plots(tmp_path, monkeypatc
     for name in ("ablation_reward_mean.png", "ablation_kl_k3.png", "ablation_oor_fraction.png"):
         assert (tmp_path / "a" / name).stat().st_size > 0
     # Pinned: re-pinned on 2026-12-01 from a run of the committed code (the tiny Qwen3 of
-    # AblationConfig, HFBackend, torch on one thread, this CPU), NOT derived independently: a change here
-    # means the ablation's numbers changed; re-run `rlfleet ablate` and re-record docs/ablation.md.
+    # AblationConfig, HFBackend, torch on one thread), NOT derived independently: a change here means the
+    # ablation's numbers changed; re-run `rlfleet ablate` and re-record docs/ablation.md. The tolerance is
+    # the spread between CPUs, not within one: torch's fp32 sums round differently by instruction set
+    # (ATen's SIMD width, MKL's kernels), and an AMD EPYC with AVX-512 gives kl_k3 1.6e-4 relative off
+    # the recording machine's at step 3 (3.5e-5 at step 1 under ATEN_CPU_CAPABILITY=avx2); rewards,
+    # which count sampled tokens, are equal (docs/ablation.md, "Reproducing a run").
     pinned = {"reward_mean": [0.020833333333333332, 0.0, 0.020833333333333332, 0.0],
               "kl_k3": [7.54502084520128e-05, 0.3081720272699992, 0.10264668862024943, 0.07425868511199951],
               "grad_norm": [0.2762294411659241, 0.0, 0.27907517552375793, 0.0]}
     for key, values in pinned.items():
-        assert [h[key] for h in homog["pg"]["history"]] == pytest.approx(values, rel=1e-5, abs=1e-12), key
+        assert [h[key] for h in homog["pg"]["history"]] == pytest.approx(values, rel=1e-3, abs=1e-12), key
     # seeded: the same arguments give the same numbers
     assert ablation.cli([*args, "--arms", "pg", "--fleets", "homogeneous", "--out", str(tmp_path / "b")]) == 0
     again = json.loads((tmp_path / "b" / "ablation.json").read_text())["runs"][0]
