@@ -339,9 +339,17 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
     )
 
 
+def claims_fleet(fleets: Sequence[str]) -> str:
+    """The fleet the claims hold against the homogeneous one: `mixed` when it runs, else the first other
+    low-precision fleet of `fleets` (e.g. `--fleets homogeneous,nvfp4`), else `mixed` (its claims are
+    then not run, for want of runs)."""
+    others = [f for f in fleets if f != "homogeneous"]
+    return "mixed" if "mixed" in others or not others else others[0]
+
+
 def table(results: list[ArmResult]) -> str:
-    """Markdown table. "mixed/homog. KL": the arm's mean KL on the mixed fleet over its mean KL on the
-    homogeneous fleet (staleness included), and at step 1 (on-policy: precision and kernels only)."""
+    """Markdown table. "mixed/homog. KL": the arm's mean KL on a low-precision fleet over its mean KL
+    on the homogeneous fleet (staleness included), and at step 1 (on-policy: precision and kernels only)."""
     by = {(r.arm, r.fleet): r for r in results}
     lines = [
         "| arm | fleet | final reward | peak reward | peak KL / start | mean KL | OOR fraction | collapse detected (step: signals) | max sc_tail_ratio | mixed/homog. KL (run / step 1) |",
@@ -350,7 +358,7 @@ def table(results: list[ArmResult]) -> str:
     for r in results:
         other = by.get((r.arm, "homogeneous"))
         ratio = ""
-        if r.fleet == "mixed" and other and other.kl_mean > 0:
+        if r.fleet != "homogeneous" and other and other.kl_mean > 0:
             first = (r.history[0].get("kl_k3", 0.0) / other.history[0]["kl_k3"]) if other.history and other.history[0].get("kl_k3") else float("nan")
             ratio = f"{r.kl_mean / other.kl_mean:.1f}x / {first:.1f}x"
         collapse = f"{r.collapse_step}: {', '.join(r.collapse_signals)}" if r.collapse_step is not None else "no"
@@ -362,7 +370,7 @@ def table(results: list[ArmResult]) -> str:
     return "\n".join(lines)
 
 
-def plots(results: list[ArmResult], out: Path) -> list[Path]:
+def plots(results: list[ArmResult], out: Path, low_fleet: str = "mixed") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -372,7 +380,7 @@ def plots(results: list[ArmResult], out: Path) -> list[Path]:
     for key, title in (("reward_mean", "reward"), ("kl_k3", "sampler/trainer KL (k3)"), ("oor_fraction", "OOR fraction"),
                        ("grad_norm", "grad norm"), ("entropy", "entropy"), ("sc_tail_ratio", "sc_tail_ratio")):
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-        for ax, fleet in zip(axes, ("homogeneous", "mixed"), strict=True):
+        for ax, fleet in zip(axes, ("homogeneous", low_fleet), strict=True):
             for r in results:
                 if r.fleet != fleet:
                     continue
@@ -490,7 +498,9 @@ def cli(argv: Sequence[str]) -> int:
     d = AblationConfig()
     p = argparse.ArgumentParser(prog="rlfleet ablate", description="Correction ablation: pg, mis, sc, pg+topp, sc_mis, sc_mis+topp on a homogeneous and a mixed fleet, several seeds, pre-registered claims (docs/ablation.md).")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
-    p.add_argument("--fleets", default="homogeneous,mixed")
+    p.add_argument("--fleets", default="homogeneous,mixed",
+                   help=f"comma list of {', '.join(FLEETS)}; the claims compare homogeneous with mixed, "
+                        "or with the first other fleet when mixed does not run")
     p.add_argument("--seeds", default="5", help="N (seeds 0..N-1) or a comma list of seeds (default 5)")
     p.add_argument("--jobs", type=int, default=None, help="parallel worker processes (default: CPU cores)")
     p.add_argument("--no-null-control", action="store_true", help="skip the null-arm cells (homogeneous, lag 0)")
@@ -569,7 +579,8 @@ def cli(argv: Sequence[str]) -> int:
     wall = time.monotonic() - t0
     records = records_of(results, [c for _, _, c in jobs])
     definition = CollapseDefinition(chance=TASK_CHANCE[cfg.task])
-    claims = evaluate_claims(paper_claims(definition, lag=cfg.lag), records)
+    low_fleet = claims_fleet(fleets)
+    claims = evaluate_claims(paper_claims(definition, lag=cfg.lag, low_fleet=low_fleet), records)
     by_seed0 = [r for r, (_, _, c) in zip(results, jobs, strict=True) if c.seed == seeds[0] and c.lag == cfg.lag]
     cpu = sum(r.seconds for r in results)
     md = "\n\n".join([
@@ -577,7 +588,8 @@ def cli(argv: Sequence[str]) -> int:
         + (f" ({warm_wall / 60:.1f} of them training the warm starts: every arm starts from {cfg.warm_start} steps "
            "of on-policy pg)" if cfg.warm_start else "")
         + f"; {cpu / 60:.1f} CPU-minutes of runs.",
-        "### Claims\n\n" + claims_table(claims),
+        "### Claims\n\n" + (f"The mixed fleet of the claims: `{low_fleet}`.\n\n" if low_fleet != "mixed" else "")
+        + claims_table(claims),
         "### Per cell (all seeds)\n\n" + summary_table(records, definition),
         "### Collapse detector against the pre-registered definition\n\n" + detector_table(score_detector(
             records, [DetectorAlerts(r.collapse_step, tuple(r.collapse_signals)) for r in results], definition)),
@@ -589,9 +601,9 @@ def cli(argv: Sequence[str]) -> int:
         command = "rlfleet ablate " + " ".join(argv)
         write_docs_block(Path(args.docs), f"Generated by `{command}` (load average {os.getloadavg()[0]:.1f}).\n\n{md}")
     (out / "ablation.json").write_text(json.dumps({
-        "config": asdict(cfg), "seeds": seeds,
+        "config": asdict(cfg), "seeds": seeds, "claims_fleet": low_fleet,
         "runs": [{"seed": c.seed, "lag": c.lag, **asdict(r)} for r, (_, _, c) in zip(results, jobs, strict=True)],
         "claims": [{"id": c.id, "status": res.status, "evidence": res.evidence} for c, res in claims],
     }, indent=1))
-    plots(by_seed0, out)
+    plots(by_seed0, out, low_fleet)
     return 0

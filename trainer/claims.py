@@ -386,12 +386,18 @@ def _steps_text(steps: Sequence[int | None], seeds: Sequence[int]) -> str:
     return ", ".join(f"{s}: {'never' if t is None else t}" for s, t in zip(seeds, steps, strict=True))
 
 
-def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_SEEDS) -> list[Claim]:
+def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_SEEDS,
+                 low_fleet: str = MIXED) -> list[Claim]:
     """method.md's ablation as claims C1..C7 on the runs at `lag` (the null-arm control at lag 0).
     Every cell a claim reads needs >= min_seeds seeds, and cells compared with each other are paired
-    over the seeds they share (>= min_seeds too); otherwise the claim is not run."""
+    over the seeds they share (>= min_seeds too); otherwise the claim is not run. `low_fleet`: the
+    fleet the claims call "the mixed fleet" and hold against the homogeneous one (default `mixed`;
+    `rlfleet ablate --fleets homogeneous,nvfp4` compares the all-4-bit fleet)."""
     if min_seeds < 1:
         raise ValueError("min_seeds must be >= 1")
+    if low_fleet == HOMOGENEOUS:
+        raise ValueError("the claims hold a low-precision fleet against the homogeneous one, not against itself")
+    fleets = (HOMOGENEOUS, low_fleet)
 
     def cell(arm: str, fleet: str) -> tuple[str, str, int]:
         return (arm, fleet, lag)
@@ -404,7 +410,7 @@ def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_
         return steps, sum(t is not None for t in steps), _mean(censored)
 
     def c1(records: Sequence[RunRecord]) -> ClaimResult:
-        index, c = _Index(records), cell("pg", MIXED)
+        index, c = _Index(records), cell("pg", low_fleet)
         if missing := index.missing([c], min_seeds):
             return _not_run(missing)
         seeds = index.seeds([c])
@@ -415,19 +421,19 @@ def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_
 
     def c2(records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        cells = [cell("pg", HOMOGENEOUS), cell("pg", MIXED)]
+        cells = [cell("pg", HOMOGENEOUS), cell("pg", low_fleet)]
         if missing := index.missing(cells, min_seeds):
             return _not_run(missing)
         seeds = index.seeds(cells)
         (sh, kh, mh), (sm, km, mm) = (collapses(index, c, seeds) for c in cells)
         return ClaimResult(mh > mm or kh < km,
                            f"pg over seeds {seeds}: homogeneous collapsed {kh}/{len(seeds)}, mean step {mh:.1f} (by seed: "
-                           f"{_steps_text(sh, seeds)}); mixed collapsed {km}/{len(seeds)}, mean step {mm:.1f} "
+                           f"{_steps_text(sh, seeds)}); {low_fleet} collapsed {km}/{len(seeds)}, mean step {mm:.1f} "
                            f"(by seed: {_steps_text(sm, seeds)}); never = steps + 1 in the means")
 
     def c3(records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        cells = [cell(arm, fleet) for arm in STABLE_ARMS for fleet in FLEET_ORDER]
+        cells = [cell(arm, fleet) for arm in STABLE_ARMS for fleet in fleets]
         if missing := index.missing(cells, min_seeds):
             return _not_run(missing)
         parts, ok = [], True
@@ -441,11 +447,11 @@ def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_
     def c4(records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
         arms = ("pg", "sc_mis", *SINGLE_CORRECTIONS)
-        cells = [cell(arm, MIXED) for arm in arms]
+        cells = [cell(arm, low_fleet) for arm in arms]
         if missing := index.missing(cells, min_seeds):
             return _not_run(missing)
         seeds = index.seeds(cells)
-        stats = {arm: collapses(index, cell(arm, MIXED), seeds)[1:] for arm in arms}
+        stats = {arm: collapses(index, cell(arm, low_fleet), seeds)[1:] for arm in arms}
         (kp, mp), (ks, ms) = stats["pg"], stats["sc_mis"]
         interval = kp > ks or mp < ms
         between = {arm: kp >= stats[arm][0] >= ks and mp <= stats[arm][1] <= ms for arm in SINGLE_CORRECTIONS}
@@ -453,43 +459,43 @@ def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_
                          + ("" if arm in ("pg", "sc_mis") else (" (between)" if between[arm] else " (NOT between)"))
                          for arm in arms)
         note = "" if interval else "; pg is no worse than sc_mis, so there is nothing in between"
-        return ClaimResult(interval and all(between.values()), f"mixed/lag {lag} over seeds {seeds}: {text}{note}")
+        return ClaimResult(interval and all(between.values()), f"{low_fleet}/lag {lag} over seeds {seeds}: {text}{note}")
 
     def c5(records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
         both = sorted({a for (a, f, g) in index.runs if g == lag and (a, HOMOGENEOUS, lag) in index.runs
-                       and (a, MIXED, lag) in index.runs} | {"pg"}, key=_arm_key)
-        missing = [m for a in both for m in index.missing([cell(a, f) for f in FLEET_ORDER], min_seeds)]
+                       and (a, low_fleet, lag) in index.runs} | {"pg"}, key=_arm_key)
+        missing = [m for a in both for m in index.missing([cell(a, f) for f in fleets], min_seeds)]
         if missing:
             return _not_run(missing)
         ratios: list[float] = []
         low: list[str] = []
         for a in both:
-            seeds = index.seeds([cell(a, HOMOGENEOUS), cell(a, MIXED)])
-            for s, h, m in zip(seeds, index.get(cell(a, HOMOGENEOUS), seeds), index.get(cell(a, MIXED), seeds), strict=True):
+            seeds = index.seeds([cell(a, HOMOGENEOUS), cell(a, low_fleet)])
+            for s, h, m in zip(seeds, index.get(cell(a, HOMOGENEOUS), seeds), index.get(cell(a, low_fleet), seeds), strict=True):
                 kh, km = on_policy_kl(h), on_policy_kl(m)
                 ratio = km / kh if kh > 0 else (math.inf if km > 0 else math.nan)
                 ratios.append(ratio)
                 if not ratio > 1:
                     low.append(f"{a} seed {s}: {ratio:.3g}")
-        return ClaimResult(not low, f"step-1 kl_k3 mixed / homogeneous over {len(ratios)} (arm, seed) pairs of "
+        return ClaimResult(not low, f"step-1 kl_k3 {low_fleet} / homogeneous over {len(ratios)} (arm, seed) pairs of "
                            f"{', '.join(both)}: median {median(ratios):.3g}x, range {min(ratios):.3g}x..{max(ratios):.3g}x "
                            f"(paper, run mean on real GPUs: 4.7x)" + (f"; not > 1: {', '.join(low)}" if low else ""))
 
     def c6(records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        cells = [cell("sc_mis+topp", MIXED), cell("pg", MIXED)]
+        cells = [cell("sc_mis+topp", low_fleet), cell("pg", low_fleet)]
         missing = index.missing(cells, min_seeds) + index.missing(NULL_CELLS, min_seeds)
         if missing:
             return _not_run(missing)
-        diff = paired_difference(records, "sc_mis+topp", "pg", MIXED, lag)
+        diff = paired_difference(records, "sc_mis+topp", "pg", low_fleet, lag)
         floor = null_noise_floor(records)
         passed = diff.mean > 0 and diff.mean > floor.max_abs_mean
         return ClaimResult(passed, f"final reward {diff.describe()}; {floor.describe()}")
 
     def c7(records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        cells = [cell("pg", MIXED), cell("sc_mis", MIXED)]
+        cells = [cell("pg", low_fleet), cell("sc_mis", low_fleet)]
         if missing := index.missing(cells, min_seeds):
             return _not_run(missing)
         seeds = index.seeds(cells)
@@ -502,7 +508,7 @@ def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_
         k = sum(p > s for p, s in zip(growth["pg"], growth["sc_mis"], strict=True))
         by_seed = ", ".join(f"{s}: {p:.2f}x vs {q:.2f}x" for s, p, q in zip(seeds, growth["pg"], growth["sc_mis"], strict=True))
         return ClaimResult(_two_thirds(k, len(seeds)),
-                           f"mixed/lag {lag}: pg's kl_growth > sc_mis's in {k}/{len(seeds)} seeds (need 3k >= 2n); "
+                           f"{low_fleet}/lag {lag}: pg's kl_growth > sc_mis's in {k}/{len(seeds)} seeds (need 3k >= 2n); "
                            f"median pg {median(growth['pg']):.2f}x, sc_mis {median(growth['sc_mis']):.2f}x; by seed: {by_seed}")
 
     return [

@@ -10,6 +10,7 @@ whose last rolling mean (1 + v) / 2 >= 0.5, so it never collapses, with final re
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,23 @@ def test_every_claim_passes_on_the_papers_story():
     assert "in 3/3 seeds" in res["C7"].evidence and "median pg 4.00x, sc_mis 1.00x" in res["C7"].evidence
 
 
+def test_claims_read_the_low_precision_fleet_they_are_given():
+    """The same story on a fleet named `nvfp4` (`rlfleet ablate --fleets homogeneous,nvfp4`): with
+    low_fleet="nvfp4" every claim passes with the same evidence, the fleet's name in it; with the
+    default ("mixed") the cells are missing and no claim that reads them runs."""
+    renamed = [replace(r, fleet="nvfp4") if r.fleet == "mixed" else r for r in world()]
+    res = {c.id: r for c, r in evaluate_claims(paper_claims(DEF, LAG, min_seeds=3, low_fleet="nvfp4"), renamed)}
+    assert {k: r.status for k, r in res.items()} == {f"C{i}": "PASS" for i in range(1, 8)}
+    assert "pg/nvfp4/lag 1 collapsed in 3/3 seeds" in res["C1"].evidence
+    assert "nvfp4 collapsed 3/3, mean step 5.0" in res["C2"].evidence
+    assert "step-1 kl_k3 nvfp4 / homogeneous over 9" in res["C5"].evidence
+    default = results(renamed)
+    assert {k for k, r in default.items() if r.status == "not run"} == {"C1", "C2", "C4", "C5", "C6", "C7", "C3"}
+    assert "pg/mixed/lag 1 (no runs)" in default["C1"].evidence
+    with pytest.raises(ValueError, match="not against itself"):
+        paper_claims(DEF, LAG, low_fleet="homogeneous")
+
+
 def test_null_arm_noise_floor_by_hand():
     floor = null_noise_floor(world())
     # final rewards by seed: pg .5 .5 .5, mis .5 .75 .25, sc .75 .5 .5, sc_mis .5 .5 .75; pair means:
@@ -379,6 +397,14 @@ def test_names_match_the_ablation_and_the_doc_states_every_claim():
     section = doc[doc.index("## Pre-registered claims"):]
     for claim in paper_claims(CollapseDefinition(chance=0.1), lag=4):
         assert f"| {claim.id} | {claim.text} |" in section
+
+
+def test_ablation_picks_the_fleet_its_claims_compare():
+    assert ablation.claims_fleet(["homogeneous", "mixed"]) == "mixed"
+    assert ablation.claims_fleet(["homogeneous", "mixed_4bit", "mixed"]) == "mixed"
+    assert ablation.claims_fleet(["homogeneous", "nvfp4"]) == "nvfp4"
+    assert ablation.claims_fleet(["nvfp4", "mixed_4bit"]) == "nvfp4"
+    assert ablation.claims_fleet(["homogeneous"]) == "mixed"  # nothing to compare: its claims are not run
 
 
 def test_detector_score_puts_each_run_in_one_row_by_hand():
