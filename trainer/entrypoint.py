@@ -67,7 +67,6 @@ def run(job: Any, args: argparse.Namespace) -> int:
     from rlfleet.trainer.run import (
         ChannelSink,
         TrainingStartError,
-        activation_calibration,
         build_backend,
         checkpoint_target,
         rollout_inputs,
@@ -96,7 +95,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
     state = ckpt.load_latest(checkpoints)
     exporter = PrometheusExporter(port=args.metrics_port, addr="0.0.0.0")  # metrics only, no control surface
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
-    sink = ChannelSink(publisher, calibrate=activation_calibration(base))
+    sink = ChannelSink(publisher)
 
     def make_driver(position: int) -> RolloutDriver:
         env, prompts = rollout_inputs(rc, base)

@@ -289,7 +289,6 @@ def run_local(
     from rlfleet.trainer.run import (
         ChannelSink,
         TrainingStartError,
-        activation_calibration,
         build_backend,
         rollout_inputs,
         run_training,
@@ -367,7 +366,7 @@ def run_local(
 
     try:
         loop = run_training(
-            rc, base.backend, ChannelSink(publisher, calibrate=activation_calibration(base)), detector, make_driver,
+            rc, base.backend, ChannelSink(publisher), detector, make_driver,
             checkpoint=ckpt_dir, resume=state,
             stop=stop, on_step=on_step, on_quarantine=on_quarantine,
         )

@@ -8,7 +8,9 @@ Views are written with `rlfleet.numerics.views.save_view` into a local staging d
 hashed in the same pass that writes it), then uploaded by `rlfleet.channel.WeightChannel.publish`
 (bytes durable -> manifest -> pointer). `base_checkpoint` is the HF checkpoint directory the model
 came from: every view is then a complete checkpoint (config + quantization config, tokenizer,
-generation config) a sampler group launches from.
+generation config) a sampler group launches from. An nvfp4 view of such a checkpoint carries each
+linear's `input_scale`, from the activation amax the publisher calibrates on the weights it publishes
+(`rlfleet.numerics.views.calibrate_weights`), whichever backend produced them.
 The set of views is the configured one plus any view a subscribed sidecar reports following, so a
 group added later gets its precision from the next version on.
 """
@@ -28,7 +30,14 @@ from typing import Any
 import torch
 
 from rlfleet.channel import PublishResult, WeightChannel
-from rlfleet.numerics.views import VIEWS, check_view, check_view_for_model, read_base_config, save_view
+from rlfleet.numerics.views import (
+    VIEWS,
+    calibrate_weights,
+    check_view,
+    check_view_for_model,
+    read_base_config,
+    save_view,
+)
 from rlfleet.store import FileDigest, Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -36,6 +45,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PublishTimings:
+    calibrate_seconds: float  # 0 when no view needs the activation amax
     convert_seconds: float
     upload_seconds: float
     retain_seconds: float
@@ -99,12 +109,19 @@ class WeightPublisher:
         activation_amax: Mapping[str, float] | None = None,
     ) -> PublishResult:
         """Convert, upload and advance the pointer. `version`: e.g. the trainer step (must increase).
-        `activation_amax`: calibrated input amax per linear module (nvfp4 `input_scale`; see
-        `rlfleet.numerics.views.calibrate_activation_amax`); required when an nvfp4 HF view is published."""
+        An nvfp4 view of an HF base needs each linear's input amax (its `input_scale`): by default it is
+        calibrated on these weights (`calibrate_weights`: transformers' model of the base checkpoint
+        around them, on a fixed token sweep); `activation_amax` (module name -> amax, e.g. from
+        `calibrate_activation_amax` on data of your own) replaces that calibration."""
         views = self.views_needed()
         if not views:
             raise ValueError("no view to publish")
         cpu_state = {name: t.detach().to("cpu") for name, t in state_dict.items()}
+        calibrate_seconds = 0.0
+        if activation_amax is None and "nvfp4" in views and self.base_checkpoint is not None:
+            t_cal = time.perf_counter()
+            activation_amax = calibrate_weights(cpu_state, self.base_checkpoint)
+            calibrate_seconds = time.perf_counter() - t_cal
         # Stage on the store's own filesystem when it has one: the view files are then written once
         # and renamed into place (no second copy of the bytes).
         staging = self.staging_dir or self.channel.store.staging_dir()
@@ -146,13 +163,14 @@ class WeightPublisher:
             except StoreError as e:  # retention is best effort; the next publish retries it
                 log.warning("retention failed: %s", e)
         t3 = time.perf_counter()
-        self.last_timings = PublishTimings(t1 - t0, t2 - t1, t3 - t2)
+        self.last_timings = PublishTimings(calibrate_seconds, t1 - t0, t2 - t1, t3 - t2)
         log.info(
-            "published weights v%d (%s, %.1f MB, advanced=%s) convert %.2fs upload %.2fs",
+            "published weights v%d (%s, %.1f MB, advanced=%s) calibrate %.2fs convert %.2fs upload %.2fs",
             result.version,
             ",".join(views),
             result.bytes / 1e6,
             result.advanced,
+            calibrate_seconds,
             t1 - t0,
             t2 - t1,
         )

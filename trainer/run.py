@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,47 +53,18 @@ class VersionSink(Protocol):
 
 
 class ChannelSink:
-    """The weight channel as a VersionSink, through trainer/publisher.py's `WeightPublisher`.
-    `calibrate`: the activation amax of the weights about to be published (nvfp4 HF views need it
-    for `input_scale`; see `activation_calibration`)."""
+    """The weight channel as a VersionSink, through trainer/publisher.py's `WeightPublisher` (which
+    calibrates nvfp4's activation amax on the published weights themselves, whatever the backend)."""
 
-    def __init__(self, publisher: Any, calibrate: Callable[[], Mapping[str, float]] | None = None) -> None:
+    def __init__(self, publisher: Any) -> None:
         self.publisher = publisher
-        self.calibrate = calibrate
 
     def latest_version(self) -> int | None:
         pointer = self.publisher.channel.latest()
         return None if pointer is None else pointer.version
 
     def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        amax = self.calibrate() if self.calibrate is not None else None
-        self.publisher.publish(weights, version=version, activation_amax=amax)
-
-
-CALIBRATION_TOKENS = 32
-"""Calibration batch: 2 sequences of 16 token ids sweeping the vocabulary (deterministic, no data)."""
-
-
-def activation_calibration(base: BaseModel) -> Callable[[], Mapping[str, float]] | None:
-    """For an HF base trained as a transformers module (the hf backend): a function returning the
-    current weights' activation amax per linear (`calibrate_activation_amax`), so nvfp4 views can be
-    published. None otherwise (megatron holds no HF module)."""
-    model = getattr(base.backend, "model", None)
-    if base.base_checkpoint is None or not isinstance(model, torch.nn.Module):
-        return None
-
-    def calibrate() -> Mapping[str, float]:
-        from rlfleet.numerics.views import calibrate_activation_amax
-
-        device = next(model.parameters()).device
-        batch = (torch.arange(CALIBRATION_TOKENS, device=device) % base.vocab_size).reshape(2, -1)
-        was_training = model.training
-        try:
-            return calibrate_activation_amax(model, [batch])
-        finally:
-            model.train(was_training)
-
-    return calibrate
+        self.publisher.publish(weights, version=version)
 
 
 @dataclass

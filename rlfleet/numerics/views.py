@@ -491,6 +491,53 @@ def calibrate_activation_amax(model: torch.nn.Module, batches: Iterable[torch.Te
     return amax
 
 
+CALIBRATION_TOKENS = 32
+"""The calibration batch: 2 sequences of 16 token ids sweeping the vocabulary (deterministic, no data)."""
+
+
+def calibration_batch(vocab_size: int) -> torch.Tensor:
+    """Token ids 0..31 modulo the vocabulary, as 2 x 16: what the publisher calibrates on."""
+    return (torch.arange(CALIBRATION_TOKENS) % vocab_size).reshape(2, -1)
+
+
+def calibrate_weights(state_dict: Mapping[str, torch.Tensor], base_checkpoint: str | Path) -> dict[str, float]:
+    """`calibrate_activation_amax` on `calibration_batch` of the model that HF-named weights make, so
+    every trainer backend calibrates the same way from what it publishes (docs/weights.md, "nvfp4").
+
+    The model is transformers' causal LM of the base checkpoint's config.json (without its
+    `quantization_config`: the weights are full precision) built around the tensors themselves:
+    `from_pretrained(None, config=..., state_dict=...)` initialises on the meta device and takes the
+    tensors without copying them, ties tied embeddings, computes the rope buffers and loads in-memory
+    (fused MoE experts) and checkpoint names alike. It runs in the dtype most of the weights have
+    (the hf backend's fp32; megatron's bf16, whose fp32 norms are cast), as the trainer computes. A
+    weight the model needs that `state_dict` lacks is an error (transformers would initialise it at
+    random)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    data = {k: v for k, v in read_base_config(base_checkpoint).items() if k != "quantization_config"}
+    config = AutoConfig.for_model(**data)
+    elements: dict[torch.dtype, int] = {}
+    for t in state_dict.values():
+        if t.is_floating_point():
+            elements[t.dtype] = elements.get(t.dtype, 0) + t.numel()
+    dtype = max(elements, key=lambda d: elements[d])  # megatron's bf16 keeps its norms in fp32
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per published version is noise
+    try:
+        model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+            None, config=config, state_dict=dict(state_dict), dtype=dtype, output_loading_info=True
+        )
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    problems = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+    wrong = {k: sorted(info[k])[:3] for k in problems if info[k]}
+    if wrong:
+        raise ValueError(f"cannot calibrate: the weights do not make the model of {base_checkpoint}: {wrong}")
+    return calibrate_activation_amax(model, [calibration_batch(int(config.vocab_size))])
+
+
 # -------------------------------------------------------------------------------------------- reading
 def read_view_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / VIEW_CONFIG_FILE

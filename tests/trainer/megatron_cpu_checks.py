@@ -5,7 +5,8 @@ Qwen3 on tiny checkpoints made here with `Qwen3Config` + `save_pretrained`.
 Runs under .venv312 (CPython 3.12; scripts/bootstrap) as `python megatron_cpu_checks.py OUT.json`;
 tests/trainer/test_trainer_megatron.py (the main suite, Python 3.11) launches it and asserts on the
 JSON it writes: {"checks": {name: {"ok": bool, ...numbers}}, "wall_s": float}. Phase 1 runs in this
-process (world size 1, TP=1); phase 2 spawns 2 processes (TP=2, sequence parallel, gloo); phase 3
+process (world size 1, TP=1; it also publishes version 0 as `rlfleet trainer run` does, nvfp4 view
+included); phase 2 spawns 2 processes (TP=2, sequence parallel, gloo); phase 3
 spawns 4 (TP=2 x DP=2: two data-parallel replicas, the distributed optimizer sharded over them).
 
 Stubs, only for CUDA-only calls that megatron-core makes unconditionally (nothing else is replaced):
@@ -215,6 +216,63 @@ def local_state(backend) -> dict[str, torch.Tensor]:
     return out
 
 
+def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
+    """What `rlfleet trainer run` does before step 1 with this backend (trainer/run.py `run_training`:
+    `ChannelSink` -> `WeightPublisher`, steps=0) into a filesystem channel with the bf16 and nvfp4
+    views: version 0 is published and its nvfp4 view gives every quantized linear an `input_scale`
+    equal to amax / (448 * 6), amax from `calibrate_activation_amax` on the same calibration batch
+    run by transformers' Qwen3 loaded (`from_pretrained` + `load_state_dict`) with the weights the
+    backend exports, in their dtype: exact."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3ForCausalLM
+
+    from rlfleet.numerics import formats
+    from rlfleet.numerics.views import calibrate_activation_amax, calibration_batch, read_view_tensors
+    from rlfleet.store import open_store
+    from rlfleet.trainer.collapse import CollapseDetector
+    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.run import ChannelSink, run_training
+
+    class NoRollouts:  # steps=0: the loop takes no rollout (the entrypoint test's stand-in)
+        next_position = 0
+
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    channel_dir = work / "channel"
+    channel_dir.mkdir(parents=True)
+    publisher = WeightPublisher(open_store(str(channel_dir)), views=["bf16", "nvfp4"], follow_subscribers=False,
+                                base_checkpoint=directory)
+    groups = [{"name": "h100-bf16", "weight_format": "bf16"}, {"name": "b200-nvfp4", "weight_format": "nvfp4"}]
+    rc = SimpleNamespace(steps=0, prompts_per_step=1, max_staleness=None, groups=groups)
+    t0 = time.monotonic()
+    try:
+        run_training(rc, backend, ChannelSink(publisher), CollapseDetector(), lambda position: NoRollouts(), checkpoint=None)
+    except Exception as exc:  # the bug this pins: GPTModel called with token ids only, or no amax
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
+    publish_s = time.monotonic() - t0
+    latest = publisher.channel.latest()
+    config, tensors = read_view_tensors(publisher.channel.download_view(0, "nvfp4", work / "nvfp4"))
+    weights = backend.weights()
+    dtype = weights["model.embed_tokens.weight"].dtype
+    reference = Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype)
+    missing, unexpected = reference.load_state_dict(weights, strict=False)  # tied: lm_head is embed_tokens
+    amax = calibrate_activation_amax(reference, [calibration_batch(VOCAB)])
+    modules = [n[: -len(".weight")] for n in config["quantized"]]
+    unequal = [m for m in modules if f"{m}.input_scale" not in tensors
+               or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))]
+    linears = {n for n, mod in reference.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"}
+    return {"ok": latest is not None and latest.version == 0 and set(modules) == linears and not unequal
+            and not unexpected and set(missing) <= {"lm_head.weight"},
+            "version": None if latest is None else latest.version, "dtype": str(dtype).removeprefix("torch."),
+            "quantized": len(modules), "linears": len(linears), "unequal": unequal[:5], "publish_s": publish_s,
+            "amax_range": [min(amax[m] for m in modules), max(amax[m] for m in modules)]}
+
+
 # --------------------------------------------------------------------------- phase 1: TP=1
 
 
@@ -230,7 +288,12 @@ def phase_tp1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         checks[f"logits_match_transformers[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d,
                                                         "logit_scale": float(theirs.abs().max())}
         checks[f"hf_export_roundtrip_tp1[{name}]"] = roundtrip(backend, directory)
+        checks[f"publish_version_0_nvfp4[{name}]"] = publish_version_0(backend, directory, work / "publish" / name)
         refs[f"logits[{name}]"] = ours
+    # the trainer's own precision (params_dtype bfloat16; the norms stay fp32): calibrated in bf16
+    tied = work / "qwen3_tied"
+    checks["publish_version_0_nvfp4_bf16[qwen3_tied]"] = publish_version_0(build(tied, tp=1, dtype="bfloat16"), tied,
+                                                                           work / "publish" / "bf16")
     # the odd-length step at TP=1 (no sequence parallel): the reference for TP=2 + SP
     backend = build(work / "qwen3_head_dim_rope_parameters", tp=1)
     out, grad_norm = backend.train_step(flat_batch(7), GROUPS)

@@ -119,13 +119,15 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
     """With an HF base (the project's tiny Qwen3, hf backend) version 0 of every view is in the channel,
     each a complete HF checkpoint from the base (config.json with the view's quantization config,
     tokenizer), BEFORE the rollout source is even built. `rc.steps = 0`: no rollout is needed, and the
-    stand-in driver below is never asked for one (it records only that it was built after version 0)."""
+    stand-in driver below is never asked for one (it records only that it was built after version 0).
+    The nvfp4 view's `input_scale` of every linear is amax / (448 * 6), amax of transformers' model
+    loaded with the weights the backend publishes, on the publisher's calibration batch (exact)."""
     from types import SimpleNamespace
 
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.publisher import WeightPublisher
-    from rlfleet.trainer.run import ChannelSink, activation_calibration, build_backend, run_training
+    from rlfleet.trainer.run import ChannelSink, build_backend, run_training
 
     source = tiny_qwen3_dir
     groups = [{"name": "h100-bf16", "weight_format": "bf16"}, {"name": "h100-fp8", "weight_format": "fp8"},
@@ -155,7 +157,7 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
         seen["version_when_built"] = None if latest is None else latest.version
         return NoRollouts()
 
-    sink = ChannelSink(publisher, calibrate=activation_calibration(base))  # nvfp4 needs activation amax
+    sink = ChannelSink(publisher)  # calibrates nvfp4's activation amax on the published weights
     run_training(rc, base.backend, sink, CollapseDetector(), make_driver,
                  checkpoint=tmp_path / "channel" / "checkpoints")
     assert seen == {"version_when_built": 0, "started": True, "stopped": True}
@@ -167,3 +169,20 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
         assert config["model_type"] == "qwen3"
         assert ("quantization_config" in config) == (view != "bf16")
         assert (got / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+
+    from transformers import AutoModelForCausalLM
+
+    from rlfleet.numerics import formats
+    from rlfleet.numerics.views import calibrate_activation_amax, calibration_batch, read_view_tensors
+
+    reference = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    weights = base.backend.weights()
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    reference.load_state_dict(weights, strict=True)  # untied: every tensor, lm_head included
+    amax = calibrate_activation_amax(reference, [calibration_batch(base.vocab_size)])
+    config, tensors = read_view_tensors(tmp_path / "dl" / "nvfp4")
+    modules = [n.removesuffix(".weight") for n in config["quantized"]]
+    linears = [n for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert sorted(modules) == sorted(linears) and len(modules) == 14  # 2 layers x q k v o gate up down
+    for module in modules:
+        assert torch.equal(tensors[f"{module}.input_scale"], formats.nvfp4_global_scale(amax[module])), module

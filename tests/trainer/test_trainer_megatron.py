@@ -206,7 +206,9 @@ def test_unsupported_layouts_are_refused_before_anything_is_built():
 REPO = Path(__file__).resolve().parents[2]
 CHECKS = [
     *(f"{kind}[{variant}]" for variant in ("qwen3_head_dim_rope_parameters", "qwen3_rope_theta", "qwen3_tied")
-      for kind in ("logits_match_transformers", "hf_export_roundtrip_tp1", "tp2_logits_equal_tp1", "hf_export_roundtrip_tp2")),
+      for kind in ("logits_match_transformers", "hf_export_roundtrip_tp1", "tp2_logits_equal_tp1", "hf_export_roundtrip_tp2",
+                   "publish_version_0_nvfp4")),
+    "publish_version_0_nvfp4_bf16[qwen3_tied]",
     "odd_seq_sequence_parallel_tp2_equals_tp1",
     "restore_then_step_equals_uninterrupted_all_ranks",
     "tp2_dp2_step_equals_single_process",
@@ -232,10 +234,13 @@ def megatron_cpu_tier(tmp_path_factory) -> dict:
 def test_megatron_cpu_tier(megatron_cpu_tier, name):
     """Logits of the GPTModel our backend builds equal transformers' Qwen3 (fp32, 1e-5) for QK-norm +
     custom head_dim, both rope forms and tied embeddings; TP=2 equals TP=1; HF -> megatron -> HF is
-    bit-exact at TP 1 and 2; an odd sequence length under TP=2 sequence parallel gives the TP=1 loss;
-    restore + one step is bit-equal to the uninterrupted run on every rank, Adam moments included
-    (TP=2, and TP=2 x DP=2 with the optimizer state sharded over the replicas); TP=2 x DP=2 gives the
-    single process's update, and rank 0 reports the whole batch's loss and metrics."""
+    bit-exact at TP 1 and 2; version 0 of a bf16 + nvfp4 channel is published from the backend (the
+    path `rlfleet trainer run` takes before step 1), each quantized linear's input_scale from the
+    activation amax transformers' Qwen3 gives with the exported weights (exact; fp32, and bf16); an
+    odd sequence length under TP=2 sequence parallel gives the TP=1 loss; restore + one step is
+    bit-equal to the uninterrupted run on every rank, Adam moments included (TP=2, and TP=2 x DP=2
+    with the optimizer state sharded over the replicas); TP=2 x DP=2 gives the single process's
+    update, and rank 0 reports the whole batch's loss and metrics."""
     check = megatron_cpu_tier["checks"][name]
     assert check["ok"], check
 
@@ -252,3 +257,9 @@ def test_megatron_cpu_tier_thresholds_are_tight(megatron_cpu_tier):
         assert len(ranks) == (2 if name.startswith("restore") else 4)
         assert all(r["adam_moment_tensors"] > 0 and r["model_tensors_changed_by_restore"] > 0 for r in ranks)
     assert checks["tp2_dp2_step_equals_single_process"]["num_valid_tokens"] == 24  # the whole batch, not a replica's half
+    for name in CHECKS:
+        if name.startswith("publish_version_0"):  # every linear of the 2 layers quantized, amax not degenerate
+            check = checks[name]
+            assert check["version"] == 0 and check["quantized"] == check["linears"] == 14, name
+            assert 0.0 < check["amax_range"][0] < check["amax_range"][1], name
+    assert checks["publish_version_0_nvfp4_bf16[qwen3_tied]"]["dtype"] == "bfloat16"

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from rlfleet.channel import read_channel_status
-from rlfleet.numerics.views import calibrate_activation_amax
 from rlfleet.store import FilesystemStore
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import WeightPublisher
@@ -42,16 +41,15 @@ def wait_port(port_file: Path, proc: subprocess.Popen[bytes], log: Path, timeout
     raise AssertionError(f"{proc.args} did not start: {log.read_text()[-2000:]}")
 
 
-def trained(step: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def trained(step: int) -> dict[str, torch.Tensor]:
     """Weights of 'training step' `step`: the tiny Qwen3's init (the base checkpoint's model) plus a
-    deterministic step-dependent perturbation, and their activation amax (an nvfp4 HF view needs it)."""
+    deterministic step-dependent perturbation (the publisher calibrates the nvfp4 view's amax on them)."""
     model = tiny_model(TinyQwen3())
     g = torch.Generator().manual_seed(step)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return weights, calibrate_activation_amax(model, [torch.arange(32).reshape(2, 16)])
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture
@@ -149,8 +147,7 @@ def test_three_views_converge_to_three_versions(
         assert {b["meta_info"]["weight_version"] for b in before.values()} == {"0"}
         previous = {g: b["meta_info"]["output_token_logprobs"] for g, b in before.items()}
         for version in (1, 2, 3):
-            weights, amax = trained(version)
-            result = publisher.publish(weights, version=version, activation_amax=amax)
+            result = publisher.publish(trained(version), version=version)
             assert (result.version, result.advanced) == (version, True)
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:

@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 from rlfleet.channel import safetensors_header
 from rlfleet.numerics import formats
-from rlfleet.numerics.views import VIEWS, load_view, save_view
+from rlfleet.numerics.views import (
+    VIEWS,
+    calibrate_activation_amax,
+    calibrate_weights,
+    calibration_batch,
+    checkpoint_tensors,
+    load_view,
+    save_view,
+)
 from rlfleet.store import FileDigest
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
@@ -182,3 +190,58 @@ def test_bad_input(tmp_path: Path) -> None:
     save_file(raw, str(tmp_path / "v" / "model.safetensors"))
     with pytest.raises(ValueError, match="scale tensor"):
         load_view(tmp_path / "v")
+
+
+# ------------------------------------------------------------------------------------ calibration
+def _moe_model() -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=48, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["dense_tied", "moe_tied"])
+def test_calibrate_weights_is_the_amax_of_the_model_they_make(kind: str, tmp_path: Path) -> None:
+    """`calibrate_weights` (what the publisher calibrates nvfp4's input_scale with, for any backend)
+    equals `calibrate_activation_amax` run by hooks on the transformers model itself, on the same
+    batch, exactly: for every linear and every MoE expert, with in-memory (fused experts) and
+    checkpoint names, lm_head absent from tied weights (as both backends export them), and a base
+    whose config.json carries a quantization_config (an nvfp4 view as model source)."""
+    model = _moe_model() if kind == "moe_tied" else tiny_model(TinyQwen3(seed=5, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path / "base")
+    vocab = model.config.vocab_size
+    expected = calibrate_activation_amax(model, [torch.arange(32).reshape(2, 16) % vocab])
+    assert torch.equal(calibration_batch(vocab), torch.arange(32).reshape(2, 16) % vocab)
+    in_memory = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    for weights in (in_memory, checkpoint_tensors(in_memory)):
+        assert calibrate_weights(weights, tmp_path / "base") == expected
+    if kind == "moe_tied":
+        assert {f"model.layers.1.mlp.experts.3.{n}_proj" for n in ("gate", "up", "down")} <= set(expected)
+        config = json.loads((tmp_path / "base" / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                         "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+        (tmp_path / "base" / "config.json").write_text(json.dumps(config))
+        assert calibrate_weights(in_memory, tmp_path / "base") == expected
+    missing = {k: v for k, v in in_memory.items() if k != "model.layers.0.post_attention_layernorm.weight"}
+    with pytest.raises(ValueError, match="do not make the model"):  # never calibrated on random weights
+        calibrate_weights(missing, tmp_path / "base")
+
+
+def test_calibrate_weights_runs_in_the_dtype_most_weights_have(tmp_path: Path) -> None:
+    """Megatron exports bf16 linears and embeddings with fp32 norms: calibrated in bf16 (the norms
+    cast), as transformers' bf16 model loaded with those weights computes; all-fp32 weights in fp32."""
+    model = tiny_model(TinyQwen3(seed=5))
+    model.save_pretrained(tmp_path / "base")
+    weights = {k: v.detach().clone() if "norm" in k else v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    from transformers import Qwen3ForCausalLM
+
+    bf16 = Qwen3ForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)  # rope buffers stay fp32
+    bf16.load_state_dict(weights)
+    expected = calibrate_activation_amax(bf16, [calibration_batch(model.config.vocab_size)])
+    got = calibrate_weights(weights, tmp_path / "base")
+    assert got == expected
+    fp32 = calibrate_weights({k: v.float() for k, v in weights.items()}, tmp_path / "base")
+    assert fp32 != got and all(abs(fp32[k] - got[k]) <= 0.02 * fp32[k] for k in got)  # bf16 rounding, not another model
