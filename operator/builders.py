@@ -667,7 +667,9 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
     ]
     store_envs: list[dict[str, Any]] = []
     if store is not None:
-        store_vols, store_mounts = store_volume(store, read_only=True)
+        # read-write: the sync containers write their subscriber reports (subscribers/<group>/<pod>.json,
+        # docs/weights.md) next to the versions they read; SGLang does not mount the store at all
+        store_vols, store_mounts = store_volume(store, read_only=False)
         volumes += store_vols
         sync_mounts += store_mounts  # only the sync side reads the store; SGLang reads the verified cache
         store_envs = store_env(store)

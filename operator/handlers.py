@@ -18,7 +18,12 @@
   FailedMount Event on a pod) re-run it.
 - One timer, on each job's WeightChannel (kopf puts a finalizer on objects with timers; RLJobs must
   delete without the operator): it reads the channel's store, runs the rebalance tick, and re-runs the
-  same pipelines. It never writes anything itself.
+  same pipelines. It writes nothing to the API itself.
+- WeightChannel pipeline (`refresh_weightchannel_status`): observe (the sampler pods in the pod index,
+  then the store: pointer, manifest, subscriber reports) -> pure compute (`channel.group_versions`
+  with the age-out bound, `channel.subscribers_to_remove`, `status.weightchannel_status`) -> apply (the
+  reports of gone replicas removed from the store with `WeightChannel.remove_subscriber`, the status
+  written). docs/weights.md, "Subscriber reports".
 The operator never writes an RLJob's spec (Argo CD owns it).
 """
 
@@ -32,6 +37,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -67,8 +73,14 @@ try:
     STATUS_WRITES = Counter(
         "rlfleet_operator_status_writes_total", "Status writes (only on change)", ["kind"]
     )
+    SUBSCRIBER_REMOVALS = Counter(
+        "rlfleet_operator_subscriber_reports_removed_total",
+        "Weight-channel subscriber reports of gone replicas the operator deleted from the store "
+        "(result: removed, or error: a delete the store refused)",
+        ["result"],
+    )
 except ImportError:  # pragma: no cover - prometheus_client is in the operator extra
-    RECONCILES = RECONCILE_SECONDS = STATUS_WRITES = None  # type: ignore[assignment]
+    RECONCILES = RECONCILE_SECONDS = STATUS_WRITES = SUBSCRIBER_REMOVALS = None  # type: ignore[assignment]
 
 
 def _count(metric: Any, *labels: str) -> None:
@@ -188,6 +200,15 @@ class View:
             ]
 
         return of
+
+    def sampler_replicas(self, namespace: str) -> dict[str, frozenset[str]]:
+        """SamplerGroup name -> the names of its pods in the index (terminating ones included: their
+        sidecars may still run). A sidecar's report is keyed by exactly these (group, pod name)."""
+        return {
+            key[2]: frozenset(p["name"] for p in store if p.get("name"))
+            for key, store in list(self.pods.items())
+            if key[0] == namespace and key[1] == "sampler"
+        }
 
     def owner_of_pod(self, namespace: str, pod_name: str) -> tuple[str, str] | None:
         """(component, owner) of one of the operator's pods, by name (None: not one of ours)."""
@@ -605,25 +626,91 @@ async def mount_failure_event(body: kopf.Body, namespace: str, **kwargs: Any) ->
 # --- WeightChannel status from the store ---------------------------------------------------------------------
 
 
-def read_channel(spec: Mapping[str, Any]) -> tuple[Any | None, str | None]:
-    """(ChannelStatus, None) or (None, why not). Blocking: run in a thread."""
+@dataclass(frozen=True)
+class ChannelRead:
+    """What one read of a channel's store gave: its status (None: unreadable, `error` says why), the
+    reports of gone replicas deleted meanwhile, and how many deletes the store refused (and why)."""
+
+    status: Any | None
+    error: str | None = None
+    removed: tuple[Any, ...] = ()
+    removal_failures: int = 0
+    removal_error: str | None = None
+
+
+def read_channel(spec: Mapping[str, Any], live_replicas: Mapping[str, frozenset[str]] | None = None,
+                 now: datetime | None = None) -> ChannelRead:  # fmt: skip
+    """Read a channel's status (groups from reports not older than SUBSCRIBER_STALE_AFTER_SECONDS) and,
+    given the live pods of each sampler group, delete the reports `subscribers_to_remove` picks (each
+    only if not rewritten since it was read). Blocking: run in a thread."""
     try:
-        from rlfleet.channel import read_channel_status
+        from rlfleet.channel import (
+            SUBSCRIBER_STALE_AFTER_SECONDS,
+            WeightChannel,
+            read_channel_status,
+            subscribers_to_remove,
+        )
         from rlfleet.store import StoreError, store_from_spec
     except ImportError as exc:  # the weights engineer's modules are not installed
-        return None, f"channel reader unavailable ({exc})"
+        return ChannelRead(None, f"channel reader unavailable ({exc})")
+    now = now or datetime.now(UTC)
     try:
         store = store_from_spec(StoreSpec.model_validate(spec["store"]))
         try:
-            return read_channel_status(store), None
+            status = read_channel_status(store, stale_after_seconds=SUBSCRIBER_STALE_AFTER_SECONDS, now=now)
+            removed: list[Any] = []
+            failures, removal_error = 0, None
+            if live_replicas is not None:
+                channel = WeightChannel(store, publisher_id="operator")
+                for report in subscribers_to_remove(status.subscribers, live_replicas, now):
+                    try:
+                        judged = report.updated_at  # deleted only if not rewritten since it was read
+                        if channel.remove_subscriber(report.group, report.replica, if_updated_at=judged):
+                            removed.append(report)
+                    except (StoreError, OSError) as exc:  # e.g. a read-only mount: the next read retries
+                        failures, removal_error = failures + 1, f"{type(exc).__name__}: {exc}"
+            return ChannelRead(status, None, tuple(removed), failures, removal_error)
         finally:
             close = getattr(store, "close", None)
             if close:
                 close()
     except StoreError as exc:
-        return None, str(exc)
+        return ChannelRead(None, str(exc))
     except (OSError, ValueError) as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        return ChannelRead(None, f"{type(exc).__name__}: {exc}")
+
+
+_removal_failing: set[tuple[str, str]] = set()
+
+
+def _log_removals(namespace: str, name: str, read: ChannelRead, now: datetime) -> None:
+    """INFO per removed report, a metric per removal; a failure to remove: WARNING once per streak."""
+    from rlfleet.channel import report_age_seconds
+
+    for report in read.removed:
+        _count(SUBSCRIBER_REMOVALS, "removed")
+        log.info(
+            "WeightChannel %s/%s: removed the subscriber report of %s/%s (no such pod in its group, last "
+            "report %.0f s ago, applied v%s)",
+            namespace, name, report.group, report.replica, report_age_seconds(report, now),
+            report.applied_version,
+        )  # fmt: skip
+    key = (namespace, name)
+    for _ in range(read.removal_failures):
+        _count(SUBSCRIBER_REMOVALS, "error")
+    if read.removal_failures:
+        if key not in _removal_failing:
+            _removal_failing.add(key)
+            log.warning(
+                "WeightChannel %s/%s: cannot remove subscriber reports of gone replicas from the store: %s "
+                "(the operator needs write access to subscribers/; those reports pin nothing and count in "
+                "no status meanwhile; retried at every read, logged again once it works)",
+                namespace, name, read.removal_error,
+            )  # fmt: skip
+    elif key in _removal_failing and read.status is not None:
+        _removal_failing.discard(key)  # nothing refused this time: a later failure warns again
+        if read.removed:
+            log.info("WeightChannel %s/%s: removing subscriber reports works again", namespace, name)
 
 
 @kopf.on.resume(GROUP, VERSION, "weightchannels")
@@ -667,8 +754,13 @@ async def refresh_weightchannel_status(
         wc = wc or view.one(view.weightchannels, (namespace, name))
         if wc is None or wc["metadata"].get("deletionTimestamp"):
             return
-        channel, error = await asyncio.to_thread(read_channel, wc.get("spec", {}))
-        desired = st.weightchannel_status(wc, channel, error)
+        # the pods first, then the store: a report written by a pod the index does not hold yet is
+        # fresh, and fresh reports are never removed (channel.subscribers_to_remove)
+        live = view.sampler_replicas(namespace)
+        now = datetime.now(UTC)
+        read = await asyncio.to_thread(read_channel, wc.get("spec", {}), live, now)
+        _log_removals(namespace, name, read, now)
+        desired = st.weightchannel_status(wc, read.status, read.error)
         await _write_status(wc, desired, "WeightChannel")
 
 

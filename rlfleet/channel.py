@@ -7,6 +7,9 @@ Layout under the store root (keys are relative to it):
     v{N}/{view}/<files>              the view's files (safetensors + a small view config json)
     v{N}/manifest.json               digest ("blake3:<hex>") + size of every file, dtype + shape of every tensor
     subscribers/{group}/{replica}.json   what a sidecar reports: view, applied version, versions in use
+                                     (rewritten every SUBSCRIBER_HEARTBEAT_SECONDS; aged out after
+                                     SUBSCRIBER_STALE_AFTER_SECONDS; removed by the operator once the
+                                     replica's pod is gone)
 
 Guarantees (see docs/weights.md for the argument):
 - A version's bytes are durable before its manifest is written, and the manifest before the pointer
@@ -17,7 +20,7 @@ Guarantees (see docs/weights.md for the argument):
 - The pointer only moves forward (compare-and-swap that refuses a lower or equal version), so two
   racing publishers never make readers see a lower version.
 - `retain` deletes old versions but never the latest, an in-flight (higher) one, or any version a
-  subscriber reports as in use.
+  subscriber reports as in use (in a report not older than SUBSCRIBER_STALE_AFTER_SECONDS).
 
 Pure of torch (safetensors headers are parsed as JSON), so the operator can read channel status.
 """
@@ -26,13 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import socket
 import struct
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -46,6 +50,16 @@ MANIFEST_FORMAT = "rlfleet.weights/v2"
 VIEW_NAMES = ("bf16", "fp8", "nvfp4", "mxfp4")
 """Precision views (rlfleet.numerics.views implements them; listed here so torch-free code can validate)."""
 POINTER_KEY = "pointer.json"
+SUBSCRIBER_HEARTBEAT_SECONDS = 30.0
+"""A sync sidecar rewrites its subscriber report at least this often while it runs, even when nothing
+changed (sampler/sync.py: `SyncConfig.report_interval` defaults to it, and a heartbeat task writes
+during long downloads and applies too)."""
+SUBSCRIBER_STALE_AFTER_SECONDS = 5 * SUBSCRIBER_HEARTBEAT_SECONDS
+"""THE age-out bound of subscriber reports (150 s: five heartbeats, so four missed writes in a row are
+tolerated). A report older than this belongs to a replica that is gone or cannot reach the store: it
+pins no version in `retain`, counts in no group's version or lag (`group_versions` /
+`read_channel_status`, as the operator calls them), and the operator removes it once its replica is no
+live pod of its group (`subscribers_to_remove`). docs/weights.md, "Subscriber reports"."""
 _VERSION_KEY = re.compile(r"^v(\d+)/")
 _CLAIM_KEY = re.compile(r"^claims/v(\d+)$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
@@ -453,18 +467,46 @@ class WeightChannel:
                 continue  # a malformed report pins nothing and shows nothing
         return reports
 
-    def remove_subscriber(self, group: str, replica: str) -> None:
-        self.store.delete(f"subscribers/{check_name('group', group)}/{check_name('replica', replica)}.json")
+    def remove_subscriber(self, group: str, replica: str, *, if_updated_at: str | None = None) -> bool:
+        """Delete a replica's report: THE one deletion path of reports (the operator calls it for gone
+        pods, `subscribers_to_remove`). `if_updated_at`: delete only if the stored report still carries
+        this `updated_at` (a report rewritten since it was judged is kept). True if a report was deleted
+        (or, unguarded, may have been)."""
+        key = f"subscribers/{check_name('group', group)}/{check_name('replica', replica)}.json"
+        if if_updated_at is not None:
+            try:
+                current = SubscriberReport.from_bytes(self.store.get(key))
+            except KeyNotFoundError:
+                return False
+            except (ValueError, KeyError, TypeError):
+                current = None  # malformed: it pins nothing; delete it as judged
+            if current is not None and current.updated_at != if_updated_at:
+                return False
+        self.store.delete(key)
+        return True
 
     def subscribed_views(self) -> set[str]:
         return {r.view for r in self.subscribers()}
 
     # -- retention
-    def retain(self, keep: int = 3) -> list[int]:
+    def retain(
+        self,
+        keep: int = 3,
+        *,
+        stale_after_seconds: float | None = SUBSCRIBER_STALE_AFTER_SECONDS,
+        now: datetime | None = None,
+    ) -> list[int]:
         """Delete versions beyond the newest `keep` complete ones, never the pointer's version, a
-        version above it (in flight), or one any subscriber reports in use. Returns deleted versions."""
+        version above it (in flight), or one a subscriber reports in use (`in_use` or applied) in a
+        report not older than `stale_after_seconds` (None: every report pins, however old). Returns
+        deleted versions.
+
+        Why an aged-out report may stop pinning: engines serve from their pod's verified local copy,
+        never from the store, so the store copy matters only to a download in progress, and a sidecar
+        rewrites its report every SUBSCRIBER_HEARTBEAT_SECONDS during downloads too."""
         if keep < 1:
             raise ValueError("keep must be >= 1")
+        now = now or datetime.now(UTC)
         pointer = self.latest()
         if pointer is None:
             return []
@@ -477,6 +519,8 @@ class WeightChannel:
         complete = sorted(v for v, ks in by_version.items() if manifest_key(v) in ks and v <= pointer.version)
         protected = set(complete[-keep:]) | {pointer.version}
         for r in self.subscribers():
+            if stale_after_seconds is not None and not report_is_fresh(r, now, stale_after_seconds):
+                continue  # a dead replica's report pins nothing (docs/weights.md)
             protected.update(r.in_use)
             if r.applied_version is not None:
                 protected.add(r.applied_version)
@@ -532,6 +576,56 @@ class ChannelStatus:
         return asdict(self)
 
 
+def report_age_seconds(report: SubscriberReport, now: datetime) -> float:
+    """Seconds since the report's `updated_at` (negative if its writer's clock is ahead). An undated or
+    unparseable report is infinitely old (the sidecar always dates its reports); a timestamp without a
+    zone is UTC."""
+    try:
+        at = datetime.fromisoformat(report.updated_at)
+    except (TypeError, ValueError):
+        return math.inf
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=UTC)
+    return (now - at).total_seconds()
+
+
+def report_is_fresh(report: SubscriberReport, now: datetime, stale_after_seconds: float) -> bool:
+    """Pure: the report is at most `stale_after_seconds` old (it pins versions and counts in status)."""
+    return report_age_seconds(report, now) <= stale_after_seconds
+
+
+def subscribers_to_remove(
+    reports: Iterable[SubscriberReport],
+    live_replicas: Mapping[str, Collection[str]],
+    now: datetime,
+    *,
+    stale_after_seconds: float = SUBSCRIBER_STALE_AFTER_SECONDS,
+) -> list[SubscriberReport]:
+    """Pure: the reports to delete from the store, by (group, replica): those whose replica is not a live
+    pod of its group (`live_replicas[group]`: the pod names the operator's pod index holds for that
+    SamplerGroup; a group missing from the mapping has none, e.g. one removed from its job) AND that
+    are older than `stale_after_seconds`.
+
+    Both conditions, because:
+    - a fresh report of a replica the index does not hold may belong to a pod created an instant ago
+      (its sidecar can write before the pod's watch event reaches the operator); a live sidecar
+      rewrites its report every SUBSCRIBER_HEARTBEAT_SECONDS, so a report of a pod that is really gone
+      stops being fresh after `stale_after_seconds` and goes at the first read after that;
+    - an aged-out report of a live pod stays: its sidecar cannot write (it says why in its log) and
+      will overwrite it when it can.
+    So only reports that already pin nothing and count nowhere are removed: removal changes neither
+    retention nor status, it keeps `subscribers/` to the replicas that exist."""
+    return sorted(
+        (
+            r
+            for r in reports
+            if r.replica not in live_replicas.get(r.group, ())
+            and not report_is_fresh(r, now, stale_after_seconds)
+        ),
+        key=lambda r: (r.group, r.replica),
+    )
+
+
 def group_versions(
     reports: Iterable[SubscriberReport],
     latest_version: int | None,
@@ -539,17 +633,14 @@ def group_versions(
     stale_after_seconds: float | None = None,
     now: datetime | None = None,
 ) -> list[GroupVersionStatus]:
-    """Pure: per-group applied version (min over fresh replicas) and lag from subscriber reports."""
+    """Pure: per-group applied version (min over fresh replicas) and lag from subscriber reports.
+    With `stale_after_seconds`, a report older than that (`report_is_fresh`) counts nowhere: a group
+    with only aged-out reports is not listed."""
     now = now or datetime.now(UTC)
     by_group: dict[str, list[SubscriberReport]] = {}
     for r in reports:
-        if stale_after_seconds is not None and r.updated_at:
-            try:
-                age = (now - datetime.fromisoformat(r.updated_at)).total_seconds()
-            except ValueError:
-                age = float("inf")
-            if age > stale_after_seconds:
-                continue
+        if stale_after_seconds is not None and not report_is_fresh(r, now, stale_after_seconds):
+            continue
         by_group.setdefault(r.group, []).append(r)
     groups = []
     for name, rs in sorted(by_group.items()):
@@ -570,8 +661,13 @@ def group_versions(
     return groups
 
 
-def read_channel_status(store: Store, *, stale_after_seconds: float | None = None) -> ChannelStatus:
-    """Everything the operator shows for a WeightChannel. Raises StoreError if the store is unreachable."""
+def read_channel_status(
+    store: Store, *, stale_after_seconds: float | None = None, now: datetime | None = None
+) -> ChannelStatus:
+    """Everything the operator shows for a WeightChannel (the operator passes
+    `stale_after_seconds=SUBSCRIBER_STALE_AFTER_SECONDS`: groups count only fresh reports; `subscribers`
+    lists every report). Raises StoreError if the store is unreachable."""
+    now = now or datetime.now(UTC)
     channel = WeightChannel(store, publisher_id="status-reader")
     pointer = channel.latest()
     reports = channel.subscribers()
@@ -580,7 +676,7 @@ def read_channel_status(store: Store, *, stale_after_seconds: float | None = Non
             None,
             None,
             [],
-            group_versions(reports, None, stale_after_seconds=stale_after_seconds),
+            group_versions(reports, None, stale_after_seconds=stale_after_seconds, now=now),
             [],
             reports,
         )
@@ -600,7 +696,7 @@ def read_channel_status(store: Store, *, stale_after_seconds: float | None = Non
         latest_version=pointer.version,
         published_at=pointer.published_at,
         artifacts=artifacts,
-        groups=group_versions(reports, pointer.version, stale_after_seconds=stale_after_seconds),
+        groups=group_versions(reports, pointer.version, stale_after_seconds=stale_after_seconds, now=now),
         retained_versions=channel.versions(),
         subscribers=reports,
     )

@@ -31,7 +31,12 @@ sidecar does not know is refused, reason "checksum") BEFORE the engine sees the 
 Any failure (store unreachable, checksum mismatch, engine error) is counted by reason, the engine
 keeps serving the version it has, and the sidecar retries with exponential backoff (with jitter).
 It serves `/metrics` (Prometheus), `/status` (JSON) and `/health`, and writes its report to the
-store (`subscribers/<group>/<replica>.json`) for retention and the operator's status.
+store (`subscribers/<group>/<replica>.json`) for retention and the operator's status: when it changes,
+and otherwise every `report_interval` (rlfleet.channel.SUBSCRIBER_HEARTBEAT_SECONDS), from a heartbeat
+task that also runs during long downloads and applies. Readers age a report out after
+SUBSCRIBER_STALE_AFTER_SECONDS. A failed write is retried at the next step, counted
+(`report_failures`, `rlfleet_weight_sync_report_failures_total`) and logged as a WARNING once per
+streak of failures.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +63,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from rlfleet.catalog import LAUNCH_FILE
 from rlfleet.channel import (
+    SUBSCRIBER_HEARTBEAT_SECONDS,
     VIEW_NAMES,
     ChannelError,
     ChecksumMismatchError,
@@ -353,8 +359,9 @@ class SyncConfig:
     keep_local: int = 2
     initial_version: int | None = None
     request_timeout: float = 600.0
-    report_interval: float = 30.0
-    """Heartbeat of the subscriber report when nothing changed (seconds)."""
+    report_interval: float = SUBSCRIBER_HEARTBEAT_SECONDS
+    """Heartbeat of the subscriber report when nothing changed (seconds). Readers age reports out
+    after rlfleet.channel.SUBSCRIBER_STALE_AFTER_SECONDS (five default heartbeats): keep it well below."""
     require_checkpoint: bool = False
     """Refuse a view without config.json (SGLang: it launches and reloads only HF checkpoints)."""
 
@@ -381,6 +388,10 @@ class SyncState:
     last_error: str | None = None
     last_apply: LastApply | None = None
     next_attempt_at: float = 0.0
+    report_failures: int = 0
+    """Failed writes of the subscriber report (total)."""
+    report_failure_streak: int = 0
+    """Failed writes since the last one that succeeded (0: the last write succeeded)."""
 
 
 class Metrics:
@@ -414,6 +425,12 @@ class Metrics:
         self.failures = {
             r: failures.labels(**labels, reason=r) for r in ("store", "checksum", "engine", "internal")
         }
+        self.report_failures = Counter(
+            "rlfleet_weight_sync_report_failures",
+            "Failed writes of this replica's subscriber report to the store.",
+            list(labels),
+            registry=self.registry,
+        ).labels(**labels)
         buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
         self.download = Histogram(
             "rlfleet_weight_sync_download_seconds",
@@ -447,6 +464,8 @@ class Syncer:
         self.config.cache_dir.mkdir(parents=True, exist_ok=True)
         self._last_report: tuple[Any, ...] | None = None
         self._last_report_at = 0.0
+        self._report_target: int | None = None  # the version last reported as being downloaded
+        self._report_lock = asyncio.Lock()  # one write at a time, in the order the reports were made
 
     # -- one reconciliation step
     async def reconcile_once(self) -> bool:
@@ -547,36 +566,39 @@ class Syncer:
         the launch file. Returns (version, dir), or None if stopped first. Retries every failure
         (nothing published yet, store down, checksum) with the sidecar's backoff."""
         state = self.state
-        while not stop.is_set():
-            try:
-                found = await asyncio.to_thread(newest_version_of_view, self.channel, self.config.view)
-                if found is None:
-                    state.phase = "waiting"
-                    state.consecutive_failures = 0
-                    log.info("waiting for version 0 of view %s in %s", self.config.view, self.channel.store.uri)
-                    await self._report()
-                else:
-                    version, manifest = found
-                    state.latest_version = version
-                    state.phase = "downloading"
-                    await self._report(target=version)
-                    target = await asyncio.to_thread(self._download_verified, version, manifest)
-                    write_launch_file(self.config.cache_dir, version, target)
-                    state.phase = "fetched"
-                    log.info("launch checkpoint: v%d (%s) at %s", version, self.config.view, target)
-                    # applied_version stays None (SGLang is not up yet); in_use keeps v from retention
-                    await self._report(target=version)
-                    return version, target
-            except ChecksumMismatchError as e:
-                self._failed("checksum", str(e))
-            except NotLaunchableError as e:
-                self._failed("checksum", str(e))
-            except (StoreError, OSError, ValueError) as e:
-                self._failed("store", str(e))
-            await self._report()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.backoff_seconds())
-        return None
+        async with self._heartbeating(stop):  # the report stays fresh during a long download
+            while not stop.is_set():
+                try:
+                    found = await asyncio.to_thread(newest_version_of_view, self.channel, self.config.view)
+                    if found is None:
+                        state.phase = "waiting"
+                        state.consecutive_failures = 0
+                        log.info(
+                            "waiting for version 0 of view %s in %s", self.config.view, self.channel.store.uri
+                        )
+                        await self._report()
+                    else:
+                        version, manifest = found
+                        state.latest_version = version
+                        state.phase = "downloading"
+                        await self._report(target=version)
+                        target = await asyncio.to_thread(self._download_verified, version, manifest)
+                        write_launch_file(self.config.cache_dir, version, target)
+                        state.phase = "fetched"
+                        log.info("launch checkpoint: v%d (%s) at %s", version, self.config.view, target)
+                        # applied_version stays None (SGLang is not up yet); in_use keeps v from retention
+                        await self._report(target=version)
+                        return version, target
+                except ChecksumMismatchError as e:
+                    self._failed("checksum", str(e))
+                except NotLaunchableError as e:
+                    self._failed("checksum", str(e))
+                except (StoreError, OSError, ValueError) as e:
+                    self._failed("store", str(e))
+                await self._report()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.backoff_seconds())
+            return None
 
     def _failed(self, reason: str, message: str) -> None:
         state = self.state
@@ -603,34 +625,88 @@ class Syncer:
                 shutil.rmtree(stale, ignore_errors=True)
 
     async def _report(self, target: int | None = None) -> None:
-        in_use = sorted({v for v in (self.state.applied_version, target) if v is not None})
-        report = SubscriberReport(
-            group=self.config.group,
-            replica=self.config.replica,
-            view=self.config.view,
-            applied_version=self.state.applied_version,
-            in_use=in_use,
-            updated_at=now_iso(),
-            failures=sum(self.state.failures.values()),
-            last_error=self.state.last_error,
-        )
-        # Write when something changed, else only as a heartbeat (every replica polls every few
-        # seconds: rewriting an unchanged report each time would be most of the store's traffic).
-        content = (
-            report.view,
-            report.applied_version,
-            tuple(report.in_use),
-            report.failures,
-            report.last_error,
-        )
-        now = time.monotonic()
-        if content == self._last_report and now - self._last_report_at < self.config.report_interval:
-            return
-        try:
-            await asyncio.to_thread(self.channel.report, report)
+        """Write this replica's report when it changed or `report_interval` passed since the last write.
+        `target`: the version being downloaded (reported in use, so retention keeps it); the heartbeat
+        repeats the last one given."""
+        async with self._report_lock:
+            self._report_target = target
+            in_use = sorted({v for v in (self.state.applied_version, target) if v is not None})
+            report = SubscriberReport(
+                group=self.config.group,
+                replica=self.config.replica,
+                view=self.config.view,
+                applied_version=self.state.applied_version,
+                in_use=in_use,
+                updated_at=now_iso(),
+                failures=sum(self.state.failures.values()),
+                last_error=self.state.last_error,
+            )
+            # Write when something changed, else only as a heartbeat (every replica polls every few
+            # seconds: rewriting an unchanged report each time would be most of the store's traffic).
+            content = (
+                report.view,
+                report.applied_version,
+                tuple(report.in_use),
+                report.failures,
+                report.last_error,
+            )
+            now = time.monotonic()
+            if content == self._last_report and now - self._last_report_at < self.config.report_interval:
+                return
+            try:
+                await asyncio.to_thread(self.channel.report, report)
+            except (StoreError, OSError) as e:
+                self._report_failed(e)
+                return
             self._last_report, self._last_report_at = content, now
-        except (StoreError, OSError) as e:  # the store is down: the failure is already counted
-            log.debug("could not write subscriber report: %s", e)
+            if self.state.report_failure_streak:
+                log.info(
+                    "subscriber report written again after %d failed attempts",
+                    self.state.report_failure_streak,
+                )
+                self.state.report_failure_streak = 0
+
+    def _report_failed(self, error: Exception) -> None:
+        """Count a failed report write; a WARNING on the first failure of a streak, DEBUG after."""
+        state = self.state
+        state.report_failures += 1
+        state.report_failure_streak += 1
+        self.metrics.report_failures.inc()
+        key = f"subscribers/{self.config.group}/{self.config.replica}.json"
+        if state.report_failure_streak == 1:
+            log.warning(
+                "could not write the subscriber report %s to %s: %s. Until it is written, retention may "
+                "delete a version this replica downloads and the operator shows no version for it once "
+                "the last report ages out; retrying at every step (logged again once it succeeds)",
+                key, self.channel.store.uri, error,
+            )  # fmt: skip
+        else:
+            log.debug("could not write the subscriber report %s (%d in a row): %s", key,
+                      state.report_failure_streak, error)  # fmt: skip
+
+    async def _heartbeat(self, stop: asyncio.Event) -> None:
+        """Rewrite the report every `report_interval` even while a step runs for longer (a download of a
+        large view, a slow apply): readers age reports out after SUBSCRIBER_STALE_AFTER_SECONDS."""
+        tick = max(0.05, self.config.report_interval / 2)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=tick)
+            if stop.is_set():
+                return
+            try:
+                await self._report(self._report_target)
+            except Exception:  # the heartbeat must never die: the next tick retries
+                log.exception("subscriber report heartbeat failed")
+
+    @contextlib.asynccontextmanager
+    async def _heartbeating(self, stop: asyncio.Event) -> AsyncIterator[None]:
+        task = asyncio.create_task(self._heartbeat(stop))
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def backoff_seconds(self) -> float:
         n = self.state.consecutive_failures
@@ -640,16 +716,17 @@ class Syncer:
         return delay * random.uniform(0.5, 1.0)  # jitter: replicas do not retry in lockstep
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await self.reconcile_once()
-            except Exception as e:  # a bug must not stop the sidecar: count it, keep serving, retry
-                log.exception("weight sync step crashed")
-                self._failed("internal", repr(e))
-            delay = self.backoff_seconds()
-            self.state.next_attempt_at = time.time() + delay
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
+        async with self._heartbeating(stop):
+            while not stop.is_set():
+                try:
+                    await self.reconcile_once()
+                except Exception as e:  # a bug must not stop the sidecar: count it, keep serving, retry
+                    log.exception("weight sync step crashed")
+                    self._failed("internal", repr(e))
+                delay = self.backoff_seconds()
+                self.state.next_attempt_at = time.time() + delay
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
 
     # -- HTTP
     def status(self) -> dict[str, Any]:
@@ -673,6 +750,7 @@ class Syncer:
             "consecutive_failures": s.consecutive_failures,
             "failures": dict(s.failures),
             "last_error": s.last_error,
+            "report_failures": s.report_failures,
             "last_apply": asdict(s.last_apply) if s.last_apply else None,
             "next_attempt_in_seconds": max(0.0, round(s.next_attempt_at - time.time(), 3))
             if s.next_attempt_at

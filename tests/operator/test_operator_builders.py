@@ -281,7 +281,9 @@ def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, 
     assert engine["readinessProbe"]["httpGet"]["path"] == "/health_generate"
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
-    assert vols["weights"]["persistentVolumeClaim"] == {"claimName": "rlfleet-weights", "readOnly": True}
+    # the sync containers write their subscriber reports into the store: read-write
+    assert vols["weights"]["persistentVolumeClaim"] == {"claimName": "rlfleet-weights", "readOnly": False}
+    assert {"name": "weights", "mountPath": "/weights/reference-fleet", "readOnly": False} in sidecar["volumeMounts"]
     assert sidecar["name"] == "weight-sync" and sidecar["command"] == ["rlfleet"]
     args = sidecar["args"]
     assert args[:2] == ["sampler", "sync"]

@@ -19,6 +19,8 @@ from safetensors.numpy import save_file
 
 from rlfleet.channel import (
     POINTER_KEY,
+    SUBSCRIBER_HEARTBEAT_SECONDS,
+    SUBSCRIBER_STALE_AFTER_SECONDS,
     ChannelError,
     ChecksumMismatchError,
     SubscriberReport,
@@ -28,6 +30,9 @@ from rlfleet.channel import (
     group_versions,
     manifest_key,
     read_channel_status,
+    report_age_seconds,
+    report_is_fresh,
+    subscribers_to_remove,
 )
 from rlfleet.store import FileDigest, FilesystemStore, Store, StoreError
 
@@ -350,6 +355,143 @@ def test_group_versions_ignores_stale_replicas() -> None:
     assert (with_stale.applied_version, with_stale.lag) == (2, 7)
     [fresh_only] = group_versions(reports, 9, stale_after_seconds=60, now=now)
     assert (fresh_only.applied_version, fresh_only.lag, fresh_only.replicas) == (7, 2, {"a": 7})
+
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def aged(seconds: float) -> str:
+    """An `updated_at` that is `seconds` old at NOW."""
+    return (NOW - timedelta(seconds=seconds)).isoformat()
+
+
+def report(group: str, replica: str, updated_at: str, applied: int | None = 1) -> SubscriberReport:
+    return SubscriberReport(group, replica, "fp8", applied, [] if applied is None else [applied],
+                            updated_at=updated_at)  # fmt: skip
+
+
+def test_the_age_out_bound_is_five_heartbeats() -> None:
+    assert SUBSCRIBER_HEARTBEAT_SECONDS == 30.0 and SUBSCRIBER_STALE_AFTER_SECONDS == 150.0
+
+
+@pytest.mark.parametrize(
+    ("updated_at", "age"),
+    [
+        (aged(12.5), 12.5),
+        ("2026-01-01T11:59:00Z", 60.0),  # Z suffix
+        ("2026-01-01T11:58:00+00:00", 120.0),
+        ("2026-01-01T13:58:00+02:00", 120.0),  # another zone, same instant
+        ("2026-01-01T11:57:00", 180.0),  # no zone: UTC
+        ("2026-01-01T12:00:30+00:00", -30.0),  # the writer's clock is ahead
+        ("", float("inf")),  # undated: infinitely old
+        ("yesterday", float("inf")),
+    ],
+)
+def test_report_age(updated_at: str, age: float) -> None:
+    assert report_age_seconds(report("g", "r", updated_at), NOW) == age
+
+
+def test_report_is_fresh_up_to_the_bound_inclusive() -> None:
+    assert report_is_fresh(report("g", "r", aged(150)), NOW, 150)
+    assert not report_is_fresh(report("g", "r", aged(150.001)), NOW, 150)
+    assert report_is_fresh(report("g", "r", aged(-5)), NOW, 150)
+    assert not report_is_fresh(report("g", "r", ""), NOW, 150)
+
+
+def test_subscribers_to_remove_exactly_the_aged_reports_of_replicas_that_are_no_live_pod() -> None:
+    reports = [
+        report("job-h100", "live-old", aged(3600)),  # a live pod whose sidecar cannot write: kept
+        report("job-h100", "live-fresh", aged(1)),
+        report("job-h100", "gone-old", aged(151)),  # replaced pod: removed
+        report("job-h100", "gone-at-bound", aged(150)),  # not older than the bound yet: kept
+        report("job-h100", "newborn", aged(2)),  # a pod the index has not seen yet: kept
+        report("job-h100", "undated", ""),  # no pod, no date: removed
+        report("job-removed", "pod-a", aged(900)),  # a group the index has no pods of: removed
+        report("job-removed", "pod-b", aged(30)),  # ... unless fresh
+        report("job-b200", "live-old", aged(900)),  # the same name in another group is another replica
+    ]
+    live = {"job-h100": frozenset({"live-old", "live-fresh", "terminating"}), "job-b200": frozenset()}
+    removed = subscribers_to_remove(reports, live, NOW, stale_after_seconds=150)
+    assert [(r.group, r.replica) for r in removed] == [
+        ("job-b200", "live-old"),
+        ("job-h100", "gone-old"),
+        ("job-h100", "undated"),
+        ("job-removed", "pod-a"),
+    ]
+    # the default bound is SUBSCRIBER_STALE_AFTER_SECONDS
+    assert subscribers_to_remove(reports, live, NOW) == removed
+    # a longer bound keeps every dated report; an undated one is infinitely old
+    assert [r.replica for r in subscribers_to_remove(reports, live, NOW, stale_after_seconds=10_000)] == ["undated"]
+    assert subscribers_to_remove([], {}, NOW) == []
+
+
+def test_group_versions_count_only_fresh_reports() -> None:
+    reports = [
+        report("g", "fresh", aged(149), applied=7),
+        report("g", "dead", aged(151), applied=2),
+        report("g", "undated", "", applied=1),
+        report("only-dead", "x", aged(3600), applied=0),
+    ]
+    everything = {g.group: g for g in group_versions(reports, 9, now=NOW)}
+    assert (everything["g"].applied_version, everything["g"].lag) == (1, 8)
+    assert everything["only-dead"].applied_version == 0
+    [fresh] = group_versions(reports, 9, stale_after_seconds=150, now=NOW)
+    assert (fresh.group, fresh.applied_version, fresh.lag, fresh.replicas) == ("g", 7, 2, {"fresh": 7})
+
+
+def test_retain_deletes_a_version_only_an_aged_out_report_pinned(any_store: Store, tmp_path: Path) -> None:
+    channel = WeightChannel(any_store)
+    for i in range(5):
+        channel.publish({"bf16": make_view(tmp_path / str(i), "bf16", str(i))})
+    now = datetime.now(UTC)
+    dead = SubscriberReport("g", "gone", "bf16", 1, [1, 2], updated_at=(now - timedelta(seconds=151)).isoformat())
+    live = SubscriberReport("g", "live", "bf16", 2, [2], updated_at=(now - timedelta(seconds=149)).isoformat())
+    channel.report(dead)
+    channel.report(live)
+    # without the bound every report pins: v1 stays for the dead replica
+    assert channel.retain(keep=2, stale_after_seconds=None, now=now) == [0]
+    assert channel.versions() == [1, 2, 3, 4]
+    # with it (the default), v1 goes: only the aged-out report pinned it; v2 stays (the fresh one uses it)
+    assert channel.retain(keep=2, now=now) == [1]
+    assert channel.versions() == [2, 3, 4]
+    assert any_store.list("v1/") == [] and any_store.list("claims/v1") == []
+    assert tag_of(channel.download_view(2, "bf16", tmp_path / "dl2")) == "2"
+    # once the live report ages out too, v2 goes as well (keep=2 keeps v3 and v4)
+    later = now + timedelta(seconds=2)
+    assert channel.retain(keep=2, now=later) == [2]
+    assert channel.versions() == [3, 4]
+
+
+def test_remove_subscriber_only_deletes_the_report_that_was_judged(any_store: Store) -> None:
+    channel = WeightChannel(any_store)
+    judged = SubscriberReport("g", "pod-a", "bf16", 1, [1], updated_at=aged(600))
+    channel.report(judged)
+    channel.report(SubscriberReport("g", "pod-b", "bf16", 1, [1], updated_at=aged(600)))
+    # pod-a's sidecar rewrote its report after the operator read it: not deleted
+    channel.report(SubscriberReport("g", "pod-a", "bf16", 2, [2], updated_at=aged(1)))
+    assert channel.remove_subscriber("g", "pod-a", if_updated_at=judged.updated_at) is False
+    assert sorted(r.replica for r in channel.subscribers()) == ["pod-a", "pod-b"]
+    assert channel.remove_subscriber("g", "pod-b", if_updated_at=aged(600)) is True
+    assert [r.replica for r in channel.subscribers()] == ["pod-a"]
+    assert any_store.list("subscribers/g/pod-b") == []
+    assert channel.remove_subscriber("g", "pod-b", if_updated_at=aged(600)) is False  # already gone
+    assert channel.remove_subscriber("g", "pod-a") is True  # unguarded
+    assert channel.subscribers() == []
+
+
+def test_channel_status_ages_reports_out_with_the_bound(tmp_path: Path) -> None:
+    store = FilesystemStore(tmp_path / "s", create=True)
+    channel = WeightChannel(store)
+    for i in range(3):
+        channel.publish({"bf16": make_view(tmp_path / str(i), "bf16", str(i))})
+    channel.report(report("g", "gone", aged(600), applied=0))
+    channel.report(report("g", "live", aged(10), applied=2))
+    [frozen] = read_channel_status(store, now=NOW).groups
+    assert (frozen.applied_version, frozen.lag) == (0, 2)  # what a dead replica did before the bound
+    status = read_channel_status(store, stale_after_seconds=SUBSCRIBER_STALE_AFTER_SECONDS, now=NOW)
+    [group] = status.groups
+    assert (group.applied_version, group.lag, group.replicas) == (2, 0, {"live": 2})
+    assert sorted(r.replica for r in status.subscribers) == ["gone", "live"]  # listed, not counted
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

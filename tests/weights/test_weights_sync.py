@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from rlfleet.channel import POINTER_KEY, WeightChannel, manifest_key
 from rlfleet.numerics import formats
 from rlfleet.numerics.views import load_view
 from rlfleet.sampler.sync import DiskEngine, PushEngine, PushGroup, SyncConfig, Syncer, serve
-from rlfleet.store import FilesystemStore, S3Store, Store
+from rlfleet.store import FilesystemStore, S3Store, Store, StoreUnavailableError
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import WeightPublisher
 
@@ -855,3 +857,92 @@ async def test_fetch_launches_from_the_publishers_real_hf_checkpoint(view: str, 
         WeightChannel(store).download_view(0, other, tmp_path / other)
         with pytest.raises(NotLaunchableError):
             check_launchable(tmp_path / other, view)
+
+
+class FlakyStore(FilesystemStore):
+    """A filesystem store whose subscriber-report writes fail while `fail_reports` is set (as on a
+    read-only mount or a store that refuses writes), whose downloads take `download_delay` seconds per
+    file, and which records when each report was written."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, create=True, fsync=False)
+        self.fail_reports = False
+        self.download_delay = 0.0
+        self.report_writes: list[float] = []
+        self.downloads: list[tuple[float, float]] = []
+
+    def put(self, key: str, data: bytes) -> None:
+        if key.startswith("subscribers/"):
+            if self.fail_reports:
+                raise StoreUnavailableError(f"injected: cannot write {key}")
+            self.report_writes.append(time.monotonic())
+        super().put(key, data)
+
+    def get_file(self, key: str, path: Path, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        time.sleep(self.download_delay)
+        try:
+            return super().get_file(key, path, **kwargs)
+        finally:
+            self.downloads.append((start, time.monotonic()))
+
+
+async def test_a_failing_report_write_warns_once_per_streak_and_is_counted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="rlfleet.sampler.sync")
+    store = FlakyStore(tmp_path / "store")
+    config = SyncConfig(store="unused", view="fp8", engine_url="http://127.0.0.1:9", group="g", replica="pod-0",
+                        cache_dir=tmp_path / "cache", report_interval=0.0)  # fmt: skip  (every step writes)
+    async with httpx.AsyncClient() as client:
+        syncer = Syncer(config, store, DiskEngine(client))
+
+        def failures() -> float | None:
+            return syncer.metrics.registry.get_sample_value(
+                "rlfleet_weight_sync_report_failures_total", {"group": "g", "view": "fp8"}
+            )
+
+        def warnings() -> list[str]:
+            return [r.getMessage() for r in caplog.records
+                    if r.levelno == logging.WARNING and "could not write the subscriber report" in r.getMessage()]  # fmt: skip
+
+        assert failures() == 0.0
+        store.fail_reports = True
+        for _ in range(3):
+            await syncer.reconcile_once()  # nothing published: "waiting", and a report each step
+        assert syncer.state.phase == "waiting"
+        assert (syncer.state.report_failures, syncer.state.report_failure_streak) == (3, 3)
+        assert syncer.status()["report_failures"] == 3 and failures() == 3.0
+        [warning] = warnings()
+        assert "subscribers/g/pod-0.json" in warning and "injected: cannot write" in warning
+        assert WeightChannel(store).subscribers() == []
+        store.fail_reports = False
+        await syncer.reconcile_once()
+        assert (syncer.state.report_failures, syncer.state.report_failure_streak) == (3, 0)
+        [report] = WeightChannel(store).subscribers()
+        assert (report.group, report.replica, report.applied_version) == ("g", "pod-0", None)
+        assert any("written again after 3 failed attempts" in r.getMessage() and r.levelno == logging.INFO
+                   for r in caplog.records)  # fmt: skip
+        store.fail_reports = True  # a second streak warns again, once
+        await syncer.reconcile_once()
+        await syncer.reconcile_once()
+        assert len(warnings()) == 2 and failures() == 5.0 and syncer.status()["report_failures"] == 5
+
+
+async def test_the_report_is_rewritten_during_a_long_download(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    """The heartbeat keeps a downloading replica's report fresh (so retention keeps the version it
+    downloads and readers do not age it out), however long the download takes."""
+    store = FlakyStore(tmp_path / "store")
+    WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
+    store.download_delay = 0.25
+    config = SyncConfig(store="unused", view="fp8", engine_url="http://127.0.0.1:9", group="g", replica="pod-0",
+                        cache_dir=tmp_path / "cache", report_interval=0.2)  # fmt: skip
+    async with httpx.AsyncClient() as client:
+        syncer = Syncer(config, store, DiskEngine(client))
+        assert await syncer.fetch_for_launch(asyncio.Event()) is not None
+    first_get, last_get = store.downloads[0][0], store.downloads[-1][1]
+    assert last_get - first_get >= 0.25 * len(store.downloads) >= 1.0
+    during = [t for t in store.report_writes if first_get < t < last_get]
+    assert len(during) >= 3, (len(during), last_get - first_get)  # one write per ~report_interval
+    [report] = WeightChannel(store).subscribers()
+    assert (report.applied_version, report.in_use) == (None, [0])  # the downloaded version stays pinned
