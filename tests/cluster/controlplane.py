@@ -16,6 +16,9 @@ kwok fakes the nodes: two per GPU class (GPU Feature Discovery labels, `nvidia.c
 bound to them to Running/Ready.
 
 The pytest fixtures `kube` and `namespace` (tests/conftest.py) wrap `ControlPlane` and `KubeCluster`.
+
+`ControlPlane(..., real_node=True)` adds the dev cluster's real node (realnode.py; `scripts/dev-cluster`,
+docs/dev-cluster.md): kwok then fakes only the GPU nodes, and the API server listens on the node's bridge.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ SERVICE_CIDR = "10.0.0.0/24"
 POD_CIDR = "10.244.0.1/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 CONTROL_PLANE_COMPONENTS = ("kubernetes", "etcd", "kwok")  # what ControlPlane.start() needs
+NODE_COMPONENTS = ("node", "coredns", "local-path-provisioner")  # and with the real node (realnode.py)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,10 +98,11 @@ class GoComponent:
     binaries: dict[str, str]
     ldflags: Callable[[str], list[str]] = lambda version: []
     default: bool = True  # built by `controlplane.py build` without names (scripts/test runs that)
+    wrapper: str | None = None  # the wrapper module's folder under go/ when it is not `name`
 
     @property
     def wrapper_dir(self) -> Path:
-        return GO_DIR / self.name
+        return GO_DIR / (self.wrapper or self.name)
 
     def version(self) -> str:
         text = (self.wrapper_dir / "go.mod").read_text()
@@ -110,9 +115,10 @@ class GoComponent:
         return BIN_ROOT / f"{self.name}-{self.version()}"
 
     def stamp(self) -> str:
-        """Hash of everything that decides the binaries: go.mod, go.sum, packages, flags."""
+        """Hash of everything that decides the binaries: go.mod, go.sum, the wrapper's own Go files
+        (coredns's main.go), packages, flags."""
         digest = hashlib.sha256()
-        for file in ("go.mod", "go.sum"):
+        for file in ("go.mod", "go.sum", *sorted(p.name for p in self.wrapper_dir.glob("*.go"))):
             digest.update((self.wrapper_dir / file).read_bytes())
         digest.update(json.dumps([self.binaries, self.ldflags(self.version())], sort_keys=True).encode())
         return digest.hexdigest()
@@ -139,6 +145,24 @@ COMPONENTS: dict[str, GoComponent] = {
             },
             ldflags=_k8s_version_ldflags,
         ),
+        GoComponent(
+            name="node",
+            module="k8s.io/kubernetes",
+            binaries={b: f"k8s.io/kubernetes/cmd/{b}" for b in ("kubelet", "kube-proxy")},
+            ldflags=_k8s_version_ldflags,
+            wrapper="kubernetes",
+        ),  # the real node of the dev cluster (tests/cluster/realnode.py): same module, same release
+        GoComponent(
+            name="coredns",
+            module="github.com/coredns/coredns",
+            binaries={"coredns": "rlfleet.dev/tests/cluster/coredns"},  # main.go: the plugins we use
+            ldflags=lambda v: [f"-X github.com/coredns/coredns/coremain.GitCommit={v}"],
+        ),  # the dev cluster's DNS (tests/cluster/realnode.py)
+        GoComponent(
+            name="local-path-provisioner",
+            module="github.com/rancher/local-path-provisioner",
+            binaries={"local-path-provisioner": "github.com/rancher/local-path-provisioner"},
+        ),  # the dev cluster's storage class for PVCs (tests/cluster/realnode.py)
         GoComponent(
             name="etcd", module="go.etcd.io/etcd/server/v3", binaries={"etcd": "go.etcd.io/etcd/server/v3"}
         ),
@@ -297,8 +321,9 @@ def gpu_node_names() -> dict[str, list[str]]:
     return {cls: [f"gpu-{cls}-{i}" for i in range(NODES_PER_CLASS)] for cls in GPU_CLASSES}
 
 
-def node_manifests() -> list[dict[str, Any]]:
-    """Two nodes per GPU class (GFD labels; GKE's accelerator label on the second one) + CPU nodes."""
+def node_manifests(cpu_nodes: bool = True) -> list[dict[str, Any]]:
+    """Two nodes per GPU class (GFD labels; GKE's accelerator label on the second one) + CPU nodes
+    (not beside a real node: CPU pods must land where they really run)."""
     nodes = []
     for cls, gpu in GPU_CLASSES.items():
         for i, name in enumerate(gpu_node_names()[cls]):
@@ -315,7 +340,7 @@ def node_manifests() -> list[dict[str, Any]]:
                 labels["cloud.google.com/gke-accelerator"] = gpu.gke
             resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(GPUS_PER_NODE)}
             nodes.append(_node(name, labels, resources, [dict(GPU_TAINT)]))
-    for name in CPU_NODES:
+    for name in CPU_NODES if cpu_nodes else []:
         nodes.append(_node(name, {}, {"cpu": "32", "memory": "128Gi", "pods": "110"}, []))
     return nodes
 
@@ -325,7 +350,9 @@ def node_manifests() -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _write_pki(pki: Path) -> None:
+def _write_pki(pki: Path, server_ips: Sequence[str] = (), extra_leaves: dict[str, tuple[str, str | None]] | None = None) -> None:
+    """The CA, the API server's serving cert (also valid for `server_ips`) and the client certs
+    (`extra_leaves`: file -> (CN, O), e.g. the real node's kubelet)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -358,6 +385,9 @@ def _write_pki(pki: Path) -> None:
         .add_extension(
             x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
         )
+        # key identifiers: Python >= 3.13 verifies strictly (VERIFY_X509_STRICT) and refuses a chain
+        # without them ("Missing Authority Key Identifier"), e.g. the operator in a dev-cluster pod
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     (pki / "ca.crt").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
@@ -374,6 +404,10 @@ def _write_pki(pki: Path) -> None:
             .not_valid_before(now)
             .not_valid_after(now + dt.timedelta(days=7))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+            )
             .add_extension(
                 x509.ExtendedKeyUsage(
                     [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -392,6 +426,7 @@ def _write_pki(pki: Path) -> None:
                         x509.DNSName("kubernetes.default.svc.cluster.local"),
                         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                         x509.IPAddress(next(ipaddress.ip_network(SERVICE_CIDR).hosts())),
+                        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips),
                     ]
                 ),
                 critical=False,
@@ -405,6 +440,8 @@ def _write_pki(pki: Path) -> None:
     leaf("kube-controller-manager", name("system:kube-controller-manager"), server=False)
     leaf("kube-scheduler", name("system:kube-scheduler"), server=False)
     leaf("kwok", name("kwok-controller", "system:masters"), server=False)
+    for file, (cn, org) in (extra_leaves or {}).items():
+        leaf(file, name(cn, org), server=False)
 
     sa_key = ec.generate_private_key(ec.SECP256R1())  # signs ServiceAccount tokens (ES256)
     (pki / "sa.key").write_bytes(key_pem(sa_key))
@@ -588,14 +625,22 @@ class KubeCluster:
 
 
 class ControlPlane:
-    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok in `workdir`."""
+    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler + kwok in `workdir`; with
+    `real_node`, also the dev cluster's real node (realnode.py: containerd, kubelet, kube-proxy, CoreDNS,
+    local-path storage), and the API server listens on the node's bridge so pods reach it."""
 
-    def __init__(self, workdir: Path, log: Callable[[str], None] = lambda msg: None) -> None:
+    def __init__(self, workdir: Path, log: Callable[[str], None] = lambda msg: None, real_node: bool = False) -> None:
         self.workdir = Path(workdir)
         self.log = log
         self.procs: list[Proc] = []
         self.cluster: KubeCluster | None = None
         self._ssl: ssl.SSLContext | None = None
+        self.node: Any = None  # realnode.RealNode when real_node
+        if real_node:
+            sys.path.insert(0, str(CLUSTER_DIR))  # realnode.py and nodeimages.py import each other by name
+            import realnode
+
+            self.node = realnode.RealNode(self.workdir, log)
 
     # ---- helpers ----
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
@@ -659,7 +704,7 @@ class ControlPlane:
     def start(self) -> KubeCluster:
         started = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        bins = build(CONTROL_PLANE_COMPONENTS, log=self.log)
+        bins = build(CONTROL_PLANE_COMPONENTS + (NODE_COMPONENTS if self.node else ()), log=self.log)
         # extras already built (helm) are linked too, never built here
         bins |= {n: c.bin_dir() for n, c in COMPONENTS.items() if n not in bins and c.up_to_date()}
         bin_dir = self.workdir / "bin"  # one PATH entry with every binary of this control plane
@@ -672,7 +717,11 @@ class ControlPlane:
                 link.symlink_to(directory / binary)
 
         pki = self.workdir / "pki"
-        _write_pki(pki)
+        if self.node:
+            self.node.prepare_host()  # the bridge the API server listens on
+            _write_pki(pki, [self.node.ip], self.node.client_certs())
+        else:
+            _write_pki(pki)
         try:
             self._start_etcd_and_apiserver(bin_dir, pki)
             assert self.cluster is not None
@@ -715,16 +764,22 @@ class ControlPlane:
                     str(bin_dir / "kwok"),
                     f"--kubeconfig={self.workdir}/kwok.kubeconfig",
                     f"--config={KWOK_STAGES}",
-                    "--manage-all-nodes=true",
+                    # kwok fakes only its own nodes: a real node's pods are the kubelet's
+                    "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                     "--node-lease-duration-seconds=40",
                     f"--cidr={POD_CIDR}",
                     "--node-ip=10.96.0.1",
                 ],
                 env={**os.environ, "HOME": str(kwok_home)},
             )
-            self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(node_manifests()))
+            self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(node_manifests(cpu_nodes=not self.node)))
             self._wait("nodes Ready and untainted", self._nodes_ready, timeout=120)
             self._wait("default ServiceAccount and kube-root-ca.crt", self._namespace_ready, timeout=60)
+            if self.node:
+                for user in self.node.client_certs():
+                    _write_kubeconfig(self.node.dir / f"{user}.kubeconfig", server, pki, user)
+                self.node.start(self._spawn, bin_dir, pki, self.cluster.kubectl, free_port)
+                self.cluster.cpu_nodes = [self.node.name]
         except BaseException:
             self.stop()
             raise
@@ -750,7 +805,8 @@ class ControlPlane:
                     "--log-level=warn",
                 ],
             )
-            server = f"https://127.0.0.1:{secure}"
+            address = self.node.ip if self.node else "127.0.0.1"
+            server = f"https://{address}:{secure}"
             kubeconfig = self.workdir / "kubeconfig"
             _write_kubeconfig(kubeconfig, server, pki, "admin")
             self.cluster = KubeCluster(
@@ -769,16 +825,24 @@ class ControlPlane:
                     f"--tls-cert-file={pki}/apiserver.crt",
                     f"--tls-private-key-file={pki}/apiserver.key",
                     f"--secure-port={secure}",
-                    "--bind-address=127.0.0.1",
-                    "--advertise-address=127.0.0.1",
+                    f"--bind-address={address}",
+                    f"--advertise-address={address}",
                     f"--service-cluster-ip-range={SERVICE_CIDR}",
                     "--allow-privileged=true",
-                    "--authorization-mode=RBAC",
                     f"--client-ca-file={pki}/ca.crt",
                     f"--service-account-issuer={SA_ISSUER}",
                     f"--service-account-key-file={pki}/sa.pub",
                     f"--service-account-signing-key-file={pki}/sa.key",
-                    "--endpoint-reconciler-type=none",
+                    *(
+                        [  # the `kubernetes` Service points at the API server; kubelets are authorized as nodes
+                            "--authorization-mode=Node,RBAC",
+                            f"--kubelet-client-certificate={pki}/apiserver-kubelet-client.crt",
+                            f"--kubelet-client-key={pki}/apiserver-kubelet-client.key",
+                            "--kubelet-preferred-address-types=InternalIP",  # no DNS name for the node
+                        ]
+                        if self.node
+                        else ["--authorization-mode=RBAC", "--endpoint-reconciler-type=none"]
+                    ),
                     "--v=1",
                 ],
             )
@@ -789,14 +853,14 @@ class ControlPlane:
                 return
             except ControlPlaneError as err:
                 in_use = "address already in use" in (etcd.tail(50) + apiserver.tail(50))
-                self.stop()
+                self._stop_processes()
                 if not in_use or attempt == attempts:
                     raise err
                 shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
 
     def _nodes_ready(self) -> bool:
         nodes = self.api_get("/api/v1/nodes")["items"]
-        if len(nodes) < len(node_manifests()):
+        if len(nodes) < len(node_manifests(cpu_nodes=not self.node)):
             return False
         for node in nodes:
             ready = [c for c in node["status"].get("conditions", []) if c["type"] == "Ready"]
@@ -813,6 +877,18 @@ class ControlPlane:
         return True
 
     def stop(self) -> None:
+        if self.node and self.cluster and self.procs:
+            try:
+                self.node.drain()  # while the API server is up: the kubelet tears its pods down properly
+            except Exception as err:  # noqa: BLE001 - the sweep below takes back what is left
+                self.log(f"node drain failed: {err}")
+        try:
+            self._stop_processes()
+        finally:
+            if self.node:
+                self.node.sweep()
+
+    def _stop_processes(self) -> None:
         try:
             for proc in reversed(self.procs):
                 _stop_group(proc.popen.pid, lambda t, p=proc: _wait_popen(p.popen, t))
@@ -882,9 +958,9 @@ def _wait_pid(pid: int, timeout: float) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def _supervise(workdir: Path) -> int:
+def _supervise(workdir: Path, real_node: bool = False) -> int:
     """Run the control plane until SIGTERM/SIGINT (the `up` background process)."""
-    plane = ControlPlane(workdir, log=lambda msg: print(msg, flush=True))
+    plane = ControlPlane(workdir, log=lambda msg: print(msg, flush=True), real_node=real_node)
 
     def on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -927,28 +1003,29 @@ def _running_pid(workdir: Path) -> int | None:
     return pid if _pid_alive(pid) else None
 
 
-def cmd_up(workdir: Path, foreground: bool) -> int:
+def cmd_up(workdir: Path, foreground: bool, real_node: bool = False, timeout: float = 300) -> int:
     if _running_pid(workdir):
         print(f"already running; KUBECONFIG={workdir / 'kubeconfig'}", file=sys.stderr)
         print(workdir / "kubeconfig")
         return 0
-    build(CONTROL_PLANE_COMPONENTS, log=lambda msg: print(msg, file=sys.stderr))
+    build(CONTROL_PLANE_COMPONENTS + (NODE_COMPONENTS if real_node else ()), log=lambda msg: print(msg, file=sys.stderr))
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
     if foreground:
         (workdir / "supervisor.json").write_text(json.dumps({"pid": os.getpid()}))
-        return _supervise(workdir)
+        return _supervise(workdir, real_node)
     with open(workdir / "supervisor.log", "ab") as out:
         popen = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "_supervise", "--workdir", str(workdir)],
+            [sys.executable, str(Path(__file__).resolve()), "_supervise", "--workdir", str(workdir),
+             *(["--real-node"] if real_node else [])],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     (workdir / "supervisor.json").write_text(json.dumps({"pid": popen.pid}))
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout
     while not (workdir / "state.json").exists():
         if popen.poll() is not None or time.monotonic() > deadline:
             error = (workdir / "error.txt").read_text() if (workdir / "error.txt").exists() else ""
@@ -986,6 +1063,11 @@ def cmd_down(workdir: Path) -> int:
     for comp_pid in pids.values():
         if _pid_alive(comp_pid):
             _stop_group(comp_pid, lambda t, p=comp_pid: _wait_pid(p, t))
+    if (workdir / "node.json").exists():  # a real node whose supervisor could not sweep it
+        sys.path.insert(0, str(CLUSTER_DIR))
+        import realnode
+
+        realnode.sweep(workdir)
     (workdir / "supervisor.json").unlink(missing_ok=True)
     (workdir / "state.json").unlink(missing_ok=True)
     print("down", file=sys.stderr)
@@ -1019,6 +1101,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--workdir", type=Path, default=WORK_ROOT / "default")
+        if name in ("up", "_supervise"):
+            p.add_argument("--real-node", action="store_true", help="also run a real node (scripts/dev-cluster)")
         if name == "up":
             p.add_argument("--foreground", action="store_true", help="run in this process until Ctrl-C")
     args = parser.parse_args(argv)
@@ -1029,12 +1113,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         workdir = args.workdir.resolve()
         if args.command == "up":
-            return cmd_up(workdir, args.foreground)
+            return cmd_up(workdir, args.foreground, args.real_node)
         if args.command == "down":
             return cmd_down(workdir)
         if args.command == "status":
             return cmd_status(workdir)
-        return _supervise(workdir)
+        return _supervise(workdir, args.real_node)
     except (BuildError, ControlPlaneError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
