@@ -6,6 +6,7 @@ and apply the results. Everything a child needs is derived from the API models a
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from typing import Any
@@ -30,8 +31,8 @@ from rlfleet.catalog import (
     MODEL_DIR_REF,
     WEIGHT_VERSION_REF,
     Catalog,
+    engine_launch_for_group,
     launch_from_file,
-    sglang_launch_for_group,
 )
 from rlfleet.operator import naming as n
 
@@ -156,6 +157,16 @@ def container_resources(defaults: dict[str, dict[str, str]], placement: PodPlace
             extra = getattr(placement.resources, kind)
             if extra:
                 out.setdefault(kind, {}).update(extra)
+    return out
+
+
+def class_resources(defaults: dict[str, dict[str, str]], gpus: int) -> dict[str, dict[str, str]]:
+    """The catalog class's default requests/limits of a container, plus `gpus` nvidia.com/gpu (request and
+    limit) when gpus > 0 (a CPU class asks for none)."""
+    out = {kind: dict(values) for kind, values in defaults.items()}
+    if gpus > 0:
+        out.setdefault("requests", {})[GPU_RESOURCE] = str(gpus)
+        out.setdefault("limits", {})[GPU_RESOURCE] = str(gpus)
     return out
 
 
@@ -411,10 +422,12 @@ def build_trainer_statefulset(
     volumes, mounts = store_volume(store, read_only=False)
     master = f"{name}-0.{name}.{namespace}.svc"
     gang_labels, gang_annotations, gang_anti = trainer_gang(job)
+    cls = catalog.get(t.accelerator)
+    ranks = t.ranks_per_replica
     env = [
         *_common_env(job, namespace),
         {"name": "NNODES", "value": str(t.replicas)},
-        {"name": "NPROC_PER_NODE", "value": str(t.gpus_per_replica)},
+        {"name": "NPROC_PER_NODE", "value": str(ranks)},
         {
             "name": "NODE_RANK",
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}},
@@ -422,6 +435,8 @@ def build_trainer_statefulset(
         {"name": "MASTER_ADDR", "value": master},
         {"name": "MASTER_PORT", "value": str(n.TRAINER_RDZV_PORT)},
         {"name": "RLFLEET_TRAINER_BACKEND", "value": t.backend},
+        # the class's device: "cuda" (nccl) on a GPU class, "cpu" (gloo) on a CPU class (trainer/entrypoint.py)
+        {"name": "RLFLEET_TRAINER_DEVICE", "value": "cuda" if cls.gpu else "cpu"},
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": HF_HOME},
         *store_env(store),
@@ -450,13 +465,7 @@ def build_trainer_statefulset(
             {"name": "rdzv", "containerPort": n.TRAINER_RDZV_PORT},
             {"name": "metrics", "containerPort": n.TRAINER_METRICS_PORT},
         ],
-        "resources": container_resources(
-            {
-                "requests": {GPU_RESOURCE: str(t.gpus_per_replica), "cpu": "8", "memory": "64Gi"},
-                "limits": {GPU_RESOURCE: str(t.gpus_per_replica)},
-            },
-            t,
-        ),
+        "resources": container_resources(class_resources(cls.trainer_resources, ranks if cls.gpu else 0), t),
         "volumeMounts": [
             {"name": "config", "mountPath": n.CONFIG_MOUNT, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
@@ -486,8 +495,8 @@ def build_trainer_statefulset(
                     t,
                 ),
                 "spec": {
-                    "affinity": pod_affinity(t, catalog, t.accelerator, own_anti_affinity=gang_anti),
-                    "tolerations": pod_tolerations(t, gpu=True),
+                    **_optional("affinity", pod_affinity(t, catalog, t.accelerator, own_anti_affinity=gang_anti)),
+                    **_optional("tolerations", pod_tolerations(t, gpu=cls.gpu)),
                     **pod_placement_spec(t),
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,  # no API rights: the operator writes its status
@@ -495,7 +504,7 @@ def build_trainer_statefulset(
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": n.config_name(job.name)}},
-                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}},
+                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi" if cls.gpu else "1Gi"}},
                         {"name": "tmp", "emptyDir": {}},
                         *volumes,
                     ],
@@ -638,21 +647,27 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
     health probes, Prometheus annotations, the weight-sync sidecar, restricted security context."""
     name = sg.metadata.name or ""
     spec = sg.spec
+    cls = catalog.get(spec.accelerator)
     from_channel = bool(spec.weight_channel) and store is not None
     if from_channel:
-        # SGLang starts from the checkpoint the init container fetched and verified: the newest version
-        # of this group's view (its format), never spec.model.path (docs/weights.md).
-        launch = sglang_launch_for_group(
+        # The engine (SGLang, or the reference engine of a CPU class) starts from the checkpoint the init
+        # container fetched and verified: the newest version of this group's view (its format), never
+        # spec.model.path (docs/weights.md).
+        launch = engine_launch_for_group(
             spec, catalog, model_path=MODEL_DIR_REF, weight_version=WEIGHT_VERSION_REF
         )
         engine_command = launch_from_file(launch.argv, f"{n.WEIGHTS_CACHE}/{LAUNCH_FILE}")
+        command, args = engine_command[:2], engine_command[2:]
     else:  # a standalone group serves one fixed checkpoint, which must already be in its format
-        launch = sglang_launch_for_group(spec, catalog, model_path=spec.model.path, weight_version=0)
+        launch = engine_launch_for_group(spec, catalog, model_path=spec.model.path, weight_version=0)
         engine_command = launch.argv
+        # SGLang: ["python3", "-m", "sglang.launch_server"]; the reference engine: ["rlfleet"]
+        split = 3 if cls.engine == "sglang" else 1
+        command, args = engine_command[:split], engine_command[split:]
     labels = _sampler_labels(sg)
     port = spec.port
     volumes = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "32Gi" if cls.gpu else "1Gi"}},
         {"name": "tmp", "emptyDir": {}},
         {"name": "weights-cache", "emptyDir": {}},
     ]
@@ -682,11 +697,11 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
     if from_channel:  # everything SGLang loads is local and verified: never reach for the Hub
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
     engine = {
-        "name": "sglang",
+        "name": cls.engine,  # "sglang", or "reference" on a CPU class
         "image": spec.images.sampler,
         "imagePullPolicy": spec.images.pull_policy,
-        "command": engine_command[:3] if not from_channel else engine_command[:2],
-        "args": engine_command[3:] if not from_channel else engine_command[2:],
+        "command": command,
+        "args": args,
         "env": env,
         "ports": [{"name": "http", "containerPort": port}],
         "startupProbe": {
@@ -708,11 +723,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
             "failureThreshold": 5,
         },
         "resources": container_resources(
-            {
-                "requests": {GPU_RESOURCE: str(launch.tensor_parallel), "cpu": "4", "memory": "32Gi"},
-                "limits": {GPU_RESOURCE: str(launch.tensor_parallel)},
-            },
-            spec,
+            class_resources(cls.sampler_resources, launch.tensor_parallel if cls.gpu else 0), spec
         ),
         "volumeMounts": engine_mounts,
         "securityContext": dict(RESTRICTED_CONTAINER),
@@ -754,7 +765,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                 "command": ["rlfleet"],
                 "args": [*sync_args, "--fetch-only"],
                 "env": sync_env,
-                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+                "resources": copy.deepcopy(cls.sync_resources),
                 "volumeMounts": sync_mounts,
                 "securityContext": sync_security,
             }
@@ -769,7 +780,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                 "env": sync_env,
                 "ports": [{"name": "sync", "containerPort": n.SYNC_PORT}],
                 "readinessProbe": {"httpGet": {"path": "/health", "port": n.SYNC_PORT}, "periodSeconds": 10},
-                "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+                "resources": copy.deepcopy(cls.sync_resources),
                 "volumeMounts": sync_mounts,
                 "securityContext": sync_security,
             }
@@ -791,8 +802,8 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                     spec,
                 ),
                 "spec": {
-                    "affinity": pod_affinity(spec, catalog, spec.accelerator),
-                    "tolerations": pod_tolerations(spec, gpu=True),
+                    **_optional("affinity", pod_affinity(spec, catalog, spec.accelerator)),
+                    **_optional("tolerations", pod_tolerations(spec, gpu=cls.gpu)),
                     **pod_placement_spec(spec),
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,

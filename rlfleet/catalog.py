@@ -27,6 +27,17 @@ checkpoint says. It is no guard against a checkpoint of another format (SGLang r
 silently runs others, tests/api/test_api_catalog.py), so the weight-sync init container checks the
 checkpoint's declared quantization before SGLang starts (sampler/sync.py `check_launchable`).
 
+A class says which engine its sampler groups run and on what device (`engine: sglang | reference`,
+`device: gpu | cpu`). The built-in `cpu` class runs the project's reference engine (`rlfleet sampler
+serve --engine reference`: a Qwen3 on CPU that emulates the bf16 / fp8 / nvfp4 weight views and an fp8
+KV cache) with the SAME launch contract as SGLang: the weight-sync init container fetches and verifies
+the newest version of the group's view, the engine execs from that directory with its version, the
+sidecar applies later versions through `/update_weights_from_disk`. A cpu class requests no GPU, has no
+GPU toleration and no GPU product affinity; its pods request the class's small CPU / memory defaults
+(`samplerResources`, `trainerResources` and `syncResources`; a group's / the trainer's `resources` are
+merged over the engine's and the trainer's). Its trainer
+runs torchrun ranks on CPU (gloo).
+
 Overrides: a YAML file named by `RLFLEET_CATALOG` (the Helm chart mounts a ConfigMap there) with
 `classes: {name: {...}}`; fields of an existing class are merged over the built-in one (mappings
 merge, lists replace, `null` removes an entry, e.g. `weightFormats: {fp8: null}`), a new name must be
@@ -48,7 +59,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 CATALOG_ENV = "RLFLEET_CATALOG"
@@ -86,29 +97,77 @@ class FormatProfile(_Model):
     note: str = ""  # what the mode means (shown in SamplerGroup status)
 
 
+GPU_SAMPLER_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "4", "memory": "32Gi"}}
+GPU_TRAINER_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "8", "memory": "64Gi"}}
+GPU_SYNC_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+# A CPU class's pods share a few cores (a one-machine dev cluster has 2): small requests, memory limits
+# sized for the tiny Qwen3 with headroom; raise them with a group's / the trainer's `resources`.
+CPU_SAMPLER_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "250m", "memory": "1Gi"},
+    "limits": {"memory": "4Gi"},
+}
+CPU_TRAINER_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "500m", "memory": "2Gi"},
+    "limits": {"memory": "8Gi"},
+}
+CPU_SYNC_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+REFERENCE_PROGRAM = "rlfleet"
+"""argv[0] of a reference-engine group's engine container (the rlfleet console script of the image)."""
+
+
 class AcceleratorClass(_Model):
-    """One GPU class."""
+    """One accelerator class: a GPU class (SGLang), or a CPU class (the reference engine)."""
 
     name: str
     display_name: str
-    product_labels: list[str] = Field(min_length=1)  # nvidia.com/gpu.product values (GFD)
+    device: Literal["gpu", "cpu"] = "gpu"  # cpu: no nvidia.com/gpu request, toleration or product affinity
+    engine: Literal["sglang", "reference"] = "sglang"  # what a sampler group of the class launches
+    product_labels: list[str] = Field(default_factory=list)  # nvidia.com/gpu.product values (GFD)
     gke_accelerators: list[str] = Field(default_factory=list)  # cloud.google.com/gke-accelerator values
-    compute_capability: str  # "9.0"
-    memory_gib: int = Field(gt=0)
+    compute_capability: str = ""  # "9.0" (GPU classes)
+    memory_gib: int = Field(default=0, ge=0)  # GPU memory (0: a CPU class)
     weight_formats: dict[str, FormatProfile]
     unsupported: dict[str, str] = Field(default_factory=dict)  # format -> why not (for clear errors)
     kv_cache_dtypes: list[str]
     default_tensor_parallel: int = Field(default=1, ge=1, le=8)
     cost_per_gpu_hour: float = Field(ge=0.0)  # USD, list price; override per cluster
-    env: dict[str, str] = Field(default_factory=dict)  # env for every SGLang server of the class
+    env: dict[str, str] = Field(default_factory=dict)  # env for every engine server of the class
+    # default requests/limits of the engine container and of the trainer container (the GPU count is
+    # added for GPU classes; a group's / the trainer's `resources` are merged over these)
+    sampler_resources: dict[str, dict[str, str]] = Field(default_factory=lambda: copy.deepcopy(GPU_SAMPLER_RESOURCES))
+    trainer_resources: dict[str, dict[str, str]] = Field(default_factory=lambda: copy.deepcopy(GPU_TRAINER_RESOURCES))
+    # the weight-fetch init container and the weight-sync sidecar of a sampler pod
+    sync_resources: dict[str, dict[str, str]] = Field(default_factory=lambda: copy.deepcopy(GPU_SYNC_RESOURCES))
+
+    @model_validator(mode="after")
+    def _check_device(self) -> AcceleratorClass:
+        if self.device == "gpu":
+            if not self.product_labels:
+                raise ValueError("a gpu class needs productLabels (nvidia.com/gpu.product values)")
+            if not self.compute_capability or self.memory_gib <= 0:
+                raise ValueError("a gpu class needs computeCapability and memoryGib > 0")
+        elif self.engine != "reference":
+            raise ValueError("a cpu class runs engine reference (SGLang needs GPUs)")
+        elif self.product_labels or self.gke_accelerators:
+            raise ValueError("a cpu class has no GPU product labels (its pods request no GPU)")
+        return self
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "gpu"
 
     @property
     def sm(self) -> str:
+        if not self.gpu:
+            return "cpu"
         major, _, minor = self.compute_capability.partition(".")
         return f"sm{major}{minor or '0'}"
 
     def node_selector_terms(self) -> list[dict[str, Any]]:
-        """Required node-affinity terms (ORed): GFD product labels, or GKE accelerator labels."""
+        """Required node-affinity terms (ORed): GFD product labels, or GKE accelerator labels (none for a
+        CPU class: its pods go wherever they fit and tolerate no GPU taint)."""
+        if not self.product_labels:
+            return []
         terms: list[dict[str, Any]] = [
             {
                 "matchExpressions": [
@@ -180,6 +239,10 @@ _MXFP4_NATIVE = FormatProfile(
     mode="native", flags=["--quantization", "mxfp4"], note=f"native MXFP4 W4A4; {_MOE_ONLY}"
 )
 _BF16 = FormatProfile(mode="native", flags=[], note="BF16, same precision as the trainer")
+_REFERENCE_NOTE = (
+    "emulated on CPU by the reference engine (rlfleet sampler serve --engine reference): {what}, "
+    "BF16 activations; no GPU"
+)
 
 
 def builtin_classes() -> dict[str, AcceleratorClass]:
@@ -283,6 +346,33 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             default_tensor_parallel=1,
             cost_per_gpu_hour=1.89,
         ),
+        AcceleratorClass(
+            name="cpu",
+            display_name="CPU (reference engine, precision emulated)",
+            device="cpu",
+            engine="reference",
+            weight_formats={
+                "bf16": FormatProfile(flags=["--weight-format", "bf16"], note=_REFERENCE_NOTE.format(what="BF16 weights")),
+                "fp8": FormatProfile(
+                    flags=["--weight-format", "fp8"],
+                    note=_REFERENCE_NOTE.format(what="the fp8 view's block-128 FP8 weights (served as stored)"),
+                ),
+                "nvfp4": FormatProfile(
+                    flags=["--weight-format", "nvfp4"],
+                    note=_REFERENCE_NOTE.format(what="the nvfp4 view's NVFP4 weights (served as stored)"),
+                ),
+            },
+            unsupported={
+                "mxfp4": "MXFP4 quantizes only MoE experts and the mxfp4 view is refused for dense Qwen3 models "
+                "(docs/weights.md); use bf16, fp8 or nvfp4",
+            },
+            kv_cache_dtypes=["auto", "bf16", "fp8_e4m3"],
+            default_tensor_parallel=1,
+            cost_per_gpu_hour=0.0,
+            sampler_resources=copy.deepcopy(CPU_SAMPLER_RESOURCES),
+            trainer_resources=copy.deepcopy(CPU_TRAINER_RESOURCES),
+            sync_resources=copy.deepcopy(CPU_SYNC_RESOURCES),
+        ),
     ]
     return {c.name: c for c in classes}
 
@@ -383,9 +473,27 @@ def check_group(
     if kv_cache_dtype not in cls.kv_cache_dtypes:
         raise CatalogError(
             f"accelerator {accelerator} ({cls.sm}) cannot use kvCacheDtype {kv_cache_dtype} "
-            f"(supported: {', '.join(cls.kv_cache_dtypes)}; mxfp8 and nvfp4 KV caches need Blackwell)"
+            f"(supported: {', '.join(cls.kv_cache_dtypes)}; {kv_note(cls)})"
         )
     return profile
+
+
+def kv_note(cls: AcceleratorClass) -> str:
+    """Why a class's KV-cache dtypes are what they are (error messages, CRD rule messages)."""
+    if cls.engine == "reference":
+        return "the reference engine emulates a bf16 or fp8_e4m3 KV cache"
+    return "mxfp8 and nvfp4 KV caches need Blackwell"
+
+
+REFERENCE_ONE_PROCESS = (
+    "runs the reference engine, one CPU process per replica: tensorParallel must be 1 (or unset)"
+)
+
+
+def check_tensor_parallel(cls: AcceleratorClass, tensor_parallel: int | None) -> None:
+    """CatalogError if a group of `cls` asks for a tensor parallelism its engine cannot run."""
+    if cls.engine == "reference" and tensor_parallel not in (None, 1):
+        raise CatalogError(f"accelerator {cls.name} {REFERENCE_ONE_PROCESS} (got {tensor_parallel})")
 
 
 @dataclass(frozen=True)
@@ -408,6 +516,11 @@ class SGLangLaunch:
 
 def selection_reason(cls: AcceleratorClass, weight_format: str, profile: FormatProfile) -> str:
     """Why a group runs where it runs (SamplerGroup status `selectionReason`)."""
+    if not cls.gpu:
+        return (
+            f"{cls.display_name}: no GPU (any node the pod fits, no nvidia.com/gpu toleration); "
+            f"{weight_format} {profile.mode} ({profile.note})"
+        )
     terms = [f"{PRODUCT_LABEL} in [{', '.join(cls.product_labels)}]"]
     if cls.gke_accelerators:
         terms.append(f"{GKE_LABEL} in [{', '.join(cls.gke_accelerators)}]")
@@ -439,6 +552,10 @@ def sglang_launch(
     object.
     """
     cls = accelerator
+    if cls.engine != "sglang":
+        raise CatalogError(
+            f"accelerator {cls.name} runs the {cls.engine} engine, not SGLang (use engine_launch)"
+        )
     catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
     profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
     tp = tensor_parallel or cls.default_tensor_parallel
@@ -472,6 +589,66 @@ def sglang_launch(
     )
 
 
+def reference_launch(
+    *,
+    accelerator: AcceleratorClass,
+    weight_format: str,
+    kv_cache_dtype: str = "auto",
+    tensor_parallel: int | None = None,
+    extra_args: Sequence[str] = (),
+    model_path: str,
+    served_model_name: str,
+    weight_version: int | str,
+    host: str = "0.0.0.0",
+    port: int = 30000,
+    sampling_mask_max_tokens: int = 4096,
+    program: str = REFERENCE_PROGRAM,
+) -> SGLangLaunch:
+    """(group fields, class) -> the reference engine's command line for a class with `engine:
+    reference`: `rlfleet sampler serve --engine reference` with the same launch inputs as SGLang (a
+    verified view directory and its version, the served name, port, mask cap) and the class's
+    precision flags (`--weight-format`, `--kv-cache-dtype`). Raises CatalogError."""
+    cls = accelerator
+    if cls.engine != "reference":
+        raise CatalogError(f"accelerator {cls.name} runs the {cls.engine} engine, not the reference engine")
+    catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
+    profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
+    check_tensor_parallel(cls, tensor_parallel)
+    precision_flags = list(profile.flags)
+    if kv_cache_dtype != "auto":
+        precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
+    argv = [
+        program, "sampler", "serve", "--engine", "reference",
+        "--model-path", model_path,
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
+        "--weight-version", str(weight_version),
+    ]  # fmt: skip
+    argv += precision_flags
+    argv += list(extra_args)
+    return SGLangLaunch(
+        argv=argv,
+        env={**cls.env, **profile.env},
+        tensor_parallel=1,
+        mode=profile.mode,
+        note=profile.note,
+        accelerator=cls.name,
+        selection_reason=selection_reason(cls, weight_format, profile),
+        flags=precision_flags,
+    )
+
+
+def engine_launch(*, accelerator: AcceleratorClass, **kwargs: Any) -> SGLangLaunch:
+    """The launch of the engine the class runs (`engine`): `sglang_launch` or `reference_launch`, same
+    arguments (`python` is SGLang's interpreter; a reference launch ignores it)."""
+    if accelerator.engine == "reference":
+        kwargs.pop("python", None)
+        return reference_launch(accelerator=accelerator, **kwargs)
+    return sglang_launch(accelerator=accelerator, **kwargs)
+
+
 def launch_from_file(argv: Sequence[str], launch_file: str) -> list[str]:
     """`/bin/sh -c` command running `argv` (built with WEIGHT_VERSION_REF / MODEL_DIR_REF) with the
     version and directory read from `launch_file`. Fails (exit 1, one line) if the file is missing:
@@ -489,6 +666,15 @@ def launch_from_file(argv: Sequence[str], launch_file: str) -> list[str]:
 def sglang_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs: Any) -> SGLangLaunch:
     """sglang_launch for a SamplerGroupSpec / SamplerGroupTemplate (model_path, weight_version and
     served_model_name come from kwargs; the served name defaults to group.model.name)."""
+    return _launch_for_group(sglang_launch, group, catalog, **kwargs)
+
+
+def engine_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs: Any) -> SGLangLaunch:
+    """engine_launch for a SamplerGroupSpec: SGLang or the reference engine, as the group's class says."""
+    return _launch_for_group(engine_launch, group, catalog, **kwargs)
+
+
+def _launch_for_group(launch: Any, group: Any, catalog: Catalog | None, **kwargs: Any) -> SGLangLaunch:
     cat = catalog or get_catalog()
     model = getattr(group, "model", None)
     kwargs.setdefault("served_model_name", getattr(model, "name", None))
@@ -498,8 +684,8 @@ def sglang_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs
         kwargs.setdefault("sampling_mask_max_tokens", group.sampling_mask_max_tokens)
     missing = [k for k in ("model_path", "served_model_name", "weight_version") if kwargs.get(k) is None]
     if missing:
-        raise CatalogError(f"sglang launch: {', '.join(missing)} required")
-    return sglang_launch(
+        raise CatalogError(f"engine launch: {', '.join(missing)} required")
+    return launch(
         accelerator=cat.get(group.accelerator),
         weight_format=group.weight_format,
         kv_cache_dtype=group.kv_cache_dtype,

@@ -11,6 +11,9 @@
 - a Hugging Face id (`org/name`, optionally `revision`): fetched once with huggingface_hub's
   `snapshot_download` into the Hugging Face cache (`HF_HOME`; on rlfleet pods `/tmp/huggingface`,
   the writable emptyDir of the non-root uid 10001); the hub verifies the files it downloads.
+- `builtin:tiny-qwen3[?seed=N]`: the project's tiny Qwen3 (rlfleet/tiny_qwen3.py, what `rlfleet model
+  tiny-qwen3` writes: seeded, built locally, no download) built once into the cache; for trying the
+  operator without a model anywhere (examples/rljob-cpu.yaml).
 Anything else (another URI scheme, a missing directory, a directory that is not a checkpoint) is a
 `ModelSourceError` with a one-line message.
 
@@ -202,6 +205,28 @@ def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
         store.close()
 
 
+BUILTIN_TINY_QWEN3 = "builtin:tiny-qwen3"
+
+
+def _builtin(source: str, name: str, query: str, cache: Path) -> Path:
+    """`builtin:tiny-qwen3[?seed=N]`: the tiny Qwen3 built once under `cache` (rlfleet/tiny_qwen3.py)."""
+    from urllib.parse import parse_qs
+
+    if name != "tiny-qwen3":
+        raise ModelSourceError(f"model source {source}: unknown built-in model {name!r} (built in: tiny-qwen3)")
+    params = parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(params) - {"seed"})
+    if unknown:
+        raise ModelSourceError(f"model source {source}: unknown parameter {', '.join(unknown)} (only seed)")
+    try:
+        seed = int(params.get("seed", ["0"])[-1])
+    except ValueError:
+        raise ModelSourceError(f"model source {source}: seed must be an integer") from None
+    from rlfleet.tiny_qwen3 import TinyQwen3, cached_tiny_qwen3
+
+    return cached_tiny_qwen3(cache, TinyQwen3(seed=seed))
+
+
 def resolve_model_source(
     path: str,
     *,
@@ -223,9 +248,12 @@ def resolve_model_source(
         return check_checkpoint_dir(_download_s3(path, cache, **s3_options), path)
     if parsed.scheme == "file":
         return check_checkpoint_dir(Path(parsed.path), path)
+    if parsed.scheme == "builtin":
+        return check_checkpoint_dir(_builtin(path, parsed.path, parsed.query, cache), path)
     if parsed.scheme:
         raise ModelSourceError(
-            f"model source {path}: unknown scheme {parsed.scheme!r} (use a directory, file://, s3:// or a Hugging Face id)"
+            f"model source {path}: unknown scheme {parsed.scheme!r} (use a directory, file://, s3://, "
+            f"{BUILTIN_TINY_QWEN3} or a Hugging Face id)"
         )
     local = Path(path).expanduser()
     if local.exists() or path.startswith(("/", ".", "~")) or not HF_ID.match(path):

@@ -75,7 +75,7 @@ class HFBackend(RankCommands):
         over the default process group (default: when torch.distributed is initialised with > 1 rank;
         under torchrun with WORLD_SIZE > 1 the process group is initialised here, nccl on GPUs)."""
         if distributed is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            _join_torchrun_group()
+            _join_torchrun_group(cpu=device is not None and torch.device(device).type == "cpu")
         self.device = (
             torch.device(device)
             if device is not None
@@ -271,12 +271,13 @@ class HFBackend(RankCommands):
         set_model_state_dict(self.model, model_sd, options=options)
 
 
-def _join_torchrun_group() -> None:
+def _join_torchrun_group(cpu: bool = False) -> None:
     """The process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT, LOCAL_RANK): nccl with
-    this rank's GPU when there are GPUs, else gloo."""
-    if torch.cuda.is_available():
+    this rank's GPU when there are GPUs, else (or with `cpu`: a trainer on a CPU class) gloo."""
+    on_gpu = torch.cuda.is_available() and not cpu
+    if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend="nccl" if on_gpu else "gloo")
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

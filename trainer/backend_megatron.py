@@ -1,7 +1,8 @@
 """The `megatron` backend: megatron-core (0.19) GPTModel, its schedules and the distributed optimizer,
-with the vocab-parallel corrected objective. Runs on CUDA GPUs; megatron is imported lazily so this
-module imports (and its pure parts are tested) anywhere. The CPU tier (docs/testing.md) runs it for
-real on CPU (device "cpu", gloo, fp32) against transformers' Qwen3.
+with the vocab-parallel corrected objective. Runs on CUDA GPUs, or on CPU (device "cpu", gloo, fp32,
+local layer spec, the shims of trainer/megatron_cpu.py) for a trainer on a CPU class; megatron is
+imported lazily so this module imports (and its pure parts are tested) anywhere. The CPU tier
+(docs/testing.md) runs it for real on CPU against transformers' Qwen3.
 
 How a step runs (documented megatron-core API, nothing private):
 - `MegatronModelConfig.from_hf_config(config.json)`: Qwen3 dense. `head_dim` -> `kv_channels`,
@@ -88,7 +89,7 @@ class MegatronModelConfig:
     micro_batch_size: int = 1
     seed: int = 0
     params_dtype: str = "bfloat16"  # the trainer's precision; "float32" in the CPU parity tier
-    device: str = "cuda"  # "cpu" only in the CPU tier (gloo, local layer spec; docs/testing.md)
+    device: str = "cuda"  # "cpu": a CPU class or the CPU test tier (gloo, local layer spec, trainer/megatron_cpu.py shims)
 
     @property
     def head_dim(self) -> int:
@@ -326,7 +327,9 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def _megatron() -> Any:
+def _megatron(allow_te: bool = True) -> Any:
+    """megatron-core's pieces; `allow_te=False` (device "cpu") keeps the local layer spec even where
+    TransformerEngine is installed (its kernels need CUDA)."""
     try:
         import megatron.core as mcore  # noqa: F401
         from megatron.core import parallel_state, tensor_parallel
@@ -349,12 +352,14 @@ def _megatron() -> Any:
             "trainer backend 'megatron' needs megatron-core 0.19 (pip install 'rlfleet[trainer]' on Python >= 3.12) "
             f"and CUDA; import failed: {exc}"
         ) from None
-    try:
-        import transformer_engine  # noqa: F401
+    te = False
+    if allow_te:
+        try:
+            import transformer_engine  # noqa: F401
 
-        te = True
-    except ImportError:  # no TransformerEngine: the local (pure PyTorch) spec
-        te = False
+            te = True
+        except ImportError:  # no TransformerEngine: the local (pure PyTorch) spec
+            te = False
 
     def layer_spec(qk_layernorm: bool, num_layers: int) -> Any:
         # qk_layernorm must be set in the spec (q/k norm modules) AND in TransformerConfig
@@ -399,7 +404,12 @@ class MegatronBackend(RankCommands):
         model_config.check_supported()
         if model_config.device == "cuda" and not torch.cuda.is_available():
             raise BackendUnavailable("trainer backend 'megatron' needs CUDA GPUs (use backend 'torch' on CPU)")
-        mg = _megatron()
+        on_cpu = model_config.device == "cpu"
+        mg = _megatron(allow_te=not on_cpu)
+        if on_cpu:  # a CPU class (gloo): megatron-core's unconditional CUDA calls land on the CPU
+            from rlfleet.trainer.megatron_cpu import install_cpu_shims
+
+            install_cpu_shims()
         self.mg = mg
         self.cfg = model_config
         self.device = torch.device(model_config.device)

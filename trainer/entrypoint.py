@@ -14,6 +14,8 @@ collapse detector's state (`rlfleet_trainer_collapse_risk{signal,group}`, `..._q
 and acts on them. After a `pause` decision the process stops stepping but keeps exporting until the pod
 is stopped. Every other rank (megatron, or torch's FSDP2 data parallel on one node) runs
 `backend.follow()` and executes rank 0's broadcast commands (trainer/backend_common.py RankCommands).
+RLFLEET_TRAINER_DEVICE (the operator sets it from the trainer's catalog class) is "cpu" on a CPU class:
+either backend then runs on the CPU with a gloo process group (megatron in fp32, local layer spec).
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ from typing import Any
 
 log = logging.getLogger("rlfleet.trainer")
 METRICS_PORT = 9500  # operator naming.TRAINER_METRICS_PORT
+
+
+DEVICE_ENV = "RLFLEET_TRAINER_DEVICE"  # set by the operator from the trainer's catalog class
+
+
+def trainer_device() -> str | None:
+    """"cpu" (a CPU class: gloo, no GPU), "cuda", or None (unset: the backend's own choice)."""
+    value = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("cpu", "cuda"):
+        raise SystemExit(f"rlfleet trainer run: {DEVICE_ENV} must be cpu or cuda, got {value!r}")
+    return value
 
 
 def cli(argv: list[str]) -> int:
@@ -77,7 +92,8 @@ def run(job: Any, args: argparse.Namespace) -> int:
     try:  # a directory on the shared volume, s3://, or a Hugging Face id (fetched into HF_HOME)
         source = resolve_model_source(job.spec.model.path, revision=job.spec.model.revision)
         base = build_backend(rc, backend=job.spec.trainer.backend, source_dir=source,
-                             max_seq_len=job.spec.model.max_seq_len, parallelism=job.spec.trainer.parallelism)
+                             max_seq_len=job.spec.model.max_seq_len, parallelism=job.spec.trainer.parallelism,
+                             device=trainer_device())
     except (ModelSourceError, TrainingStartError) as exc:
         print(f"rlfleet trainer run: {exc}", file=sys.stderr)
         return 2

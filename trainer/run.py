@@ -127,11 +127,14 @@ def build_backend(
     source_dir: Path,
     max_seq_len: int | None = None,
     parallelism: Any = None,
+    device: str | None = None,
 ) -> BaseModel:
     """The backend for `rc` (a local.RunConfig) from the Hugging Face checkpoint `source_dir` (local
     mode: the tiny Qwen3 it built; a cluster: the resolved `spec.model.path`): `torch` = transformers'
     AutoModelForCausalLM (trainer/backend_hf.py), `megatron` = megatron-core from config.json
-    (`MegatronModelConfig.from_hf_config`)."""
+    (`MegatronModelConfig.from_hf_config`). `device`: "cuda" or "cpu" (a trainer on a CPU class: gloo;
+    megatron in fp32 with the local layer spec, as the torch backend trains fp32 on CPU); None: the
+    torch backend picks CUDA when there is one, megatron needs CUDA."""
     from rlfleet.trainer.backend_hf import OptimConfig
     from rlfleet.trainer.objective import ObjectiveConfig
 
@@ -148,7 +151,7 @@ def build_backend(
     if backend == "torch":
         from rlfleet.trainer.backend_hf import HFBackend
 
-        model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature)
+        model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature, device=device)
         return BaseModel(model, int(hf_config["vocab_size"]), seq, source_dir)
     from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
 
@@ -156,6 +159,7 @@ def build_backend(
     cfg = MegatronModelConfig.from_hf_config(  # head_dim, tied embeddings, QK-norm, either rope form
         hf_config, max_seq_len=max_seq_len, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
         context_parallel=p.context,
+        **({"device": "cpu", "params_dtype": "float32"} if device == "cpu" else {}),
     )
     megatron = MegatronBackend(cfg, objective, optim, temperature, initial_hf_weights=load_base_weights(source_dir))
     return BaseModel(megatron, cfg.vocab_size, cfg.max_seq_len, source_dir)

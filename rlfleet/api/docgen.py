@@ -103,15 +103,33 @@ def _catalog_table(catalog: Catalog) -> list[str]:
     for name in catalog.names():
         c = catalog.get(name)
         formats = ", ".join(f"*{f}*" if p.mode == "degraded" else f for f, p in c.weight_formats.items())
+        memory = f"{c.memory_gib} GiB" if c.gpu else "-"
         lines.append(
-            f"| `{name}` | {c.display_name} | {c.sm} | {c.memory_gib} GiB | {formats} | "
+            f"| `{name}` | {c.display_name} | {c.sm} | {memory} | {formats} | "
             f"{', '.join(c.kv_cache_dtypes)} | {c.default_tensor_parallel} | {c.cost_per_gpu_hour:.2f} |"
         )
+    lines.append("")
+    lines.append("Engine and device per class: " + ", ".join(
+        f"`{n}` {catalog.get(n).engine} on {catalog.get(n).device}" for n in catalog.names()
+    ) + ". A cpu class's pods request no GPU, carry no GPU toleration and no GPU node affinity; "
+        "their default requests are the class's (below), merged under a group's or the trainer's `resources`.")
+    lines.append("")
+    lines.append("Default container resources per class (engine, trainer, weight-fetch / weight-sync):")
+    lines.append("")
+    for name in catalog.names():
+        c = catalog.get(name)
+        lines.append(f"- `{name}`: engine `{json.dumps(c.sampler_resources, sort_keys=True)}`, "
+                     f"trainer `{json.dumps(c.trainer_resources, sort_keys=True)}`"
+                     + (" (both plus nvidia.com/gpu)" if c.gpu else "")
+                     + f", sync `{json.dumps(c.sync_resources, sort_keys=True)}`")
     lines.append("")
     lines.append("Node labels (required node affinity, terms ORed):")
     lines.append("")
     for name in catalog.names():
         c = catalog.get(name)
+        if not c.product_labels:
+            lines.append(f"- `{name}`: none (no GPU: any node the pod fits and whose taints it tolerates)")
+            continue
         gke = (
             f"; `cloud.google.com/gke-accelerator` in {', '.join(c.gke_accelerators)}"
             if c.gke_accelerators
@@ -119,7 +137,10 @@ def _catalog_table(catalog: Catalog) -> list[str]:
         )
         lines.append(f"- `{name}`: `nvidia.com/gpu.product` in {', '.join(c.product_labels)}{gke}")
     lines.append("")
-    lines.append("SGLang flags per class and weight format (plus `--kv-cache-dtype X` unless `auto`):")
+    lines.append(
+        "Engine flags per class and weight format (SGLang's, or `rlfleet sampler serve --engine reference`'s on a "
+        "reference class; plus `--kv-cache-dtype X` unless `auto`):"
+    )
     lines.append("")
     for name in catalog.names():
         c = catalog.get(name)

@@ -60,11 +60,59 @@ PIPELINE_MESSAGE = (
     "trainer.parallelism: pipeline parallelism is not supported yet (the megatron backend loads and "
     "publishes weights only with pipeline 1)"
 )
-PARALLEL_FIT_RULE = "self.gpusPerReplica % (self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.context) == 0"
+GPU_RANKS_DEFAULT = 8  # gpusPerReplica when unset on a GPU class
+CPU_RANKS_DEFAULT = 1  # processesPerReplica when unset on a CPU class
+
+
+def ranks_expr(cpu_classes: tuple[str, ...] | list[str]) -> str:
+    """CEL: torchrun ranks per trainer pod (gpusPerReplica, processesPerReplica, or the class's default)."""
+    return (
+        "(has(self.gpusPerReplica) ? self.gpusPerReplica : has(self.processesPerReplica) ? "
+        f"self.processesPerReplica : (self.accelerator in {cel_list(cpu_classes)} ? {CPU_RANKS_DEFAULT} : "
+        f"{GPU_RANKS_DEFAULT}))"
+    )
+
+
+def parallel_fit_rule(cpu_classes: tuple[str, ...] | list[str]) -> str:
+    """CEL: model parallelism divides the ranks of one pod (rlfleet crds generates it from the catalog's
+    CPU classes)."""
+    return (
+        f"{ranks_expr(cpu_classes)} % (self.parallelism.tensor * self.parallelism.pipeline * "
+        "self.parallelism.context) == 0"
+    )
+
+
+BUILTIN_CPU_CLASSES: tuple[str, ...] = ("cpu",)  # the built-in catalog's CPU classes (a test keeps them equal)
+PARALLEL_FIT_RULE = parallel_fit_rule(BUILTIN_CPU_CLASSES)
 PARALLEL_FIT_MESSAGE = (
-    "trainer: parallelism tensor x pipeline x context must divide gpusPerReplica (each trainer pod holds "
-    "whole model-parallel groups)"
+    "trainer: parallelism tensor x pipeline x context must divide gpusPerReplica (processesPerReplica on a CPU "
+    "class): each trainer pod holds whole model-parallel groups"
 )
+TRAINER_CPU_GPUS_MESSAGE = (
+    "trainer: gpusPerReplica is for GPU classes; a CPU class (cpu) has no GPUs: set processesPerReplica "
+    "(torchrun ranks per pod, gloo) instead"
+)
+TRAINER_GPU_PROCESSES_MESSAGE = (
+    "trainer: processesPerReplica is for CPU classes (cpu); on a GPU class torchrun runs one rank per GPU: "
+    "set gpusPerReplica instead"
+)
+
+
+def trainer_device_rules(cpu_classes: tuple[str, ...] | list[str]) -> list[dict[str, str]]:
+    """CEL rules: gpusPerReplica only on GPU classes, processesPerReplica only on CPU classes."""
+    cpus = cel_list(cpu_classes)
+    return [
+        {
+            "rule": f"!has(self.gpusPerReplica) || !(self.accelerator in {cpus})",
+            "message": TRAINER_CPU_GPUS_MESSAGE,
+            "fieldPath": ".gpusPerReplica",
+        },
+        {
+            "rule": f"!has(self.processesPerReplica) || self.accelerator in {cpus}",
+            "message": TRAINER_GPU_PROCESSES_MESSAGE,
+            "fieldPath": ".processesPerReplica",
+        },
+    ]
 # The torch backend (trainer/backend_hf.py) is FSDP2 data parallel: one rank per GPU of ONE pod.
 TORCH_ONE_NODE_RULE = (
     "self.backend != 'torch' || (self.replicas == 1 && "
@@ -72,8 +120,8 @@ TORCH_ONE_NODE_RULE = (
 )
 TORCH_ONE_NODE_MESSAGE = (
     "trainer: backend torch runs FSDP2 data parallel on one node (replicas 1, one rank per GPU of "
-    "gpusPerReplica, parallelism 1 x 1 x 1); use backend megatron for several nodes or tensor, pipeline "
-    "or context parallelism"
+    "gpusPerReplica or per process of processesPerReplica, parallelism 1 x 1 x 1); use backend megatron for "
+    "several nodes or tensor, pipeline or context parallelism"
 )
 # Built-in environments of the trainer (rlfleet/trainer/environments.py BUILTIN; a test keeps them equal).
 BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "same_parity", "tool_add", "retry_digit", "math")
@@ -131,7 +179,7 @@ class ModelSpec(ApiModel):
     name: str = Field(min_length=1, max_length=253)
     """Model name (served model name of the samplers)."""
     path: str = Field(min_length=1, max_length=2048)
-    """Initial weights: Hugging Face id, or a path on the shared volume / an s3:// URI."""
+    """Initial weights: Hugging Face id, a path on the shared volume, an s3:// URI, or builtin:tiny-qwen3 (the project's tiny Qwen3, built by the trainer: no download)."""
     revision: str | None = Field(default=None, max_length=128)
     """Hugging Face revision (commit or tag)."""
     max_seq_len: int | None = Field(default=None, ge=16, le=1048576)
@@ -187,6 +235,7 @@ class TrainerSpec(PodPlacement):
             "x-kubernetes-validations": [
                 {"rule": PARALLEL_FIT_RULE, "message": PARALLEL_FIT_MESSAGE, "fieldPath": ".parallelism"},
                 {"rule": TORCH_ONE_NODE_RULE, "message": TORCH_ONE_NODE_MESSAGE, "fieldPath": ".backend"},
+                *trainer_device_rules(BUILTIN_CPU_CLASSES),
             ]
         }
     }
@@ -194,13 +243,15 @@ class TrainerSpec(PodPlacement):
     accelerator: str = Field(
         default="b200", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
     )
-    """Accelerator class of the trainer nodes."""
+    """Accelerator class of the trainer nodes (cpu: torchrun ranks on CPU with gloo, no GPU request)."""
     replicas: int = Field(default=1, ge=1, le=1024)
     """Number of trainer pods (torchrun nodes)."""
-    gpus_per_replica: int = Field(default=8, ge=1, le=8)
-    """GPUs per trainer pod (torchrun --nproc-per-node)."""
+    gpus_per_replica: int | None = Field(default=None, ge=1, le=8)
+    """GPUs per trainer pod on a GPU class (the nvidia.com/gpu request and torchrun --nproc-per-node: one rank per GPU). Unset: 8. Refused on a CPU class."""
+    processes_per_replica: int | None = Field(default=None, ge=1, le=64)
+    """torchrun ranks per trainer pod on a CPU class (--nproc-per-node, gloo; size CPU with resources). Unset: 1. Refused on a GPU class."""
     backend: Literal["megatron", "torch"] = "megatron"
-    """Training backend: megatron (megatron-core, GPUs) or torch (transformers + FSDP2 data parallel on one node)."""
+    """Training backend: megatron (megatron-core: GPUs, or gloo on a CPU class) or torch (transformers + FSDP2 data parallel on one node)."""
     precision: Literal["bf16"] = "bf16"
     """Trainer precision (always BF16: the corrected objective absorbs the samplers' precision)."""
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, json_schema_extra={"default": {}})
@@ -212,11 +263,39 @@ class TrainerSpec(PodPlacement):
     total_steps: int | None = Field(default=None, ge=1)
     """Stop after this many optimizer steps (none: run until deleted)."""
 
+    def on_cpu(self) -> bool:
+        """Whether the trainer's class is a CPU class (the catalog in effect says)."""
+        from rlfleet import catalog
+
+        return not catalog.get_catalog().get(self.accelerator).gpu
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """torchrun --nproc-per-node: gpusPerReplica, processesPerReplica, or the class's default."""
+        if self.gpus_per_replica is not None:
+            return self.gpus_per_replica
+        if self.processes_per_replica is not None:
+            return self.processes_per_replica
+        return CPU_RANKS_DEFAULT if self.on_cpu() else GPU_RANKS_DEFAULT
+
+    @property
+    def gpus(self) -> int:
+        """nvidia.com/gpu per trainer pod (0 on a CPU class)."""
+        return 0 if self.on_cpu() else self.ranks_per_replica
+
     @model_validator(mode="after")
     def _check_fit(self) -> TrainerSpec:
+        from rlfleet import catalog
+
+        on_cpu = not catalog.get_catalog().get(self.accelerator).gpu
+        if on_cpu and self.gpus_per_replica is not None:
+            raise ValueError(f"{TRAINER_CPU_GPUS_MESSAGE} (accelerator {self.accelerator}, gpusPerReplica {self.gpus_per_replica})")
+        if not on_cpu and self.processes_per_replica is not None:
+            raise ValueError(f"{TRAINER_GPU_PROCESSES_MESSAGE} (accelerator {self.accelerator})")
         size = self.parallelism.size
-        if self.gpus_per_replica % size:
-            raise ValueError(f"{PARALLEL_FIT_MESSAGE}: {size} does not divide {self.gpus_per_replica}")
+        ranks = self.ranks_per_replica
+        if ranks % size:
+            raise ValueError(f"{PARALLEL_FIT_MESSAGE}: {size} does not divide {ranks}")
         if self.backend == "torch" and (self.replicas, size) != (1, 1):
             raise ValueError(f"{TORCH_ONE_NODE_MESSAGE}: replicas {self.replicas}, parallelism size {size}")
         return self

@@ -54,6 +54,14 @@ EXTRA_ARGS_MESSAGE = (
     "--pp-size, --nnodes) follows tensorParallel, which is also the pod's GPU request; --model-path, --port, "
     "--quantization, --kv-cache-dtype and the like follow model, port, weightFormat and kvCacheDtype"
 )
+# Flags of `rlfleet sampler serve` the operator sets for a reference-engine class (besides the
+# SGLang-named ones above, which the reference server spells the same way).
+OWNED_REFERENCE_FLAGS: tuple[str, ...] = ("--engine", "--weight-format", "--kv-cache-dtype", "--port-file")
+REFERENCE_EXTRA_ARGS_MESSAGE = (
+    "extraArgs of a reference-engine class (cpu) go to `rlfleet sampler serve --engine reference` and must not "
+    "set the flags the operator derives from the spec (--engine, --weight-format, --kv-cache-dtype, "
+    "--port-file, --model-path, --port, ...); e.g. [\"--threads\", \"2\"] or [\"--max-tokens-per-second\", \"400\"]"
+)
 PORT_RULE = f"self.port != {SYNC_SIDECAR_PORT}"
 PORT_MESSAGE = f"port {SYNC_SIDECAR_PORT} is the weight-sync sidecar's port in the same pod: pick another"
 ACCELERATOR_CHANGE_RULE = "self.suspend || self.accelerator == oldSelf.accelerator"
@@ -90,17 +98,17 @@ class SamplerGroupTemplate(PodPlacement):
     name: str = Field(min_length=1, max_length=MAX_GROUP_NAME, pattern=DNS_LABEL_PATTERN)
     """Group name, unique in the job (DNS label, <= 24 characters); the SamplerGroup is named <job>-<name>."""
     accelerator: str = Field(min_length=1, max_length=63, pattern=ACCELERATOR_PATTERN)
-    """Accelerator class from the catalog (a100, h100, h200, b200, b300, rtx-pro-6000, or a class added by a catalog override). Pods are placed only on nodes labelled for this class."""
+    """Accelerator class from the catalog (a100, h100, h200, b200, b300, rtx-pro-6000, cpu, or a class added by a catalog override). Pods are placed only on nodes labelled for this class; cpu runs the reference engine on CPU (no GPU request)."""
     replicas: int = Field(default=1, ge=0, le=1024)
-    """Number of SGLang server replicas (each with tensorParallel GPUs). 0 keeps the group defined but idle."""
+    """Number of engine replicas (SGLang servers with tensorParallel GPUs each, or reference engines on a CPU class). 0 keeps the group defined but idle."""
     weight_format: WeightFormat = "bf16"
     """Precision of the served weights: bf16, fp8 (block-128), nvfp4 (native only on Blackwell) or mxfp4 (MoE models). The weight channel publishes this view."""
     kv_cache_dtype: KvCacheDtype = "auto"
     """SGLang --kv-cache-dtype: auto (model dtype), bf16, fp8_e4m3, fp8_e5m2, mxfp8 (sm100+) or nvfp4 (sm100/sm120)."""
     tensor_parallel: int | None = Field(default=None, ge=1, le=8)
-    """GPUs per replica (SGLang --tp-size, and the nvidia.com/gpu request). Default: the class's default TP from the catalog."""
+    """GPUs per replica (SGLang --tp-size, and the nvidia.com/gpu request). Default: the class's default TP from the catalog. A CPU class (reference engine) runs one process per replica: 1 or unset."""
     extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=64)
-    """Extra SGLang command-line arguments appended verbatim (e.g. ["--mem-fraction-static", "0.85"])."""
+    """Extra engine command-line arguments appended verbatim: SGLang's (e.g. ["--mem-fraction-static", "0.85"]), or on a CPU class the reference engine's (e.g. ["--threads", "2"])."""
     quarantined: bool = False
     """Manually quarantine the group: the router sends it no new sessions (its pods keep running)."""
 
@@ -116,6 +124,12 @@ class SamplerGroupTemplate(PodPlacement):
         if owned:
             raise ValueError(f"{EXTRA_ARGS_MESSAGE} (got {', '.join(owned)})")
         catalog.check_group(self.accelerator, self.weight_format, self.kv_cache_dtype)
+        cls = catalog.get_catalog().get(self.accelerator)
+        catalog.check_tensor_parallel(cls, self.tensor_parallel)
+        if cls.engine == "reference":
+            owned = [a for a in self.extra_args if a.split("=", 1)[0] in OWNED_REFERENCE_FLAGS]
+            if owned:
+                raise ValueError(f"{REFERENCE_EXTRA_ARGS_MESSAGE} (got {', '.join(owned)})")
         return self
 
 

@@ -71,7 +71,8 @@ def kv_ok(cls: str, kv: str) -> bool:
 
 
 def test_classes_and_node_labels() -> None:
-    assert CATALOG.names() == sorted(SM)
+    assert CATALOG.names() == sorted([*SM, "cpu"])
+    assert [n for n in CATALOG.names() if CATALOG.get(n).gpu] == sorted(SM)  # every other class is a GPU class
     for name, sm in SM.items():
         assert CATALOG.get(name).sm == sm
     a100 = CATALOG.get("a100")
@@ -325,7 +326,7 @@ def test_precision_notes_say_what_sglang_really_runs() -> None:
     assert a100.mode == "degraded" and "W8A16" in a100.note and "Marlin" in a100.note
     for cls in ("a100", "h100", "h200"):
         assert "Marlin W4A16" in CATALOG.get(cls).unsupported["nvfp4"]
-    for cls in CATALOG.names():
+    for cls in SM:  # the GPU classes (SGLang); the cpu class emulates (tests/api/test_api_cpu_class.py)
         profiles = CATALOG.get(cls).weight_formats
         if "mxfp4" in profiles:
             assert "MoE experts only" in profiles["mxfp4"].note and "BF16" in profiles["mxfp4"].note

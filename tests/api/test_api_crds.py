@@ -110,6 +110,7 @@ def test_defaults_bounds_and_cel_rules_are_in_the_schema() -> None:
         "a100",
         "b200",
         "b300",
+        "cpu",
         "h100",
         "h200",
         "rtx-pro-6000",

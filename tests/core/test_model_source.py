@@ -159,3 +159,27 @@ def test_s3_prefix_without_checksums_is_refused(s3: str, tiny: Path, tmp_path: P
     bucket = _upload(s3, tiny, skip={CHECKSUMS_FILE})
     with pytest.raises(ModelSourceError, match=f"no {CHECKSUMS_FILE} under the prefix"):
         resolve_model_source(f"s3://{bucket}/models/tiny?endpoint={s3}", cache_dir=tmp_path / "cache")
+
+
+def test_builtin_tiny_qwen3_is_built_once_in_the_cache_and_equals_the_cli_checkpoint(tmp_path: Path) -> None:
+    """`builtin:tiny-qwen3[?seed=N]` (examples/rljob-cpu.yaml): the same checkpoint `rlfleet model tiny-qwen3`
+    writes, built once under the cache; anything else under builtin: is one clear line."""
+    from rlfleet.model_source import parse_checksums
+
+    cache = tmp_path / "cache"
+    first = resolve_model_source("builtin:tiny-qwen3", cache_dir=cache)
+    assert first.parent == cache and is_hf_checkpoint(first)
+    assert resolve_model_source("builtin:tiny-qwen3?seed=0", cache_dir=cache) == first  # seed 0 is the default
+    other = resolve_model_source("builtin:tiny-qwen3?seed=3", cache_dir=cache)
+    assert other != first
+    cli = build_tiny_qwen3(tmp_path / "cli")
+    sums = parse_checksums((first / CHECKSUMS_FILE).read_text(), "builtin")
+    assert sums == parse_checksums((cli / CHECKSUMS_FILE).read_text(), "cli")  # byte for byte, weights included
+    for source, message in (
+        ("builtin:llama", "unknown built-in model 'llama' (built in: tiny-qwen3)"),
+        ("builtin:tiny-qwen3?size=big", "unknown parameter size (only seed)"),
+        ("builtin:tiny-qwen3?seed=x", "seed must be an integer"),
+    ):
+        with pytest.raises(ModelSourceError) as info:
+            resolve_model_source(source, cache_dir=cache)
+        assert str(info.value) == f"model source {source}: {message}"

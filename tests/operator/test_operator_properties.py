@@ -48,6 +48,9 @@ def sg_manifest(cls: str, fmt: str, kv: str, replicas: int, tp: int | None, susp
 )
 def test_sampler_deployment_invariants(combo, replicas, tp, suspend, ready) -> None:
     cls, fmt, kv = combo
+    on_gpu = CATALOG.get(cls).gpu
+    if not on_gpu:
+        tp = tp if tp in (None, 1) else None  # a CPU class runs one process per replica (refused otherwise)
     manifest = sg_manifest(cls, fmt, kv, replicas, tp, suspend)
     sg = SamplerGroup.from_manifest(manifest)
     dep = builders.build_sampler_deployment(sg, "ns", manifest, CATALOG, None)
@@ -56,16 +59,23 @@ def test_sampler_deployment_invariants(combo, replicas, tp, suspend, ready) -> N
     # replicas: zero when suspended, else the spec's
     assert dep["spec"]["replicas"] == (0 if suspend else replicas)
     engine = pod["containers"][0]
-    assert engine["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
-    assert engine["args"][engine["args"].index("--tp-size") + 1] == str(gpus)
-    # placed only on the class's nodes
-    values = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-        "nodeSelectorTerms"
-    ][0]["matchExpressions"][0]["values"]
-    assert values == CATALOG.get(cls).product_labels
-    # precision flags: the KV flag iff not auto, a quantization flag iff not bf16
+    # precision flags: the KV flag iff not auto
     assert ("--kv-cache-dtype" in engine["args"]) == (kv != "auto")
-    assert ("--quantization" in engine["args"]) == (fmt != "bf16")
+    if not on_gpu:  # the reference engine: no GPU anywhere in the pod, the class's CPU/memory requests
+        assert "nvidia.com/gpu" not in str(pod) and "affinity" not in pod and "tolerations" not in pod
+        assert engine["name"] == "reference" and engine["command"] == ["rlfleet"]
+        assert engine["resources"] == CATALOG.get(cls).sampler_resources
+        assert engine["args"][engine["args"].index("--weight-format") + 1] == fmt
+    else:
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+        assert engine["args"][engine["args"].index("--tp-size") + 1] == str(gpus)
+        # placed only on the class's nodes
+        values = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ][0]["matchExpressions"][0]["values"]
+        assert values == CATALOG.get(cls).product_labels
+        # a quantization flag iff not bf16
+        assert ("--quantization" in engine["args"]) == (fmt != "bf16")
     # status: ready never exceeds what the Deployment reports, phase consistent with readiness
     observed = {"metadata": {"generation": 1}, "spec": {"replicas": dep["spec"]["replicas"]},
                 "status": {"observedGeneration": 1, "replicas": min(ready, dep["spec"]["replicas"]),

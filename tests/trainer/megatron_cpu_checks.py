@@ -9,7 +9,8 @@ process (world size 1, TP=1; it also publishes version 0 as `rlfleet trainer run
 included); phase 2 spawns 2 processes (TP=2, sequence parallel, gloo); phase 3
 spawns 4 (TP=2 x DP=2: two data-parallel replicas, the distributed optimizer sharded over them).
 
-Stubs, only for CUDA-only calls that megatron-core makes unconditionally (nothing else is replaced):
+Stubs, only for CUDA-only calls that megatron-core makes unconditionally (nothing else is replaced); they
+are the product's (`rlfleet.trainer.megatron_cpu.install_cpu_shims`, which a trainer on the cpu class runs):
 - `CudaDevicesOnCpu` (a TorchFunctionMode): tensors megatron creates with `device="cuda"` /
   `torch.cuda.current_device()` (the schedule's token counter, the optimizer's found-inf and scale
   tensors, grad-norm buffers) are created on the CPU instead; `Tensor.cuda()` is the identity;
@@ -36,57 +37,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
 VOCAB = 64
 SEQ = 7  # odd: sequence parallel over TP=2 needs the backend's padding
 
 
-def _is_cuda(device: Any) -> bool:
-    if isinstance(device, int):
-        return True
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return isinstance(device, str) and device.startswith("cuda")
-
-
-class CudaDevicesOnCpu(TorchFunctionMode):
-    """Stub (see the module docstring): CUDA placements -> CPU."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-        if _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
-class _SynchronousStream:
-    """Stub (see the module docstring) for torch.cuda.current_stream()."""
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
 def install_stubs() -> contextlib.AbstractContextManager:
-    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+    """The product's CPU shims (trainer/megatron_cpu.py), the same ones a cpu-class trainer runs."""
+    from rlfleet.trainer.megatron_cpu import install_cpu_shims
 
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.current_stream = lambda *a, **k: _SynchronousStream()
-    CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
-    mode = CudaDevicesOnCpu()
-    mode.__enter__()
-    return mode
+    return install_cpu_shims()
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -1,0 +1,141 @@
+"""Pure builders for the `cpu` class (examples/rljob-cpu.yaml): the sampler pods keep SGLang's launch
+contract (weight-fetch init container -> engine from the launch file -> weight-sync sidecar) with the
+reference engine, and nothing in a cpu pod asks for, tolerates or is placed by a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from rlfleet.api import RLJob, SamplerGroup, load_rljob
+from rlfleet.catalog import load_catalog
+from rlfleet.operator import builders
+from rlfleet.operator import naming as n
+
+REPO = Path(__file__).resolve().parents[2]
+CATALOG = load_catalog(None)
+NS = "rl"
+OWNER = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "cpu", "uid": "u-1"}}
+
+
+@pytest.fixture(params=["rljob-cpu.yaml", "rljob-cpu-torch.yaml"])
+def job(request: pytest.FixtureRequest) -> RLJob:
+    return load_rljob(REPO / "examples" / request.param)
+
+
+def children(job: RLJob) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in builders.build_job_children(job, NS, OWNER, CATALOG)}
+
+
+def sampler_deployment(job: RLJob, group: str) -> dict:
+    manifest = children(job)[("SamplerGroup", f"{job.name}-{group}")]
+    sg = SamplerGroup.from_manifest(manifest)  # the SamplerGroup model accepts what the RLJob builder wrote
+    return builders.build_sampler_deployment(sg, NS, None, CATALOG, job.spec.weight_channel.store)
+
+
+def launched(engine: dict, version: int, directory: str) -> list[str]:
+    """What the engine container's /bin/sh wrapper execs (real sh), with `rlfleet` replaced by a shim
+    that prints its argv and the launch file holding `version directory`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        (root / "rlfleet").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv))\n")
+        (root / "rlfleet").chmod(0o755)
+        (root / "launch").write_text(f"{version} {directory}\n")
+        script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
+        assert script != engine["args"][0] and len(engine["args"]) == 1
+        out = subprocess.run([*engine["command"], script], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"})  # fmt: skip
+    return ["rlfleet", *json.loads(out.stdout)[1:]]
+
+
+@pytest.mark.parametrize(("group", "fmt", "kv"), [("bf16", "bf16", None), ("fp8", "fp8", "fp8_e4m3"),
+                                                  ("nvfp4", "nvfp4", None)])  # fmt: skip
+def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(job: RLJob, group: str, fmt: str,
+                                                                       kv: str | None) -> None:  # fmt: skip
+    dep = sampler_deployment(job, group)
+    pod = dep["spec"]["template"]["spec"]
+    store = job.spec.weight_channel.store
+    # no GPU anywhere: no request or limit, no toleration, no GPU product affinity
+    assert "nvidia.com" not in json.dumps(dep)
+    assert "tolerations" not in pod and "affinity" not in pod
+    (fetch,) = pod["initContainers"]
+    engine, sidecar = pod["containers"]
+    assert (fetch["name"], engine["name"], sidecar["name"]) == ("weight-fetch", "reference", "weight-sync")
+    # the init container: `rlfleet sampler sync --fetch-only` of THIS group's view from the channel's store
+    sync_args = ["sampler", "sync", "--store", store.path, "--view", fmt, "--engine-url", "http://127.0.0.1:30000",
+                 "--group", f"{job.name}-{group}", "--replica", "$(POD_NAME)", "--cache-dir", n.WEIGHTS_CACHE,
+                 "--require-checkpoint"]  # fmt: skip
+    assert fetch["command"] == ["rlfleet"] and fetch["args"] == [*sync_args, "--fetch-only"]
+    assert sidecar["command"] == ["rlfleet"] and sidecar["args"] == [*sync_args, "--port", str(n.SYNC_PORT)]
+    assert fetch["image"] == sidecar["image"] == engine["image"] == "ghcr.io/rlfleet/sampler:0.1.0-cpu"
+    # the engine: exec'd by /bin/sh from the launch file the init container wrote (verified dir + version)
+    assert engine["command"] == ["/bin/sh", "-c"]
+    argv = launched(engine, 7, f"{n.WEIGHTS_CACHE}/v7-{fmt}")
+    expected = [
+        "rlfleet", "sampler", "serve", "--engine", "reference",
+        "--model-path", f"{n.WEIGHTS_CACHE}/v7-{fmt}", "--served-model-name", "tiny-qwen3",
+        "--host", "0.0.0.0", "--port", "30000", "--sampling-mask-max-tokens", "4096", "--weight-version", "7",
+        "--weight-format", fmt, *(["--kv-cache-dtype", kv] if kv else []),
+    ]  # fmt: skip
+    assert argv == expected
+    # the engine reads only the verified cache; the store (PVC) is mounted in the sync containers alone
+    assert {m["name"] for m in engine["volumeMounts"]} == {"dshm", "tmp", "weights-cache"}
+    for c in (fetch, sidecar):
+        assert {"name": "weights", "mountPath": store.path, "readOnly": False} in c["volumeMounts"]
+    assert pod["volumes"][-1] == {"name": "weights", "persistentVolumeClaim": {"claimName": store.volume_claim_name,
+                                                                               "readOnly": False}}  # fmt: skip
+    # the class's small CPU/memory requests (a 2-core dev node holds three groups and the trainer)
+    cpu = CATALOG.get("cpu")
+    assert engine["resources"] == cpu.sampler_resources
+    assert fetch["resources"] == sidecar["resources"] == cpu.sync_resources
+    # SGLang's probes: the reference server answers the same endpoints
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health_generate"
+    assert engine["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_a_cpu_groups_resources_override_the_class_defaults(job: RLJob) -> None:
+    wire = job.to_wire()
+    wire["spec"]["samplerGroups"][0]["resources"] = {"requests": {"cpu": "2"}, "limits": {"cpu": "4"}}
+    wire["spec"]["samplerGroups"][0]["tolerations"] = [{"key": "dedicated", "operator": "Exists"}]
+    dep = sampler_deployment(RLJob.from_manifest(wire), "bf16")
+    pod = dep["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    assert engine["resources"] == {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"cpu": "4", "memory": "4Gi"}}
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]  # the user's only: no GPU one
+
+
+def test_cpu_trainer_statefulset_runs_ranks_on_cpu_without_a_gpu(job: RLJob) -> None:
+    sts = children(job)[("StatefulSet", f"{job.name}-trainer")]
+    pod = sts["spec"]["template"]["spec"]
+    (trainer,) = pod["containers"]
+    assert "nvidia.com" not in json.dumps(sts)
+    assert "tolerations" not in pod
+    assert "nodeAffinity" not in pod.get("affinity", {})
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["NPROC_PER_NODE"] == "2" and env["NNODES"] == "1"
+    assert env["RLFLEET_TRAINER_DEVICE"] == "cpu"
+    assert env["RLFLEET_TRAINER_BACKEND"] == job.spec.trainer.backend
+    assert trainer["command"] == ["torchrun"] and "--nproc-per-node=$(NPROC_PER_NODE)" in trainer["args"]
+    assert trainer["resources"] == CATALOG.get("cpu").trainer_resources
+    assert trainer["image"] == "ghcr.io/rlfleet/trainer:0.1.0-cpu"
+    # the resolved config the trainer reads still says what the user wrote
+    config = children(job)[("ConfigMap", f"{job.name}-config")]["data"][n.CONFIG_FILE]
+    assert "processesPerReplica: 2" in config and "gpusPerReplica" not in config
+
+
+def test_gpu_classes_keep_their_gpu_request_toleration_and_affinity() -> None:
+    job = load_rljob(REPO / "examples" / "rljob.yaml")
+    sts = {c["kind"]: c for c in builders.build_job_children(job, NS, OWNER, CATALOG)}["StatefulSet"]
+    pod = sts["spec"]["template"]["spec"]
+    trainer = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["RLFLEET_TRAINER_DEVICE"] == "cuda" and env["NPROC_PER_NODE"] == str(job.spec.trainer.ranks_per_replica)
+    assert trainer["resources"]["requests"]["nvidia.com/gpu"] == str(job.spec.trainer.ranks_per_replica)
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["affinity"]["nodeAffinity"]

@@ -1,0 +1,90 @@
+"""megatron-core on CPU: the shims that let its GPU-only code paths run on a CPU class (gloo).
+
+megatron-core 0.19 makes a few CUDA calls unconditionally, even with `use_cpu_initialization` and a
+gloo process group. A trainer on a CPU class (`trainer.accelerator: cpu`, device "cpu") installs these
+shims once per process before building the model (`MegatronBackend` does it for device "cpu"); the
+megatron CPU test tier (tests/trainer/megatron_cpu_checks.py) runs the same ones. Nothing else is
+replaced:
+
+- `CudaDevicesOnCpu` (a TorchFunctionMode): tensors megatron creates with `device="cuda"` /
+  `torch.cuda.current_device()` (the schedule's token counter, the optimizer's found-inf and scale
+  tensors, grad-norm buffers) are created on the CPU instead; `Tensor.cuda()` is the identity;
+  `Tensor.type()` answers `torch.cuda.*Tensor` (the distributed optimizer dispatches on that string).
+- `torch.cuda.current_device` returns the CPU device (no CUDA runtime to ask; also where autograd
+  runs backward outside the mode above); `torch.cuda.current_stream` returns a stream object whose
+  waits do nothing (the gradient buffer waits on CUDA-graph events, of which there are none; CPU work
+  is synchronous).
+- `CudaRNGStatesTracker.fork` is a null context: the CUDA RNG tracker forks CUDA RNG states around
+  dropout; dropout is 0 in the backend, so no random number is drawn.
+
+Only for processes without GPUs: never install them where CUDA is meant to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_mode: CudaDevicesOnCpu | None = None
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, int):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class CudaDevicesOnCpu(TorchFunctionMode):
+    """CUDA placements -> CPU (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class SynchronousStream:
+    """What `torch.cuda.current_stream()` returns under the shims: CPU work is synchronous."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def install_cpu_shims() -> CudaDevicesOnCpu:
+    """Install the shims in this process (idempotent); returns the active mode."""
+    global _mode
+    with _lock:
+        if _mode is not None:
+            return _mode
+        from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+        torch.cuda.current_stream = lambda *a, **k: SynchronousStream()  # type: ignore[assignment]
+        CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+        mode = CudaDevicesOnCpu()
+        mode.__enter__()
+        _mode = mode
+        return mode
+
+
+def installed() -> bool:
+    return _mode is not None
