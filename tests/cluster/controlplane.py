@@ -1068,6 +1068,7 @@ def cmd_down(workdir: Path) -> int:
         import realnode
 
         realnode.sweep(workdir)
+        realnode.release_lock()
     (workdir / "supervisor.json").unlink(missing_ok=True)
     (workdir / "state.json").unlink(missing_ok=True)
     print("down", file=sys.stderr)

@@ -269,9 +269,9 @@ class NodePorts:
 
 
 class RealNode:
-    """The node's processes and host state, started by ControlPlane (controlplane.py) once the API server
-    is up. `spawn(name, argv, env)` starts a supervised process (the control plane's: same logs, same
-    process-group handling); `kubectl(*args)` runs the control plane's kubectl as admin."""
+    """The node's processes and host state. ControlPlane (controlplane.py) calls `prepare_host` before
+    the API server (the bridge it listens on), `start` after it (with its `spawn_process`: same logs, same
+    process-group handling, and its admin `kubectl`), `drain` and `sweep` when it stops."""
 
     def __init__(self, workdir: Path, log: Callable[[str], None] = lambda msg: None) -> None:
         self.workdir = Path(workdir)
@@ -300,6 +300,10 @@ class RealNode:
             raise NodeError("; ".join(problems))
         ensure_host_packages(self.log)
         self.dir.mkdir(parents=True, exist_ok=True)
+        if not LOCK_FILE.exists() and any(_iptables_chains(b) for b in ("iptables", "ip6tables")):
+            # never ours (a node of ours leaves its lock until swept): the sweep would delete them
+            raise NodeError("this machine already has KUBE-*/CNI-* iptables chains (a kubelet or kube-proxy of "
+                            "another cluster?): the dev cluster's cleanup would delete them, so it does not start")
         _take_lock()
         sweep(self.workdir)  # a previous node of ours that died without `down`
         (self.workdir / "node.json").write_text(json.dumps({"netns_before": sorted(_netns())}))
@@ -529,7 +533,7 @@ state = "{d}/containerd/state"
     # ---- teardown ----
     def sweep(self) -> None:
         sweep(self.workdir, self.log)
-        release_lock()
+        release_lock()  # only now: a lock left by a crash marks the host's KUBE-/CNI- rules as ours
 
     def drain(self, timeout: float = 60) -> None:
         """Delete every pod bound to the node while the API server is still up, so the kubelet tears
@@ -607,10 +611,12 @@ def _take_lock() -> None:
 
 
 def release_lock() -> None:
+    """After a sweep: ours, or left by an owner that died (down after a crash)."""
     try:
-        if int(LOCK_FILE.read_text()) == os.getpid():
-            LOCK_FILE.unlink()
+        owner = int(LOCK_FILE.read_text())
     except (OSError, ValueError):
-        pass
+        return
+    if owner == os.getpid() or not Path(f"/proc/{owner}").exists():
+        LOCK_FILE.unlink(missing_ok=True)
 
 

@@ -4,9 +4,8 @@ engines of the example's three groups, their weight-sync loops and the router), 
 
 - torch backend (examples/rljob-cpu-torch.yaml): FSDP2 data parallel over 2 processes, in the main venv;
 - megatron backend (examples/rljob-cpu.yaml): tensor parallel 2 over 2 processes, with the product's CPU
-  shims (trainer/megatron_cpu.py) and nothing of the test tier's. It needs an interpreter with
-  megatron-core AND the trainer's dependencies: `RLFLEET_MEGATRON_PYTHON`, else .venv312 when it has
-  them (scripts/megatron-cpu.txt lacks httpx, aiohttp, prometheus_client and boto3 today), else skipped.
+  shims (trainer/megatron_cpu.py) and nothing of the test tier's, under an interpreter with megatron-core
+  AND the trainer's dependencies: .venv312 (scripts/megatron-cpu.txt), or `RLFLEET_MEGATRON_PYTHON`.
 
 Only what the kubelet does is done here: `$(VAR)` references expanded from the container's env, the
 ConfigMap mounted (written to a file), the pod-0 rendezvous on 127.0.0.1, the store on a local directory.
@@ -143,8 +142,7 @@ def test_the_cpu_torch_trainer_pod_trains_two_steps_on_two_cpu_ranks(tmp_path: P
 @pytest.mark.slow
 def test_the_cpu_megatron_trainer_pod_trains_at_tensor_parallel_2_on_cpu(tmp_path: Path) -> None:
     python = megatron_python()
-    if python is None:
-        pytest.skip("no interpreter with megatron-core and the trainer's dependencies (set RLFLEET_MEGATRON_PYTHON)")
+    assert python is not None, ".venv312 lacks megatron-core or the trainer's dependencies: run scripts/bootstrap"
     done, store = run_trainer_pod("rljob-cpu.yaml", python, tmp_path)
     job = load_rljob(REPO / "examples" / "rljob-cpu.yaml")
     env = {e["name"]: e.get("value") for e in trainer_container(job, store)[0]["env"]}
