@@ -145,6 +145,7 @@ def _cached(name: str, ref: str, digest: str, make: Callable[[Path], None], log:
         partial.unlink(missing_ok=True)
         buildah("push", "--disable-compression", ref, f"oci-archive:{partial}:{ref}")
         partial.rename(archive)
+    buildah("rmi", "--prune")  # the previous build of `ref`, untagged now: GBs a rebuild, kept by nobody
     seconds = time.monotonic() - started
     log(f"built {ref} in {seconds:.0f}s ({archive.stat().st_size / 2**20:.0f} MiB)")
     return Built(name, ref, archive, seconds)
