@@ -44,7 +44,49 @@ BASE_IMAGE = "rlfleet.local/base-cpu:1"
 # The triton release PyPI's torch of the same minor version pins: `import megatron.core` needs triton, and
 # torch's inductor imports it too, so it must be the one torch was built against.
 TRITON_FOR_TORCH = {"2.6": "3.2.0"}
-VENV = "/opt/venv"  # the CPU base's Python (first on PATH), over Debian's with its site-packages
+VENV = "/opt/venv"
+TORCHRUN = f"""#!{VENV}/bin/python3
+import sys
+
+from torch.distributed.run import main
+
+sys.exit(main())
+"""
+# Debian's torch is built without libuv, but torchrun's c10d rendezvous creates its TCPStore with the
+# default use_libuv=True, which that build refuses ("use_libuv was requested but PyTorch was build without
+# libuv support"; USE_LIBUV=0 does not reach that call). A .pth hook in the venv makes TCPStore default to
+# use_libuv=False once torch.distributed is imported (nothing is imported before that).
+TCPSTORE_WITHOUT_LIBUV = '''"""The dev cluster's CPU base (tests/cluster/nodeimages.py): TCPStore without libuv, which Debian's
+torch lacks; loaded by rlfleet-tcpstore-without-libuv.pth, it acts when torch.distributed is imported."""
+import importlib.abc
+import importlib.util
+import sys
+
+
+class _TCPStoreWithoutLibuv(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torch.distributed":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+
+            class TCPStore(module.TCPStore):
+                def __init__(self, *args, **kwargs):
+                    kwargs.setdefault("use_libuv", False)
+                    super().__init__(*args, **kwargs)
+
+            module.TCPStore = TCPStore
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+sys.meta_path.insert(0, _TCPStoreWithoutLibuv())
+'''  # the CPU base's Python (first on PATH), over Debian's with its site-packages
 SOURCES = ("pyproject.toml", "README.md", "rlfleet", "operator", "router", "sampler", "trainer")
 
 PAUSE_C = r"""
@@ -214,6 +256,14 @@ def base_image(log: Callable[[str], None] = print) -> Built:
         # The images' Python is a venv over Debian's: pip installs into it and never has to remove a
         # Debian-installed package (it cannot: no RECORD files), while Debian's torch stays visible.
         _run(["chroot", str(rootfs), "python3", "-m", "venv", "--system-site-packages", VENV])
+        # Debian's /usr/bin/torchrun runs the system Python, which cannot see what pip installs into the venv
+        # (rlfleet): the venv gets its own.
+        torchrun = rootfs / VENV.lstrip("/") / "bin" / "torchrun"
+        torchrun.write_text(TORCHRUN)
+        torchrun.chmod(0o755)
+        [site_packages] = (rootfs / VENV.lstrip("/") / "lib").glob("python3*/site-packages")
+        (site_packages / "rlfleet_tcpstore_without_libuv.py").write_text(TCPSTORE_WITHOUT_LIBUV)
+        (site_packages / "rlfleet-tcpstore-without-libuv.pth").write_text("import rlfleet_tcpstore_without_libuv\n")
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for path in (rootfs / junk).glob("*"):
                 if path.is_file():
@@ -225,14 +275,17 @@ def base_image(log: Callable[[str], None] = print) -> Built:
             _run(["sh", "-c", f"tar -C {rootfs} -cf - . | tar -C {mount} -xpf -"])
             buildah("umount", container)
             buildah("config", "--env", f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                    "--env", f"VIRTUAL_ENV={VENV}", "--env", "LANG=C.UTF-8", "--env", "PIP_CONSTRAINT=/etc/rlfleet/pip-constraints.txt",
+                    "--env", f"VIRTUAL_ENV={VENV}", "--env", "LANG=C.UTF-8",
+                    # torch's env:// rendezvous (init_process_group in each rank) reads it; the c10d store
+                    # of torchrun's agent does not (TCPSTORE_WITHOUT_LIBUV)
+                    "--env", "USE_LIBUV=0", "--env", "PIP_CONSTRAINT=/etc/rlfleet/pip-constraints.txt",
                     "--cmd", "/bin/bash", container)
             buildah("commit", "--quiet", container, BASE_IMAGE)
         finally:
             buildah("rm", container)
 
     recipe = [DEBIAN_SUITE, " ".join(BASE_PACKAGES), VENV, "venv --system-site-packages", "PIP_CONSTRAINT torch",
-              repr(sorted(TRITON_FOR_TORCH.items()))]
+              repr(sorted(TRITON_FOR_TORCH.items())), TORCHRUN, TCPSTORE_WITHOUT_LIBUV, "USE_LIBUV=0"]
     return _cached("base-cpu", BASE_IMAGE, _digest(r.encode() for r in recipe), make, log)
 
 

@@ -125,7 +125,11 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
     probe = {
         "operator": "import rlfleet.operator, kopf; print('kopf', kopf.__version__)",
         "sampler": "import torch, rlfleet.sampler.reference_engine; print('torch', torch.__version__)",
-        "trainer": "import torch, megatron.core, rlfleet.trainer.backend_megatron; print('megatron', megatron.core.__version__)",
+        # torchrun (the trainer pod's command) must see rlfleet, and its c10d rendezvous store must start
+        "trainer": "import shutil, torch, megatron.core, rlfleet.trainer.backend_megatron;"
+                   "print('torchrun', shutil.which('torchrun'));"
+                   "import torch.distributed as d; d.TCPStore('127.0.0.1', 0, is_master=True, multi_tenant=True);"
+                   "print('megatron', megatron.core.__version__)",
     }[image]
     python = "/opt/rlfleet/bin/python" if image == "operator" else "python3"
     script = (
@@ -143,6 +147,8 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
     assert f"uid {UID} gid {UID}" in out, out
     assert "root fs: Read-only file system" in out, out
     assert {"operator": "kopf ", "sampler": "torch ", "trainer": "megatron "}[image] in out, out
+    if image == "trainer":
+        assert "torchrun /opt/venv/bin/torchrun" in out, out
     entrypoint = restricted_container("v", ref, [], args=["--version"])  # ENTRYPOINT ["rlfleet"]
     del entrypoint["command"]
     apply(kube, pod(f"{name}-entrypoint", [entrypoint]), namespace=ns)
