@@ -118,8 +118,8 @@ def ensure_host_packages(log: Callable[[str], None] = print) -> None:
             raise NodeError(f"{' '.join(cmd)} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
 
 
-def _run(*cmd: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run(list(cmd), capture_output=True, text=True, input=input)
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(list(cmd), capture_output=True, text=True)
     if check and result.returncode != 0:
         raise NodeError(f"{' '.join(cmd)} failed ({result.returncode}): {result.stderr.strip()[-2000:]}")
     return result
