@@ -64,6 +64,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from rlfleet.catalog import LAUNCH_FILE
 from rlfleet.channel import (
     SUBSCRIBER_HEARTBEAT_SECONDS,
+    SUBSCRIBER_STALE_AFTER_SECONDS,
     VIEW_NAMES,
     ChannelError,
     ChecksumMismatchError,
@@ -727,6 +728,19 @@ class Syncer:
                 self.state.next_attempt_at = time.time() + delay
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=delay)
+        await self._withdraw_report()
+
+    async def _withdraw_report(self) -> None:
+        """A replica that stops cleanly (its pod deleted or replaced: SIGTERM) deletes its own report at
+        once, so it pins no version and counts in no status; a replica that dies without this is aged
+        out by readers after SUBSCRIBER_STALE_AFTER_SECONDS and removed by the operator (docs/weights.md,
+        "Subscriber reports")."""
+        async with self._report_lock:  # no report write of this replica runs after this
+            try:
+                await asyncio.to_thread(self.channel.remove_subscriber, self.config.group, self.config.replica)
+            except (StoreError, OSError) as e:
+                log.warning("could not remove this replica's subscriber report on shutdown (%s); it ages "
+                            "out after %d s", e, SUBSCRIBER_STALE_AFTER_SECONDS)  # fmt: skip
 
     # -- HTTP
     def status(self) -> dict[str, Any]:

@@ -114,3 +114,12 @@ class RankCommands:
         """Rank 0: release the followers (their `follow()` returns)."""
         if self._has_followers() and torch.distributed.get_rank() == 0:
             self._command(("stop",))
+
+
+def leave_process_group() -> None:
+    """Every rank, once rank 0 has closed the backend (its followers' `follow()` returned): destroy the
+    process group before the interpreter exits. Left to exit-time destructors, gloo's threads can be
+    torn down while joinable and the rank aborts ("terminate called without an active exception",
+    SIGABRT), failing a run that had finished."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

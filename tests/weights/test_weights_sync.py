@@ -22,7 +22,7 @@ import torch
 from aiohttp import web
 from conftest import free_port, make_bucket
 
-from rlfleet.channel import POINTER_KEY, WeightChannel, manifest_key
+from rlfleet.channel import POINTER_KEY, SubscriberReport, WeightChannel, manifest_key, now_iso
 from rlfleet.numerics import formats
 from rlfleet.numerics.views import load_view
 from rlfleet.sampler.sync import DiskEngine, PushEngine, PushGroup, SyncConfig, Syncer, serve
@@ -492,6 +492,33 @@ async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_pat
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+async def test_a_replica_that_stops_cleanly_removes_its_own_report(
+    engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """SIGTERM (its pod deleted or replaced) stops the sidecar: its report goes with it, so a replaced
+    pod pins no version and counts in no status; another replica's report stays."""
+    store_dir = tmp_path / "store"
+    store = FilesystemStore(store_dir, create=True)
+    WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
+    channel = WeightChannel(store)
+    channel.report(SubscriberReport(group="a100", replica="pod-8", view="bf16", applied_version=0, in_use=[0],
+                                    updated_at=now_iso()))  # fmt: skip
+    config = SyncConfig(store=str(store_dir), view="bf16", engine_url=engine.url, group="a100", replica="pod-9",
+                        cache_dir=tmp_path / "cache", host="127.0.0.1", port=0, poll_interval=0.05)  # fmt: skip
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config, stop=stop))
+    try:
+        for _ in range(200):
+            if any(r.replica == "pod-9" and r.applied_version == 0 for r in channel.subscribers()):
+                break
+            await asyncio.sleep(0.05)
+        assert {(r.replica, r.applied_version) for r in channel.subscribers()} == {("pod-8", 0), ("pod-9", 0)}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert [r.replica for r in channel.subscribers()] == ["pod-8"]
 
 
 async def test_initial_version_from_engine_is_not_reapplied(
