@@ -43,7 +43,8 @@ def main(argv: list[str]) -> int:
         return compare(args)
 
     from rlfleet.api import load_rljob
-    from rlfleet.trainer.local import resolve_run, run_local
+    from rlfleet.local.main import run_local
+    from rlfleet.trainer.config import resolve_run
 
     doc = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     if args.groups == 2:

@@ -3,6 +3,11 @@
 One dispatcher, lazy imports: each subcommand lives in the module that owns it and exposes
 `cli(argv: list[str]) -> int` built with argparse. Importing the CLI never imports torch or kopf,
 so `rlfleet --help` is instant and works in every image.
+
+Commands of other installed distributions come from the `rlfleet.commands` entry-point group (name:
+the command words, value: the module with `cli(argv)`): `rlfleet ablate` is the experiments' command
+(experiments/pyproject.toml), present where they are installed (.venv), absent from the images,
+and never imported or named here.
 """
 
 from __future__ import annotations
@@ -12,8 +17,7 @@ import sys
 
 # command words -> (module, one-line help). The module's `cli(argv)` parses the rest.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("run",): ("rlfleet.trainer.local", "run an RLJob manifest (--local: everything on this machine)"),
-    ("ablate",): ("rlfleet.trainer.ablation", "run the correction ablation (pg, mis, sc, sc_mis, +top-p)"),
+    ("run",): ("rlfleet.local.main", "run an RLJob manifest (--local: everything on this machine)"),
     ("model", "tiny-qwen3"): ("rlfleet.tiny_qwen3", "write the project's tiny Qwen3 HF checkpoint (tests, local runs)"),
     ("crds",): ("rlfleet.api.crdgen", "write (or --check) the CRD YAML generated from the API models"),
     ("operator", "run"): ("rlfleet.operator.main", "run the operator (in or out of a cluster)"),
@@ -24,9 +28,25 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 }
 
 
-def _usage() -> str:
+PLUGIN_GROUP = "rlfleet.commands"
+
+
+def plugin_commands() -> dict[tuple[str, ...], tuple[str, str]]:
+    """The commands other installed distributions add (the entry-point group `rlfleet.commands`),
+    in the shape of COMMANDS; the help text names the distribution (its module is not imported)."""
+    from importlib.metadata import entry_points
+
+    out: dict[tuple[str, ...], tuple[str, str]] = {}
+    for ep in entry_points(group=PLUGIN_GROUP):
+        words = tuple(ep.name.split())
+        if words not in COMMANDS:  # the product's own commands are never replaced
+            out[words] = (ep.value, f"(from {ep.dist.name if ep.dist else ep.value})")
+    return out
+
+
+def _usage(commands: dict[tuple[str, ...], tuple[str, str]]) -> str:
     lines = ["usage: rlfleet <command> [options]", "", "commands:"]
-    for words, (_, help_text) in COMMANDS.items():
+    for words, (_, help_text) in commands.items():
         lines.append(f"  {' '.join(words):<16} {help_text}")
     lines.append("")
     lines.append("`rlfleet <command> --help` shows the options of a command.")
@@ -35,20 +55,21 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    commands = COMMANDS | plugin_commands()  # the product's first: plugins follow in the usage
     if not args or args[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(commands))
         return 0
     if args[0] == "--version":
         from rlfleet import __version__
 
         print(__version__)
         return 0
-    for words, (module_name, _) in sorted(COMMANDS.items(), key=lambda kv: -len(kv[0])):
+    for words, (module_name, _) in sorted(commands.items(), key=lambda kv: -len(kv[0])):
         if tuple(args[: len(words)]) == words:
             module = importlib.import_module(module_name)
             return int(module.cli(args[len(words) :]) or 0)
     print(f"rlfleet: unknown command {' '.join(args[:2])!r}\n", file=sys.stderr)
-    print(_usage(), file=sys.stderr)
+    print(_usage(commands), file=sys.stderr)
     return 2
 
 

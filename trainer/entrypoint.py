@@ -75,7 +75,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
     from rlfleet.store import store_from_spec
     from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
-    from rlfleet.trainer.local import resolve_run
+    from rlfleet.trainer.config import resolve_run
     from rlfleet.trainer.metrics import PrometheusExporter
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.rollout import RolloutDriver

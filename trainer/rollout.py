@@ -104,7 +104,7 @@ def turn_stop_ids(env: Environment, sampling: dict[str, Any]) -> list[int]:
 class Episode:
     """One episode in progress, turn by turn: the environment answers each sampled turn and its ids are
     appended (never re-tokenised). Both rollout sources drive it: `RolloutDriver` (one HTTP session per
-    episode) and the ablation's lockstep rollouts (trainer/ablation.py, batched per sampler group)."""
+    episode) and the ablation's lockstep rollouts (experiments/ablation.py, batched per sampler group)."""
 
     def __init__(self, env: Environment, rollout: Rollout) -> None:
         self.env, self.rollout = env, rollout

@@ -1,5 +1,5 @@
-"""The ONE training composition root: local mode (trainer/local.py), the cluster entrypoint
-(trainer/entrypoint.py, `rlfleet trainer run`) and the ablation (trainer/ablation.py) all train through
+"""The ONE training composition root: local mode (rlfleet/local/main.py), the cluster entrypoint
+(trainer/entrypoint.py, `rlfleet trainer run`) and the ablation (experiments/ablation.py) all train through
 `run_training`. What differs between them is passed in: the backend (built by `build_backend` from the
 resolved model source), where versions go (`VersionSink`: the weight channel, or the ablation's
 in-memory snapshots), how rollouts are produced (`make_driver`: the HTTP rollout driver, or the
@@ -100,7 +100,7 @@ def load_tokenizer(base: BaseModel) -> Any | None:
 def rollout_inputs(rc: Any, base: BaseModel) -> tuple[Any, Any]:
     """The run's environment and prompt source (local mode and the cluster entrypoint alike), both
     given the base checkpoint's tokenizer where it has one (text prompt sets, chat environments)."""
-    from rlfleet.trainer.local import build_environment
+    from rlfleet.trainer.config import build_environment
     from rlfleet.trainer.prompts import open_prompt_source
 
     tokenizer = load_tokenizer(base)
@@ -129,7 +129,7 @@ def build_backend(
     parallelism: Any = None,
     device: str | None = None,
 ) -> BaseModel:
-    """The backend for `rc` (a local.RunConfig) from the Hugging Face checkpoint `source_dir` (local
+    """The backend for `rc` (a config.RunConfig) from the Hugging Face checkpoint `source_dir` (local
     mode: the tiny Qwen3 it built; a cluster: the resolved `spec.model.path`): `torch` = transformers'
     AutoModelForCausalLM (trainer/backend_hf.py), `megatron` = megatron-core from config.json
     (`MegatronModelConfig.from_hf_config`). `device`: "cuda" or "cpu" (a trainer on a CPU class: gloo;

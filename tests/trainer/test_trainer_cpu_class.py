@@ -1,5 +1,5 @@
 """The trainer on the `cpu` class: the operator's trainer container (its exact torchrun command line, env
-and ConfigMap) run for real on this machine against a real sampler fleet (trainer/fleet.py: reference
+and ConfigMap) run for real on this machine against a real sampler fleet (rlfleet/local/fleet.py: reference
 engines of the example's three groups, their weight-sync loops and the router), two CPU ranks with gloo.
 
 - torch backend (examples/rljob-cpu-torch.yaml): FSDP2 data parallel over 2 processes, in the main venv;
@@ -74,8 +74,8 @@ def trainer_container(job: RLJob, store: Path) -> tuple[dict, str]:
 
 
 def run_trainer_pod(example: str, python: str, tmp: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    from rlfleet.local.fleet import FleetSpec, GroupSpec
     from rlfleet.model_source import resolve_model_source
-    from rlfleet.trainer.fleet import FleetSpec, GroupSpec
 
     job = load_rljob(REPO / "examples" / example)
     models = tmp / "models"
@@ -86,7 +86,7 @@ def run_trainer_pod(example: str, python: str, tmp: Path) -> tuple[subprocess.Co
                              for g in job.spec.sampler_groups],
                      store=str(store), cache_dir=str(tmp / "fleet-cache"), model_path=str(base))  # fmt: skip
     (tmp / "fleet.json").write_text(spec.to_json())
-    fleet = subprocess.Popen([sys.executable, "-m", "rlfleet.trainer.fleet", str(tmp / "fleet.json")],
+    fleet = subprocess.Popen([sys.executable, "-m", "rlfleet.local.fleet", str(tmp / "fleet.json")],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         router = json.loads(fleet.stdout.readline())["router"]  # type: ignore[union-attr]

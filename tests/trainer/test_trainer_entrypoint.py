@@ -1,6 +1,6 @@
 """`rlfleet trainer run` (the trainer pod's entrypoint) as a REAL process against reference samplers.
 
-Real parts: the fleet host of local mode (trainer/fleet.py: real reference sampler servers over HTTP,
+Real parts: the fleet host of local mode (rlfleet/local/fleet.py: real reference sampler servers over HTTP,
 the router, the real weight-sync loops that apply whatever the channel's pointer names first), a
 filesystem weight store, and the entrypoint started as `rlfleet trainer run` in a subprocess with the
 resolved RLJob YAML the operator would mount. The base model is the project's tiny Qwen3 checkpoint
@@ -23,12 +23,12 @@ import torch
 import yaml
 
 from rlfleet.channel import WeightChannel
+from rlfleet.local.fleet import FleetSpec, GroupSpec
+from rlfleet.local.main import FleetProcess
 from rlfleet.model_source import read_safetensors_dir
 from rlfleet.numerics.views import load_view
 from rlfleet.store import FilesystemStore
 from rlfleet.trainer import checkpoint
-from rlfleet.trainer.fleet import FleetSpec, GroupSpec
-from rlfleet.trainer.local import FleetProcess
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 64

@@ -19,12 +19,12 @@ from rlfleet.trainer import checkpoint
 from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
 from rlfleet.trainer.batching import flatten_groups
 from rlfleet.trainer.collapse import CollapseDetector
-from rlfleet.trainer.emulated import EmulatedFleet, EmulatedSampler
 from rlfleet.trainer.environments import ToolAddEnv
 from rlfleet.trainer.loop import LoopConfig, TrainingLoop, split_by_staleness
 from rlfleet.trainer.objective import ObjectiveConfig
 from rlfleet.trainer.prompts import GeneratedPromptSource
 from rlfleet.trainer.rollout import RolloutDriver
+from rlfleet_experiments.emulated import EmulatedFleet, EmulatedSampler
 
 # the smallest tiny Qwen3 the loop needs (no fp8 view is published here: sizes need not be multiples of 128)
 SIZES = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -122,13 +122,13 @@ def _composition_root_parts(model_dir: Path):
     import torch
 
     from rlfleet.numerics.engine_model import ModelShape
-    from rlfleet.trainer.ablation import SnapshotSink
     from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
-    from rlfleet.trainer.emulated import EmulatedFleet, EmulatedSampler
     from rlfleet.trainer.environments import ToolAddEnv
     from rlfleet.trainer.objective import ObjectiveConfig
     from rlfleet.trainer.prompts import GeneratedPromptSource
     from rlfleet.trainer.rollout import RolloutDriver
+    from rlfleet_experiments.ablation import SnapshotSink
+    from rlfleet_experiments.emulated import EmulatedFleet, EmulatedSampler
 
     torch.manual_seed(0)
     shape = ModelShape.from_checkpoint(model_dir)

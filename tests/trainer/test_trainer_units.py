@@ -1,10 +1,9 @@
 """Unit + property tests of the trainer's pure parts: environments, prompts, advantages, metrics,
-collapse detector, checkpoints, report."""
+collapse detector, checkpoints."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.trainer import advantages, checkpoint, collapse, environments, metrics, prompts, report
+from rlfleet.trainer import advantages, checkpoint, collapse, environments, metrics, prompts
 from rlfleet.trainer.environments import ToyVocab as V
 
 
@@ -326,7 +325,7 @@ def test_detector_rejects_an_unknown_action():
         collapse.CollapseDetector(action="explode")
 
 
-# ---------------------------------------------------------------- checkpoint + report
+# ---------------------------------------------------------------- checkpoint
 def test_checkpoint_roundtrip_keeps_latest_and_prunes(tmp_path):
     import torch
 
@@ -396,26 +395,14 @@ def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
 def test_run_training_refuses_a_channel_ahead_of_the_trainer():
     from types import SimpleNamespace
 
-    from rlfleet.trainer.ablation import SnapshotSink
     from rlfleet.trainer.run import TrainingStartError, run_training
+    from rlfleet_experiments.ablation import SnapshotSink
 
     sink = SnapshotSink()
     sink.publish({}, 5)
     rc = SimpleNamespace(steps=1, prompts_per_step=1, max_staleness=None, groups=[])
     with pytest.raises(TrainingStartError, match="at version 5, ahead of the trainer \\(no checkpoint\\)"):
         run_training(rc, object(), sink, collapse.CollapseDetector(), lambda position: None, checkpoint=None)
-
-
-def test_report_writes_json_csv_and_plots(tmp_path):
-    rows = [{"step": s, "reward_mean": 0.1 * s, "kl_k3": 0.01, "group/a/kl_k3": 0.02, "grad_norm": 1.0} for s in range(5)]
-    report.write_report(rows, tmp_path, {"final_reward": 0.4})
-    data = json.loads((tmp_path / "metrics.json").read_text())
-    assert data["summary"]["final_reward"] == 0.4 and len(data["steps"]) == 5
-    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert header[0] == "step" and "group/a/kl_k3" in header
-    for name in ("reward.png", "kl.png", "oor.png", "entropy.png", "grad_norm.png", "sc_tail_ratio.png"):
-        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
-    assert math.isclose(data["steps"][4]["reward_mean"], 0.4)
 
 
 # ---------------------------------------------------------------- trainer pod entrypoint

@@ -6,7 +6,7 @@ homogeneous fleet (all B200 BF16) and on a mixed fleet with every precision of e
 (NVFP4 / FP8 / BF16 groups, one fp8 KV cache, a different kernel per GPU class).
 
 How it runs (stated because it differs from local mode): in ONE process, without HTTP, with the
-in-process emulated sampler engines of trainer/emulated.py (same weight formats via
+in-process emulated sampler engines of experiments/emulated.py (same weight formats via
 `precision_view`, same SGLang sampling code as the reference server), and deterministic
 asynchrony: the samplers always serve the weights of `lag` steps ago (a fully asynchronous run on a
 real fleet sees a spread of staleness; a fixed lag makes the arms comparable and the run seeded).
@@ -160,8 +160,8 @@ class LockstepRollouts:
     def take(self, n: int, timeout: float, stop: object = None) -> list:
         from rlfleet.numerics.engine_model import precision_view
         from rlfleet.router.hashing import pick
-        from rlfleet.trainer.emulated import VIEW_FORMATS, Request
         from rlfleet.trainer.rollout import Episode, PromptGroup, Rollout, turn_stop_ids
+        from rlfleet_experiments.emulated import VIEW_FORMATS, Request
 
         cfg, env = self.cfg, self.env
         step = self.sink.latest_version() or 0  # the trainer's version = steps done
@@ -251,9 +251,9 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
 def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str, Any]:
     """{group name: EmulatedSampler} of `fleet`: each group's weight format, KV cache dtype and GPU
     class's kernel (bf16 activations, its split-K reduction order), seeded from cfg.seed."""
+    from rlfleet.local.fleet import SPLIT_K
     from rlfleet.numerics.engine_model import KernelConfig, ModelShape
-    from rlfleet.trainer.emulated import EmulatedSampler
-    from rlfleet.trainer.fleet import SPLIT_K
+    from rlfleet_experiments.emulated import EmulatedSampler
 
     model_cfg = ModelShape.from_checkpoint(model_dir)
     return {
@@ -273,7 +273,7 @@ def sampling_params(cfg: AblationConfig, replay: bool) -> dict[str, Any]:
 def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress: bool = False,
               sink: SnapshotSink | None = None) -> tuple[Any, Any, Any]:
     """Train `arm` on `fleet` from `model_dir` for cfg.steps: (backend, loop, collapse detector).
-    `sink`: where versions go (default a fresh SnapshotSink; benchmarks/mismatch_direction.py passes
+    `sink`: where versions go (default a fresh SnapshotSink; experiments/mismatch_direction.py passes
     one that keeps every version)."""
     import torch
 
@@ -451,8 +451,8 @@ def run_grid(jobs: list[tuple[str, str, AblationConfig]], workers: int) -> list[
 def grid(arms: list[str], fleets: list[str], seeds: list[int], cfg: AblationConfig, null_control: bool
          ) -> list[tuple[str, str, AblationConfig]]:
     """The runs of an ablation: every arm x fleet x seed at `cfg.lag`, plus (null_control) the null-arm
-    cells (trainer/claims.py NULL_ARMS on the homogeneous fleet at lag 0) unless they are already in."""
-    from rlfleet.trainer.claims import NULL_ARMS, NULL_FLEET, NULL_LAG
+    cells (experiments/claims.py NULL_ARMS on the homogeneous fleet at lag 0) unless they are already in."""
+    from rlfleet_experiments.claims import NULL_ARMS, NULL_FLEET, NULL_LAG
 
     jobs = [(arm, fleet, replace(cfg, seed=seed)) for seed in seeds for fleet in fleets for arm in arms]
     if null_control and cfg.lag != NULL_LAG:
@@ -461,7 +461,7 @@ def grid(arms: list[str], fleets: list[str], seeds: list[int], cfg: AblationConf
 
 
 def records_of(results: list[ArmResult], cfgs: list[AblationConfig]) -> list[Any]:
-    from rlfleet.trainer.claims import RunRecord
+    from rlfleet_experiments.claims import RunRecord
 
     return [RunRecord(arm=r.arm, fleet=r.fleet, seed=c.seed, lag=c.lag, history=r.history)
             for r, c in zip(results, cfgs, strict=True)]
@@ -547,7 +547,7 @@ def cli(argv: Sequence[str]) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from rlfleet.trainer.claims import (
+    from rlfleet_experiments.claims import (
         CollapseDefinition,
         DetectorAlerts,
         claims_table,

@@ -6,7 +6,21 @@ import json
 
 import pytest
 
-from rlfleet.trainer import ablation
+from rlfleet_experiments import ablation
+
+
+def test_rlfleet_ablate_is_the_experiments_command_and_the_product_does_not_name_it(tmp_path, capsys):
+    """`rlfleet ablate` reaches this package through the `rlfleet.commands` entry point of its own
+    distribution (experiments/pyproject.toml); the product's command table does not name it, so an
+    image (which does not install the experiments) has no such command."""
+    from rlfleet.cli import COMMANDS, main, plugin_commands
+
+    assert plugin_commands()[("ablate",)][0] == ablation.__name__
+    assert not any(module.startswith("rlfleet_experiments") for module, _ in COMMANDS.values())
+    assert main(["ablate", "--arms", "pg,nope", "--out", str(tmp_path)]) == 2
+    assert "unknown arm/fleet nope" in capsys.readouterr().err
+    main(["--help"])
+    assert "ablate" in capsys.readouterr().out
 
 
 def test_ablate_rejects_unknown_arms_and_bad_budgets(tmp_path, capsys):
@@ -73,9 +87,9 @@ def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torc
     from rlfleet.numerics.engine_model import ModelShape
     from rlfleet.router.hashing import pick
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
-    from rlfleet.trainer.emulated import EmulatedSampler
     from rlfleet.trainer.environments import ToyVocab, load_environment
     from rlfleet.trainer.prompts import GeneratedPromptSource
+    from rlfleet_experiments.emulated import EmulatedSampler
 
     cfg = ablation.AblationConfig(task="tool_add", prompts=4, samples=8, lag=0, logit_std=4.0)
     assert cfg.max_seq_len == 8 + 4 * (cfg.max_new_tokens + 3)  # every turn of an episode fits the context

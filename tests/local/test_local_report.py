@@ -1,15 +1,17 @@
-"""Report plots (trainer/report.py): axis labels on every plot and one vertical marker per collapse
+"""Report plots (rlfleet/local/report.py): axis labels on every plot and one vertical marker per collapse
 alert, checked on the real matplotlib Figure objects (not by eye); the written report draws the
 alerts the run summary carries."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 
+from rlfleet.local.report import ALERT_GID, PLOTS, build_figures, write_report
 from rlfleet.trainer.collapse import Alert
-from rlfleet.trainer.report import ALERT_GID, PLOTS, build_figures, write_report
 
 ROWS = [
     {
@@ -66,7 +68,7 @@ def test_no_alerts_no_markers() -> None:
 
 def test_write_report_draws_the_summary_alerts(tmp_path: Path, monkeypatch) -> None:
     """write_report passes the summary's `collapse_alerts` (the dicts local mode stores) to the plots."""
-    import rlfleet.trainer.report as report
+    import rlfleet.local.report as report
 
     seen: list = []
     real = report.build_figures
@@ -82,3 +84,15 @@ def test_write_report_draws_the_summary_alerts(tmp_path: Path, monkeypatch) -> N
     assert seen == [1] * len(PLOTS)
     assert all((tmp_path / p[0]).stat().st_size > 0 for p in PLOTS)
     assert (tmp_path / "metrics.json").is_file()
+
+
+def test_report_writes_json_csv_and_plots(tmp_path):
+    rows = [{"step": s, "reward_mean": 0.1 * s, "kl_k3": 0.01, "group/a/kl_k3": 0.02, "grad_norm": 1.0} for s in range(5)]
+    write_report(rows, tmp_path, {"final_reward": 0.4})
+    data = json.loads((tmp_path / "metrics.json").read_text())
+    assert data["summary"]["final_reward"] == 0.4 and len(data["steps"]) == 5
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[0] == "step" and "group/a/kl_k3" in header
+    for name in ("reward.png", "kl.png", "oor.png", "entropy.png", "grad_norm.png", "sc_tail_ratio.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert math.isclose(data["steps"][4]["reward_mean"], 0.4)

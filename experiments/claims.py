@@ -17,7 +17,7 @@ Definitions (exact; docs/ablation.md states the same):
 
 `paper_claims` turns method.md's ablation into claims C1..C7 with seed-count thresholds; a claim whose
 cells are missing (or hold fewer than `min_seeds` seeds) is "not run", neither PASS nor FAIL. Arm and
-fleet names are those of `trainer/ablation.py` (`ARMS`, `FLEETS`).
+fleet names are those of `experiments/ablation.py` (`ARMS`, `FLEETS`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ view, applies it with `/update_weights_from_disk`).
 Why one process and not one per group: on a 2-core machine eight torch processes would mostly fight
 for the cores; the servers are still separate HTTP endpoints with their own engines and ports, and
 the trainer talks to them only through the router. `rlfleet run --local` starts this host as ONE
-subprocess (`python -m rlfleet.trainer.fleet SPEC.json`), reads one JSON line with the URLs from its
+subprocess (`python -m rlfleet.local.fleet SPEC.json`), reads one JSON line with the URLs from its
 stdout, and stops it with SIGTERM; the host also exits when its stdin closes, so it can never outlive
 the trainer (no orphans, even on SIGKILL of the parent).
 """

@@ -25,7 +25,7 @@ q is the trainer's own p(t - L). Printed per source:
 - for the quantised formats, in weight space: the cosine between the projections' rounding error
   (precision view - weight) at versions t and t + k.
 
-    .venv/bin/python benchmarks/mismatch_direction.py --seeds 2 --steps 100
+    .venv/bin/python experiments/mismatch_direction.py --seeds 2 --steps 100
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from rlfleet.numerics.engine_model import is_quantizable, precision_view
-from rlfleet.trainer.ablation import (
+from rlfleet_experiments.ablation import (
     FLEETS,
     AblationConfig,
     LockstepRollouts,
@@ -50,7 +50,7 @@ from rlfleet.trainer.ablation import (
     start_checkpoint,
     train_arm,
 )
-from rlfleet.trainer.emulated import KV_EMULATION, VIEW_FORMATS
+from rlfleet_experiments.emulated import KV_EMULATION, VIEW_FORMATS
 
 STALE_REFERENCE = 8  # the staleness whose direction "along stale" compares with
 

@@ -1,4 +1,4 @@
-"""trainer/claims.py: the ablation's pre-registered definitions and claims, on hand-made runs.
+"""experiments/claims.py: the ablation's pre-registered definitions and claims, on hand-made runs.
 
 Every expected number here is worked out by hand in the comments (none is computed by claims.py).
 The synthetic ablation (`world`) uses window 2, chance 0, peak margin 0.5, 10 steps, 3 seeds, lag 1:
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.trainer import ablation
-from rlfleet.trainer.claims import (
+from rlfleet_experiments import ablation
+from rlfleet_experiments.claims import (
     ARM_ORDER,
     FLEET_ORDER,
     NULL_ARMS,

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfleet.trainer import local
+from rlfleet.local import main as local
+from rlfleet.trainer.config import build_environment, resolve_run
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rljob.yaml"
@@ -41,7 +42,7 @@ def fleet_hosts(spec_path: Path) -> list[int]:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "rlfleet.trainer.fleet" in cmd and str(spec_path) in cmd:
+            if "rlfleet.local.fleet" in cmd and str(spec_path) in cmd:
                 pids.append(int(d.name))
     return pids
 
@@ -65,11 +66,11 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys):
 def test_resolve_run_uses_the_local_block_and_the_correction_mode():
     from rlfleet.api import load_rljob
 
-    rc = local.resolve_run(load_rljob(EXAMPLE), local=True)
+    rc = resolve_run(load_rljob(EXAMPLE), local=True)
     assert rc.steps == 12 and rc.prompts_per_step == 8 and rc.samples_per_prompt == 4
     assert rc.sampling["candidate_mode"] == "support" and rc.sampling["top_k"] == 64 and rc.sampling["max_new_tokens"] == 8
     assert rc.model["vocab_size"] == 64 and len(rc.groups) == 8 and rc.max_staleness is None
-    env = local.build_environment(rc)
+    env = build_environment(rc)
     assert env.max_turns == 4
 
 

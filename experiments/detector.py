@@ -3,7 +3,7 @@
 `rlfleet ablate --out DIR` writes DIR/ablation.json: every run's per-step metrics (the training loop's
 history, exactly the dicts the loop fed to the detector) and the alerts the detector of that commit
 raised live. This script scores both against the pre-registered collapse definition
-(`trainer/claims.py` `score_detector`, the table `rlfleet ablate` prints):
+(`experiments/claims.py` `score_detector`, the table `rlfleet ablate` prints):
 
 - baseline: the alerts recorded when the runs were made (the detector of the commit that made them);
 - current: the same histories replayed through this commit's `CollapseDetector` with a default
@@ -13,7 +13,7 @@ raised live. This script scores both against the pre-registered collapse definit
 Training does not depend on the detector (`safety.action: alert`), so a replay is what a fresh run
 with this commit's detector would report, at no training cost.
 
-    .venv/bin/python benchmarks/detector.py /tmp/abl_warm/ablation.json /tmp/ablfull3/ablation.json
+    .venv/bin/python experiments/detector.py /tmp/abl_warm/ablation.json /tmp/ablfull3/ablation.json
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import json
 from pathlib import Path
 
 from rlfleet.api.rljob import SafetySpec
-from rlfleet.trainer.ablation import TASK_CHANCE
-from rlfleet.trainer.claims import (
+from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
+from rlfleet_experiments.ablation import TASK_CHANCE
+from rlfleet_experiments.claims import (
     CollapseDefinition,
     DetectorAlerts,
     DetectorScore,
     RunRecord,
     score_detector,
 )
-from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
 
 
 def replay(history: list[dict[str, float]], thresholds: CollapseThresholds) -> DetectorAlerts:

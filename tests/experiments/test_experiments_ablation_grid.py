@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.trainer import ablation
-from rlfleet.trainer.ablation import AblationConfig, grid, parse_seeds, run_grid, write_docs_block
+from rlfleet_experiments import ablation
+from rlfleet_experiments.ablation import AblationConfig, grid, parse_seeds, run_grid, write_docs_block
 
 
 def test_seeds_argument() -> None:

@@ -1,0 +1,4 @@
+"""Local mode: `rlfleet run RLJOB.yaml --local` on one machine (`main`), the fleet host it starts as a
+subprocess (`fleet`: reference sampler servers, the router, a weight-sync loop per group) and the run's
+report (`report`). It trains through the cluster trainer's own composition root (rlfleet.trainer.run);
+nothing in rlfleet.trainer imports it (an import-linter contract in pyproject.toml)."""
