@@ -74,6 +74,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
     from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import store_from_spec
     from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.backend_common import leave_process_group
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.config import resolve_run
     from rlfleet.trainer.metrics import PrometheusExporter
@@ -101,6 +102,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         backend.follow()  # execute rank 0's commands until it closes the backend
+        leave_process_group()
         return 0
 
     store = store_from_spec(job.spec.weight_channel.store)
@@ -140,4 +142,5 @@ def run(job: Any, args: argparse.Namespace) -> int:
         store.close()
         if hasattr(backend, "close"):
             backend.close()
+        leave_process_group()
     return 0
