@@ -119,8 +119,9 @@ async def children_exist(api: KubeApi, namespace: str, job: str, groups: list[st
     return all(found)
 
 
-async def group_states(api: KubeApi, namespace: str, job: str) -> list[dict]:
-    sgs = await api.list(API, "SamplerGroup", namespace, f"rlfleet.dev/job={job}")
+async def group_states(api: KubeApi, namespace: str, job: str, groups: list[str]) -> list[dict]:
+    found = await asyncio.gather(*(api.get(API, "SamplerGroup", namespace, f"{job}-{g}") for g in groups))
+    sgs = [sg for sg in found if sg is not None]
     return [{"observed": (sg.get("status") or {}).get("observedGeneration") == sg["metadata"]["generation"],
              "ready": (sg.get("status") or {}).get("phase") == "Running"} for sg in sgs]  # fmt: skip
 
@@ -135,7 +136,7 @@ async def one_job(api: KubeApi, cluster: Any, namespace: str) -> dict[str, float
         if "children" not in marks and await children_exist(api, namespace, job, groups):
             marks["children"] = time.perf_counter() - t0
         if "children" in marks and "groups_ready" not in marks:
-            states = await group_states(api, namespace, job)
+            states = await group_states(api, namespace, job, groups)
             if len(states) == len(groups) and all(s["ready"] and s["observed"] for s in states):
                 marks["groups_ready"] = time.perf_counter() - t0
         if "groups_ready" in marks:
@@ -173,12 +174,12 @@ async def many_jobs(api: KubeApi, cluster: Any, namespace: str, count: int) -> d
             if name not in children and await children_exist(api, namespace, name, groups):
                 children[name] = time.perf_counter() - t0
             if name in children and name not in observed:
-                states = await group_states(api, namespace, name)
+                states = await group_states(api, namespace, name, groups)
                 if len(states) == len(groups) and all(s["observed"] for s in states):
                     observed[name] = time.perf_counter() - t0
         await asyncio.sleep(0.2)
     for name in names:
-        ready_groups += sum(s["ready"] for s in await group_states(api, namespace, name))
+        ready_groups += sum(s["ready"] for s in await group_states(api, namespace, name, groups))
     return {"children": list(children.values()), "observed": list(observed.values()), "ready_groups": ready_groups,
             "total": max(observed.values()) if len(observed) == count else float("nan")}  # fmt: skip
 

@@ -6,11 +6,13 @@
 - Observe: in-memory kopf indexes of the watched objects (RLJobs, SamplerGroups, WeightChannels, sampler
   Deployments, trainer StatefulSets, the operator's pods: `pods.pod_view`, and the kubelet's FailedMount
   Events by pod: `pods.mount_failure_view`) replace list/get round
-  trips; the rebalance tick (`rebalance_timer.rebalance_job`) adds what only a scrape can see
+  trips; the rebalance tick (`rebalancer.rebalance_job`) adds what only a scrape can see
   (throughput, the trainer's report) and keeps it in memory.
-- RLJob create/update(spec)/resume -> server-side apply of every child (owner references, common
-  labels), deletion of SamplerGroups no longer in the spec, then the job's status pipeline.
-- SamplerGroup create/update(spec)/resume -> its Deployment + Service, then its status pipeline.
+- RLJob create/update(spec)/resume (`reconcile_job`) -> server-side apply of every child (owner
+  references, common labels), deletion of SamplerGroups no longer in the spec, then the job's status
+  pipeline. A child of a live job deleted by someone else runs it again (`heal_job`).
+- SamplerGroup create/update(spec)/resume (`reconcile_group`) -> its Deployment + Service, then its
+  status pipeline. Its Deployment deleted by someone else runs it again (`heal_group`).
 - Status pipeline (`refresh_job_status`, `refresh_samplergroup_status`, `refresh_weightchannel_status`):
   the whole status from the indexes and the tick's memory, written by server-side apply on the status
   subresource as `STATUS_FIELD_MANAGER` (the only status writer), only when it changed, with a
@@ -24,21 +26,24 @@
   with the age-out bound, `channel.subscribers_to_remove`, `status.weightchannel_status`) -> apply (the
   reports of gone replicas removed from the store with `WeightChannel.remove_subscriber`, the status
   written). docs/weights.md, "Subscriber reports".
+- Runtime state per object (locks, the timer's read times, the rebalancer's memory) is dropped when it is
+  no longer needed: see `_locked` and the DELETED branches of `rljob_event` and `weightchannel_event`.
 The operator never writes an RLJob's spec (Argo CD owns it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeGuard
 
 import kopf
 from pydantic import ValidationError
@@ -46,7 +51,7 @@ from pydantic import ValidationError
 from rlfleet.api import RLJob, SamplerGroup, StoreSpec, format_validation_error
 from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.catalog import CatalogError, get_catalog
-from rlfleet.operator import builders, kube, rebalance_timer, tokens
+from rlfleet.operator import builders, kube, rebalancer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.pods import latest_mount_failure, mount_failure_view, pod_view
@@ -58,7 +63,7 @@ log = logging.getLogger("rlfleet.operator")
 # the rebalance tick. No timer on RLJobs or SamplerGroups: kopf puts a finalizer on every object with a
 # timer, and deleting an RLJob must not hang when the operator is gone (docs/operations.md).
 CHANNEL_STATUS_INTERVAL = float(os.environ.get("RLFLEET_CHANNEL_STATUS_INTERVAL", "10"))
-TIMER_INTERVAL = min(CHANNEL_STATUS_INTERVAL, rebalance_timer.TICK_SECONDS)
+TIMER_INTERVAL = min(CHANNEL_STATUS_INTERVAL, rebalancer.TICK_SECONDS)
 
 SAMPLER_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "sampler"}
 TRAINER_LABELS = {n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_COMPONENT: "trainer"}
@@ -230,27 +235,45 @@ class View:
 
 # --- helpers ---------------------------------------------------------------------------------------------
 
-_locks: dict[tuple[int, str, str, str], asyncio.Lock] = {}
-_queued: set[tuple[int, str, str, str]] = set()
+# Per-object runtime state lives in module dicts, not in kopf's per-object `memo`: an object's pipeline is
+# run by the events of other objects (a pod's event runs its group's pipeline, the WeightChannel's timer
+# the job's), and a memo belongs to the object being handled. So each entry is dropped as soon as it is
+# not needed: a lock when no pipeline of its object runs or waits (`_locked`), the timer's read times and
+# the rebalancer's memory on the object's DELETED event (`rljob_event`, `weightchannel_event`).
+_Key = tuple[int, str, str, str]  # (event loop, kind, namespace, name)
+_locks: dict[_Key, asyncio.Lock] = {}
+_lock_users: dict[_Key, int] = {}  # pipelines holding or waiting for each lock
+_queued: set[_Key] = set()
 
 
-def _lock(kind: str, namespace: str, name: str) -> asyncio.Lock:
-    key = (id(asyncio.get_running_loop()), kind, namespace, name)
-    lock = _locks.get(key)
-    if lock is None:
-        lock = _locks[key] = asyncio.Lock()
-    return lock
+def _key(kind: str, namespace: str, name: str) -> _Key:
+    return id(asyncio.get_running_loop()), kind, namespace, name
+
+
+@contextlib.asynccontextmanager
+async def _locked(kind: str, namespace: str, name: str) -> AsyncIterator[None]:
+    """One pipeline of an object at a time; the lock exists only while some pipeline holds or waits for it."""
+    key = _key(kind, namespace, name)
+    lock = _locks.setdefault(key, asyncio.Lock())
+    _lock_users[key] = _lock_users.get(key, 0) + 1
+    try:
+        async with lock:
+            yield
+    finally:
+        _lock_users[key] -= 1
+        if not _lock_users[key]:
+            del _lock_users[key], _locks[key]
 
 
 async def _coalesced(kind: str, namespace: str, name: str, refresh: Callable[[], Awaitable[None]]) -> None:
     """Run `refresh()` under the object's lock, with at most one waiter per object: a burst of child
     events becomes one refresh in flight plus one queued (which sees the state after the burst)."""
-    key = (id(asyncio.get_running_loop()), kind, namespace, name)
+    key = _key(kind, namespace, name)
     if key in _queued:
         return
     _queued.add(key)
     try:
-        async with _lock(kind, namespace, name):
+        async with _locked(kind, namespace, name):
             _queued.discard(key)
             await refresh()
     finally:
@@ -321,7 +344,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 270
     settings.watching.client_timeout = 300
-    settings.batching.batch_window = 0.2
     settings.execution.max_workers = 4
     # Our kinds are fixed: no CRD scanning (saves a cluster-wide list/watch on CRDs in RBAC).
     settings.scanning.disabled = True
@@ -439,15 +461,24 @@ async def _refresh_job_status(
     groups = [g for g in view.all(view.samplergroups_by_job, (namespace, name)) if _owned_by(g, job)]
     trainer = view.one(view.trainers, (namespace, n.trainer_name(name)))
     channel = view.one(view.weightchannels, (namespace, n.weightchannel_name(name)))
-    memory = rebalance_timer.observed(job)
+    memory = rebalancer.observed(job)
     now = st.now_iso()
     desired = st.rljob_status(
         job, groups, trainer, channel, now=now, invalid=invalid,
         trainer_pods=view.pods_of(namespace)("trainer", name),
-        costs=rebalance_timer.fleet_costs(memory.result) if memory.result else None,
+        costs=rebalancer.fleet_costs(memory.result) if memory.result else None,
         trainer_report=trainer_job_status(job, groups, memory.report, now).status,
     )  # fmt: skip
     await _write_status(job, desired, "RLJob")
+
+
+@kopf.on.event(GROUP, VERSION, "rljobs")
+async def rljob_event(name: str, namespace: str, type: str | None, **_: Any) -> None:
+    """A deleted RLJob's rebalancer memory (shares, EMA, the trainer's report) is dropped: a job created
+    again under the same name starts from its own status. (An event handler, not `on.delete`: that would
+    put a finalizer on RLJobs, which must delete without the operator.)"""
+    if type == "DELETED":
+        rebalancer.forget(namespace, name)
 
 
 # --- SamplerGroup -> Deployment + Service ----------------------------------------------------------------
@@ -456,31 +487,14 @@ async def _refresh_job_status(
 @kopf.on.resume(GROUP, VERSION, "samplergroups")
 @kopf.on.create(GROUP, VERSION, "samplergroups")
 @kopf.on.update(GROUP, VERSION, "samplergroups", field="spec")
-async def reconcile_samplergroup(body: kopf.Body, name: str, namespace: str, **kwargs: Any) -> None:
+async def reconcile_samplergroup(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
     started = time.perf_counter()
-    view = View.of(kwargs)
-    api = kube.api()
-    raw = plain(body)
     try:
-        sg = SamplerGroup.from_manifest(raw)
-    except (ValidationError, ValueError) as exc:
-        message = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
-        kopf.warn(body, reason="InvalidSpec", message=message[:1000])
-        await _refresh_samplergroup_status(namespace, name, view, raw)
-        _count(RECONCILES, "SamplerGroup", "invalid")
-        raise kopf.PermanentError(message) from None
-    try:
-        store: StoreSpec | None = None
-        if sg.spec.weight_channel:
-            wc = view.one(view.weightchannels, (namespace, sg.spec.weight_channel))
-            wc = wc or await api.get(API_VERSION, "WeightChannel", namespace, sg.spec.weight_channel)
-            if wc is None:
-                raise kopf.TemporaryError(f"WeightChannel {sg.spec.weight_channel} not found yet", delay=2)
-            store = StoreSpec.model_validate(wc["spec"]["store"])
-        children = builders.build_samplergroup_children(sg, namespace, raw, get_catalog(), store)
-        await asyncio.gather(*(api.apply(c) for c in children))
-        await refresh_samplergroup_status(namespace, name, view)
+        await reconcile_group(plain(body), namespace, View.of(kwargs))
         _count(RECONCILES, "SamplerGroup", "ok")
+    except kopf.PermanentError:
+        _count(RECONCILES, "SamplerGroup", "invalid")
+        raise
     except kube.KubeError as exc:
         _count(RECONCILES, "SamplerGroup", "error")
         kopf.warn(body, reason="ReconcileError", message=str(exc)[:1000])
@@ -488,6 +502,31 @@ async def reconcile_samplergroup(body: kopf.Body, name: str, namespace: str, **k
     finally:
         if RECONCILE_SECONDS is not None:
             RECONCILE_SECONDS.labels("SamplerGroup").observe(time.perf_counter() - started)
+
+
+async def reconcile_group(raw: dict[str, Any], namespace: str, view: View) -> None:
+    """The SamplerGroup pipeline: parse -> its channel's store -> Deployment + Service applied -> the
+    group's status. kopf runs it on create / spec update / resume, and the Deployment's DELETED event
+    runs it again when someone else deleted the Deployment of a live group (`sampler_deployment_event`)."""
+    api = kube.api()
+    name = raw["metadata"]["name"]
+    try:
+        sg = SamplerGroup.from_manifest(raw)
+    except (ValidationError, ValueError) as exc:
+        message = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
+        kopf.warn(raw, reason="InvalidSpec", message=message[:1000])
+        await _refresh_samplergroup_status(namespace, name, view, raw)
+        raise kopf.PermanentError(message) from None
+    store: StoreSpec | None = None
+    if sg.spec.weight_channel:
+        wc = view.one(view.weightchannels, (namespace, sg.spec.weight_channel))
+        wc = wc or await api.get(API_VERSION, "WeightChannel", namespace, sg.spec.weight_channel)
+        if wc is None:
+            raise kopf.TemporaryError(f"WeightChannel {sg.spec.weight_channel} not found yet", delay=2)
+        store = StoreSpec.model_validate(wc["spec"]["store"])
+    children = builders.build_samplergroup_children(sg, namespace, raw, get_catalog(), store)
+    await asyncio.gather(*(api.apply(c) for c in children))
+    await refresh_samplergroup_status(namespace, name, view)
 
 
 async def refresh_samplergroup_status(namespace: str, name: str, view: View) -> None:
@@ -507,7 +546,7 @@ async def _refresh_samplergroup_status(
     wc = view.one(view.weightchannels, (namespace, channel_name)) if channel_name else None
     job_name = sg.get("spec", {}).get("jobName")
     job = view.one(view.rljobs, (namespace, job_name)) if job_name else None
-    memory = rebalance_timer.observed(job) if job else rebalance_timer.JobMemory()
+    memory = rebalancer.observed(job) if job else rebalancer.JobMemory()
     group = memory.result.groups.get(sg.get("spec", {}).get("name")) if memory.result else None
     collapse = trainer_job_status(job, [], memory.report, st.now_iso()).quarantine if job else frozenset()
     desired = st.samplergroup_status(
@@ -522,38 +561,34 @@ async def _refresh_samplergroup_status(
 # --- children events -> parent status ----------------------------------------------------------------------
 
 
-def _alive(obj: Mapping[str, Any] | None) -> bool:
+def _alive(obj: Mapping[str, Any] | None) -> TypeGuard[Mapping[str, Any]]:
     return obj is not None and not obj["metadata"].get("deletionTimestamp")
 
 
 async def heal_job(namespace: str, name: str, view: View) -> None:
-    """A child of a live job was deleted by someone else: apply the job's children again."""
+    """A child of a live job was deleted by someone else: the job's pipeline applies its children again."""
     job = view.one(view.rljobs, (namespace, name))
     if _alive(job):
         log.warning("child of RLJob %s/%s deleted: re-applying its children", namespace, name)
-        await _coalesced("RLJob-heal", namespace, name, lambda: _heal_job(namespace, job, view))
+        await _coalesced("RLJob-heal", namespace, name, lambda: _rerun(reconcile_job, job, namespace, view))
 
 
-async def _heal_job(namespace: str, job: dict[str, Any], view: View) -> None:
+async def heal_group(namespace: str, name: str, view: View) -> None:
+    """The Deployment of a live SamplerGroup was deleted by someone else: the group's pipeline runs again."""
+    sg = view.one(view.samplergroups, (namespace, name))
+    if _alive(sg):
+        log.warning("Deployment of SamplerGroup %s/%s deleted: re-applying it", namespace, name)
+        await _coalesced("SamplerGroup-heal", namespace, name, lambda: _rerun(reconcile_group, sg, namespace, view))
+
+
+async def _rerun(pipeline: Callable[[dict[str, Any], str, View], Awaitable[None]], body: Mapping[str, Any],
+                 namespace: str, view: View) -> None:  # fmt: skip
+    """A pipeline run by an event: an invalid spec or a missing channel is the kopf handler's to report
+    (and retry); here it is logged."""
     try:
-        await reconcile_job(copy.deepcopy(job), namespace, view)
-    except kopf.PermanentError:
-        pass
-
-
-async def heal_samplergroup(namespace: str, name: str, view: View) -> None:
-    """The Deployment of a live SamplerGroup was deleted: apply it again."""
-    raw = view.one(view.samplergroups, (namespace, name))
-    if not _alive(raw):
-        return
-    sg = SamplerGroup.from_manifest(copy.deepcopy(raw))
-    wc = (
-        view.one(view.weightchannels, (namespace, sg.spec.weight_channel)) if sg.spec.weight_channel else None
-    )
-    store = StoreSpec.model_validate(wc["spec"]["store"]) if wc else None
-    log.warning("Deployment of SamplerGroup %s/%s deleted: re-applying it", namespace, name)
-    for child in builders.build_samplergroup_children(sg, namespace, raw, get_catalog(), store):
-        await kube.api().apply(child)
+        await pipeline(copy.deepcopy(dict(body)), namespace, view)
+    except (kopf.PermanentError, kopf.TemporaryError) as exc:
+        log.info("%s/%s not re-applied: %s", namespace, body["metadata"]["name"], exc)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=SAMPLER_LABELS)
@@ -562,7 +597,7 @@ async def sampler_deployment_event(body: kopf.Body, namespace: str, type: str | 
     if sg_name:
         view = View.of(kwargs)
         if type == "DELETED":
-            await _quietly(heal_samplergroup(namespace, sg_name, view))
+            await _quietly(heal_group(namespace, sg_name, view))
         await _quietly(refresh_samplergroup_status(namespace, sg_name, view))
 
 
@@ -737,7 +772,7 @@ async def weightchannel_timer(name: str, namespace: str, body: kopf.Body, **kwar
         return
     groups = [g for g in view.all(view.samplergroups_by_job, (namespace, job_name)) if _owned_by(g, job)]
     try:
-        ran = await rebalance_timer.rebalance_job(copy.deepcopy(job), namespace, groups, view.pods_of(namespace))
+        ran = await rebalancer.rebalance_job(copy.deepcopy(job), namespace, groups, view.pods_of(namespace))
     except kube.KubeError as exc:
         log.warning("rebalance of %s/%s failed: %s", namespace, job_name, exc)
         ran = None
@@ -750,7 +785,7 @@ async def weightchannel_timer(name: str, namespace: str, body: kopf.Body, **kwar
 async def refresh_weightchannel_status(
     namespace: str, name: str, view: View, wc: dict[str, Any] | None = None
 ) -> None:
-    async with _lock("WeightChannel", namespace, name):
+    async with _locked("WeightChannel", namespace, name):
         wc = wc or view.one(view.weightchannels, (namespace, name))
         if wc is None or wc["metadata"].get("deletionTimestamp"):
             return
@@ -765,8 +800,14 @@ async def refresh_weightchannel_status(
 
 
 @kopf.on.event(GROUP, VERSION, "weightchannels")
-async def weightchannel_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
-    """Channel status moved (new version, a group applied one): group lags and the job's version follow."""
+async def weightchannel_event(body: kopf.Body, name: str, namespace: str, type: str | None, **kwargs: Any) -> None:
+    """Channel status moved (new version, a group applied one): group lags and the job's version follow.
+    Deleted: what the operator kept for the channel (its timer's last store read, a removal failure
+    streak) is dropped."""
+    if type == "DELETED":
+        for key in [k for k in _channel_read if k[1:] == (namespace, name)]:
+            del _channel_read[key]
+        _removal_failing.discard((namespace, name))
     job = body.get("spec", {}).get("jobName")
     if not job:
         return

@@ -3,7 +3,8 @@
 kopf watches and runs handlers; children and status are written with this client because kopf has no
 public server-side-apply API. The client is kubernetes_asyncio (maintained, async, `server_side_apply`
 of arbitrary dicts with a field manager and force, status subresources); the operator's callers use a
-small interface (`apply`, `patch_status`, `get`, `list`, `create`, `delete`) on plain dicts.
+small interface (`apply`, `patch_status`, `get`, `create`, `delete`) on plain dicts; what the operator
+watches it reads from kopf's indexes, never by listing.
 
 Credentials: kopf's (`kopf.ConnectionInfo` from the login handler: kubeconfig or in-cluster service
 account) are the single source: the client's HTTP session is built from `info.as_ssl_context()` and
@@ -144,16 +145,6 @@ class KubeApi:
             if exc.status == 404:
                 return None
             raise
-
-    async def list(
-        self, api_version: str, kind: str, namespace: str, label_selector: str | None = None
-    ) -> list[dict[str, Any]]:
-        resource = await self._resource(api_version, kind)
-        result = await _result((await self._dyn()).get(
-            resource, namespace=namespace, label_selector=label_selector, serialize=False,
-            _request_timeout=REQUEST_TIMEOUT_SECONDS,
-        ))  # fmt: skip
-        return list((result or {}).get("items", []))
 
     async def create(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create; None if it already exists (for objects created once, e.g. a generated Secret)."""

@@ -1,9 +1,13 @@
-"""Every name the operator puts on objects: labels, annotations, field managers, child names, ports.
+"""Every name the operator puts on objects: labels, annotations, field managers, child names, ports, and
+the metadata (name, labels, annotations, owner reference) every child carries.
 
-One module so that builders, status code, handlers, tests and the Helm chart agree.
+One module so that builders, workloads, status code, handlers, tests and the Helm chart agree.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from rlfleet.api.common import API_VERSION, GROUP, SYNC_SIDECAR_PORT
 
@@ -33,11 +37,13 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 # is unchanged, a `kubectl scale sg/...` override is kept (the RLJob is the source only of changes).
 ANN_JOB_REPLICAS = f"{GROUP}/job-replicas"
 ANN_SPEC_HASH = f"{GROUP}/spec-hash"  # hash of the pod-relevant spec (rolls pods on change)
+ANN_CONFIG_HASH = f"{GROUP}/config-hash"  # hash of the router's config file (rolls router pods on change)
 ANN_PROM_SCRAPE = "prometheus.io/scrape"
 ANN_PROM_PORT = "prometheus.io/port"
 ANN_PROM_PATH = "prometheus.io/path"
 
 # --- ports and paths ---------------------------------------------------------------------------------
+SGLANG_PORT = 30000  # SamplerGroupSpec.port default
 SYNC_PORT = SYNC_SIDECAR_PORT  # weight-sync sidecar: /metrics /status /health (admission keeps SGLang off it)
 ROUTER_PORT = 8000
 TRAINER_RDZV_PORT = 29500
@@ -100,3 +106,38 @@ def sampler_selector(samplergroup: str) -> dict[str, str]:
 
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def sampler_labels(job: str, group: str, samplergroup: str, accelerator: str, weight_format: str) -> dict[str, str]:
+    """Labels of a sampler group's Deployment, Service and pods (the job's common labels plus the group)."""
+    return {
+        **job_labels(job, "sampler"),
+        LABEL_GROUP: group,
+        LABEL_SAMPLERGROUP: samplergroup,
+        LABEL_ACCELERATOR: accelerator,
+        LABEL_WEIGHT_FORMAT: weight_format,
+    }
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    """Controller owner reference to `owner` (a body with apiVersion, kind, metadata.name/uid)."""
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": owner["metadata"]["name"],
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def object_meta(name: str, namespace: str, labels: Mapping[str, str], owner: Mapping[str, Any] | None,
+                annotations: Mapping[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """metadata of a child: its name and labels, annotations when any, and the owner reference (children
+    of a job or group are garbage-collected with it)."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    if owner is not None:
+        meta["ownerReferences"] = [owner_reference(owner)]
+    return meta

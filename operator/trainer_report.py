@@ -3,7 +3,7 @@
 The trainer has no Kubernetes API rights (least privilege: its pods mount no ServiceAccount token). It
 exports its step, the weight version it published, the fleet metrics and the collapse detector's state
 (`rlfleet.trainer.metrics.PrometheusExporter`); the operator's rebalance tick scrapes trainer pod 0
-(`rebalance_timer.py`) and the RLJob's reconcile pipeline puts these fields into the job's whole status
+(`rebalancer.py`) and the RLJob's reconcile pipeline puts these fields into the job's whole status
 (`status.rljob_status(..., trainer_report=...)`, one apply, only on change):
 
 - `status.step`, `status.weightVersion` (never lowered: the WeightChannel status is the other source),

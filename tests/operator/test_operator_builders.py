@@ -10,7 +10,7 @@ import yaml
 
 from rlfleet.api import RLJob, SamplerGroup, load_rljob
 from rlfleet.catalog import load_catalog
-from rlfleet.operator import builders
+from rlfleet.operator import builders, config_files, workloads
 from rlfleet.operator import naming as n
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ def sampler_deployment(job: RLJob, group: str, store=None) -> dict:
     sg_manifest = children(job)[("SamplerGroup", f"reference-fleet-{group}")]
     sg = SamplerGroup.from_manifest(sg_manifest)
     store = store if store is not None else job.spec.weight_channel.store
-    return builders.build_sampler_deployment(sg, NS, sg_manifest | {"metadata": {**sg_manifest["metadata"], "uid": "sg"}},
+    return workloads.build_sampler_deployment(sg, NS, sg_manifest | {"metadata": {**sg_manifest["metadata"], "uid": "sg"}},
                                              CATALOG, store)  # fmt: skip
 
 
@@ -120,7 +120,7 @@ def test_suspend_scales_trainer_and_samplers_to_zero(job: RLJob) -> None:
     assert out[("StatefulSet", "reference-fleet-trainer")]["spec"]["replicas"] == 0
     sg = out[("SamplerGroup", "reference-fleet-h100-fp8")]
     assert sg["spec"]["suspend"] is True and sg["spec"]["replicas"] == 2  # replicas kept for resume
-    dep = builders.build_sampler_deployment(SamplerGroup.from_manifest(sg), NS, None, CATALOG, None)
+    dep = workloads.build_sampler_deployment(SamplerGroup.from_manifest(sg), NS, None, CATALOG, None)
     assert dep["spec"]["replicas"] == 0
 
 
@@ -169,6 +169,35 @@ def test_trainer_statefulset_torchrun_gpus_and_b200_affinity(job: RLJob) -> None
     _assert_restricted(pod)
 
 
+def test_every_rlfleet_env_var_the_operator_sets_has_a_reader(job: RLJob) -> None:
+    """Each RLFLEET_* variable in a container the operator builds (every workload of the reference job, a
+    sampler group's Deployment with an S3 store included) is read: by the container's own args
+    (`$(VAR)`, which the kubelet expands) or by product code outside the operator. RLFLEET_TRAINER_BACKEND,
+    RLFLEET_NAMESPACE and RLFLEET_WEIGHT_CHANNEL were set on the trainer and read by nothing; adding such
+    a variable again fails here."""
+    import re
+
+    from rlfleet.api import StoreSpec
+
+    readers = "\n".join(
+        path.read_text() for folder in ("trainer", "sampler", "router", "rlfleet") for path in (REPO / folder).rglob("*.py")
+    )
+    workloads_ = [c for c in children(job).values() if c["kind"] in ("StatefulSet", "Deployment")]
+    s3 = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "prefix": "runs/a/", "endpoint": "http://minio:9000",
+                                   "secretRef": {"name": "s3-creds"}})  # fmt: skip
+    workloads_.append(sampler_deployment(job, "h100-fp8", store=s3))
+    checked = set()
+    for workload in workloads_:
+        pod = workload["spec"]["template"]["spec"]
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            expanded = set(re.findall(r"\$\((\w+)\)", " ".join([*container["command"], *container["args"]])))
+            for name in (e["name"] for e in container.get("env", []) if e["name"].startswith("RLFLEET_")):
+                checked.add(name)
+                read = name in expanded or re.search(rf"[\"']{name}[\"']", readers) is not None
+                assert read, f"{workload['kind']} {workload['metadata']['name']}: {container['name']} sets {name}, nothing reads it"
+    assert {"RLFLEET_JOB", "RLFLEET_CONFIG", "RLFLEET_ROUTER_URL", "RLFLEET_TRAINER_DEVICE"} <= checked
+
+
 def test_config_map_holds_the_resolved_run_and_router_config(job: RLJob) -> None:
     cm = children(job)[("ConfigMap", "reference-fleet-config")]
     run = yaml.safe_load(cm["data"]["rljob.yaml"])
@@ -185,7 +214,7 @@ def test_router_config_is_accepted_by_the_router() -> None:
     from rlfleet.router import config
 
     job = load_rljob(REPO / "examples" / "rljob.yaml")
-    parsed = config.RouterConfig.model_validate(builders.router_config(job, NS))
+    parsed = config.RouterConfig.model_validate(config_files.router_config(job, NS))
     assert len(parsed.groups) == 8
 
 
@@ -354,7 +383,7 @@ def test_standalone_group_without_a_channel_serves_its_model_path_as_version_0(j
     with a version (0) so its tokens never carry "default"."""
     sg_manifest = children(job)[("SamplerGroup", "reference-fleet-h100-bf16")]
     sg = SamplerGroup.from_manifest(sg_manifest)
-    dep = builders.build_sampler_deployment(sg, NS, None, CATALOG, None)
+    dep = workloads.build_sampler_deployment(sg, NS, None, CATALOG, None)
     pod = dep["spec"]["template"]["spec"]
     (engine,) = pod["containers"]
     assert "initContainers" not in pod

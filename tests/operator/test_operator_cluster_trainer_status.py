@@ -5,7 +5,7 @@ status, raises CollapseRisk with an Event, and quarantines the group the detecto
 
 The trainer's exporter is the real `rlfleet.trainer.metrics.PrometheusExporter` on 127.0.0.1 (free
 port). The trainer pod itself is a kwok fake (Running + Ready, but no process behind its pod IP), so the
-one thing replaced is the pod's address: `rebalance_timer.trainer_metrics_url(pod)` is pointed at the
+one thing replaced is the pod's address: `rebalancer.trainer_metrics_url(pod)` is pointed at the
 local exporter (the operator runs in this process via KopfRunner), after checking it is asked for
 trainer pod 0 — the same approach as tests/router/test_router_timer_cluster.py's local Prometheus.
 """
@@ -22,7 +22,7 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from rlfleet.operator import rebalance_timer
+from rlfleet.operator import rebalancer
 from rlfleet.trainer.collapse import Alert
 from rlfleet.trainer.metrics import PrometheusExporter
 
@@ -75,7 +75,7 @@ def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
         assert pod["podIP"]  # a ready trainer pod of the job
         return f"http://127.0.0.1:{exporter.port}/metrics"
 
-    monkeypatch.setattr(rebalance_timer, "trainer_metrics_url", local_exporter)
+    monkeypatch.setattr(rebalancer, "trainer_metrics_url", local_exporter)
     exporter.update(12, {"reward_mean": 0.42, "kl_k3": 0.031, "oor_fraction": 0.07, "entropy": 1.5,
                          "sc_tail_ratio": 1.3, "weight_version": 11.0, "group/b200-nvfp4/kl_k3": 0.2})  # fmt: skip
     exporter.update_collapse([], [], pause=False)

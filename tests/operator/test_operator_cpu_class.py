@@ -15,7 +15,7 @@ import pytest
 
 from rlfleet.api import RLJob, SamplerGroup, load_rljob
 from rlfleet.catalog import load_catalog
-from rlfleet.operator import builders
+from rlfleet.operator import builders, workloads
 from rlfleet.operator import naming as n
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def children(job: RLJob) -> dict[tuple[str, str], dict]:
 def sampler_deployment(job: RLJob, group: str) -> dict:
     manifest = children(job)[("SamplerGroup", f"{job.name}-{group}")]
     sg = SamplerGroup.from_manifest(manifest)  # the SamplerGroup model accepts what the RLJob builder wrote
-    return builders.build_sampler_deployment(sg, NS, None, CATALOG, job.spec.weight_channel.store)
+    return workloads.build_sampler_deployment(sg, NS, None, CATALOG, job.spec.weight_channel.store)
 
 
 def launched(engine: dict, version: int, directory: str) -> list[str]:
@@ -120,13 +120,13 @@ def test_cpu_trainer_statefulset_runs_ranks_on_cpu_without_a_gpu(job: RLJob) -> 
     env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert env["NPROC_PER_NODE"] == "2" and env["NNODES"] == "1"
     assert env["RLFLEET_TRAINER_DEVICE"] == "cpu"
-    assert env["RLFLEET_TRAINER_BACKEND"] == job.spec.trainer.backend
     assert trainer["command"] == ["torchrun"] and "--nproc-per-node=$(NPROC_PER_NODE)" in trainer["args"]
     assert trainer["resources"] == CATALOG.get("cpu").trainer_resources
     assert trainer["image"] == "ghcr.io/rlfleet/trainer:0.1.0-cpu"
     # the resolved config the trainer reads still says what the user wrote
     config = children(job)[("ConfigMap", f"{job.name}-config")]["data"][n.CONFIG_FILE]
     assert "processesPerReplica: 2" in config and "gpusPerReplica" not in config
+    assert f"backend: {job.spec.trainer.backend}" in config  # the backend reaches the trainer only this way
 
 
 def test_gpu_classes_keep_their_gpu_request_toleration_and_affinity() -> None:

@@ -7,8 +7,8 @@ from hypothesis import strategies as st_
 
 from rlfleet.api import KV_CACHE_DTYPES, WEIGHT_FORMATS, SamplerGroup
 from rlfleet.catalog import CatalogError, check_group, load_catalog
-from rlfleet.operator import builders
 from rlfleet.operator import status as st
+from rlfleet.operator import workloads
 
 CATALOG = load_catalog(None)
 
@@ -53,7 +53,7 @@ def test_sampler_deployment_invariants(combo, replicas, tp, suspend, ready) -> N
         tp = tp if tp in (None, 1) else None  # a CPU class runs one process per replica (refused otherwise)
     manifest = sg_manifest(cls, fmt, kv, replicas, tp, suspend)
     sg = SamplerGroup.from_manifest(manifest)
-    dep = builders.build_sampler_deployment(sg, "ns", manifest, CATALOG, None)
+    dep = workloads.build_sampler_deployment(sg, "ns", manifest, CATALOG, None)
     pod = dep["spec"]["template"]["spec"]
     gpus = tp or CATALOG.get(cls).default_tensor_parallel
     # replicas: zero when suspended, else the spec's
@@ -116,7 +116,7 @@ def test_sampler_pod_shares_one_weights_cache_and_has_no_api_token(combo, suspen
     manifest["spec"]["weightChannel"] = "job-weights"
     sg = SamplerGroup.from_manifest(manifest)
     store = StoreSpec(type="filesystem", path="/weights/job", volume_claim_name="weights")
-    pod = builders.build_sampler_deployment(sg, "ns", manifest, CATALOG, store)["spec"]["template"]["spec"]
+    pod = workloads.build_sampler_deployment(sg, "ns", manifest, CATALOG, store)["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
     volumes = {v["name"]: v for v in pod["volumes"]}
     containers = pod["containers"] + pod.get("initContainers", [])
@@ -140,5 +140,5 @@ def test_trainer_pods_have_no_api_token() -> None:
     from rlfleet.api import load_rljob
 
     job = load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml")
-    sts = builders.build_trainer_statefulset(job, "ns", None, CATALOG)
+    sts = workloads.build_trainer_statefulset(job, "ns", None, CATALOG)
     assert sts["spec"]["template"]["spec"]["automountServiceAccountToken"] is False

@@ -119,6 +119,18 @@ def test_status_changed_ignores_fields_and_conditions_owned_by_others() -> None:
     assert st.status_changed({**observed, "readyReplicas": 1}, mine)
 
 
+def test_a_status_differing_only_in_one_condition_has_changed() -> None:
+    """Kills the mutant of the change gate whose condition branch never returns True (or compares only the
+    condition types): each of these differs from `mine` in one field of one condition and nothing else."""
+    mine = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
+    for field_, value in (("status", "True"), ("reason", "Other"), ("message", "other"), ("observedGeneration", 2)):
+        observed = {**mine, "conditions": [{**c, field_: value} if c["type"] == "Degraded" else c
+                                           for c in mine["conditions"]]}  # fmt: skip
+        assert st.status_changed(observed, mine), field_
+    missing = {**mine, "conditions": [c for c in mine["conditions"] if c["type"] != "Degraded"]}
+    assert st.status_changed(missing, mine)
+
+
 def test_applied_version_and_lag_from_the_channel() -> None:
     channel = {
         "latestVersion": 9,

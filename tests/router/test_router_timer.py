@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 
 from rlfleet.api import RLJob
-from rlfleet.operator import rebalance_timer as timer
+from rlfleet.operator import rebalancer as timer
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service

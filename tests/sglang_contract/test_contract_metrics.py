@@ -15,7 +15,7 @@ from sglang.srt.runtime_context import use_context
 from sglang_made import context, forget_sglang_default_registry_metrics
 
 from rlfleet.operator import rebalance as rb
-from rlfleet.operator import rebalance_timer as timer
+from rlfleet.operator import rebalancer as timer
 
 LABELS = {"model_name": "qwen3", "engine_type": "unified", "tp_rank": 0, "pp_rank": 0, "moe_ep_rank": 0}
 

@@ -1,13 +1,15 @@
-"""The rebalance tick's OBSERVE step (no status writes): scrapes, the share policy, the router push.
+"""The rebalancer: the I/O around the pure share policy (`rebalance.py`) for one RLJob: scrapes, the
+policy, the router push. It writes no status and holds no timer.
 
-Called by the job's reconcile pipeline tick (handlers.py: the WeightChannel timer, every
-RLFLEET_REBALANCE_TICK seconds; it acts when the job's `spec.router.rebalanceIntervalSeconds` has
-elapsed). Per interval: read each SamplerGroup's live throughput (its ready pods' SGLang /metrics, or
+Called on each tick of the job's pipelines (handlers.py: the WeightChannel timer, every
+RLFLEET_REBALANCE_TICK seconds); it acts when the job's `spec.router.rebalanceIntervalSeconds` has
+elapsed. Per interval: read each SamplerGroup's live throughput (its ready pods' SGLang /metrics, or
 `spec.router.prometheusUrl`), the trainer's per-group KL / out-of-range metrics and its report (rank 0's
 exporter: step, weight version, metrics, the collapse detector's state), call the pure `rebalance.py`,
 push replicas (pod URLs), quarantine and shares to every router pod's admin API, and post a Kubernetes
 Event per share change. SamplerGroups and pods come from the operator's kopf indexes (no listing per
-tick). The result and the trainer's report stay in memory (`observed(...)`): the pipeline computes the
+tick). The result and the trainer's report stay in memory (`observed(...)`, dropped by `forget` when the
+RLJob is deleted): the pipeline computes the
 WHOLE status of the groups and the job from them (status.py) and applies it once, under the operator's
 one status field manager. State (counters, EMA, history) is seeded from the SamplerGroups' status when
 a job is first seen (new, or after an operator restart), and the first step comes one interval later.
@@ -76,6 +78,12 @@ def observed(job: Mapping[str, Any]) -> JobMemory:
     """The rebalance tick's memory of this RLJob (empty until its first tick)."""
     meta = job.get("metadata") or {}
     return _JOBS.get((meta.get("namespace", ""), meta.get("name", ""), str(meta.get("uid", ""))), JobMemory())
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop the memory of a deleted RLJob (of every uid it had under that name)."""
+    for key in [k for k in _JOBS if k[:2] == (namespace, name)]:
+        del _JOBS[key]
 
 
 def fleet_costs(result: RebalanceResult) -> dict[str, float]:

@@ -1,0 +1,401 @@
+"""The kopf handlers without a cluster, as KubeRay's fake-client tests: the handlers run for real against a
+fake `KubeApi` (it records every write and answers reads from a dict) and hand-built index views; kopf's
+own event poster runs into a queue the test reads.
+
+What is held: the RLJob pipeline (children in apply order, the admin Secret, removed groups deleted, an
+invalid spec or a child the API refuses ends in a status that says so), the SamplerGroup pipeline (its
+channel's store from the index or the API, a Deployment deleted by someone else applied again), the one
+status writer (a status differing only in one condition IS written, an unchanged one is not), the
+rebalancer's state after a restart (seeded from the NEWEST history entry), and the runtime state per object
+(locks, the timer's read times, the rebalancer's memory) gone once its object is."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+from kopf._core.engines import posting
+
+from rlfleet.catalog import get_catalog
+from rlfleet.operator import handlers, kube, rebalancer
+from rlfleet.operator import status as st
+
+NS = "team-a"
+API = "rlfleet.dev/v1alpha1"
+
+
+class FakeKube:
+    """The operator's `KubeApi` surface over a dict: writes are recorded, reads answered from `objects`."""
+
+    def __init__(self, objects: Mapping[tuple[str, str], dict[str, Any]] | None = None) -> None:
+        self.objects = dict(objects or {})  # (kind, name) -> body
+        self.applied: list[dict[str, Any]] = []
+        self.statuses: list[tuple[str, str, dict[str, Any]]] = []  # (kind, name, status)
+        self.created: list[dict[str, Any]] = []
+        self.deleted: list[tuple[str, str]] = []
+        self.refuse: dict[str, kube.KubeError] = {}  # kind -> the error `apply` raises for it
+
+    async def apply(self, body: Mapping[str, Any], **_: Any) -> dict[str, Any]:
+        await asyncio.sleep(0)  # a real await: concurrent applies interleave as they would
+        if body["kind"] in self.refuse:
+            raise self.refuse[body["kind"]]
+        self.applied.append(copy.deepcopy(dict(body)))
+        self.objects[(body["kind"], body["metadata"]["name"])] = copy.deepcopy(dict(body))
+        return dict(body)
+
+    async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any] | None:
+        self.statuses.append((obj["kind"], obj["metadata"]["name"], copy.deepcopy(dict(status))))
+        return {**obj, "status": dict(status)}
+
+    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.objects.get((kind, name)))
+
+    async def create(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        key = (body["kind"], body["metadata"]["name"])
+        if key in self.objects:
+            return None
+        self.created.append(copy.deepcopy(dict(body)))
+        self.objects[key] = copy.deepcopy(dict(body))
+        return dict(body)
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        self.deleted.append((kind, name))
+        return self.objects.pop((kind, name), None) is not None
+
+    def kinds_applied(self) -> list[str]:
+        return [b["kind"] for b in self.applied]
+
+
+@pytest.fixture()
+def api(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
+    fake = FakeKube()
+    monkeypatch.setattr(kube, "api", lambda: fake)
+    yield fake
+    rebalancer.forget(NS, "j")
+
+
+def posted() -> asyncio.Queue:
+    """kopf's event poster pointed at a queue in this task's context (what the operator's poster drains)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    posting.settings_var.set(kopf.OperatorSettings())
+    posting.event_queue_var.set(queue)
+    posting.event_queue_loop_var.set(asyncio.get_running_loop())
+    return queue
+
+
+def drain(queue: asyncio.Queue) -> list[Any]:
+    out = []
+    while not queue.empty():
+        out.append(queue.get_nowait())
+    return out
+
+
+def rljob(name: str = "j", groups: tuple[str, ...] = ("a", "b"), **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": API,
+        "kind": "RLJob",
+        "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
+        "spec": {
+            "model": {"name": "m", "path": "/m"},
+            "samplerGroups": [{"name": g, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16"} for g in groups],
+            "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
+            **spec,
+        },
+    }
+
+
+def samplergroup(name: str, job: dict[str, Any] | None = None, status: dict[str, Any] | None = None,
+                 **meta: Any) -> dict[str, Any]:  # fmt: skip
+    """A SamplerGroup as the job's builder makes it (owned by `job` when given)."""
+    spec = {"name": name, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16",
+            "model": {"name": "m", "path": "/m"}}  # fmt: skip
+    metadata: dict[str, Any] = {"name": f"j-{name}", "namespace": NS, "uid": f"uid-sg-{name}", "generation": 1, **meta}
+    if job is not None:
+        spec |= {"jobName": job["metadata"]["name"], "weightChannel": "j-weights"}
+        metadata["ownerReferences"] = [{"apiVersion": API, "kind": "RLJob", "name": job["metadata"]["name"],
+                                        "uid": job["metadata"]["uid"], "controller": True}]  # fmt: skip
+    return {"apiVersion": API, "kind": "SamplerGroup", "metadata": metadata, "spec": spec, "status": status or {}}
+
+
+def weightchannel(path: str = "/w") -> dict[str, Any]:
+    return {"apiVersion": API, "kind": "WeightChannel",
+            "metadata": {"name": "j-weights", "namespace": NS, "uid": "uid-wc", "generation": 1},
+            "spec": {"jobName": "j", "store": {"type": "filesystem", "path": path}}}  # fmt: skip
+
+
+def indexes(*objects: dict[str, Any]) -> dict[str, dict]:
+    """The handlers' index kwargs (named as kopf passes them) holding `objects`."""
+    idx: dict[str, dict] = {name: {} for name in (
+        "rljobs_idx", "samplergroups_idx", "samplergroups_by_job_idx", "weightchannels_idx",
+        "sampler_deployments_idx", "trainers_idx", "pods_idx", "mount_failures_idx")}  # fmt: skip
+    for obj in objects:
+        key = (obj["metadata"].get("namespace", NS), obj["metadata"]["name"])
+        kind = obj["kind"]
+        if kind == "RLJob":
+            idx["rljobs_idx"][key] = [obj]
+        elif kind == "WeightChannel":
+            idx["weightchannels_idx"][key] = [obj]
+        elif kind == "SamplerGroup":
+            idx["samplergroups_idx"][key] = [obj]
+            if obj["spec"].get("jobName"):
+                idx["samplergroups_by_job_idx"].setdefault((NS, obj["spec"]["jobName"]), []).append(obj)
+        elif kind == "Deployment":
+            idx["sampler_deployments_idx"][key] = [obj]
+    return idx
+
+
+# --- the RLJob pipeline ----------------------------------------------------------------------------------
+
+
+async def test_reconcile_job_applies_children_in_order_creates_the_secret_and_deletes_removed_groups(
+    api: FakeKube,
+) -> None:
+    events = posted()
+    job = rljob(groups=("a", "b"))
+    removed = samplergroup("old", job)  # owned, no longer in the spec: deleted
+    foreign = samplergroup("x", {**job, "metadata": {**job["metadata"], "uid": "another-job"}})  # kept
+    api.objects.update({("SamplerGroup", "j-old"): removed, ("SamplerGroup", "j-x"): foreign})
+    view = handlers.View.of(indexes(job, removed, foreign))
+
+    await handlers.reconcile_job(copy.deepcopy(job), NS, view)
+
+    kinds = api.kinds_applied()
+    assert sorted(kinds[:6]) == sorted(["ConfigMap", "WeightChannel", "Service", "StatefulSet", "Service", "Deployment"])
+    assert kinds[6:] == ["SamplerGroup", "SamplerGroup"]  # the groups only once the trainer was applied
+    assert {b["metadata"]["name"] for b in api.applied[6:]} == {"j-a", "j-b"}
+    assert all(b["metadata"]["ownerReferences"][0]["uid"] == "uid-j" for b in api.applied)
+    assert [(b["kind"], b["metadata"]["name"]) for b in api.created] == [("Secret", "j-router-admin")]
+    assert api.deleted == [("SamplerGroup", "j-old")]
+    assert [e.reason for e in drain(events)] == ["GroupRemoved", "PhasePending"]
+    ((kind, name, status),) = api.statuses
+    assert (kind, name, status["phase"]) == ("RLJob", "j", "Pending")
+
+    secret = api.objects[("Secret", "j-router-admin")]
+    await handlers.reconcile_job(copy.deepcopy(job), NS, view)
+    assert api.objects[("Secret", "j-router-admin")] == secret and len(api.created) == 1  # never replaced
+
+
+async def test_an_invalid_rljob_ends_in_a_failed_status_and_a_warning(api: FakeKube) -> None:
+    events = posted()
+    job = rljob()
+    job["spec"]["samplerGroups"][1]["name"] = "a"  # two groups of one name: two SamplerGroups j-a
+    with pytest.raises(kopf.PermanentError, match="invalid RLJob"):
+        await handlers.reconcile_job(copy.deepcopy(job), NS, handlers.View.of(indexes(job)))
+    assert api.applied == [] and api.created == []
+    ((_, _, status),) = api.statuses
+    assert status["phase"] == "Failed" and status["message"].startswith("invalid RLJob")
+    assert [(e.type, e.reason) for e in drain(events)] == [("Warning", "InvalidSpec"), ("Warning", "PhaseFailed")]
+
+
+async def test_a_child_the_api_server_refuses_stops_the_job_with_the_api_s_reason(api: FakeKube) -> None:
+    posted()
+    job = rljob()
+    api.refuse["SamplerGroup"] = kube.KubeError(422, 'SamplerGroup "j-a" is invalid: spec.accelerator', "Invalid")
+    with pytest.raises(kopf.PermanentError, match="the API server refused a child"):
+        await handlers.reconcile_job(copy.deepcopy(job), NS, handlers.View.of(indexes(job)))
+    ((_, _, status),) = api.statuses
+    assert status["phase"] == "Failed" and 'SamplerGroup "j-a" is invalid' in status["message"]
+
+
+async def test_a_transient_api_error_is_retried_by_kopf_not_reported_as_invalid(api: FakeKube) -> None:
+    posted()
+    job = rljob()
+    api.refuse["ConfigMap"] = kube.KubeError(503, "etcd leader changed", "ServiceUnavailable")
+    body = kopf.Body(copy.deepcopy(job))
+    with pytest.raises(kopf.TemporaryError) as retried:
+        await handlers.reconcile_rljob(body=body, namespace=NS, **indexes(job))
+    assert retried.value.delay == 2 and api.statuses == []
+
+
+async def test_a_group_of_the_spec_deleted_by_someone_else_is_applied_again_by_the_job_pipeline(
+    api: FakeKube,
+) -> None:
+    posted()
+    job = rljob(groups=("a",))
+    for deleted, applied in ((samplergroup("a", job), True), (samplergroup("old", job), False)):
+        api.applied.clear()
+        await handlers.samplergroup_event(body=kopf.Body(deleted), name=deleted["metadata"]["name"], namespace=NS,
+                                          type="DELETED", **indexes(job))  # fmt: skip
+        names = {b["metadata"]["name"] for b in api.applied if b["kind"] == "SamplerGroup"}
+        assert names == ({"j-a"} if applied else set()), deleted["metadata"]["name"]
+
+
+# --- the SamplerGroup pipeline ---------------------------------------------------------------------------
+
+
+async def test_reconcile_group_takes_the_store_from_the_index_or_the_api(api: FakeKube, tmp_path: Path) -> None:
+    posted()
+    job = rljob()
+    sg = samplergroup("a", job)
+    wc = weightchannel(str(tmp_path))
+    await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(job, sg, wc)))
+    assert api.kinds_applied() == ["Service", "Deployment"]
+    deployment = api.applied[1]
+    sync = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "weight-sync")
+    assert sync["args"][sync["args"].index("--store") + 1] == str(tmp_path)
+
+    api.applied.clear()
+    api.objects[("WeightChannel", "j-weights")] = wc  # not in the index yet: read from the API
+    await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(job, sg)))
+    assert api.kinds_applied() == ["Service", "Deployment"]
+
+    api.applied.clear()
+    del api.objects[("WeightChannel", "j-weights")]
+    with pytest.raises(kopf.TemporaryError, match="WeightChannel j-weights not found yet"):
+        await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(job, sg)))
+    assert api.applied == []
+
+
+async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_group_pipeline(
+    api: FakeKube, tmp_path: Path
+) -> None:
+    posted()
+    job = rljob()
+    sg = samplergroup("a", job)
+    gone = {"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "j-a", "namespace": NS, "labels": {"rlfleet.dev/samplergroup": "j-a"}}}  # fmt: skip
+    idx = indexes(job, sg, weightchannel(str(tmp_path)))
+    await handlers.sampler_deployment_event(body=kopf.Body(gone), namespace=NS, type="DELETED", **idx)
+    assert api.kinds_applied() == ["Service", "Deployment"]
+    assert api.applied[1]["metadata"]["ownerReferences"][0]["uid"] == "uid-sg-a"
+    assert [k for k, _, _ in api.statuses] == ["SamplerGroup"]
+
+    api.applied.clear()
+    deleting = samplergroup("a", job, deletionTimestamp="2026-01-01T00:00:00Z")  # the group itself is going
+    idx = indexes(job, deleting, weightchannel(str(tmp_path)))
+    await handlers.sampler_deployment_event(body=kopf.Body(gone), namespace=NS, type="DELETED", **idx)
+    modified = {**gone, "status": {"readyReplicas": 1}}
+    await handlers.sampler_deployment_event(body=kopf.Body(modified), namespace=NS, type="MODIFIED",
+                                            **indexes(job, sg, weightchannel(str(tmp_path))))  # fmt: skip
+    assert api.applied == []  # neither a deleting group nor a Deployment that only changed is re-applied
+
+
+# --- the one status writer -------------------------------------------------------------------------------
+
+
+def current_status(sg: dict[str, Any]) -> dict[str, Any]:
+    """What the group's pipeline computes for `sg` with nothing else observed."""
+    return st.samplergroup_status(sg, None, get_catalog(), None, pods=[], rebalance=None, quarantine=None)
+
+
+async def test_a_status_differing_only_in_one_condition_is_written_and_an_equal_one_is_not(api: FakeKube) -> None:
+    """Kills the mutant of the change gate that never compares conditions (in `status.status_changed`,
+    the `if key == "conditions"` branch not returning True, or comparing only condition types): then the
+    second refresh below writes nothing and the group keeps saying the old reason."""
+    posted()
+    sg = samplergroup("a")
+    sg["status"] = current_status(sg)
+    view = handlers.View.of(indexes(sg))
+    await handlers.refresh_samplergroup_status(NS, "j-a", view)
+    assert api.statuses == []  # nothing changed: no write
+
+    stale = copy.deepcopy(sg)
+    ready = next(c for c in stale["status"]["conditions"] if c["type"] == "Ready")
+    ready["message"], ready["reason"] = "0/1 replicas ready (before)", "Starting"  # the only difference
+    await handlers.refresh_samplergroup_status(NS, "j-a", handlers.View.of(indexes(stale)))
+    ((kind, name, written),) = api.statuses
+    assert (kind, name) == ("SamplerGroup", "j-a")
+    assert next(c for c in written["conditions"] if c["type"] == "Ready") == next(
+        c for c in sg["status"]["conditions"] if c["type"] == "Ready"
+    )
+
+
+# --- the rebalancer after a restart ----------------------------------------------------------------------
+
+
+def with_history(name: str, job: dict[str, Any], history: list[tuple[float, float]], tps: float) -> dict[str, Any]:
+    shares = [{"time": f"2026-01-01T00:0{i}:00Z", "from": a, "to": b, "reason": "throughput"}
+              for i, (a, b) in enumerate(history)]  # fmt: skip
+    status = {"share": history[-1][1], "tokensPerSecond": tps, "shareHistory": shares, "readyReplicas": 1}
+    return samplergroup(name, job, status)
+
+
+async def test_after_a_restart_shares_continue_from_the_newest_history_entry(api: FakeKube) -> None:
+    """Kills the mutant that seeds each group's last recorded share from the OLDEST history entry
+    (`history[0]["to"]` for `history[-1]["to"]` in `rebalancer.seed_state`): then the first move after the
+    restart is recorded (history, ShareChanged Event) as starting from 0.6 / 0.4 instead of 0.65 / 0.35."""
+    events = posted()
+    job = rljob(groups=("a", "b"))
+    groups = [with_history("a", job, [(0.5, 0.6), (0.6, 0.65)], tps=300.0),
+              with_history("b", job, [(0.5, 0.4), (0.4, 0.35)], tps=100.0)]  # fmt: skip
+
+    def no_pods(component: str, owner: str) -> list[dict[str, Any]]:
+        return []
+
+    assert await rebalancer.rebalance_job(job, NS, groups, no_pods, now=1000.0) is None  # seeds, moves nothing
+    result = await rebalancer.rebalance_job(job, NS, groups, no_pods, now=1030.0)  # one interval later
+    assert result is not None
+    # throughput 300 : 100 with the 0.02 floor -> 0.74 / 0.26, within the bounded change of 0.1 from 0.65 / 0.35
+    assert result.shares == pytest.approx({"a": 0.74, "b": 0.26})
+    assert [(h["from"], h["to"]) for h in result.groups["a"].history] == [(0.5, 0.6), (0.6, 0.65), (0.65, 0.74)]
+    assert [(h["from"], h["to"]) for h in result.groups["b"].history] == [(0.5, 0.4), (0.4, 0.35), (0.35, 0.26)]
+    messages = sorted(e.message for e in drain(events) if e.reason == "ShareChanged")
+    assert [m.split(" (")[0] for m in messages] == ["a: share 0.650 -> 0.740", "b: share 0.350 -> 0.260"]
+    assert api.applied == [] and api.statuses == []  # the rebalancer writes nothing to the API
+
+
+# --- runtime state per object ----------------------------------------------------------------------------
+
+
+async def test_the_rebalancer_memory_of_a_deleted_job_is_dropped(api: FakeKube) -> None:
+    posted()
+    job = rljob(groups=("a",))
+    groups = [with_history("a", job, [(0.0, 1.0)], tps=100.0)]
+    await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1000.0)
+    assert await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1030.0) is not None
+    assert rebalancer.observed(job).result is not None
+
+    await handlers.rljob_event(name="j", namespace=NS, type="MODIFIED", body=kopf.Body(job))
+    assert rebalancer.observed(job).result is not None  # only a deletion forgets
+    await handlers.rljob_event(name="j", namespace=NS, type="DELETED", body=kopf.Body(job))
+    assert rebalancer.observed(job).result is None and not [k for k in rebalancer._JOBS if k[:2] == (NS, "j")]
+
+
+async def test_locks_exist_only_while_a_pipeline_runs(api: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    posted()
+    sg = samplergroup("a")
+    view = handlers.View.of(indexes(sg))
+    running = asyncio.Event()
+    release = asyncio.Event()
+    writes = 0
+    real = handlers._write_status
+
+    async def slow_write(obj: dict[str, Any], desired: dict[str, Any], kind: str) -> bool:
+        nonlocal writes
+        writes += 1
+        running.set()
+        await release.wait()
+        return await real(obj, desired, kind)
+
+    monkeypatch.setattr(handlers, "_write_status", slow_write)
+    burst = [asyncio.create_task(handlers.refresh_samplergroup_status(NS, "j-a", view)) for _ in range(5)]
+    def mine(keys: Any) -> list[Any]:  # (other tests may have run an operator in this process)
+        return [k for k in keys if k[1:] == ("SamplerGroup", NS, "j-a")]
+
+    await running.wait()
+    assert len(mine(handlers._locks)) == 1  # held by the one in flight, waited for by one queued
+    release.set()
+    await asyncio.gather(*burst)
+    assert writes == 2  # a burst of five: one in flight + one queued, the rest coalesced
+    assert mine(handlers._locks) == mine(handlers._lock_users) == mine(handlers._queued) == []
+
+
+async def test_a_deleted_channel_leaves_no_timer_state(api: FakeKube, tmp_path: Path) -> None:
+    posted()
+    wc = weightchannel(str(tmp_path))
+    idx = indexes(wc)
+    await handlers.weightchannel_timer(name="j-weights", namespace=NS, body=kopf.Body(wc), **idx)
+    def read_times() -> list[tuple[str, str]]:  # (other tests may have run an operator in this process)
+        return [k[1:] for k in handlers._channel_read if k[1:] == (NS, "j-weights")]
+
+    assert read_times() == [(NS, "j-weights")]  # the store was read: remembered
+    assert [k for k, _, _ in api.statuses] == ["WeightChannel"]
+    handlers._removal_failing.add((NS, "j-weights"))  # a streak of refused deletes in progress
+
+    await handlers.weightchannel_event(body=kopf.Body(wc), name="j-weights", namespace=NS, type="DELETED", **idx)
+    assert read_times() == [] and (NS, "j-weights") not in handlers._removal_failing
