@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from rlfleet.retries import ROUTER_MAX_ATTEMPTS
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
@@ -58,8 +60,9 @@ class RouterConfig(_Model):
     request_timeout_seconds: float | None = Field(default=None, gt=0.0)
     max_connections_per_replica: int = Field(default=256, ge=1)
     upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
-    # Attempts per request across replicas and groups before answering 503.
-    max_attempts: int = Field(default=8, ge=1)
+    # Upstream posts per request across replicas and groups (each replica once) before answering 503:
+    # the router's part of the one retry policy of a turn (rlfleet/retries.py).
+    max_attempts: int = Field(default=ROUTER_MAX_ATTEMPTS, ge=1)
     # Inside a group, keep a session on its own replica (prefix cache) unless that replica has more
     # than `loadSlack` requests in flight above the least loaded one.
     load_slack: int = Field(default=2, ge=0)

@@ -11,8 +11,11 @@ Usage (inside a running event loop):
 Failure semantics (why no request is lost): a refused/dropped/timed-out connection or an HTTP
 502/503/504 from a replica is a replica failure; the request is retried on the next replica of the
 same group, and when the group has none left, on the session's next group in its rendezvous order
-(the session re-sticks there until its group is back). /generate is safe to repeat: sampling has
-no side effects. Other statuses (400, 500, ...) are the request's own outcome and pass through.
+(the session re-sticks there until its group is back), each replica at most once and at most
+`maxAttempts` posts per request. Retrying across replicas is the router's alone: the client retries
+the router's 503 only after a backoff, and the driver none (rlfleet/retries.py, the one policy of a
+turn). /generate is safe to repeat: sampling has no side effects. Other statuses (400, 500, ...) are
+the request's own outcome and pass through.
 
 Minimum weight version (header `X-Min-Weight-Version`): replicas known to serve an older version
 are skipped; a response whose meta_info reports an older version is discarded and retried; when no
@@ -32,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rlfleet.retries import REPLICA_FAILURE_STATUSES
 from rlfleet.router import hashing, meta
 from rlfleet.router.config import RouterConfig
 from rlfleet.router.metrics import RouterMetrics
@@ -40,7 +44,6 @@ from rlfleet.router.transport import StreamingResponse, Transport, UpstreamError
 
 log = logging.getLogger("rlfleet.router")
 
-RETRYABLE_STATUSES = frozenset({502, 503, 504})
 HEADER_GROUP = "X-RLFleet-Group"
 HEADER_REPLICA = "X-RLFleet-Replica"
 HEADER_VERSION = "X-RLFleet-Weight-Version"
@@ -173,7 +176,7 @@ class Router:
                     continue
                 # 409 is a version conflict only when the request asked for a version; otherwise
                 # it is the request's own answer and passes through.
-                if status in RETRYABLE_STATUSES or (status == 409 and min_version is not None):
+                if status in REPLICA_FAILURE_STATUSES or (status == 409 and min_version is not None):
                     if stream:
                         await opened.release()
                     replica.inflight -= 1

@@ -1,28 +1,32 @@
-"""Async SGLang client: one `/generate` call -> one validated `SampledTurn`, with a stated retry policy.
+"""Async SGLang client: one `/generate` call -> one validated `SampledTurn`.
 
-Retry policy (SGLang 0.5.23's answers, srt/entrypoints/http_server.py + scheduler aborts; every
-outcome is counted in `ClientStats`; docs/sampler.md):
+What it retries, how often and how long it waits is the client's part of the one retry policy of a
+turn (`rlfleet/retries.py`, docs/architecture.md "Retries"): the router unavailable (or, talking to a
+replica directly, its queue full), the weight version lagging, the sampling-mask cap, the sampling
+backend; retrying across replicas is the router's, never the client's. Per status (SGLang 0.5.23's
+answers, srt/entrypoints/http_server.py + scheduler aborts; every outcome is counted in `ClientStats`):
 - 200: parsed and validated; invalid tokens are flagged in the turn (`valid`, `invalid_reasons`) and
   counted, never dropped silently and never raised. A 200 with `finish_reason {type: abort}` and no
   status (e.g. `abort_all_requests` on a weight reload) is a turn: its tokens are real samples. An
   unreadable body fails the turn (`malformed_response`), final.
 - 400 "return_sampling_mask requires top_k=1 ... top_k <= CAP" (support mode): the server's
-  --sampling-mask-max-tokens is learnt from the message and the request is resent once with top_k = CAP.
+  --sampling-mask-max-tokens is learnt from the message and the request is resent with top_k = CAP.
 - 400 "Sampling support exceeds --sampling-mask-max-tokens=CAP" (ties at the cutoff grew the kept set
-  past the cap mid-request): resent with top_k halved (and <= CAP), at most `max_shrink_retries` times,
-  never below `min_top_k`.
+  past the cap mid-request): resent with top_k halved (and <= CAP), never below `min_top_k`.
+  Both 400 resends count against `max_shrink_retries`, then `bad_request`.
 - any other 400 (SGLang's contract gate, a ValueError such as "sampling_logprobs_mode can only be set
   when return_sampling_mask=true", request validation) fails the turn at once (`bad_request`): a
   malformed request does not heal by repetition.
 - 500 (ErrorResponse: "The sampling backend selected a token outside its captured sampling support",
-  or no captured support): resent `max_server_error_retries` (1) times, then `server_error`.
-- 503 (queue full, retracted under memory pressure, timeout aborts), 502/504 (a proxy), timeouts and
-  connection loss: exponential backoff with jitter (`backoff_initial_s` doubling to `backoff_max_s`,
-  x U(0.5, 1)), at most `max_transport_retries` (3) times, then `unavailable`.
+  or no captured support): resent `max_server_error_retries` times, then `server_error`.
+- 503 (the router: nothing could serve; SGLang: queue full, retracted under memory pressure, timeout
+  aborts), 502/504 (a proxy), timeouts and connection loss: exponential backoff with jitter, at most
+  `max_transport_retries` times, then `unavailable`.
 - 409 (our router / reference server: no replica serves `X-Min-Weight-Version` yet): wait Retry-After
   (capped at `version_wait_cap_s`) and retry, up to `max_version_retries` (`version_conflict`).
 - any other status fails the turn (`http_<status>`), final.
-A failed turn raises `TurnFailed(reason, ...)`; the caller decides (the rollout drops the group).
+A failed turn raises `TurnFailed(reason, ...)`; the caller does not retry it (the rollout driver drops
+the group).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 import httpx
 
 from rlfleet.records import SUPPORT_MODE, SampledTurn
+from rlfleet.retries import UNAVAILABLE_STATUSES, ClientRetryPolicy
 from rlfleet.sampler.protocol import (
     ProtocolError,
     SamplingConfig,
@@ -52,19 +57,6 @@ SESSION_HEADER = "X-Session-Id"  # our router's session affinity key (also X-SMG
 MIN_VERSION_HEADER = "X-Min-Weight-Version"
 GROUP_HEADER = "X-RLFleet-Group"
 REPLICA_HEADER = "X-RLFleet-Replica"
-TRANSPORT_RETRY_STATUSES = frozenset({502, 503, 504})
-
-
-@dataclass
-class RetryPolicy:
-    max_transport_retries: int = 3
-    backoff_initial_s: float = 0.2
-    backoff_max_s: float = 2.0
-    max_server_error_retries: int = 1
-    max_shrink_retries: int = 2
-    min_top_k: int = 64
-    max_version_retries: int = 20
-    version_wait_cap_s: float = 2.0
 
 
 @dataclass
@@ -109,7 +101,7 @@ class SamplerClient:
         group: str = "",
         replica: str = "",
         timeout_s: float = 120.0,
-        policy: RetryPolicy | None = None,
+        policy: ClientRetryPolicy | None = None,
         vocab_size: int | None = None,
         mask_cap: int | None = None,
         http: httpx.AsyncClient | None = None,
@@ -118,7 +110,7 @@ class SamplerClient:
         self.base_url = base_url.rstrip("/")
         self.group = group
         self.replica = replica or self.base_url
-        self.policy = policy or RetryPolicy()
+        self.policy = policy or ClientRetryPolicy()
         self.vocab_size = vocab_size
         self.mask_cap = mask_cap  # server's --sampling-mask-max-tokens when known
         self.stats = ClientStats()
@@ -189,7 +181,7 @@ class SamplerClient:
             if status == 200:
                 return self._accept(resp, ids, cfg, attempts)
             message = _message_of(resp)
-            if status in TRANSPORT_RETRY_STATUSES:
+            if status in UNAVAILABLE_STATUSES:
                 transport_tries += 1
                 if transport_tries > p.max_transport_retries:
                     raise self._fail("unavailable", message, status, attempts)

@@ -13,6 +13,11 @@ Invariants the tests pin:
 - a prompt group reaches the buffer once, complete, or not at all (failures are counted);
 - the ids sent for turn k+1 equal the prompt + all sampled ids + all environment ids so far.
 
+Failures: the driver retries nothing. The generate function (the sampler client) has already retried
+what can heal, each concern once and bounded (rlfleet/retries.py: the router across replicas, the
+client the router's unavailability, a lagging weight version, the mask cap); a turn it gives up on
+drops its prompt group, which is counted (`failed_groups`, `generate_errors`).
+
 Backpressure: at most `max_ahead_prompts` prompt groups are in flight or buffered. Staleness is
 unbounded by default; `max_staleness` is enforced where the trainer takes a batch (stale groups are
 dropped and counted), because only the trainer knows its version at training time.
@@ -207,7 +212,6 @@ class RolloutDriver:
         max_seq_len: int,
         start_position: int = 0,
         max_ahead_prompts: int = 8,
-        max_retries: int = 2,
         buffer: RolloutBuffer | None = None,
     ) -> None:
         self.generate = generate
@@ -218,7 +222,6 @@ class RolloutDriver:
         self.max_seq_len = max_seq_len
         self.next_position = start_position  # data position: next prompt index never dispatched
         self.max_ahead_prompts = max_ahead_prompts
-        self.max_retries = max_retries
         self.buffer = buffer or RolloutBuffer()
         self.stats = DriverStats()
         self._in_flight = 0
@@ -237,7 +240,7 @@ class RolloutDriver:
             if budget <= 0:
                 break
             params = {**self.sampling, "max_new_tokens": budget, "stop_token_ids": stop_ids}
-            turn = await self._generate_with_retry(rollout.uid, episode.ids, params)
+            turn = await self._generate(rollout.uid, episode.ids, params)
             if episode.add_turn(turn):
                 break
         episode.score()  # exactly once, here, whatever ended the episode
@@ -245,23 +248,18 @@ class RolloutDriver:
         rollout.finished_at = time.monotonic()
         return rollout
 
-    async def _generate_with_retry(self, session: str, ids: list[int], params: dict[str, Any]) -> SampledTurn:
-        for attempt in range(self.max_retries + 1):
-            t0 = time.monotonic()
-            try:
-                turn = await self.generate(session, list(ids), params)
-                self.stats.generate_seconds += time.monotonic() - t0
-                self.stats.sampled_tokens += turn.num_tokens
-                return turn
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # connection loss, timeouts, HTTP errors: retry then fail the group
-                self.stats.generate_errors += 1
-                if attempt == self.max_retries:
-                    raise
-                log.warning("generate %s failed (%s), retry %d", session, exc, attempt + 1)
-                await asyncio.sleep(0.2 * (attempt + 1))
-        raise AssertionError("unreachable")
+    async def _generate(self, session: str, ids: list[int], params: dict[str, Any]) -> SampledTurn:
+        """One turn, not retried here: the generate function owns its retries (rlfleet/retries.py);
+        an error fails the episode and so the prompt group (`run_group`)."""
+        t0 = time.monotonic()
+        try:
+            turn = await self.generate(session, list(ids), params)
+        except Exception:  # not CancelledError (a BaseException): a stopped driver is no error
+            self.stats.generate_errors += 1
+            raise
+        self.stats.generate_seconds += time.monotonic() - t0
+        self.stats.sampled_tokens += turn.num_tokens
+        return turn
 
     async def run_group(self, prompt: Prompt) -> PromptGroup | None:
         try:

@@ -12,8 +12,9 @@ import pytest
 from aiohttp import web
 
 from rlfleet import records as rec
+from rlfleet.retries import ClientRetryPolicy
 from rlfleet.sampler import protocol as proto
-from rlfleet.sampler.client import RetryPolicy, SamplerClient, TurnFailed
+from rlfleet.sampler.client import SamplerClient, TurnFailed
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -209,7 +210,7 @@ class ReplayServer:
         await self.runner.cleanup()
 
 
-FAST = RetryPolicy(backoff_initial_s=0.001, backoff_max_s=0.002, version_wait_cap_s=0.01)
+FAST = ClientRetryPolicy(backoff_initial_s=0.001, backoff_max_s=0.002, version_wait_cap_s=0.01)
 SUPPORT_PARAMS = {"temperature": 0.8, "top_p": 0.9, "top_k": 64, "max_new_tokens": 3, "stop_token_ids": [3]}
 
 

@@ -1,0 +1,77 @@
+"""The retry policy of one rollout turn: one owner per concern, stated here and nowhere else.
+
+One turn is one call of the sampler client by the rollout driver (`trainer/rollout.py`): the client
+posts `/generate` to the router (`sampler/client.py`), the router forwards it to a sampler replica
+(`router/core.py`). Each kind of failure has ONE owner, the layer that can act on it, and no layer
+re-retries what the layer below it has already bounded (docs/architecture.md, "Retries"):
+
+| concern | owner | attempts | wait |
+| --- | --- | --- | --- |
+| a replica fails: its connection is refused, dropped or times out, it answers 502/503/504, or (under `X-Min-Weight-Version`) 409 or an answer from an older version | router | the next replica of the group, then of the session's next group; each replica at most once, at most `ROUTER_MAX_ATTEMPTS` upstream posts per request (`maxAttempts`) | none |
+| the router is unavailable: connection refused, dropped or timed out, 502/504 from a proxy, the router's own 503 (it tried every replica it may, or none can take traffic) | client | `max_transport_retries` | exponential backoff with jitter |
+| the weight version lags: 409 (no replica of the session's group serves `X-Min-Weight-Version` yet) | client | `max_version_retries` | `Retry-After`, capped |
+| the sampling-mask cap: a 400 naming `--sampling-mask-max-tokens` | client | `max_shrink_retries`, with a smaller top_k | none |
+| the sampling backend: 500 | client | `max_server_error_retries` | none |
+| anything else (other 4xx, an unreadable 200) | nobody | final | |
+| a failed turn (`TurnFailed`, or any error of the generate function) | driver | none: the prompt group is dropped and counted | |
+
+Talking to a replica directly (no router: tests, benchmarks), the client's rule for 503 is the same
+(SGLang answers 503 when its queue is full).
+
+The bound that follows (`turn_upstream_posts`): a turn makes at most `ClientRetryPolicy.max_posts`
+(27) posts to the router, and each costs at most min(`maxAttempts`, replicas) upstream posts, so at
+most 27 x 8 = 216 upstream posts for the worst mix of failures, and (1 + 3) x 8 = 32 when every
+replica fails. Until issue 26 the driver re-retried a failed turn twice more: 3 x 27 x 8 = 648.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Router: per request, across the replicas of the session's group and then of its next groups.
+ROUTER_MAX_ATTEMPTS = 8
+# A replica answering one of these failed (the router tries the next one); SGLang: 503 = queue full,
+# retracted or timed out; 502/504 = a proxy in front of it.
+REPLICA_FAILURE_STATUSES = frozenset({502, 503, 504})
+# The endpoint the client talks to (the router, or one replica) is unavailable: back off and retry.
+UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+
+
+@dataclass(frozen=True)
+class ClientRetryPolicy:
+    """What the sampler client retries for one turn, per concern (the table above)."""
+
+    max_transport_retries: int = 3  # router unavailable (or a replica's queue full, talking to it directly)
+    backoff_initial_s: float = 0.2  # ... waiting backoff_initial_s * 2^(n-1), capped, x U(0.5, 1)
+    backoff_max_s: float = 2.0
+    max_version_retries: int = 20  # weight version lag (409), waiting Retry-After
+    version_wait_cap_s: float = 2.0  # ... capped at this
+    max_shrink_retries: int = 2  # sampling-mask cap (400), each with a smaller top_k
+    min_top_k: int = 64  # ... never below this
+    max_server_error_retries: int = 1  # sampling backend error (500)
+
+    @property
+    def max_posts(self) -> int:
+        """The most posts of one turn: the first, plus every retry of every concern."""
+        return (
+            1
+            + self.max_transport_retries
+            + self.max_version_retries
+            + self.max_shrink_retries
+            + self.max_server_error_retries
+        )
+
+
+def turn_upstream_posts(
+    policy: ClientRetryPolicy,
+    replicas: int,
+    max_attempts: int = ROUTER_MAX_ATTEMPTS,
+    *,
+    every_replica_fails: bool,
+) -> int:
+    """The most upstream posts (router -> replicas) one turn can cause, with `replicas` replicas that
+    may take the session (its group and the fallback groups). `every_replica_fails`: every replica
+    answers a replica failure (only the transport retries repeat); else the worst mix of failures."""
+    per_router_request = min(max_attempts, replicas)
+    client_posts = 1 + policy.max_transport_retries if every_replica_fails else policy.max_posts
+    return client_posts * per_router_request
