@@ -6,8 +6,8 @@ homogeneous fleet (all B200 BF16) and on a mixed fleet with every precision of e
 (NVFP4 / FP8 / BF16 groups, one fp8 KV cache, a different kernel per GPU class).
 
 How it runs (stated because it differs from local mode): in ONE process, without HTTP, with the
-in-process emulated sampler engines of experiments/emulated.py (same weight formats via
-`precision_view`, same SGLang sampling code as the reference server), and deterministic
+in-process emulated samplers of experiments/emulated.py (the reference server's engine itself, serving
+the views the channel publishes, driven without HTTP), and deterministic
 asynchrony: the samplers always serve the weights of `lag` steps ago (a fully asynchronous run on a
 real fleet sees a spread of staleness; a fixed lag makes the arms comparable and the run seeded).
 Kernels: bf16 activations with a per-GPU-class split-K reduction order, as the reference server
@@ -158,17 +158,17 @@ class LockstepRollouts:
         pass
 
     def take(self, n: int, timeout: float, stop: object = None) -> list:
-        from rlfleet.numerics.engine_model import precision_view
+        from rlfleet.numerics.views import view_weights
         from rlfleet.router.hashing import pick
         from rlfleet.trainer.rollout import Episode, PromptGroup, Rollout, turn_stop_ids
-        from rlfleet_experiments.emulated import VIEW_FORMATS, Request
+        from rlfleet_experiments.emulated import Request
 
         cfg, env = self.cfg, self.env
         step = self.sink.latest_version() or 0  # the trainer's version = steps done
         version = max(0, step - cfg.lag)
         if version != self.serving:
             snapshot = self.sink.snapshots[version]
-            views = {fmt: scaled_view(snapshot, precision_view(snapshot, VIEW_FORMATS[fmt]), fmt,
+            views = {fmt: scaled_view(snapshot, view_weights(snapshot, fmt), fmt,
                                       cfg.precision_error_scale) for fmt in {g[2] for g in self.groups}}
             for (name, _, fmt, _) in self.groups:
                 self.samplers[name].load_weights(snapshot, version, view=views[fmt])
@@ -204,7 +204,7 @@ class LockstepRollouts:
 
 
 def scaled_view(weights: dict, view: dict, weight_format: str, scale: float) -> dict:
-    """`view` (the `precision_view` of `weights` in `weight_format`) with the quantised tensors'
+    """`view` (`view_weights`: the published view of `weights` in `weight_format`) with the quantised tensors'
     rounding error times `scale`: weights + scale * (view - weights) where the format quantises
     (`is_quantizable`: the projections of an fp8 / nvfp4 / mxfp4 view), the view elsewhere; `view` itself at scale 1
     and for bf16. A lever of the ablation, not a format any GPU runs: the rounding error keeps its own
@@ -258,7 +258,8 @@ def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str
     model_cfg = ModelShape.from_checkpoint(model_dir)
     return {
         name: EmulatedSampler(name, fmt, kv, model_cfg, seed=cfg.seed + i,
-                              kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)))
+                              kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)),
+                              max_running_requests=cfg.prompts * cfg.samples)
         for i, (name, acc, fmt, kv) in enumerate(FLEETS[fleet])
     }
 

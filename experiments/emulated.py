@@ -1,17 +1,20 @@
-"""In-process emulated samplers (no HTTP) for the ablation and the loop's unit tests.
+"""In-process emulated samplers (no HTTP) for the ablation and the research scripts.
 
 Local mode (`rlfleet run --local`) never uses this: it starts the real reference sampler servers.
 The ablation runs 12 arms x tens of steps on 2 cores and uses this path for speed (documented in
-docs/ablation.md). The emulation is the same as the reference server's: the reference engine's Qwen3
-(rlfleet/numerics/engine_model.py, held against transformers) with the group's weight format applied by
-`precision_view` (projections fake-quantised, the rest bf16), a bf16
-kernel with a split-K reduction (so even a bf16 group differs from the fp32 trainer), the group's KV
-cache dtype, and the sampler's implementation of SGLang's torch sampling reference
-(`rlfleet.sampler.sampling.sample`: temperature, sorted top-k, top-p on the exclusive cumulative sum).
+docs/ablation.md). Each sampler IS the reference server's engine (`rlfleet.sampler.reference_engine.
+ReferenceEngine`: the Qwen3 of rlfleet/numerics/engine_model.py held against transformers, its scheduler
+steps, SGLang's torch sampling reference) driven in process by `run_batch`, with the product's one
+format / KV table: the group's weights are the view the channel would publish for its weight format
+(`rlfleet.numerics.views.view_weights`: the publisher's quantization, served as stored), its KV cache `ENGINE_KV[kvCacheDtype]` ("auto" is the model dtype,
+bf16, as in SGLang), its kernel the GPU class's (bf16 activations, a split-K reduction order).
+tests/experiments/test_experiments_emulated.py holds it to the reference server's logits for every
+weight format and KV dtype.
 
-Records are `SampledTurn`s exactly as the client builds them from SGLang: full-vocabulary log q(y)
-before truncation, the kept support with q renormalised inside it (support mode), or a top-K head of
-the full-vocabulary q (head mode, for full-vocabulary score centering), the weight version per token.
+Records are `SampledTurn`s exactly as the client builds them from SGLang: the engine's /generate answer
+(`ReferenceEngine.response`) read by the client's parser (`parse_generate_response`): full-vocabulary
+log q(y), the kept support with q renormalised inside it (support mode), or a top-K head of the
+full-vocabulary q (head mode), the weight version per token.
 """
 
 from __future__ import annotations
@@ -21,18 +24,14 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from rlfleet.numerics.engine_model import EngineModel, KernelConfig, ModelShape, precision_view
-from rlfleet.records import HEAD_MODE, SUPPORT_MODE, SampledTurn
-from rlfleet.sampler.sampling import RowParams, sample
-
-# RLJob weightFormat -> the fake-quantisation format of the emulation (fp8 views are block-128).
-VIEW_FORMATS = {"bf16": "bf16", "fp8": "fp8_block", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
-# SGLang --kv-cache-dtype -> the engine's cache emulation (formats it cannot emulate round like fp8).
-KV_EMULATION = {"auto": "bf16", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e4m3",
-                "mxfp8": "fp8_e4m3", "nvfp4": "fp8_e4m3"}
+from rlfleet.numerics.engine_model import EngineModel, KernelConfig, ModelShape
+from rlfleet.numerics.views import view_weights
+from rlfleet.records import SUPPORT_MODE, SampledTurn
+from rlfleet.sampler.protocol import SamplingConfig, parse_generate_response
+from rlfleet.sampler.reference_engine import ENGINE_KV, EngineConfig, GenRequest, ReferenceEngine
+from rlfleet.sampler.sampling import RowParams
 
 
 @dataclass
@@ -53,94 +52,67 @@ class EmulatedSampler:
         model_config: ModelShape,
         seed: int = 0,
         kernel: KernelConfig | None = None,
+        max_running_requests: int = 64,
     ) -> None:
         self.name = name
         self.weight_format = weight_format
-        self.kv_dtype = KV_EMULATION.get(kv_cache_dtype, "bf16")
-        self.model = EngineModel(model_config, kernel or KernelConfig(act_dtype="bfloat16", split_k=2)).eval()
-        self.version = 0
+        self.engine = ReferenceEngine(
+            EngineConfig(
+                model=model_config,
+                weight_format=weight_format,
+                kv_cache_dtype=ENGINE_KV[kv_cache_dtype],
+                kernel=kernel or KernelConfig(act_dtype="bfloat16", split_k=2),
+                max_running_requests=max_running_requests,
+                served_model_name=name,
+                seed=seed,
+            ),
+            weights=EngineModel(model_config).state_dict(),  # placeholders: it serves after `load_weights`
+        )
+        # one sampling stream for the group (seeded): the runs are reproducible batch by batch
         self.gen = torch.Generator().manual_seed(seed)
 
+    @property
+    def model(self) -> Any:
+        return self.engine.model
+
+    @property
+    def version(self) -> int:
+        return self.engine.weight_version
+
     def load_weights(self, weights: dict[str, torch.Tensor], version: int, view: dict[str, torch.Tensor] | None = None) -> None:
-        """`view`: the already fake-quantised weights of this group's format (shared between groups)."""
-        self.model.load_weights(view if view is not None else precision_view(weights, VIEW_FORMATS[self.weight_format]))
-        self.version = int(version)
+        """Serve the view the channel publishes for this group's format, made from `weights`; `view`: that
+        view already made (shared between groups, or the ablation's scaled one)."""
+        if view is None:
+            view = view_weights(weights, self.weight_format)
+        self.engine.load_weights(view, self.weight_format, version)
 
     @torch.no_grad()
     def generate_batch(self, requests: list[Request], sampling: dict[str, Any]) -> list[SampledTurn]:
-        """All requests share `sampling` (temperature, top_p, top_k, candidate_mode, head_size)."""
-        temperature = float(sampling.get("temperature", 1.0))
-        top_k = int(sampling.get("top_k", -1))
-        top_p = float(sampling.get("top_p", 1.0))
-        mode = sampling.get("candidate_mode", SUPPORT_MODE)
-        head = int(sampling.get("head_size", 128))
-        n = len(requests)
-        cap = max(len(r.input_ids) + r.max_new_tokens for r in requests)
-        cache = self.model.new_cache(n, capacity=cap, kv_dtype=self.kv_dtype)
-        logits = torch.empty(n, self.model.shape.vocab_size)
-        by_len: dict[int, list[int]] = {}
-        for b, r in enumerate(requests):  # ragged prompts: one batched prefill per prompt length
-            by_len.setdefault(len(r.input_ids), []).append(b)
-        for rows in by_len.values():
-            ids = torch.tensor([requests[b].input_ids for b in rows])
-            logits[rows] = self.model(ids, cache, rows=torch.tensor(rows))[:, -1]
-        outs: list[dict[str, list]] = [{"ids": [], "lq": [], "lqs": [], "sid": [], "slq": []} for _ in range(n)]
-        finish = ["length"] * n
-        active = list(range(n))
-        row = RowParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0)
-        while active:
-            res = sample(logits, [row] * len(active), [self.gen] * len(active))
-            k = min(head, logits.shape[1])
-            heads = res.top_logprobs([k] * len(active)) if mode == HEAD_MODE else None
-            still = []
-            for j, b in enumerate(active):
-                o = outs[b]
-                tok = int(res.token_ids[j])
-                o["ids"].append(tok)
-                o["lq"].append(res.token_logprob(j))
-                if heads is not None:
-                    o["sid"].append([h[1] for h in heads[j]])
-                    o["slq"].append([h[0] for h in heads[j]])
-                    o["lqs"].append(float("nan"))
-                else:
-                    ids, lps = res.mask(j)
-                    o["sid"].append(ids)
-                    o["slq"].append(lps)
-                    o["lqs"].append(float(res.selected_logprobs[j]))
-                r = requests[b]
-                if tok in r.stop_token_ids:
-                    finish[b] = "stop"
-                elif len(o["ids"]) < r.max_new_tokens:
-                    still.append((j, b))
-            if not still:
-                break
-            rows = torch.tensor([b for _, b in still])
-            nxt = torch.tensor([[outs[b]["ids"][-1]] for _, b in still])
-            logits = self.model(nxt, cache, rows=rows)[:, -1]
-            active = [b for _, b in still]
-        turns = []
-        for b, r in enumerate(requests):
-            o = outs[b]
-            counts = [len(s) for s in o["sid"]]
-            offsets = np.zeros(len(counts) + 1, dtype=np.int32)
-            np.cumsum(counts, out=offsets[1:])
-            turns.append(
-                SampledTurn(
-                    prompt_ids=np.asarray(r.input_ids, dtype=np.int32),
-                    output_ids=np.asarray(o["ids"], dtype=np.int32),
-                    logprobs=np.asarray(o["lq"], dtype=np.float32),
-                    sampled_logprobs=np.asarray(o["lqs"], dtype=np.float32),
-                    support_offsets=offsets,
-                    support_ids=np.asarray([i for s in o["sid"] for i in s], dtype=np.int32),
-                    support_logprobs=np.asarray([v for s in o["slq"] for v in s], dtype=np.float32),
-                    weight_versions=np.full(len(o["ids"]), self.version, dtype=np.int64),
-                    candidate_mode=mode,
-                    finish_reason=finish[b],
-                    group=self.name,
-                    replica=f"{self.name}-0",
-                )
+        """All requests share `sampling` (temperature, top_p, top_k, min_p, candidate_mode, head_size),
+        asked for as the client asks SGLang (`build_generate_request`) and read back by its parser."""
+        cfg = SamplingConfig.from_dict({k: v for k, v in sampling.items() if k not in ("max_new_tokens", "stop_token_ids")})
+        support = cfg.mode == SUPPORT_MODE
+        vocab = self.engine.config.model.vocab_size
+        reqs = [
+            GenRequest(
+                input_ids=list(r.input_ids),
+                params=RowParams(cfg.temperature, cfg.top_p, cfg.wire_top_k(), cfg.min_p),
+                max_new_tokens=r.max_new_tokens,
+                stop_token_ids=frozenset(r.stop_token_ids),
+                return_logprob=True,
+                return_mask=support,
+                logprob_mode="support",
+                top_logprobs_num=0 if support else min(cfg.head_size, vocab),
+                generator=self.gen,
             )
-        return turns
+            for r in requests
+        ]
+        self.engine.run_batch(reqs)
+        return [
+            parse_generate_response(self.engine.response(req), req.input_ids, group=self.name,
+                                    replica=f"{self.name}-0", vocab_size=vocab, untruncated=not cfg.truncates)
+            for req in reqs
+        ]
 
 
 class EmulatedFleet:

@@ -11,7 +11,7 @@ How: one trajectory of on-policy pg (homogeneous fleet, lag 0; `rlfleet ablate`'
 the ablation's warm start keeps every version. A fixed probe set (the first step's episodes, sampled
 by the homogeneous fleet at version 0 through the ablation's `LockstepRollouts`) is scored at every
 version t by the trainer (transformers' Qwen3, fp32) and by each sampler group of the mixed fleet
-(the reference engine's Qwen3 on the group's `precision_view`, its kernel, its KV cache dtype). At
+(the reference engine's Qwen3 on the group's published view (`view_weights`), its kernel, its KV cache dtype). At
 every sampled position the difference d(t) = q(t) - p(t) over the vocabulary; for staleness L the
 q is the trainer's own p(t - L). Printed per source:
 
@@ -38,7 +38,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from rlfleet.numerics.engine_model import is_quantizable, precision_view
+from rlfleet.numerics.engine_model import is_quantizable
+from rlfleet.numerics.views import view_weights
+from rlfleet.sampler.reference_engine import ENGINE_KV
 from rlfleet_experiments.ablation import (
     FLEETS,
     AblationConfig,
@@ -50,7 +52,6 @@ from rlfleet_experiments.ablation import (
     start_checkpoint,
     train_arm,
 )
-from rlfleet_experiments.emulated import KV_EMULATION, VIEW_FORMATS
 
 STALE_REFERENCE = 8  # the staleness whose direction "along stale" compares with
 
@@ -104,7 +105,7 @@ def sampler_probs(sampler: object, view: dict, ids: torch.Tensor, where: np.ndar
     rounds K and V as it does when sampling)."""
     model = sampler.model  # type: ignore[attr-defined]
     model.load_weights(view)
-    cache = model.new_cache(ids.shape[0], capacity=ids.shape[1], kv_dtype=sampler.kv_dtype)  # type: ignore[attr-defined]
+    cache = model.new_cache(ids.shape[0], capacity=ids.shape[1], kv_dtype=sampler.engine.config.kv_cache_dtype)  # type: ignore[attr-defined]
     logits = model(ids, cache, rows=torch.arange(ids.shape[0]))
     return torch.softmax(logits[where[:, 0], where[:, 1]].float(), dim=-1)
 
@@ -149,9 +150,9 @@ def measure(cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list
     for name, accelerator, fmt, kv in [FLEETS["homogeneous"][0]] + FLEETS["mixed"]:
         sampler = samplers[name]
         if fmt not in views_of:
-            views_of[fmt] = [precision_view(w, VIEW_FORMATS[fmt]) for w in versions]
+            views_of[fmt] = [view_weights(w, fmt) for w in versions]
         views = views_of[fmt]
-        label = f"{fmt} {accelerator}" + (f" kv {kv}" if KV_EMULATION.get(kv, "bf16") != "bf16" else "")
+        label = f"{fmt} {accelerator}" + (f" kv {kv}" if ENGINE_KV[kv] not in ("auto", "bf16") else "")
         d[label] = [sampler_probs(sampler, view, ids, where) - p[t] for t, view in enumerate(views)]
         if fmt in ("fp8", "nvfp4"):
             weight_cos[label] = {k: rounding_error_cosine(versions, views, k) for k in gaps}

@@ -4,7 +4,8 @@ scheduler (the model implementation: rlfleet/numerics/engine_model.py, held agai
 What it emulates (so that q really differs from the trainer's p the way a GPU fleet's does):
 - weight precision: `precision_view(weights, fmt)` (bf16; fp8 per-channel / block-128; nvfp4; mxfp4);
   a pre-quantized view loaded from disk is used as is (like SGLang reading a quantized checkpoint);
-- KV cache dtype: auto (fp32 here) | bf16 | fp8_e4m3 (K and V rounded through E4M3, scale 1.0);
+- KV cache dtype: auto (the model dtype, as in SGLang: bf16 with the bf16 kernel every group runs) | bf16 |
+  fp8_e4m3 (K and V rounded through E4M3, scale 1.0);
 - kernels: `KernelConfig(act_dtype, split_k)`: bf16 activations and a split-K reduction order make even
   bf16-vs-bf16 differ slightly;
 - speed: `max_tokens_per_second` throttles generation, to build deliberately slow / fast groups.
@@ -13,6 +14,9 @@ Scheduling: continuous batching. A single loop admits waiting requests into free
 runs one batched decode forward for the running rows and one prefill per admitted prompt (ragged), then
 samples every row in one batched call (sampling.py: SGLang's sampler). Model work runs in a worker
 thread so the HTTP side (health, metrics) stays responsive; a lock keeps weight swaps between steps.
+
+In process (no HTTP, no event loop): `run_batch` runs requests to completion with the same steps;
+rlfleet_experiments' emulated samplers are this engine driven that way.
 
 Weight versions: each token records the version of the weights that computed its logits, which is the
 version at its step (forward and sample happen in the same step, as in SGLang). meta_info carries them
@@ -69,6 +73,13 @@ def seeded_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
 
 WEIGHT_FORMATS = ("fp32", "bf16", "fp8", "fp8_block", "nvfp4", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
+# The one table from an RLJob group's precision to this engine's (local mode's fleet and the
+# experiments' in-process samplers read it; the cpu class offers only the dtypes the engine has). The
+# weight format needs none: a group serves the channel's view of its weightFormat as stored (view names
+# are the formats; `rlfleet.numerics.views.view_weights` is that view in memory).
+# SGLang --kv-cache-dtype -> the engine's KV cache: dtypes it cannot emulate exactly round like fp8 e4m3.
+ENGINE_KV = {"auto": "auto", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e4m3", "mxfp8": "fp8_e4m3",
+             "nvfp4": "fp8_e4m3"}
 THROTTLE_BURST_S = 0.1  # budget (in seconds of the cap) the throttle may bank
 
 
@@ -237,13 +248,21 @@ class ReferenceEngine:
         async with self.lock:
             self.abort_all("server shutting down")
 
-    async def submit(self, req: GenRequest) -> GenRequest:
-        req.future = asyncio.get_running_loop().create_future()
-        seed = req.seed if req.seed is not None else self._rng.getrandbits(63)
-        req.generator = torch.Generator().manual_seed(int(seed) % (1 << 64))
+    def _prepare(self, req: GenRequest) -> bool:
+        """Seed the request's sampling generator (its `sampling_seed`, else the engine's seeded stream;
+        a generator set by an in-process caller is kept); False when it is finished already."""
+        if req.generator is None:
+            seed = req.seed if req.seed is not None else self._rng.getrandbits(63)
+            req.generator = torch.Generator().manual_seed(int(seed) % (1 << 64))
         if req.max_new_tokens == 0:
             req.finish = {"type": "length", "length": 0}
             self.stats.record_finish(req, time.monotonic())
+            return False
+        return True
+
+    async def submit(self, req: GenRequest) -> GenRequest:
+        req.future = asyncio.get_running_loop().create_future()
+        if not self._prepare(req):
             return req
         self.waiting.append(req)
         self._wake.set()
@@ -252,6 +271,17 @@ class ReferenceEngine:
         except asyncio.CancelledError:
             req.cancelled = True
             raise
+
+    def run_batch(self, reqs: list[GenRequest]) -> list[GenRequest]:
+        """Run `reqs` to completion in the calling thread with the scheduler's own steps (admission into
+        free slots, prefill, batched decode, one batched sample per step): the engine without HTTP or an
+        event loop. Only while the engine's loop is not started (the loop owns the queues then)."""
+        if self._task is not None:
+            raise RuntimeError("run_batch on a started engine: submit requests to its loop instead")
+        self.waiting.extend(req for req in reqs if self._prepare(req))
+        while self.waiting or self.running:
+            self._step(self._admit())
+        return reqs
 
     def abort_all(self, message: str) -> int:
         """Finish every waiting and running request now with finish_reason abort (partial output kept).
@@ -512,6 +542,7 @@ def measure_kl(
 
 
 __all__ = [
+    "ENGINE_KV",
     "EngineConfig",
     "GenRequest",
     "KV_CACHE_DTYPES",

@@ -10,8 +10,8 @@ One step:
 4. forward + corrected loss + backward + clip + AdamW (the backend);
 5. metrics: the objective's (fleet / per group / per staleness bucket) + per view + rollout side;
 6. collapse detector -> alert / quarantine a group / pause;
-7. every `publish_every` steps: publish the new weights as version = step count (the channel);
-8. every `checkpoint_every` steps: checkpoint (model, optimizer, step, data position, detector).
+7. publish the new weights as version = step count (the channel; the composition root's `publish`
+   checkpoints first, trainer/run.py: model, optimizer, step, data position, detector).
 
 Versions: the initial weights are version 0; after k optimizer steps the trainer holds version k. A
 token sampled with version v and trained on at trainer version k has staleness k - v.
@@ -42,10 +42,7 @@ log = logging.getLogger(__name__)
 class LoopConfig:
     total_steps: int
     prompts_per_step: int
-    normalize_std: bool = False
     max_staleness: int | None = None  # None: unbounded (fully asynchronous)
-    publish_every: int = 1
-    checkpoint_every: int = 0  # 0: only at the end / on stop
     checkpoint_dir: Path | Store | None = None  # a directory, or the channel's store (trainer/checkpoint.py)
     take_timeout: float = 900.0  # seconds without a complete group before the run fails
 
@@ -153,7 +150,7 @@ class TrainingLoop:
         dup = set(uids) & self.state.trained_uids
         if dup or len(set(uids)) != len(uids):
             raise InvariantError(f"rollouts trained twice: {sorted(dup)[:5]}")
-        flat = flatten_groups(groups, trainer_version=version, normalize_std=self.cfg.normalize_std)
+        flat = flatten_groups(groups, trainer_version=version)
         t0 = time.monotonic()
         loss_out, grad_norm = self.backend.train_step(flat, self.group_index)
         t_train = time.monotonic() - t0
@@ -195,16 +192,13 @@ class TrainingLoop:
             metrics, decision = self.train_step(groups)
             metrics["time/wait_rollouts"] = t_wait
             t0 = time.monotonic()
-            if self.state.step % self.cfg.publish_every == 0 or self.state.step == self.cfg.total_steps:
-                self.publish(self.state.step, self.backend.weights())
+            self.publish(self.state.step, self.backend.weights())
             metrics["time/publish"] = time.monotonic() - t0
             self.state.history.append(metrics)
             if decision.quarantine and self.on_quarantine is not None:
                 self.on_quarantine(decision.quarantine)
             if self.on_step is not None:  # the step's groups too: per-group figures of the live table
                 self.on_step(metrics, decision, groups)
-            if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
-                self.checkpoint()
             if decision.pause:
                 self.state.paused = True
                 self.state.pause_reason = "; ".join(a.message for a in decision.alerts)

@@ -28,10 +28,6 @@ from typing import Any
 
 log = logging.getLogger("rlfleet.fleet")
 
-# RLJob weightFormat -> the reference engine format (the channel publishes fp8 as block-128)
-ENGINE_FORMATS = {"bf16": "bf16", "fp8": "fp8", "nvfp4": "nvfp4", "mxfp4": "mxfp4"}
-# --kv-cache-dtype values the reference engine cannot emulate exactly are rounded like fp8 e4m3
-ENGINE_KV = {"auto": "auto", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e4m3", "mxfp8": "fp8_e4m3", "nvfp4": "fp8_e4m3"}
 # A different split-K reduction order per GPU class: kernels differ across generations even in bf16.
 SPLIT_K = {"a100": 1, "h100": 2, "h200": 2, "b200": 4, "b300": 4, "rtx-pro-6000": 3}
 ADMIN_TOKEN_ENV = "RLFLEET_ROUTER_ADMIN_TOKEN"
@@ -82,7 +78,7 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
     from rlfleet.router.config import GroupConfig, RouterConfig
     from rlfleet.router.service import start_service
-    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
+    from rlfleet.sampler.reference_engine import ENGINE_KV, EngineConfig, ReferenceEngine
     from rlfleet.sampler.server import start_reference_server
     from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
     from rlfleet.store import open_store
@@ -97,8 +93,8 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
         engine = ReferenceEngine(
             EngineConfig(
                 model=model_cfg,
-                weight_format=ENGINE_FORMATS[g.weight_format],
-                kv_cache_dtype=ENGINE_KV.get(g.kv_cache_dtype, "fp8_e4m3"),
+                weight_format=g.weight_format,  # the view's name: the engine serves the channel's view as stored
+                kv_cache_dtype=ENGINE_KV[g.kv_cache_dtype],
                 kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(g.accelerator, 1)),
                 max_running_requests=spec.max_running_requests,
                 served_model_name=g.name,

@@ -21,7 +21,7 @@ Two paths:
 The sampler-side knobs live on the module, not in the weights: `kernel` (activation/accumulation
 dtype and split-K reduction order, so even bf16-vs-bf16 differs slightly, as real kernels do) and the
 cache's `kv_dtype` (fp8_e4m3 round-trips K and V through E4M3 on write, like SGLang's fp8 KV cache with
-scale 1.0). `precision_view` gives the weights a group of a weight format really computes with.
+scale 1.0; auto is the model dtype, as in SGLang: bf16 with a bf16 kernel, float32 with the exact one). `precision_view` gives the weights a group of a weight format really computes with.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from torch import nn
 
 from rlfleet.numerics.formats import fake_quantize_fp8_e4m3
 
-KV_DTYPES = ("auto", "bf16", "fp8_e4m3")
+KV_DTYPES = ("auto", "bf16", "fp8_e4m3")  # what `EngineModel.new_cache` takes (SGLang's names)
+KV_STORAGE = ("float32", "bf16", "fp8_e4m3")  # what a KVCache rounds K and V to ("auto" resolved)
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 
 
@@ -151,9 +152,9 @@ class KVCache:
     """Preallocated slot cache: per layer K and V [slots, kv_heads, capacity, head_dim] (float32 storage;
     fp8_e4m3 values are rounded through E4M3 on write, bf16 through bf16) and lengths [slots]."""
 
-    def __init__(self, shape: ModelShape, slots: int, capacity: int | None = None, kv_dtype: str = "auto"):
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    def __init__(self, shape: ModelShape, slots: int, capacity: int | None = None, kv_dtype: str = "float32"):
+        if kv_dtype not in KV_STORAGE:
+            raise ValueError(f"kv_dtype must be one of {KV_STORAGE}, got {kv_dtype!r}")
         self.capacity = capacity or shape.max_position_embeddings
         self.kv_dtype = kv_dtype
         dims = (slots, shape.num_key_value_heads, self.capacity, shape.head_dim)
@@ -365,6 +366,15 @@ class EngineModel(nn.Module):
         return self._attention(q, keys, values, mask[:, None])
 
     def new_cache(self, slots: int, capacity: int | None = None, kv_dtype: str = "auto") -> KVCache:
+        """A slot cache for this model. `kv_dtype` "auto" is the model dtype, as SGLang resolves it
+        (srt/mem_cache/kv_cache_dtype.py `configure_kv_cache_dtype`: "auto" -> model_dtype unless the
+        checkpoint declares an FP8 KV cache, which rlfleet's views never do); the engine's model dtype is
+        its kernel's activation dtype: bf16 for a bf16 kernel (what every sampler group runs), float32 for
+        the exact kernel (tests that hold the engine to transformers)."""
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+        if kv_dtype == "auto":
+            kv_dtype = "bf16" if self.kernel.act_dtype == "bfloat16" else "float32"
         return KVCache(self.shape, slots, capacity, kv_dtype)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:

@@ -570,6 +570,20 @@ def load_view(directory: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
     config, raw = read_view_tensors(directory)
     view = config["view"]
     quantized = set(config.get("quantized", []))
+    return view, _dequantize(view, raw, quantized, str(directory))
+
+
+def view_weights(state_dict: Mapping[str, torch.Tensor], view: str) -> dict[str, torch.Tensor]:
+    """The float32 weights a sampler serving `view` of `state_dict` computes with: the publisher's own
+    quantization (`view_tensors`: block-128 FP8, NVFP4 with one global scale per fused layer, ...)
+    dequantized as `load_view` reads it back, without the disk. In-process samplers use it
+    (rlfleet_experiments' emulated groups)."""
+    tensors, quantized = view_tensors(state_dict, view)
+    return _dequantize(view, tensors, set(quantized), f"{view} view")
+
+
+def _dequantize(view: str, raw: Mapping[str, torch.Tensor], quantized: set[str], where: str) -> dict[str, torch.Tensor]:
+    """Float32 weights of a view's stored tensors (scale companions consumed, not returned)."""
     companions = {
         f"{n[: -len('.weight')]}.{s}"
         for n in quantized
@@ -595,11 +609,11 @@ def load_view(directory: str | Path) -> tuple[str, dict[str, torch.Tensor]]:
             else:
                 raise ValueError(f"view {view} has no quantized tensors, but {name} is listed")
         except KeyError as e:
-            raise ValueError(f"{directory}: quantized {name} lacks its scale tensor {e}") from e
+            raise ValueError(f"{where}: quantized {name} lacks its scale tensor {e}") from e
     missing = quantized - set(out)
     if missing:
-        raise ValueError(f"{directory}: quantized tensors listed but absent: {sorted(missing)[:3]}")
-    return view, out
+        raise ValueError(f"{where}: quantized tensors listed but absent: {sorted(missing)[:3]}")
+    return out
 
 
 def load_checkpoint_weights(directory: str | Path) -> tuple[str | None, dict[str, torch.Tensor]]:

@@ -396,10 +396,15 @@ def test_run_training_refuses_a_channel_ahead_of_the_trainer():
     from types import SimpleNamespace
 
     from rlfleet.trainer.run import TrainingStartError, run_training
-    from rlfleet_experiments.ablation import SnapshotSink
 
-    sink = SnapshotSink()
-    sink.publish({}, 5)
+    class ChannelAtFive:  # a VersionSink whose channel already holds version 5
+        def latest_version(self):
+            return 5
+
+        def publish(self, weights, version):
+            raise AssertionError("nothing may be published")
+
+    sink = ChannelAtFive()
     rc = SimpleNamespace(steps=1, prompts_per_step=1, max_staleness=None, groups=[])
     with pytest.raises(TrainingStartError, match="at version 5, ahead of the trainer \\(no checkpoint\\)"):
         run_training(rc, object(), sink, collapse.CollapseDetector(), lambda position: None, checkpoint=None)

@@ -2,7 +2,9 @@
 Qwen3 checkpoint built with `save_pretrained` (rlfleet/tiny_qwen3.py, as local mode and a cluster load
 it), emulated low-precision sampler engines of that checkpoint's shape (the reference engine's Qwen3,
 real fake-quantised weights, the sampler's SGLang sampling; only HTTP is absent, local mode tests cover
-it), the async rollout driver in its own thread, the corrected objective, checkpoints."""
+it), the async rollout driver in its own thread, the corrected objective, checkpoints. The in-process
+samplers are the experiments' (`rlfleet_experiments.emulated`: the reference engine driven without
+HTTP), so these product-loop tests live with the experiments' tests."""
 
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def model_dir(tiny_qwen3_factory):
     return tiny_qwen3_factory(**SIZES)
 
 
-def make(model_dir, tmp_path, env=None, start_position=0, generate=None, steps=4, checkpoint_every=0):
+def make(model_dir, tmp_path, env=None, start_position=0, generate=None, steps=4, checkpoints=False):
+    """`checkpoints`: checkpoint before each publish, as the composition root does (trainer/run.py)."""
     torch.manual_seed(0)
     shape = ModelShape.from_checkpoint(model_dir)
     samplers = [EmulatedSampler(n, f, kv, shape, seed=i) for i, (n, f, kv) in enumerate(GROUPS)]
@@ -83,9 +86,15 @@ def make(model_dir, tmp_path, env=None, start_position=0, generate=None, steps=4
     driver_cls = _SampleTagDriver if isinstance(env, CountingEnv) else RolloutDriver
     driver = driver_cls(generate or fleet.generate, env, GeneratedPromptSource("tool_add", 0), samples_per_prompt=3,
                         sampling=SAMPLING, max_seq_len=MAX_SEQ_LEN, start_position=start_position, max_ahead_prompts=6)
+
+    def publish(version, weights):
+        if checkpoints:
+            loop.checkpoint()
+        fleet.load_weights(weights, version)
+
     loop = TrainingLoop(
-        LoopConfig(total_steps=steps, prompts_per_step=2, checkpoint_every=checkpoint_every, checkpoint_dir=tmp_path / "ckpt"),
-        backend, driver, publish=lambda v, w: fleet.load_weights(w, v), detector=CollapseDetector(),
+        LoopConfig(total_steps=steps, prompts_per_step=2, checkpoint_dir=tmp_path / "ckpt"),
+        backend, driver, publish=publish, detector=CollapseDetector(),
         group_names=[g[0] for g in GROUPS], group_views={g[0]: g[1] for g in GROUPS},
     )
     return loop, driver, fleet
@@ -195,8 +204,9 @@ def test_staleness_is_per_token_version_under_in_flight_updates(model_dir, tmp_p
 
 
 def test_resume_continues_at_step_and_data_position_without_reuse(model_dir, tmp_path):
-    loop, driver, _ = make(model_dir, tmp_path, steps=3, checkpoint_every=1)
+    loop, driver, _ = make(model_dir, tmp_path, steps=3, checkpoints=True)
     first = run(loop, driver)
+    loop.checkpoint()  # and at the end, as trainer/run.py does
     assert first.step == 3
     state = checkpoint.load_latest(tmp_path / "ckpt")
     assert state["step"] == 3 and state["buffer_policy"] == "discard-unconsumed"
@@ -204,7 +214,7 @@ def test_resume_continues_at_step_and_data_position_without_reuse(model_dir, tmp
     trained_before = set(state["trained_uids"])
     assert position >= 3 * 2  # at least the prompts trained on were dispatched
 
-    loop2, driver2, _ = make(model_dir, tmp_path, steps=5, start_position=position, checkpoint_every=1)
+    loop2, driver2, _ = make(model_dir, tmp_path, steps=5, start_position=position, checkpoints=True)
     loop2.restore(state)
     # model and optimizer really came back
     for name, w in state["backend"]["model"].items():
