@@ -157,6 +157,7 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         )
         return status
     # Weight version of the group, from the channel status (sidecars report into the store).
+    sync_error: str | None = None  # a replica's weight sync failing now (its subscriber report says why)
     if channel_status:
         for g in channel_status.get("groups") or []:
             if g.get("group") == name:
@@ -164,6 +165,9 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
                     status["appliedWeightVersion"] = g["appliedVersion"]
                 if g.get("lag") is not None:
                     status["versionLag"] = g["lag"]
+                if g.get("syncFailures"):
+                    status["weightSyncFailures"] = g["syncFailures"]
+                sync_error = g.get("lastError")
     deadline = _deployment_condition(deployment, "Progressing")
     stalled = bool(deadline and deadline.get("reason") == "ProgressDeadlineExceeded")
     failure = _deployment_condition(deployment, "ReplicaFailure")
@@ -198,6 +202,8 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         phase, message = "Quarantined", f"{message}; quarantined by {quarantine} (no new sessions)"
     if status.get("degradedPrecision"):
         message += f"; {spec.get('weightFormat')} runs degraded on {spec.get('accelerator')}: {status['precisionNote']}"
+    if sync_error:  # the replicas keep serving the version they have (sampler/sync.py): say what they refused
+        message += f"; weight sync failing (serving v{status.get('appliedWeightVersion')}): {sync_error}"
     status["phase"] = phase
     status["reason"] = reason
     status["message"] = message[:4096]
@@ -225,6 +231,8 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
                 message,
                 generation,
             ),
+            condition("WeightsSynced", sync_error is None, "SyncFailing" if sync_error else "AsExpected",
+                      (sync_error or "no replica reports a failing weight sync")[:1024], generation),  # fmt: skip
         ],
         now,
     )
@@ -315,8 +323,13 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     if latest is not None or report.get("weightVersion") is not None:
         # the channel's pointer or the trainer's report, whichever is newer (never lowered)
         status["weightVersion"] = max(v for v in (latest, report.get("weightVersion")) if v is not None)
+    complete = next((c for c in report_conditions if c.get("type") == "Complete" and c.get("status") == "True"), None)
     if invalid:
         phase, reason, message = "Failed", "InvalidSpec", invalid
+    elif complete is not None and not suspended:
+        phase, reason = "Succeeded", "TrainingFinished"
+        message = (f"{complete.get('message', 'training finished')}; the sampler groups keep running until the "
+                   "RLJob is deleted or suspended (spec.suspend: true)")  # fmt: skip
     elif suspended:
         groups_down = all(_get(by_group.get(g), "status", "phase") == "Suspended" for g in wanted)
         t_pods = int(_get(trainer, "status", "replicas", default=0) or 0)
@@ -400,6 +413,8 @@ def weightchannel_status(
                     "view": g.view,
                     "appliedVersion": g.applied_version,
                     "lag": g.lag,
+                    "syncFailures": g.sync_failures or None,
+                    "lastError": g.last_error[:512] if g.last_error else None,
                 }.items()
                 if v is not None
             }  # fmt: skip

@@ -64,6 +64,7 @@ class TrainerReport:
     signals: tuple[CollapseSignal, ...] = ()  # raised at the trainer's latest step
     quarantine_requested: tuple[str, ...] = ()  # cumulative (the detector's state)
     pause_requested: bool = False
+    finished: bool = False  # the run reached spec.trainer.totalSteps (`rlfleet_trainer_finished`)
 
 
 def parse_trainer_report(text: str) -> TrainerReport:
@@ -73,7 +74,7 @@ def parse_trainer_report(text: str) -> TrainerReport:
     values: dict[tuple[str, str], float] = {}
     baselines: dict[tuple[str, str], float] = {}
     quarantine: set[str] = set()
-    pause = False
+    pause = finished = False
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if not sample.name.startswith(PREFIX) or not math.isfinite(sample.value):
@@ -92,6 +93,8 @@ def parse_trainer_report(text: str) -> TrainerReport:
                     quarantine.add(labels["group"])
             elif name == "pause_requested":
                 pause = sample.value > 0
+            elif name == "finished":
+                finished = sample.value > 0
             elif labels.get("scope") == "fleet":
                 fleet[name] = sample.value
     signals = tuple(
@@ -108,6 +111,7 @@ def parse_trainer_report(text: str) -> TrainerReport:
         signals=signals,
         quarantine_requested=tuple(sorted(quarantine)),
         pause_requested=pause,
+        finished=finished,
     )
 
 
@@ -190,6 +194,18 @@ def trainer_job_status(
     if generation is not None:
         condition["observedGeneration"] = generation
     status["conditions"] = [condition]
+    # Complete (as a Kubernetes Job's): True once the trainer reports its last step; kept while the
+    # trainer cannot be read (a finished run does not become unfinished)
+    old_complete = next((c for c in old.get("conditions") or [] if c.get("type") == "Complete"), None)
+    if report is not None and report.finished:
+        since = old_complete.get("lastTransitionTime") if old_complete and old_complete.get("status") == "True" else None
+        status["conditions"].append({
+            "type": "Complete", "status": "True", "reason": "TrainingFinished",
+            "message": f"training finished at step {report.step}", "lastTransitionTime": since or now,
+            **({"observedGeneration": generation} if generation is not None else {}),
+        })  # fmt: skip
+    elif report is None and old_complete is not None and old_complete.get("status") == "True":
+        status["conditions"].append(dict(old_complete))
     return TrainerStatusResult(
         status=status, quarantine=quarantine, risk=risk_on, risk_changed=was_on != risk_on
     )

@@ -561,6 +561,10 @@ class GroupVersionStatus:
     """Lowest version applied by the group's (fresh) replicas."""
     lag: int | None
     replicas: dict[str, int | None]
+    sync_failures: int = 0
+    """Failed weight syncs of the group's (fresh) replicas since each started (store, checksum, engine)."""
+    last_error: str | None = None
+    """The newest failure a replica still reports (cleared by its next applied version)."""
 
 
 @dataclass(frozen=True)
@@ -656,6 +660,8 @@ def group_versions(
                 applied_version=lowest,
                 lag=lag,
                 replicas={r.replica: r.applied_version for r in sorted(rs, key=lambda r: r.replica)},
+                sync_failures=sum(r.failures for r in rs),
+                last_error=max(((r.updated_at, r.last_error) for r in rs if r.last_error), default=(None, None))[1],
             )
         )
     return groups

@@ -1,7 +1,7 @@
 """`rlfleet trainer run --config /etc/rlfleet/run/rljob.yaml`: the trainer pod's entrypoint (under torchrun).
 
 Reads the resolved RLJob the operator wrote into the ConfigMap; cluster endpoints come from the env the
-operator sets (RLFLEET_ROUTER_URL, RLFLEET_TRAINER_BACKEND, store credentials by reference). Global rank
+operator sets (RLFLEET_ROUTER_URL, store credentials by reference). Global rank
 0 drives everything: rollouts through the router, the loop, publishing to the weight channel, the
 Prometheus exporter (`rlfleet_trainer_*`, scope=group/view/staleness: the rebalancer reads the
 per-group KL/OOR from it), checkpoints next to the channel (`<channel path>/checkpoints`, or `checkpoints/` under an S3
@@ -66,6 +66,7 @@ def cli(argv: list[str]) -> int:
         print(f"rlfleet trainer run: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO"))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
     return run(job, args)
 
 
@@ -112,6 +113,23 @@ def run(job: Any, args: argparse.Namespace) -> int:
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
     state = ckpt.load_latest(checkpoints)
     exporter = PrometheusExporter(port=args.metrics_port, addr="0.0.0.0")  # metrics only, no control surface
+    if state is not None and int(state["step"]) >= rc.steps:
+        # Restarted after its last step (a StatefulSet restarts a container that exits, even with 0): do
+        # not train again and do not exit into a restart loop. Release the other ranks, export the
+        # finished run's final metrics and `rlfleet_trainer_finished`, and wait: the operator reads the
+        # RLJob as Succeeded (docs/operations.md, "When training finishes").
+        backend.close()
+        leave_process_group()
+        store.close()
+        step = int(state["step"])
+        exporter.update(step, {**(state.get("history") or [{}])[-1], "weight_version": step})
+        exporter.update_finished()
+        log.info("training finished at step %d (spec.trainer.totalSteps %d): exporting its final metrics until "
+                 "the pod is stopped", step, rc.steps)  # fmt: skip
+        threading.Event().wait()
+    if state is not None:  # a restarted pod: the step and data position the last publish checkpointed
+        log.info("resuming from the checkpoint at step %d (data position %d)", int(state["step"]),
+                 int(state["data_position"]))  # fmt: skip
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     sink = ChannelSink(publisher)
 

@@ -133,6 +133,15 @@ class PrometheusExporter:
                 self._gauges[metric] = gauge
             gauge.labels(scope=scope, key=label).set(value)
 
+    def update_finished(self) -> None:
+        """`rlfleet_trainer_finished` 1: the run reached spec.trainer.totalSteps (the operator's RLJob
+        phase Succeeded, condition Complete)."""
+        from prometheus_client import Gauge
+
+        if "finished" not in self._gauges:
+            self._gauges["finished"] = Gauge("rlfleet_trainer_finished", "training reached its total steps", registry=self.registry)  # fmt: skip
+        self._gauges["finished"].set(1.0)
+
     def update_collapse(self, alerts: Sequence[Any], quarantined: Sequence[str], pause: bool) -> None:
         """The collapse detector's state, for the operator (the trainer has no Kubernetes API rights):
         `rlfleet_trainer_collapse_risk{signal,group}` 1 for each alert of the latest step (0 once a

@@ -241,6 +241,8 @@ class SamplerGroupStatus(ApiModel):
     """Lowest weight version applied by the group's ready replicas."""
     version_lag: int | None = Field(default=None, ge=0)
     """Latest channel version minus appliedWeightVersion."""
+    weight_sync_failures: int | None = Field(default=None, ge=0)
+    """Failed weight syncs (store, checksum, engine) the group's live replicas report since they started; the reason of a failure still current is in the WeightsSynced condition and the message."""
     kl: float | None = None
     """Sampler/trainer KL estimate (kl_k3) of this group's tokens."""
     oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)

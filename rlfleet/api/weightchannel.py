@@ -124,6 +124,10 @@ class GroupVersion(ApiModel):
     """Lowest version applied by the group's ready replicas (none: unknown)."""
     lag: int | None = Field(default=None, ge=0)
     """latestVersion - appliedVersion."""
+    sync_failures: int | None = Field(default=None, ge=0)
+    """Failed weight syncs the group's live replicas report since they started."""
+    last_error: str | None = Field(default=None, max_length=512)
+    """The newest failure a replica still reports (cleared when it applies a version)."""
 
 
 class WeightChannelStatus(ApiModel):

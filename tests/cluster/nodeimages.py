@@ -54,8 +54,11 @@ sys.exit(main())
 """
 # Debian's torch is built without libuv, but torchrun's c10d rendezvous creates its TCPStore with the
 # default use_libuv=True, which that build refuses ("use_libuv was requested but PyTorch was build without
-# libuv support"; USE_LIBUV=0 does not reach that call). A .pth hook in the venv makes TCPStore default to
-# use_libuv=False once torch.distributed is imported (nothing is imported before that).
+# libuv support"; USE_LIBUV=0 does not reach that call), and so does each rank's env:// store under
+# torchrun (torch/distributed/rendezvous.py `_create_c10d_store`: the agent-store client is made with the
+# default). A .pth hook in the venv makes TCPStore default to use_libuv=False once torch.distributed is
+# imported (nothing is imported before that): in torch.distributed and in its rendezvous module, which
+# bound the original class while torch.distributed was being imported.
 TCPSTORE_WITHOUT_LIBUV = '''"""The dev cluster's CPU base (tests/cluster/nodeimages.py): TCPStore without libuv, which Debian's
 torch lacks; loaded by rlfleet-tcpstore-without-libuv.pth, it acts when torch.distributed is imported."""
 import importlib.abc
@@ -80,6 +83,7 @@ class _TCPStoreWithoutLibuv(importlib.abc.MetaPathFinder):
                     super().__init__(*args, **kwargs)
 
             module.TCPStore = TCPStore
+            sys.modules["torch.distributed.rendezvous"].TCPStore = TCPStore
 
         spec.loader.exec_module = exec_then_patch
         return spec

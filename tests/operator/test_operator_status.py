@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlfleet.catalog import load_catalog
+from rlfleet.channel import GroupVersionStatus
 from rlfleet.operator import status as st
 
 CATALOG = load_catalog(None)
@@ -142,6 +143,22 @@ def test_applied_version_and_lag_from_the_channel() -> None:
     assert "appliedWeightVersion" not in s
 
 
+def test_a_failing_weight_sync_is_said_while_the_group_keeps_running() -> None:
+    """A replica that refused a version (checksum) keeps serving the one it has: the group stays Running,
+    its message and WeightsSynced condition say what was refused; the count stays after recovery."""
+    failing = {"group": "job-g", "appliedVersion": 7, "lag": 1, "syncFailures": 1,
+               "lastError": "checksum: v8: v8/nvfp4/model.safetensors: blake3:aa != manifest blake3:bb"}  # fmt: skip
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [failing]}, now=T0)
+    assert s["phase"] == "Running" and s["weightSyncFailures"] == 1
+    assert "weight sync failing (serving v7): checksum: v8: v8/nvfp4" in s["message"]
+    [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
+    assert (synced["status"], synced["reason"]) == ("False", "SyncFailing") and "checksum" in synced["message"]
+    recovered = {"group": "job-g", "appliedVersion": 9, "lag": 0, "syncFailures": 1}
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [recovered]}, now=T0)
+    [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
+    assert synced["status"] == "True" and "failing" not in s["message"] and s["weightSyncFailures"] == 1
+
+
 def job(groups: list[str], suspend: bool = False, generation: int = 4) -> dict:
     return {
         "apiVersion": "rlfleet.dev/v1alpha1",
@@ -231,14 +248,6 @@ class FakeArtifact:
 
 
 @dataclass
-class FakeGroup:
-    group: str
-    view: str | None
-    applied_version: int | None
-    lag: int | None
-
-
-@dataclass
 class FakeChannel:
     """Stands in for rlfleet.channel.ChannelStatus (same attribute names) so this pure test needs no store."""
 
@@ -257,13 +266,15 @@ def test_weightchannel_status_known_unknown_and_empty() -> None:
     ch = FakeChannel(
         4,
         [FakeArtifact("bf16", 4), FakeArtifact("fp8", 4)],
-        [FakeGroup("job-g", "fp8", 3, 1), FakeGroup("job-h", "bf16", None, None)],
+        [GroupVersionStatus("job-g", "fp8", 3, 1, {"p": 3}, sync_failures=2, last_error="checksum: v4/fp8: x"),
+         GroupVersionStatus("job-h", "bf16", None, None, {})],
     )
     s = st.weightchannel_status(wc, ch, None, now=T0)
     assert (s["phase"], s["latestVersion"]) == ("Ready", 4)
     assert s["artifacts"][1] == {"view": "fp8", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10}
     assert s["groups"] == [
-        {"group": "job-g", "view": "fp8", "appliedVersion": 3, "lag": 1},
+        {"group": "job-g", "view": "fp8", "appliedVersion": 3, "lag": 1, "syncFailures": 2,
+         "lastError": "checksum: v4/fp8: x"},
         {"group": "job-h", "view": "bf16"},
     ]
 

@@ -133,3 +133,37 @@ def test_invariants(action, sigs, requested, pause, version, observed_version, w
     # weightVersion never goes backwards (the WeightChannel status is the other writer)
     assert out.status["weightVersion"] == max(version, observed_version)
     RLJobStatus.model_validate(out.status)
+
+
+def test_a_finished_run_reads_succeeded_and_stays_so_while_the_trainer_is_unreadable() -> None:
+    """The trainer's own exporter (rlfleet.trainer.metrics, as a restarted finished trainer exports it)
+    -> Complete=True -> the RLJob's phase Succeeded; an unreadable trainer keeps it; no finished gauge,
+    no Complete condition."""
+    import urllib.request
+
+    from rlfleet.trainer.metrics import PrometheusExporter
+
+    exporter = PrometheusExporter(port=0)
+    try:
+        exporter.update(50, {"reward_mean": 0.5, "weight_version": 50})
+        exporter.update_finished()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10).read().decode()
+    finally:
+        exporter.close()
+    report = parse_trainer_report(text)
+    assert (report.finished, report.step) == (True, 50)
+    out = trainer_job_status(job(), [], report, T0)
+    [complete] = [c for c in out.status["conditions"] if c["type"] == "Complete"]
+    assert (complete["status"], complete["reason"], complete["message"]) == ("True", "TrainingFinished",
+                                                                             "training finished at step 50")  # fmt: skip
+    RLJobStatus.model_validate(out.status)
+    trainer = {"status": {"readyReplicas": 1}}
+    s = ops.rljob_status(job(), [], trainer, None, now=T0, trainer_report=out.status)
+    assert (s["phase"], s["reason"]) == ("Succeeded", "TrainingFinished") and "step 50" in s["message"]
+    assert s["step"] == 50
+    unreadable = trainer_job_status(job(status=s), [], None, T1)  # the trainer pod restarting, say
+    assert [c for c in unreadable.status["conditions"] if c["type"] == "Complete"] == [complete]
+    running = trainer_job_status(job(), [], parse_trainer_report(EXPORT), T0)
+    assert [c["type"] for c in running.status["conditions"]] == ["CollapseRisk"]
+    s = ops.rljob_status(job(), [], trainer, None, now=T0, trainer_report=running.status)
+    assert s["phase"] != "Succeeded"

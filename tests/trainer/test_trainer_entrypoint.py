@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cluster_wait import wait_for
 
 from rlfleet.channel import WeightChannel
 from rlfleet.local.fleet import FleetSpec, GroupSpec
@@ -98,6 +99,46 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     assert [int(h["step"]) for h in state["history"]] == [1, 2, 3]
     assert all(h["trained_tokens"] > 0 for h in state["history"])
     assert state["data_position"] >= STEPS * 2
+
+    # Restarted after its last step (a StatefulSet restarts a container that exits 0): it neither trains
+    # again nor exits into a restart loop; it exports the finished run (step, `rlfleet_trainer_finished`)
+    # until stopped, and publishes nothing (no router needed: the fleet is gone).
+    port = free_port()
+    restarted = subprocess.Popen(
+        [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run",
+         "--config", str(job_manifest(tmp_path, base, channel_dir)),
+         "--router-url", "http://127.0.0.1:9", "--metrics-port", str(port)],
+        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"},
+    )  # fmt: skip
+    try:
+        metrics = wait_for("the restarted trainer's finished gauge", lambda: _scrape(port, restarted), timeout=240)
+    finally:
+        restarted.terminate()
+        _, stderr = restarted.communicate(timeout=60)
+    assert f'rlfleet_trainer_step{{key="",scope="fleet"}} {float(STEPS)}' in metrics
+    assert f"training finished at step {STEPS} (spec.trainer.totalSteps {STEPS})" in stderr
+    assert "resuming from the checkpoint" not in stderr
+    assert channel.versions() == list(range(STEPS + 1))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _scrape(port: int, proc: subprocess.Popen) -> str | None:
+    import urllib.error
+    import urllib.request
+
+    assert proc.poll() is None, f"the restarted trainer exited ({proc.returncode})"
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    return text if "rlfleet_trainer_finished 1.0" in text else None
 
 
 def test_trainer_entrypoint_refuses_a_model_path_that_is_not_a_checkpoint(tmp_path: Path) -> None:

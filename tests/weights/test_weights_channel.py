@@ -357,6 +357,21 @@ def test_group_versions_ignores_stale_replicas() -> None:
     assert (fresh_only.applied_version, fresh_only.lag, fresh_only.replicas) == (7, 2, {"a": 7})
 
 
+def test_group_versions_sum_failures_and_keep_the_newest_error_of_fresh_replicas() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    at = lambda s: (now - timedelta(seconds=s)).isoformat()  # noqa: E731
+    reports = [
+        SubscriberReport("g", "a", "nvfp4", 7, [7], updated_at=at(20), failures=1, last_error="checksum: v8 old"),
+        SubscriberReport("g", "b", "nvfp4", 7, [7], updated_at=at(5), failures=2, last_error="checksum: v8 new"),
+        SubscriberReport("g", "c", "nvfp4", 8, [8], updated_at=at(1), failures=0),
+        SubscriberReport("g", "gone", "nvfp4", 2, [2], updated_at=at(3600), failures=9, last_error="store: old"),
+    ]
+    [g] = group_versions(reports, 8, stale_after_seconds=60, now=now)
+    assert (g.sync_failures, g.last_error) == (3, "checksum: v8 new")
+    [clean] = group_versions(reports[2:3], 8, stale_after_seconds=60, now=now)
+    assert (clean.sync_failures, clean.last_error) == (0, None)
+
+
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
