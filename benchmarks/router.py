@@ -1,7 +1,7 @@
 """Router overhead: added latency (p50, p99) and requests/s per core, against a direct connection.
 
     .venv/bin/python benchmarks/router.py [--requests 3000] [--duration 6] [--concurrency 64]
-        [--smg /path/to/smg | --install-smg] [--variants aiohttp+uvloop,aiohttp+asyncio,httpx+uvloop] [--no-pin]
+        [--smg /path/to/smg | --install-smg] [--loops uvloop,asyncio] [--no-pin]
 
 Setup (2 cores): the router under test runs alone on CPU 0 (taskset); a fast upstream (a minimal
 asyncio HTTP/1.1 server answering an SGLang-shaped /generate JSON, 8 listening ports = 4 groups x 2
@@ -275,9 +275,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--duration", type=float, default=6.0)
     parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument(
-        "--variants", default="aiohttp+uvloop,aiohttp+asyncio,httpx+uvloop", help="upstream client + event loop"
-    )
+    parser.add_argument("--loops", default="uvloop,asyncio", help="the router's event loops to measure")
     parser.add_argument("--smg", default=shutil.which("smg") or SMG_VENV + "/bin/smg")
     parser.add_argument(
         "--install-smg", action="store_true", help=f"pip install smg into {SMG_VENV} first (kept out of .venv)"
@@ -309,17 +307,16 @@ def main() -> int:
             os.sched_setaffinity(0, {1})  # the load generator shares CPU 1 with the upstream
 
         targets: list[tuple[str, str, str, int | None]] = [("direct (no router)", urls[0], "X-Session-Id", None)]
-        for variant in args.variants.split(","):
-            client, _, loop = variant.partition("+")
+        for loop in args.loops.split(","):
             port = _free_port()
             argv = [sys.executable, "-m", "rlfleet.cli", "router", "serve", "--port", str(port),
-                    "--upstream-client", client, "--loop", loop or "auto"]  # fmt: skip
+                    "--loop", loop or "auto"]  # fmt: skip
             for g in range(N_PORTS // 2):
                 argv += ["--group", f"g{g}={urls[2 * g]},{urls[2 * g + 1]}"]
             proc = Proc(argv, cpu=0)
             procs.append(proc)
             _wait_port(port)
-            name = f"rlfleet router ({client}, {loop or 'auto'})"
+            name = f"rlfleet router ({loop or 'auto'})"
             targets.append((name, f"http://127.0.0.1:{port}", "X-Session-Id", proc.process.pid))
         if args.smg and os.path.exists(args.smg):
             port = _free_port()

@@ -3,9 +3,8 @@ survive a shared machine), plus the absolute numbers for the record.
 
   1. record parsing at K = 64: SGLang JSON bytes -> validated SampledTurn (json.loads + parse +
      validate), vs a naive per-token Python parse of the same dict (baseline);
-  2. transport: bytes/token of encode_turns vs the SGLang JSON, and decode speed;
-  3. reference server tokens/s over real HTTP: N concurrent requests (batched) vs one at a time;
-  4. (--kl) mean KL(q || p) of each emulated precision (the reference engine's EngineModel, KV-cached decode)
+  2. reference server tokens/s over real HTTP: N concurrent requests (batched) vs one at a time;
+  3. (--kl) mean KL(q || p) of each emulated precision (the reference engine's EngineModel, KV-cached decode)
      vs the fp32 trainer model (transformers' Qwen3ForCausalLM of the same tiny Qwen3, full forward).
 
 The model is the project's tiny Qwen3 (rlfleet/tiny_qwen3.py, the local mode's default: hidden 128, 2 layers,
@@ -26,7 +25,6 @@ import numpy as np
 import torch
 
 from rlfleet.numerics.engine_model import EngineModel, KernelConfig, ModelShape, precision_view
-from rlfleet.records import decode_turns, encode_turns
 from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.protocol import loads_json, parse_generate_response
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, measure_kl, tiny_shape
@@ -93,21 +91,15 @@ def bench_parsing(tokens: int, k: int, reps: int) -> dict:
     t_naive = best_of(lambda: naive_parse(body), reps)
     turn = parse_generate_response(body, prompt)
     assert turn.valid.all(), turn.invalid_reasons
-    blob = encode_turns([turn])
-    t_enc = best_of(lambda: encode_turns([turn]), reps)
-    t_dec = best_of(lambda: decode_turns(blob), reps)
     return {
         "tokens": tokens,
         "k": k,
         "json_bytes_per_token": len(raw) / tokens,
-        "transport_bytes_per_token": len(blob) / tokens,
         "tok_s_json_loads_only": tokens / t_json,
         "tok_s_orjson_loads_only": tokens / t_orjson,
         "tok_s_parse_validate_from_dict": tokens / t_parse,
         "tok_s_bytes_to_validated_turn": tokens / t_full,
         "tok_s_naive_baseline_from_dict": tokens / t_naive,
-        "tok_s_transport_encode": tokens / t_enc,
-        "tok_s_transport_decode": tokens / t_dec,
     }
 
 
@@ -199,12 +191,6 @@ def main() -> None:
     )
     print(
         f"  ratio bytes->turn / stdlib json.loads alone: {r['tok_s_bytes_to_validated_turn'] / r['tok_s_json_loads_only']:.2f}x"
-    )
-    print("== transport ==")
-    print(f"  bytes/token: transport {r['transport_bytes_per_token']:.1f}, SGLang JSON {r['json_bytes_per_token']:.1f} "
-          f"(ratio {r['transport_bytes_per_token'] / r['json_bytes_per_token']:.3f})")  # fmt: skip
-    print(
-        f"  encode {r['tok_s_transport_encode']:,.0f} tok/s, decode {r['tok_s_transport_decode']:,.0f} tok/s"
     )
     if not args.skip_server:
         s = bench_server(args.requests, args.new_tokens)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -59,7 +58,6 @@ class RouterConfig(_Model):
     connect_timeout_seconds: float = Field(default=2.0, gt=0.0)
     request_timeout_seconds: float | None = Field(default=None, gt=0.0)
     max_connections_per_replica: int = Field(default=256, ge=1)
-    upstream_client: Literal["aiohttp", "httpx"] = "aiohttp"
     # Upstream posts per request across replicas and groups (each replica once) before answering 503:
     # the router's part of the one retry policy of a turn (rlfleet/retries.py).
     max_attempts: int = Field(default=ROUTER_MAX_ATTEMPTS, ge=1)

@@ -92,7 +92,6 @@ class Router:
     async def start(self, health_checks: bool = True) -> None:
         if self._transport is None:
             self._transport = make_transport(
-                self.config.upstream_client,
                 self.config.connect_timeout_seconds,
                 self.config.request_timeout_seconds,
                 self.config.max_connections_per_replica,

@@ -307,7 +307,6 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, help="port (overrides the config; 0 = any free port)")
     parser.add_argument("--group", action="append", default=[], help="NAME=URL[,URL...][@SHARE] (repeatable)")
     parser.add_argument("--admin-token-file", help="file holding the admin bearer token")
-    parser.add_argument("--upstream-client", choices=["aiohttp", "httpx"], help="upstream HTTP client")
     parser.add_argument(
         "--loop", choices=["auto", "uvloop", "asyncio"], default="auto", help="event loop (auto: uvloop if installed)"
     )
@@ -322,8 +321,6 @@ def cli(argv: list[str]) -> int:
             updates["port"] = args.port
         if args.admin_token_file is not None:
             updates["admin_token_file"] = args.admin_token_file
-        if args.upstream_client is not None:
-            updates["upstream_client"] = args.upstream_client
         if args.group:
             updates["groups"] = [*config.groups, *(_parse_group_flag(g) for g in args.group)]
         config = RouterConfig.model_validate({**config.model_dump(), **updates})
