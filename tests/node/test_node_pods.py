@@ -125,10 +125,14 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
     probe = {
         "operator": "import rlfleet.operator, kopf; print('kopf', kopf.__version__)",
         "sampler": "import torch, rlfleet.sampler.reference_engine; print('torch', torch.__version__)",
-        # torchrun (the trainer pod's command) must see rlfleet, and its c10d rendezvous store must start
-        "trainer": "import shutil, torch, megatron.core, rlfleet.trainer.backend_megatron;"
+        # torchrun (the trainer pod's command) must see rlfleet, and its ranks must form a gloo group
+        # through its c10d rendezvous and their env:// stores (as the trainer's ranks do)
+        "trainer": "import shutil, subprocess, torch, megatron.core, rlfleet.trainer.backend_megatron;"
                    "print('torchrun', shutil.which('torchrun'));"
-                   "import torch.distributed as d; d.TCPStore('127.0.0.1', 0, is_master=True, multi_tenant=True);"
+                   "open('/tmp/ranks.py', 'w').write(\"import torch, torch.distributed as d; d.init_process_group('gloo');"
+                   " t = torch.ones(1); d.all_reduce(t); print('all_reduce', int(t.item())); d.destroy_process_group()\");"
+                   "r = subprocess.run(['torchrun', '--standalone', '--nproc-per-node=2', '/tmp/ranks.py'],"
+                   " capture_output=True, text=True); print(r.stdout, r.stderr[-3000:]);"
                    "print('megatron', megatron.core.__version__)",
     }[image]
     python = "/opt/rlfleet/bin/python" if image == "operator" else "python3"
@@ -149,6 +153,7 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
     assert {"operator": "kopf ", "sampler": "torch ", "trainer": "megatron "}[image] in out, out
     if image == "trainer":
         assert "torchrun /opt/venv/bin/torchrun" in out, out
+        assert out.count("all_reduce 2") == 2, out  # both ranks summed over the group
     entrypoint = restricted_container("v", ref, [], args=["--version"])  # ENTRYPOINT ["rlfleet"]
     del entrypoint["command"]
     apply(kube, pod(f"{name}-entrypoint", [entrypoint]), namespace=ns)

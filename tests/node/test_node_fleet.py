@@ -1,0 +1,262 @@
+"""The CPU example fleet on the real node: `helm install` of charts/rlfleet (its own RBAC, the store's PVC
+mounted into the operator), then `kubectl apply -f examples/rljob-cpu.yaml` as it is: three `cpu` sampler
+groups (bf16, fp8 with an fp8 KV cache, nvfp4) and a megatron trainer at tensor parallel 2 on two gloo
+ranks. It trains, the cockpit fills from real scrapes of real pods, and faults are survived: a sampler
+pod deleted, the operator pod deleted, a corrupted view, the trainer pod killed; deleting the RLJob
+leaves no pod.
+
+The tests share one fleet (module scope) and run in file order: each phase starts from the state the
+previous one left, as an operator's day would. Each asserts its own outcome; a phase that fails leaves
+the next ones to report theirs. The file sorts before test_node_pods.py, whose last test stops the node.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cluster_wait import wait_for
+
+pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.timeout(1800)]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "rljob-cpu.yaml"
+JOB = "cpu"  # metadata.name in the example
+GROUPS = ("bf16", "fp8", "nvfp4")
+CLAIM = "rlfleet-cpu-weights"
+STORE_PATH = "/weights/cpu"
+TOTAL_STEPS = 2000
+
+
+@dataclass
+class Fleet:
+    kube: Any  # controlplane.KubeCluster
+    ns: str
+    started: float
+    versions_seen: list[int] = field(default_factory=list)  # the channel's latest version, polled
+
+    def rljob(self) -> dict[str, Any]:
+        return self.kube.get_json("rljob", JOB, "-n", self.ns)
+
+    def status(self) -> dict[str, Any]:
+        return self.rljob().get("status", {})
+
+    def step(self) -> int:
+        return int(self.status().get("step") or 0)
+
+    def groups(self) -> dict[str, dict[str, Any]]:
+        items = self.kube.get_json("samplergroups", "-n", self.ns)["items"]
+        return {sg["metadata"]["name"]: sg for sg in items}
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        return self.kube.get_json("pods", "-n", self.ns, "-l", selector)["items"]
+
+    def sampler_pods(self, group: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods(f"rlfleet.dev/samplergroup={JOB}-{group}")
+                if not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+
+    def logs(self, pod: str, container: str, *extra: str) -> str:
+        return self.kube.kubectl("logs", "-n", self.ns, pod, "-c", container, *extra).stdout
+
+    def store_dir(self) -> Path:
+        """The store's directory on the host: the local-path PV behind the example's claim."""
+        volume = self.kube.get_json("pvc", CLAIM, "-n", self.ns)["spec"]["volumeName"]
+        pv = self.kube.get_json("pv", volume)["spec"]
+        return Path((pv.get("hostPath") or pv.get("local"))["path"])
+
+    def latest_version(self) -> int | None:
+        pointer = self.store_dir() / "pointer.json"  # rlfleet.channel.POINTER_KEY
+        try:
+            return int(json.loads(pointer.read_text())["version"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def wait_step(self, at_least: int, timeout: float = 900) -> int:
+        return wait_for(f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout=timeout)
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+@pytest.fixture(scope="module")
+def fleet(dev_cluster) -> Iterator[Fleet]:
+    kube = dev_cluster.kube
+    ns = f"fleet-{uuid.uuid4().hex[:6]}"
+    helm = kube.bin_dir / "helm"
+    repository, tag = dev_cluster.images["operator"].ref.rsplit(":", 1)
+    # The operator reads the channel from the same claim (mounted read-only at the store's path): it
+    # runs in the job's namespace, as a PVC cannot be mounted from another one.
+    stores = [{"name": "cpu", "claimName": CLAIM, "mountPath": STORE_PATH}]
+    install = subprocess.run(
+        [str(helm), "install", "rlfleet", str(REPO / "charts" / "rlfleet"), "-n", ns, "--create-namespace",
+         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
+         "--set", "operator.replicas=1", "--set-json", f"weightStores.filesystem={json.dumps(stores)}"],
+        env=kube.env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stdout + install.stderr
+    # the example as users apply it (the PVC with it), with more steps: the faults below need a run that
+    # is still training (the example's 50 steps take about two minutes here)
+    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
+    [job] = [d for d in docs if d["kind"] == "RLJob"]
+    job["spec"]["trainer"]["totalSteps"] = TOTAL_STEPS
+    kube.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
+    fleet = Fleet(kube, ns, time.monotonic())
+    stop = threading.Event()
+
+    def watch_versions() -> None:  # every version the channel's pointer names, in order seen
+        while not stop.wait(0.5):
+            try:
+                version = fleet.latest_version()
+            except Exception:  # noqa: BLE001 - the PVC is not bound yet
+                continue
+            if version is not None and (not fleet.versions_seen or fleet.versions_seen[-1] != version):
+                fleet.versions_seen.append(version)
+
+    watcher = threading.Thread(target=watch_versions, daemon=True)
+    watcher.start()
+    try:
+        yield fleet
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+        subprocess.run([str(helm), "uninstall", "rlfleet", "-n", ns, "--wait"], env=kube.env(),
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+        kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_the_cpu_example_trains_and_fills_the_cockpit(fleet: Fleet) -> None:
+    """Pod start to a trained step, then every column of `kubectl get rlj,sg` from real scrapes."""
+    step = fleet.wait_step(2, timeout=1200)
+    print(f"step {step} after {time.monotonic() - fleet.started:.0f}s from apply")
+
+    def cockpit_full() -> dict[str, dict[str, Any]] | None:
+        groups = fleet.groups()
+        if len(groups) != len(GROUPS):
+            return None
+        for sg in groups.values():
+            s = sg.get("status", {})
+            if not (s.get("readyReplicas") == 1 and (s.get("tokensPerSecond") or 0) > 0 and s.get("sharePercent") is not None
+                    and (s.get("appliedWeightVersion") or 0) >= 1 and s.get("versionLag") is not None
+                    and s.get("kl") is not None and s.get("oorFraction") is not None):  # fmt: skip
+                return None
+        return groups
+
+    groups = wait_for("every SamplerGroup Ready with Tok/s, Share%, Version, Lag, KL and OOR", cockpit_full, timeout=600)
+    shares = [float(sg["status"]["sharePercent"]) for sg in groups.values()]
+    assert abs(sum(shares) - 100) < 1.5, shares
+    status = fleet.status()
+    assert status.get("weightVersion", 0) >= 1 and status.get("metrics", {}).get("reward") is not None, status
+    table = fleet.kube.kubectl("get", "rlj,sg", "-n", fleet.ns).stdout
+    print(table)
+    # `kubectl logs` works for every container of every pod, init containers included
+    for pod in fleet.pods("app.kubernetes.io/part-of=rlfleet"):
+        spec = pod["spec"]
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            out = fleet.logs(pod["metadata"]["name"], container["name"])
+            assert out.strip() or container["name"] == "router", (pod["metadata"]["name"], container["name"])
+
+
+def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet) -> None:
+    """The replacement's init container fetches and verifies the channel's newest version (not version
+    0); the deleted pod's subscriber report is gone (its sidecar withdrew it on SIGTERM); training goes on."""
+    [old] = fleet.sampler_pods("bf16")
+    old_name = old["metadata"]["name"]
+    report = fleet.store_dir() / "subscribers" / f"{JOB}-bf16" / f"{old_name}.json"
+    assert report.exists(), sorted(p.name for p in report.parent.glob("*"))
+    step = fleet.step()
+    latest = fleet.latest_version()
+    fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, old_name, "--wait=true", "--timeout=120s")
+    assert not report.exists()  # withdrawn by the stopping sidecar, not aged out
+
+    def replacement() -> dict[str, Any] | None:
+        pods = [p for p in fleet.sampler_pods("bf16") if p["metadata"]["name"] != old_name]
+        return pods[0] if pods and _ready(pods[0]) else None
+
+    new = wait_for("the replacement bf16 pod Ready", replacement, timeout=600)
+    fetched = fleet.logs(new["metadata"]["name"], "weight-fetch")
+    [launched] = [int(v) for v in re.findall(r"launch checkpoint: v(\d+)", fetched)]
+    assert launched >= (latest or 1), fetched[-3000:]
+    fleet.wait_step(step + 2)
+    assert (fleet.store_dir() / "subscribers" / f"{JOB}-bf16" / f"{new['metadata']['name']}.json").exists()
+
+
+def test_training_goes_on_without_the_operator_and_status_converges(fleet: Fleet) -> None:
+    [op] = fleet.pods("app.kubernetes.io/name=rlfleet")
+    step = fleet.step()
+    fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, op["metadata"]["name"], "--wait=true", "--timeout=120s")
+    # the trainer and the samplers do not need the operator: the channel moves on while it is gone
+    version = fleet.latest_version() or 0
+    wait_for("a new version published while the operator restarts",
+             lambda: (fleet.latest_version() or 0) > version, timeout=600)  # fmt: skip
+    wait_for("the new operator pod Ready", lambda: any(
+        _ready(p) for p in fleet.pods("app.kubernetes.io/name=rlfleet")), timeout=300)  # fmt: skip
+    fleet.wait_step(step + 2)  # the new operator reads the trainer and writes the status again
+
+
+def test_a_corrupted_view_is_refused_and_the_group_keeps_serving(fleet: Fleet) -> None:
+    """A byte flipped in the nvfp4 view of a new version as it lands (before the pointer moves): the
+    nvfp4 sidecar refuses it by checksum, keeps serving the version it has, and says why; the other
+    groups apply it."""
+    store = fleet.store_dir()
+    start = fleet.latest_version() or 0
+    target = start + 1
+    view_file = store / f"v{target}" / "nvfp4" / "model.safetensors"  # the channel's layout (docs/weights.md)
+    corrupted = wait_for(f"version {target}'s nvfp4 file", lambda: _flip_a_byte(view_file), timeout=600, interval=0.02)
+    assert corrupted
+    [pod] = fleet.sampler_pods("nvfp4")
+    name = pod["metadata"]["name"]
+    log = wait_for("the nvfp4 sidecar refusing the corrupted view", lambda: (
+        out := fleet.logs(name, "weight-sync")) and "checksum" in out.lower() and out, timeout=300)  # fmt: skip
+    assert str(target) in log
+    applied = fleet.groups()[f"{JOB}-nvfp4"]["status"].get("appliedWeightVersion")
+    assert applied is None or applied != target
+    assert _ready(fleet.sampler_pods("nvfp4")[0])  # still serving
+    wait_for("bf16 past the corrupted version", lambda: (
+        fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0) >= target, timeout=600)  # fmt: skip
+    # the status counts the refusal (the reason is in the message and the WeightsSynced condition only
+    # while the replica still fails: the next good version clears it, which here is seconds later)
+    wait_for("the nvfp4 group's status counting the refusal", lambda: (
+        fleet.groups()[f"{JOB}-nvfp4"].get("status", {}).get("weightSyncFailures") or 0) >= 1, timeout=300)  # fmt: skip
+    assert not fleet.groups()[f"{JOB}-bf16"]["status"].get("weightSyncFailures")
+
+
+def _flip_a_byte(path: Path) -> bool:
+    try:
+        with path.open("r+b") as fh:
+            fh.seek(-1, 2)
+            last = fh.read(1)
+            fh.seek(-1, 2)
+            fh.write(bytes([last[0] ^ 0xFF]))
+        return True
+    except OSError:
+        return False
+
+
+def test_a_killed_trainer_resumes_at_its_checkpoint_and_versions_never_go_back(fleet: Fleet) -> None:
+    before = fleet.latest_version()
+    assert before is not None
+    trainer = f"{JOB}-trainer-0"
+    fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, trainer, "--grace-period=0", "--force", "--wait=true")
+    wait_for("a new version after the trainer's restart", lambda: (fleet.latest_version() or 0) > before, timeout=900)
+    log = fleet.logs(trainer, "trainer")
+    resumed = re.search(r"resuming from the checkpoint at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) >= before, log[-3000:]
+    seen = fleet.versions_seen
+    assert seen == sorted(seen), seen  # never backwards, across the kill
+
+
+def test_twenty_steps_then_deleting_the_rljob_leaves_no_pod(fleet: Fleet) -> None:
+    fleet.wait_step(20, timeout=1500)
+    fleet.kube.kubectl("delete", "rljob", JOB, "-n", fleet.ns, "--wait=true", "--timeout=300s")
+    wait_for("no pod of the job left", lambda: not fleet.pods(f"rlfleet.dev/job={JOB}"), timeout=300)
