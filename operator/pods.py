@@ -101,6 +101,12 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("conditions") or [])
 
 
+def _last_line(text: str | None) -> str:
+    """The last non-empty line of a termination message (a traceback's last line is the error)."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def _clip(text: str) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."
@@ -132,7 +138,10 @@ def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
             if reason == "CrashLoopBackOff":
                 last = c.get("lastTerminated") or {}
                 exited = f" (last exit: {last.get('reason') or 'Error'}, code {last.get('exitCode')})" if last else ""
-                return PodProblem("CrashLoopBackOff", _clip(f"{where}: CrashLoopBackOff{exited}: {message}".rstrip(": ")))
+                said = _last_line(last.get("message"))  # the log's tail (FallbackToLogsOnError): the error
+                said = f"; it said: {said}" if said else ""
+                return PodProblem("CrashLoopBackOff",
+                                  _clip(f"{where}: CrashLoopBackOff{exited}: {message}".rstrip(": ") + said))  # fmt: skip
     mount = pod.get("mountFailure")
     if mount and pod.get("phase") == "Pending" and _creating(pod):
         found = _MISSING.search(mount)

@@ -51,6 +51,10 @@ from rlfleet.operator.podspec import (
 
 Manifest = dict[str, Any]
 
+# A container that fails with an empty termination message gets its last log lines there (the kubelet
+# keeps the tail), so the operator's CrashLoopBackOff reason carries the error itself (operator/pods.py).
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
+
 
 def sampler_labels(sg: SamplerGroup) -> dict[str, str]:
     """The labels of a group's Deployment, Service and pods."""
@@ -122,6 +126,7 @@ def build_trainer_statefulset(
         "name": "trainer",
         "image": t.image,
         "imagePullPolicy": job.spec.sampler_images.pull_policy,
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "command": ["torchrun"],
         "args": [
             "--nnodes=$(NNODES)",
@@ -204,6 +209,7 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
         "name": "router",
         "image": r.image,
         "imagePullPolicy": job.spec.sampler_images.pull_policy,
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "command": ["rlfleet"],
         "args": ["router", "serve", "--config", f"{n.CONFIG_MOUNT}/{n.ROUTER_CONFIG_FILE}"],
         "ports": [{"name": "http", "containerPort": n.ROUTER_PORT}],
@@ -318,6 +324,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
         "name": cls.engine,  # "sglang", or "reference" on a CPU class
         "image": spec.images.sampler,
         "imagePullPolicy": spec.images.pull_policy,
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "command": command,
         "args": args,
         "env": env,
@@ -380,6 +387,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                 "name": "weight-fetch",
                 "image": spec.images.sync,
                 "imagePullPolicy": spec.images.pull_policy,
+                "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
                 "command": ["rlfleet"],
                 "args": [*sync_args, "--fetch-only"],
                 "env": sync_env,
@@ -393,6 +401,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                 "name": "weight-sync",
                 "image": spec.images.sync,
                 "imagePullPolicy": spec.images.pull_policy,
+                "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
                 "command": ["rlfleet"],
                 "args": [*sync_args, "--port", str(n.SYNC_PORT)],
                 "env": sync_env,

@@ -40,12 +40,42 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _WriteErrors:
+    """A file's `write`, remembering the OSError it raised: torch.save's C++ writer turns a failed write
+    (a full volume: ENOSPC) into its own RuntimeError ("enforce fail ... unexpected pos"), losing why."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.error = fh, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
 def _atomic_write_bytes(path: Path, write) -> None:
+    """`write(fh)` into `<path>.tmp`, fsync, then rename onto `path`: a reader never sees partial bytes;
+    on failure the temporary file is removed and a failed write's OSError is what is raised."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "wb") as fh:
+            writer = _WriteErrors(fh)
+            try:
+                write(writer)
+                fh.flush()
+            except RuntimeError as e:
+                if writer.error is None:
+                    raise
+                raise writer.error from e
+            os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
 

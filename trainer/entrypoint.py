@@ -21,10 +21,13 @@ either backend then runs on the CPU with a gloo process group (megatron in fp32,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import logging
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("rlfleet.trainer")
@@ -63,11 +66,25 @@ def cli(argv: list[str]) -> int:
     try:
         job = load_rljob(args.config)
     except RLJobLoadError as exc:
-        print(f"rlfleet trainer run: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc), 2)
     logging.basicConfig(level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO"))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
     return run(job, args)
+
+
+TERMINATION_LOG = Path("/dev/termination-log")  # Kubernetes' default terminationMessagePath
+
+
+def fail(message: str, code: int) -> int:
+    """A fatal error as one line on stderr and, in a pod, as the container's termination message (the
+    kubelet creates the file; it is not created here): the operator's CrashLoopBackOff reason then
+    quotes it instead of torchrun's exit summary (operator/pods.py)."""
+    line = f"rlfleet trainer run: {message}"
+    print(line, file=sys.stderr)
+    if TERMINATION_LOG.exists():
+        with contextlib.suppress(OSError):
+            TERMINATION_LOG.write_text(line[:4000] + "\n")
+    return code
 
 
 def run(job: Any, args: argparse.Namespace) -> int:
@@ -97,8 +114,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
                              max_seq_len=job.spec.model.max_seq_len, parallelism=job.spec.trainer.parallelism,
                              device=trainer_device())
     except (ModelSourceError, TrainingStartError) as exc:
-        print(f"rlfleet trainer run: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc), 2)
     backend = base.backend
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
@@ -153,8 +169,17 @@ def run(job: Any, args: argparse.Namespace) -> int:
             log.warning("training paused by the collapse detector; exporting metrics until stopped")
             threading.Event().wait()
     except TrainingStartError as exc:
-        print(f"rlfleet trainer run: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc), 2)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # One clear line (the pod's termination message, hence the RLJob's CrashLoopBackOff reason): the
+        # checkpoint and every version's bytes are written before their pointer moves, so nothing
+        # partial is named; a restart resumes from the last checkpoint once there is room.
+        return fail(f"the weight store {store.uri} is full ({exc.strerror}: {exc.filename}); the channel "
+                    f"still names v{sink.latest_version()} (complete: bytes are written before the pointer "
+                    "moves). Free space on the volume or grow it: the trainer then resumes from its last "
+                    "checkpoint", 1)  # fmt: skip
     finally:
         exporter.close()
         store.close()

@@ -68,6 +68,10 @@ def waiting(name: str, reason: str, message: str = "", last: dict | None = None)
         (pod(phase="Running", containers=[waiting("sglang", "CrashLoopBackOff", "back-off 5m0s",
                                                   {"reason": "OOMKilled", "exitCode": 137})]),
          "CrashLoopBackOff", ["container sglang: CrashLoopBackOff (last exit: OOMKilled, code 137)"]),
+        (pod(phase="Running", containers=[waiting("trainer", "CrashLoopBackOff", "back-off 20s", {
+            "reason": "Error", "exitCode": 1,  # the log's tail, as FallbackToLogsOnError gives it
+            "message": "INFO:rlfleet.trainer: step 7\nrlfleet trainer run: the weight store is full\n\n"})]),
+         "CrashLoopBackOff", ["(last exit: Error, code 1): back-off 20s; it said: rlfleet trainer run: the weight store is full"]),
     ],
 )  # fmt: skip
 def test_each_reason_mapping(body: dict, reason: str, words: list[str]) -> None:

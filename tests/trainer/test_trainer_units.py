@@ -360,6 +360,21 @@ def test_checkpoints_on_a_store_live_under_the_channel_prefix_next_to_its_versio
     assert checkpoint_target(s3, "/override") == Path("/override")
 
 
+def test_a_full_volume_fails_a_checkpoint_with_enospc_and_leaves_the_last_one_named(tmp_path):
+    """A full volume (the temporary file is /dev/full: every write fails with ENOSPC): the caller gets
+    the OSError (torch.save alone would raise its own RuntimeError, losing why; the trainer entrypoint
+    turns ENOSPC into one clear line), the temporary file is gone and `latest` still names step 1."""
+    import errno
+
+    checkpoint.save_checkpoint(tmp_path, {"step": 1, "w": torch.zeros(4)})
+    (tmp_path / "ckpt-00000002.pt.tmp").symlink_to("/dev/full")
+    with pytest.raises(OSError) as failed:
+        checkpoint.save_checkpoint(tmp_path, {"step": 2, "w": torch.zeros(100_000)})
+    assert failed.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt", "latest"]
+    assert checkpoint.load_latest(tmp_path)["step"] == 1
+
+
 def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
     """The same on the REAL S3-compatible server of the weight tests (moto_server, started with
     tests/weights/conftest.py's helpers): keys under the channel's prefix, next to its versions."""
