@@ -2,8 +2,9 @@
 mounted into the operator), then `kubectl apply -f examples/rljob-cpu.yaml` as it is: three `cpu` sampler
 groups (bf16, fp8 with an fp8 KV cache, nvfp4) and a megatron trainer at tensor parallel 2 on two gloo
 ranks. It trains, the cockpit fills from real scrapes of real pods, and faults are survived: a sampler
-pod deleted, the operator pod deleted, a corrupted view, the trainer pod killed; deleting the RLJob
-leaves no pod.
+pod deleted, the operator pod deleted, a corrupted view, the trainer pod killed, the store's volume
+full; deleting the RLJob leaves no pod. The store is a small tmpfs on the node (a PV of it) so that
+it can be filled.
 
 The tests share one fleet (module scope) and run in file order: each phase starts from the state the
 previous one left, as an operator's day would. Each asserts its own outcome; a phase that fails leaves
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -36,6 +38,7 @@ GROUPS = ("bf16", "fp8", "nvfp4")
 CLAIM = "rlfleet-cpu-weights"
 STORE_PATH = "/weights/cpu"
 TOTAL_STEPS = 2000
+STORE_VOLUME_SIZE = "128m"  # a few versions (1.3 MB each, 3 views) and two checkpoints of the tiny model
 
 
 @dataclass
@@ -105,6 +108,22 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
         env=kube.env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert install.returncode == 0, install.stdout + install.stderr
+    # The store's volume: a small tmpfs on the node, so that a test can fill it (a local-path volume is a
+    # directory on the host's big disk). A PV of it, and the example's claim bound to it; the example's
+    # own PVC then applies as a no-op (created here without kubectl's last-applied annotation).
+    volume = Path(tempfile.mkdtemp(prefix="rlfleet-fleet-store-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={STORE_VOLUME_SIZE},mode=0777", "tmpfs", str(volume)],
+                   check=True)  # fmt: skip
+    pv_name = f"{ns}-store"
+    kube.kubectl("create", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
+        "spec": {"capacity": {"storage": "2Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(volume), "type": "Directory"},
+                 "claimRef": {"namespace": ns, "name": CLAIM}}}))  # fmt: skip
+    kube.kubectl("create", "-n", ns, "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CLAIM},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv_name,
+                 "resources": {"requests": {"storage": "2Gi"}}}}))  # fmt: skip
     # the example as users apply it (the PVC with it), with more steps: the faults below need a run that
     # is still training (the example's 50 steps take about two minutes here)
     docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
@@ -130,9 +149,14 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
     finally:
         stop.set()
         watcher.join(timeout=5)
+        # the job first, while the operator runs (it releases the WeightChannel's finalizer)
+        kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
         subprocess.run([str(helm), "uninstall", "rlfleet", "-n", ns, "--wait"], env=kube.env(),
                        capture_output=True, text=True, timeout=300)  # fmt: skip
-        kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        kube.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=100s", check=False)
+        kube.kubectl("delete", "pv", pv_name, "--wait=false", check=False)
+        subprocess.run(["umount", "-l", str(volume)], check=False)
+        volume.rmdir()
 
 
 def test_the_cpu_example_trains_and_fills_the_cockpit(fleet: Fleet) -> None:
@@ -254,6 +278,32 @@ def test_a_killed_trainer_resumes_at_its_checkpoint_and_versions_never_go_back(f
     assert resumed and int(resumed.group(1)) >= before, log[-3000:]
     seen = fleet.versions_seen
     assert seen == sorted(seen), seen  # never backwards, across the kill
+
+
+def test_a_full_store_volume_stops_publishing_with_a_clear_reason_and_names_nothing_partial(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The store's volume filled from the node: the trainer's next checkpoint or publish fails, it exits
+    with one line that the RLJob's status quotes (the container's termination message), the pointer
+    still names a version whose every file verifies; with room again, training goes on."""
+    from rlfleet.channel import WeightChannel
+    from rlfleet.store import FilesystemStore
+
+    store = fleet.store_dir()
+    filler = store / "filler"  # root's file: nothing in the pods can remove it
+    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, check=False)  # to ENOSPC
+    try:
+        why = wait_for("the RLJob saying the store is full", lambda: "is full" in (
+            m := fleet.status().get("message", "")) and m, timeout=900)  # fmt: skip
+        assert "No space left on device" in why and fleet.status()["phase"] == "Degraded", why
+        latest = fleet.latest_version()
+        assert latest is not None and str(f"v{latest}") in why
+        channel = WeightChannel(FilesystemStore(store))
+        for view in GROUPS:  # every file of the named version is there, with its digest (verified)
+            channel.download_view(latest, view, tmp_path / view)
+    finally:
+        filler.unlink()
+    wait_for("a new version once there is room", lambda: (fleet.latest_version() or 0) > latest, timeout=900)
 
 
 def test_twenty_steps_then_deleting_the_rljob_leaves_no_pod(fleet: Fleet) -> None:
