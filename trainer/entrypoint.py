@@ -69,7 +69,15 @@ def cli(argv: list[str]) -> int:
         return fail(str(exc), 2)
     logging.basicConfig(level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO"))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
-    return run(job, args)
+    code = run(job, args)
+    if code != 0:
+        # A failed run must end the process so that the pod restarts (and says why): a thread the run
+        # left (a rollout request in flight, torch's compile workers) kept it alive once, seen on the real
+        # node with a full store volume. Everything was closed by run(); flush, then exit at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 TERMINATION_LOG = Path("/dev/termination-log")  # Kubernetes' default terminationMessagePath
@@ -176,7 +184,8 @@ def run(job: Any, args: argparse.Namespace) -> int:
         # One clear line (the pod's termination message, hence the RLJob's CrashLoopBackOff reason): the
         # checkpoint and every version's bytes are written before their pointer moves, so nothing
         # partial is named; a restart resumes from the last checkpoint once there is room.
-        return fail(f"the weight store {store.uri} is full ({exc.strerror}: {exc.filename}); the channel "
+        where = f": {exc.filename}" if exc.filename else ""
+        return fail(f"the weight store {store.uri} is full ({exc.strerror}{where}); the channel "
                     f"still names v{sink.latest_version()} (complete: bytes are written before the pointer "
                     "moves). Free space on the volume or grow it: the trainer then resumes from its last "
                     "checkpoint", 1)  # fmt: skip

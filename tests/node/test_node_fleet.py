@@ -200,6 +200,7 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     assert report.exists(), sorted(p.name for p in report.parent.glob("*"))
     step = fleet.step()
     latest = fleet.latest_version()
+    drops_before = fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ")
     fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, old_name, "--wait=true", "--timeout=120s")
     assert not report.exists()  # withdrawn by the stopping sidecar, not aged out
 
@@ -213,6 +214,15 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     assert launched >= (latest or 1), fetched[-3000:]
     fleet.wait_step(step + 2)
     assert (fleet.store_dir() / "subscribers" / f"{JOB}-bf16" / f"{new['metadata']['name']}.json").exists()
+    # no rollout lost (the router moved the deleted pod's requests: the driver dropped no prompt group)
+    # or counted twice (every step trained exactly promptsPerStep x samplesPerPrompt episodes)
+    assert fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ") == drops_before
+    from rlfleet.trainer import checkpoint
+
+    history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
+    episodes = {int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
+                for row in history}  # fmt: skip
+    assert len(episodes) >= step + 1 and set(episodes.values()) == {8 * 4}, episodes  # the example's sizes
 
 
 def test_training_goes_on_without_the_operator_and_status_converges(fleet: Fleet) -> None:
@@ -293,9 +303,12 @@ def test_a_full_store_volume_stops_publishing_with_a_clear_reason_and_names_noth
     filler = store / "filler"  # root's file: nothing in the pods can remove it
     subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, check=False)  # to ENOSPC
     try:
-        why = wait_for("the RLJob saying the store is full", lambda: "is full" in (
-            m := fleet.status().get("message", "")) and m, timeout=900)  # fmt: skip
-        assert "No space left on device" in why and fleet.status()["phase"] == "Degraded", why
+        # between the trainer's restarts (the kubelet's back-off) the RLJob is Degraded and quotes it
+        status = wait_for("the RLJob saying the store is full", lambda: "is full" in (
+            s := fleet.status()).get("message", "") and s, timeout=900)  # fmt: skip
+        why = status["message"]
+        assert "No space left on device" in why and status["phase"] == "Degraded", status
+        assert status["reason"] == "CrashLoopBackOff" and "it said: rlfleet trainer run: the weight store" in why
         latest = fleet.latest_version()
         assert latest is not None and str(f"v{latest}") in why
         channel = WeightChannel(FilesystemStore(store))
