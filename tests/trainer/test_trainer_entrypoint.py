@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 from cluster_wait import wait_for
+from test_trainer_cpu_class import free_port  # the trainer tests' one copy
 
 from rlfleet.channel import WeightChannel
 from rlfleet.local.fleet import FleetSpec, GroupSpec
@@ -119,14 +120,6 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     assert f"training finished at step {STEPS} (spec.trainer.totalSteps {STEPS})" in stderr
     assert "resuming from the checkpoint" not in stderr
     assert channel.versions() == list(range(STEPS + 1))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _scrape(port: int, proc: subprocess.Popen) -> str | None:
