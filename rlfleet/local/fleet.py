@@ -180,7 +180,10 @@ async def _host(spec: FleetSpec) -> int:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=os.environ.get("RLFLEET_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # INFO: <out>/fleet.log (docs/local.md) records every group's weight loads; httpx would add a line per
+    # health check and request, drowning them
+    logging.basicConfig(level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = FleetSpec.from_json(Path(argv[0]).read_text())
     return asyncio.run(_host(spec))
 
