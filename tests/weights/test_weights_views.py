@@ -166,9 +166,9 @@ def test_save_view_digests_are_the_files_blake3(
     bytes as read back, computed here independently; several chunks per file (small CHUNK_BYTES)."""
     import blake3
 
-    from rlfleet import store
+    from rlfleet.store import digests
 
-    monkeypatch.setattr(store, "CHUNK_BYTES", 4096)  # several chunks per file: hash order matters
+    monkeypatch.setattr(digests, "CHUNK_BYTES", 4096)  # several chunks per file: hash order matters
     files = save_view(state_dict, "fp8", tmp_path / "v")
     assert max(p.stat().st_size for p in files) > 4 * 4096
     for path, digest in files.items():
