@@ -115,8 +115,11 @@ class ArmResult:
     kl_peak_ratio: float
     kl_mean: float
     oor_fraction: float
-    collapse_step: int | None
-    collapse_signals: list[str]
+    first_alert_step: int | None
+    """The collapse detector's first alert (None: it never fired); not the pre-registered collapse
+    (`claims.collapse_step`), which is computed from `history`."""
+    alert_signals: list[str]
+    """Every signal the detector raised over the run."""
     max_sc_tail_ratio: float | None
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
@@ -332,8 +335,8 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
         kl_peak_ratio=float(kls.max() / start),
         kl_mean=float(kls.mean()),
         oor_fraction=float(np.mean([h.get("oor_fraction", 0.0) for h in hist])),
-        collapse_step=detector.first_alert_step,
-        collapse_signals=detector.signals_raised,
+        first_alert_step=detector.first_alert_step,
+        alert_signals=detector.signals_raised,
         max_sc_tail_ratio=float(max(rhos)) if rhos else None,
         seconds=time.monotonic() - t0,
         history=hist,
@@ -348,12 +351,12 @@ def claims_fleet(fleets: Sequence[str]) -> str:
     return "mixed" if "mixed" in others or not others else others[0]
 
 
-def table(results: list[ArmResult]) -> str:
-    """Markdown table. "mixed/homog. KL": the arm's mean KL on a low-precision fleet over its mean KL
+def runs_table(results: list[ArmResult]) -> str:
+    """Markdown, one row per run. "mixed/homog. KL": the arm's mean KL on a low-precision fleet over its mean KL
     on the homogeneous fleet (staleness included), and at step 1 (on-policy: precision and kernels only)."""
     by = {(r.arm, r.fleet): r for r in results}
     lines = [
-        "| arm | fleet | final reward | peak reward | peak KL / start | mean KL | OOR fraction | collapse detected (step: signals) | max sc_tail_ratio | mixed/homog. KL (run / step 1) |",
+        "| arm | fleet | final reward | peak reward | peak KL / start | mean KL | OOR fraction | detector's first alert (step: signals raised) | max sc_tail_ratio | mixed/homog. KL (run / step 1) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -362,11 +365,11 @@ def table(results: list[ArmResult]) -> str:
         if r.fleet != "homogeneous" and other and other.kl_mean > 0:
             first = (r.history[0].get("kl_k3", 0.0) / other.history[0]["kl_k3"]) if other.history and other.history[0].get("kl_k3") else float("nan")
             ratio = f"{r.kl_mean / other.kl_mean:.1f}x / {first:.1f}x"
-        collapse = f"{r.collapse_step}: {', '.join(r.collapse_signals)}" if r.collapse_step is not None else "no"
+        alert = f"{r.first_alert_step}: {', '.join(r.alert_signals)}" if r.first_alert_step is not None else "no"
         rho = f"{r.max_sc_tail_ratio:.2f}" if r.max_sc_tail_ratio is not None else "-"
         lines.append(
             f"| {r.arm} | {r.fleet} | {r.final_reward:.3f} | {r.peak_reward:.3f} | {r.kl_peak_ratio:.1f}x | {r.kl_mean:.4f} | "
-            f"{r.oor_fraction:.2%} | {collapse} | {rho} | {ratio} |"
+            f"{r.oor_fraction:.2%} | {alert} | {rho} | {ratio} |"
         )
     return "\n".join(lines)
 
@@ -582,7 +585,7 @@ def cli(argv: Sequence[str]) -> int:
     definition = CollapseDefinition(chance=TASK_CHANCE[cfg.task])
     low_fleet = claims_fleet(fleets)
     claims = evaluate_claims(paper_claims(definition, lag=cfg.lag, low_fleet=low_fleet), records)
-    by_seed0 = [r for r, (_, _, c) in zip(results, jobs, strict=True) if c.seed == seeds[0] and c.lag == cfg.lag]
+    first_seed_runs = [r for r, (_, _, c) in zip(results, jobs, strict=True) if c.seed == seeds[0] and c.lag == cfg.lag]
     cpu = sum(r.seconds for r in results)
     md = "\n\n".join([
         f"Runs: {len(jobs)}; wall {wall / 60:.1f} min with {workers} workers"
@@ -593,8 +596,8 @@ def cli(argv: Sequence[str]) -> int:
         + claims_table(claims),
         "### Per cell (all seeds)\n\n" + summary_table(records, definition),
         "### Collapse detector against the pre-registered definition\n\n" + detector_table(score_detector(
-            records, [DetectorAlerts(r.collapse_step, tuple(r.collapse_signals)) for r in results], definition)),
-        f"### Seed {seeds[0]}, lag {cfg.lag}\n\n" + table(by_seed0),
+            records, [DetectorAlerts(r.first_alert_step, tuple(r.alert_signals)) for r in results], definition)),
+        f"### Seed {seeds[0]}, lag {cfg.lag}\n\n" + runs_table(first_seed_runs),
     ])
     print(md)
     (out / "ablation.md").write_text(md + "\n")
@@ -606,5 +609,5 @@ def cli(argv: Sequence[str]) -> int:
         "runs": [{"seed": c.seed, "lag": c.lag, **asdict(r)} for r, (_, _, c) in zip(results, jobs, strict=True)],
         "claims": [{"id": c.id, "status": res.status, "evidence": res.evidence} for c, res in claims],
     }, indent=1))
-    plots(by_seed0, out, low_fleet)
+    plots(first_seed_runs, out, low_fleet)
     return 0

@@ -612,7 +612,7 @@ class DetectorAlerts:
     """What the collapse detector said about one run: its first alert's step (None: it never fired) and
     every signal it raised over the run."""
 
-    first_step: int | None
+    first_alert_step: int | None
     signals: tuple[str, ...]
 
 
@@ -646,11 +646,11 @@ def score_detector(records: Sequence[RunRecord], alerts: Sequence[DetectorAlerts
                        "stable", "stable_fired", "other", "other_fired"), 0)
     signals: dict[str, int] = {}
     for record, alert in zip(records, alerts, strict=True):
-        fired = alert.first_step is not None
+        fired = alert.first_alert_step is not None
         collapsed_at = definition.step(record.rewards)
         if collapsed_at is not None:
             row = "collapsed"
-            n["collapsed_ahead"] += fired and alert.first_step <= collapsed_at
+            n["collapsed_ahead"] += fired and alert.first_alert_step <= collapsed_at
         elif lock_step(record.uniform_fractions) is not None:
             row = "locked"
         elif is_stable_run(record):

@@ -1,4 +1,4 @@
-"""Benchmark: the collapse detector's hits and false alarms on recorded ablation runs.
+"""Research script: the collapse detector's hits and false alarms on recorded ablation runs.
 
 `rlfleet ablate --out DIR` writes DIR/ablation.json: every run's per-step metrics (the training loop's
 history, exactly the dicts the loop fed to the detector) and the alerts the detector of that commit
@@ -41,6 +41,11 @@ def replay(history: list[dict[str, float]], thresholds: CollapseThresholds) -> D
     return DetectorAlerts(detector.first_alert_step, tuple(detector.signals_raised))
 
 
+def recorded(run: dict) -> DetectorAlerts:
+    """The alerts a run of `ablation.json` recorded live (`ArmResult.first_alert_step`, `alert_signals`)."""
+    return DetectorAlerts(run["first_alert_step"], tuple(run["alert_signals"]))
+
+
 def line(name: str, s: DetectorScore) -> str:
     signals = ", ".join(f"{k} {v}" for k, v in s.false_alarm_signals.items()) or "none"
     return (f"| {name} | {s.collapsed_fired}/{s.collapsed} ({s.collapsed_ahead} ahead) | {s.locked_fired}/{s.locked} "
@@ -69,11 +74,10 @@ def main() -> None:
         definition = CollapseDefinition(chance=TASK_CHANCE[cfg["task"]])
         runs = data["runs"]
         records = [RunRecord(r["arm"], r["fleet"], r["seed"], r["lag"], r["history"]) for r in runs]
-        recorded = [DetectorAlerts(r["collapse_step"], tuple(r["collapse_signals"])) for r in runs]
         replayed = [replay(r["history"], thresholds) for r in runs]
         name = f"{path.parent.name}: {cfg['task']}, lag {cfg['lag']}, {cfg['steps']} steps" + (
             f", warm start {cfg['warm_start']}" if cfg.get("warm_start") else "")
-        rows["baseline"].append((name, score_detector(records, recorded, definition)))
+        rows["baseline"].append((name, score_detector(records, [recorded(r) for r in runs], definition)))
         rows["current"].append((name, score_detector(records, replayed, definition)))
     for which, scored in rows.items():
         print(f"\n{which}: " + ("alerts recorded when the runs were made" if which == "baseline" else

@@ -1,9 +1,9 @@
 """In-process emulated samplers (no HTTP) for the ablation and the research scripts.
 
 Local mode (`rlfleet run --local`) never uses this: it starts the real reference sampler servers.
-The ablation runs 12 arms x tens of steps on 2 cores and uses this path for speed (documented in
-docs/ablation.md). Each sampler IS the reference server's engine (`rlfleet.sampler.reference_engine.
-ReferenceEngine`: the Qwen3 of rlfleet/numerics/engine_model.py held against transformers, its scheduler
+The ablation makes 80 runs of 120 steps (6 arms x 2 fleets x 5 seeds and the null-arm control) on
+2 cores and uses this path for speed (docs/ablation.md). Each sampler IS the reference server's
+engine (`rlfleet.sampler.reference_engine.ReferenceEngine`: the Qwen3 of rlfleet/numerics/engine_model.py held against transformers, its scheduler
 steps, SGLang's torch sampling reference) driven in process by `run_batch`, with the product's one
 format / KV table: the group's weights are the view the channel would publish for its weight format
 (`rlfleet.numerics.views.view_weights`: the publisher's quantization, served as stored), its KV cache `ENGINE_KV[kvCacheDtype]` ("auto" is the model dtype,

@@ -1,4 +1,4 @@
-"""Benchmark: the direction of the sampler/trainer mismatch, low precision against staleness.
+"""Research script: the direction of the sampler/trainer mismatch, low precision against staleness.
 
 Why (docs/ablation.md, "Fifth search"): uncorrected pg's expected logit update at a context whose
 mean advantage is A carries a drift term lr * A * (q - p) (docs/objective.md). Staleness gives

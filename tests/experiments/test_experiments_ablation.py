@@ -58,6 +58,15 @@ def test_tiny_ablation_is_seeded_and_writes_table_and_plots(tmp_path, monkeypatc
     homog = {r["arm"]: r for r in data["runs"] if r["fleet"] == "homogeneous"}
     # same seed, same init, step 1 on-policy: the mismatch is precision alone, larger on the mixed fleet
     assert mixed["pg"]["history"][0]["kl_k3"] > homog["pg"]["history"][0]["kl_k3"]
+    # each run records the collapse detector's first alert and signals (what experiments/detector.py reads
+    # back as the baseline), not the pre-registered collapse: a replay of its history says the same
+    from rlfleet.api.rljob import SafetySpec
+    from rlfleet.trainer.collapse import CollapseThresholds
+    from rlfleet_experiments.detector import recorded, replay
+
+    thresholds = CollapseThresholds.from_safety(SafetySpec())
+    for r in data["runs"]:
+        assert recorded(r) == replay(r["history"], thresholds)
     for name in ("ablation_reward_mean.png", "ablation_kl_k3.png", "ablation_oor_fraction.png"):
         assert (tmp_path / "a" / name).stat().st_size > 0
     # Pinned: re-pinned on 2026-12-01 from a run of the committed code (the tiny Qwen3 of
