@@ -13,7 +13,9 @@ and never imported or named here.
 from __future__ import annotations
 
 import importlib
+import shutil
 import sys
+from pathlib import Path
 
 # command words -> (module, one-line help). The module's `cli(argv)` parses the rest.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
@@ -42,6 +44,20 @@ def plugin_commands() -> dict[tuple[str, ...], tuple[str, str]]:
         if words not in COMMANDS:  # the product's own commands are never replaced
             out[words] = (ep.value, f"(from {ep.dist.name if ep.dist else ep.value})")
     return out
+
+
+def invocation() -> list[str]:
+    """The words that run this CLI again from the same working directory, for hints a command prints
+    (a resume command): `python -m rlfleet.cli` as `<this python> -m rlfleet.cli`; a console script
+    by the path it was started with (`.venv/bin/rlfleet`, or the absolute one `scripts/rlfleet` execs),
+    shortened to `rlfleet` only where that name on PATH is the same file."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else "rlfleet"
+    if argv0.endswith(".py") or argv0 == "-m":  # python -m rlfleet.cli: argv[0] is the module's file
+        return [sys.executable, "-m", "rlfleet.cli"]
+    on_path = shutil.which("rlfleet")
+    if on_path is not None and Path(on_path).resolve() == Path(argv0).resolve():
+        return ["rlfleet"]
+    return [argv0]
 
 
 def _usage(commands: dict[tuple[str, ...], tuple[str, str]]) -> str:

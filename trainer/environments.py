@@ -91,6 +91,7 @@ class EpisodeOutcome:
     no_tool_call_termination: bool  # ended because of `max_turns_without_tool`
     format_errors: int
     tool_calls: int
+    success: bool | None = None  # the task was solved (the environment's own test); None: it has none
 
 
 class Environment:
@@ -252,7 +253,7 @@ class ToolAddEnv(Environment):
         0.1 for calling the tool, +0.1 if a call was closed by END_CALL, +0.05 per digit among a call's
         first two arguments (best call), +0.1 if a call was well formed (exactly two digit arguments),
         +0.1 for answering with a digit and EOS after a call, +0.5 if that answer is (a + b) % 10.
-        Maximum 1.0."""
+        Maximum 1.0. Success (not shaped): a well-formed call and then the answer (a + b) % 10."""
         truth = (int(prompt.meta["a"]) + int(prompt.meta["b"])) % 10
         reward = 0.0
         if state["tool_calls"] > 0:
@@ -272,6 +273,7 @@ class ToolAddEnv(Environment):
             no_tool_call_termination=bool(state["no_tool_end"]),
             format_errors=int(state["format_errors"]),
             tool_calls=int(state["tool_calls"]),
+            success=state["used_result"] is not None and state["answer"] == truth,
         )
 
 
@@ -326,6 +328,7 @@ class RetryDigitEnv(Environment):
             no_tool_call_termination=False,
             format_errors=int(state["format_errors"]),
             tool_calls=0,
+            success=solved is not None,
         )
 
 
@@ -502,13 +505,15 @@ class MathEnv(Environment):
         reply = replies[-1] if replies else []
         text = self.tokenizer.decode(reply, skip_special_tokens=True)
         answer = extract_final_answer(text)
+        correct = answer is not None and truth is not None and answers_match(answer, truth)
         return EpisodeOutcome(
-            reward=1.0 if answer is not None and truth is not None and answers_match(answer, truth) else 0.0,
+            reward=1.0 if correct else 0.0,
             num_turns=len(replies),
             empty_final_reply=not text.strip(),
             no_tool_call_termination=False,
             format_errors=1 if answer is None else 0,
             tool_calls=0,
+            success=correct,
         )
 
 

@@ -3,7 +3,7 @@
 Keys: fleet-wide `kl_k3`, `oor_fraction`, ...; broken down as `group/<name>/<metric>`,
 `view/<precision view>/<metric>` and `staleness/<bucket>/<metric>` (buckets 0-1, 2-3, 4-5, 6+);
 rollout-side `reward_mean`, `response_length`, `empty_reply_rate`, `no_tool_call_rate`,
-`format_error_rate`, `repetition_fraction` (the loop adds `uniform_group_fraction`, from the prompt
+`format_error_rate`, `repetition_fraction`, `success_rate` (environments that judge success) (the loop adds `uniform_group_fraction`, from the prompt
 groups: trainer/advantages.py); and per group `group/<name>/token_share` and
 `group/<name>/oor_share` (the group's share of all tokens vs of all out-of-range tokens).
 
@@ -89,6 +89,9 @@ def rollout_metrics(outcomes: Sequence[Any], completions: Sequence[Sequence[int]
         "turns_per_episode": float(np.mean([o.num_turns for o in outcomes])),
         "repetition_fraction": float(np.mean([repetition_fraction(c) for c in completions])),
     }
+    judged = [o.success for o in outcomes if o.success is not None]
+    if judged:  # the task's own pass/fail beside the (possibly shaped) reward
+        out["success_rate"] = float(np.mean(judged))
     g = np.asarray(groups, dtype=object)
     for label in sorted(set(g.tolist())):
         sel = g == label

@@ -24,16 +24,25 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from rlfleet.trainer.config import RunConfig, build_environment, resolve_run
+
+FLEET_LOG = "fleet.log"
+RUN_JSON = "run.json"
+# per-episode task figures of the run summary: (metric, label); trainer/metrics.py rollout_metrics
+TASK_FIGURES = (("success_rate", "task success"), ("format_error_rate", "episodes with a malformed turn"))
+# summary key prefix -> the per-step metric averaged over the first and last window (`<prefix>_first`, `_last`)
+SUMMARY_METRICS = {"reward": "reward_mean", "entropy": "entropy", **{key: key for key, _ in TASK_FIGURES}}
 
 
 class LocalRunError(RuntimeError):
@@ -186,8 +195,63 @@ def _admin_quarantine(router_url: str, token: str, group: str) -> None:
             httpx.put(f"{router_url}/admin/groups/{group}", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=5)
 
 
+def summary_window(steps: int) -> int:
+    """Steps in the summary's first and last windows: a third of the run, 1 to 3 steps."""
+    return max(1, min(3, steps // 3))
+
+
+def window_mean(history: list[dict[str, float]], key: str, k: int, end: str) -> float | None:
+    """Mean of `key` over the first (`end` "first") or last k steps of `history` that have it; None: none has."""
+    values = [h[key] for h in history if key in h]
+    part = values[:k] if end == "first" else values[-k:]
+    return sum(part) / len(part) if part else None
+
+
+def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[str, Any] | None:
+    """Check and prepare the run directory; returns the checkpoint state to resume from (None: a fresh run).
+    A fresh run never silently replaces a run's checkpoints (--force does); a resume needs one, and a
+    target beyond its step."""
+    from rlfleet.trainer import checkpoint as ckpt
+
+    if out.exists() and not out.is_dir():
+        raise LocalRunError(f"--out {out} is a file, not a directory")
+    ckpt_dir = out / "checkpoints"
+    if resume:
+        state = ckpt.load_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+        if state is None:
+            raise LocalRunError(f"nothing to resume in {out} (no checkpoint); run without --resume to start")
+        if int(state["step"]) >= rc.steps:
+            raise LocalRunError(
+                f"the run in {out} is complete (step {int(state['step'])} of {rc.steps}); "
+                f"--steps N with N > {int(state['step'])} continues it"
+            )
+        return state
+    if (ckpt_dir / ckpt.LATEST).is_file() and not force:
+        raise LocalRunError(
+            f"{out} holds a run (its checkpoints in {ckpt_dir}): --resume continues it, --force replaces it, "
+            "or choose another --out"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # root passes os.access; a read-only volume does not
+            pass
+    except OSError as exc:
+        raise LocalRunError(f"--out {out}: cannot write the run directory ({exc.strerror or exc})") from None
+    for sub in (ckpt_dir, out / "channel", out / "cache", out / "report", out / FLEET_LOG):  # not models/: a cache
+        if sub.is_dir():
+            shutil.rmtree(sub)
+        else:
+            sub.unlink(missing_ok=True)
+    return None
+
+
 def run_local(
-    rc: RunConfig, out: Path, resume: bool = False, live: bool = True, stop: threading.Event | None = None
+    rc: RunConfig,
+    out: Path,
+    resume: bool = False,
+    live: bool = True,
+    stop: threading.Event | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume) the local job; returns the summary written to the report."""
     import torch
@@ -197,7 +261,6 @@ def run_local(
     from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import open_store
     from rlfleet.tiny_qwen3 import TinyQwen3, cached_tiny_qwen3
-    from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.prompts import PromptFileError
     from rlfleet.trainer.publisher import WeightPublisher
@@ -212,14 +275,8 @@ def run_local(
 
     stop = stop or threading.Event()
     ckpt_dir, channel_dir, report_dir = out / "checkpoints", out / "channel", out / "report"
-    state = ckpt.load_latest(ckpt_dir) if resume else None
-    if resume and state is None:
-        raise LocalRunError(f"nothing to resume in {out} (no checkpoint); run without --resume to start")
-    if not resume and out.exists():
-        for sub in (ckpt_dir, channel_dir, out / "cache", report_dir):
-            shutil.rmtree(sub, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    channel_dir.mkdir(parents=True, exist_ok=True)
+    state = prepare_out(out, rc, resume=resume, force=force)
+    channel_dir.mkdir(exist_ok=True)
     torch.manual_seed(rc.seed)
     torch.set_num_threads(1)  # the fleet host uses the other core
 
@@ -247,7 +304,7 @@ def run_local(
         model_path=str(model_dir), seed=rc.seed,
     )
     (out / "fleet.json").write_text(spec.to_json())
-    (out / "run.json").write_text(json.dumps({"job": rc.job_name, "config": rc.__dict__ | {"safety": None}}, default=str, indent=1))
+    (out / RUN_JSON).write_text(json.dumps({"job": rc.job_name, "config": rc.__dict__ | {"safety": None}}, default=str, indent=1))
 
     progress = Progress(rc, live)
     started: dict[str, Any] = {}  # the fleet and the driver, once make_driver has started them
@@ -259,7 +316,7 @@ def run_local(
 
         from rlfleet.local.fleet import RunningFleet, wait_until_serving
 
-        fleet = started["fleet"] = FleetProcess(out / "fleet.json", out / "fleet.log", admin_token)
+        fleet = started["fleet"] = FleetProcess(out / "fleet.json", out / FLEET_LOG, admin_token)
         urls = started["urls"] = fleet.wait_ready()
         start_step = int(state["step"]) if state is not None else 0
         asyncio.run(wait_until_serving(RunningFleet(router_url=urls["router"], servers=urls["servers"]), start_step))
@@ -297,20 +354,17 @@ def run_local(
     driver = started.get("driver")
 
     history = loop.state.history
-    rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
-    entropies = [h["entropy"] for h in history if "entropy" in h]
-    k = max(1, min(3, len(rewards) // 3 or 1))  # the summary's first / last windows (steps)
+    k = summary_window(len(history))
     summary = {
         "job": rc.job_name,
         "steps": loop.state.step,
+        "target_steps": rc.steps,
         "interrupted": interrupted,
         "paused_by_detector": loop.state.paused,
         "pause_reason": loop.state.pause_reason,
-        "reward_first": sum(rewards[:k]) / k if rewards else None,
-        "reward_last": sum(rewards[-k:]) / k if rewards else None,
         "summary_window_steps": k,
-        "entropy_first": sum(entropies[:k]) / len(entropies[:k]) if entropies else None,
-        "entropy_last": sum(entropies[-k:]) / len(entropies[-k:]) if entropies else None,
+        **{f"{name}_{end}": window_mean(history, key, k, end)
+           for name, key in SUMMARY_METRICS.items() for end in ("first", "last")},
         "collapse_alerts": [a.__dict__ for a in detector.history],
         "rollouts_trained": len(loop.state.trained_uids),
         "dropped_stale_groups": loop.state.dropped_stale_groups,
@@ -321,13 +375,68 @@ def run_local(
     return summary
 
 
+def saved_target(out: Path) -> dict[str, Any]:
+    """The `steps` and `environment` a run in `out` was started with (its run.json; {} when absent):
+    a resume keeps them unless the command line overrides them."""
+    try:
+        config = json.loads((out / RUN_JSON).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return {k: config[k] for k in ("steps", "environment") if k in config}
+
+
+def resume_command(args: argparse.Namespace, out: Path, rc: RunConfig) -> str:
+    """The command that continues this run, runnable as printed from the same directory: the same
+    program (rlfleet/cli.py `invocation`), manifest and run directory, and the run's target steps."""
+    from rlfleet.cli import invocation
+
+    words = [*invocation(), "run", args.manifest, "--local", "--resume", "--out", str(out), "--steps", str(rc.steps)]
+    if args.environment:
+        words += ["--environment", rc.environment]
+    if args.no_live:
+        words.append("--no-live")
+    return shlex.join(words)
+
+
+def check_runnable(rc: RunConfig) -> None:
+    """Problems of the resolved run that would otherwise surface late or as a stack trace."""
+    from rlfleet.trainer.prompts import GeneratedPromptSource
+
+    if not rc.groups:
+        raise LocalRunError("every sampler group has replicas: 0, so nothing would generate rollouts; "
+                            "give at least one group replicas >= 1")
+    if rc.dataset in (None, "", "builtin") and rc.environment not in GeneratedPromptSource.TASKS:
+        raise LocalRunError(
+            f"rollout.environment {rc.environment!r} has no built-in prompts: set rollout.dataset to a prompt "
+            f"file (docs/environments.md) or to builtin:<task> (one of {', '.join(GeneratedPromptSource.TASKS)})"
+        )
+
+
+def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
+    first, last = summary["reward_first"], summary["reward_last"]
+    k, n = summary["summary_window_steps"], summary["steps"]
+    if first is None:
+        print(f"{rc.job_name}: no step completed; report: {out / 'report'}")
+        return
+    parts = [f"{rc.job_name}: {n} steps in {summary['seconds']:.0f}s; mean over the first {k} steps -> the last {k}: "
+             f"reward {first:.3f} -> {last:.3f}"]
+    for key, label in TASK_FIGURES:
+        if summary.get(key + "_first") is not None:
+            parts.append(f"{label} {summary[key + '_first']:.0%} -> {summary[key + '_last']:.0%}")
+    if summary["entropy_first"] is not None:
+        parts.append(f"policy entropy {summary['entropy_first']:.2f} -> {summary['entropy_last']:.2f} nats/token")
+    print("; ".join(parts) + f"; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}")
+
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlfleet run", description="Run an RLJob manifest.")
     parser.add_argument("manifest", help="RLJob YAML (the same file `kubectl apply -f` takes)")
     parser.add_argument("--local", action="store_true", help="run everything on this machine (tiny model, CPU)")
-    parser.add_argument("--steps", type=int, help="override local.steps")
+    parser.add_argument("--steps", type=int, help="override local.steps (with --resume: the run's own target)")
     parser.add_argument("--out", help="run directory (default: ./rlfleet-runs/<job name>)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    mode.add_argument("--force", action="store_true", help="replace the run in --out (its checkpoints and channel)")
     parser.add_argument("--environment", help="override rollout.environment (module:attr or a built-in name)")
     parser.add_argument("--no-live", action="store_true", help="one line per step instead of the live table")
     args = parser.parse_args(argv)
@@ -346,18 +455,19 @@ def cli(argv: list[str]) -> int:
     except RLJobLoadError as exc:
         print(f"rlfleet run: {exc}", file=sys.stderr)
         return 2
+    # absolute: the fleet subprocess runs with the run directory as its cwd (see the fleet start)
+    out = Path(args.out or Path("rlfleet-runs") / job.name).resolve()
     rc = resolve_run(job, local=True)
-    if args.steps is not None:
-        rc.steps = args.steps
-    if args.environment:
-        rc.environment = args.environment
+    saved = saved_target(out) if args.resume else {}
+    rc.steps = args.steps if args.steps is not None else saved.get("steps", rc.steps)
+    rc.environment = args.environment or saved.get("environment", rc.environment)
     try:
         build_environment(rc)
-    except ValueError as exc:
+        check_runnable(rc)
+    except (LocalRunError, ValueError) as exc:
         print(f"rlfleet run: {exc}", file=sys.stderr)
         return 2
-    # absolute: the fleet subprocess runs with the run directory as its cwd (see the fleet start)
-    out = Path(args.out or Path("rlfleet-runs") / rc.job_name).resolve()
+    hint = resume_command(args, out, rc)
     stop = threading.Event()
     presses = {"n": 0}
 
@@ -372,24 +482,17 @@ def cli(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint)
     signal.signal(signal.SIGTERM, on_sigint)
     try:
-        summary = run_local(rc, out, resume=args.resume, live=not args.no_live, stop=stop)
+        summary = run_local(rc, out, resume=args.resume, live=not args.no_live, stop=stop, force=args.force)
     except LocalRunError as exc:
         print(f"rlfleet run: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted; resume with: rlfleet run {args.manifest} --local --resume --out {out}", file=sys.stderr)
+        print(f"interrupted; resume with: {hint}", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGINT, previous)
-    first, last, k, n = summary["reward_first"], summary["reward_last"], summary["summary_window_steps"], summary["steps"]
-    entropy = (f"; policy entropy {summary['entropy_first']:.2f} -> {summary['entropy_last']:.2f} nats/token"
-               if summary["entropy_first"] is not None else "")
-    print(
-        f"{rc.job_name}: {n} steps in {summary['seconds']:.0f}s; mean reward of the first {k} steps {first:.3f} -> "
-        f"of the last {k} {last:.3f}{entropy}; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}"
-        if first is not None else f"{rc.job_name}: no step completed; report: {out / 'report'}"
-    )
+    _print_summary(rc, summary, out)
     if summary["interrupted"]:
-        print(f"stopped early; resume with: rlfleet run {args.manifest} --local --resume --out {out}")
+        print(f"stopped early; resume with: {hint}")
         return 130
     return 0

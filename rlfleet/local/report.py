@@ -1,5 +1,6 @@
-"""Run report: metrics JSON + CSV and PNG plots (reward, per-group KL, OOR share, entropy, grad norm,
-sc_tail_ratio). Input: the list of per-step flat metric dicts (each with a `step` key) and the
+"""Run report: metrics JSON + CSV and PNG plots (reward, the task's success and malformed turns beside
+the shaped reward, per-group KL, OOR share, entropy, grad norm, sc_tail_ratio; a plot whose metrics the
+run did not produce is not written). Input: the list of per-step flat metric dicts (each with a `step` key) and the
 collapse detector's alerts (trainer/collapse.py `Alert`, or its dict as stored in the run summary's
 `collapse_alerts`): every plot has axis labels and draws each alert as one vertical line at its step,
 so a collapse can be read against every curve."""
@@ -10,16 +11,26 @@ import csv
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-PLOTS: tuple[tuple[str, str, str, str], ...] = (
-    # file, title, metric name, y-axis label (per-group series are drawn when `group/<g>/<name>` keys exist)
-    ("reward.png", "reward (mean per step)", "reward_mean", "mean reward"),
-    ("kl.png", "sampler/trainer KL (k3)", "kl_k3", "KL(q || p), k3 estimator (nats)"),
-    ("oor.png", "out-of-range share of tokens", "oor_fraction", "share of tokens outside the MIS band"),
-    ("entropy.png", "entropy of p (nats)", "entropy", "entropy (nats)"),
-    ("grad_norm.png", "grad norm", "grad_norm", "grad norm (before clipping)"),
-    ("sc_tail_ratio.png", "sc_tail_ratio (rho)", "sc_tail_ratio", "rho = q tail mass / p tail mass"),
+
+class Plot(NamedTuple):
+    file: str
+    title: str
+    metrics: tuple[str, ...]  # one: the fleet's series plus one per group (`group/<g>/<metric>`); more: one each
+    ylabel: str
+
+
+PLOTS: tuple[Plot, ...] = (
+    Plot("reward.png", "reward (mean per step)", ("reward_mean",), "mean reward"),
+    # the environment's own pass/fail beside its (shaped) reward: a shaped reward can rise on partial credit
+    Plot("task.png", "task: shaped reward, success, malformed turns",
+         ("reward_mean", "success_rate", "format_error_rate"), "mean reward / share of episodes"),
+    Plot("kl.png", "sampler/trainer KL (k3)", ("kl_k3",), "KL(q || p), k3 estimator (nats)"),
+    Plot("oor.png", "out-of-range share of tokens", ("oor_fraction",), "share of tokens outside the MIS band"),
+    Plot("entropy.png", "entropy of p (nats)", ("entropy",), "entropy (nats)"),
+    Plot("grad_norm.png", "grad norm", ("grad_norm",), "grad norm (before clipping)"),
+    Plot("sc_tail_ratio.png", "sc_tail_ratio (rho)", ("sc_tail_ratio",), "rho = q tail mass / p tail mass"),
 )
 ALERT_GID = "collapse-alert"  # matplotlib gid of the alert markers (tests find them by it)
 
@@ -58,7 +69,8 @@ def write_metrics(
 
 
 def build_figures(rows: Sequence[dict[str, Any]], alerts: Sequence[Any] = ()) -> list[tuple[str, Any]]:
-    """(file name, matplotlib Figure) per plot; the caller saves and closes them."""
+    """(file name, matplotlib Figure) per plot with data in `rows` (a plot none of whose metrics the run
+    produced is left out, not drawn empty); the caller saves and closes them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,19 +79,19 @@ def build_figures(rows: Sequence[dict[str, Any]], alerts: Sequence[Any] = ()) ->
     groups = sorted({k.split("/")[1] for row in rows for k in row if k.startswith("group/")})
     marks = [_alert_fields(a) for a in alerts]
     figures = []
-    for filename, title, key, ylabel in PLOTS:
+    for plot in PLOTS:
+        series = [(key, "fleet" if len(plot.metrics) == 1 else key, 2) for key in plot.metrics]
+        if len(plot.metrics) == 1:
+            series += [(f"group/{g}/{plot.metrics[0]}", g, 1) for g in groups]
+        drawn = [(label, width, *_series(rows, key)) for key, label, width in series]
+        drawn = [d for d in drawn if d[3]]
+        if not drawn:  # a metric this run does not produce (rho with mask replay, success without a judge)
+            continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        drawn = False
-        xs, ys = _series(rows, key)
-        if ys:
-            ax.plot(xs, ys, label="fleet", color="black", linewidth=2)
-            drawn = True
-        for g in groups:
-            gx, gy = _series(rows, f"group/{g}/{key}")
-            if gy:
-                ax.plot(gx, gy, label=g, linewidth=1)
-                drawn = True
-        if key in ("grad_norm", "kl_k3") and ys and min(ys) > 0:
+        for label, width, xs, ys in drawn:
+            ax.plot(xs, ys, label=label, linewidth=width, **({"color": "black"} if label == "fleet" else {}))
+        fleet = next((ys for label, _, _, ys in drawn if label == "fleet"), [])
+        if plot.metrics[0] in ("grad_norm", "kl_k3") and fleet and min(fleet) > 0:
             ax.set_yscale("log")
         for i, (step, signal, group) in enumerate(marks):
             label = "collapse alert" if i == 0 else None  # one legend entry for all markers
@@ -87,17 +99,12 @@ def build_figures(rows: Sequence[dict[str, Any]], alerts: Sequence[Any] = ()) ->
             line.set_gid(ALERT_GID)
             ax.annotate(signal + (f" ({group})" if group else ""), (step, 1.0), xycoords=("data", "axes fraction"),
                         rotation=90, fontsize=6, color="red", va="top", ha="right")  # fmt: skip
-        ax.set_title(title)
+        ax.set_title(plot.title)
         ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        if drawn or marks:
-            ax.legend(fontsize=7)
-        if not drawn:
-            ax.text(
-                0.5, 0.5, "no data (metric not produced in this run)", ha="center", transform=ax.transAxes
-            )
+        ax.set_ylabel(plot.ylabel)
+        ax.legend(fontsize=7)
         fig.tight_layout()
-        figures.append((filename, fig))
+        figures.append((plot.file, fig))
     return figures
 
 
@@ -114,6 +121,9 @@ def write_plots(
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(path)
+    for plot in PLOTS:  # a resumed run's report holds no plot of an earlier part the run no longer draws
+        if out / plot.file not in written:
+            (out / plot.file).unlink(missing_ok=True)
     return written
 
 

@@ -74,7 +74,7 @@ def test_math_env_rewards_and_format_errors() -> None:
     }
     for text, (reward, errors) in cases.items():
         out = env.score(prompt, env.start(prompt), [_reply(tok, text)])
-        assert (out.reward, out.format_errors) == (reward, errors), text
+        assert (out.reward, out.format_errors, out.success) == (reward, errors, reward == 1.0), text
         assert not out.empty_final_reply and out.num_turns == 1
     assert env.score(prompt, {}, [[tok.eos_token_id]]).empty_final_reply
     with pytest.raises(KeyError, match="has no 'answer'"):

@@ -25,30 +25,32 @@ def test_same_parity_reward(digit: int, reply: list[int], reward: float) -> None
     assert same_parity_reward(copy_digit_prompt(0, digit), reply) == pytest.approx(reward)
 
 
-def _episode(a: int, b: int, turns: list[list[int]]) -> float:
+def _episode(a: int, b: int, turns: list[list[int]]) -> env_mod.EpisodeOutcome:
     env = env_mod.ToolAddEnv(max_turns=4)
     prompt = tool_add_prompt(0, a, b)
     state = env.start(prompt)
     for ids in turns:
         if env.step(prompt, state, ids, "stop").done:
             break
-    return env.score(prompt, state, turns).reward
+    return env.score(prompt, state, turns)
 
 
 @pytest.mark.parametrize(
-    ("turns", "reward"),
+    ("turns", "reward", "success"),
     [
-        ([[CALL, 30, 31]], 0.1),  # called, not closed, no digit argument
-        ([[CALL, D(3), 31, END]], 0.1 + 0.1 + 0.05),  # closed, one digit argument
-        ([[CALL, D(3), D(4), D(5), END]], 0.1 + 0.1 + 0.1),  # two digit arguments but three arguments
-        ([[CALL, D(3), D(4), END], [D(7), EOS]], 1.0),  # the protocol, right answer
-        ([[CALL, D(3), D(4), END], [D(6), EOS]], 0.1 + 0.1 + 0.1 + 0.1 + 0.1),  # wrong answer
-        ([[CALL, D(3), END], [D(7), EOS]], 0.1 + 0.1 + 0.05 + 0.1 + 0.5),  # right answer after a malformed call
-        ([[D(7), EOS]], 0.0),  # an answer without a call earns nothing
+        ([[CALL, 30, 31]], 0.1, False),  # called, not closed, no digit argument
+        ([[CALL, D(3), 31, END]], 0.1 + 0.1 + 0.05, False),  # closed, one digit argument
+        ([[CALL, D(3), D(4), D(5), END]], 0.1 + 0.1 + 0.1, False),  # two digit arguments but three arguments
+        ([[CALL, D(3), D(4), END], [D(7), EOS]], 1.0, True),  # the protocol, right answer
+        ([[CALL, D(3), D(4), END], [D(6), EOS]], 0.1 + 0.1 + 0.1 + 0.1 + 0.1, False),  # wrong answer
+        # right answer after a malformed call: most of the shaped reward, not a success (the call failed)
+        ([[CALL, D(3), END], [D(7), EOS]], 0.1 + 0.1 + 0.05 + 0.1 + 0.5, False),
+        ([[D(7), EOS]], 0.0, False),  # an answer without a call earns nothing
     ],
 )
-def test_tool_add_shaped_reward(turns: list[list[int]], reward: float) -> None:
-    assert _episode(3, 4, turns) == pytest.approx(reward)
+def test_tool_add_shaped_reward_and_success(turns: list[list[int]], reward: float, success: bool) -> None:
+    outcome = _episode(3, 4, turns)
+    assert outcome.reward == pytest.approx(reward) and outcome.success is success
 
 
 ERR, SEP = ToyVocab.ERR, ToyVocab.SEP
@@ -79,6 +81,7 @@ def test_retry_digit_episode(turns: list[list[int]], appended: list[list[int]], 
     outcome = env.score(prompt, state, turns)
     assert got[:-1] == appended[: len(turns) - 1] and got[-1] == []
     assert outcome.reward == pytest.approx(reward) and outcome.num_turns == len(turns)
+    assert outcome.success is (reward > 0)  # success: some turn guessed the hidden digit
 
 
 def test_retry_digit_prompts_hide_the_shown_digit_in_60_percent() -> None:

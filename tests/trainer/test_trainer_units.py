@@ -160,6 +160,10 @@ def test_rollout_metrics_rates():
     assert m["format_error_rate"] == 0.5 and m["response_length"] == 2.5
     assert m["repetition_fraction"] == pytest.approx((2 / 3 + 0) / 2)
     assert m["group/a/reward_mean"] == 1.0
+    assert "success_rate" not in m  # neither outcome was judged (a reward function has no notion of success)
+    judged = [EpisodeOutcome(0.6, 1, False, False, 0, 1, success=True), EpisodeOutcome(0.9, 1, False, False, 1, 1, success=False),
+              EpisodeOutcome(0.2, 1, False, False, 0, 0, success=True), EpisodeOutcome(0.0, 1, True, False, 0, 0)]  # fmt: skip
+    assert metrics.rollout_metrics(judged, [[5]] * 4, ["a"] * 4)["success_rate"] == pytest.approx(2 / 3)  # 2 of 3 judged
 
 
 def test_prometheus_exporter_serves_the_latest_values():
