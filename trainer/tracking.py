@@ -8,8 +8,10 @@ Configuration: a spec string, from the caller or the environment variable RLFLEE
 separated list of `kind:target`:
 - `tensorboard:DIR`   event files under DIR (torch.utils.tensorboard, needs `tensorboard`);
 - `wandb:PROJECT`     a W&B run in PROJECT (offline with WANDB_MODE=offline);
-- `mlflow:URI`        an MLflow run at tracking URI (a directory path or file:// for a local store;
-                      experiment from MLFLOW_EXPERIMENT_NAME, default "rlfleet").
+- `mlflow:URI`        an MLflow run at tracking URI: a tracking server (http(s)://...) or a local
+                      file store (a directory path or file://; MLflow 3 refuses that store unless
+                      MLFLOW_ALLOW_FILE_STORE=true); experiment from MLFLOW_EXPERIMENT_NAME, default
+                      "rlfleet". A URI MLflow refuses is a TrackingError at start-up, in MLflow's words.
 Metric keys are the flat keys as they are (`kl_k3`, `group/<name>/oor_share`, ...); every backend
 accepts "/" (TensorBoard and W&B group by it). Non-finite values are dropped, as for Prometheus.
 """
@@ -79,12 +81,16 @@ class WandbTracker:
 class MlflowTracker:
     def __init__(self, tracking_uri: str, experiment: str | None = None, run_name: str | None = None) -> None:
         import mlflow
+        from mlflow.exceptions import MlflowException
 
-        self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         name = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME", "rlfleet")
-        found = self.client.get_experiment_by_name(name)
-        experiment_id = found.experiment_id if found is not None else self.client.create_experiment(name)
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        try:  # the client opens its store here: an unknown scheme or a refused file store fails now
+            self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+            found = self.client.get_experiment_by_name(name)
+            experiment_id = found.experiment_id if found is not None else self.client.create_experiment(name)
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        except MlflowException as exc:
+            raise TrackingError(f"tracking 'mlflow:{tracking_uri}': {exc.message.strip()}") from None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
