@@ -5,7 +5,7 @@
 
 - Observe: in-memory kopf indexes of the watched objects (RLJobs, SamplerGroups, WeightChannels, sampler
   Deployments, trainer StatefulSets, the operator's pods: `pods.pod_view`, and the kubelet's FailedMount
-  Events by pod: `pods.mount_failure_view`) replace list/get round
+  Events by pod and the FailedCreate Events of StatefulSets: `pods.event_view`) replace list/get round
   trips; the rebalance tick (`rebalancer.rebalance_job`) adds what only a scrape can see
   (throughput, the trainer's report) and keeps it in memory.
 - RLJob create/update(spec)/resume (`reconcile_job`) -> server-side apply of every child (owner
@@ -54,7 +54,7 @@ from rlfleet.catalog import CatalogError, get_catalog
 from rlfleet.operator import builders, kube, rebalancer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
-from rlfleet.operator.pods import latest_mount_failure, mount_failure_view, pod_view
+from rlfleet.operator.pods import event_view, latest_event_message, pod_view
 from rlfleet.operator.trainer_report import trainer_job_status
 
 log = logging.getLogger("rlfleet.operator")
@@ -165,7 +165,20 @@ def _is_failed_mount(body: Mapping[str, Any], **_: Any) -> bool:
 # volume shows nowhere else). One small view per Event object: the index is bounded by the Events' own TTL.
 @kopf.index("", "v1", "events", when=_is_failed_mount)
 def mount_failures_idx(namespace: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, body["involvedObject"]["name"]): mount_failure_view(body)}
+    return {(namespace, body["involvedObject"]["name"]): event_view(body)}
+
+
+def _is_failed_create(body: Mapping[str, Any], **_: Any) -> bool:
+    involved = body.get("involvedObject") or {}
+    return body.get("reason") == "FailedCreate" and involved.get("kind") == "StatefulSet" and bool(involved.get("name"))
+
+
+# The StatefulSet controller's refusals to create a pod (a ResourceQuota, a missing PriorityClass, a
+# webhook) show only as FailedCreate Events on the StatefulSet (it has no ReplicaFailure condition, unlike a
+# Deployment): keyed by the StatefulSet's name, bounded by the Events' TTL like the FailedMount index.
+@kopf.index("", "v1", "events", when=_is_failed_create)
+def create_failures_idx(namespace: str, body: kopf.Body, **_: Any) -> dict:
+    return {(namespace, body["involvedObject"]["name"]): event_view(body)}
 
 
 @dataclass(frozen=True)
@@ -180,6 +193,7 @@ class View:
     trainers: Any
     pods: Any
     mount_failures: Any
+    create_failures: Any
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> View:
@@ -192,6 +206,7 @@ class View:
             trainers=kwargs["trainers_idx"],
             pods=kwargs["pods_idx"],
             mount_failures=kwargs["mount_failures_idx"],
+            create_failures=kwargs["create_failures_idx"],
         )
 
     def pods_of(self, namespace: str) -> Callable[[str, str], list[dict[str, Any]]]:
@@ -200,7 +215,7 @@ class View:
 
         def of(component: str, owner: str) -> list[dict[str, Any]]:
             return [
-                {**pod, "mountFailure": latest_mount_failure(self.all(self.mount_failures, (namespace, pod["name"])))}
+                {**pod, "mountFailure": latest_event_message(self.all(self.mount_failures, (namespace, pod["name"])))}
                 for pod in self.all(self.pods, (namespace, component, owner))
             ]
 
@@ -466,6 +481,7 @@ async def _refresh_job_status(
     desired = st.rljob_status(
         job, groups, trainer, channel, now=now, invalid=invalid,
         trainer_pods=view.pods_of(namespace)("trainer", name),
+        trainer_create_failure=latest_event_message(view.all(view.create_failures, (namespace, n.trainer_name(name)))),
         costs=rebalancer.fleet_costs(memory.result) if memory.result else None,
         trainer_report=trainer_job_status(job, groups, memory.report, now).status,
     )  # fmt: skip
@@ -656,6 +672,17 @@ async def mount_failure_event(body: kopf.Body, namespace: str, **kwargs: Any) ->
         await _quietly(refresh_samplergroup_status(namespace, name, view))
     elif component == "trainer":
         await _quietly(refresh_job_status(namespace, name, view))
+
+
+@kopf.on.event("", "v1", "events", when=_is_failed_create)
+async def create_failure_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+    """The StatefulSet controller cannot create a trainer pod (the StatefulSet itself does not change): the
+    job's pipeline re-runs with the Event's message in the index."""
+    view = View.of(kwargs)
+    statefulset = body["involvedObject"]["name"]
+    job = statefulset.removesuffix("-trainer")
+    if n.trainer_name(job) == statefulset and view.one(view.rljobs, (namespace, job)) is not None:
+        await _quietly(refresh_job_status(namespace, job, view))
 
 
 # --- WeightChannel status from the store ---------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import logging
 import os
 import socket
 import sys
@@ -81,14 +80,9 @@ def cli(argv: list[str]) -> int:
     if not args.namespace and not args.all_namespaces:
         print("rlfleet operator run: give --namespace NS (repeatable) or --all-namespaces", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
-    if not args.verbose:
-        # one INFO line per handler call is most of the operator's CPU under load; errors still show
-        for name in ("kopf.objects", "kopf.activities", "kopf._core"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    from rlfleet.operator.logs import configure_logging
+
+    configure_logging(args.verbose)
     if args.metrics_port:
         from prometheus_client import start_http_server
 

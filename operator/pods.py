@@ -11,8 +11,12 @@ WHY a pod is not running, from what the API server already says about it.
   ErrImagePull / ImagePullBackOff; CrashLoopBackOff, with the container's name), and for a pod still
   creating its containers, the kubelet's latest FailedMount Event on it (a Secret or ConfigMap missing
   from a VOLUME shows only there: `MountVolume.SetUp failed for volume "v" : secret "s" not found`).
-- `mount_failure_view(body)`: the fields of a core/v1 FailedMount Event the operator keeps (a kopf index
-  keyed by (namespace, pod name): Events carry no labels), and `latest_mount_failure(views)`.
+- `event_view(body)`: the fields of a core/v1 Event the operator keeps (kopf indexes keyed by the involved
+  object's (namespace, name): Events carry no labels): the kubelet's FailedMount on a pod, the StatefulSet
+  controller's FailedCreate on a trainer StatefulSet; `latest_event_message(views)`.
+- `creation_failure(created, desired, message)`: the controller cannot create the pods of a workload (a
+  ResourceQuota, a missing PriorityClass, an admission webhook), from its latest FailedCreate Event: the
+  StatefulSet's counterpart of a Deployment's ReplicaFailure condition (a StatefulSet has none).
 - `workload_problem(pods)`: the problem of a set of pods (a Deployment's or StatefulSet's), naming the pod.
 Reasons are CamelCase (docs/operations.md, "Conditions and reasons").
 """
@@ -80,18 +84,28 @@ def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def mount_failure_view(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The fields of a FailedMount Event the operator keeps: its message (clipped) and when it was last seen."""
+def event_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of an Event the operator keeps: its message (clipped) and when it was last seen."""
     return {
         "message": _clip(body.get("message") or ""),
         "at": str(body.get("lastTimestamp") or body.get("eventTime") or body.get("firstTimestamp") or ""),
     }
 
 
-def latest_mount_failure(views: Iterable[Mapping[str, Any]]) -> str | None:
-    """The message of the newest of a pod's FailedMount Event views (RFC 3339 UTC times sort as text)."""
+def latest_event_message(views: Iterable[Mapping[str, Any]]) -> str | None:
+    """The message of the newest of an object's Event views (RFC 3339 UTC times sort as text)."""
     newest = max(views, key=lambda v: str(v.get("at")), default=None)
     return str(newest["message"]) if newest and newest.get("message") else None
+
+
+def creation_failure(created: int, desired: int, message: str | None) -> PodProblem | None:
+    """Why a workload has fewer pods than it wants: its controller's latest FailedCreate message (e.g. `create
+    Pod j-trainer-0 in StatefulSet j-trainer failed error: pods "j-trainer-0" is forbidden: exceeded quota:
+    ...`), or None (no such Event, or every pod exists: an older Event no longer matters). The reason is
+    the one a Deployment's controller gives the same refusal (`ReplicaFailure`)."""
+    if not message or created >= desired:
+        return None
+    return PodProblem("ReplicaFailure", _clip(f"{created}/{desired} pods created: FailedCreate: {message}"))
 
 
 def pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -159,9 +173,12 @@ def _creating(pod: Mapping[str, Any]) -> bool:
 
 
 def workload_problem(pods: Iterable[Mapping[str, Any]]) -> PodProblem | None:
-    """The first problem among a workload's pods (by pod name, so the message is stable)."""
-    for pod in sorted(pods, key=lambda p: str(p.get("name"))):
-        problem = pod_problem(pod)
-        if problem is not None:
-            return problem
-    return None
+    """The first problem among a workload's pods (by pod name, so the message is stable), saying how many
+    other pods have the same reason (one line for the workload, not one per pod)."""
+    problems = [p for p in (pod_problem(pod) for pod in sorted(pods, key=lambda p: str(p.get("name")))) if p]
+    if not problems:
+        return None
+    first, same = problems[0], sum(p.reason == problems[0].reason for p in problems[1:])
+    if same:
+        return PodProblem(first.reason, _clip(f"{first.message} (and {same} more pod{'s' if same > 1 else ''}: {first.reason})"))
+    return first

@@ -16,6 +16,7 @@ kubelet's reason for a missing Secret, an image that does not pull or a crash lo
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,7 +26,7 @@ from rlfleet.api import SamplerGroupSpec
 from rlfleet.api.common import GROUP
 from rlfleet.catalog import Catalog, CatalogError, group_precision
 from rlfleet.operator import naming as n
-from rlfleet.operator.pods import PodProblem, workload_problem
+from rlfleet.operator.pods import PodProblem, creation_failure, workload_problem
 
 Manifest = dict[str, Any]
 OPERATOR_CONDITIONS = ("Ready", "Progressing", "Degraded")
@@ -35,10 +36,18 @@ REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPer1MTokens", "kl", "oorFra
                     "shareHistory")  # fmt: skip
 # RLJob status fields that come from the rebalance tick (fleet cost) and the trainer's exporter
 JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens")
+# A condition's message and an RLJob's status.message stay short: `kubectl describe` and Argo CD show them
+# whole, and one reason repeated per group and per condition made a 10 KB status (identical reasons of
+# groups are merged instead, `_merge_groups`).
+MESSAGE_LIMIT = 1024
 
 
 def now_iso(now: datetime | None = None) -> str:
     return (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def clip(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def condition(type_: str, ok: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:
@@ -46,7 +55,7 @@ def condition(type_: str, ok: bool, reason: str, message: str, generation: int |
         "type": type_,
         "status": "True" if ok else "False",
         "reason": reason,
-        "message": message,
+        "message": clip(message),
     }
     if generation is not None:
         out["observedGeneration"] = generation
@@ -275,9 +284,12 @@ def _cond(obj: Manifest, type_: str) -> dict[str, Any] | None:
 def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None, channel: Manifest | None,
                  now: str | None = None, invalid: str | None = None,
                  trainer_pods: list[Manifest] | tuple[Manifest, ...] = (), costs: Manifest | None = None,
-                 trainer_report: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
+                 trainer_report: Manifest | None = None,
+                 trainer_create_failure: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole status of an RLJob: rolled up from its SamplerGroups, trainer StatefulSet and its pods
-    (`pods.pod_view`s: why the trainer does not run), the channel, the rebalance tick's fleet `costs`
+    (`pods.pod_view`s: why the trainer does not run; `trainer_create_failure`: the message of the
+    StatefulSet's latest FailedCreate Event, e.g. a ResourceQuota's refusal), the channel (not Ready while
+    it is Degraded, e.g. its store unreachable), the rebalance tick's fleet `costs`
     (None: not rebalanced since the operator started: the observed values are kept) and the trainer's
     report (`trainer_report.trainer_job_status(...).status`: step, metrics, weightVersion, CollapseRisk).
     `groups` are the SamplerGroups the spec asks for (missing ones count as not ready)."""
@@ -288,7 +300,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     suspended = bool(spec.get("suspend"))
     wanted = [g.get("name") for g in spec.get("samplerGroups", [])]
     by_group = {_get(g, "spec", "name"): g for g in groups}
-    summaries, ready_groups, degraded_groups = [], 0, []
+    summaries, ready_groups, degraded_groups = [], 0, []  # degraded: (group, reason, message)
     for name in wanted:
         sg = by_group.get(name)
         phase = _get(sg, "status", "phase")
@@ -302,12 +314,20 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         if not stale and phase in ("Running", "Quarantined"):
             ready_groups += 1
         if phase in ("Degraded", "Failed"):
-            why = _get(sg, "status", "message")
-            degraded_groups.append(f"{name} ({_get(sg, 'status', 'reason')}: {why})" if why else name)
+            why = str(_get(sg, "status", "message", default="") or "")
+            masked = re.sub(rf"\b{re.escape(str(_get(sg, 'metadata', 'name', default=name)))}(?:-[a-z0-9]+)*(?![a-z0-9])", "<group>", why)
+            degraded_groups.append((name, str(_get(sg, "status", "reason", default="") or phase), masked))
     t_desired = 0 if suspended else int(_get(spec, "trainer", "replicas", default=1))
     t_ready = int(_get(trainer, "status", "readyReplicas", default=0) or 0)
     trainer_ready = trainer is not None and t_ready >= t_desired
-    trainer_problem: PodProblem | None = None if trainer_ready or suspended else workload_problem(trainer_pods)
+    trainer_problem: PodProblem | None = None
+    if not (trainer_ready or suspended):
+        created = int(_get(trainer, "status", "replicas", default=0) or 0)
+        trainer_problem = (creation_failure(created, t_desired, trainer_create_failure) if trainer is not None
+                           else None) or workload_problem(trainer_pods)  # fmt: skip
+    channel_degraded = _cond(channel or {}, "Degraded")
+    if channel_degraded is not None and channel_degraded.get("status") != "True":
+        channel_degraded = None
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "readyGroups": f"{ready_groups}/{len(wanted)}",
@@ -337,14 +357,18 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
             phase, reason, message = "Suspended", "Suspended", "suspended: samplers and trainer scaled to zero"
         else:
             phase, reason, message = "Pending", "Suspending", "suspending: scaling samplers and trainer to zero"
-    elif trainer_problem is not None:
-        phase, reason = "Degraded", trainer_problem.reason
-        message = f"trainer StatefulSet {n.trainer_name(_get(job, 'metadata', 'name', default=''))}: {trainer_problem.message}"
+    elif trainer_problem is not None or degraded_groups or channel_degraded is not None:
+        phase, parts = "Degraded", []
+        if trainer_problem is not None:
+            job_name = _get(job, "metadata", "name", default="")
+            parts.append(f"trainer StatefulSet {n.trainer_name(job_name)}: {trainer_problem.message}")
         if degraded_groups:
-            message += f"; degraded groups: {'; '.join(degraded_groups)}"
-    elif degraded_groups:
-        phase, reason = "Degraded", "GroupsDegraded"
-        message = f"degraded groups: {'; '.join(degraded_groups)}"
+            parts.append(f"degraded groups: {_merge_groups(degraded_groups)}")
+        if channel_degraded is not None:
+            parts.append(f"WeightChannel {_get(channel, 'metadata', 'name')}: {channel_degraded.get('message', '')}")
+        reason = (trainer_problem.reason if trainer_problem is not None else "GroupsDegraded" if degraded_groups
+                  else str(channel_degraded.get("reason") or "ChannelDegraded"))  # fmt: skip
+        message = "; ".join(parts)
     elif ready_groups == len(wanted) and trainer_ready:
         phase, reason, message = (
             "Running",
@@ -354,11 +378,14 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     else:
         phase, reason = "Pending", "Reconciling"
         message = f"{ready_groups}/{len(wanted)} groups ready, trainer {t_ready}/{t_desired}"
-    status.update(phase=phase, reason=reason, message=message[:4096])
+    message = clip(message)
+    status.update(phase=phase, reason=reason, message=message)
+    blocked = phase in ("Degraded", "Failed")
     conditions = [
         condition("Ready", phase == "Running", reason, message, generation),
-        condition(
-            "Progressing", phase == "Pending", reason if phase == "Pending" else "Stable", message, generation
+        condition(  # a blocked job is not "Stable": it names the reason and leaves the text to Degraded
+            "Progressing", phase == "Pending", reason if phase == "Pending" or blocked else "Stable",
+            "blocked: see the Degraded condition" if blocked else message, generation,
         ),
         condition(
             "Degraded",
@@ -372,6 +399,21 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         dict(c) for c in report_conditions  # CollapseRisk: its transition time is kept by trainer_report.py
     ]
     return status
+
+
+def _merge_groups(degraded: list[tuple[str, str, str]]) -> str:
+    """`a (Reason: message); b (...)`, groups with the same reason and message (their own names masked as
+    `<group>`) merged into one entry: `a, b, c (Reason, each: message)`."""
+    merged: dict[tuple[str, str], list[str]] = {}
+    for name, reason, message in degraded:
+        merged.setdefault((reason, message), []).append(name)
+    out = []
+    for (reason, message), names in merged.items():
+        if len(names) == 1:
+            out.append(f"{names[0]} ({reason}: {message.replace('<group>', names[0])})" if message else names[0])
+        else:
+            out.append(f"{', '.join(names)} ({reason}, each: {message})" if message else ", ".join(names))
+    return "; ".join(out)
 
 
 def weightchannel_status(

@@ -132,7 +132,7 @@ def indexes(*objects: dict[str, Any]) -> dict[str, dict]:
     """The handlers' index kwargs (named as kopf passes them) holding `objects`."""
     idx: dict[str, dict] = {name: {} for name in (
         "rljobs_idx", "samplergroups_idx", "samplergroups_by_job_idx", "weightchannels_idx",
-        "sampler_deployments_idx", "trainers_idx", "pods_idx", "mount_failures_idx")}  # fmt: skip
+        "sampler_deployments_idx", "trainers_idx", "pods_idx", "mount_failures_idx", "create_failures_idx")}  # fmt: skip
     for obj in objects:
         key = (obj["metadata"].get("namespace", NS), obj["metadata"]["name"])
         kind = obj["kind"]
@@ -303,6 +303,37 @@ async def test_a_status_differing_only_in_one_condition_is_written_and_an_equal_
     assert next(c for c in written["conditions"] if c["type"] == "Ready") == next(
         c for c in sg["status"]["conditions"] if c["type"] == "Ready"
     )
+
+
+async def test_a_trainer_pod_the_quota_refuses_reaches_the_job_status_from_the_statefulsets_event(
+    api: FakeKube,
+) -> None:
+    """The StatefulSet controller's FailedCreate Event (the StatefulSet itself does not change) runs the job's
+    pipeline, which reads it from the index: the job says the quota's words, not `Pending / Reconciling`."""
+    posted()
+    job = rljob(groups=("a",))
+    quota = ('create Pod j-trainer-0 in StatefulSet j-trainer failed error: pods "j-trainer-0" is forbidden: '
+             "exceeded quota: compute, requested: nvidia.com/gpu=8, used: nvidia.com/gpu=0, limited: nvidia.com/gpu=4")  # fmt: skip
+    event = {"apiVersion": "v1", "kind": "Event", "reason": "FailedCreate", "type": "Warning", "message": quota,
+             "involvedObject": {"kind": "StatefulSet", "name": "j-trainer", "namespace": NS},
+             "lastTimestamp": "2026-01-01T00:00:00Z"}  # fmt: skip
+    foreign = {**event, "involvedObject": {"kind": "StatefulSet", "name": "db", "namespace": NS}}
+    assert handlers._is_failed_create(event) and handlers._is_failed_create(foreign)
+    assert not handlers._is_failed_create({**event, "reason": "SuccessfulCreate"})
+    idx = indexes(job)
+    idx["trainers_idx"][(NS, "j-trainer")] = [
+        {"metadata": {"name": "j-trainer", "generation": 1}, "spec": {"replicas": 1}, "status": {"replicas": 0}}
+    ]
+    for body in (event, foreign):
+        for key, value in handlers.create_failures_idx(NS, body).items():
+            idx["create_failures_idx"].setdefault(key, []).append(value)
+
+    await handlers.create_failure_event(foreign, NS, **idx)  # another StatefulSet's Event: no job to refresh
+    assert api.statuses == []
+    await handlers.create_failure_event(event, NS, **idx)
+    ((kind, name, status),) = api.statuses
+    assert (kind, name, status["phase"], status["reason"]) == ("RLJob", "j", "Degraded", "ReplicaFailure")
+    assert "exceeded quota: compute" in status["message"]
 
 
 # --- the rebalancer after a restart ----------------------------------------------------------------------

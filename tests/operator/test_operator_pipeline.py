@@ -6,14 +6,16 @@ kept before the first tick)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rlfleet.catalog import load_catalog
 from rlfleet.operator import status as st
 from rlfleet.operator.pods import (
     PodProblem,
-    latest_mount_failure,
-    mount_failure_view,
+    event_view,
+    latest_event_message,
     pod_problem,
     pod_view,
     workload_problem,
@@ -195,10 +197,10 @@ def mount_event(message: str, at: str) -> dict:
 def test_a_volume_that_does_not_mount_names_the_missing_object(message: str, reason: str, named: str) -> None:
     creating = pod_view(pod(conditions=[{"type": "PodScheduled", "status": "True"}],
                             containers=[waiting("trainer", "ContainerCreating")]))  # fmt: skip
-    older = mount_failure_view(mount_event("MountVolume.SetUp failed for volume \"x\" : timed out", "2026-01-01T00:00:00Z"))
-    newer = mount_failure_view(mount_event(message, "2026-01-01T00:01:00Z"))
-    latest = latest_mount_failure([newer, older])
-    assert latest == message and latest_mount_failure([older, newer]) == message
+    older = event_view(mount_event("MountVolume.SetUp failed for volume \"x\" : timed out", "2026-01-01T00:00:00Z"))
+    newer = event_view(mount_event(message, "2026-01-01T00:01:00Z"))
+    latest = latest_event_message([newer, older])
+    assert latest == message and latest_event_message([older, newer]) == message
     problem = pod_problem({**creating, "mountFailure": latest})
     assert problem == PodProblem(reason, f"pod j-trainer-0 FailedMount: {message}")
     assert named in problem.message
@@ -212,4 +214,79 @@ def test_a_mount_failure_is_ignored_once_containers_run_or_when_it_names_no_miss
     creating = pod_view(pod(containers=[waiting("trainer", "ContainerCreating")]))
     assert pod_problem({**creating, "mountFailure": "MountVolume.SetUp failed for volume \"x\" : timed out"}) is None
     assert pod_problem({**creating, "mountFailure": None}) is None
-    assert latest_mount_failure([]) is None
+    assert latest_event_message([]) is None
+
+
+# The StatefulSet controller's FailedCreate Event and the ReplicaSet controller's ReplicaFailure condition for
+# the same refusals (kube-controller-manager's words: stateful_set_control.go, replica_set.go).
+QUOTA = ('pods "{pod}" is forbidden: exceeded quota: compute, requested: nvidia.com/gpu=8, used: '
+         "nvidia.com/gpu=0, limited: nvidia.com/gpu=4")  # fmt: skip
+PRIORITY = 'pods "{pod}" is forbidden: no PriorityClass with name rl-high was found'
+
+
+@pytest.mark.parametrize("refusal", [QUOTA, PRIORITY])
+def test_a_trainer_pod_the_api_refuses_degrades_the_job_as_a_sampler_group_is(refusal: str) -> None:
+    event = {"reason": "FailedCreate", "message": "create Pod j-trainer-0 in StatefulSet j-trainer failed error: "
+             + refusal.format(pod="j-trainer-0"), "lastTimestamp": T0}  # fmt: skip
+    message = latest_event_message([event_view(event)])
+    no_pods = {"metadata": {"name": "j-trainer"}, "spec": {"replicas": 1}, "status": {"replicas": 0}}
+    s = st.rljob_status(job(), [running_group()], no_pods, None, now=T0, trainer_create_failure=message)
+    assert (s["phase"], s["reason"]) == ("Degraded", "ReplicaFailure")
+    assert s["message"].startswith("trainer StatefulSet j-trainer: 0/1 pods created: FailedCreate: create Pod j-trainer-0")
+    assert refusal.format(pod="j-trainer-0") in s["message"]
+    c = conds(s)
+    assert (c["Ready"]["status"], c["Degraded"]["status"], c["Degraded"]["reason"]) == ("False", "True", "ReplicaFailure")
+    assert (c["Progressing"]["status"], c["Progressing"]["reason"]) == ("False", "ReplicaFailure")  # not "Stable"
+    # the sampler path: the same refusal is the Deployment's ReplicaFailure condition, with the same reason
+    sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
+          "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
+          "spec": {"name": "g", "accelerator": "h100", "weightFormat": "bf16", "replicas": 1,
+                   "model": {"name": "m", "path": "p"}}}  # fmt: skip
+    failure = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+               "message": refusal.format(pod="j-g-5d8f-x2")}  # fmt: skip
+    deployment = {"metadata": {"generation": 1},
+                  "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 0, "conditions": [failure]}}  # fmt: skip
+    g = st.samplergroup_status(sg, deployment, CATALOG, now=T0)
+    assert (g["phase"], g["reason"]) == ("Degraded", s["reason"]) and refusal.format(pod="j-g-5d8f-x2") in g["message"]
+    # once the pod exists (the quota was raised) the Event, still in the index for its TTL, no longer counts
+    created = {**no_pods, "status": {"replicas": 1, "readyReplicas": 0}}
+    s = st.rljob_status(job(), [running_group()], created, None, now=T0, trainer_create_failure=message)
+    assert (s["phase"], s["reason"]) == ("Pending", "Reconciling")
+
+
+def test_a_job_is_not_ready_while_its_weight_channel_is_degraded() -> None:
+    wc = {"metadata": {"name": "j-weights", "generation": 1}, "spec": {"store": {"type": "filesystem", "path": "/w"}}}
+    channel = {**wc, "status": st.weightchannel_status(wc, None, "OSError: [Errno 5] Input/output error", now=T0)}
+    s = st.rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, channel, now=T0)
+    assert (s["phase"], s["reason"]) == ("Degraded", "StoreUnreachable")
+    assert conds(s)["Ready"]["status"] == "False" and conds(s)["Degraded"]["status"] == "True"
+    assert s["message"] == ("WeightChannel j-weights: store filesystem /w unreachable from the operator: "
+                            "OSError: [Errno 5] Input/output error")  # fmt: skip
+    healthy = {**wc, "status": {"conditions": [{"type": "Degraded", "status": "False", "reason": "AsExpected"}]}}
+    assert st.rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, healthy, now=T0)["phase"] == "Running"
+
+
+def test_one_missing_claim_for_every_pod_and_group_is_said_once_with_counts_and_a_bounded_status() -> None:
+    names = [f"g{i}" for i in range(12)]
+    rl = {**job(), "spec": {"trainer": {"replicas": 1}, "samplerGroups": [{"name": g} for g in names]}}
+    groups = []
+    for g in names:
+        sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
+              "metadata": {"name": f"j-{g}", "namespace": "ns", "generation": 1},
+              "spec": {"name": g, "accelerator": "h100", "weightFormat": "bf16", "replicas": 3,
+                       "model": {"name": "m", "path": "p"}}}  # fmt: skip
+        deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 3}}
+        pods = [pod_view(pod(f"j-{g}-5d8f-x{i}", conditions=[unschedulable(NO_PVC)])) for i in range(3)]
+        status = st.samplergroup_status(sg, deployment, CATALOG, now=T0, pods=pods)
+        assert status["message"].endswith("(and 2 more pods: MissingPersistentVolumeClaim)")
+        groups.append({**sg, "status": status})
+    trainer_pods = [pod_view(pod(conditions=[unschedulable(NO_PVC)]))]
+    s = st.rljob_status(rl, groups, {"status": {"replicas": 1}}, None, now=T0, trainer_pods=trainer_pods)
+    assert (s["phase"], s["reason"]) == ("Degraded", "MissingPersistentVolumeClaim")
+    claim = 'persistentvolumeclaim "rlfleet-weights" not found'
+    assert s["message"].count(claim) == 2  # the trainer's pod, then every group at once
+    assert f"degraded groups: {', '.join(names)} (MissingPersistentVolumeClaim, each: 0/3 replicas ready: Deployment <group>" in s["message"]
+    assert all(len(c["message"]) <= st.MESSAGE_LIMIT for c in s["conditions"]) and len(s["message"]) <= st.MESSAGE_LIMIT
+    texts = [s["message"], *(c["message"] for c in s["conditions"])]
+    assert sum(t.count(claim) for t in texts) == 6  # twice in message, Ready and Degraded; Progressing points there
+    assert len(json.dumps(s)) < 5000

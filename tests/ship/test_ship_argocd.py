@@ -156,14 +156,14 @@ def test_example_applications_sync_crds_first_with_server_side_apply() -> None:
     apps = [d for d in yaml.safe_load_all((REPO / "examples" / "argocd-application.yaml").read_text()) if d]
     assert all(a["apiVersion"] == "argoproj.io/v1alpha1" and a["kind"] == "Application" for a in apps)
     by_path = {a["spec"]["source"]["path"]: a for a in apps}
-    assert set(by_path) == {"crds", "charts/rlfleet", "examples"}
+    assert set(by_path) == {"charts/rlfleet/crds", "charts/rlfleet", "examples"}
     wave = {p: int(a["metadata"]["annotations"]["argocd.argoproj.io/sync-wave"]) for p, a in by_path.items()}
-    assert wave["crds"] < wave["charts/rlfleet"] < wave["examples"]
+    assert wave["charts/rlfleet/crds"] < wave["charts/rlfleet"] < wave["examples"]
     for app in apps:
         assert "ServerSideApply=true" in app["spec"]["syncPolicy"]["syncOptions"]
     # the CRs may be dry-run before their CRD exists; the CRDs are never pruned from Git
     assert "SkipDryRunOnMissingResource=true" in by_path["examples"]["spec"]["syncPolicy"]["syncOptions"]
-    assert by_path["crds"]["spec"]["syncPolicy"]["automated"]["prune"] is False
+    assert by_path["charts/rlfleet/crds"]["spec"]["syncPolicy"]["automated"]["prune"] is False
     assert by_path["charts/rlfleet"]["spec"]["source"]["helm"]["skipCrds"] is True
     assert (REPO / "examples" / by_path["examples"]["spec"]["source"]["directory"]["include"]).is_file()
     for path in by_path:
