@@ -328,7 +328,9 @@ def bench_apply(
     import httpx
 
     from rlfleet.numerics.views import calibrate_activation_amax
-    from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
+    from rlfleet.sampler.engine_clients import DiskEngine
+    from rlfleet.sampler.sync_state import SyncConfig
+    from rlfleet.sampler.syncer import Syncer
     from rlfleet.tiny_qwen3 import TinyQwen3, build_tiny_qwen3, tiny_model
     from rlfleet.trainer.publisher import WeightPublisher
 

@@ -43,7 +43,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rlfleet.store import DIGEST_ALGORITHMS, FileDigest, KeyNotFoundError, Store, StoreError
+from rlfleet.store import (
+    DIGEST_ALGORITHMS,
+    FileDigest,
+    FilesystemStore,
+    KeyNotFoundError,
+    Store,
+    StoreError,
+    hash_file,
+)
 
 MANIFEST_FORMAT = "rlfleet.weights/v2"
 """v2: file entries are {"digest": "<algorithm>:<hex>", "bytes": N} (v1 had a bare "sha256")."""
@@ -446,6 +454,37 @@ class WeightChannel:
             shutil.rmtree(tmp, ignore_errors=True)
         return dest
 
+    def verify_view_in_place(self, version: int, view: str, *, manifest: Manifest | None = None) -> Path:
+        """The directory where a filesystem store holds one view of a version, after hashing every file
+        there (streaming, with the algorithm its manifest entry names) against the manifest: what an
+        engine that sees the store loads instead of a downloaded copy (docs/weights.md, "Loading in
+        place"). Raises ChecksumMismatchError if any byte differs or the directory holds a file the
+        manifest does not list, KeyNotFoundError if a listed file is missing, ChannelError if the store
+        is not a filesystem store."""
+        manifest = manifest or self.manifest(version)
+        if view not in manifest.views:
+            raise ChannelError(f"version {version} has no view {view!r} (has {sorted(manifest.views)})")
+        if not isinstance(self.store, FilesystemStore):
+            raise ChannelError(f"{self.store.uri} is not a filesystem store: a view can only be downloaded")
+        prefix = f"{_version_key(version)}/{view}"
+        directory = Path(self.store.uri_of(prefix))
+        files = manifest.views[view].files
+        for rel, entry in sorted(files.items()):
+            try:
+                digest = hash_file(directory / rel, entry.algorithm)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+                raise KeyNotFoundError(f"{prefix}/{rel} not found in {self.store.uri}") from e
+            if digest != entry:
+                raise ChecksumMismatchError(f"v{version}/{view}/{rel}: {digest} != manifest {entry}")
+        # the engine loads the whole directory: a file the manifest does not vouch for must not be there
+        present = (p.relative_to(directory).as_posix() for p in directory.rglob("*") if not p.is_dir())
+        unlisted = sorted(rel for rel in present if rel not in files)
+        if unlisted:
+            raise ChecksumMismatchError(
+                f"v{version}/{view} holds files its manifest does not list: {unlisted}"
+            )
+        return directory
+
     # -- subscribers
     def report(self, report: SubscriberReport) -> None:
         check_name("group", report.group)
@@ -501,9 +540,11 @@ class WeightChannel:
         report not older than `stale_after_seconds` (None: every report pins, however old). Returns
         deleted versions.
 
-        Why an aged-out report may stop pinning: engines serve from their pod's verified local copy,
-        never from the store, so the store copy matters only to a download in progress, and a sidecar
-        rewrites its report every SUBSCRIBER_HEARTBEAT_SECONDS during downloads too."""
+        Why an aged-out report may stop pinning: a sidecar rewrites its report every
+        SUBSCRIBER_HEARTBEAT_SECONDS, during downloads too, so a report that stopped is a replica that
+        is gone or cannot reach the store. Engines serve weights they loaded into memory; the store copy
+        matters to a download or in-place verification in progress and, for a sidecar loading in place,
+        to the engine's next relaunch from it (docs/weights.md, "Loading in place")."""
         if keep < 1:
             raise ValueError("keep must be >= 1")
         now = now or datetime.now(UTC)

@@ -1,8 +1,15 @@
 """The local sampler fleet: one process hosting, on one asyncio loop, a REAL reference sampler server per
 sampler group (HTTP, SGLang API subset, the group's emulated weight format, KV dtype and kernel), the
 router (HTTP, session-affine, weighted) in front of them, and one weight-sync sidecar loop per group
-(the real `rlfleet.sampler.sync.Syncer`: reads the channel pointer, downloads and verifies the group's
-view, applies it with `/update_weights_from_disk`).
+(the real `rlfleet.sampler.syncer.Syncer`: reads the channel pointer, verifies the group's view and
+applies it with `/update_weights_from_disk`).
+
+As on a cluster, each engine STARTS from the newest version of its group's view (the sidecar's
+`--fetch-only` step, `rlfleet.sampler.sync.fetch`): the trainer publishes version 0 before it starts
+this host, so an engine loads its weights once before the first rollout. The channel is a directory
+every engine of this process sees, so the sidecars verify each version's files where the channel holds
+them and load that directory in place (`SyncConfig.in_place`): nothing is copied into the cache
+directory, which holds only each group's launch file (docs/weights.md, "Loading in place").
 
 Why one process and not one per group: on a 2-core machine eight torch processes would mostly fight
 for the cores; the servers are still separate HTTP endpoints with their own engines and ports, and
@@ -24,7 +31,10 @@ import sys
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlfleet.sampler.reference_engine import ReferenceEngine
 
 log = logging.getLogger("rlfleet.fleet")
 
@@ -47,8 +57,8 @@ class GroupSpec:
 class FleetSpec:
     groups: list[GroupSpec]
     store: str  # channel store (local directory)
-    cache_dir: str
-    model_path: str  # the base Hugging Face checkpoint (engines start from it; the channel's v0 replaces it)
+    cache_dir: str  # per group: the sidecar's launch file
+    model_path: str  # the base Hugging Face checkpoint (the trainer publishes it as version 0; engines start from the channel)
     seed: int = 0
     max_running_requests: int = 64
     poll_interval: float = 0.2
@@ -71,59 +81,65 @@ class RunningFleet:
     closers: list[Any] = field(default_factory=list)
 
 
+class FleetStopped(Exception):
+    """The host was stopped before every group had a version of its view to start from."""
+
+
 async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFleet, list[asyncio.Task]]:
     import httpx
     import torch
 
-    from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
     from rlfleet.router.config import GroupConfig, RouterConfig
     from rlfleet.router.service import start_service
-    from rlfleet.sampler.reference_engine import ENGINE_KV, EngineConfig, ReferenceEngine
-    from rlfleet.sampler.server import start_reference_server
-    from rlfleet.sampler.sync import DiskEngine, SyncConfig, Syncer
+    from rlfleet.sampler.engine_clients import DiskEngine
+    from rlfleet.sampler.http_app import start_reference_server
+    from rlfleet.sampler.sync import fetch
+    from rlfleet.sampler.sync_state import SyncConfig
+    from rlfleet.sampler.syncer import Syncer
     from rlfleet.store import open_store
 
     torch.set_num_threads(max(1, spec.threads))
-    base_view, model_cfg, base_weights = load_checkpoint(spec.model_path)
+
+    def sync_config(g: GroupSpec, engine_url: str, initial_version: int | None) -> SyncConfig:
+        # in place: the channel is a directory this process sees (docs/weights.md, "Loading in place")
+        return SyncConfig(store=spec.store, view=g.weight_format, engine_url=engine_url, group=g.name,
+                          replica=f"{g.name}-0", cache_dir=Path(spec.cache_dir) / g.name,
+                          poll_interval=spec.poll_interval, backoff_base=spec.poll_interval,
+                          initial_version=initial_version, in_place=True)  # fmt: skip
+
+    # the engine is not up yet: the fetch step never calls it (engine_url "")
+    launches = await asyncio.gather(*(fetch(sync_config(g, "", None), stop=stop) for g in spec.groups))
+    ready = [launch for launch in launches if launch is not None]
+    if len(ready) < len(spec.groups):
+        raise FleetStopped
+    engines = await asyncio.gather(
+        *(
+            asyncio.to_thread(_engine, spec, i, g, launch)
+            for i, (g, launch) in enumerate(zip(spec.groups, ready, strict=True))
+        )
+    )
     fleet = RunningFleet(router_url="")
     tasks: list[asyncio.Task] = []
     store = open_store(spec.store)
     fleet.closers.append(store.close)
-    for i, g in enumerate(spec.groups):
-        engine = ReferenceEngine(
-            EngineConfig(
-                model=model_cfg,
-                weight_format=g.weight_format,  # the view's name: the engine serves the channel's view as stored
-                kv_cache_dtype=ENGINE_KV[g.kv_cache_dtype],
-                kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(g.accelerator, 1)),
-                max_running_requests=spec.max_running_requests,
-                served_model_name=g.name,
-                model_path=spec.model_path,
-                seed=spec.seed + i,
-            ),
-            base_weights,
-            base_view,
-        )
+    for g, engine in zip(spec.groups, engines, strict=True):
         server = await start_reference_server(engine, "127.0.0.1", 0)
         fleet.servers[g.name] = server.url
         fleet.closers.append(server.stop)
         client = httpx.AsyncClient(base_url=server.url, timeout=120.0)
         fleet.closers.append(client.aclose)
-        # initial_version None: the syncer applies whatever the pointer names first (the trainer's v0)
-        syncer = Syncer(
-            SyncConfig(store=spec.store, view=g.weight_format, engine_url=server.url, group=g.name,
-                       replica=f"{g.name}-0", cache_dir=Path(spec.cache_dir) / g.name,
-                       poll_interval=spec.poll_interval, backoff_base=spec.poll_interval, initial_version=None),
-            store,
-            DiskEngine(client),
-        )
+        syncer = Syncer(sync_config(g, server.url, engine.weight_version), store, DiskEngine(client))
         tasks.append(asyncio.create_task(syncer.run(stop), name=f"sync-{g.name}"))
     router, runner, port = await start_service(
         RouterConfig(
             host="127.0.0.1",
             port=0,
-            groups=[GroupConfig(name=g.name, share=g.share, replicas=[fleet.servers[g.name]], quarantined=g.quarantined)
-                    for g in spec.groups],
+            groups=[
+                GroupConfig(
+                    name=g.name, share=g.share, replicas=[fleet.servers[g.name]], quarantined=g.quarantined
+                )
+                for g in spec.groups
+            ],
             admin_token_env=ADMIN_TOKEN_ENV,
             health_interval_seconds=1.0,
         )
@@ -132,6 +148,30 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     fleet.closers.insert(0, router.close)
     fleet.closers.insert(0, runner.cleanup)
     return fleet, tasks
+
+
+def _engine(spec: FleetSpec, index: int, g: GroupSpec, launch: tuple[int, Path]) -> ReferenceEngine:
+    """Group `g`'s reference engine, loaded once from the verified launch checkpoint (version, dir)."""
+    from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
+    from rlfleet.sampler.reference_engine import ENGINE_KV, EngineConfig, ReferenceEngine
+
+    version, directory = launch
+    view, model_cfg, weights = load_checkpoint(directory)
+    return ReferenceEngine(
+        EngineConfig(
+            model=model_cfg,
+            weight_format=g.weight_format,  # the view's name: the engine serves the channel's view as stored
+            kv_cache_dtype=ENGINE_KV[g.kv_cache_dtype],
+            kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(g.accelerator, 1)),
+            max_running_requests=spec.max_running_requests,
+            served_model_name=g.name,
+            model_path=str(directory),
+            weight_version=version,
+            seed=spec.seed + index,
+        ),
+        weights,
+        view,
+    )
 
 
 async def wait_until_serving(fleet: RunningFleet, version: int, timeout: float = 120.0) -> None:
@@ -165,24 +205,39 @@ async def _host(spec: FleetSpec) -> int:
         loop.call_soon_threadsafe(stop.set)
 
     threading.Thread(target=watch_stdin, daemon=True).start()
-    fleet, tasks = await start_fleet(spec, stop)
+    try:
+        fleet, tasks = await start_fleet(spec, stop)
+    except FleetStopped:
+        return 0
     print(json.dumps({"router": fleet.router_url, "servers": fleet.servers}), flush=True)
     await stop.wait()
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await stop_fleet(fleet, tasks)
+    return 0
+
+
+async def stop_fleet(fleet: RunningFleet, tasks: list[asyncio.Task], grace_seconds: float = 10.0) -> None:
+    """Once `stop` is set: let each sync loop finish the step it is in (a version being verified is
+    applied: the trainer's last publish is served) and withdraw its report, then close the router,
+    servers, clients and store, in that order. A loop still busy after `grace_seconds` is cancelled."""
+    if tasks:
+        _, busy = await asyncio.wait(tasks, timeout=grace_seconds)
+        for t in busy:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     for close in fleet.closers:
         with contextlib.suppress(Exception):
             result = close()
             if asyncio.iscoroutine(result):
                 await result
-    return 0
 
 
 def main(argv: list[str]) -> int:
     # INFO: <out>/fleet.log (docs/local.md) records every group's weight loads; httpx would add a line per
     # health check and request, drowning them
-    logging.basicConfig(level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = FleetSpec.from_json(Path(argv[0]).read_text())
     return asyncio.run(_host(spec))

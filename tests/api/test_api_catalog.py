@@ -269,7 +269,7 @@ def test_precision_flags_confirm_the_views_checkpoint_in_sglang(
     from sglang.srt.layers import quantization as q
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
 
-    from rlfleet.sampler.sync import VIEW_QUANT_METHODS
+    from rlfleet.sampler.launch_checkpoint import VIEW_QUANT_METHODS
 
     source = (SGLANG / "srt/layers/quantization/__init__.py").read_text()
     assert 'if is_cpu() or is_cuda() or _is_gfx95_supported or is_xpu():' in source

@@ -119,7 +119,7 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Pa
     from safetensors.torch import load_file
 
     from rlfleet.model_source import resolve_model_source
-    from rlfleet.sampler.sync import read_launch_file
+    from rlfleet.sampler.launch_checkpoint import read_launch_file
     from rlfleet.store import FilesystemStore
     from rlfleet.trainer.publisher import WeightPublisher
 

@@ -35,6 +35,7 @@ import sglang_made as sm
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.sampler import reference_engine as engine_mod
+from rlfleet.sampler import request_gate
 from rlfleet.sampler import sampling as sampling_mod
 from rlfleet.sampler import server as srv_mod
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
@@ -265,7 +266,7 @@ def test_scheduler_mask_rule_and_constants_are_sglangs():
     )
     for cap in (1, 2, 64, 4096):
         for top_k in (1, 2, 63, 64, 65, 4096, 4097, sampling_params.TOP_K_ALL):
-            assert srv_mod.mask_rule_message(top_k, cap) == sm.scheduler_mask_error(top_k, cap)
+            assert request_gate.mask_rule_message(top_k, cap) == sm.scheduler_mask_error(top_k, cap)
     from sglang.srt.layers.logits_processor import SamplingMaskStatus
 
     assert {s.name: int(s) for s in sampling_mod.MaskStatus} == {

@@ -25,7 +25,11 @@ from conftest import free_port, make_bucket
 from rlfleet.channel import POINTER_KEY, SubscriberReport, WeightChannel, manifest_key, now_iso
 from rlfleet.numerics import formats
 from rlfleet.numerics.views import load_view
-from rlfleet.sampler.sync import DiskEngine, PushEngine, PushGroup, SyncConfig, Syncer, serve
+from rlfleet.sampler.engine_clients import DiskEngine, PushEngine, PushGroup
+from rlfleet.sampler.sync import serve
+from rlfleet.sampler.sync_http import sidecar_app
+from rlfleet.sampler.sync_state import SyncConfig
+from rlfleet.sampler.syncer import Syncer
 from rlfleet.store import FilesystemStore, S3Store, Store, StoreUnavailableError
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import WeightPublisher
@@ -214,8 +218,6 @@ async def test_tampered_file_refused_counted_old_version_kept(
         ) == 1  # the engine never saw v1
         assert not (tmp_path / "cache" / "v1-fp8").exists()
         assert syncer.backoff_seconds() <= syncer.config.backoff_base * 2  # 2 failures: base * 2^1, jittered
-        metrics = syncer.app()
-        assert metrics is not None
         body = (await _get_metrics(syncer)).decode()
         assert 'rlfleet_weight_sync_failures_total{group="h100-fp8",reason="checksum",view="fp8"} 2.0' in body
         assert 'rlfleet_weight_sync_applied_version{group="h100-fp8",view="fp8"} 0.0' in body
@@ -254,7 +256,7 @@ async def test_unknown_digest_algorithm_refused_as_checksum_old_version_kept(
 
 
 async def _get_metrics(syncer: Syncer) -> bytes:
-    runner = web.AppRunner(syncer.app(), access_log=None)
+    runner = web.AppRunner(sidecar_app(syncer), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -582,6 +584,11 @@ async def test_initial_version_from_engine_is_not_reapplied(
             "unsupported store URI",
         ),
         (
+            ["--store", "s3://bucket/job", "--view", "fp8", "--engine-url", "http://x", "--group", "g",
+             "--replica", "r", "--in-place"],
+            "--in-place needs a filesystem store (a path or file://), not s3://bucket/job",
+        ),  # fmt: skip
+        (
             [
                 "--store",
                 "/tmp/x",
@@ -705,7 +712,7 @@ def test_fetch_only_waits_for_version_0_then_writes_the_launch_file(tmp_path: Pa
     import subprocess
 
     from rlfleet.catalog import LAUNCH_FILE
-    from rlfleet.sampler.sync import read_launch_file
+    from rlfleet.sampler.launch_checkpoint import read_launch_file
 
     store = FilesystemStore(tmp_path / "store", create=True)
     cache = tmp_path / "cache"
@@ -767,7 +774,7 @@ async def test_fetch_refuses_a_bf16_checkpoint_published_as_the_fp8_view(tmp_pat
 
 def test_check_launchable_per_view(tmp_path: Path) -> None:
     from rlfleet.numerics.views import save_view
-    from rlfleet.sampler.sync import NotLaunchableError, check_launchable
+    from rlfleet.sampler.launch_checkpoint import NotLaunchableError, check_launchable
 
     state = tiny_state(1)
     for view, method in (("bf16", None), ("fp8", "fp8"), ("nvfp4", "modelopt_fp4"), ("mxfp4", "mxfp4")):
@@ -783,7 +790,7 @@ def test_check_launchable_per_view(tmp_path: Path) -> None:
 
 
 def test_newest_version_of_view_skips_versions_without_it(tmp_path: Path) -> None:
-    from rlfleet.sampler.sync import newest_version_of_view
+    from rlfleet.sampler.launch_checkpoint import newest_version_of_view
 
     store = FilesystemStore(tmp_path / "store", create=True)
     channel = WeightChannel(store)
@@ -800,7 +807,7 @@ async def test_sidecar_starts_from_the_launch_file_and_rewrites_it(engine: Recor
     """The engine is still loading (it reports no version): the sidecar believes the launch file, does
     not re-apply v0, applies v1 and names it in the launch file (a restarted engine container starts
     from v1 with --weight-version 1)."""
-    from rlfleet.sampler.sync import read_launch_file, write_launch_file
+    from rlfleet.sampler.launch_checkpoint import read_launch_file, write_launch_file
 
     store = FilesystemStore(tmp_path / "store", create=True)
     publish_hf(store, tiny_state(1), ["fp8"], tmp_path)
@@ -830,7 +837,7 @@ async def test_sidecar_starts_from_the_launch_file_and_rewrites_it(engine: Recor
 async def test_prune_keeps_the_newest_local_versions_and_the_launch_checkpoint(
     engine: RecordingEngine, tmp_path: Path
 ) -> None:
-    from rlfleet.sampler.sync import read_launch_file
+    from rlfleet.sampler.launch_checkpoint import read_launch_file
 
     store = FilesystemStore(tmp_path / "store", create=True)
     async with httpx.AsyncClient(base_url=engine.url) as client:
@@ -856,7 +863,7 @@ async def test_fetch_launches_from_the_publishers_real_hf_checkpoint(view: str, 
 
     from rlfleet.catalog import load_catalog, sglang_launch
     from rlfleet.numerics.views import calibrate_activation_amax
-    from rlfleet.sampler.sync import NotLaunchableError, check_launchable, read_launch_file
+    from rlfleet.sampler.launch_checkpoint import NotLaunchableError, check_launchable, read_launch_file
 
     base = tmp_path / "base"
     build_model("dense", seed=0).save_pretrained(base)

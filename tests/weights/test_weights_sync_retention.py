@@ -12,7 +12,7 @@ import httpx
 from test_weights_sync import RecordingEngine, engine, make_syncer, tiny_state  # noqa: F401 - engine: fixture
 
 from rlfleet.channel import SubscriberReport, WeightChannel
-from rlfleet.sampler.sync import read_launch_file
+from rlfleet.sampler.launch_checkpoint import read_launch_file
 from rlfleet.store import FilesystemStore
 from rlfleet.trainer.publisher import WeightPublisher
 

@@ -1,0 +1,292 @@
+"""The weight-sync reconcile loop: brings one engine to the weight channel's pointer.
+
+Loop: read the pointer; if it names a version newer than the applied one, report it as "in use" (so
+retention keeps it), obtain this pod's view verified (below), check that SGLang would load it in the
+view's format, then apply it through the engine client (engine_clients.py). Any failure (store
+unreachable, checksum mismatch, engine error) is counted by reason, the engine keeps serving the
+version it has, and the loop retries with exponential backoff (with jitter).
+
+Obtaining a version, verified BEFORE the engine sees the directory (the manifest against the
+pointer's sha256, every file against the manifest's digest; an entry naming an algorithm this sidecar
+does not know is refused, reason "checksum"):
+- by default: downloaded into `cache_dir` (an emptyDir shared with the engine container), each file
+  hashed (BLAKE3, streamed) as it lands; the newest `keep_local` copies are kept;
+- `in_place` (a filesystem store the engine also sees): every file hashed where the channel holds it,
+  and the engine loads that directory; no copy. Retention keeps it while it is served: the version
+  stays in this replica's report (`applied_version`, `in_use`) (docs/weights.md, "Loading in place").
+
+`fetch_for_launch` is the init container's mode (`--fetch-only`): wait for the newest version of the
+view, obtain it verified, write the cache's launch file and return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rlfleet.channel import ChannelError, ChecksumMismatchError, Manifest, WeightChannel, now_iso
+from rlfleet.sampler.engine_clients import DiskEngine, EngineError, PushEngine, engine_weight_version
+from rlfleet.sampler.launch_checkpoint import (
+    NotLaunchableError,
+    check_launchable,
+    newest_version_of_view,
+    read_launch_file,
+    write_launch_file,
+)
+from rlfleet.sampler.sync_report import SubscriberReporter
+from rlfleet.sampler.sync_state import LastApply, SyncConfig, SyncMetrics, SyncState
+from rlfleet.store import Store, StoreError
+
+log = logging.getLogger("rlfleet.sampler.sync")
+
+
+class Syncer:
+    """Reconciles one engine to the channel pointer."""
+
+    def __init__(self, config: SyncConfig, store: Store, engine: DiskEngine | PushEngine) -> None:
+        self.config = config
+        self.channel = WeightChannel(store, publisher_id=f"sync-{config.group}-{config.replica}")
+        self.engine = engine
+        self.state = SyncState(applied_version=config.initial_version)
+        self.metrics = SyncMetrics(config.group, config.view)
+        if config.initial_version is not None:
+            self.metrics.applied.set(config.initial_version)
+        self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.reporter = SubscriberReporter(self.channel, config, self.state, self.metrics)
+
+    # -- one reconciliation step
+    async def reconcile_once(self) -> bool:
+        """Bring the engine to the pointer. True if a version was applied; raises nothing."""
+        state = self.state
+        try:
+            found = await asyncio.to_thread(newest_version_of_view, self.channel, self.config.view)
+        except ChecksumMismatchError as e:
+            self._failed("checksum", f"manifest: {e}")
+            await self.reporter.report()
+            return False
+        except (StoreError, OSError, ValueError) as e:
+            self._failed("store", f"read pointer: {e}")
+            return False
+        if found is None:
+            state.phase = "waiting"
+            await self.reporter.report()
+            return False
+        version, manifest = found
+        state.latest_version = version
+        self.metrics.latest.set(version)
+        self._update_lag()
+        if not await self._behind(version):
+            return False
+        state.phase = "downloading"
+        await self.reporter.report(target=version)
+        t0 = time.perf_counter()
+        try:
+            target = await asyncio.to_thread(self._obtain_verified, version, manifest)
+        except (StoreError, OSError, ValueError) as e:
+            self._failed(_obtain_failure_reason(e), f"v{version}: {e}")
+            await self.reporter.report()
+            return False
+        t1 = time.perf_counter()
+        state.phase = "applying"
+        try:
+            await self.engine.apply(version, target, manifest, self.config.view)
+        except (EngineError, httpx.HTTPError) as e:
+            self._failed("engine", f"v{version}: {e}")
+            await self.reporter.report()
+            return False
+        self._applied(version, target, manifest, t0, t1, time.perf_counter())
+        await self.reporter.report()
+        return True
+
+    async def _behind(self, version: int) -> bool:
+        """Whether the engine needs `version`: it is newer than the applied one, or the engine no longer
+        serves what was applied (it restarted, or someone else loaded weights)."""
+        state = self.state
+        if state.applied_version is None or version > state.applied_version:
+            return True
+        serving = await engine_weight_version(self.engine.client)
+        if serving is None or serving == state.applied_version:
+            state.phase = "in-sync"
+            state.consecutive_failures = 0
+            await self.reporter.report()
+            return False
+        # Believe the engine and bring it back to the pointer.
+        log.warning("engine serves v%d, not the applied v%d: re-applying", serving, state.applied_version)
+        state.applied_version = serving
+        self.metrics.applied.set(serving)
+        return version > serving
+
+    def _applied(
+        self, version: int, target: Path, manifest: Manifest, t0: float, t1: float, t2: float
+    ) -> None:
+        state = self.state
+        state.applied_version = version
+        state.consecutive_failures = 0
+        state.last_error = None
+        state.phase = "in-sync"
+        state.last_apply = LastApply(
+            version, t1 - t0, t2 - t1, t2 - t0, manifest.views[self.config.view].bytes, now_iso()
+        )
+        self.metrics.applied.set(version)
+        self.metrics.applies.inc()
+        self.metrics.download.observe(t1 - t0)
+        self.metrics.apply.observe(t2 - t1)
+        self._update_lag()
+        write_launch_file(self.config.cache_dir, version, target)  # a restarted engine starts here
+        self._prune_local()
+        log.info(
+            "applied weights v%d (%s) %s %.2fs apply %.2fs", version, self.config.view,
+            "verify in place" if self.config.in_place else "download", t1 - t0, t2 - t1,
+        )  # fmt: skip
+
+    def _obtain_verified(self, version: int, manifest: Manifest) -> Path:
+        """This pod's view of `version` with every file verified (BLAKE3) and checked to be a checkpoint
+        SGLang would load in the view's format: the channel's own directory (`in_place`) or a verified
+        copy in the cache; a directory that fails is never handed to the engine."""
+        view = self.config.view
+        if self.config.in_place:
+            target = self.channel.verify_view_in_place(version, view, manifest=manifest)
+            check_launchable(target, view, require_config=self.config.require_checkpoint)
+            return target
+        target = self.config.cache_dir / f"v{version}-{view}"
+        self.channel.download_view(version, view, target, manifest=manifest)
+        try:
+            check_launchable(target, view, require_config=self.config.require_checkpoint)
+        except NotLaunchableError:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        return target
+
+    async def fetch_for_launch(self, stop: asyncio.Event) -> tuple[int, Path] | None:
+        """Init-container mode: wait for the newest version of the view, obtain it verified, write the
+        launch file. Returns (version, dir), or None if stopped first. Retries every failure (nothing
+        published yet, store down, checksum) with the sidecar's backoff."""
+        state = self.state
+        async with self.reporter.heartbeating(stop):  # the report stays fresh during a long download
+            while not stop.is_set():
+                try:
+                    found = await asyncio.to_thread(newest_version_of_view, self.channel, self.config.view)
+                    if found is not None:
+                        return await self._fetch(*found)
+                    state.phase = "waiting"
+                    state.consecutive_failures = 0
+                    log.info(
+                        "waiting for version 0 of view %s in %s", self.config.view, self.channel.store.uri
+                    )
+                except (StoreError, OSError, ValueError) as e:
+                    reason = (
+                        "checksum" if isinstance(e, ChecksumMismatchError | NotLaunchableError) else "store"
+                    )
+                    self._failed(reason, str(e))
+                await self.reporter.report()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.backoff_seconds())
+            return None
+
+    async def _fetch(self, version: int, manifest: Manifest) -> tuple[int, Path]:
+        state = self.state
+        state.latest_version = version
+        state.phase = "downloading"
+        await self.reporter.report(target=version)
+        target = await asyncio.to_thread(self._obtain_verified, version, manifest)
+        write_launch_file(self.config.cache_dir, version, target)
+        state.phase = "fetched"
+        log.info("launch checkpoint: v%d (%s) at %s", version, self.config.view, target)
+        # applied_version stays None (the engine is not up yet); in_use keeps v from retention
+        await self.reporter.report(target=version)
+        return version, target
+
+    def _failed(self, reason: str, message: str) -> None:
+        state = self.state
+        state.failures[reason] += 1
+        state.consecutive_failures += 1
+        state.last_error = f"{reason}: {message}"[:1000]
+        state.phase = "backoff"
+        self.metrics.failures[reason].inc()
+        log.warning("weight sync failed (%s), keeping v%s: %s", reason, state.applied_version, message)
+
+    def _update_lag(self) -> None:
+        s = self.state
+        if s.latest_version is not None and s.applied_version is not None:
+            self.metrics.lag.set(max(0, s.latest_version - s.applied_version))
+
+    def _prune_local(self) -> None:
+        """Delete all but the newest `keep_local` cache copies (in place: there are none)."""
+        dirs = sorted(
+            (p for p in self.config.cache_dir.glob(f"v*-{self.config.view}") if p.is_dir()),
+            key=lambda p: int(p.name[1:].split("-", 1)[0]) if p.name[1:].split("-", 1)[0].isdigit() else -1,
+        )
+        launched = read_launch_file(self.config.cache_dir)
+        for stale in dirs[: -self.config.keep_local]:
+            if launched is None or stale != launched[1]:  # never what a restarted engine would launch
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def backoff_seconds(self) -> float:
+        n = self.state.consecutive_failures
+        if n == 0:
+            return self.config.poll_interval
+        delay = min(self.config.backoff_max, self.config.backoff_base * 2 ** (n - 1))
+        return delay * random.uniform(0.5, 1.0)  # jitter: replicas do not retry in lockstep
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with self.reporter.heartbeating(stop):
+            while not stop.is_set():
+                try:
+                    await self.reconcile_once()
+                except Exception as e:  # a bug must not stop the sidecar: count it, keep serving, retry
+                    log.exception("weight sync step crashed")
+                    self._failed("internal", repr(e))
+                delay = self.backoff_seconds()
+                self.state.next_attempt_at = time.time() + delay
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+        await self.reporter.withdraw()
+
+    def status(self) -> dict[str, Any]:
+        """The sidecar's `/status` JSON."""
+        s = self.state
+        lag = (
+            None
+            if s.latest_version is None or s.applied_version is None
+            else max(0, s.latest_version - s.applied_version)
+        )
+        return {
+            "group": self.config.group,
+            "replica": self.config.replica,
+            "view": self.config.view,
+            "mode": self.engine.mode,
+            "in_place": self.config.in_place,
+            "store": self.channel.store.uri,
+            "engine_url": self.config.engine_url,
+            "applied_version": s.applied_version,
+            "latest_version": s.latest_version,
+            "lag": lag,
+            "phase": s.phase,
+            "consecutive_failures": s.consecutive_failures,
+            "failures": dict(s.failures),
+            "last_error": s.last_error,
+            "report_failures": s.report_failures,
+            "last_apply": asdict(s.last_apply) if s.last_apply else None,
+            "next_attempt_in_seconds": max(0.0, round(s.next_attempt_at - time.time(), 3))
+            if s.next_attempt_at
+            else None,
+        }
+
+
+def _obtain_failure_reason(error: Exception) -> str:
+    """A bad byte, an unknown digest algorithm, a refused checkpoint or a bad manifest is "checksum";
+    the store being unreachable, a missing file or a version without the view is "store"."""
+    if isinstance(error, ChecksumMismatchError | NotLaunchableError):
+        return "checksum"
+    if isinstance(error, ChannelError) and "no view" not in str(error):
+        return "checksum"
+    return "store"

@@ -1,0 +1,72 @@
+"""The local fleet host (rlfleet/local/fleet.py) in process: each engine starts from the channel's newest
+version of its view and loads its weights once before the first rollout; the sidecar loops verify
+each later version in the channel directory and load it in place, so the cache directory holds only
+the launch files (docs/weights.md, "Loading in place")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlfleet.channel import WeightChannel
+from rlfleet.local.fleet import FleetSpec, GroupSpec, start_fleet, stop_fleet, wait_until_serving
+from rlfleet.store import FilesystemStore
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
+from rlfleet.trainer.publisher import WeightPublisher
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+
+def weight_loads(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The reference servers' `/update_weights_from_disk` loads (admin_routes logs each one)."""
+    return sorted(r.getMessage() for r in caplog.records if r.name == "rlfleet.sampler.server")
+
+
+async def test_each_engine_loads_once_and_later_versions_load_in_place(
+    tmp_path: Path, tiny_qwen3_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rlfleet.sampler.server")
+    channel_dir, cache = tmp_path / "channel", tmp_path / "cache"
+    store = FilesystemStore(channel_dir, create=True)
+    publisher = WeightPublisher(store, views=["bf16", "fp8"], base_checkpoint=tiny_qwen3_dir)
+    model = tiny_model(TinyQwen3(seed=1))
+    publisher.publish(model.state_dict(), version=0)  # the trainer's version 0, before the host starts
+    groups = [GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")]
+    spec = FleetSpec(groups=groups, store=str(channel_dir), cache_dir=str(cache), model_path=str(tiny_qwen3_dir),
+                     poll_interval=0.05)  # fmt: skip
+    stop = asyncio.Event()
+    fleet, tasks = await start_fleet(spec, stop)
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            for g in groups:  # serving version 0 as soon as the host is up, loaded from the channel
+                info = (await client.get(fleet.servers[g.name] + "/model_info")).json()
+                expected = str(channel_dir / "v0" / g.weight_format)
+                assert (info["weight_version"], info["model_path"], info["weight_format"]) == (
+                    "0", expected, g.weight_format
+                )  # fmt: skip
+            deadline = time.monotonic() + 30
+            while {r.group: r.applied_version for r in WeightChannel(store).subscribers()} != {
+                "h100-bf16": 0, "h100-fp8": 0
+            }:  # fmt: skip
+                assert time.monotonic() < deadline, "the sync loops did not report version 0 applied"
+                await asyncio.sleep(0.05)
+            assert weight_loads(caplog) == []  # in sync with v0: no second load of the same weights
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+            response = await client.post(fleet.router_url + "/generate", json=body)
+            assert response.status_code == 200 and response.json()["meta_info"]["weight_version"] == "0"
+
+        publisher.publish(tiny_model(TinyQwen3(seed=2)).state_dict(), version=1)
+        await wait_until_serving(fleet, 1, timeout=60)
+        assert weight_loads(caplog) == [
+            f"weights {channel_dir / 'v1' / view} (view {view}) -> version 1" for view in ("bf16", "fp8")
+        ]
+        cached = sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file())
+        assert cached == ["h100-bf16/launch", "h100-fp8/launch"]  # nothing copied
+    finally:
+        stop.set()
+        await stop_fleet(fleet, tasks)
