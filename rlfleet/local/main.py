@@ -220,11 +220,10 @@ def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[
         state = ckpt.load_latest(ckpt_dir) if ckpt_dir.is_dir() else None
         if state is None:
             raise LocalRunError(f"nothing to resume in {out} (no checkpoint); run without --resume to start")
-        if int(state["step"]) >= rc.steps:
-            raise LocalRunError(
-                f"the run in {out} is complete (step {int(state['step'])} of {rc.steps}); "
-                f"--steps N with N > {int(state['step'])} continues it"
-            )
+        step = int(state["step"])
+        if step >= rc.steps:
+            where = f"is complete (step {step} of {rc.steps})" if step == rc.steps else f"is at step {step}, past --steps {rc.steps}"
+            raise LocalRunError(f"the run in {out} {where}; --steps N with N > {step} continues it")
         return state
     if (ckpt_dir / ckpt.LATEST).is_file() and not force:
         raise LocalRunError(
