@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from pathlib import Path
@@ -148,6 +149,28 @@ CONTEXT_MESSAGE = "rollout.maxNewTokens must be < model.maxSeqLen (prompt and ge
 LOCAL_CONTEXT_RULE = "self.maxNewTokens < self.model.maxPositionEmbeddings"
 LOCAL_CONTEXT_MESSAGE = (
     "local.maxNewTokens must be < local.model.maxPositionEmbeddings (prompt and generation share the context)"
+)
+# The one model whose config the API knows at apply: `builtin:tiny-qwen3` (rlfleet/tiny_qwen3.py, built by
+# the trainer from these sizes, no download), a dense Qwen3. What it cannot run is refused here, not after
+# apply: its mxfp4 view (the trainer refuses it, rlfleet/numerics/views.py `check_view_for_model`) and a
+# tensor parallelism that does not divide its heads (SGLang and Megatron split heads across TP ranks).
+BUILTIN_MODEL = "builtin:tiny-qwen3"
+# rlfleet/tiny_qwen3.py SIZES (not imported: that module reaches torch; tests/api checks they agree)
+_TINY_HEADS, _TINY_KV_HEADS = 2, 2
+BUILTIN_MXFP4_RULE = f"!self.model.path.startsWith('{BUILTIN_MODEL}') || self.samplerGroups.all(g, g.weightFormat != 'mxfp4')"
+BUILTIN_MXFP4_MESSAGE = (
+    f"model {BUILTIN_MODEL} is a dense Qwen3: it has no mxfp4 view (SGLang's mxfp4 quantizes MoE experts only and "
+    "the trainer refuses the view, docs/weights.md); serve it in bf16, fp8 or nvfp4"
+)
+_TINY_TP = math.gcd(_TINY_HEADS, _TINY_KV_HEADS)  # a TP size must divide both head counts: it divides this
+BUILTIN_TP_RULE = (
+    f"!self.model.path.startsWith('{BUILTIN_MODEL}') || "
+    f"(self.samplerGroups.all(g, !has(g.tensorParallel) || {_TINY_TP} % g.tensorParallel == 0) && "
+    f"(!has(self.trainer.parallelism) || {_TINY_TP} % self.trainer.parallelism.tensor == 0))"
+)
+BUILTIN_TP_MESSAGE = (
+    f"model {BUILTIN_MODEL} has {_TINY_HEADS} attention heads and {_TINY_KV_HEADS} key/value heads: every group's "
+    "tensorParallel and trainer.parallelism.tensor must divide both (each tensor-parallel rank holds whole heads)"
 )
 TINY_HEADS_RULE = (
     "self.numAttentionHeads % self.numKeyValueHeads == 0 && self.headDim % 2 == 0 && self.hiddenSize % 128 == 0 "
@@ -557,6 +580,8 @@ class RLJobSpec(ApiModel):
                     "message": GROUP_ACCELERATOR_MESSAGE,
                     "fieldPath": ".samplerGroups",
                 },
+                {"rule": BUILTIN_MXFP4_RULE, "message": BUILTIN_MXFP4_MESSAGE, "fieldPath": ".samplerGroups"},
+                {"rule": BUILTIN_TP_RULE, "message": BUILTIN_TP_MESSAGE, "fieldPath": ".samplerGroups"},
             ]
         }
     }
@@ -608,6 +633,15 @@ class RLJobSpec(ApiModel):
         max_seq_len = self.model.max_seq_len
         if max_seq_len is not None and self.rollout.max_new_tokens >= max_seq_len:
             raise ValueError(f"{CONTEXT_MESSAGE}: {self.rollout.max_new_tokens} >= {max_seq_len}")
+        if self.model.path.startswith(BUILTIN_MODEL):
+            mxfp4 = [g.name for g in self.sampler_groups if g.weight_format == "mxfp4"]
+            if mxfp4:
+                raise ValueError(f"{BUILTIN_MXFP4_MESSAGE} (groups: {', '.join(mxfp4)})")
+            sizes = {f"group {g.name}": g.tensor_parallel for g in self.sampler_groups if g.tensor_parallel}
+            sizes["trainer"] = self.trainer.parallelism.tensor
+            bad = [f"{who}: {tp}" for who, tp in sizes.items() if _TINY_TP % tp]
+            if bad:
+                raise ValueError(f"{BUILTIN_TP_MESSAGE} (got {', '.join(bad)})")
         return self
 
 

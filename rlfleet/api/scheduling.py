@@ -81,6 +81,14 @@ EMPTY_TERM_MESSAGE = (
     "nodeSelectorTerms: every term needs matchExpressions or matchFields (Kubernetes matches no node with "
     "an empty term)"
 )
+# the key half of bad_label_keys, for the API server: a nodeSelector key that is no label key never
+# matches a node, and Kubernetes refuses it only when the operator creates the pods (after apply)
+_CEL_QUALIFIED_NAME = QUALIFIED_NAME_PATTERN.replace("\\", "\\\\")  # a CEL string literal escapes backslashes
+LABEL_KEYS_RULE = f"self.all(k, size(k) <= 317 && k.matches('{_CEL_QUALIFIED_NAME}'))"
+LABEL_KEYS_MESSAGE = (
+    "nodeSelector keys must be Kubernetes label keys: [prefix/]name, the name at most 63 alphanumerics, "
+    "'-', '_' or '.' (starting and ending alphanumeric), the prefix a DNS subdomain"
+)
 TOLERATION_RULE = "self.operator != 'Exists' || !has(self.value) || self.value == ''"
 TOLERATION_MESSAGE = "toleration: operator Exists takes no value"
 
@@ -288,7 +296,11 @@ class ResourceRequirements(ApiModel):
 class PodPlacement(ApiModel):
     """Scheduling fields of one pod role (base of TrainerSpec, RouterSpec and SamplerGroupTemplate)."""
 
-    node_selector: dict[str, LabelValue] = Field(default_factory=dict, max_length=32)
+    node_selector: dict[str, LabelValue] = Field(
+        default_factory=dict,
+        max_length=32,
+        json_schema_extra={"x-kubernetes-validations": [{"rule": LABEL_KEYS_RULE, "message": LABEL_KEYS_MESSAGE}]},
+    )
     """Node labels the pods require, on top of the accelerator class (e.g. a node pool or zone)."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Tolerations added to the operator's nvidia.com/gpu toleration (e.g. a dedicated-pool taint)."""

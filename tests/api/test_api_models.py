@@ -338,3 +338,26 @@ def test_builtin_environments_are_the_trainers() -> None:
     assert set(BUILTIN_ENVIRONMENTS) == set(BUILTIN)
     manifest = apply_case(example_manifest(), {"set": {"spec.rollout.environment": "my_pkg.envs:Maze"}})
     assert RLJob.from_manifest(manifest).spec.rollout.environment == "my_pkg.envs:Maze"
+
+
+def test_what_the_builtin_model_cannot_run_is_refused_and_what_it_can_is_accepted() -> None:
+    """The API's heads of builtin:tiny-qwen3 are the ones rlfleet/tiny_qwen3.py builds it with (the API
+    cannot import that module: it reaches torch), and every TP that divides them is accepted."""
+    from rlfleet.api import rljob
+    from rlfleet.tiny_qwen3 import SIZES
+
+    assert (rljob._TINY_HEADS, rljob._TINY_KV_HEADS) == (SIZES["num_attention_heads"], SIZES["num_key_value_heads"])
+    manifest = example_manifest()
+    manifest["spec"]["model"]["path"] = "builtin:tiny-qwen3?seed=3"
+    manifest["spec"]["trainer"]["parallelism"]["tensor"] = 1
+    for tp in range(1, 9):
+        manifest["spec"]["samplerGroups"][3]["tensorParallel"] = tp
+        divides = SIZES["num_attention_heads"] % tp == 0 and SIZES["num_key_value_heads"] % tp == 0
+        if divides:
+            RLJob.model_validate(manifest)
+        else:
+            with pytest.raises(ValidationError, match=f"got group h100-bf16: {tp}"):
+                RLJob.model_validate(manifest)
+    manifest["spec"]["model"]["path"] = "Qwen/Qwen3-8B"  # a model the API does not know: left to the trainer
+    manifest["spec"]["samplerGroups"][3].update(tensorParallel=3, weightFormat="mxfp4")
+    RLJob.model_validate(manifest)
