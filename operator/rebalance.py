@@ -233,7 +233,7 @@ def _round(value: float | None, digits: int) -> float | None:
 
 
 def _cost_per_1m(price_per_gpu_hour: float, gpus: int, tokens_per_second: float | None) -> float | None:
-    # Same formula as rlfleet.catalog.cost_per_1m_tokens (which needs a catalog class object).
+    # USD per million tokens: `gpus` GPUs at `price_per_gpu_hour` delivering `tokens_per_second`.
     if not tokens_per_second or tokens_per_second <= 0 or price_per_gpu_hour <= 0 or gpus <= 0:
         return None
     cost = price_per_gpu_hour * gpus / 3600.0 / tokens_per_second * 1e6

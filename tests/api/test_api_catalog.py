@@ -15,11 +15,10 @@ from rlfleet.catalog import (
     CATALOG_ENV,
     CatalogError,
     check_group,
-    cost_per_1m_tokens,
+    engine_launch_for_group,
     get_catalog,
     load_catalog,
     sglang_launch,
-    sglang_launch_for_group,
 )
 
 CATALOG = load_catalog(None)
@@ -154,7 +153,7 @@ def test_launch_for_group_spec_full_command_line() -> None:
             "model": {"name": "qwen", "path": "Qwen/Qwen3-8B"}, "port": 31000,
         }
     )  # fmt: skip
-    launch = sglang_launch_for_group(spec, model_path="/weights/v0/fp8", weight_version=7)
+    launch = engine_launch_for_group(spec, model_path="/weights/v0/fp8", weight_version=7)
     assert launch.argv == [
         "python3", "-m", "sglang.launch_server",
         "--model-path", "/weights/v0/fp8", "--served-model-name", "qwen",
@@ -214,13 +213,6 @@ def test_bad_override_files_are_clear_errors(tmp_path: Path, text: str, message:
     path.write_text(text)
     with pytest.raises(CatalogError, match=message):
         load_catalog(path)
-
-
-def test_cost_per_million_tokens() -> None:
-    b200 = CATALOG.get("b200")
-    # 8 GPUs at 5.99 $/h delivering 10,000 tok/s: 47.92 $/h / 36e6 tok/h * 1e6
-    assert cost_per_1m_tokens(b200, 8, 10_000.0) == pytest.approx(5.99 * 8 / 36.0)
-    assert cost_per_1m_tokens(b200, 8, 0.0) is None
 
 
 # --- pre-quantized checkpoints: SGLang 0.5.23's own quantization resolution ---------------------------

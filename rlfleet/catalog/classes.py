@@ -1,4 +1,5 @@
-"""The accelerator catalog, and the ONE pure function turning (group, class) into an SGLang launch.
+"""The accelerator catalog: the classes a sampler group may name, how to find their nodes, what each
+can run, and the checks a group must pass.
 
 A class says how to find its nodes (GPU Feature Discovery `nvidia.com/gpu.product` values, several per
 class because SKUs differ, plus GKE `cloud.google.com/gke-accelerator` values), what it can run
@@ -16,16 +17,6 @@ What each class really runs (SGLang 0.5.23's code; docs/sampler.md has the table
   caches need sm100+ / sm100 or sm120.
 - MXFP4 is MoE-experts-only: SGLang's Mxfp4Config quantizes FusedMoE layers and leaves every dense
   linear layer unquantized, so a dense model in the mxfp4 view serves its linear layers in BF16.
-
-Every quantized format launches from a checkpoint already in that format (a published view of the
-weight channel: config.json carries the `quantization_config`), never from a BF16 checkpoint with an
-online `--quantization`: `/update_weights_from_disk` reloads into the launch-time model with its
-launch-time quantization method, and online FP8 / online ModelOpt FP4 cannot take a later checkpoint
-(docs/weights.md). The `--quantization` value each profile passes is the one SGLang's
-`ModelConfig._verify_quantization` resolves from that checkpoint's config, so it only confirms what the
-checkpoint says. It is no guard against a checkpoint of another format (SGLang refuses some pairs and
-silently runs others, tests/api/test_api_catalog.py), so the weight-sync init container checks the
-checkpoint's declared quantization before SGLang starts (sampler/sync.py `check_launchable`).
 
 A class says which engine its sampler groups run and on what device (`engine: sglang | reference`,
 `device: gpu | cpu`). The built-in `cpu` class runs the project's reference engine (`rlfleet sampler
@@ -51,9 +42,8 @@ from __future__ import annotations
 
 import copy
 import os
-import shlex
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -67,17 +57,6 @@ PRODUCT_LABEL = "nvidia.com/gpu.product"
 GKE_LABEL = "cloud.google.com/gke-accelerator"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TOLERATION: dict[str, str] = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-
-
-LAUNCH_FILE = "launch"
-"""File in a sampler pod's weights cache naming the checkpoint SGLang launches from: one line
-"<version> <directory>", written atomically by the weight-sync init container (before SGLang starts)
-and rewritten by the sidecar after every applied version (a restarted engine container launches from
-what the pod serves). sampler/sync.py writes it; `launch_from_file` reads it."""
-WEIGHT_VERSION_REF = "$RLFLEET_WEIGHT_VERSION"
-MODEL_DIR_REF = "$RLFLEET_MODEL_DIR"
-"""Placeholders for `sglang_launch(weight_version=..., model_path=...)` that `launch_from_file` fills
-from the launch file at container start."""
 
 
 class CatalogError(ValueError):
@@ -111,8 +90,6 @@ CPU_TRAINER_RESOURCES: dict[str, dict[str, str]] = {
     "limits": {"memory": "8Gi"},
 }
 CPU_SYNC_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
-REFERENCE_PROGRAM = "rlfleet"
-"""argv[0] of a reference-engine group's engine container (the rlfleet console script of the image)."""
 
 
 class AcceleratorClass(_Model):
@@ -496,24 +473,6 @@ def check_tensor_parallel(cls: AcceleratorClass, tensor_parallel: int | None) ->
         raise CatalogError(f"accelerator {cls.name} {REFERENCE_ONE_PROCESS} (got {tensor_parallel})")
 
 
-@dataclass(frozen=True)
-class SGLangLaunch:
-    """Everything needed to start one SGLang server of a group."""
-
-    argv: list[str]  # full command line, argv[0] is the interpreter
-    env: dict[str, str]
-    tensor_parallel: int
-    mode: Literal["native", "degraded"]
-    note: str
-    accelerator: str
-    selection_reason: str = ""
-    flags: list[str] = field(default_factory=list)  # the precision flags alone (format + kv)
-
-    @property
-    def degraded(self) -> bool:
-        return self.mode == "degraded"
-
-
 def selection_reason(cls: AcceleratorClass, weight_format: str, profile: FormatProfile) -> str:
     """Why a group runs where it runs (SamplerGroup status `selectionReason`)."""
     if not cls.gpu:
@@ -525,174 +484,6 @@ def selection_reason(cls: AcceleratorClass, weight_format: str, profile: FormatP
     if cls.gke_accelerators:
         terms.append(f"{GKE_LABEL} in [{', '.join(cls.gke_accelerators)}]")
     return f"{cls.display_name}: nodes with {' or '.join(terms)}; {weight_format} {profile.mode} ({profile.note})"
-
-
-def sglang_launch(
-    *,
-    accelerator: AcceleratorClass,
-    weight_format: str,
-    kv_cache_dtype: str = "auto",
-    tensor_parallel: int | None = None,
-    extra_args: Sequence[str] = (),
-    model_path: str,
-    served_model_name: str,
-    weight_version: int | str,
-    host: str = "0.0.0.0",
-    port: int = 30000,
-    sampling_mask_max_tokens: int = 4096,
-    python: str = "python3",
-) -> SGLangLaunch:
-    """THE pure function: (group fields, class) -> SGLang command line + env. Raises CatalogError.
-
-    `model_path` is a checkpoint already in `weight_format` (the channel's view of that format, whose
-    config.json carries the quantization_config the precision flags confirm); `weight_version` is the
-    version of that checkpoint, always passed: without it SGLang labels every token "default" until
-    the first update. `sglang_launch_for_group` takes a SamplerGroup spec directly; this form takes
-    plain values so the sampler (`rlfleet sampler serve --engine sglang`) and local mode need no API
-    object.
-    """
-    cls = accelerator
-    if cls.engine != "sglang":
-        raise CatalogError(
-            f"accelerator {cls.name} runs the {cls.engine} engine, not SGLang (use engine_launch)"
-        )
-    catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
-    profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
-    tp = tensor_parallel or cls.default_tensor_parallel
-    precision_flags = list(profile.flags)
-    if kv_cache_dtype != "auto":
-        precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
-    argv = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", model_path,
-        "--served-model-name", served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--tp-size", str(tp),
-        "--dtype", "bfloat16",
-        "--enable-metrics",
-        "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
-        "--weight-version", str(weight_version),
-    ]  # fmt: skip
-    argv += precision_flags
-    argv += list(extra_args)
-    env = {**cls.env, **profile.env}
-    return SGLangLaunch(
-        argv=argv,
-        env=env,
-        tensor_parallel=tp,
-        mode=profile.mode,
-        note=profile.note,
-        accelerator=cls.name,
-        selection_reason=selection_reason(cls, weight_format, profile),
-        flags=precision_flags,
-    )
-
-
-def reference_launch(
-    *,
-    accelerator: AcceleratorClass,
-    weight_format: str,
-    kv_cache_dtype: str = "auto",
-    tensor_parallel: int | None = None,
-    extra_args: Sequence[str] = (),
-    model_path: str,
-    served_model_name: str,
-    weight_version: int | str,
-    host: str = "0.0.0.0",
-    port: int = 30000,
-    sampling_mask_max_tokens: int = 4096,
-    program: str = REFERENCE_PROGRAM,
-) -> SGLangLaunch:
-    """(group fields, class) -> the reference engine's command line for a class with `engine:
-    reference`: `rlfleet sampler serve --engine reference` with the same launch inputs as SGLang (a
-    verified view directory and its version, the served name, port, mask cap) and the class's
-    precision flags (`--weight-format`, `--kv-cache-dtype`). Raises CatalogError."""
-    cls = accelerator
-    if cls.engine != "reference":
-        raise CatalogError(f"accelerator {cls.name} runs the {cls.engine} engine, not the reference engine")
-    catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
-    profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
-    check_tensor_parallel(cls, tensor_parallel)
-    precision_flags = list(profile.flags)
-    if kv_cache_dtype != "auto":
-        precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
-    argv = [
-        program, "sampler", "serve", "--engine", "reference",
-        "--model-path", model_path,
-        "--served-model-name", served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
-        "--weight-version", str(weight_version),
-    ]  # fmt: skip
-    argv += precision_flags
-    argv += list(extra_args)
-    return SGLangLaunch(
-        argv=argv,
-        env={**cls.env, **profile.env},
-        tensor_parallel=1,
-        mode=profile.mode,
-        note=profile.note,
-        accelerator=cls.name,
-        selection_reason=selection_reason(cls, weight_format, profile),
-        flags=precision_flags,
-    )
-
-
-def engine_launch(*, accelerator: AcceleratorClass, **kwargs: Any) -> SGLangLaunch:
-    """The launch of the engine the class runs (`engine`): `sglang_launch` or `reference_launch`, same
-    arguments (`python` is SGLang's interpreter; a reference launch ignores it)."""
-    if accelerator.engine == "reference":
-        kwargs.pop("python", None)
-        return reference_launch(accelerator=accelerator, **kwargs)
-    return sglang_launch(accelerator=accelerator, **kwargs)
-
-
-def launch_from_file(argv: Sequence[str], launch_file: str) -> list[str]:
-    """`/bin/sh -c` command running `argv` (built with WEIGHT_VERSION_REF / MODEL_DIR_REF) with the
-    version and directory read from `launch_file`. Fails (exit 1, one line) if the file is missing:
-    the init container did not finish, so there is nothing verified to launch from."""
-    refs = {WEIGHT_VERSION_REF, MODEL_DIR_REF}
-    words = [f'"{a}"' if a in refs else shlex.quote(a) for a in argv]
-    file = shlex.quote(launch_file)
-    script = (
-        f"test -s {file} || {{ echo 'no verified weights: {launch_file} missing' >&2; exit 1; }}; "
-        f"read -r {WEIGHT_VERSION_REF[1:]} {MODEL_DIR_REF[1:]} < {file} && exec {' '.join(words)}"
-    )
-    return ["/bin/sh", "-c", script]
-
-
-def sglang_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs: Any) -> SGLangLaunch:
-    """sglang_launch for a SamplerGroupSpec / SamplerGroupTemplate (model_path, weight_version and
-    served_model_name come from kwargs; the served name defaults to group.model.name)."""
-    return _launch_for_group(sglang_launch, group, catalog, **kwargs)
-
-
-def engine_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs: Any) -> SGLangLaunch:
-    """engine_launch for a SamplerGroupSpec: SGLang or the reference engine, as the group's class says."""
-    return _launch_for_group(engine_launch, group, catalog, **kwargs)
-
-
-def _launch_for_group(launch: Any, group: Any, catalog: Catalog | None, **kwargs: Any) -> SGLangLaunch:
-    cat = catalog or get_catalog()
-    model = getattr(group, "model", None)
-    kwargs.setdefault("served_model_name", getattr(model, "name", None))
-    if getattr(group, "port", None) is not None:
-        kwargs.setdefault("port", group.port)
-    if getattr(group, "sampling_mask_max_tokens", None) is not None:
-        kwargs.setdefault("sampling_mask_max_tokens", group.sampling_mask_max_tokens)
-    missing = [k for k in ("model_path", "served_model_name", "weight_version") if kwargs.get(k) is None]
-    if missing:
-        raise CatalogError(f"engine launch: {', '.join(missing)} required")
-    return launch(
-        accelerator=cat.get(group.accelerator),
-        weight_format=group.weight_format,
-        kv_cache_dtype=group.kv_cache_dtype,
-        tensor_parallel=group.tensor_parallel,
-        extra_args=group.extra_args,
-        **kwargs,
-    )
 
 
 @dataclass(frozen=True)
@@ -715,10 +506,3 @@ def group_precision(group: Any, catalog: Catalog | None = None) -> GroupPrecisio
     cls = cat.get(group.accelerator)
     profile = check_group(cls.name, group.weight_format, group.kv_cache_dtype, catalog=cat)
     return GroupPrecision(cls.name, profile.mode, profile.note, selection_reason(cls, group.weight_format, profile))
-
-
-def cost_per_1m_tokens(cls: AcceleratorClass, gpus: int, tokens_per_second: float) -> float | None:
-    """USD per million tokens for `gpus` GPUs of `cls` delivering `tokens_per_second` (None if idle)."""
-    if tokens_per_second <= 0:
-        return None
-    return cls.cost_per_gpu_hour * gpus / 3600.0 / tokens_per_second * 1e6

@@ -1,0 +1,224 @@
+"""A sampler group's engine launch: the ONE pure function turning (group, class) into the command line
+of the engine the class runs (SGLang, or the reference engine with the same launch contract).
+
+Every quantized format launches from a checkpoint already in that format (a published view of the
+weight channel: config.json carries the `quantization_config`), never from a BF16 checkpoint with an
+online `--quantization`: `/update_weights_from_disk` reloads into the launch-time model with its
+launch-time quantization method, and online FP8 / online ModelOpt FP4 cannot take a later checkpoint
+(docs/weights.md). The `--quantization` value each profile passes is the one SGLang's
+`ModelConfig._verify_quantization` resolves from that checkpoint's config, so it only confirms what the
+checkpoint says. It is no guard against a checkpoint of another format (SGLang refuses some pairs and
+silently runs others, tests/api/test_api_catalog.py), so the weight-sync init container checks the
+checkpoint's declared quantization before SGLang starts (the sampler's `check_launchable`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rlfleet.catalog.classes import (
+    AcceleratorClass,
+    Catalog,
+    CatalogError,
+    check_group,
+    check_tensor_parallel,
+    get_catalog,
+    selection_reason,
+)
+
+LAUNCH_FILE = "launch"
+"""File in a sampler pod's weights cache naming the checkpoint SGLang launches from: one line
+"<version> <directory>", written atomically by the weight-sync init container (before SGLang starts)
+and rewritten by the sidecar after every applied version (a restarted engine container launches from
+what the pod serves). The sampler's weight sync writes it; `launch_from_file` reads it."""
+WEIGHT_VERSION_REF = "$RLFLEET_WEIGHT_VERSION"
+MODEL_DIR_REF = "$RLFLEET_MODEL_DIR"
+"""Placeholders for `sglang_launch(weight_version=..., model_path=...)` that `launch_from_file` fills
+from the launch file at container start."""
+REFERENCE_PROGRAM = "rlfleet"
+"""argv[0] of a reference-engine group's engine container (the rlfleet console script of the image)."""
+
+
+@dataclass(frozen=True)
+class SGLangLaunch:
+    """Everything needed to start one SGLang server of a group."""
+
+    argv: list[str]  # full command line, argv[0] is the interpreter
+    env: dict[str, str]
+    tensor_parallel: int
+    mode: Literal["native", "degraded"]
+    note: str
+    accelerator: str
+    selection_reason: str = ""
+    flags: list[str] = field(default_factory=list)  # the precision flags alone (format + kv)
+
+    @property
+    def degraded(self) -> bool:
+        return self.mode == "degraded"
+
+
+def sglang_launch(
+    *,
+    accelerator: AcceleratorClass,
+    weight_format: str,
+    kv_cache_dtype: str = "auto",
+    tensor_parallel: int | None = None,
+    extra_args: Sequence[str] = (),
+    model_path: str,
+    served_model_name: str,
+    weight_version: int | str,
+    host: str = "0.0.0.0",
+    port: int = 30000,
+    sampling_mask_max_tokens: int = 4096,
+    python: str = "python3",
+) -> SGLangLaunch:
+    """THE pure function: (group fields, class) -> SGLang command line + env. Raises CatalogError.
+
+    `model_path` is a checkpoint already in `weight_format` (the channel's view of that format, whose
+    config.json carries the quantization_config the precision flags confirm); `weight_version` is the
+    version of that checkpoint, always passed: without it SGLang labels every token "default" until
+    the first update. `sglang_launch_for_group` takes a SamplerGroup spec directly; this form takes
+    plain values so the sampler (`rlfleet sampler serve --engine sglang`) and local mode need no API
+    object.
+    """
+    cls = accelerator
+    if cls.engine != "sglang":
+        raise CatalogError(
+            f"accelerator {cls.name} runs the {cls.engine} engine, not SGLang (use engine_launch)"
+        )
+    catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
+    profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
+    tp = tensor_parallel or cls.default_tensor_parallel
+    precision_flags = list(profile.flags)
+    if kv_cache_dtype != "auto":
+        precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
+    argv = [
+        python, "-m", "sglang.launch_server",
+        "--model-path", model_path,
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--tp-size", str(tp),
+        "--dtype", "bfloat16",
+        "--enable-metrics",
+        "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
+        "--weight-version", str(weight_version),
+    ]  # fmt: skip
+    argv += precision_flags
+    argv += list(extra_args)
+    env = {**cls.env, **profile.env}
+    return SGLangLaunch(
+        argv=argv,
+        env=env,
+        tensor_parallel=tp,
+        mode=profile.mode,
+        note=profile.note,
+        accelerator=cls.name,
+        selection_reason=selection_reason(cls, weight_format, profile),
+        flags=precision_flags,
+    )
+
+
+def reference_launch(
+    *,
+    accelerator: AcceleratorClass,
+    weight_format: str,
+    kv_cache_dtype: str = "auto",
+    tensor_parallel: int | None = None,
+    extra_args: Sequence[str] = (),
+    model_path: str,
+    served_model_name: str,
+    weight_version: int | str,
+    host: str = "0.0.0.0",
+    port: int = 30000,
+    sampling_mask_max_tokens: int = 4096,
+    program: str = REFERENCE_PROGRAM,
+) -> SGLangLaunch:
+    """(group fields, class) -> the reference engine's command line for a class with `engine:
+    reference`: `rlfleet sampler serve --engine reference` with the same launch inputs as SGLang (a
+    verified view directory and its version, the served name, port, mask cap) and the class's
+    precision flags (`--weight-format`, `--kv-cache-dtype`). Raises CatalogError."""
+    cls = accelerator
+    if cls.engine != "reference":
+        raise CatalogError(f"accelerator {cls.name} runs the {cls.engine} engine, not the reference engine")
+    catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
+    profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
+    check_tensor_parallel(cls, tensor_parallel)
+    precision_flags = list(profile.flags)
+    if kv_cache_dtype != "auto":
+        precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
+    argv = [
+        program, "sampler", "serve", "--engine", "reference",
+        "--model-path", model_path,
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
+        "--weight-version", str(weight_version),
+    ]  # fmt: skip
+    argv += precision_flags
+    argv += list(extra_args)
+    return SGLangLaunch(
+        argv=argv,
+        env={**cls.env, **profile.env},
+        tensor_parallel=1,
+        mode=profile.mode,
+        note=profile.note,
+        accelerator=cls.name,
+        selection_reason=selection_reason(cls, weight_format, profile),
+        flags=precision_flags,
+    )
+
+
+def engine_launch(*, accelerator: AcceleratorClass, **kwargs: Any) -> SGLangLaunch:
+    """The launch of the engine the class runs (`engine`): `sglang_launch` or `reference_launch`, same
+    arguments (`python` is SGLang's interpreter; a reference launch ignores it)."""
+    if accelerator.engine == "reference":
+        kwargs.pop("python", None)
+        return reference_launch(accelerator=accelerator, **kwargs)
+    return sglang_launch(accelerator=accelerator, **kwargs)
+
+
+def launch_from_file(argv: Sequence[str], launch_file: str) -> list[str]:
+    """`/bin/sh -c` command running `argv` (built with WEIGHT_VERSION_REF / MODEL_DIR_REF) with the
+    version and directory read from `launch_file`. Fails (exit 1, one line) if the file is missing:
+    the init container did not finish, so there is nothing verified to launch from."""
+    refs = {WEIGHT_VERSION_REF, MODEL_DIR_REF}
+    words = [f'"{a}"' if a in refs else shlex.quote(a) for a in argv]
+    file = shlex.quote(launch_file)
+    script = (
+        f"test -s {file} || {{ echo 'no verified weights: {launch_file} missing' >&2; exit 1; }}; "
+        f"read -r {WEIGHT_VERSION_REF[1:]} {MODEL_DIR_REF[1:]} < {file} && exec {' '.join(words)}"
+    )
+    return ["/bin/sh", "-c", script]
+
+
+def engine_launch_for_group(group: Any, catalog: Catalog | None = None, **kwargs: Any) -> SGLangLaunch:
+    """engine_launch for a SamplerGroupSpec / SamplerGroupTemplate: SGLang or the reference engine, as the
+    group's class says (model_path and weight_version come from kwargs; the served name defaults to
+    group.model.name)."""
+    return _launch_for_group(engine_launch, group, catalog, **kwargs)
+
+
+def _launch_for_group(launch: Any, group: Any, catalog: Catalog | None, **kwargs: Any) -> SGLangLaunch:
+    cat = catalog or get_catalog()
+    model = getattr(group, "model", None)
+    kwargs.setdefault("served_model_name", getattr(model, "name", None))
+    if getattr(group, "port", None) is not None:
+        kwargs.setdefault("port", group.port)
+    if getattr(group, "sampling_mask_max_tokens", None) is not None:
+        kwargs.setdefault("sampling_mask_max_tokens", group.sampling_mask_max_tokens)
+    missing = [k for k in ("model_path", "served_model_name", "weight_version") if kwargs.get(k) is None]
+    if missing:
+        raise CatalogError(f"engine launch: {', '.join(missing)} required")
+    return launch(
+        accelerator=cat.get(group.accelerator),
+        weight_format=group.weight_format,
+        kv_cache_dtype=group.kv_cache_dtype,
+        tensor_parallel=group.tensor_parallel,
+        extra_args=group.extra_args,
+        **kwargs,
+    )
