@@ -80,13 +80,19 @@ CASES = [
      "Healthy", "Succeeded"),
     ("RLJob", {"observedGeneration": 2, "phase": "Succeeded"}, "Progressing", "generation 3"),
     ("RLJob", {"observedGeneration": 3, "phase": "Degraded", "conditions": [cond("Ready", "False", "h100-fp8 1/2")]},
-     "Progressing", "h100-fp8 1/2"),
+     "Degraded", "h100-fp8 1/2"),
+    # blocked: the operator's Degraded condition (a quota, a missing PVC, the channel's store) is Argo's Degraded
+    ("RLJob", {"observedGeneration": 3, "phase": "Degraded", "reason": "ReplicaFailure", "conditions": [
+        cond("Ready", "False", "trainer"), {**cond("Degraded", "True", "0/1 pods created: exceeded quota: compute"),
+                                            "reason": "ReplicaFailure"}]}, "Degraded", "ReplicaFailure: 0/1 pods"),
+    ("RLJob", {"observedGeneration": 2, "phase": "Degraded", "conditions": [cond("Degraded", "True", "old spec")]},
+     "Progressing", "generation 3"),
     ("SamplerGroup", {"observedGeneration": 3, "phase": "Suspended", "conditions": [cond("Ready", "False")]},
      "Suspended", "Suspended"),
     ("SamplerGroup", {"observedGeneration": 3, "phase": "Running", "ready": "2/2", "conditions": READY},
      "Healthy", "Ready 2/2"),
     ("SamplerGroup", {"observedGeneration": 3, "phase": "Degraded", "ready": "1/2",
-                      "conditions": [cond("Ready", "False", "1/2 replicas ready")]}, "Progressing", "1/2 replicas"),
+                      "conditions": [cond("Ready", "False", "1/2 replicas ready")]}, "Degraded", "1/2 replicas"),
     ("SamplerGroup", {"observedGeneration": 3, "phase": "Quarantined", "quarantined": True,
                       "message": "OOR share 3x token share", "conditions": READY}, "Degraded", "Quarantined: OOR share"),
     ("SamplerGroup", {"observedGeneration": 3, "quarantined": False, "degradedPrecision": True,
@@ -97,6 +103,9 @@ CASES = [
                        "conditions": [cond("Ready", "False")]}, "Degraded", "sha256 mismatch"),
     ("WeightChannel", {"observedGeneration": 3, "phase": "Pending", "conditions": [cond("Ready", "False")]},
      "Progressing", "No version published yet"),
+    ("WeightChannel", {"observedGeneration": 3, "phase": "Pending", "conditions": [
+        cond("Ready", "False"), {**cond("Degraded", "True", "store s3://ckpt/run1 unreachable from the operator"),
+                                 "reason": "StoreUnreachable"}]}, "Degraded", "StoreUnreachable: store s3://ckpt"),
 ]
 
 
@@ -141,6 +150,12 @@ def test_healthy_only_when_current_and_ready(kind: str, generation: int, status:
         assert conditions.get("CollapseRisk") != "True"
         assert status.get("phase") != "Failed"
     if conditions.get("CollapseRisk") == "True" or (status or {}).get("phase") == "Failed":
+        assert hs["status"] == "Degraded"
+    # a blocked object of the current generation is Degraded, unless suspended (or, a job, finished)
+    exempt = {"RLJob": ("Suspended", "Succeeded"), "SamplerGroup": ("Suspended",), "WeightChannel": ()}[kind]
+    if status is not None and status.get("observedGeneration") == generation and (
+        conditions.get("Degraded") == "True" or status.get("phase") == "Degraded"
+    ) and status.get("phase") not in exempt:
         assert hs["status"] == "Degraded"
 
 

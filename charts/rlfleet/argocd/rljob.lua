@@ -1,7 +1,9 @@
 -- Argo CD health check for rlfleet.dev/RLJob (Argo CD runs gopher-lua, i.e. Lua 5.1).
 -- Healthy only when the operator has computed the status from the current spec (observedGeneration
 -- == metadata.generation) and Ready is True, or the job has Succeeded. Degraded on CollapseRisk True or
--- phase Failed. Suspended while spec.suspend holds; phase Degraded (a group not ready) is Progressing.
+-- phase Failed; for the current generation, Degraded when the operator says so (phase Degraded or condition
+-- Degraded=True: the trainer or a group blocked, its WeightChannel's store unreachable). Suspended while
+-- spec.suspend holds.
 local hs = { status = "Progressing", message = "Waiting for the rlfleet operator to report status" }
 local status = obj.status
 if status == nil then
@@ -55,6 +57,25 @@ end
 if status.phase == "Succeeded" then
   hs.status = "Healthy"
   hs.message = explain(nil, "Succeeded")
+  return hs
+end
+
+local degraded = condition("Degraded")
+if degraded ~= nil and degraded.status ~= "True" then
+  degraded = nil
+end
+if status.phase == "Degraded" or degraded ~= nil then
+  -- the operator says Degraded only when something blocks the object (a pod the scheduler, the kubelet
+  -- or a quota refuses, a crash loop, an unreachable store), never for replicas merely starting
+  hs.status = "Degraded"
+  local why = status.reason
+  if degraded ~= nil and degraded.reason ~= nil and degraded.reason ~= "" then
+    why = degraded.reason
+  end
+  if why == nil or why == "" then
+    why = "Degraded"
+  end
+  hs.message = why .. ": " .. explain(degraded or condition("Ready"), "the job is blocked")
   return hs
 end
 

@@ -1,7 +1,8 @@
 -- Argo CD health check for rlfleet.dev/SamplerGroup (Argo CD runs gopher-lua, i.e. Lua 5.1).
 -- Healthy only when observedGeneration == metadata.generation and Ready is True.
 -- Degraded on CollapseRisk True, phase Failed, or a quarantined group (it gets no new sessions).
--- Some replicas not ready (phase Degraded) is Progressing, like a Deployment mid-rollout.
+-- Degraded for the current generation when the operator says so (phase Degraded or condition
+-- Degraded=True: pods refused or crash-looping); replicas merely starting are Progressing.
 local hs = { status = "Progressing", message = "Waiting for the rlfleet operator to report status" }
 local status = obj.status
 if status == nil then
@@ -55,6 +56,25 @@ end
 if status.phase == "Suspended" then
   hs.status = "Suspended"
   hs.message = explain(nil, "Suspended (scaled to zero by its RLJob)")
+  return hs
+end
+
+local degraded = condition("Degraded")
+if degraded ~= nil and degraded.status ~= "True" then
+  degraded = nil
+end
+if status.phase == "Degraded" or degraded ~= nil then
+  -- the operator says Degraded only when something blocks the object (a pod the scheduler, the kubelet
+  -- or a quota refuses, a crash loop, an unreachable store), never for replicas merely starting
+  hs.status = "Degraded"
+  local why = status.reason
+  if degraded ~= nil and degraded.reason ~= nil and degraded.reason ~= "" then
+    why = degraded.reason
+  end
+  if why == nil or why == "" then
+    why = "Degraded"
+  end
+  hs.message = why .. ": " .. explain(degraded or condition("Ready"), "the group is blocked")
   return hs
 end
 

@@ -1,6 +1,7 @@
 -- Argo CD health check for rlfleet.dev/WeightChannel (Argo CD runs gopher-lua, i.e. Lua 5.1).
 -- Healthy only when observedGeneration == metadata.generation and Ready is True.
--- Degraded on CollapseRisk True or phase Degraded/Failed (e.g. a view failed its checksum).
+-- Degraded on CollapseRisk True or phase Degraded/Failed (e.g. a view failed its checksum), and for the
+-- current generation on condition Degraded=True (its store unreachable from the operator).
 -- Before the first published version the channel is Progressing.
 local hs = { status = "Progressing", message = "Waiting for the rlfleet operator to report status" }
 local status = obj.status
@@ -45,6 +46,25 @@ end
 local generation = obj.metadata.generation
 if status.observedGeneration == nil or generation == nil or status.observedGeneration ~= generation then
   hs.message = "Waiting for the operator to observe generation " .. tostring(generation)
+  return hs
+end
+
+local degraded = condition("Degraded")
+if degraded ~= nil and degraded.status ~= "True" then
+  degraded = nil
+end
+if status.phase == "Degraded" or degraded ~= nil then
+  -- the operator says Degraded only when something blocks the object (a pod the scheduler, the kubelet
+  -- or a quota refuses, a crash loop, an unreachable store), never for replicas merely starting
+  hs.status = "Degraded"
+  local why = status.reason
+  if degraded ~= nil and degraded.reason ~= nil and degraded.reason ~= "" then
+    why = degraded.reason
+  end
+  if why == nil or why == "" then
+    why = "Degraded"
+  end
+  hs.message = why .. ": " .. explain(degraded or condition("Ready"), "the channel is blocked")
   return hs
 end
 
