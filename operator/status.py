@@ -300,7 +300,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     suspended = bool(spec.get("suspend"))
     wanted = [g.get("name") for g in spec.get("samplerGroups", [])]
     by_group = {_get(g, "spec", "name"): g for g in groups}
-    summaries, ready_groups, degraded_groups = [], 0, []  # degraded: (group, reason, message)
+    summaries, ready_groups, degraded_groups = [], 0, []  # degraded: (group, reason, masked message, message)
     for name in wanted:
         sg = by_group.get(name)
         phase = _get(sg, "status", "phase")
@@ -316,7 +316,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         if phase in ("Degraded", "Failed"):
             why = str(_get(sg, "status", "message", default="") or "")
             masked = re.sub(rf"\b{re.escape(str(_get(sg, 'metadata', 'name', default=name)))}(?:-[a-z0-9]+)*(?![a-z0-9])", "<group>", why)
-            degraded_groups.append((name, str(_get(sg, "status", "reason", default="") or phase), masked))
+            degraded_groups.append((name, str(_get(sg, "status", "reason", default="") or phase), masked, why))
     t_desired = 0 if suspended else int(_get(spec, "trainer", "replicas", default=1))
     t_ready = int(_get(trainer, "status", "readyReplicas", default=0) or 0)
     trainer_ready = trainer is not None and t_ready >= t_desired
@@ -401,16 +401,17 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     return status
 
 
-def _merge_groups(degraded: list[tuple[str, str, str]]) -> str:
-    """`a (Reason: message); b (...)`, groups with the same reason and message (their own names masked as
-    `<group>`) merged into one entry: `a, b, c (Reason, each: message)`."""
-    merged: dict[tuple[str, str], list[str]] = {}
-    for name, reason, message in degraded:
-        merged.setdefault((reason, message), []).append(name)
+def _merge_groups(degraded: list[tuple[str, str, str, str]]) -> str:
+    """`a (Reason: message); b (...)`, groups with the same reason and message (their own object and pod
+    names masked as `<group>`) merged into one entry: `a, b, c (Reason, each: message)`."""
+    merged: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for name, reason, masked, message in degraded:
+        merged.setdefault((reason, masked), []).append((name, message))
     out = []
-    for (reason, message), names in merged.items():
-        if len(names) == 1:
-            out.append(f"{names[0]} ({reason}: {message.replace('<group>', names[0])})" if message else names[0])
+    for (reason, message), members in merged.items():
+        names = [name for name, _ in members]
+        if len(members) == 1:  # alone: its own words, pod names included
+            out.append(f"{names[0]} ({reason}: {members[0][1]})" if members[0][1] else names[0])
         else:
             out.append(f"{', '.join(names)} ({reason}, each: {message})" if message else ", ".join(names))
     return "; ".join(out)

@@ -135,10 +135,10 @@ def test_a_group_whose_pods_cannot_start_is_degraded_and_the_job_says_which() ->
     assert (s["phase"], s["reason"]) == ("Degraded", "MissingPersistentVolumeClaim")
     assert conds(s)["Degraded"]["status"] == "True"
     assert s["message"].startswith("0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 cannot be scheduled")
-    group = {"metadata": {"generation": 1}, "spec": {"name": "g"}, "status": {**s}}
+    group = {"metadata": {"name": "j-g", "generation": 1}, "spec": {"name": "g"}, "status": {**s}}
     r = st.rljob_status(job(), [group], {"status": {"readyReplicas": 1}}, None, now=T0)
     assert r["phase"] == "Degraded" and r["reason"] == "GroupsDegraded"
-    assert 'g (MissingPersistentVolumeClaim: 0/1 replicas ready: Deployment j-g' in r["message"]
+    assert 'g (MissingPersistentVolumeClaim: 0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 cannot' in r["message"]
 
 
 def test_unreachable_store_degrades_the_weightchannel_naming_the_store() -> None:
