@@ -650,7 +650,7 @@ def score_detector(records: Sequence[RunRecord], alerts: Sequence[DetectorAlerts
         collapsed_at = definition.step(record.rewards)
         if collapsed_at is not None:
             row = "collapsed"
-            n["collapsed_ahead"] += fired and alert.first_alert_step <= collapsed_at
+            n["collapsed_ahead"] += alert.first_alert_step is not None and alert.first_alert_step <= collapsed_at
         elif lock_step(record.uniform_fractions) is not None:
             row = "locked"
         elif is_stable_run(record):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +78,7 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Delete `key` (no error if absent)."""
 
-    def delete_many(self, keys: list[str]) -> None:
+    def delete_many(self, keys: Sequence[str]) -> None:
         """Delete several keys."""
         for key in keys:
             self.delete(key)

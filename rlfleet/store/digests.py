@@ -77,7 +77,7 @@ def write_file_hashed(
     digest = new_hasher(algorithm)
     size = 0
     with ThreadPoolExecutor(max_workers=1) as hasher, open(path, "wb", buffering=0) as f:
-        pending: Future[None] | None = None
+        pending: Future[object] | None = None
         for chunk in chunks:
             view = memoryview(chunk).cast("B")
             for start in range(0, len(view), CHUNK_BYTES):

@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,7 @@ class S3Store(Store):
         with self._errors(key):
             self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
 
-    def delete_many(self, keys: list[str]) -> None:
+    def delete_many(self, keys: Sequence[str]) -> None:
         for start in range(0, len(keys), 1000):
             batch = [{"Key": self._k(k)} for k in keys[start : start + 1000]]
             if batch:
