@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import logging
 import math
 import os
@@ -54,6 +55,7 @@ from rlfleet.catalog import CatalogError, get_catalog
 from rlfleet.operator import builders, kube, rebalancer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
+from rlfleet.operator.model_shape import CONFIG_FILE, model_shape
 from rlfleet.operator.pods import event_view, latest_event_message, pod_view
 from rlfleet.operator.trainer_report import trainer_job_status
 
@@ -698,17 +700,20 @@ class ChannelRead:
     removed: tuple[Any, ...] = ()
     removal_failures: int = 0
     removal_error: str | None = None
+    model: dict[str, Any] | None = None  # model_shape.model_shape of a published config.json, when read now
 
 
 def read_channel(spec: Mapping[str, Any], live_replicas: Mapping[str, frozenset[str]] | None = None,
-                 now: datetime | None = None) -> ChannelRead:  # fmt: skip
+                 now: datetime | None = None, want_model: bool = False) -> ChannelRead:  # fmt: skip
     """Read a channel's status (groups from reports not older than SUBSCRIBER_STALE_AFTER_SECONDS) and,
     given the live pods of each sampler group, delete the reports `subscribers_to_remove` picks (each
-    only if not rewritten since it was read). Blocking: run in a thread."""
+    only if not rewritten since it was read); with `want_model`, the published model's head counts from a
+    view's config.json (`model_shape`). Blocking: run in a thread."""
     try:
         from rlfleet.channel import (
             SUBSCRIBER_STALE_AFTER_SECONDS,
             WeightChannel,
+            manifest_key,
             read_channel_status,
             subscribers_to_remove,
         )
@@ -731,7 +736,17 @@ def read_channel(spec: Mapping[str, Any], live_replicas: Mapping[str, frozenset[
                             removed.append(report)
                     except (StoreError, OSError) as exc:  # e.g. a read-only mount: the next read retries
                         failures, removal_error = failures + 1, f"{type(exc).__name__}: {exc}"
-            return ChannelRead(status, None, tuple(removed), failures, removal_error)
+            model = None
+            if want_model and status.latest_version is not None:
+                version = status.latest_version
+                manifest = WeightChannel(store, publisher_id="operator").manifest(version)
+                folder = manifest_key(version).rsplit("/", 1)[0]  # the version's folder in the store
+                for view, files in sorted(manifest.views.items()):
+                    if CONFIG_FILE in files.files:
+                        config = json.loads(store.get(f"{folder}/{view}/{CONFIG_FILE}"))
+                        model = model_shape(config, version) if isinstance(config, dict) else None
+                        break
+            return ChannelRead(status, None, tuple(removed), failures, removal_error, model)
         finally:
             close = getattr(store, "close", None)
             if close:
@@ -820,9 +835,10 @@ async def refresh_weightchannel_status(
         # fresh, and fresh reports are never removed (channel.subscribers_to_remove)
         live = view.sampler_replicas(namespace)
         now = datetime.now(UTC)
-        read = await asyncio.to_thread(read_channel, wc.get("spec", {}), live, now)
+        known = (wc.get("status") or {}).get("model")  # every version is the same model: read it once
+        read = await asyncio.to_thread(read_channel, wc.get("spec", {}), live, now, not known)
         _log_removals(namespace, name, read, now)
-        desired = st.weightchannel_status(wc, read.status, read.error)
+        desired = st.weightchannel_status(wc, read.status, read.error, model=read.model)
         await _write_status(wc, desired, "WeightChannel")
 
 

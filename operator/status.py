@@ -26,6 +26,7 @@ from rlfleet.api import SamplerGroupSpec
 from rlfleet.api.common import GROUP
 from rlfleet.catalog import Catalog, CatalogError, group_precision
 from rlfleet.operator import naming as n
+from rlfleet.operator.model_shape import tensor_parallel_problem
 from rlfleet.operator.pods import PodProblem, creation_failure, workload_problem
 
 Manifest = dict[str, Any]
@@ -145,7 +146,11 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
             degradedPrecision=precision.degraded,
             precisionNote=precision.note,
         )
-    except (CatalogError, ValueError) as exc:  # a class the runtime catalog cannot run
+        tensor_parallel = spec.get("tensorParallel") or catalog.get(precision.accelerator).default_tensor_parallel
+        misfit = tensor_parallel_problem((channel_status or {}).get("model"), int(tensor_parallel))
+        if misfit is not None:
+            raise ValueError(misfit)
+    except (CatalogError, ValueError) as exc:  # a class the runtime catalog cannot run, a TP the model cannot
         if isinstance(exc, ValidationError):
             message = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())[:1000]
         else:
@@ -261,9 +266,14 @@ def weights_wait_reason(spec: Manifest, channel_status: Manifest | None) -> str 
         return f"waiting for version 0 of view {view} in channel {channel} (channel status not read yet)"
     if channel_status.get("latestVersion") is None:
         why = channel_status.get("message") or "nothing published yet"
+        refused = (  # its refusal is the trainer's exit message, in the RLJob's status (CrashLoopBackOff)
+            "; the trainer refuses an mxfp4 view of a dense or Qwen3-family model before publishing anything "
+            "(docs/weights.md): see the RLJob's status"
+            if view == "mxfp4" else ""
+        )  # fmt: skip
         return (
             f"waiting for version 0 of view {view} in channel {channel}: {why} "
-            "(the trainer publishes version 0 of every view before step 1)"
+            f"(the trainer publishes version 0 of every view before step 1){refused}"
         )[:1000]
     views = sorted({a.get("view") for a in channel_status.get("artifacts") or [] if a.get("view")})
     if view not in views:
@@ -418,13 +428,17 @@ def _merge_groups(degraded: list[tuple[str, str, str, str]]) -> str:
 
 
 def weightchannel_status(
-    wc: Manifest, channel: Any | None, error: str | None, now: str | None = None
+    wc: Manifest, channel: Any | None, error: str | None, now: str | None = None, model: Manifest | None = None
 ) -> dict[str, Any]:
-    """Status of a WeightChannel from `rlfleet.channel.read_channel_status(...)` (or the error reading it)."""
+    """Status of a WeightChannel from `rlfleet.channel.read_channel_status(...)` (or the error reading it)
+    and the published model's head counts (`model_shape.model_shape`; None: not read now, the observed
+    ones are kept)."""
     now = now or now_iso()
     generation = _get(wc, "metadata", "generation")
     old = wc.get("status") or {}
     status: dict[str, Any] = {"observedGeneration": generation}
+    if model or old.get("model"):
+        status["model"] = model or old["model"]
     unreachable: str | None = None
     if channel is None:
         message = f"latest version unknown: {error or 'store not readable from the operator'}"[:4096]

@@ -130,6 +130,20 @@ class GroupVersion(ApiModel):
     """The newest failure a replica still reports (cleared when it applies a version)."""
 
 
+class ModelShape(ApiModel):
+    """What the operator read of the published model (config.json of a view of the latest version): the
+    head counts every group's tensorParallel must divide."""
+
+    architecture: str | None = Field(default=None, max_length=253)
+    """The config's architectures, e.g. Qwen3ForCausalLM."""
+    attention_heads: int = Field(ge=1)
+    """num_attention_heads."""
+    key_value_heads: int = Field(ge=1)
+    """num_key_value_heads (the attention heads when the config has none)."""
+    version: int = Field(ge=0)
+    """The weight version the config was read from."""
+
+
 class WeightChannelStatus(ApiModel):
     """Observed state of a WeightChannel."""
 
@@ -147,6 +161,8 @@ class WeightChannelStatus(ApiModel):
     """Ready condition."""
     message: str | None = Field(default=None, max_length=4096)
     """Human-readable summary (e.g. why the latest version is unknown)."""
+    model: ModelShape | None = None
+    """The published model's head counts (kept once read: every version is the same model)."""
 
 
 class WeightChannel(ApiModel):

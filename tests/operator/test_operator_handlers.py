@@ -430,3 +430,33 @@ async def test_a_deleted_channel_leaves_no_timer_state(api: FakeKube, tmp_path: 
 
     await handlers.weightchannel_event(body=kopf.Body(wc), name="j-weights", namespace=NS, type="DELETED", **idx)
     assert read_times() == [] and (NS, "j-weights") not in handlers._removal_failing
+
+
+async def test_the_channel_pipeline_reads_the_models_config_once_and_keeps_it(api: FakeKube, tmp_path: Path) -> None:
+    """Version 0's config.json gives the WeightChannel status its `model`; once there it is not read again
+    (here: the file is gone from the store, and the next status still has it and no read error)."""
+    import json
+
+    from rlfleet.api import StoreSpec
+    from rlfleet.channel import WeightChannel
+    from rlfleet.store import store_from_spec
+
+    posted()
+    (tmp_path / "w").mkdir()
+    view = tmp_path / "bf16"
+    view.mkdir()
+    (view / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 16,
+                                                  "num_key_value_heads": 8}))  # fmt: skip
+    store = store_from_spec(StoreSpec.model_validate({"type": "filesystem", "path": str(tmp_path / "w")}))
+    WeightChannel(store, publisher_id="trainer").publish({"bf16": view}, version=0)
+    store.close()
+    wc = weightchannel(str(tmp_path / "w"))
+
+    await handlers.refresh_weightchannel_status(NS, "j-weights", handlers.View.of(indexes(wc)))
+    ((_, _, first),) = api.statuses
+    assert first["model"] == {"attentionHeads": 16, "keyValueHeads": 8, "version": 0, "architecture": "Qwen3ForCausalLM"}
+    (tmp_path / "w" / "v0" / "bf16" / "config.json").unlink()
+    stale = {**wc, "status": {**first, "conditions": []}}  # a change, so the next status is written
+    await handlers.refresh_weightchannel_status(NS, "j-weights", handlers.View.of(indexes(stale)))
+    (_, (_, _, second)) = api.statuses
+    assert second["model"] == first["model"] and second["phase"] == "Ready"

@@ -322,6 +322,9 @@ def test_group_waiting_for_its_views_first_version_says_so() -> None:
         "0/2 replicas ready: waiting for version 0 of view fp8 in channel job-weights: no version published "
         "yet (the trainer publishes version 0 of every view before step 1)"
     )
+    # an mxfp4 group waits on a view the trainer may refuse outright: the group points at the job's reason
+    s = st.samplergroup_status(sg(fmt="mxfp4"), deployment(0, 2), CATALOG, pending_channel, now=T0)
+    assert "the trainer refuses an mxfp4 view of a dense or Qwen3-family model before publishing anything" in s["message"]
     unreadable = {"phase": "Pending", "message": "latest version unknown: store directory /w does not exist"}
     s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, unreadable, now=T0)
     assert "store directory /w does not exist" in s["message"]
