@@ -65,10 +65,8 @@ class RunningServer:
         # request's slot at the next step (aiohttp >= 3.9 does not cancel by default)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port)
-        await site.start()
-        sock = site._server.sockets[0]  # type: ignore[union-attr]
-        self.settings.port = sock.getsockname()[1]
+        await web.TCPSite(self._runner, self.settings.host, self.settings.port).start()
+        self.settings.port = self._runner.addresses[0][1]  # the bound port (port 0: the one the OS chose)
         self.url = f"http://{self.settings.host}:{self.settings.port}"
         return self
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -158,8 +158,10 @@ def normalise_generate(body: GenerateBody) -> tuple[list[ItemRequest], bool]:
         if body.text is not None:
             raise value_error("the reference server has no tokenizer: send input_ids, not text")
         raise value_error("Either text, input_ids or input_embeds should be provided.")
-    batched = bool(body.input_ids) and isinstance(body.input_ids[0], list)
-    rows: list[list[int]] = body.input_ids if batched else [body.input_ids]  # type: ignore[assignment]
+    ids = body.input_ids
+    batched = bool(ids) and isinstance(ids[0], list)
+    # pydantic parsed one of the two shapes, whole: a list of lists, or a list of ints
+    rows = cast(list[list[int]], ids) if batched else [cast(list[int], ids)]
     if not batched and not rows[0]:
         raise value_error("input_ids cannot be empty.")
     items = []

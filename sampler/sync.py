@@ -65,11 +65,8 @@ async def serve(
         syncer = Syncer(config, store, engine)
         runner = web.AppRunner(sidecar_app(syncer), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        port = (
-            site._server.sockets[0].getsockname()[1] if site._server and site._server.sockets else config.port
-        )  # type: ignore[union-attr]
+        await web.TCPSite(runner, config.host, config.port).start()
+        port = runner.addresses[0][1]  # the bound port (--port 0: the one the OS chose)
         log.info("weight sync sidecar for %s/%s (%s) on :%d", config.group, config.replica, config.view, port)
         if ready is not None:
             ready(port)

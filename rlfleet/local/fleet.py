@@ -93,7 +93,6 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     from rlfleet.router.service import start_service
     from rlfleet.sampler.engine_clients import DiskEngine
     from rlfleet.sampler.http_app import start_reference_server
-    from rlfleet.sampler.sync import fetch
     from rlfleet.sampler.sync_state import SyncConfig
     from rlfleet.sampler.syncer import Syncer
     from rlfleet.store import open_store
@@ -107,8 +106,19 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
                           poll_interval=spec.poll_interval, backoff_base=spec.poll_interval,
                           initial_version=initial_version, in_place=True)  # fmt: skip
 
-    # the engine is not up yet: the fetch step never calls it (engine_url "")
-    launches = await asyncio.gather(*(fetch(sync_config(g, "", None), stop=stop) for g in spec.groups))
+    fleet = RunningFleet(router_url="")
+    store = open_store(spec.store)
+    fleet.closers.append(store.close)
+    # one client per group, for its sync loop; its base_url is set once the group's server listens
+    clients = [httpx.AsyncClient(timeout=120.0) for _ in spec.groups]
+    fleet.closers.extend(c.aclose for c in clients)
+    # As a pod's init container (`--fetch-only`): the newest version of each group's view, verified, its
+    # launch file written. The engine is not up yet and the fetch never calls it (engine_url "").
+    fetchers = [
+        Syncer(sync_config(g, "", None), store, DiskEngine(c))
+        for g, c in zip(spec.groups, clients, strict=True)
+    ]
+    launches = await asyncio.gather(*(f.fetch_for_launch(stop) for f in fetchers))
     ready = [launch for launch in launches if launch is not None]
     if len(ready) < len(spec.groups):
         raise FleetStopped
@@ -118,16 +128,12 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
             for i, (g, launch) in enumerate(zip(spec.groups, ready, strict=True))
         )
     )
-    fleet = RunningFleet(router_url="")
     tasks: list[asyncio.Task] = []
-    store = open_store(spec.store)
-    fleet.closers.append(store.close)
-    for g, engine in zip(spec.groups, engines, strict=True):
+    for g, engine, client in zip(spec.groups, engines, clients, strict=True):
         server = await start_reference_server(engine, "127.0.0.1", 0)
         fleet.servers[g.name] = server.url
         fleet.closers.append(server.stop)
-        client = httpx.AsyncClient(base_url=server.url, timeout=120.0)
-        fleet.closers.append(client.aclose)
+        client.base_url = httpx.URL(server.url)
         syncer = Syncer(sync_config(g, server.url, engine.weight_version), store, DiskEngine(client))
         tasks.append(asyncio.create_task(syncer.run(stop), name=f"sync-{g.name}"))
     router, runner, port = await start_service(
