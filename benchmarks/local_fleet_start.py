@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -75,24 +76,24 @@ def one_run(work: Path, versions: int, pythonpath: str | None, sizes: dict[str, 
     from rlfleet.api import load_rljob
     from rlfleet.local.fleet import FleetSpec, GroupSpec
     from rlfleet.store import open_store
-    from rlfleet.tiny_qwen3 import TinyQwen3, cached_tiny_qwen3, tiny_model
+    from rlfleet.tiny_qwen3 import cached_tiny_qwen3, tiny_model
     from rlfleet.trainer.config import resolve_run
     from rlfleet.trainer.publisher import WeightPublisher
 
     torch.set_num_threads(1)
     rc = resolve_run(load_rljob(REPO / "examples" / "rljob.yaml"))
-    spec_model = TinyQwen3(**{**rc.model, **sizes})
+    assert rc.model is not None  # resolve_run(local=True): the RLJob's tiny model
+    spec_model = replace(rc.model, **sizes)
     model_dir = cached_tiny_qwen3(work.parent / "models", spec_model)
     channel, cache = work / "channel", work / "cache"
     channel.mkdir(parents=True)
     store = open_store(str(channel))
-    views = sorted({g["weight_format"] for g in rc.groups})
-    publisher = WeightPublisher(store, views=views, keep_versions=4, follow_subscribers=False,
+    publisher = WeightPublisher(store, views=rc.views, keep_versions=4, follow_subscribers=False,
                                 base_checkpoint=model_dir)  # fmt: skip
     model = tiny_model(spec_model)
     publisher.publish({k: v.detach() for k, v in model.state_dict().items()}, version=0)
     spec = FleetSpec(
-        groups=[GroupSpec(g["name"], g["accelerator"], g["weight_format"], g["kv_cache_dtype"]) for g in rc.groups],
+        groups=[GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype) for g in rc.groups],
         store=str(channel), cache_dir=str(cache), model_path=str(model_dir), seed=rc.seed,
     )  # fmt: skip
     spec_path = work / "fleet.json"

@@ -28,8 +28,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import threading
+
+    import torch
+
+    from rlfleet.sampler.protocol import SamplingConfig
+    from rlfleet.tiny_qwen3 import TinyQwen3
+    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.collapse import CollapseDetector
+    from rlfleet.trainer.config import RunConfig
+    from rlfleet.trainer.loop import TrainingLoop
+    from rlfleet.trainer.rollout import PromptGroup
+    from rlfleet_experiments.emulated import EmulatedSampler
 
 ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask replay)
     "pg": ("pg", False),
@@ -84,7 +97,7 @@ class AblationConfig:
     precision_error_scale: float = 1.0
     model_cache: str | None = None  # default: rlfleet.model_source.default_cache_dir()
 
-    def tiny_model(self) -> Any:
+    def tiny_model(self) -> TinyQwen3:
         from rlfleet.tiny_qwen3 import TinyQwen3
 
         return TinyQwen3(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
@@ -129,27 +142,31 @@ class SnapshotSink:
     """The ablation's VersionSink (trainer/run.py): published versions stay in memory, no channel."""
 
     def __init__(self) -> None:
-        self.snapshots: dict[int, dict] = {}
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
 
     def latest_version(self) -> int | None:
         return max(self.snapshots) if self.snapshots else None
 
-    def publish(self, weights: dict, version: int) -> None:
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self.snapshots[version] = weights
 
 
 class LockstepRollouts:
     """The ablation's rollout source in place of the HTTP rollout driver: when the loop takes a step's
     prompt groups, they are generated right then by the in-process emulated samplers serving the
-    weights of `lag` versions before the trainer's (deterministic asynchrony)."""
+    weights of `lag` versions before the trainer's (deterministic asynchrony). A `RolloutSource` of the
+    loop (trainer/loop.py), as the HTTP driver is."""
 
-    def __init__(self, cfg: AblationConfig, sink: SnapshotSink, samplers: dict, groups: list, env: object,
-                 prompts: object, sampling: dict) -> None:
-        self.cfg, self.sink, self.samplers, self.groups = cfg, sink, samplers, groups
-        self.env, self.prompts, self.sampling = env, prompts, sampling
+    def __init__(self, cfg: AblationConfig, rc: RunConfig, sink: SnapshotSink,
+                 samplers: dict[str, EmulatedSampler]) -> None:
+        from rlfleet.trainer.config import build_environment
+        from rlfleet.trainer.prompts import GeneratedPromptSource
+
+        self.cfg, self.rc, self.sink, self.samplers = cfg, rc, sink, samplers
+        self.env = build_environment(rc)
+        self.prompts = GeneratedPromptSource(rc.environment, rc.seed)
         self.serving = -1
         self.next_position = 0
-        self.buffer = self  # the loop takes complete groups from `driver.buffer`
 
     def start(self) -> None:
         pass
@@ -160,36 +177,36 @@ class LockstepRollouts:
     def check(self) -> None:
         pass
 
-    def take(self, n: int, timeout: float, stop: object = None) -> list:
+    def take(self, n: int, timeout: float, stop: threading.Event | None = None) -> list[PromptGroup]:
         from rlfleet.numerics.views import view_weights
         from rlfleet.router.hashing import pick
         from rlfleet.trainer.rollout import Episode, PromptGroup, Rollout, turn_stop_ids
         from rlfleet_experiments.emulated import Request
 
-        cfg, env = self.cfg, self.env
+        cfg, env, sampling = self.cfg, self.env, self.rc.sampling
         step = self.sink.latest_version() or 0  # the trainer's version = steps done
         version = max(0, step - cfg.lag)
         if version != self.serving:
             snapshot = self.sink.snapshots[version]
             views = {fmt: scaled_view(snapshot, view_weights(snapshot, fmt), fmt,
-                                      cfg.precision_error_scale) for fmt in {g[2] for g in self.groups}}
-            for (name, _, fmt, _) in self.groups:
-                self.samplers[name].load_weights(snapshot, version, view=views[fmt])
+                                      cfg.precision_error_scale) for fmt in self.rc.views}
+            for g in self.rc.groups:
+                self.samplers[g.name].load_weights(snapshot, version, view=views[g.weight_format])
             self.serving = version
             for old in [v for v in self.sink.snapshots if v < version]:
                 del self.sink.snapshots[old]
-        batch_prompts = [self.prompts.get(self.next_position + i) for i in range(n)]  # type: ignore[attr-defined]
+        batch_prompts = [self.prompts.get(self.next_position + i) for i in range(n)]
         self.next_position += n
-        shares = {g[0]: 1.0 for g in self.groups}
-        episodes = {(pi, k): Episode(env, Rollout(prompt=p, sample=k))  # type: ignore[arg-type]
-                    for pi, p in enumerate(batch_prompts) for k in range(cfg.samples)}
+        shares = {g.name: 1.0 for g in self.rc.groups}
+        episodes = {(pi, k): Episode(env, Rollout(prompt=p, sample=k))
+                    for pi, p in enumerate(batch_prompts) for k in range(self.rc.samples_per_prompt)}
         # a session stays on its group for every turn (the router's rendezvous hash of `p<index>/<k>`)
         group_of = {key: pick(e.rollout.uid, shares) for key, e in episodes.items()}
-        stop_ids = tuple(turn_stop_ids(env, self.sampling))  # type: ignore[arg-type]
+        stop_ids = tuple(turn_stop_ids(env, sampling))
         max_seq_len = cfg.max_seq_len
-        for _turn_index in range(env.max_turns):  # type: ignore[attr-defined]
+        for _turn_index in range(env.max_turns):
             # one batched turn per sampler group over the episodes that go on (multi-turn tasks)
-            budgets = {key: e.budget(cfg.max_new_tokens, max_seq_len) for key, e in episodes.items() if not e.done}
+            budgets = {key: e.budget(sampling.max_new_tokens, max_seq_len) for key, e in episodes.items() if not e.done}
             going = {key: b for key, b in budgets.items() if b > 0}
             if not going:
                 break
@@ -198,15 +215,16 @@ class LockstepRollouts:
                 if not keys:
                     continue
                 reqs = [Request(list(episodes[key].ids), going[key], stop_ids) for key in keys]
-                for key, turn in zip(keys, self.samplers[name].generate_batch(reqs, self.sampling), strict=True):
+                for key, turn in zip(keys, self.samplers[name].generate_batch(reqs, sampling), strict=True):
                     episodes[key].add_turn(turn)
         for e in episodes.values():
             e.score()  # exactly once per trajectory, whatever ended it
-        return [PromptGroup(p, [episodes[(pi, k)].rollout for k in range(cfg.samples)])
+        return [PromptGroup(p, [episodes[(pi, k)].rollout for k in range(self.rc.samples_per_prompt)])
                 for pi, p in enumerate(batch_prompts)]
 
 
-def scaled_view(weights: dict, view: dict, weight_format: str, scale: float) -> dict:
+def scaled_view(weights: dict[str, torch.Tensor], view: dict[str, torch.Tensor], weight_format: str,
+                scale: float) -> dict[str, torch.Tensor]:
     """`view` (`view_weights`: the published view of `weights` in `weight_format`) with the quantised tensors'
     rounding error times `scale`: weights + scale * (view - weights) where the format quantises
     (`is_quantizable`: the projections of an fp8 / nvfp4 / mxfp4 view), the view elsewhere; `view` itself at scale 1
@@ -244,14 +262,19 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
     def build(tmp: Path) -> None:
         import shutil
 
+        from transformers import PreTrainedModel
+
         backend, _, _ = train_arm("pg", "homogeneous", replace(warm, model_cache=cfg.model_cache), base)
         shutil.copytree(base, tmp, dirs_exist_ok=True)  # tokenizer and generation config
-        backend.model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        model = backend.model
+        if not isinstance(model, PreTrainedModel):  # from_pretrained built it: a transformers model
+            raise TypeError(f"the warm start trained a {type(model).__name__}, not a transformers model")
+        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
 
     return build_once(root / f"tiny-qwen3-warm-{spec_digest(warm)}", build)
 
 
-def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str, Any]:
+def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str, EmulatedSampler]:
     """{group name: EmulatedSampler} of `fleet`: each group's weight format, KV cache dtype and GPU
     class's kernel (bf16 activations, its split-K reduction order), seeded from cfg.seed."""
     from rlfleet.local.fleet import SPLIT_K
@@ -267,52 +290,58 @@ def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str
     }
 
 
-def sampling_params(cfg: AblationConfig, replay: bool) -> dict[str, Any]:
-    """The samplers' request parameters: temperature 1, cfg's top_p, and the candidates the records
-    carry (the kept support under mask replay, else a top-`head_size` head for SC)."""
-    return {"temperature": 1.0, "top_p": cfg.top_p, "top_k": -1, "max_new_tokens": cfg.max_new_tokens,
-            "candidate_mode": "support" if replay else "head", "head_size": cfg.head_size}
+def run_config(arm: str, fleet: str, cfg: AblationConfig) -> RunConfig:
+    """The training spec of `arm` on `fleet` (the RunConfig local and cluster runs resolve from an RLJob):
+    the arm's objective, a default RLJob's safety thresholds, and the samplers' request parameters:
+    temperature 1, cfg's top_p, and the candidates the records carry (the kept support under mask
+    replay, else a top-`head_size` head for SC)."""
+    from rlfleet.api.rljob import SafetySpec
+    from rlfleet.records import HEAD_MODE, SUPPORT_MODE
+    from rlfleet.sampler.protocol import SamplingConfig
+    from rlfleet.trainer.backend_common import OptimConfig
+    from rlfleet.trainer.config import GroupSpec, RunConfig
+    from rlfleet.trainer.environments import load_environment
+    from rlfleet.trainer.objective import ObjectiveConfig
+
+    mode, replay = ARMS[arm]
+    sampling: SamplingConfig = SamplingConfig(
+        temperature=1.0, top_p=cfg.top_p, top_k=-1, max_new_tokens=cfg.max_new_tokens,
+        candidate_mode=SUPPORT_MODE if replay else HEAD_MODE, head_size=cfg.head_size,
+    )
+    return RunConfig(
+        job_name=f"ablation-{arm}-{fleet}", steps=cfg.steps, prompts_per_step=cfg.prompts,
+        samples_per_prompt=cfg.samples, sampling=sampling, objective=ObjectiveConfig(mode=mode, replay=replay),
+        optim=OptimConfig(learning_rate=cfg.learning_rate), max_staleness=None, environment=cfg.task,
+        max_turns=load_environment(cfg.task).max_turns, dataset=None, seed=cfg.seed, model=cfg.tiny_model(),
+        groups=[GroupSpec(name, acc, fmt, kv) for name, acc, fmt, kv in FLEETS[fleet]], safety=SafetySpec(),
+    )
 
 
 def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress: bool = False,
-              sink: SnapshotSink | None = None) -> tuple[Any, Any, Any]:
+              sink: SnapshotSink | None = None) -> tuple[HFBackend, TrainingLoop, CollapseDetector]:
     """Train `arm` on `fleet` from `model_dir` for cfg.steps: (backend, loop, collapse detector).
     `sink`: where versions go (default a fresh SnapshotSink; experiments/mismatch_direction.py passes
     one that keeps every version)."""
     import torch
 
-    from rlfleet.api.rljob import SafetySpec
-    from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
-    from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
-    from rlfleet.trainer.environments import load_environment
-    from rlfleet.trainer.objective import ObjectiveConfig
-    from rlfleet.trainer.prompts import GeneratedPromptSource
+    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds, Decision
     from rlfleet.trainer.run import run_training
 
     torch.manual_seed(cfg.seed)
-    mode, replay = ARMS[arm]
-    backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig(mode=mode, replay=replay),
-                                        optim=OptimConfig(learning_rate=cfg.learning_rate))
-    groups = FLEETS[fleet]
+    rc = run_config(arm, fleet, cfg)
+    backend = HFBackend.from_pretrained(model_dir, rc.objective, optim=rc.optim)
     samplers = fleet_samplers(fleet, cfg, model_dir)
-    env = load_environment(cfg.task)
-    prompts = GeneratedPromptSource(cfg.task, cfg.seed)
-    sampling = sampling_params(cfg, replay)
-    detector = CollapseDetector(CollapseThresholds.from_safety(SafetySpec()))  # a default RLJob's
-    sink = sink if sink is not None else SnapshotSink()
-    run_cfg = SimpleNamespace(steps=cfg.steps, prompts_per_step=cfg.prompts, max_staleness=None,
-                              groups=[{"name": g[0], "weight_format": g[2]} for g in groups])
+    detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety))
+    snapshots = sink if sink is not None else SnapshotSink()
 
-    def on_step(metrics: dict, decision: object, step_groups: list) -> None:
+    def on_step(metrics: dict[str, float], decision: Decision, step_groups: list[PromptGroup]) -> None:
         if progress and int(metrics["step"]) % 10 == 0:
             print(f"  {arm}/{fleet} step {int(metrics['step'])}: reward {metrics.get('reward_mean', 0):.3f} "
                   f"kl {metrics.get('kl_k3', 0):.4f}", flush=True)
 
-    loop = run_training(
-        run_cfg, backend, sink, detector,
-        lambda position: LockstepRollouts(cfg, sink, samplers, groups, env, prompts, sampling),
-        checkpoint=None, on_step=on_step,
-    )
+    loop = run_training(rc, backend, snapshots, detector, lambda position: LockstepRollouts(cfg, rc, snapshots, samplers),
+                        checkpoint=None, on_step=on_step)
     return backend, loop, detector
 
 

@@ -87,10 +87,10 @@ class EmulatedSampler:
         self.engine.load_weights(view, self.weight_format, version)
 
     @torch.no_grad()
-    def generate_batch(self, requests: list[Request], sampling: dict[str, Any]) -> list[SampledTurn]:
-        """All requests share `sampling` (temperature, top_p, top_k, min_p, candidate_mode, head_size),
-        asked for as the client asks SGLang (`build_generate_request`) and read back by its parser."""
-        cfg = SamplingConfig.from_dict({k: v for k, v in sampling.items() if k not in ("max_new_tokens", "stop_token_ids")})
+    def generate_batch(self, requests: list[Request], cfg: SamplingConfig) -> list[SampledTurn]:
+        """All requests share `cfg`'s temperature, top_p, top_k, min_p, candidate_mode and head_size (each
+        request has its own budget and stops), asked for as the client asks SGLang
+        (`build_generate_request`) and read back by its parser."""
         support = cfg.mode == SUPPORT_MODE
         vocab = self.engine.config.model.vocab_size
         reqs = [
@@ -122,7 +122,9 @@ class EmulatedFleet:
     def __init__(self, samplers: list[EmulatedSampler], shares: dict[str, float] | None = None) -> None:
         self.samplers = {s.name: s for s in samplers}
         self.shares = shares or {s.name: 1.0 for s in samplers}
-        self._pending: dict[str, list[tuple[Request, dict, asyncio.Future]]] = {s.name: [] for s in samplers}
+        self._pending: dict[str, list[tuple[Request, SamplingConfig, asyncio.Future[SampledTurn]]]] = {
+            s.name: [] for s in samplers
+        }
         self._locks: dict[str, asyncio.Lock] = {}
         self._lock = threading.Lock()  # weights swap (trainer thread) vs generation (rollout thread)
 
@@ -137,11 +139,11 @@ class EmulatedFleet:
         live = {g: w for g, w in self.shares.items() if w > 0}
         return pick(session, live) or next(iter(self.samplers))
 
-    async def generate(self, session: str, input_ids: list[int], params: dict[str, Any]) -> SampledTurn:
+    async def generate(self, session: str, input_ids: list[int], sampling: SamplingConfig) -> SampledTurn:
         group = self.pick(session)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        req = Request(list(input_ids), int(params["max_new_tokens"]), tuple(params.get("stop_token_ids", ())))
-        self._pending[group].append((req, params, fut))
+        fut: asyncio.Future[SampledTurn] = asyncio.get_running_loop().create_future()
+        req = Request(list(input_ids), sampling.max_new_tokens, tuple(sampling.stop_token_ids))
+        self._pending[group].append((req, sampling, fut))
         lock = self._locks.setdefault(group, asyncio.Lock())
         async with lock:
             batch = self._pending[group]
@@ -156,6 +158,6 @@ class EmulatedFleet:
                         f.set_exception(exc)
         return await fut
 
-    def _run(self, group: str, requests: list[Request], params: dict[str, Any]) -> list[SampledTurn]:
+    def _run(self, group: str, requests: list[Request], sampling: SamplingConfig) -> list[SampledTurn]:
         with self._lock:
-            return self.samplers[group].generate_batch(requests, params)
+            return self.samplers[group].generate_batch(requests, sampling)

@@ -34,6 +34,7 @@ import argparse
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ from rlfleet_experiments.ablation import (
     SnapshotSink,
     fleet_samplers,
     parse_seeds,
-    sampling_params,
+    run_config,
     start_checkpoint,
     train_arm,
 )
@@ -68,17 +69,13 @@ class KeepingSink(SnapshotSink):
         self.kept[version] = weights
 
 
-def probe_set(cfg: AblationConfig, start: object, version0: dict) -> tuple[torch.Tensor, np.ndarray]:
+def probe_set(cfg: AblationConfig, start: Path, version0: dict[str, torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
     """The first step's episodes at version 0: ids [B, S] (right-padded with 0) and the (row, column)
     of every position whose logits predicted a sampled token [N, 2]."""
-    from rlfleet.trainer.environments import load_environment
-    from rlfleet.trainer.prompts import GeneratedPromptSource
-
     sink = SnapshotSink()
     sink.publish(version0, 0)
-    rollouts = LockstepRollouts(cfg, sink, fleet_samplers("homogeneous", cfg, start), FLEETS["homogeneous"],
-                                load_environment(cfg.task), GeneratedPromptSource(cfg.task, cfg.seed),
-                                sampling_params(cfg, replay=False))  # pg's samples
+    rollouts = LockstepRollouts(cfg, run_config("pg", "homogeneous", cfg), sink,  # pg's samples
+                                fleet_samplers("homogeneous", cfg, start))
     episodes = [r for g in rollouts.take(cfg.prompts, timeout=0) for r in g.rollouts]
     width = max(len(r.token_ids()) for r in episodes)
     ids = torch.zeros(len(episodes), width, dtype=torch.long)

@@ -128,15 +128,8 @@ class SamplerClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def __call__(self, session_id: str, input_ids: list[int], params: Mapping[str, Any]) -> SampledTurn:
-        seed = params.get("sampling_seed")
-        return await self.generate(
-            input_ids,
-            SamplingConfig.from_dict(params),
-            session_id=session_id,
-            sampling_seed=None if seed is None else int(seed),
-            min_weight_version=params.get("min_weight_version"),
-        )
+    async def __call__(self, session_id: str, input_ids: list[int], config: SamplingConfig) -> SampledTurn:
+        return await self.generate(input_ids, config, session_id=session_id)
 
     # ------------------------------------------------------------------------------------ generate
     async def generate(
@@ -148,6 +141,7 @@ class SamplerClient:
         sampling_seed: int | None = None,
         min_weight_version: int | None = None,
     ) -> SampledTurn:
+        # the rollout driver passes its run's SamplingConfig; a mapping is for direct calls (tools, tests)
         cfg = config if isinstance(config, SamplingConfig) else SamplingConfig.from_dict(config)
         ids = [int(i) for i in input_ids]
         top_k = cfg.wire_top_k()

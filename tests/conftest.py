@@ -115,3 +115,23 @@ def namespace(kube) -> Iterator[str]:
     kube.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=30s")
     yield name
     kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def example_run() -> Callable[..., Any]:
+    """`example_run(**fields) -> RunConfig`: the typed training spec local mode resolves from
+    examples/rljob.yaml (trainer/config.py `resolve_run`), with `fields` replaced; `groups` may be
+    given as (name, weight format) pairs."""
+    from dataclasses import replace
+
+    from rlfleet.api import load_rljob
+    from rlfleet.trainer.config import GroupSpec, resolve_run
+
+    base = resolve_run(load_rljob(Path(__file__).resolve().parents[1] / "examples" / "rljob.yaml"), local=True)
+
+    def make(**fields: Any) -> Any:
+        if "groups" in fields:
+            fields["groups"] = [g if isinstance(g, GroupSpec) else GroupSpec(g[0], "cpu", g[1]) for g in fields["groups"]]
+        return replace(base, **fields)
+
+    return make

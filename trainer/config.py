@@ -1,59 +1,84 @@
-"""RLJob -> `RunConfig`: everything the training composition root (trainer/run.py `run_training`)
-needs, resolved from an RLJob, for the cluster trainer (`rlfleet trainer run`) and local mode (`local=True`
-swaps in the manifest's `local` block)."""
+"""RLJob -> `RunConfig`: the one typed training spec the composition root (trainer/run.py `run_training`)
+takes. The cluster trainer (`rlfleet trainer run`) and local mode (`local=True` swaps in the manifest's
+`local` block) resolve it from the RLJob their process validated once (`rlfleet.api.load_rljob`); the
+ablation (experiments/ablation.py) builds the same dataclass from its own configuration."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlfleet.api.rljob import SafetySpec
+from rlfleet.records import HEAD_MODE, SUPPORT_MODE
+from rlfleet.sampler.protocol import SamplingConfig
+from rlfleet.tiny_qwen3 import TinyQwen3
+from rlfleet.trainer.backend_common import OptimConfig
+from rlfleet.trainer.objective import ObjectiveConfig
+
+if TYPE_CHECKING:
+    from rlfleet.api.rljob import RLJob
+    from rlfleet.trainer.environments import Environment
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A sampler group the trainer trains on (one with replicas > 0): its name, hardware and view."""
+
+    name: str
+    accelerator: str
+    weight_format: str  # bf16 | fp8 | nvfp4 | mxfp4: the view the channel publishes for it
+    kv_cache_dtype: str = "auto"
+    quarantined: bool = False
 
 
 @dataclass
 class RunConfig:
-    """Everything the training loop needs, resolved from an RLJob (local or cluster)."""
+    """Everything the training loop needs (local, cluster or the ablation)."""
 
     job_name: str
     steps: int
     prompts_per_step: int
     samples_per_prompt: int
-    sampling: dict[str, Any]
-    correction_mode: str
-    mis_low: float
-    mis_high: float
+    sampling: SamplingConfig  # the one sampling object every turn's request is derived from
+    objective: ObjectiveConfig
+    optim: OptimConfig
     max_staleness: int | None
     environment: str
     max_turns: int
     dataset: str | None
     seed: int
-    model: dict[str, Any]  # local: the tiny Qwen3 (rlfleet.tiny_qwen3.TinyQwen3 fields); cluster: {}
-    learning_rate: float
-    weight_decay: float
-    max_grad_norm: float
-    groups: list[dict[str, Any]] = field(default_factory=list)
-    safety: Any = None
+    model: TinyQwen3 | None  # local mode and the ablation: the tiny Qwen3 they build; a cluster: None
+    groups: list[GroupSpec] = field(default_factory=list)
+    safety: SafetySpec = field(default_factory=SafetySpec)
+
+    @property
+    def views(self) -> list[str]:
+        """The weight views the channel publishes: one per format of a group the run trains on."""
+        return sorted({g.weight_format for g in self.groups})
+
+    def as_json(self) -> dict[str, Any]:
+        """Plain JSON values (local mode's run.json)."""
+        return asdict(self) | {"safety": self.safety.model_dump(mode="json", by_alias=True)}
 
 
-def resolve_run(job: Any, local: bool = True) -> RunConfig:
+def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
     """RLJob -> RunConfig. `local` swaps in the `local` block (sizes, tiny model, seed, LR)."""
-    from rlfleet.trainer.objective import CORRECTION_MODES
-
     spec = job.spec
     lo = spec.local
-    replay = CORRECTION_MODES[spec.correction.mode][1]
-    vocab = lo.model.vocab_size if local else None
-    head = spec.correction.sc_head_size if vocab is None else min(spec.correction.sc_head_size, vocab)
-    sampling = {
-        "temperature": spec.rollout.temperature,
-        "top_p": spec.rollout.top_p,
-        "top_k": spec.rollout.top_k,
-        "max_new_tokens": lo.max_new_tokens if local else spec.rollout.max_new_tokens,
+    objective = ObjectiveConfig.from_correction(spec.correction.mode, mis_low=spec.correction.mis_low,
+                                                mis_high=spec.correction.mis_high)
+    head = spec.correction.sc_head_size if not local else min(spec.correction.sc_head_size, lo.model.vocab_size)
+    sampling = SamplingConfig(
+        temperature=spec.rollout.temperature,
+        top_p=spec.rollout.top_p,
+        top_k=spec.rollout.top_k,
+        max_new_tokens=lo.max_new_tokens if local else spec.rollout.max_new_tokens,
         # replay needs the exact sampling support; the other modes score against the full-vocabulary q
         # and, for score centering, its top-K head
-        "candidate_mode": "support" if replay else "head",
-        "head_size": head,
-    }
-    model = lo.model.model_dump() | {"seed": lo.seed} if local else {}  # rlfleet.tiny_qwen3.TinyQwen3 fields
+        candidate_mode=SUPPORT_MODE if objective.replay else HEAD_MODE,
+        head_size=head,
+    )
     opt = spec.trainer.optimizer
     return RunConfig(
         job_name=job.name,
@@ -61,21 +86,20 @@ def resolve_run(job: Any, local: bool = True) -> RunConfig:
         prompts_per_step=lo.prompts_per_step if local else spec.rollout.prompts_per_step,
         samples_per_prompt=lo.samples_per_prompt if local else spec.rollout.samples_per_prompt,
         sampling=sampling,
-        correction_mode=spec.correction.mode,
-        mis_low=spec.correction.mis_low,
-        mis_high=spec.correction.mis_high,
+        objective=objective,
+        optim=OptimConfig(
+            learning_rate=float(lo.learning_rate) if local else opt.learning_rate,  # local: sized for the tiny model
+            weight_decay=opt.weight_decay,
+            max_grad_norm=opt.max_grad_norm,
+        ),
         max_staleness=spec.staleness.max_steps,
         environment=spec.rollout.environment,
         max_turns=spec.rollout.max_turns,
         dataset=spec.rollout.dataset,
         seed=lo.seed,
-        model=model,
-        learning_rate=float(lo.learning_rate) if local else opt.learning_rate,  # local: sized for the tiny model
-        weight_decay=opt.weight_decay,
-        max_grad_norm=opt.max_grad_norm,
+        model=TinyQwen3(**lo.model.model_dump(), seed=lo.seed) if local else None,
         groups=[
-            {"name": g.name, "accelerator": g.accelerator, "weight_format": g.weight_format,
-             "kv_cache_dtype": g.kv_cache_dtype, "quarantined": g.quarantined}
+            GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, g.quarantined)
             for g in spec.sampler_groups
             if g.replicas > 0
         ],
@@ -83,11 +107,11 @@ def resolve_run(job: Any, local: bool = True) -> RunConfig:
     )
 
 
-def build_environment(rc: RunConfig, tokenizer: Any = None) -> Any:
+def build_environment(rc: RunConfig, tokenizer: Any = None) -> Environment:
     """`tokenizer`: the model's (trainer/run.py `load_tokenizer`), for environments that take one."""
     from rlfleet.trainer.environments import load_environment
 
     env = copy.copy(load_environment(rc.environment, tokenizer=tokenizer))  # never mutate a shared built-in instance
-    if hasattr(env, "max_turns") and env.max_turns != 1:
+    if env.max_turns != 1:
         env.max_turns = rc.max_turns
     return env

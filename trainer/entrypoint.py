@@ -28,7 +28,12 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlfleet.api.rljob import RLJob
+    from rlfleet.trainer.collapse import Decision
+    from rlfleet.trainer.rollout import PromptGroup
 
 log = logging.getLogger("rlfleet.trainer")
 METRICS_PORT = 9500  # operator naming.TRAINER_METRICS_PORT
@@ -95,7 +100,9 @@ def fail(message: str, code: int) -> int:
     return code
 
 
-def run(job: Any, args: argparse.Namespace) -> int:
+def run(job: RLJob, args: argparse.Namespace) -> int:
+    """Train the RLJob this process validated once (`cli`: `load_rljob`), resolved into the one
+    training spec (trainer/config.py `resolve_run`)."""
     from rlfleet.model_source import ModelSourceError, resolve_model_source
     from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import store_from_spec
@@ -131,8 +138,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
         return 0
 
     store = store_from_spec(job.spec.weight_channel.store)
-    views = sorted({g["weight_format"] for g in rc.groups})
-    publisher = WeightPublisher(store, views=views, keep_versions=job.spec.weight_channel.retention.keep_versions,
+    publisher = WeightPublisher(store, views=rc.views, keep_versions=job.spec.weight_channel.retention.keep_versions,
                                 base_checkpoint=base.base_checkpoint)
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
     state = ckpt.load_latest(checkpoints)
@@ -165,7 +171,7 @@ def run(job: Any, args: argparse.Namespace) -> int:
             start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
         )
 
-    def on_step(metrics: dict[str, float], decision: Any, groups: list[Any]) -> None:
+    def on_step(metrics: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
         exporter.update(int(metrics["step"]), {**metrics, "weight_version": metrics["step"]})  # version = step
         exporter.update_collapse(decision.alerts, sorted(detector.quarantined), decision.pause)
 
@@ -192,7 +198,6 @@ def run(job: Any, args: argparse.Namespace) -> int:
     finally:
         exporter.close()
         store.close()
-        if hasattr(backend, "close"):
-            backend.close()
+        backend.close()
         leave_process_group()
     return 0

@@ -25,17 +25,54 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from rlfleet.store import Store
 from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.advantages import uniform_group_fraction
-from rlfleet.trainer.batching import flatten_groups
+from rlfleet.trainer.batching import FlatBatch, flatten_groups
 from rlfleet.trainer.collapse import CollapseDetector, Decision
 from rlfleet.trainer.metrics import finite, objective_metrics, rollout_metrics
-from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+from rlfleet.trainer.objective import LossOutput
+from rlfleet.trainer.rollout import PromptGroup
 
 log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """What the loop needs of a trainer backend (trainer/backend_hf.py `HFBackend`,
+    trainer/backend_megatron.py `MegatronBackend`)."""
+
+    def train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]: ...
+
+    def weights(self) -> dict[str, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RolloutSource(Protocol):
+    """Where the loop takes complete prompt groups from: trainer/rollout.py `RolloutDriver` (HTTP, its own
+    thread), or the ablation's lockstep in-process samplers (experiments/ablation.py `LockstepRollouts`)."""
+
+    @property
+    def next_position(self) -> int:
+        """The data position: the next prompt index never dispatched (a checkpoint records it)."""
+        ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def check(self) -> None:
+        """Raise what the source failed with, if it did."""
+
+    def take(self, n: int, timeout: float, stop: threading.Event) -> list[PromptGroup]:
+        """Up to `n` complete prompt groups (fewer after `timeout` seconds or once `stop` is set)."""
+        ...
 
 
 @dataclass
@@ -77,9 +114,9 @@ class TrainingLoop:
     def __init__(
         self,
         config: LoopConfig,
-        backend: Any,  # TorchBackend or MegatronBackend: train_step, weights, state_dict, load_state_dict
-        driver: RolloutDriver,
-        publish: Callable[[int, dict], None],
+        backend: Backend,
+        driver: RolloutSource | None,  # None until the composition root has published version `step`
+        publish: Callable[[int, dict[str, torch.Tensor]], None],
         detector: CollapseDetector,
         group_names: list[str],
         group_views: dict[str, str],
@@ -101,11 +138,17 @@ class TrainingLoop:
         self.state = LoopState()
         self.last_checkpoint_position: int | None = None
 
+    @property
+    def source(self) -> RolloutSource:
+        if self.driver is None:
+            raise InvariantError("the loop took rollouts or checkpointed before its rollout source was set")
+        return self.driver
+
     # ---------------------------------------------------------------- checkpoint / resume
     def checkpoint(self) -> Path | None:
         if self.cfg.checkpoint_dir is None:
             return None
-        position = self.driver.next_position  # prompts before it are trained or discarded on resume
+        position = self.source.next_position  # prompts before it are trained or discarded on resume
         self.last_checkpoint_position = position
         return ckpt.save_checkpoint(
             self.cfg.checkpoint_dir,
@@ -135,8 +178,8 @@ class TrainingLoop:
         t0 = time.monotonic()
         groups: list[PromptGroup] = []
         while len(groups) < self.cfg.prompts_per_step and not self.stop.is_set():
-            self.driver.check()
-            got = self.driver.buffer.take(self.cfg.prompts_per_step - len(groups), timeout=1.0, stop=self.stop)
+            self.source.check()
+            got = self.source.take(self.cfg.prompts_per_step - len(groups), timeout=1.0, stop=self.stop)
             kept, dropped = split_by_staleness(got, self.state.step, self.cfg.max_staleness)
             groups.extend(kept)
             self.state.dropped_stale_groups += len(dropped)
@@ -173,7 +216,7 @@ class TrainingLoop:
                 "staleness_mean": float(flat.staleness.mean()) if flat.num_tokens else 0.0,
                 "staleness_max": float(flat.staleness.max()) if flat.num_tokens else 0.0,
                 "time/train": t_train,
-                "data_position": float(self.driver.next_position),
+                "data_position": float(self.source.next_position),
             }
         )
         metrics = finite(metrics)

@@ -31,19 +31,20 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from rlfleet.records import SampledTurn
+from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.trainer.environments import Environment, EpisodeOutcome
 from rlfleet.trainer.prompts import Prompt, PromptSource
 
 log = logging.getLogger(__name__)
 
-# async (session_id, input_ids, sampling_params) -> SampledTurn
-GenerateFn = Callable[[str, list[int], dict[str, Any]], Awaitable[SampledTurn]]
+# async (session_id, input_ids, sampling) -> SampledTurn: sampler/client.py `SamplerClient`, or the
+# experiments' in-process fleet
+GenerateFn = Callable[[str, list[int], SamplingConfig], Awaitable[SampledTurn]]
 
 
 @dataclass
@@ -101,9 +102,9 @@ class Rollout:
         return self.turns[0].group if self.turns else ""
 
 
-def turn_stop_ids(env: Environment, sampling: dict[str, Any]) -> list[int]:
+def turn_stop_ids(env: Environment, sampling: SamplingConfig) -> list[int]:
     """The stop ids of every model turn: the sampling's own and the environment's (e.g. END_CALL)."""
-    return list(dict.fromkeys([*sampling.get("stop_token_ids", []), *env.stop_token_ids]))
+    return list(dict.fromkeys([*sampling.stop_token_ids, *env.stop_token_ids]))
 
 
 class Episode:
@@ -208,7 +209,7 @@ class RolloutDriver:
         prompts: PromptSource,
         *,
         samples_per_prompt: int,
-        sampling: dict[str, Any],
+        sampling: SamplingConfig,
         max_seq_len: int,
         start_position: int = 0,
         max_ahead_prompts: int = 8,
@@ -218,7 +219,7 @@ class RolloutDriver:
         self.env = env
         self.prompts = prompts
         self.samples_per_prompt = samples_per_prompt
-        self.sampling = dict(sampling)
+        self.sampling = sampling
         self.max_seq_len = max_seq_len
         self.next_position = start_position  # data position: next prompt index never dispatched
         self.max_ahead_prompts = max_ahead_prompts
@@ -236,11 +237,12 @@ class RolloutDriver:
         episode = Episode(self.env, rollout)
         stop_ids = turn_stop_ids(self.env, self.sampling)
         for _turn_index in range(self.env.max_turns):
-            budget = episode.budget(int(self.sampling["max_new_tokens"]), self.max_seq_len)
+            budget = episode.budget(self.sampling.max_new_tokens, self.max_seq_len)
             if budget <= 0:
                 break
-            params = {**self.sampling, "max_new_tokens": budget, "stop_token_ids": stop_ids}
-            turn = await self._generate(rollout.uid, episode.ids, params)
+            # the run's one sampling object, with this turn's budget and stops
+            turn = await self._generate(rollout.uid, episode.ids,
+                                        replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop_ids))
             if episode.add_turn(turn):
                 break
         episode.score()  # exactly once, here, whatever ended the episode
@@ -248,12 +250,12 @@ class RolloutDriver:
         rollout.finished_at = time.monotonic()
         return rollout
 
-    async def _generate(self, session: str, ids: list[int], params: dict[str, Any]) -> SampledTurn:
+    async def _generate(self, session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
         """One turn, not retried here: the generate function owns its retries (rlfleet/retries.py);
         an error fails the episode and so the prompt group (`run_group`)."""
         t0 = time.monotonic()
         try:
-            turn = await self.generate(session, list(ids), params)
+            turn = await self.generate(session, list(ids), sampling)
         except Exception:  # not CancelledError (a BaseException): a stopped driver is no error
             self.stats.generate_errors += 1
             raise
@@ -320,6 +322,10 @@ class RolloutDriver:
 
         self._thread = threading.Thread(target=main, name="rollout-driver", daemon=True)
         self._thread.start()
+
+    def take(self, n: int, timeout: float, stop: threading.Event) -> list[PromptGroup]:
+        """Up to `n` complete prompt groups from the buffer (the loop's `RolloutSource`)."""
+        return self.buffer.take(n, timeout=timeout, stop=stop)
 
     def check(self) -> None:
         if self.error is not None:

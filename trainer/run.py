@@ -26,16 +26,23 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from rlfleet.model_source import is_hf_checkpoint
 from rlfleet.store import Store
 from rlfleet.trainer.collapse import CollapseDetector, Decision
-from rlfleet.trainer.loop import LoopConfig, TrainingLoop
+from rlfleet.trainer.config import RunConfig, build_environment
+from rlfleet.trainer.loop import Backend, LoopConfig, RolloutSource, TrainingLoop
 from rlfleet.trainer.rollout import PromptGroup
 from rlfleet.trainer.tracking import Tracker, TrackingError, open_tracker
+
+if TYPE_CHECKING:
+    from rlfleet.api.rljob import ParallelismSpec
+    from rlfleet.trainer.environments import Environment
+    from rlfleet.trainer.prompts import PromptSource
+    from rlfleet.trainer.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +63,7 @@ class ChannelSink:
     """The weight channel as a VersionSink, through trainer/publisher.py's `WeightPublisher` (which
     calibrates nvfp4's activation amax on the published weights themselves, whatever the backend)."""
 
-    def __init__(self, publisher: Any) -> None:
+    def __init__(self, publisher: WeightPublisher) -> None:
         self.publisher = publisher
 
     def latest_version(self) -> int | None:
@@ -67,11 +74,20 @@ class ChannelSink:
         self.publisher.publish(weights, version=version)
 
 
+class TrainerBackend(Backend, Protocol):
+    """A backend as the cluster entrypoint drives it: the loop's `Backend`, and rank 0 commanding the
+    other ranks (trainer/backend_common.py `RankCommands`: `follow` on the others, `close` on rank 0)."""
+
+    def follow(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class BaseModel:
     """The trainer's model, built from the resolved model source."""
 
-    backend: Any  # HFBackend (trainer.backend torch) or MegatronBackend
+    backend: TrainerBackend  # HFBackend (transformers) or MegatronBackend
     vocab_size: int
     max_seq_len: int
     source_dir: Path  # the resolved Hugging Face checkpoint directory
@@ -97,10 +113,9 @@ def load_tokenizer(base: BaseModel) -> Any | None:
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-def rollout_inputs(rc: Any, base: BaseModel) -> tuple[Any, Any]:
+def rollout_inputs(rc: RunConfig, base: BaseModel) -> tuple[Environment, PromptSource]:
     """The run's environment and prompt source (local mode and the cluster entrypoint alike), both
     given the base checkpoint's tokenizer where it has one (text prompt sets, chat environments)."""
-    from rlfleet.trainer.config import build_environment
     from rlfleet.trainer.prompts import open_prompt_source
 
     tokenizer = load_tokenizer(base)
@@ -121,26 +136,21 @@ def load_base_weights(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def build_backend(
-    rc: Any,
+    rc: RunConfig,
     *,
     backend: str,
     source_dir: Path,
     max_seq_len: int | None = None,
-    parallelism: Any = None,
+    parallelism: ParallelismSpec | None = None,
     device: str | None = None,
 ) -> BaseModel:
-    """The backend for `rc` (a config.RunConfig) from the Hugging Face checkpoint `source_dir` (local
+    """The backend for `rc` from the Hugging Face checkpoint `source_dir` (local
     mode: the tiny Qwen3 it built; a cluster: the resolved `spec.model.path`): `torch` = transformers'
     AutoModelForCausalLM (trainer/backend_hf.py), `megatron` = megatron-core from config.json
     (`MegatronModelConfig.from_hf_config`). `device`: "cuda" or "cpu" (a trainer on a CPU class: gloo;
     megatron in fp32 with the local layer spec, as the torch backend trains fp32 on CPU); None: the
     torch backend picks CUDA when there is one, megatron needs CUDA."""
-    from rlfleet.trainer.backend_hf import OptimConfig
-    from rlfleet.trainer.objective import ObjectiveConfig
-
-    objective = ObjectiveConfig.from_correction(rc.correction_mode, mis_low=rc.mis_low, mis_high=rc.mis_high)
-    optim = OptimConfig(learning_rate=rc.learning_rate, weight_decay=rc.weight_decay, max_grad_norm=rc.max_grad_norm)
-    temperature = rc.sampling["temperature"]
+    objective, optim, temperature = rc.objective, rc.optim, rc.sampling.temperature
     if not is_hf_checkpoint(source_dir):
         raise TrainingStartError(
             f"model {source_dir}: not a Hugging Face checkpoint (no config.json); spec.model.path names a "
@@ -153,9 +163,10 @@ def build_backend(
 
         model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature, device=device)
         return BaseModel(model, int(hf_config["vocab_size"]), seq, source_dir)
+    from rlfleet.api.rljob import ParallelismSpec
     from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
 
-    p = parallelism
+    p = parallelism or ParallelismSpec()
     cfg = MegatronModelConfig.from_hf_config(  # head_dim, tied embeddings, QK-norm, either rope form
         hf_config, max_seq_len=max_seq_len, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
         context_parallel=p.context,
@@ -178,11 +189,11 @@ def checkpoint_target(store: Store, override: str | Path | None = None) -> Path 
 
 
 def run_training(
-    rc: Any,
-    backend: Any,
+    rc: RunConfig,
+    backend: Backend,
     sink: VersionSink,
     detector: CollapseDetector,
-    make_driver: Callable[[int], Any],
+    make_driver: Callable[[int], RolloutSource],
     *,
     checkpoint: Path | Store | None,
     resume: dict[str, Any] | None = None,
@@ -192,7 +203,7 @@ def run_training(
     tracker: Tracker | None = None,
 ) -> TrainingLoop:
     """Train `rc.steps` steps (see the module docstring for the order). `make_driver(position)` builds
-    the rollout driver starting at data position `position` (called after the first publish);
+    the rollout source (the HTTP driver, or the ablation's lockstep samplers) starting at data position `position` (called after the first publish);
     `resume`: a checkpoint state (trainer/checkpoint.py); `tracker`: where each step's metrics go
     besides `on_step` (default: `open_tracker()`, from RLFLEET_TRACKING), closed when training ends.
     Returns the loop (state, history)."""
@@ -223,8 +234,8 @@ def run_training(
     loop = TrainingLoop(
         LoopConfig(total_steps=rc.steps, prompts_per_step=rc.prompts_per_step, max_staleness=rc.max_staleness,
                    checkpoint_dir=checkpoint),
-        backend, None, publish, detector,  # type: ignore[arg-type]  # the driver comes after version `step`
-        group_names=[g["name"] for g in rc.groups], group_views={g["name"]: g["weight_format"] for g in rc.groups},
+        backend, None, publish, detector,  # the rollout source comes after version `step` is published
+        group_names=[g.name for g in rc.groups], group_views={g.name: g.weight_format for g in rc.groups},
         on_step=step_done, on_quarantine=on_quarantine, stop=stop,
     )
     try:  # the tracker is closed in every case from here on

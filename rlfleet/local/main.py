@@ -33,9 +33,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.trainer.config import RunConfig, build_environment, resolve_run
+
+if TYPE_CHECKING:
+    from rlfleet.trainer.collapse import Decision
+    from rlfleet.trainer.rollout import PromptGroup
 
 FLEET_LOG = "fleet.log"
 RUN_JSON = "run.json"
@@ -83,15 +87,15 @@ class Progress:
             f"elapsed {time.monotonic() - self.t0:.0f}s"
         )
         table = Table(show_edge=False, pad_edge=False)
-        table.add_column("group", no_wrap=True, min_width=max(len(g["name"]) for g in rc.groups))
+        table.add_column("group", no_wrap=True, min_width=max(len(g.name) for g in rc.groups))
         for col in ("fmt", "KV", "tok/s", "share", "ver", "lag", "KL", "OOR", "reward"):
             table.add_column(col, justify="left" if col in ("fmt", "KV") else "right", no_wrap=True)
         for g in rc.groups:
-            p = f"group/{g['name']}/"
+            p = f"group/{g.name}/"
             n = m.get(p + "num_tokens", 0.0)
             version = m.get(p + "version_max")
             table.add_row(
-                g["name"], g["weight_format"], g["kv_cache_dtype"],
+                g.name, g.weight_format, g.kv_cache_dtype,
                 f"{m.get(p + 'tokens_per_second', 0):.0f}", f"{m.get(p + 'token_share', 0):.0%}",
                 "-" if version is None else f"{version:.0f}",
                 "-" if version is None else f"{m['step'] - 1 - version:.0f}",
@@ -119,7 +123,7 @@ class Progress:
             self.live.stop()
 
 
-def group_rollout_extras(groups: list[Any], dt: float) -> dict[str, float]:
+def group_rollout_extras(groups: list[PromptGroup], dt: float) -> dict[str, float]:
     """Per-group tokens/s and newest weight version seen in this step's rollouts (for the live table)."""
     tokens: dict[str, int] = {}
     newest: dict[str, int] = {}
@@ -255,11 +259,12 @@ def run_local(
     """Run (or resume) the local job; returns the summary written to the report."""
     import torch
 
-    from rlfleet.local.fleet import FleetSpec, GroupSpec
+    from rlfleet.local.fleet import FleetSpec
+    from rlfleet.local.fleet import GroupSpec as FleetGroup
     from rlfleet.local.report import write_report
     from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import open_store
-    from rlfleet.tiny_qwen3 import TinyQwen3, cached_tiny_qwen3
+    from rlfleet.tiny_qwen3 import cached_tiny_qwen3
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.prompts import PromptFileError
     from rlfleet.trainer.publisher import WeightPublisher
@@ -283,27 +288,28 @@ def run_local(
 
     hf_logging.disable_progress_bar()  # the run prints its own progress
     # the tiny Qwen3 checkpoint of local.model: the model source, as spec.model.path is on a cluster
-    model_dir = cached_tiny_qwen3(out / "models", TinyQwen3(**rc.model))
+    if rc.model is None:
+        raise LocalRunError(f"{rc.job_name}: local mode trains the tiny model of the RLJob's local block (resolve_run(local=True))")
+    model_dir = cached_tiny_qwen3(out / "models", rc.model)
     try:
         base = build_backend(rc, backend="torch", source_dir=model_dir)
         env, prompts = rollout_inputs(rc, base)
     except (TrainingStartError, PromptFileError) as exc:
         raise LocalRunError(str(exc)) from None
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
-    views = sorted({g["weight_format"] for g in rc.groups})
     store = open_store(str(channel_dir.resolve()))
-    publisher = WeightPublisher(store, views=views, keep_versions=4, follow_subscribers=False,
+    publisher = WeightPublisher(store, views=rc.views, keep_versions=4, follow_subscribers=False,
                                 base_checkpoint=base.base_checkpoint)
 
     admin_token = secrets.token_hex(16)
     spec = FleetSpec(
-        groups=[GroupSpec(g["name"], g["accelerator"], g["weight_format"], g["kv_cache_dtype"], quarantined=g["quarantined"])
+        groups=[FleetGroup(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, quarantined=g.quarantined)
                 for g in rc.groups],
         store=str(channel_dir.resolve()), cache_dir=str((out / "cache").resolve()),
         model_path=str(model_dir), seed=rc.seed,
     )
     (out / "fleet.json").write_text(spec.to_json())
-    (out / RUN_JSON).write_text(json.dumps({"job": rc.job_name, "config": rc.__dict__ | {"safety": None}}, default=str, indent=1))
+    (out / RUN_JSON).write_text(json.dumps({"job": rc.job_name, "config": rc.as_json()}, indent=1))
 
     progress = Progress(rc, live)
     started: dict[str, Any] = {}  # the fleet and the driver, once make_driver has started them
@@ -326,7 +332,7 @@ def run_local(
         )
         return driver
 
-    def on_step(m: dict[str, float], decision: Any, groups: list[Any]) -> None:
+    def on_step(m: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
         now = time.monotonic()
         m.update(group_rollout_extras(groups, now - last["t"]))
         last["t"] = now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -95,9 +96,9 @@ def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torc
     from rlfleet.model_source import read_safetensors_dir
     from rlfleet.numerics.engine_model import ModelShape
     from rlfleet.router.hashing import pick
+    from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
-    from rlfleet.trainer.environments import ToyVocab, load_environment
-    from rlfleet.trainer.prompts import GeneratedPromptSource
+    from rlfleet.trainer.environments import ToyVocab
     from rlfleet_experiments.emulated import EmulatedSampler
 
     cfg = ablation.AblationConfig(task="tool_add", prompts=4, samples=8, lag=0, logit_std=4.0)
@@ -108,9 +109,11 @@ def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torc
     groups = ablation.FLEETS["mixed"]
     samplers = {name: EmulatedSampler(name, fmt, kv, ModelShape.from_checkpoint(model_dir), seed=i)
                 for i, (name, _, fmt, kv) in enumerate(groups)}
-    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "candidate_mode": "head", "head_size": 8}
-    source = ablation.LockstepRollouts(cfg, sink, samplers, groups, load_environment("tool_add"),
-                                       GeneratedPromptSource("tool_add", 0), sampling)
+    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=cfg.max_new_tokens,
+                              candidate_mode="head", head_size=8)
+    rc = replace(ablation.run_config("pg", "mixed", cfg), sampling=sampling)
+    assert (rc.environment, rc.seed, rc.samples_per_prompt) == ("tool_add", 0, cfg.samples)
+    source = ablation.LockstepRollouts(cfg, rc, sink, samplers)
     batch = source.take(cfg.prompts, timeout=0)
     rollouts = [r for g in batch for r in g.rollouts]
     assert len(rollouts) == cfg.prompts * cfg.samples

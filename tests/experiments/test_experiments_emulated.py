@@ -12,6 +12,7 @@ import torch
 from rlfleet.api.common import KV_CACHE_DTYPES
 from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
 from rlfleet.numerics.views import calibrate_weights, save_view
+from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.sampler.reference_engine import ENGINE_KV, EngineConfig, ReferenceEngine
 from rlfleet_experiments.emulated import EmulatedSampler, Request
 
@@ -61,10 +62,10 @@ def test_emulated_group_computes_the_reference_servers_logits(published, fmt, kv
     expected = _logits(server, ids, 4)
     assert torch.equal(_logits(emulated.engine, ids, 4), expected)
     # the same engine end to end: seeded, both sample the same tokens with the same log q
-    a = emulated.generate_batch([Request(ids[:4], 6)], {"temperature": 1.0, "top_p": 0.95, "top_k": 16})[0]
+    a = emulated.generate_batch([Request(ids[:4], 6)], SamplingConfig(temperature=1.0, top_p=0.95, top_k=16))[0]
     emulated_again = EmulatedSampler("g", fmt, kv, shape, seed=0, kernel=KERNEL)
     emulated_again.engine.load_weights(weights, view, 3)  # the published view, loaded as the server loads it
-    b = emulated_again.generate_batch([Request(ids[:4], 6)], {"temperature": 1.0, "top_p": 0.95, "top_k": 16})[0]
+    b = emulated_again.generate_batch([Request(ids[:4], 6)], SamplingConfig(temperature=1.0, top_p=0.95, top_k=16))[0]
     assert a.output_ids.tolist() == b.output_ids.tolist() and a.logprobs.tolist() == b.logprobs.tolist()
 
 

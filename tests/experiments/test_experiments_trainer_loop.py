@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlfleet.numerics.engine_model import ModelShape
+from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.trainer import checkpoint
 from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
 from rlfleet.trainer.batching import flatten_groups
@@ -34,7 +35,7 @@ SIZES = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidd
 MAX_SEQ_LEN = SIZES["max_position_embeddings"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GROUPS = [("g-bf16", "bf16", "auto"), ("g-nvfp4", "nvfp4", "fp8_e4m3")]
-SAMPLING = {"temperature": 1.0, "top_p": 0.97, "top_k": 16, "max_new_tokens": 4, "candidate_mode": "support"}
+SAMPLING = SamplingConfig(temperature=1.0, top_p=0.97, top_k=16, max_new_tokens=4, candidate_mode="support")
 
 
 class CountingEnv(ToolAddEnv):

@@ -29,15 +29,14 @@ class RecordingTracker:
         self.closed += 1
 
 
-def _composition_root_parts(model_dir: Path):
+def _composition_root_parts(model_dir: Path, example_run):
     """The loop tests' smallest real setup (tests/experiments/test_experiments_trainer_loop.py): the transformers
     trainer backend on a tiny Qwen3 checkpoint, emulated low-precision samplers of its shape, the async
     rollout driver, tool_add prompts."""
-    from types import SimpleNamespace
-
     import torch
 
     from rlfleet.numerics.engine_model import ModelShape
+    from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
     from rlfleet.trainer.environments import ToolAddEnv
     from rlfleet.trainer.objective import ObjectiveConfig
@@ -48,7 +47,6 @@ def _composition_root_parts(model_dir: Path):
 
     torch.manual_seed(0)
     shape = ModelShape.from_checkpoint(model_dir)
-    groups = [{"name": "g-bf16", "weight_format": "bf16"}]
     fleet = EmulatedFleet([EmulatedSampler("g-bf16", "bf16", "auto", shape, seed=0)])
     backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig.from_correction("sc-mis-topp"),
                                         optim=OptimConfig(learning_rate=1e-3))
@@ -58,22 +56,22 @@ def _composition_root_parts(model_dir: Path):
             super().publish(weights, version)
             fleet.load_weights(weights, version)
 
-    sampling = {"temperature": 1.0, "top_p": 0.97, "top_k": 16, "max_new_tokens": 4, "candidate_mode": "support"}
+    sampling = SamplingConfig(temperature=1.0, top_p=0.97, top_k=16, max_new_tokens=4, candidate_mode="support")
 
     def make_driver(position):
         return RolloutDriver(fleet.generate, ToolAddEnv(max_turns=3), GeneratedPromptSource("tool_add", 0),
                              samples_per_prompt=2, sampling=sampling, max_seq_len=shape.max_position_embeddings,
                              start_position=position, max_ahead_prompts=4)
 
-    rc = SimpleNamespace(steps=3, prompts_per_step=2, max_staleness=None, groups=groups)
+    rc = example_run(steps=3, prompts_per_step=2, max_staleness=None, groups=[("g-bf16", "bf16")], sampling=sampling)
     return rc, backend, FleetSink(), make_driver
 
 
-def test_run_training_logs_every_step_to_the_tracker_and_closes_it(tmp_path: Path, model_dir: Path) -> None:
+def test_run_training_logs_every_step_to_the_tracker_and_closes_it(tmp_path: Path, model_dir: Path, example_run) -> None:
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.run import run_training
 
-    rc, backend, sink, make_driver = _composition_root_parts(model_dir)
+    rc, backend, sink, make_driver = _composition_root_parts(model_dir, example_run)
     tracker = RecordingTracker()
     hooked: list[dict] = []
     loop = run_training(rc, backend, sink, CollapseDetector(), make_driver, checkpoint=tmp_path / "ckpt",
@@ -84,11 +82,11 @@ def test_run_training_logs_every_step_to_the_tracker_and_closes_it(tmp_path: Pat
     assert tracker.closed == 1
 
 
-def test_run_training_closes_the_tracker_on_error(tmp_path: Path, model_dir: Path) -> None:
+def test_run_training_closes_the_tracker_on_error(tmp_path: Path, model_dir: Path, example_run) -> None:
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.run import run_training
 
-    rc, backend, sink, _ = _composition_root_parts(model_dir)
+    rc, backend, sink, _ = _composition_root_parts(model_dir, example_run)
     tracker = RecordingTracker()
 
     def broken_driver(position):
@@ -100,11 +98,11 @@ def test_run_training_closes_the_tracker_on_error(tmp_path: Path, model_dir: Pat
     assert tracker.logged == [] and tracker.closed == 1
 
 
-def test_run_training_misconfigured_tracking_is_a_start_error(tmp_path: Path, model_dir: Path, monkeypatch) -> None:
+def test_run_training_misconfigured_tracking_is_a_start_error(tmp_path: Path, model_dir: Path, monkeypatch, example_run) -> None:
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.run import TrainingStartError, run_training
 
-    rc, backend, sink, make_driver = _composition_root_parts(model_dir)
+    rc, backend, sink, make_driver = _composition_root_parts(model_dir, example_run)
     monkeypatch.setenv("RLFLEET_TRACKING", "neptune:x")
     with pytest.raises(TrainingStartError, match="unknown kind 'neptune'"):
         run_training(rc, backend, sink, CollapseDetector(), make_driver, checkpoint=tmp_path / "ckpt")

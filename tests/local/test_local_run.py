@@ -160,8 +160,9 @@ def test_resolve_run_uses_the_local_block_and_the_correction_mode():
 
     rc = resolve_run(load_rljob(EXAMPLE), local=True)
     assert rc.steps == 12 and rc.prompts_per_step == 8 and rc.samples_per_prompt == 4
-    assert rc.sampling["candidate_mode"] == "support" and rc.sampling["top_k"] == 64 and rc.sampling["max_new_tokens"] == 8
-    assert rc.model["vocab_size"] == 64 and len(rc.groups) == 8 and rc.max_staleness is None
+    assert rc.sampling.candidate_mode == "support" and rc.sampling.top_k == 64 and rc.sampling.max_new_tokens == 8
+    assert rc.objective.mode == "sc_mis" and rc.objective.replay
+    assert rc.model is not None and rc.model.vocab_size == 64 and len(rc.groups) == 8 and rc.max_staleness is None
     env = build_environment(rc)
     assert env.max_turns == 4
 
@@ -276,3 +277,22 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
         assert f"v0 ({view})" in log and f"v{stopped_at} ({view})" in log, log
     # every group served tokens of the current channel versions and had its metrics attributed
     assert {"group/h100-bf16/kl_k3", "group/b200-nvfp4/kl_k3", "view/nvfp4/kl_k3"} <= set(steps[-1])
+
+
+def test_live_table_shows_every_group_of_the_resolved_run():
+    """The live table reads the typed groups (name, view, KV dtype) and the step's per-group figures."""
+    from rich.console import Console
+
+    from rlfleet.api import load_rljob
+
+    rc = resolve_run(load_rljob(EXAMPLE), local=True)
+    g = rc.groups[0]
+    metrics = {"step": 3.0, f"group/{g.name}/num_tokens": 40.0, f"group/{g.name}/version_max": 2.0,
+               f"group/{g.name}/token_share": 0.25}
+    console = Console(record=True, width=200)
+    console.print(local.Progress(rc, live=False)._render(metrics, []))
+    text = console.export_text()
+    for group in rc.groups:
+        assert group.name in text
+    row = next(line for line in text.splitlines() if g.name in line)
+    assert g.weight_format in row and g.kv_cache_dtype in row and "25%" in row

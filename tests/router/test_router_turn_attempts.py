@@ -17,10 +17,12 @@ import pytest
 from aiohttp import web
 from router_upstreams import InProcessUpstream, UpstreamState
 
+from rlfleet.records import SampledTurn
 from rlfleet.retries import ROUTER_MAX_ATTEMPTS, ClientRetryPolicy, turn_upstream_posts
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
 from rlfleet.sampler.client import SamplerClient
+from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.trainer.environments import copy_digit, copy_digit_prompt
 from rlfleet.trainer.rollout import RolloutDriver
 
@@ -28,10 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "sampler" / "fixtures"
 # Default attempt counts; only the waits are shortened (the router answers Retry-After: 0 too).
 POLICY = ClientRetryPolicy(backoff_initial_s=0.001, backoff_max_s=0.002, version_wait_cap_s=0.001)
-SAMPLING = {"temperature": 1.0, "top_p": 0.9, "top_k": 4096, "max_new_tokens": 3}
+SAMPLING = SamplingConfig(temperature=1.0, top_p=0.9, top_k=4096, max_new_tokens=3)
 
 
-async def _one_turn(groups: dict[str, list[str]], sampling: dict) -> tuple[RolloutDriver, SamplerClient]:
+async def _one_turn(
+    groups: dict[str, list[str]], min_weight_version: int | None = None
+) -> tuple[RolloutDriver, SamplerClient]:
     """Run one prompt group of one single-turn episode through client -> router -> `groups`.
     The worst case: the router keeps counting every replica healthy (as when health checks bring them
     back between requests), so it never skips one; a replica it marked down is skipped while another
@@ -45,8 +49,11 @@ async def _one_turn(groups: dict[str, list[str]], sampling: dict) -> tuple[Rollo
     router, runner, port = await start_service(config, health_checks=False)
     client = SamplerClient(f"http://127.0.0.1:{port}", policy=POLICY)
     try:
-        driver = RolloutDriver(client, copy_digit, None, samples_per_prompt=1,  # type: ignore[arg-type]
-                               sampling=sampling, max_seq_len=64)  # fmt: skip
+        async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
+            return await client.generate(ids, sampling, session_id=session, min_weight_version=min_weight_version)
+
+        driver = RolloutDriver(generate, copy_digit, None, samples_per_prompt=1,  # type: ignore[arg-type]
+                               sampling=SAMPLING, max_seq_len=64)  # fmt: skip
         assert await driver.run_group(copy_digit_prompt(0, 3)) is None  # the turn failed: group dropped
     finally:
         await client.aclose()
@@ -70,7 +77,7 @@ async def test_every_replica_failing_costs_one_turn_exactly_the_bound(
         for i, n in enumerate(layout)
     }
     try:
-        _, client = await _one_turn({g: [u.url for u in ups] for g, ups in replicas.items()}, SAMPLING)
+        _, client = await _one_turn({g: [u.url for u in ups] for g, ups in replicas.items()})
     finally:
         for ups in replicas.values():
             for u in ups:
@@ -133,7 +140,7 @@ async def test_the_worst_mix_of_failures_costs_one_turn_at_most_27_x_8_posts() -
     replicas = ScriptedReplicas(answer)
     urls = await replicas.start(10)
     try:
-        _, client = await _one_turn({"a": urls[:5], "b": urls[5:]}, {**SAMPLING, "min_weight_version": 1})
+        _, client = await _one_turn({"a": urls[:5], "b": urls[5:]}, min_weight_version=1)
     finally:
         await replicas.stop()
     assert len(script) == POLICY.max_posts == client.stats.requests == 27

@@ -219,7 +219,7 @@ async def test_client_ok_passes_headers_and_router_annotations():
     ok = (200, fx["response"], {"X-RLFleet-Group": "h100-fp8", "X-RLFleet-Replica": "http://r7"})
     srv = ReplayServer([ok])
     async with srv as url, SamplerClient(url, group="default", policy=FAST) as client:
-        turn = await client("p0/1", fx["request"]["input_ids"], {**SUPPORT_PARAMS, "min_weight_version": 5})
+        turn = await client.generate(fx["request"]["input_ids"], SUPPORT_PARAMS, session_id="p0/1", min_weight_version=5)
     _check_support_turn(fx, turn)
     assert (turn.group, turn.replica) == ("h100-fp8", "http://r7")
     sent = srv.requests[0]

@@ -183,14 +183,16 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
     equal to amax / (448 * 6), amax from `calibrate_activation_amax` on the same calibration batch
     run by transformers' Qwen3 loaded (`from_pretrained` + `load_state_dict`) with the weights the
     backend exports, in their dtype: exact."""
-    from types import SimpleNamespace
+    from dataclasses import replace
 
     from transformers import Qwen3ForCausalLM
 
+    from rlfleet.api import load_rljob
     from rlfleet.numerics import formats
     from rlfleet.numerics.views import calibrate_activation_amax, calibration_batch, read_view_tensors
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector
+    from rlfleet.trainer.config import GroupSpec, resolve_run
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.run import ChannelSink, run_training
 
@@ -207,8 +209,9 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
     channel_dir.mkdir(parents=True)
     publisher = WeightPublisher(open_store(str(channel_dir)), views=["bf16", "nvfp4"], follow_subscribers=False,
                                 base_checkpoint=directory)
-    groups = [{"name": "h100-bf16", "weight_format": "bf16"}, {"name": "b200-nvfp4", "weight_format": "nvfp4"}]
-    rc = SimpleNamespace(steps=0, prompts_per_step=1, max_staleness=None, groups=groups)
+    example = resolve_run(load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"), local=True)
+    rc = replace(example, steps=0, prompts_per_step=1, max_staleness=None,
+                 groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("b200-nvfp4", "b200", "nvfp4")])
     t0 = time.monotonic()
     try:
         run_training(rc, backend, ChannelSink(publisher), CollapseDetector(), lambda position: NoRollouts(), checkpoint=None)

@@ -511,6 +511,7 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
     from chat_tokenizer import build_chat_tokenizer
 
     from rlfleet.records import SampledTurn
+    from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.trainer.batching import flatten_groups
     from rlfleet.trainer.environments import load_environment
     from rlfleet.trainer.prompts import open_prompt_source
@@ -522,7 +523,7 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
     env = load_environment("rlfleet.trainer.environments:MathEnv", tokenizer=tok)
     replies = [tok.encode(t) + [tok.eos_token_id] for t in ("The answer is \\boxed{5}.", "It is 7")]
 
-    async def generate(session: str, ids: list[int], params: dict) -> SampledTurn:
+    async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
         out = np.asarray(replies[int(session.split("/")[1])])
         n = len(out)
         other = (out + 1) % len(tok)
@@ -533,7 +534,7 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
                            weight_versions=np.zeros(n, dtype=np.int64), group="h100-fp8", finish_reason="stop")  # fmt: skip
 
     driver = RolloutDriver(
-        generate, env, prompts, samples_per_prompt=2, sampling={"max_new_tokens": 32}, max_seq_len=128
+        generate, env, prompts, samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=32), max_seq_len=128
     )
     prompt = prompts.get(0)
     rollouts = [asyncio.run(driver.run_episode(prompt, k)) for k in range(2)]

@@ -16,7 +16,9 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -148,7 +150,7 @@ def test_trainer_entrypoint_refuses_a_model_path_that_is_not_a_checkpoint(tmp_pa
 
 
 def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_checkpoint(
-    tmp_path: Path, tiny_qwen3_dir: Path
+    tmp_path: Path, tiny_qwen3_dir: Path, example_run: Callable[..., Any]
 ) -> None:
     """With an HF base (the project's tiny Qwen3, hf backend) version 0 of every view is in the channel,
     each a complete HF checkpoint from the base (config.json with the view's quantization config,
@@ -156,23 +158,19 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
     stand-in driver below is never asked for one (it records only that it was built after version 0).
     The nvfp4 view's `input_scale` of every linear is amax / (448 * 6), amax of transformers' model
     loaded with the weights the backend publishes, on the publisher's calibration batch (exact)."""
-    from types import SimpleNamespace
-
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.run import ChannelSink, build_backend, run_training
 
     source = tiny_qwen3_dir
-    groups = [{"name": "h100-bf16", "weight_format": "bf16"}, {"name": "h100-fp8", "weight_format": "fp8"},
-              {"name": "b200-nvfp4", "weight_format": "nvfp4"}]
-    rc = SimpleNamespace(correction_mode="sc-mis-topp", mis_low=0.2, mis_high=5.0, learning_rate=1e-3,
-                         weight_decay=0.0, max_grad_norm=1.0, sampling={"temperature": 1.0}, seed=0,
-                         steps=0, prompts_per_step=1, max_staleness=None, groups=groups)
+    rc = example_run(steps=0, prompts_per_step=1, max_staleness=None,
+                     groups=[("h100-bf16", "bf16"), ("h100-fp8", "fp8"), ("b200-nvfp4", "nvfp4")])
     base = build_backend(rc, backend="torch", source_dir=source)
     store = open_store(str(tmp_path / "channel"))
     (tmp_path / "channel").mkdir()
-    publisher = WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], follow_subscribers=False,
+    assert rc.views == ["bf16", "fp8", "nvfp4"]
+    publisher = WeightPublisher(store, views=rc.views, follow_subscribers=False,
                                 base_checkpoint=base.base_checkpoint)
     channel = publisher.channel
     seen: dict[str, object] = {}

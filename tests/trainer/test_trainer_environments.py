@@ -14,6 +14,7 @@ import pytest
 from chat_tokenizer import build_chat_tokenizer
 
 from rlfleet.records import SampledTurn
+from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.trainer.environments import (
     ChatTurnEncoder,
     Environment,
@@ -194,7 +195,7 @@ def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
     replies = [_reply(tok, "calculator 2 + 3"), _reply(tok, "The answer is \\boxed{5}.")]
     sent: list[list[int]] = []
 
-    async def generate(session: str, ids: list[int], params: dict) -> SampledTurn:
+    async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
         sent.append(list(ids))
         out = replies[len(sent) - 1]
         n = len(out)
@@ -204,7 +205,7 @@ def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
                            weight_versions=np.zeros(n, dtype=np.int64), group="g", finish_reason="stop")  # fmt: skip
 
     driver = RolloutDriver(generate, env, None, samples_per_prompt=1,  # type: ignore[arg-type]
-                           sampling={"max_new_tokens": 32}, max_seq_len=512)  # fmt: skip
+                           sampling=SamplingConfig(max_new_tokens=32), max_seq_len=512)  # fmt: skip
     rollout = asyncio.run(driver.run_episode(prompt, 0))
     assert rollout.outcome is not None and rollout.outcome.reward == 1.0 and rollout.outcome.tool_calls == 1
     tool = env.turns.append_ids(replies[0], "result: 5")

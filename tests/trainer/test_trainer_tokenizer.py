@@ -8,22 +8,21 @@ environments."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from rlfleet.trainer.config import RunConfig
 from rlfleet.trainer.prompts import PromptFileError
 from rlfleet.trainer.run import BaseModel, load_tokenizer, rollout_inputs
 
 
-def _rc(environment: str, dataset: str | None) -> SimpleNamespace:
-    return SimpleNamespace(environment=environment, dataset=dataset, seed=0, max_turns=1)
-
-
-def test_hf_base_tokenizer_reaches_the_prompt_source_and_the_environment(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+def test_hf_base_tokenizer_reaches_the_prompt_source_and_the_environment(
+    tmp_path: Path, tiny_qwen3_dir: Path, example_run: Callable[..., RunConfig]
+) -> None:
     from transformers import AutoTokenizer
 
     source = tiny_qwen3_dir
@@ -33,7 +32,7 @@ def test_hf_base_tokenizer_reaches_the_prompt_source_and_the_environment(tmp_pat
     dataset = tmp_path / "math.jsonl"
     dataset.write_text(json.dumps({"messages": chat, "answer": "5"}) + "\n")
 
-    env, prompts = rollout_inputs(_rc("rlfleet.trainer.environments:MathEnv", str(dataset)), base)
+    env, prompts = rollout_inputs(example_run(environment="rlfleet.trainer.environments:MathEnv", dataset=str(dataset), seed=0, max_turns=1), base)
     assert env.tokenizer is prompts.tokenizer is not None  # one tokenizer, from the base checkpoint
     assert env.tokenizer.name_or_path == str(source)
     prompt = prompts.get(0)
@@ -43,7 +42,7 @@ def test_hf_base_tokenizer_reaches_the_prompt_source_and_the_environment(tmp_pat
     assert prompt.input_ids == list(expected) and prompt.meta["answer"] == "5"
 
 
-def test_checkpoint_without_tokenizer_keeps_token_id_prompts(tmp_path: Path) -> None:
+def test_checkpoint_without_tokenizer_keeps_token_id_prompts(tmp_path: Path, example_run: Callable[..., RunConfig]) -> None:
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
     checkpoint = tmp_path / "no-tokenizer"
@@ -52,9 +51,9 @@ def test_checkpoint_without_tokenizer_keeps_token_id_prompts(tmp_path: Path) -> 
     assert (checkpoint / "config.json").is_file() and not list(checkpoint.glob("tokenizer*"))
     base = BaseModel(backend=None, vocab_size=32, max_seq_len=48, source_dir=checkpoint)
     assert base.base_checkpoint == checkpoint and load_tokenizer(base) is None
-    env, prompts = rollout_inputs(_rc("copy_digit", None), base)  # today's behaviour: generated token ids
+    env, prompts = rollout_inputs(example_run(environment="copy_digit", dataset=None, seed=0, max_turns=1), base)  # today's behaviour: generated token ids
     assert all(0 <= t < 32 for t in prompts.get(0).input_ids)
     text = tmp_path / "text.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "2 + 3"}]), text)
     with pytest.raises(PromptFileError, match="it needs the model's tokenizer"):
-        rollout_inputs(_rc("copy_digit", str(text)), base)
+        rollout_inputs(example_run(environment="copy_digit", dataset=str(text), seed=0, max_turns=1), base)

@@ -411,9 +411,7 @@ def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
         proc.wait(10)
 
 
-def test_run_training_refuses_a_channel_ahead_of_the_trainer():
-    from types import SimpleNamespace
-
+def test_run_training_refuses_a_channel_ahead_of_the_trainer(example_run):
     from rlfleet.trainer.run import TrainingStartError, run_training
 
     class ChannelAtFive:  # a VersionSink whose channel already holds version 5
@@ -424,7 +422,7 @@ def test_run_training_refuses_a_channel_ahead_of_the_trainer():
             raise AssertionError("nothing may be published")
 
     sink = ChannelAtFive()
-    rc = SimpleNamespace(steps=1, prompts_per_step=1, max_staleness=None, groups=[])
+    rc = example_run(steps=1, prompts_per_step=1, max_staleness=None, groups=[])
     with pytest.raises(TrainingStartError, match="at version 5, ahead of the trainer \\(no checkpoint\\)"):
         run_training(rc, object(), sink, collapse.CollapseDetector(), lambda position: None, checkpoint=None)
 
@@ -463,11 +461,9 @@ def test_exporter_publishes_the_collapse_state_the_operator_parses():
         exp.close()
 
 
-def test_build_backend_trains_an_hf_checkpoint_source_with_the_hf_backend(tmp_path):
+def test_build_backend_trains_an_hf_checkpoint_source_with_the_hf_backend(tmp_path, example_run):
     """An HF checkpoint (the project's tiny Qwen3) -> the hf backend; its weights carry the checkpoint's
     names, so version 0 published from them is the base checkpoint in HF layout."""
-    from types import SimpleNamespace
-
     from safetensors.torch import load_file
 
     from rlfleet.tiny_qwen3 import build_tiny_qwen3
@@ -475,8 +471,7 @@ def test_build_backend_trains_an_hf_checkpoint_source_with_the_hf_backend(tmp_pa
     from rlfleet.trainer.run import build_backend
 
     source = build_tiny_qwen3(tmp_path / "qwen3")
-    rc = SimpleNamespace(correction_mode="sc-mis-topp", mis_low=0.2, mis_high=5.0, learning_rate=1e-3,
-                         weight_decay=0.0, max_grad_norm=1.0, sampling={"temperature": 1.0}, seed=0)
+    rc = example_run()
     base = build_backend(rc, backend="torch", source_dir=source)
     assert isinstance(base.backend, HFBackend) and (base.vocab_size, base.max_seq_len) == (64, 256)
     assert base.base_checkpoint == source
