@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -97,39 +98,54 @@ def _unexpected(value: object) -> str:
     return "sequence" if isinstance(value, list) else "map" if isinstance(value, dict) else "null"
 
 
+def _require_type(value: object, ok: bool, expected: str) -> None:
+    if not ok:
+        raise contract_error(f"invalid type: {_unexpected(value)}, expected {expected}")
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _is_int_list(v: object) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+# sampling_params field -> (its type test, the name the gate's error gives the type)
+_SAMPLING_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    **dict.fromkeys(_INT_SAMPLING, (_is_int, "i64")),
+    **dict.fromkeys(_FLOAT_SAMPLING, (_is_number, "f64")),
+    **dict.fromkeys(_BOOL_SAMPLING, (lambda v: isinstance(v, bool), "a boolean")),
+    "stop_token_ids": (_is_int_list, "a sequence of i64"),
+}
+
+
 def _check_contract(raw: dict[str, Any]) -> None:
     """The JSON contract gate's strict types (no "yes" for a bool, no 1.5 or 2.0 for an int) and its
     closed set of sampling_params fields."""
-
-    def check(value: object, ok: bool, expected: str) -> None:
-        if not ok:
-            raise contract_error(f"invalid type: {_unexpected(value)}, expected {expected}")
-
     for name in _BOOL_FIELDS:
         v = raw.get(name)
         if v is not None:
-            check(v, isinstance(v, bool) or (isinstance(v, list) and all(isinstance(x, bool) for x in v)),
-                  "a value or an array of values for BoolOrList")  # fmt: skip
+            ok = isinstance(v, bool) or (isinstance(v, list) and all(isinstance(x, bool) for x in v))
+            _require_type(v, ok, "a value or an array of values for BoolOrList")
     for name in _INT_FIELDS:
         v = raw.get(name)
         if v is not None:
-            check(v, _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)), "i64")
+            _require_type(v, _is_int(v) or _is_int_list(v), "i64")
     sps = raw.get("sampling_params")
     for sp in sps if isinstance(sps, list) else [sps] if sps is not None else []:
-        for key, v in sp.items():
-            if key not in CONTRACT_SAMPLING_FIELDS:
-                expected = ", ".join(f"`{f}`" for f in CONTRACT_SAMPLING_FIELDS)
-                raise contract_error(f"unknown field `{key}`, expected one of {expected}")
-            if v is None:
-                continue
-            if key in _INT_SAMPLING:
-                check(v, _is_int(v), "i64")
-            elif key in _FLOAT_SAMPLING:
-                check(v, isinstance(v, int | float) and not isinstance(v, bool), "f64")
-            elif key in _BOOL_SAMPLING:
-                check(v, isinstance(v, bool), "a boolean")
-            elif key == "stop_token_ids":
-                check(v, isinstance(v, list) and all(_is_int(x) for x in v), "a sequence of i64")
+        _check_sampling_fields(sp)
+
+
+def _check_sampling_fields(sp: dict[str, Any]) -> None:
+    for key, v in sp.items():
+        if key not in CONTRACT_SAMPLING_FIELDS:
+            expected = ", ".join(f"`{f}`" for f in CONTRACT_SAMPLING_FIELDS)
+            raise contract_error(f"unknown field `{key}`, expected one of {expected}")
+        rule = _SAMPLING_TYPES.get(key)
+        if v is not None and rule is not None:
+            is_type, expected = rule
+            _require_type(v, is_type(v), expected)
 
 
 @dataclass
@@ -211,24 +227,8 @@ def verify_sampling(sp: dict[str, Any]) -> CheckedSampling:
     if top_k == -1:
         top_k = TOP_K_ALL
     max_new_tokens = sp.get("max_new_tokens", 128)
-    min_new_tokens = get("min_new_tokens", 0)
-    if not math.isfinite(temperature) or temperature < 0.0:
-        raise value_error(f"temperature must be a non-negative finite number, got {temperature}.")
-    if not 0.0 < top_p <= 1.0:
-        raise value_error(f"top_p must be in (0, 1], got {top_p}.")
-    if not 0.0 <= min_p <= 1.0:
-        raise value_error(f"min_p must be in [0, 1], got {min_p}.")
-    if top_k < 1 or top_k == -1:
-        raise value_error(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
-    if not 0 <= min_new_tokens:
-        raise value_error(f"min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}.")
-    if max_new_tokens is not None:
-        if max_new_tokens < 0:
-            raise value_error(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
-        if not min_new_tokens <= max_new_tokens:
-            raise value_error(
-                f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {min_new_tokens}."
-            )
+    _check_ranges(temperature, top_p, min_p, top_k)
+    _check_lengths(get("min_new_tokens", 0), max_new_tokens)
     seed = sp.get("sampling_seed")
     if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
         raise value_error(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
@@ -239,6 +239,30 @@ def verify_sampling(sp: dict[str, Any]) -> CheckedSampling:
         float(temperature), float(top_p), int(top_k), float(min_p), max_new_tokens,
         frozenset(int(t) for t in sp.get("stop_token_ids") or ()), seed,
     )  # fmt: skip
+
+
+def _check_ranges(temperature: float, top_p: float, min_p: float, top_k: int) -> None:
+    if not math.isfinite(temperature) or temperature < 0.0:
+        raise value_error(f"temperature must be a non-negative finite number, got {temperature}.")
+    if not 0.0 < top_p <= 1.0:
+        raise value_error(f"top_p must be in (0, 1], got {top_p}.")
+    if not 0.0 <= min_p <= 1.0:
+        raise value_error(f"min_p must be in [0, 1], got {min_p}.")
+    if top_k < 1 or top_k == -1:
+        raise value_error(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+
+
+def _check_lengths(min_new_tokens: int, max_new_tokens: int | None) -> None:
+    if not 0 <= min_new_tokens:
+        raise value_error(f"min_new_tokens must be in [0, max_new_tokens], got {min_new_tokens}.")
+    if max_new_tokens is None:
+        return
+    if max_new_tokens < 0:
+        raise value_error(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
+    if not min_new_tokens <= max_new_tokens:
+        raise value_error(
+            f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {min_new_tokens}."
+        )
 
 
 def mask_rule_message(top_k: int, cap: int) -> str | None:

@@ -158,8 +158,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def cli(argv: list[str]) -> int:
-    parser = _parser()
+def _checked_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parsed arguments; anything wrong is one line on stderr and exit 2 (parser.error)."""
     args = parser.parse_args(argv)
     try:
         check_name("group", args.group)
@@ -173,14 +173,24 @@ def cli(argv: list[str]) -> int:
         parser.error(f"--engine-url must be an http(s) URL, got {args.engine_url!r}")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be in 0..65535")
-    push_group = None
-    if args.mode == "push":
-        if not args.push_master or ":" not in args.push_master:
-            parser.error("--mode push needs --push-master host:port")
-        host, _, port = args.push_master.rpartition(":")
-        if not port.isdigit():
-            parser.error("--push-master port must be a number")
-        push_group = PushGroup(master_address=host, master_port=int(port))
+    return args
+
+
+def _push_group(parser: argparse.ArgumentParser, args: argparse.Namespace) -> PushGroup | None:
+    if args.mode != "push":
+        return None
+    if not args.push_master or ":" not in args.push_master:
+        parser.error("--mode push needs --push-master host:port")
+    host, _, port = args.push_master.rpartition(":")
+    if not port.isdigit():
+        parser.error("--push-master port must be a number")
+    return PushGroup(master_address=host, master_port=int(port))
+
+
+def cli(argv: list[str]) -> int:
+    parser = _parser()
+    args = _checked_args(parser, argv)
+    push_group = _push_group(parser, args)
     config = SyncConfig(
         store=args.store,
         view=args.view,

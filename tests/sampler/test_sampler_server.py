@@ -23,8 +23,8 @@ from rlfleet.numerics.engine_model import KernelConfig
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler import server as srv_mod
 from rlfleet.sampler.client import SamplerClient
+from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.reference_engine import THROTTLE_BURST_S, EngineConfig, ReferenceEngine, tiny_shape
-from rlfleet.sampler.server import start_reference_server
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
