@@ -5,7 +5,7 @@ router (HTTP, session-affine, weighted) in front of them, and one weight-sync si
 applies it with `/update_weights_from_disk`).
 
 As on a cluster, each engine STARTS from the newest version of its group's view (the sidecar's
-`--fetch-only` step, `rlfleet.sampler.sync.fetch`): the trainer publishes version 0 before it starts
+`--fetch-only` step, `Syncer.fetch_for_launch`): the trainer publishes version 0 before it starts
 this host, so an engine loads its weights once before the first rollout. The channel is a directory
 every engine of this process sees, so the sidecars verify each version's files where the channel holds
 them and load that directory in place (`SyncConfig.in_place`): nothing is copied into the cache
