@@ -295,6 +295,7 @@ def run_config(arm: str, fleet: str, cfg: AblationConfig) -> RunConfig:
     the arm's objective, a default RLJob's safety thresholds, and the samplers' request parameters:
     temperature 1, cfg's top_p, and the candidates the records carry (the kept support under mask
     replay, else a top-`head_size` head for SC)."""
+    from rlfleet.api.common import views_to_publish
     from rlfleet.api.rljob import SafetySpec
     from rlfleet.records import HEAD_MODE, SUPPORT_MODE
     from rlfleet.sampler.protocol import SamplingConfig
@@ -313,6 +314,7 @@ def run_config(arm: str, fleet: str, cfg: AblationConfig) -> RunConfig:
         samples_per_prompt=cfg.samples, sampling=sampling, objective=ObjectiveConfig(mode=mode, replay=replay),
         optim=OptimConfig(learning_rate=cfg.learning_rate), max_staleness=None, environment=cfg.task,
         max_turns=load_environment(cfg.task).max_turns, dataset=None, seed=cfg.seed, model=cfg.tiny_model(),
+        views=views_to_publish(fmt for _, _, fmt, _ in FLEETS[fleet]),
         groups=[GroupSpec(name, acc, fmt, kv) for name, acc, fmt, kv in FLEETS[fleet]], safety=SafetySpec(),
     )
 

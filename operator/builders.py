@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from rlfleet.api import RLJob, SamplerGroup, SamplerGroupTemplate, StoreSpec
-from rlfleet.api.common import API_VERSION, WEIGHT_FORMATS
+from rlfleet.api.common import API_VERSION
 from rlfleet.catalog import Catalog
 from rlfleet.operator import naming as n
 from rlfleet.operator.config_files import router_config, run_config
@@ -29,12 +29,6 @@ Manifest = dict[str, Any]
 
 
 # --- RLJob children ------------------------------------------------------------------------------------
-
-
-def channel_views(job: RLJob) -> list[str]:
-    """Views the channel publishes: the groups' weight formats, always including bf16, canonical order."""
-    wanted = {"bf16", *(g.weight_format for g in job.spec.sampler_groups)}
-    return [f for f in WEIGHT_FORMATS if f in wanted]
 
 
 def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, owner: Manifest | None,
@@ -85,7 +79,6 @@ def build_weightchannel(job: RLJob, namespace: str, owner: Manifest | None) -> M
         "spec": {
             "jobName": job.name,
             "store": wc.store.to_wire(),
-            "views": channel_views(job),
             "retention": wc.retention.to_wire(),
         },
     }

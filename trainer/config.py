@@ -9,6 +9,7 @@ import copy
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rlfleet.api.common import views_to_publish
 from rlfleet.api.rljob import SafetySpec
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler.protocol import SamplingConfig
@@ -49,13 +50,9 @@ class RunConfig:
     dataset: str | None
     seed: int
     model: TinyQwen3 | None  # local mode and the ablation: the tiny Qwen3 they build; a cluster: None
+    views: list[str]  # the views published for every version (rlfleet.api.common.views_to_publish)
     groups: list[GroupSpec] = field(default_factory=list)
     safety: SafetySpec = field(default_factory=SafetySpec)
-
-    @property
-    def views(self) -> list[str]:
-        """The weight views the channel publishes: one per format of a group the run trains on."""
-        return sorted({g.weight_format for g in self.groups})
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
@@ -98,6 +95,7 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         dataset=spec.rollout.dataset,
         seed=lo.seed,
         model=TinyQwen3(**lo.model.model_dump(), seed=lo.seed) if local else None,
+        views=views_to_publish(g.weight_format for g in spec.sampler_groups),  # 0-replica groups too
         groups=[
             GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, g.quarantined)
             for g in spec.sampler_groups

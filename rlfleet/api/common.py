@@ -7,6 +7,7 @@ IS the user documentation: write it for the person reading `kubectl explain`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, Literal
 
@@ -20,6 +21,18 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # Weight formats a sampler group can serve (each is a published precision view of the channel).
 WeightFormat = Literal["bf16", "fp8", "nvfp4", "mxfp4"]
 WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")
+
+
+def views_to_publish(weight_formats: Iterable[str]) -> list[str]:
+    """The one rule for the precision views a weight channel publishes for every version: each weight
+    format a sampler group of the job names, once, in canonical order (WEIGHT_FORMATS). A group at 0
+    replicas counts too: scaled up later, it launches from its view, which a trainer already running
+    must have been publishing (docs/weights.md, "Views")."""
+    wanted = set(weight_formats)
+    unknown = wanted - set(WEIGHT_FORMATS)
+    if unknown:
+        raise ValueError(f"unknown weight format(s) {sorted(unknown)}; known: {list(WEIGHT_FORMATS)}")
+    return [f for f in WEIGHT_FORMATS if f in wanted]
 # SGLang --kv-cache-dtype values (auto = the model dtype).
 KvCacheDtype = Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4"]
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")

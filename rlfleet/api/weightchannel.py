@@ -85,13 +85,6 @@ class WeightChannelSpec(ApiModel):
     """Name of the RLJob publishing into this channel."""
     store: StoreSpec
     """Where versions live."""
-    views: list[WeightFormat] = Field(
-        default_factory=lambda: ["bf16"],
-        min_length=1,
-        max_length=4,
-        json_schema_extra={"x-kubernetes-list-type": "set"},
-    )
-    """Precision views published for every version (the union of the subscribed groups' weightFormat)."""
     retention: RetentionSpec = Field(default_factory=RetentionSpec, json_schema_extra={"default": {}})
     """Retention of old versions."""
 

@@ -191,7 +191,6 @@ def test_samplergroup_and_weightchannel_parse_api_objects() -> None:
             "metadata": {"name": "w"},
             "spec": {
                 "store": {"type": "s3", "bucket": "weights", "secretRef": {"name": "s3"}},
-                "views": ["bf16", "fp8"],
             },
         }
     )
