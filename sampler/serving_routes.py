@@ -47,11 +47,11 @@ async def generate(request: web.Request) -> web.Response:
             )
     await asyncio.gather(*(engine.submit(req) for req in reqs))
     for req in reqs:  # an abort with a status is the request's HTTP error (tokenizer_manager)
-        status = req.error_status
+        status, finish = req.error_status, req.finish or {}
         if status == 400:
-            return value_error(req.finish["message"]).response()
+            return value_error(finish["message"]).response()
         if status is not None:
-            return error_response(status, req.finish["message"]).response()
+            return error_response(status, finish["message"]).response()
     outs = [engine.response(req) for req in reqs]
     return web.Response(body=dumps_json(outs if batched else outs[0]), content_type="application/json")
 
