@@ -179,7 +179,7 @@ class Router:
                     if stream:
                         await opened.release()
                     replica.inflight -= 1
-                    if status == 409:
+                    if status == 409 and min_version is not None:
                         # The replica itself says it lags the requested version: try a sibling.
                         self.metrics.error(group.name, "version_conflict")
                         conflict = VersionConflict(group.name, min_version, (replica.weight_version,))

@@ -23,10 +23,11 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rlfleet.router.config import (
     GroupConfig,
@@ -39,6 +40,7 @@ from rlfleet.router.config import (
 from rlfleet.router.core import Router
 
 log = logging.getLogger("rlfleet.router")
+BodyModel = TypeVar("BodyModel", bound=BaseModel)  # an admin request body (_read_model)
 
 SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")
 MIN_VERSION_HEADER = "X-Min-Weight-Version"
@@ -168,15 +170,16 @@ def _authorised(request: web.Request) -> web.Response | None:
     return None
 
 
-async def _read_model(request: web.Request, model: type):
+async def _read_model(request: web.Request, model: type[BodyModel]) -> BodyModel | web.Response:
+    """The request's JSON body validated as `model`, or the 400 answer saying why not."""
     try:
         data = await request.json()
     except ValueError:
-        return None, _error(400, "request body must be JSON")
+        return _error(400, "request body must be JSON")
     try:
-        return model.model_validate(data), None
+        return model.model_validate(data)
     except ValidationError as exc:
-        return None, _error(400, format_validation_error(exc))
+        return _error(400, format_validation_error(exc))
 
 
 async def _admin_state(request: web.Request) -> web.Response:
@@ -188,9 +191,9 @@ async def _admin_state(request: web.Request) -> web.Response:
 async def _admin_shares(request: web.Request) -> web.Response:
     if (denied := _authorised(request)) is not None:
         return denied
-    update, bad = await _read_model(request, SharesUpdate)
-    if bad is not None:
-        return bad
+    update = await _read_model(request, SharesUpdate)
+    if isinstance(update, web.Response):
+        return update
     router = request.app[ROUTER_KEY]
     try:
         router.table.set_shares(update.shares)
@@ -203,9 +206,9 @@ async def _admin_shares(request: web.Request) -> web.Response:
 async def _admin_put_group(request: web.Request) -> web.Response:
     if (denied := _authorised(request)) is not None:
         return denied
-    update, bad = await _read_model(request, GroupUpdate)
-    if bad is not None:
-        return bad
+    update = await _read_model(request, GroupUpdate)
+    if isinstance(update, web.Response):
+        return update
     name = request.match_info["name"]
     try:
         GroupConfig(name=name)

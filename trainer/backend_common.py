@@ -83,7 +83,7 @@ class RankCommands:
 
     def _command(self, command: tuple | None = None) -> tuple:
         """Rank 0: send `command`; every other rank: receive rank 0's."""
-        box = [command]
+        box: list[Any] = [command]  # rank 0's command, received by every other rank
         torch.distributed.broadcast_object_list(box, src=0, device=self._object_device())
         return box[0]
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from rlfleet.trainer.backend_common import OptimConfig, RankCommands, to_token_batch
 from rlfleet.trainer.batching import FlatBatch
-from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, ObjectiveConfig, TokenBatch, policy_loss
+from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, ObjectiveConfig, policy_loss
 
 SUM_KEYS = ("num_tokens", "invalid_tokens")
 MAX_KEYS = ("sc_tail_ratio_max",)
@@ -154,7 +154,7 @@ class HFBackend(RankCommands):
         seqs = self.local_sequences(flat)
         rows = np.flatnonzero(np.isin(flat.row_seq, seqs))
         batch = full.select(torch.from_numpy(rows))
-        batch = _to_device(batch, self.device)
+        batch = batch if self.device.type == "cpu" else batch.to(self.device)
         out = policy_loss(self.row_logits(flat, seqs, rows), batch, self.objective)
         total_valid = self._all_sum(float(out.num_valid_tokens))
         loss_sum = out.loss_sum if out.loss_sum is not None else out.loss * out.num_valid_tokens
@@ -282,15 +282,9 @@ def _join_torchrun_group(cpu: bool = False) -> None:
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks (the FSDP2 units): `model.model.layers` in the Llama/Qwen3 families."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    get_decoder = getattr(model, "get_decoder", None)  # transformers' PreTrainedModel method
+    decoder = get_decoder() if callable(get_decoder) else None
     layers = getattr(decoder, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers)")
     return list(layers)
-
-
-def _to_device(batch: TokenBatch, device: torch.device) -> TokenBatch:
-    if device.type == "cpu":
-        return batch
-    moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()}
-    return TokenBatch(**moved)

@@ -324,7 +324,8 @@ class LocalRMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        # megatron's own attribute on a parameter (finalize_model_grads reads it), unknown to torch's stubs
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]
 
 
 def _megatron(allow_te: bool = True) -> Any:
@@ -536,9 +537,9 @@ class MegatronBackend(RankCommands):
 
         def loss_func(mb: FlatBatch, logits: torch.Tensor):  # logits [b, s, V/tp], vocabulary-sharded
             rows = logits[torch.from_numpy(mb.row_seq).to(dev), torch.from_numpy(mb.row_pos).to(dev)].float() / self.temperature
-            batch = to_token_batch(mb, group_index)
-            batch = type(batch)(**{k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in batch.__dict__.items()})
+            batch = to_token_batch(mb, group_index).to(dev)
             out = policy_loss(rows, batch, self.objective, process_group=tp_group)
+            assert out.loss_sum is not None  # policy_loss always returns the sum
             outputs.append(replace(out, loss=out.loss.detach().cpu(), loss_sum=out.loss_sum.detach().cpu()))
             n = torch.tensor(out.num_valid_tokens, dtype=torch.int, device=rows.device)
             return out.loss_sum, n, {"loss_sum": out.loss_sum.detach(), "num_tokens": n}
@@ -598,6 +599,7 @@ class MegatronBackend(RankCommands):
             shards = [torch.empty_like(tensor) for _ in range(world)] if tp_rank == 0 else None
             torch.distributed.gather(tensor.contiguous(), shards, dst=dst, group=group)
             if tp_rank == 0:
+                assert shards is not None  # gathered on TP rank 0
                 full[name] = merge_tp_shards(name, [s.cpu() for s in shards])
         if torch.distributed.get_rank() != 0:
             return {}

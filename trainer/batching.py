@@ -56,10 +56,10 @@ def flatten_groups(
     rollouts: list[Rollout] = []
     adv_per_rollout: list[float] = []
     for g in groups:
-        rewards = np.array([r.outcome.reward for r in g.rollouts], dtype=np.float64)
-        adv = grpo_advantages(rewards, normalize_std=normalize_std)
+        rewards = np.array([r.scored.reward for r in g.rollouts], dtype=np.float64)
+        group_adv = grpo_advantages(rewards, normalize_std=normalize_std)
         rollouts.extend(g.rollouts)
-        adv_per_rollout.extend(float(a) for a in adv)
+        adv_per_rollout.extend(float(a) for a in group_adv)
 
     seqs = [r.token_ids() for r in rollouts]
     lens = np.array([len(s) for s in seqs], dtype=np.int64)

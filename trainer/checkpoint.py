@@ -45,7 +45,8 @@ class _WriteErrors:
     (a full volume: ENOSPC) into its own RuntimeError ("enforce fail ... unexpected pos"), losing why."""
 
     def __init__(self, fh: Any) -> None:
-        self.fh, self.error = fh, None
+        self.fh = fh
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:

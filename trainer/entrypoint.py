@@ -111,6 +111,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.config import resolve_run
     from rlfleet.trainer.metrics import PrometheusExporter
+    from rlfleet.trainer.prompts import PromptFileError
     from rlfleet.trainer.publisher import WeightPublisher
     from rlfleet.trainer.rollout import RolloutDriver
     from rlfleet.trainer.run import (
@@ -182,7 +183,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         if loop.state.paused:  # keep exporting the pause (and why) for the operator until the pod is stopped
             log.warning("training paused by the collapse detector; exporting metrics until stopped")
             threading.Event().wait()
-    except TrainingStartError as exc:
+    except (TrainingStartError, PromptFileError) as exc:
         return fail(str(exc), 2)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):

@@ -500,8 +500,8 @@ class MathEnv(Environment):
             raise KeyError(
                 f"prompt {prompt.prompt_id} has no {self.answer_key!r} (a column of the prompt set)"
             )
-        truth = str(prompt.meta[self.answer_key])
-        truth = extract_final_answer(truth) if "####" in truth else truth
+        given = str(prompt.meta[self.answer_key])
+        truth = extract_final_answer(given) if "####" in given else given
         reply = replies[-1] if replies else []
         text = self.tokenizer.decode(reply, skip_special_tokens=True)
         answer = extract_final_answer(text)

@@ -203,7 +203,7 @@ class TrainingLoop:
         rollouts = [r for g in groups for r in g.rollouts]
         metrics = objective_metrics(loss_out, self.group_names, self.group_views)
         metrics.update(
-            rollout_metrics([r.outcome for r in rollouts], [r.completion_ids() for r in rollouts], [r.group for r in rollouts])
+            rollout_metrics([r.scored for r in rollouts], [r.completion_ids() for r in rollouts], [r.group for r in rollouts])
         )
         metrics.update(
             {
@@ -212,7 +212,7 @@ class TrainingLoop:
                 "trained_tokens": float(flat.num_tokens),
                 "dropped_invalid_tokens": float(flat.dropped_invalid_tokens),
                 "dropped_stale_groups": float(self.state.dropped_stale_groups),
-                "uniform_group_fraction": uniform_group_fraction([[r.outcome.reward for r in g.rollouts] for g in groups]),
+                "uniform_group_fraction": uniform_group_fraction([[r.scored.reward for r in g.rollouts] for g in groups]),
                 "staleness_mean": float(flat.staleness.mean()) if flat.num_tokens else 0.0,
                 "staleness_max": float(flat.staleness.max()) if flat.num_tokens else 0.0,
                 "time/train": t_train,
@@ -234,10 +234,14 @@ class TrainingLoop:
                 break
             metrics, decision = self.train_step(groups)
             metrics["time/wait_rollouts"] = t_wait
+            # in the history before `publish`, which checkpoints first (trainer/run.py): the step-N
+            # checkpoint holds step N's metrics, so a trainer killed before the pointer moves resumes
+            # with every step in its report. `time/publish` joins the entry once known (the next
+            # checkpoint has it; the step-N one cannot).
+            self.state.history.append(metrics)
             t0 = time.monotonic()
             self.publish(self.state.step, self.backend.weights())
             metrics["time/publish"] = time.monotonic() - t0
-            self.state.history.append(metrics)
             if decision.quarantine and self.on_quarantine is not None:
                 self.on_quarantine(decision.quarantine)
             if self.on_step is not None:  # the step's groups too: per-group figures of the live table

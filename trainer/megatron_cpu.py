@@ -44,7 +44,7 @@ def _is_cuda(device: Any) -> bool:
 class CudaDevicesOnCpu(TorchFunctionMode):
     """CUDA placements -> CPU (see the module docstring)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
@@ -77,9 +77,10 @@ def install_cpu_shims() -> CudaDevicesOnCpu:
             return _mode
         from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
-        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+        # torch types current_device() as an index; megatron only places tensors with it
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment, return-value]
         torch.cuda.current_stream = lambda *a, **k: SynchronousStream()  # type: ignore[assignment]
-        CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+        CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
         mode = CudaDevicesOnCpu()
         mode.__enter__()
         _mode = mode

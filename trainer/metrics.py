@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from rlfleet.trainer.environments import EpisodeOutcome
 from rlfleet.trainer.objective import MEAN_METRICS
 
 
@@ -71,8 +72,10 @@ def repetition_fraction(ids: Sequence[int]) -> float:
     return float(np.mean(a[1:] == a[:-1]))
 
 
-def rollout_metrics(outcomes: Sequence[Any], completions: Sequence[Sequence[int]], groups: Sequence[str]) -> dict[str, float]:
-    """Rollout side: `outcomes` are EpisodeOutcome, `completions` the model-generated ids per episode."""
+def rollout_metrics(
+    outcomes: Sequence[EpisodeOutcome], completions: Sequence[Sequence[int]], groups: Sequence[str]
+) -> dict[str, float]:
+    """Rollout side: one outcome per episode, `completions` the model-generated ids per episode."""
     n = len(outcomes)
     if n == 0:
         return {}
@@ -154,10 +157,10 @@ class PrometheusExporter:
         from prometheus_client import Gauge
 
         if "collapse_risk" not in self._gauges:
-            labels = ["signal", "group"]
-            self._gauges["collapse_risk"] = Gauge("rlfleet_trainer_collapse_risk", "collapse signal raised at the latest step", labels, registry=self.registry)  # fmt: skip
-            self._gauges["collapse_value"] = Gauge("rlfleet_trainer_collapse_value", "value of the raised collapse signal", labels, registry=self.registry)  # fmt: skip
-            self._gauges["collapse_baseline"] = Gauge("rlfleet_trainer_collapse_baseline", "baseline of the raised collapse signal", labels, registry=self.registry)  # fmt: skip
+            names = ["signal", "group"]
+            self._gauges["collapse_risk"] = Gauge("rlfleet_trainer_collapse_risk", "collapse signal raised at the latest step", names, registry=self.registry)  # fmt: skip
+            self._gauges["collapse_value"] = Gauge("rlfleet_trainer_collapse_value", "value of the raised collapse signal", names, registry=self.registry)  # fmt: skip
+            self._gauges["collapse_baseline"] = Gauge("rlfleet_trainer_collapse_baseline", "baseline of the raised collapse signal", names, registry=self.registry)  # fmt: skip
             self._gauges["quarantine_requested"] = Gauge("rlfleet_trainer_quarantine_requested", "group quarantined by the collapse detector", ["group"], registry=self.registry)  # fmt: skip
             self._gauges["pause_requested"] = Gauge("rlfleet_trainer_pause_requested", "collapse detector paused training", registry=self.registry)  # fmt: skip
         risk = self._gauges["collapse_risk"]

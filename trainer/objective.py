@@ -27,6 +27,7 @@ logits [T, V / tp] and the tensor-parallel process group; the loss and metrics a
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,15 @@ class TokenBatch:
         """The batch restricted to `rows` (int64 token indices or a bool mask over the T tokens):
         every tensor field is per token ([T] or [T, K]), so each is indexed alike; the flag is kept."""
         picked = {f.name: getattr(self, f.name) for f in fields(self)}
-        return replace(self, **{k: v[rows] for k, v in picked.items() if isinstance(v, Tensor)})
+        indexed: dict[str, Any] = {k: v[rows] for k, v in picked.items() if isinstance(v, Tensor)}
+        return replace(self, **indexed)
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        """The batch with every tensor field on `device` (the flag kept)."""
+        moved: dict[str, Any] = {
+            f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)
+        }
+        return replace(self, **moved)
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,12 @@ def open_prompt_source(
     tokenizer a JSONL of token ids (read line by line: errors name the line); a `.parquet` file, or a
     `.jsonl` / `.json` one with the model's tokenizer, is a prompt set read through HF datasets (text
     rendered with the chat template)."""
-    if dataset in (None, "", "builtin"):
+    if dataset is None or dataset in ("", "builtin"):
+        if task not in GeneratedPromptSource.TASKS:  # a reward plugin or a real-model environment
+            raise PromptFileError(
+                f"rollout.environment {task!r} has no built-in prompts: set rollout.dataset to a prompt file "
+                f"(docs/environments.md) or to builtin:<task> (one of {', '.join(GeneratedPromptSource.TASKS)})"
+            )
         return GeneratedPromptSource(task, seed)
     if dataset.startswith("builtin:"):
         return GeneratedPromptSource(dataset.split(":", 1)[1], seed)

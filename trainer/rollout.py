@@ -63,6 +63,13 @@ class Rollout:
     def uid(self) -> str:
         return f"p{self.prompt.index}/{self.sample}"
 
+    @property
+    def scored(self) -> EpisodeOutcome:
+        """The outcome of a finished episode (batches and metrics hold only scored ones)."""
+        if self.outcome is None:
+            raise RuntimeError(f"{self.uid}: the episode has not been scored")
+        return self.outcome
+
     def token_ids(self) -> np.ndarray:
         """int64 [L]: prompt + turn_0 output + env_0 + turn_1 output + ... (the exact sampled ids)."""
         parts: list[np.ndarray] = [np.asarray(self.prompt.input_ids, dtype=np.int64)]

@@ -30,7 +30,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _all_reduce_(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
+def _all_reduce_(tensor: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> Tensor:
     if group is not None:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
@@ -57,14 +57,14 @@ class _GatherLogits(torch.autograd.Function):
     """z[t, ids[t, m]] for a vocabulary-sharded z; gradient scattered back into the local shard."""
 
     @staticmethod
-    def forward(ctx, logits_shard: Tensor, ids: Tensor, vocab_start: int, group) -> Tensor:  # type: ignore[override]
+    def forward(ctx, logits_shard: Tensor, ids: Tensor, vocab_start: int, group) -> Tensor:
         local_ids, in_shard = _local_columns(ids, vocab_start, logits_shard.shape[1])
         ctx.save_for_backward(local_ids, in_shard)
         ctx.logits_shape, ctx.logits_dtype = logits_shard.shape, logits_shard.dtype
         return _gather_global(logits_shard, local_ids, in_shard, group)
 
     @staticmethod
-    def backward(ctx, grad_z_ids: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_z_ids: Tensor):
         local_ids, in_shard = ctx.saved_tensors
         grad_logits = torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype, device=grad_z_ids.device)
         grad_in_shard = torch.where(in_shard, grad_z_ids, 0.0).to(ctx.logits_dtype)
@@ -142,7 +142,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
     """log p(ids) = z_ids - lse for a vocabulary-sharded z, with the softmax recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, logits_shard: Tensor, ids: Tensor, vocab_start: int, group, chunk_tokens: int):  # type: ignore[override]
+    def forward(ctx, logits_shard: Tensor, ids: Tensor, vocab_start: int, group, chunk_tokens: int):
         local_ids, in_shard = _local_columns(ids, vocab_start, logits_shard.shape[1])
         z_ids = _gather_global(logits_shard, local_ids, in_shard, group)  # [T, M]
         lse, entropy, local_lse = log_normaliser(logits_shard, group, chunk_tokens)  # [T] each
@@ -152,7 +152,7 @@ class _LogSoftmaxAt(torch.autograd.Function):
         return z_ids - lse[:, None], lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, _grad_lse, _grad_entropy):  # type: ignore[override]
+    def backward(ctx, grad_logp: Tensor, _grad_lse, _grad_entropy):
         logits_shard, local_ids, in_shard, lse, local_lse = ctx.saved_tensors
         # d/dz_u sum_m g_m log p(v_m) = sum_m g_m 1[u = v_m] - (sum_m g_m) p(u), and the global
         # p(u) = softmax_local(z)_u * exp(local_lse - lse): the fused local softmax, rescaled per row.

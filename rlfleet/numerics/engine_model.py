@@ -199,11 +199,12 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _norm(size: int) -> nn.Module:
+class _Norm(nn.Module):
     """A module holding one RMSNorm weight (the engine applies it with `_rms_norm`)."""
-    m = nn.Module()
-    m.weight = nn.Parameter(torch.ones(size))
-    return m
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
 
 
 class _Attention(nn.Module):
@@ -213,8 +214,8 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden_size, s.kv_size, bias=False)
         self.v_proj = nn.Linear(s.hidden_size, s.kv_size, bias=False)
         self.o_proj = nn.Linear(s.q_size, s.hidden_size, bias=False)
-        self.q_norm = _norm(s.head_dim)
-        self.k_norm = _norm(s.head_dim)
+        self.q_norm = _Norm(s.head_dim)
+        self.k_norm = _Norm(s.head_dim)
 
 
 class _MLP(nn.Module):
@@ -230,8 +231,8 @@ class _Layer(nn.Module):
         super().__init__()
         self.self_attn = _Attention(s)
         self.mlp = _MLP(s)
-        self.input_layernorm = _norm(s.hidden_size)
-        self.post_attention_layernorm = _norm(s.hidden_size)
+        self.input_layernorm = _Norm(s.hidden_size)
+        self.post_attention_layernorm = _Norm(s.hidden_size)
 
 
 class _Backbone(nn.Module):
@@ -239,7 +240,7 @@ class _Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(_Layer(s) for _ in range(s.num_hidden_layers))
-        self.norm = _norm(s.hidden_size)
+        self.norm = _Norm(s.hidden_size)
 
 
 class EngineModel(nn.Module):
@@ -272,10 +273,13 @@ class EngineModel(nn.Module):
             return F.linear(xq.float(), wq.float()).to(dt).float()
         n = x.shape[-1]
         bounds = [(i * n) // k.split_k for i in range(k.split_k + 1)]  # contiguous chunks (slices, no copies)
-        acc = None
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):  # partial sums rounded, added in order
-            part = F.linear(xq[..., lo:hi].float(), wq[:, lo:hi].float()).to(dt)
-            acc = part if acc is None else (acc + part)
+
+        def partial_sum(lo: int, hi: int) -> torch.Tensor:
+            return F.linear(xq[..., lo:hi].float(), wq[:, lo:hi].float()).to(dt)
+
+        acc = partial_sum(bounds[0], bounds[1])
+        for lo, hi in zip(bounds[1:-1], bounds[2:], strict=True):  # partial sums rounded, added in order
+            acc = acc + partial_sum(lo, hi)
         return acc.float()
 
     # ------------------------------------------------------------------------------- forward
@@ -292,11 +296,11 @@ class EngineModel(nn.Module):
         lengths advance by S."""
         s = self.shape
         bsz, seq = input_ids.shape
+        rows = torch.arange(bsz) if rows is None else torch.as_tensor(rows, dtype=torch.long)
         if cache is None:
             positions = torch.arange(seq).expand(bsz, seq)
-            start = None
+            start = torch.zeros(bsz, dtype=torch.long)
         else:
-            rows = torch.arange(bsz) if rows is None else torch.as_tensor(rows, dtype=torch.long)
             start = cache.lengths[rows]  # [B]
             if int(start.max()) + seq > cache.capacity:
                 raise ValueError(f"KV cache capacity {cache.capacity} exceeded")
@@ -308,6 +312,7 @@ class EngineModel(nn.Module):
         h = self.model.embed_tokens(input_ids).float()  # [B, S, D]
         cos, sin = _rope_tables(positions, s.head_dim, s.rope_theta)
         for li, layer in enumerate(self.model.layers):
+            assert isinstance(layer, _Layer)  # nn.ModuleList yields nn.Module
             x = _rms_norm(h, layer.input_layernorm.weight, eps)
             att = layer.self_attn
             q = self._linear(x, att.q_proj.weight).view(bsz, seq, s.num_attention_heads, s.head_dim)

@@ -291,7 +291,7 @@ def view_tensors(
 # -------------------------------------------------------------------------------------- safetensors
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 def write_safetensors(
@@ -480,11 +480,13 @@ def calibrate_activation_amax(model: torch.nn.Module, batches: Iterable[torch.Te
     for name, xs in expert_inputs.items():
         experts = model.get_submodule(name)
         x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
-        gate_up = experts.gate_up_proj.detach().float()  # [E, 2I, H]
+        fused = experts.gate_up_proj
+        assert isinstance(fused, torch.Tensor)  # a Parameter; nn.Module attributes are typed Tensor | Module
+        gate_up = fused.detach().float()  # [E, 2I, H]
         inter = gate_up.shape[1] // 2
         for e in range(gate_up.shape[0]):
-            h = x @ gate_up[e].T
-            act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+            hidden = x @ gate_up[e].T
+            act = torch.nn.functional.silu(hidden[:, :inter]) * hidden[:, inter:]
             a = float(x.abs().amax())
             amax[f"{name}.{e}.gate_proj"] = amax[f"{name}.{e}.up_proj"] = a
             amax[f"{name}.{e}.down_proj"] = float(act.abs().amax())
@@ -525,7 +527,9 @@ def calibrate_weights(state_dict: Mapping[str, torch.Tensor], base_checkpoint: s
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per published version is noise
     try:
-        model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+        # transformers types the auto mappings' values as its tokenizer pairs (auto_factory.py
+        # _LazyAutoMappingValue); this mapping's values are model classes
+        model, info = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(  # type: ignore[attr-defined]
             None, config=config, state_dict=dict(state_dict), dtype=dtype, output_loading_info=True
         )
     finally:

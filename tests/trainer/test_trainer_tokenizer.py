@@ -57,3 +57,25 @@ def test_checkpoint_without_tokenizer_keeps_token_id_prompts(tmp_path: Path, exa
     pq.write_table(pa.Table.from_pylist([{"prompt": "2 + 3"}]), text)
     with pytest.raises(PromptFileError, match="it needs the model's tokenizer"):
         rollout_inputs(example_run(environment="copy_digit", dataset=str(text), seed=0, max_turns=1), base)
+
+
+def test_an_environment_without_built_in_prompts_and_no_dataset_says_to_set_one(
+    tmp_path: Path, example_run: Callable[..., RunConfig]
+) -> None:
+    """The cluster entrypoint's make_driver path: a reward plugin or a real-model environment (here
+    MathEnv, by entry point) with no rollout.dataset is told to set one, not that a generator for the
+    task 'module:attr' is missing."""
+    from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
+
+    checkpoint = tmp_path / "model"
+    tiny_model(TinyQwen3(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16,
+                         max_position_embeddings=48)).save_pretrained(checkpoint)
+    base = BaseModel(backend=None, vocab_size=32, max_seq_len=48, source_dir=checkpoint)
+    plugin = "rlfleet.trainer.environments:MathEnv"
+    for dataset in (None, "", "builtin"):
+        with pytest.raises(PromptFileError) as err:
+            rollout_inputs(example_run(environment=plugin, dataset=dataset, seed=0, max_turns=1), base)
+        assert str(err.value) == (
+            f"rollout.environment {plugin!r} has no built-in prompts: set rollout.dataset to a prompt file "
+            "(docs/environments.md) or to builtin:<task> (one of copy_digit, same_parity, tool_add, retry_digit)"
+        )

@@ -1,0 +1,90 @@
+"""The checkpoint the composition root writes before publishing version N holds step N's metrics, so a
+trainer killed between that checkpoint and the pointer move resumes with every step in its history
+(the report of the resumed run has no hole at N).
+
+Real parts: the composition root (trainer/run.py `run_training`: checkpoint, then publish), the training
+loop, the transformers backend on the project's tiny Qwen3, the rollout driver with the copy_digit
+environment and its generated prompts, checkpoints on disk. The sampler is a stand-in generate function
+(no engine runs here) and the channel a sink that records versions; the kill is that sink raising
+while version 2 is published, i.e. after the step-2 checkpoint and before the pointer moves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rlfleet.records import SampledTurn
+from rlfleet.sampler.protocol import SamplingConfig
+from rlfleet.trainer import checkpoint
+from rlfleet.trainer.collapse import CollapseDetector
+from rlfleet.trainer.rollout import RolloutDriver
+from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
+
+
+class Killed(BaseException):
+    """The process dying (SIGKILL): nothing after it runs, not even the loop's final checkpoint."""
+
+
+class RecordingSink:
+    """The channel's pointer: the versions published, in order; dies while publishing `kill_at`."""
+
+    def __init__(self, latest: int | None = None, kill_at: int | None = None) -> None:
+        self.versions: list[int] = [] if latest is None else [latest]
+        self.kill_at = kill_at
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        if version == self.kill_at:
+            raise Killed(f"killed while publishing version {version}")
+        self.versions.append(version)
+
+    def latest_version(self) -> int | None:
+        return self.versions[-1] if self.versions else None
+
+
+async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
+    out = np.array([5, 6, 2][: sampling.max_new_tokens])  # two digits' ids, then EOS
+    n = len(out)
+    other = (out + 1) % 32
+    return SampledTurn(prompt_ids=np.asarray(ids), output_ids=out, logprobs=np.full(n, np.log(0.5)),
+                       sampled_logprobs=np.full(n, np.log(0.6)), support_offsets=np.arange(0, 2 * n + 1, 2),
+                       support_ids=np.stack([out, other], 1).reshape(-1),
+                       support_logprobs=np.tile(np.log([0.6, 0.4]), n).astype(np.float32),
+                       weight_versions=np.zeros(n, dtype=np.int64), candidate_mode=sampling.candidate_mode,
+                       group="cpu-bf16", finish_reason="stop")  # fmt: skip
+
+
+def test_the_checkpoint_before_version_n_holds_step_n_and_a_killed_run_resumes_without_a_hole(
+    tmp_path: Path, tiny_qwen3_factory: Callable[..., Path], example_run: Callable[..., Any]
+) -> None:
+    model = tiny_qwen3_factory(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               head_dim=16, max_position_embeddings=48)  # fmt: skip
+    rc = example_run(steps=3, prompts_per_step=1, samples_per_prompt=2, max_staleness=None, environment="copy_digit",
+                     dataset=None, groups=[("cpu-bf16", "bf16")])  # fmt: skip
+    ckpts = tmp_path / "checkpoints"
+
+    def make_driver(position: int) -> RolloutDriver:
+        env, prompts = rollout_inputs(rc, base)
+        return RolloutDriver(generate, env, prompts, samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling,
+                             max_seq_len=48, start_position=position)  # fmt: skip
+
+    base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)
+    sink = RecordingSink(kill_at=2)
+    with pytest.raises(Killed):
+        run_training(rc, base.backend, sink, CollapseDetector(), make_driver, checkpoint=ckpts)
+    assert sink.versions == [0, 1]  # the pointer never moved to 2
+    state = checkpoint.load_latest(ckpts)
+    assert state is not None and state["step"] == 2
+    assert [h["step"] for h in state["history"]] == [1.0, 2.0]  # step 2's metrics are in step 2's checkpoint
+    assert all(h["trained_tokens"] > 0 for h in state["history"])
+
+    base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)  # the restarted process
+    resumed = RecordingSink(latest=1)
+    loop = run_training(rc, base.backend, resumed, CollapseDetector(), make_driver, checkpoint=ckpts, resume=state)
+    assert resumed.versions == [1, 2, 3]  # version 2 republished from the checkpoint, then step 3
+    assert [h["step"] for h in loop.state.history] == [1.0, 2.0, 3.0]
+    assert loop.state.history[:2] == state["history"]
