@@ -16,7 +16,7 @@ from pydantic.alias_generators import to_camel
 
 GROUP = "rlfleet.dev"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+API_VERSION: Literal["rlfleet.dev/v1alpha1"] = "rlfleet.dev/v1alpha1"  # GROUP/VERSION, typed as the models' apiVersion
 
 # Weight formats a sampler group can serve (each is a published precision view of the channel).
 WeightFormat = Literal["bf16", "fp8", "nvfp4", "mxfp4"]

@@ -213,7 +213,7 @@ def rljob_crd(catalog: Catalog) -> dict[str, Any]:
         {"rule": JOB_NAME_RULE, "message": JOB_NAME_MESSAGE},
         {"rule": JOB_NAME_DNS_RULE, "message": JOB_NAME_DNS_MESSAGE},
     ]
-    columns = [
+    columns: list[dict[str, Any]] = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {
             "name": "Groups",
@@ -247,7 +247,7 @@ def samplergroup_crd(catalog: Catalog) -> dict[str, Any]:
     status["description"] = "Observed state (operator, rebalancer and weight-sync sidecars)."
     schema = _root_schema(spec, status, "SamplerGroup")
     schema["x-kubernetes-validations"] = [{"rule": SG_NAME_RULE, "message": SG_NAME_MESSAGE}]
-    columns = [
+    columns: list[dict[str, Any]] = [
         {"name": "Accelerator", "type": "string", "jsonPath": ".spec.accelerator"},
         {"name": "Weights", "type": "string", "jsonPath": ".spec.weightFormat"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
@@ -274,7 +274,7 @@ def weightchannel_crd() -> dict[str, Any]:
     status = model_openapi(WeightChannelStatus)
     status["description"] = "Observed state (written by the operator from the store)."
     schema = _root_schema(spec, status, "WeightChannel")
-    columns = [
+    columns: list[dict[str, Any]] = [
         {"name": "Store", "type": "string", "jsonPath": ".spec.store.type"},
         {"name": "Latest", "type": "integer", "jsonPath": ".status.latestVersion"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},

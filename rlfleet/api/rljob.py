@@ -99,7 +99,7 @@ TRAINER_GPU_PROCESSES_MESSAGE = (
 )
 
 
-def trainer_device_rules(cpu_classes: tuple[str, ...] | list[str]) -> list[dict[str, str]]:
+def trainer_device_rules(cpu_classes: tuple[str, ...] | list[str]) -> list[dict[str, Any]]:
     """CEL rules: gpusPerReplica only on GPU classes, processesPerReplica only on CPU classes."""
     cpus = cel_list(cpu_classes)
     return [
