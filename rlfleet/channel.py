@@ -394,10 +394,10 @@ class WeightChannel:
 
         # Uploads are I/O + hashing (both release the GIL): a couple of threads overlap them.
         with ThreadPoolExecutor(max_workers=self.upload_workers) as pool:
-            digests = list(pool.map(upload, files))
+            uploaded = list(pool.map(upload, files))
 
         views: dict[str, ViewManifest] = {}
-        for (view, rel, _), digest in zip(files, digests, strict=True):
+        for (view, rel, _), digest in zip(files, uploaded, strict=True):
             vm = views.setdefault(view, ViewManifest(view=view, files={}, tensors={}))
             vm.files[rel] = digest
             if rel.endswith(".safetensors"):
@@ -414,7 +414,7 @@ class WeightChannel:
             self.publisher_id,
         )
         advanced = self._advance(pointer)
-        return PublishResult(number, advanced, manifest, sum(d.bytes for d in digests))
+        return PublishResult(number, advanced, manifest, sum(d.bytes for d in uploaded))
 
     def _advance(self, pointer: Pointer) -> bool:
         """Compare-and-swap the pointer forward; False if it already names an equal or higher version."""
