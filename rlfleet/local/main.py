@@ -73,7 +73,7 @@ class Progress:
                 self.live.start()
 
     def _render(self, m: dict[str, float] | None, alerts: list[str]) -> Any:
-        from rich.console import Group
+        from rich.console import Group, RenderableType
         from rich.table import Table
         from rich.text import Text
 
@@ -102,7 +102,7 @@ class Progress:
                 f"{m.get(p + 'kl_k3', 0):.4f}" if n else "-", f"{m.get(p + 'oor_fraction', 0):.2%}" if n else "-",
                 f"{m.get(p + 'reward_mean', 0):.2f}" if p + "reward_mean" in m else "-",
             )
-        parts = [head, table]
+        parts: list[RenderableType] = [head, table]
         if alerts:
             parts.append(Text("collapse detector: " + "; ".join(alerts), style="bold red"))
         return Group(*parts)

@@ -37,8 +37,8 @@ ALERT_GID = "collapse-alert"  # matplotlib gid of the alert markers (tests find 
 
 def _alert_fields(alert: Any) -> tuple[float, str, str | None]:
     """(step, signal, group) of an Alert or of its dict form."""
-    get = alert.get if isinstance(alert, dict) else lambda k, d=None: getattr(alert, k, d)
-    return float(get("step")), str(get("signal", "alert")), get("group")
+    fields: dict[str, Any] = alert if isinstance(alert, dict) else vars(alert)  # a dataclass Alert
+    return float(fields["step"]), str(fields.get("signal", "alert")), fields.get("group")
 
 
 def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -89,13 +89,14 @@ def build_figures(rows: Sequence[dict[str, Any]], alerts: Sequence[Any] = ()) ->
             continue
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for label, width, xs, ys in drawn:
-            ax.plot(xs, ys, label=label, linewidth=width, **({"color": "black"} if label == "fleet" else {}))
+            style: dict[str, Any] = {"color": "black"} if label == "fleet" else {}
+            ax.plot(xs, ys, label=label, linewidth=width, **style)
         fleet = next((ys for label, _, _, ys in drawn if label == "fleet"), [])
         if plot.metrics[0] in ("grad_norm", "kl_k3") and fleet and min(fleet) > 0:
             ax.set_yscale("log")
         for i, (step, signal, group) in enumerate(marks):
-            label = "collapse alert" if i == 0 else None  # one legend entry for all markers
-            line = ax.axvline(step, color="red", linestyle="--", linewidth=0.8, alpha=0.7, label=label)
+            alert_label = "collapse alert" if i == 0 else None  # one legend entry for all markers
+            line = ax.axvline(step, color="red", linestyle="--", linewidth=0.8, alpha=0.7, label=alert_label)
             line.set_gid(ALERT_GID)
             ax.annotate(signal + (f" ({group})" if group else ""), (step, 1.0), xycoords=("data", "axes fraction"),
                         rotation=90, fontsize=6, color="red", va="top", ha="right")  # fmt: skip
