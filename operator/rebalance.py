@@ -325,17 +325,17 @@ def rebalance(
     known = [n for n in eligible if tps[n] is not None]
     neutral = sum(tps[n] or 0.0 for n in known) / len(known) if known else 1.0
     if config.policy == "static":
-        raw = {n: max(by_name[n].static_share if by_name[n].static_share is not None else 0.0, 0.0) for n in eligible}
+        raw = {n: max(by_name[n].static_share or 0.0, 0.0) for n in eligible}
     elif config.policy == "throughput":
         # A group without a reading yet (just added) gets the average until it has one.
-        raw = {n: (tps[n] if tps[n] is not None else neutral) for n in eligible}
+        raw = {n: (t if (t := tps[n]) is not None else neutral) for n in eligible}
     else:  # cost
         costs = [c for n in eligible if (c := useful_cost[n]) is not None]
         cheapest = min(costs) if costs else None
         for n in eligible:
-            base = useful[n] if tps[n] is not None else neutral
+            rate = useful[n] if tps[n] is not None else neutral
             cost = useful_cost[n]
-            raw[n] = base * (cheapest / cost) if cheapest is not None and cost is not None else base
+            raw[n] = rate * (cheapest / cost) if cheapest is not None and cost is not None else rate
     target = {n: 0.0 for n in names}
     target.update(_target_shares(eligible, raw, config.min_share))
 
@@ -343,10 +343,11 @@ def rebalance(
     if current_shares is not None:
         old = {n: max(float(current_shares.get(n, 0.0)), 0.0) for n in names}
     else:
-        old = {n: (previous_state.groups[n].share if n in previous_state.groups else None) for n in names}
-        if all(v is None for v in old.values()):
+        previous = {n: (previous_state.groups[n].share if n in previous_state.groups else None) for n in names}
+        if all(v is None for v in previous.values()):
             old = {n: 1.0 for n in names}
-        old = {n: (v if v is not None else 0.0) for n, v in old.items()}
+        else:
+            old = {n: (v if v is not None else 0.0) for n, v in previous.items()}
     base = {n: (old[n] if n in eligible else 0.0) for n in names}
     base_total = sum(base.values())
     base = {n: (v / base_total if base_total > 0 else (1.0 / len(eligible) if n in eligible else 0.0)) for n, v in base.items()}
