@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -189,7 +189,7 @@ async def _get_text(http: aiohttp.ClientSession, url: str) -> str | None:
         return None
 
 
-async def scrape_pods(http: aiohttp.ClientSession, pods: list[Mapping[str, Any]], port: int) -> dict[str, PodSample]:
+async def scrape_pods(http: aiohttp.ClientSession, pods: Sequence[Mapping[str, Any]], port: int) -> dict[str, PodSample]:
     async def one(pod: Mapping[str, Any]) -> tuple[str, PodSample | None]:
         text = await _get_text(http, f"http://{pod['podIP']}:{port}/metrics")
         try:
@@ -319,9 +319,10 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     memory.result = result
     for sg in samplergroups:
         name = (sg.get("spec") or {}).get("name")
-        group = result.groups.get(name)
+        group = result.groups.get(name) if name is not None else None
         for line in result.changes:
             if group is not None and line.startswith(f"{name}: "):
-                kopf.event(dict(sg), type="Warning" if group.quarantined else "Normal",
+                # kopf types its objects as Body; it reads a raw object's apiVersion, kind and metadata alike
+                kopf.event(dict(sg), type="Warning" if group.quarantined else "Normal",  # type: ignore[arg-type]
                            reason="Quarantined" if group.quarantined else "ShareChanged", message=line[:1000])  # fmt: skip
     return result

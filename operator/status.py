@@ -376,8 +376,13 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
             parts.append(f"degraded groups: {_merge_groups(degraded_groups)}")
         if channel_degraded is not None:
             parts.append(f"WeightChannel {_get(channel, 'metadata', 'name')}: {channel_degraded.get('message', '')}")
-        reason = (trainer_problem.reason if trainer_problem is not None else "GroupsDegraded" if degraded_groups
-                  else str(channel_degraded.get("reason") or "ChannelDegraded"))  # fmt: skip
+        if trainer_problem is not None:
+            reason = trainer_problem.reason
+        elif degraded_groups:
+            reason = "GroupsDegraded"
+        else:
+            assert channel_degraded is not None  # the third cause of this branch
+            reason = str(channel_degraded.get("reason") or "ChannelDegraded")
         message = "; ".join(parts)
     elif ready_groups == len(wanted) and trainer_ready:
         phase, reason, message = (
