@@ -14,7 +14,7 @@ file after every applied version, so a restarted engine container launches from 
 
 This module composes the process; each part answers one question:
 - syncer.py: the reconcile loop (which version, verified how, applied when, retried how);
-- engine_clients.py: how a verified directory reaches the engine (`/update_weights_from_disk`, push);
+- engine_clients.py: how a verified directory reaches the engine (`/update_weights_from_disk`);
 - launch_checkpoint.py: which version of the view, whether SGLang would load it, the launch file;
 - sync_report.py: the subscriber report retention and the operator read;
 - sync_state.py: configuration, state and Prometheus metrics; sync_http.py: /metrics /status /health.
@@ -33,7 +33,7 @@ import httpx
 from aiohttp import web
 
 from rlfleet.channel import VIEW_NAMES, check_name
-from rlfleet.sampler.engine_clients import DiskEngine, PushEngine, PushGroup, engine_weight_version
+from rlfleet.sampler.engine_clients import DiskEngine, engine_weight_version
 from rlfleet.sampler.launch_checkpoint import read_launch_file
 from rlfleet.sampler.sync_http import sidecar_app
 from rlfleet.sampler.sync_state import SyncConfig
@@ -46,7 +46,6 @@ log = logging.getLogger("rlfleet.sampler.sync")
 async def serve(
     config: SyncConfig,
     *,
-    push_group: PushGroup | None = None,
     stop: asyncio.Event | None = None,
     ready: Callable[[int], None] | None = None,
 ) -> None:
@@ -59,10 +58,7 @@ async def serve(
         if config.initial_version is None:  # the version SGLang launched from (engine may still load)
             launched = read_launch_file(config.cache_dir)
             config.initial_version = launched[0] if launched else await engine_weight_version(client)
-        engine: DiskEngine | PushEngine = (
-            DiskEngine(client) if push_group is None else PushEngine(client, push_group)
-        )
-        syncer = Syncer(config, store, engine)
+        syncer = Syncer(config, store, DiskEngine(client))
         runner = web.AppRunner(sidecar_app(syncer), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, config.host, config.port).start()
@@ -130,15 +126,6 @@ def _parser() -> argparse.ArgumentParser:
         help="version the engine starts with (default: ask /model_info)",
     )
     p.add_argument(
-        "--mode",
-        choices=("disk", "push"),
-        default="disk",
-        help="disk: /update_weights_from_disk; push: NCCL update group",
-    )
-    p.add_argument(
-        "--push-master", default=None, help="push mode: master_address:master_port of the update group"
-    )
-    p.add_argument(
         "--fetch-only",
         action="store_true",
         help="init container: wait for the newest version of the view, download + verify it into "
@@ -176,21 +163,9 @@ def _checked_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.
     return args
 
 
-def _push_group(parser: argparse.ArgumentParser, args: argparse.Namespace) -> PushGroup | None:
-    if args.mode != "push":
-        return None
-    if not args.push_master or ":" not in args.push_master:
-        parser.error("--mode push needs --push-master host:port")
-    host, _, port = args.push_master.rpartition(":")
-    if not port.isdigit():
-        parser.error("--push-master port must be a number")
-    return PushGroup(master_address=host, master_port=int(port))
-
-
 def cli(argv: list[str]) -> int:
     parser = _parser()
     args = _checked_args(parser, argv)
-    push_group = _push_group(parser, args)
     config = SyncConfig(
         store=args.store,
         view=args.view,
@@ -225,7 +200,7 @@ def cli(argv: list[str]) -> int:
             if args.port_file:
                 Path(args.port_file).write_text(str(port))
 
-        await serve(config, push_group=push_group, stop=stop, ready=ready)
+        await serve(config, stop=stop, ready=ready)
         return 0
 
     return asyncio.run(main())

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from rlfleet.channel import ChannelError, ChecksumMismatchError, Manifest, WeightChannel, now_iso
-from rlfleet.sampler.engine_clients import DiskEngine, EngineError, PushEngine, engine_weight_version
+from rlfleet.sampler.engine_clients import DiskEngine, EngineError, engine_weight_version
 from rlfleet.sampler.launch_checkpoint import (
     NotLaunchableError,
     check_launchable,
@@ -52,7 +52,7 @@ log = logging.getLogger("rlfleet.sampler.sync")
 class Syncer:
     """Reconciles one engine to the channel pointer."""
 
-    def __init__(self, config: SyncConfig, store: Store, engine: DiskEngine | PushEngine) -> None:
+    def __init__(self, config: SyncConfig, store: Store, engine: DiskEngine) -> None:
         self.config = config
         self.channel = WeightChannel(store, publisher_id=f"sync-{config.group}-{config.replica}")
         self.engine = engine

@@ -25,7 +25,7 @@ from conftest import free_port, make_bucket
 from rlfleet.channel import POINTER_KEY, SubscriberReport, WeightChannel, manifest_key, now_iso
 from rlfleet.numerics import formats
 from rlfleet.numerics.views import load_view
-from rlfleet.sampler.engine_clients import DiskEngine, PushEngine, PushGroup
+from rlfleet.sampler.engine_clients import DiskEngine
 from rlfleet.sampler.sync import serve
 from rlfleet.sampler.sync_http import sidecar_app
 from rlfleet.sampler.sync_state import SyncConfig
@@ -380,84 +380,6 @@ async def test_store_unreachable_then_back(
         direct.close()
 
 
-async def test_push_sequence_contract(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
-    """The push-mode request sequence and bodies (SGLang 0.5.23 API). The NCCL data plane needs GPUs:
-    no sender here, the engine just acknowledges (the one thing that cannot exist on this machine)."""
-    store = FilesystemStore(tmp_path / "store", create=True)
-    for seed in (1, 2):
-        state = tiny_state(seed)
-        WeightPublisher(store, views=["nvfp4"], base_checkpoint=tiny_qwen3_dir).publish(
-            state, activation_amax=activation_amax(state)
-        )
-    channel = WeightChannel(store)
-    group = PushGroup(master_address="10.0.0.5", master_port=29500)
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        config = SyncConfig(
-            store="unused",
-            view="nvfp4",
-            engine_url=engine.url,
-            group="b200",
-            replica="pod-1",
-            cache_dir=tmp_path / "c",
-        )
-        push = PushEngine(client, group, bucket_bytes=20_000)
-        syncer = Syncer(config, store, push)
-        assert await syncer.reconcile_once()
-        paths = [p for p, _ in engine.requests]
-        n_buckets = paths.count("/update_weights_from_distributed")
-        assert n_buckets >= 2  # small buckets force several requests
-        assert paths == [
-            "/init_weights_update_group",
-            "/pause_generation",
-            "/begin_weight_update",
-            *["/update_weights_from_distributed"] * n_buckets,
-            "/end_weight_update",
-            "/continue_generation",
-        ]
-        bodies = dict(engine.requests[:3])
-        assert bodies["/init_weights_update_group"] == {
-            "master_address": "10.0.0.5",
-            "master_port": 29500,
-            "rank_offset": 1,
-            "world_size": 2,
-            "group_name": "weight_update_group",
-            "backend": "nccl",
-        }
-        assert bodies["/pause_generation"] == {"mode": "retract"}
-        updates = [b for p, b in engine.requests if p == "/update_weights_from_distributed"]
-        tensors = channel.manifest(1).views["nvfp4"].tensors
-        sent = {
-            n: (d, s) for b in updates for n, d, s in zip(b["names"], b["dtypes"], b["shapes"], strict=True)
-        }
-        assert set(sent) == set(tensors)
-        q = "model.layers.0.self_attn.q_proj"  # [2 heads x 64, hidden 128]: 2 fp4 per byte, a scale per 16
-        assert sent[f"{q}.weight"] == ("uint8", [128, 64])
-        assert sent[f"{q}.weight_scale"] == ("float8_e4m3fn", [128, 8])
-        assert sent[f"{q}.weight_scale_2"] == ("float32", [])
-        assert all(
-            b["weight_version"] == "1"
-            and b["group_name"] == "weight_update_group"
-            and b["load_format"] is None
-            for b in updates
-        )
-        # a failing push still resumes generation and keeps the old version; init is not repeated
-        state = tiny_state(3)
-        WeightPublisher(store, views=["nvfp4"], base_checkpoint=tiny_qwen3_dir).publish(
-            state, activation_amax=activation_amax(state)
-        )
-        engine.requests.clear()
-        engine.fail_next["/update_weights_from_distributed"] = 1
-        assert await syncer.reconcile_once() is False
-        paths = [p for p, _ in engine.requests]
-        assert paths == [
-            "/pause_generation",
-            "/begin_weight_update",
-            "/update_weights_from_distributed",
-            "/continue_generation",
-        ]
-        assert syncer.state.applied_version == 1 and syncer.state.failures["engine"] == 1
-
-
 async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     store_dir = tmp_path / "store"
     store = FilesystemStore(store_dir, create=True)
@@ -617,23 +539,6 @@ async def test_initial_version_from_engine_is_not_reapplied(
                 "r",
             ],
             "invalid group",
-        ),
-        (
-            [
-                "--store",
-                "/tmp/x",
-                "--view",
-                "fp8",
-                "--engine-url",
-                "http://x",
-                "--group",
-                "g",
-                "--replica",
-                "r",
-                "--mode",
-                "push",
-            ],
-            "--push-master",
         ),
     ],
 )
