@@ -91,6 +91,12 @@ class Decision:
         return bool(self.alerts)
 
 
+def _finite(metrics: dict[str, float], key: str) -> float | None:
+    """The metric as a float, or None when it is absent or not finite (a missing signal skips its check)."""
+    v = metrics.get(key)
+    return float(v) if v is not None and math.isfinite(float(v)) else None
+
+
 class CollapseDetector:
     def __init__(self, thresholds: CollapseThresholds | None = None, action: str = "alert") -> None:
         if action not in ACTIONS:
@@ -149,60 +155,87 @@ class CollapseDetector:
     def observe(self, step: int, metrics: dict[str, float]) -> Decision:
         """Feed one step's flat metrics; returns the alerts that fired this step and the action."""
         self.steps_seen += 1
-        t = self.t
         alerts: list[Alert] = []
+        alerts += self._reward_cliff(step, metrics)
+        alerts += self._kl_surges(step, metrics)
+        alerts += self._tool_call_rates(step, metrics)
+        alerts += self._entropy_collapse(step, metrics)
+        alerts += self._grad_norm_spike(step, metrics)
+        alerts += self._rho_blowup(step, metrics)
+        return self._decide(alerts, metrics)
 
-        def get(key: str) -> float | None:
-            v = metrics.get(key)
-            return float(v) if v is not None and math.isfinite(float(v)) else None
+    # -- the six signals, in the order observe checks them --
+    def _reward_cliff(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """1. reward cliff: the window's mean reward against its running peak."""
+        t = self.t
+        reward = _finite(metrics, "reward_mean")
+        if reward is None:
+            return []
+        self.rewards = (self.rewards + [reward])[-t.window :]
+        if len(self.rewards) < t.window:
+            return []
+        alerts: list[Alert] = []
+        mean = sum(self.rewards) / t.window
+        peak = self.reward_peak
+        raised = peak is not None and (peak - mean) > max(t.cliff_abs, t.cliff_rel * abs(peak))
+        if self._check("reward_cliff", raised):
+            alerts.append(Alert(step, "reward_cliff", mean, peak or 0.0,
+                                message=f"mean reward of the last {t.window} steps {mean:.3f} fell "
+                                f"below its peak {peak:.3f}"))
+        self.reward_peak = mean if peak is None else max(peak, mean)
+        return alerts
 
-        # 1. reward cliff: the window's mean reward against its running peak
-        reward = get("reward_mean")
-        if reward is not None:
-            self.rewards = (self.rewards + [reward])[-t.window :]
-            if len(self.rewards) == t.window:
-                mean = sum(self.rewards) / t.window
-                peak = self.reward_peak
-                raised = peak is not None and (peak - mean) > max(t.cliff_abs, t.cliff_rel * abs(peak))
-                if self._check("reward_cliff", raised):
-                    alerts.append(Alert(step, "reward_cliff", mean, peak or 0.0,
-                                        message=f"mean reward of the last {t.window} steps {mean:.3f} fell "
-                                        f"below its peak {peak:.3f}"))
-                self.reward_peak = mean if peak is None else max(peak, mean)
-
-        # 2. KL surge with OOR surge, fleet-wide and per group
-        staleness = get("staleness_max")
+    def _staleness_ramped(self, metrics: dict[str, float]) -> bool:
+        """True when staleness_max reached a new high this step (and record it)."""
+        staleness = _finite(metrics, "staleness_max")
         ramp = staleness is not None and (self.staleness_high is None or staleness > self.staleness_high)
         if ramp:
             self.staleness_high = staleness
-        prefixes = [""] + sorted({k.split("/")[1] for k in metrics if k.startswith("group/")})
-        for g in prefixes:
-            pre = f"group/{g}/" if g else ""
-            kl, oor = get(pre + "kl_k3"), get(pre + "oor_fraction")
-            if kl is None or oor is None:
-                continue
-            kl_base = self.baselines.get(pre + "kl_k3")
-            oor_base = self.baselines.get(pre + "oor_fraction")
-            raised = (
-                not ramp
-                and kl_base is not None
-                and oor_base is not None
-                and kl > t.kl_ratio * max(kl_base, t.kl_floor)
-                and oor > t.oor_ratio * max(oor_base, t.oor_floor)
-            )
-            if self._check(pre + "kl_surge", raised):
-                alerts.append(Alert(step, "kl_surge", kl, kl_base or 0.0, group=g or None,
-                                    message=f"{'group ' + g if g else 'fleet'} KL {kl:.4g} > {t.kl_ratio}x "
-                                    f"baseline {kl_base:.4g} with OOR {oor:.3g} > {t.oor_ratio}x {oor_base:.3g}"))
-            if ramp:  # the samples just got older: the baseline is this step's mismatch
-                self.baselines[pre + "kl_k3"], self.baselines[pre + "oor_fraction"] = kl, oor
-            elif not raised or self._warming():
-                self._ema(pre + "kl_k3", kl)
-                self._ema(pre + "oor_fraction", oor)
+        return ramp
 
-        # 3. tool calls stop / empty replies
+    def _kl_surges(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """2. KL surge with OOR surge, fleet-wide and per group."""
+        ramp = self._staleness_ramped(metrics)
+        prefixes = [""] + sorted({k.split("/")[1] for k in metrics if k.startswith("group/")})
+        alerts: list[Alert] = []
+        for g in prefixes:
+            alerts += self._kl_surge(step, metrics, g, ramp)
+        return alerts
+
+    def _kl_surge(self, step: int, metrics: dict[str, float], g: str, ramp: bool) -> list[Alert]:
+        """One group's (or, for g == "", the fleet's) KL-with-OOR surge check and baseline update."""
+        t = self.t
+        pre = f"group/{g}/" if g else ""
+        kl, oor = _finite(metrics, pre + "kl_k3"), _finite(metrics, pre + "oor_fraction")
+        if kl is None or oor is None:
+            return []
+        alerts: list[Alert] = []
+        kl_base = self.baselines.get(pre + "kl_k3")
+        oor_base = self.baselines.get(pre + "oor_fraction")
+        raised = (
+            not ramp
+            and kl_base is not None
+            and oor_base is not None
+            and kl > t.kl_ratio * max(kl_base, t.kl_floor)
+            and oor > t.oor_ratio * max(oor_base, t.oor_floor)
+        )
+        if self._check(pre + "kl_surge", raised):
+            alerts.append(Alert(step, "kl_surge", kl, kl_base or 0.0, group=g or None,
+                                message=f"{'group ' + g if g else 'fleet'} KL {kl:.4g} > {t.kl_ratio}x "
+                                f"baseline {kl_base:.4g} with OOR {oor:.3g} > {t.oor_ratio}x {oor_base:.3g}"))
+        if ramp:  # the samples just got older: the baseline is this step's mismatch
+            self.baselines[pre + "kl_k3"], self.baselines[pre + "oor_fraction"] = kl, oor
+        elif not raised or self._warming():
+            self._ema(pre + "kl_k3", kl)
+            self._ema(pre + "oor_fraction", oor)
+        return alerts
+
+    def _tool_call_rates(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """3. tool calls stop / empty replies."""
+        t = self.t
+        alerts: list[Alert] = []
         for key in ("no_tool_call_rate", "empty_reply_rate"):
-            rate = get(key)
+            rate = _finite(metrics, key)
             if rate is None:
                 continue
             base = self.baselines.get(key)
@@ -212,46 +245,66 @@ class CollapseDetector:
                                     message=f"{key} {rate:.2f} (baseline {base:.2f})"))
             if not raised or self._warming():
                 self._ema(key, rate)
+        return alerts
 
-        # 4. entropy collapse
-        ent = get("entropy")
+    def _entropy_collapse(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """4. entropy collapse."""
+        t = self.t
+        ent = _finite(metrics, "entropy")
         if ent is not None and self._check("entropy_collapse", ent < t.entropy_min):
-            alerts.append(Alert(step, "entropy_collapse", ent, t.entropy_min, message=f"entropy {ent:.4f} nats"))
+            return [Alert(step, "entropy_collapse", ent, t.entropy_min, message=f"entropy {ent:.4f} nats")]
+        return []
 
-        # 5. grad-norm spike, on the steps that trained something
-        gn = get("grad_norm")
-        if gn is not None and gn > 0 and get("uniform_group_fraction") != 1.0:
-            base = self.baselines.get("grad_norm")
-            raised = base is not None and base > 0 and gn > t.grad_ratio * base
-            if self._check("grad_norm_spike", raised):
-                alerts.append(Alert(step, "grad_norm_spike", gn, base or 0.0,
-                                    message=f"grad norm {gn:.3g} > {t.grad_ratio}x baseline {base:.3g}"))
-            if not raised or self._warming():
-                self._ema("grad_norm", gn)
+    def _grad_norm_spike(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """5. grad-norm spike, on the steps that trained something."""
+        t = self.t
+        gn = _finite(metrics, "grad_norm")
+        if gn is None or gn <= 0 or _finite(metrics, "uniform_group_fraction") == 1.0:
+            return []
+        alerts: list[Alert] = []
+        base = self.baselines.get("grad_norm")
+        raised = base is not None and base > 0 and gn > t.grad_ratio * base
+        if self._check("grad_norm_spike", raised):
+            alerts.append(Alert(step, "grad_norm_spike", gn, base or 0.0,
+                                message=f"grad norm {gn:.3g} > {t.grad_ratio}x baseline {base:.3g}"))
+        if not raised or self._warming():
+            self._ema("grad_norm", gn)
+        return alerts
 
-        # 6. rho blow-up
-        rho = get("sc_tail_ratio")
+    def _rho_blowup(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """6. rho blow-up."""
+        t = self.t
+        rho = _finite(metrics, "sc_tail_ratio")
         if rho is not None and self._check("rho_blowup", rho > t.rho_max):
-            alerts.append(Alert(step, "rho_blowup", rho, t.rho_max, message=f"sc_tail_ratio {rho:.3g} > {t.rho_max}"))
+            return [Alert(step, "rho_blowup", rho, t.rho_max, message=f"sc_tail_ratio {rho:.3g} > {t.rho_max}")]
+        return []
 
+    # -- the action --
+    def _decide(self, alerts: list[Alert], metrics: dict[str, float]) -> Decision:
+        """Record this step's alerts and turn them into the configured action."""
         decision = Decision(alerts=alerts)
-        if alerts:
-            self.history.extend(alerts)
-            if self.action == "pause":
-                decision.pause = True
-            elif self.action == "quarantine-group":
-                culprits = {a.group for a in alerts if a.group}
-                if any(a.signal == "kl_surge" and a.group is None for a in alerts):
-                    # a fleet-wide surge: blame the groups over-represented among out-of-range tokens
-                    culprits |= {
-                        k.split("/")[1] for k in metrics
-                        if k.endswith("/oor_share") and k.startswith("group/")
-                        and metrics[k] > t.oor_share_factor * metrics.get(k.replace("/oor_share", "/token_share"), 1.0)
-                    }
-                groups = sorted(culprits - self.quarantined)
-                decision.quarantine = groups
-                self.quarantined.update(groups)
+        if not alerts:
+            return decision
+        self.history.extend(alerts)
+        if self.action == "pause":
+            decision.pause = True
+        elif self.action == "quarantine-group":
+            groups = sorted(self._culprit_groups(alerts, metrics) - self.quarantined)
+            decision.quarantine = groups
+            self.quarantined.update(groups)
         return decision
+
+    def _culprit_groups(self, alerts: list[Alert], metrics: dict[str, float]) -> set[str]:
+        """The groups to quarantine: those named by a per-group alert and, on a fleet-wide KL surge,
+        the groups over-represented among out-of-range tokens."""
+        culprits = {a.group for a in alerts if a.group}
+        if any(a.signal == "kl_surge" and a.group is None for a in alerts):
+            culprits |= {
+                k.split("/")[1] for k in metrics
+                if k.startswith("group/") and k.endswith("/oor_share")
+                and metrics[k] > self.t.oor_share_factor * metrics.get(k.replace("/oor_share", "/token_share"), 1.0)
+            }
+        return culprits
 
     @property
     def first_alert_step(self) -> int | None:
