@@ -219,6 +219,21 @@ def _float_or_nan(x: object) -> float:
     return float("nan") if x is None else float(x)  # type: ignore[arg-type]
 
 
+@dataclass
+class _Candidates:
+    """What one answer says about each token's candidate set: the CSR pieces of SampledTurn, the
+    sampled-token logprobs when the answer gives them directly, the alignment problems found, and
+    per-token invalidity flags (reason -> bool mask)."""
+
+    mode: str
+    sizes: np.ndarray
+    sid: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    slp: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    sampled: np.ndarray | None = None
+    problems: list[str] = field(default_factory=list)
+    flags: dict[str, np.ndarray] = field(default_factory=dict)
+
+
 def parse_generate_response(
     body: Mapping[str, Any],
     prompt_ids: Sequence[int] | np.ndarray,
@@ -239,29 +254,68 @@ def parse_generate_response(
     meta = body.get("meta_info") if isinstance(body, Mapping) else None
     if not isinstance(meta, Mapping):
         raise ProtocolError("response has no meta_info object")
+    output_ids, logprobs = _output_tokens(meta)
+    n = len(output_ids)
+    common = dict(
+        prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=finish_reason_of(meta.get("finish_reason")),
+        group=str(meta.get("rlfleet_group") or group),
+        replica=str(meta.get("rlfleet_replica") or replica),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+    )
+    problems, versions = _count_problems(body, meta, output_ids)
+    cand = _candidates(meta, n, logprobs, untruncated)
+    problems += cand.problems
+
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(cand.sizes, out=offsets[1:])
+    sampled = cand.sampled
+    if sampled is None:
+        sampled = (
+            _sampled_from_support(output_ids, offsets, cand.sid, cand.slp)
+            if cand.mode == SUPPORT_MODE
+            else (np.full(n, np.nan, dtype=np.float32))
+        )
+    turn = SampledTurn(
+        sampled_logprobs=sampled,
+        support_offsets=offsets,
+        support_ids=cand.sid,
+        support_logprobs=cand.slp,
+        weight_versions=versions,
+        candidate_mode=cand.mode,
+        **common,  # type: ignore[arg-type]
+    )
+    if problems:  # the arrays do not line up: nothing of this turn may be trained on
+        turn.valid = np.zeros(n, dtype=bool)
+        turn.invalid_reasons = {R_LENGTH_MISMATCH: max(n, 1)}
+        return turn
+    validate_turn(turn, vocab_size=vocab_size, tol=tol)
+    _invalidate_flagged(turn, cand.flags)
+    return turn
+
+
+def _output_tokens(meta: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The sampled token ids and their logprobs from output_token_logprobs; ProtocolError when unreadable."""
     otl = meta.get("output_token_logprobs")
     if not isinstance(otl, list):
         raise ProtocolError("meta_info.output_token_logprobs missing: was return_logprob sent?")
-    n = len(otl)
     try:
         # [[logprob, token_id, text|null], ...]
         output_ids = np.asarray([int(t[1]) for t in otl], dtype=np.int64).astype(np.int32)
         logprobs = np.asarray([_float_or_nan(t[0]) for t in otl], dtype=np.float32)
     except (TypeError, ValueError, IndexError, KeyError) as exc:
         raise ProtocolError(f"output_token_logprobs entries must be [logprob, id, text]: {exc}") from None
-    prompt = np.asarray(prompt_ids, dtype=np.int32)
-    group = str(meta.get("rlfleet_group") or group)
-    replica = str(meta.get("rlfleet_replica") or replica)
-    common = dict(
-        prompt_ids=prompt,
-        output_ids=output_ids,
-        logprobs=logprobs,
-        finish_reason=finish_reason_of(meta.get("finish_reason")),
-        group=group,
-        replica=replica,
-        cached_tokens=int(meta.get("cached_tokens") or 0),
-    )
+    return output_ids, logprobs
 
+
+def _count_problems(
+    body: Mapping[str, Any], meta: Mapping[str, Any], output_ids: np.ndarray
+) -> tuple[list[str], np.ndarray]:
+    """The fields whose token count or ids disagree with output_token_logprobs, and the per-token
+    weight versions (all -1 when the spans do not cover the output)."""
+    n = len(output_ids)
     problems: list[str] = []
     if (
         "output_ids" in body
@@ -275,95 +329,81 @@ def parse_generate_response(
     spanned = token_weight_versions(meta, n)
     if spanned is None:
         problems.append("weight_versions")
-        versions = np.full(n, -1, dtype=np.int64)
-    else:
-        versions = spanned
+        return problems, np.full(n, -1, dtype=np.int64)
+    return problems, spanned
 
+
+def _candidates(meta: Mapping[str, Any], n: int, logprobs: np.ndarray, untruncated: bool) -> _Candidates:
+    """The candidate sets, read in support mode when the answer carries a sampling mask, else in head mode."""
     mask = meta.get("output_token_sampling_mask")
-    head = meta.get("output_top_logprobs")
-    per_token_flags: dict[str, np.ndarray] = {}
     if mask is not None:
-        mode = SUPPORT_MODE
-        s_lps = meta.get("output_token_sampling_logprobs")
-        if not isinstance(mask, list) or len(mask) != n or not isinstance(s_lps, list) or len(s_lps) != n:
-            problems.append("output_token_sampling_mask/logprobs")
-            sizes, sid, slp, sampled = (
-                np.zeros(n, np.int64),
-                np.zeros(0, np.int32),
-                np.zeros(0, np.float32),
-                None,
-            )
-        else:
-            sizes = np.fromiter(map(len, mask), dtype=np.int64, count=n)
-            nnz = int(sizes.sum())
-            sid = _flatten_int(mask, nnz)
-            # SamplingMaskChunk.to_lists: "support" -> a list per row, "selected" -> one float per row
-            list_rows = sum(isinstance(x, list) for x in s_lps)
-            if 0 < list_rows < n:
-                problems.append("output_token_sampling_logprobs mixes lists and floats")
-                sizes, sid, slp, sampled = np.zeros(n, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32), None
-            elif list_rows == 0:  # "selected": log q_S(y) only, no q over the rest of the support
-                sampled = np.asarray([_float_or_nan(x) for x in s_lps], dtype=np.float32)
-                slp = np.full(nnz, np.nan, dtype=np.float32)
-                per_token_flags[R_SUPPORT_MISSING] = np.ones(n, dtype=bool)
-            else:
-                lens = np.fromiter(map(len, s_lps), dtype=np.int64, count=n)
-                if not np.array_equal(lens, sizes):
-                    problems.append("output_token_sampling_logprobs row lengths")
-                    slp = np.zeros(0, np.float32)
-                    sizes = np.zeros(n, np.int64)
-                    sid = np.zeros(0, np.int32)
-                else:
-                    slp = _flatten_float(s_lps, nnz)
-                sampled = None
-            # ONE int: the number of mask rows (tokenizer_manager: len(state.output_token_sampling_mask))
-            mlen = meta.get("output_token_sampling_mask_length")
-            if mlen is not None and (isinstance(mlen, bool) or not isinstance(mlen, int) or mlen != n):
-                problems.append(R_MASK_LENGTH)
-    elif head is not None:
-        mode = HEAD_MODE
-        if not isinstance(head, list) or len(head) != n:
-            problems.append("output_top_logprobs")
-            sizes, sid, slp = np.zeros(n, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32)
-        else:
-            rows = [r or [] for r in head]
-            sizes = np.fromiter(map(len, rows), dtype=np.int64, count=n)
-            nnz = int(sizes.sum())
-            flat = list(itertools.chain.from_iterable(rows))
-            slp = np.asarray([_float_or_nan(t[0]) for t in flat], dtype=np.float32)
-            sid = np.asarray([t[1] for t in flat], dtype=np.int64).astype(np.int32)
-        sampled = logprobs.copy() if untruncated else None
-    else:
-        raise ProtocolError("response carries neither output_token_sampling_mask nor output_top_logprobs")
+        return _support_candidates(meta, mask, n)
+    head = meta.get("output_top_logprobs")
+    if head is not None:
+        return _head_candidates(head, n, logprobs, untruncated)
+    raise ProtocolError("response carries neither output_token_sampling_mask nor output_top_logprobs")
 
-    offsets = np.zeros(n + 1, dtype=np.int32)
-    np.cumsum(sizes, out=offsets[1:])
-    if sampled is None:
-        sampled = (
-            _sampled_from_support(output_ids, offsets, sid, slp)
-            if mode == SUPPORT_MODE
-            else (np.full(n, np.nan, dtype=np.float32))
-        )
-    turn = SampledTurn(
-        sampled_logprobs=sampled,
-        support_offsets=offsets,
-        support_ids=sid,
-        support_logprobs=slp,
-        weight_versions=versions,
-        candidate_mode=mode,
-        **common,  # type: ignore[arg-type]
-    )
-    if problems:  # the arrays do not line up: nothing of this turn may be trained on
-        turn.valid = np.zeros(n, dtype=bool)
-        turn.invalid_reasons = {R_LENGTH_MISMATCH: max(n, 1)}
-        return turn
-    validate_turn(turn, vocab_size=vocab_size, tol=tol)
-    for reason, flags in per_token_flags.items():
-        count = int(flags.sum())
+
+def _support_candidates(meta: Mapping[str, Any], mask: object, n: int) -> _Candidates:
+    """Support mode: the captured sampling support per token and its logprobs."""
+    cand = _Candidates(SUPPORT_MODE, sizes=np.zeros(n, np.int64))
+    s_lps = meta.get("output_token_sampling_logprobs")
+    if not isinstance(mask, list) or len(mask) != n or not isinstance(s_lps, list) or len(s_lps) != n:
+        cand.problems.append("output_token_sampling_mask/logprobs")
+    else:
+        _read_support_rows(cand, mask, s_lps, n)
+    # ONE int: the number of mask rows (tokenizer_manager: len(state.output_token_sampling_mask))
+    mlen = meta.get("output_token_sampling_mask_length")
+    if mlen is not None and (isinstance(mlen, bool) or not isinstance(mlen, int) or mlen != n):
+        cand.problems.append(R_MASK_LENGTH)
+    return cand
+
+
+def _read_support_rows(cand: _Candidates, mask: list[Any], s_lps: list[Any], n: int) -> None:
+    """Fill `cand` from mask rows of the right count; a row-shape defect leaves it empty with a problem."""
+    sizes = np.fromiter(map(len, mask), dtype=np.int64, count=n)
+    nnz = int(sizes.sum())
+    sid = _flatten_int(mask, nnz)
+    # SamplingMaskChunk.to_lists: "support" -> a list per row, "selected" -> one float per row
+    list_rows = sum(isinstance(x, list) for x in s_lps)
+    if 0 < list_rows < n:
+        cand.problems.append("output_token_sampling_logprobs mixes lists and floats")
+        return
+    if list_rows == 0:  # "selected": log q_S(y) only, no q over the rest of the support
+        cand.sizes, cand.sid = sizes, sid
+        cand.sampled = np.asarray([_float_or_nan(x) for x in s_lps], dtype=np.float32)
+        cand.slp = np.full(nnz, np.nan, dtype=np.float32)
+        cand.flags[R_SUPPORT_MISSING] = np.ones(n, dtype=bool)
+        return
+    lens = np.fromiter(map(len, s_lps), dtype=np.int64, count=n)
+    if not np.array_equal(lens, sizes):
+        cand.problems.append("output_token_sampling_logprobs row lengths")
+        return
+    cand.sizes, cand.sid, cand.slp = sizes, sid, _flatten_float(s_lps, nnz)
+
+
+def _head_candidates(head: object, n: int, logprobs: np.ndarray, untruncated: bool) -> _Candidates:
+    """Head mode: the top-k logprobs per token; q_S(y) is the sampled logprob only when untruncated."""
+    cand = _Candidates(HEAD_MODE, sizes=np.zeros(n, np.int64))
+    if not isinstance(head, list) or len(head) != n:
+        cand.problems.append("output_top_logprobs")
+    else:
+        rows = [r or [] for r in head]
+        cand.sizes = np.fromiter(map(len, rows), dtype=np.int64, count=n)
+        flat = list(itertools.chain.from_iterable(rows))
+        cand.slp = np.asarray([_float_or_nan(t[0]) for t in flat], dtype=np.float32)
+        cand.sid = np.asarray([t[1] for t in flat], dtype=np.int64).astype(np.int32)
+    cand.sampled = logprobs.copy() if untruncated else None
+    return cand
+
+
+def _invalidate_flagged(turn: SampledTurn, flags: dict[str, np.ndarray]) -> None:
+    """Mark the flagged tokens invalid and count them under their reason."""
+    for reason, flagged in flags.items():
+        count = int(flagged.sum())
         if count:
-            turn.valid &= ~flags
+            turn.valid &= ~flagged
             turn.invalid_reasons[reason] = turn.invalid_reasons.get(reason, 0) + count
-    return turn
 
 
 def _sampled_from_support(
