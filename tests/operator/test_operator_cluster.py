@@ -63,6 +63,27 @@ def operator(kube, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     assert "Traceback" not in runner.output, runner.output
 
 
+def store_dir(namespace: str) -> Path:
+    """The hostPath of `shared_volume`, on this machine: the operator (run here) reads the channel's store
+    there, as the chart's operator mounts the weight store (docs/install.md "Weight stores"). An RLJob whose
+    channel the operator cannot read is Degraded (StoreUnreachable), never Ready."""
+    path = Path(f"/tmp/rlfleet-weights-{namespace}")
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def example(namespace: str) -> dict:
+    """examples/rljob.yaml with its store path on `store_dir` (the example's /weights/reference-fleet is the
+    path inside the pods of a real cluster)."""
+    manifest = yaml.safe_load(EXAMPLE.read_text())
+    manifest["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))
+    return manifest
+
+
+def apply_example(kube, namespace: str) -> None:
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(example(namespace)))
+
+
 def shared_volume(kube, namespace: str) -> None:
     """The example's weights PVC (`rlfleet-weights`), statically bound to a hostPath PV: on a real cluster
     this is a ReadWriteMany volume the user provides; kwok never mounts it."""
@@ -74,7 +95,7 @@ def shared_volume(kube, namespace: str) -> None:
             "capacity": {"storage": "1Gi"},
             "accessModes": ["ReadWriteMany"],
             "storageClassName": "",
-            "hostPath": {"path": f"/tmp/rlfleet-weights-{namespace}"},
+            "hostPath": {"path": str(store_dir(namespace))},
             "claimRef": {"namespace": namespace, "name": "rlfleet-weights"},
         },
     }
@@ -136,7 +157,7 @@ def test_example_job_creates_a_placed_ready_fleet(
 ) -> None:
     with operator(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
-        kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+        apply_example(kube, namespace)
         job = wait_running(kube, namespace)
         status = job["status"]
         assert status["readyGroups"] == "8/8"
@@ -180,12 +201,13 @@ def test_example_job_creates_a_placed_ready_fleet(
                                     "LAG", "KL", "OOR", "REASON", "AGE"]  # fmt: skip
         row = next(line.split() for line in table if line.startswith(f"{JOB}-rtx-pro-6000-bf16"))
         assert row[1:5] == ["rtx-pro-6000", "bf16", "Running", "2/2"]
-        # the channel: no store mounted on this machine -> latest version unknown, said clearly
+        # the channel: its store readable and empty -> nothing published yet, said clearly (an unreadable
+        # one would make the job Degraded: tests/operator/test_operator_pipeline.py)
         wc = wait_for(
             "WeightChannel status",
             lambda: (get(kube, namespace, "weightchannel", f"{JOB}-weights") or {}).get("status"),
         )
-        assert wc["phase"] == "Pending" and wc["message"].startswith("latest version unknown")
+        assert wc["phase"] == "Pending" and wc["message"] == "no version published yet"
         # kubectl scale through the scale subresource
         kube.kubectl("scale", "-n", namespace, f"sg/{JOB}-h100-fp8", "--replicas=1")
         wait_for(
@@ -233,10 +255,10 @@ def test_spec_update_group_removal_suspend_resume_and_deletion(
 ) -> None:
     with operator(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
-        kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+        apply_example(kube, namespace)
         wait_running(kube, namespace)
         # update: one group scaled in the RLJob, one group removed
-        manifest = yaml.safe_load(EXAMPLE.read_text())
+        manifest = example(namespace)
         manifest["spec"]["samplerGroups"] = [
             g for g in manifest["spec"]["samplerGroups"] if g["name"] != "a100-bf16"
         ]
@@ -298,6 +320,7 @@ def test_cockpit_columns_and_deletion_without_the_operator(
     """`kubectl get rlj` / `kubectl get sg` say what runs and why without -o wide (share in percent); the
     RLJob carries no finalizer, so it deletes while the operator is stopped (docs/operations.md)."""
     manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
+    manifest["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # readable by the operator
     with operator(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
@@ -359,7 +382,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
     proc = _start_operator(kube, namespace, tmp_path / "operator-1.log")
     try:
         shared_volume(kube, namespace)
-        kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+        apply_example(kube, namespace)
         # kill -9 as soon as the first children appear, before the job is reconciled
         wait_for(
             "first child",
@@ -496,6 +519,7 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
                  input=json.dumps({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlfleet"}}))  # fmt: skip
     shared_volume(kube, namespace)
     manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
+    manifest["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # readable by the operator
 
     logs = {}
 

@@ -28,6 +28,14 @@ def crds(kube) -> None:
         kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
 
 
+def store_dir(namespace: str) -> Path:
+    """The claim's hostPath on this machine, where the operator (run here) reads the channel's store (an
+    RLJob whose store the operator cannot read is Degraded, StoreUnreachable)."""
+    path = Path(f"/tmp/rlfleet-cpu-weights-{namespace}")
+    path.mkdir(exist_ok=True)
+    return path
+
+
 def bind_the_examples_claim(kube, namespace: str) -> None:
     """The test control plane has no provisioner: a PV statically bound to the example's claim."""
     claim = next(d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d["kind"] == "PersistentVolumeClaim")
@@ -39,7 +47,7 @@ def bind_the_examples_claim(kube, namespace: str) -> None:
             "capacity": {"storage": "2Gi"},
             "accessModes": ["ReadWriteOnce"],
             "storageClassName": "",
-            "hostPath": {"path": f"/tmp/rlfleet-cpu-weights-{namespace}"},
+            "hostPath": {"path": str(store_dir(namespace))},
             "claimRef": {"namespace": namespace, "name": claim["metadata"]["name"]},
         },
     }
@@ -50,7 +58,11 @@ def test_the_cpu_example_runs_on_cpu_nodes_without_gpus(kube, crds, namespace: s
                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     with operator(kube, namespace, monkeypatch):
         bind_the_examples_claim(kube, namespace)
-        kube.kubectl("apply", "-n", namespace, "-f", str(EXAMPLE))
+        docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
+        job = next(d for d in docs if d["kind"] == "RLJob")
+        job["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # /weights/cpu in the pods
+        kube.kubectl("apply", "-n", namespace, "-f", "-",
+                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [d for d in docs if d]}))  # fmt: skip
 
         def running() -> dict | None:
             job = get(kube, namespace, "rljob", JOB) or {}

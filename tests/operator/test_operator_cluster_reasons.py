@@ -2,7 +2,8 @@
 and puts the real kube-scheduler's words into the RLJob's Degraded condition, naming the object:
 a trainer that cannot be scheduled (three 8-GPU trainer pods on a class with two 8-GPU kwok nodes:
 tests/cluster/controlplane.py) and a job whose weights PVC does not exist (the scheduler's volume
-binding refuses every pod that mounts it)."""
+binding refuses every pod that mounts it); and trainer pods the API server refuses to create (a
+ResourceQuota, a missing PriorityClass: the StatefulSet controller's FailedCreate Events)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from kopf.testing import KopfRunner
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.cluster
+
+
+def store(tmp_path: Path, name: str, **more: str) -> dict:
+    """A filesystem store the operator (run here) can read: an unreadable one would make the job Degraded
+    with StoreUnreachable, whatever its pods do."""
+    (tmp_path / name).mkdir()
+    return {"type": "filesystem", "path": str(tmp_path / name), **more}
 
 
 def manifest(name: str, trainer: dict, store: dict) -> dict:
@@ -33,7 +41,7 @@ def manifest(name: str, trainer: dict, store: dict) -> dict:
 
 
 def test_unschedulable_trainer_and_missing_pvc_are_named_in_degraded(
-    kube, namespace: str, monkeypatch: pytest.MonkeyPatch
+    kube, namespace: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     for name in ("rljobs", "samplergroups", "weightchannels"):
@@ -47,9 +55,9 @@ def test_unschedulable_trainer_and_missing_pvc_are_named_in_degraded(
         return cond if cond and cond["status"] == "True" else None
 
     big = manifest("nogpu", {"accelerator": "b200", "replicas": 3, "gpusPerReplica": 8},
-                   {"type": "filesystem", "path": "/weights/nogpu"})  # fmt: skip
+                   store(tmp_path, "nogpu"))  # fmt: skip
     nopvc = manifest("nopvc", {"accelerator": "h100", "replicas": 1, "gpusPerReplica": 8},
-                     {"type": "filesystem", "path": "/weights/nopvc", "volumeClaimName": "no-such-claim"})  # fmt: skip
+                     store(tmp_path, "nopvc", volumeClaimName="no-such-claim"))  # fmt: skip
     args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
     with KopfRunner(args, timeout=60) as runner:
         kube.kubectl("apply", "-n", namespace, "-f", "-",
@@ -76,5 +84,51 @@ def test_unschedulable_trainer_and_missing_pvc_are_named_in_degraded(
         events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
         assert any(e["reason"] == "PhaseDegraded" and e["involvedObject"]["name"] == "nogpu" for e in events)
         kube.kubectl("delete", "rljob", "nogpu", "nopvc", "-n", namespace, "--wait=false")
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output
+
+
+def test_trainer_pods_the_api_refuses_are_named_in_degraded(
+    kube, namespace: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The real StatefulSet controller cannot create the trainer pod (a ResourceQuota on GPUs, a PriorityClass
+    that does not exist): its FailedCreate Event is the only trace, and the RLJob says it, as a sampler group
+    says its Deployment's ReplicaFailure."""
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpus"},
+             "spec": {"hard": {"requests.nvidia.com/gpu": "4"}}}  # fmt: skip
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(quota))
+    # until the quota controller has computed its status, admission says "status unknown", not the limit
+    kube.kubectl("wait", "-n", namespace, "--for=jsonpath={.status.hard.requests\\.nvidia\\.com/gpu}=4",
+                 "resourcequota/gpus", "--timeout=60s")
+
+    def degraded(job: str) -> dict | None:
+        got = json.loads(kube.kubectl("get", "rljob", job, "-n", namespace, "-o", "json").stdout)
+        cond = next((c for c in got.get("status", {}).get("conditions", []) if c["type"] == "Degraded"), None)
+        return cond if cond and cond["status"] == "True" else None
+
+    over = manifest("overquota", {"accelerator": "h200", "replicas": 1, "gpusPerReplica": 8},
+                    store(tmp_path, "overquota"))  # fmt: skip
+    noclass = manifest("noclass", {"accelerator": "h200", "replicas": 1, "gpusPerReplica": 1,
+                                   "priorityClassName": "no-such-class"},
+                       store(tmp_path, "noclass"))  # fmt: skip
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        kube.kubectl("apply", "-n", namespace, "-f", "-",
+                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [over, noclass]}))  # fmt: skip
+        cond = wait_for("overquota Degraded", lambda: degraded("overquota"), timeout=90)
+        assert cond["reason"] == "ReplicaFailure", cond
+        assert cond["message"].startswith("trainer StatefulSet overquota-trainer: 0/1 pods created: FailedCreate:"), cond
+        assert "exceeded quota: gpus" in cond["message"], cond
+        cond = wait_for("noclass Degraded", lambda: degraded("noclass"), timeout=90)
+        assert cond["reason"] == "ReplicaFailure", cond
+        assert "no PriorityClass with name no-such-class was found" in cond["message"], cond
+        job = json.loads(kube.kubectl("get", "rljob", "overquota", "-n", namespace, "-o", "json").stdout)
+        progressing = next(c for c in job["status"]["conditions"] if c["type"] == "Progressing")
+        assert (job["status"]["phase"], progressing["reason"]) == ("Degraded", "ReplicaFailure")
+        kube.kubectl("delete", "rljob", "overquota", "noclass", "-n", namespace, "--wait=false")
     assert runner.exception is None, runner.output
     assert "Traceback" not in runner.output, runner.output
