@@ -39,7 +39,7 @@ from rlfleet.retries import REPLICA_FAILURE_STATUSES
 from rlfleet.router import hashing, meta
 from rlfleet.router.config import RouterConfig
 from rlfleet.router.metrics import RouterMetrics
-from rlfleet.router.table import Replica, RoutingTable, VersionConflict
+from rlfleet.router.table import Group, Replica, RoutingTable, VersionConflict
 from rlfleet.router.transport import StreamingResponse, Transport, UpstreamError, make_transport
 
 log = logging.getLogger("rlfleet.router")
@@ -63,6 +63,22 @@ class RouteResult:
     stream: StreamingResponse | None = None
     _replica_obj: Replica | None = None
     _started: float = 0.0
+
+
+@dataclass
+class _Request:
+    """One request being routed, and what its attempts so far have used up."""
+
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    min_version: int | None
+    stream: bool
+    key_h: int
+    started: float
+    tried: set[str] = field(default_factory=set)
+    attempts: int = 0
+    last_error: str = ""
 
 
 def _json_error(status: int, message: str, **extra: object) -> RouteResult:
@@ -122,121 +138,161 @@ class Router:
     ) -> RouteResult:
         """Forward one request. With `stream=True` a successful result holds an open `stream`
         that the caller must drain and then pass to `finish_stream`."""
-        started = time.perf_counter()
-        key_h = hashing.key_hash(session_key) if session_key else self._random.getrandbits(64)
-        order = self.table.group_order(key_h)
+        req = _Request(
+            path=path,
+            body=body,
+            headers=headers if headers is not None else {"Content-Type": "application/json"},
+            min_version=min_version,
+            stream=stream,
+            key_h=hashing.key_hash(session_key) if session_key else self._random.getrandbits(64),
+            started=time.perf_counter(),
+        )
+        order = self.table.group_order(req.key_h)
         if not order:
             return self._unroutable("no sampler group can take traffic (all down, quarantined or share 0)")
-        upstream_headers = headers if headers is not None else {"Content-Type": "application/json"}
-        max_attempts = self.config.max_attempts
-        tried: set[str] = set()
-        attempts = 0
-        last_error = ""
         for position, group_name in enumerate(order):
             group = self.table.groups.get(group_name)
             if group is None:
                 continue
             allow_unhealthy = position == len(order) - 1 or not group.routable()
-            conflict: VersionConflict | None = None
-            while attempts < max_attempts:
-                choice = self.table.choose_replica(
-                    group, key_h, tried, min_version, self.config.load_slack, allow_unhealthy
-                )
-                if choice is None:
-                    break
-                if isinstance(choice, VersionConflict):
-                    conflict = choice
-                    break
-                replica = choice
-                tried.add(replica.url)
-                if attempts:
-                    self.metrics.retry(group.name)
-                attempts += 1
-                replica.requests += 1
-                replica.inflight += 1
-                url = replica.url + path
-                try:
-                    if stream:
-                        opened = await self.transport.open_stream(url, body, upstream_headers)
-                        status, content_type, data = opened.status, opened.content_type, b""
-                    else:
-                        response = await self.transport.post(url, body, upstream_headers)
-                        status, content_type, data = response.status, response.content_type, response.body
-                except asyncio.CancelledError:  # the client went away (or shutdown): keep counts right
-                    replica.inflight -= 1
-                    raise
-                except UpstreamError as exc:
-                    replica.inflight -= 1
-                    replica.failures += 1
-                    self.table.mark_result(replica, False, self.config.failure_threshold, hard=exc.hard)
-                    self.metrics.error(group.name, exc.kind)
-                    last_error = f"{replica.url}: {exc}"
-                    log.info("attempt %d on %s failed: %s", attempts, replica.url, exc)
-                    continue
-                # 409 is a version conflict only when the request asked for a version; otherwise
-                # it is the request's own answer and passes through.
-                if status in REPLICA_FAILURE_STATUSES or (status == 409 and min_version is not None):
-                    if stream:
-                        await opened.release()
-                    replica.inflight -= 1
-                    if status == 409 and min_version is not None:
-                        # The replica itself says it lags the requested version: try a sibling.
-                        self.metrics.error(group.name, "version_conflict")
-                        conflict = VersionConflict(group.name, min_version, (replica.weight_version,))
-                    else:
-                        replica.failures += 1
-                        self.table.mark_result(replica, False, self.config.failure_threshold)
-                        self.metrics.error(group.name, "http_5xx")
-                        last_error = f"{replica.url}: HTTP {status}"
-                    continue
-                if stream:
-                    result = RouteResult(status=status, content_type=content_type, stream=opened)
-                    result.weight_version = replica.weight_version
-                    return self._finish(result, group.name, replica, attempts, started, keep_inflight=True)
-                replica.inflight -= 1
-                scan = meta.scan(data) if status == 200 else None
-                version = scan.weight_version if scan is not None else None
-                if min_version is not None and version is not None and version < min_version:
-                    replica.observe_version(version)
-                    self.metrics.error(group.name, "version_conflict")
-                    conflict = VersionConflict(group.name, min_version, (version,))
-                    continue
-                self.table.mark_result(replica, True, self.config.failure_threshold)
-                replica.observe_version(version)
-                if scan is not None and scan.insert_at and self.config.annotate_body:
-                    fields = meta.annotation({"rlfleet_group": group.name, "rlfleet_replica": replica.url})
-                    data = meta.annotate(data, scan.insert_at, fields)
-                result = RouteResult(status=status, content_type=content_type or "application/json", body=data)
-                result.weight_version = version if version is not None else replica.weight_version
-                self._finish(result, group.name, replica, attempts, started, keep_inflight=False)
-                self.metrics.answered(
-                    group.name,
-                    status,
-                    time.perf_counter() - started,
-                    scan.completion_tokens if scan else 0,
-                    scan.prompt_tokens if scan else 0,
-                )
+            result = await self._try_group(req, group, allow_unhealthy)
+            if result is not None:
                 return result
-            if conflict is not None:
-                served = sorted({v for v in conflict.served_versions if v is not None})
-                result = _json_error(
-                    409,
-                    f"no replica of group {conflict.group!r} serves weight version >= {min_version} yet; retry",
-                    group=conflict.group,
-                    minWeightVersion=min_version,
-                    servedVersions=served,
-                )
-                result.headers = {"Retry-After": str(self.config.retry_after_seconds), HEADER_GROUP: conflict.group}
-                result.group = conflict.group
-                result.attempts = attempts
-                self.metrics.answered(conflict.group, 409, time.perf_counter() - started, 0, 0)
-                return result
-            if attempts >= max_attempts:
+            if req.attempts >= self.config.max_attempts:
                 break
         return self._unroutable(
-            f"no replica could serve the request after {attempts} attempt(s); last error: {last_error or 'none'}",
-            attempts=attempts,
+            f"no replica could serve the request after {req.attempts} attempt(s); "
+            f"last error: {req.last_error or 'none'}",
+            attempts=req.attempts,
         )
+
+    async def _try_group(self, req: _Request, group: Group, allow_unhealthy: bool) -> RouteResult | None:
+        """Try the group's replicas in turn; the answer, a 409 when the group only lags the requested
+        version, or None to move on to the session's next group."""
+        conflict: VersionConflict | None = None
+        while req.attempts < self.config.max_attempts:
+            choice = self.table.choose_replica(
+                group, req.key_h, req.tried, req.min_version, self.config.load_slack, allow_unhealthy
+            )
+            if choice is None:
+                break
+            if isinstance(choice, VersionConflict):
+                conflict = choice
+                break
+            outcome = await self._try_replica(req, group, choice)
+            if isinstance(outcome, RouteResult):
+                return outcome
+            if outcome is not None:
+                conflict = outcome
+        if conflict is not None:
+            return self._version_conflict(req, conflict)
+        return None
+
+    async def _try_replica(
+        self, req: _Request, group: Group, replica: Replica
+    ) -> RouteResult | VersionConflict | None:
+        """One attempt on one replica: its answer, a VersionConflict when it lags the requested
+        version, or None when it failed (and was marked so)."""
+        req.tried.add(replica.url)
+        if req.attempts:
+            self.metrics.retry(group.name)
+        req.attempts += 1
+        replica.requests += 1
+        replica.inflight += 1
+        try:
+            status, content_type, data, opened = await self._send(req, replica.url + req.path)
+        except asyncio.CancelledError:  # the client went away (or shutdown): keep counts right
+            replica.inflight -= 1
+            raise
+        except UpstreamError as exc:
+            replica.inflight -= 1
+            replica.failures += 1
+            self.table.mark_result(replica, False, self.config.failure_threshold, hard=exc.hard)
+            self.metrics.error(group.name, exc.kind)
+            req.last_error = f"{replica.url}: {exc}"
+            log.info("attempt %d on %s failed: %s", req.attempts, replica.url, exc)
+            return None
+        # 409 is a version conflict only when the request asked for a version; otherwise
+        # it is the request's own answer and passes through.
+        if status in REPLICA_FAILURE_STATUSES or (status == 409 and req.min_version is not None):
+            return await self._refused(req, group, replica, status, opened)
+        if opened is not None:
+            result = RouteResult(status=status, content_type=content_type, stream=opened)
+            result.weight_version = replica.weight_version
+            return self._finish(result, group.name, replica, req.attempts, req.started, keep_inflight=True)
+        return self._answered(req, group, replica, status, content_type, data)
+
+    async def _send(
+        self, req: _Request, url: str
+    ) -> tuple[int, str, bytes, StreamingResponse | None]:
+        """Post the request, or open it as a stream: (status, content type, body, open stream)."""
+        if req.stream:
+            opened = await self.transport.open_stream(url, req.body, req.headers)
+            return opened.status, opened.content_type, b"", opened
+        response = await self.transport.post(url, req.body, req.headers)
+        return response.status, response.content_type, response.body, None
+
+    async def _refused(
+        self, req: _Request, group: Group, replica: Replica, status: int, opened: StreamingResponse | None
+    ) -> VersionConflict | None:
+        """A failure status, or a 409 to a versioned request: release the attempt and say which."""
+        if opened is not None:
+            await opened.release()
+        replica.inflight -= 1
+        if status == 409 and req.min_version is not None:
+            # The replica itself says it lags the requested version: try a sibling.
+            self.metrics.error(group.name, "version_conflict")
+            return VersionConflict(group.name, req.min_version, (replica.weight_version,))
+        replica.failures += 1
+        self.table.mark_result(replica, False, self.config.failure_threshold)
+        self.metrics.error(group.name, "http_5xx")
+        req.last_error = f"{replica.url}: HTTP {status}"
+        return None
+
+    def _answered(
+        self, req: _Request, group: Group, replica: Replica, status: int, content_type: str, data: bytes
+    ) -> RouteResult | VersionConflict:
+        """A whole (non-streamed) answer: discarded as a VersionConflict when its meta_info reports an
+        older version than requested, else annotated, accounted and returned."""
+        replica.inflight -= 1
+        scan = meta.scan(data) if status == 200 else None
+        version = scan.weight_version if scan is not None else None
+        if req.min_version is not None and version is not None and version < req.min_version:
+            replica.observe_version(version)
+            self.metrics.error(group.name, "version_conflict")
+            return VersionConflict(group.name, req.min_version, (version,))
+        self.table.mark_result(replica, True, self.config.failure_threshold)
+        replica.observe_version(version)
+        if scan is not None and scan.insert_at and self.config.annotate_body:
+            fields = meta.annotation({"rlfleet_group": group.name, "rlfleet_replica": replica.url})
+            data = meta.annotate(data, scan.insert_at, fields)
+        result = RouteResult(status=status, content_type=content_type or "application/json", body=data)
+        result.weight_version = version if version is not None else replica.weight_version
+        self._finish(result, group.name, replica, req.attempts, req.started, keep_inflight=False)
+        self.metrics.answered(
+            group.name,
+            status,
+            time.perf_counter() - req.started,
+            scan.completion_tokens if scan else 0,
+            scan.prompt_tokens if scan else 0,
+        )
+        return result
+
+    def _version_conflict(self, req: _Request, conflict: VersionConflict) -> RouteResult:
+        """The 409 (with Retry-After) for a group none of whose replicas serves the version yet."""
+        served = sorted({v for v in conflict.served_versions if v is not None})
+        result = _json_error(
+            409,
+            f"no replica of group {conflict.group!r} serves weight version >= {req.min_version} yet; retry",
+            group=conflict.group,
+            minWeightVersion=req.min_version,
+            servedVersions=served,
+        )
+        result.headers = {"Retry-After": str(self.config.retry_after_seconds), HEADER_GROUP: conflict.group}
+        result.group = conflict.group
+        result.attempts = req.attempts
+        self.metrics.answered(conflict.group, 409, time.perf_counter() - req.started, 0, 0)
+        return result
 
     def _unroutable(self, message: str, attempts: int = 0) -> RouteResult:
         result = _json_error(503, message)
