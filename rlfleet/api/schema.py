@@ -74,59 +74,67 @@ def _resolve(ref: str, defs: dict[str, Any]) -> dict[str, Any]:
 
 def _convert(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, Any]:
     node = copy.deepcopy(node)
-    # $ref (possibly with sibling description/default) or single-element allOf: inline the definition;
-    # the field's own description wins over the model's docstring.
     if "$ref" in node or ("allOf" in node and len(node["allOf"]) == 1):
-        ref_node = node.pop("$ref", None) or node.pop("allOf")[0]
-        target = _resolve(ref_node["$ref"], defs) if isinstance(ref_node, dict) else _resolve(ref_node, defs)
-        merged = {**copy.deepcopy(target), **{k: v for k, v in node.items()}}
-        if "x-kubernetes-validations" in target and "x-kubernetes-validations" in node:
-            merged["x-kubernetes-validations"] = (
-                target["x-kubernetes-validations"] + node["x-kubernetes-validations"]
-            )
-        return _convert(merged, defs, path)
-    nullable = False
+        return _convert(_inline_ref(node, defs), defs, path)
     if "anyOf" in node:
-        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
-        nullable = True
-        if len(options) != 1:
-            raise SchemaError(f"{path}: unions of several types are not structural: {options}")
-        inner = options[0]
-        if "$ref" in inner:
-            inner = {
-                **copy.deepcopy(_resolve(inner["$ref"], defs)),
-                **{k: v for k, v in inner.items() if k != "$ref"},
-            }
-        # the field's description/default win over the inner schema's
-        node = {**inner, **node}
-        return _finish(_convert(node, defs, path), nullable=nullable)
+        return _finish(_convert(_unwrap_optional(node, defs, path), defs, path), nullable=True)
     if "const" in node:
         node["enum"] = [node.pop("const")]
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in _KEEP or key.startswith("x-kubernetes-"):
-            out[key] = value
-        elif key == "exclusiveMinimum":
-            out["minimum"] = value
-            out["exclusiveMinimum"] = True
-        elif key == "exclusiveMaximum":
-            out["maximum"] = value
-            out["exclusiveMaximum"] = True
-        elif key == "properties":
-            out["properties"] = {name: _convert(sub, defs, f"{path}.{name}") for name, sub in value.items()}
-        elif key == "items":
-            out["items"] = _convert(value, defs, f"{path}[]")
-        elif key == "additionalProperties":
-            if isinstance(value, dict):
-                out["additionalProperties"] = _convert(value, defs, f"{path}{{}}")
-            # `false` (extra="forbid") is implied by structural pruning; `true` is not structural
-        elif key in ("title", "$defs", "examples"):
-            continue
-        else:
-            raise SchemaError(f"{path}: JSON schema keyword {key!r} has no structural equivalent")
+        _convert_keyword(out, key, value, defs, path)
     if "type" not in out:
         raise SchemaError(f"{path}: no type (not structural): {node}")
-    return _finish(out, nullable=nullable)
+    return _finish(out, nullable=False)
+
+
+def _inline_ref(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """$ref (possibly with sibling description/default) or single-element allOf: inline the definition;
+    the field's own description wins over the model's docstring. Pops the reference from `node`."""
+    ref_node = node.pop("$ref", None) or node.pop("allOf")[0]
+    target = _resolve(ref_node["$ref"], defs) if isinstance(ref_node, dict) else _resolve(ref_node, defs)
+    merged = {**copy.deepcopy(target), **{k: v for k, v in node.items()}}
+    if "x-kubernetes-validations" in target and "x-kubernetes-validations" in node:
+        merged["x-kubernetes-validations"] = target["x-kubernetes-validations"] + node["x-kubernetes-validations"]
+    return merged
+
+
+def _unwrap_optional(node: dict[str, Any], defs: dict[str, Any], path: str) -> dict[str, Any]:
+    """`anyOf: [X, null]` (an Optional field) -> X merged with the field's own keywords; the caller
+    marks the result nullable. Any other union is not structural. Pops anyOf from `node`."""
+    options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+    if len(options) != 1:
+        raise SchemaError(f"{path}: unions of several types are not structural: {options}")
+    inner = options[0]
+    if "$ref" in inner:
+        inner = {
+            **copy.deepcopy(_resolve(inner["$ref"], defs)),
+            **{k: v for k, v in inner.items() if k != "$ref"},
+        }
+    # the field's description/default win over the inner schema's
+    return {**inner, **node}
+
+
+def _convert_keyword(out: dict[str, Any], key: str, value: Any, defs: dict[str, Any], path: str) -> None:
+    """Write one JSON Schema keyword's structural OpenAPI equivalent into `out` (or drop it)."""
+    if key in _KEEP or key.startswith("x-kubernetes-"):
+        out[key] = value
+    elif key == "exclusiveMinimum":
+        out["minimum"] = value
+        out["exclusiveMinimum"] = True
+    elif key == "exclusiveMaximum":
+        out["maximum"] = value
+        out["exclusiveMaximum"] = True
+    elif key == "properties":
+        out["properties"] = {name: _convert(sub, defs, f"{path}.{name}") for name, sub in value.items()}
+    elif key == "items":
+        out["items"] = _convert(value, defs, f"{path}[]")
+    elif key == "additionalProperties":
+        if isinstance(value, dict):
+            out["additionalProperties"] = _convert(value, defs, f"{path}{{}}")
+        # `false` (extra="forbid") is implied by structural pruning; `true` is not structural
+    elif key not in ("title", "$defs", "examples"):
+        raise SchemaError(f"{path}: JSON schema keyword {key!r} has no structural equivalent")
 
 
 def _finish(out: dict[str, Any], nullable: bool) -> dict[str, Any]:
