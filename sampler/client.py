@@ -89,6 +89,18 @@ class TurnFailed(RuntimeError):
         self.attempts = attempts
 
 
+@dataclass
+class _Tries:
+    """One turn's posts so far, by what went wrong (each bounded by ClientRetryPolicy), and its top_k."""
+
+    top_k: int
+    attempts: int = 0
+    transport: int = 0  # transport errors and unavailable statuses
+    server_errors: int = 0
+    shrinks: int = 0
+    version_waits: int = 0
+
+
 class SamplerClient:
     """Talks to one SGLang-compatible endpoint (a replica, or our router in front of a fleet).
 
@@ -144,20 +156,15 @@ class SamplerClient:
         # the rollout driver passes its run's SamplingConfig; a mapping is for direct calls (tools, tests)
         cfg = config if isinstance(config, SamplingConfig) else SamplingConfig.from_dict(config)
         ids = [int(i) for i in input_ids]
-        top_k = cfg.wire_top_k()
-        if cfg.mode == SUPPORT_MODE and self.mask_cap is not None and top_k > self.mask_cap:
-            top_k = self.mask_cap
+        tries = _Tries(top_k=self._first_top_k(cfg))
         headers = {}
         if session_id is not None:
             headers[SESSION_HEADER] = str(session_id)
         if min_weight_version is not None:
             headers[MIN_VERSION_HEADER] = str(int(min_weight_version))
-        p = self.policy
-        transport_tries = server_errors = shrinks = version_waits = 0
-        attempts = 0
         while True:
-            attempts += 1
-            body = build_generate_request(ids, cfg, sampling_seed=sampling_seed, top_k_override=top_k)
+            tries.attempts += 1
+            body = build_generate_request(ids, cfg, sampling_seed=sampling_seed, top_k_override=tries.top_k)
             self.stats.requests += 1
             try:
                 resp = await self._http.post(
@@ -166,40 +173,59 @@ class SamplerClient:
                     headers={**headers, "Content-Type": "application/json"},
                 )
             except (httpx.TimeoutException, httpx.TransportError) as exc:
-                transport_tries += 1
-                if transport_tries > p.max_transport_retries:
-                    raise self._fail("unavailable", f"{type(exc).__name__}: {exc}", None, attempts) from None
-                await self._backoff("transport", transport_tries)
+                await self._retry_unavailable("transport", f"{type(exc).__name__}: {exc}", None, tries)
                 continue
-            status = resp.status_code
-            if status == 200:
-                return self._accept(resp, ids, cfg, attempts)
-            message = _message_of(resp)
-            if status in UNAVAILABLE_STATUSES:
-                transport_tries += 1
-                if transport_tries > p.max_transport_retries:
-                    raise self._fail("unavailable", message, status, attempts)
-                await self._backoff(f"http_{status}", transport_tries)
-            elif status == 409:
-                version_waits += 1
-                if version_waits > p.max_version_retries:
-                    raise self._fail("version_conflict", message, status, attempts)
-                self.stats.retries["version_conflict"] += 1
-                await asyncio.sleep(self._retry_after(resp, version_waits))
-            elif status == 400:
-                smaller = self._smaller_top_k(message, top_k) if cfg.mode == SUPPORT_MODE else None
-                if smaller is None or shrinks >= p.max_shrink_retries:
-                    raise self._fail("bad_request", message, status, attempts)
-                shrinks += 1
-                top_k = smaller
-                self.stats.retries["shrink_top_k"] += 1
-            elif status == 500:
-                server_errors += 1
-                if server_errors > p.max_server_error_retries:
-                    raise self._fail("server_error", message, status, attempts)
-                self.stats.retries["server_error"] += 1
-            else:
-                raise self._fail(f"http_{status}", message, status, attempts)
+            if resp.status_code == 200:
+                return self._accept(resp, ids, cfg, tries.attempts)
+            await self._retry_error_status(resp, cfg, tries)
+
+    def _first_top_k(self, cfg: SamplingConfig) -> int:
+        """The top_k of the first post: the config's, capped in support mode by the server's known mask cap."""
+        top_k = cfg.wire_top_k()
+        if cfg.mode == SUPPORT_MODE and self.mask_cap is not None and top_k > self.mask_cap:
+            top_k = self.mask_cap
+        return top_k
+
+    async def _retry_unavailable(self, reason: str, message: str, status: int | None, tries: _Tries) -> None:
+        """Back off before the next post after a transport error or an unavailable status; TurnFailed
+        once the policy's transport retries are spent."""
+        tries.transport += 1
+        if tries.transport > self.policy.max_transport_retries:
+            raise self._fail("unavailable", message, status, tries.attempts) from None
+        await self._backoff(reason, tries.transport)
+
+    async def _retry_error_status(self, resp: httpx.Response, cfg: SamplingConfig, tries: _Tries) -> None:
+        """Prepare the next post after a non-200 answer (wait, or shrink top_k), or raise TurnFailed
+        when the status is final or its retries are spent."""
+        p = self.policy
+        status = resp.status_code
+        message = _message_of(resp)
+        if status in UNAVAILABLE_STATUSES:
+            await self._retry_unavailable(f"http_{status}", message, status, tries)
+        elif status == 409:
+            tries.version_waits += 1
+            if tries.version_waits > p.max_version_retries:
+                raise self._fail("version_conflict", message, status, tries.attempts)
+            self.stats.retries["version_conflict"] += 1
+            await asyncio.sleep(self._retry_after(resp, tries.version_waits))
+        elif status == 400:
+            self._shrink_after_bad_request(message, cfg, tries)
+        elif status == 500:
+            tries.server_errors += 1
+            if tries.server_errors > p.max_server_error_retries:
+                raise self._fail("server_error", message, status, tries.attempts)
+            self.stats.retries["server_error"] += 1
+        else:
+            raise self._fail(f"http_{status}", message, status, tries.attempts)
+
+    def _shrink_after_bad_request(self, message: str, cfg: SamplingConfig, tries: _Tries) -> None:
+        """A 400 is retried only as one of SGLang's sampling-mask refusals, with a smaller top_k."""
+        smaller = self._smaller_top_k(message, tries.top_k) if cfg.mode == SUPPORT_MODE else None
+        if smaller is None or tries.shrinks >= self.policy.max_shrink_retries:
+            raise self._fail("bad_request", message, 400, tries.attempts)
+        tries.shrinks += 1
+        tries.top_k = smaller
+        self.stats.retries["shrink_top_k"] += 1
 
     def _accept(
         self, resp: httpx.Response, ids: list[int], cfg: SamplingConfig, attempts: int
