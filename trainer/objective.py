@@ -145,11 +145,20 @@ def _check_inputs(logits: Tensor, batch: TokenBatch, config: ObjectiveConfig) ->
         raise ValueError(
             "replay=True needs candidates_are_support=True (a head of q is not a sampling support)"
         )
+    _check_logits(logits)
+    _check_batch_shapes(batch, num_tokens=logits.shape[0])
+    _check_batch_values(batch, config)
+
+
+def _check_logits(logits: Tensor) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    num_tokens = logits.shape[0]
+
+
+def _check_batch_shapes(batch: TokenBatch, num_tokens: int) -> None:
+    """Every per-token field is [T] and the candidates [T, K], T the logits' token count."""
     for name in (
         "tokens",
         "advantages",
@@ -170,6 +179,10 @@ def _check_inputs(logits: Tensor, batch: TokenBatch, config: ObjectiveConfig) ->
         raise ValueError(
             f"batch.candidate_logprobs {tuple(batch.candidate_logprobs.shape)} must match candidate_ids {tuple(batch.candidate_ids.shape)}"
         )
+
+
+def _check_batch_values(batch: TokenBatch, config: ObjectiveConfig) -> None:
+    """Integer ids, old logprobs when PPO clipping asks for them, no negative staleness."""
     for name in ("tokens", "candidate_ids", "group_ids", "staleness"):
         value = getattr(batch, name)
         if value is not None and value.is_floating_point():
@@ -343,39 +356,16 @@ def policy_loss(
     log_p_cand = lp.log_p_cand.detach()
     p_cand = log_p_cand.exp() * present  # [T, K], 0 at padding
     q_cand = rec.log_q_cand.exp() * present
-    tail_ratio = None
-    if not batch.candidates_are_support:  # rho: how much more tail mass q has than p outside the head
-        q_tail = (1.0 - q_cand.sum(dim=1)).clamp(min=MASS_FLOOR)
-        p_tail = (1.0 - p_cand.sum(dim=1)).clamp(min=MASS_FLOOR)
-        tail_ratio = q_tail / p_tail
-    coef_cand = torch.zeros_like(p_cand)
-    if config.uses_centering:
-        coef_cand = q_cand
-        if config.mode == "sc_mis":
-            log_ratio_cand = (log_p_cand - rec.log_q_cand).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-            coef_cand = q_cand * _mis_weight(log_ratio_cand, config) * present
-        if tail_ratio is not None:
-            # Tail modelled as q = rho p: its sum_v q f grad log p(v) equals -alpha sum_H p grad log p(v).
-            if config.mode == "sc":
-                alpha = tail_ratio
-            else:
-                alpha = ((tail_ratio >= 1.0 / config.mis_high) & (tail_ratio * config.mis_low <= 1.0)).to(
-                    dtype
-                )
-            coef_cand = coef_cand - alpha[:, None] * p_cand
+    tail_ratio = None if batch.candidates_are_support else _tail_ratio(q_cand, p_cand)
+    coef_cand = (
+        _centering_coefficients(log_p_cand, rec, q_cand, p_cand, present, tail_ratio, config, dtype)
+        if config.uses_centering
+        else torch.zeros_like(p_cand)
+    )
 
     # The differentiable part: sampled-token term minus the centering term.
     centering = (coef_cand * lp.log_p_cand).sum(dim=1)  # [T]
-    clipped = None
-    if config.ppo_clip:
-        log_s = (lp.log_p_y - rec.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # type: ignore[operator]
-        s = log_s.exp()
-        s_clipped = s.clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
-        surrogate = torch.minimum(s * advantages, s_clipped * advantages)
-        clipped = (s_clipped * advantages < s * advantages).detach() & valid
-        per_token = -(weight_y * surrogate - advantages * centering)
-    else:
-        per_token = -advantages * (weight_y * lp.log_p_y - centering)
+    per_token, clipped = _per_token_loss(lp.log_p_y, rec, advantages, weight_y, centering, valid, config)
     per_token = torch.where(valid, per_token, 0.0)
     num_valid = int(valid.sum())
     loss_sum = per_token.sum()
@@ -397,19 +387,8 @@ def policy_loss(
     )
     invalid = (batch.loss_mask > 0) & ~valid
     metrics = _summarise(per_token_metrics, valid, invalid, torch.ones_like(valid))
-    per_group: dict[int, dict[str, float]] = {}
-    if batch.group_ids is not None:
-        for group_id in torch.unique(batch.group_ids).tolist():
-            per_group[int(group_id)] = _summarise(
-                per_token_metrics, valid, invalid, batch.group_ids == group_id
-            )
-    per_staleness: dict[str, dict[str, float]] = {}
-    if batch.staleness is not None:
-        bucket = staleness_bucket_index(batch.staleness)
-        for index, name in enumerate(STALENESS_BUCKETS):
-            selected = bucket == index
-            if bool(selected.any()):
-                per_staleness[name] = _summarise(per_token_metrics, valid, invalid, selected)
+    per_group = _per_group_metrics(per_token_metrics, valid, invalid, batch.group_ids)
+    per_staleness = _per_staleness_metrics(per_token_metrics, valid, invalid, batch.staleness)
     return LossOutput(
         loss=loss,
         metrics=metrics,
@@ -418,6 +397,82 @@ def policy_loss(
         loss_sum=loss_sum,
         num_valid_tokens=num_valid,
     )
+
+
+def _tail_ratio(q_cand: Tensor, p_cand: Tensor) -> Tensor:
+    """rho: how much more tail mass q has than p outside the head."""
+    q_tail = (1.0 - q_cand.sum(dim=1)).clamp(min=MASS_FLOOR)
+    p_tail = (1.0 - p_cand.sum(dim=1)).clamp(min=MASS_FLOOR)
+    return q_tail / p_tail
+
+
+def _centering_coefficients(
+    log_p_cand: Tensor,
+    rec: _Screened,
+    q_cand: Tensor,
+    p_cand: Tensor,
+    present: Tensor,
+    tail_ratio: Tensor | None,
+    config: ObjectiveConfig,
+    dtype: torch.dtype,
+) -> Tensor:
+    """c_v of the centering term over the candidates (detached, [T, K]) for the sc and sc_mis modes."""
+    coef_cand = q_cand
+    if config.mode == "sc_mis":
+        log_ratio_cand = (log_p_cand - rec.log_q_cand).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        coef_cand = q_cand * _mis_weight(log_ratio_cand, config) * present
+    if tail_ratio is not None:
+        # Tail modelled as q = rho p: its sum_v q f grad log p(v) equals -alpha sum_H p grad log p(v).
+        if config.mode == "sc":
+            alpha = tail_ratio
+        else:
+            alpha = ((tail_ratio >= 1.0 / config.mis_high) & (tail_ratio * config.mis_low <= 1.0)).to(dtype)
+        coef_cand = coef_cand - alpha[:, None] * p_cand
+    return coef_cand
+
+
+def _per_token_loss(
+    log_p_y: Tensor,
+    rec: _Screened,
+    advantages: Tensor,
+    weight_y: Tensor,
+    centering: Tensor,
+    valid: Tensor,
+    config: ObjectiveConfig,
+) -> tuple[Tensor, Tensor | None]:
+    """The differentiable per-token loss (before masking), and with PPO clipping which tokens clipped."""
+    if not config.ppo_clip:
+        return -advantages * (weight_y * log_p_y - centering), None
+    log_s = (log_p_y - rec.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # type: ignore[operator]
+    s = log_s.exp()
+    s_clipped = s.clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
+    surrogate = torch.minimum(s * advantages, s_clipped * advantages)
+    clipped = (s_clipped * advantages < s * advantages).detach() & valid
+    return -(weight_y * surrogate - advantages * centering), clipped
+
+
+def _per_group_metrics(
+    per_token_metrics: dict[str, Tensor], valid: Tensor, invalid: Tensor, group_ids: Tensor | None
+) -> dict[int, dict[str, float]]:
+    per_group: dict[int, dict[str, float]] = {}
+    if group_ids is not None:
+        for group_id in torch.unique(group_ids).tolist():
+            per_group[int(group_id)] = _summarise(per_token_metrics, valid, invalid, group_ids == group_id)
+    return per_group
+
+
+def _per_staleness_metrics(
+    per_token_metrics: dict[str, Tensor], valid: Tensor, invalid: Tensor, staleness: Tensor | None
+) -> dict[str, dict[str, float]]:
+    """Metrics per staleness bucket that has tokens."""
+    per_staleness: dict[str, dict[str, float]] = {}
+    if staleness is not None:
+        bucket = staleness_bucket_index(staleness)
+        for index, name in enumerate(STALENESS_BUCKETS):
+            selected = bucket == index
+            if bool(selected.any()):
+                per_staleness[name] = _summarise(per_token_metrics, valid, invalid, selected)
+    return per_staleness
 
 
 # ----------------------------------------------------------------------------------------------
