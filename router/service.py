@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -37,7 +38,8 @@ from rlfleet.router.config import (
     format_validation_error,
     load_config,
 )
-from rlfleet.router.core import Router
+from rlfleet.router.core import Router, RouteResult
+from rlfleet.router.transport import StreamingResponse
 
 log = logging.getLogger("rlfleet.router")
 BodyModel = TypeVar("BodyModel", bound=BaseModel)  # an admin request body (_read_model)
@@ -92,25 +94,26 @@ def _wants_stream(body: bytes) -> bool:
     return isinstance(decoded, dict) and decoded.get("stream") is True
 
 
-async def _proxy(request: web.Request) -> web.StreamResponse:
-    router = request.app[ROUTER_KEY]
-    body = await request.read()
-    headers = request.headers
-    session_key = headers.get(SESSION_HEADERS[0]) or headers.get(SESSION_HEADERS[1])
-    min_version: int | None = None
-    raw_version = headers.get(MIN_VERSION_HEADER)
-    if raw_version is not None:
-        try:
-            min_version = int(raw_version)
-        except ValueError:
-            min_version = -1
-        if min_version < 0:
-            return _error(400, f"{MIN_VERSION_HEADER} must be a non-negative integer, got {raw_version!r}")
+def _min_version_of(raw_version: str | None) -> int | None:
+    """The X-Min-Weight-Version header's value; None when absent or not a non-negative integer."""
+    if raw_version is None:
+        return None
+    try:
+        min_version = int(raw_version)
+    except ValueError:
+        return None
+    return min_version if min_version >= 0 else None
+
+
+def _upstream_headers(
+    headers: Mapping[str, str], api_key: str | None, raw_version: str | None, session_key: str | None
+) -> dict[str, str] | None:
+    """The headers forwarded to a replica; None when the router has a key and the caller's bearer
+    token does not match it."""
     upstream_headers = {"Content-Type": headers.get("Content-Type", "application/json")}
-    api_key = request.app[API_KEY].token()
     if api_key is not None:
         if not _bearer_matches(headers, api_key):
-            return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
+            return None
         upstream_headers["Authorization"] = f"Bearer {api_key}"
     elif "Authorization" in headers:
         upstream_headers["Authorization"] = headers["Authorization"]
@@ -120,17 +123,40 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         upstream_headers[MIN_VERSION_HEADER] = raw_version
     if session_key:
         upstream_headers[SESSION_HEADERS[0]] = session_key
+    return upstream_headers
+
+
+async def _proxy(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    body = await request.read()
+    headers = request.headers
+    session_key = headers.get(SESSION_HEADERS[0]) or headers.get(SESSION_HEADERS[1])
+    raw_version = headers.get(MIN_VERSION_HEADER)
+    min_version = _min_version_of(raw_version)
+    if raw_version is not None and min_version is None:
+        return _error(400, f"{MIN_VERSION_HEADER} must be a non-negative integer, got {raw_version!r}")
+    upstream_headers = _upstream_headers(headers, request.app[API_KEY].token(), raw_version, session_key)
+    if upstream_headers is None:
+        return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
     stream = _wants_stream(body)
     result = await router.route(request.path, body, session_key, min_version, upstream_headers, stream)
-    if result.stream is None:
+    upstream = result.stream
+    if upstream is None:
         return web.Response(
             status=result.status, body=result.body, headers={**result.headers, "Content-Type": result.content_type}
         )
+    return await _relay_stream(request, router, result, upstream)
+
+
+async def _relay_stream(
+    request: web.Request, router: Router, result: RouteResult, upstream: StreamingResponse
+) -> web.StreamResponse:
+    """Copy a streamed upstream answer to the caller, then release it (ok only if it all went out)."""
     response = web.StreamResponse(status=result.status, headers={**result.headers, "Content-Type": result.content_type})
     ok = False
     try:
         await response.prepare(request)
-        async for chunk in result.stream.chunks():
+        async for chunk in upstream.chunks():
             await response.write(chunk)
         await response.write_eof()
         ok = True
