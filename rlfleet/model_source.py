@@ -28,8 +28,11 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
+
+if TYPE_CHECKING:
+    from rlfleet.store import Store
 
 CHECKSUMS_FILE = "SHA256SUMS"
 HF_CONFIG = "config.json"
@@ -155,22 +158,13 @@ def _intact(directory: Path, sums: dict[str, str]) -> bool:
 
 
 def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
-    from rlfleet.store import KeyNotFoundError, StoreError, open_store
+    from rlfleet.store import open_store
 
     parsed = urlparse(uri)
     dest = cache_dir / "s3" / parsed.netloc / (parsed.path.strip("/") or "_root")
     store = open_store(uri, **s3_options)
     try:
-        try:
-            sums_text = store.get(CHECKSUMS_FILE).decode()
-            sums = parse_checksums(sums_text, uri)
-        except KeyNotFoundError:
-            raise ModelSourceError(
-                f"model source {uri}: no {CHECKSUMS_FILE} under the prefix (write one with "
-                f"`sha256sum` over the checkpoint's files; weights are verified before use)"
-            ) from None
-        except StoreError as e:
-            raise ModelSourceError(f"model source {uri}: {e}") from e
+        sums_text, sums = _read_checksums(store, uri)
         keys = set(store.list())
         missing = sorted(set(sums) - keys)
         if missing:
@@ -181,28 +175,55 @@ def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
         # at once; the first complete, verified copy is renamed into place, the others are dropped.
         staging = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex}"
         try:
-            for name, expected in sorted(sums.items()):
-                # SHA256SUMS is sha256sum's format: sha256 computed while downloading
-                digest = store.get_file(name, staging / name, algorithm="sha256")
-                if digest.hexdigest != expected:
-                    raise ModelSourceError(
-                        f"model source {uri}: {name} has sha256 {digest.hexdigest[:12]}.., "
-                        f"{CHECKSUMS_FILE} says {expected[:12]}.. (corrupted or tampered; not used)"
-                    )
+            _download_verified(store, uri, sums, staging)
             (staging / CHECKSUMS_FILE).write_text(sums_text)
-            if not _intact(dest, sums):
-                if dest.exists() and not _intact(dest, sums):  # an old, damaged copy (rechecked just now)
-                    shutil.rmtree(dest, ignore_errors=True)
-                try:
-                    staging.rename(dest)
-                except OSError:  # another process renamed its verified copy first
-                    if not _intact(dest, sums):
-                        raise
+            _move_into_place(staging, dest, sums)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return dest
     finally:
         store.close()
+
+
+def _read_checksums(store: Store, uri: str) -> tuple[str, dict[str, str]]:
+    """The prefix's SHA256SUMS, as text and as name -> sha256; a missing or unreadable one is an error."""
+    from rlfleet.store import KeyNotFoundError, StoreError
+
+    try:
+        sums_text = store.get(CHECKSUMS_FILE).decode()
+        return sums_text, parse_checksums(sums_text, uri)
+    except KeyNotFoundError:
+        raise ModelSourceError(
+            f"model source {uri}: no {CHECKSUMS_FILE} under the prefix (write one with "
+            f"`sha256sum` over the checkpoint's files; weights are verified before use)"
+        ) from None
+    except StoreError as e:
+        raise ModelSourceError(f"model source {uri}: {e}") from e
+
+
+def _download_verified(store: Store, uri: str, sums: dict[str, str], staging: Path) -> None:
+    """Download every listed file into `staging`, each checked against its sha256 as it arrives."""
+    for name, expected in sorted(sums.items()):
+        # SHA256SUMS is sha256sum's format: sha256 computed while downloading
+        digest = store.get_file(name, staging / name, algorithm="sha256")
+        if digest.hexdigest != expected:
+            raise ModelSourceError(
+                f"model source {uri}: {name} has sha256 {digest.hexdigest[:12]}.., "
+                f"{CHECKSUMS_FILE} says {expected[:12]}.. (corrupted or tampered; not used)"
+            )
+
+
+def _move_into_place(staging: Path, dest: Path, sums: dict[str, str]) -> None:
+    """Rename the verified staging copy to `dest` unless an intact copy is already there."""
+    if _intact(dest, sums):
+        return
+    if dest.exists() and not _intact(dest, sums):  # an old, damaged copy (rechecked just now)
+        shutil.rmtree(dest, ignore_errors=True)
+    try:
+        staging.rename(dest)
+    except OSError:  # another process renamed its verified copy first
+        if not _intact(dest, sums):
+            raise
 
 
 BUILTIN_TINY_QWEN3 = "builtin:tiny-qwen3"
@@ -260,6 +281,11 @@ def resolve_model_source(
         if not local.exists():
             raise ModelSourceError(f"model source {path}: no such directory")
         return check_checkpoint_dir(local, path)
+    return check_checkpoint_dir(_hub_snapshot(path, revision, snapshot_download), path)
+
+
+def _hub_snapshot(path: str, revision: str | None, snapshot_download: SnapshotDownload | None) -> Path:
+    """The Hugging Face Hub snapshot of repo id `path` (downloaded unless already in the hub's cache)."""
     if snapshot_download is None:
         from huggingface_hub import snapshot_download as hub_snapshot_download
 
@@ -269,4 +295,4 @@ def resolve_model_source(
         fetched = snapshot_download(repo_id=path, revision=revision)
     except Exception as e:  # the hub raises many types (offline, 404, gated): one clear line
         raise ModelSourceError(f"model source {path}: Hugging Face download failed: {type(e).__name__}: {e}") from e
-    return check_checkpoint_dir(Path(fetched), path)
+    return Path(fetched)
