@@ -559,12 +559,7 @@ class WeightChannel:
         claims = {int(m.group(1)): k for k in self.store.list("claims/") if (m := _CLAIM_KEY.match(k))}
         complete = sorted(v for v, ks in by_version.items() if manifest_key(v) in ks and v <= pointer.version)
         protected = set(complete[-keep:]) | {pointer.version}
-        for r in self.subscribers():
-            if stale_after_seconds is not None and not report_is_fresh(r, now, stale_after_seconds):
-                continue  # a dead replica's report pins nothing (docs/weights.md)
-            protected.update(r.in_use)
-            if r.applied_version is not None:
-                protected.add(r.applied_version)
+        protected |= self._pinned_by_subscribers(now, stale_after_seconds)
         doomed = sorted(
             v for v in set(by_version) | set(claims) if v < pointer.version and v not in protected
         )
@@ -578,6 +573,18 @@ class WeightChannel:
             if v in claims:
                 self.store.delete(claims[v])
         return doomed
+
+    def _pinned_by_subscribers(self, now: datetime, stale_after_seconds: float | None) -> set[int]:
+        """The versions subscribers report in use or applied, in reports not older than
+        `stale_after_seconds` (None: every report counts)."""
+        pinned: set[int] = set()
+        for r in self.subscribers():
+            if stale_after_seconds is not None and not report_is_fresh(r, now, stale_after_seconds):
+                continue  # a dead replica's report pins nothing (docs/weights.md)
+            pinned.update(r.in_use)
+            if r.applied_version is not None:
+                pinned.add(r.applied_version)
+        return pinned
 
 
 # ----------------------------------------------------------------------------------------------
