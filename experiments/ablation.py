@@ -246,7 +246,6 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
     collapse definition counts; from the untrained model a run that goes wrong never learned. Built
     once per config under the model cache (`model_source.build_once`, like the untrained model); the
     trainer then loads it as any bf16 checkpoint."""
-    import torch
 
     from rlfleet.model_source import build_once, default_cache_dir, spec_digest
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
@@ -269,7 +268,7 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
         model = backend.model
         if not isinstance(model, PreTrainedModel):  # from_pretrained built it: a transformers model
             raise TypeError(f"the warm start trained a {type(model).__name__}, not a transformers model")
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+        model.bfloat16().save_pretrained(tmp, safe_serialization=True)  # Module.bfloat16 == .to(bf16)
 
     return build_once(root / f"tiny-qwen3-warm-{spec_digest(warm)}", build)
 

@@ -157,19 +157,21 @@ def measure(cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list
         d[f"stale {lag}"] = [p[t - lag] - p[t] if t >= lag else None for t in range(len(p))]
 
     out: dict[str, dict] = {}
-    for label, diffs in d.items():
-        ts = [t for t, x in enumerate(diffs) if x is not None and t >= STALE_REFERENCE]
+    for label, all_diffs in d.items():
+        # the versions this row has a difference for (a stale row has none before its lag)
+        diffs = {t: x for t, x in enumerate(all_diffs) if x is not None and t >= STALE_REFERENCE}
+        ts = sorted(diffs)
         row: dict[str, float] = {
-            "kl": float(np.mean([kl(diffs[t] + p[t], p[t]) for t in ts])),  # type: ignore[operator]
-            "tv": float(np.mean([0.5 * float(diffs[t].abs().sum(-1).mean()) for t in ts])),  # type: ignore[union-attr]
-            "along stale": float(np.mean([cosine(diffs[t], p[t - STALE_REFERENCE] - p[t]) for t in ts])),  # type: ignore[arg-type]
+            "kl": float(np.mean([kl(diffs[t] + p[t], p[t]) for t in ts])),
+            "tv": float(np.mean([0.5 * float(diffs[t].abs().sum(-1).mean()) for t in ts])),
+            "along stale": float(np.mean([cosine(diffs[t], p[t - STALE_REFERENCE] - p[t]) for t in ts])),
         }
         for k in gaps:
-            row[f"cos {k}"] = float(np.mean([cosine(diffs[t], diffs[t + k]) for t in ts if t + k in ts]))  # type: ignore[arg-type]
+            row[f"cos {k}"] = float(np.mean([cosine(diffs[t], diffs[t + k]) for t in ts if t + k in diffs]))
         for w in windows:
             chunks = [ts[i : i + w] for i in range(0, len(ts) - w + 1, w)]
             row[f"coherence {w}"] = float(np.mean([
-                float(sum(diffs[t] for t in c).norm()) / sum(float(diffs[t].norm()) for t in c)  # type: ignore[union-attr]
+                float(torch.stack([diffs[t] for t in c]).sum(0).norm()) / sum(float(diffs[t].norm()) for t in c)
                 for c in chunks])) if chunks else float("nan")
         out[label] = {"row": row, "weight_cos": weight_cos.get(label, {})}
     return out
