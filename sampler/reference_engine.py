@@ -393,20 +393,27 @@ class ReferenceEngine:
             produced += 1
             if req.first_token_at is None:
                 req.first_token_at = now
-            tok = req.out_ids[-1]
-            if tok in req.stop_token_ids:
-                req.finish = {"type": "stop", "matched": tok}
-            elif len(req.out_ids) >= req.max_new_tokens:
-                req.finish = {"type": "length", "length": req.max_new_tokens}
-            elif len(req.input_ids) + len(req.out_ids) >= capacity:
-                req.finish = {"type": "length", "length": len(req.out_ids)}
-            else:
+            finish = self._finish_reason(req, capacity)
+            if finish is None:
                 still.append(req)
                 continue
+            req.finish = finish
             self._release(req)
             finished.append(req)
         self.running = still
         return produced, finished
+
+    @staticmethod
+    def _finish_reason(req: GenRequest, capacity: int) -> dict[str, Any] | None:
+        """Why the request ends after its newest token (SGLang's finish_reason), or None to go on."""
+        tok = req.out_ids[-1]
+        if tok in req.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if len(req.out_ids) >= req.max_new_tokens:
+            return {"type": "length", "length": req.max_new_tokens}
+        if len(req.input_ids) + len(req.out_ids) >= capacity:
+            return {"type": "length", "length": len(req.out_ids)}
+        return None
 
     @staticmethod
     def _record(req: GenRequest, res: SampleResult, b: int, head: list[list] | None, version: int) -> None:
