@@ -386,72 +386,72 @@ def _steps_text(steps: Sequence[int | None], seeds: Sequence[int]) -> str:
     return ", ".join(f"{s}: {'never' if t is None else t}" for s, t in zip(seeds, steps, strict=True))
 
 
-def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_SEEDS,
-                 low_fleet: str = MIXED) -> list[Claim]:
-    """method.md's ablation as claims C1..C7 on the runs at `lag` (the null-arm control at lag 0).
-    Every cell a claim reads needs >= min_seeds seeds, and cells compared with each other are paired
-    over the seeds they share (>= min_seeds too); otherwise the claim is not run. `low_fleet`: the
-    fleet the claims call "the mixed fleet" and hold against the homogeneous one (default `mixed`;
-    `rlfleet ablate --fleets homogeneous,nvfp4` compares the all-4-bit fleet)."""
-    if min_seeds < 1:
-        raise ValueError("min_seeds must be >= 1")
-    if low_fleet == HOMOGENEOUS:
-        raise ValueError("the claims hold a low-precision fleet against the homogeneous one, not against itself")
-    fleets = (HOMOGENEOUS, low_fleet)
+@dataclass(frozen=True)
+class _PaperClaims:
+    """The evaluators of paper_claims' C1..C7 over the cells at `lag` (see paper_claims)."""
 
-    def cell(arm: str, fleet: str) -> tuple[str, str, int]:
-        return (arm, fleet, lag)
+    definition: CollapseDefinition
+    lag: int
+    min_seeds: int
+    low_fleet: str
 
-    def collapses(index: _Index, c: tuple[str, str, int], seeds: Sequence[int]) -> tuple[list[int | None], int, float]:
+    @property
+    def fleets(self) -> tuple[str, str]:
+        return (HOMOGENEOUS, self.low_fleet)
+
+    def _cell(self, arm: str, fleet: str) -> tuple[str, str, int]:
+        return (arm, fleet, self.lag)
+
+    def _collapses(self, index: _Index, c: tuple[str, str, int], seeds: Sequence[int]) -> tuple[list[int | None], int, float]:
         """Collapse step per seed, collapsed count, mean censored collapse step."""
         runs = index.get(c, seeds)
-        steps = [definition.step(r.rewards) for r in runs]
+        steps = [self.definition.step(r.rewards) for r in runs]
         censored = [r.steps + 1 if t is None else t for r, t in zip(runs, steps, strict=True)]
         return steps, sum(t is not None for t in steps), _mean(censored)
 
-    def c1(records: Sequence[RunRecord]) -> ClaimResult:
-        index, c = _Index(records), cell("pg", low_fleet)
-        if missing := index.missing([c], min_seeds):
+    def c1(self, records: Sequence[RunRecord]) -> ClaimResult:
+        index, c = _Index(records), self._cell("pg", self.low_fleet)
+        if missing := index.missing([c], self.min_seeds):
             return _not_run(missing)
         seeds = index.seeds([c])
-        steps, k, _ = collapses(index, c, seeds)
+        steps, k, _ = self._collapses(index, c, seeds)
         return ClaimResult(_two_thirds(k, len(seeds)),
                            f"{cell_name(*c)} collapsed in {k}/{len(seeds)} seeds (need 3k >= 2n); "
                            f"collapse step by seed: {_steps_text(steps, seeds)}")
 
-    def c2(records: Sequence[RunRecord]) -> ClaimResult:
+    def c2(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        cells = [cell("pg", HOMOGENEOUS), cell("pg", low_fleet)]
-        if missing := index.missing(cells, min_seeds):
+        cells = [self._cell("pg", HOMOGENEOUS), self._cell("pg", self.low_fleet)]
+        if missing := index.missing(cells, self.min_seeds):
             return _not_run(missing)
         seeds = index.seeds(cells)
-        (sh, kh, mh), (sm, km, mm) = (collapses(index, c, seeds) for c in cells)
+        (sh, kh, mh), (sm, km, mm) = (self._collapses(index, c, seeds) for c in cells)
         return ClaimResult(mh > mm or kh < km,
                            f"pg over seeds {seeds}: homogeneous collapsed {kh}/{len(seeds)}, mean step {mh:.1f} (by seed: "
-                           f"{_steps_text(sh, seeds)}); {low_fleet} collapsed {km}/{len(seeds)}, mean step {mm:.1f} "
+                           f"{_steps_text(sh, seeds)}); {self.low_fleet} collapsed {km}/{len(seeds)}, mean step {mm:.1f} "
                            f"(by seed: {_steps_text(sm, seeds)}); never = steps + 1 in the means")
 
-    def c3(records: Sequence[RunRecord]) -> ClaimResult:
+    def c3(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        cells = [cell(arm, fleet) for arm in STABLE_ARMS for fleet in fleets]
-        if missing := index.missing(cells, min_seeds):
+        cells = [self._cell(arm, fleet) for arm in STABLE_ARMS for fleet in self.fleets]
+        if missing := index.missing(cells, self.min_seeds):
             return _not_run(missing)
         parts, ok = [], True
         for c in cells:
             seeds = index.seeds([c])
-            steps, k, _ = collapses(index, c, seeds)
+            steps, k, _ = self._collapses(index, c, seeds)
             ok = ok and k == 0
             parts.append(f"{cell_name(*c)} {k}/{len(seeds)}" + (f" ({_steps_text(steps, seeds)})" if k else ""))
         return ClaimResult(ok, "collapsed: " + "; ".join(parts))
 
-    def c4(records: Sequence[RunRecord]) -> ClaimResult:
+    def c4(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
         arms = ("pg", "sc_mis", *SINGLE_CORRECTIONS)
-        cells = [cell(arm, low_fleet) for arm in arms]
-        if missing := index.missing(cells, min_seeds):
+        cells = [self._cell(arm, self.low_fleet) for arm in arms]
+        if missing := index.missing(cells, self.min_seeds):
             return _not_run(missing)
         seeds = index.seeds(cells)
-        stats = {arm: collapses(index, cell(arm, low_fleet), seeds)[1:] for arm in arms}
+        stats = {arm: self._collapses(index, self._cell(arm, self.low_fleet), seeds)[1:] for arm in arms}
         (kp, mp), (ks, ms) = stats["pg"], stats["sc_mis"]
         interval = kp > ks or mp < ms
         between = {arm: kp >= stats[arm][0] >= ks and mp <= stats[arm][1] <= ms for arm in SINGLE_CORRECTIONS}
@@ -459,44 +459,44 @@ def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_
                          + ("" if arm in ("pg", "sc_mis") else (" (between)" if between[arm] else " (NOT between)"))
                          for arm in arms)
         note = "" if interval else "; pg is no worse than sc_mis, so there is nothing in between"
-        return ClaimResult(interval and all(between.values()), f"{low_fleet}/lag {lag} over seeds {seeds}: {text}{note}")
+        return ClaimResult(interval and all(between.values()), f"{self.low_fleet}/lag {self.lag} over seeds {seeds}: {text}{note}")
 
-    def c5(records: Sequence[RunRecord]) -> ClaimResult:
+    def c5(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        both = sorted({a for (a, f, g) in index.runs if g == lag and (a, HOMOGENEOUS, lag) in index.runs
-                       and (a, low_fleet, lag) in index.runs} | {"pg"}, key=_arm_key)
-        missing = [m for a in both for m in index.missing([cell(a, f) for f in fleets], min_seeds)]
+        both = sorted({a for (a, f, g) in index.runs if g == self.lag and (a, HOMOGENEOUS, self.lag) in index.runs
+                       and (a, self.low_fleet, self.lag) in index.runs} | {"pg"}, key=_arm_key)
+        missing = [m for a in both for m in index.missing([self._cell(a, f) for f in self.fleets], self.min_seeds)]
         if missing:
             return _not_run(missing)
         ratios: list[float] = []
         low: list[str] = []
         for a in both:
-            seeds = index.seeds([cell(a, HOMOGENEOUS), cell(a, low_fleet)])
-            for s, h, m in zip(seeds, index.get(cell(a, HOMOGENEOUS), seeds), index.get(cell(a, low_fleet), seeds), strict=True):
+            seeds = index.seeds([self._cell(a, HOMOGENEOUS), self._cell(a, self.low_fleet)])
+            for s, h, m in zip(seeds, index.get(self._cell(a, HOMOGENEOUS), seeds), index.get(self._cell(a, self.low_fleet), seeds), strict=True):
                 kh, km = on_policy_kl(h), on_policy_kl(m)
                 ratio = km / kh if kh > 0 else (math.inf if km > 0 else math.nan)
                 ratios.append(ratio)
                 if not ratio > 1:
                     low.append(f"{a} seed {s}: {ratio:.3g}")
-        return ClaimResult(not low, f"step-1 kl_k3 {low_fleet} / homogeneous over {len(ratios)} (arm, seed) pairs of "
+        return ClaimResult(not low, f"step-1 kl_k3 {self.low_fleet} / homogeneous over {len(ratios)} (arm, seed) pairs of "
                            f"{', '.join(both)}: median {median(ratios):.3g}x, range {min(ratios):.3g}x..{max(ratios):.3g}x "
                            f"(paper, run mean on real GPUs: 4.7x)" + (f"; not > 1: {', '.join(low)}" if low else ""))
 
-    def c6(records: Sequence[RunRecord]) -> ClaimResult:
+    def c6(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        cells = [cell("sc_mis+topp", low_fleet), cell("pg", low_fleet)]
-        missing = index.missing(cells, min_seeds) + index.missing(NULL_CELLS, min_seeds)
+        cells = [self._cell("sc_mis+topp", self.low_fleet), self._cell("pg", self.low_fleet)]
+        missing = index.missing(cells, self.min_seeds) + index.missing(NULL_CELLS, self.min_seeds)
         if missing:
             return _not_run(missing)
-        diff = paired_difference(records, "sc_mis+topp", "pg", low_fleet, lag)
+        diff = paired_difference(records, "sc_mis+topp", "pg", self.low_fleet, self.lag)
         floor = null_noise_floor(records)
         passed = diff.mean > 0 and diff.mean > floor.max_abs_mean
         return ClaimResult(passed, f"final reward {diff.describe()}; {floor.describe()}")
 
-    def c7(records: Sequence[RunRecord]) -> ClaimResult:
+    def c7(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        cells = [cell("pg", low_fleet), cell("sc_mis", low_fleet)]
-        if missing := index.missing(cells, min_seeds):
+        cells = [self._cell("pg", self.low_fleet), self._cell("sc_mis", self.low_fleet)]
+        if missing := index.missing(cells, self.min_seeds):
             return _not_run(missing)
         seeds = index.seeds(cells)
         growth: dict[str, list[float]] = {}
@@ -508,23 +508,37 @@ def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_
         k = sum(p > s for p, s in zip(growth["pg"], growth["sc_mis"], strict=True))
         by_seed = ", ".join(f"{s}: {p:.2f}x vs {q:.2f}x" for s, p, q in zip(seeds, growth["pg"], growth["sc_mis"], strict=True))
         return ClaimResult(_two_thirds(k, len(seeds)),
-                           f"{low_fleet}/lag {lag}: pg's kl_growth > sc_mis's in {k}/{len(seeds)} seeds (need 3k >= 2n); "
+                           f"{self.low_fleet}/lag {self.lag}: pg's kl_growth > sc_mis's in {k}/{len(seeds)} seeds (need 3k >= 2n); "
                            f"median pg {median(growth['pg']):.2f}x, sc_mis {median(growth['sc_mis']):.2f}x; by seed: {by_seed}")
 
+
+def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_SEEDS,
+                 low_fleet: str = MIXED) -> list[Claim]:
+    """method.md's ablation as claims C1..C7 on the runs at `lag` (the null-arm control at lag 0).
+    Every cell a claim reads needs >= min_seeds seeds, and cells compared with each other are paired
+    over the seeds they share (>= min_seeds too); otherwise the claim is not run. `low_fleet`: the
+    fleet the claims call "the mixed fleet" and hold against the homogeneous one (default `mixed`;
+    `rlfleet ablate --fleets homogeneous,nvfp4` compares the all-4-bit fleet)."""
+    if min_seeds < 1:
+        raise ValueError("min_seeds must be >= 1")
+    if low_fleet == HOMOGENEOUS:
+        raise ValueError("the claims hold a low-precision fleet against the homogeneous one, not against itself")
+    claims = _PaperClaims(definition, lag, min_seeds, low_fleet)
+
     return [
-        Claim("C1", "Positive control: uncorrected pg on the mixed fleet collapses in at least 2/3 of seeds.", c1),
+        Claim("C1", "Positive control: uncorrected pg on the mixed fleet collapses in at least 2/3 of seeds.", claims.c1),
         Claim("C2", "pg on the homogeneous fleet collapses later than on the mixed fleet on average (mean collapse "
-              "step, a seed that never collapses counted at steps + 1), or in fewer seeds.", c2),
-        Claim("C3", "sc_mis and sc_mis+topp never collapse on either fleet (0 of N seeds in each of the four cells).", c3),
+              "step, a seed that never collapses counted at steps + 1), or in fewer seeds.", claims.c2),
+        Claim("C3", "sc_mis and sc_mis+topp never collapse on either fleet (0 of N seeds in each of the four cells).", claims.c3),
         Claim("C4", "Single corrections (mis, sc, pg+topp) on the mixed fleet are in between: each collapses in no "
               "more seeds than pg and no earlier on average (censored), and in no fewer seeds than sc_mis and no "
-              "later on average; and pg is worse than sc_mis on at least one of the two (else nothing is in between).", c4),
+              "later on average; and pg is worse than sc_mis on at least one of the two (else nothing is in between).", claims.c4),
         Claim("C5", "On-policy KL (step 1, before any staleness), mixed over homogeneous, is > 1 for every seed of "
-              "every arm run on both fleets (reported: median and range; the paper's 4.7x is for reference).", c5),
+              "every arm run on both fleets (reported: median and range; the paper's 4.7x is for reference).", claims.c5),
         Claim("C6", "Final reward on the mixed fleet, sc_mis+topp minus pg paired by seed: the mean difference is "
-              "> 0 and > the null-arm noise floor (the largest absolute mean paired difference among the null pairs).", c6),
+              "> 0 and > the null-arm noise floor (the largest absolute mean paired difference among the null pairs).", claims.c6),
         Claim("C7", "KL growth on the mixed fleet: pg's kl_growth exceeds sc_mis's in at least 2/3 of seeds "
-              "(paired by seed).", c7),
+              "(paired by seed).", claims.c7),
     ]
 
 
