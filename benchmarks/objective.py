@@ -192,6 +192,40 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.2f}"
 
 
+def _run_cases(cases: list[str], tokens: int, args: argparse.Namespace) -> dict[str, dict] | None:
+    """Each case in its own process (a clean peak-memory reading); None after printing a failed case."""
+    results: dict[str, dict] = {}
+    for case in cases:
+        command = [
+            sys.executable, os.path.abspath(__file__), "--case", case, "--tokens", str(tokens),
+            "--vocab", str(args.vocab), "--support-k", str(args.support_k), "--head-k", str(args.head_k),
+            "--reps", str(args.reps), "--threads", str(args.threads), "--chunk-tokens", str(args.chunk_tokens),
+            "--dtype", args.dtype,
+        ]  # fmt: skip
+        completed = subprocess.run(command, capture_output=True, text=True)
+        if completed.returncode != 0:
+            print(f"error: case {case} failed:\n{completed.stderr[-2000:]}", file=sys.stderr)
+            return None
+        results[case] = json.loads(completed.stdout.strip().splitlines()[-1])
+        print(
+            f"  done {case}: {results[case]['cpu_s']:.3f} CPU-s, extra peak {_gib(results[case]['extra_peak_bytes'])} GiB",
+            file=sys.stderr,
+        )
+    return results
+
+
+def _print_table(header: list[str], rows: list[list[str]], markdown: bool) -> None:
+    if markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+    else:
+        widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=False)]
+        for row in [header, *rows]:
+            print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -233,23 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"note: T shrunk from {args.tokens} to {tokens} to fit half of MemAvailable ({_gib(_mem_available_bytes())} GiB)"
         )
-    results: dict[str, dict] = {}
-    for case in cases:
-        command = [
-            sys.executable, os.path.abspath(__file__), "--case", case, "--tokens", str(tokens),
-            "--vocab", str(args.vocab), "--support-k", str(args.support_k), "--head-k", str(args.head_k),
-            "--reps", str(args.reps), "--threads", str(args.threads), "--chunk-tokens", str(args.chunk_tokens),
-            "--dtype", args.dtype,
-        ]  # fmt: skip
-        completed = subprocess.run(command, capture_output=True, text=True)
-        if completed.returncode != 0:
-            print(f"error: case {case} failed:\n{completed.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        results[case] = json.loads(completed.stdout.strip().splitlines()[-1])
-        print(
-            f"  done {case}: {results[case]['cpu_s']:.3f} CPU-s, extra peak {_gib(results[case]['extra_peak_bytes'])} GiB",
-            file=sys.stderr,
-        )
+    results = _run_cases(cases, tokens, args)
+    if results is None:
+        return 1
 
     pg, naive = results["pg_plain"], results["sc_naive"]
     naive_cpu_ratio = naive["cpu_s"] / naive["pg_plain_cpu_s"]
@@ -282,15 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(f"T={tokens} V={args.vocab} support K={args.support_k} head K={args.head_k} dtype={args.dtype} "
           f"threads={args.threads} chunk={args.chunk_tokens} logits {_gib(pg['logits_bytes'])} GiB")  # fmt: skip
-    if args.markdown:
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-    else:
-        widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=False)]
-        for row in [header, *rows]:
-            print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    _print_table(header, rows, args.markdown)
     return 0
 
 
