@@ -270,6 +270,43 @@ def meta_microbench() -> None:
           f"{bytes_ms:.2f} ms vs json decode+encode {json_ms:.2f} ms ({json_ms / bytes_ms:.0f}x)")  # fmt: skip
 
 
+def _start_routers(loops: list[str], urls: list[str], procs: list[Proc]) -> list[tuple[str, str, str, int | None]]:
+    """One rlfleet router per event loop over the upstreams, two per group (added to `procs`)."""
+    targets: list[tuple[str, str, str, int | None]] = []
+    for loop in loops:
+        port = _free_port()
+        argv = [sys.executable, "-m", "rlfleet.cli", "router", "serve", "--port", str(port),
+                "--loop", loop or "auto"]  # fmt: skip
+        for g in range(N_PORTS // 2):
+            argv += ["--group", f"g{g}={urls[2 * g]},{urls[2 * g + 1]}"]
+        proc = Proc(argv, cpu=0)
+        procs.append(proc)
+        _wait_port(port)
+        name = f"rlfleet router ({loop or 'auto'})"
+        targets.append((name, f"http://127.0.0.1:{port}", "X-Session-Id", proc.process.pid))
+    return targets
+
+
+def _start_smg(smg: str | None, urls: list[str], procs: list[Proc]) -> list[tuple[str, str, str, int | None]]:
+    """SGLang's Rust router over the same upstreams when its binary is there (added to `procs`)."""
+    if smg and os.path.exists(smg):
+        port = _free_port()
+        argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                "--policy", "consistent_hashing", "--log-level", "error", "--disable-health-check",
+                "--prometheus-port", str(_free_port())]  # fmt: skip
+        proc = Proc(argv, cpu=0)
+        procs.append(proc)
+        try:
+            _wait_port(port)
+            time.sleep(2.0)  # smg registers workers asynchronously after binding
+            return [("smg (SGLang router, Rust)", f"http://127.0.0.1:{port}", "X-SMG-Routing-Key", proc.process.pid)]
+        except RuntimeError:
+            print(f"smg did not start: {proc.process.stderr.read(2000) if proc.process.poll() is not None else ''}")
+    else:
+        print("smg not found: pass --smg /path/to/smg (pip install smg into a separate venv)")
+    return []
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=3000)
@@ -307,32 +344,8 @@ def main() -> int:
             os.sched_setaffinity(0, {1})  # the load generator shares CPU 1 with the upstream
 
         targets: list[tuple[str, str, str, int | None]] = [("direct (no router)", urls[0], "X-Session-Id", None)]
-        for loop in args.loops.split(","):
-            port = _free_port()
-            argv = [sys.executable, "-m", "rlfleet.cli", "router", "serve", "--port", str(port),
-                    "--loop", loop or "auto"]  # fmt: skip
-            for g in range(N_PORTS // 2):
-                argv += ["--group", f"g{g}={urls[2 * g]},{urls[2 * g + 1]}"]
-            proc = Proc(argv, cpu=0)
-            procs.append(proc)
-            _wait_port(port)
-            name = f"rlfleet router ({loop or 'auto'})"
-            targets.append((name, f"http://127.0.0.1:{port}", "X-Session-Id", proc.process.pid))
-        if args.smg and os.path.exists(args.smg):
-            port = _free_port()
-            argv = [args.smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-                    "--policy", "consistent_hashing", "--log-level", "error", "--disable-health-check",
-                    "--prometheus-port", str(_free_port())]  # fmt: skip
-            proc = Proc(argv, cpu=0)
-            procs.append(proc)
-            try:
-                _wait_port(port)
-                time.sleep(2.0)  # smg registers workers asynchronously after binding
-                targets.append(("smg (SGLang router, Rust)", f"http://127.0.0.1:{port}", "X-SMG-Routing-Key", proc.process.pid))
-            except RuntimeError:
-                print(f"smg did not start: {proc.process.stderr.read(2000) if proc.process.poll() is not None else ''}")
-        else:
-            print("smg not found: pass --smg /path/to/smg (pip install smg into a separate venv)")
+        targets += _start_routers(args.loops.split(","), urls, procs)
+        targets += _start_smg(args.smg, urls, procs)
 
         results = {}
         for name, url, header, pid in targets:
