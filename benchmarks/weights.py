@@ -141,72 +141,36 @@ def bench_filesystem(view_dirs: dict[str, Path], total: int, work: Path, reps: i
     }
 
 
-def bench_write_publish(
-    state: dict[str, torch.Tensor], view_dirs: dict[str, Path], total: int, work: Path, reps: int
-) -> dict[str, float]:
-    """The publisher's whole path from converted tensors: every view file written with its BLAKE3
-    digest computed in the SAME pass (`write_safetensors` -> `write_file_hashed`: a second thread
-    hashes chunk i while chunk i is written), then `WeightChannel.publish(move=True, digests=...)`
-    (fsync, rename, manifest, pointer; no second read to hash). The same path with sha256 (what the
-    manifest carried before) is a row of the same run. Baselines, interleaved per rep: a plain
-    page-cache copy of the same bytes (copyfile, no fsync), the same + fsync, and safetensors' own
-    `save_file` of the same tensors (no hash)."""
-    from safetensors.torch import save_file
+def _publish_path(
+    store: FilesystemStore,
+    rep: int,
+    algorithm: str,
+    view_dirs: dict[str, Path],
+    tensors: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """The publisher's path once: write and hash every view in parallel, then publish by moving."""
+    staging = store.staging_dir()
+    assert staging is not None
+    staged = {v: staging / f"rep{rep}-{algorithm}" / v for v in view_dirs}
 
-    tensors = {v: view_tensors(state, v)[0] for v in view_dirs}
-    runs: dict[str, list[float]] = {
-        "copy": [], "copy_fsync": [], "plain_write": [], "publisher": [], "publisher_page_cache": [],
-        "publisher_page_cache_sha256": [],
-    }  # fmt: skip
-    durable = FilesystemStore(work / "wp-store", create=True)
-    volatile = FilesystemStore(work / "wp-store-nofsync", create=True, fsync=False)
+    def write(v: str) -> FileDigest:  # views in parallel, as WeightPublisher.publish does
+        staged[v].mkdir(parents=True)
+        path = staged[v] / "model.safetensors"
+        if algorithm == "blake3":  # the production function, exactly
+            return write_safetensors(tensors[v], path, {"format": "pt"})
+        return write_file_hashed(path, safetensors_chunks(tensors[v], {"format": "pt"}), algorithm)
 
-    def publish_path(store: FilesystemStore, rep: int, algorithm: str) -> None:
-        staging = store.staging_dir()
-        assert staging is not None
-        staged = {v: staging / f"rep{rep}-{algorithm}" / v for v in view_dirs}
+    with ThreadPoolExecutor(max_workers=min(len(staged), os.cpu_count() or 1)) as pool:
+        digests = dict(
+            zip((d / "model.safetensors" for d in staged.values()), pool.map(write, staged), strict=True)
+        )
+    WeightChannel(store).publish(staged, move=True, digests=digests)
+    shutil.rmtree(staging / f"rep{rep}-{algorithm}")  # the emptied staging directories
 
-        def write(v: str) -> FileDigest:  # views in parallel, as WeightPublisher.publish does
-            staged[v].mkdir(parents=True)
-            path = staged[v] / "model.safetensors"
-            if algorithm == "blake3":  # the production function, exactly
-                return write_safetensors(tensors[v], path, {"format": "pt"})
-            return write_file_hashed(path, safetensors_chunks(tensors[v], {"format": "pt"}), algorithm)
 
-        with ThreadPoolExecutor(max_workers=min(len(staged), os.cpu_count() or 1)) as pool:
-            digests = dict(
-                zip((d / "model.safetensors" for d in staged.values()), pool.map(write, staged), strict=True)
-            )
-        WeightChannel(store).publish(staged, move=True, digests=digests)
-        shutil.rmtree(staging / f"rep{rep}-{algorithm}")  # the emptied staging directories
-
-    def plain_write(rep: int) -> None:
-        (work / f"wpw{rep}").mkdir()
-        for v in view_dirs:
-            save_file(tensors[v], str(work / f"wpw{rep}" / f"{v}.safetensors"), metadata={"format": "pt"})
-
-    cases = {
-        "copy": lambda rep: [copy_tree(d, work / f"wcp{rep}" / v, False) for v, d in view_dirs.items()],
-        "copy_fsync": lambda rep: [copy_tree(d, work / f"wcpf{rep}" / v, True) for v, d in view_dirs.items()],
-        "plain_write": plain_write,
-        "publisher": lambda rep: publish_path(durable, rep, "blake3"),
-        "publisher_page_cache": lambda rep: publish_path(volatile, rep, "blake3"),
-        "publisher_page_cache_sha256": lambda rep: publish_path(volatile, rep, "sha256"),
-    }
-    cpu: dict[str, list[float]] = {k: [] for k in runs}  # this process's CPU seconds (all threads)
-    for rep in range(reps):  # interleaved; each case starts with no dirty pages (no writeback throttling)
-        for key, case in cases.items():
-            os.sync()
-            c0, t0 = time.process_time(), time.perf_counter()
-            case(rep)
-            runs[key].append(time.perf_counter() - t0)
-            cpu[key].append(time.process_time() - c0)
-            for store in (durable, volatile):
-                WeightChannel(store).retain(keep=1)
-        for d in (f"wcp{rep}", f"wcpf{rep}", f"wpw{rep}"):
-            shutil.rmtree(work / d)
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    # One core's rates in the same run (64 MiB buffer): what each byte of the publisher path costs.
+def _one_core_rates(work: Path) -> tuple[int, dict[str, float]]:
+    """One core's seconds per 64 MiB buffer (median of 5) to write, hash, and write while hashing:
+    what each byte of the publisher path costs, measured in the same run."""
     blob = os.urandom(64 * 1024 * 1024)
     probe = work / "write-probe"
 
@@ -233,6 +197,73 @@ def bench_write_publish(
             samples.append(timed(fn))
         one_core[name] = statistics.median(samples)
     probe.unlink()
+    return len(blob), one_core
+
+
+def _hash_overlap(one_core: dict[str, float], copy_rate: float, blob_len: int) -> dict[str, float]:
+    """How far the hash thread overlapped write(2), per algorithm, and the cores that would take."""
+    out: dict[str, float] = {}
+    for algorithm in ("blake3", "sha256"):
+        # Overlap check: 1.0 = the hash thread ran while write(2) did (cost = the slower of the two);
+        # (write + hash) / max(write, hash) = no overlap (the GIL or the handoff serialised them).
+        serial = one_core["write"] + one_core[algorithm]
+        slower = max(one_core["write"], one_core[algorithm])
+        out[f"one_file_{algorithm}_hashed_write_vs_max_write_hash"] = (
+            one_core[f"write_hashed_{algorithm}"] / slower
+        )
+        out[f"one_file_{algorithm}_serial_would_be_vs_max"] = serial / slower
+        # Matching 0.8 x a single-threaded page-cache copy needs this many free cores.
+        out[f"cores_for_0.8x_plain_copy_{algorithm}"] = 0.8 * copy_rate * serial / blob_len
+    return out
+
+
+def bench_write_publish(
+    state: dict[str, torch.Tensor], view_dirs: dict[str, Path], total: int, work: Path, reps: int
+) -> dict[str, float]:
+    """The publisher's whole path from converted tensors: every view file written with its BLAKE3
+    digest computed in the SAME pass (`write_safetensors` -> `write_file_hashed`: a second thread
+    hashes chunk i while chunk i is written), then `WeightChannel.publish(move=True, digests=...)`
+    (fsync, rename, manifest, pointer; no second read to hash). The same path with sha256 (what the
+    manifest carried before) is a row of the same run. Baselines, interleaved per rep: a plain
+    page-cache copy of the same bytes (copyfile, no fsync), the same + fsync, and safetensors' own
+    `save_file` of the same tensors (no hash)."""
+    from safetensors.torch import save_file
+
+    tensors = {v: view_tensors(state, v)[0] for v in view_dirs}
+    runs: dict[str, list[float]] = {
+        "copy": [], "copy_fsync": [], "plain_write": [], "publisher": [], "publisher_page_cache": [],
+        "publisher_page_cache_sha256": [],
+    }  # fmt: skip
+    durable = FilesystemStore(work / "wp-store", create=True)
+    volatile = FilesystemStore(work / "wp-store-nofsync", create=True, fsync=False)
+
+    def plain_write(rep: int) -> None:
+        (work / f"wpw{rep}").mkdir()
+        for v in view_dirs:
+            save_file(tensors[v], str(work / f"wpw{rep}" / f"{v}.safetensors"), metadata={"format": "pt"})
+
+    cases = {
+        "copy": lambda rep: [copy_tree(d, work / f"wcp{rep}" / v, False) for v, d in view_dirs.items()],
+        "copy_fsync": lambda rep: [copy_tree(d, work / f"wcpf{rep}" / v, True) for v, d in view_dirs.items()],
+        "plain_write": plain_write,
+        "publisher": lambda rep: _publish_path(durable, rep, "blake3", view_dirs, tensors),
+        "publisher_page_cache": lambda rep: _publish_path(volatile, rep, "blake3", view_dirs, tensors),
+        "publisher_page_cache_sha256": lambda rep: _publish_path(volatile, rep, "sha256", view_dirs, tensors),
+    }
+    cpu: dict[str, list[float]] = {k: [] for k in runs}  # this process's CPU seconds (all threads)
+    for rep in range(reps):  # interleaved; each case starts with no dirty pages (no writeback throttling)
+        for key, case in cases.items():
+            os.sync()
+            c0, t0 = time.process_time(), time.perf_counter()
+            case(rep)
+            runs[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
+            for store in (durable, volatile):
+                WeightChannel(store).retain(keep=1)
+        for d in (f"wcp{rep}", f"wcpf{rep}", f"wpw{rep}"):
+            shutil.rmtree(work / d)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    blob_len, one_core = _one_core_rates(work)
     copy_rate = total / med["copy"]
     out = {
         **{f"{k}_MBps": total / t / 1e6 for k, t in med.items()},
@@ -244,19 +275,9 @@ def bench_write_publish(
         "publisher_page_cache_vs_plain_copy": med["copy"] / med["publisher_page_cache"],
         "publisher_page_cache_sha256_vs_plain_copy": med["copy"] / med["publisher_page_cache_sha256"],
         "publisher_page_cache_vs_plain_write": med["plain_write"] / med["publisher_page_cache"],
-        **{f"one_core_{k}_MBps": len(blob) / t / 1e6 for k, t in one_core.items()},
+        **{f"one_core_{k}_MBps": blob_len / t / 1e6 for k, t in one_core.items()},
     }
-    for algorithm in ("blake3", "sha256"):
-        # Overlap check: 1.0 = the hash thread ran while write(2) did (cost = the slower of the two);
-        # (write + hash) / max(write, hash) = no overlap (the GIL or the handoff serialised them).
-        serial = one_core["write"] + one_core[algorithm]
-        slower = max(one_core["write"], one_core[algorithm])
-        out[f"one_file_{algorithm}_hashed_write_vs_max_write_hash"] = (
-            one_core[f"write_hashed_{algorithm}"] / slower
-        )
-        out[f"one_file_{algorithm}_serial_would_be_vs_max"] = serial / slower
-        # Matching 0.8 x a single-threaded page-cache copy needs this many free cores.
-        out[f"cores_for_0.8x_plain_copy_{algorithm}"] = 0.8 * copy_rate * serial / len(blob)
+    out.update(_hash_overlap(one_core, copy_rate, blob_len))
     return out
 
 
