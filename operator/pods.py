@@ -133,34 +133,56 @@ def _missing(reason: str, message: str) -> str:
 
 def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
     """Why this pod (a `pod_view`) cannot run, or None (running, or simply starting)."""
-    name = pod.get("name")
     if pod.get("deleting") or pod.get("phase") == "Succeeded":
         return None
+    return _unschedulable(pod) or _container_problem(pod) or _mount_problem(pod)
+
+
+def _unschedulable(pod: Mapping[str, Any]) -> PodProblem | None:
+    """The scheduler found no node for the pod (PodScheduled False, Unschedulable)."""
     for c in pod.get("conditions") or []:
         if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
             message = c.get("message") or "no node fits"
-            return PodProblem(_missing("Unschedulable", message), _clip(f"pod {name} cannot be scheduled: {message}"))
+            return PodProblem(_missing("Unschedulable", message),
+                              _clip(f"pod {pod.get('name')} cannot be scheduled: {message}"))  # fmt: skip
+    return None
+
+
+def _container_problem(pod: Mapping[str, Any]) -> PodProblem | None:
+    """The first (init) container waiting for a reason that will not clear by itself."""
     for kind, key in (("init container", "initContainers"), ("container", "containers")):
         for c in pod.get(key) or []:
-            waiting = c.get("waiting") or {}
-            reason, message = waiting.get("reason") or "", waiting.get("message") or ""
-            where = f"pod {name} {kind} {c.get('name')}"
-            if reason in IMAGE_PULL:
-                return PodProblem("ImagePullError", _clip(f"{where}: {reason}: {message}".rstrip(": ")))
-            if reason in CONFIG_ERRORS:
-                return PodProblem(_missing(reason, message), _clip(f"{where}: {reason}: {message}".rstrip(": ")))
-            if reason == "CrashLoopBackOff":
-                last = c.get("lastTerminated") or {}
-                exited = f" (last exit: {last.get('reason') or 'Error'}, code {last.get('exitCode')})" if last else ""
-                said = _last_line(last.get("message"))  # the log's tail (FallbackToLogsOnError): the error
-                said = f"; it said: {said}" if said else ""
-                return PodProblem("CrashLoopBackOff",
-                                  _clip(f"{where}: CrashLoopBackOff{exited}: {message}".rstrip(": ") + said))  # fmt: skip
+            problem = _waiting_problem(c, f"pod {pod.get('name')} {kind} {c.get('name')}")
+            if problem is not None:
+                return problem
+    return None
+
+
+def _waiting_problem(c: Mapping[str, Any], where: str) -> PodProblem | None:
+    """A container waiting on an image pull, a config error, or a crash loop (with its last words)."""
+    waiting = c.get("waiting") or {}
+    reason, message = waiting.get("reason") or "", waiting.get("message") or ""
+    if reason in IMAGE_PULL:
+        return PodProblem("ImagePullError", _clip(f"{where}: {reason}: {message}".rstrip(": ")))
+    if reason in CONFIG_ERRORS:
+        return PodProblem(_missing(reason, message), _clip(f"{where}: {reason}: {message}".rstrip(": ")))
+    if reason == "CrashLoopBackOff":
+        last = c.get("lastTerminated") or {}
+        exited = f" (last exit: {last.get('reason') or 'Error'}, code {last.get('exitCode')})" if last else ""
+        said = _last_line(last.get("message"))  # the log's tail (FallbackToLogsOnError): the error
+        said = f"; it said: {said}" if said else ""
+        return PodProblem("CrashLoopBackOff",
+                          _clip(f"{where}: CrashLoopBackOff{exited}: {message}".rstrip(": ") + said))  # fmt: skip
+    return None
+
+
+def _mount_problem(pod: Mapping[str, Any]) -> PodProblem | None:
+    """A pending pod whose volumes cannot mount because a Secret or ConfigMap is missing."""
     mount = pod.get("mountFailure")
     if mount and pod.get("phase") == "Pending" and _creating(pod):
         found = _MISSING.search(mount)
         if found and found.group(1).lower() in ("secret", "configmap"):
-            return PodProblem(_MISSING_REASON[found.group(1).lower()], _clip(f"pod {name} FailedMount: {mount}"))
+            return PodProblem(_MISSING_REASON[found.group(1).lower()], _clip(f"pod {pod.get('name')} FailedMount: {mount}"))
     return None
 
 
