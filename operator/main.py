@@ -96,17 +96,7 @@ def cli(argv: list[str]) -> int:
     import rlfleet.operator.handlers  # noqa: F401  (registers every handler)
 
     if args.webhook_port:
-        from rlfleet.operator.admission import WEBHOOK_ENV
-
-        os.environ[WEBHOOK_ENV["port"]] = str(args.webhook_port)
-        os.environ[WEBHOOK_ENV["addr"]] = args.webhook_address
-        os.environ[WEBHOOK_ENV["host"]] = args.webhook_host
-        if args.webhook_cert:
-            os.environ[WEBHOOK_ENV["cert"]] = args.webhook_cert
-            os.environ[WEBHOOK_ENV["key"]] = args.webhook_key
-        if args.webhook_managed:
-            os.environ[WEBHOOK_ENV["managed"]] = "1"
-        import rlfleet.operator.webhook  # noqa: F401  (registers the validating handlers)
+        _enable_webhook(args)
 
     kopf.run(
         clusterwide=args.all_namespaces,
@@ -117,3 +107,19 @@ def cli(argv: list[str]) -> int:
         liveness_endpoint=args.liveness,
     )
     return 0
+
+
+def _enable_webhook(args: argparse.Namespace) -> None:
+    """Hand the webhook's listen address and TLS files to kopf's admission setup (through the
+    environment) and register the validating handlers."""
+    from rlfleet.operator.admission import WEBHOOK_ENV
+
+    os.environ[WEBHOOK_ENV["port"]] = str(args.webhook_port)
+    os.environ[WEBHOOK_ENV["addr"]] = args.webhook_address
+    os.environ[WEBHOOK_ENV["host"]] = args.webhook_host
+    if args.webhook_cert:
+        os.environ[WEBHOOK_ENV["cert"]] = args.webhook_cert
+        os.environ[WEBHOOK_ENV["key"]] = args.webhook_key
+    if args.webhook_managed:
+        os.environ[WEBHOOK_ENV["managed"]] = "1"
+    import rlfleet.operator.webhook  # noqa: F401  (registers the validating handlers)
