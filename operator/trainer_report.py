@@ -67,51 +67,60 @@ class TrainerReport:
     finished: bool = False  # the run reached spec.trainer.totalSteps (`rlfleet_trainer_finished`)
 
 
+@dataclass
+class _ReportSamples:
+    """The exporter's samples as parse_trainer_report collects them, by metric."""
+
+    fleet: dict[str, float] = field(default_factory=dict)
+    risk: dict[tuple[str, str], float] = field(default_factory=dict)
+    values: dict[tuple[str, str], float] = field(default_factory=dict)
+    baselines: dict[tuple[str, str], float] = field(default_factory=dict)
+    quarantine: set[str] = field(default_factory=set)
+    pause: bool = False
+    finished: bool = False
+
+    def add(self, name: str, labels: Mapping[str, str], value: float) -> None:
+        """File one sample (its name without the prefix) under what it reports."""
+        key = (labels.get("signal", ""), labels.get("group", ""))
+        if name == "collapse_risk":
+            self.risk[key] = value
+        elif name == "collapse_value":
+            self.values[key] = value
+        elif name == "collapse_baseline":
+            self.baselines[key] = value
+        elif name == "quarantine_requested":
+            if value > 0 and labels.get("group"):
+                self.quarantine.add(labels["group"])
+        elif name == "pause_requested":
+            self.pause = value > 0
+        elif name == "finished":
+            self.finished = value > 0
+        elif labels.get("scope") == "fleet":
+            self.fleet[name] = value
+
+
 def parse_trainer_report(text: str) -> TrainerReport:
     """Parse the trainer exporter's text format (ValueError on text that is not Prometheus text)."""
-    fleet: dict[str, float] = {}
-    risk: dict[tuple[str, str], float] = {}
-    values: dict[tuple[str, str], float] = {}
-    baselines: dict[tuple[str, str], float] = {}
-    quarantine: set[str] = set()
-    pause = finished = False
+    got = _ReportSamples()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if not sample.name.startswith(PREFIX) or not math.isfinite(sample.value):
-                continue
-            name = sample.name[len(PREFIX) :]
-            labels = sample.labels
-            key = (labels.get("signal", ""), labels.get("group", ""))
-            if name == "collapse_risk":
-                risk[key] = sample.value
-            elif name == "collapse_value":
-                values[key] = sample.value
-            elif name == "collapse_baseline":
-                baselines[key] = sample.value
-            elif name == "quarantine_requested":
-                if sample.value > 0 and labels.get("group"):
-                    quarantine.add(labels["group"])
-            elif name == "pause_requested":
-                pause = sample.value > 0
-            elif name == "finished":
-                finished = sample.value > 0
-            elif labels.get("scope") == "fleet":
-                fleet[name] = sample.value
+            if sample.name.startswith(PREFIX) and math.isfinite(sample.value):
+                got.add(sample.name[len(PREFIX) :], sample.labels, sample.value)
     signals = tuple(
-        CollapseSignal(signal, group, values.get((signal, group)), baselines.get((signal, group)))
-        for (signal, group), raised in sorted(risk.items())
+        CollapseSignal(signal, group, got.values.get((signal, group)), got.baselines.get((signal, group)))
+        for (signal, group), raised in sorted(got.risk.items())
         if raised > 0 and signal
     )
-    step = fleet.get("step")
-    version = fleet.get("weight_version")
+    step = got.fleet.get("step")
+    version = got.fleet.get("weight_version")
     return TrainerReport(
         step=int(step) if step is not None and step >= 0 else None,
         weight_version=int(version) if version is not None and version >= 0 else None,
-        fleet=fleet,
+        fleet=got.fleet,
         signals=signals,
-        quarantine_requested=tuple(sorted(quarantine)),
-        pause_requested=pause,
-        finished=finished,
+        quarantine_requested=tuple(sorted(got.quarantine)),
+        pause_requested=got.pause,
+        finished=got.finished,
     )
 
 
@@ -150,30 +159,8 @@ def trainer_job_status(
     # trainer that cannot be read right now leaves the last reported values in place
     status: dict[str, Any] = {k: old[k] for k in ("step", "metrics") if report is None and old.get(k) is not None}
     if report is not None:
-        if report.step is not None:
-            status["step"] = report.step
-        if report.weight_version is not None:
-            status["weightVersion"] = max(report.weight_version, int(old.get("weightVersion") or 0))
-        metrics = {k: round(report.fleet[v], 6) for k, v in RUN_METRICS.items() if v in report.fleet}
-        if "oorFraction" in metrics:
-            metrics["oorFraction"] = min(max(metrics["oorFraction"], 0.0), 1.0)
-        if metrics:
-            same = {k: v for k, v in (old.get("metrics") or {}).items() if k != "updatedAt"} == metrics
-            updated = (old.get("metrics") or {}).get("updatedAt") if same else None
-            status["metrics"] = {**metrics, "updatedAt": updated or now}
-    parts: list[str] = []
-    reason = "NoSignal"
-    if report is not None and report.pause_requested:
-        reason = "TrainingPaused"
-        parts.append("training paused by the collapse detector")
-    if report is not None and report.signals:
-        reason = reason if reason != "NoSignal" else _camel(report.signals[0].signal)
-        parts.extend(s.message() for s in report.signals)
-    for sg in samplergroups:
-        risk = next((c for c in _get(sg, "status", "conditions") or [] if c.get("type") == "CollapseRisk"), None)
-        if risk and risk.get("status") == "True":
-            reason = reason if reason != "NoSignal" else "GroupCollapseRisk"
-            parts.append(f"{_get(sg, 'spec', 'name')}: {risk.get('message', '')}".strip())
+        status.update(_reported_progress(report, old, now))
+    reason, parts = _risk_reason(report, samplergroups)
     quarantine: frozenset[str] = frozenset()
     if report is not None and action == "quarantine-group":
         quarantine = frozenset(g for g in report.quarantine_requested if g in wanted)
@@ -194,18 +181,66 @@ def trainer_job_status(
     if generation is not None:
         condition["observedGeneration"] = generation
     status["conditions"] = [condition]
-    # Complete (as a Kubernetes Job's): True once the trainer reports its last step; kept while the
-    # trainer cannot be read (a finished run does not become unfinished)
-    old_complete = next((c for c in old.get("conditions") or [] if c.get("type") == "Complete"), None)
-    if report is not None and report.finished:
-        since = old_complete.get("lastTransitionTime") if old_complete and old_complete.get("status") == "True" else None
-        status["conditions"].append({
-            "type": "Complete", "status": "True", "reason": "TrainingFinished",
-            "message": f"training finished at step {report.step}", "lastTransitionTime": since or now,
-            **({"observedGeneration": generation} if generation is not None else {}),
-        })  # fmt: skip
-    elif report is None and old_complete is not None and old_complete.get("status") == "True":
-        status["conditions"].append(dict(old_complete))
+    complete = _complete_condition(report, old, generation, now)
+    if complete is not None:
+        status["conditions"].append(complete)
     return TrainerStatusResult(
         status=status, quarantine=quarantine, risk=risk_on, risk_changed=was_on != risk_on
     )
+
+
+def _reported_progress(report: TrainerReport, old: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """step, weightVersion (never lower than observed) and the run metrics (updatedAt moves only
+    when a value changed) from a readable trainer."""
+    status: dict[str, Any] = {}
+    if report.step is not None:
+        status["step"] = report.step
+    if report.weight_version is not None:
+        status["weightVersion"] = max(report.weight_version, int(old.get("weightVersion") or 0))
+    metrics = {k: round(report.fleet[v], 6) for k, v in RUN_METRICS.items() if v in report.fleet}
+    if "oorFraction" in metrics:
+        metrics["oorFraction"] = min(max(metrics["oorFraction"], 0.0), 1.0)
+    if metrics:
+        same = {k: v for k, v in (old.get("metrics") or {}).items() if k != "updatedAt"} == metrics
+        updated = (old.get("metrics") or {}).get("updatedAt") if same else None
+        status["metrics"] = {**metrics, "updatedAt": updated or now}
+    return status
+
+
+def _risk_reason(
+    report: TrainerReport | None, samplergroups: Sequence[Mapping[str, Any]]
+) -> tuple[str, list[str]]:
+    """The CollapseRisk reason (the first cause in the order pause, trainer signal, group risk;
+    NoSignal when none) and the message parts of every cause."""
+    parts: list[str] = []
+    reason = "NoSignal"
+    if report is not None and report.pause_requested:
+        reason = "TrainingPaused"
+        parts.append("training paused by the collapse detector")
+    if report is not None and report.signals:
+        reason = reason if reason != "NoSignal" else _camel(report.signals[0].signal)
+        parts.extend(s.message() for s in report.signals)
+    for sg in samplergroups:
+        risk = next((c for c in _get(sg, "status", "conditions") or [] if c.get("type") == "CollapseRisk"), None)
+        if risk and risk.get("status") == "True":
+            reason = reason if reason != "NoSignal" else "GroupCollapseRisk"
+            parts.append(f"{_get(sg, 'spec', 'name')}: {risk.get('message', '')}".strip())
+    return reason, parts
+
+
+def _complete_condition(
+    report: TrainerReport | None, old: Mapping[str, Any], generation: Any, now: str
+) -> dict[str, Any] | None:
+    """Complete (as a Kubernetes Job's): True once the trainer reports its last step; kept while the
+    trainer cannot be read (a finished run does not become unfinished)."""
+    old_complete = next((c for c in old.get("conditions") or [] if c.get("type") == "Complete"), None)
+    if report is not None and report.finished:
+        since = old_complete.get("lastTransitionTime") if old_complete and old_complete.get("status") == "True" else None
+        return {
+            "type": "Complete", "status": "True", "reason": "TrainingFinished",
+            "message": f"training finished at step {report.step}", "lastTransitionTime": since or now,
+            **({"observedGeneration": generation} if generation is not None else {}),
+        }  # fmt: skip
+    if report is None and old_complete is not None and old_complete.get("status") == "True":
+        return dict(old_complete)
+    return None
