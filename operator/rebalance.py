@@ -293,27 +293,7 @@ def rebalance(
     new_state = RebalanceState()
 
     # 1. Throughput (EMA) per group.
-    tps: dict[str, float | None] = {}
-    for g in inputs:
-        memory = previous_state.groups.get(g.name, GroupMemory())
-        observed = g.tokens_per_second if g.tokens_per_second is not None else group_rate(g.pods, memory, now)
-        ema = memory.ema_tokens_per_second
-        if observed is not None:
-            ema = observed if ema is None else config.smoothing * observed + (1.0 - config.smoothing) * ema
-        tps[g.name] = ema
-        counters = {
-            pod: s.realtime_decode_tokens_total
-            for pod, s in g.pods.items()
-            if s.realtime_decode_tokens_total is not None
-        }
-        new_state.groups[g.name] = GroupMemory(
-            counters=counters,
-            time=now,
-            ema_tokens_per_second=ema,
-            share=memory.share,
-            recorded_share=memory.recorded_share,
-            history=list(memory.history),
-        )
+    tps = {g.name: _observe_throughput(g, previous_state, new_state, now, config) for g in inputs}
 
     # 2. Targets by policy.
     names = [g.name for g in inputs]
@@ -321,41 +301,13 @@ def rebalance(
     eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
     useful = {n: (tps[n] or 0.0) * (1.0 - min(max(by_name[n].oor_fraction or 0.0, 0.0), 1.0)) for n in names}
     useful_cost = {n: _cost_per_1m(by_name[n].price_per_gpu_hour, by_name[n].gpus, useful[n]) for n in names}
-    raw: dict[str, float] = {}
-    known = [n for n in eligible if tps[n] is not None]
-    neutral = sum(tps[n] or 0.0 for n in known) / len(known) if known else 1.0
-    if config.policy == "static":
-        raw = {n: max(by_name[n].static_share or 0.0, 0.0) for n in eligible}
-    elif config.policy == "throughput":
-        # A group without a reading yet (just added) gets the average until it has one.
-        raw = {n: (t if (t := tps[n]) is not None else neutral) for n in eligible}
-    else:  # cost
-        costs = [c for n in eligible if (c := useful_cost[n]) is not None]
-        cheapest = min(costs) if costs else None
-        for n in eligible:
-            rate = useful[n] if tps[n] is not None else neutral
-            cost = useful_cost[n]
-            raw[n] = rate * (cheapest / cost) if cheapest is not None and cost is not None else rate
+    raw = _policy_weights(eligible, by_name, tps, useful, useful_cost, config.policy)
     target = {n: 0.0 for n in names}
     target.update(_target_shares(eligible, raw, config.min_share))
 
     # 3. Bounded move from the current shares.
-    if current_shares is not None:
-        old = {n: max(float(current_shares.get(n, 0.0)), 0.0) for n in names}
-    else:
-        previous = {n: (previous_state.groups[n].share if n in previous_state.groups else None) for n in names}
-        if all(v is None for v in previous.values()):
-            old = {n: 1.0 for n in names}
-        else:
-            old = {n: (v if v is not None else 0.0) for n, v in previous.items()}
-    base = {n: (old[n] if n in eligible else 0.0) for n in names}
-    base_total = sum(base.values())
-    base = {n: (v / base_total if base_total > 0 else (1.0 / len(eligible) if n in eligible else 0.0)) for n, v in base.items()}
-    if not eligible:
-        base = {n: 0.0 for n in names}
-    largest = max((abs(target[n] - base[n]) for n in names), default=0.0)
-    step = 1.0 if largest <= config.max_share_change else config.max_share_change / largest
-    shares = {n: base[n] + step * (target[n] - base[n]) for n in names}
+    old = _old_shares(names, current_shares, previous_state)
+    shares, step = _bounded_move(names, eligible, old, target, config.max_share_change)
 
     # 4. Status, history, costs.
     old_total = sum(old.values())
@@ -368,37 +320,13 @@ def rebalance(
     for name in names:
         g = by_name[name]
         memory = new_state.groups[name]
-        if g.quarantined:
-            reason = "quarantined"
-        elif g.ready_replicas <= 0:
-            reason = "no ready replicas"
-        elif config.policy == "static":
-            reason = "static"
-        elif config.policy == "throughput":
-            reason = f"throughput {tps[name]:.0f} tok/s" if tps[name] is not None else "throughput (no reading yet)"
-        else:
-            cost = useful_cost[name]
-            reason = f"cost ${cost:.3f}/1M useful tokens" if cost is not None else "cost (no reading yet)"
+        reason = _share_reason(g, tps[name], useful_cost[name], config.policy)
         if step < 1.0 and name in eligible:
             reason += f"; bounded toward {target[name]:.3f}"
-        previous_recorded = memory.recorded_share if memory.recorded_share is not None else old_normalised[name]
-        if abs(shares[name] - previous_recorded) >= config.history_min_change:
-            memory.history.append(
-                {"time": timestamp, "from": round(previous_recorded, 4), "to": round(shares[name], 4), "reason": reason}
-            )
-            memory.history = memory.history[-config.history_length :]
-            changes.append(f"{name}: share {previous_recorded:.3f} -> {shares[name]:.3f} ({reason})")
-            memory.recorded_share = shares[name]
-        elif memory.recorded_share is None:
-            memory.recorded_share = shares[name]
-        memory.share = shares[name]
-        token_share = g.token_share if g.token_share is not None else ((tps[name] or 0.0) / total_tps if total_tps else None)
-        if g.oor_share is not None:
-            oor_share = g.oor_share
-        elif total_oor_tokens > 0:
-            oor_share = (tps[name] or 0.0) * (g.oor_fraction or 0.0) / total_oor_tokens
-        else:
-            oor_share = None
+        change = _record_share(memory, shares[name], old_normalised[name], reason, timestamp, config)
+        if change is not None:
+            changes.append(f"{name}: {change}")
+        token_share, oor_share = _traffic_shares(g, tps[name], total_tps, total_oor_tokens)
         results[name] = GroupResult(
             name=name,
             tokens_per_second=tps[name],
@@ -425,6 +353,136 @@ def rebalance(
         baseline_cost_per_1m_tokens=baseline_cost,
         changes=tuple(changes),
     )
+
+
+def _observe_throughput(
+    g: GroupInput, previous_state: RebalanceState, new_state: RebalanceState, now: float, config: RebalanceConfig
+) -> float | None:
+    """The group's smoothed tokens/s after this reading (None: no reading yet); records its counters
+    and carries its memory into `new_state`."""
+    memory = previous_state.groups.get(g.name, GroupMemory())
+    observed = g.tokens_per_second if g.tokens_per_second is not None else group_rate(g.pods, memory, now)
+    ema = memory.ema_tokens_per_second
+    if observed is not None:
+        ema = observed if ema is None else config.smoothing * observed + (1.0 - config.smoothing) * ema
+    counters = {
+        pod: s.realtime_decode_tokens_total
+        for pod, s in g.pods.items()
+        if s.realtime_decode_tokens_total is not None
+    }
+    new_state.groups[g.name] = GroupMemory(
+        counters=counters,
+        time=now,
+        ema_tokens_per_second=ema,
+        share=memory.share,
+        recorded_share=memory.recorded_share,
+        history=list(memory.history),
+    )
+    return ema
+
+
+def _policy_weights(
+    eligible: list[str],
+    by_name: Mapping[str, GroupInput],
+    tps: Mapping[str, float | None],
+    useful: Mapping[str, float],
+    useful_cost: Mapping[str, float | None],
+    policy: Policy,
+) -> dict[str, float]:
+    """The raw weight of each eligible group under the policy (static share, throughput, or useful
+    throughput scaled by how close its cost per useful token is to the cheapest)."""
+    known = [n for n in eligible if tps[n] is not None]
+    neutral = sum(tps[n] or 0.0 for n in known) / len(known) if known else 1.0
+    if policy == "static":
+        return {n: max(by_name[n].static_share or 0.0, 0.0) for n in eligible}
+    if policy == "throughput":
+        # A group without a reading yet (just added) gets the average until it has one.
+        return {n: (t if (t := tps[n]) is not None else neutral) for n in eligible}
+    # cost
+    costs = [c for n in eligible if (c := useful_cost[n]) is not None]
+    cheapest = min(costs) if costs else None
+    raw: dict[str, float] = {}
+    for n in eligible:
+        rate = useful[n] if tps[n] is not None else neutral
+        cost = useful_cost[n]
+        raw[n] = rate * (cheapest / cost) if cheapest is not None and cost is not None else rate
+    return raw
+
+
+def _old_shares(
+    names: list[str], current_shares: Mapping[str, float] | None, previous_state: RebalanceState
+) -> dict[str, float]:
+    """The shares the move starts from: the router's if known, else the previous result's, else equal."""
+    if current_shares is not None:
+        return {n: max(float(current_shares.get(n, 0.0)), 0.0) for n in names}
+    previous = {n: (previous_state.groups[n].share if n in previous_state.groups else None) for n in names}
+    if all(v is None for v in previous.values()):
+        return {n: 1.0 for n in names}
+    return {n: (v if v is not None else 0.0) for n, v in previous.items()}
+
+
+def _bounded_move(
+    names: list[str], eligible: list[str], old: Mapping[str, float], target: Mapping[str, float],
+    max_share_change: float,
+) -> tuple[dict[str, float], float]:
+    """Move from the old shares (renormalised over the eligible groups) toward the targets, no share
+    by more than max_share_change: (the new shares, the fraction of the way moved)."""
+    base = {n: (old[n] if n in eligible else 0.0) for n in names}
+    base_total = sum(base.values())
+    base = {n: (v / base_total if base_total > 0 else (1.0 / len(eligible) if n in eligible else 0.0)) for n, v in base.items()}
+    if not eligible:
+        base = {n: 0.0 for n in names}
+    largest = max((abs(target[n] - base[n]) for n in names), default=0.0)
+    step = 1.0 if largest <= max_share_change else max_share_change / largest
+    return {n: base[n] + step * (target[n] - base[n]) for n in names}, step
+
+
+def _share_reason(g: GroupInput, tps: float | None, useful_cost: float | None, policy: Policy) -> str:
+    """Why the group has its share: out of rotation, or the policy's reading."""
+    if g.quarantined:
+        return "quarantined"
+    if g.ready_replicas <= 0:
+        return "no ready replicas"
+    if policy == "static":
+        return "static"
+    if policy == "throughput":
+        return f"throughput {tps:.0f} tok/s" if tps is not None else "throughput (no reading yet)"
+    return f"cost ${useful_cost:.3f}/1M useful tokens" if useful_cost is not None else "cost (no reading yet)"
+
+
+def _record_share(
+    memory: GroupMemory, share: float, old_normalised: float, reason: str, timestamp: str, config: RebalanceConfig
+) -> str | None:
+    """Set the group's share in its memory and, when it moved at least history_min_change from the
+    last recorded one, append it to the history: the change ("share a -> b (reason)"), or None."""
+    previous_recorded = memory.recorded_share if memory.recorded_share is not None else old_normalised
+    change = None
+    if abs(share - previous_recorded) >= config.history_min_change:
+        memory.history.append(
+            {"time": timestamp, "from": round(previous_recorded, 4), "to": round(share, 4), "reason": reason}
+        )
+        memory.history = memory.history[-config.history_length :]
+        change = f"share {previous_recorded:.3f} -> {share:.3f} ({reason})"
+        memory.recorded_share = share
+    elif memory.recorded_share is None:
+        memory.recorded_share = share
+    memory.share = share
+    return change
+
+
+def _traffic_shares(
+    g: GroupInput, tps: float | None, total_tps: float, total_oor_tokens: float
+) -> tuple[float | None, float | None]:
+    """The group's share of the fleet's tokens and of its out-of-range tokens: as the trainer
+    reported them, else estimated from the throughputs."""
+    token_share = g.token_share if g.token_share is not None else ((tps or 0.0) / total_tps if total_tps else None)
+    if g.oor_share is not None:
+        oor_share: float | None = g.oor_share
+    elif total_oor_tokens > 0:
+        oor_share = (tps or 0.0) * (g.oor_fraction or 0.0) / total_oor_tokens
+    else:
+        oor_share = None
+    return token_share, oor_share
 
 
 def _fleet_costs(
