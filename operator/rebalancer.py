@@ -269,44 +269,13 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     key = (namespace, job.name, str(body.get("metadata", {}).get("uid", "")))
     memory = _JOBS.setdefault(key, JobMemory())
     samplergroups = [sg for sg in samplergroups if not sg["metadata"].get("deletionTimestamp")]
-    if not samplergroups:
-        return None
-    if memory.state is None:
-        # first sight of the job (new, or the operator restarted): continue from its status, and take the
-        # first step one full interval later, so that a restart never moves shares early
-        memory.state, memory.last_run = seed_state(samplergroups), now
-        return None
-    if memory.last_run is not None and now - memory.last_run < job.spec.router.rebalance_interval_seconds - TICK_SECONDS / 2:
+    if not samplergroups or not _due(memory, samplergroups, now, job.spec.router.rebalance_interval_seconds):
         return None
     memory.last_run = now
-    prometheus = job.spec.router.prometheus_url
-    window = max(2 * job.spec.router.rebalance_interval_seconds, 60)
     async with aiohttp.ClientSession() as http:
-        trainer_metrics: dict[str, dict[str, float]] = {}
-        memory.report = None  # unreadable this tick: the pipeline keeps the observed step and metrics
-        trainer_pod = next((p for p in pods_of("trainer", job.name) if p["name"] == f"{n.trainer_name(job.name)}-0"), None)
-        if trainer_pod is not None and pod_ready(trainer_pod):
-            text = await _get_text(http, trainer_metrics_url(trainer_pod))
-            if text:
-                try:
-                    trainer_metrics, memory.report = parse_trainer_group_metrics(text), parse_trainer_report(text)
-                except ValueError:
-                    trainer_metrics = {}
+        trainer_metrics = await _read_trainer(http, job, pods_of, memory)
         collapse = trainer_job_status(body, samplergroups, memory.report, st.now_iso()).quarantine
-        inputs: list[GroupInput] = []
-        replicas: dict[str, list[str]] = {}
-        for sg in samplergroups:
-            spec = sg.get("spec") or {}
-            sg_name = sg["metadata"]["name"]
-            port = int(spec.get("port", 30000))
-            pods = [p for p in pods_of("sampler", sg_name) if pod_ready(p)]
-            replicas[spec.get("name", sg_name)] = sorted(f"http://{p['podIP']}:{port}" for p in pods)
-            if prometheus:
-                samples: dict[str, PodSample] = {}
-                tps = await prometheus_tokens_per_second(http, prometheus, prometheus_query(namespace, sg_name, window))
-            else:
-                samples, tps = await scrape_pods(http, pods, port), None
-            inputs.append(group_input(job, sg, samples, trainer_metrics.get(spec.get("name", ""), {}), tps, collapse))
+        inputs, replicas = await _group_inputs(http, job, namespace, samplergroups, pods_of, trainer_metrics, collapse)
         result = rebalance(inputs, memory.state, now, job_config(job))
         memory.state = result.state
 
@@ -317,6 +286,71 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
                 url = f"http://{pod['podIP']}:{n.ROUTER_PORT}"
                 await push_to_router(http, url, memory.token, result, replicas, quarantined)
     memory.result = result
+    _post_share_events(samplergroups, result)
+    return result
+
+
+def _due(memory: JobMemory, samplergroups: list[Mapping[str, Any]], now: float, interval: float) -> bool:
+    """Whether the job's rebalance interval has elapsed. At first sight of the job (new, or the operator
+    restarted) it continues from its status and takes the first step one full interval later, so that a
+    restart never moves shares early."""
+    if memory.state is None:
+        memory.state, memory.last_run = seed_state(samplergroups), now
+        return False
+    return memory.last_run is None or now - memory.last_run >= interval - TICK_SECONDS / 2
+
+
+async def _read_trainer(
+    http: aiohttp.ClientSession, job: RLJob, pods_of: PodsOf, memory: JobMemory
+) -> dict[str, dict[str, float]]:
+    """The trainer's per-group metrics, keeping its report in `memory` (None when unreadable this tick:
+    the pipeline keeps the observed step and metrics)."""
+    memory.report = None
+    trainer_pod = next((p for p in pods_of("trainer", job.name) if p["name"] == f"{n.trainer_name(job.name)}-0"), None)
+    if trainer_pod is None or not pod_ready(trainer_pod):
+        return {}
+    text = await _get_text(http, trainer_metrics_url(trainer_pod))
+    if not text:
+        return {}
+    try:
+        trainer_metrics, memory.report = parse_trainer_group_metrics(text), parse_trainer_report(text)
+    except ValueError:
+        return {}
+    return trainer_metrics
+
+
+async def _group_inputs(
+    http: aiohttp.ClientSession,
+    job: RLJob,
+    namespace: str,
+    samplergroups: list[Mapping[str, Any]],
+    pods_of: PodsOf,
+    trainer_metrics: Mapping[str, dict[str, float]],
+    collapse: frozenset[str],
+) -> tuple[list[GroupInput], dict[str, list[str]]]:
+    """Each group's rebalance input (throughput from Prometheus when configured, else scraped from
+    its ready pods) and the URLs of its ready replicas."""
+    prometheus = job.spec.router.prometheus_url
+    window = max(2 * job.spec.router.rebalance_interval_seconds, 60)
+    inputs: list[GroupInput] = []
+    replicas: dict[str, list[str]] = {}
+    for sg in samplergroups:
+        spec = sg.get("spec") or {}
+        sg_name = sg["metadata"]["name"]
+        port = int(spec.get("port", 30000))
+        pods = [p for p in pods_of("sampler", sg_name) if pod_ready(p)]
+        replicas[spec.get("name", sg_name)] = sorted(f"http://{p['podIP']}:{port}" for p in pods)
+        if prometheus:
+            samples: dict[str, PodSample] = {}
+            tps = await prometheus_tokens_per_second(http, prometheus, prometheus_query(namespace, sg_name, window))
+        else:
+            samples, tps = await scrape_pods(http, pods, port), None
+        inputs.append(group_input(job, sg, samples, trainer_metrics.get(spec.get("name", ""), {}), tps, collapse))
+    return inputs, replicas
+
+
+def _post_share_events(samplergroups: list[Mapping[str, Any]], result: RebalanceResult) -> None:
+    """An Event on each SamplerGroup whose share changed (Warning: Quarantined, else Normal: ShareChanged)."""
     for sg in samplergroups:
         name = (sg.get("spec") or {}).get("name")
         group = result.groups.get(name) if name is not None else None
@@ -325,4 +359,3 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
                 # kopf types its objects as Body; it reads a raw object's apiVersion, kind and metadata alike
                 kopf.event(dict(sg), type="Warning" if group.quarantined else "Normal",  # type: ignore[arg-type]
                            reason="Quarantined" if group.quarantined else "ShareChanged", message=line[:1000])  # fmt: skip
-    return result
