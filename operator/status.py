@@ -17,6 +17,7 @@ kubelet's reason for a missing Secret, an image that does not pull or a crash lo
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -105,6 +106,49 @@ def quarantine_reason(sg: Manifest, collapse_quarantine: frozenset[str] = frozen
     return None
 
 
+@dataclass(frozen=True)
+class _Rollout:
+    """What a SamplerGroup's Deployment says about its rollout."""
+
+    desired: int  # 0 while suspended
+    ready: int
+    replicas: int
+    updated: int
+    suspended: bool
+    scaled_to_zero: bool  # spec.replicas 0 on the Deployment
+    stalled: bool  # Progressing: ProgressDeadlineExceeded
+    replica_failure: bool  # ReplicaFailure True
+    failure_message: str  # the message of either of those conditions
+    rolled_out: bool
+
+
+def _rollout(spec: Manifest, deployment: Manifest | None) -> _Rollout:
+    suspended = bool(spec.get("suspend"))
+    desired = 0 if suspended else int(spec.get("replicas", 1))
+    ready = int(_get(deployment, "status", "readyReplicas", default=0) or 0)
+    replicas = int(_get(deployment, "status", "replicas", default=0) or 0)
+    updated = int(_get(deployment, "status", "updatedReplicas", default=0) or 0)
+    dep_generation_seen = deployment is not None and _get(deployment, "status", "observedGeneration") == _get(
+        deployment, "metadata", "generation"
+    )
+    deadline = _deployment_condition(deployment, "Progressing")
+    stalled = bool(deadline and deadline.get("reason") == "ProgressDeadlineExceeded")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    replica_failure = bool(failure and failure.get("status") == "True")
+    return _Rollout(
+        desired=desired,
+        ready=ready,
+        replicas=replicas,
+        updated=updated,
+        suspended=suspended,
+        scaled_to_zero=_get(deployment, "spec", "replicas") == 0,
+        stalled=stalled,
+        replica_failure=replica_failure,
+        failure_message=(failure or deadline or {}).get("message", ""),
+        rolled_out=dep_generation_seen and updated >= desired and ready >= desired and replicas <= desired,
+    )
+
+
 def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Catalog,
                         channel_status: Manifest | None = None, now: str | None = None,
                         pods: list[Manifest] | tuple[Manifest, ...] = (), rebalance: Manifest | None = None,
@@ -120,41 +164,21 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     balanced = {k: old[k] for k in REBALANCE_FIELDS if old.get(k) is not None} if rebalance is None else {
         k: rebalance[k] for k in REBALANCE_FIELDS if rebalance.get(k) is not None
     }  # fmt: skip
-    suspended = bool(spec.get("suspend"))
-    desired = 0 if suspended else int(spec.get("replicas", 1))
-    ready = int(_get(deployment, "status", "readyReplicas", default=0) or 0)
-    replicas = int(_get(deployment, "status", "replicas", default=0) or 0)
-    updated = int(_get(deployment, "status", "updatedReplicas", default=0) or 0)
-    dep_generation_seen = deployment is not None and _get(deployment, "status", "observedGeneration") == _get(
-        deployment, "metadata", "generation"
-    )
+    r = _rollout(spec, deployment)
     status: dict[str, Any] = {
         "observedGeneration": generation,
-        "replicas": replicas,
-        "readyReplicas": ready,
-        "ready": f"{ready}/{desired}",
+        "replicas": r.replicas,
+        "readyReplicas": r.ready,
+        "ready": f"{r.ready}/{r.desired}",
         "selector": n.selector_string(n.sampler_selector(name)),
         **balanced,
         "quarantined": quarantine is not None,
     }
     # What runs where, and whether the precision is degraded on this class.
     try:
-        precision = group_precision(SamplerGroupSpec.model_validate(spec), catalog)
-        status.update(
-            selectedAccelerator=precision.accelerator,
-            selectionReason=precision.selection_reason[:1024],
-            degradedPrecision=precision.degraded,
-            precisionNote=precision.note,
-        )
-        tensor_parallel = spec.get("tensorParallel") or catalog.get(precision.accelerator).default_tensor_parallel
-        misfit = tensor_parallel_problem((channel_status or {}).get("model"), int(tensor_parallel))
-        if misfit is not None:
-            raise ValueError(misfit)
+        _place(status, spec, catalog, channel_status)
     except (CatalogError, ValueError) as exc:  # a class the runtime catalog cannot run, a TP the model cannot
-        if isinstance(exc, ValidationError):
-            message = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())[:1000]
-        else:
-            message = str(exc).splitlines()[0][:1000]
+        message = _invalid_spec_message(exc)
         status.update(
             phase="Failed",
             reason="InvalidSpec",
@@ -171,47 +195,8 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         )
         return status
     # Weight version of the group, from the channel status (sidecars report into the store).
-    sync_error: str | None = None  # a replica's weight sync failing now (its subscriber report says why)
-    if channel_status:
-        for g in channel_status.get("groups") or []:
-            if g.get("group") == name:
-                if g.get("appliedVersion") is not None:
-                    status["appliedWeightVersion"] = g["appliedVersion"]
-                if g.get("lag") is not None:
-                    status["versionLag"] = g["lag"]
-                if g.get("syncFailures"):
-                    status["weightSyncFailures"] = g["syncFailures"]
-                sync_error = g.get("lastError")
-    deadline = _deployment_condition(deployment, "Progressing")
-    stalled = bool(deadline and deadline.get("reason") == "ProgressDeadlineExceeded")
-    failure = _deployment_condition(deployment, "ReplicaFailure")
-    replica_failure = bool(failure and failure.get("status") == "True")
-    rolled_out = dep_generation_seen and updated >= desired and ready >= desired and replicas <= desired
-    if suspended:
-        if replicas == 0 and _get(deployment, "spec", "replicas") == 0:
-            phase, reason, message = "Suspended", "Suspended", "suspended: scaled to zero (spec.replicas kept)"
-        else:
-            phase, reason, message = "Pending", "Suspending", f"suspending: {replicas} pods left"
-    elif deployment is None:
-        phase, reason, message = "Pending", "Creating", "creating the Deployment"
-    elif stalled or replica_failure:
-        why = (failure or deadline or {}).get("message", "")
-        phase, reason, message = (
-            "Degraded",
-            "ReplicaFailure" if replica_failure else "ProgressDeadlineExceeded",
-            why,
-        )
-        message = f"{ready}/{desired} replicas ready: {message}"[:1000]
-    elif ready >= desired:
-        phase, reason, message = "Running", "AllReplicasReady", f"{ready}/{desired} replicas ready"
-    elif (problem := workload_problem(pods)) is not None:
-        phase, reason = "Degraded", problem.reason
-        message = f"{ready}/{desired} replicas ready: Deployment {name}: {problem.message}"
-    else:
-        phase, reason, message = "Pending", "ReplicasNotReady", f"{ready}/{desired} replicas ready"
-        waiting = weights_wait_reason(spec, channel_status)
-        if waiting is not None:
-            reason, message = "WaitingForWeights", f"{message}: {waiting}"
+    sync_error = _weight_sync(status, channel_status, name)
+    phase, reason, message = _group_phase(r, deployment is None, name, spec, pods, channel_status)
     if quarantine is not None and phase == "Running":
         phase, message = "Quarantined", f"{message}; quarantined by {quarantine} (no new sessions)"
     if status.get("degradedPrecision"):
@@ -224,33 +209,102 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     # share is 0..1; the printer column shows it as a percentage
     if status.get("share") is not None:
         status["sharePercent"] = round(100.0 * float(status["share"]), 1)
-    is_ready = phase in ("Running", "Quarantined")
     status["conditions"] = merge_conditions(
-        old.get("conditions"),
-        [
-            condition("Ready", is_ready, reason, message, generation),
-            condition(
-                "Progressing",
-                not suspended and not rolled_out and not stalled,
-                "RollingOut"
-                if not rolled_out and not suspended
-                else ("Suspended" if suspended else "RolledOut"),
-                f"{updated}/{desired} updated, {ready}/{desired} ready",
-                generation,
-            ),
-            condition(
-                "Degraded",
-                phase == "Degraded",
-                reason if phase == "Degraded" else "AsExpected",
-                message,
-                generation,
-            ),
-            condition("WeightsSynced", sync_error is None, "SyncFailing" if sync_error else "AsExpected",
-                      (sync_error or "no replica reports a failing weight sync")[:1024], generation),  # fmt: skip
-        ],
-        now,
+        old.get("conditions"), _group_conditions(r, phase, reason, message, sync_error, generation), now
     )
     return status
+
+
+def _place(status: dict[str, Any], spec: Manifest, catalog: Catalog, channel_status: Manifest | None) -> None:
+    """Write the accelerator class the group runs on and its precision into `status`; then ValueError
+    when the model's heads cannot be split over the group's tensorParallel (CatalogError /
+    ValidationError from the spec before anything is written)."""
+    precision = group_precision(SamplerGroupSpec.model_validate(spec), catalog)
+    status.update(
+        selectedAccelerator=precision.accelerator,
+        selectionReason=precision.selection_reason[:1024],
+        degradedPrecision=precision.degraded,
+        precisionNote=precision.note,
+    )
+    tensor_parallel = spec.get("tensorParallel") or catalog.get(precision.accelerator).default_tensor_parallel
+    misfit = tensor_parallel_problem((channel_status or {}).get("model"), int(tensor_parallel))
+    if misfit is not None:
+        raise ValueError(misfit)
+
+
+def _invalid_spec_message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())[:1000]
+    return str(exc).splitlines()[0][:1000]
+
+
+def _weight_sync(status: dict[str, Any], channel_status: Manifest | None, name: str) -> str | None:
+    """Copy the group's applied version, lag and sync failures from the channel status into `status`;
+    returns a replica's weight sync error now (its subscriber report says why), or None."""
+    sync_error: str | None = None
+    for g in (channel_status or {}).get("groups") or []:
+        if g.get("group") == name:
+            if g.get("appliedVersion") is not None:
+                status["appliedWeightVersion"] = g["appliedVersion"]
+            if g.get("lag") is not None:
+                status["versionLag"] = g["lag"]
+            if g.get("syncFailures"):
+                status["weightSyncFailures"] = g["syncFailures"]
+            sync_error = g.get("lastError")
+    return sync_error
+
+
+def _group_phase(
+    r: _Rollout, no_deployment: bool, name: str, spec: Manifest, pods: list[Manifest] | tuple[Manifest, ...],
+    channel_status: Manifest | None,
+) -> tuple[str, str, str]:
+    """(phase, reason, message) of the group's rollout, before quarantine and notes are added."""
+    ready, desired = r.ready, r.desired
+    if r.suspended:
+        if r.replicas == 0 and r.scaled_to_zero:
+            return "Suspended", "Suspended", "suspended: scaled to zero (spec.replicas kept)"
+        return "Pending", "Suspending", f"suspending: {r.replicas} pods left"
+    if no_deployment:
+        return "Pending", "Creating", "creating the Deployment"
+    if r.stalled or r.replica_failure:
+        reason = "ReplicaFailure" if r.replica_failure else "ProgressDeadlineExceeded"
+        return "Degraded", reason, f"{ready}/{desired} replicas ready: {r.failure_message}"[:1000]
+    if ready >= desired:
+        return "Running", "AllReplicasReady", f"{ready}/{desired} replicas ready"
+    if (problem := workload_problem(pods)) is not None:
+        return "Degraded", problem.reason, f"{ready}/{desired} replicas ready: Deployment {name}: {problem.message}"
+    message = f"{ready}/{desired} replicas ready"
+    waiting = weights_wait_reason(spec, channel_status)
+    if waiting is not None:
+        return "Pending", "WaitingForWeights", f"{message}: {waiting}"
+    return "Pending", "ReplicasNotReady", message
+
+
+def _group_conditions(
+    r: _Rollout, phase: str, reason: str, message: str, sync_error: str | None, generation: Any
+) -> list[dict[str, Any]]:
+    """Ready, Progressing, Degraded and WeightsSynced of a SamplerGroup."""
+    return [
+        condition("Ready", phase in ("Running", "Quarantined"), reason, message, generation),
+        condition(
+            "Progressing",
+            not r.suspended and not r.rolled_out and not r.stalled,
+            "RollingOut"
+            if not r.rolled_out and not r.suspended
+            else ("Suspended" if r.suspended else "RolledOut"),
+            f"{r.updated}/{r.desired} updated, {r.ready}/{r.desired} ready",
+            generation,
+        ),
+        condition(
+            "Degraded",
+            phase == "Degraded",
+            reason if phase == "Degraded" else "AsExpected",
+            message,
+            generation,
+        ),
+        condition("WeightsSynced", sync_error is None, "SyncFailing" if sync_error else "AsExpected",
+                  (sync_error or "no replica reports a failing weight sync")[:1024], generation),  # fmt: skip
+    ]
 
 
 def weights_wait_reason(spec: Manifest, channel_status: Manifest | None) -> str | None:
