@@ -364,23 +364,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     suspended = bool(spec.get("suspend"))
     wanted = [g.get("name") for g in spec.get("samplerGroups", [])]
     by_group = {_get(g, "spec", "name"): g for g in groups}
-    summaries, ready_groups, degraded_groups = [], 0, []  # degraded: (group, reason, masked message, message)
-    for name in wanted:
-        sg = by_group.get(name)
-        phase = _get(sg, "status", "phase")
-        stale = sg is None or _get(sg, "status", "observedGeneration") != _get(sg, "metadata", "generation")
-        entry: dict[str, Any] = {"name": name, "phase": phase or "Pending"}
-        if _get(sg, "status", "ready") is not None:
-            entry["ready"] = _get(sg, "status", "ready")
-        if _get(sg, "status", "share") is not None:
-            entry["share"] = _get(sg, "status", "share")
-        summaries.append(entry)
-        if not stale and phase in ("Running", "Quarantined"):
-            ready_groups += 1
-        if phase in ("Degraded", "Failed"):
-            why = str(_get(sg, "status", "message", default="") or "")
-            masked = re.sub(rf"\b{re.escape(str(_get(sg, 'metadata', 'name', default=name)))}(?:-[a-z0-9]+)*(?![a-z0-9])", "<group>", why)
-            degraded_groups.append((name, str(_get(sg, "status", "reason", default="") or phase), masked, why))
+    summaries, ready_groups, degraded_groups = _group_summaries(wanted, by_group)
     t_desired = 0 if suspended else int(_get(spec, "trainer", "replicas", default=1))
     t_ready = int(_get(trainer, "status", "readyReplicas", default=0) or 0)
     trainer_ready = trainer is not None and t_ready >= t_desired
@@ -415,29 +399,10 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         message = (f"{complete.get('message', 'training finished')}; the sampler groups keep running until the "
                    "RLJob is deleted or suspended (spec.suspend: true)")  # fmt: skip
     elif suspended:
-        groups_down = all(_get(by_group.get(g), "status", "phase") == "Suspended" for g in wanted)
-        t_pods = int(_get(trainer, "status", "replicas", default=0) or 0)
-        if groups_down and t_pods == 0:
-            phase, reason, message = "Suspended", "Suspended", "suspended: samplers and trainer scaled to zero"
-        else:
-            phase, reason, message = "Pending", "Suspending", "suspending: scaling samplers and trainer to zero"
+        phase, reason, message = _suspension_phase(wanted, by_group, trainer)
     elif trainer_problem is not None or degraded_groups or channel_degraded is not None:
-        phase, parts = "Degraded", []
-        if trainer_problem is not None:
-            job_name = _get(job, "metadata", "name", default="")
-            parts.append(f"trainer StatefulSet {n.trainer_name(job_name)}: {trainer_problem.message}")
-        if degraded_groups:
-            parts.append(f"degraded groups: {_merge_groups(degraded_groups)}")
-        if channel_degraded is not None:
-            parts.append(f"WeightChannel {_get(channel, 'metadata', 'name')}: {channel_degraded.get('message', '')}")
-        if trainer_problem is not None:
-            reason = trainer_problem.reason
-        elif degraded_groups:
-            reason = "GroupsDegraded"
-        else:
-            assert channel_degraded is not None  # the third cause of this branch
-            reason = str(channel_degraded.get("reason") or "ChannelDegraded")
-        message = "; ".join(parts)
+        phase = "Degraded"
+        reason, message = _degradation(job, channel, trainer_problem, degraded_groups, channel_degraded)
     elif ready_groups == len(wanted) and trainer_ready:
         phase, reason, message = (
             "Running",
@@ -449,8 +414,80 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         message = f"{ready_groups}/{len(wanted)} groups ready, trainer {t_ready}/{t_desired}"
     message = clip(message)
     status.update(phase=phase, reason=reason, message=message)
+    conditions = _job_conditions(phase, reason, message, generation)
+    status["conditions"] = merge_conditions(old.get("conditions"), conditions, now) + [
+        dict(c) for c in report_conditions  # CollapseRisk: its transition time is kept by trainer_report.py
+    ]
+    return status
+
+
+def _group_summaries(
+    wanted: list[Any], by_group: dict[Any, Manifest]
+) -> tuple[list[dict[str, Any]], int, list[tuple[str, str, str, str]]]:
+    """Per wanted group: its summary entry; how many are ready (status current); and the degraded ones
+    as (group, reason, message with the group's object names masked, message)."""
+    summaries: list[dict[str, Any]] = []
+    ready_groups = 0
+    degraded_groups: list[tuple[str, str, str, str]] = []
+    for name in wanted:
+        sg = by_group.get(name)
+        phase = _get(sg, "status", "phase")
+        stale = sg is None or _get(sg, "status", "observedGeneration") != _get(sg, "metadata", "generation")
+        entry: dict[str, Any] = {"name": name, "phase": phase or "Pending"}
+        if _get(sg, "status", "ready") is not None:
+            entry["ready"] = _get(sg, "status", "ready")
+        if _get(sg, "status", "share") is not None:
+            entry["share"] = _get(sg, "status", "share")
+        summaries.append(entry)
+        if not stale and phase in ("Running", "Quarantined"):
+            ready_groups += 1
+        if phase in ("Degraded", "Failed"):
+            why = str(_get(sg, "status", "message", default="") or "")
+            masked = re.sub(rf"\b{re.escape(str(_get(sg, 'metadata', 'name', default=name)))}(?:-[a-z0-9]+)*(?![a-z0-9])", "<group>", why)
+            degraded_groups.append((name, str(_get(sg, "status", "reason", default="") or phase), masked, why))
+    return summaries, ready_groups, degraded_groups
+
+
+def _suspension_phase(wanted: list[Any], by_group: dict[Any, Manifest], trainer: Manifest | None) -> tuple[str, str, str]:
+    """Suspended once every group and the trainer are at zero pods, else Suspending."""
+    groups_down = all(_get(by_group.get(g), "status", "phase") == "Suspended" for g in wanted)
+    t_pods = int(_get(trainer, "status", "replicas", default=0) or 0)
+    if groups_down and t_pods == 0:
+        return "Suspended", "Suspended", "suspended: samplers and trainer scaled to zero"
+    return "Pending", "Suspending", "suspending: scaling samplers and trainer to zero"
+
+
+def _degradation(
+    job: Manifest,
+    channel: Manifest | None,
+    trainer_problem: PodProblem | None,
+    degraded_groups: list[tuple[str, str, str, str]],
+    channel_degraded: dict[str, Any] | None,
+) -> tuple[str, str]:
+    """(reason, message) of a Degraded job: every cause in the message, the first (trainer, groups,
+    channel) as the reason."""
+    parts = []
+    if trainer_problem is not None:
+        job_name = _get(job, "metadata", "name", default="")
+        parts.append(f"trainer StatefulSet {n.trainer_name(job_name)}: {trainer_problem.message}")
+    if degraded_groups:
+        parts.append(f"degraded groups: {_merge_groups(degraded_groups)}")
+    if channel_degraded is not None:
+        parts.append(f"WeightChannel {_get(channel, 'metadata', 'name')}: {channel_degraded.get('message', '')}")
+    if trainer_problem is not None:
+        reason = trainer_problem.reason
+    elif degraded_groups:
+        reason = "GroupsDegraded"
+    else:
+        assert channel_degraded is not None  # the third cause of a Degraded job
+        reason = str(channel_degraded.get("reason") or "ChannelDegraded")
+    return reason, "; ".join(parts)
+
+
+def _job_conditions(phase: str, reason: str, message: str, generation: Any) -> list[dict[str, Any]]:
+    """Ready, Progressing and Degraded of an RLJob."""
     blocked = phase in ("Degraded", "Failed")
-    conditions = [
+    return [
         condition("Ready", phase == "Running", reason, message, generation),
         condition(  # a blocked job is not "Stable": it names the reason and leaves the text to Degraded
             "Progressing", phase == "Pending", reason if phase == "Pending" or blocked else "Stable",
@@ -464,10 +501,6 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
             generation,
         ),  # fmt: skip
     ]
-    status["conditions"] = merge_conditions(old.get("conditions"), conditions, now) + [
-        dict(c) for c in report_conditions  # CollapseRisk: its transition time is kept by trainer_report.py
-    ]
-    return status
 
 
 def _merge_groups(degraded: list[tuple[str, str, str, str]]) -> str:
