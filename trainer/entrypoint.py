@@ -28,12 +28,15 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlfleet.api.rljob import RLJob
+    from rlfleet.store import Store
     from rlfleet.trainer.collapse import Decision
+    from rlfleet.trainer.metrics import PrometheusExporter
     from rlfleet.trainer.rollout import PromptGroup
+    from rlfleet.trainer.run import TrainerBackend
 
 log = logging.getLogger("rlfleet.trainer")
 METRICS_PORT = 9500  # operator naming.TRAINER_METRICS_PORT
@@ -144,23 +147,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
     state = ckpt.load_latest(checkpoints)
     exporter = PrometheusExporter(port=args.metrics_port, addr="0.0.0.0")  # metrics only, no control surface
-    if state is not None and int(state["step"]) >= rc.steps:
-        # Restarted after its last step (a StatefulSet restarts a container that exits, even with 0): do
-        # not train again and do not exit into a restart loop. Release the other ranks, export the
-        # finished run's final metrics and `rlfleet_trainer_finished`, and wait: the operator reads the
-        # RLJob as Succeeded (docs/operations.md, "When training finishes").
-        backend.close()
-        leave_process_group()
-        store.close()
-        step = int(state["step"])
-        exporter.update(step, {**(state.get("history") or [{}])[-1], "weight_version": step})
-        exporter.update_finished()
-        log.info("training finished at step %d (spec.trainer.totalSteps %d): exporting its final metrics until "
-                 "the pod is stopped", step, rc.steps)  # fmt: skip
-        threading.Event().wait()
-    if state is not None:  # a restarted pod: the step and data position the last publish checkpointed
-        log.info("resuming from the checkpoint at step %d (data position %d)", int(state["step"]),
-                 int(state["data_position"]))  # fmt: skip
+    _serve_if_finished_else_resume(state, rc.steps, backend, store, exporter)
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     sink = ChannelSink(publisher)
 
@@ -202,3 +189,33 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         backend.close()
         leave_process_group()
     return 0
+
+
+def _serve_if_finished_else_resume(
+    state: dict[str, Any] | None,
+    total_steps: int,
+    backend: TrainerBackend,
+    store: Store,
+    exporter: PrometheusExporter,
+) -> None:
+    """With a checkpoint at or past the last step, serve the finished run's metrics until the pod is
+    stopped (never returns); with an earlier one, say where training resumes."""
+    from rlfleet.trainer.backend_common import leave_process_group
+
+    if state is not None and int(state["step"]) >= total_steps:
+        # Restarted after its last step (a StatefulSet restarts a container that exits, even with 0): do
+        # not train again and do not exit into a restart loop. Release the other ranks, export the
+        # finished run's final metrics and `rlfleet_trainer_finished`, and wait: the operator reads the
+        # RLJob as Succeeded (docs/operations.md, "When training finishes").
+        backend.close()
+        leave_process_group()
+        store.close()
+        step = int(state["step"])
+        exporter.update(step, {**(state.get("history") or [{}])[-1], "weight_version": step})
+        exporter.update_finished()
+        log.info("training finished at step %d (spec.trainer.totalSteps %d): exporting its final metrics until "
+                 "the pod is stopped", step, total_steps)  # fmt: skip
+        threading.Event().wait()
+    if state is not None:  # a restarted pod: the step and data position the last publish checkpointed
+        log.info("resuming from the checkpoint at step %d (data position %d)", int(state["step"]),
+                 int(state["data_position"]))  # fmt: skip
