@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from rlfleet.api import StoreSpec
+from rlfleet.api.podfields import template_wire
 from rlfleet.api.scheduling import PodPlacement, compact
 from rlfleet.catalog import GPU_RESOURCE, GPU_TOLERATION, Catalog
 
@@ -140,6 +141,40 @@ def pod_placement_spec(placement: PodPlacement) -> dict[str, Any]:
     if placement.priority_class_name:
         out["priorityClassName"] = placement.priority_class_name
     return out
+
+
+def pod_identity_spec(placement: PodPlacement) -> dict[str, Any]:
+    """serviceAccountName, its token and imagePullSecrets of the pod spec. The pods need no API rights (the
+    operator writes their status), so no token is mounted unless the user names a ServiceAccount: then
+    its projected token is what workload identity (IRSA, GKE Workload Identity) exchanges for cloud
+    credentials, so it is mounted (docs/operations.md, "Gated models and private registries")."""
+    out: dict[str, Any] = {"automountServiceAccountToken": placement.service_account_name is not None}
+    if placement.service_account_name:
+        out["serviceAccountName"] = placement.service_account_name
+    if placement.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": s.name} for s in placement.image_pull_secrets]
+    return out
+
+
+def container_env(own: list[dict[str, Any]], placement: PodPlacement) -> dict[str, Any]:
+    """`env` (the operator's, then the user's) and `envFrom` of a container. The API refuses user names
+    the operator sets; a user name equal to one of the catalog's launch env replaces it (one entry per
+    name). Kubernetes gives env precedence over envFrom, so the operator's names keep their values."""
+    user = [template_wire(e) for e in placement.env]
+    names = {e["name"] for e in user}
+    out: dict[str, Any] = {"env": [e for e in own if e["name"] not in names] + user}
+    if placement.env_from:
+        out["envFrom"] = [template_wire(e) for e in placement.env_from]
+    return out
+
+
+def user_volumes(placement: PodPlacement) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) the user adds to the pod and its main container (names and paths that collide
+    with the operator's are refused by the API)."""
+    return (
+        [template_wire(v) for v in placement.volumes],
+        [template_wire(m) for m in placement.volume_mounts],
+    )
 
 
 def optional(key: str, value: Any) -> dict[str, Any]:

@@ -36,9 +36,11 @@ from rlfleet.operator.podspec import (
     HF_HOME,
     RESTRICTED_CONTAINER,
     class_resources,
+    container_env,
     container_resources,
     optional,
     pod_affinity,
+    pod_identity_spec,
     pod_placement_spec,
     pod_security_context,
     pod_template_metadata,
@@ -47,6 +49,7 @@ from rlfleet.operator.podspec import (
     store_env,
     store_uri,
     store_volume,
+    user_volumes,
 )
 
 Manifest = dict[str, Any]
@@ -100,11 +103,12 @@ def build_trainer_statefulset(
     selector = {n.LABEL_JOB: job.name, n.LABEL_COMPONENT: "trainer"}
     store = job.spec.weight_channel.store
     volumes, mounts = store_volume(store, read_only=False)
+    extra_volumes, extra_mounts = user_volumes(t)
     master = f"{name}-0.{name}.{namespace}.svc"
     gang_labels, gang_annotations, gang_anti = trainer_gang(job)
     cls = catalog.get(t.accelerator)
     ranks = t.ranks_per_replica
-    env = [
+    env: list[dict[str, Any]] = [
         {"name": "RLFLEET_JOB", "value": job.name},  # the rendezvous id ($(RLFLEET_JOB) in the args)
         {"name": "RLFLEET_CONFIG", "value": f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}"},  # trainer/entrypoint.py
         {"name": "RLFLEET_ROUTER_URL", "value": f"http://{n.router_name(job.name)}.{namespace}.svc:{n.ROUTER_PORT}"},
@@ -142,7 +146,7 @@ def build_trainer_statefulset(
             "--config",
             f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}",
         ],  # fmt: skip
-        "env": env,
+        **container_env(env, t),
         "ports": [
             {"name": "rdzv", "containerPort": n.TRAINER_RDZV_PORT},
             {"name": "metrics", "containerPort": n.TRAINER_METRICS_PORT},
@@ -153,6 +157,7 @@ def build_trainer_statefulset(
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
             *mounts,
+            *extra_mounts,
         ],
         "securityContext": dict(RESTRICTED_CONTAINER),
     }
@@ -181,7 +186,7 @@ def build_trainer_statefulset(
                     **optional("tolerations", pod_tolerations(t, gpu=cls.gpu)),
                     **pod_placement_spec(t),
                     "securityContext": pod_security_context(),
-                    "automountServiceAccountToken": False,  # no API rights: the operator writes its status
+                    **pod_identity_spec(t),
                     "terminationGracePeriodSeconds": 120,
                     "containers": [container],
                     "volumes": [
@@ -189,6 +194,7 @@ def build_trainer_statefulset(
                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi" if cls.gpu else "1Gi"}},
                         {"name": "tmp", "emptyDir": {}},
                         *volumes,
+                        *extra_volumes,
                     ],
                 },
             },
@@ -205,6 +211,7 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
     secret = r.admin_token_secret or n.router_secret_name(job.name)
     config_hash = spec_hash(router_config(job, namespace))
     probe = {"httpGet": {"path": "/health", "port": n.ROUTER_PORT}, "periodSeconds": 10, "timeoutSeconds": 3}
+    extra_volumes, extra_mounts = user_volumes(r)
     container = {
         "name": "router",
         "image": r.image,
@@ -218,11 +225,12 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
         "resources": container_resources(
             {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}, r
         ),
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        **container_env([{"name": "HOME", "value": "/tmp"}], r),
         "volumeMounts": [
             {"name": "config", "mountPath": n.CONFIG_MOUNT, "readOnly": True},
             {"name": "admin-token", "mountPath": n.ROUTER_TOKEN_MOUNT, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *extra_mounts,
         ],
         "securityContext": {**RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True},
     }
@@ -249,12 +257,13 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
                     **optional("tolerations", pod_tolerations(r, gpu=False)),
                     **pod_placement_spec(r),
                     "securityContext": pod_security_context(),
-                    "automountServiceAccountToken": False,
+                    **pod_identity_spec(r),
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": n.config_name(job.name)}},
                         {"name": "admin-token", "secret": {"secretName": secret}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                        *extra_volumes,
                     ],
                 },
             },
@@ -312,7 +321,12 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
         volumes += store_vols
         sync_mounts += store_mounts  # only the sync side reads the store; SGLang reads the verified cache
         store_envs = store_env(store)
-    env = [
+    # the user's volumes are mounted in the engine only; their env reaches every container (an S3 store
+    # reached by the sync side may need it: a CA bundle path, a proxy, workload identity's settings)
+    extra_volumes, extra_mounts = user_volumes(spec)
+    volumes += extra_volumes
+    engine_mounts += extra_mounts
+    env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": HF_HOME},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -327,7 +341,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
         "command": command,
         "args": args,
-        "env": env,
+        **container_env(env, spec),
         "ports": [{"name": "http", "containerPort": port}],
         "startupProbe": {
             # model load + CUDA graph capture can take many minutes on big models
@@ -373,7 +387,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
             n.WEIGHTS_CACHE,
             "--require-checkpoint",
         ]  # fmt: skip
-        sync_env = [
+        sync_env: list[dict[str, Any]] = [
             {"name": "HOME", "value": "/tmp"},
             {"name": "HF_HOME", "value": HF_HOME},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -390,7 +404,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                 "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
                 "command": ["rlfleet"],
                 "args": [*sync_args, "--fetch-only"],
-                "env": sync_env,
+                **container_env(sync_env, spec),
                 "resources": copy.deepcopy(cls.sync_resources),
                 "volumeMounts": sync_mounts,
                 "securityContext": sync_security,
@@ -404,7 +418,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                 "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
                 "command": ["rlfleet"],
                 "args": [*sync_args, "--port", str(n.SYNC_PORT)],
-                "env": sync_env,
+                **container_env(sync_env, spec),
                 "ports": [{"name": "sync", "containerPort": n.SYNC_PORT}],
                 "readinessProbe": {"httpGet": {"path": "/health", "port": n.SYNC_PORT}, "periodSeconds": 10},
                 "resources": copy.deepcopy(cls.sync_resources),
@@ -433,7 +447,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                     **optional("tolerations", pod_tolerations(spec, gpu=cls.gpu)),
                     **pod_placement_spec(spec),
                     "securityContext": pod_security_context(),
-                    "automountServiceAccountToken": False,
+                    **pod_identity_spec(spec),
                     "terminationGracePeriodSeconds": 60,
                     **({"initContainers": init_containers} if init_containers else {}),
                     "containers": containers,

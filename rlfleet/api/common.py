@@ -54,6 +54,8 @@ MAX_GROUP_NAME = 24
 RESERVED_GROUP_NAMES: tuple[str, ...] = ("trainer", "router", "router-admin", "config", "weights")
 # Port of the weight-sync sidecar in every sampler pod (SGLang must listen elsewhere).
 SYNC_SIDECAR_PORT = 9400
+# A Kubernetes resource quantity (apimachinery resource.Quantity): "16", 128Gi, 500m, 1e3.
+QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?[0-9]+)?$"
 HTTP_URL_PATTERN = r"^https?://[^\s/]+(/\S*)?$"
 # Sampling-mask cap of SGLang (`--sampling-mask-max-tokens`, default 4096): a finite top_k must fit it.
 MAX_TOP_K = 4096

@@ -28,6 +28,7 @@ from rlfleet.api.common import (
     kube_manifest_check,
 )
 from rlfleet.api.meta import ObjectMeta
+from rlfleet.api.podfields import POD_FIELDS_RULES
 from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
 from rlfleet.api.scheduling import PodPlacement
 from rlfleet.api.weightchannel import RetentionSpec, StoreSpec
@@ -259,6 +260,7 @@ class TrainerSpec(PodPlacement):
                 {"rule": PARALLEL_FIT_RULE, "message": PARALLEL_FIT_MESSAGE, "fieldPath": ".parallelism"},
                 {"rule": TORCH_ONE_NODE_RULE, "message": TORCH_ONE_NODE_MESSAGE, "fieldPath": ".backend"},
                 *trainer_device_rules(BUILTIN_CPU_CLASSES),
+                *POD_FIELDS_RULES,
             ]
         }
     }
@@ -414,6 +416,7 @@ class RouterSpec(PodPlacement):
             "x-kubernetes-validations": [
                 {"rule": STATIC_SHARES_RULE, "message": STATIC_SHARES_MESSAGE},
                 {"rule": STATIC_SHARES_POSITIVE_RULE, "message": STATIC_SHARES_POSITIVE_MESSAGE},
+                *POD_FIELDS_RULES,
             ]
         }
     }
@@ -620,6 +623,20 @@ class RLJobSpec(ApiModel):
     """Images of the sampler pods."""
     local: LocalSpec = Field(default_factory=LocalSpec, json_schema_extra={"default": {}})
     """Knobs for --local runs (ignored on clusters)."""
+
+    @model_validator(mode="after")
+    def _check_store_mount(self) -> RLJobSpec:
+        # the trainer mounts a PVC-backed filesystem store at its path (operator/podspec.py store_volume)
+        store = self.weight_channel.store
+        if store.type == "filesystem" and store.volume_claim_name and store.path:
+            path = store.path.rstrip("/")
+            taken = [m.mount_path for m in self.trainer.volume_mounts if m.mount_path.rstrip("/") == path]
+            if taken:
+                raise ValueError(
+                    f"trainer.volumeMounts: {taken[0]} is where the trainer mounts the weight store "
+                    "(weightChannel.store.path): pick another mountPath"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_groups(self) -> RLJobSpec:

@@ -24,6 +24,7 @@ from rlfleet.api.common import (
     kube_manifest_check,
 )
 from rlfleet.api.meta import ObjectMeta
+from rlfleet.api.podfields import POD_FIELDS_RULES
 from rlfleet.api.scheduling import PodPlacement
 
 ACCELERATOR_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -91,6 +92,7 @@ class SamplerGroupTemplate(PodPlacement):
             "x-kubernetes-validations": [
                 {"rule": RESERVED_NAME_RULE, "message": RESERVED_NAME_MESSAGE, "fieldPath": ".name"},
                 {"rule": EXTRA_ARGS_RULE, "message": EXTRA_ARGS_MESSAGE, "fieldPath": ".extraArgs"},
+                *POD_FIELDS_RULES,
             ]
         }
     }
@@ -167,6 +169,7 @@ class SamplerGroupSpec(SamplerGroupTemplate):
                     "message": ACCELERATOR_CHANGE_MESSAGE,
                     "fieldPath": ".accelerator",
                 },
+                *POD_FIELDS_RULES,
             ]
         }
     }

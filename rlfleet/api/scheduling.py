@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.api.common import DNS_SUBDOMAIN_PATTERN, ApiModel, cel_list
+from rlfleet.api.podfields import POD_FIELDS_RULES, PodTemplateFields, Quantity
 
 GPU_RESOURCE_NAME = "nvidia.com/gpu"  # rlfleet.catalog.GPU_RESOURCE (a test keeps them equal)
 
@@ -48,7 +49,6 @@ QUALIFIED_NAME_PATTERN = (
     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 )
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-QUANTITY_PATTERN = r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[mkMGTPE]|[eE][+-]?[0-9]+)?$"
 
 GPU_OVERRIDE_RULE = (
     f"(!has(self.requests) || !('{GPU_RESOURCE_NAME}' in self.requests)) && "
@@ -92,7 +92,6 @@ LABEL_KEYS_MESSAGE = (
 TOLERATION_RULE = "self.operator != 'Exists' || !has(self.value) || self.value == ''"
 TOLERATION_MESSAGE = "toleration: operator Exists takes no value"
 
-Quantity = Annotated[str, Field(max_length=64, pattern=QUANTITY_PATTERN)]
 LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]
 LabelKey = Annotated[str, Field(min_length=1, max_length=317, pattern=QUALIFIED_NAME_PATTERN)]
 ShortString = Annotated[str, Field(max_length=317)]
@@ -293,8 +292,11 @@ class ResourceRequirements(ApiModel):
         return self
 
 
-class PodPlacement(ApiModel):
-    """Scheduling fields of one pod role (base of TrainerSpec, RouterSpec and SamplerGroupTemplate)."""
+class PodPlacement(PodTemplateFields):
+    """Scheduling fields of one pod role (base of TrainerSpec, RouterSpec and SamplerGroupTemplate), with
+    its env, identity and volumes (PodTemplateFields, rlfleet/api/podfields.py)."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [*POD_FIELDS_RULES]}}
 
     node_selector: dict[str, LabelValue] = Field(
         default_factory=dict,
@@ -349,8 +351,8 @@ class PodPlacement(ApiModel):
         return self
 
     def placement_wire(self) -> dict[str, Any]:
-        """The placement fields that are set, in wire form (what a SamplerGroup child inherits)."""
-        wire = self.model_dump(
-            mode="json", by_alias=True, exclude_none=True, include=set(PodPlacement.model_fields)
-        )
-        return compact(wire)
+        """The placement and pod template fields that are set, in wire form (what a SamplerGroup child
+        inherits)."""
+        placement = set(PodPlacement.model_fields) - set(PodTemplateFields.model_fields)
+        wire = compact(self.model_dump(mode="json", by_alias=True, exclude_none=True, include=placement))
+        return {**wire, **self.pod_fields_wire()}

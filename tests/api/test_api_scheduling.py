@@ -13,7 +13,9 @@ from pydantic import ValidationError
 from rlfleet import catalog
 from rlfleet.api import RLJob, SamplerGroup
 from rlfleet.api import scheduling as s
+from rlfleet.api.common import QUANTITY_PATTERN
 from rlfleet.api.crdgen import rljob_crd, samplergroup_crd
+from rlfleet.api.podfields import ENV_RESERVED_RULE, ENV_SECRET_RULE, MOUNT_VOLUME_RULE
 from rlfleet.operator import naming as n
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"
@@ -153,5 +155,10 @@ def test_every_role_has_the_placement_fields_and_rules_in_the_crds() -> None:
         assert found == rules, role
         assert (
             props["resources"]["properties"]["requests"]["additionalProperties"]["pattern"]
-            == s.QUANTITY_PATTERN
+            == QUANTITY_PATTERN
         )
+        # the pod template fields (rlfleet/api/podfields.py) and their rules, on every role
+        assert {"env", "envFrom", "imagePullSecrets", "serviceAccountName", "volumes", "volumeMounts"} <= set(props)
+        assert MOUNT_VOLUME_RULE in {v["rule"] for v in schema["x-kubernetes-validations"]}, role
+        env_rules = {v["rule"] for v in props["env"]["items"]["x-kubernetes-validations"]}
+        assert {ENV_RESERVED_RULE, ENV_SECRET_RULE} <= env_rules, role
