@@ -63,6 +63,9 @@ class FleetSpec:
     max_running_requests: int = 64
     poll_interval: float = 0.2
     threads: int = 1
+    # 0: any free port. A caller that must hand the router's URL to a trainer before the fleet is ready
+    # fixes it (the engines start only once version 0 is published, and the trainer publishes it)
+    router_port: int = 0
 
     @classmethod
     def from_json(cls, text: str) -> FleetSpec:
@@ -139,7 +142,7 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     router, runner, port = await start_service(
         RouterConfig(
             host="127.0.0.1",
-            port=0,
+            port=spec.router_port,
             groups=[
                 GroupConfig(
                     name=g.name, share=g.share, replicas=[fleet.servers[g.name]], quarantined=g.quarantined

@@ -64,32 +64,43 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     base_weights = read_safetensors_dir(base)  # bf16, as save_pretrained wrote them
     channel_dir = tmp_path / "channel"
     channel_dir.mkdir()
+    # As on a cluster: the router's address is known before any sampler is up, and the samplers wait
+    # for the channel's first version, which only the trainer publishes.
+    router_port = free_port()
     fleet_spec = FleetSpec(
         groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")],
         store=str(channel_dir), cache_dir=str(tmp_path / "cache"), model_path=str(base), seed=0,
+        router_port=router_port,
     )
     (tmp_path / "fleet.json").write_text(fleet_spec.to_json())
     fleet = FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8))
     try:
-        urls = fleet.wait_ready()  # the samplers wait for the channel's first version (none yet)
         assert WeightChannel(FilesystemStore(channel_dir)).latest() is None
-        trainer = subprocess.run(
+        trainer_run = subprocess.Popen(
             [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run",
              "--config", str(job_manifest(tmp_path, base, channel_dir)),
-             "--router-url", urls["router"], "--metrics-port", "0"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+             "--router-url", f"http://127.0.0.1:{router_port}", "--metrics-port", "0"],
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"},
-        )
+        )  # fmt: skip
+        try:
+            urls = fleet.wait_ready()  # ready only once the engines loaded the trainer's version 0
+            assert urls["router"] == f"http://127.0.0.1:{router_port}"
+            _, trainer_stderr = trainer_run.communicate(timeout=300)
+        finally:
+            if trainer_run.poll() is None:
+                trainer_run.kill()
+                trainer_run.communicate()
     finally:
         fleet.stop()
-    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert trainer_run.returncode == 0, trainer_stderr[-3000:]
 
     channel = WeightChannel(FilesystemStore(channel_dir))
     assert channel.versions() == list(range(STEPS + 1))
     v0, v1 = channel.manifest(0), channel.manifest(1)
     assert sorted(v0.views) == ["bf16", "fp8"] and sorted(v1.views) == ["bf16", "fp8"]
     assert v0.published_at <= v1.published_at
-    log = trainer.stderr
+    log = trainer_stderr
     assert log.index("published the trainer's weights as version 0 before step 1") < log.index("published weights v1 ")
     # version 0 is the base checkpoint's weights (bf16 in, bf16 view out: exact)
     _, v0_bf16 = load_view(channel.download_view(0, "bf16", tmp_path / "dl" / "v0"))
