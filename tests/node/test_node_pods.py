@@ -129,8 +129,10 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
         # through its c10d rendezvous and their env:// stores (as the trainer's ranks do)
         "trainer": "import shutil, subprocess, torch, megatron.core, rlfleet.trainer.backend_megatron;"
                    "print('torchrun', shutil.which('torchrun'));"
-                   "open('/tmp/ranks.py', 'w').write(\"import torch, torch.distributed as d; d.init_process_group('gloo');"
-                   " t = torch.ones(1); d.all_reduce(t); print('all_reduce', int(t.item())); d.destroy_process_group()\");"
+                   # each rank's line in ONE write(2) (atomic on the pipe; print's pieces interleaved once)
+                   "open('/tmp/ranks.py', 'w').write(\"import os, torch, torch.distributed as d; d.init_process_group('gloo');"
+                   " t = torch.ones(1); d.all_reduce(t); os.write(1, ('all_reduce %d' % int(t.item()) + chr(10)).encode());"
+                   " d.destroy_process_group()\");"
                    "r = subprocess.run(['torchrun', '--standalone', '--nproc-per-node=2', '/tmp/ranks.py'],"
                    " capture_output=True, text=True); print(r.stdout, r.stderr[-3000:]);"
                    "print('megatron', megatron.core.__version__)",
