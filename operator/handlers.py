@@ -55,6 +55,7 @@ from rlfleet.catalog import CatalogError, get_catalog
 from rlfleet.operator import builders, kube, rebalancer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
+from rlfleet.operator.admission import collision_message
 from rlfleet.operator.model_shape import CONFIG_FILE, model_shape
 from rlfleet.operator.pods import event_view, latest_event_message, pod_view
 from rlfleet.operator.trainer_report import trainer_job_status
@@ -428,6 +429,13 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
         kopf.warn(body, reason="InvalidSpec", message=invalid or "")
         await _refresh_job_status(namespace, name, view, body)
         raise kopf.PermanentError(invalid)
+    collision = _name_collision(body, namespace, view)
+    if collision:
+        # Without the webhook (which refuses this at apply), never silent and never a tug of war: the job
+        # whose children are named like another's applies nothing and says whose they are.
+        kopf.warn(body, reason="NameCollision", message=collision[:1000])
+        await _refresh_job_status(namespace, name, view, body, invalid=collision)
+        raise kopf.PermanentError(collision)
     observed = {
         sg["metadata"]["name"]: sg
         for sg in view.all(view.samplergroups_by_job, (namespace, name))
@@ -460,6 +468,17 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
                 body, reason="GroupRemoved", message=f"deleted SamplerGroup {sg_name} (removed from spec)"
             )
     await refresh_job_status(namespace, name, view)
+
+
+def _name_collision(body: dict[str, Any], namespace: str, view: View) -> str | None:
+    """Why this job's children would take another's (a SamplerGroup of another job or a standalone one
+    under a name this job wants, or a group named like another job's trainer, router, ...), from the
+    operator's indexes of the namespace: job `ab` with group `cd-ef` and job `ab-cd` with group `ef` both
+    want SamplerGroup `ab-cd-ef`. The job that finds the name taken is the one refused."""
+    def in_namespace(index: Any) -> list[dict[str, Any]]:
+        return [obj for (ns, _), store in list(index.items()) if ns == namespace for obj in store]
+
+    return collision_message(body, in_namespace(view.rljobs), in_namespace(view.samplergroups))
 
 
 async def refresh_job_status(namespace: str, name: str, view: View) -> None:

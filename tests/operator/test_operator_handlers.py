@@ -192,6 +192,28 @@ async def test_an_invalid_rljob_ends_in_a_failed_status_and_a_warning(api: FakeK
     assert [(e.type, e.reason) for e in drain(events)] == [("Warning", "InvalidSpec"), ("Warning", "PhaseFailed")]
 
 
+async def test_a_job_whose_group_name_another_jobs_group_took_is_failed_naming_the_owner(api: FakeKube) -> None:
+    """Job `ab` with group `cd-ef` and job `ab-cd` with group `ef` both want SamplerGroup `ab-cd-ef`. Without
+    the webhook, the job that finds it taken applies nothing and is Failed naming the owner; the owner's
+    next reconcile goes on (no ownership flip on every reconcile)."""
+    events = posted()
+    first, second = rljob("ab", groups=("cd-ef",)), rljob("ab-cd", groups=("ef",))
+    taken = samplergroup("cd-ef", first)
+    taken["metadata"]["name"] = "ab-cd-ef"
+    taken["spec"]["jobName"] = "ab"
+    view = handlers.View.of(indexes(first, second, taken))
+    with pytest.raises(kopf.PermanentError, match="taken by SamplerGroup ab-cd-ef of RLJob ab"):
+        await handlers.reconcile_job(copy.deepcopy(second), NS, view)
+    assert api.applied == [] and api.created == []
+    ((kind, name, status),) = api.statuses
+    assert (kind, name, status["phase"]) == ("RLJob", "ab-cd", "Failed")
+    assert "taken by SamplerGroup ab-cd-ef of RLJob ab: rename this job or its group" in status["message"]
+    assert [(e.type, e.reason) for e in drain(events)] == [("Warning", "NameCollision"), ("Warning", "PhaseFailed")]
+    await handlers.reconcile_job(copy.deepcopy(first), NS, view)  # the owner is not refused
+    assert ("SamplerGroup", "ab-cd-ef") in [(b["kind"], b["metadata"]["name"]) for b in api.applied]
+    rebalancer.forget(NS, "ab")
+
+
 async def test_a_child_the_api_server_refuses_stops_the_job_with_the_api_s_reason(api: FakeKube) -> None:
     posted()
     job = rljob()
