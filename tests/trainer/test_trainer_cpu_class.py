@@ -13,7 +13,6 @@ ConfigMap mounted (written to a file), the pod-0 rendezvous on 127.0.0.1, the st
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -82,14 +81,18 @@ def run_trainer_pod(example: str, python: str, tmp: Path) -> tuple[subprocess.Co
     base = resolve_model_source(job.spec.model.path, cache_dir=models)  # the fleet's engines start from it
     store = tmp / "store"
     store.mkdir()
+    # As on a cluster, the router's address is known before any sampler is up: the fleet's engines start
+    # from the channel's version 0, which only the trainer publishes (so the fleet is not waited for here)
+    router_port = free_port()
     spec = FleetSpec(groups=[GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype)
                              for g in job.spec.sampler_groups],
-                     store=str(store), cache_dir=str(tmp / "fleet-cache"), model_path=str(base))  # fmt: skip
+                     store=str(store), cache_dir=str(tmp / "fleet-cache"), model_path=str(base),
+                     router_port=router_port)  # fmt: skip
     (tmp / "fleet.json").write_text(spec.to_json())
     fleet = subprocess.Popen([sys.executable, "-m", "rlfleet.local.fleet", str(tmp / "fleet.json")],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)  # fmt: skip
     try:
-        router = json.loads(fleet.stdout.readline())["router"]  # type: ignore[union-attr]
+        router = f"http://127.0.0.1:{router_port}"
         container, config = trainer_container(job, store)
         config_path = tmp / "rljob.yaml"
         config_path.write_text(config)
