@@ -311,8 +311,15 @@ def test_a_full_store_volume_stops_publishing_with_a_clear_reason_and_names_noth
     subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, check=False)  # to ENOSPC
     try:
         # between the trainer's restarts (the kubelet's back-off) the RLJob is Degraded and quotes it
-        status = wait_for("the RLJob saying the store is full", lambda: "is full" in (
-            s := fleet.status()).get("message", "") and s, timeout=900)  # fmt: skip
+        try:
+            status = wait_for("the RLJob saying the store is full", lambda: "is full" in (
+                s := fleet.status()).get("message", "") and s, timeout=900)  # fmt: skip
+        except AssertionError as exc:  # say what the job and the trainer said instead (a CI run timed out here once)
+            try:
+                trainer_log = fleet.logs(f"{JOB}-trainer-0", "trainer", "--tail=20")
+            except Exception as log_error:  # noqa: BLE001 - the report must not hide the timeout
+                trainer_log = f"(no log: {log_error})"
+            raise AssertionError(f"{exc}\nRLJob status: {fleet.status()}\ntrainer log tail:\n{trainer_log}") from None
         why = status["message"]
         assert "No space left on device" in why and status["phase"] == "Degraded", status
         assert status["reason"] == "CrashLoopBackOff" and "it said: rlfleet trainer run: the weight store" in why
