@@ -50,6 +50,12 @@ def own_child_names(job: str) -> set[str]:
             n.router_secret_name(job)}  # fmt: skip
 
 
+def in_namespace(index: Any, namespace: str | None) -> list[dict[str, Any]]:
+    """The objects of one namespace in a kopf index keyed (namespace, name): what `collision_message`
+    compares a job against (the webhook and the RLJob pipeline both ask it)."""
+    return [obj for (ns, _), store in list(index.items()) if ns == namespace for obj in store]
+
+
 def collision_message(
     job: Mapping[str, Any],
     other_jobs: Iterable[Mapping[str, Any]],

@@ -55,7 +55,7 @@ from rlfleet.catalog import CatalogError, get_catalog
 from rlfleet.operator import builders, kube, rebalancer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
-from rlfleet.operator.admission import collision_message
+from rlfleet.operator.admission import collision_message, in_namespace
 from rlfleet.operator.model_shape import CONFIG_FILE, model_shape
 from rlfleet.operator.pods import event_view, latest_event_message, pod_view
 from rlfleet.operator.trainer_report import trainer_job_status
@@ -475,10 +475,7 @@ def _name_collision(body: dict[str, Any], namespace: str, view: View) -> str | N
     under a name this job wants, or a group named like another job's trainer, router, ...), from the
     operator's indexes of the namespace: job `ab` with group `cd-ef` and job `ab-cd` with group `ef` both
     want SamplerGroup `ab-cd-ef`. The job that finds the name taken is the one refused."""
-    def in_namespace(index: Any) -> list[dict[str, Any]]:
-        return [obj for (ns, _), store in list(index.items()) if ns == namespace for obj in store]
-
-    return collision_message(body, in_namespace(view.rljobs), in_namespace(view.samplergroups))
+    return collision_message(body, in_namespace(view.rljobs, namespace), in_namespace(view.samplergroups, namespace))
 
 
 async def refresh_job_status(namespace: str, name: str, view: View) -> None:

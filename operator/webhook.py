@@ -24,7 +24,13 @@ from typing import Any
 import kopf
 
 from rlfleet.api.common import GROUP, VERSION
-from rlfleet.operator.admission import WEBHOOK_ENV, admission_message, collision_message, self_signed
+from rlfleet.operator.admission import (
+    WEBHOOK_ENV,
+    admission_message,
+    collision_message,
+    in_namespace,
+    self_signed,
+)
 
 
 def _manifest(body: kopf.Body) -> dict[str, Any]:
@@ -39,15 +45,10 @@ def validate_rljob(body: kopf.Body, namespace: str | None = None, **kwargs: Any)
     if message is None and "rljobs_idx" in kwargs:  # the operator's indexes (handlers.py) are loaded
         ns = namespace or manifest.get("metadata", {}).get("namespace")
         message = collision_message(
-            manifest, _in_namespace(kwargs["rljobs_idx"], ns), _in_namespace(kwargs["samplergroups_idx"], ns)
+            manifest, in_namespace(kwargs["rljobs_idx"], ns), in_namespace(kwargs["samplergroups_idx"], ns)
         )
     if message:
         raise kopf.AdmissionError(message, code=422)
-
-
-def _in_namespace(index: Any, namespace: str | None) -> list[dict[str, Any]]:
-    """The indexed objects (keyed (namespace, name)) of one namespace."""
-    return [obj for (ns, _), store in index.items() if ns == namespace for obj in store]
 
 
 @kopf.on.validate(GROUP, VERSION, "samplergroups", id="validate-samplergroup", operation="CREATE")
