@@ -101,28 +101,38 @@ def plain(body: Mapping[str, Any]) -> dict[str, Any]:
     return copy.deepcopy({k: body[k] for k in body})
 
 
+def _namespaced(namespace: str | None) -> str:
+    """The namespace kopf passes to a handler. kopf types it optional (a cluster-scoped kind has none);
+    every kind the operator handles is namespaced (its CRDs, pods, Events, Deployments, StatefulSets),
+    so None would mean a handler registered on a kind it was not written for."""
+    if namespace is None:
+        raise kopf.PermanentError("the operator handles namespaced objects only; kopf passed none")
+    return namespace
+
+
 # --- indexes: in-memory views of what the operator watches ------------------------------------------------
 
 
 @kopf.index(GROUP, VERSION, "rljobs")
-def rljobs_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): plain(body)}
+def rljobs_idx(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(_namespaced(namespace), name): plain(body)}
 
 
 @kopf.index(GROUP, VERSION, "samplergroups")
-def samplergroups_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): plain(body)}
+def samplergroups_idx(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(_namespaced(namespace), name): plain(body)}
 
 
 @kopf.index(GROUP, VERSION, "samplergroups")
-def samplergroups_by_job_idx(namespace: str, body: kopf.Body, **_: Any) -> dict | None:
+def samplergroups_by_job_idx(namespace: str | None, body: kopf.Body, **_: Any) -> dict | None:
+    namespace = _namespaced(namespace)
     job = body.get("spec", {}).get("jobName")
     return {(namespace, job): plain(body)} if job else None
 
 
 @kopf.index(GROUP, VERSION, "weightchannels")
-def weightchannels_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): plain(body)}
+def weightchannels_idx(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(_namespaced(namespace), name): plain(body)}
 
 
 def _workload(body: kopf.Body) -> dict[str, Any]:
@@ -134,13 +144,13 @@ def _workload(body: kopf.Body) -> dict[str, Any]:
 
 
 @kopf.index("apps", "v1", "deployments", labels=SAMPLER_LABELS)
-def sampler_deployments_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): _workload(body)}
+def sampler_deployments_idx(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(_namespaced(namespace), name): _workload(body)}
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=TRAINER_LABELS)
-def trainers_idx(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): _workload(body)}
+def trainers_idx(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict:
+    return {(_namespaced(namespace), name): _workload(body)}
 
 
 def _pod_owner(labels: Mapping[str, str]) -> tuple[str, str] | None:
@@ -154,7 +164,8 @@ def _pod_owner(labels: Mapping[str, str]) -> tuple[str, str] | None:
 
 
 @kopf.index("", "v1", "pods", labels=POD_LABELS)
-def pods_idx(namespace: str, body: kopf.Body, **_: Any) -> dict | None:
+def pods_idx(namespace: str | None, body: kopf.Body, **_: Any) -> dict | None:
+    namespace = _namespaced(namespace)
     owner = _pod_owner(body.get("metadata", {}).get("labels") or {})
     return {(namespace, *owner): pod_view(body)} if owner else None
 
@@ -167,8 +178,8 @@ def _is_failed_mount(body: Mapping[str, Any], **_: Any) -> bool:
 # Events carry no labels: keyed by the involved pod; only FailedMount (a Secret or ConfigMap missing from a
 # volume shows nowhere else). One small view per Event object: the index is bounded by the Events' own TTL.
 @kopf.index("", "v1", "events", when=_is_failed_mount)
-def mount_failures_idx(namespace: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, body["involvedObject"]["name"]): event_view(body)}
+def mount_failures_idx(namespace: str | None, body: kopf.Body, **_: Any) -> dict:
+    return {(_namespaced(namespace), body["involvedObject"]["name"]): event_view(body)}
 
 
 def _is_failed_create(body: Mapping[str, Any], **_: Any) -> bool:
@@ -180,8 +191,8 @@ def _is_failed_create(body: Mapping[str, Any], **_: Any) -> bool:
 # webhook) show only as FailedCreate Events on the StatefulSet (it has no ReplicaFailure condition, unlike a
 # Deployment): keyed by the StatefulSet's name, bounded by the Events' TTL like the FailedMount index.
 @kopf.index("", "v1", "events", when=_is_failed_create)
-def create_failures_idx(namespace: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, body["involvedObject"]["name"]): event_view(body)}
+def create_failures_idx(namespace: str | None, body: kopf.Body, **_: Any) -> dict:
+    return {(_namespaced(namespace), body["involvedObject"]["name"]): event_view(body)}
 
 
 @dataclass(frozen=True)
@@ -241,12 +252,12 @@ class View:
         return None
 
     @staticmethod
-    def one(index: Any, key: tuple[str, str]) -> dict[str, Any] | None:
+    def one(index: Any, key: tuple[str, ...]) -> dict[str, Any] | None:
         store = index.get(key)
         return next(iter(store), None) if store else None
 
     @staticmethod
-    def all(index: Any, key: tuple[str, str]) -> list[dict[str, Any]]:
+    def all(index: Any, key: tuple[str, ...]) -> list[dict[str, Any]]:
         store = index.get(key)
         return list(store) if store else []
 
@@ -327,7 +338,7 @@ async def _write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str)
     before, after = old.get("phase"), desired.get("phase")
     if after and before != after:
         kopf.event(
-            obj,
+            kube.event_target(obj),
             type="Warning" if after in ("Degraded", "Failed") else "Normal",
             reason=f"Phase{after}",
             message=f"{kind} phase {before or 'None'} -> {after}: {desired.get('message', '')}"[:1000],
@@ -336,7 +347,7 @@ async def _write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str)
     if risk_after and (risk_before or {}).get("status", "False") != risk_after["status"]:
         on = risk_after["status"] == "True"
         if on or risk_before:
-            kopf.event(obj, type="Warning" if on else "Normal",
+            kopf.event(kube.event_target(obj), type="Warning" if on else "Normal",
                        reason=risk_after["reason"] if on else "CollapseRiskCleared",
                        message=risk_after.get("message", "")[:1000])  # fmt: skip
     obj["status"] = {**old, **desired}  # our copy now reflects the write (the index catches up on the event)
@@ -403,7 +414,8 @@ def _parse_job(body: Mapping[str, Any]) -> tuple[RLJob | None, str | None]:
 @kopf.on.resume(GROUP, VERSION, "rljobs")
 @kopf.on.create(GROUP, VERSION, "rljobs")
 @kopf.on.update(GROUP, VERSION, "rljobs", field="spec")
-async def reconcile_rljob(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+async def reconcile_rljob(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
+    namespace = _namespaced(namespace)
     started = time.perf_counter()
     try:
         await reconcile_job(plain(body), namespace, View.of(kwargs))
@@ -426,14 +438,14 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
     name = body["metadata"]["name"]
     job, invalid = _parse_job(body)
     if job is None:
-        kopf.warn(body, reason="InvalidSpec", message=invalid or "")
+        kopf.warn(kube.event_target(body), reason="InvalidSpec", message=invalid or "")
         await _refresh_job_status(namespace, name, view, body)
         raise kopf.PermanentError(invalid)
     collision = _name_collision(body, namespace, view)
     if collision:
         # Without the webhook (which refuses this at apply), never silent and never a tug of war: the job
         # whose children are named like another's applies nothing and says whose they are.
-        kopf.warn(body, reason="NameCollision", message=collision[:1000])
+        kopf.warn(kube.event_target(body), reason="NameCollision", message=collision[:1000])
         await _refresh_job_status(namespace, name, view, body, invalid=collision)
         raise kopf.PermanentError(collision)
     observed = {
@@ -457,7 +469,7 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
         # status and stop, instead of a retry loop behind a status that says nothing is wrong.
         if exc.status == 422:
             message = f"invalid RLJob: the API server refused a child: {exc.message}"[:4000]
-            kopf.warn(body, reason="InvalidSpec", message=message[:1000])
+            kopf.warn(kube.event_target(body), reason="InvalidSpec", message=message[:1000])
             await _refresh_job_status(namespace, name, view, body, invalid=message)
             raise kopf.PermanentError(message) from None
         raise
@@ -465,7 +477,7 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
     for sg_name in sorted(set(observed) - wanted):
         if await api.delete(API_VERSION, "SamplerGroup", namespace, sg_name):
             kopf.info(
-                body, reason="GroupRemoved", message=f"deleted SamplerGroup {sg_name} (removed from spec)"
+                kube.event_target(body), reason="GroupRemoved", message=f"deleted SamplerGroup {sg_name} (removed from spec)"
             )
     await refresh_job_status(namespace, name, view)
 
@@ -507,10 +519,11 @@ async def _refresh_job_status(
 
 
 @kopf.on.event(GROUP, VERSION, "rljobs")
-async def rljob_event(name: str, namespace: str, type: str | None, **_: Any) -> None:
+async def rljob_event(name: str, namespace: str | None, type: str | None, **_: Any) -> None:
     """A deleted RLJob's rebalancer memory (shares, EMA, the trainer's report) is dropped: a job created
     again under the same name starts from its own status. (An event handler, not `on.delete`: that would
     put a finalizer on RLJobs, which must delete without the operator.)"""
+    namespace = _namespaced(namespace)
     if type == "DELETED":
         rebalancer.forget(namespace, name)
 
@@ -521,7 +534,8 @@ async def rljob_event(name: str, namespace: str, type: str | None, **_: Any) -> 
 @kopf.on.resume(GROUP, VERSION, "samplergroups")
 @kopf.on.create(GROUP, VERSION, "samplergroups")
 @kopf.on.update(GROUP, VERSION, "samplergroups", field="spec")
-async def reconcile_samplergroup(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+async def reconcile_samplergroup(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
+    namespace = _namespaced(namespace)
     started = time.perf_counter()
     try:
         await reconcile_group(plain(body), namespace, View.of(kwargs))
@@ -548,7 +562,7 @@ async def reconcile_group(raw: dict[str, Any], namespace: str, view: View) -> No
         sg = SamplerGroup.from_manifest(raw)
     except (ValidationError, ValueError) as exc:
         message = format_validation_error(exc) if isinstance(exc, ValidationError) else str(exc)
-        kopf.warn(raw, reason="InvalidSpec", message=message[:1000])
+        kopf.warn(kube.event_target(raw), reason="InvalidSpec", message=message[:1000])
         await _refresh_samplergroup_status(namespace, name, view, raw)
         raise kopf.PermanentError(message) from None
     store: StoreSpec | None = None
@@ -626,7 +640,8 @@ async def _rerun(pipeline: Callable[[dict[str, Any], str, View], Awaitable[None]
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=SAMPLER_LABELS)
-async def sampler_deployment_event(body: kopf.Body, namespace: str, type: str | None, **kwargs: Any) -> None:
+async def sampler_deployment_event(body: kopf.Body, namespace: str | None, type: str | None, **kwargs: Any) -> None:
+    namespace = _namespaced(namespace)
     sg_name = body.get("metadata", {}).get("labels", {}).get(n.LABEL_SAMPLERGROUP)
     if sg_name:
         view = View.of(kwargs)
@@ -637,8 +652,9 @@ async def sampler_deployment_event(body: kopf.Body, namespace: str, type: str | 
 
 @kopf.on.event(GROUP, VERSION, "samplergroups")
 async def samplergroup_event(
-    body: kopf.Body, name: str, namespace: str, type: str | None, **kwargs: Any
+    body: kopf.Body, name: str, namespace: str | None, type: str | None, **kwargs: Any
 ) -> None:
+    namespace = _namespaced(namespace)
     job = body.get("spec", {}).get("jobName")
     if type != "DELETED":  # the rebalancer moved the share: sharePercent follows (no write if unchanged)
         await _quietly(refresh_samplergroup_status(namespace, name, View.of(kwargs)))
@@ -653,7 +669,8 @@ async def samplergroup_event(
 
 
 @kopf.on.event("apps", "v1", "statefulsets", labels=TRAINER_LABELS)
-async def trainer_event(body: kopf.Body, namespace: str, type: str | None, **kwargs: Any) -> None:
+async def trainer_event(body: kopf.Body, namespace: str | None, type: str | None, **kwargs: Any) -> None:
+    namespace = _namespaced(namespace)
     job = body.get("metadata", {}).get("labels", {}).get(n.LABEL_JOB)
     if job:
         view = View.of(kwargs)
@@ -663,9 +680,10 @@ async def trainer_event(body: kopf.Body, namespace: str, type: str | None, **kwa
 
 
 @kopf.on.event("", "v1", "pods", labels=POD_LABELS)
-async def pod_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+async def pod_event(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
     """A pod of the operator's moved (scheduled, ready, waiting on an image, crash-looping, gone): its
     owner's pipeline re-runs (the pod index has the new view; no write when the status is the same)."""
+    namespace = _namespaced(namespace)
     owner = _pod_owner(body.get("metadata", {}).get("labels") or {})
     if owner is None:
         return
@@ -678,9 +696,10 @@ async def pod_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
 
 
 @kopf.on.event("", "v1", "events", when=_is_failed_mount)
-async def mount_failure_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+async def mount_failure_event(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
     """The kubelet cannot mount a volume of one of the operator's pods (the pod itself does not change):
     its owner's pipeline re-runs with the new message in the index."""
+    namespace = _namespaced(namespace)
     view = View.of(kwargs)
     owner = view.owner_of_pod(namespace, body["involvedObject"]["name"])
     if owner is None:
@@ -693,9 +712,10 @@ async def mount_failure_event(body: kopf.Body, namespace: str, **kwargs: Any) ->
 
 
 @kopf.on.event("", "v1", "events", when=_is_failed_create)
-async def create_failure_event(body: kopf.Body, namespace: str, **kwargs: Any) -> None:
+async def create_failure_event(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
     """The StatefulSet controller cannot create a trainer pod (the StatefulSet itself does not change): the
     job's pipeline re-runs with the Event's message in the index."""
+    namespace = _namespaced(namespace)
     view = View.of(kwargs)
     statefulset = body["involvedObject"]["name"]
     job = statefulset.removesuffix("-trainer")
@@ -823,7 +843,8 @@ def _log_removals(namespace: str, name: str, read: ChannelRead, now: datetime) -
 
 @kopf.on.resume(GROUP, VERSION, "weightchannels")
 @kopf.on.create(GROUP, VERSION, "weightchannels")
-async def weightchannel_created(name: str, namespace: str, body: kopf.Body, **kwargs: Any) -> None:
+async def weightchannel_created(name: str, namespace: str | None, body: kopf.Body, **kwargs: Any) -> None:
+    namespace = _namespaced(namespace)
     await _quietly(refresh_weightchannel_status(namespace, name, View.of(kwargs), plain(body)))
 
 
@@ -831,9 +852,10 @@ _channel_read: dict[tuple[int, str, str], float] = {}
 
 
 @kopf.timer(GROUP, VERSION, "weightchannels", interval=TIMER_INTERVAL, initial_delay=TIMER_INTERVAL)
-async def weightchannel_timer(name: str, namespace: str, body: kopf.Body, **kwargs: Any) -> None:
+async def weightchannel_timer(name: str, namespace: str | None, body: kopf.Body, **kwargs: Any) -> None:
     """The tick of the job's pipelines: read the store (every CHANNEL_STATUS_INTERVAL), run the rebalance
     tick (observe: scrapes, shares, router push), then the same status pipelines the events run."""
+    namespace = _namespaced(namespace)
     view = View.of(kwargs)
     key = (id(asyncio.get_running_loop()), namespace, name)
     if time.monotonic() - _channel_read.get(key, -math.inf) >= CHANNEL_STATUS_INTERVAL - TIMER_INTERVAL / 2:
@@ -874,10 +896,11 @@ async def refresh_weightchannel_status(
 
 
 @kopf.on.event(GROUP, VERSION, "weightchannels")
-async def weightchannel_event(body: kopf.Body, name: str, namespace: str, type: str | None, **kwargs: Any) -> None:
+async def weightchannel_event(body: kopf.Body, name: str, namespace: str | None, type: str | None, **kwargs: Any) -> None:
     """Channel status moved (new version, a group applied one): group lags and the job's version follow.
     Deleted: what the operator kept for the channel (its timer's last store read, a removal failure
     streak) is dropped."""
+    namespace = _namespaced(namespace)
     if type == "DELETED":
         for key in [k for k in _channel_read if k[1:] == (namespace, name)]:
             del _channel_read[key]

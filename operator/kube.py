@@ -20,7 +20,7 @@ import json
 import os
 import tempfile
 from collections.abc import Awaitable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import kopf
@@ -72,6 +72,13 @@ def status_apply_body(obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict
         "metadata": {"name": obj["metadata"]["name"], "namespace": obj["metadata"].get("namespace")},
         "status": dict(status),
     }
+
+
+def event_target(obj: Mapping[str, Any]) -> kopf.Body:
+    """A raw object (an index's or a pipeline's copy) as the kopf.Body that kopf.event/info/warn post on:
+    they read only its apiVersion, kind and metadata (the Event's involvedObject), which a raw object has
+    alike."""
+    return kopf.Body(cast(kopf.RawBody, obj))
 
 
 class KubeApi:

@@ -95,7 +95,7 @@ def fleet_costs(result: RebalanceResult) -> dict[str, float]:
 # --- pure helpers ------------------------------------------------------------------------------------
 
 
-def seed_state(samplergroups: list[Mapping[str, Any]]) -> RebalanceState:
+def seed_state(samplergroups: Sequence[Mapping[str, Any]]) -> RebalanceState:
     """After an operator restart: continue from the shares, throughput and history in status."""
     state = RebalanceState()
     for sg in samplergroups:
@@ -254,7 +254,7 @@ async def push_to_router(
 PodsOf = Callable[[str, str], list[dict[str, Any]]]  # (component, owner name) -> pod views of the namespace
 
 
-async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: list[Mapping[str, Any]],
+async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[Mapping[str, Any]],
                         pods_of: PodsOf, now: float | None = None) -> RebalanceResult | None:  # fmt: skip
     """One rebalance of one RLJob (if its interval has elapsed): scrape, decide, push to the routers, post
     share-change Events, and keep the result and the trainer's report in memory for the status pipeline.
@@ -290,7 +290,7 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     return result
 
 
-def _due(memory: JobMemory, samplergroups: list[Mapping[str, Any]], now: float, interval: float) -> bool:
+def _due(memory: JobMemory, samplergroups: Sequence[Mapping[str, Any]], now: float, interval: float) -> bool:
     """Whether the job's rebalance interval has elapsed. At first sight of the job (new, or the operator
     restarted) it continues from its status and takes the first step one full interval later, so that a
     restart never moves shares early."""
@@ -323,7 +323,7 @@ async def _group_inputs(
     http: aiohttp.ClientSession,
     job: RLJob,
     namespace: str,
-    samplergroups: list[Mapping[str, Any]],
+    samplergroups: Sequence[Mapping[str, Any]],
     pods_of: PodsOf,
     trainer_metrics: Mapping[str, dict[str, float]],
     collapse: frozenset[str],
@@ -349,13 +349,12 @@ async def _group_inputs(
     return inputs, replicas
 
 
-def _post_share_events(samplergroups: list[Mapping[str, Any]], result: RebalanceResult) -> None:
+def _post_share_events(samplergroups: Sequence[Mapping[str, Any]], result: RebalanceResult) -> None:
     """An Event on each SamplerGroup whose share changed (Warning: Quarantined, else Normal: ShareChanged)."""
     for sg in samplergroups:
         name = (sg.get("spec") or {}).get("name")
         group = result.groups.get(name) if name is not None else None
         for line in result.changes:
             if group is not None and line.startswith(f"{name}: "):
-                # kopf types its objects as Body; it reads a raw object's apiVersion, kind and metadata alike
-                kopf.event(dict(sg), type="Warning" if group.quarantined else "Normal",  # type: ignore[arg-type]
+                kopf.event(kube.event_target(sg), type="Warning" if group.quarantined else "Normal",
                            reason="Quarantined" if group.quarantined else "ShareChanged", message=line[:1000])  # fmt: skip
