@@ -26,8 +26,11 @@
   with the age-out bound, `channel.subscribers_to_remove`, `status.weightchannel_status`) -> apply (the
   reports of gone replicas removed from the store with `WeightChannel.remove_subscriber`, the status
   written). docs/weights.md, "Subscriber reports".
-- Runtime state per object (locks, the timer's read times, the rebalancer's memory) is dropped when it is
-  no longer needed: see `_locked` and the DELETED branches of `rljob_event` and `weightchannel_event`.
+- Each RLJob is parsed once per generation (`parsed_jobs.parse`), by the reconcile, the status pipeline and
+  the rebalance tick alike.
+- Runtime state per object (locks, the timer's read times, the rebalancer's memory, the parsed RLJob) is
+  dropped when it is no longer needed: see `_locked` and the DELETED branches of `rljob_event` and
+  `weightchannel_event`.
 The operator never writes an RLJob's spec (Argo CD owns it).
 """
 
@@ -49,10 +52,10 @@ from typing import Any, TypeGuard
 import kopf
 from pydantic import ValidationError
 
-from rlfleet.api import RLJob, SamplerGroup, StoreSpec, format_validation_error
+from rlfleet.api import SamplerGroup, StoreSpec, format_validation_error
 from rlfleet.api.common import API_VERSION, GROUP, VERSION
-from rlfleet.catalog import CatalogError, get_catalog
-from rlfleet.operator import builders, kube, rebalancer, tokens
+from rlfleet.catalog import get_catalog
+from rlfleet.operator import builders, kube, parsed_jobs, rebalancer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.admission import collision_message, in_namespace
@@ -267,8 +270,9 @@ class View:
 # Per-object runtime state lives in module dicts, not in kopf's per-object `memo`: an object's pipeline is
 # run by the events of other objects (a pod's event runs its group's pipeline, the WeightChannel's timer
 # the job's), and a memo belongs to the object being handled. So each entry is dropped as soon as it is
-# not needed: a lock when no pipeline of its object runs or waits (`_locked`), the timer's read times and
-# the rebalancer's memory on the object's DELETED event (`rljob_event`, `weightchannel_event`).
+# not needed: a lock when no pipeline of its object runs or waits (`_locked`), the timer's read times, the
+# rebalancer's memory and the parsed RLJob on the object's DELETED event (`rljob_event`,
+# `weightchannel_event`).
 _Key = tuple[int, str, str, str]  # (event loop, kind, namespace, name)
 _locks: dict[_Key, asyncio.Lock] = {}
 _lock_users: dict[_Key, int] = {}  # pipelines holding or waiting for each lock
@@ -402,15 +406,6 @@ async def cleanup(**_: Any) -> None:
 # --- RLJob -> children ---------------------------------------------------------------------------------
 
 
-def _parse_job(body: Mapping[str, Any]) -> tuple[RLJob | None, str | None]:
-    try:
-        return RLJob.from_manifest(plain(body)), None
-    except ValidationError as exc:
-        return None, "invalid RLJob: " + format_validation_error(exc).strip().replace("\n", ";")
-    except (CatalogError, ValueError) as exc:
-        return None, f"invalid RLJob: {exc}"
-
-
 @kopf.on.resume(GROUP, VERSION, "rljobs")
 @kopf.on.create(GROUP, VERSION, "rljobs")
 @kopf.on.update(GROUP, VERSION, "rljobs", field="spec")
@@ -436,11 +431,11 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
     """Apply every child of the job, delete removed groups, refresh the status."""
     api = kube.api()
     name = body["metadata"]["name"]
-    job, invalid = _parse_job(body)
-    if job is None:
-        kopf.warn(kube.event_target(body), reason="InvalidSpec", message=invalid or "")
+    job = parsed_jobs.parse(body)
+    if isinstance(job, str):
+        kopf.warn(kube.event_target(body), reason="InvalidSpec", message=job)
         await _refresh_job_status(namespace, name, view, body)
-        raise kopf.PermanentError(invalid)
+        raise kopf.PermanentError(job)
     collision = _name_collision(body, namespace, view)
     if collision:
         # Without the webhook (which refuses this at apply), never silent and never a tug of war: the job
@@ -502,7 +497,8 @@ async def _refresh_job_status(
     job = job or view.one(view.rljobs, (namespace, name))
     if job is None or job["metadata"].get("deletionTimestamp"):
         return
-    invalid = invalid or _parse_job(job)[1]
+    if invalid is None and isinstance(parsed := parsed_jobs.parse(job), str):
+        invalid = parsed
     groups = [g for g in view.all(view.samplergroups_by_job, (namespace, name)) if _owned_by(g, job)]
     trainer = view.one(view.trainers, (namespace, n.trainer_name(name)))
     channel = view.one(view.weightchannels, (namespace, n.weightchannel_name(name)))
@@ -520,12 +516,13 @@ async def _refresh_job_status(
 
 @kopf.on.event(GROUP, VERSION, "rljobs")
 async def rljob_event(name: str, namespace: str | None, type: str | None, **_: Any) -> None:
-    """A deleted RLJob's rebalancer memory (shares, EMA, the trainer's report) is dropped: a job created
-    again under the same name starts from its own status. (An event handler, not `on.delete`: that would
-    put a finalizer on RLJobs, which must delete without the operator.)"""
+    """A deleted RLJob's rebalancer memory (shares, EMA, the trainer's report) and its parse are dropped: a
+    job created again under the same name starts from its own status. (An event handler, not `on.delete`:
+    that would put a finalizer on RLJobs, which must delete without the operator.)"""
     namespace = _namespaced(namespace)
     if type == "DELETED":
         rebalancer.forget(namespace, name)
+        parsed_jobs.forget(namespace, name)
 
 
 # --- SamplerGroup -> Deployment + Service ----------------------------------------------------------------

@@ -33,11 +33,10 @@ from urllib.parse import quote
 
 import aiohttp
 import kopf
-from pydantic import ValidationError
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import CatalogError, get_catalog
-from rlfleet.operator import kube
+from rlfleet.operator import kube, parsed_jobs
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.pods import pod_ready
@@ -259,9 +258,8 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     """One rebalance of one RLJob (if its interval has elapsed): scrape, decide, push to the routers, post
     share-change Events, and keep the result and the trainer's report in memory for the status pipeline.
     `samplergroups` and `pods_of` come from the operator's indexes. Returns the result when it ran."""
-    try:
-        job = RLJob.from_manifest(dict(body))
-    except (ValidationError, ValueError):
+    job = parsed_jobs.parse(body)
+    if isinstance(job, str):
         return None  # the RLJob handlers report invalid specs
     if job.spec.suspend:
         return None

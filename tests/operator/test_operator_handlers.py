@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,9 @@ import kopf
 import pytest
 from kopf._core.engines import posting
 
+from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
-from rlfleet.operator import handlers, kube, rebalancer
+from rlfleet.operator import handlers, kube, parsed_jobs, rebalancer
 from rlfleet.operator import status as st
 
 NS = "team-a"
@@ -72,11 +73,11 @@ class FakeKube:
 
 
 @pytest.fixture()
-def api(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
+async def api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeKube]:
     fake = FakeKube()
     monkeypatch.setattr(kube, "api", lambda: fake)
     yield fake
-    rebalancer.forget(NS, "j")
+    await handlers.rljob_event(name="j", namespace=NS, type="DELETED")  # what the operator keeps of job j goes
 
 
 def posted() -> asyncio.Queue:
@@ -211,7 +212,8 @@ async def test_a_job_whose_group_name_another_jobs_group_took_is_failed_naming_t
     assert [(e.type, e.reason) for e in drain(events)] == [("Warning", "NameCollision"), ("Warning", "PhaseFailed")]
     await handlers.reconcile_job(copy.deepcopy(first), NS, view)  # the owner is not refused
     assert ("SamplerGroup", "ab-cd-ef") in [(b["kind"], b["metadata"]["name"]) for b in api.applied]
-    rebalancer.forget(NS, "ab")
+    for name in ("ab", "ab-cd"):
+        await handlers.rljob_event(name=name, namespace=NS, type="DELETED")
 
 
 async def test_a_child_the_api_server_refuses_stops_the_job_with_the_api_s_reason(api: FakeKube) -> None:
@@ -407,6 +409,61 @@ async def test_the_rebalancer_memory_of_a_deleted_job_is_dropped(api: FakeKube) 
     assert rebalancer.observed(job).result is not None  # only a deletion forgets
     await handlers.rljob_event(name="j", namespace=NS, type="DELETED", body=kopf.Body(job))
     assert rebalancer.observed(job).result is None and not [k for k in rebalancer._JOBS if k[:2] == (NS, "j")]
+
+
+async def test_an_rljob_is_parsed_once_per_generation_and_its_parse_forgotten_on_deletion(
+    api: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reconcile, every status refresh and every rebalance tick read the job through one memo keyed by
+    (uid, generation): N refreshes of one generation parse it once, the next generation (a spec change:
+    the API server bumps it, status writes do not) once more, an invalid one too (its message is what is
+    kept), and the job's DELETED event empties the memo."""
+    posted()
+    generations: list[int] = []
+    parse = RLJob.from_manifest
+
+    def counting(manifest: dict[str, Any]) -> RLJob:
+        generations.append(manifest["metadata"]["generation"])
+        return parse(manifest)
+
+    monkeypatch.setattr(RLJob, "from_manifest", counting)
+    job = rljob(groups=("a",))
+    groups = [with_history("a", job, [(0.0, 1.0)], tps=100.0)]
+    view = handlers.View.of(indexes(job, *groups))
+    await handlers.reconcile_job(copy.deepcopy(job), NS, view)
+    for _ in range(4):
+        await handlers.refresh_job_status(NS, "j", view)
+        await handlers.refresh_samplergroup_status(NS, "j-a", view)
+    await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1000.0)
+    assert await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1030.0) is not None
+    assert generations == [1]
+
+    scaled = copy.deepcopy(job)
+    scaled["metadata"]["generation"] = 2
+    scaled["spec"]["samplerGroups"][0]["replicas"] = 3
+    view = handlers.View.of(indexes(scaled, *groups))
+    await handlers.reconcile_job(copy.deepcopy(scaled), NS, view)
+    for _ in range(4):
+        await handlers.refresh_job_status(NS, "j", view)
+    assert await rebalancer.rebalance_job(scaled, NS, groups, lambda c, o: [], now=1060.0) is not None
+    assert generations == [1, 2]
+    assert api.objects[("SamplerGroup", "j-a")]["spec"]["replicas"] == 3  # the new generation's parse was used
+
+    invalid = copy.deepcopy(scaled)
+    invalid["metadata"]["generation"] = 3
+    invalid["spec"]["samplerGroups"].append(dict(invalid["spec"]["samplerGroups"][0]))  # two groups named a
+    view = handlers.View.of(indexes(invalid, *groups))
+    with pytest.raises(kopf.PermanentError, match="invalid RLJob"):
+        await handlers.reconcile_job(copy.deepcopy(invalid), NS, view)
+    for _ in range(4):
+        await handlers.refresh_job_status(NS, "j", view)
+    assert await rebalancer.rebalance_job(invalid, NS, groups, lambda c, o: [], now=1090.0) is None
+    assert generations == [1, 2, 3]
+    assert api.statuses[-1][2]["phase"] == "Failed" and "invalid RLJob" in api.statuses[-1][2]["message"]
+
+    assert (NS, "j") in parsed_jobs._PARSED
+    await handlers.rljob_event(name="j", namespace=NS, type="DELETED")
+    assert (NS, "j") not in parsed_jobs._PARSED
 
 
 async def test_locks_exist_only_while_a_pipeline_runs(api: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
