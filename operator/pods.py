@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from rlfleet.operator import naming as n
@@ -62,9 +63,11 @@ def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
             out.append({
                 "name": c.get("name"),
                 "ready": bool(c.get("ready")),
+                "restartCount": int(c.get("restartCount") or 0),
                 "waiting": dict(state["waiting"]) if state.get("waiting") else None,
-                "lastTerminated": {k: last["terminated"].get(k) for k in ("reason", "exitCode", "message")}
-                if last.get("terminated") else None,
+                "startedAt": (state.get("running") or {}).get("startedAt"),
+                "terminated": _termination(state.get("terminated")),
+                "lastTerminated": _termination(last.get("terminated")),
             })  # fmt: skip
         return out
 
@@ -82,6 +85,10 @@ def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
         "initContainers": containers("initContainerStatuses"),
         "containers": containers("containerStatuses"),
     }
+
+
+def _termination(terminated: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return {k: terminated.get(k) for k in ("reason", "exitCode", "message")} if terminated else None
 
 
 def event_view(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -131,11 +138,12 @@ def _missing(reason: str, message: str) -> str:
     return _MISSING_REASON[found.group(1).lower()] if found else reason
 
 
-def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
-    """Why this pod (a `pod_view`) cannot run, or None (running, or simply starting)."""
+def pod_problem(pod: Mapping[str, Any], crash_settle: CrashSettle | None = None) -> PodProblem | None:
+    """Why this pod (a `pod_view`) cannot run, or None (running, or simply starting). `crash_settle`: see
+    `CrashSettle` (None: a crash loop is reported only while the kubelet says CrashLoopBackOff)."""
     if pod.get("deleting") or pod.get("phase") == "Succeeded":
         return None
-    return _unschedulable(pod) or _container_problem(pod) or _mount_problem(pod)
+    return _unschedulable(pod) or _container_problem(pod, crash_settle) or _mount_problem(pod)
 
 
 def _unschedulable(pod: Mapping[str, Any]) -> PodProblem | None:
@@ -148,14 +156,56 @@ def _unschedulable(pod: Mapping[str, Any]) -> PodProblem | None:
     return None
 
 
-def _container_problem(pod: Mapping[str, Any]) -> PodProblem | None:
-    """The first (init) container waiting for a reason that will not clear by itself."""
+def _container_problem(pod: Mapping[str, Any], crash_settle: CrashSettle | None) -> PodProblem | None:
+    """The first (init) container waiting for a reason that will not clear by itself, or (with
+    `crash_settle`) restarted after an error and not yet settled."""
     for kind, key in (("init container", "initContainers"), ("container", "containers")):
         for c in pod.get(key) or []:
-            problem = _waiting_problem(c, f"pod {pod.get('name')} {kind} {c.get('name')}")
+            where = f"pod {pod.get('name')} {kind} {c.get('name')}"
+            problem = _waiting_problem(c, where) or (_unsettled_crash(c, where, crash_settle) if crash_settle else None)
             if problem is not None:
                 return problem
     return None
+
+
+@dataclass(frozen=True)
+class CrashSettle:
+    """When a container that exited with an error still counts as crash-looping between the kubelet's
+    CrashLoopBackOff waits: while it is terminated, while it is not ready, and for `seconds` after it
+    started again. The kubelet resets its back-off only after 10 minutes of running (KubeletConfiguration's
+    crash-loop back-off), and a container without a readiness probe (the trainer's) is Ready the moment
+    it starts: without this, a trainer that fails a minute after each start reads Running/AllReady most of
+    the time (docs/operations.md, "Conditions and reasons")."""
+
+    now: datetime
+    seconds: float = 600.0
+
+
+def _unsettled_crash(c: Mapping[str, Any], where: str, settle: CrashSettle) -> PodProblem | None:
+    """A container whose last run ended in an error, and that is not running steadily since."""
+    failed = c.get("terminated") or c.get("lastTerminated") or {}
+    if not c.get("restartCount") and not c.get("terminated"):
+        return None
+    if not failed or failed.get("exitCode") in (0, None):
+        return None
+    started = parse_time(c.get("startedAt"))
+    settled = c.get("ready") and started is not None and (settle.now - started).total_seconds() >= settle.seconds
+    if settled:
+        return None
+    state = "restarting" if c.get("terminated") or not c.get("startedAt") else f"running again since {c.get('startedAt')}"
+    said = _last_line(failed.get("message"))
+    said = f"; it said: {said}" if said else ""
+    return PodProblem("CrashLoopBackOff", _clip(
+        f"{where}: CrashLoopBackOff (exit: {failed.get('reason') or 'Error'}, code {failed.get('exitCode')}; "
+        f"{c.get('restartCount', 0)} restarts; {state}){said}"))  # fmt: skip
+
+
+def parse_time(text: Any) -> datetime | None:
+    """An RFC 3339 time of the API server (or None)."""
+    try:
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
 
 
 def _waiting_problem(c: Mapping[str, Any], where: str) -> PodProblem | None:
@@ -194,13 +244,27 @@ def _creating(pod: Mapping[str, Any]) -> bool:
     )
 
 
-def workload_problem(pods: Iterable[Mapping[str, Any]]) -> PodProblem | None:
+def workload_problem(pods: Iterable[Mapping[str, Any]], crash_settle: CrashSettle | None = None) -> PodProblem | None:
     """The first problem among a workload's pods (by pod name, so the message is stable), saying how many
     other pods have the same reason (one line for the workload, not one per pod)."""
-    problems = [p for p in (pod_problem(pod) for pod in sorted(pods, key=lambda p: str(p.get("name")))) if p]
+    ordered = sorted(pods, key=lambda p: str(p.get("name")))
+    problems = [p for p in (pod_problem(pod, crash_settle) for pod in ordered) if p]
     if not problems:
         return None
     first, same = problems[0], sum(p.reason == problems[0].reason for p in problems[1:])
     if same:
         return PodProblem(first.reason, _clip(f"{first.message} (and {same} more pod{'s' if same > 1 else ''}: {first.reason})"))
     return first
+
+
+def workload_crash(pods: Iterable[Mapping[str, Any]], settle: CrashSettle) -> PodProblem | None:
+    """A Ready workload's crash loop (the first by pod name): a container restarted after an error and
+    not yet settled (`CrashSettle`). A Ready workload's other past problems no longer matter."""
+    for pod in sorted(pods, key=lambda p: str(p.get("name"))):
+        if pod.get("deleting"):
+            continue
+        for c in pod.get("containers") or []:
+            problem = _unsettled_crash(c, f"pod {pod.get('name')} container {c.get('name')}", settle)
+            if problem is not None:
+                return problem
+    return None

@@ -28,7 +28,14 @@ from rlfleet.api.common import GROUP
 from rlfleet.catalog import Catalog, CatalogError, group_precision
 from rlfleet.operator import naming as n
 from rlfleet.operator.model_shape import tensor_parallel_problem
-from rlfleet.operator.pods import PodProblem, creation_failure, workload_problem
+from rlfleet.operator.pods import (
+    CrashSettle,
+    PodProblem,
+    creation_failure,
+    parse_time,
+    workload_crash,
+    workload_problem,
+)
 
 Manifest = dict[str, Any]
 OPERATOR_CONDITIONS = ("Ready", "Progressing", "Degraded")
@@ -369,10 +376,16 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     t_ready = int(_get(trainer, "status", "readyReplicas", default=0) or 0)
     trainer_ready = trainer is not None and t_ready >= t_desired
     trainer_problem: PodProblem | None = None
-    if not (trainer_ready or suspended):
+    if not suspended:
         created = int(_get(trainer, "status", "replicas", default=0) or 0)
-        trainer_problem = (creation_failure(created, t_desired, trainer_create_failure) if trainer is not None
-                           else None) or workload_problem(trainer_pods)  # fmt: skip
+        # a trainer that crashes a while after each start is Ready (no readiness probe) between crashes:
+        # CrashSettle keeps it Degraded until it runs steadily (operator/pods.py)
+        settle = CrashSettle(now=parse_time(now) or datetime.now(UTC))
+        if trainer_ready:
+            trainer_problem = workload_crash(trainer_pods, settle)
+        else:
+            trainer_problem = (creation_failure(created, t_desired, trainer_create_failure) if trainer is not None
+                               else None) or workload_problem(trainer_pods, settle)  # fmt: skip
     channel_degraded = _cond(channel or {}, "Degraded")
     if channel_degraded is not None and channel_degraded.get("status") != "True":
         channel_degraded = None

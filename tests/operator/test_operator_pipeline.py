@@ -124,6 +124,55 @@ def test_unschedulable_trainer_degrades_the_job_with_the_schedulers_message() ->
     assert s["phase"] == "Running" and conds(s)["Degraded"]["status"] == "False"
 
 
+FULL = {"reason": "Error", "exitCode": 1, "message": "INFO: step 51\nrlfleet trainer run: the weight store is full\n"}
+
+
+def trainer_container(state: dict, *, ready: bool, restarts: int, last: dict | None = FULL) -> dict:
+    return {"name": "trainer", "ready": ready, "restartCount": restarts, "state": state,
+            "lastState": {"terminated": last} if last else {}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("container", "trainer_ready", "expected"),
+    [
+        # the kubelet's three windows of a crash loop, as the trainer with a full store goes through them:
+        # exited (before the kubelet's next decision), waiting out the back-off, running again (Ready at once:
+        # the trainer has no readiness probe) until it fails again
+        (trainer_container({"terminated": FULL}, ready=False, restarts=1, last=None), 0,
+         "pod j-trainer-0 container trainer: CrashLoopBackOff (exit: Error, code 1; 1 restarts; restarting); "
+         "it said: rlfleet trainer run: the weight store is full"),
+        (trainer_container({"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}}, ready=False,
+                           restarts=2), 0,
+         "pod j-trainer-0 container trainer: CrashLoopBackOff (last exit: Error, code 1): back-off 20s; "
+         "it said: rlfleet trainer run: the weight store is full"),
+        (trainer_container({"running": {"startedAt": "2026-01-01T00:00:00Z"}}, ready=True, restarts=3), 1,
+         "pod j-trainer-0 container trainer: CrashLoopBackOff (exit: Error, code 1; 3 restarts; running again "
+         "since 2026-01-01T00:00:00Z); it said: rlfleet trainer run: the weight store is full"),
+        # settled: Ready and running for the kubelet's back-off reset (600 s) since the last error
+        (trainer_container({"running": {"startedAt": "2025-12-31T23:50:00Z"}}, ready=True, restarts=3), 1, None),
+        # restarted after a clean exit (a finished run's container, restarted by the StatefulSet): no problem
+        (trainer_container({"running": {"startedAt": "2026-01-01T00:00:00Z"}}, ready=True, restarts=1,
+                           last={"reason": "Completed", "exitCode": 0}), 1, None),
+        # never failed
+        (trainer_container({"running": {"startedAt": "2026-01-01T00:00:00Z"}}, ready=True, restarts=0, last=None),
+         1, None),
+    ],
+)  # fmt: skip
+def test_a_crash_looping_trainer_degrades_the_job_in_every_window_of_the_loop(
+    container: dict, trainer_ready: int, expected: str | None
+) -> None:
+    """A trainer that fails a minute after each start (a full store) is Running and Ready between its crashes:
+    the RLJob stays Degraded quoting its last words until it has run 600 s since the last error."""
+    views = [pod_view(pod(phase="Running", containers=[container]))]
+    trainer = {"status": {"readyReplicas": trainer_ready, "replicas": 1}}
+    s = st.rljob_status(job(), [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views)
+    if expected is None:
+        assert (s["phase"], s["reason"]) == ("Running", "AllReady"), s["message"]
+        return
+    assert (s["phase"], s["reason"]) == ("Degraded", "CrashLoopBackOff"), s["message"]
+    assert s["message"] == f"trainer StatefulSet j-trainer: {expected}"
+
+
 def test_a_group_whose_pods_cannot_start_is_degraded_and_the_job_says_which() -> None:
     sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
           "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
