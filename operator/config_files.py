@@ -14,8 +14,10 @@ from rlfleet.operator import naming as n
 
 
 def router_config(job: RLJob, namespace: str) -> dict[str, Any]:
-    """The router's config file (router/config.py RouterConfig). Groups keyed by group name; each group
-    starts with its headless Service as the replica URL (the rebalancer pushes per-pod URLs/shares)."""
+    """The router's config file (router/config.py RouterConfig): the job's groups, the one source of the
+    router's membership. Each group's replica URL is its headless Service, which the router looks up
+    itself: one replica per ready pod (router/membership.py); the rebalancer pushes only shares and
+    quarantine."""
     groups = job.spec.sampler_groups
     static = job.spec.router.static_shares
     out_groups = []

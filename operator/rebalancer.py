@@ -6,12 +6,13 @@ RLFLEET_REBALANCE_TICK seconds); it acts when the job's `spec.router.rebalanceIn
 elapsed. Per interval: read each SamplerGroup's live throughput (its ready pods' SGLang /metrics, or
 `spec.router.prometheusUrl`), the trainer's per-group KL / out-of-range metrics and its report (rank 0's
 exporter: step, weight version, metrics, the collapse detector's state), call the pure `rebalance.py`,
-push replicas (pod URLs), quarantine and shares to every router pod's admin API, and post a Kubernetes
-Event per share change. SamplerGroups and pods come from the operator's kopf indexes (no listing per
-tick). The result and the trainer's report stay in memory (`observed(...)`, dropped by `forget` when the
-RLJob is deleted): the pipeline computes the
-WHOLE status of the groups and the job from them (status.py) and applies it once, under the operator's
-one status field manager. State (counters, EMA, history) is seeded from the SamplerGroups' status when
+push quarantine and shares to every router pod's admin API, and post a Kubernetes Event per share change.
+Not replicas: the router follows each group's headless Service itself (router/membership.py), so a pod
+replaced between two ticks is routed to as soon as it is ready. SamplerGroups and pods come from the
+operator's kopf indexes (no listing per tick). The result and the trainer's report stay in memory
+(`observed(...)`, dropped by `forget` when the RLJob is deleted): the pipeline computes the WHOLE status
+of the groups and the job from them (status.py) and applies it once, under the operator's one status
+field manager. State (counters, EMA, history) is seeded from the SamplerGroups' status when
 a job is first seen (new, or after an operator restart), and the first step comes one interval later.
 
 Quarantine has one path: `status.quarantine_reason` (spec, annotation, or the collapse detector with
@@ -226,18 +227,14 @@ async def push_to_router(
     router_url: str,
     token: str,
     result: RebalanceResult,
-    replicas: Mapping[str, list[str]],
     quarantined: Mapping[str, bool],
 ) -> bool:
-    """Replicas + quarantine per group, then all shares at once. False when the router is unreachable."""
+    """Quarantine per group, then all shares at once. False when the router refused or is unreachable."""
     headers = {"Authorization": f"Bearer {token}"}
     try:
-        for group, urls in replicas.items():
-            body: dict[str, Any] = {"quarantined": quarantined.get(group, False)}
-            if urls:
-                body["replicas"] = urls
-            async with http.put(f"{router_url}/admin/groups/{quote(group)}", json=body, headers=headers,
-                                timeout=HTTP_TIMEOUT) as response:  # fmt: skip
+        for group, quarantine in quarantined.items():
+            async with http.put(f"{router_url}/admin/groups/{quote(group)}", json={"quarantined": quarantine},
+                                headers=headers, timeout=HTTP_TIMEOUT) as response:  # fmt: skip
                 if response.status != 200:
                     log.warning("router %s refused group %s: HTTP %s", router_url, group, response.status)
                     return False
@@ -273,7 +270,7 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     async with aiohttp.ClientSession() as http:
         trainer_metrics = await _read_trainer(http, job, pods_of, memory)
         collapse = trainer_job_status(body, samplergroups, memory.report, st.now_iso()).quarantine
-        inputs, replicas = await _group_inputs(http, job, namespace, samplergroups, pods_of, trainer_metrics, collapse)
+        inputs = await _group_inputs(http, job, namespace, samplergroups, pods_of, trainer_metrics, collapse)
         result = rebalance(inputs, memory.state, now, job_config(job))
         memory.state = result.state
 
@@ -282,7 +279,7 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
             quarantined = {g.name: g.quarantined for g in inputs}
             for pod in (p for p in pods_of("router", job.name) if pod_ready(p)):
                 url = f"http://{pod['podIP']}:{n.ROUTER_PORT}"
-                await push_to_router(http, url, memory.token, result, replicas, quarantined)
+                await push_to_router(http, url, memory.token, result, quarantined)
     memory.result = result
     _post_share_events(samplergroups, result)
     return result
@@ -325,26 +322,24 @@ async def _group_inputs(
     pods_of: PodsOf,
     trainer_metrics: Mapping[str, dict[str, float]],
     collapse: frozenset[str],
-) -> tuple[list[GroupInput], dict[str, list[str]]]:
+) -> list[GroupInput]:
     """Each group's rebalance input (throughput from Prometheus when configured, else scraped from
-    its ready pods) and the URLs of its ready replicas."""
+    its ready pods)."""
     prometheus = job.spec.router.prometheus_url
     window = max(2 * job.spec.router.rebalance_interval_seconds, 60)
     inputs: list[GroupInput] = []
-    replicas: dict[str, list[str]] = {}
     for sg in samplergroups:
         spec = sg.get("spec") or {}
         sg_name = sg["metadata"]["name"]
         port = int(spec.get("port", 30000))
         pods = [p for p in pods_of("sampler", sg_name) if pod_ready(p)]
-        replicas[spec.get("name", sg_name)] = sorted(f"http://{p['podIP']}:{port}" for p in pods)
         if prometheus:
             samples: dict[str, PodSample] = {}
             tps = await prometheus_tokens_per_second(http, prometheus, prometheus_query(namespace, sg_name, window))
         else:
             samples, tps = await scrape_pods(http, pods, port), None
         inputs.append(group_input(job, sg, samples, trainer_metrics.get(spec.get("name", ""), {}), tps, collapse))
-    return inputs, replicas
+    return inputs
 
 
 def _post_share_events(samplergroups: Sequence[Mapping[str, Any]], result: RebalanceResult) -> None:

@@ -30,7 +30,9 @@ def normalise_url(url: str) -> str:
 
 
 class GroupConfig(_Model):
-    """One sampler group: a routing share (any non-negative weight; normalised) and its replicas."""
+    """One sampler group: a routing share (any non-negative weight; normalised) and its replicas: each
+    URL is one replica, or, when its host is a name (http), one replica per address the name resolves to,
+    looked up again every resolveIntervalSeconds (router/membership.py)."""
 
     name: str = Field(min_length=1, max_length=63)
     share: float = Field(default=1.0, ge=0.0)
@@ -52,6 +54,8 @@ class RouterConfig(_Model):
     groups: list[GroupConfig] = Field(default_factory=list)
     # Active health checks: GET /health (+ /model_info for the served weight version).
     health_interval_seconds: float = Field(default=2.0, gt=0.0)
+    # How often the replica URLs' host names are looked up again (a headless Service: its ready pods).
+    resolve_interval_seconds: float = Field(default=2.0, gt=0.0)
     health_timeout_seconds: float = Field(default=2.0, gt=0.0)
     failure_threshold: int = Field(default=2, ge=1)
     # Upstream client. No read timeout by default: a long generation is not a failure.
@@ -135,18 +139,7 @@ class SharesUpdate(_Model):
 
 
 class GroupUpdate(_Model):
-    """PUT /admin/groups/{name}: create or replace a group's replicas (and optionally share/quarantine)."""
+    """PUT /admin/groups/{name}: quarantine a group of the config, or lift its quarantine. Its replicas are
+    not the admin API's: they follow its configured URLs (router/membership.py)."""
 
-    replicas: list[str] | None = None
-    share: float | None = Field(default=None, ge=0.0)
-    quarantined: bool | None = None
-
-    @field_validator("replicas")
-    @classmethod
-    def _urls(cls, value: list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        urls = [normalise_url(u) for u in value]
-        if len(set(urls)) != len(urls):
-            raise ValueError("replica urls must be unique")
-        return urls
+    quarantined: bool

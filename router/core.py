@@ -3,7 +3,7 @@
 Usage (inside a running event loop):
 
     router = Router(RouterConfig(groups=[GroupConfig(name="h100-fp8", replicas=["http://..."])]))
-    await router.start()
+    await router.start()  # looks the groups' names up once, then every resolveIntervalSeconds
     result = await router.route("/generate", body_bytes, session_key="episode-17", min_version=None)
     ...
     await router.close()
@@ -22,6 +22,13 @@ are skipped; a response whose meta_info reports an older version is discarded an
 replica of the session's group can serve the version yet, the answer is HTTP 409 with Retry-After.
 The session is NOT moved to another group for that (its group is only lagging by seconds, and a
 trajectory should keep one precision); a dead group is different and does move.
+
+Membership (router/membership.py): a group's replicas are its configured URLs, a name among them
+standing for every address it resolves to (the operator's headless Service: the group's ready pods),
+looked up again every `resolveIntervalSeconds`. A replica that leaves the answer leaves the table; a
+request in flight on it holds its own reference and finishes (or fails over) as any other, and only the
+sessions whose rendezvous choice it was move, to their next replica; one that joins starts healthy (DNS
+lists ready pods only) and takes the sessions whose first choice it is.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rlfleet.retries import REPLICA_FAILURE_STATUSES
-from rlfleet.router import hashing, meta
+from rlfleet.router import hashing, membership, meta
 from rlfleet.router.config import RouterConfig
 from rlfleet.router.metrics import RouterMetrics
 from rlfleet.router.table import Group, Replica, RoutingTable, VersionConflict
@@ -87,14 +94,21 @@ def _json_error(status: int, message: str, **extra: object) -> RouteResult:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, transport: Transport | None = None) -> None:
+    def __init__(
+        self, config: RouterConfig, transport: Transport | None = None, resolve: membership.Resolve | None = None
+    ) -> None:
         self.config = config
         self.table = RoutingTable()
+        self._resolve = resolve or membership.system_resolve
+        # Each group's configured URLs, and the replica URLs each name's last answered lookup gave.
+        self._configured = {group.name: list(group.replicas) for group in config.groups}
+        self._looked_up: dict[str, list[str]] = {}
         for group in config.groups:
-            self.table.set_group(group.name, group.replicas, group.share, group.quarantined)
+            self.table.set_group(group.name, self._members(group.name), group.share, group.quarantined)
         self.metrics = RouterMetrics(self.table)
         self._transport = transport
         self._health_task: asyncio.Task[None] | None = None
+        self._resolve_task: asyncio.Task[None] | None = None
         self._random = random.Random()
         # Returns the data-plane key the replicas want (or None); set by the service.
         self.upstream_key: Callable[[], str | None] = lambda: None
@@ -112,15 +126,19 @@ class Router:
                 self.config.request_timeout_seconds,
                 self.config.max_connections_per_replica,
             )
+        await self.resolve_replicas()  # before serving: the first requests find the groups' replicas
+        if self._names() and self._resolve_task is None:
+            self._resolve_task = asyncio.create_task(self._resolve_loop(), name="rlfleet-router-resolve")
         if health_checks and self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="rlfleet-router-health")
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-            self._health_task = None
+        for task in (self._resolve_task, self._health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._resolve_task = self._health_task = None
         if self._transport is not None:
             await self._transport.close()
             self._transport = None
@@ -328,6 +346,55 @@ class Router:
             self.metrics.answered(result.group, result.status, time.perf_counter() - result._started, 0, 0)
             if not ok:
                 self.metrics.error(result.group, "disconnect")
+
+    # --- membership -------------------------------------------------------------------------
+
+    def _names(self) -> list[str]:
+        """The configured URLs that name several replicas (looked up), each once."""
+        urls = {url for group_urls in self._configured.values() for url in group_urls}
+        return sorted(url for url in urls if membership.name_of(url) is not None)
+
+    def _members(self, group: str) -> list[str]:
+        """The group's replica URLs now: its literal URLs, and for each name the last answer's."""
+        urls: list[str] = []
+        for url in self._configured[group]:
+            urls += self._looked_up.get(url, []) if membership.name_of(url) is not None else [url]
+        return list(dict.fromkeys(urls))
+
+    async def resolve_replicas(self) -> None:
+        """Look every name up once more and set each group's replicas from the answers (what the router
+        knows about a replica that stays is kept: RoutingTable.set_group)."""
+        names = self._names()
+        answers = await asyncio.gather(*(self._look_up(url) for url in names))
+        for url, answer in zip(names, answers, strict=True):
+            if answer is not None:
+                self._looked_up[url] = answer
+        for name in self._configured:
+            group = self.table.groups[name]
+            members = self._members(name)
+            if list(group.replicas) != members:
+                log.info("group %s: replicas %s -> %s", name, list(group.replicas), members)
+                self.table.set_group(name, members)
+
+    async def _look_up(self, url: str) -> list[str] | None:
+        """The replica URLs a name URL stands for now; None when the lookup failed (the last answer stays)."""
+        host = membership.name_of(url) or ""
+        try:
+            return membership.replica_urls(url, await self._resolve(host))
+        except (OSError, UnicodeError) as exc:
+            if isinstance(exc, OSError) and membership.is_no_address(exc):
+                return []  # the name exists without an address (a Service with no ready pod), or not at all
+            kept = len(self._looked_up.get(url, []))
+            log.warning("cannot look up %s (%s): keeping its %d replica(s)", host, exc, kept)
+            return None
+
+    async def _resolve_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.resolve_interval_seconds)
+            try:
+                await self.resolve_replicas()
+            except Exception:  # a bug in one round must not stop following the groups' pods
+                log.exception("replica lookup round failed")
 
     # --- health -----------------------------------------------------------------------------
 

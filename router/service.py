@@ -9,7 +9,7 @@ and the router presents the same key to the replicas, like SGLang's --api-key; w
   GET /health, GET /metrics (Prometheus).
 Admin API (bearer token from a mounted Secret file or an env variable; disabled without one):
   GET /admin/state; PUT /admin/shares {"shares": {group: weight}}; PUT /admin/groups/{name}
-  {"replicas": [...], "share": w, "quarantined": b}; DELETE /admin/groups/{name}.
+  {"quarantined": b}. The groups and their replicas are the config's (router/membership.py).
 """
 
 from __future__ import annotations
@@ -236,22 +236,11 @@ async def _admin_put_group(request: web.Request) -> web.Response:
     if isinstance(update, web.Response):
         return update
     name = request.match_info["name"]
-    try:
-        GroupConfig(name=name)
-    except ValidationError as exc:
-        return _error(400, format_validation_error(exc))
     router = request.app[ROUTER_KEY]
-    router.table.set_group(name, update.replicas, update.share, update.quarantined)
-    return _json(200, router.table.snapshot())
-
-
-async def _admin_delete_group(request: web.Request) -> web.Response:
-    if (denied := _authorised(request)) is not None:
-        return denied
-    router = request.app[ROUTER_KEY]
-    name = request.match_info["name"]
-    if not router.table.remove_group(name):
-        return _error(404, f"unknown group: {name}")
+    if name not in router.table.groups:
+        return _error(404, f"unknown group: {name} (the groups are the router config's)")
+    router.table.set_group(name, quarantined=update.quarantined)
+    log.info("group %s %s", name, "quarantined" if update.quarantined else "no longer quarantined")
     return _json(200, router.table.snapshot())
 
 
@@ -269,7 +258,6 @@ def build_app(router: Router, token: TokenSource, api_key: TokenSource | None = 
     app.router.add_get("/admin/state", _admin_state)
     app.router.add_put("/admin/shares", _admin_shares)
     app.router.add_put("/admin/groups/{name}", _admin_put_group)
-    app.router.add_delete("/admin/groups/{name}", _admin_delete_group)
     return app
 
 

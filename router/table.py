@@ -80,7 +80,7 @@ class RoutingTable:
         self._fallback: dict[str, float] = {}
         self._seeds: dict[str, int] = {}
 
-    # --- mutation (admin API, config, health checks) ----------------------------------------
+    # --- mutation (config and membership, admin API, health checks) ---------------------------
 
     def changed(self) -> None:
         """Call after anything that can change which groups are routable."""
@@ -109,11 +109,6 @@ class RoutingTable:
             }
         self.changed()
         return group
-
-    def remove_group(self, name: str) -> bool:
-        removed = self.groups.pop(name, None) is not None
-        self.changed()
-        return removed
 
     def set_shares(self, shares: dict[str, float]) -> None:
         unknown = sorted(set(shares) - set(self.groups))

@@ -191,12 +191,8 @@ class FleetProcess:
 def _admin_quarantine(router_url: str, token: str, group: str) -> None:
     import httpx
 
-    state = httpx.get(router_url + "/admin/state", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
-    for g in state.get("groups", []):
-        if g.get("name") == group:
-            body = {"replicas": [r["url"] if isinstance(r, dict) else r for r in g.get("replicas", [])],
-                    "share": g.get("share", 1.0), "quarantined": True}
-            httpx.put(f"{router_url}/admin/groups/{group}", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=5)
+    httpx.put(f"{router_url}/admin/groups/{group}", json={"quarantined": True},
+              headers={"Authorization": f"Bearer {token}"}, timeout=5)  # fmt: skip
 
 
 def summary_window(steps: int) -> int:

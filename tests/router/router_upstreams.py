@@ -147,19 +147,20 @@ def make_app(state: UpstreamState) -> web.Application:
 
 
 class InProcessUpstream:
-    def __init__(self, state: UpstreamState) -> None:
+    def __init__(self, state: UpstreamState, host: str = "127.0.0.1") -> None:
         self.state = state
+        self.host = host  # any 127.x.y.z: several upstreams can share one port, as pods of one Service do
         self.runner: web.AppRunner | None = None
         self.port = 0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     async def start(self, port: int = 0) -> InProcessUpstream:
         self.runner = web.AppRunner(make_app(self.state), access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        site = web.TCPSite(self.runner, self.host, port)
         await site.start()
         self.port = self.runner.addresses[0][1]
         return self

@@ -153,22 +153,12 @@ async def test_admin_api_is_disabled_without_a_token_and_rejects_bad_bodies(flee
     assert unknown.status == 404
     not_json = await fleet.admin("PUT", "/admin/shares", data=b"{")
     assert not_json.status == 400
-    bad_url = await fleet.admin("PUT", "/admin/groups/x", json={"replicas": ["ftp://x"]})
-    assert bad_url.status == 400
+    replicas = await fleet.admin("PUT", "/admin/groups/g", json={"replicas": ["http://127.0.0.1:1"], "quarantined": False})
+    assert replicas.status == 400 and "replicas" in (await replicas.json())["error"]["message"]  # the config's
+    unknown_group = await fleet.admin("PUT", "/admin/groups/nope", json={"quarantined": True})
+    assert unknown_group.status == 404 and "unknown group: nope" in (await unknown_group.json())["error"]["message"]
     monkeypatch.delenv("RLFLEET_ROUTER_ADMIN_TOKEN")
     assert (await fleet.admin("GET", "/admin/state")).status == 403
-
-
-async def test_admin_replaces_replicas_and_removes_groups(fleet: Fleet) -> None:
-    await fleet.start({"g1": 1, "g2": 1})
-    extra = await InProcessUpstream(UpstreamState("g1-extra")).start()
-    fleet.upstreams["g1"].append(extra)
-    response = await fleet.admin("PUT", "/admin/groups/g1", json={"replicas": [u.url for u in fleet.upstreams["g1"]]})
-    assert [len(g["replicas"]) for g in (await response.json())["groups"]] == [2, 1]
-    assert (await fleet.admin("DELETE", "/admin/groups/g2")).status == 200
-    assert (await fleet.admin("DELETE", "/admin/groups/g2")).status == 404
-    for s in range(20):
-        assert (await fleet.generate(f"s{s}")).headers["X-RLFleet-Group"] == "g1"
 
 
 async def test_metrics_count_requests_tokens_latency_and_retries(fleet: Fleet) -> None:

@@ -11,7 +11,8 @@ from rlfleet.api import RLJob
 from rlfleet.operator import rebalancer as timer
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
-from rlfleet.router.service import start_service
+from rlfleet.router.core import Router
+from rlfleet.router.service import TokenSource, build_app
 
 JOB = {
     "apiVersion": "rlfleet.dev/v1alpha1",
@@ -119,28 +120,46 @@ async def test_prometheus_rate_is_read_from_a_real_http_api() -> None:
                     'pod=~"j-h100-fp8-[a-z0-9]+-[a-z0-9]+"}[60s]))']
 
 
-async def test_push_to_router_sets_replicas_quarantine_and_shares(monkeypatch) -> None:
+async def test_push_to_router_sends_quarantine_and_shares_and_no_replicas(monkeypatch) -> None:
+    """The push's bodies, as a real router app receives them: each group's quarantine, then every share; the
+    replicas are the router's own (router/membership.py), so the push leaves them as they are."""
     monkeypatch.setenv("RLFLEET_ROUTER_ADMIN_TOKEN", "tok")
-    config = RouterConfig(port=0, groups=[GroupConfig(name="a", replicas=["http://svc-a:30000"]),
-                                          GroupConfig(name="b", replicas=["http://svc-b:30000"])])  # fmt: skip
-    router, runner, port = await start_service(config, health_checks=False)
-    url = f"http://127.0.0.1:{port}"
+    config = RouterConfig(groups=[GroupConfig(name="a", replicas=["http://10.0.0.1:30000", "http://10.0.0.2:30000"]),
+                                  GroupConfig(name="b", replicas=["http://10.0.1.1:30000"])])  # fmt: skip
+    router = Router(config)
+    app = build_app(router, TokenSource(None, "RLFLEET_ROUTER_ADMIN_TOKEN"))
+    received: list[tuple[str, str, object]] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler):
+        received.append((request.method, request.path, await request.json()))
+        return await handler(request)
+
+    app.middlewares.append(record)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
     result = rebalance(inputs, None, 0.0, RebalanceConfig(max_share_change=1.0, min_share=0.0))
     try:
         async with aiohttp.ClientSession() as http:
-            replicas = {"a": ["http://10.0.0.1:30000", "http://10.0.0.2:30000"], "b": []}
-            assert await timer.push_to_router(http, url, "tok", result, replicas, {"a": False, "b": True})
-            assert not await timer.push_to_router(http, url, "wrong", result, replicas, {})
-            assert not await timer.push_to_router(http, "http://127.0.0.1:1", "tok", result, replicas, {})
+            assert await timer.push_to_router(http, url, "tok", result, {"a": False, "b": True})
+            pushed = list(received)
+            assert not await timer.push_to_router(http, url, "wrong", result, {"a": False})
+            assert not await timer.push_to_router(http, "http://127.0.0.1:1", "tok", result, {"a": False})
+        assert pushed == [
+            ("PUT", "/admin/groups/a", {"quarantined": False}),
+            ("PUT", "/admin/groups/b", {"quarantined": True}),
+            ("PUT", "/admin/shares", {"shares": {"a": 0.75, "b": 0.25}, "reason": "a: share 0.500 -> 0.750 "
+             "(throughput 300 tok/s); b: share 0.500 -> 0.250 (throughput 100 tok/s)"}),
+        ]  # fmt: skip
         table = router.table
-        assert sorted(table.groups["a"].replicas) == replicas["a"]
-        assert list(table.groups["b"].replicas) == ["http://svc-b:30000"]  # no pods known: left as is
         assert table.groups["b"].quarantined and table.effective_shares() == {"a": 1.0, "b": 0.0}
         assert table.groups["a"].share == pytest.approx(0.75)
+        assert {g: list(table.groups[g].replicas) for g in "ab"} == {g.name: g.replicas for g in config.groups}
     finally:
         await runner.cleanup()
-        await router.close()
 
 
 def test_the_operators_router_config_is_a_valid_router_config() -> None:
