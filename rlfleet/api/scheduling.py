@@ -85,10 +85,15 @@ EMPTY_TERM_MESSAGE = (
 # matches a node, and Kubernetes refuses it only when the operator creates the pods (after apply)
 _CEL_QUALIFIED_NAME = QUALIFIED_NAME_PATTERN.replace("\\", "\\\\")  # a CEL string literal escapes backslashes
 LABEL_KEYS_RULE = f"self.all(k, size(k) <= 317 && k.matches('{_CEL_QUALIFIED_NAME}'))"
-LABEL_KEYS_MESSAGE = (
-    "nodeSelector keys must be Kubernetes label keys: [prefix/]name, the name at most 63 alphanumerics, "
-    "'-', '_' or '.' (starting and ending alphanumeric), the prefix a DNS subdomain"
+_QUALIFIED_NAME_WORDS = (
+    "[prefix/]name, the name at most 63 alphanumerics, '-', '_' or '.' (starting and ending alphanumeric), "
+    "the prefix a DNS subdomain"
 )
+LABEL_KEYS_MESSAGE = f"nodeSelector keys must be Kubernetes label keys: {_QUALIFIED_NAME_WORDS}"
+# the same rule for the pod labels and annotations (Kubernetes refuses a bad key only when the operator
+# creates the pods, after apply)
+POD_LABEL_KEYS_MESSAGE = f"podLabels keys must be Kubernetes label keys: {_QUALIFIED_NAME_WORDS}"
+POD_ANNOTATION_KEYS_MESSAGE = f"podAnnotations keys must be Kubernetes qualified names: {_QUALIFIED_NAME_WORDS}"
 TOLERATION_RULE = "self.operator != 'Exists' || !has(self.value) || self.value == ''"
 TOLERATION_MESSAGE = "toleration: operator Exists takes no value"
 
@@ -316,7 +321,10 @@ class PodPlacement(PodTemplateFields):
         default_factory=dict,
         max_length=32,
         json_schema_extra={
-            "x-kubernetes-validations": [{"rule": POD_LABELS_RULE, "message": POD_LABELS_MESSAGE}]
+            "x-kubernetes-validations": [
+                {"rule": LABEL_KEYS_RULE, "message": POD_LABEL_KEYS_MESSAGE},
+                {"rule": POD_LABELS_RULE, "message": POD_LABELS_MESSAGE},
+            ]
         },
     )
     """Extra pod labels, e.g. kueue.x-k8s.io/queue-name: <LocalQueue> (not the operator's rlfleet.dev/* or app.kubernetes.io/* labels)."""
@@ -324,7 +332,10 @@ class PodPlacement(PodTemplateFields):
         default_factory=dict,
         max_length=32,
         json_schema_extra={
-            "x-kubernetes-validations": [{"rule": POD_ANNOTATIONS_RULE, "message": POD_ANNOTATIONS_MESSAGE}]
+            "x-kubernetes-validations": [
+                {"rule": LABEL_KEYS_RULE, "message": POD_ANNOTATION_KEYS_MESSAGE},
+                {"rule": POD_ANNOTATIONS_RULE, "message": POD_ANNOTATIONS_MESSAGE},
+            ]
         },
     )
     """Extra pod annotations (not the operator's rlfleet.dev/*, prometheus.io/* or Kueue pod-group keys)."""

@@ -133,7 +133,7 @@ def test_a_standalone_samplergroup_takes_the_same_fields() -> None:
 
 
 def test_every_role_has_the_placement_fields_and_rules_in_the_crds() -> None:
-    rules = {s.GPU_OVERRIDE_RULE, s.POD_LABELS_RULE, s.POD_ANNOTATIONS_RULE}
+    rules = {s.GPU_OVERRIDE_RULE, s.POD_LABELS_RULE, s.POD_ANNOTATIONS_RULE, s.LABEL_KEYS_RULE}
     rl = rljob_crd(catalog.load_catalog(None))["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     spec = rl["properties"]["spec"]["properties"]
     sg = samplergroup_crd(catalog.load_catalog(None))["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
