@@ -272,7 +272,8 @@ def test_a_corrupted_view_is_refused_and_the_group_keeps_serving(fleet: Fleet) -
     failures_before = {g: _sync_failures(fleet, g) for g in ("bf16", "nvfp4")}
     [pod] = fleet.sampler_pods("nvfp4")
     name = pod["metadata"]["name"]
-    refusal = re.compile(r"v(\d+)/nvfp4/model\.safetensors: \S+ != manifest")
+    # the sidecar's line: "... v64/nvfp4/model.safetensors: blake3:0375aa83bf8a.. (226000 B) != manifest blake3:..."
+    refusal = re.compile(r"v(\d+)/nvfp4/model\.safetensors: [^\n]*? != manifest")
     flipped: list[int] = []
     version = (fleet.latest_version() or 0) + 1
     deadline = time.monotonic() + 600
