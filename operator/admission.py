@@ -1,15 +1,13 @@
 """The pure half of the validating webhook: the rejection message for a manifest under the catalog in
-effect, the webhook's settings names, and a self-signed certificate for it.
+effect, the child-name collision check, and the webhook's settings names (its certificates:
+`rlfleet.operator.certs`).
 
 No kopf handlers live here, so importing this module registers nothing (the handlers are in
 `rlfleet.operator.webhook`, imported only by `rlfleet operator run --webhook-port`)."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -25,6 +23,10 @@ WEBHOOK_ENV = {
     "cert": "RLFLEET_WEBHOOK_CERT",
     "key": "RLFLEET_WEBHOOK_KEY",
     "managed": "RLFLEET_WEBHOOK_MANAGED",
+    "secret": "RLFLEET_WEBHOOK_CERT_SECRET",
+    "secret_namespace": "RLFLEET_WEBHOOK_CERT_SECRET_NAMESPACE",
+    "configuration": "RLFLEET_WEBHOOK_CONFIGURATION",
+    "check_interval": "RLFLEET_WEBHOOK_CERT_CHECK_SECONDS",
 }
 
 
@@ -51,8 +53,8 @@ def own_child_names(job: str) -> set[str]:
 
 
 def in_namespace(index: Any, namespace: str | None) -> list[dict[str, Any]]:
-    """The objects of one namespace in a kopf index keyed (namespace, name): what `collision_message`
-    compares a job against (the webhook and the RLJob pipeline both ask it)."""
+    """The objects of one namespace in a kopf index keyed (namespace, name): what the RLJob pipeline has
+    `collision_message` compare a job against (the webhook lists them from the API instead)."""
     return [obj for (ns, _), store in list(index.items()) if ns == namespace for obj in store]
 
 
@@ -65,7 +67,8 @@ def collision_message(
 
     CEL sees one object, so it cannot tell that job `a` with group `b-c` and job `a-b` with group `c`
     both want SamplerGroup (Deployment, Service) `a-b-c`, or that job `a`'s group `b-trainer` is named
-    like job `a-b`'s trainer. The webhook asks this with the operator's indexes of the namespace."""
+    like job `a-b`'s trainer. The webhook asks this with the namespace's objects as the API lists them, the
+    RLJob pipeline with the operator's indexes."""
     name = job.get("metadata", {}).get("name") or ""
     groups = {
         n.samplergroup_name(name, g.get("name", "")) for g in job.get("spec", {}).get("samplerGroups", [])
@@ -91,41 +94,3 @@ def collision_message(
                 "rename this job or its group"
             )
     return None
-
-
-def self_signed(host: str, directory: Path) -> tuple[Path, Path, bytes]:
-    """(certfile, keyfile, CA PEM) of a self-signed certificate valid for `host` (IP or DNS name)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
-    try:
-        san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
-    except ValueError:
-        san = x509.DNSName(host)
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=365))
-        .add_extension(x509.SubjectAlternativeName([san]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    pem = cert.public_bytes(serialization.Encoding.PEM)
-    certfile, keyfile = directory / "webhook.crt", directory / "webhook.key"
-    certfile.write_bytes(pem)
-    keyfile.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    keyfile.chmod(0o600)
-    return certfile, keyfile, pem

@@ -3,8 +3,9 @@
 kopf watches and runs handlers; children and status are written with this client because kopf has no
 public server-side-apply API. The client is kubernetes_asyncio (maintained, async, `server_side_apply`
 of arbitrary dicts with a field manager and force, status subresources); the operator's callers use a
-small interface (`apply`, `patch_status`, `get`, `create`, `delete`) on plain dicts; what the operator
-watches it reads from kopf's indexes, never by listing.
+small interface (`apply`, `patch_status`, `get`, `list`, `create`, `delete`) on plain dicts; what the
+operator watches it reads from kopf's indexes. The one listing is the webhook's (`list`): it answers on
+every replica, and a standby replica's indexes are empty (kopf pauses its watches, docs/install.md).
 
 Credentials: kopf's (`kopf.ConnectionInfo` from the login handler: kubeconfig or in-cluster service
 account) are the single source: the client's HTTP session is built from `info.as_ssl_context()` and
@@ -142,7 +143,8 @@ class KubeApi:
                 return None
             raise
 
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The object (namespace None: a cluster-scoped one); None if it does not exist."""
         resource = await self._resource(api_version, kind)
         try:
             return await _result((await self._dyn()).get(
@@ -152,6 +154,14 @@ class KubeApi:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(self, api_version: str, kind: str, namespace: str) -> list[dict[str, Any]]:
+        """The objects of one kind in one namespace."""
+        resource = await self._resource(api_version, kind)
+        listed = await _result((await self._dyn()).get(
+            resource, namespace=namespace, serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS
+        ))  # fmt: skip
+        return list(listed.get("items") or [])
 
     async def create(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create; None if it already exists (for objects created once, e.g. a generated Secret)."""
@@ -190,6 +200,11 @@ _apis: dict[asyncio.AbstractEventLoop, KubeApi] = {}
 def set_connection(info: kopf.ConnectionInfo) -> None:
     global _connection
     _connection = info
+
+
+def connected() -> bool:
+    """Whether the kopf login handler has run (`api()` works)."""
+    return _connection is not None
 
 
 def api() -> KubeApi:

@@ -3,6 +3,8 @@
     rlfleet operator run [--namespace NS ...| --all-namespaces] [--kubeconfig PATH]
                          [--peering NAME | --standalone] [--priority N|auto]
                          [--liveness URL] [--metrics-port PORT] [--verbose]
+                         [--webhook-port P [--webhook-cert F --webhook-key F |
+                          --webhook-cert-secret S --webhook-configuration C]]
 
 Peering: kopf freezes every operator of a peering that sees a higher-priority peer, so HA replicas
 need distinct priorities: `--priority auto` hashes $POD_NAME (or the host name) into 1..2^30.
@@ -53,6 +55,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--webhook-cert", help="TLS certificate (PEM) of the webhook; default: self-signed")
     parser.add_argument("--webhook-key", help="TLS private key (PEM) of the webhook")
+    parser.add_argument("--webhook-cert-secret", metavar="NAME",
+                        help="keep the webhook's CA and certificate in this Secret (created if missing, renewed "
+                             "before expiry, shared by every replica); needs --webhook-configuration")  # fmt: skip
+    parser.add_argument("--webhook-cert-secret-namespace", default=os.environ.get("POD_NAMESPACE"),
+                        help="namespace of --webhook-cert-secret (default: $POD_NAMESPACE)")  # fmt: skip
+    parser.add_argument("--webhook-configuration", metavar="NAME",
+                        help="ValidatingWebhookConfiguration whose caBundle the operator sets from that Secret")  # fmt: skip
+    parser.add_argument("--webhook-cert-check-interval", type=float, default=60.0, metavar="SECONDS",
+                        help="how often each replica re-reads that Secret and the caBundle (default 60)")  # fmt: skip
     parser.add_argument("--webhook-managed", action="store_true",
                         help="let the operator create the ValidatingWebhookConfiguration rlfleet.dev")  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -88,8 +99,9 @@ def cli(argv: list[str]) -> int:
 
         start_http_server(args.metrics_port, addr=args.metrics_address)
 
-    if bool(args.webhook_cert) != bool(args.webhook_key):
-        print("rlfleet operator run: --webhook-cert and --webhook-key go together", file=sys.stderr)
+    problem = _webhook_problem(args)
+    if problem:
+        print(f"rlfleet operator run: {problem}", file=sys.stderr)
         return 2
     import kopf
 
@@ -109,6 +121,25 @@ def cli(argv: list[str]) -> int:
     return 0
 
 
+def _webhook_problem(args: argparse.Namespace) -> str | None:
+    """Why the webhook's flags do not go together (None: they do)."""
+    if args.webhook_cert_check_interval <= 0:
+        return f"--webhook-cert-check-interval must be positive, got {args.webhook_cert_check_interval:g}"
+    if bool(args.webhook_cert) != bool(args.webhook_key):
+        return "--webhook-cert and --webhook-key go together"
+    if not args.webhook_cert_secret:
+        return "--webhook-configuration needs --webhook-cert-secret" if args.webhook_configuration else None
+    if args.webhook_cert:
+        return "--webhook-cert-secret and --webhook-cert/--webhook-key are two ways to give the certificate: pick one"
+    if args.webhook_managed:
+        return "--webhook-cert-secret sets the caBundle of --webhook-configuration; --webhook-managed would create another"
+    if not args.webhook_configuration:
+        return "--webhook-cert-secret needs --webhook-configuration (whose caBundle the operator sets)"
+    if not args.webhook_cert_secret_namespace:
+        return "--webhook-cert-secret needs --webhook-cert-secret-namespace (or $POD_NAMESPACE)"
+    return None
+
+
 def _enable_webhook(args: argparse.Namespace) -> None:
     """Hand the webhook's listen address and TLS files to kopf's admission setup (through the
     environment) and register the validating handlers."""
@@ -120,6 +151,11 @@ def _enable_webhook(args: argparse.Namespace) -> None:
     if args.webhook_cert:
         os.environ[WEBHOOK_ENV["cert"]] = args.webhook_cert
         os.environ[WEBHOOK_ENV["key"]] = args.webhook_key
+    if args.webhook_cert_secret:
+        os.environ[WEBHOOK_ENV["secret"]] = args.webhook_cert_secret
+        os.environ[WEBHOOK_ENV["secret_namespace"]] = args.webhook_cert_secret_namespace
+        os.environ[WEBHOOK_ENV["configuration"]] = args.webhook_configuration
+        os.environ[WEBHOOK_ENV["check_interval"]] = str(args.webhook_cert_check_interval)
     if args.webhook_managed:
         os.environ[WEBHOOK_ENV["managed"]] = "1"
     import rlfleet.operator.webhook  # noqa: F401  (registers the validating handlers)

@@ -36,7 +36,7 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
     kube, namespace: str, tmp_path: Path
 ) -> None:
     from rlfleet.catalog import check_group, load_catalog
-    from rlfleet.operator.admission import self_signed
+    from rlfleet.operator.certs import self_signed
 
     kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     kube.kubectl("wait", "--for=condition=Established", "crd/rljobs.rlfleet.dev", "--timeout=60s")

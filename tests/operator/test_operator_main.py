@@ -28,11 +28,25 @@ def test_auto_priority_is_stable_in_range_and_distinct() -> None:
             "kubeconfig '/nonexistent/kubeconfig' not found",
         ),
         ([], "give --namespace NS (repeatable) or --all-namespaces"),
+        # the webhook's certificate comes from files or from a Secret the operator keeps, never both
+        (["-n", "x", "--webhook-port", "9443", "--webhook-cert", "c.pem"], "--webhook-cert and --webhook-key go together"),
+        (["-n", "x", "--webhook-port", "9443", "--webhook-configuration", "rlfleet"],
+         "--webhook-configuration needs --webhook-cert-secret"),
+        (["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s"],
+         "--webhook-cert-secret needs --webhook-configuration (whose caBundle the operator sets)"),
+        (["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s", "--webhook-configuration", "c",
+          "--webhook-cert", "c.pem", "--webhook-key", "k.pem"], "two ways to give the certificate: pick one"),
+        (["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s", "--webhook-configuration", "c",
+          "--webhook-managed"], "--webhook-managed would create another"),
+        (["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s", "--webhook-configuration", "c"],
+         "--webhook-cert-secret needs --webhook-cert-secret-namespace (or $POD_NAMESPACE)"),
+        (["-n", "x", "--webhook-cert-check-interval", "0"], "--webhook-cert-check-interval must be positive, got 0"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)  # the Secret's namespace defaults to the pod's
     assert cli(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -78,10 +78,13 @@ def test_default_render_has_the_operator_objects(render) -> None:
     objs = render()
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == sorted(
-        ["ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "ClusterKopfPeering"]
+        ["ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "ClusterKopfPeering",
+         # the admission webhook (on by default): its Service, configuration, and the operator's grants for its
+         # certificate (a Role for the Secret, a ClusterRole for the configuration's caBundle)
+         "Service", "ValidatingWebhookConfiguration", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"]
     )
     for obj in objs:
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
+        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "ValidatingWebhookConfiguration"):
             assert obj["metadata"]["namespace"] == "rlfleet-system", obj["kind"]
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlfleet"
 
@@ -127,7 +130,7 @@ def test_standalone_mode_has_no_peering_and_refuses_two_replicas(render, helm) -
     objs = render({"operator": {"replicas": 1, "peering": {"enabled": False, "name": "rlfleet"}}})
     assert not find(objs, "ClusterKopfPeering")
     assert "--standalone" in operator_container(objs)["args"]
-    clusterrole = find(objs, "ClusterRole")[0]
+    (clusterrole,) = find(objs, "ClusterRole", "rlfleet")
     assert not any(r[0] == "kopf.dev" for r in rules_of(clusterrole))
     with pytest.raises(Exception, match="peering"):
         render({"operator": {"replicas": 2, "peering": {"enabled": False, "name": "rlfleet"}}})
@@ -154,7 +157,7 @@ NAMESPACED_RULES = {
 
 def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
     objs = render()
-    (role,) = find(objs, "ClusterRole")
+    (role,) = find(objs, "ClusterRole", "rlfleet")
     expected = NAMESPACED_RULES | {
         *{("kopf.dev", "clusterkopfpeerings", v) for v in ("list", "watch", "patch")},
     }  # no CRD access: the operator disables kopf's CRD scanning (its kinds are fixed)
@@ -162,7 +165,7 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
     assert not any("*" in (g, r, v) for g, r, v in rules_of(role))
     assert not any(r in ("pods/exec", "nodes/proxy") for _, r, _ in rules_of(role))
     assert {v for _, r, v in rules_of(role) if r == "secrets"} == {"create", "get"}  # never list/watch Secrets
-    (binding,) = find(objs, "ClusterRoleBinding")
+    (binding,) = find(objs, "ClusterRoleBinding", "rlfleet")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": find(objs, "ServiceAccount")[0]["metadata"]["name"], "namespace": "rlfleet-system"}
@@ -171,13 +174,23 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
 
 
 def test_namespace_mode_has_no_cluster_wide_permission(render) -> None:
+    without_webhook = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}, "webhook": {"enabled": False}},
+                             namespace="ops")
+    assert not [o for o in without_webhook if o["kind"].startswith("Cluster")]
     objs = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}}, namespace="ops")
-    assert not find(objs, "ClusterRole") and not find(objs, "ClusterRoleBinding") and not find(objs, "ClusterKopfPeering")
-    roles = find(objs, "Role")
+    assert not find(objs, "ClusterKopfPeering")
+    # with the webhook (default) the one cluster-scoped grant: get/patch of its own configuration, by name
+    (clusterrole,) = find(objs, "ClusterRole")
+    assert clusterrole["rules"] == [{"apiGroups": ["admissionregistration.k8s.io"],
+                                     "resources": ["validatingwebhookconfigurations"],
+                                     "resourceNames": ["rlfleet-ops"], "verbs": ["get", "patch"]}]  # fmt: skip
+    (configuration,) = find(objs, "ValidatingWebhookConfiguration")
+    assert configuration["metadata"]["name"] == "rlfleet-ops"
+    roles = find(objs, "Role", "rlfleet")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert rules_of(role) == NAMESPACED_RULES | {("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")}
-    bindings = find(objs, "RoleBinding")
+    bindings = find(objs, "RoleBinding", "rlfleet")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert all(b["subjects"][0]["namespace"] == "ops" for b in bindings)
     assert sorted(p["metadata"]["namespace"] for p in find(objs, "KopfPeering")) == ["team-a", "team-b"]
@@ -269,6 +282,10 @@ def test_weight_stores_reach_the_operator_read_only_and_by_reference(render) -> 
         ({"weightStores": {"s3": {"accessKey": "AKIA..."}}}, "accessKey"),
         ({"weightStores": {"filesystem": [{"name": "w", "mountPath": "/w"}]}}, "filesystem"),
         ({"weightStores": {"filesystem": [{"name": "w", "mountPath": "rel", "claimName": "c"}]}}, "mountPath"),
+        ({"webhook": {"failurePolicy": "Sometimes"}}, "failurePolicy"),
+        ({"webhook": {"timeoutSeconds": 31}}, "timeoutSeconds"),
+        ({"webhook": {"port": 443}}, "port"),  # the operator runs as uid 10001: no privileged port
+        ({"webhook": {"certManager": {"issuer": "x"}}}, "issuer"),
     ],
 )
 def test_schema_rejects_bad_values_with_the_field_named(render, values: dict[str, Any], message: str) -> None:
@@ -367,7 +384,7 @@ def test_monitoring_is_off_by_default_and_selects_the_operator(render) -> None:
     assert not find(render(), "ServiceMonitor") and not find(render(), "PrometheusRule")
     objs = render({"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}})
     (monitor,) = find(objs, "ServiceMonitor")
-    (service,) = find(objs, "Service")
+    (service,) = find(objs, "Service", "rlfleet-metrics")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"] == "metrics"
     assert monitor["metadata"]["labels"]["release"] == "kps"
@@ -404,6 +421,8 @@ def test_grafana_dashboard_covers_the_fleet(render, exported_metric_names: set[s
         {},
         {"operator": {"watchNamespaces": ["a", "b"], "logLevel": "debug"}},
         {"operator": {"replicas": 1, "peering": {"enabled": False, "name": "rlfleet"}}},
+        {"webhook": {"certManager": {"enabled": True}}},
+        {"webhook": {"enabled": False}},
     ],
 )
 def test_operator_cli_accepts_the_charts_arguments(render, values: dict[str, Any]) -> None:
@@ -419,6 +438,11 @@ def test_operator_cli_accepts_the_charts_arguments(render, values: dict[str, Any
     assert (parsed.peering == "rlfleet") is peering["enabled"] and parsed.standalone is (not peering["enabled"])
     assert parsed.verbose is (values.get("operator", {}).get("logLevel") == "debug")
     assert parsed.liveness.endswith(":8080/healthz") and parsed.metrics_port == 9090
+    webhook = values.get("webhook", {})
+    assert parsed.webhook_port == (None if webhook.get("enabled") is False else 9443)
+    # files from cert-manager, or the Secret the operator keeps: never both (main.py refuses that)
+    assert bool(parsed.webhook_cert) is bool(webhook.get("certManager"))
+    assert bool(parsed.webhook_cert_secret) is (webhook == {})
 
 
 def test_auto_priorities_of_two_replicas_differ() -> None:
@@ -460,3 +484,131 @@ def test_podmonitor_selects_and_scrapes_the_pods_the_operator_builds(render) -> 
             assert {"http", "sync"} <= named and "rlfleet.dev/group" in labels
     assert scraped_components == {"trainer", "router", "sampler"}
     assert set(values) == {"rlfleet.dev/job", "rlfleet.dev/group", "app.kubernetes.io/component"}
+
+
+# --- the admission webhook ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kopf_webhook_handlers() -> set[tuple[str, str, str]]:
+    """(resource plural, operation, handler id) of every validating handler operator/webhook.py registers,
+    read from kopf's registry in a child process (registering them here would put admission handlers in
+    this process's kopf registry)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, kopf, rlfleet.operator.webhook\n"
+        "print(json.dumps([[h.selector.any_name, op, h.id] for h in kopf.get_default_registry()._webhooks"
+        ".get_all_handlers() for op in sorted(h.operations)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
+    return {tuple(entry) for entry in json.loads(out)}
+
+
+def test_webhook_configuration_reaches_every_handler_through_the_service(render, kopf_webhook_handlers) -> None:
+    objs = render(namespace="ops")
+    container = operator_container(objs)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    (service,) = find(objs, "Service", "rlfleet-webhook")
+    (deployment,) = find(objs, "Deployment")
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert service["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
+    assert ports["webhook"] == 9443 and "--webhook-port=9443" in container["args"]
+    (configuration,) = find(objs, "ValidatingWebhookConfiguration", "rlfleet-ops")
+    served = set()
+    for webhook in configuration["webhooks"]:
+        assert webhook["clientConfig"] == {"service": {"name": "rlfleet-webhook", "namespace": "ops", "port": 443,
+                                                       "path": webhook["clientConfig"]["service"]["path"]}}
+        (rule,) = webhook["rules"]
+        assert rule["apiGroups"] == ["rlfleet.dev"] and rule["apiVersions"] == ["v1alpha1"]
+        (resource,), (operation,) = rule["resources"], rule["operations"]
+        served.add((resource, operation, webhook["clientConfig"]["service"]["path"].removeprefix("/")))
+        assert webhook["failurePolicy"] == "Ignore" and webhook["sideEffects"] == "None"
+        assert webhook["timeoutSeconds"] == 5 and "namespaceSelector" not in webhook  # every namespace
+        assert "caBundle" not in webhook["clientConfig"]  # written by the operator, never by helm
+    # kopf serves handler <id> at /<id>: each (resource, operation) reaches exactly its handler
+    assert served == kopf_webhook_handlers
+    assert {(r, o) for r, o, _ in served} == {(r, o) for r in ("rljobs", "samplergroups") for o in ("CREATE", "UPDATE")}
+    assert "annotations" not in configuration["metadata"]
+    assert "--webhook-host=rlfleet-webhook.ops.svc" in container["args"]  # the name the API server dials
+
+
+def test_webhook_self_signed_mode_grants_exactly_its_secret_and_configuration(render) -> None:
+    from rlfleet.operator.main import parse_args
+
+    objs = render(namespace="ops")
+    args = parse_args(operator_container(objs)["args"][2:])
+    assert (args.webhook_cert_secret, args.webhook_configuration) == ("rlfleet-webhook-cert", "rlfleet-ops")
+    assert args.webhook_cert is None and args.webhook_key is None and not args.webhook_managed
+    env = {e["name"]: e for e in operator_container(objs)["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"  # the Secret's
+    (role,) = find(objs, "Role", "rlfleet-webhook")
+    assert role["metadata"]["namespace"] == "ops"
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["rlfleet-webhook-cert"], "verbs": ["get", "patch"]},
+    ]
+    (clusterrole,) = find(objs, "ClusterRole", "rlfleet-ops-webhook")
+    assert clusterrole["rules"] == [{"apiGroups": ["admissionregistration.k8s.io"],
+                                     "resources": ["validatingwebhookconfigurations"],
+                                     "resourceNames": ["rlfleet-ops"], "verbs": ["get", "patch"]}]  # fmt: skip
+    sa = {"kind": "ServiceAccount", "name": "rlfleet", "namespace": "ops"}
+    (binding,) = find(objs, "RoleBinding", "rlfleet-webhook")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "rlfleet-webhook"}
+    assert binding["subjects"] == [sa] and binding["metadata"]["namespace"] == "ops"
+    (cluster_binding,) = find(objs, "ClusterRoleBinding", "rlfleet-ops-webhook")
+    assert cluster_binding["roleRef"]["name"] == "rlfleet-ops-webhook" and cluster_binding["subjects"] == [sa]
+    assert not [o for o in objs if o["apiVersion"].startswith("cert-manager.io/")]
+
+
+def test_webhook_cert_manager_mode_mounts_the_certificate_it_renders(render) -> None:
+    from rlfleet.operator.main import parse_args
+
+    objs = render({"webhook": {"certManager": {"enabled": True}}}, namespace="ops")
+    container = operator_container(objs)
+    args = parse_args(container["args"][2:])
+    assert args.webhook_cert_secret is None and args.webhook_configuration is None
+    (deployment,) = find(objs, "Deployment")
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-cert"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "webhook-cert"]
+    assert mount["readOnly"] is True and "subPath" not in mount  # a subPath would never see a renewal
+    assert (args.webhook_cert, args.webhook_key) == (f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key")
+    certificates = {c["metadata"]["name"]: c for c in find(objs, "Certificate")}
+    issuers = {i["metadata"]["name"]: i for i in find(objs, "Issuer")}
+    serving = certificates["rlfleet-webhook"]
+    assert serving["spec"]["secretName"] == volume["secret"]["secretName"] == "rlfleet-webhook-cert"
+    assert args.webhook_host in serving["spec"]["dnsNames"] and args.webhook_host == "rlfleet-webhook.ops.svc"
+    # the chain: self-signed Issuer -> CA Certificate -> CA Issuer -> serving Certificate
+    ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
+    ca = certificates["rlfleet-webhook-ca"]
+    assert ca["spec"]["isCA"] is True and ca_issuer["spec"] == {"ca": {"secretName": ca["spec"]["secretName"]}}
+    assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+    assert all(o["metadata"]["namespace"] == "ops" for o in [*certificates.values(), *issuers.values()])
+    (configuration,) = find(objs, "ValidatingWebhookConfiguration")
+    assert configuration["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "ops/rlfleet-webhook"}
+    # cainjector writes the caBundle and the Secret is mounted: the operator needs no grant for either
+    assert not find(objs, "Role", "rlfleet-webhook") and not find(objs, "ClusterRole", "rlfleet-ops-webhook")
+    assert [r["metadata"]["name"] for r in find(objs, "ClusterRole")] == ["rlfleet"]
+
+
+def test_webhook_off_renders_none_of_it(render) -> None:
+    objs = render({"webhook": {"enabled": False}}, namespace="ops")
+    assert not find(objs, "ValidatingWebhookConfiguration") and not find(objs, "Service", "rlfleet-webhook")
+    assert not find(objs, "Role") and [r["metadata"]["name"] for r in find(objs, "ClusterRole")] == ["rlfleet"]
+    container = operator_container(objs)
+    assert not [a for a in container["args"] if a.startswith("--webhook")]
+    assert "webhook" not in {p["name"] for p in container["ports"]}
+
+
+def test_webhook_in_namespace_mode_sees_only_the_watched_namespaces(render) -> None:
+    objs = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}, "webhook": {"failurePolicy": "Fail"}},
+                  namespace="ops")  # fmt: skip
+    (configuration,) = find(objs, "ValidatingWebhookConfiguration")
+    for webhook in configuration["webhooks"]:
+        assert webhook["namespaceSelector"] == {"matchExpressions": [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]}  # fmt: skip
+        assert webhook["failurePolicy"] == "Fail"
+    # the Secret lives in the release namespace, whatever the operator watches
+    (role,) = find(objs, "Role", "rlfleet-webhook")
+    assert role["metadata"]["namespace"] == "ops"

@@ -115,6 +115,7 @@ def test_helm_install_brings_up_the_operator_objects(kube, helm, namespace: str,
         kube.kubectl("get", "clusterkopfpeering", release)
         kube.kubectl("get", "configmap", f"{fullname}-catalog", "-n", namespace)
         kube.kubectl("get", "configmap", f"{fullname}-dashboard", "-n", namespace)
+        kube.kubectl("get", "validatingwebhookconfiguration", f"{fullname}-{namespace}")
         # the ServiceAccount can do what the operator needs (real authorizer)
         assert can_i(kube, f"system:serviceaccount:{namespace}:{fullname}", "patch", "samplergroups.rlfleet.dev/status")
     finally:
@@ -139,15 +140,25 @@ def test_namespace_mode_grants_nothing_outside_the_watched_namespace(kube, helm,
                              tmp_path)
     apply_crds(kube)
     kube.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=rendered)
-    user = f"system:serviceaccount:{namespace}:{release}-rlfleet"
-    assert can_i(kube, user, "watch", "rljobs.rlfleet.dev", namespace)
-    assert can_i(kube, user, "create", "deployments.apps", namespace)
-    assert can_i(kube, user, "patch", "kopfpeerings.kopf.dev", namespace)
-    assert not can_i(kube, user, "list", "rljobs.rlfleet.dev")  # cluster-wide
-    assert not can_i(kube, user, "list", "rljobs.rlfleet.dev", "default")
-    assert not can_i(kube, user, "list", "customresourcedefinitions.apiextensions.k8s.io")
-    assert not can_i(kube, user, "get", "secrets", "default")
-    assert not can_i(kube, user, "list", "secrets", namespace)  # read by name only, never listed
+    try:
+        user = f"system:serviceaccount:{namespace}:{release}-rlfleet"
+        assert can_i(kube, user, "watch", "rljobs.rlfleet.dev", namespace)
+        assert can_i(kube, user, "create", "deployments.apps", namespace)
+        assert can_i(kube, user, "patch", "kopfpeerings.kopf.dev", namespace)
+        assert not can_i(kube, user, "list", "rljobs.rlfleet.dev")  # cluster-wide
+        assert not can_i(kube, user, "list", "rljobs.rlfleet.dev", "default")
+        assert not can_i(kube, user, "list", "customresourcedefinitions.apiextensions.k8s.io")
+        assert not can_i(kube, user, "get", "secrets", "default")
+        assert not can_i(kube, user, "list", "secrets", namespace)  # read by name only, never listed
+        # the webhook's one cluster-scoped grant: its own configuration, by name, and nothing else there
+        configuration = f"validatingwebhookconfigurations/{release}-rlfleet-{namespace}"
+        assert can_i(kube, user, "patch", configuration) and can_i(kube, user, "get", configuration)
+        assert not can_i(kube, user, "patch", "validatingwebhookconfigurations/another")
+        assert not can_i(kube, user, "list", "validatingwebhookconfigurations")
+        assert not can_i(kube, user, "delete", configuration)
+        assert not can_i(kube, user, "patch", "mutatingwebhookconfigurations/" + configuration.split("/")[1])
+    finally:
+        delete_cluster_scoped(kube, [d for d in yaml.safe_load_all(rendered) if d])
 
 
 class ApiRecorder:
@@ -266,22 +277,36 @@ class ApiRecorder:
         self._loop.run_until_complete(main())
 
 
+def webhook_by_url(configuration: dict[str, Any], port: int) -> dict[str, Any]:
+    """The chart's ValidatingWebhookConfiguration with each webhook's Service reference replaced by the
+    URL of an operator run out of the cluster on this machine: the test control plane has no pod network
+    and no Service proxy, the rest (rules, paths, selectors, policy) is the chart's."""
+    out = copy.deepcopy(configuration)
+    for webhook in out["webhooks"]:
+        path = webhook["clientConfig"].pop("service")["path"]
+        webhook["clientConfig"]["url"] = f"https://127.0.0.1:{port}{path}"
+    return out
+
+
 @contextmanager
 def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values: dict[str, Any],
                                          values: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
-    """Apply everything the chart renders except the operator Deployment (its pods would be kwok's fakes);
-    yield what an out-of-cluster operator needs to run exactly like the Deployment's container."""
+    """Apply everything the chart renders except the operator Deployment (its pods would be kwok's fakes),
+    the webhook configuration addressed to 127.0.0.1 (webhook_by_url); yield what an out-of-cluster
+    operator needs to run exactly like the Deployment's container."""
     release = unique("op")
     namespace = release + "-system"
     kube.kubectl("create", "namespace", namespace)
     apply_crds(kube)
-    health, metrics = free_port(), free_port()
+    health, metrics, webhook = free_port(), free_port(), free_port()
     values = {**(values or {}),
+              "webhook": {**(values or {}).get("webhook", {}), "port": webhook},
               "operator": {"peering": {"enabled": True, "name": release}, "healthPort": health,
                            "metricsPort": metrics, "logLevel": "debug", **operator_values}}
     objs = [d for d in yaml.safe_load_all(helm_template(helm, release, namespace, values, tmp)) if d]
     deployment = next(o for o in objs if o["kind"] == "Deployment")
-    rest = [o for o in objs if o["kind"] != "Deployment"]
+    rest = [webhook_by_url(o, webhook) if o["kind"] == "ValidatingWebhookConfiguration" else o
+            for o in objs if o["kind"] != "Deployment"]
     kube.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(rest))
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
@@ -296,12 +321,18 @@ def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values:
         yield {"release": release, "namespace": namespace, "container": container, "token": token,
                "pod": deployment["spec"]["template"]["spec"],
                "ca_data": admin["clusters"][0]["cluster"]["certificate-authority-data"],
-               "catalog_file": catalog_file, "objects": rest, "health": health, "metrics": metrics, "tmp": tmp}
+               "catalog_file": catalog_file, "objects": rest, "health": health, "metrics": metrics, "webhook": webhook,
+               "tmp": tmp}
     finally:
         kube.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-        for kind, name in (("clusterrolebinding", f"{release}-rlfleet"), ("clusterrole", f"{release}-rlfleet"),
-                           ("clusterkopfpeering", release)):
-            kube.kubectl("delete", kind, name, "--wait=false", check=False)
+        delete_cluster_scoped(kube, rest)
+
+
+def delete_cluster_scoped(kube, objs: list[dict[str, Any]]) -> None:
+    """Delete what a rendered chart has outside namespaces (a namespace's deletion takes the rest)."""
+    for obj in objs:
+        if obj["kind"] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "ValidatingWebhookConfiguration"):
+            kube.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--wait=false", check=False)
 
 
 def write_kubeconfig(path: Path, server: str, namespace: str, token: str, ca_data: str | None = None) -> Path:
@@ -318,14 +349,20 @@ def write_kubeconfig(path: Path, server: str, namespace: str, token: str, ca_dat
 
 
 def start_operator(chart: dict[str, Any], kubeconfig: Path, pod_name: str, ports: tuple[int, int] | None = None,
-                   env_from_pod: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
-    """`rlfleet` with the chart container's own args (liveness and metrics bound to 127.0.0.1: tests never
-    listen beyond the loopback) and the pod's env (POD_ID/POD_NAME from the downward API; `env_from_pod`:
-    the container's other env resolved as the kubelet would, e.g. secretKeyRefs)."""
+                   env_from_pod: dict[str, str] | None = None,
+                   webhook_port: int | None = None) -> tuple[subprocess.Popen, Path]:
+    """`rlfleet` with the chart container's own args (liveness, metrics and webhook bound to 127.0.0.1:
+    tests never listen beyond the loopback; the webhook's certificate names 127.0.0.1, the address
+    webhook_by_url gives the API server, instead of the Service's DNS name) and the pod's env
+    (POD_ID/POD_NAME/POD_NAMESPACE from the downward API; `env_from_pod`: the container's other env
+    resolved as the kubelet would, e.g. secretKeyRefs). `webhook_port`: another port than the chart's."""
     health, metrics = ports or (chart["health"], chart["metrics"])
     args = [a.replace("0.0.0.0", "127.0.0.1") for a in chart["container"]["args"]] + ["--metrics-address=127.0.0.1"]
     args = [re.sub(r":\d+/healthz$", f":{health}/healthz", a) for a in args]
     args = [f"--metrics-port={metrics}" if a.startswith("--metrics-port=") else a for a in args]
+    args = ["--webhook-host=127.0.0.1" if a.startswith("--webhook-host=") else a for a in args]
+    if webhook_port is not None:
+        args = [f"--webhook-port={webhook_port}" if a.startswith("--webhook-port=") else a for a in args]
     env = dict(os.environ)
     if env_from_pod is not None:  # nothing of this machine's AWS setup leaks in: only what the pod gets
         env = {k: v for k, v in env.items() if not k.startswith("AWS_")} | env_from_pod
@@ -364,7 +401,7 @@ def operator_as_serviceaccount(kube, helm, tmp_path_factory) -> Iterator[dict[st
             try:
                 yield {"namespace": chart["namespace"], "proxy": proxy, "proc": proc, "log": log_path,
                        "health": chart["health"], "metrics": chart["metrics"], "release": chart["release"],
-                       "role": next(o for o in chart["objects"] if o["kind"] == "ClusterRole")}
+                       "roles": [o for o in chart["objects"] if o["kind"] in ("ClusterRole", "Role")]}
             finally:
                 stop_operator(proc)
 
@@ -421,12 +458,14 @@ def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_ser
         denied = {(v, g, r) for v, g, r, status in calls if status == 403}
         assert not denied, f"operator was denied {sorted(denied)}"
         used = {(v, g, r) for v, g, r, _ in calls}
-        allowed = granted(ctx["role"])
+        # the operator's ClusterRole, and the webhook's grants (its Secret, its configuration's caBundle)
+        allowed = set().union(*(granted(role) for role in ctx["roles"]))
         print("operator API calls (verb, group, resource):", *sorted(used), sep="\n  ")
         # enough: nothing it did was outside the grant; no more: every granted verb was used
         assert used <= allowed, sorted(used - allowed)
         # granted for a code path this scenario does not take (see charts/rlfleet/templates/rbac.yaml)
-        rare = {("get", "rlfleet.dev", "weightchannels")}
+        rare = {("get", "rlfleet.dev", "weightchannels"),
+                ("patch", "", "secrets")}  # the webhook Secret's renewal (a new Secret is created)
         assert allowed - rare <= used, f"granted but never used: {sorted(allowed - rare - used)}"
     finally:
         kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -566,6 +605,144 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
                 wait_for("the former standby's handler to finish",
                          lambda: "Handler 'reconcile_rljob' succeeded" in standby_log.read_text(), timeout=30)
                 assert standby.poll() is None
+            finally:
+                stop_operator(active)
+                if standby is not None:
+                    stop_operator(standby)
+    finally:
+        kube.kubectl("delete", "namespace", jobs, "--wait=false", check=False)
+
+
+# --- the admission webhook with the operator's own certificate -------------------------------------------
+
+
+def _job(name: str, group: str, **fields: Any) -> dict[str, Any]:
+    """The example RLJob renamed, with one H100 group `group`."""
+    job = yaml.safe_load(EXAMPLE.read_text())
+    job["metadata"]["name"] = name
+    job["spec"]["samplerGroups"] = [{"name": group, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16",
+                                     **fields}]  # fmt: skip
+    return job
+
+
+def _tls_serves(port: int, ca_pem: bytes) -> bool:
+    """A TLS client trusting `ca_pem` (as the API server trusts caBundle) completes a handshake with
+    127.0.0.1:port, host name checked."""
+    context = ssl.create_default_context(cadata=ca_pem.decode())
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            with context.wrap_socket(raw, server_hostname="127.0.0.1"):
+                return True
+    except OSError:  # refused (not listening yet) or ssl.SSLError (not this CA's certificate yet)
+        return False
+
+
+def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(kube, helm, tmp_path: Path) -> None:
+    """The chart's webhook without cert-manager, as its ServiceAccount (namespace mode, two replicas):
+    the first operator creates the Secret (a CA and a serving certificate) and sets the caBundle of the
+    chart's ValidatingWebhookConfiguration; the second replica serves the same certificate without
+    rewriting anything; `kubectl apply` of the second of two RLJobs that want one SamplerGroup name is
+    refused naming the first, also when only the standby answers. The live catalog's rules refuse a
+    spec change while a metadata-only change passes, and before any operator ran, failurePolicy
+    Ignore admitted what the webhook would refuse."""
+    from cryptography import x509
+
+    from rlfleet.operator.main import auto_priority
+
+    jobs = unique("wh")
+    kube.kubectl("create", "namespace", jobs)
+    catalog = {"catalog": {"classes": {"h100": {"kvCacheDtypes": ["auto", "bf16"]}}}}  # no FP8 KV cache on H100
+    try:
+        with chart_objects_without_the_deployment(kube, helm, tmp_path, {"replicas": 2, "watchNamespaces": [jobs]},
+                                                  catalog) as chart:
+            ns, release = chart["namespace"], chart["release"]
+            configuration_name = f"{release}-rlfleet-{ns}"
+            secret_name = f"{release}-rlfleet-webhook-cert"
+            (rendered,) = [o for o in chart["objects"] if o["kind"] == "ValidatingWebhookConfiguration"]
+            assert rendered["metadata"]["name"] == configuration_name
+            assert f"--webhook-cert-secret={secret_name}" in chart["container"]["args"]
+            assert kube.kubectl("get", "secret", secret_name, "-n", ns, check=False).returncode != 0
+            # no operator yet: the API server cannot reach the webhook, and Ignore admits unchecked
+            legacy = _job("legacy", "h100-kv8", kvCacheDtype="fp8_e4m3")
+            kube.kubectl("apply", "-n", jobs, "-f", "-", input=json.dumps(legacy))
+
+            kubeconfig = write_kubeconfig(tmp_path / "sa.kubeconfig", kube.server, ns, chart["token"], chart["ca_data"])
+            names = sorted((f"{release}-rlfleet-5c8d7-{s}" for s in ("abcde", "vwxyz")), key=auto_priority)
+            active, active_log = start_operator(chart, kubeconfig, names[1], (free_port(), free_port()))
+            standby = None
+            try:
+                def logs() -> str:
+                    return "\n".join(p.read_text()[-3000:] for p in (active_log, *([standby_log] if standby else [])))
+
+                def configuration() -> dict[str, Any]:
+                    return kube.get_json("validatingwebhookconfiguration", configuration_name)
+
+                try:
+                    secret = wait_for("the operator's webhook Secret", lambda: _get_or_none(kube, "secret", secret_name,
+                                                                                          "-n", ns), timeout=60)
+                    bundle = secret["data"]["ca.crt"]
+                    wait_for("the caBundle of every webhook", lambda: all(
+                        w["clientConfig"].get("caBundle") == bundle for w in configuration()["webhooks"]), timeout=30)
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}\n{logs()}") from None
+                live = configuration()
+                assert secret["type"] == "kubernetes.io/tls"
+                assert sorted(secret["data"]) == ["ca.crt", "ca.key", "tls.crt", "tls.key"]
+                assert secret["metadata"]["ownerReferences"] == [{
+                    "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+                    "name": configuration_name, "uid": live["metadata"]["uid"]}]  # fmt: skip
+                (ca,) = x509.load_pem_x509_certificates(base64.b64decode(bundle))
+                serving = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+                serving.verify_directly_issued_by(ca)
+                san = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                assert [str(n.value) for n in san] == ["127.0.0.1"]  # the --webhook-host start_operator gives
+                # only the caBundle changed: the rest is the chart's (rules, paths, policy, selector)
+                for got, want in zip(live["webhooks"], rendered["webhooks"], strict=True):
+                    assert {**got, "clientConfig": {"url": got["clientConfig"]["url"]}} == {
+                        **want, "matchPolicy": got["matchPolicy"], "objectSelector": got["objectSelector"]}
+                wait_for("the active replica's webhook", lambda: _tls_serves(chart["webhook"], base64.b64decode(bundle)))
+
+                # job ab with group cd-ef and job ab-cd with group ef both want SamplerGroup ab-cd-ef
+                kube.kubectl("apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab", "cd-ef")))
+                wait_for("SamplerGroup ab-cd-ef of RLJob ab",
+                         lambda: _get_or_none(kube, "sg", "ab-cd-ef", "-n", jobs).get("spec", {}).get("jobName") == "ab")
+                refused = kube.kubectl("apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab-cd", "ef")), check=False)
+                assert refused.returncode != 0, refused.stdout
+                assert "the name ab-cd-ef (Deployment and Service) is taken by SamplerGroup ab-cd-ef of RLJob ab" in (
+                    refused.stderr), refused.stderr
+                assert kube.kubectl("get", "rljob", "ab-cd", "-n", jobs, check=False).returncode != 0
+
+                # the live catalog: legacy's spec may not change, its metadata may (kopf's own writes too)
+                kube.kubectl("annotate", "rljob", "legacy", "-n", jobs, "example.com/owner=team-a")
+                changed = kube.kubectl("patch", "rljob", "legacy", "-n", jobs, "--type=json", "-p", json.dumps(
+                    [{"op": "replace", "path": "/spec/samplerGroups/0/replicas", "value": 2}]), check=False)
+                assert changed.returncode != 0, changed.stdout
+                assert "rejected by rlfleet (catalog in effect)" in changed.stderr, changed.stderr
+                assert "accelerator h100 (sm90) cannot use kvCacheDtype fp8_e4m3" in changed.stderr, changed.stderr
+
+                # a second replica (the standby: the active one has the higher priority) on a port of its own
+                standby_port = free_port()
+                standby, standby_log = start_operator(chart, kubeconfig, names[0], (free_port(), free_port()),
+                                                      webhook_port=standby_port)
+                try:
+                    wait_for("the standby's webhook, trusted by the same caBundle",
+                             lambda: _tls_serves(standby_port, base64.b64decode(bundle)), timeout=60)
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}\n{logs()}") from None
+                again = kube.get_json("secret", secret_name, "-n", ns)
+                assert again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]  # not rewritten
+                assert all(w["clientConfig"]["caBundle"] == bundle for w in configuration()["webhooks"])
+                # only the standby answers now: its kopf indexes are empty (peering paused its watches)
+                kube.kubectl("patch", "validatingwebhookconfiguration", configuration_name, "--type=json",
+                             "-p", json.dumps([{"op": "replace", "path": f"/webhooks/{i}/clientConfig/url",
+                                                "value": w["clientConfig"]["url"].replace(f":{chart['webhook']}/",
+                                                                                          f":{standby_port}/")}
+                                               for i, w in enumerate(live["webhooks"])]))  # fmt: skip
+                refused = kube.kubectl("apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab-cd", "ef")), check=False)
+                assert refused.returncode != 0, refused.stdout
+                assert "is taken by SamplerGroup ab-cd-ef of RLJob ab" in refused.stderr, refused.stderr
+                assert "Resuming operations" not in standby_log.read_text()  # it was the standby all along
+                assert active.poll() is None and standby.poll() is None, logs()
             finally:
                 stop_operator(active)
                 if standby is not None:

@@ -54,3 +54,12 @@ app.kubernetes.io/part-of: rlfleet
 
 {{/* Where the operator reads the accelerator catalog override (rlfleet.catalog.CATALOG_ENV). */}}
 {{- define "rlfleet.catalogDir" -}}/etc/rlfleet/catalog{{- end }}
+
+{{/* The admission webhook's objects (templates/webhook.yaml). The configuration is cluster-scoped:
+its name carries the release namespace, so releases of one name in two namespaces do not clash. */}}
+{{- define "rlfleet.webhookService" -}}{{ include "rlfleet.fullname" . }}-webhook{{- end }}
+{{- define "rlfleet.webhookSecret" -}}{{ include "rlfleet.fullname" . }}-webhook-cert{{- end }}
+{{- define "rlfleet.webhookConfiguration" -}}
+{{- printf "%s-%s" (include "rlfleet.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" }}
+{{- end }}
+{{- define "rlfleet.webhookCertDir" -}}/etc/rlfleet/webhook{{- end }}
