@@ -175,10 +175,13 @@ class CrashSettle:
     started again. The kubelet resets its back-off only after 10 minutes of running (KubeletConfiguration's
     crash-loop back-off), and a container without a readiness probe (the trainer's) is Ready the moment
     it starts: without this, a trainer that fails a minute after each start reads Running/AllReady most of
-    the time (docs/operations.md, "Conditions and reasons")."""
+    the time (docs/operations.md, "Conditions and reasons"). `progress_at`: when the workload last showed
+    progress (the trainer's reported metrics last changed): progress after the restart settles it at once,
+    so a trainer that trains again is not Degraded for the rest of the 10 minutes."""
 
     now: datetime
     seconds: float = 600.0
+    progress_at: datetime | None = None
 
 
 def _unsettled_crash(c: Mapping[str, Any], where: str, settle: CrashSettle) -> PodProblem | None:
@@ -189,7 +192,9 @@ def _unsettled_crash(c: Mapping[str, Any], where: str, settle: CrashSettle) -> P
     if not failed or failed.get("exitCode") in (0, None):
         return None
     started = parse_time(c.get("startedAt"))
-    settled = c.get("ready") and started is not None and (settle.now - started).total_seconds() >= settle.seconds
+    progressed = started is not None and settle.progress_at is not None and settle.progress_at > started
+    steady = started is not None and (settle.now - started).total_seconds() >= settle.seconds
+    settled = c.get("ready") and (steady or progressed)
     if settled:
         return None
     state = "restarting" if c.get("terminated") or not c.get("startedAt") else f"running again since {c.get('startedAt')}"

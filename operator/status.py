@@ -379,8 +379,10 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     if not suspended:
         created = int(_get(trainer, "status", "replicas", default=0) or 0)
         # a trainer that crashes a while after each start is Ready (no readiness probe) between crashes:
-        # CrashSettle keeps it Degraded until it runs steadily (operator/pods.py)
-        settle = CrashSettle(now=parse_time(now) or datetime.now(UTC))
+        # CrashSettle keeps it Degraded until it runs steadily or reports new metrics (operator/pods.py)
+        reported = [parse_time(_get(source, "metrics", "updatedAt")) for source in (old, trainer_report or {})]
+        settle = CrashSettle(now=parse_time(now) or datetime.now(UTC),
+                             progress_at=max((t for t in reported if t is not None), default=None))  # fmt: skip
         if trainer_ready:
             trainer_problem = workload_crash(trainer_pods, settle)
         else:

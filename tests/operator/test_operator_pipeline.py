@@ -173,6 +173,25 @@ def test_a_crash_looping_trainer_degrades_the_job_in_every_window_of_the_loop(
     assert s["message"] == f"trainer StatefulSet j-trainer: {expected}"
 
 
+@pytest.mark.parametrize(("reported_at", "phase"), [
+    ("2026-01-01T00:04:00Z", "Running"),  # new metrics since the restart at 00:00: it trains again
+    ("2025-12-31T23:59:00Z", "Degraded"),  # the last metrics are from before the restart
+])  # fmt: skip
+def test_a_restarted_trainer_that_reports_progress_is_settled(reported_at: str, phase: str) -> None:
+    container = trainer_container({"running": {"startedAt": "2026-01-01T00:00:00Z"}}, ready=True, restarts=3)
+    views = [pod_view(pod(phase="Running", containers=[container]))]
+    trainer = {"status": {"readyReplicas": 1, "replicas": 1}}
+    old = job()
+    old["status"] = {"metrics": {"reward": 0.5, "updatedAt": reported_at}}
+    s = st.rljob_status(old, [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views)
+    assert s["phase"] == phase, s["message"]
+    # the same from this refresh's report (the tick read new metrics just now)
+    fresh = {"metrics": {"reward": 0.6, "updatedAt": reported_at}}
+    s = st.rljob_status(job(), [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views,
+                        trainer_report=fresh)  # fmt: skip
+    assert s["phase"] == phase, s["message"]
+
+
 def test_a_group_whose_pods_cannot_start_is_degraded_and_the_job_says_which() -> None:
     sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
           "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
