@@ -214,6 +214,47 @@ def test_the_cpu_example_trains_and_fills_the_cockpit(fleet: Fleet) -> None:
             assert out.strip() or container["name"] == "router", (pod["metadata"]["name"], container["name"])
 
 
+def _suspended_job(name: str, group: str) -> str:
+    """An RLJob of the example's shape, suspended (no pod), with one group and its own store path."""
+    [job] = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d["kind"] == "RLJob"]
+    job["metadata"]["name"] = name
+    job["spec"]["suspend"] = True
+    job["spec"]["samplerGroups"] = [{**job["spec"]["samplerGroups"][0], "name": group}]
+    job["spec"]["weightChannel"]["store"]["path"] = f"{STORE_PATH}/{name}"  # not the fleet's channel
+    return yaml.safe_dump(job)
+
+
+def test_the_charts_webhook_refuses_a_job_whose_group_name_is_taken(fleet: Fleet) -> None:
+    """The chart's validating webhook (on by default: its Service, the operator's self-signed certificate
+    in a Secret, the caBundle it patches) answers the API server over TLS through the Service: job `ab`
+    with group `cd-ef` owns SamplerGroup ab-cd-ef, so job `ab-cd` with group `ef` is refused at apply,
+    naming the owner (docs/install.md, "Admission webhook")."""
+    kube, ns = fleet.kube, fleet.ns
+    secret = kube.get_json("secret", "rlfleet-webhook-cert", "-n", ns)
+    configuration = kube.get_json("validatingwebhookconfiguration", f"rlfleet-{ns}")
+    ca = secret["data"]["ca.crt"]
+    wait_for("the caBundle the operator patches", lambda: all(
+        w.get("clientConfig", {}).get("caBundle") == ca
+        for w in kube.get_json("validatingwebhookconfiguration", f"rlfleet-{ns}")["webhooks"]), timeout=120)  # fmt: skip
+    assert len(configuration["webhooks"]) == 4
+    kube.kubectl("apply", "-n", ns, "-f", "-", input=_suspended_job("ab", "cd-ef"))
+    try:
+        wait_for("SamplerGroup ab-cd-ef", lambda: kube.get_json("samplergroup", "ab-cd-ef", "-n", ns), timeout=120)
+        colliding = _suspended_job("ab-cd", "ef")
+        # failurePolicy Ignore admits while the webhook is not serving yet: a server-side dry run (admission
+        # runs, nothing is stored) until it answers, then the real apply
+        denied = wait_for("the webhook refusing the colliding job (dry run)", lambda: (
+            r := kube.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-", input=colliding, check=False)
+        ).returncode != 0 and r.stderr, timeout=180)  # fmt: skip
+        assert "denied the request" in denied and "RLJob ab" in denied and "ab-cd-ef" in denied, denied
+        applied = kube.kubectl("apply", "-n", ns, "-f", "-", input=colliding, check=False)
+        assert applied.returncode != 0 and "denied the request" in applied.stderr, applied.stdout + applied.stderr
+        missing = kube.kubectl("get", "rljob", "ab-cd", "-n", ns, check=False)
+        assert missing.returncode != 0 and "NotFound" in missing.stderr
+    finally:
+        kube.kubectl("delete", "rljob", "ab", "-n", ns, "--wait=true", "--timeout=120s", check=False)
+
+
 def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet) -> None:
     """The replacement's init container fetches and verifies the channel's newest version (not version
     0); the deleted pod's subscriber report is gone (its sidecar withdrew it on SIGTERM); training goes on."""
