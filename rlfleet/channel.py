@@ -15,8 +15,11 @@ Guarantees (see docs/weights.md for the argument):
 - A version's bytes are durable before its manifest is written, and the manifest before the pointer
   names it: the pointer never names partial bytes. A publisher killed at any point leaves the pointer
   unchanged; its half-written `v{N}/` is garbage that `retain` removes.
-- One publisher per version number (`claims/v{N}` is created exclusively), so a version is never a
-  mix of two publishers' bytes.
+- One publisher per version number (`claims/v{N}` is created exclusively, holding the publisher's id), so
+  a version is never a mix of two publishers' bytes. A publisher with a stable id (the cluster trainer:
+  its job's namespace/name) that finds its OWN claim on a version above the pointer (an earlier
+  incarnation was killed between claim and pointer: SIGKILL, OOM, a full store) clears that version's
+  partial bytes and publishes it again instead of failing for good.
 - The pointer only moves forward (compare-and-swap that refuses a lower or equal version), so two
   racing publishers never make readers see a lower version.
 - `retain` deletes old versions but never the latest, an in-flight (higher) one, or any version a
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -52,6 +56,8 @@ from rlfleet.store import (
     StoreError,
     hash_file,
 )
+
+log = logging.getLogger(__name__)
 
 MANIFEST_FORMAT = "rlfleet.weights/v2"
 """v2: file entries are {"digest": "<algorithm>:<hex>", "bytes": N} (v1 had a bare "sha256")."""
@@ -340,8 +346,9 @@ class WeightChannel:
         if version is not None:
             if version <= current:
                 raise VersionConflictError(f"version {version} is not above the published version {current}")
-            if not self.store.create(f"claims/{_version_key(version)}", self.publisher_id.encode()):
-                raise VersionConflictError(f"version {version} is already claimed by another publisher")
+            claim = f"claims/{_version_key(version)}"
+            if not self.store.create(claim, self.publisher_id.encode()):
+                self._reclaim(claim, version)
             return version
         claimed = [int(m.group(1)) for k in self.store.list("claims/") if (m := _CLAIM_KEY.match(k))]
         candidate = max([current, *claimed]) + 1
@@ -350,6 +357,24 @@ class WeightChannel:
                 return candidate
             candidate += 1
         raise ChannelError("could not claim a version number after 1000 attempts")
+
+    def _reclaim(self, claim: str, version: int) -> None:
+        """`version` is claimed and above the pointer: ours from an interrupted publish (its bytes were
+        never named by the pointer) -> clear them and publish again; anyone else's -> VersionConflictError."""
+        try:
+            holder = self.store.get(claim).decode(errors="replace")
+        except StoreError:
+            holder = "?"
+        if holder != self.publisher_id:
+            raise VersionConflictError(
+                f"version {version} is already claimed by publisher {holder!r} (this is {self.publisher_id!r}): "
+                "another trainer publishes to this channel"
+            )
+        partial = self.store.list(f"{_version_key(version)}/")
+        for key in partial:
+            self.store.delete(key)
+        log.warning("version %d: taking over this publisher's own claim of an interrupted publish "
+                    "(%d partial files removed)", version, len(partial))  # fmt: skip
 
     def publish(
         self,

@@ -142,8 +142,11 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         return 0
 
     store = store_from_spec(job.spec.weight_channel.store)
+    # one publisher id per job, the same across pod restarts: a restarted trainer takes over its own claim
+    # of a publish that was interrupted (killed, a full store) instead of failing on it (rlfleet/channel.py)
     publisher = WeightPublisher(store, views=rc.views, keep_versions=job.spec.weight_channel.retention.keep_versions,
-                                base_checkpoint=base.base_checkpoint)
+                                base_checkpoint=base.base_checkpoint,
+                                publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}")  # fmt: skip
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
     state = ckpt.load_latest(checkpoints)
     exporter = PrometheusExporter(port=args.metrics_port, addr="0.0.0.0")  # metrics only, no control surface

@@ -295,7 +295,8 @@ def run_local(
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     store = open_store(str(channel_dir.resolve()))
     publisher = WeightPublisher(store, views=rc.views, keep_versions=4, follow_subscribers=False,
-                                base_checkpoint=base.base_checkpoint)
+                                base_checkpoint=base.base_checkpoint,
+                                publisher_id=f"local/{rc.job_name}")  # stable: --resume takes over its own claims
 
     admin_token = secrets.token_hex(16)
     spec = FleetSpec(

@@ -199,6 +199,22 @@ def test_explicit_versions_must_increase(tmp_path: Path) -> None:
     assert pointer is not None and pointer.version == 6
 
 
+def test_a_publisher_takes_over_only_its_own_claim_above_the_pointer(any_store: Store, tmp_path: Path) -> None:
+    """An interrupted publish left claims/v4 and partial bytes: the same publisher id publishes v4 again
+    (stale files removed); another id is refused naming the holder; a claim at or below the pointer is
+    never taken over."""
+    view = {"bf16": make_view(tmp_path / "bf16", "bf16", "x")}
+    WeightChannel(any_store, publisher_id="job-a").publish(view, version=3)
+    any_store.create("claims/v4", b"job-a")
+    any_store.put("v4/bf16/old.safetensors", b"partial")
+    with pytest.raises(VersionConflictError, match="claimed by publisher 'job-a'"):
+        WeightChannel(any_store, publisher_id="job-b").publish(view, version=4)
+    assert WeightChannel(any_store, publisher_id="job-a").publish(view, version=4).version == 4
+    assert "v4/bf16/old.safetensors" not in any_store.list("v4/")
+    with pytest.raises(VersionConflictError, match="not above the published version 4"):
+        WeightChannel(any_store, publisher_id="job-a").publish(view, version=4)
+
+
 def test_publish_rejects_bad_input(tmp_path: Path) -> None:
     channel = WeightChannel(FilesystemStore(tmp_path / "s", create=True))
     with pytest.raises(ValueError):

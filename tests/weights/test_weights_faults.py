@@ -174,3 +174,44 @@ def test_publishers_racing_from_two_processes(tmp_path: Path, tiny_qwen3_dir: Pa
     b_file = {v: store.get(f"v{v}/bf16/model.safetensors") for v in published["B"]}
     assert len(set(a_file.values())) == 1 and len(set(b_file.values())) == 1
     assert set(a_file.values()) != set(b_file.values())
+
+
+def test_a_restarted_trainer_takes_over_its_own_claim_of_an_interrupted_publish(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """The trainer publishes version N (its step) after checkpointing step N; killed between the claim and
+    the pointer, the restarted trainer (the same job: the same publisher id) publishes version N again. It
+    takes over its own claim and clears the partial bytes; another publisher's claim still refuses it."""
+    from rlfleet.channel import VersionConflictError
+
+    store_dir = tmp_path / "store"
+    store = FilesystemStore(store_dir, create=True)
+    channel = WeightChannel(store)
+    trainer_id = "trainer/ns/job"  # trainer/entrypoint.py: one id per job, the same across restarts
+    WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
+                    publisher_id=trainer_id).publish(tiny_state(0), version=0)  # fmt: skip
+    proc = spawn_publisher(store_dir, 1.0, 1, trainer_id, 1, tiny_qwen3_dir, views="bf16")  # claims v1
+    try:
+        deadline = time.monotonic() + 60
+        while not store.list("v1/") and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert store.get("claims/v1") == trainer_id.encode() and "v1/manifest.json" not in store.list("v1/")
+    # a partial file the new publish will not write: it must not survive into the published version
+    store.put("v1/bf16/stale.bin", b"left by the killed publisher")
+    # another trainer on the same channel is refused, naming the holder
+    with pytest.raises(VersionConflictError, match="claimed by publisher 'trainer/ns/job'"):
+        WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
+                        publisher_id="trainer/ns/other").publish(tiny_state(2), version=1)  # fmt: skip
+    restarted = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
+                                publisher_id=trainer_id)  # fmt: skip
+    result = restarted.publish(tiny_state(2), version=1)
+    assert (result.version, result.advanced) == (1, True)
+    manifest = channel.manifest(1)
+    listed = {f"v1/bf16/{rel}" for rel in manifest.views["bf16"].files}
+    assert set(store.list("v1/")) == listed | {"v1/manifest.json"}  # nothing of the killed publish left
+    channel.download_view(1, "bf16", tmp_path / "dl")  # every file verifies
