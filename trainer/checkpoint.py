@@ -8,8 +8,12 @@ buffered rollouts would train on samples from weights older than the resumed tra
 on a restart that already costs a fresh rollout pipeline.)
 
 Files: `<dir>/ckpt-<step:08d>.pt` written to a temp name, fsynced, renamed; then `<dir>/latest`
-(a text file naming the checkpoint) is replaced atomically. A crash mid-write leaves the previous
-checkpoint as `latest`.
+is replaced atomically: JSON naming the kept checkpoints, newest last, each with its digest and size
+(`{"checkpoints": [{"name": ..., "digest": "blake3:<hex>", "bytes": N}, ...]}`). A crash mid-write
+leaves the previous checkpoint as `latest`. A resume verifies the newest checkpoint's bytes against
+its digest before unpickling them; a checkpoint that is missing, truncated, bit-flipped or unreadable
+is skipped with a warning for the previous one (`keep` >= 2 keeps one), and only when none loads does
+the resume fail, naming why each was refused. A `latest` of older runs (a bare name) loads unverified.
 
 On a cluster checkpoints live next to the weight channel: `<channel path>/checkpoints/` on a
 filesystem store, and the keys `checkpoints/ckpt-<step>.pt` + `checkpoints/latest` under the channel's
@@ -19,14 +23,19 @@ prefix on an S3 store (pass the channel's `Store` instead of a directory; the ch
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlfleet.store import KeyNotFoundError, Store
+from rlfleet.store import FileDigest, KeyNotFoundError, Store, StoreError, hash_file
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
 STORE_PREFIX = "checkpoints/"
@@ -81,31 +90,101 @@ def _atomic_write_bytes(path: Path, write) -> None:
     _fsync_dir(path.parent)
 
 
+class CheckpointError(RuntimeError):
+    """No kept checkpoint could be loaded (each one's reason in the message)."""
+
+
+def _entry(name: str, digest: FileDigest) -> dict[str, Any]:
+    return {"name": name, "digest": f"{digest.algorithm}:{digest.hexdigest}", "bytes": digest.bytes}
+
+
+def _latest_bytes(entries: list[dict[str, Any]]) -> bytes:
+    return json.dumps({"checkpoints": entries}, indent=1).encode()
+
+
+def _parse_latest(text: str) -> list[dict[str, Any]]:
+    """The kept checkpoints `latest` names, newest first (a bare name: a run before digests)."""
+    text = text.strip()
+    if not text.startswith("{"):
+        return [{"name": text}] if text else []
+    try:
+        return list(reversed(json.loads(text).get("checkpoints") or []))
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise CheckpointError(f"the checkpoint list `{LATEST}` is not readable ({e}): {text[:200]!r}") from None
+
+
+def _verified(path: Path, entry: dict[str, Any]) -> None:
+    """Refuse bytes that differ from what the writer recorded (truncated, bit-flipped)."""
+    if "digest" not in entry:
+        return
+    algorithm, _, expected = str(entry["digest"]).partition(":")
+    found = hash_file(path, algorithm)
+    if found.bytes != entry.get("bytes") or found.hexdigest != expected:
+        raise CheckpointError(f"{found} != the recorded {entry['digest'][:19]}.. ({entry.get('bytes')} B)")
+
+
+def _load_first_good(entries: list[dict[str, Any]], fetch: Callable[[str, Path], None], where: str) -> dict[str, Any]:
+    """The newest of `entries` whose bytes verify and unpickle (`fetch(name, path)` brings one to `path`)."""
+    refused = []
+    with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-") as tmp:
+        for entry in entries:
+            path = Path(tmp) / str(entry["name"])
+            try:
+                fetch(str(entry["name"]), path)
+                _verified(path, entry)
+                # the channel's store is the trainer's own (docs/weights.md); its bytes were verified above
+                state = torch.load(path, map_location="cpu", weights_only=False)
+            except (CheckpointError, OSError, StoreError, RuntimeError, EOFError, ValueError) as e:
+                refused.append(f"{entry['name']}: {e}")
+                log.warning("checkpoint %s in %s not loaded (%s); trying the previous one", entry["name"], where, e)
+                continue
+            finally:
+                path.unlink(missing_ok=True)  # streamed to disk, not held twice (optimizer state is large)
+            if refused:
+                log.warning("resuming from %s: the newer checkpoints were refused", entry["name"])
+            return state
+    raise CheckpointError(f"no checkpoint in {where} could be loaded: " + "; ".join(refused))
+
+
 def _save_to_store(store: Store, state: dict[str, Any], keep: int) -> Path:
     name = f"ckpt-{int(state['step']):08d}.pt"
     with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-", dir=store.staging_dir()) as tmp:
         path = Path(tmp) / name
         _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
-        store.put_file(STORE_PREFIX + name, path, move=True)  # durable before `latest` names it
-    store.put(STORE_PREFIX + LATEST, name.encode())
-    old = sorted(k for k in store.list(STORE_PREFIX + "ckpt-") if k.endswith(".pt"))
-    for key in old[:-keep] if keep > 0 else []:
-        store.delete(key)
+        digest = store.put_file(STORE_PREFIX + name, path, move=True)  # durable before `latest` names it
+    try:
+        previous = _parse_latest(store.get(STORE_PREFIX + LATEST).decode())
+    except KeyNotFoundError:
+        previous = []
+    entries = _kept(previous, _entry(name, digest), keep)
+    store.put(STORE_PREFIX + LATEST, _latest_bytes(entries))
+    kept = {e["name"] for e in entries}
+    for key in store.list(STORE_PREFIX + "ckpt-"):
+        if key.endswith(".pt") and key.removeprefix(STORE_PREFIX) not in kept:
+            store.delete(key)
     return Path(name)
+
+
+def _kept(previous_newest_first: list[dict[str, Any]], new: dict[str, Any], keep: int) -> list[dict[str, Any]]:
+    """`latest`'s entries after a save, oldest first: the new one and up to keep - 1 older ones."""
+    older = [e for e in previous_newest_first if e.get("name") != new["name"] and "digest" in e]
+    kept = [new, *older[: max(keep, 1) - 1]]
+    return list(reversed(kept))
 
 
 def _load_from_store(store: Store) -> dict[str, Any] | None:
     try:
-        name = store.get(STORE_PREFIX + LATEST).decode().strip()
+        entries = _parse_latest(store.get(STORE_PREFIX + LATEST).decode())
     except KeyNotFoundError:
         return None
-    with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-", dir=store.staging_dir()) as tmp:
-        path = Path(tmp) / name  # streamed to disk, not held in memory twice (optimizer state is large)
+
+    def fetch(name: str, path: Path) -> None:
         try:
             store.get_file(STORE_PREFIX + name, path)
         except KeyNotFoundError as e:
-            raise FileNotFoundError(f"checkpoint pointer names {name}, which is missing in {store.uri}") from e
-        return torch.load(path, map_location="cpu", weights_only=False)
+            raise FileNotFoundError(f"missing in {store.uri}") from e
+
+    return _load_first_good(entries, fetch, store.uri)
 
 
 def save_checkpoint(directory: str | Path | Store, state: dict[str, Any], keep: int = 2) -> Path:
@@ -118,22 +197,30 @@ def save_checkpoint(directory: str | Path | Store, state: dict[str, Any], keep: 
     step = int(state["step"])
     path = directory / f"ckpt-{step:08d}.pt"
     _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
-    _atomic_write_bytes(directory / LATEST, lambda fh: fh.write(path.name.encode()))
-    old = sorted(directory.glob("ckpt-*.pt"))[:-keep] if keep > 0 else []
-    for p in old:
-        p.unlink(missing_ok=True)
+    pointer = directory / LATEST
+    previous = _parse_latest(pointer.read_text()) if pointer.is_file() else []
+    entries = _kept(previous, _entry(path.name, hash_file(path)), keep)
+    _atomic_write_bytes(pointer, lambda fh: fh.write(_latest_bytes(entries)))
+    kept = {e["name"] for e in entries}
+    for p in directory.glob("ckpt-*.pt"):
+        if p.name not in kept:
+            p.unlink(missing_ok=True)
     return path
 
 
 def load_latest(directory: str | Path | Store) -> dict[str, Any] | None:
-    """The state of the checkpoint `latest` names, or None if there is none."""
+    """The state of the newest kept checkpoint that verifies and loads (None if there is none)."""
     if isinstance(directory, Store):
         return _load_from_store(directory)
     directory = Path(directory)
     pointer = directory / LATEST
     if not pointer.is_file():
         return None
-    path = directory / pointer.read_text().strip()
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint pointer names {path.name}, which is missing")
-    return torch.load(path, map_location="cpu", weights_only=False)
+
+    def fetch(name: str, path: Path) -> None:
+        source = directory / name
+        if not source.is_file():
+            raise FileNotFoundError("missing")
+        path.symlink_to(source.resolve())
+
+    return _load_first_good(_parse_latest(pointer.read_text()), fetch, str(directory))

@@ -148,7 +148,10 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
                                 base_checkpoint=base.base_checkpoint,
                                 publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}")  # fmt: skip
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
-    state = ckpt.load_latest(checkpoints)
+    try:
+        state = ckpt.load_latest(checkpoints)
+    except ckpt.CheckpointError as exc:  # every kept checkpoint refused: one line, the pod's termination message
+        return fail(f"cannot resume: {exc}", 1)
     exporter = PrometheusExporter(port=args.metrics_port, addr="0.0.0.0")  # metrics only, no control surface
     _serve_if_finished_else_resume(state, rc.steps, backend, store, exporter)
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)

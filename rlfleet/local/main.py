@@ -217,7 +217,10 @@ def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[
         raise LocalRunError(f"--out {out} is a file, not a directory")
     ckpt_dir = out / "checkpoints"
     if resume:
-        state = ckpt.load_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+        try:
+            state = ckpt.load_latest(ckpt_dir) if ckpt_dir.is_dir() else None
+        except ckpt.CheckpointError as exc:
+            raise LocalRunError(f"cannot resume {out}: {exc}") from None
         if state is None:
             raise LocalRunError(f"nothing to resume in {out} (no checkpoint); run without --resume to start")
         step = int(state["step"])

@@ -119,6 +119,11 @@ def test_cli_never_replaces_a_run_without_force(tmp_path, capsys):
     assert "is complete (step 5 of 5)" in err and "--steps N with N > 5 continues it" in err
     err = _one_line_error(capsys, [str(EXAMPLE), "--local", "--out", str(out), "--resume", "--steps", "3"])
     assert "is at step 5, past --steps 3; --steps N with N > 5 continues it" in err
+    # its only checkpoint damaged: one line naming why, no traceback
+    newest = out / "checkpoints" / "ckpt-00000005.pt"
+    newest.write_bytes(newest.read_bytes()[:-1])
+    err = _one_line_error(capsys, [str(EXAMPLE), "--local", "--out", str(out), "--resume", "--steps", "9"])
+    assert f"cannot resume {out}: no checkpoint in {out / 'checkpoints'} could be loaded: ckpt-00000005.pt: blake3:" in err
 
 
 def test_resume_command_names_the_program_as_started(tmp_path, monkeypatch):

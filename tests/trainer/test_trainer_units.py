@@ -379,6 +379,67 @@ def test_a_full_volume_fails_a_checkpoint_with_enospc_and_leaves_the_last_one_na
     assert checkpoint.load_latest(tmp_path)["step"] == 1
 
 
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "truncated", "missing", "not a checkpoint"])
+def test_a_damaged_newest_checkpoint_is_refused_and_the_previous_one_resumes(tmp_path, damage, caplog):
+    """`latest` records each kept checkpoint's digest: the newest's bytes are verified before they are
+    unpickled, and a damaged one is skipped (with a warning naming why) for the previous one."""
+    for step in (1, 2):
+        checkpoint.save_checkpoint(tmp_path, {"step": step, "w": torch.full((2,), float(step))})
+    newest = tmp_path / "ckpt-00000002.pt"
+    if damage == "bit flip":
+        _flip_last_byte(newest)
+    elif damage == "truncated":
+        newest.write_bytes(newest.read_bytes()[:100])
+    elif damage == "missing":
+        newest.unlink()
+    else:  # the right size and digest of other bytes cannot be faked by accident: a foreign file
+        newest.write_bytes(b"x" * newest.stat().st_size)
+    with caplog.at_level("WARNING", logger="rlfleet.trainer.checkpoint"):
+        state = checkpoint.load_latest(tmp_path)
+    assert state["step"] == 1 and state["w"].tolist() == [1.0, 1.0]
+    assert any("ckpt-00000002.pt" in r.getMessage() and "not loaded" in r.getMessage() for r in caplog.records)
+
+
+def test_no_loadable_checkpoint_fails_naming_each_reason(tmp_path):
+    for step in (1, 2):
+        checkpoint.save_checkpoint(tmp_path, {"step": step, "w": torch.zeros(2)})
+    _flip_last_byte(tmp_path / "ckpt-00000002.pt")
+    (tmp_path / "ckpt-00000001.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointError) as failed:
+        checkpoint.load_latest(tmp_path)
+    message = str(failed.value)
+    assert "ckpt-00000002.pt: blake3:" in message and "ckpt-00000001.pt: missing" in message
+    (tmp_path / "latest").write_text("{not json")
+    with pytest.raises(checkpoint.CheckpointError, match="is not readable"):
+        checkpoint.load_latest(tmp_path)
+
+
+def test_a_latest_of_a_run_before_digests_still_resumes_and_the_next_save_records_digests(tmp_path):
+    torch.save({"step": 4, "w": torch.ones(2)}, tmp_path / "ckpt-00000004.pt")
+    (tmp_path / "latest").write_text("ckpt-00000004.pt")  # what earlier versions wrote
+    assert checkpoint.load_latest(tmp_path)["step"] == 4
+    checkpoint.save_checkpoint(tmp_path, {"step": 5, "w": torch.ones(2)})
+    entries = json.loads((tmp_path / "latest").read_text())["checkpoints"]
+    assert [e["name"] for e in entries] == ["ckpt-00000005.pt"] and entries[0]["digest"].startswith("blake3:")
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-00000005.pt"]
+
+
+def test_a_damaged_checkpoint_on_a_store_falls_back_too(tmp_path):
+    from rlfleet.store import FilesystemStore
+
+    store = FilesystemStore(tmp_path / "channel", create=True)
+    for step in (1, 2):
+        checkpoint.save_checkpoint(store, {"step": step, "w": torch.full((2,), float(step))})
+    _flip_last_byte(tmp_path / "channel" / "checkpoints" / "ckpt-00000002.pt")
+    assert checkpoint.load_latest(store)["step"] == 1
+
+
 def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
     """The same on the REAL S3-compatible server of the weight tests (moto_server, started with
     tests/weights/conftest.py's helpers): keys under the channel's prefix, next to its versions."""
@@ -402,8 +463,8 @@ def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
         for step in (1, 2):
             checkpoint.save_checkpoint(store, {"step": step, "w": torch.full((3,), float(step))}, keep=1)
         assert store.list("checkpoints/") == ["checkpoints/ckpt-00000002.pt", "checkpoints/latest"]
-        assert store.client.get_object(Bucket=store.bucket, Key="jobs/a/channel/checkpoints/latest")["Body"].read() \
-            == b"ckpt-00000002.pt"
+        latest = store.client.get_object(Bucket=store.bucket, Key="jobs/a/channel/checkpoints/latest")["Body"].read()
+        assert [e["name"] for e in json.loads(latest)["checkpoints"]] == ["ckpt-00000002.pt"]
         assert checkpoint.load_latest(store)["w"].tolist() == [2.0, 2.0, 2.0]
         store.close()
     finally:
