@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.store import FileDigest, KeyNotFoundError, Store, StoreError, hash_file
+from rlfleet.store import FILE_DIGEST, FileDigest, KeyNotFoundError, Store, StoreError, hash_file, new_hasher
 
 log = logging.getLogger(__name__)
 
@@ -49,32 +49,44 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class _WriteErrors:
-    """A file's `write`, remembering the OSError it raised: torch.save's C++ writer turns a failed write
-    (a full volume: ENOSPC) into its own RuntimeError ("enforce fail ... unexpected pos"), losing why."""
+class _HashingWriter:
+    """A file's `write` that hashes the bytes as they pass (the checkpoint's digest without reading the
+    file back: optimizer state is large) and remembers the OSError it raised: torch.save's C++ writer
+    turns a failed write (a full volume: ENOSPC) into its own RuntimeError ("enforce fail ... unexpected
+    pos"), losing why."""
 
     def __init__(self, fh: Any) -> None:
         self.fh = fh
         self.error: OSError | None = None
+        self.hasher = new_hasher(FILE_DIGEST)
+        self.size = 0
 
     def write(self, data: Any) -> int:
         try:
-            return self.fh.write(data)
+            written = self.fh.write(data)
         except OSError as e:
             self.error = e
             raise
+        view = memoryview(data).cast("B")[:written]
+        self.hasher.update(view)
+        self.size += len(view)
+        return written
 
     def flush(self) -> None:
         self.fh.flush()
 
+    def digest(self) -> FileDigest:
+        return FileDigest(FILE_DIGEST, self.hasher.hexdigest(), self.size)
 
-def _atomic_write_bytes(path: Path, write) -> None:
+
+def _atomic_write_bytes(path: Path, write: Callable[[Any], object]) -> FileDigest:  # a file-like writer
     """`write(fh)` into `<path>.tmp`, fsync, then rename onto `path`: a reader never sees partial bytes;
-    on failure the temporary file is removed and a failed write's OSError is what is raised."""
+    on failure the temporary file is removed and a failed write's OSError is what is raised. Returns the
+    digest and size of the bytes written."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as fh:
-            writer = _WriteErrors(fh)
+            writer = _HashingWriter(fh)
             try:
                 write(writer)
                 fh.flush()
@@ -88,6 +100,7 @@ def _atomic_write_bytes(path: Path, write) -> None:
         raise
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+    return writer.digest()
 
 
 class CheckpointError(RuntimeError):
@@ -123,10 +136,13 @@ def _verified(path: Path, entry: dict[str, Any]) -> None:
         raise CheckpointError(f"{found} != the recorded {entry['digest'][:19]}.. ({entry.get('bytes')} B)")
 
 
-def _load_first_good(entries: list[dict[str, Any]], fetch: Callable[[str, Path], None], where: str) -> dict[str, Any]:
-    """The newest of `entries` whose bytes verify and unpickle (`fetch(name, path)` brings one to `path`)."""
+def _load_first_good(
+    entries: list[dict[str, Any]], fetch: Callable[[str, Path], None], where: str, staging: Path | None = None
+) -> dict[str, Any]:
+    """The newest of `entries` whose bytes verify and unpickle (`fetch(name, path)` brings one to `path`,
+    under `staging`: a store's staging directory, as large as its checkpoints)."""
     refused = []
-    with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-", dir=staging) as tmp:
         for entry in entries:
             path = Path(tmp) / str(entry["name"])
             try:
@@ -150,26 +166,26 @@ def _save_to_store(store: Store, state: dict[str, Any], keep: int) -> Path:
     name = f"ckpt-{int(state['step']):08d}.pt"
     with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-", dir=store.staging_dir()) as tmp:
         path = Path(tmp) / name
-        _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
-        digest = store.put_file(STORE_PREFIX + name, path, move=True)  # durable before `latest` names it
+        digest = _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
+        store.put_file(STORE_PREFIX + name, path, move=True, digest=digest)  # durable before `latest` names it
     try:
-        previous = _parse_latest(store.get(STORE_PREFIX + LATEST).decode())
+        previous: str | None = store.get(STORE_PREFIX + LATEST).decode()
     except KeyNotFoundError:
-        previous = []
-    entries = _kept(previous, _entry(name, digest), keep)
-    store.put(STORE_PREFIX + LATEST, _latest_bytes(entries))
-    kept = {e["name"] for e in entries}
+        previous = None
+    latest, kept = _next_latest(previous, name, digest, keep)
+    store.put(STORE_PREFIX + LATEST, latest)
     for key in store.list(STORE_PREFIX + "ckpt-"):
         if key.endswith(".pt") and key.removeprefix(STORE_PREFIX) not in kept:
             store.delete(key)
     return Path(name)
 
 
-def _kept(previous_newest_first: list[dict[str, Any]], new: dict[str, Any], keep: int) -> list[dict[str, Any]]:
-    """`latest`'s entries after a save, oldest first: the new one and up to keep - 1 older ones."""
-    older = [e for e in previous_newest_first if e.get("name") != new["name"] and "digest" in e]
-    kept = [new, *older[: max(keep, 1) - 1]]
-    return list(reversed(kept))
+def _next_latest(previous: str | None, name: str, digest: FileDigest, keep: int) -> tuple[bytes, set[str]]:
+    """`latest` after saving checkpoint `name` (its bytes), and the names it keeps: the new one and up to
+    keep - 1 older ones that have a digest (the rest, and a bare-name `latest`'s one, are deleted)."""
+    older = [e for e in _parse_latest(previous or "") if e.get("name") != name and "digest" in e]
+    kept = [_entry(name, digest), *older[: max(keep, 1) - 1]]
+    return _latest_bytes(list(reversed(kept))), {e["name"] for e in kept}
 
 
 def _load_from_store(store: Store) -> dict[str, Any] | None:
@@ -184,7 +200,7 @@ def _load_from_store(store: Store) -> dict[str, Any] | None:
         except KeyNotFoundError as e:
             raise FileNotFoundError(f"missing in {store.uri}") from e
 
-    return _load_first_good(entries, fetch, store.uri)
+    return _load_first_good(entries, fetch, store.uri, store.staging_dir())
 
 
 def save_checkpoint(directory: str | Path | Store, state: dict[str, Any], keep: int = 2) -> Path:
@@ -196,12 +212,10 @@ def save_checkpoint(directory: str | Path | Store, state: dict[str, Any], keep: 
     directory.mkdir(parents=True, exist_ok=True)
     step = int(state["step"])
     path = directory / f"ckpt-{step:08d}.pt"
-    _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
+    digest = _atomic_write_bytes(path, lambda fh: torch.save(state, fh))
     pointer = directory / LATEST
-    previous = _parse_latest(pointer.read_text()) if pointer.is_file() else []
-    entries = _kept(previous, _entry(path.name, hash_file(path)), keep)
-    _atomic_write_bytes(pointer, lambda fh: fh.write(_latest_bytes(entries)))
-    kept = {e["name"] for e in entries}
+    latest, kept = _next_latest(pointer.read_text() if pointer.is_file() else None, path.name, digest, keep)
+    _atomic_write_bytes(pointer, lambda fh: fh.write(latest))
     for p in directory.glob("ckpt-*.pt"):
         if p.name not in kept:
             p.unlink(missing_ok=True)
