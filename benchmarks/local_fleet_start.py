@@ -83,7 +83,7 @@ def one_run(work: Path, versions: int, pythonpath: str | None, sizes: dict[str, 
     torch.set_num_threads(1)
     rc = resolve_run(load_rljob(REPO / "examples" / "rljob.yaml"))
     assert rc.model is not None  # resolve_run(local=True): the RLJob's tiny model
-    spec_model = replace(rc.model, **sizes)
+    spec_model = replace(rc.model, warm_start="none", **sizes)  # the fleet's start does not depend on the weights
     model_dir = cached_tiny_qwen3(work.parent / "models", spec_model)
     channel, cache = work / "channel", work / "cache"
     channel.mkdir(parents=True)

@@ -1,24 +1,27 @@
-"""Benchmark: time and peak memory of the corrected objective's forward + backward.
+"""Benchmark: time and peak memory of one forward + backward of the corrected objective, the fused
+lm_head (trainer/objective.py `policy_loss(hidden, weight, ...)`: logits made tile by tile, never
+[T, V]) against the path it replaced (the lm_head matmul materialising the logits [T, V], then the
+objective on them: tests/objective/materialized.py), in the same run.
 
 Every case runs in a FRESH subprocess (peak memory is a per-process high-water mark), on the same
-random logits [T, V] (float32 by default, seed 0), and reports:
+random final hidden states [T, H] and output embedding [V, H] (float32, seed 0; H = --hidden, the
+tiny Qwen3's 128 by default, V = Qwen3's 151,936), and reports:
 
-- time: forward + backward as a ratio to a plain token-level PG loss (log_softmax + gather) timed in
-  the SAME subprocess, interleaved with the case. Both CPU time of the process (user + sys, which
-  includes page faults; with one torch thread it is what the work costs, unaffected by neighbours
-  taking the wall clock on a shared machine) and wall time are recorded, each as the minimum over
-  --reps (interference only ever adds time);
-- memory: the Linux peak resident set (VmHWM) during the first forward + backward, minus the resident
-  set just before it (which already holds the logits): the extra memory the loss needs, including
-  the [T, V] gradient. The peak is reset with /proc/self/clear_refs first. This sees every torch CPU
-  allocation because large tensors are their own mmap'd pages, returned to the OS when freed.
+- time: forward + backward (gradients of both the hidden states and the weight) as a ratio to a
+  plain token-level PG loss on materialised logits (matmul, log_softmax, gather) timed in the SAME
+  subprocess, interleaved with the case. Both CPU time of the process (user + sys; with one torch
+  thread it is what the work costs, unaffected by neighbours on a shared machine) and wall time are
+  recorded, each the minimum over --reps;
+- memory: the Linux peak resident set (VmHWM) during the first forward + backward minus the resident
+  set just before it (which already holds the hidden states and the weight): the extra memory of the
+  step, including the weight's [V, H] gradient. The peak is reset with /proc/self/clear_refs first.
 
-Baselines: `pg_plain` (log_softmax + gather) and `sc_naive` (score centering with q scattered into a
-dense [T, V] tensor). Cases: the four modes with support replay (K = --support-k) and with a
-full-vocabulary head (K = --head-k).
+Cases: `pg_plain` (the baseline), `materialized/<mode>/<variant>` and `fused/<mode>/<variant>` for the
+four modes, support replay (K = --support-k) and a full-vocabulary head (K = --head-k). The table
+pairs each fused case with its materialised twin: fused / materialised time and extra peak.
 
-    .venv/bin/python benchmarks/objective.py                # T = 4096 if memory allows, else halved
-    .venv/bin/python benchmarks/objective.py --tokens 1024 --markdown
+    .venv/bin/python benchmarks/objective.py --tokens 2048 --markdown
+    .venv/bin/python benchmarks/objective.py --tokens 8192 --cases fused/sc_mis/head-full,materialized/sc_mis/head-full
 """
 
 from __future__ import annotations
@@ -32,12 +35,10 @@ import sys
 import time
 
 VOCAB = 151_936
-BASELINES = ("pg_plain", "sc_naive")
 MODES = ("pg", "mis", "sc", "sc_mis")
-CASES = (
-    BASELINES
-    + tuple(f"{mode}/support-replay" for mode in MODES)
-    + tuple(f"{mode}/head-full" for mode in MODES)
+VARIANTS = ("support-replay", "head-full")
+CASES = ("pg_plain",) + tuple(
+    f"{path}/{mode}/{variant}" for variant in VARIANTS for mode in MODES for path in ("materialized", "fused")
 )
 
 
@@ -60,19 +61,21 @@ def _reset_peak() -> None:
 
 
 def _make_inputs(args, support: bool):
-    """Logits [T, V] and a TokenBatch whose candidates are the top-K of a perturbed copy of the logits
-    (a sampler slightly off the trainer), built in row chunks so setup never holds a second [T, V]."""
+    """Hidden states [T, H], the output embedding [V, H] and a TokenBatch whose candidates are the
+    top-K of a perturbed copy of the logits (a sampler slightly off the trainer), built in row chunks
+    so setup never holds [T, V]."""
     import torch
 
     from rlfleet.trainer.objective import TokenBatch
 
     torch.manual_seed(0)
     tokens, k = args.tokens, (args.support_k if support else args.head_k)
-    logits = torch.randn(tokens, args.vocab, dtype=getattr(torch, args.dtype)).mul_(2.0)
+    hidden = torch.randn(tokens, args.hidden)
+    weight = torch.randn(args.vocab, args.hidden).mul_(2.0 / args.hidden**0.5)
     cand_ids = torch.empty(tokens, k, dtype=torch.long)
     cand_logq = torch.empty(tokens, k, dtype=torch.float32)
     for start in range(0, tokens, 256):
-        rows = logits[start : start + 256].float()
+        rows = hidden[start : start + 256] @ weight.T
         top, ids = rows.topk(k, dim=1)
         noisy = top + 0.3 * torch.randn_like(top)
         # support: q renormalised on the support; head: q's head under the full-vocabulary normaliser
@@ -88,57 +91,51 @@ def _make_inputs(args, support: bool):
         candidate_logprobs=cand_logq,
         candidates_are_support=support,
     )
-    return logits, batch
+    return hidden, weight, batch
 
 
-def _pg_plain(logits, batch):
+def _pg_plain(hidden, weight, batch):
     import torch
 
-    log_p = torch.log_softmax(logits.float(), dim=-1)
+    log_p = torch.log_softmax(hidden @ weight.T, dim=-1)
     return -(batch.advantages * log_p.gather(1, batch.tokens[:, None])[:, 0]).mean()
 
 
-def _sc_naive(logits, batch):
-    """SC written the obvious way: q scattered into a dense [T, V], full log-softmax, centering sum."""
-    import torch
+def _loss_fn(case: str, args):
+    """The case's loss(hidden, weight, batch)."""
+    from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
-    log_p = torch.log_softmax(logits.float(), dim=-1)
-    q_dense = torch.zeros_like(log_p).scatter_(1, batch.candidate_ids, batch.candidate_logprobs.exp())
-    centering = (q_dense * log_p).sum(dim=1)
-    return -(batch.advantages * (log_p.gather(1, batch.tokens[:, None])[:, 0] - centering)).mean()
+    if case == "pg_plain":
+        return _pg_plain
+    path, mode, variant = case.split("/")
+    config = ObjectiveConfig(mode=mode, replay=variant == "support-replay", chunk_tokens=args.chunk_tokens,
+                             chunk_vocab=args.chunk_vocab)
+    if path == "fused":
+        return lambda h, w, b: policy_loss(h, w, b, config).loss
+    # the path the fused one replaced, kept as the tests' reference
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "objective"))
+    from materialized import materialized_policy_loss
+
+    return lambda h, w, b: materialized_policy_loss(h @ w.T, b, config).loss
 
 
 def run_case(args) -> dict:
     import torch
 
-    from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
-
     torch.set_num_threads(args.threads)
     case = args.case
-    support = case == "sc_naive" or case.endswith("support-replay") or case == "pg_plain"
-    logits, batch = _make_inputs(args, support=support)
-    if case == "pg_plain":
-        loss_fn = _pg_plain
-    elif case == "sc_naive":
-        loss_fn = _sc_naive
-    else:
-        mode, variant = case.split("/")
-        config = ObjectiveConfig(
-            mode=mode, replay=variant == "support-replay", chunk_tokens=args.chunk_tokens
-        )
-
-        def loss_fn(z, b):
-            return policy_loss(z, b, config).loss
-
-    logits.requires_grad_(True)
+    hidden, weight, batch = _make_inputs(args, support=case == "pg_plain" or case.endswith("support-replay"))
+    loss_fn = _loss_fn(case, args)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
 
     def step(fn) -> tuple[float, float]:
         """(CPU seconds, wall seconds) of one forward + backward."""
-        logits.grad = None
+        hidden.grad = weight.grad = None
         start_cpu, start_wall = time.process_time(), time.perf_counter()
-        fn(logits, batch).backward()
+        fn(hidden, weight, batch).backward()
         elapsed = time.process_time() - start_cpu, time.perf_counter() - start_wall
-        logits.grad = None
+        hidden.grad = weight.grad = None
         return elapsed
 
     rss_before_kib = _status_kib("VmRSS")
@@ -153,8 +150,9 @@ def run_case(args) -> dict:
         "case": case,
         "tokens": args.tokens,
         "vocab": args.vocab,
-        "dtype": args.dtype,
-        "logits_bytes": logits.numel() * logits.element_size(),
+        "hidden": args.hidden,
+        "logits_bytes": args.tokens * args.vocab * 4,
+        "weight_bytes": weight.numel() * weight.element_size(),
         "rss_before_bytes": rss_before_kib * 1024,
         "extra_peak_bytes": (peak_kib - rss_before_kib) * 1024,
         "cpu_s": min(cpu for cpu, _ in case_times),
@@ -179,11 +177,11 @@ def _mem_available_bytes() -> int:
 
 
 def _choose_tokens(args) -> int:
-    """The requested T, halved until the heaviest case (naive SC: about 7 [T, V] float32 tensors)
-    fits in half of the memory currently available (the machine is shared)."""
+    """The requested T, halved until the heaviest case (the plain PG baseline on materialised logits:
+    about 4 [T, V] float32 tensors) fits in half of the memory currently available (shared machine)."""
     tokens = args.tokens
     budget = _mem_available_bytes() // 2
-    while tokens > 64 and 7.5 * tokens * args.vocab * 4 > budget:
+    while tokens > 64 and 4.5 * tokens * args.vocab * 4 > budget:
         tokens //= 2
     return tokens
 
@@ -198,9 +196,9 @@ def _run_cases(cases: list[str], tokens: int, args: argparse.Namespace) -> dict[
     for case in cases:
         command = [
             sys.executable, os.path.abspath(__file__), "--case", case, "--tokens", str(tokens),
-            "--vocab", str(args.vocab), "--support-k", str(args.support_k), "--head-k", str(args.head_k),
-            "--reps", str(args.reps), "--threads", str(args.threads), "--chunk-tokens", str(args.chunk_tokens),
-            "--dtype", args.dtype,
+            "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--support-k", str(args.support_k),
+            "--head-k", str(args.head_k), "--reps", str(args.reps), "--threads", str(args.threads),
+            "--chunk-tokens", str(args.chunk_tokens), "--chunk-vocab", str(args.chunk_vocab),
         ]  # fmt: skip
         completed = subprocess.run(command, capture_output=True, text=True)
         if completed.returncode != 0:
@@ -228,24 +226,17 @@ def _print_table(header: list[str], rows: list[list[str]], markdown: bool) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--tokens", type=int, default=4096, help="T (halved automatically if memory is short)"
-    )
+    parser.add_argument("--tokens", type=int, default=2048, help="T (halved automatically if memory is short)")
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--hidden", type=int, default=128, help="H (the tiny Qwen3's; Qwen3-0.6B has 1024)")
     parser.add_argument("--support-k", type=int, default=64)
     parser.add_argument("--head-k", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads per case (the machine is shared)"
-    )
-    parser.add_argument("--chunk-tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument(
-        "--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES)
-    )
-    parser.add_argument(
-        "--no-shrink", action="store_true", help="run the requested T even if memory looks short"
-    )
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per case (the machine is shared)")
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--chunk-vocab", type=int, default=8192)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
+    parser.add_argument("--no-shrink", action="store_true", help="run the requested T even if memory looks short")
     parser.add_argument("--markdown", action="store_true", help="print the result table as markdown")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print JSON
     args = parser.parse_args(argv)
@@ -259,51 +250,39 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown case(s) {', '.join(unknown)}", file=sys.stderr)
         return 2
-    for baseline in BASELINES:  # ratios need both baselines
-        if baseline not in cases:
-            cases.insert(0, baseline)
+    if "pg_plain" not in cases:  # ratios need the baseline
+        cases.insert(0, "pg_plain")
     tokens = args.tokens if args.no_shrink else _choose_tokens(args)
     if tokens != args.tokens:
-        print(
-            f"note: T shrunk from {args.tokens} to {tokens} to fit half of MemAvailable ({_gib(_mem_available_bytes())} GiB)"
-        )
+        print(f"note: T shrunk from {args.tokens} to {tokens} to fit half of MemAvailable ({_gib(_mem_available_bytes())} GiB)")
     results = _run_cases(cases, tokens, args)
     if results is None:
         return 1
+    _print_results(results, tokens, args)
+    return 0
 
-    pg, naive = results["pg_plain"], results["sc_naive"]
-    naive_cpu_ratio = naive["cpu_s"] / naive["pg_plain_cpu_s"]
+
+def _print_results(results: dict[str, dict], tokens: int, args: argparse.Namespace) -> None:
+    pg = results["pg_plain"]
     rows = []
     for case, r in results.items():
-        cpu_vs_pg = r["cpu_s"] / r["pg_plain_cpu_s"]
-        rows.append(
-            [
-                case,
-                f"{r['cpu_s']:.2f}",
-                f"{cpu_vs_pg:.2f}x",
-                f"{r['wall_s'] / r['pg_plain_wall_s']:.2f}x",
-                f"{cpu_vs_pg / naive_cpu_ratio:.2f}x",
-                _gib(r["extra_peak_bytes"]),
-                f"{r['extra_peak_bytes'] / pg['extra_peak_bytes']:.2f}x",
-                f"{(r['rss_before_bytes'] + r['extra_peak_bytes']) / (pg['rss_before_bytes'] + pg['extra_peak_bytes']):.2f}x",
-                f"{naive['extra_peak_bytes'] / max(r['extra_peak_bytes'], 1):.2f}x",
-            ]
-        )
-    header = [
-        "case",
-        "CPU s",
-        "CPU / pg_plain",
-        "wall / pg_plain",
-        "CPU / sc_naive",
-        "extra peak GiB",
-        "extra / pg_plain",
-        "total peak / pg_plain",
-        "sc_naive extra / this",
-    ]
-    print(f"T={tokens} V={args.vocab} support K={args.support_k} head K={args.head_k} dtype={args.dtype} "
-          f"threads={args.threads} chunk={args.chunk_tokens} logits {_gib(pg['logits_bytes'])} GiB")  # fmt: skip
+        twin = results.get(case.replace("fused/", "materialized/")) if case.startswith("fused/") else None
+        rows.append([
+            case,
+            f"{r['cpu_s']:.2f}",
+            f"{r['cpu_s'] / r['pg_plain_cpu_s']:.2f}x",
+            f"{r['wall_s'] / r['pg_plain_wall_s']:.2f}x",
+            _gib(r["extra_peak_bytes"]),
+            f"{r['extra_peak_bytes'] / pg['extra_peak_bytes']:.2f}x",
+            f"{r['cpu_s'] / twin['cpu_s']:.2f}x" if twin else "",
+            f"{r['extra_peak_bytes'] / twin['extra_peak_bytes']:.2f}x" if twin else "",
+        ])  # fmt: skip
+    header = ["case", "CPU s", "CPU / pg_plain", "wall / pg_plain", "extra peak GiB", "extra / pg_plain",
+              "CPU fused / materialized", "extra fused / materialized"]  # fmt: skip
+    print(f"T={tokens} V={args.vocab} H={args.hidden} support K={args.support_k} head K={args.head_k} float32 "
+          f"threads={args.threads} tile={args.chunk_tokens}x{args.chunk_vocab} logits {_gib(pg['logits_bytes'])} GiB "
+          f"weight {_gib(pg['weight_bytes'])} GiB")  # fmt: skip
     _print_table(header, rows, args.markdown)
-    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,18 @@ requests, each with its own session id; added = router percentile - direct perce
 seconds the router process consumed (from /proc), so it holds even when the load generator, not the
 router, is the bottleneck. Everything is compared in the same run; the machine is shared, so read
 ratios, not absolutes. Also: reading/annotating a 1 MB response on its bytes vs json decode+encode.
+
+    .venv/bin/python benchmarks/router.py --bounds [--big-posts 4] [--big-mb 200] [--legit-posts 200]
+        [--slow-connections 2000]
+
+Bounds (issue 32; docs/router.md, "Bounds"): the same router process started twice per scenario, once
+with the bounds as they were before (`maxBodyBytes` 256 MiB, no body budget, aiohttp's 3,630 s
+keep-alive as the only header deadline) and once with the defaults, in the same run: peak RSS (VmHWM)
+and RSS after, for `--big-posts` concurrent posts of `--big-mb` MB, for `--legit-posts` concurrent
+posts of the largest legitimate body (maxBodyBytes) to an upstream that answers after 1 s, and the
+router's open file descriptors `headerTimeoutSeconds` + 2 s after `--slow-connections` connections
+each sent half a request header, under an open-file limit of `--fd-limit` (1,024), and whether a normal
+request is answered then.
 """
 
 from __future__ import annotations
@@ -55,11 +67,12 @@ def response_body(n_tokens: int = OUTPUT_TOKENS, top: int = 0) -> bytes:
 
 class _UpstreamProtocol(asyncio.Protocol):
     generate = b""
+    delay = 0.0  # seconds before each answer (--upstream-delay)
     model_info = json.dumps({"model_path": "bench", "weight_version": "12", "is_generation": True}).encode()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.buffer = b""
+        self.buffer = bytearray()
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -67,7 +80,7 @@ class _UpstreamProtocol(asyncio.Protocol):
             head_end = self.buffer.find(b"\r\n\r\n")
             if head_end < 0:
                 return
-            head = self.buffer[:head_end].decode("latin-1")
+            head = bytes(self.buffer[:head_end]).decode("latin-1")
             length = 0
             for line in head.split("\r\n")[1:]:
                 name, _, value = line.partition(":")
@@ -75,7 +88,7 @@ class _UpstreamProtocol(asyncio.Protocol):
                     length = int(value)
             if len(self.buffer) < head_end + 4 + length:
                 return
-            self.buffer = self.buffer[head_end + 4 + length :]
+            del self.buffer[: head_end + 4 + length]
             method, path = head.split(" ", 2)[:2]
             if method == "POST":
                 body = self.generate
@@ -83,16 +96,25 @@ class _UpstreamProtocol(asyncio.Protocol):
                 body = self.model_info
             else:
                 body = b"{}"
-            self.transport.write(
+            answer = (
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                 + str(len(body)).encode()
                 + b"\r\n\r\n"
                 + body
             )
+            if self.delay:
+                asyncio.get_running_loop().call_later(self.delay, self._answer, answer)
+            else:
+                self.transport.write(answer)
+
+    def _answer(self, answer: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(answer)
 
 
-async def _serve_upstream(port_file: str) -> None:
+async def _serve_upstream(port_file: str, delay: float = 0.0) -> None:
     _UpstreamProtocol.generate = response_body()
+    _UpstreamProtocol.delay = delay
     loop = asyncio.get_running_loop()
     servers = [await loop.create_server(_UpstreamProtocol, "127.0.0.1", 0, backlog=1024) for _ in range(N_PORTS)]
     ports = [s.sockets[0].getsockname()[1] for s in servers]
@@ -133,11 +155,11 @@ PIN = True
 
 
 class Proc:
-    def __init__(self, argv: list[str], cpu: int, env: dict[str, str] | None = None) -> None:
+    def __init__(self, argv: list[str], cpu: int, env: dict[str, str] | None = None, stderr: int = subprocess.PIPE) -> None:
         self.process = subprocess.Popen(
             (["taskset", "-c", str(cpu)] if PIN else []) + argv,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=stderr,
             env={**os.environ, **(env or {})},
         )
 
@@ -307,6 +329,129 @@ def _start_smg(smg: str | None, urls: list[str], procs: list[Proc]) -> list[tupl
     return []
 
 
+# --- bounds (issue 32) ---------------------------------------------------------------------------
+
+MIB = 1024 * 1024
+# The router's bounds before issue 32, in its config's terms: a 256 MiB body limit, no budget, and
+# aiohttp's keep-alive timer (3,630 s) as the only deadline on a request's headers.
+BEFORE_BOUNDS = {
+    "maxBodyBytes": 256 * MIB,
+    "bodyBudgetBytes": 1 << 50,
+    "headerTimeoutSeconds": 3630.0,
+    "bodyTimeoutSeconds": 3630.0,
+    "maxClientConnections": 1 << 20,
+}
+
+
+def _start_configured_router(
+    bounds: dict, urls: list[str], procs: list[Proc], fd_limit: int | None = None
+) -> tuple[str, Proc]:
+    """A router process with `bounds` in its config (and at most `fd_limit` open files: prlimit)."""
+    port = _free_port()
+    path = Path(tempfile.mkdtemp()) / "router.json"
+    path.write_text(json.dumps({"port": port, "groups": [{"name": "g", "replicas": urls}], **bounds}))
+    limit = ["prlimit", f"--nofile={fd_limit}:{fd_limit}"] if fd_limit else []
+    argv = [*limit, sys.executable, "-m", "rlfleet.cli", "router", "serve", "--config", str(path)]
+    proc = Proc(argv, cpu=0, stderr=subprocess.DEVNULL)  # out of fds it logs every failed accept
+    procs.append(proc)
+    _wait_port(port)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def _memory_mib(pid: int) -> tuple[float, float]:
+    """Peak RSS (VmHWM) and RSS now of a process, MiB."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(status["VmHWM"].split()[0]) / 1024, int(status["VmRSS"].split()[0]) / 1024
+
+
+async def _post_all(url: str, n: int, body: bytes) -> dict[str, int]:
+    """`n` posts of `body` at once: how many got each status (or client error)."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+
+        async def one() -> str:
+            try:
+                async with http.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    return str(r.status)
+            except aiohttp.ClientError as exc:
+                return type(exc).__name__
+
+        answers = await asyncio.gather(*(one() for _ in range(n)))
+    return {answer: answers.count(answer) for answer in sorted(set(answers))}
+
+
+async def _slow_connections(url: str, n: int, wait_s: float, pid: int) -> tuple[int, int, str]:
+    """`n` connections each send half a request header: the router's open fds with them connected and
+    `wait_s` later, and the status of a normal request then."""
+    import aiohttp
+
+    port = int(url.rsplit(":", 1)[1])
+    writers = []
+    for _ in range(n):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /generate HTTP/1.1\r\nHost: router\r\n")
+        writers.append(writer)
+    await asyncio.sleep(1.0)
+    connected = len(os.listdir(f"/proc/{pid}/fd"))
+    await asyncio.sleep(wait_s)
+    later = len(os.listdir(f"/proc/{pid}/fd"))
+    body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}).encode()
+    try:
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(timeout=timeout) as http, http.post(url + "/generate", data=body) as r:
+            normal = str(r.status)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        normal = f"{type(exc).__name__} (none in 10 s)" if isinstance(exc, TimeoutError) else type(exc).__name__
+    for writer in writers:
+        writer.close()
+    return connected, later, normal
+
+
+def _json_body(size: int) -> bytes:
+    """A /generate body of about `size` bytes (a long input_ids list)."""
+    return b'{"input_ids": [' + b"7," * max(0, (size - 40) // 2) + b'7], "sampling_params": {}}'
+
+
+def bounds_benchmark(args: argparse.Namespace, procs: list[Proc], tmp: str) -> None:
+    from rlfleet.router.config import RouterConfig
+
+    defaults = RouterConfig()
+    port_file = os.path.join(tmp, "slow-ports.json")
+    procs.append(Proc([sys.executable, __file__, "--serve-upstream", port_file, "--upstream-delay", "1.0"], cpu=1))
+    while not os.path.exists(port_file) or not Path(port_file).read_text():
+        time.sleep(0.05)
+    urls = [f"http://127.0.0.1:{p}" for p in json.loads(Path(port_file).read_text())[:2]]
+    scenarios = [
+        (f"{args.big_posts} x {args.big_mb} MB posts", lambda url, proc: asyncio.run(
+            _post_all(url, args.big_posts, _json_body(args.big_mb * 1000 * 1000)))),
+        (f"{args.legit_posts} x {defaults.max_body_bytes / MIB:.0f} MiB (largest legit) posts, upstream 1 s",
+         lambda url, proc: asyncio.run(_post_all(url, args.legit_posts, _json_body(defaults.max_body_bytes - 64)))),
+    ]  # fmt: skip
+    print(f"\n{'scenario':52} {'bounds':8} {'peak MiB':>9} {'after MiB':>10}  answers")
+    for name, run in scenarios:
+        peaks = {}
+        for label, bounds in (("before", BEFORE_BOUNDS), ("now", {})):
+            url, proc = _start_configured_router(bounds, urls, procs)
+            answers = run(url, proc)
+            time.sleep(1.0)
+            peak, after = _memory_mib(proc.process.pid)
+            peaks[label] = peak
+            print(f"{name:52} {label:8} {peak:9.0f} {after:10.0f}  {answers}")
+            proc.stop()
+        print(f"{'':52} {'ratio':8} {peaks['now'] / peaks['before']:9.2f}")
+    wait_s = defaults.header_timeout_seconds + 2.0
+    print(f"\n{args.slow_connections} slow connections (half a header each), router fd limit {args.fd_limit}: "
+          f"router fds connected / {wait_s:.0f} s later")  # fmt: skip
+    for label, bounds in (("before", BEFORE_BOUNDS), ("now", {})):
+        url, proc = _start_configured_router(bounds, urls, procs, args.fd_limit)
+        connected, later, normal = asyncio.run(_slow_connections(url, args.slow_connections, wait_s, proc.process.pid))
+        print(f"  {label:8} {connected:6} / {later:6} fds; a normal request then: {normal}")
+        proc.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=3000)
@@ -319,11 +464,28 @@ def main() -> int:
     )
     parser.add_argument("--no-pin", action="store_true", help="let the scheduler place every process")
     parser.add_argument("--serve-upstream", help=argparse.SUPPRESS)
+    parser.add_argument("--upstream-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--bounds", action="store_true", help="measure the bounds against clients instead")
+    parser.add_argument("--big-posts", type=int, default=4)
+    parser.add_argument("--big-mb", type=int, default=200)
+    parser.add_argument("--legit-posts", type=int, default=200)
+    parser.add_argument("--slow-connections", type=int, default=2000)
+    parser.add_argument("--fd-limit", type=int, default=1024, help="the router's open-file limit (slow connections)")
     args = parser.parse_args()
     global PIN
     PIN = not args.no_pin
     if args.serve_upstream:
-        asyncio.run(_serve_upstream(args.serve_upstream))
+        asyncio.run(_serve_upstream(args.serve_upstream, args.upstream_delay))
+        return 0
+    if args.bounds:
+        bounds_tmp = tempfile.mkdtemp()
+        bounds_procs: list[Proc] = []
+        try:
+            bounds_benchmark(args, bounds_procs, bounds_tmp)
+        finally:
+            for proc in reversed(bounds_procs):
+                proc.stop()
+            shutil.rmtree(bounds_tmp, ignore_errors=True)
         return 0
 
     if args.install_smg and not os.path.exists(args.smg):

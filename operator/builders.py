@@ -2,8 +2,8 @@
 
 No I/O here. Handlers read what is needed (observed SamplerGroups, the WeightChannel), call
 `build_job_children` / `build_samplergroup_children`, and apply the results. The objects without pods
-(ConfigMap, WeightChannel, SamplerGroups, Services, the router's Secret) are built here; the pods' workloads
-in workloads.py, their placement, rights and resources in podspec.py, the config files in
+(ConfigMap, WeightChannel, SamplerGroups, Services, the router's and the API key's Secrets) are built here,
+the NetworkPolicies in network_policies.py; the pods' workloads in workloads.py, their placement, rights and resources in podspec.py, the config files in
 config_files.py, every name and label in naming.py.
 """
 
@@ -18,6 +18,7 @@ from rlfleet.api.common import API_VERSION
 from rlfleet.catalog import Catalog
 from rlfleet.operator import naming as n
 from rlfleet.operator.config_files import router_config, run_config
+from rlfleet.operator.network_policies import NetworkPolicySettings, build_network_policies
 from rlfleet.operator.workloads import (
     build_router_deployment,
     build_sampler_deployment,
@@ -107,6 +108,23 @@ def build_router_secret(job: RLJob, namespace: str, owner: Manifest | None, toke
     }
 
 
+def build_api_key_secret(owner_name: str, namespace: str, labels: dict[str, str], owner: Manifest | None,
+                         key: str) -> Manifest:  # fmt: skip
+    """The engine API key Secret of a job (or of a SamplerGroup outside any job), created once (never
+    re-applied: the key is stable). Every pod reads it by secretKeyRef (workloads.api_key_env)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": n.object_meta(n.api_key_secret_name(owner_name), namespace, labels, owner),
+        "type": "Opaque",
+        "stringData": {n.API_KEY_SECRET_KEY: key},
+    }
+
+
+def build_job_api_key_secret(job: RLJob, namespace: str, owner: Manifest | None, key: str) -> Manifest:
+    return build_api_key_secret(job.name, namespace, n.job_labels(job.name, "api-key"), owner, key)
+
+
 def build_trainer_service(job: RLJob, namespace: str, owner: Manifest | None) -> Manifest:
     """Headless Service: stable DNS for torchrun rendezvous (ready or not)."""
     labels = n.job_labels(job.name, "trainer")
@@ -140,11 +158,14 @@ def build_router_service(job: RLJob, namespace: str, owner: Manifest | None) -> 
 
 
 def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catalog: Catalog,
-                       observed_groups: dict[str, Manifest] | None = None) -> list[Manifest]:  # fmt: skip
+                       observed_groups: dict[str, Manifest] | None = None,
+                       network: NetworkPolicySettings | None = None) -> list[Manifest]:  # fmt: skip
     """Every child of an RLJob in apply order (config and trainer before samplers: the trainer asks for
-    whole GPU nodes, so it should reach the scheduler before the sampler pods fragment them)."""
+    whole GPU nodes, so it should reach the scheduler before the sampler pods fragment them; the
+    NetworkPolicies, with `network`, before any pod). The Secrets are created apart, once."""
     observed_groups = observed_groups or {}
     children = [
+        *build_network_policies(job, namespace, owner, network),
         build_config_map(job, namespace, owner),
         build_weightchannel(job, namespace, owner),
         build_trainer_service(job, namespace, owner),
@@ -178,6 +199,11 @@ def build_sampler_service(sg: SamplerGroup, namespace: str, owner: Manifest | No
             ],
         },
     }
+
+
+def build_group_api_key_secret(sg: SamplerGroup, namespace: str, owner: Manifest | None, key: str) -> Manifest:
+    """The API key Secret of a SamplerGroup outside any job (a job's groups use the job's)."""
+    return build_api_key_secret(sg.metadata.name or "", namespace, sampler_labels(sg), owner, key)
 
 
 def build_samplergroup_children(sg: SamplerGroup, namespace: str, owner: Manifest | None, catalog: Catalog,

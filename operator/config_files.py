@@ -11,6 +11,7 @@ from typing import Any
 
 from rlfleet.api import RLJob
 from rlfleet.operator import naming as n
+from rlfleet.router.config import DEFAULT_CONTEXT_TOKENS, max_body_bytes_for
 
 
 def router_config(job: RLJob, namespace: str) -> dict[str, Any]:
@@ -37,6 +38,10 @@ def router_config(job: RLJob, namespace: str) -> dict[str, Any]:
         "port": n.ROUTER_PORT,
         "groups": out_groups,
         "adminTokenFile": f"{n.ROUTER_TOKEN_MOUNT}/token",
+        # the largest legitimate request: a prompt of the whole context (docs/router.md, "Bounds")
+        "maxBodyBytes": max_body_bytes_for(job.spec.model.max_seq_len or DEFAULT_CONTEXT_TOKENS),
+        # the job's engine key (env from its Secret): required from clients, presented to the engines
+        "apiKeyEnv": n.API_KEY_ENV,
     }
 
 

@@ -55,7 +55,7 @@ from pydantic import ValidationError
 from rlfleet.api import SamplerGroup, StoreSpec, format_validation_error
 from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.catalog import get_catalog
-from rlfleet.operator import builders, kube, parsed_jobs, rebalancer, tokens
+from rlfleet.operator import builders, kube, network_policies, parsed_jobs, rebalancer, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.admission import collision_message, in_namespace
@@ -448,10 +448,13 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
         for sg in view.all(view.samplergroups_by_job, (namespace, name))
         if _owned_by(sg, body)
     }
-    children = builders.build_job_children(job, namespace, body, get_catalog(), observed)
+    children = builders.build_job_children(job, namespace, body, get_catalog(), observed,
+                                           network_policies.settings_from_env())  # fmt: skip
     if not job.spec.router.admin_token_secret:
         token = tokens.new_admin_token(body["metadata"]["uid"])
         await api.create(builders.build_router_secret(job, namespace, body, token))
+    # created once (a 409 leaves it as it is: never rotated by a reconcile), before any pod that reads it
+    await api.create(builders.build_job_api_key_secret(job, namespace, body, tokens.new_api_key()))
     first = [c for c in children if c["kind"] != "SamplerGroup"]
     groups = [c for c in children if c["kind"] == "SamplerGroup"]
     try:
@@ -570,6 +573,8 @@ async def reconcile_group(raw: dict[str, Any], namespace: str, view: View) -> No
             raise kopf.TemporaryError(f"WeightChannel {sg.spec.weight_channel} not found yet", delay=2)
         store = StoreSpec.model_validate(wc["spec"]["store"])
     children = builders.build_samplergroup_children(sg, namespace, raw, get_catalog(), store)
+    if not sg.spec.job_name:  # a group outside any job: its own key (a job's groups share the job's)
+        await api.create(builders.build_group_api_key_secret(sg, namespace, raw, tokens.new_api_key()))
     await asyncio.gather(*(api.apply(c) for c in children))
     await refresh_samplergroup_status(namespace, name, view)
 

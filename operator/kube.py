@@ -155,8 +155,8 @@ class KubeApi:
                 return None
             raise
 
-    async def list(self, api_version: str, kind: str, namespace: str) -> list[dict[str, Any]]:
-        """The objects of one kind in one namespace."""
+    async def list(self, api_version: str, kind: str, namespace: str | None) -> list[dict[str, Any]]:
+        """The objects of one kind in one namespace (None: in every namespace)."""
         resource = await self._resource(api_version, kind)
         listed = await _result((await self._dyn()).get(
             resource, namespace=namespace, serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS

@@ -99,7 +99,7 @@ def cli(argv: list[str]) -> int:
 
         start_http_server(args.metrics_port, addr=args.metrics_address)
 
-    problem = _webhook_problem(args)
+    problem = _webhook_problem(args) or _network_policy_problem()
     if problem:
         print(f"rlfleet operator run: {problem}", file=sys.stderr)
         return 2
@@ -137,6 +137,17 @@ def _webhook_problem(args: argparse.Namespace) -> str | None:
         return "--webhook-cert-secret needs --webhook-configuration (whose caBundle the operator sets)"
     if not args.webhook_cert_secret_namespace:
         return "--webhook-cert-secret needs --webhook-cert-secret-namespace (or $POD_NAMESPACE)"
+    return None
+
+
+def _network_policy_problem() -> str | None:
+    """Why the NetworkPolicy settings of the environment cannot be used (None: they can)."""
+    from rlfleet.operator.network_policies import settings_from_env
+
+    try:
+        settings_from_env()
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

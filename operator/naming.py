@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rlfleet.api.common import API_VERSION, GROUP, SYNC_SIDECAR_PORT
+from rlfleet.api.common import API_VERSION, ENGINE_API_KEY_ENV, GROUP, SYNC_SIDECAR_PORT
 
 # --- ownership and bookkeeping ------------------------------------------------------------------------
 FIELD_MANAGER = "rlfleet-operator"  # server-side apply of children
@@ -44,6 +44,7 @@ ANN_PROM_PATH = "prometheus.io/path"
 
 # --- ports and paths ---------------------------------------------------------------------------------
 SGLANG_PORT = 30000  # SamplerGroupSpec.port default
+SYNC_CONTAINER = "weight-sync"  # the sampler pod's sidecar (its subscriber report, its /status)
 SYNC_PORT = SYNC_SIDECAR_PORT  # weight-sync sidecar: /metrics /status /health (admission keeps SGLang off it)
 ROUTER_PORT = 8000
 TRAINER_RDZV_PORT = 29500
@@ -52,6 +53,10 @@ CONFIG_MOUNT = "/etc/rlfleet/run"
 CONFIG_FILE = "rljob.yaml"
 ROUTER_CONFIG_FILE = "router.yaml"
 ROUTER_TOKEN_MOUNT = "/etc/rlfleet/router-admin"
+# The job's engine API key: env var of every pod that serves or calls the engines (by secretKeyRef, never
+# a value in a spec) and the key of the `<job>-api-key` Secret that holds it.
+API_KEY_ENV = ENGINE_API_KEY_ENV
+API_KEY_SECRET_KEY = "key"
 WEIGHTS_CACHE = "/var/lib/rlfleet/weights"
 
 KINDS = ("RLJob", "SamplerGroup", "WeightChannel")
@@ -85,6 +90,21 @@ def config_name(job: str) -> str:
 def router_secret_name(job: str) -> str:
     """Secret with the router admin token (created once if the job names none)."""
     return f"{job}-router-admin"
+
+
+def api_key_secret_name(owner: str) -> str:
+    """Secret with the engine API key of a job (or of a SamplerGroup outside any job): created once."""
+    return f"{owner}-api-key"
+
+
+def samplers_policy_name(job: str) -> str:
+    """NetworkPolicy of a job's sampler pods (their engine port: the router and the operator)."""
+    return f"{job}-samplers"
+
+
+def router_policy_name(job: str) -> str:
+    """NetworkPolicy of a job's router pods (its port: the trainer and the operator)."""
+    return f"{job}-router"
 
 
 def job_labels(job: str, component: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from rlfleet.api import StoreSpec
+from rlfleet.api.common import SUBSCRIBERS_DIR
 from rlfleet.api.podfields import template_wire
 from rlfleet.api.scheduling import PodPlacement, compact
 from rlfleet.catalog import GPU_RESOURCE, GPU_TOLERATION, Catalog
@@ -200,15 +201,15 @@ def store_uri(store: StoreSpec) -> str:
     return uri
 
 
-def store_env(store: StoreSpec) -> list[dict[str, Any]]:
-    """S3 credentials by reference (never copied into the pod spec), region, endpoint."""
+def store_env(store: StoreSpec, sampler: bool = False) -> list[dict[str, Any]]:
+    """S3 credentials by reference (never copied into the pod spec), region, endpoint. A sampler pod takes
+    `samplerSecretRef` when the store names one (credentials per role, docs/weights.md)."""
     env: list[dict[str, Any]] = []
     if store.type == "s3":
-        if store.secret_ref is not None:
+        secret_ref = (store.sampler_secret_ref if sampler else None) or store.secret_ref
+        if secret_ref is not None:
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-                env.append(
-                    {"name": key, "valueFrom": {"secretKeyRef": {"name": store.secret_ref.name, "key": key}}}
-                )
+                env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret_ref.name, "key": key}}})
         if store.region:
             env.append({"name": "AWS_DEFAULT_REGION", "value": store.region})
         if store.endpoint:
@@ -226,3 +227,24 @@ def store_volume(store: StoreSpec, read_only: bool) -> tuple[list[dict], list[di
     }
     mount = {"name": "weights", "mountPath": store.path, "readOnly": read_only}
     return [volume], [mount]
+
+
+def sampler_store_volume(store: StoreSpec, group: str) -> tuple[list[dict], list[dict]]:
+    """(volumes, mounts) of a filesystem store for a sampler pod's sync containers: the channel READ-ONLY
+    (versions, pointer, checkpoints: a sampler never writes them), and writable only the directory of its
+    own group's subscriber reports, `subscribers/<group>/` (docs/weights.md), mounted over it as a subPath
+    of the same claim (the kubelet creates that directory on the volume before the container starts, and
+    the runtime mounts the deeper path after the read-only one). So a compromised sampler pod cannot
+    rewrite a version, move the pointer or plant a checkpoint. Nothing for S3 or a path without a claim."""
+    if store.type != "filesystem" or not store.volume_claim_name or store.path is None:
+        return [], []
+    volume = {"name": "weights", "persistentVolumeClaim": {"claimName": store.volume_claim_name}}
+    mounts: list[dict] = [
+        {"name": "weights", "mountPath": store.path, "readOnly": True},
+        {
+            "name": "weights",
+            "mountPath": f"{store.path.rstrip('/')}/{SUBSCRIBERS_DIR}/{group}",
+            "subPath": f"{SUBSCRIBERS_DIR}/{group}",
+        },
+    ]
+    return [volume], mounts

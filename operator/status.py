@@ -24,8 +24,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlfleet.api import SamplerGroupSpec
-from rlfleet.api.common import GROUP
+from rlfleet.api.common import FOREIGN_WEIGHTS_PREFIX, GROUP, SUBSCRIBERS_DIR
 from rlfleet.catalog import Catalog, CatalogError, group_precision
+from rlfleet.channel import SUBSCRIBER_STALE_AFTER_SECONDS
 from rlfleet.operator import naming as n
 from rlfleet.operator.model_shape import tensor_parallel_problem
 from rlfleet.operator.pods import (
@@ -40,6 +41,9 @@ from rlfleet.operator.pods import (
 Manifest = dict[str, Any]
 OPERATOR_CONDITIONS = ("Ready", "Progressing", "Degraded")
 ANN_QUARANTINED = f"{GROUP}/quarantined"
+# A replica's engine served weights its sidecar had not applied (the channel's were applied again)
+FOREIGN_WEIGHTS_REASON = "ForeignWeightVersion"
+NO_REPORT_REASON = "NoSubscriberReport"
 # SamplerGroup status fields that come from the rebalance tick (operator/rebalance.py GroupResult)
 REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPer1MTokens", "kl", "oorFraction", "tokenShare", "oorShare",
                     "shareHistory")  # fmt: skip
@@ -208,8 +212,21 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         phase, message = "Quarantined", f"{message}; quarantined by {quarantine} (no new sessions)"
     if status.get("degradedPrecision"):
         message += f"; {spec.get('weightFormat')} runs degraded on {spec.get('accelerator')}: {status['precisionNote']}"
-    if sync_error:  # the replicas keep serving the version they have (sampler/sync.py): say what they refused
+    foreign = sync_error is not None and sync_error.startswith(FOREIGN_WEIGHTS_PREFIX)
+    silent = silent_replicas(pods, channel_status, name, now)
+    synced: tuple[bool, str, str] = (True, "AsExpected", "no replica reports a failing weight sync")
+    if foreign:  # another client loaded weights into an engine; its sidecar applied the channel's again
+        message += f"; {sync_error}"
+        reason = FOREIGN_WEIGHTS_REASON if phase == "Running" else reason
+        synced = (True, FOREIGN_WEIGHTS_REASON, str(sync_error))
+    elif sync_error:  # the replicas keep serving the version they have (sampler/sync.py): say what they refused
         message += f"; weight sync failing (serving v{status.get('appliedWeightVersion')}): {sync_error}"
+        synced = (False, "SyncFailing", sync_error)
+    elif silent:  # serving, but invisible to retention and VERSION/LAG: say which pod and where to look
+        note = silent_replicas_message(silent, name)
+        message += f"; {note}"
+        reason = NO_REPORT_REASON if phase == "Running" else reason
+        synced = (False, NO_REPORT_REASON, note)
     status["phase"] = phase
     status["reason"] = reason
     status["message"] = message[:4096]
@@ -217,7 +234,7 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     if status.get("share") is not None:
         status["sharePercent"] = round(100.0 * float(status["share"]), 1)
     status["conditions"] = merge_conditions(
-        old.get("conditions"), _group_conditions(r, phase, reason, message, sync_error, generation), now
+        old.get("conditions"), _group_conditions(r, phase, reason, message, synced, generation), now
     )
     return status
 
@@ -288,9 +305,12 @@ def _group_phase(
 
 
 def _group_conditions(
-    r: _Rollout, phase: str, reason: str, message: str, sync_error: str | None, generation: Any
+    r: _Rollout, phase: str, reason: str, message: str, synced: tuple[bool, str, str], generation: Any
 ) -> list[dict[str, Any]]:
-    """Ready, Progressing, Degraded and WeightsSynced of a SamplerGroup."""
+    """Ready, Progressing, Degraded and WeightsSynced of a SamplerGroup; `synced` is WeightsSynced's
+    (status, reason, message): True after a foreign weight load (its sidecar applied the channel's version
+    again; the reason says so until a newer version is applied), False while a sync fails or a replica
+    cannot write its report."""
     return [
         condition("Ready", phase in ("Running", "Quarantined"), reason, message, generation),
         condition(
@@ -309,9 +329,43 @@ def _group_conditions(
             message,
             generation,
         ),
-        condition("WeightsSynced", sync_error is None, "SyncFailing" if sync_error else "AsExpected",
-                  (sync_error or "no replica reports a failing weight sync")[:1024], generation),  # fmt: skip
+        condition("WeightsSynced", synced[0], synced[1], synced[2][:1024], generation),
     ]
+
+
+def silent_replicas(
+    pods: list[Manifest] | tuple[Manifest, ...], channel_status: Manifest | None, group: str, now: str
+) -> list[str]:
+    """The group's pods whose weight-sync sidecar has run for SUBSCRIBER_STALE_AFTER_SECONDS and is ready,
+    yet have no fresh subscriber report in the channel's status (its `groups[].replicas`): their report
+    writes fail (a store they cannot write, S3 credentials without PutObject on subscribers/). A live
+    sidecar writes one at start and every 30 s and the channel is read every 10 s, so within that window
+    every writing sidecar is listed. Judged only on a channel status read from the store (phase Ready)."""
+    if not channel_status or channel_status.get("phase") != "Ready":
+        return []
+    reporting: set[str] = set()
+    for g in channel_status.get("groups") or []:
+        if g.get("group") == group:
+            reporting = set(g.get("replicas") or [])
+    at = parse_time(now)
+    silent = []
+    for pod in pods:
+        sync = next((c for c in pod.get("containers") or [] if c.get("name") == n.SYNC_CONTAINER), None)
+        started = parse_time(sync.get("startedAt")) if sync and sync.get("ready") else None
+        if pod.get("deleting") or started is None or at is None or pod.get("name") in reporting:
+            continue
+        if (at - started).total_seconds() >= SUBSCRIBER_STALE_AFTER_SECONDS:
+            silent.append(str(pod.get("name")))
+    return sorted(silent)
+
+
+def silent_replicas_message(silent: list[str], group: str) -> str:
+    more = f" (and {len(silent) - 1} more)" if len(silent) > 1 else ""
+    return (
+        f"no subscriber report from pod {silent[0]}{more} for {SUBSCRIBER_STALE_AFTER_SECONDS:.0f}s: its "
+        f"weight-sync sidecar cannot write {SUBSCRIBERS_DIR}/{group}/ in the store, so retention does not "
+        f"see the version it serves (kubectl logs {silent[0]} -c {n.SYNC_CONTAINER})"
+    )
 
 
 def weights_wait_reason(spec: Manifest, channel_status: Manifest | None) -> str | None:
@@ -579,6 +633,7 @@ def weightchannel_status(
                     "lag": g.lag,
                     "syncFailures": g.sync_failures or None,
                     "lastError": g.last_error[:512] if g.last_error else None,
+                    "replicas": sorted(g.replicas)[:256] or None,
                 }.items()
                 if v is not None
             }  # fmt: skip

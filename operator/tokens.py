@@ -1,4 +1,4 @@
-"""Router admin tokens derived from an operator key, so nothing has to read Secrets back.
+"""Router admin tokens derived from an operator key, so nothing has to read Secrets back; engine API keys.
 
 With `RLFLEET_OPERATOR_KEY` (or a file named by `RLFLEET_OPERATOR_KEY_FILE`; the Helm chart mounts one
 from a Secret), the token of a job is HMAC-SHA256(key, job uid): the operator writes it once into the
@@ -45,3 +45,11 @@ def admin_token_for(job_uid: str) -> str | None:
 def new_admin_token(job_uid: str) -> str:
     """Token to store in a new router Secret: derived when a key is configured, else random."""
     return admin_token_for(job_uid) or secrets.token_urlsafe(32)
+
+
+def new_api_key() -> str:
+    """A job's engine API key (its `<job>-api-key` Secret, created once and never rotated by a reconcile).
+    Random, not derived: the operator never presents it (it reads only the engines' open /metrics), so it
+    never needs to know it again. URL-safe characters only: it is expanded into the engines' argv
+    (`--api-key $(RLFLEET_API_KEY)`, also inside the launch script's single quotes)."""
+    return secrets.token_urlsafe(32)

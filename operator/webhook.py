@@ -6,7 +6,9 @@ re-validates RLJobs and SamplerGroups with the same pydantic models against the 
 actually uses, so `kubectl apply` is rejected with the same clear message instead of the job failing
 later. It also refuses an RLJob whose child names would collide with another job's in the namespace
 (CEL sees one object; `admission.collision_message` compares the namespace's RLJobs and SamplerGroups,
-listed from the API: every replica answers, and a standby replica's kopf indexes are empty).
+listed from the API: every replica answers, and a standby replica's kopf indexes are empty), and one
+whose weight store overlaps another RLJob's (`admission.shared_store_message`: the namespace's jobs for a
+filesystem store, every namespace's for an S3 bucket, whose name is global).
 An UPDATE that leaves the spec as it was (kopf's own annotations, a finalizer, labels) is not judged,
 as the API server ratchets CEL rules: an object the catalog has since turned invalid can still be
 deleted.
@@ -38,7 +40,7 @@ import kopf
 
 from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.operator import certs, kube
-from rlfleet.operator.admission import WEBHOOK_ENV, admission_message, collision_message
+from rlfleet.operator.admission import WEBHOOK_ENV, admission_message, collision_message, shared_store_message
 
 log = logging.getLogger("rlfleet.operator.webhook")
 
@@ -76,6 +78,32 @@ async def _namespace_collision(manifest: dict[str, Any], namespace: str | None) 
     return collision_message(manifest, jobs, groups)
 
 
+async def _jobs_sharing_the_store(manifest: dict[str, Any], namespace: str | None) -> str | None:
+    """shared_store_message over the RLJobs the store could be shared with, as the API has them now: the
+    namespace's (a filesystem store) or every namespace's (S3: a bucket is global; an operator limited to
+    watchNamespaces may not list cluster-wide, and then checks its namespace only, saying so). Unknown
+    (the API failing): None, as with failurePolicy Ignore; the trainers' writer lease refuses the second
+    trainer at start anyway (docs/weights.md, "One writer per channel")."""
+    if not namespace or not kube.connected():
+        return None
+    s3 = (manifest.get("spec", {}).get("weightChannel", {}).get("store", {}) or {}).get("type") == "s3"
+    api = kube.api()
+    try:
+        try:
+            jobs = await api.list(API_VERSION, "RLJob", None if s3 else namespace)
+        except kube.KubeError as exc:
+            if not (s3 and exc.status == 403):
+                raise
+            log.warning("webhook: RLJobs cannot be listed cluster-wide (RBAC of watchNamespaces): the S3 "
+                        "store of %s/%s is checked against namespace %s only", namespace,
+                        manifest.get("metadata", {}).get("name"), namespace)  # fmt: skip
+            jobs = await api.list(API_VERSION, "RLJob", namespace)
+    except API_FAILURES as exc:
+        log.warning("webhook: could not list RLJobs (%s): shared weight stores not checked", exc)
+        return None
+    return shared_store_message(manifest, namespace, jobs)
+
+
 @kopf.on.validate(GROUP, VERSION, "rljobs", id="validate-rljob", operation="CREATE")
 @kopf.on.validate(GROUP, VERSION, "rljobs", id="validate-rljob-update", operation="UPDATE")
 async def validate_rljob(body: kopf.Body, old: kopf.Body | None = None, operation: str | None = None,
@@ -84,10 +112,11 @@ async def validate_rljob(body: kopf.Body, old: kopf.Body | None = None, operatio
         return
     manifest = _manifest(body)
     message = admission_message("RLJob", manifest)
+    namespace = namespace or manifest.get("metadata", {}).get("namespace")
     if message is None:
-        message = await _namespace_collision(
-            manifest, namespace or manifest.get("metadata", {}).get("namespace")
-        )
+        message = await _namespace_collision(manifest, namespace)
+    if message is None:
+        message = await _jobs_sharing_the_store(manifest, namespace)
     if message:
         raise kopf.AdmissionError(message, code=422)
 

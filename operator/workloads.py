@@ -8,6 +8,10 @@ placed and secured by podspec.py.
 
 Every env var set here has a reader: the program in the container, or the container's own args
 (`$(VAR)` is expanded by the kubelet).
+
+The job's engine API key (RLFLEET_API_KEY, from the `<job>-api-key` Secret by secretKeyRef: never a value
+in a spec) reaches the engine as `--api-key $(RLFLEET_API_KEY)` and is presented by the sidecar, the router
+(to the engines, and required from its clients) and the trainer (docs/sampler.md, "The engine API").
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from rlfleet.operator.podspec import (
     pod_security_context,
     pod_template_metadata,
     pod_tolerations,
+    sampler_store_volume,
     spec_hash,
     store_env,
     store_uri,
@@ -57,6 +62,16 @@ Manifest = dict[str, Any]
 # A container that fails with an empty termination message gets its last log lines there (the kubelet
 # keeps the tail), so the operator's CrashLoopBackOff reason carries the error itself (operator/pods.py).
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
+
+
+def api_key_env(secret: str) -> dict[str, Any]:
+    """RLFLEET_API_KEY by reference to the key Secret (the pod waits for the Secret if it is not there yet)."""
+    return {"name": n.API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": n.API_KEY_SECRET_KEY}}}
+
+
+def sampler_api_key_secret(sg: SamplerGroup) -> str:
+    """The key Secret of a group's pods: its job's, or its own outside any job."""
+    return n.api_key_secret_name(sg.spec.job_name or sg.metadata.name or "")
 
 
 def sampler_labels(sg: SamplerGroup) -> dict[str, str]:
@@ -112,6 +127,7 @@ def build_trainer_statefulset(
         {"name": "RLFLEET_JOB", "value": job.name},  # the rendezvous id ($(RLFLEET_JOB) in the args)
         {"name": "RLFLEET_CONFIG", "value": f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}"},  # trainer/entrypoint.py
         {"name": "RLFLEET_ROUTER_URL", "value": f"http://{n.router_name(job.name)}.{namespace}.svc:{n.ROUTER_PORT}"},
+        api_key_env(n.api_key_secret_name(job.name)),  # the router requires it (trainer/entrypoint.py)
         {"name": "NNODES", "value": str(t.replicas)},
         {"name": "NPROC_PER_NODE", "value": str(ranks)},
         {
@@ -225,7 +241,8 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
         "resources": container_resources(
             {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}, r
         ),
-        **container_env([{"name": "HOME", "value": "/tmp"}], r),
+        # the key the router requires from its clients and presents to the engines (router.yaml apiKeyEnv)
+        **container_env([{"name": "HOME", "value": "/tmp"}, api_key_env(n.api_key_secret_name(job.name))], r),
         "volumeMounts": [
             {"name": "config", "mountPath": n.CONFIG_MOUNT, "readOnly": True},
             {"name": "admin-token", "mountPath": n.ROUTER_TOKEN_MOUNT, "readOnly": True},
@@ -282,6 +299,9 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
     spec = sg.spec
     cls = catalog.get(spec.accelerator)
     from_channel = bool(spec.weight_channel) and store is not None
+    # the engine's API closed by the key (SGLang's and the reference engine's --api-key; the kubelet expands
+    # $(VAR) from the env, so the key is in no spec); /health*, /metrics stay open for probes and Prometheus
+    key_args = ["--api-key", f"$({n.API_KEY_ENV})"]
     if from_channel:
         # The engine (SGLang, or the reference engine of a CPU class) starts from the checkpoint the init
         # container fetched and verified: the newest version of this group's view (its format), never
@@ -289,11 +309,11 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
         launch = engine_launch_for_group(
             spec, catalog, model_path=MODEL_DIR_REF, weight_version=WEIGHT_VERSION_REF
         )
-        engine_command = launch_from_file(launch.argv, f"{n.WEIGHTS_CACHE}/{LAUNCH_FILE}")
+        engine_command = launch_from_file([*launch.argv, *key_args], f"{n.WEIGHTS_CACHE}/{LAUNCH_FILE}")
         command, args = engine_command[:2], engine_command[2:]
     else:  # a standalone group serves one fixed checkpoint, which must already be in its format
         launch = engine_launch_for_group(spec, catalog, model_path=spec.model.path, weight_version=0)
-        engine_command = launch.argv
+        engine_command = [*launch.argv, *key_args]
         # SGLang: ["python3", "-m", "sglang.launch_server"]; the reference engine: ["rlfleet"]
         split = 3 if cls.engine == "sglang" else 1
         command, args = engine_command[:split], engine_command[split:]
@@ -315,12 +335,12 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
     ]
     store_envs: list[dict[str, Any]] = []
     if store is not None:
-        # read-write: the sync containers write their subscriber reports (subscribers/<group>/<pod>.json,
-        # docs/weights.md) next to the versions they read; SGLang does not mount the store at all
-        store_vols, store_mounts = store_volume(store, read_only=False)
+        # the channel read-only, writable only the group's own subscriber reports (subscribers/<group>/,
+        # docs/weights.md); SGLang does not mount the store at all
+        store_vols, store_mounts = sampler_store_volume(store, name)
         volumes += store_vols
         sync_mounts += store_mounts  # only the sync side reads the store; SGLang reads the verified cache
-        store_envs = store_env(store)
+        store_envs = store_env(store, sampler=True)
     # the user's volumes are mounted in the engine only; their env reaches every container (an S3 store
     # reached by the sync side may need it: a CA bundle path, a proxy, workload identity's settings)
     extra_volumes, extra_mounts = user_volumes(spec)
@@ -330,6 +350,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": HF_HOME},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        api_key_env(sampler_api_key_secret(sg)),
         *({"name": k, "value": v} for k, v in sorted(launch.env.items())),
     ]
     if from_channel:  # everything SGLang loads is local and verified: never reach for the Hub
@@ -391,6 +412,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
             {"name": "HOME", "value": "/tmp"},
             {"name": "HF_HOME", "value": HF_HOME},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            api_key_env(sampler_api_key_secret(sg)),  # presented on every engine call (sampler/sync.py)
             *store_envs,
         ]
         sync_security = {**RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True}
@@ -412,7 +434,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
         )
         containers.append(
             {
-                "name": "weight-sync",
+                "name": n.SYNC_CONTAINER,
                 "image": spec.images.sync,
                 "imagePullPolicy": spec.images.pull_policy,
                 "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,

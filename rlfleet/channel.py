@@ -3,6 +3,7 @@
 Layout under the store root (keys are relative to it):
 
     pointer.json                     {"version": N, "manifest": "v{N}/manifest.json", "manifest_sha256": ..., ...}
+    lease.json                       the writer lease: {"holder", "generation", "renewed_at", "ttl_seconds"}
     claims/v{N}                      exclusive claim of version number N (one publisher per number)
     v{N}/{view}/<files>              the view's files (safetensors + a small view config json)
     v{N}/manifest.json               digest ("blake3:<hex>") + size of every file, dtype + shape of every tensor
@@ -22,6 +23,17 @@ Guarantees (see docs/weights.md for the argument):
   partial bytes and publishes it again instead of failing for good.
 - The pointer only moves forward (compare-and-swap that refuses a lower or equal version), so two
   racing publishers never make readers see a lower version.
+- One writer per channel, when publishers take the writer lease (`acquire_lease`: the cluster trainer
+  and local mode do): a publisher with another id is refused while the lease is renewed
+  (`LeaseHeldError` naming the holder and when it last renewed); the same id (a restart) takes it over at
+  once; an unrenewed lease may be taken over after its TTL (WRITER_LEASE_TTL_SECONDS). Every acquire
+  bumps the lease's generation, and a publish checks its generation is still the stored one before it
+  claims and before it moves the pointer (`LeaseLostError` otherwise), so an older incarnation that
+  still runs stops publishing. The pointer records the generation that moved it and its
+  compare-and-swap never lowers it: once the new holder published, an older generation cannot move
+  the pointer even if it passed its lease check just before the takeover. A lease holder takes over claims of other ids above the pointer: their
+  publisher lost the lease, so their publish is dead (stale claims; claims below the pointer go with
+  `retain`).
 - `retain` deletes old versions but never the latest, an in-flight (higher) one, or any version a
   subscriber reports as in use (in a report not older than SUBSCRIBER_STALE_AFTER_SECONDS).
 
@@ -47,6 +59,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rlfleet.api.common import SUBSCRIBERS_DIR
 from rlfleet.store import (
     DIGEST_ALGORITHMS,
     FileDigest,
@@ -74,6 +87,15 @@ tolerated). A report older than this belongs to a replica that is gone or cannot
 pins no version in `retain`, counts in no group's version or lag (`group_versions` /
 `read_channel_status`, as the operator calls them), and the operator removes it once its replica is no
 live pod of its group (`subscribers_to_remove`). docs/weights.md, "Subscriber reports"."""
+LEASE_KEY = "lease.json"
+WRITER_LEASE_TTL_SECONDS = 300.0
+"""How long a writer lease holds without renewal before a publisher with another id may take it over
+(a publisher renews it every WRITER_LEASE_TTL_SECONDS / 5 from a thread, and at each publish; the same
+id takes it over at once). 300 s: well above what a live trainer can miss (a store outage that outlasts
+boto's retries, a slow checkpoint to a busy volume, GC pauses, NTP clock skew between nodes: lease ages
+compare the renewer's wall clock with the reader's), and short enough that a replacement job on the
+channel (the old one deleted without a clean stop) waits minutes, not forever. docs/weights.md,
+"One writer per channel"."""
 _VERSION_KEY = re.compile(r"^v(\d+)/")
 _CLAIM_KEY = re.compile(r"^claims/v(\d+)$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
@@ -86,6 +108,15 @@ class ChannelError(StoreError):
 
 class VersionConflictError(ChannelError):
     """The requested version number is taken or not above the pointer."""
+
+
+class LeaseHeldError(ChannelError):
+    """Another publisher holds the channel's writer lease and renewed it within its TTL."""
+
+
+class LeaseLostError(ChannelError):
+    """This publisher's writer lease was taken over (by another id after its TTL, or by a newer
+    incarnation of the same id): it must not publish any more."""
 
 
 class ChecksumMismatchError(ChannelError):
@@ -144,6 +175,10 @@ class Pointer:
     manifest_sha256: str
     published_at: str
     publisher: str = ""
+    lease_generation: int = 0
+    """The writer lease generation of the publisher that moved it (0: published without a lease). The
+    pointer's compare-and-swap never lowers it: a writer whose lease was taken over cannot move the
+    pointer once the new holder has (the generation token the store enforces)."""
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Pointer:
@@ -154,6 +189,7 @@ class Pointer:
             manifest_sha256=str(raw["manifest_sha256"]),
             published_at=str(raw.get("published_at", "")),
             publisher=str(raw.get("publisher", "")),
+            lease_generation=int(raw.get("lease_generation", 0)),
         )
 
     def to_bytes(self) -> bytes:
@@ -287,6 +323,37 @@ class SubscriberReport:
 
 
 @dataclass(frozen=True)
+class WriterLease:
+    """What `lease.json` says: who writes this channel, which acquisition (generation) and when it was
+    last renewed (the renewer's UTC wall clock)."""
+
+    holder: str
+    generation: int
+    renewed_at: str
+    ttl_seconds: float
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(asdict(self))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> WriterLease:
+        raw = json.loads(data)
+        return cls(str(raw["holder"]), int(raw["generation"]), str(raw["renewed_at"]), float(raw["ttl_seconds"]))
+
+    def age_seconds(self, now: datetime) -> float:
+        """Seconds since the last renewal (an unparseable time is infinitely old)."""
+        try:
+            at = datetime.fromisoformat(self.renewed_at)
+        except ValueError:
+            return math.inf
+        return (now - (at if at.tzinfo else at.replace(tzinfo=UTC))).total_seconds()
+
+    def describe(self, now: datetime) -> str:
+        return (f"{self.holder!r} (generation {self.generation}, last renewed {self.renewed_at}, "
+                f"{self.age_seconds(now):.0f}s ago; the lease expires {self.ttl_seconds:.0f}s after a renewal)")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class PublishResult:
     version: int
     advanced: bool
@@ -314,6 +381,74 @@ class WeightChannel:
         self.store = store
         self.publisher_id = publisher_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.upload_workers = max(1, upload_workers)
+        self.lease: WriterLease | None = None
+        """The writer lease this channel object holds (`acquire_lease`); None: it publishes unfenced."""
+
+    # -- the writer lease (one writer per channel)
+    def _read_lease(self) -> tuple[WriterLease | None, str | None]:
+        value = self.store.read_pointer(LEASE_KEY)
+        if value is None:
+            return None, None
+        try:
+            return WriterLease.from_bytes(value.data), value.token
+        except (ValueError, KeyError, TypeError) as e:  # unreadable: nobody can prove they hold it
+            log.warning("writer lease %s is unreadable (%s): treating it as expired", self.store.uri_of(LEASE_KEY), e)
+            return None, value.token
+
+    def acquire_lease(self, ttl_seconds: float = WRITER_LEASE_TTL_SECONDS) -> WriterLease:
+        """Become the channel's one writer: take the lease if it is free, ours (a restart of the same id)
+        or expired (not renewed for its TTL); LeaseHeldError naming the holder otherwise. Each acquire is a
+        new generation, which fences any older incarnation of this id still running."""
+        for _ in range(100):
+            held, token = self._read_lease()
+            now = datetime.now(UTC)
+            pointer = self.latest()  # its generation too: an unreadable lease must not restart the count
+            newest = max(0 if held is None else held.generation, 0 if pointer is None else pointer.lease_generation)
+            if held is not None and held.holder != self.publisher_id and held.age_seconds(now) <= held.ttl_seconds:
+                raise LeaseHeldError(
+                    f"the weight channel {self.store.uri} is written by {held.describe(now)}; this is "
+                    f"{self.publisher_id!r}. One trainer per channel: stop the other one, or give this job "
+                    "its own store path / prefix"
+                )
+            lease = WriterLease(self.publisher_id, newest + 1, now_iso(), ttl_seconds)
+            if self.store.compare_and_swap(LEASE_KEY, token, lease.to_bytes()):
+                if held is not None and held.holder != self.publisher_id:
+                    log.warning("took over the writer lease of %s: it expired", held.describe(now))
+                self.lease = lease
+                return lease
+        raise ChannelError(f"writer lease {self.store.uri_of(LEASE_KEY)}: compare-and-swap kept failing")
+
+    def renew_lease(self) -> WriterLease:
+        """Renew the lease this channel holds (LeaseLostError if it was taken over meanwhile)."""
+        if self.lease is None:
+            raise ChannelError("renew_lease before acquire_lease")
+        for _ in range(100):
+            token = self._check_lease()
+            renewed = WriterLease(self.lease.holder, self.lease.generation, now_iso(), self.lease.ttl_seconds)
+            if self.store.compare_and_swap(LEASE_KEY, token, renewed.to_bytes()):
+                self.lease = renewed
+                return renewed
+        raise ChannelError(f"writer lease {self.store.uri_of(LEASE_KEY)}: compare-and-swap kept failing")
+
+    def _fence(self) -> None:
+        """A publish under a lease stops (LeaseLostError) once another writer took the lease over."""
+        if self.lease is not None:
+            self._check_lease()
+
+    def _check_lease(self) -> str | None:
+        """The fence: the stored lease is still this channel's (holder and generation); returns its swap
+        token. LeaseLostError otherwise."""
+        assert self.lease is not None
+        held, token = self._read_lease()
+        if held is None or (held.holder, held.generation) != (self.lease.holder, self.lease.generation):
+            now = datetime.now(UTC)
+            raise LeaseLostError(
+                f"the writer lease of {self.store.uri} (generation {self.lease.generation} of "
+                f"{self.lease.holder!r}) was taken over"
+                + ("" if held is None else f" by {held.describe(now)}")
+                + ": another trainer writes this channel now; this one stops publishing"
+            )
+        return token
 
     # -- reading
     def latest(self) -> Pointer | None:
@@ -360,12 +495,14 @@ class WeightChannel:
 
     def _reclaim(self, claim: str, version: int) -> None:
         """`version` is claimed and above the pointer: ours from an interrupted publish (its bytes were
-        never named by the pointer) -> clear them and publish again; anyone else's -> VersionConflictError."""
+        never named by the pointer) -> clear them and publish again; anyone else's -> VersionConflictError,
+        unless we hold the writer lease (fenced just before): then that publisher lost the lease and its
+        claim is stale -> take it over the same way."""
         try:
             holder = self.store.get(claim).decode(errors="replace")
         except StoreError:
             holder = "?"
-        if holder != self.publisher_id:
+        if holder != self.publisher_id and self.lease is None:
             raise VersionConflictError(
                 f"version {version} is already claimed by publisher {holder!r} (this is {self.publisher_id!r}): "
                 "another trainer publishes to this channel"
@@ -373,8 +510,11 @@ class WeightChannel:
         partial = self.store.list(f"{_version_key(version)}/")
         for key in partial:
             self.store.delete(key)
-        log.warning("version %d: taking over this publisher's own claim of an interrupted publish "
-                    "(%d partial files removed)", version, len(partial))  # fmt: skip
+        if holder != self.publisher_id:  # we hold the lease (checked): the claim's publisher lost it
+            self.store.put(claim, self.publisher_id.encode())
+        log.warning("version %d: taking over the claim of %s of an interrupted publish (%d partial files removed)",
+                    version, "this publisher" if holder == self.publisher_id else f"{holder!r}, a former lease holder",
+                    len(partial))  # fmt: skip
 
     def publish(
         self,
@@ -409,6 +549,7 @@ class WeightChannel:
 
         # dtype + shape of every tensor, read before any file may be moved into the store
         headers = {(v, rel): safetensors_header(p) for v, rel, p in files if rel.endswith(".safetensors")}
+        self._fence()
         number = self._claim(version)
         prefix = _version_key(number)
 
@@ -431,21 +572,31 @@ class WeightChannel:
         manifest_bytes = manifest.to_bytes()
         # Every byte above is durable (put_file returns after fsync / S3 200); only now the manifest.
         self.store.put(manifest_key(number), manifest_bytes)
+        self._fence()  # again, right before the pointer moves
         pointer = Pointer(
             number,
             manifest_key(number),
             hashlib.sha256(manifest_bytes).hexdigest(),
             manifest.published_at,
             self.publisher_id,
+            0 if self.lease is None else self.lease.generation,
         )
         advanced = self._advance(pointer)
         return PublishResult(number, advanced, manifest, sum(d.bytes for d in uploaded))
 
     def _advance(self, pointer: Pointer) -> bool:
-        """Compare-and-swap the pointer forward; False if it already names an equal or higher version."""
+        """Compare-and-swap the pointer forward; False if it already names an equal or higher version.
+        LeaseLostError if a newer lease generation moved it (this writer was fenced off)."""
         for _ in range(1000):
             current = self.store.read_pointer(POINTER_KEY)
-            if current is not None and Pointer.from_bytes(current.data).version >= pointer.version:
+            named = None if current is None else Pointer.from_bytes(current.data)
+            if named is not None and named.lease_generation > pointer.lease_generation:
+                raise LeaseLostError(
+                    f"the pointer of {self.store.uri} was moved by writer lease generation {named.lease_generation} "
+                    f"({named.publisher!r}); this is generation {pointer.lease_generation} of "
+                    f"{self.publisher_id!r}: another trainer writes this channel now; this one stops publishing"
+                )
+            if named is not None and named.version >= pointer.version:
                 return False
             if self.store.compare_and_swap(
                 POINTER_KEY, None if current is None else current.token, pointer.to_bytes()
@@ -516,11 +667,11 @@ class WeightChannel:
         check_name("replica", report.replica)
         if not report.updated_at:
             report = SubscriberReport(**{**asdict(report), "updated_at": now_iso()})
-        self.store.put(f"subscribers/{report.group}/{report.replica}.json", report.to_bytes())
+        self.store.put(f"{SUBSCRIBERS_DIR}/{report.group}/{report.replica}.json", report.to_bytes())
 
     def subscribers(self) -> list[SubscriberReport]:
         reports = []
-        for key in self.store.list("subscribers/"):
+        for key in self.store.list(f"{SUBSCRIBERS_DIR}/"):
             if not key.endswith(".json"):
                 continue
             try:
@@ -536,7 +687,7 @@ class WeightChannel:
         pods, `subscribers_to_remove`). `if_updated_at`: delete only if the stored report still carries
         this `updated_at` (a report rewritten since it was judged is kept). True if a report was deleted
         (or, unguarded, may have been)."""
-        key = f"subscribers/{check_name('group', group)}/{check_name('replica', replica)}.json"
+        key = f"{SUBSCRIBERS_DIR}/{check_name('group', group)}/{check_name('replica', replica)}.json"
         if if_updated_at is not None:
             try:
                 current = SubscriberReport.from_bytes(self.store.get(key))

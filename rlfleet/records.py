@@ -66,6 +66,10 @@ class SampledTurn:
     valid: np.ndarray | None = None  # bool [n]; None until validated
     invalid_reasons: dict[str, int] = field(default_factory=dict)  # reason -> count of tokens
     cached_tokens: int = 0  # prompt tokens served from the sampler's prefix cache (meta_info.cached_tokens)
+    # int32 [P + n - 1, layers, top_k] or None (not requested): the experts a mixture of experts' router
+    # chose at each position p of prompt + output, whose forward gave token p + 1's distribution, so
+    # output token i's are row P - 1 + i (SGLang's meta_info.routed_experts, sampler/protocol.py)
+    routed_experts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

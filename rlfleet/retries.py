@@ -7,13 +7,20 @@ re-retries what the layer below it has already bounded (docs/architecture.md, "R
 
 | concern | owner | attempts | wait |
 | --- | --- | --- | --- |
-| a replica fails: its connection is refused, dropped or times out, it answers 502/503/504, or (under `X-Min-Weight-Version`) 409 or an answer from an older version | router | the next replica of the group, then of the session's next group; each replica at most once, at most `ROUTER_MAX_ATTEMPTS` upstream posts per request (`maxAttempts`) | none |
+| a replica fails: its connection is refused, dropped or not made in time, it is found hung (its generation probe gets no answer: never for a request it may still be generating, docs/router.md "Hung replicas"), it answers 502/503/504, or (under `X-Min-Weight-Version`) 409 or an answer from an older version | router | the next replica of the group, then of the session's next group; each replica at most once, at most `ROUTER_MAX_ATTEMPTS` upstream posts per request (`maxAttempts`) | none |
 | the router is unavailable: connection refused, dropped or timed out, 502/504 from a proxy, the router's own 503 (it tried every replica it may, or none can take traffic) | client | `max_transport_retries` | exponential backoff with jitter |
 | the weight version lags: 409 (no replica of the session's group serves `X-Min-Weight-Version` yet) | client | `max_version_retries` | `Retry-After`, capped |
 | the sampling-mask cap: a 400 naming `--sampling-mask-max-tokens` | client | `max_shrink_retries`, with a smaller top_k | none |
 | the sampling backend: 500 | client | `max_server_error_retries` | none |
 | anything else (other 4xx, an unreadable 200) | nobody | final | |
-| a failed turn (`TurnFailed`, or any error of the generate function) | driver | none: the prompt group is dropped and counted | |
+| the router stays unavailable: a turn fails with `TurnFailed("unavailable")` (the client's transport retries spent) | driver | unbounded, one probe group at a time, until the router answers or the trainer stops (its rollout stall limit ends the run) | `OutagePolicy`: exponential backoff with jitter, 1 s doubling to 30 s, x U(0.5, 1); the prompt group is put back, not dropped |
+| any other failed turn (`TurnFailed`, or any error of the generate function) | driver | none: the prompt group is dropped and counted | |
+
+The driver's outage rule is a circuit breaker: the first group that fails "unavailable" opens it, no new
+prompt is dispatched while it is open, every group that fails "unavailable" is put back (the same
+prompt index is dispatched again later, never skipped), and after each wait ONE group probes the
+router; a turn that succeeds closes it. Before issue 32 the driver dropped those groups: a 5 s router
+outage dropped 16 prompt groups, a dead fleet burned 536 prompts.
 
 Talking to a replica directly (no router: tests, benchmarks), the client's rule for 503 is the same
 (SGLang answers 503 when its queue is full).
@@ -37,6 +44,13 @@ REPLICA_FAILURE_STATUSES = frozenset({502, 503, 504})
 UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
 
 
+def backoff_seconds(attempt: int, initial_s: float, max_s: float, draw: float) -> float:
+    """The wait before retry `attempt` (1, 2, ...): initial_s * 2^(attempt-1), capped at max_s, times
+    U(0.5, 1) from `draw` in [0, 1) (jitter: clients that failed together do not retry together)."""
+    exponent = min(max(attempt - 1, 0), 60)  # 2^60 x any initial wait is past every cap
+    return min(max_s, initial_s * 2.0**exponent) * (0.5 + draw / 2)
+
+
 @dataclass(frozen=True)
 class ClientRetryPolicy:
     """What the sampler client retries for one turn, per concern (the table above)."""
@@ -50,6 +64,10 @@ class ClientRetryPolicy:
     min_top_k: int = 64  # ... never below this
     max_server_error_retries: int = 1  # sampling backend error (500)
 
+    def backoff(self, attempt: int, draw: float) -> float:
+        """The wait before transport retry `attempt` (`backoff_seconds`)."""
+        return backoff_seconds(attempt, self.backoff_initial_s, self.backoff_max_s, draw)
+
     @property
     def max_posts(self) -> int:
         """The most posts of one turn: the first, plus every retry of every concern."""
@@ -60,6 +78,18 @@ class ClientRetryPolicy:
             + self.max_shrink_retries
             + self.max_server_error_retries
         )
+
+
+@dataclass(frozen=True)
+class OutagePolicy:
+    """The rollout driver's wait while the router stays unavailable (the table above): no new prompt
+    and one probe group per wait; the wait before probe n is `backoff_seconds(n, ...)`."""
+
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+    def backoff(self, attempt: int, draw: float) -> float:
+        return backoff_seconds(attempt, self.backoff_initial_s, self.backoff_max_s, draw)
 
 
 def turn_upstream_posts(

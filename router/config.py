@@ -48,19 +48,43 @@ class GroupConfig(_Model):
         return urls
 
 
+# The largest legitimate request body (docs/router.md, "Bounds"): a prompt of the whole context as
+# JSON (token ids are at most 8 bytes each with their separator; text, JSON-escaped, stays under 32 bytes
+# a token), plus 1 MiB for sampling parameters and the rest of the body.
+BODY_BYTES_PER_CONTEXT_TOKEN = 32
+BODY_OVERHEAD_BYTES = 1024 * 1024
+# The context length assumed when the job does not state one (model.maxSeqLen unset): 128k tokens.
+DEFAULT_CONTEXT_TOKENS = 131072
+
+
+def max_body_bytes_for(context_tokens: int) -> int:
+    """The router's body limit for a model whose context (prompt + generation) is `context_tokens`."""
+    return BODY_OVERHEAD_BYTES + BODY_BYTES_PER_CONTEXT_TOKEN * context_tokens
+
+
 class RouterConfig(_Model):
     host: str = "127.0.0.1"
     port: int = Field(default=30000, ge=0, le=65535)
     groups: list[GroupConfig] = Field(default_factory=list)
-    # Active health checks: GET /health (+ /model_info for the served weight version).
+    # Readiness from a generation probe: GET healthPath (SGLang's /health_generate runs a one-token
+    # generation; /health only says the HTTP server is up) + /model_info for the served weight version.
+    health_path: str = Field(default="/health_generate", pattern=r"^/\S*$")
     health_interval_seconds: float = Field(default=2.0, gt=0.0)
     # How often the replica URLs' host names are looked up again (a headless Service: its ready pods).
     resolve_interval_seconds: float = Field(default=2.0, gt=0.0)
-    health_timeout_seconds: float = Field(default=2.0, gt=0.0)
+    # Below SGLang's own limit (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s) so that a hung engine reads as a
+    # probe that timed out (hung), not as its 503 (also its answer while draining on shutdown).
+    health_timeout_seconds: float = Field(default=5.0, gt=0.0)
     failure_threshold: int = Field(default=2, ge=1)
-    # Upstream client. No read timeout by default: a long generation is not a failure.
+    # Probes without an answer for this long: the replica is hung and its requests in flight move. Longer
+    # than a weight load blocks SGLang's scheduler (update_weights_from_disk; the pod's readinessProbe
+    # allows 45 s), shorter than the sampler client's 120 s read timeout.
+    hung_after_seconds: float = Field(default=60.0, ge=0.0)
     connect_timeout_seconds: float = Field(default=2.0, gt=0.0)
-    request_timeout_seconds: float | None = Field(default=None, gt=0.0)
+    # An upstream attempt without an answer this long gets its replica's generation probed: a replica
+    # found hung (hungAfterSeconds) is ejected and its requests move; any other keeps them (a long
+    # generation is not a failure, and moving it would run it twice). None: only the periodic probe.
+    request_timeout_seconds: float | None = Field(default=30.0, gt=0.0)
     max_connections_per_replica: int = Field(default=256, ge=1)
     # Upstream posts per request across replicas and groups (each replica once) before answering 503:
     # the router's part of the one retry policy of a turn (rlfleet/retries.py).
@@ -69,7 +93,17 @@ class RouterConfig(_Model):
     # than `loadSlack` requests in flight above the least loaded one.
     load_slack: int = Field(default=2, ge=0)
     retry_after_seconds: int = Field(default=1, ge=0)
-    max_body_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    # Bounds against the router's clients (docs/router.md, "Bounds"): the largest body (413 above it),
+    # the bytes of all bodies being read or routed at once (a request over the budget waits up to
+    # bodyWaitSeconds, then 503 + Retry-After), the time a connection has to send a request's headers
+    # (from its start or its previous response; also the idle keep-alive limit) and its body (408),
+    # and the client connections held at once (None: half the process's file descriptor limit).
+    max_body_bytes: int = Field(default=max_body_bytes_for(DEFAULT_CONTEXT_TOKENS), ge=1024)
+    body_budget_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    body_wait_seconds: float = Field(default=10.0, ge=0.0)
+    header_timeout_seconds: float = Field(default=10.0, gt=0.0)
+    body_timeout_seconds: float = Field(default=30.0, gt=0.0)
+    max_client_connections: int | None = Field(default=None, ge=1)
     # Admin API bearer token: read from this file (a mounted Secret) or else this env variable.
     admin_token_file: str | None = None
     admin_token_env: str = "RLFLEET_ROUTER_ADMIN_TOKEN"
@@ -81,6 +115,15 @@ class RouterConfig(_Model):
     api_key_env: str | None = None
     # Annotate JSON responses: meta_info gets rlfleet_group / rlfleet_replica fields.
     annotate_body: bool = True
+
+    @model_validator(mode="after")
+    def _body_fits_budget(self) -> RouterConfig:
+        if self.body_budget_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"bodyBudgetBytes ({self.body_budget_bytes}) must be >= maxBodyBytes ({self.max_body_bytes}): "
+                "a body of the largest size must fit the budget"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_groups(self) -> RouterConfig:

@@ -8,14 +8,25 @@ Usage (inside a running event loop):
     ...
     await router.close()
 
-Failure semantics (why no request is lost): a refused/dropped/timed-out connection or an HTTP
-502/503/504 from a replica is a replica failure; the request is retried on the next replica of the
+Failure semantics (why no request is lost): a refused/dropped/timed-out connection, an HTTP
+502/503/504 from a replica or a replica found hung (below) is a replica failure; the request is retried on the next replica of the
 same group, and when the group has none left, on the session's next group in its rendezvous order
 (the session re-sticks there until its group is back), each replica at most once and at most
 `maxAttempts` posts per request. Retrying across replicas is the router's alone: the client retries
 the router's 503 only after a backoff, and the driver none (rlfleet/retries.py, the one policy of a
 turn). /generate is safe to repeat: sampling has no side effects. Other statuses (400, 500, ...) are
 the request's own outcome and pass through.
+
+Hung replicas (docs/router.md, "Hung replicas"): readiness is a generation probe (`healthPath`, SGLang's
+/health_generate: a one-token generation), not /health, which an engine whose scheduler hangs may still
+answer. A probe without an answer in `healthTimeoutSeconds` is a failure like any other (after
+`failureThreshold` the replica takes no new request). When its probes have had no answer for
+`hungAfterSeconds` (longer than a weight load blocks a scheduler) the replica is hung: every request in
+flight on it is cancelled upstream (its connection closed: SGLang aborts it) and retried on the next
+replica. An attempt with no answer after `requestTimeoutSeconds` probes its replica at once (one probe
+per replica at a time) and moves only if that finds it hung; otherwise it keeps waiting, because a
+long generation is not a failure and moving it would run it twice. A client that disconnects cancels
+its upstream request the same way.
 
 Minimum weight version (header `X-Min-Weight-Version`): replicas known to serve an older version
 are skipped; a response whose meta_info reports an older version is discarded and retried; when no
@@ -41,6 +52,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rlfleet.retries import REPLICA_FAILURE_STATUSES
 from rlfleet.router import hashing, membership, meta
@@ -55,6 +67,11 @@ HEADER_GROUP = "X-RLFleet-Group"
 HEADER_REPLICA = "X-RLFleet-Replica"
 HEADER_VERSION = "X-RLFleet-Weight-Version"
 HEADER_ATTEMPTS = "X-RLFleet-Attempts"
+FALLBACK_HEALTH_PATH = "/health"  # for an upstream without a generation probe (404 on healthPath)
+
+# A generation probe's verdict: it answered 200 (generates); another status (starting, draining); no
+# answer in time (silent: hung once that lasts hungAfterSeconds); its connection refused (down) or dropped.
+ProbeVerdict = Literal["ok", "unready", "silent", "refused", "dropped"]
 
 
 @dataclass
@@ -110,6 +127,13 @@ class Router:
         self._health_task: asyncio.Task[None] | None = None
         self._resolve_task: asyncio.Task[None] | None = None
         self._random = random.Random()
+        # Per replica URL: set when the replica is found hung (its in-flight requests move), the
+        # generation probe in progress (shared by everyone who asks), and those without a probe.
+        self._hung: dict[str, asyncio.Event] = {}
+        self._probes: dict[str, asyncio.Future[ProbeVerdict]] = {}
+        self._no_generation_probe: set[str] = set()
+        self._generated_at: dict[str, float] = {}  # when the replica last answered a generation (200)
+        self._silent_since: dict[str, float] = {}  # since when its probes get no answer
         # Returns the data-plane key the replicas want (or None); set by the service.
         self.upstream_key: Callable[[], str | None] = lambda: None
 
@@ -122,9 +146,7 @@ class Router:
     async def start(self, health_checks: bool = True) -> None:
         if self._transport is None:
             self._transport = make_transport(
-                self.config.connect_timeout_seconds,
-                self.config.request_timeout_seconds,
-                self.config.max_connections_per_replica,
+                self.config.connect_timeout_seconds, self.config.max_connections_per_replica
             )
         await self.resolve_replicas()  # before serving: the first requests find the groups' replicas
         if self._names() and self._resolve_task is None:
@@ -218,7 +240,7 @@ class Router:
         replica.requests += 1
         replica.inflight += 1
         try:
-            status, content_type, data, opened = await self._send(req, replica.url + req.path)
+            status, content_type, data, opened = await self._send_watched(req, replica)
         except asyncio.CancelledError:  # the client went away (or shutdown): keep counts right
             replica.inflight -= 1
             raise
@@ -239,6 +261,34 @@ class Router:
             result.weight_version = replica.weight_version
             return self._finish(result, group.name, replica, req.attempts, req.started, keep_inflight=True)
         return self._answered(req, group, replica, status, content_type, data)
+
+    async def _send_watched(
+        self, req: _Request, replica: Replica
+    ) -> tuple[int, str, bytes, StreamingResponse | None]:
+        """`_send` to the replica, given up (the upstream request cancelled) when the replica is found
+        hung: by the periodic probe, or by the probe this attempt asks for after every
+        `requestTimeoutSeconds` without an answer. Raises UpstreamError("hung") then."""
+        send = asyncio.ensure_future(self._send(req, replica.url + req.path))
+        hung = asyncio.ensure_future(self._hung_event(replica).wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait(
+                    (send, hung), timeout=self.config.request_timeout_seconds, return_when=asyncio.FIRST_COMPLETED
+                )
+                if send in done:
+                    return send.result()
+                if hung in done or (await self._probe(replica) == "silent" and self._is_hung(replica)):
+                    if send.done():
+                        continue  # it answered while the probe ran: that answer stands
+                    self._eject_hung(replica)
+                    raise UpstreamError("hung", hard=True, detail="its generation probes got no answer")
+        finally:
+            hung.cancel()
+            if not send.done():
+                send.cancel()  # closes the upstream connection: the engine aborts the request
+                await asyncio.wait((send,))
+            if not send.cancelled():
+                send.exception()  # retrieved: an error after the replica was given up is not news
 
     async def _send(
         self, req: _Request, url: str
@@ -273,6 +323,8 @@ class Router:
         """A whole (non-streamed) answer: discarded as a VersionConflict when its meta_info reports an
         older version than requested, else annotated, accounted and returned."""
         replica.inflight -= 1
+        if status == 200:
+            self._generated_at[replica.url] = time.monotonic()
         scan = meta.scan(data) if status == 200 else None
         version = scan.weight_version if scan is not None else None
         if req.min_version is not None and version is not None and version < req.min_version:
@@ -333,6 +385,15 @@ class Router:
             result._started = started
         return result
 
+    async def wait_hung(self, result: RouteResult) -> None:
+        """Return when the replica a streamed result comes from is found hung (its stream then ends:
+        what went out cannot be retried)."""
+        replica = result._replica_obj
+        if replica is None:
+            await asyncio.Future()  # not a stream: never
+        else:
+            await self._hung_event(replica).wait()
+
     async def finish_stream(self, result: RouteResult, ok: bool) -> None:
         """Release a streamed upstream response and account for it."""
         if result.stream is not None:
@@ -340,6 +401,8 @@ class Router:
         replica = result._replica_obj
         if replica is not None:
             replica.inflight -= 1
+            if ok and result.status == 200:
+                self._generated_at[replica.url] = time.monotonic()
             self.table.mark_result(replica, ok, self.config.failure_threshold)
             result._replica_obj = None
         if result.group is not None:
@@ -412,20 +475,76 @@ class Router:
             await asyncio.gather(*(self._check_replica(r) for r in replicas))
 
     async def _check_replica(self, replica: Replica) -> None:
-        timeout = self.config.health_timeout_seconds
         threshold = self.config.failure_threshold
-        key = self.upstream_key()
-        headers = {"Authorization": f"Bearer {key}"} if key else None
-        try:
-            response = await self.transport.get(replica.url + "/health", timeout, headers)
-        except UpstreamError as exc:
-            self.table.mark_result(replica, False, threshold, hard=exc.hard)
-            return
-        if response.status != 200:
-            self.table.mark_result(replica, False, threshold)
+        verdict = await self._probe(replica)
+        if verdict != "ok":
+            hung = verdict == "silent" and self._is_hung(replica)
+            if hung:
+                self._eject_hung(replica)
+            self.table.mark_result(replica, False, threshold, hard=hung or verdict == "refused")
             return
         self.table.mark_result(replica, True, threshold)
-        await self._refresh_version(replica, timeout, headers)
+        if self._hung_event(replica).is_set():
+            self._hung[replica.url] = asyncio.Event()  # generating again: later requests stay on it
+        await self._refresh_version(replica, self.config.health_timeout_seconds, self._probe_headers())
+
+    def _probe_headers(self) -> dict[str, str] | None:
+        key = self.upstream_key()
+        return {"Authorization": f"Bearer {key}"} if key else None
+
+    def _hung_event(self, replica: Replica) -> asyncio.Event:
+        return self._hung.setdefault(replica.url, asyncio.Event())
+
+    def _is_hung(self, replica: Replica) -> bool:
+        """Whether the replica's probes have had no answer for hungAfterSeconds."""
+        since = self._silent_since.get(replica.url)
+        return since is not None and time.monotonic() - since >= self.config.hung_after_seconds
+
+    def _eject_hung(self, replica: Replica) -> None:
+        """Give up every request in flight on a hung replica (they move); the caller marks it down."""
+        if not self._hung_event(replica).is_set():
+            log.warning(
+                "replica %s is hung (its generation probes got no answer for %.0f s): ejected, its requests move",
+                replica.url,
+                self.config.hung_after_seconds,
+            )
+            self._hung_event(replica).set()
+
+    async def _probe(self, replica: Replica) -> ProbeVerdict:
+        """The replica's generation probe: one at a time per replica, its verdict shared by all who ask."""
+        probe = self._probes.get(replica.url)
+        if probe is None:
+            probe = asyncio.ensure_future(self._run_probe(replica))
+            self._probes[replica.url] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(replica.url, None))
+        return await asyncio.shield(probe)
+
+    async def _run_probe(self, replica: Replica) -> ProbeVerdict:
+        started = time.monotonic()
+        verdict = await self._ask_probe(replica, started)
+        if verdict == "silent":
+            self._silent_since.setdefault(replica.url, started)
+        else:  # it answered (or is down: its requests fail by themselves)
+            self._silent_since.pop(replica.url, None)
+        return verdict
+
+    async def _ask_probe(self, replica: Replica, started: float) -> ProbeVerdict:
+        no_probe = replica.url in self._no_generation_probe
+        path = FALLBACK_HEALTH_PATH if no_probe else self.config.health_path
+        try:
+            response = await self.transport.get(
+                replica.url + path, self.config.health_timeout_seconds, self._probe_headers()
+            )
+        except UpstreamError as exc:
+            if exc.kind == "timeout":
+                # As SGLang's own probe: any generation answered since it started counts (only slow).
+                return "ok" if self._generated_at.get(replica.url, -1.0) >= started else "silent"
+            return "refused" if exc.hard else "dropped"
+        if response.status == 404 and not no_probe:
+            log.warning("%s has no %s: its readiness is %s (a hang goes unseen)", replica.url, path, FALLBACK_HEALTH_PATH)
+            self._no_generation_probe.add(replica.url)
+            return await self._ask_probe(replica, started)
+        return "ok" if response.status == 200 else "unready"
 
     async def _refresh_version(self, replica: Replica, timeout: float, headers: dict[str, str] | None) -> None:
         # SGLang serves /model_info (newer) and /get_model_info (older); both carry weight_version.

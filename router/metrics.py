@@ -74,12 +74,23 @@ class RouterMetrics:
         )
         self.errors = Counter(
             "rlfleet_router_upstream_errors",
-            "failed attempts, by group and kind (connect, disconnect, timeout, http_5xx, version_conflict)",
+            "failed attempts, by group and kind (connect, disconnect, timeout, hung, http_5xx, version_conflict)",
             ["group", "kind"],
             registry=self.registry,
         )
         self.retries = Counter(
             "rlfleet_router_retries", "attempts after the first one, by the group retried on", ["group"],
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "rlfleet_router_refused_requests",
+            "requests answered before routing, by reason (body_too_large, body_budget, body_timeout, deep_json)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.refused_connections = Counter(
+            "rlfleet_router_refused_connections",
+            "client connections closed on accept (maxClientConnections)",
             registry=self.registry,
         )
         self.registry.register(_TableCollector(table))
@@ -106,3 +117,6 @@ class RouterMetrics:
 
     def retry(self, group: str) -> None:
         self._child(self.retries, group).inc()
+
+    def refuse(self, reason: str) -> None:
+        self._child(self.refused, reason).inc()

@@ -7,6 +7,11 @@ and the router presents the same key to the replicas, like SGLang's --api-key; w
        Responses carry X-RLFleet-Group / -Replica / -Weight-Version / -Attempts headers, and JSON
        bodies get `rlfleet_group` / `rlfleet_replica` inside each `meta_info`.
   GET /health, GET /metrics (Prometheus).
+Bounds against clients (docs/router.md, "Bounds"; router/bounds.py): a body over maxBodyBytes is a
+413, a request whose body does not fit the byte budget within bodyWaitSeconds a 503 with Retry-After,
+a body not sent within bodyTimeoutSeconds a 408, a connection without a complete request header within
+headerTimeoutSeconds is closed, and so is one over maxClientConnections. A client that disconnects
+cancels its request (and so its upstream request).
 Admin API (bearer token from a mounted Secret file or an env variable; disabled without one):
   GET /admin/state; PUT /admin/shares {"shares": {group: weight}}; PUT /admin/groups/{name}
   {"quarantined": b}. The groups and their replicas are the config's (router/membership.py).
@@ -30,6 +35,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from rlfleet.router.bounds import (
+    BoundedTCPSite,
+    ByteBudget,
+    default_max_connections,
+    return_freed_bodies_to_the_os,
+)
 from rlfleet.router.config import (
     GroupConfig,
     GroupUpdate,
@@ -47,6 +58,10 @@ BodyModel = TypeVar("BodyModel", bound=BaseModel)  # an admin request body (_rea
 SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")
 MIN_VERSION_HEADER = "X-Min-Weight-Version"
 PROXIED_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
+# A body with more brackets than this is decoded before it is routed, so that one nested too deep to
+# decode is a 400 here (JSON of a legitimate request nests a few levels: a batch of prompts, chat
+# messages; the cheap count keeps ordinary bodies from being decoded).
+BRACKETS_BEFORE_DECODE = 1000
 
 
 class TokenSource:
@@ -74,6 +89,7 @@ class TokenSource:
 ROUTER_KEY: web.AppKey[Router] = web.AppKey("router", Router)
 TOKEN_KEY: web.AppKey[TokenSource] = web.AppKey("token", TokenSource)
 API_KEY: web.AppKey[TokenSource] = web.AppKey("api_key", TokenSource)
+BUDGET_KEY: web.AppKey[ByteBudget] = web.AppKey("body_budget", ByteBudget)
 
 
 def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> web.Response:
@@ -85,12 +101,14 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 
 
 def _wants_stream(body: bytes) -> bool:
-    if b'"stream"' not in body:  # cheap check first: decoding a big prompt costs real time
+    """Whether the body asks for a stream. Raises RecursionError for JSON nested too deep to decode."""
+    deep = body.count(b"[") + body.count(b"{") > BRACKETS_BEFORE_DECODE
+    if b'"stream"' not in body and not deep:  # cheap check first: decoding a big prompt costs real time
         return False
     try:
         decoded = json.loads(body)
     except ValueError:
-        return False
+        return False  # not JSON: the replica says what is wrong with it
     return isinstance(decoded, dict) and decoded.get("stream") is True
 
 
@@ -128,7 +146,64 @@ def _upstream_headers(
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
-    body = await request.read()
+    config = router.config
+    if request.content_length is not None and request.content_length > config.max_body_bytes:
+        router.metrics.refuse("body_too_large")
+        return _closing(_too_large(config.max_body_bytes))
+    # Held from before the body is read until it is routed (a body without a length: the largest).
+    held = request.content_length if request.content_length is not None else config.max_body_bytes
+    budget = request.app[BUDGET_KEY]
+    if not await budget.acquire(held, config.body_wait_seconds):
+        router.metrics.refuse("body_budget")
+        message = f"the router holds {budget.in_use} bytes of request bodies (bodyBudgetBytes {budget.capacity}); retry"
+        return _closing(_error(503, message, {"Retry-After": str(config.retry_after_seconds)}))
+    try:
+        routed = await _read_and_route(request, router)
+    finally:
+        await budget.release(held)
+    if isinstance(routed, web.StreamResponse):
+        return routed
+    upstream = routed.stream
+    if upstream is None:
+        return web.Response(
+            status=routed.status, body=routed.body, headers={**routed.headers, "Content-Type": routed.content_type}
+        )
+    return await _relay_stream(request, router, routed, upstream)
+
+
+def _closing(response: web.Response) -> web.Response:
+    """An answer given before the body was read: the connection closes after it (the body is not drained)."""
+    response.force_close()
+    return response
+
+
+def _too_large(limit: int) -> web.Response:
+    return _error(413, f"request body is larger than maxBodyBytes ({limit} bytes), the largest request of the job's context")
+
+
+async def _read_body(request: web.Request, limit: int) -> bytearray | None:
+    """The request's body, None once it grows past `limit`. Read into one buffer (aiohttp's
+    request.read() copies its buffer into bytes at the end: twice the body at that moment)."""
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return body
+
+
+async def _read_and_route(request: web.Request, router: Router) -> RouteResult | web.Response:
+    """Read the body (within bodyTimeoutSeconds) and route it: the route's result, or the error answer."""
+    config = router.config
+    try:
+        async with asyncio.timeout(config.body_timeout_seconds):
+            body = await _read_body(request, config.max_body_bytes)
+    except TimeoutError:
+        router.metrics.refuse("body_timeout")
+        return _closing(_error(408, f"request body not received within bodyTimeoutSeconds ({config.body_timeout_seconds} s)"))
+    if body is None:  # a body without Content-Length that grew past the limit
+        router.metrics.refuse("body_too_large")
+        return _closing(_too_large(config.max_body_bytes))
     headers = request.headers
     session_key = headers.get(SESSION_HEADERS[0]) or headers.get(SESSION_HEADERS[1])
     raw_version = headers.get(MIN_VERSION_HEADER)
@@ -138,14 +213,12 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     upstream_headers = _upstream_headers(headers, request.app[API_KEY].token(), raw_version, session_key)
     if upstream_headers is None:
         return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
-    stream = _wants_stream(body)
-    result = await router.route(request.path, body, session_key, min_version, upstream_headers, stream)
-    upstream = result.stream
-    if upstream is None:
-        return web.Response(
-            status=result.status, body=result.body, headers={**result.headers, "Content-Type": result.content_type}
-        )
-    return await _relay_stream(request, router, result, upstream)
+    try:
+        stream = _wants_stream(body)
+    except RecursionError:
+        router.metrics.refuse("deep_json")
+        return _error(400, "request body is JSON nested too deeply to decode (a generation request nests a few levels)")
+    return await router.route(request.path, body, session_key, min_version, upstream_headers, stream)
 
 
 async def _relay_stream(
@@ -154,17 +227,26 @@ async def _relay_stream(
     """Copy a streamed upstream answer to the caller, then release it (ok only if it all went out)."""
     response = web.StreamResponse(status=result.status, headers={**result.headers, "Content-Type": result.content_type})
     ok = False
+    hung = asyncio.ensure_future(_release_when_hung(router, result, upstream))
     try:
         await response.prepare(request)
         async for chunk in upstream.chunks():
             await response.write(chunk)
         await response.write_eof()
         ok = True
-    except Exception as exc:  # upstream died mid-stream: nothing to retry once bytes went out
+    except Exception as exc:  # upstream died (or hung) mid-stream: nothing to retry once bytes went out
         log.info("stream from %s ended early: %s", result.replica, exc)
     finally:
+        hung.cancel()
         await router.finish_stream(result, ok)
     return response
+
+
+async def _release_when_hung(router: Router, result: RouteResult, upstream: StreamingResponse) -> None:
+    """End a stream whose replica is found hung: its connection is closed (the engine aborts the
+    request), and the relay's next read fails."""
+    await router.wait_hung(result)
+    await upstream.release()
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -250,6 +332,7 @@ def build_app(router: Router, token: TokenSource, api_key: TokenSource | None = 
     app[ROUTER_KEY] = router
     app[TOKEN_KEY] = token
     app[API_KEY] = api_key or TokenSource(None, None)
+    app[BUDGET_KEY] = ByteBudget(router.config.body_budget_bytes)
     router.upstream_key = app[API_KEY].token
     for path in PROXIED_PATHS:
         app.router.add_post(path, _proxy)
@@ -268,15 +351,23 @@ async def start_service(config: RouterConfig, health_checks: bool = True) -> tup
     api_key = TokenSource(config.api_key_file, config.api_key_env)
     app = build_app(router, token, api_key)  # before start(): health checks need the upstream key
     await router.start(health_checks=health_checks)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request
+    # (aiohttp >= 3.9 does not cancel by default). keepalive_timeout: the header deadline (router/bounds.py).
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, handler_cancellation=True, keepalive_timeout=config.header_timeout_seconds
+    )
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=1024)
+    max_connections = config.max_client_connections or default_max_connections()
+    site = BoundedTCPSite(
+        runner, config.host, config.port, max_connections, backlog=1024, on_refused=router.metrics.refused_connections.inc
+    )
     await site.start()
     port = runner.addresses[0][1]
     return router, runner, port
 
 
 async def serve(config: RouterConfig) -> None:
+    return_freed_bodies_to_the_os()  # the process is the router's alone (router/bounds.py)
     router, runner, port = await start_service(config)
     print(f"rlfleet router listening on http://{config.host}:{port}", flush=True)
     stop = asyncio.Event()

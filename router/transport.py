@@ -13,6 +13,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+# A body larger than this is sent in pieces of this size, each after the previous one left: the socket's
+# write buffer then holds one piece, not a copy of the whole body (docs/router.md, "Bounds").
+UPLOAD_PIECE_BYTES = 256 * 1024
+
+
+def upload(body: bytes, headers: dict[str, str]) -> tuple[object, dict[str, str]]:
+    """What to pass aiohttp as `data` and `headers`: the body itself when small, else its pieces (with
+    its Content-Length, so the replica still sees a plain, not chunked, request)."""
+    if len(body) <= UPLOAD_PIECE_BYTES:
+        return body, headers
+    return _pieces(body), {**headers, "Content-Length": str(len(body))}
+
+
+async def _pieces(body: bytes) -> AsyncIterator[memoryview]:
+    view = memoryview(body)
+    for start in range(0, len(view), UPLOAD_PIECE_BYTES):
+        yield view[start : start + UPLOAD_PIECE_BYTES]
+
 
 class UpstreamError(Exception):
     def __init__(self, kind: str, hard: bool, detail: str = "") -> None:
@@ -65,11 +83,13 @@ class _AiohttpStream:
 
 
 class AiohttpTransport:
-    def __init__(self, connect_timeout: float, read_timeout: float | None, limit_per_host: int) -> None:
+    def __init__(self, connect_timeout: float, limit_per_host: int) -> None:
         import aiohttp
 
         self._aiohttp = aiohttp
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout, sock_read=read_timeout)
+        # No read timeout: a long generation is not a failure. A replica that stops generating is found
+        # by the router's generation probe (router/core.py, "Hung replicas"), which cancels the post.
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout)
         self._session = aiohttp.ClientSession(
             # Idle connections are dropped after 4 s, before the upstream does (uvicorn, which SGLang
             # runs on, closes them after 5 s): reusing one the server closed fails a POST.
@@ -89,7 +109,8 @@ class AiohttpTransport:
 
     async def post(self, url: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
         try:
-            async with self._session.post(url, data=body, headers=headers) as response:
+            data, sent_headers = upload(body, headers)
+            async with self._session.post(url, data=data, headers=sent_headers) as response:
                 data = await response.read()
                 return UpstreamResponse(response.status, response.headers.get("Content-Type", ""), data)
         except (TimeoutError, self._aiohttp.ClientError, OSError) as exc:
@@ -97,7 +118,8 @@ class AiohttpTransport:
 
     async def open_stream(self, url: str, body: bytes, headers: dict[str, str]) -> StreamingResponse:
         try:
-            response = await self._session.post(url, data=body, headers=headers)
+            data, sent_headers = upload(body, headers)
+            response = await self._session.post(url, data=data, headers=sent_headers)
         except (TimeoutError, self._aiohttp.ClientError, OSError) as exc:
             raise self._error(exc) from exc
         return _AiohttpStream(response)
@@ -115,5 +137,5 @@ class AiohttpTransport:
         await self._session.close()
 
 
-def make_transport(connect_timeout: float, read_timeout: float | None, limit_per_host: int) -> Transport:
-    return AiohttpTransport(connect_timeout, read_timeout, limit_per_host)
+def make_transport(connect_timeout: float, limit_per_host: int) -> Transport:
+    return AiohttpTransport(connect_timeout, limit_per_host)

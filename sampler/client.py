@@ -118,8 +118,11 @@ class SamplerClient:
         mask_cap: int | None = None,
         http: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # the endpoint's bearer key (the router's data-plane key or an engine's --api-key): on every call
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.group = group
         self.replica = replica or self.base_url
         self.policy = policy or ClientRetryPolicy()
@@ -157,7 +160,7 @@ class SamplerClient:
         cfg = config if isinstance(config, SamplingConfig) else SamplingConfig.from_dict(config)
         ids = [int(i) for i in input_ids]
         tries = _Tries(top_k=self._first_top_k(cfg))
-        headers = {}
+        headers = dict(self._auth)
         if session_id is not None:
             headers[SESSION_HEADER] = str(session_id)
         if min_weight_version is not None:
@@ -241,6 +244,7 @@ class SamplerClient:
                 replica=resp.headers.get(REPLICA_HEADER) or self.replica,
                 vocab_size=self.vocab_size,
                 untruncated=not cfg.truncates,
+                routed_experts_top_k=cfg.routed_experts_top_k,
             )
         except (ProtocolError, ValueError) as exc:  # orjson.JSONDecodeError and json's are ValueErrors
             raise self._fail("malformed_response", str(exc), 200, attempts) from None
@@ -270,8 +274,7 @@ class SamplerClient:
 
     async def _backoff(self, reason: str, attempt: int) -> None:
         self.stats.retries[reason] += 1
-        delay = min(self.policy.backoff_max_s, self.policy.backoff_initial_s * 2 ** (attempt - 1))
-        await asyncio.sleep(delay * (0.5 + self._rng.random() / 2))
+        await asyncio.sleep(self.policy.backoff(attempt, self._rng.random()))
 
     def _retry_after(self, resp: httpx.Response, attempt: int) -> float:
         try:
@@ -282,7 +285,7 @@ class SamplerClient:
 
     # ------------------------------------------------------------------------------------ info
     async def get_json(self, path: str) -> Any:
-        resp = await self._http.get(self.base_url + path)
+        resp = await self._http.get(self.base_url + path, headers=self._auth)
         resp.raise_for_status()
         return resp.json()
 

@@ -22,12 +22,20 @@ Response `{"text", "output_ids", "meta_info": {...}}`, meta_info keys read here:
 - `weight_versions`: spans `[{"version": "<str>", "start": i, "end": j}, ...]` covering the output
   tokens (several when the request straddled a weight update); `weight_version` (the last span's
   version, else the server's launch `--weight-version`); versions are our ints as decimal strings;
-- `completion_tokens`, `cached_tokens`, `finish_reason` ({"type": "stop" | "length" | "abort", ...}).
+- `completion_tokens`, `cached_tokens`, `finish_reason` ({"type": "stop" | "length" | "abort", ...});
+- `routed_experts` (a mixture of experts, requested with `return_routed_experts: true` when
+  `SamplingConfig.routed_experts_top_k` > 0; the server must run with --enable-return-routed-experts):
+  base64 of the little-endian int32 bytes of a C-order [P + n - 1, layers, top_k] array
+  (detokenizer_manager.py `_b64_encode_per_request` of the scheduler's `capturer.get_topk`: the
+  positions [routed_experts_start_len = 0, seqlen - 1), each the top-k expert ids the router chose in
+  every layer; the last output token was never forwarded), sent with the finishing chunk.
 `meta_info.rlfleet_group` / `rlfleet_replica` (added by our router) are read when present.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import itertools
 import math
 import re
@@ -83,8 +91,13 @@ class SamplingConfig:
     candidate_mode: str | None = None
     head_size: int = 128  # top_logprobs_num in head mode
     mask_top_k: int = DEFAULT_MASK_TOP_K
+    routed_experts_top_k: int = 0
+    """0: a dense model, routing not asked for; k > 0: the model's num_experts_per_tok, and each turn
+    carries the experts its mixture of experts routed every position to (`SampledTurn.routed_experts`)."""
 
     def __post_init__(self) -> None:
+        if self.routed_experts_top_k < 0:
+            raise ValueError(f"routed_experts_top_k must be >= 0, got {self.routed_experts_top_k}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -155,6 +168,8 @@ def build_generate_request(
         body["sampling_logprobs_mode"] = "support"
     else:
         body["top_logprobs_num"] = config.head_size
+    if config.routed_experts_top_k:
+        body["return_routed_experts"] = True  # from position 0 (routed_experts_start_len's default)
     if rid is not None:
         body["rid"] = rid
     return body
@@ -207,6 +222,29 @@ def token_weight_versions(meta: Mapping[str, Any], n: int) -> np.ndarray | None:
     return versions
 
 
+def routed_experts_of(meta: Mapping[str, Any], positions: int, top_k: int) -> np.ndarray | None:
+    """`meta_info.routed_experts` -> int32 [positions, layers, top_k] (the layers are what the bytes
+    leave); None when the bytes are not that shape or hold a negative id. ProtocolError when the field
+    is absent: SGLang leaves it out unless launched with --enable-return-routed-experts."""
+    encoded = meta.get("routed_experts")
+    if encoded is None:
+        raise ProtocolError(
+            "meta_info.routed_experts missing: the server must run with --enable-return-routed-experts "
+            "(and serve a mixture of experts) when routed experts are requested"
+        )
+    try:
+        raw = base64.b64decode(str(encoded), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    slots = positions * top_k  # int32 ids per layer
+    if positions < 1 or len(raw) % (4 * slots) or not raw:
+        return None
+    ids = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+    if (ids < 0).any():
+        return None
+    return ids.reshape(positions, ids.size // slots, top_k)
+
+
 def _flatten_float(rows: Sequence[Sequence[float]], count: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.float64, count=count).astype(np.float32)
 
@@ -243,13 +281,17 @@ def parse_generate_response(
     vocab_size: int | None = None,
     untruncated: bool = False,
     tol: float = LOGPROB_TOL,
+    routed_experts_top_k: int = 0,
 ) -> SampledTurn:
     """One SGLang /generate JSON answer -> a validated SampledTurn.
 
     Support mode is detected from `output_token_sampling_mask`, head mode from `output_top_logprobs`.
     `untruncated=True` (top_p = 1, top_k = -1, min_p = 0) lets head mode fill `sampled_logprobs` with
-    the full-vocabulary logprob (q_S = q then). Raises ProtocolError only when there is no readable
-    token list at all; every other defect becomes invalid tokens counted by reason.
+    the full-vocabulary logprob (q_S = q then). `routed_experts_top_k` > 0: `routed_experts` is read
+    (`routed_experts_of`; the server's missing flag is a ProtocolError, bytes of another shape make
+    the turn untrainable as a length mismatch). Raises ProtocolError only when there is no readable
+    token list at all (or no routing when it was asked for); every other defect becomes invalid
+    tokens counted by reason.
     """
     meta = body.get("meta_info") if isinstance(body, Mapping) else None
     if not isinstance(meta, Mapping):
@@ -268,6 +310,11 @@ def parse_generate_response(
     problems, versions = _count_problems(body, meta, output_ids)
     cand = _candidates(meta, n, logprobs, untruncated)
     problems += cand.problems
+    routed = None
+    if routed_experts_top_k:
+        routed = routed_experts_of(meta, len(prompt_ids) + n - 1, routed_experts_top_k)
+        if routed is None:
+            problems.append("routed_experts")
 
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(cand.sizes, out=offsets[1:])
@@ -285,6 +332,7 @@ def parse_generate_response(
         support_logprobs=cand.slp,
         weight_versions=versions,
         candidate_mode=cand.mode,
+        routed_experts=routed,
         **common,  # type: ignore[arg-type]
     )
     if problems:  # the arrays do not line up: nothing of this turn may be trained on
@@ -471,6 +519,7 @@ __all__ = [
     "loads_json",
     "mask_cap_error",
     "parse_generate_response",
+    "routed_experts_of",
     "token_weight_versions",
     "weight_version_of",
 ]

@@ -23,11 +23,18 @@ version at its step (forward and sample happen in the same step, as in SGLang). 
 as SGLang 0.5.23 does (srt/utils/weight_versions.py): `weight_versions` = spans
 `[{version, start, end}, ...]` over the output tokens, several when an update landed mid-request, and
 `weight_version` = the last span's version.
+
+Routed experts (a Qwen3-MoE served with `return_routed_experts: true`): every forward's routing is kept
+per request (the prefill's positions, then one per decode) and returned as SGLang 0.5.23 does, base64 of
+the int32 bytes of [P + n - 1 - routed_experts_start_len, layers, top_k] in `meta_info.routed_experts`
+(SGLang needs --enable-return-routed-experts; this engine always captures for a mixture of experts and,
+like SGLang without a MoE, returns nothing for a dense model).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import random
 import time
@@ -60,16 +67,24 @@ def tiny_shape(**sizes: Any) -> ModelShape:
 def seeded_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     """The tiny Qwen3 init (rlfleet/tiny_qwen3.py `init_weights`) of `shape` from `seed`: what an engine
     started without a checkpoint serves until its first weight update."""
+    from rlfleet.numerics.views import checkpoint_tensors
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
+    moe: dict[str, Any] = (
+        {"architecture": "qwen3_moe", "num_experts": shape.num_experts, "num_experts_per_tok": shape.num_experts_per_tok,
+         "moe_intermediate_size": shape.moe_intermediate_size, "norm_topk_prob": shape.norm_topk_prob}
+        if shape.is_moe
+        else {}
+    )  # fmt: skip
     spec = TinyQwen3(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
         max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=shape.tie_word_embeddings,
-        seed=seed,
+        seed=seed, **moe,
     )
-    return {k: v.detach() for k, v in tiny_model(spec).state_dict().items()}
+    # checkpoint names: a Qwen3-MoE's experts one by one, as its checkpoints and views hold them
+    return {k: v.detach() for k, v in checkpoint_tensors(tiny_model(spec).state_dict()).items()}
 
 WEIGHT_FORMATS = ("fp32", "bf16", "fp8", "fp8_block", "nvfp4", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
@@ -144,6 +159,9 @@ class GenRequest:
     first_token_at: float | None = None
     generator: torch.Generator | None = None
     cancelled: bool = False  # the client went away: free the slot at the next step (SGLang aborts too)
+    return_routed_experts: bool = False  # a mixture of experts only (SGLang omits them for others too)
+    routed_experts_start_len: int = 0
+    routed: list[torch.Tensor] = field(default_factory=list)  # per forward of this request, [tokens, layers, k]
 
     @property
     def error_status(self) -> int | None:
@@ -361,10 +379,12 @@ class ReferenceEngine:
             slots = torch.tensor([r.slot for r in self.running])
             nxt = torch.tensor([[r.out_ids[-1]] for r in self.running])
             rows.extend(self.model(nxt, self.cache, slots)[:, 0])  # [B, V]
+            self._capture_routing(self.running)
         for req in admitted:  # ragged prompts: one prefill each
             rows.append(
                 self.model(torch.tensor([req.input_ids]), self.cache, torch.tensor([req.slot]))[0, -1]
             )
+            self._capture_routing([req])
             self.stats.realtime_prefill_tokens += len(req.input_ids)
         batch = self.running + admitted
         if not batch:
@@ -402,6 +422,16 @@ class ReferenceEngine:
             finished.append(req)
         self.running = still
         return produced, finished
+
+    def _capture_routing(self, reqs: list[GenRequest]) -> None:
+        """Keep the experts the last forward routed each of `reqs`' new tokens to (batch row b is reqs[b]),
+        for the requests that asked (SGLang's routed-experts capturer, which records every forward)."""
+        routed = self.model.routed_experts  # [B, S, layers, k], None for a dense model
+        if routed is None:
+            return
+        for b, req in enumerate(reqs):
+            if req.return_routed_experts:
+                req.routed.append(routed[b].to(torch.int32))
 
     @staticmethod
     def _finish_reason(req: GenRequest, capacity: int) -> dict[str, Any] | None:
@@ -472,6 +502,11 @@ class ReferenceEngine:
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = n
         meta["cached_tokens"] = 0
+        if req.return_routed_experts and req.routed:
+            # SGLang's encoding (detokenizer_manager.py _b64_encode_per_request): the int32 bytes of
+            # [positions start_len .. P + n - 2, layers, top_k]; the last output token is never forwarded
+            routed = torch.cat(req.routed)[req.routed_experts_start_len :].contiguous().numpy()
+            meta["routed_experts"] = base64.b64encode(routed.astype("<i4").tobytes()).decode("ascii")
         meta["weight_versions"] = spans
         meta["e2e_latency"] = round(time.monotonic() - req.created, 6)
         # No tokenizer in the reference engine: text is "" (token-in/token-out is the contract anyway).

@@ -79,6 +79,8 @@ class GenerateBody(BaseModel):
     stream: bool = False
     log_metrics: bool = True
     rid: list[str] | str | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 def _is_int(v: object) -> bool:
@@ -160,6 +162,8 @@ class ItemRequest:
     sampling_logprobs_mode: str | None
     rid: str | None
     log_metrics: bool
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 def _per_item(value: Any, i: int, default: Any) -> Any:
@@ -194,6 +198,8 @@ def normalise_generate(body: GenerateBody) -> tuple[list[ItemRequest], bool]:
                 sampling_logprobs_mode=_per_item(body.sampling_logprobs_mode, i, None),
                 rid=_per_item(body.rid, i, None),
                 log_metrics=body.log_metrics,
+                return_routed_experts=body.return_routed_experts,
+                routed_experts_start_len=body.routed_experts_start_len,
             )
         )
     return items, batched
@@ -341,6 +347,25 @@ def _engine_request(item: ItemRequest, cfg: EngineConfig) -> GenRequest:
         seed=sp.sampling_seed,
         log_metrics=item.log_metrics,
     )
+    if item.return_routed_experts:
+        _check_routed_experts_start(item.routed_experts_start_len, n_in)
+        req.return_routed_experts = True
+        req.routed_experts_start_len = item.routed_experts_start_len
     if item.rid:
         req.rid = item.rid
     return req
+
+
+def _check_routed_experts_start(start: int, n_in: int) -> None:
+    """SGLang's scheduler rule for routed_experts_start_len (scheduler.py: in [0, the input's tokens]),
+    with its messages; SGLang aborts such a request, the reference server refuses it (400)."""
+    if start < 0:
+        raise value_error(
+            f"recv_req.routed_experts_start_len={start} is lower than 0. "
+            "Please use a non-negative routed_experts_start_len."
+        )
+    if start > n_in:
+        raise value_error(
+            f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={n_in}. Please use a smaller routed_experts_start_len."
+        )

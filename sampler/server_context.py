@@ -36,3 +36,6 @@ async def read_json(request: web.Request) -> Any:
         # FastAPI answers an undecodable body as a RequestValidationError (json_invalid)
         body = error_response(400, "body is not valid JSON", "Bad Request").body
         raise web.HTTPBadRequest(text=json.dumps(body), content_type="application/json") from None
+    except RecursionError:  # nested deeper than the decoder goes: the body's fault, not a server error
+        body = error_response(400, "body is JSON nested too deeply to decode", "Bad Request").body
+        raise web.HTTPBadRequest(text=json.dumps(body), content_type="application/json") from None

@@ -12,6 +12,7 @@ router's contract).
 from __future__ import annotations
 
 import asyncio
+import os
 
 from aiohttp import web
 from prometheus_client import generate_latest
@@ -60,10 +61,19 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+def health_check_timeout() -> int:
+    """SGLang's limit for its generation probe: SGLANG_HEALTH_CHECK_TIMEOUT seconds (default 20)."""
+    return int(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+
+
 async def health_generate(request: web.Request) -> web.Response:
+    """A one-token generation, answered as SGLang 0.5.23's /health_generate (http_server.py): 200 once
+    it generated, 503 when it did not within SGLANG_HEALTH_CHECK_TIMEOUT, both with an empty body;
+    routers and readiness probes read a hung (or paused) engine from that."""
     from rlfleet.sampler.reference_engine import GenRequest
     from rlfleet.sampler.sampling import RowParams
 
+    engine = request.app[ENGINE]
     req = GenRequest(
         input_ids=[0],
         params=RowParams(0.0, 1.0, 1, 0.0),
@@ -72,9 +82,9 @@ async def health_generate(request: web.Request) -> web.Response:
         log_metrics=False,
     )
     try:
-        await asyncio.wait_for(request.app[ENGINE].submit(req), timeout=20)
+        await asyncio.wait_for(engine.submit(req), timeout=health_check_timeout())
     except TimeoutError:
-        return web.Response(status=503, text="generation timed out")
+        return web.Response(status=503)
     return web.Response(status=200)
 
 

@@ -4,6 +4,9 @@ channel's pointer.
     rlfleet sampler sync --store /mnt/weights/job --view fp8 --engine-url http://127.0.0.1:30000 \\
         --group h100-fp8 --replica $POD_NAME --cache-dir /weights-cache --port 9400 [--fetch-only]
 
+With RLFLEET_API_KEY in the environment (the operator passes the job's key Secret by reference), every
+call to the engine presents it as `Authorization: Bearer` (the engine runs with `--api-key`).
+
 Launch (`--fetch-only`, the pod's init container): SGLang must START from a checkpoint already in the
 group's format (docs/weights.md), so before SGLang starts the init container waits for the newest
 version of this pod's view, obtains it verified (BLAKE3 per file) and checks its config.json declares
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +36,7 @@ from pathlib import Path
 import httpx
 from aiohttp import web
 
+from rlfleet.api.common import ENGINE_API_KEY_ENV
 from rlfleet.channel import VIEW_NAMES, check_name
 from rlfleet.sampler.engine_clients import DiskEngine, engine_weight_version
 from rlfleet.sampler.launch_checkpoint import read_launch_file
@@ -53,7 +58,7 @@ async def serve(
     stop = stop or asyncio.Event()
     store = open_store(config.store)
     async with httpx.AsyncClient(
-        base_url=config.engine_url.rstrip("/"), timeout=config.request_timeout
+        base_url=config.engine_url.rstrip("/"), timeout=config.request_timeout, headers=engine_headers(config)
     ) as client:
         if config.initial_version is None:  # the version SGLang launched from (engine may still load)
             launched = read_launch_file(config.cache_dir)
@@ -77,11 +82,16 @@ async def fetch(config: SyncConfig, *, stop: asyncio.Event | None = None) -> tup
     """Init-container mode (`--fetch-only`): the launch checkpoint, or None if stopped first."""
     store = open_store(config.store)
     try:
-        async with httpx.AsyncClient(base_url=config.engine_url.rstrip("/")) as client:
+        async with httpx.AsyncClient(base_url=config.engine_url.rstrip("/"), headers=engine_headers(config)) as client:
             syncer = Syncer(config, store, DiskEngine(client))
             return await syncer.fetch_for_launch(stop or asyncio.Event())
     finally:
         store.close()
+
+
+def engine_headers(config: SyncConfig) -> dict[str, str]:
+    """The engine's bearer key on every call (SGLang's `--api-key` leaves only /health* and /metrics open)."""
+    return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -180,6 +190,7 @@ def cli(argv: list[str]) -> int:
         initial_version=args.initial_version,
         require_checkpoint=args.require_checkpoint or args.fetch_only,
         in_place=args.in_place,
+        api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
     )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rlfleet.api.common import SUBSCRIBERS_DIR
 from rlfleet.channel import SUBSCRIBER_STALE_AFTER_SECONDS, SubscriberReport, WeightChannel, now_iso
 from rlfleet.sampler.sync_state import SyncConfig, SyncMetrics, SyncState
 from rlfleet.store import StoreError
@@ -55,7 +56,8 @@ class SubscriberReporter:
                 in_use=in_use,
                 updated_at=now_iso(),
                 failures=sum(state.failures.values()),
-                last_error=state.last_error,
+                # a failing step says why; else a foreign load restored (until a newer version is applied)
+                last_error=state.last_error or state.foreign_message,
             )
             # Write when something changed, else only as a heartbeat (every replica polls every few
             # seconds: rewriting an unchanged report each time would be most of the store's traffic).
@@ -87,7 +89,7 @@ class SubscriberReporter:
         state.report_failures += 1
         state.report_failure_streak += 1
         self.metrics.report_failures.inc()
-        key = f"subscribers/{self.config.group}/{self.config.replica}.json"
+        key = f"{SUBSCRIBERS_DIR}/{self.config.group}/{self.config.replica}.json"
         if state.report_failure_streak == 1:
             log.warning(
                 "could not write the subscriber report %s to %s: %s. Until it is written, retention may "

@@ -29,6 +29,8 @@ class SyncConfig:
     backoff_max: float = 60.0
     keep_local: int = 2
     initial_version: int | None = None
+    api_key: str | None = None
+    """Bearer key of the engine's API (SGLang's `--api-key`): presented on every call but /health."""
     request_timeout: float = 600.0
     report_interval: float = SUBSCRIBER_HEARTBEAT_SECONDS
     """Heartbeat of the subscriber report when nothing changed (seconds). Readers age reports out
@@ -65,6 +67,11 @@ class SyncState:
     """Failed writes of the subscriber report (total)."""
     report_failure_streak: int = 0
     """Failed writes since the last one that succeeded (0: the last write succeeded)."""
+    foreign_versions: int = 0
+    """Times the engine served a version this sidecar had not applied (each time re-applied)."""
+    foreign_message: str | None = None
+    """The last of those, said in the subscriber report (hence the SamplerGroup's status) until a newer
+    version is applied."""
 
 
 class SyncMetrics:
@@ -99,6 +106,14 @@ class SyncMetrics:
         self.report_failures = Counter(
             "rlfleet_weight_sync_report_failures",
             "Failed writes of this replica's subscriber report to the store.",
+            list(labels),
+            registry=self.registry,
+        ).labels(**labels)
+        self.foreign_versions = Counter(
+            "rlfleet_weight_sync_foreign_versions",
+            "Times the engine served weights this sidecar had not applied (another client of the engine's "
+            "weight-update API, or a restart from other weights): each time the channel's version was "
+            "applied again.",
             list(labels),
             registry=self.registry,
         ).labels(**labels)

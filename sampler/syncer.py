@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from rlfleet.api.common import FOREIGN_WEIGHTS_PREFIX
 from rlfleet.channel import ChannelError, ChecksumMismatchError, Manifest, WeightChannel, now_iso
 from rlfleet.sampler.engine_clients import DiskEngine, EngineError, engine_weight_version
 from rlfleet.sampler.launch_checkpoint import (
@@ -108,8 +109,11 @@ class Syncer:
         return True
 
     async def _behind(self, version: int) -> bool:
-        """Whether the engine needs `version`: it is newer than the applied one, or the engine no longer
-        serves what was applied (it restarted, or someone else loaded weights)."""
+        """Whether the engine needs `version`: it is newer than the applied one, or the engine serves
+        something other than what this sidecar applied (it restarted from other weights, or another
+        client called its weight-update API). The engine's word is never taken as the applied version:
+        a foreign load (any path, any version, even one the channel never published) is replaced by the
+        channel's verified `version` and counted (docs/sampler.md, "The engine API")."""
         state = self.state
         if state.applied_version is None or version > state.applied_version:
             return True
@@ -119,16 +123,26 @@ class Syncer:
             state.consecutive_failures = 0
             await self.reporter.report()
             return False
-        # Believe the engine and bring it back to the pointer.
-        log.warning("engine serves v%d, not the applied v%d: re-applying", serving, state.applied_version)
-        state.applied_version = serving
-        self.metrics.applied.set(serving)
-        return version > serving
+        self._foreign(serving, version)
+        return True
+
+    def _foreign(self, serving: int, version: int) -> None:
+        """Count an engine that serves `serving`, which this sidecar did not apply; `version` (the
+        channel's) is applied next."""
+        state = self.state
+        state.foreign_versions += 1
+        state.foreign_message = foreign_version_message(
+            serving, state.applied_version, version, state.foreign_versions, now_iso()
+        )
+        self.metrics.foreign_versions.inc()
+        log.warning("%s", state.foreign_message)
 
     def _applied(
         self, version: int, target: Path, manifest: Manifest, t0: float, t1: float, t2: float
     ) -> None:
         state = self.state
+        if version != state.applied_version:
+            state.foreign_message = None  # a newer version applied: a restored foreign load is history
         state.applied_version = version
         state.consecutive_failures = 0
         state.last_error = None
@@ -275,11 +289,24 @@ class Syncer:
             "failures": dict(s.failures),
             "last_error": s.last_error,
             "report_failures": s.report_failures,
+            "foreign_versions": s.foreign_versions,
+            "foreign": s.foreign_message,
             "last_apply": asdict(s.last_apply) if s.last_apply else None,
             "next_attempt_in_seconds": max(0.0, round(s.next_attempt_at - time.time(), 3))
             if s.next_attempt_at
             else None,
         }
+
+
+def foreign_version_message(serving: int, applied: int | None, version: int, count: int, at: str) -> str:
+    """What the sidecar reports after its engine served `serving` instead of the `applied` version and
+    `version` (the channel's) was applied again: the subscriber report's last_error, read by the operator
+    (reason ForeignWeightVersion) until a newer version is applied."""
+    return (
+        f"{FOREIGN_WEIGHTS_PREFIX} the engine served v{serving}, not v{applied} that this sidecar applied "
+        f"(another client called its weight-update API, or it restarted from other weights); re-applied the "
+        f"channel's v{version} ({count} since start, last at {at})"
+    )
 
 
 def _obtain_failure_reason(error: Exception) -> str:

@@ -17,7 +17,10 @@ import torch
 
 from rlfleet.records import SUPPORT_MODE
 from rlfleet.trainer.batching import FlatBatch
-from rlfleet.trainer.objective import TokenBatch
+from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, TokenBatch
+
+SUM_KEYS = ("num_tokens", "invalid_tokens")
+MAX_KEYS = ("sc_tail_ratio_max",)
 
 
 @dataclass
@@ -58,6 +61,47 @@ def to_token_batch(flat: FlatBatch, group_index: dict[str, int]) -> TokenBatch:
         candidates_are_support=support,
         group_ids=torch.tensor([group_index.get(g, len(group_index)) for g in flat.groups], dtype=torch.long),
         staleness=torch.from_numpy(flat.staleness),
+    )
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Metric dicts of one scope over disjoint token sets (micro-batches, ranks) -> the union's: counts
+    add, token means are token-weighted, maxima take the max; all exact. One part is returned as is;
+    with several the non-decomposable `ess` is dropped."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, float] = {k: sum(p.get(k, 0.0) for p in parts) for k in SUM_KEYS}
+    n = out["num_tokens"]
+    for k in MEAN_METRICS:
+        have = [p for p in parts if k in p]
+        if have and n:
+            out[k] = sum(p[k] * p["num_tokens"] for p in have) / n
+    for k in MAX_KEYS:
+        vals = [p[k] for p in parts if k in p]
+        if vals:
+            out[k] = max(vals)
+    return out
+
+
+def merge_loss_outputs(outs: list[LossOutput]) -> LossOutput:
+    """The objective's outputs over disjoint token sets (micro-batches, ranks) -> the union's: the token
+    mean loss (sum of sums / sum of counts, a detached value), metrics per scope by `combine_metrics`."""
+    per_group: dict[int, list[dict[str, float]]] = {}
+    per_stale: dict[str, list[dict[str, float]]] = {}
+    for o in outs:
+        for g, m in o.per_group.items():
+            per_group.setdefault(g, []).append(m)
+        for b, m in o.per_staleness.items():
+            per_stale.setdefault(b, []).append(m)
+    loss_sum = sum(float(o.loss_sum.detach()) if o.loss_sum is not None else 0.0 for o in outs)
+    n_valid = sum(o.num_valid_tokens for o in outs)
+    return LossOutput(
+        loss=torch.tensor(loss_sum / max(n_valid, 1)),
+        metrics=combine_metrics([o.metrics for o in outs]) if outs else {k: 0.0 for k in SUM_KEYS},
+        per_group={g: combine_metrics(ms) for g, ms in sorted(per_group.items())},
+        per_staleness={b: combine_metrics(ms) for b, ms in sorted(per_stale.items())},
+        loss_sum=torch.tensor(loss_sum),
+        num_valid_tokens=n_valid,
     )
 
 

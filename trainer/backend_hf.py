@@ -3,31 +3,48 @@ causal LM (Qwen3, Llama, ...) through transformers' `AutoModelForCausalLM`.
 
 The training loop drives it through `train_step(flat, group_index) -> (LossOutput, grad_norm)`, `weights()` (HF-named fp32
 tensors for the publisher), `state_dict()` / `load_state_dict()` (checkpoints). The objective is the
-one corrected policy loss of trainer/objective.py, on the same gathered logit rows.
+one corrected policy loss of trainer/objective.py, handed the final hidden states of the sampled
+tokens' positions and the output embedding (the fused lm_head: no [T, V] logits exist).
 
 Precision: fp32 master weights always. On CPU the compute is fp32 (a reference); on a GPU the
 forward runs in bf16 (autocast on one GPU, FSDP2's MixedPrecisionPolicy with fp32 gradient
-reduction on several), and the logits are cast to fp32 before the objective.
+reduction on several); the objective's logit tiles are computed and reduced in fp32.
+
+Micro-batches: each rank's sequences are packed (back to back, no padding, position ids restarting at
+each sequence, which transformers turns into a block-causal mask, or flash attention's variable-length
+path) into micro-batches of at most `max_tokens_per_micro_batch` tokens (trainer/batching.py
+`plan_micro_batches`; a longer sequence trains alone), each forwarded and backwarded in turn, its
+gradient accumulated. A sequence is cut after its last sampled token (causal attention: what follows
+changes no trained row). The model's forward projects no position to the vocabulary
+(`logits_to_keep` empty); the objective does, for the rows of sampled tokens only, tile by tile.
 
 Several processes (FSDP2, `torch.distributed.fsdp.fully_shard`, one shard per rank; `trainer.backend:
 torch` on one node, one rank per GPU under torchrun, which this backend joins when WORLD_SIZE > 1): rank
 0 drives and every other rank runs `follow()` (backend_common.RankCommands, the same commands as the
 megatron backend): each public call on rank 0 broadcasts its command (a step carries the FlatBatch and
 group index), and every rank then executes the same collectives with the same inputs. Every rank gets
-the SAME FlatBatch and trains on its share of the sequences (sequence b goes to rank b % world). The
-loss is the token mean over the WHOLE batch: each rank's sum over its tokens is divided by the global
-token count and multiplied by the world size, because FSDP2 averages gradients over ranks in its
-reduce-scatter; the reduced gradient is then exactly the one-process gradient (tests pin 1e-6 in
-fp32 with 2 gloo processes). Reported loss and mean metrics are combined across ranks (token-weighted,
-exact); `ess` is not decomposable from per-rank means and is reported only with one process.
+the SAME FlatBatch and trains on its share of the sequences (sequence b goes to rank b % world); every
+rank plans every rank's micro-batches, and one with fewer runs idle ones (a one-token forward and
+backward with a zero loss) so that FSDP2's collectives pair up. The loss is the token mean over the
+WHOLE batch (docs/objective.md): the backward of each micro-batch is its loss SUM, and once all are
+done the accumulated gradient is multiplied by world / (the global valid-token count), the world
+size because FSDP2 averages gradients over ranks in its reduce-scatter; the reduced gradient is then
+exactly the one-process, one-micro-batch gradient (tests pin 1e-6 in fp32 with 2 gloo processes).
+Reported loss and mean metrics are combined across micro-batches and ranks (backend_common
+`merge_loss_outputs`: token-weighted, exact); `ess` is not decomposable from per-part means and is
+reported only when the whole batch was one micro-batch on one process.
 
-Logits: only the positions from the first sampled token on are projected (`logits_to_keep`), so the
-prompt's [S, V] block is never materialised.
+Mixture of experts (Qwen3-MoE, transformers' `Qwen3MoeForCausalLM`): trained like a dense model; when its
+config sets `output_router_logits`, the model's router load-balancing loss (transformers' `aux_loss`, over
+every token of the packed micro-batch) times the config's `router_aux_loss_coef` is added to the policy
+loss, each micro-batch's weighted by its valid tokens (docs/objective.md "Mixture of experts"). The reported
+loss is the policy loss alone.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,28 +52,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlfleet.trainer.backend_common import OptimConfig, RankCommands, to_token_batch
-from rlfleet.trainer.batching import FlatBatch
-from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, ObjectiveConfig, policy_loss
-
-SUM_KEYS = ("num_tokens", "invalid_tokens")
-MAX_KEYS = ("sc_tail_ratio_max",)
-
-
-def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Per-rank metric dicts of one scope -> the whole batch's: counts add, token means are
-    token-weighted, maxima take the max. Non-decomposable keys (ess) are dropped."""
-    out: dict[str, float] = {k: sum(p.get(k, 0.0) for p in parts) for k in SUM_KEYS}
-    n = out["num_tokens"]
-    for k in MEAN_METRICS:
-        have = [p for p in parts if k in p]
-        if have and n:
-            out[k] = sum(p[k] * p["num_tokens"] for p in have) / n
-    for k in MAX_KEYS:
-        vals = [p[k] for p in parts if k in p]
-        if vals:
-            out[k] = max(vals)
-    return out
+from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
+from rlfleet.trainer.backend_common import (
+    OptimConfig,
+    RankCommands,
+    merge_loss_outputs,
+    to_token_batch,
+)
+from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
+from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 
 
 class HFBackend(RankCommands):
@@ -70,10 +74,18 @@ class HFBackend(RankCommands):
         temperature: float = 1.0,
         device: str | torch.device | None = None,
         distributed: bool | None = None,
+        max_tokens_per_micro_batch: int = MAX_TOKENS_PER_MICRO_BATCH,
+        activation_checkpointing: bool = False,
     ) -> None:
         """`model`: an HF causal LM in fp32 (see `from_pretrained`). `distributed`: shard with FSDP2
         over the default process group (default: when torch.distributed is initialised with > 1 rank;
-        under torchrun with WORLD_SIZE > 1 the process group is initialised here, nccl on GPUs)."""
+        under torchrun with WORLD_SIZE > 1 the process group is initialised here, nccl on GPUs).
+        `max_tokens_per_micro_batch`: the token budget of one packed forward and backward (RLJob
+        `trainer.maxTokensPerMicroBatch`). `activation_checkpointing`: keep only each decoder layer's
+        input and recompute the layer in backward (transformers' gradient checkpointing)."""
+        if max_tokens_per_micro_batch < 1:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
+        self.max_tokens = max_tokens_per_micro_batch
         if distributed is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             _join_torchrun_group(cpu=device is not None and torch.device(device).type == "cpu")
         self.device = (
@@ -90,6 +102,11 @@ class HFBackend(RankCommands):
         self.rank = dist.get_rank() if self.distributed else 0
         self.bf16 = self.device.type == "cuda"
         model = model.to(device=self.device, dtype=torch.float32)
+        if activation_checkpointing:  # before FSDP2 wraps the layers; non-reentrant: works under FSDP2 and autocast
+            enable: Any = getattr(model, "gradient_checkpointing_enable", None)  # transformers' PreTrainedModel
+            if enable is None:
+                raise ValueError(f"{type(model).__name__} has no gradient checkpointing (not a transformers model)")
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.distributed:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -116,28 +133,12 @@ class HFBackend(RankCommands):
         return cls(model, objective, **kwargs)
 
     # ------------------------------------------------------------------ forward
-    def local_sequences(self, flat: FlatBatch) -> np.ndarray:
-        """The sequences this rank trains on (b % world == rank)."""
+    def local_sequences(self, flat: FlatBatch, rank: int | None = None) -> np.ndarray:
+        """The sequences a rank (default: this one) trains on (b % world == rank)."""
         n = int(flat.input_ids.shape[0])
         if n < self.world:
             raise ValueError(f"a batch of {n} sequences cannot be split over {self.world} trainer ranks")
-        return np.arange(self.rank, n, self.world)
-
-    def row_logits(self, flat: FlatBatch, seqs: np.ndarray, rows: np.ndarray) -> torch.Tensor:
-        """fp32 logits [len(rows), V] / temperature at the rows (of sequences `seqs`) of sampled tokens."""
-        local_index = np.full(int(flat.input_ids.shape[0]), -1, dtype=np.int64)
-        local_index[seqs] = np.arange(len(seqs))
-        input_ids = torch.from_numpy(flat.input_ids[seqs]).to(self.device)
-        seq_len = int(input_ids.shape[1])
-        row_pos = flat.row_pos[rows]
-        first = int(row_pos.min()) if len(rows) else seq_len - 1
-        keep = seq_len - first  # logits of positions first..S-1
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16 and not self.distributed):
-            # Right padding needs no attention mask with causal attention: pads come after every row.
-            logits = self.model(input_ids=input_ids, logits_to_keep=keep, use_cache=False).logits
-        b = torch.from_numpy(local_index[flat.row_seq[rows]]).to(self.device)
-        p = torch.from_numpy(row_pos - first).to(self.device)
-        return logits[b, p].float() / self.temperature
+        return np.arange(self.rank if rank is None else rank, n, self.world)
 
     def _has_followers(self) -> bool:
         return self.distributed
@@ -151,22 +152,87 @@ class HFBackend(RankCommands):
     def _train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:
         self.model.train()
         full = to_token_batch(flat, group_index)
-        seqs = self.local_sequences(flat)
-        rows = np.flatnonzero(np.isin(flat.row_seq, seqs))
-        batch = full.select(torch.from_numpy(rows))
-        batch = batch if self.device.type == "cpu" else batch.to(self.device)
-        out = policy_loss(self.row_logits(flat, seqs, rows), batch, self.objective)
-        total_valid = self._all_sum(float(out.num_valid_tokens))
-        loss_sum = out.loss_sum if out.loss_sum is not None else out.loss * out.num_valid_tokens
-        # FSDP2 averages gradients over ranks: scale by world so the reduced gradient is the global mean.
-        scaled = loss_sum * (self.world / max(total_valid, 1.0))
+        # Every rank plans every rank's micro-batches (the same FlatBatch everywhere): with FSDP2 each
+        # forward and backward is a collective, so a rank with fewer runs idle ones.
+        plans = [plan_micro_batches(flat, self.local_sequences(flat, r), self.max_tokens) for r in range(self.world)]
+        mine = plans[self.rank]
         self.optimizer.zero_grad(set_to_none=True)
-        scaled.backward()
+        outs = [self._micro_batch_backward(flat, full, mb) for mb in mine]
+        for _ in range(max(len(p) for p in plans) - len(mine)):
+            self._idle_backward()
+        local = merge_loss_outputs(outs)
+        total_valid = self._all_sum(float(local.num_valid_tokens))
+        # The gradients hold d(sum of per-token losses): the token mean over the WHOLE batch divides
+        # by the global count, times the world size because FSDP2 averages gradients over ranks.
+        scale = self.world / max(total_valid, 1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_config.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if np.isfinite(grad_norm):
             self.optimizer.step()
-        return self._global_output(out, total_valid), grad_norm
+        return self._global_output(local), grad_norm
+
+    def _micro_batch_backward(self, flat: FlatBatch, full: TokenBatch, mb: MicroBatch) -> LossOutput:
+        """Forward the micro-batch's sequences packed into one row (position ids restart at each
+        sequence: transformers then masks attention block-causally, or takes flash attention's
+        variable-length path), the fused lm_head + objective on the final hidden states of its rows,
+        backward of its loss SUM."""
+        input_ids, position_ids, row_index = mb.packed(flat)
+        batch = full.select(torch.from_numpy(mb.rows))
+        batch = batch if self.device.type == "cpu" else batch.to(self.device)
+        hidden, router_aux = self._final_hidden_states(input_ids, position_ids)
+        rows = hidden[torch.from_numpy(row_index).to(self.device)]
+        # The output embedding read after the forward: under FSDP2 the root's parameters (embedding,
+        # final norm, lm_head) stay unsharded from its forward until the backward.
+        weight = _output_weight(self.model)
+        out = policy_loss(rows, weight, batch, self.objective, temperature=self.temperature)
+        assert out.loss_sum is not None  # policy_loss always returns the sum
+        total = out.loss_sum
+        if router_aux is not None:
+            # A mixture of experts' load-balancing loss (docs/objective.md "Mixture of experts"): the
+            # micro-batch's, weighted by its valid tokens, so that after the division by the global
+            # count the step adds coef x (the token-weighted mean of the micro-batches' aux losses).
+            total = total + _router_aux_loss_coef(self.model) * router_aux * out.num_valid_tokens
+        total.backward()
+        return replace(out, loss=out.loss.detach(), loss_sum=out.loss_sum.detach())
+
+    def _final_hidden_states(
+        self, input_ids: np.ndarray, position_ids: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder's output (after the final norm) [L, H] of one packed row, through the model's
+        own forward (FSDP2's hooks run on it), with no position projected to the vocabulary
+        (`logits_to_keep` empty): the objective does that tile by tile. Second: the model's router
+        load-balancing loss over the row's tokens when it is a mixture of experts whose config sets
+        `output_router_logits` (transformers' `aux_loss`; without an attention mask every token of the
+        pack counts, and a pack has no padding), else None."""
+        captured: list[torch.Tensor] = []
+        hook = _decoder(self.model).register_forward_hook(
+            lambda _module, _args, output: captured.append(output.last_hidden_state)
+        )
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16 and not self.distributed):
+                output = self.model(
+                    input_ids=torch.from_numpy(input_ids).to(self.device)[None],
+                    position_ids=torch.from_numpy(position_ids).to(self.device)[None],
+                    logits_to_keep=torch.zeros(0, dtype=torch.long, device=self.device),
+                    use_cache=False,  # with a cache transformers ignores the restarts: plain causal over the pack
+                )
+        finally:
+            hook.remove()
+        router_aux = getattr(output, "aux_loss", None)  # MoeCausalLMOutputWithPast; dense outputs have none
+        return captured[0][0], router_aux if isinstance(router_aux, torch.Tensor) else None
+
+    def _idle_backward(self) -> None:
+        """A forward and backward of one token with a zero loss: every parameter gets a (zero)
+        gradient, so this rank joins FSDP2's all-gathers and reduce-scatters of a busier rank's
+        micro-batch."""
+        one = np.zeros(1, dtype=np.int64)
+        hidden, router_aux = self._final_hidden_states(one, one)
+        weight = _output_weight(self.model)
+        zero = (hidden.float().sum() + weight.sum()) * 0.0
+        (zero if router_aux is None else zero + router_aux * 0.0).backward()
 
     # ------------------------------------------------------------------ reductions
     def _all_sum(self, value: float) -> float:
@@ -179,28 +245,14 @@ class HFBackend(RankCommands):
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def _global_output(self, out: LossOutput, total_valid: float) -> LossOutput:
-        """The batch-wide LossOutput: the global token-mean loss (a detached value) and combined metrics."""
+    def _global_output(self, local: LossOutput) -> LossOutput:
+        """The batch-wide LossOutput: every rank's merged (merge_loss_outputs: the global token-mean
+        loss as a detached value, token-weighted metrics)."""
         if not self.distributed:
-            return out
-        loss_sum = float((out.loss_sum if out.loss_sum is not None else out.loss).detach())
-        global_loss = self._all_sum(loss_sum) / max(total_valid, 1.0)
+            return local
         parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, (out.metrics, out.per_group, out.per_staleness))
-        per_group: dict[int, dict[str, float]] = {}
-        for gid in sorted({g for p in parts for g in p[1]}):
-            per_group[gid] = combine_metrics([p[1][gid] for p in parts if gid in p[1]])
-        per_stale: dict[str, dict[str, float]] = {}
-        for bucket in sorted({b for p in parts for b in p[2]}):
-            per_stale[bucket] = combine_metrics([p[2][bucket] for p in parts if bucket in p[2]])
-        return LossOutput(
-            loss=torch.tensor(global_loss),
-            metrics=combine_metrics([p[0] for p in parts]),
-            per_group=per_group,
-            per_staleness=per_stale,
-            loss_sum=torch.tensor(global_loss * total_valid),
-            num_valid_tokens=int(total_valid),
-        )
+        dist.all_gather_object(parts, replace(local, loss=local.loss.cpu(), loss_sum=None if local.loss_sum is None else local.loss_sum.cpu()))
+        return merge_loss_outputs(parts)
 
     # ------------------------------------------------------------------ weights and checkpoints
     def weights(self) -> dict[str, torch.Tensor]:
@@ -280,11 +332,35 @@ def _join_torchrun_group(cpu: bool = False) -> None:
     dist.init_process_group(backend="nccl" if on_gpu else "gloo")
 
 
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (`model.model` in the Llama/Qwen3 families): transformers' `get_decoder()`."""
+    get_decoder: Any = getattr(model, "get_decoder", None)  # transformers' PreTrainedModel method
+    if not callable(get_decoder):
+        raise ValueError(f"{type(model).__name__} has no get_decoder() (not a transformers causal LM)")
+    return get_decoder()
+
+
+def _output_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The output embedding (lm_head, or the tied input embedding) [V, H]: transformers'
+    `get_output_embeddings()`."""
+    get_output: Any = getattr(model, "get_output_embeddings", None)
+    if not callable(get_output):
+        raise ValueError(f"{type(model).__name__} has no get_output_embeddings() (not a transformers causal LM)")
+    return get_output().weight
+
+
+def _router_aux_loss_coef(model: torch.nn.Module) -> float:
+    """The weight of a mixture of experts' load-balancing loss: its config's `router_aux_loss_coef`
+    (transformers' MoE configs; Qwen3-MoE: 0.001)."""
+    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    if coef is None:
+        raise ValueError(f"{type(model).__name__} returns a router aux loss but its config has no router_aux_loss_coef")
+    return float(coef)
+
+
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks (the FSDP2 units): `model.model.layers` in the Llama/Qwen3 families."""
-    get_decoder = getattr(model, "get_decoder", None)  # transformers' PreTrainedModel method
-    decoder = get_decoder() if callable(get_decoder) else None
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(_decoder(model), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers)")
     return list(layers)

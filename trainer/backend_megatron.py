@@ -19,17 +19,28 @@ How a step runs (documented megatron-core API, nothing private):
   `LocalRMSNorm` (torch's RMSNorm that also runs under sequence parallelism).
 - Rank 0 drives the rollouts and the loop; every other rank runs `follow()`, executing the commands
   rank 0 broadcasts (`step` with the batch, `weights`, `state`, `load`, `stop`). Each data-parallel
-  rank takes its share of the batch's sequences and cuts it into micro-batches; the loss and metrics
-  rank 0 returns are merged over all data-parallel replicas.
-- Sequence parallelism is on when TP > 1; it needs S % TP == 0, so the batch is right-padded to a
+  rank takes its share of the batch's sequences (b % dp) and cuts it into micro-batches of at most
+  `max_tokens_per_micro_batch` tokens counted with padding (trainer/batching.py `plan_micro_batches`,
+  padded: longest first, each micro-batch padded to its own longest sequence, every sequence cut
+  after its last sampled token; one longer than the budget trains alone). Not packed: megatron-core
+  0.19.2's THD layout (PackedSeqParams) needs TransformerEngine's or flash attention, which the CPU
+  tier's local spec does not have. The loss and metrics rank 0 returns are merged over all
+  micro-batches and data-parallel replicas (backend_common `merge_loss_outputs`).
+- Sequence parallelism is on when TP > 1; it needs S % TP == 0, so each micro-batch is right-padded to a
   multiple of TP (causal attention: real positions are unchanged; the loss reads real positions only).
+- `activation_checkpointing`: TransformerConfig recompute_granularity "full", method "uniform", one
+  layer per checkpoint: each layer keeps its input only and is recomputed in backward.
 - `get_forward_backward_func()(forward_step_func=..., data_iterator=..., model=[model],
   num_microbatches=n, seq_length=S, micro_batch_size=m, forward_only=False)`.
-  `forward_step_func(data_iterator, model) -> (logits, partial(loss_func, micro_batch))`; with
-  labels=None GPTModel returns vocabulary-SHARDED logits [b, s, V/tp].
-  `loss_func(micro_batch, logits) -> (loss_sum, num_valid_tokens, log_dict)`: rows of the sampled
-  tokens / temperature -> `policy_loss(rows, batch, cfg, process_group=tp_group)`, which all-reduces
-  the max / sum-exp / target logits over the TP group and never gathers the vocabulary.
+  `forward_step_func(data_iterator, model) -> (hidden, partial(loss_func, micro_batch))`: the output
+  layer's forward is replaced (`_output_layer_input`) by its input mapping without the matmul, so
+  with labels=None GPTModel returns the final hidden states [b, s, H] (gathered from the
+  sequence-parallel region) instead of logits.
+  `loss_func(micro_batch, hidden) -> (loss_sum, num_valid_tokens, log_dict)`: the hidden states of the
+  sampled tokens' rows and this rank's vocabulary shard of the output weight ->
+  `policy_loss(rows, weight, batch, cfg, process_group=tp_group, temperature)` (the fused lm_head:
+  logits made tile by tile, the max / sum-exp / target logits all-reduced over the TP group; no
+  [T, V] tensor and no gathered vocabulary).
   `TransformerConfig.calculate_per_token_loss=True` + `finalize_model_grads` make the gradient a
   token mean over the WHOLE batch (all micro-batches, all DP ranks), as method.md prescribes.
 - `optimizer.step() -> (ok, grad_norm, num_zeros)` (clipping inside, `OptimizerConfig.clip_grad`).
@@ -55,8 +66,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlfleet.trainer.backend_common import OptimConfig, RankCommands, to_token_batch
-from rlfleet.trainer.batching import FlatBatch
+from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
+from rlfleet.trainer.backend_common import OptimConfig, RankCommands, merge_loss_outputs, to_token_batch
+from rlfleet.trainer.batching import FlatBatch, plan_micro_batches
+from rlfleet.trainer.checkpoint import load_checkpoint_file
 from rlfleet.trainer.megatron_support import parallelism_support, shape_support
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss
 
@@ -86,7 +99,8 @@ class MegatronModelConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1
-    micro_batch_size: int = 1
+    max_tokens_per_micro_batch: int = MAX_TOKENS_PER_MICRO_BATCH  # padded tokens per micro-batch (RLJob trainer.maxTokensPerMicroBatch)
+    activation_checkpointing: bool = False  # recompute every layer in backward (megatron's full, uniform recompute)
     seed: int = 0
     params_dtype: str = "bfloat16"  # the trainer's precision; "float32" in the CPU parity tier
     device: str = "cuda"  # "cpu": a CPU class or the CPU test tier (gloo, local layer spec, trainer/megatron_cpu.py shims)
@@ -243,41 +257,26 @@ def split_tp_shard(name: str, full: torch.Tensor, rank: int, world: int) -> torc
     return full.chunk(world, dim=dim)[rank]
 
 
-def merge_loss_outputs(outs: list[LossOutput]) -> LossOutput:
-    """Token-weighted merge of the objective's outputs of several micro-batches (means of means;
-    the *_max metrics take the max; ESS is approximated by its token-weighted mean)."""
-
-    def merge(dicts: list[dict[str, float]]) -> dict[str, float]:
-        total = sum(d.get("num_tokens", 0.0) for d in dicts)
-        merged: dict[str, float] = {"num_tokens": total, "invalid_tokens": sum(d.get("invalid_tokens", 0.0) for d in dicts)}
-        keys = {k for d in dicts for k in d} - {"num_tokens", "invalid_tokens"}
-        for k in keys:
-            if k.endswith("_max"):
-                merged[k] = max(d[k] for d in dicts if k in d)
-            else:
-                w = [(d.get("num_tokens", 0.0), d[k]) for d in dicts if k in d]
-                n = sum(x for x, _ in w)
-                if n > 0:
-                    merged[k] = sum(x * v for x, v in w) / n
-        return merged
-
-    per_group: dict[int, list] = {}
-    per_stale: dict[str, list] = {}
-    for o in outs:
-        for g, m in o.per_group.items():
-            per_group.setdefault(g, []).append(m)
-        for b, m in o.per_staleness.items():
-            per_stale.setdefault(b, []).append(m)
-    loss_sum = sum(float(o.loss_sum.detach()) if o.loss_sum is not None else 0.0 for o in outs)
-    n_valid = sum(o.num_valid_tokens for o in outs)
-    return LossOutput(
-        loss=torch.tensor(loss_sum / max(n_valid, 1)),
-        metrics=merge([o.metrics for o in outs]),
-        per_group={g: merge(ms) for g, ms in per_group.items()},
-        per_staleness={b: merge(ms) for b, ms in per_stale.items()},
-        loss_sum=torch.tensor(loss_sum),
-        num_valid_tokens=n_valid,
+def _output_layer_input(layer: Any, input_: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None,
+                        **_: Any) -> tuple[torch.Tensor, None]:
+    """Stands in for the output layer's (ColumnParallelLinear) forward: its input as the layer would
+    feed it to its matmul, without the matmul. Gathered from the sequence-parallel region, or copied
+    into the tensor-parallel region: the same collectives the layer runs, so in backward the hidden
+    states' gradient (each TP rank's partial sum over its vocabulary shard) is reduce-scattered or
+    all-reduced over the TP group, as the layer's would be. GPTModel then returns these hidden
+    states [b, s, H] where it returned the logits."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
     )
+
+    if layer.sequence_parallel:
+        return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=layer.tp_group), None
+    return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return n + (-n % multiple)
 
 
 def slice_batch(flat: FlatBatch, seqs: np.ndarray) -> FlatBatch:
@@ -461,6 +460,9 @@ class MegatronBackend(RankCommands):
             context_parallel_size=c.context_parallel,
             sequence_parallel=c.sequence_parallel,
             calculate_per_token_loss=True,  # loss_func returns (sum, n_tokens): token mean over the batch
+            # activation checkpointing: keep each layer's input only and recompute the layer in backward
+            **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+               if c.activation_checkpointing else {}),
         )
         model = mg.GPTModel(
             config=self.tconfig,
@@ -476,6 +478,8 @@ class MegatronBackend(RankCommands):
         ).to(self.device)
         if initial_hf_weights is not None:
             self._load_hf(model, initial_hf_weights)
+        if model.post_process:  # the objective projects to the vocabulary itself (the fused lm_head)
+            model.output_layer.forward = partial(_output_layer_input, model.output_layer)
         ddp_config = mg.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
         self.model = mg.DDP(config=self.tconfig, ddp_config=ddp_config, module=model)
         self.tconfig.finalize_model_grads_func = mg.finalize_model_grads
@@ -524,33 +528,40 @@ class MegatronBackend(RankCommands):
         dev = self.device
         dp_rank, dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         my_seqs = np.arange(flat.input_ids.shape[0])[dp_rank::dp_world]
-        mbs = self.cfg.micro_batch_size
-        micro = [slice_batch(flat, my_seqs[i : i + mbs]) for i in range(0, len(my_seqs), mbs)] or [slice_batch(flat, my_seqs[:0])]
-        # Sequence parallel splits the sequence over the TP ranks and asserts S % TP == 0: pad at the
-        # end. Attention is causal, so the padding changes no real position's logits, and the loss
-        # rows (row_seq, row_pos) address real positions only.
-        seq_len = int(flat.input_ids.shape[1])
-        if self.cfg.sequence_parallel:
-            seq_len += -seq_len % self.cfg.tensor_parallel
+        # Micro-batches of at most max_tokens_per_micro_batch tokens counted with their padding, each
+        # padded to its own longest sequence (megatron's local attention on CPU has no packed THD
+        # path; with TE the padding could go too). Sequence parallel splits the sequence over the TP
+        # ranks and asserts S % TP == 0: pad at the end. Attention is causal, so the padding changes
+        # no real position's logits, and the loss rows (row_seq, row_pos) address real positions only.
+        tp = self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1
+        plan = plan_micro_batches(flat, my_seqs, self.cfg.max_tokens_per_micro_batch, padded=True)
+        micro = [(slice_batch(flat, mb.seqs), _round_up(int(mb.lengths.max()), tp)) for mb in plan]
+        if not micro:  # no trained row on this data-parallel rank: an empty micro-batch keeps the schedule
+            micro = [(slice_batch(flat, my_seqs[:0]), _round_up(max(int(flat.input_ids.shape[1]), 1), tp))]
         tp_group = ps.get_tensor_model_parallel_group()
         outputs: list[LossOutput] = []
 
-        def loss_func(mb: FlatBatch, logits: torch.Tensor):  # logits [b, s, V/tp], vocabulary-sharded
-            rows = logits[torch.from_numpy(mb.row_seq).to(dev), torch.from_numpy(mb.row_pos).to(dev)].float() / self.temperature
+        module = self.model.module
+        weight = module.shared_embedding_or_output_weight() if self.cfg.tie_word_embeddings else module.output_layer.weight
+
+        def loss_func(mb: FlatBatch, hidden: torch.Tensor):  # hidden [b, s, H] (the output layer's input)
+            rows = hidden[torch.from_numpy(mb.row_seq).to(dev), torch.from_numpy(mb.row_pos).to(dev)]
             batch = to_token_batch(mb, group_index).to(dev)
-            out = policy_loss(rows, batch, self.objective, process_group=tp_group)
+            # the fused lm_head: this rank's vocabulary shard of the output weight, logits made tile by tile
+            out = policy_loss(rows, weight, batch, self.objective, process_group=tp_group, temperature=self.temperature)
             assert out.loss_sum is not None  # policy_loss always returns the sum
             outputs.append(replace(out, loss=out.loss.detach().cpu(), loss_sum=out.loss_sum.detach().cpu()))
             n = torch.tensor(out.num_valid_tokens, dtype=torch.int, device=rows.device)
             return out.loss_sum, n, {"loss_sum": out.loss_sum.detach(), "num_tokens": n}
 
         def forward_step_func(data_iterator, model):
-            mb: FlatBatch = next(data_iterator)
+            mb, seq_len = next(data_iterator)
             ids = torch.zeros((mb.input_ids.shape[0], seq_len), dtype=torch.long, device=dev)
-            ids[:, : mb.input_ids.shape[1]] = torch.from_numpy(mb.input_ids).to(dev)
+            width = min(seq_len, mb.input_ids.shape[1])
+            ids[:, :width] = torch.from_numpy(mb.input_ids[:, :width]).to(dev)
             pos = torch.arange(seq_len, device=dev).expand_as(ids)
-            logits = model(ids, pos, attention_mask=None)  # causal mask from the layer spec
-            return logits, partial(loss_func, mb)
+            hidden = model(ids, pos, attention_mask=None)  # causal mask from the layer spec; the output layer's input
+            return hidden, partial(loss_func, mb)
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -559,8 +570,8 @@ class MegatronBackend(RankCommands):
             data_iterator=iter(micro),
             model=[self.model],
             num_microbatches=len(micro),
-            seq_length=seq_len,
-            micro_batch_size=mbs,
+            seq_length=max(n for _, n in micro),  # shapes vary per micro-batch: no pipeline stages to size
+            micro_batch_size=max(mb.input_ids.shape[0] for mb, _ in micro),
             forward_only=False,
         )
         _ok, grad_norm, _zeros = self.optimizer.step()
@@ -571,7 +582,7 @@ class MegatronBackend(RankCommands):
             parts: list[Any] | None = [None] * dp_world if dp_rank == 0 else None
             torch.distributed.gather_object(outputs, parts, dst=torch.distributed.get_global_rank(group, 0), group=group)
             outputs = [o for part in parts for o in part] if parts is not None else outputs
-        merged = merge_loss_outputs(outputs) if outputs else LossOutput(loss=torch.tensor(0.0), metrics={})
+        merged = merge_loss_outputs(outputs)
         return merged, float(grad_norm) if grad_norm is not None else float("nan")
 
     # -- publishing --
@@ -625,7 +636,8 @@ class MegatronBackend(RankCommands):
         with tempfile.TemporaryDirectory(prefix="rlfleet-mg-") as tmp:
             path = os.path.join(tmp, "param_state.pt")
             self.optimizer.save_parameter_state(path)  # collective over the DP group; writes on DP rank 0
-            param_state = torch.load(path, weights_only=False) if os.path.exists(path) else None
+            # weights only (trainer/checkpoint.py, SAFE_GLOBALS): the same state is unpickled from the store on resume
+            param_state = load_checkpoint_file(path) if os.path.exists(path) else None
         local = {"model": model, "optimizer": self.optimizer.state_dict(), "param_state": param_state}
         rank = torch.distributed.get_rank()
         parts: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None

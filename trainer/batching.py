@@ -127,4 +127,75 @@ def flatten_groups(
     )
 
 
-__all__ = ["FlatBatch", "flatten_groups", "HEAD_MODE", "SUPPORT_MODE"]
+@dataclass(frozen=True)
+class MicroBatch:
+    """Some sequences of a FlatBatch trained in one forward and backward: `seqs` (sequence indices) and
+    `lengths`, the tokens each one needs (through its last sampled token: causal attention makes what
+    follows irrelevant to every trained row). `rows` are the FlatBatch rows of these sequences."""
+
+    seqs: np.ndarray  # int64 [n]
+    lengths: np.ndarray  # int64 [n]
+    rows: np.ndarray  # int64 [R] rows of the FlatBatch whose sequence is in `seqs`
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the packed micro-batch (no padding)."""
+        return int(self.lengths.sum())
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens of the micro-batch padded to its longest sequence."""
+        return int(len(self.lengths) * self.lengths.max()) if len(self.lengths) else 0
+
+    def packed(self, flat: FlatBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sequences back to back: (input_ids [L], position_ids [L] restarting at 0 for each sequence,
+        the index in [0, L) of each row's logit), L = `num_tokens`."""
+        starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+        input_ids = np.concatenate([flat.input_ids[b, :n] for b, n in zip(self.seqs, self.lengths, strict=True)])
+        position_ids = np.concatenate([np.arange(n, dtype=np.int64) for n in self.lengths])
+        start_of = dict(zip(self.seqs.tolist(), starts.tolist(), strict=True))
+        row_index = np.array([start_of[int(b)] for b in flat.row_seq[self.rows]], dtype=np.int64) + flat.row_pos[self.rows]
+        return input_ids.astype(np.int64), position_ids, row_index
+
+
+def needed_lengths(flat: FlatBatch) -> np.ndarray:
+    """Per sequence, the tokens its trained rows need: its last row's logit position + 1 (0 without rows)."""
+    need = np.zeros(int(flat.input_ids.shape[0]), dtype=np.int64)
+    np.maximum.at(need, flat.row_seq, flat.row_pos + 1)
+    return need
+
+
+def plan_micro_batches(flat: FlatBatch, seqs: np.ndarray, max_tokens: int, padded: bool = False) -> list[MicroBatch]:
+    """`seqs` of `flat` cut into micro-batches of at most `max_tokens` tokens each, longest first.
+    Packed (`padded=False`, the sequences back to back): first-fit decreasing on the sum of lengths.
+    Padded (every sequence padded to the micro-batch's longest): the cost is count x longest, filled
+    in decreasing length. A sequence longer than the budget alone is one micro-batch of its own (it
+    cannot be split without context parallelism). Sequences without a trained row are left out."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens per micro-batch must be >= 1, got {max_tokens}")
+    need = needed_lengths(flat)
+    seqs = np.asarray(seqs, dtype=np.int64)
+    order = [int(b) for b in sorted(seqs.tolist(), key=lambda b: (-need[b], b)) if need[b] > 0]
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for b in order:
+        n = int(need[b])
+        for i, members in enumerate(bins):
+            cost = (len(members) + 1) * int(need[members[0]]) if padded else used[i] + n
+            if cost <= max_tokens:
+                members.append(b)
+                used[i] += n
+                break
+        else:
+            bins.append([b])
+            used.append(n)
+    out = []
+    for members in bins:
+        ids = np.array(members, dtype=np.int64)
+        out.append(MicroBatch(seqs=ids, lengths=need[ids], rows=np.flatnonzero(np.isin(flat.row_seq, ids))))
+    return out
+
+
+__all__ = [
+    "FlatBatch", "MicroBatch", "flatten_groups", "needed_lengths", "plan_micro_batches", "HEAD_MODE", "SUPPORT_MODE",
+]

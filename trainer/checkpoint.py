@@ -15,6 +15,13 @@ its digest before unpickling them; a checkpoint that is missing, truncated, bit-
 is skipped with a warning for the previous one (`keep` >= 2 keeps one), and only when none loads does
 the resume fail, naming why each was refused. A `latest` of older runs (a bare name) loads unverified.
 
+No pickle from the store runs code: a checkpoint is read with `torch.load(weights_only=True)`
+(`load_checkpoint_file`), whose unpickler builds only tensors, storages, dtypes and plain containers
+(dict, list, tuple, OrderedDict, str, numbers, bool, None) plus the globals in `SAFE_GLOBALS`. Anything
+else (a pickle naming `os.system`, a class of some library) is refused like a damaged file, never
+imported or called: the store is not trusted to hold only what the trainer wrote (an S3 channel whose
+sampler pods share the trainer's credentials lets any of them write it; docs/weights.md, "Stores").
+
 On a cluster checkpoints live next to the weight channel: `<channel path>/checkpoints/` on a
 filesystem store, and the keys `checkpoints/ckpt-<step>.pt` + `checkpoints/latest` under the channel's
 prefix on an S3 store (pass the channel's `Store` instead of a directory; the channel's own keys are
@@ -26,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -107,6 +115,37 @@ class CheckpointError(RuntimeError):
     """No kept checkpoint could be loaded (each one's reason in the message)."""
 
 
+SAFE_GLOBALS: list[Any] = []
+"""Globals a checkpoint may name beyond what `torch.load(weights_only=True)` builds by itself (tensors,
+storages, dtypes, OrderedDict and plain Python values). Empty, because everything the trainer saves is
+made of those: the loop's state (step, data position, history, uids: plain values), the HF backend's
+module and torch.optim state dicts, and megatron-core 0.19.2's `state_dict()` as
+`MegatronBackend` gathers it (model, DistributedOptimizer state dict, `save_parameter_state`'s fp32
+main params and Adam moments): their pickles name only collections.OrderedDict, torch's
+`_rebuild_tensor_v2`, storage classes and dtypes (listed from the pickle opcodes of a bf16 TP=1 state;
+the megatron CPU tier restores TP=2 and TP=2 x DP=2 states through `load_checkpoint_file`). A type
+added here must be a plain data class whose construction runs no code of the file's choosing."""
+
+
+def load_checkpoint_file(path: str | Path) -> Any:
+    """Unpickle a checkpoint written by `torch.save` without running code from it: weights_only=True
+    with `SAFE_GLOBALS` allowed. A pickle naming any other global (a crafted file calling os.system)
+    raises CheckpointError naming it; nothing of it is imported or called."""
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's weights-only unpickler refusing a global or an opcode
+        raise CheckpointError(f"refused to unpickle (not plain tensors and values): {_unpickling_reason(e)}") from None
+
+
+def _unpickling_reason(error: Exception) -> str:
+    """The paragraph of torch's weights-only message that says what was refused (e.g. "Trying to load
+    unsupported GLOBAL posix.system ..."), without its advice to load with weights_only=False."""
+    paragraphs = [p.strip() for p in str(error).split("\n\n") if p.strip()]
+    advice = ("Weights only load failed", "Check the documentation")
+    return next((p for p in paragraphs if not p.startswith(advice)), str(error) or type(error).__name__)
+
+
 def _entry(name: str, digest: FileDigest) -> dict[str, Any]:
     return {"name": name, "digest": f"{digest.algorithm}:{digest.hexdigest}", "bytes": digest.bytes}
 
@@ -148,8 +187,7 @@ def _load_first_good(
             try:
                 fetch(str(entry["name"]), path)
                 _verified(path, entry)
-                # the channel's store is the trainer's own (docs/weights.md); its bytes were verified above
-                state = torch.load(path, map_location="cpu", weights_only=False)
+                state = load_checkpoint_file(path)  # weights only: the digest proves no writer's intent
             except (CheckpointError, OSError, StoreError, RuntimeError, EOFError, ValueError) as e:
                 refused.append(f"{entry['name']}: {e}")
                 log.warning("checkpoint %s in %s not loaded (%s); trying the previous one", entry["name"], where, e)

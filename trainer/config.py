@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.common import views_to_publish
-from rlfleet.api.rljob import SafetySpec
+from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH, SafetySpec
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.tiny_qwen3 import TinyQwen3
@@ -53,6 +53,8 @@ class RunConfig:
     views: list[str]  # the views published for every version (rlfleet.api.common.views_to_publish)
     groups: list[GroupSpec] = field(default_factory=list)
     safety: SafetySpec = field(default_factory=SafetySpec)
+    max_tokens_per_micro_batch: int = MAX_TOKENS_PER_MICRO_BATCH  # RLJob trainer.maxTokensPerMicroBatch
+    activation_checkpointing: bool = False  # RLJob trainer.activationCheckpointing
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
@@ -102,6 +104,8 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
             if g.replicas > 0
         ],
         safety=spec.safety,
+        max_tokens_per_micro_batch=spec.trainer.max_tokens_per_micro_batch,
+        activation_checkpointing=spec.trainer.activation_checkpointing,
     )
 
 

@@ -1,7 +1,8 @@
 """`rlfleet trainer run --config /etc/rlfleet/run/rljob.yaml`: the trainer pod's entrypoint (under torchrun).
 
 Reads the resolved RLJob the operator wrote into the ConfigMap; cluster endpoints come from the env the
-operator sets (RLFLEET_ROUTER_URL, store credentials by reference). Global rank
+operator sets (RLFLEET_ROUTER_URL; the job's API key RLFLEET_API_KEY and store credentials by reference).
+Global rank
 0 drives everything: rollouts through the router, the loop, publishing to the weight channel, the
 Prometheus exporter (`rlfleet_trainer_*`, scope=group/view/staleness: the rebalancer reads the
 per-group KL/OOR from it), checkpoints next to the channel (`<channel path>/checkpoints`, or `checkpoints/` under an S3
@@ -16,13 +17,15 @@ is stopped. Every other rank (megatron, or torch's FSDP2 data parallel on one no
 `backend.follow()` and executes rank 0's broadcast commands (trainer/backend_common.py RankCommands).
 RLFLEET_TRAINER_DEVICE (the operator sets it from the trainer's catalog class) is "cpu" on a CPU class:
 either backend then runs on the CPU with a gloo process group (megatron in fp32, local layer spec).
+Exit codes: 0 finished, 2 the job cannot start as configured, and one code per runtime failure (a full,
+unreachable or contended store, no loadable checkpoint, no rollouts: trainer/failures.py), each with one
+line on stderr and in the termination message; any other error is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import logging
 import os
 import sys
@@ -34,9 +37,11 @@ if TYPE_CHECKING:
     from rlfleet.api.rljob import RLJob
     from rlfleet.store import Store
     from rlfleet.trainer.collapse import Decision
+    from rlfleet.trainer.config import RunConfig
     from rlfleet.trainer.metrics import PrometheusExporter
-    from rlfleet.trainer.rollout import PromptGroup
-    from rlfleet.trainer.run import TrainerBackend
+    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+    from rlfleet.trainer.run import BaseModel, TrainerBackend
 
 log = logging.getLogger("rlfleet.trainer")
 METRICS_PORT = 9500  # operator naming.TRAINER_METRICS_PORT
@@ -107,24 +112,13 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     """Train the RLJob this process validated once (`cli`: `load_rljob`), resolved into the one
     training spec (trainer/config.py `resolve_run`)."""
     from rlfleet.model_source import ModelSourceError, resolve_model_source
-    from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import store_from_spec
     from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.backend_common import leave_process_group
-    from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.config import resolve_run
-    from rlfleet.trainer.metrics import PrometheusExporter
+    from rlfleet.trainer.failures import EXIT_BAD_INPUT, FailureContext, describe_failure
     from rlfleet.trainer.prompts import PromptFileError
-    from rlfleet.trainer.publisher import WeightPublisher
-    from rlfleet.trainer.rollout import RolloutDriver
-    from rlfleet.trainer.run import (
-        ChannelSink,
-        TrainingStartError,
-        build_backend,
-        checkpoint_target,
-        rollout_inputs,
-        run_training,
-    )
+    from rlfleet.trainer.run import TrainingStartError, build_backend, checkpoint_target
 
     rc = resolve_run(job, local=False)
     try:  # a directory on the shared volume, s3://, or a Hugging Face id (fetched into HF_HOME)
@@ -133,7 +127,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
                              max_seq_len=job.spec.model.max_seq_len, parallelism=job.spec.trainer.parallelism,
                              device=trainer_device())
     except (ModelSourceError, TrainingStartError) as exc:
-        return fail(str(exc), 2)
+        return fail(str(exc), EXIT_BAD_INPUT)
     backend = base.backend
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
@@ -142,59 +136,97 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         return 0
 
     store = store_from_spec(job.spec.weight_channel.store)
-    # one publisher id per job, the same across pod restarts: a restarted trainer takes over its own claim
-    # of a publish that was interrupted (killed, a full store) instead of failing on it (rlfleet/channel.py)
-    publisher = WeightPublisher(store, views=rc.views, keep_versions=job.spec.weight_channel.retention.keep_versions,
-                                base_checkpoint=base.base_checkpoint,
-                                publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}")  # fmt: skip
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
+    started: dict[str, RolloutDriver] = {}
     try:
-        state = ckpt.load_latest(checkpoints)
-    except ckpt.CheckpointError as exc:  # every kept checkpoint refused: one line, the pod's termination message
-        return fail(f"cannot resume: {exc}", 1)
+        return _train_rank0(job, args, rc, base, store, checkpoints, started)
+    except (TrainingStartError, PromptFileError) as exc:
+        return fail(str(exc), EXIT_BAD_INPUT)
+    except Exception as exc:
+        # A failure an operator can act on: one line naming the store, the path and the fix, and its own
+        # exit code (trainer/failures.py); the pod's termination message, hence the RLJob's
+        # CrashLoopBackOff reason. Anything else is a bug and keeps its traceback.
+        driver = started.get("driver")
+        described = describe_failure(exc, FailureContext(
+            store=store.uri, checkpoints=str(checkpoints) if isinstance(checkpoints, Path) else store.uri_of(ckpt.STORE_PREFIX),
+            router=args.router_url, rollout_logs="kubectl get samplergroups, and the logs of their pods",
+            own_store="its own spec.weightChannel.store path", continue_with="the trainer resumes from its last "
+            "checkpoint when its pod restarts", detail=driver.outage_note() if driver is not None else "",
+        ))  # fmt: skip
+        if described is None:
+            raise
+        code, line = described
+        return fail(line, code)
+    finally:
+        store.close()
+        backend.close()
+        leave_process_group()
+
+
+def _train_rank0(
+    job: RLJob,
+    args: argparse.Namespace,
+    rc: RunConfig,
+    base: BaseModel,
+    store: Store,
+    checkpoints: Path | Store,
+    started: dict[str, RolloutDriver],
+) -> int:
+    """Rank 0: take the channel, resume (or serve a finished run), train and publish. Its failures are
+    described by `run`; the rollout driver it builds goes in `started` (what it knows of the router)."""
+    from rlfleet.api.common import ENGINE_API_KEY_ENV
+    from rlfleet.sampler.client import SamplerClient
+    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
+    from rlfleet.trainer.metrics import PrometheusExporter
+    from rlfleet.trainer.rollout import RolloutDriver
+    from rlfleet.trainer.run import ChannelSink, rollout_inputs, run_training
+
+    publisher = _channel_writer(job, rc.views, base.base_checkpoint, store)  # LeaseHeldError: another trainer
+    state = ckpt.load_latest(checkpoints)  # CheckpointError: no kept checkpoint loads
     exporter = PrometheusExporter(port=args.metrics_port, addr="0.0.0.0")  # metrics only, no control surface
-    _serve_if_finished_else_resume(state, rc.steps, backend, store, exporter)
-    detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
-    sink = ChannelSink(publisher)
-
-    def make_driver(position: int) -> RolloutDriver:
-        env, prompts = rollout_inputs(rc, base)
-        return RolloutDriver(
-            SamplerClient(args.router_url, vocab_size=base.vocab_size), env, prompts,
-            samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling, max_seq_len=base.max_seq_len,
-            start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
-        )
-
-    def on_step(metrics: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
-        exporter.update(int(metrics["step"]), {**metrics, "weight_version": metrics["step"]})  # version = step
-        exporter.update_collapse(decision.alerts, sorted(detector.quarantined), decision.pause)
-
     try:
-        loop = run_training(rc, backend, sink, detector, make_driver, checkpoint=checkpoints, resume=state,
-                            on_step=on_step)
+        _serve_if_finished_else_resume(state, rc.steps, base.backend, store, exporter)
+        detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
+
+        def make_driver(position: int) -> RolloutDriver:
+            env, prompts = rollout_inputs(rc, base)
+            driver = started["driver"] = RolloutDriver(
+                # the job's key (RLFLEET_API_KEY, from its Secret by reference): the router refuses requests without it
+                SamplerClient(args.router_url, vocab_size=base.vocab_size,
+                              api_key=os.environ.get(ENGINE_API_KEY_ENV) or None),
+                env, prompts,
+                samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling, max_seq_len=base.max_seq_len,
+                start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
+            )  # fmt: skip
+            return driver
+
+        def on_step(metrics: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
+            exporter.update(int(metrics["step"]), {**metrics, "weight_version": metrics["step"]})  # version = step
+            exporter.update_collapse(decision.alerts, sorted(detector.quarantined), decision.pause)
+
+        loop = run_training(rc, base.backend, ChannelSink(publisher), detector, make_driver,
+                            checkpoint=checkpoints, resume=state, on_step=on_step)  # fmt: skip
         log.info("training finished at step %d", loop.state.step)
         if loop.state.paused:  # keep exporting the pause (and why) for the operator until the pod is stopped
             log.warning("training paused by the collapse detector; exporting metrics until stopped")
             threading.Event().wait()
-    except (TrainingStartError, PromptFileError) as exc:
-        return fail(str(exc), 2)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        # One clear line (the pod's termination message, hence the RLJob's CrashLoopBackOff reason): the
-        # checkpoint and every version's bytes are written before their pointer moves, so nothing
-        # partial is named; a restart resumes from the last checkpoint once there is room.
-        where = f": {exc.filename}" if exc.filename else ""
-        return fail(f"the weight store {store.uri} is full ({exc.strerror}{where}); the channel "
-                    f"still names v{sink.latest_version()} (complete: bytes are written before the pointer "
-                    "moves). Free space on the volume or grow it: the trainer then resumes from its last "
-                    "checkpoint", 1)  # fmt: skip
     finally:
         exporter.close()
-        store.close()
-        backend.close()
-        leave_process_group()
     return 0
+
+
+def _channel_writer(job: RLJob, views: list[str], base_checkpoint: Path | None, store: Store) -> WeightPublisher:
+    """The job's publisher: one id per job, the same across pod restarts (a restarted trainer takes over
+    its own claim of a publish that was interrupted, killed or on a full store: rlfleet/channel.py), and
+    the channel's one writer (the writer lease refuses a second trainer with another id: LeaseHeldError;
+    docs/weights.md, "One writer per channel")."""
+    from rlfleet.channel import WRITER_LEASE_TTL_SECONDS
+    from rlfleet.trainer.publisher import WeightPublisher
+
+    return WeightPublisher(store, views=views, keep_versions=job.spec.weight_channel.retention.keep_versions,
+                           base_checkpoint=base_checkpoint, writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
+                           publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}")  # fmt: skip
 
 
 def _serve_if_finished_else_resume(

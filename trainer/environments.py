@@ -92,6 +92,7 @@ class EpisodeOutcome:
     format_errors: int
     tool_calls: int
     success: bool | None = None  # the task was solved (the environment's own test); None: it has none
+    details: dict[str, Any] = field(default_factory=dict)  # environment-specific (SweEnv: reason, sandbox time)
 
 
 class Environment:

@@ -36,7 +36,7 @@ from rlfleet.trainer.batching import FlatBatch, flatten_groups
 from rlfleet.trainer.collapse import CollapseDetector, Decision
 from rlfleet.trainer.metrics import finite, objective_metrics, rollout_metrics
 from rlfleet.trainer.objective import LossOutput
-from rlfleet.trainer.rollout import PromptGroup
+from rlfleet.trainer.rollout import PromptGroup, RolloutStallError
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class TrainingLoop:
             groups.extend(kept)
             self.state.dropped_stale_groups += len(dropped)
             if not got and time.monotonic() - t0 > self.cfg.take_timeout:
-                raise TimeoutError(f"no complete rollout group for {self.cfg.take_timeout:.0f}s")
+                raise RolloutStallError(f"no complete rollout group for {self.cfg.take_timeout:.0f}s")
         return groups, time.monotonic() - t0
 
     def train_step(self, groups: list[PromptGroup]) -> tuple[dict[str, float], Decision]:

@@ -16,6 +16,11 @@ replaced:
   is synchronous).
 - `CudaRNGStatesTracker.fork` is a null context: the CUDA RNG tracker forks CUDA RNG states around
   dropout; dropout is 0 in the backend, so no random number is drawn.
+- megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` (tensor_parallel.random): activation
+  recompute saves and restores the CUDA RNG state around each checkpointed layer; there is no CUDA
+  generator, so the CPU generator's state is returned (megatron restores that one itself) and the
+  setter does nothing; and `CheckpointFunction.backward` (which re-runs the layer's forward) runs
+  under `CudaDevicesOnCpu`, which is not active where autograd runs backward.
 
 Only for processes without GPUs: never install them where CUDA is meant to run.
 """
@@ -81,6 +86,20 @@ def install_cpu_shims() -> CudaDevicesOnCpu:
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment, return-value]
         torch.cuda.current_stream = lambda *a, **k: SynchronousStream()  # type: ignore[assignment]
         CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
+        # activation recompute (CheckpointFunction) saves and restores the CUDA RNG state around each
+        # layer; there is none: the CPU generator's state stands in (restored by megatron itself too)
+        from megatron.core.tensor_parallel import random as megatron_random
+
+        megatron_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+        megatron_random._set_cuda_rng_state = lambda *a, **k: None
+        # ... and re-runs the layer's forward inside backward, where the mode above is not active
+        recompute_backward = megatron_random.CheckpointFunction.backward
+
+        def backward_in_mode(ctx: Any, *grads: Any) -> Any:
+            with CudaDevicesOnCpu():
+                return recompute_backward(ctx, *grads)
+
+        megatron_random.CheckpointFunction.backward = staticmethod(backward_in_mode)
         mode = CudaDevicesOnCpu()
         mode.__enter__()
         _mode = mode

@@ -16,16 +16,21 @@ With `replay` (support mode only) p is replaced by p_S, the trainer's softmax re
 the sampler's support, and logits outside the support get no gradient. The loss is a token mean
 over the valid, loss-masked tokens of the call.
 
-Memory: replay touches only the gathered [T, 1 + K] logits. Without replay the log-normaliser is
-computed chunk by chunk and the softmax is recomputed in backward (trainer/vocab_parallel.py), so
-nothing of size [T, V] is kept besides the gradient itself.
+Memory: the trainer hands the final hidden states [T, H] and the output embedding [V, H]; the logits
+are made tile by tile (`chunk_tokens` x `chunk_vocab`) in forward and again in backward
+(trainer/vocab_parallel.py `fused_log_softmax_at`), so no [T, V] tensor exists, not even the
+gradient of the logits: backward turns each tile straight into the gradients of the hidden states
+and of the weight.
 
-Framework-agnostic: plain torch, no other rlfleet import. Tensor parallel: pass vocabulary-sharded
-logits [T, V / tp] and the tensor-parallel process group; the loss and metrics are replicated.
+Framework-agnostic: plain torch, no other rlfleet import. Tensor parallel: pass the vocabulary shard
+of the output embedding [V / tp, H] and the tensor-parallel process group; the loss and metrics are
+replicated, the weight shard's gradient exact, the hidden states' gradient a per-shard partial sum
+the caller reduces (megatron's output-layer input mapping does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -33,7 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rlfleet.trainer.vocab_parallel import compute_dtype, gather_logits, log_softmax_at
+from rlfleet.trainer.vocab_parallel import compute_dtype, fused_log_softmax_at
+
+# (ids [T, M], normalise) -> (log p at ids, or the logits at ids without normalise; lse [T]; entropy [T])
+Projection = Callable[[Tensor, bool], tuple[Tensor, Tensor, Tensor]]
 
 MODES = ("pg", "mis", "sc", "sc_mis")
 STALENESS_BUCKETS = ("0-1", "2-3", "4-5", "6+")
@@ -92,7 +100,8 @@ class ObjectiveConfig:
     ppo_clip: bool = False  # clip the sampled-token term against batch.old_logprobs (batch reuse)
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
-    chunk_tokens: int = 32  # rows per chunk of the full-vocabulary pass: extra memory ~ chunk_tokens * V
+    chunk_tokens: int = 512  # rows of one logits tile of the fused lm_head (extra memory ~ chunk_tokens x chunk_vocab)
+    chunk_vocab: int = 8192  # vocabulary columns of one logits tile
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -103,8 +112,8 @@ class ObjectiveConfig:
             raise ValueError(
                 f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {self.clip_eps_low}, {self.clip_eps_high}"
             )
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.chunk_tokens < 1 or self.chunk_vocab < 1:
+            raise ValueError(f"chunk_tokens and chunk_vocab must be >= 1, got {self.chunk_tokens}, {self.chunk_vocab}")
 
     @classmethod
     def from_correction(cls, correction_mode: str, **overrides: object) -> ObjectiveConfig:
@@ -140,21 +149,24 @@ class LossOutput:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_inputs(logits: Tensor, batch: TokenBatch, config: ObjectiveConfig) -> None:
+def _check_inputs(num_tokens: int, batch: TokenBatch, config: ObjectiveConfig) -> None:
     if config.replay and not batch.candidates_are_support:
         raise ValueError(
             "replay=True needs candidates_are_support=True (a head of q is not a sampling support)"
         )
-    _check_logits(logits)
-    _check_batch_shapes(batch, num_tokens=logits.shape[0])
+    _check_batch_shapes(batch, num_tokens=num_tokens)
     _check_batch_values(batch, config)
 
 
-def _check_logits(logits: Tensor) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
-    if not logits.is_floating_point():
-        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+def _check_projection(hidden: Tensor, weight: Tensor) -> None:
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(
+            f"hidden must be [T, H] and the output weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[1]} != the output weight's {weight.shape[1]}")
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        raise ValueError(f"hidden and weight must be floating point, got {hidden.dtype}, {weight.dtype}")
 
 
 def _check_batch_shapes(batch: TokenBatch, num_tokens: int) -> None:
@@ -272,11 +284,8 @@ class _TrainerLogprobs:
     valid: Tensor  # bool [T] screening AND finite trainer values
 
 
-def _full_vocab_logprobs(
-    logits: Tensor, rec: _Screened, vocab_start: int, group, chunk_tokens: int
-) -> _TrainerLogprobs:
-    # [T, 1 + K], [T], [T]
-    log_p, lse, entropy = log_softmax_at(logits, rec.ids, vocab_start, group, chunk_tokens)
+def _full_vocab_logprobs(project: Projection, rec: _Screened) -> _TrainerLogprobs:
+    log_p, lse, entropy = project(rec.ids, True)  # [T, 1 + K], [T], [T]
     log_p_y, log_p_cand = log_p[:, 0], log_p[:, 1:]
     # NaN/inf trainer logits and candidates the trainer finds impossible (-inf) make the token unusable.
     cand_finite = torch.isfinite(log_p_cand.detach()) | ~rec.present
@@ -291,8 +300,8 @@ def _full_vocab_logprobs(
     )
 
 
-def _replayed_logprobs(logits: Tensor, rec: _Screened, vocab_start: int, group) -> _TrainerLogprobs:
-    z_ids = gather_logits(logits, rec.ids, vocab_start, group)  # [T, 1+K], only these logits get gradient
+def _replayed_logprobs(project: Projection, rec: _Screened) -> _TrainerLogprobs:
+    z_ids = project(rec.ids, False)[0]  # [T, 1+K], only these logits get gradient
     z_y, z_cand = z_ids[:, 0], z_ids[:, 1:]
     finite = torch.isfinite(z_ids.detach())
     valid = rec.valid & finite[:, 0] & (finite[:, 1:] | ~rec.present).all(dim=1)
@@ -329,22 +338,44 @@ def _mis_weight(log_ratio: Tensor, config: ObjectiveConfig) -> Tensor:
 
 
 def policy_loss(
-    logits: Tensor, batch: TokenBatch, config: ObjectiveConfig, process_group: dist.ProcessGroup | None = None
+    hidden: Tensor,
+    output_weight: Tensor,
+    batch: TokenBatch,
+    config: ObjectiveConfig,
+    process_group: dist.ProcessGroup | None = None,
+    temperature: float = 1.0,
 ) -> LossOutput:
-    """The corrected policy loss for logits [T, V] (or [T, V / tp] with `process_group`), already
-    divided by the sampling temperature. See the module docstring for the formula."""
-    _check_inputs(logits, batch, config)
+    """The corrected policy loss for the final hidden states [T, H] of the T sampled tokens' logit
+    positions and the output embedding (lm_head) [V, H] (or its vocabulary shard [V / tp, H] with
+    `process_group`), the logits being hidden @ output_weight.T / `temperature` (the sampling
+    temperature). The logits are made tile by tile and never held whole (trainer/vocab_parallel.py).
+    Differentiable in both inputs; with a process group the hidden states' gradient is this shard's
+    partial sum, for the caller to reduce over the group. See the module docstring for the formula."""
+    _check_projection(hidden, output_weight)
     world = dist.get_world_size(process_group) if process_group is not None else 1
     rank = dist.get_rank(process_group) if process_group is not None else 0
-    local_vocab = logits.shape[1]
-    vocab_start, vocab_size = rank * local_vocab, world * local_vocab
-    dtype = compute_dtype(logits.dtype)
+    local_vocab = output_weight.shape[0]
 
+    def project(ids: Tensor, normalise: bool) -> tuple[Tensor, Tensor, Tensor]:
+        return fused_log_softmax_at(hidden, output_weight, ids, rank * local_vocab, process_group, temperature,
+                                    config.chunk_tokens, config.chunk_vocab, normalise)
+
+    return corrected_loss(project, hidden.shape[0], world * local_vocab, compute_dtype(hidden.dtype), batch, config)
+
+
+def corrected_loss(
+    project: Projection,
+    num_tokens: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    batch: TokenBatch,
+    config: ObjectiveConfig,
+) -> LossOutput:
+    """The loss, given how the trainer's log-probabilities at ids are made (`project`: the fused lm_head
+    of `policy_loss`; the tests' reference on materialised logits passes its own)."""
+    _check_inputs(num_tokens, batch, config)
     rec = _screen_records(batch, config, vocab_size, dtype)
-    if config.replay:
-        lp = _replayed_logprobs(logits, rec, vocab_start, process_group)
-    else:
-        lp = _full_vocab_logprobs(logits, rec, vocab_start, process_group, config.chunk_tokens)
+    lp = _replayed_logprobs(project, rec) if config.replay else _full_vocab_logprobs(project, rec)
     valid, present = lp.valid, rec.present & lp.valid[:, None]
     advantages = torch.where(valid, rec.advantages, 0.0)
 
@@ -531,7 +562,7 @@ def _per_token_metrics(
 
 
 # Metrics that are plain token means of a per-token value (the oor_* shares are too, summed below);
-# backends combine them across ranks weighted by num_tokens (trainer/backend_hf.py combine_metrics).
+# backends combine them across ranks weighted by num_tokens (trainer/backend_common.py combine_metrics).
 TOKEN_MEAN_METRICS = (
     "kl_k3",
     "logprob_abs_diff",

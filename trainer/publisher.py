@@ -13,6 +13,12 @@ linear's `input_scale`, from the activation amax the publisher calibrates on the
 (`rlfleet.numerics.views.calibrate_weights`), whichever backend produced them.
 The set of views is the configured one plus any view a subscribed sidecar reports following, so a
 group added later gets its precision from the next version on.
+
+With `writer_lease_ttl_seconds` (the cluster trainer and local mode pass WRITER_LEASE_TTL_SECONDS) the
+publisher is the channel's one writer: it takes the channel's writer lease when it is made (a second
+trainer with another id is refused then, `LeaseHeldError` naming the first) and a thread renews it every
+fifth of the TTL; a publish after the lease was taken over raises LeaseLostError (docs/weights.md, "One
+writer per channel").
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +36,7 @@ from typing import Any
 
 import torch
 
-from rlfleet.channel import PublishResult, WeightChannel
+from rlfleet.channel import LeaseLostError, PublishResult, WeightChannel
 from rlfleet.numerics.views import (
     VIEWS,
     calibrate_weights,
@@ -66,10 +73,14 @@ class WeightPublisher:
         publisher_id: str | None = None,
         upload_workers: int = 2,
         max_shard_bytes: int | None = None,
+        writer_lease_ttl_seconds: float | None = None,
     ) -> None:
         """`base_checkpoint`: HF checkpoint directory of the model (config.json, tokenizer files,
         generation_config.json); local mode and the cluster entrypoint always pass it (None writes
-        tensor-only views nothing launches from: the format tests only)."""
+        tensor-only views nothing launches from: the format tests only).
+        `writer_lease_ttl_seconds`: take the channel's writer lease with this TTL now (LeaseHeldError if
+        another publisher id holds it) and renew it until `close()`; None: publish unfenced (tools, tests
+        of racing publishers)."""
         self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
         self.model_config = read_base_config(self.base_checkpoint) if self.base_checkpoint else None
         self.views = [check_view(v) for v in dict.fromkeys(views)]
@@ -81,6 +92,31 @@ class WeightPublisher:
         self.keep_versions = keep_versions
         self.staging_dir = Path(staging_dir) if staging_dir else None
         self.last_timings: PublishTimings | None = None
+        self._stop_renewing = threading.Event()
+        self._lease_lost: LeaseLostError | None = None
+        if writer_lease_ttl_seconds is not None:
+            lease = self.channel.acquire_lease(writer_lease_ttl_seconds)
+            log.info("writer lease of %s taken: %s, generation %d", store.uri, lease.holder, lease.generation)
+            threading.Thread(target=self._renew_lease, args=(writer_lease_ttl_seconds / 5,),
+                             name="writer-lease", daemon=True).start()  # fmt: skip
+
+    def _renew_lease(self, interval: float) -> None:
+        """Renew the writer lease every `interval` s until close(); stop for good once it was taken over
+        (the next publish raises why). A store error is retried at the next tick (the TTL is 5 ticks)."""
+        while not self._stop_renewing.wait(interval):
+            try:
+                self.channel.renew_lease()
+            except LeaseLostError as e:
+                self._lease_lost = e
+                log.error("%s", e)
+                return
+            except StoreError as e:
+                log.warning("could not renew the writer lease (retrying in %.0fs): %s", interval, e)
+
+    def close(self) -> None:
+        """Stop renewing the writer lease (it stays in the store: the same id takes it over at once,
+        another after its TTL)."""
+        self._stop_renewing.set()
 
     def views_needed(self) -> list[str]:
         """Configured views plus the views subscribed sidecars report (unknown names are ignored)."""
@@ -113,6 +149,8 @@ class WeightPublisher:
         calibrated on these weights (`calibrate_weights`: transformers' model of the base checkpoint
         around them, on a fixed token sweep); `activation_amax` (module name -> amax, e.g. from
         `calibrate_activation_amax` on data of your own) replaces that calibration."""
+        if self._lease_lost is not None:
+            raise self._lease_lost
         views = self.views_needed()
         if not views:
             raise ValueError("no view to publish")

@@ -13,10 +13,15 @@ Invariants the tests pin:
 - a prompt group reaches the buffer once, complete, or not at all (failures are counted);
 - the ids sent for turn k+1 equal the prompt + all sampled ids + all environment ids so far.
 
-Failures: the driver retries nothing. The generate function (the sampler client) has already retried
+Failures: the driver retries no turn. The generate function (the sampler client) has already retried
 what can heal, each concern once and bounded (rlfleet/retries.py: the router across replicas, the
 client the router's unavailability, a lagging weight version, the mask cap); a turn it gives up on
-drops its prompt group, which is counted (`failed_groups`, `generate_errors`).
+drops its prompt group, which is counted (`failed_groups`, `generate_errors`). Except one: a turn that
+failed because the router is unavailable (`TurnFailed("unavailable")`: refused, timed out or 503 past
+the client's retries) says nothing about the prompt. That group is put back (`held_groups`; its
+prompt index is dispatched again, never skipped) and the circuit opens: no new prompt is dispatched,
+and after each wait of `OutagePolicy` (capped exponential backoff with jitter) one group probes the
+router; the first turn that succeeds closes the circuit. So an outage costs no prompt, however long.
 
 Backpressure: at most `max_ahead_prompts` prompt groups are in flight or buffered. Staleness is
 unbounded by default; `max_staleness` is enforced where the trainer takes a batch (stale groups are
@@ -26,8 +31,10 @@ dropped and counted), because only the trainer knows its version at training tim
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import queue
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -36,6 +43,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from rlfleet.records import SampledTurn
+from rlfleet.retries import OutagePolicy
+from rlfleet.sampler.client import TurnFailed
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.trainer.environments import Environment, EpisodeOutcome
 from rlfleet.trainer.prompts import Prompt, PromptSource
@@ -160,11 +169,19 @@ class PromptGroup:
         return max(0, trainer_version - min(r.min_version for r in self.rollouts))
 
 
+class RolloutStallError(TimeoutError):
+    """No complete prompt group for the loop's stall limit (trainer/loop.py): the samplers or the router
+    produce nothing. Its own class so that the entrypoints can say so in one line (trainer/failures.py)."""
+
+
 @dataclass
 class DriverStats:
-    dispatched_prompts: int = 0
+    dispatched_prompts: int = 0  # new prompt indices dispatched (data positions consumed)
     completed_groups: int = 0
-    failed_groups: int = 0
+    failed_groups: int = 0  # dropped: their prompts are consumed
+    held_groups: int = 0  # put back because the router was unavailable: dispatched again, not consumed
+    redispatched_groups: int = 0
+    router_outages: int = 0  # times the circuit opened
     generate_errors: int = 0
     scored_episodes: int = 0
     sampled_tokens: int = 0
@@ -183,7 +200,9 @@ class RolloutBuffer:
     def qsize(self) -> int:
         return self._q.qsize()
 
-    def take(self, n: int, timeout: float | None = None, stop: threading.Event | None = None) -> list[PromptGroup]:
+    def take(
+        self, n: int, timeout: float | None = None, stop: threading.Event | None = None
+    ) -> list[PromptGroup]:
         """Block until `n` groups are available (or `stop` is set / timeout: returns what it has)."""
         out: list[PromptGroup] = []
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -208,6 +227,25 @@ class RolloutBuffer:
                 return out
 
 
+@dataclass
+class Outage:
+    """The router has been unavailable since `since` (the circuit is open)."""
+
+    since: float
+    last_error: str
+    attempt: int = 1  # probes so far + 1: the backoff's attempt number
+    retry_at: float = 0.0  # when the next probe may go
+    probe: int | None = None  # the prompt index of the probe group in flight
+
+    def describe(self, now: float) -> str:
+        return f"the router has been unavailable for {now - self.since:.0f}s (last error: {self.last_error})"
+
+
+def router_unavailable(exc: BaseException) -> bool:
+    """A turn failed because the router could not be reached or served nothing (rlfleet/retries.py)."""
+    return isinstance(exc, TurnFailed) and exc.reason == "unavailable"
+
+
 class RolloutDriver:
     def __init__(
         self,
@@ -221,6 +259,7 @@ class RolloutDriver:
         start_position: int = 0,
         max_ahead_prompts: int = 8,
         buffer: RolloutBuffer | None = None,
+        outage_policy: OutagePolicy | None = None,
     ) -> None:
         self.generate = generate
         self.env = env
@@ -237,6 +276,10 @@ class RolloutDriver:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
+        self.outage_policy = outage_policy or OutagePolicy()
+        self.outage: Outage | None = None  # set while the circuit is open
+        self._held: list[Prompt] = []  # put back during an outage, by prompt index: dispatched first
+        self._rng = random.Random()
 
     # ---- one episode ----
     async def run_episode(self, prompt: Prompt, sample: int) -> Rollout:
@@ -248,8 +291,11 @@ class RolloutDriver:
             if budget <= 0:
                 break
             # the run's one sampling object, with this turn's budget and stops
-            turn = await self._generate(rollout.uid, episode.ids,
-                                        replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop_ids))
+            turn = await self._generate(
+                rollout.uid,
+                episode.ids,
+                replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop_ids),
+            )
             if episode.add_turn(turn):
                 break
         episode.score()  # exactly once, here, whatever ended the episode
@@ -268,30 +314,97 @@ class RolloutDriver:
             raise
         self.stats.generate_seconds += time.monotonic() - t0
         self.stats.sampled_tokens += turn.num_tokens
+        if self.outage is not None:  # the router answers again: close the circuit
+            log.warning("the router answers again after %.1fs; %d prompt groups put back are dispatched again",
+                        time.monotonic() - self.outage.since, len(self._held))  # fmt: skip
+            self.outage = None
         return turn
 
     async def run_group(self, prompt: Prompt) -> PromptGroup | None:
+        """The prompt's group, or None: dropped (counted), or put back while the router is unavailable."""
+        episodes = [asyncio.create_task(self.run_episode(prompt, k)) for k in range(self.samples_per_prompt)]
         try:
-            rollouts = await asyncio.gather(*(self.run_episode(prompt, k) for k in range(self.samples_per_prompt)))
+            rollouts = await asyncio.gather(*episodes)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self.stats.failed_groups += 1
-            log.warning("prompt %d dropped: %s", prompt.index, exc)
+            for episode in episodes:  # the group is lost anyway: its other episodes stop here
+                episode.cancel()
+            await asyncio.gather(*episodes, return_exceptions=True)
+            if router_unavailable(exc):
+                self._hold(prompt, exc)
+            else:
+                self.stats.failed_groups += 1
+                log.warning("prompt %d dropped: %s", prompt.index, exc)
+                if self.outage is not None and self.outage.probe == prompt.index:
+                    self.outage.probe = None  # the router answered something: probe again
             return None
         return PromptGroup(prompt=prompt, rollouts=list(rollouts))
+
+    # ---- the circuit breaker (rlfleet/retries.py OutagePolicy) ----
+    def _hold(self, prompt: Prompt, exc: BaseException) -> None:
+        """Put the group back; open the circuit, or back off further when the failed group was the probe."""
+        self.stats.held_groups += 1
+        bisect.insort(self._held, prompt, key=lambda p: p.index)
+        now = time.monotonic()
+        if self.outage is None:
+            self.outage = Outage(since=now, last_error=str(exc))
+            self.stats.router_outages += 1
+            log.warning("the router is unavailable (%s): no new prompt until it answers; prompt groups that "
+                        "fail on it are put back, not dropped", exc)  # fmt: skip
+        elif self.outage.probe == prompt.index:
+            self.outage.attempt += 1
+            self.outage.probe = None
+        else:
+            self.outage.last_error = str(exc)
+            return  # dispatched before the circuit opened: the wait already runs
+        self.outage.last_error = str(exc)
+        wait = self.outage_policy.backoff(self.outage.attempt, self._rng.random())
+        self.outage.retry_at = now + wait
+        log.info("router unavailable for %.1fs: next probe in %.1fs (%d prompt groups held)",
+                 now - self.outage.since, wait, len(self._held))  # fmt: skip
+
+    def _may_dispatch(self) -> bool:
+        """Backpressure, and while the circuit is open: one probe group once its wait is over."""
+        if self._in_flight + self.buffer.qsize() >= self.max_ahead_prompts:
+            return False
+        outage = self.outage
+        if outage is None:
+            return True
+        return outage.probe is None and time.monotonic() >= outage.retry_at
+
+    def _next_prompt(self) -> Prompt:
+        """A held prompt first (lowest index), else the next data position."""
+        if self._held:
+            self.stats.redispatched_groups += 1
+            prompt = self._held.pop(0)
+        else:
+            prompt = self.prompts.get(self.next_position)
+            self.next_position += 1
+            self.stats.dispatched_prompts += 1
+        if self.outage is not None:
+            self.outage.probe = prompt.index
+        return prompt
+
+    def outage_note(self) -> str:
+        """What the driver knows of the router now: its outage, or "" while it answers."""
+        outage = self.outage
+        return "" if outage is None else outage.describe(time.monotonic())
+
+    @property
+    def held_prompts(self) -> list[int]:
+        """The prompt indices put back and not yet dispatched again."""
+        return [p.index for p in self._held]
 
     # ---- the dispatch loop ----
     async def run(self) -> None:
         tasks: set[asyncio.Task] = set()
         try:
             while not self._stop.is_set():
-                if self._in_flight + self.buffer.qsize() >= self.max_ahead_prompts:
+                if not self._may_dispatch():
                     await asyncio.sleep(0.01)
                     continue
-                prompt = self.prompts.get(self.next_position)
-                self.next_position += 1
-                self.stats.dispatched_prompts += 1
+                prompt = self._next_prompt()
                 self._in_flight += 1
                 task = asyncio.create_task(self._group_task(prompt))
                 tasks.add(task)

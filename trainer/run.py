@@ -40,6 +40,7 @@ from rlfleet.trainer.tracking import Tracker, TrackingError, open_tracker
 
 if TYPE_CHECKING:
     from rlfleet.api.rljob import ParallelismSpec
+    from rlfleet.trainer.backend_megatron import MegatronModelConfig
     from rlfleet.trainer.environments import Environment
     from rlfleet.trainer.prompts import PromptSource
     from rlfleet.trainer.publisher import WeightPublisher
@@ -161,19 +162,38 @@ def build_backend(
     if backend == "torch":
         from rlfleet.trainer.backend_hf import HFBackend
 
-        model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature, device=device)
+        model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature, device=device,
+                                          max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
+                                          activation_checkpointing=rc.activation_checkpointing)
         return BaseModel(model, int(hf_config["vocab_size"]), seq, source_dir)
-    from rlfleet.api.rljob import ParallelismSpec
-    from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
+    from rlfleet.trainer.backend_megatron import MegatronBackend
 
-    p = parallelism or ParallelismSpec()
-    cfg = MegatronModelConfig.from_hf_config(  # head_dim, tied embeddings, QK-norm, either rope form
-        hf_config, max_seq_len=max_seq_len, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
-        context_parallel=p.context,
-        **({"device": "cpu", "params_dtype": "float32"} if device == "cpu" else {}),
-    )
+    cfg = megatron_model_config(rc, hf_config, max_seq_len=max_seq_len, parallelism=parallelism, device=device)
     megatron = MegatronBackend(cfg, objective, optim, temperature, initial_hf_weights=load_base_weights(source_dir))
     return BaseModel(megatron, cfg.vocab_size, cfg.max_seq_len, source_dir)
+
+
+def megatron_model_config(
+    rc: RunConfig,
+    hf_config: dict[str, Any],
+    *,
+    max_seq_len: int | None = None,
+    parallelism: ParallelismSpec | None = None,
+    device: str | None = None,
+) -> MegatronModelConfig:
+    """The megatron backend's model config: the checkpoint's config.json (head_dim, tied embeddings,
+    QK-norm, either rope form), the RLJob's parallelism, micro-batch budget and activation
+    checkpointing (megatron's full, uniform recompute); `device` "cpu": fp32 on CPU."""
+    from rlfleet.api.rljob import ParallelismSpec
+    from rlfleet.trainer.backend_megatron import MegatronModelConfig
+
+    p = parallelism or ParallelismSpec()
+    return MegatronModelConfig.from_hf_config(
+        hf_config, max_seq_len=max_seq_len, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
+        context_parallel=p.context, max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
+        activation_checkpointing=rc.activation_checkpointing,
+        **({"device": "cpu", "params_dtype": "float32"} if device == "cpu" else {}),
+    )
 
 
 def checkpoint_target(store: Store, override: str | Path | None = None) -> Path | Store:

@@ -1,17 +1,22 @@
-"""Vocabulary-parallel primitives for the objective: gathered logits and gathered log-softmax.
+"""The fused lm_head + vocabulary-parallel log-softmax of the objective: log-probabilities of a few
+ids per row computed from the final hidden states and the output embedding, never holding the
+logits [T, V].
 
-Both work on logits whose vocabulary dimension may be split over the ranks of a tensor-parallel
-process group (rank r holds the columns [r * V_local, (r + 1) * V_local), the Megatron layout), and
-both are custom autograd functions for two reasons:
+`fused_log_softmax_at(hidden [T, H], weight [V_local, H], ids [T, M], ...)`: the logits are made
+tile by tile (`chunk_tokens` rows x `chunk_vocab` columns, hidden @ weight_tile.T / temperature) in
+forward, where each tile adds to the row's online log-sum-exp and entropy statistics and gives up
+the logits at the requested ids; backward makes every tile again and turns it into the gradients
+of both inputs straight away (d hidden += dz @ W_tile, d W_tile += dz.T @ hidden), so the extra
+memory is O(tile + T * M) besides the weight's gradient, which any trainer holds anyway.
 
-- memory: the loss only ever needs a handful of columns per row (the sampled token and its K
-  candidates) plus the row's log-normaliser. Plain autograd would keep a [T, V] log-softmax alive
-  for the backward pass; here only the normaliser lse [T] is kept and the softmax is recomputed
-  chunk by chunk in backward, written straight into the gradient buffer.
-- tensor parallelism: `torch.distributed.all_reduce` is not differentiable. The loss is computed
-  identically on every rank (all reduced quantities are replicated), so the gradient for a rank's
-  shard is local: d/dz_u of log p(v) = 1[u = v] - p(u), with p(u) = exp(z_u - lse) known locally once
-  lse is global. No collective is needed in backward.
+Tensor parallel: the vocabulary dimension of the weight may be split over the ranks of a process
+group (rank r holds rows [r * V_local, (r + 1) * V_local), the Megatron layout), the hidden states
+replicated. The log-normaliser combines the shards' statistics (one MAX and one SUM all-reduce) and
+the gathered logits are summed over ranks (each id lives in one shard). The loss is then computed
+identically on every rank, so each rank's weight gradient is its shard's, exact; the hidden
+states' gradient is this shard's PARTIAL sum over its vocabulary: the caller reduces it over the
+group (megatron's `copy_to_tensor_model_parallel_region` / sequence-parallel gather do in their
+backward, as for the output layer they stand in for).
 
 Ids are GLOBAL vocabulary ids and must be valid (0 <= id < V); callers replace padding by 0 and mask
 the result themselves.
@@ -43,44 +48,6 @@ def _local_columns(ids: Tensor, vocab_start: int, local_vocab: int) -> tuple[Ten
     return torch.where(in_shard, local_ids, 0), in_shard
 
 
-def _gather_global(
-    logits_shard: Tensor, local_ids: Tensor, in_shard: Tensor, group: dist.ProcessGroup | None
-) -> Tensor:
-    """z at the requested ids [T, M], in the compute dtype, identical on every rank."""
-    z_ids = logits_shard.gather(1, local_ids).to(compute_dtype(logits_shard.dtype))
-    # Every id lives in exactly one shard: zero the others' contributions, then SUM over ranks.
-    z_ids = torch.where(in_shard, z_ids, 0.0)
-    return _all_reduce_(z_ids, dist.ReduceOp.SUM, group)
-
-
-class _GatherLogits(torch.autograd.Function):
-    """z[t, ids[t, m]] for a vocabulary-sharded z; gradient scattered back into the local shard."""
-
-    @staticmethod
-    def forward(ctx, logits_shard: Tensor, ids: Tensor, vocab_start: int, group) -> Tensor:
-        local_ids, in_shard = _local_columns(ids, vocab_start, logits_shard.shape[1])
-        ctx.save_for_backward(local_ids, in_shard)
-        ctx.logits_shape, ctx.logits_dtype = logits_shard.shape, logits_shard.dtype
-        return _gather_global(logits_shard, local_ids, in_shard, group)
-
-    @staticmethod
-    def backward(ctx, grad_z_ids: Tensor):
-        local_ids, in_shard = ctx.saved_tensors
-        grad_logits = torch.zeros(ctx.logits_shape, dtype=ctx.logits_dtype, device=grad_z_ids.device)
-        grad_in_shard = torch.where(in_shard, grad_z_ids, 0.0).to(ctx.logits_dtype)
-        grad_logits.scatter_add_(1, local_ids, grad_in_shard)
-        return grad_logits, None, None, None
-
-
-def gather_logits(
-    logits_shard: Tensor, ids: Tensor, vocab_start: int = 0, group: dist.ProcessGroup | None = None
-) -> Tensor:
-    """Differentiable z at global `ids` [T, M] from logits [T, V_local]; result [T, M] in the
-    compute dtype, replicated over the group. Memory: O(T * M) forward, the [T, V_local] gradient in
-    backward (which any loss on these logits needs anyway)."""
-    return _GatherLogits.apply(logits_shard, ids, vocab_start, group)
-
-
 def _chunk_normaliser(z_chunk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """For rows z [c, V]: (row max m, S = sum exp(z - m), X = sum exp(z - m) * (z - m)), all [c].
 
@@ -105,86 +72,129 @@ def _chunk_normaliser(z_chunk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return row_max, sum_exp, sum_exp_shifted
 
 
-def log_normaliser(
-    logits_shard: Tensor, group: dist.ProcessGroup | None, chunk_tokens: int
+def _combine(
+    left: tuple[Tensor, Tensor, Tensor], right: tuple[Tensor, Tensor, Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(lse [T], entropy [T], local_lse [T]) of softmax over the FULL (all shards) vocabulary, no
-    gradient; local_lse is this shard's own log-normaliser (equal to lse without a group).
-
-    Processes `chunk_tokens` rows at a time so extra memory is O(chunk_tokens * V_local). Across
-    ranks: MAX of the row maxima, then SUM of the rescaled sums (one all-reduce each)."""
-    num_tokens = logits_shard.shape[0]
-    dtype = compute_dtype(logits_shard.dtype)
-    row_max = torch.empty(num_tokens, dtype=dtype, device=logits_shard.device)
-    sum_exp = torch.empty_like(row_max)
-    sum_exp_shifted = torch.empty_like(row_max)
-    with torch.no_grad():
-        for start in range(0, num_tokens, chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            z_chunk = logits_shard[rows].to(dtype)
-            row_max[rows], sum_exp[rows], sum_exp_shifted[rows] = _chunk_normaliser(z_chunk)
-        local_lse = row_max + sum_exp.log()
-        if group is not None:
-            global_max = _all_reduce_(row_max.clone(), dist.ReduceOp.MAX, group)
-            scale = (row_max - global_max).exp()  # [T] this shard's share, exp(m_r - M)
-            # S = sum_r k_r S_r;  X = sum_r k_r (X_r + (m_r - M) S_r), relative to the global max M.
-            sums = torch.stack(
-                [scale * sum_exp, scale * (sum_exp_shifted + (row_max - global_max) * sum_exp)]
-            )
-            _all_reduce_(sums, dist.ReduceOp.SUM, group)
-            row_max, (sum_exp, sum_exp_shifted) = global_max, sums
-        lse = row_max + sum_exp.log()
-        entropy = sum_exp.log() - sum_exp_shifted / sum_exp
-    return lse, entropy, local_lse
+    """Two (row max m, S = sum exp(z - m), X = sum exp(z - m) (z - m)) over disjoint columns -> the
+    union's, relative to the larger max M: S = sum_i k_i S_i, X = sum_i k_i (X_i + (m_i - M) S_i),
+    k_i = exp(m_i - M)."""
+    (m1, s1, x1), (m2, s2, x2) = left, right
+    top = torch.maximum(m1, m2)
+    k1, k2 = (m1 - top).exp(), (m2 - top).exp()
+    return top, k1 * s1 + k2 * s2, k1 * (x1 + (m1 - top) * s1) + k2 * (x2 + (m2 - top) * s2)
 
 
-class _LogSoftmaxAt(torch.autograd.Function):
-    """log p(ids) = z_ids - lse for a vocabulary-sharded z, with the softmax recomputed in backward."""
+def _global_normaliser(
+    stats: tuple[Tensor, Tensor, Tensor], group: dist.ProcessGroup | None
+) -> tuple[Tensor, Tensor]:
+    """(lse [T], entropy [T]) of the softmax over every shard's columns from this shard's statistics."""
+    row_max, sum_exp, sum_exp_shifted = stats
+    if group is not None:
+        global_max = _all_reduce_(row_max.clone(), dist.ReduceOp.MAX, group)
+        scale = (row_max - global_max).exp()  # [T] this shard's share, exp(m_r - M)
+        sums = torch.stack([scale * sum_exp, scale * (sum_exp_shifted + (row_max - global_max) * sum_exp)])
+        _all_reduce_(sums, dist.ReduceOp.SUM, group)
+        row_max, (sum_exp, sum_exp_shifted) = global_max, sums
+    return row_max + sum_exp.log(), sum_exp.log() - sum_exp_shifted / sum_exp
+
+
+def _tiles(num_rows: int, num_cols: int, chunk_tokens: int, chunk_vocab: int):
+    """(row slice, [(column start, column end), ...]) for every chunk of rows."""
+    cols = [(v, min(v + chunk_vocab, num_cols)) for v in range(0, num_cols, chunk_vocab)]
+    for start in range(0, num_rows, chunk_tokens):
+        yield slice(start, start + chunk_tokens), cols
+
+
+def _in_tile(local_ids: Tensor, in_shard: Tensor, lo: int, hi: int) -> tuple[Tensor, Tensor]:
+    """(column inside the tile, safe for gather [c, M]; whether the id falls in the tile [c, M])."""
+    hit = in_shard & (local_ids >= lo) & (local_ids < hi)
+    return torch.where(hit, local_ids - lo, 0), hit
+
+
+class _FusedLogSoftmaxAt(torch.autograd.Function):
+    """log p(ids) (or, without `normalise`, the logits at ids) from hidden states and the output
+    embedding, the logits made one tile at a time in forward and again in backward."""
 
     @staticmethod
-    def forward(ctx, logits_shard: Tensor, ids: Tensor, vocab_start: int, group, chunk_tokens: int):
-        local_ids, in_shard = _local_columns(ids, vocab_start, logits_shard.shape[1])
-        z_ids = _gather_global(logits_shard, local_ids, in_shard, group)  # [T, M]
-        lse, entropy, local_lse = log_normaliser(logits_shard, group, chunk_tokens)  # [T] each
-        ctx.save_for_backward(logits_shard, local_ids, in_shard, lse, local_lse)
-        ctx.chunk_tokens = chunk_tokens
+    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, vocab_start: int, group, temperature: float,
+                chunk_tokens: int, chunk_vocab: int, normalise: bool):
+        dtype = compute_dtype(hidden.dtype)
+        num_rows, local_vocab = hidden.shape[0], weight.shape[0]
+        local_ids, in_shard = _local_columns(ids, vocab_start, local_vocab)
+        z_ids = torch.zeros(ids.shape, dtype=dtype, device=hidden.device)
+        stats = [torch.empty(num_rows, dtype=dtype, device=hidden.device) for _ in range(3)]
+        with torch.no_grad():
+            for rows, cols in _tiles(num_rows, local_vocab, chunk_tokens, chunk_vocab):
+                h = hidden[rows].to(dtype)
+                acc = None
+                for lo, hi in cols:
+                    z = (h @ weight[lo:hi].to(dtype).T) / temperature  # [c, v]: the only logits that exist
+                    column, hit = _in_tile(local_ids[rows], in_shard[rows], lo, hi)
+                    z_ids[rows] += torch.where(hit, z.gather(1, column), 0.0)
+                    if normalise:
+                        tile = _chunk_normaliser(z)
+                        acc = tile if acc is None else _combine(acc, tile)
+                if acc is not None:
+                    for buffer, value in zip(stats, acc, strict=True):
+                        buffer[rows] = value
+            _all_reduce_(z_ids, dist.ReduceOp.SUM, group)  # each id lives in exactly one shard
+            if normalise:
+                lse, entropy = _global_normaliser((stats[0], stats[1], stats[2]), group)
+            else:
+                lse = entropy = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
+        ctx.save_for_backward(hidden, weight, local_ids, in_shard, lse)
+        ctx.config = (temperature, chunk_tokens, chunk_vocab, normalise)
         ctx.mark_non_differentiable(lse, entropy)
-        return z_ids - lse[:, None], lse, entropy
+        return (z_ids - lse[:, None] if normalise else z_ids), lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, _grad_lse, _grad_entropy):
-        logits_shard, local_ids, in_shard, lse, local_lse = ctx.saved_tensors
-        # d/dz_u sum_m g_m log p(v_m) = sum_m g_m 1[u = v_m] - (sum_m g_m) p(u), and the global
-        # p(u) = softmax_local(z)_u * exp(local_lse - lse): the fused local softmax, rescaled per row.
-        row_coef = -grad_logp.sum(dim=1) * (local_lse - lse).exp()  # [T]
-        grad_logits = torch.empty_like(logits_shard)  # every element is written below
-        dtype = compute_dtype(logits_shard.dtype)
-        for start in range(0, logits_shard.shape[0], ctx.chunk_tokens):
-            rows = slice(start, start + ctx.chunk_tokens)
-            if logits_shard.dtype == dtype:  # softmax straight into the output buffer: no temporary
-                torch.softmax(logits_shard[rows], dim=1, out=grad_logits[rows]).mul_(row_coef[rows, None])
-            else:  # low-precision logits: softmax in the compute dtype, one chunk at a time
-                grad_logits[rows] = torch.softmax(logits_shard[rows].to(dtype), dim=1).mul_(
-                    row_coef[rows, None]
-                )
-        grad_logits.scatter_add_(1, local_ids, torch.where(in_shard, grad_logp, 0.0).to(grad_logits.dtype))
-        # Rows whose normaliser is not finite (NaN/inf trainer logits) are excluded by the caller, and
-        # rows that are all -inf in this shard have p = 0 here; the softmax of either is NaN, so clear
-        # them explicitly (their true gradient in this shard is 0).
-        bad_rows = ~torch.isfinite(lse) | (local_lse == float("-inf"))
-        if bool(bad_rows.any()):
-            grad_logits[bad_rows] = 0.0
-        return grad_logits, None, None, None, None
+    def backward(ctx, grad_out: Tensor, _grad_lse, _grad_entropy):
+        hidden, weight, local_ids, in_shard, lse = ctx.saved_tensors
+        temperature, chunk_tokens, chunk_vocab, normalise = ctx.config
+        dtype = compute_dtype(hidden.dtype)
+        grad_out = grad_out.to(dtype)
+        # d/dz_u sum_m g_m log p(v_m) = sum_m g_m 1[u = v_m] - (sum_m g_m) p(u); without the
+        # normaliser only the first term. Rows whose normaliser is not finite (non-finite trainer
+        # logits, excluded by the caller) get no softmax term.
+        row_coef = torch.where(torch.isfinite(lse), -grad_out.sum(dim=1), 0.0)
+        safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+        grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        for rows, cols in _tiles(hidden.shape[0], weight.shape[0], chunk_tokens, chunk_vocab):
+            h = hidden[rows].to(dtype)
+            for lo, hi in cols:
+                column, hit = _in_tile(local_ids[rows], in_shard[rows], lo, hi)
+                if not normalise and not bool(hit.any()):
+                    continue  # replay: only the support's columns get a gradient
+                w = weight[lo:hi].to(dtype)
+                if normalise:
+                    z = (h @ w.T) / temperature
+                    grad_z = (z - safe_lse[rows, None]).exp_().mul_(row_coef[rows, None])
+                else:
+                    grad_z = torch.zeros((h.shape[0], hi - lo), dtype=dtype, device=h.device)
+                grad_z.scatter_add_(1, column, torch.where(hit, grad_out[rows], 0.0))
+                grad_z /= temperature  # z = h W^T / temperature
+                grad_hidden[rows] += grad_z @ w
+                grad_weight[lo:hi] += grad_z.T @ h
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None, None, None
 
 
-def log_softmax_at(
-    logits_shard: Tensor,
+def fused_log_softmax_at(
+    hidden: Tensor,
+    weight: Tensor,
     ids: Tensor,
     vocab_start: int = 0,
     group: dist.ProcessGroup | None = None,
-    chunk_tokens: int = 32,
+    temperature: float = 1.0,
+    chunk_tokens: int = 512,
+    chunk_vocab: int = 8192,
+    normalise: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(log p at global `ids` [T, M] (differentiable), lse [T], entropy of p [T]) for softmax over
-    the full vocabulary of logits [T, V_local] sharded over `group`. Extra memory beyond the
-    [T, V_local] gradient: O(chunk_tokens * V_local + T * M)."""
-    return _LogSoftmaxAt.apply(logits_shard, ids, vocab_start, group, chunk_tokens)
+    """(log p at global `ids` [T, M] (differentiable in `hidden` and `weight`), lse [T], entropy of p
+    [T]) for p = softmax(hidden @ weight.T / temperature) over the full vocabulary, `weight` [V_local,
+    H] the rows of this rank's vocabulary shard. Without `normalise`: the logits at `ids` (no
+    normaliser, lse and entropy zeros): the replay path, where only those logits get a gradient.
+    Reductions in float64 for float64 inputs, else float32. Extra memory: O(chunk_tokens *
+    chunk_vocab + T * M) besides the gradients of the inputs."""
+    return _FusedLogSoftmaxAt.apply(hidden, weight, ids, vocab_start, group, temperature, chunk_tokens,
+                                    chunk_vocab, normalise)

@@ -52,6 +52,17 @@ MAX_GROUP_NAME = 24
 # Deployment, <job>-config, <job>-weights, <job>-router-admin): a sampler group of the same name would
 # collide with them (operator/naming.py builds the names; a test checks the two agree).
 RESERVED_GROUP_NAMES: tuple[str, ...] = ("trainer", "router", "router-admin", "config", "weights")
+# The environment variable that carries a job's engine API key in its pods (from the `<job>-api-key`
+# Secret by secretKeyRef): SGLang's and the reference engine's `--api-key $(RLFLEET_API_KEY)`, the
+# sidecar, the router (data plane) and the trainer present it (docs/sampler.md, "The engine API").
+ENGINE_API_KEY_ENV = "RLFLEET_API_KEY"
+# How a sidecar's subscriber report (last_error) begins when its engine served weights the sidecar had not
+# applied and it applied the channel's version again (sampler/syncer.py); the operator's SamplerGroup
+# status shows it as reason ForeignWeightVersion (operator/status.py).
+FOREIGN_WEIGHTS_PREFIX = "foreign weight version:"
+# The channel's directory of subscriber reports (subscribers/<group>/<replica>.json, rlfleet/channel.py):
+# the only part of a filesystem store a sampler pod may write (operator/podspec.py sampler_store_volume).
+SUBSCRIBERS_DIR = "subscribers"
 # Port of the weight-sync sidecar in every sampler pod (SGLang must listen elsewhere).
 SYNC_SIDECAR_PORT = 9400
 # A Kubernetes resource quantity (apimachinery resource.Quantity): "16", 128Gi, 500m, 1e3.

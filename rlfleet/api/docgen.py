@@ -35,7 +35,9 @@ Children of an RLJob named `J` (labels `rlfleet.dev/job=J`, owner reference to t
 the job deletes them): SamplerGroups `J-<group>` (each with a Deployment and a headless Service of the
 same name), WeightChannel `J-weights`, trainer StatefulSet + headless Service `J-trainer`, router
 Deployment + Service `J-router`, ConfigMap `J-config` (`rljob.yaml`: the resolved spec;
-`router.yaml`: the router config), Secret `J-router-admin` (router admin token, created once).
+`router.yaml`: the router config), Secrets `J-router-admin` (router admin token) and `J-api-key` (the
+engines' API key, docs/sampler.md "The engine API"), each created once, and NetworkPolicies `J-samplers`
+and `J-router` (docs/install.md "Network policies").
 `spec.suspend: true` scales samplers and trainer to zero; `false` restores them.
 """
 

@@ -182,6 +182,18 @@ TINY_HEADS_MESSAGE = (
     "hiddenSize, intermediateSize and numKeyValueHeads x headDim multiples of 128 (every projection then fits "
     "the fp8 view's 128 x 128 blocks)"
 )
+# rlfleet/tiny_qwen3.py `tool_add_demonstration`: BOS a b SEP, CALL x y END_CALL, RESULT s END_RESULT, answer EOS
+WARM_START_CONTEXT = 13
+WARM_START_RULE = f"!has(self.warmStart) || self.warmStart == 'none' || self.maxPositionEmbeddings >= {WARM_START_CONTEXT}"
+WARM_START_MESSAGE = (
+    f"local.model.warmStart: a tool_add demonstration is {WARM_START_CONTEXT} tokens: maxPositionEmbeddings must be "
+    f">= {WARM_START_CONTEXT}"
+)
+TINY_MOE_RULE = "self.numExpertsPerTok <= self.numExperts && self.moeIntermediateSize % 128 == 0"
+TINY_MOE_MESSAGE = (
+    "local.model: numExpertsPerTok must be <= numExperts, and moeIntermediateSize a multiple of 128 (each "
+    "expert's projections then fit the fp8 view's 128 x 128 blocks)"
+)
 TRAINER_ACCELERATOR_RULE = "self.suspend || self.trainer.accelerator == oldSelf.trainer.accelerator"
 TRAINER_ACCELERATOR_MESSAGE = (
     "trainer.accelerator cannot change on an existing RLJob (the trainer pods would restart mid-run on other "
@@ -251,6 +263,11 @@ class OptimizerSpec(ApiModel):
     """Gradient clipping norm."""
 
 
+# Tokens one trainer rank forwards and backwards at once (verl's ppo_max_token_len_per_gpu default): a
+# sequence longer than this still trains, alone in its micro-batch (docs/objective.md, "Trainable length").
+MAX_TOKENS_PER_MICRO_BATCH = 16384
+
+
 class TrainerSpec(PodPlacement):
     """The BF16 trainer (a StatefulSet of torchrun ranks), placed as one gang (docs/scheduling.md)."""
 
@@ -287,6 +304,10 @@ class TrainerSpec(PodPlacement):
     """Trainer image."""
     total_steps: int | None = Field(default=None, ge=1)
     """Stop after this many optimizer steps (none: run until deleted)."""
+    max_tokens_per_micro_batch: int = Field(default=MAX_TOKENS_PER_MICRO_BATCH, ge=64, le=1 << 24)
+    """Token budget of one micro-batch per rank: each rank's sequences are packed (torch) or padded to the micro-batch's longest (megatron) into micro-batches of at most this many tokens, gradients accumulated over them into one optimizer step. A longer sequence trains alone in its own micro-batch."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in forward and recompute the layer in backward (torch: transformers' gradient checkpointing; megatron: full, uniform recompute): activation memory per micro-batch drops to about one hidden state per layer, for roughly one more forward of compute. The step is unchanged."""
 
     def on_cpu(self) -> bool:
         """Whether the trainer's class is a CPU class (the catalog in effect says)."""
@@ -478,12 +499,16 @@ class SafetySpec(ApiModel):
 
 
 class TinyModelSpec(ApiModel):
-    """The tiny Qwen3 checkpoint `--local` builds and trains instead of `model.path` (Hugging Face config
-    names; rlfleet/tiny_qwen3.py builds it with transformers and a local tokenizer)."""
+    """The tiny Qwen3 (or Qwen3-MoE) checkpoint `--local` builds and trains instead of `model.path` (Hugging
+    Face config names; rlfleet/tiny_qwen3.py builds it with transformers and a local tokenizer)."""
 
     model_config = {
         "json_schema_extra": {
-            "x-kubernetes-validations": [{"rule": TINY_HEADS_RULE, "message": TINY_HEADS_MESSAGE}]
+            "x-kubernetes-validations": [
+                {"rule": TINY_HEADS_RULE, "message": TINY_HEADS_MESSAGE},
+                {"rule": WARM_START_RULE, "message": WARM_START_MESSAGE, "fieldPath": ".maxPositionEmbeddings"},
+                {"rule": TINY_MOE_RULE, "message": TINY_MOE_MESSAGE},
+            ]
         }
     }
 
@@ -507,6 +532,19 @@ class TinyModelSpec(ApiModel):
     """Use the embedding as the output projection."""
     logit_std: float = Field(default=2.0, gt=0, le=100.0)
     """Std of the untrained model's logits (peaked initial distributions; rlfleet/tiny_qwen3.py)."""
+    warm_start: Literal["none", "tool_add"] = "none"
+    """none: RL starts from the seeded random init; tool_add: from that init supervised for a few seconds on tool_add demonstrations whose copied digits are deliberately noisy, so RL starts at a low, non-zero task success (docs/local.md "The demo's warm start")."""
+
+    architecture: Literal["qwen3", "qwen3_moe"] = "qwen3"
+    """qwen3: the dense Qwen3; qwen3_moe: Qwen3-MoE, every layer's MLP numExperts routed experts of which each token uses the top numExpertsPerTok (no shared expert), trained with the router's load-balancing loss (docs/objective.md) and served by the reference engine."""
+    num_experts: int = Field(default=4, ge=2, le=128)
+    """qwen3_moe: routed experts per layer."""
+    num_experts_per_tok: int = Field(default=2, ge=1, le=128)
+    """qwen3_moe: experts each token is routed to (top-k of the router's softmax, renormalised)."""
+    moe_intermediate_size: int = Field(default=128, ge=128, le=32768)
+    """qwen3_moe: each expert's SwiGLU size."""
+    router_aux_loss_coef: float = Field(default=0.001, ge=0, le=1.0)
+    """qwen3_moe: weight of the router's load-balancing loss added to the policy loss."""
 
     @model_validator(mode="after")
     def _check_heads(self) -> TinyModelSpec:
@@ -518,6 +556,10 @@ class TinyModelSpec(ApiModel):
             or (self.num_key_value_heads * self.head_dim) % 128
         ):
             raise ValueError(TINY_HEADS_MESSAGE)
+        if self.warm_start != "none" and self.max_position_embeddings < WARM_START_CONTEXT:
+            raise ValueError(WARM_START_MESSAGE)
+        if self.num_experts_per_tok > self.num_experts or self.moe_intermediate_size % 128:
+            raise ValueError(TINY_MOE_MESSAGE)
         return self
 
 

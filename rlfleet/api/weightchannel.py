@@ -23,6 +23,11 @@ from rlfleet.api.meta import ObjectMeta
 STORE_RULE = "self.type == 'filesystem' ? has(self.path) : has(self.bucket)"
 STORE_MESSAGE = "store: type filesystem needs path; type s3 needs bucket"
 STORE_PATH_RULE = "!has(self.path) || self.path.startsWith('/')"
+SAMPLER_SECRET_RULE = "!has(self.samplerSecretRef) || self.type == 's3'"
+SAMPLER_SECRET_MESSAGE = (
+    "store.samplerSecretRef is for type s3 (a filesystem store's sampler pods already mount the channel "
+    "read-only, and only their group's subscriber reports writable)"
+)
 STORE_PATH_MESSAGE = (
     "store.path must be an absolute path (the volume's mount path in every pod; a relative path would "
     "resolve against each process's working directory)"
@@ -39,6 +44,7 @@ class StoreSpec(ApiModel):
             "x-kubernetes-validations": [
                 {"rule": STORE_RULE, "message": STORE_MESSAGE},
                 {"rule": STORE_PATH_RULE, "message": STORE_PATH_MESSAGE, "fieldPath": ".path"},
+                {"rule": SAMPLER_SECRET_RULE, "message": SAMPLER_SECRET_MESSAGE, "fieldPath": ".samplerSecretRef"},
             ]
         }
     }
@@ -61,6 +67,8 @@ class StoreSpec(ApiModel):
     """s3: region."""
     secret_ref: LocalObjectReference | None = None
     """s3: Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (injected by reference, never copied)."""
+    sampler_secret_ref: LocalObjectReference | None = None
+    """s3: the sampler pods' Secret (same keys) instead of secretRef, for credentials per role: read the channel, write only `subscribers/` (docs/weights.md "Store credentials per role"). None: the sampler pods use secretRef."""
 
     @model_validator(mode="after")
     def _check_store(self) -> StoreSpec:
@@ -68,6 +76,8 @@ class StoreSpec(ApiModel):
             raise ValueError(STORE_MESSAGE)
         if self.path is not None and not self.path.startswith("/"):
             raise ValueError(f"{STORE_PATH_MESSAGE}: got {self.path!r}")
+        if self.sampler_secret_ref is not None and self.type != "s3":
+            raise ValueError(SAMPLER_SECRET_MESSAGE)
         return self
 
 
@@ -121,6 +131,8 @@ class GroupVersion(ApiModel):
     """Failed weight syncs the group's live replicas report since they started."""
     last_error: str | None = Field(default=None, max_length=512)
     """The newest failure a replica still reports (cleared when it applies a version)."""
+    replicas: list[str] = Field(default_factory=list, max_length=256)
+    """The replicas (pod names) with a fresh report: a ready pod missing here cannot write its report (the SamplerGroup says so)."""
 
 
 class ModelShape(ApiModel):

@@ -17,6 +17,13 @@ the trainer talks to them only through the router. `rlfleet run --local` starts 
 subprocess (`python -m rlfleet.local.fleet SPEC.json`), reads one JSON line with the URLs from its
 stdout, and stops it with SIGTERM; the host also exits when its stdin closes, so it can never outlive
 the trainer (no orphans, even on SIGKILL of the parent).
+
+The engine API is closed with a key, as a cluster's is (docs/sampler.md, "The engine API"): the run's
+key comes in this process's environment as RLFLEET_API_KEY (`rlfleet run --local` makes a random one per
+run; never on a command line, in SPEC.json or in a log). Every engine requires it (`--api-key`: all but
+/health, /health_generate and /metrics answer 401 without it), the sync loops present it, the router
+requires it from its clients and presents it to the engines. Started without the variable (by hand),
+the host serves open.
 """
 
 from __future__ import annotations
@@ -29,9 +36,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rlfleet.api.common import ENGINE_API_KEY_ENV
 
 if TYPE_CHECKING:
     from rlfleet.sampler.reference_engine import ReferenceEngine
@@ -81,6 +91,7 @@ class FleetSpec:
 class RunningFleet:
     router_url: str
     servers: dict[str, str] = field(default_factory=dict)  # group -> server URL
+    api_key: str | None = None  # the run's engine key: every server and the router require it
     closers: list[Any] = field(default_factory=list)
 
 
@@ -96,24 +107,26 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     from rlfleet.router.service import start_service
     from rlfleet.sampler.engine_clients import DiskEngine
     from rlfleet.sampler.http_app import start_reference_server
+    from rlfleet.sampler.sync import engine_headers
     from rlfleet.sampler.sync_state import SyncConfig
     from rlfleet.sampler.syncer import Syncer
     from rlfleet.store import open_store
 
     torch.set_num_threads(max(1, spec.threads))
+    api_key = os.environ.get(ENGINE_API_KEY_ENV) or None  # the run's key (module docstring)
 
     def sync_config(g: GroupSpec, engine_url: str, initial_version: int | None) -> SyncConfig:
         # in place: the channel is a directory this process sees (docs/weights.md, "Loading in place")
         return SyncConfig(store=spec.store, view=g.weight_format, engine_url=engine_url, group=g.name,
                           replica=f"{g.name}-0", cache_dir=Path(spec.cache_dir) / g.name,
                           poll_interval=spec.poll_interval, backoff_base=spec.poll_interval,
-                          initial_version=initial_version, in_place=True)  # fmt: skip
+                          initial_version=initial_version, in_place=True, api_key=api_key)  # fmt: skip
 
-    fleet = RunningFleet(router_url="")
+    fleet = RunningFleet(router_url="", api_key=api_key)
     store = open_store(spec.store)
     fleet.closers.append(store.close)
-    # one client per group, for its sync loop; its base_url is set once the group's server listens
-    clients = [httpx.AsyncClient(timeout=120.0) for _ in spec.groups]
+    # one client per group, for its sync loop (presenting the key); base_url set once its server listens
+    clients = [httpx.AsyncClient(timeout=120.0, headers=engine_headers(sync_config(g, "", None))) for g in spec.groups]
     fleet.closers.extend(c.aclose for c in clients)
     # As a pod's init container (`--fetch-only`): the newest version of each group's view, verified, its
     # launch file written. The engine is not up yet and the fetch never calls it (engine_url "").
@@ -133,7 +146,7 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     )
     tasks: list[asyncio.Task] = []
     for g, engine, client in zip(spec.groups, engines, clients, strict=True):
-        server = await start_reference_server(engine, "127.0.0.1", 0)
+        server = await start_reference_server(engine, "127.0.0.1", 0, api_key=api_key)
         fleet.servers[g.name] = server.url
         fleet.closers.append(server.stop)
         client.base_url = httpx.URL(server.url)
@@ -150,6 +163,7 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
                 for g in spec.groups
             ],
             admin_token_env=ADMIN_TOKEN_ENV,
+            api_key_env=ENGINE_API_KEY_ENV,  # required from the trainer, presented to the engines
             health_interval_seconds=1.0,
         )
     )
@@ -183,14 +197,18 @@ def _engine(spec: FleetSpec, index: int, g: GroupSpec, launch: tuple[int, Path])
     )
 
 
-async def wait_until_serving(fleet: RunningFleet, version: int, timeout: float = 120.0) -> None:
-    """Block until every server reports serving at least `version` (the trainer's first publish)."""
+async def wait_until_serving(
+    fleet: RunningFleet, version: int, timeout: float = 120.0, alive: Callable[[], bool] | None = None
+) -> None:
+    """Block until every server reports serving at least `version` (the trainer's first publish), or
+    until `alive()` says the host is gone (the caller says how it ended)."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=5.0) as client:
+    headers = {"Authorization": f"Bearer {fleet.api_key}"} if fleet.api_key else {}
+    async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
         deadline = asyncio.get_running_loop().time() + timeout
         pending = dict(fleet.servers)
-        while pending:
+        while pending and (alive is None or alive()):
             for name, url in list(pending.items()):
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     v = (await client.get(url + "/model_info")).json().get("weight_version")
@@ -218,6 +236,8 @@ async def _host(spec: FleetSpec) -> int:
         fleet, tasks = await start_fleet(spec, stop)
     except FleetStopped:
         return 0
+    log.info("serving: router %s, servers %s (%s)", fleet.router_url, fleet.servers,
+             "closed with the run's key" if fleet.api_key else f"open: no {ENGINE_API_KEY_ENV}")  # fmt: skip
     print(json.dumps({"router": fleet.router_url, "servers": fleet.servers}), flush=True)
     await stop.wait()
     await stop_fleet(fleet, tasks)

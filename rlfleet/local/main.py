@@ -4,7 +4,8 @@ What starts (all on 127.0.0.1, free ports chosen by the OS):
 - a weight channel on a local directory (`<out>/channel`, the filesystem store),
 - ONE fleet-host subprocess (rlfleet/local/fleet.py) with a real reference sampler server per sampler group
   (the group's weight format, KV-cache dtype and a per-GPU-class kernel, emulated on CPU), the router
-  in front of them, and a weight-sync loop per group,
+  in front of them, and a weight-sync loop per group, closed with a random key per run that only their
+  environment holds (docs/local.md, "The engine API"),
 - the trainer in this process: a tiny Qwen3 checkpoint built from the manifest's `local.model`
   (rlfleet/tiny_qwen3.py: transformers' `Qwen3ForCausalLM` saved with `save_pretrained`, a tokenizer built
   with `tokenizers`; cached under `<out>/models`) trained by the same transformers backend a cluster's
@@ -21,6 +22,7 @@ every step, so `--resume` continues it. A report (metrics JSON/CSV + plots) land
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -32,14 +34,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlfleet.api.common import ENGINE_API_KEY_ENV
 from rlfleet.trainer.config import RunConfig, build_environment, resolve_run
 
 if TYPE_CHECKING:
     from rlfleet.trainer.collapse import Decision
-    from rlfleet.trainer.rollout import PromptGroup
+    from rlfleet.trainer.environments import Environment
+    from rlfleet.trainer.prompts import PromptSource
+    from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+    from rlfleet.trainer.run import BaseModel
 
 FLEET_LOG = "fleet.log"
 RUN_JSON = "run.json"
@@ -49,8 +56,17 @@ TASK_FIGURES = (("success_rate", "task success"), ("format_error_rate", "episode
 SUMMARY_METRICS = {"reward": "reward_mean", "entropy": "entropy", **{key: key for key, _ in TASK_FIGURES}}
 
 
+EXIT_FLEET_DIED = 8  # the fleet host died during the run (docs/local.md, "Exit codes"; the others: trainer/failures.py)
+FLEET_LOG_TAIL = 12  # lines of fleet.log quoted when the fleet host dies
+
+
 class LocalRunError(RuntimeError):
-    """A clear one-line problem with the run (printed without a stack trace, exit 2)."""
+    """A clear problem with the run, printed without a stack trace: one line, exit `code` (2: the run
+    cannot start as given; a runtime failure's own code, trainer/failures.py; EXIT_FLEET_DIED)."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 # ------------------------------------------------------------------------------------------ display
@@ -143,10 +159,15 @@ def group_rollout_extras(groups: list[PromptGroup], dt: float) -> dict[str, floa
 
 # ------------------------------------------------------------------------------------------ the run
 class FleetProcess:
-    """The fleet-host subprocess (servers + router + syncers). Started and stopped by its pid only."""
+    """The fleet-host subprocess (servers + router + syncers). Started and stopped by its pid only; while
+    it runs, `watch` polls it, so that its death ends the run in seconds (issue 32 item 7)."""
 
-    def __init__(self, spec_path: Path, log_path: Path, admin_token: str) -> None:
+    def __init__(self, spec_path: Path, log_path: Path, admin_token: str, api_key: str | None = None) -> None:
+        # secrets by environment only: never on the command line (any user's `ps` shows it), in fleet.json
+        # or in a log; the host's /proc/PID/environ is readable by this user (and root) alone
         env = {**os.environ, "RLFLEET_ROUTER_ADMIN_TOKEN": admin_token, "PYTHONUNBUFFERED": "1"}
+        if api_key is not None:
+            env[ENGINE_API_KEY_ENV] = api_key
         self.log = open(log_path, "ab")
         # cwd = the run directory: `python -m` puts cwd on sys.path, and the repo root must never be
         # there (its operator/ folder would shadow the standard library).
@@ -155,8 +176,46 @@ class FleetProcess:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=spec_path.parent, env=env,
             start_new_session=True,  # our Ctrl-C goes to the trainer, which stops the fleet in order
         )
+        self.log_path = log_path
+        self._stopping = threading.Event()  # set by stop(): the exit that follows is ours, not a death
 
-    def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
+    def watch(self, on_death: Callable[[], None], interval: float = 0.5) -> None:
+        """Call `on_death()` once if the host exits before `stop()` (a thread polling its pid)."""
+
+        def poll() -> None:
+            while not self._stopping.wait(interval):
+                if self.proc.poll() is not None:
+                    if not self._stopping.is_set():
+                        on_death()
+                    return
+
+        threading.Thread(target=poll, name="fleet-watch", daemon=True).start()
+
+    def died(self) -> str | None:
+        """How the host ended when it ended by itself ("killed by SIGKILL", "exited with code 1"); None
+        while it runs or after `stop()`."""
+        code = self.proc.poll()
+        if code is None or self._stopping.is_set():
+            return None
+        if code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def death_message(self, how: str, when: str, resume_hint: str) -> str:
+        """The run's last word when the host died: what and how, the tail of its log, the resume command."""
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-FLEET_LOG_TAIL:]
+        except OSError as exc:
+            tail = [f"(unreadable: {exc.strerror})"]
+        lines = [f"the fleet host (pid {self.proc.pid}: the sampler servers, the router and the weight sync) "
+                 f"{how} {when}. The end of its log {self.log_path}:", *(f"    {line}" for line in tail)]  # fmt: skip
+        lines.append(f"resume with: {resume_hint}" if resume_hint else "resume: run the same command with --resume")
+        return "\n".join(lines)
+
+    def wait_ready(self, timeout: float = 180.0, resume_hint: str = "") -> dict[str, Any]:
         box: dict[str, Any] = {}
 
         def read() -> None:
@@ -168,11 +227,18 @@ class FleetProcess:
         t.join(timeout)
         line = box.get("line", b"")
         if not line:
+            if not t.is_alive():  # its stdout closed: it is exiting
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(10)
+            how = self.died()
             self.stop()
-            raise LocalRunError(f"the sampler fleet did not start (see {self.log.name})")
+            if how is not None:
+                raise LocalRunError(self.death_message(how, "while it started", resume_hint), EXIT_FLEET_DIED)
+            raise LocalRunError(f"the sampler fleet did not start in {timeout:.0f}s (see {self.log_path})")
         return json.loads(line)
 
     def stop(self, timeout: float = 15.0) -> None:
+        self._stopping.set()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -188,11 +254,76 @@ class FleetProcess:
         self.log.close()
 
 
-def _admin_quarantine(router_url: str, token: str, group: str) -> None:
-    import httpx
+class FleetRollouts:
+    """The run's rollout side: the fleet host, started when the trainer's version `start_step` is in the
+    channel (run_training calls `make_driver`), watched while it runs, and the driver in front of its
+    router. Its death sets `stop`: the loop ends at once, and the run ends with `stop()`'s message."""
 
-    httpx.put(f"{router_url}/admin/groups/{group}", json={"quarantined": True},
-              headers={"Authorization": f"Bearer {token}"}, timeout=5)  # fmt: skip
+    def __init__(
+        self,
+        out: Path,
+        rc: RunConfig,
+        base: BaseModel,
+        env: Environment,
+        prompts: PromptSource,
+        stop: threading.Event,
+        resume_hint: str,
+        start_step: int,
+    ) -> None:
+        self.out, self.rc, self.base, self.env, self.prompts = out, rc, base, env, prompts
+        self.stop_event, self.resume_hint, self.start_step = stop, resume_hint, start_step
+        self.admin_token = secrets.token_hex(16)
+        # the run's engine key (docs/local.md, "The engine API"): the fleet host's engines, sync loops and
+        # router use it; the driver presents it to the router
+        self.api_key = secrets.token_urlsafe(32)
+        self.fleet: FleetProcess | None = None
+        self.router = ""
+        self.driver: RolloutDriver | None = None
+
+    def make_driver(self, position: int) -> RolloutDriver:
+        import asyncio
+
+        from rlfleet.local.fleet import RunningFleet, wait_until_serving
+        from rlfleet.sampler.client import SamplerClient
+        from rlfleet.trainer.rollout import RolloutDriver
+
+        fleet = self.fleet = FleetProcess(self.out / "fleet.json", self.out / FLEET_LOG, self.admin_token, self.api_key)
+        fleet.watch(self.stop_event.set)  # its death stops the loop at once; `stop()` then says so
+        urls = fleet.wait_ready(resume_hint=self.resume_hint)
+        self.router = urls["router"]
+        serving = RunningFleet(router_url=self.router, servers=urls["servers"], api_key=self.api_key)
+        asyncio.run(wait_until_serving(serving, self.start_step, alive=lambda: fleet.proc.poll() is None))
+        how = fleet.died()
+        if how is not None:
+            raise LocalRunError(fleet.death_message(how, "while it started", self.resume_hint), EXIT_FLEET_DIED)
+        rc, base = self.rc, self.base
+        self.driver = RolloutDriver(
+            SamplerClient(self.router, vocab_size=base.vocab_size, api_key=self.api_key), self.env, self.prompts,
+            samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling, max_seq_len=base.max_seq_len,
+            start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
+        )  # fmt: skip
+        return self.driver
+
+    def quarantine(self, groups: list[str]) -> None:
+        """The collapse detector's decision, through the router's admin API."""
+        import httpx
+
+        for group in groups:
+            httpx.put(f"{self.router}/admin/groups/{group}", json={"quarantined": True},
+                      headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5)  # fmt: skip
+
+    def failure(self, exc: Exception) -> Exception:
+        """`run_failure` with what the rollout side knows (the router, the driver's outage)."""
+        detail = self.driver.outage_note() if self.driver is not None else ""
+        return run_failure(exc, self.out, self.resume_hint, router=self.router, detail=detail)
+
+    def stop(self) -> str | None:
+        """Stop the fleet host; how it ended when it had died by itself ("killed by SIGKILL"), else None."""
+        if self.fleet is None:
+            return None
+        how = self.fleet.died()  # before stop(): the exit stop() causes is not a death
+        self.fleet.stop()
+        return how
 
 
 def summary_window(steps: int) -> int:
@@ -205,6 +336,23 @@ def window_mean(history: list[dict[str, float]], key: str, k: int, end: str) -> 
     values = [h[key] for h in history if key in h]
     part = values[:k] if end == "first" else values[-k:]
     return sum(part) / len(part) if part else None
+
+
+def run_failure(exc: Exception, out: Path, resume_hint: str, router: str = "", detail: str = "") -> Exception:
+    """A runtime failure of trainer/failures.py as a LocalRunError (one line, its exit code); any other
+    error as it is (a bug: its traceback)."""
+    from rlfleet.trainer.failures import FailureContext, describe_failure
+
+    described = describe_failure(exc, FailureContext(
+        store=str(out / "channel"), checkpoints=str(out / "checkpoints"), router=router or "of the fleet host",
+        rollout_logs=str(out / FLEET_LOG), own_store="its own --out directory",
+        continue_with=f"resume with: {resume_hint}" if resume_hint else "run the same command with --resume",
+        detail=detail,
+    ))  # fmt: skip
+    if described is None:
+        return exc
+    code, line = described
+    return LocalRunError(line, code)
 
 
 def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[str, Any] | None:
@@ -220,7 +368,7 @@ def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[
         try:
             state = ckpt.load_latest(ckpt_dir) if ckpt_dir.is_dir() else None
         except ckpt.CheckpointError as exc:
-            raise LocalRunError(f"cannot resume {out}: {exc}") from None
+            raise run_failure(exc, out, resume_hint="") from None
         if state is None:
             raise LocalRunError(f"nothing to resume in {out} (no checkpoint); run without --resume to start")
         step = int(state["step"])
@@ -254,20 +402,20 @@ def run_local(
     live: bool = True,
     stop: threading.Event | None = None,
     force: bool = False,
+    resume_hint: str = "",
 ) -> dict[str, Any]:
-    """Run (or resume) the local job; returns the summary written to the report."""
+    """Run (or resume) the local job; returns the summary written to the report. `resume_hint`: the
+    command that continues the run, quoted when it fails (LocalRunError)."""
     import torch
 
+    from rlfleet.channel import WRITER_LEASE_TTL_SECONDS, LeaseHeldError
     from rlfleet.local.fleet import FleetSpec
     from rlfleet.local.fleet import GroupSpec as FleetGroup
     from rlfleet.local.report import write_report
-    from rlfleet.sampler.client import SamplerClient
     from rlfleet.store import open_store
-    from rlfleet.tiny_qwen3 import cached_tiny_qwen3
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.prompts import PromptFileError
     from rlfleet.trainer.publisher import WeightPublisher
-    from rlfleet.trainer.rollout import RolloutDriver
     from rlfleet.trainer.run import (
         ChannelSink,
         TrainingStartError,
@@ -275,6 +423,7 @@ def run_local(
         rollout_inputs,
         run_training,
     )
+    from rlfleet.trainer.warm_start import cached_model
 
     stop = stop or threading.Event()
     ckpt_dir, channel_dir, report_dir = out / "checkpoints", out / "channel", out / "report"
@@ -289,7 +438,7 @@ def run_local(
     # the tiny Qwen3 checkpoint of local.model: the model source, as spec.model.path is on a cluster
     if rc.model is None:
         raise LocalRunError(f"{rc.job_name}: local mode trains the tiny model of the RLJob's local block (resolve_run(local=True))")
-    model_dir = cached_tiny_qwen3(out / "models", rc.model)
+    model_dir = cached_model(out / "models", rc.model)  # warm-started when local.model.warmStart says so
     try:
         base = build_backend(rc, backend="torch", source_dir=model_dir)
         env, prompts = rollout_inputs(rc, base)
@@ -297,11 +446,13 @@ def run_local(
         raise LocalRunError(str(exc)) from None
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     store = open_store(str(channel_dir.resolve()))
-    publisher = WeightPublisher(store, views=rc.views, keep_versions=4, follow_subscribers=False,
-                                base_checkpoint=base.base_checkpoint,
-                                publisher_id=f"local/{rc.job_name}")  # stable: --resume takes over its own claims
+    try:  # stable id: --resume takes over its own claims and writer lease; another run on this store is refused
+        publisher = WeightPublisher(store, views=rc.views, keep_versions=4, follow_subscribers=False,
+                                    base_checkpoint=base.base_checkpoint, writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
+                                    publisher_id=f"local/{rc.job_name}")  # fmt: skip
+    except LeaseHeldError as exc:
+        raise run_failure(exc, out, resume_hint) from None
 
-    admin_token = secrets.token_hex(16)
     spec = FleetSpec(
         groups=[FleetGroup(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, quarantined=g.quarantined)
                 for g in rc.groups],
@@ -312,25 +463,9 @@ def run_local(
     (out / RUN_JSON).write_text(json.dumps({"job": rc.job_name, "config": rc.as_json()}, indent=1))
 
     progress = Progress(rc, live)
-    started: dict[str, Any] = {}  # the fleet and the driver, once make_driver has started them
+    rollouts = FleetRollouts(out, rc, base, env, prompts, stop, resume_hint,
+                             start_step=int(state["step"]) if state is not None else 0)  # fmt: skip
     last = {"t": time.monotonic()}
-
-    def make_driver(position: int) -> RolloutDriver:
-        """Called by run_training after the trainer's version `step` is in the channel."""
-        import asyncio
-
-        from rlfleet.local.fleet import RunningFleet, wait_until_serving
-
-        fleet = started["fleet"] = FleetProcess(out / "fleet.json", out / FLEET_LOG, admin_token)
-        urls = started["urls"] = fleet.wait_ready()
-        start_step = int(state["step"]) if state is not None else 0
-        asyncio.run(wait_until_serving(RunningFleet(router_url=urls["router"], servers=urls["servers"]), start_step))
-        client = SamplerClient(urls["router"], vocab_size=base.vocab_size)
-        driver = started["driver"] = RolloutDriver(
-            client, env, prompts, samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling,
-            max_seq_len=base.max_seq_len, start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
-        )
-        return driver
 
     def on_step(m: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
         now = time.monotonic()
@@ -338,25 +473,27 @@ def run_local(
         last["t"] = now
         progress.update(m, [a.message for a in detector.history if a.step == int(m["step"])])
 
-    def on_quarantine(groups: list[str]) -> None:
-        for g in groups:
-            _admin_quarantine(started["urls"]["router"], admin_token, g)
-
     try:
         loop = run_training(
-            rc, base.backend, ChannelSink(publisher), detector, make_driver,
+            rc, base.backend, ChannelSink(publisher), detector, rollouts.make_driver,
             checkpoint=ckpt_dir, resume=state,
-            stop=stop, on_step=on_step, on_quarantine=on_quarantine,
+            stop=stop, on_step=on_step, on_quarantine=rollouts.quarantine,
         )
         interrupted = stop.is_set() and loop.state.step < rc.steps
     except TrainingStartError as exc:
         raise LocalRunError(f"{exc} (in {channel_dir})") from None
+    except LocalRunError:
+        raise
+    except Exception as exc:  # a runtime failure of trainer/failures.py: one line and its exit code
+        failure = rollouts.failure(exc)
+        if failure is exc:
+            raise
+        raise failure from None
     finally:
         progress.stop()
-        if "fleet" in started:
-            started["fleet"].stop()
+        fleet_death = rollouts.stop()
         store.close()
-    driver = started.get("driver")
+    driver = rollouts.driver
 
     history = loop.state.history
     k = summary_window(len(history))
@@ -377,6 +514,9 @@ def run_local(
         "seconds": time.monotonic() - progress.t0,
     }
     write_report(history, report_dir, summary)
+    if fleet_death is not None and rollouts.fleet is not None:  # after the report: it holds the steps done
+        when = f"at step {loop.state.step} of {rc.steps}; the checkpoint and the report ({report_dir}) hold the steps done"
+        raise LocalRunError(rollouts.fleet.death_message(fleet_death, when, resume_hint), EXIT_FLEET_DIED)
     return summary
 
 
@@ -487,10 +627,11 @@ def cli(argv: list[str]) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint)
     signal.signal(signal.SIGTERM, on_sigint)
     try:
-        summary = run_local(rc, out, resume=args.resume, live=not args.no_live, stop=stop, force=args.force)
+        summary = run_local(rc, out, resume=args.resume, live=not args.no_live, stop=stop, force=args.force,
+                            resume_hint=hint)  # fmt: skip
     except LocalRunError as exc:
         print(f"rlfleet run: {exc}", file=sys.stderr)
-        return 2
+        return exc.code
     except KeyboardInterrupt:
         print(f"interrupted; resume with: {hint}", file=sys.stderr)
         return 130

@@ -6,10 +6,13 @@ cache, loaded from the same Hugging Face checkpoint (config.json + safetensors, 
 parameter names) the trainer trains with transformers' `Qwen3ForCausalLM`. tests/sampler/
 test_sampler_engine_model.py holds it against transformers: logits equal to 1e-5 with the exact
 kernel, with and without the slot cache, for QK-norm, grouped-query attention, a custom head_dim,
-tied embeddings and both rope config forms.
+tied embeddings and both rope config forms, and Qwen3-MoE (the same logits and the same routed experts
+as transformers' `Qwen3MoeForCausalLM`).
 
 Architecture (Qwen3 dense, `model_type` "qwen3"): RMSNorm pre-norm, q/k/v/o projections without bias,
-per-head RMSNorm on q and k before rotary positions (QK-norm), grouped-query attention, SwiGLU MLP,
+per-head RMSNorm on q and k before rotary positions (QK-norm), grouped-query attention, SwiGLU MLP
+(Qwen3-MoE, "qwen3_moe": every layer's MLP is routed experts, top-k of a router's softmax, no shared
+expert; `routed_experts` holds the last forward's choices),
 lm_head (or the embedding, when `tie_word_embeddings`).
 
 Two paths:
@@ -40,7 +43,7 @@ from rlfleet.numerics.formats import fake_quantize_fp8_e4m3
 
 KV_DTYPES = ("auto", "bf16", "fp8_e4m3")  # what `EngineModel.new_cache` takes (SGLang's names)
 KV_STORAGE = ("float32", "bf16", "fp8_e4m3")  # what a KVCache rounds K and V to ("auto" resolved)
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 class UnsupportedModelError(ValueError):
@@ -62,8 +65,19 @@ class ModelShape:
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    num_experts: int = 0
+    """0: dense (every layer's MLP is one SwiGLU); > 0: Qwen3-MoE, every layer's MLP is `num_experts`
+    routed SwiGLU experts of `moe_intermediate_size`, each token using the top `num_experts_per_tok`."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ValueError(
+                f"a mixture of experts needs 1 <= num_experts_per_tok <= num_experts ({self.num_experts}) and "
+                f"moe_intermediate_size > 0, got {self.num_experts_per_tok} and {self.moe_intermediate_size}"
+            )
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -82,7 +96,7 @@ class ModelShape:
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"the reference sampler engine implements {', '.join(SUPPORTED_MODEL_TYPES)} (dense); the checkpoint "
+                f"the reference sampler engine implements {', '.join(SUPPORTED_MODEL_TYPES)}; the checkpoint "
                 f"is model_type {model_type!r}: serve it with SGLang (--engine sglang)"
             )
         rope = config.get("rope_parameters") or {}
@@ -96,6 +110,7 @@ class ModelShape:
             raise UnsupportedModelError(f"hidden_act {config.get('hidden_act')!r} is not implemented (only silu)")
         heads = int(config["num_attention_heads"])
         return cls(
+            **_moe_fields(config) if model_type == "qwen3_moe" else {},
             vocab_size=int(config["vocab_size"]),
             hidden_size=int(config["hidden_size"]),
             intermediate_size=int(config["intermediate_size"]),
@@ -108,6 +123,10 @@ class ModelShape:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path) -> ModelShape:
@@ -123,6 +142,19 @@ class ModelShape:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+
+def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen3-MoE config's expert fields (transformers 5 writes num_experts as num_local_experts); only
+    every-layer-sparse models (no shared expert in Qwen3-MoE)."""
+    if int(config.get("decoder_sparse_step", 1)) != 1 or config.get("mlp_only_layers"):
+        raise UnsupportedModelError("a Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not implemented")
+    return {
+        "num_experts": int(config.get("num_experts") or config["num_local_experts"]),
+        "num_experts_per_tok": int(config["num_experts_per_tok"]),
+        "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+    }
 
 
 @dataclass
@@ -226,11 +258,29 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
 
+class _Expert(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.moe_intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.moe_intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.moe_intermediate_size, s.hidden_size, bias=False)
+
+
+class _SparseMoe(nn.Module):
+    """Qwen3-MoE's MLP: the router (`gate`, num_experts x hidden) and the experts, named as in the HF
+    checkpoint (`mlp.gate.weight`, `mlp.experts.{e}.{gate,up,down}_proj.weight`)."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.gate = nn.Linear(s.hidden_size, s.num_experts, bias=False)
+        self.experts = nn.ModuleList(_Expert(s) for _ in range(s.num_experts))
+
+
 class _Layer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.self_attn = _Attention(s)
-        self.mlp = _MLP(s)
+        self.mlp: nn.Module = _SparseMoe(s) if s.is_moe else _MLP(s)
         self.input_layernorm = _Norm(s.hidden_size)
         self.post_attention_layernorm = _Norm(s.hidden_size)
 
@@ -255,6 +305,9 @@ class EngineModel(nn.Module):
         if not shape.tie_word_embeddings:
             self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         self.requires_grad_(False)
+        self.routed_experts: torch.Tensor | None = None
+        """A mixture of experts: after each forward, int64 [B, S, layers, top_k], the experts every new
+        token was routed to in each layer (SGLang's `return_routed_experts` capture); None for dense."""
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -309,6 +362,7 @@ class EngineModel(nn.Module):
             raise ValueError(f"sequence longer than max_position_embeddings {s.max_position_embeddings}")
 
         eps = s.rms_norm_eps
+        routed: list[torch.Tensor] = []  # per MoE layer, [B, S, top_k]
         h = self.model.embed_tokens(input_ids).float()  # [B, S, D]
         cos, sin = _rope_tables(positions, s.head_dim, s.rope_theta)
         for li, layer in enumerate(self.model.layers):
@@ -328,12 +382,41 @@ class EngineModel(nn.Module):
             o = o.transpose(1, 2).reshape(bsz, seq, s.q_size)
             h = h + self._linear(o, att.o_proj.weight)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, eps)
-            mlp = layer.mlp
-            gated = F.silu(self._linear(x, mlp.gate_proj.weight)) * self._linear(x, mlp.up_proj.weight)
-            h = h + self._linear(gated, mlp.down_proj.weight)
+            if isinstance(layer.mlp, _SparseMoe):
+                out, chosen = self._sparse_moe(x, layer.mlp)
+                routed.append(chosen)
+                h = h + out
+            else:
+                assert isinstance(layer.mlp, _MLP)
+                h = h + self._swiglu(x, layer.mlp)
         if cache is not None:
             cache.lengths[rows] += seq
+        self.routed_experts = torch.stack(routed, dim=2) if routed else None
         return self._linear(_rms_norm(h, self.model.norm.weight, eps), self.output_weight).float()
+
+    def _swiglu(self, x: torch.Tensor, mlp: _MLP | _Expert) -> torch.Tensor:
+        gated = F.silu(self._linear(x, mlp.gate_proj.weight)) * self._linear(x, mlp.up_proj.weight)
+        return self._linear(gated, mlp.down_proj.weight)
+
+    def _sparse_moe(self, x: torch.Tensor, moe: _SparseMoe) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, D] -> (the experts' weighted sum [B, S, D], the chosen experts [B, S, top_k]), as
+        transformers' Qwen3-MoE computes it: the router's logits through this engine's kernel, softmax
+        in float32, the top_k experts (renormalised to sum 1 with norm_topk_prob), each token's output
+        the routing-weighted sum of its experts' SwiGLU outputs."""
+        s = self.shape
+        probs = torch.softmax(self._linear(x, moe.gate.weight).float(), dim=-1)
+        weights, chosen = torch.topk(probs, s.num_experts_per_tok, dim=-1)  # [B, S, k]
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat, out = x.reshape(-1, x.shape[-1]), torch.zeros(x.numel() // x.shape[-1], x.shape[-1])
+        flat_chosen, flat_weights = chosen.reshape(-1, s.num_experts_per_tok), weights.reshape(-1, s.num_experts_per_tok)
+        for e in torch.unique(flat_chosen).tolist():
+            token, slot = torch.where(flat_chosen == e)
+            expert = moe.experts[e]
+            assert isinstance(expert, _Expert)  # nn.ModuleList yields nn.Module
+            contribution = self._swiglu(flat[token], expert) * flat_weights[token, slot, None]
+            out.index_add_(0, token, contribution)
+        return out.reshape(x.shape), chosen
 
     def _attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -406,8 +489,9 @@ class EngineModel(nn.Module):
 
 def is_quantizable(name: str, tensor: torch.Tensor) -> bool:
     """Which weights a quantized view / online quantization touches: the 2-D projections inside the
-    decoder layers. Embeddings, norms and lm_head stay in bf16, as in real FP8/NVFP4 checkpoints
-    (SGLang and ModelOpt leave lm_head unquantized)."""
+    decoder layers, each expert's included. Embeddings, norms, lm_head and a mixture of experts' router
+    (`mlp.gate.weight`) stay in bf16, as in real FP8/NVFP4 checkpoints (SGLang and ModelOpt leave lm_head
+    and the router unquantized)."""
     return tensor.dim() == 2 and name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 

@@ -34,7 +34,8 @@ class S3Store(Store):
     and list-after-write consistency, so an exclusive create is a claim protocol: write
     `_claims/<key>/<uuid>`, list `_claims/<key>/`, win only if no other fresh claim is listed (two
     racers both see each other and both back off: safe, the caller retries), then write the key. A
-    claim older than `claim_ttl_seconds` is ignored (its writer crashed between claim and write).
+    claim older than `claim_ttl_seconds` is ignored (its writer crashed between claim and write) and
+    deleted by the next create of that key.
     The pointer is then an append-only log `_log/<key>/<seq:020d>` whose entries are created with
     that protocol; the current value is the highest entry and the swap token is its seq, so a swap
     is "create entry seq+1". Readers never see a lower value than one they saw before.
@@ -96,22 +97,33 @@ class S3Store(Store):
 
     @contextlib.contextmanager
     def _errors(self, key: str) -> Iterator[None]:
+        from boto3.exceptions import S3UploadFailedError
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             yield
         except ClientError as e:
-            code = str(e.response.get("Error", {}).get("Code", ""))
-            if code in ("NoSuchKey", "404", "NotFound"):
-                raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
-            if code in ("NoSuchBucket",):
-                raise StoreUnavailableError(f"bucket {self.bucket} does not exist") from e
-            status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if status >= 500:
-                raise StoreUnavailableError(f"{self.uri}: {code} ({status})") from e
-            raise StoreError(f"{self.uri}: {key}: {code}: {e}") from e
+            raise self._client_error(key, e) from e
+        except S3UploadFailedError as e:  # upload_file wraps the ClientError it gave up on (its context)
+            cause = e.__context__
+            if isinstance(cause, ClientError):
+                raise self._client_error(key, cause) from e
+            raise StoreError(f"{self.uri}: {key}: {e}") from e
         except BotoCoreError as e:  # connection refused, timeouts, DNS, ...
             raise StoreUnavailableError(f"{self.uri} unreachable: {e}") from e
+
+    def _client_error(self, key: str, e: Any) -> StoreError:
+        """What a botocore ClientError means: absent, unreachable (a missing bucket, 5xx: SlowDown,
+        InternalError, after boto's retries), or refused."""
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        if code in ("NoSuchKey", "404", "NotFound"):
+            return KeyNotFoundError(f"{key} not found in {self.uri}")
+        if code in ("NoSuchBucket",):
+            return StoreUnavailableError(f"bucket {self.bucket} does not exist")
+        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        if status >= 500:
+            return StoreUnavailableError(f"{self.uri}: {key}: {code} ({status})")
+        return StoreError(f"{self.uri}: {key}: {code}: {e}")
 
     @staticmethod
     def _precondition_failed(e: Exception) -> bool:
@@ -260,12 +272,12 @@ class S3Store(Store):
             self.client.put_object(Bucket=self.bucket, Key=self._k(mine), Body=b"")
         try:
             now = time.time()
-            others = [
-                item
-                for item in self._list_full(claim_prefix)
-                if self._rel(item["Key"]) != mine
-                and now - item["LastModified"].timestamp() < self.claim_ttl_seconds
-            ]
+            listed = [item for item in self._list_full(claim_prefix) if self._rel(item["Key"]) != mine]
+            others = [item for item in listed if now - item["LastModified"].timestamp() < self.claim_ttl_seconds]
+            stale = [self._rel(item["Key"]) for item in listed if item not in others]
+            if stale:  # claims of writers that died between claim and write: ignored, and cleaned up here
+                with contextlib.suppress(StoreError):
+                    self.delete_many(stale)
             if others or self._exists(key):
                 return False  # contention (or lost): back off, the caller retries
             self.put(key, data)

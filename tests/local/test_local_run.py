@@ -37,6 +37,27 @@ def small_manifest(tmp_path: Path) -> Path:
     return path
 
 
+def start_until_step(tmp_path: Path, manifest: Path, out: Path, steps: int, step: int = 1
+                     ) -> tuple[subprocess.Popen[str], list[str]]:  # fmt: skip
+    """`rlfleet run MANIFEST --local --steps STEPS --out OUT` as a user runs it, read until it prints step
+    `step`: (the process, its output lines so far). The caller stops it (communicate, or kill on failure)."""
+    cmd = [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--steps", str(steps),
+           "--out", str(out), "--no-live"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith(f"step {step}/{steps}"):
+                break
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc, lines
+
+
 def fleet_hosts(spec_path: Path) -> list[int]:
     """pids of fleet-host processes started for this run directory (reads /proc; kills nothing)."""
     pids = []
@@ -67,8 +88,8 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys):
     assert "nothing to resume" in capsys.readouterr().err
 
 
-def _one_line_error(capsys, argv: list[str]) -> str:
-    assert local.cli(argv) == 2
+def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
+    assert local.cli(argv) == code
     err = capsys.readouterr().err
     assert err.startswith("rlfleet run: ") and err.count("\n") == 1 and "Traceback" not in err, err
     return err
@@ -122,8 +143,10 @@ def test_cli_never_replaces_a_run_without_force(tmp_path, capsys):
     # its only checkpoint damaged: one line naming why, no traceback
     newest = out / "checkpoints" / "ckpt-00000005.pt"
     newest.write_bytes(newest.read_bytes()[:-1])
-    err = _one_line_error(capsys, [str(EXAMPLE), "--local", "--out", str(out), "--resume", "--steps", "9"])
-    assert f"cannot resume {out}: no checkpoint in {out / 'checkpoints'} could be loaded: ckpt-00000005.pt: blake3:" in err
+    err = _one_line_error(capsys, [str(EXAMPLE), "--local", "--out", str(out), "--resume", "--steps", "9"], code=6)
+    assert err.startswith(f"rlfleet run: cannot resume from the checkpoints in {out / 'checkpoints'}: no checkpoint in "
+                          f"{out / 'checkpoints'} could be loaded: ckpt-00000005.pt: blake3:")  # fmt: skip
+    assert "Fix: put back a good checkpoint there" in err
 
 
 def test_resume_command_names_the_program_as_started(tmp_path, monkeypatch):

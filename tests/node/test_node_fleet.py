@@ -13,6 +13,7 @@ the next ones to report theirs. The file sorts before test_node_pods.py, whose l
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -214,6 +215,93 @@ def test_the_cpu_example_trains_and_fills_the_cockpit(fleet: Fleet) -> None:
             assert out.strip() or container["name"] == "router", (pod["metadata"]["name"], container["name"])
 
 
+# A pod on the pod network without the job's key (sys.argv: a sampler pod's engine URL, the router's URL):
+# the HTTP status of each call, as JSON on stdout.
+UNKEYED_CLIENT = """
+import json, sys, urllib.error, urllib.request
+engine, router = sys.argv[1], sys.argv[2]
+def call(method, url, key=None, body=None):
+    headers = {"Content-Type": "application/json", **({"Authorization": "Bearer " + key} if key else {})}
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+foreign = {"model_path": "/tmp", "weight_version": "1000000"}
+turn = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+print(json.dumps({
+    "update_no_key": call("POST", engine + "/update_weights_from_disk", body=foreign),
+    "update_wrong_key": call("POST", engine + "/update_weights_from_disk", key="wrong", body=foreign),
+    "pause_no_key": call("POST", engine + "/pause_generation", body={}),
+    "generate_no_key": call("POST", engine + "/generate", body=turn),
+    "engine_health": call("GET", engine + "/health"),
+    "engine_metrics": call("GET", engine + "/metrics"),
+    "router_no_key": call("POST", router + "/generate", body=turn),
+    "router_health": call("GET", router + "/health"),
+}))
+"""
+
+
+def test_the_engines_and_the_router_refuse_a_caller_without_the_jobs_key(fleet: Fleet, dev_cluster) -> None:
+    """The job's engine API is closed by its key (docs/sampler.md, "The engine API"): a pod of the
+    namespace without it gets 401 from a sampler's /update_weights_from_disk, /pause_generation and
+    /generate and from the router, while /health and /metrics stay open; the key is in no pod spec
+    (secretKeyRef only); the fleet, which holds it, trains on and applies versions. The node's bridge CNI
+    does not enforce the operator's NetworkPolicies (they exist, created with the chart's RBAC): the
+    client reaches the engine, and the key is what refuses it."""
+    kube, ns = fleet.kube, fleet.ns
+    policies = {p["metadata"]["name"] for p in kube.get_json("networkpolicies", "-n", ns)["items"]}
+    assert {f"{JOB}-samplers", f"{JOB}-router"} <= policies, policies
+    key = base64.b64decode(kube.get_json("secret", f"{JOB}-api-key", "-n", ns)["data"]["key"]).decode()
+    pods = fleet.pods(f"rlfleet.dev/job={JOB}")
+    assert pods and key not in json.dumps(pods)
+    for pod in pods:
+        for container in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:
+            [ref] = [e for e in container.get("env", []) if e["name"] == "RLFLEET_API_KEY"]
+            assert ref["valueFrom"]["secretKeyRef"] == {"name": f"{JOB}-api-key", "key": "key"}, container["name"]
+
+    [sampler] = fleet.sampler_pods("bf16")
+    applied_before = fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0
+    step = fleet.step()
+    engine = f"http://{sampler['status']['podIP']}:30000"
+    router = f"http://{JOB}-router.{ns}.svc:8000"
+    image = dev_cluster.images["operator"].ref
+    client = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "unkeyed-client"},
+        "spec": {
+            "nodeSelector": {"rlfleet.dev/dev-node": "true"}, "restartPolicy": "Never",
+            "containers": [{
+                "name": "client", "image": image, "imagePullPolicy": "Never",
+                "command": ["/opt/rlfleet/bin/python", "-c", UNKEYED_CLIENT, engine, router],
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                    "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]}},
+                "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+            }],
+        },
+    }  # fmt: skip
+    kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(client))
+    try:
+        wait_for("the unkeyed client done", lambda: kube.get_json("pod", "unkeyed-client", "-n", ns)["status"].get(
+            "phase") in ("Succeeded", "Failed"), timeout=300)  # fmt: skip
+        out = kube.kubectl("logs", "-n", ns, "unkeyed-client").stdout
+    finally:
+        kube.kubectl("delete", "pod", "unkeyed-client", "-n", ns, "--wait=false", check=False)
+    statuses = json.loads(out.strip().splitlines()[-1])
+    assert statuses == {
+        "update_no_key": 401, "update_wrong_key": 401, "pause_no_key": 401, "generate_no_key": 401,
+        "engine_health": 200, "engine_metrics": 200, "router_no_key": 401, "router_health": 200,
+    }, out  # fmt: skip
+    # the fleet holds the key: it trains on, the bf16 engine applies new versions, and nothing foreign was
+    # loaded (the sidecar would have said so)
+    fleet.wait_step(step + 2)
+    wait_for("the bf16 group applying a newer version", lambda: (
+        fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0) > applied_before, timeout=600)  # fmt: skip
+    assert "foreign weight version" not in fleet.logs(sampler["metadata"]["name"], "weight-sync")
+    assert fleet.groups()[f"{JOB}-bf16"]["status"]["reason"] != "ForeignWeightVersion"
+
+
 def _suspended_job(name: str, group: str) -> str:
     """An RLJob of the example's shape, suspended (no pod), with one group and its own store path."""
     [job] = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d["kind"] == "RLJob"]
@@ -273,6 +361,24 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
         return pods[0] if pods and _ready(pods[0]) else None
 
     new = wait_for("the replacement bf16 pod Ready", replacement, timeout=600)
+    # credentials per role (docs/weights.md): the sync side reads the channel and writes only its group's
+    # reports; a write anywhere else in the store is refused by the read-only mount
+    probe = (
+        "import errno, os\n"
+        f"root = {STORE_PATH!r}\n"
+        "for path in (root + '/planted', root + '/pointer.json', root + '/subscribers/other-group-planted'):\n"
+        "    try:\n"
+        "        open(path, 'a').close()\n"
+        "        print('WROTE', path)\n"
+        "    except OSError as exc:\n"
+        "        print('REFUSED', errno.errorcode[exc.errno], path)\n"
+        f"mine = root + '/subscribers/{JOB}-bf16/probe'\n"
+        "open(mine, 'w').close(); os.remove(mine); print('REPORTS-WRITABLE')\n"
+    )
+    exec_out = fleet.kube.kubectl("exec", "-n", fleet.ns, new["metadata"]["name"], "-c", "weight-sync", "--",
+                                  "python3", "-I", "-c", probe).stdout  # fmt: skip
+    assert exec_out.count("REFUSED EROFS") == 3 and "WROTE" not in exec_out, exec_out
+    assert "REPORTS-WRITABLE" in exec_out, exec_out
     fetched = fleet.logs(new["metadata"]["name"], "weight-fetch")
     [launched] = [int(v) for v in re.findall(r"launch checkpoint: v(\d+)", fetched)]
     assert launched >= (latest or 1), fetched[-3000:]
@@ -360,10 +466,17 @@ def test_a_killed_trainer_resumes_at_its_checkpoint_and_versions_never_go_back(f
     assert before is not None
     trainer = f"{JOB}-trainer-0"
     fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, trainer, "--grace-period=0", "--force", "--wait=true")
-    wait_for("a new version after the trainer's restart", lambda: (fleet.latest_version() or 0) > before, timeout=900)
-    log = fleet.logs(trainer, "trainer")
+
+    def resumed_log() -> str | None:  # the NEW pod's log (the old container may still publish once as it dies)
+        got = fleet.kube.kubectl("logs", "-n", fleet.ns, trainer, "-c", "trainer", check=False)
+        return got.stdout if got.returncode == 0 and "resuming from the checkpoint at step" in got.stdout else None
+
+    log = wait_for("the restarted trainer resuming at its checkpoint", resumed_log, timeout=900)
     resumed = re.search(r"resuming from the checkpoint at step (\d+)", log)
     assert resumed and int(resumed.group(1)) >= before, log[-3000:]
+    resumed_at = int(resumed.group(1))
+    wait_for("a new version from the restarted trainer",
+             lambda: (fleet.latest_version() or 0) > max(before, resumed_at), timeout=900)  # fmt: skip
     seen = fleet.versions_seen
     assert seen == sorted(seen), seen  # never backwards, across the kill
 
@@ -390,8 +503,9 @@ def test_a_full_store_volume_stops_publishing_with_a_clear_reason_and_names_noth
         why = status["message"]
         assert "No space left on device" in why and status["phase"] == "Degraded", status
         assert status["reason"] == "CrashLoopBackOff" and "it said: rlfleet trainer run: the weight store" in why
+        assert "Fix: free space on its volume or grow it" in why, why
         latest = fleet.latest_version()
-        assert latest is not None and str(f"v{latest}") in why
+        assert latest is not None
         channel = WeightChannel(FilesystemStore(store))
         for view in GROUPS:  # every file of the named version is there, with its digest (verified)
             channel.download_view(latest, view, tmp_path / view)

@@ -12,8 +12,9 @@ import math
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from materialized import materialized_policy_loss as policy_loss
 
-from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
+from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch
 
 DTYPE = torch.float64
 FAST = settings(max_examples=40, deadline=None)

@@ -1,7 +1,8 @@
-"""Vocabulary-parallel `policy_loss`: two real gloo processes on CPU, float64.
+"""Vocabulary-parallel `policy_loss` (the fused lm_head): two real gloo processes on CPU, float64.
 
-Each rank holds half of the vocabulary columns; loss, metrics and the gradient of its shard must
-equal the unsharded computation (done in the same process on the full logits) within 1e-10.
+Each rank holds half of the output embedding's rows (the vocabulary); loss, metrics, the gradient of
+its weight shard and the hidden states' gradient summed over the ranks must equal the unsharded
+computation (done in the same process) within 1e-10, in every mode, with padding and invalid records.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _problem(seed: int, support: bool, num_tokens: int = 13, vocab: int = 18, k: int = 5):
-    """A batch with padding, one invalid record of each kind, and -inf (masked) vocabulary columns."""
+def problem(seed: int, support: bool, num_tokens: int = 13, vocab: int = 18, k: int = 5, hidden_size: int = 6):
+    """(hidden [T, H], output weight [V, H], batch) with padding and one invalid record of each kind."""
     gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(num_tokens, vocab, generator=gen, dtype=DTYPE) * 2.0
-    logits[:, -1] = float("-inf")  # e.g. vocabulary padding masked by the model
-    logits[5, vocab // 2 :] = float("-inf")  # a row that is all -inf in rank 1's shard
+    hidden = torch.randn(num_tokens, hidden_size, generator=gen, dtype=DTYPE)
+    weight = torch.randn(vocab, hidden_size, generator=gen, dtype=DTYPE) * 2.0 / hidden_size**0.5
     cand_ids = torch.stack([torch.randperm(vocab - 1, generator=gen)[:k] for _ in range(num_tokens)])
     cand_logq = torch.log_softmax(torch.randn(num_tokens, k, generator=gen, dtype=DTYPE), dim=1)
     if not support:  # a head of a full-vocabulary q: mass < 1
@@ -45,7 +45,7 @@ def _problem(seed: int, support: bool, num_tokens: int = 13, vocab: int = 18, k:
         cand_ids[2, 4] = -1  # sampled token outside its support
     else:
         cand_ids[2, 4] = cand_ids[2, 3]  # duplicate candidate id
-    return logits, TokenBatch(
+    return hidden, weight, TokenBatch(
         tokens=tokens,
         advantages=torch.randn(num_tokens, generator=gen, dtype=DTYPE),
         loss_mask=torch.tensor([True] * (num_tokens - 1) + [False]),
@@ -76,17 +76,22 @@ def _worker(rank: int, port: int) -> None:
     try:
         failures = []
         for seed, (mode, support, replay, ppo) in enumerate(CASES):
-            logits, batch = _problem(seed, support)
-            config = ObjectiveConfig(mode=mode, replay=replay, ppo_clip=ppo, chunk_tokens=4)
-            full = logits.clone().requires_grad_(True)
-            reference = policy_loss(full, batch, config)
+            hidden, weight, batch = problem(seed, support)
+            config = ObjectiveConfig(mode=mode, replay=replay, ppo_clip=ppo, chunk_tokens=4, chunk_vocab=4)
+            h_full, w_full = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            reference = policy_loss(h_full, w_full, batch, config, temperature=0.8)
             reference.loss.backward()
-            local = logits.shape[1] // WORLD
-            shard = logits[:, rank * local : (rank + 1) * local].clone().requires_grad_(True)
-            sharded = policy_loss(shard, batch, config, process_group=dist.group.WORLD)
+            local = weight.shape[0] // WORLD
+            h = hidden.clone().requires_grad_(True)
+            w = weight[rank * local : (rank + 1) * local].clone().requires_grad_(True)
+            sharded = policy_loss(h, w, batch, config, process_group=dist.group.WORLD, temperature=0.8)
             sharded.loss.backward()
-            grad_error = float((shard.grad - full.grad[:, rank * local : (rank + 1) * local]).abs().max())
+            grad_hidden = h.grad.clone()
+            dist.all_reduce(grad_hidden)  # each shard's partial sum: the caller's reduction (megatron's mapping)
+            grad_error = max(float((w.grad - w_full.grad[rank * local : (rank + 1) * local]).abs().max()),
+                             float((grad_hidden - h_full.grad).abs().max()))
             loss_error = abs(float(sharded.loss.detach()) - float(reference.loss.detach()))
+            full = w_full  # the gradient check below
             case = f"rank {rank} {mode} support={support} replay={replay} ppo={ppo}"
             if reference.metrics["invalid_tokens"] < 2 or full.grad.abs().max() == 0:
                 failures.append(f"{case}: the problem does not exercise invalid records / gradients")

@@ -4,12 +4,15 @@ per-group / per-staleness splits, the PPO clip, config and shape errors, memory 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+from materialized import materialized_policy_loss as policy_loss
 
-from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
-from rlfleet.trainer.vocab_parallel import gather_logits, log_normaliser, log_softmax_at
+from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch
+from rlfleet.trainer.objective import policy_loss as fused_policy_loss
+from rlfleet.trainer.vocab_parallel import fused_log_softmax_at
 
 DTYPE = torch.float64
 
@@ -91,27 +94,24 @@ ALL_CONFIGS = [
 # --- primitives -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 64])
-def test_log_softmax_at_matches_torch_and_passes_gradcheck(chunk):
+@pytest.mark.parametrize("chunk_tokens, chunk_vocab", [(1, 1), (3, 4), (64, 64)])
+def test_fused_log_softmax_at_matches_torch_and_passes_gradcheck(chunk_tokens, chunk_vocab):
+    """log p, lse and entropy of softmax(h W^T / t) from tiles equal torch's on the whole logits, and
+    the hand-written backward (both inputs, with and without the normaliser) passes gradcheck."""
     gen = torch.Generator().manual_seed(1)
-    z = torch.randn(7, 11, generator=gen, dtype=DTYPE).requires_grad_(True)
+    h = torch.randn(7, 5, generator=gen, dtype=DTYPE).requires_grad_(True)
+    w = torch.randn(11, 5, generator=gen, dtype=DTYPE).requires_grad_(True)
     ids = torch.randint(0, 11, (7, 3), generator=gen)
-    log_p, lse, entropy = log_softmax_at(z, ids, chunk_tokens=chunk)
+    kw = dict(temperature=0.7, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab)
+    log_p, lse, entropy = fused_log_softmax_at(h, w, ids, **kw)
+    z = h @ w.T / 0.7
     reference = torch.log_softmax(z, 1)
-    assert torch.allclose(log_p, reference.gather(1, ids), atol=1e-14)
-    assert torch.allclose(lse, torch.logsumexp(z, 1), atol=1e-14)
-    assert torch.allclose(entropy, -(reference.exp() * reference).sum(1), atol=1e-14)
-    assert torch.autograd.gradcheck(lambda x: log_softmax_at(x, ids, chunk_tokens=chunk)[0], (z,))
-    assert torch.autograd.gradcheck(lambda x: gather_logits(x, ids), (z,))
-
-
-def test_normaliser_handles_masked_vocabulary_columns():
-    z = torch.tensor([[0.0, 1.0, float("-inf")], [float("-inf")] * 3], dtype=DTYPE)
-    lse, entropy, _ = log_normaliser(z, None, chunk_tokens=1)
-    p = torch.softmax(z[0, :2], 0)
-    assert math.isclose(float(lse[0]), float(torch.logsumexp(z[0, :2], 0)), abs_tol=1e-14)
-    assert math.isclose(float(entropy[0]), float(-(p * p.log()).sum()), abs_tol=1e-14)
-    assert float(lse[1]) == float("-inf")
+    assert torch.allclose(log_p, reference.gather(1, ids), atol=1e-13)
+    assert torch.allclose(lse, torch.logsumexp(z, 1), atol=1e-13)
+    assert torch.allclose(entropy, -(reference.exp() * reference).sum(1), atol=1e-13)
+    assert torch.allclose(fused_log_softmax_at(h, w, ids, normalise=False, **kw)[0], z.gather(1, ids), atol=1e-13)
+    assert torch.autograd.gradcheck(lambda a, b: fused_log_softmax_at(a, b, ids, **kw)[0], (h, w))
+    assert torch.autograd.gradcheck(lambda a, b: fused_log_softmax_at(a, b, ids, normalise=False, **kw)[0], (h, w))
 
 
 def test_bf16_logits_are_reduced_in_float32_and_get_a_bf16_gradient():
@@ -426,8 +426,10 @@ def test_inconsistent_batch_is_a_clear_value_error():
         policy_loss(logits, make_batch(logits), ObjectiveConfig(ppo_clip=True))
     with pytest.raises(ValueError, match="staleness must be >= 0"):
         policy_loss(logits, make_batch(logits, staleness=torch.tensor([0, -1, 2])), ObjectiveConfig())
-    with pytest.raises(ValueError, match=r"logits must be \[T, V\]"):
-        policy_loss(logits[None], make_batch(logits), ObjectiveConfig())
+    with pytest.raises(ValueError, match=r"hidden must be \[T, H\]"):
+        fused_policy_loss(logits[None], torch.eye(6, dtype=DTYPE), make_batch(logits), ObjectiveConfig())
+    with pytest.raises(ValueError, match="hidden size 6 != the output weight's 5"):
+        fused_policy_loss(logits, torch.ones(6, 5, dtype=DTYPE), make_batch(logits), ObjectiveConfig())
 
 
 # --- memory layout ----------------------------------------------------------------------------
@@ -435,24 +437,17 @@ def test_inconsistent_batch_is_a_clear_value_error():
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=str)
 def test_no_vocabulary_sized_tensor_is_saved_for_backward(config):
-    """The graph may keep the logits themselves (the caller's tensor) but nothing else of size
-    [T, V]: no softmax, no log-softmax, no dense q."""
-    num_tokens, vocab, k = 16, 4096, 8
-    logits = torch.randn(num_tokens, vocab, dtype=torch.float32, requires_grad=True)
-    batch = make_batch(logits.detach(), k=k, support=True)
+    """The fused lm_head + objective keeps the caller's hidden states and weight for backward and
+    nothing of size [T, V] besides: no logits, no softmax, no log-softmax, no dense q."""
+    num_tokens, vocab, hidden_size, k = 16, 4096, 8, 8
+    hidden = torch.randn(num_tokens, hidden_size, dtype=torch.float32, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, dtype=torch.float32, requires_grad=True)
+    batch = make_batch(torch.randn(num_tokens, vocab), k=k, support=True)
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = policy_loss(logits, batch, config)
-    big = [
-        t
-        for t in saved
-        if t.numel() >= num_tokens * vocab // 4
-        and t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()
-    ]
-    assert not big, [tuple(t.shape) for t in big]
-    assert max(
-        (t.numel() for t in saved if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr()),
-        default=0,
-    ) <= num_tokens * (k + 1)
+        out = fused_policy_loss(hidden, weight, batch, replace(config, chunk_tokens=4, chunk_vocab=512))
+    inputs = {hidden.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()}
+    others = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
+    assert max((t.numel() for t in others), default=0) <= num_tokens * (k + 1), [tuple(t.shape) for t in others]
     out.loss.backward()
-    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()

@@ -41,9 +41,13 @@ def children(job: RLJob, observed: dict | None = None) -> dict[tuple[str, str], 
     return {(c["kind"], c["metadata"]["name"]): c for c in out}
 
 
+LAUNCH_KEY = "k3y_from-the-Secret"  # what the kubelet puts for $(RLFLEET_API_KEY) in launched_argv
+
+
 def launched_argv(engine: dict, version: int, directory: str, tmp: Path | None = None) -> list[str]:
     """The argv the engine container's /bin/sh wrapper execs, run for real with `python3` replaced by
-    a shim printing its arguments and the launch file holding `version directory`."""
+    a shim printing its arguments and the launch file holding `version directory`; the kubelet's
+    expansion of $(RLFLEET_API_KEY) (the env's secretKeyRef to the job's key Secret) is LAUNCH_KEY."""
     import json
     import os
     import subprocess
@@ -57,6 +61,9 @@ def launched_argv(engine: dict, version: int, directory: str, tmp: Path | None =
         (root / "launch").write_text(f"{version} {directory}\n")
         script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
         assert script != engine["args"][0] and len(engine["args"]) == 1
+        key_ref = next(e["valueFrom"]["secretKeyRef"] for e in engine["env"] if e["name"] == n.API_KEY_ENV)
+        assert key_ref["key"] == n.API_KEY_SECRET_KEY and key_ref["name"].endswith("-api-key")
+        script = script.replace(f"$({n.API_KEY_ENV})", LAUNCH_KEY)
         out = subprocess.run([*engine["command"], script], capture_output=True, text=True, check=True,
                              env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"})  # fmt: skip
     argv = json.loads(out.stdout)
@@ -290,7 +297,7 @@ def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, 
     argv = launched_argv(engine, version=5, directory=f"{n.WEIGHTS_CACHE}/v5-x")
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
     tail = argv[argv.index("--weight-version") + 2 :]
-    assert tail == flags
+    assert tail == [*flags, "--api-key", LAUNCH_KEY]  # the engine's API closed by the job's key
     assert argv[argv.index("--weight-version") + 1] == "5"
     assert argv[argv.index("--model-path") + 1] == f"{n.WEIGHTS_CACHE}/v5-x"
     assert argv[argv.index("--tp-size") + 1] == "1" and "Qwen/Qwen3-8B" not in argv
@@ -310,9 +317,12 @@ def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, 
     assert engine["readinessProbe"]["httpGet"]["path"] == "/health_generate"
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
-    # the sync containers write their subscriber reports into the store: read-write
-    assert vols["weights"]["persistentVolumeClaim"] == {"claimName": "rlfleet-weights", "readOnly": False}
-    assert {"name": "weights", "mountPath": "/weights/reference-fleet", "readOnly": False} in sidecar["volumeMounts"]
+    # the channel read-only; writable only this group's subscriber reports, a subPath of the same claim
+    assert vols["weights"]["persistentVolumeClaim"] == {"claimName": "rlfleet-weights"}
+    assert [m for m in sidecar["volumeMounts"] if m["name"] == "weights"] == [
+        {"name": "weights", "mountPath": "/weights/reference-fleet", "readOnly": True},
+        {"name": "weights", "mountPath": f"/weights/reference-fleet/subscribers/{name}", "subPath": f"subscribers/{name}"},
+    ]
     assert sidecar["name"] == "weight-sync" and sidecar["command"] == ["rlfleet"]
     args = sidecar["args"]
     assert args[:2] == ["sampler", "sync"]
@@ -352,6 +362,34 @@ def test_s3_store_secrets_by_reference(job: RLJob) -> None:
     }
     assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
     assert "weights" not in {v["name"] for v in dep["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_s3_sampler_pods_take_the_sampler_secret_and_the_trainer_its_own(job: RLJob) -> None:
+    """Store credentials per role: samplerSecretRef (read the channel, write subscribers/ only) reaches the
+    sampler pods' sync containers, secretRef the trainer."""
+    from rlfleet.api import StoreSpec
+
+    store = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "secretRef": {"name": "writer"},
+                                      "samplerSecretRef": {"name": "reader"}})  # fmt: skip
+    dep = sampler_deployment(job, "h100-fp8", store=store)
+    pod = dep["spec"]["template"]["spec"]
+    for container in [*pod["initContainers"], pod["containers"][1]]:
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if e["name"].startswith("AWS_")}
+        assert refs == {"AWS_ACCESS_KEY_ID": "reader", "AWS_SECRET_ACCESS_KEY": "reader"}
+    job.spec.weight_channel.store = store
+    sts = workloads.build_trainer_statefulset(job, NS, None, CATALOG)
+    (trainer,) = sts["spec"]["template"]["spec"]["containers"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"] if e["name"].startswith("AWS_")}
+    assert refs == {"AWS_ACCESS_KEY_ID": "writer", "AWS_SECRET_ACCESS_KEY": "writer"}
+
+
+def test_a_sampler_secret_is_refused_on_a_filesystem_store() -> None:
+    from pydantic import ValidationError
+
+    from rlfleet.api import StoreSpec
+
+    with pytest.raises(ValidationError, match="samplerSecretRef is for type s3"):
+        StoreSpec.model_validate({"type": "filesystem", "path": "/w", "samplerSecretRef": {"name": "reader"}})
 
 
 def test_sampler_service_is_headless_per_group(job: RLJob) -> None:

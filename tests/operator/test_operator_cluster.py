@@ -21,7 +21,7 @@ import pytest
 import yaml
 from cluster_wait import wait_for
 from kopf.testing import KopfRunner
-from test_operator_builders import launched_argv
+from test_operator_builders import LAUNCH_KEY, launched_argv
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rljob.yaml"
@@ -188,7 +188,7 @@ def test_example_job_creates_a_placed_ready_fleet(
                 engine = pod["spec"]["containers"][0]
                 # the engine execs SGLang from the launch file the weight fetch writes: run the wrapper
                 argv = launched_argv(engine, version=0, directory="/var/lib/rlfleet/weights/v0")
-                assert argv[argv.index("--weight-version") + 2 :] == FLAGS[group], group
+                assert argv[argv.index("--weight-version") + 2 :] == [*FLAGS[group], "--api-key", LAUNCH_KEY], group
                 assert [c["name"] for c in pod["spec"]["containers"]] == ["sglang", "weight-sync"]
             assert sg["status"]["phase"] == "Running" and sg["status"]["ready"] == "2/2"
             assert sg["status"]["selectedAccelerator"] == accelerator
@@ -486,7 +486,7 @@ def test_weightchannel_and_group_versions_from_a_real_store(
         status = wait_for("channel status", wc_status)
         assert status["phase"] == "Ready" and {a["view"] for a in status["artifacts"]} == {"bf16", "fp8"}
         assert all(a["version"] == 2 and len(a["sha256"]) == 64 for a in status["artifacts"])
-        assert {"group": "small-h100-fp8", "view": "fp8", "appliedVersion": 1, "lag": 1} in status["groups"]
+        assert {"group": "small-h100-fp8", "view": "fp8", "appliedVersion": 1, "lag": 1, "replicas": ["pod-a"]} in status["groups"]
         sg = wait_for(
             "group version", lambda: (get(kube, namespace, "sg", "small-h100-fp8") or {}).get("status", {}).get("versionLag") == 1
             and get(kube, namespace, "sg", "small-h100-fp8")["status"]

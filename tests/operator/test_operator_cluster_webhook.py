@@ -82,6 +82,7 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
         "--webhook-cert", str(certfile), "--webhook-key", str(keyfile),
     ]  # fmt: skip
     log = tmp_path / "operator.log"
+    other_namespace = f"{namespace}-other"  # no webhook there (namespaceSelector): another team's job
     operator = subprocess.Popen(  # noqa: S603
         argv, env=env, cwd="/", stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )
@@ -119,8 +120,10 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
             result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(clash), check=False)
             assert result.returncode != 0, "the webhook let a colliding child name through"
             assert f"is taken by SamplerGroup {sg} of RLJob reference-fleet" in result.stderr, result.stderr
+            refuses_a_second_job_on_one_weight_store(kube, namespace, other_namespace)
         assert operator.poll() is None, log.read_text()
     finally:
+        kube.kubectl("delete", "namespace", other_namespace, "--ignore-not-found", "--wait=false", check=False)
         if operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)
             try:
@@ -131,3 +134,34 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
         kube.kubectl(
             "delete", "validatingwebhookconfiguration", config_name, "--ignore-not-found", check=False
         )
+
+
+def refuses_a_second_job_on_one_weight_store(kube, namespace: str, other_namespace: str) -> None:
+    """One trainer per weight channel (docs/weights.md, "One writer per channel"): with reference-fleet
+    running on PersistentVolumeClaim rlfleet-weights, a job of another name on that claim is refused
+    (the claim's root is the channel, whatever the path), naming reference-fleet; an S3 bucket is global,
+    so a job here whose prefix lies under the prefix of a job in ANOTHER namespace is refused naming that
+    one, and a sibling prefix is admitted (a server-side dry run: it passes admission, nothing is created)."""
+
+    def job(name: str, store: dict) -> str:
+        manifest = json.loads(json.dumps(EXAMPLE))
+        manifest["metadata"]["name"] = name
+        manifest["spec"]["weightChannel"]["store"] = store
+        return json.dumps(manifest)
+
+    claim = {"type": "filesystem", "path": "/weights/second", "volumeClaimName": "rlfleet-weights"}
+    result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=job("second", claim), check=False)
+    assert result.returncode != 0, "the webhook let a second job onto reference-fleet's weight store"
+    assert (f"its weight store PersistentVolumeClaim rlfleet-weights (mounted at /weights/second) overlaps the "
+            f"store PersistentVolumeClaim rlfleet-weights (mounted at /weights/reference-fleet) of RLJob "
+            f"{namespace}/reference-fleet: one trainer per weight channel") in result.stderr, result.stderr  # fmt: skip
+    kube.kubectl("create", "namespace", other_namespace)
+    kube.kubectl("apply", "-n", other_namespace, "-f", "-",
+                 input=job("holder", {"type": "s3", "bucket": "rlfleet-shared", "prefix": "jobs"}))  # fmt: skip
+    nested = job("nested", {"type": "s3", "bucket": "rlfleet-shared", "prefix": "jobs/run-1"})
+    result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=nested, check=False)
+    assert result.returncode != 0, "the webhook let a job under another namespace's S3 prefix through"
+    assert (f"its weight store s3://rlfleet-shared/jobs/run-1 overlaps the store s3://rlfleet-shared/jobs of "
+            f"RLJob {other_namespace}/holder") in result.stderr, result.stderr  # fmt: skip
+    sibling = job("sibling", {"type": "s3", "bucket": "rlfleet-shared", "prefix": "runs/run-1"})
+    kube.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=sibling)

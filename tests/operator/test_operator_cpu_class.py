@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from test_operator_builders import LAUNCH_KEY
 
 from rlfleet.api import RLJob, SamplerGroup, load_rljob
 from rlfleet.catalog import load_catalog
@@ -49,6 +50,7 @@ def launched(engine: dict, version: int, directory: str) -> list[str]:
         (root / "launch").write_text(f"{version} {directory}\n")
         script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
         assert script != engine["args"][0] and len(engine["args"]) == 1
+        script = script.replace(f"$({n.API_KEY_ENV})", LAUNCH_KEY)  # the kubelet's expansion from the Secret
         out = subprocess.run([*engine["command"], script], capture_output=True, text=True, check=True,
                              env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"})  # fmt: skip
     return ["rlfleet", *json.loads(out.stdout)[1:]]
@@ -81,15 +83,17 @@ def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(job: RLJo
         "rlfleet", "sampler", "serve", "--engine", "reference",
         "--model-path", f"{n.WEIGHTS_CACHE}/v7-{fmt}", "--served-model-name", "tiny-qwen3",
         "--host", "0.0.0.0", "--port", "30000", "--sampling-mask-max-tokens", "4096", "--weight-version", "7",
-        "--weight-format", fmt, *(["--kv-cache-dtype", kv] if kv else []),
+        "--weight-format", fmt, *(["--kv-cache-dtype", kv] if kv else []), "--api-key", LAUNCH_KEY,
     ]  # fmt: skip
     assert argv == expected
     # the engine reads only the verified cache; the store (PVC) is mounted in the sync containers alone
     assert {m["name"] for m in engine["volumeMounts"]} == {"dshm", "tmp", "weights-cache"}
+    # the channel read-only in the sync containers; writable only the group's subscriber reports
     for c in (fetch, sidecar):
-        assert {"name": "weights", "mountPath": store.path, "readOnly": False} in c["volumeMounts"]
-    assert pod["volumes"][-1] == {"name": "weights", "persistentVolumeClaim": {"claimName": store.volume_claim_name,
-                                                                               "readOnly": False}}  # fmt: skip
+        assert {"name": "weights", "mountPath": store.path, "readOnly": True} in c["volumeMounts"]
+        assert {"name": "weights", "mountPath": f"{store.path}/subscribers/{job.name}-{group}",
+                "subPath": f"subscribers/{job.name}-{group}"} in c["volumeMounts"]  # fmt: skip
+    assert pod["volumes"][-1] == {"name": "weights", "persistentVolumeClaim": {"claimName": store.volume_claim_name}}
     # the class's small CPU/memory requests (a 2-core dev node holds three groups and the trainer)
     cpu = CATALOG.get("cpu")
     assert engine["resources"] == cpu.sampler_resources

@@ -166,19 +166,25 @@ async def test_reconcile_job_applies_children_in_order_creates_the_secret_and_de
     await handlers.reconcile_job(copy.deepcopy(job), NS, view)
 
     kinds = api.kinds_applied()
-    assert sorted(kinds[:6]) == sorted(["ConfigMap", "WeightChannel", "Service", "StatefulSet", "Service", "Deployment"])
-    assert kinds[6:] == ["SamplerGroup", "SamplerGroup"]  # the groups only once the trainer was applied
-    assert {b["metadata"]["name"] for b in api.applied[6:]} == {"j-a", "j-b"}
+    assert sorted(kinds[:8]) == sorted(["NetworkPolicy", "NetworkPolicy", "ConfigMap", "WeightChannel", "Service",
+                                        "StatefulSet", "Service", "Deployment"])  # fmt: skip
+    assert kinds[8:] == ["SamplerGroup", "SamplerGroup"]  # the groups only once the trainer was applied
+    assert {b["metadata"]["name"] for b in api.applied[8:]} == {"j-a", "j-b"}
     assert all(b["metadata"]["ownerReferences"][0]["uid"] == "uid-j" for b in api.applied)
-    assert [(b["kind"], b["metadata"]["name"]) for b in api.created] == [("Secret", "j-router-admin")]
+    assert [(b["kind"], b["metadata"]["name"]) for b in api.created] == [("Secret", "j-router-admin"),
+                                                                         ("Secret", "j-api-key")]  # fmt: skip
+    assert all(b["metadata"]["ownerReferences"][0]["uid"] == "uid-j" for b in api.created)
+    assert len(api.created[1]["stringData"]["key"]) >= 43  # 32 random bytes
     assert api.deleted == [("SamplerGroup", "j-old")]
     assert [e.reason for e in drain(events)] == ["GroupRemoved", "PhasePending"]
     ((kind, name, status),) = api.statuses
     assert (kind, name, status["phase"]) == ("RLJob", "j", "Pending")
 
-    secret = api.objects[("Secret", "j-router-admin")]
+    secret, key = api.objects[("Secret", "j-router-admin")], api.objects[("Secret", "j-api-key")]
     await handlers.reconcile_job(copy.deepcopy(job), NS, view)
-    assert api.objects[("Secret", "j-router-admin")] == secret and len(api.created) == 1  # never replaced
+    # never replaced: the key is never rotated by a reconcile
+    assert api.objects[("Secret", "j-router-admin")] == secret and len(api.created) == 2
+    assert api.objects[("Secret", "j-api-key")] == key
 
 
 async def test_an_invalid_rljob_ends_in_a_failed_status_and_a_warning(api: FakeKube) -> None:
@@ -273,6 +279,19 @@ async def test_reconcile_group_takes_the_store_from_the_index_or_the_api(api: Fa
     with pytest.raises(kopf.TemporaryError, match="WeightChannel j-weights not found yet"):
         await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(job, sg)))
     assert api.applied == []
+    assert api.created == []  # a job's group uses the job's key Secret
+
+
+async def test_a_group_outside_any_job_gets_its_own_key_secret_once(api: FakeKube) -> None:
+    posted()
+    sg = samplergroup("solo")
+    for _ in range(2):
+        await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(sg)))
+    ((secret),) = api.created  # created once, never replaced
+    assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "j-solo-api-key")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-sg-solo"
+    engine = api.applied[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "RLFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "j-solo-api-key", "key": "key"}}} in engine["env"]
 
 
 async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_group_pipeline(

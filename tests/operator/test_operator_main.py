@@ -52,6 +52,16 @@ def test_bad_arguments_are_one_line_errors(
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_bad_network_policy_settings_stop_the_operator_at_start_with_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLFLEET_METRICS_FROM", '{"podSelector": {}}')  # a peer, not a list of peers
+    assert cli(["-n", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlfleet operator run: RLFLEET_METRICS_FROM: expected a JSON list of NetworkPolicyPeers")
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_router_admin_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(tokens.KEY_ENV, raising=False)
     monkeypatch.delenv(tokens.KEY_FILE_ENV, raising=False)
@@ -90,3 +100,55 @@ def test_collision_message_sees_child_names_taken_by_other_jobs() -> None:
     mine = collision_message(job("a", "h100"), [job("a", "h100")], [sg("a-h100", "a")])
     assert mine is None
     assert collision_message(job("a", "h100"), [job("b", "h100")], [sg("b-h100", "b")]) is None
+
+
+def _job_on(name: str, namespace: str, **store: str) -> dict:
+    return {"metadata": {"name": name, "namespace": namespace}, "spec": {"weightChannel": {"store": store}}}
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "overlap"),
+    [
+        # S3: a bucket is global (another namespace counts); prefixes nest by '/' components
+        ({"type": "s3", "bucket": "w", "prefix": "jobs/a"}, ("other", {"type": "s3", "bucket": "w", "prefix": "jobs/a"}), True),
+        ({"type": "s3", "bucket": "w", "prefix": "jobs/a/b"}, ("other", {"type": "s3", "bucket": "w", "prefix": "jobs/a/"}), True),
+        ({"type": "s3", "bucket": "w", "prefix": "jobs/a"}, ("ns", {"type": "s3", "bucket": "w", "prefix": ""}), True),
+        ({"type": "s3", "bucket": "w", "prefix": "jobs/a"}, ("ns", {"type": "s3", "bucket": "w", "prefix": "jobs/ab"}), False),
+        ({"type": "s3", "bucket": "w", "prefix": "jobs/a"}, ("ns", {"type": "s3", "bucket": "x", "prefix": "jobs/a"}), False),
+        # a claim's root is mounted at `path`: one claim is one channel, whatever the paths; claims are per namespace
+        ({"path": "/w/a", "volumeClaimName": "c"}, ("ns", {"path": "/w/b", "volumeClaimName": "c"}), True),
+        ({"path": "/w/a", "volumeClaimName": "c"}, ("other", {"path": "/w/a", "volumeClaimName": "c"}), False),
+        ({"path": "/w/a", "volumeClaimName": "c"}, ("ns", {"path": "/w/a", "volumeClaimName": "d"}), False),
+        # no claim: a directory on the nodes; nested paths overlap
+        ({"type": "filesystem", "path": "/w/a/b"}, ("ns", {"path": "/w/a"}), True),
+        ({"path": "/w/a"}, ("ns", {"path": "/w/ab"}), False),
+        ({"path": "/w/a"}, ("ns", {"type": "s3", "bucket": "w", "prefix": "w/a"}), False),
+    ],
+)
+def test_shared_store_message_refuses_a_store_another_job_writes(mine: dict, theirs: tuple, overlap: bool) -> None:
+    """Two RLJobs on one weight channel (the same store, or one nested in the other) would have two
+    trainers interleave their versions: the webhook refuses the second, naming the first."""
+    from rlfleet.operator.admission import shared_store_message
+
+    other_ns, other_store = theirs
+    message = shared_store_message(_job_on("b", "ns", **mine), "ns",
+                                   [_job_on("b", "ns", **mine), _job_on("a", other_ns, **other_store)])  # fmt: skip
+    if overlap:
+        assert message is not None and f"of RLJob {other_ns}/a: one trainer per weight channel" in message
+    else:
+        assert message is None
+
+
+def test_shared_store_message_counts_only_jobs_that_run() -> None:
+    """A suspended job runs no trainer: it is admitted on a store another job writes, and does not block
+    one; unsuspending it is a spec change the webhook judges then."""
+    from rlfleet.operator.admission import shared_store_message
+
+    store = {"path": "/w", "volumeClaimName": "c"}
+    running, suspended = _job_on("a", "ns", **store), _job_on("b", "ns", **store)
+    suspended["spec"]["suspend"] = True
+    assert shared_store_message(suspended, "ns", [running]) is None
+    assert shared_store_message(_job_on("c", "ns", **store), "ns", [suspended]) is None
+    resumed = {**suspended, "spec": {**suspended["spec"], "suspend": False}}
+    message = shared_store_message(resumed, "ns", [running, suspended])
+    assert message is not None and "of RLJob ns/a:" in message

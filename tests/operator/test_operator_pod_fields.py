@@ -113,7 +113,8 @@ def test_router_fields_land_on_its_pod_and_container(job: RLJob) -> None:
         "template"
     ]["spec"]
     (router,) = pod["containers"]
-    assert router["env"] == [{"name": "HOME", "value": "/tmp"}, *FIELDS["env"]]
+    key = {"name": "RLFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "reference-fleet-api-key", "key": "key"}}}
+    assert router["env"] == [{"name": "HOME", "value": "/tmp"}, key, *FIELDS["env"]]
     assert router["envFrom"] == WIRE_ENV_FROM
     assert router["volumeMounts"][-2:] == WIRE_MOUNTS and pod["volumes"][-2:] == WIRE_VOLUMES
 
@@ -177,4 +178,8 @@ def test_the_refused_names_cover_everything_the_operator_sets(job: RLJob) -> Non
         sorted(e for e in env if not e.startswith(OPERATOR_ENV_PREFIX) and e not in OPERATOR_ENV_NAMES) == []
     )
     assert vols == set(OPERATOR_VOLUME_NAMES)
-    assert paths - {store_path} == set(OPERATOR_MOUNT_PATHS)
+    # the store's own paths: its mount (a trainer mount there is refused, RLJobSpec._check_store_mount) and the
+    # sampler sync containers' writable subscribers/<group>/ under it (user mounts never reach sync containers)
+    reports = {p for p in paths if p.startswith(f"{store_path}/subscribers/")}
+    assert len(reports) == len(job.spec.sampler_groups)
+    assert paths - {store_path} - reports == set(OPERATOR_MOUNT_PATHS)

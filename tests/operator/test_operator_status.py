@@ -143,6 +143,25 @@ def test_applied_version_and_lag_from_the_channel() -> None:
     assert "appliedWeightVersion" not in s
 
 
+def test_a_foreign_weight_load_shows_as_the_groups_reason_until_a_newer_version() -> None:
+    """A sidecar whose engine served weights it had not applied applies the channel's again and says so
+    in its report (the message is the sidecar's own, sampler/syncer.py): `kubectl get sg` shows reason
+    ForeignWeightVersion, the message says it, WeightsSynced stays True (the channel's version is served)."""
+    from rlfleet.sampler.syncer import foreign_version_message
+
+    message = foreign_version_message(1000000, 7, 7, 1, T0)
+    report = {"group": "job-g", "appliedVersion": 7, "lag": 0, "lastError": message}
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [report]}, now=T0)
+    assert (s["phase"], s["reason"]) == ("Running", "ForeignWeightVersion")
+    assert "; foreign weight version: the engine served v1000000, not v7 that this sidecar applied" in s["message"]
+    assert "weight sync failing" not in s["message"]
+    [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
+    assert (synced["status"], synced["reason"]) == ("True", "ForeignWeightVersion")
+    newer = {"group": "job-g", "appliedVersion": 8, "lag": 0}  # the next publish applied: the note is gone
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [newer]}, now=T0)
+    assert s["reason"] == "AllReplicasReady" and "foreign" not in s["message"]
+
+
 def test_a_failing_weight_sync_is_said_while_the_group_keeps_running() -> None:
     """A replica that refused a version (checksum) keeps serving the one it has: the group stays Running,
     its message and WeightsSynced condition say what was refused; the count stays after recovery."""
@@ -157,6 +176,50 @@ def test_a_failing_weight_sync_is_said_while_the_group_keeps_running() -> None:
     s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [recovered]}, now=T0)
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
     assert synced["status"] == "True" and "failing" not in s["message"] and s["weightSyncFailures"] == 1
+
+
+def sampler_pod(name: str, sync_started: str, deleting: bool = False) -> dict:
+    """The pod index's view (operator/pods.py pod_view) of a ready sampler pod whose sidecar started then."""
+    from rlfleet.operator.pods import pod_view
+
+    ready = {"ready": True, "restartCount": 0, "state": {"running": {"startedAt": sync_started}}}
+    return pod_view({
+        "metadata": {"name": name, "labels": {"rlfleet.dev/samplergroup": "job-g"},
+                     **({"deletionTimestamp": T1} if deleting else {})},
+        "status": {"phase": "Running", "containerStatuses": [{"name": "sglang", **ready}, {"name": "weight-sync", **ready}]},
+    })  # fmt: skip
+
+
+def test_a_ready_replica_without_a_fresh_report_is_named_with_where_to_look() -> None:
+    """Report writes that fail (a store the sidecar cannot write, S3 credentials without PutObject on
+    subscribers/) were seen only as an empty VERSION column: a pod whose sidecar has run for the report's
+    age-out bound (150 s) with no fresh report in the channel's status is named, WeightsSynced=False."""
+    channel = {"phase": "Ready", "latestVersion": 7,
+               "groups": [{"group": "job-g", "appliedVersion": 7, "lag": 0, "replicas": ["job-g-a"]}]}  # fmt: skip
+    started_long_ago, started_now = "2025-12-31T23:57:29Z", "2025-12-31T23:57:31Z"  # 151 s and 149 s before T0
+    pods = [sampler_pod("job-g-a", started_long_ago), sampler_pod("job-g-b", started_long_ago)]
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=channel, now=T0, pods=pods)
+    assert (s["phase"], s["reason"]) == ("Running", "NoSubscriberReport")
+    assert "no subscriber report from pod job-g-b for 150s" in s["message"]
+    assert "cannot write subscribers/job-g/ in the store" in s["message"]
+    assert "kubectl logs job-g-b -c weight-sync" in s["message"]
+    [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
+    assert (synced["status"], synced["reason"]) == ("False", "NoSubscriberReport")
+    # two silent pods: the first named, the others counted
+    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={**channel, "groups": []},
+                               now=T0, pods=pods)  # fmt: skip
+    assert "no subscriber report from pod job-g-a (and 1 more) for 150s" in s["message"]
+    # a sidecar younger than the bound, a pod being deleted, or a channel the operator could not read: no claim
+    for judged_pods, judged_channel in (
+        ([sampler_pod("job-g-a", started_long_ago), sampler_pod("job-g-b", started_now)], channel),
+        ([sampler_pod("job-g-a", started_long_ago), sampler_pod("job-g-b", started_long_ago, deleting=True)], channel),
+        (pods, {"phase": "Degraded", "groups": []}),
+    ):
+        s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=judged_channel, now=T0,
+                                   pods=judged_pods)  # fmt: skip
+        assert s["reason"] == "AllReplicasReady" and "subscriber report" not in s["message"], s["message"]
+        [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
+        assert synced["status"] == "True"
 
 
 def job(groups: list[str], suspend: bool = False, generation: int = 4) -> dict:
@@ -274,7 +337,7 @@ def test_weightchannel_status_known_unknown_and_empty() -> None:
     assert s["artifacts"][1] == {"view": "fp8", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10}
     assert s["groups"] == [
         {"group": "job-g", "view": "fp8", "appliedVersion": 3, "lag": 1, "syncFailures": 2,
-         "lastError": "checksum: v4/fp8: x"},
+         "lastError": "checksum: v4/fp8: x", "replicas": ["p"]},  # the replicas with a fresh report
         {"group": "job-h", "view": "bf16"},
     ]
 

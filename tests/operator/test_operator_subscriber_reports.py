@@ -171,7 +171,8 @@ async def test_the_weightchannel_pipeline_removes_logs_counts_and_writes_status(
     assert len(logged) == 2 and any(f"{GROUP}/replaced" in m and "applied v1" in m for m in logged), logged
     [(_, status)] = api.patches
     assert status["latestVersion"] == 2 and status["phase"] == "Ready"
-    assert status["groups"] == [{"group": GROUP, "view": "fp8", "appliedVersion": 2, "lag": 0}]
+    assert status["groups"] == [{"group": GROUP, "view": "fp8", "appliedVersion": 2, "lag": 0,
+                                 "replicas": ["live-fresh", "newborn"]}]  # fmt: skip (live-stuck's report is stale)
 
 
 async def test_a_refused_delete_warns_once_per_streak(

@@ -38,6 +38,13 @@ class UpstreamState:
     fail_status: int | None = None  # answer every /generate with this status (e.g. 503)
     check_min_version: bool = False  # answer 409 to X-Min-Weight-Version above the served version
     api_key: str | None = None  # like SGLang --api-key: /generate and /model_info need the bearer token
+    # An engine whose scheduler hangs: /health still answers, /generate and /health_generate never do.
+    hung: bool = False
+    started: int = 0  # /generate requests received (with a body)
+    cancelled: int = 0  # /generate requests whose client closed the connection before the answer
+    stall_stream: bool = False  # a stream hangs after its first chunk (and so does the engine: hung)
+    probe_status: int = 200  # the /health_generate answer (503: SGLang starting or draining)
+    bodies: list[tuple[int | None, int]] = field(default_factory=list)  # (Content-Length header, bytes read)
     authorizations: list[str] = field(default_factory=list)
     sessions: list[str] = field(default_factory=list)
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens)
@@ -77,8 +84,17 @@ def make_app(state: UpstreamState) -> web.Application:
         state.authorizations.append(request.headers.get("Authorization", ""))
         if state.api_key and request.headers.get("Authorization") != f"Bearer {state.api_key}":
             return web.json_response({"error": {"message": "unauthorized"}}, status=401)
-        body = await request.json()
+        raw = await request.read()
+        state.bodies.append((request.content_length, len(raw)))
+        body = json.loads(raw)
         state.sessions.append(request.headers.get("X-Session-Id", ""))
+        state.started += 1
+        if state.hung:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:  # the client closed its connection (handler_cancellation)
+                state.cancelled += 1
+                raise
         if state.fail_status is not None:
             return web.json_response({"error": "failing on purpose"}, status=state.fail_status)
         wanted = request.headers.get("X-Min-Weight-Version")
@@ -107,6 +123,13 @@ def make_app(state: UpstreamState) -> web.Application:
             for i in range(1, 4):
                 chunk = {"text": "x" * i, "meta_info": {"completion_tokens": i, "upstream": state.name}}
                 await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                if state.stall_stream:
+                    state.hung = True
+                    try:
+                        await asyncio.Event().wait()
+                    except asyncio.CancelledError:  # the router closed the connection
+                        state.cancelled += 1
+                        raise
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
@@ -132,16 +155,22 @@ def make_app(state: UpstreamState) -> web.Application:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    async def health_generate(request: web.Request) -> web.Response:
+        if state.hung:
+            await asyncio.Event().wait()
+        return web.Response(status=state.probe_status)
+
     async def model_info(request: web.Request) -> web.Response:
         if state.api_key and request.headers.get("Authorization") != f"Bearer {state.api_key}":
             return web.json_response({"error": {"message": "unauthorized"}}, status=401)
         return web.json_response({"model_path": "tiny", "weight_version": str(state.weight_version)})
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # the router bounds bodies; SGLang has no limit
     app.router.add_post("/generate", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/model_info", model_info)
     return app
 
@@ -158,7 +187,8 @@ class InProcessUpstream:
         return f"http://{self.host}:{self.port}"
 
     async def start(self, port: int = 0) -> InProcessUpstream:
-        self.runner = web.AppRunner(make_app(self.state), access_log=None)
+        # handler_cancellation: a client that closes its connection cancels the handler, as SGLang aborts
+        self.runner = web.AppRunner(make_app(self.state), access_log=None, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.host, port)
         await site.start()

@@ -18,7 +18,7 @@ from aiohttp import web
 from router_upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.records import SampledTurn
-from rlfleet.retries import ROUTER_MAX_ATTEMPTS, ClientRetryPolicy, turn_upstream_posts
+from rlfleet.retries import ROUTER_MAX_ATTEMPTS, ClientRetryPolicy, OutagePolicy, turn_upstream_posts
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
 from rlfleet.sampler.client import SamplerClient
@@ -54,13 +54,15 @@ async def _one_turn(
 
         driver = RolloutDriver(generate, copy_digit, None, samples_per_prompt=1,  # type: ignore[arg-type]
                                sampling=SAMPLING, max_seq_len=64)  # fmt: skip
-        assert await driver.run_group(copy_digit_prompt(0, 3)) is None  # the turn failed: group dropped
+        assert await driver.run_group(copy_digit_prompt(0, 3)) is None  # the turn failed: no group
     finally:
         await client.aclose()
         await runner.cleanup()
         await router.close()
-    # The driver did not retry the failed turn: one call of the client, one error, one dropped group.
-    assert (driver.stats.generate_errors, driver.stats.failed_groups) == (1, 1)
+    # The driver did not retry the failed turn: one call of the client, one error. The turn failed
+    # "unavailable", so the group is put back for the driver's outage probe, not dropped (issue 32).
+    assert (driver.stats.generate_errors, driver.stats.failed_groups, driver.stats.held_groups) == (1, 0, 1)
+    assert driver.held_prompts == [0] and driver.outage is not None
     return driver, client
 
 
@@ -159,7 +161,7 @@ def test_the_docs_state_the_bounds_the_code_has() -> None:
     doc = (ROOT / "docs" / "architecture.md").read_text()
     section = doc[doc.index("## Retries") :]
     section = section[: section.index("\n## ", 1)]
-    p = ClientRetryPolicy()
+    p, outage = ClientRetryPolicy(), OutagePolicy()
     for stated in (
         f"`maxAttempts` ({ROUTER_MAX_ATTEMPTS})",
         f"`max_transport_retries` ({p.max_transport_retries})",
@@ -168,5 +170,6 @@ def test_the_docs_state_the_bounds_the_code_has() -> None:
         f"`max_server_error_retries` ({p.max_server_error_retries})",
         f"{p.max_posts} x {ROUTER_MAX_ATTEMPTS} = {turn_upstream_posts(p, 8, every_replica_fails=False)}",
         f"(1 + {p.max_transport_retries}) x {ROUTER_MAX_ATTEMPTS} = {turn_upstream_posts(p, 8, every_replica_fails=True)}",
+        f"{outage.backoff_initial_s:g} s doubling to {outage.backoff_max_s:g} s",
     ):
         assert stated in section, stated

@@ -57,16 +57,22 @@ def pod_for(tmp: Path, group: str, port: int) -> dict:
     return dep["spec"]["template"]["spec"]
 
 
+API_KEY = "the-jobs-engine-key"  # what the job's <job>-api-key Secret would hold
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 def as_kubelet_runs(container: dict, cache: Path, sync_port: int) -> tuple[list[str], dict[str, str]]:
     """argv and env of `container`: $(POD_NAME) expanded; the pod's cache path and sidecar port mapped."""
-    def fix(arg: str) -> str:
-        return arg.replace("$(POD_NAME)", POD).replace(n.WEIGHTS_CACHE, str(cache))
+    def fix(arg: str) -> str:  # the kubelet expands $(VAR) from the container's env, the key's Secret included
+        return arg.replace("$(POD_NAME)", POD).replace(f"$({n.API_KEY_ENV})", API_KEY).replace(n.WEIGHTS_CACHE, str(cache))
 
     argv = [fix(a) for a in [*container["command"], *container["args"]]]
     if "--port" in argv and argv[argv.index("--port") + 1] == str(n.SYNC_PORT):
         argv[argv.index("--port") + 1] = str(sync_port)
     env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
     env["POD_NAME"] = POD
+    if any(e["name"] == n.API_KEY_ENV for e in container.get("env", [])):
+        env[n.API_KEY_ENV] = API_KEY  # the job's key Secret, by secretKeyRef
     env["HOME"] = env["HF_HOME"] = str(cache.parent / "home")
     env["PATH"] = f"{BIN}:{os.environ['PATH']}"
     return argv, {**os.environ, **env}
@@ -107,7 +113,7 @@ def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]) ->
 def generate(url: str) -> dict:
     body = {"input_ids": [3, 10, 11, 12], "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
             "return_logprob": True}  # fmt: skip
-    response = httpx.post(f"{url}/generate", json=body, timeout=60)
+    response = httpx.post(f"{url}/generate", json=body, headers=AUTH, timeout=60)
     response.raise_for_status()
     return response.json()
 
@@ -152,7 +158,7 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Pa
     processes.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     url = f"http://127.0.0.1:{port}"
     wait_for("engine /health", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 300, processes)
-    info = httpx.get(f"{url}/model_info", timeout=10).json()
+    info = httpx.get(f"{url}/model_info", headers=AUTH, timeout=10).json()
     assert (info["weight_version"], info["weight_format"], info["kv_cache_dtype"]) == ("0", group, kv)
     assert info["model_path"] == str(cache / f"v0-{group}") and info["served_model_name"] == "tiny-qwen3"
     assert httpx.get(f"{url}/health_generate", timeout=60).status_code == 200  # the readiness probe
@@ -166,9 +172,9 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Pa
              == 200, 120, processes)  # fmt: skip
     publisher.publish({k: v + 0.01 * torch.randn_like(v) for k, v in weights.items()}, version=1)
     wait_for("version 1 applied",
-             lambda: httpx.get(f"{url}/model_info", timeout=5).json()["weight_version"] == "1", 120, processes)  # fmt: skip
+             lambda: httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()["weight_version"] == "1", 120, processes)  # fmt: skip
     assert read_launch_file(cache) == (1, cache / f"v1-{group}")  # a restarted engine launches from what it serves
-    info = httpx.get(f"{url}/model_info", timeout=5).json()
+    info = httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()
     assert (info["model_path"], info["weight_format"]) == (str(cache / f"v1-{group}"), group)
     out = generate(url)
     assert out["meta_info"]["weight_version"] == "1"

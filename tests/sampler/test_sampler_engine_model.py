@@ -27,7 +27,9 @@ from rlfleet.numerics.engine_model import (
     ModelShape,
     UnsupportedModelError,
     load_checkpoint,
+    precision_view,
 )
+from rlfleet.numerics.views import checkpoint_tensors
 from rlfleet.sampler.reference_engine import seeded_weights, tiny_shape
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
@@ -63,7 +65,7 @@ def _plain_qwen3(seed: int = 0, **config: Any) -> Any:
 def _engine_of(hf: Any, kernel: KernelConfig | None = None, config: dict | None = None) -> EngineModel:
     """The engine's model of an HF model: its shape from the config dict, its state dict as weights."""
     model = EngineModel(ModelShape.from_hf_config(config or hf.config.to_dict()), kernel).eval()
-    model.load_weights(hf.state_dict())
+    model.load_weights(checkpoint_tensors(hf.state_dict()))  # a MoE's experts by their checkpoint names
     return model
 
 
@@ -76,6 +78,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
+MOE = {"architecture": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
 CASES = {
     # the tiny Qwen3 init (rlfleet/tiny_qwen3.py) at small sizes
     "tiny": lambda: _random_norms(tiny_model(TinyQwen3(**SMALL, seed=1)), 1),
@@ -96,6 +99,8 @@ CASES = {
         2,
     ),  # fmt: skip
     "tied": lambda: _random_norms(tiny_model(TinyQwen3(**SMALL, tie_word_embeddings=True, seed=3)), 3),
+    # the tiny Qwen3-MoE (rlfleet/tiny_qwen3.py): 4 routed experts of 16, top-2, renormalised
+    "moe": lambda: _random_norms(tiny_model(TinyQwen3(**SMALL, **MOE, seed=4)), 4),
     # transformers' default init, 4 query heads on 1 KV head, head_dim 12 != 32 / 4, theta 500
     "plain_config": lambda: _plain_qwen3(
         vocab_size=80,
@@ -146,7 +151,7 @@ def test_exact_kernel_logits_equal_transformers(case):
                 getattr(layer.self_attn, norm).weight.fill_(1.0)
             assert _max_diff(undone(ids), want) > 1e-3, norm
         other_theta = EngineModel(replace(shape, rope_theta=shape.rope_theta * 3)).eval()
-        other_theta.load_weights(hf.state_dict())
+        other_theta.load_weights(checkpoint_tensors(hf.state_dict()))
         assert _max_diff(other_theta(ids), want) > 1e-3
 
 
@@ -270,7 +275,10 @@ def _qwen3_dict(**overrides: Any) -> dict[str, Any]:
     ("config", "message"),
     [
         (lambda: __import__("transformers").LlamaConfig().to_dict(), "model_type 'llama'.*--engine sglang"),
-        (lambda: __import__("transformers").Qwen3MoeConfig().to_dict(), "model_type 'qwen3_moe'"),
+        (
+            lambda: TinyQwen3(**SMALL, **MOE).hf_config().to_dict() | {"mlp_only_layers": [1]},
+            "Qwen3-MoE with dense layers .* not implemented",
+        ),
         (lambda: {k: v for k, v in _qwen3_dict().items() if k != "model_type"}, "model_type None"),
         (
             lambda: (
@@ -400,3 +408,65 @@ def test_load_checkpoint_of_save_pretrained_and_of_a_published_view(tmp_path):
         )
     with pytest.raises(UnsupportedModelError, match="no config.json"):
         load_checkpoint(tmp_path / "missing")
+
+
+# --------------------------------------------------------------------------------------- mixture of experts
+def test_moe_routes_every_token_to_the_experts_transformers_routes_it_to():
+    """The tiny Qwen3-MoE: per layer and token, the engine's `routed_experts` are the top-2 of
+    transformers' router logits (the same set; transformers' order is the engine's: by probability), with
+    and without the slot cache (a prefill then one-token decodes give the full forward's routing); the
+    experts really are routed (several experts per layer, and a token's pair differs between tokens)."""
+    hf = CASES["moe"]()
+    engine = _engine_of(hf)
+    ids = _ids(2, 10, engine.shape.vocab_size, seed=7)
+    with torch.no_grad():
+        engine(ids)
+        routed = engine.routed_experts
+        router_logits = hf(ids, output_router_logits=True).router_logits  # per layer [B x S, E]
+    assert routed is not None and tuple(routed.shape) == (2, 10, 2, 2)
+    for layer, logits in enumerate(router_logits):
+        want = logits.float().softmax(-1).topk(2, dim=-1).indices.reshape(2, 10, 2)
+        assert torch.equal(routed[:, :, layer], want), layer
+        assert len(torch.unique(want)) >= 3 and len({tuple(p) for p in want.reshape(-1, 2).tolist()}) >= 2
+    cache = engine.new_cache(slots=2, capacity=16)
+    with torch.no_grad():
+        engine(ids[:1, :6], cache, torch.tensor([1]))
+        steps = [engine.routed_experts[0]]
+        for t in range(6, 10):
+            engine(ids[:1, t : t + 1], cache, torch.tensor([1]))
+            steps.append(engine.routed_experts[0])
+    assert torch.equal(torch.cat(steps), routed[0])
+    dense = _engine_of(CASES["tiny"]())
+    with torch.no_grad():
+        dense(ids)
+    assert dense.routed_experts is None
+
+
+def test_moe_precision_view_quantizes_the_experts_not_the_router():
+    """A weight format reaches every expert's projections (the 2-D `_proj.weight`s) and leaves the
+    router in bf16, as SGLang keeps `mlp.gate` unquantized."""
+    weights = checkpoint_tensors(CASES["moe"]().state_dict())
+    view = precision_view(weights, "fp8")
+    router, expert = "model.layers.0.mlp.gate.weight", "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert torch.equal(view[router], weights[router].to(torch.bfloat16).float())
+    assert not torch.equal(view[expert], weights[expert].to(torch.bfloat16).float())
+
+
+def test_the_moe_checkpoint_and_seeded_weights_load_by_their_names(tmp_path):
+    """The engine's MoE parameters are exactly the names `save_pretrained` stores (each expert's
+    projections one by one, the router); an engine started without a checkpoint serves the tiny
+    Qwen3-MoE's seeded init (`seeded_weights` of a MoE shape), whose logits are transformers'."""
+    from safetensors import safe_open
+
+    spec = TinyQwen3(**SMALL, **MOE, seed=6)
+    tiny_model(spec).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    shape = ModelShape.from_checkpoint(tmp_path)
+    assert shape == tiny_shape(**SMALL, **MOE) and shape.is_moe and shape.num_experts == 4
+    assert set(EngineModel(shape).state_dict()) == stored and "model.layers.1.mlp.experts.3.down_proj.weight" in stored
+    engine = EngineModel(shape).eval()
+    engine.load_weights(seeded_weights(shape, 6))
+    ids = _ids(2, 8, shape.vocab_size, seed=1)
+    with torch.no_grad():
+        assert _max_diff(engine(ids), _oracle(tiny_model(spec), ids)) < EXACT_ATOL

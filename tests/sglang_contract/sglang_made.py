@@ -241,10 +241,14 @@ def generate_response(
     cached_tokens: int = 0,
     sampling_params: dict[str, Any] | None = None,
     rid: str = "rlfleet-contract",
+    routed_experts: np.ndarray | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(request body, JSON response) exactly as SGLang's tokenizer manager assembles and serialises it.
     The scheduler streams a request's outputs in chunks (`chunk_sizes`, default one chunk); spans come
-    with the finishing chunk (output_streamer.py)."""
+    with the finishing chunk (output_streamer.py). `routed_experts`: the scheduler's host-side routing
+    of the finished request (`capturer.get_topk`: int32 [positions, layers, top_k]), requested with
+    `return_routed_experts` and encoded by the detokenizer (`DetokenizerManager._b64_encode_per_request`)
+    into the finishing chunk, as batch_result_processor.py collects it when the request finishes."""
     from sglang.srt.managers import tokenizer_manager as tmm
     from sglang.srt.managers.io_struct import BatchStrOutput, GenerateReqInput
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
@@ -260,6 +264,8 @@ def generate_response(
         "return_logprob": True,
         "rid": rid,
     }
+    if routed_experts is not None:
+        body["return_routed_experts"] = True
     if mode == "head":
         body["top_logprobs_num"] = top_logprobs_num
     else:
@@ -270,6 +276,12 @@ def generate_response(
     assert sum(sizes) == n
     events = [WeightVersionEvent(old_version=v, num_output_tokens=k) for v, k in version_events]
     ctx = context("tokenizer")
+    routed = None
+    if routed_experts is not None:
+        import torch
+        from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+
+        routed = DetokenizerManager._b64_encode_per_request([torch.from_numpy(routed_experts.astype(np.int32))])
 
     async def run() -> dict[str, Any]:
         with use_context(ctx):
@@ -297,7 +309,7 @@ def generate_response(
                     output_token_ids_logprobs_val=None, output_token_ids_logprobs_idx=None,
                     output_token_entropy_val=None,
                     output_token_sampling_mask=None if head else [_rows(part, mode)],
-                    output_hidden_states=None, routed_experts=None, indexer_topk=None,
+                    output_hidden_states=None, routed_experts=routed if last else None, indexer_topk=None,
                     placeholder_tokens_idx=None, placeholder_tokens_val=None, retraction_counts=[0],
                     weight_versions=[compute_weight_version_spans(events, current_version, n)] if last else None,
                 )  # fmt: skip

@@ -148,10 +148,12 @@ NAMESPACED_RULES = {
     ("", "events", "create"),
     ("", "events", "list"),  # the kubelet's FailedMount Events, watched into an index (missing volume Secrets)
     ("", "events", "watch"),
-    ("", "secrets", "create"),  # the router's admin token, created once per job
+    ("", "secrets", "create"),  # the router's admin token and the engine API key, created once per job
     ("", "secrets", "get"),  # ... and read back by name by the rebalancer (never listed or watched)
     ("", "pods", "list"),  # the operator's pods, watched into an index (status reasons, scrape targets)
     ("", "pods", "watch"),
+    ("networking.k8s.io", "networkpolicies", "create"),  # the jobs' NetworkPolicies, server-side applied
+    ("networking.k8s.io", "networkpolicies", "patch"),
 }
 
 
@@ -612,3 +614,33 @@ def test_webhook_in_namespace_mode_sees_only_the_watched_namespaces(render) -> N
     # the Secret lives in the release namespace, whatever the operator watches
     (role,) = find(objs, "Role", "rlfleet-webhook")
     assert role["metadata"]["namespace"] == "ops"
+
+
+def test_network_policy_settings_reach_the_operator_as_it_reads_them(render) -> None:
+    """networkPolicy.* become the operator's environment; what it reads back (operator/network_policies.py)
+    names the operator's own pods (the Deployment's pod labels) and the scrapers the values give."""
+    from rlfleet.operator.network_policies import (
+        DEFAULT_METRICS_FROM,
+        NetworkPolicySettings,
+        settings_from_env,
+    )
+
+    def settings(values: dict[str, Any] | None) -> NetworkPolicySettings | None:
+        objs = render(values)
+        env = {e["name"]: e.get("value") for e in operator_container(objs)["env"]}
+        env["POD_NAMESPACE"] = "rlfleet-system"  # the fieldRef's value in the pod
+        (deployment,) = find(objs, "Deployment")
+        out = settings_from_env(env)
+        if out is not None:
+            pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+            assert out.operator_pod_labels and out.operator_pod_labels.items() <= pod_labels.items()
+            assert dict(out.operator_pod_labels) == deployment["spec"]["selector"]["matchLabels"]
+        return out
+
+    default = settings(None)
+    assert default is not None and default.operator_namespace == "rlfleet-system"
+    assert default.metrics_from == DEFAULT_METRICS_FROM
+    scrapers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    custom = settings({"networkPolicy": {"metricsFrom": scrapers}})
+    assert custom is not None and list(custom.metrics_from) == scrapers
+    assert settings({"networkPolicy": {"enabled": False}}) is None

@@ -620,9 +620,12 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
 
 
 def _job(name: str, group: str, **fields: Any) -> dict[str, Any]:
-    """The example RLJob renamed, with one H100 group `group`."""
+    """The example RLJob renamed, with one H100 group `group` and its own store (one trainer per weight
+    channel: the webhook refuses a second job on the example's claim)."""
     job = yaml.safe_load(EXAMPLE.read_text())
     job["metadata"]["name"] = name
+    job["spec"]["weightChannel"]["store"] = {"type": "filesystem", "path": f"/weights/{name}",
+                                             "volumeClaimName": f"{name}-weights"}  # fmt: skip
     job["spec"]["samplerGroups"] = [{"name": group, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16",
                                      **fields}]  # fmt: skip
     return job

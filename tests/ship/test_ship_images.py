@@ -237,8 +237,8 @@ def _image_facts(path: Path) -> dict:
 
 def test_pods_and_images_agree_on_one_uid_and_every_written_path_is_writable() -> None:
     """Each container of the example's pods (real builders) runs as its image's USER uid, and every
-    path it writes (HOME, HF_HOME, /tmp, the weights cache, the filesystem weight store a sync
-    container writes its subscriber report into) is on a writable volume of the pod or,
+    path it writes (HOME, HF_HOME, /tmp, the weights cache, the directory of a filesystem weight store a
+    sync container writes its group's subscriber reports into) is on a writable volume of the pod or,
     without one, a directory the Dockerfile creates for that uid on a writable root filesystem."""
     facts = {name: _image_facts(path) for name, path in IMAGES.items()}
     assert len({f["uid"] for f in facts.values()}) == 1, {n: f["uid"] for n, f in facts.items()}
@@ -261,7 +261,8 @@ def test_pods_and_images_agree_on_one_uid_and_every_written_path_is_writable() -
             if "--cache-dir" in args:
                 written.add(args[args.index("--cache-dir") + 1])
             if args[:2] == ["sampler", "sync"] and args[args.index("--store") + 1].startswith("/"):
-                written.add(args[args.index("--store") + 1])  # its subscriber report (docs/weights.md)
+                # its subscriber reports (docs/weights.md): the one writable part of the store's mount
+                written.add(f"{args[args.index('--store') + 1]}/subscribers/{args[args.index('--group') + 1]}")
             if c["name"] == "sglang":
                 written.add(next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "weights-cache"))
             read_only_root = (c.get("securityContext") or {}).get("readOnlyRootFilesystem", False)

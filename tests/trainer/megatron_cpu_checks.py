@@ -21,6 +21,9 @@ are the product's (`rlfleet.trainer.megatron_cpu.install_cpu_shims`, which a tra
   of which there are none; CPU work is synchronous).
 - `CudaRNGStatesTracker.fork` is a null context: the CUDA RNG tracker forks CUDA RNG states around
   dropout; dropout is 0 here (as in the backend) so no random number is drawn.
+- activation recompute (the `activation_checkpointing` check): megatron's `_get_cuda_rng_state` /
+  `_set_cuda_rng_state` use the CPU generator's state / do nothing, and the recomputing backward runs
+  under `CudaDevicesOnCpu`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ import torch
 
 VOCAB = 64
 SEQ = 7  # odd: sequence parallel over TP=2 needs the backend's padding
+# Updated weights after one Adam step (lr 1e-2) against another layout or micro-batching: the
+# gradients differ in the last bits (other summation orders), and Adam's first step lr g / (|g| + eps)
+# turns that into up to 1.6e-5 on an element whose gradient is within a few eps (1e-8) of zero. 1e-4 is
+# 1e-2 of the step; a wrong shard, a missed micro-batch or a mis-scaled gradient is >= lr off.
+UPDATE_ATOL = 1e-4
 
 
 def install_stubs() -> contextlib.AbstractContextManager:
@@ -96,23 +104,31 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
-def build(directory: Path, tp: int, dtype: str = "float32"):
+def build(directory: Path, tp: int, dtype: str = "float32", **config: Any):
     from rlfleet.trainer.backend_common import OptimConfig
     from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
     from rlfleet.trainer.objective import ObjectiveConfig
 
     hf_cfg = json.loads((directory / "config.json").read_text())
-    cfg = MegatronModelConfig.from_hf_config(hf_cfg, tensor_parallel=tp, params_dtype=dtype, device="cpu", micro_batch_size=2)
+    # two sequences of the odd-length batch (7 tokens each) per micro-batch unless told otherwise
+    config = {"max_tokens_per_micro_batch": 2 * SEQ} | config
+    cfg = MegatronModelConfig.from_hf_config(hf_cfg, tensor_parallel=tp, params_dtype=dtype, device="cpu", **config)
     return MegatronBackend(cfg, ObjectiveConfig(mode="sc_mis", replay=True), OptimConfig(learning_rate=1e-2),
                            initial_hf_weights=hf_tensors(directory))
 
 
 def full_logits(backend, ids: torch.Tensor) -> torch.Tensor:
-    """The GPTModel's logits with the vocabulary shards all-gathered over the TP group."""
+    """The GPTModel's logits (its final hidden states times the output weight) with the vocabulary
+    shards all-gathered over the TP group."""
     from megatron.core import parallel_state as ps
 
+    module = backend.model.module
     with torch.no_grad():
-        local = backend.model.module(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+        # the backend's GPTModel returns the output layer's input (the objective is the fused lm_head):
+        # project it onto this rank's vocabulary shard here
+        hidden = module(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+        weight = module.shared_embedding_or_output_weight() if backend.cfg.tie_word_embeddings else module.output_layer.weight
+        local = hidden @ weight.T
     world = ps.get_tensor_model_parallel_world_size()
     if world == 1:
         return local
@@ -121,22 +137,26 @@ def full_logits(backend, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(shards, dim=-1)
 
 
-def flat_batch(seed: int):
+def flat_batch(seed: int, lens: list[int] | None = None):
+    """Sequences of SEQ + 1 tokens whose rows are logit positions 0..SEQ-1: the backend forwards SEQ
+    (odd) tokens of each (cut after the last sampled one). `lens`: ragged sequences of these token
+    counts instead (rows through each one's last token)."""
     from rlfleet.trainer.batching import FlatBatch
 
     rng = np.random.default_rng(seed)
-    b, k = 4, 4
-    row_seq = np.repeat(np.arange(b), SEQ - 1)
-    row_pos = np.tile(np.arange(SEQ - 1), b)  # every position but the last: the odd length matters
+    lens = lens or [SEQ + 1] * 4
+    b, k = len(lens), 4
+    row_seq = np.concatenate([np.full(n - 1, i) for i, n in enumerate(lens)])
+    row_pos = np.concatenate([np.arange(n - 1) for n in lens])
     t = len(row_seq)
     cand = np.stack([rng.permutation(VOCAB)[:k] for _ in range(t)])
     lq = np.log(rng.dirichlet(np.ones(k), size=t)).astype(np.float32)
     return FlatBatch(
-        input_ids=rng.integers(0, VOCAB, size=(b, SEQ)), seq_lens=np.full(b, SEQ), row_seq=row_seq, row_pos=row_pos,
+        input_ids=rng.integers(0, VOCAB, size=(b, max(lens))), seq_lens=np.array(lens), row_seq=row_seq, row_pos=row_pos,
         target_ids=cand[:, 0], advantages=rng.normal(size=t).astype(np.float32), logq=lq[:, 0].copy(),
         logq_support=lq[:, 0].copy(), cand_offsets=np.arange(t + 1) * k, cand_ids=cand.reshape(-1),
         cand_logq=lq.reshape(-1), candidate_mode="support", versions=np.zeros(t, dtype=np.int64),
-        staleness=np.zeros(t, dtype=np.int64), groups=np.array(["a", "b"] * (t // 2), dtype=object),
+        staleness=np.zeros(t, dtype=np.int64), groups=np.array(["a", "b"] * t, dtype=object)[:t],
         rollout_uids=[f"u{i}" for i in range(b)],
     )
 
@@ -263,7 +283,64 @@ def phase_tp1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     refs["odd_loss"], refs["odd_grad_norm"] = float(out.loss), grad_norm
     refs["odd_kl_k3"], refs["odd_tokens"] = out.metrics["kl_k3"], out.num_valid_tokens
     refs["odd_weights"] = backend.weights()
+    checks.update(token_budget_checks(work / "qwen3_head_dim_rope_parameters"))
     return checks, refs
+
+
+RAGGED = [12, 3, 9, 5, 7, 2, 10]  # tokens per sequence: a long-tailed batch
+
+
+def hf_step(directory: Path, flat) -> tuple[float, float]:
+    """The reference by hand on transformers' Qwen3: one padded forward of the whole batch, the
+    objective on its rows' final hidden states and lm_head, backward of the token-mean loss: (loss,
+    gradient norm)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlfleet.trainer.backend_common import to_token_batch
+    from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    hidden = model.model(input_ids=torch.from_numpy(flat.input_ids), use_cache=False).last_hidden_state
+    rows = hidden[torch.from_numpy(flat.row_seq), torch.from_numpy(flat.row_pos)]
+    out = policy_loss(rows, model.get_output_embeddings().weight, to_token_batch(flat, GROUPS),
+                      ObjectiveConfig(mode="sc_mis", replay=True))
+    out.loss.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return float(out.loss), float(norm)
+
+
+def token_budget_checks(directory: Path) -> dict[str, Any]:
+    """A ragged batch at a budget of 14 padded tokens (several micro-batches, each padded to its own
+    longest) against one micro-batch of the whole batch and against transformers' one padded forward;
+    and activation checkpointing (megatron's full recompute) against the same step without it."""
+    flat = flat_batch(11, lens=RAGGED)
+    want_loss, want_norm = hf_step(directory, flat)
+    runs = {}
+    for name, config in {"one_micro_batch": {"max_tokens_per_micro_batch": 1 << 14},
+                         "budget_14": {"max_tokens_per_micro_batch": 14},
+                         "budget_14_recompute": {"max_tokens_per_micro_batch": 14, "activation_checkpointing": True}}.items():
+        backend = build(directory, tp=1, **config)
+        out, grad_norm = backend.train_step(flat, GROUPS)
+        runs[name] = {"loss": float(out.loss), "grad_norm": grad_norm, "kl_k3": out.metrics["kl_k3"],
+                      "tokens": out.num_valid_tokens, "weights": backend.weights(),
+                      "recompute": backend.tconfig.recompute_granularity}
+    one, small, recompute = runs["one_micro_batch"], runs["budget_14"], runs["budget_14_recompute"]
+
+    def compare(got: dict, want: dict) -> dict[str, Any]:
+        wd = max(max_diff(got["weights"][k], want["weights"][k]) for k in want["weights"])
+        dl, dg, dk = abs(got["loss"] - want["loss"]), abs(got["grad_norm"] - want["grad_norm"]), abs(got["kl_k3"] - want["kl_k3"])
+        return {"ok": dl <= 1e-6 and dg <= 1e-5 and dk <= 1e-6 and wd <= UPDATE_ATOL and got["tokens"] == want["tokens"],
+                "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd}
+
+    budget = compare(small, one)
+    budget["transformers_loss_diff"] = abs(small["loss"] - want_loss)
+    budget["transformers_grad_norm_diff"] = abs(small["grad_norm"] - want_norm)
+    budget["ok"] = budget["ok"] and budget["transformers_loss_diff"] <= 1e-5 and budget["transformers_grad_norm_diff"] <= 1e-4
+    budget["tokens"] = small["tokens"]
+    ckpt = compare(recompute, small)
+    ckpt["ok"] = ckpt["ok"] and recompute["recompute"] == "full" and small["recompute"] is None
+    return {"token_budget_micro_batches_equal_one_micro_batch": budget,
+            "activation_checkpointing_step_equals_plain": ckpt}
 
 
 # --------------------------------------------------------------------------- phase 2: TP=2
@@ -305,7 +382,7 @@ def step_equals_reference(backend, rank: int, refs: dict[str, Any]) -> dict[str,
     wd = max(max_diff(weights[k], refs["odd_weights"][k]) for k in weights)
     dl, dg = abs(float(out.loss) - refs["odd_loss"]), abs(grad_norm - refs["odd_grad_norm"])
     dk = abs(out.metrics["kl_k3"] - refs["odd_kl_k3"])
-    return {"ok": dl <= 1e-6 and dg <= 1e-5 and wd <= 1e-6 and dk <= 1e-6 and out.num_valid_tokens == refs["odd_tokens"],
+    return {"ok": dl <= 1e-6 and dg <= 1e-5 and wd <= UPDATE_ATOL and dk <= 1e-6 and out.num_valid_tokens == refs["odd_tokens"],
             "seq_len": SEQ, "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd,
             "num_valid_tokens": out.num_valid_tokens, "loss": float(out.loss)}
 
@@ -335,13 +412,18 @@ def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
 def restore_check(rank: int, work_dir: Path, tp: int) -> dict[str, Any] | None:
     """save -> restore -> one step == uninterrupted, on every rank, bf16 (separate fp32 main params).
     Run B starts from OTHER weights, so everything it ends with must come from the restore."""
+    from rlfleet.trainer import checkpoint
+
+    directory = work_dir / f"ckpt-{tp}-{torch.distributed.get_world_size()}"
+
     def uninterrupted(b):
         b.train_step(flat_batch(11), GROUPS)
-        torch.save(b.state_dict(), work_dir / f"ckpt-{tp}.pt")  # through a file, as the loop's checkpoint does
+        # through the loop's checkpoint files: saved, verified and unpickled weights-only (no allowlist entry)
+        checkpoint.save_checkpoint(directory, {"step": 1, "backend": b.state_dict()})
         b.train_step(flat_batch(12), GROUPS)
 
     def restored(b):
-        b.load_state_dict(torch.load(work_dir / f"ckpt-{tp}.pt", weights_only=False))
+        b.load_state_dict(checkpoint.load_latest(directory)["backend"])
         b.train_step(flat_batch(12), GROUPS)
 
     run_a = build(work_dir / "qwen3_head_dim_rope_parameters", tp=tp, dtype="bfloat16")

@@ -27,16 +27,16 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rlfleet.records import SUPPORT_MODE
-from rlfleet.trainer.backend_common import OptimConfig, to_token_batch
-from rlfleet.trainer.backend_hf import HFBackend, combine_metrics
-from rlfleet.trainer.batching import FlatBatch
+from rlfleet.trainer.backend_common import OptimConfig, combine_metrics, to_token_batch
+from rlfleet.trainer.backend_hf import HFBackend
+from rlfleet.trainer.batching import FlatBatch, plan_micro_batches
 from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
 VOCAB = 96
 OBJECTIVE = ObjectiveConfig(mode="sc_mis", replay=True)
 OPTIM = OptimConfig(learning_rate=1e-2, max_grad_norm=1e9)  # no clipping: raw gradients are compared
-# Two steps of 2 ranks against 1 process: the gradients differ in the last bits (the reduce-scatter sums
-# in another order), and Adam's g / (sqrt(v) + eps) magnifies that on an element whose gradient is near 0:
+# Steps of 2 ranks against 1 process: the gradients differ in the last bits (the reduce-scatter sums
+# in another order, each rank packs its own sequences), and Adam's g / (sqrt(v) + eps) magnifies that on an element whose gradient is near 0:
 # one of 2,048 elements of a layer's gate_proj ends 2.0e-6 off on an AMD EPYC with AVX-512 (under 1e-6 on
 # other CPUs). 1e-5 is 1e-3 of one step's largest update (lr); a wrong shard or a missed step is >= lr off.
 TWO_STEP_WEIGHTS_ATOL = 1e-5
@@ -56,11 +56,13 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
-def make_batch(num_seqs: int = 5, seed: int = 0) -> FlatBatch:
-    """Sequences of different lengths (right-padded), a 4-token prompt, sampled tokens after it, each
-    with a support of 4 candidates (the sampled one included, q renormalised on it)."""
+def make_batch(num_seqs: int = 5, seed: int = 0, lens: list[int] | None = None) -> FlatBatch:
+    """Sequences of different lengths (right-padded; `lens`, else 7..12 tokens), a 4-token prompt,
+    sampled tokens after it, each with a support of 4 candidates (the sampled one included, q
+    renormalised on it)."""
     rng = np.random.default_rng(seed)
-    lens = rng.integers(7, 13, size=num_seqs)
+    lens = np.array(lens, dtype=np.int64) if lens is not None else rng.integers(7, 13, size=num_seqs)
+    num_seqs = len(lens)
     input_ids = np.zeros((num_seqs, int(lens.max())), dtype=np.int64)
     cols: dict[str, list] = {
         k: [] for k in ("seq", "pos", "tgt", "adv", "lq", "ids", "clq", "cnt", "grp", "st")
@@ -164,8 +166,8 @@ def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path, tiny_qwen3_f
     for name, g in single["grads"].items():
         assert float(g.abs().max()) > 0, name  # every parameter is really trained
         torch.testing.assert_close(multi["grads"][name], g, rtol=0, atol=1e-6, msg=name)
-    for name, w in single["weights"].items():
-        torch.testing.assert_close(multi["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+    for name, w in single["weights"].items():  # Adam magnifies last-bit gradient differences (TWO_STEP_WEIGHTS_ATOL)
+        torch.testing.assert_close(multi["weights"][name], w, rtol=0, atol=TWO_STEP_WEIGHTS_ATOL, msg=name)
     assert abs(multi["grad_norm"] - single["grad_norm"]) < 1e-5
     # Metrics combined over ranks equal the one-process metrics (ess is one-process only).
     for key, value in single["metrics"].items():
@@ -204,11 +206,14 @@ def trainer_state(backend: HFBackend) -> dict:
 
 def _resume_job(rank: int, ckpts: list[str], out_dir: str) -> dict:
     """Per checkpoint: train step 1, `state_dict()`, and rank 0 writes it to a file (the training loop
-    runs on rank 0: trainer/loop.py `checkpoint()` -> trainer/checkpoint.py `torch.save`). Then step 2
+    runs on rank 0: trainer/loop.py `checkpoint()` -> trainer/checkpoint.py `torch.save`; read back
+    weights-only, as `load_latest` does). Then step 2
     three ways on this rank: uninterrupted; a FRESH backend built from the same base checkpoint that
     `load_state_dict`s what rank 0 read back from the file while the other ranks pass what their own
     `state_dict()` returned; and a fresh one where every rank reads the file (a shared volume). One
     process (rank 0, no process group) runs the same job."""
+    from rlfleet.trainer.checkpoint import load_checkpoint_file
+
     distributed = torch.distributed.is_initialized()
     first, second = make_batch(seed=1), make_batch(seed=2)
     out: dict = {}
@@ -222,9 +227,10 @@ def _resume_job(rank: int, ckpts: list[str], out_dir: str) -> dict:
         if distributed:
             torch.distributed.barrier()
         runs: dict = {"after_step_1": trainer_state(uninterrupted)}
+        # read back as a resume reads a checkpoint: weights only (trainer/checkpoint.py, no allowlist entry)
         restores = {
-            "rank0_reads": torch.load(path, weights_only=False) if rank == 0 else own_state,
-            "every_rank_reads": torch.load(path, weights_only=False),
+            "rank0_reads": load_checkpoint_file(path) if rank == 0 else own_state,
+            "every_rank_reads": load_checkpoint_file(path),
         }
         backends = {"uninterrupted": uninterrupted}
         for how, state in restores.items():
@@ -427,7 +433,8 @@ def _reference_loss(model: torch.nn.Module, flat: FlatBatch) -> float:
     with torch.no_grad():
         logits = model(input_ids=torch.from_numpy(flat.input_ids)).logits
     rows = logits[torch.from_numpy(flat.row_seq), torch.from_numpy(flat.row_pos)] / 0.7
-    return float(policy_loss(rows, to_token_batch(flat, GROUPS), OBJECTIVE).loss)
+    # the materialised rows through the fused objective: hidden = the logit rows, weight = identity
+    return float(policy_loss(rows, torch.eye(VOCAB), to_token_batch(flat, GROUPS), OBJECTIVE).loss)
 
 
 def test_one_process_loss_is_the_objective_on_the_model_logits_qwen3_and_llama(
@@ -549,3 +556,209 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
     backend = HFBackend.from_pretrained(tmp_path / "m", OBJECTIVE, optim=OPTIM, device="cpu")
     out, grad_norm = backend.train_step(flat, {"h100-fp8": 0})
     assert out.metrics["num_tokens"] == len(replies[0]) + len(replies[1]) and grad_norm > 0
+
+
+# --- token-budget micro-batches ------------------------------------------------------------------
+
+RAGGED = [30, 5, 17, 9, 24, 6, 12]  # a long-tailed batch: the longest is 6x the shortest
+
+
+def test_micro_batch_plan_covers_every_sequence_within_the_budget() -> None:
+    flat = make_batch(lens=RAGGED, seed=3)
+    need = [n - 1 for n in RAGGED]  # through the last sampled token's logit position (its own position - 1)
+    for padded in (False, True):
+        plan = plan_micro_batches(flat, np.arange(len(RAGGED)), 32, padded=padded)
+        assert sorted(b for mb in plan for b in mb.seqs.tolist()) == list(range(len(RAGGED)))
+        assert sorted(r for mb in plan for r in mb.rows.tolist()) == list(range(flat.num_tokens))
+        for mb in plan:
+            assert mb.lengths.tolist() == [need[b] for b in mb.seqs]
+            cost = mb.padded_tokens if padded else mb.num_tokens
+            assert cost <= 32 or len(mb.seqs) == 1, (padded, mb)
+    # first-fit decreasing: 29 | 23 + 8 | 16 + 11 + 5 | 4 (the packed plan)
+    packed = plan_micro_batches(flat, np.arange(len(RAGGED)), 32)
+    assert [mb.lengths.tolist() for mb in packed] == [[29], [23, 8], [16, 11, 5], [4]]
+    # one sequence over the budget trains alone; a budget below 1 is refused
+    assert [mb.lengths.tolist() for mb in plan_micro_batches(flat, np.array([0]), 10)] == [[29]]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        plan_micro_batches(flat, np.arange(3), 0)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_forward_equals_each_sequence_alone(tiny_qwen3_factory, attn: str) -> None:
+    """Position ids that restart at each sequence give a block-causal mask on CPU: every packed logit
+    equals that sequence's own forward (and without use_cache=False they would not: the guard)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tiny_qwen3_factory(**SMALL_QWEN3)), dtype=torch.float32, attn_implementation=attn
+    ).eval()
+    flat = make_batch(lens=RAGGED, seed=3)
+    mb = plan_micro_batches(flat, np.arange(len(RAGGED)), 64)[0]
+    assert len(mb.seqs) >= 3
+    input_ids, position_ids, _ = mb.packed(flat)
+    with torch.no_grad():
+        # use_cache=False, as the backend passes it: with a cache transformers ignores the restarts
+        packed = model(input_ids=torch.from_numpy(input_ids)[None], position_ids=torch.from_numpy(position_ids)[None],
+                       use_cache=False).logits[0]
+        start = 0
+        for b, n in zip(mb.seqs.tolist(), mb.lengths.tolist(), strict=True):
+            alone = model(input_ids=torch.from_numpy(flat.input_ids[b, :n])[None]).logits[0]
+            torch.testing.assert_close(packed[start : start + n], alone, rtol=0, atol=1e-5)
+            start += n
+        leaky = model(input_ids=torch.from_numpy(input_ids)[None], position_ids=torch.from_numpy(position_ids)[None]).logits[0]
+    assert float((leaky - packed).abs().max()) > 1e-2  # with a cache: plain causal, sequences see each other
+
+
+def reference_step(ckpt: Path, flat: FlatBatch) -> dict:
+    """The unbatched step by hand: one padded forward of the whole batch, the objective on the rows'
+    final hidden states and lm_head, backward of the token-mean loss (no backend code)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    hidden = model.model(input_ids=torch.from_numpy(flat.input_ids), use_cache=False).last_hidden_state
+    rows = hidden[torch.from_numpy(flat.row_seq), torch.from_numpy(flat.row_pos)]
+    out = policy_loss(rows, model.lm_head.weight, to_token_batch(flat, GROUPS), OBJECTIVE)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": float(out.loss.detach()), "metrics": out.metrics, "per_group": out.per_group, "grads": grads}
+
+
+def assert_step_equals_reference(got: dict, want: dict, atol: float = 1e-6) -> None:
+    assert abs(got["loss"] - want["loss"]) < atol
+    for name, g in want["grads"].items():
+        assert float(g.abs().max()) > 0, name
+        torch.testing.assert_close(got["grads"][name], g, rtol=0, atol=atol, msg=name)
+    for key, value in want["metrics"].items():
+        if key != "ess":  # not decomposable over micro-batches
+            assert abs(got["metrics"][key] - value) < 1e-5, key
+    for gid, gm in want["per_group"].items():
+        assert got["per_group"][gid]["num_tokens"] == gm["num_tokens"]
+        assert abs(got["per_group"][gid]["entropy"] - gm["entropy"]) < 1e-5
+
+
+@pytest.mark.parametrize("budget", [24, 40, 1 << 14])
+def test_micro_batched_step_equals_the_unbatched_step(tiny_qwen3_factory, budget: int) -> None:
+    """A ragged batch cut into packed micro-batches of at most `budget` tokens: the accumulated
+    gradient, the loss and the metrics equal one padded forward of the whole batch."""
+    ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
+    flat = make_batch(lens=RAGGED, seed=3)
+    want = reference_step(ckpt, flat)
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget)
+    plan = plan_micro_batches(flat, np.arange(len(RAGGED)), budget)
+    assert (len(plan) > 2) is (budget < 64)
+    got = one_step(backend, flat)
+    assert_step_equals_reference(got, want)
+    assert ("ess" in got["metrics"]) is (len(plan) == 1)
+
+
+def test_activation_checkpointing_gives_the_same_step(tiny_qwen3_factory) -> None:
+    """Gradient checkpointing (each decoder layer recomputed in backward) with packed micro-batches:
+    the same gradients as the unbatched reference, and the layers really are checkpointed."""
+    ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
+    flat = make_batch(lens=RAGGED, seed=3)
+    want = reference_step(ckpt, flat)
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24,
+                                        activation_checkpointing=True)  # fmt: skip
+    assert backend.model.is_gradient_checkpointing
+    assert_step_equals_reference(one_step(backend, flat), want)
+
+
+def _budget_step_job(rank: int, ckpt: str, budget: int) -> dict:
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget)
+    assert backend.distributed and backend.world == 2
+    # rank 0 gets sequences 0, 2, 4, 6 (4 micro-batches at 24), rank 1 sequences 1, 3, 5 (2): rank 1 idles twice
+    plans = [plan_micro_batches(make_batch(lens=RAGGED, seed=3), backend.local_sequences(make_batch(lens=RAGGED, seed=3), r), budget) for r in (0, 1)]
+    result = one_step(backend, make_batch(lens=RAGGED, seed=3))
+    result["plan_sizes"] = [len(p) for p in plans]
+    return result
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow  # ~15 s on 2 shared cores: two spawned processes import torch + transformers
+def test_micro_batches_on_two_gloo_processes_equal_the_unbatched_step(tmp_path: Path, tiny_qwen3_factory) -> None:
+    """Two FSDP2 ranks with unequal numbers of micro-batches (the idle rank runs zero-loss ones): the
+    reduced gradient is the one-process, one-forward gradient of the whole batch."""
+    ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
+    want = reference_step(ckpt, make_batch(lens=RAGGED, seed=3))
+    ranks = spawn(tmp_path, _budget_step_job, str(ckpt), 24)
+    assert ranks[0]["plan_sizes"][0] != ranks[0]["plan_sizes"][1]
+    for got in ranks:
+        assert_step_equals_reference(got, want)
+
+
+# ------------------------------------------------------------------------------------ mixture of experts
+SMALL_MOE = dict(SMALL_QWEN3, architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                 router_aux_loss_coef=0.5)  # fmt: skip
+"""The project's tiny Qwen3-MoE (rlfleet/tiny_qwen3.py) at SMALL_QWEN3's sizes, 4 experts of 16, top-2; a
+large load-balancing coefficient (Qwen3-MoE's is 0.001) so that the router's loss moves every gradient it
+reaches by far more than the tolerance."""
+
+
+def switch_load_balancing_loss(router_logits: list[torch.Tensor], experts: int, top_k: int) -> torch.Tensor:
+    """The Switch Transformer's load-balancing loss over the tokens of `router_logits` (one [tokens,
+    experts] per layer), written out: experts x sum_e f_e P_e, f_e the share of the (token, layer)
+    top-k slots routed to e (counted per token, so a token adds top_k), P_e the mean router probability
+    of e over (token, layer)."""
+    probs = torch.cat([torch.softmax(g, dim=-1) for g in router_logits])  # [layers x tokens, E]
+    chosen = torch.zeros_like(probs).scatter_(1, probs.topk(top_k, dim=-1).indices, 1.0)
+    return experts * (chosen.mean(dim=0) * probs.mean(dim=0)).sum()
+
+
+def moe_reference_step(ckpt: Path, flat: FlatBatch, budget: int) -> dict:
+    """The MoE step by hand: one padded forward of the whole batch (no backend code), the objective on
+    the rows' final hidden states and lm_head, plus router_aux_loss_coef x the token-weighted mean over
+    the micro-batches (the plan for `budget`) of each one's load-balancing loss over exactly the tokens it
+    packs (each sequence up to its last trained row), weighted by its trained rows."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    out = model.model(input_ids=torch.from_numpy(flat.input_ids), use_cache=False, output_router_logits=True)
+    rows = out.last_hidden_state[torch.from_numpy(flat.row_seq), torch.from_numpy(flat.row_pos)]
+    objective = policy_loss(rows, model.lm_head.weight, to_token_batch(flat, GROUPS), OBJECTIVE)
+    assert objective.num_valid_tokens == len(flat.row_seq)  # every row of make_batch is valid
+    layers = [g.reshape(flat.input_ids.shape[0], flat.input_ids.shape[1], -1) for g in out.router_logits]
+    aux = torch.zeros(())
+    for mb in plan_micro_batches(flat, np.arange(flat.input_ids.shape[0]), budget):
+        packed = [torch.cat([g[b, :n] for b, n in zip(mb.seqs.tolist(), mb.lengths.tolist(), strict=True)]) for g in layers]
+        weight = int(np.isin(flat.row_seq, mb.seqs).sum()) / len(flat.row_seq)
+        aux = aux + weight * switch_load_balancing_loss(packed, model.config.num_experts, model.config.num_experts_per_tok)
+    (objective.loss + model.config.router_aux_loss_coef * aux).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": float(objective.loss.detach()), "metrics": objective.metrics, "per_group": objective.per_group,
+            "grads": grads, "aux": float(aux.detach())}  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", [24, 1 << 14])
+def test_a_moe_step_equals_the_hand_computed_step_router_loss_included(tiny_qwen3_factory, budget: int) -> None:
+    """Qwen3-MoE through the packed micro-batches and the fused lm_head: the loss (the policy loss), every
+    gradient (experts, routers, attention, embeddings) and the metrics equal the hand-computed step,
+    whose router load-balancing term is computed here from the router logits of a padded forward; the
+    router's term really is in the step (without it the routers' gradients differ)."""
+    ckpt = tiny_qwen3_factory(**SMALL_MOE)
+    flat = make_batch(lens=RAGGED, seed=3)
+    want = moe_reference_step(ckpt, flat, budget)
+    assert want["aux"] > 1.0  # experts x sum f_e P_e >= 1, equality only for perfectly balanced routing
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget)
+    assert type(backend.model).__name__ == "Qwen3MoeForCausalLM"
+    got = one_step(backend, flat)
+    assert any("experts.gate_up_proj" in n for n in want["grads"]) and any("mlp.gate.weight" in n for n in want["grads"])
+    assert_step_equals_reference(got, want, atol=2e-6)
+    without_aux = HFBackend(tiny_qwen3_moe_without_router_loss(ckpt), OBJECTIVE, optim=OPTIM, device="cpu",
+                            max_tokens_per_micro_batch=budget)  # fmt: skip
+    router = "model.layers.0.mlp.gate.weight"
+    assert float((one_step(without_aux, flat)["grads"][router] - want["grads"][router]).abs().max()) > 1e-4
+
+
+def tiny_qwen3_moe_without_router_loss(ckpt: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32, output_router_logits=False)
+
+
+def test_moe_one_process_restore_equals_the_uninterrupted_run(tmp_path: Path, tiny_qwen3_factory) -> None:
+    """Qwen3-MoE: step 1, save, restore into a fresh backend, step 2: bit-identical to the uninterrupted
+    step 2 (weights, Adam moments of every expert and router)."""
+    ckpt = str(tiny_qwen3_factory(**SMALL_MOE))
+    runs = _resume_job(0, [ckpt], str(tmp_path))[ckpt]
+    assert any("experts.down_proj" in name for name in runs["uninterrupted"]["full"])
+    assert_resumed_equals_uninterrupted(runs, "1 process, MoE")

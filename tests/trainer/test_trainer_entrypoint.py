@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,10 +24,11 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from claim_window import kill_inside_the_claim_window
 from cluster_wait import wait_for
 from test_trainer_cpu_class import free_port  # the trainer tests' one copy
 
-from rlfleet.channel import WeightChannel
+from rlfleet.channel import WeightChannel, manifest_key
 from rlfleet.local.fleet import FleetSpec, GroupSpec
 from rlfleet.local.main import FleetProcess
 from rlfleet.model_source import read_safetensors_dir
@@ -39,12 +41,12 @@ MAX_SEQ_LEN = 64
 STEPS = 3
 
 
-def job_manifest(tmp_path: Path, base: Path, channel: Path) -> Path:
+def job_manifest(tmp_path: Path, base: Path, channel: Path, steps: int = STEPS) -> Path:
     doc = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     spec = doc["spec"]
     spec["model"] = {"name": "tiny-qwen3", "path": str(base), "maxSeqLen": MAX_SEQ_LEN}
     spec["trainer"] = {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 1, "backend": "torch",
-                       "totalSteps": STEPS, "optimizer": {"learningRate": 1.0e-3}}
+                       "totalSteps": steps, "optimizer": {"learningRate": 1.0e-3}}
     spec["rollout"].update({"promptsPerStep": 2, "samplesPerPrompt": 2, "maxNewTokens": 4, "topK": 16,
                             "environment": "copy_digit", "maxTurns": 1})
     spec["correction"]["scHeadSize"] = 16
@@ -133,6 +135,88 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     assert f"training finished at step {STEPS} (spec.trainer.totalSteps {STEPS})" in stderr
     assert "resuming from the checkpoint" not in stderr
     assert channel.versions() == list(range(STEPS + 1))
+
+
+@pytest.mark.slow
+def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_claim_window(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    """The trainer pod's life when its store fails it, each time restarted as its StatefulSet would:
+    1. the volume is full when step 2's checkpoint is written (its temporary file is /dev/full, as in
+       test_a_full_volume_fails_a_checkpoint_with_enospc...): one line naming the store, no traceback, the
+       channel still at version 1;
+    2. SIGKILLed INSIDE the claim window of version 3 (claims/v3, v3's files and manifest written, the
+       pointer at 2: tests/claim_window.py holds the pointer's lock so the kill lands there every time);
+    3. the restart resumes from the step-3 checkpoint, publishes version 3 again over its own claim (the
+       same publisher id and writer lease) and version 4, and exits 0.
+    Every version 0-4 is then the trainer's, complete, and every file of every view verifies."""
+    steps = 4
+    channel_dir = tmp_path / "channel"
+    checkpoints = channel_dir / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    router_port = free_port()
+    fleet_spec = FleetSpec(
+        groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")],
+        store=str(channel_dir), cache_dir=str(tmp_path / "cache"), model_path=str(tiny_qwen3_dir), seed=0,
+        router_port=router_port,
+    )
+    (tmp_path / "fleet.json").write_text(fleet_spec.to_json())
+    manifest = job_manifest(tmp_path, tiny_qwen3_dir, channel_dir, steps=steps)
+    channel = WeightChannel(FilesystemStore(channel_dir), publisher_id="test-observer")
+
+    def trainer() -> subprocess.Popen:
+        return subprocess.Popen(
+            [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run", "--config", str(manifest),
+             "--router-url", f"http://127.0.0.1:{router_port}", "--metrics-port", "0"],
+            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"}, start_new_session=True,
+        )  # fmt: skip
+
+    fleet = FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8))
+    runs: list[subprocess.Popen] = []
+    try:
+        (checkpoints / "ckpt-00000002.pt.tmp").symlink_to("/dev/full")
+        runs.append(trainer())
+        fleet.wait_ready()
+        _, full = runs[0].communicate(timeout=300)
+        assert runs[0].returncode == 3, full[-3000:]  # the full store's own exit code (trainer/failures.py)
+        said = [line for line in full.splitlines() if line.startswith("rlfleet trainer run: ")]
+        assert len(said) == 1 and str(channel_dir) in said[0] and "No space left on device" in said[0], full[-3000:]
+        assert "Traceback" not in full
+        assert channel.latest().version == 1  # type: ignore[union-attr]
+        # the failed write removed its temporary file (here: the link to /dev/full): room again
+        assert not (checkpoints / "ckpt-00000002.pt.tmp").is_symlink()
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt-00000001.pt", "latest"]
+
+        runs.append(trainer())
+        kill_inside_the_claim_window(runs[1], channel_dir, version=3)
+        killed = checkpoint.load_latest(checkpoints)
+        assert killed is not None and killed["step"] == 3  # the checkpoint of step 3 comes before version 3
+
+        runs.append(trainer())
+        _, resumed = runs[2].communicate(timeout=300)
+        assert runs[2].returncode == 0, resumed[-3000:]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.communicate()
+        fleet.stop()
+    assert "resuming from the checkpoint at step 3 " in resumed, resumed[-3000:]
+    assert "version 3: taking over the claim of this publisher of an interrupted publish" in resumed
+    assert channel.versions() == list(range(steps + 1))
+    pointer = channel.latest()
+    assert pointer is not None and pointer.version == steps and pointer.publisher.startswith("trainer/")
+    for version in range(steps + 1):
+        m = channel.manifest(version)
+        assert m.publisher == pointer.publisher and sorted(m.views) == ["bf16", "fp8"]
+        listed = {f"v{version}/{view}/{rel}" for view, vm in m.views.items() for rel in vm.files}
+        assert set(channel.store.list(f"v{version}/")) == listed | {manifest_key(version)}  # nothing else left
+        for view in m.views:
+            channel.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=m)  # verifies
+    final = checkpoint.load_latest(checkpoints)
+    assert final is not None and final["step"] == steps
+    assert [int(h["step"]) for h in final["history"]] == list(range(1, steps + 1))
 
 
 def _scrape(port: int, proc: subprocess.Popen) -> str | None:

@@ -20,7 +20,7 @@ import torch
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer import backend_megatron as bm
 from rlfleet.trainer import megatron_support as ms
-from rlfleet.trainer.backend_common import to_token_batch
+from rlfleet.trainer.backend_common import merge_loss_outputs, to_token_batch
 from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
 CFG = bm.MegatronModelConfig(vocab_size=32, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -125,12 +125,13 @@ def test_micro_batches_reassemble_the_batch_loss_and_metrics():
 
     @torch.no_grad()
     def out_of(fb):
-        logits = model(torch.from_numpy(fb.input_ids)).logits[torch.from_numpy(fb.row_seq), torch.from_numpy(fb.row_pos)]
-        return policy_loss(logits, to_token_batch(fb, gi), cfg)
+        hidden = model.model(torch.from_numpy(fb.input_ids)).last_hidden_state
+        rows = hidden[torch.from_numpy(fb.row_seq), torch.from_numpy(fb.row_pos)]
+        return policy_loss(rows, model.lm_head.weight, to_token_batch(fb, gi), cfg)
 
     whole = out_of(flat)
     parts = [out_of(bm.slice_batch(flat, np.array(s))) for s in ([0, 1], [2], [3])]
-    merged = bm.merge_loss_outputs(parts)
+    merged = merge_loss_outputs(parts)
     assert merged.num_valid_tokens == whole.num_valid_tokens == 12
     assert float(merged.loss) == pytest.approx(float(whole.loss), rel=1e-5)
     for key in ("kl_k3", "entropy", "oor_fraction"):
@@ -213,6 +214,8 @@ CHECKS = [
     "restore_then_step_equals_uninterrupted_all_ranks",
     "tp2_dp2_step_equals_single_process",
     "tp2_dp2_restore_then_step_equals_uninterrupted_all_ranks",
+    "token_budget_micro_batches_equal_one_micro_batch",
+    "activation_checkpointing_step_equals_plain",
 ]
 
 
@@ -256,7 +259,8 @@ def test_megatron_cpu_tier_thresholds_are_tight(megatron_cpu_tier):
         ranks = checks[name]["per_rank"]
         assert len(ranks) == (2 if name.startswith("restore") else 4)
         assert all(r["adam_moment_tensors"] > 0 and r["model_tensors_changed_by_restore"] > 0 for r in ranks)
-    assert checks["tp2_dp2_step_equals_single_process"]["num_valid_tokens"] == 24  # the whole batch, not a replica's half
+    assert checks["tp2_dp2_step_equals_single_process"]["num_valid_tokens"] == 28  # the whole batch, not a replica's half
+    assert checks["token_budget_micro_batches_equal_one_micro_batch"]["tokens"] == 41  # sum(RAGGED) - 7
     for name in CHECKS:
         if name.startswith("publish_version_0"):  # every linear of the 2 layers quantized, amax not degenerate
             check = checks[name]

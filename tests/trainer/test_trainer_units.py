@@ -406,6 +406,38 @@ def test_a_damaged_newest_checkpoint_is_refused_and_the_previous_one_resumes(tmp
     assert any("ckpt-00000002.pt" in r.getMessage() and "not loaded" in r.getMessage() for r in caplog.records)
 
 
+class _RunsACommand:
+    """Pickles as a call of os.system: what a writer of the store could put in a checkpoint."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_whose_pickle_calls_a_function_is_refused_not_run(tmp_path, caplog):
+    """Checkpoints are unpickled weights-only: a pickle naming os.system (written through save_checkpoint,
+    so its digest verifies: whoever can write the store can write `latest` too) is refused like a damaged
+    file and the previous checkpoint resumes; the command never runs. Alone, it is a CheckpointError."""
+    marker = tmp_path / "ran"
+    directory = tmp_path / "ckpts"
+    checkpoint.save_checkpoint(directory, {"step": 1, "w": torch.full((2,), 1.0)})
+    checkpoint.save_checkpoint(directory, {"step": 2, "w": _RunsACommand(marker)})
+    with caplog.at_level("WARNING", logger="rlfleet.trainer.checkpoint"):
+        state = checkpoint.load_latest(directory)
+    assert state["step"] == 1 and state["w"].tolist() == [1.0, 1.0]
+    assert not marker.exists()
+    assert any("ckpt-00000002.pt" in r.getMessage() and "unsupported GLOBAL posix.system" in r.getMessage()
+               for r in caplog.records)
+    (directory / "ckpt-00000001.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt-00000002.pt: refused to unpickle .*posix.system"):
+        checkpoint.load_latest(directory)
+    assert not marker.exists()
+
+
 def test_no_loadable_checkpoint_fails_naming_each_reason(tmp_path):
     for step in (1, 2):
         checkpoint.save_checkpoint(tmp_path, {"step": step, "w": torch.zeros(2)})
@@ -541,3 +573,29 @@ def test_build_backend_trains_an_hf_checkpoint_source_with_the_hf_backend(tmp_pa
     assert set(on_disk) <= set(weights)
     for name, tensor in on_disk.items():
         assert torch.equal(weights[name], tensor.float()), name
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_activation_checkpointing_from_the_manifest_reaches_both_backends(tmp_path, on):
+    """RLJob trainer.activationCheckpointing -> resolve_run -> build_backend: the hf backend's model has
+    transformers' gradient checkpointing on (off by default), and the megatron model config built from
+    the same run asks for the recompute."""
+    import yaml
+
+    from rlfleet.api import load_rljob
+    from rlfleet.tiny_qwen3 import build_tiny_qwen3
+    from rlfleet.trainer.config import resolve_run
+    from rlfleet.trainer.run import build_backend, megatron_model_config
+
+    manifest = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml").read_text())
+    if on:
+        manifest["spec"]["trainer"]["activationCheckpointing"] = True
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    rc = resolve_run(load_rljob(tmp_path / "job.yaml"), local=True)
+    assert rc.activation_checkpointing is on
+
+    source = build_tiny_qwen3(tmp_path / "qwen3")
+    base = build_backend(rc, backend="torch", source_dir=source, device="cpu")
+    assert base.backend.model.is_gradient_checkpointing is on
+    cfg = megatron_model_config(rc, json.loads((source / "config.json").read_text()), device="cpu")
+    assert cfg.activation_checkpointing is on

@@ -30,6 +30,18 @@ def rlfleet(*args: str, log: Path) -> subprocess.Popen[bytes]:
     )
 
 
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process, then wait for each (SIGKILL after 15 s): the fixtures' one teardown."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def wait_port(port_file: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -120,14 +132,7 @@ def fleet(tmp_path: Path, tiny_qwen3_dir: Path) -> Iterator[tuple[Path, dict[str
             sidecars[group] = f"http://127.0.0.1:{wait_port(port_file, proc, log)}"
         yield store_dir, servers, sidecars
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs)
 
 
 @pytest.mark.slow

@@ -215,3 +215,55 @@ def test_a_restarted_trainer_takes_over_its_own_claim_of_an_interrupted_publish(
     listed = {f"v1/bf16/{rel}" for rel in manifest.views["bf16"].files}
     assert set(store.list("v1/")) == listed | {"v1/manifest.json"}  # nothing of the killed publish left
     channel.download_view(1, "bf16", tmp_path / "dl")  # every file verifies
+
+
+@pytest.mark.parametrize("conditional", [True, False], ids=["s3-conditional", "s3-lock-free"])
+def test_s3_failing_mid_publish_then_the_restarted_trainer_publishes_on(
+    s3_endpoint: str, s3_bucket: str, tmp_path: Path, tiny_qwen3_dir: Path, conditional: bool
+) -> None:
+    """S3 answers 503 SlowDown to every upload of version 2's fp8 view (an outage that outlasts boto's
+    retries, after the claim and after the bf16 view landed): the trainer's publish fails with
+    StoreUnavailableError, the pointer stays at 1 and claims/v2 holds the trainer's id. The restarted
+    trainer (the same id: a new generation of its writer lease) publishes version 2 over its own claim,
+    then version 3: each version complete, nothing of the failed publish left, every file verifies."""
+    from s3_fault_proxy import S3FaultProxy
+
+    from rlfleet.channel import manifest_key
+    from rlfleet.store import S3Store, StoreUnavailableError
+
+    proxy = S3FaultProxy(int(s3_endpoint.rsplit(":", 1)[1]))
+    trainer_id = "trainer/ns/job"
+
+    def trainer() -> WeightPublisher:
+        store = S3Store(s3_bucket, "channel", endpoint_url=proxy.url, conditional_writes=conditional)
+        return WeightPublisher(store, views=["bf16", "fp8"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
+                               publisher_id=trainer_id, writer_lease_ttl_seconds=300.0)  # fmt: skip
+
+    observer = WeightChannel(S3Store(s3_bucket, "channel", endpoint_url=s3_endpoint, conditional_writes=conditional))
+    try:
+        first = trainer()
+        for version in (0, 1):
+            first.publish(tiny_state(version), version=version)
+        with proxy.failing("PUT", r"/channel/v2/fp8/"), pytest.raises(StoreUnavailableError, match="SlowDown"):
+            first.publish(tiny_state(2), version=2)
+        first.close()
+        assert len(proxy.failed) >= 3, proxy.failed  # boto retried (standard mode, 3 attempts) before giving up
+        assert observer.latest().version == 1  # type: ignore[union-attr]
+        assert observer.store.get("claims/v2") == trainer_id.encode()
+        assert any(key.startswith("v2/bf16/") for key in observer.store.list("v2/"))  # a partial version
+        restarted = trainer()
+        try:
+            assert restarted.publish(tiny_state(2), version=2).advanced
+            assert restarted.publish(tiny_state(3), version=3).advanced
+        finally:
+            restarted.close()
+    finally:
+        proxy.close()
+    assert observer.versions() == [0, 1, 2, 3] and observer.latest().version == 3  # type: ignore[union-attr]
+    for version in range(4):
+        manifest = observer.manifest(version)
+        assert manifest.publisher == trainer_id and sorted(manifest.views) == ["bf16", "fp8"]
+        listed = {f"v{version}/{view}/{rel}" for view, vm in manifest.views.items() for rel in vm.files}
+        assert set(observer.store.list(f"v{version}/")) == listed | {manifest_key(version)}
+        for view in manifest.views:
+            observer.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)

@@ -58,6 +58,7 @@ import torch
 from rlfleet.channel import SubscriberReport, WeightChannel
 from rlfleet.numerics.views import calibrate_activation_amax, checkpoint_tensors, save_view
 from rlfleet.store import FileDigest, FilesystemStore
+from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import WeightPublisher
 
 with warnings.catch_warnings():
@@ -123,19 +124,14 @@ def build_tokenizer(directory: Path) -> None:
 
 
 def build_model(kind: str, seed: int) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     if kind == "dense":
         return Qwen3ForCausalLM(Qwen3Config(**COMMON)).eval()
-    config = Qwen3MoeConfig(
-        **COMMON,
-        moe_intermediate_size=MOE_INTER,
-        num_experts=EXPERTS,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-    )
-    return Qwen3MoeForCausalLM(config).eval()
+    # the project's tiny Qwen3-MoE (rlfleet/tiny_qwen3.py: MOE_SIZES, its seeded init) at this file's sizes
+    moe = TinyQwen3(architecture="qwen3_moe", moe_intermediate_size=MOE_INTER, num_experts=EXPERTS, seed=seed, **COMMON)
+    return tiny_model(moe)
 
 
 @dataclass

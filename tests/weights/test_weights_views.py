@@ -193,16 +193,6 @@ def test_bad_input(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ calibration
-def _moe_model() -> torch.nn.Module:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=48, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True)
-    return Qwen3MoeForCausalLM(config).eval()
-
-
 @pytest.mark.parametrize("kind", ["dense_tied", "moe_tied"])
 def test_calibrate_weights_is_the_amax_of_the_model_they_make(kind: str, tmp_path: Path) -> None:
     """`calibrate_weights` (what the publisher calibrates nvfp4's input_scale with, for any backend)
@@ -210,7 +200,8 @@ def test_calibrate_weights_is_the_amax_of_the_model_they_make(kind: str, tmp_pat
     batch, exactly: for every linear and every MoE expert, with in-memory (fused experts) and
     checkpoint names, lm_head absent from tied weights (as both backends export them), and a base
     whose config.json carries a quantization_config (an nvfp4 view as model source)."""
-    model = _moe_model() if kind == "moe_tied" else tiny_model(TinyQwen3(seed=5, tie_word_embeddings=True))
+    architecture = "qwen3_moe" if kind == "moe_tied" else "qwen3"
+    model = tiny_model(TinyQwen3(architecture=architecture, seed=5, tie_word_embeddings=True))
     model.save_pretrained(tmp_path / "base")
     vocab = model.config.vocab_size
     expected = calibrate_activation_amax(model, [torch.arange(32).reshape(2, 16) % vocab])

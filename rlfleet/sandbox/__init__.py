@@ -1,0 +1,67 @@
+"""Sandboxes: where an agent's commands run (the SWE environment, trainer/swe_env.py).
+
+One small interface, `Sandbox`, and its backends. A sandbox starts from a repository snapshot
+(files), runs commands with a timeout, reads and writes files, reports the diff against the
+snapshot, and is closed at the end of its episode (nothing of it may outlive the episode).
+File reads and writes go through the sandbox itself, never through the host's view of its work
+dir: a path the agent made a symlink must resolve inside the sandbox, not on the host.
+
+Backends: `LocalSandbox` (rlfleet/sandbox/local.py: bubblewrap process trees on this machine).
+docs/environments.md 'Sandboxes' says what each isolates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class SandboxUnavailable(RuntimeError):
+    """The backend cannot run here (a missing tool, a kernel without namespaces): one line, the fix."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per command. cpu_seconds / memory_bytes / file_bytes / processes are each process's rlimits
+    (RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC: the last counts the sandbox's own uid);
+    a command longer than its timeout (at most max_timeout_s) is killed with its whole tree."""
+
+    cpu_seconds: int = 60
+    memory_bytes: int = 1 << 30
+    file_bytes: int = 64 << 20
+    processes: int = 64
+    open_files: int = 256
+    max_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_code: int  # the command's status; -9 when the timeout killed it
+    output: str  # stdout and stderr, interleaved as written (decoded as UTF-8, errors replaced)
+    timed_out: bool
+    seconds: float
+
+
+class Sandbox(Protocol):
+    """One isolated work dir and the commands run in it."""
+
+    def run(self, command: str, timeout_s: float, stdin: bytes = b"") -> CommandResult:
+        """`command` through `sh -c` in the repository's root."""
+        ...
+
+    def read_file(self, path: str) -> str: ...
+
+    def write_file(self, path: str, content: str) -> None: ...
+
+    def diff(self) -> str:
+        """A `git apply`-able diff of the work dir against the snapshot (new files included)."""
+        ...
+
+    def close(self) -> None:
+        """Kill everything the sandbox started and remove its work dir (idempotent)."""
+        ...
+
+    @property
+    def seconds(self) -> float:
+        """Wall time spent in the sandbox's commands so far."""
+        ...

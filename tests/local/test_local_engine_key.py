@@ -1,0 +1,88 @@
+"""Local mode closes its engine API with a key, as a cluster does (issue 32, the engine API;
+docs/local.md, "The engine API"): during a real `rlfleet run --local`, any other local process that
+calls an engine's /update_weights_from_disk or the router's /generate on 127.0.0.1 without the run's key,
+or with a wrong one, gets 401; the key lives only in the fleet host's environment (not on a command
+line, not in a file of the run directory, not in the run's output), and the run completes, its engines
+loading the trainer's later versions through the sync loops, which present it."""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_local_run import fleet_hosts, small_manifest, start_until_step  # the local tests' one copy
+
+STEPS = 4
+
+
+def host_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if item)
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+def serving_urls(log: Path) -> tuple[str, dict[str, str]]:
+    """The router's and the servers' URLs, as the fleet host logs them once it serves."""
+    found = re.search(r"serving: router (\S+), servers (\{[^}]*\}) \(closed with the run's key\)", log.read_text())
+    assert found is not None, log.read_text()[-3000:]
+    return found.group(1), ast.literal_eval(found.group(2))
+
+
+@pytest.mark.slow
+def test_a_local_run_refuses_engine_and_router_calls_without_its_key(tmp_path: Path) -> None:
+    manifest = small_manifest(tmp_path)
+    out = tmp_path / "run"
+    proc, lines = start_until_step(tmp_path, manifest, out, STEPS)
+    try:
+        hosts = fleet_hosts(out / "fleet.json")
+        assert len(hosts) == 1, "".join(lines)
+        key = host_environ(hosts[0]).get("RLFLEET_API_KEY", "")
+        assert len(key) == 43, "the host has no key of secrets.token_urlsafe(32)"  # 32 bytes, base64url
+        assert key not in cmdline(hosts[0]) and key not in cmdline(proc.pid)
+        router, servers = serving_urls(out / "fleet.log")
+        assert sorted(servers) == ["b200-nvfp4", "h100-bf16"]
+
+        generate = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
+        update = {"model_path": str(out / "channel" / "v0" / "bf16"), "weight_version": "1000000"}
+        for auth in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": key}):  # none, wrong, no scheme
+            answer = httpx.post(router + "/generate", json=generate, headers=auth, timeout=30)
+            assert answer.status_code == 401, (auth, answer.text)
+            for url in servers.values():
+                answer = httpx.post(url + "/update_weights_from_disk", json=update, headers=auth, timeout=30)
+                assert answer.status_code == 401, (url, auth, answer.text)
+                assert httpx.post(url + "/generate", json=generate, headers=auth, timeout=30).status_code == 401
+        # the key opens them: the router generates, and every engine comes to serve the trainer's version 1,
+        # which only its sync loop (presenting the key) can have loaded
+        with_key = {"Authorization": f"Bearer {key}"}
+        answer = httpx.post(router + "/generate", json=generate, headers=with_key, timeout=30)
+        assert answer.status_code == 200, answer.text
+        deadline = time.monotonic() + 60
+        pending = dict(servers)
+        while pending:
+            for name, url in list(pending.items()):
+                info = httpx.get(url + "/model_info", headers=with_key, timeout=30)
+                assert info.status_code == 200, info.text
+                if int(info.json()["weight_version"]) >= 1:
+                    pending.pop(name)
+            assert time.monotonic() < deadline, f"{sorted(pending)} never served version 1"
+            time.sleep(0.2)
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    output = "".join(lines) + rest
+    assert proc.returncode == 0, output[-3000:]
+    assert f"step {STEPS}/{STEPS} " in output and key not in output
+    assert fleet_hosts(out / "fleet.json") == []
+    # the refused load changed nothing: no engine ever served the foreign version
+    assert "-> version 1000000" not in (out / "fleet.log").read_text()
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert written and not [p for p in written if key.encode() in p.read_bytes()]

@@ -1,0 +1,295 @@
+"""The SWE environment and its local sandbox, for real: bubblewrap process trees (installed here
+as root, like tests/cluster/realnode.py installs its Debian packages; skipped naming why elsewhere),
+the shipped tasks, and scripted policies through the rollout driver's episode loop
+(`rlfleet env try`). The correct policy earns 1 on every shipped task; a wrong patch, a patch that
+edits the tests, a fork bomb, an endless loop and a network call earn 0 with their reason, and the
+host is untouched: no process of a sandbox's uid is left, no work dir remains, nothing outside
+the work dir was written."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox.local import UID_BASE, LocalSandbox
+from rlfleet.trainer.env_try import ScriptedSampler, byte_chat_tokenizer, try_episodes
+from rlfleet.trainer.environments import load_environment
+from rlfleet.trainer.prompts import DatasetPromptSource
+from rlfleet.trainer.swe_env import (
+    NO_TOOL_MESSAGE,
+    OUTPUT_HEAD_CHARS,
+    SweEnv,
+    SweTask,
+    load_tasks,
+    truncate_output,
+)
+from rlfleet.trainer.swe_tasks import SHIPPED, build, tool_call
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = REPO / "examples" / "swe" / "tasks.jsonl"
+SOLUTIONS = REPO / "examples" / "swe" / "solutions.jsonl"
+
+
+@pytest.fixture(scope="module")
+def bwrap() -> None:
+    if shutil.which("bwrap") is None:
+        if os.geteuid() != 0:
+            pytest.skip("bubblewrap (bwrap) is not installed and we are not root to apt-get install it")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", "bubblewrap"]):
+            result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            assert result.returncode == 0, f"{' '.join(cmd)}: {result.stderr[-2000:]}"
+    try:  # bwrap present, but namespaces refused (unprivileged user namespaces off, a locked-down VM)
+        LocalSandbox({}).close()
+    except SandboxUnavailable as exc:
+        if os.geteuid() == 0:
+            raise  # CI runs as root, where the sandbox must work
+        pytest.skip(str(exc))
+
+
+def sandbox_uid_processes() -> list[str]:
+    """Live processes of any sandbox uid. A zombie (state Z) is dead: bwrap's inner process, once
+    reparented to this VM's init, waits there to be reaped."""
+    out = subprocess.run(["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if int(line.split()[0]) >= UID_BASE and not line.split()[2].startswith("Z")]
+
+
+def work_dirs() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("rlfleet-sandbox-*")}
+
+
+def run_policy(replies: list[str], grade_timeout_s: float = 60.0, limits: SandboxLimits | None = None) -> dict:
+    """One episode of the first shipped task (stats-mean) with these replies."""
+    tok = byte_chat_tokenizer()
+    env = SweEnv(tok, max_turns=10, grade_timeout_s=grade_timeout_s, limits=limits)
+    task = SHIPPED[0][0]
+    [line] = try_episodes(env, [env.prompt(task)], ScriptedSampler(tok, {0: replies}))
+    return line
+
+
+def test_shipped_tasks_are_what_the_script_builds(tmp_path) -> None:
+    tasks, solutions = build(tmp_path)
+    assert tasks.read_bytes() == TASKS.read_bytes(), "examples/swe/tasks.jsonl is stale: scripts/build-swe-tasks"
+    assert solutions.read_bytes() == SOLUTIONS.read_bytes()
+    loaded = load_tasks(TASKS)
+    assert [t.instance_id for t in loaded] == ["stats-mean", "text-slugify", "intervals-touching", "stack-empty-pop"]
+    assert all("tests/test_hidden.py" not in t.files and t.hidden_tests for t in loaded)
+
+
+def test_a_task_file_error_names_the_line(tmp_path) -> None:
+    bad = tmp_path / "tasks.jsonl"
+    bad.write_text(TASKS.read_text().splitlines()[0] + "\n" + json.dumps({"instance_id": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"tasks.jsonl:2: an SWE task needs \['statement'"):
+        load_tasks(bad)
+
+
+def test_output_truncation_rule() -> None:
+    text = "a" * OUTPUT_HEAD_CHARS + "b" * 10 + "c" * 4_000
+    cut = truncate_output(text)
+    assert cut.startswith("a" * OUTPUT_HEAD_CHARS + "\n[... 10 characters omitted ...]\n")
+    assert cut.endswith("c" * 4_000) and "b" not in cut
+    assert truncate_output("short") == "short"
+
+
+def test_missing_bwrap_is_refused_with_the_fix(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: no bwrap on it
+    with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
+        LocalSandbox({"a.py": "x = 1\n"})
+
+
+def test_sandbox_isolation_and_cleanup(bwrap, tmp_path) -> None:
+    secret = tmp_path / "host-secret"
+    secret.write_text("host only\n")
+    before = work_dirs()
+    box = LocalSandbox({"pkg/a.py": "x = 1\n"}, SandboxLimits(processes=32, memory_bytes=512 << 20))
+    root = box.root
+    try:
+        ro = box.run("echo x > /etc/rlfleet-x; touch /usr/rlfleet-x; echo y > " + str(secret), 10)
+        assert "Read-only file system" in ro.output and ro.exit_code != 0
+        assert not Path("/etc/rlfleet-x").exists() and not Path("/usr/rlfleet-x").exists()
+        assert secret.read_text() == "host only\n"
+        box.run(f"ln -s {secret} link", 10)
+        with pytest.raises(FileNotFoundError):  # resolved inside the sandbox, where the host path is absent
+            box.read_file("link")
+        net = box.run("python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=3)'", 10)
+        assert net.exit_code != 0 and "Network is unreachable" in net.output
+        bomb = box.run("python3 -c 'import os\nwhile True: os.fork()'", 20)
+        assert not bomb.timed_out and "Resource temporarily unavailable" in bomb.output
+        loop = box.run("while :; do :; done", 1.5)
+        assert loop.timed_out and loop.exit_code == -9 and loop.seconds < 10
+        memory = box.run("python3 -c 'b = bytearray(1 << 30)'", 10)
+        assert "MemoryError" in memory.output
+        assert box.run("sleep 300 & echo started", 10).output == "started\n"  # returns: the tree is gone
+        box.write_file("pkg/b.py", "y = 2\n")
+        assert box.read_file("pkg/b.py") == "y = 2\n"
+        diff = box.diff()
+        assert "diff --git a/pkg/b.py b/pkg/b.py" in diff and "link" in diff
+    finally:
+        box.close()
+    assert not root.exists() and work_dirs() == before
+    if os.geteuid() == 0:
+        assert box.uid is not None and not [p for p in sandbox_uid_processes() if p.split()[0] == str(box.uid)]
+
+
+def test_cli_scripted_correct_policy_earns_1_on_every_shipped_task(bwrap) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe",
+         "--tasks", str(TASKS), "--policy", str(SOLUTIONS)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(x["task"], x["reward"], x["turns"], x["reason"]) for x in lines] == [
+        (t.instance_id, 1.0, 3, "the hidden tests passed") for t, _ in SHIPPED
+    ]
+    assert all(x["tool_calls"] == 3 and x["format_errors"] == 0 and x["sandbox_seconds"] > 0 for x in lines)
+
+
+def _patch(new: str) -> list[str]:
+    """Replace stats.mean's body with `new`, then submit."""
+    return [tool_call("edit", path="stats/__init__.py", old="    return sum(values) / (len(values) - 1)\n", new=new),
+            tool_call("submit")]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("replies", "reason"),
+    [
+        pytest.param(_patch("    return sum(values) / len(values) + 1\n"),
+                     "the hidden tests failed (exit 1)", id="wrong-patch"),
+        pytest.param([tool_call("write", path="tests/test_hidden.py", content="import unittest\n"),
+                      tool_call("edit", path="stats/__init__.py", old="(len(values) - 1)", new="len(values)"),
+                      tool_call("submit")],
+                     "the patch edits tests: tests/test_hidden.py", id="edits-tests"),
+        pytest.param([tool_call("bash", command="f(){ f|f& }; f; echo bomb", timeout=10),
+                      *_patch("    import os\n    while True:\n        os.fork()\n")],
+                     "the hidden tests", id="fork-bomb"),
+        pytest.param([tool_call("bash", command="while :; do :; done", timeout=2),
+                      *_patch("    while True:\n        pass\n")],
+                     "the hidden tests timed out after 5 s", id="endless-loop"),
+        pytest.param(_patch("    import urllib.request\n    urllib.request.urlopen('http://1.1.1.1', timeout=5)\n"
+                            "    return sum(values) / len(values)\n"),
+                     "Network is unreachable", id="network-call"),
+    ],
+)  # fmt: skip
+def test_bad_policies_earn_0_with_the_reason_and_leave_the_host_untouched(bwrap, replies, reason, tmp_path) -> None:
+    sentinel = tmp_path / "escaped"
+    before = work_dirs()
+    # every episode also tries to write outside its sandbox (a host path it cannot see)
+    line = run_policy([tool_call("bash", command=f"echo x > {sentinel}; echo x > /etc/escaped"), *replies],
+                      grade_timeout_s=5, limits=SandboxLimits(processes=32))  # fmt: skip
+    assert line["reward"] == 0.0
+    assert reason in line["reason"], line
+    assert line["turns"] == len(replies) + 1 and line["tool_calls"] == len(replies) + 1
+    assert not sentinel.exists() and not Path("/etc/escaped").exists()
+    assert work_dirs() == before
+    if os.geteuid() == 0:
+        assert sandbox_uid_processes() == []
+
+
+def test_three_replies_without_a_tool_call_end_the_episode(bwrap) -> None:
+    replies = ["I will think first.", "", "<tool_call>{not json</tool_call>", "Still thinking.", "", ""]
+    line = run_policy(replies)
+    assert line == {
+        "task": "stats-mean", "reward": 0.0, "turns": 6, "reason": "3 replies in a row without a tool call",
+        "tool_calls": 1, "format_errors": 1, "empty_replies": 3, "no_tool_call_end": True,
+        "sandbox_seconds": line["sandbox_seconds"],
+    }  # fmt: skip
+
+
+def test_tool_results_are_appended_as_tool_messages(bwrap) -> None:
+    """Token in, token out: the ids after a model turn are the chat template's tool message for the
+    tool's result, then the next assistant prompt; the model's ids are never re-rendered."""
+    tok = byte_chat_tokenizer()
+    env = SweEnv(tok, max_turns=5)
+    prompt = env.prompt(SHIPPED[0][0])
+    assert tok.decode(prompt.input_ids).startswith("<|im_start|>system\nYou fix bugs")
+    state = env.start(prompt)
+    try:
+        out = [*tok.encode(tool_call("bash", command="printf hi; exit 3"), add_special_tokens=False),
+               env.turns.end_of_turn_id]  # fmt: skip
+        step = env.step(prompt, state, out, "stop")
+        assert not step.done and step.tool_call and not step.format_error
+        assert tok.decode(step.append_ids) == "\n<|im_start|>tool\nexit code 3\nhi<|im_end|>\n<|im_start|>assistant\n"
+        no_call = env.step(prompt, state, [*tok.encode("hmm", add_special_tokens=False)], "length")
+        assert not no_call.done and not no_call.tool_call
+        assert no_call.append_ids[0] == env.turns.end_of_turn_id  # a turn cut by the budget is closed first
+        assert NO_TOOL_MESSAGE in tok.decode(no_call.append_ids)
+    finally:
+        outcome = env.score(prompt, state, [out])
+    assert outcome.details["reason"] == "the episode ended without submit()" and outcome.reward == 0.0
+    assert state["episode"].sandbox is None  # score closed the working sandbox
+
+
+def test_a_dropped_sandbox_is_cleaned_up(bwrap) -> None:
+    """An episode lost without close() (a failed turn): its sandbox's dir goes with the object."""
+    box = LocalSandbox({"a.py": "x = 1\n"})
+    root = box.root
+    assert box.run("sleep 300 & echo ok", 10).output == "ok\n"
+    del box
+    gc.collect()
+    assert not root.exists()
+
+
+def test_the_task_file_is_a_prompt_set_for_the_environment() -> None:
+    """What a run's `rollout.dataset` + `rollout.environment: rlfleet.trainer.swe_env:SweEnv` give:
+    the prompt source renders `messages` as SweEnv.prompt does and the rest is the task."""
+    tok = byte_chat_tokenizer()
+    env = load_environment("rlfleet.trainer.swe_env:SweEnv", tokenizer=tok)
+    assert isinstance(env, SweEnv) and env.stop_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    source = DatasetPromptSource(TASKS, tokenizer=tok, shuffle=False)
+    for i, (task, _) in enumerate(SHIPPED):
+        prompt = source.get(i)
+        assert prompt.input_ids == env.prompt(task).input_ids
+        assert SweTask.from_row(prompt.meta) == task
+
+
+def test_a_killed_trainer_leaves_no_sandbox_process(bwrap, tmp_path) -> None:
+    """SIGKILL the process that holds a sandbox while a command runs in it: bwrap's
+    --die-with-parent takes the command's whole tree down (its work dir stays: nothing ran to remove it)."""
+    marker = "rlfleet-killed-trainer-marker"
+    script = tmp_path / "holder.py"
+    script.write_text(
+        "import sys\nfrom rlfleet.sandbox.local import LocalSandbox\n"
+        "box = LocalSandbox({'a.py': ''})\nprint(box.root, flush=True)\n"
+        f"box.run('sleep 300 & exec sleep 301 # {marker}', 600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        root = Path(holder.stdout.readline().strip())  # type: ignore[union-attr]
+        deadline = 50
+        while deadline and not [p for p in sandbox_processes() if "sleep 301" in p]:
+            subprocess.run(["sleep", "0.1"], check=True)
+            deadline -= 1
+        assert [p for p in sandbox_processes() if "sleep 301" in p], "the sandboxed command never started"
+    finally:
+        holder.kill()
+        holder.wait()
+    for _ in range(50):
+        if not [p for p in sandbox_processes() if "sleep 30" in p]:
+            break
+        subprocess.run(["sleep", "0.1"], check=True)
+    assert not [p for p in sandbox_processes() if "sleep 30" in p]
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def sandbox_processes() -> list[str]:
+    """Live processes with a sandbox's uid as root, else every live process (non-root runs keep their uid)."""
+    if os.geteuid() == 0:
+        return sandbox_uid_processes()
+    out = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if not line.startswith("Z")]
+
+
+def test_max_turns_without_submit_scores_0_and_closes_the_sandbox(bwrap) -> None:
+    line = run_policy([tool_call("bash", command="true")] * 10)  # run_policy's env: max_turns 10
+    assert (line["reward"], line["turns"], line["tool_calls"]) == (0.0, 10, 10)
+    assert line["reason"] == "max_turns (10) reached without submit()"
