@@ -147,7 +147,8 @@ def build_trainer_statefulset(
         "image": t.image,
         "imagePullPolicy": job.spec.sampler_images.pull_policy,
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
-        "command": ["torchrun"],
+        # torchrun, but the container exits with the failed rank's code (trainer/launch.py)
+        "command": ["rlfleet", "trainer", "launch"],
         "args": [
             "--nnodes=$(NNODES)",
             "--nproc-per-node=$(NPROC_PER_NODE)",

@@ -27,6 +27,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("sampler", "sync"): ("rlfleet.sampler.sync", "weight-sync sidecar: reconcile an engine to the channel"),
     ("router", "serve"): ("rlfleet.router.service", "serve the session-affine weighted router"),
     ("trainer", "run"): ("rlfleet.trainer.entrypoint", "trainer pod entrypoint (rank 0 drives rollouts)"),
+    ("trainer", "launch"): ("rlfleet.trainer.launch", "torchrun, exiting with the failed rank's own code (the trainer pod's command)"),
     ("env", "try"): ("rlfleet.trainer.env_try", "run an environment's episodes with a scripted policy (JSON lines)"),
     ("fleet", "plan"): ("rlfleet.fleet", "replicas and shares per group at the least cost per usable token (JSON)"),
 }

@@ -504,6 +504,7 @@ def test_a_full_store_volume_stops_publishing_with_a_clear_reason_and_names_noth
         assert "No space left on device" in why and status["phase"] == "Degraded", status
         assert status["reason"] == "CrashLoopBackOff" and "it said: rlfleet trainer run: the weight store" in why
         assert "Fix: free space on its volume or grow it" in why, why
+        assert "code 3;" in why, why  # the store-full class's own exit code (rlfleet trainer launch), not 1
         latest = fleet.latest_version()
         assert latest is not None
         channel = WeightChannel(FilesystemStore(store))

@@ -161,7 +161,7 @@ def test_trainer_statefulset_torchrun_gpus_and_b200_affinity(job: RLJob) -> None
     assert env["MASTER_ADDR"] == f"reference-fleet-trainer-0.reference-fleet-trainer.{NS}.svc"
     assert env["NNODES"] == "1" and env["NPROC_PER_NODE"] == "8" and env["MASTER_PORT"] == "29500"
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
-    assert c["command"] == ["torchrun"] and "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in c["args"]
+    assert c["command"] == ["rlfleet", "trainer", "launch"] and "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in c["args"]
     assert c["args"][-6:] == [
         "-m",
         "rlfleet.cli",

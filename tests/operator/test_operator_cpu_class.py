@@ -124,7 +124,7 @@ def test_cpu_trainer_statefulset_runs_ranks_on_cpu_without_a_gpu(job: RLJob) -> 
     env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert env["NPROC_PER_NODE"] == "2" and env["NNODES"] == "1"
     assert env["RLFLEET_TRAINER_DEVICE"] == "cpu"
-    assert trainer["command"] == ["torchrun"] and "--nproc-per-node=$(NPROC_PER_NODE)" in trainer["args"]
+    assert trainer["command"] == ["rlfleet", "trainer", "launch"] and "--nproc-per-node=$(NPROC_PER_NODE)" in trainer["args"]
     assert trainer["resources"] == CATALOG.get("cpu").trainer_resources
     assert trainer["image"] == "ghcr.io/rlfleet/trainer:0.1.0-cpu"
     # the resolved config the trainer reads still says what the user wrote

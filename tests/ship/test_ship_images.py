@@ -201,17 +201,20 @@ def test_every_container_the_operator_builds_runs_a_command_its_image_has() -> N
     for image, name, argv in _container_commands():
         kind = next(k for k, repo in repository_of.items() if image.startswith(repo + ":"))
         seen.add((kind, argv[0]))
-        if argv[0] == "rlfleet" or (argv[0] == "torchrun" and "rlfleet.cli" in argv):
-            words = argv[1:] if argv[0] == "rlfleet" else argv[argv.index("rlfleet.cli") + 1 :]
+        # `rlfleet trainer launch` is torchrun (trainer/launch.py, from the NGC PyTorch base's torch): its
+        # ranks run `-m rlfleet.cli <subcommand>`, checked as the container's own command is
+        commands = [argv[1:]] if argv[0] == "rlfleet" else []
+        if argv[:3] == ["rlfleet", "trainer", "launch"]:
+            assert kind == "trainer" and resolved_bases(IMAGES["trainer"])[0].startswith("nvcr.io/nvidia/pytorch:")
+            assert "rlfleet.cli" in argv
+            commands.append(argv[argv.index("rlfleet.cli") + 1 :])
+        for words in commands:
             matches = [w for w in COMMANDS if tuple(words[: len(w)]) == w]
             assert matches, f"{name}: {argv} is no rlfleet subcommand"
             assert find_spec(COMMANDS[max(matches, key=len)][0]) is not None, argv
-        if argv[0] == "torchrun":
-            assert kind == "trainer" and resolved_bases(IMAGES["trainer"])[0].startswith("nvcr.io/nvidia/pytorch:")
-            assert "rlfleet.cli" in argv
         if argv[:3] == ["python3", "-m", "sglang.launch_server"]:
             assert kind == "sampler" and resolved_bases(IMAGES["sampler"]) == ["lmsysorg/sglang:v0.5.23-cu130"]
-    assert {("sampler", "python3"), ("sampler", "rlfleet"), ("trainer", "torchrun"), ("operator", "rlfleet")} <= seen
+    assert {("sampler", "python3"), ("sampler", "rlfleet"), ("trainer", "rlfleet"), ("operator", "rlfleet")} <= seen
     # the SGLang wrapper's /bin/sh exists in the SGLang base (Ubuntu) and is what the pods run
     sampler_pods = [w["spec"]["template"]["spec"] for w in _example_workloads() if "sglang" in
                     {c["name"] for c in w["spec"]["template"]["spec"]["containers"]}]  # fmt: skip

@@ -106,8 +106,8 @@ def run_trainer_pod(example: str, python: str, tmp: Path) -> tuple[subprocess.Co
             return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
 
         args = [expand(a).replace(f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}", str(config_path)) for a in container["args"]]
-        assert container["command"] == ["torchrun"]
-        argv = [python, "-m", "torch.distributed.run", *args, "--metrics-port", str(free_port())]
+        assert container["command"] == ["rlfleet", "trainer", "launch"]  # torchrun (trainer/launch.py)
+        argv = [python, "-m", "rlfleet.cli", "trainer", "launch", *args, "--metrics-port", str(free_port())]
         done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
     finally:
         fleet.stdin.close()  # type: ignore[union-attr]  (EOF stops the fleet host)

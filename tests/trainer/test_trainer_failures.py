@@ -30,16 +30,22 @@ from rlfleet.trainer.rollout import RolloutStallError
 PREFIX = "rlfleet trainer run: "
 
 
-def _trainer(tmp_path: Path, base: Path, channel: Path, store: dict | None = None) -> subprocess.Popen:
-    """The entrypoint on the job of test_trainer_entrypoint.py, its store `store` when given."""
+def _trainer(
+    tmp_path: Path, base: Path, channel: Path, store: dict | None = None, launched: bool = False
+) -> subprocess.Popen:
+    """The entrypoint on the job of test_trainer_entrypoint.py, its store `store` when given; `launched`:
+    as the trainer pod runs it, one rank under `rlfleet trainer launch` (torchrun, trainer/launch.py)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     manifest = job_manifest(tmp_path, base, channel)
     if store is not None:
         doc = yaml.safe_load(manifest.read_text())
         doc["spec"]["weightChannel"]["store"] = store
         manifest.write_text(yaml.safe_dump(doc))
+    rlfleet = str(Path(sys.executable).with_name("rlfleet"))
+    command = [rlfleet, "trainer", "launch", "--standalone", "--nproc-per-node=1", "--monitor-interval=0.1",
+               "-m", "rlfleet.cli"] if launched else [rlfleet]  # fmt: skip
     return subprocess.Popen(
-        [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run", "--config", str(manifest),
+        [*command, "trainer", "run", "--config", str(manifest),
          "--router-url", "http://127.0.0.1:9", "--metrics-port", "0"],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "RLFLEET_LOG_LEVEL": "WARNING", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"},
@@ -76,7 +82,9 @@ def test_entrypoint_store_failures_are_one_line_with_their_own_exit_code(tmp_pat
 
     runs = {"unreachable": _trainer(tmp_path / "unreachable", tiny_qwen3_dir, tmp_path, store=s3),
             "damaged": _trainer(tmp_path / "damaged", tiny_qwen3_dir, damaged),
-            "taken": _trainer(tmp_path / "taken", tiny_qwen3_dir, taken)}  # fmt: skip
+            "taken": _trainer(tmp_path / "taken", tiny_qwen3_dir, taken),
+            # the pod's command: the rank's code is the container's (torchrun alone would exit 1)
+            "taken, launched": _trainer(tmp_path / "launched", tiny_qwen3_dir, taken, launched=True)}  # fmt: skip
     said = {name: _said(proc) for name, proc in runs.items()}
 
     code, line = said["unreachable"]
@@ -95,6 +103,8 @@ def test_entrypoint_store_failures_are_one_line_with_their_own_exit_code(tmp_pat
     assert line.startswith(f"the weight channel {taken} has another writer: ") and "trainer/team-b/other-job" in line
     assert "Fix: one trainer writes a channel: stop the other one" in line
     assert "its own spec.weightChannel.store path" in line
+    code, launched_line = said["taken, launched"]  # the same line (but for the lease's age) and code
+    assert code == 9 and launched_line.split(" ago;")[1] == line.split(" ago;")[1], launched_line
 
 
 def _context(**fields: str) -> FailureContext:
