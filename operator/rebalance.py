@@ -8,8 +8,9 @@ One call per rebalance interval:
 replicas, GPUs and price per GPU-hour (from the catalog), and the trainer's per-group KL and
 out-of-range fraction; `state` is the previous result's `state` (None the first time). The result
 holds the new shares (push them to the router), per-group status fields (patch SamplerGroup status),
-a bounded share history with reasons, and the fleet's blended cost per 1M tokens against an
-all-trainer-class baseline.
+a bounded share history with reasons, and the fleet's blended cost per 1M usable tokens (inside the
+MIS band) against the reference fleet's: every token made on the trainer's class at bf16. The cost
+formula is rlfleet/fleet.py's, the one `rlfleet fleet plan` uses.
 
 The rules, in order:
 1. Throughput per group = decode tokens/s as SGLang exports them per interval, summed over pods: the
@@ -41,6 +42,8 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, fleet_cost_per_1m_usable_tokens
 
 Policy = Literal["throughput", "cost", "static"]
 
@@ -118,6 +121,7 @@ class GroupInput:
     price_per_gpu_hour: float  # from the catalog; 0 = unknown
     pods: Mapping[str, PodSample] = field(default_factory=dict)  # pod name -> sample taken at `now`
     accelerator: str = ""
+    weight_format: str = REFERENCE_WEIGHT_FORMAT
     kl: float | None = None  # trainer's kl_k3 for this group's tokens
     oor_fraction: float | None = None  # share of this group's tokens outside the MIS band
     token_share: float | None = None  # trainer's view: share of trained tokens from this group
@@ -186,6 +190,7 @@ class GroupResult:
     previous_share: float | None
     target_share: float
     reason: str
+    cost_per_hour: float | None  # USD per hour of the group's GPUs (None: no price)
     cost_per_1m_tokens: float | None  # USD per 1M tokens, all tokens
     cost_per_1m_useful_tokens: float | None  # USD per 1M in-band tokens
     token_share: float | None
@@ -200,6 +205,7 @@ class GroupResult:
         fields: dict[str, object | None] = {
             "tokensPerSecond": _round(self.tokens_per_second, 1),
             "share": _round(self.share, 4),
+            "costPerHour": _round(self.cost_per_hour, 4),
             "costPer1MTokens": _round(self.cost_per_1m_useful_tokens, 4),
             "kl": _round(self.kl, 6),
             "oorFraction": _round(self.oor_fraction, 6),
@@ -216,13 +222,19 @@ class RebalanceResult:
     shares: dict[str, float]
     groups: dict[str, GroupResult]
     state: RebalanceState
-    fleet_cost_per_1m_tokens: float | None
-    baseline_cost_per_1m_tokens: float | None
+    fleet_cost_per_1m_usable_tokens: float | None
+    baseline_cost_per_1m_usable_tokens: float | None  # the reference fleet: the trainer's class at bf16
     changes: tuple[str, ...]  # one human-readable line per group whose share moved (for Events)
 
     @property
     def changed(self) -> bool:
         return bool(self.changes)
+
+    @property
+    def saving(self) -> float | None:
+        """1 - fleet / reference cost per usable token (negative: the fleet costs more). None: either unknown."""
+        fleet, baseline = self.fleet_cost_per_1m_usable_tokens, self.baseline_cost_per_1m_usable_tokens
+        return None if fleet is None or baseline is None or baseline <= 0 else 1.0 - fleet / baseline
 
 
 # --- the computation ----------------------------------------------------------------------------
@@ -232,13 +244,18 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, digits)
 
 
-def _cost_per_1m(price_per_gpu_hour: float, gpus: int, tokens_per_second: float | None) -> float | None:
-    # USD per million tokens: `gpus` GPUs at `price_per_gpu_hour` delivering `tokens_per_second`.
-    if not tokens_per_second or tokens_per_second <= 0 or price_per_gpu_hour <= 0 or gpus <= 0:
+def _oor(g: GroupInput) -> float:
+    """The group's out-of-range share, 0 until the trainer reports one."""
+    return min(max(g.oor_fraction or 0.0, 0.0), 1.0)
+
+
+def _group_cost(g: GroupInput, tokens_per_second: float | None, oor_fraction: float) -> float | None:
+    """USD per 1M tokens of the group (usable ones with its `oor_fraction`, all with 0): rlfleet.fleet's
+    formula with the group as one unit of `gpus` GPUs. None: no price (the catalog's 0 is unknown), no
+    GPUs, no reading, or a rate so small the price overflows."""
+    if tokens_per_second is None or g.price_per_gpu_hour <= 0 or g.gpus <= 0:
         return None
-    cost = price_per_gpu_hour * gpus / 3600.0 / tokens_per_second * 1e6
-    # A subnormal rate overflows to inf, and inf / inf would make every share NaN: no usable reading.
-    return cost if math.isfinite(cost) else None
+    return fleet_cost_per_1m_usable_tokens([(tokens_per_second, 1, g.price_per_gpu_hour * g.gpus, oor_fraction)])
 
 
 def group_rate(pods: Mapping[str, PodSample], memory: GroupMemory, now: float) -> float | None:
@@ -299,8 +316,8 @@ def rebalance(
     names = [g.name for g in inputs]
     by_name = {g.name: g for g in inputs}
     eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
-    useful = {n: (tps[n] or 0.0) * (1.0 - min(max(by_name[n].oor_fraction or 0.0, 0.0), 1.0)) for n in names}
-    useful_cost = {n: _cost_per_1m(by_name[n].price_per_gpu_hour, by_name[n].gpus, useful[n]) for n in names}
+    useful = {n: (tps[n] or 0.0) * (1.0 - _oor(by_name[n])) for n in names}
+    useful_cost = {n: _group_cost(by_name[n], tps[n], _oor(by_name[n])) for n in names}
     raw = _policy_weights(eligible, by_name, tps, useful, useful_cost, config.policy)
     target = {n: 0.0 for n in names}
     target.update(_target_shares(eligible, raw, config.min_share))
@@ -334,7 +351,8 @@ def rebalance(
             previous_share=old_normalised[name] if old_total > 0 else None,
             target_share=target[name],
             reason=reason,
-            cost_per_1m_tokens=_cost_per_1m(g.price_per_gpu_hour, g.gpus, tps[name]),
+            cost_per_hour=g.price_per_gpu_hour * g.gpus if g.price_per_gpu_hour > 0 else None,
+            cost_per_1m_tokens=_group_cost(g, tps[name], 0.0),
             cost_per_1m_useful_tokens=useful_cost[name],
             token_share=token_share,
             oor_share=oor_share,
@@ -349,8 +367,8 @@ def rebalance(
         shares=shares,
         groups=results,
         state=new_state,
-        fleet_cost_per_1m_tokens=fleet_cost,
-        baseline_cost_per_1m_tokens=baseline_cost,
+        fleet_cost_per_1m_usable_tokens=fleet_cost,
+        baseline_cost_per_1m_usable_tokens=baseline_cost,
         changes=tuple(changes),
     )
 
@@ -488,19 +506,28 @@ def _traffic_shares(
 def _fleet_costs(
     inputs: list[GroupInput], tps: Mapping[str, float | None], config: RebalanceConfig
 ) -> tuple[float | None, float | None]:
-    """Blended USD per 1M tokens of the whole fleet, and what the same tokens would cost if every
-    one were made on the trainer's accelerator class (its tokens/s per GPU from a group of that
-    class when there is one, else the configured estimate)."""
+    """USD per 1M usable tokens of the whole fleet (its USD/h over its usable tokens/h), and of the
+    reference fleet: every token made on the trainer's accelerator class at bf16 (tokens/s per GPU and
+    out-of-range share of the groups of that class at bf16 when there are, else the configured
+    estimate with no token out of range). None: no price or no reading."""
     running = [g for g in inputs if (tps[g.name] or 0.0) > 0 and g.gpus > 0]
-    total_tps = sum(tps[g.name] or 0.0 for g in running)
-    dollars_per_hour = sum(g.price_per_gpu_hour * g.gpus for g in running)
-    fleet = dollars_per_hour / 3600.0 / total_tps * 1e6 if total_tps > 0 and dollars_per_hour > 0 else None
-    trainer_groups = [g for g in running if g.accelerator == config.trainer_accelerator]
-    per_gpu = config.trainer_tokens_per_gpu_second
-    if trainer_groups:
-        per_gpu = sum(tps[g.name] or 0.0 for g in trainer_groups) / sum(g.gpus for g in trainer_groups)
+    fleet = None
+    if any(g.price_per_gpu_hour > 0 for g in running):
+        fleet = fleet_cost_per_1m_usable_tokens(
+            [(tps[g.name] or 0.0, 1, g.price_per_gpu_hour * g.gpus, _oor(g)) for g in running]
+        )
+    reference = [
+        g for g in running if g.accelerator == config.trainer_accelerator and g.weight_format == REFERENCE_WEIGHT_FORMAT
+    ]
+    per_gpu, oor = config.trainer_tokens_per_gpu_second, 0.0
+    if reference:
+        tokens = sum(tps[g.name] or 0.0 for g in reference)
+        per_gpu = tokens / sum(g.gpus for g in reference)
+        oor = sum((tps[g.name] or 0.0) * _oor(g) for g in reference) / tokens
     price = config.trainer_price_per_gpu_hour
-    if price is None and trainer_groups:
-        price = trainer_groups[0].price_per_gpu_hour
-    baseline = _cost_per_1m(price, 1, per_gpu) if price is not None and per_gpu else None
+    if price is None and reference:
+        price = reference[0].price_per_gpu_hour
+    baseline = None
+    if price is not None and price > 0 and per_gpu:
+        baseline = fleet_cost_per_1m_usable_tokens([(per_gpu, 1, price, oor)])
     return fleet, baseline

@@ -87,9 +87,15 @@ def forget(namespace: str, name: str) -> None:
 
 
 def fleet_costs(result: RebalanceResult) -> dict[str, float]:
-    """The RLJob's blended and baseline cost per 1M tokens of a rebalance result (None dropped)."""
-    costs = {"costPer1MTokens": result.fleet_cost_per_1m_tokens, "baselineCostPer1MTokens": result.baseline_cost_per_1m_tokens}
-    return {k: round(v, 4) for k, v in costs.items() if v is not None}
+    """The RLJob's fleet and reference cost per 1M usable tokens and the saving in percent of a rebalance
+    result (None dropped)."""
+    saving = result.saving
+    costs = {  # (value, digits)
+        "costPer1MTokens": (result.fleet_cost_per_1m_usable_tokens, 4),
+        "baselineCostPer1MTokens": (result.baseline_cost_per_1m_usable_tokens, 4),
+        "savingPercent": (None if saving is None else 100.0 * saving, 2),
+    }
+    return {k: round(v, digits) for k, (v, digits) in costs.items() if v is not None}
 
 
 # --- pure helpers ------------------------------------------------------------------------------------
@@ -163,6 +169,7 @@ def group_input(
         price_per_gpu_hour=float(price),
         pods=dict(pods),
         accelerator=accelerator,
+        weight_format=spec.get("weightFormat", "bf16"),
         kl=trainer.get("kl_k3"),
         oor_fraction=trainer.get("oor_fraction"),
         token_share=trainer.get("token_share"),

@@ -45,10 +45,10 @@ ANN_QUARANTINED = f"{GROUP}/quarantined"
 FOREIGN_WEIGHTS_REASON = "ForeignWeightVersion"
 NO_REPORT_REASON = "NoSubscriberReport"
 # SamplerGroup status fields that come from the rebalance tick (operator/rebalance.py GroupResult)
-REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPer1MTokens", "kl", "oorFraction", "tokenShare", "oorShare",
+REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPerHour", "costPer1MTokens", "kl", "oorFraction", "tokenShare", "oorShare",
                     "shareHistory")  # fmt: skip
 # RLJob status fields that come from the rebalance tick (fleet cost) and the trainer's exporter
-JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens")
+JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens", "savingPercent")
 # A condition's message and an RLJob's status.message stay short: `kubectl describe` and Argo CD show them
 # whole, and one reason repeated per group and per condition made a 10 KB status (identical reasons of
 # groups are merged instead, `_merge_groups`).

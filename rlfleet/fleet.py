@@ -58,7 +58,8 @@ def cost_per_1m_usable_tokens(
 
 def fleet_cost_per_1m_usable_tokens(groups: Iterable[tuple[float, int, float, float]]) -> float | None:
     """USD per 1M usable tokens of a fleet of groups (tokens/s per replica, replicas, cost per
-    replica-hour, out-of-range share): the fleet's USD/h over its usable tokens/h. None: no usable token."""
+    replica-hour, out-of-range share): the fleet's USD/h over its usable tokens/h. None: no usable token
+    (or so few that the price overflows)."""
     dollars_per_hour = 0.0
     usable_per_second = 0.0
     for tokens_per_second, replicas, cost_per_hour, oor_fraction in groups:
@@ -66,7 +67,9 @@ def fleet_cost_per_1m_usable_tokens(groups: Iterable[tuple[float, int, float, fl
         usable_per_second += tokens_per_second * replicas * (1.0 - oor_fraction)
     if usable_per_second <= 0.0:
         return None
-    return dollars_per_hour / (usable_per_second * SECONDS_PER_HOUR) * 1e6
+    cost = dollars_per_hour / (usable_per_second * SECONDS_PER_HOUR) * 1e6
+    # A subnormal rate overflows to inf (and inf / inf makes the rebalancer's cost shares NaN): no price.
+    return cost if math.isfinite(cost) else None
 
 
 # --- the input (the file `rlfleet fleet plan` reads) -------------------------------------------------

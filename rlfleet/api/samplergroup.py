@@ -254,8 +254,10 @@ class SamplerGroupStatus(ApiModel):
     """This group's share of all trained tokens."""
     oor_share: float | None = Field(default=None, ge=0.0, le=1.0)
     """This group's share of all out-of-range tokens (compare with tokenShare)."""
+    cost_per_hour: float | None = Field(default=None, ge=0.0)
+    """USD per hour of the group's GPUs (replicas x tensorParallel) at the catalog's price per GPU-hour."""
     cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")
-    """Cost per million useful (in-band) tokens at the catalog's price per GPU-hour."""
+    """USD per million usable tokens (inside the MIS band: tokens/s x (1 - oorFraction)) at the catalog's price per GPU-hour."""
     quarantined: bool | None = None
     """True when the group gets no new sessions (manual or by the collapse detector)."""
     share_history: list[ShareChange] = Field(default_factory=list, max_length=5)

@@ -77,6 +77,11 @@ def test_names_subresources_and_columns() -> None:
     rlj = crd("RLJob")["spec"]["versions"][0]
     visible = [c["name"] for c in rlj["additionalPrinterColumns"] if not c.get("priority")]
     assert visible == ["Phase", "Groups", "Trainer", "Step", "Version", "Reward", "KL", "Reason", "Age"]
+    # -o wide: the economics (docs/economics.md, "Where the figures show")
+    wide = {c["name"]: c["jsonPath"] for c in rlj["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert (wide["$/1M"], wide["Saving%"]) == (".status.costPer1MTokens", ".status.savingPercent")
+    wide = {c["name"]: c["jsonPath"] for c in sg["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert (wide["$/h"], wide["$/1M"]) == (".status.costPerHour", ".status.costPer1MTokens")
     for c in crdgen.generate().values():
         version = c["spec"]["versions"][0]
         assert version["subresources"]["status"] == {}

@@ -290,20 +290,23 @@ def test_status_fields_and_fleet_cost_against_the_trainer_class_baseline() -> No
                    kl=0.004),
     ]  # fmt: skip
     result = rebalance(inputs, None, 1_700_000_000.0, config)
-    # Fleet: (6*8 + 3*16) $/h over 32000 tok/s. Baseline: b200 at 1000 tok/s per GPU, $6/GPU-h.
-    assert result.fleet_cost_per_1m_tokens == pytest.approx(96 / 3600 / 32000 * 1e6)
-    assert result.baseline_cost_per_1m_tokens == pytest.approx(6 / 3600 / 1000 * 1e6)
+    # Fleet: (6*8 + 3*16) $/h over 8000*0.999 + 24000*0.997 = 31920 usable tok/s. Reference: the b200
+    # group at bf16 (the default weight format): 1000 tok/s per GPU, 0.1% out of range, $6/GPU-h.
+    assert result.fleet_cost_per_1m_usable_tokens == pytest.approx(96 / 3600 / 31920 * 1e6, rel=1e-12)
+    assert result.baseline_cost_per_1m_usable_tokens == pytest.approx(6 / 3600 / 999 * 1e6, rel=1e-12)
+    assert result.saving == pytest.approx(1 - (96 / 31920) / (6 / 999), rel=1e-12)
     patch = result.groups["h100-fp8"].status_patch()
     assert patch["tokensPerSecond"] == 24000.0 and patch["share"] == 0.75
     assert patch["tokenShare"] == 0.75
     assert patch["oorShare"] == pytest.approx(round(24000 * 0.003 / (24000 * 0.003 + 8000 * 0.001), 4))
     assert patch["costPer1MTokens"] == pytest.approx(round(48 / 3600 / (24000 * 0.997) * 1e6, 4))
     assert patch["kl"] == 0.004 and patch["quarantined"] is False
+    assert patch["costPerHour"] == 48.0  # 16 GPUs at $3
     assert patch["shareHistory"][0]["time"] == "2023-11-14T22:13:20Z"
     # Without a group on the trainer class the baseline needs an estimate (or stays unknown).
-    assert rebalance(inputs[1:], None, 0.0, config).baseline_cost_per_1m_tokens is None
+    assert rebalance(inputs[1:], None, 0.0, config).baseline_cost_per_1m_usable_tokens is None
     estimated = RebalanceConfig(trainer_price_per_gpu_hour=6.0, trainer_tokens_per_gpu_second=1500.0)
-    assert rebalance(inputs[1:], None, 0.0, estimated).baseline_cost_per_1m_tokens == pytest.approx(6 / 3600 / 1500 * 1e6)
+    assert rebalance(inputs[1:], None, 0.0, estimated).baseline_cost_per_1m_usable_tokens == pytest.approx(6 / 3600 / 1500 * 1e6)
 
 
 def test_state_survives_a_json_round_trip() -> None:

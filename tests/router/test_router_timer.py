@@ -66,9 +66,34 @@ def test_collapse_quarantine_goes_through_the_one_quarantine_path() -> None:
 def test_fleet_costs_are_rounded_and_unknown_ones_dropped() -> None:
     inputs = [GroupInput("a", 1, 1, 2.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
     result = rebalance(inputs, None, 0.0, RebalanceConfig())
-    # $3/h of GPUs over 400 tok/s = 3 / 3600 / 400 * 1e6 $ per 1M tokens; no trainer price: no baseline
+    # $3/h of GPUs over 400 tok/s (no token out of range) = 3 / 3600 / 400 * 1e6 $ per 1M tokens; no
+    # trainer price: no baseline, no saving
     assert timer.fleet_costs(result) == {"costPer1MTokens": round(3 / 3600 / 400 * 1e6, 4)}
     assert timer.fleet_costs(rebalance([GroupInput("a", 0, 1, 1.0)], None, 0.0, RebalanceConfig())) == {}
+
+
+def test_fleet_costs_count_usable_tokens_and_the_saving_against_the_trainer_class_at_bf16() -> None:
+    inputs = [
+        # the trainer's class at bf16: the reference, 2 GPUs at $6 making 2000 tok/s, 10% out of range
+        GroupInput("b200-bf16", 1, 2, 6.0, accelerator="b200", tokens_per_second=2000.0, oor_fraction=0.1),
+        # the trainer's class at nvfp4: not the reference
+        GroupInput("b200-nvfp4", 1, 1, 6.0, accelerator="b200", weight_format="nvfp4", tokens_per_second=3000.0,
+                   oor_fraction=0.2),
+        GroupInput("h100-fp8", 1, 4, 2.0, accelerator="h100", weight_format="fp8", tokens_per_second=3000.0,
+                   oor_fraction=0.0),
+    ]  # fmt: skip
+    result = rebalance(inputs, None, 0.0, RebalanceConfig(trainer_accelerator="b200"))
+    # fleet: $12 + $6 + $8 = $26/h over 1800 + 2400 + 3000 = 7200 usable tok/s
+    # reference: $6/GPU-h over 1000 tok/s per GPU x 0.9 = 900 usable tok/s per GPU
+    fleet, reference = 26 / 3600 / 7200 * 1e6, 6 / 3600 / 900 * 1e6
+    assert timer.fleet_costs(result) == {
+        "costPer1MTokens": round(fleet, 4),
+        "baselineCostPer1MTokens": round(reference, 4),
+        "savingPercent": round(100 * (1 - (26 / 7200) / (6 / 900)), 2),  # 45.83
+    }
+    assert timer.fleet_costs(result)["savingPercent"] == 45.83
+    patch = result.groups["b200-nvfp4"].status_patch()
+    assert patch["costPerHour"] == 6.0 and patch["costPer1MTokens"] == round(6 / 3600 / 2400 * 1e6, 4)
 
 
 def test_state_is_reseeded_from_status_after_a_restart() -> None:
