@@ -200,6 +200,11 @@ class GroupResult:
     quarantined: bool
     history: tuple[dict[str, object], ...]
 
+    @property
+    def usable_fraction(self) -> float:
+        """The share of its tokens inside the MIS band, as its cost per usable token counts them."""
+        return 1.0 - out_of_band(self.oor_fraction)
+
     def status_patch(self) -> dict[str, object]:
         """The SamplerGroup status fields the rebalancer owns (camelCase, None dropped)."""
         fields: dict[str, object | None] = {
@@ -244,9 +249,9 @@ def _round(value: float | None, digits: int) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, digits)
 
 
-def _oor(g: GroupInput) -> float:
-    """The group's out-of-range share, 0 until the trainer reports one."""
-    return min(max(g.oor_fraction or 0.0, 0.0), 1.0)
+def out_of_band(oor_fraction: float | None) -> float:
+    """The out-of-range share the costs use: the trainer's, clamped to [0, 1]; 0 until it reports one."""
+    return min(max(oor_fraction or 0.0, 0.0), 1.0)
 
 
 def _group_cost(g: GroupInput, tokens_per_second: float | None, oor_fraction: float) -> float | None:
@@ -316,8 +321,8 @@ def rebalance(
     names = [g.name for g in inputs]
     by_name = {g.name: g for g in inputs}
     eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
-    useful = {n: (tps[n] or 0.0) * (1.0 - _oor(by_name[n])) for n in names}
-    useful_cost = {n: _group_cost(by_name[n], tps[n], _oor(by_name[n])) for n in names}
+    useful = {n: (tps[n] or 0.0) * (1.0 - out_of_band(by_name[n].oor_fraction)) for n in names}
+    useful_cost = {n: _group_cost(by_name[n], tps[n], out_of_band(by_name[n].oor_fraction)) for n in names}
     raw = _policy_weights(eligible, by_name, tps, useful, useful_cost, config.policy)
     target = {n: 0.0 for n in names}
     target.update(_target_shares(eligible, raw, config.min_share))
@@ -506,15 +511,17 @@ def _traffic_shares(
 def _fleet_costs(
     inputs: list[GroupInput], tps: Mapping[str, float | None], config: RebalanceConfig
 ) -> tuple[float | None, float | None]:
-    """USD per 1M usable tokens of the whole fleet (its USD/h over its usable tokens/h), and of the
-    reference fleet: every token made on the trainer's accelerator class at bf16 (tokens/s per GPU and
-    out-of-range share of the groups of that class at bf16 when there are, else the configured
-    estimate with no token out of range). None: no price or no reading."""
-    running = [g for g in inputs if (tps[g.name] or 0.0) > 0 and g.gpus > 0]
+    """USD per 1M usable tokens of the whole fleet (its USD/h over its usable tokens/h: a group that
+    makes no token still pays its GPUs), and of the reference fleet: every token made on the trainer's
+    accelerator class at bf16 (tokens/s per GPU and out-of-range share of the groups of that class at
+    bf16 when there are, else the configured estimate with no token out of range). None: no price or
+    no reading."""
+    paying = [g for g in inputs if g.gpus > 0]
+    running = [g for g in paying if (tps[g.name] or 0.0) > 0]
     fleet = None
-    if any(g.price_per_gpu_hour > 0 for g in running):
+    if any(g.price_per_gpu_hour > 0 for g in paying):
         fleet = fleet_cost_per_1m_usable_tokens(
-            [(tps[g.name] or 0.0, 1, g.price_per_gpu_hour * g.gpus, _oor(g)) for g in running]
+            [(max(tps[g.name] or 0.0, 0.0), 1, max(g.price_per_gpu_hour, 0.0) * g.gpus, out_of_band(g.oor_fraction)) for g in paying]
         )
     reference = [
         g for g in running if g.accelerator == config.trainer_accelerator and g.weight_format == REFERENCE_WEIGHT_FORMAT
@@ -523,7 +530,7 @@ def _fleet_costs(
     if reference:
         tokens = sum(tps[g.name] or 0.0 for g in reference)
         per_gpu = tokens / sum(g.gpus for g in reference)
-        oor = sum((tps[g.name] or 0.0) * _oor(g) for g in reference) / tokens
+        oor = sum((tps[g.name] or 0.0) * out_of_band(g.oor_fraction) for g in reference) / tokens
     price = config.trainer_price_per_gpu_hour
     if price is None and reference:
         price = reference[0].price_per_gpu_hour

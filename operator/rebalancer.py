@@ -34,6 +34,7 @@ from urllib.parse import quote
 
 import aiohttp
 import kopf
+from prometheus_client import Gauge
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import CatalogError, get_catalog
@@ -73,6 +74,33 @@ class JobMemory:
 
 _JOBS: dict[tuple[str, str, str], JobMemory] = {}
 
+# Fleet economics per rebalance interval (exported by `rlfleet operator run --metrics-port`; the same
+# figures as the status, unrounded; docs/economics.md, "Where the figures show").
+_GROUP_LABELS = ("namespace", "rljob", "group")
+_JOB_LABELS = ("namespace", "rljob")
+GROUP_GAUGES = {
+    "tokens_per_second": Gauge("rlfleet_operator_group_tokens_per_second", "Decode tokens/s of the group", _GROUP_LABELS),
+    "cost_per_hour": Gauge("rlfleet_operator_group_cost_per_hour_usd", "USD per hour of the group's GPUs", _GROUP_LABELS),
+    "usable_fraction": Gauge("rlfleet_operator_group_usable_token_fraction",
+                             "Share of the group's tokens inside the MIS band", _GROUP_LABELS),
+    "cost_per_1m_usable_tokens": Gauge("rlfleet_operator_group_cost_per_1m_usable_tokens_usd",
+                                       "USD per 1M usable tokens of the group", _GROUP_LABELS),
+}  # fmt: skip
+JOB_GAUGES = {
+    "tokens_per_second": Gauge("rlfleet_operator_job_tokens_per_second", "Decode tokens/s of the fleet", _JOB_LABELS),
+    "cost_per_hour": Gauge("rlfleet_operator_job_cost_per_hour_usd", "USD per hour of the fleet's GPUs", _JOB_LABELS),
+    "usable_fraction": Gauge("rlfleet_operator_job_usable_token_fraction",
+                             "Share of the fleet's tokens inside the MIS band", _JOB_LABELS),
+    "cost_per_1m_usable_tokens": Gauge("rlfleet_operator_job_cost_per_1m_usable_tokens_usd",
+                                       "USD per 1M usable tokens of the fleet", _JOB_LABELS),
+    "reference_cost_per_1m_usable_tokens": Gauge(
+        "rlfleet_operator_job_reference_cost_per_1m_usable_tokens_usd",
+        "USD per 1M usable tokens of the reference fleet (the trainer's class at bf16)", _JOB_LABELS),
+    "saving": Gauge("rlfleet_operator_job_saving_ratio",
+                    "1 - fleet / reference cost per usable token", _JOB_LABELS),
+}  # fmt: skip
+_EXPORTED_GROUPS: dict[tuple[str, str], set[str]] = {}  # (namespace, job) -> groups with gauges
+
 
 def observed(job: Mapping[str, Any]) -> JobMemory:
     """The rebalance tick's memory of this RLJob (empty until its first tick)."""
@@ -81,9 +109,59 @@ def observed(job: Mapping[str, Any]) -> JobMemory:
 
 
 def forget(namespace: str, name: str) -> None:
-    """Drop the memory of a deleted RLJob (of every uid it had under that name)."""
+    """Drop the memory of a deleted RLJob (of every uid it had under that name) and its gauges."""
     for key in [k for k in _JOBS if k[:2] == (namespace, name)]:
         del _JOBS[key]
+    for group in _EXPORTED_GROUPS.pop((namespace, name), set()):
+        for gauge in GROUP_GAUGES.values():
+            _remove(gauge, namespace, name, group)
+    for gauge in JOB_GAUGES.values():
+        _remove(gauge, namespace, name)
+
+
+def _remove(gauge: Gauge, *labels: str) -> None:
+    try:
+        gauge.remove(*labels)
+    except KeyError:  # never set (no figure yet)
+        pass
+
+
+def _set(gauge: Gauge, value: float | None, *labels: str) -> None:
+    """Set the label set's value; an unknown figure (None) removes it, so no stale value stays exported."""
+    if value is None:
+        _remove(gauge, *labels)
+    else:
+        gauge.labels(*labels).set(value)
+
+
+def export_economics(namespace: str, job_name: str, result: RebalanceResult) -> None:
+    """Set the fleet-economics gauges of one rebalance result: per group and for the whole fleet,
+    tokens/s, USD/h, the usable share of tokens and USD per 1M usable tokens; the reference's cost and
+    the saving. Groups gone since the last result lose their label sets."""
+    groups = result.groups.values()
+    for g in groups:
+        labels = (namespace, job_name, g.name)
+        _set(GROUP_GAUGES["tokens_per_second"], g.tokens_per_second, *labels)
+        _set(GROUP_GAUGES["cost_per_hour"], g.cost_per_hour, *labels)
+        _set(GROUP_GAUGES["usable_fraction"], g.usable_fraction if g.tokens_per_second is not None else None, *labels)
+        _set(GROUP_GAUGES["cost_per_1m_usable_tokens"], g.cost_per_1m_useful_tokens, *labels)
+    names = {g.name for g in groups}
+    for gone in _EXPORTED_GROUPS.get((namespace, job_name), set()) - names:
+        for gauge in GROUP_GAUGES.values():
+            _remove(gauge, namespace, job_name, gone)
+    _EXPORTED_GROUPS[(namespace, job_name)] = names
+    tokens = sum(g.tokens_per_second or 0.0 for g in groups)
+    usable = sum((g.tokens_per_second or 0.0) * g.usable_fraction for g in groups)
+    job = {
+        "tokens_per_second": tokens,
+        "cost_per_hour": sum(g.cost_per_hour or 0.0 for g in groups),
+        "usable_fraction": usable / tokens if tokens > 0 else None,
+        "cost_per_1m_usable_tokens": result.fleet_cost_per_1m_usable_tokens,
+        "reference_cost_per_1m_usable_tokens": result.baseline_cost_per_1m_usable_tokens,
+        "saving": result.saving,
+    }
+    for key, value in job.items():
+        _set(JOB_GAUGES[key], value, namespace, job_name)
 
 
 def fleet_costs(result: RebalanceResult) -> dict[str, float]:
@@ -288,6 +366,7 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
                 url = f"http://{pod['podIP']}:{n.ROUTER_PORT}"
                 await push_to_router(http, url, memory.token, result, quarantined)
     memory.result = result
+    export_economics(namespace, job.name, result)
     _post_share_events(samplergroups, result)
     return result
 

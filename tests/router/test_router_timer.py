@@ -198,3 +198,42 @@ def test_the_operators_router_config_is_a_valid_router_config() -> None:
     config = RouterConfig.model_validate(builders.router_config(job, "ns"))
     assert [g.name for g in config.groups] == [g.name for g in job.spec.sampler_groups]
     assert config.admin_token_file and all(len(g.replicas) == 1 for g in config.groups)
+
+
+def test_economics_gauges_per_group_and_job_and_their_removal() -> None:
+    from prometheus_client import REGISTRY
+
+    inputs = [
+        GroupInput("b200-bf16", 1, 2, 6.0, accelerator="b200", tokens_per_second=2000.0, oor_fraction=0.1),
+        GroupInput("h100-fp8", 1, 4, 2.0, accelerator="h100", weight_format="fp8", tokens_per_second=3000.0),
+        GroupInput("a100-idle", 1, 1, 1.5, accelerator="a100", tokens_per_second=0.0),  # pays, makes nothing
+    ]
+    result = rebalance(inputs, None, 0.0, RebalanceConfig(trainer_accelerator="b200"))
+    timer.export_economics("ns-econ", "job-econ", result)
+
+    def value(name: str, group: str | None = None) -> float | None:
+        labels = {"namespace": "ns-econ", "rljob": "job-econ"} | ({"group": group} if group else {})
+        return REGISTRY.get_sample_value(f"rlfleet_operator_{name}", labels)
+
+    assert value("group_tokens_per_second", "b200-bf16") == 2000.0
+    assert value("group_cost_per_hour_usd", "b200-bf16") == 12.0  # 2 GPUs at $6
+    assert value("group_usable_token_fraction", "b200-bf16") == pytest.approx(0.9, rel=1e-12)
+    assert value("group_cost_per_1m_usable_tokens_usd", "b200-bf16") == pytest.approx(12 / 3600 / 1800 * 1e6, rel=1e-12)
+    assert value("group_cost_per_1m_usable_tokens_usd", "h100-fp8") == pytest.approx(8 / 3600 / 3000 * 1e6, rel=1e-12)
+    assert value("group_cost_per_1m_usable_tokens_usd", "a100-idle") is None  # no usable token: no price
+    # the fleet: $12 + $8 + $1.5 = $21.5/h over 1800 + 3000 = 4800 usable of 5000 tok/s; the reference:
+    # $6/GPU-h over 1000 tok/s per GPU, 10% out of range
+    assert value("job_tokens_per_second") == 5000.0
+    assert value("job_cost_per_hour_usd") == 21.5
+    assert value("job_usable_token_fraction") == pytest.approx(0.96, rel=1e-12)
+    assert value("job_cost_per_1m_usable_tokens_usd") == pytest.approx(21.5 / 3600 / 4800 * 1e6, rel=1e-12)
+    assert value("job_reference_cost_per_1m_usable_tokens_usd") == pytest.approx(6 / 3600 / 900 * 1e6, rel=1e-12)
+    assert value("job_saving_ratio") == pytest.approx(0.328125, rel=1e-12)  # 1 - (21.5/4800) / (6/900)
+
+    # a group gone from the job loses its label sets; a deleted job loses all
+    timer.export_economics("ns-econ", "job-econ", rebalance(inputs[1:], None, 0.0, RebalanceConfig()))
+    assert value("group_cost_per_hour_usd", "b200-bf16") is None and value("group_cost_per_hour_usd", "h100-fp8") == 8.0
+    assert value("job_saving_ratio") is None  # no b200 group and no configured estimate: no reference
+    assert value("job_cost_per_1m_usable_tokens_usd") == pytest.approx(9.5 / 3600 / 3000 * 1e6, rel=1e-12)
+    timer.forget("ns-econ", "job-econ")
+    assert value("group_tokens_per_second", "b200-bf16") is None and value("job_tokens_per_second") is None
