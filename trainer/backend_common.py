@@ -18,6 +18,7 @@ import torch
 from rlfleet.records import SUPPORT_MODE
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, TokenBatch
+from rlfleet.trainer.routing import ROUTING_COUNT, combine_routing_metrics
 
 SUM_KEYS = ("num_tokens", "invalid_tokens")
 MAX_KEYS = ("sc_tail_ratio_max",)
@@ -66,8 +67,9 @@ def to_token_batch(flat: FlatBatch, group_index: dict[str, int]) -> TokenBatch:
 
 def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """Metric dicts of one scope over disjoint token sets (micro-batches, ranks) -> the union's: counts
-    add, token means are token-weighted, maxima take the max; all exact. One part is returned as is;
-    with several the non-decomposable `ess` is dropped."""
+    add, token means are token-weighted, maxima take the max, a mixture of experts' routing mismatch is
+    weighted by its compared tokens (trainer/routing.py); all exact. One part is returned as is; with
+    several the non-decomposable `ess` is dropped."""
     if len(parts) == 1:
         return dict(parts[0])
     out: dict[str, float] = {k: sum(p.get(k, 0.0) for p in parts) for k in SUM_KEYS}
@@ -80,6 +82,8 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
         vals = [p[k] for p in parts if k in p]
         if vals:
             out[k] = max(vals)
+    if any(ROUTING_COUNT in p for p in parts):
+        out.update(combine_routing_metrics(parts))
     return out
 
 

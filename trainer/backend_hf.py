@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
+from rlfleet.numerics.views import is_moe_config
 from rlfleet.trainer.backend_common import (
     OptimConfig,
     RankCommands,
@@ -61,6 +62,7 @@ from rlfleet.trainer.backend_common import (
 )
 from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
+from rlfleet.trainer.routing import routing_metrics, routing_mismatch
 
 
 class HFBackend(RankCommands):
@@ -182,7 +184,8 @@ class HFBackend(RankCommands):
         input_ids, position_ids, row_index = mb.packed(flat)
         batch = full.select(torch.from_numpy(mb.rows))
         batch = batch if self.device.type == "cpu" else batch.to(self.device)
-        hidden, router_aux = self._final_hidden_states(input_ids, position_ids)
+        compared = self._routing_compared(flat, mb)
+        hidden, router_aux, router_logits = self._final_hidden_states(input_ids, position_ids, compared is not None)
         rows = hidden[torch.from_numpy(row_index).to(self.device)]
         # The output embedding read after the forward: under FSDP2 the root's parameters (embedding,
         # final norm, lm_head) stay unsharded from its forward until the backward.
@@ -196,17 +199,60 @@ class HFBackend(RankCommands):
             # count the step adds coef x (the token-weighted mean of the micro-batches' aux losses).
             total = total + _router_aux_loss_coef(self.model) * router_aux * out.num_valid_tokens
         total.backward()
-        return replace(out, loss=out.loss.detach(), loss_sum=out.loss_sum.detach())
+        out = replace(out, loss=out.loss.detach(), loss_sum=out.loss_sum.detach())
+        if compared is not None and router_logits is not None:
+            self._add_routing_metrics(out, flat, full, mb, row_index, router_logits, compared)
+        return out
+
+    def _routing_compared(self, flat: FlatBatch, mb: MicroBatch) -> np.ndarray | None:
+        """Which of the micro-batch's rows get their sampler routing compared with the trainer's (bool
+        [R]: routing returned, sampled at the trainer's version); None when the batch has no routing
+        or the model is dense (then the forward asks for no router logits: no cost)."""
+        if flat.routed_experts is None or not _is_moe(self.model):
+            return None
+        routed = flat.routed_experts[mb.rows]
+        return (routed >= 0).all(axis=(1, 2)) & (flat.versions[mb.rows] == flat.trainer_version)
+
+    def _add_routing_metrics(
+        self,
+        out: LossOutput,
+        flat: FlatBatch,
+        full: TokenBatch,
+        mb: MicroBatch,
+        row_index: np.ndarray,
+        router_logits: tuple[torch.Tensor, ...],
+        compared: np.ndarray,
+    ) -> None:
+        """The routing mismatch of the micro-batch's compared rows (trainer/routing.py) into `out`'s
+        metrics and per-group metrics. The trainer's experts are its router's own choice: the top-k of
+        the float32 softmax of each layer's router logits at the row's position."""
+        sampler = flat.routed_experts
+        assert sampler is not None  # _routing_compared said so
+        k = int(sampler.shape[2])
+        index = torch.from_numpy(row_index).to(router_logits[0].device)
+        with torch.no_grad():
+            per_layer = [torch.softmax(logits.float(), dim=-1)[index].topk(k, dim=-1).indices for logits in router_logits]
+        trainer = torch.stack(per_layer, dim=1).cpu().numpy()  # [R, layers, k]
+        token_differs, layer_share = routing_mismatch(trainer, sampler[mb.rows])
+        out.metrics.update(routing_metrics(token_differs, layer_share, compared))
+        if full.group_ids is None:
+            return
+        group_ids = full.group_ids[torch.from_numpy(mb.rows)].numpy()
+        for gid in np.unique(group_ids).tolist():
+            scoped = routing_metrics(token_differs, layer_share, compared & (group_ids == gid))
+            if scoped:
+                out.per_group.setdefault(int(gid), {}).update(scoped)
 
     def _final_hidden_states(
-        self, input_ids: np.ndarray, position_ids: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, input_ids: np.ndarray, position_ids: np.ndarray, router_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
         """The decoder's output (after the final norm) [L, H] of one packed row, through the model's
         own forward (FSDP2's hooks run on it), with no position projected to the vocabulary
         (`logits_to_keep` empty): the objective does that tile by tile. Second: the model's router
         load-balancing loss over the row's tokens when it is a mixture of experts whose config sets
         `output_router_logits` (transformers' `aux_loss`; without an attention mask every token of the
-        pack counts, and a pack has no padding), else None."""
+        pack counts, and a pack has no padding), else None. Third, with `router_logits` (a mixture of
+        experts): each layer's router logits [L, num_experts] (transformers' `output_router_logits`)."""
         captured: list[torch.Tensor] = []
         hook = _decoder(self.model).register_forward_hook(
             lambda _module, _args, output: captured.append(output.last_hidden_state)
@@ -218,18 +264,22 @@ class HFBackend(RankCommands):
                     position_ids=torch.from_numpy(position_ids).to(self.device)[None],
                     logits_to_keep=torch.zeros(0, dtype=torch.long, device=self.device),
                     use_cache=False,  # with a cache transformers ignores the restarts: plain causal over the pack
+                    **({"output_router_logits": True} if router_logits else {}),
                 )
         finally:
             hook.remove()
-        router_aux = getattr(output, "aux_loss", None)  # MoeCausalLMOutputWithPast; dense outputs have none
-        return captured[0][0], router_aux if isinstance(router_aux, torch.Tensor) else None
+        # MoeCausalLMOutputWithPast; dense outputs have none. Asked for router logits, transformers computes
+        # the aux loss too: it is trained on only when the config sets output_router_logits.
+        router_aux = getattr(output, "aux_loss", None) if getattr(self.model.config, "output_router_logits", False) else None
+        logits = tuple(output.router_logits) if router_logits else None
+        return captured[0][0], router_aux if isinstance(router_aux, torch.Tensor) else None, logits
 
     def _idle_backward(self) -> None:
         """A forward and backward of one token with a zero loss: every parameter gets a (zero)
         gradient, so this rank joins FSDP2's all-gathers and reduce-scatters of a busier rank's
         micro-batch."""
         one = np.zeros(1, dtype=np.int64)
-        hidden, router_aux = self._final_hidden_states(one, one)
+        hidden, router_aux, _ = self._final_hidden_states(one, one)
         weight = _output_weight(self.model)
         zero = (hidden.float().sum() + weight.sum()) * 0.0
         (zero if router_aux is None else zero + router_aux * 0.0).backward()
@@ -347,6 +397,12 @@ def _output_weight(model: torch.nn.Module) -> torch.Tensor:
     if not callable(get_output):
         raise ValueError(f"{type(model).__name__} has no get_output_embeddings() (not a transformers causal LM)")
     return get_output().weight
+
+
+def _is_moe(model: torch.nn.Module) -> bool:
+    """Whether the model is a mixture of experts (its HF config, rlfleet/numerics/views.py `is_moe_config`)."""
+    config = getattr(model, "config", None)
+    return config is not None and is_moe_config(config.to_dict())
 
 
 def _router_aux_loss_coef(model: torch.nn.Module) -> float:

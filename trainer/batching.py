@@ -42,6 +42,11 @@ class FlatBatch:
     groups: np.ndarray  # object [T] sampler group of each token
     rollout_uids: list[str] = field(default_factory=list)  # one per sequence
     dropped_invalid_tokens: int = 0
+    # int32 [T, layers, top_k] (a mixture of experts whose samplers returned routing; None otherwise):
+    # the experts the sampler's router chose at each row's logit position, every id -1 for a row whose
+    # turn carried none (trainer/routing.py compares them with the trainer's own)
+    routed_experts: np.ndarray | None = None
+    trainer_version: int = 0  # the weight version the trainer holds while it trains on this batch
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +78,7 @@ def flatten_groups(
     cand_counts: list[int] = []
     modes: set[str] = set()
     dropped = 0
+    routed_rows: list[np.ndarray | None] = []  # per row, its sampler routing [layers, top_k] (None: not returned)
     for b, (r, adv) in enumerate(zip(rollouts, adv_per_rollout, strict=True)):
         sample_stale = max(0, trainer_version - r.min_version)
         pos = len(r.prompt.input_ids)
@@ -80,6 +86,7 @@ def flatten_groups(
             modes.add(turn.candidate_mode)
             valid = np.ones(turn.num_tokens, dtype=bool) if turn.valid is None else np.asarray(turn.valid, dtype=bool)
             offs = np.asarray(turn.support_offsets, dtype=np.int64)
+            routed = turn.routed_experts  # row P - 1 + i for output token i, P = pos (prompt_ids = the ids so far)
             for i in range(turn.num_tokens):
                 token_pos = pos + i
                 if not valid[i]:
@@ -101,6 +108,7 @@ def flatten_groups(
                 cand_ids.append(np.asarray(turn.support_ids[lo:hi], dtype=np.int64))
                 cand_logq.append(np.asarray(turn.support_logprobs[lo:hi], dtype=np.float32))
                 cand_counts.append(hi - lo)
+                routed_rows.append(None if routed is None else routed[token_pos - 1])
             pos += turn.num_tokens + len(env)
     if len(modes) > 1:
         raise ValueError(f"a batch mixes candidate modes {sorted(modes)}; configure one mode per run")
@@ -124,7 +132,24 @@ def flatten_groups(
         groups=np.array(cols["grp"], dtype=object),
         rollout_uids=[r.uid for r in rollouts],
         dropped_invalid_tokens=dropped,
+        routed_experts=_routed_experts_per_row(routed_rows),
+        trainer_version=trainer_version,
     )
+
+
+def _routed_experts_per_row(rows: list[np.ndarray | None]) -> np.ndarray | None:
+    """Per-row sampler routing -> int32 [T, layers, top_k] (-1 for a row without), None when no row has any."""
+    known = [r for r in rows if r is not None]
+    if not known:
+        return None
+    shapes = {r.shape for r in known}
+    if len(shapes) > 1:
+        raise ValueError(f"a batch's routed experts differ in [layers, top_k]: {sorted(shapes)}")
+    out = np.full((len(rows), *known[0].shape), -1, dtype=np.int32)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i] = r
+    return out
 
 
 @dataclass(frozen=True)

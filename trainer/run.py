@@ -98,6 +98,18 @@ class BaseModel:
         """The HF checkpoint every published view is completed from (config, tokenizer); None: tensor-only."""
         return self.source_dir if is_hf_checkpoint(self.source_dir) else None
 
+    @property
+    def routed_experts_top_k(self) -> int:
+        """The experts each token uses when the checkpoint is a mixture of experts (its config's
+        `num_experts_per_tok`: what a rollout asks its samplers to return, `SamplingConfig.routed_experts_top_k`,
+        so that the trainer measures the routing mismatch, trainer/routing.py); 0 for a dense model."""
+        from rlfleet.numerics.views import is_moe_config
+
+        if not is_hf_checkpoint(self.source_dir):
+            return 0
+        config = json.loads((self.source_dir / "config.json").read_text())
+        return int(config["num_experts_per_tok"]) if is_moe_config(config) else 0
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -299,7 +300,9 @@ class FleetRollouts:
         rc, base = self.rc, self.base
         self.driver = RolloutDriver(
             SamplerClient(self.router, vocab_size=base.vocab_size, api_key=self.api_key), self.env, self.prompts,
-            samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling, max_seq_len=base.max_seq_len,
+            samples_per_prompt=rc.samples_per_prompt, max_seq_len=base.max_seq_len,
+            # a mixture of experts: every turn carries its routing (the reference engine always captures it)
+            sampling=replace(rc.sampling, routed_experts_top_k=base.routed_experts_top_k),
             start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
         )  # fmt: skip
         return self.driver

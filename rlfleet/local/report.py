@@ -1,5 +1,6 @@
 """Run report: metrics JSON + CSV and PNG plots (reward, the task's success and malformed turns beside
-the shaped reward, per-group KL, OOR share, entropy, grad norm, sc_tail_ratio; a plot whose metrics the
+the shaped reward, per-group KL, OOR share, entropy, grad norm, sc_tail_ratio, a mixture of experts'
+routing mismatch; a plot whose metrics the
 run did not produce is not written). Input: the list of per-step flat metric dicts (each with a `step` key) and the
 collapse detector's alerts (trainer/collapse.py `Alert`, or its dict as stored in the run summary's
 `collapse_alerts`): every plot has axis labels and draws each alert as one vertical line at its step,
@@ -31,6 +32,9 @@ PLOTS: tuple[Plot, ...] = (
     Plot("entropy.png", "entropy of p (nats)", ("entropy",), "entropy (nats)"),
     Plot("grad_norm.png", "grad norm", ("grad_norm",), "grad norm (before clipping)"),
     Plot("sc_tail_ratio.png", "sc_tail_ratio (rho)", ("sc_tail_ratio",), "rho = q tail mass / p tail mass"),
+    # a mixture of experts only (trainer/routing.py): tokens routed to other experts than the trainer's
+    Plot("routing.png", "routing mismatch (mixture of experts)", ("routing_mismatch_tokens",),
+         "share of tokens whose experts differ"),
 )
 ALERT_GID = "collapse-alert"  # matplotlib gid of the alert markers (tests find them by it)
 

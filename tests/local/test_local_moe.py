@@ -41,3 +41,13 @@ def test_a_local_run_trains_and_serves_the_tiny_qwen3_moe(tmp_path: Path) -> Non
         with safe_open(str(published / "model.safetensors"), "pt") as f:
             names = set(f.keys())
         assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    # the samplers returned each token's routed experts and the trainer measured its routing against them
+    # (trainer/routing.py): in the report, fleet-wide and per group, and its plot
+    compared = [row for row in report["steps"] if row.get("routing_tokens", 0) > 0]
+    assert compared, "no step compared the samplers' routing with the trainer's"
+    for row in compared:
+        assert 0.0 <= row["routing_mismatch_layers"] <= row["routing_mismatch_tokens"] <= 1.0
+        names = [g["name"] for g in doc["spec"]["samplerGroups"] if row.get(f"group/{g['name']}/routing_tokens")]
+        assert sum(row[f"group/{n}/routing_tokens"] for n in names) == row["routing_tokens"]
+        print("routing", {k: v for k, v in row.items() if "routing" in k})
+    assert (tmp_path / "run" / "report" / "routing.png").exists()
