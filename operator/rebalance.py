@@ -43,7 +43,7 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, fleet_cost_per_1m_usable_tokens
+from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, FleetEconomics, MeasuredGroup, measured_economics
 
 Policy = Literal["throughput", "cost", "static"]
 
@@ -191,6 +191,7 @@ class GroupResult:
     target_share: float
     reason: str
     cost_per_hour: float | None  # USD per hour of the group's GPUs (None: no price)
+    usable_fraction: float  # the share of its tokens inside the MIS band, as its costs count them
     cost_per_1m_tokens: float | None  # USD per 1M tokens, all tokens
     cost_per_1m_useful_tokens: float | None  # USD per 1M in-band tokens
     token_share: float | None
@@ -199,11 +200,6 @@ class GroupResult:
     oor_fraction: float | None
     quarantined: bool
     history: tuple[dict[str, object], ...]
-
-    @property
-    def usable_fraction(self) -> float:
-        """The share of its tokens inside the MIS band, as its cost per usable token counts them."""
-        return 1.0 - out_of_band(self.oor_fraction)
 
     def status_patch(self) -> dict[str, object]:
         """The SamplerGroup status fields the rebalancer owns (camelCase, None dropped)."""
@@ -227,8 +223,7 @@ class RebalanceResult:
     shares: dict[str, float]
     groups: dict[str, GroupResult]
     state: RebalanceState
-    fleet_cost_per_1m_usable_tokens: float | None
-    baseline_cost_per_1m_usable_tokens: float | None  # the reference fleet: the trainer's class at bf16
+    economics: FleetEconomics  # the interval's costs (rlfleet/fleet.py `measured_economics`)
     changes: tuple[str, ...]  # one human-readable line per group whose share moved (for Events)
 
     @property
@@ -236,10 +231,18 @@ class RebalanceResult:
         return bool(self.changes)
 
     @property
+    def fleet_cost_per_1m_usable_tokens(self) -> float | None:
+        return self.economics.cost_per_1m_usable_tokens
+
+    @property
+    def baseline_cost_per_1m_usable_tokens(self) -> float | None:
+        """The reference fleet's: every token made on the trainer's class at bf16."""
+        return self.economics.reference_cost_per_1m_usable_tokens
+
+    @property
     def saving(self) -> float | None:
         """1 - fleet / reference cost per usable token (negative: the fleet costs more). None: either unknown."""
-        fleet, baseline = self.fleet_cost_per_1m_usable_tokens, self.baseline_cost_per_1m_usable_tokens
-        return None if fleet is None or baseline is None or baseline <= 0 else 1.0 - fleet / baseline
+        return self.economics.saving
 
 
 # --- the computation ----------------------------------------------------------------------------
@@ -247,20 +250,6 @@ class RebalanceResult:
 
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None or not math.isfinite(value) else round(value, digits)
-
-
-def out_of_band(oor_fraction: float | None) -> float:
-    """The out-of-range share the costs use: the trainer's, clamped to [0, 1]; 0 until it reports one."""
-    return min(max(oor_fraction or 0.0, 0.0), 1.0)
-
-
-def _group_cost(g: GroupInput, tokens_per_second: float | None, oor_fraction: float) -> float | None:
-    """USD per 1M tokens of the group (usable ones with its `oor_fraction`, all with 0): rlfleet.fleet's
-    formula with the group as one unit of `gpus` GPUs. None: no price (the catalog's 0 is unknown), no
-    GPUs, no reading, or a rate so small the price overflows."""
-    if tokens_per_second is None or g.price_per_gpu_hour <= 0 or g.gpus <= 0:
-        return None
-    return fleet_cost_per_1m_usable_tokens([(tokens_per_second, 1, g.price_per_gpu_hour * g.gpus, oor_fraction)])
 
 
 def group_rate(pods: Mapping[str, PodSample], memory: GroupMemory, now: float) -> float | None:
@@ -321,8 +310,13 @@ def rebalance(
     names = [g.name for g in inputs]
     by_name = {g.name: g for g in inputs}
     eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
-    useful = {n: (tps[n] or 0.0) * (1.0 - out_of_band(by_name[n].oor_fraction)) for n in names}
-    useful_cost = {n: _group_cost(by_name[n], tps[n], out_of_band(by_name[n].oor_fraction)) for n in names}
+    economics = measured_economics(
+        [MeasuredGroup(g.name, g.accelerator, g.weight_format, g.gpus, g.price_per_gpu_hour, tps[g.name], g.oor_fraction)
+         for g in inputs],
+        config.trainer_accelerator, config.trainer_price_per_gpu_hour, config.trainer_tokens_per_gpu_second,
+    )  # fmt: skip
+    useful = {n: (tps[n] or 0.0) * economics.groups[n].usable_fraction for n in names}
+    useful_cost = {n: economics.groups[n].cost_per_1m_usable_tokens for n in names}
     raw = _policy_weights(eligible, by_name, tps, useful, useful_cost, config.policy)
     target = {n: 0.0 for n in names}
     target.update(_target_shares(eligible, raw, config.min_share))
@@ -356,8 +350,9 @@ def rebalance(
             previous_share=old_normalised[name] if old_total > 0 else None,
             target_share=target[name],
             reason=reason,
-            cost_per_hour=g.price_per_gpu_hour * g.gpus if g.price_per_gpu_hour > 0 else None,
-            cost_per_1m_tokens=_group_cost(g, tps[name], 0.0),
+            cost_per_hour=economics.groups[name].cost_per_hour,
+            usable_fraction=economics.groups[name].usable_fraction,
+            cost_per_1m_tokens=economics.groups[name].cost_per_1m_tokens,
             cost_per_1m_useful_tokens=useful_cost[name],
             token_share=token_share,
             oor_share=oor_share,
@@ -367,13 +362,11 @@ def rebalance(
             history=tuple(memory.history),
         )
 
-    fleet_cost, baseline_cost = _fleet_costs(inputs, tps, config)
     return RebalanceResult(
         shares=shares,
         groups=results,
         state=new_state,
-        fleet_cost_per_1m_usable_tokens=fleet_cost,
-        baseline_cost_per_1m_usable_tokens=baseline_cost,
+        economics=economics,
         changes=tuple(changes),
     )
 
@@ -506,35 +499,3 @@ def _traffic_shares(
     else:
         oor_share = None
     return token_share, oor_share
-
-
-def _fleet_costs(
-    inputs: list[GroupInput], tps: Mapping[str, float | None], config: RebalanceConfig
-) -> tuple[float | None, float | None]:
-    """USD per 1M usable tokens of the whole fleet (its USD/h over its usable tokens/h: a group that
-    makes no token still pays its GPUs), and of the reference fleet: every token made on the trainer's
-    accelerator class at bf16 (tokens/s per GPU and out-of-range share of the groups of that class at
-    bf16 when there are, else the configured estimate with no token out of range). None: no price or
-    no reading."""
-    paying = [g for g in inputs if g.gpus > 0]
-    running = [g for g in paying if (tps[g.name] or 0.0) > 0]
-    fleet = None
-    if any(g.price_per_gpu_hour > 0 for g in paying):
-        fleet = fleet_cost_per_1m_usable_tokens(
-            [(max(tps[g.name] or 0.0, 0.0), 1, max(g.price_per_gpu_hour, 0.0) * g.gpus, out_of_band(g.oor_fraction)) for g in paying]
-        )
-    reference = [
-        g for g in running if g.accelerator == config.trainer_accelerator and g.weight_format == REFERENCE_WEIGHT_FORMAT
-    ]
-    per_gpu, oor = config.trainer_tokens_per_gpu_second, 0.0
-    if reference:
-        tokens = sum(tps[g.name] or 0.0 for g in reference)
-        per_gpu = tokens / sum(g.gpus for g in reference)
-        oor = sum((tps[g.name] or 0.0) * out_of_band(g.oor_fraction) for g in reference) / tokens
-    price = config.trainer_price_per_gpu_hour
-    if price is None and reference:
-        price = reference[0].price_per_gpu_hour
-    baseline = None
-    if price is not None and price > 0 and per_gpu:
-        baseline = fleet_cost_per_1m_usable_tokens([(per_gpu, 1, price, oor)])
-    return fleet, baseline

@@ -138,27 +138,25 @@ def export_economics(namespace: str, job_name: str, result: RebalanceResult) -> 
     """Set the fleet-economics gauges of one rebalance result: per group and for the whole fleet,
     tokens/s, USD/h, the usable share of tokens and USD per 1M usable tokens; the reference's cost and
     the saving. Groups gone since the last result lose their label sets."""
-    groups = result.groups.values()
-    for g in groups:
-        labels = (namespace, job_name, g.name)
+    economics = result.economics
+    for name, g in economics.groups.items():
+        labels = (namespace, job_name, name)
         _set(GROUP_GAUGES["tokens_per_second"], g.tokens_per_second, *labels)
         _set(GROUP_GAUGES["cost_per_hour"], g.cost_per_hour, *labels)
         _set(GROUP_GAUGES["usable_fraction"], g.usable_fraction if g.tokens_per_second is not None else None, *labels)
-        _set(GROUP_GAUGES["cost_per_1m_usable_tokens"], g.cost_per_1m_useful_tokens, *labels)
-    names = {g.name for g in groups}
+        _set(GROUP_GAUGES["cost_per_1m_usable_tokens"], g.cost_per_1m_usable_tokens, *labels)
+    names = set(economics.groups)
     for gone in _EXPORTED_GROUPS.get((namespace, job_name), set()) - names:
         for gauge in GROUP_GAUGES.values():
             _remove(gauge, namespace, job_name, gone)
     _EXPORTED_GROUPS[(namespace, job_name)] = names
-    tokens = sum(g.tokens_per_second or 0.0 for g in groups)
-    usable = sum((g.tokens_per_second or 0.0) * g.usable_fraction for g in groups)
     job = {
-        "tokens_per_second": tokens,
-        "cost_per_hour": sum(g.cost_per_hour or 0.0 for g in groups),
-        "usable_fraction": usable / tokens if tokens > 0 else None,
-        "cost_per_1m_usable_tokens": result.fleet_cost_per_1m_usable_tokens,
-        "reference_cost_per_1m_usable_tokens": result.baseline_cost_per_1m_usable_tokens,
-        "saving": result.saving,
+        "tokens_per_second": economics.tokens_per_second,
+        "cost_per_hour": economics.cost_per_hour,
+        "usable_fraction": economics.usable_fraction,
+        "cost_per_1m_usable_tokens": economics.cost_per_1m_usable_tokens,
+        "reference_cost_per_1m_usable_tokens": economics.reference_cost_per_1m_usable_tokens,
+        "saving": economics.saving,
     }
     for key, value in job.items():
         _set(JOB_GAUGES[key], value, namespace, job_name)

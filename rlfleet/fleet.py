@@ -7,6 +7,9 @@ module chooses replicas too.
 - `cost_per_1m_usable_tokens` / `fleet_cost_per_1m_usable_tokens`: USD per million USABLE tokens (inside
   the MIS band: tokens outside it are masked by the objective and teach nothing, docs/objective.md) from
   tokens/s per replica, replicas, cost per replica-hour and out-of-range share.
+- `measured_economics(groups, reference_accelerator)`: a running fleet's figures per interval (per group
+  and fleet: tokens/s, USD/h, usable share, USD per 1M usable tokens; the reference's and the saving):
+  the operator's rebalancer and a local run's report both take them from here.
 - `plan_fleet(request)`: integer replicas per group minimising the fleet's cost per hour subject to
   usable tokens/s >= the trainer's demand, per-group and fleet-wide (token-weighted) mismatch budgets,
   replica bounds and a bounded change per interval, solved as a MILP with `scipy.optimize.milp`; then
@@ -70,6 +73,114 @@ def fleet_cost_per_1m_usable_tokens(groups: Iterable[tuple[float, int, float, fl
     cost = dollars_per_hour / (usable_per_second * SECONDS_PER_HOUR) * 1e6
     # A subnormal rate overflows to inf (and inf / inf makes the rebalancer's cost shares NaN): no price.
     return cost if math.isfinite(cost) else None
+
+
+# --- a running fleet's figures (the operator's rebalance interval, a local run's step) ------------------
+
+
+@dataclass(frozen=True)
+class MeasuredGroup:
+    """One sampler group over one interval, as measured."""
+
+    name: str
+    accelerator: str
+    weight_format: str
+    gpus: int  # the GPUs it pays for (replicas x tensor parallelism)
+    cost_per_gpu_hour: float  # USD (the catalog's, or its override's); 0: unknown
+    tokens_per_second: float | None  # decode tokens/s; None: no reading yet
+    oor_fraction: float | None  # share of its tokens outside the MIS band; None: not reported (counted as 0)
+
+    @property
+    def usable_fraction(self) -> float:
+        return 1.0 - min(max(self.oor_fraction or 0.0, 0.0), 1.0)
+
+
+@dataclass(frozen=True)
+class GroupEconomics:
+    tokens_per_second: float | None
+    cost_per_hour: float | None  # None: no price
+    usable_fraction: float
+    cost_per_1m_tokens: float | None  # every token, usable or not
+    cost_per_1m_usable_tokens: float | None
+
+
+@dataclass(frozen=True)
+class FleetEconomics:
+    """Per group and for the whole fleet: tokens/s, USD/h, the usable share of tokens, USD per 1M usable
+    tokens; the reference fleet's USD per 1M usable tokens and the saving against it. None: unknown."""
+
+    groups: dict[str, GroupEconomics]
+    tokens_per_second: float
+    cost_per_hour: float
+    usable_fraction: float | None
+    cost_per_1m_usable_tokens: float | None
+    reference_accelerator: str
+    reference_cost_per_1m_usable_tokens: float | None
+    saving: float | None  # 1 - fleet / reference cost per usable token (negative: the fleet costs more)
+
+
+def _priced_cost_per_1m(g: MeasuredGroup, oor_fraction: float) -> float | None:
+    if g.tokens_per_second is None or g.cost_per_gpu_hour <= 0 or g.gpus <= 0:
+        return None
+    return fleet_cost_per_1m_usable_tokens([(g.tokens_per_second, 1, g.cost_per_gpu_hour * g.gpus, oor_fraction)])
+
+
+def measured_economics(
+    groups: Sequence[MeasuredGroup],
+    reference_accelerator: str,
+    reference_cost_per_gpu_hour: float | None = None,
+    reference_tokens_per_gpu_second: float | None = None,
+) -> FleetEconomics:
+    """The figures of a running fleet. The fleet pays every group's GPUs, also a group that makes no
+    token. The reference fleet makes every token on `reference_accelerator` at bf16: its tokens/s per
+    GPU and out-of-range share are those of the fleet's bf16 groups of that class (else
+    `reference_tokens_per_gpu_second`, none out of range), at `reference_cost_per_gpu_hour` (else the
+    first such group's price); no reference without both."""
+    per_group = {
+        g.name: GroupEconomics(
+            tokens_per_second=g.tokens_per_second,
+            cost_per_hour=g.cost_per_gpu_hour * g.gpus if g.cost_per_gpu_hour > 0 else None,
+            usable_fraction=g.usable_fraction,
+            cost_per_1m_tokens=_priced_cost_per_1m(g, 0.0),
+            cost_per_1m_usable_tokens=_priced_cost_per_1m(g, 1.0 - g.usable_fraction),
+        )
+        for g in groups
+    }
+    paying = [g for g in groups if g.gpus > 0]
+    tokens = sum(max(g.tokens_per_second or 0.0, 0.0) for g in paying)
+    usable = sum(max(g.tokens_per_second or 0.0, 0.0) * g.usable_fraction for g in paying)
+    fleet = None
+    if any(g.cost_per_gpu_hour > 0 for g in paying):
+        fleet = fleet_cost_per_1m_usable_tokens(
+            [(max(g.tokens_per_second or 0.0, 0.0), 1, max(g.cost_per_gpu_hour, 0.0) * g.gpus, 1.0 - g.usable_fraction)
+             for g in paying]
+        )  # fmt: skip
+    same = [
+        g for g in paying
+        if g.accelerator == reference_accelerator and g.weight_format == REFERENCE_WEIGHT_FORMAT
+        and (g.tokens_per_second or 0.0) > 0
+    ]  # fmt: skip
+    per_gpu, oor = reference_tokens_per_gpu_second, 0.0
+    if same:
+        same_tokens = sum(g.tokens_per_second or 0.0 for g in same)
+        per_gpu = same_tokens / sum(g.gpus for g in same)
+        oor = 1.0 - sum((g.tokens_per_second or 0.0) * g.usable_fraction for g in same) / same_tokens
+    price = reference_cost_per_gpu_hour
+    if price is None and same:
+        price = same[0].cost_per_gpu_hour
+    reference = None
+    if price is not None and price > 0 and per_gpu:
+        reference = fleet_cost_per_1m_usable_tokens([(per_gpu, 1, price, oor)])
+    return FleetEconomics(
+        groups=per_group,
+        tokens_per_second=tokens,
+        cost_per_hour=sum(max(g.cost_per_gpu_hour, 0.0) * g.gpus for g in paying),
+        usable_fraction=usable / tokens if tokens > 0 else None,
+        cost_per_1m_usable_tokens=fleet,
+        reference_accelerator=reference_accelerator,
+        reference_cost_per_1m_usable_tokens=reference,
+        saving=1.0 - fleet / reference if fleet is not None and reference else None,
+    )
 
 
 # --- the input (the file `rlfleet fleet plan` reads) -------------------------------------------------
