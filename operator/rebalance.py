@@ -97,7 +97,8 @@ def parse_sglang_metrics(text: str) -> PodSample:
 
 def parse_trainer_group_metrics(text: str) -> dict[str, dict[str, float]]:
     """Per-group trainer metrics from the trainer's exporter (`rlfleet_trainer_<metric>{scope="group",
-    key="<group>"}`): {group: {"kl_k3": .., "oor_fraction": .., "token_share": .., "oor_share": ..}}."""
+    key="<group>"}`): {group: {"kl_k3": .., "oor_fraction": .., "token_share": .., "oor_share": ..,
+    "routing_mismatch_tokens": .. (a mixture of experts)}}."""
     out: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -126,6 +127,9 @@ class GroupInput:
     oor_fraction: float | None = None  # share of this group's tokens outside the MIS band
     token_share: float | None = None  # trainer's view: share of trained tokens from this group
     oor_share: float | None = None  # trainer's view: share of all out-of-range tokens
+    # a mixture of experts: share of this group's tokens routed to other experts than the trainer's
+    # (the trainer's routing_mismatch_tokens, trainer/routing.py); None for a dense model
+    routing_mismatch: float | None = None
     quarantined: bool = False
     static_share: float | None = None
     tokens_per_second: float | None = None  # a direct reading (e.g. from Prometheus) instead of pods
@@ -198,6 +202,7 @@ class GroupResult:
     oor_share: float | None
     kl: float | None
     oor_fraction: float | None
+    routing_mismatch: float | None
     quarantined: bool
     history: tuple[dict[str, object], ...]
 
@@ -212,6 +217,7 @@ class GroupResult:
             "oorFraction": _round(self.oor_fraction, 6),
             "tokenShare": _round(self.token_share, 4),
             "oorShare": _round(self.oor_share, 4),
+            "routingMismatch": _round(self.routing_mismatch, 6),
             "quarantined": self.quarantined,
             "shareHistory": [dict(h) for h in self.history],
         }
@@ -358,6 +364,7 @@ def rebalance(
             oor_share=oor_share,
             kl=g.kl,
             oor_fraction=g.oor_fraction,
+            routing_mismatch=g.routing_mismatch,
             quarantined=g.quarantined,
             history=tuple(memory.history),
         )

@@ -250,6 +250,7 @@ def group_input(
         oor_fraction=trainer.get("oor_fraction"),
         token_share=trainer.get("token_share"),
         oor_share=trainer.get("oor_share"),
+        routing_mismatch=trainer.get("routing_mismatch_tokens"),
         quarantined=st.quarantine_reason(dict(sg), collapse_quarantine) is not None,
         static_share=job.spec.router.static_shares.get(name),
         tokens_per_second=tokens_per_second,

@@ -46,7 +46,7 @@ FOREIGN_WEIGHTS_REASON = "ForeignWeightVersion"
 NO_REPORT_REASON = "NoSubscriberReport"
 # SamplerGroup status fields that come from the rebalance tick (operator/rebalance.py GroupResult)
 REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPerHour", "costPer1MTokens", "kl", "oorFraction", "tokenShare", "oorShare",
-                    "shareHistory")  # fmt: skip
+                    "routingMismatch", "shareHistory")  # fmt: skip
 # RLJob status fields that come from the rebalance tick (fleet cost) and the trainer's exporter
 JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens", "savingPercent")
 # A condition's message and an RLJob's status.message stay short: `kubectl describe` and Argo CD show them

@@ -264,6 +264,8 @@ def samplergroup_crd(catalog: Catalog) -> dict[str, Any]:
         {"name": "Reason", "type": "string", "jsonPath": ".status.reason"},
         {"name": "KV", "type": "string", "jsonPath": ".spec.kvCacheDtype", "priority": 1},
         {"name": "$/h", "type": "number", "jsonPath": ".status.costPerHour", "priority": 1},
+        {"name": "Routing", "type": "number", "jsonPath": ".status.routingMismatch", "priority": 1,
+         "description": "Share of tokens routed to other experts than the trainer's (mixture of experts)"},
         {"name": "$/1M", "type": "number", "jsonPath": ".status.costPer1MTokens", "priority": 1,
          "description": "USD per 1M usable tokens"},
         {"name": "Degraded", "type": "boolean", "jsonPath": ".status.degradedPrecision", "priority": 1},

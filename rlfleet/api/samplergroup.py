@@ -254,6 +254,8 @@ class SamplerGroupStatus(ApiModel):
     """This group's share of all trained tokens."""
     oor_share: float | None = Field(default=None, ge=0.0, le=1.0)
     """This group's share of all out-of-range tokens (compare with tokenShare)."""
+    routing_mismatch: float | None = Field(default=None, ge=0.0, le=1.0)
+    """A mixture of experts only: share of this group's trained tokens whose routed experts (in any layer) differ from the ones the trainer's router picks at the same weights (the trainer's routing_mismatch_tokens)."""
     cost_per_hour: float | None = Field(default=None, ge=0.0)
     """USD per hour of the group's GPUs (replicas x tensorParallel) at the catalog's price per GPU-hour."""
     cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")

@@ -63,6 +63,19 @@ def test_collapse_quarantine_goes_through_the_one_quarantine_path() -> None:
     assert timer.group_input(job, sg, {}, {}, None, frozenset({"h100-fp8"})).quarantined
 
 
+def test_a_groups_routing_mismatch_goes_from_the_trainers_metrics_to_its_status() -> None:
+    """A mixture of experts: the trainer's per-group routing_mismatch_tokens (trainer/routing.py) becomes
+    the SamplerGroup's status.routingMismatch; a dense model's trainer reports none, and the status has none."""
+    job = RLJob.from_manifest(JOB)
+    moe = {"kl_k3": 0.01, "oor_fraction": 0.002, "routing_mismatch_tokens": 0.0625, "routing_mismatch_layers": 0.03125}
+    inputs = [timer.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, moe, 10.0),
+              timer.group_input(job, samplergroup("a100-bf16", {}, accelerator="a100"), {}, {"kl_k3": 0.01}, 10.0)]
+    assert inputs[0].routing_mismatch == 0.0625 and inputs[1].routing_mismatch is None
+    result = rebalance(inputs, None, 0.0, RebalanceConfig())
+    assert result.groups["h100-fp8"].status_patch()["routingMismatch"] == 0.0625
+    assert "routingMismatch" not in result.groups["a100-bf16"].status_patch()
+
+
 def test_fleet_costs_are_rounded_and_unknown_ones_dropped() -> None:
     inputs = [GroupInput("a", 1, 1, 2.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
     result = rebalance(inputs, None, 0.0, RebalanceConfig())
