@@ -10,7 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_trainer_backend_hf import GROUPS, OBJECTIVE, OPTIM, RAGGED, SMALL_MOE, SMALL_QWEN3, make_batch
+from test_trainer_backend_hf import (
+    GROUPS,
+    OBJECTIVE,
+    OPTIM,
+    RAGGED,
+    SMALL_MOE,
+    SMALL_QWEN3,
+    make_batch,
+    spawn,
+)
 
 from rlfleet.records import SampledTurn
 from rlfleet.trainer.backend_common import combine_metrics
@@ -166,6 +175,38 @@ def test_a_moe_step_measures_routing_mismatch_exactly(tiny_qwen3_factory, budget
     flat_metrics = objective_metrics(out, list(GROUPS), {})
     assert flat_metrics["group/h100-fp8/routing_mismatch_layers"] == pytest.approx(
         want(compared & (group == 1))["routing_mismatch_layers"], abs=1e-12)  # fmt: skip
+
+
+def _routed_batch(routed: np.ndarray) -> FlatBatch:
+    flat = make_batch(lens=RAGGED, seed=3)
+    flat.routed_experts = routed
+    return flat
+
+
+def _routing_step_job(rank: int, ckpt: str, routed: np.ndarray) -> dict:
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24)
+    assert backend.distributed and backend.world == 2
+    out, _ = backend.train_step(_routed_batch(routed), GROUPS)
+    return {"metrics": out.metrics, "per_group": out.per_group}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow  # two spawned processes import torch + transformers
+def test_two_gloo_ranks_measure_the_same_routing_mismatch_as_one_process(tmp_path: Path, tiny_qwen3_factory) -> None:
+    """FSDP2 over 2 gloo ranks, each with its own sequences and micro-batches: the merged routing metrics
+    equal one process's (every row at the trainer's version 0; the sampler's experts altered in every
+    4th row's layer 1)."""
+    ckpt = tiny_qwen3_factory(**SMALL_MOE)
+    routed, _ = transformers_routing(ckpt, make_batch(lens=RAGGED, seed=3))
+    for row in range(0, len(routed), 4):
+        routed[row, 1, 0] = next(e for e in range(4) if e not in routed[row, 1])
+    one, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").train_step(_routed_batch(routed), GROUPS)
+    assert one.metrics["routing_mismatch_layers"] == pytest.approx(len(range(0, len(routed), 4)) / (2 * len(routed)))
+    ranks = spawn(tmp_path, _routing_step_job, str(ckpt), routed)
+    for key in ROUTING_KEYS:
+        assert ranks[0]["metrics"][key] == pytest.approx(one.metrics[key], abs=1e-12)
+        for gid in (0, 1):
+            assert ranks[0]["per_group"][gid][key] == pytest.approx(one.per_group[gid][key], abs=1e-12)
 
 
 def test_a_dense_model_reports_no_routing(tiny_qwen3_factory) -> None:
