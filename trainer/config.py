@@ -31,6 +31,7 @@ class GroupSpec:
     weight_format: str  # bf16 | fp8 | nvfp4 | mxfp4: the view the channel publishes for it
     kv_cache_dtype: str = "auto"
     quarantined: bool = False
+    tensor_parallel: int | None = None  # GPUs per replica (None: the catalog's default for the class)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class RunConfig:
     safety: SafetySpec = field(default_factory=SafetySpec)
     max_tokens_per_micro_batch: int = MAX_TOKENS_PER_MICRO_BATCH  # RLJob trainer.maxTokensPerMicroBatch
     activation_checkpointing: bool = False  # RLJob trainer.activationCheckpointing
+    trainer_accelerator: str = "b200"  # RLJob trainer.accelerator: the reference fleet of the cost figures
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
@@ -99,13 +101,14 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         model=TinyQwen3(**lo.model.model_dump(), seed=lo.seed) if local else None,
         views=views_to_publish(g.weight_format for g in spec.sampler_groups),  # 0-replica groups too
         groups=[
-            GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, g.quarantined)
+            GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, g.quarantined, g.tensor_parallel)
             for g in spec.sampler_groups
             if g.replicas > 0
         ],
         safety=spec.safety,
         max_tokens_per_micro_batch=spec.trainer.max_tokens_per_micro_batch,
         activation_checkpointing=spec.trainer.activation_checkpointing,
+        trainer_accelerator=spec.trainer.accelerator,
     )
 
 

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.common import ENGINE_API_KEY_ENV
+from rlfleet.catalog import get_catalog
+from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, MeasuredGroup, measured_economics
 from rlfleet.trainer.config import RunConfig, build_environment, resolve_run
 
 if TYPE_CHECKING:
@@ -54,7 +56,8 @@ RUN_JSON = "run.json"
 # per-episode task figures of the run summary: (metric, label); trainer/metrics.py rollout_metrics
 TASK_FIGURES = (("success_rate", "task success"), ("format_error_rate", "episodes with a malformed turn"))
 # summary key prefix -> the per-step metric averaged over the first and last window (`<prefix>_first`, `_last`)
-SUMMARY_METRICS = {"reward": "reward_mean", "entropy": "entropy", **{key: key for key, _ in TASK_FIGURES}}
+SUMMARY_METRICS = {"reward": "reward_mean", "entropy": "entropy", **{key: key for key, _ in TASK_FIGURES},
+                   "cost_per_1m_usable_tokens": "cost_per_1m_usable_tokens", "saving": "saving"}  # fmt: skip
 
 
 EXIT_FLEET_DIED = 8  # the fleet host died during the run (docs/local.md, "Exit codes"; the others: trainer/failures.py)
@@ -105,7 +108,7 @@ class Progress:
         )
         table = Table(show_edge=False, pad_edge=False)
         table.add_column("group", no_wrap=True, min_width=max(len(g.name) for g in rc.groups))
-        for col in ("fmt", "KV", "tok/s", "share", "ver", "lag", "KL", "OOR", "reward"):
+        for col in ("fmt", "KV", "tok/s", "share", "ver", "lag", "KL", "OOR", "$/1M", "reward"):
             table.add_column(col, justify="left" if col in ("fmt", "KV") else "right", no_wrap=True)
         for g in rc.groups:
             p = f"group/{g.name}/"
@@ -117,9 +120,10 @@ class Progress:
                 "-" if version is None else f"{version:.0f}",
                 "-" if version is None else f"{m['step'] - 1 - version:.0f}",
                 f"{m.get(p + 'kl_k3', 0):.4f}" if n else "-", f"{m.get(p + 'oor_fraction', 0):.2%}" if n else "-",
+                _dollars(m.get(p + "cost_per_1m_usable_tokens")),
                 f"{m.get(p + 'reward_mean', 0):.2f}" if p + "reward_mean" in m else "-",
             )
-        parts: list[RenderableType] = [head, table]
+        parts: list[RenderableType] = [head, table, Text(cost_line(self.rc, m))]
         if alerts:
             parts.append(Text("collapse detector: " + "; ".join(alerts), style="bold red"))
         return Group(*parts)
@@ -138,6 +142,50 @@ class Progress:
     def stop(self) -> None:
         if self.live is not None:
             self.live.stop()
+
+
+def _dollars(value: float | None) -> str:
+    return "-" if value is None else f"${value:.3g}"
+
+
+def cost_line(rc: RunConfig, m: dict[str, float]) -> str:
+    """The step's fleet cost per usable token and its saving, one line (the live table's foot)."""
+    saving = m.get("saving")
+    return (
+        f"fleet {_dollars(m.get('cost_per_hour'))}/h, {_dollars(m.get('cost_per_1m_usable_tokens'))} per 1M usable tokens; "
+        f"{rc.trainer_accelerator} {REFERENCE_WEIGHT_FORMAT} {_dollars(m.get('reference_cost_per_1m_usable_tokens'))}"
+        + ("" if saving is None else f"; saving {saving:.1%}")
+    )
+
+
+def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
+    """The step's cost figures (rlfleet/fleet.py `measured_economics`) as metrics: per group
+    `group/<g>/cost_per_hour`, `group/<g>/usable_fraction`, `group/<g>/cost_per_1m_usable_tokens`; for the
+    fleet `cost_per_hour`, `usable_fraction`, `cost_per_1m_usable_tokens`,
+    `reference_cost_per_1m_usable_tokens` (the trainer's class at bf16) and `saving`. From the step's
+    tokens/s and out-of-range share per group in `m` and the catalog's prices, one replica per group
+    (`tensorParallel` GPUs) as local mode runs them: the mix and the precisions priced at the CPU's
+    speed, not a cluster's. Unknown figures are left out."""
+    catalog = get_catalog()
+    groups = []
+    for g in rc.groups:
+        cls = catalog.get(g.accelerator)
+        p = f"group/{g.name}/"
+        groups.append(MeasuredGroup(g.name, g.accelerator, g.weight_format, g.tensor_parallel or cls.default_tensor_parallel,
+                                    cls.cost_per_gpu_hour, m.get(p + "tokens_per_second"), m.get(p + "oor_fraction")))  # fmt: skip
+    e = measured_economics(groups, rc.trainer_accelerator, catalog.get(rc.trainer_accelerator).cost_per_gpu_hour)
+    figures: dict[str, float | None] = {
+        "cost_per_hour": e.cost_per_hour,
+        "usable_fraction": e.usable_fraction,
+        "cost_per_1m_usable_tokens": e.cost_per_1m_usable_tokens,
+        "reference_cost_per_1m_usable_tokens": e.reference_cost_per_1m_usable_tokens,
+        "saving": e.saving,
+    }
+    for name, ge in e.groups.items():
+        figures[f"group/{name}/cost_per_hour"] = ge.cost_per_hour
+        figures[f"group/{name}/usable_fraction"] = ge.usable_fraction if ge.tokens_per_second is not None else None
+        figures[f"group/{name}/cost_per_1m_usable_tokens"] = ge.cost_per_1m_usable_tokens
+    return {k: v for k, v in figures.items() if v is not None}
 
 
 def group_rollout_extras(groups: list[PromptGroup], dt: float) -> dict[str, float]:
@@ -473,6 +521,7 @@ def run_local(
     def on_step(m: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
         now = time.monotonic()
         m.update(group_rollout_extras(groups, now - last["t"]))
+        m.update(step_economics(rc, m))
         last["t"] = now
         progress.update(m, [a.message for a in detector.history if a.step == int(m["step"])])
 
@@ -573,6 +622,10 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
             parts.append(f"{label} {summary[key + '_first']:.0%} -> {summary[key + '_last']:.0%}")
     if summary["entropy_first"] is not None:
         parts.append(f"policy entropy {summary['entropy_first']:.2f} -> {summary['entropy_last']:.2f} nats/token")
+    if summary.get("cost_per_1m_usable_tokens_last") is not None:
+        saving = summary.get("saving_last")
+        parts.append(f"{_dollars(summary['cost_per_1m_usable_tokens_last'])} per 1M usable tokens"
+                     + ("" if saving is None else f" (saving {saving:.1%} against {rc.trainer_accelerator} bf16)"))
     print("; ".join(parts) + f"; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}")
 
 

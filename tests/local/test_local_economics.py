@@ -1,0 +1,84 @@
+"""A local run's cost figures per step (rlfleet/local/main.py `step_economics`, `cost_line`; the formula is
+rlfleet/fleet.py's): what the report's metrics and the live table show, from hand-computed inputs at the
+built-in catalog's list prices (b200 $5.99, h100 $2.99 per GPU-hour)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlfleet.local.main import SUMMARY_METRICS, cost_line, step_economics, window_mean
+from rlfleet.trainer.config import GroupSpec
+
+GROUPS = [
+    GroupSpec("b200-bf16", "b200", "bf16"),
+    GroupSpec("h100-fp8", "h100", "fp8", tensor_parallel=2),
+    GroupSpec("b200-nvfp4", "b200", "nvfp4"),  # made no token this step
+]
+
+
+def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
+    rc = example_run(groups=GROUPS, trainer_accelerator="b200")
+    m = {
+        "step": 1.0,
+        "group/b200-bf16/tokens_per_second": 100.0, "group/b200-bf16/oor_fraction": 0.2,
+        "group/h100-fp8/tokens_per_second": 300.0, "group/h100-fp8/oor_fraction": 0.0,
+    }  # fmt: skip
+    e = step_economics(rc, m)
+    # b200-bf16: 1 GPU at $5.99 over 80 usable tok/s; h100-fp8: 2 GPUs at $2.99 over 300
+    assert e["group/b200-bf16/cost_per_hour"] == 5.99 and e["group/h100-fp8/cost_per_hour"] == 5.98
+    assert e["group/b200-bf16/usable_fraction"] == pytest.approx(0.8, rel=1e-12)
+    assert e["group/b200-bf16/cost_per_1m_usable_tokens"] == pytest.approx(5.99 / 3600 / 80 * 1e6, rel=1e-12)
+    assert e["group/h100-fp8/cost_per_1m_usable_tokens"] == pytest.approx(5.98 / 3600 / 300 * 1e6, rel=1e-12)
+    # no tokens this step: it pays ($5.99/h) but has no price per token and no usable share
+    assert e["group/b200-nvfp4/cost_per_hour"] == 5.99
+    assert "group/b200-nvfp4/cost_per_1m_usable_tokens" not in e and "group/b200-nvfp4/usable_fraction" not in e
+    # fleet: $17.96/h over 380 usable of 400 tok/s; reference: the b200-bf16 group, $5.99 over 80 usable
+    assert e["cost_per_hour"] == pytest.approx(17.96, rel=1e-12)
+    assert e["usable_fraction"] == pytest.approx(0.95, rel=1e-12)
+    assert e["cost_per_1m_usable_tokens"] == pytest.approx(17.96 / 3600 / 380 * 1e6, rel=1e-12)
+    assert e["reference_cost_per_1m_usable_tokens"] == pytest.approx(5.99 / 3600 / 80 * 1e6, rel=1e-12)
+    assert e["saving"] == pytest.approx(1 - (17.96 / 380) / (5.99 / 80), rel=1e-12)  # 0.3688...
+    line = cost_line(rc, m | e)
+    assert line == "fleet $18/h, $13.1 per 1M usable tokens; b200 bf16 $20.8; saving 36.9%"
+
+
+def test_no_group_of_the_trainer_class_at_bf16_gives_no_reference(example_run) -> None:
+    rc = example_run(groups=GROUPS[1:], trainer_accelerator="b200")
+    e = step_economics(rc, {"group/h100-fp8/tokens_per_second": 300.0})  # no out-of-range share yet: 0
+    assert e["cost_per_1m_usable_tokens"] == pytest.approx((5.98 + 5.99) / 3600 / 300 * 1e6, rel=1e-12)
+    assert "reference_cost_per_1m_usable_tokens" not in e and "saving" not in e
+    assert cost_line(rc, e) == "fleet $12/h, $11.1 per 1M usable tokens; b200 bf16 -"
+
+
+def test_the_summary_averages_the_cost_and_the_saving_over_the_first_and_last_steps() -> None:
+    assert SUMMARY_METRICS["cost_per_1m_usable_tokens"] == "cost_per_1m_usable_tokens"
+    history = [{"step": 1.0, "saving": 0.2}, {"step": 2.0}, {"step": 3.0, "saving": 0.4}]
+    assert window_mean(history, SUMMARY_METRICS["saving"], 1, "last") == 0.4
+
+
+def test_the_live_table_shows_each_groups_cost_per_usable_token_and_the_fleet_line(example_run) -> None:
+    from rich.console import Console
+
+    from rlfleet.local.main import Progress
+
+    rc = example_run(groups=GROUPS, trainer_accelerator="b200")
+    m = {
+        "step": 1.0,
+        "group/b200-bf16/num_tokens": 100.0, "group/b200-bf16/tokens_per_second": 100.0,
+        "group/b200-bf16/oor_fraction": 0.2,
+        "group/h100-fp8/num_tokens": 300.0, "group/h100-fp8/tokens_per_second": 300.0,
+        "group/h100-fp8/oor_fraction": 0.0,
+    }  # fmt: skip
+    m.update(step_economics(rc, m))
+    console = Console(record=True, width=200)
+    console.print(Progress(rc, live=False)._render(m, []))
+    lines = console.export_text().splitlines()
+    header = next(line for line in lines if "tok/s" in line)
+    assert [c.strip() for c in header.split("┃")][-2:] == ["$/1M", "reward"]
+
+    def cost_cell(group: str) -> str:
+        return next(line for line in lines if line.startswith(group)).split("│")[-2].strip()
+
+    # 5.99 / 3600 / 80 * 1e6 = 20.80, 5.98 / 3600 / 300 * 1e6 = 5.537; no tokens: no price
+    assert (cost_cell("b200-bf16"), cost_cell("h100-fp8"), cost_cell("b200-nvfp4")) == ("$20.8", "$5.54", "-")
+    assert "fleet $18/h, $13.1 per 1M usable tokens; b200 bf16 $20.8; saving 36.9%" in lines
