@@ -171,9 +171,11 @@ class RebalanceConfig:
     smoothing: float = 0.5
     history_length: int = 5
     history_min_change: float = 0.005  # smaller moves are not worth a history entry
-    trainer_accelerator: str = "b200"  # the baseline: every token made on the trainer's class
+    # the reference fleet (RLJob spec.router.reference): every token made on this class at bf16
+    trainer_accelerator: str = "b200"
     trainer_price_per_gpu_hour: float | None = None
-    trainer_tokens_per_gpu_second: float | None = None  # if no group runs on the trainer's class
+    trainer_tokens_per_gpu_second: float | None = None  # given: wins over the class's bf16 groups
+    trainer_oor_fraction: float | None = None  # given: wins over the class's bf16 groups (else 0)
 
     def __post_init__(self) -> None:
         if self.policy not in ("throughput", "cost", "static"):
@@ -320,6 +322,7 @@ def rebalance(
         [MeasuredGroup(g.name, g.accelerator, g.weight_format, g.gpus, g.price_per_gpu_hour, tps[g.name], g.oor_fraction)
          for g in inputs],
         config.trainer_accelerator, config.trainer_price_per_gpu_hour, config.trainer_tokens_per_gpu_second,
+        config.trainer_oor_fraction,
     )  # fmt: skip
     useful = {n: (tps[n] or 0.0) * economics.groups[n].usable_fraction for n in names}
     useful_cost = {n: economics.groups[n].cost_per_1m_usable_tokens for n in names}

@@ -205,18 +205,23 @@ def prometheus_query(namespace: str, samplergroup: str, window_seconds: int) -> 
 
 def job_config(job: RLJob) -> RebalanceConfig:
     r = job.spec.router
-    trainer_price: float | None
-    try:
-        trainer_price = get_catalog().get(job.spec.trainer.accelerator).cost_per_gpu_hour
-    except (CatalogError, KeyError):
-        trainer_price = None
+    reference = r.reference
+    accelerator = reference.accelerator or job.spec.trainer.accelerator
+    price: float | None = reference.cost_per_gpu_hour
+    if price is None:
+        try:
+            price = get_catalog().get(accelerator).cost_per_gpu_hour
+        except (CatalogError, KeyError):
+            price = None
     return RebalanceConfig(
         policy=r.policy,
         max_share_change=r.max_share_change,
         min_share=r.min_share,
         smoothing=r.smoothing,
-        trainer_accelerator=job.spec.trainer.accelerator,
-        trainer_price_per_gpu_hour=trainer_price,
+        trainer_accelerator=accelerator,
+        trainer_price_per_gpu_hour=price,
+        trainer_tokens_per_gpu_second=reference.tokens_per_gpu_second,
+        trainer_oor_fraction=reference.oor_fraction,
     )
 
 

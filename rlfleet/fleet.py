@@ -130,12 +130,14 @@ def measured_economics(
     reference_accelerator: str,
     reference_cost_per_gpu_hour: float | None = None,
     reference_tokens_per_gpu_second: float | None = None,
+    reference_oor_fraction: float | None = None,
 ) -> FleetEconomics:
     """The figures of a running fleet. The fleet pays every group's GPUs, also a group that makes no
-    token. The reference fleet makes every token on `reference_accelerator` at bf16: its tokens/s per
-    GPU and out-of-range share are those of the fleet's bf16 groups of that class (else
-    `reference_tokens_per_gpu_second`, none out of range), at `reference_cost_per_gpu_hour` (else the
-    first such group's price); no reference without both."""
+    token. The reference fleet makes every token on `reference_accelerator` at bf16: at
+    `reference_tokens_per_gpu_second` where given, else the tokens/s per GPU of the fleet's bf16 groups
+    of that class; with `reference_oor_fraction` out of range where given, else those groups' share,
+    else none; at `reference_cost_per_gpu_hour` (else the first such group's price). No reference
+    without a throughput and a price."""
     per_group = {
         g.name: GroupEconomics(
             tokens_per_second=g.tokens_per_second,
@@ -160,17 +162,19 @@ def measured_economics(
         if g.accelerator == reference_accelerator and g.weight_format == REFERENCE_WEIGHT_FORMAT
         and (g.tokens_per_second or 0.0) > 0
     ]  # fmt: skip
-    per_gpu, oor = reference_tokens_per_gpu_second, 0.0
+    per_gpu, oor = reference_tokens_per_gpu_second, reference_oor_fraction
     if same:
         same_tokens = sum(g.tokens_per_second or 0.0 for g in same)
-        per_gpu = same_tokens / sum(g.gpus for g in same)
-        oor = 1.0 - sum((g.tokens_per_second or 0.0) * g.usable_fraction for g in same) / same_tokens
+        if per_gpu is None:
+            per_gpu = same_tokens / sum(g.gpus for g in same)
+        if oor is None:
+            oor = 1.0 - sum((g.tokens_per_second or 0.0) * g.usable_fraction for g in same) / same_tokens
     price = reference_cost_per_gpu_hour
     if price is None and same:
         price = same[0].cost_per_gpu_hour
     reference = None
     if price is not None and price > 0 and per_gpu:
-        reference = fleet_cost_per_1m_usable_tokens([(per_gpu, 1, price, oor)])
+        reference = fleet_cost_per_1m_usable_tokens([(per_gpu, 1, price, oor or 0.0)])
     return FleetEconomics(
         groups=per_group,
         tokens_per_second=tokens,

@@ -56,7 +56,8 @@ class RunConfig:
     safety: SafetySpec = field(default_factory=SafetySpec)
     max_tokens_per_micro_batch: int = MAX_TOKENS_PER_MICRO_BATCH  # RLJob trainer.maxTokensPerMicroBatch
     activation_checkpointing: bool = False  # RLJob trainer.activationCheckpointing
-    trainer_accelerator: str = "b200"  # RLJob trainer.accelerator: the reference fleet of the cost figures
+    # the reference fleet of the cost figures: RLJob router.reference.accelerator, else trainer.accelerator
+    reference_accelerator: str = "b200"
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
@@ -108,7 +109,7 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         safety=spec.safety,
         max_tokens_per_micro_batch=spec.trainer.max_tokens_per_micro_batch,
         activation_checkpointing=spec.trainer.activation_checkpointing,
-        trainer_accelerator=spec.trainer.accelerator,
+        reference_accelerator=spec.router.reference.accelerator or spec.trainer.accelerator,
     )
 
 

@@ -429,6 +429,30 @@ class StalenessSpec(ApiModel):
     """Drop samples generated with weights more than this many versions old (none: unbounded, fully async)."""
 
 
+class ReferenceFleetSpec(ApiModel):
+    """The fleet the saving per usable token is measured against: every token made on one class in BF16."""
+
+    accelerator: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    """Its accelerator class (default: trainer.accelerator); it must run BF16."""
+    tokens_per_gpu_second: float | None = Field(default=None, gt=0.0, le=1e9)
+    """Its BF16 decode tokens/s per GPU (default: measured on the job's BF16 groups of that class; with neither, no saving is shown)."""
+    oor_fraction: float | None = Field(default=None, ge=0.0, lt=1.0)
+    """Share of its tokens outside the MIS band (default: that of the job's BF16 groups of the class, else 0)."""
+    cost_per_gpu_hour: float | None = Field(default=None, gt=0.0, le=1e6)
+    """USD per GPU-hour (default: the catalog's price of the class)."""
+
+    @model_validator(mode="after")
+    def _check_class(self) -> ReferenceFleetSpec:
+        if self.accelerator is not None:
+            from rlfleet import catalog
+
+            try:
+                catalog.check_group(self.accelerator, "bf16")
+            except (catalog.CatalogError, KeyError) as exc:
+                raise ValueError(f"router.reference.accelerator: {exc}") from None
+        return self
+
+
 class RouterSpec(PodPlacement):
     """Router and rebalancer."""
 
@@ -464,6 +488,8 @@ class RouterSpec(PodPlacement):
     """Router image (runs `rlfleet router serve`)."""
     admin_token_secret: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """Secret (key `token`) with the router admin token (none: the operator creates one)."""
+    reference: ReferenceFleetSpec = Field(default_factory=ReferenceFleetSpec, json_schema_extra={"default": {}})
+    """The reference fleet of status.savingPercent (default: trainer.accelerator in BF16, as the job's groups of that class measure it)."""
 
     @model_validator(mode="after")
     def _check_static(self) -> RouterSpec:

@@ -153,7 +153,7 @@ def cost_line(rc: RunConfig, m: dict[str, float]) -> str:
     saving = m.get("saving")
     return (
         f"fleet {_dollars(m.get('cost_per_hour'))}/h, {_dollars(m.get('cost_per_1m_usable_tokens'))} per 1M usable tokens; "
-        f"{rc.trainer_accelerator} {REFERENCE_WEIGHT_FORMAT} {_dollars(m.get('reference_cost_per_1m_usable_tokens'))}"
+        f"{rc.reference_accelerator} {REFERENCE_WEIGHT_FORMAT} {_dollars(m.get('reference_cost_per_1m_usable_tokens'))}"
         + ("" if saving is None else f"; saving {saving:.1%}")
     )
 
@@ -162,7 +162,8 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
     """The step's cost figures (rlfleet/fleet.py `measured_economics`) as metrics: per group
     `group/<g>/cost_per_hour`, `group/<g>/usable_fraction`, `group/<g>/cost_per_1m_usable_tokens`; for the
     fleet `cost_per_hour`, `usable_fraction`, `cost_per_1m_usable_tokens`,
-    `reference_cost_per_1m_usable_tokens` (the trainer's class at bf16) and `saving`. From the step's
+    `reference_cost_per_1m_usable_tokens` (`router.reference.accelerator`, default the trainer's class,
+    at bf16, from the run's bf16 groups of that class) and `saving`. From the step's
     tokens/s and out-of-range share per group in `m` and the catalog's prices, one replica per group
     (`tensorParallel` GPUs) as local mode runs them: the mix and the precisions priced at the CPU's
     speed, not a cluster's. Unknown figures are left out."""
@@ -173,7 +174,7 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
         p = f"group/{g.name}/"
         groups.append(MeasuredGroup(g.name, g.accelerator, g.weight_format, g.tensor_parallel or cls.default_tensor_parallel,
                                     cls.cost_per_gpu_hour, m.get(p + "tokens_per_second"), m.get(p + "oor_fraction")))  # fmt: skip
-    e = measured_economics(groups, rc.trainer_accelerator, catalog.get(rc.trainer_accelerator).cost_per_gpu_hour)
+    e = measured_economics(groups, rc.reference_accelerator, catalog.get(rc.reference_accelerator).cost_per_gpu_hour)
     figures: dict[str, float | None] = {
         "cost_per_hour": e.cost_per_hour,
         "usable_fraction": e.usable_fraction,
@@ -625,7 +626,7 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
     if summary.get("cost_per_1m_usable_tokens_last") is not None:
         saving = summary.get("saving_last")
         parts.append(f"{_dollars(summary['cost_per_1m_usable_tokens_last'])} per 1M usable tokens"
-                     + ("" if saving is None else f" (saving {saving:.1%} against {rc.trainer_accelerator} bf16)"))
+                     + ("" if saving is None else f" (saving {saving:.1%} against {rc.reference_accelerator} bf16)"))
     print("; ".join(parts) + f"; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}")
 
 

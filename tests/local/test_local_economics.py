@@ -17,7 +17,7 @@ GROUPS = [
 
 
 def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
-    rc = example_run(groups=GROUPS, trainer_accelerator="b200")
+    rc = example_run(groups=GROUPS, reference_accelerator="b200")
     m = {
         "step": 1.0,
         "group/b200-bf16/tokens_per_second": 100.0, "group/b200-bf16/oor_fraction": 0.2,
@@ -43,7 +43,7 @@ def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
 
 
 def test_no_group_of_the_trainer_class_at_bf16_gives_no_reference(example_run) -> None:
-    rc = example_run(groups=GROUPS[1:], trainer_accelerator="b200")
+    rc = example_run(groups=GROUPS[1:], reference_accelerator="b200")
     e = step_economics(rc, {"group/h100-fp8/tokens_per_second": 300.0})  # no out-of-range share yet: 0
     assert e["cost_per_1m_usable_tokens"] == pytest.approx((5.98 + 5.99) / 3600 / 300 * 1e6, rel=1e-12)
     assert "reference_cost_per_1m_usable_tokens" not in e and "saving" not in e
@@ -61,7 +61,7 @@ def test_the_live_table_shows_each_groups_cost_per_usable_token_and_the_fleet_li
 
     from rlfleet.local.main import Progress
 
-    rc = example_run(groups=GROUPS, trainer_accelerator="b200")
+    rc = example_run(groups=GROUPS, reference_accelerator="b200")
     m = {
         "step": 1.0,
         "group/b200-bf16/num_tokens": 100.0, "group/b200-bf16/tokens_per_second": 100.0,

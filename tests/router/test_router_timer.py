@@ -250,3 +250,37 @@ def test_economics_gauges_per_group_and_job_and_their_removal() -> None:
     assert value("job_cost_per_1m_usable_tokens_usd") == pytest.approx(9.5 / 3600 / 3000 * 1e6, rel=1e-12)
     timer.forget("ns-econ", "job-econ")
     assert value("group_tokens_per_second", "b200-bf16") is None and value("job_tokens_per_second") is None
+
+
+def test_the_rljob_names_the_reference_fleet_and_its_figures_win_over_the_measured_ones() -> None:
+    import copy
+
+    from pydantic import ValidationError
+
+    named = copy.deepcopy(JOB)
+    named["spec"]["router"] = {"reference": {"accelerator": "h200", "tokensPerGpuSecond": 1500, "oorFraction": 0.1}}
+    config = timer.job_config(RLJob.from_manifest(named))
+    assert (config.trainer_accelerator, config.trainer_price_per_gpu_hour) == ("h200", 3.79)  # the catalog's h200
+    assert (config.trainer_tokens_per_gpu_second, config.trainer_oor_fraction) == (1500.0, 0.1)
+    inputs = [
+        GroupInput("h200-bf16", 1, 1, 3.79, accelerator="h200", tokens_per_second=900.0, oor_fraction=0.0),
+        GroupInput("h100-fp8", 1, 2, 2.99, accelerator="h100", weight_format="fp8", tokens_per_second=3000.0),
+    ]
+    costs = timer.fleet_costs(rebalance(inputs, None, 0.0, config))
+    # reference: $3.79 over 1500 x 0.9 = 1350 usable tok/s per GPU (not the h200-bf16 group's 900);
+    # fleet: $3.79 + $5.98 = $9.77/h over 3900 usable tok/s
+    assert costs["baselineCostPer1MTokens"] == round(3.79 / 3600 / 1350 * 1e6, 4)
+    assert costs["savingPercent"] == round(100 * (1 - (9.77 / 3900) / (3.79 / 1350)), 2)  # 10.77
+    assert costs["savingPercent"] == 10.77
+    priced = copy.deepcopy(named)
+    priced["spec"]["router"]["reference"]["costPerGpuHour"] = 4.5
+    assert timer.job_config(RLJob.from_manifest(priced)).trainer_price_per_gpu_hour == 4.5
+
+    for bad, message in (("nope", "unknown accelerator 'nope'"), ("cpu", None)):
+        wrong = copy.deepcopy(JOB)
+        wrong["spec"]["router"] = {"reference": {"accelerator": bad}}
+        if message is None:  # a class that runs bf16 is a valid reference
+            assert timer.job_config(RLJob.from_manifest(wrong)).trainer_accelerator == "cpu"
+            continue
+        with pytest.raises(ValidationError, match=message):
+            RLJob.from_manifest(wrong)
