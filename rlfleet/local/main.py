@@ -135,7 +135,9 @@ class Progress:
             print(
                 f"step {int(m['step'])}/{self.rc.steps} reward={m.get('reward_mean', 0):.3f} kl={m.get('kl_k3', 0):.4f} "
                 f"oor={m.get('oor_fraction', 0):.4f} entropy={m.get('entropy', 0):.3f} grad_norm={m.get('grad_norm', 0):.3g} "
-                f"staleness={m.get('staleness_mean', 0):.2f}" + (f" ALERT {'; '.join(alerts)}" if alerts else ""),
+                f"staleness={m.get('staleness_mean', 0):.2f}"
+                + ("" if (cost := m.get("cost_per_1m_usable_tokens")) is None else f" usd_per_1m_usable={cost:.4g}")
+                + (f" ALERT {'; '.join(alerts)}" if alerts else ""),
                 flush=True,
             )
 

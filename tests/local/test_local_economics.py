@@ -82,3 +82,17 @@ def test_the_live_table_shows_each_groups_cost_per_usable_token_and_the_fleet_li
     # 5.99 / 3600 / 80 * 1e6 = 20.80, 5.98 / 3600 / 300 * 1e6 = 5.537; no tokens: no price
     assert (cost_cell("b200-bf16"), cost_cell("h100-fp8"), cost_cell("b200-nvfp4")) == ("$20.8", "$5.54", "-")
     assert "fleet $18/h, $13.1 per 1M usable tokens; b200 bf16 $20.8; saving 36.9%" in lines
+
+
+def test_the_plain_step_line_ends_with_the_fleet_cost_per_usable_token(example_run, capsys) -> None:
+    from rlfleet.local.main import Progress
+
+    rc = example_run(groups=GROUPS, reference_accelerator="b200")
+    m = {"step": 2.0, "group/b200-bf16/tokens_per_second": 100.0, "group/b200-bf16/oor_fraction": 0.2,
+         "group/h100-fp8/tokens_per_second": 300.0}  # fmt: skip
+    progress = Progress(rc, live=False)
+    progress.update(m | step_economics(rc, m), [])
+    progress.update({"step": 3.0}, [])  # no tokens: no figure
+    first, second = capsys.readouterr().out.splitlines()
+    assert first.startswith("step 2/") and first.endswith(" usd_per_1m_usable=13.13")  # 17.96/3600/380*1e6
+    assert "usd_per_1m_usable" not in second
