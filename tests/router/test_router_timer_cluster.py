@@ -76,7 +76,9 @@ def manifest(prometheus_url: str) -> dict:
                 {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
                 {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "weightFormat": "bf16"},
             ],
-            "router": {"policy": "throughput", "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url},
+            # no b200 group at bf16: the reference fleet's throughput is given
+            "router": {"policy": "throughput", "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url,
+                       "reference": {"tokensPerGpuSecond": 2500}},
             "weightChannel": {"store": {"type": "filesystem", "path": "/weights/rebal"}},
         },
     }
@@ -123,8 +125,15 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
         assert "3000" in row.split() and row.split()[6].startswith("74"), table  # SHARE% column
 
         job = json.loads(kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "json").stdout)
-        # Blended: (b200 $/h + a100 $/h) over 4000 tok/s; baseline: all tokens at the b200 group's rate.
-        assert job["status"]["costPer1MTokens"] > 0 and job["status"]["baselineCostPer1MTokens"] > 0
+        # The fleet: one b200 GPU ($5.99/h, the catalog's) and one a100 ($1.79) over 4000 usable tok/s (no
+        # trainer: no token counted out of range); the reference: b200 at bf16, 2500 tok/s per GPU.
+        fleet, reference = 7.78 / 3600 / 4000 * 1e6, 5.99 / 3600 / 2500 * 1e6
+        assert job["status"]["costPer1MTokens"] == pytest.approx(round(fleet, 4), abs=1e-9)  # 0.5403
+        assert job["status"]["baselineCostPer1MTokens"] == pytest.approx(round(reference, 4), abs=1e-9)  # 0.6656
+        assert job["status"]["savingPercent"] == pytest.approx(round(100 * (1 - fleet / reference), 2), abs=1e-9)
+        wide = kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "wide").stdout
+        header, row = wide.strip().splitlines()
+        assert "SAVING%" in header and "18.82" in row.split(), wide
         events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
         assert any(e.get("reason") == "ShareChanged" for e in events)
 
