@@ -172,10 +172,10 @@ class RebalanceConfig:
     history_length: int = 5
     history_min_change: float = 0.005  # smaller moves are not worth a history entry
     # the reference fleet (RLJob spec.router.reference): every token made on this class at bf16
-    trainer_accelerator: str = "b200"
-    trainer_price_per_gpu_hour: float | None = None
-    trainer_tokens_per_gpu_second: float | None = None  # given: wins over the class's bf16 groups
-    trainer_oor_fraction: float | None = None  # given: wins over the class's bf16 groups (else 0)
+    reference_accelerator: str = "b200"
+    reference_price_per_gpu_hour: float | None = None
+    reference_tokens_per_gpu_second: float | None = None  # given: wins over the class's bf16 groups
+    reference_oor_fraction: float | None = None  # given: wins over the class's bf16 groups (else 0)
 
     def __post_init__(self) -> None:
         if self.policy not in ("throughput", "cost", "static"):
@@ -321,8 +321,8 @@ def rebalance(
     economics = measured_economics(
         [MeasuredGroup(g.name, g.accelerator, g.weight_format, g.gpus, g.price_per_gpu_hour, tps[g.name], g.oor_fraction)
          for g in inputs],
-        config.trainer_accelerator, config.trainer_price_per_gpu_hour, config.trainer_tokens_per_gpu_second,
-        config.trainer_oor_fraction,
+        config.reference_accelerator, config.reference_price_per_gpu_hour, config.reference_tokens_per_gpu_second,
+        config.reference_oor_fraction,
     )  # fmt: skip
     useful = {n: (tps[n] or 0.0) * economics.groups[n].usable_fraction for n in names}
     useful_cost = {n: economics.groups[n].cost_per_1m_usable_tokens for n in names}

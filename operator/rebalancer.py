@@ -218,10 +218,10 @@ def job_config(job: RLJob) -> RebalanceConfig:
         max_share_change=r.max_share_change,
         min_share=r.min_share,
         smoothing=r.smoothing,
-        trainer_accelerator=accelerator,
-        trainer_price_per_gpu_hour=price,
-        trainer_tokens_per_gpu_second=reference.tokens_per_gpu_second,
-        trainer_oor_fraction=reference.oor_fraction,
+        reference_accelerator=accelerator,
+        reference_price_per_gpu_hour=price,
+        reference_tokens_per_gpu_second=reference.tokens_per_gpu_second,
+        reference_oor_fraction=reference.oor_fraction,
     )
 
 

@@ -282,7 +282,7 @@ def test_history_keeps_the_last_five_changes_with_reasons_and_skips_noise() -> N
 
 
 def test_status_fields_and_fleet_cost_against_the_trainer_class_baseline() -> None:
-    config = RebalanceConfig(trainer_accelerator="b200", min_share=0.0, max_share_change=1.0)
+    config = RebalanceConfig(reference_accelerator="b200", min_share=0.0, max_share_change=1.0)
     inputs = [
         GroupInput("b200-bf16", 1, 8, 6.0, accelerator="b200", tokens_per_second=8000.0, oor_fraction=0.001,
                    kl=0.001),
@@ -305,7 +305,7 @@ def test_status_fields_and_fleet_cost_against_the_trainer_class_baseline() -> No
     assert patch["shareHistory"][0]["time"] == "2023-11-14T22:13:20Z"
     # Without a group on the trainer class the baseline needs an estimate (or stays unknown).
     assert rebalance(inputs[1:], None, 0.0, config).baseline_cost_per_1m_usable_tokens is None
-    estimated = RebalanceConfig(trainer_price_per_gpu_hour=6.0, trainer_tokens_per_gpu_second=1500.0)
+    estimated = RebalanceConfig(reference_price_per_gpu_hour=6.0, reference_tokens_per_gpu_second=1500.0)
     assert rebalance(inputs[1:], None, 0.0, estimated).baseline_cost_per_1m_usable_tokens == pytest.approx(6 / 3600 / 1500 * 1e6)
 
 

@@ -52,8 +52,8 @@ def test_group_input_takes_price_gpus_quarantine_and_trainer_metrics_from_the_ri
     plain = timer.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, {}, None)
     assert (plain.gpus, plain.ready_replicas, plain.quarantined) == (2, 0, False)
     config = timer.job_config(job)
-    assert config.trainer_accelerator == "b200" and config.max_share_change == 0.1
-    assert config.trainer_price_per_gpu_hour == get_catalog().get("b200").cost_per_gpu_hour
+    assert config.reference_accelerator == "b200" and config.max_share_change == 0.1
+    assert config.reference_price_per_gpu_hour == get_catalog().get("b200").cost_per_gpu_hour
 
 
 def test_collapse_quarantine_goes_through_the_one_quarantine_path() -> None:
@@ -95,7 +95,7 @@ def test_fleet_costs_count_usable_tokens_and_the_saving_against_the_trainer_clas
         GroupInput("h100-fp8", 1, 4, 2.0, accelerator="h100", weight_format="fp8", tokens_per_second=3000.0,
                    oor_fraction=0.0),
     ]  # fmt: skip
-    result = rebalance(inputs, None, 0.0, RebalanceConfig(trainer_accelerator="b200"))
+    result = rebalance(inputs, None, 0.0, RebalanceConfig(reference_accelerator="b200"))
     # fleet: $12 + $6 + $8 = $26/h over 1800 + 2400 + 3000 = 7200 usable tok/s
     # reference: $6/GPU-h over 1000 tok/s per GPU x 0.9 = 900 usable tok/s per GPU
     fleet, reference = 26 / 3600 / 7200 * 1e6, 6 / 3600 / 900 * 1e6
@@ -221,7 +221,7 @@ def test_economics_gauges_per_group_and_job_and_their_removal() -> None:
         GroupInput("h100-fp8", 1, 4, 2.0, accelerator="h100", weight_format="fp8", tokens_per_second=3000.0),
         GroupInput("a100-idle", 1, 1, 1.5, accelerator="a100", tokens_per_second=0.0),  # pays, makes nothing
     ]
-    result = rebalance(inputs, None, 0.0, RebalanceConfig(trainer_accelerator="b200"))
+    result = rebalance(inputs, None, 0.0, RebalanceConfig(reference_accelerator="b200"))
     timer.export_economics("ns-econ", "job-econ", result)
 
     def value(name: str, group: str | None = None) -> float | None:
@@ -260,8 +260,8 @@ def test_the_rljob_names_the_reference_fleet_and_its_figures_win_over_the_measur
     named = copy.deepcopy(JOB)
     named["spec"]["router"] = {"reference": {"accelerator": "h200", "tokensPerGpuSecond": 1500, "oorFraction": 0.1}}
     config = timer.job_config(RLJob.from_manifest(named))
-    assert (config.trainer_accelerator, config.trainer_price_per_gpu_hour) == ("h200", 3.79)  # the catalog's h200
-    assert (config.trainer_tokens_per_gpu_second, config.trainer_oor_fraction) == (1500.0, 0.1)
+    assert (config.reference_accelerator, config.reference_price_per_gpu_hour) == ("h200", 3.79)  # the catalog's h200
+    assert (config.reference_tokens_per_gpu_second, config.reference_oor_fraction) == (1500.0, 0.1)
     inputs = [
         GroupInput("h200-bf16", 1, 1, 3.79, accelerator="h200", tokens_per_second=900.0, oor_fraction=0.0),
         GroupInput("h100-fp8", 1, 2, 2.99, accelerator="h100", weight_format="fp8", tokens_per_second=3000.0),
@@ -274,13 +274,13 @@ def test_the_rljob_names_the_reference_fleet_and_its_figures_win_over_the_measur
     assert costs["savingPercent"] == 10.77
     priced = copy.deepcopy(named)
     priced["spec"]["router"]["reference"]["costPerGpuHour"] = 4.5
-    assert timer.job_config(RLJob.from_manifest(priced)).trainer_price_per_gpu_hour == 4.5
+    assert timer.job_config(RLJob.from_manifest(priced)).reference_price_per_gpu_hour == 4.5
 
     for bad, message in (("nope", "unknown accelerator 'nope'"), ("cpu", None)):
         wrong = copy.deepcopy(JOB)
         wrong["spec"]["router"] = {"reference": {"accelerator": bad}}
         if message is None:  # a class that runs bf16 is a valid reference
-            assert timer.job_config(RLJob.from_manifest(wrong)).trainer_accelerator == "cpu"
+            assert timer.job_config(RLJob.from_manifest(wrong)).reference_accelerator == "cpu"
             continue
         with pytest.raises(ValidationError, match=message):
             RLJob.from_manifest(wrong)
