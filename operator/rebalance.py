@@ -9,8 +9,9 @@ replicas, GPUs and price per GPU-hour (from the catalog), and the trainer's per-
 out-of-range fraction; `state` is the previous result's `state` (None the first time). The result
 holds the new shares (push them to the router), per-group status fields (patch SamplerGroup status),
 a bounded share history with reasons, and the fleet's blended cost per 1M usable tokens (inside the
-MIS band) against the reference fleet's: every token made on the trainer's class at bf16. The cost
-formula is rlfleet/fleet.py's, the one `rlfleet fleet plan` uses.
+MIS band) against the reference fleet's: every token made at bf16 on the class the RLJob's
+`spec.router.reference` names (default the trainer's). The cost formula is rlfleet/fleet.py's, the
+one `rlfleet fleet plan` uses.
 
 The rules, in order:
 1. Throughput per group = decode tokens/s as SGLang exports them per interval, summed over pods: the
@@ -244,7 +245,7 @@ class RebalanceResult:
 
     @property
     def baseline_cost_per_1m_usable_tokens(self) -> float | None:
-        """The reference fleet's: every token made on the trainer's class at bf16."""
+        """The reference fleet's: every token made on `RebalanceConfig.reference_accelerator` at bf16."""
         return self.economics.reference_cost_per_1m_usable_tokens
 
     @property
