@@ -38,12 +38,15 @@ Mixture of experts (Qwen3-MoE, transformers' `Qwen3MoeForCausalLM`): trained lik
 config sets `output_router_logits`, the model's router load-balancing loss (transformers' `aux_loss`, over
 every token of the packed micro-batch) times the config's `router_aux_loss_coef` is added to the policy
 loss, each micro-batch's weighted by its valid tokens (docs/objective.md "Mixture of experts"). The reported
-loss is the policy loss alone.
+loss is the policy loss alone. With `routing_replay` (RLJob `correction.routingReplay`) each trained token's
+logit position is routed to the experts its sampler chose (trainer/routing_replay.py, docs/objective.md
+"Routing replay").
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,7 @@ from rlfleet.trainer.backend_common import (
 from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 from rlfleet.trainer.routing import routing_metrics, routing_mismatch
+from rlfleet.trainer.routing_replay import check_replayable, replay_routing
 
 
 class HFBackend(RankCommands):
@@ -78,13 +82,16 @@ class HFBackend(RankCommands):
         distributed: bool | None = None,
         max_tokens_per_micro_batch: int = MAX_TOKENS_PER_MICRO_BATCH,
         activation_checkpointing: bool = False,
+        routing_replay: bool = False,
     ) -> None:
         """`model`: an HF causal LM in fp32 (see `from_pretrained`). `distributed`: shard with FSDP2
         over the default process group (default: when torch.distributed is initialised with > 1 rank;
         under torchrun with WORLD_SIZE > 1 the process group is initialised here, nccl on GPUs).
         `max_tokens_per_micro_batch`: the token budget of one packed forward and backward (RLJob
         `trainer.maxTokensPerMicroBatch`). `activation_checkpointing`: keep only each decoder layer's
-        input and recompute the layer in backward (transformers' gradient checkpointing)."""
+        input and recompute the layer in backward (transformers' gradient checkpointing).
+        `routing_replay`: route each token to the experts its sampler's router chose (RLJob
+        `correction.routingReplay`, trainer/routing_replay.py); refused for a model with no Qwen3-MoE router."""
         if max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
         self.max_tokens = max_tokens_per_micro_batch
@@ -104,6 +111,9 @@ class HFBackend(RankCommands):
         self.rank = dist.get_rank() if self.distributed else 0
         self.bf16 = self.device.type == "cuda"
         model = model.to(device=self.device, dtype=torch.float32)
+        if routing_replay:
+            check_replayable(model)
+        self.routing_replay = routing_replay
         if activation_checkpointing:  # before FSDP2 wraps the layers; non-reentrant: works under FSDP2 and autocast
             enable: Any = getattr(model, "gradient_checkpointing_enable", None)  # transformers' PreTrainedModel
             if enable is None:
@@ -185,24 +195,41 @@ class HFBackend(RankCommands):
         batch = full.select(torch.from_numpy(mb.rows))
         batch = batch if self.device.type == "cpu" else batch.to(self.device)
         compared = self._routing_compared(flat, mb)
-        hidden, router_aux, router_logits = self._final_hidden_states(input_ids, position_ids, compared is not None)
-        rows = hidden[torch.from_numpy(row_index).to(self.device)]
-        # The output embedding read after the forward: under FSDP2 the root's parameters (embedding,
-        # final norm, lm_head) stay unsharded from its forward until the backward.
-        weight = _output_weight(self.model)
-        out = policy_loss(rows, weight, batch, self.objective, temperature=self.temperature)
-        assert out.loss_sum is not None  # policy_loss always returns the sum
-        total = out.loss_sum
-        if router_aux is not None:
-            # A mixture of experts' load-balancing loss (docs/objective.md "Mixture of experts"): the
-            # micro-batch's, weighted by its valid tokens, so that after the division by the global
-            # count the step adds coef x (the token-weighted mean of the micro-batches' aux losses).
-            total = total + _router_aux_loss_coef(self.model) * router_aux * out.num_valid_tokens
-        total.backward()
+        # The replay stays on through the backward: activation checkpointing recomputes each layer's
+        # forward there, which must route as the first forward did.
+        with self._replayed_routing(flat, mb, row_index, len(input_ids)):
+            hidden, router_aux, router_logits = self._final_hidden_states(input_ids, position_ids, compared is not None)
+            rows = hidden[torch.from_numpy(row_index).to(self.device)]
+            # The output embedding read after the forward: under FSDP2 the root's parameters (embedding,
+            # final norm, lm_head) stay unsharded from its forward until the backward.
+            weight = _output_weight(self.model)
+            out = policy_loss(rows, weight, batch, self.objective, temperature=self.temperature)
+            assert out.loss_sum is not None  # policy_loss always returns the sum
+            total = out.loss_sum
+            if router_aux is not None:
+                # A mixture of experts' load-balancing loss (docs/objective.md "Mixture of experts"): the
+                # micro-batch's, weighted by its valid tokens, so that after the division by the global
+                # count the step adds coef x (the token-weighted mean of the micro-batches' aux losses).
+                total = total + _router_aux_loss_coef(self.model) * router_aux * out.num_valid_tokens
+            total.backward()
         out = replace(out, loss=out.loss.detach(), loss_sum=out.loss_sum.detach())
         if compared is not None and router_logits is not None:
             self._add_routing_metrics(out, flat, full, mb, row_index, router_logits, compared)
         return out
+
+    def _replayed_routing(
+        self, flat: FlatBatch, mb: MicroBatch, row_index: np.ndarray, pack_len: int
+    ) -> AbstractContextManager[None]:
+        """With routing replay on and routing in the batch: the forward routes each row's logit position
+        (`row_index`, where `_add_routing_metrics` reads the trainer's own choice) to the row's sampler
+        experts (trainer/routing_replay.py); positions of no row, and rows of -1, route as usual."""
+        if not self.routing_replay or flat.routed_experts is None:
+            return nullcontext()
+        routed = flat.routed_experts[mb.rows]
+        at_position = np.full((pack_len, *routed.shape[1:]), -1, dtype=np.int64)
+        present = (routed >= 0).all(axis=(1, 2))
+        at_position[row_index[present]] = routed[present]
+        return replay_routing(self.model, torch.from_numpy(at_position).to(self.device))
 
     def _routing_compared(self, flat: FlatBatch, mb: MicroBatch) -> np.ndarray | None:
         """Which of the micro-batch's rows get their sampler routing compared with the trainer's (bool

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.common import views_to_publish
-from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH, SafetySpec
+from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH, ROUTING_REPLAY_LOCAL_DENSE_MESSAGE, SafetySpec
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.tiny_qwen3 import TinyQwen3
@@ -58,6 +58,7 @@ class RunConfig:
     activation_checkpointing: bool = False  # RLJob trainer.activationCheckpointing
     # the reference fleet of the cost figures: RLJob router.reference.accelerator, else trainer.accelerator
     reference_accelerator: str = "b200"
+    routing_replay: bool = False  # RLJob correction.routingReplay (trainer/routing_replay.py)
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
@@ -81,6 +82,9 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         candidate_mode=SUPPORT_MODE if objective.replay else HEAD_MODE,
         head_size=head,
     )
+    if local and spec.correction.routing_replay and lo.model.architecture != "qwen3_moe":
+        # the API cannot refuse it: a cluster job ignores `local` (rlfleet/api/rljob.py)
+        raise ValueError(ROUTING_REPLAY_LOCAL_DENSE_MESSAGE)
     opt = spec.trainer.optimizer
     return RunConfig(
         job_name=job.name,
@@ -110,6 +114,7 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         max_tokens_per_micro_batch=spec.trainer.max_tokens_per_micro_batch,
         activation_checkpointing=spec.trainer.activation_checkpointing,
         reference_accelerator=spec.router.reference.accelerator or spec.trainer.accelerator,
+        routing_replay=spec.correction.routing_replay,
     )
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from rlfleet.api.rljob import ROUTING_REPLAY_MEGATRON_MESSAGE
 from rlfleet.model_source import is_hf_checkpoint
 from rlfleet.store import Store
 from rlfleet.trainer.collapse import CollapseDetector, Decision
@@ -176,8 +177,11 @@ def build_backend(
 
         model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature, device=device,
                                           max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
-                                          activation_checkpointing=rc.activation_checkpointing)
+                                          activation_checkpointing=rc.activation_checkpointing,
+                                          routing_replay=rc.routing_replay)
         return BaseModel(model, int(hf_config["vocab_size"]), seq, source_dir)
+    if rc.routing_replay:  # the API refuses it too (rlfleet/api/rljob.py ROUTING_REPLAY_MEGATRON_MESSAGE)
+        raise TrainingStartError(ROUTING_REPLAY_MEGATRON_MESSAGE)
     from rlfleet.trainer.backend_megatron import MegatronBackend
 
     cfg = megatron_model_config(rc, hf_config, max_seq_len=max_seq_len, parallelism=parallelism, device=device)

@@ -194,6 +194,24 @@ TINY_MOE_MESSAGE = (
     "local.model: numExpertsPerTok must be <= numExperts, and moeIntermediateSize a multiple of 128 (each "
     "expert's projections then fit the fp8 view's 128 x 128 blocks)"
 )
+# Routing replay (R3, trainer/routing_replay.py) hooks transformers' Qwen3-MoE router: the megatron backend
+# builds dense GPT models only (no MoE), and the built-in model on a cluster is the dense tiny Qwen3.
+ROUTING_REPLAY_MEGATRON_RULE = "!has(self.correction.routingReplay) || !self.correction.routingReplay || self.trainer.backend == 'torch'"
+ROUTING_REPLAY_MEGATRON_MESSAGE = (
+    "correction.routingReplay needs trainer.backend: torch (transformers' Qwen3-MoE, as local mode trains): "
+    "the megatron backend has no mixture of experts, so there is no routing to replay"
+)
+ROUTING_REPLAY_DENSE_RULE = (
+    f"!has(self.correction.routingReplay) || !self.correction.routingReplay || !self.model.path.startsWith('{BUILTIN_MODEL}')"
+)
+ROUTING_REPLAY_DENSE_MESSAGE = (
+    f"correction.routingReplay: model {BUILTIN_MODEL} is a dense Qwen3 (no experts, no routing to replay); "
+    "replay needs a mixture of experts (Qwen3-MoE)"
+)
+ROUTING_REPLAY_LOCAL_DENSE_MESSAGE = (
+    "correction.routingReplay: local.model.architecture qwen3 is dense (no experts, no routing to replay); "
+    "set local.model.architecture: qwen3_moe"
+)
 TRAINER_ACCELERATOR_RULE = "self.suspend || self.trainer.accelerator == oldSelf.trainer.accelerator"
 TRAINER_ACCELERATOR_MESSAGE = (
     "trainer.accelerator cannot change on an existing RLJob (the trainer pods would restart mid-run on other "
@@ -414,6 +432,8 @@ class CorrectionSpec(ApiModel):
     """Upper edge c_max of the MIS band."""
     sc_head_size: int = Field(default=128, ge=1, le=MAX_TOP_K)
     """Candidates recorded per token for score centering when no mask is replayed (top_logprobs_num)."""
+    routing_replay: bool = False
+    """Routing replay (R3), mixture-of-experts models: the trainer routes each token to the experts its sampler's router chose, weighted by the trainer's own router softmax over them, so the ratio's pi_theta is evaluated under the sampler's routing, not the trainer's own (a stated bias, docs/objective.md "Routing replay"). Needs trainer.backend torch and a Qwen3-MoE model."""
 
     @model_validator(mode="after")
     def _check_band(self) -> CorrectionSpec:
@@ -653,6 +673,16 @@ class RLJobSpec(ApiModel):
                 },
                 {"rule": BUILTIN_MXFP4_RULE, "message": BUILTIN_MXFP4_MESSAGE, "fieldPath": ".samplerGroups"},
                 {"rule": BUILTIN_TP_RULE, "message": BUILTIN_TP_MESSAGE, "fieldPath": ".samplerGroups"},
+                {
+                    "rule": ROUTING_REPLAY_MEGATRON_RULE,
+                    "message": ROUTING_REPLAY_MEGATRON_MESSAGE,
+                    "fieldPath": ".correction.routingReplay",
+                },
+                {
+                    "rule": ROUTING_REPLAY_DENSE_RULE,
+                    "message": ROUTING_REPLAY_DENSE_MESSAGE,
+                    "fieldPath": ".correction.routingReplay",
+                },
             ]
         }
     }
@@ -727,6 +757,11 @@ class RLJobSpec(ApiModel):
             bad = [f"{who}: {tp}" for who, tp in sizes.items() if _TINY_TP % tp]
             if bad:
                 raise ValueError(f"{BUILTIN_TP_MESSAGE} (got {', '.join(bad)})")
+        if self.correction.routing_replay:
+            if self.trainer.backend != "torch":
+                raise ValueError(ROUTING_REPLAY_MEGATRON_MESSAGE)
+            if self.model.path.startswith(BUILTIN_MODEL):
+                raise ValueError(ROUTING_REPLAY_DENSE_MESSAGE)
         return self
 
 

@@ -661,11 +661,11 @@ def cli(argv: list[str]) -> int:
         return 2
     # absolute: the fleet subprocess runs with the run directory as its cwd (see the fleet start)
     out = Path(args.out or Path("rlfleet-runs") / job.name).resolve()
-    rc = resolve_run(job, local=True)
-    saved = saved_target(out) if args.resume else {}
-    rc.steps = args.steps if args.steps is not None else saved.get("steps", rc.steps)
-    rc.environment = args.environment or saved.get("environment", rc.environment)
     try:
+        rc = resolve_run(job, local=True)  # refuses what only the local block decides (routingReplay, dense model)
+        saved = saved_target(out) if args.resume else {}
+        rc.steps = args.steps if args.steps is not None else saved.get("steps", rc.steps)
+        rc.environment = args.environment or saved.get("environment", rc.environment)
         build_environment(rc)
         check_runnable(rc)
     except (LocalRunError, ValueError) as exc:

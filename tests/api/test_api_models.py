@@ -360,3 +360,37 @@ def test_what_the_builtin_model_cannot_run_is_refused_and_what_it_can_is_accepte
     manifest["spec"]["model"]["path"] = "Qwen/Qwen3-8B"  # a model the API does not know: left to the trainer
     manifest["spec"]["samplerGroups"][3].update(tensorParallel=3, weightFormat="mxfp4")
     RLJob.model_validate(manifest)
+
+
+def test_routing_replay_is_off_by_default_and_refused_where_no_routing_exists() -> None:
+    """correction.routingReplay: false by default (RunConfig too); on, refused for the megatron backend
+    (no mixture of experts) and the built-in dense tiny Qwen3; locally, for a dense local.model; a torch job on
+    a model the API does not know is accepted and carried into the run config."""
+    from rlfleet.api import rljob
+    from rlfleet.trainer.config import resolve_run
+
+    def job(correction: dict, backend: str = "torch", path: str = "/models/m", local: dict | None = None) -> RLJob:
+        return RLJob.from_manifest({
+            "apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "tiny"},
+            "spec": {"model": {"name": "m", "path": path}, "trainer": {"backend": backend},
+                     "correction": correction, "samplerGroups": [{"name": "g", "accelerator": "h100"}],
+                     "weightChannel": {"store": {"path": "/weights"}}, "local": local or {}},
+        })  # fmt: skip
+
+    plain = job({}, backend="megatron")
+    assert plain.spec.correction.routing_replay is False and resolve_run(plain, local=False).routing_replay is False
+    with pytest.raises(ValidationError, match="correction.routingReplay needs trainer.backend: torch"):
+        job({"routingReplay": True}, backend="megatron")
+    with pytest.raises(ValidationError, match="model builtin:tiny-qwen3 is a dense Qwen3"):
+        job({"routingReplay": True}, path="builtin:tiny-qwen3?seed=1")
+    on = job({"routingReplay": True})
+    assert on.spec.correction.routing_replay and on.to_wire()["spec"]["correction"]["routingReplay"] is True
+    assert resolve_run(on, local=False).routing_replay is True
+    with pytest.raises(ValueError, match=r"local.model.architecture qwen3 is dense .* qwen3_moe"):
+        resolve_run(on, local=True)  # the local block's default model is the dense tiny Qwen3
+    moe = job({"routingReplay": True}, local={"model": {"architecture": "qwen3_moe"}})
+    assert resolve_run(moe, local=True).routing_replay is True
+    # the CEL rules say the same to kubectl apply (the real kube-apiserver runs them in tests/operator)
+    rules = {r["message"]: r["rule"] for r in RLJobSpec.model_json_schema()["x-kubernetes-validations"]}
+    assert "self.trainer.backend == 'torch'" in rules[rljob.ROUTING_REPLAY_MEGATRON_MESSAGE]
+    assert "builtin:tiny-qwen3" in rules[rljob.ROUTING_REPLAY_DENSE_MESSAGE]

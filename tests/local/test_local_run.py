@@ -86,6 +86,12 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys):
     assert local.cli([str(EXAMPLE), "--local", "--environment", "nope:nothing"]) == 2
     assert local.cli([str(EXAMPLE), "--local", "--resume", "--out", str(tmp_path / "empty")]) == 2
     assert "nothing to resume" in capsys.readouterr().err
+    replay = [d for d in yaml.safe_load_all((REPO / "examples" / "rljob-cpu-torch.yaml").read_text()) if d["kind"] == "RLJob"][0]
+    replay["spec"]["model"]["path"] = "/models/a-moe"  # a model the API does not know: accepted at apply
+    replay["spec"]["correction"] = {"routingReplay": True}
+    (tmp_path / "replay.yaml").write_text(yaml.safe_dump(replay))
+    assert local.cli([str(tmp_path / "replay.yaml"), "--local"]) == 2  # local mode trains the dense local.model
+    assert "local.model.architecture qwen3 is dense" in capsys.readouterr().err
 
 
 def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
