@@ -11,7 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_trainer_backend_hf import GROUPS, OBJECTIVE, OPTIM, RAGGED, SMALL_MOE, SMALL_QWEN3, make_batch
+from test_trainer_backend_hf import (
+    GROUPS,
+    OBJECTIVE,
+    OPTIM,
+    RAGGED,
+    SMALL_MOE,
+    SMALL_QWEN3,
+    make_batch,
+    one_step,
+    spawn,
+)
 from test_trainer_routing import ROUTING_KEYS, transformers_routing
 
 from rlfleet.trainer.backend_hf import HFBackend
@@ -170,3 +180,44 @@ def test_a_replayed_step_uses_the_samplers_experts_and_measures_the_trainers_own
     assert ckpt_loss == pytest.approx(loss, abs=1e-6)
     for name, g in ckpt_grads.items():
         torch.testing.assert_close(g, grads[name], rtol=0, atol=1e-6)
+
+
+def _altered_routing(ckpt: Path) -> np.ndarray:
+    """transformers' own routing of the RAGGED batch with layer 1 of every 3rd row moved to the other two experts."""
+    own, _ = transformers_routing(ckpt, make_batch(lens=RAGGED, seed=3))
+    for row in range(0, len(own), 3):
+        own[row, 1] = [e for e in range(4) if e not in own[row, 1]]
+    return own
+
+
+def _replayed_step_job(rank: int, ckpt: str, routed: np.ndarray) -> dict:
+    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24,
+                                        routing_replay=True)  # fmt: skip
+    assert backend.distributed and backend.world == 2
+    flat = make_batch(lens=RAGGED, seed=3)
+    flat.routed_experts = routed
+    step = one_step(backend, flat)
+    return {"loss": step["loss"], "metrics": step["metrics"],
+            "grads": {n: g for n, g in step["grads"].items() if "mlp.gate" in n}}  # fmt: skip
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow  # two spawned processes import torch + transformers
+def test_two_gloo_ranks_replay_as_one_process(tmp_path: Path, tiny_qwen3_factory) -> None:
+    """FSDP2 over 2 gloo ranks (the hooks on routers inside sharded layers), each with its own sequences and
+    micro-batches: the same loss, routing metrics and router gradients as one replaying process, whose loss
+    differs from a plain step's (the replay took effect). No load-balancing loss here: it is taken per
+    micro-batch, and the ranks' micro-batches are not the one process's, so it alone would move the gradients."""
+    ckpt = tiny_qwen3_factory(**dict(SMALL_MOE, router_aux_loss_coef=0.0))
+    routed = _altered_routing(ckpt)
+    flat = make_batch(lens=RAGGED, seed=3)
+    flat.routed_experts = routed
+    one = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=True), flat)
+    plain = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu"), flat)
+    assert abs(one["loss"] - plain["loss"]) > 1e-6
+    ranks = spawn(tmp_path, _replayed_step_job, str(ckpt), routed)
+    assert ranks[0]["loss"] == pytest.approx(one["loss"], abs=1e-6)
+    for key in ROUTING_KEYS:
+        assert ranks[0]["metrics"][key] == pytest.approx(one["metrics"][key], abs=1e-12)
+    for name, g in ranks[0]["grads"].items():
+        torch.testing.assert_close(g, one["grads"][name], rtol=0, atol=1e-6)
