@@ -832,7 +832,7 @@ class RLJobStatus(ApiModel):
     cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")
     """USD per million usable tokens (inside the MIS band) of the whole sampler fleet: its USD per hour over its usable tokens per hour."""
     baseline_cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="baselineCostPer1MTokens")
-    """The same for the reference fleet: every token made on the trainer's accelerator class in BF16."""
+    """The same for the reference fleet: every token made in BF16 on the class router.reference names (default trainer.accelerator)."""
     saving_percent: float | None = None
     """100 x (1 - costPer1MTokens / baselineCostPer1MTokens): what the mixed fleet saves per usable token against the reference fleet (negative: it costs more)."""
     conditions: list[Condition] = conditions_field()
