@@ -268,8 +268,18 @@ def test_the_chart_installs_an_operator_that_reconciles_an_rljob(dev_cluster, ns
         apply(kube, job, namespace=ns)
         status = wait_for("the RLJob's status from the in-cluster operator", lambda: (
             s := kube.get_json("rljob", "tiny", "-n", ns).get("status", {})) and s.get("conditions") and s, timeout=180)
-        assert kube.get_json("samplergroup", "tiny-h100-bf16", "-n", ns)["metadata"]["ownerReferences"]
-        assert kube.get_json("statefulset", "tiny-trainer", "-n", ns)
+        # the children may come a moment after the first status (a fresh CRD's storage answers 429 while it
+        # initialises, and the operator retries): wait for them, saying what the operator logged if not
+        def group_made() -> dict[str, Any] | None:
+            got = kube.kubectl("get", "samplergroup", "tiny-h100-bf16", "-n", ns, "-o", "json", check=False)
+            return json.loads(got.stdout) if got.returncode == 0 else None
+
+        try:
+            group = wait_for("the SamplerGroup from the in-cluster operator", group_made, timeout=120)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{status}\n{logs(kube, release_ns, op['metadata']['name'])[-6000:]}") from None
+        assert group["metadata"]["ownerReferences"]
+        wait_for("the trainer StatefulSet", lambda: kube.get_json("statefulset", "tiny-trainer", "-n", ns), timeout=60)
         reasons = {c.get("reason") for c in status["conditions"]}
         assert reasons - {None, ""}, status  # every condition says why, never a bare Pending
         assert '"GET /healthz HTTP/1.1" 200' in logs(kube, release_ns, op["metadata"]["name"])  # the probe, logged
