@@ -251,19 +251,13 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, s: ModelShape):
-        super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+    """A SwiGLU MLP: a dense layer's (intermediate_size) or one expert's (moe_intermediate_size)."""
 
-
-class _Expert(nn.Module):
-    def __init__(self, s: ModelShape):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.moe_intermediate_size, bias=False)
-        self.up_proj = nn.Linear(s.hidden_size, s.moe_intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.moe_intermediate_size, s.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
 
 class _SparseMoe(nn.Module):
@@ -273,14 +267,14 @@ class _SparseMoe(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.gate = nn.Linear(s.hidden_size, s.num_experts, bias=False)
-        self.experts = nn.ModuleList(_Expert(s) for _ in range(s.num_experts))
+        self.experts = nn.ModuleList(_MLP(s.hidden_size, s.moe_intermediate_size) for _ in range(s.num_experts))
 
 
 class _Layer(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.self_attn = _Attention(s)
-        self.mlp: nn.Module = _SparseMoe(s) if s.is_moe else _MLP(s)
+        self.mlp: nn.Module = _SparseMoe(s) if s.is_moe else _MLP(s.hidden_size, s.intermediate_size)
         self.input_layernorm = _Norm(s.hidden_size)
         self.post_attention_layernorm = _Norm(s.hidden_size)
 
@@ -394,7 +388,7 @@ class EngineModel(nn.Module):
         self.routed_experts = torch.stack(routed, dim=2) if routed else None
         return self._linear(_rms_norm(h, self.model.norm.weight, eps), self.output_weight).float()
 
-    def _swiglu(self, x: torch.Tensor, mlp: _MLP | _Expert) -> torch.Tensor:
+    def _swiglu(self, x: torch.Tensor, mlp: _MLP) -> torch.Tensor:
         gated = F.silu(self._linear(x, mlp.gate_proj.weight)) * self._linear(x, mlp.up_proj.weight)
         return self._linear(gated, mlp.down_proj.weight)
 
@@ -413,7 +407,7 @@ class EngineModel(nn.Module):
         for e in torch.unique(flat_chosen).tolist():
             token, slot = torch.where(flat_chosen == e)
             expert = moe.experts[e]
-            assert isinstance(expert, _Expert)  # nn.ModuleList yields nn.Module
+            assert isinstance(expert, _MLP)  # nn.ModuleList yields nn.Module
             contribution = self._swiglu(flat[token], expert) * flat_weights[token, slot, None]
             out.index_add_(0, token, contribution)
         return out.reshape(x.shape), chosen
