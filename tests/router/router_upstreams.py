@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import socket
 import subprocess
 import sys
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -244,6 +246,22 @@ async def _main(args: argparse.Namespace) -> None:
     await upstream.start(args.port)
     print(json.dumps({"port": upstream.port}), flush=True)
     await asyncio.Event().wait()
+
+
+async def eventually(condition: Callable[[], bool | Awaitable[bool]], what: str, bound_s: float) -> None:
+    """Wait (at most `bound_s`) until `condition()` holds: a bool, or an awaitable of one; fail naming
+    `what` otherwise (the router tests' one poll)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    while True:
+        held = condition()
+        if inspect.isawaitable(held):
+            held = await held
+        if held:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {bound_s} s: {what}")
+        await asyncio.sleep(0.02)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from functools import partial
 
 import aiohttp
 import pytest
+import router_upstreams
 from router_upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.router import hashing
@@ -23,14 +24,7 @@ from rlfleet.router.service import BUDGET_KEY, start_service
 BOUND_S = 30.0  # the longest any condition below may take to come true before the test fails
 
 
-async def eventually(condition: Callable[[], bool], what: str) -> None:
-    """Wait (bounded) until `condition()` holds; fail naming `what` otherwise."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + BOUND_S
-    while not condition():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {BOUND_S} s: {what}")
-        await asyncio.sleep(0.02)
+eventually = partial(router_upstreams.eventually, bound_s=BOUND_S)
 
 
 class Bench:

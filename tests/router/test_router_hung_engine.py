@@ -6,9 +6,11 @@ side of the contract: /health_generate as SGLang 0.5.23 answers it, and JSON nes
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import aiohttp
 import pytest
+import router_upstreams
 
 from rlfleet.router import hashing
 from rlfleet.router.config import GroupConfig, RouterConfig
@@ -23,13 +25,7 @@ BOUND_S = 60.0
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-async def eventually(condition, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + BOUND_S
-    while not await condition():
-        if loop.time() > deadline:
-            pytest.fail(f"not within {BOUND_S} s: {what}")
-        await asyncio.sleep(0.05)
+eventually = partial(router_upstreams.eventually, bound_s=BOUND_S)
 
 
 async def test_a_paused_engine_is_ejected_its_requests_move_and_it_returns_when_it_generates() -> None:
