@@ -138,8 +138,11 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     store = store_from_spec(job.spec.weight_channel.store)
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
     started: dict[str, RolloutDriver] = {}
+    returned = False
     try:
-        return _train_rank0(job, args, rc, base, store, checkpoints, started)
+        code = _train_rank0(job, args, rc, base, store, checkpoints, started)
+        returned = True
+        return code
     except (TrainingStartError, PromptFileError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     except Exception as exc:
@@ -160,7 +163,12 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     finally:
         store.close()
         backend.close()
-        leave_process_group()
+        # After a failure the process ends at once without the interpreter's shutdown (cli: os._exit),
+        # so gloo's threads are never torn down and the group need not be destroyed; destroying it there
+        # hung on the real node once (rank 0 inside destroy_process_group after ENOSPC mid-publish, its
+        # follower already gone), which kept the failed trainer's container Running.
+        if returned:
+            leave_process_group()
 
 
 def _train_rank0(
