@@ -31,7 +31,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from rlfleet.api.rljob import RLJob
@@ -82,12 +82,15 @@ def cli(argv: list[str]) -> int:
         return fail(str(exc), 2)
     logging.basicConfig(level=os.environ.get("RLFLEET_LOG_LEVEL", "INFO"))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per rollout request otherwise
-    code = run(job, args)
-    # The run's end, failed or finished, ends the process at once (everything was closed by run()): a
-    # thread the run left (a rollout request in flight, torch's compile workers) kept a failed run alive
-    # once on the real node, and at the interpreter's shutdown a finished rank aborted in about 1 of 4 runs
-    # of the CPU trainer-pod test ("terminate called without an active exception", SIGABRT: a failure the
-    # operator would report as a crash loop). Flush, then exit with the run's code.
+    exit_now(run(job, args))
+
+
+def exit_now(code: int) -> NoReturn:
+    """The run's end, failed or finished, ends the process at once (everything was closed by run()): a
+    thread the run left (a rollout request in flight, torch's compile workers) kept a failed run alive
+    once on the real node, and at the interpreter's shutdown a finished rank aborted in about 1 of 4 runs
+    of the CPU trainer-pod test ("terminate called without an active exception", SIGABRT: a failure the
+    operator would report as a crash loop). Flush, then exit with the run's code."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

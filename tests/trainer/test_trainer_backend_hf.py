@@ -386,6 +386,7 @@ torch.set_num_threads(1)
 import torch.distributed as dist
 from rlfleet.trainer.backend_common import leave_process_group
 from rlfleet.trainer.backend_hf import HFBackend
+from rlfleet.trainer.entrypoint import exit_now
 from test_trainer_backend_hf import GROUPS, OBJECTIVE, OPTIM, make_batch
 assert not dist.is_initialized()
 backend = HFBackend.from_pretrained({ckpt!r}, OBJECTIVE, optim=OPTIM, device="cpu")  # joins torchrun's group
@@ -399,6 +400,7 @@ else:
 leave_process_group()  # as the trainer entrypoint does on every rank
 with open(os.path.join({out!r}, "rank%d.json" % backend.rank), "w") as fh:
     json.dump(result, fh)
+exit_now(0)  # and ends as it does, without the interpreter's shutdown
 """
 
 
