@@ -13,7 +13,10 @@ on the tiny Qwen3 geometry (rlfleet/tiny_qwen3.py: 2 layers, hidden 128) with th
   sum): the hidden states and activations of the micro-batch, the yardstick of the issue's target
   (the after step's extra peak at most 2x this);
 - `padded-fused` (batch only): the before layout (one padded forward) with the fused objective, to
-  separate the cost of padding from the cost of the logits.
+  separate the cost of padding from the cost of the logits;
+- `packed-mask` (batch only): the backend's step with transformers' own sdpa on the packed row (a dense
+  [L, L] block-causal mask, every pair of positions computed) instead of the backend's per-sequence
+  attention (trainer/attention.py): what packing cost before that.
 
 Every case runs in a FRESH subprocess (peak memory is a per-process high-water mark). Memory: the
 Linux peak resident set (VmHWM, reset through /proc/self/clear_refs) during the measured step minus
@@ -190,6 +193,7 @@ def _decoder_step(model, flat) -> None:
 def run_case(args) -> dict:
     import torch
 
+    from rlfleet.trainer.attention import use_varlen_attention
     from rlfleet.trainer.backend_common import OptimConfig
     from rlfleet.trainer.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
@@ -199,12 +203,16 @@ def run_case(args) -> dict:
     flat, warm = make_flat_batch(lengths, args.vocab, seed=1), make_flat_batch([32], args.vocab, seed=2)
     objective, optim = ObjectiveConfig(), OptimConfig(learning_rate=1e-5)
     model = _model(args.vocab, max(lengths))
-    if path == "after":
+    if path in ("after", "packed-mask"):
         backend = HFBackend(model, objective, optim=optim, device="cpu", max_tokens_per_micro_batch=args.max_tokens)
+        if path == "packed-mask":
+            backend.model.set_attn_implementation("sdpa")
+            assert backend.model.config._attn_implementation == "sdpa"
 
         def step(batch) -> None:
             backend.train_step(batch, {GROUP: 0})
     elif path == "decoder":
+        use_varlen_attention(model)  # the backend's attention
 
         def step(batch) -> None:
             _decoder_step(model, batch)
@@ -306,7 +314,8 @@ def batch_table(args: argparse.Namespace) -> None:
           f"({waste['one_forward_tokens']} tokens), packed micro-batches {waste['packed_tokens'] / real - 1:.2f} "
           f"({waste['packed_tokens']} tokens in {waste['micro_batches']} micro-batches of <= {args.max_tokens})")  # fmt: skip
     fits, need = _fits(lengths, args)
-    results = {"after": _run("after", lengths, args), "padded-fused": _run("padded-fused", lengths, args),
+    results = {"after": _run("after", lengths, args), "packed-mask": _run("packed-mask", lengths, args),
+               "padded-fused": _run("padded-fused", lengths, args),
                "before": _run("before", lengths, args) if fits else None}  # fmt: skip
     after = results["after"]
     rows = []

@@ -11,11 +11,13 @@ forward runs in bf16 (autocast on one GPU, FSDP2's MixedPrecisionPolicy with fp3
 reduction on several); the objective's logit tiles are computed and reduced in fp32.
 
 Micro-batches: each rank's sequences are packed (back to back, no padding, position ids restarting at
-each sequence, which transformers turns into a block-causal mask, or flash attention's variable-length
-path) into micro-batches of at most `max_tokens_per_micro_batch` tokens (trainer/batching.py
+each sequence) into micro-batches of at most `max_tokens_per_micro_batch` tokens (trainer/batching.py
 `plan_micro_batches`; a longer sequence trains alone), each forwarded and backwarded in turn, its
 gradient accumulated. A sequence is cut after its last sampled token (causal attention: what follows
-changes no trained row). The model's forward projects no position to the vocabulary
+changes no trained row). Attention over a packed row runs per sequence (trainer/attention.py, the
+variable-length path: no pair across sequences is computed, no [L, L] mask exists); a model whose
+attention does not go through transformers' AttentionInterface keeps its own, with transformers'
+block-causal mask. The model's forward projects no position to the vocabulary
 (`logits_to_keep` empty); the objective does, for the rows of sampled tokens only, tile by tile.
 
 Several processes (FSDP2, `torch.distributed.fsdp.fully_shard`, one shard per rank; `trainer.backend:
@@ -57,6 +59,7 @@ import torch.distributed as dist
 
 from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
 from rlfleet.numerics.views import is_moe_config
+from rlfleet.trainer.attention import use_varlen_attention
 from rlfleet.trainer.backend_common import (
     OptimConfig,
     RankCommands,
@@ -114,6 +117,7 @@ class HFBackend(RankCommands):
         if routing_replay:
             check_replayable(model)
         self.routing_replay = routing_replay
+        self.varlen_attention = use_varlen_attention(model)
         if activation_checkpointing:  # before FSDP2 wraps the layers; non-reentrant: works under FSDP2 and autocast
             enable: Any = getattr(model, "gradient_checkpointing_enable", None)  # transformers' PreTrainedModel
             if enable is None:
@@ -188,8 +192,7 @@ class HFBackend(RankCommands):
 
     def _micro_batch_backward(self, flat: FlatBatch, full: TokenBatch, mb: MicroBatch) -> LossOutput:
         """Forward the micro-batch's sequences packed into one row (position ids restart at each
-        sequence: transformers then masks attention block-causally, or takes flash attention's
-        variable-length path), the fused lm_head + objective on the final hidden states of its rows,
+        sequence: attention stays within each, trainer/attention.py), the fused lm_head + objective on the final hidden states of its rows,
         backward of its loss SUM."""
         input_ids, position_ids, row_index = mb.packed(flat)
         batch = full.select(torch.from_numpy(mb.rows))

@@ -58,7 +58,8 @@ def _chunk_normaliser(z_chunk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     row_max = z_chunk.amax(dim=1)
     probs = torch.softmax(z_chunk, dim=1)  # [c, V] temporary, bounded by the chunk
     sum_exp = probs.amax(dim=1).reciprocal()
-    mean_logit = (probs * z_chunk).sum(dim=1)  # sum_v p_v z_v
+    # sum_v p_v z_v as c dot products (batched matmul): no second [c, V] temporary
+    mean_logit = torch.bmm(probs.unsqueeze(1), z_chunk.unsqueeze(2)).reshape(-1)
     masked = torch.isnan(mean_logit) & torch.isfinite(row_max)
     if bool(masked.any()):  # -inf logits (masked vocabulary padding): 0 * -inf -> NaN; drop those terms
         rows_p, rows_z = probs[masked], z_chunk[masked]
@@ -125,10 +126,10 @@ class _FusedLogSoftmaxAt(torch.autograd.Function):
         stats = [torch.empty(num_rows, dtype=dtype, device=hidden.device) for _ in range(3)]
         with torch.no_grad():
             for rows, cols in _tiles(num_rows, local_vocab, chunk_tokens, chunk_vocab):
-                h = hidden[rows].to(dtype)
+                h = hidden[rows].to(dtype) / temperature  # z = h W^T / temperature, scaled on the [c, H] side
                 acc = None
                 for lo, hi in cols:
-                    z = (h @ weight[lo:hi].to(dtype).T) / temperature  # [c, v]: the only logits that exist
+                    z = h @ weight[lo:hi].to(dtype).T  # [c, v]: the only logits that exist
                     column, hit = _in_tile(local_ids[rows], in_shard[rows], lo, hi)
                     z_ids[rows] += torch.where(hit, z.gather(1, column), 0.0)
                     if normalise:
@@ -162,14 +163,14 @@ class _FusedLogSoftmaxAt(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         for rows, cols in _tiles(hidden.shape[0], weight.shape[0], chunk_tokens, chunk_vocab):
             h = hidden[rows].to(dtype)
+            h_scaled = h / temperature
             for lo, hi in cols:
                 column, hit = _in_tile(local_ids[rows], in_shard[rows], lo, hi)
                 if not normalise and not bool(hit.any()):
                     continue  # replay: only the support's columns get a gradient
                 w = weight[lo:hi].to(dtype)
-                if normalise:
-                    z = (h @ w.T) / temperature
-                    grad_z = (z - safe_lse[rows, None]).exp_().mul_(row_coef[rows, None])
+                if normalise:  # the tile's logits again, turned into p - in place: one [c, v] buffer
+                    grad_z = (h_scaled @ w.T).sub_(safe_lse[rows, None]).exp_().mul_(row_coef[rows, None])
                 else:
                     grad_z = torch.zeros((h.shape[0], hi - lo), dtype=dtype, device=h.device)
                 grad_z.scatter_add_(1, column, torch.where(hit, grad_out[rows], 0.0))

@@ -17,6 +17,7 @@ No stubs: real models, real torch.distributed (gloo, a file:// rendezvous).
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rlfleet.records import SUPPORT_MODE
+from rlfleet.trainer.attention import VARLEN_SDPA, use_varlen_attention
 from rlfleet.trainer.backend_common import OptimConfig, combine_metrics, to_token_batch
 from rlfleet.trainer.backend_hf import HFBackend
 from rlfleet.trainer.batching import FlatBatch, plan_micro_batches
@@ -585,15 +587,23 @@ def test_micro_batch_plan_covers_every_sequence_within_the_budget() -> None:
         plan_micro_batches(flat, np.arange(3), 0)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", VARLEN_SDPA])
 def test_packed_forward_equals_each_sequence_alone(tiny_qwen3_factory, attn: str) -> None:
-    """Position ids that restart at each sequence give a block-causal mask on CPU: every packed logit
-    equals that sequence's own forward (and without use_cache=False they would not: the guard)."""
+    """Position ids that restart at each sequence keep attention within each: transformers' block-causal
+    mask (sdpa, eager) and the backend's per-sequence attention (trainer/attention.py). Every packed logit
+    equals that sequence's own forward with transformers' sdpa (and without use_cache=False they would
+    not: the guard)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(tiny_qwen3_factory(**SMALL_QWEN3)), dtype=torch.float32, attn_implementation=attn
+        str(tiny_qwen3_factory(**SMALL_QWEN3)), dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
+    alone_model = copy.deepcopy(model)
+    if attn == VARLEN_SDPA:
+        assert use_varlen_attention(model)
+    else:
+        model.set_attn_implementation(attn)
+    assert model.config._attn_implementation == attn
     flat = make_batch(lens=RAGGED, seed=3)
     mb = plan_micro_batches(flat, np.arange(len(RAGGED)), 64)[0]
     assert len(mb.seqs) >= 3
@@ -604,11 +614,14 @@ def test_packed_forward_equals_each_sequence_alone(tiny_qwen3_factory, attn: str
                        use_cache=False).logits[0]
         start = 0
         for b, n in zip(mb.seqs.tolist(), mb.lengths.tolist(), strict=True):
-            alone = model(input_ids=torch.from_numpy(flat.input_ids[b, :n])[None]).logits[0]
+            alone = alone_model(input_ids=torch.from_numpy(flat.input_ids[b, :n])[None]).logits[0]
             torch.testing.assert_close(packed[start : start + n], alone, rtol=0, atol=1e-5)
             start += n
         leaky = model(input_ids=torch.from_numpy(input_ids)[None], position_ids=torch.from_numpy(position_ids)[None]).logits[0]
-    assert float((leaky - packed).abs().max()) > 1e-2  # with a cache: plain causal, sequences see each other
+    if attn == VARLEN_SDPA:  # it reads the restarts from the position ids, cache or not
+        torch.testing.assert_close(leaky, packed, rtol=0, atol=1e-6)
+    else:  # with a cache transformers builds a plain causal mask: sequences see each other
+        assert float((leaky - packed).abs().max()) > 1e-2
 
 
 def reference_step(ckpt: Path, flat: FlatBatch) -> dict:
