@@ -10,8 +10,9 @@ out-of-range fraction; `state` is the previous result's `state` (None the first 
 holds the new shares (push them to the router), per-group status fields (patch SamplerGroup status),
 a bounded share history with reasons, and the fleet's blended cost per 1M usable tokens (inside the
 MIS band) against the reference fleet's: every token made at bf16 on the class the RLJob's
-`spec.router.reference` names (default the trainer's). The cost formula is rlfleet/fleet.py's, the
-one `rlfleet fleet plan` uses.
+`spec.router.reference` names (default the trainer's; with no bf16 group of that class, estimated from
+the other groups by the catalog's throughput ratios). The cost formula is rlfleet/fleet.py's, the one
+`rlfleet fleet plan` uses.
 
 The rules, in order:
 1. Throughput per group = decode tokens/s as SGLang exports them per interval, summed over pods: the
@@ -44,6 +45,7 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlfleet.catalog import Catalog
 from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, FleetEconomics, MeasuredGroup, measured_economics
 
 Policy = Literal["throughput", "cost", "static"]
@@ -177,6 +179,8 @@ class RebalanceConfig:
     reference_price_per_gpu_hour: float | None = None
     reference_tokens_per_gpu_second: float | None = None  # given: wins over the class's bf16 groups
     reference_oor_fraction: float | None = None  # given: wins over the class's bf16 groups (else 0)
+    # given: a reference class without a bf16 group is estimated from the other groups by its ratios
+    catalog: Catalog | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("throughput", "cost", "static"):
@@ -323,7 +327,7 @@ def rebalance(
         [MeasuredGroup(g.name, g.accelerator, g.weight_format, g.gpus, g.price_per_gpu_hour, tps[g.name], g.oor_fraction)
          for g in inputs],
         config.reference_accelerator, config.reference_price_per_gpu_hour, config.reference_tokens_per_gpu_second,
-        config.reference_oor_fraction,
+        config.reference_oor_fraction, config.catalog,
     )  # fmt: skip
     useful = {n: (tps[n] or 0.0) * economics.groups[n].usable_fraction for n in names}
     useful_cost = {n: economics.groups[n].cost_per_1m_usable_tokens for n in names}

@@ -95,9 +95,13 @@ JOB_GAUGES = {
                                        "USD per 1M usable tokens of the fleet", _JOB_LABELS),
     "reference_cost_per_1m_usable_tokens": Gauge(
         "rlfleet_operator_job_reference_cost_per_1m_usable_tokens_usd",
-        "USD per 1M usable tokens of the reference fleet (the trainer's class at bf16)", _JOB_LABELS),
+        "USD per 1M usable tokens of the reference fleet (default: the trainer's class at bf16)", _JOB_LABELS),
     "saving": Gauge("rlfleet_operator_job_saving_ratio",
                     "1 - fleet / reference cost per usable token", _JOB_LABELS),
+    "reference_estimated": Gauge(
+        "rlfleet_operator_job_reference_estimated",
+        "1: the reference fleet's throughput is estimated from the catalog's throughput ratios; 0: given or "
+        "measured", _JOB_LABELS),
 }  # fmt: skip
 _EXPORTED_GROUPS: dict[tuple[str, str], set[str]] = {}  # (namespace, job) -> groups with gauges
 
@@ -157,21 +161,26 @@ def export_economics(namespace: str, job_name: str, result: RebalanceResult) -> 
         "cost_per_1m_usable_tokens": economics.cost_per_1m_usable_tokens,
         "reference_cost_per_1m_usable_tokens": economics.reference_cost_per_1m_usable_tokens,
         "saving": economics.saving,
+        "reference_estimated": None if economics.reference_basis is None else float(economics.reference_basis == "estimated"),
     }
     for key, value in job.items():
         _set(JOB_GAUGES[key], value, namespace, job_name)
 
 
-def fleet_costs(result: RebalanceResult) -> dict[str, float]:
-    """The RLJob's fleet and reference cost per 1M usable tokens and the saving in percent of a rebalance
-    result (None dropped)."""
+def fleet_costs(result: RebalanceResult) -> dict[str, float | str]:
+    """The RLJob's fleet and reference cost per 1M usable tokens, the saving in percent and where the
+    reference's throughput came from (`baselineSource`) of a rebalance result (None dropped)."""
     saving = result.saving
     costs = {  # (value, digits)
         "costPer1MTokens": (result.fleet_cost_per_1m_usable_tokens, 4),
         "baselineCostPer1MTokens": (result.baseline_cost_per_1m_usable_tokens, 4),
         "savingPercent": (None if saving is None else 100.0 * saving, 2),
     }
-    return {k: round(v, digits) for k, (v, digits) in costs.items() if v is not None}
+    figures: dict[str, float | str] = {k: round(v, digits) for k, (v, digits) in costs.items() if v is not None}
+    source = result.economics.reference_source
+    if source is not None:
+        figures["baselineSource"] = source
+    return figures
 
 
 # --- pure helpers ------------------------------------------------------------------------------------
@@ -222,6 +231,7 @@ def job_config(job: RLJob) -> RebalanceConfig:
         reference_price_per_gpu_hour=price,
         reference_tokens_per_gpu_second=reference.tokens_per_gpu_second,
         reference_oor_fraction=reference.oor_fraction,
+        catalog=get_catalog(),
     )
 
 

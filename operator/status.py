@@ -48,7 +48,7 @@ NO_REPORT_REASON = "NoSubscriberReport"
 REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPerHour", "costPer1MTokens", "kl", "oorFraction", "tokenShare", "oorShare",
                     "routingMismatch", "shareHistory")  # fmt: skip
 # RLJob status fields that come from the rebalance tick (fleet cost) and the trainer's exporter
-JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens", "savingPercent")
+JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens", "savingPercent", "baselineSource")
 # A condition's message and an RLJob's status.message stay short: `kubectl describe` and Argo CD show them
 # whole, and one reason repeated per group and per condition made a 10 KB status (identical reasons of
 # groups are merged instead, `_merge_groups`).

@@ -9,7 +9,9 @@ module chooses replicas too.
   tokens/s per replica, replicas, cost per replica-hour and out-of-range share.
 - `measured_economics(groups, reference_accelerator)`: a running fleet's figures per interval (per group
   and fleet: tokens/s, USD/h, usable share, USD per 1M usable tokens; the reference's and the saving):
-  the operator's rebalancer and a local run's report both take them from here.
+  the operator's rebalancer and a local run's report both take them from here. A reference class the
+  fleet runs no bf16 group of is estimated from the other groups by the catalog's relative decode
+  throughputs (`estimated_reference_tokens_per_gpu_second`), and says so (`reference_basis`).
 - `plan_fleet(request)`: integer replicas per group minimising the fleet's cost per hour subject to
   usable tokens/s >= the trainer's demand, per-group and fleet-wide (token-weighted) mismatch budgets,
   replica bounds and a bounded change per interval, solved as a MILP with `scipy.optimize.milp`; then
@@ -31,7 +33,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,6 +42,7 @@ from pydantic.alias_generators import to_camel
 from rlfleet.catalog import Catalog, CatalogError, check_group, get_catalog
 
 SECONDS_PER_HOUR = 3600.0
+ReferenceBasis = Literal["given", "measured", "estimated"]
 REFERENCE_WEIGHT_FORMAT = "bf16"  # the trainer's own precision: the reference fleet makes tokens as it trains
 _REL_TOL = 1e-9  # relative cost difference below which two plans cost the same (solver round-off)
 
@@ -117,6 +120,23 @@ class FleetEconomics:
     reference_accelerator: str
     reference_cost_per_1m_usable_tokens: float | None
     saving: float | None  # 1 - fleet / reference cost per usable token (negative: the fleet costs more)
+    # where the reference's tokens/s per GPU came from (None: no reference): "given", "measured" on the
+    # fleet's bf16 groups of its class, or "estimated" from the other groups by the catalog's ratios
+    reference_basis: ReferenceBasis | None = None
+    reference_tokens_per_gpu_second: float | None = None
+
+    @property
+    def reference_source(self) -> str | None:
+        """One line saying what the reference is and whether its throughput is measured (status
+        `baselineSource`, the local report's fleet line)."""
+        if self.reference_basis is None:
+            return None
+        what = f"{self.reference_accelerator} {REFERENCE_WEIGHT_FORMAT}"
+        return {
+            "given": f"{what} at the given tokens/s per GPU",
+            "measured": f"{what} measured on the fleet's {what} groups",
+            "estimated": f"{what} estimated from catalog throughput ratios",
+        }[self.reference_basis]
 
 
 def _priced_cost_per_1m(g: MeasuredGroup, oor_fraction: float) -> float | None:
@@ -125,18 +145,39 @@ def _priced_cost_per_1m(g: MeasuredGroup, oor_fraction: float) -> float | None:
     return fleet_cost_per_1m_usable_tokens([(g.tokens_per_second, 1, g.cost_per_gpu_hour * g.gpus, oor_fraction)])
 
 
+def estimated_reference_tokens_per_gpu_second(
+    groups: Sequence[MeasuredGroup], reference_accelerator: str, catalog: Catalog
+) -> float | None:
+    """Tokens/s per GPU of `reference_accelerator` at bf16 as the measured groups imply it through the
+    catalog's relative decode throughputs: a group of `gpus` GPUs making X tokens/s on class A at format
+    p would make X * ratio(reference, bf16) / ratio(A, p) on as many reference GPUs; summed over the
+    groups with a reading and a ratio, over their GPUs. None: no such group, or no ratio for the reference."""
+    reference = catalog.decode_throughput(reference_accelerator, REFERENCE_WEIGHT_FORMAT)
+    tokens = 0.0
+    gpus = 0
+    for g in groups:
+        ratio = catalog.decode_throughput(g.accelerator, g.weight_format)
+        if reference is None or ratio is None or g.gpus <= 0 or (g.tokens_per_second or 0.0) <= 0:
+            continue
+        tokens += (g.tokens_per_second or 0.0) * reference / ratio
+        gpus += g.gpus
+    return tokens / gpus if gpus else None
+
+
 def measured_economics(
     groups: Sequence[MeasuredGroup],
     reference_accelerator: str,
     reference_cost_per_gpu_hour: float | None = None,
     reference_tokens_per_gpu_second: float | None = None,
     reference_oor_fraction: float | None = None,
+    catalog: Catalog | None = None,
 ) -> FleetEconomics:
     """The figures of a running fleet. The fleet pays every group's GPUs, also a group that makes no
     token. The reference fleet makes every token on `reference_accelerator` at bf16: at
     `reference_tokens_per_gpu_second` where given, else the tokens/s per GPU of the fleet's bf16 groups
-    of that class; with `reference_oor_fraction` out of range where given, else those groups' share,
-    else none; at `reference_cost_per_gpu_hour` (else the first such group's price). No reference
+    of that class, else (with a `catalog`) the estimate of `estimated_reference_tokens_per_gpu_second`;
+    with `reference_oor_fraction` out of range where given, else those bf16 groups' share, else none; at
+    `reference_cost_per_gpu_hour`, else the first such group's price, else the catalog's. No reference
     without a throughput and a price."""
     per_group = {
         g.name: GroupEconomics(
@@ -163,15 +204,20 @@ def measured_economics(
         and (g.tokens_per_second or 0.0) > 0
     ]  # fmt: skip
     per_gpu, oor = reference_tokens_per_gpu_second, reference_oor_fraction
+    basis: ReferenceBasis = "given"
     if same:
         same_tokens = sum(g.tokens_per_second or 0.0 for g in same)
         if per_gpu is None:
-            per_gpu = same_tokens / sum(g.gpus for g in same)
+            per_gpu, basis = same_tokens / sum(g.gpus for g in same), "measured"
         if oor is None:
             oor = 1.0 - sum((g.tokens_per_second or 0.0) * g.usable_fraction for g in same) / same_tokens
+    if per_gpu is None and catalog is not None:
+        per_gpu, basis = estimated_reference_tokens_per_gpu_second(paying, reference_accelerator, catalog), "estimated"
     price = reference_cost_per_gpu_hour
     if price is None and same:
         price = same[0].cost_per_gpu_hour
+    if price is None and catalog is not None and reference_accelerator in catalog.classes:
+        price = catalog.classes[reference_accelerator].cost_per_gpu_hour
     reference = None
     if price is not None and price > 0 and per_gpu:
         reference = fleet_cost_per_1m_usable_tokens([(per_gpu, 1, price, oor or 0.0)])
@@ -184,6 +230,8 @@ def measured_economics(
         reference_accelerator=reference_accelerator,
         reference_cost_per_1m_usable_tokens=reference,
         saving=1.0 - fleet / reference if fleet is not None and reference else None,
+        reference_basis=basis if reference is not None else None,
+        reference_tokens_per_gpu_second=per_gpu if reference is not None else None,
     )
 
 

@@ -235,7 +235,9 @@ def rljob_crd(catalog: Catalog) -> dict[str, Any]:
         {"name": "$/1M", "type": "number", "jsonPath": ".status.costPer1MTokens", "priority": 1,
          "description": "USD per 1M usable tokens of the sampler fleet"},
         {"name": "Saving%", "type": "number", "jsonPath": ".status.savingPercent", "priority": 1,
-         "description": "Saving per usable token against the trainer's class at BF16"},
+         "description": "Saving per usable token against the reference fleet (default: the trainer's class at BF16)"},
+        {"name": "Baseline", "type": "string", "jsonPath": ".status.baselineSource", "priority": 1,
+         "description": "The reference fleet and whether its throughput is given, measured or estimated"},
         {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         _age(),
     ]

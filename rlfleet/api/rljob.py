@@ -455,7 +455,7 @@ class ReferenceFleetSpec(ApiModel):
     accelerator: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     """Its accelerator class (default: trainer.accelerator); it must run BF16."""
     tokens_per_gpu_second: float | None = Field(default=None, gt=0.0, le=1e9)
-    """Its BF16 decode tokens/s per GPU (default: measured on the job's BF16 groups of that class; with neither, no saving is shown)."""
+    """Its BF16 decode tokens/s per GPU (default: measured on the job's BF16 groups of that class, else estimated from the other groups through the catalog's decodeThroughput ratios; status.baselineSource says which)."""
     oor_fraction: float | None = Field(default=None, ge=0.0, lt=1.0)
     """Share of its tokens outside the MIS band (default: that of the job's BF16 groups of the class, else 0)."""
     cost_per_gpu_hour: float | None = Field(default=None, gt=0.0, le=1e6)
@@ -509,7 +509,7 @@ class RouterSpec(PodPlacement):
     admin_token_secret: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """Secret (key `token`) with the router admin token (none: the operator creates one)."""
     reference: ReferenceFleetSpec = Field(default_factory=ReferenceFleetSpec, json_schema_extra={"default": {}})
-    """The reference fleet of status.savingPercent (default: trainer.accelerator in BF16, as the job's groups of that class measure it)."""
+    """The reference fleet of status.savingPercent (default: trainer.accelerator in BF16, as the job's groups of that class measure it, else as the catalog's throughput ratios estimate it from the other groups)."""
 
     @model_validator(mode="after")
     def _check_static(self) -> RouterSpec:
@@ -835,6 +835,8 @@ class RLJobStatus(ApiModel):
     """The same for the reference fleet: every token made in BF16 on the class router.reference names (default trainer.accelerator)."""
     saving_percent: float | None = None
     """100 x (1 - costPer1MTokens / baselineCostPer1MTokens): what the mixed fleet saves per usable token against the reference fleet (negative: it costs more)."""
+    baseline_source: str | None = Field(default=None, max_length=256)
+    """Where the reference fleet's tokens/s per GPU come from: router.reference.tokensPerGpuSecond ("given"), the job's BF16 groups of the class ("measured"), or the other groups through the catalog's decodeThroughput ratios ("estimated from catalog throughput ratios")."""
     conditions: list[Condition] = conditions_field()
     """Ready, Progressing, Degraded and CollapseRisk conditions."""
 

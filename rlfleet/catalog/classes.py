@@ -4,7 +4,9 @@ can run, and the checks a group must pass.
 A class says how to find its nodes (GPU Feature Discovery `nvidia.com/gpu.product` values, several per
 class because SKUs differ, plus GKE `cloud.google.com/gke-accelerator` values), what it can run
 (weight formats, each `native` or `degraded`, and KV-cache dtypes), which SGLang flags select the
-right kernels, its default tensor parallelism and its price per GPU-hour.
+right kernels, its default tensor parallelism, its price per GPU-hour and its relative decode
+throughput per weight format (`decodeThroughput`: H100 at bf16 = 1, `DECODE_BANDWIDTH_TB_S` and
+`WEIGHT_BYTES_PER_PARAMETER` below say where the figures come from).
 
 What each class really runs (SGLang 0.5.23's code; docs/sampler.md has the table):
 - A100 (sm80) has no FP8 tensor cores: a block-128 FP8 checkpoint runs as Marlin W8A16 (FP8 weights,
@@ -46,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -108,6 +110,10 @@ class AcceleratorClass(_Model):
     kv_cache_dtypes: list[str]
     default_tensor_parallel: int = Field(default=1, ge=1, le=8)
     cost_per_gpu_hour: float = Field(ge=0.0)  # USD, list price; override per cluster
+    # decode tokens/s per GPU relative to H100 at bf16, per weight format: how a reference fleet's
+    # throughput is estimated from groups measured on other classes and formats (fleet.py); a format
+    # missing here (and a CPU class) gives no estimate. Override per cluster with measured ratios.
+    decode_throughput: dict[str, Annotated[float, Field(gt=0.0, le=1000.0)]] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict)  # env for every engine server of the class
     # default requests/limits of the engine container and of the trainer container (the GPU count is
     # added for GPU classes; a group's / the trainer's `resources` are merged over these)
@@ -220,6 +226,36 @@ _REFERENCE_NOTE = (
     "emulated on CPU by the reference engine (rlfleet sampler serve --engine reference): {what}, "
     "BF16 activations; no GPU"
 )
+
+
+# HBM (GDDR7 on the RTX PRO 6000) bandwidth per GPU in TB/s, from NVIDIA's datasheets, of the SKU each
+# class is priced at (SXM; PCIe and NVL parts of a class differ). Sampling in RL is decode: long
+# rollouts, prompts prefilled once and prefix-cached; a decode step at a sampler's batch sizes reads
+# every weight (and the KV cache) from memory and is bound by that bandwidth, not by the tensor TFLOPS
+# that bound prefill, so the bandwidth ratio is the throughput ratio of the catalog's estimate.
+DECODE_BANDWIDTH_TB_S: dict[str, float] = {
+    "a100": 2.039,  # A100 80GB SXM: 2,039 GB/s (NVIDIA A100 Tensor Core GPU datasheet)
+    "h100": 3.35,  # H100 SXM: 3.35 TB/s (NVIDIA H100 Tensor Core GPU datasheet)
+    "h200": 4.8,  # H200 SXM: 4.8 TB/s (NVIDIA H200 Tensor Core GPU datasheet)
+    "b200": 8.0,  # B200: 8 TB/s per GPU (NVIDIA DGX B200 / HGX B200 datasheet: 64 TB/s for 8 GPUs)
+    "b300": 8.0,  # B300 (Blackwell Ultra): 8 TB/s per GPU (NVIDIA HGX B300 specifications)
+    "rtx-pro-6000": 1.597,  # RTX PRO 6000 Blackwell Server Edition: 1,597 GB/s GDDR7 (NVIDIA datasheet)
+}
+# Bytes each weight reads per decode step in a weight format: bf16 2; fp8 1 (block-128 scales, one FP32
+# per 128x128 block, are 0.02% more and left out; A100's W8A16 Marlin reads the same FP8 weights);
+# nvfp4 0.5 + one FP8 E4M3 scale per 16 values = 0.5625; mxfp4 quantizes MoE experts only, a dense
+# model's linear layers stay BF16, so it counts as bf16 (an MoE model decodes faster than that).
+WEIGHT_BYTES_PER_PARAMETER: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5625, "mxfp4": 2.0}
+THROUGHPUT_UNIT = "h100"  # decodeThroughput 1.0: this class at bf16
+
+
+def catalog_decode_throughput(name: str, weight_formats: Mapping[str, FormatProfile]) -> dict[str, float]:
+    """The built-in relative decode throughput of class `name` per weight format it runs: its bandwidth
+    over H100's, times bf16's bytes per weight over the format's. The KV cache's reads do not shrink
+    with the weight format, so at large batches a smaller format gains less than this."""
+    bandwidth = DECODE_BANDWIDTH_TB_S[name] / DECODE_BANDWIDTH_TB_S[THROUGHPUT_UNIT]
+    bf16 = WEIGHT_BYTES_PER_PARAMETER["bf16"]
+    return {f: bandwidth * bf16 / WEIGHT_BYTES_PER_PARAMETER[f] for f in weight_formats}
 
 
 def builtin_classes() -> dict[str, AcceleratorClass]:
@@ -351,6 +387,9 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             sync_resources=copy.deepcopy(CPU_SYNC_RESOURCES),
         ),
     ]
+    for c in classes:  # the CPU class has no figure: its tokens/s say nothing of a GPU's
+        if c.name in DECODE_BANDWIDTH_TB_S:
+            c.decode_throughput = catalog_decode_throughput(c.name, c.weight_formats)
     return {c.name: c for c in classes}
 
 
@@ -371,6 +410,12 @@ class Catalog:
             raise CatalogError(
                 f"unknown accelerator {name!r}: the catalog ({self.source}) has {', '.join(self.names())}"
             ) from None
+
+    def decode_throughput(self, accelerator: str, weight_format: str) -> float | None:
+        """Decode tokens/s per GPU of `accelerator` at `weight_format` relative to H100 at bf16 (the
+        class's `decodeThroughput`); None for an unknown class or a format without a figure."""
+        cls = self.classes.get(accelerator)
+        return None if cls is None else cls.decode_throughput.get(weight_format)
 
 
 def _deep_merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

@@ -155,7 +155,9 @@ def cost_line(rc: RunConfig, m: dict[str, float]) -> str:
     saving = m.get("saving")
     return (
         f"fleet {_dollars(m.get('cost_per_hour'))}/h, {_dollars(m.get('cost_per_1m_usable_tokens'))} per 1M usable tokens; "
-        f"{rc.reference_accelerator} {REFERENCE_WEIGHT_FORMAT} {_dollars(m.get('reference_cost_per_1m_usable_tokens'))}"
+        f"{rc.reference_accelerator} {REFERENCE_WEIGHT_FORMAT}"
+        + (" (estimated from catalog throughput ratios)" if m.get("reference_estimated") else "")
+        + f" {_dollars(m.get('reference_cost_per_1m_usable_tokens'))}"
         + ("" if saving is None else f"; saving {saving:.1%}")
     )
 
@@ -165,7 +167,8 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
     `group/<g>/cost_per_hour`, `group/<g>/usable_fraction`, `group/<g>/cost_per_1m_usable_tokens`; for the
     fleet `cost_per_hour`, `usable_fraction`, `cost_per_1m_usable_tokens`,
     `reference_cost_per_1m_usable_tokens` (`router.reference.accelerator`, default the trainer's class,
-    at bf16, from the run's bf16 groups of that class) and `saving`. From the step's
+    at bf16, from the run's bf16 groups of that class, else estimated from the other groups by the catalog's
+    throughput ratios: then `reference_estimated` is 1) and `saving`. From the step's
     tokens/s and out-of-range share per group in `m` and the catalog's prices, one replica per group
     (`tensorParallel` GPUs) as local mode runs them: the mix and the precisions priced at the CPU's
     speed, not a cluster's. Unknown figures are left out."""
@@ -176,12 +179,14 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
         p = f"group/{g.name}/"
         groups.append(MeasuredGroup(g.name, g.accelerator, g.weight_format, g.tensor_parallel or cls.default_tensor_parallel,
                                     cls.cost_per_gpu_hour, m.get(p + "tokens_per_second"), m.get(p + "oor_fraction")))  # fmt: skip
-    e = measured_economics(groups, rc.reference_accelerator, catalog.get(rc.reference_accelerator).cost_per_gpu_hour)
+    e = measured_economics(groups, rc.reference_accelerator, catalog.get(rc.reference_accelerator).cost_per_gpu_hour,
+                           catalog=catalog)  # fmt: skip
     figures: dict[str, float | None] = {
         "cost_per_hour": e.cost_per_hour,
         "usable_fraction": e.usable_fraction,
         "cost_per_1m_usable_tokens": e.cost_per_1m_usable_tokens,
         "reference_cost_per_1m_usable_tokens": e.reference_cost_per_1m_usable_tokens,
+        "reference_estimated": None if e.reference_basis is None else float(e.reference_basis == "estimated"),
         "saving": e.saving,
     }
     for name, ge in e.groups.items():

@@ -79,7 +79,9 @@ def test_names_subresources_and_columns() -> None:
     assert visible == ["Phase", "Groups", "Trainer", "Step", "Version", "Reward", "KL", "Reason", "Age"]
     # -o wide: the economics (docs/economics.md, "Where the figures show")
     wide = {c["name"]: c["jsonPath"] for c in rlj["additionalPrinterColumns"] if c.get("priority") == 1}
-    assert (wide["$/1M"], wide["Saving%"]) == (".status.costPer1MTokens", ".status.savingPercent")
+    assert (wide["$/1M"], wide["Saving%"], wide["Baseline"]) == (
+        ".status.costPer1MTokens", ".status.savingPercent", ".status.baselineSource"
+    )
     wide = {c["name"]: c["jsonPath"] for c in sg["additionalPrinterColumns"] if c.get("priority") == 1}
     assert (wide["$/h"], wide["$/1M"]) == (".status.costPerHour", ".status.costPer1MTokens")
     for c in crdgen.generate().values():

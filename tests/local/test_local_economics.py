@@ -38,16 +38,26 @@ def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
     assert e["cost_per_1m_usable_tokens"] == pytest.approx(17.96 / 3600 / 380 * 1e6, rel=1e-12)
     assert e["reference_cost_per_1m_usable_tokens"] == pytest.approx(5.99 / 3600 / 80 * 1e6, rel=1e-12)
     assert e["saving"] == pytest.approx(1 - (17.96 / 380) / (5.99 / 80), rel=1e-12)  # 0.3688...
+    assert e["reference_estimated"] == 0.0  # measured on the b200-bf16 group
     line = cost_line(rc, m | e)
     assert line == "fleet $18/h, $13.1 per 1M usable tokens; b200 bf16 $20.8; saving 36.9%"
 
 
-def test_no_group_of_the_trainer_class_at_bf16_gives_no_reference(example_run) -> None:
+def test_no_group_of_the_trainer_class_at_bf16_gives_a_reference_estimated_by_the_catalogs_ratios(example_run) -> None:
     rc = example_run(groups=GROUPS[1:], reference_accelerator="b200")
     e = step_economics(rc, {"group/h100-fp8/tokens_per_second": 300.0})  # no out-of-range share yet: 0
     assert e["cost_per_1m_usable_tokens"] == pytest.approx((5.98 + 5.99) / 3600 / 300 * 1e6, rel=1e-12)
-    assert "reference_cost_per_1m_usable_tokens" not in e and "saving" not in e
-    assert cost_line(rc, e) == "fleet $12/h, $11.1 per 1M usable tokens; b200 bf16 -"
+    # b200 bf16 from the h100-fp8 group: 300 tok/s x (8 TB/s / 3.35 TB/s) / 2 (fp8 reads half bf16's bytes)
+    # on its 2 GPUs; the b200-nvfp4 group made no token and implies nothing
+    per_gpu = 300 * 8 / 3.35 / 2 / 2  # 179.1 tok/s
+    assert e["reference_estimated"] == 1.0
+    assert e["reference_cost_per_1m_usable_tokens"] == pytest.approx(5.99 / 3600 / per_gpu * 1e6, rel=1e-12)
+    assert e["saving"] == pytest.approx(1 - (11.97 / 300) / (5.99 / per_gpu), rel=1e-12)  # -0.193: dearer
+    line = "fleet $12/h, $11.1 per 1M usable tokens; b200 bf16 (estimated from catalog throughput ratios) $9.29; saving -19.3%"
+    assert cost_line(rc, e) == line
+    # a reference class without a ratio (the CPU class) and no bf16 group of it: no reference
+    cpu = step_economics(example_run(groups=GROUPS[1:], reference_accelerator="cpu"), {"group/h100-fp8/tokens_per_second": 300.0})
+    assert "reference_cost_per_1m_usable_tokens" not in cpu and "saving" not in cpu and "reference_estimated" not in cpu
 
 
 def test_the_summary_averages_the_cost_and_the_saving_over_the_first_and_last_steps() -> None:

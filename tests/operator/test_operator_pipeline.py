@@ -242,8 +242,10 @@ def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before
     assert s["weightVersion"] == 9  # never lowered: max of the channel (6), the report (4) and the observed (9)
     assert set(conds(s)) == {"Ready", "Progressing", "Degraded", "CollapseRisk"}
     s = st.rljob_status(observed, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
-                        costs={"costPer1MTokens": 2.0, "baselineCostPer1MTokens": 3.0})  # fmt: skip
+                        costs={"costPer1MTokens": 2.0, "baselineCostPer1MTokens": 3.0,
+                               "baselineSource": "b200 bf16 estimated from catalog throughput ratios"})  # fmt: skip
     assert (s["costPer1MTokens"], s["baselineCostPer1MTokens"]) == (2.0, 3.0)
+    assert s["baselineSource"] == "b200 bf16 estimated from catalog throughput ratios"
 
 
 # The kubelet's FailedMount Event message (pkg/kubelet/volumemanager: `MountVolume.SetUp failed for volume

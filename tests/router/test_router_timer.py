@@ -8,6 +8,7 @@ import pytest
 from aiohttp import web
 
 from rlfleet.api import RLJob
+from rlfleet.catalog import get_catalog
 from rlfleet.operator import rebalancer as timer
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
@@ -103,6 +104,7 @@ def test_fleet_costs_count_usable_tokens_and_the_saving_against_the_trainer_clas
         "costPer1MTokens": round(fleet, 4),
         "baselineCostPer1MTokens": round(reference, 4),
         "savingPercent": round(100 * (1 - (26 / 7200) / (6 / 900)), 2),  # 45.83
+        "baselineSource": "b200 bf16 measured on the fleet's b200 bf16 groups",
     }
     assert timer.fleet_costs(result)["savingPercent"] == 45.83
     patch = result.groups["b200-nvfp4"].status_patch()
@@ -242,14 +244,48 @@ def test_economics_gauges_per_group_and_job_and_their_removal() -> None:
     assert value("job_cost_per_1m_usable_tokens_usd") == pytest.approx(21.5 / 3600 / 4800 * 1e6, rel=1e-12)
     assert value("job_reference_cost_per_1m_usable_tokens_usd") == pytest.approx(6 / 3600 / 900 * 1e6, rel=1e-12)
     assert value("job_saving_ratio") == pytest.approx(0.328125, rel=1e-12)  # 1 - (21.5/4800) / (6/900)
+    assert value("job_reference_estimated") == 0.0  # measured on the b200-bf16 group
 
     # a group gone from the job loses its label sets; a deleted job loses all
     timer.export_economics("ns-econ", "job-econ", rebalance(inputs[1:], None, 0.0, RebalanceConfig()))
     assert value("group_cost_per_hour_usd", "b200-bf16") is None and value("group_cost_per_hour_usd", "h100-fp8") == 8.0
     assert value("job_saving_ratio") is None  # no b200 group and no configured estimate: no reference
+    assert value("job_reference_estimated") is None
     assert value("job_cost_per_1m_usable_tokens_usd") == pytest.approx(9.5 / 3600 / 3000 * 1e6, rel=1e-12)
     timer.forget("ns-econ", "job-econ")
     assert value("group_tokens_per_second", "b200-bf16") is None and value("job_tokens_per_second") is None
+
+
+def test_the_default_reference_is_estimated_from_the_catalogs_ratios_and_says_so() -> None:
+    """No group of the trainer's class (b200) at bf16 and no named figure: the operator's config carries the
+    catalog, the reference's tokens/s per GPU are the groups' through the catalog's decode-throughput ratios
+    (memory bandwidth 8 TB/s b200, 3.35 h100, 2.039 a100; fp8 reads half bf16's bytes), the status and the
+    gauge say it is an estimate."""
+    from prometheus_client import REGISTRY
+
+    job = RLJob.from_manifest(JOB)
+    config = timer.job_config(job)
+    assert config.catalog is get_catalog() and config.reference_accelerator == "b200"
+    inputs = [
+        timer.group_input(job, samplergroup("h100-fp8", {"readyReplicas": 2}, accelerator="h100", replicas=2,
+                                            weightFormat="fp8"), {}, {"oor_fraction": 0.0}, 1000.0),
+        timer.group_input(job, samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1,
+                                            tensorParallel=2), {}, {"oor_fraction": 0.1}, 400.0),
+    ]  # fmt: skip
+    result = rebalance(inputs, None, 0.0, config)
+    # on b200 at bf16: 1000 x (8/3.35) / 2 on the h100s' 2 GPUs, 400 x 8 / 2.039 on the a100s' 2
+    per_gpu = (1000 * 8 / 3.35 / 2 + 400 * 8 / 2.039) / 4  # 690.86 tok/s
+    # the fleet: 2 x $2.99 + 2 x $1.79 = $9.56/h over 1000 + 360 usable tok/s; the reference: $5.99 per GPU-h
+    assert timer.fleet_costs(result) == {
+        "costPer1MTokens": round(9.56 / 3600 / 1360 * 1e6, 4),
+        "baselineCostPer1MTokens": round(5.99 / 3600 / per_gpu * 1e6, 4),
+        "savingPercent": round(100 * (1 - (9.56 / 1360) / (5.99 / per_gpu)), 2),
+        "baselineSource": "b200 bf16 estimated from catalog throughput ratios",
+    }
+    assert timer.fleet_costs(result)["savingPercent"] == 18.93
+    timer.export_economics("ns-est", "job-est", result)
+    assert REGISTRY.get_sample_value("rlfleet_operator_job_reference_estimated", {"namespace": "ns-est", "rljob": "job-est"}) == 1.0
+    timer.forget("ns-est", "job-est")
 
 
 def test_the_rljob_names_the_reference_fleet_and_its_figures_win_over_the_measured_ones() -> None:
