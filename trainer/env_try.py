@@ -23,7 +23,8 @@ from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.trainer.environments import ChatTurnEncoder
 from rlfleet.trainer.prompts import Prompt
 from rlfleet.trainer.rollout import RolloutDriver
-from rlfleet.trainer.swe_env import SweEnv, load_tasks
+from rlfleet.trainer.swe_bench import is_swe_bench_file, load_swe_bench
+from rlfleet.trainer.swe_env import SweEnv, load_tasks, require_local_snapshot
 
 ENVIRONMENTS = ("swe",)
 CHATML = (
@@ -115,7 +116,11 @@ def try_episodes(env: SweEnv, prompts: list[Prompt], sampler: ScriptedSampler) -
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlfleet env try", description=__doc__.splitlines()[0])
     parser.add_argument("--environment", required=True, choices=ENVIRONMENTS)
-    parser.add_argument("--tasks", required=True, type=Path, help="JSONL of tasks (examples/swe/tasks.jsonl)")
+    parser.add_argument(
+        "--tasks", required=True, type=Path,
+        help="JSONL of tasks (examples/swe/tasks.jsonl), or of SWE-bench-style instances (detected by their "
+        "fields problem_statement, base_commit, FAIL_TO_PASS: trainer/swe_bench.py)",
+    )  # fmt: skip
     parser.add_argument("--policy", required=True, type=Path, help="JSONL of scripted replies per task")
     parser.add_argument("--tokenizer", help="a model's tokenizer directory (default: a byte-level ChatML one)")
     parser.add_argument("--max-turns", type=int, default=50)
@@ -124,7 +129,10 @@ def cli(argv: list[str]) -> int:
     from rlfleet.sandbox import SandboxUnavailable
 
     try:
-        tasks, policy = load_tasks(args.tasks), load_policy(args.policy)
+        tasks = load_swe_bench(args.tasks) if is_swe_bench_file(args.tasks) else load_tasks(args.tasks)
+        for task in tasks:  # before any episode runs: this command's sandbox is the local one
+            require_local_snapshot(task)
+        policy = load_policy(args.policy)
         unknown = sorted(set(policy) - {t.instance_id for t in tasks})
         if unknown:
             raise ValueError(f"{args.policy}: replies for tasks not in {args.tasks}: {unknown}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from rlfleet.sandbox import Sandbox, SandboxLimits
+from rlfleet.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from rlfleet.trainer.environments import ChatTurnEncoder, Environment, EnvStep, EpisodeOutcome
 from rlfleet.trainer.prompts import Prompt, render_chat_prompt
 
@@ -62,7 +62,10 @@ def _file_map(value: Any, what: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class SweTask:
     """One task: a repository snapshot with a planted bug, its statement, and the hidden tests that
-    the grader adds to the fresh sandbox (never shown to the agent)."""
+    the grader adds to the fresh sandbox (never shown to the agent): whole files (`hidden_tests`)
+    and/or a diff (`test_patch`, SWE-bench's), applied after the agent's diff. `image`: the
+    repository lives in this container image instead of `files` (a cluster sandbox's; the local
+    sandbox refuses it)."""
 
     instance_id: str
     statement: str
@@ -70,6 +73,8 @@ class SweTask:
     hidden_tests: dict[str, str]
     test_command: str
     test_timeout_s: float = 60.0
+    test_patch: str = ""
+    image: str | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> SweTask:
@@ -83,6 +88,8 @@ class SweTask:
             hidden_tests=_file_map(row["hidden_tests"], "hidden_tests"),
             test_command=str(row["test_command"]),
             test_timeout_s=float(row.get("test_timeout_s") or 60.0),
+            test_patch=str(row.get("test_patch") or ""),
+            image=str(row["image"]) if row.get("image") else None,
         )
 
     def messages(self) -> list[dict[str, str]]:
@@ -98,7 +105,14 @@ class SweTask:
             "hidden_tests": [{"path": p, "content": c} for p, c in sorted(self.hidden_tests.items())],
             "test_command": self.test_command,
             "test_timeout_s": self.test_timeout_s,
+            # only when set: a task file of snapshot tasks keeps its columns (and its bytes)
+            **({"test_patch": self.test_patch} if self.test_patch else {}),
+            **({"image": self.image} if self.image else {}),
         }
+
+    def hidden_paths(self) -> set[str]:
+        """The files the grader adds or changes: the agent may not touch them."""
+        return set(self.hidden_tests) | set(diff_paths(self.test_patch))
 
 
 def load_tasks(path: str | Path) -> list[SweTask]:
@@ -114,7 +128,7 @@ def load_tasks(path: str | Path) -> list[SweTask]:
     return tasks
 
 
-def touches_tests(path: str, hidden: Mapping[str, str]) -> bool:
+def touches_tests(path: str, hidden: set[str]) -> bool:
     """A test file: a hidden test's path, anything under a `tests`/`test` dir, a conftest.py, or a
     test_*.py / *_test.py module."""
     p = PurePosixPath(path)
@@ -196,6 +210,16 @@ class EpisodeState:
 SandboxFactory = Callable[[Mapping[str, str], SandboxLimits], Sandbox]
 
 
+def require_local_snapshot(task: SweTask) -> None:
+    """The local sandbox starts from the task's files; it cannot pull a container image."""
+    if task.image is not None:
+        raise SandboxUnavailable(
+            f"task {task.instance_id!r}: its repository is the image {task.image!r}, and the local bwrap "
+            "sandbox cannot pull images; give the task a local snapshot instead (repo_path: a git "
+            "repository holding base_commit, or a directory)"
+        )
+
+
 def local_sandbox(files: Mapping[str, str], limits: SandboxLimits) -> Sandbox:
     from rlfleet.sandbox.local import LocalSandbox
 
@@ -236,6 +260,8 @@ class SweEnv(Environment):
 
     def start(self, prompt: Prompt) -> dict[str, Any]:
         task = SweTask.from_row(prompt.meta)
+        if self.sandbox is local_sandbox:
+            require_local_snapshot(task)
         return {"episode": EpisodeState(task=task, sandbox=self.sandbox(task.files, self.limits))}
 
     def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
@@ -313,7 +339,7 @@ class SweEnv(Environment):
         assert ep.sandbox is not None
         task, diff = ep.task, ep.sandbox.diff()
         self._close(ep)  # the working sandbox never grades itself
-        edited_tests = [p for p in diff_paths(diff) if touches_tests(p, task.hidden_tests)]
+        edited_tests = [p for p in diff_paths(diff) if touches_tests(p, task.hidden_paths())]
         if not diff.strip():
             ep.reason = "submitted an empty diff"
             return
@@ -333,6 +359,10 @@ class SweEnv(Environment):
             return 0.0, f"the patch does not apply: {applied.output.strip()[-300:]}"
         for path, content in task.hidden_tests.items():
             fresh.write_file(path, content)
+        if task.test_patch:
+            tests = fresh.run("git apply --binary -", timeout_s=60, stdin=task.test_patch.encode())
+            if tests.exit_code != 0:
+                return 0.0, f"the test patch does not apply: {tests.output.strip()[-300:]}"
         timeout = min(task.test_timeout_s, self.grade_timeout_s or task.test_timeout_s)
         result = fresh.run(task.test_command, timeout_s=timeout)
         if result.timed_out:

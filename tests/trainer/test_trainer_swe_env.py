@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -293,3 +294,180 @@ def test_max_turns_without_submit_scores_0_and_closes_the_sandbox(bwrap) -> None
     line = run_policy([tool_call("bash", command="true")] * 10)  # run_policy's env: max_turns 10
     assert (line["reward"], line["turns"], line["tool_calls"]) == (0.0, 10, 10)
     assert line["reason"] == "max_turns (10) reached without submit()"
+
+
+# SWE-bench-style task files (trainer/swe_bench.py): a real git repository made here, a bug planted
+# at base_commit, a test_patch that adds the failing test, the reference fix as the policy's edit.
+
+CALC_BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+CALC_TESTS = (
+    "import unittest\n\nfrom calc import add, mul\n\n\nclass CalcTest(unittest.TestCase):\n"
+    "    def test_mul(self):\n        self.assertEqual(mul(2, 3), 6)\n"
+)
+ADD_TEST = "\n    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n"
+CALC_TEST_IDS = ("tests.test_calc.CalcTest.test_add", "tests.test_calc.CalcTest.test_mul")
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(repo)}  # fmt: skip
+    return subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def diff_of(repo: Path, path: str, content: str) -> str:
+    """The diff that turns `path` into `content` (the work tree is restored after)."""
+    (repo / path).write_text(content)
+    out = git(repo, "diff", "--", path)
+    git(repo, "checkout", "--", path)
+    return out
+
+
+def calc_repo(root: Path) -> tuple[Path, str, dict[str, str]]:
+    """A git repository whose base commit has the bug in `add`, and a later commit besides (the
+    snapshot must be base_commit's tree, not HEAD's). Returns it, base_commit and that tree."""
+    repo = root / "calc-repo"
+    tree = {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": CALC_TESTS}
+    for path, content in tree.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(content)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base")
+    base = git(repo, "rev-parse", "HEAD").strip()
+    (repo / "LATER.md").write_text("after base_commit\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "later")
+    return repo, base, tree
+
+
+def swe_bench_row(instance_id: str, base: str, test_patch: str, **extra: object) -> dict:
+    return {
+        "instance_id": instance_id, "repo": "example/calc", "base_commit": base, "version": "0.1",
+        "problem_statement": "`calc.add(2, 3)` returns -1; it must return 5.", "patch": "",
+        "test_patch": test_patch,
+        "FAIL_TO_PASS": json.dumps([CALC_TEST_IDS[0]]),  # SWE-bench's files: a JSON-encoded list
+        "PASS_TO_PASS": [CALC_TEST_IDS[1]],  # a list is accepted too
+        "test_command": "python3 -m unittest", "repo_path": "calc-repo", **extra,
+    }  # fmt: skip
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_swe_bench_row_maps_to_a_task_exactly(tmp_path) -> None:
+    from rlfleet.trainer.swe_bench import load_swe_bench
+
+    repo, base, tree = calc_repo(tmp_path)
+    test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
+    image_row = {**swe_bench_row("calc-image", base, test_patch, repo_path=None, image="registry/calc:base"),
+                 "PASS_TO_PASS": '["tests/test_x.py::test_p[a b]", "it\'s"]'}  # fmt: skip
+    path = write_jsonl(tmp_path / "swe.jsonl", [swe_bench_row("calc-1", base, test_patch), image_row])
+    local, image = load_swe_bench(path)
+    assert local == SweTask(
+        instance_id="calc-1",
+        statement="`calc.add(2, 3)` returns -1; it must return 5.",
+        files=tree,  # base_commit's tree: LATER.md is not in it
+        hidden_tests={},
+        test_command="python3 -m unittest tests.test_calc.CalcTest.test_add tests.test_calc.CalcTest.test_mul",
+        test_timeout_s=60.0,
+        test_patch=test_patch,
+    )
+    assert image.files == {} and image.image == "registry/calc:base"
+    assert image.test_command == (
+        "python3 -m unittest tests.test_calc.CalcTest.test_add 'tests/test_x.py::test_p[a b]' 'it'\"'\"'s'"
+    )
+    assert local.hidden_paths() == {"tests/test_calc.py"}
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"FAIL_TO_PASS": "tests.a"}, r"row 2 \(calc-2\): FAIL_TO_PASS: Value error, a JSON-encoded list of test ids, not JSON"),
+        ({"FAIL_TO_PASS": "[]"}, r"row 2 \(calc-2\): FAIL_TO_PASS: List should have at least 1 item"),
+        ({"image": "registry/calc:base"}, r"row 2 \(calc-2\): row: Value error, give exactly one of repo_path .* and image"),
+        ({"test_command": None}, r"row 2 \(calc-2\): test_command: Input should be a valid string"),
+        ({"base_commit": "0" * 40}, rf"row 2 \(calc-2\): base_commit '{'0' * 40}' is not a commit of '.*calc-repo'"),
+        ({"repo_path": "nowhere"}, r"row 2 \(calc-2\): repo_path '.*nowhere' is not a directory"),
+    ],
+)  # fmt: skip
+def test_a_bad_swe_bench_row_is_one_line_naming_the_row_and_field(tmp_path, change, error) -> None:
+    repo, base, _ = calc_repo(tmp_path)
+    test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
+    rows = [swe_bench_row("calc-1", base, test_patch), {**swe_bench_row("calc-2", base, test_patch), **change}]
+    path = write_jsonl(tmp_path / "swe.jsonl", rows)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe", "--tasks", str(path),
+         "--policy", str(write_jsonl(tmp_path / "policy.jsonl", []))],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert re.fullmatch(rf"rlfleet env try: {re.escape(str(path))} {error}.*", line), line
+
+
+def test_an_image_task_is_refused_by_the_local_sandbox(tmp_path) -> None:
+    repo, base, _ = calc_repo(tmp_path)
+    row = swe_bench_row("calc-image", base, "diff", repo_path=None, image="registry/calc:base")
+    result = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe",
+         "--tasks", str(write_jsonl(tmp_path / "swe.jsonl", [row])),
+         "--policy", str(write_jsonl(tmp_path / "policy.jsonl", []))],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        "rlfleet env try: task 'calc-image': its repository is the image 'registry/calc:base', and the local "
+        "bwrap sandbox cannot pull images; give the task a local snapshot instead (repo_path: a git "
+        "repository holding base_commit, or a directory)\n"
+    )
+
+
+def test_swe_bench_tasks_through_env_try_reward_exactly_the_right_patch(bwrap, tmp_path) -> None:
+    """The reference fix earns 1; a fix of add that breaks mul (a PASS_TO_PASS test) and an edit
+    that leaves the bug (the FAIL_TO_PASS test fails) earn 0 with the reason."""
+    repo, base, _ = calc_repo(tmp_path)
+    test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
+    fix = diff_of(repo, "calc/__init__.py", CALC_BUGGY.replace("a - b", "a + b"))
+    breaks_mul = diff_of(repo, "calc/__init__.py", CALC_BUGGY.replace("a - b", "a + b").replace("a * b", "a * b + 1"))
+    no_fix = diff_of(repo, "calc/__init__.py", "# a comment\n" + CALC_BUGGY)
+    patches = {"calc-fix": fix, "calc-breaks-mul": breaks_mul, "calc-no-fix": no_fix}
+    tasks = write_jsonl(tmp_path / "swe.jsonl", [swe_bench_row(i, base, test_patch) for i in patches])
+    policy = write_jsonl(tmp_path / "policy.jsonl", [
+        {"instance_id": i, "replies": [tool_call("bash", command=f"git apply <<'EOF'\n{p}EOF\n"), tool_call("submit")]}
+        for i, p in patches.items()
+    ])  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe", "--tasks", str(tasks),
+         "--policy", str(policy)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = {x["task"]: x for x in map(json.loads, result.stdout.splitlines())}
+    assert [(t, x["reward"], x["turns"], x["tool_calls"]) for t, x in lines.items()] == [
+        ("calc-fix", 1.0, 2, 2), ("calc-breaks-mul", 0.0, 2, 2), ("calc-no-fix", 0.0, 2, 2)
+    ]  # fmt: skip
+    assert lines["calc-fix"]["reason"] == "the hidden tests passed"
+    failed = "the hidden tests failed (exit 1): "
+    for task, assertion in (("calc-breaks-mul", "7 != 6"), ("calc-no-fix", "-1 != 5")):
+        reason = lines[task]["reason"]  # exactly FAIL_TO_PASS + PASS_TO_PASS ran, one of them failed
+        assert reason.startswith(failed) and assertion in reason and "Ran 2 tests" in reason, reason
+
+
+def test_a_converted_swe_bench_file_is_a_prompt_set_for_the_environment(tmp_path) -> None:
+    """`rlfleet env swe-bench FILE --out TASKS`: the task file an RLJob's rollout.dataset reads."""
+    from rlfleet.trainer.swe_bench import cli, load_swe_bench
+
+    repo, base, _ = calc_repo(tmp_path)
+    test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
+    path = write_jsonl(tmp_path / "swe.jsonl", [swe_bench_row(i, base, test_patch) for i in ("calc-1", "calc-2")])
+    out = tmp_path / "tasks.jsonl"
+    assert cli([str(path), "--out", str(out)]) == 0
+    tok = byte_chat_tokenizer()
+    env = load_environment("rlfleet.trainer.swe_env:SweEnv", tokenizer=tok)
+    source = DatasetPromptSource(out, tokenizer=tok, shuffle=False)
+    for i, task in enumerate(load_swe_bench(path)):
+        prompt = source.get(i)
+        assert prompt.input_ids == env.prompt(task).input_ids
+        assert SweTask.from_row(prompt.meta) == task
