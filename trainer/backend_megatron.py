@@ -19,15 +19,17 @@ How a step runs (documented megatron-core API, nothing private):
   `LocalRMSNorm` (torch's RMSNorm that also runs under sequence parallelism).
 - Rank 0 drives the rollouts and the loop; every other rank runs `follow()`, executing the commands
   rank 0 broadcasts (`step` with the batch, `weights`, `state`, `load`, `stop`). Each data-parallel
-  rank takes its share of the batch's sequences (b % dp) and cuts it into micro-batches of at most
-  `max_tokens_per_micro_batch` tokens counted with padding (trainer/batching.py `plan_micro_batches`,
-  padded: longest first, each micro-batch padded to its own longest sequence, every sequence cut
-  after its last sampled token; one longer than the budget trains alone). Not packed: megatron-core
-  0.19.2's THD layout (PackedSeqParams) needs TransformerEngine's or flash attention, which the CPU
-  tier's local spec does not have. The loss and metrics rank 0 returns are merged over all
-  micro-batches and data-parallel replicas (backend_common `merge_loss_outputs`).
-- Sequence parallelism is on when TP > 1; it needs S % TP == 0, so each micro-batch is right-padded to a
-  multiple of TP (causal attention: real positions are unchanged; the loss reads real positions only).
+  rank takes its share of the batch's sequences (b % dp) and packs it into micro-batches of at most
+  `max_tokens_per_micro_batch` tokens (trainer/batching.py `plan_micro_batches`, first-fit
+  decreasing, every sequence cut after its last sampled token; one longer than the budget trains
+  alone): one row of sequences back to back, no padding, in megatron-core's THD layout
+  (`PackedSeqParams` with the cumulative lengths: rotary positions restart at each sequence,
+  attention stays within each). TransformerEngine's attention takes THD natively; the local spec's
+  core attention is trainer/megatron_packed.py `PackedDotProductAttention` (megatron's own refuses
+  THD). The loss and metrics rank 0 returns are merged over all micro-batches and data-parallel
+  replicas (backend_common `merge_loss_outputs`).
+- Sequence parallelism is on when TP > 1; it needs T % TP == 0, so a packed row is right-padded to a
+  multiple of TP by a last sequence of padding tokens that no loss row reads.
 - `activation_checkpointing`: TransformerConfig recompute_granularity "full", method "uniform", one
   layer per checkpoint: each layer keeps its input only and is recomputed in backward.
 - `get_forward_backward_func()(forward_step_func=..., data_iterator=..., model=[model],
@@ -68,10 +70,10 @@ import torch
 
 from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
 from rlfleet.trainer.backend_common import OptimConfig, RankCommands, merge_loss_outputs, to_token_batch
-from rlfleet.trainer.batching import FlatBatch, plan_micro_batches
+from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
 from rlfleet.trainer.checkpoint import load_checkpoint_file
 from rlfleet.trainer.megatron_support import parallelism_support, shape_support
-from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss
+from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 
 
 class BackendUnavailable(RuntimeError):
@@ -279,35 +281,17 @@ def _round_up(n: int, multiple: int) -> int:
     return n + (-n % multiple)
 
 
-def slice_batch(flat: FlatBatch, seqs: np.ndarray) -> FlatBatch:
-    """The sub-batch of the given sequence indices (rows renumbered; CSR candidates re-based)."""
-    seqs = np.asarray(seqs, dtype=np.int64)
-    remap = -np.ones(flat.input_ids.shape[0], dtype=np.int64)
-    remap[seqs] = np.arange(len(seqs))
-    rows = np.nonzero(remap[flat.row_seq] >= 0)[0]
-    counts = np.diff(flat.cand_offsets)[rows]
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    cand_idx = np.concatenate([np.arange(flat.cand_offsets[r], flat.cand_offsets[r + 1]) for r in rows]) if len(rows) else np.zeros(0, dtype=np.int64)
-    return FlatBatch(
-        input_ids=flat.input_ids[seqs],
-        seq_lens=flat.seq_lens[seqs],
-        row_seq=remap[flat.row_seq[rows]],
-        row_pos=flat.row_pos[rows],
-        target_ids=flat.target_ids[rows],
-        advantages=flat.advantages[rows],
-        logq=flat.logq[rows],
-        logq_support=flat.logq_support[rows],
-        cand_offsets=offsets,
-        cand_ids=flat.cand_ids[cand_idx],
-        cand_logq=flat.cand_logq[cand_idx],
-        candidate_mode=flat.candidate_mode,
-        versions=flat.versions[rows],
-        staleness=flat.staleness[rows],
-        groups=flat.groups[rows],
-        rollout_uids=[flat.rollout_uids[i] for i in seqs] if flat.rollout_uids else [],
-        dropped_invalid_tokens=0,
-    )
+@dataclass(frozen=True)
+class PackedMicroBatch:
+    """One micro-batch as the model and the loss take it: its sequences back to back in one row (THD),
+    on the device."""
+
+    input_ids: torch.Tensor  # [1, T] int64
+    position_ids: torch.Tensor  # [1, T] restarting at 0 at each sequence
+    packed_seq_params: Any  # megatron's PackedSeqParams: the cumulative lengths of the row's sequences
+    row_index: torch.Tensor  # [R] position in the row of each loss row's logit
+    batch: TokenBatch  # the R loss rows
+    tokens: int  # T
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,8 +349,11 @@ def _megatron(allow_te: bool = True) -> Any:
         # qk_layernorm must be set in the spec (q/k norm modules) AND in TransformerConfig
         if te:
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        from rlfleet.trainer.megatron_packed import PackedDotProductAttention
+
         layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
         layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = LocalRMSNorm
+        layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # the THD layout
         if qk_layernorm:
             attn = layer.submodules.self_attention.submodules
             attn.q_layernorm = attn.k_layernorm = LocalRMSNorm
@@ -525,28 +512,23 @@ class MegatronBackend(RankCommands):
 
     def _train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]:
         mg, ps = self.mg, self.mg.parallel_state
-        dev = self.device
         dp_rank, dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         my_seqs = np.arange(flat.input_ids.shape[0])[dp_rank::dp_world]
-        # Micro-batches of at most max_tokens_per_micro_batch tokens counted with their padding, each
-        # padded to its own longest sequence (megatron's local attention on CPU has no packed THD
-        # path; with TE the padding could go too). Sequence parallel splits the sequence over the TP
-        # ranks and asserts S % TP == 0: pad at the end. Attention is causal, so the padding changes
-        # no real position's logits, and the loss rows (row_seq, row_pos) address real positions only.
+        full = to_token_batch(flat, group_index)
         tp = self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1
-        plan = plan_micro_batches(flat, my_seqs, self.cfg.max_tokens_per_micro_batch, padded=True)
-        micro = [(slice_batch(flat, mb.seqs), _round_up(int(mb.lengths.max()), tp)) for mb in plan]
+        plan = plan_micro_batches(flat, my_seqs, self.cfg.max_tokens_per_micro_batch)
+        micro = [self._packed(flat, full, mb, tp) for mb in plan]
         if not micro:  # no trained row on this data-parallel rank: an empty micro-batch keeps the schedule
-            micro = [(slice_batch(flat, my_seqs[:0]), _round_up(max(int(flat.input_ids.shape[1]), 1), tp))]
+            micro = [self._packed(flat, full, MicroBatch(my_seqs[:0], my_seqs[:0], np.zeros(0, dtype=np.int64)), tp)]
         tp_group = ps.get_tensor_model_parallel_group()
         outputs: list[LossOutput] = []
 
         module = self.model.module
         weight = module.shared_embedding_or_output_weight() if self.cfg.tie_word_embeddings else module.output_layer.weight
 
-        def loss_func(mb: FlatBatch, hidden: torch.Tensor):  # hidden [b, s, H] (the output layer's input)
-            rows = hidden[torch.from_numpy(mb.row_seq).to(dev), torch.from_numpy(mb.row_pos).to(dev)]
-            batch = to_token_batch(mb, group_index).to(dev)
+        def loss_func(mb: PackedMicroBatch, hidden: torch.Tensor):  # hidden [1, T, H] (the output layer's input)
+            rows = hidden[0, mb.row_index]
+            batch = mb.batch
             # the fused lm_head: this rank's vocabulary shard of the output weight, logits made tile by tile
             out = policy_loss(rows, weight, batch, self.objective, process_group=tp_group, temperature=self.temperature)
             assert out.loss_sum is not None  # policy_loss always returns the sum
@@ -555,12 +537,9 @@ class MegatronBackend(RankCommands):
             return out.loss_sum, n, {"loss_sum": out.loss_sum.detach(), "num_tokens": n}
 
         def forward_step_func(data_iterator, model):
-            mb, seq_len = next(data_iterator)
-            ids = torch.zeros((mb.input_ids.shape[0], seq_len), dtype=torch.long, device=dev)
-            width = min(seq_len, mb.input_ids.shape[1])
-            ids[:, :width] = torch.from_numpy(mb.input_ids[:, :width]).to(dev)
-            pos = torch.arange(seq_len, device=dev).expand_as(ids)
-            hidden = model(ids, pos, attention_mask=None)  # causal mask from the layer spec; the output layer's input
+            mb: PackedMicroBatch = next(data_iterator)
+            # causal within each sequence of the row (THD); returns the output layer's input
+            hidden = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
             return hidden, partial(loss_func, mb)
 
         self.model.zero_grad_buffer()
@@ -570,8 +549,8 @@ class MegatronBackend(RankCommands):
             data_iterator=iter(micro),
             model=[self.model],
             num_microbatches=len(micro),
-            seq_length=max(n for _, n in micro),  # shapes vary per micro-batch: no pipeline stages to size
-            micro_batch_size=max(mb.input_ids.shape[0] for mb, _ in micro),
+            seq_length=max(mb.tokens for mb in micro),  # shapes vary per micro-batch: no pipeline stages to size
+            micro_batch_size=1,  # one packed row
             forward_only=False,
         )
         _ok, grad_norm, _zeros = self.optimizer.step()
@@ -584,6 +563,31 @@ class MegatronBackend(RankCommands):
             outputs = [o for part in parts for o in part] if parts is not None else outputs
         merged = merge_loss_outputs(outputs)
         return merged, float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _packed(self, flat: FlatBatch, full: TokenBatch, mb: MicroBatch, tp: int) -> PackedMicroBatch:
+        """`mb` as one packed row on the device. Under sequence parallelism the row is split over the TP
+        ranks (T % TP == 0): a last sequence of padding tokens fills it up, read by no loss row."""
+        from rlfleet.trainer.megatron_packed import packed_seq_params
+
+        if len(mb.seqs):
+            input_ids, position_ids, row_index = mb.packed(flat)
+        else:  # an empty micro-batch (no trained row on this data-parallel rank): padding only
+            input_ids = position_ids = row_index = np.zeros(0, dtype=np.int64)
+        lengths = mb.lengths.tolist()
+        pad = _round_up(max(len(input_ids), 1), tp) - len(input_ids)
+        if pad:
+            input_ids = np.concatenate([input_ids, np.zeros(pad, dtype=np.int64)])
+            position_ids = np.concatenate([position_ids, np.arange(pad, dtype=np.int64)])
+            lengths.append(pad)
+        dev = self.device
+        return PackedMicroBatch(
+            input_ids=torch.from_numpy(input_ids).to(dev)[None],
+            position_ids=torch.from_numpy(position_ids).to(dev)[None],
+            packed_seq_params=packed_seq_params(lengths, dev),
+            row_index=torch.from_numpy(row_index).to(dev),
+            batch=full.select(torch.from_numpy(mb.rows)).to(dev),
+            tokens=len(input_ids),
+        )
 
     # -- publishing --
     def weights(self) -> dict[str, torch.Tensor]:

@@ -167,11 +167,6 @@ class MicroBatch:
         """Tokens of the packed micro-batch (no padding)."""
         return int(self.lengths.sum())
 
-    @property
-    def padded_tokens(self) -> int:
-        """Tokens of the micro-batch padded to its longest sequence."""
-        return int(len(self.lengths) * self.lengths.max()) if len(self.lengths) else 0
-
     def packed(self, flat: FlatBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The sequences back to back: (input_ids [L], position_ids [L] restarting at 0 for each sequence,
         the index in [0, L) of each row's logit), L = `num_tokens`."""
@@ -190,11 +185,9 @@ def needed_lengths(flat: FlatBatch) -> np.ndarray:
     return need
 
 
-def plan_micro_batches(flat: FlatBatch, seqs: np.ndarray, max_tokens: int, padded: bool = False) -> list[MicroBatch]:
-    """`seqs` of `flat` cut into micro-batches of at most `max_tokens` tokens each, longest first.
-    Packed (`padded=False`, the sequences back to back): first-fit decreasing on the sum of lengths.
-    Padded (every sequence padded to the micro-batch's longest): the cost is count x longest, filled
-    in decreasing length. A sequence longer than the budget alone is one micro-batch of its own (it
+def plan_micro_batches(flat: FlatBatch, seqs: np.ndarray, max_tokens: int) -> list[MicroBatch]:
+    """`seqs` of `flat` packed (back to back) into micro-batches of at most `max_tokens` tokens each:
+    first-fit decreasing on the sum of lengths, longest first. A sequence longer than the budget alone is one micro-batch of its own (it
     cannot be split without context parallelism). Sequences without a trained row are left out."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens per micro-batch must be >= 1, got {max_tokens}")
@@ -206,8 +199,7 @@ def plan_micro_batches(flat: FlatBatch, seqs: np.ndarray, max_tokens: int, padde
     for b in order:
         n = int(need[b])
         for i, members in enumerate(bins):
-            cost = (len(members) + 1) * int(need[members[0]]) if padded else used[i] + n
-            if cost <= max_tokens:
+            if used[i] + n <= max_tokens:
                 members.append(b)
                 used[i] += n
                 break

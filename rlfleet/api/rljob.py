@@ -323,7 +323,7 @@ class TrainerSpec(PodPlacement):
     total_steps: int | None = Field(default=None, ge=1)
     """Stop after this many optimizer steps (none: run until deleted)."""
     max_tokens_per_micro_batch: int = Field(default=MAX_TOKENS_PER_MICRO_BATCH, ge=64, le=1 << 24)
-    """Token budget of one micro-batch per rank: each rank's sequences are packed (torch) or padded to the micro-batch's longest (megatron) into micro-batches of at most this many tokens, gradients accumulated over them into one optimizer step. A longer sequence trains alone in its own micro-batch."""
+    """Token budget of one micro-batch per rank: each rank's sequences are packed back to back, without padding (both backends), into micro-batches of at most this many tokens, gradients accumulated over them into one optimizer step. A longer sequence trains alone in its own micro-batch."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input in forward and recompute the layer in backward (torch: transformers' gradient checkpointing; megatron: full, uniform recompute): activation memory per micro-batch drops to about one hidden state per layer, for roughly one more forward of compute. The step is unchanged."""
 

@@ -310,20 +310,35 @@ def hf_step(directory: Path, flat) -> tuple[float, float]:
 
 
 def token_budget_checks(directory: Path) -> dict[str, Any]:
-    """A ragged batch at a budget of 14 padded tokens (several micro-batches, each padded to its own
-    longest) against one micro-batch of the whole batch and against transformers' one padded forward;
+    """A ragged batch at a budget of 14 tokens (several packed micro-batches: THD rows of sequences back
+    to back) against one micro-batch of the whole batch and against transformers' one padded forward;
     and activation checkpointing (megatron's full recompute) against the same step without it."""
     flat = flat_batch(11, lens=RAGGED)
     want_loss, want_norm = hf_step(directory, flat)
+    from rlfleet.trainer.megatron_packed import PackedDotProductAttention
+
     runs = {}
-    for name, config in {"one_micro_batch": {"max_tokens_per_micro_batch": 1 << 14},
-                         "budget_14": {"max_tokens_per_micro_batch": 14},
-                         "budget_14_recompute": {"max_tokens_per_micro_batch": 14, "activation_checkpointing": True}}.items():
-        backend = build(directory, tp=1, **config)
-        out, grad_norm = backend.train_step(flat, GROUPS)
-        runs[name] = {"loss": float(out.loss), "grad_norm": grad_norm, "kl_k3": out.metrics["kl_k3"],
-                      "tokens": out.num_valid_tokens, "weights": backend.weights(),
-                      "recompute": backend.tconfig.recompute_granularity}
+    rows_seen: list[list[int]] = []  # the sequence lengths of each packed row the attention took
+    plain_forward = PackedDotProductAttention.forward
+
+    def watched(self, *args, packed_seq_params=None, **kwargs):
+        if packed_seq_params is not None:
+            rows_seen.append(torch.diff(packed_seq_params.cu_seqlens_q).tolist())
+        return plain_forward(self, *args, packed_seq_params=packed_seq_params, **kwargs)
+
+    PackedDotProductAttention.forward = watched
+    try:
+        for name, config in {"one_micro_batch": {"max_tokens_per_micro_batch": 1 << 14},
+                             "budget_14": {"max_tokens_per_micro_batch": 14},
+                             "budget_14_recompute": {"max_tokens_per_micro_batch": 14, "activation_checkpointing": True}}.items():
+            backend = build(directory, tp=1, **config)
+            rows_seen.clear()
+            out, grad_norm = backend.train_step(flat, GROUPS)
+            runs[name] = {"loss": float(out.loss), "grad_norm": grad_norm, "kl_k3": out.metrics["kl_k3"],
+                          "tokens": out.num_valid_tokens, "weights": backend.weights(),
+                          "recompute": backend.tconfig.recompute_granularity, "rows": [list(r) for r in rows_seen]}
+    finally:
+        PackedDotProductAttention.forward = plain_forward
     one, small, recompute = runs["one_micro_batch"], runs["budget_14"], runs["budget_14_recompute"]
 
     def compare(got: dict, want: dict) -> dict[str, Any]:
@@ -337,6 +352,7 @@ def token_budget_checks(directory: Path) -> dict[str, Any]:
     budget["transformers_grad_norm_diff"] = abs(small["grad_norm"] - want_norm)
     budget["ok"] = budget["ok"] and budget["transformers_loss_diff"] <= 1e-5 and budget["transformers_grad_norm_diff"] <= 1e-4
     budget["tokens"] = small["tokens"]
+    budget["packed_rows"] = small["rows"]  # per attention call (2 layers, forward and backward recompute none)
     ckpt = compare(recompute, small)
     ckpt["ok"] = ckpt["ok"] and recompute["recompute"] == "full" and small["recompute"] is None
     return {"token_budget_micro_batches_equal_one_micro_batch": budget,

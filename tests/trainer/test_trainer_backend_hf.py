@@ -570,14 +570,12 @@ RAGGED = [30, 5, 17, 9, 24, 6, 12]  # a long-tailed batch: the longest is 6x the
 def test_micro_batch_plan_covers_every_sequence_within_the_budget() -> None:
     flat = make_batch(lens=RAGGED, seed=3)
     need = [n - 1 for n in RAGGED]  # through the last sampled token's logit position (its own position - 1)
-    for padded in (False, True):
-        plan = plan_micro_batches(flat, np.arange(len(RAGGED)), 32, padded=padded)
-        assert sorted(b for mb in plan for b in mb.seqs.tolist()) == list(range(len(RAGGED)))
-        assert sorted(r for mb in plan for r in mb.rows.tolist()) == list(range(flat.num_tokens))
-        for mb in plan:
-            assert mb.lengths.tolist() == [need[b] for b in mb.seqs]
-            cost = mb.padded_tokens if padded else mb.num_tokens
-            assert cost <= 32 or len(mb.seqs) == 1, (padded, mb)
+    plan = plan_micro_batches(flat, np.arange(len(RAGGED)), 32)
+    assert sorted(b for mb in plan for b in mb.seqs.tolist()) == list(range(len(RAGGED)))
+    assert sorted(r for mb in plan for r in mb.rows.tolist()) == list(range(flat.num_tokens))
+    for mb in plan:
+        assert mb.lengths.tolist() == [need[b] for b in mb.seqs]
+        assert mb.num_tokens <= 32 or len(mb.seqs) == 1, mb
     # first-fit decreasing: 29 | 23 + 8 | 16 + 11 + 5 | 4 (the packed plan)
     packed = plan_micro_batches(flat, np.arange(len(RAGGED)), 32)
     assert [mb.lengths.tolist() for mb in packed] == [[29], [23, 8], [16, 11, 5], [4]]
