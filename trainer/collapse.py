@@ -19,6 +19,12 @@ signal does not update that signal's baseline, so a surge cannot hide itself):
    nothing (every prompt group scored alike, `uniform_group_fraction` 1, so the gradient is 0) is not
    a gradient-norm observation: it neither raises the signal nor pulls the baseline toward 0.
 6. `rho_blowup`: sc_tail_ratio above rho_max (reference run: 1.2 -> 52 before collapse).
+7. `format_errors_repeat`: the share of episodes with a malformed turn (`format_error_rate`) exceeds
+   an absolute rate and 3x its baseline, by signal 3's rule. Its own signal, not part of 3: the
+   reference collapse stopped calling tools with empty replies (only 6% of its failed replies were
+   malformed), so a policy that keeps calling but garbles its calls is another failure, and its healthy
+   level sits far below 3's threshold of 0.5 (format_abs: measured in docs/ablation.md, "Agentic
+   precursors"). Fleet-wide only: a group serves a few episodes a step, too few for a rate.
 A signal must hold `patience` consecutive steps, and nothing fires during `warmup_steps`.
 
 Actions (RLJob `safety.action`): `alert` (report only), `quarantine-group` (per-group signals
@@ -50,7 +56,8 @@ class CollapseThresholds:
     oor_floor: float = 5e-3  # baseline OOR is at least this (a 0 baseline would make any OOR "10x")
     kl_floor: float = 1e-4
     rate_abs: float = 0.5  # empty-reply / no-tool-call rate that counts as "tool calls stopped"
-    rate_ratio: float = 3.0
+    rate_ratio: float = 3.0  # ... and this x its baseline (+0.05): signals 3 and 7
+    format_abs: float = 0.2  # format-error rate that counts as repeated format errors (measured)
     entropy_min: float = 0.02  # nats
     grad_ratio: float = 10.0
     rho_max: float = 5.0
@@ -162,9 +169,10 @@ class CollapseDetector:
         alerts += self._entropy_collapse(step, metrics)
         alerts += self._grad_norm_spike(step, metrics)
         alerts += self._rho_blowup(step, metrics)
+        alerts += self._format_errors(step, metrics)
         return self._decide(alerts, metrics)
 
-    # -- the six signals, in the order observe checks them --
+    # -- the seven signals, in the order observe checks them --
     def _reward_cliff(self, step: int, metrics: dict[str, float]) -> list[Alert]:
         """1. reward cliff: the window's mean reward against its running peak."""
         t = self.t
@@ -230,21 +238,27 @@ class CollapseDetector:
             self._ema(pre + "oor_fraction", oor)
         return alerts
 
+    def _rate_surge(self, step: int, metrics: dict[str, float], key: str, signal: str, rate_abs: float) -> list[Alert]:
+        """A share of episodes (`key`) above `rate_abs` and rate_ratio x its baseline + 0.05 (the 0.05 so
+        that a baseline of 0 does not make every small rate a surge); signals 3 and 7."""
+        t = self.t
+        rate = _finite(metrics, key)
+        if rate is None:
+            return []
+        alerts: list[Alert] = []
+        base = self.baselines.get(key)
+        raised = base is not None and rate > rate_abs and rate > t.rate_ratio * base + 0.05
+        if self._check(key, raised):
+            alerts.append(Alert(step, signal, rate, base or 0.0, message=f"{key} {rate:.2f} (baseline {base:.2f})"))
+        if not raised or self._warming():
+            self._ema(key, rate)
+        return alerts
+
     def _tool_call_rates(self, step: int, metrics: dict[str, float]) -> list[Alert]:
         """3. tool calls stop / empty replies."""
-        t = self.t
         alerts: list[Alert] = []
         for key in ("no_tool_call_rate", "empty_reply_rate"):
-            rate = _finite(metrics, key)
-            if rate is None:
-                continue
-            base = self.baselines.get(key)
-            raised = base is not None and rate > t.rate_abs and rate > t.rate_ratio * base + 0.05
-            if self._check(key, raised):
-                alerts.append(Alert(step, "tool_calls_stop", rate, base or 0.0,
-                                    message=f"{key} {rate:.2f} (baseline {base:.2f})"))
-            if not raised or self._warming():
-                self._ema(key, rate)
+            alerts += self._rate_surge(step, metrics, key, "tool_calls_stop", self.t.rate_abs)
         return alerts
 
     def _entropy_collapse(self, step: int, metrics: dict[str, float]) -> list[Alert]:
@@ -278,6 +292,10 @@ class CollapseDetector:
         if rho is not None and self._check("rho_blowup", rho > t.rho_max):
             return [Alert(step, "rho_blowup", rho, t.rho_max, message=f"sc_tail_ratio {rho:.3g} > {t.rho_max}")]
         return []
+
+    def _format_errors(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """7. format errors repeat: malformed turns in more episodes than the run's baseline."""
+        return self._rate_surge(step, metrics, "format_error_rate", "format_errors_repeat", self.t.format_abs)
 
     # -- the action --
     def _decide(self, alerts: list[Alert], metrics: dict[str, float]) -> Decision:

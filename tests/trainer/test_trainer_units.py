@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlfleet.api import SafetySpec
 from rlfleet.trainer import advantages, checkpoint, collapse, environments, metrics, prompts
 from rlfleet.trainer.environments import ToyVocab as V
 
@@ -193,6 +194,7 @@ def healthy(step: int, rng: np.random.Generator) -> dict[str, float]:
         "sc_tail_ratio": 1.0 + abs(rng.normal(0, 0.05)),
         "empty_reply_rate": 0.02,
         "no_tool_call_rate": 0.05,
+        "format_error_rate": 0.03,  # the local demo's healthy mean is 0.01-0.05 (docs/ablation.md)
     }
 
 
@@ -208,6 +210,7 @@ def test_detector_is_quiet_on_a_healthy_run():
     [
         ("kl_surge", {"kl_k3": 0.2, "oor_fraction": 0.1}),
         ("tool_calls_stop", {"no_tool_call_rate": 0.9, "empty_reply_rate": 0.9}),
+        ("format_errors_repeat", {"format_error_rate": 0.5}),
         ("entropy_collapse", {"entropy": 0.001}),
         ("grad_norm_spike", {"grad_norm": 25.0}),
         ("rho_blowup", {"sc_tail_ratio": 52.0}),
@@ -283,6 +286,64 @@ def test_steps_that_train_nothing_do_not_pull_the_grad_norm_baseline_to_zero():
     assert not det.observe(53, {"grad_norm": 25.0, "uniform_group_fraction": 0.875}).fired
     assert [a.signal for a in det.observe(54, {"grad_norm": 25.0, "uniform_group_fraction": 0.875}).alerts] == [
         "grad_norm_spike"]
+
+
+# Malformed-turn counts per step (32 episodes a step) of three 30-step local runs (`rlfleet run
+# examples/rljob.yaml --local --steps 30`, tool_add, 2026-12-05; docs/ablation.md, "Agentic precursors").
+HEALTHY_SEED0_FORMAT_ERRORS = [0] * 12 + [3, 0, 3, 4, 2, 6, 1, 0, 0, 0, 0, 0, 2, 0, 0, 2, 1, 0]
+HEALTHY_SEED1_FORMAT_ERRORS = [0] * 13 + [1] + [0] * 8 + [1, 2, 0, 0, 4, 2, 0, 1]
+LR_1E3_FORMAT_ERRORS = [0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 2, 7, 10, 1, 1, 2, 0, 0, 3, 3, 3, 6, 2, 0, 1, 0, 7, 0, 1, 1]
+
+
+@pytest.mark.parametrize("counts", [HEALTHY_SEED0_FORMAT_ERRORS, HEALTHY_SEED1_FORMAT_ERRORS])
+def test_format_errors_at_the_measured_healthy_rates_never_fire(counts):
+    """The measured healthy runs (up to 6 of 32 episodes malformed in one step) raise nothing, with the
+    thresholds of a default RLJob."""
+    det = collapse.CollapseDetector(collapse.CollapseThresholds.from_safety(SafetySpec()))
+    for step, n in enumerate(counts, start=1):
+        assert not det.observe(step, {"format_error_rate": n / 32}).fired, det.history
+
+
+def test_format_errors_of_the_unstable_learning_rate_fire_on_their_second_step_over_the_threshold():
+    """At learning rate 1e-3 task success fell to 0 while 7 and then 10 of 32 episodes were malformed
+    (steps 12 and 13, both above 0.2 and above 3 x their baseline 0.014 + 0.05): the alert fires at step 13,
+    the second of them (patience 2), and only there."""
+    det = collapse.CollapseDetector(collapse.CollapseThresholds.from_safety(SafetySpec()))
+    fired = [step for step, n in enumerate(LR_1E3_FORMAT_ERRORS, start=1)
+             if det.observe(step, {"format_error_rate": n / 32}).fired]
+    assert fired == [13]
+    (alert,) = det.history
+    assert (alert.signal, alert.value) == ("format_errors_repeat", 10 / 32)
+
+
+def test_format_errors_rising_during_warmup_do_not_fire():
+    """0.4 of episodes malformed on steps 3 and 4 against a baseline of 0: raised twice in a row (0.4 >
+    0.2 and > 3 x 0.08 + 0.05 on step 4); in the 5 warmup steps it does not fire. Without warmup the same
+    steps fire on step 4."""
+    rates = [0.0, 0.0, 0.0, 0.4, 0.4]
+    det = collapse.CollapseDetector()
+    for step, rate in enumerate(rates):
+        assert not det.observe(step, {"format_error_rate": rate}).fired
+    assert det.streaks["format_error_rate"] == 2
+    no_warmup = collapse.CollapseDetector(collapse.CollapseThresholds(warmup_steps=0))
+    fired = [step for step, rate in enumerate(rates) if no_warmup.observe(step, {"format_error_rate": rate}).fired]
+    assert fired == [4]
+
+
+def test_format_errors_rising_fire_after_patience_and_do_not_pull_up_their_baseline():
+    """20 steps at 0.03, then 0.4: the first 0.4 step is raised but does not fire, the second fires
+    (patience 2) against the healthy baseline, and neither surge step moves the baseline."""
+    det = collapse.CollapseDetector()
+    for step in range(20):
+        assert not det.observe(step, {"format_error_rate": 0.03}).fired
+    healthy_baseline = det.baselines["format_error_rate"]
+    assert healthy_baseline == pytest.approx(0.03)
+    assert not det.observe(20, {"format_error_rate": 0.4}).fired
+    assert det.baselines["format_error_rate"] == healthy_baseline
+    (alert,) = det.observe(21, {"format_error_rate": 0.4}).alerts
+    assert (alert.signal, alert.value, alert.baseline) == ("format_errors_repeat", 0.4, healthy_baseline)
+    assert det.baselines["format_error_rate"] == healthy_baseline
+    assert not det.observe(22, {"format_error_rate": 0.03}).fired  # back at the baseline: the streak ends
 
 
 def test_detector_state_from_before_the_reward_window_still_loads():
