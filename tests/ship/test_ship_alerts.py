@@ -75,6 +75,17 @@ CASES: dict[str, tuple[list[dict[str, str]], list[dict[str, Any]]]] = {
          alert("RLFleetGradNormSpike", "97m", {"severity": "warning", **JOB, **FLEET}),
          alert("RLFleetGradNormSpike", "115m", {"severity": "warning", **JOB, **FLEET})],
     ),
+    "tool_calls_stopped": (  # empty replies over 0.5 fire; no-tool-call endings at 0.3 alone would not
+        [series("rlfleet_trainer_empty_reply_rate", FLEET, "0.02x30 0.7x30"),
+         series("rlfleet_trainer_no_tool_call_rate", FLEET, "0.3x60")],
+        [alert("RLFleetToolCallsStopped", "29m"),
+         alert("RLFleetToolCallsStopped", "40m", {"severity": "warning", **JOB, **FLEET})],
+    ),
+    "format_errors": (  # 0.15 (the unstable run's mean is 0.05, docs/ablation.md) stays silent; 0.31 fires
+        [series("rlfleet_trainer_format_error_rate", FLEET, "0.15x30 0.31x30")],
+        [alert("RLFleetFormatErrorsRepeat", "29m"),
+         alert("RLFleetFormatErrorsRepeat", "40m", {"severity": "warning", **JOB, **FLEET})],
+    ),
     "group_oor_share": (
         [series("rlfleet_trainer_oor_share", GROUP, "0.6x30"),
          series("rlfleet_trainer_token_share", GROUP, "0.125x30"),

@@ -341,7 +341,7 @@ def exported_metric_names() -> set[str]:
         # (trainer/loop.py), exactly as the trainer feeds its exporter
         step_metrics = {k: 0.5 for k in MEAN_METRICS}
         step_metrics |= {f"group/h100-fp8/{k}": 0.5 for k in (*MEAN_METRICS, "token_share", "oor_share")}
-        step_metrics |= {k: 0.1 for k in ("reward_mean", "empty_reply_rate", "no_tool_call_rate", "grad_norm")}
+        step_metrics |= {k: 0.1 for k in ("reward_mean", "empty_reply_rate", "no_tool_call_rate", "format_error_rate", "grad_norm")}
         exporter.update(7, step_metrics)
         with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as response:
             text += response.read().decode()
@@ -357,7 +357,7 @@ def test_alert_rules_parse_and_use_only_exported_metrics(render, exported_metric
     (rule,) = find(objs, "PrometheusRule")
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     assert {"RLFleetKLSurge", "RLFleetRewardCliff", "RLFleetEntropyCollapse", "RLFleetGradNormSpike",
-            "RLFleetTailRatioBlowup", "RLFleetToolCallsStopped", "RLFleetGroupOutOfRangeShare",
+            "RLFleetTailRatioBlowup", "RLFleetToolCallsStopped", "RLFleetFormatErrorsRepeat", "RLFleetGroupOutOfRangeShare",
             "RLFleetWeightVersionLag"} <= set(alerts)
     for name, alert in alerts.items():
         used = _promql_metric_names(alert["expr"])
@@ -374,7 +374,7 @@ def test_alert_thresholds_default_to_the_collapse_detector(render) -> None:
     pairs = {"klRatio": defaults.kl_ratio, "oorRatio": defaults.oor_ratio, "klFloor": defaults.kl_floor,
              "oorFloor": defaults.oor_floor, "entropyMin": defaults.entropy_min, "gradRatio": defaults.grad_ratio,
              "rhoMax": defaults.rho_max, "rewardCliffAbs": defaults.cliff_abs,
-             "rewardCliffRel": defaults.cliff_rel, "rateAbs": defaults.rate_abs}
+             "rewardCliffRel": defaults.cliff_rel, "rateAbs": defaults.rate_abs, "formatAbs": defaults.format_abs}
     assert {k: values[k] for k in pairs} == pairs
     objs = render({"metrics": {"prometheusRule": {"enabled": True, "thresholds": {"klRatio": 7.5}}}})
     (rule,) = find(objs, "PrometheusRule")
