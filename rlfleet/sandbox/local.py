@@ -5,8 +5,9 @@ What a command sees and may do (docs/environments.md 'Sandboxes'):
   pid namespace, a minimal /dev; the repository read-write at /work, and nothing else of the host;
 - new user, pid, network, IPC, UTS and cgroup namespaces (`--unshare-all`): no network at all (only
   a loopback that is down), no view of the host's processes; `--die-with-parent`: when bwrap dies,
-  so does the tree, and when the command's shell ends its pid namespace is torn down, killing
-  anything it left in the background (no process survives its command);
+  so does the tree; the command's shell is pid 1 of its namespace (`--as-pid-1`), so when it ends
+  the namespace is torn down, killing anything it left in the background (no process survives its
+  command), and bwrap waits for it (no zombie is left behind);
 - rlimits set before exec (`SandboxLimits`): CPU seconds, address space, file size, open files and
   processes. Run as root (the trainer pod, CI), each sandbox gets a uid of its own (no account: a
   number in [UID_BASE, UID_BASE + UID_SPAN)), so RLIMIT_NPROC bounds that sandbox's processes (a
@@ -128,7 +129,12 @@ class LocalSandbox:
             "bwrap", *_root_binds(),
             "--bind", str(self.repo), WORKDIR, "--chdir", WORKDIR,
             "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
-            "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
+            # --as-pid-1: the command is its pid namespace's init, no bwrap reaper process. bwrap's
+            # reaper outlives the outer bwrap, which exits without waiting for it: it became a zombie
+            # of the sandbox's uid under the host's init, counted by RLIMIT_NPROC until reaped (a
+            # trainer that is pid 1 never reaps it), so a sandbox failed "Can't fork" after about
+            # `processes` commands (benchmarks/sandbox.py found it).
+            "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--clearenv",
             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
             "--setenv", "LANG", "C.UTF-8", "--setenv", "GIT_CONFIG_NOSYSTEM", "1",
             "--setenv", "PYTHONDONTWRITEBYTECODE", "1",

@@ -58,8 +58,8 @@ def bwrap() -> None:
 
 
 def sandbox_uid_processes() -> list[str]:
-    """Live processes of any sandbox uid. A zombie (state Z) is dead: bwrap's inner process, once
-    reparented to this VM's init, waits there to be reaped."""
+    """Live processes of any sandbox uid. A zombie (state Z) is dead: the pid 1 of a command killed
+    at its timeout outlives the killed bwrap and waits, reparented to this VM's init, to be reaped."""
     out = subprocess.run(["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
     return [line for line in out.splitlines() if int(line.split()[0]) >= UID_BASE and not line.split()[2].startswith("Z")]
 
@@ -139,6 +139,22 @@ def test_sandbox_isolation_and_cleanup(bwrap, tmp_path) -> None:
     assert not root.exists() and work_dirs() == before
     if os.geteuid() == 0:
         assert box.uid is not None and not [p for p in sandbox_uid_processes() if p.split()[0] == str(box.uid)]
+
+
+def test_commands_leave_no_zombie_to_exhaust_the_process_limit(bwrap) -> None:
+    """bwrap's own pid-1 reaper used to outlive every command as a zombie of the sandbox's uid under
+    the host's init, counted by RLIMIT_NPROC until that init reaped it: a sandbox then failed
+    "Can't fork" after about `processes` commands. Three times that many must all run."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: the sandbox keeps our uid, whose process count includes all of ours")
+    box = LocalSandbox({"a.py": "x = 1\n"}, SandboxLimits(processes=8))
+    try:
+        results = [box.run("echo ok", 10) for _ in range(24)]
+        assert [(r.exit_code, r.output) for r in results] == [(0, "ok\n")] * 24
+        out = subprocess.run(["ps", "-eo", "uid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+        assert [line for line in out.splitlines() if line.split()[0] == str(box.uid)] == []  # zombies included
+    finally:
+        box.close()
 
 
 def test_cli_scripted_correct_policy_earns_1_on_every_shipped_task(bwrap) -> None:
