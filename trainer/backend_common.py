@@ -32,8 +32,11 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.99)
 
     def adamw(self, params: Any) -> torch.optim.AdamW:
-        """The one optimizer the transformers backend (and megatron's fp32 master copy) train with."""
-        return torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay, betas=self.betas)
+        """The one optimizer the transformers backend trains with. Fused (one kernel per parameter group,
+        CPU and GPU): the unfused step makes a temporary the size of each parameter (the [V, H]
+        embedding's is as large as a 4K-token micro-batch's activations, docs/benchmarks.md)."""
+        return torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay, betas=self.betas,
+                                 fused=True)
 
 
 def to_token_batch(flat: FlatBatch, group_index: dict[str, int]) -> TokenBatch:
