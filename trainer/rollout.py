@@ -284,7 +284,10 @@ class RolloutDriver:
     # ---- one episode ----
     async def run_episode(self, prompt: Prompt, sample: int) -> Rollout:
         rollout = Rollout(prompt=prompt, sample=sample, dispatched_at=time.monotonic())
-        episode = Episode(self.env, rollout)
+        # The environment's own work (a SWE sandbox made, a bash call up to its timeout, a grading run in
+        # a fresh sandbox) runs in a worker thread: on this one event loop it would hold up every other
+        # episode's turns until it returned.
+        episode = await asyncio.to_thread(Episode, self.env, rollout)
         stop_ids = turn_stop_ids(self.env, self.sampling)
         for _turn_index in range(self.env.max_turns):
             budget = episode.budget(self.sampling.max_new_tokens, self.max_seq_len)
@@ -296,9 +299,9 @@ class RolloutDriver:
                 episode.ids,
                 replace(self.sampling, max_new_tokens=budget, stop_token_ids=stop_ids),
             )
-            if episode.add_turn(turn):
+            if await asyncio.to_thread(episode.add_turn, turn):
                 break
-        episode.score()  # exactly once, here, whatever ended the episode
+        await asyncio.to_thread(episode.score)  # exactly once, here, whatever ended the episode
         self.stats.scored_episodes += 1
         rollout.finished_at = time.monotonic()
         return rollout

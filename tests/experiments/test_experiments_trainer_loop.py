@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import threading
 
 import numpy as np
@@ -38,6 +39,11 @@ GROUPS = [("g-bf16", "bf16", "auto"), ("g-nvfp4", "nvfp4", "fp8_e4m3")]
 SAMPLING = SamplingConfig(temperature=1.0, top_p=0.97, top_k=16, max_new_tokens=4, candidate_mode="support")
 
 
+SAMPLE: contextvars.ContextVar[int] = contextvars.ContextVar("sample")
+"""The sample an episode's task runs (each episode is its own asyncio task, and asyncio.to_thread, which
+runs the environment's calls, carries the task's context into the thread)."""
+
+
 class CountingEnv(ToolAddEnv):
     """tool_add, counting how often each episode is scored."""
 
@@ -45,6 +51,9 @@ class CountingEnv(ToolAddEnv):
         super().__init__(max_turns=3)
         self.scored: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
+
+    def start(self, prompt):
+        return {**super().start(prompt), "sample": SAMPLE.get()}
 
     def score(self, prompt, state, replies):
         with self._lock:
@@ -55,18 +64,8 @@ class CountingEnv(ToolAddEnv):
 class _SampleTagDriver(RolloutDriver):
     async def run_episode(self, prompt, sample):
         # let the env know which sample it scores (the env API does not need it; the test does)
-        orig_start = self.env.start
-
-        def start(p):
-            st = orig_start(p)
-            st["sample"] = sample
-            return st
-
-        self.env.start = start  # type: ignore[method-assign]
-        try:
-            return await super().run_episode(prompt, sample)
-        finally:
-            self.env.start = orig_start  # type: ignore[method-assign]
+        SAMPLE.set(sample)
+        return await super().run_episode(prompt, sample)
 
 
 @pytest.fixture

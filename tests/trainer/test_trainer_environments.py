@@ -7,6 +7,7 @@ sampler here is a stub because no engine can run in this test; it only echoes id
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from rlfleet.trainer.environments import (
     EnvStep,
     EpisodeOutcome,
     MathEnv,
+    ToyVocab,
     answers_match,
     extract_final_answer,
     load_environment,
@@ -214,3 +216,50 @@ def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
     assert rollout.token_ids().tolist() == prompt.input_ids + replies[0] + tool + replies[1]
     mask = rollout.loss_mask()
     assert mask.sum() == len(replies[0]) + len(replies[1])  # only the sampled ids are trained on
+
+
+class _WaitForTheOtherEpisode(Environment):
+    """One turn; the first episode's step blocks (as a long sandboxed command does) until the second
+    episode's step has run: only possible while the first one's step is off the event loop."""
+
+    def __init__(self) -> None:
+        self.second_step = threading.Event()
+        self.steps = 0
+        self.lock = threading.Lock()
+
+    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+        with self.lock:
+            self.steps += 1
+            first = self.steps == 1
+        if first:
+            state["saw_the_other"] = self.second_step.wait(timeout=30)
+        else:
+            self.second_step.set()
+            state["saw_the_other"] = True
+        return EnvStep(done=True)
+
+    def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
+        return EpisodeOutcome(reward=float(state["saw_the_other"]), num_turns=1, empty_final_reply=False,
+                              no_tool_call_termination=False, format_errors=0, tool_calls=0)  # fmt: skip
+
+
+def test_an_environment_step_that_blocks_does_not_hold_up_the_other_episodes() -> None:
+    env = _WaitForTheOtherEpisode()
+
+    async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
+        out = [ToyVocab.EOS]
+        return SampledTurn(prompt_ids=np.asarray(ids), output_ids=np.asarray(out), logprobs=np.zeros(1),
+                           sampled_logprobs=np.zeros(1), support_offsets=np.arange(2), support_ids=np.asarray(out),
+                           support_logprobs=np.zeros(1), weight_versions=np.zeros(1, dtype=np.int64), group="g",
+                           finish_reason="stop")  # fmt: skip
+
+    driver = RolloutDriver(generate, env, None, samples_per_prompt=2,  # type: ignore[arg-type]
+                           sampling=SamplingConfig(max_new_tokens=4), max_seq_len=64)  # fmt: skip
+    prompt = Prompt(index=0, input_ids=[1, 2, 3])
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(driver.run_episode(prompt, 0), driver.run_episode(prompt, 1)))
+
+    rollouts = asyncio.run(both())
+    assert env.steps == 2
+    assert [r.outcome.reward for r in rollouts] == [1.0, 1.0]  # the blocked step saw the other's, no timeout
