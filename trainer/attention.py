@@ -29,6 +29,37 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[int]:
     return [0, *starts.tolist(), int(flat.numel())]
 
 
+def causal_attention_per_sequence(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    sizes: list[int],
+    scale: float | None,
+    dropout_p: float = 0.0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """query [1, heads, L, D], key and value [1, kv_heads, L, D] of a row of sequences of `sizes` tokens
+    back to back -> [1, heads, L, D]: causal attention within each sequence, nothing across them
+    (grouped-query heads repeated here); a sliding window also bounds how far back a token sees. The
+    one per-sequence loop of both backends (this module's transformers attention function, and
+    trainer/megatron_packed.py's core attention for megatron's THD layout)."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    parts = []
+    # split, not a slice per sequence: a slice's backward writes into a zero tensor of the whole row
+    # (L x sequences of work); split's backward is one concatenation
+    for n, q, k, v in zip(sizes, query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2), strict=True):
+        if sliding_window is not None and n > sliding_window:
+            i = torch.arange(n, device=query.device)
+            seen = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
+            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=dropout_p, scale=scale))
+        else:
+            parts.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 def varlen_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -49,27 +80,13 @@ def varlen_sdpa_attention(
         raise ValueError(f"{VARLEN_SDPA} takes packed rows without an attention mask (got one of {tuple(attention_mask.shape)})")
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_SDPA} takes one packed row, got a batch of {query.shape[0]}")
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
     length = query.shape[2]
     bounds = sequence_bounds(position_ids) if position_ids is not None else [0, length]
     if bounds[-1] != length:
         raise ValueError(f"{VARLEN_SDPA}: position ids cover {bounds[-1]} positions, the row has {length}")
-    dropout_p = dropout if module.training else 0.0
     sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-    parts = []
-    # split, not a slice per sequence: a slice's backward writes into a zero tensor of the whole row
-    # (L x sequences of work); split's backward is one concatenation
-    for n, q, k, v in zip(sizes, query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2), strict=True):
-        if sliding_window is not None and n > sliding_window:
-            i = torch.arange(n, device=query.device)
-            seen = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
-            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=dropout_p, scale=scaling))
-        else:
-            parts.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scaling))
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    dropout_p = dropout if module.training else 0.0
+    out = causal_attention_per_sequence(query, key, value, sizes, scaling, dropout_p, sliding_window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -3,8 +3,8 @@ back to back, `PackedSeqParams` with their cumulative lengths) on every layer sp
 
 TransformerEngine's attention takes THD natively. megatron-core 0.19.2's local (pure PyTorch) core
 attention, the CPU tier's, asserts `packed_seq_params is None`; `PackedDotProductAttention` takes its
-place in the local spec: for a packed row it runs one causal `scaled_dot_product_attention` per
-sequence (the sequences from `cu_seqlens_q`), anything else goes to megatron's own DotProductAttention.
+place in the local spec: for a packed row it runs trainer/attention.py's per-sequence causal
+attention (the sequences from `cu_seqlens_q`), anything else goes to megatron's own DotProductAttention.
 Rotary embeddings of a packed row restart at each sequence in megatron's own code (`apply_rotary_pos_emb`
 with `cu_seqlens`), as TE's do. Imported by trainer/backend_megatron.py where megatron-core is installed.
 """
@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from rlfleet.trainer.attention import causal_attention_per_sequence
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -41,19 +42,11 @@ class PackedDotProductAttention(DotProductAttention):
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         if bounds[-1] != query.shape[0] or packed_seq_params.cu_seqlens_kv.tolist() != bounds:
             raise ValueError(f"cu_seqlens {bounds} do not describe the packed row of {query.shape[0]} tokens")
-        groups = query.shape[1] // key.shape[1]
-        # [T, h, D] -> [1, h, T, D], the key/value groups repeated per query head
-        q = query.transpose(0, 1)[None]
-        k = key.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
-        v = value.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
         sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
         dropout_p = self.attention_dropout.p if self.training else 0.0
-        # split, not a slice per sequence: a slice's backward writes into a zero tensor of the whole row
-        parts = [
-            F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, dropout_p=dropout_p, scale=self.softmax_scale)
-            for qs, ks, vs in zip(q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2), strict=True)
-        ]
-        out = torch.cat(parts, dim=2)[0]  # [h, T, D]
+        # [T, h, D] -> [1, h, T, D]
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
+        out = causal_attention_per_sequence(q, k, v, sizes, self.softmax_scale, dropout_p)[0]  # [h, T, D]
         return out.transpose(0, 1).reshape(query.shape[0], -1)
 
 
