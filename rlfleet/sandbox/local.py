@@ -13,7 +13,8 @@ What a command sees and may do (docs/environments.md 'Sandboxes'):
   number in [UID_BASE, UID_BASE + UID_SPAN)), so RLIMIT_NPROC bounds that sandbox's processes (a
   fork bomb stops there) and `close()` can kill every process of the uid. Run as another user,
   the commands keep that user's uid: the process limit then counts all of that user's processes;
-- a wall-clock timeout per command kills the whole process group (SIGKILL).
+- a wall-clock timeout per command kills the command (SIGKILL to its pid 1, which ends its whole
+  namespace), then bwrap if it has not exited: no zombie is left behind either way (`_kill_command`).
 Not isolated: the disk (the work dir is on the host's temp dir; only each file is bounded by
 RLIMIT_FSIZE), CPU share (no cgroup: a sandbox may use every core for its CPU seconds), and the
 kernel (one shared kernel: a kernel exploit escapes, which gVisor or a VM would stop).
@@ -39,6 +40,7 @@ UID_BASE = 200_000
 UID_SPAN = 1 << 20
 WORKDIR = "/work"
 MAX_OUTPUT_BYTES = 1 << 20  # a command's output kept: the first and last half MiB
+KILL_GRACE_S = 5.0  # how long bwrap may take to reap a killed command before it is killed too
 GIT = ["git", "-c", "user.name=rlfleet", "-c", "user.email=rlfleet@localhost", "-c", "core.hooksPath=/dev/null"]
 
 
@@ -160,8 +162,7 @@ class LocalSandbox:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)  # bwrap and its session; its pid namespace follows
-                code = proc.wait()
+                code = _kill_command(proc)
         seconds = time.monotonic() - t0
         self.seconds += seconds
         return CommandResult(-9 if timed_out else code, _read_bounded(out_path), timed_out, seconds)
@@ -197,6 +198,36 @@ class LocalSandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kill_command(bwrap: subprocess.Popen) -> int:
+    """Kill a command at its timeout with its whole tree, leaving no zombie: first the command, pid 1 of
+    its own namespace (the kernel then kills everything else in the namespace), so that bwrap reaps it
+    and exits; bwrap itself and its session only if it has not exited by then. Killing bwrap first
+    made `--die-with-parent` kill the command after bwrap was gone: the command was reparented to the
+    host's init and stayed a zombie of the sandbox's uid (counted by RLIMIT_NPROC) until that init
+    reaped it, which a trainer running as a pod's pid 1 never does."""
+    for pid in _children(bwrap.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        return bwrap.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(bwrap.pid, signal.SIGKILL)
+        return bwrap.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of `pid` (Linux /proc: every thread's list)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the thread or the process ended meanwhile
+            pass
+    return children
 
 
 def _remove_sandbox(root: Path, uid: int | None) -> None:

@@ -157,6 +157,54 @@ def test_commands_leave_no_zombie_to_exhaust_the_process_limit(bwrap) -> None:
         box.close()
 
 
+# Run as a child subreaper (PR_SET_CHILD_SUBREAPER = 36), as a trainer that is a pod's pid 1 is the
+# init of its namespace: a process orphaned under it stays its zombie until it reaps it, which it
+# never does for processes it did not start. Prints the states of its children other than the sandbox's
+# bwrap once every process of the sandbox's uid has ended (a zombie has ended; its entry remains).
+TIMEOUT_PROBE = """
+import ctypes, json, sys, time
+from pathlib import Path
+from rlfleet.sandbox import SandboxLimits
+from rlfleet.sandbox.local import LocalSandbox
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+box = LocalSandbox({"a.py": "x = 1\\n"}, SandboxLimits(processes=8))
+result = box.run("sleep 300", 0.5)
+
+def stat(pid):
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+def live_of_uid(uid):
+    live = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if p.stat().st_uid == uid and stat(p.name)[0] != "Z":
+                live.append(p.name)
+        except (OSError, IndexError):
+            pass
+    return live
+
+deadline = time.monotonic() + 30
+while live_of_uid(box.uid) and time.monotonic() < deadline:
+    time.sleep(0.05)
+children = [c for t in Path("/proc/self/task").glob("*") for c in (t / "children").read_text().split()]
+print(json.dumps({"timed_out": result.timed_out, "exit_code": result.exit_code, "live": live_of_uid(box.uid),
+                  "children": {c: stat(c)[0] for c in children}}))
+box.close()
+"""
+
+
+def test_a_command_killed_at_its_timeout_leaves_no_zombie(bwrap) -> None:
+    """Killing bwrap first (the old way) let `--die-with-parent` kill the command after bwrap was gone:
+    the command, reparented to its init, stayed a zombie of the sandbox's uid, counted by RLIMIT_NPROC.
+    Under a subreaper the zombie is kept where the test sees it (it printed {"7439": "Z"} before the fix)."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: the sandbox keeps our uid, so its processes cannot be told from ours")
+    out = subprocess.run([sys.executable, "-c", TIMEOUT_PROBE], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    probe = json.loads(out.stdout)
+    assert probe == {"timed_out": True, "exit_code": -9, "live": [], "children": {}}
+
+
 def test_cli_scripted_correct_policy_earns_1_on_every_shipped_task(bwrap) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe",
