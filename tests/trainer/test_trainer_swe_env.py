@@ -58,8 +58,8 @@ def bwrap() -> None:
 
 
 def sandbox_uid_processes() -> list[str]:
-    """Live processes of any sandbox uid. A zombie (state Z) is dead: the pid 1 of a command killed
-    at its timeout outlives the killed bwrap and waits, reparented to this VM's init, to be reaped."""
+    """Live processes of any sandbox uid (a zombie, state Z, has ended: whether one is left is
+    test_a_command_killed_at_its_timeout_leaves_no_zombie's question)."""
     out = subprocess.run(["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
     return [line for line in out.splitlines() if int(line.split()[0]) >= UID_BASE and not line.split()[2].startswith("Z")]
 
