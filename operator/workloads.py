@@ -306,11 +306,15 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
     if from_channel:
         # The engine (SGLang, or the reference engine of a CPU class) starts from the checkpoint the init
         # container fetched and verified: the newest version of this group's view (its format), never
-        # spec.model.path (docs/weights.md).
+        # spec.model.path (docs/weights.md). SGLang also takes the flags that checkpoint calls for, which
+        # the launch file names (a mixture of experts: --enable-return-routed-experts), since the model
+        # is not known here; the reference engine needs none.
         launch = engine_launch_for_group(
             spec, catalog, model_path=MODEL_DIR_REF, weight_version=WEIGHT_VERSION_REF
         )
-        engine_command = launch_from_file([*launch.argv, *key_args], f"{n.WEIGHTS_CACHE}/{LAUNCH_FILE}")
+        engine_command = launch_from_file(
+            [*launch.argv, *key_args], f"{n.WEIGHTS_CACHE}/{LAUNCH_FILE}", checkpoint_flags=cls.engine == "sglang"
+        )
         command, args = engine_command[:2], engine_command[2:]
     else:  # a standalone group serves one fixed checkpoint, which must already be in its format
         launch = engine_launch_for_group(spec, catalog, model_path=spec.model.path, weight_version=0)

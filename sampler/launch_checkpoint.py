@@ -4,7 +4,8 @@ would load a directory in the view's format, and the cache's launch file that na
 SGLang must START from a checkpoint already in its group's format (`/update_weights_from_disk`
 reloads into the launch-time model with its launch-time quantization method; docs/weights.md), so
 the sidecar checks every directory it hands the engine with `check_launchable`, and the launch file
-("<version> <dir>", rlfleet.catalog.LAUNCH_FILE) tells a (re)starting engine container where to start.
+("<version> <dir>", then the checkpoint's own SGLang flags if any; rlfleet.catalog.LAUNCH_FILE) tells a
+(re)starting engine container where to start and with what (`checkpoint_flags_of`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rlfleet.catalog import LAUNCH_FILE
+from rlfleet.catalog import LAUNCH_FILE, checkpoint_engine_flags
 from rlfleet.channel import Manifest, WeightChannel
 
 
@@ -40,20 +41,30 @@ def newest_version_of_view(channel: WeightChannel, view: str) -> tuple[int, Mani
     return None
 
 
-def _quant_method(directory: Path, require_config: bool = True) -> tuple[str | None, dict[str, Any] | None]:
-    """(method, quantization config) the way SGLang 0.5.23's ModelConfig._parse_quant_hf_config reads
-    a local checkpoint: config.json `quantization_config`, else hf_quant_config.json; a ModelOpt config
-    (quant_method "modelopt" or absent) resolves through its quant_algo (NVFP4 -> modelopt_fp4)."""
+def _hf_config(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint's config.json (None: there is none); NotLaunchableError if it is no JSON object."""
     config_path = directory / "config.json"
     try:
         config = json.loads(config_path.read_text())
     except FileNotFoundError:
-        if not require_config:
-            return None, None
-        raise NotLaunchableError(f"{directory}: no config.json (not a launchable checkpoint)") from None
+        return None
     except ValueError as e:
         raise NotLaunchableError(f"{config_path}: not JSON: {e}") from None
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise NotLaunchableError(f"{config_path}: not a JSON object")
+    return config
+
+
+def _quant_method(directory: Path, require_config: bool = True) -> tuple[str | None, dict[str, Any] | None]:
+    """(method, quantization config) the way SGLang 0.5.23's ModelConfig._parse_quant_hf_config reads
+    a local checkpoint: config.json `quantization_config`, else hf_quant_config.json; a ModelOpt config
+    (quant_method "modelopt" or absent) resolves through its quant_algo (NVFP4 -> modelopt_fp4)."""
+    config = _hf_config(directory)
+    if config is None:
+        if not require_config:
+            return None, None
+        raise NotLaunchableError(f"{directory}: no config.json (not a launchable checkpoint)")
+    quant = config.get("quantization_config")
     if quant is None and (directory / "hf_quant_config.json").is_file():
         raw = json.loads((directory / "hf_quant_config.json").read_text())
         quant = raw.get("quantization", raw) if isinstance(raw, dict) else None
@@ -98,19 +109,29 @@ def check_launchable(directory: Path, view: str, *, require_config: bool = True)
     return method
 
 
+def checkpoint_flags_of(directory: Path) -> list[str]:
+    """The SGLang flags the checkpoint in `directory` calls for: `rlfleet.catalog.checkpoint_engine_flags`
+    of its config.json (none without one: the reference engine's tensor-only views). What the launch
+    file carries and `rlfleet sampler serve --engine sglang --model-path DIR` adds."""
+    return checkpoint_engine_flags(_hf_config(directory))
+
+
 def read_launch_file(cache_dir: Path) -> tuple[int, Path] | None:
-    """(version, directory) from the cache's launch file, None if absent or malformed."""
+    """(version, directory) from the cache's launch file's first line, None if absent or malformed."""
     try:
-        version, _, directory = (cache_dir / LAUNCH_FILE).read_text().strip().partition(" ")
+        text = (cache_dir / LAUNCH_FILE).read_text()
     except FileNotFoundError:
         return None
+    version, _, directory = (text.splitlines() or [""])[0].strip().partition(" ")
     if not version.isdigit() or not directory:
         return None
     return int(version), Path(directory)
 
 
 def write_launch_file(cache_dir: Path, version: int, directory: Path) -> None:
-    """Atomically (temp file + rename) name the checkpoint SGLang launches from."""
+    """Atomically (temp file + rename) name the checkpoint SGLang launches from, and on a second line
+    the flags it calls for (`checkpoint_flags_of`; no second line when none)."""
+    flags = checkpoint_flags_of(directory)
     tmp = cache_dir / f".{LAUNCH_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(f"{version} {directory}\n")
+    tmp.write_text(f"{version} {directory}\n" + (f"{' '.join(flags)}\n" if flags else ""))
     os.replace(tmp, cache_dir / LAUNCH_FILE)

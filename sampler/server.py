@@ -11,7 +11,8 @@ server is made of modules that each answer one question:
 - request_gate.py: SGLang's /generate validation, in its order; sglang_errors.py: its error bodies;
 - server_metrics.py: SGLang's Prometheus metrics; server_context.py: what handlers read from the app.
 
-`--engine sglang` builds the production command line with `rlfleet.catalog.sglang_launch` and execs
+`--engine sglang` builds the production command line with `rlfleet.catalog.sglang_launch`, plus the flags a
+local `--model-path` checkpoint calls for (`launch_checkpoint.checkpoint_flags_of`), and execs
 `python -m sglang.launch_server ...` (SGLang is only in the sampler image; here only the argv is tested).
 """
 
@@ -109,7 +110,17 @@ def sglang_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         from rlfleet import catalog
     except ImportError as exc:
         raise CliError(f"rlfleet.catalog unavailable: {exc}") from None
+    from rlfleet.sampler.launch_checkpoint import NotLaunchableError, checkpoint_flags_of
+
     extra = [a for a in (args.extra or []) if a != "--"]
+    model_dir = Path(args.model_path)
+    try:
+        # the flags the checkpoint itself calls for (a mixture of experts: --enable-return-routed-experts),
+        # the same as a cluster group's launch file carries; a hub id (no local directory) has none
+        own = checkpoint_flags_of(model_dir) if model_dir.is_dir() else []
+    except NotLaunchableError as exc:
+        raise CliError(str(exc)) from None
+    extra = [*(f for f in own if f not in extra), *extra]
     try:
         accel = catalog.get_catalog().get(args.accelerator)
         launch = catalog.sglang_launch(

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
-from rlfleet.numerics.views import is_moe_config
+from rlfleet.hf_config import is_moe_config
 from rlfleet.trainer.attention import use_varlen_attention
 from rlfleet.trainer.backend_common import (
     OptimConfig,
@@ -430,7 +430,7 @@ def _output_weight(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _is_moe(model: torch.nn.Module) -> bool:
-    """Whether the model is a mixture of experts (its HF config, rlfleet/numerics/views.py `is_moe_config`)."""
+    """Whether the model is a mixture of experts (its HF config, rlfleet/hf_config.py `is_moe_config`)."""
     config = getattr(model, "config", None)
     return config is not None and is_moe_config(config.to_dict())
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rlfleet.api.rljob import ROUTING_REPLAY_MEGATRON_MESSAGE
+from rlfleet.hf_config import is_moe_config
 from rlfleet.model_source import is_hf_checkpoint
 from rlfleet.store import Store
 from rlfleet.trainer.collapse import CollapseDetector, Decision
@@ -104,8 +105,6 @@ class BaseModel:
         """The experts each token uses when the checkpoint is a mixture of experts (its config's
         `num_experts_per_tok`: what a rollout asks its samplers to return, `SamplingConfig.routed_experts_top_k`,
         so that the trainer measures the routing mismatch, trainer/routing.py); 0 for a dense model."""
-        from rlfleet.numerics.views import is_moe_config
-
         if not is_hf_checkpoint(self.source_dir):
             return 0
         config = json.loads((self.source_dir / "config.json").read_text())

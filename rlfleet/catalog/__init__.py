@@ -38,11 +38,14 @@ from rlfleet.catalog.classes import (
     selection_reason,
 )
 from rlfleet.catalog.launch import (
+    CHECKPOINT_FLAGS_VAR,
     LAUNCH_FILE,
     MODEL_DIR_REF,
     REFERENCE_PROGRAM,
+    RETURN_ROUTED_EXPERTS_FLAG,
     WEIGHT_VERSION_REF,
     SGLangLaunch,
+    checkpoint_engine_flags,
     engine_launch,
     engine_launch_for_group,
     launch_from_file,
@@ -52,6 +55,7 @@ from rlfleet.catalog.launch import (
 
 __all__ = [
     "CATALOG_ENV",
+    "CHECKPOINT_FLAGS_VAR",
     "CPU_SAMPLER_RESOURCES",
     "CPU_SYNC_RESOURCES",
     "CPU_TRAINER_RESOURCES",
@@ -66,6 +70,7 @@ __all__ = [
     "PRODUCT_LABEL",
     "REFERENCE_ONE_PROCESS",
     "REFERENCE_PROGRAM",
+    "RETURN_ROUTED_EXPERTS_FLAG",
     "WEIGHT_VERSION_REF",
     "AcceleratorClass",
     "Catalog",
@@ -75,6 +80,7 @@ __all__ = [
     "SGLangLaunch",
     "builtin_classes",
     "catalog_from_mapping",
+    "checkpoint_engine_flags",
     "check_group",
     "check_tensor_parallel",
     "engine_launch",

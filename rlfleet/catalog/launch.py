@@ -15,7 +15,7 @@ checkpoint's declared quantization before SGLang starts (the sampler's `check_la
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,16 +28,37 @@ from rlfleet.catalog.classes import (
     get_catalog,
     selection_reason,
 )
+from rlfleet.hf_config import is_moe_config
 
 LAUNCH_FILE = "launch"
-"""File in a sampler pod's weights cache naming the checkpoint SGLang launches from: one line
-"<version> <directory>", written atomically by the weight-sync init container (before SGLang starts)
-and rewritten by the sidecar after every applied version (a restarted engine container launches from
-what the pod serves). The sampler's weight sync writes it; `launch_from_file` reads it."""
+"""File in a sampler pod's weights cache naming the checkpoint SGLang launches from: a line
+"<version> <directory>", then, when that checkpoint needs any, a line of the SGLang flags it needs
+(`checkpoint_engine_flags` of its config.json, space-separated), written atomically by the weight-sync
+init container (before SGLang starts) and rewritten by the sidecar after every applied version (a
+restarted engine container launches from what the pod serves). The sampler's weight sync writes it
+(rlfleet/sampler/launch_checkpoint.py `write_launch_file`); `launch_from_file` reads it."""
 WEIGHT_VERSION_REF = "$RLFLEET_WEIGHT_VERSION"
 MODEL_DIR_REF = "$RLFLEET_MODEL_DIR"
 """Placeholders for `sglang_launch(weight_version=..., model_path=...)` that `launch_from_file` fills
 from the launch file at container start."""
+CHECKPOINT_FLAGS_VAR = "RLFLEET_CHECKPOINT_FLAGS"
+"""The shell variable `launch_from_file` reads the launch file's flag line into."""
+RETURN_ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+"""SGLang 0.5.23's switch for `meta_info.routed_experts` (ServerArgs.enable_return_routed_experts)."""
+
+
+def checkpoint_engine_flags(config: Mapping[str, Any] | None) -> list[str]:
+    """THE function deciding the SGLang flags a checkpoint's own config.json calls for (None: a view
+    without one), beyond the group's (`sglang_launch`): the operator builds a pod before the model is
+    known, so these are decided where the checkpoint is, at pod start (docs/weights.md, "Launch").
+
+    A mixture of experts (`is_moe_config`) gets `--enable-return-routed-experts`, so that the trainer,
+    which asks for each token's routed experts of a MoE (`SamplingConfig.routed_experts_top_k`), gets
+    them. Never for a dense model: SGLang's RoutedExpertsCapturer, built at launch under that flag,
+    reads the config's `num_experts_per_tok`, which a dense config lacks (the launch fails)."""
+    if config is not None and is_moe_config(config):
+        return [RETURN_ROUTED_EXPERTS_FLAG]
+    return []
 REFERENCE_PROGRAM = "rlfleet"
 """argv[0] of a reference-engine group's engine container (the rlfleet console script of the image)."""
 
@@ -182,16 +203,25 @@ def engine_launch(*, accelerator: AcceleratorClass, **kwargs: Any) -> SGLangLaun
     return sglang_launch(accelerator=accelerator, **kwargs)
 
 
-def launch_from_file(argv: Sequence[str], launch_file: str) -> list[str]:
+def launch_from_file(argv: Sequence[str], launch_file: str, *, checkpoint_flags: bool) -> list[str]:
     """`/bin/sh -c` command running `argv` (built with WEIGHT_VERSION_REF / MODEL_DIR_REF) with the
-    version and directory read from `launch_file`. Fails (exit 1, one line) if the file is missing:
-    the init container did not finish, so there is nothing verified to launch from."""
+    version and directory read from `launch_file`'s first line; `checkpoint_flags` (SGLang's argv): with
+    the flags of its second line appended (`checkpoint_engine_flags`; none when the line is absent). The
+    reference engine takes none of them (it returns a MoE's routed experts unasked). Fails (exit 1, one
+    line) if the file is missing: the init container did not finish, so there is nothing verified to
+    launch from."""
     refs = {WEIGHT_VERSION_REF, MODEL_DIR_REF}
     words = [f'"{a}"' if a in refs else shlex.quote(a) for a in argv]
     file = shlex.quote(launch_file)
+    read = f"read -r {WEIGHT_VERSION_REF[1:]} {MODEL_DIR_REF[1:]}"
+    run = f"exec {' '.join(words)}"
+    if checkpoint_flags:
+        # the flag line is split into words (flags never hold spaces) with globbing off (set -f)
+        read = f"{{ {read} && {{ read -r {CHECKPOINT_FLAGS_VAR} || :; }}; }}"
+        run = f"set -f && {run} ${CHECKPOINT_FLAGS_VAR}"
     script = (
         f"test -s {file} || {{ echo 'no verified weights: {launch_file} missing' >&2; exit 1; }}; "
-        f"read -r {WEIGHT_VERSION_REF[1:]} {MODEL_DIR_REF[1:]} < {file} && exec {' '.join(words)}"
+        f"{read} < {file} && {run}"
     )
     return ["/bin/sh", "-c", script]
 

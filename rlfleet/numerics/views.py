@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from rlfleet.channel import VIEW_NAMES
+from rlfleet.hf_config import is_moe_config
 from rlfleet.numerics import formats
 from rlfleet.store import FileDigest, write_file_hashed
 
@@ -116,13 +117,6 @@ def read_base_config(base_checkpoint: str | Path) -> dict[str, Any]:
         ) from e
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON: {e}") from e
-
-
-def is_moe_config(config: Mapping[str, Any]) -> bool:
-    """Whether an HF config describes a mixture-of-experts model (Qwen3-MoE: `num_experts` or, as
-    transformers 5 writes it, `num_local_experts`)."""
-    experts = config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts")
-    return bool(experts and int(experts) > 1)
 
 
 def check_view_for_model(view: str, config: Mapping[str, Any] | None) -> None:

@@ -328,9 +328,27 @@ def test_precision_notes_say_what_sglang_really_runs() -> None:
         assert "W8A8" in CATALOG.get(cls).weight_formats["fp8"].note
 
 
+def test_checkpoint_engine_flags_return_routed_experts_for_a_moe_only() -> None:
+    """THE decision of the flags a checkpoint calls for, on the tiny models' real HF configs: a
+    Qwen3-MoE gets SGLang's routed-experts switch, a dense Qwen3 (whose config has no
+    num_experts_per_tok, which SGLang's capturer reads: tests/sglang_contract/test_contract_launch.py)
+    and a view without config.json get nothing."""
+    from rlfleet.catalog import checkpoint_engine_flags
+    from rlfleet.tiny_qwen3 import TinyQwen3
+
+    dense = TinyQwen3().hf_config().to_dict()
+    moe = TinyQwen3(architecture="qwen3_moe").hf_config().to_dict()
+    assert "num_experts_per_tok" not in dense and moe["num_experts_per_tok"] == 2
+    assert checkpoint_engine_flags(moe) == ["--enable-return-routed-experts"]
+    assert checkpoint_engine_flags(dense) == []
+    assert checkpoint_engine_flags(None) == []
+
+
 def test_launch_from_file_runs_the_argv_with_the_files_version_and_dir(tmp_path: Path) -> None:
-    """The engine container's /bin/sh wrapper (real sh): argv exactly as sglang_launch builds it with
-    the launch file's version and directory; a missing file is one clear line and exit 1."""
+    """The engine container's /bin/sh wrapper (real sh; `python3` is a stub printing its argv): argv
+    exactly as sglang_launch builds it with the launch file's version and directory, plus the flags of
+    its second line for SGLang (`checkpoint_flags=True`), none for the reference engine; a missing file
+    is one clear line and exit 1."""
     import json
     import os
     import subprocess
@@ -345,15 +363,27 @@ def test_launch_from_file_runs_the_argv_with_the_files_version_and_dir(tmp_path:
     accel = CATALOG.get("b200")
     placeholder = sglang_launch(accelerator=accel, weight_format="nvfp4", model_path=MODEL_DIR_REF,
                                 served_model_name="m", weight_version=WEIGHT_VERSION_REF,
-                                extra_args=["--chat-template", "it's $HOME"])  # fmt: skip
+                                extra_args=["--chat-template", "it's $HOME *"])  # fmt: skip
     launch_file = tmp_path / "cache" / "launch"
-    command = launch_from_file(placeholder.argv, str(launch_file))
+    command = launch_from_file(placeholder.argv, str(launch_file), checkpoint_flags=True)
+    unflagged = launch_from_file(placeholder.argv, str(launch_file), checkpoint_flags=False)
     env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
-    missing = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert missing.returncode == 1 and missing.stderr.strip() == f"no verified weights: {launch_file} missing"
+    for script in (command, unflagged):
+        missing = subprocess.run(script, capture_output=True, text=True, env=env)
+        assert missing.returncode == 1 and missing.stderr.strip() == f"no verified weights: {launch_file} missing"
     launch_file.parent.mkdir()
-    launch_file.write_text(f"12 {tmp_path}/cache/v12-nvfp4\n")
-    result = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     real = sglang_launch(accelerator=accel, weight_format="nvfp4", model_path=f"{tmp_path}/cache/v12-nvfp4",
-                         served_model_name="m", weight_version=12, extra_args=["--chat-template", "it's $HOME"])
-    assert json.loads(result.stdout) == real.argv[1:]
+                         served_model_name="m", weight_version=12, extra_args=["--chat-template", "it's $HOME *"])
+    expected = real.argv[1:]
+
+    def launched(script: list[str], text: str) -> list[str]:
+        launch_file.write_text(text)
+        return json.loads(subprocess.run(script, capture_output=True, text=True, env=env, check=True).stdout)
+
+    dense, moe = f"12 {tmp_path}/cache/v12-nvfp4\n", f"12 {tmp_path}/cache/v12-nvfp4\n--enable-return-routed-experts\n"
+    assert launched(command, dense) == expected
+    assert launched(command, moe) == [*expected, "--enable-return-routed-experts"]
+    assert launched(command, moe.rstrip("\n")) == [*expected, "--enable-return-routed-experts"]  # no last newline
+    assert launched(unflagged, dense) == launched(unflagged, moe) == expected
+    # a flag line is split into words, never globbed (a `*` stays a `*`)
+    assert launched(command, f"{dense}--a *\n") == [*expected, "--a", "*"]

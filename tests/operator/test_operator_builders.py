@@ -44,10 +44,11 @@ def children(job: RLJob, observed: dict | None = None) -> dict[tuple[str, str], 
 LAUNCH_KEY = "k3y_from-the-Secret"  # what the kubelet puts for $(RLFLEET_API_KEY) in launched_argv
 
 
-def launched_argv(engine: dict, version: int, directory: str, tmp: Path | None = None) -> list[str]:
+def launched_argv(engine: dict, version: int, directory: str, tmp: Path | None = None, flags: str = "") -> list[str]:
     """The argv the engine container's /bin/sh wrapper execs, run for real with `python3` replaced by
-    a shim printing its arguments and the launch file holding `version directory`; the kubelet's
-    expansion of $(RLFLEET_API_KEY) (the env's secretKeyRef to the job's key Secret) is LAUNCH_KEY."""
+    a shim printing its arguments and the launch file holding `version directory` (then `flags`, when
+    given, as the weight sync writes a checkpoint's SGLang flags); the kubelet's expansion of
+    $(RLFLEET_API_KEY) (the env's secretKeyRef to the job's key Secret) is LAUNCH_KEY."""
     import json
     import os
     import subprocess
@@ -58,7 +59,7 @@ def launched_argv(engine: dict, version: int, directory: str, tmp: Path | None =
         root = Path(tmpdir)
         (root / "python3").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv))\n")
         (root / "python3").chmod(0o755)
-        (root / "launch").write_text(f"{version} {directory}\n")
+        (root / "launch").write_text(f"{version} {directory}\n" + (f"{flags}\n" if flags else ""))
         script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
         assert script != engine["args"][0] and len(engine["args"]) == 1
         key_ref = next(e["valueFrom"]["secretKeyRef"] for e in engine["env"] if e["name"] == n.API_KEY_ENV)
@@ -298,6 +299,10 @@ def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, 
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
     tail = argv[argv.index("--weight-version") + 2 :]
     assert tail == [*flags, "--api-key", LAUNCH_KEY]  # the engine's API closed by the job's key
+    # a mixture of experts' launch file names SGLang's routed-experts switch, which SGLang takes (the
+    # operator cannot know the model; the weight sync writes it from the view's config.json)
+    moe = launched_argv(engine, version=5, directory=f"{n.WEIGHTS_CACHE}/v5-x", flags="--enable-return-routed-experts")
+    assert moe == [*argv, "--enable-return-routed-experts"]
     assert argv[argv.index("--weight-version") + 1] == "5"
     assert argv[argv.index("--model-path") + 1] == f"{n.WEIGHTS_CACHE}/v5-x"
     assert argv[argv.index("--tp-size") + 1] == "1" and "Qwen/Qwen3-8B" not in argv

@@ -40,14 +40,15 @@ def sampler_deployment(job: RLJob, group: str) -> dict:
     return workloads.build_sampler_deployment(sg, NS, None, CATALOG, job.spec.weight_channel.store)
 
 
-def launched(engine: dict, version: int, directory: str) -> list[str]:
+def launched(engine: dict, version: int, directory: str, flags: str = "") -> list[str]:
     """What the engine container's /bin/sh wrapper execs (real sh), with `rlfleet` replaced by a shim
-    that prints its argv and the launch file holding `version directory`."""
+    that prints its argv and the launch file holding `version directory` (then `flags`, when given, as
+    the weight sync writes a checkpoint's SGLang flags)."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "rlfleet").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv))\n")
         (root / "rlfleet").chmod(0o755)
-        (root / "launch").write_text(f"{version} {directory}\n")
+        (root / "launch").write_text(f"{version} {directory}\n" + (f"{flags}\n" if flags else ""))
         script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
         assert script != engine["args"][0] and len(engine["args"]) == 1
         script = script.replace(f"$({n.API_KEY_ENV})", LAUNCH_KEY)  # the kubelet's expansion from the Secret
@@ -86,6 +87,9 @@ def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(job: RLJo
         "--weight-format", fmt, *(["--kv-cache-dtype", kv] if kv else []), "--api-key", LAUNCH_KEY,
     ]  # fmt: skip
     assert argv == expected
+    # a mixture of experts' launch file names SGLang's routed-experts switch: the reference engine takes
+    # none of SGLang's checkpoint flags (it returns a MoE's routed experts unasked)
+    assert launched(engine, 7, f"{n.WEIGHTS_CACHE}/v7-{fmt}", "--enable-return-routed-experts") == expected
     # the engine reads only the verified cache; the store (PVC) is mounted in the sync containers alone
     assert {m["name"] for m in engine["volumeMounts"]} == {"dshm", "tmp", "weights-cache"}
     # the channel read-only in the sync containers; writable only the group's subscriber reports

@@ -461,6 +461,28 @@ def test_sglang_engine_argv_uses_the_catalog(capsys):
     assert srv_mod.cli(["--weight-format", "int3"]) == 2
 
 
+def test_sglang_engine_argv_adds_the_flags_a_local_checkpoint_calls_for(capsys, tiny_qwen3_factory, tmp_path):
+    """`--engine sglang --model-path DIR` reads DIR's config.json as the weight sync does for a cluster
+    group's launch file: a Qwen3-MoE gets `--enable-return-routed-experts` (once, also when passed after
+    --), a dense Qwen3 and a hub id (no local directory) do not; a config.json that is no JSON is one line."""
+    def argv(model_path: str, *extra: str) -> list[str]:
+        rc = srv_mod.cli(["--engine", "sglang", "--accelerator", "h100", "--model-path", model_path, "--print-argv",
+                          *extra])  # fmt: skip
+        assert rc == 0
+        return capsys.readouterr().out.split()
+
+    moe = str(tiny_qwen3_factory(architecture="qwen3_moe"))
+    assert argv(moe).count("--enable-return-routed-experts") == 1
+    assert argv(moe, "--", "--enable-return-routed-experts").count("--enable-return-routed-experts") == 1
+    assert "--enable-return-routed-experts" not in argv(str(tiny_qwen3_factory()))
+    assert "--enable-return-routed-experts" not in argv("Qwen/Qwen3-30B-A3B")
+    (tmp_path / "config.json").write_text("{not json")
+    assert srv_mod.cli(["--engine", "sglang", "--accelerator", "h100", "--model-path", str(tmp_path),
+                        "--print-argv"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlfleet sampler serve: {tmp_path / 'config.json'}: not JSON") and err.count("\n") == 1
+
+
 def test_cli_refuses_bad_tiny_qwen3_sizes(capsys):
     """transformers' own config validation (an odd head_dim has no rotary pairs) is a CLI error, not a
     stack trace; so is an engine shape check."""

@@ -1,6 +1,8 @@
 """Every launch command the catalog can produce (each accelerator class x weight format x KV-cache dtype
 it allows, `check_group`) through SGLang 0.5.23's own argparse: `ServerArgs.add_cli_args` then
-`ServerArgs.from_cli_args`. Parsing only; nothing is launched. The parsed fields must be what we meant."""
+`ServerArgs.from_cli_args`. Parsing only; nothing is launched. The parsed fields must be what we meant.
+The flags a checkpoint adds (`checkpoint_engine_flags`: a mixture of experts' routed experts) are taken
+further, into SGLang's runtime context and its RoutedExpertsCapturer on the tiny models' ModelConfig."""
 
 from __future__ import annotations
 
@@ -74,3 +76,49 @@ def test_catalog_launch_parses_in_sglang_as_meant(accelerator: str, weight_forma
             if token.startswith("--") and i + 1 < len(rest) and not rest[i + 1].startswith("--"):
                 field = parser()._option_string_actions[token].dest
                 assert str(getattr(args, field)) == rest[i + 1], (token, field, getattr(args, field))
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen3"])
+def test_a_moe_checkpoints_flag_turns_on_sglangs_routed_experts_capture(tiny_qwen3_factory, architecture: str) -> None:
+    """The checkpoint's own flags (`checkpoint_engine_flags` of the tiny model's real config.json, what the
+    launch file carries and `rlfleet sampler serve` adds) on the catalog's launch, through SGLang 0.5.23's
+    own argparse, ServerArgs resolution and runtime context: the feature under which SGLang builds its
+    RoutedExpertsCapturer at launch (`get_exec().features.enable_return_routed_experts`, which
+    `RoutedExpertsCapturer.create` reads) is on exactly for the mixture of experts; for the dense model
+    `create` builds none. (`--device cpu` only lets ServerArgs resolve on this GPU-less machine.)"""
+    import json
+
+    from sglang.srt.runtime_context import create_context, get_exec, use_context
+    from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
+
+    from rlfleet.catalog import checkpoint_engine_flags
+
+    checkpoint = tiny_qwen3_factory(architecture=architecture)
+    config = json.loads((checkpoint / "config.json").read_text())
+    launch = sglang_launch(accelerator=get_catalog().get("h100"), weight_format="bf16", model_path=str(checkpoint),
+                           served_model_name="m", weight_version=0, extra_args=checkpoint_engine_flags(config))  # fmt: skip
+    moe = architecture == "qwen3_moe"
+    assert ("--enable-return-routed-experts" in launch.argv) is moe
+    assert sglang_parse(launch.argv).enable_return_routed_experts is moe
+    args = ServerArgs.from_cli_args(parser().parse_args([*launch.argv[3:], "--device", "cpu"]))
+    with use_context(create_context(args, role="scheduler")):
+        assert get_exec().features.enable_return_routed_experts is moe
+        if not moe:  # returns before it reads the model or its config
+            capturer = RoutedExpertsCapturer.create(model=None, model_config=None, num_tokens=8,
+                                                    max_running_requests=2, device="cpu")  # fmt: skip
+            assert capturer is None
+
+
+def test_sglangs_capturer_reads_num_experts_per_tok_which_a_dense_config_lacks(tiny_qwen3_factory) -> None:
+    """Why the flag cannot always be on: SGLang 0.5.23's RoutedExpertsCapturer (built at launch under it)
+    sizes its buffers from the model config's `num_experts_per_tok`. Its real constructor on SGLang's real
+    ModelConfig of the tiny dense Qwen3 fails on that missing attribute before anything else (the launch
+    would fail); the tiny Qwen3-MoE's config has it, its top-k."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.state_capturer.routed_experts import RoutedExpertsCapturer
+
+    dense = ModelConfig(str(tiny_qwen3_factory()))
+    with pytest.raises(AttributeError, match="num_experts_per_tok"):
+        RoutedExpertsCapturer(dense, num_tokens=8, max_running_requests=2, num_fused_shared_experts=0, device="cpu")
+    moe = ModelConfig(str(tiny_qwen3_factory(architecture="qwen3_moe")))
+    assert moe.hf_text_config.num_experts_per_tok == 2  # rlfleet/tiny_qwen3.py MOE_SIZES: top 2 of 4

@@ -677,6 +677,51 @@ async def test_fetch_refuses_a_bf16_checkpoint_published_as_the_fp8_view(tmp_pat
     assert not (tmp_path / "cache" / LAUNCH_FILE).exists() and not (tmp_path / "cache" / "v0-fp8").exists()
 
 
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen3"])
+async def test_the_launch_file_carries_a_moe_checkpoints_flag_into_the_sglang_launch(
+    tmp_path: Path, tiny_qwen3_factory: Any, architecture: str
+) -> None:
+    """The real publisher publishes the tiny Qwen3-MoE's (or dense Qwen3's) bf16 view, the init
+    container's fetch (`Syncer.fetch_for_launch`) writes the launch file, and the SGLang engine
+    container's script (`launch_from_file` as the operator builds it for an SGLang group) runs for real
+    under /bin/sh with `python3` a stub printing its argv: `--enable-return-routed-experts` is on the
+    command line exactly for the mixture of experts."""
+    import json
+    import os
+    import subprocess
+
+    from rlfleet.catalog import LAUNCH_FILE, MODEL_DIR_REF, WEIGHT_VERSION_REF, launch_from_file, load_catalog
+    from rlfleet.catalog import sglang_launch as launch_of
+
+    store = FilesystemStore(tmp_path / "store", create=True)
+    base = tiny_qwen3_factory(architecture=architecture)
+    state = {k: v.detach().clone() for k, v in tiny_model(TinyQwen3(architecture=architecture)).state_dict().items()}
+    assert WeightPublisher(store, views=["bf16"], base_checkpoint=base).publish(state).version == 0
+    config = SyncConfig(store="unused", view="bf16", engine_url="http://127.0.0.1:9", group="h100-bf16",
+                        replica="pod-0", cache_dir=tmp_path / "cache", require_checkpoint=True)  # fmt: skip
+    async with httpx.AsyncClient() as client:
+        fetched = await Syncer(config, store, DiskEngine(client)).fetch_for_launch(asyncio.Event())
+    assert fetched == (0, tmp_path / "cache" / "v0-bf16")
+    target = fetched[1]
+    moe = architecture == "qwen3_moe"
+    flags = ["--enable-return-routed-experts"] if moe else []
+    assert (tmp_path / "cache" / LAUNCH_FILE).read_text() == f"0 {target}\n" + ("--enable-return-routed-experts\n" if moe else "")
+
+    h100 = load_catalog(None).get("h100")
+    placeholder = launch_of(accelerator=h100, weight_format="bf16", model_path=MODEL_DIR_REF, served_model_name="m",
+                            weight_version=WEIGHT_VERSION_REF)  # fmt: skip
+    script = launch_from_file(placeholder.argv, str(tmp_path / "cache" / LAUNCH_FILE), checkpoint_flags=True)
+    stub = tmp_path / "bin" / "python3"  # the stub engine: prints the argv it was started with
+    stub.parent.mkdir()
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    argv = json.loads(subprocess.run(script, capture_output=True, text=True, env=env, check=True).stdout)
+    direct = launch_of(accelerator=h100, weight_format="bf16", model_path=str(target), served_model_name="m",
+                       weight_version=0)  # fmt: skip
+    assert argv == [*direct.argv[1:], *flags]
+
+
 def test_check_launchable_per_view(tmp_path: Path) -> None:
     from rlfleet.numerics.views import save_view
     from rlfleet.sampler.launch_checkpoint import NotLaunchableError, check_launchable
