@@ -513,6 +513,7 @@ async def _refresh_job_status(
         trainer_create_failure=latest_event_message(view.all(view.create_failures, (namespace, n.trainer_name(name)))),
         costs=rebalancer.fleet_costs(memory.result) if memory.result else None,
         trainer_report=trainer_job_status(job, groups, memory.report, now).status,
+        fleet_plan=rebalancer.fleet_plan_status(memory),
     )  # fmt: skip
     await _write_status(job, desired, "RLJob")
 

@@ -143,6 +143,21 @@ class KubeApi:
                 return None
             raise
 
+    async def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+        """Set spec.replicas through the object's scale subresource (a merge patch of /scale, as `kubectl
+        scale` does); None if the object is gone."""
+        resource = await self._resource(api_version, kind, "scale")
+        try:
+            return await _result((await self._dyn()).patch(
+                resource, body={"spec": {"replicas": replicas}}, name=name, namespace=namespace,
+                content_type="application/merge-patch+json", serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            ))  # fmt: skip
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object (namespace None: a cluster-scoped one); None if it does not exist."""
         resource = await self._resource(api_version, kind)

@@ -25,7 +25,8 @@ The rules, in order:
    `throughput`: proportional to tokens/s; `cost`: proportional to USEFUL tokens/s (tokens/s x
    (1 - oor_fraction): out-of-range tokens are masked by MIS and teach nothing) times
    cheapest_cost / own_cost, where cost = USD per 1M useful tokens - the cheapest group gets its full
-   capacity share, a group twice as expensive half of it; `static`: the configured shares.
+   capacity share, a group twice as expensive half of it; `static`: the configured shares; `plan`:
+   the fleet-mix optimizer's shares (operator/fleetplan.py, `spec.router.optimize`).
    Every eligible group gets at least `min_share`. Ineligible groups get 0.
 3. Quarantined or replica-less groups drop to 0 at once; everything else moves from the current
    shares toward the target along a straight line, as far as `max_share_change` allows for the
@@ -48,7 +49,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlfleet.catalog import Catalog
 from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, FleetEconomics, MeasuredGroup, measured_economics
 
-Policy = Literal["throughput", "cost", "static"]
+# "plan": the fleet-mix optimizer's shares (operator/fleetplan.py), carried in GroupInput.static_share
+Policy = Literal["throughput", "cost", "static", "plan"]
 
 TOKENS_COUNTER = "sglang:generation_tokens"  # the parser strips `_total` from counter family names
 DECODE_COUNTER = "sglang:realtime_tokens"  # labelled mode=prefill_compute | prefill_cache | decode
@@ -183,8 +185,8 @@ class RebalanceConfig:
     catalog: Catalog | None = None
 
     def __post_init__(self) -> None:
-        if self.policy not in ("throughput", "cost", "static"):
-            raise ValueError(f"unknown policy {self.policy!r} (throughput | cost | static)")
+        if self.policy not in ("throughput", "cost", "static", "plan"):
+            raise ValueError(f"unknown policy {self.policy!r} (throughput | cost | static | plan)")
         if not 0.0 < self.max_share_change <= 1.0:
             raise ValueError("max_share_change must be in (0, 1]")
         if not 0.0 <= self.min_share <= 0.5:
@@ -212,6 +214,9 @@ class GroupResult:
     routing_mismatch: float | None
     quarantined: bool
     history: tuple[dict[str, object], ...]
+    # this interval's own reading, before the EMA (None: none this interval): the fleet-mix optimizer's
+    # tokens/s per replica, which an EMA across a replica change would mix up
+    measured_tokens_per_second: float | None = None
 
     def status_patch(self) -> dict[str, object]:
         """The SamplerGroup status fields the rebalancer owns (camelCase, None dropped)."""
@@ -317,7 +322,8 @@ def rebalance(
     new_state = RebalanceState()
 
     # 1. Throughput (EMA) per group.
-    tps = {g.name: _observe_throughput(g, previous_state, new_state, now, config) for g in inputs}
+    readings = {g.name: _observe_throughput(g, previous_state, new_state, now, config) for g in inputs}
+    tps = {name: smoothed for name, (_, smoothed) in readings.items()}
 
     # 2. Targets by policy.
     names = [g.name for g in inputs]
@@ -375,6 +381,7 @@ def rebalance(
             routing_mismatch=g.routing_mismatch,
             quarantined=g.quarantined,
             history=tuple(memory.history),
+            measured_tokens_per_second=readings[name][0],
         )
 
     return RebalanceResult(
@@ -388,9 +395,9 @@ def rebalance(
 
 def _observe_throughput(
     g: GroupInput, previous_state: RebalanceState, new_state: RebalanceState, now: float, config: RebalanceConfig
-) -> float | None:
-    """The group's smoothed tokens/s after this reading (None: no reading yet); records its counters
-    and carries its memory into `new_state`."""
+) -> tuple[float | None, float | None]:
+    """The group's tokens/s read this interval and smoothed after this reading (None: no reading this
+    interval / yet); records its counters and carries its memory into `new_state`."""
     memory = previous_state.groups.get(g.name, GroupMemory())
     observed = g.tokens_per_second if g.tokens_per_second is not None else group_rate(g.pods, memory, now)
     ema = memory.ema_tokens_per_second
@@ -409,7 +416,7 @@ def _observe_throughput(
         recorded_share=memory.recorded_share,
         history=list(memory.history),
     )
-    return ema
+    return observed, ema
 
 
 def _policy_weights(
@@ -424,7 +431,7 @@ def _policy_weights(
     throughput scaled by how close its cost per useful token is to the cheapest)."""
     known = [n for n in eligible if tps[n] is not None]
     neutral = sum(tps[n] or 0.0 for n in known) / len(known) if known else 1.0
-    if policy == "static":
+    if policy in ("static", "plan"):
         return {n: max(by_name[n].static_share or 0.0, 0.0) for n in eligible}
     if policy == "throughput":
         # A group without a reading yet (just added) gets the average until it has one.
@@ -476,6 +483,8 @@ def _share_reason(g: GroupInput, tps: float | None, useful_cost: float | None, p
         return "no ready replicas"
     if policy == "static":
         return "static"
+    if policy == "plan":
+        return f"fleet plan {g.static_share or 0.0:.3f}"
     if policy == "throughput":
         return f"throughput {tps:.0f} tok/s" if tps is not None else "throughput (no reading yet)"
     return f"cost ${useful_cost:.3f}/1M useful tokens" if useful_cost is not None else "cost (no reading yet)"

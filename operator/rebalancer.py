@@ -7,8 +7,12 @@ elapsed. Per interval: read each SamplerGroup's live throughput (its ready pods'
 `spec.router.prometheusUrl`), the trainer's per-group KL / out-of-range metrics and its report (rank 0's
 exporter: step, weight version, metrics, the collapse detector's state), call the pure `rebalance.py`,
 push quarantine and shares to every router pod's admin API, and post a Kubernetes Event per share change.
-Not replicas: the router follows each group's headless Service itself (router/membership.py), so a pod
-replaced between two ticks is routed to as soon as it is ready. SamplerGroups and pods come from the
+Replicas only with the fleet-mix optimizer on (`spec.router.optimize.enabled`, fleetplan.py): it
+decides replicas and shares per group from the same readings, writes replicas through each SamplerGroup's
+scale subresource (never the RLJob's spec; builders.py keeps the override until the RLJob's own replicas
+change) with a FleetScaled Event, and its shares replace the share policy's. The router follows each
+group's headless Service itself (router/membership.py), so a pod added or replaced between two ticks is
+routed to as soon as it is ready. SamplerGroups and pods come from the
 operator's kopf indexes (no listing per tick). The result and the trainer's report stay in memory
 (`observed(...)`, dropped by `forget` when the RLJob is deleted): the pipeline computes the WHOLE status
 of the groups and the job from them (status.py) and applies it once, under the operator's one status
@@ -25,10 +29,11 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote
 
@@ -38,7 +43,7 @@ from prometheus_client import Gauge
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import CatalogError, get_catalog
-from rlfleet.operator import kube, parsed_jobs
+from rlfleet.operator import fleetplan, kube, parsed_jobs
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.pods import pod_ready
@@ -70,6 +75,8 @@ class JobMemory:
     token: str | None = None
     result: RebalanceResult | None = None  # None: not rebalanced since the operator started
     report: TrainerReport | None = None  # the trainer's last readable report
+    fleet: fleetplan.FleetMemory = field(default_factory=fleetplan.FleetMemory)  # tokens/s per replica
+    plan: fleetplan.FleetDecision | None = None  # the optimizer's last decision (router.optimize)
 
 
 _JOBS: dict[tuple[str, str, str], JobMemory] = {}
@@ -204,12 +211,22 @@ def seed_state(samplergroups: Sequence[Mapping[str, Any]]) -> RebalanceState:
     return state
 
 
+def rate_window(interval_seconds: int) -> int:
+    """Seconds of the Prometheus rate a group's throughput is read over (`spec.router.prometheusUrl`)."""
+    return max(2 * interval_seconds, 60)
+
+
 def prometheus_query(namespace: str, samplergroup: str, window_seconds: int) -> str:
     """Decode tokens/s of a group's pods (Deployment pods are <samplergroup>-<rs hash>-<pod hash>), from
     SGLang's per-step `realtime_tokens_total{mode="decode"}`, not the finish-time
     `generation_tokens_total` (0 for minutes while long rollouts run; rebalance.py)."""
     selector = f'mode="decode",namespace="{namespace}",pod=~"{samplergroup}-[a-z0-9]+-[a-z0-9]+"'
     return f"sum(rate(sglang:realtime_tokens_total{{{selector}}}[{window_seconds}s]))"
+
+
+def fleet_plan_status(memory: JobMemory) -> dict[str, Any] | None:
+    """RLJob `status.fleetPlan` of the optimizer's last decision (None: none since the operator started)."""
+    return memory.plan.status() if memory.plan is not None else None
 
 
 def job_config(job: RLJob) -> RebalanceConfig:
@@ -370,7 +387,14 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
         trainer_metrics = await _read_trainer(http, job, pods_of, memory)
         collapse = trainer_job_status(body, samplergroups, memory.report, st.now_iso()).quarantine
         inputs = await _group_inputs(http, job, namespace, samplergroups, pods_of, trainer_metrics, collapse)
-        result = rebalance(inputs, memory.state, now, job_config(job))
+        config = job_config(job)
+        result = rebalance(inputs, memory.state, now, config)
+        if job.spec.router.optimize.enabled:
+            decision = plan_fleet_mix(job, samplergroups, inputs, result, memory, config)
+            if decision.shares is not None:  # the plan's shares instead of the policy's, bounded alike
+                planned = [replace(g, static_share=decision.shares.get(g.name, 0.0)) for g in inputs]
+                result = rebalance(planned, memory.state, now, replace(config, policy="plan", min_share=0.0))
+            await _scale(namespace, samplergroups, decision)
         memory.state = result.state
 
         memory.token = memory.token or await admin_token(kube.api(), job, namespace)
@@ -383,6 +407,59 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     export_economics(namespace, job.name, result)
     _post_share_events(samplergroups, result)
     return result
+
+
+def plan_fleet_mix(job: RLJob, samplergroups: Sequence[Mapping[str, Any]], inputs: Sequence[GroupInput],
+                   result: RebalanceResult, memory: JobMemory, config: RebalanceConfig) -> fleetplan.FleetDecision:  # fmt: skip
+    """The optimizer's decision of this interval from the share policy's readings (`result`: this
+    interval's tokens/s per group, the reference fleet's figures, the policy's shares); kept in `memory`
+    for the status."""
+    by_name = {g.name: g for g in inputs}
+    catalog = config.catalog or get_catalog()
+    readings = []
+    for sg in samplergroups:
+        g = by_name[(sg.get("spec") or {}).get("name", "")]
+        try:
+            default_tp = catalog.get(g.accelerator).default_tensor_parallel
+        except (CatalogError, KeyError):
+            default_tp = 1
+        readings.append(fleetplan.fleet_reading(sg, g.price_per_gpu_hour, default_tp,
+                                                result.groups[g.name].measured_tokens_per_second,
+                                                g.kl, g.oor_fraction, g.quarantined))  # fmt: skip
+    router = job.spec.router
+    # a Prometheus rate spans its window: a replica change shows in it for that long (rebalancer's window)
+    settle = math.ceil(rate_window(router.rebalance_interval_seconds) / router.rebalance_interval_seconds) if router.prometheus_url else 1
+    memory.fleet = fleetplan.observe(memory.fleet, readings, settle)
+    economics = result.economics
+    reference = fleetplan.ReferenceFigures(
+        accelerator=config.reference_accelerator,
+        tokens_per_gpu_second=economics.reference_tokens_per_gpu_second,
+        cost_per_gpu_hour=config.reference_price_per_gpu_hour,
+        oor_fraction=config.reference_oor_fraction,
+    )
+    request, left_out = fleetplan.fleet_request(job.spec.router.optimize, job.spec.trainer.accelerator, reference,
+                                                readings, memory.fleet.per_replica)  # fmt: skip
+    memory.plan = fleetplan.decide(request, left_out, readings, result.shares, catalog)
+    return memory.plan
+
+
+async def _scale(namespace: str, samplergroups: Sequence[Mapping[str, Any]], decision: fleetplan.FleetDecision) -> None:
+    """Each SamplerGroup whose replicas the decision changes, through its scale subresource, with a
+    FleetScaled Event saying from, to and why."""
+    changes = decision.changes()
+    for sg in samplergroups:
+        name = (sg.get("spec") or {}).get("name", "")
+        if name not in changes:
+            continue
+        before, after = changes[name]
+        try:
+            await kube.api().scale(sg["apiVersion"], sg["kind"], namespace, sg["metadata"]["name"], after)
+        except kube.KubeError as exc:
+            kopf.event(kube.event_target(sg), type="Warning", reason="FleetScaleFailed",
+                       message=f"replicas {before} -> {after}: {exc}"[:1000])  # fmt: skip
+            continue
+        kopf.event(kube.event_target(sg), type="Normal", reason="FleetScaled",
+                   message=f"replicas {before} -> {after} ({decision.decision}): {decision.reason}"[:1000])  # fmt: skip
 
 
 def _due(memory: JobMemory, samplergroups: Sequence[Mapping[str, Any]], now: float, interval: float) -> bool:
@@ -426,7 +503,7 @@ async def _group_inputs(
     """Each group's rebalance input (throughput from Prometheus when configured, else scraped from
     its ready pods)."""
     prometheus = job.spec.router.prometheus_url
-    window = max(2 * job.spec.router.rebalance_interval_seconds, 60)
+    window = rate_window(job.spec.router.rebalance_interval_seconds)
     inputs: list[GroupInput] = []
     for sg in samplergroups:
         spec = sg.get("spec") or {}

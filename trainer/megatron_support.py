@@ -11,12 +11,8 @@ context parallel CP = 1. Refused, with the reason:
   objective's rows (sequence, position) would have to be re-addressed into each rank's load-balanced
   2*CP chunks with the token counts reduced over the CP group; neither is implemented or tested.
 - sequence parallel with TP = 1: megatron-core refuses it (nothing to split the sequence over).
-Model shapes must divide by TP: attention heads, query groups (KV heads), the FFN width (a mixture of
-experts': each expert's, split over TP as megatron's expert tensor parallelism defaults to) and the
+Model shapes must divide by TP: attention heads, query groups (KV heads), the FFN width and the
 vocabulary (the vocabulary-parallel loss takes each rank's V/TP columns; megatron does not pad it).
-Expert parallelism EP (a Qwen3-MoE): EP must divide the number of experts (each rank holds E/EP whole
-experts); EP > 1 on a dense model is refused (no experts to split). The world size must be a multiple
-of TP x EP (megatron's expert grid, expert-TP = TP): checked where the world size is known.
 """
 
 from __future__ import annotations
@@ -46,35 +42,11 @@ def parallelism_support(tp: int, pp: int, cp: int, sequence_parallel: bool) -> S
 
 
 def shape_support(tp: int, *, num_attention_heads: int, num_query_groups: int, ffn_hidden_size: int,
-                  vocab_size: int, moe: bool = False) -> Support:
-    """Whether the model's shapes split evenly over `tp` tensor-parallel ranks (`moe`: `ffn_hidden_size`
-    is each expert's, config.json `moe_intermediate_size`)."""
+                  vocab_size: int) -> Support:
+    """Whether the model's shapes split evenly over `tp` tensor-parallel ranks."""
     sizes = {"num_attention_heads": num_attention_heads, "num_key_value_heads": num_query_groups,
-             "moe_intermediate_size" if moe else "intermediate_size": ffn_hidden_size, "vocab_size": vocab_size}
+             "intermediate_size": ffn_hidden_size, "vocab_size": vocab_size}
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
         return Support(False, f"tensor parallelism {tp} must divide {', '.join(bad)}")
-    return Support(True)
-
-
-def expert_support(ep: int, *, num_experts: int | None, topk: int) -> Support:
-    """Whether `ep` expert-parallel ranks can split the model's experts (None: a dense model)."""
-    if ep < 1:
-        return Support(False, f"expert parallelism must be >= 1, got {ep}")
-    if num_experts is None:
-        if ep != 1:
-            return Support(False, f"expert parallelism {ep} needs a mixture of experts (the model is dense)")
-        return Support(True)
-    if not 1 <= topk <= num_experts:
-        return Support(False, f"num_experts_per_tok {topk} must be in [1, num_experts={num_experts}]")
-    if num_experts % ep:
-        return Support(False, f"expert parallelism {ep} must divide num_experts={num_experts}")
-    return Support(True)
-
-
-def world_support(world: int, *, tp: int, ep: int) -> Support:
-    """Whether `world` ranks hold whole model replicas (TP) and whole expert grids (TP x EP)."""
-    grid = tp * ep
-    if world % grid:
-        return Support(False, f"world size {world} must be a multiple of tensor x expert parallelism ({tp} x {ep} = {grid})")
     return Support(True)

@@ -473,6 +473,80 @@ class ReferenceFleetSpec(ApiModel):
         return self
 
 
+FLEET_BOUNDS_RULE = "self.minReplicas <= self.maxReplicas"
+FLEET_BOUNDS_MESSAGE = "router.optimize.groups: minReplicas must be <= maxReplicas"
+FLEET_DEMAND_RULE = "!self.enabled || has(self.demand)"
+FLEET_DEMAND_MESSAGE = "router.optimize: enabled needs demand.usableTokensPerSecond (what the trainer consumes)"
+FLEET_GROUPS_RULE = "!has(self.router.optimize) || !has(self.router.optimize.groups) || self.router.optimize.groups.all(k, self.samplerGroups.exists(g, g.name == k))"
+FLEET_GROUPS_MESSAGE = "router.optimize.groups: every key must be the name of a group in samplerGroups"
+
+
+class FleetGroupBounds(ApiModel):
+    """One group's replica bounds and mismatch budget for the fleet-mix optimizer."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": FLEET_BOUNDS_RULE, "message": FLEET_BOUNDS_MESSAGE}]}}
+
+    min_replicas: int = Field(default=0, ge=0, le=1024)
+    """Fewest replicas the optimizer leaves the group (not held while the group is over its own mismatch budget: it is drained)."""
+    max_replicas: int = Field(ge=0, le=1024)
+    """Most replicas the optimizer gives the group."""
+    max_kl: float | None = Field(default=None, ge=0.0, le=1e6)
+    """The group's own KL budget (the trainer's kl_k3 of its tokens); default: budgets.groupMaxKl."""
+    max_oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    """The group's own budget of tokens outside the MIS band; default: budgets.groupMaxOorFraction."""
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> FleetGroupBounds:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"{FLEET_BOUNDS_MESSAGE} (got {self.min_replicas} > {self.max_replicas})")
+        return self
+
+
+class FleetBudgetsSpec(ApiModel):
+    """Mismatch budgets of the fleet-mix optimizer (none: unbounded)."""
+
+    max_kl: float | None = Field(default=None, ge=0.0, le=1e6)
+    """Fleet-wide KL budget, token-weighted over the groups with a share."""
+    max_oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Fleet-wide budget of the share of tokens outside the MIS band, token-weighted."""
+    group_max_kl: float | None = Field(default=None, ge=0.0, le=1e6)
+    """Each group's KL budget (a group over it gets no share and is drained to 0 replicas)."""
+    group_max_oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Each group's budget of tokens outside the MIS band."""
+
+
+class FleetDemandSpec(ApiModel):
+    """What the trainer consumes."""
+
+    usable_tokens_per_second: float = Field(ge=0.0, le=1e9)
+    """Usable (in-band) tokens per second the sampler fleet must make: usable tokens per step over seconds per step at the target staleness. Given, not derived from the trainer's reports."""
+
+
+class FleetOptimizeSpec(ApiModel):
+    """The fleet-mix optimizer (docs/economics.md): each rebalance interval, replicas and shares per group that minimise the cost per usable token under the demand, the mismatch budgets and the bounds. Replicas go through each SamplerGroup's scale subresource; the RLJob's spec is never written."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": FLEET_DEMAND_RULE, "message": FLEET_DEMAND_MESSAGE}]}}
+
+    enabled: bool = False
+    """Off (default): the share policy sets shares and replicas stay as the spec says."""
+    demand: FleetDemandSpec | None = None
+    """The trainer's demand (needed when enabled)."""
+    budgets: FleetBudgetsSpec = Field(default_factory=FleetBudgetsSpec, json_schema_extra={"default": {}})
+    """Mismatch budgets."""
+    groups: dict[str, FleetGroupBounds] = Field(default_factory=dict, max_length=32)
+    """Replica bounds per group name; a group not named here keeps its replicas (it still counts toward the demand)."""
+    max_step_replicas: int = Field(default=1, ge=1, le=1024)
+    """Most replicas a group gains or loses per rebalance interval."""
+    hysteresis: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """The current replicas stay unless the optimum saves more than this share of their cost per hour."""
+
+    @model_validator(mode="after")
+    def _check_demand(self) -> FleetOptimizeSpec:
+        if self.enabled and self.demand is None:
+            raise ValueError(FLEET_DEMAND_MESSAGE)
+        return self
+
+
 class RouterSpec(PodPlacement):
     """Router and rebalancer."""
 
@@ -510,6 +584,8 @@ class RouterSpec(PodPlacement):
     """Secret (key `token`) with the router admin token (none: the operator creates one)."""
     reference: ReferenceFleetSpec = Field(default_factory=ReferenceFleetSpec, json_schema_extra={"default": {}})
     """The reference fleet of status.savingPercent (default: trainer.accelerator in BF16, as the job's groups of that class measure it, else as the catalog's throughput ratios estimate it from the other groups)."""
+    optimize: FleetOptimizeSpec = Field(default_factory=FleetOptimizeSpec, json_schema_extra={"default": {}})
+    """The fleet-mix optimizer: replicas and shares per group from measured throughput, cost and mismatch (off by default)."""
 
     @model_validator(mode="after")
     def _check_static(self) -> RouterSpec:
@@ -660,6 +736,7 @@ class RLJobSpec(ApiModel):
                     "message": STATIC_SHARES_GROUPS_MESSAGE,
                     "fieldPath": ".router.staticShares",
                 },
+                {"rule": FLEET_GROUPS_RULE, "message": FLEET_GROUPS_MESSAGE, "fieldPath": ".router.optimize.groups"},
                 {"rule": CONTEXT_RULE, "message": CONTEXT_MESSAGE, "fieldPath": ".rollout.maxNewTokens"},
                 {
                     "rule": TRAINER_ACCELERATOR_RULE,
@@ -737,14 +814,21 @@ class RLJobSpec(ApiModel):
         return self
 
     @model_validator(mode="after")
+    def _check_group_keys(self) -> RLJobSpec:
+        names = {g.name for g in self.sampler_groups}
+        for keys, message in ((self.router.static_shares, STATIC_SHARES_GROUPS_MESSAGE),
+                              (self.router.optimize.groups, FLEET_GROUPS_MESSAGE)):  # fmt: skip
+            unknown = sorted(set(keys) - names)
+            if unknown:
+                raise ValueError(f"{message} (unknown: {', '.join(unknown)})")
+        return self
+
+    @model_validator(mode="after")
     def _check_groups(self) -> RLJobSpec:
         names = [g.name for g in self.sampler_groups]
         if len(names) != len(set(names)):
             dups = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"{GROUP_NAMES_MESSAGE} (duplicated: {', '.join(dups)})")
-        unknown = sorted(set(self.router.static_shares) - set(names))
-        if unknown:
-            raise ValueError(f"{STATIC_SHARES_GROUPS_MESSAGE} (unknown: {', '.join(unknown)})")
         max_seq_len = self.model.max_seq_len
         if max_seq_len is not None and self.rollout.max_new_tokens >= max_seq_len:
             raise ValueError(f"{CONTEXT_MESSAGE}: {self.rollout.max_new_tokens} >= {max_seq_len}")
@@ -806,6 +890,23 @@ class RunMetrics(ApiModel):
     """When these metrics were reported."""
 
 
+class FleetPlanStatus(ApiModel):
+    """What the fleet-mix optimizer decided at its last rebalance interval, and why."""
+
+    decision: Literal["Scaled", "Kept", "Stepping", "Infeasible", "Waiting"]
+    """Scaled: replicas changed to the plan; Kept: the plan keeps the current replicas (hysteresis, or they are the optimum); Stepping: no plan within one step meets the demand, groups below the unstepped optimum go up one step; Infeasible: no plan meets the budgets, nothing changed; Waiting: no plan yet (no throughput reading), nothing changed."""
+    reason: str = Field(max_length=2048)
+    """Why (the solver's verdict, the groups left out and why, the constraint no plan meets)."""
+    replicas: dict[str, int] = Field(default_factory=dict, max_length=32)
+    """Replicas per group after this decision."""
+    binding: list[Annotated[str, Field(max_length=512)]] = Field(default_factory=list, max_length=64)
+    """The constraints whose removal alone would make the plan cheaper, each with what it costs."""
+    cost_per_hour: float | None = Field(default=None, ge=0.0)
+    """USD per hour of the plan's replicas."""
+    cost_per_1m_usable_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MUsableTokens")
+    """USD per million usable tokens of the plan, its replicas busy."""
+
+
 class RLJobStatus(ApiModel):
     """Observed state of an RLJob."""
 
@@ -837,6 +938,8 @@ class RLJobStatus(ApiModel):
     """100 x (1 - costPer1MTokens / baselineCostPer1MTokens): what the mixed fleet saves per usable token against the reference fleet (negative: it costs more)."""
     baseline_source: str | None = Field(default=None, max_length=256)
     """Where the reference fleet's tokens/s per GPU come from: router.reference.tokensPerGpuSecond ("given"), the job's BF16 groups of the class ("measured"), or the other groups through the catalog's decodeThroughput ratios ("estimated from catalog throughput ratios")."""
+    fleet_plan: FleetPlanStatus | None = None
+    """The fleet-mix optimizer's last decision (router.optimize)."""
     conditions: list[Condition] = conditions_field()
     """Ready, Progressing, Degraded and CollapseRisk conditions."""
 

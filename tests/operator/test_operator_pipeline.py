@@ -248,6 +248,23 @@ def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before
     assert s["baselineSource"] == "b200 bf16 estimated from catalog throughput ratios"
 
 
+def test_the_fleet_plan_is_the_last_decision_kept_over_a_restart_and_gone_when_the_optimizer_is_off() -> None:
+    """`status.fleetPlan` goes through the RLJob's one status pipeline: this operator's last decision, else
+    the observed one (restarted, no interval yet), and none once `router.optimize` is off."""
+    on = job() | {"spec": job()["spec"] | {"router": {"optimize": {"enabled": True}}}}
+    observed = {"decision": "Kept", "reason": "the current replicas are the optimum", "replicas": {"g": 2}, "binding": []}
+    decided = {"decision": "Infeasible", "reason": "no plan meets the budgets: ...", "replicas": {"g": 2}, "binding": []}
+
+    def plan(body: dict, fleet_plan: dict | None) -> dict | None:
+        return st.rljob_status(body, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
+                               fleet_plan=fleet_plan).get("fleetPlan")  # fmt: skip
+
+    assert plan(on | {"status": {"fleetPlan": observed}}, None) == observed
+    assert plan(on | {"status": {"fleetPlan": observed}}, decided) == decided
+    assert plan(job() | {"status": {"fleetPlan": observed}}, decided) is None  # off: no plan shown
+    assert plan(on, None) is None
+
+
 # The kubelet's FailedMount Event message (pkg/kubelet/volumemanager: `MountVolume.SetUp failed for volume
 # %q : %v`, the error from the secret / configmap volume plugin: `secret "x" not found`).
 SECRET_MOUNT = 'MountVolume.SetUp failed for volume "admin-token" : secret "j-router-admin" not found'

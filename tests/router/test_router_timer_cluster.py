@@ -3,25 +3,20 @@
 
 Sampler pods are kwok fakes (no process behind their IPs), so throughput comes from the
 `spec.router.prometheusUrl` path, served by a small real Prometheus-API HTTP server on 127.0.0.1
-that reports 3000 tok/s for the b200 group and 1000 tok/s for the a100 group.
+(fake_prometheus.py) that reports 3000 tok/s for the b200 group and 1000 tok/s for the a100 group.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
-import threading
-import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import cluster_wait
 import pytest
 import yaml
+from fake_prometheus import fake_prometheus
 from kopf.testing import KopfRunner
 
 # these tests wait on rebalance intervals: longer timeout, coarser polling than the default
@@ -34,34 +29,10 @@ TPS = {f"{JOB}-b200-nvfp4": 3000.0, f"{JOB}-a100-bf16": 1000.0}
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-class _Prometheus(BaseHTTPRequestHandler):
-    queries: list[str] = []
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's API
-        query = parse_qs(urlsplit(self.path).query).get("query", [""])[0]
-        _Prometheus.queries.append(query)
-        match = re.search(r'pod=~"([a-z0-9-]+?)-\[a-z0-9\]', query)
-        value = TPS.get(match.group(1), 0.0) if match else 0.0
-        body = json.dumps({"status": "success", "data": {"resultType": "vector",
-                           "result": [{"metric": {}, "value": [time.time(), str(value)]}]}}).encode()  # fmt: skip
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
-def prometheus() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Prometheus)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+def prometheus() -> Iterator[tuple[str, list[str]]]:
+    with fake_prometheus(lambda samplergroup: TPS.get(samplergroup, 0.0)) as served:
+        yield served
 
 
 def manifest(prometheus_url: str) -> dict:
@@ -85,8 +56,9 @@ def manifest(prometheus_url: str) -> dict:
 
 
 def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
-    kube, namespace: str, prometheus: str, monkeypatch: pytest.MonkeyPatch
+    kube, namespace: str, prometheus: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    url, queries = prometheus
     kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     for name in ("rljobs", "samplergroups", "weightchannels"):
         kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
@@ -97,7 +69,7 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
 
     args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
     with KopfRunner(args, timeout=60) as runner:
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest(prometheus)))
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest(url)))
 
         def converged() -> dict | None:
             fast, slow = sg("b200-nvfp4")["status"], sg("a100-bf16")["status"]
@@ -145,4 +117,4 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
     assert runner.exception is None, runner.output
     assert "Traceback" not in runner.output, runner.output
-    assert _Prometheus.queries and all('sglang:realtime_tokens_total{mode="decode",' in q for q in _Prometheus.queries)
+    assert queries and all('sglang:realtime_tokens_total{mode="decode",' in q for q in queries)

@@ -143,6 +143,7 @@ NAMESPACED_RULES = {
     *{("rlfleet.dev", "samplergroups", v) for v in ("list", "watch", "create", "patch", "delete")},
     *{("rlfleet.dev", "weightchannels", v) for v in ("get", "list", "watch", "create", "patch")},
     *{("rlfleet.dev", f"{r}/status", "patch") for r in ("rljobs", "samplergroups", "weightchannels")},
+    ("rlfleet.dev", "samplergroups/scale", "patch"),  # the fleet-mix optimizer's replicas (router.optimize)
     *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("list", "watch", "create", "patch")},
     *{("", r, v) for r in ("services", "configmaps") for v in ("create", "patch")},
     ("", "events", "create"),

@@ -1,0 +1,242 @@
+"""The fleet-mix optimizer in the operator (operator/fleetplan.py): the pure mapping from what a rebalance
+interval measured to `rlfleet fleet plan`'s request, exactly; the decision on a fleet with a
+hand-computed optimum (stepping, scaling, keeping, infeasible); the shares pushed; the RLJob block.
+
+The fleet of every decision test: b200-nvfp4 makes 4000 tok/s per replica at $5.99/h, a100-bf16 1000 at
+$1.79/h; demand 13000 usable tok/s, bounds b200 [0, 3], a100 [0, 4], one replica per step. By hand:
+b200 x3 + a100 x1 = 13000 tok/s at $19.76/h is the only plan (b200 x2 needs a100 x5 > 4; b200 x3 + a100 x0
+makes 12000), so from (1, 1) the step-bounded problem has none (at most 2 x 4000 + 2 x 1000 = 10000).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from pydantic import ValidationError
+
+from rlfleet.api import RLJob
+from rlfleet.fleet import (
+    Budgets,
+    Demand,
+    FleetPlanRequest,
+    GroupFigures,
+    Reference,
+)
+from rlfleet.operator import fleetplan
+from rlfleet.operator.fleetplan import FleetMemory, FleetReading, ReferenceFigures
+from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
+
+JOB = {
+    "apiVersion": "rlfleet.dev/v1alpha1",
+    "kind": "RLJob",
+    "metadata": {"name": "j", "namespace": "ns"},
+    "spec": {
+        "model": {"name": "m", "path": "/m"},
+        "samplerGroups": [
+            {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
+            {"name": "a100-bf16", "accelerator": "a100", "replicas": 1},
+            {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8", "tensorParallel": 2},
+        ],
+        "router": {"optimize": {
+            "enabled": True,
+            "demand": {"usableTokensPerSecond": 13000},
+            "budgets": {"maxKl": 0.01, "groupMaxOorFraction": 0.2},
+            "groups": {"b200-nvfp4": {"maxReplicas": 3}, "a100-bf16": {"minReplicas": 0, "maxReplicas": 4, "maxKl": 0.05}},
+            "maxStepReplicas": 1,
+            "hysteresis": 0.1,
+        }},
+        "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
+    },
+}  # fmt: skip
+REFERENCE = ReferenceFigures(accelerator="b200", tokens_per_gpu_second=2500.0, cost_per_gpu_hour=5.99, oor_fraction=None)
+
+
+def reading(name: str, replicas: int, ready: int | None = None, tps: float | None = None, **kw) -> FleetReading:
+    accelerator, fmt = name.split("-")
+    fields = {"gpus_per_replica": 1, "cost_per_replica_hour": {"b200": 5.99, "a100": 1.79, "h100": 5.98}[accelerator],
+              "kl": None, "oor_fraction": None, "quarantined": False, **kw}  # fmt: skip
+    return FleetReading(name, accelerator, fmt, replicas=replicas, ready_replicas=replicas if ready is None else ready,
+                        tokens_per_second=tps, **fields)  # fmt: skip
+
+
+def optimize_spec(**changes):
+    job = copy.deepcopy(JOB)
+    job["spec"]["router"]["optimize"].update(changes)
+    return RLJob.from_manifest(job).spec.router.optimize
+
+
+# --- the readings -----------------------------------------------------------------------------------------
+
+
+def test_a_reading_takes_class_format_tensor_parallel_price_and_replicas_from_the_samplergroup() -> None:
+    sg = {"spec": {"name": "h100-fp8", "accelerator": "h100", "weightFormat": "fp8", "replicas": 2, "tensorParallel": 2},
+          "status": {"readyReplicas": 1}}  # fmt: skip
+    assert fleetplan.fleet_reading(sg, 2.99, 1, 3000.0, 0.01, 0.1, False) == FleetReading(
+        "h100-fp8", "h100", "fp8", gpus_per_replica=2, cost_per_replica_hour=5.98, replicas=2, ready_replicas=1,
+        tokens_per_second=3000.0, kl=0.01, oor_fraction=0.1, quarantined=False,
+    )  # fmt: skip
+    plain = fleetplan.fleet_reading({"spec": {"name": "a", "accelerator": "b200"}}, 5.99, 1, None, None, None, True)
+    assert (plain.weight_format, plain.gpus_per_replica, plain.replicas, plain.ready_replicas) == ("bf16", 1, 1, 0)
+
+
+def test_tokens_per_replica_are_taken_only_from_a_steady_group_and_kept_otherwise() -> None:
+    first = fleetplan.observe(FleetMemory(), [
+        reading("b200-nvfp4", 2, tps=8000.0),  # first seen, ready = replicas: 4000 per replica
+        reading("a100-bf16", 2, ready=1, tps=1000.0),  # a pod not ready: no figure
+        reading("h100-fp8", 1, tps=0.0),  # made nothing: no figure
+    ])  # fmt: skip
+    assert first.per_replica == {"b200-nvfp4": 4000.0}
+    assert first.ready == {"b200-nvfp4": (2, 0), "a100-bf16": (1, 0), "h100-fp8": (1, 0)}
+    # scaled to 3 and ready: the ready count changed since the last interval, so the reading (of a rate
+    # that spans the change) is not taken: the last figure stays
+    second = fleetplan.observe(first, [reading("b200-nvfp4", 3, tps=11000.0), reading("a100-bf16", 2, tps=2400.0)])
+    assert second.per_replica == {"b200-nvfp4": 4000.0}  # h100-fp8 gone: dropped
+    assert second.ready == {"b200-nvfp4": (3, 0), "a100-bf16": (2, 0)}
+    third = fleetplan.observe(second, [reading("b200-nvfp4", 3, tps=12600.0), reading("a100-bf16", 2, tps=2400.0)])
+    assert third.per_replica == {"b200-nvfp4": 4200.0, "a100-bf16": 1200.0}
+    # a Prometheus rate spanning 3 intervals: 3 unchanged intervals before a figure is taken
+    waits = [fleetplan.observe(second, [reading("a100-bf16", 2, tps=2000.0)], settle_intervals=3)]
+    for _ in range(2):
+        waits.append(fleetplan.observe(waits[-1], [reading("a100-bf16", 2, tps=2000.0)], settle_intervals=3))
+    assert [m.per_replica.get("a100-bf16") for m in waits] == [None, None, 1000.0]
+
+
+def test_the_request_maps_every_measured_figure_bound_and_budget_exactly() -> None:
+    readings = [
+        reading("b200-nvfp4", 1, tps=4000.0, kl=0.004, oor_fraction=0.05),
+        reading("a100-bf16", 2, ready=1, kl=None, oor_fraction=None),  # no trainer report yet: 0
+        reading("h100-fp8", 2, gpus_per_replica=2, kl=0.001, oor_fraction=1.0),  # not in optimize.groups: fixed
+        reading("b200-bf16", 1),  # no figure yet
+        reading("b200-fp8", 1, quarantined=True),
+    ]
+    per_replica = {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0, "h100-fp8": 2500.0, "b200-fp8": 5000.0}
+    request, left_out = fleetplan.fleet_request(optimize_spec(), "b200", REFERENCE, readings, per_replica)
+    assert left_out == {"b200-bf16": "no throughput reading yet", "b200-fp8": "quarantined"}
+    assert request == FleetPlanRequest(
+        trainer_accelerator="b200",
+        demand=Demand(usable_tokens_per_second=13000.0),
+        budgets=Budgets(max_kl=0.01, group_max_oor_fraction=0.2),
+        max_step_replicas=1,
+        hysteresis=0.1,
+        groups=[
+            GroupFigures(name="b200-nvfp4", accelerator="b200", weight_format="nvfp4", cost_per_replica_hour=5.99,
+                         tokens_per_second_per_replica=4000.0, kl=0.004, oor_fraction=0.05, min_replicas=0,
+                         max_replicas=3, replicas=1),
+            GroupFigures(name="a100-bf16", accelerator="a100", weight_format="bf16", cost_per_replica_hour=1.79,
+                         tokens_per_second_per_replica=1000.0, kl=0.0, oor_fraction=0.0, min_replicas=0,
+                         max_replicas=4, replicas=2, max_kl=0.05),
+            GroupFigures(name="h100-fp8", accelerator="h100", weight_format="fp8", gpus_per_replica=2,
+                         cost_per_replica_hour=5.98, tokens_per_second_per_replica=2500.0, kl=0.001, oor_fraction=1.0,
+                         min_replicas=2, max_replicas=2, replicas=2),
+        ],
+        reference=Reference(accelerator="b200", gpus_per_replica=1, cost_per_replica_hour=5.99,
+                            tokens_per_second_per_replica=2500.0),
+    )  # fmt: skip
+    none, out = fleetplan.fleet_request(optimize_spec(), "b200", REFERENCE, [reading("b200-bf16", 1)], {})
+    assert none is None and out == {"b200-bf16": "no throughput reading yet"}
+
+
+# --- the decision -----------------------------------------------------------------------------------------
+
+
+def decide(replicas: tuple[int, int], demand: float = 13000.0, **spec):
+    readings = [reading("b200-nvfp4", replicas[0], tps=4000.0 * replicas[0]), reading("a100-bf16", replicas[1])]
+    per_replica = {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0}
+    spec = {"budgets": {}, "demand": {"usableTokensPerSecond": demand}, **spec}
+    request, left_out = fleetplan.fleet_request(optimize_spec(**spec), "b200", REFERENCE, readings, per_replica)
+    return fleetplan.decide(request, left_out, readings, {"b200-nvfp4": 0.5, "a100-bf16": 0.5})
+
+
+def test_out_of_reach_within_a_step_the_groups_below_the_unstepped_optimum_go_up_one_step() -> None:
+    step = decide((1, 1))
+    assert step.decision == "Stepping" and step.replicas == {"b200-nvfp4": 2, "a100-bf16": 1}
+    assert step.changes() == {"b200-nvfp4": (1, 2)}
+    assert step.shares is None and step.plan is None  # the share policy's shares stand
+    assert "{'b200-nvfp4': 3, 'a100-bf16': 1}" in step.reason and "none goes down" in step.reason
+    assert step.status() == {"decision": "Stepping", "reason": step.reason, "replicas": step.replicas, "binding": []}
+
+
+def test_then_the_hand_computed_optimum_its_shares_cost_and_binding_constraints() -> None:
+    scaled = decide((2, 1))
+    assert scaled.decision == "Scaled" and scaled.changes() == {"b200-nvfp4": (2, 3)}
+    assert scaled.replicas == {"b200-nvfp4": 3, "a100-bf16": 1}
+    # shares proportional to the planned tokens/s: 12000 / 13000 and 1000 / 13000
+    assert scaled.shares == pytest.approx({"b200-nvfp4": 12 / 13, "a100-bf16": 1 / 13}, rel=1e-12)
+    status = scaled.status()
+    assert status["costPerHour"] == round(3 * 5.99 + 1.79, 4) == 19.76
+    assert status["costPer1MUsableTokens"] == round(19.76 / 3600 / 13000 * 1e6, 4)  # 0.4222
+    # only the demand binds: within a step of (2, 1) no bound stops a cheaper plan (b200 x4 is out of the
+    # step and dearer, a100 x5 too), and without the step bound (3, 1) is still the optimum
+    assert [b.split(":")[0] for b in status["binding"]] == ["usable tokens/s >= 13000"]
+    assert "plan $19.76/h, $0.4222 per 1M usable tokens" in scaled.reason
+    kept = decide((3, 1))
+    assert kept.decision == "Kept" and kept.changes() == {} and kept.replicas == {"b200-nvfp4": 3, "a100-bf16": 1}
+
+
+def test_hysteresis_keeps_a_plan_that_meets_the_demand_when_the_optimum_saves_too_little() -> None:
+    # demand 12000: b200 x3 ($17.97) is the optimum; (3, 1) at $19.76 meets it and the optimum saves 9.06%
+    assert decide((3, 1), demand=12000.0, hysteresis=0.1).decision == "Kept"
+    moved = decide((3, 1), demand=12000.0, hysteresis=0.05)
+    assert moved.decision == "Scaled" and moved.changes() == {"a100-bf16": (1, 0)}
+
+
+def test_an_infeasible_demand_changes_nothing_and_says_why() -> None:
+    decision = decide((3, 1), demand=20000.0)
+    assert decision.decision == "Infeasible" and decision.changes() == {} and decision.shares is None
+    # within a step of (3, 1): b200 <= 3, a100 <= 2: 14000; without the step bound 16000: neither is enough
+    assert decision.reason.startswith("no plan meets the budgets: demand 20000 usable tokens/s; the groups within "
+                                      "budget make at most 14000 at their replica bounds")  # fmt: skip
+    assert decision.status()["decision"] == "Infeasible" and "costPerHour" not in decision.status()
+
+
+def test_a_group_left_out_keeps_its_replicas_and_policy_share_and_the_plan_splits_the_rest() -> None:
+    readings = [reading("b200-nvfp4", 3, tps=12000.0), reading("a100-bf16", 1), reading("b200-bf16", 2, ready=0)]
+    request, left_out = fleetplan.fleet_request(optimize_spec(), "b200", REFERENCE, readings,
+                                                {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0})  # fmt: skip
+    decision = fleetplan.decide(request, left_out, readings, {"b200-nvfp4": 0.6, "a100-bf16": 0.2, "b200-bf16": 0.2})
+    assert decision.replicas == {"b200-nvfp4": 3, "a100-bf16": 1, "b200-bf16": 2}
+    assert decision.shares == pytest.approx({"b200-nvfp4": 0.8 * 12 / 13, "a100-bf16": 0.8 / 13, "b200-bf16": 0.2})
+    assert decision.reason.endswith("b200-bf16 keeps its replicas (no throughput reading yet)")
+    waiting = fleetplan.decide(None, {"a": "no throughput reading yet"}, [reading("b200-nvfp4", 2)], {})
+    assert (waiting.decision, waiting.replicas, waiting.shares) == ("Waiting", {"b200-nvfp4": 2}, None)
+
+
+def test_a_group_over_its_own_budget_is_drained_one_step_per_interval() -> None:
+    readings = [reading("b200-nvfp4", 3, tps=12000.0), reading("a100-bf16", 3, kl=0.06)]  # a100's maxKl 0.05
+    request, left_out = fleetplan.fleet_request(optimize_spec(demand={"usableTokensPerSecond": 12000}), "b200",
+                                                REFERENCE, readings, {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0})  # fmt: skip
+    decision = fleetplan.decide(request, left_out, readings, {})
+    assert decision.changes() == {"a100-bf16": (3, 2)} and decision.shares == {"b200-nvfp4": 1.0, "a100-bf16": 0.0}
+
+
+def test_the_plans_shares_move_the_routers_shares_bounded_and_say_so() -> None:
+    inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0, static_share=0.9),
+              GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0, static_share=0.1)]  # fmt: skip
+    result = rebalance(inputs, None, 0.0, RebalanceConfig(policy="plan", min_share=0.0, max_share_change=0.1))
+    assert result.shares == pytest.approx({"a": 0.6, "b": 0.4})  # from 0.5 each toward 0.9 / 0.1, by 0.1
+    assert result.changes == ("a: share 0.500 -> 0.600 (fleet plan 0.900; bounded toward 0.900)",
+                              "b: share 0.500 -> 0.400 (fleet plan 0.100; bounded toward 0.100)")  # fmt: skip
+    assert result.groups["a"].measured_tokens_per_second == 100.0
+
+
+# --- the RLJob block ------------------------------------------------------------------------------------------
+
+
+def test_the_block_is_off_by_default_and_refuses_what_it_cannot_plan() -> None:
+    plain = copy.deepcopy(JOB)
+    del plain["spec"]["router"]
+    optimize = RLJob.from_manifest(plain).spec.router.optimize
+    assert (optimize.enabled, optimize.demand, optimize.groups, optimize.max_step_replicas, optimize.hysteresis) == (
+        False, None, {}, 1, 0.05)  # fmt: skip
+    for change, message in (
+        ({"demand": None}, "enabled needs demand.usableTokensPerSecond"),
+        ({"groups": {"nope": {"maxReplicas": 1}}}, r"every key must be the name of a group in samplerGroups \(unknown: nope\)"),
+        ({"groups": {"a100-bf16": {"minReplicas": 3, "maxReplicas": 2}}}, r"minReplicas must be <= maxReplicas \(got 3 > 2\)"),
+    ):  # fmt: skip
+        job = copy.deepcopy(JOB)
+        job["spec"]["router"]["optimize"].update(change)
+        if change.get("demand", 0) is None:
+            del job["spec"]["router"]["optimize"]["demand"]
+        with pytest.raises(ValidationError, match=message):
+            RLJob.from_manifest(job)
