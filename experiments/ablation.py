@@ -5,6 +5,11 @@ top-K head), pg+topp (uncorrected GRPO with top-p mask replay), sc_mis, sc_mis+t
 homogeneous fleet (all B200 BF16) and on a mixed fleet with every precision of examples/rljob.yaml
 (NVFP4 / FP8 / BF16 groups, one fp8 KV cache, a different kernel per GPU class).
 
+The model (`--model`): the tiny dense Qwen3, or the tiny Qwen3-MoE of local mode (the same builder,
+rlfleet/tiny_qwen3.py): then every sampler returns each token's routed experts, the trainer measures the
+routing mismatch (trainer/routing.py) in every run's metrics, and each arm has an R3 variant
+(`<arm>+r3`: routing replay, RLJob `correction.routingReplay`).
+
 How it runs (stated because it differs from local mode): in ONE process, without HTTP, with the
 in-process emulated samplers of experiments/emulated.py (the reference server's engine itself, serving
 the views the channel publishes, driven without HTTP), and deterministic
@@ -52,6 +57,35 @@ ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask repl
     "sc_mis": ("sc_mis", False),
     "sc_mis+topp": ("sc_mis", True),
 }
+R3 = "+r3"
+"""An arm's routing-replay variant, `<arm>+r3` (a mixture of experts only): the trainer routes each token
+to the experts its sampler chose (trainer/routing_replay.py), the arm otherwise unchanged."""
+MODELS = ("qwen3", "qwen3_moe")
+"""`--model`: the tiny dense Qwen3 or the tiny Qwen3-MoE (rlfleet/tiny_qwen3.py ARCHITECTURES)."""
+
+
+def arm_parts(arm: str) -> tuple[str, bool, bool]:
+    """An arm's (objective mode, top-p mask replay, routing replay): `ARMS`, or `<arm>+r3` with routing
+    replay; KeyError for an unknown arm."""
+    routing_replay = arm.endswith(R3)
+    mode, replay = ARMS[arm.removesuffix(R3) if routing_replay else arm]
+    return mode, replay, routing_replay
+
+
+def unknown_arms(arms: Sequence[str], model: str) -> list[str]:
+    """The arms of `arms` that `model` cannot run: not an arm, or an R3 variant of a dense model."""
+    bad = []
+    for arm in arms:
+        try:
+            routing_replay = arm_parts(arm)[2]
+        except KeyError:
+            bad.append(arm)
+            continue
+        if routing_replay and model != "qwen3_moe":
+            bad.append(arm)
+    return bad
+
+
 # (name, accelerator, weight format, kv cache dtype)
 FLEETS: dict[str, list[tuple[str, str, str, str]]] = {
     "homogeneous": [("b200-bf16-a", "b200", "bf16", "auto"), ("b200-bf16-b", "b200", "bf16", "auto")],
@@ -96,6 +130,17 @@ class AblationConfig:
     # the quantised groups' rounding error, times this (`scaled_view`); 1: the formats as they are
     precision_error_scale: float = 1.0
     model_cache: str | None = None  # default: rlfleet.model_source.default_cache_dir()
+    # qwen3: the dense tiny Qwen3; qwen3_moe: the tiny Qwen3-MoE (TinyQwen3's expert sizes: 4 experts of
+    # 128, top-2; intermediate_size unused), its routing returned by the samplers and measured by the trainer
+    architecture: str = "qwen3"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in MODELS:
+            raise ValueError(f"architecture must be one of {', '.join(MODELS)}, got {self.architecture!r}")
+        if self.architecture == "qwen3_moe" and self.precision_error_scale != 1.0:
+            # scaled_view pairs the trainer's tensors with the view's by name; a Qwen3-MoE view names each
+            # expert apart where the trainer keeps them fused (rlfleet/numerics/views.py)
+            raise ValueError("--precision-error-scale is for the dense model only (a Qwen3-MoE's formats run as they are)")
 
     def tiny_model(self) -> TinyQwen3:
         from rlfleet.tiny_qwen3 import TinyQwen3
@@ -104,7 +149,13 @@ class AblationConfig:
                          intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
                          num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_attention_heads,
                          head_dim=self.head_dim, max_position_embeddings=self.max_seq_len,
-                         logit_std=self.logit_std, seed=self.seed)
+                         logit_std=self.logit_std, seed=self.seed, architecture=self.architecture)
+
+    @property
+    def routed_experts_top_k(self) -> int:
+        """What the samplers return per token (`SamplingConfig.routed_experts_top_k`): the Qwen3-MoE's
+        experts per token, 0 for the dense model."""
+        return self.tiny_model().num_experts_per_tok if self.architecture == "qwen3_moe" else 0
 
     @property
     def max_seq_len(self) -> int:
@@ -136,6 +187,12 @@ class ArmResult:
     max_sc_tail_ratio: float | None
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
+    routing_mismatch_tokens: float | None = None
+    """A mixture of experts: the share of compared tokens (trainer/routing.py: sampled at the trainer's
+    version) whose routed experts differ from the trainer's in some layer, over the whole run (steps
+    weighted by their compared tokens); None for the dense model or when no token was compared."""
+    routing_mismatch_layers: float | None = None
+    """The same, the share of compared (token, layer) pairs."""
 
 
 class SnapshotSink:
@@ -303,10 +360,11 @@ def run_config(arm: str, fleet: str, cfg: AblationConfig) -> RunConfig:
     from rlfleet.trainer.environments import load_environment
     from rlfleet.trainer.objective import ObjectiveConfig
 
-    mode, replay = ARMS[arm]
+    mode, replay, routing_replay = arm_parts(arm)
     sampling: SamplingConfig = SamplingConfig(
         temperature=1.0, top_p=cfg.top_p, top_k=-1, max_new_tokens=cfg.max_new_tokens,
         candidate_mode=SUPPORT_MODE if replay else HEAD_MODE, head_size=cfg.head_size,
+        routed_experts_top_k=cfg.routed_experts_top_k,
     )
     return RunConfig(
         job_name=f"ablation-{arm}-{fleet}", steps=cfg.steps, prompts_per_step=cfg.prompts,
@@ -315,6 +373,7 @@ def run_config(arm: str, fleet: str, cfg: AblationConfig) -> RunConfig:
         max_turns=load_environment(cfg.task).max_turns, dataset=None, seed=cfg.seed, model=cfg.tiny_model(),
         views=views_to_publish(fmt for _, _, fmt, _ in FLEETS[fleet]),
         groups=[GroupSpec(name, acc, fmt, kv) for name, acc, fmt, kv in FLEETS[fleet]], safety=SafetySpec(),
+        routing_replay=routing_replay,
     )
 
 
@@ -331,7 +390,7 @@ def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progre
 
     torch.manual_seed(cfg.seed)
     rc = run_config(arm, fleet, cfg)
-    backend = HFBackend.from_pretrained(model_dir, rc.objective, optim=rc.optim)
+    backend = HFBackend.from_pretrained(model_dir, rc.objective, optim=rc.optim, routing_replay=rc.routing_replay)
     samplers = fleet_samplers(fleet, cfg, model_dir)
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety))
     snapshots = sink if sink is not None else SnapshotSink()
@@ -357,6 +416,10 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
     start = max(1e-9, float(kls[cfg.lag : cfg.lag + 3].mean()) if len(kls) > cfg.lag else float(kls[:3].mean()))
     rhos = [h["sc_tail_ratio_max"] for h in hist if "sc_tail_ratio_max" in h]
     tail = max(1, len(rewards) // 10)
+    compared = [h for h in hist if h.get("routing_tokens", 0) > 0]
+    count = sum(h["routing_tokens"] for h in compared)
+    routing = {key: sum(h[key] * h["routing_tokens"] for h in compared) / count if count else None
+               for key in ("routing_mismatch_tokens", "routing_mismatch_layers")}
     return ArmResult(
         arm=arm, fleet=fleet,
         final_reward=float(rewards[-tail:].mean()),
@@ -370,6 +433,7 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
         max_sc_tail_ratio=float(max(rhos)) if rhos else None,
         seconds=time.monotonic() - t0,
         history=hist,
+        **routing,
     )
 
 
@@ -402,6 +466,35 @@ def runs_table(results: list[ArmResult]) -> str:
             f"{r.oor_fraction:.2%} | {alert} | {rho} | {ratio} |"
         )
     return "\n".join(lines)
+
+
+def routing_table(results: list[ArmResult], cfgs: list[AblationConfig]) -> str:
+    """Markdown, one row per (arm, fleet, lag) cell of a mixture of experts' runs: the routing mismatch
+    (`ArmResult.routing_mismatch_tokens` / `_layers`) mean and range over the cell's seeds, and at step 1
+    (on-policy: the samplers serve the trainer's own weights through their precision and kernels)."""
+    cells: dict[tuple[str, str, int], list[ArmResult]] = {}
+    for r, c in zip(results, cfgs, strict=True):
+        cells.setdefault((r.arm, r.fleet, c.lag), []).append(r)
+    lines = [
+        "| arm | fleet | lag | seeds | routing mismatch, tokens: mean (min-max) | layers: mean | step 1, tokens: mean (min-max) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (arm, fleet, lag), runs in cells.items():
+        tokens = [r.routing_mismatch_tokens for r in runs if r.routing_mismatch_tokens is not None]
+        layers = [r.routing_mismatch_layers for r in runs if r.routing_mismatch_layers is not None]
+        first = [r.history[0]["routing_mismatch_tokens"] for r in runs
+                 if r.history and "routing_mismatch_tokens" in r.history[0]]
+        lines.append(
+            f"| {arm} | {fleet} | {lag} | {len(runs)} | {_mean_range(tokens)} | "
+            f"{f'{sum(layers) / len(layers):.2%}' if layers else '-'} | {_mean_range(first)} |"
+        )
+    return "\n".join(lines)
+
+
+def _mean_range(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{sum(values) / len(values):.2%} ({min(values):.2%}-{max(values):.2%})"
 
 
 def plots(results: list[ArmResult], out: Path, low_fleet: str = "mixed") -> list[Path]:
@@ -531,7 +624,10 @@ def write_docs_block(path: Path, body: str) -> None:
 def cli(argv: Sequence[str]) -> int:
     d = AblationConfig()
     p = argparse.ArgumentParser(prog="rlfleet ablate", description="Correction ablation: pg, mis, sc, pg+topp, sc_mis, sc_mis+topp on a homogeneous and a mixed fleet, several seeds, pre-registered claims (docs/ablation.md).")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help=f"comma list of {', '.join(ARMS)}; with --model qwen3_moe also each arm's R3 variant <arm>{R3}")
+    p.add_argument("--model", default=d.architecture, choices=MODELS,
+                   help="the tiny dense Qwen3 or the tiny Qwen3-MoE (routing mismatch measured, R3 arms offered)")
     p.add_argument("--fleets", default="homogeneous,mixed",
                    help=f"comma list of {', '.join(FLEETS)}; the claims compare homogeneous with mixed, "
                         "or with the first other fleet when mixed does not run")
@@ -561,9 +657,13 @@ def cli(argv: Sequence[str]) -> int:
     args = p.parse_args(list(argv))
     arms = [a for a in args.arms.split(",") if a]
     fleets = [f for f in args.fleets.split(",") if f]
-    bad = [a for a in arms if a not in ARMS] + [f for f in fleets if f not in FLEETS]
+    bad = unknown_arms(arms, args.model) + [f for f in fleets if f not in FLEETS]
     if bad:
-        print(f"rlfleet ablate: unknown arm/fleet {', '.join(bad)} (arms: {', '.join(ARMS)}; fleets: {', '.join(FLEETS)})", file=sys.stderr)
+        print(f"rlfleet ablate: unknown arm/fleet {', '.join(bad)} (arms: {', '.join(ARMS)}, and <arm>{R3} with "
+              f"--model qwen3_moe; fleets: {', '.join(FLEETS)})", file=sys.stderr)
+        return 2
+    if args.model == "qwen3_moe" and args.precision_error_scale != 1.0:
+        print("rlfleet ablate: --precision-error-scale is for --model qwen3 only", file=sys.stderr)
         return 2
     if (args.steps < 4 or args.prompts < 1 or args.samples < 2 or args.lag < 0 or not 0 < args.top_p <= 1
             or args.vocab_size < 32 or args.max_new_tokens < 1 or args.hidden_size < 128 or args.hidden_size % 128
@@ -597,7 +697,7 @@ def cli(argv: Sequence[str]) -> int:
                          task=args.task, logit_std=args.logit_std, vocab_size=args.vocab_size,
                          hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
                          num_hidden_layers=args.layers, warm_start=args.warm_start,
-                         precision_error_scale=args.precision_error_scale)
+                         precision_error_scale=args.precision_error_scale, architecture=args.model)
     hf_logging.disable_progress_bar()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -628,7 +728,8 @@ def cli(argv: Sequence[str]) -> int:
         "### Collapse detector against the pre-registered definition\n\n" + detector_table(score_detector(
             records, [DetectorAlerts(r.first_alert_step, tuple(r.alert_signals)) for r in results], definition)),
         f"### Seed {seeds[0]}, lag {cfg.lag}\n\n" + runs_table(first_seed_runs),
-    ])
+    ] + (["### Routing mismatch (Qwen3-MoE), per cell over its seeds\n\n"
+          + routing_table(results, [c for _, _, c in jobs])] if cfg.architecture == "qwen3_moe" else []))
     print(md)
     (out / "ablation.md").write_text(md + "\n")
     if args.docs:

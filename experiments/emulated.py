@@ -14,7 +14,8 @@ weight format and KV dtype.
 Records are `SampledTurn`s exactly as the client builds them from SGLang: the engine's /generate answer
 (`ReferenceEngine.response`) read by the client's parser (`parse_generate_response`): full-vocabulary
 log q(y), the kept support with q renormalised inside it (support mode), or a top-K head of the
-full-vocabulary q (head mode), the weight version per token.
+full-vocabulary q (head mode), the weight version per token, and (a Qwen3-MoE asked with
+`SamplingConfig.routed_experts_top_k` > 0) the experts the group's engine routed every position to.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ class EmulatedSampler:
     def generate_batch(self, requests: list[Request], cfg: SamplingConfig) -> list[SampledTurn]:
         """All requests share `cfg`'s temperature, top_p, top_k, min_p, candidate_mode and head_size (each
         request has its own budget and stops), asked for as the client asks SGLang
-        (`build_generate_request`) and read back by its parser."""
+        (`build_generate_request`) and read back by its parser; `cfg.routed_experts_top_k` > 0 (a
+        Qwen3-MoE): each turn carries its routed experts, as SGLang returns them."""
         support = cfg.mode == SUPPORT_MODE
         vocab = self.engine.config.model.vocab_size
         reqs = [
@@ -104,13 +106,15 @@ class EmulatedSampler:
                 logprob_mode="support",
                 top_logprobs_num=0 if support else min(cfg.head_size, vocab),
                 generator=self.gen,
+                return_routed_experts=cfg.routed_experts_top_k > 0,
             )
             for r in requests
         ]
         self.engine.run_batch(reqs)
         return [
             parse_generate_response(self.engine.response(req), req.input_ids, group=self.name,
-                                    replica=f"{self.name}-0", vocab_size=vocab, untruncated=not cfg.truncates)
+                                    replica=f"{self.name}-0", vocab_size=vocab, untruncated=not cfg.truncates,
+                                    routed_experts_top_k=cfg.routed_experts_top_k)
             for req in reqs
         ]
 
