@@ -10,7 +10,12 @@ How a step runs (documented megatron-core API, nothing private):
   TransformerConfig and the layer spec), rope theta from `rope_theta` (transformers 4) or
   `rope_parameters` (transformers 5), dropout 0 (megatron defaults to 0.1). Layouts outside
   `megatron_support.parallelism_support` (PP > 1, CP > 1) are refused before anything is built.
-- `parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=1)` once, under torchrun.
+- Qwen3-MoE (`model_type: qwen3_moe`): every layer's MLP is megatron-core's MoELayer (TopKRouter,
+  SequentialMLP experts, alltoall token dispatcher, no shared expert), routing as Qwen3-MoE's router
+  (`_moe_config`), transformers' load-balancing loss (trainer/megatron_moe.py) when the config sets
+  `output_router_logits`; expert parallelism EP splits the experts over ranks (`expert_parallel`).
+- `parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=1, expert_model_parallel_size=ep)`
+  once, under torchrun.
 - `GPTModel(config=TransformerConfig(...), transformer_layer_spec=..., vocab_size, max_sequence_length,
   pre_process, post_process, parallel_output=True, share_embeddings_and_output_weights=tied,
   position_embedding_type="rope")`, wrapped in `DistributedDataParallel`; optimizer from
@@ -59,11 +64,12 @@ How a step runs (documented megatron-core API, nothing private):
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -72,8 +78,11 @@ from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
 from rlfleet.trainer.backend_common import OptimConfig, RankCommands, merge_loss_outputs, to_token_batch
 from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
 from rlfleet.trainer.checkpoint import load_checkpoint_file
-from rlfleet.trainer.megatron_support import parallelism_support, shape_support
+from rlfleet.trainer.megatron_support import expert_support, parallelism_support, shape_support, world_support
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
+
+if TYPE_CHECKING:
+    from rlfleet.trainer.megatron_moe import RouterAuxLoss
 
 
 class BackendUnavailable(RuntimeError):
@@ -98,6 +107,15 @@ class MegatronModelConfig:
     kv_channels: int | None = None  # config.json `head_dim`; None: hidden_size // num_attention_heads
     qk_layernorm: bool = False  # Qwen3: RMSNorm of each head's q and k before RoPE
     tie_word_embeddings: bool = False  # -> share_embeddings_and_output_weights (no lm_head tensor)
+    # Qwen3-MoE (config.json `num_experts` ...): every layer's MLP is `num_experts` routed SwiGLU experts
+    # of width `moe_ffn_hidden_size`, each token using its top `moe_router_topk`; no shared expert
+    num_experts: int | None = None
+    moe_router_topk: int = 1  # num_experts_per_tok
+    moe_ffn_hidden_size: int | None = None  # moe_intermediate_size
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1 (Qwen3-MoE's norm_topk_prob)
+    router_aux_loss_coef: float = 0.0  # config.json router_aux_loss_coef when it sets output_router_logits, else 0
+    expert_parallel: int = 1  # experts split over this many ranks (megatron's expert_model_parallel_size)
+    expert_tensor_parallel: int | None = None  # each expert split over this many ranks; None: TP (megatron's default)
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1
@@ -115,14 +133,23 @@ class MegatronModelConfig:
     def sequence_parallel(self) -> bool:
         return self.tensor_parallel > 1
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
+
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], *, max_seq_len: int | None = None, tensor_parallel: int = 1,
                        pipeline_parallel: int = 1, context_parallel: int = 1, **kwargs: Any) -> MegatronModelConfig:
-        """The model of a Hugging Face config.json (Qwen3 dense), written by transformers 4 (`rope_theta`)
-        or 5 (`rope_parameters`). Anything the megatron model would compute differently is refused."""
+        """The model of a Hugging Face config.json (Qwen3 dense, or Qwen3-MoE), written by transformers 4
+        (`rope_theta`) or 5 (`rope_parameters`). Anything the megatron model would compute differently is
+        refused."""
         model_type = hf.get("model_type")
-        if model_type != "qwen3":
-            raise UnsupportedModel(f"megatron backend: model_type {model_type!r} is not supported (only 'qwen3' dense)")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise UnsupportedModel(f"megatron backend: model_type {model_type!r} is not supported (only 'qwen3' and 'qwen3_moe')")
         rope = hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default" or hf.get("rope_scaling"):
@@ -134,6 +161,20 @@ class MegatronModelConfig:
             raise UnsupportedModel("megatron backend: only hidden_act 'silu' without attention bias is supported")
         if hf.get("use_sliding_window", False):
             raise UnsupportedModel("megatron backend: sliding-window attention is not supported")
+        moe: dict[str, Any] = {}
+        if model_type == "qwen3_moe":
+            if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+                raise UnsupportedModel(
+                    "megatron backend: Qwen3-MoE with dense MLP layers among the expert layers (mlp_only_layers "
+                    f"{hf.get('mlp_only_layers')!r}, decoder_sparse_step {hf.get('decoder_sparse_step', 1)!r}) is not "
+                    "supported: every layer must be a mixture of experts")
+            experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes num_local_experts
+            if experts is None:
+                raise UnsupportedModel("megatron backend: qwen3_moe config.json has neither num_experts nor num_local_experts")
+            moe = dict(num_experts=int(experts), moe_router_topk=hf["num_experts_per_tok"],
+                       moe_ffn_hidden_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                       # transformers adds the load-balancing loss only when the config asks for router logits
+                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0)
         return cls(
             vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
             num_attention_heads=hf["num_attention_heads"],
@@ -143,7 +184,7 @@ class MegatronModelConfig:
             rotary_base=float(theta), norm_eps=hf.get("rms_norm_eps", 1e-6), kv_channels=hf.get("head_dim"),
             qk_layernorm=True, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, context_parallel=context_parallel,
-            **kwargs,
+            **moe, **kwargs,
         )
 
     def check_supported(self) -> None:
@@ -152,7 +193,9 @@ class MegatronModelConfig:
             parallelism_support(self.tensor_parallel, self.pipeline_parallel, self.context_parallel, self.sequence_parallel),
             shape_support(self.tensor_parallel, num_attention_heads=self.num_attention_heads,
                           num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size,
-                          vocab_size=self.vocab_size),
+                          vocab_size=self.vocab_size, moe_ffn_hidden_size=self.moe_ffn_hidden_size, expert_tp=self.expert_tp),
+            expert_support(self.expert_parallel, num_experts=self.num_experts, topk=self.moe_router_topk,
+                           expert_tp=self.expert_tp, tp=self.tensor_parallel),
         ):
             if not verdict.ok:
                 raise UnsupportedModel(f"megatron backend: {verdict.reason}")
@@ -164,8 +207,29 @@ class MegatronModelConfig:
 # used to initialise Megatron from an HF checkpoint and to publish HF-named weights.
 
 
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def expert_index(name: str) -> int | None:
+    """The expert a Megatron MoE tensor belongs to (`...mlp.experts.local_experts.{e}...`), else None."""
+    found = _LOCAL_EXPERT.search(name)
+    return int(found.group(1)) if found else None
+
+
+def with_expert_index(name: str, expert: int) -> str:
+    """`name` with its expert index replaced: a rank's local expert j is global expert
+    ep_rank x (E / EP) + j (megatron's contiguous split of the experts over the EP ranks)."""
+    return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{expert}.", name, count=1)
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spec: bool = True) -> dict[str, torch.Tensor]:
-    """Full (unsharded) HF state dict -> full Megatron state dict (GPTModel names)."""
+    """Full (unsharded) HF state dict -> full Megatron state dict (GPTModel names; a MoE's experts by
+    their global index). A Qwen3-MoE's experts may come as checkpoints name them
+    (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused as transformers 5 keeps them in memory
+    (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I])."""
+    from rlfleet.numerics.views import checkpoint_tensors
+
+    hf = checkpoint_tensors(hf) if cfg.is_moe else hf
     out: dict[str, torch.Tensor] = {}
     hd, ng = cfg.head_dim, cfg.num_query_groups
     q_per_g = cfg.num_attention_heads // ng
@@ -181,13 +245,22 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spe
         if cfg.qk_layernorm:
             out[m + "self_attention.q_layernorm.weight"] = hf[p + "self_attn.q_norm.weight"]
             out[m + "self_attention.k_layernorm.weight"] = hf[p + "self_attn.k_norm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)
-        out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
-        if te_spec:  # TransformerEngine fuses the pre-norms into the following linear
+        if cfg.num_experts is not None:  # the router (Qwen3-MoE's `gate`) and each expert's fused gate/up
+            out[m + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
+            for e in range(cfg.num_experts):
+                x, y = f"{p}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
+                out[y + "linear_fc1.weight"] = torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]], dim=0)
+                out[y + "linear_fc2.weight"] = hf[x + "down_proj.weight"]
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)
+            out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
+        if te_spec:  # TransformerEngine fuses the pre-norms into the following linear (a MoE's has its own norm)
             out[m + "self_attention.linear_qkv.layer_norm_weight"] = hf[p + "input_layernorm.weight"]
-            out[m + "mlp.linear_fc1.layer_norm_weight"] = hf[p + "post_attention_layernorm.weight"]
         else:
             out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
+        if te_spec and not cfg.is_moe:
+            out[m + "mlp.linear_fc1.layer_norm_weight"] = hf[p + "post_attention_layernorm.weight"]
+        else:
             out[m + "pre_mlp_layernorm.weight"] = hf[p + "post_attention_layernorm.weight"]
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not cfg.tie_word_embeddings:  # tied: the output layer reads the embedding (no tensor of its own)
@@ -196,7 +269,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spe
 
 
 def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: MegatronModelConfig) -> dict[str, torch.Tensor]:
-    """Full (unsharded) Megatron state dict -> HF names (inverse of `hf_to_megatron`, either spec)."""
+    """Full (unsharded) Megatron state dict -> HF names (inverse of `hf_to_megatron`, either spec; a
+    MoE's experts under the checkpoint names `mlp.experts.{e}.{gate,up,down}_proj.weight`)."""
     out: dict[str, torch.Tensor] = {}
     hd, ng = cfg.head_dim, cfg.num_query_groups
     q_per_g = cfg.num_attention_heads // ng
@@ -213,9 +287,16 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: MegatronModelConfig) -> dic
         if cfg.qk_layernorm:
             out[p + "self_attn.q_norm.weight"] = mg[m + "self_attention.q_layernorm.weight"]
             out[p + "self_attn.k_norm.weight"] = mg[m + "self_attention.k_layernorm.weight"]
-        gate, up = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-        out[p + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
+        if cfg.num_experts is not None:
+            out[p + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
+            for e in range(cfg.num_experts):
+                x, y = f"{p}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = mg[y + "linear_fc1.weight"].chunk(2, dim=0)
+                out[x + "down_proj.weight"] = mg[y + "linear_fc2.weight"]
+        else:
+            gate, up = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+            out[p + "mlp.down_proj.weight"] = mg[m + "mlp.linear_fc2.weight"]
         te = m + "self_attention.linear_qkv.layer_norm_weight"
         out[p + "input_layernorm.weight"] = mg[te] if te in mg else mg[m + "input_layernorm.weight"]
         te = m + "mlp.linear_fc1.layer_norm_weight"
@@ -292,6 +373,13 @@ class PackedMicroBatch:
     row_index: torch.Tensor  # [R] position in the row of each loss row's logit
     batch: TokenBatch  # the R loss rows
     tokens: int  # T
+    real_tokens: int  # the first T - padding tokens: the sequences (the rest pads the row to a multiple of TP)
+
+    def routed_here(self, tp: int, tp_rank: int) -> torch.Tensor:
+        """[T / tp] bool: which tokens of this TP rank's slice of the row (sequence parallel: rank r
+        routes the r-th contiguous slice) are not padding."""
+        per_rank = self.tokens // tp
+        return torch.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, device=self.input_ids.device) < self.real_tokens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,13 +433,17 @@ def _megatron(allow_te: bool = True) -> Any:
         except ImportError:  # no TransformerEngine: the local (pure PyTorch) spec
             te = False
 
-    def layer_spec(qk_layernorm: bool, num_layers: int) -> Any:
-        # qk_layernorm must be set in the spec (q/k norm modules) AND in TransformerConfig
+    def layer_spec(qk_layernorm: bool, num_layers: int, num_experts: int | None = None) -> Any:
+        # qk_layernorm must be set in the spec (q/k norm modules) AND in TransformerConfig. Experts:
+        # megatron's SequentialMLP (one MLP per local expert, `local_experts.{j}`) on both specs, so
+        # one weight mapping serves both (grouped GEMM would name them otherwise)
         if te:
-            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                              qk_layernorm=qk_layernorm)
         from rlfleet.trainer.megatron_packed import PackedDotProductAttention
 
-        layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+        layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
+                                         normalization="RMSNorm")
         layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = LocalRMSNorm
         layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # the THD layout
         if qk_layernorm:
@@ -370,6 +462,28 @@ def _megatron(allow_te: bool = True) -> Any:
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _init_model_parallel(ps: Any, c: MegatronModelConfig) -> None:
+    """megatron's parallel state for `c`'s layout, once per process (the world must hold whole TP x EP
+    grids; a later backend in the process must use the same layout)."""
+    verdict = world_support(torch.distributed.get_world_size(), tp=c.tensor_parallel, ep=c.expert_parallel, expert_tp=c.expert_tp)
+    if not verdict.ok:
+        raise UnsupportedModel(f"megatron backend: {verdict.reason}")
+    if ps.model_parallel_is_initialized():  # an earlier backend in this process fixed the layout
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                ps.get_expert_tensor_parallel_world_size())
+        if have != (c.tensor_parallel, c.expert_parallel, c.expert_tp):
+            raise UnsupportedModel(f"megatron backend: this process's model parallel state is tensor x expert x expert-tensor "
+                                   f"{have}, not {(c.tensor_parallel, c.expert_parallel, c.expert_tp)}: one layout per process")
+        return
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=c.tensor_parallel,
+        pipeline_model_parallel_size=c.pipeline_parallel,
+        context_parallel_size=c.context_parallel,
+        expert_model_parallel_size=c.expert_parallel,
+        expert_tensor_parallel_size=c.expert_tp,
+    )
 
 
 class MegatronBackend(RankCommands):
@@ -409,12 +523,7 @@ class MegatronBackend(RankCommands):
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             torch.distributed.init_process_group(backend="nccl" if on_gpu else "gloo")
         ps = mg.parallel_state
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=model_config.tensor_parallel,
-                pipeline_model_parallel_size=model_config.pipeline_parallel,
-                context_parallel_size=model_config.context_parallel,
-            )
+        _init_model_parallel(ps, model_config)
         if on_gpu:
             mg.tensor_parallel.model_parallel_cuda_manual_seed(model_config.seed)
         else:
@@ -447,13 +556,14 @@ class MegatronBackend(RankCommands):
             context_parallel_size=c.context_parallel,
             sequence_parallel=c.sequence_parallel,
             calculate_per_token_loss=True,  # loss_func returns (sum, n_tokens): token mean over the batch
+            **self._moe_config(),
             # activation checkpointing: keep each layer's input only and recompute the layer in backward
             **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
                if c.activation_checkpointing else {}),
         )
         model = mg.GPTModel(
             config=self.tconfig,
-            transformer_layer_spec=mg.layer_spec(c.qk_layernorm, c.num_layers),
+            transformer_layer_spec=mg.layer_spec(c.qk_layernorm, c.num_layers, c.num_experts),
             vocab_size=c.vocab_size,
             max_sequence_length=c.max_seq_len,
             pre_process=ps.is_pipeline_first_stage(),
@@ -465,6 +575,13 @@ class MegatronBackend(RankCommands):
         ).to(self.device)
         if initial_hf_weights is not None:
             self._load_hf(model, initial_hf_weights)
+        self.router_aux: RouterAuxLoss | None = None
+        if c.num_experts is not None and c.router_aux_loss_coef > 0:  # transformers' load-balancing loss
+            from rlfleet.trainer.megatron_moe import RouterAuxLoss, attach
+
+            self.router_aux = RouterAuxLoss(c.router_aux_loss_coef, c.num_experts, c.moe_router_topk, c.num_layers,
+                                            ps.get_tensor_model_parallel_group() if c.sequence_parallel else None)
+            attach([layer.mlp.router for layer in model.decoder.layers], self.router_aux)
         if model.post_process:  # the objective projects to the vocabulary itself (the fused lm_head)
             model.output_layer.forward = partial(_output_layer_input, model.output_layer)
         ddp_config = mg.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
@@ -485,7 +602,31 @@ class MegatronBackend(RankCommands):
             [self.model],
         )
 
+    def _moe_config(self) -> dict[str, Any]:
+        """TransformerConfig's mixture-of-experts fields (none for a dense model). Qwen3-MoE's router:
+        softmax over all experts, top-k, renormalised when `norm_topk_prob`. megatron's TopKRouter with
+        `moe_router_pre_softmax=False` takes the top-k logits and softmaxes them (= the renormalised
+        top-k probabilities); with `pre_softmax=True` it softmaxes all, then takes the top k (not
+        renormalised). megatron's own load-balancing loss is off (`load_balancing_type` "none"): it is
+        per layer and its gradient is divided by the batch's token count under
+        `calculate_per_token_loss`, not transformers' loss (see `_router_aux_loss`). Dispatcher:
+        alltoall (runs on gloo with the CPU shims); dropless (no capacity factor), no shared expert."""
+        c = self.cfg
+        if c.num_experts is None:
+            return {}
+        return dict(num_moe_experts=c.num_experts, moe_router_topk=c.moe_router_topk, moe_ffn_hidden_size=c.moe_ffn_hidden_size,
+                    moe_router_pre_softmax=not c.norm_topk_prob, moe_router_score_function="softmax",
+                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
+                    moe_grouped_gemm=False, expert_model_parallel_size=c.expert_parallel,
+                    expert_tensor_parallel_size=c.expert_tp)
+
     # -- helpers --
+    def _ep(self) -> tuple[int, int]:
+        """(expert-parallel rank, experts per rank); (0, E) without expert parallelism."""
+        ps = self.mg.parallel_state
+        experts = self.cfg.num_experts or 0
+        return ps.get_expert_model_parallel_rank(), experts // self.cfg.expert_parallel
+
     def _tp(self) -> tuple[Any, int, int]:
         ps = self.mg.parallel_state
         return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -494,12 +635,21 @@ class MegatronBackend(RankCommands):
         _, rank, world = self._tp()
         full = hf_to_megatron(hf, self.cfg, te_spec=self.mg.te)
         own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k and isinstance(v, torch.Tensor)}
+        if self.cfg.expert_parallel > 1:  # this rank's experts: local j is global ep_rank x E/EP + j
+            ep_rank, per_rank = self._ep()
+            full = {name: t for name, t in full.items() if (e := expert_index(name)) is None or e // per_rank == ep_rank}
+            full = {(name if (e := expert_index(name)) is None else with_expert_index(name, e % per_rank)): t
+                    for name, t in full.items()}
         if set(own) != set(full):  # a name the mapping misses would silently stay at its random init
             raise UnsupportedModel(f"megatron backend: HF mapping mismatch: model only {sorted(set(own) - set(full))}, "
                                    f"mapping only {sorted(set(full) - set(own))}")
+        ps = self.mg.parallel_state
+        expert_tp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
         with torch.no_grad():
             for name, tensor in own.items():
-                shard = split_tp_shard(name, full[name], rank, world)
+                # experts split over megatron's expert-TP group (its size is TP; its members may differ)
+                r, w = (rank, world) if expert_index(name) is None else expert_tp
+                shard = split_tp_shard(name, full[name], r, w)
                 if shard.shape != tensor.shape:
                     raise UnsupportedModel(f"megatron backend: {name}: checkpoint shard {tuple(shard.shape)} != model {tuple(tensor.shape)}")
                 tensor.copy_(shard.to(tensor.dtype))
@@ -520,7 +670,14 @@ class MegatronBackend(RankCommands):
         micro = [self._packed(flat, full, mb, tp) for mb in plan]
         if not micro:  # no trained row on this data-parallel rank: an empty micro-batch keeps the schedule
             micro = [self._packed(flat, full, MicroBatch(my_seqs[:0], my_seqs[:0], np.zeros(0, dtype=np.int64)), tp)]
-        tp_group = ps.get_tensor_model_parallel_group()
+        if self.cfg.expert_parallel > 1:
+            # every MoE layer's token dispatch is a collective over the expert-parallel ranks, which are
+            # different data-parallel ranks: all run as many micro-batches (empty ones make up the count)
+            count = torch.tensor([len(micro)], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
+            empty = MicroBatch(my_seqs[:0], my_seqs[:0], np.zeros(0, dtype=np.int64))
+            micro += [self._packed(flat, full, empty, tp) for _ in range(int(count.item()) - len(micro))]
+        tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
         outputs: list[LossOutput] = []
 
         module = self.model.module
@@ -532,12 +689,16 @@ class MegatronBackend(RankCommands):
             # the fused lm_head: this rank's vocabulary shard of the output weight, logits made tile by tile
             out = policy_loss(rows, weight, batch, self.objective, process_group=tp_group, temperature=self.temperature)
             assert out.loss_sum is not None  # policy_loss always returns the sum
+            if self.router_aux is not None:  # its gradient joins in backward; the reported loss is the policy loss
+                self.router_aux.finish(out.num_valid_tokens)
             outputs.append(replace(out, loss=out.loss.detach().cpu(), loss_sum=out.loss_sum.detach().cpu()))
             n = torch.tensor(out.num_valid_tokens, dtype=torch.int, device=rows.device)
             return out.loss_sum, n, {"loss_sum": out.loss_sum.detach(), "num_tokens": n}
 
         def forward_step_func(data_iterator, model):
             mb: PackedMicroBatch = next(data_iterator)
+            if self.router_aux is not None:
+                self.router_aux.start(mb.routed_here(self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1, tp_rank))
             # causal within each sequence of the row (THD); returns the output layer's input
             hidden = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
             return hidden, partial(loss_func, mb)
@@ -553,6 +714,8 @@ class MegatronBackend(RankCommands):
             micro_batch_size=1,  # one packed row
             forward_only=False,
         )
+        if self.router_aux is not None:
+            self.router_aux.stop()
         _ok, grad_norm, _zeros = self.optimizer.step()
         # The loss and metrics of the WHOLE batch: every data-parallel replica trained on its share of
         # the sequences; rank 0 (data-parallel rank 0 of its group) merges them all.
@@ -574,6 +737,7 @@ class MegatronBackend(RankCommands):
         else:  # an empty micro-batch (no trained row on this data-parallel rank): padding only
             input_ids = position_ids = row_index = np.zeros(0, dtype=np.int64)
         lengths = mb.lengths.tolist()
+        real_tokens = len(input_ids)
         pad = _round_up(max(len(input_ids), 1), tp) - len(input_ids)
         if pad:
             input_ids = np.concatenate([input_ids, np.zeros(pad, dtype=np.int64)])
@@ -587,6 +751,7 @@ class MegatronBackend(RankCommands):
             row_index=torch.from_numpy(row_index).to(dev),
             batch=full.select(torch.from_numpy(mb.rows)).to(dev),
             tokens=len(input_ids),
+            real_tokens=real_tokens,
         )
 
     # -- publishing --
@@ -600,13 +765,14 @@ class MegatronBackend(RankCommands):
         (data-parallel rank 0) communicates: each of its ranks sends its shards to rank 0, nobody else
         materialises the whole model; the other data-parallel replicas hold the same weights and skip."""
         ps = self.mg.parallel_state
+        experts = self._gathered_experts() if self.cfg.is_moe else {}
         if ps.get_data_parallel_rank() != 0:
             return {}
         group, tp_rank, world = self._tp()
         dst = torch.distributed.get_global_rank(group, 0) if world > 1 else torch.distributed.get_rank()
         full: dict[str, torch.Tensor] = {}
         for name, tensor in self.model.module.state_dict().items():
-            if "_extra_state" in name or not isinstance(tensor, torch.Tensor):
+            if "_extra_state" in name or not isinstance(tensor, torch.Tensor) or expert_index(name) is not None:
                 continue
             if world == 1:
                 full[name] = tensor.detach().cpu().clone()
@@ -618,7 +784,32 @@ class MegatronBackend(RankCommands):
                 full[name] = merge_tp_shards(name, [s.cpu() for s in shards])
         if torch.distributed.get_rank() != 0:
             return {}
-        return megatron_to_hf(full, self.cfg)
+        return megatron_to_hf(full | experts, self.cfg)
+
+    def _gathered_experts(self) -> dict[str, torch.Tensor]:
+        """Every expert's full tensors on global rank 0 under their global index ({} elsewhere). The
+        experts are split over the expert-parallel ranks (whole experts) and the expert-TP ranks (each
+        expert's fc1 / fc2 like a dense MLP's); the ranks of expert-data-parallel rank 0 hold one copy
+        of each shard, and send them to rank 0 (one gather over the world)."""
+        ps = self.mg.parallel_state
+        ep_rank, per_rank = self._ep()
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+        mine: dict[str, tuple[int, torch.Tensor]] = {}
+        if ps.get_expert_data_parallel_rank() == 0:
+            for name, tensor in self.model.module.state_dict().items():
+                local = expert_index(name) if isinstance(tensor, torch.Tensor) and "_extra_state" not in name else None
+                if local is not None:
+                    mine[with_expert_index(name, ep_rank * per_rank + local)] = (etp_rank, tensor.detach().cpu().clone())
+        rank = torch.distributed.get_rank()
+        parts: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None
+        torch.distributed.gather_object(mine, parts, dst=0)
+        if parts is None:
+            return {}
+        shards: dict[str, dict[int, torch.Tensor]] = {}
+        for part in parts:
+            for name, (r, tensor) in part.items():
+                shards.setdefault(name, {})[r] = tensor
+        return {name: merge_tp_shards(name, [by_rank[r] for r in sorted(by_rank)]) for name, by_rank in shards.items()}
 
     # -- checkpoints: global rank 0 holds every rank's part (the loop saves one file from rank 0) --
     def _layout(self) -> dict[str, int]:

@@ -13,7 +13,12 @@ replaced:
 - `torch.cuda.current_device` returns the CPU device (no CUDA runtime to ask; also where autograd
   runs backward outside the mode above); `torch.cuda.current_stream` returns a stream object whose
   waits do nothing (the gradient buffer waits on CUDA-graph events, of which there are none; CPU work
-  is synchronous).
+  is synchronous); `torch.cuda.Stream()` makes such a stream (its recorded events are already
+  complete) and `torch.cuda.stream(s)` is a null context: the MoE alltoall token dispatcher copies
+  its token counts to the host on a side stream and waits on its event; its
+  `maybe_move_tensor_to_cpu(..., as_numpy=True)` (token_dispatcher) returns the split sizes of its
+  all-to-all as numpy for CPU tensors too (megatron converts only CUDA ones; torch's all_to_all_single
+  takes no tensor of sizes).
 - `CudaRNGStatesTracker.fork` is a null context: the CUDA RNG tracker forks CUDA RNG states around
   dropout; dropout is 0 in the backend, so no random number is drawn.
 - megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` (tensor_parallel.random): activation
@@ -61,11 +66,28 @@ class CudaDevicesOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class SynchronousEvent:
+    """What a `SynchronousStream` records: everything before it has already happened."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
 class SynchronousStream:
-    """What `torch.cuda.current_stream()` returns under the shims: CPU work is synchronous."""
+    """What `torch.cuda.current_stream()` returns, and `torch.cuda.Stream()` makes, under the shims:
+    CPU work is synchronous."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def wait_event(self, event: Any) -> None:
         pass
+
+    def record_event(self, event: Any = None) -> SynchronousEvent:
+        return SynchronousEvent()
 
     def wait_stream(self, stream: Any) -> None:
         pass
@@ -85,6 +107,20 @@ def install_cpu_shims() -> CudaDevicesOnCpu:
         # torch types current_device() as an index; megatron only places tensors with it
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment, return-value]
         torch.cuda.current_stream = lambda *a, **k: SynchronousStream()  # type: ignore[assignment]
+        # the MoE alltoall token dispatcher copies its token counts to the host on a side stream
+        torch.cuda.Stream = SynchronousStream  # type: ignore[assignment, misc]
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+        # ... as numpy split sizes for its all-to-all; megatron converts only CUDA tensors
+        from megatron.core.transformer.moe import token_dispatcher
+
+        host_copy = token_dispatcher.maybe_move_tensor_to_cpu
+
+        def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+            if as_numpy and isinstance(tensor, torch.Tensor) and not tensor.is_cuda:
+                return tensor.numpy()
+            return host_copy(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        token_dispatcher.maybe_move_tensor_to_cpu = to_host
         CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
         # activation recompute (CheckpointFunction) saves and restores the CUDA RNG state around each
         # layer; there is none: the CPU generator's state stands in (restored by megatron itself too)

@@ -11,8 +11,14 @@ context parallel CP = 1. Refused, with the reason:
   objective's rows (sequence, position) would have to be re-addressed into each rank's load-balanced
   2*CP chunks with the token counts reduced over the CP group; neither is implemented or tested.
 - sequence parallel with TP = 1: megatron-core refuses it (nothing to split the sequence over).
-Model shapes must divide by TP: attention heads, query groups (KV heads), the FFN width and the
+Model shapes must divide by TP: attention heads, query groups (KV heads), the FFN width (a mixture of
+experts': each expert's, split over TP as megatron's expert tensor parallelism defaults to) and the
 vocabulary (the vocabulary-parallel loss takes each rank's V/TP columns; megatron does not pad it).
+Expert parallelism EP (a Qwen3-MoE): EP must divide the number of experts (each rank holds E/EP
+experts), expert tensor parallelism ETP (each expert's width split; default TP, as megatron's) must
+divide `moe_intermediate_size`; EP > 1 or ETP != TP on a dense model is refused (no experts). The
+world size must be a multiple of TP and of ETP x EP (megatron's expert grid): checked where the
+world size is known.
 """
 
 from __future__ import annotations
@@ -42,11 +48,45 @@ def parallelism_support(tp: int, pp: int, cp: int, sequence_parallel: bool) -> S
 
 
 def shape_support(tp: int, *, num_attention_heads: int, num_query_groups: int, ffn_hidden_size: int,
-                  vocab_size: int) -> Support:
-    """Whether the model's shapes split evenly over `tp` tensor-parallel ranks."""
-    sizes = {"num_attention_heads": num_attention_heads, "num_key_value_heads": num_query_groups,
-             "intermediate_size": ffn_hidden_size, "vocab_size": vocab_size}
+                  vocab_size: int, moe_ffn_hidden_size: int | None = None, expert_tp: int = 1) -> Support:
+    """Whether the model's shapes split evenly over `tp` tensor-parallel ranks, and a mixture of
+    experts' expert width (`moe_ffn_hidden_size`, config.json `moe_intermediate_size`; its layers have
+    no dense MLP) over `expert_tp` expert-tensor-parallel ranks."""
+    sizes = {"num_attention_heads": num_attention_heads, "num_key_value_heads": num_query_groups, "vocab_size": vocab_size}
+    if moe_ffn_hidden_size is None:
+        sizes["intermediate_size"] = ffn_hidden_size
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
         return Support(False, f"tensor parallelism {tp} must divide {', '.join(bad)}")
+    if moe_ffn_hidden_size is not None and moe_ffn_hidden_size % expert_tp:
+        return Support(False, f"expert tensor parallelism {expert_tp} must divide moe_intermediate_size={moe_ffn_hidden_size}")
+    return Support(True)
+
+
+def expert_support(ep: int, *, num_experts: int | None, topk: int, expert_tp: int = 1, tp: int = 1) -> Support:
+    """Whether `ep` expert-parallel ranks (each expert over `expert_tp` ranks) can split the model's
+    experts (None: a dense model)."""
+    if ep < 1 or expert_tp < 1:
+        return Support(False, f"expert parallelism and expert tensor parallelism must be >= 1, got {ep} and {expert_tp}")
+    if num_experts is None:
+        if ep != 1 or expert_tp != tp:
+            return Support(False, f"expert parallelism {ep} / expert tensor parallelism {expert_tp} need a mixture of experts "
+                                  "(the model is dense)")
+        return Support(True)
+    if not 1 <= topk <= num_experts:
+        return Support(False, f"num_experts_per_tok {topk} must be in [1, num_experts={num_experts}]")
+    if num_experts % ep:
+        return Support(False, f"expert parallelism {ep} must divide num_experts={num_experts}")
+    return Support(True)
+
+
+def world_support(world: int, *, tp: int, ep: int, expert_tp: int | None = None) -> Support:
+    """Whether `world` ranks hold whole model replicas (TP) and whole expert grids (expert TP x EP;
+    expert TP None: TP, megatron's default)."""
+    etp = tp if expert_tp is None else expert_tp
+    if world % tp:
+        return Support(False, f"world size {world} must be a multiple of tensor parallelism {tp}")
+    if world % (etp * ep):
+        return Support(False, f"world size {world} must be a multiple of expert tensor x expert parallelism "
+                              f"({etp} x {ep} = {etp * ep})")
     return Support(True)

@@ -95,6 +95,66 @@ def test_tp_split_and_merge_are_inverse(world):
         assert torch.equal(shard0[:32], fc1[:32]) and torch.equal(shard0[32:], fc1[64:96])
 
 
+# Qwen3-MoE's shape: 4 experts of width 16, top-2, every layer a mixture of experts
+MOE = bm.MegatronModelConfig(vocab_size=32, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=64, max_seq_len=16, kv_channels=12, qk_layernorm=True, num_experts=4,
+                             moe_router_topk=2, moe_ffn_hidden_size=16, norm_topk_prob=True)
+
+
+def hf_moe_weights(cfg: bm.MegatronModelConfig) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE state dict under checkpoint names (experts one by one)."""
+    assert cfg.num_experts is not None and cfg.moe_ffn_hidden_size is not None
+    g = torch.Generator().manual_seed(1)
+    w = {k: v for k, v in hf_weights(cfg).items() if ".mlp." not in k}
+    inter = cfg.moe_ffn_hidden_size
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.mlp."
+        w[p + "gate.weight"] = torch.randn(cfg.num_experts, cfg.hidden_size, generator=g)
+        for e in range(cfg.num_experts):
+            w[f"{p}experts.{e}.gate_proj.weight"] = torch.randn(inter, cfg.hidden_size, generator=g)
+            w[f"{p}experts.{e}.up_proj.weight"] = torch.randn(inter, cfg.hidden_size, generator=g)
+            w[f"{p}experts.{e}.down_proj.weight"] = torch.randn(cfg.hidden_size, inter, generator=g)
+    return w
+
+
+@pytest.mark.parametrize("te_spec", [True, False])
+def test_moe_hf_megatron_roundtrip_is_exact(te_spec):
+    hf = hf_moe_weights(MOE)
+    mg = bm.hf_to_megatron(hf, MOE, te_spec=te_spec)
+    fc1 = mg["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]
+    # each expert's fused [gate; up], as the dense MLP's
+    assert torch.equal(fc1[:16], hf["model.layers.1.mlp.experts.3.gate_proj.weight"])
+    assert torch.equal(fc1[16:], hf["model.layers.1.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(mg["decoder.layers.0.mlp.router.weight"], hf["model.layers.0.mlp.gate.weight"])
+    # a MoE layer's pre-MLP norm is its own module on both specs (TE fuses it into a dense fc1 only)
+    assert "decoder.layers.0.pre_mlp_layernorm.weight" in mg and not any("linear_fc1.layer_norm" in k for k in mg)
+    assert not any(k.endswith("mlp.linear_fc1.weight") for k in mg)
+    back = bm.megatron_to_hf(mg, MOE)
+    assert set(back) == set(hf)
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+
+
+def test_moe_mapping_takes_transformers_5_fused_experts():
+    """transformers 5 keeps a Qwen3-MoE layer's experts fused in memory (gate_up_proj [E, 2I, H] with
+    the gate rows first, down_proj [E, H, I]): the same Megatron tensors as the checkpoint names."""
+    hf = hf_moe_weights(MOE)
+    fused = {k: v for k, v in hf.items() if ".mlp.experts." not in k}
+    for i in range(MOE.num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        fused[p + "gate_up_proj"] = torch.stack([torch.cat([hf[f"{p}{e}.gate_proj.weight"], hf[f"{p}{e}.up_proj.weight"]])
+                                                 for e in range(4)])
+        fused[p + "down_proj"] = torch.stack([hf[f"{p}{e}.down_proj.weight"] for e in range(4)])
+    want, got = bm.hf_to_megatron(hf, MOE, te_spec=False), bm.hf_to_megatron(fused, MOE, te_spec=False)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_expert_names_move_between_local_and_global_indices():
+    name = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"
+    assert bm.expert_index(name) == 1 and bm.expert_index("decoder.layers.1.mlp.router.weight") is None
+    assert bm.with_expert_index(name, 3) == "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+
+
 def _flat_batch():
     from rlfleet.trainer.batching import FlatBatch
 
@@ -179,6 +239,60 @@ def test_config_json_the_model_would_compute_differently_is_refused(change, matc
     base = {**QWEN3_JSON, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
     with pytest.raises(bm.UnsupportedModel, match=match):
         bm.MegatronModelConfig.from_hf_config({**base, **change})
+
+
+QWEN3_MOE_JSON = {**QWEN3_JSON, "model_type": "qwen3_moe", "tie_word_embeddings": False, "num_local_experts": 128,
+                  "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "output_router_logits": False, "intermediate_size": 6144,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+
+
+@pytest.mark.parametrize("experts_key", ["num_local_experts", "num_experts"], ids=["transformers5", "transformers4"])
+@pytest.mark.parametrize("router_logits", [False, True])
+def test_qwen3_moe_config_json_is_read_whole(experts_key, router_logits):
+    """Qwen3-30B-A3B's MoE fields; transformers 5 writes `num_local_experts`, 4 wrote `num_experts`.
+    The load-balancing loss counts only when the config asks for router logits (as transformers)."""
+    hf = {k: v for k, v in QWEN3_MOE_JSON.items() if k != "num_local_experts"} | {experts_key: 128,
+                                                                                   "output_router_logits": router_logits}
+    cfg = bm.MegatronModelConfig.from_hf_config(hf, tensor_parallel=2, expert_parallel=8)
+    assert (cfg.num_experts, cfg.moe_router_topk, cfg.moe_ffn_hidden_size, cfg.norm_topk_prob) == (128, 8, 768, True)
+    assert cfg.router_aux_loss_coef == (0.001 if router_logits else 0.0) and cfg.is_moe and cfg.expert_parallel == 8
+    cfg.check_supported()
+
+
+@pytest.mark.parametrize(("change", "kwargs", "match"), [
+    ({"mlp_only_layers": [0]}, {}, "dense MLP layers among the expert layers"),
+    ({"decoder_sparse_step": 2}, {}, "decoder_sparse_step 2"),
+    ({}, {"expert_parallel": 3}, "expert parallelism 3 must divide num_experts=128"),
+    ({"num_experts_per_tok": 129}, {}, "num_experts_per_tok 129 must be in"),
+    ({"moe_intermediate_size": 769}, {"tensor_parallel": 2}, "expert tensor parallelism 2 must divide moe_intermediate_size=769"),
+    ({"moe_intermediate_size": 769}, {"tensor_parallel": 2, "expert_tensor_parallel": 1}, None),
+])
+def test_qwen3_moe_the_backend_cannot_run_is_refused(change, kwargs, match):
+    """(An expert width that TP does not divide runs with whole experts per rank: expert TP 1.)"""
+    if match is None:
+        bm.MegatronModelConfig.from_hf_config({**QWEN3_MOE_JSON, **change}, **kwargs).check_supported()
+        return
+    with pytest.raises(bm.UnsupportedModel, match=match):
+        bm.MegatronModelConfig.from_hf_config({**QWEN3_MOE_JSON, **change}, **kwargs).check_supported()
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused():
+    cfg = bm.MegatronModelConfig.from_hf_config({**QWEN3_JSON, "rope_theta": 1e6}, expert_parallel=2)
+    with pytest.raises(bm.UnsupportedModel, match="expert parallelism 2 / expert tensor parallelism 1 need a mixture of experts"):
+        cfg.check_supported()
+
+
+@pytest.mark.parametrize(("world", "tp", "ep", "etp", "match"), [
+    (4, 2, 2, None, None), (8, 2, 2, None, None), (2, 2, 2, 1, None), (4, 2, 4, 1, None),
+    (2, 2, 2, None, "expert tensor x expert parallelism (2 x 2 = 4)"),
+    (6, 1, 4, None, "expert tensor x expert parallelism (1 x 4 = 4)"),
+    (3, 2, 1, 1, "multiple of tensor parallelism 2"),
+])
+def test_world_must_hold_whole_expert_grids(world, tp, ep, etp, match):
+    verdict = ms.world_support(world, tp=tp, ep=ep, expert_tp=etp)
+    assert verdict.ok is (match is None)
+    assert match is None or f"world size {world} must be a " in verdict.reason and match in verdict.reason
 
 
 @pytest.mark.parametrize(("layout", "ok", "match"), [
@@ -274,3 +388,73 @@ def test_megatron_cpu_tier_thresholds_are_tight(megatron_cpu_tier):
             assert check["version"] == 0 and check["quantized"] == check["linears"] == 14, name
             assert 0.0 < check["amax_range"][0] < check["amax_range"][1], name
     assert checks["publish_version_0_nvfp4_bf16[qwen3_tied]"]["dtype"] == "bfloat16"
+
+
+# ---------------------------------------------------------------------------------------------
+# The megatron CPU tier for a mixture of experts (megatron_moe_cpu_checks.py: the real megatron-core
+# MoE layers against transformers' Qwen3-MoE, the project's tiny builder, 4 experts, top-2)
+
+MOE_CHECKS = [
+    *(f"{kind}[{variant}]" for variant in ("moe_norm_topk_prob", "moe_plain_topk_prob")
+      for kind in ("moe_logits_match_transformers_ep1", "moe_hf_export_roundtrip_ep1", "moe_logits_match_transformers_ep2",
+                   "moe_hf_export_roundtrip_ep2")),
+    "moe_router_aux_step_equals_transformers_backend",
+    "moe_ep2_step_equals_ep1",
+    "moe_ep2_restore_then_step_equals_uninterrupted_all_ranks",
+    "moe_router_aux_tp2_sequence_parallel_step_equals_tp1",
+    "moe_logits_match_transformers_tp2_ep2[moe_norm_topk_prob]",
+    "moe_hf_export_roundtrip_tp2_ep2[moe_norm_topk_prob]",
+    "moe_tp2_ep2_step_equals_ep1",
+]
+
+
+@pytest.fixture(scope="module")
+def megatron_moe_cpu_tier(tmp_path_factory) -> dict:
+    python = REPO / ".venv312" / "bin" / "python"
+    assert python.exists(), "the megatron CPU tier needs .venv312: run scripts/bootstrap"
+    out = tmp_path_factory.mktemp("megatron-moe") / "checks.json"
+    proc = subprocess.run([str(python), str(Path(__file__).with_name("megatron_moe_cpu_checks.py")), str(out)],
+                          cwd=out.parent, capture_output=True, text=True, timeout=540)
+    assert out.exists(), f"megatron_moe_cpu_checks.py wrote no result (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    result = json.loads(out.read_text())
+    sys.stderr.write(f"megatron MoE CPU tier: {result['wall_s']:.1f} s\n")
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MOE_CHECKS)
+def test_megatron_moe_cpu_tier(megatron_moe_cpu_tier, name):
+    """Qwen3-MoE in megatron-core (TopKRouter, SequentialMLP experts, alltoall dispatch over gloo):
+    logits equal transformers' (fp32, 1e-5) with and without `norm_topk_prob`, at EP=1 and EP=2 (two
+    experts per rank); HF -> megatron -> HF is bit-exact at EP 1 and 2 (experts gathered from their
+    ranks); a ragged step at EP=2 (3 packed micro-batches on one rank, 1 on the other: empty ones make
+    up the count) equals EP=1; save -> restore -> step at EP=2 (bf16) is bit-equal to the uninterrupted
+    run on both ranks, their experts and Adam moments included; with `output_router_logits` the step (two packed micro-batches) has the
+    transformers backend's loss and gradient norm, load-balancing term included, activation recompute
+    gives the same step, and TP=2 with sequence parallel (each expert split over the 2 ranks; padding
+    tokens counted out of the term) equals TP=1; TP=2 x EP=2 with whole experts (4 processes) gives
+    transformers' logits, the exact export and the EP=1 step."""
+    check = megatron_moe_cpu_tier["checks"][name]
+    assert check["ok"], check
+
+
+@pytest.mark.slow
+def test_megatron_moe_cpu_tier_thresholds_are_tight(megatron_moe_cpu_tier):
+    checks = megatron_moe_cpu_tier["checks"]
+    assert set(checks) == set(MOE_CHECKS)
+    for name in MOE_CHECKS:
+        if name.startswith("moe_logits"):
+            assert checks[name]["max_abs_diff"] <= 1e-5, name
+        if name.startswith("moe_hf_export"):  # 2 layers x 4 experts x gate/up/down, every name back
+            assert checks[name]["expert_tensors"] == 24 and not checks[name]["unequal"], name
+        if name.startswith(("moe_logits_match_transformers_ep2", "moe_logits_match_transformers_tp2_ep2")):
+            assert checks[name]["local_experts"] == 2, name
+    tp2_ep2 = checks["moe_logits_match_transformers_tp2_ep2[moe_norm_topk_prob]"]
+    assert tp2_ep2["expert_fc1_rows"] == 2 * 16 and tp2_ep2["qkv_rows"] == (4 + 2 * 2) * 12 // 2  # whole experts, attention split
+    assert checks["moe_router_aux_step_equals_transformers_backend"]["activation_checkpointing"]["ok"]
+    aux = checks["moe_router_aux_step_equals_transformers_backend"]
+    assert aux["grad_norm_diff"] <= 1e-5 and aux["aux_grad_norm_effect"] > 100 * aux["grad_norm_diff"]
+    assert checks["moe_ep2_step_equals_ep1"]["num_valid_tokens"] == 41  # sum(RAGGED) - 7: the whole batch
+    ranks = checks["moe_ep2_restore_then_step_equals_uninterrupted_all_ranks"]["per_rank"]
+    assert len(ranks) == 2  # each rank's 2 experts x 2 layers x fc1/fc2, all restored from the other run's
+    assert all(r["adam_moment_tensors"] > 0 and r["expert_tensors"] == r["expert_tensors_changed_by_restore"] == 8 for r in ranks)

@@ -1,0 +1,296 @@
+"""The megatron CPU tier for a mixture of experts: the REAL megatron-core 0.19.2 GPTModel with MoE
+layers (megatron's TopKRouter, SequentialMLP experts, the alltoall token dispatcher), built by our
+backend (device "cpu", gloo), against transformers 5.19's Qwen3-MoE on tiny checkpoints made here with
+the project's builder (`rlfleet.tiny_qwen3.tiny_model`, `architecture="qwen3_moe"`, 4 experts, top-2)
+and `save_pretrained`.
+
+Runs under .venv312 as `python megatron_moe_cpu_checks.py OUT.json`; tests/trainer/test_trainer_megatron.py
+launches it and asserts on the JSON ({"checks": {name: {"ok": bool, ...}}, "wall_s": float}). Phase 1
+runs in this process (world 1: EP=1); phase 2 spawns 2 processes (EP=2: two experts per rank, tokens
+dispatched between the ranks by alltoall over gloo). The stubs are megatron_cpu_checks.py's (the
+product's CPU shims), and so are the helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron_cpu_checks import (
+    GROUPS,
+    UPDATE_ATOL,
+    VOCAB,
+    build,
+    drive,
+    flat_batch,
+    free_port,
+    full_logits,
+    install_stubs,
+    join_group,
+    leave_group,
+    local_state,
+    max_diff,
+    token_ids,
+)
+
+VARIANTS = {
+    # Qwen3-MoE's released configs: top-k weights renormalised (megatron: softmax of the top-k logits)
+    "moe_norm_topk_prob": dict(norm_topk_prob=True),
+    # transformers' default: the top-k softmax probabilities as they are (megatron: pre-softmax router)
+    "moe_plain_topk_prob": dict(norm_topk_prob=False),
+}
+# the load-balancing loss on, at a coefficient that moves the gradient well beyond the tolerances
+AUX = dict(norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.5)
+
+
+def make_checkpoint(directory: Path, norm_topk_prob: bool, seed: int = 0, output_router_logits: bool = False,
+                    router_aux_loss_coef: float = 0.001) -> Path:
+    from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
+
+    spec = TinyQwen3(architecture="qwen3_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=norm_topk_prob, seed=seed,
+                     output_router_logits=output_router_logits, router_aux_loss_coef=router_aux_loss_coef)
+    model = tiny_model(spec)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # norms away from 1 so a missing or mis-mapped norm shows in the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def checkpoint_names(directory: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under checkpoint names (experts one by one)."""
+    from safetensors.torch import load_file
+
+    from rlfleet.numerics.views import checkpoint_tensors
+
+    return checkpoint_tensors(load_file(str(directory / "model.safetensors")))
+
+
+def roundtrip(backend, directory: Path) -> dict[str, Any]:
+    exported = backend.weights()
+    if torch.distributed.get_rank() != 0:
+        return {}
+    original = checkpoint_names(directory)
+    bad = sorted(k for k in original if k not in exported or not torch.equal(exported[k], original[k]))
+    experts = sorted(k for k in original if ".mlp.experts." in k)
+    return {"ok": set(exported) == set(original) and not bad and len(experts) == 2 * 4 * 3, "names": len(original),
+            "expert_tensors": len(experts), "extra": sorted(set(exported) - set(original)), "unequal": bad[:10]}
+
+
+RAGGED = [12, 3, 9, 5, 7, 2, 10]  # tokens per sequence: at EP=2 (two data-parallel ranks) 3 packed micro-batches and 1
+
+
+def step(backend, flat=None) -> dict[str, Any]:
+    out, grad_norm = backend.train_step(flat if flat is not None else flat_batch(7), GROUPS)
+    return {"loss": float(out.loss), "grad_norm": grad_norm, "kl_k3": out.metrics["kl_k3"], "tokens": out.num_valid_tokens,
+            "weights": backend.weights()}
+
+
+def compare_steps(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    wd = max(max_diff(got["weights"][k], want["weights"][k]) for k in want["weights"])
+    dl, dg, dk = abs(got["loss"] - want["loss"]), abs(got["grad_norm"] - want["grad_norm"]), abs(got["kl_k3"] - want["kl_k3"])
+    return {"ok": dl <= 1e-6 and dg <= 1e-5 and dk <= 1e-6 and wd <= UPDATE_ATOL and got["tokens"] == want["tokens"]
+            and set(got["weights"]) == set(want["weights"]),
+            "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd, "num_valid_tokens": got["tokens"]}
+
+
+# --------------------------------------------------------------------------- phase 1: EP=1
+
+
+def phase_ep1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    checks: dict[str, Any] = {}
+    refs: dict[str, Any] = {}
+    ids = token_ids(1)
+    for name, variant in VARIANTS.items():
+        directory = make_checkpoint(work / name, **variant)
+        backend = build(directory, tp=1)
+        ours, theirs = full_logits(backend, ids), hf_logits(directory, ids)
+        d = max_diff(ours, theirs)
+        checks[f"moe_logits_match_transformers_ep1[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d,
+                                                                "logit_scale": float(theirs.abs().max())}
+        checks[f"moe_hf_export_roundtrip_ep1[{name}]"] = roundtrip(backend, directory)
+        refs[f"hf_logits[{name}]"] = theirs
+    refs["step"] = step(build(work / "moe_norm_topk_prob", tp=1), flat_batch(11, lens=RAGGED))
+    checks["moe_router_aux_step_equals_transformers_backend"], refs["aux_step"] = aux_checks(work)
+    return checks, refs
+
+
+def hf_backend_step(directory: Path, flat) -> tuple[float, float]:
+    """The reference: the transformers backend's step (its load-balancing term is tested against a
+    hand-written one in tests/trainer/test_trainer_backend_hf.py) at the same micro-batch budget."""
+    from rlfleet.trainer.backend_common import OptimConfig
+    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.objective import ObjectiveConfig
+
+    backend = HFBackend.from_pretrained(directory, ObjectiveConfig(mode="sc_mis", replay=True), optim=OptimConfig(learning_rate=1e-2),
+                                        device="cpu", distributed=False, max_tokens_per_micro_batch=2 * 7)
+    out, grad_norm = backend.train_step(flat, GROUPS)
+    return float(out.loss), grad_norm
+
+
+def aux_checks(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen3-MoE with output_router_logits and router_aux_loss_coef 0.5: the megatron step (two packed
+    micro-batches) gives the transformers backend's loss and gradient norm (load-balancing term
+    included), and the same weights without the term give another gradient norm (the term is on)."""
+    directory = make_checkpoint(work / "moe_aux", **AUX)
+    plain = make_checkpoint(work / "moe_aux_off", **{**AUX, "output_router_logits": False})
+    flat = flat_batch(7)
+    want_loss, want_norm = hf_backend_step(directory, flat)
+    ours = step(build(directory, tp=1))
+    off = step(build(plain, tp=1))
+    dl, dg = abs(ours["loss"] - want_loss), abs(ours["grad_norm"] - want_norm)
+    term = abs(ours["grad_norm"] - off["grad_norm"])
+    # one 7-token sequence per micro-batch: under TP=2 each row gets a padding token (counted out)
+    odd_rows = step(build(directory, tp=1, max_tokens_per_micro_batch=7))
+    # activation recompute: each layer's forward (router, dispatch, experts) re-run in backward
+    recompute = compare_steps(step(build(directory, tp=1, activation_checkpointing=True)), ours)
+    return ({"ok": dl <= 1e-6 and dg <= 1e-5 and term > 1e-3 and recompute["ok"], "loss_diff": dl, "grad_norm_diff": dg,
+             "grad_norm": ours["grad_norm"], "grad_norm_without_aux": off["grad_norm"], "aux_grad_norm_effect": term,
+             "activation_checkpointing": recompute}, odd_rows)
+
+
+# --------------------------------------------------------------------------- phase 2: EP=2
+
+
+def phase_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
+    join_group(rank, 2, port)
+    work_dir = Path(work)
+    refs = torch.load(refs_path, weights_only=False)
+    checks: dict[str, Any] = {}
+    ids = token_ids(1)
+    for name in VARIANTS:
+        backend = build(work_dir / name, tp=1, expert_parallel=2)
+        d = max_diff(full_logits(backend, ids), refs[f"hf_logits[{name}]"])
+        checks[f"moe_logits_match_transformers_ep2[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d,
+                                                                "local_experts": len(backend.model.module.decoder.layers[0].mlp.experts.local_experts)}
+        result = drive(backend, rank, lambda b, name=name: roundtrip(b, work_dir / name))
+        if rank == 0:
+            checks[f"moe_hf_export_roundtrip_ep2[{name}]"] = result
+    backend = build(work_dir / "moe_norm_topk_prob", tp=1, expert_parallel=2)
+    result = drive(backend, rank, lambda b: step(b, flat_batch(11, lens=RAGGED)))
+    if rank == 0:
+        checks["moe_ep2_step_equals_ep1"] = compare_steps(result, refs["step"])
+    checks["moe_ep2_restore_then_step_equals_uninterrupted_all_ranks"] = restore_check(rank, work_dir)
+    # TP=2 with sequence parallel (one data-parallel replica: the same micro-batches as TP=1): each rank
+    # routes half of each packed row of 7 tokens + 1 padding token (counted out); load-balancing term on
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()  # one layout per process otherwise (the backend refuses a change)
+    backend = build(work_dir / "moe_aux", tp=2, max_tokens_per_micro_batch=7)
+    result = drive(backend, rank, step)
+    if rank == 0:
+        checks["moe_router_aux_tp2_sequence_parallel_step_equals_tp1"] = compare_steps(result, refs["aux_step"])
+    leave_group(rank, checks, out_path)
+
+
+def restore_check(rank: int, work_dir: Path) -> dict[str, Any] | None:
+    """EP=2: save -> restore -> one step == uninterrupted, on every rank (its experts, the optimizer
+    state of the dense and the expert parameters: megatron chains one distributed optimizer for each),
+    bf16 with the load-balancing term on. Run B starts from other weights (another seed), so everything
+    it ends with must come from the restore."""
+    from rlfleet.trainer import checkpoint
+
+    directory = work_dir / "ckpt-ep2"
+
+    def uninterrupted(b):
+        b.train_step(flat_batch(11), GROUPS)
+        checkpoint.save_checkpoint(directory, {"step": 1, "backend": b.state_dict()})
+        b.train_step(flat_batch(12), GROUPS)
+
+    def restored(b):
+        b.load_state_dict(checkpoint.load_latest(directory)["backend"])
+        b.train_step(flat_batch(12), GROUPS)
+
+    run_a = build(work_dir / "moe_aux", tp=1, dtype="bfloat16", expert_parallel=2)
+    drive(run_a, rank, uninterrupted)
+    expected = local_state(run_a)
+    run_b = build(work_dir / "moe_aux_other_init", tp=1, dtype="bfloat16", expert_parallel=2)
+    before = local_state(run_b)
+    drive(run_b, rank, restored)
+    got = local_state(run_b)
+    unequal = sorted(k for k in expected if not torch.equal(expected[k], got[k]))
+    moments = [k for k in expected if k.endswith(("exp_avg", "exp_avg_sq"))]
+    experts = [k for k in got if k.startswith("model.") and ".local_experts." in k and "_extra_state" not in k]
+    local = {"ok": not unequal and bool(moments) and bool(experts) and set(expected) == set(got), "tensors": len(expected),
+             "adam_moment_tensors": len(moments), "expert_tensors": len(experts), "n_unequal": len(unequal),
+             "unequal": unequal[:10],
+             "model_tensors_changed_by_restore": sum(not torch.equal(before[k], got[k]) for k in got if k.startswith("model.")),
+             "expert_tensors_changed_by_restore": sum(not torch.equal(before[k], got[k]) for k in experts)}
+    parts: list[Any] | None = [None] * 2 if rank == 0 else None
+    torch.distributed.gather_object(local, parts, dst=0)
+    return {"ok": parts is not None and all(p["ok"] for p in parts), "per_rank": parts} if rank == 0 else None
+
+
+def phase_tp2_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
+    """Four processes, TP=2 x EP=2 with whole experts (expert TP 1): attention and the vocabulary split
+    over TP pairs, each rank 2 of the 4 experts, two data-parallel replicas of the dense part and two
+    of the experts. (Expert TP = TP = 2 with EP = 2 does not run on gloo: megatron's alltoall dispatcher
+    all-gathers each expert's tokens over the expert-TP ranks in unequal parts, which gloo's allgather
+    refuses; NCCL takes them.)"""
+    join_group(rank, 4, port)
+    work_dir = Path(work)
+    refs = torch.load(refs_path, weights_only=False)
+    checks: dict[str, Any] = {}
+    name = "moe_norm_topk_prob"
+    layout = dict(tp=2, expert_parallel=2, expert_tensor_parallel=1)
+    backend = build(work_dir / name, **layout)
+    d = max_diff(full_logits(backend, token_ids(1)), refs[f"hf_logits[{name}]"])
+    mlp = backend.model.module.decoder.layers[0].mlp
+    checks[f"moe_logits_match_transformers_tp2_ep2[{name}]"] = {
+        "ok": d <= 1e-5, "max_abs_diff": d, "local_experts": len(mlp.experts.local_experts),
+        "expert_fc1_rows": mlp.experts.local_experts[0].linear_fc1.weight.shape[0],
+        "qkv_rows": backend.model.module.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]}
+    result = drive(backend, rank, lambda b: roundtrip(b, work_dir / name))
+    if rank == 0:
+        checks[f"moe_hf_export_roundtrip_tp2_ep2[{name}]"] = result
+    backend = build(work_dir / name, **layout)
+    result = drive(backend, rank, lambda b: step(b, flat_batch(11, lens=RAGGED)))
+    if rank == 0:
+        checks["moe_tp2_ep2_step_equals_ep1"] = compare_steps(result, refs["step"])
+    leave_group(rank, checks, out_path)
+
+
+def main(out: str) -> int:
+    t0 = time.monotonic()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    install_stubs()
+    with tempfile.TemporaryDirectory(prefix="rlfleet-mg-moe-") as tmp:
+        work = Path(tmp)
+        checks, refs = phase_ep1(work)
+        make_checkpoint(work / "moe_aux_other_init", **AUX, seed=1)  # the restore check's run B starts here
+        torch.save(refs, work / "refs.pt")
+        torch.distributed.destroy_process_group()
+        t1 = time.monotonic()
+        import torch.multiprocessing as mp
+
+        ep2_out = work / "ep2.json"
+        mp.spawn(phase_ep2, args=(free_port(), str(work), str(work / "refs.pt"), str(ep2_out)), nprocs=2, join=True)
+        checks.update(json.loads(ep2_out.read_text()))
+        tp2_ep2_out = work / "tp2_ep2.json"
+        mp.spawn(phase_tp2_ep2, args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_ep2_out)), nprocs=4, join=True)
+        checks.update(json.loads(tp2_ep2_out.read_text()))
+    Path(out).write_text(json.dumps({"checks": checks, "wall_s": time.monotonic() - t0, "ep1_s": t1 - t0,
+                                     "spawned_s": time.monotonic() - t1}, indent=1, default=str))
+    return 0 if all(c.get("ok") for c in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
