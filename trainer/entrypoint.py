@@ -191,7 +191,7 @@ def _train_rank0(
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.metrics import PrometheusExporter
     from rlfleet.trainer.rollout import RolloutDriver
-    from rlfleet.trainer.run import ChannelSink, rollout_inputs, run_training
+    from rlfleet.trainer.run import ChannelSink, rollout_inputs, rollout_sampling, run_training
 
     publisher = _channel_writer(job, rc.views, base.base_checkpoint, store)  # LeaseHeldError: another trainer
     state = ckpt.load_latest(checkpoints)  # CheckpointError: no kept checkpoint loads
@@ -207,7 +207,7 @@ def _train_rank0(
                 SamplerClient(args.router_url, vocab_size=base.vocab_size,
                               api_key=os.environ.get(ENGINE_API_KEY_ENV) or None),
                 env, prompts,
-                samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling, max_seq_len=base.max_seq_len,
+                samples_per_prompt=rc.samples_per_prompt, sampling=rollout_sampling(rc, base), max_seq_len=base.max_seq_len,
                 start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
             )  # fmt: skip
             return driver

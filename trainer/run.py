@@ -24,7 +24,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,6 +42,7 @@ from rlfleet.trainer.tracking import Tracker, TrackingError, open_tracker
 
 if TYPE_CHECKING:
     from rlfleet.api.rljob import ParallelismSpec
+    from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.trainer.backend_megatron import MegatronModelConfig
     from rlfleet.trainer.environments import Environment
     from rlfleet.trainer.prompts import PromptSource
@@ -135,6 +136,15 @@ def rollout_inputs(rc: RunConfig, base: BaseModel) -> tuple[Environment, PromptS
     prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size,
                                  tokenizer=tokenizer)
     return build_environment(rc, tokenizer=tokenizer), prompts
+
+
+def rollout_sampling(rc: RunConfig, base: BaseModel) -> SamplingConfig:
+    """The sampling parameters of every turn (local mode and the cluster entrypoint alike): the job's,
+    and for a mixture of experts each turn asks for the experts its tokens were routed to
+    (`routed_experts_top_k`), which the trainer compares with its own routing (trainer/routing.py) and
+    routing replay uses. Samplers return them: the reference engine always, SGLang groups because their
+    launch adds `--enable-return-routed-experts` for such a checkpoint (docs/sampler.md)."""
+    return replace(rc.sampling, routed_experts_top_k=base.routed_experts_top_k)
 
 
 def load_base_weights(directory: Path) -> dict[str, torch.Tensor]:

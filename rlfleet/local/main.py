@@ -35,7 +35,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -343,6 +342,7 @@ class FleetRollouts:
         from rlfleet.local.fleet import RunningFleet, wait_until_serving
         from rlfleet.sampler.client import SamplerClient
         from rlfleet.trainer.rollout import RolloutDriver
+        from rlfleet.trainer.run import rollout_sampling
 
         fleet = self.fleet = FleetProcess(self.out / "fleet.json", self.out / FLEET_LOG, self.admin_token, self.api_key)
         fleet.watch(self.stop_event.set)  # its death stops the loop at once; `stop()` then says so
@@ -357,8 +357,7 @@ class FleetRollouts:
         self.driver = RolloutDriver(
             SamplerClient(self.router, vocab_size=base.vocab_size, api_key=self.api_key), self.env, self.prompts,
             samples_per_prompt=rc.samples_per_prompt, max_seq_len=base.max_seq_len,
-            # a mixture of experts: every turn carries its routing (the reference engine always captures it)
-            sampling=replace(rc.sampling, routed_experts_top_k=base.routed_experts_top_k),
+            sampling=rollout_sampling(rc, base),
             start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
         )  # fmt: skip
         return self.driver

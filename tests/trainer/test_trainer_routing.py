@@ -239,3 +239,21 @@ def test_the_group_mismatch_reaches_prometheus_and_the_operators_reading() -> No
     assert 'rlfleet_trainer_routing_mismatch_tokens{key="",scope="fleet"} 0.25' in text
     read = parse_trainer_group_metrics(text)["h100-fp8"]
     assert read["routing_mismatch_tokens"] == 0.25 and read["routing_mismatch_layers"] == 0.125
+
+
+@pytest.mark.parametrize("spec, top_k", [(SMALL_MOE, SMALL_MOE["num_experts_per_tok"]), (SMALL_QWEN3, 0)])
+def test_every_rollout_asks_a_moe_models_samplers_for_their_routing(tiny_qwen3_factory, spec, top_k) -> None:
+    """The cluster entrypoint and local mode take their turns' sampling from `rollout_sampling`: for a
+    mixture of experts each turn asks for its routed experts (the cluster entrypoint did not ask, so
+    it measured no routing mismatch); a dense model's turns do not. The job's own parameters stay."""
+    from types import SimpleNamespace
+
+    from rlfleet.sampler.protocol import SamplingConfig, build_generate_request
+    from rlfleet.trainer.run import BaseModel, rollout_sampling
+
+    job_sampling = SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=12)
+    base = BaseModel(backend=None, vocab_size=64, max_seq_len=128, source_dir=tiny_qwen3_factory(**spec))  # type: ignore[arg-type]
+    sampling = rollout_sampling(SimpleNamespace(sampling=job_sampling), base)  # type: ignore[arg-type]
+    assert sampling.routed_experts_top_k == top_k
+    assert (sampling.temperature, sampling.top_p, sampling.max_new_tokens) == (0.7, 0.9, 12)
+    assert ("return_routed_experts" in build_generate_request([1, 2, 3], sampling)) == bool(top_k)
