@@ -6,7 +6,8 @@ snapshot, and is closed at the end of its episode (nothing of it may outlive the
 File reads and writes go through the sandbox itself, never through the host's view of its work
 dir: a path the agent made a symlink must resolve inside the sandbox, not on the host.
 
-Backends: `LocalSandbox` (rlfleet/sandbox/local.py: bubblewrap process trees on this machine).
+Backends: `LocalSandbox` (rlfleet/sandbox/local.py: bubblewrap process trees on this machine) and
+`PodSandbox` (rlfleet/sandbox/pods.py: one Kubernetes pod per sandbox, commands through the API's exec).
 docs/environments.md 'Sandboxes' says what each isolates.
 """
 
