@@ -18,7 +18,7 @@ import torch
 from rlfleet.records import SUPPORT_MODE
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, TokenBatch
-from rlfleet.trainer.routing import ROUTING_COUNT, combine_routing_metrics
+from rlfleet.trainer.routing import ROUTING_COUNT, combine_routing_metrics, routing_metrics, routing_mismatch
 
 SUM_KEYS = ("num_tokens", "invalid_tokens")
 MAX_KEYS = ("sc_tail_ratio_max",)
@@ -174,3 +174,37 @@ def leave_process_group() -> None:
     SIGABRT), failing a run that had finished."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def routing_compared_rows(flat: FlatBatch, rows: np.ndarray) -> np.ndarray | None:
+    """Which of `rows` get their sampler routing compared with the trainer's (bool [R]: routing returned,
+    sampled at the trainer's version); None when the batch carries no routing."""
+    if flat.routed_experts is None:
+        return None
+    routed = flat.routed_experts[rows]
+    return (routed >= 0).all(axis=(1, 2)) & (flat.versions[rows] == flat.trainer_version)
+
+
+def trainer_experts(router_logits: list[torch.Tensor], positions: torch.Tensor, k: int) -> np.ndarray:
+    """The trainer's own routing at `positions` of a packed row: the top-k of the float32 softmax of
+    each layer's router logits ([T, E] per layer) -> [R, layers, k]."""
+    with torch.no_grad():
+        per_layer = [torch.softmax(logits.float(), dim=-1)[positions].topk(k, dim=-1).indices for logits in router_logits]
+    return torch.stack(per_layer, dim=1).cpu().numpy()
+
+
+def add_routing_metrics(out: LossOutput, flat: FlatBatch, full: TokenBatch, rows: np.ndarray, trainer: np.ndarray,
+                        compared: np.ndarray) -> None:
+    """The routing mismatch (trainer/routing.py) of a micro-batch's compared `rows` into `out`'s metrics
+    and per-group metrics; `trainer`: the trainer's experts of each row [R, layers, k]."""
+    sampler = flat.routed_experts
+    assert sampler is not None  # routing_compared_rows said so
+    token_differs, layer_share = routing_mismatch(trainer, sampler[rows])
+    out.metrics.update(routing_metrics(token_differs, layer_share, compared))
+    if full.group_ids is None:
+        return
+    group_ids = full.group_ids[torch.from_numpy(rows)].numpy()
+    for gid in np.unique(group_ids).tolist():
+        scoped = routing_metrics(token_differs, layer_share, compared & (group_ids == gid))
+        if scoped:
+            out.per_group.setdefault(int(gid), {}).update(scoped)

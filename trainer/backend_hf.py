@@ -63,12 +63,14 @@ from rlfleet.trainer.attention import use_varlen_attention
 from rlfleet.trainer.backend_common import (
     OptimConfig,
     RankCommands,
+    add_routing_metrics,
     merge_loss_outputs,
+    routing_compared_rows,
     to_token_batch,
+    trainer_experts,
 )
 from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
-from rlfleet.trainer.routing import routing_metrics, routing_mismatch
 from rlfleet.trainer.routing_replay import check_replayable, replay_routing
 
 
@@ -236,12 +238,9 @@ class HFBackend(RankCommands):
 
     def _routing_compared(self, flat: FlatBatch, mb: MicroBatch) -> np.ndarray | None:
         """Which of the micro-batch's rows get their sampler routing compared with the trainer's (bool
-        [R]: routing returned, sampled at the trainer's version); None when the batch has no routing
-        or the model is dense (then the forward asks for no router logits: no cost)."""
-        if flat.routed_experts is None or not _is_moe(self.model):
-            return None
-        routed = flat.routed_experts[mb.rows]
-        return (routed >= 0).all(axis=(1, 2)) & (flat.versions[mb.rows] == flat.trainer_version)
+        [R]); None when the batch has no routing or the model is dense (then the forward asks for no
+        router logits: no cost)."""
+        return routing_compared_rows(flat, mb.rows) if _is_moe(self.model) else None
 
     def _add_routing_metrics(
         self,
@@ -256,22 +255,10 @@ class HFBackend(RankCommands):
         """The routing mismatch of the micro-batch's compared rows (trainer/routing.py) into `out`'s
         metrics and per-group metrics. The trainer's experts are its router's own choice: the top-k of
         the float32 softmax of each layer's router logits at the row's position."""
-        sampler = flat.routed_experts
-        assert sampler is not None  # _routing_compared said so
-        k = int(sampler.shape[2])
+        assert flat.routed_experts is not None  # _routing_compared said so
         index = torch.from_numpy(row_index).to(router_logits[0].device)
-        with torch.no_grad():
-            per_layer = [torch.softmax(logits.float(), dim=-1)[index].topk(k, dim=-1).indices for logits in router_logits]
-        trainer = torch.stack(per_layer, dim=1).cpu().numpy()  # [R, layers, k]
-        token_differs, layer_share = routing_mismatch(trainer, sampler[mb.rows])
-        out.metrics.update(routing_metrics(token_differs, layer_share, compared))
-        if full.group_ids is None:
-            return
-        group_ids = full.group_ids[torch.from_numpy(mb.rows)].numpy()
-        for gid in np.unique(group_ids).tolist():
-            scoped = routing_metrics(token_differs, layer_share, compared & (group_ids == gid))
-            if scoped:
-                out.per_group.setdefault(int(gid), {}).update(scoped)
+        trainer = trainer_experts(list(router_logits), index, int(flat.routed_experts.shape[2]))
+        add_routing_metrics(out, flat, full, mb.rows, trainer, compared)
 
     def _final_hidden_states(
         self, input_ids: np.ndarray, position_ids: np.ndarray, router_logits: bool = False

@@ -75,14 +75,22 @@ import numpy as np
 import torch
 
 from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
-from rlfleet.trainer.backend_common import OptimConfig, RankCommands, merge_loss_outputs, to_token_batch
+from rlfleet.trainer.backend_common import (
+    OptimConfig,
+    RankCommands,
+    add_routing_metrics,
+    merge_loss_outputs,
+    routing_compared_rows,
+    to_token_batch,
+    trainer_experts,
+)
 from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
 from rlfleet.trainer.checkpoint import load_checkpoint_file
 from rlfleet.trainer.megatron_support import expert_support, parallelism_support, shape_support, world_support
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 
 if TYPE_CHECKING:
-    from rlfleet.trainer.megatron_moe import RouterAuxLoss
+    from rlfleet.trainer.megatron_moe import RouterAuxLoss, RouterLogits
 
 
 class BackendUnavailable(RuntimeError):
@@ -374,6 +382,8 @@ class PackedMicroBatch:
     batch: TokenBatch  # the R loss rows
     tokens: int  # T
     real_tokens: int  # the first T - padding tokens: the sequences (the rest pads the row to a multiple of TP)
+    rows: np.ndarray  # the loss rows' indices in the FlatBatch
+    compared: np.ndarray | None  # a MoE with the samplers' routing: which rows compare it (routing_compared_rows)
 
     def routed_here(self, tp: int, tp_rank: int) -> torch.Tensor:
         """[T / tp] bool: which tokens of this TP rank's slice of the row (sequence parallel: rank r
@@ -576,12 +586,16 @@ class MegatronBackend(RankCommands):
         if initial_hf_weights is not None:
             self._load_hf(model, initial_hf_weights)
         self.router_aux: RouterAuxLoss | None = None
-        if c.num_experts is not None and c.router_aux_loss_coef > 0:  # transformers' load-balancing loss
-            from rlfleet.trainer.megatron_moe import RouterAuxLoss, attach
+        self.router_logits: RouterLogits | None = None
+        if c.num_experts is not None:
+            from rlfleet.trainer.megatron_moe import RouterAuxLoss, RouterLogits, attach
 
-            self.router_aux = RouterAuxLoss(c.router_aux_loss_coef, c.num_experts, c.moe_router_topk, c.num_layers,
-                                            ps.get_tensor_model_parallel_group() if c.sequence_parallel else None)
-            attach([layer.mlp.router for layer in model.decoder.layers], self.router_aux)
+            self.router_logits = RouterLogits()  # the routing mismatch against the samplers' experts
+            if c.router_aux_loss_coef > 0:  # transformers' load-balancing loss
+                self.router_aux = RouterAuxLoss(c.router_aux_loss_coef, c.num_experts, c.moe_router_topk, c.num_layers,
+                                                ps.get_tensor_model_parallel_group() if c.sequence_parallel else None)
+            observers = [o for o in (self.router_aux, self.router_logits) if o is not None]
+            attach([layer.mlp.router for layer in model.decoder.layers], observers)
         if model.post_process:  # the objective projects to the vocabulary itself (the fused lm_head)
             model.output_layer.forward = partial(_output_layer_input, model.output_layer)
         ddp_config = mg.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
@@ -666,17 +680,7 @@ class MegatronBackend(RankCommands):
         my_seqs = np.arange(flat.input_ids.shape[0])[dp_rank::dp_world]
         full = to_token_batch(flat, group_index)
         tp = self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1
-        plan = plan_micro_batches(flat, my_seqs, self.cfg.max_tokens_per_micro_batch)
-        micro = [self._packed(flat, full, mb, tp) for mb in plan]
-        if not micro:  # no trained row on this data-parallel rank: an empty micro-batch keeps the schedule
-            micro = [self._packed(flat, full, MicroBatch(my_seqs[:0], my_seqs[:0], np.zeros(0, dtype=np.int64)), tp)]
-        if self.cfg.expert_parallel > 1:
-            # every MoE layer's token dispatch is a collective over the expert-parallel ranks, which are
-            # different data-parallel ranks: all run as many micro-batches (empty ones make up the count)
-            count = torch.tensor([len(micro)], dtype=torch.int64, device=self.device)
-            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=ps.get_data_parallel_group())
-            empty = MicroBatch(my_seqs[:0], my_seqs[:0], np.zeros(0, dtype=np.int64))
-            micro += [self._packed(flat, full, empty, tp) for _ in range(int(count.item()) - len(micro))]
+        micro = self._micro_batches(flat, full, my_seqs, tp)
         tp_group, tp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
         outputs: list[LossOutput] = []
 
@@ -691,14 +695,15 @@ class MegatronBackend(RankCommands):
             assert out.loss_sum is not None  # policy_loss always returns the sum
             if self.router_aux is not None:  # its gradient joins in backward; the reported loss is the policy loss
                 self.router_aux.finish(out.num_valid_tokens)
+            if mb.compared is not None:
+                self._add_routing_metrics(out, flat, full, mb)
             outputs.append(replace(out, loss=out.loss.detach().cpu(), loss_sum=out.loss_sum.detach().cpu()))
             n = torch.tensor(out.num_valid_tokens, dtype=torch.int, device=rows.device)
             return out.loss_sum, n, {"loss_sum": out.loss_sum.detach(), "num_tokens": n}
 
         def forward_step_func(data_iterator, model):
             mb: PackedMicroBatch = next(data_iterator)
-            if self.router_aux is not None:
-                self.router_aux.start(mb.routed_here(self.cfg.tensor_parallel if self.cfg.sequence_parallel else 1, tp_rank))
+            self._start_routers(mb, tp, tp_rank)
             # causal within each sequence of the row (THD); returns the output layer's input
             hidden = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
             return hidden, partial(loss_func, mb)
@@ -727,6 +732,47 @@ class MegatronBackend(RankCommands):
         merged = merge_loss_outputs(outputs)
         return merged, float(grad_norm) if grad_norm is not None else float("nan")
 
+    def _micro_batches(self, flat: FlatBatch, full: TokenBatch, my_seqs: np.ndarray, tp: int) -> list[PackedMicroBatch]:
+        """This data-parallel rank's sequences packed into micro-batches of the token budget."""
+        plan = plan_micro_batches(flat, my_seqs, self.cfg.max_tokens_per_micro_batch)
+        micro = [self._packed(flat, full, mb, tp) for mb in plan]
+        empty = MicroBatch(my_seqs[:0], my_seqs[:0], np.zeros(0, dtype=np.int64))
+        if not micro:  # no trained row on this data-parallel rank: an empty micro-batch keeps the schedule
+            micro = [self._packed(flat, full, empty, tp)]
+        if self.cfg.expert_parallel > 1:
+            # every MoE layer's token dispatch is a collective over the expert-parallel ranks, which are
+            # different data-parallel ranks: all run as many micro-batches (empty ones make up the count)
+            count = torch.tensor([len(micro)], dtype=torch.int64, device=self.device)
+            group = self.mg.parallel_state.get_data_parallel_group()
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+            micro += [self._packed(flat, full, empty, tp) for _ in range(int(count.item()) - len(micro))]
+        return micro
+
+    def _start_routers(self, mb: PackedMicroBatch, tp: int, tp_rank: int) -> None:
+        """A micro-batch's forward begins: the MoE routers' observers start on it (`tp`: the ranks a
+        packed row is split over, 1 without sequence parallelism)."""
+        if self.router_aux is not None:
+            self.router_aux.start(mb.routed_here(tp, tp_rank))
+        if self.router_logits is not None:
+            self.router_logits.start(active=mb.compared is not None)
+
+    def _add_routing_metrics(self, out: LossOutput, flat: FlatBatch, full: TokenBatch, mb: PackedMicroBatch) -> None:
+        """The routing mismatch of the micro-batch's compared rows, as the torch backend measures it: the
+        trainer's experts are the top-k of each layer's router softmax at the row's position. Under
+        sequence parallelism each TP rank routed its slice of the row: the logits are gathered first."""
+        assert self.router_logits is not None and flat.routed_experts is not None and mb.compared is not None
+        logits = self.router_logits.take()
+        tp_group, _, tp_world = self._tp()
+        if self.cfg.sequence_parallel and tp_world > 1:
+            gathered = []
+            for layer in logits:
+                parts = [torch.empty_like(layer) for _ in range(tp_world)]
+                torch.distributed.all_gather(parts, layer.contiguous(), group=tp_group)
+                gathered.append(torch.cat(parts))
+            logits = gathered
+        trainer = trainer_experts(logits, mb.row_index, int(flat.routed_experts.shape[2]))
+        add_routing_metrics(out, flat, full, mb.rows, trainer, mb.compared)
+
     def _packed(self, flat: FlatBatch, full: TokenBatch, mb: MicroBatch, tp: int) -> PackedMicroBatch:
         """`mb` as one packed row on the device. Under sequence parallelism the row is split over the TP
         ranks (T % TP == 0): a last sequence of padding tokens fills it up, read by no loss row."""
@@ -752,6 +798,8 @@ class MegatronBackend(RankCommands):
             batch=full.select(torch.from_numpy(mb.rows)).to(dev),
             tokens=len(input_ids),
             real_tokens=real_tokens,
+            rows=mb.rows,
+            compared=routing_compared_rows(flat, mb.rows) if self.cfg.is_moe else None,
         )
 
     # -- publishing --

@@ -109,12 +109,37 @@ class RouterAuxLoss:
         return float(self.num_experts * (counts / rows * prob_sums / rows).sum())
 
 
-def attach(routers: list[Any], aux: RouterAuxLoss) -> None:
-    """Route every MoE layer's router logits (megatron's TopKRouter.gating output) through `aux`."""
+@dataclass
+class RouterLogits:
+    """Each MoE layer's router logits of one micro-batch's first forward (detached; this rank's tokens),
+    for the routing mismatch against the samplers' experts (backend_common `add_routing_metrics`)."""
+
+    active: bool = False
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    def start(self, active: bool) -> None:
+        self.active, self.logits = active, []
+
+    def observe(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.active:
+            self.logits.append(logits.detach().reshape(-1, logits.shape[-1]))
+        return logits
+
+    def take(self) -> list[torch.Tensor]:
+        """The layers' logits, in layer order; later forwards (activation recompute) add none."""
+        taken, self.active, self.logits = self.logits, False, []
+        return taken
+
+
+def attach(routers: list[Any], observers: list[RouterAuxLoss | RouterLogits]) -> None:
+    """Route every MoE layer's router logits (megatron's TopKRouter.gating output) through `observers`."""
     for router in routers:
         gating = router.gating
 
         def observed(input: torch.Tensor, gating: Any = gating) -> torch.Tensor:
-            return aux.observe(gating(input))
+            logits = gating(input)
+            for observer in observers:
+                logits = observer.observe(logits)
+            return logits
 
         router.gating = observed

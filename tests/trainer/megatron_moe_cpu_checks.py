@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from megatron_cpu_checks import (
     GROUPS,
@@ -98,18 +99,52 @@ def roundtrip(backend, directory: Path) -> dict[str, Any]:
 RAGGED = [12, 3, 9, 5, 7, 2, 10]  # tokens per sequence: at EP=2 (two data-parallel ranks) 3 packed micro-batches and 1
 
 
+def with_routing(flat):
+    """`flat` with the samplers' experts of each row (2 layers, top-2 of the 4 experts, drawn at random:
+    a layer's set equals the trainer's about one time in six), every fifth row without routing (-1:
+    not compared)."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(3)
+    rows = len(flat.row_seq)
+    routed = np.stack([np.stack([rng.permutation(4)[:2] for _ in range(2)]) for _ in range(rows)]).astype(np.int64)
+    routed[::5] = -1
+    return replace(flat, routed_experts=routed)
+
+
+ROUTING_KEYS = ("routing_mismatch_tokens", "routing_mismatch_layers", "routing_tokens")
+
+
+def routing_of(out) -> dict[str, Any]:
+    """The routing mismatch metrics of a step, whole batch and per group."""
+    whole = {k: out.metrics[k] for k in ROUTING_KEYS if k in out.metrics}
+    groups = {str(g): {k: m[k] for k in ROUTING_KEYS if k in m} for g, m in sorted(out.per_group.items())}
+    return {"batch": whole, "groups": groups}
+
+
+def same_routing(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Equal routing metrics: the same compared-token counts and means (merged over data-parallel
+    ranks they are token-weighted means of the ranks' means: equal to the last bits)."""
+    def close(a: dict[str, float], b: dict[str, float]) -> bool:
+        return set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-12 for k in a)
+
+    return close(got["batch"], want["batch"]) and set(got["groups"]) == set(want["groups"]) and all(
+        close(got["groups"][g], want["groups"][g]) for g in want["groups"])
+
+
 def step(backend, flat=None) -> dict[str, Any]:
     out, grad_norm = backend.train_step(flat if flat is not None else flat_batch(7), GROUPS)
     return {"loss": float(out.loss), "grad_norm": grad_norm, "kl_k3": out.metrics["kl_k3"], "tokens": out.num_valid_tokens,
-            "weights": backend.weights()}
+            "weights": backend.weights(), "routing": routing_of(out)}
 
 
 def compare_steps(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
     wd = max(max_diff(got["weights"][k], want["weights"][k]) for k in want["weights"])
     dl, dg, dk = abs(got["loss"] - want["loss"]), abs(got["grad_norm"] - want["grad_norm"]), abs(got["kl_k3"] - want["kl_k3"])
     return {"ok": dl <= 1e-6 and dg <= 1e-5 and dk <= 1e-6 and wd <= UPDATE_ATOL and got["tokens"] == want["tokens"]
-            and set(got["weights"]) == set(want["weights"]),
-            "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd, "num_valid_tokens": got["tokens"]}
+            and set(got["weights"]) == set(want["weights"]) and same_routing(got["routing"], want["routing"]),
+            "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd, "num_valid_tokens": got["tokens"],
+            "routing": got["routing"]["batch"]}
 
 
 # --------------------------------------------------------------------------- phase 1: EP=1
@@ -128,12 +163,12 @@ def phase_ep1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
                                                                 "logit_scale": float(theirs.abs().max())}
         checks[f"moe_hf_export_roundtrip_ep1[{name}]"] = roundtrip(backend, directory)
         refs[f"hf_logits[{name}]"] = theirs
-    refs["step"] = step(build(work / "moe_norm_topk_prob", tp=1), flat_batch(11, lens=RAGGED))
+    refs["step"] = step(build(work / "moe_norm_topk_prob", tp=1), with_routing(flat_batch(11, lens=RAGGED)))
     checks["moe_router_aux_step_equals_transformers_backend"], refs["aux_step"] = aux_checks(work)
     return checks, refs
 
 
-def hf_backend_step(directory: Path, flat) -> tuple[float, float]:
+def hf_backend_step(directory: Path, flat) -> tuple[float, float, dict[str, Any]]:
     """The reference: the transformers backend's step (its load-balancing term is tested against a
     hand-written one in tests/trainer/test_trainer_backend_hf.py) at the same micro-batch budget."""
     from rlfleet.trainer.backend_common import OptimConfig
@@ -143,7 +178,7 @@ def hf_backend_step(directory: Path, flat) -> tuple[float, float]:
     backend = HFBackend.from_pretrained(directory, ObjectiveConfig(mode="sc_mis", replay=True), optim=OptimConfig(learning_rate=1e-2),
                                         device="cpu", distributed=False, max_tokens_per_micro_batch=2 * 7)
     out, grad_norm = backend.train_step(flat, GROUPS)
-    return float(out.loss), grad_norm
+    return float(out.loss), grad_norm, routing_of(out)
 
 
 def aux_checks(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -152,19 +187,20 @@ def aux_checks(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     included), and the same weights without the term give another gradient norm (the term is on)."""
     directory = make_checkpoint(work / "moe_aux", **AUX)
     plain = make_checkpoint(work / "moe_aux_off", **{**AUX, "output_router_logits": False})
-    flat = flat_batch(7)
-    want_loss, want_norm = hf_backend_step(directory, flat)
-    ours = step(build(directory, tp=1))
-    off = step(build(plain, tp=1))
+    flat = with_routing(flat_batch(7))
+    want_loss, want_norm, want_routing = hf_backend_step(directory, flat)
+    ours = step(build(directory, tp=1), flat)
+    off = step(build(plain, tp=1), flat)
     dl, dg = abs(ours["loss"] - want_loss), abs(ours["grad_norm"] - want_norm)
     term = abs(ours["grad_norm"] - off["grad_norm"])
     # one 7-token sequence per micro-batch: under TP=2 each row gets a padding token (counted out)
-    odd_rows = step(build(directory, tp=1, max_tokens_per_micro_batch=7))
+    odd_rows = step(build(directory, tp=1, max_tokens_per_micro_batch=7), flat)
     # activation recompute: each layer's forward (router, dispatch, experts) re-run in backward
-    recompute = compare_steps(step(build(directory, tp=1, activation_checkpointing=True)), ours)
-    return ({"ok": dl <= 1e-6 and dg <= 1e-5 and term > 1e-3 and recompute["ok"], "loss_diff": dl, "grad_norm_diff": dg,
-             "grad_norm": ours["grad_norm"], "grad_norm_without_aux": off["grad_norm"], "aux_grad_norm_effect": term,
-             "activation_checkpointing": recompute}, odd_rows)
+    recompute = compare_steps(step(build(directory, tp=1, activation_checkpointing=True), flat), ours)
+    return ({"ok": dl <= 1e-6 and dg <= 1e-5 and term > 1e-3 and recompute["ok"] and ours["routing"] == want_routing,
+             "loss_diff": dl, "grad_norm_diff": dg, "grad_norm": ours["grad_norm"], "grad_norm_without_aux": off["grad_norm"],
+             "aux_grad_norm_effect": term, "activation_checkpointing": recompute, "routing": ours["routing"]["batch"],
+             "transformers_routing": want_routing["batch"], "routing_groups": sorted(ours["routing"]["groups"])}, odd_rows)
 
 
 # --------------------------------------------------------------------------- phase 2: EP=2
@@ -185,7 +221,7 @@ def phase_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
         if rank == 0:
             checks[f"moe_hf_export_roundtrip_ep2[{name}]"] = result
     backend = build(work_dir / "moe_norm_topk_prob", tp=1, expert_parallel=2)
-    result = drive(backend, rank, lambda b: step(b, flat_batch(11, lens=RAGGED)))
+    result = drive(backend, rank, lambda b: step(b, with_routing(flat_batch(11, lens=RAGGED))))
     if rank == 0:
         checks["moe_ep2_step_equals_ep1"] = compare_steps(result, refs["step"])
     checks["moe_ep2_restore_then_step_equals_uninterrupted_all_ranks"] = restore_check(rank, work_dir)
@@ -195,7 +231,7 @@ def phase_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
 
     parallel_state.destroy_model_parallel()  # one layout per process otherwise (the backend refuses a change)
     backend = build(work_dir / "moe_aux", tp=2, max_tokens_per_micro_batch=7)
-    result = drive(backend, rank, step)
+    result = drive(backend, rank, lambda b: step(b, with_routing(flat_batch(7))))
     if rank == 0:
         checks["moe_router_aux_tp2_sequence_parallel_step_equals_tp1"] = compare_steps(result, refs["aux_step"])
     leave_group(rank, checks, out_path)
@@ -262,7 +298,7 @@ def phase_tp2_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str
     if rank == 0:
         checks[f"moe_hf_export_roundtrip_tp2_ep2[{name}]"] = result
     backend = build(work_dir / name, **layout)
-    result = drive(backend, rank, lambda b: step(b, flat_batch(11, lens=RAGGED)))
+    result = drive(backend, rank, lambda b: step(b, with_routing(flat_batch(11, lens=RAGGED))))
     if rank == 0:
         checks["moe_tp2_ep2_step_equals_ep1"] = compare_steps(result, refs["step"])
     leave_group(rank, checks, out_path)

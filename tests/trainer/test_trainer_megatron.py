@@ -430,7 +430,8 @@ def test_megatron_moe_cpu_tier(megatron_moe_cpu_tier, name):
     ranks); a ragged step at EP=2 (3 packed micro-batches on one rank, 1 on the other: empty ones make
     up the count) equals EP=1; save -> restore -> step at EP=2 (bf16) is bit-equal to the uninterrupted
     run on both ranks, their experts and Adam moments included; with `output_router_logits` the step (two packed micro-batches) has the
-    transformers backend's loss and gradient norm, load-balancing term included, activation recompute
+    transformers backend's loss, gradient norm and routing mismatch against the samplers' experts
+    (whole batch and per group), load-balancing term included, activation recompute
     gives the same step, and TP=2 with sequence parallel (each expert split over the 2 ranks; padding
     tokens counted out of the term) equals TP=1; TP=2 x EP=2 with whole experts (4 processes) gives
     transformers' logits, the exact export and the EP=1 step."""
@@ -454,6 +455,12 @@ def test_megatron_moe_cpu_tier_thresholds_are_tight(megatron_moe_cpu_tier):
     assert checks["moe_router_aux_step_equals_transformers_backend"]["activation_checkpointing"]["ok"]
     aux = checks["moe_router_aux_step_equals_transformers_backend"]
     assert aux["grad_norm_diff"] <= 1e-5 and aux["aux_grad_norm_effect"] > 100 * aux["grad_norm_diff"]
+    # the routing mismatch against the samplers' experts: 28 rows, every fifth without routing -> 22
+    # compared, as the transformers backend measures it, per group too; a mismatch neither 0 nor 1
+    assert aux["routing"] == aux["transformers_routing"] and aux["routing"]["routing_tokens"] == 22
+    assert 0 < aux["routing"]["routing_mismatch_layers"] < 1 and aux["routing_groups"] == ["0", "1"]
+    for name in ("moe_ep2_step_equals_ep1", "moe_tp2_ep2_step_equals_ep1", "moe_router_aux_tp2_sequence_parallel_step_equals_tp1"):
+        assert checks[name]["routing"]["routing_tokens"] > 0, name
     assert checks["moe_ep2_step_equals_ep1"]["num_valid_tokens"] == 41  # sum(RAGGED) - 7: the whole batch
     ranks = checks["moe_ep2_restore_then_step_equals_uninterrupted_all_ranks"]["per_rank"]
     assert len(ranks) == 2  # each rank's 2 experts x 2 layers x fc1/fc2, all restored from the other run's
