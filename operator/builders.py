@@ -34,21 +34,27 @@ Manifest = dict[str, Any]
 
 def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, owner: Manifest | None,
                        observed: Manifest | None = None) -> Manifest:  # fmt: skip
-    """The SamplerGroup of one group. A `kubectl scale` override survives until the group's replicas
-    change in the RLJob (the annotation remembers which RLJob value the operator last applied)."""
+    """The SamplerGroup of one group. A `kubectl scale` override (or the fleet-mix optimizer's) survives
+    until the group's replicas change in the RLJob, and the precision autopilot's weightFormat until the
+    group's weightFormat changes there (the annotations remember which RLJob values the operator last
+    applied)."""
     name = n.samplergroup_name(job.name, group.name)
     replicas = group.replicas
+    weight_format: str = group.weight_format
     if observed is not None:
-        last = observed.get("metadata", {}).get("annotations", {}).get(n.ANN_JOB_REPLICAS)
+        annotations = observed.get("metadata", {}).get("annotations", {}) or {}
         current = observed.get("spec", {}).get("replicas")
-        if last == str(group.replicas) and isinstance(current, int):
+        if annotations.get(n.ANN_JOB_REPLICAS) == str(group.replicas) and isinstance(current, int):
             replicas = current
+        current_format = observed.get("spec", {}).get("weightFormat")
+        if annotations.get(n.ANN_JOB_WEIGHT_FORMAT) == group.weight_format and isinstance(current_format, str):
+            weight_format = current_format
     labels = {**n.job_labels(job.name, "sampler"), n.LABEL_GROUP: group.name}
     spec: dict[str, Any] = {
         "name": group.name,
         "accelerator": group.accelerator,
         "replicas": replicas,
-        "weightFormat": group.weight_format,
+        "weightFormat": weight_format,
         "kvCacheDtype": group.kv_cache_dtype,
         "extraArgs": list(group.extra_args),
         "quarantined": group.quarantined,
@@ -64,7 +70,8 @@ def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, 
     return {
         "apiVersion": API_VERSION,
         "kind": "SamplerGroup",
-        "metadata": n.object_meta(name, namespace, labels, owner, {n.ANN_JOB_REPLICAS: str(group.replicas)}),
+        "metadata": n.object_meta(name, namespace, labels, owner, {n.ANN_JOB_REPLICAS: str(group.replicas),
+                                                                 n.ANN_JOB_WEIGHT_FORMAT: group.weight_format}),
         "spec": spec,
     }
 

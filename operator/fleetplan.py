@@ -13,7 +13,7 @@ docs/economics.md has the formulation ("The optimizer") and what the status show
   started; a rate read while pods start or stop is of another replica count. Else the last steady
   figure is kept.
 - A group without a figure (never steady with a reading, e.g. just created or at 0 replicas since the
-  operator started) or quarantined is LEFT OUT: it keeps its replicas and the share policy's share; the
+  operator started), quarantined, or settling after a precision change (autopilot.py) is LEFT OUT: it keeps its replicas and the share policy's share; the
   groups in the plan must make the whole demand.
 - A group `optimize.groups` does not name is in the plan with its replicas fixed (minReplicas =
   maxReplicas = its replicas): it counts toward the demand and the budgets, the optimizer never scales it.
@@ -155,13 +155,17 @@ def observe(memory: FleetMemory, readings: Sequence[FleetReading], settle_interv
 
 def fleet_request(
     spec: FleetOptimizeSpec, trainer_accelerator: str, reference: ReferenceFigures,
-    readings: Sequence[FleetReading], per_replica: Mapping[str, float],
+    readings: Sequence[FleetReading], per_replica: Mapping[str, float], held: Mapping[str, str] | None = None,
 ) -> tuple[FleetPlanRequest | None, dict[str, str]]:  # fmt: skip
     """The request of `plan_fleet` for this interval, and the groups left out of it with why (None: no
-    group is in it). Module docstring: the rules."""
+    group is in it). `held`: groups another controller is changing (the precision autopilot), left out
+    with its reason. Module docstring: the rules."""
     left_out: dict[str, str] = {}
     figures: list[GroupFigures] = []
     for r in readings:
+        if r.name in (held or {}):
+            left_out[r.name] = (held or {})[r.name]
+            continue
         if r.quarantined:
             left_out[r.name] = "quarantined"
             continue

@@ -514,6 +514,7 @@ async def _refresh_job_status(
         costs=rebalancer.fleet_costs(memory.result) if memory.result else None,
         trainer_report=trainer_job_status(job, groups, memory.report, now).status,
         fleet_plan=rebalancer.fleet_plan_status(memory),
+        precision_autopilot=rebalancer.precision_autopilot_status(memory),
     )  # fmt: skip
     await _write_status(job, desired, "RLJob")
 

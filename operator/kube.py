@@ -143,13 +143,15 @@ class KubeApi:
                 return None
             raise
 
-    async def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
-        """Set spec.replicas through the object's scale subresource (a merge patch of /scale, as `kubectl
-        scale` does); None if the object is gone."""
-        resource = await self._resource(api_version, kind, "scale")
+    async def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Mapping[str, Any],
+                    subresource: str | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """A JSON merge patch of the object (or its subresource); None if the object is gone. For a field
+        the operator changes on its own (a scale, the precision autopilot's override), not a child's
+        desired state (that is `apply`)."""
+        resource = await self._resource(api_version, kind, subresource)
         try:
             return await _result((await self._dyn()).patch(
-                resource, body={"spec": {"replicas": replicas}}, name=name, namespace=namespace,
+                resource, body=dict(body), name=name, namespace=namespace,
                 content_type="application/merge-patch+json", serialize=False,
                 _request_timeout=REQUEST_TIMEOUT_SECONDS,
             ))  # fmt: skip
@@ -157,6 +159,11 @@ class KubeApi:
             if exc.status == 404:
                 return None
             raise
+
+    async def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+        """Set spec.replicas through the object's scale subresource (a merge patch of /scale, as `kubectl
+        scale` does); None if the object is gone."""
+        return await self.patch(api_version, kind, namespace, name, {"spec": {"replicas": replicas}}, "scale")
 
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The object (namespace None: a cluster-scoped one); None if it does not exist."""

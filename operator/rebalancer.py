@@ -42,8 +42,9 @@ import kopf
 from prometheus_client import Gauge
 
 from rlfleet.api import RLJob
+from rlfleet.api.common import views_to_publish
 from rlfleet.catalog import CatalogError, get_catalog
-from rlfleet.operator import fleetplan, kube, parsed_jobs
+from rlfleet.operator import autopilot, fleetplan, kube, parsed_jobs
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.pods import pod_ready
@@ -77,6 +78,8 @@ class JobMemory:
     report: TrainerReport | None = None  # the trainer's last readable report
     fleet: fleetplan.FleetMemory = field(default_factory=fleetplan.FleetMemory)  # tokens/s per replica
     plan: fleetplan.FleetDecision | None = None  # the optimizer's last decision (router.optimize)
+    precision: autopilot.AutopilotMemory = field(default_factory=autopilot.AutopilotMemory)  # the autopilot's
+    precision_changes: dict[str, str] = field(default_factory=dict)  # group -> the autopilot's last change, why
 
 
 _JOBS: dict[tuple[str, str, str], JobMemory] = {}
@@ -227,6 +230,12 @@ def prometheus_query(namespace: str, samplergroup: str, window_seconds: int) -> 
 def fleet_plan_status(memory: JobMemory) -> dict[str, Any] | None:
     """RLJob `status.fleetPlan` of the optimizer's last decision (None: none since the operator started)."""
     return memory.plan.status() if memory.plan is not None else None
+
+
+def precision_autopilot_status(memory: JobMemory) -> dict[str, str] | None:
+    """RLJob `status.precisionAutopilot`: the autopilot's last change per group since the operator started
+    (None: none)."""
+    return dict(memory.precision_changes) or None
 
 
 def job_config(job: RLJob) -> RebalanceConfig:
@@ -387,6 +396,8 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
         trainer_metrics = await _read_trainer(http, job, pods_of, memory)
         collapse = trainer_job_status(body, samplergroups, memory.report, st.now_iso()).quarantine
         inputs = await _group_inputs(http, job, namespace, samplergroups, pods_of, trainer_metrics, collapse)
+        if job.spec.router.autopilot.enabled:
+            inputs = await run_autopilot(job, namespace, samplergroups, inputs, memory)
         config = job_config(job)
         result = rebalance(inputs, memory.state, now, config)
         if job.spec.router.optimize.enabled:
@@ -437,10 +448,55 @@ def plan_fleet_mix(job: RLJob, samplergroups: Sequence[Mapping[str, Any]], input
         cost_per_gpu_hour=config.reference_price_per_gpu_hour,
         oor_fraction=config.reference_oor_fraction,
     )
+    held = {g: "precision autopilot: settling after a precision change" for g in memory.precision.settling}
     request, left_out = fleetplan.fleet_request(job.spec.router.optimize, job.spec.trainer.accelerator, reference,
-                                                readings, memory.fleet.per_replica)  # fmt: skip
+                                                readings, memory.fleet.per_replica, held)  # fmt: skip
     memory.plan = fleetplan.decide(request, left_out, readings, result.shares, catalog)
     return memory.plan
+
+
+async def run_autopilot(job: RLJob, namespace: str, samplergroups: Sequence[Mapping[str, Any]],
+                        inputs: Sequence[GroupInput], memory: JobMemory) -> list[GroupInput]:  # fmt: skip
+    """The precision autopilot's interval (autopilot.py): each step patches the SamplerGroup's weightFormat
+    (an override the RLJob's spec does not own: builders.build_samplergroup keeps it), each quarantine
+    sets its `rlfleet.dev/quarantined` annotation (the one quarantine path, status.quarantine_reason); an
+    Event each. Returns the inputs with this interval's quarantines applied."""
+    optimize = job.spec.router.optimize
+    by_name = {g.name: g for g in inputs}
+    readings = []
+    for sg in samplergroups:
+        spec = sg.get("spec") or {}
+        g = by_name[spec.get("name", "")]
+        max_kl, max_oor = autopilot.group_budgets(optimize, g.name)
+        readings.append(autopilot.AutopilotReading(
+            name=g.name, accelerator=g.accelerator, weight_format=g.weight_format,
+            kv_cache_dtype=spec.get("kvCacheDtype", "auto"), kl=g.kl, oor_fraction=g.oor_fraction,
+            max_kl=max_kl, max_oor_fraction=max_oor, quarantined=g.quarantined,
+        ))  # fmt: skip
+    published = views_to_publish(group.weight_format for group in job.spec.sampler_groups)
+    actions, memory.precision = autopilot.autopilot(readings, memory.precision, job.spec.router.autopilot.patience,
+                                                    published, get_catalog())  # fmt: skip
+    quarantined: set[str] = set()
+    by_group = {(sg.get("spec") or {}).get("name", ""): sg for sg in samplergroups}
+    for action in actions:
+        sg = by_group[action.group]
+        if action.kind == "step":
+            body: dict[str, Any] = {"spec": {"weightFormat": action.to_format}}
+            event_type, reason = "Normal", "PrecisionStepped"
+        else:
+            body = {"metadata": {"annotations": {st.ANN_QUARANTINED: "true"}}}
+            event_type, reason = "Warning", "PrecisionQuarantined"
+        try:
+            await kube.api().patch(sg["apiVersion"], sg["kind"], namespace, sg["metadata"]["name"], body)
+        except kube.KubeError as exc:
+            kopf.event(kube.event_target(sg), type="Warning", reason="PrecisionChangeFailed",
+                       message=f"{action.reason}: {exc}"[:1000])  # fmt: skip
+            continue
+        kopf.event(kube.event_target(sg), type=event_type, reason=reason, message=action.reason[:1000])
+        memory.precision_changes[action.group] = st.clip(action.reason)
+        if action.kind == "quarantine":
+            quarantined.add(action.group)
+    return [replace(g, quarantined=True) if g.name in quarantined else g for g in inputs]
 
 
 async def _scale(namespace: str, samplergroups: Sequence[Mapping[str, Any]], decision: fleetplan.FleetDecision) -> None:

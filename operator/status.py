@@ -406,20 +406,22 @@ def _cond(obj: Manifest, type_: str) -> dict[str, Any] | None:
     return None
 
 
-def _fleet_plan_field(spec: Manifest, old: Manifest, fleet_plan: Manifest | None) -> dict[str, Any]:
-    """`fleetPlan` while `router.optimize` is enabled: the decision of this operator's last interval,
-    else the observed one (after a restart); none when the optimizer is off."""
-    if not _get(spec, "router", "optimize", "enabled"):
+def _owned_by_block(spec: Manifest, old: Manifest, block: str, key: str, value: Manifest | None) -> dict[str, Any]:
+    """A status field of an opt-in `router.<block>` (fleetPlan: the optimizer; precisionAutopilot: the
+    autopilot) while the block is enabled: this operator's value, else the observed one (after a
+    restart); none when the block is off."""
+    if not _get(spec, "router", block, "enabled"):
         return {}
-    plan = fleet_plan if fleet_plan is not None else old.get("fleetPlan")
-    return {"fleetPlan": plan} if plan is not None else {}
+    current = value if value is not None else old.get(key)
+    return {key: current} if current is not None else {}
 
 
 def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None, channel: Manifest | None,
                  now: str | None = None, invalid: str | None = None,
                  trainer_pods: list[Manifest] | tuple[Manifest, ...] = (), costs: Manifest | None = None,
                  trainer_report: Manifest | None = None,
-                 trainer_create_failure: str | None = None, fleet_plan: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
+                 trainer_create_failure: str | None = None, fleet_plan: Manifest | None = None,
+                 precision_autopilot: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole status of an RLJob: rolled up from its SamplerGroups, trainer StatefulSet and its pods
     (`pods.pod_view`s: why the trainer does not run; `trainer_create_failure`: the message of the
     StatefulSet's latest FailedCreate Event, e.g. a ResourceQuota's refusal), the channel (not Ready while
@@ -427,7 +429,8 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     (None: not rebalanced since the operator started: the observed values are kept) and the trainer's
     report (`trainer_report.trainer_job_status(...).status`: step, metrics, weightVersion, CollapseRisk)
     and the fleet-mix optimizer's last decision (`fleet_plan`, rebalancer.fleet_plan_status; None: none
-    since the operator started: the observed one is kept while `router.optimize` is enabled).
+    since the operator started: the observed one is kept while `router.optimize` is enabled), and the
+    precision autopilot's last change per group (`precision_autopilot`, the same way under `router.autopilot`).
     `groups` are the SamplerGroups the spec asks for (missing ones count as not ready)."""
     now = now or now_iso()
     generation = _get(job, "metadata", "generation")
@@ -464,7 +467,8 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     }
     observed_costs = {k: old[k] for k in JOB_COST_FIELDS if old.get(k) is not None}
     status.update(observed_costs if costs is None else {k: costs[k] for k in JOB_COST_FIELDS if costs.get(k) is not None})
-    status.update(_fleet_plan_field(spec, old, fleet_plan))
+    status.update(_owned_by_block(spec, old, "optimize", "fleetPlan", fleet_plan))
+    status.update(_owned_by_block(spec, old, "autopilot", "precisionAutopilot", precision_autopilot))
     report = dict(trainer_report or {})
     report_conditions = report.pop("conditions", [])
     status.update(report)

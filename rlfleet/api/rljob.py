@@ -547,6 +547,15 @@ class FleetOptimizeSpec(ApiModel):
         return self
 
 
+class PrecisionAutopilotSpec(ApiModel):
+    """The precision autopilot (docs/economics.md): a group over its own mismatch budget (router.optimize.groups[name].maxKl / maxOorFraction, else router.optimize.budgets.groupMaxKl / groupMaxOorFraction) moves one step up nvfp4 -> fp8 -> bf16 within what its class runs and the weight channel publishes, or is quarantined at the top. Set on the SamplerGroup; the RLJob's spec is never written."""
+
+    enabled: bool = False
+    """Off (default): a group's weightFormat is the RLJob's."""
+    patience: int = Field(default=3, ge=1, le=1000)
+    """Rebalance intervals in a row a group must be over its budget before it moves; also the intervals after a move before it is judged again (its pods restart, and the trainer's figures still hold the old format's tokens)."""
+
+
 class RouterSpec(PodPlacement):
     """Router and rebalancer."""
 
@@ -586,6 +595,8 @@ class RouterSpec(PodPlacement):
     """The reference fleet of status.savingPercent (default: trainer.accelerator in BF16, as the job's groups of that class measure it, else as the catalog's throughput ratios estimate it from the other groups)."""
     optimize: FleetOptimizeSpec = Field(default_factory=FleetOptimizeSpec, json_schema_extra={"default": {}})
     """The fleet-mix optimizer: replicas and shares per group from measured throughput, cost and mismatch (off by default)."""
+    autopilot: PrecisionAutopilotSpec = Field(default_factory=PrecisionAutopilotSpec, json_schema_extra={"default": {}})
+    """The precision autopilot: a group over its own mismatch budget moves up a precision step or is quarantined (off by default)."""
 
     @model_validator(mode="after")
     def _check_static(self) -> RouterSpec:
@@ -940,6 +951,8 @@ class RLJobStatus(ApiModel):
     """Where the reference fleet's tokens/s per GPU come from: router.reference.tokensPerGpuSecond ("given"), the job's BF16 groups of the class ("measured"), or the other groups through the catalog's decodeThroughput ratios ("estimated from catalog throughput ratios")."""
     fleet_plan: FleetPlanStatus | None = None
     """The fleet-mix optimizer's last decision (router.optimize)."""
+    precision_autopilot: dict[str, Annotated[str, Field(max_length=1024)]] = Field(default_factory=dict, max_length=32)
+    """The precision autopilot's last change per group and why (router.autopilot)."""
     conditions: list[Condition] = conditions_field()
     """Ready, Progressing, Degraded and CollapseRisk conditions."""
 

@@ -1,0 +1,131 @@
+"""The precision autopilot (operator/autopilot.py): a group whose reported mismatch is made worse moves up
+nvfp4 -> fp8 -> bf16 after `patience` intervals over its budget, waits `patience` intervals after each move,
+and is quarantined at the top; the ladder within what its class runs and the channel publishes; the
+RLJob's weightFormat kept as the SamplerGroup's override until the RLJob changes it (operator/builders.py);
+the RLJob block."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from rlfleet.api import RLJob
+from rlfleet.catalog import load_catalog
+from rlfleet.operator import autopilot, builders
+from rlfleet.operator import naming as n
+from rlfleet.operator.autopilot import AutopilotAction, AutopilotMemory, AutopilotReading
+
+ALL_VIEWS = ("bf16", "fp8", "nvfp4")
+
+
+def reading(weight_format: str, kl: float | None, oor: float | None = None, **kw) -> AutopilotReading:
+    fields = {"name": "b200-nvfp4", "accelerator": "b200", "kv_cache_dtype": "auto", "max_kl": 0.01,
+              "max_oor_fraction": 0.2, "quarantined": False, **kw}  # fmt: skip
+    return AutopilotReading(weight_format=weight_format, kl=kl, oor_fraction=oor, **fields)
+
+
+def drive(kls: list[float], patience: int = 2, views=ALL_VIEWS, **kw) -> list[list[AutopilotAction]]:
+    """Interval by interval: the group's KL as the trainer reports it, its weightFormat following each step."""
+    memory, weight_format, quarantined, out = AutopilotMemory(), kw.pop("weight_format", "nvfp4"), False, []
+    for kl in kls:
+        actions, memory = autopilot.autopilot([reading(weight_format, kl, quarantined=quarantined, **kw)], memory,
+                                              patience, views)  # fmt: skip
+        for a in actions:
+            weight_format = a.to_format or weight_format
+            quarantined = quarantined or a.kind == "quarantine"
+        out.append(actions)
+    return out
+
+
+def test_a_group_made_worse_steps_up_the_ladder_with_hysteresis_then_is_quarantined() -> None:
+    ok, bad = 0.005, 0.02
+    intervals = drive([ok, bad, ok, bad, bad, bad, bad, bad, bad, bad, bad, bad, bad])
+    moves = [(i, a.kind, a.from_format, a.to_format) for i, actions in enumerate(intervals) for a in actions]
+    # interval 1 over, 2 back within (the count restarts), 3 and 4 over: nvfp4 -> fp8; 5 and 6 not judged
+    # (patience 2 after a move); 7 and 8 over: fp8 -> bf16; 9, 10 wait; 11, 12 over at bf16: quarantined
+    assert moves == [(4, "step", "nvfp4", "fp8"), (8, "step", "fp8", "bf16"), (12, "quarantine", "bf16", None)]
+    step, top = intervals[4][0], intervals[12][0]
+    assert step.reason == "KL 0.02 > 0.01 for 2 intervals: weightFormat nvfp4 -> fp8"
+    assert top.reason == ("KL 0.02 > 0.01 for 2 intervals, no step up from bf16 (the ladder nvfp4 -> fp8 -> bf16 "
+                          "within what b200 runs and the channel publishes: bf16, fp8, nvfp4): quarantined")  # fmt: skip
+    # quarantined: never judged again
+    assert drive([bad] * 6, patience=1, weight_format="bf16")[1:] == [[]] * 5
+
+
+def test_the_out_of_range_share_crosses_its_budget_too_and_no_budget_or_report_never_moves() -> None:
+    (action,) = drive([0.0], patience=1, oor=0.25)[0]
+    assert action.reason == "out-of-range share 0.25 > 0.2 for 1 intervals: weightFormat nvfp4 -> fp8"
+    assert drive([0.5] * 4, patience=1, max_kl=None, max_oor_fraction=None) == [[]] * 4
+    memory = AutopilotMemory()
+    for _ in range(3):  # no trainer report yet
+        actions, memory = autopilot.autopilot([reading("nvfp4", None)], memory, 1, ALL_VIEWS)
+        assert actions == []
+
+
+def test_the_ladder_is_what_the_class_runs_and_the_channel_publishes(tmp_path: Path) -> None:
+    # the channel publishes only the views the job's groups name: no fp8 group, nvfp4 goes to bf16
+    assert autopilot.next_format("b200", "nvfp4", "auto", ["nvfp4", "bf16"]) == "bf16"
+    assert autopilot.next_format("b200", "nvfp4", "auto", ["nvfp4"]) is None
+    assert autopilot.next_format("b200", "mxfp4", "auto", ALL_VIEWS) is None  # off the ladder
+    assert autopilot.next_format("b200", "bf16", "auto", ALL_VIEWS) is None
+    # a class without fp8 (a catalog override) skips it
+    path = tmp_path / "catalog.yaml"
+    path.write_text("classes:\n  b200:\n    weightFormats: {fp8: null}\n")
+    assert autopilot.next_format("b200", "nvfp4", "auto", ALL_VIEWS, load_catalog(path)) == "bf16"
+    ((action,),) = drive([0.02], patience=1, views=("nvfp4",))
+    assert (action.kind, action.to_format) == ("quarantine", None)
+
+
+JOB = {
+    "apiVersion": "rlfleet.dev/v1alpha1",
+    "kind": "RLJob",
+    "metadata": {"name": "j", "namespace": "ns"},
+    "spec": {
+        "model": {"name": "m", "path": "/m"},
+        "samplerGroups": [{"name": "b200-nvfp4", "accelerator": "b200", "replicas": 2, "weightFormat": "nvfp4"},
+                          {"name": "b200-bf16", "accelerator": "b200", "replicas": 0}],  # fmt: skip
+        "router": {"autopilot": {"enabled": True, "patience": 2},
+                   "optimize": {"budgets": {"groupMaxKl": 0.01}, "groups": {"b200-bf16": {"maxReplicas": 0, "maxKl": 0.5}}}},
+        "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
+    },
+}  # fmt: skip
+
+
+def test_the_budgets_are_the_optimizers_and_the_block_is_off_by_default() -> None:
+    job = RLJob.from_manifest(JOB)
+    assert autopilot.group_budgets(job.spec.router.optimize, "b200-nvfp4") == (0.01, None)
+    assert autopilot.group_budgets(job.spec.router.optimize, "b200-bf16") == (0.5, None)
+    plain = copy.deepcopy(JOB)
+    del plain["spec"]["router"]
+    spec = RLJob.from_manifest(plain).spec.router.autopilot
+    assert (spec.enabled, spec.patience) == (False, 3)
+
+
+def test_the_samplergroup_keeps_the_autopilots_weight_format_until_the_rljob_changes_its_own() -> None:
+    job = RLJob.from_manifest(JOB)
+    group = job.spec.sampler_groups[0]
+    fresh = builders.build_samplergroup(job, group, "ns", None)
+    assert fresh["spec"]["weightFormat"] == "nvfp4"
+    assert fresh["metadata"]["annotations"][n.ANN_JOB_WEIGHT_FORMAT] == "nvfp4"
+    stepped = {"metadata": {"annotations": {n.ANN_JOB_WEIGHT_FORMAT: "nvfp4", n.ANN_JOB_REPLICAS: "2"}},
+               "spec": {"weightFormat": "fp8", "replicas": 2}}  # fmt: skip
+    assert builders.build_samplergroup(job, group, "ns", None, stepped)["spec"]["weightFormat"] == "fp8"
+    changed = copy.deepcopy(JOB)
+    changed["spec"]["samplerGroups"][0]["weightFormat"] = "fp8"  # the RLJob's own value changed: it wins
+    job2 = RLJob.from_manifest(changed)
+    again = builders.build_samplergroup(job2, job2.spec.sampler_groups[0], "ns", None, stepped)
+    assert again["spec"]["weightFormat"] == "fp8" and again["metadata"]["annotations"][n.ANN_JOB_WEIGHT_FORMAT] == "fp8"
+    back = copy.deepcopy(changed)
+    back["spec"]["samplerGroups"][0]["weightFormat"] = "bf16"
+    job3 = RLJob.from_manifest(back)
+    assert builders.build_samplergroup(job3, job3.spec.sampler_groups[0], "ns", None, stepped)["spec"]["weightFormat"] == "bf16"
+
+
+@pytest.mark.parametrize("patience", [0, 1001])
+def test_patience_is_bounded(patience: int) -> None:
+    bad = copy.deepcopy(JOB)
+    bad["spec"]["router"]["autopilot"]["patience"] = patience
+    with pytest.raises(ValueError, match="patience"):
+        RLJob.from_manifest(bad)

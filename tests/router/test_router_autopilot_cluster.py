@@ -1,0 +1,116 @@
+"""Against the real control plane: the precision autopilot (`spec.router.autopilot`) moves a group whose
+reported mismatch is made worse up nvfp4 -> fp8 -> bf16 on its SamplerGroup (Events, the RLJob's
+status), then quarantines it at the top; the RLJob's spec is never written, its own changes keep the
+override, and a new weightFormat in the RLJob ends it.
+
+The trainer's exporter is the real `PrometheusExporter` on 127.0.0.1; the trainer pod is a kwok fake, so
+the operator's `rebalancer.trainer_metrics_url` is pointed at the exporter (as in
+tests/operator/test_operator_cluster_trainer_status.py)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import cluster_wait
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+from rlfleet.operator import naming as n
+from rlfleet.operator import rebalancer
+from rlfleet.trainer.metrics import PrometheusExporter
+
+wait_for = functools.partial(cluster_wait.wait_for, timeout=120.0, interval=1.0)
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = "autop"
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture
+def exporter() -> Iterator[PrometheusExporter]:
+    exp = PrometheusExporter(port=0)  # 127.0.0.1
+    yield exp
+    exp.close()
+
+
+def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1) -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": JOB},
+        "spec": {
+            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
+            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
+            "samplerGroups": [  # the 0-replica groups make the channel publish the fp8 and bf16 views
+                {"name": "fast", "accelerator": "b200", "replicas": 1, "weightFormat": weight_format},
+                {"name": "spare-fp8", "accelerator": "b200", "replicas": 0, "weightFormat": "fp8"},
+                {"name": "spare-bf16", "accelerator": "b200", "replicas": 0, "weightFormat": "bf16"},
+            ],
+            "router": {"rebalanceIntervalSeconds": 5, "maxShareChange": max_share_change,
+                       "autopilot": {"enabled": True, "patience": 1},
+                       "optimize": {"budgets": {"groupMaxKl": 0.01}}},
+            "weightChannel": {"store": {"type": "filesystem", "path": "/weights/autop"}},
+        },
+    }  # fmt: skip
+
+
+def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_ends_the_override(
+    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
+
+    def get(kind: str, name: str) -> dict:
+        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+
+    def fast() -> dict:
+        return get("samplergroup", f"{JOB}-fast")
+
+    def events(reason: str) -> list[str]:
+        items = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        return [e["message"] for e in items if e.get("reason") == reason and e["involvedObject"]["name"] == f"{JOB}-fast"]
+
+    def apply(body: dict) -> None:
+        kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(body))
+
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        exporter.update(1, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004})  # within the budget 0.01
+        apply(manifest())
+        wait_for("the group's Deployment", lambda: get("deployment", f"{JOB}-fast"))
+        generation = get("rljob", JOB)["metadata"]["generation"]
+        exporter.update(2, {"kl_k3": 0.05, "group/fast/kl_k3": 0.05})  # made worse
+
+        wait_for("quarantined at the top", lambda: fast()["metadata"].get("annotations", {}).get(
+            "rlfleet.dev/quarantined") == "true")  # fmt: skip
+        assert fast()["spec"]["weightFormat"] == "bf16"
+        assert sorted(events("PrecisionStepped")) == ["KL 0.05 > 0.01 for 1 intervals: weightFormat fp8 -> bf16",
+                                                      "KL 0.05 > 0.01 for 1 intervals: weightFormat nvfp4 -> fp8"]  # fmt: skip
+        (quarantined,) = events("PrecisionQuarantined")
+        assert quarantined.startswith("KL 0.05 > 0.01 for 1 intervals, no step up from bf16")
+        status = wait_for("the status", lambda: get("rljob", JOB)["status"].get("precisionAutopilot"))
+        assert status == {"fast": quarantined}
+        wait_for("the group's share 0", lambda: fast()["status"].get("quarantined") is True)
+        deployment = get("deployment", f"{JOB}-fast")  # the pods roll to the group's new view
+        assert deployment["metadata"]["labels"][n.LABEL_WEIGHT_FORMAT] == "bf16"
+        job = get("rljob", JOB)
+        assert job["metadata"]["generation"] == generation and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
+
+        # The RLJob changed elsewhere: its reconcile keeps the override (its own weightFormat did not change).
+        apply(manifest(max_share_change=0.2))
+        wait_for("the RLJob's reconcile", lambda: get("rljob", JOB)["status"].get("observedGeneration") == generation + 1)
+        assert fast()["spec"]["weightFormat"] == "bf16"
+        # A new weightFormat in the RLJob ends the override.
+        apply(manifest(weight_format="fp8", max_share_change=0.2))
+        wait_for("the RLJob's value", lambda: fast()["spec"]["weightFormat"] == "fp8")
+        kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output
