@@ -147,6 +147,60 @@ def compare_steps(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
             "routing": got["routing"]["batch"]}
 
 
+def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
+    """What `rlfleet trainer run` does before step 1 (run_training -> ChannelSink -> WeightPublisher,
+    steps=0) with the MoE backend, bf16 + nvfp4 views: version 0 is published, every linear of the
+    model (attention, each expert's gate/up/down; not the router, which stays unquantized) is quantized
+    in the nvfp4 view, and each one's input_scale is amax / (448 * 6) with the amax transformers'
+    Qwen3-MoE of the checkpoint gives (`calibrate_activation_amax`: experts over every token entering
+    the block) on the same calibration batch: exact."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    from rlfleet.api import load_rljob
+    from rlfleet.numerics import formats
+    from rlfleet.numerics.views import calibrate_activation_amax, calibration_batch, read_view_tensors
+    from rlfleet.store import open_store
+    from rlfleet.trainer.collapse import CollapseDetector
+    from rlfleet.trainer.config import GroupSpec, resolve_run
+    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.run import ChannelSink, run_training
+
+    class NoRollouts:
+        next_position = 0
+
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+    channel_dir = work / "channel"
+    channel_dir.mkdir(parents=True)
+    publisher = WeightPublisher(open_store(str(channel_dir)), views=["bf16", "nvfp4"], follow_subscribers=False,
+                                base_checkpoint=directory)
+    example = resolve_run(load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"), local=True)
+    rc = replace(example, steps=0, prompts_per_step=1, max_staleness=None,
+                 groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("b200-nvfp4", "b200", "nvfp4")])
+    try:
+        run_training(rc, backend, ChannelSink(publisher), CollapseDetector(), lambda position: NoRollouts(), checkpoint=None)
+    except Exception as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
+    latest = publisher.channel.latest()
+    config, tensors = read_view_tensors(publisher.channel.download_view(0, "nvfp4", work / "nvfp4"))
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)  # = version 0 (the export is exact)
+    amax = calibrate_activation_amax(reference, [calibration_batch(VOCAB)])
+    modules = [n[: -len(".weight")] for n in config["quantized"]]
+    unequal = [m for m in modules if f"{m}.input_scale" not in tensors
+               or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))]
+    experts = [m for m in modules if ".mlp.experts." in m]
+    return {"ok": latest is not None and latest.version == 0 and not unequal and set(modules) == set(amax) - {"lm_head"}
+            and len(experts) == 2 * 4 * 3 and not any(m.endswith("mlp.gate") for m in modules),
+            "version": None if latest is None else latest.version, "quantized": len(modules), "expert_linears": len(experts),
+            "unequal": unequal[:5], "calibrated": len(amax)}
+
+
 # --------------------------------------------------------------------------- phase 1: EP=1
 
 
@@ -162,6 +216,8 @@ def phase_ep1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         checks[f"moe_logits_match_transformers_ep1[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d,
                                                                 "logit_scale": float(theirs.abs().max())}
         checks[f"moe_hf_export_roundtrip_ep1[{name}]"] = roundtrip(backend, directory)
+        if name == "moe_norm_topk_prob":
+            checks[f"moe_publish_version_0_nvfp4[{name}]"] = publish_version_0(backend, directory, work / "publish")
         refs[f"hf_logits[{name}]"] = theirs
     refs["step"] = step(build(work / "moe_norm_topk_prob", tp=1), with_routing(flat_batch(11, lens=RAGGED)))
     checks["moe_router_aux_step_equals_transformers_backend"], refs["aux_step"] = aux_checks(work)

@@ -398,6 +398,7 @@ MOE_CHECKS = [
     *(f"{kind}[{variant}]" for variant in ("moe_norm_topk_prob", "moe_plain_topk_prob")
       for kind in ("moe_logits_match_transformers_ep1", "moe_hf_export_roundtrip_ep1", "moe_logits_match_transformers_ep2",
                    "moe_hf_export_roundtrip_ep2")),
+    "moe_publish_version_0_nvfp4[moe_norm_topk_prob]",
     "moe_router_aux_step_equals_transformers_backend",
     "moe_ep2_step_equals_ep1",
     "moe_ep2_restore_then_step_equals_uninterrupted_all_ranks",
@@ -427,7 +428,8 @@ def test_megatron_moe_cpu_tier(megatron_moe_cpu_tier, name):
     """Qwen3-MoE in megatron-core (TopKRouter, SequentialMLP experts, alltoall dispatch over gloo):
     logits equal transformers' (fp32, 1e-5) with and without `norm_topk_prob`, at EP=1 and EP=2 (two
     experts per rank); HF -> megatron -> HF is bit-exact at EP 1 and 2 (experts gathered from their
-    ranks); a ragged step at EP=2 (3 packed micro-batches on one rank, 1 on the other: empty ones make
+    ranks); version 0 is published from the backend (bf16 + nvfp4 views) with every attention and
+    expert linear quantized and its input_scale from transformers' Qwen3-MoE's activation amax; a ragged step at EP=2 (3 packed micro-batches on one rank, 1 on the other: empty ones make
     up the count) equals EP=1; save -> restore -> step at EP=2 (bf16) is bit-equal to the uninterrupted
     run on both ranks, their experts and Adam moments included; with `output_router_logits` the step (two packed micro-batches) has the
     transformers backend's loss, gradient norm and routing mismatch against the samplers' experts
@@ -453,6 +455,8 @@ def test_megatron_moe_cpu_tier_thresholds_are_tight(megatron_moe_cpu_tier):
     tp2_ep2 = checks["moe_logits_match_transformers_tp2_ep2[moe_norm_topk_prob]"]
     assert tp2_ep2["expert_fc1_rows"] == 2 * 16 and tp2_ep2["qkv_rows"] == (4 + 2 * 2) * 12 // 2  # whole experts, attention split
     assert checks["moe_router_aux_step_equals_transformers_backend"]["activation_checkpointing"]["ok"]
+    publish = checks["moe_publish_version_0_nvfp4[moe_norm_topk_prob]"]
+    assert publish["version"] == 0 and publish["quantized"] == 2 * (4 + 4 * 3) and publish["expert_linears"] == 24
     aux = checks["moe_router_aux_step_equals_transformers_backend"]
     assert aux["grad_norm_diff"] <= 1e-5 and aux["aux_grad_norm_effect"] > 100 * aux["grad_norm_diff"]
     # the routing mismatch against the samplers' experts: 28 rows, every fifth without routing -> 22
