@@ -46,6 +46,8 @@ def _and_terms(catalog_terms: list[dict[str, Any]], user_terms: list[dict[str, A
     cross product of terms, each with both sides' requirements."""
     if not user_terms:
         return catalog_terms
+    if not catalog_terms:  # a CPU class requires no node: the user's terms alone
+        return user_terms
     out = []
     for c in catalog_terms:
         for u in user_terms:
@@ -59,9 +61,11 @@ def _and_terms(catalog_terms: list[dict[str, Any]], user_terms: list[dict[str, A
 
 
 def pod_affinity(placement: PodPlacement, catalog: Catalog | None, accelerator: str | None,
-                 own_anti_affinity: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:  # fmt: skip
-    """The pods' affinity: the catalog's accelerator node terms AND the user's required node terms (the
-    class is never replaced), the user's preferences, and pod (anti-)affinity terms of user and operator."""
+                 own_anti_affinity: list[dict[str, Any]] | None = None,
+                 spot: bool = False) -> dict[str, Any] | None:  # fmt: skip
+    """The pods' affinity: the catalog's accelerator node terms AND (with `spot`) the catalog's spot node
+    terms AND the user's required node terms (the class is never replaced), the user's preferences, and
+    pod (anti-)affinity terms of user and operator."""
     user = compact(placement.affinity.to_wire()) if placement.affinity is not None else {}
     affinity: dict[str, Any] = {}
     node = user.get("nodeAffinity", {})
@@ -69,8 +73,10 @@ def pod_affinity(placement: PodPlacement, catalog: Catalog | None, accelerator: 
         "nodeSelectorTerms", []
     )
     required = user_required
+    if catalog is not None and spot:
+        required = _and_terms(catalog.spot.node_selector_terms(), required)
     if catalog is not None and accelerator is not None:
-        required = _and_terms(catalog.get(accelerator).node_selector_terms(), user_required)
+        required = _and_terms(catalog.get(accelerator).node_selector_terms(), required)
     node_affinity: dict[str, Any] = {}
     if required:
         node_affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": required}
@@ -92,11 +98,12 @@ def pod_affinity(placement: PodPlacement, catalog: Catalog | None, accelerator: 
     return affinity or None
 
 
-def pod_tolerations(placement: PodPlacement, gpu: bool) -> list[dict[str, Any]]:
-    """The GPU toleration (GPU pods) followed by the user's, without duplicates."""
+def pod_tolerations(placement: PodPlacement, gpu: bool,
+                    spot: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """The GPU toleration (GPU pods), the spot flavor's (a spot group's: `spot`), then the user's,
+    without duplicates."""
     out = [dict(GPU_TOLERATION)] if gpu else []
-    for t in placement.tolerations:
-        wire = compact(t.to_wire())
+    for wire in [*(spot or []), *(compact(t.to_wire()) for t in placement.tolerations)]:
         if wire not in out:
             out.append(wire)
     return out

@@ -470,8 +470,11 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                     spec,
                 ),
                 "spec": {
-                    **optional("affinity", pod_affinity(spec, catalog, spec.accelerator)),
-                    **optional("tolerations", pod_tolerations(spec, gpu=cls.gpu)),
+                    **optional("affinity", pod_affinity(spec, catalog, spec.accelerator, spot=spec.spot)),
+                    **optional(
+                        "tolerations",
+                        pod_tolerations(spec, gpu=cls.gpu, spot=catalog.spot.toleration_wire() if spec.spot else None),
+                    ),
                     **pod_placement_spec(spec),
                     "securityContext": pod_security_context(),
                     **pod_identity_spec(spec),

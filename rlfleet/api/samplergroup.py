@@ -113,6 +113,8 @@ class SamplerGroupTemplate(PodPlacement):
     """Extra engine command-line arguments appended verbatim: SGLang's (e.g. ["--mem-fraction-static", "0.85"]), or on a CPU class the reference engine's (e.g. ["--threads", "2"])."""
     quarantined: bool = False
     """Manually quarantine the group: the router sends it no new sessions (its pods keep running)."""
+    spot: bool = False
+    """Run the group on spot / preemptible capacity: its pods also require a spot node and tolerate the spot taints (the catalog's spot flavor: GKE, EKS, Karpenter and AKS labels by default, docs/scheduling.md "Spot groups")."""
 
     @model_validator(mode="after")
     def _check_against_catalog(self) -> SamplerGroupTemplate:

@@ -10,6 +10,7 @@ Callers import the names from `rlfleet.catalog`. Core package: imports nothing o
 """
 
 from rlfleet.catalog.classes import (
+    BUILTIN_SPOT_FLAVOR,
     CATALOG_ENV,
     CPU_SAMPLER_RESOURCES,
     CPU_SYNC_RESOURCES,
@@ -27,6 +28,7 @@ from rlfleet.catalog.classes import (
     CatalogError,
     FormatProfile,
     GroupPrecision,
+    SpotFlavor,
     builtin_classes,
     catalog_from_mapping,
     check_group,
@@ -72,12 +74,14 @@ __all__ = [
     "REFERENCE_PROGRAM",
     "RETURN_ROUTED_EXPERTS_FLAG",
     "WEIGHT_VERSION_REF",
+    "BUILTIN_SPOT_FLAVOR",
     "AcceleratorClass",
     "Catalog",
     "CatalogError",
     "FormatProfile",
     "GroupPrecision",
     "SGLangLaunch",
+    "SpotFlavor",
     "builtin_classes",
     "catalog_from_mapping",
     "checkpoint_engine_flags",

@@ -45,7 +45,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -393,12 +393,79 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
     return {c.name: c for c in classes}
 
 
+class SpotNodeRequirement(_Model):
+    """One node label requirement of the spot flavor (core/v1 NodeSelectorRequirement, In / Exists)."""
+
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "Exists"] = "In"
+    values: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_values(self) -> SpotNodeRequirement:
+        if (self.operator == "In") != bool(self.values):
+            raise ValueError("operator In takes values, Exists none")
+        return self
+
+
+class SpotToleration(_Model):
+    """One toleration of the spot flavor (core/v1 Toleration)."""
+
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+class SpotFlavor(_Model):
+    """Where a `spot: true` sampler group's pods go: nodes matching ONE of `nodeLabels` (ORed, each
+    ANDed with the accelerator class's terms), tolerating `tolerations`. The built-in flavor names the
+    spot capacity labels and taints of the common providers, so one catalog serves GKE, EKS (managed
+    node groups and Karpenter) and AKS; a catalog override's top-level `spot:` replaces it whole (e.g. an
+    on-prem pool's own label)."""
+
+    node_labels: list[SpotNodeRequirement] = Field(min_length=1)
+    tolerations: list[SpotToleration] = Field(default_factory=list)
+
+    def node_selector_terms(self) -> list[dict[str, Any]]:
+        """The required node terms (ORed): one per spot label."""
+        terms: list[dict[str, Any]] = []
+        for r in self.node_labels:
+            requirement: dict[str, Any] = {"key": r.key, "operator": r.operator}
+            if r.operator == "In":
+                requirement["values"] = list(r.values)
+            terms.append({"matchExpressions": [requirement]})
+        return terms
+
+    def toleration_wire(self) -> list[dict[str, Any]]:
+        """The tolerations in core/v1 wire form."""
+        return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tolerations]
+
+
+# The providers' spot capacity labels and taints: GKE Spot VMs label cloud.google.com/gke-spot=true (the
+# taint of that key is the usual way to keep other pods off them); EKS managed node groups label
+# eks.amazonaws.com/capacityType=SPOT, Karpenter karpenter.sh/capacity-type=spot; AKS spot node pools
+# carry kubernetes.azure.com/scalesetpriority=spot as label and NoSchedule taint.
+BUILTIN_SPOT_FLAVOR = SpotFlavor(
+    node_labels=[
+        SpotNodeRequirement(key="cloud.google.com/gke-spot", values=["true"]),
+        SpotNodeRequirement(key="eks.amazonaws.com/capacityType", values=["SPOT"]),
+        SpotNodeRequirement(key="karpenter.sh/capacity-type", values=["spot"]),
+        SpotNodeRequirement(key="kubernetes.azure.com/scalesetpriority", values=["spot"]),
+    ],
+    tolerations=[
+        SpotToleration(key="cloud.google.com/gke-spot", value="true", effect="NoSchedule"),
+        SpotToleration(key="kubernetes.azure.com/scalesetpriority", value="spot", effect="NoSchedule"),
+    ],
+)
+
+
 @dataclass(frozen=True)
 class Catalog:
     """A set of accelerator classes by name."""
 
     classes: Mapping[str, AcceleratorClass]
     source: str = "built-in"
+    spot: SpotFlavor = field(default_factory=lambda: BUILTIN_SPOT_FLAVOR)  # where `spot: true` groups' pods go
 
     def names(self) -> list[str]:
         return sorted(self.classes)
@@ -436,11 +503,18 @@ def catalog_from_mapping(data: Any, source: str = "override") -> Catalog:
         data = {}
     if not isinstance(data, Mapping) or not isinstance(data.get("classes", {}), Mapping):
         raise CatalogError(f"catalog {source}: expected a mapping with a 'classes' mapping")
-    unknown_top = set(data) - {"classes"}
+    unknown_top = set(data) - {"classes", "spot"}
     if unknown_top:
         raise CatalogError(
-            f"catalog {source}: unknown top-level keys {sorted(unknown_top)} (expected 'classes')"
+            f"catalog {source}: unknown top-level keys {sorted(unknown_top)} (expected 'classes', 'spot')"
         )
+    spot = BUILTIN_SPOT_FLAVOR
+    if data.get("spot") is not None:
+        try:
+            spot = SpotFlavor.model_validate(data["spot"])
+        except ValidationError as exc:
+            errs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise CatalogError(f"catalog {source}: spot is invalid: {errs}") from None
     builtin = builtin_classes()
     merged: dict[str, AcceleratorClass] = dict(builtin)
     for name, fields in dict(data.get("classes", {})).items():
@@ -452,7 +526,7 @@ def catalog_from_mapping(data: Any, source: str = "override") -> Catalog:
         except ValidationError as exc:
             errs = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
             raise CatalogError(f"catalog {source}: class {name!r} is invalid: {errs}") from None
-    return Catalog(classes=merged, source=source)
+    return Catalog(classes=merged, source=source, spot=spot)
 
 
 def load_catalog(path: str | Path | None = None) -> Catalog:
