@@ -862,8 +862,11 @@ class MegatronBackend(RankCommands):
     # -- checkpoints: global rank 0 holds every rank's part (the loop saves one file from rank 0) --
     def _layout(self) -> dict[str, int]:
         ps = self.mg.parallel_state
-        return {"world": torch.distributed.get_world_size(), "tp": self.cfg.tensor_parallel, "pp": self.cfg.pipeline_parallel,
-                "cp": self.cfg.context_parallel, "dp": ps.get_data_parallel_world_size()}
+        layout = {"world": torch.distributed.get_world_size(), "tp": self.cfg.tensor_parallel, "pp": self.cfg.pipeline_parallel,
+                  "cp": self.cfg.context_parallel, "dp": ps.get_data_parallel_world_size()}
+        if self.cfg.is_moe:  # a rank's `local_experts.{j}` are other experts under another EP (a dense layout has no such keys)
+            layout |= {"ep": self.cfg.expert_parallel, "etp": self.cfg.expert_tp}
+        return layout
 
     def state_dict(self) -> dict[str, Any]:
         """Rank 0: every rank's model shard, optimizer state and (on data-parallel rank 0 of each model

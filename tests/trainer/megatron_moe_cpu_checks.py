@@ -281,6 +281,7 @@ def phase_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
     if rank == 0:
         checks["moe_ep2_step_equals_ep1"] = compare_steps(result, refs["step"])
     checks["moe_ep2_restore_then_step_equals_uninterrupted_all_ranks"] = restore_check(rank, work_dir)
+    checks["moe_ep2_checkpoint_refused_at_ep1"] = other_layout_refused(rank, work_dir)
     # TP=2 with sequence parallel (one data-parallel replica: the same micro-batches as TP=1): each rank
     # routes half of each packed row of 7 tokens + 1 padding token (counted out); load-balancing term on
     from megatron.core import parallel_state
@@ -358,6 +359,31 @@ def phase_tp2_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str
     if rank == 0:
         checks["moe_tp2_ep2_step_equals_ep1"] = compare_steps(result, refs["step"])
     leave_group(rank, checks, out_path)
+
+
+def other_layout_refused(rank: int, work_dir: Path) -> dict[str, Any] | None:
+    """The EP=2 checkpoint in an EP=1 run of the same world (two data-parallel replicas): the ranks'
+    `local_experts.{0,1}` would be other experts, so the restore is refused, naming both layouts."""
+    from megatron.core import parallel_state
+
+    from rlfleet.trainer import checkpoint
+
+    parallel_state.destroy_model_parallel()
+    backend = build(work_dir / "moe_aux_other_init", tp=1, dtype="bfloat16")
+
+    def load(b) -> str:
+        try:
+            b.load_state_dict(checkpoint.load_latest(work_dir / "ckpt-ep2")["backend"])
+        except ValueError as exc:
+            return str(exc)
+        return ""
+
+    error = drive(backend, rank, load)
+    parallel_state.destroy_model_parallel()
+    if rank != 0:
+        return None
+    return {"ok": "'ep': 2" in error and "'ep': 1" in error and "resharding a checkpoint is not supported" in error,
+            "error": error[:400]}
 
 
 def main(out: str) -> int:

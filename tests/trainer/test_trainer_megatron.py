@@ -402,6 +402,7 @@ MOE_CHECKS = [
     "moe_router_aux_step_equals_transformers_backend",
     "moe_ep2_step_equals_ep1",
     "moe_ep2_restore_then_step_equals_uninterrupted_all_ranks",
+    "moe_ep2_checkpoint_refused_at_ep1",
     "moe_router_aux_tp2_sequence_parallel_step_equals_tp1",
     "moe_logits_match_transformers_tp2_ep2[moe_norm_topk_prob]",
     "moe_hf_export_roundtrip_tp2_ep2[moe_norm_topk_prob]",
@@ -431,7 +432,8 @@ def test_megatron_moe_cpu_tier(megatron_moe_cpu_tier, name):
     ranks); version 0 is published from the backend (bf16 + nvfp4 views) with every attention and
     expert linear quantized and its input_scale from transformers' Qwen3-MoE's activation amax; a ragged step at EP=2 (3 packed micro-batches on one rank, 1 on the other: empty ones make
     up the count) equals EP=1; save -> restore -> step at EP=2 (bf16) is bit-equal to the uninterrupted
-    run on both ranks, their experts and Adam moments included; with `output_router_logits` the step (two packed micro-batches) has the
+    run on both ranks, their experts and Adam moments included, and that checkpoint is refused by an
+    EP=1 run of the same world size (its ranks' local experts would be other experts); with `output_router_logits` the step (two packed micro-batches) has the
     transformers backend's loss, gradient norm and routing mismatch against the samplers' experts
     (whole batch and per group), load-balancing term included, activation recompute
     gives the same step, and TP=2 with sequence parallel (each expert split over the 2 ranks; padding
