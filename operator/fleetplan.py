@@ -61,6 +61,7 @@ class FleetReading:
     kl: float | None  # the trainer's kl_k3 of its tokens
     oor_fraction: float | None
     quarantined: bool
+    spot: bool = False  # spec.spot: the optimizer's tie-break removes its replicas first
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ def fleet_reading(
         kl=kl,
         oor_fraction=oor_fraction,
         quarantined=quarantined,
+        spot=bool(spec.get("spot", False)),
     )
 
 
@@ -187,6 +189,7 @@ def fleet_request(
             replicas=r.replicas,
             max_kl=bounds.max_kl if bounds else None,
             max_oor_fraction=bounds.max_oor_fraction if bounds else None,
+            spot=r.spot,
         ))  # fmt: skip
     if not figures or spec.demand is None:
         return None, left_out

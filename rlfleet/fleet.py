@@ -258,6 +258,7 @@ class GroupFigures(_Model):
     replicas: int | None = Field(default=None, ge=0)  # current replicas (hysteresis, change bound)
     max_kl: float | None = Field(default=None, ge=0.0)  # this group's budget (default: budgets.groupMaxKl)
     max_oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    spot: bool = False  # spot capacity: among the cheapest plans, the one with the fewest spot replicas
 
     @model_validator(mode="after")
     def _check_bounds(self) -> GroupFigures:
@@ -422,6 +423,7 @@ class _Group:
     current: int | None
     min_replicas: int
     max_replicas: int
+    spot: bool = False
 
     @property
     def usable_per_replica(self) -> float:
@@ -486,7 +488,23 @@ def _solve(problem: _Problem) -> tuple[int, ...] | None:
                sum_i t_i (k_i - K) x_i <= 0                     (fleet token-weighted KL <= K)
                sum_i t_i (o_i - O) x_i <= 0                     (fleet token-weighted out-of-range <= O)
                l_i <= x_i <= u_i, x_i integer                   (bounds, change bound, group budgets)
-    """
+
+    With spot groups, a second MILP breaks ties: the fewest spot replicas among the plans of that cost
+    (sum_{i spot} x_i minimised with sum_i c_i x_i <= C*), so when the demand falls a spot group's
+    replicas go before an on-demand group's of the same cost per usable token (a reclaim can come any
+    time; the same price is safer on-demand)."""
+    cheapest = _solve_milp(problem, None)
+    if cheapest is None or not any(g.spot for g in problem.groups):
+        return cheapest
+    cost = _cost(problem, cheapest)
+    fewest_spot = _solve_milp(problem, cost + _REL_TOL * max(cost, 1.0))
+    if fewest_spot is None or _cost(problem, fewest_spot) > cost + _REL_TOL * max(cost, 1.0):
+        return cheapest  # the solver's tolerance let it past the cost: the first answer stands
+    return fewest_spot
+
+
+def _solve_milp(problem: _Problem, max_cost: float | None) -> tuple[int, ...] | None:
+    """One MILP: the cheapest plan (max_cost None), or the fewest spot replicas costing <= max_cost."""
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
 
@@ -500,8 +518,14 @@ def _solve(problem: _Problem) -> tuple[int, ...] | None:
             rows.append([g.tokens_per_second * (getattr(g, attr) - budget) if g.within_budget else 0.0 for g in problem.groups])
             lower.append(-np.inf)
             upper.append(0.0)
+    objective = [g.cost_per_hour for g in problem.groups]
+    if max_cost is not None:
+        rows.append(objective)
+        lower.append(-np.inf)
+        upper.append(max_cost)
+        objective = [1.0 if g.spot else 0.0 for g in problem.groups]
     result = milp(
-        c=np.array([g.cost_per_hour for g in problem.groups]),
+        c=np.array(objective),
         integrality=np.ones(n),
         bounds=Bounds(np.array(low, dtype=float), np.array(high, dtype=float)),
         constraints=LinearConstraint(np.array(rows), np.array(lower), np.array(upper)),
@@ -562,6 +586,7 @@ def _resolve_group(g: GroupFigures, request: FleetPlanRequest, catalog: Catalog)
         current=g.replicas,
         min_replicas=g.min_replicas,
         max_replicas=g.max_replicas,
+        spot=g.spot,
     )
 
 
