@@ -55,7 +55,7 @@ from pydantic import ValidationError
 from rlfleet.api import SamplerGroup, StoreSpec, format_validation_error
 from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.catalog import get_catalog
-from rlfleet.operator import builders, kube, network_policies, parsed_jobs, rebalancer, tokens
+from rlfleet.operator import builders, kube, network_policies, parsed_jobs, rebalancer, sandboxes, tokens
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.admission import collision_message, in_namespace
@@ -449,7 +449,8 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
         if _owned_by(sg, body)
     }
     children = builders.build_job_children(job, namespace, body, get_catalog(), observed,
-                                           network_policies.settings_from_env())  # fmt: skip
+                                           network_policies.settings_from_env(),
+                                           sandboxes.role_ref_from_env())  # fmt: skip
     if not job.spec.router.admin_token_secret:
         token = tokens.new_admin_token(body["metadata"]["uid"])
         await api.create(builders.build_router_secret(job, namespace, body, token))

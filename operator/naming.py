@@ -110,6 +110,17 @@ def router_policy_name(job: str) -> str:
     return f"{job}-router"
 
 
+def sandboxes_name(job: str) -> str:
+    """NetworkPolicy of a job's sandbox pods (no ingress, no egress) and the RoleBinding that lets the
+    trainer manage them (rollout.sandbox.backend pods, operator/sandboxes.py)."""
+    return f"{job}-sandboxes"
+
+
+def trainer_service_account_name(job: str) -> str:
+    """The trainer's ServiceAccount when it manages sandbox pods and the user names none."""
+    return f"{job}-trainer"
+
+
 def job_labels(job: str, component: str) -> dict[str, str]:
     """Common labels of every child of a job."""
     return {

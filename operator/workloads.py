@@ -56,6 +56,7 @@ from rlfleet.operator.podspec import (
     store_volume,
     user_volumes,
 )
+from rlfleet.operator.sandboxes import trainer_pod_identity
 
 Manifest = dict[str, Any]
 
@@ -123,6 +124,7 @@ def build_trainer_statefulset(
     gang_labels, gang_annotations, gang_anti = trainer_gang(job)
     cls = catalog.get(t.accelerator)
     ranks = t.ranks_per_replica
+    sandbox_identity, sandbox_env = trainer_pod_identity(job)  # sandbox pods: API rights, its own identity
     env: list[dict[str, Any]] = [
         {"name": "RLFLEET_JOB", "value": job.name},  # the rendezvous id ($(RLFLEET_JOB) in the args)
         {"name": "RLFLEET_CONFIG", "value": f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}"},  # trainer/entrypoint.py
@@ -141,6 +143,7 @@ def build_trainer_statefulset(
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": HF_HOME},
         *store_env(store),
+        *sandbox_env,
     ]
     container = {
         "name": "trainer",
@@ -204,6 +207,7 @@ def build_trainer_statefulset(
                     **pod_placement_spec(t),
                     "securityContext": pod_security_context(),
                     **pod_identity_spec(t),
+                    **sandbox_identity,
                     "terminationGracePeriodSeconds": 120,
                     "containers": [container],
                     "volumes": [

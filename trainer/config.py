@@ -10,7 +10,12 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.common import views_to_publish
-from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH, ROUTING_REPLAY_LOCAL_DENSE_MESSAGE, SafetySpec
+from rlfleet.api.rljob import (
+    MAX_TOKENS_PER_MICRO_BATCH,
+    ROUTING_REPLAY_LOCAL_DENSE_MESSAGE,
+    SafetySpec,
+    SandboxSpec,
+)
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.tiny_qwen3 import TinyQwen3
@@ -59,10 +64,12 @@ class RunConfig:
     # the reference fleet of the cost figures: RLJob router.reference.accelerator, else trainer.accelerator
     reference_accelerator: str = "b200"
     routing_replay: bool = False  # RLJob correction.routingReplay (trainer/routing_replay.py)
+    sandbox: SandboxSpec = field(default_factory=SandboxSpec)  # RLJob rollout.sandbox (local mode: always local)
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
-        return asdict(self) | {"safety": self.safety.model_dump(mode="json", by_alias=True)}
+        return asdict(self) | {"safety": self.safety.model_dump(mode="json", by_alias=True),
+                               "sandbox": self.sandbox.model_dump(mode="json", by_alias=True)}
 
 
 def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
@@ -115,6 +122,7 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         activation_checkpointing=spec.trainer.activation_checkpointing,
         reference_accelerator=spec.router.reference.accelerator or spec.trainer.accelerator,
         routing_replay=spec.correction.routing_replay,
+        sandbox=SandboxSpec() if local else spec.rollout.sandbox,  # local mode has no cluster to make pods in
     )
 
 
@@ -125,4 +133,12 @@ def build_environment(rc: RunConfig, tokenizer: Any = None) -> Environment:
     env = copy.copy(load_environment(rc.environment, tokenizer=tokenizer))  # never mutate a shared built-in instance
     if env.max_turns != 1:
         env.max_turns = rc.max_turns
+    if rc.sandbox.backend == "pods":
+        if not hasattr(env, "sandbox"):
+            raise ValueError(f"rollout.sandbox.backend pods: environment {rc.environment!r} runs no sandboxes "
+                             "(it has no `sandbox` factory, as rlfleet.trainer.swe_env:SweEnv has)")
+        from rlfleet.sandbox.pods import PodSandboxes
+
+        # made before the first episode: it deletes the sandbox pods a previous run of this trainer pod left
+        env.sandbox = PodSandboxes.from_environment(rc.sandbox, rc.job_name)
     return env

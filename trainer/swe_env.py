@@ -262,6 +262,12 @@ class SweEnv(Environment):
         task = SweTask.from_row(prompt.meta)
         if self.sandbox is local_sandbox:
             require_local_snapshot(task)
+        elif task.image is not None:  # sandbox pods run the RLJob's one image (rollout.sandbox.image)
+            raise SandboxUnavailable(
+                f"task {task.instance_id!r}: its repository is the image {task.image!r}; sandbox pods run "
+                "rollout.sandbox.image with the task's files copied in, not a task's own image: give the task "
+                "a snapshot (repo_path)"
+            )
         return {"episode": EpisodeState(task=task, sandbox=self.sandbox(task.files, self.limits))}
 
     def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:

@@ -28,7 +28,7 @@ from rlfleet.api.common import (
     kube_manifest_check,
 )
 from rlfleet.api.meta import ObjectMeta
-from rlfleet.api.podfields import POD_FIELDS_RULES
+from rlfleet.api.podfields import POD_FIELDS_RULES, Quantity
 from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
 from rlfleet.api.scheduling import PodPlacement
 from rlfleet.api.weightchannel import RetentionSpec, StoreSpec
@@ -365,6 +365,50 @@ class TrainerSpec(PodPlacement):
         return self
 
 
+SANDBOX_IMAGE_RULE = "self.backend != 'pods' || has(self.image)"
+SANDBOX_IMAGE_MESSAGE = (
+    "rollout.sandbox.backend pods needs rollout.sandbox.image (the sandbox pods' image: sh, git and python3, "
+    "docs/environments.md 'Sandboxes in a cluster')"
+)
+
+
+class SandboxSpec(ApiModel):
+    """Where an environment's sandboxes run (the SWE environment's, rlfleet/sandbox): `local` (bubblewrap process trees in the trainer pod) or `pods` (one pod per sandbox in the job's namespace, commands through the API's exec; the operator then gives the trainer a ServiceAccount that may create, exec into and delete pods in this namespace, and a NetworkPolicy denies the sandbox pods all egress)."""
+
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": SANDBOX_IMAGE_RULE, "message": SANDBOX_IMAGE_MESSAGE, "fieldPath": ".image"},
+            ]
+        }
+    }
+
+    backend: Literal["local", "pods"] = "local"
+    """local: bubblewrap process trees in the trainer pod; pods: one sandbox pod per episode's sandbox."""
+    image: str | None = Field(default=None, min_length=1, max_length=512)
+    """The sandbox pods' image (backend pods): it needs sh, git and python3, and runs as uid 10001 on a read-only root."""
+    runtime_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """The sandbox pods' RuntimeClass (e.g. gvisor); none: the cluster's default runtime."""
+    cpu: Quantity = "1"
+    """CPU limit (and request) of a sandbox pod."""
+    memory: Quantity = "2Gi"
+    """Memory limit (and request) of a sandbox pod."""
+    work_dir_size: Quantity = "1Gi"
+    """Size limit of a sandbox pod's writable work dir and /tmp (emptyDir sizeLimit each)."""
+    max_seconds: int = Field(default=3600, ge=60, le=86400)
+    """A sandbox pod's activeDeadlineSeconds: the kubelet kills it after this long even if the trainer never deletes it."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """nodeSelector of the sandbox pods (e.g. CPU nodes)."""
+    warm_pool: int = Field(default=0, ge=0, le=1024)
+    """Most idle sandbox pods kept started ahead of demand: the pool follows the sandboxes open now (one idle pod per in-flight episode's sandbox, up to this), so an episode or its grading usually takes a running pod instead of a cold start; 0: none."""
+
+    @model_validator(mode="after")
+    def _check_image(self) -> SandboxSpec:
+        if self.backend == "pods" and self.image is None:
+            raise ValueError(SANDBOX_IMAGE_MESSAGE)
+        return self
+
+
 class RolloutSpec(ApiModel):
     """How rollouts are sampled."""
 
@@ -401,6 +445,8 @@ class RolloutSpec(ApiModel):
     """Prompt source: a JSONL path / URI, or builtin:<task> (none: the environment's built-in prompts)."""
     environment: str = Field(default="copy_digit", min_length=1, max_length=512)
     """Reward / environment entry point: module:attr, or a built-in name (copy_digit, same_parity, tool_add, retry_digit, math)."""
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+    """Where the environment's sandboxes run (environments with a `sandbox`, e.g. rlfleet.trainer.swe_env:SweEnv)."""
 
     @model_validator(mode="after")
     def _check_top_p(self) -> RolloutSpec:

@@ -17,6 +17,7 @@ connection pool, and no thread blocks on a socket of its own.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import io
 import json
 import os
@@ -117,6 +118,7 @@ class PodSandboxes:
         except BaseException:
             self.shutdown()
             raise
+        atexit.register(self.shutdown)  # the trainer's exit deletes the pool's idle pods (a kill: the next run does)
 
     @classmethod
     def from_environment(cls, spec: Any, job: str, environ: Mapping[str, str] | None = None) -> PodSandboxes:
@@ -163,6 +165,7 @@ class PodSandboxes:
         """Close the clients and stop the loop (the sandboxes themselves are closed one by one)."""
         if not self._loop.is_running():
             return
+        atexit.unregister(self.shutdown)
 
         async def close() -> None:
             for task in list(self._tasks):

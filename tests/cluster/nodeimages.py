@@ -331,6 +331,33 @@ def rlfleet_image(name: str, base: Built, log: Callable[[str], None] = print) ->
     return _cached(name, ref, digest, make, log)
 
 
+SANDBOX_IMAGE = "rlfleet.local/sandbox:1"
+SANDBOX_PACKAGES = ("git",)  # over the CPU base's Python: what a SWE sandbox needs (sh, git, python3)
+
+
+def sandbox_image(log: Callable[[str], None] = print) -> Built:
+    """The sandbox pods' image (rlfleet/sandbox/pods.py, RLJob rollout.sandbox.image): the CPU base plus
+    Debian's git, as uid 10001's (the pods set the uid; nothing else of the base changes)."""
+    base = base_image(log)
+
+    def make(tmp: Path) -> None:
+        if buildah("images", "-q", BASE_IMAGE, log=None) == "":
+            buildah("tag", buildah("pull", "-q", f"oci-archive:{base.archive}"), BASE_IMAGE)
+        container = buildah("from", BASE_IMAGE)
+        try:
+            volume = ["--volume", f"{HOST_CA_BUNDLE}:/etc/ssl/certs/ca-certificates.crt:ro"] if HOST_CA_BUNDLE.is_file() else []
+            buildah("run", "--isolation", "chroot", "--network", "host", *volume, container, "--", "sh", "-c",
+                    "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "
+                    f"{' '.join(SANDBOX_PACKAGES)} && rm -rf /var/lib/apt/lists/*", log=tmp / "sandbox.log")
+            buildah("config", "--user", "10001:10001", "--workingdir", "/work", "--cmd", "/bin/sh", container)
+            buildah("commit", "--quiet", container, SANDBOX_IMAGE)
+        finally:
+            buildah("rm", container)
+
+    return _cached("sandbox", SANDBOX_IMAGE, _digest([base.archive.name.encode(), " ".join(SANDBOX_PACKAGES).encode()]),
+                   make, log)
+
+
 def build_all(names: Iterable[str] = ("operator", "sampler", "trainer"), log: Callable[[str], None] = print) -> list[Built]:
     """Every image the dev cluster loads: pause, helper, the CPU base (needed by the others but not
     loaded) and the named rlfleet images."""

@@ -4,6 +4,8 @@
 a scratch directory, builds the images (tests/cluster/nodeimages.py; cached per input digest in
 ~/.cache/rlfleet/images) and loads them into the node. Set RLFLEET_DEV_CLUSTER_WORKDIR=<dir of a
 `scripts/dev-cluster up`> to reuse a running one (its images must be loaded: `scripts/dev-cluster images`).
+RLFLEET_DEV_CLUSTER_IMAGES=<names> builds and loads only those rlfleet images ("" none: a module that
+needs none of them, e.g. test_node_sandbox.py, skips their rebuild after every source edit).
 
 The tier needs root and the node's Debian packages (which it installs as root). On a machine that cannot
 run containers at all it is skipped with the reason; never on this project's machines (CI runs as root).
@@ -50,7 +52,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def dev_cluster() -> Iterator[DevCluster]:
     log = lambda msg: print(f"[dev-cluster] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     attach = os.environ.get("RLFLEET_DEV_CLUSTER_WORKDIR")
-    built = {b.name: b for b in nodeimages.build_all(log=log)}
+    # RLFLEET_DEV_CLUSTER_IMAGES: the rlfleet images to build and load (comma-separated; default all three).
+    # Empty for a module that runs none of them (test_node_sandbox.py): no rebuild after every source edit.
+    names = os.environ.get("RLFLEET_DEV_CLUSTER_IMAGES", "operator,sampler,trainer")
+    built = {b.name: b for b in nodeimages.build_all([n for n in names.split(",") if n.strip()], log=log)}
     if attach:
         workdir = Path(attach)
         yield DevCluster(controlplane.KubeCluster.from_state(workdir), realnode.RealNode(workdir, log), built, None)

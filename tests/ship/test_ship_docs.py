@@ -82,17 +82,17 @@ def _rbac_rows() -> set[tuple[str, str, str]]:
         group = group.strip().split(" ")[0].strip('"')
         if group in ("API", "---"):
             continue
-        for resource in re.findall(r"[a-z]+(?:/status)?", resources.split("(")[0]):
+        for resource in re.findall(r"[a-z]+(?:/[a-z]+)?", resources.split("(")[0]):
             for verb in verbs.split():
                 rows.add(("" if group == "" else group, resource, verb))
     return rows
 
 
 def test_install_rbac_table_matches_the_chart(render) -> None:
-    """Every grant of the default chart (the operator's ClusterRole and the webhook's Role and
-    ClusterRole) is a row of the table, and every row a grant."""
+    """Every grant of the default chart (the operator's ClusterRole, the webhook's Role and
+    ClusterRole, and the sandbox role it binds trainers to) is a row of the table, and every row a grant."""
     roles = [o for o in render() if o["kind"] in ("ClusterRole", "Role")]
-    assert len(roles) == 3
+    assert len(roles) == 4
     granted = {(g, r, v) for role in roles for rule in role["rules"] for g in rule["apiGroups"]
                for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
     assert _rbac_rows() == granted

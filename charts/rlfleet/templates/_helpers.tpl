@@ -63,3 +63,17 @@ its name carries the release namespace, so releases of one name in two namespace
 {{- printf "%s-%s" (include "rlfleet.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" }}
 {{- end }}
 {{- define "rlfleet.webhookCertDir" -}}/etc/rlfleet/webhook{{- end }}
+
+{{/* The sandbox role (operator/sandboxes.py SANDBOX_RULES) the operator binds a job's trainer to when its
+sandboxes are pods: a ClusterRole in cluster mode (named with the release namespace: cluster-scoped), a
+Role of each watched namespace in namespace mode. RLFLEET_SANDBOX_ROLE is "<Kind>/<name>". */}}
+{{- define "rlfleet.sandboxRole" -}}
+{{- if include "rlfleet.clusterwide" . -}}
+{{- printf "%s-%s-sandboxes" (include "rlfleet.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" -}}
+{{- else -}}
+{{- include "rlfleet.fullname" . }}-sandboxes
+{{- end -}}
+{{- end }}
+{{- define "rlfleet.sandboxRoleRef" -}}
+{{- if include "rlfleet.clusterwide" . }}ClusterRole{{ else }}Role{{ end }}/{{ include "rlfleet.sandboxRole" . }}
+{{- end }}
