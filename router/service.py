@@ -35,6 +35,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from rlfleet.router import membership
 from rlfleet.router.bounds import (
     BoundedTCPSite,
     ByteBudget,
@@ -344,9 +345,12 @@ def build_app(router: Router, token: TokenSource, api_key: TokenSource | None = 
     return app
 
 
-async def start_service(config: RouterConfig, health_checks: bool = True) -> tuple[Router, web.AppRunner, int]:
-    """Start router + HTTP server; returns the bound port (config.port 0 = any free port)."""
-    router = Router(config)
+async def start_service(
+    config: RouterConfig, health_checks: bool = True, resolve: membership.Resolve | None = None
+) -> tuple[Router, web.AppRunner, int]:
+    """Start router + HTTP server; returns the bound port (config.port 0 = any free port). `resolve`: the
+    name lookup of the groups' service names (default: the event loop's resolver, router/membership.py)."""
+    router = Router(config, resolve=resolve)
     token = TokenSource(config.admin_token_file, config.admin_token_env)
     api_key = TokenSource(config.api_key_file, config.api_key_env)
     app = build_app(router, token, api_key)  # before start(): health checks need the upstream key
