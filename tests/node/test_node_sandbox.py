@@ -300,3 +300,53 @@ def test_the_shipped_tasks_earn_their_reward_in_sandbox_pods(trainer: Trainer) -
     finally:
         factory.shutdown()
     wait_for("every sandbox pod deleted", lambda: not trainer.pods(owner_selector(owner)) or None, timeout=60)
+
+
+def test_the_operator_grants_the_sandbox_role_by_bind_alone(trainer: Trainer, tmp_path: Path) -> None:
+    """The chart's grants for sandbox pods (tests/ship/test_ship_chart.py pins them), as a Role here:
+    serviceaccounts and rolebindings create/patch and `bind` on the sandbox role. With them an account
+    holding none of the role's rights (no pods/exec) applies the operator's ServiceAccount and RoleBinding
+    by server-side apply; without `bind` the API server refuses the RoleBinding (it would grant rights the
+    account does not hold)."""
+    kube, namespace = trainer.kube, trainer.namespace
+    raw = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
+    raw["metadata"]["name"] = "swe-granted"
+    raw["spec"]["rollout"]["sandbox"] = {"backend": "pods", "image": trainer.image}
+    job = RLJob.model_validate(raw)
+    grants = [
+        {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["rolebindings"], "verbs": ["create", "patch"]},
+    ]
+    bind = {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["bind"], "resourceNames": [ROLE]}
+
+    def account(name: str, rules: list[dict[str, Any]]) -> dict[str, str]:
+        objects = [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name}, "rules": rules},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": name},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+        ]  # fmt: skip
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects))
+        token = kube.kubectl("create", "token", name, "-n", namespace, "--duration=1h").stdout.strip()
+        return {**kube.env(), "KUBECONFIG": str(kube.token_kubeconfig(token, tmp_path / f"{name}.kubeconfig"))}
+
+    def apply_as(env: dict[str, str], objects: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(kube.kubectl_bin), "apply", "--server-side", "--field-manager=rlfleet-operator",
+                               "-n", namespace, "-f", "-"], input="\n---\n".join(json.dumps(o) for o in objects),
+                              env=env, text=True, capture_output=True, timeout=60)  # fmt: skip
+
+    children = [c for c in sandboxes.build_sandbox_children(job, namespace, None, sandboxes.parse_role_ref(f"Role/{ROLE}"))
+                if c["kind"] in ("ServiceAccount", "RoleBinding")]  # the policy: networkpolicies, granted apart
+    assert [c["kind"] for c in children] == ["ServiceAccount", "RoleBinding"]
+    without_bind = account("op-without-bind", grants)
+    refused = apply_as(without_bind, children)
+    assert refused.returncode != 0 and "attempting to grant RBAC permissions not currently held" in refused.stderr, refused.stderr
+    operator_env = account("op", [*grants, bind])
+    applied = apply_as(operator_env, children)
+    assert applied.returncode == 0, applied.stderr
+    binding = kube.get_json("rolebinding", "swe-granted-sandboxes", "-n", namespace)
+    assert binding["roleRef"]["name"] == ROLE and binding["subjects"][0]["name"] == "swe-granted-trainer"
+    can_exec = subprocess.run([str(kube.kubectl_bin), "auth", "can-i", "create", "pods", "--subresource=exec",
+                               "-n", namespace], env=operator_env, text=True, capture_output=True, timeout=60)  # fmt: skip
+    assert can_exec.stdout.strip() == "no"  # it granted what it does not hold
