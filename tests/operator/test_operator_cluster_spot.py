@@ -1,0 +1,75 @@
+"""Spot groups on the test fleet (docs/scheduling.md "Spot groups"): the real kube-scheduler places a
+`spot: true` group's pods on the spot node only, though the on-demand H100 nodes have room, and an
+on-demand group's never there. The spot node is one more kwok node: an H100 of a GKE spot pool (GFD
+product label, `cloud.google.com/gke-spot: "true"` and its NoSchedule taint, the GPU taint)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cluster_wait import wait_for
+from test_operator_cluster import crds, get, operator  # noqa: F401 - crds: a fixture
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("crds")]
+
+SPOT_NODE = "gpu-h100-spot"
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+
+
+def spot_node() -> dict:
+    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": SPOT_NODE,
+            "labels": {
+                "kubernetes.io/hostname": SPOT_NODE,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+                "cloud.google.com/gke-spot": "true",
+            },
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {"taints": [GPU_TAINT, {"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NoSchedule"}]},
+        "status": {"allocatable": resources, "capacity": resources},
+    }
+
+
+def samplergroup(name: str, spot: bool, replicas: int) -> dict:
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": name},
+        "spec": {"name": name, "accelerator": "h100", "weightFormat": "fp8", "replicas": replicas, "spot": spot,
+                 "model": {"name": "m", "path": "Qwen/Qwen3-0.6B"}},
+    }  # fmt: skip
+
+
+def test_a_spot_group_lands_on_the_spot_node_and_an_on_demand_group_never_does(
+    kube, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube.kubectl("apply", "-f", "-", input=json.dumps(spot_node()))
+    try:
+        with operator(kube, namespace, monkeypatch):
+            for sg in (samplergroup("spot", True, 3), samplergroup("ondemand", False, 3)):
+                kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg))
+
+            def placed() -> dict[str, list[str]] | None:
+                pods = get(kube, namespace, "pods")["items"]
+                if len(pods) != 6 or not all(p["status"].get("phase") == "Running" and p["spec"].get("nodeName") for p in pods):
+                    return None
+                nodes: dict[str, list[str]] = {}
+                for p in pods:
+                    nodes.setdefault(p["metadata"]["labels"]["rlfleet.dev/group"], []).append(p["spec"]["nodeName"])
+                return nodes
+
+            nodes = wait_for("the 6 sampler pods running", placed, timeout=120)
+            assert nodes["spot"] == [SPOT_NODE] * 3, nodes
+            assert all(node in ("gpu-h100-0", "gpu-h100-1") for node in nodes["ondemand"]), nodes
+            assert get(kube, namespace, "samplergroup", "spot")["spec"]["spot"] is True
+    finally:
+        kube.kubectl("delete", "node", SPOT_NODE, "--wait=false", check=False)
