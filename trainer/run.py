@@ -207,7 +207,8 @@ def megatron_model_config(
     device: str | None = None,
 ) -> MegatronModelConfig:
     """The megatron backend's model config: the checkpoint's config.json (head_dim, tied embeddings,
-    QK-norm, either rope form), the RLJob's parallelism, micro-batch budget and activation
+    QK-norm, either rope form, a mixture of experts), the RLJob's parallelism (expert parallelism
+    included), micro-batch budget and activation
     checkpointing (megatron's full, uniform recompute); `device` "cpu": fp32 on CPU."""
     from rlfleet.api.rljob import ParallelismSpec
     from rlfleet.trainer.backend_megatron import MegatronModelConfig
@@ -215,7 +216,8 @@ def megatron_model_config(
     p = parallelism or ParallelismSpec()
     return MegatronModelConfig.from_hf_config(
         hf_config, max_seq_len=max_seq_len, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
-        context_parallel=p.context, max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
+        context_parallel=p.context, expert_parallel=p.expert, expert_tensor_parallel=p.expert_tensor,
+        max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
         activation_checkpointing=rc.activation_checkpointing,
         **({"device": "cpu", "params_dtype": "float32"} if device == "cpu" else {}),
     )

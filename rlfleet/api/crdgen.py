@@ -18,6 +18,7 @@ import yaml
 
 from rlfleet.api.common import GROUP, VERSION
 from rlfleet.api.rljob import (
+    EXPERT_FIT_MESSAGE,
     JOB_NAME_DNS_MESSAGE,
     JOB_NAME_DNS_RULE,
     JOB_NAME_MESSAGE,
@@ -28,6 +29,7 @@ from rlfleet.api.rljob import (
     TRAINER_GPU_PROCESSES_MESSAGE,
     RLJobSpec,
     RLJobStatus,
+    expert_fit_rule,
     parallel_fit_rule,
     trainer_device_rules,
 )
@@ -124,6 +126,8 @@ def _apply_catalog_to_trainer(trainer_schema: dict[str, Any], catalog: Catalog) 
     for rule in rules:
         if rule["message"] == PARALLEL_FIT_MESSAGE:
             rule["rule"] = parallel_fit_rule(cpus)
+        elif rule["message"] == EXPERT_FIT_MESSAGE:
+            rule["rule"] = expert_fit_rule(cpus)
     trainer_schema["x-kubernetes-validations"] = [*rules, *trainer_device_rules(cpus)]
 
 

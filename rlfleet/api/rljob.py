@@ -125,6 +125,27 @@ TORCH_ONE_NODE_MESSAGE = (
     "gpusPerReplica or per process of processesPerReplica, parallelism 1 x 1 x 1); use backend megatron for "
     "several nodes or tensor, pipeline or context parallelism"
 )
+
+
+def expert_fit_rule(cpu_classes: tuple[str, ...] | list[str]) -> str:
+    """CEL: the trainer's ranks (every pod's) hold whole expert grids, expert tensor x expert parallelism."""
+    expert_tp = "(has(self.parallelism.expertTensor) ? self.parallelism.expertTensor : self.parallelism.tensor)"
+    return f"({ranks_expr(cpu_classes)} * self.replicas) % ({expert_tp} * self.parallelism.expert) == 0"
+
+
+EXPERT_FIT_RULE = expert_fit_rule(BUILTIN_CPU_CLASSES)
+EXPERT_FIT_MESSAGE = (
+    "trainer: parallelism expertTensor (default: tensor) x expert must divide the trainer's ranks (replicas x "
+    "gpusPerReplica, or processesPerReplica on a CPU class): expert parallelism splits a mixture of experts' "
+    "experts over data-parallel ranks"
+)
+TORCH_NO_EXPERT_PARALLEL_RULE = (
+    "self.backend != 'torch' || (self.parallelism.expert == 1 && !has(self.parallelism.expertTensor))"
+)
+TORCH_NO_EXPERT_PARALLEL_MESSAGE = (
+    "trainer: parallelism expert / expertTensor are megatron's expert parallelism; backend torch has none (FSDP2 "
+    "shards every expert's parameters over its ranks): use backend megatron, or leave them unset"
+)
 # Built-in environments of the trainer (rlfleet/trainer/environments.py BUILTIN; a test keeps them equal).
 BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "same_parity", "tool_add", "retry_digit", "math")
 # Built-ins that read their prompts (and answers) from a prompt set, not generated ones.
@@ -194,12 +215,13 @@ TINY_MOE_MESSAGE = (
     "local.model: numExpertsPerTok must be <= numExperts, and moeIntermediateSize a multiple of 128 (each "
     "expert's projections then fit the fp8 view's 128 x 128 blocks)"
 )
-# Routing replay (R3, trainer/routing_replay.py) hooks transformers' Qwen3-MoE router: the megatron backend
-# builds dense GPT models only (no MoE), and the built-in model on a cluster is the dense tiny Qwen3.
+# Routing replay (R3, trainer/routing_replay.py) hooks transformers' Qwen3-MoE router; the megatron backend
+# routes with megatron-core's own TopKRouter, which takes no replayed experts, and the built-in model on a
+# cluster is the dense tiny Qwen3.
 ROUTING_REPLAY_MEGATRON_RULE = "!has(self.correction.routingReplay) || !self.correction.routingReplay || self.trainer.backend == 'torch'"
 ROUTING_REPLAY_MEGATRON_MESSAGE = (
     "correction.routingReplay needs trainer.backend: torch (transformers' Qwen3-MoE, as local mode trains): "
-    "the megatron backend has no mixture of experts, so there is no routing to replay"
+    "the megatron backend routes with megatron-core's own router, which has no routing replay"
 )
 ROUTING_REPLAY_DENSE_RULE = (
     f"!has(self.correction.routingReplay) || !self.correction.routingReplay || !self.model.path.startsWith('{BUILTIN_MODEL}')"
@@ -257,6 +279,10 @@ class ParallelismSpec(ApiModel):
     """Pipeline-parallel size (only 1 is supported yet)."""
     context: int = Field(default=1, ge=1, le=64)
     """Context-parallel size."""
+    expert: int = Field(default=1, ge=1, le=256)
+    """Expert-parallel size (megatron-core's expert_model_parallel_size, backend megatron): a mixture of experts' experts split over this many data-parallel ranks, each holding num_experts / expert of them. It must divide the model's experts (checked when the trainer starts: the trainer refuses, naming both); a dense model needs 1."""
+    expert_tensor: int | None = Field(default=None, ge=1, le=64)
+    """Tensor-parallel size inside each expert (megatron-core's expert_tensor_parallel_size). Unset: tensor; 1 keeps each expert whole on one rank."""
 
     @property
     def size(self) -> int:
@@ -294,6 +320,8 @@ class TrainerSpec(PodPlacement):
             "x-kubernetes-validations": [
                 {"rule": PARALLEL_FIT_RULE, "message": PARALLEL_FIT_MESSAGE, "fieldPath": ".parallelism"},
                 {"rule": TORCH_ONE_NODE_RULE, "message": TORCH_ONE_NODE_MESSAGE, "fieldPath": ".backend"},
+                {"rule": EXPERT_FIT_RULE, "message": EXPERT_FIT_MESSAGE, "fieldPath": ".parallelism"},
+                {"rule": TORCH_NO_EXPERT_PARALLEL_RULE, "message": TORCH_NO_EXPERT_PARALLEL_MESSAGE, "fieldPath": ".backend"},
                 *trainer_device_rules(BUILTIN_CPU_CLASSES),
                 *POD_FIELDS_RULES,
             ]
@@ -362,6 +390,12 @@ class TrainerSpec(PodPlacement):
             raise ValueError(f"{PARALLEL_FIT_MESSAGE}: {size} does not divide {ranks}")
         if self.backend == "torch" and (self.replicas, size) != (1, 1):
             raise ValueError(f"{TORCH_ONE_NODE_MESSAGE}: replicas {self.replicas}, parallelism size {size}")
+        p = self.parallelism
+        if self.backend == "torch" and (p.expert, p.expert_tensor) != (1, None):
+            raise ValueError(TORCH_NO_EXPERT_PARALLEL_MESSAGE)
+        grid = (p.tensor if p.expert_tensor is None else p.expert_tensor) * p.expert
+        if (ranks * self.replicas) % grid:
+            raise ValueError(f"{EXPERT_FIT_MESSAGE}: {grid} does not divide {ranks * self.replicas}")
         return self
 
 

@@ -660,3 +660,29 @@ def test_activation_checkpointing_from_the_manifest_reaches_both_backends(tmp_pa
     assert base.backend.model.is_gradient_checkpointing is on
     cfg = megatron_model_config(rc, json.loads((source / "config.json").read_text()), device="cpu")
     assert cfg.activation_checkpointing is on
+
+
+def test_expert_parallelism_from_the_manifest_reaches_the_megatron_config(tmp_path) -> None:
+    """RLJob trainer.parallelism.expert / expertTensor -> megatron's expert_model_parallel_size and
+    expert_tensor_parallel_size; a dense model given expert parallelism is refused when the trainer
+    starts, naming why (the API cannot see the model's config)."""
+    from types import SimpleNamespace
+
+    from rlfleet.api.rljob import ParallelismSpec
+    from rlfleet.tiny_qwen3 import TinyQwen3, build_tiny_qwen3
+    from rlfleet.trainer.backend_megatron import UnsupportedModel
+    from rlfleet.trainer.run import megatron_model_config
+
+    rc = SimpleNamespace(max_tokens_per_micro_batch=4096, activation_checkpointing=False)
+    moe = json.loads((build_tiny_qwen3(tmp_path / "moe", TinyQwen3(architecture="qwen3_moe")) / "config.json").read_text())
+    experts = moe.get("num_experts", moe.get("num_local_experts"))
+    parallelism = ParallelismSpec(tensor=2, expert=2, expert_tensor=1)
+    cfg = megatron_model_config(rc, moe, parallelism=parallelism, device="cpu")  # type: ignore[arg-type]
+    assert (cfg.tensor_parallel, cfg.expert_parallel, cfg.expert_tp, cfg.num_experts) == (2, 2, 1, experts)
+    cfg.check_supported()
+    assert megatron_model_config(rc, moe, parallelism=ParallelismSpec(tensor=2), device="cpu").expert_tp == 2  # type: ignore[arg-type]
+
+    dense = json.loads((build_tiny_qwen3(tmp_path / "dense") / "config.json").read_text())
+    cfg = megatron_model_config(rc, dense, parallelism=ParallelismSpec(expert=2), device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedModel, match="expert parallelism 2 .* need a mixture of experts"):
+        cfg.check_supported()
