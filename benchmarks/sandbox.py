@@ -78,18 +78,14 @@ class HostBox:
     """The same commands as LocalSandbox, through plain subprocess on the host (no bwrap)."""
 
     def __init__(self, files: Mapping[str, str]) -> None:
-        from rlfleet.sandbox.local import GIT
+        from rlfleet.sandbox import SNAPSHOT_SCRIPT
 
         self.root = Path(tempfile.mkdtemp(prefix="rlfleet-bench-host-"))
         for path, content in files.items():
             target = self.root / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(content)
-        git = " ".join(GIT)
-        snap = self.run(
-            f"{git} init -q && printf '__pycache__/\\n*.pyc\\n' >> .git/info/exclude"
-            f" && {git} add -A && {git} commit -q --allow-empty -m snapshot"
-        )
+        snap = self.run(SNAPSHOT_SCRIPT)
         assert snap.returncode == 0, snap.stdout
 
     def exec(self, argv: list[str], stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:

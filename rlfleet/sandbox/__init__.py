@@ -13,8 +13,17 @@ docs/environments.md 'Sandboxes' says what each isolates.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
+
+GIT = ["git", "-c", "user.name=rlfleet", "-c", "user.email=rlfleet@localhost", "-c", "core.hooksPath=/dev/null"]
+_GIT = " ".join(GIT)
+# Run in the repository's root once its files are there: the snapshot every diff is taken against.
+SNAPSHOT_SCRIPT = (
+    f"{_GIT} init -q && printf '__pycache__/\\n*.pyc\\n' >> .git/info/exclude"
+    f" && {_GIT} add -A && {_GIT} commit -q --allow-empty -m snapshot"
+)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -66,3 +75,42 @@ class Sandbox(Protocol):
     def seconds(self) -> float:
         """Wall time spent in the sandbox's commands so far."""
         ...
+
+
+class ExecSandbox(ABC):
+    """A `Sandbox` whose every operation is a command run in it by `exec`: reads, writes and the diff go
+    through the sandbox (a path the agent made a symlink resolves inside it, never on the host)."""
+
+    seconds: float
+
+    @abstractmethod
+    def exec(self, argv: list[str], timeout_s: float, stdin: bytes = b"") -> CommandResult:
+        """`argv` in the repository's root, `stdin` on its standard input."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def run(self, command: str, timeout_s: float, stdin: bytes = b"") -> CommandResult:
+        return self.exec(["sh", "-c", command], timeout_s, stdin)
+
+    def read_file(self, path: str) -> str:
+        result = self.exec(["cat", "--", path], timeout_s=30)
+        if result.exit_code != 0:
+            raise FileNotFoundError(result.output.strip() or path)
+        return result.output
+
+    def write_file(self, path: str, content: str) -> None:
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+        result = self.exec(["sh", "-c", script, "sh", path], timeout_s=30, stdin=content.encode())
+        if result.exit_code != 0:
+            raise OSError(result.output.strip() or f"cannot write {path}")
+
+    def diff(self) -> str:
+        result = self.run(f"{_GIT} add -A >/dev/null && {_GIT} diff --cached --binary", timeout_s=60)
+        return result.output if result.exit_code == 0 else ""
+
+    def __enter__(self) -> ExecSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

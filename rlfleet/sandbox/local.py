@@ -34,14 +34,13 @@ import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 
-from rlfleet.sandbox import CommandResult, SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox import SNAPSHOT_SCRIPT, CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
 
 UID_BASE = 200_000
 UID_SPAN = 1 << 20
 WORKDIR = "/work"
 MAX_OUTPUT_BYTES = 1 << 20  # a command's output kept: the first and last half MiB
 KILL_GRACE_S = 5.0  # how long bwrap may take to reap a killed command before it is killed too
-GIT = ["git", "-c", "user.name=rlfleet", "-c", "user.email=rlfleet@localhost", "-c", "core.hooksPath=/dev/null"]
 
 
 def bwrap_problem() -> str | None:
@@ -91,7 +90,7 @@ def _limits_preexec(limits: SandboxLimits, uid: int | None) -> Callable[[], None
     return apply
 
 
-class LocalSandbox:
+class LocalSandbox(ExecSandbox):
     """A repository snapshot in a temporary work dir; every command a fresh bwrap process tree."""
 
     def __init__(self, files: Mapping[str, str], limits: SandboxLimits | None = None) -> None:
@@ -115,11 +114,7 @@ class LocalSandbox:
             if self.uid is not None:
                 for p in [self.root, *self.root.rglob("*")]:
                     os.chown(p, self.uid, self.uid)
-            snap = self.run(
-                f"{' '.join(GIT)} init -q && printf '__pycache__/\\n*.pyc\\n' >> .git/info/exclude"
-                f" && {' '.join(GIT)} add -A && {' '.join(GIT)} commit -q --allow-empty -m snapshot",
-                timeout_s=60,
-            )
+            snap = self.run(SNAPSHOT_SCRIPT, timeout_s=60)
             if snap.exit_code != 0:
                 raise SandboxUnavailable(f"the sandbox cannot start here (bwrap: {snap.output.strip()[-500:]})")
         except BaseException:
@@ -167,37 +162,12 @@ class LocalSandbox:
         self.seconds += seconds
         return CommandResult(-9 if timed_out else code, _read_bounded(out_path), timed_out, seconds)
 
-    def run(self, command: str, timeout_s: float, stdin: bytes = b"") -> CommandResult:
-        return self.exec(["sh", "-c", command], timeout_s, stdin)
-
-    def read_file(self, path: str) -> str:
-        result = self.exec(["cat", "--", path], timeout_s=30)
-        if result.exit_code != 0:
-            raise FileNotFoundError(result.output.strip() or path)
-        return result.output
-
-    def write_file(self, path: str, content: str) -> None:
-        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-        result = self.exec(["sh", "-c", script, "sh", path], timeout_s=30, stdin=content.encode())
-        if result.exit_code != 0:
-            raise OSError(result.output.strip() or f"cannot write {path}")
-
-    def diff(self) -> str:
-        git = " ".join(GIT)
-        result = self.run(f"{git} add -A >/dev/null && {git} diff --cached --binary", timeout_s=60)
-        return result.output if result.exit_code == 0 else ""
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self._cleanup()
-
-    def __enter__(self) -> LocalSandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _kill_command(bwrap: subprocess.Popen) -> int:

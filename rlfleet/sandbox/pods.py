@@ -29,8 +29,8 @@ from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from rlfleet.sandbox import CommandResult, SandboxLimits, SandboxUnavailable
-from rlfleet.sandbox.local import GIT, MAX_OUTPUT_BYTES, checked_relative
+from rlfleet.sandbox import SNAPSHOT_SCRIPT, CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox.local import MAX_OUTPUT_BYTES, checked_relative
 from rlfleet.sandbox.podspec import (
     CONTAINER,
     KILL_ARGV,
@@ -328,7 +328,7 @@ class PodSandboxes:
         return PodSandbox(self, files, limits)
 
 
-class PodSandbox:
+class PodSandbox(ExecSandbox):
     """One sandbox pod: the snapshot in /work (a git commit), every call an exec."""
 
     def __init__(self, pods: PodSandboxes, files: Mapping[str, str], limits: SandboxLimits | None = None) -> None:
@@ -340,12 +340,7 @@ class PodSandbox:
         self.start_seconds = time.monotonic() - t0
         self.closed = False
         try:
-            git = " ".join(GIT)
-            snap = self.exec(
-                ["sh", "-c", f"tar -x -f - -C {WORKDIR} && {git} init -q && printf '__pycache__/\\n*.pyc\\n' >> .git/info/exclude"
-                 f" && {git} add -A && {git} commit -q --allow-empty -m snapshot"],
-                timeout_s=120, stdin=_tar(files),
-            )  # fmt: skip
+            snap = self.exec(["sh", "-c", f"tar -x -f - -C {WORKDIR} && {SNAPSHOT_SCRIPT}"], timeout_s=120, stdin=_tar(files))
             if snap.exit_code != 0:
                 raise SandboxUnavailable(f"sandbox pod {self.name}: the snapshot failed: {snap.output.strip()[-500:]}")
         except BaseException:
@@ -364,25 +359,6 @@ class PodSandbox:
         self.seconds += seconds
         return CommandResult(code, output, timed_out, seconds)
 
-    def run(self, command: str, timeout_s: float, stdin: bytes = b"") -> CommandResult:
-        return self.exec(["sh", "-c", command], timeout_s, stdin)
-
-    def read_file(self, path: str) -> str:
-        result = self.exec(["cat", "--", path], timeout_s=30)
-        if result.exit_code != 0:
-            raise FileNotFoundError(result.output.strip() or path)
-        return result.output
-
-    def write_file(self, path: str, content: str) -> None:
-        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
-        result = self.exec(["sh", "-c", script, "sh", path], timeout_s=30, stdin=content.encode())
-        if result.exit_code != 0:
-            raise OSError(result.output.strip() or f"cannot write {path}")
-
-    def diff(self) -> str:
-        git = " ".join(GIT)
-        result = self.run(f"{git} add -A >/dev/null && {git} diff --cached --binary", timeout_s=60)
-        return result.output if result.exit_code == 0 else ""
 
     def close(self) -> None:
         """Delete the pod (idempotent); its processes die with it."""
@@ -390,12 +366,6 @@ class PodSandbox:
             return
         self.closed = True
         self.pods._call(self.pods._release(self.name))
-
-    def __enter__(self) -> PodSandbox:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _tar(files: Mapping[str, str]) -> bytes:
