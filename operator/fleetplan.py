@@ -155,13 +155,43 @@ def observe(memory: FleetMemory, readings: Sequence[FleetReading], settle_interv
     return out
 
 
+def trainer_demand(trainer: Mapping[str, float], headroom: float) -> float | None:
+    """Usable tokens/s the trainer consumes, from its last step's fleet metrics (the exporter's
+    `rlfleet_trainer_*{scope="fleet"}`): the tokens it sampled per step (`episodes` x `response_length`,
+    the mean of the model-generated tokens per episode) over its training seconds per step
+    (`time_train`), so the rate at which a trainer that never waits on rollouts takes them, times the
+    in-band share (1 - `oor_fraction`: the plan's demand counts usable tokens) and `headroom`. None
+    before the trainer has reported a step."""
+    episodes, length, seconds = trainer.get("episodes"), trainer.get("response_length"), trainer.get("time_train")
+    if episodes is None or length is None or seconds is None or seconds <= 0 or episodes * length <= 0:
+        return None
+    usable = 1.0 - min(max(trainer.get("oor_fraction", 0.0), 0.0), 1.0)
+    return episodes * length / seconds * usable * headroom
+
+
+def demand_of(spec: FleetOptimizeSpec, trainer: Mapping[str, float]) -> tuple[float | None, str]:
+    """This interval's demand (None: not known yet) and where it came from, for the status."""
+    if spec.demand is None:
+        return None, "no demand"
+    if spec.demand.usable_tokens_per_second is not None:
+        return spec.demand.usable_tokens_per_second, "given"
+    derived = trainer_demand(trainer, spec.demand.headroom)
+    if derived is None:
+        return None, "derived from the trainer's steps, none reported yet"
+    return derived, (f"derived: {trainer['episodes'] * trainer['response_length']:.0f} tokens per step over "
+                     f"{trainer['time_train']:.2f} s of training, x {1.0 - min(max(trainer.get('oor_fraction', 0.0), 0.0), 1.0):.3f} "
+                     f"in band x headroom {spec.demand.headroom:g}")  # fmt: skip
+
+
 def fleet_request(
     spec: FleetOptimizeSpec, trainer_accelerator: str, reference: ReferenceFigures,
     readings: Sequence[FleetReading], per_replica: Mapping[str, float], held: Mapping[str, str] | None = None,
+    trainer: Mapping[str, float] | None = None,
 ) -> tuple[FleetPlanRequest | None, dict[str, str]]:  # fmt: skip
     """The request of `plan_fleet` for this interval, and the groups left out of it with why (None: no
-    group is in it). `held`: groups another controller is changing (the precision autopilot), left out
-    with its reason. Module docstring: the rules."""
+    group is in it, or the demand is not known yet). `held`: groups another controller is changing (the
+    precision autopilot), left out with its reason. `trainer`: the trainer's last fleet metrics, for a
+    derived demand (`demand_of`). Module docstring: the rules."""
     left_out: dict[str, str] = {}
     figures: list[GroupFigures] = []
     for r in readings:
@@ -191,12 +221,13 @@ def fleet_request(
             max_oor_fraction=bounds.max_oor_fraction if bounds else None,
             spot=r.spot,
         ))  # fmt: skip
-    if not figures or spec.demand is None:
+    demand, _ = demand_of(spec, trainer or {})
+    if not figures or demand is None:
         return None, left_out
     budgets = spec.budgets
     request = FleetPlanRequest(
         trainer_accelerator=trainer_accelerator,
-        demand=Demand(usable_tokens_per_second=spec.demand.usable_tokens_per_second),
+        demand=Demand(usable_tokens_per_second=demand),
         budgets=Budgets(max_kl=budgets.max_kl, max_oor_fraction=budgets.max_oor_fraction,
                         group_max_kl=budgets.group_max_kl, group_max_oor_fraction=budgets.group_max_oor_fraction),
         max_step_replicas=spec.max_step_replicas,
@@ -225,9 +256,9 @@ def merged_shares(
 
 def decide(
     request: FleetPlanRequest | None, left_out: Mapping[str, str], readings: Sequence[FleetReading],
-    policy_shares: Mapping[str, float], catalog: Catalog | None = None,
+    policy_shares: Mapping[str, float], catalog: Catalog | None = None, demand_source: str = "given",
 ) -> FleetDecision:  # fmt: skip
-    """One interval's decision (module docstring)."""
+    """One interval's decision (module docstring). `demand_source`: `demand_of`'s account of the demand."""
     current = {r.name: r.replicas for r in readings}
     out = "; ".join(f"{g} keeps its replicas ({why})" for g, why in left_out.items())
 
@@ -235,7 +266,11 @@ def decide(
         return FleetDecision(decision, "; ".join(p for p in (reason, out) if p), dict(current), current)
 
     if request is None:
-        return unchanged("Waiting", "no group has a throughput reading yet: replicas kept, shares by the share policy")
+        waiting = ("no group has a throughput reading yet" if len(left_out) == len(readings)
+                   else f"the demand is not known yet ({demand_source})")  # fmt: skip
+        return unchanged("Waiting", f"{waiting}: replicas kept, shares by the share policy")
+    if demand_source != "given":
+        out = "; ".join(p for p in (f"demand {request.demand.usable_tokens_per_second:.0f} usable tokens/s {demand_source}", out) if p)
     try:
         plan = plan_fleet(request, catalog)
     except PlanInfeasible as exc:

@@ -449,9 +449,11 @@ def plan_fleet_mix(job: RLJob, samplergroups: Sequence[Mapping[str, Any]], input
         oor_fraction=config.reference_oor_fraction,
     )
     held = {g: "precision autopilot: settling after a precision change" for g in memory.precision.settling}
+    trainer = memory.report.fleet if memory.report is not None else {}
     request, left_out = fleetplan.fleet_request(job.spec.router.optimize, job.spec.trainer.accelerator, reference,
-                                                readings, memory.fleet.per_replica, held)  # fmt: skip
-    memory.plan = fleetplan.decide(request, left_out, readings, result.shares, catalog)
+                                                readings, memory.fleet.per_replica, held, trainer)  # fmt: skip
+    _, demand_source = fleetplan.demand_of(job.spec.router.optimize, trainer)
+    memory.plan = fleetplan.decide(request, left_out, readings, result.shares, catalog, demand_source)
     return memory.plan
 
 

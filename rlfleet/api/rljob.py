@@ -556,7 +556,7 @@ class ReferenceFleetSpec(ApiModel):
 FLEET_BOUNDS_RULE = "self.minReplicas <= self.maxReplicas"
 FLEET_BOUNDS_MESSAGE = "router.optimize.groups: minReplicas must be <= maxReplicas"
 FLEET_DEMAND_RULE = "!self.enabled || has(self.demand)"
-FLEET_DEMAND_MESSAGE = "router.optimize: enabled needs demand.usableTokensPerSecond (what the trainer consumes)"
+FLEET_DEMAND_MESSAGE = "router.optimize: enabled needs demand.usableTokensPerSecond (what the trainer consumes), or demand: {} to derive it from the trainer's steps"
 FLEET_GROUPS_RULE = "!has(self.router.optimize) || !has(self.router.optimize.groups) || self.router.optimize.groups.all(k, self.samplerGroups.exists(g, g.name == k))"
 FLEET_GROUPS_MESSAGE = "router.optimize.groups: every key must be the name of a group in samplerGroups"
 
@@ -598,8 +598,10 @@ class FleetBudgetsSpec(ApiModel):
 class FleetDemandSpec(ApiModel):
     """What the trainer consumes."""
 
-    usable_tokens_per_second: float = Field(ge=0.0, le=1e9)
-    """Usable (in-band) tokens per second the sampler fleet must make: usable tokens per step over seconds per step at the target staleness. Given, not derived from the trainer's reports."""
+    usable_tokens_per_second: float | None = Field(default=None, ge=0.0, le=1e9)
+    """Usable (in-band) tokens per second the sampler fleet must make. Unset: derived each interval from the trainer's last step, as the tokens it samples per step (episodes x mean response length) over its training seconds per step, times the in-band share (1 - its out-of-range share), times headroom: the rate at which the trainer, never waiting on rollouts, consumes them (docs/economics.md)."""
+    headroom: float = Field(default=1.1, ge=1.0, le=4.0)
+    """The derived demand's margin over the trainer's consumption (unused when usableTokensPerSecond is given)."""
 
 
 class FleetOptimizeSpec(ApiModel):

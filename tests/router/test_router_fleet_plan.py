@@ -240,3 +240,57 @@ def test_the_block_is_off_by_default_and_refuses_what_it_cannot_plan() -> None:
             del job["spec"]["router"]["optimize"]["demand"]
         with pytest.raises(ValidationError, match=message):
             RLJob.from_manifest(job)
+
+
+# --- the demand derived from the trainer ------------------------------------------------------------------
+
+
+def test_the_derived_demand_is_the_trainers_consumption_in_band_times_headroom() -> None:
+    """64 episodes of 500 sampled tokens in 8 s of training, 10% out of band: 4000 tokens/s, 3600 usable,
+    3960 with the default headroom 1.1. Nothing before the trainer's first step (or a step of 0 s)."""
+    step = {"episodes": 64.0, "response_length": 500.0, "time_train": 8.0, "oor_fraction": 0.1}
+    assert fleetplan.trainer_demand(step, 1.1) == pytest.approx(3960.0, rel=1e-12)
+    assert fleetplan.trainer_demand({**step, "oor_fraction": 0.0}, 1.0) == 4000.0
+    assert fleetplan.trainer_demand({k: v for k, v in step.items() if k != "oor_fraction"}, 1.0) == 4000.0
+    for missing in ("episodes", "response_length", "time_train"):
+        assert fleetplan.trainer_demand({k: v for k, v in step.items() if k != missing}, 1.1) is None
+    assert fleetplan.trainer_demand({**step, "time_train": 0.0}, 1.1) is None
+    assert optimize_spec(demand={}).demand.headroom == 1.1
+
+
+def trainer_fleet_metrics(step_metrics: dict[str, float]) -> dict[str, float]:
+    """A step's metrics as the operator reads them: through the trainer's real exporter and its parser."""
+    from prometheus_client import generate_latest
+
+    from rlfleet.operator.trainer_report import parse_trainer_report
+    from rlfleet.trainer.metrics import PrometheusExporter
+
+    exporter = PrometheusExporter(port=0)
+    try:
+        exporter.update(1, step_metrics)
+        return dict(parse_trainer_report(generate_latest(exporter.registry).decode()).fleet)
+    finally:
+        exporter.close()
+
+
+def test_a_derived_demand_plans_as_the_same_given_demand_and_waits_for_the_trainers_first_step() -> None:
+    """52 episodes x 1000 tokens in 4 s, all in band, headroom 1: 13000 usable tokens/s, the given demand
+    of the hand-solved fleet, so the same step; before any trainer step the optimizer waits, saying why."""
+    readings = [reading("b200-nvfp4", 1, tps=4000.0), reading("a100-bf16", 1)]
+    per_replica = {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0}
+    spec = optimize_spec(budgets={}, demand={"headroom": 1.0})
+    trainer = trainer_fleet_metrics({"episodes": 52.0, "response_length": 1000.0, "time/train": 4.0, "oor_fraction": 0.0})
+    request, left_out = fleetplan.fleet_request(spec, "b200", REFERENCE, readings, per_replica, None, trainer)
+    assert request is not None and request.demand == Demand(usable_tokens_per_second=13000.0)
+    _, source = fleetplan.demand_of(spec, trainer)
+    derived = fleetplan.decide(request, left_out, readings, {"b200-nvfp4": 0.5, "a100-bf16": 0.5}, None, source)
+    given = decide((1, 1))
+    assert (derived.decision, derived.replicas) == (given.decision, given.replicas) == ("Stepping", {"b200-nvfp4": 2, "a100-bf16": 1})
+    assert derived.reason.endswith("; demand 13000 usable tokens/s derived: 52000 tokens per step over 4.00 s of training, "
+                                   "x 1.000 in band x headroom 1")  # fmt: skip
+
+    request, left_out = fleetplan.fleet_request(spec, "b200", REFERENCE, readings, per_replica, None, {})
+    _, source = fleetplan.demand_of(spec, {})
+    waiting = fleetplan.decide(request, left_out, readings, {"b200-nvfp4": 0.5, "a100-bf16": 0.5}, None, source)
+    assert request is None and waiting.decision == "Waiting" and waiting.replicas == {"b200-nvfp4": 1, "a100-bf16": 1}
+    assert waiting.reason.startswith("the demand is not known yet (derived from the trainer's steps, none reported yet)")
