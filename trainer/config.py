@@ -133,12 +133,18 @@ def build_environment(rc: RunConfig, tokenizer: Any = None) -> Environment:
     env = copy.copy(load_environment(rc.environment, tokenizer=tokenizer))  # never mutate a shared built-in instance
     if env.max_turns != 1:
         env.max_turns = rc.max_turns
-    if rc.sandbox.backend == "pods":
+    if rc.sandbox.backend != "local":
         if not hasattr(env, "sandbox"):
-            raise ValueError(f"rollout.sandbox.backend pods: environment {rc.environment!r} runs no sandboxes "
-                             "(it has no `sandbox` factory, as rlfleet.trainer.swe_env:SweEnv has)")
-        from rlfleet.sandbox.pods import PodSandboxes
+            raise ValueError(f"rollout.sandbox.backend {rc.sandbox.backend}: environment {rc.environment!r} runs no "
+                             "sandboxes (it has no `sandbox` factory, as rlfleet.trainer.swe_env:SweEnv has)")
+        if rc.sandbox.backend == "pods":
+            from rlfleet.sandbox.pods import PodSandboxes
 
-        # made before the first episode: it deletes the sandbox pods a previous run of this trainer pod left
-        env.sandbox = PodSandboxes.from_environment(rc.sandbox, rc.job_name)
+            # made before the first episode: it deletes the sandbox pods a previous run of this trainer pod left
+            env.sandbox = PodSandboxes.from_environment(rc.sandbox, rc.job_name)
+        else:
+            from rlfleet.sandbox.agent_sandbox import AgentSandboxes
+
+            # made before the first episode: it makes (or checks) the job's SandboxWarmPool of the template
+            env.sandbox = AgentSandboxes.from_environment(rc.sandbox, rc.job_name)
     return env

@@ -404,21 +404,29 @@ SANDBOX_IMAGE_MESSAGE = (
     "rollout.sandbox.backend pods needs rollout.sandbox.image (the sandbox pods' image: sh, git and python3, "
     "docs/environments.md 'Sandboxes in a cluster')"
 )
+SANDBOX_TEMPLATE_RULE = "self.backend != 'agent-sandbox' || has(self.template)"
+SANDBOX_TEMPLATE_MESSAGE = (
+    "rollout.sandbox.backend agent-sandbox needs rollout.sandbox.template (the name of the agent-sandbox "
+    "SandboxTemplate of the task image in the job's namespace, docs/environments.md 'Sandboxes in a cluster')"
+)
 
 
 class SandboxSpec(ApiModel):
-    """Where an environment's sandboxes run (the SWE environment's, rlfleet/sandbox): `local` (bubblewrap process trees in the trainer pod) or `pods` (one pod per sandbox in the job's namespace, commands through the API's exec; the operator then gives the trainer a ServiceAccount that may create, exec into and delete pods in this namespace, and a NetworkPolicy denies the sandbox pods all egress)."""
+    """Where an environment's sandboxes run (the SWE environment's, rlfleet/sandbox): `local` (bubblewrap process trees in the trainer pod) or `pods` (one pod per sandbox in the job's namespace, commands through the API's exec; the operator then gives the trainer a ServiceAccount that may create, exec into and delete pods in this namespace, and a NetworkPolicy denies the sandbox pods all egress) or `agent-sandbox` (kubernetes-sigs/agent-sandbox, where the cluster runs its controller: one SandboxClaim per sandbox on a warm pool of the job's SandboxTemplate, through its Python SDK, the `agent-sandbox` extra)."""
 
     model_config = {
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 {"rule": SANDBOX_IMAGE_RULE, "message": SANDBOX_IMAGE_MESSAGE, "fieldPath": ".image"},
+                {"rule": SANDBOX_TEMPLATE_RULE, "message": SANDBOX_TEMPLATE_MESSAGE, "fieldPath": ".template"},
             ]
         }
     }
 
-    backend: Literal["local", "pods"] = "local"
-    """local: bubblewrap process trees in the trainer pod; pods: one sandbox pod per episode's sandbox."""
+    backend: Literal["local", "pods", "agent-sandbox"] = "local"
+    """local: bubblewrap process trees in the trainer pod; pods: one sandbox pod per episode's sandbox; agent-sandbox: one SandboxClaim per episode's sandbox (needs agent-sandbox's controller in the cluster)."""
+    template: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
+    """The agent-sandbox SandboxTemplate of the task image (backend agent-sandbox), in the job's namespace: the trainer claims its sandboxes from the SandboxWarmPool `<job>-sandboxes` of this template (made if absent)."""
     image: str | None = Field(default=None, min_length=1, max_length=512)
     """The sandbox pods' image (backend pods): it needs sh, git and python3, and runs as uid 10001 on a read-only root."""
     runtime_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
@@ -434,12 +442,14 @@ class SandboxSpec(ApiModel):
     node_selector: dict[str, str] = Field(default_factory=dict)
     """nodeSelector of the sandbox pods (e.g. CPU nodes)."""
     warm_pool: int = Field(default=0, ge=0, le=1024)
-    """Most idle sandbox pods kept started ahead of demand: the pool follows the sandboxes open now (one idle pod per in-flight episode's sandbox, up to this), so an episode or its grading usually takes a running pod instead of a cold start; 0: none."""
+    """Most idle sandbox pods kept started ahead of demand: the pool follows the sandboxes open now (one idle pod per in-flight episode's sandbox, up to this), so an episode or its grading usually takes a running pod instead of a cold start; 0: none. Backend agent-sandbox: the same target is the replicas of its SandboxWarmPool, set through the scale subresource."""
 
     @model_validator(mode="after")
     def _check_image(self) -> SandboxSpec:
         if self.backend == "pods" and self.image is None:
             raise ValueError(SANDBOX_IMAGE_MESSAGE)
+        if self.backend == "agent-sandbox" and self.template is None:
+            raise ValueError(SANDBOX_TEMPLATE_MESSAGE)
         return self
 
 

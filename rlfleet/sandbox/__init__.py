@@ -7,7 +7,9 @@ File reads and writes go through the sandbox itself, never through the host's vi
 dir: a path the agent made a symlink must resolve inside the sandbox, not on the host.
 
 Backends: `LocalSandbox` (rlfleet/sandbox/local.py: bubblewrap process trees on this machine) and
-`PodSandbox` (rlfleet/sandbox/pods.py: one Kubernetes pod per sandbox, commands through the API's exec).
+`PodSandbox` (rlfleet/sandbox/pods.py: one Kubernetes pod per sandbox, commands through the API's exec)
+and `AgentSandbox` (rlfleet/sandbox/agent_sandbox.py: one kubernetes-sigs/agent-sandbox SandboxClaim per
+sandbox, through its Python SDK).
 docs/environments.md 'Sandboxes' says what each isolates.
 """
 

@@ -1,0 +1,234 @@
+"""agent-sandbox: the `agent-sandbox` backend of `Sandbox` (RLJob rollout.sandbox.backend: agent-sandbox).
+
+Where a cluster runs kubernetes-sigs/agent-sandbox (its controller and CRDs, agents.x-k8s.io and
+extensions.agents.x-k8s.io v1beta1), the trainer gets its sandboxes through the project's Python SDK
+(`k8s-agent-sandbox`, the `agent-sandbox` extra) instead of making pods itself:
+- the RLJob names a SandboxTemplate (rollout.sandbox.template: the task image's pod template, which the
+  cluster's owner writes); the trainer makes the SandboxWarmPool `<job>-sandboxes` of it if absent;
+- one SandboxClaim per sandbox (an episode's, or its grading's), made and awaited by the SDK's
+  `SandboxClient.create_sandbox` on that pool (the SDK's claims name a warm pool, not a template), and
+  deleted by `close()` (the SDK's `terminate`);
+- every command through the SDK's `commands.run` (the sandbox runtime's HTTP API, reached in-cluster);
+- the pool's replicas follow the sandboxes open now, as the pods backend's warm pool does
+  (podspec.warm_pool_target, at most rollout.sandbox.warmPool), set through its scale subresource.
+
+The SDK's `commands.run` takes no stdin: a command's stdin travels base64-encoded in its shell line.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+import shlex
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from k8s_agent_sandbox import SandboxClient
+from k8s_agent_sandbox.constants import CLAIM_API_GROUP, CLAIM_API_VERSION
+from k8s_agent_sandbox.models import SandboxConnectionConfig, SandboxInClusterConnectionConfig
+from k8s_agent_sandbox.sandbox import Sandbox as SdkSandbox
+from kubernetes.client import ApiClient, ApiException
+
+from rlfleet.sandbox import SNAPSHOT_SCRIPT, CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox.local import MAX_OUTPUT_BYTES
+from rlfleet.sandbox.pods import _tar
+from rlfleet.sandbox.podspec import COMPONENT, LABEL_COMPONENT, LABEL_JOB, NAMESPACE_ENV, warm_pool_target
+
+WARM_POOL_PLURAL = "sandboxwarmpools"
+WARM_POOL_KIND = "SandboxWarmPool"
+READY_TIMEOUT_S = 300
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+WORKDIR = "/tmp/rlfleet-work"  # made by each command: a SandboxTemplate's image need not have /work
+EXEC_WRAPPER = (
+    "mkdir -p {workdir} && cd {workdir} || exit 126; ulimit -t {cpu}; ulimit -n {files}; {stdin}{argv} 2>&1"
+)
+
+
+def warm_pool_name(job: str) -> str:
+    return f"{job}-sandboxes"
+
+
+def command_line(argv: list[str], stdin: bytes, limits: SandboxLimits, workdir: str = WORKDIR) -> str:
+    """The one shell line `commands.run` gets: `argv` in the work dir under the limits, `stdin` decoded
+    from base64 onto its standard input, stderr merged into stdout."""
+    feed = f"printf %s {base64.b64encode(stdin).decode()} | base64 -d | " if stdin else "</dev/null "
+    script = EXEC_WRAPPER.format(workdir=shlex.quote(workdir), cpu=int(limits.cpu_seconds),
+                                 files=int(limits.open_files), stdin=feed, argv=shlex.join(argv))  # fmt: skip
+    return shlex.join(["sh", "-c", script])
+
+
+class AgentSandboxes:
+    """The factory of claimed sandboxes for one trainer: `(files, limits) -> AgentSandbox` (SweEnv's `sandbox`)."""
+
+    def __init__(self, namespace: str, job: str, template: str, warm_pool: int, api_client: ApiClient | None = None,
+                 connection: SandboxConnectionConfig | None = None,
+                 ready_timeout_s: int = READY_TIMEOUT_S, workdir: str = WORKDIR) -> None:  # fmt: skip
+        """`api_client`: None in a pod (its ServiceAccount token), else one from a kubeconfig (tests).
+        `connection`: how the SDK reaches a sandbox's runtime; default: in-cluster (the pod's IP).
+        `workdir`: the repository's root inside each sandbox (made by every command)."""
+        self.workdir = workdir
+        self.namespace, self.job, self.template = namespace, job, template
+        self.max_warm = warm_pool
+        self.ready_timeout_s = ready_timeout_s
+        self.pool = warm_pool_name(job)
+        self.client: SandboxClient[SdkSandbox] = SandboxClient(
+            connection_config=connection or SandboxInClusterConnectionConfig(), api_client=api_client
+        )
+        self.objects = self.client.k8s_helper.custom_objects_api
+        self._lock = threading.Lock()  # the open count and the pool's last scale
+        self._open = 0
+        self._replicas: int | None = None
+        self._ensure_pool()
+
+    @classmethod
+    def from_environment(cls, spec: Any, job: str, environ: Mapping[str, str] | None = None) -> AgentSandboxes:
+        """In the trainer pod: the RLJob's rollout.sandbox (`spec`, rlfleet.api.SandboxSpec); the namespace from
+        the downward API (RLFLEET_POD_NAMESPACE, which the operator sets for the pods backend) or else the
+        pod's ServiceAccount mount (the SDK authenticates with that account's token)."""
+        env = os.environ if environ is None else environ
+        namespace = env.get(NAMESPACE_ENV) or ""
+        if not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():
+            namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+        if not namespace:
+            raise SandboxUnavailable(
+                f"rollout.sandbox.backend agent-sandbox: the trainer does not know its namespace ({NAMESPACE_ENV} "
+                f"unset, no {SERVICE_ACCOUNT_NAMESPACE}): it runs in a pod with a ServiceAccount token"
+            )
+        return cls(namespace, job, spec.template, spec.warm_pool)
+
+    def _pool_call(self, method: str, **kwargs: Any) -> Any:
+        return getattr(self.objects, method)(group=CLAIM_API_GROUP, version=CLAIM_API_VERSION,
+                                             namespace=self.namespace, plural=WARM_POOL_PLURAL, **kwargs)  # fmt: skip
+
+    def _ensure_pool(self) -> None:
+        """Make the SandboxWarmPool of the template (replicas 0), or check the one there names it."""
+        body = {"apiVersion": f"{CLAIM_API_GROUP}/{CLAIM_API_VERSION}", "kind": WARM_POOL_KIND,
+                "metadata": {"name": self.pool, "labels": {LABEL_JOB: self.job, LABEL_COMPONENT: COMPONENT}},
+                "spec": {"replicas": 0, "sandboxTemplateRef": {"name": self.template}}}  # fmt: skip
+        try:
+            self._pool_call("create_namespaced_custom_object", body=body)
+            self._replicas = 0
+        except ApiException as e:
+            if e.status == 404:
+                raise SandboxUnavailable(
+                    f"rollout.sandbox.backend agent-sandbox: the cluster has no {WARM_POOL_KIND} API "
+                    f"({CLAIM_API_GROUP}/{CLAIM_API_VERSION}): install agent-sandbox's CRDs and controller"
+                ) from None
+            if e.status != 409:
+                raise
+            existing = self._pool_call("get_namespaced_custom_object", name=self.pool)
+            named = existing.get("spec", {}).get("sandboxTemplateRef", {}).get("name")
+            if named != self.template:
+                raise SandboxUnavailable(
+                    f"{WARM_POOL_KIND} {self.namespace}/{self.pool} exists for template {named!r}, "
+                    f"not rollout.sandbox.template {self.template!r}: delete it or rename the job"
+                ) from None
+
+    def _scale(self) -> None:
+        """Set the pool's replicas to the warm target of the sandboxes open now (under the lock)."""
+        target = warm_pool_target(self._open, self.max_warm)
+        if target != self._replicas:
+            self._pool_call(
+                "patch_namespaced_custom_object_scale", name=self.pool, body={"spec": {"replicas": target}}
+            )
+            self._replicas = target
+
+    def claim(self) -> SdkSandbox:
+        """One SandboxClaim on the pool, ready (the SDK waits on the claim's Ready condition)."""
+        with self._lock:
+            self._open += 1
+            self._scale()
+        try:
+            return self.client.create_sandbox(
+                warmpool=self.pool,
+                namespace=self.namespace,
+                sandbox_ready_timeout=self.ready_timeout_s,
+                labels={LABEL_JOB: self.job, LABEL_COMPONENT: COMPONENT},
+            )
+        except TimeoutError:
+            self.released()
+            raise SandboxUnavailable(
+                f"SandboxClaim on {WARM_POOL_KIND} {self.namespace}/{self.pool} (template {self.template}) was not "
+                f"ready within {self.ready_timeout_s}s: is agent-sandbox's controller running in the cluster?"
+            ) from None
+        except BaseException:
+            self.released()
+            raise
+
+    def released(self) -> None:
+        with self._lock:
+            self._open -= 1
+            self._scale()
+
+    @property
+    def open(self) -> int:
+        return self._open
+
+    def __call__(self, files: Mapping[str, str], limits: SandboxLimits) -> AgentSandbox:
+        return AgentSandbox(self, files, limits)
+
+
+class AgentSandbox(ExecSandbox):
+    """One claimed sandbox: the snapshot in WORKDIR (a git commit), every call a `commands.run`."""
+
+    def __init__(
+        self, sandboxes: AgentSandboxes, files: Mapping[str, str], limits: SandboxLimits | None = None
+    ) -> None:
+        self.sandboxes = sandboxes
+        self.limits = limits or SandboxLimits()
+        self.seconds = 0.0
+        t0 = time.monotonic()
+        self.handle = sandboxes.claim()
+        self.start_seconds = time.monotonic() - t0
+        self.claim_name: str = self.handle.claim_name or ""  # the SDK clears it once deleted
+        self.closed = False
+        try:
+            snap = self.exec(
+                ["sh", "-c", f"tar -x -f - && {SNAPSHOT_SCRIPT}"], timeout_s=120, stdin=_tar(files)
+            )
+            if snap.exit_code != 0:
+                raise SandboxUnavailable(
+                    f"SandboxClaim {self.claim_name}: the snapshot failed: {snap.output.strip()[-500:]}"
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def exec(self, argv: list[str], timeout_s: float, stdin: bytes = b"") -> CommandResult:
+        if self.closed:
+            raise RuntimeError("the sandbox is closed")
+        timeout = max(0.1, min(float(timeout_s), self.limits.max_timeout_s))
+        commands = self.handle.commands
+        if commands is None:
+            raise RuntimeError(f"SandboxClaim {self.claim_name}: the SDK's connection is closed")
+        t0 = time.monotonic()
+        result = commands.run(command_line(argv, stdin, self.limits, self.sandboxes.workdir), timeout=math.ceil(timeout) + 30,
+                              command_timeout=timeout)  # fmt: skip
+        seconds = time.monotonic() - t0
+        self.seconds += seconds
+        output = (result.stdout + result.stderr).encode()
+        if len(output) > MAX_OUTPUT_BYTES:  # as the local sandbox keeps it: the first and last half
+            half = MAX_OUTPUT_BYTES // 2
+            output = (
+                output[:half]
+                + f"\n[... {len(output) - MAX_OUTPUT_BYTES} bytes omitted ...]\n".encode()
+                + output[-half:]
+            )
+        code = -9 if result.timed_out else result.exit_code
+        return CommandResult(code, output.decode("utf-8", errors="replace"), result.timed_out, seconds)
+
+    def close(self) -> None:
+        """Delete the SandboxClaim (idempotent); agent-sandbox's controller deletes its sandbox with it."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.handle.terminate()  # raises if the DELETE fails (a 404 is success)
+            # drop the SDK client's registry entry (its terminate is idempotent: no second DELETE)
+            self.sandboxes.client.delete_sandbox(self.claim_name, self.sandboxes.namespace)
+        finally:
+            self.sandboxes.released()

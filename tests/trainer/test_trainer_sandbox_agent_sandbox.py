@@ -1,0 +1,227 @@
+"""The agent-sandbox backend (rlfleet/sandbox/agent_sandbox.py) as far as agent-sandbox runs here.
+
+Here: the SDK (`k8s-agent-sandbox`, the `agent-sandbox` extra) against the real test control plane with
+agent-sandbox's own CRDs installed (tests/trainer/agent_sandbox/crds, from kubernetes-sigs/agent-sandbox at
+2fd412d5, its helm/crds), and its own example runtime server (tests/trainer/agent_sandbox/runtime_main.py,
+examples/python-runtime-sandbox/main.py of the same commit) on this machine. NOT here: agent-sandbox's
+controller (Go; the module proxy refuses sigs.k8s.io/agent-sandbox), so no SandboxClaim ever becomes ready
+by itself: the test that runs commands writes the claim's Ready status itself, as the controller would,
+and the runtime runs the commands on this machine, not in a sandbox pod.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox.agent_sandbox import AgentSandboxes, command_line
+
+HERE = Path(__file__).resolve().parent / "agent_sandbox"
+GROUP, VERSION = "extensions.agents.x-k8s.io", "v1beta1"
+
+
+def test_the_command_line_carries_stdin_and_merges_stderr_through_a_real_shell(tmp_path: Path) -> None:
+    """What the runtime gets: one line it splits with shlex and runs (its /execute); here a real sh runs it."""
+    work = tmp_path / "w o r k"
+    line = command_line(["sh", "-c", 'cat > "$1"; echo out; echo err >&2; exit 3', "sh", "f.txt"], b"a'b\n\x00c",
+                        SandboxLimits(), str(work))  # fmt: skip
+    done = subprocess.run(shlex.split(line), capture_output=True, timeout=30)
+    assert done.returncode == 3 and done.stdout == b"out\nerr\n" and done.stderr == b""
+    assert (work / "f.txt").read_bytes() == b"a'b\n\x00c"  # made the work dir, ran in it, stdin byte-exact
+    quiet = subprocess.run(shlex.split(command_line(["cat"], b"", SandboxLimits(), str(work))),
+                           capture_output=True, timeout=30)  # fmt: skip
+    assert quiet.returncode == 0 and quiet.stdout == b""  # no stdin: /dev/null, never the runtime's own
+
+
+def test_from_environment_says_what_is_missing() -> None:
+    class Spec:
+        template, warm_pool = "t", 0
+
+    with pytest.raises(SandboxUnavailable, match="does not know its namespace"):
+        AgentSandboxes.from_environment(Spec(), "j", environ={})
+
+
+@pytest.fixture(scope="module")
+def crds(kube) -> None:
+    kube.kubectl("apply", "--server-side", "-f", str(HERE / "crds"))
+    for plural in ("sandboxclaims", "sandboxwarmpools"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{plural}.{GROUP}", "--timeout=60s")
+
+
+def objects(kube) -> Any:
+    from kubernetes import client
+
+    return client.CustomObjectsApi(kube.api_client())
+
+
+def claims(api: Any, namespace: str) -> list[dict[str, Any]]:
+    return api.list_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxclaims")["items"]
+
+
+def replicas(api: Any, namespace: str, pool: str) -> int:
+    scale = api.get_namespaced_custom_object_scale(GROUP, VERSION, namespace, "sandboxwarmpools", pool)
+    return int(scale["spec"].get("replicas", 0))  # a Scale's spec leaves 0 out
+
+
+def wait_for(what: str, check: Any, timeout_s: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+
+@pytest.mark.cluster
+def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_deleted(kube, crds, namespace: str) -> None:
+    api = objects(kube)
+    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=4, api_client=kube.api_client(), ready_timeout_s=4)
+    pool = api.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxwarmpools", "j-sandboxes")
+    assert pool["spec"] == {"replicas": 0, "sandboxTemplateRef": {"name": "python-task"}}
+    assert pool["metadata"]["labels"] == {"rlfleet.dev/job": "j", "app.kubernetes.io/component": "sandbox"}
+
+    errors: list[BaseException] = []
+
+    def episode() -> None:
+        try:
+            boxes({"a.py": "x = 1\n"}, SandboxLimits())
+        except BaseException as e:  # noqa: BLE001 - the main thread asserts on it
+            errors.append(e)
+
+    thread = threading.Thread(target=episode)
+    thread.start()
+    (claim,) = wait_for("the claim", lambda: claims(api, namespace))
+    # exactly the SDK's claim: on the job's warm pool, labelled as the SDK and the backend label it
+    assert claim["spec"] == {"warmPoolRef": {"name": "j-sandboxes"}}
+    assert claim["metadata"]["name"].startswith("sandbox-claim-")
+    assert claim["metadata"]["labels"] == {"rlfleet.dev/job": "j", "app.kubernetes.io/component": "sandbox",
+                                           "agents.x-k8s.io/created-by": "python-client"}  # fmt: skip
+    assert "agents.x-k8s.io/client-first-requested-at" in claim["metadata"]["annotations"]
+    assert replicas(api, namespace, "j-sandboxes") == 1  # one sandbox open: one warm one ahead of it
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    (error,) = errors
+    assert isinstance(error, SandboxUnavailable)
+    message = str(error)
+    assert "\n" not in message and "not ready within 4s" in message and "agent-sandbox's controller" in message
+    assert claims(api, namespace) == []  # the SDK rolled its claim back
+    assert replicas(api, namespace, "j-sandboxes") == 0 and boxes.open == 0
+
+
+@pytest.mark.cluster
+def test_a_pool_of_another_template_is_refused(kube, crds, namespace: str) -> None:
+    AgentSandboxes(namespace, "j", "python-task", warm_pool=1, api_client=kube.api_client())
+    with pytest.raises(SandboxUnavailable, match="exists for template 'python-task', not rollout.sandbox.template 'go-task'"):
+        AgentSandboxes(namespace, "j", "go-task", warm_pool=1, api_client=kube.api_client())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> Iterator[str]:
+    """agent-sandbox's example runtime (its /execute runs shlex.split(command) in SANDBOX_BASE_DIR) on a port here."""
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("multipart") is None:
+        pytest.skip("the example runtime needs fastapi and python-multipart")
+    port = free_port()
+    base = tmp_path / "runtime"
+    base.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "runtime_main:app", "--host", "127.0.0.1", "--port", str(port)],
+                            cwd=HERE, env={"PATH": "/usr/bin:/bin", "SANDBOX_BASE_DIR": str(base), "HOME": str(tmp_path)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return True
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                return False
+
+        wait_for("the runtime", up)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def play_controller(api: Any, namespace: str, sandbox: str) -> None:
+    """What agent-sandbox's controller does once a claim's sandbox is up: status.sandbox.name and Ready."""
+    (claim,) = wait_for("the claim", lambda: claims(api, namespace))
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    claim["status"] = {"sandbox": {"name": sandbox},
+                       "conditions": [{"type": "Ready", "status": "True", "reason": "SandboxReady", "message": "",
+                                       "lastTransitionTime": now}]}  # fmt: skip
+    api.replace_namespaced_custom_object_status(GROUP, VERSION, namespace, "sandboxclaims", claim["metadata"]["name"], claim)
+
+
+@pytest.mark.cluster
+def test_an_episode_runs_through_the_sdk_and_close_deletes_its_claim(kube, crds, namespace: str, runtime: str,
+                                                                    tmp_path: Path) -> None:  # fmt: skip
+    from k8s_agent_sandbox.models import SandboxDirectConnectionConfig
+
+    api = objects(kube)
+    work = tmp_path / "runtime" / "repo"
+    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=4, api_client=kube.api_client(),
+                           connection=SandboxDirectConnectionConfig(api_url=runtime), ready_timeout_s=30,
+                           workdir=str(work))  # fmt: skip
+    controller = threading.Thread(target=play_controller, args=(api, namespace, "sbx-1"))
+    controller.start()
+    box = boxes({"pkg/a.py": "x = 1\n", "README": "hi\n"}, SandboxLimits())
+    controller.join(timeout=30)
+    (claim,) = claims(api, namespace)
+    assert claim["metadata"]["name"] == box.claim_name and replicas(api, namespace, "j-sandboxes") == 1
+    assert box.read_file("pkg/a.py") == "x = 1\n"
+    box.write_file("pkg/b.py", "y = 'two'\n")
+    result = box.run("python3 -c 'import sys; print(sys.stdin.read().upper())'; echo e >&2; exit 5", timeout_s=30,
+                     stdin=b"in")  # fmt: skip
+    assert (result.exit_code, result.output, result.timed_out) == (5, "IN\ne\n", False)
+    diff = box.diff()
+    assert "+++ b/pkg/b.py" in diff and "+y = 'two'" in diff and "a.py" not in diff
+    with pytest.raises(FileNotFoundError):
+        box.read_file("nope.txt")
+    box.close()
+    assert claims(api, namespace) == [] and boxes.open == 0
+    assert replicas(api, namespace, "j-sandboxes") == 0
+    box.close()  # idempotent
+
+
+@pytest.mark.cluster
+def test_the_trainer_builds_the_backend_from_the_rljob(kube, crds, namespace: str, monkeypatch) -> None:
+    """rollout.sandbox.backend agent-sandbox -> trainer/config.py build_environment -> the job's warm pool."""
+    import yaml
+    from chat_tokenizer import build_chat_tokenizer
+
+    from rlfleet.api import RLJob
+    from rlfleet.trainer.config import build_environment, resolve_run
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml").read_text())
+    raw["spec"]["rollout"]["environment"] = "rlfleet.trainer.swe_env:SweEnv"
+    raw["spec"]["rollout"]["sandbox"] = {"backend": "agent-sandbox", "template": "python-task", "warmPool": 3}
+    rc = resolve_run(RLJob.model_validate(raw), local=False)
+    # the SDK's own client: in a pod, its ServiceAccount token; here the test cluster's kubeconfig, which
+    # `kubernetes` reads from KUBECONFIG once, at its import (before this test)
+    monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(kube.kubeconfig))
+    monkeypatch.setenv("RLFLEET_POD_NAMESPACE", namespace)
+    env = build_environment(rc, tokenizer=build_chat_tokenizer())
+    assert isinstance(env.sandbox, AgentSandboxes) and env.sandbox.max_warm == 3
+    pool = objects(kube).get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxwarmpools",
+                                                      f"{rc.job_name}-sandboxes")  # fmt: skip
+    assert pool["spec"]["sandboxTemplateRef"] == {"name": "python-task"}
