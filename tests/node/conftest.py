@@ -38,7 +38,17 @@ class DevCluster:
     plane: Any | None  # controlplane.ControlPlane (None when attached to a running one)
 
 
+# The one node test that stops the session's cluster (test_node_pods.py): it must run after every other node
+# test, whichever module each is in (a module sorting after test_node_pods.py found the cluster gone).
+STOPS_THE_CLUSTER = "test_down_leaves_no_process_mount_bridge_or_iptables_rule"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    stop = [i for i in items if i.name == STOPS_THE_CLUSTER]
+    if stop:
+        rest = [i for i in items if i.name != STOPS_THE_CLUSTER]
+        after = max(k for k, i in enumerate(rest) if "node" in i.keywords) + 1
+        items[:] = rest[:after] + stop + rest[after:]
     problems = realnode.host_problems()
     if not problems:
         return
