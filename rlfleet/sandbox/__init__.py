@@ -95,6 +95,13 @@ class ExecSandbox(ABC):
     def run(self, command: str, timeout_s: float, stdin: bytes = b"") -> CommandResult:
         return self.exec(["sh", "-c", command], timeout_s, stdin)
 
+    def unpack_snapshot(self, tar: bytes, directory: str, owner: str) -> None:
+        """A remote backend's start: the repository's files (a tar on the command's stdin) unpacked into
+        `directory` and committed as the snapshot; SandboxUnavailable naming `owner` if that fails."""
+        snap = self.exec(["sh", "-c", f"tar -x -f - -C {directory} && {SNAPSHOT_SCRIPT}"], timeout_s=120, stdin=tar)
+        if snap.exit_code != 0:
+            raise SandboxUnavailable(f"{owner}: the snapshot failed: {snap.output.strip()[-500:]}")
+
     def read_file(self, path: str) -> str:
         result = self.exec(["cat", "--", path], timeout_s=30)
         if result.exit_code != 0:

@@ -33,7 +33,7 @@ from k8s_agent_sandbox.models import SandboxConnectionConfig, SandboxInClusterCo
 from k8s_agent_sandbox.sandbox import Sandbox as SdkSandbox
 from kubernetes.client import ApiClient, ApiException
 
-from rlfleet.sandbox import SNAPSHOT_SCRIPT, CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox import CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.local import MAX_OUTPUT_BYTES
 from rlfleet.sandbox.pods import _tar
 from rlfleet.sandbox.podspec import COMPONENT, LABEL_COMPONENT, LABEL_JOB, NAMESPACE_ENV, warm_pool_target
@@ -187,13 +187,7 @@ class AgentSandbox(ExecSandbox):
         self.claim_name: str = self.handle.claim_name or ""  # the SDK clears it once deleted
         self.closed = False
         try:
-            snap = self.exec(
-                ["sh", "-c", f"tar -x -f - && {SNAPSHOT_SCRIPT}"], timeout_s=120, stdin=_tar(files)
-            )
-            if snap.exit_code != 0:
-                raise SandboxUnavailable(
-                    f"SandboxClaim {self.claim_name}: the snapshot failed: {snap.output.strip()[-500:]}"
-                )
+            self.unpack_snapshot(_tar(files), ".", f"SandboxClaim {self.claim_name}")  # commands run in the work dir
         except BaseException:
             self.close()
             raise

@@ -29,7 +29,7 @@ from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from rlfleet.sandbox import SNAPSHOT_SCRIPT, CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox import CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.local import MAX_OUTPUT_BYTES, checked_relative
 from rlfleet.sandbox.podspec import (
     CONTAINER,
@@ -340,9 +340,7 @@ class PodSandbox(ExecSandbox):
         self.start_seconds = time.monotonic() - t0
         self.closed = False
         try:
-            snap = self.exec(["sh", "-c", f"tar -x -f - -C {WORKDIR} && {SNAPSHOT_SCRIPT}"], timeout_s=120, stdin=_tar(files))
-            if snap.exit_code != 0:
-                raise SandboxUnavailable(f"sandbox pod {self.name}: the snapshot failed: {snap.output.strip()[-500:]}")
+            self.unpack_snapshot(_tar(files), WORKDIR, f"sandbox pod {self.name}")
         except BaseException:
             self.close()
             raise
