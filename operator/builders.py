@@ -9,6 +9,7 @@ config_files.py, every name and label in naming.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -19,7 +20,7 @@ from rlfleet.catalog import Catalog
 from rlfleet.operator import naming as n
 from rlfleet.operator.config_files import router_config, run_config
 from rlfleet.operator.network_policies import NetworkPolicySettings, build_network_policies
-from rlfleet.operator.sandboxes import DEFAULT_ROLE, build_sandbox_children, parse_role_ref
+from rlfleet.operator.sandboxes import build_sandbox_children
 from rlfleet.operator.workloads import (
     build_router_deployment,
     build_sampler_deployment,
@@ -169,16 +170,17 @@ def build_router_service(job: RLJob, namespace: str, owner: Manifest | None) -> 
 def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catalog: Catalog,
                        observed_groups: dict[str, Manifest] | None = None,
                        network: NetworkPolicySettings | None = None,
-                       sandbox_role: Manifest | None = None) -> list[Manifest]:  # fmt: skip
+                       sandbox_roles: Mapping[str, Manifest] | None = None) -> list[Manifest]:  # fmt: skip
     """Every child of an RLJob in apply order (config and trainer before samplers: the trainer asks for
     whole GPU nodes, so it should reach the scheduler before the sampler pods fragment them; the
-    NetworkPolicies, with `network`, before any pod; with sandbox pods, the trainer's account, its
-    RoleBinding to `sandbox_role` (a roleRef, operator/sandboxes.py) and their policy before the trainer).
+    NetworkPolicies, with `network`, before any pod; with sandboxes in the cluster, the trainer's account,
+    its RoleBinding to its backend's role (`sandbox_roles`: backend -> roleRef, operator/sandboxes.py) and
+    the sandbox pods' policy before the trainer).
     The Secrets are created apart, once."""
     observed_groups = observed_groups or {}
     children = [
         *build_network_policies(job, namespace, owner, network),
-        *build_sandbox_children(job, namespace, owner, sandbox_role or parse_role_ref(DEFAULT_ROLE)),
+        *build_sandbox_children(job, namespace, owner, (sandbox_roles or {}).get(job.spec.rollout.sandbox.backend)),
         build_config_map(job, namespace, owner),
         build_weightchannel(job, namespace, owner),
         build_trainer_service(job, namespace, owner),

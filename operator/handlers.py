@@ -450,7 +450,7 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
     }
     children = builders.build_job_children(job, namespace, body, get_catalog(), observed,
                                            network_policies.settings_from_env(),
-                                           sandboxes.role_ref_from_env())  # fmt: skip
+                                           sandboxes.role_refs_from_env())  # fmt: skip
     if not job.spec.router.admin_token_secret:
         token = tokens.new_admin_token(body["metadata"]["uid"])
         await api.create(builders.build_router_secret(job, namespace, body, token))

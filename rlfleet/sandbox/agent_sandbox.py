@@ -5,9 +5,13 @@ extensions.agents.x-k8s.io v1beta1), the trainer gets its sandboxes through the 
 (`k8s-agent-sandbox`, the `agent-sandbox` extra) instead of making pods itself:
 - the RLJob names a SandboxTemplate (rollout.sandbox.template: the task image's pod template, which the
   cluster's owner writes); the trainer makes the SandboxWarmPool `<job>-sandboxes` of it if absent;
-- one SandboxClaim per sandbox (an episode's, or its grading's), made and awaited by the SDK's
-  `SandboxClient.create_sandbox` on that pool (the SDK's claims name a warm pool, not a template), and
-  deleted by `close()` (the SDK's `terminate`);
+- one SandboxClaim per sandbox (an episode's, or its grading's) on that pool, owned by the trainer pod
+  (an ownerReference: deleting the trainer pod, its StatefulSet or the RLJob garbage-collects the claims,
+  and agent-sandbox's controller their sandboxes) and labelled with its name, so a restarted trainer
+  deletes what its killed run left, as the pods backend does with its pods. The claim is made here
+  (the SDK's `create_sandbox` takes no ownerReference), in the SDK's own shape; the SDK's K8sHelper
+  waits for it (`wait_for_claim_ready`) and its `Sandbox` handle runs the commands; `close()` deletes it
+  (the handle's `terminate`);
 - every command through the SDK's `commands.run` (the sandbox runtime's HTTP API, reached in-cluster);
 - the pool's replicas follow the sandboxes open now, as the pods backend's warm pool does
   (podspec.warm_pool_target, at most rollout.sandbox.warmPool), set through its scale subresource.
@@ -20,15 +24,22 @@ from __future__ import annotations
 import base64
 import math
 import os
+import secrets
 import shlex
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
+from datetime import UTC, datetime
 from typing import Any
 
-from k8s_agent_sandbox import SandboxClient
-from k8s_agent_sandbox.constants import CLAIM_API_GROUP, CLAIM_API_VERSION
+from k8s_agent_sandbox.constants import (
+    CLAIM_API_GROUP,
+    CLAIM_API_VERSION,
+    CLAIM_PLURAL_NAME,
+    CLIENT_REQUEST_TIME_ANNOTATION,
+    CREATED_BY_LABEL,
+)
+from k8s_agent_sandbox.k8s_helper import K8sHelper
 from k8s_agent_sandbox.models import SandboxConnectionConfig, SandboxInClusterConnectionConfig
 from k8s_agent_sandbox.sandbox import Sandbox as SdkSandbox
 from kubernetes.client import ApiClient, ApiException
@@ -36,12 +47,22 @@ from kubernetes.client import ApiClient, ApiException
 from rlfleet.sandbox import CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.local import MAX_OUTPUT_BYTES
 from rlfleet.sandbox.pods import _tar
-from rlfleet.sandbox.podspec import COMPONENT, LABEL_COMPONENT, LABEL_JOB, NAMESPACE_ENV, warm_pool_target
+from rlfleet.sandbox.podspec import (
+    COMPONENT,
+    LABEL_COMPONENT,
+    LABEL_JOB,
+    LABEL_OWNER,
+    NAMESPACE_ENV,
+    POD_NAME_ENV,
+    POD_UID_ENV,
+    owner_selector,
+    sandbox_pod_name,
+    warm_pool_target,
+)
 
 WARM_POOL_PLURAL = "sandboxwarmpools"
 WARM_POOL_KIND = "SandboxWarmPool"
 READY_TIMEOUT_S = 300
-SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 WORKDIR = "/tmp/rlfleet-work"  # made by each command: a SandboxTemplate's image need not have /work
 EXEC_WRAPPER = (
     "mkdir -p {workdir} && cd {workdir} || exit 126; ulimit -t {cpu}; ulimit -n {files}; {stdin}{argv} 2>&1"
@@ -62,43 +83,79 @@ def command_line(argv: list[str], stdin: bytes, limits: SandboxLimits, workdir: 
 
 
 class AgentSandboxes:
-    """The factory of claimed sandboxes for one trainer: `(files, limits) -> AgentSandbox` (SweEnv's `sandbox`)."""
+    """The factory of claimed sandboxes for one trainer pod: `(files, limits) -> AgentSandbox` (SweEnv's `sandbox`).
+    Made at the trainer's start, before its first episode, it deletes every claim its trainer pod's previous
+    run left (`removed_leftovers`)."""
 
-    def __init__(self, namespace: str, job: str, template: str, warm_pool: int, api_client: ApiClient | None = None,
-                 connection: SandboxConnectionConfig | None = None,
+    def __init__(self, namespace: str, job: str, template: str, warm_pool: int, owner_pod: str, owner_uid: str,
+                 api_client: ApiClient | None = None, connection: SandboxConnectionConfig | None = None,
                  ready_timeout_s: int = READY_TIMEOUT_S, workdir: str = WORKDIR) -> None:  # fmt: skip
-        """`api_client`: None in a pod (its ServiceAccount token), else one from a kubeconfig (tests).
+        """`owner_pod`, `owner_uid`: the trainer pod (every claim's owner and cleanup label).
+        `api_client`: None in a pod (its ServiceAccount token), else one from a kubeconfig (tests).
         `connection`: how the SDK reaches a sandbox's runtime; default: in-cluster (the pod's IP).
         `workdir`: the repository's root inside each sandbox (made by every command)."""
+        for what, value in (("namespace", namespace), ("owner_pod", owner_pod), ("owner_uid", owner_uid)):
+            if not value:
+                raise SandboxUnavailable(f"rollout.sandbox.backend agent-sandbox: no {what} (the trainer pod's downward "
+                                         "API sets it)")  # fmt: skip
         self.workdir = workdir
         self.namespace, self.job, self.template = namespace, job, template
+        self.owner_pod, self.owner_uid = owner_pod, owner_uid
         self.max_warm = warm_pool
         self.ready_timeout_s = ready_timeout_s
         self.pool = warm_pool_name(job)
-        self.client: SandboxClient[SdkSandbox] = SandboxClient(
-            connection_config=connection or SandboxInClusterConnectionConfig(), api_client=api_client
-        )
-        self.objects = self.client.k8s_helper.custom_objects_api
+        self.connection = connection or SandboxInClusterConnectionConfig()
+        self.k8s = K8sHelper(api_client=api_client)
+        self.objects = self.k8s.custom_objects_api
         self._lock = threading.Lock()  # the open count and the pool's last scale
         self._open = 0
         self._replicas: int | None = None
         self._ensure_pool()
+        self.removed_leftovers = self._delete_owned()
 
     @classmethod
     def from_environment(cls, spec: Any, job: str, environ: Mapping[str, str] | None = None) -> AgentSandboxes:
-        """In the trainer pod: the RLJob's rollout.sandbox (`spec`, rlfleet.api.SandboxSpec); the namespace from
-        the downward API (RLFLEET_POD_NAMESPACE, which the operator sets for the pods backend) or else the
-        pod's ServiceAccount mount (the SDK authenticates with that account's token)."""
+        """In the trainer pod: the RLJob's rollout.sandbox (`spec`, rlfleet.api.SandboxSpec) and the pod's own
+        identity from the downward API (the operator sets it for this backend as for the pods backend); the
+        SDK authenticates with the pod's ServiceAccount token."""
         env = os.environ if environ is None else environ
-        namespace = env.get(NAMESPACE_ENV) or ""
-        if not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():
-            namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
-        if not namespace:
+        missing = [k for k in (POD_NAME_ENV, POD_UID_ENV, NAMESPACE_ENV) if not env.get(k)]
+        if missing:
             raise SandboxUnavailable(
-                f"rollout.sandbox.backend agent-sandbox: the trainer does not know its namespace ({NAMESPACE_ENV} "
-                f"unset, no {SERVICE_ACCOUNT_NAMESPACE}): it runs in a pod with a ServiceAccount token"
+                f"rollout.sandbox.backend agent-sandbox: the trainer does not know its own pod ({', '.join(missing)} "
+                "unset; the operator sets them from the downward API)"
             )
-        return cls(namespace, job, spec.template, spec.warm_pool)
+        return cls(env[NAMESPACE_ENV], job, spec.template, spec.warm_pool, owner_pod=env[POD_NAME_ENV],
+                   owner_uid=env[POD_UID_ENV])  # fmt: skip
+
+    def _claim_call(self, method: str, **kwargs: Any) -> Any:
+        return getattr(self.objects, method)(group=CLAIM_API_GROUP, version=CLAIM_API_VERSION,
+                                             namespace=self.namespace, plural=CLAIM_PLURAL_NAME, **kwargs)  # fmt: skip
+
+    def _delete_owned(self) -> list[str]:
+        """Every claim of this trainer pod (a previous run's, after a restart): deleted now."""
+        found = self._claim_call("list_namespaced_custom_object", label_selector=owner_selector(self.owner_pod))
+        names = [c["metadata"]["name"] for c in found.get("items", [])]
+        for name in names:
+            self.k8s.delete_sandbox_claim(name, self.namespace)  # a 404 (gone meanwhile) is success
+        return names
+
+    def claim_manifest(self, name: str) -> dict[str, Any]:
+        """One SandboxClaim on the job's pool: the SDK's own claim (`K8sHelper.create_sandbox_claim`: its label
+        and request-time annotation, spec.warmPoolRef) plus the job's labels, the owner label and the
+        ownerReference to the trainer pod."""
+        return {
+            "apiVersion": f"{CLAIM_API_GROUP}/{CLAIM_API_VERSION}",
+            "kind": "SandboxClaim",
+            "metadata": {
+                "name": name,
+                "annotations": {CLIENT_REQUEST_TIME_ANNOTATION: datetime.now(UTC).isoformat()},
+                "labels": {LABEL_JOB: self.job, LABEL_COMPONENT: COMPONENT, LABEL_OWNER: self.owner_pod,
+                           CREATED_BY_LABEL: "python-client"},  # fmt: skip
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": self.owner_pod, "uid": self.owner_uid}],
+            },
+            "spec": {"warmPoolRef": {"name": self.pool}},
+        }
 
     def _pool_call(self, method: str, **kwargs: Any) -> Any:
         return getattr(self.objects, method)(group=CLAIM_API_GROUP, version=CLAIM_API_VERSION,
@@ -138,25 +195,31 @@ class AgentSandboxes:
             self._replicas = target
 
     def claim(self) -> SdkSandbox:
-        """One SandboxClaim on the pool, ready (the SDK waits on the claim's Ready condition)."""
+        """One SandboxClaim on the pool, ready (the SDK's watch on the claim's Ready condition)."""
         with self._lock:
             self._open += 1
             self._scale()
+        name = sandbox_pod_name(self.owner_pod, secrets.token_hex(4))
+        uid: str | None = None
         try:
-            return self.client.create_sandbox(
-                warmpool=self.pool,
-                namespace=self.namespace,
-                sandbox_ready_timeout=self.ready_timeout_s,
-                labels={LABEL_JOB: self.job, LABEL_COMPONENT: COMPONENT},
-            )
-        except TimeoutError:
-            self.released()
-            raise SandboxUnavailable(
-                f"SandboxClaim on {WARM_POOL_KIND} {self.namespace}/{self.pool} (template {self.template}) was not "
-                f"ready within {self.ready_timeout_s}s: is agent-sandbox's controller running in the cluster?"
-            ) from None
-        except BaseException:
-            self.released()
+            created = self._claim_call("create_namespaced_custom_object", body=self.claim_manifest(name))
+            uid = created["metadata"]["uid"]
+            sandbox_id = self.k8s.wait_for_claim_ready(name, self.namespace, self.ready_timeout_s,
+                                                       resource_version=created["metadata"]["resourceVersion"],
+                                                       expected_uid=uid, initial_claim=created)  # fmt: skip
+            return SdkSandbox(claim_name=name, sandbox_id=sandbox_id, namespace=self.namespace,
+                              connection_config=self.connection, k8s_helper=self.k8s)  # fmt: skip
+        except BaseException as error:
+            try:
+                if uid is not None:  # only this claim (a precondition on its uid), never a namesake
+                    self.k8s.delete_sandbox_claim(name, self.namespace, expected_uid=uid)
+            finally:
+                self.released()
+            if isinstance(error, TimeoutError):
+                raise SandboxUnavailable(
+                    f"SandboxClaim on {WARM_POOL_KIND} {self.namespace}/{self.pool} (template {self.template}) was not "
+                    f"ready within {self.ready_timeout_s}s: is agent-sandbox's controller running in the cluster?"
+                ) from None
             raise
 
     def released(self) -> None:
@@ -222,7 +285,5 @@ class AgentSandbox(ExecSandbox):
         self.closed = True
         try:
             self.handle.terminate()  # raises if the DELETE fails (a 404 is success)
-            # drop the SDK client's registry entry (its terminate is idempotent: no second DELETE)
-            self.sandboxes.client.delete_sandbox(self.claim_name, self.sandboxes.namespace)
         finally:
             self.sandboxes.released()

@@ -1,5 +1,6 @@
-"""Sandbox pods (rollout.sandbox.backend pods): the trainer's account, its RoleBinding to the sandbox
-role, the sandbox pods' NetworkPolicy and the trainer pod's identity; nothing of it otherwise."""
+"""Sandboxes in the cluster (rollout.sandbox.backend pods, agent-sandbox): the trainer's account, its
+RoleBinding to the backend's role, the sandbox pods' NetworkPolicy (pods only) and the trainer pod's
+identity; nothing of it otherwise."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ CATALOG = load_catalog(None)
 OWNER = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "reference-fleet", "uid": "u-1"}}
 NS = "team-a"
 ROLE_REF = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "ops-sandboxes"}
+AGENT_ROLE_REF = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "ops-agent-sandboxes"}
 
 
 def job_with(sandbox: dict[str, Any] | None = None, **trainer: Any) -> RLJob:
@@ -30,7 +32,8 @@ def job_with(sandbox: dict[str, Any] | None = None, **trainer: Any) -> RLJob:
 
 
 def children(job: RLJob) -> dict[tuple[str, str], dict[str, Any]]:
-    out = builders.build_job_children(job, NS, OWNER, CATALOG, sandbox_role=ROLE_REF)
+    out = builders.build_job_children(job, NS, OWNER, CATALOG,
+                                      sandbox_roles={"pods": ROLE_REF, "agent-sandbox": AGENT_ROLE_REF})  # fmt: skip
     return {(c["kind"], c["metadata"]["name"]): c for c in out}
 
 
@@ -39,6 +42,7 @@ def trainer_pod(kids: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
 
 
 PODS = {"backend": "pods", "image": "registry.example/sandbox:1"}
+AGENT = {"backend": "agent-sandbox", "template": "swe-python"}
 
 
 def test_local_sandboxes_give_the_trainer_no_api_rights() -> None:
@@ -70,6 +74,31 @@ def test_sandbox_pods_bind_the_trainers_own_account_to_the_sandbox_role() -> Non
     assert env["RLFLEET_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
+def test_agent_sandbox_binds_the_trainers_own_account_to_the_agent_sandbox_role() -> None:
+    kids = children(job_with(AGENT))
+    assert kids[("ServiceAccount", "reference-fleet-trainer")]["metadata"]["namespace"] == NS
+    binding = kids[("RoleBinding", "reference-fleet-sandboxes")]
+    assert binding["metadata"]["namespace"] == NS and binding["roleRef"] == AGENT_ROLE_REF
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "reference-fleet-trainer", "namespace": NS}]
+    # agent-sandbox's sandbox pods are its SandboxTemplate's: their network policy is the template's
+    assert ("NetworkPolicy", "reference-fleet-sandboxes") not in kids
+    pod = trainer_pod(kids)
+    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("reference-fleet-trainer", True)
+    env = {e["name"]: e.get("valueFrom") for e in pod["containers"][0]["env"]}
+    assert env["RLFLEET_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # the claims' owner
+    assert env["RLFLEET_POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    assert env["RLFLEET_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    named = children(job_with(AGENT, serviceAccountName="team-trainer"))
+    assert not [k for k in named if k[0] == "ServiceAccount"]
+    assert named[("RoleBinding", "reference-fleet-sandboxes")]["subjects"][0]["name"] == "team-trainer"
+
+
+def test_without_settings_each_backend_binds_its_default_role() -> None:
+    for sandbox, name in ((PODS, "rlfleet-sandboxes"), (AGENT, "rlfleet-agent-sandboxes")):
+        kids = builders.build_job_children(job_with(sandbox), NS, OWNER, CATALOG)
+        assert [c["roleRef"]["name"] for c in kids if c["kind"] == "RoleBinding"] == [name]
+
+
 def test_a_user_named_account_is_bound_and_not_created() -> None:
     kids = children(job_with(PODS, serviceAccountName="team-trainer"))
     assert not [k for k in kids if k[0] == "ServiceAccount"]
@@ -88,6 +117,18 @@ def test_the_sandbox_role_is_exactly_pods_and_their_exec() -> None:
         ("", "pods/exec", "create"), ("", "pods/exec", "get"),
     }  # fmt: skip
     assert sandboxes.build_sandbox_role("s", namespace="team-a")["kind"] == "Role"
+
+
+def test_the_agent_sandbox_role_is_exactly_what_the_backend_and_the_sdk_call() -> None:
+    role = sandboxes.build_sandbox_role("rlfleet-agent-sandboxes", backend="agent-sandbox")
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}  # fmt: skip
+    ext = "extensions.agents.x-k8s.io"
+    assert granted == {
+        (ext, "sandboxclaims", "create"), (ext, "sandboxclaims", "delete"), (ext, "sandboxclaims", "list"),
+        (ext, "sandboxclaims", "watch"), (ext, "sandboxwarmpools", "create"), (ext, "sandboxwarmpools", "get"),
+        (ext, "sandboxwarmpools/scale", "patch"), ("agents.x-k8s.io", "sandboxes", "get"),
+    }  # fmt: skip
 
 
 def test_the_policy_denies_every_sandbox_pod_all_traffic() -> None:
@@ -122,6 +163,15 @@ def test_the_role_comes_from_the_operators_settings(value: str | None, expected:
     assert sandboxes.role_ref_from_env(env) == expected
 
 
+def test_the_agent_sandbox_role_comes_from_its_own_setting() -> None:
+    refs = sandboxes.role_refs_from_env({"RLFLEET_AGENT_SANDBOX_ROLE": "Role/agents", "RLFLEET_SANDBOX_ROLE": "Role/pods"})
+    assert refs == {"pods": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
+                    "agent-sandbox": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "agents"}}  # fmt: skip
+    assert sandboxes.role_refs_from_env({})["agent-sandbox"]["name"] == "rlfleet-agent-sandboxes"
+    with pytest.raises(ValueError, match="RLFLEET_AGENT_SANDBOX_ROLE"):
+        sandboxes.role_refs_from_env({"RLFLEET_AGENT_SANDBOX_ROLE": "agents"})
+
+
 @pytest.mark.parametrize("value", ["rlfleet-sandboxes", "Deployment/x", "Role/"])
 def test_a_bad_role_setting_names_the_variable(value: str) -> None:
     with pytest.raises(ValueError, match="RLFLEET_SANDBOX_ROLE"):
@@ -137,3 +187,9 @@ def test_the_documented_role_is_the_one_the_operator_binds() -> None:
     text = (REPO / "docs" / "environments.md").read_text()
     block = text.split("`build_sandbox_role`):\n\n```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(block) == sandboxes.build_sandbox_role("rlfleet-sandboxes")
+
+
+def test_the_documented_agent_sandbox_role_is_the_one_the_operator_binds() -> None:
+    text = (REPO / "docs" / "environments.md").read_text()
+    block = text.split('backend="agent-sandbox")`):\n\n  ```yaml\n', 1)[1].split("```", 1)[0]
+    assert yaml.safe_load(block) == sandboxes.build_sandbox_role("rlfleet-agent-sandboxes", backend="agent-sandbox")

@@ -82,8 +82,9 @@ def test_default_render_has_the_operator_objects(render) -> None:
          # the admission webhook (on by default): its Service, configuration, and the operator's grants for its
          # certificate (a Role for the Secret, a ClusterRole for the configuration's caBundle)
          "Service", "ValidatingWebhookConfiguration", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding",
-         # the sandbox role the operator binds trainers to (sandbox pods), never bound to the operator itself
-         "ClusterRole"]
+         # the sandbox roles the operator binds trainers to (sandbox pods, agent-sandbox), never bound to the
+         # operator itself
+         "ClusterRole", "ClusterRole"]
     )
     for obj in objs:
         if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "ValidatingWebhookConfiguration"):
@@ -164,6 +165,10 @@ NAMESPACED_RULES = {
 SANDBOX_RULES = {("", "pods", v) for v in ("create", "delete", "get", "list")} | {
     ("", "pods/exec", v) for v in ("create", "get")
 }
+AGENT_SANDBOX_RULES = {("extensions.agents.x-k8s.io", "sandboxclaims", v) for v in ("create", "delete", "list", "watch")} | {
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "create"), ("extensions.agents.x-k8s.io", "sandboxwarmpools", "get"),
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools/scale", "patch"), ("agents.x-k8s.io", "sandboxes", "get"),
+}  # fmt: skip
 
 
 def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
@@ -176,11 +181,14 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
     assert rules_of(role) == expected
     # `bind` of the sandbox role alone: the operator grants a trainer its rights without holding them
     (bind,) = [r for r in role["rules"] if "bind" in r["verbs"]]
-    assert bind["resourceNames"] == ["rlfleet-rlfleet-system-sandboxes"]
+    assert bind["resourceNames"] == ["rlfleet-rlfleet-system-sandboxes", "rlfleet-rlfleet-system-agent-sandboxes"]
     (sandbox_role,) = find(objs, "ClusterRole", "rlfleet-rlfleet-system-sandboxes")
     assert rules_of(sandbox_role) == SANDBOX_RULES
+    (agent_role,) = find(objs, "ClusterRole", "rlfleet-rlfleet-system-agent-sandboxes")
+    assert rules_of(agent_role) == AGENT_SANDBOX_RULES
     env = {e["name"]: e.get("value") for e in operator_container(objs)["env"]}
     assert env["RLFLEET_SANDBOX_ROLE"] == "ClusterRole/rlfleet-rlfleet-system-sandboxes"
+    assert env["RLFLEET_AGENT_SANDBOX_ROLE"] == "ClusterRole/rlfleet-rlfleet-system-agent-sandboxes"
     assert not any("*" in (g, r, v) for g, r, v in rules_of(role))
     assert not any(r in ("pods/exec", "nodes/proxy") for _, r, _ in rules_of(role))
     assert {v for _, r, v in rules_of(role) if r == "secrets"} == {"create", "get"}  # never list/watch Secrets
@@ -211,12 +219,16 @@ def test_namespace_mode_has_no_cluster_wide_permission(render) -> None:
         assert rules_of(role) == NAMESPACED_RULES | {("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")} | {
             ("rbac.authorization.k8s.io", "roles", "bind")}
         (bind,) = [r for r in role["rules"] if "bind" in r["verbs"]]
-        assert bind["resourceNames"] == ["rlfleet-sandboxes"]
-    sandbox_roles = find(objs, "Role", "rlfleet-sandboxes")  # the sandbox role, a Role in each namespace
+        assert bind["resourceNames"] == ["rlfleet-sandboxes", "rlfleet-agent-sandboxes"]
+    sandbox_roles = find(objs, "Role", "rlfleet-sandboxes")  # the sandbox roles, Roles in each namespace
     assert sorted(r["metadata"]["namespace"] for r in sandbox_roles) == ["team-a", "team-b"]
     assert all(rules_of(r) == SANDBOX_RULES for r in sandbox_roles)
+    agent_roles = find(objs, "Role", "rlfleet-agent-sandboxes")
+    assert sorted(r["metadata"]["namespace"] for r in agent_roles) == ["team-a", "team-b"]
+    assert all(rules_of(r) == AGENT_SANDBOX_RULES for r in agent_roles)
     env = {e["name"]: e.get("value") for e in operator_container(objs)["env"]}
     assert env["RLFLEET_SANDBOX_ROLE"] == "Role/rlfleet-sandboxes"
+    assert env["RLFLEET_AGENT_SANDBOX_ROLE"] == "Role/rlfleet-agent-sandboxes"
     bindings = find(objs, "RoleBinding", "rlfleet")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert all(b["subjects"][0]["namespace"] == "ops" for b in bindings)
@@ -616,14 +628,15 @@ def test_webhook_cert_manager_mode_mounts_the_certificate_it_renders(render) -> 
     assert configuration["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "ops/rlfleet-webhook"}
     # cainjector writes the caBundle and the Secret is mounted: the operator needs no grant for either
     assert not find(objs, "Role", "rlfleet-webhook") and not find(objs, "ClusterRole", "rlfleet-ops-webhook")
-    assert [r["metadata"]["name"] for r in find(objs, "ClusterRole")] == ["rlfleet", "rlfleet-ops-sandboxes"]
+    assert [r["metadata"]["name"] for r in find(objs, "ClusterRole")] == ["rlfleet", "rlfleet-ops-sandboxes",
+                                                                      "rlfleet-ops-agent-sandboxes"]
 
 
 def test_webhook_off_renders_none_of_it(render) -> None:
     objs = render({"webhook": {"enabled": False}}, namespace="ops")
     assert not find(objs, "ValidatingWebhookConfiguration") and not find(objs, "Service", "rlfleet-webhook")
     assert not find(objs, "Role") and [r["metadata"]["name"] for r in find(objs, "ClusterRole")] == [
-        "rlfleet", "rlfleet-ops-sandboxes"]
+        "rlfleet", "rlfleet-ops-sandboxes", "rlfleet-ops-agent-sandboxes"]
     container = operator_container(objs)
     assert not [a for a in container["args"] if a.startswith("--webhook")]
     assert "webhook" not in {p["name"] for p in container["ports"]}

@@ -90,9 +90,9 @@ def _rbac_rows() -> set[tuple[str, str, str]]:
 
 def test_install_rbac_table_matches_the_chart(render) -> None:
     """Every grant of the default chart (the operator's ClusterRole, the webhook's Role and
-    ClusterRole, and the sandbox role it binds trainers to) is a row of the table, and every row a grant."""
+    ClusterRole, and the two sandbox roles it binds trainers to) is a row of the table, and every row a grant."""
     roles = [o for o in render() if o["kind"] in ("ClusterRole", "Role")]
-    assert len(roles) == 4
+    assert len(roles) == 5
     granted = {(g, r, v) for role in roles for rule in role["rules"] for g in rule["apiGroups"]
                for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
     assert _rbac_rows() == granted

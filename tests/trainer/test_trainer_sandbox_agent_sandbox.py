@@ -6,13 +6,17 @@ agent-sandbox's own CRDs installed (tests/trainer/agent_sandbox/crds, from kuber
 examples/python-runtime-sandbox/main.py of the same commit) on this machine. NOT here: agent-sandbox's
 controller (Go; the module proxy refuses sigs.k8s.io/agent-sandbox), so no SandboxClaim ever becomes ready
 by itself: the test that runs commands writes the claim's Ready status itself, as the controller would,
-and the runtime runs the commands on this machine, not in a sandbox pod.
+and the runtime runs the commands on this machine, not in a sandbox pod. The control plane runs
+kube-controller-manager, so its garbage collector follows the claims' ownerReference to the trainer pod.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -49,8 +53,8 @@ def test_from_environment_says_what_is_missing() -> None:
     class Spec:
         template, warm_pool = "t", 0
 
-    with pytest.raises(SandboxUnavailable, match="does not know its namespace"):
-        AgentSandboxes.from_environment(Spec(), "j", environ={})
+    with pytest.raises(SandboxUnavailable, match=r"does not know its own pod \(RLFLEET_POD_UID unset"):
+        AgentSandboxes.from_environment(Spec(), "j", environ={"RLFLEET_POD_NAME": "p", "RLFLEET_POD_NAMESPACE": "n"})
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,22 @@ def crds(kube) -> None:
     kube.kubectl("apply", "--server-side", "-f", str(HERE / "crds"))
     for plural in ("sandboxclaims", "sandboxwarmpools"):
         kube.kubectl("wait", "--for=condition=Established", f"crd/{plural}.{GROUP}", "--timeout=60s")
+
+
+def trainer_pod(kube, namespace: str, name: str) -> str:
+    """A pod standing for the trainer pod (the claims' owner; never scheduled: no node matches); its uid."""
+    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"nodeSelector": {"rlfleet.dev/no-such-node": "true"},
+                     "containers": [{"name": "trainer", "image": "registry.example/trainer:1"}]}}  # fmt: skip
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+    return str(kube.get_json("pod", name, "-n", namespace)["metadata"]["uid"])
+
+
+def owned_claims(api: Any, namespace: str, owner: str) -> set[str]:
+    """The claims labelled with `owner` (the trainer pod), not yet being deleted."""
+    found = api.list_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxclaims",
+                                              label_selector=f"app.kubernetes.io/component=sandbox,rlfleet.dev/sandbox-owner={owner}")  # fmt: skip
+    return {c["metadata"]["name"] for c in found["items"] if not c["metadata"].get("deletionTimestamp")}
 
 
 def objects(kube) -> Any:
@@ -89,7 +109,10 @@ def wait_for(what: str, check: Any, timeout_s: float = 30.0) -> Any:
 @pytest.mark.cluster
 def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_deleted(kube, crds, namespace: str) -> None:
     api = objects(kube)
-    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=4, api_client=kube.api_client(), ready_timeout_s=4)
+    uid = trainer_pod(kube, namespace, "j-trainer-0")
+    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=4, owner_pod="j-trainer-0", owner_uid=uid,
+                           api_client=kube.api_client(), ready_timeout_s=4)  # fmt: skip
+    assert boxes.removed_leftovers == []
     pool = api.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxwarmpools", "j-sandboxes")
     assert pool["spec"] == {"replicas": 0, "sandboxTemplateRef": {"name": "python-task"}}
     assert pool["metadata"]["labels"] == {"rlfleet.dev/job": "j", "app.kubernetes.io/component": "sandbox"}
@@ -105,11 +128,14 @@ def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_delete
     thread = threading.Thread(target=episode)
     thread.start()
     (claim,) = wait_for("the claim", lambda: claims(api, namespace))
-    # exactly the SDK's claim: on the job's warm pool, labelled as the SDK and the backend label it
+    # the SDK's claim on the job's warm pool, labelled as the SDK labels it and with the job and the owner,
+    # owned by the trainer pod
     assert claim["spec"] == {"warmPoolRef": {"name": "j-sandboxes"}}
-    assert claim["metadata"]["name"].startswith("sandbox-claim-")
+    assert claim["metadata"]["name"].startswith("j-trainer-0-sbx-")
     assert claim["metadata"]["labels"] == {"rlfleet.dev/job": "j", "app.kubernetes.io/component": "sandbox",
+                                           "rlfleet.dev/sandbox-owner": "j-trainer-0",
                                            "agents.x-k8s.io/created-by": "python-client"}  # fmt: skip
+    assert claim["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "j-trainer-0", "uid": uid}]
     assert "agents.x-k8s.io/client-first-requested-at" in claim["metadata"]["annotations"]
     assert replicas(api, namespace, "j-sandboxes") == 1  # one sandbox open: one warm one ahead of it
     thread.join(timeout=60)
@@ -118,15 +144,16 @@ def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_delete
     assert isinstance(error, SandboxUnavailable)
     message = str(error)
     assert "\n" not in message and "not ready within 4s" in message and "agent-sandbox's controller" in message
-    assert claims(api, namespace) == []  # the SDK rolled its claim back
+    assert claims(api, namespace) == []  # the claim deleted
     assert replicas(api, namespace, "j-sandboxes") == 0 and boxes.open == 0
 
 
 @pytest.mark.cluster
 def test_a_pool_of_another_template_is_refused(kube, crds, namespace: str) -> None:
-    AgentSandboxes(namespace, "j", "python-task", warm_pool=1, api_client=kube.api_client())
+    owner = {"owner_pod": "j-trainer-0", "owner_uid": trainer_pod(kube, namespace, "j-trainer-0")}
+    AgentSandboxes(namespace, "j", "python-task", warm_pool=1, api_client=kube.api_client(), **owner)
     with pytest.raises(SandboxUnavailable, match="exists for template 'python-task', not rollout.sandbox.template 'go-task'"):
-        AgentSandboxes(namespace, "j", "go-task", warm_pool=1, api_client=kube.api_client())
+        AgentSandboxes(namespace, "j", "go-task", warm_pool=1, api_client=kube.api_client(), **owner)
 
 
 def free_port() -> int:
@@ -165,6 +192,16 @@ def runtime(tmp_path: Path) -> Iterator[str]:
 def play_controller(api: Any, namespace: str, sandbox: str) -> None:
     """What agent-sandbox's controller does once a claim's sandbox is up: status.sandbox.name and Ready."""
     (claim,) = wait_for("the claim", lambda: claims(api, namespace))
+    ready(api, namespace, claim, sandbox)
+
+
+def play_controller_of(api: Any, namespace: str, owner: str, sandbox: str) -> None:
+    """play_controller for the one claim of trainer pod `owner`."""
+    (name,) = wait_for("the claim", lambda: owned_claims(api, namespace, owner))
+    ready(api, namespace, api.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxclaims", name), sandbox)
+
+
+def ready(api: Any, namespace: str, claim: dict[str, Any], sandbox: str) -> None:
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     claim["status"] = {"sandbox": {"name": sandbox},
                        "conditions": [{"type": "Ready", "status": "True", "reason": "SandboxReady", "message": "",
@@ -179,7 +216,8 @@ def test_an_episode_runs_through_the_sdk_and_close_deletes_its_claim(kube, crds,
 
     api = objects(kube)
     work = tmp_path / "runtime" / "repo"
-    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=4, api_client=kube.api_client(),
+    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=4, owner_pod="j-trainer-0",
+                           owner_uid=trainer_pod(kube, namespace, "j-trainer-0"), api_client=kube.api_client(),
                            connection=SandboxDirectConnectionConfig(api_url=runtime), ready_timeout_s=30,
                            workdir=str(work))  # fmt: skip
     controller = threading.Thread(target=play_controller, args=(api, namespace, "sbx-1"))
@@ -220,8 +258,110 @@ def test_the_trainer_builds_the_backend_from_the_rljob(kube, crds, namespace: st
     # `kubernetes` reads from KUBECONFIG once, at its import (before this test)
     monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", str(kube.kubeconfig))
     monkeypatch.setenv("RLFLEET_POD_NAMESPACE", namespace)
+    monkeypatch.setenv("RLFLEET_POD_NAME", "t-trainer-0")  # the operator's downward API
+    monkeypatch.setenv("RLFLEET_POD_UID", trainer_pod(kube, namespace, "t-trainer-0"))
     env = build_environment(rc, tokenizer=build_chat_tokenizer())
     assert isinstance(env.sandbox, AgentSandboxes) and env.sandbox.max_warm == 3
+    assert (env.sandbox.owner_pod, env.sandbox.namespace) == ("t-trainer-0", namespace)
     pool = objects(kube).get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxwarmpools",
                                                       f"{rc.job_name}-sandboxes")  # fmt: skip
     assert pool["spec"]["sandboxTemplateRef"] == {"name": "python-task"}
+
+
+@pytest.mark.cluster
+def test_deleting_the_trainer_pod_garbage_collects_its_claims(kube, crds, namespace: str) -> None:
+    """The claim's ownerReference: kube-controller-manager's garbage collector deletes a claim whose trainer
+    pod is gone (the RLJob -> StatefulSet -> trainer pod chain ends here; agent-sandbox's controller then
+    deletes the claim's sandbox)."""
+    api = objects(kube)
+    uid = trainer_pod(kube, namespace, "j-trainer-0")
+    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=1, owner_pod="j-trainer-0", owner_uid=uid,
+                           api_client=kube.api_client(), ready_timeout_s=60)  # fmt: skip
+    controller = threading.Thread(target=play_controller, args=(api, namespace, "sbx-1"))
+    controller.start()
+    handle = boxes.claim()  # ready: the SDK's handle (no command runs here)
+    controller.join(timeout=30)
+    assert owned_claims(api, namespace, "j-trainer-0") == {handle.claim_name}
+    kube.kubectl("delete", "pod", "j-trainer-0", "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_for("the claim garbage-collected", lambda: not claims(api, namespace), timeout_s=120)
+
+
+TRAINER = """
+import json, sys, threading
+from kubernetes import config
+from rlfleet.sandbox.agent_sandbox import AgentSandboxes
+
+args = json.loads(sys.argv[1])
+boxes = AgentSandboxes(args["namespace"], "swe-claims", "python-task", warm_pool=2, owner_pod=args["owner"],
+                       owner_uid=args["uid"], api_client=config.new_client_from_config(config_file=args["kubeconfig"]),
+                       ready_timeout_s=3600)
+for _ in range(2):  # two episodes waiting for their sandboxes (no controller here: they wait until killed)
+    threading.Thread(target=boxes.claim, daemon=True).start()
+threading.Event().wait()
+"""
+
+
+@pytest.mark.cluster
+def test_a_restarted_trainer_deletes_the_claims_its_killed_run_left_with_the_operators_grant(
+    kube, crds, namespace: str, tmp_path: Path
+) -> None:
+    """The trainer authenticates as the ServiceAccount the operator makes, bound by the operator's RoleBinding
+    to the agent-sandbox role's exact rules (operator/sandboxes.py AGENT_SANDBOX_RULES, here as a Role), so
+    every call below (the pool made and read, its scale patched, claims made, watched, listed and deleted)
+    also proves those rights suffice."""
+    import yaml
+    from kubernetes import config
+
+    from rlfleet.api import RLJob
+    from rlfleet.operator import sandboxes
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml").read_text())
+    raw["metadata"]["name"] = "swe-claims"
+    raw["spec"]["rollout"]["sandbox"] = {"backend": "agent-sandbox", "template": "python-task"}
+    job = RLJob.model_validate(raw)
+    role = sandboxes.build_sandbox_role("agent-sandboxes", namespace, backend="agent-sandbox")
+    granted = [role, *sandboxes.build_sandbox_children(job, namespace, None, sandboxes.parse_role_ref("Role/agent-sandboxes"))]
+    assert [o["kind"] for o in granted] == ["Role", "ServiceAccount", "RoleBinding"]
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in granted))
+    token = kube.kubectl("create", "token", sandboxes.trainer_service_account(job), "-n", namespace,
+                         "--duration=1h").stdout.strip()  # fmt: skip
+    kubeconfig = kube.token_kubeconfig(token, tmp_path / "trainer.kubeconfig")
+    api = objects(kube)
+    uid = trainer_pod(kube, namespace, "swe-claims-trainer-0")
+    # another trainer pod's claim: not this trainer's to delete
+    other = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SandboxClaim",
+             "metadata": {"name": "other", "labels": {"app.kubernetes.io/component": "sandbox",
+                                                      "rlfleet.dev/sandbox-owner": "swe-claims-trainer-1"}},
+             "spec": {"warmPoolRef": {"name": "swe-claims-sandboxes"}}}  # fmt: skip
+    api.create_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxclaims", other)
+    args = {"namespace": namespace, "owner": "swe-claims-trainer-0", "uid": uid, "kubeconfig": str(kubeconfig)}
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(args)], stderr=subprocess.PIPE)
+
+    def two_claims() -> set[str] | None:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else proc.returncode
+        ids = owned_claims(api, namespace, "swe-claims-trainer-0")
+        return ids if len(ids) == 2 else None
+
+    try:
+        left = wait_for("the killed run's two claims", two_claims, timeout_s=60)
+        assert replicas(api, namespace, "swe-claims-sandboxes") == 2  # scaled by the trainer, as its account
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # no close(), no finalizer: as a killed trainer
+        proc.wait()
+    assert owned_claims(api, namespace, "swe-claims-trainer-0") == left  # left behind
+    restarted = AgentSandboxes(namespace, "swe-claims", "python-task", warm_pool=2, owner_pod="swe-claims-trainer-0",
+                               owner_uid=uid, api_client=config.new_client_from_config(config_file=str(kubeconfig)),
+                               ready_timeout_s=60)  # fmt: skip
+    assert set(restarted.removed_leftovers) == left
+    wait_for("the killed run's claims gone", lambda: not owned_claims(api, namespace, "swe-claims-trainer-0"))
+    assert {c["metadata"]["name"] for c in claims(api, namespace)} == {"other"}
+    # the restarted trainer's own episode, as the same account: claimed, awaited, closed
+    controller = threading.Thread(target=play_controller_of, args=(api, namespace, "swe-claims-trainer-0", "sbx-2"))
+    controller.start()
+    handle = restarted.claim()
+    controller.join(timeout=30)
+    assert replicas(api, namespace, "swe-claims-sandboxes") == 1
+    handle.terminate()
+    restarted.released()
+    assert owned_claims(api, namespace, "swe-claims-trainer-0") == set()
+    assert replicas(api, namespace, "swe-claims-sandboxes") == 0

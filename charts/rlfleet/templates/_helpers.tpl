@@ -77,3 +77,16 @@ Role of each watched namespace in namespace mode. RLFLEET_SANDBOX_ROLE is "<Kind
 {{- define "rlfleet.sandboxRoleRef" -}}
 {{- if include "rlfleet.clusterwide" . }}ClusterRole{{ else }}Role{{ end }}/{{ include "rlfleet.sandboxRole" . }}
 {{- end }}
+{{/* The agent-sandbox role (operator/sandboxes.py AGENT_SANDBOX_RULES) the operator binds a job's trainer to
+when its sandboxes are agent-sandbox's SandboxClaims: named and scoped as the sandbox role.
+RLFLEET_AGENT_SANDBOX_ROLE is "<Kind>/<name>". */}}
+{{- define "rlfleet.agentSandboxRole" -}}
+{{- if include "rlfleet.clusterwide" . -}}
+{{- printf "%s-%s-agent-sandboxes" (include "rlfleet.fullname" .) .Release.Namespace | trunc 253 | trimSuffix "-" -}}
+{{- else -}}
+{{- include "rlfleet.fullname" . }}-agent-sandboxes
+{{- end -}}
+{{- end }}
+{{- define "rlfleet.agentSandboxRoleRef" -}}
+{{- if include "rlfleet.clusterwide" . }}ClusterRole{{ else }}Role{{ end }}/{{ include "rlfleet.agentSandboxRole" . }}
+{{- end }}
