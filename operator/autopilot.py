@@ -7,10 +7,20 @@ step up the ladder nvfp4 -> fp8 -> bf16, to the next format its class runs (the 
 KV-cache dtype) and the weight channel publishes (the formats the RLJob's groups name: the trainer
 publishes those views only); a group with no step left (at bf16, or at a format off the ladder such as
 mxfp4) is quarantined. After a change the group is not judged for `patience` intervals (the trainer's
-figures still hold the old format's tokens, and its pods restart): the hysteresis. Never down: a group
-goes back when the RLJob's own weightFormat for it changes (the override ends, operator/builders.py) or
-an on-call human removes the quarantine annotation. Groups quarantined already and groups without a
-budget or a report are not judged.
+figures still hold the old format's tokens, and its pods restart): the hysteresis. Groups quarantined
+already and groups without a budget or a report are not judged; a quarantine ends when an on-call
+human removes the annotation, and the override when the RLJob's own weightFormat for the group changes
+(operator/builders.py).
+
+Back down (`StepDown`, spec `stepDown`): a group above its floor (the RLJob's own weightFormat for it)
+that has stayed within its budget for a cool-down (`cooldownIntervals` judged intervals with a report,
+none over) tries the next cheaper format down the ladder, never below the floor, within what its class
+runs and the channel publishes. That step is on PROBATION until the group has stayed within budget for
+a cool-down at the cheaper format: a breach before (over for `patience` intervals, as always) steps it
+up again and DOUBLES its cool-down, up to `maxCooldownIntervals`, so a group that breaches at the
+cheaper format tries it again ever later, at most once per `maxCooldownIntervals`: it cannot flap. A
+probation passed resets the cool-down to `cooldownIntervals`; a breach not on probation keeps it. The memory is the operator's: after a
+restart every group starts a fresh cool-down (never an early step down; a doubled cool-down is lost).
 """
 
 from __future__ import annotations
@@ -26,6 +36,14 @@ LADDER = ("nvfp4", "fp8", "bf16")  # lowest precision (cheapest, most mismatch) 
 
 
 @dataclass(frozen=True)
+class StepDown:
+    """The step back down (module docstring): the cool-down in judged intervals, and its bound."""
+
+    cooldown: int
+    max_cooldown: int
+
+
+@dataclass(frozen=True)
 class AutopilotReading:
     """One group at one interval."""
 
@@ -38,20 +56,26 @@ class AutopilotReading:
     max_kl: float | None
     max_oor_fraction: float | None
     quarantined: bool
+    floor_format: str | None = None  # the RLJob's own weightFormat of the group: no step down below it
 
 
 @dataclass
 class AutopilotMemory:
-    """Per group: consecutive intervals over budget; intervals still to wait after a change."""
+    """Per group: consecutive intervals over budget; intervals still to wait after a change; consecutive
+    judged intervals within budget; the cool-down in force when it is not the spec's (doubled); the
+    groups whose last move was a step down not yet confirmed (probation)."""
 
     over: dict[str, int] = field(default_factory=dict)
     settling: dict[str, int] = field(default_factory=dict)
+    within: dict[str, int] = field(default_factory=dict)
+    cooldown: dict[str, int] = field(default_factory=dict)
+    probation: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
 class AutopilotAction:
     group: str
-    kind: Literal["step", "quarantine"]
+    kind: Literal["step", "step-down", "quarantine"]  # step: up the ladder
     from_format: str
     to_format: str | None  # None: quarantine
     reason: str
@@ -75,6 +99,34 @@ def next_format(accelerator: str, weight_format: str, kv_cache_dtype: str, publi
     return None
 
 
+def cheaper_format(accelerator: str, weight_format: str, floor_format: str | None, kv_cache_dtype: str,
+                   published: Iterable[str], catalog: Catalog | None = None) -> str | None:  # fmt: skip
+    """The next format down the ladder, not below `floor_format`, that the class runs with this KV-cache
+    dtype and the channel publishes; None: none (at or below the floor, or either off the ladder)."""
+    if weight_format not in LADDER or floor_format not in LADDER:
+        return None
+    views = set(published)
+    for candidate in reversed(LADDER[LADDER.index(floor_format) : LADDER.index(weight_format)]):
+        if candidate not in views:
+            continue
+        try:
+            check_group(accelerator, candidate, kv_cache_dtype, catalog=catalog)
+        except (CatalogError, KeyError):
+            continue
+        return candidate
+    return None
+
+
+def within_budget(r: AutopilotReading) -> str | None:
+    """The budgets the group reported within (None: no budget with a report to judge it by)."""
+    within = []
+    if r.max_kl is not None and r.kl is not None:
+        within.append(f"KL {r.kl:g} <= {r.max_kl:g}")
+    if r.max_oor_fraction is not None and r.oor_fraction is not None:
+        within.append(f"out-of-range share {r.oor_fraction:g} <= {r.max_oor_fraction:g}")
+    return ", ".join(within) or None
+
+
 def over_budget(r: AutopilotReading) -> str | None:
     """Why the group is over its own budget (None: within it, or not reported, or no budget)."""
     over = []
@@ -87,36 +139,83 @@ def over_budget(r: AutopilotReading) -> str | None:
 
 def autopilot(
     readings: Sequence[AutopilotReading], memory: AutopilotMemory, patience: int, published: Iterable[str],
-    catalog: Catalog | None = None,
+    catalog: Catalog | None = None, step_down: StepDown | None = None,
 ) -> tuple[list[AutopilotAction], AutopilotMemory]:  # fmt: skip
-    """This interval's actions and the memory after it (module docstring)."""
+    """This interval's actions and the memory after it (module docstring). `step_down` None: never down."""
     views = list(published)
     actions: list[AutopilotAction] = []
     out = AutopilotMemory()
+    base = step_down.cooldown if step_down is not None else 0
     for r in readings:
         if r.quarantined:
             continue
+        if memory.cooldown.get(r.name, base) != base:
+            out.cooldown[r.name] = memory.cooldown[r.name]
+        if r.name in memory.probation:
+            out.probation.add(r.name)
         if memory.settling.get(r.name, 0) > 0:
             if memory.settling[r.name] > 1:
                 out.settling[r.name] = memory.settling[r.name] - 1
             continue
         why = over_budget(r)
-        count = memory.over.get(r.name, 0) + 1 if why else 0
-        if why is None or count < patience:
-            out.over[r.name] = count
-            continue
-        target = next_format(r.accelerator, r.weight_format, r.kv_cache_dtype, views, catalog)
-        held = f"{why} for {count} intervals"
-        if target is None:
-            actions.append(AutopilotAction(r.name, "quarantine", r.weight_format, None,
-                                           f"{held}, no step up from {r.weight_format} (the ladder "
-                                           f"{' -> '.join(LADDER)} within what {r.accelerator} runs and the "
-                                           f"channel publishes: {', '.join(views)}): quarantined"))  # fmt: skip
+        if why is None:
+            action = _within(r, memory, out, views, catalog, step_down)
         else:
-            actions.append(AutopilotAction(r.name, "step", r.weight_format, target,
-                                           f"{held}: weightFormat {r.weight_format} -> {target}"))  # fmt: skip
-        out.settling[r.name] = patience
+            action = _over(r, why, memory, out, patience, views, catalog, step_down)
+        if action is not None:
+            actions.append(action)
+            out.settling[r.name] = patience
     return actions, out
+
+
+def _within(r: AutopilotReading, memory: AutopilotMemory, out: AutopilotMemory, views: Sequence[str],
+            catalog: Catalog | None, step_down: StepDown | None) -> AutopilotAction | None:  # fmt: skip
+    """An interval not over budget: the cool-down counts (with a report), and once it is over, a
+    probation passes and the group tries the next cheaper format (module docstring)."""
+    within = memory.within.get(r.name, 0) + (within_budget(r) is not None)
+    out.over[r.name] = 0
+    cooldown = out.cooldown.get(r.name, step_down.cooldown) if step_down is not None else 0
+    if step_down is None or within < cooldown:
+        out.within[r.name] = within
+        return None
+    if r.name in out.probation:  # a cool-down within budget at the cheaper format: the step down holds
+        out.probation.discard(r.name)
+        out.cooldown.pop(r.name, None)
+        cooldown = step_down.cooldown
+    target = cheaper_format(r.accelerator, r.weight_format, r.floor_format, r.kv_cache_dtype, views, catalog)
+    if target is None:
+        out.within[r.name] = within
+        return None
+    out.probation.add(r.name)
+    return AutopilotAction(
+        r.name, "step-down", r.weight_format, target,
+        f"within its budget ({within_budget(r)}) for {within} intervals (the cool-down {cooldown}): "
+        f"weightFormat {r.weight_format} -> {target}; back to {r.weight_format} if over it again "
+        f"within the next {cooldown} intervals, with the cool-down doubled")  # fmt: skip
+
+
+def _over(r: AutopilotReading, why: str, memory: AutopilotMemory, out: AutopilotMemory, patience: int,
+          views: Sequence[str], catalog: Catalog | None, step_down: StepDown | None) -> AutopilotAction | None:  # fmt: skip
+    """An interval over budget: after `patience` in a row a step up (its cool-down doubled when it breaches
+    on probation), or a quarantine with no step left."""
+    count = memory.over.get(r.name, 0) + 1
+    if count < patience:
+        out.over[r.name] = count
+        return None
+    held = f"{why} for {count} intervals"
+    if r.name in out.probation and step_down is not None:
+        cooldown = out.cooldown.get(r.name, step_down.cooldown)
+        doubled = min(2 * cooldown, step_down.max_cooldown)
+        bound = " (its bound)" if doubled == step_down.max_cooldown else ""
+        held += f" after a step down: the cool-down doubles, {cooldown} -> {doubled} intervals{bound}"
+        out.probation.discard(r.name)
+        out.cooldown[r.name] = doubled
+    target = next_format(r.accelerator, r.weight_format, r.kv_cache_dtype, views, catalog)
+    if target is None:
+        return AutopilotAction(r.name, "quarantine", r.weight_format, None,
+                               f"{held}, no step up from {r.weight_format} (the ladder {' -> '.join(LADDER)} within "
+                               f"what {r.accelerator} runs and the channel publishes: {', '.join(views)}): quarantined")  # fmt: skip
+    return AutopilotAction(r.name, "step", r.weight_format, target, f"{held}: weightFormat {r.weight_format} -> {target}")
 
 
 def group_budgets(optimize: FleetOptimizeSpec, name: str) -> tuple[float | None, float | None]:

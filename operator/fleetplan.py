@@ -11,10 +11,17 @@ docs/economics.md has the formulation ("The optimizer") and what the status show
   replicas = spec replicas, unchanged for the intervals the reading spans (one for scraped counters,
   the Prometheus rate window over the interval for `prometheusUrl`), or first seen since the operator
   started; a rate read while pods start or stop is of another replica count. Else the last steady
-  figure is kept.
-- A group without a figure (never steady with a reading, e.g. just created or at 0 replicas since the
-  operator started), quarantined, or settling after a precision change (autopilot.py) is LEFT OUT: it keeps its replicas and the share policy's share; the
-  groups in the plan must make the whole demand.
+  figure is kept, unless the group's weightFormat changed since (a figure of another format is dropped).
+  The figure is persisted in the SamplerGroup's `status.steadyThroughput` (`SteadyFigure.status`) and
+  restored from it when the operator first sees the job (`restore`): a group at 0 replicas is never
+  steady, so without it a restart would leave such a group out until someone scaled it by hand.
+- A group with no figure (never steady: just created at 0 replicas, or its format changed) is planned
+  at an ESTIMATE when another group has a figure (`plan_figures`): the measured groups' tokens/s per GPU
+  carried to its class and format by the catalog's relative decode throughputs (as the reference
+  fleet's estimate, rlfleet/fleet.py), marked `estimated` in status.fleetPlan.throughput and the reason.
+- A group with neither (no group measured yet, or no catalog ratio for its class and format),
+  quarantined, or settling after a precision change (autopilot.py) is LEFT OUT: it keeps its replicas
+  and the share policy's share; the groups in the plan must make the whole demand.
 - A group `optimize.groups` does not name is in the plan with its replicas fixed (minReplicas =
   maxReplicas = its replicas): it counts toward the demand and the budgets, the optimizer never scales it.
 - KL / out-of-range share the trainer has not reported count as 0.
@@ -37,8 +44,10 @@ from rlfleet.fleet import (
     FleetPlan,
     FleetPlanRequest,
     GroupFigures,
+    MeasuredGroup,
     PlanInfeasible,
     Reference,
+    estimated_reference_tokens_per_gpu_second,
     plan_fleet,
 )
 
@@ -74,13 +83,51 @@ class ReferenceFigures:
     oor_fraction: float | None
 
 
+@dataclass(frozen=True)
+class SteadyFigure:
+    """A group's last steady tokens/s per replica and what it was read at (its SamplerGroup's
+    `status.steadyThroughput`, so that it survives an operator restart)."""
+
+    tokens_per_second_per_replica: float
+    replicas: int  # the ready replicas it was read over
+    weight_format: str
+    measured_at: str | None = None  # RFC 3339 (None: not known)
+
+    def status(self) -> dict[str, Any]:
+        """SamplerGroup `status.steadyThroughput` (camelCase, None dropped)."""
+        out: dict[str, Any] = {"tokensPerSecondPerReplica": round(self.tokens_per_second_per_replica, 1),
+                               "replicas": self.replicas, "weightFormat": self.weight_format}  # fmt: skip
+        if self.measured_at is not None:
+            out["measuredAt"] = self.measured_at
+        return out
+
+
+@dataclass(frozen=True)
+class PlanFigure:
+    """The tokens/s per replica a group is planned at, and from what."""
+
+    tokens_per_second_per_replica: float
+    basis: Literal["measured", "estimated"]
+    detail: str  # the steady reading it is, or the measured groups the estimate comes from
+
+    def status(self) -> dict[str, Any]:
+        """One group of RLJob `status.fleetPlan.throughput`."""
+        return {"tokensPerSecondPerReplica": round(self.tokens_per_second_per_replica, 1), "basis": self.basis,
+                "detail": self.detail[:256]}  # fmt: skip
+
+
 @dataclass
 class FleetMemory:
-    """Per group: the last steady tokens/s per replica; the ready replicas of the last interval and for
-    how many intervals they have not changed."""
+    """Per group: the last steady figure; the ready replicas of the last interval and for how many
+    intervals they have not changed."""
 
-    per_replica: dict[str, float] = field(default_factory=dict)
+    steady: dict[str, SteadyFigure] = field(default_factory=dict)
     ready: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def per_replica(self) -> dict[str, float]:
+        """Group -> its last steady tokens/s per replica."""
+        return {g: f.tokens_per_second_per_replica for g, f in self.steady.items()}
 
 
 @dataclass(frozen=True)
@@ -91,6 +138,7 @@ class FleetDecision:
     current: dict[str, int]  # every group before it
     shares: dict[str, float] | None = None  # None: the share policy's shares stand
     plan: FleetPlan | None = None
+    figures: dict[str, PlanFigure] = field(default_factory=dict)  # the planned groups' tokens/s per replica
 
     def changes(self) -> dict[str, tuple[int, int]]:
         """Group -> (from, to) replicas, for the groups this decision scales."""
@@ -104,6 +152,8 @@ class FleetDecision:
             "replicas": dict(self.replicas),
             "binding": [b.message[:512] for b in self.plan.binding] if self.plan else [],
         }
+        if self.figures:
+            out["throughput"] = {g: f.status() for g, f in self.figures.items()}
         if self.plan is not None:
             out["costPerHour"] = round(self.plan.cost_per_hour, 4)
             if self.plan.cost_per_1m_usable_tokens is not None:
@@ -138,20 +188,67 @@ def fleet_reading(
     )
 
 
-def observe(memory: FleetMemory, readings: Sequence[FleetReading], settle_intervals: int = 1) -> FleetMemory:
+def observe(memory: FleetMemory, readings: Sequence[FleetReading], settle_intervals: int = 1,
+            now: str | None = None) -> FleetMemory:  # fmt: skip
     """The memory after this interval: a group's tokens/s per replica is taken when it is steady (ready =
-    replicas > 0, and ready unchanged for `settle_intervals` intervals, or first seen) and made tokens;
-    else the last steady figure stays. Groups gone are dropped."""
+    replicas > 0, and ready unchanged for `settle_intervals` intervals, or first seen) and made tokens
+    (`now`: its measuredAt); else the last steady figure stays while it is of the group's weightFormat.
+    Groups gone are dropped."""
     out = FleetMemory()
     for r in readings:
         previous = memory.ready.get(r.name)
         unchanged = previous[1] + 1 if previous is not None and previous[0] == r.ready_replicas else 0
         settled = previous is None or unchanged >= settle_intervals
+        kept = memory.steady.get(r.name)
         if r.ready_replicas == r.replicas > 0 and settled and r.tokens_per_second is not None and r.tokens_per_second > 0:
-            out.per_replica[r.name] = r.tokens_per_second / r.ready_replicas
-        elif r.name in memory.per_replica:
-            out.per_replica[r.name] = memory.per_replica[r.name]
+            out.steady[r.name] = SteadyFigure(r.tokens_per_second / r.ready_replicas, r.ready_replicas, r.weight_format, now)
+        elif kept is not None and kept.weight_format == r.weight_format:
+            out.steady[r.name] = kept
         out.ready[r.name] = (r.ready_replicas, unchanged)
+    return out
+
+
+def restore(samplergroups: Sequence[Mapping[str, Any]]) -> FleetMemory:
+    """At first sight of a job (new, or the operator restarted): each group's last steady figure from its
+    SamplerGroup's `status.steadyThroughput`, if it is of the group's current weightFormat."""
+    out = FleetMemory()
+    for sg in samplergroups:
+        spec, figure = sg.get("spec") or {}, (sg.get("status") or {}).get("steadyThroughput") or {}
+        try:
+            tokens, replicas, fmt = float(figure["tokensPerSecondPerReplica"]), int(figure["replicas"]), str(figure["weightFormat"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if tokens > 0 and replicas > 0 and fmt == spec.get("weightFormat", "bf16") and spec.get("name"):
+            out.steady[spec["name"]] = SteadyFigure(tokens, replicas, fmt, figure.get("measuredAt"))
+    return out
+
+
+def plan_figures(readings: Sequence[FleetReading], memory: FleetMemory, catalog: Catalog) -> dict[str, PlanFigure]:
+    """The tokens/s per replica each group is planned at: its last steady figure (`measured`), else an
+    estimate from the groups with one through the catalog's relative decode throughputs (`estimated`;
+    none without a measured group or a ratio for the group's class and format). Quarantined groups
+    are left out of the plan anyway and get none."""
+    out: dict[str, PlanFigure] = {}
+    measured: list[MeasuredGroup] = []
+    for r in readings:
+        figure = memory.steady.get(r.name)
+        if figure is None:
+            continue
+        at = f", {figure.measured_at}" if figure.measured_at else ""
+        out[r.name] = PlanFigure(figure.tokens_per_second_per_replica, "measured",
+                                 f"steady reading over {figure.replicas} replica(s) at {figure.weight_format}{at}")  # fmt: skip
+        if catalog.decode_throughput(r.accelerator, r.weight_format) is not None:
+            measured.append(MeasuredGroup(r.name, r.accelerator, r.weight_format, r.gpus_per_replica, 0.0,
+                                          figure.tokens_per_second_per_replica, None))  # fmt: skip
+    for r in readings:
+        if r.name in out or r.quarantined or not measured:
+            continue
+        per_gpu = estimated_reference_tokens_per_gpu_second(measured, r.accelerator, catalog, r.weight_format)
+        if per_gpu is None or per_gpu <= 0:
+            continue
+        out[r.name] = PlanFigure(per_gpu * r.gpus_per_replica, "estimated",
+                                 f"estimated from catalog throughput ratios ({r.accelerator} {r.weight_format} "
+                                 f"against the measured {', '.join(g.name for g in measured)})")  # fmt: skip
     return out
 
 
@@ -257,13 +354,19 @@ def merged_shares(
 def decide(
     request: FleetPlanRequest | None, left_out: Mapping[str, str], readings: Sequence[FleetReading],
     policy_shares: Mapping[str, float], catalog: Catalog | None = None, demand_source: str = "given",
+    figures: Mapping[str, PlanFigure] | None = None,
 ) -> FleetDecision:  # fmt: skip
-    """One interval's decision (module docstring). `demand_source`: `demand_of`'s account of the demand."""
+    """One interval's decision (module docstring). `demand_source`: `demand_of`'s account of the demand;
+    `figures`: `plan_figures` (the planned ones go to the status; an estimate is named in the reason)."""
     current = {r.name: r.replicas for r in readings}
-    out = "; ".join(f"{g} keeps its replicas ({why})" for g, why in left_out.items())
+    planned = {g.name for g in request.groups} if request is not None else set()
+    used = {g: f for g, f in (figures or {}).items() if g in planned}
+    estimates = "; ".join(f"{g} planned at an estimated {f.tokens_per_second_per_replica:.0f} tokens/s per replica "
+                          f"(no steady reading of its own: {f.detail})" for g, f in used.items() if f.basis == "estimated")  # fmt: skip
+    out = "; ".join(p for p in (estimates, *(f"{g} keeps its replicas ({why})" for g, why in left_out.items())) if p)
 
     def unchanged(decision: Decision, reason: str) -> FleetDecision:
-        return FleetDecision(decision, "; ".join(p for p in (reason, out) if p), dict(current), current)
+        return FleetDecision(decision, "; ".join(p for p in (reason, out) if p), dict(current), current, figures=used)
 
     if request is None:
         waiting = ("no group has a throughput reading yet" if len(left_out) == len(readings)
@@ -274,7 +377,7 @@ def decide(
     try:
         plan = plan_fleet(request, catalog)
     except PlanInfeasible as exc:
-        return _step_toward_unstepped_optimum(request, exc, current, out, catalog) or unchanged(
+        return _step_toward_unstepped_optimum(request, exc, current, out, catalog, used) or unchanged(
             "Infeasible", f"{exc}: replicas kept, shares by the share policy"
         )
     except CatalogError as exc:
@@ -291,12 +394,13 @@ def decide(
         current=current,
         shares=merged_shares({g.name: g.share for g in plan.groups}, left_out, policy_shares),
         plan=plan,
+        figures=used,
     )
 
 
 def _step_toward_unstepped_optimum(
     request: FleetPlanRequest, infeasible: PlanInfeasible, current: Mapping[str, int], out: str,
-    catalog: Catalog | None,
+    catalog: Catalog | None, figures: Mapping[str, PlanFigure],
 ) -> FleetDecision | None:  # fmt: skip
     """`Stepping` when the step bound alone makes the request infeasible (module docstring), else None."""
     step = request.max_step_replicas
@@ -312,4 +416,5 @@ def _step_toward_unstepped_optimum(
     reason = (f"no plan within {step} replica(s) per group of the current ones meets the constraints ({infeasible}); "
               f"the optimum without the step bound is {target}: the groups below it go up by at most {step}, "
               "none goes down; shares by the share policy")  # fmt: skip
-    return FleetDecision("Stepping", "; ".join(p for p in (reason, out) if p), replicas, dict(current))
+    return FleetDecision("Stepping", "; ".join(p for p in (reason, out) if p), replicas, dict(current),
+                         figures=dict(figures))

@@ -232,6 +232,16 @@ def fleet_plan_status(memory: JobMemory) -> dict[str, Any] | None:
     return memory.plan.status() if memory.plan is not None else None
 
 
+def steady_throughput_status(memory: JobMemory, group: str) -> dict[str, Any] | None:
+    """SamplerGroup `status.steadyThroughput` of a group: the fleet memory's figure ({}: none, the field
+    goes), or None before the job's first sight since the operator started (the observed one is kept:
+    the memory is restored from it then)."""
+    if memory.state is None:
+        return None
+    figure = memory.fleet.steady.get(group)
+    return figure.status() if figure is not None else {}
+
+
 def precision_autopilot_status(memory: JobMemory) -> dict[str, str] | None:
     """RLJob `status.precisionAutopilot`: the autopilot's last change per group since the operator started
     (None: none)."""
@@ -440,7 +450,8 @@ def plan_fleet_mix(job: RLJob, samplergroups: Sequence[Mapping[str, Any]], input
     router = job.spec.router
     # a Prometheus rate spans its window: a replica change shows in it for that long (rebalancer's window)
     settle = math.ceil(rate_window(router.rebalance_interval_seconds) / router.rebalance_interval_seconds) if router.prometheus_url else 1
-    memory.fleet = fleetplan.observe(memory.fleet, readings, settle)
+    memory.fleet = fleetplan.observe(memory.fleet, readings, settle, st.now_iso())
+    figures = fleetplan.plan_figures(readings, memory.fleet, catalog)
     economics = result.economics
     reference = fleetplan.ReferenceFigures(
         accelerator=config.reference_accelerator,
@@ -451,9 +462,10 @@ def plan_fleet_mix(job: RLJob, samplergroups: Sequence[Mapping[str, Any]], input
     held = {g: "precision autopilot: settling after a precision change" for g in memory.precision.settling}
     trainer = memory.report.fleet if memory.report is not None else {}
     request, left_out = fleetplan.fleet_request(job.spec.router.optimize, job.spec.trainer.accelerator, reference,
-                                                readings, memory.fleet.per_replica, held, trainer)  # fmt: skip
+                                                readings, {g: f.tokens_per_second_per_replica for g, f in figures.items()},
+                                                held, trainer)  # fmt: skip
     _, demand_source = fleetplan.demand_of(job.spec.router.optimize, trainer)
-    memory.plan = fleetplan.decide(request, left_out, readings, result.shares, catalog, demand_source)
+    memory.plan = fleetplan.decide(request, left_out, readings, result.shares, catalog, demand_source, figures)
     return memory.plan
 
 
@@ -465,6 +477,7 @@ async def run_autopilot(job: RLJob, namespace: str, samplergroups: Sequence[Mapp
     Event each. Returns the inputs with this interval's quarantines applied."""
     optimize = job.spec.router.optimize
     by_name = {g.name: g for g in inputs}
+    floors = {group.name: group.weight_format for group in job.spec.sampler_groups}  # no step down below the RLJob's
     readings = []
     for sg in samplergroups:
         spec = sg.get("spec") or {}
@@ -474,17 +487,20 @@ async def run_autopilot(job: RLJob, namespace: str, samplergroups: Sequence[Mapp
             name=g.name, accelerator=g.accelerator, weight_format=g.weight_format,
             kv_cache_dtype=spec.get("kvCacheDtype", "auto"), kl=g.kl, oor_fraction=g.oor_fraction,
             max_kl=max_kl, max_oor_fraction=max_oor, quarantined=g.quarantined,
+            floor_format=floors.get(g.name),
         ))  # fmt: skip
     published = views_to_publish(group.weight_format for group in job.spec.sampler_groups)
-    actions, memory.precision = autopilot.autopilot(readings, memory.precision, job.spec.router.autopilot.patience,
-                                                    published, get_catalog())  # fmt: skip
+    spec = job.spec.router.autopilot
+    step_down = autopilot.StepDown(spec.cooldown_intervals, spec.max_cooldown_intervals) if spec.step_down else None
+    actions, memory.precision = autopilot.autopilot(readings, memory.precision, spec.patience, published,
+                                                    get_catalog(), step_down)  # fmt: skip
     quarantined: set[str] = set()
     by_group = {(sg.get("spec") or {}).get("name", ""): sg for sg in samplergroups}
     for action in actions:
         sg = by_group[action.group]
-        if action.kind == "step":
+        if action.kind in ("step", "step-down"):
             body: dict[str, Any] = {"spec": {"weightFormat": action.to_format}}
-            event_type, reason = "Normal", "PrecisionStepped"
+            event_type, reason = "Normal", "PrecisionStepped" if action.kind == "step" else "PrecisionSteppedDown"
         else:
             body = {"metadata": {"annotations": {st.ANN_QUARANTINED: "true"}}}
             event_type, reason = "Warning", "PrecisionQuarantined"
@@ -526,6 +542,7 @@ def _due(memory: JobMemory, samplergroups: Sequence[Mapping[str, Any]], now: flo
     restart never moves shares early."""
     if memory.state is None:
         memory.state, memory.last_run = seed_state(samplergroups), now
+        memory.fleet = fleetplan.restore(samplergroups)
         return False
     return memory.last_run is None or now - memory.last_run >= interval - TICK_SECONDS / 2
 

@@ -163,10 +163,12 @@ def _rollout(spec: Manifest, deployment: Manifest | None) -> _Rollout:
 def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Catalog,
                         channel_status: Manifest | None = None, now: str | None = None,
                         pods: list[Manifest] | tuple[Manifest, ...] = (), rebalance: Manifest | None = None,
-                        quarantine: str | None = None) -> dict[str, Any]:  # fmt: skip
+                        quarantine: str | None = None, steady_throughput: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole status of a SamplerGroup from the SG, its Deployment, its pods (`pods.pod_view`s), its
     WeightChannel status, the rebalance tick's fields for it (`GroupResult.status_patch()`; None: not
-    rebalanced since the operator started: the observed values are kept) and `quarantine_reason`."""
+    rebalanced since the operator started: the observed values are kept), `quarantine_reason` and the
+    fleet-mix optimizer's last steady figure (`rebalancer.steady_throughput_status`: {} none, None: the
+    observed one is kept)."""
     now = now or now_iso()
     name = _get(sg, "metadata", "name", default="")
     generation = _get(sg, "metadata", "generation")
@@ -175,6 +177,9 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     balanced = {k: old[k] for k in REBALANCE_FIELDS if old.get(k) is not None} if rebalance is None else {
         k: rebalance[k] for k in REBALANCE_FIELDS if rebalance.get(k) is not None
     }  # fmt: skip
+    steady = old.get("steadyThroughput") if steady_throughput is None else steady_throughput
+    if steady:
+        balanced["steadyThroughput"] = steady
     r = _rollout(spec, deployment)
     status: dict[str, Any] = {
         "observedGeneration": generation,

@@ -146,13 +146,15 @@ def _priced_cost_per_1m(g: MeasuredGroup, oor_fraction: float) -> float | None:
 
 
 def estimated_reference_tokens_per_gpu_second(
-    groups: Sequence[MeasuredGroup], reference_accelerator: str, catalog: Catalog
-) -> float | None:
-    """Tokens/s per GPU of `reference_accelerator` at bf16 as the measured groups imply it through the
-    catalog's relative decode throughputs: a group of `gpus` GPUs making X tokens/s on class A at format
-    p would make X * ratio(reference, bf16) / ratio(A, p) on as many reference GPUs; summed over the
-    groups with a reading and a ratio, over their GPUs. None: no such group, or no ratio for the reference."""
-    reference = catalog.decode_throughput(reference_accelerator, REFERENCE_WEIGHT_FORMAT)
+    groups: Sequence[MeasuredGroup], reference_accelerator: str, catalog: Catalog,
+    weight_format: str = REFERENCE_WEIGHT_FORMAT,
+) -> float | None:  # fmt: skip
+    """Tokens/s per GPU of `reference_accelerator` at `weight_format` (default bf16: the reference fleet)
+    as the measured groups imply it through the catalog's relative decode throughputs: a group of `gpus`
+    GPUs making X tokens/s on class A at format p would make X * ratio(reference, format) / ratio(A, p) on
+    as many reference GPUs; summed over the groups with a reading and a ratio, over their GPUs. None: no
+    such group, or no ratio for the reference."""
+    reference = catalog.decode_throughput(reference_accelerator, weight_format)
     tokens = 0.0
     gpus = 0
     for g in groups:

@@ -639,13 +639,31 @@ class FleetOptimizeSpec(ApiModel):
         return self
 
 
+AUTOPILOT_COOLDOWN_RULE = "self.cooldownIntervals <= self.maxCooldownIntervals"
+AUTOPILOT_COOLDOWN_MESSAGE = "router.autopilot: cooldownIntervals must be <= maxCooldownIntervals"
+
+
 class PrecisionAutopilotSpec(ApiModel):
-    """The precision autopilot (docs/economics.md): a group over its own mismatch budget (router.optimize.groups[name].maxKl / maxOorFraction, else router.optimize.budgets.groupMaxKl / groupMaxOorFraction) moves one step up nvfp4 -> fp8 -> bf16 within what its class runs and the weight channel publishes, or is quarantined at the top. Set on the SamplerGroup; the RLJob's spec is never written."""
+    """The precision autopilot (docs/economics.md): a group over its own mismatch budget (router.optimize.groups[name].maxKl / maxOorFraction, else router.optimize.budgets.groupMaxKl / groupMaxOorFraction) moves one step up nvfp4 -> fp8 -> bf16 within what its class runs and the weight channel publishes, or is quarantined at the top; within its budget for a cool-down it steps back down, never below the RLJob's own weightFormat. Set on the SamplerGroup; the RLJob's spec is never written."""
+
+    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": AUTOPILOT_COOLDOWN_RULE, "message": AUTOPILOT_COOLDOWN_MESSAGE}]}}
 
     enabled: bool = False
     """Off (default): a group's weightFormat is the RLJob's."""
     patience: int = Field(default=3, ge=1, le=1000)
     """Rebalance intervals in a row a group must be over its budget before it moves; also the intervals after a move before it is judged again (its pods restart, and the trainer's figures still hold the old format's tokens)."""
+    step_down: bool = True
+    """A group the autopilot moved up tries the next cheaper format again (never below the RLJob's own weightFormat) after it has stayed within its budget for cooldownIntervals; false: never down."""
+    cooldown_intervals: int = Field(default=20, ge=1, le=100000)
+    """Judged rebalance intervals in a row (the trainer reported, none over budget) before a step down; a step down that breaches within as many intervals at the cheaper format goes back up and doubles the group's cool-down."""
+    max_cooldown_intervals: int = Field(default=320, ge=1, le=100000)
+    """The bound of the doubled cool-down: a group that keeps breaching at the cheaper format tries it again at most once per this many intervals."""
+
+    @model_validator(mode="after")
+    def _check_cooldown(self) -> PrecisionAutopilotSpec:
+        if self.cooldown_intervals > self.max_cooldown_intervals:
+            raise ValueError(f"{AUTOPILOT_COOLDOWN_MESSAGE} (got {self.cooldown_intervals} > {self.max_cooldown_intervals})")
+        return self
 
 
 class RouterSpec(PodPlacement):
@@ -993,6 +1011,17 @@ class RunMetrics(ApiModel):
     """When these metrics were reported."""
 
 
+class FleetThroughputStatus(ApiModel):
+    """The tokens/s per replica the optimizer planned a group at, and from what."""
+
+    tokens_per_second_per_replica: float = Field(ge=0.0)
+    """Decode tokens/s of one replica."""
+    basis: Literal["measured", "estimated"]
+    """measured: the group's last steady reading (its SamplerGroup's status.steadyThroughput); estimated: none yet, carried from the measured groups by the catalog's decodeThroughput ratios."""
+    detail: str = Field(default="", max_length=256)
+    """The reading (replicas, format, when) or the groups the estimate comes from."""
+
+
 class FleetPlanStatus(ApiModel):
     """What the fleet-mix optimizer decided at its last rebalance interval, and why."""
 
@@ -1004,6 +1033,8 @@ class FleetPlanStatus(ApiModel):
     """Replicas per group after this decision."""
     binding: list[Annotated[str, Field(max_length=512)]] = Field(default_factory=list, max_length=64)
     """The constraints whose removal alone would make the plan cheaper, each with what it costs."""
+    throughput: dict[str, FleetThroughputStatus] = Field(default_factory=dict, max_length=32)
+    """The tokens/s per replica each planned group was planned at (measured or estimated)."""
     cost_per_hour: float | None = Field(default=None, ge=0.0)
     """USD per hour of the plan's replicas."""
     cost_per_1m_usable_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MUsableTokens")

@@ -211,6 +211,19 @@ class ShareChange(ApiModel):
     """Why (policy, quarantine, manual, ...)."""
 
 
+class SteadyThroughput(ApiModel):
+    """The group's last steady decode throughput per replica, as the fleet-mix optimizer read it."""
+
+    tokens_per_second_per_replica: float = Field(ge=0.0)
+    """Decode tokens/s of the group over its ready replicas, read while ready replicas = spec.replicas and unchanged."""
+    replicas: int = Field(ge=1, le=1024)
+    """The ready replicas it was read over."""
+    weight_format: str = Field(max_length=16)
+    """The weightFormat it was read at (a figure of another format is not used)."""
+    measured_at: datetime | None = None
+    """When it was read."""
+
+
 class SamplerGroupStatus(ApiModel):
     """Observed state of a SamplerGroup (operator, rebalancer and sync sidecars write parts of it)."""
 
@@ -238,6 +251,8 @@ class SamplerGroupStatus(ApiModel):
     """What the degraded form means (kernels, compute dtype)."""
     tokens_per_second: float | None = Field(default=None, ge=0.0)
     """Decode throughput, tokens/s: the per-interval increase of sglang:realtime_tokens_total{mode="decode"} (the sglang:gen_throughput gauge for a pod seen the first time). Not generation_tokens_total, which SGLang counts only when a request finishes."""
+    steady_throughput: SteadyThroughput | None = None
+    """With router.optimize: the last steady tokens/s per replica, kept over operator restarts (the optimizer plans a group at 0 replicas from it)."""
     share: float | None = Field(default=None, ge=0.0, le=1.0)
     """Current routing share of new sessions (0..1)."""
     share_percent: float | None = Field(default=None, ge=0.0, le=100.0)

@@ -233,6 +233,13 @@ def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before
     ticked = st.samplergroup_status(sg, deployment, CATALOG, now=T0, rebalance={"share": 0.5, "tokensPerSecond": 300.0})
     assert (ticked["share"], ticked["tokensPerSecond"], ticked["sharePercent"]) == (0.5, 300.0, 50.0)
     assert "shareHistory" not in ticked  # the tick's result is the whole truth once there is one
+    # the optimizer's steady figure: kept from the observed status until the job's memory holds one
+    figure = {"tokensPerSecondPerReplica": 100.0, "replicas": 1, "weightFormat": "bf16"}
+    sg["status"]["steadyThroughput"] = figure
+    assert st.samplergroup_status(sg, deployment, CATALOG, now=T0)["steadyThroughput"] == figure
+    newer = {**figure, "tokensPerSecondPerReplica": 120.0}
+    assert st.samplergroup_status(sg, deployment, CATALOG, now=T0, steady_throughput=newer)["steadyThroughput"] == newer
+    assert "steadyThroughput" not in st.samplergroup_status(sg, deployment, CATALOG, now=T0, steady_throughput={})
 
     observed = job() | {"status": {"costPer1MTokens": 1.5, "step": 7, "weightVersion": 9}}
     report = trainer_job_status(observed, [], TrainerReport(step=8, weight_version=4), T0).status

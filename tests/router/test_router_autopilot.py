@@ -15,7 +15,7 @@ from rlfleet.api import RLJob
 from rlfleet.catalog import load_catalog
 from rlfleet.operator import autopilot, builders
 from rlfleet.operator import naming as n
-from rlfleet.operator.autopilot import AutopilotAction, AutopilotMemory, AutopilotReading
+from rlfleet.operator.autopilot import AutopilotAction, AutopilotMemory, AutopilotReading, StepDown
 
 ALL_VIEWS = ("bf16", "fp8", "nvfp4")
 
@@ -26,12 +26,13 @@ def reading(weight_format: str, kl: float | None, oor: float | None = None, **kw
     return AutopilotReading(weight_format=weight_format, kl=kl, oor_fraction=oor, **fields)
 
 
-def drive(kls: list[float], patience: int = 2, views=ALL_VIEWS, **kw) -> list[list[AutopilotAction]]:
+def drive(kls: list[float | None], patience: int = 2, views=ALL_VIEWS, step_down: StepDown | None = None,
+          **kw) -> list[list[AutopilotAction]]:  # fmt: skip
     """Interval by interval: the group's KL as the trainer reports it, its weightFormat following each step."""
     memory, weight_format, quarantined, out = AutopilotMemory(), kw.pop("weight_format", "nvfp4"), False, []
     for kl in kls:
         actions, memory = autopilot.autopilot([reading(weight_format, kl, quarantined=quarantined, **kw)], memory,
-                                              patience, views)  # fmt: skip
+                                              patience, views, None, step_down)  # fmt: skip
         for a in actions:
             weight_format = a.to_format or weight_format
             quarantined = quarantined or a.kind == "quarantine"
@@ -62,6 +63,63 @@ def test_the_out_of_range_share_crosses_its_budget_too_and_no_budget_or_report_n
     for _ in range(3):  # no trainer report yet
         actions, memory = autopilot.autopilot([reading("nvfp4", None)], memory, 1, ALL_VIEWS)
         assert actions == []
+
+
+def moves(intervals: list[list[AutopilotAction]]) -> list[tuple[int, str, str, str | None]]:
+    return [(i, a.kind, a.from_format, a.to_format) for i, actions in enumerate(intervals) for a in actions]
+
+
+def test_a_group_steps_back_down_after_a_cool_down_and_each_breach_on_probation_doubles_it_to_its_bound() -> None:
+    """Patience 1 (one interval not judged after each move), cool-down 3, bound 8, floor nvfp4 (the
+    RLJob's own format). By hand, interval by interval:
+    0 over: nvfp4 -> fp8; 1 settling; 2, 3, 4 within: the cool-down 3 is over, fp8 -> nvfp4 (probation);
+    5 settling; 6 within; 7 over on probation: nvfp4 -> fp8, cool-down 3 -> 6; 8 settling; 9-14 within (6):
+    fp8 -> nvfp4; 15 settling; 16 over on probation: -> fp8, cool-down 6 -> 12, bounded to 8; 17 settling;
+    18-25 within (8): -> nvfp4; 26 settling; 27-34 within (8): the probation passes (cool-down back to 3),
+    no step below the floor; 35 over (not on probation): -> fp8, cool-down stays 3; 36 settling; 37, 38
+    no report (not judged, the count holds); 39, 40, 41 within: -> nvfp4."""
+    ok, bad = 0.005, 0.02
+    kls: list[float | None] = [bad, ok, ok, ok, ok, ok, ok, bad, ok, *[ok] * 6, ok, bad, ok, *[ok] * 8, ok, *[ok] * 8,
+                               bad, ok, None, None, ok, ok, ok]  # fmt: skip
+    intervals = drive(kls, patience=1, step_down=StepDown(cooldown=3, max_cooldown=8), floor_format="nvfp4")
+    assert moves(intervals) == [
+        (0, "step", "nvfp4", "fp8"), (4, "step-down", "fp8", "nvfp4"), (7, "step", "nvfp4", "fp8"),
+        (14, "step-down", "fp8", "nvfp4"), (16, "step", "nvfp4", "fp8"), (25, "step-down", "fp8", "nvfp4"),
+        (35, "step", "nvfp4", "fp8"), (41, "step-down", "fp8", "nvfp4"),
+    ]  # fmt: skip
+    reasons = [a.reason for actions in intervals for a in actions]
+    assert reasons == [
+        "KL 0.02 > 0.01 for 1 intervals: weightFormat nvfp4 -> fp8",
+        "within its budget (KL 0.005 <= 0.01) for 3 intervals (the cool-down 3): weightFormat fp8 -> nvfp4; back to "
+        "fp8 if over it again within the next 3 intervals, with the cool-down doubled",
+        "KL 0.02 > 0.01 for 1 intervals after a step down: the cool-down doubles, 3 -> 6 intervals: weightFormat "
+        "nvfp4 -> fp8",
+        "within its budget (KL 0.005 <= 0.01) for 6 intervals (the cool-down 6): weightFormat fp8 -> nvfp4; back to "
+        "fp8 if over it again within the next 6 intervals, with the cool-down doubled",
+        "KL 0.02 > 0.01 for 1 intervals after a step down: the cool-down doubles, 6 -> 8 intervals (its bound): "
+        "weightFormat nvfp4 -> fp8",
+        "within its budget (KL 0.005 <= 0.01) for 8 intervals (the cool-down 8): weightFormat fp8 -> nvfp4; back to "
+        "fp8 if over it again within the next 8 intervals, with the cool-down doubled",
+        "KL 0.02 > 0.01 for 1 intervals: weightFormat nvfp4 -> fp8",
+        "within its budget (KL 0.005 <= 0.01) for 3 intervals (the cool-down 3): weightFormat fp8 -> nvfp4; back to "
+        "fp8 if over it again within the next 3 intervals, with the cool-down doubled",
+    ]  # fmt: skip
+
+
+def test_a_step_down_stops_at_the_rljobs_format_and_never_without_step_down_or_a_floor() -> None:
+    ok, bad = 0.005, 0.02
+    # the RLJob says fp8: up to bf16, back to fp8 after the cool-down, never to nvfp4
+    intervals = drive([bad, ok, ok, ok, ok, ok, ok, ok, ok, ok], patience=1, step_down=StepDown(2, 4),
+                      weight_format="fp8", floor_format="fp8")  # fmt: skip
+    assert moves(intervals) == [(0, "step", "fp8", "bf16"), (3, "step-down", "bf16", "fp8")]
+    # step down off, or no floor known: only up
+    assert moves(drive([bad] + [ok] * 8, patience=1, floor_format="nvfp4")) == [(0, "step", "nvfp4", "fp8")]
+    assert moves(drive([bad] + [ok] * 8, patience=1, step_down=StepDown(2, 4))) == [(0, "step", "nvfp4", "fp8")]
+    # the next cheaper format within what the channel publishes and the class runs, never below the floor
+    assert autopilot.cheaper_format("b200", "bf16", "nvfp4", "auto", ALL_VIEWS) == "fp8"
+    assert autopilot.cheaper_format("b200", "bf16", "nvfp4", "auto", ["nvfp4", "bf16"]) == "nvfp4"
+    assert autopilot.cheaper_format("b200", "fp8", "fp8", "auto", ALL_VIEWS) is None
+    assert autopilot.cheaper_format("b200", "bf16", "mxfp4", "auto", ALL_VIEWS) is None  # off the ladder
 
 
 def test_the_ladder_is_what_the_class_runs_and_the_channel_publishes(tmp_path: Path) -> None:
@@ -100,7 +158,12 @@ def test_the_budgets_are_the_optimizers_and_the_block_is_off_by_default() -> Non
     plain = copy.deepcopy(JOB)
     del plain["spec"]["router"]
     spec = RLJob.from_manifest(plain).spec.router.autopilot
-    assert (spec.enabled, spec.patience) == (False, 3)
+    assert (spec.enabled, spec.patience, spec.step_down, spec.cooldown_intervals, spec.max_cooldown_intervals) == (
+        False, 3, True, 20, 320)  # fmt: skip
+    bad = copy.deepcopy(JOB)
+    bad["spec"]["router"]["autopilot"].update(cooldownIntervals=50, maxCooldownIntervals=40)
+    with pytest.raises(ValueError, match=r"cooldownIntervals must be <= maxCooldownIntervals \(got 50 > 40\)"):
+        RLJob.from_manifest(bad)
 
 
 def test_the_samplergroup_keeps_the_autopilots_weight_format_until_the_rljob_changes_its_own() -> None:

@@ -1,7 +1,9 @@
 """Against the real control plane: the precision autopilot (`spec.router.autopilot`) moves a group whose
 reported mismatch is made worse up nvfp4 -> fp8 -> bf16 on its SamplerGroup (Events, the RLJob's
 status), then quarantines it at the top; the RLJob's spec is never written, its own changes keep the
-override, and a new weightFormat in the RLJob ends it.
+override, and a new weightFormat in the RLJob ends it. With `stepDown`, a group made worse and then
+better steps up, back down after its cool-down, and up again with the cool-down doubled when it
+breaches at the cheaper format.
 
 The trainer's exporter is the real `PrometheusExporter` on 127.0.0.1; the trainer pod is a kwok fake, so
 the operator's `rebalancer.trainer_metrics_url` is pointed at the exporter (as in
@@ -38,7 +40,7 @@ def exporter() -> Iterator[PrometheusExporter]:
     exp.close()
 
 
-def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1) -> dict:
+def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1, **autopilot: object) -> dict:
     return {
         "apiVersion": "rlfleet.dev/v1alpha1",
         "kind": "RLJob",
@@ -52,7 +54,7 @@ def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1) -> dic
                 {"name": "spare-bf16", "accelerator": "b200", "replicas": 0, "weightFormat": "bf16"},
             ],
             "router": {"rebalanceIntervalSeconds": 5, "maxShareChange": max_share_change,
-                       "autopilot": {"enabled": True, "patience": 1},
+                       "autopilot": {"enabled": True, "patience": 1, **autopilot},
                        "optimize": {"budgets": {"groupMaxKl": 0.01}}},
             "weightChannel": {"store": {"type": "filesystem", "path": "/weights/autop"}},
         },
@@ -111,6 +113,59 @@ def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_
         # A new weightFormat in the RLJob ends the override.
         apply(manifest(weight_format="fp8", max_share_change=0.2))
         wait_for("the RLJob's value", lambda: fast()["spec"]["weightFormat"] == "fp8")
+        kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output
+
+
+def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_cool_down_doubled(
+    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Patience 1, cool-down 2 intervals (bound 8): over budget -> nvfp4 -> fp8; within it for the cool-down
+    (after the one interval not judged) -> fp8 -> nvfp4, the RLJob's own format (the floor); over again
+    -> nvfp4 -> fp8 with the cool-down doubled to 4."""
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
+
+    def get(kind: str, name: str) -> dict:
+        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+
+    def weight_format() -> str:
+        return get("samplergroup", f"{JOB}-fast")["spec"]["weightFormat"]
+
+    def moves() -> list[tuple[str, str]]:  # (reason, message) of the autopilot's Events, oldest first
+        items = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        ours = [e for e in items if e.get("reason", "").startswith("Precision") and e["involvedObject"]["name"] == f"{JOB}-fast"]
+        return [(e["reason"], e["message"]) for e in sorted(ours, key=lambda e: e.get("firstTimestamp") or e["eventTime"])]
+
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        exporter.update(1, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004})  # within the budget 0.01
+        kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-",
+                     input=yaml.safe_dump(manifest(stepDown=True, cooldownIntervals=2, maxCooldownIntervals=8)))  # fmt: skip
+        wait_for("the group's Deployment", lambda: get("deployment", f"{JOB}-fast"))
+        exporter.update(2, {"kl_k3": 0.05, "group/fast/kl_k3": 0.05})  # made worse
+        wait_for("the step up", lambda: weight_format() == "fp8")
+        exporter.update(3, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004})  # recovered
+        wait_for("the step down", lambda: weight_format() == "nvfp4")
+        exporter.update(4, {"kl_k3": 0.05, "group/fast/kl_k3": 0.05})  # worse again at the cheaper format
+        wait_for("the step up again", lambda: weight_format() == "fp8")
+        doubled = ("KL 0.05 > 0.01 for 1 intervals after a step down: the cool-down doubles, 2 -> 4 intervals: "
+                   "weightFormat nvfp4 -> fp8")  # fmt: skip
+        assert moves() == [
+            ("PrecisionStepped", "KL 0.05 > 0.01 for 1 intervals: weightFormat nvfp4 -> fp8"),
+            ("PrecisionSteppedDown", "within its budget (KL 0.004 <= 0.01) for 2 intervals (the cool-down 2): "
+                                     "weightFormat fp8 -> nvfp4; back to fp8 if over it again within the next 2 "
+                                     "intervals, with the cool-down doubled"),
+            ("PrecisionStepped", doubled),
+        ]  # fmt: skip
+        status = wait_for("the status", lambda: (s := get("rljob", JOB)["status"].get("precisionAutopilot")) == {"fast": doubled} and s)
+        assert status == {"fast": doubled}
+        job = get("rljob", JOB)
+        assert job["metadata"]["generation"] == 1 and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
     assert runner.exception is None, runner.output
     assert "Traceback" not in runner.output, runner.output

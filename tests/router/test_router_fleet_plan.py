@@ -16,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from rlfleet.api import RLJob
+from rlfleet.catalog import load_catalog
 from rlfleet.fleet import (
     Budgets,
     Demand,
@@ -24,7 +25,7 @@ from rlfleet.fleet import (
     Reference,
 )
 from rlfleet.operator import fleetplan
-from rlfleet.operator.fleetplan import FleetMemory, FleetReading, ReferenceFigures
+from rlfleet.operator.fleetplan import FleetMemory, FleetReading, PlanFigure, ReferenceFigures, SteadyFigure
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 
 JOB = {
@@ -100,6 +101,71 @@ def test_tokens_per_replica_are_taken_only_from_a_steady_group_and_kept_otherwis
     for _ in range(2):
         waits.append(fleetplan.observe(waits[-1], [reading("a100-bf16", 2, tps=2000.0)], settle_intervals=3))
     assert [m.per_replica.get("a100-bf16") for m in waits] == [None, None, 1000.0]
+
+
+def test_a_steady_figure_keeps_what_it_was_read_at_and_is_dropped_when_the_format_changes() -> None:
+    first = fleetplan.observe(FleetMemory(), [reading("b200-nvfp4", 2, tps=8000.0)], now="2026-12-05T10:00:00Z")
+    assert first.steady == {"b200-nvfp4": SteadyFigure(4000.0, 2, "nvfp4", "2026-12-05T10:00:00Z")}
+    assert first.steady["b200-nvfp4"].status() == {"tokensPerSecondPerReplica": 4000.0, "replicas": 2,
+                                                   "weightFormat": "nvfp4", "measuredAt": "2026-12-05T10:00:00Z"}  # fmt: skip
+    # scaled to 0: never steady again, the figure stays (of the same format)
+    zero = fleetplan.observe(first, [reading("b200-nvfp4", 0)], now="2026-12-05T10:01:00Z")
+    assert zero.steady == first.steady
+    # the autopilot moved it to fp8: a figure of nvfp4 says nothing of fp8
+    moved = fleetplan.observe(zero, [FleetReading("b200-nvfp4", "b200", "fp8", 1, 5.99, 0, 0, None, None, None, False)])
+    assert moved.steady == {}
+
+
+def test_a_restart_restores_each_groups_steady_figure_from_its_samplergroup_status() -> None:
+    def sg(name: str, fmt: str, figure: object) -> dict:
+        return {"spec": {"name": name, "weightFormat": fmt, "replicas": 0}, "status": {"steadyThroughput": figure}}
+
+    figure = {"tokensPerSecondPerReplica": 1000.0, "replicas": 1, "weightFormat": "bf16", "measuredAt": "2026-12-05T10:00:00Z"}
+    restored = fleetplan.restore([
+        sg("a100-bf16", "bf16", figure),
+        sg("b200-fp8", "fp8", {**figure, "weightFormat": "nvfp4"}),  # read at another format: not used
+        sg("h100-fp8", "fp8", {"replicas": 1}),  # not a figure
+        {"spec": {"name": "b200-nvfp4"}},  # none yet
+    ])  # fmt: skip
+    assert restored.steady == {"a100-bf16": SteadyFigure(1000.0, 1, "bf16", "2026-12-05T10:00:00Z")}
+    assert restored.ready == {}  # every group first seen again
+
+
+def test_a_group_without_a_figure_is_planned_at_an_estimate_from_the_catalogs_ratios(tmp_path) -> None:
+    """A catalog whose ratios are round: b200 nvfp4 8, a100 bf16 2, h100 fp8 4 (TP 2). b200-nvfp4 measured
+    at 4000 tok/s per (1-GPU) replica is 500 per unit of ratio: a100-bf16 is estimated at 2 x 500 = 1000
+    per replica, h100-fp8 at 4 x 500 x 2 GPUs = 4000; a100-fp8 has no ratio here and gets no figure."""
+    path = tmp_path / "catalog.yaml"
+    path.write_text("classes:\n  b200: {decodeThroughput: {nvfp4: 8}}\n  a100: {decodeThroughput: {bf16: 2, fp8: null}}\n"
+                    "  h100: {decodeThroughput: {fp8: 4}}\n")  # fmt: skip
+    catalog = load_catalog(path)
+    readings = [reading("b200-nvfp4", 1, tps=4000.0), reading("a100-bf16", 0), reading("h100-fp8", 0, gpus_per_replica=2),
+                reading("a100-fp8", 0), reading("b200-bf16", 0, quarantined=True)]  # fmt: skip
+    memory = FleetMemory(steady={"b200-nvfp4": SteadyFigure(4000.0, 1, "nvfp4", "2026-12-05T10:00:00Z")})
+    figures = fleetplan.plan_figures(readings, memory, catalog)
+    assert figures == {
+        "b200-nvfp4": PlanFigure(4000.0, "measured", "steady reading over 1 replica(s) at nvfp4, 2026-12-05T10:00:00Z"),
+        "a100-bf16": PlanFigure(1000.0, "estimated", "estimated from catalog throughput ratios (a100 bf16 against the measured b200-nvfp4)"),
+        "h100-fp8": PlanFigure(4000.0, "estimated", "estimated from catalog throughput ratios (h100 fp8 against the measured b200-nvfp4)"),
+    }  # fmt: skip
+    assert fleetplan.plan_figures(readings, FleetMemory(), catalog) == {}  # nothing measured: nothing to carry
+    # the hand-solved fleet with a100-bf16 at 0 replicas and never measured: planned at its estimate of
+    # 1000, the same optimum as measured; the status and the reason say it is an estimate
+    readings = [reading("b200-nvfp4", 2, tps=8000.0), reading("a100-bf16", 0)]
+    figures = fleetplan.plan_figures(readings, memory, catalog)
+    per_replica = {g: f.tokens_per_second_per_replica for g, f in figures.items()}
+    request, left_out = fleetplan.fleet_request(optimize_spec(budgets={}), "b200", REFERENCE, readings, per_replica)
+    decision = fleetplan.decide(request, left_out, readings, {}, catalog, "given", figures)
+    assert decision.decision == "Scaled" and decision.changes() == {"b200-nvfp4": (2, 3), "a100-bf16": (0, 1)}
+    assert decision.status()["throughput"] == {
+        "b200-nvfp4": {"tokensPerSecondPerReplica": 4000.0, "basis": "measured",
+                       "detail": "steady reading over 1 replica(s) at nvfp4, 2026-12-05T10:00:00Z"},
+        "a100-bf16": {"tokensPerSecondPerReplica": 1000.0, "basis": "estimated",
+                      "detail": "estimated from catalog throughput ratios (a100 bf16 against the measured b200-nvfp4)"},
+    }  # fmt: skip
+    assert decision.reason.endswith("; a100-bf16 planned at an estimated 1000 tokens/s per replica (no steady reading "
+                                    "of its own: estimated from catalog throughput ratios (a100 bf16 against the "
+                                    "measured b200-nvfp4))")  # fmt: skip
 
 
 def test_the_request_maps_every_measured_figure_bound_and_budget_exactly() -> None:
