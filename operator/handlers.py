@@ -198,6 +198,24 @@ def create_failures_idx(namespace: str | None, body: kopf.Body, **_: Any) -> dic
     return {(_namespaced(namespace), body["involvedObject"]["name"]): event_view(body)}
 
 
+def _is_kueue_pending(body: Mapping[str, Any], **_: Any) -> bool:
+    involved = body.get("involvedObject") or {}
+    return (
+        body.get("reason") == "Pending"
+        and involved.get("kind") == "Workload"
+        and str(involved.get("apiVersion", "")).startswith("kueue.x-k8s.io/")
+        and bool(involved.get("name"))
+    )
+
+
+# Kueue says why it does not admit a Workload (a queue's quota) on the Workload's status and in a `Pending`
+# Event on it; the trainer's pod group is the Workload named after the StatefulSet (its pod-group-name).
+# Watching Events needs no Kueue CRD in the cluster; bounded by the Events' TTL like the indexes above.
+@kopf.index("", "v1", "events", when=_is_kueue_pending)
+def kueue_pending_idx(namespace: str | None, body: kopf.Body, **_: Any) -> dict:
+    return {(_namespaced(namespace), body["involvedObject"]["name"]): event_view(body)}
+
+
 @dataclass(frozen=True)
 class View:
     """The indexes, as handed to handlers by kopf (keyword arguments named after the index functions)."""
@@ -211,6 +229,7 @@ class View:
     pods: Any
     mount_failures: Any
     create_failures: Any
+    kueue_pending: Any
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> View:
@@ -224,6 +243,7 @@ class View:
             pods=kwargs["pods_idx"],
             mount_failures=kwargs["mount_failures_idx"],
             create_failures=kwargs["create_failures_idx"],
+            kueue_pending=kwargs["kueue_pending_idx"],
         )
 
     def pods_of(self, namespace: str) -> Callable[[str, str], list[dict[str, Any]]]:
@@ -516,6 +536,7 @@ async def _refresh_job_status(
         trainer_report=trainer_job_status(job, groups, memory.report, now).status,
         fleet_plan=rebalancer.fleet_plan_status(memory),
         precision_autopilot=rebalancer.precision_autopilot_status(memory),
+        trainer_admission=latest_event_message(view.all(view.kueue_pending, (namespace, n.trainer_name(name)))),
     )  # fmt: skip
     await _write_status(job, desired, "RLJob")
 
@@ -726,6 +747,18 @@ async def create_failure_event(body: kopf.Body, namespace: str | None, **kwargs:
     statefulset = body["involvedObject"]["name"]
     job = statefulset.removesuffix("-trainer")
     if n.trainer_name(job) == statefulset and view.one(view.rljobs, (namespace, job)) is not None:
+        await _quietly(refresh_job_status(namespace, job, view))
+
+
+@kopf.on.event("", "v1", "events", when=_is_kueue_pending)
+async def kueue_pending_event(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
+    """Kueue did not admit a Workload (the trainer's pods do not change while gated): when it is a trainer's
+    pod group, the job's pipeline re-runs with Kueue's message in the index."""
+    namespace = _namespaced(namespace)
+    view = View.of(kwargs)
+    workload = body["involvedObject"]["name"]
+    job = workload.removesuffix("-trainer")
+    if n.trainer_name(job) == workload and view.one(view.rljobs, (namespace, job)) is not None:
         await _quietly(refresh_job_status(namespace, job, view))
 
 

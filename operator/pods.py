@@ -18,6 +18,9 @@ WHY a pod is not running, from what the API server already says about it.
   ResourceQuota, a missing PriorityClass, an admission webhook), from its latest FailedCreate Event: the
   StatefulSet's counterpart of a Deployment's ReplicaFailure condition (a StatefulSet has none).
 - `workload_problem(pods)`: the problem of a set of pods (a Deployment's or StatefulSet's), naming the pod.
+- `admission_wait(pods, kueue_message)`: pods held by scheduling gates, e.g. Kueue's until it admits their
+  Workload (a queue's quota), with Kueue's own words from its `Pending` Event on the Workload when known:
+  not a problem (the pods are queued as asked), the reason a workload is still Pending.
 Reasons are CamelCase (docs/operations.md, "Conditions and reasons").
 """
 
@@ -29,9 +32,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from rlfleet.api.scheduling import KUEUE_QUEUE_LABEL
 from rlfleet.operator import naming as n
 
 MESSAGE_LIMIT = 900
+KUEUE_ADMISSION_GATE = "kueue.x-k8s.io/admission"  # Kueue's scheduling gate until it admits the Workload
 
 # kubelet waiting reasons -> the operator's reason
 IMAGE_PULL = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
@@ -55,6 +60,7 @@ def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     labels = meta.get("labels") or {}
+    spec = body.get("spec") or {}
 
     def containers(key: str) -> list[dict[str, Any]]:
         out = []
@@ -77,6 +83,8 @@ def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
             k: labels[k] for k in (n.LABEL_SAMPLERGROUP, n.LABEL_JOB, n.LABEL_COMPONENT) if k in labels
         },
         "deleting": bool(meta.get("deletionTimestamp")),
+        "schedulingGates": [g.get("name") for g in spec.get("schedulingGates") or []],
+        "kueueQueue": labels.get(KUEUE_QUEUE_LABEL),
         "phase": status.get("phase"),
         "podIP": status.get("podIP"),
         "conditions": [
@@ -260,6 +268,28 @@ def workload_problem(pods: Iterable[Mapping[str, Any]], crash_settle: CrashSettl
     if same:
         return PodProblem(first.reason, _clip(f"{first.message} (and {same} more pod{'s' if same > 1 else ''}: {first.reason})"))
     return first
+
+
+def admission_wait(pods: Iterable[Mapping[str, Any]], kueue_message: str | None = None) -> PodProblem | None:
+    """Why pods that exist are not scheduled yet although nothing is wrong: scheduling gates (the scheduler
+    skips a gated pod). Kueue's gate names the LocalQueue (the pod's queue label) and, with
+    `kueue_message` (the latest `Pending` Event of the pods' Workload), Kueue's reason, e.g. `insufficient
+    quota for nvidia.com/gpu in flavor on-demand ...`. None: no pod is gated."""
+    gated = sorted((p for p in pods if p.get("schedulingGates") and not p.get("deleting")), key=lambda p: str(p.get("name")))
+    if not gated:
+        return None
+    names = ", ".join(str(p.get("name")) for p in gated)
+    pods_word = f"pod{'s' if len(gated) > 1 else ''} {names}"
+    first = gated[0]
+    if KUEUE_ADMISSION_GATE in first["schedulingGates"]:
+        queue = first.get("kueueQueue")
+        where = f" from LocalQueue {queue}" if queue else ""
+        said = f": Kueue: {kueue_message}" if kueue_message else ""
+        return PodProblem("WaitingForAdmission", _clip(
+            f"{pods_word} wait{'' if len(gated) > 1 else 's'} for Kueue to admit {'their' if len(gated) > 1 else 'its'} "
+            f"Workload{where} (scheduling gate {KUEUE_ADMISSION_GATE}){said}"))  # fmt: skip
+    gates = ", ".join(str(g) for g in first["schedulingGates"])
+    return PodProblem("SchedulingGated", _clip(f"{pods_word} held by scheduling gates: {gates}"))
 
 
 def workload_crash(pods: Iterable[Mapping[str, Any]], settle: CrashSettle) -> PodProblem | None:

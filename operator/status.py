@@ -32,6 +32,7 @@ from rlfleet.operator.model_shape import tensor_parallel_problem
 from rlfleet.operator.pods import (
     CrashSettle,
     PodProblem,
+    admission_wait,
     creation_failure,
     parse_time,
     workload_crash,
@@ -303,6 +304,8 @@ def _group_phase(
     if (problem := workload_problem(pods)) is not None:
         return "Degraded", problem.reason, f"{ready}/{desired} replicas ready: Deployment {name}: {problem.message}"
     message = f"{ready}/{desired} replicas ready"
+    if (queued := admission_wait(pods)) is not None:  # e.g. Kueue's gate: queued for quota, not broken
+        return "Pending", queued.reason, f"{message}: Deployment {name}: {queued.message}"
     waiting = weights_wait_reason(spec, channel_status)
     if waiting is not None:
         return "Pending", "WaitingForWeights", f"{message}: {waiting}"
@@ -426,10 +429,13 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
                  trainer_pods: list[Manifest] | tuple[Manifest, ...] = (), costs: Manifest | None = None,
                  trainer_report: Manifest | None = None,
                  trainer_create_failure: str | None = None, fleet_plan: Manifest | None = None,
-                 precision_autopilot: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
+                 precision_autopilot: Manifest | None = None,
+                 trainer_admission: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole status of an RLJob: rolled up from its SamplerGroups, trainer StatefulSet and its pods
     (`pods.pod_view`s: why the trainer does not run; `trainer_create_failure`: the message of the
-    StatefulSet's latest FailedCreate Event, e.g. a ResourceQuota's refusal), the channel (not Ready while
+    StatefulSet's latest FailedCreate Event, e.g. a ResourceQuota's refusal; `trainer_admission`: the
+    message of the latest Kueue `Pending` Event of the trainer's Workload, e.g. insufficient quota, shown
+    while Kueue's scheduling gate holds the trainer pods), the channel (not Ready while
     it is Degraded, e.g. its store unreachable), the rebalance tick's fleet `costs`
     (None: not rebalanced since the operator started: the observed values are kept) and the trainer's
     report (`trainer_report.trainer_job_status(...).status`: step, metrics, weightVersion, CollapseRisk)
@@ -500,8 +506,8 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
             f"{ready_groups}/{len(wanted)} groups and trainer ready",
         )
     else:
-        phase, reason = "Pending", "Reconciling"
-        message = f"{ready_groups}/{len(wanted)} groups ready, trainer {t_ready}/{t_desired}"
+        queued = None if trainer_ready else admission_wait(trainer_pods, trainer_admission)
+        phase, reason, message = _pending(job, f"{ready_groups}/{len(wanted)} groups ready, trainer {t_ready}/{t_desired}", queued)
     message = clip(message)
     status.update(phase=phase, reason=reason, message=message)
     conditions = _job_conditions(phase, reason, message, generation)
@@ -509,6 +515,15 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         dict(c) for c in report_conditions  # CollapseRisk: its transition time is kept by trainer_report.py
     ]
     return status
+
+
+def _pending(job: Manifest, progress: str, queued: PodProblem | None) -> tuple[str, str, str]:
+    """(phase, reason, message) of a job on its way: `queued` (pods.admission_wait) when scheduling gates
+    hold the trainer's pods, e.g. Kueue's until the queue has the quota for the whole gang."""
+    if queued is None:
+        return "Pending", "Reconciling", progress
+    trainer = n.trainer_name(str(_get(job, "metadata", "name", default="")))
+    return "Pending", queued.reason, f"{progress}: trainer StatefulSet {trainer}: {queued.message}"
 
 
 def _group_summaries(

@@ -183,6 +183,12 @@ COMPONENTS: dict[str, GoComponent] = {
             module="github.com/prometheus/prometheus",
             binaries={"promtool": "github.com/prometheus/prometheus/cmd/promtool"},
         ),  # runs the chart's PrometheusRule alerts on synthetic series (tests/ship)
+        GoComponent(
+            name="kueue",
+            module="sigs.k8s.io/kueue",
+            binaries={"kueue": "sigs.k8s.io/kueue/cmd/kueue"},
+            ldflags=lambda v: [f"-X sigs.k8s.io/kueue/pkg/version.GitVersion={v}"],
+        ),  # quota admission of the trainer gang and sampler groups (tests/cluster/kueue.py)
     )
 }
 
@@ -350,27 +356,85 @@ def node_manifests(cpu_nodes: bool = True) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 
 
+def _key_pem(key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def _x509_name(cn: str, org: str | None = None) -> Any:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def _sign_leaf(out: Path, file: str, subject: Any, ca_cert: Any, ca_key: Any, server_names: Sequence[str] | None) -> None:
+    """`out/<file>.crt` + `.key`, signed by the CA: a serving cert for `server_names` (DNS names and IPs),
+    or a client cert when None."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(days=7))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH if server_names is not None else ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+    )
+    if server_names is not None:
+        sans: list[x509.GeneralName] = []
+        for entry in server_names:
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(entry)))
+            except ValueError:
+                sans.append(x509.DNSName(entry))
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    (out / f"{file}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (out / f"{file}.key").write_bytes(_key_pem(key))
+
+
+def write_serving_cert(pki: Path, out: Path, file: str, server_names: Sequence[str]) -> None:
+    """`out/<file>.crt` + `.key`: a serving cert signed by the control plane's CA (`pki` of a running one),
+    e.g. for a webhook server on 127.0.0.1 that the API server calls with the CA as caBundle
+    (tests/cluster/kueue.py)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), password=None)
+    _sign_leaf(out, file, _x509_name(file), ca_cert, ca_key, server_names)
+
+
 def _write_pki(pki: Path, server_ips: Sequence[str] = (), extra_leaves: dict[str, tuple[str, str | None]] | None = None) -> None:
     """The CA, the API server's serving cert (also valid for `server_ips`) and the client certs
     (`extra_leaves`: file -> (CN, O), e.g. the real node's kubelet)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     pki.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
-
-    def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-        return key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-
-    def name(cn: str, org: str | None = None) -> x509.Name:
-        attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
-        if org:
-            attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
-        return x509.Name(attrs)
+    name = _x509_name
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
@@ -391,49 +455,20 @@ def _write_pki(pki: Path, server_ips: Sequence[str] = (), extra_leaves: dict[str
         .sign(ca_key, hashes.SHA256())
     )
     (pki / "ca.crt").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    (pki / "ca.key").write_bytes(key_pem(ca_key))
+    (pki / "ca.key").write_bytes(_key_pem(ca_key))
 
     def leaf(file: str, subject: x509.Name, server: bool) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(ca_cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now)
-            .not_valid_after(now + dt.timedelta(days=7))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
-            )
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
-        )
-        if server:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName(
-                    [
-                        x509.DNSName("localhost"),
-                        x509.DNSName("kubernetes"),
-                        x509.DNSName("kubernetes.default"),
-                        x509.DNSName("kubernetes.default.svc"),
-                        x509.DNSName("kubernetes.default.svc.cluster.local"),
-                        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                        x509.IPAddress(next(ipaddress.ip_network(SERVICE_CIDR).hosts())),
-                        *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips),
-                    ]
-                ),
-                critical=False,
-            )
-        cert = builder.sign(ca_key, hashes.SHA256())
-        (pki / f"{file}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        (pki / f"{file}.key").write_bytes(key_pem(key))
+        server_names = [
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+            "127.0.0.1",
+            str(next(ipaddress.ip_network(SERVICE_CIDR).hosts())),
+            *server_ips,
+        ]
+        _sign_leaf(pki, file, subject, ca_cert, ca_key, server_names if server else None)
 
     leaf("apiserver", name("kube-apiserver"), server=True)
     leaf("admin", name("admin", "system:masters"), server=False)
@@ -444,7 +479,7 @@ def _write_pki(pki: Path, server_ips: Sequence[str] = (), extra_leaves: dict[str
         leaf(file, name(cn, org), server=False)
 
     sa_key = ec.generate_private_key(ec.SECP256R1())  # signs ServiceAccount tokens (ES256)
-    (pki / "sa.key").write_bytes(key_pem(sa_key))
+    (pki / "sa.key").write_bytes(_key_pem(sa_key))
     (pki / "sa.pub").write_bytes(
         sa_key.public_key().public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo

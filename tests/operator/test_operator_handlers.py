@@ -133,7 +133,8 @@ def indexes(*objects: dict[str, Any]) -> dict[str, dict]:
     """The handlers' index kwargs (named as kopf passes them) holding `objects`."""
     idx: dict[str, dict] = {name: {} for name in (
         "rljobs_idx", "samplergroups_idx", "samplergroups_by_job_idx", "weightchannels_idx",
-        "sampler_deployments_idx", "trainers_idx", "pods_idx", "mount_failures_idx", "create_failures_idx")}  # fmt: skip
+        "sampler_deployments_idx", "trainers_idx", "pods_idx", "mount_failures_idx", "create_failures_idx",
+        "kueue_pending_idx")}  # fmt: skip
     for obj in objects:
         key = (obj["metadata"].get("namespace", NS), obj["metadata"]["name"])
         kind = obj["kind"]
@@ -377,6 +378,45 @@ async def test_a_trainer_pod_the_quota_refuses_reaches_the_job_status_from_the_s
     ((kind, name, status),) = api.statuses
     assert (kind, name, status["phase"], status["reason"]) == ("RLJob", "j", "Degraded", "ReplicaFailure")
     assert "exceeded quota: compute" in status["message"]
+
+
+async def test_kueues_pending_event_on_the_trainers_workload_reaches_the_job_status(api: FakeKube) -> None:
+    """Kueue's `Pending` Event on the trainer's pod-group Workload (named after the StatefulSet) runs the job's
+    pipeline; with the trainer's pods held by Kueue's gate the job is Pending in Kueue's words (the Event
+    as Kueue v0.17.0 wrote it in tests/operator/test_operator_cluster_kueue.py)."""
+    posted()
+    job = rljob(groups=("a",))
+    said = ("couldn't assign flavors to pod set 17cc84b9: insufficient quota for nvidia.com/gpu in flavor on-demand, "
+            "previously considered podsets requests (0) + current podset request (8) > maximum capacity (4)")  # fmt: skip
+    event = {"apiVersion": "v1", "kind": "Event", "reason": "Pending", "type": "Warning", "message": said,
+             "involvedObject": {"kind": "Workload", "apiVersion": "kueue.x-k8s.io/v1beta2", "name": "j-trainer",
+                                "namespace": NS},
+             "lastTimestamp": "2026-01-01T00:00:00Z"}  # fmt: skip
+    other = {**event, "involvedObject": {**event["involvedObject"], "name": "pod-j-a-5d8f-x2-1a2b3"}}
+    assert handlers._is_kueue_pending(event) and handlers._is_kueue_pending(other)
+    assert not handlers._is_kueue_pending({**event, "reason": "QuotaReserved"})
+    assert not handlers._is_kueue_pending({**event, "involvedObject": {"kind": "Pod", "name": "j-trainer-0"}})
+    idx = indexes(job)
+    idx["trainers_idx"][(NS, "j-trainer")] = [
+        {"metadata": {"name": "j-trainer", "generation": 1}, "spec": {"replicas": 1}, "status": {"replicas": 1}}
+    ]
+    gated = {"metadata": {"name": "j-trainer-0", "labels": {"app.kubernetes.io/component": "trainer",
+                                                            "rlfleet.dev/job": "j", "kueue.x-k8s.io/queue-name": "q"}},
+             "spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}, "status": {"phase": "Pending"}}  # fmt: skip
+    for key, value in handlers.pods_idx(NS, gated).items():
+        idx["pods_idx"].setdefault(key, []).append(value)
+    for body in (event, other):
+        for key, value in handlers.kueue_pending_idx(NS, body).items():
+            idx["kueue_pending_idx"].setdefault(key, []).append(value)
+
+    await handlers.kueue_pending_event(other, NS, **idx)  # a sampler pod's Workload: no job to refresh
+    assert api.statuses == []
+    await handlers.kueue_pending_event(event, NS, **idx)
+    ((kind, name, status),) = api.statuses
+    assert (kind, name, status["phase"], status["reason"]) == ("RLJob", "j", "Pending", "WaitingForAdmission")
+    assert status["message"].endswith(
+        "trainer StatefulSet j-trainer: pod j-trainer-0 waits for Kueue to admit its Workload from LocalQueue q "
+        f"(scheduling gate kueue.x-k8s.io/admission): Kueue: {said}")
 
 
 # --- the rebalancer after a restart ----------------------------------------------------------------------

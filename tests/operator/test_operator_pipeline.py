@@ -209,6 +209,60 @@ def test_a_group_whose_pods_cannot_start_is_degraded_and_the_job_says_which() ->
     assert 'g (MissingPersistentVolumeClaim: 0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 cannot' in r["message"]
 
 
+# kube-scheduler's condition on a pod with scheduling gates, and Kueue's Pending Event message (v0.17.0)
+GATED = {"type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
+         "message": "Scheduling is blocked due to non-empty scheduling gates"}  # fmt: skip
+KUEUE_PENDING = ("couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu in flavor "
+                 "on-demand, previously considered podsets requests (0) + current podset request (8) > maximum "
+                 "capacity (4)")  # fmt: skip
+
+
+def kueue_gated(name: str, queue: str = "team-a") -> dict:
+    body = pod(name, conditions=[GATED])
+    body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = queue
+    body["spec"] = {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}
+    return body
+
+
+def test_a_trainer_queued_by_kueue_is_pending_with_kueues_reason_not_degraded() -> None:
+    trainer = {"status": {"readyReplicas": 0, "replicas": 2}}
+    views = [pod_view(kueue_gated("j-trainer-1")), pod_view(kueue_gated("j-trainer-0"))]
+    s = st.rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views,
+                        trainer_admission=KUEUE_PENDING)  # fmt: skip
+    assert (s["phase"], s["reason"]) == ("Pending", "WaitingForAdmission")
+    assert s["message"] == (
+        "1/1 groups ready, trainer 0/1: trainer StatefulSet j-trainer: pods j-trainer-0, j-trainer-1 wait for Kueue "
+        "to admit their Workload from LocalQueue team-a (scheduling gate kueue.x-k8s.io/admission): Kueue: "
+        + KUEUE_PENDING
+    )
+    assert conds(s)["Degraded"]["status"] == "False" and conds(s)["Progressing"]["reason"] == "WaitingForAdmission"
+    # before Kueue's first Event: the gate and the queue still say where the trainer waits
+    s = st.rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views)
+    assert s["message"].endswith("from LocalQueue team-a (scheduling gate kueue.x-k8s.io/admission)")
+    # admitted (gate removed, pods scheduled): no longer waiting
+    admitted = [pod_view(pod("j-trainer-0", conditions=[{"type": "PodScheduled", "status": "True"}]))]
+    s = st.rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=admitted,
+                        trainer_admission=KUEUE_PENDING)  # fmt: skip
+    assert s["reason"] == "Reconciling"
+
+
+def test_a_group_whose_pods_are_gated_is_pending_and_says_by_what() -> None:
+    sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
+          "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
+          "spec": {"name": "g", "accelerator": "h100", "weightFormat": "bf16", "replicas": 1,
+                   "model": {"name": "m", "path": "p"}}}  # fmt: skip
+    deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 1}}
+    s = st.samplergroup_status(sg, deployment, CATALOG, now=T0, pods=[pod_view(kueue_gated("j-g-5d8f-x2", "spot"))])
+    assert (s["phase"], s["reason"]) == ("Pending", "WaitingForAdmission")
+    assert s["message"] == ("0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 waits for Kueue to admit its Workload "
+                            "from LocalQueue spot (scheduling gate kueue.x-k8s.io/admission)")  # fmt: skip
+    other = pod("j-g-5d8f-x2", conditions=[GATED])
+    other["spec"] = {"schedulingGates": [{"name": "example.com/hold"}]}
+    s = st.samplergroup_status(sg, deployment, CATALOG, now=T0, pods=[pod_view(other)])
+    assert (s["reason"], s["message"]) == (
+        "SchedulingGated", "0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 held by scheduling gates: example.com/hold")
+
+
 def test_unreachable_store_degrades_the_weightchannel_naming_the_store() -> None:
     wc = {"metadata": {"generation": 1}, "spec": {"store": {"type": "s3", "bucket": "ckpt", "prefix": "run1"}}}
     s = st.weightchannel_status(wc, None, "EndpointConnectionError: Could not connect", now=T0)

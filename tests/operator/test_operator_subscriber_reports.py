@@ -58,7 +58,7 @@ def view_with_pods(pods: dict[tuple[str, str, str], list[dict[str, Any]]]) -> An
     from rlfleet.operator.handlers import View
 
     return View(rljobs={}, samplergroups={}, samplergroups_by_job={}, weightchannels={}, sampler_deployments={},
-                trainers={}, pods=pods, mount_failures={}, create_failures={})  # fmt: skip
+                trainers={}, pods=pods, mount_failures={}, create_failures={}, kueue_pending={})  # fmt: skip
 
 
 @pytest.fixture
