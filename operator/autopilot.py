@@ -19,15 +19,17 @@ runs and the channel publishes. That step is on PROBATION until the group has st
 a cool-down at the cheaper format: a breach before (over for `patience` intervals, as always) steps it
 up again and DOUBLES its cool-down, up to `maxCooldownIntervals`, so a group that breaches at the
 cheaper format tries it again ever later, at most once per `maxCooldownIntervals`: it cannot flap. A
-probation passed resets the cool-down to `cooldownIntervals`; a breach not on probation keeps it. The memory is the operator's: after a
-restart every group starts a fresh cool-down (never an early step down; a doubled cool-down is lost).
+probation passed resets the cool-down to `cooldownIntervals`; a breach not on probation keeps it. A
+doubled cool-down and a probation are kept in the SamplerGroup's `status.precisionCooldown`
+(`cooldown_status`) and restored from it after an operator restart (`restore`); the count of intervals
+within budget starts again (never an early step down).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from rlfleet.api.rljob import FleetOptimizeSpec
 from rlfleet.catalog import Catalog, CatalogError, check_group
@@ -216,6 +218,33 @@ def _over(r: AutopilotReading, why: str, memory: AutopilotMemory, out: Autopilot
                                f"{held}, no step up from {r.weight_format} (the ladder {' -> '.join(LADDER)} within "
                                f"what {r.accelerator} runs and the channel publishes: {', '.join(views)}): quarantined")  # fmt: skip
     return AutopilotAction(r.name, "step", r.weight_format, target, f"{held}: weightFormat {r.weight_format} -> {target}")
+
+
+def cooldown_status(memory: AutopilotMemory, group: str) -> dict[str, Any] | None:
+    """SamplerGroup `status.precisionCooldown` of a group: its doubled cool-down and whether it is on
+    probation (None: neither, the spec's cool-down)."""
+    if group not in memory.cooldown and group not in memory.probation:
+        return None
+    out: dict[str, Any] = {"onProbation": group in memory.probation}
+    if group in memory.cooldown:
+        out["cooldownIntervals"] = memory.cooldown[group]
+    return out
+
+
+def restore(samplergroups: Sequence[Mapping[str, Any]]) -> AutopilotMemory:
+    """At first sight of a job (new, or the operator restarted): each group's doubled cool-down and
+    probation from its SamplerGroup's `status.precisionCooldown`."""
+    out = AutopilotMemory()
+    for sg in samplergroups:
+        name, state = (sg.get("spec") or {}).get("name"), (sg.get("status") or {}).get("precisionCooldown") or {}
+        if not name:
+            continue
+        cooldown = state.get("cooldownIntervals")
+        if isinstance(cooldown, int) and cooldown > 0:
+            out.cooldown[name] = cooldown
+        if state.get("onProbation") is True:
+            out.probation.add(name)
+    return out
 
 
 def group_budgets(optimize: FleetOptimizeSpec, name: str) -> tuple[float | None, float | None]:

@@ -628,7 +628,7 @@ async def _refresh_samplergroup_status(
         pods=view.pods_of(namespace)("sampler", name),
         rebalance=group.status_patch() if group is not None else None,
         quarantine=st.quarantine_reason(sg, collapse),
-        steady_throughput=rebalancer.steady_throughput_status(memory, sg.get("spec", {}).get("name", "")),
+        remembered=rebalancer.remembered_status(memory, sg.get("spec", {}).get("name", "")),
     )  # fmt: skip
     await _write_status(sg, desired, "SamplerGroup")
 

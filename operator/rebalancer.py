@@ -232,14 +232,15 @@ def fleet_plan_status(memory: JobMemory) -> dict[str, Any] | None:
     return memory.plan.status() if memory.plan is not None else None
 
 
-def steady_throughput_status(memory: JobMemory, group: str) -> dict[str, Any] | None:
-    """SamplerGroup `status.steadyThroughput` of a group: the fleet memory's figure ({}: none, the field
-    goes), or None before the job's first sight since the operator started (the observed one is kept:
-    the memory is restored from it then)."""
+def remembered_status(memory: JobMemory, group: str) -> dict[str, Any] | None:
+    """A group's SamplerGroup status fields that keep this memory over a restart (status.REMEMBERED_FIELDS):
+    `steadyThroughput` (the optimizer's last steady figure) and `precisionCooldown` (the autopilot's
+    step-down state), each absent when there is none; None before the job's first sight since the
+    operator started (the observed ones are kept: the memory is restored from them then, `_due`)."""
     if memory.state is None:
         return None
-    figure = memory.fleet.steady.get(group)
-    return figure.status() if figure is not None else {}
+    figure, cooldown = memory.fleet.steady.get(group), autopilot.cooldown_status(memory.precision, group)
+    return {k: v for k, v in (("steadyThroughput", figure.status() if figure else None), ("precisionCooldown", cooldown)) if v}
 
 
 def precision_autopilot_status(memory: JobMemory) -> dict[str, str] | None:
@@ -542,7 +543,7 @@ def _due(memory: JobMemory, samplergroups: Sequence[Mapping[str, Any]], now: flo
     restart never moves shares early."""
     if memory.state is None:
         memory.state, memory.last_run = seed_state(samplergroups), now
-        memory.fleet = fleetplan.restore(samplergroups)
+        memory.fleet, memory.precision = fleetplan.restore(samplergroups), autopilot.restore(samplergroups)
         return False
     return memory.last_run is None or now - memory.last_run >= interval - TICK_SECONDS / 2
 

@@ -48,6 +48,9 @@ NO_REPORT_REASON = "NoSubscriberReport"
 # SamplerGroup status fields that come from the rebalance tick (operator/rebalance.py GroupResult)
 REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPerHour", "costPer1MTokens", "kl", "oorFraction", "tokenShare", "oorShare",
                     "routingMismatch", "shareHistory")  # fmt: skip
+# SamplerGroup status fields that keep the rebalance tick's memory over an operator restart (the status is
+# the store of truth): the optimizer's last steady figure, the precision autopilot's step-down state
+REMEMBERED_FIELDS = ("steadyThroughput", "precisionCooldown")
 # RLJob status fields that come from the rebalance tick (fleet cost) and the trainer's exporter
 JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens", "savingPercent", "baselineSource")
 # A condition's message and an RLJob's status.message stay short: `kubectl describe` and Argo CD show them
@@ -164,12 +167,12 @@ def _rollout(spec: Manifest, deployment: Manifest | None) -> _Rollout:
 def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Catalog,
                         channel_status: Manifest | None = None, now: str | None = None,
                         pods: list[Manifest] | tuple[Manifest, ...] = (), rebalance: Manifest | None = None,
-                        quarantine: str | None = None, steady_throughput: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
+                        quarantine: str | None = None, remembered: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole status of a SamplerGroup from the SG, its Deployment, its pods (`pods.pod_view`s), its
     WeightChannel status, the rebalance tick's fields for it (`GroupResult.status_patch()`; None: not
-    rebalanced since the operator started: the observed values are kept), `quarantine_reason` and the
-    fleet-mix optimizer's last steady figure (`rebalancer.steady_throughput_status`: {} none, None: the
-    observed one is kept)."""
+    rebalanced since the operator started: the observed values are kept), `quarantine_reason` and what
+    the rebalance tick's memory keeps over a restart (`rebalancer.remembered_status`, REMEMBERED_FIELDS;
+    None before its first sight of the job: the observed ones are kept; a field absent: none)."""
     now = now or now_iso()
     name = _get(sg, "metadata", "name", default="")
     generation = _get(sg, "metadata", "generation")
@@ -178,9 +181,8 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     balanced = {k: old[k] for k in REBALANCE_FIELDS if old.get(k) is not None} if rebalance is None else {
         k: rebalance[k] for k in REBALANCE_FIELDS if rebalance.get(k) is not None
     }  # fmt: skip
-    steady = old.get("steadyThroughput") if steady_throughput is None else steady_throughput
-    if steady:
-        balanced["steadyThroughput"] = steady
+    kept = old if remembered is None else remembered
+    balanced.update({k: kept[k] for k in REMEMBERED_FIELDS if kept.get(k)})
     r = _rollout(spec, deployment)
     status: dict[str, Any] = {
         "observedGeneration": generation,

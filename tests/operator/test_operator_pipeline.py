@@ -287,13 +287,17 @@ def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before
     ticked = st.samplergroup_status(sg, deployment, CATALOG, now=T0, rebalance={"share": 0.5, "tokensPerSecond": 300.0})
     assert (ticked["share"], ticked["tokensPerSecond"], ticked["sharePercent"]) == (0.5, 300.0, 50.0)
     assert "shareHistory" not in ticked  # the tick's result is the whole truth once there is one
-    # the optimizer's steady figure: kept from the observed status until the job's memory holds one
+    # what the tick's memory keeps over a restart: the observed fields until the job's memory is seeded,
+    # then the memory's (a field it lacks goes)
     figure = {"tokensPerSecondPerReplica": 100.0, "replicas": 1, "weightFormat": "bf16"}
-    sg["status"]["steadyThroughput"] = figure
-    assert st.samplergroup_status(sg, deployment, CATALOG, now=T0)["steadyThroughput"] == figure
+    cooldown = {"cooldownIntervals": 40, "onProbation": False}
+    sg["status"] |= {"steadyThroughput": figure, "precisionCooldown": cooldown}
+    kept = st.samplergroup_status(sg, deployment, CATALOG, now=T0)
+    assert (kept["steadyThroughput"], kept["precisionCooldown"]) == (figure, cooldown)
     newer = {**figure, "tokensPerSecondPerReplica": 120.0}
-    assert st.samplergroup_status(sg, deployment, CATALOG, now=T0, steady_throughput=newer)["steadyThroughput"] == newer
-    assert "steadyThroughput" not in st.samplergroup_status(sg, deployment, CATALOG, now=T0, steady_throughput={})
+    remembered = st.samplergroup_status(sg, deployment, CATALOG, now=T0, remembered={"steadyThroughput": newer})
+    assert remembered["steadyThroughput"] == newer and "precisionCooldown" not in remembered
+    assert not {"steadyThroughput", "precisionCooldown"} & set(st.samplergroup_status(sg, deployment, CATALOG, now=T0, remembered={}))
 
     observed = job() | {"status": {"costPer1MTokens": 1.5, "step": 7, "weightVersion": 9}}
     report = trainer_job_status(observed, [], TrainerReport(step=8, weight_version=4), T0).status

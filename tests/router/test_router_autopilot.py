@@ -106,6 +106,40 @@ def test_a_group_steps_back_down_after_a_cool_down_and_each_breach_on_probation_
     ]  # fmt: skip
 
 
+def test_a_probation_and_a_doubled_cool_down_survive_a_restart_through_the_samplergroups_status() -> None:
+    """Cool-down 3, bound 8, patience 1: up, 3 within, down (on probation). The operator restarts: its
+    memory is what the status kept, so a breach still doubles the cool-down (3 -> 6), and after one more
+    restart the doubled 6 still holds (5 intervals within budget are not enough to step down)."""
+    ok, bad, step_down = 0.005, 0.02, StepDown(cooldown=3, max_cooldown=8)
+    memory, fmt = AutopilotMemory(), "nvfp4"
+
+    def interval(kl: float) -> list[AutopilotAction]:
+        nonlocal memory, fmt
+        actions, memory = autopilot.autopilot([reading(fmt, kl, floor_format="nvfp4")], memory, 1, ALL_VIEWS, None,
+                                              step_down)  # fmt: skip
+        fmt = next((a.to_format for a in actions if a.to_format), fmt)
+        return actions
+
+    def restart() -> None:
+        nonlocal memory
+        state = autopilot.cooldown_status(memory, "b200-nvfp4")
+        memory = autopilot.restore([{"spec": {"name": "b200-nvfp4"}, "status": {"precisionCooldown": state}}])
+
+    for kl in (bad, ok, ok, ok, ok):  # up, settling, 3 within: down
+        interval(kl)
+    assert fmt == "nvfp4" and autopilot.cooldown_status(memory, "b200-nvfp4") == {"onProbation": True}
+    restart()
+    assert memory == AutopilotMemory(probation={"b200-nvfp4"})
+    (up,) = interval(bad)
+    assert up.reason.startswith("KL 0.02 > 0.01 for 1 intervals after a step down: the cool-down doubles, 3 -> 6")
+    assert autopilot.cooldown_status(memory, "b200-nvfp4") == {"onProbation": False, "cooldownIntervals": 6}
+    restart()
+    assert memory == AutopilotMemory(cooldown={"b200-nvfp4": 6})
+    assert [interval(ok) for _ in range(5)] == [[]] * 5  # no settling after a restart: 5 within < 6
+    assert [(a.kind, a.to_format) for a in interval(ok)] == [("step-down", "nvfp4")]
+    assert autopilot.cooldown_status(AutopilotMemory(), "b200-nvfp4") is None  # neither: nothing in status
+
+
 def test_a_step_down_stops_at_the_rljobs_format_and_never_without_step_down_or_a_floor() -> None:
     ok, bad = 0.005, 0.02
     # the RLJob says fp8: up to bf16, back to fp8 after the cool-down, never to nvfp4

@@ -153,6 +153,7 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
         wait_for("the step down", lambda: weight_format() == "nvfp4")
         exporter.update(4, {"kl_k3": 0.05, "group/fast/kl_k3": 0.05})  # worse again at the cheaper format
         wait_for("the step up again", lambda: weight_format() == "fp8")
+        exporter.update(5, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004})  # within: it stays at fp8 for 1 + 4 intervals
         doubled = ("KL 0.05 > 0.01 for 1 intervals after a step down: the cool-down doubles, 2 -> 4 intervals: "
                    "weightFormat nvfp4 -> fp8")  # fmt: skip
         assert moves() == [
@@ -164,6 +165,9 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
         ]  # fmt: skip
         status = wait_for("the status", lambda: (s := get("rljob", JOB)["status"].get("precisionAutopilot")) == {"fast": doubled} and s)
         assert status == {"fast": doubled}
+        # the doubled cool-down is in the SamplerGroup's status (an operator restart restores it from there)
+        wait_for("the cool-down in status", lambda: get("samplergroup", f"{JOB}-fast")["status"].get("precisionCooldown")
+                 == {"cooldownIntervals": 4, "onProbation": False})  # fmt: skip
         job = get("rljob", JOB)
         assert job["metadata"]["generation"] == 1 and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
