@@ -15,13 +15,13 @@ docs/economics.md has the formulation ("The optimizer") and what the status show
   The figure is persisted in the SamplerGroup's `status.steadyThroughput` (`SteadyFigure.status`) and
   restored from it when the operator first sees the job (`restore`): a group at 0 replicas is never
   steady, so without it a restart would leave such a group out until someone scaled it by hand.
-- A group with no figure (never steady: just created at 0 replicas, or its format changed) is planned
-  at an ESTIMATE when another group has a figure (`plan_figures`): the measured groups' tokens/s per GPU
+- A group at 0 replicas with no figure (never steady: created at 0 replicas, or its format changed) is
+  planned at an ESTIMATE when another group has a figure (`plan_figures`): the measured groups' tokens/s per GPU
   carried to its class and format by the catalog's relative decode throughputs (as the reference
   fleet's estimate, rlfleet/fleet.py), marked `estimated` in status.fleetPlan.throughput and the reason.
-- A group with neither (no group measured yet, or no catalog ratio for its class and format),
-  quarantined, or settling after a precision change (autopilot.py) is LEFT OUT: it keeps its replicas
-  and the share policy's share; the groups in the plan must make the whole demand.
+- A group with neither (replicas not steady yet, no group measured yet, or no catalog ratio for its
+  class and format), quarantined, or settling after a precision change (autopilot.py) is LEFT OUT: it
+  keeps its replicas and the share policy's share; the groups in the plan must make the whole demand.
 - A group `optimize.groups` does not name is in the plan with its replicas fixed (minReplicas =
   maxReplicas = its replicas): it counts toward the demand and the budgets, the optimizer never scales it.
 - KL / out-of-range share the trainer has not reported count as 0.
@@ -224,10 +224,11 @@ def restore(samplergroups: Sequence[Mapping[str, Any]]) -> FleetMemory:
 
 
 def plan_figures(readings: Sequence[FleetReading], memory: FleetMemory, catalog: Catalog) -> dict[str, PlanFigure]:
-    """The tokens/s per replica each group is planned at: its last steady figure (`measured`), else an
-    estimate from the groups with one through the catalog's relative decode throughputs (`estimated`;
-    none without a measured group or a ratio for the group's class and format). Quarantined groups
-    are left out of the plan anyway and get none."""
+    """The tokens/s per replica each group is planned at: its last steady figure (`measured`), else, for
+    a group at 0 replicas, an estimate from the groups with one through the catalog's relative decode
+    throughputs (`estimated`; none without a measured group or a ratio for the group's class and
+    format). A group with replicas gets none until it is measured (its pods are about to be), and a
+    quarantined group is left out of the plan anyway."""
     out: dict[str, PlanFigure] = {}
     measured: list[MeasuredGroup] = []
     for r in readings:
@@ -241,7 +242,7 @@ def plan_figures(readings: Sequence[FleetReading], memory: FleetMemory, catalog:
             measured.append(MeasuredGroup(r.name, r.accelerator, r.weight_format, r.gpus_per_replica, 0.0,
                                           figure.tokens_per_second_per_replica, None))  # fmt: skip
     for r in readings:
-        if r.name in out or r.quarantined or not measured:
+        if r.name in out or r.quarantined or r.replicas > 0 or not measured:
             continue
         per_gpu = estimated_reference_tokens_per_gpu_second(measured, r.accelerator, catalog, r.weight_format)
         if per_gpu is None or per_gpu <= 0:

@@ -134,13 +134,15 @@ def test_a_restart_restores_each_groups_steady_figure_from_its_samplergroup_stat
 def test_a_group_without_a_figure_is_planned_at_an_estimate_from_the_catalogs_ratios(tmp_path) -> None:
     """A catalog whose ratios are round: b200 nvfp4 8, a100 bf16 2, h100 fp8 4 (TP 2). b200-nvfp4 measured
     at 4000 tok/s per (1-GPU) replica is 500 per unit of ratio: a100-bf16 is estimated at 2 x 500 = 1000
-    per replica, h100-fp8 at 4 x 500 x 2 GPUs = 4000; a100-fp8 has no ratio here and gets no figure."""
+    per replica, h100-fp8 at 4 x 500 x 2 GPUs = 4000; a100-fp8 has no ratio here and gets no figure, nor
+    does h100-bf16, which has replicas (its pods are about to be measured)."""
     path = tmp_path / "catalog.yaml"
     path.write_text("classes:\n  b200: {decodeThroughput: {nvfp4: 8}}\n  a100: {decodeThroughput: {bf16: 2, fp8: null}}\n"
                     "  h100: {decodeThroughput: {fp8: 4}}\n")  # fmt: skip
     catalog = load_catalog(path)
     readings = [reading("b200-nvfp4", 1, tps=4000.0), reading("a100-bf16", 0), reading("h100-fp8", 0, gpus_per_replica=2),
-                reading("a100-fp8", 0), reading("b200-bf16", 0, quarantined=True)]  # fmt: skip
+                reading("a100-fp8", 0), reading("b200-bf16", 0, quarantined=True),
+                reading("h100-bf16", 2, ready=1)]  # fmt: skip
     memory = FleetMemory(steady={"b200-nvfp4": SteadyFigure(4000.0, 1, "nvfp4", "2026-12-05T10:00:00Z")})
     figures = fleetplan.plan_figures(readings, memory, catalog)
     assert figures == {
