@@ -63,7 +63,7 @@ SERVICE_CIDR = "10.0.0.0/24"
 POD_CIDR = "10.244.0.1/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 CONTROL_PLANE_COMPONENTS = ("kubernetes", "etcd", "kwok")  # what ControlPlane.start() needs
-NODE_COMPONENTS = ("node", "coredns", "local-path-provisioner")  # and with the real node (realnode.py)
+NODE_COMPONENTS = ("node", "coredns", "local-path-provisioner", "kube-router")  # and with the real node (realnode.py)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,6 +158,12 @@ COMPONENTS: dict[str, GoComponent] = {
             binaries={"coredns": "rlfleet.dev/tests/cluster/coredns"},  # main.go: the plugins we use
             ldflags=lambda v: [f"-X github.com/coredns/coredns/coremain.GitCommit={v}"],
         ),  # the dev cluster's DNS (tests/cluster/realnode.py)
+        GoComponent(
+            name="kube-router",
+            module="github.com/cloudnativelabs/kube-router/v2",
+            binaries={"kube-router": "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"},
+            ldflags=lambda v: [f"-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version={v}"],
+        ),  # the dev cluster's NetworkPolicy enforcement, its firewall controller only (tests/cluster/realnode.py)
         GoComponent(
             name="local-path-provisioner",
             module="github.com/rancher/local-path-provisioner",
@@ -813,7 +819,7 @@ class ControlPlane:
             if self.node:
                 for user in self.node.client_certs():
                     _write_kubeconfig(self.node.dir / f"{user}.kubeconfig", server, pki, user)
-                self.node.start(self._spawn, bin_dir, pki, self.cluster.kubectl, free_port)
+                self.node.start(self._spawn, bin_dir, pki, self.cluster.kubectl, free_port, SERVICE_CIDR)
                 self.cluster.cpu_nodes = [self.node.name]
         except BaseException:
             self.stop()

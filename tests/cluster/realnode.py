@@ -1,11 +1,13 @@
 """A real node for the dev cluster: containerd + runc + CNI bridge + kubelet + kube-proxy + CoreDNS +
-a local-path storage class, on this machine, beside the control plane of controlplane.py (docs/dev-cluster.md).
+a local-path storage class + NetworkPolicy enforcement (kube-router's firewall), on this machine, beside
+the control plane of controlplane.py (docs/dev-cluster.md).
 
 kwok's fake GPU nodes fake their pods; this node runs them: images are built and loaded (nodeimages.py),
 containers start under runc, pods get an IP on a bridge, Services work through kube-proxy's iptables
-rules and names through CoreDNS. It needs root (network namespaces, mounts, iptables) and the Debian
-packages in HOST_PACKAGES (`ensure_host_packages` installs them). One real node per machine: its bridge
-and addresses are fixed (a lock file says who holds them).
+rules, names through CoreDNS, and NetworkPolicies through kube-router's network policy controller
+(iptables + ipset; its router and service proxy are off). It needs root (network namespaces, mounts,
+iptables) and the Debian packages in HOST_PACKAGES (`ensure_host_packages` installs them). One real node
+per machine: its bridge and addresses are fixed (a lock file says who holds them).
 
 This VM's quirks, each handled here and named in docs/dev-cluster.md:
 - cgroup v1: kubelet needs `failCgroupV1: false` (and the cgroupfs driver: no systemd);
@@ -13,10 +15,12 @@ This VM's quirks, each handled here and named in docs/dev-cluster.md:
   child's PID from pipe: EOF"), so containerd runs runc through RUNC_WRAPPER, which clamps a negative
   `process.oomScoreAdj` to 0 in the bundle's config.json;
 - nothing can be pulled from an image registry: the pause image is a static C program and every other
-  image is built here too (nodeimages.py).
+  image is built here too (nodeimages.py);
+- no nftables `queue` expression (CONFIG_NFT_QUEUE is not set): kube-network-policies, the NetworkPolicy
+  implementation kind ships, cannot load its rules, so the policies are kube-router's (iptables, ipset).
 
-`stop` leaves no process, mount, network namespace, bridge or iptables rule behind (`sweep` does the
-last part even after a crash, from what `start` recorded in node.json).
+`stop` leaves no process, mount, network namespace, bridge, iptables rule or ipset behind (`sweep` does
+the last part even after a crash, from what `start` recorded in node.json).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ HOST_PACKAGES = {  # Debian package -> a binary it installs (what `ensure_host_p
     "runc": "runc",
     "containernetworking-plugins": "/usr/lib/cni/bridge",
     "iptables": "iptables",
+    "ipset": "ipset",  # kube-router's NetworkPolicy controller keeps the policies' pod sets in ipsets
     "iproute2": "ip",
     "buildah": "buildah",
     "debootstrap": "debootstrap",
@@ -176,6 +181,20 @@ def _sweep_iptables() -> None:
                 _run(binary, "-w", "-t", table, "-X", name, check=False)
 
 
+def _ipsets() -> list[str]:
+    """This node's ipsets (kube-router's KUBE-SRC-*/KUBE-DST-*, inet6:KUBE-* for IPv6)."""
+    if not shutil.which("ipset"):
+        return []
+    names = _run("ipset", "list", "-n", check=False).stdout.split()
+    return [name for name in names if re.match(r"(inet6:)?KUBE-", name)]
+
+
+def _sweep_ipsets() -> None:
+    """Destroy them (after `_sweep_iptables`: an ipset a rule still refers to cannot be destroyed)."""
+    for name in _ipsets():
+        _run("ipset", "destroy", name, check=False)
+
+
 def _descendants(pids: set[int]) -> set[int]:
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -209,8 +228,8 @@ def _processes_naming(text: str) -> set[int]:
 
 def sweep(workdir: Path, log: Callable[[str], None] = lambda msg: None) -> None:
     """Take back everything the node put on the host: container processes (the shims of our containerd
-    and their children), mounts under `workdir`, the network namespaces it made, iptables rules, the
-    bridge. Safe to run twice, and after a crash."""
+    and their children), mounts under `workdir`, the network namespaces it made, iptables rules and
+    ipsets, the bridge. Safe to run twice, and after a crash."""
     state = _read_state(workdir)
     shims = _processes_naming(str(workdir / "node" / "containerd"))  # RealNode.dir / containerd
     for pid in _descendants(shims):
@@ -227,6 +246,7 @@ def sweep(workdir: Path, log: Callable[[str], None] = lambda msg: None) -> None:
     for name in _netns() - set(state.get("netns_before", [])):
         (NETNS_DIR / name).unlink(missing_ok=True)
     _sweep_iptables()
+    _sweep_ipsets()
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         _run("ip", "link", "delete", BRIDGE, check=False)
     for veth in Path("/sys/class/net").glob("veth*"):  # pod ends left by a netns that outlived its pod
@@ -266,6 +286,7 @@ class NodePorts:
     proxy_metrics: int
     dns_health: int
     dns_ready: int
+    router_health: int
 
 
 class RealNode:
@@ -290,6 +311,7 @@ class RealNode:
         return {
             "kubelet": (f"system:node:{NODE_NAME}", "system:nodes"),
             "kube-proxy": ("system:kube-proxy", None),
+            "kube-router": ("system:kube-router", None),  # bound to KUBE_ROUTER_RULES (kube_router_rbac)
             "apiserver-kubelet-client": ("kube-apiserver-kubelet-client", "system:masters"),
         }
 
@@ -300,10 +322,11 @@ class RealNode:
             raise NodeError("; ".join(problems))
         ensure_host_packages(self.log)
         self.dir.mkdir(parents=True, exist_ok=True)
-        if not LOCK_FILE.exists() and any(_iptables_chains(b) for b in ("iptables", "ip6tables")):
+        if not LOCK_FILE.exists() and (any(_iptables_chains(b) for b in ("iptables", "ip6tables")) or _ipsets()):
             # never ours (a node of ours leaves its lock until swept): the sweep would delete them
-            raise NodeError("this machine already has KUBE-*/CNI-* iptables chains (a kubelet or kube-proxy of "
-                            "another cluster?): the dev cluster's cleanup would delete them, so it does not start")
+            raise NodeError("this machine already has KUBE-*/CNI-* iptables chains or KUBE-* ipsets (a kubelet, "
+                            "kube-proxy or kube-router of another cluster?): the dev cluster's cleanup would delete "
+                            "them, so it does not start")
         _take_lock()
         sweep(self.workdir)  # a previous node of ours that died without `down`
         (self.workdir / "node.json").write_text(json.dumps({"netns_before": sorted(_netns())}))
@@ -317,10 +340,12 @@ class RealNode:
 
     # ---- after the API server ----
     def start(self, spawn_process: Callable[..., Any], bin_dir: Path, pki: Path,
-              kubectl: Callable[..., subprocess.CompletedProcess], free_port: Callable[[], int]) -> None:
-        """Start the node's processes (the control plane has written kubelet.kubeconfig and
-        kube-proxy.kubeconfig into `self.dir`) and wait for the node to be Ready and DNS to answer."""
-        ports = NodePorts(*(free_port() for _ in range(6)))
+              kubectl: Callable[..., subprocess.CompletedProcess], free_port: Callable[[], int],
+              service_cidr: str) -> None:
+        """Start the node's processes (the control plane has written the kubeconfigs of `client_certs`
+        into `self.dir`) and wait for the node to be Ready, its NetworkPolicy firewall installed and DNS to
+        answer."""
+        ports = NodePorts(*(free_port() for _ in range(7)))
         self.ports = ports
         self.kubectl = kubectl
 
@@ -333,6 +358,7 @@ class RealNode:
         self._start_kubelet(spawn, bin_dir, pki, containerd_sock, ports)
         self._start_kube_proxy(spawn, bin_dir, ports)
         self._wait("node Ready", self._node_ready, 120)
+        self._start_kube_router(spawn, bin_dir, ports, service_cidr)
         self._start_coredns(spawn, bin_dir, ports)
         self._start_storage(spawn, bin_dir)
         self._wait("CoreDNS ready", lambda: _http_ok(f"http://127.0.0.1:{ports.dns_ready}/ready"), 60)
@@ -490,6 +516,33 @@ state = "{d}/containerd/state"
         (d / "kube-proxy.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         spawn("kube-proxy", [str(bin_dir / "kube-proxy"), f"--config={d / 'kube-proxy.yaml'}", "--v=1"])
 
+    def _start_kube_router(self, spawn, bin_dir: Path, ports: NodePorts, service_cidr: str) -> None:
+        """kube-router's network policy controller alone, as a host process (as its DaemonSet runs it, with
+        the host's network): NetworkPolicies of the pods on this node become iptables chains (KUBE-ROUTER-*,
+        KUBE-POD-FW-*, KUBE-NWPLCY-*) and ipsets (KUBE-SRC-*, KUBE-DST-*); traffic a policy does not allow
+        is REJECTed. It needs the Node object (after the kubelet registered it). Waits until its chains hook
+        the host's FORWARD, INPUT and OUTPUT chains."""
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(kube_router_rbac()))
+        spawn("kube-router", [
+            str(bin_dir / "kube-router"),
+            f"--kubeconfig={self.dir / 'kube-router.kubeconfig'}",
+            f"--hostname-override={NODE_NAME}",
+            "--run-firewall=true",
+            "--run-router=false",  # the bridge CNI routes the pods
+            "--run-service-proxy=false",  # kube-proxy serves the Services
+            "--enable-cni=false",
+            f"--service-cluster-ip-range={service_cidr}",
+            f"--health-port={ports.router_health}",
+            "--metrics-port=0",
+            "--v=1",
+        ])
+
+        def hooked() -> bool:
+            rules = _run("iptables-save", "-t", "filter").stdout
+            return all(f"-j KUBE-ROUTER-{hook}" in rules for hook in ("FORWARD", "INPUT", "OUTPUT"))
+
+        self._wait("kube-router's NetworkPolicy chains", hooked, 60)
+
     def _start_coredns(self, spawn, bin_dir: Path, ports: NodePorts) -> None:
         d = self.dir
         corefile = f""".:53 {{
@@ -547,6 +600,26 @@ state = "{d}/containerd/state"
                 return
             time.sleep(0.5)
         self.log(f"node: tasks still running after {timeout:.0f}s; the sweep kills them")
+
+
+KUBE_ROUTER_RULES: list[dict[str, Any]] = [  # its upstream ClusterRole, less what the router and proxy need
+    {"apiGroups": [""], "resources": ["namespaces", "pods", "services", "nodes", "endpoints"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+]
+
+
+def kube_router_rbac() -> list[dict[str, Any]]:
+    """What kube-router's client certificate (user system:kube-router, `client_certs`) may read."""
+    name = "rlfleet-dev-kube-router"
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+         "rules": KUBE_ROUTER_RULES},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:kube-router"}]},
+    ]
 
 
 def storage_manifests(storage: Path) -> list[dict[str, Any]]:

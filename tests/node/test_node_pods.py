@@ -294,8 +294,9 @@ def test_the_chart_installs_an_operator_that_reconciles_an_rljob(dev_cluster, ns
 
 def _host_snapshot(workdir: Path) -> dict[str, Any]:
     """What the node may leave on the host: processes of its binaries, mounts, network namespaces,
-    links, iptables rules (both families)."""
-    names = ("containerd", "containerd-shim", "kubelet", "kube-proxy", "coredns", "local-path-provisioner", "pause")
+    links, iptables rules (both families), ipsets (kube-router's)."""
+    names = ("containerd", "containerd-shim", "kubelet", "kube-proxy", "kube-router", "coredns", "local-path-provisioner",
+             "pause")
     processes = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -314,6 +315,7 @@ def _host_snapshot(workdir: Path) -> dict[str, Any]:
         "netns": sorted(realnode._netns()),
         "links": sorted(p.name for p in Path("/sys/class/net").iterdir()),
         "iptables": rules,
+        "ipsets": realnode._ipsets(),
     }
 
 
@@ -321,9 +323,16 @@ def test_down_leaves_no_process_mount_bridge_or_iptables_rule(dev_cluster) -> No
     if dev_cluster.plane is None:
         pytest.skip("attached to a running dev cluster (RLFLEET_DEV_CLUSTER_WORKDIR): it is not ours to stop")
     workdir = dev_cluster.plane.workdir
+    # a policy: kube-router keeps its pod sets in ipsets, which the sweep must destroy too
+    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "deny-all"},
+              "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}}
+    dev_cluster.kube.kubectl("apply", "-n", "default", "-f", "-", input=json.dumps(policy))
+    wait_for("kube-router's ipsets of the policy", lambda: realnode._ipsets() or None, timeout=60)
     during = _host_snapshot(workdir)
     assert realnode.BRIDGE in during["links"] and during["processes"], during  # the check can fail
     assert any(r.startswith(":KUBE-SERVICES") for r in during["iptables"]["iptables-save"])
+    assert any(r.startswith(":KUBE-ROUTER-FORWARD") for r in during["iptables"]["iptables-save"])  # the policies'
+    assert any(p[1] == "kube-router" for p in during["processes"]), during["processes"]
     started = time.monotonic()
     dev_cluster.plane.stop()
     after = _host_snapshot(workdir)
@@ -332,4 +341,5 @@ def test_down_leaves_no_process_mount_bridge_or_iptables_rule(dev_cluster) -> No
     assert after["netns"] == [], after["netns"]
     assert realnode.BRIDGE not in after["links"] and not any(n.startswith("veth") for n in after["links"])
     assert after["iptables"] == {"iptables-save": [], "ip6tables-save": []}, after["iptables"]
+    assert after["ipsets"] == [], after["ipsets"]
     print(f"stopped and swept in {time.monotonic() - started:.1f}s")

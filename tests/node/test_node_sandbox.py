@@ -7,21 +7,24 @@ suffice. Its "trainer pod" is a real pod (the sandboxes' owner). The sandbox ima
 git (tests/cluster/nodeimages.py sandbox_image). No rlfleet image is needed:
 `RLFLEET_DEV_CLUSTER_IMAGES= pytest tests/node/test_node_sandbox.py` skips their builds.
 
-Egress: the node's CNI is the plain bridge plugin, which does not enforce NetworkPolicy. What is shown
-here: the job's policy is accepted by the API server and selects exactly the sandbox pods, the pods have
-no resolver (no name resolves: dnsPolicy None, nameserver 127.0.0.1) and no ServiceAccount token. What
-is NOT shown: that a connection to an IP address is dropped (that needs a CNI that enforces policies:
-Calico, Cilium, ...).
+Egress: the node enforces NetworkPolicy (kube-router's firewall beside the bridge CNI, realnode.py). What
+is shown here: the job's policy is accepted by the API server and selects exactly the sandbox pods; a
+sandbox pod cannot open a TCP connection to an IP address (another pod's, the API server's on the node),
+while a control pod, the same pod spec less the policy's labels, connects to both; the pods have no
+resolver (no name resolves: dnsPolicy None, nameserver 127.0.0.1) and no ServiceAccount token.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +40,7 @@ from rlfleet.api import RLJob
 from rlfleet.operator import sandboxes
 from rlfleet.sandbox import SandboxLimits
 from rlfleet.sandbox.pods import PodSandboxes
-from rlfleet.sandbox.podspec import SandboxPodConfig, owner_selector
+from rlfleet.sandbox.podspec import CONTAINER, SandboxPodConfig, build_sandbox_pod, owner_selector
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.timeout(1800)]
 
@@ -240,6 +243,81 @@ def test_the_network_policy_selects_exactly_the_sandbox_pods(trainer: Trainer) -
             assert trainer.pods(selector) == {box.name}  # not the trainer (owner) pod, nothing else
     finally:
         factory.shutdown()
+
+
+# One TCP connection attempt to argv[1]:argv[2]: "connected", or "failed: <errno name or error type> <message>".
+CONNECT = """
+import errno, socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5).close()
+    print("connected")
+except OSError as err:
+    print("failed:", errno.errorcode.get(err.errno or 0, type(err).__name__), err)
+"""
+SERVER_PORT = 8080
+
+
+def _node_filter_table() -> str:
+    """The node's iptables filter table, where kube-router names each pod it firewalls
+    (`name:<pod> namespace: <namespace>`)."""
+    return subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True, check=True).stdout
+
+
+def test_a_sandbox_pod_cannot_connect_to_an_ip_address_a_control_pod_reaches(trainer: Trainer) -> None:
+    """The policy enforced: TCP to a pod's IP and to the API server's (a host process on the node's
+    bridge address) fails from the sandbox pod, and succeeds from a control pod in the same namespace built
+    by the same builder, less the labels the policy selects on (before and after the sandbox's attempts)."""
+    kube, namespace = trainer.kube, trainer.namespace
+    owner = trainer.owner_pod("swe-trainer-6")
+    server = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "tcp-server"},
+        "spec": {
+            "nodeSelector": {"rlfleet.dev/dev-node": "true"}, "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "server", "image": trainer.image, "imagePullPolicy": "Never",
+                            "command": ["python3", "-m", "http.server", str(SERVER_PORT), "--directory", "/tmp"],
+                            "readinessProbe": {"tcpSocket": {"port": SERVER_PORT}, "periodSeconds": 1},
+                            "securityContext": {"runAsNonRoot": True, "runAsUser": UID,
+                                                "allowPrivilegeEscalation": False}}],
+        },
+    }  # fmt: skip
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(server))
+    kube.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/tcp-server", "--timeout=180s")
+    api_server = urllib.parse.urlsplit(kube.server)
+    targets = [(kube.get_json("pod", "tcp-server", "-n", namespace)["status"]["podIP"], SERVER_PORT),
+               (api_server.hostname, api_server.port)]  # fmt: skip
+    config = trainer.config(owner)
+    factory = PodSandboxes(config, kubeconfig=str(trainer.kubeconfig))
+    try:
+        created = time.monotonic()
+        with factory({"a.py": "A = 1\n"}, SandboxLimits()) as box:
+            policy = kube.get_json("networkpolicy", f"{trainer.job.name}-sandboxes", "-n", namespace)
+            selected = policy["spec"]["podSelector"]["matchLabels"]
+            control = build_sandbox_pod(config, f"{owner}-control")
+            control["metadata"]["labels"] = {k: v for k, v in control["metadata"]["labels"].items() if k not in selected}
+            kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(control))
+            kube.kubectl("wait", "-n", namespace, "--for=jsonpath={.status.phase}=Running", f"pod/{owner}-control",
+                         "--timeout=180s")  # fmt: skip
+            selector = ",".join(f"{k}={v}" for k, v in selected.items())
+            assert trainer.pods(selector) == {box.name}  # the control pod is not the policy's
+            wait_for(f"the node's firewall for {box.name}",
+                     lambda: f"name:{box.name} namespace: {namespace}" in _node_filter_table(), timeout=60)  # fmt: skip
+            print(f"the sandbox pod firewalled {time.monotonic() - created:.1f}s after its creation began", file=sys.stderr)
+
+            def from_control(ip: str, port: int) -> str:
+                return kube.kubectl("exec", "-n", namespace, f"{owner}-control", "-c", CONTAINER, "--",
+                                    "python3", "-c", CONNECT, ip, str(port)).stdout.strip()  # fmt: skip
+
+            assert [from_control(*t) for t in targets] == ["connected"] * len(targets), targets
+            from_sandbox = [box.run(f"python3 -c {shlex.quote(CONNECT)} {ip} {port}", timeout_s=30).output.strip()
+                            for ip, port in targets]  # fmt: skip
+            print(f"the sandbox pod's connections to {targets}: {from_sandbox}", file=sys.stderr)
+            # kube-router REJECTs what no policy allows (ICMP port unreachable: connection refused at once)
+            assert [r.split()[:2] for r in from_sandbox] == [["failed:", "ECONNREFUSED"]] * len(targets), from_sandbox
+            assert [from_control(*t) for t in targets] == ["connected"] * len(targets), targets  # still up
+    finally:
+        factory.shutdown()
+        kube.kubectl("delete", "pod", "tcp-server", f"{owner}-control", "-n", namespace, "--wait=false", check=False)
 
 
 def test_the_warm_pool_follows_the_open_sandboxes(trainer: Trainer) -> None:
