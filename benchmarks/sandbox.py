@@ -147,6 +147,7 @@ def case_round_trip(calls: int) -> dict[str, list[float]]:
     path = next(p for p in files if p.endswith("__init__.py") and files[p])
     box, host = LocalSandbox(files), HostBox(files)
     times: dict[str, list[float]] = {}
+    edits: list[str] = []  # SweEnv._edit's replies
 
     def timed(name: str, fn: Callable[[], object]) -> None:
         t = time.perf_counter()
@@ -156,14 +157,15 @@ def case_round_trip(calls: int) -> dict[str, list[float]]:
     try:
         assert box.run(ECHO, timeout_s=10).output == host.run(ECHO).stdout.decode()
         for i in range(calls):
-            old, new = ("values", "items") if i % 2 == 0 else ("items", "values")  # edit back and forth
+            old, new = ("- 1)", "- 2)") if i % 2 == 0 else ("- 2)", "- 1)")  # edit back and forth
             timed("sandbox true", lambda: box.run("true", timeout_s=10))
             timed("host true", lambda: host.run("true"))
             timed("sandbox echo", lambda: box.run(ECHO, timeout_s=10))
             timed("host echo", lambda: host.run(ECHO))
-            timed("sandbox edit", lambda o=old, n=new: SweEnv._edit(box, path, o, n))
-            timed("host edit", lambda o=old, n=new: SweEnv._edit(host, path, o, n))  # type: ignore[arg-type]
+            timed("sandbox edit", lambda o=old, n=new: edits.append(SweEnv._edit(box, path, o, n)))
+            timed("host edit", lambda o=old, n=new: edits.append(SweEnv._edit(host, path, o, n)))  # type: ignore[arg-type]
         assert box.read_file(path) == host.read_file(path) == files[path]
+        assert edits == [f"edited {path}"] * len(edits), {*edits}  # each edit made (its `old` found once)
     finally:
         box.close()
         host.close()
