@@ -412,7 +412,7 @@ SANDBOX_TEMPLATE_MESSAGE = (
 
 
 class SandboxSpec(ApiModel):
-    """Where an environment's sandboxes run (the SWE environment's, rlfleet/sandbox): `local` (bubblewrap process trees in the trainer pod) or `pods` (one pod per sandbox in the job's namespace, commands through the API's exec; the operator then gives the trainer a ServiceAccount that may create, exec into and delete pods in this namespace, and a NetworkPolicy denies the sandbox pods all egress) or `agent-sandbox` (kubernetes-sigs/agent-sandbox, where the cluster runs its controller: one SandboxClaim per sandbox on a warm pool of the job's SandboxTemplate, through its Python SDK, the `agent-sandbox` extra)."""
+    """Where an environment's sandboxes run (the SWE environment's, rlfleet/sandbox): `local` (bubblewrap process trees in the trainer pod) or `pods` (one pod per sandbox in the job's namespace, commands through the API's exec; the operator then gives the trainer a ServiceAccount that may create, exec into and delete pods in this namespace, and a NetworkPolicy denies the sandbox pods all egress) or `agent-sandbox` (kubernetes-sigs/agent-sandbox, where the cluster runs its controller: one SandboxClaim per sandbox, owned by the trainer pod, on a warm pool of the job's SandboxTemplate, through its Python SDK, the `agent-sandbox` extra; the operator then gives the trainer a ServiceAccount that may create, list, watch and delete SandboxClaims and scale the pool in this namespace)."""
 
     model_config = {
         "json_schema_extra": {
@@ -424,7 +424,7 @@ class SandboxSpec(ApiModel):
     }
 
     backend: Literal["local", "pods", "agent-sandbox"] = "local"
-    """local: bubblewrap process trees in the trainer pod; pods: one sandbox pod per episode's sandbox; agent-sandbox: one SandboxClaim per episode's sandbox (needs agent-sandbox's controller in the cluster)."""
+    """local: bubblewrap process trees in the trainer pod; pods: one sandbox pod per episode's sandbox; agent-sandbox: one SandboxClaim per episode's sandbox (needs agent-sandbox's controller in the cluster). For pods and agent-sandbox the operator gives the trainer a ServiceAccount with only the rights its backend uses, and each sandbox is owned by the trainer pod."""
     template: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """The agent-sandbox SandboxTemplate of the task image (backend agent-sandbox), in the job's namespace: the trainer claims its sandboxes from the SandboxWarmPool `<job>-sandboxes` of this template (made if absent)."""
     image: str | None = Field(default=None, min_length=1, max_length=512)
