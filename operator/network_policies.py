@@ -1,7 +1,7 @@
 """PURE NetworkPolicies among a job's children (docs/install.md, "Network policies").
 
 The engines' API is closed by the job's key (`--api-key`); these policies close the ports too, for
-clusters whose CNI enforces NetworkPolicy (Calico, Cilium, ...; the bridge CNI of a plain node does not):
+clusters whose CNI enforces NetworkPolicy (Calico, Cilium, kube-router, ...; a plain bridge CNI does not):
 - `<job>-samplers`: a sampler pod's engine port only from the job's router pods and the operator's pods
   (the router's traffic, the operator's /metrics scrape), plus the metrics scrapers (`metrics_from`,
   Prometheus; the engine serves /metrics on its API port); the sidecar's port (/metrics /status /health,

@@ -30,6 +30,8 @@ import pytest
 import yaml
 from cluster_wait import wait_for
 
+from rlfleet.operator import naming
+
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -219,15 +221,17 @@ def test_the_cpu_example_trains_and_fills_the_cockpit(fleet: Fleet) -> None:
 # the HTTP status of each call, as JSON on stdout.
 UNKEYED_CLIENT = """
 import json, sys, urllib.error, urllib.request
-engine, router = sys.argv[1], sys.argv[2]
+engine, router, sidecar = sys.argv[1], sys.argv[2], sys.argv[3]
 def call(method, url, key=None, body=None):
     headers = {"Content-Type": "application/json", **({"Authorization": "Bearer " + key} if key else {})}
     data = None if body is None else json.dumps(body).encode()
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=30) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, data, headers, method=method), timeout=10) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+    except OSError as e:  # no HTTP answer: the network refused or dropped the connection
+        return "no answer: " + str(getattr(e, "reason", e))
 foreign = {"model_path": "/tmp", "weight_version": "1000000"}
 turn = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
 print(json.dumps({
@@ -239,17 +243,47 @@ print(json.dumps({
     "engine_metrics": call("GET", engine + "/metrics"),
     "router_no_key": call("POST", router + "/generate", body=turn),
     "router_health": call("GET", router + "/health"),
+    "sidecar_health": call("GET", sidecar + "/health"),
 }))
 """
 
 
+def _run_client_pod(fleet: Fleet, image: str, name: str, labels: dict[str, str], args: list[str]) -> dict[str, Any]:
+    """UNKEYED_CLIENT in a pod of the fleet's namespace with `labels`; its printed answers."""
+    kube, ns = fleet.kube, fleet.ns
+    client = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "nodeSelector": {"rlfleet.dev/dev-node": "true"}, "restartPolicy": "Never",
+            "containers": [{
+                "name": "client", "image": image, "imagePullPolicy": "Never",
+                "command": ["/opt/rlfleet/bin/python", "-c", UNKEYED_CLIENT, *args],
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                    "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
+                                    "capabilities": {"drop": ["ALL"]}},
+                "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+            }],
+        },
+    }  # fmt: skip
+    kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(client))
+    try:
+        wait_for(f"the {name} pod done", lambda: kube.get_json("pod", name, "-n", ns)["status"].get(
+            "phase") in ("Succeeded", "Failed"), timeout=300)  # fmt: skip
+        out = kube.kubectl("logs", "-n", ns, name).stdout
+    finally:
+        kube.kubectl("delete", "pod", name, "-n", ns, "--wait=false", check=False)
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def test_the_engines_and_the_router_refuse_a_caller_without_the_jobs_key(fleet: Fleet, dev_cluster) -> None:
-    """The job's engine API is closed by its key (docs/sampler.md, "The engine API"): a pod of the
-    namespace without it gets 401 from a sampler's /update_weights_from_disk, /pause_generation and
-    /generate and from the router, while /health and /metrics stay open; the key is in no pod spec
-    (secretKeyRef only); the fleet, which holds it, trains on and applies versions. The node's bridge CNI
-    does not enforce the operator's NetworkPolicies (they exist, created with the chart's RBAC): the
-    client reaches the engine, and the key is what refuses it."""
+    """The job's engine API is closed twice (docs/sampler.md, "The engine API"; docs/install.md, "Network
+    policies"), and the real node enforces both: its NetworkPolicies (kube-router's firewall, docs/dev-cluster.md)
+    refuse a pod of the namespace that is none of the router, the operator or a metrics scraper at the
+    engine's and the router's ports (the sidecar's read-only port stays open to it); a pod the policies
+    let in (labelled as Prometheus, the default scraper) but without the job's key gets 401 from a
+    sampler's /update_weights_from_disk, /pause_generation and /generate and from the router, while
+    /health and /metrics answer. The key is in no pod spec (secretKeyRef only); the fleet, which holds
+    it, trains on and applies versions."""
     kube, ns = fleet.kube, fleet.ns
     policies = {p["metadata"]["name"] for p in kube.get_json("networkpolicies", "-n", ns)["items"]}
     assert {f"{JOB}-samplers", f"{JOB}-router"} <= policies, policies
@@ -264,35 +298,20 @@ def test_the_engines_and_the_router_refuse_a_caller_without_the_jobs_key(fleet: 
     [sampler] = fleet.sampler_pods("bf16")
     applied_before = fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0
     step = fleet.step()
-    engine = f"http://{sampler['status']['podIP']}:30000"
-    router = f"http://{JOB}-router.{ns}.svc:8000"
+    pod_ip = sampler["status"]["podIP"]
+    args = [f"http://{pod_ip}:{naming.SGLANG_PORT}", f"http://{JOB}-router.{ns}.svc:{naming.ROUTER_PORT}",
+            f"http://{pod_ip}:{naming.SYNC_PORT}"]  # fmt: skip
     image = dev_cluster.images["operator"].ref
-    client = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "unkeyed-client"},
-        "spec": {
-            "nodeSelector": {"rlfleet.dev/dev-node": "true"}, "restartPolicy": "Never",
-            "containers": [{
-                "name": "client", "image": image, "imagePullPolicy": "Never",
-                "command": ["/opt/rlfleet/bin/python", "-c", UNKEYED_CLIENT, engine, router],
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                                    "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"]}},
-                "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
-            }],
-        },
-    }  # fmt: skip
-    kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(client))
-    try:
-        wait_for("the unkeyed client done", lambda: kube.get_json("pod", "unkeyed-client", "-n", ns)["status"].get(
-            "phase") in ("Succeeded", "Failed"), timeout=300)  # fmt: skip
-        out = kube.kubectl("logs", "-n", ns, "unkeyed-client").stdout
-    finally:
-        kube.kubectl("delete", "pod", "unkeyed-client", "-n", ns, "--wait=false", check=False)
-    statuses = json.loads(out.strip().splitlines()[-1])
-    assert statuses == {
+    outsider = _run_client_pod(fleet, image, "unlisted-client", {"role": "outsider"}, args)
+    refused = {k: v for k, v in outsider.items() if k != "sidecar_health"}
+    assert all(isinstance(v, str) and v.startswith("no answer") for v in refused.values()), outsider
+    assert outsider["sidecar_health"] == 200, outsider  # the same pod, the same node: only the policy differs
+    scraper = _run_client_pod(fleet, image, "unkeyed-client", {"app.kubernetes.io/name": "prometheus"}, args)
+    assert scraper == {
         "update_no_key": 401, "update_wrong_key": 401, "pause_no_key": 401, "generate_no_key": 401,
         "engine_health": 200, "engine_metrics": 200, "router_no_key": 401, "router_health": 200,
-    }, out  # fmt: skip
+        "sidecar_health": 200,
+    }, scraper  # fmt: skip
     # the fleet holds the key: it trains on, the bf16 engine applies new versions, and nothing foreign was
     # loaded (the sidecar would have said so)
     fleet.wait_step(step + 2)
@@ -393,6 +412,46 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     episodes = {int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
                 for row in history}  # fmt: skip
     assert len(episodes) >= step + 1 and set(episodes.values()) == {8 * 4}, episodes  # the example's sizes
+
+
+def test_a_spot_reclaimed_sampler_pod_loses_no_episode(fleet: Fleet, dev_cluster) -> None:
+    """A spot reclaim past its notice: every process of the fp8 sampler pod is SIGKILLed on the node
+    (containerd kills its tasks: no SIGTERM, no sidecar withdrawal, in-flight turns cut mid-answer) and the
+    pod is force-deleted, as when its VM is gone. The router's failed attempts on it are retried elsewhere
+    (docs/router.md), the driver drops no prompt group, every step trains promptsPerStep x
+    samplesPerPrompt episodes, and the Deployment's replacement serves again."""
+    [old] = fleet.sampler_pods("fp8")
+    old_name = old["metadata"]["name"]
+    step = fleet.step()
+    fleet.wait_step(step + 1)  # the fleet is generating: the group has turns in flight
+    drops_before = fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ")
+    container_ids = [c["containerID"].split("://", 1)[1] for c in old["status"]["containerStatuses"]]
+    for container_id in container_ids:
+        dev_cluster.node.ctr("tasks", "kill", "-s", "SIGKILL", container_id)
+    fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, old_name, "--grace-period=0", "--force", "--wait=false")
+
+    def replacement() -> dict[str, Any] | None:
+        pods = [p for p in fleet.sampler_pods("fp8") if p["metadata"]["name"] != old_name]
+        return pods[0] if pods and _ready(pods[0]) else None
+
+    wait_for("the replacement fp8 pod Ready", replacement, timeout=600)
+    killed = fleet.step()
+    fleet.wait_step(killed + 2)
+    assert fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ") == drops_before
+    from rlfleet.trainer import checkpoint
+
+    history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
+    episodes = {int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
+                for row in history}  # fmt: skip
+    assert len(episodes) >= killed + 1 and set(episodes.values()) == {8 * 4}, episodes  # the example's sizes
+
+    def fp8_trains_again() -> float | None:  # the replacement serves: fp8 episodes in a step after the kill
+        rows = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
+        after = sum(v for row in rows if int(row["step"]) > killed for k, v in row.items()
+                    if k.startswith("group/") and k.endswith("fp8/episodes"))  # fmt: skip
+        return after or None
+
+    wait_for("the fp8 group's episodes trained again", fp8_trains_again, timeout=600)
 
 
 def test_training_goes_on_without_the_operator_and_status_converges(fleet: Fleet) -> None:
