@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_images(workdir, args.names)
         if args.command == "prepare":
             realnode.ensure_host_packages(log)
-            controlplane.build(controlplane.CONTROL_PLANE_COMPONENTS + controlplane.NODE_COMPONENTS, log=log)
+            # images first: scripts/test runs the Go builds in the background meanwhile
             nodeimages.build_all(log=log)
+            controlplane.build(controlplane.CONTROL_PLANE_COMPONENTS + controlplane.NODE_COMPONENTS, log=log)
             return 0
         if args.command == "status":
             return controlplane.cmd_status(workdir)
