@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 from test_local_run import fleet_hosts, small_manifest, start_until_step  # the local tests' one copy
 
-STEPS = 4
+# Long enough that the calls below (about 20, each well under a second) find the fleet serving: the CI-like
+# run at d414a73 trained 4 steps in 2 s and had stopped its engines before the last call.
+STEPS = 40
 
 
 def host_environ(pid: int) -> dict[str, str]:
@@ -58,22 +59,13 @@ def test_a_local_run_refuses_engine_and_router_calls_without_its_key(tmp_path: P
                 answer = httpx.post(url + "/update_weights_from_disk", json=update, headers=auth, timeout=30)
                 assert answer.status_code == 401, (url, auth, answer.text)
                 assert httpx.post(url + "/generate", json=generate, headers=auth, timeout=30).status_code == 401
-        # the key opens them: the router generates, and every engine comes to serve the trainer's version 1,
-        # which only its sync loop (presenting the key) can have loaded
+        # the key opens them: the router generates, and an engine answers its model info
         with_key = {"Authorization": f"Bearer {key}"}
         answer = httpx.post(router + "/generate", json=generate, headers=with_key, timeout=30)
         assert answer.status_code == 200, answer.text
-        deadline = time.monotonic() + 60
-        pending = dict(servers)
-        while pending:
-            for name, url in list(pending.items()):
-                info = httpx.get(url + "/model_info", headers=with_key, timeout=30)
-                assert info.status_code == 200, info.text
-                if int(info.json()["weight_version"]) >= 1:
-                    pending.pop(name)
-            assert time.monotonic() < deadline, f"{sorted(pending)} never served version 1"
-            time.sleep(0.2)
-        rest, _ = proc.communicate(timeout=300)
+        info = httpx.get(servers["h100-bf16"] + "/model_info", headers=with_key, timeout=30)
+        assert info.status_code == 200, info.text
+        rest, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -82,7 +74,11 @@ def test_a_local_run_refuses_engine_and_router_calls_without_its_key(tmp_path: P
     assert proc.returncode == 0, output[-3000:]
     assert f"step {STEPS}/{STEPS} " in output and key not in output
     assert fleet_hosts(out / "fleet.json") == []
-    # the refused load changed nothing: no engine ever served the foreign version
-    assert "-> version 1000000" not in (out / "fleet.log").read_text()
+    # every engine loaded the trainer's later versions, which only its sync loop (presenting the key) loads,
+    # and the refused load changed nothing: no engine ever served the foreign version
+    fleet_log = (out / "fleet.log").read_text()
+    for view in ("bf16", "nvfp4"):
+        assert re.search(rf"\(view {view}\) -> version [1-9]", fleet_log), fleet_log[-3000:]
+    assert "-> version 1000000" not in fleet_log
     written = [p for p in out.rglob("*") if p.is_file()]
     assert written and not [p for p in written if key.encode() in p.read_bytes()]
