@@ -220,8 +220,8 @@ def test_the_cpu_example_trains_and_fills_the_cockpit(fleet: Fleet) -> None:
 # A pod on the pod network without the job's key (sys.argv: a sampler pod's engine URL, the router's URL):
 # the HTTP status of each call, as JSON on stdout.
 UNKEYED_CLIENT = """
-import json, sys, urllib.error, urllib.request
-engine, router, sidecar = sys.argv[1], sys.argv[2], sys.argv[3]
+import json, sys, time, urllib.error, urllib.request
+engine, router, sidecar, admitted_within = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 def call(method, url, key=None, body=None):
     headers = {"Content-Type": "application/json", **({"Authorization": "Bearer " + key} if key else {})}
     data = None if body is None else json.dumps(body).encode()
@@ -232,6 +232,11 @@ def call(method, url, key=None, body=None):
         return e.code
     except OSError as e:  # no HTTP answer: the network refused or dropped the connection
         return "no answer: " + str(getattr(e, "reason", e))
+# a pod the policies let in is let in once the node's firewall has its IP (kube-router adds it to the
+# allowed sources at its sync after the pod started): until then it is refused like an outsider
+deadline = time.monotonic() + admitted_within
+while time.monotonic() < deadline and not all(isinstance(call("GET", u + "/health"), int) for u in (engine, router)):
+    time.sleep(0.5)
 foreign = {"model_path": "/tmp", "weight_version": "1000000"}
 turn = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
 print(json.dumps({
@@ -249,7 +254,8 @@ print(json.dumps({
 
 
 def _run_client_pod(fleet: Fleet, image: str, name: str, labels: dict[str, str], args: list[str]) -> dict[str, Any]:
-    """UNKEYED_CLIENT in a pod of the fleet's namespace with `labels`; its printed answers."""
+    """UNKEYED_CLIENT in a pod of the fleet's namespace with `labels`; its printed answers. args: the engine's,
+    the router's and the sidecar's URLs, and how many seconds it waits for the network to let it in."""
     kube, ns = fleet.kube, fleet.ns
     client = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
@@ -302,11 +308,11 @@ def test_the_engines_and_the_router_refuse_a_caller_without_the_jobs_key(fleet: 
     args = [f"http://{pod_ip}:{naming.SGLANG_PORT}", f"http://{JOB}-router.{ns}.svc:{naming.ROUTER_PORT}",
             f"http://{pod_ip}:{naming.SYNC_PORT}"]  # fmt: skip
     image = dev_cluster.images["operator"].ref
-    outsider = _run_client_pod(fleet, image, "unlisted-client", {"role": "outsider"}, args)
+    outsider = _run_client_pod(fleet, image, "unlisted-client", {"role": "outsider"}, [*args, "0"])
     refused = {k: v for k, v in outsider.items() if k != "sidecar_health"}
     assert all(isinstance(v, str) and v.startswith("no answer") for v in refused.values()), outsider
     assert outsider["sidecar_health"] == 200, outsider  # the same pod, the same node: only the policy differs
-    scraper = _run_client_pod(fleet, image, "unkeyed-client", {"app.kubernetes.io/name": "prometheus"}, args)
+    scraper = _run_client_pod(fleet, image, "unkeyed-client", {"app.kubernetes.io/name": "prometheus"}, [*args, "120"])
     assert scraper == {
         "update_no_key": 401, "update_wrong_key": 401, "pause_no_key": 401, "generate_no_key": 401,
         "engine_health": 200, "engine_metrics": 200, "router_no_key": 401, "router_health": 200,
