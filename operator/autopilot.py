@@ -83,14 +83,11 @@ class AutopilotAction:
     reason: str
 
 
-def next_format(accelerator: str, weight_format: str, kv_cache_dtype: str, published: Iterable[str],
-                catalog: Catalog | None = None) -> str | None:  # fmt: skip
-    """The next format up the ladder that the class runs with this KV-cache dtype and the channel
-    publishes; None: no step left (at the top, or off the ladder)."""
-    if weight_format not in LADDER:
-        return None
+def _first_runnable(candidates: Iterable[str], accelerator: str, kv_cache_dtype: str, published: Iterable[str],
+                    catalog: Catalog | None) -> str | None:  # fmt: skip
+    """The first of `candidates` the channel publishes and the class runs with this KV-cache dtype."""
     views = set(published)
-    for candidate in LADDER[LADDER.index(weight_format) + 1 :]:
+    for candidate in candidates:
         if candidate not in views:
             continue
         try:
@@ -99,6 +96,16 @@ def next_format(accelerator: str, weight_format: str, kv_cache_dtype: str, publi
             continue
         return candidate
     return None
+
+
+def next_format(accelerator: str, weight_format: str, kv_cache_dtype: str, published: Iterable[str],
+                catalog: Catalog | None = None) -> str | None:  # fmt: skip
+    """The next format up the ladder that the class runs with this KV-cache dtype and the channel
+    publishes; None: no step left (at the top, or off the ladder)."""
+    if weight_format not in LADDER:
+        return None
+    above = LADDER[LADDER.index(weight_format) + 1 :]
+    return _first_runnable(above, accelerator, kv_cache_dtype, published, catalog)
 
 
 def cheaper_format(accelerator: str, weight_format: str, floor_format: str | None, kv_cache_dtype: str,
@@ -107,16 +114,8 @@ def cheaper_format(accelerator: str, weight_format: str, floor_format: str | Non
     dtype and the channel publishes; None: none (at or below the floor, or either off the ladder)."""
     if weight_format not in LADDER or floor_format not in LADDER:
         return None
-    views = set(published)
-    for candidate in reversed(LADDER[LADDER.index(floor_format) : LADDER.index(weight_format)]):
-        if candidate not in views:
-            continue
-        try:
-            check_group(accelerator, candidate, kv_cache_dtype, catalog=catalog)
-        except (CatalogError, KeyError):
-            continue
-        return candidate
-    return None
+    below = reversed(LADDER[LADDER.index(floor_format) : LADDER.index(weight_format)])
+    return _first_runnable(below, accelerator, kv_cache_dtype, published, catalog)
 
 
 def within_budget(r: AutopilotReading) -> str | None:
