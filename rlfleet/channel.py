@@ -35,13 +35,16 @@ Guarantees (see docs/weights.md for the argument):
   publisher lost the lease, so their publish is dead (stale claims; claims below the pointer go with
   `retain`).
 - `retain` deletes old versions but never the latest, an in-flight (higher) one, or any version a
-  subscriber reports as in use (in a report not older than SUBSCRIBER_STALE_AFTER_SECONDS).
+  subscriber reports as in use (in a report not older than SUBSCRIBER_STALE_AFTER_SECONDS, aged from
+  the store's own time of its write when its date is later; at most its MAX_PINNED_PER_REPORT newest
+  versions at or below the pointer).
 
 Pure of torch (safetensors headers are parsed as JSON), so the operator can read channel status.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -54,7 +57,7 @@ import struct
 import uuid
 from collections.abc import Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,9 @@ tolerated). A report older than this belongs to a replica that is gone or cannot
 pins no version in `retain`, counts in no group's version or lag (`group_versions` /
 `read_channel_status`, as the operator calls them), and the operator removes it once its replica is no
 live pod of its group (`subscribers_to_remove`). docs/weights.md, "Subscriber reports"."""
+MAX_PINNED_PER_REPORT = 2
+"""The most versions one subscriber report pins in `retain`: its newest listed ones at or below the
+pointer (a sidecar reports the version it serves and the one it obtains, `in_use`)."""
 LEASE_KEY = "lease.json"
 WRITER_LEASE_TTL_SECONDS = 300.0
 """How long a writer lease holds without renewal before a publisher with another id may take it over
@@ -303,9 +309,13 @@ class SubscriberReport:
     updated_at: str = ""
     failures: int = 0
     last_error: str | None = None
+    stored_at: str = ""
+    """When the store last wrote the report, by the STORE's clock (`Store.modified_times`: S3
+    Last-Modified, a filesystem's ctime); filled by `WeightChannel.subscribers`, never read from the
+    report's bytes: what a report's writer claims (`updated_at`) cannot make it fresher than this."""
 
     def to_bytes(self) -> bytes:
-        return canonical_json(asdict(self))
+        return canonical_json({k: v for k, v in asdict(self).items() if k != "stored_at"})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> SubscriberReport:
@@ -670,16 +680,18 @@ class WeightChannel:
         self.store.put(f"{SUBSCRIBERS_DIR}/{report.group}/{report.replica}.json", report.to_bytes())
 
     def subscribers(self) -> list[SubscriberReport]:
+        """Every readable report, each with `stored_at` (the store's own time of its last write)."""
         reports = []
-        for key in self.store.list(f"{SUBSCRIBERS_DIR}/"):
+        for key, stored in self.store.modified_times(f"{SUBSCRIBERS_DIR}/").items():
             if not key.endswith(".json"):
                 continue
             try:
-                reports.append(SubscriberReport.from_bytes(self.store.get(key)))
+                report = SubscriberReport.from_bytes(self.store.get(key))
             except KeyNotFoundError:
                 continue  # removed meanwhile
             except (ValueError, KeyError, TypeError):
                 continue  # a malformed report pins nothing and shows nothing
+            reports.append(replace(report, stored_at=stored.isoformat(timespec="milliseconds")))
         return reports
 
     def remove_subscriber(self, group: str, replica: str, *, if_updated_at: str | None = None) -> bool:
@@ -735,7 +747,7 @@ class WeightChannel:
         claims = {int(m.group(1)): k for k in self.store.list("claims/") if (m := _CLAIM_KEY.match(k))}
         complete = sorted(v for v, ks in by_version.items() if manifest_key(v) in ks and v <= pointer.version)
         protected = set(complete[-keep:]) | {pointer.version}
-        protected |= self._pinned_by_subscribers(now, stale_after_seconds)
+        protected |= self._pinned_by_subscribers(now, stale_after_seconds, pointer.version)
         doomed = sorted(
             v for v in set(by_version) | set(claims) if v < pointer.version and v not in protected
         )
@@ -750,16 +762,17 @@ class WeightChannel:
                 self.store.delete(claims[v])
         return doomed
 
-    def _pinned_by_subscribers(self, now: datetime, stale_after_seconds: float | None) -> set[int]:
+    def _pinned_by_subscribers(self, now: datetime, stale_after_seconds: float | None, pointer: int) -> set[int]:
         """The versions subscribers report in use or applied, in reports not older than
-        `stale_after_seconds` (None: every report counts)."""
+        `stale_after_seconds` (None: every report counts): per report, at most its
+        MAX_PINNED_PER_REPORT newest versions at or below the `pointer` (a replica serves one version
+        and obtains at most one more; a number above the pointer names nothing published)."""
         pinned: set[int] = set()
         for r in self.subscribers():
             if stale_after_seconds is not None and not report_is_fresh(r, now, stale_after_seconds):
                 continue  # a dead replica's report pins nothing (docs/weights.md)
-            pinned.update(r.in_use)
-            if r.applied_version is not None:
-                pinned.add(r.applied_version)
+            listed = {*r.in_use, *(() if r.applied_version is None else (r.applied_version,))}
+            pinned.update(sorted(v for v in listed if v <= pointer)[-MAX_PINNED_PER_REPORT:])
         return pinned
 
 
@@ -805,16 +818,21 @@ class ChannelStatus:
 
 
 def report_age_seconds(report: SubscriberReport, now: datetime) -> float:
-    """Seconds since the report's `updated_at` (negative if its writer's clock is ahead). An undated or
-    unparseable report is infinitely old (the sidecar always dates its reports); a timestamp without a
-    zone is UTC."""
+    """Seconds since the report was written: since the OLDER of its `updated_at` (its writer's claim)
+    and `stored_at` (the store's own time of its last write, when known), never below 0. So a report
+    dated in the future, or whose writer's clock is ahead, counts as written at the store's time, never
+    fresher: only rewriting it keeps it fresh. An undated or unparseable report is infinitely old (the
+    sidecar always dates its reports); a timestamp without a zone is UTC."""
     try:
         at = datetime.fromisoformat(report.updated_at)
     except (TypeError, ValueError):
         return math.inf
     if at.tzinfo is None:
         at = at.replace(tzinfo=UTC)
-    return (now - at).total_seconds()
+    with contextlib.suppress(TypeError, ValueError):  # stored_at comes from the store: always parseable
+        stored = datetime.fromisoformat(report.stored_at)
+        at = min(at, stored if stored.tzinfo else stored.replace(tzinfo=UTC))
+    return max(0.0, (now - at).total_seconds())
 
 
 def report_is_fresh(report: SubscriberReport, now: datetime, stale_after_seconds: float) -> bool:

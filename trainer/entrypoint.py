@@ -229,14 +229,16 @@ def _train_rank0(
 
 def _channel_writer(job: RLJob, views: list[str], base_checkpoint: Path | None, store: Store) -> WeightPublisher:
     """The job's publisher: one id per job, the same across pod restarts (a restarted trainer takes over
-    its own claim of a publish that was interrupted, killed or on a full store: rlfleet/channel.py), and
-    the channel's one writer (the writer lease refuses a second trainer with another id: LeaseHeldError;
-    docs/weights.md, "One writer per channel")."""
+    its own claim of a publish that was interrupted, killed or on a full store: rlfleet/channel.py),
+    publishing the RLJob's views only (a sampler's report cannot add one), and the channel's one writer
+    (the writer lease refuses a second trainer with another id: LeaseHeldError; docs/weights.md, "One
+    writer per channel")."""
     from rlfleet.channel import WRITER_LEASE_TTL_SECONDS
     from rlfleet.trainer.publisher import WeightPublisher
 
     return WeightPublisher(store, views=views, keep_versions=job.spec.weight_channel.retention.keep_versions,
                            base_checkpoint=base_checkpoint, writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
+                           allowed_views=views,
                            publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}")  # fmt: skip
 
 

@@ -74,13 +74,18 @@ class WeightPublisher:
         upload_workers: int = 2,
         max_shard_bytes: int | None = None,
         writer_lease_ttl_seconds: float | None = None,
+        allowed_views: Iterable[str] | None = None,
     ) -> None:
         """`base_checkpoint`: HF checkpoint directory of the model (config.json, tokenizer files,
         generation_config.json); local mode and the cluster entrypoint always pass it (None writes
         tensor-only views nothing launches from: the format tests only).
         `writer_lease_ttl_seconds`: take the channel's writer lease with this TTL now (LeaseHeldError if
         another publisher id holds it) and renew it until `close()`; None: publish unfenced (tools, tests
-        of racing publishers)."""
+        of racing publishers).
+        `allowed_views`: the only views a subscriber's report may add (the cluster trainer passes its
+        RLJob's views: a report is written by a sampler pod, and a view it names that the job does not
+        publish is ignored with a log line, never converted and uploaded every step); None: any known
+        view."""
         self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
         self.model_config = read_base_config(self.base_checkpoint) if self.base_checkpoint else None
         self.views = [check_view(v) for v in dict.fromkeys(views)]
@@ -89,6 +94,8 @@ class WeightPublisher:
         self.max_shard_bytes = max_shard_bytes
         self.channel = WeightChannel(store, publisher_id=publisher_id, upload_workers=upload_workers)
         self.follow_subscribers = follow_subscribers
+        self.allowed_views = None if allowed_views is None else frozenset(allowed_views)
+        self._refused_views: set[str] = set()  # logged once each
         self.keep_versions = keep_versions
         self.staging_dir = Path(staging_dir) if staging_dir else None
         self.last_timings: PublishTimings | None = None
@@ -118,6 +125,14 @@ class WeightPublisher:
         another after its TTL)."""
         self._stop_renewing.set()
 
+    def check_lease(self) -> None:
+        """Raise LeaseLostError if the writer lease was taken over (renewing it when held): a checkpoint
+        is fenced like a publish (trainer/checkpoint.py `WriterFence`)."""
+        if self._lease_lost is not None:
+            raise self._lease_lost
+        if self.channel.lease is not None:
+            self.channel.renew_lease()
+
     def views_needed(self) -> list[str]:
         """Configured views plus the views subscribed sidecars report (unknown names are ignored)."""
         needed = list(self.views)
@@ -128,6 +143,12 @@ class WeightPublisher:
                 log.warning("could not read subscriber reports: %s", e)
                 reported = set()
             for view in sorted(v for v in reported if v in VIEWS and v not in needed):
+                if self.allowed_views is not None and view not in self.allowed_views:
+                    if view not in self._refused_views:
+                        self._refused_views.add(view)
+                        log.warning("a subscriber report names view %r, which this job does not publish "
+                                    "(its views: %s): ignored", view, ", ".join(sorted(self.allowed_views)))  # fmt: skip
+                    continue
                 try:
                     check_view_for_model(view, self.model_config)
                 except ValueError as e:  # a misconfigured group must not stop training

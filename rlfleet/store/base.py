@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from rlfleet.store.digests import FILE_DIGEST, FileDigest
@@ -73,6 +74,13 @@ class Store(ABC):
     @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys starting with `prefix` (string prefix, as S3)."""
+
+    @abstractmethod
+    def modified_times(self, prefix: str = "") -> dict[str, datetime]:
+        """Keys starting with `prefix` (as `list`) -> when the store last wrote each, by the STORE's own
+        clock (UTC): S3's Last-Modified, a filesystem's ctime (which no writer can set, unlike mtime).
+        What readers age records by where the record's own timestamp is its writer's claim (subscriber
+        reports: docs/weights.md, "Subscriber reports")."""
 
     @abstractmethod
     def delete(self, key: str) -> None:

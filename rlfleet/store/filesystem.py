@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -233,14 +234,14 @@ class FilesystemStore(Store):
                 tmp.unlink()
         return digest
 
-    def list(self, prefix: str = "") -> list[str]:
+    def _walk(self, prefix: str) -> Iterator[tuple[str, str]]:
+        """(key, path) of every object whose key starts with `prefix` (hidden temp and lock files are none)."""
         self._require_root()
         # Walk only the deepest directory the prefix names.
         base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         base = self.root / base_rel if base_rel else self.root
         if not base.is_dir():
-            return []
-        keys: list[str] = []
+            return
         for dirpath, dirnames, filenames in os.walk(base):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel_dir = os.path.relpath(dirpath, self.root)
@@ -249,8 +250,19 @@ class FilesystemStore(Store):
                     continue  # temp and lock files
                 key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
                 if key.startswith(prefix):
-                    keys.append(key)
-        return sorted(keys)
+                    yield key, os.path.join(dirpath, name)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(key for key, _ in self._walk(prefix))
+
+    def modified_times(self, prefix: str = "") -> dict[str, datetime]:
+        """ctime: set by the kernel (or the NFS server) at every write and rename, and, unlike mtime,
+        not settable by whoever writes the file (`touch -d` / utime change mtime and set ctime to now)."""
+        times: dict[str, datetime] = {}
+        for key, path in self._walk(prefix):
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                times[key] = datetime.fromtimestamp(os.stat(path).st_ctime, UTC)
+        return dict(sorted(times.items()))
 
     def delete(self, key: str) -> None:
         path = self._path(key)

@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +197,14 @@ class S3Store(Store):
     def list(self, prefix: str = "") -> list[str]:
         keys = [self._rel(item["Key"]) for item in self._list_full(prefix)]
         return sorted(k for k in keys if not k.startswith(("_claims/", "_log/", "_probe/")))
+
+    def modified_times(self, prefix: str = "") -> dict[str, datetime]:
+        items = self._list_full(prefix)
+        return {
+            key: item["LastModified"].astimezone(UTC)
+            for item in items
+            if not (key := self._rel(item["Key"])).startswith(("_claims/", "_log/", "_probe/"))
+        }
 
     def delete(self, key: str) -> None:
         with self._errors(key):
