@@ -8,7 +8,7 @@ re-retries what the layer below it has already bounded (docs/architecture.md, "R
 | concern | owner | attempts | wait |
 | --- | --- | --- | --- |
 | a replica fails: its connection is refused, dropped or not made in time, it is found hung (its generation probe gets no answer: never for a request it may still be generating, docs/router.md "Hung replicas"), it answers 502/503/504, or (under `X-Min-Weight-Version`) 409 or an answer from an older version | router | the next replica of the group, then of the session's next group; each replica at most once, at most `ROUTER_MAX_ATTEMPTS` upstream posts per request (`maxAttempts`) | none |
-| the router is unavailable: connection refused, dropped or timed out, 502/504 from a proxy, the router's own 503 (it tried every replica it may, or none can take traffic) | client | `max_transport_retries` | exponential backoff with jitter |
+| the router is unavailable: connection refused, dropped or timed out, 502/504 from a proxy, the router's own 503 (it tried every replica it may, or none can take traffic: a group whose Service name cannot be looked up yet has none), 404 (what answers is not a router or engine yet: every one serves /generate) | client | `max_transport_retries` | exponential backoff with jitter |
 | the weight version lags: 409 (no replica of the session's group serves `X-Min-Weight-Version` yet) | client | `max_version_retries` | `Retry-After`, capped |
 | the sampling-mask cap: a 400 naming `--sampling-mask-max-tokens` | client | `max_shrink_retries`, with a smaller top_k | none |
 | the sampling backend: 500 | client | `max_server_error_retries` | none |
@@ -40,8 +40,11 @@ ROUTER_MAX_ATTEMPTS = 8
 # A replica answering one of these failed (the router tries the next one); SGLang: 503 = queue full,
 # retracted or timed out; 502/504 = a proxy in front of it.
 REPLICA_FAILURE_STATUSES = frozenset({502, 503, 504})
-# The endpoint the client talks to (the router, or one replica) is unavailable: back off and retry.
-UNAVAILABLE_STATUSES = frozenset({502, 503, 504})
+# The endpoint the client talks to (the router, or one replica) is unavailable: back off and retry. 404
+# too: the client posts only /generate, which every router and engine serves, so a 404 comes from an
+# address that does not serve one yet (a fleet still starting) and says nothing about the prompt; it was
+# final until issue 39, and a starting dev cluster dropped 413 prompts on it in its first seconds.
+UNAVAILABLE_STATUSES = frozenset({404, 502, 503, 504})
 
 
 def backoff_seconds(attempt: int, initial_s: float, max_s: float, draw: float) -> float:

@@ -120,6 +120,8 @@ class Router:
         # Each group's configured URLs, and the replica URLs each name's last answered lookup gave.
         self._configured = {group.name: list(group.replicas) for group in config.groups}
         self._looked_up: dict[str, list[str]] = {}
+        # Why a name's last lookup failed (the DNS not answering, e.g. while a cluster starts): the 503 says it.
+        self._lookup_errors: dict[str, str] = {}
         for group in config.groups:
             self.table.set_group(group.name, self._members(group.name), group.share, group.quarantined)
         self.metrics = RouterMetrics(self.table)
@@ -189,7 +191,7 @@ class Router:
         )
         order = self.table.group_order(req.key_h)
         if not order:
-            return self._unroutable("no sampler group can take traffic (all down, quarantined or share 0)")
+            return self._unroutable(self._why_no_group())
         for position, group_name in enumerate(order):
             group = self.table.groups.get(group_name)
             if group is None:
@@ -364,6 +366,13 @@ class Router:
         self.metrics.answered(conflict.group, 409, time.perf_counter() - req.started, 0, 0)
         return result
 
+    def _why_no_group(self) -> str:
+        """The 503's message when no group can take traffic; the names that cannot be looked up named (a
+        fleet that is starting: not available yet, which the client retries and the driver waits out)."""
+        message = "no sampler group can take traffic (all down, quarantined or share 0)"
+        failed = [self._lookup_errors[url] for url in self._names() if url in self._lookup_errors]
+        return f"{message}; {'; '.join(failed)}" if failed else message
+
     def _unroutable(self, message: str, attempts: int = 0) -> RouteResult:
         result = _json_error(503, message)
         result.headers = {"Retry-After": str(self.config.retry_after_seconds)}
@@ -443,13 +452,17 @@ class Router:
         """The replica URLs a name URL stands for now; None when the lookup failed (the last answer stays)."""
         host = membership.name_of(url) or ""
         try:
-            return membership.replica_urls(url, await self._resolve(host))
+            answer = membership.replica_urls(url, await self._resolve(host))
         except (OSError, UnicodeError) as exc:
             if isinstance(exc, OSError) and membership.is_no_address(exc):
+                self._lookup_errors.pop(url, None)
                 return []  # the name exists without an address (a Service with no ready pod), or not at all
             kept = len(self._looked_up.get(url, []))
+            self._lookup_errors[url] = f"cannot look up {host} ({exc}): its group keeps {kept} replica(s)"
             log.warning("cannot look up %s (%s): keeping its %d replica(s)", host, exc, kept)
             return None
+        self._lookup_errors.pop(url, None)
+        return answer
 
     async def _resolve_loop(self) -> None:
         while True:

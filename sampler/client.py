@@ -20,8 +20,9 @@ answers, srt/entrypoints/http_server.py + scheduler aborts; every outcome is cou
 - 500 (ErrorResponse: "The sampling backend selected a token outside its captured sampling support",
   or no captured support): resent `max_server_error_retries` times, then `server_error`.
 - 503 (the router: nothing could serve; SGLang: queue full, retracted under memory pressure, timeout
-  aborts), 502/504 (a proxy), timeouts and connection loss: exponential backoff with jitter, at most
-  `max_transport_retries` times, then `unavailable`.
+  aborts), 502/504 (a proxy), 404 (not a router or engine yet: both serve /generate), timeouts and
+  connection loss: exponential backoff with jitter, at most `max_transport_retries` times, then
+  `unavailable` (the rollout driver holds the prompt group: rlfleet/retries.py).
 - 409 (our router / reference server: no replica serves `X-Min-Weight-Version` yet): wait Retry-After
   (capped at `version_wait_cap_s`) and retry, up to `max_version_retries` (`version_conflict`).
 - any other status fails the turn (`http_<status>`), final.
