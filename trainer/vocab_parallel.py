@@ -87,8 +87,9 @@ def _combine(
 
 def _global_normaliser(
     stats: tuple[Tensor, Tensor, Tensor], group: dist.ProcessGroup | None
-) -> tuple[Tensor, Tensor]:
-    """(lse [T], entropy [T]) of the softmax over every shard's columns from this shard's statistics."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(row max M [T], S = sum exp(z - M) [T], entropy [T]) of the softmax over every shard's columns
+    from this shard's statistics; lse = M + log S."""
     row_max, sum_exp, sum_exp_shifted = stats
     if group is not None:
         global_max = _all_reduce_(row_max.clone(), dist.ReduceOp.MAX, group)
@@ -96,7 +97,7 @@ def _global_normaliser(
         sums = torch.stack([scale * sum_exp, scale * (sum_exp_shifted + (row_max - global_max) * sum_exp)])
         _all_reduce_(sums, dist.ReduceOp.SUM, group)
         row_max, (sum_exp, sum_exp_shifted) = global_max, sums
-    return row_max + sum_exp.log(), sum_exp.log() - sum_exp_shifted / sum_exp
+    return row_max, sum_exp, sum_exp.log() - sum_exp_shifted / sum_exp
 
 
 def _tiles(num_rows: int, num_cols: int, chunk_tokens: int, chunk_vocab: int):
@@ -140,25 +141,31 @@ class _FusedLogSoftmaxAt(torch.autograd.Function):
                         buffer[rows] = value
             _all_reduce_(z_ids, dist.ReduceOp.SUM, group)  # each id lives in exactly one shard
             if normalise:
-                lse, entropy = _global_normaliser((stats[0], stats[1], stats[2]), group)
+                row_max, sum_exp, entropy = _global_normaliser((stats[0], stats[1], stats[2]), group)
+                lse = row_max + sum_exp.log()
             else:
-                lse = entropy = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
-        ctx.save_for_backward(hidden, weight, local_ids, in_shard, lse)
+                lse = entropy = row_max = sum_exp = torch.zeros(num_rows, dtype=dtype, device=hidden.device)
+        ctx.save_for_backward(hidden, weight, local_ids, in_shard, lse, row_max, sum_exp)
         ctx.config = (temperature, chunk_tokens, chunk_vocab, normalise)
         ctx.mark_non_differentiable(lse, entropy)
         return (z_ids - lse[:, None] if normalise else z_ids), lse, entropy
 
     @staticmethod
     def backward(ctx, grad_out: Tensor, _grad_lse, _grad_entropy):
-        hidden, weight, local_ids, in_shard, lse = ctx.saved_tensors
+        hidden, weight, local_ids, in_shard, lse, row_max, sum_exp = ctx.saved_tensors
         temperature, chunk_tokens, chunk_vocab, normalise = ctx.config
         dtype = compute_dtype(hidden.dtype)
         grad_out = grad_out.to(dtype)
         # d/dz_u sum_m g_m log p(v_m) = sum_m g_m 1[u = v_m] - (sum_m g_m) p(u); without the
         # normaliser only the first term. Rows whose normaliser is not finite (non-finite trainer
         # logits, excluded by the caller) get no softmax term.
-        row_coef = torch.where(torch.isfinite(lse), -grad_out.sum(dim=1), 0.0)
-        safe_lse = torch.where(torch.isfinite(lse), lse, 0.0)
+        # p(u) = exp(z_u - M) / S, as torch.softmax forms it, not exp(z_u - lse): lse = M + log S carries
+        # an absolute rounding error of eps |lse|, which exp turns into a relative error of p that grows
+        # with the logits' size (and the row coefficient multiplies it: ~1e6 at the largest centering
+        # ratio; tests/objective/test_objective_fused.py measures both forms against exact arithmetic).
+        finite = torch.isfinite(lse)
+        row_coef = torch.where(finite, -grad_out.sum(dim=1) / sum_exp, 0.0)  # -(sum_m g_m) / S
+        safe_max = torch.where(finite, row_max, 0.0)
         grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         for rows, cols in _tiles(hidden.shape[0], weight.shape[0], chunk_tokens, chunk_vocab):
@@ -170,7 +177,7 @@ class _FusedLogSoftmaxAt(torch.autograd.Function):
                     continue  # replay: only the support's columns get a gradient
                 w = weight[lo:hi].to(dtype)
                 if normalise:  # the tile's logits again, turned into p - in place: one [c, v] buffer
-                    grad_z = (h_scaled @ w.T).sub_(safe_lse[rows, None]).exp_().mul_(row_coef[rows, None])
+                    grad_z = (h_scaled @ w.T).sub_(safe_max[rows, None]).exp_().mul_(row_coef[rows, None])
                 else:
                     grad_z = torch.zeros((h.shape[0], hi - lo), dtype=dtype, device=h.device)
                 grad_z.scatter_add_(1, column, torch.where(hit, grad_out[rows], 0.0))
