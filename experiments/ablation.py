@@ -204,8 +204,11 @@ class SnapshotSink:
     def latest_version(self) -> int | None:
         return max(self.snapshots) if self.snapshots else None
 
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def publish(self, weights: dict[str, torch.Tensor], version: int, *, step: int) -> None:
         self.snapshots[version] = weights
+
+    def fence(self) -> None:
+        """No writer lease: the snapshots are this process's own."""
 
 
 class LockstepRollouts:

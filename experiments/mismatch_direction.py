@@ -64,8 +64,8 @@ class KeepingSink(SnapshotSink):
         super().__init__()
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
 
-    def publish(self, weights: dict, version: int) -> None:
-        super().publish(weights, version)
+    def publish(self, weights: dict, version: int, *, step: int) -> None:
+        super().publish(weights, version, step=step)
         self.kept[version] = weights
 
 
@@ -73,7 +73,7 @@ def probe_set(cfg: AblationConfig, start: Path, version0: dict[str, torch.Tensor
     """The first step's episodes at version 0: ids [B, S] (right-padded with 0) and the (row, column)
     of every position whose logits predicted a sampled token [N, 2]."""
     sink = SnapshotSink()
-    sink.publish(version0, 0)
+    sink.publish(version0, 0, step=0)
     rollouts = LockstepRollouts(cfg, run_config("pg", "homogeneous", cfg), sink,  # pg's samples
                                 fleet_samplers("homogeneous", cfg, start))
     episodes = [r for g in rollouts.take(cfg.prompts, timeout=0) for r in g.rollouts]

@@ -213,7 +213,7 @@ def _train_rank0(
             return driver
 
         def on_step(metrics: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
-            exporter.update(int(metrics["step"]), {**metrics, "weight_version": metrics["step"]})  # version = step
+            exporter.update(int(metrics["step"]), metrics)  # its weight_version: step + the version offset
             exporter.update_collapse(decision.alerts, sorted(detector.quarantined), decision.pause)
 
         loop = run_training(rc, base.backend, ChannelSink(publisher), detector, make_driver,
@@ -262,7 +262,8 @@ def _serve_if_finished_else_resume(
         leave_process_group()
         store.close()
         step = int(state["step"])
-        exporter.update(step, {**(state.get("history") or [{}])[-1], "weight_version": step})
+        exporter.update(step, {**(state.get("history") or [{}])[-1],
+                               "weight_version": step + int(state.get("version_offset", 0))})  # fmt: skip
         exporter.update_finished()
         log.info("training finished at step %d (spec.trainer.totalSteps %d): exporting its final metrics until "
                  "the pod is stopped", step, total_steps)  # fmt: skip

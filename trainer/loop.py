@@ -10,11 +10,15 @@ One step:
 4. forward + corrected loss + backward + clip + AdamW (the backend);
 5. metrics: the objective's (fleet / per group / per staleness bucket) + per view + rollout side;
 6. collapse detector -> alert / quarantine a group / pause;
-7. publish the new weights as version = step count (the channel; the composition root's `publish`
-   checkpoints first, trainer/run.py: model, optimizer, step, data position, detector).
+7. publish the new weights as version = step + version offset (the channel; the composition root's
+   `publish` checkpoints first, trainer/run.py: model, optimizer, step, version offset, data position,
+   detector).
 
-Versions: the initial weights are version 0; after k optimizer steps the trainer holds version k. A
-token sampled with version v and trained on at trainer version k has staleness k - v.
+Versions: the initial weights are version 0; after k optimizer steps the trainer holds version k + the
+version offset, which is 0 unless the trainer resumed from a checkpoint older than the channel's pointer
+(its newer checkpoints damaged): trainer/run.py then publishes above the pointer, and version = step + offset
+from there on (recorded in every checkpoint, and each version's manifest records its step). A token sampled
+with version v and trained on at trainer version k has staleness k - v.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class LoopConfig:
     prompts_per_step: int
     max_staleness: int | None = None  # None: unbounded (fully asynchronous)
     checkpoint_dir: Path | Store | None = None  # a directory, or the channel's store (trainer/checkpoint.py)
+    checkpoint_fence: ckpt.WriterFence | None = None  # the channel's writer lease: fenced like publishes
     take_timeout: float = 900.0  # seconds without a complete group before the run fails
 
 
@@ -102,12 +107,18 @@ class InvariantError(AssertionError):
 
 @dataclass
 class LoopState:
-    step: int = 0  # optimizer steps done = the trainer's weight version
+    step: int = 0  # optimizer steps done
+    version_offset: int = 0  # the trainer's weight version is step + version_offset (module docstring)
     history: list[dict[str, float]] = field(default_factory=list)
     trained_uids: set[str] = field(default_factory=set)
     dropped_stale_groups: int = 0
     paused: bool = False
     pause_reason: str = ""
+
+    @property
+    def version(self) -> int:
+        """The weight version the trainer holds (what it publishes after this step)."""
+        return self.step + self.version_offset
 
 
 class TrainingLoop:
@@ -154,6 +165,7 @@ class TrainingLoop:
             self.cfg.checkpoint_dir,
             {
                 "step": self.state.step,
+                "version_offset": self.state.version_offset,
                 "backend": self.backend.state_dict(),
                 "data_position": position,
                 "detector": self.detector.state_dict(),
@@ -162,6 +174,7 @@ class TrainingLoop:
                 "dropped_stale_groups": self.state.dropped_stale_groups,
                 "buffer_policy": "discard-unconsumed",
             },
+            fence=self.cfg.checkpoint_fence,
         )
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -169,6 +182,7 @@ class TrainingLoop:
         self.backend.load_state_dict(state["backend"])
         self.detector.load_state_dict(state["detector"])
         self.state.step = int(state["step"])
+        self.state.version_offset = int(state.get("version_offset", 0))  # 0: a checkpoint of an older run
         self.state.history = list(state["history"])
         self.state.trained_uids = set(state["trained_uids"])
         self.state.dropped_stale_groups = int(state["dropped_stale_groups"])
@@ -180,7 +194,7 @@ class TrainingLoop:
         while len(groups) < self.cfg.prompts_per_step and not self.stop.is_set():
             self.source.check()
             got = self.source.take(self.cfg.prompts_per_step - len(groups), timeout=1.0, stop=self.stop)
-            kept, dropped = split_by_staleness(got, self.state.step, self.cfg.max_staleness)
+            kept, dropped = split_by_staleness(got, self.state.version, self.cfg.max_staleness)
             groups.extend(kept)
             self.state.dropped_stale_groups += len(dropped)
             if not got and time.monotonic() - t0 > self.cfg.take_timeout:
@@ -188,7 +202,7 @@ class TrainingLoop:
         return groups, time.monotonic() - t0
 
     def train_step(self, groups: list[PromptGroup]) -> tuple[dict[str, float], Decision]:
-        version = self.state.step
+        version = self.state.version
         uids = [r.uid for g in groups for r in g.rollouts]
         dup = set(uids) & self.state.trained_uids
         if dup or len(set(uids)) != len(uids):
@@ -221,6 +235,7 @@ class TrainingLoop:
         )
         metrics = finite(metrics)
         metrics["step"] = float(self.state.step)
+        metrics["weight_version"] = float(self.state.version)
         decision = self.detector.observe(self.state.step, metrics)
         metrics["collapse_alerts"] = float(len(decision.alerts))
         return metrics, decision
@@ -240,7 +255,7 @@ class TrainingLoop:
             # checkpoint has it; the step-N one cannot).
             self.state.history.append(metrics)
             t0 = time.monotonic()
-            self.publish(self.state.step, self.backend.weights())
+            self.publish(self.state.version, self.backend.weights())
             metrics["time/publish"] = time.monotonic() - t0
             if decision.quarantine and self.on_quarantine is not None:
                 self.on_quarantine(decision.quarantine)

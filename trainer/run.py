@@ -7,9 +7,12 @@ ablation's lockstep in-process samplers) and the per-step hooks (live table, Pro
 
 Order (docs/architecture.md, "Trainer"):
 1. restore the checkpoint if there is one (model, optimizer, step, detector; the data position);
-2. publish the current weights as version `step` unless the channel already holds it: on a fresh start
-   this is version 0 of EVERY view, from the base checkpoint, before step 1 (sampler groups wait for
-   their view's version 0 before their engine starts, sampler/sync.py --fetch-only);
+2. publish the current weights as version `step` (+ the checkpoint's version offset) unless the channel
+   already holds it: on a fresh start this is version 0 of EVERY view, from the base checkpoint, before
+   step 1 (sampler groups wait for their view's version 0 before their engine starts, sampler/sync.py
+   --fetch-only). A checkpoint older than the channel's pointer (the newer ones were damaged and
+   refused) resumes too: its weights are published as pointer + 1, and version = step + offset from then
+   on (`resume_version`);
 3. only then build and start the rollout driver (samplers can serve now), and run the loop: each
    version N is published after a checkpoint (the channel is never ahead of a checkpoint);
 4. a final checkpoint; the driver is stopped in every case.
@@ -34,6 +37,7 @@ from rlfleet.api.rljob import ROUTING_REPLAY_MEGATRON_MESSAGE
 from rlfleet.hf_config import is_moe_config
 from rlfleet.model_source import is_hf_checkpoint
 from rlfleet.store import Store
+from rlfleet.trainer.checkpoint import WriterFence
 from rlfleet.trainer.collapse import CollapseDetector, Decision
 from rlfleet.trainer.config import RunConfig, build_environment
 from rlfleet.trainer.loop import Backend, LoopConfig, RolloutSource, TrainingLoop
@@ -56,11 +60,15 @@ class TrainingStartError(RuntimeError):
 
 
 class VersionSink(Protocol):
-    """Where weight versions go: `publish(weights, version)`, `latest_version()` (None: none yet)."""
+    """Where weight versions go: `publish(weights, version, step=...)` (the trainer step whose weights
+    they are), `latest_version()` (None: none yet), `fence()`: the writer lease checkpoints are fenced
+    with (None: no lease)."""
 
     def latest_version(self) -> int | None: ...
 
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
+    def publish(self, weights: dict[str, torch.Tensor], version: int, *, step: int) -> None: ...
+
+    def fence(self) -> WriterFence | None: ...
 
 
 class ChannelSink:
@@ -74,8 +82,13 @@ class ChannelSink:
         pointer = self.publisher.channel.latest()
         return None if pointer is None else pointer.version
 
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.publisher.publish(weights, version=version)
+    def publish(self, weights: dict[str, torch.Tensor], version: int, *, step: int) -> None:
+        self.publisher.publish(weights, version=version, metadata={"step": step})  # version != step after a fallback
+
+    def fence(self) -> WriterFence | None:
+        """The publisher's writer lease, checked (and renewed) before each checkpoint is written."""
+        lease = self.publisher.channel.lease
+        return None if lease is None else WriterFence(lease.generation, self.publisher.check_lease)
 
 
 class TrainerBackend(Backend, Protocol):
@@ -235,6 +248,31 @@ def checkpoint_target(store: Store, override: str | Path | None = None) -> Path 
     return store
 
 
+def resume_version(resume: dict[str, Any] | None, latest: int | None) -> int:
+    """The weight version the trainer holds when it starts: `step` + the checkpoint's version offset, or,
+    when the channel's pointer is ahead of that (the newest checkpoints were damaged and an older one
+    loaded), pointer + 1: the trainer publishes above the pointer and keeps version = step + offset, so a
+    version is never published twice and staleness stays measured in versions. The channel ahead of a
+    run with no checkpoint at all is refused (another run's channel, or its checkpoints were removed)."""
+    if resume is None:
+        if latest is not None and latest > 0:
+            raise TrainingStartError(
+                f"the weight channel is at version {latest}, ahead of the trainer (no checkpoint): use a fresh "
+                "channel or restore its checkpoints"
+            )
+        return 0
+    step = int(resume["step"])
+    version = step + int(resume.get("version_offset", 0))
+    if latest is None or latest <= version:
+        return version
+    log.warning(
+        "the weight channel is at version %d, ahead of the checkpoint of step %d (version %d; the newer "
+        "checkpoints were refused): resuming from step %d and publishing its weights as version %d "
+        "(version = step + %d from now on)", latest, step, version, step, latest + 1, latest + 1 - step,
+    )  # fmt: skip
+    return latest + 1
+
+
 def run_training(
     rc: RunConfig,
     backend: Backend,
@@ -256,12 +294,7 @@ def run_training(
     Returns the loop (state, history)."""
     start_step = int(resume["step"]) if resume is not None else 0
     latest = sink.latest_version()
-    if latest is not None and latest > start_step:
-        where = f"checkpoint step {start_step}" if resume is not None else "no checkpoint"
-        raise TrainingStartError(
-            f"the weight channel is at version {latest}, ahead of the trainer ({where}): use a fresh channel "
-            "or restore its checkpoints"
-        )
+    version = resume_version(resume, latest)
     if tracker is None:
         try:
             tracker = open_tracker()
@@ -276,11 +309,11 @@ def run_training(
 
     def publish(version: int, weights: dict[str, torch.Tensor]) -> None:
         loop.checkpoint()  # BEFORE the pointer moves: the channel is never ahead of a checkpoint
-        sink.publish(weights, version)
+        sink.publish(weights, version, step=loop.state.step)
 
     loop = TrainingLoop(
         LoopConfig(total_steps=rc.steps, prompts_per_step=rc.prompts_per_step, max_staleness=rc.max_staleness,
-                   checkpoint_dir=checkpoint),
+                   checkpoint_dir=checkpoint, checkpoint_fence=sink.fence()),
         backend, None, publish, detector,  # the rollout source comes after version `step` is published
         group_names=[g.name for g in rc.groups], group_views={g.name: g.weight_format for g in rc.groups},
         on_step=step_done, on_quarantine=on_quarantine, stop=stop,
@@ -288,9 +321,10 @@ def run_training(
     try:  # the tracker is closed in every case from here on
         if resume is not None:
             loop.restore(resume)
-        if latest is None or latest < start_step:  # fresh start: version 0 of every view before step 1
-            sink.publish(backend.weights(), start_step)
-            log.info("published the trainer's weights as version %d before step %d", start_step, start_step + 1)
+        loop.state.version_offset = version - start_step
+        if latest is None or latest < version:  # fresh start: version 0 of every view before step 1
+            sink.publish(backend.weights(), version, step=start_step)
+            log.info("published the trainer's weights as version %d before step %d", version, start_step + 1)
         driver = make_driver(int(resume["data_position"]) if resume is not None else 0)
         loop.driver = driver
         driver.start()

@@ -105,7 +105,7 @@ def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torc
     assert cfg.max_seq_len == 8 + 4 * (cfg.max_new_tokens + 3)  # every turn of an episode fits the context
     model_dir = cached_tiny_qwen3(tmp_path / "models", cfg.tiny_model())
     sink = ablation.SnapshotSink()
-    sink.publish(read_safetensors_dir(model_dir), 0)
+    sink.publish(read_safetensors_dir(model_dir), 0, step=0)
     groups = ablation.FLEETS["mixed"]
     samplers = {name: EmulatedSampler(name, fmt, kv, ModelShape.from_checkpoint(model_dir), seed=i)
                 for i, (name, _, fmt, kv) in enumerate(groups)}

@@ -52,8 +52,8 @@ def _composition_root_parts(model_dir: Path, example_run):
                                         optim=OptimConfig(learning_rate=1e-3))
 
     class FleetSink(SnapshotSink):  # versions go to the emulated samplers
-        def publish(self, weights, version):
-            super().publish(weights, version)
+        def publish(self, weights, version, *, step):
+            super().publish(weights, version, step=step)
             fleet.load_weights(weights, version)
 
     sampling = SamplingConfig(temperature=1.0, top_p=0.97, top_k=16, max_new_tokens=4, candidate_mode="support")

@@ -175,7 +175,7 @@ def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_
     fleet = FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8))
     runs: list[subprocess.Popen] = []
     try:
-        (checkpoints / "ckpt-00000002.pt.tmp").symlink_to("/dev/full")
+        (checkpoints / "ckpt-00000002-g1.pt.tmp").symlink_to("/dev/full")  # -g1: the writer lease's first generation
         runs.append(trainer())
         fleet.wait_ready()
         _, full = runs[0].communicate(timeout=300)
@@ -185,8 +185,8 @@ def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_
         assert "Traceback" not in full
         assert channel.latest().version == 1  # type: ignore[union-attr]
         # the failed write removed its temporary file (here: the link to /dev/full): room again
-        assert not (checkpoints / "ckpt-00000002.pt.tmp").is_symlink()
-        assert sorted(p.name for p in checkpoints.iterdir()) == ["ckpt-00000001.pt", "latest"]
+        assert not (checkpoints / "ckpt-00000002-g1.pt.tmp").is_symlink()
+        assert sorted(p.name for p in checkpoints.iterdir()) == [".latest.lock", "ckpt-00000001-g1.pt", "latest"]
 
         runs.append(trainer())
         kill_inside_the_claim_window(runs[1], channel_dir, version=3)

@@ -35,12 +35,17 @@ class RecordingSink:
 
     def __init__(self, latest: int | None = None, kill_at: int | None = None) -> None:
         self.versions: list[int] = [] if latest is None else [latest]
+        self.steps: list[int] = []  # the step of each version published here
         self.kill_at = kill_at
 
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def publish(self, weights: dict[str, torch.Tensor], version: int, *, step: int) -> None:
         if version == self.kill_at:
             raise Killed(f"killed while publishing version {version}")
         self.versions.append(version)
+        self.steps.append(step)
+
+    def fence(self) -> None:
+        return None
 
     def latest_version(self) -> int | None:
         return self.versions[-1] if self.versions else None
@@ -88,3 +93,44 @@ def test_the_checkpoint_before_version_n_holds_step_n_and_a_killed_run_resumes_w
     assert resumed.versions == [1, 2, 3]  # version 2 republished from the checkpoint, then step 3
     assert [h["step"] for h in loop.state.history] == [1.0, 2.0, 3.0]
     assert loop.state.history[:2] == state["history"]
+
+
+def test_a_checkpoint_older_than_the_pointer_resumes_and_publishes_above_it(
+    tmp_path: Path, tiny_qwen3_factory: Callable[..., Path], example_run: Callable[..., Any]
+) -> None:
+    """The newest checkpoints were lost (damaged, refused): the loaded one is of step 1 while the channel
+    is at version 5. The composition root resumes from step 1, publishes its weights as version 6 and
+    step 2 as version 7 (version = step + 5, recorded in the checkpoint), and staleness is measured
+    against those versions: the stand-in sampler's tokens say version 0, so step 2 (trained while the
+    trainer holds version 6) sees them 6 versions behind, not 1."""
+    model = tiny_qwen3_factory(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                               head_dim=16, max_position_embeddings=48)  # fmt: skip
+    rc = example_run(steps=2, prompts_per_step=1, samples_per_prompt=2, max_staleness=None, environment="copy_digit",
+                     dataset=None, groups=[("cpu-bf16", "bf16")])  # fmt: skip
+    ckpts = tmp_path / "checkpoints"
+
+    def make_driver(position: int) -> RolloutDriver:
+        env, prompts = rollout_inputs(rc, base)
+        return RolloutDriver(generate, env, prompts, samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling,
+                             max_seq_len=48, start_position=position)  # fmt: skip
+
+    base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)
+    first = RecordingSink(kill_at=2)
+    with pytest.raises(Killed):
+        run_training(rc, base.backend, first, CollapseDetector(), make_driver, checkpoint=ckpts)
+    state = checkpoint.load_latest(ckpts)
+    assert state is not None and (state["step"], state["version_offset"]) == (2, 0)
+    older = [e for e in checkpoint._read_latest(checkpoint._place(ckpts)[0], "latest")[0].entries]  # newest first
+    (ckpts / older[0]["name"]).write_bytes(b"damaged")  # the step-2 checkpoint: refused, step 1 loads
+    state = checkpoint.load_latest(ckpts)
+    assert state is not None and state["step"] == 1
+
+    base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)
+    ahead = RecordingSink(latest=5)
+    loop = run_training(rc, base.backend, ahead, CollapseDetector(), make_driver, checkpoint=ckpts, resume=state)
+    assert (ahead.versions, ahead.steps) == ([5, 6, 7], [1, 2])
+    assert (loop.state.step, loop.state.version_offset, loop.state.version) == (2, 5, 7)
+    assert loop.state.history[-1]["weight_version"] == 7.0 and loop.state.history[-1]["step"] == 2.0
+    assert loop.state.history[-1]["staleness_max"] == 6.0
+    final = checkpoint.load_latest(ckpts)
+    assert final is not None and (final["step"], final["version_offset"]) == (2, 5)

@@ -436,7 +436,7 @@ def test_a_full_volume_fails_a_checkpoint_with_enospc_and_leaves_the_last_one_na
     with pytest.raises(OSError) as failed:
         checkpoint.save_checkpoint(tmp_path, {"step": 2, "w": torch.zeros(100_000)})
     assert failed.value.errno == errno.ENOSPC
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest.lock", "ckpt-00000001.pt", "latest"]  # the swap's lock
     assert checkpoint.load_latest(tmp_path)["step"] == 1
 
 
