@@ -1,5 +1,5 @@
 """What the router's clients may hold of it (docs/router.md, "Bounds"): the bytes of the request bodies
-being read or routed at once, and the client connections open at once.
+being read or routed at once, and the client connections open at once, in all and from one source.
 
 The other bounds need no code of their own: the largest body is aiohttp's `client_max_size` and a
 Content-Length check (router/service.py), the header deadline is aiohttp's keep-alive timeout (it is
@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import resource
+from collections import Counter
 from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 
 class ByteBudget:
@@ -50,6 +52,13 @@ def default_max_connections() -> int:
     return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 65536
 
 
+def default_max_per_source(max_connections: int) -> int:
+    """Half the connection cap: one source (a flood, or a client gone wrong) can hold at most half, the
+    other half stays for everyone else. Not less: behind a NAT or kube-proxy's masquerade many clients
+    share one address, and a trainer's sampler clients hold up to 100 connections each."""
+    return max(1, max_connections // 2)
+
+
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 MMAP_THRESHOLD_BYTES = 128 * 1024
 
@@ -66,24 +75,68 @@ def return_freed_bodies_to_the_os() -> bool:
         return False
 
 
-class _Refuse:
-    """A connection over the limit: closed as soon as it is accepted (the client reads EOF)."""
+def _source_of(transport: asyncio.BaseTransport) -> str:
+    """The client's address without its port: what one source is for the per-source cap."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
 
-    def connection_made(self, transport) -> None:  # asyncio.BaseTransport
-        transport.close()
 
-    def connection_lost(self, exc: BaseException | None) -> None:
-        pass
+def _awaits_request_headers(handler: RequestHandler) -> bool:
+    """Whether the connection is idle, waiting for the header of its next (or first) request: no request
+    is queued or being handled, whatever bytes it sent are an incomplete header. It is the state
+    aiohttp's own keep-alive timer closes a connection in (`RequestHandler._process_keepalive`: its
+    `_waiter` is pending); aiohttp has no public accessor, so tests/router/test_router_bounds.py pins it.
+    A connection whose handler has not run yet is not idle: it is the newest, never the one to close."""
+    waiter = handler._waiter
+    return waiter is not None and not waiter.done()
+
+
+class _Gate(asyncio.Protocol):
+    """One client connection as the site counts it: admitted, its aiohttp handler then gets every
+    callback of the transport, or refused (closed at once; the client reads EOF)."""
+
+    def __init__(self, site: BoundedTCPSite) -> None:
+        self._site = site
+        self.source = ""
+        self.handler: RequestHandler | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.source = _source_of(transport)
+        self.handler = self._site.admit(self)
+        if self.handler is None:
+            transport.close()
+        else:
+            self.handler.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        pass
+        if self.handler is not None:
+            self.handler.data_received(data)
 
-    def eof_received(self) -> None:
-        pass
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received() if self.handler is not None else None
+
+    def pause_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.handler is not None:
+            self.handler.resume_writing()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._site.release(self)
+        if self.handler is not None:
+            self.handler.connection_lost(exc)
 
 
 class BoundedTCPSite(web.TCPSite):
-    """aiohttp's TCPSite, closing the connections accepted beyond `max_connections` at once."""
+    """aiohttp's TCPSite, holding at most `max_connections` client connections in all and
+    `max_per_source` from one source (client address). A connection from a source at its cap is
+    closed at once. At the total cap the oldest connection still waiting for its request header (an
+    idle keep-alive, a slowloris, a flood's) is closed to admit the new one; only when every
+    connection is in a request is the new one closed. So a flood from one source holds at most its
+    share, and a reconnecting flood from many cannot keep a well-behaved client out: it sends its
+    header at once, is never the oldest idle connection, and is served."""
 
     def __init__(
         self,
@@ -92,24 +145,58 @@ class BoundedTCPSite(web.TCPSite):
         port: int,
         max_connections: int,
         backlog: int,
-        on_refused: Callable[[], None] = lambda: None,
+        max_per_source: int,
+        on_refused: Callable[[str], None] = lambda reason: None,
+        on_closed_idle: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(runner, host, port, backlog=backlog)
         self.max_connections = max_connections
+        self.max_per_source = max_per_source
         self._on_refused = on_refused
+        self._on_closed_idle = on_closed_idle
+        self._admitted: dict[_Gate, None] = {}  # in the order they were accepted: the oldest first
+        self.per_source: Counter[str] = Counter()
+
+    @property
+    def admitted(self) -> list[_Gate]:
+        """The connections held, the oldest first."""
+        return list(self._admitted)
+
+    def admit(self, gate: _Gate) -> RequestHandler | None:
+        """The handler for a new connection, or None when it is refused (counted by reason)."""
+        if self.per_source[gate.source] >= self.max_per_source:
+            self._on_refused("source")
+            return None
+        if len(self._admitted) >= self.max_connections and not self._close_oldest_idle():
+            self._on_refused("total")
+            return None
+        server = self._runner.server
+        assert server is not None
+        self._admitted[gate] = None
+        self.per_source[gate.source] += 1
+        return server()
+
+    def release(self, gate: _Gate) -> None:
+        """A connection closed (by either side): its place is free."""
+        if gate in self._admitted:
+            del self._admitted[gate]
+            self.per_source[gate.source] -= 1
+            if not self.per_source[gate.source]:
+                del self.per_source[gate.source]
+
+    def _close_oldest_idle(self) -> bool:
+        """Close the oldest connection waiting for its request header; False when there is none."""
+        idle = next((g for g in self._admitted if g.handler is not None and _awaits_request_headers(g.handler)), None)
+        if idle is None or idle.handler is None:
+            return False
+        self.release(idle)  # now, not when its transport reports it lost: the new connection takes its place
+        idle.handler.force_close()  # what aiohttp does at the header deadline: the client reads EOF
+        self._on_closed_idle()
+        return True
 
     async def start(self) -> None:
         self._runner._reg_site(self)  # what BaseSite.start does; TCPSite.start is replaced below
-        server = self._runner.server
-        assert server is not None
-
-        def connection():  # -> asyncio.Protocol
-            if len(server.connections) >= self.max_connections:
-                self._on_refused()
-                return _Refuse()
-            return server()
-
         self._server = await asyncio.get_running_loop().create_server(
-            connection, self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address
+            lambda: _Gate(self), self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address
         )
         self._bound_port = self._server.sockets[0].getsockname()[1]

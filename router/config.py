@@ -97,13 +97,15 @@ class RouterConfig(_Model):
     # the bytes of all bodies being read or routed at once (a request over the budget waits up to
     # bodyWaitSeconds, then 503 + Retry-After), the time a connection has to send a request's headers
     # (from its start or its previous response; also the idle keep-alive limit) and its body (408),
-    # and the client connections held at once (None: half the process's file descriptor limit).
+    # and the client connections held at once (None: half the process's file descriptor limit), in all
+    # and from one client address (None: half of that; router/bounds.py).
     max_body_bytes: int = Field(default=max_body_bytes_for(DEFAULT_CONTEXT_TOKENS), ge=1024)
     body_budget_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
     body_wait_seconds: float = Field(default=10.0, ge=0.0)
     header_timeout_seconds: float = Field(default=10.0, gt=0.0)
     body_timeout_seconds: float = Field(default=30.0, gt=0.0)
     max_client_connections: int | None = Field(default=None, ge=1)
+    max_client_connections_per_source: int | None = Field(default=None, ge=1)
     # Admin API bearer token: read from this file (a mounted Secret) or else this env variable.
     admin_token_file: str | None = None
     admin_token_env: str = "RLFLEET_ROUTER_ADMIN_TOKEN"

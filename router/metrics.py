@@ -90,7 +90,14 @@ class RouterMetrics:
         )
         self.refused_connections = Counter(
             "rlfleet_router_refused_connections",
-            "client connections closed on accept (maxClientConnections)",
+            "client connections closed on accept, by reason (source: its address is at "
+            "maxClientConnectionsPerSource; total: at maxClientConnections with none idle to close)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.closed_idle_connections = Counter(
+            "rlfleet_router_closed_idle_connections",
+            "idle client connections (waiting for a request header) closed to admit a new one at maxClientConnections",
             registry=self.registry,
         )
         self.registry.register(_TableCollector(table))
@@ -120,3 +127,6 @@ class RouterMetrics:
 
     def refuse(self, reason: str) -> None:
         self._child(self.refused, reason).inc()
+
+    def refuse_connection(self, reason: str) -> None:
+        self._child(self.refused_connections, reason).inc()

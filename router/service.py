@@ -40,6 +40,7 @@ from rlfleet.router.bounds import (
     BoundedTCPSite,
     ByteBudget,
     default_max_connections,
+    default_max_per_source,
     return_freed_bodies_to_the_os,
 )
 from rlfleet.router.config import (
@@ -362,8 +363,10 @@ async def start_service(
     )
     await runner.setup()
     max_connections = config.max_client_connections or default_max_connections()
+    max_per_source = config.max_client_connections_per_source or default_max_per_source(max_connections)
     site = BoundedTCPSite(
-        runner, config.host, config.port, max_connections, backlog=1024, on_refused=router.metrics.refused_connections.inc
+        runner, config.host, config.port, max_connections, backlog=1024, max_per_source=max_per_source,
+        on_refused=router.metrics.refuse_connection, on_closed_idle=router.metrics.closed_idle_connections.inc,
     )
     await site.start()
     port = runner.addresses[0][1]

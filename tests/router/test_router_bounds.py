@@ -3,8 +3,9 @@ over real sockets on 127.0.0.1: a replica whose engine hangs while /health answe
 generation probe and its requests succeed elsewhere, cancelled upstream (not run twice); a slow but
 generating replica keeps its request; a client that disconnects cancels its upstream request; an oversize
 body is a 413; bodies over the byte budget wait and then get a 503; a body or a header that does not
-arrive in time ends its connection; connections beyond the cap read EOF at once; JSON nested too deep is
-a 400. Upstreams are real aiohttp servers (router_upstreams.py); a hung one accepts and never answers."""
+arrive in time ends its connection; connections beyond the cap read EOF at once (a source's beyond
+its own cap always; beyond the total cap the oldest idle one is closed instead, if any); JSON nested too
+deep is a 400. Upstreams are real aiohttp servers (router_upstreams.py); a hung one accepts and never answers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import router_upstreams
 from router_upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.router import hashing
+from rlfleet.router.bounds import BoundedTCPSite, _awaits_request_headers
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import BUDGET_KEY, start_service
 
@@ -59,8 +61,9 @@ class Bench:
         async with self.http.post(self.url + "/generate", json=payload, headers={"X-Session-Id": session}) as response:
             return response.status, dict(response.headers), await response.read()
 
-    async def raw(self, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+    async def raw(self, request: bytes, source: str = "127.0.0.1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection from `source` (any 127.0.0.0/8 address: Linux routes them all to loopback)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=(source, 0))
         writer.write(request)
         await writer.drain()
         return reader, writer
@@ -83,11 +86,37 @@ async def bench():
     await made.close()
 
 
-def refused(bench: Bench, reason: str | None = None) -> float | None:
-    """The router's count of requests refused for `reason` (or of connections refused at the cap)."""
-    if reason is None:
-        return bench.router.metrics.registry.get_sample_value("rlfleet_router_refused_connections_total")
+def refused(bench: Bench, reason: str | None = None, connections: str | None = None) -> float | None:
+    """The router's count of requests refused for `reason` (or of connections refused at a cap)."""
+    if connections is not None:
+        return bench.router.metrics.registry.get_sample_value(
+            "rlfleet_router_refused_connections_total", {"reason": connections}
+        )
     return bench.router.metrics.registry.get_sample_value("rlfleet_router_refused_requests_total", {"reason": reason})
+
+
+def closed_idle(bench: Bench) -> float | None:
+    """The router's count of idle connections it closed to admit another at the total cap."""
+    return bench.router.metrics.registry.get_sample_value("rlfleet_router_closed_idle_connections_total")
+
+
+def site_of(bench: Bench) -> BoundedTCPSite:
+    (site,) = bench.runner.sites
+    return site
+
+
+def idle(gate) -> bool:
+    """Whether the router counts a held connection as waiting for its request header."""
+    return _awaits_request_headers(gate.handler)
+
+
+def held_ports(bench: Bench) -> list[int]:
+    """The client ports of the connections the router holds, the oldest first."""
+    return [gate.handler.transport.get_extra_info("peername")[1] for gate in site_of(bench).admitted]
+
+
+def port_of(writer: asyncio.StreamWriter) -> int:
+    return writer.get_extra_info("sockname")[1]
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -331,18 +360,94 @@ async def test_connections_that_send_headers_too_slowly_are_closed_and_others_ar
 
 
 async def test_connections_over_the_cap_read_eof_at_once_and_fds_stay_bounded(bench) -> None:
-    await bench.start([UpstreamState("ok")], max_client_connections=20, header_timeout_seconds=60.0)
-    held = [await bench.raw(b"") for _ in range(20)]
+    """20 connections each in a request (its body still coming): none is idle, so the 21st is closed
+    on accept."""
+    await bench.start([UpstreamState("ok")], max_client_connections=20, max_client_connections_per_source=30,
+                      header_timeout_seconds=60.0, body_timeout_seconds=60.0)
+    held = [await bench.raw(headers_of("/generate", 100) + b'{"input_ids": ') for _ in range(20)]
     await eventually(lambda: len(bench.runner.server.connections) == 20, "20 connections held")
+    await eventually(lambda: not any(map(idle, site_of(bench).admitted)), "every held connection in its request")
     reader, _ = await bench.raw(b"")
     assert await asyncio.wait_for(reader.read(), BOUND_S) == b""  # closed on accept
     assert len(bench.runner.server.connections) == 20
-    assert refused(bench) == 1
+    assert refused(bench, connections="total") == 1
+    assert closed_idle(bench) == 0
     for _, writer in held:
         writer.close()
     await eventually(lambda: len(bench.runner.server.connections) == 0, "the held connections are gone")
     status, _, _ = await bench.generate("after")
     assert status == 200
+
+
+FLOOD, OTHER = "127.0.0.2", "127.0.0.3"  # two sources: Linux routes all of 127.0.0.0/8 to loopback
+
+
+async def generate_with(http: aiohttp.ClientSession, url: str) -> int:
+    payload = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
+    async with http.post(url + "/generate", json=payload) as response:
+        await response.read()
+        return response.status
+
+
+def client_from(source: str) -> aiohttp.ClientSession:
+    """An HTTP client whose connections come from `source` (kept alive after each answer)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(source, 0)))
+
+
+async def test_a_reconnecting_flood_from_one_source_is_capped_and_another_source_is_served(bench) -> None:
+    """Issue 39: connections from a source at maxClientConnectionsPerSource are closed on accept, however
+    often it reconnects, and another source's request is answered meanwhile; the flood holds 8 of 20,
+    so nothing idle had to be closed for it."""
+    await bench.start([UpstreamState("ok")], max_client_connections=20, max_client_connections_per_source=8,
+                      header_timeout_seconds=60.0)
+    site = site_of(bench)
+    for flood_round in (1, 2):  # the flood drops what it holds and comes back
+        flood = [await bench.raw(b"", source=FLOOD) for _ in range(30)]
+        ends = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in flood[8:])), BOUND_S)
+        assert ends == [b""] * 22  # closed on accept
+        assert refused(bench, connections="source") == 22 * flood_round
+        assert held_ports(bench) == [port_of(writer) for _, writer in flood[:8]]
+        assert site.per_source == {FLOOD: 8}
+        async with client_from(OTHER) as http:
+            assert await generate_with(http, bench.url) == 200
+            assert site.per_source == {FLOOD: 8, OTHER: 1}
+        for _, writer in flood:
+            writer.close()
+        await eventually(lambda: not site.admitted and not site.per_source, "every connection released")
+    assert closed_idle(bench) == 0
+    assert refused(bench, connections="total") is None
+
+
+async def test_at_the_total_cap_the_oldest_connection_waiting_for_its_header_is_closed_first(bench) -> None:
+    """20 held, the oldest in a request (its body still coming), then 9 that sent nothing and 10 that
+    trickle a header that never ends (slowloris), from three sources. Three new clients one after the
+    other are each served: for each the oldest connection waiting for its header is closed (the three
+    that sent nothing, in order), never the one in a request; each new client's connection, idle
+    after its answer, is the newest and stays."""
+    await bench.start([UpstreamState("ok")], max_client_connections=20, max_client_connections_per_source=10,
+                      header_timeout_seconds=60.0, body_timeout_seconds=60.0)
+    site = site_of(bench)
+    busy = await bench.raw(headers_of("/generate", 100) + b'{"input_ids": ', source="127.0.0.4")
+    quiet = [await bench.raw(b"", source=FLOOD) for _ in range(9)]
+    slow = [await bench.raw(b"POST /generate HTTP/1.1\r\nHost: router\r\n", source=OTHER) for _ in range(10)]
+    await eventually(lambda: len(site.admitted) == 20 and sum(map(idle, site.admitted)) == 19, "19 idle, 1 in a request")
+    assert held_ports(bench) == [port_of(writer) for _, writer in [busy, *quiet, *slow]]
+    assert not idle(site.admitted[0])
+    clients = [client_from("127.0.0.5") for _ in range(3)]
+    try:
+        for served, http in enumerate(clients, start=1):
+            assert await generate_with(http, bench.url) == 200
+            assert closed_idle(bench) == served
+        ends = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in quiet[:3])), BOUND_S)
+        assert ends == [b""] * 3
+        assert held_ports(bench)[:17] == [port_of(writer) for _, writer in [busy, *quiet[3:], *slow]]
+        assert site.per_source == {"127.0.0.4": 1, FLOOD: 6, OTHER: 10, "127.0.0.5": 3}
+        assert refused(bench, connections="total") is None and refused(bench, connections="source") is None
+    finally:
+        for http in clients:
+            await http.close()
+        for _, writer in [busy, *quiet, *slow]:
+            writer.close()
 
 
 # --- the operator's limit -----------------------------------------------------------------------
