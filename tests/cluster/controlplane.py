@@ -945,8 +945,10 @@ class ControlPlane:
             self._write_pids_if_possible()
 
     def _write_pids_if_possible(self) -> None:
-        if self.workdir.is_dir():
+        try:
             (self.workdir / "pids.json").write_text("{}")
+        except FileNotFoundError:  # the work dir is gone (`down`): a cleanup never raises on what is missing
+            pass
 
 
 def scratch_dir(prefix: str = "rlfleet-kube-") -> Path:
@@ -1028,7 +1030,10 @@ def _supervise(workdir: Path, real_node: bool = False) -> int:
     except KeyboardInterrupt:
         return 0
     except Exception as err:  # noqa: BLE001 - report to `up` through the log and the error file
-        (workdir / "error.txt").write_text(str(err))
+        try:
+            (workdir / "error.txt").write_text(str(err))
+        except FileNotFoundError:  # the work dir is gone (`down`): the log below still says it
+            pass
         print(f"error: {err}", flush=True)
         return 1
     finally:
@@ -1069,7 +1074,10 @@ def cmd_up(workdir: Path, foreground: bool, real_node: bool = False, timeout: fl
     deadline = time.monotonic() + timeout
     while not (workdir / "state.json").exists():
         if popen.poll() is not None or time.monotonic() > deadline:
-            error = (workdir / "error.txt").read_text() if (workdir / "error.txt").exists() else ""
+            try:
+                error = (workdir / "error.txt").read_text()
+            except OSError:  # none written, or the work dir is gone
+                error = ""
             print(
                 f"error: control plane did not start: {error or 'see ' + str(workdir / 'supervisor.log')}",
                 file=sys.stderr,

@@ -12,7 +12,9 @@ and one real CPU node (realnode.py) whose pods run for real, from images built h
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +29,53 @@ WORKDIR = controlplane.WORK_ROOT / "dev-cluster"
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+class Busy(Exception):
+    """Another `up` holds the work dir's lock (the message names it)."""
+
+
+def lock_path(workdir: Path) -> Path:
+    """Beside the work dir, not in it: `up` empties the work dir before it starts."""
+    return workdir.parent / f"{workdir.name}.lock"
+
+
+def take_up_lock(workdir: Path) -> int:
+    """An exclusive flock on the work dir's lock file, held (its fd open) until this `up` exits: a second
+    `up` while the first installs, builds or starts is refused at once instead of emptying the work dir
+    under it. The holder's pid is written into the file for that refusal to name. The kernel drops the
+    lock when the holder exits, however it exits: no stale lock to clean up."""
+    path = lock_path(workdir)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise Busy(f"cannot open the dev cluster's lock {path}: {err.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise Busy(f"another scripts/dev-cluster up (pid {holder}) is starting the dev cluster in {workdir} "
+                   f"(it holds {path}); wait for it, or stop it with scripts/dev-cluster down") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def cmd_up(workdir: Path) -> int:
+    """The lock first, before anything that needs root or touches the host: a refusal needs neither."""
+    try:
+        take_up_lock(workdir)  # held until this process exits (the supervisor it starts is then up)
+    except Busy as err:
+        log(f"error: {err}")
+        return 2
+    problems = realnode.host_problems()
+    if problems:
+        log(f"error: this machine cannot run the real node: {'; '.join(problems)}")
+        return 2
+    realnode.ensure_host_packages(log)
+    return controlplane.cmd_up(workdir, foreground=False, real_node=True, timeout=900)
 
 
 def cmd_images(workdir: Path, names: list[str]) -> int:
@@ -58,12 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir.resolve()
     try:
         if args.command == "up":
-            problems = realnode.host_problems()
-            if problems:
-                log(f"error: this machine cannot run the real node: {'; '.join(problems)}")
-                return 2
-            realnode.ensure_host_packages(log)
-            return controlplane.cmd_up(workdir, foreground=False, real_node=True, timeout=900)
+            return cmd_up(workdir)
         if args.command == "images":
             unknown = sorted(set(args.names) - set(nodeimages.CPU_TAGS))
             if unknown:

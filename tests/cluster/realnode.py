@@ -250,20 +250,30 @@ def sweep(workdir: Path, log: Callable[[str], None] = lambda msg: None) -> None:
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         _run("ip", "link", "delete", BRIDGE, check=False)
     for veth in Path("/sys/class/net").glob("veth*"):  # pod ends left by a netns that outlived its pod
-        if (veth / "master").is_symlink() and Path(os.readlink(veth / "master")).name == BRIDGE:
+        try:
+            master = os.readlink(veth / "master")
+        except OSError:  # not on a bridge, or gone since the listing (its netns went)
+            continue
+        if Path(master).name == BRIDGE:
             _run("ip", "link", "delete", veth.name, check=False)
     for cgroup in Path("/sys/fs/cgroup").glob("*/kubepods*"):  # empty after the kill above
-        for directory in sorted(cgroup.rglob("*"), key=lambda p: p.as_posix().count("/"), reverse=True):
-            if directory.is_dir():
-                try:
-                    directory.rmdir()
-                except OSError:
-                    pass
-        try:
-            cgroup.rmdir()
-        except OSError:
-            pass
+        _remove_tree_bottom_up(cgroup)
     log("node swept")
+
+
+def _remove_tree_bottom_up(root: Path) -> None:
+    """rmdir every directory under `root`, then `root`. A cleanup never raises on what is missing: one
+    that vanished meanwhile (the kubelet, or another sweep, removed it) or is still busy is left."""
+    for parent, children, _ in os.walk(root, topdown=False):  # os.walk skips what it cannot list
+        for child in children:
+            try:
+                os.rmdir(os.path.join(parent, child))
+            except OSError:
+                pass
+    try:
+        root.rmdir()
+    except OSError:
+        pass
 
 
 def _read_state(workdir: Path) -> dict[str, Any]:
