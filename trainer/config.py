@@ -65,6 +65,7 @@ class RunConfig:
     reference_accelerator: str = "b200"
     routing_replay: bool = False  # RLJob correction.routingReplay (trainer/routing_replay.py)
     sandbox: SandboxSpec = field(default_factory=SandboxSpec)  # RLJob rollout.sandbox (local mode: always local)
+    keep_versions: int = 3  # RLJob weightChannel.retention.keepVersions (the versions retention keeps)
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
@@ -123,6 +124,7 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         reference_accelerator=spec.router.reference.accelerator or spec.trainer.accelerator,
         routing_replay=spec.correction.routing_replay,
         sandbox=SandboxSpec() if local else spec.rollout.sandbox,  # local mode has no cluster to make pods in
+        keep_versions=spec.weight_channel.retention.keep_versions,
     )
 
 

@@ -27,11 +27,9 @@ import json
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from rlfleet.api.common import ENGINE_API_KEY_ENV
 from rlfleet.catalog import get_catalog
 from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, MeasuredGroup, measured_economics
+from rlfleet.local import rundir
 from rlfleet.trainer.config import RunConfig, build_environment, resolve_run
 
 if TYPE_CHECKING:
@@ -414,13 +413,11 @@ def run_failure(exc: Exception, out: Path, resume_hint: str, router: str = "", d
 
 
 def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[str, Any] | None:
-    """Check and prepare the run directory; returns the checkpoint state to resume from (None: a fresh run).
-    A fresh run never silently replaces a run's checkpoints (--force does); a resume needs one, and a
-    target beyond its step."""
+    """Check and prepare the run directory, its lock held; returns the checkpoint state to resume from
+    (None: a fresh run). A fresh run never silently replaces a run's checkpoints (--force does) nor
+    removes anything but rlfleet's own files; a resume needs a checkpoint, and a target beyond its step."""
     from rlfleet.trainer import checkpoint as ckpt
 
-    if out.exists() and not out.is_dir():
-        raise LocalRunError(f"--out {out} is a file, not a directory")
     ckpt_dir = out / "checkpoints"
     if resume:
         try:
@@ -433,23 +430,16 @@ def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[
         if step >= rc.steps:
             where = f"is complete (step {step} of {rc.steps})" if step == rc.steps else f"is at step {step}, past --steps {rc.steps}"
             raise LocalRunError(f"the run in {out} {where}; --steps N with N > {step} continues it")
+        rundir.write_marker(out, rc.job_name)  # a run made before markers existed is one: its checkpoints say so
         return state
-    if (ckpt_dir / ckpt.LATEST).is_file() and not force:
-        raise LocalRunError(
-            f"{out} holds a run (its checkpoints in {ckpt_dir}): --resume continues it, --force replaces it, "
-            "or choose another --out"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):  # root passes os.access; a read-only volume does not
-            pass
-    except OSError as exc:
-        raise LocalRunError(f"--out {out}: cannot write the run directory ({exc.strerror or exc})") from None
-    for sub in (ckpt_dir, out / "channel", out / "cache", out / "report", out / FLEET_LOG):  # not models/: a cache
-        if sub.is_dir():
-            shutil.rmtree(sub)
-        else:
-            sub.unlink(missing_ok=True)
+    try:  # under the run's lock (run_local): nothing removed but rlfleet's own files (rlfleet/local/rundir.py)
+        rundir.check_replaceable(out, force=force)
+        kept = rundir.clean(out)
+    except rundir.RunDirError as exc:
+        raise LocalRunError(str(exc)) from None
+    if kept:
+        print(f"rlfleet run: kept what rlfleet did not write in {out}: {', '.join(kept)}", file=sys.stderr)
+    rundir.write_marker(out, rc.job_name)
     return None
 
 
@@ -463,7 +453,30 @@ def run_local(
     resume_hint: str = "",
 ) -> dict[str, Any]:
     """Run (or resume) the local job; returns the summary written to the report. `resume_hint`: the
-    command that continues the run, quoted when it fails (LocalRunError)."""
+    command that continues the run, quoted when it fails (LocalRunError). The run holds `out`'s lock
+    throughout: a second run on it is refused at once (rlfleet/local/rundir.py)."""
+    try:
+        if out.exists() and not out.is_dir():
+            raise LocalRunError(f"--out {out} is a file, not a directory")
+        if resume and not out.is_dir():
+            return _run_locked(rc, out, resume, live, stop, force, resume_hint)  # nothing to resume: one line
+        if not resume:  # before the lock file is made: a directory that is not a run's is left as it was
+            rundir.check_replaceable(out, force=force)
+        with rundir.locked(out):
+            return _run_locked(rc, out, resume, live, stop, force, resume_hint)
+    except rundir.RunDirError as exc:
+        raise LocalRunError(str(exc)) from None
+
+
+def _run_locked(
+    rc: RunConfig,
+    out: Path,
+    resume: bool,
+    live: bool,
+    stop: threading.Event | None,
+    force: bool,
+    resume_hint: str,
+) -> dict[str, Any]:
     import torch
 
     from rlfleet.channel import WRITER_LEASE_TTL_SECONDS, LeaseHeldError
@@ -505,7 +518,7 @@ def run_local(
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     store = open_store(str(channel_dir.resolve()))
     try:  # stable id: --resume takes over its own claims and writer lease; another run on this store is refused
-        publisher = WeightPublisher(store, views=rc.views, keep_versions=4, follow_subscribers=False,
+        publisher = WeightPublisher(store, views=rc.views, keep_versions=rc.keep_versions, follow_subscribers=False,
                                     base_checkpoint=base.base_checkpoint, writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
                                     publisher_id=f"local/{rc.job_name}")  # fmt: skip
     except LeaseHeldError as exc:
