@@ -55,8 +55,12 @@ def load_policy(path: Path) -> dict[str, list[str]]:
     for lineno, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        if not isinstance(row.get("instance_id"), str) or not isinstance(row.get("replies"), list):
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
+        # a JSON line that is not an object ([1, 2], 3, "text") is refused here, never indexed
+        if not (isinstance(row, dict) and isinstance(row.get("instance_id"), str) and isinstance(row.get("replies"), list)):
             raise ValueError(f"{path}:{lineno}: a policy line is {{'instance_id': str, 'replies': [str, ...]}}")
         policy[row["instance_id"]] = [str(r) for r in row["replies"]]
     return policy
@@ -108,6 +112,7 @@ def try_episodes(env: SweEnv, prompts: list[Prompt], sampler: ScriptedSampler) -
                 "empty_replies": outcome.details["empty_replies"],
                 "no_tool_call_end": outcome.no_tool_call_termination,
                 "sandbox_seconds": outcome.details["sandbox_seconds"],
+                "touched_test_infra": outcome.details["touched_test_infra"],
             }
         )
     return lines
