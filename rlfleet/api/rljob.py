@@ -830,8 +830,8 @@ class LocalSpec(ApiModel):
     """Samples per prompt (replaces rollout.samplesPerPrompt locally)."""
     max_new_tokens: int = Field(default=8, ge=1, le=4096)
     """Generated tokens per turn (replaces rollout.maxNewTokens locally)."""
-    seed: int = Field(default=0, ge=0)
-    """Seed of the tiny model, prompts and sampling."""
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    """Seed of the tiny model, prompts and sampling (an int64, as Kubernetes stores integers; torch takes at most 2^64 - 1)."""
     learning_rate: float = Field(default=2e-4, gt=0, le=1.0)
     """Learning rate of the tiny model (trainer.optimizer.learningRate is sized for the real model)."""
     model: TinyModelSpec = Field(default_factory=TinyModelSpec, json_schema_extra={"default": {}})

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlfleet.api import load_rljob
 from rlfleet.local import main as local
 from rlfleet.trainer.config import build_environment, resolve_run
 
@@ -99,6 +100,25 @@ def _one_line_error(capsys, argv: list[str], code: int = 2) -> str:
     err = capsys.readouterr().err
     assert err.startswith("rlfleet run: ") and err.count("\n") == 1 and "Traceback" not in err, err
     return err
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64])
+def test_a_seed_beyond_int64_is_refused_by_the_api(tmp_path, capsys, seed):
+    """local.seed is an int64 (as Kubernetes stores integers): beyond it the manifest is refused with the
+    field's line, exit 2; before issue 39, 2^64 ended in torch.manual_seed's traceback (ValueError: Overflow when
+    unpacking long long)."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["local"]["seed"] = seed
+    manifest = tmp_path / "seed.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    assert local.cli([str(manifest), "--local", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"rlfleet run: {manifest}: invalid RLJob:\n"
+                   "  spec.local.seed: Input should be less than or equal to 9223372036854775807\n")  # fmt: skip
+    assert not (tmp_path / "run").exists()
+    doc["spec"]["local"]["seed"] = 2**63 - 1  # the largest accepted
+    manifest.write_text(yaml.safe_dump(doc))
+    assert resolve_run(load_rljob(str(manifest))).seed == 2**63 - 1
 
 
 def test_cli_refuses_runs_that_cannot_work(tmp_path, capsys, monkeypatch):
