@@ -116,7 +116,7 @@ class Progress:
                 g.name, g.weight_format, g.kv_cache_dtype,
                 f"{m.get(p + 'tokens_per_second', 0):.0f}", f"{m.get(p + 'token_share', 0):.0%}",
                 "-" if version is None else f"{version:.0f}",
-                "-" if version is None else f"{m['step'] - 1 - version:.0f}",
+                "-" if version is None else f"{m.get('weight_version', m['step']) - 1 - version:.0f}",  # version != step after a fallback
                 f"{m.get(p + 'kl_k3', 0):.4f}" if n else "-", f"{m.get(p + 'oor_fraction', 0):.2%}" if n else "-",
                 _dollars(m.get(p + "cost_per_1m_usable_tokens")),
                 f"{m.get(p + 'reward_mean', 0):.2f}" if p + "reward_mean" in m else "-",
