@@ -23,6 +23,12 @@ probation passed resets the cool-down to `cooldownIntervals`; a breach not on pr
 doubled cool-down and a probation are kept in the SamplerGroup's `status.precisionCooldown`
 (`cooldown_status`) and restored from it after an operator restart (`restore`); the count of intervals
 within budget starts again (never an early step down).
+
+Invalid answers: a group whose invalid share (1 - the trainer's `trained_fraction` of it: tokens it
+sampled that failed validation, NaN / positive / out-of-support logprobs and the like, or that the
+objective could not use) is over `maxInvalidFraction` for `patience` intervals in a row is quarantined
+at once, at any format, with the share and the reason most of its invalid tokens failed in the reason: a
+higher precision does not repair an engine that answers garbage.
 """
 
 from __future__ import annotations
@@ -59,6 +65,11 @@ class AutopilotReading:
     max_oor_fraction: float | None
     quarantined: bool
     floor_format: str | None = None  # the RLJob's own weightFormat of the group: no step down below it
+    # the share of its sampled tokens the trainer trained on (the rest answered invalid) and its invalid
+    # tokens by validation reason (trainer/metrics.py); the bound on the invalid share (spec maxInvalidFraction)
+    trained_fraction: float | None = None
+    invalid_tokens: Mapping[str, float] = field(default_factory=dict)
+    max_invalid_fraction: float | None = None
 
 
 @dataclass
@@ -118,6 +129,21 @@ def cheaper_format(accelerator: str, weight_format: str, floor_format: str | Non
     return _first_runnable(below, accelerator, kv_cache_dtype, published, catalog)
 
 
+def invalid_breach(r: AutopilotReading) -> str | None:
+    """Why the group's invalid share (1 - its trained fraction) is over `max_invalid_fraction`, naming the
+    reason most of its invalid tokens failed (None: within it, or not reported)."""
+    if r.max_invalid_fraction is None or r.trained_fraction is None:
+        return None
+    invalid = 1.0 - r.trained_fraction
+    if invalid <= r.max_invalid_fraction:
+        return None
+    why = f"invalid share {invalid:g} > {r.max_invalid_fraction:g}"
+    if r.invalid_tokens:
+        reason, count = max(sorted(r.invalid_tokens.items()), key=lambda kv: kv[1])
+        why += f" (top reason {reason}: {count:g} tokens)"
+    return why
+
+
 def within_budget(r: AutopilotReading) -> str | None:
     """The budgets the group reported within (None: no budget with a report to judge it by)."""
     within = []
@@ -158,11 +184,12 @@ def autopilot(
             if memory.settling[r.name] > 1:
                 out.settling[r.name] = memory.settling[r.name] - 1
             continue
-        why = over_budget(r)
+        invalid = invalid_breach(r)
+        why = invalid or over_budget(r)
         if why is None:
             action = _within(r, memory, out, views, catalog, step_down)
-        else:
-            action = _over(r, why, memory, out, patience, views, catalog, step_down)
+        else:  # invalid answers: no step up, a higher precision does not repair an engine answering garbage
+            action = _over(r, why, memory, out, patience, views, catalog, step_down, step_up=invalid is None)
         if action is not None:
             actions.append(action)
             out.settling[r.name] = patience
@@ -196,9 +223,10 @@ def _within(r: AutopilotReading, memory: AutopilotMemory, out: AutopilotMemory, 
 
 
 def _over(r: AutopilotReading, why: str, memory: AutopilotMemory, out: AutopilotMemory, patience: int,
-          views: Sequence[str], catalog: Catalog | None, step_down: StepDown | None) -> AutopilotAction | None:  # fmt: skip
+          views: Sequence[str], catalog: Catalog | None, step_down: StepDown | None,
+          step_up: bool = True) -> AutopilotAction | None:  # fmt: skip
     """An interval over budget: after `patience` in a row a step up (its cool-down doubled when it breaches
-    on probation), or a quarantine with no step left."""
+    on probation), or a quarantine with no step left or none to take (`step_up` False: invalid answers)."""
     count = memory.over.get(r.name, 0) + 1
     if count < patience:
         out.over[r.name] = count
@@ -211,7 +239,10 @@ def _over(r: AutopilotReading, why: str, memory: AutopilotMemory, out: Autopilot
         held += f" after a step down: the cool-down doubles, {cooldown} -> {doubled} intervals{bound}"
         out.probation.discard(r.name)
         out.cooldown[r.name] = doubled
-    target = next_format(r.accelerator, r.weight_format, r.kv_cache_dtype, views, catalog)
+    target = next_format(r.accelerator, r.weight_format, r.kv_cache_dtype, views, catalog) if step_up else None
+    if not step_up:
+        return AutopilotAction(r.name, "quarantine", r.weight_format, None,
+                               f"{held}: quarantined (invalid answers are not a precision to step up from)")
     if target is None:
         return AutopilotAction(r.name, "quarantine", r.weight_format, None,
                                f"{held}, no step up from {r.weight_format} (the ladder {' -> '.join(LADDER)} within "

@@ -135,6 +135,10 @@ class GroupInput:
     # a mixture of experts: share of this group's tokens routed to other experts than the trainer's
     # (the trainer's routing_mismatch_tokens, trainer/routing.py); None for a dense model
     routing_mismatch: float | None = None
+    # trainer's view: share of the tokens this group sampled that were trained on (the rest answered
+    # invalid), and its invalid tokens by validation reason at the trainer's latest step (trainer/metrics.py)
+    trained_fraction: float | None = None
+    invalid_tokens: Mapping[str, float] = field(default_factory=dict)
     quarantined: bool = False
     static_share: float | None = None
     tokens_per_second: float | None = None  # a direct reading (e.g. from Prometheus) instead of pods
@@ -204,7 +208,7 @@ class GroupResult:
     target_share: float
     reason: str
     cost_per_hour: float | None  # USD per hour of the group's GPUs (None: no price)
-    usable_fraction: float  # the share of its tokens inside the MIS band, as its costs count them
+    usable_fraction: float  # the share of its tokens trained on and inside the MIS band, as its costs count them
     cost_per_1m_tokens: float | None  # USD per 1M tokens, all tokens
     cost_per_1m_useful_tokens: float | None  # USD per 1M in-band tokens
     token_share: float | None
@@ -214,9 +218,16 @@ class GroupResult:
     routing_mismatch: float | None
     quarantined: bool
     history: tuple[dict[str, object], ...]
+    trained_fraction: float | None = None  # GroupInput's
+    invalid_tokens: Mapping[str, float] = field(default_factory=dict)  # GroupInput's
     # this interval's own reading, before the EMA (None: none this interval): the fleet-mix optimizer's
     # tokens/s per replica, which an EMA across a replica change would mix up
     measured_tokens_per_second: float | None = None
+
+    @property
+    def reported(self) -> bool:
+        """Whether the trainer reported this group's tokens (its figures are measured, not defaults)."""
+        return self.trained_fraction is not None or self.oor_fraction is not None
 
     def status_patch(self) -> dict[str, object]:
         """The SamplerGroup status fields the rebalancer owns (camelCase, None dropped)."""
@@ -230,6 +241,9 @@ class GroupResult:
             "tokenShare": _round(self.token_share, 4),
             "oorShare": _round(self.oor_share, 4),
             "routingMismatch": _round(self.routing_mismatch, 6),
+            # only once the trainer reported the group (else the default 1.0 would claim a measurement)
+            "usableFraction": _round(self.usable_fraction, 4) if self.reported else None,
+            "invalidTokens": {k: int(v) for k, v in sorted(self.invalid_tokens.items())} or None,
             "quarantined": self.quarantined,
             "shareHistory": [dict(h) for h in self.history],
         }
@@ -330,8 +344,8 @@ def rebalance(
     by_name = {g.name: g for g in inputs}
     eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
     economics = measured_economics(
-        [MeasuredGroup(g.name, g.accelerator, g.weight_format, g.gpus, g.price_per_gpu_hour, tps[g.name], g.oor_fraction)
-         for g in inputs],
+        [MeasuredGroup(g.name, g.accelerator, g.weight_format, g.gpus, g.price_per_gpu_hour, tps[g.name], g.oor_fraction,
+                       g.trained_fraction) for g in inputs],
         config.reference_accelerator, config.reference_price_per_gpu_hour, config.reference_tokens_per_gpu_second,
         config.reference_oor_fraction, config.catalog,
     )  # fmt: skip
@@ -381,6 +395,8 @@ def rebalance(
             routing_mismatch=g.routing_mismatch,
             quarantined=g.quarantined,
             history=tuple(memory.history),
+            trained_fraction=g.trained_fraction,
+            invalid_tokens=dict(g.invalid_tokens),
             measured_tokens_per_second=readings[name][0],
         )
 

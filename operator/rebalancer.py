@@ -60,6 +60,7 @@ from rlfleet.operator.rebalance import (
     rebalance,
 )
 from rlfleet.operator.trainer_report import TrainerReport, parse_trainer_report, trainer_job_status
+from rlfleet.records import INVALID_METRIC_PREFIX
 
 log = logging.getLogger("rlfleet.operator.rebalance")
 
@@ -303,10 +304,18 @@ def group_input(
         token_share=trainer.get("token_share"),
         oor_share=trainer.get("oor_share"),
         routing_mismatch=trainer.get("routing_mismatch_tokens"),
+        trained_fraction=trainer.get("trained_fraction"),
+        invalid_tokens=invalid_tokens(trainer),
         quarantined=st.quarantine_reason(dict(sg), collapse_quarantine) is not None,
         static_share=job.spec.router.static_shares.get(name),
         tokens_per_second=tokens_per_second,
     )
+
+
+def invalid_tokens(trainer: Mapping[str, float]) -> dict[str, float]:
+    """A group's invalid tokens by validation reason from its trainer metrics (`invalid_reason_<reason>`,
+    trainer/metrics.py `invalid_token_metrics`), the counts > 0."""
+    return {k[len(INVALID_METRIC_PREFIX) :]: v for k, v in trainer.items() if k.startswith(INVALID_METRIC_PREFIX) and v > 0}
 
 
 def trainer_metrics_url(pod: Mapping[str, Any]) -> str:
@@ -488,7 +497,8 @@ async def run_autopilot(job: RLJob, namespace: str, samplergroups: Sequence[Mapp
             name=g.name, accelerator=g.accelerator, weight_format=g.weight_format,
             kv_cache_dtype=spec.get("kvCacheDtype", "auto"), kl=g.kl, oor_fraction=g.oor_fraction,
             max_kl=max_kl, max_oor_fraction=max_oor, quarantined=g.quarantined,
-            floor_format=floors.get(g.name),
+            floor_format=floors.get(g.name), trained_fraction=g.trained_fraction, invalid_tokens=g.invalid_tokens,
+            max_invalid_fraction=job.spec.router.autopilot.max_invalid_fraction,
         ))  # fmt: skip
     published = views_to_publish(group.weight_format for group in job.spec.sampler_groups)
     spec = job.spec.router.autopilot

@@ -92,10 +92,16 @@ class MeasuredGroup:
     cost_per_gpu_hour: float  # USD (the catalog's, or its override's); 0: unknown
     tokens_per_second: float | None  # decode tokens/s; None: no reading yet
     oor_fraction: float | None  # share of its tokens outside the MIS band; None: not reported (counted as 0)
+    # share of the tokens it sampled that the trainer trained on (the rest answered invalid: NaN, positive
+    # or out-of-support logprobs, ...; trainer/metrics.py `trained_fraction`); None: not reported (all)
+    trained_fraction: float | None = None
 
     @property
     def usable_fraction(self) -> float:
-        return 1.0 - min(max(self.oor_fraction or 0.0, 0.0), 1.0)
+        """The share of its tokens that were trained on AND inside the MIS band (oor_fraction is a share of
+        the trained ones)."""
+        trained = min(max(self.trained_fraction if self.trained_fraction is not None else 1.0, 0.0), 1.0)
+        return trained * (1.0 - min(max(self.oor_fraction or 0.0, 0.0), 1.0))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,9 @@ R_UNSORTED = "support_not_sorted_desc"
 R_SAMPLED_MISMATCH = "sampled_logprob_disagrees_with_support"
 R_SAMPLED_NONFINITE = "sampled_logprob_missing"
 R_RENORM_BELOW_FULL = "renormalised_logprob_below_full_vocab"
+# The trainer's per-step metric of the tokens failing one reason's check: `invalid_reason_<reason>`, per group
+# and for the fleet (trainer/metrics.py `invalid_token_metrics`; the operator reads it, rebalancer.py).
+INVALID_METRIC_PREFIX = "invalid_reason_"
 
 
 @dataclass

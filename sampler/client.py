@@ -249,6 +249,11 @@ class SamplerClient:
             )
         except (ProtocolError, ValueError) as exc:  # orjson.JSONDecodeError and json's are ValueErrors
             raise self._fail("malformed_response", str(exc), 200, attempts) from None
+        # Who served the turn is the router's header (or this client's own group), never the engine's body:
+        # an engine writing another group's rlfleet_group into its meta_info (a duplicate key after the
+        # router's, which wins on parsing) would charge its invalid tokens to that group.
+        turn.group = resp.headers.get(GROUP_HEADER) or self.group or turn.group
+        turn.replica = resp.headers.get(REPLICA_HEADER) or self.replica or turn.replica
         self.stats.turns += 1
         self.stats.tokens += turn.num_tokens
         self.stats.invalid += turn.num_invalid

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlfleet.records import HEAD_MODE, SUPPORT_MODE
+from rlfleet.records import HEAD_MODE, SUPPORT_MODE, SampledTurn
 from rlfleet.trainer.advantages import grpo_advantages
 from rlfleet.trainer.rollout import PromptGroup, Rollout
 
@@ -42,6 +42,11 @@ class FlatBatch:
     groups: np.ndarray  # object [T] sampler group of each token
     rollout_uids: list[str] = field(default_factory=list)  # one per sequence
     dropped_invalid_tokens: int = 0
+    # per sampler group (turn.group): every token it sampled into this batch, the tokens dropped as invalid,
+    # and the sampler-side validation reasons (reason -> tokens failing that check; a token may fail several)
+    sampled_by_group: dict[str, int] = field(default_factory=dict)
+    dropped_by_group: dict[str, int] = field(default_factory=dict)
+    invalid_reasons_by_group: dict[str, dict[str, int]] = field(default_factory=dict)
     # int32 [T, layers, top_k] (a mixture of experts whose samplers returned routing; None otherwise):
     # the experts the sampler's router chose at each row's logit position, every id -1 for a row whose
     # turn carried none (trainer/routing.py compares them with the trainer's own)
@@ -78,6 +83,9 @@ def flatten_groups(
     cand_counts: list[int] = []
     modes: set[str] = set()
     dropped = 0
+    sampled_by_group: dict[str, int] = {}
+    dropped_by_group: dict[str, int] = {}
+    reasons_by_group: dict[str, dict[str, int]] = {}
     routed_rows: list[np.ndarray | None] = []  # per row, its sampler routing [layers, top_k] (None: not returned)
     for b, (r, adv) in enumerate(zip(rollouts, adv_per_rollout, strict=True)):
         sample_stale = max(0, trainer_version - r.min_version)
@@ -87,6 +95,7 @@ def flatten_groups(
             valid = np.ones(turn.num_tokens, dtype=bool) if turn.valid is None else np.asarray(turn.valid, dtype=bool)
             offs = np.asarray(turn.support_offsets, dtype=np.int64)
             routed = turn.routed_experts  # row P - 1 + i for output token i, P = pos (prompt_ids = the ids so far)
+            _count_turn(turn, valid, sampled_by_group, dropped_by_group, reasons_by_group)
             for i in range(turn.num_tokens):
                 token_pos = pos + i
                 if not valid[i]:
@@ -132,9 +141,25 @@ def flatten_groups(
         groups=np.array(cols["grp"], dtype=object),
         rollout_uids=[r.uid for r in rollouts],
         dropped_invalid_tokens=dropped,
+        sampled_by_group=sampled_by_group,
+        dropped_by_group=dropped_by_group,
+        invalid_reasons_by_group=reasons_by_group,
         routed_experts=_routed_experts_per_row(routed_rows),
         trainer_version=trainer_version,
     )
+
+
+def _count_turn(turn: SampledTurn, valid: np.ndarray, sampled: dict[str, int], dropped: dict[str, int],
+                reasons: dict[str, dict[str, int]]) -> None:  # fmt: skip
+    """Add one turn's tokens to its group's sampled, dropped and per-reason counts (the per-group view
+    of what a group that answers garbage costs: trainer/metrics.py `invalid_token_metrics`)."""
+    sampled[turn.group] = sampled.get(turn.group, 0) + turn.num_tokens
+    bad = int(turn.num_tokens - int(valid.sum()))
+    if bad:
+        dropped[turn.group] = dropped.get(turn.group, 0) + bad
+    for reason, count in turn.invalid_reasons.items():
+        into = reasons.setdefault(turn.group, {})
+        into[reason] = into.get(reason, 0) + int(count)
 
 
 def _routed_experts_per_row(rows: list[np.ndarray | None]) -> np.ndarray | None:

@@ -38,7 +38,7 @@ from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.advantages import uniform_group_fraction
 from rlfleet.trainer.batching import FlatBatch, flatten_groups
 from rlfleet.trainer.collapse import CollapseDetector, Decision
-from rlfleet.trainer.metrics import finite, objective_metrics, rollout_metrics
+from rlfleet.trainer.metrics import finite, invalid_token_metrics, objective_metrics, rollout_metrics
 from rlfleet.trainer.objective import LossOutput
 from rlfleet.trainer.rollout import PromptGroup, RolloutStallError
 
@@ -218,6 +218,9 @@ class TrainingLoop:
         metrics = objective_metrics(loss_out, self.group_names, self.group_views)
         metrics.update(
             rollout_metrics([r.scored for r in rollouts], [r.completion_ids() for r in rollouts], [r.group for r in rollouts])
+        )
+        metrics.update(
+            invalid_token_metrics(flat.sampled_by_group, flat.dropped_by_group, flat.invalid_reasons_by_group, metrics)
         )
         metrics.update(
             {

@@ -3,9 +3,12 @@
 Keys: fleet-wide `kl_k3`, `oor_fraction`, ...; broken down as `group/<name>/<metric>`,
 `view/<precision view>/<metric>` and `staleness/<bucket>/<metric>` (buckets 0-1, 2-3, 4-5, 6+);
 rollout-side `reward_mean`, `response_length`, `empty_reply_rate`, `no_tool_call_rate`,
-`format_error_rate`, `repetition_fraction`, `success_rate` (environments that judge success) (the loop adds `uniform_group_fraction`, from the prompt
+`format_error_rate`, `repetition_fraction`, `success_rate` (environments that judge success),
+`test_infra_touched_rate` (of the graded SWE patches, the share touching test files or test configuration) (the loop adds `uniform_group_fraction`, from the prompt
 groups: trainer/advantages.py); and per group `group/<name>/token_share` and
-`group/<name>/oor_share` (the group's share of all tokens vs of all out-of-range tokens).
+`group/<name>/oor_share` (the group's share of all tokens vs of all out-of-range tokens); per group and for
+the fleet the tokens the samplers answered invalid (`invalid_token_metrics`: `sampled_tokens`,
+`dropped_invalid_tokens`, `trained_fraction`, `invalid_reason_<reason>`).
 
 Token metrics (kl_k3, oor_fraction, ess, entropy, sc_tail_ratio, ...) are computed by the objective
 itself (`LossOutput`, one implementation); this module names and flattens them, adds the per-view and
@@ -15,11 +18,12 @@ share breakdowns, and computes the rollout-side metrics.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from rlfleet.records import INVALID_METRIC_PREFIX
 from rlfleet.trainer.environments import EpisodeOutcome
 from rlfleet.trainer.objective import MEAN_METRICS
 
@@ -64,6 +68,47 @@ def objective_metrics(
     return out
 
 
+# tokens that passed the sampler-side checks but the objective could not use (its q(y) or the trainer's
+# logits not finite): counted under this reason beside the sampler-side ones
+OBJECTIVE_REASON = "rejected_by_objective"
+
+
+def invalid_token_metrics(
+    sampled: Mapping[str, int],
+    dropped: Mapping[str, int],
+    reasons: Mapping[str, Mapping[str, int]],
+    metrics: Mapping[str, float],
+) -> dict[str, float]:
+    """What each group's invalid tokens cost, from one batch's counts (trainer/batching.py FlatBatch
+    `sampled_by_group`, `dropped_by_group`, `invalid_reasons_by_group`) and the objective's per-group
+    `group/<g>/num_tokens` (trained) and `invalid_tokens` in `metrics`. Per group that sampled tokens:
+    `sampled_tokens`, `dropped_invalid_tokens`, `trained_fraction` = tokens trained / tokens sampled (a
+    group whose every token was dropped has no objective entry: 0), `invalid_reason_<reason>` per validation
+    reason (a token failing several checks counts under each) and `invalid_reason_rejected_by_objective`; the
+    same summed for the fleet."""
+    out: dict[str, float] = {}
+    fleet: dict[str, float] = {}
+    trained_total = 0.0
+    for group, count in sampled.items():
+        p = f"group/{group}/"
+        trained = float(metrics.get(p + "num_tokens", 0.0))
+        trained_total += trained
+        counts = {INVALID_METRIC_PREFIX + r: float(c) for r, c in (reasons.get(group) or {}).items() if c}
+        if metrics.get(p + "invalid_tokens"):
+            counts[INVALID_METRIC_PREFIX + OBJECTIVE_REASON] = float(metrics[p + "invalid_tokens"])
+        counts["sampled_tokens"] = float(count)
+        counts["dropped_invalid_tokens"] = float(dropped.get(group, 0))
+        for key, value in counts.items():
+            out[p + key] = value
+            fleet[key] = fleet.get(key, 0.0) + value
+        if count:
+            out[p + "trained_fraction"] = trained / count
+    out.update({k: v for k, v in fleet.items() if k != "dropped_invalid_tokens"})  # the loop's own, fleet-wide
+    if fleet.get("sampled_tokens"):
+        out["trained_fraction"] = trained_total / fleet["sampled_tokens"]
+    return out
+
+
 def repetition_fraction(ids: Sequence[int]) -> float:
     """Share of tokens that repeat the token right before them (loops show up as ~1)."""
     if len(ids) < 2:
@@ -95,6 +140,9 @@ def rollout_metrics(
     judged = [o.success for o in outcomes if o.success is not None]
     if judged:  # the task's own pass/fail beside the (possibly shaped) reward
         out["success_rate"] = float(np.mean(judged))
+    touched = [o.touched_test_infra for o in outcomes if o.touched_test_infra is not None]
+    if touched:  # of the graded patches, the share that touched test files or configuration
+        out["test_infra_touched_rate"] = float(np.mean(touched))
     g = np.asarray(groups, dtype=object)
     for label in sorted(set(g.tolist())):
         sel = g == label

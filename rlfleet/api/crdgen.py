@@ -267,6 +267,7 @@ def samplergroup_crd(catalog: Catalog) -> dict[str, Any]:
         {"name": "Lag", "type": "integer", "jsonPath": ".status.versionLag"},
         {"name": "KL", "type": "number", "jsonPath": ".status.kl"},
         {"name": "OOR", "type": "number", "jsonPath": ".status.oorFraction"},
+        {"name": "Usable", "type": "number", "jsonPath": ".status.usableFraction"},
         {"name": "Reason", "type": "string", "jsonPath": ".status.reason"},
         {"name": "KV", "type": "string", "jsonPath": ".spec.kvCacheDtype", "priority": 1},
         {"name": "$/h", "type": "number", "jsonPath": ".status.costPerHour", "priority": 1},

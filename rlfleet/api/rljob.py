@@ -644,7 +644,7 @@ AUTOPILOT_COOLDOWN_MESSAGE = "router.autopilot: cooldownIntervals must be <= max
 
 
 class PrecisionAutopilotSpec(ApiModel):
-    """The precision autopilot (docs/economics.md): a group over its own mismatch budget (router.optimize.groups[name].maxKl / maxOorFraction, else router.optimize.budgets.groupMaxKl / groupMaxOorFraction) moves one step up nvfp4 -> fp8 -> bf16 within what its class runs and the weight channel publishes, or is quarantined at the top; within its budget for a cool-down it steps back down, never below the RLJob's own weightFormat. Set on the SamplerGroup; the RLJob's spec is never written."""
+    """The precision autopilot (docs/economics.md): a group over its own mismatch budget (router.optimize.groups[name].maxKl / maxOorFraction, else router.optimize.budgets.groupMaxKl / groupMaxOorFraction) moves one step up nvfp4 -> fp8 -> bf16 within what its class runs and the weight channel publishes, or is quarantined at the top (a group answering invalid tokens over maxInvalidFraction is quarantined at once); within its budget for a cool-down it steps back down, never below the RLJob's own weightFormat. Set on the SamplerGroup; the RLJob's spec is never written."""
 
     model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": AUTOPILOT_COOLDOWN_RULE, "message": AUTOPILOT_COOLDOWN_MESSAGE}]}}
 
@@ -658,6 +658,8 @@ class PrecisionAutopilotSpec(ApiModel):
     """Judged rebalance intervals in a row (the trainer reported, none over budget) before a step down; a step down that breaches within as many intervals at the cheaper format goes back up and doubles the group's cool-down."""
     max_cooldown_intervals: int = Field(default=320, ge=1, le=100000)
     """The bound of the doubled cool-down: a group that keeps breaching at the cheaper format tries it again at most once per this many intervals."""
+    max_invalid_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
+    """A group whose share of sampled tokens the trainer could not train on (invalid answers: NaN, positive or out-of-support logprobs, wrong lengths, ...) is over this for patience intervals is quarantined at any format, the reason naming the share and the top validation reason (a higher precision does not repair an engine that answers garbage)."""
 
     @model_validator(mode="after")
     def _check_cooldown(self) -> PrecisionAutopilotSpec:

@@ -284,10 +284,14 @@ class SamplerGroupStatus(ApiModel):
     """This group's share of all out-of-range tokens (compare with tokenShare)."""
     routing_mismatch: float | None = Field(default=None, ge=0.0, le=1.0)
     """A mixture of experts only: share of this group's trained tokens whose routed experts (in any layer) differ from the ones the trainer's router picks at the same weights (the trainer's routing_mismatch_tokens)."""
+    usable_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Share of the tokens this group sampled at the trainer's latest step that were trained on and inside the MIS band (trained / sampled x (1 - oorFraction)): a group answering invalid tokens (dropped) shows it here (printer column Usable)."""
+    invalid_tokens: dict[str, int] | None = Field(default=None, max_length=64)
+    """The group's tokens at the trainer's latest step that failed validation, by reason (a token failing several checks counts under each; rejected_by_objective: the objective could not use it); absent: none."""
     cost_per_hour: float | None = Field(default=None, ge=0.0)
     """USD per hour of the group's GPUs (replicas x tensorParallel) at the catalog's price per GPU-hour."""
     cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")
-    """USD per million usable tokens (inside the MIS band: tokens/s x (1 - oorFraction)) at the catalog's price per GPU-hour."""
+    """USD per million usable tokens (trained on and inside the MIS band: tokens/s x usableFraction) at the catalog's price per GPU-hour."""
     quarantined: bool | None = None
     """True when the group gets no new sessions (manual or by the collapse detector)."""
     share_history: list[ShareChange] = Field(default_factory=list, max_length=5)

@@ -106,7 +106,7 @@ class Progress:
         )
         table = Table(show_edge=False, pad_edge=False)
         table.add_column("group", no_wrap=True, min_width=max(len(g.name) for g in rc.groups))
-        for col in ("fmt", "KV", "tok/s", "share", "ver", "lag", "KL", "OOR", "$/1M", "reward"):
+        for col in ("fmt", "KV", "tok/s", "share", "ver", "lag", "KL", "OOR", "usable", "$/1M", "reward"):
             table.add_column(col, justify="left" if col in ("fmt", "KV") else "right", no_wrap=True)
         for g in rc.groups:
             p = f"group/{g.name}/"
@@ -118,6 +118,7 @@ class Progress:
                 "-" if version is None else f"{version:.0f}",
                 "-" if version is None else f"{m.get('weight_version', m['step']) - 1 - version:.0f}",  # version != step after a fallback
                 f"{m.get(p + 'kl_k3', 0):.4f}" if n else "-", f"{m.get(p + 'oor_fraction', 0):.2%}" if n else "-",
+                f"{m[p + 'usable_fraction']:.0%}" if p + "usable_fraction" in m else "-",
                 _dollars(m.get(p + "cost_per_1m_usable_tokens")),
                 f"{m.get(p + 'reward_mean', 0):.2f}" if p + "reward_mean" in m else "-",
             )
@@ -167,7 +168,7 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
     `reference_cost_per_1m_usable_tokens` (`router.reference.accelerator`, default the trainer's class,
     at bf16, from the run's bf16 groups of that class, else estimated from the other groups by the catalog's
     throughput ratios: then `reference_estimated` is 1) and `saving`. From the step's
-    tokens/s and out-of-range share per group in `m` and the catalog's prices, one replica per group
+    tokens/s, out-of-range share and trained fraction per group in `m` and the catalog's prices, one replica per group
     (`tensorParallel` GPUs) as local mode runs them: the mix and the precisions priced at the CPU's
     speed, not a cluster's. Unknown figures are left out."""
     catalog = get_catalog()
@@ -176,7 +177,8 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
         cls = catalog.get(g.accelerator)
         p = f"group/{g.name}/"
         groups.append(MeasuredGroup(g.name, g.accelerator, g.weight_format, g.tensor_parallel or cls.default_tensor_parallel,
-                                    cls.cost_per_gpu_hour, m.get(p + "tokens_per_second"), m.get(p + "oor_fraction")))  # fmt: skip
+                                    cls.cost_per_gpu_hour, m.get(p + "tokens_per_second"), m.get(p + "oor_fraction"),
+                                    m.get(p + "trained_fraction")))  # fmt: skip
     e = measured_economics(groups, rc.reference_accelerator, catalog.get(rc.reference_accelerator).cost_per_gpu_hour,
                            catalog=catalog)  # fmt: skip
     figures: dict[str, float | None] = {
@@ -482,7 +484,7 @@ def _run_locked(
     from rlfleet.channel import WRITER_LEASE_TTL_SECONDS, LeaseHeldError
     from rlfleet.local.fleet import FleetSpec
     from rlfleet.local.fleet import GroupSpec as FleetGroup
-    from rlfleet.local.report import write_report
+    from rlfleet.local.report import group_tokens, write_report
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.prompts import PromptFileError
@@ -580,6 +582,7 @@ def _run_locked(
         **{f"{name}_{end}": window_mean(history, key, k, end)
            for name, key in SUMMARY_METRICS.items() for end in ("first", "last")},
         "collapse_alerts": [a.__dict__ for a in detector.history],
+        "groups": group_tokens(history),
         "rollouts_trained": len(loop.state.trained_uids),
         "dropped_stale_groups": loop.state.dropped_stale_groups,
         "driver": driver.stats.__dict__ if driver is not None else {},
@@ -647,6 +650,11 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
         parts.append(f"{_dollars(summary['cost_per_1m_usable_tokens_last'])} per 1M usable tokens"
                      + ("" if saving is None else f" (saving {saving:.1%} against {rc.reference_accelerator} bf16)"))
     print("; ".join(parts) + f"; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}")
+    for name, g in summary.get("groups", {}).items():  # a group answering invalid tokens, by name
+        if g["dropped_invalid_tokens"]:
+            top = max(sorted(g["invalid_tokens"].items()), key=lambda kv: kv[1], default=("?", 0))
+            print(f"group {name}: {g['dropped_invalid_tokens']} of its {g['sampled_tokens']} sampled tokens dropped "
+                  f"as invalid, {g['trained_fraction']:.1%} trained on (top reason {top[0]}: {top[1]} tokens)")
 
 
 def cli(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """Run report: metrics JSON + CSV and PNG plots (reward, the task's success and malformed turns beside
 the shaped reward, per-group KL, OOR share, entropy, grad norm, sc_tail_ratio, a mixture of experts'
-routing mismatch; a plot whose metrics the
+routing mismatch, each group's tokens trained / sampled; a plot whose metrics the
 run did not produce is not written). Input: the list of per-step flat metric dicts (each with a `step` key) and the
 collapse detector's alerts (trainer/collapse.py `Alert`, or its dict as stored in the run summary's
 `collapse_alerts`): every plot has axis labels and draws each alert as one vertical line at its step,
@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rlfleet.records import INVALID_METRIC_PREFIX
+
 
 class Plot(NamedTuple):
     file: str
@@ -26,7 +28,7 @@ PLOTS: tuple[Plot, ...] = (
     Plot("reward.png", "reward (mean per step)", ("reward_mean",), "mean reward"),
     # the environment's own pass/fail beside its (shaped) reward: a shaped reward can rise on partial credit
     Plot("task.png", "task: shaped reward, success, malformed turns",
-         ("reward_mean", "success_rate", "format_error_rate"), "mean reward / share of episodes"),
+         ("reward_mean", "success_rate", "format_error_rate", "test_infra_touched_rate"), "mean reward / share of episodes"),
     Plot("kl.png", "sampler/trainer KL (k3)", ("kl_k3",), "KL(q || p), k3 estimator (nats)"),
     Plot("oor.png", "out-of-range share of tokens", ("oor_fraction",), "share of tokens outside the MIS band"),
     Plot("entropy.png", "entropy of p (nats)", ("entropy",), "entropy (nats)"),
@@ -35,6 +37,8 @@ PLOTS: tuple[Plot, ...] = (
     # a mixture of experts only (trainer/routing.py): tokens routed to other experts than the trainer's
     Plot("routing.png", "routing mismatch (mixture of experts)", ("routing_mismatch_tokens",),
          "share of tokens whose experts differ"),
+    # a group answering invalid tokens (NaN, positive or out-of-support logprobs, ...): they are dropped
+    Plot("trained.png", "tokens trained on / tokens sampled", ("trained_fraction",), "share of sampled tokens trained on"),
 )
 ALERT_GID = "collapse-alert"  # matplotlib gid of the alert markers (tests find them by it)
 
@@ -52,6 +56,31 @@ def _series(rows: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list
             xs.append(float(row["step"]))
             ys.append(float(row[key]))
     return xs, ys
+
+
+def group_tokens(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per group over the whole run (the summary's `groups`, one row each): tokens sampled, tokens trained
+    on, tokens dropped as invalid, `trained_fraction` = trained / sampled, and the invalid tokens by
+    validation reason (trainer/metrics.py `invalid_token_metrics`, summed over the steps; a token failing
+    several checks counts under each reason)."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for key, value in row.items():
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] != "group" or value is None:
+                continue
+            _, group, name = parts
+            if name in ("sampled_tokens", "dropped_invalid_tokens", "num_tokens") or name.startswith(INVALID_METRIC_PREFIX):
+                g = out.setdefault(group, {"sampled_tokens": 0, "trained_tokens": 0, "dropped_invalid_tokens": 0,
+                                           "invalid_tokens": {}})  # fmt: skip
+                if name.startswith(INVALID_METRIC_PREFIX):
+                    reason = name[len(INVALID_METRIC_PREFIX) :]
+                    g["invalid_tokens"][reason] = g["invalid_tokens"].get(reason, 0) + int(value)
+                else:
+                    g["trained_tokens" if name == "num_tokens" else name] += int(value)
+    for g in out.values():
+        g["trained_fraction"] = g["trained_tokens"] / g["sampled_tokens"] if g["sampled_tokens"] else None
+    return out
 
 
 def write_metrics(

@@ -71,7 +71,7 @@ def test_names_subresources_and_columns() -> None:
     visible = [c["name"] for c in sg["additionalPrinterColumns"] if not c.get("priority")]
     # the cockpit: what a group does and why, without -o wide (share as a percentage)
     assert visible == [
-        "Accelerator", "Weights", "Phase", "Ready", "Tok/s", "Share%", "Version", "Lag", "KL", "OOR",
+        "Accelerator", "Weights", "Phase", "Ready", "Tok/s", "Share%", "Version", "Lag", "KL", "OOR", "Usable",
         "Reason", "Age",
     ]  # fmt: skip
     rlj = crd("RLJob")["spec"]["versions"][0]
