@@ -1,4 +1,5 @@
-"""Low-precision weight formats, one implementation each (torch, CPU).
+"""Low-precision weight formats, one implementation each (torch; on the tensors' device: the publisher and
+the reference sampler run them on CPU, scripts/gpu-check on a GPU).
 
 Used by the reference sampler (precision emulation), by the weight views the trainer publishes and by
 tests. Definitions (references.md):
@@ -77,7 +78,7 @@ def quantize_fp8_block(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.T
     _check_2d(w)
     n, k = w.shape
     nb, kb = math.ceil(n / block), math.ceil(k / block)
-    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32)
+    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32, device=w.device)
     padded[:n, :k] = w.float()
     blocks = padded.view(nb, block, kb, block)  # [nb, block, kb, block]
     scale_inv = blocks.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX  # [nb, kb]
@@ -101,8 +102,9 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4)."""
     x = x.float()
     mag = x.abs().clamp(max=FP4_E2M1_MAX)
-    lo = torch.bucketize(mag, _MIDPOINTS_T, right=False)  # ties -> lower code
-    hi = torch.bucketize(mag, _MIDPOINTS_T, right=True)  # ties -> upper code
+    midpoints = _MIDPOINTS_T.to(mag.device)
+    lo = torch.bucketize(mag, midpoints, right=False)  # ties -> lower code
+    hi = torch.bucketize(mag, midpoints, right=True)  # ties -> upper code
     idx = torch.where(lo == hi, lo, torch.where(lo % 2 == 0, lo, hi))
     sign = (x < 0) & (idx > 0)  # -0 is stored as +0
     return (idx | (sign.to(torch.int64) << 3)).to(torch.uint8)
@@ -111,7 +113,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of E2M1 codes (uint8 nibbles)."""
     c = codes.to(torch.int64)
-    mag = _GRID_T[c & 7]
+    mag = _GRID_T.to(c.device)[c & 7]
     return torch.where((c & 8) != 0, -mag, mag)
 
 
