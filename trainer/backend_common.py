@@ -9,6 +9,8 @@ exactly the mismatch the objective corrects (docs/objective.md).
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,8 @@ from rlfleet.records import SUPPORT_MODE
 from rlfleet.trainer.batching import FlatBatch
 from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, TokenBatch
 from rlfleet.trainer.routing import ROUTING_COUNT, combine_routing_metrics, routing_metrics, routing_mismatch
+
+_log = logging.getLogger(__name__)
 
 SUM_KEYS = ("num_tokens", "invalid_tokens")
 MAX_KEYS = ("sc_tail_ratio_max",)
@@ -159,21 +163,69 @@ class RankCommands:
             elif command[0] == "load":
                 self._load_state_dict(None)
             else:
+                _store().set(_stopped_key(torch.distributed.get_rank()), "1")  # I have the stop
+                _await_keys([RELEASED_KEY], "rank 0 to release this rank")
                 return
 
     def close(self) -> None:
-        """Rank 0: release the followers (their `follow()` returns)."""
+        """Rank 0: release the followers (their `follow()` returns) once each has confirmed the stop."""
         if self._has_followers() and torch.distributed.get_rank() == 0:
             self._command(("stop",))
+            _await_keys([_stopped_key(r) for r in range(1, torch.distributed.get_world_size())],
+                        "every follower rank to confirm the stop")  # fmt: skip
+            _store().set(RELEASED_KEY, "1")
 
 
-def leave_process_group() -> None:
+# The end of a multi-rank trainer is a handshake through the rendezvous store, which torchrun's agent
+# serves and which outlives every rank: each follower confirms the stop, and only then does rank 0 release
+# them all. No rank ends while another is inside a gloo call with it: with the trainer image's torch (2.6,
+# gloo), 2-rank torchrun runs of "broadcast the stop, leave the group, exit" hung in 6 of 23 (the stop
+# lost as rank 0 ended at once, or rank 0 stuck in its broadcast as the follower ended), so the finished
+# trainer's pod stayed Running and its RLJob never read Succeeded (issue 39). With the handshake: 0 of 13.
+STOP_HANDSHAKE_TIMEOUT_S = 60.0
+RELEASED_KEY = "rlfleet/released"
+
+
+def _stopped_key(rank: int) -> str:
+    return f"rlfleet/stopped/{rank}"
+
+
+def _store() -> Any:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def _await_keys(keys: list[str], what: str, timeout_s: float = STOP_HANDSHAKE_TIMEOUT_S) -> None:
+    from datetime import timedelta
+
+    try:
+        _store().wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # DistStoreError on a timeout: the rank ends anyway, saying so
+        _log.warning("waited %.0f s for %s in vain (%s); ending anyway", timeout_s, what, exc)
+
+
+# How long a rank waits for its process group to be destroyed: gloo's destroy hung on the real node once
+# on a rank whose peer had already gone (trainer/entrypoint.py), which kept a trainer pod Running.
+LEAVE_TIMEOUT_S = 10.0
+
+
+def leave_process_group(timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
     """Every rank, once rank 0 has closed the backend (its followers' `follow()` returned): destroy the
     process group before the interpreter exits. Left to exit-time destructors, gloo's threads can be
     torn down while joinable and the rank aborts ("terminate called without an active exception",
-    SIGABRT), failing a run that had finished."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    SIGABRT), failing a run that had finished. The destroy runs in a daemon thread and is given up after
+    `timeout_s` (LEAVE_TIMEOUT_S); the caller then ends the process without the interpreter's
+    shutdown (trainer/entrypoint.py `exit_now`), which no gloo thread outlives. True when it was left."""
+    if not torch.distributed.is_initialized():
+        return True
+    worker = threading.Thread(target=torch.distributed.destroy_process_group, name="leave-process-group", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        _log.warning("the process group was not destroyed within %.0f s; this rank ends without it", timeout_s)
+        return False
+    return True
 
 
 def routing_compared_rows(flat: FlatBatch, rows: np.ndarray) -> np.ndarray | None:

@@ -62,3 +62,69 @@ def test_launch_exits_0_when_every_rank_does(tmp_path: Path) -> None:
     script.write_text("import sys; sys.exit(0)\n")
     done = _launch([RLFLEET, "trainer", "launch"], script, "0")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# A trainer's finish as the entrypoint does it (trainer/entrypoint.py): rank 0 commands a step (a real gloo
+# all-reduce on every rank) and closes the backend; the followers' `follow()` returns on the stop; every
+# rank leaves the process group and ends at once (`exit_now`). Rank 0 records which followers had
+# confirmed the stop in the rendezvous store when `close()` returned.
+FINISH = """
+import json, os, sys, time
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
+from rlfleet.trainer.backend_common import RankCommands, leave_process_group
+from rlfleet.trainer.entrypoint import exit_now
+
+class Ranks(RankCommands):
+    device = torch.device("cpu")
+    def _train_step(self, flat, group_index):
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        return float(total)
+    def train_step(self):
+        self._send(("step", None, {}))
+        return self._train_step(None, {})
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+ranks, result = Ranks(), {"rank": rank}
+if rank == 0:
+    result["sum"] = ranks.train_step()
+    ranks.close()
+    store = _get_default_store()
+    result["confirmed"] = [r for r in range(1, world) if store.check([f"rlfleet/stopped/{r}"])]
+else:
+    ranks.follow()
+result["left"] = leave_process_group()
+result["ended_at"] = time.time()
+with open(os.path.join(sys.argv[1], "rank%d.json" % rank), "w") as fh:
+    json.dump(result, fh)
+exit_now(0)
+"""
+
+
+@pytest.mark.slow
+def test_a_finished_multi_rank_trainer_ends_every_rank_in_bounded_time(tmp_path: Path) -> None:
+    """Issue 39: after "training finished" one rank of the 2-rank CPU trainer stayed alive (the stop lost
+    as rank 0 ended at once), so the pod stayed Running and its RLJob never read Succeeded. Now rank 0
+    returns from `close()` only once every follower confirmed the stop, and every rank exits 0 at once."""
+    import json
+    import time
+
+    script = tmp_path / "finish.py"
+    script.write_text(FINISH)
+    for attempt in range(2):
+        out = tmp_path / f"run{attempt}"
+        out.mkdir()
+        started = time.time()
+        done = subprocess.run([RLFLEET, "trainer", "launch", "--standalone", "--nproc-per-node=3", "--monitor-interval=0.1",
+                               str(script), str(out)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+        assert ranks[0]["sum"] == 3.0 and ranks[0]["confirmed"] == [1, 2]
+        assert [r["left"] for r in ranks] == [True, True, True]
+        # every rank ended within seconds of the others (none waited for a stop or a peer's teardown)
+        ended = [r["ended_at"] for r in ranks]
+        assert max(ended) - min(ended) < 10 and max(ended) - started < 100
