@@ -25,6 +25,11 @@ signal does not update that signal's baseline, so a surge cannot hide itself):
    malformed), so a policy that keeps calling but garbles its calls is another failure, and its healthy
    level sits far below 3's threshold of 0.5 (format_abs: measured in docs/ablation.md, "Agentic
    precursors"). Fleet-wide only: a group serves a few episodes a step, too few for a rate.
+8. `invalid_tokens` (per group): the share of a group's sampled tokens the trainer could not train on
+   (1 - its `trained_fraction`: answers failing validation, NaN / positive / out-of-support logprobs and
+   the like) above `invalid_max`. Absolute, no baseline: a healthy engine answers none, and the objective
+   never sees the dropped tokens, so no other signal moves (issue 39: training stayed safe in 8 garbage
+   modes while the group's GPUs made nothing).
 A signal must hold `patience` consecutive steps, and nothing fires during `warmup_steps`.
 
 Actions (RLJob `safety.action`): `alert` (report only), `quarantine-group` (per-group signals
@@ -39,6 +44,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from rlfleet.records import INVALID_METRIC_PREFIX
 
 ACTIONS = ("alert", "quarantine-group", "pause")
 
@@ -62,6 +69,7 @@ class CollapseThresholds:
     grad_ratio: float = 10.0
     rho_max: float = 5.0
     oor_share_factor: float = 2.0  # quarantine picks groups whose OOR share > this x their token share
+    invalid_max: float = 0.05  # a group's share of sampled tokens not trained on (invalid answers): signal 8
 
     @classmethod
     def from_safety(cls, safety: Any) -> CollapseThresholds:
@@ -170,9 +178,10 @@ class CollapseDetector:
         alerts += self._grad_norm_spike(step, metrics)
         alerts += self._rho_blowup(step, metrics)
         alerts += self._format_errors(step, metrics)
+        alerts += self._invalid_tokens(step, metrics)
         return self._decide(alerts, metrics)
 
-    # -- the seven signals, in the order observe checks them --
+    # -- the eight signals, in the order observe checks them --
     def _reward_cliff(self, step: int, metrics: dict[str, float]) -> list[Alert]:
         """1. reward cliff: the window's mean reward against its running peak."""
         t = self.t
@@ -296,6 +305,22 @@ class CollapseDetector:
     def _format_errors(self, step: int, metrics: dict[str, float]) -> list[Alert]:
         """7. format errors repeat: malformed turns in more episodes than the run's baseline."""
         return self._rate_surge(step, metrics, "format_error_rate", "format_errors_repeat", self.t.format_abs)
+
+    def _invalid_tokens(self, step: int, metrics: dict[str, float]) -> list[Alert]:
+        """8. invalid tokens, per group that sampled tokens this step (its `trained_fraction`)."""
+        alerts: list[Alert] = []
+        groups = sorted({k.split("/")[1] for k in metrics if k.startswith("group/") and k.endswith("/trained_fraction")})
+        for g in groups:
+            trained = _finite(metrics, f"group/{g}/trained_fraction")
+            invalid = 1.0 - trained if trained is not None else 0.0
+            if self._check(f"group/{g}/invalid_tokens", invalid > self.t.invalid_max):
+                prefix = f"group/{g}/{INVALID_METRIC_PREFIX}"
+                reasons = sorted((k[len(prefix) :], v) for k, v in metrics.items() if k.startswith(prefix))
+                top = max(reasons, key=lambda kv: kv[1], default=None)
+                alerts.append(Alert(step, "invalid_tokens", invalid, self.t.invalid_max, group=g,
+                                    message=f"group {g}: {invalid:.1%} of its sampled tokens not trained on (invalid)"
+                                    + (f", top reason {top[0]}: {top[1]:g} tokens" if top else "")))  # fmt: skip
+        return alerts
 
     # -- the action --
     def _decide(self, alerts: list[Alert], metrics: dict[str, float]) -> Decision:

@@ -1,7 +1,8 @@
 """A sampler group that answers garbage logprobs is seen PER GROUP (issue 39 item 7): its invalid tokens
 are counted per group and per validation reason, its trained fraction (tokens trained / tokens sampled)
-falls, the trainer's exporter carries both, and the operator's autopilot quarantines it from what it
-parses, with the invalid share and the top reason in the reason.
+falls, the collapse detector raises `invalid_tokens` for it (and with quarantine-group quarantines it
+alone), the trainer's exporter carries the counts, and the operator's autopilot quarantines it from what
+it parses, with the invalid share and the top reason in the reason.
 
 Real parts: two of the project's reference sampler servers (SGLang API subset, a tiny model on CPU)
 behind the real router, the sampler client, the rollout driver, the composition root (trainer/run.py
@@ -36,7 +37,7 @@ from rlfleet.router.service import start_service
 from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
-from rlfleet.trainer.collapse import CollapseDetector
+from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds, Decision
 from rlfleet.trainer.metrics import PrometheusExporter
 from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
 from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
@@ -145,6 +146,14 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
     base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)
     client = SamplerClient(f"http://127.0.0.1:{port}")
     steps: list[tuple[dict[str, float], list[PromptGroup]]] = []
+    decisions: list[Decision] = []
+    quarantined: list[list[str]] = []
+    # the collapse detector's signal 8 with safety.action quarantine-group, from the first step
+    detector = CollapseDetector(CollapseThresholds(warmup_steps=0, patience=1), action="quarantine-group")
+
+    def on_step(m: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
+        steps.append((m, groups))
+        decisions.append(decision)
 
     def make_driver(position: int) -> RolloutDriver:
         env, prompts = rollout_inputs(rc, base)
@@ -152,8 +161,8 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
                              max_seq_len=48, start_position=position)  # fmt: skip
 
     try:
-        await asyncio.to_thread(run_training, rc, base.backend, Sink(), CollapseDetector(), make_driver,
-                                checkpoint=tmp_path / "checkpoints", on_step=lambda m, d, g: steps.append((m, g)))  # fmt: skip
+        await asyncio.to_thread(run_training, rc, base.backend, Sink(), detector, make_driver,
+                                checkpoint=tmp_path / "checkpoints", on_step=on_step, on_quarantine=quarantined.append)  # fmt: skip
     finally:
         await runner.cleanup()
         await router.close()
@@ -183,6 +192,15 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
             assert m[p + "trained_fraction"] == (b["sampled"] - dropped) / b["sampled"]
         # the fleet: every token of the step's batch, and the loop's own fleet-wide drop count
         assert (m["sampled_tokens"], m["dropped_invalid_tokens"]) == (g["sampled"] + b["sampled"], dropped)
+
+    # The detector saw it at the first step the garbage group sampled, and quarantined it alone, once.
+    first = next(i for i, w in enumerate(wanted) if w[BAD]["sampled"])
+    m, b = steps[first][0], wanted[first][BAD]
+    (alert,) = [a for a in decisions[first].alerts if a.signal == "invalid_tokens"]
+    assert (alert.group, alert.value) == (BAD, 1.0 - m[f"group/{BAD}/trained_fraction"])
+    assert alert.message == (f"group {BAD}: {alert.value:.1%} of its sampled tokens not trained on (invalid), "
+                             f"top reason {R_BAD_LOGPROB}: {b['nan'] + b['positive']} tokens")  # fmt: skip
+    assert quarantined == [[BAD]] and not [a for d in decisions for a in d.alerts if a.group == GOOD]
 
     # The trainer's exporter (HTTP) -> the operator's parser -> the autopilot: quarantined, no step up.
     last, want = next((m, w[BAD]) for (m, _), w in zip(reversed(steps), reversed(wanted), strict=True)
