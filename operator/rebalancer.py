@@ -2,10 +2,11 @@
 policy, the router push. It writes no status and holds no timer.
 
 Called on each tick of the job's pipelines (handlers.py: the WeightChannel timer, every
-RLFLEET_REBALANCE_TICK seconds); it acts when the job's `spec.router.rebalanceIntervalSeconds` has
-elapsed. Per interval: read each SamplerGroup's live throughput (its ready pods' SGLang /metrics, or
-`spec.router.prometheusUrl`), the trainer's per-group KL / out-of-range metrics and its report (rank 0's
-exporter: step, weight version, metrics, the collapse detector's state), call the pure `rebalance.py`,
+RLFLEET_REBALANCE_TICK seconds). At every tick it reads the trainer's report and per-group KL /
+out-of-range metrics (rank 0's exporter: step, weight version, metrics, the collapse detector's state),
+so that the status shows them from the first step; it acts when the job's
+`spec.router.rebalanceIntervalSeconds` has elapsed. Per interval: read each SamplerGroup's live
+throughput (its ready pods' SGLang /metrics, or `spec.router.prometheusUrl`), call the pure `rebalance.py`,
 push quarantine and shares to every router pod's admin API, and post a Kubernetes Event per share change.
 Replicas only with the fleet-mix optimizer on (`spec.router.optimize.enabled`, fleetplan.py): it
 decides replicas and shares per group from the same readings, writes replicas through each SamplerGroup's
@@ -397,7 +398,8 @@ PodsOf = Callable[[str, str], list[dict[str, Any]]]  # (component, owner name) -
 
 async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[Mapping[str, Any]],
                         pods_of: PodsOf, now: float | None = None) -> RebalanceResult | None:  # fmt: skip
-    """One rebalance of one RLJob (if its interval has elapsed): scrape, decide, push to the routers, post
+    """The trainer's report read (at every call), then one rebalance of one RLJob (if its interval has
+    elapsed): scrape, decide, push to the routers, post
     share-change Events, and keep the result and the trainer's report in memory for the status pipeline.
     `samplergroups` and `pods_of` come from the operator's indexes. Returns the result when it ran."""
     job = parsed_jobs.parse(body)
@@ -409,11 +411,13 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     key = (namespace, job.name, str(body.get("metadata", {}).get("uid", "")))
     memory = _JOBS.setdefault(key, JobMemory())
     samplergroups = [sg for sg in samplergroups if not sg["metadata"].get("deletionTimestamp")]
-    if not samplergroups or not _due(memory, samplergroups, now, job.spec.router.rebalance_interval_seconds):
-        return None
-    memory.last_run = now
     async with aiohttp.ClientSession() as http:
+        # At every tick, not only when shares are due: the status shows the trainer's step, reward and KL
+        # from its first step (the first rebalance comes one interval after the job is first seen).
         trainer_metrics = await _read_trainer(http, job, pods_of, memory)
+        if not samplergroups or not _due(memory, samplergroups, now, job.spec.router.rebalance_interval_seconds):
+            return None
+        memory.last_run = now
         collapse = trainer_job_status(body, samplergroups, memory.report, st.now_iso()).quarantine
         inputs = await _group_inputs(http, job, namespace, samplergroups, pods_of, trainer_metrics, collapse)
         if job.spec.router.autopilot.enabled:

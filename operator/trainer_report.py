@@ -2,7 +2,7 @@
 
 The trainer has no Kubernetes API rights (least privilege: its pods mount no ServiceAccount token). It
 exports its step, the weight version it published, the fleet metrics and the collapse detector's state
-(`rlfleet.trainer.metrics.PrometheusExporter`); the operator's rebalance tick scrapes trainer pod 0
+(`rlfleet.trainer.metrics.PrometheusExporter`); the operator's tick (every 5 s) scrapes trainer pod 0
 (`rebalancer.py`) and the RLJob's reconcile pipeline puts these fields into the job's whole status
 (`status.rljob_status(..., trainer_report=...)`, one apply, only on change):
 
