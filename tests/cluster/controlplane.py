@@ -190,6 +190,12 @@ COMPONENTS: dict[str, GoComponent] = {
             binaries={"promtool": "github.com/prometheus/prometheus/cmd/promtool"},
         ),  # runs the chart's PrometheusRule alerts on synthetic series (tests/ship)
         GoComponent(
+            name="actionlint",
+            module="github.com/rhysd/actionlint",
+            binaries={"actionlint": "github.com/rhysd/actionlint/cmd/actionlint"},
+            ldflags=lambda v: [f"-X github.com/rhysd/actionlint.version={v}"],
+        ),  # lints the release workflow, .github/workflows/release.yml (tests/ship/test_ship_release.py)
+        GoComponent(
             name="kueue",
             module="sigs.k8s.io/kueue",
             binaries={"kueue": "sigs.k8s.io/kueue/cmd/kueue"},
