@@ -243,11 +243,22 @@ class GroupResult:
             "routingMismatch": _round(self.routing_mismatch, 6),
             # only once the trainer reported the group (else the default 1.0 would claim a measurement)
             "usableFraction": _round(self.usable_fraction, 4) if self.reported else None,
-            "invalidTokens": {k: int(v) for k, v in sorted(self.invalid_tokens.items())} or None,
+            "invalidTokens": _most_invalid(self.invalid_tokens) or None,
             "quarantined": self.quarantined,
             "shareHistory": [dict(h) for h in self.history],
         }
         return {k: v for k, v in fields.items() if v is not None}
+
+
+INVALID_STATUS_REASONS = 16  # the status keeps a group's most frequent reasons (its schema allows 64)
+
+
+def _most_invalid(counts: Mapping[str, float]) -> dict[str, int]:
+    """SamplerGroup `status.invalidTokens`: the INVALID_STATUS_REASONS reasons with the most tokens (ties
+    by name), by name. The reasons come from the trainer's exporter text: more than the schema allows
+    would make the API server refuse the group's whole status."""
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:INVALID_STATUS_REASONS]
+    return {k: int(v) for k, v in sorted(top)}
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,10 @@ def test_the_usable_fraction_counts_only_trained_tokens_in_band_in_the_economics
     assert patch["invalidTokens"] == {"logprob_not_finite_or_positive": 8, "support_empty": 40}
     assert "invalidTokens" not in good.status_patch() and good.status_patch()["usableFraction"] == 0.8
     assert "usableFraction" not in result.groups["new"].status_patch()  # no report: no measured figure
+    # an exporter naming more reasons than the status holds: the most frequent 16, never a refused status
+    many = {f"reason_{i:02d}": float(i) for i in range(40)}
+    flood = rebalance([GroupInput("bad", 1, 1, 6.0, trained_fraction=0.0, invalid_tokens=many)], None, 0.0, config)
+    assert flood.groups["bad"].status_patch()["invalidTokens"] == {f"reason_{i:02d}": i for i in range(24, 40)}
     sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup", "metadata": {"name": "j-bad", "generation": 1},
           "spec": {"name": "bad", "accelerator": "b200", "weightFormat": "bf16", "replicas": 1,
                    "model": {"name": "m", "path": "p"}, "weightChannel": "j-weights"}}  # fmt: skip
