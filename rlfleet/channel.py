@@ -68,6 +68,7 @@ from rlfleet.store import (
     FileDigest,
     FilesystemStore,
     KeyNotFoundError,
+    ObjectTooLargeError,
     Store,
     StoreError,
     hash_file,
@@ -94,6 +95,16 @@ MAX_PINNED_PER_REPORT = 2
 """The most versions one subscriber report pins in `retain`: its newest listed ones at or below the
 pointer (a sidecar reports the version it serves and the one it obtains, `in_use`)."""
 LEASE_KEY = "lease.json"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+"""The largest manifest a reader takes (64 MiB): a larger one is refused as damaged before it is read
+into memory. A manifest holds one entry per file and per tensor of each view (about 100 bytes each):
+64 MiB is room for ~600k entries, far above a 671B MoE with fused expert tensors in four views."""
+MAX_REPORT_BYTES = 64 * 1024
+"""The largest subscriber report a reader takes (64 KiB; a sidecar's is ~300 bytes): a larger one, like a
+malformed one, pins nothing and shows nothing. Reports are written by sampler pods."""
+_RECORD_ERRORS = (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
+"""What parsing a JSON record someone else wrote can raise: not JSON or not UTF-8 (ValueError), a field
+missing or of the wrong type, a number too large for an int (1e400), nesting too deep."""
 WRITER_LEASE_TTL_SECONDS = 300.0
 """How long a writer lease holds without renewal before a publisher with another id may take it over
 (a publisher renews it every WRITER_LEASE_TTL_SECONDS / 5 from a thread, and at each publish; the same
@@ -188,15 +199,20 @@ class Pointer:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Pointer:
-        raw = json.loads(data)
-        return cls(
-            version=int(raw["version"]),
-            manifest=str(raw["manifest"]),
-            manifest_sha256=str(raw["manifest_sha256"]),
-            published_at=str(raw.get("published_at", "")),
-            publisher=str(raw.get("publisher", "")),
-            lease_generation=int(raw.get("lease_generation", 0)),
-        )
+        """ChannelError (one line, naming what is wrong) for anything but a pointer record."""
+        try:
+            raw = json.loads(data)
+            return cls(
+                version=int(raw["version"]),
+                manifest=str(raw["manifest"]),
+                manifest_sha256=str(raw["manifest_sha256"]),
+                published_at=str(raw.get("published_at", "")),
+                publisher=str(raw.get("publisher", "")),
+                lease_generation=int(raw.get("lease_generation", 0)),
+            )
+        except _RECORD_ERRORS as e:
+            reason = f"no field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise ChannelError(f"unreadable pointer ({reason[:200]})") from None
 
     def to_bytes(self) -> bytes:
         return canonical_json(asdict(self))
@@ -292,8 +308,8 @@ class Manifest:
                 views,
                 dict(raw.get("metadata", {})),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ChannelError(f"malformed manifest: {e}") from e
+        except _RECORD_ERRORS as e:
+            raise ChannelError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 @dataclass(frozen=True)
@@ -341,9 +357,13 @@ class WriterLease:
     generation: int
     renewed_at: str
     ttl_seconds: float
+    stored_age_seconds: float | None = field(default=None, compare=False)
+    """Its age when read, by the STORE's clock (`PointerValue.age_seconds`): what `age_seconds` returns
+    when known, so no writer's clock (ahead: a dead holder kept forever; behind: a live one taken over)
+    decides when a lease expires. Never written into the lease."""
 
     def to_bytes(self) -> bytes:
-        return canonical_json(asdict(self))
+        return canonical_json({k: v for k, v in asdict(self).items() if k != "stored_age_seconds"})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> WriterLease:
@@ -351,7 +371,10 @@ class WriterLease:
         return cls(str(raw["holder"]), int(raw["generation"]), str(raw["renewed_at"]), float(raw["ttl_seconds"]))
 
     def age_seconds(self, now: datetime) -> float:
-        """Seconds since the last renewal (an unparseable time is infinitely old)."""
+        """Seconds since the last renewal: by the store's clock when read from it (`stored_age_seconds`),
+        else `now` minus `renewed_at` (an unparseable time is infinitely old)."""
+        if self.stored_age_seconds is not None:
+            return self.stored_age_seconds
         try:
             at = datetime.fromisoformat(self.renewed_at)
         except ValueError:
@@ -400,8 +423,8 @@ class WeightChannel:
         if value is None:
             return None, None
         try:
-            return WriterLease.from_bytes(value.data), value.token
-        except (ValueError, KeyError, TypeError) as e:  # unreadable: nobody can prove they hold it
+            return replace(WriterLease.from_bytes(value.data), stored_age_seconds=value.age_seconds), value.token
+        except _RECORD_ERRORS as e:  # unreadable: nobody can prove they hold it
             log.warning("writer lease %s is unreadable (%s): treating it as expired", self.store.uri_of(LEASE_KEY), e)
             return None, value.token
 
@@ -462,12 +485,25 @@ class WeightChannel:
 
     # -- reading
     def latest(self) -> Pointer | None:
-        """The pointer (None: nothing published yet)."""
+        """The pointer (None: nothing published yet). ChannelError, one line, if it is unreadable."""
         value = self.store.read_pointer(POINTER_KEY)
-        return None if value is None else Pointer.from_bytes(value.data)
+        return None if value is None else self._pointer(value.data)
+
+    def _pointer(self, data: bytes) -> Pointer:
+        try:
+            return Pointer.from_bytes(data)
+        except ChannelError as e:
+            raise ChannelError(f"{self.store.uri_of(POINTER_KEY)}: {e}") from None
 
     def manifest(self, version: int, *, expected_sha256: str | None = None) -> Manifest:
-        data = self.store.get(manifest_key(version))
+        """The manifest of `version`, read with the MAX_MANIFEST_BYTES bound. ChecksumMismatchError if it is
+        not the one the pointer names, ChannelError (one line) if it is too large or malformed: the
+        version is damaged."""
+        try:
+            data = self.store.get(manifest_key(version), max_bytes=MAX_MANIFEST_BYTES)
+        except ObjectTooLargeError as e:
+            raise ChannelError(f"manifest of v{version} refused as damaged: {e} (the bound is "
+                               f"MAX_MANIFEST_BYTES, {MAX_MANIFEST_BYTES} bytes)") from None  # fmt: skip
         if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
             raise ChecksumMismatchError(f"manifest of v{version} does not match the pointer's sha256")
         manifest = Manifest.from_bytes(data)
@@ -599,7 +635,7 @@ class WeightChannel:
         LeaseLostError if a newer lease generation moved it (this writer was fenced off)."""
         for _ in range(1000):
             current = self.store.read_pointer(POINTER_KEY)
-            named = None if current is None else Pointer.from_bytes(current.data)
+            named = None if current is None else self._pointer(current.data)
             if named is not None and named.lease_generation > pointer.lease_generation:
                 raise LeaseLostError(
                     f"the pointer of {self.store.uri} was moved by writer lease generation {named.lease_generation} "
@@ -686,11 +722,11 @@ class WeightChannel:
             if not key.endswith(".json"):
                 continue
             try:
-                report = SubscriberReport.from_bytes(self.store.get(key))
+                report = SubscriberReport.from_bytes(self.store.get(key, max_bytes=MAX_REPORT_BYTES))
             except KeyNotFoundError:
                 continue  # removed meanwhile
-            except (ValueError, KeyError, TypeError):
-                continue  # a malformed report pins nothing and shows nothing
+            except (ObjectTooLargeError, *_RECORD_ERRORS):
+                continue  # a malformed (or oversized) report pins nothing and shows nothing
             reports.append(replace(report, stored_at=stored.isoformat(timespec="milliseconds")))
         return reports
 
@@ -702,10 +738,10 @@ class WeightChannel:
         key = f"{SUBSCRIBERS_DIR}/{check_name('group', group)}/{check_name('replica', replica)}.json"
         if if_updated_at is not None:
             try:
-                current = SubscriberReport.from_bytes(self.store.get(key))
+                current = SubscriberReport.from_bytes(self.store.get(key, max_bytes=MAX_REPORT_BYTES))
             except KeyNotFoundError:
                 return False
-            except (ValueError, KeyError, TypeError):
+            except (ObjectTooLargeError, *_RECORD_ERRORS):
                 current = None  # malformed: it pins nothing; delete it as judged
             if current is not None and current.updated_at != if_updated_at:
                 return False

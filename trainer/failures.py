@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 from dataclasses import dataclass
 
-from rlfleet.channel import LeaseHeldError, LeaseLostError, VersionConflictError
+from rlfleet.channel import ChannelError, LeaseHeldError, LeaseLostError, VersionConflictError
 from rlfleet.store.errors import StoreUnavailableError
 from rlfleet.trainer.checkpoint import CheckpointError
 from rlfleet.trainer.rollout import RolloutStallError
@@ -79,6 +79,14 @@ FAILURES: tuple[FailureClass, ...] = (
         "rollouts-stalled", 7, RolloutStallError,
         "{error} from the router {router}{detail}",
         "check the router and the sampler groups ({rollout_logs}); then {continue_with}",
+    ),
+    # last: every other channel error (its subclasses above win, as does a row of an error raised from one)
+    FailureClass(
+        "channel-unreadable", 10, ChannelError,
+        "the weight channel {store} cannot be used: {error}",
+        "a record in it is damaged (restore it, or delete a damaged pointer.json: the next publish writes it "
+        "again) or the store kept refusing its compare-and-swap (an S3 store without conditional writes "
+        "frees a writer's claim it could not delete after 600 s); then {continue_with}",
     ),
 )  # fmt: skip
 

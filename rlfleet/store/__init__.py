@@ -30,7 +30,7 @@ from rlfleet.store.digests import (
     new_hasher,
     write_file_hashed,
 )
-from rlfleet.store.errors import KeyNotFoundError, StoreError, StoreUnavailableError
+from rlfleet.store.errors import KeyNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
 from rlfleet.store.factory import open_store, store_from_spec
 from rlfleet.store.filesystem import FilesystemStore
 from rlfleet.store.s3 import S3Store
@@ -42,6 +42,7 @@ __all__ = [
     "FileDigest",
     "FilesystemStore",
     "KeyNotFoundError",
+    "ObjectTooLargeError",
     "PointerValue",
     "S3Store",
     "Store",

@@ -17,6 +17,11 @@ class PointerValue:
 
     data: bytes
     token: str
+    age_seconds: float | None = None
+    """Seconds since the store wrote it, by the STORE's clock where it tells its time (S3: the response's
+    Date minus Last-Modified, whole seconds; a filesystem: this host's clock minus the file's ctime),
+    never below 0; None: unknown. What the writer lease ages by (rlfleet/channel.py), not by the time its
+    writer put into it."""
 
 
 def check_key(key: str) -> str:
@@ -63,8 +68,9 @@ class Store(ABC):
         return None
 
     @abstractmethod
-    def get(self, key: str) -> bytes:
-        """Bytes of `key` (KeyNotFoundError if absent)."""
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
+        """Bytes of `key` (KeyNotFoundError if absent). `max_bytes`: read at most that many, and raise
+        ObjectTooLargeError for a bigger object instead (records others write: manifests, reports)."""
 
     @abstractmethod
     def get_file(self, key: str, path: Path, *, algorithm: str = FILE_DIGEST) -> FileDigest:

@@ -17,3 +17,7 @@ class KeyNotFoundError(StoreError, KeyError):
 
 class StoreUnavailableError(StoreError):
     """The store could not be reached (network, endpoint down, volume missing). Retry later."""
+
+
+class ObjectTooLargeError(StoreError):
+    """`get(key, max_bytes=N)`: the object holds more than N bytes (none of them are returned)."""

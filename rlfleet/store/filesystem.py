@@ -24,7 +24,7 @@ from typing import Any
 
 from rlfleet.store.base import PointerValue, Store, check_key
 from rlfleet.store.digests import FILE_DIGEST, FileDigest, check_digest, hash_file
-from rlfleet.store.errors import KeyNotFoundError, StoreError, StoreUnavailableError
+from rlfleet.store.errors import KeyNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
 
 
 def _fsync_dir(path: Path) -> None:
@@ -208,12 +208,16 @@ class FilesystemStore(Store):
             raise digest_box[0]
         return digest_box[0]
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         self._require_root()
         try:
-            return self._path(key).read_bytes()
+            with open(self._path(key), "rb") as f:
+                data = f.read() if max_bytes is None else f.read(max_bytes + 1)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
             raise KeyNotFoundError(f"{key} not found in {self.uri}") from e
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ObjectTooLargeError(f"{self.uri_of(key)} holds more than {max_bytes} bytes")
+        return data
 
     def get_file(self, key: str, path: Path, *, algorithm: str = FILE_DIGEST) -> FileDigest:
         self._require_root()
@@ -310,11 +314,14 @@ class FilesystemStore(Store):
         return hashlib.sha256(data).hexdigest()
 
     def read_pointer(self, key: str) -> PointerValue | None:
+        self._require_root()
         try:
-            data = self.get(key)
-        except KeyNotFoundError:
+            with open(self._path(key), "rb") as f:  # ctime and bytes of the same inode
+                ctime = os.fstat(f.fileno()).st_ctime
+                data = f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return None
-        return PointerValue(data, self._token(data))
+        return PointerValue(data, self._token(data), max(0.0, time.time() - ctime))
 
     def compare_and_swap(self, key: str, expected_token: str | None, data: bytes) -> bool:
         path = self._path(key)

@@ -12,7 +12,9 @@ docs/weights.md.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -22,7 +24,7 @@ from typing import Any
 
 from rlfleet.store.base import PointerValue, Store, check_key
 from rlfleet.store.digests import CHUNK_BYTES, FILE_DIGEST, FileDigest, check_digest, hash_file, new_hasher
-from rlfleet.store.errors import KeyNotFoundError, StoreError, StoreUnavailableError
+from rlfleet.store.errors import KeyNotFoundError, ObjectTooLargeError, StoreError, StoreUnavailableError
 
 
 class S3Store(Store):
@@ -83,6 +85,12 @@ class S3Store(Store):
             )
         self.client = client
         self._conditional = conditional_writes
+        self._abandoned: set[str] = set()
+        """This object's lock-free claims whose create ended (failed) without deleting them: the store
+        went away between the claim and its removal. No create of ours will write their key any more,
+        so they block nobody here (the next create of that key deletes them); other writers ignore them
+        after claim_ttl_seconds."""
+        self._abandoned_lock = threading.Lock()
 
     # -- helpers
     @property
@@ -156,9 +164,19 @@ class S3Store(Store):
             )
         return digest
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         with self._errors(key):
-            return self.client.get_object(Bucket=self.bucket, Key=self._k(key))["Body"].read()
+            response = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
+            body = response["Body"]
+            try:
+                if max_bytes is not None and int(response.get("ContentLength") or 0) > max_bytes:
+                    raise ObjectTooLargeError(f"{self.uri_of(key)} holds more than {max_bytes} bytes")
+                data: bytes = body.read() if max_bytes is None else body.read(max_bytes + 1)
+            finally:
+                body.close()
+        if max_bytes is not None and len(data) > max_bytes:
+            raise ObjectTooLargeError(f"{self.uri_of(key)} holds more than {max_bytes} bytes")
+        return data
 
     def get_file(self, key: str, path: Path, *, algorithm: str = FILE_DIGEST) -> FileDigest:
         path = Path(path)
@@ -277,16 +295,26 @@ class S3Store(Store):
             return False
         claim_prefix = f"_claims/{key}/"
         mine = f"{claim_prefix}{uuid.uuid4().hex}"
-        with self._errors(mine):
-            self.client.put_object(Bucket=self.bucket, Key=self._k(mine), Body=b"")
         try:
-            now = time.time()
-            listed = [item for item in self._list_full(claim_prefix) if self._rel(item["Key"]) != mine]
-            others = [item for item in listed if now - item["LastModified"].timestamp() < self.claim_ttl_seconds]
+            with self._errors(mine):
+                self.client.put_object(Bucket=self.bucket, Key=self._k(mine), Body=b"")
+            items = self._list_full(claim_prefix)
+            # The claim's age is by the store's clock: "now" is our own claim's Last-Modified.
+            now = next((i["LastModified"].timestamp() for i in items if self._rel(i["Key"]) == mine), time.time())
+            with self._abandoned_lock:
+                abandoned = set(self._abandoned)
+            listed = [item for item in items if self._rel(item["Key"]) != mine]
+            others = [
+                item for item in listed
+                if now - item["LastModified"].timestamp() < self.claim_ttl_seconds
+                and self._rel(item["Key"]) not in abandoned
+            ]  # fmt: skip
             stale = [self._rel(item["Key"]) for item in listed if item not in others]
-            if stale:  # claims of writers that died between claim and write: ignored, and cleaned up here
+            if stale:  # claims of writers that died between claim and write (or ours, abandoned): cleaned up
                 with contextlib.suppress(StoreError):
                     self.delete_many(stale)
+                    with self._abandoned_lock:
+                        self._abandoned.difference_update(stale)
             if others or self._exists(key):
                 return False  # contention (or lost): back off, the caller retries
             self.put(key, data)
@@ -294,8 +322,24 @@ class S3Store(Store):
         finally:
             # A later claimant checks the key after listing, so the claim is not needed once the
             # key exists (and a loser's claim must go so it does not block the next round).
-            with contextlib.suppress(StoreError):
+            try:
                 self.delete(mine)
+            except StoreError:  # the store went away: this call is over, so its claim blocks nobody here
+                with self._abandoned_lock:
+                    self._abandoned.add(mine)
+            else:
+                self._remove_abandoned()
+
+    def _remove_abandoned(self) -> None:
+        """Delete this object's abandoned claims once the store answers again (best effort: a claim of a
+        key nobody creates again would otherwise stay, ignored by others only after its TTL)."""
+        with self._abandoned_lock:
+            leftovers = sorted(self._abandoned)
+        if leftovers:
+            with contextlib.suppress(StoreError):
+                self.delete_many(leftovers)
+                with self._abandoned_lock:
+                    self._abandoned.difference_update(leftovers)
 
     def read_pointer(self, key: str) -> PointerValue | None:
         if not self.conditional_writes:
@@ -306,15 +350,28 @@ class S3Store(Store):
             seq = latest.rsplit("/", 1)[1]
             try:
                 with self._errors(key):
-                    data = self.client.get_object(Bucket=self.bucket, Key=latest)["Body"].read()
+                    response = self.client.get_object(Bucket=self.bucket, Key=latest)
+                    return PointerValue(response["Body"].read(), seq, self._age(response))
             except KeyNotFoundError:
                 return None  # pruned between list and get: caller re-reads
-            return PointerValue(data, seq)
         try:
             with self._errors(key):
                 response = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
-                return PointerValue(response["Body"].read(), response["ETag"])
+                return PointerValue(response["Body"].read(), response["ETag"], self._age(response))
         except KeyNotFoundError:
+            return None
+
+    @staticmethod
+    def _age(response: dict[str, Any]) -> float | None:
+        """Seconds since the object was written, by the store's clock: the response's Date header minus
+        its Last-Modified (both whole seconds); None without them."""
+        date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        modified = response.get("LastModified")
+        if not date or modified is None:
+            return None
+        try:
+            return max(0.0, (email.utils.parsedate_to_datetime(date) - modified).total_seconds())
+        except (TypeError, ValueError):
             return None
 
     def compare_and_swap(self, key: str, expected_token: str | None, data: bytes) -> bool:

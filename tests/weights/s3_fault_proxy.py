@@ -17,7 +17,8 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 
 class S3FaultProxy:
     """Forwards every request to `upstream_port`; a request whose method and path match `fail` (set at any
-    time: (method, regex of the path) or None) is answered 503 SlowDown instead and counted in `failed`."""
+    time: (method, or methods joined by "|", regex of the path) or None) is answered 503 SlowDown instead
+    and counted in `failed`."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
@@ -45,7 +46,7 @@ class S3FaultProxy:
             def _relay(self) -> None:
                 body = self._body()
                 rule = proxy.fail
-                if rule is not None and self.command == rule[0] and rule[1].search(self.path):
+                if rule is not None and self.command in rule[0].split("|") and rule[1].search(self.path):
                     proxy.failed.append(f"{self.command} {self.path}")
                     self.send_response(503)
                     self.send_header("Content-Type", "application/xml")
