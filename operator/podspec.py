@@ -210,10 +210,14 @@ def store_uri(store: StoreSpec) -> str:
 
 def store_env(store: StoreSpec, sampler: bool = False) -> list[dict[str, Any]]:
     """S3 credentials by reference (never copied into the pod spec), region, endpoint. A sampler pod takes
-    `samplerSecretRef` when the store names one (credentials per role, docs/weights.md)."""
+    `samplerSecretRef`, and the trainer's `secretRef` only where `sharedCredentials` says so (credentials
+    per role, docs/install.md "Store credentials"); otherwise none (the pod's own identity, if any)."""
     env: list[dict[str, Any]] = []
     if store.type == "s3":
-        secret_ref = (store.sampler_secret_ref if sampler else None) or store.secret_ref
+        if sampler:
+            secret_ref = store.sampler_secret_ref or (store.secret_ref if store.shared_credentials else None)
+        else:
+            secret_ref = store.secret_ref
         if secret_ref is not None:
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
                 env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret_ref.name, "key": key}}})

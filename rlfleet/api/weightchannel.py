@@ -28,6 +28,23 @@ SAMPLER_SECRET_MESSAGE = (
     "store.samplerSecretRef is for type s3 (a filesystem store's sampler pods already mount the channel "
     "read-only, and only their group's subscriber reports writable)"
 )
+SHARED_CREDENTIALS_RULE = (
+    "self.type != 's3' || !has(self.secretRef) || has(self.samplerSecretRef) || "
+    "(has(self.sharedCredentials) && self.sharedCredentials)"
+)
+SHARED_CREDENTIALS_MESSAGE = (
+    "store.secretRef alone would give every sampler pod the trainer's write credentials to the channel: set "
+    "store.samplerSecretRef (an identity that reads the channel and writes only subscribers/: docs/install.md, "
+    "'Store credentials') or, for one identity in every role on purpose, store.sharedCredentials: true"
+)
+SHARED_CREDENTIALS_SCOPE_RULE = (
+    "!(has(self.sharedCredentials) && self.sharedCredentials) || (self.type == 's3' && has(self.secretRef) && "
+    "!has(self.samplerSecretRef))"
+)
+SHARED_CREDENTIALS_SCOPE_MESSAGE = (
+    "store.sharedCredentials is for type s3 with secretRef and without samplerSecretRef (it lets the sampler "
+    "pods use secretRef)"
+)
 STORE_PATH_MESSAGE = (
     "store.path must be an absolute path (the volume's mount path in every pod; a relative path would "
     "resolve against each process's working directory)"
@@ -45,6 +62,9 @@ class StoreSpec(ApiModel):
                 {"rule": STORE_RULE, "message": STORE_MESSAGE},
                 {"rule": STORE_PATH_RULE, "message": STORE_PATH_MESSAGE, "fieldPath": ".path"},
                 {"rule": SAMPLER_SECRET_RULE, "message": SAMPLER_SECRET_MESSAGE, "fieldPath": ".samplerSecretRef"},
+                {"rule": SHARED_CREDENTIALS_RULE, "message": SHARED_CREDENTIALS_MESSAGE, "fieldPath": ".secretRef"},
+                {"rule": SHARED_CREDENTIALS_SCOPE_RULE, "message": SHARED_CREDENTIALS_SCOPE_MESSAGE,
+                 "fieldPath": ".sharedCredentials"},
             ]
         }
     }
@@ -68,7 +88,9 @@ class StoreSpec(ApiModel):
     secret_ref: LocalObjectReference | None = None
     """s3: Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (injected by reference, never copied)."""
     sampler_secret_ref: LocalObjectReference | None = None
-    """s3: the sampler pods' Secret (same keys) instead of secretRef, for credentials per role: read the channel, write only `subscribers/` (docs/weights.md "Store credentials per role"). None: the sampler pods use secretRef."""
+    """s3: the sampler pods' Secret (same keys), for credentials per role: read the channel, write only `subscribers/` (docs/install.md "Store credentials"). Required with secretRef unless sharedCredentials is true."""
+    shared_credentials: bool = False
+    """s3: let the sampler pods use secretRef (the trainer's write credentials) when there is no samplerSecretRef: one identity for every role, so any sampler pod could write versions, the pointer and checkpoints. false: secretRef without samplerSecretRef is refused."""
 
     @model_validator(mode="after")
     def _check_store(self) -> StoreSpec:
@@ -78,6 +100,11 @@ class StoreSpec(ApiModel):
             raise ValueError(f"{STORE_PATH_MESSAGE}: got {self.path!r}")
         if self.sampler_secret_ref is not None and self.type != "s3":
             raise ValueError(SAMPLER_SECRET_MESSAGE)
+        per_role = self.secret_ref is None or self.sampler_secret_ref is not None
+        if self.type == "s3" and not per_role and not self.shared_credentials:
+            raise ValueError(SHARED_CREDENTIALS_MESSAGE)
+        if self.shared_credentials and (self.type != "s3" or per_role):
+            raise ValueError(SHARED_CREDENTIALS_SCOPE_MESSAGE)
         return self
 
 

@@ -190,7 +190,7 @@ def test_samplergroup_and_weightchannel_parse_api_objects() -> None:
             "kind": "WeightChannel",
             "metadata": {"name": "w"},
             "spec": {
-                "store": {"type": "s3", "bucket": "weights", "secretRef": {"name": "s3"}},
+                "store": {"type": "s3", "bucket": "weights", "secretRef": {"name": "s3"}, "sharedCredentials": True},
             },
         }
     )

@@ -136,7 +136,7 @@ def test_weightchannel_publishes_the_views_the_groups_need(job: RLJob) -> None:
     wc = children(job)[("WeightChannel", "reference-fleet-weights")]
     assert "views" not in wc["spec"]  # the trainer publishes views_to_publish(...) of the RLJob's groups
     assert wc["spec"]["store"] == {"type": "filesystem", "path": "/weights/reference-fleet",
-                                   "volumeClaimName": "rlfleet-weights", "prefix": ""}  # fmt: skip
+                                   "volumeClaimName": "rlfleet-weights", "prefix": "", "sharedCredentials": False}  # fmt: skip
     assert wc["spec"]["retention"] == {"keepVersions": 3} and wc["spec"]["jobName"] == "reference-fleet"
 
 
@@ -192,7 +192,7 @@ def test_every_rlfleet_env_var_the_operator_sets_has_a_reader(job: RLJob) -> Non
     )
     workloads_ = [c for c in children(job).values() if c["kind"] in ("StatefulSet", "Deployment")]
     s3 = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "prefix": "runs/a/", "endpoint": "http://minio:9000",
-                                   "secretRef": {"name": "s3-creds"}})  # fmt: skip
+                                   "secretRef": {"name": "s3-creds"}, "samplerSecretRef": {"name": "s3-read"}})  # fmt: skip
     workloads_.append(sampler_deployment(job, "h100-fp8", store=s3))
     checked = set()
     for workload in workloads_:
@@ -351,10 +351,11 @@ def test_tensor_parallel_sets_gpus_and_tp_size(job: RLJob) -> None:
 
 
 def test_s3_store_secrets_by_reference(job: RLJob) -> None:
+    """sharedCredentials: true (one identity for every role, on purpose): the sampler pods get secretRef."""
     from rlfleet.api import StoreSpec
 
     store = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "prefix": "runs/a/", "endpoint": "http://minio:9000",
-                                      "secretRef": {"name": "s3-creds"}})  # fmt: skip
+                                      "secretRef": {"name": "s3-creds"}, "sharedCredentials": True})  # fmt: skip
     dep = sampler_deployment(job, "h100-fp8", store=store)
     sidecar = dep["spec"]["template"]["spec"]["containers"][1]
     assert (
@@ -386,6 +387,35 @@ def test_s3_sampler_pods_take_the_sampler_secret_and_the_trainer_its_own(job: RL
     (trainer,) = sts["spec"]["template"]["spec"]["containers"]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"] if e["name"].startswith("AWS_")}
     assert refs == {"AWS_ACCESS_KEY_ID": "writer", "AWS_SECRET_ACCESS_KEY": "writer"}
+
+
+def test_the_trainer_secret_alone_is_refused_and_never_reaches_a_sampler_pod(job: RLJob) -> None:
+    """Least privilege by default: secretRef without samplerSecretRef is refused (one line naming both ways
+    out), and a spec that skipped validation (model_construct) still gives the sampler pods no credentials:
+    the builder hands them secretRef only where sharedCredentials says so; the trainer keeps its own."""
+    from pydantic import ValidationError
+
+    from rlfleet.api import StoreSpec
+    from rlfleet.api.common import LocalObjectReference
+
+    with pytest.raises(ValidationError, match="store.secretRef alone would give every sampler pod the trainer's write "
+                                              "credentials to the channel: set store.samplerSecretRef .* or, for one "
+                                              "identity in every role on purpose, store.sharedCredentials: true"):  # fmt: skip
+        StoreSpec.model_validate({"type": "s3", "bucket": "wts", "secretRef": {"name": "writer"}})
+    for both in ({"samplerSecretRef": {"name": "reader"}}, {}):
+        with pytest.raises(ValidationError, match="sharedCredentials is for type s3 with secretRef and without samplerSecretRef"):
+            StoreSpec.model_validate({"type": "s3", "bucket": "wts", "sharedCredentials": True, **both,
+                                      **({"secretRef": {"name": "writer"}} if both else {})})  # fmt: skip
+    with pytest.raises(ValidationError, match="sharedCredentials is for type s3"):
+        StoreSpec.model_validate({"type": "filesystem", "path": "/w", "sharedCredentials": True})
+    unchecked = StoreSpec.model_construct(type="s3", bucket="wts", prefix="", secret_ref=LocalObjectReference(name="writer"),
+                                          sampler_secret_ref=None, shared_credentials=False)  # fmt: skip
+    pod = sampler_deployment(job, "h100-fp8", store=unchecked)["spec"]["template"]["spec"]
+    for container in [*pod["initContainers"], *pod["containers"]]:
+        assert not [e for e in container.get("env", []) if e["name"].startswith("AWS_ACCESS") or e["name"].startswith("AWS_SECRET")]
+    job.spec.weight_channel.store = unchecked
+    (trainer,) = workloads.build_trainer_statefulset(job, NS, None, CATALOG)["spec"]["template"]["spec"]["containers"]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"] if e["name"].startswith("AWS_")} == {"writer"}
 
 
 def test_a_sampler_secret_is_refused_on_a_filesystem_store() -> None:

@@ -154,7 +154,7 @@ def test_the_refused_names_cover_everything_the_operator_sets(job: RLJob) -> Non
     """Every env name, volume and mount path of every workload (filesystem and S3 stores, with and without
     a channel) is one the API refuses to users, so a user field can never collide with the operator's."""
     s3 = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "endpoint": "http://minio:9000", "region": "r",
-                                   "secretRef": {"name": "s3"}})  # fmt: skip
+                                   "secretRef": {"name": "s3"}, "samplerSecretRef": {"name": "s3-read"}})  # fmt: skip
     out = children(job)
     pods = [
         out[("StatefulSet", "reference-fleet-trainer")]["spec"]["template"]["spec"],
