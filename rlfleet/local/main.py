@@ -33,12 +33,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.common import ENGINE_API_KEY_ENV
-from rlfleet.catalog import get_catalog
-from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, MeasuredGroup, measured_economics
+from rlfleet.catalog import Catalog, get_catalog
+from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, FleetEconomics, MeasuredGroup, measured_economics
 from rlfleet.local import rundir
 from rlfleet.trainer.config import RunConfig, build_environment, resolve_run
 
@@ -55,7 +56,8 @@ RUN_JSON = "run.json"
 TASK_FIGURES = (("success_rate", "task success"), ("format_error_rate", "episodes with a malformed turn"))
 # summary key prefix -> the per-step metric averaged over the first and last window (`<prefix>_first`, `_last`)
 SUMMARY_METRICS = {"reward": "reward_mean", "entropy": "entropy", **{key: key for key, _ in TASK_FIGURES},
-                   "cost_per_1m_usable_tokens": "cost_per_1m_usable_tokens", "saving": "saving"}  # fmt: skip
+                   "cost_per_1m_usable_tokens": "cost_per_1m_usable_tokens",
+                   "estimated_saving": "estimated_saving"}  # fmt: skip
 
 
 EXIT_FLEET_DIED = 8  # the fleet host died during the run (docs/local.md, "Exit codes"; the others: trainer/failures.py)
@@ -150,15 +152,22 @@ def _dollars(value: float | None) -> str:
 
 
 def cost_line(rc: RunConfig, m: dict[str, float]) -> str:
-    """The step's fleet cost per usable token and its saving, one line (the live table's foot)."""
-    saving = m.get("saving")
+    """The step's fleet cost per usable token at the CPU's speed and the fleet's estimated saving at GPU
+    speed, one line (the live table's foot)."""
     return (
-        f"fleet {_dollars(m.get('cost_per_hour'))}/h, {_dollars(m.get('cost_per_1m_usable_tokens'))} per 1M usable tokens; "
-        f"{rc.reference_accelerator} {REFERENCE_WEIGHT_FORMAT}"
+        f"fleet {_dollars(m.get('cost_per_hour'))}/h, {_dollars(m.get('cost_per_1m_usable_tokens'))} per 1M usable tokens "
+        f"at CPU speed; {rc.reference_accelerator} {REFERENCE_WEIGHT_FORMAT}"
         + (" (estimated from catalog throughput ratios)" if m.get("reference_estimated") else "")
         + f" {_dollars(m.get('reference_cost_per_1m_usable_tokens'))}"
-        + ("" if saving is None else f"; saving {saving:.1%}")
+        + estimated_saving_text(rc, m.get("estimated_saving"))
     )
+
+
+def estimated_saving_text(rc: RunConfig, saving: float | None) -> str:
+    """"; estimated saving S against <reference> bf16 (catalog throughput ratios)", or "" without one."""
+    if saving is None:
+        return ""
+    return f"; estimated saving {saving:.1%} against {rc.reference_accelerator} {REFERENCE_WEIGHT_FORMAT} (catalog throughput ratios)"
 
 
 def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
@@ -167,10 +176,13 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
     fleet `cost_per_hour`, `usable_fraction`, `cost_per_1m_usable_tokens`,
     `reference_cost_per_1m_usable_tokens` (`router.reference.accelerator`, default the trainer's class,
     at bf16, from the run's bf16 groups of that class, else estimated from the other groups by the catalog's
-    throughput ratios: then `reference_estimated` is 1) and `saving`. From the step's
+    throughput ratios: then `reference_estimated` is 1). From the step's
     tokens/s, out-of-range share and trained fraction per group in `m` and the catalog's prices, one replica per group
     (`tensorParallel` GPUs) as local mode runs them: the mix and the precisions priced at the CPU's
-    speed, not a cluster's. Unknown figures are left out."""
+    speed, not a cluster's (no saving is derived from them: CPU speeds are not the classes' speeds).
+    And `estimated_saving`: the same economics with each group's and the reference's tokens/s the
+    catalog's relative decode throughput of their class and format (`fleet_at_catalog_speed`), the
+    usable shares as measured. Unknown figures are left out."""
     catalog = get_catalog()
     groups = []
     for g in rc.groups:
@@ -187,13 +199,29 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
         "cost_per_1m_usable_tokens": e.cost_per_1m_usable_tokens,
         "reference_cost_per_1m_usable_tokens": e.reference_cost_per_1m_usable_tokens,
         "reference_estimated": None if e.reference_basis is None else float(e.reference_basis == "estimated"),
-        "saving": e.saving,
+        "estimated_saving": fleet_at_catalog_speed(groups, rc.reference_accelerator, catalog).saving,
     }
     for name, ge in e.groups.items():
         figures[f"group/{name}/cost_per_hour"] = ge.cost_per_hour
         figures[f"group/{name}/usable_fraction"] = ge.usable_fraction if ge.tokens_per_second is not None else None
         figures[f"group/{name}/cost_per_1m_usable_tokens"] = ge.cost_per_1m_usable_tokens
     return {k: v for k, v in figures.items() if v is not None}
+
+
+def fleet_at_catalog_speed(groups: list[MeasuredGroup], reference_accelerator: str, catalog: Catalog) -> FleetEconomics:
+    """The fleet's economics at the speeds of its GPU classes: each group making the catalog's relative
+    decode throughput of its class and format per GPU (H100 bf16 = 1), the reference its class's at
+    bf16, at the catalog's prices, with the usable shares measured (a group without a reading this step
+    counts as all usable). The unit of throughput cancels in the saving, which is the figure to read (its
+    cost per token is in relative units). No saving when a group's class or the reference has no ratio
+    (the `cpu` class)."""
+    ratios = [catalog.decode_throughput(g.accelerator, g.weight_format) for g in groups]
+    reference = catalog.decode_throughput(reference_accelerator, REFERENCE_WEIGHT_FORMAT)
+    at_speed = [replace(g, tokens_per_second=None if r is None else r * g.gpus) for g, r in zip(groups, ratios, strict=True)]
+    if reference is None or any(r is None for r in ratios):
+        at_speed = []  # an estimate without one of the groups would price a smaller fleet
+    return measured_economics(at_speed, reference_accelerator, catalog.get(reference_accelerator).cost_per_gpu_hour,
+                              reference_tokens_per_gpu_second=reference, catalog=catalog)
 
 
 def group_rollout_extras(groups: list[PromptGroup], dt: float) -> dict[str, float]:
@@ -646,9 +674,9 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
     if summary["entropy_first"] is not None:
         parts.append(f"policy entropy {summary['entropy_first']:.2f} -> {summary['entropy_last']:.2f} nats/token")
     if summary.get("cost_per_1m_usable_tokens_last") is not None:
-        saving = summary.get("saving_last")
-        parts.append(f"{_dollars(summary['cost_per_1m_usable_tokens_last'])} per 1M usable tokens"
-                     + ("" if saving is None else f" (saving {saving:.1%} against {rc.reference_accelerator} bf16)"))
+        parts.append(f"{_dollars(summary['cost_per_1m_usable_tokens_last'])} per 1M usable tokens at CPU speed and list prices")
+    if summary.get("estimated_saving_last") is not None:
+        parts.append(estimated_saving_text(rc, summary["estimated_saving_last"]).removeprefix("; "))
     print("; ".join(parts) + f"; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}")
     for name, g in summary.get("groups", {}).items():  # a group answering invalid tokens, by name
         if g["dropped_invalid_tokens"]:

@@ -1,6 +1,9 @@
 """A local run's cost figures per step (rlfleet/local/main.py `step_economics`, `cost_line`; the formula is
 rlfleet/fleet.py's): what the report's metrics and the live table show, from hand-computed inputs at the
-built-in catalog's list prices (b200 $5.99, h100 $2.99 per GPU-hour)."""
+built-in catalog's list prices (b200 $5.99, h100 $2.99 per GPU-hour) and its relative decode throughputs
+(memory bandwidth over H100's 3.35 TB/s, times bf16's 2 bytes per weight over the format's: b200 8 TB/s,
+fp8 1 byte, nvfp4 0.5625). The CPU's tokens/s price the groups' precisions and out-of-range shares; the
+saving is only the estimate at the classes' catalog speeds, never one from CPU speeds."""
 
 from __future__ import annotations
 
@@ -9,6 +12,9 @@ import pytest
 from rlfleet.local.main import SUMMARY_METRICS, cost_line, step_economics, window_mean
 from rlfleet.trainer.config import GroupSpec
 
+B200_BF16 = 8 / 3.35  # b200 at bf16, relative to h100 at bf16
+H100_FP8 = 1.0 * 2 / 1  # h100 at fp8
+B200_NVFP4 = 8 / 3.35 * 2 / 0.5625  # b200 at nvfp4
 GROUPS = [
     GroupSpec("b200-bf16", "b200", "bf16"),
     GroupSpec("h100-fp8", "h100", "fp8", tensor_parallel=2),
@@ -37,10 +43,16 @@ def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
     assert e["usable_fraction"] == pytest.approx(0.95, rel=1e-12)
     assert e["cost_per_1m_usable_tokens"] == pytest.approx(17.96 / 3600 / 380 * 1e6, rel=1e-12)
     assert e["reference_cost_per_1m_usable_tokens"] == pytest.approx(5.99 / 3600 / 80 * 1e6, rel=1e-12)
-    assert e["saving"] == pytest.approx(1 - (17.96 / 380) / (5.99 / 80), rel=1e-12)  # 0.3688...
     assert e["reference_estimated"] == 0.0  # measured on the b200-bf16 group
+    # no saving from CPU speeds; the estimate: every group at its class's catalog speed per GPU, the usable
+    # shares as measured (b200-nvfp4: no reading, all usable), against b200 bf16 at its catalog speed with the
+    # out-of-range share of the run's b200-bf16 group
+    assert "saving" not in e
+    fleet = 17.96 / (B200_BF16 * 0.8 + H100_FP8 * 2 + B200_NVFP4 * 1)
+    assert e["estimated_saving"] == pytest.approx(1 - fleet / (5.99 / (B200_BF16 * 0.8)), rel=1e-12)  # 0.6022...
     line = cost_line(rc, m | e)
-    assert line == "fleet $18/h, $13.1 per 1M usable tokens; b200 bf16 $20.8; saving 36.9%"
+    assert line == ("fleet $18/h, $13.1 per 1M usable tokens at CPU speed; b200 bf16 $20.8; "
+                    "estimated saving 60.2% against b200 bf16 (catalog throughput ratios)")
 
 
 def test_no_group_of_the_trainer_class_at_bf16_gives_a_reference_estimated_by_the_catalogs_ratios(example_run) -> None:
@@ -52,18 +64,42 @@ def test_no_group_of_the_trainer_class_at_bf16_gives_a_reference_estimated_by_th
     per_gpu = 300 * 8 / 3.35 / 2 / 2  # 179.1 tok/s
     assert e["reference_estimated"] == 1.0
     assert e["reference_cost_per_1m_usable_tokens"] == pytest.approx(5.99 / 3600 / per_gpu * 1e6, rel=1e-12)
-    assert e["saving"] == pytest.approx(1 - (11.97 / 300) / (5.99 / per_gpu), rel=1e-12)  # -0.193: dearer
-    line = "fleet $12/h, $11.1 per 1M usable tokens; b200 bf16 (estimated from catalog throughput ratios) $9.29; saving -19.3%"
+    # at CPU speed this fleet costs 1.19x the reference per usable token (the CPU runs nvfp4 no faster than
+    # bf16): that comparison is no saving and is not reported as one; at the classes' speeds it saves 61.8%
+    assert "saving" not in e
+    fleet = (5.98 + 5.99) / (H100_FP8 * 2 + B200_NVFP4 * 1)
+    assert e["estimated_saving"] == pytest.approx(1 - fleet / (5.99 / B200_BF16), rel=1e-12)  # 0.6180...
+    line = ("fleet $12/h, $11.1 per 1M usable tokens at CPU speed; b200 bf16 (estimated from catalog throughput ratios) "
+            "$9.29; estimated saving 61.8% against b200 bf16 (catalog throughput ratios)")
     assert cost_line(rc, e) == line
-    # a reference class without a ratio (the CPU class) and no bf16 group of it: no reference
+    # a reference class without a ratio (the CPU class) and no bf16 group of it: no reference, no estimate
     cpu = step_economics(example_run(groups=GROUPS[1:], reference_accelerator="cpu"), {"group/h100-fp8/tokens_per_second": 300.0})
-    assert "reference_cost_per_1m_usable_tokens" not in cpu and "saving" not in cpu and "reference_estimated" not in cpu
+    assert "reference_cost_per_1m_usable_tokens" not in cpu and "estimated_saving" not in cpu and "reference_estimated" not in cpu
+    # a group on a class without a ratio: no estimate (it would price a smaller fleet than the one paid)
+    mixed = step_economics(example_run(groups=[*GROUPS[1:], GroupSpec("cpu-bf16", "cpu", "bf16")], reference_accelerator="b200"),
+                           {"group/h100-fp8/tokens_per_second": 300.0})
+    assert "estimated_saving" not in mixed and "cost_per_1m_usable_tokens" in mixed
 
 
-def test_the_summary_averages_the_cost_and_the_saving_over_the_first_and_last_steps() -> None:
+def test_the_summary_averages_the_cost_and_the_estimated_saving_over_the_first_and_last_steps() -> None:
     assert SUMMARY_METRICS["cost_per_1m_usable_tokens"] == "cost_per_1m_usable_tokens"
-    history = [{"step": 1.0, "saving": 0.2}, {"step": 2.0}, {"step": 3.0, "saving": 0.4}]
-    assert window_mean(history, SUMMARY_METRICS["saving"], 1, "last") == 0.4
+    assert "saving" not in SUMMARY_METRICS
+    history = [{"step": 1.0, "estimated_saving": 0.2}, {"step": 2.0}, {"step": 3.0, "estimated_saving": 0.4}]
+    assert window_mean(history, SUMMARY_METRICS["estimated_saving"], 1, "last") == 0.4
+
+
+def test_the_summary_line_states_the_estimated_saving_and_the_cpu_figure_for_what_it_is(example_run, capsys, tmp_path) -> None:
+    from rlfleet.local.main import _print_summary
+
+    rc = example_run(groups=GROUPS, reference_accelerator="b200")
+    summary = {"reward_first": 0.1, "reward_last": 0.5, "summary_window_steps": 2, "steps": 4, "seconds": 12.0,
+               "entropy_first": None, "cost_per_1m_usable_tokens_last": 37.04, "estimated_saving_last": 0.6022,
+               "collapse_alerts": [], "groups": {}}  # fmt: skip
+    _print_summary(rc, summary, tmp_path)
+    line = capsys.readouterr().out.strip()
+    assert ("; $37 per 1M usable tokens at CPU speed and list prices; estimated saving 60.2% against b200 bf16 "
+            "(catalog throughput ratios); 0 collapse alerts;") in line
+    assert "saving -" not in line
 
 
 def test_the_live_table_shows_each_groups_cost_per_usable_token_and_the_fleet_line(example_run) -> None:
@@ -91,7 +127,8 @@ def test_the_live_table_shows_each_groups_cost_per_usable_token_and_the_fleet_li
 
     # 5.99 / 3600 / 80 * 1e6 = 20.80, 5.98 / 3600 / 300 * 1e6 = 5.537; no tokens: no price
     assert (cost_cell("b200-bf16"), cost_cell("h100-fp8"), cost_cell("b200-nvfp4")) == ("$20.8", "$5.54", "-")
-    assert "fleet $18/h, $13.1 per 1M usable tokens; b200 bf16 $20.8; saving 36.9%" in lines
+    assert ("fleet $18/h, $13.1 per 1M usable tokens at CPU speed; b200 bf16 $20.8; estimated saving 60.2% against "
+            "b200 bf16 (catalog throughput ratios)") in lines
 
 
 def test_the_plain_step_line_ends_with_the_fleet_cost_per_usable_token(example_run, capsys) -> None:
