@@ -18,6 +18,7 @@ import httpx
 import pytest
 from conftest import make_bucket
 from test_weights_channel import make_view
+from test_weights_lease import stored_lease
 from test_weights_sync import tiny_state
 
 from rlfleet.channel import (
@@ -181,12 +182,6 @@ def test_a_lease_dated_in_the_past_is_held_while_it_is_rewritten(any_store: Stor
     with pytest.raises(LeaseHeldError, match=r"'trainer/ns/behind' \(generation 1, last renewed .*, [01]s ago"):
         WeightChannel(any_store, publisher_id="trainer/ns/b").acquire_lease()
     assert stored_lease(any_store).holder == "trainer/ns/behind"
-
-
-def stored_lease(store: Store) -> WriterLease:
-    value = store.read_pointer(LEASE_KEY)
-    assert value is not None
-    return WriterLease.from_bytes(value.data)
 
 
 def _claims(endpoint: str, bucket: str) -> list[str]:
