@@ -135,6 +135,14 @@ def test_a_mount_point_is_never_emptied(tmp_path, capsys):
             f"point, and nothing was removed; move it out of {out} or choose another --out\n"
         )
         assert tree(volume) == before and (out / "fleet.log").read_text() == "log"
+        # the user empties the volume (a filesystem's lost+found stays): nothing to remove below the mount
+        # point, so a run uses it, and leaves it mounted
+        for rel in ("v3/manifest.json", "pointer.json"):
+            (volume / rel).unlink()
+        (volume / "v3").rmdir()
+        (volume / "lost+found").mkdir()
+        assert rundir.clean(out) == ["channel/lost+found/"]
+        assert str(out / "channel") in rundir.mount_points() and not (out / "fleet.log").exists()
     finally:
         subprocess.run(["umount", str(out / "channel")], check=True)
 
