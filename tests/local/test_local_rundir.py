@@ -161,6 +161,26 @@ def test_an_empty_or_new_directory_becomes_a_run_directory(tmp_path):
         assert sorted(p.name for p in out.iterdir()) == [".rlfleet-lock", ".rlfleet-run"]
 
 
+def test_a_run_from_before_markers_resumes_and_is_marked(tmp_path, capsys):
+    """A run directory made before issue 39 (its checkpoints, no marker): --resume continues it and marks it;
+    a fresh run without --force is refused as holding a run, and nothing in it is touched."""
+    from rlfleet.trainer import checkpoint as ckpt
+
+    rc = resolve_run(load_rljob(str(EXAMPLE)), local=True)
+    out = tmp_path / "old"
+    ckpt.save_checkpoint(out / "checkpoints", {"step": 1})
+    write(out, {"report/notes.tex": "mine"})
+    before = tree(out)
+    err = one_line(capsys, [str(EXAMPLE), "--local", "--out", str(out)])
+    assert err.startswith(f"rlfleet run: {out} holds a run (its checkpoints in {out / 'checkpoints'}): --resume continues it")
+    assert tree(out) == before
+    with rundir.locked(out):
+        state = local.prepare_out(out, rc, resume=True, force=False)
+    assert state is not None and state["step"] == 1
+    assert json.loads((out / ".rlfleet-run").read_text())["job"] == rc.job_name
+    assert {k: v for k, v in tree(out).items() if k not in (".rlfleet-run", ".rlfleet-lock")} == before
+
+
 HOLDER = """
 import sys, time
 from pathlib import Path
