@@ -39,7 +39,7 @@ _STORE_DIRS = r"channel/(?:v\d+|claims|subscribers|\.staging)"  # the filesystem
 # relative paths (with '/') of the files a run writes, after the temporary or lock suffix is taken off
 OWN_FILES = re.compile(
     r"fleet\.log|fleet\.json|run\.json"
-    r"|checkpoints/(?:ckpt-\d+(?:-g\d+)?\.pt|latest)"  # trainer/checkpoint.py (-g<G>: the writer lease's generation)
+    r"|checkpoints/latest"  # and the checkpoints trainer/checkpoint.py names (is_own_file)
     r"|channel/(?:pointer|lease)\.json"
     rf"|{_STORE_DIRS}/.+"
     r"|cache/[^/]+/launch"  # per group, the version its engine starts from (rlfleet.sampler.syncer)
@@ -62,7 +62,19 @@ def is_own_file(rel: str) -> bool:
     if m := _COMPANION.fullmatch(name):
         name = m["a"] or m["b"]
         rel = f"{head}/{name}" if head else name
-    return OWN_FILES.fullmatch(rel) is not None
+    return OWN_FILES.fullmatch(rel) is not None or (head == "checkpoints" and _is_checkpoint_name(name))
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    """A name exactly as the trainer writes a checkpoint (`ckpt-<step:08d>[-g<G>].pt`)."""
+    # imported here: trainer/checkpoint.py imports torch, which a refusal before the lock needs not
+    from rlfleet.trainer.checkpoint import CheckpointError, parse_checkpoint_name
+
+    try:
+        parse_checkpoint_name(name)
+    except CheckpointError:
+        return False
+    return True
 
 
 def _listing(names: list[str], limit: int = 5) -> str:
