@@ -112,6 +112,7 @@ def try_episodes(env: SweEnv, prompts: list[Prompt], sampler: ScriptedSampler) -
                 "empty_replies": outcome.details["empty_replies"],
                 "no_tool_call_end": outcome.no_tool_call_termination,
                 "sandbox_seconds": outcome.details["sandbox_seconds"],
+                "touched_test_infra": outcome.details["touched_test_infra"],
             }
         )
     return lines

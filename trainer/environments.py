@@ -92,6 +92,9 @@ class EpisodeOutcome:
     format_errors: int
     tool_calls: int
     success: bool | None = None  # the task was solved (the environment's own test); None: it has none
+    # the graded patch touched test files or test configuration (SweEnv: restored before grading, a
+    # reward-hacking precursor); None: nothing was graded or the environment has no such notion
+    touched_test_infra: bool | None = None
     details: dict[str, Any] = field(default_factory=dict)  # environment-specific (SweEnv: reason, sandbox time)
 
 

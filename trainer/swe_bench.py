@@ -10,9 +10,9 @@ reference fix, never shown to the agent nor used to grade):
   agent's diff;
 - `FAIL_TO_PASS`, `PASS_TO_PASS`: test ids, as JSON-encoded lists (SWE-bench's own files, and
   `swebench.harness.utils.make_test_spec`'s convention) or lists;
-- `test_command`: the test runner, given every FAIL_TO_PASS then PASS_TO_PASS id as arguments
-  (SWE-bench keeps its runners per repository version in the `swebench` package; a row names its
-  own), so the reward is 1 iff all of them pass (the command exits 0);
+- `test_command`: how the agent may run them (`python3 -m unittest` + the ids); the grader runs the
+  ids through its own unittest runner (trainer/swe_grade.py), so the ids are unittest names
+  (`tests.test_calc.CalcTest.test_add`) and the reward is 1 iff each is reported run and passed;
 - where the repository comes from, exactly one of: `repo_path` (a local git repository holding
   `base_commit`, whose tree at that commit is the snapshot; or a plain directory, taken as it is;
   relative to the JSONL's directory) or `image` (a container image for a cluster sandbox; the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from rlfleet.trainer.swe_env import SweTask
 
 MODULE_HELP = "convert a SWE-bench-style JSONL to an SWE task file (a prompt set for SweEnv)"
 SWE_BENCH_FIELDS = frozenset({"problem_statement", "base_commit", "FAIL_TO_PASS"})  # a row with these is one
+UNITTEST_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 class SweBenchRow(BaseModel):
@@ -61,6 +63,22 @@ class SweBenchRow(BaseModel):
                 return json.loads(value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"a JSON-encoded list of test ids, not JSON ({exc.msg})") from None
+        return value
+
+    @field_validator("FAIL_TO_PASS", "PASS_TO_PASS")
+    @classmethod
+    def unittest_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not UNITTEST_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a unittest name (module.Class.test_method): the grader runs unittest")
+        return value
+
+    @field_validator("test_command")
+    @classmethod
+    def runs_unittest(cls, value: str) -> str:
+        words = value.split()
+        if len(words) < 3 or not re.fullmatch(r"python[0-9.]*", words[0]) or words[1:3] != ["-m", "unittest"]:
+            raise ValueError(f"{value!r}: the grader runs unittest names; give `python3 -m unittest`")
         return value
 
     @model_validator(mode="after")
@@ -133,6 +151,8 @@ def to_task(row: SweBenchRow, base_dir: Path) -> SweTask:
         test_timeout_s=row.test_timeout_s,
         test_patch=row.test_patch,
         image=row.image,
+        fail_to_pass=tuple(row.FAIL_TO_PASS),
+        pass_to_pass=tuple(row.PASS_TO_PASS),
     )
 
 

@@ -12,16 +12,28 @@ model's turn. A model turn calls at most one tool, Hermes/Qwen style:
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlfleet.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
 from rlfleet.trainer.environments import ChatTurnEncoder, Environment, EnvStep, EpisodeOutcome
 from rlfleet.trainer.prompts import Prompt, render_chat_prompt
+from rlfleet.trainer.swe_grade import (
+    GradeResult,
+    git_apply,
+    grading_plan,
+    is_test_infrastructure,
+    new_nonce,
+    parse_report,
+    restore_test_infrastructure,
+    runner_command,
+    verdict,
+)
 
 OUTPUT_HEAD_CHARS = 4_000  # a tool result keeps the first and the last 4,000 characters of the output
 OUTPUT_TAIL_CHARS = 4_000
@@ -36,7 +48,7 @@ Tools:
 - edit(path, old, new): replace the one occurrence of `old` in the file with `new`.
 - write(path, content): write a whole file.
 - submit(): end the episode; your changes are graded by hidden tests in a fresh copy of the repository.
-Do not edit tests: a change to a test file scores 0. Three replies in a row without a tool call end the episode."""
+Test files and test configuration are restored before grading: changing them changes nothing. Three replies in a row without a tool call end the episode."""
 
 NO_TOOL_MESSAGE = "No tool call found. Call one tool (bash, edit, write) or submit()."
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -48,6 +60,15 @@ def truncate_output(text: str) -> str:
         return text
     omitted = len(text) - OUTPUT_HEAD_CHARS - OUTPUT_TAIL_CHARS
     return f"{text[:OUTPUT_HEAD_CHARS]}\n[... {omitted} characters omitted ...]\n{text[-OUTPUT_TAIL_CHARS:]}"
+
+
+def _names(value: Any, what: str) -> tuple[str, ...]:
+    """Test names: a list of strings (absent: none)."""
+    if value is None:
+        return ()
+    if isinstance(value, list) and all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise ValueError(f"{what}: expected a list of test names (strings)")
 
 
 def _file_map(value: Any, what: str) -> dict[str, str]:
@@ -65,7 +86,8 @@ class SweTask:
     the grader adds to the fresh sandbox (never shown to the agent): whole files (`hidden_tests`)
     and/or a diff (`test_patch`, SWE-bench's), applied after the agent's diff. `image`: the
     repository lives in this container image instead of `files` (a cluster sandbox's; the local
-    sandbox refuses it)."""
+    sandbox refuses it). `fail_to_pass` / `pass_to_pass`: the unittest names that must each be
+    reported run and passed (SWE-bench's); without them, every test of the hidden test files."""
 
     instance_id: str
     statement: str
@@ -75,6 +97,8 @@ class SweTask:
     test_timeout_s: float = 60.0
     test_patch: str = ""
     image: str | None = None
+    fail_to_pass: tuple[str, ...] = ()
+    pass_to_pass: tuple[str, ...] = ()
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> SweTask:
@@ -90,6 +114,8 @@ class SweTask:
             test_timeout_s=float(row.get("test_timeout_s") or 60.0),
             test_patch=str(row.get("test_patch") or ""),
             image=str(row["image"]) if row.get("image") else None,
+            fail_to_pass=_names(row.get("fail_to_pass"), "fail_to_pass"),
+            pass_to_pass=_names(row.get("pass_to_pass"), "pass_to_pass"),
         )
 
     def messages(self) -> list[dict[str, str]]:
@@ -108,6 +134,8 @@ class SweTask:
             # only when set: a task file of snapshot tasks keeps its columns (and its bytes)
             **({"test_patch": self.test_patch} if self.test_patch else {}),
             **({"image": self.image} if self.image else {}),
+            **({"fail_to_pass": list(self.fail_to_pass)} if self.fail_to_pass else {}),
+            **({"pass_to_pass": list(self.pass_to_pass)} if self.pass_to_pass else {}),
         }
 
     def hidden_paths(self) -> set[str]:
@@ -128,24 +156,33 @@ def load_tasks(path: str | Path) -> list[SweTask]:
     return tasks
 
 
-def touches_tests(path: str, hidden: set[str]) -> bool:
-    """A test file: a hidden test's path, anything under a `tests`/`test` dir, a conftest.py, or a
-    test_*.py / *_test.py module."""
-    p = PurePosixPath(path)
-    return (
-        path in hidden
-        or any(part in ("tests", "test") for part in p.parts[:-1])
-        or p.name == "conftest.py"
-        or (p.suffix == ".py" and (p.name.startswith("test_") or p.stem.endswith("_test")))
-    )
-
-
 def diff_paths(diff: str) -> list[str]:
-    """The paths a git diff touches (both sides of every `diff --git a/X b/Y` header)."""
+    """The paths a git diff touches (both sides of every `diff --git a/X b/Y` header): a path with a
+    space (`a/te st b/te st`, the two sides equal without renames) and a C-quoted one (`"a/\\303\\251"`,
+    git's form for unusual bytes) included."""
     paths: list[str] = []
-    for m in re.finditer(r"^diff --git a/(\S+) b/(\S+)$", diff, re.MULTILINE):
-        paths += [m.group(1), m.group(2)]
+    for line in diff.splitlines():
+        if not line.startswith("diff --git "):
+            continue
+        rest = line[len("diff --git ") :]
+        quoted = re.fullmatch(r'("(?:[^"\\]|\\.)*"|\S+) ("(?:[^"\\]|\\.)*"|\S+)', rest)
+        half = (len(rest) - 1) // 2
+        if rest[:half].startswith("a/") and rest[half:] == " b/" + rest[2:half]:
+            sides = [rest[2:half], rest[2:half]]
+        elif quoted is not None:
+            sides = [_unquote(q)[2:] for q in quoted.groups()]
+        else:
+            continue
+        paths += sides
     return list(dict.fromkeys(paths))
+
+
+def _unquote(text: str) -> str:
+    """git's C-quoted path (`"a/\\303\\251t\\303\\251.py"`) as text; an unquoted one as it is."""
+    if not (text.startswith('"') and text.endswith('"')):
+        return text
+    raw = codecs.escape_decode(text[1:-1].encode("latin-1", errors="replace"))[0]
+    return raw.decode("utf-8", errors="replace")
 
 
 def parse_tool_call(text: str) -> tuple[dict[str, Any] | None, str | None]:
@@ -204,7 +241,7 @@ class EpisodeState:
     sandbox_seconds: float = 0.0
     reward: float = 0.0
     reason: str = "the episode ended without submit()"
-    grading: dict[str, Any] = field(default_factory=dict)
+    touched_test_infra: list[str] | None = None  # a graded patch's test files and configuration
 
 
 SandboxFactory = Callable[[Mapping[str, str], SandboxLimits], Sandbox]
@@ -341,41 +378,49 @@ class SweEnv(Environment):
         return f"edited {path}"
 
     def _grade(self, ep: EpisodeState) -> None:
-        """The submitted diff, applied in a fresh sandbox from the snapshot, with the hidden tests."""
+        """The submitted diff, applied in a fresh sandbox from the snapshot, graded by the hidden tests
+        through the grader's own runner (trainer/swe_grade.py)."""
         assert ep.sandbox is not None
         task, diff = ep.task, ep.sandbox.diff()
         self._close(ep)  # the working sandbox never grades itself
-        edited_tests = [p for p in diff_paths(diff) if touches_tests(p, task.hidden_paths())]
         if not diff.strip():
             ep.reason = "submitted an empty diff"
             return
-        if edited_tests:
-            ep.reason = f"the patch edits tests: {', '.join(edited_tests)}"
-            return
+        ep.touched_test_infra = [p for p in diff_paths(diff) if is_test_infrastructure(p, task.hidden_paths())]
         fresh = self.sandbox(task.files, self.limits)
         try:
-            ep.reward, ep.reason = self._run_hidden_tests(fresh, task, diff)
+            result = self._run_hidden_tests(fresh, task, diff)
+            ep.reward, ep.reason = result.reward, result.reason
         finally:
             ep.sandbox_seconds += fresh.seconds
             fresh.close()
 
-    def _run_hidden_tests(self, fresh: Sandbox, task: SweTask, diff: str) -> tuple[float, str]:
-        applied = fresh.run("git apply --binary -", timeout_s=60, stdin=diff.encode())
-        if applied.exit_code != 0:
-            return 0.0, f"the patch does not apply: {applied.output.strip()[-300:]}"
-        for path, content in task.hidden_tests.items():
-            fresh.write_file(path, content)
+    def _run_hidden_tests(self, fresh: Sandbox, task: SweTask, diff: str) -> GradeResult:
+        code, output = git_apply(fresh, diff)
+        if code != 0:
+            return GradeResult(0.0, f"the patch does not apply: {output.strip()[-300:]}")
+        problem = restore_test_infrastructure(fresh, task.files, task.hidden_tests, task.hidden_paths())
+        if problem is not None:
+            return GradeResult(0.0, problem)
         if task.test_patch:
-            tests = fresh.run("git apply --binary -", timeout_s=60, stdin=task.test_patch.encode())
-            if tests.exit_code != 0:
-                return 0.0, f"the test patch does not apply: {tests.output.strip()[-300:]}"
+            code, output = git_apply(fresh, task.test_patch)
+            if code != 0:
+                return GradeResult(0.0, f"the test patch does not apply: {output.strip()[-300:]}")
+        plan = grading_plan(task.files, task.hidden_tests, diff_paths(task.test_patch),
+                            [*task.fail_to_pass, *task.pass_to_pass], task.hidden_paths())  # fmt: skip
+        if not plan.names:
+            return GradeResult(0.0, "the task has no hidden test module to run")
+        nonce = new_nonce()
+        config = json.dumps({"names": plan.names, "test_files": plan.test_files})
         timeout = min(task.test_timeout_s, self.grade_timeout_s or task.test_timeout_s)
-        result = fresh.run(task.test_command, timeout_s=timeout)
+        result = fresh.run(runner_command(), timeout_s=timeout, stdin=f"{nonce}\n{config}\n".encode())
         if result.timed_out:
-            return 0.0, f"the hidden tests timed out after {timeout:g} s"
-        if result.exit_code != 0:
-            return 0.0, f"the hidden tests failed (exit {result.exit_code}): {result.output.strip()[-300:]}"
-        return 1.0, "the hidden tests passed"
+            return GradeResult(0.0, f"the hidden tests timed out after {timeout:g} s")
+        report = parse_report(result.output, nonce)
+        if isinstance(report, str):  # what the run printed last, without any report line
+            printed = "\n".join(line for line in result.output.splitlines() if not line.startswith(nonce))
+            return GradeResult(0.0, f"{report} (exit {result.exit_code}): {printed.strip()[-300:]}")
+        return verdict(report, plan.required)
 
     def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
         ep: EpisodeState = state["episode"]
@@ -394,5 +439,7 @@ class SweEnv(Environment):
                 "reason": ep.reason,
                 "empty_replies": ep.empty_replies,
                 "sandbox_seconds": round(ep.sandbox_seconds, 3),
+                "touched_test_infra": ep.touched_test_infra or [],
             },
+            touched_test_infra=None if ep.touched_test_infra is None else bool(ep.touched_test_infra),
         )

@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 FLEET_LOG = "fleet.log"
 RUN_JSON = "run.json"
 # per-episode task figures of the run summary: (metric, label); trainer/metrics.py rollout_metrics
-TASK_FIGURES = (("success_rate", "task success"), ("format_error_rate", "episodes with a malformed turn"))
+TASK_FIGURES = (("success_rate", "task success"), ("format_error_rate", "episodes with a malformed turn"),
+                ("test_infra_touched_rate", "graded patches touching test files"))  # SWE: a reward-hacking precursor
 # summary key prefix -> the per-step metric averaged over the first and last window (`<prefix>_first`, `_last`)
 SUMMARY_METRICS = {"reward": "reward_mean", "entropy": "entropy", **{key: key for key, _ in TASK_FIGURES},
                    "cost_per_1m_usable_tokens": "cost_per_1m_usable_tokens",

@@ -21,6 +21,18 @@ from typing import Protocol
 
 GIT = ["git", "-c", "user.name=rlfleet", "-c", "user.email=rlfleet@localhost", "-c", "core.hooksPath=/dev/null"]
 _GIT = " ".join(GIT)
+# The grader's git: the agent can write the working sandbox's .git/config and a .gitattributes, so every
+# setting that changes what a diff looks like or runs a program is overridden here (`-c` wins over the
+# repository's config), and the environment drops the system and global config.
+SAFE_GIT = [*GIT, *(arg for setting in (
+    "core.fsmonitor=false", "core.attributesFile=/dev/null", "core.quotePath=true", "core.pager=cat",
+    "core.autocrlf=false", "core.safecrlf=false", "core.symlinks=true", "core.ignoreCase=false",
+    "diff.external=", "diff.noprefix=false", "diff.mnemonicPrefix=false", "diff.relative=false",
+    "diff.renames=false", "color.ui=false", "apply.whitespace=nowarn",
+) for arg in ("-c", setting))]  # fmt: skip
+GIT_SAFE_ENV = "GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_ATTR_NOSYSTEM=1 HOME=/nonexistent XDG_CONFIG_HOME=/nonexistent"
+_SAFE_GIT = f"{GIT_SAFE_ENV} {' '.join(SAFE_GIT)}"
+SAFE_DIFF = "diff --cached --binary --no-ext-diff --no-textconv --no-color --no-renames --src-prefix=a/ --dst-prefix=b/"
 # Run in the repository's root once its files are there: the snapshot every diff is taken against.
 SNAPSHOT_SCRIPT = (
     f"{_GIT} init -q && printf '__pycache__/\\n*.pyc\\n' >> .git/info/exclude"
@@ -115,7 +127,7 @@ class ExecSandbox(ABC):
             raise OSError(result.output.strip() or f"cannot write {path}")
 
     def diff(self) -> str:
-        result = self.run(f"{_GIT} add -A >/dev/null && {_GIT} diff --cached --binary", timeout_s=60)
+        result = self.run(f"{_SAFE_GIT} add -A >/dev/null 2>&1 && {_SAFE_GIT} {SAFE_DIFF} 2>/dev/null", timeout_s=60)
         return result.output if result.exit_code == 0 else ""
 
     def __enter__(self) -> ExecSandbox:

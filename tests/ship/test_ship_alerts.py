@@ -86,6 +86,11 @@ CASES: dict[str, tuple[list[dict[str, str]], list[dict[str, Any]]]] = {
         [alert("RLFleetFormatErrorsRepeat", "29m"),
          alert("RLFleetFormatErrorsRepeat", "40m", {"severity": "warning", **JOB, **FLEET})],
     ),
+    "test_infra_touched": (  # 0.25 of the graded patches (an agent adding its own test now and then) stays silent
+        [series("rlfleet_trainer_test_infra_touched_rate", FLEET, "0.25x30 0.6x30")],
+        [alert("RLFleetPatchesTouchTestInfra", "29m"),
+         alert("RLFleetPatchesTouchTestInfra", "40m", {"severity": "warning", **JOB, **FLEET})],
+    ),
     "group_oor_share": (
         [series("rlfleet_trainer_oor_share", GROUP, "0.6x30"),
          series("rlfleet_trainer_token_share", GROUP, "0.125x30"),

@@ -378,7 +378,8 @@ def exported_metric_names() -> set[str]:
         # (trainer/loop.py), exactly as the trainer feeds its exporter
         step_metrics = {k: 0.5 for k in MEAN_METRICS}
         step_metrics |= {f"group/h100-fp8/{k}": 0.5 for k in (*MEAN_METRICS, "token_share", "oor_share")}
-        step_metrics |= {k: 0.1 for k in ("reward_mean", "empty_reply_rate", "no_tool_call_rate", "format_error_rate", "grad_norm")}
+        step_metrics |= {k: 0.1 for k in ("reward_mean", "empty_reply_rate", "no_tool_call_rate", "format_error_rate", "grad_norm",
+                                          "test_infra_touched_rate")}
         exporter.update(7, step_metrics)
         with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as response:
             text += response.read().decode()
@@ -395,7 +396,7 @@ def test_alert_rules_parse_and_use_only_exported_metrics(render, exported_metric
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
     assert {"RLFleetKLSurge", "RLFleetRewardCliff", "RLFleetEntropyCollapse", "RLFleetGradNormSpike",
             "RLFleetTailRatioBlowup", "RLFleetToolCallsStopped", "RLFleetFormatErrorsRepeat", "RLFleetGroupOutOfRangeShare",
-            "RLFleetWeightVersionLag"} <= set(alerts)
+            "RLFleetWeightVersionLag", "RLFleetPatchesTouchTestInfra"} <= set(alerts)
     for name, alert in alerts.items():
         used = _promql_metric_names(alert["expr"])
         assert used and used <= exported_metric_names, (name, used - exported_metric_names)
