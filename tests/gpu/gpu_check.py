@@ -183,6 +183,10 @@ def _materialized() -> Any:
     return _load_by_path("rlfleet_gpu_check_materialized", REPO / "tests" / "objective" / "materialized.py")
 
 
+def _bench_objective() -> Any:
+    return _load_by_path("rlfleet_gpu_check_bench_objective", REPO / "benchmarks" / "objective.py")
+
+
 def _flat_batch(lengths: list[int], vocab: int, seed: int) -> Any:
     """benchmarks/train_step.py's batch: sampled tokens after a prompt, support candidates."""
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -515,11 +519,11 @@ def _peak_bytes(ctx: Context) -> Iterator[dict[str, int]]:
         torch.cuda.synchronize()
         box["bytes"] = torch.cuda.max_memory_allocated() - base
         return
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # VmHWM := the current resident set
-    base = _status_kib("VmRSS")
+    bench = _bench_objective()  # benchmarks/objective.py's reading of the peak resident set
+    bench._reset_peak()  # VmHWM := the current resident set
+    base = bench._status_kib("VmRSS")
     yield box
-    box["bytes"] = (_status_kib("VmHWM") - base) * 1024
+    box["bytes"] = (bench._status_kib("VmHWM") - base) * 1024
 
 
 def _exact_cpu_peaks() -> None:
@@ -532,14 +536,6 @@ def _exact_cpu_peaks() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, 64 * 1024)
-
-
-def _status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field_name} not in /proc/self/status")
 
 
 def _objective_step(ctx: Context, path: str, tokens: int) -> int | None:

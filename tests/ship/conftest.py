@@ -19,10 +19,11 @@ CHART = REPO / "charts" / "rlfleet"
 KUBE_VERSION = "v1.36.3"  # the control plane the cluster tests run (tests/cluster/go/kubernetes)
 
 
-def _controlplane():
-    name = "rlfleet_tests_controlplane"
+def _cluster_module(file: str):
+    """tests/cluster/<file>.py, loaded by path once (tests/ is not a package)."""
+    name = f"rlfleet_tests_{file}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "cluster" / "controlplane.py")
+        spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "cluster" / f"{file}.py")
         assert spec and spec.loader
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
@@ -30,11 +31,32 @@ def _controlplane():
     return sys.modules[name]
 
 
+def _controlplane():
+    return _cluster_module("controlplane")
+
+
+def _go_tool(name: str) -> Path:
+    """A Go tool of the builder table (tests/cluster/controlplane.py), built once and cached."""
+    out = _controlplane().build([name], log=lambda msg: print(f"[{name}] {msg}", file=sys.stderr))
+    return out[name] / name
+
+
 @pytest.fixture(scope="session")
 def helm_bin() -> Path:
     """helm built from tests/cluster/go/helm (minutes when cold, instant when cached)."""
-    out = _controlplane().build(["helm"], log=lambda msg: print(f"[helm] {msg}", file=sys.stderr))
-    return out["helm"] / "helm"
+    return _go_tool("helm")
+
+
+@pytest.fixture(scope="session")
+def actionlint_bin() -> Path:
+    """actionlint built from tests/cluster/go/actionlint (about a minute when cold), for the release workflow."""
+    return _go_tool("actionlint")
+
+
+@pytest.fixture(scope="session")
+def nodeimages() -> Any:
+    """tests/cluster/nodeimages.py: what the dev cluster's real node builds from images/Dockerfile.*."""
+    return _cluster_module("nodeimages")
 
 
 class HelmError(RuntimeError):

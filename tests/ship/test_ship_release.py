@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -32,37 +31,17 @@ def _step(job: str, name: str) -> dict[str, Any]:
     return steps[0]
 
 
-def _controlplane_module(name: str) -> Any:
-    import importlib.util
-
-    module_name = f"rlfleet_tests_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, REPO / "tests" / "cluster" / f"{name}.py")
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-@pytest.fixture(scope="module")
-def actionlint() -> Path:
-    """actionlint built from tests/cluster/go/actionlint (seconds when cached)."""
-    out = _controlplane_module("controlplane").build(["actionlint"], log=lambda msg: print(f"[actionlint] {msg}", file=sys.stderr))
-    return out["actionlint"] / "actionlint"
-
-
 def _lint(actionlint: Path, path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(actionlint), "-no-color", "-oneline", str(path)], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
 
 
-def test_actionlint_accepts_the_release_workflow(actionlint: Path) -> None:
-    result = _lint(actionlint, WORKFLOW)
+def test_actionlint_accepts_the_release_workflow(actionlint_bin: Path) -> None:
+    result = _lint(actionlint_bin, WORKFLOW)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_actionlint_rejects_a_broken_copy(actionlint: Path, tmp_path: Path) -> None:
+def test_actionlint_rejects_a_broken_copy(actionlint_bin: Path, tmp_path: Path) -> None:
     """The linter really reads the workflow: an output no job defines and a misspelt input are errors."""
     broken = WORKFLOW.read_text().replace("needs.version.outputs.owner }}/${{ matrix.image }}",
                                           "needs.version.outputs.ownr }}/${{ matrix.image }}", 1)
@@ -70,7 +49,7 @@ def test_actionlint_rejects_a_broken_copy(actionlint: Path, tmp_path: Path) -> N
     (tmp_path / ".github" / "workflows").mkdir(parents=True)
     path = tmp_path / ".github" / "workflows" / "release.yml"
     path.write_text(broken)
-    result = _lint(actionlint, path)
+    result = _lint(actionlint_bin, path)
     assert result.returncode == 1, result.stdout
     assert "ownr" in result.stdout and "provenance-mode" in result.stdout, result.stdout
 
@@ -82,12 +61,11 @@ def test_a_version_tag_triggers_it() -> None:
     assert workflow["permissions"] == {"contents": "read"}  # write only where a job pushes
 
 
-def test_it_builds_the_dockerfiles_the_dev_node_builds() -> None:
+def test_it_builds_the_dockerfiles_the_dev_node_builds(nodeimages: Any) -> None:
     """The three images, each from the Dockerfile (and context) that tests/cluster/nodeimages.py builds for
     the real node with buildah; the operator multi-arch, the CUDA images amd64 like their bases; provenance
     and SBOM on every push; no build argument the Dockerfile does not declare (the release takes each
     Dockerfile's own base, which the dev node overrides with its CPU base through the same arguments)."""
-    nodeimages = _controlplane_module("nodeimages")
     job = _workflow()["jobs"]["images"]
     matrix = {m["image"]: m for m in job["strategy"]["matrix"]["include"]}
     assert sorted(matrix) == sorted(nodeimages.DOCKERFILE_BASE_ARGS)
