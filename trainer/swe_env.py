@@ -12,7 +12,6 @@ model's turn. A model turn calls at most one tool, Hermes/Qwen style:
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -181,7 +180,8 @@ def _unquote(text: str) -> str:
     """git's C-quoted path (`"a/\\303\\251t\\303\\251.py"`) as text; an unquoted one as it is."""
     if not (text.startswith('"') and text.endswith('"')):
         return text
-    raw = codecs.escape_decode(text[1:-1].encode("latin-1", errors="replace"))[0]
+    # git's quoting is ASCII with C escapes (octal bytes): unicode_escape reads them as code points < 256
+    raw = text[1:-1].encode("ascii", errors="backslashreplace").decode("unicode_escape").encode("latin-1", errors="replace")
     return raw.decode("utf-8", errors="replace")
 
 

@@ -258,9 +258,10 @@ def parse_report(output: str, nonce: str) -> dict[str, object] | str:
 def verdict(report: Mapping[str, object], required: list[str]) -> GradeResult:
     """1 only if every required name (a test id, or a class or module: each of its tests) was reported
     run and passed, no test failed to load, and nothing was tampered with."""
-    tampered = report.get("tampered") or []
+    tampered = report.get("tampered")
     if tampered:
-        return GradeResult(0.0, f"the tests' machinery was tampered with: {', '.join(map(str, tampered))[:300]}")
+        what = ", ".join(map(str, tampered)) if isinstance(tampered, list) else str(tampered)
+        return GradeResult(0.0, f"the tests' machinery was tampered with: {what[:300]}")
     raw = report.get("results")
     results = {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
     problems = [f"{k} (error)" for k in results if k.startswith(FAILED_LOAD)]

@@ -675,3 +675,13 @@ def test_the_test_infra_touched_share_is_a_trainer_metric_on_its_exporter() -> N
         exporter.close()
     [line] = [x for x in text.splitlines() if x.startswith("rlfleet_trainer_test_infra_touched_rate{")]
     assert line == 'rlfleet_trainer_test_infra_touched_rate{key="",scope="fleet"} 0.3333333333333333'
+
+
+def test_diff_paths_reads_spaces_and_git_quoted_paths() -> None:
+    """The metric counts what the diff touches: a path with a space and a C-quoted one (git's form for
+    unusual bytes, `core.quotePath`) are read whole, not skipped."""
+    from rlfleet.trainer.swe_env import diff_paths
+
+    diff = ('diff --git a/x.py b/x.py\n+x\ndiff --git a/te st/conftest.py b/te st/conftest.py\n'
+            'diff --git "a/t\\303\\251st/con\\"f.py" "b/t\\303\\251st/con\\"f.py"\n')  # fmt: skip
+    assert diff_paths(diff) == ["x.py", "te st/conftest.py", 'tést/con"f.py']
