@@ -15,8 +15,9 @@ In the fresh grading sandbox (the task's snapshot + the agent's diff):
 3. the runner reads a per-grading random nonce from its stdin (never in its argv or environment),
    installs an audit hook before any code of the tree runs (sys.settrace / sys.setprofile, gc's
    object walks, ctypes and /proc/*/mem are refused and recorded: they rewrite or read the grader's
-   state), fingerprints the test framework, the builtins and the test classes, runs each required
-   test through unittest with its own result object, and only after the last one writes ONE report
+   state), fingerprints the test framework, the builtins, the test classes and modules, checks that each
+   test class and method comes from a snapshot test file and that no thread of the code under test
+   runs once the tests are collected, runs each required test through unittest with its own result object, and only after the last one writes ONE report
    line, `<nonce> {json}`, on a copy of stdout taken at its start, then leaves by os._exit (no atexit
    handler of the tree runs after it). An early exit (os._exit, sys.exit at import, a kill) leaves no
    report: reward 0.
@@ -101,6 +102,8 @@ def _grade():
             flag(event + (" " + args[0] if event == "open" else ""))
             raise RuntimeError("the grader refuses " + event + " while it runs the tests")
     sys.addaudithook(hook)
+    import threading
+    threads = threading.active_count
     import builtins, importlib.machinery, unittest, unittest.case, unittest.result, unittest.suite, unittest.loader
     root = realpath(os.getcwd())
     sys.path[:] = [p for p in sys.path if p and realpath(p) != root] + [root]
@@ -163,7 +166,7 @@ def _grade():
             else:
                 yield test
     tests = [t for s in suites for t in walk(s)]
-    seen = set()
+    seen, modules_seen = set(), set()
     for test in tests:
         for cls in type(test).__mro__:
             if cls in seen or cls.__module__ in ("builtins", "unittest.case", "unittest.loader"):
@@ -175,6 +178,16 @@ def _grade():
             if type(getattr(spec, "loader", None)) is not source_loader or origin not in allowed_files:
                 flag("the test class " + cls.__qualname__ + " comes from " + (origin or repr(module)))
             fingerprint("class " + cls.__qualname__, vars(cls))
+            if module is not None and cls.__module__ not in modules_seen:
+                modules_seen.add(cls.__module__)
+                fingerprint(cls.__module__, vars(module))
+        method = getattr(type(test), getattr(test, "_testMethodName", ""), None)
+        code = getattr(method, "__code__", None)
+        if code is not None and (realpath(code.co_filename) not in allowed_files
+                                 or getattr(code, "co_qualname", code.co_name).rsplit(".", 1)[-1] != test._testMethodName):
+            flag("the test method " + test.id() + " is not the test file's")
+    if threads() > 1:  # a thread of the code under test could swap a test after these checks
+        flag("a thread of the code under test was running when the tests were collected")
     recorder = Recorder()
     for test in tests:
         try:
