@@ -24,8 +24,8 @@ CHECKS = [
 pytestmark = pytest.mark.slow
 
 
-def _run(*args: str) -> tuple[int, list[dict[str, Any]], str]:
-    env = {**os.environ, "PYTHON": sys.executable}
+def _run(*args: str, python: str = sys.executable) -> tuple[int, list[dict[str, Any]], str]:
+    env = {**os.environ, "PYTHON": python}
     result = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     return result.returncode, lines, result.stderr
@@ -99,3 +99,26 @@ def test_an_unknown_check_is_one_line_and_exit_2() -> None:
     assert result.stderr.strip().splitlines() == [
         f"gpu-check: unknown check 'attention'; known: {', '.join(CHECKS)}"
     ]
+
+
+def _megatron_python() -> str | None:
+    """An interpreter with megatron-core and rlfleet's core dependencies: RLFLEET_MEGATRON_PYTHON, or the
+    megatron CPU tier's .venv312 (scripts/bootstrap)."""
+    for python in filter(None, [os.environ.get("RLFLEET_MEGATRON_PYTHON"), str(REPO / ".venv312" / "bin" / "python")]):
+        probe = subprocess.run([python, "-c", "import megatron.core, pydantic, blake3, transformers"], capture_output=True)
+        if Path(python).exists() and probe.returncode == 0:
+            return python
+    return None
+
+
+def test_the_megatron_check_runs_where_megatron_core_is_importable() -> None:
+    """The megatron backend's step on CPU (fp32, gloo, the product's CPU shims) equals the torch backend's
+    fp32 step; with a fault (5% weight noise) it fails the run."""
+    python = _megatron_python()
+    if python is None:
+        pytest.skip("no interpreter with megatron-core (.venv312 or RLFLEET_MEGATRON_PYTHON)")
+    rc, lines, stderr = _run("--cpu", "--only", "megatron_step", python=python)
+    assert rc == 0 and lines[0]["status"] == "ok", (lines, stderr[-2000:])
+    assert lines[0]["measured"]["grad_norm_rel_err"] < 1e-5  # fp32 against fp32: the same step
+    rc, lines, _ = _run("--cpu", "--only", "megatron_step", "--fault", "megatron_step", python=python)
+    assert rc == 1 and lines[0]["status"] == "failed" and lines[0]["reason"].startswith("outside tolerance"), lines
