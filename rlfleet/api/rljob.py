@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from rlfleet.api.common import (
     API_VERSION,
@@ -808,6 +808,16 @@ class TinyModelSpec(ApiModel):
         return self
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _int64(value: int) -> int:
+    """Refuse what Kubernetes cannot store (its integers are int64) and torch.manual_seed cannot take."""
+    if value > INT64_MAX:
+        raise ValueError(f"must be at most {INT64_MAX} (an int64)")
+    return value
+
+
 class LocalSpec(ApiModel):
     """Knobs for `rlfleet run --local` (one CPU machine). Ignored on clusters."""
 
@@ -832,7 +842,9 @@ class LocalSpec(ApiModel):
     """Samples per prompt (replaces rollout.samplesPerPrompt locally)."""
     max_new_tokens: int = Field(default=8, ge=1, le=4096)
     """Generated tokens per turn (replaces rollout.maxNewTokens locally)."""
-    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    # No `maximum` in the CRD: the API server reads schema bounds as float64, and 2^63 - 1 is no float64
+    # integer ("Maximum boundary value must be of type integer"); format int64 bounds it there.
+    seed: Annotated[int, AfterValidator(_int64)] = Field(default=0, ge=0, json_schema_extra={"format": "int64"})
     """Seed of the tiny model, prompts and sampling (an int64, as Kubernetes stores integers; torch takes at most 2^64 - 1)."""
     learning_rate: float = Field(default=2e-4, gt=0, le=1.0)
     """Learning rate of the tiny model (trainer.optimizer.learningRate is sized for the real model)."""

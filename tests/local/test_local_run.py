@@ -114,7 +114,7 @@ def test_a_seed_beyond_int64_is_refused_by_the_api(tmp_path, capsys, seed):
     assert local.cli([str(manifest), "--local", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err == (f"rlfleet run: {manifest}: invalid RLJob:\n"
-                   "  spec.local.seed: Input should be less than or equal to 9223372036854775807\n")  # fmt: skip
+                   "  spec.local.seed: must be at most 9223372036854775807 (an int64)\n")  # fmt: skip
     assert not (tmp_path / "run").exists()
     doc["spec"]["local"]["seed"] = 2**63 - 1  # the largest accepted
     manifest.write_text(yaml.safe_dump(doc))
