@@ -140,6 +140,10 @@ class Skip(Exception):
     """The check cannot run here; the message says why."""
 
 
+class Unavailable(Exception):
+    """The run cannot start here (exit 2); the message says why."""
+
+
 @dataclass
 class Outcome:
     held: bool
@@ -725,7 +729,7 @@ def _device(cpu: bool) -> Any:
     if cpu:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise SystemExit("gpu-check: no CUDA device (torch.cuda.is_available() is False); --cpu runs the dry run")
+        raise Unavailable("no CUDA device (torch.cuda.is_available() is False); --cpu runs the dry run")
     torch.cuda.set_device(0)
     return torch.device("cuda", 0)
 
@@ -752,6 +756,9 @@ def main(argv: list[str] | None = None) -> int:
             _exact_cpu_peaks()
     except ImportError as e:
         print(f"gpu-check: cannot import the product ({e}); carry the wheels of scripts/gpu-check-wheels.txt", file=sys.stderr)
+        return 2
+    except Unavailable as e:
+        print(f"gpu-check: {e}", file=sys.stderr)
         return 2
     counts = {"ok": 0, "failed": 0, "skipped": 0}
     failed = []

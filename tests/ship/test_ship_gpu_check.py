@@ -122,3 +122,13 @@ def test_the_megatron_check_runs_where_megatron_core_is_importable() -> None:
     assert lines[0]["measured"]["grad_norm_rel_err"] < 1e-5  # fp32 against fp32: the same step
     rc, lines, _ = _run("--cpu", "--only", "megatron_step", "--fault", "megatron_step", python=python)
     assert rc == 1 and lines[0]["status"] == "failed" and lines[0]["reason"].startswith("outside tolerance"), lines
+
+
+def test_without_a_gpu_the_run_says_so_in_one_line_and_exits_2() -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}  # no device, as on this machine
+    result = subprocess.run([str(SCRIPT), "--only", "attention/varlen_bf16"], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "gpu-check: no CUDA device (torch.cuda.is_available() is False); --cpu runs the dry run"
+    ]
