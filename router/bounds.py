@@ -112,8 +112,9 @@ class _Gate(asyncio.Protocol):
         if self.handler is not None:
             self.handler.data_received(data)
 
-    def eof_received(self) -> bool | None:
-        return self.handler.eof_received() if self.handler is not None else None
+    def eof_received(self) -> None:  # aiohttp's handler returns None too: the transport closes on EOF
+        if self.handler is not None:
+            self.handler.eof_received()
 
     def pause_writing(self) -> None:
         if self.handler is not None:
