@@ -10,9 +10,10 @@ reference fix, never shown to the agent nor used to grade):
   agent's diff;
 - `FAIL_TO_PASS`, `PASS_TO_PASS`: test ids, as JSON-encoded lists (SWE-bench's own files, and
   `swebench.harness.utils.make_test_spec`'s convention) or lists;
-- `test_command`: how the agent may run them (`python3 -m unittest` + the ids); the grader runs the
-  ids through its own unittest runner (trainer/swe_grade.py), so the ids are unittest names
-  (`tests.test_calc.CalcTest.test_add`) and the reward is 1 iff each is reported run and passed;
+- `test_command`: `python3 -m unittest` or `pytest` (+ the ids: how the agent may run them); the
+  grader runs the ids through its own runner of that framework (trainer/swe_grade.py), so the ids
+  are unittest names (`tests.test_calc.CalcTest.test_add`) or pytest node ids
+  (`tests/test_calc.py::test_add`), and the reward is 1 iff each is reported run and passed;
 - where the repository comes from, exactly one of: `repo_path` (a local git repository holding
   `base_commit`, whose tree at that commit is the snapshot; or a plain directory, taken as it is;
   relative to the JSONL's directory) or `image` (a container image for a cluster sandbox; the
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import re
 import shlex
 import subprocess
 import sys
@@ -35,10 +35,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlfleet.trainer.swe_env import SweTask
+from rlfleet.trainer.swe_grade import test_framework, test_name_error
 
 MODULE_HELP = "convert a SWE-bench-style JSONL to an SWE task file (a prompt set for SweEnv)"
 SWE_BENCH_FIELDS = frozenset({"problem_statement", "base_commit", "FAIL_TO_PASS"})  # a row with these is one
-UNITTEST_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 class SweBenchRow(BaseModel):
@@ -65,26 +65,22 @@ class SweBenchRow(BaseModel):
                 raise ValueError(f"a JSON-encoded list of test ids, not JSON ({exc.msg})") from None
         return value
 
-    @field_validator("FAIL_TO_PASS", "PASS_TO_PASS")
-    @classmethod
-    def unittest_names(cls, value: list[str]) -> list[str]:
-        for name in value:
-            if not UNITTEST_NAME.fullmatch(name):
-                raise ValueError(f"{name!r} is not a unittest name (module.Class.test_method): the grader runs unittest")
-        return value
-
     @field_validator("test_command")
     @classmethod
-    def runs_unittest(cls, value: str) -> str:
-        words = value.split()
-        if len(words) < 3 or not re.fullmatch(r"python[0-9.]*", words[0]) or words[1:3] != ["-m", "unittest"]:
-            raise ValueError(f"{value!r}: the grader runs unittest names; give `python3 -m unittest`")
+    def runs_a_known_framework(cls, value: str) -> str:
+        if test_framework(value) is None:
+            raise ValueError(f"{value!r}: the grader runs unittest or pytest; give `python3 -m unittest` or `pytest`")
         return value
 
     @model_validator(mode="after")
     def one_repository_source(self) -> SweBenchRow:
         if (self.repo_path is None) == (self.image is None):
             raise ValueError("give exactly one of repo_path (a local snapshot) and image (a container image)")
+        framework = test_framework(self.test_command) or "unittest"
+        for field, names in (("FAIL_TO_PASS", self.FAIL_TO_PASS), ("PASS_TO_PASS", self.PASS_TO_PASS)):
+            for name in names:
+                if (error := test_name_error(name, framework)) is not None:
+                    raise ValueError(f"{field}: {error}: the grader runs {framework}")
         return self
 
     def test_ids_command(self) -> str:

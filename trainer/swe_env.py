@@ -31,6 +31,7 @@ from rlfleet.trainer.swe_grade import (
     parse_report,
     restore_test_infrastructure,
     runner_command,
+    test_framework,
     verdict,
 )
 
@@ -406,12 +407,15 @@ class SweEnv(Environment):
             code, output = git_apply(fresh, task.test_patch)
             if code != 0:
                 return GradeResult(0.0, f"the test patch does not apply: {output.strip()[-300:]}")
+        framework = test_framework(task.test_command)
+        if framework is None:
+            return GradeResult(0.0, f"the task's test command {task.test_command!r} runs neither unittest nor pytest")
         plan = grading_plan(task.files, task.hidden_tests, diff_paths(task.test_patch),
-                            [*task.fail_to_pass, *task.pass_to_pass], task.hidden_paths())  # fmt: skip
+                            [*task.fail_to_pass, *task.pass_to_pass], task.hidden_paths(), framework)  # fmt: skip
         if not plan.names:
             return GradeResult(0.0, "the task has no hidden test module to run")
         nonce = new_nonce()
-        config = json.dumps({"names": plan.names, "test_files": plan.test_files})
+        config = json.dumps({"framework": plan.framework, "names": plan.names, "test_files": plan.test_files})
         timeout = min(task.test_timeout_s, self.grade_timeout_s or task.test_timeout_s)
         result = fresh.run(runner_command(), timeout_s=timeout, stdin=f"{nonce}\n{config}\n".encode())
         if result.timed_out:

@@ -105,25 +105,40 @@ def _grade():
     import threading
     threads = threading.active_count
     import builtins, importlib.machinery, unittest, unittest.case, unittest.result, unittest.suite, unittest.loader
+    use_pytest = config.get("framework") == "pytest"
+    if use_pytest:  # only the grader's plugin: no entry-point plugin, no options from the environment
+        for name in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
+            os.environ.pop(name, None)
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        import pytest, _pytest.runner, _pytest.python, _pytest.reports, _pytest.main, _pytest.skipping, _pytest.outcomes
     root = realpath(os.getcwd())
     sys.path[:] = [p for p in sys.path if p and realpath(p) != root] + [root]
     allowed_files = set(realpath(os.path.join(root, f)) for f in config["test_files"])
     source_loader = importlib.machinery.SourceFileLoader
+    loader_types = (source_loader,)
+    if use_pytest:  # pytest loads test modules through its assertion rewriter
+        import _pytest.assertion.rewrite
+        loader_types = (source_loader, _pytest.assertion.rewrite.AssertionRewritingHook)
     mutable = {"_classSetupFailed", "_class_cleanups", "tearDown_exceptions", "_abc_impl"}
     prints = []
-    def fingerprint(name, space, keys=None):
+    def fingerprint(name, space, keys=None):  # a test class: an added attribute (a setUp) counts too
         prints.append((name, space, keys, {k: id(v) for k, v in space.items() if (keys is None or k in keys) and k not in mutable}))
     def changes():
         for name, space, keys, ids in prints:
             now = {k: id(v) for k, v in space.items() if (keys is None or k in keys) and k not in mutable}
             for key in sorted(set(ids) | set(now)):
-                if ids.get(key) != now.get(key) and (key in ids or name.startswith("class ")):
-                    flag("changed " + name + "." + key)
+                if ids.get(key) != now.get(key) and (key in ids or name.startswith("test class ")):
+                    flag("changed " + name.replace("test class ", "class ") + "." + key)
     for cls in (unittest.TestCase, unittest.TestResult, unittest.TestSuite, unittest.TestLoader,
                 unittest.case._Outcome, unittest.case.SkipTest, unittest.FunctionTestCase):
         fingerprint("class " + cls.__qualname__, vars(cls))
     for module in (unittest, unittest.case, unittest.result, unittest.suite, unittest.loader, builtins):
         fingerprint(module.__name__, vars(module))
+    if use_pytest:
+        for cls in (pytest.Function, pytest.Item, pytest.Module, pytest.Class, _pytest.reports.TestReport, _pytest.runner.CallInfo):
+            fingerprint("class " + cls.__qualname__, vars(cls))
+        for module in (pytest, _pytest.runner, _pytest.python, _pytest.reports, _pytest.main, _pytest.skipping, _pytest.outcomes):
+            fingerprint(module.__name__, vars(module))
     fingerprint("os", vars(os), {"_exit", "write", "kill", "abort"})
     fingerprint("sys", vars(sys), {"exit", "settrace", "setprofile", "addaudithook"})
     results = {}
@@ -151,56 +166,108 @@ def _grade():
                 failed = issubclass(err[0], test.failureException)
                 put(test.id(), "failed" if failed else "error", self._exc_info_to_string(err, test))
     fingerprint("class Recorder", vars(Recorder))
-    armed[0] = True
-    suites = []
-    loader = unittest.TestLoader()
-    for name in config["names"]:
-        try:
-            suites.append(loader.loadTestsFromName(name))
-        except BaseException as exc:  # sys.exit or an error at import: the name's tests did not run
-            put(name, "error", "loading " + name + ": " + type(exc).__name__ + ": " + str(exc))
-    def walk(suite):
-        for test in suite:
-            if isinstance(test, unittest.TestSuite):
-                yield from walk(test)
-            else:
-                yield test
-    tests = [t for s in suites for t in walk(s)]
-    seen, modules_seen = set(), set()
-    for test in tests:
-        for cls in type(test).__mro__:
-            if cls in seen or cls.__module__ in ("builtins", "unittest.case", "unittest.loader"):
-                continue
-            seen.add(cls)
-            module = sys.modules.get(cls.__module__)
-            spec = getattr(module, "__spec__", None)
-            origin = realpath(spec.origin) if spec is not None and spec.origin else ""
-            if type(getattr(spec, "loader", None)) is not source_loader or origin not in allowed_files:
-                flag("the test class " + cls.__qualname__ + " comes from " + (origin or repr(module)))
-            fingerprint("class " + cls.__qualname__, vars(cls))
-            if module is not None and cls.__module__ not in modules_seen:
-                modules_seen.add(cls.__module__)
-                fingerprint(cls.__module__, vars(module))
-        method = getattr(type(test), getattr(test, "_testMethodName", ""), None)
-        code = getattr(method, "__code__", None)
-        if code is not None and (realpath(code.co_filename) not in allowed_files
-                                 or getattr(code, "co_qualname", code.co_name).rsplit(".", 1)[-1] != test._testMethodName):
-            flag("the test method " + test.id() + " is not the test file's")
-    if threads() > 1:  # a thread of the code under test could swap a test after these checks
-        flag("a thread of the code under test was running when the tests were collected")
-    recorder = Recorder()
-    for test in tests:
-        try:
-            test(recorder)
-        except BaseException as exc:
-            put(test.id(), "error", type(exc).__name__ + ": " + str(exc))
-        changes()
+    def run_unittest():
+        armed[0] = True
+        suites = []
+        loader = unittest.TestLoader()
+        for name in config["names"]:
+            try:
+                suites.append(loader.loadTestsFromName(name))
+            except BaseException as exc:  # sys.exit or an error at import: the name's tests did not run
+                put(name, "error", "loading " + name + ": " + type(exc).__name__ + ": " + str(exc))
+        def walk(suite):
+            for test in suite:
+                if isinstance(test, unittest.TestSuite):
+                    yield from walk(test)
+                else:
+                    yield test
+        tests = [t for s in suites for t in walk(s)]
+        seen, modules_seen = set(), set()
+        for test in tests:
+            for cls in type(test).__mro__:
+                if cls in seen or cls.__module__ in ("builtins", "unittest.case", "unittest.loader"):
+                    continue
+                seen.add(cls)
+                module = sys.modules.get(cls.__module__)
+                spec = getattr(module, "__spec__", None)
+                origin = realpath(spec.origin) if spec is not None and spec.origin else ""
+                if type(getattr(spec, "loader", None)) is not source_loader or origin not in allowed_files:
+                    flag("the test class " + cls.__qualname__ + " comes from " + (origin or repr(module)))
+                fingerprint("test class " + cls.__qualname__, vars(cls))
+                if module is not None and cls.__module__ not in modules_seen:
+                    modules_seen.add(cls.__module__)
+                    fingerprint(cls.__module__, vars(module))
+            method = getattr(type(test), getattr(test, "_testMethodName", ""), None)
+            code = getattr(method, "__code__", None)
+            if code is not None and (realpath(code.co_filename) not in allowed_files
+                                     or getattr(code, "co_qualname", code.co_name).rsplit(".", 1)[-1] != test._testMethodName):
+                flag("the test method " + test.id() + " is not the test file's")
+        if threads() > 1:  # a thread of the code under test could swap a test after these checks
+            flag("a thread of the code under test was running when the tests were collected")
+        recorder = Recorder()
+        for test in tests:
+            try:
+                test(recorder)
+            except BaseException as exc:
+                put(test.id(), "error", type(exc).__name__ + ": " + str(exc))
+            changes()
+    def check_origin(module, what, code):
+        spec = getattr(module, "__spec__", None)
+        origin = realpath(spec.origin) if spec is not None and spec.origin else ""
+        if type(getattr(spec, "loader", None)) not in loader_types or origin not in allowed_files:
+            flag(what + " comes from " + (origin or repr(module)))
+        if code is not None and realpath(code.co_filename) not in allowed_files:
+            flag(what + " is not the test file's")
+    if use_pytest:
+        run_pytest(pytest, config, root, put, flag, fingerprint, changes, check_origin, threads, armed)
+    else:
+        run_unittest()
     armed[0] = False
     report = json.dumps({"results": {k: list(v) for k, v in results.items()}, "tampered": tampered})
     data = ("\n" + nonce + " " + report + "\n").encode()
     while data:
         data = data[write(out, data):]
     exit_now(0)
+def run_pytest(pytest, config, root, put, flag, fingerprint, changes, check_origin, threads, armed):
+    import sys
+    class Recorder:
+        def pytest_collectreport(self, report):
+            if report.failed:
+                put(report.nodeid or "<collection>", "error", str(report.longrepr))
+        def pytest_collection_finish(self, session):
+            seen = set()
+            for item in session.items:
+                module = getattr(item, "module", None)
+                if module is not None and module.__name__ not in seen:
+                    seen.add(module.__name__)
+                    check_origin(module, "the test module " + module.__name__, None)
+                    fingerprint(module.__name__, vars(module))
+                function = getattr(item, "function", None)
+                check_origin(module, "the test " + item.nodeid, getattr(function, "__code__", None))
+                cls = getattr(item, "cls", None)
+                if cls is not None and ("class", cls) not in seen:
+                    seen.add(("class", cls))
+                    fingerprint("test class " + cls.__qualname__, vars(cls))
+            if threads() > 1:
+                flag("a thread of the code under test was running when the tests were collected")
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call" or report.failed or report.skipped:
+                if hasattr(report, "wasxfail"):
+                    outcome = "xfailed" if report.skipped else "xpassed"
+                elif report.when != "call" and report.failed:
+                    outcome = "error"
+                else:
+                    outcome = report.outcome
+                put(report.nodeid, outcome, str(report.longrepr or "") if outcome != "passed" else "")
+        def pytest_runtest_logfinish(self, nodeid, location):
+            changes()
+    armed[0] = True
+    args = [*config["names"], "-c", "/dev/null", "--rootdir", root, "-p", "no:cacheprovider", "-p", "no:stepwise",
+            "--import-mode=append", "-o", "addopts=", "-q", "-rN"]
+    try:
+        pytest.main(args, plugins=[Recorder()])
+    except BaseException as exc:  # an exit from the code under test while pytest ran
+        put("<session>", "error", type(exc).__name__ + ": " + str(exc))
 _grade()
 '''
 
@@ -208,6 +275,27 @@ _grade()
 def runner_command(python: str = "python3") -> str:
     """The shell command that runs RUNNER: a `-c` program, so nothing of it is in the tree."""
     return f"exec {python} -I -c {shlex.quote(RUNNER)}"
+
+
+PYTEST_COMMAND = re.compile(r"(py\.test|pytest|python[0-9.]* -m pytest)( .*)?")
+UNITTEST_COMMAND = re.compile(r"python[0-9.]* -m unittest( .*)?")
+UNITTEST_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+PYTEST_NODE_ID = re.compile(r"[^\s:]+\.py(::\S.*)?")
+
+
+def test_framework(command: str) -> str | None:
+    """"pytest" or "unittest": the framework a test command runs (the grader runs it itself), None: neither."""
+    command = " ".join(command.split())
+    if PYTEST_COMMAND.fullmatch(command):
+        return "pytest"
+    return "unittest" if UNITTEST_COMMAND.fullmatch(command) else None
+
+
+def test_name_error(name: str, framework: str) -> str | None:
+    """Why `name` is not a test name the framework's runner loads (None: it is)."""
+    if framework == "pytest":
+        return None if PYTEST_NODE_ID.fullmatch(name) else f"{name!r} is not a pytest node id (path/to/test_x.py::test_y)"
+    return None if UNITTEST_NAME.fullmatch(name) else f"{name!r} is not a unittest name (module.Class.test_method)"
 
 
 def test_module(path: str) -> str | None:
@@ -220,39 +308,46 @@ def test_module(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class GradingPlan:
+    framework: str  # "unittest" or "pytest"
     names: list[str]  # what the runner loads and runs
     required: list[str]  # what must be reported passed (a name covers the tests under it)
     test_files: list[str]  # the files test classes may come from
 
 
 def grading_plan(
-    files: Mapping[str, str], hidden: Mapping[str, str], test_patch_paths: list[str], named: list[str], protected: set[str]
-) -> GradingPlan:
+    files: Mapping[str, str], hidden: Mapping[str, str], test_patch_paths: list[str], named: list[str],
+    protected: set[str], framework: str,
+) -> GradingPlan:  # fmt: skip
     """Named tests (FAIL_TO_PASS + PASS_TO_PASS) if the task has them, else every test of its hidden
-    test files, at least the ones their top-level classes define."""
+    test files, at least the ones their top-level classes (and, for pytest, functions) define."""
     test_files = sorted(p for p in {*files, *hidden, *test_patch_paths} if p.endswith(".py") and is_test_infrastructure(p, protected))
     if named:
-        return GradingPlan(list(named), list(named), test_files)
+        return GradingPlan(framework, list(named), list(named), test_files)
+    pytest = framework == "pytest"
     modules = {path: m for path in [*hidden, *test_patch_paths] if (m := test_module(path)) is not None}
-    names = list(dict.fromkeys(modules.values()))
-    static = [i for path, source in hidden.items() if path in modules for i in static_test_ids(modules[path], source)]
-    return GradingPlan(names, names + static, test_files)
+    names = list(dict.fromkeys(modules if pytest else modules.values()))
+    static = [i for path, source in hidden.items() if path in modules
+              for i in static_test_ids(path if pytest else modules[path], source, pytest)]  # fmt: skip
+    return GradingPlan(framework, names, names + static, test_files)
 
 
-def static_test_ids(module: str, source: str) -> list[str]:
-    """The unittest ids a hidden test file defines at its top level (TestCase-like classes' test*
-    methods), read without importing it: the runner must report each of them, so code under test
-    that deletes a test before it is collected earns 0."""
+def static_test_ids(module: str, source: str, pytest: bool = False) -> list[str]:
+    """The test ids a hidden test file defines at its top level (unittest: TestCase-like classes' test*
+    methods; pytest: test* functions and Test* classes' test* methods), read without importing it: the
+    runner must report each of them, so code under test that deletes a test before it is collected earns 0."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
+    sep = "::" if pytest else "."
     ids = []
     for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.bases:
+        if pytest and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            ids.append(f"{module}::{node.name}")
+        if isinstance(node, ast.ClassDef) and (node.name.startswith("Test") if pytest else bool(node.bases)):
             for item in node.body:
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name.startswith("test"):
-                    ids.append(f"{module}.{node.name}.{item.name}")
+                    ids.append(f"{module}{sep}{node.name}{sep}{item.name}")
     return ids
 
 
@@ -277,9 +372,9 @@ def verdict(report: Mapping[str, object], required: list[str]) -> GradeResult:
         return GradeResult(0.0, f"the tests' machinery was tampered with: {what[:300]}")
     raw = report.get("results")
     results = {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
-    problems = [f"{k} (error)" for k in results if k.startswith(FAILED_LOAD)]
+    problems = [f"{k} (error)" for k, v in results.items() if k.startswith(FAILED_LOAD) or k.startswith("<") or (v[0] == "error" and not k.startswith(tuple(required)))]
     for name in required:
-        mine = {k: v for k, v in results.items() if k == name or k.startswith(name + ".")}
+        mine = {k: v for k, v in results.items() if k == name or k.startswith((name + ".", name + "::", name + "["))}
         if not mine:
             problems.append(f"{name} (not run)")
         problems += [f"{k} ({v[0]})" for k, v in mine.items() if v[0] != "passed"]

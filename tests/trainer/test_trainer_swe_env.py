@@ -453,9 +453,11 @@ def test_a_swe_bench_row_maps_to_a_task_exactly(tmp_path) -> None:
         ({"FAIL_TO_PASS": "[]"}, r"row 2 \(calc-2\): FAIL_TO_PASS: List should have at least 1 item"),
         ({"image": "registry/calc:base"}, r"row 2 \(calc-2\): row: Value error, give exactly one of repo_path .* and image"),
         ({"test_command": None}, r"row 2 \(calc-2\): test_command: Input should be a valid string"),
-        ({"test_command": "pytest -q"}, r"row 2 \(calc-2\): test_command: Value error, 'pytest -q': the grader runs unittest names"),
+        ({"test_command": "make test"}, r"row 2 \(calc-2\): test_command: Value error, 'make test': the grader runs unittest or pytest"),
         ({"PASS_TO_PASS": ["tests/test_x.py::test_p"]},
-         r"row 2 \(calc-2\): PASS_TO_PASS: Value error, 'tests/test_x.py::test_p' is not a unittest name"),
+         r"row 2 \(calc-2\): row: Value error, PASS_TO_PASS: 'tests/test_x.py::test_p' is not a unittest name .*: the grader runs unittest"),
+        ({"test_command": "pytest -q", "FAIL_TO_PASS": ["tests.test_calc.CalcTest.test_add"]},
+         r"row 2 \(calc-2\): row: Value error, FAIL_TO_PASS: 'tests.test_calc.CalcTest.test_add' is not a pytest node id"),
         ({"base_commit": "0" * 40}, rf"row 2 \(calc-2\): base_commit '{'0' * 40}' is not a commit of '.*calc-repo'"),
         ({"repo_path": "nowhere"}, r"row 2 \(calc-2\): repo_path '.*nowhere' is not a directory"),
     ],
@@ -692,3 +694,73 @@ def test_diff_paths_reads_spaces_and_git_quoted_paths() -> None:
     diff = ('diff --git a/x.py b/x.py\n+x\ndiff --git a/te st/conftest.py b/te st/conftest.py\n'
             'diff --git "a/t\\303\\251st/con\\"f.py" "b/t\\303\\251st/con\\"f.py"\n')  # fmt: skip
     assert diff_paths(diff) == ["x.py", "te st/conftest.py", 'tést/con"f.py']
+
+
+# The same grader with pytest (SWE-bench's usual runner): Debian's python3-pytest in the sandbox's
+# interpreter (installed here as root, like bubblewrap), a calc repository whose tests are pytest
+# functions, FAIL_TO_PASS / PASS_TO_PASS as node ids.
+
+PYTEST_TESTS = "from calc import add, mul\n\n\ndef test_mul():\n    assert mul(2, 3) == 6\n"
+PYTEST_ADD = "\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+
+
+@pytest.fixture(scope="module")
+def sandbox_pytest(bwrap) -> None:
+    probe = [shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3", "-I", "-c", "import pytest"]
+    if subprocess.run(probe, capture_output=True, cwd="/").returncode != 0:
+        if os.geteuid() != 0:
+            pytest.skip("the sandbox's python3 has no pytest and we are not root to apt-get install python3-pytest")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "python3-pytest"]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
+
+
+def pytest_task(tmp_path: Path) -> SweTask:
+    from rlfleet.trainer.swe_bench import load_swe_bench
+
+    repo = tmp_path / "calc-repo"
+    tree = {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": PYTEST_TESTS}
+    for path, content in tree.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(content)
+    git(repo, "init", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "base")
+    base = git(repo, "rev-parse", "HEAD").strip()
+    test_patch = diff_of(repo, "tests/test_calc.py", PYTEST_TESTS + PYTEST_ADD)
+    row = {**swe_bench_row("calc-pytest", base, test_patch), "test_command": "pytest",
+           "FAIL_TO_PASS": ["tests/test_calc.py::test_add"], "PASS_TO_PASS": ["tests/test_calc.py::test_mul"]}
+    [task] = load_swe_bench(write_jsonl(tmp_path / "swe.jsonl", [row]))
+    return task
+
+
+CALC_FIXED = CALC_BUGGY.replace("a - b", "a + b")
+PYTEST_CASES = {
+    "the-fix": ({"calc/__init__.py": CALC_FIXED}, 1.0, "the hidden tests passed", []),
+    "the-fix-beside-a-conftest": ({"calc/__init__.py": CALC_FIXED, "conftest.py": "import os\nos._exit(3)\n"},
+                                  1.0, "the hidden tests passed", ["conftest.py"]),
+    "no-fix": ({"calc/__init__.py": "# a comment\n" + CALC_BUGGY}, 0.0,
+               "not every required test ran and passed: tests/test_calc.py::test_add (failed)", []),
+    "conftest-passes-every-report": ({"conftest.py": PYTEST_HOOKS, "tests/conftest.py": PYTEST_HOOKS,
+                                      "pytest.ini": "[pytest]\naddopts = -p no:python\n"}, 0.0,
+                                     "tests/test_calc.py::test_add (failed)",
+                                     ["conftest.py", "pytest.ini", "tests/conftest.py"]),
+    "skip-from-the-code": ({"calc/__init__.py": CALC_BUGGY.replace("    return a - b\n", "    import pytest\n    pytest.skip('later')\n")},
+                           0.0, "tests/test_calc.py::test_add (skipped)", []),
+    "xfail-from-the-code": ({"calc/__init__.py": CALC_BUGGY.replace("    return a - b\n", "    import pytest\n    pytest.xfail('later')\n")},
+                            0.0, "tests/test_calc.py::test_add (xfailed)", []),
+    "replaced-runtest": ({"calc/__init__.py": "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\n" + CALC_BUGGY},
+                         0.0, "the tests' machinery was tampered with: changed class Function.runtest", []),
+    "os-exit-mid-session": ({"calc/__init__.py": "import os\nos._exit(0)\n" + CALC_BUGGY}, 0.0,
+                            "the test run ended without the runner's report (exit 0)", []),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("files", "reward", "reason", "touched"), list(PYTEST_CASES.values()), ids=list(PYTEST_CASES))
+def test_pytest_tasks_are_graded_per_node_id_and_cannot_be_gamed(sandbox_pytest, tmp_path, files, reward, reason, touched) -> None:
+    tok = byte_chat_tokenizer()
+    env = SweEnv(tok, max_turns=10, grade_timeout_s=60)
+    [line] = try_episodes(env, [env.prompt(pytest_task(tmp_path))], ScriptedSampler(tok, {0: _writes(files)}))
+    assert (line["reward"], line["touched_test_infra"]) == (reward, touched), line
+    assert reason in line["reason"], line
