@@ -159,16 +159,23 @@ class Outcome:
 
 def import_product() -> None:
     """Make `rlfleet.trainer` & co. importable from the repository's tree: pyproject maps them from the
-    top-level folders, which an installed package does; without one (the GPU machine) the repository
-    root is added to the package's path, so `rlfleet.trainer` is found as ./trainer."""
-    sys.path.insert(0, str(REPO))
-    import rlfleet
-
+    top-level folders, which an installed package does; without one (the GPU machine) the package is
+    loaded from ./rlfleet with the repository root as a second place for its subpackages, so
+    `rlfleet.trainer` is ./trainer. The root itself never goes on sys.path: ./operator would shadow the
+    standard library's `operator`."""
     with contextlib.suppress(ImportError):
         import rlfleet.trainer  # noqa: F401
 
         return
-    rlfleet.__path__.append(str(REPO))
+    for name in [m for m in sys.modules if m == "rlfleet" or m.startswith("rlfleet.")]:
+        del sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        "rlfleet", REPO / "rlfleet" / "__init__.py", submodule_search_locations=[str(REPO / "rlfleet"), str(REPO)]
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rlfleet"] = module
+    spec.loader.exec_module(module)
 
 
 def _load_by_path(name: str, path: Path) -> Any:

@@ -132,3 +132,29 @@ def test_without_a_gpu_the_run_says_so_in_one_line_and_exits_2() -> None:
     assert result.stderr.strip().splitlines() == [
         "gpu-check: no CUDA device (torch.cuda.is_available() is False); --cpu runs the dry run"
     ]
+
+
+UNINSTALLED = """
+import sys
+# the GPU machine: rlfleet not installed (this interpreter's editable install hidden), only the checkout
+sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower() and "editable" not in type(f).__module__]
+try:
+    import rlfleet
+    raise SystemExit("rlfleet is still importable")
+except ImportError:
+    pass
+sys.path.insert(0, sys.argv[1])
+import gpu_check
+code = gpu_check.main(["--cpu", "--only", "attention/varlen_bf16"])
+import operator
+assert operator.__file__.startswith(sys.base_prefix) or "python3" in operator.__file__, operator.__file__  # the stdlib's
+assert sys.modules["rlfleet.trainer"].__file__.endswith("/trainer/__init__.py")
+sys.exit(code)
+"""
+
+
+def test_the_check_imports_the_product_from_a_checkout_where_it_is_not_installed(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-c", UNINSTALLED, str(REPO / "tests" / "gpu")], capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[0])["status"] == "ok"
