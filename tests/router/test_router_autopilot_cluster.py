@@ -3,7 +3,8 @@ reported mismatch is made worse up nvfp4 -> fp8 -> bf16 on its SamplerGroup (Eve
 status), then quarantines it at the top; the RLJob's spec is never written, its own changes keep the
 override, and a new weightFormat in the RLJob ends it. With `stepDown`, a group made worse and then
 better steps up, back down after its cool-down, and up again with the cool-down doubled when it
-breaches at the cheaper format.
+breaches at the cheaper format. A group answering invalid tokens is quarantined at its format (issue 39
+item 7) and `kubectl get sg` shows its Usable share.
 
 The trainer's exporter is the real `PrometheusExporter` on 127.0.0.1; the trainer pod is a kwok fake, so
 the operator's `rebalancer.trainer_metrics_url` is pointed at the exporter (as in
@@ -170,6 +171,49 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
                  == {"cooldownIntervals": 4, "onProbation": False})  # fmt: skip
         job = get("rljob", JOB)
         assert job["metadata"]["generation"] == 1 and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
+        kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
+    assert runner.exception is None, runner.output
+    assert "Traceback" not in runner.output, runner.output
+
+
+def test_a_group_answering_invalid_tokens_is_quarantined_at_its_format_and_kubectl_shows_its_usable_share(
+    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 39 item 7: the trainer reports the group's tokens mostly invalid (trained fraction 0.25, the
+    reasons by count) while its KL is within budget: the autopilot quarantines it at nvfp4 (no step up),
+    the Event and the RLJob's status say the share and the top reason, and `kubectl get sg` shows Usable."""
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
+
+    def get(kind: str, name: str) -> dict:
+        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+
+    def fast() -> dict:
+        return get("samplergroup", f"{JOB}-fast")
+
+    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        exporter.update(1, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004, "group/fast/oor_fraction": 0.0,
+                            "group/fast/trained_fraction": 0.25, "group/fast/sampled_tokens": 64.0,
+                            "group/fast/invalid_reason_logprob_not_finite_or_positive": 40.0,
+                            "group/fast/invalid_reason_sampled_token_not_in_support": 8.0})  # fmt: skip
+        kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(manifest()))
+        wait_for("quarantined", lambda: fast()["metadata"].get("annotations", {}).get("rlfleet.dev/quarantined") == "true")
+        assert fast()["spec"]["weightFormat"] == "nvfp4"  # no step up: a precision does not repair garbage
+        reason = ("invalid share 0.75 > 0.05 (top reason logprob_not_finite_or_positive: 40 tokens) for 1 intervals: "
+                  "quarantined (invalid answers are not a precision to step up from)")  # fmt: skip
+        items = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        assert [e["message"] for e in items if e.get("reason") == "PrecisionQuarantined"] == [reason]
+        assert wait_for("the RLJob's status", lambda: get("rljob", JOB)["status"].get("precisionAutopilot")) == {"fast": reason}
+        status = wait_for("the group's figures", lambda: fast()["status"] if "usableFraction" in fast()["status"] else None)
+        assert (status["usableFraction"], status["invalidTokens"]) == (
+            0.25, {"logprob_not_finite_or_positive": 40, "sampled_token_not_in_support": 8})
+        head, row = kube.kubectl("get", "sg", f"{JOB}-fast", "-n", namespace).stdout.splitlines()[:2]
+        start = head.index("USABLE")  # columns are aligned; an empty one (no reading) leaves blanks
+        assert row[start:].split()[0] == "0.25" and head[start:].split()[1] == "REASON"
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
     assert runner.exception is None, runner.output
     assert "Traceback" not in runner.output, runner.output
