@@ -15,9 +15,11 @@ In the fresh grading sandbox (the task's snapshot + the agent's diff):
 3. the runner reads a per-grading random nonce from its stdin (never in its argv or environment),
    installs an audit hook before any code of the tree runs (sys.settrace / sys.setprofile, gc's
    object walks, ctypes and /proc/*/mem are refused and recorded: they rewrite or read the grader's
-   state), fingerprints the test framework, the builtins, the test classes and modules, checks that each
-   test class and method comes from a snapshot test file and that no thread of the code under test
-   runs once the tests are collected, runs each required test through unittest with its own result object, and only after the last one writes ONE report
+   state), fingerprints the test framework, the builtins, the test classes and modules, checks that
+   each test class and method comes from a snapshot test file and that no thread of the code under
+   test runs once the tests are collected, runs each required test through unittest (its own result
+   object) or pytest (its own plugin; no ini file, addopts, environment options or entry-point
+   plugins: the task's test command only names the framework), and only after the last one writes ONE report
    line, `<nonce> {json}`, on a copy of stdout taken at its start, then leaves by os._exit (no atexit
    handler of the tree runs after it). An early exit (os._exit, sys.exit at import, a kill) leaves no
    report: reward 0.
@@ -103,7 +105,11 @@ def _grade():
             raise RuntimeError("the grader refuses " + event + " while it runs the tests")
     sys.addaudithook(hook)
     import threading
-    threads = threading.active_count
+    def threads():  # every thread of the process, those started through _thread too (Linux's view)
+        try:
+            return len(os.listdir("/proc/self/task"))
+        except OSError:
+            return threading.active_count()
     import builtins, importlib.machinery, unittest, unittest.case, unittest.result, unittest.suite, unittest.loader
     use_pytest = config.get("framework") == "pytest"
     if use_pytest:  # only the grader's plugin: no entry-point plugin, no options from the environment

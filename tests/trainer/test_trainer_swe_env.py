@@ -4,7 +4,8 @@ the shipped tasks, and scripted policies through the rollout driver's episode lo
 (`rlfleet env try`). The correct policy earns 1 on every shipped task; a wrong patch, a patch that
 edits the tests, a fork bomb, an endless loop and a network call earn 0 with their reason, and the
 host is untouched: no process of a sandbox's uid is left, no work dir remains, nothing outside
-the work dir was written."""
+the work dir was written. The grader cannot be fooled (trainer/swe_grade.py): patches that pass
+without fixing, by unittest and by pytest, each earn 0 with their reason."""
 
 from __future__ import annotations
 
@@ -623,6 +624,13 @@ ATTACKS = {
                                                "    sys.modules['tests.test_hidden'].Hidden.test_mean = lambda self: None\n"
                                                "    time.sleep(3)\n\n\nthreading.Thread(target=_swap).start()\n")},
                                            "a thread of the code under test was running when the tests were collected", []),
+    "_thread-swaps-the-test-after-import": ({"stats/__init__.py": _unfixed_with(
+                                                "import _thread, sys, time\n\n\ndef _swap():\n"
+                                                "    while 'Hidden' not in vars(sys.modules.get('tests.test_hidden', sys)):\n"
+                                                "        time.sleep(0.001)\n"
+                                                "    sys.modules['tests.test_hidden'].Hidden.test_mean = lambda self: None\n"
+                                                "    time.sleep(3)\n\n\n_thread.start_new_thread(_swap, ())\n")},
+                                            "a thread of the code under test was running when the tests were collected", []),
 }  # fmt: skip
 
 
