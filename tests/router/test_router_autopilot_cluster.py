@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import cluster_wait
@@ -41,6 +41,21 @@ def exporter() -> Iterator[PrometheusExporter]:
     exp.close()
 
 
+def prepare(kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], dict]:
+    """The CRDs established, the operator's kubeconfig, the trainer's metrics read from `exporter`;
+    returns `get(kind, name)` of the namespace's objects as JSON."""
+    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for name in ("rljobs", "samplergroups", "weightchannels"):
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
+
+    def get(kind: str, name: str) -> dict:
+        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+
+    return get
+
+
 def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1, **autopilot: object) -> dict:
     return {
         "apiVersion": "rlfleet.dev/v1alpha1",
@@ -65,14 +80,7 @@ def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1, **auto
 def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_ends_the_override(
     kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
-    monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
-
-    def get(kind: str, name: str) -> dict:
-        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+    get = prepare(kube, namespace, exporter, monkeypatch)
 
     def fast() -> dict:
         return get("samplergroup", f"{JOB}-fast")
@@ -125,14 +133,7 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
     """Patience 1, cool-down 2 intervals (bound 8): over budget -> nvfp4 -> fp8; within it for the cool-down
     (after the one interval not judged) -> fp8 -> nvfp4, the RLJob's own format (the floor); over again
     -> nvfp4 -> fp8 with the cool-down doubled to 4."""
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
-    monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
-
-    def get(kind: str, name: str) -> dict:
-        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+    get = prepare(kube, namespace, exporter, monkeypatch)
 
     def weight_format() -> str:
         return get("samplergroup", f"{JOB}-fast")["spec"]["weightFormat"]
@@ -182,14 +183,7 @@ def test_a_group_answering_invalid_tokens_is_quarantined_at_its_format_and_kubec
     """Issue 39 item 7: the trainer reports the group's tokens mostly invalid (trained fraction 0.25, the
     reasons by count) while its KL is within budget: the autopilot quarantines it at nvfp4 (no step up),
     the Event and the RLJob's status say the share and the top reason, and `kubectl get sg` shows Usable."""
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
-    monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
-
-    def get(kind: str, name: str) -> dict:
-        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+    get = prepare(kube, namespace, exporter, monkeypatch)
 
     def fast() -> dict:
         return get("samplergroup", f"{JOB}-fast")
