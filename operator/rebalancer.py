@@ -94,7 +94,7 @@ GROUP_GAUGES = {
     "tokens_per_second": Gauge("rlfleet_operator_group_tokens_per_second", "Decode tokens/s of the group", _GROUP_LABELS),
     "cost_per_hour": Gauge("rlfleet_operator_group_cost_per_hour_usd", "USD per hour of the group's GPUs", _GROUP_LABELS),
     "usable_fraction": Gauge("rlfleet_operator_group_usable_token_fraction",
-                             "Share of the group's tokens inside the MIS band", _GROUP_LABELS),
+                             "Share of the group's tokens trained on and inside the MIS band", _GROUP_LABELS),
     "cost_per_1m_usable_tokens": Gauge("rlfleet_operator_group_cost_per_1m_usable_tokens_usd",
                                        "USD per 1M usable tokens of the group", _GROUP_LABELS),
 }  # fmt: skip
@@ -102,7 +102,7 @@ JOB_GAUGES = {
     "tokens_per_second": Gauge("rlfleet_operator_job_tokens_per_second", "Decode tokens/s of the fleet", _JOB_LABELS),
     "cost_per_hour": Gauge("rlfleet_operator_job_cost_per_hour_usd", "USD per hour of the fleet's GPUs", _JOB_LABELS),
     "usable_fraction": Gauge("rlfleet_operator_job_usable_token_fraction",
-                             "Share of the fleet's tokens inside the MIS band", _JOB_LABELS),
+                             "Share of the fleet's tokens trained on and inside the MIS band", _JOB_LABELS),
     "cost_per_1m_usable_tokens": Gauge("rlfleet_operator_job_cost_per_1m_usable_tokens_usd",
                                        "USD per 1M usable tokens of the fleet", _JOB_LABELS),
     "reference_cost_per_1m_usable_tokens": Gauge(
