@@ -32,6 +32,7 @@ from rlfleet.trainer.swe_grade import (
     restore_test_infrastructure,
     runner_command,
     test_framework,
+    test_name_error,
     verdict,
 )
 
@@ -105,6 +106,12 @@ class SweTask:
         missing = [k for k in ("instance_id", "statement", "files", "hidden_tests", "test_command") if k not in row]
         if missing:
             raise ValueError(f"an SWE task needs {missing}")
+        framework = test_framework(str(row["test_command"]))
+        if framework is None:  # the grader runs the tests itself, with this framework's runner
+            raise ValueError(f"test_command {row['test_command']!r} runs neither `python3 -m unittest` nor `pytest`")
+        names = [*_names(row.get("fail_to_pass"), "fail_to_pass"), *_names(row.get("pass_to_pass"), "pass_to_pass")]
+        if errors := [e for n in names if (e := test_name_error(n, framework)) is not None]:
+            raise ValueError(errors[0])
         return cls(
             instance_id=str(row["instance_id"]),
             statement=str(row["statement"]),

@@ -92,6 +92,13 @@ def test_a_task_file_error_names_the_line(tmp_path) -> None:
     bad.write_text(TASKS.read_text().splitlines()[0] + "\n" + json.dumps({"instance_id": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"tasks.jsonl:2: an SWE task needs \['statement'"):
         load_tasks(bad)
+    row = json.loads(TASKS.read_text().splitlines()[0])
+    for change, error in (({"test_command": "make test"}, "test_command 'make test' runs neither"),
+                          ({"fail_to_pass": ["tests/test_hidden.py::test_mean"]}, "'tests/test_hidden.py::test_mean' is not a unittest name"),
+                          ({"pass_to_pass": "tests.test_hidden"}, "pass_to_pass: expected a list of test names")):
+        bad.write_text(json.dumps({**row, **change}) + "\n")
+        with pytest.raises(ValueError, match=rf"tasks.jsonl:1: {error}"):
+            load_tasks(bad)
 
 
 def test_output_truncation_rule() -> None:
