@@ -4,7 +4,8 @@
 
 Each run does what docs/dev-cluster.md tells a new user to do, from nothing: `scripts/dev-cluster up`
 (a fresh control plane and real node), `scripts/dev-cluster images` (built once before the first run from
-the tree as it is then, loaded into each fresh node), the `helm install` of the operator
+the tree as it is then and kept in --out/images, loaded into each fresh node; `--images DIR` loads those
+an earlier invocation kept instead), the `helm install` of the operator
 in namespace rlfleet-cpu with that page's flags, `kubectl apply -f examples/rljob-cpu.yaml` (unchanged:
 50 steps), then waits for the RLJob to read Succeeded and tears the cluster down (`scripts/dev-cluster
 down`). Per run it records, from `kubectl apply`:
@@ -26,6 +27,7 @@ import contextlib
 import fcntl
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -169,16 +171,39 @@ def one_run(index: int, out: Path, timeout: float, images: list[Any]) -> Run:
     return run
 
 
+def build_once(lock: str | None, keep: Path) -> list[Any]:
+    """Build the images once (every run gets the same ones, whatever changes in the tree meanwhile) and keep
+    a copy of each archive in `keep`: the build cache keeps one archive per image, so another build of the
+    tree (a node test) removes it between two runs."""
+    with node_lock(lock):
+        built = nodeimages.build_all(list(nodeimages.CPU_TAGS), log=log)
+    keep.mkdir(parents=True, exist_ok=True)
+    for image in built:
+        shutil.copyfile(image.archive, keep / image.archive.name)
+    return saved_images(keep)
+
+
+def saved_images(folder: Path) -> list[Any]:
+    """The operator, sampler and trainer archives kept in `folder` (one `<name>-<digest>.tar` each)."""
+    images = []
+    for name, ref in nodeimages.CPU_TAGS.items():
+        archives = sorted(folder.glob(f"{name}-*.tar"))
+        if len(archives) != 1:
+            raise SystemExit(f"{folder}: expected one {name}-<digest>.tar, found {len(archives)}")
+        images.append(nodeimages.Built(name, ref, archives[0], 0.0))
+    return images
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900, help="seconds from apply to Succeeded, per run")
     parser.add_argument("--out", type=Path, default=REPO / "tests" / "cluster" / ".work" / "example-runs")
     parser.add_argument("--lock", default=None, help="a lock file held during each run (/tmp/node-tier.lock)")
+    parser.add_argument("--images", type=Path, default=None,
+                        help="load the images an earlier invocation saved (its --out/images) instead of building")  # fmt: skip
     args = parser.parse_args()
-    # built once: every run gets the same images, whatever changes in the tree meanwhile
-    with node_lock(args.lock):
-        images = nodeimages.build_all(list(nodeimages.CPU_TAGS), log=log)
+    images = saved_images(args.images) if args.images else build_once(args.lock, args.out / "images")
     runs = []
     for index in range(1, args.runs + 1):
         with node_lock(args.lock):
