@@ -10,7 +10,6 @@ exactly the mismatch the objective corrects (docs/objective.md).
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +181,10 @@ class RankCommands:
 # gloo), 2-rank torchrun runs of "broadcast the stop, leave the group, exit" hung in 6 of 23 (the stop
 # lost as rank 0 ended at once, or rank 0 stuck in its broadcast as the follower ended), so the finished
 # trainer's pod stayed Running and its RLJob never read Succeeded (issue 39). With the handshake: 0 of 13.
+# After it no rank destroys its process group: in the trainer image, gloo's destroy hung holding the GIL
+# on a rank whose peer had already ended (1 of 12 finishes), so no timeout could end it. Every rank ends
+# with trainer/entrypoint.py `exit_now` (os._exit), which runs no destructor: gloo's threads are never
+# torn down, and the interpreter's shutdown that once aborted a finished rank (SIGABRT) never runs.
 STOP_HANDSHAKE_TIMEOUT_S = 60.0
 RELEASED_KEY = "rlfleet/released"
 
@@ -203,29 +206,6 @@ def _await_keys(keys: list[str], what: str, timeout_s: float = STOP_HANDSHAKE_TI
         _store().wait(keys, timedelta(seconds=timeout_s))
     except RuntimeError as exc:  # DistStoreError on a timeout: the rank ends anyway, saying so
         _log.warning("waited %.0f s for %s in vain (%s); ending anyway", timeout_s, what, exc)
-
-
-# How long a rank waits for its process group to be destroyed: gloo's destroy hung on the real node once
-# on a rank whose peer had already gone (trainer/entrypoint.py), which kept a trainer pod Running.
-LEAVE_TIMEOUT_S = 10.0
-
-
-def leave_process_group(timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
-    """Every rank, once rank 0 has closed the backend (its followers' `follow()` returned): destroy the
-    process group before the interpreter exits. Left to exit-time destructors, gloo's threads can be
-    torn down while joinable and the rank aborts ("terminate called without an active exception",
-    SIGABRT), failing a run that had finished. The destroy runs in a daemon thread and is given up after
-    `timeout_s` (LEAVE_TIMEOUT_S); the caller then ends the process without the interpreter's
-    shutdown (trainer/entrypoint.py `exit_now`), which no gloo thread outlives. True when it was left."""
-    if not torch.distributed.is_initialized():
-        return True
-    worker = threading.Thread(target=torch.distributed.destroy_process_group, name="leave-process-group", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        _log.warning("the process group was not destroyed within %.0f s; this rank ends without it", timeout_s)
-        return False
-    return True
 
 
 def routing_compared_rows(flat: FlatBatch, rows: np.ndarray) -> np.ndarray | None:

@@ -117,7 +117,6 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     from rlfleet.model_source import ModelSourceError, resolve_model_source
     from rlfleet.store import store_from_spec
     from rlfleet.trainer import checkpoint as ckpt
-    from rlfleet.trainer.backend_common import leave_process_group
     from rlfleet.trainer.config import resolve_run
     from rlfleet.trainer.failures import EXIT_BAD_INPUT, FailureContext, describe_failure
     from rlfleet.trainer.prompts import PromptFileError
@@ -134,18 +133,14 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     backend = base.backend
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
-        backend.follow()  # execute rank 0's commands until it closes the backend
-        leave_process_group()
-        return 0
+        backend.follow()  # execute rank 0's commands until it closes the backend (the stop handshake)
+        return 0  # ended at once by exit_now, the process group with it (trainer/backend_common.py)
 
     store = store_from_spec(job.spec.weight_channel.store)
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
     started: dict[str, RolloutDriver] = {}
-    returned = False
     try:
-        code = _train_rank0(job, args, rc, base, store, checkpoints, started)
-        returned = True
-        return code
+        return _train_rank0(job, args, rc, base, store, checkpoints, started)
     except (TrainingStartError, PromptFileError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     except Exception as exc:
@@ -166,12 +161,10 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     finally:
         store.close()
         backend.close()
-        # After a failure the process ends at once without the interpreter's shutdown (cli: os._exit),
-        # so gloo's threads are never torn down and the group need not be destroyed; destroying it there
-        # hung on the real node once (rank 0 inside destroy_process_group after ENOSPC mid-publish, its
-        # follower already gone), which kept the failed trainer's container Running.
-        if returned:
-            leave_process_group()
+        # The process then ends at once (cli: exit_now, os._exit), finished or failed, without destroying
+        # the process group: gloo's destroy hung on a rank whose peer had gone (rank 0 on the real node
+        # after ENOSPC mid-publish; a follower after a finish in the trainer image, holding the GIL), which
+        # kept the trainer's container Running.
 
 
 def _train_rank0(
@@ -251,15 +244,12 @@ def _serve_if_finished_else_resume(
 ) -> None:
     """With a checkpoint at or past the last step, serve the finished run's metrics until the pod is
     stopped (never returns); with an earlier one, say where training resumes."""
-    from rlfleet.trainer.backend_common import leave_process_group
-
     if state is not None and int(state["step"]) >= total_steps:
         # Restarted after its last step (a StatefulSet restarts a container that exits, even with 0): do
         # not train again and do not exit into a restart loop. Release the other ranks, export the
         # finished run's final metrics and `rlfleet_trainer_finished`, and wait: the operator reads the
         # RLJob as Succeeded (docs/operations.md, "When training finishes").
-        backend.close()
-        leave_process_group()
+        backend.close()  # the followers confirm the stop and end; this rank keeps its group, idle
         store.close()
         step = int(state["step"])
         exporter.update(step, {**(state.get("history") or [{}])[-1],

@@ -386,7 +386,6 @@ import torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
 import torch.distributed as dist
-from rlfleet.trainer.backend_common import leave_process_group
 from rlfleet.trainer.backend_hf import HFBackend
 from rlfleet.trainer.entrypoint import exit_now
 from test_trainer_backend_hf import GROUPS, OBJECTIVE, OPTIM, make_batch
@@ -399,7 +398,6 @@ else:
     result["loss"] = float(backend.train_step(make_batch(seed=1), GROUPS)[0].loss.detach())
     result["weights"] = len(backend.weights())
     backend.close()
-leave_process_group()  # as the trainer entrypoint does on every rank
 with open(os.path.join({out!r}, "rank%d.json" % backend.rank), "w") as fh:
     json.dump(result, fh)
 exit_now(0)  # and ends as it does, without the interpreter's shutdown
