@@ -546,6 +546,84 @@ def test_a_killed_trainer_resumes_at_its_checkpoint_and_versions_never_go_back(f
     assert seen == sorted(seen), seen  # never backwards, across the kill
 
 
+def _trainer_pids() -> list[int]:
+    """The trainer pod's processes on this node (its launcher and both ranks): the kubelet sets HOSTNAME to the
+    pod's name in its containers' environment."""
+    wanted = f"HOSTNAME={JOB}-trainer-0".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if wanted in (d / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_above_the_pointer(fleet: Fleet) -> None:
+    """issue 39 item 3 as a pod: the trainer is frozen (SIGSTOP on the node) at a moment its newest checkpoint
+    is the pointer's version, that checkpoint's bytes are flipped, and the pod is killed. The restarted pod
+    skips it, resumes from the previous one although the channel is ahead (before: exit 2, CrashLoopBackOff,
+    'the weight channel is at version N, ahead of the trainer'), publishes above the pointer, and every
+    version from then on records its step (version = step + offset)."""
+    import os
+    import signal
+
+    from rlfleet.channel import WeightChannel
+    from rlfleet.store import FilesystemStore
+    from rlfleet.trainer import checkpoint
+
+    checkpoints = fleet.store_dir() / "checkpoints"
+    channel = WeightChannel(FilesystemStore(fleet.store_dir()), publisher_id="test-observer")
+    fleet.wait_step(fleet.step() + 1, timeout=900)  # training again after the previous phase
+
+    def frozen_at_its_pointer() -> tuple[list[int], str, int] | None:
+        pids = _trainer_pids()
+        assert pids, "no trainer process on the node"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        entries = json.loads((checkpoints / "latest").read_text())["checkpoints"]
+        newest = checkpoint.load_latest(checkpoints)
+        pointer = channel.latest()
+        if len(entries) >= 2 and newest is not None and pointer is not None and \
+                pointer.version == newest["step"] + int(newest.get("version_offset", 0)):
+            return pids, entries[-1]["name"], pointer.version
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        return None
+
+    pids, damaged, pointer_at = wait_for("the trainer frozen with its newest checkpoint published",
+                                         frozen_at_its_pointer, timeout=300, interval=0.3)  # fmt: skip
+    step = checkpoint.parse_checkpoint_name(damaged)[0]
+    data = bytearray((checkpoints / damaged).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (checkpoints / damaged).write_bytes(bytes(data))
+    trainer = f"{JOB}-trainer-0"
+    fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, trainer, "--grace-period=0", "--force", "--wait=true")
+    wait_for("the frozen trainer processes gone", lambda: not set(pids) & set(_trainer_pids()), timeout=120)
+
+    def resumed_log() -> str | None:
+        got = fleet.kube.kubectl("logs", "-n", fleet.ns, trainer, "-c", "trainer", check=False)
+        return got.stdout if got.returncode == 0 and "resuming from the checkpoint at step" in got.stdout else None
+
+    try:
+        log = wait_for("the restarted trainer resuming from the previous checkpoint", resumed_log, timeout=900)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{fleet.diagnosis()}") from None
+    assert f"checkpoint {damaged} in " in log and "not loaded" in log, log[-3000:]
+    assert f"resuming from the checkpoint at step {step - 1} " in log, log[-3000:]
+    assert (f"the weight channel is at version {pointer_at}, ahead of the checkpoint of step {step - 1}" in log
+            and f"publishing its weights as version {pointer_at + 1}" in log), log[-3000:]  # fmt: skip
+    wait_for("versions above the pointer", lambda: (fleet.latest_version() or 0) >= pointer_at + 2, timeout=900)
+    offset = pointer_at + 1 - (step - 1)
+    for version in range(pointer_at + 1, (fleet.latest_version() or 0) + 1):
+        if version in channel.versions():
+            assert channel.manifest(version).metadata.get("step") == version - offset, version
+    seen = fleet.versions_seen
+    assert seen == sorted(seen), seen  # never backwards, across the fallback
+
+
 def test_a_full_store_volume_stops_publishing_with_a_clear_reason_and_names_nothing_partial(
     fleet: Fleet, tmp_path: Path
 ) -> None:
