@@ -68,7 +68,9 @@ def test_a_killed_fleet_host_ends_the_run_in_seconds_with_its_signal_and_the_res
     assert said[1 + len(log_tail)] == f"resume with: {hint}"
     assert fleet_hosts(out / "fleet.json") == []
 
-    next_checkpoint = out / "checkpoints" / f"ckpt-{done + 1:08d}.pt.tmp"
+    # the resumed trainer takes the writer lease's next generation (docs/weights.md), which names its files
+    generation = json.loads((out / "channel" / "lease.json").read_text())["generation"] + 1
+    next_checkpoint = out / "checkpoints" / f"{ckpt.checkpoint_name(done + 1, generation)}.tmp"
     next_checkpoint.symlink_to("/dev/full")  # every write of the next checkpoint fails with ENOSPC
     resumed = subprocess.run(shlex.split(hint), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 3, resumed.stdout[-2000:] + resumed.stderr[-3000:]
