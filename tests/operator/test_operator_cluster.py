@@ -198,7 +198,7 @@ def test_example_job_creates_a_placed_ready_fleet(
         # kubectl get samplergroups: the columns, with values
         table = kube.kubectl("get", "samplergroups", "-n", namespace).stdout.splitlines()
         assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "PHASE", "READY", "TOK/S", "SHARE%", "VERSION",
-                                    "LAG", "KL", "OOR", "REASON", "AGE"]  # fmt: skip
+                                    "LAG", "KL", "OOR", "USABLE", "REASON", "AGE"]  # fmt: skip
         row = next(line.split() for line in table if line.startswith(f"{JOB}-rtx-pro-6000-bf16"))
         assert row[1:5] == ["rtx-pro-6000", "bf16", "Running", "2/2"]
         # the channel: its store readable and empty -> nothing published yet, said clearly (an unreadable
@@ -345,7 +345,7 @@ def test_cockpit_columns_and_deletion_without_the_operator(
 
         table = wait_for("share in percent", sg_table)
         assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "PHASE", "READY", "TOK/S", "SHARE%", "VERSION",
-                                    "LAG", "KL", "OOR", "REASON", "AGE"]  # fmt: skip
+                                    "LAG", "KL", "OOR", "USABLE", "REASON", "AGE"]  # fmt: skip
         assert [column(table, c) for c in ("PHASE", "READY", "REASON")] == ["Running", "1/1", "AllReplicasReady"]
         assert not get(kube, namespace, "rlj", "small")["metadata"].get("finalizers")
     # the operator is stopped: the job still deletes (the garbage collector takes its children)
