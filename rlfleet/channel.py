@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.api.common import SUBSCRIBERS_DIR
+from rlfleet.deltas import DELTA_SUFFIX
 from rlfleet.store import (
     DIGEST_ALGORITHMS,
     FileDigest,
@@ -76,8 +77,9 @@ from rlfleet.store import (
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FORMAT = "rlfleet.weights/v2"
-"""v2: file entries are {"digest": "<algorithm>:<hex>", "bytes": N} (v1 had a bare "sha256")."""
+MANIFEST_FORMAT = "rlfleet.weights/v3"
+"""v3: a view may be stored as a delta against an earlier version of the same view (`ViewManifest.delta`);
+v2: file entries are {"digest": "<algorithm>:<hex>", "bytes": N} (v1 had a bare "sha256")."""
 VIEW_NAMES = ("bf16", "fp8", "nvfp4", "mxfp4")
 """Precision views (rlfleet.numerics.views implements them; listed here so torch-free code can validate)."""
 POINTER_KEY = "pointer.json"
@@ -239,25 +241,84 @@ def file_entry_from_dict(path: str, raw: Mapping[str, Any]) -> FileDigest:
 
 
 @dataclass(frozen=True)
-class ViewManifest:
-    """One view of one version."""
+class ViewDelta:
+    """How a view stored as a delta is rebuilt (docs/weights.md, "Deltas"): each file `<rel>` with a payload
+    `<rel>.delta` here is `rlfleet.deltas.apply_delta` of the SAME file of version `base`'s view (itself an
+    anchor or rebuilt the same way); every other file of the view is stored whole, as in an anchor."""
 
-    view: str
+    base: int
+    """The version whose view this one's payloads apply to (the previous version of the same view)."""
     files: dict[str, FileDigest]
-    """Path relative to the view directory -> digest (BLAKE3 as published) and size."""
-    tensors: dict[str, dict[str, Any]]
-    """Tensor name -> {"dtype": safetensors dtype string, "shape": [...]} over all safetensors files."""
+    """Payload path relative to the view directory (`<rel>.delta`) -> digest and size of the stored bytes."""
 
     @property
     def bytes(self) -> int:
         return sum(entry.bytes for entry in self.files.values())
 
+    def rebuilt(self) -> list[str]:
+        """The view files this delta rebuilds (`<rel>` of every `<rel>.delta`)."""
+        return sorted(p.removesuffix(DELTA_SUFFIX) for p in self.files)
+
     def to_dict(self) -> dict[str, Any]:
         return {
+            "base": self.base,
+            "files": {path: file_entry_to_dict(entry) for path, entry in sorted(self.files.items())},
+            "bytes": self.bytes,
+        }
+
+
+@dataclass(frozen=True)
+class DeltaSource:
+    """What a publisher hands `WeightChannel.publish` for a view stored as a delta."""
+
+    base: int
+    """The version the payloads were encoded against (the previous published version of the view)."""
+    payloads: dict[str, Path]
+    """Relative path of a safetensors file of the view -> its local delta payload."""
+
+
+@dataclass(frozen=True)
+class ViewManifest:
+    """One view of one version."""
+
+    view: str
+    files: dict[str, FileDigest]
+    """Path relative to the view directory -> digest (BLAKE3 as published) and size of the COMPLETE
+    checkpoint's file: what the engine loads, whether the file is stored whole or rebuilt from a delta."""
+    tensors: dict[str, dict[str, Any]]
+    """Tensor name -> {"dtype": safetensors dtype string, "shape": [...]} over all safetensors files."""
+    delta: ViewDelta | None = None
+    """None: an anchor (every file stored whole). Else the files it rebuilds from version `delta.base`."""
+
+    @property
+    def bytes(self) -> int:
+        """Size of the complete view (what a sampler loads)."""
+        return sum(entry.bytes for entry in self.files.values())
+
+    def stored_files(self) -> dict[str, FileDigest]:
+        """What the channel holds under `v{N}/{view}/`: path -> digest and size (payloads of a delta,
+        every other file whole)."""
+        if self.delta is None:
+            return dict(self.files)
+        rebuilt = set(self.delta.rebuilt())
+        stored = {rel: entry for rel, entry in self.files.items() if rel not in rebuilt}
+        stored.update(self.delta.files)
+        return stored
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the channel holds (and a sampler reads) for this view of this version."""
+        return sum(entry.bytes for entry in self.stored_files().values())
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "files": {path: file_entry_to_dict(entry) for path, entry in sorted(self.files.items())},
             "tensors": self.tensors,
             "bytes": self.bytes,
         }
+        if self.delta is not None:
+            out["delta"] = self.delta.to_dict()
+        return out
 
     @property
     def sha256(self) -> str:
@@ -293,16 +354,14 @@ class Manifest:
             raw = json.loads(data)
             if raw.get("format") != MANIFEST_FORMAT:
                 raise ChannelError(f"unknown manifest format {raw.get('format')!r}")
-            views = {
-                name: ViewManifest(
-                    view=name,
-                    files={p: file_entry_from_dict(p, e) for p, e in v["files"].items()},
-                    tensors=dict(v.get("tensors", {})),
-                )
-                for name, v in raw["views"].items()
-            }
+            version = int(raw["version"])
+            views = {}
+            for name, v in raw["views"].items():
+                files = {p: file_entry_from_dict(p, e) for p, e in v["files"].items()}
+                delta = None if v.get("delta") is None else _view_delta_from_dict(name, version, v["delta"], files)
+                views[name] = ViewManifest(name, files, dict(v.get("tensors", {})), delta)
             return cls(
-                int(raw["version"]),
+                version,
                 str(raw["published_at"]),
                 str(raw.get("publisher", "")),
                 views,
@@ -310,6 +369,27 @@ class Manifest:
             )
         except _RECORD_ERRORS as e:
             raise ChannelError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _view_delta_from_dict(
+    view: str, version: int, raw: Mapping[str, Any], view_files: Mapping[str, FileDigest]
+) -> ViewDelta:
+    """A manifest's `delta` entry, checked: its base is an earlier version, every payload is `<rel>.delta` of a
+    safetensors file the view lists (a name planted in a manifest never becomes another path)."""
+    base = int(raw["base"])
+    if not 0 <= base < version:
+        raise ChannelError(f"manifest of v{version}: view {view}'s delta base v{base} is not an earlier version")
+    files = {p: file_entry_from_dict(p, e) for p, e in raw["files"].items()}
+    if not files:
+        raise ChannelError(f"manifest of v{version}: view {view}'s delta has no payload")
+    for path in files:
+        rebuilt = path.removesuffix(DELTA_SUFFIX)
+        if not path.endswith(".safetensors" + DELTA_SUFFIX) or rebuilt not in view_files:
+            raise ChannelError(
+                f"manifest of v{version}: view {view}'s delta payload {path!r} is not <file>{DELTA_SUFFIX} "
+                "of a safetensors file the view lists"
+            )
+    return ViewDelta(base, files)
 
 
 @dataclass(frozen=True)
@@ -393,6 +473,7 @@ class PublishResult:
     """True if this publish moved the pointer; False if a higher version was already published."""
     manifest: Manifest
     bytes: int
+    """Bytes this version stored (and a sampler of each view reads): payloads of deltas, other files whole."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,6 +651,7 @@ class WeightChannel:
         metadata: Mapping[str, Any] | None = None,
         move: bool = False,
         digests: Mapping[Path, FileDigest] | None = None,
+        deltas: Mapping[str, DeltaSource] | None = None,
     ) -> PublishResult:
         """Upload local view directories as one new version and advance the pointer to it.
 
@@ -578,7 +660,11 @@ class WeightChannel:
         `move`: the directories are private staging copies the store may take over (rename).
         `digests`: local file path -> digest (BLAKE3) and size computed while the file was written
         (`rlfleet.numerics.views.save_view` returns them): those files are not read again to hash.
-        The manifest records each file's digest with its algorithm."""
+        The manifest records each file's digest with its algorithm.
+        `deltas`: view -> the payloads that stand for some of its files (`DeltaSource`, written by
+        `rlfleet.deltas.encode_delta` against version `base`'s same file): such a file is hashed for the
+        manifest (the complete checkpoint's digest) but only its payload `<rel>.delta` is uploaded; the file
+        stays where it is (with `move`, the caller still owns it)."""
         if not view_dirs:
             raise ValueError("publish needs at least one view")
         files: list[tuple[str, str, Path]] = []  # (view, relative path, local path)
@@ -593,27 +679,47 @@ class WeightChannel:
             if not any(v == view for v, _, _ in files):
                 raise ValueError(f"view {view}: {directory} has no files")
 
+        deltas = dict(deltas or {})
+        for view, source in deltas.items():
+            listed = {rel for v, rel, _ in files if v == view}
+            unknown = sorted(set(source.payloads) - {rel for rel in listed if rel.endswith(".safetensors")})
+            if view not in view_dirs or unknown:
+                raise ValueError(f"view {view}: delta payloads for files the view does not have: {unknown or '(no such view)'}")
+            if version is not None and not 0 <= source.base < version:
+                raise ValueError(f"view {view}: delta base v{source.base} is not below v{version}")
+
         # dtype + shape of every tensor, read before any file may be moved into the store
         headers = {(v, rel): safetensors_header(p) for v, rel, p in files if rel.endswith(".safetensors")}
         self._fence()
         number = self._claim(version)
         prefix = _version_key(number)
 
-        def upload(item: tuple[str, str, Path]) -> FileDigest:
+        def upload(item: tuple[str, str, Path]) -> tuple[FileDigest, FileDigest | None]:
+            """(the complete file's digest, its stored payload's digest when a delta stands for it)."""
             view, rel, path = item
             known = None if digests is None else digests.get(path)
-            return self.store.put_file(f"{prefix}/{view}/{rel}", path, move=move, digest=known)
+            payload = deltas[view].payloads.get(rel) if view in deltas else None
+            if payload is None:
+                return self.store.put_file(f"{prefix}/{view}/{rel}", path, move=move, digest=known), None
+            stored = self.store.put_file(f"{prefix}/{view}/{rel}{DELTA_SUFFIX}", payload, move=move)
+            return (known if known is not None else hash_file(path)), stored
 
         # Uploads are I/O + hashing (both release the GIL): a couple of threads overlap them.
         with ThreadPoolExecutor(max_workers=self.upload_workers) as pool:
             uploaded = list(pool.map(upload, files))
 
-        views: dict[str, ViewManifest] = {}
-        for (view, rel, _), digest in zip(files, uploaded, strict=True):
-            vm = views.setdefault(view, ViewManifest(view=view, files={}, tensors={}))
-            vm.files[rel] = digest
+        entries: dict[str, tuple[dict[str, FileDigest], dict[str, Any], dict[str, FileDigest]]] = {}
+        for (view, rel, _), (digest, payload) in zip(files, uploaded, strict=True):
+            complete, tensors, payloads = entries.setdefault(view, ({}, {}, {}))
+            complete[rel] = digest
+            if payload is not None:
+                payloads[rel + DELTA_SUFFIX] = payload
             if rel.endswith(".safetensors"):
-                vm.tensors.update(headers[(view, rel)])
+                tensors.update(headers[(view, rel)])
+        views = {
+            view: ViewManifest(view, complete, tensors, ViewDelta(deltas[view].base, payloads) if payloads else None)
+            for view, (complete, tensors, payloads) in entries.items()
+        }
         manifest = Manifest(number, now_iso(), self.publisher_id, views, dict(metadata or {}))
         manifest_bytes = manifest.to_bytes()
         # Every byte above is durable (put_file returns after fsync / S3 200); only now the manifest.
@@ -628,7 +734,7 @@ class WeightChannel:
             0 if self.lease is None else self.lease.generation,
         )
         advanced = self._advance(pointer)
-        return PublishResult(number, advanced, manifest, sum(d.bytes for d in uploaded))
+        return PublishResult(number, advanced, manifest, sum(v.stored_bytes for v in views.values()))
 
     def _advance(self, pointer: Pointer) -> bool:
         """Compare-and-swap the pointer forward; False if it already names an equal or higher version.

@@ -291,10 +291,10 @@ def test_a_garbage_pointer_is_one_line_for_readers_and_publishers(any_store: Sto
 
 
 MALFORMED_MANIFESTS = {
-    "not utf-8": b'{"format": "rlfleet.weights/v2", "version": 0, "views": {"bf\xff16": {}}}',
+    "not utf-8": b'{"format": "rlfleet.weights/v3", "version": 0, "views": {"bf\xff16": {}}}',
     "not json": b"\x00\x01garbage",
     "a string": b'"manifest"',
-    "a huge version": b'{"format": "rlfleet.weights/v2", "version": 1e400, "published_at": "", "views": {}}',
+    "a huge version": b'{"format": "rlfleet.weights/v3", "version": 1e400, "published_at": "", "views": {}}',
 }
 
 
@@ -354,7 +354,7 @@ async def test_the_sidecar_reports_a_garbage_pointer_and_manifest_in_one_line(
     caplog.set_level(logging.WARNING, logger="rlfleet.sampler.sync")
     async with httpx.AsyncClient() as client:
         syncer = Syncer(config, store, DiskEngine(client))
-        store.put(manifest_key(0), b'{"format": "rlfleet.weights/v2", "views": {"fp\xff8": {}}}')
+        store.put(manifest_key(0), b'{"format": "rlfleet.weights/v3", "views": {"fp\xff8": {}}}')
         assert await syncer.reconcile_once() is False
         assert syncer.state.last_error is not None
         assert syncer.state.last_error.startswith("store: read pointer: malformed manifest: UnicodeDecodeError: ")

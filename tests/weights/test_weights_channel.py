@@ -83,7 +83,7 @@ def test_publish_download_roundtrip(any_store: Store, tmp_path: Path) -> None:
     expected = blake3.blake3(local.read_bytes()).hexdigest()  # independently of rlfleet.store
     assert fp8.files["model.safetensors"] == FileDigest("blake3", expected, local.stat().st_size)
     raw = json.loads(any_store.get(manifest_key(0)))  # the stored format (docs/weights.md "Manifest")
-    assert raw["format"] == "rlfleet.weights/v2"
+    assert raw["format"] == "rlfleet.weights/v3"
     assert raw["views"]["fp8"]["files"]["model.safetensors"] == {
         "digest": f"blake3:{expected}",
         "bytes": local.stat().st_size,
