@@ -16,7 +16,11 @@ A delta is itself a safetensors file (`<file>.delta` in the channel), torch-free
                       "header_blake3": "<hex of the shared safetensors header>"}
 
 A delta exists only between two files with the SAME safetensors header (names, dtypes, shapes, offsets,
-metadata: the case of consecutive versions of one view); otherwise the file is stored whole.
+metadata: the case of consecutive versions of one view) and the same bytes outside every tensor (a file
+whose tensors do not cover its data has such bytes; safetensors' own reader refuses it); otherwise the file
+is stored whole. `apply_delta` refuses (DeltaError) a delta that is not exactly this layout: another format,
+another base's header or size, an entry of a tensor the base lacks, an index out of its tensor or not
+strictly ascending, a value of another width than the tensor's stored element, an index without its values.
 """
 
 from __future__ import annotations
@@ -113,17 +117,32 @@ def _elements(mm: np.memmap, header: _Header, begin: int, end: int, unit: np.dty
     return mm[header.data_start + begin : header.data_start + end].view(unit)
 
 
+def _uncovered(header: _Header, file_bytes: int) -> list[tuple[int, int]]:
+    """The byte ranges of the data section (file offsets) that no tensor covers."""
+    gaps, at = [], header.data_start
+    for _, begin, end in sorted(header.tensors.values(), key=lambda t: (t[1], t[2])):
+        if header.data_start + begin > at:
+            gaps.append((at, header.data_start + begin))
+        at = max(at, header.data_start + end)
+    if file_bytes > at:
+        gaps.append((at, file_bytes))
+    return gaps
+
+
 def encode_delta(base: Path, target: Path, out: Path, *, max_delta_bytes: int | None = None) -> DeltaStats | None:
     """Write the delta taking `base` to `target` into `out` (a safetensors file, module docstring).
 
-    None (and nothing written) when the two headers differ, so the file must be stored whole, or when the
-    delta would exceed `max_delta_bytes` (it stops comparing as soon as it does: an anchor is cheaper)."""
+    None (and nothing written) when the two headers or sizes differ, or bytes outside every tensor differ,
+    so the file must be stored whole, or when the delta would exceed `max_delta_bytes` (it stops comparing
+    as soon as it does: an anchor is cheaper). DeltaError if either is not a safetensors file."""
     base_header, target_header = read_header(base), read_header(target)
     file_bytes = os.path.getsize(target)
     if base_header.raw != target_header.raw or os.path.getsize(base) != file_bytes:
         return None
     old = np.memmap(base, dtype=np.uint8, mode="r")
     new = np.memmap(target, dtype=np.uint8, mode="r")
+    if any(not np.array_equal(old[a:b], new[a:b]) for a, b in _uncovered(target_header, file_bytes)):
+        return None
     payload: dict[str, np.ndarray] = {}
     elements = changed = payload_bytes = 0
     for name, (dtype, begin, end) in sorted(target_header.tensors.items()):
@@ -197,15 +216,22 @@ def apply_delta(base: Path, delta: Path, out: Path) -> None:
                     dtype, begin, end = header.tensors[name]
                     unit = _unit(dtype, end - begin)
                     target = _elements(mm, header, begin, end, unit)
-                    index, values = d.get_tensor(name + INDEX_SUFFIX), d.get_tensor(name + VALUE_SUFFIX)
+                    try:
+                        index, values = d.get_tensor(name + INDEX_SUFFIX), d.get_tensor(name + VALUE_SUFFIX)
+                    except (TypeError, ValueError) as e:  # a dtype numpy has no type for (e.g. BF16)
+                        raise DeltaError(f"{delta.name}: the entry of {name!r} is not U8..U64 ({e})") from None
                     if (
                         index.ndim != 1
                         or values.shape != index.shape
                         or index.dtype.kind != "u"
                         or values.dtype != unit
-                        or (len(index) and int(index.max()) >= len(target))
+                        or (len(index) and int(index[-1]) >= len(target))
+                        or (len(index) > 1 and not bool(np.all(index[1:] > index[:-1])))
                     ):
-                        raise DeltaError(f"{delta.name}: the entry of {name!r} does not fit its tensor")
+                        raise DeltaError(
+                            f"{delta.name}: the entry of {name!r} does not fit its tensor (indices below "
+                            f"{len(target)}, strictly ascending, and as many values of {unit.itemsize} bytes)"
+                        )
                     target[index] = values
                 mm.flush()
                 del mm
