@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from rlfleet import deltas
 from rlfleet.deltas import (
     DELTA_FORMAT,
     ELEMENT_BYTES,
@@ -165,6 +166,44 @@ def test_apply_of_encode_is_the_target_and_the_delta_lists_exactly_the_changed_e
         assert entries[name + VALUE_SUFFIX].tobytes() == expected.tobytes()
     apply_delta(base, tmp / "d", tmp / "out")
     assert (tmp / "out").read_bytes() == target.read_bytes()
+
+
+@pytest.mark.parametrize(("chunk_elements", "chunk_bytes"), [(1, 8), (3, 24), (64, 64)])
+@pytest.mark.parametrize("copy_file_range", [True, False])
+def test_round_trip_across_chunk_boundaries(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    chunk_elements: int,
+    chunk_bytes: int,
+    copy_file_range: bool,
+) -> None:
+    """Encode compares CHUNK_ELEMENTS at a time and apply sets CHUNK_BYTES at a time (16 Mi in production:
+    set small here so that every tensor spans many chunks, and changes fall on both sides of each boundary);
+    without copy_file_range (another OS) the unchanged bytes are copied through a buffer."""
+    monkeypatch.setattr(deltas, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(deltas, "CHUNK_BYTES", chunk_bytes)
+    if not copy_file_range:
+        monkeypatch.delattr(deltas.os, "copy_file_range")
+    rng = np.random.default_rng(chunk_bytes)
+    a = {
+        "a.bf16": random_tensor(rng, "BF16", 300),
+        "b.unchanged": random_tensor(rng, "F32", 50),
+        "c.codes": random_tensor(rng, "U8", 333),
+        "d.i64": random_tensor(rng, "I64", 40),
+    }
+    b = dict(
+        a,
+        **{
+            "a.bf16": changed(a["a.bf16"], [0, 3, 4, 31, 32, 33, 299], rng),
+            "c.codes": changed(a["c.codes"], [7, 8, 63, 64, 332], rng),
+            "d.i64": changed(a["d.i64"], [0, 1, 2, 39], rng),
+        },
+    )
+    base, target = write_st(tmp_path / "a", a), write_st(tmp_path / "b", b)
+    stats = encode_delta(base, target, tmp_path / "d")
+    assert stats is not None and (stats.changed_elements, stats.changed_tensors) == (16, 3)
+    apply_delta(base, tmp_path / "d", tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == target.read_bytes()
 
 
 # ------------------------------------------------------------------------------------- stored whole
@@ -402,3 +441,18 @@ def test_a_delta_applied_to_a_base_with_other_data_rebuilds_another_file(made: M
     wrong = write_st(base.with_name("wrong"), dict(a, w=changed(a["w"], [100], rng)))
     apply_delta(wrong, delta, base.with_name("out"))
     assert base.with_name("out").read_bytes() != target.read_bytes()
+
+
+def test_a_file_whose_tensors_overlap_is_refused(tmp_path: Path, made: Made) -> None:
+    base, target, delta, _ = made
+    header = {
+        "x": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+        "y": {"dtype": "U8", "shape": [8], "data_offsets": [4, 12]},
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    bad = tmp_path / "overlap"
+    bad.write_bytes(struct.pack("<Q", len(text)) + text + bytes(12))
+    refused(bad, delta, "overlap")
+    with pytest.raises(DeltaError, match="overlap"):
+        encode_delta(bad, bad, tmp_path / "d2")
