@@ -631,7 +631,8 @@ def weightchannel_status(
 ) -> dict[str, Any]:
     """Status of a WeightChannel from `rlfleet.channel.read_channel_status(...)` (or the error reading it)
     and the published model's head counts (`model_shape.model_shape`; None: not read now, the observed
-    ones are kept)."""
+    ones are kept). Per view of the latest version: anchor or delta, stored and complete bytes; and the
+    bytes stored for the version over its complete views in % (`kubectl get wc`'s Stored%)."""
     now = now or now_iso()
     generation = _get(wc, "metadata", "generation")
     old = wc.get("status") or {}
@@ -656,11 +657,17 @@ def weightchannel_status(
                     "sha256": a.sha256,
                     "bytes": a.bytes,
                     "time": a.time,
+                    "kind": a.kind,
+                    "storedBytes": a.stored_bytes,
+                    "base": a.base,
                 }.items()
                 if v is not None
             }  # fmt: skip
             for a in channel.artifacts
         ][:16]
+        share = channel.stored_share
+        if share is not None:
+            status["storedPercent"] = round(100.0 * share, 3)
         status["groups"] = [
             {
                 k: v

@@ -929,7 +929,15 @@ class ViewArtifactStatus:
     uri: str
     sha256: str
     bytes: int
+    """Size of the complete view (what a sampler loads)."""
     time: str
+    kind: str = "anchor"
+    """"anchor" (every file stored whole) or "delta" (docs/weights.md, "Deltas between versions")."""
+    stored_bytes: int | None = None
+    """Bytes the channel holds for this view of this version: what a replica that follows every version
+    reads (the payloads of a delta and the files stored whole; `bytes` for an anchor)."""
+    base: int | None = None
+    """The version a delta applies to (None: an anchor)."""
 
 
 @dataclass(frozen=True)
@@ -957,6 +965,15 @@ class ChannelStatus:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def stored_share(self) -> float | None:
+        """Bytes stored for the latest version over the bytes of its complete views (1.0: every view an
+        anchor; a delta version of bf16 at lr 1e-6 about 0.012). None: nothing published."""
+        full = sum(a.bytes for a in self.artifacts)
+        if not full:
+            return None
+        return sum(a.bytes if a.stored_bytes is None else a.stored_bytes for a in self.artifacts) / full
 
 
 def report_age_seconds(report: SubscriberReport, now: datetime) -> float:
@@ -1056,7 +1073,8 @@ def read_channel_status(
 ) -> ChannelStatus:
     """Everything the operator shows for a WeightChannel (the operator passes
     `stale_after_seconds=SUBSCRIBER_STALE_AFTER_SECONDS`: groups count only fresh reports; `subscribers`
-    lists every report). Raises StoreError if the store is unreachable."""
+    lists every report): per view of the latest version its kind (anchor or delta), the bytes stored and
+    the bytes of the complete view. Raises StoreError if the store is unreachable."""
     now = now or datetime.now(UTC)
     channel = WeightChannel(store, publisher_id="status-reader")
     pointer = channel.latest()
@@ -1079,6 +1097,9 @@ def read_channel_status(
             sha256=vm.sha256,
             bytes=vm.bytes,
             time=manifest.published_at,
+            kind="anchor" if vm.delta is None else "delta",
+            stored_bytes=vm.stored_bytes,
+            base=None if vm.delta is None else vm.delta.base,
         )
         for name, vm in sorted(manifest.views.items())
     ]

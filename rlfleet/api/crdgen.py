@@ -291,6 +291,8 @@ def weightchannel_crd() -> dict[str, Any]:
     columns: list[dict[str, Any]] = [
         {"name": "Store", "type": "string", "jsonPath": ".spec.store.type"},
         {"name": "Latest", "type": "integer", "jsonPath": ".status.latestVersion"},
+        {"name": "Stored%", "type": "number", "jsonPath": ".status.storedPercent",
+         "description": "Bytes stored for the latest version (delta payloads and whole files) over its complete views, in %"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         _age(),

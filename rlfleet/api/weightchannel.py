@@ -138,9 +138,15 @@ class ViewArtifact(ApiModel):
     sha256: str = Field(default="", max_length=64)
     """sha256 of the view's manifest."""
     bytes: int = Field(default=0, ge=0)
-    """Total size of the view's files."""
+    """Total size of the view's files (the complete checkpoint a sampler loads)."""
     time: datetime | None = None
     """When the view was published."""
+    kind: Literal["anchor", "delta"] | None = None
+    """anchor: every file stored whole; delta: its safetensors files rebuilt from version base's (docs/weights.md, "Deltas between versions")."""
+    stored_bytes: int | None = Field(default=None, ge=0)
+    """Bytes the channel holds for this view of this version: what each replica that follows every version reads (the delta payloads and the files stored whole)."""
+    base: int | None = Field(default=None, ge=0)
+    """The version a delta applies to."""
 
 
 class GroupVersion(ApiModel):
@@ -187,6 +193,8 @@ class WeightChannelStatus(ApiModel):
     """Version the channel pointer names (none: unknown or nothing published)."""
     artifacts: list[ViewArtifact] = Field(default_factory=list, max_length=16)
     """Per-view artifacts of the latest version."""
+    stored_percent: float | None = Field(default=None, ge=0.0)
+    """Bytes stored for the latest version over the bytes of its complete views, in % (100: every view an anchor; a bf16 delta at lr 1e-6 about 1.2)."""
     groups: list[GroupVersion] = Field(default_factory=list, max_length=64)
     """Per-group applied version."""
     conditions: list[Condition] = conditions_field()

@@ -84,6 +84,11 @@ def test_names_subresources_and_columns() -> None:
     )
     wide = {c["name"]: c["jsonPath"] for c in sg["additionalPrinterColumns"] if c.get("priority") == 1}
     assert (wide["$/h"], wide["$/1M"]) == (".status.costPerHour", ".status.costPer1MTokens")
+    wc = crd("WeightChannel")["spec"]["versions"][0]
+    visible = {c["name"]: c["jsonPath"] for c in wc["additionalPrinterColumns"] if not c.get("priority")}
+    # the latest version's stored bytes over its complete views (deltas: a few %, anchors: 100)
+    assert list(visible) == ["Store", "Latest", "Stored%", "Phase", "Age"]
+    assert visible["Stored%"] == ".status.storedPercent"
     for c in crdgen.generate().values():
         version = c["spec"]["versions"][0]
         assert version["subresources"]["status"] == {}

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from rlfleet.api.weightchannel import WeightChannelStatus
 from rlfleet.catalog import load_catalog
-from rlfleet.channel import GroupVersionStatus
+from rlfleet.channel import ChannelStatus, GroupVersionStatus, ViewArtifactStatus
 from rlfleet.operator import status as st
 
 CATALOG = load_catalog(None)
@@ -300,23 +299,12 @@ def test_job_collapse_risk_rolls_up_from_groups_and_invalid_spec_fails() -> None
     assert (s["phase"], s["reason"]) == ("Failed", "InvalidSpec") and conds(s)["Degraded"]["status"] == "True"
 
 
-@dataclass
-class FakeArtifact:
-    view: str
-    version: int
-    uri: str = "u"
-    sha256: str = "ab"
-    bytes: int = 10
-    time: str | None = None
+def channel_status(latest: int | None, artifacts: list[ViewArtifactStatus], groups: list[GroupVersionStatus]) -> ChannelStatus:
+    return ChannelStatus(latest, None, artifacts, groups, [], [])
 
 
-@dataclass
-class FakeChannel:
-    """Stands in for rlfleet.channel.ChannelStatus (same attribute names) so this pure test needs no store."""
-
-    latest_version: int | None
-    artifacts: list = field(default_factory=list)
-    groups: list = field(default_factory=list)
+def artifact(view: str, version: int, **kw: object) -> ViewArtifactStatus:
+    return ViewArtifactStatus(**{"view": view, "version": version, "uri": "u", "sha256": "ab", "bytes": 10, "time": None, **kw})  # type: ignore[arg-type]
 
 
 def test_weightchannel_status_known_unknown_and_empty() -> None:
@@ -324,17 +312,24 @@ def test_weightchannel_status_known_unknown_and_empty() -> None:
     s = st.weightchannel_status(wc, None, "store /w not mounted", now=T0)
     assert s["phase"] == "Pending" and s["message"] == "latest version unknown: store /w not mounted"
     assert "latestVersion" not in s and conds(s)["Ready"]["reason"] == "StoreUnreadable"
-    s = st.weightchannel_status(wc, FakeChannel(None), None, now=T0)
+    s = st.weightchannel_status(wc, channel_status(None, [], []), None, now=T0)
     assert s["phase"] == "Pending" and conds(s)["Ready"]["reason"] == "NothingPublished"
-    ch = FakeChannel(
+    assert "storedPercent" not in s
+    ch = channel_status(
         4,
-        [FakeArtifact("bf16", 4), FakeArtifact("fp8", 4)],
+        [artifact("bf16", 4, kind="delta", stored_bytes=1, base=3), artifact("fp8", 4, kind="anchor", stored_bytes=10)],
         [GroupVersionStatus("job-g", "fp8", 3, 1, {"p": 3}, sync_failures=2, last_error="checksum: v4/fp8: x"),
          GroupVersionStatus("job-h", "bf16", None, None, {})],
-    )
+    )  # fmt: skip
     s = st.weightchannel_status(wc, ch, None, now=T0)
     assert (s["phase"], s["latestVersion"]) == ("Ready", 4)
-    assert s["artifacts"][1] == {"view": "fp8", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10}
+    assert s["artifacts"] == [
+        {"view": "bf16", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10, "kind": "delta", "storedBytes": 1,
+         "base": 3},
+        {"view": "fp8", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10, "kind": "anchor", "storedBytes": 10},
+    ]  # fmt: skip
+    assert s["storedPercent"] == 55.0  # (1 + 10) stored of (10 + 10)
+    WeightChannelStatus.model_validate(s)  # what the CRD's schema holds
     assert s["groups"] == [
         {"group": "job-g", "view": "fp8", "appliedVersion": 3, "lag": 1, "syncFailures": 2,
          "lastError": "checksum: v4/fp8: x", "replicas": ["p"]},  # the replicas with a fresh report

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ from rlfleet.channel import (
     SUBSCRIBER_STALE_AFTER_SECONDS,
     ChannelError,
     ChecksumMismatchError,
+    DeltaSource,
     SubscriberReport,
     UnknownDigestError,
     VersionConflictError,
@@ -34,6 +36,7 @@ from rlfleet.channel import (
     report_is_fresh,
     subscribers_to_remove,
 )
+from rlfleet.deltas import encode_delta
 from rlfleet.store import FileDigest, FilesystemStore, Store, StoreError
 
 
@@ -350,6 +353,8 @@ def test_channel_status_for_the_operator(any_store: Store, tmp_path: Path) -> No
         assert artifact.bytes == sum(e.bytes for e in manifest.views[artifact.view].files.values()) > 0
         assert artifact.sha256 == manifest.views[artifact.view].sha256 and len(artifact.sha256) == 64
         assert artifact.uri.endswith(f"v2/{artifact.view}")
+        assert (artifact.kind, artifact.base, artifact.stored_bytes) == ("anchor", None, artifact.bytes)
+    assert status.stored_share == 1.0
     groups = {g.group: g for g in status.groups}
     assert (groups["h100"].applied_version, groups["h100"].lag, groups["h100"].view) == (1, 1, "bf16")
     assert groups["h100"].replicas == {"pod-0": 2, "pod-1": 1}
@@ -357,6 +362,36 @@ def test_channel_status_for_the_operator(any_store: Store, tmp_path: Path) -> No
     assert status.retained_versions == [0, 1, 2]
     assert json.dumps(status.to_dict())  # plain data, serialisable
     assert any_store.read_pointer(POINTER_KEY) is not None
+
+
+def test_channel_status_reports_each_views_kind_and_stored_bytes(any_store: Store, tmp_path: Path) -> None:
+    """The latest version's bf16 view stored as a delta (one element changed), its fp8 view whole: status
+    says which, the bytes the channel holds for each (the delta payload and the files stored whole) beside
+    the complete view's, and the share stored over the two views."""
+    channel = WeightChannel(any_store)
+    v0 = {v: make_view(tmp_path / "0" / v, v, "a", rows=256) for v in ("bf16", "fp8")}
+    channel.publish(v0)
+    v1 = {v: Path(shutil.copytree(v0[v], tmp_path / "1" / v)) for v in v0}
+    weights = v1["bf16"] / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one element of the last tensor
+    weights.write_bytes(bytes(data))
+    payload = tmp_path / "model.safetensors.delta"
+    stats = encode_delta(v0["bf16"] / "model.safetensors", weights, payload)
+    assert stats is not None and stats.changed_elements == 1
+    channel.publish(v1, deltas={"bf16": DeltaSource(0, {"model.safetensors": payload})})
+    status = read_channel_status(any_store)
+    manifest = channel.manifest(1)
+    bf16, fp8 = status.artifacts
+    full_bf16 = weights.stat().st_size + (v1["bf16"] / "rlfleet_view.json").stat().st_size
+    stored_bf16 = payload.stat().st_size + (v1["bf16"] / "rlfleet_view.json").stat().st_size
+    assert (bf16.view, bf16.kind, bf16.base, bf16.bytes, bf16.stored_bytes) == (
+        "bf16", "delta", 0, full_bf16, stored_bf16
+    )
+    assert bf16.bytes == manifest.views["bf16"].bytes and bf16.stored_bytes < bf16.bytes / 10
+    assert (fp8.view, fp8.kind, fp8.base, fp8.stored_bytes) == ("fp8", "anchor", None, fp8.bytes)
+    assert status.stored_share == (stored_bf16 + fp8.bytes) / (full_bf16 + fp8.bytes)
+    assert json.loads(json.dumps(status.to_dict()))["artifacts"][0]["kind"] == "delta"
 
 
 def test_group_versions_ignores_stale_replicas() -> None:
