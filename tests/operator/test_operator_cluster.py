@@ -486,6 +486,10 @@ def test_weightchannel_and_group_versions_from_a_real_store(
         status = wait_for("channel status", wc_status)
         assert status["phase"] == "Ready" and {a["view"] for a in status["artifacts"]} == {"bf16", "fp8"}
         assert all(a["version"] == 2 and len(a["sha256"]) == 64 for a in status["artifacts"])
+        # both views stored whole (anchors): the stored bytes are the complete view's, Stored% 100
+        assert all(a["kind"] == "anchor" and a["storedBytes"] == a["bytes"] > 0 for a in status["artifacts"])
+        assert status["storedPercent"] == 100.0
+        assert column(kube.kubectl("get", "wc", "small-weights", "-n", namespace).stdout.splitlines(), "STORED%") == "100"
         assert {"group": "small-h100-fp8", "view": "fp8", "appliedVersion": 1, "lag": 1, "replicas": ["pod-a"]} in status["groups"]
         sg = wait_for(
             "group version", lambda: (get(kube, namespace, "sg", "small-h100-fp8") or {}).get("status", {}).get("versionLag") == 1
