@@ -510,10 +510,10 @@ def _run_locked(
 ) -> dict[str, Any]:
     import torch
 
-    from rlfleet.channel import WRITER_LEASE_TTL_SECONDS, LeaseHeldError
+    from rlfleet.channel import WRITER_LEASE_TTL_SECONDS, LeaseHeldError, WeightChannel
     from rlfleet.local.fleet import FleetSpec
     from rlfleet.local.fleet import GroupSpec as FleetGroup
-    from rlfleet.local.report import group_tokens, write_report
+    from rlfleet.local.report import WeightTraffic, group_tokens, weight_traffic, write_report
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.prompts import PromptFileError
@@ -565,6 +565,7 @@ def _run_locked(
     (out / RUN_JSON).write_text(json.dumps({"job": rc.job_name, "config": rc.as_json()}, indent=1))
 
     progress = Progress(rc, live)
+    traffic, reader = WeightTraffic(), WeightChannel(store, publisher_id=f"local/{rc.job_name}/report")
     rollouts = FleetRollouts(out, rc, base, env, prompts, stop, resume_hint,
                              start_step=int(state["step"]) if state is not None else 0)  # fmt: skip
     last = {"t": time.monotonic()}
@@ -574,6 +575,7 @@ def _run_locked(
         m.update(group_rollout_extras(groups, now - last["t"]))
         m.update(step_economics(rc, m))
         last["t"] = now
+        traffic.observe(reader)  # each version's manifest once, before retention deletes it
         progress.update(m, [a.message for a in detector.history if a.step == int(m["step"])])
 
     try:
@@ -595,6 +597,7 @@ def _run_locked(
     finally:
         progress.stop()
         fleet_death = rollouts.stop()
+        traffic.observe(reader)
         store.close()
     driver = rollouts.driver
 
@@ -615,6 +618,8 @@ def _run_locked(
         "rollouts_trained": len(loop.state.trained_uids),
         "dropped_stale_groups": loop.state.dropped_stale_groups,
         "driver": driver.stats.__dict__ if driver is not None else {},
+        "weights": weight_traffic(traffic.rows()),  # per view: anchors, deltas, bytes stored / complete
+        "weight_versions": traffic.rows(),
         "seconds": time.monotonic() - progress.t0,
     }
     write_report(history, report_dir, summary)
@@ -661,6 +666,17 @@ def check_runnable(rc: RunConfig) -> None:
         )
 
 
+def weights_line(view: str, w: dict[str, Any]) -> str:
+    """One line of the summary per view (rlfleet/local/report.py `weight_traffic`): what the channel
+    stored over the run against full versions, and the share of the view a delta stored."""
+    line = (f"weights {view}: {w['versions']} versions ({w['anchors']} anchors, {w['deltas']} deltas), "
+            f"{w['stored_bytes'] / 1e6:.2f} MB stored of {w['bytes'] / 1e6:.2f} MB as full versions "
+            f"({w['stored_share']:.1%})")  # fmt: skip
+    if w["mean_delta_share"] is not None:
+        line += f"; a delta {w['mean_delta_share']:.2%} of the view on average (worst {w['worst_delta_share']:.2%})"
+    return line
+
+
 def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
     first, last = summary["reward_first"], summary["reward_last"]
     k, n = summary["summary_window_steps"], summary["steps"]
@@ -679,6 +695,8 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
     if summary.get("estimated_saving_last") is not None:
         parts.append(estimated_saving_text(rc, summary["estimated_saving_last"]).removeprefix("; "))
     print("; ".join(parts) + f"; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}")
+    for view, w in summary.get("weights", {}).items():
+        print(weights_line(view, w))
     for name, g in summary.get("groups", {}).items():  # a group answering invalid tokens, by name
         if g["dropped_invalid_tokens"]:
             top = max(sorted(g["invalid_tokens"].items()), key=lambda kv: kv[1], default=("?", 0))

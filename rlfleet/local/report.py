@@ -1,7 +1,8 @@
 """Run report: metrics JSON + CSV and PNG plots (reward, the task's success and malformed turns beside
 the shaped reward, per-group KL, OOR share, entropy, grad norm, sc_tail_ratio, a mixture of experts'
 routing mismatch, each group's tokens trained / sampled; a plot whose metrics the
-run did not produce is not written). Input: the list of per-step flat metric dicts (each with a `step` key) and the
+run did not produce is not written), and the weight channel's traffic (`WeightTraffic`: bytes stored per
+version per view, anchor or delta, in weights.csv and the summary's `weights`). Input: the list of per-step flat metric dicts (each with a `step` key) and the
 collapse detector's alerts (trainer/collapse.py `Alert`, or its dict as stored in the run summary's
 `collapse_alerts`): every plot has axis labels and draws each alert as one vertical line at its step,
 so a collapse can be read against every curve."""
@@ -11,10 +12,13 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rlfleet.channel import ChannelError, Manifest, WeightChannel
 from rlfleet.records import INVALID_METRIC_PREFIX
+from rlfleet.store import StoreError
 
 
 class Plot(NamedTuple):
@@ -83,6 +87,72 @@ def group_tokens(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+WEIGHT_FIELDS = ("version", "view", "kind", "base", "stored_bytes", "bytes")
+
+
+def version_traffic(manifest: Manifest) -> list[dict[str, Any]]:
+    """One row per view of a published version: anchor or delta (against `base`), the bytes the channel
+    stores for it (what a replica that follows every version reads) and the complete view's bytes."""
+    return [
+        {
+            "version": manifest.version,
+            "view": name,
+            "kind": "anchor" if vm.delta is None else "delta",
+            "base": None if vm.delta is None else vm.delta.base,
+            "stored_bytes": vm.stored_bytes,
+            "bytes": vm.bytes,
+        }
+        for name, vm in sorted(manifest.views.items())
+    ]
+
+
+def weight_traffic(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per view over the versions in `rows` (`version_traffic`'s): versions, anchors, deltas, the bytes
+    stored and the complete views' bytes summed, `stored_share` = stored / complete over every version
+    (what following every version costs against full versions), and over the delta versions the mean and
+    worst share of the view a delta stores (None: no delta)."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: (r["view"], r["version"])):
+        v = out.setdefault(row["view"], {"versions": 0, "anchors": 0, "deltas": 0, "stored_bytes": 0, "bytes": 0,
+                                         "delta_shares": []})  # fmt: skip
+        v["versions"] += 1
+        v["anchors" if row["kind"] == "anchor" else "deltas"] += 1
+        v["stored_bytes"] += row["stored_bytes"]
+        v["bytes"] += row["bytes"]
+        if row["kind"] == "delta" and row["bytes"]:
+            v["delta_shares"].append(row["stored_bytes"] / row["bytes"])
+    for v in out.values():
+        shares = v.pop("delta_shares")
+        v["stored_share"] = v["stored_bytes"] / v["bytes"] if v["bytes"] else None
+        v["mean_delta_share"] = sum(shares) / len(shares) if shares else None
+        v["worst_delta_share"] = max(shares) if shares else None
+    return out
+
+
+@dataclass
+class WeightTraffic:
+    """How a run's channel stored each version: every version's manifest read once, when `observe` first
+    sees it (a local run observes after every step and at its end: retention deletes old versions)."""
+
+    versions: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def observe(self, channel: WeightChannel) -> None:
+        try:
+            published = channel.versions()
+        except StoreError:
+            return
+        for version in published:
+            if version in self.versions:
+                continue
+            try:
+                self.versions[version] = version_traffic(channel.manifest(version))
+            except (ChannelError, StoreError):  # retained no longer (deleted since it was listed)
+                continue
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [row for version in sorted(self.versions) for row in self.versions[version]]
+
+
 def write_metrics(
     rows: Sequence[dict[str, Any]], out_dir: str | Path, summary: dict[str, Any] | None = None
 ) -> dict[str, Path]:
@@ -98,6 +168,13 @@ def write_metrics(
         writer.writeheader()
         for row in rows:
             writer.writerow(row)
+    weight_rows = (summary or {}).get("weight_versions")
+    if weight_rows:  # bytes stored per version per view (anchor or delta)
+        paths["weights"] = out / "weights.csv"
+        with open(paths["weights"], "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=WEIGHT_FIELDS)
+            writer.writeheader()
+            writer.writerows(weight_rows)
     return paths
 
 

@@ -5,13 +5,28 @@ plots), and the task plot shows the task's success and malformed turns beside th
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import numpy as np
+from safetensors.numpy import save_file
 
-from rlfleet.local.report import ALERT_GID, PLOTS, build_figures, write_report
+from rlfleet.channel import DeltaSource, WeightChannel
+from rlfleet.deltas import encode_delta
+from rlfleet.local.main import weights_line
+from rlfleet.local.report import (
+    ALERT_GID,
+    PLOTS,
+    WeightTraffic,
+    build_figures,
+    weight_traffic,
+    write_metrics,
+    write_report,
+)
+from rlfleet.store import FilesystemStore
 from rlfleet.trainer.collapse import Alert
 
 ROWS = [
@@ -126,3 +141,68 @@ def test_report_writes_json_csv_and_plots(tmp_path):
     for name in ("reward.png", "task.png", "kl.png", "grad_norm.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert math.isclose(data["steps"][4]["reward_mean"], 0.4)
+
+
+def _view(directory: Path, values: np.ndarray) -> Path:
+    directory.mkdir(parents=True)
+    save_file({"model.layers.0.mlp.up_proj.weight": values}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def test_weight_traffic_over_anchors_and_deltas(tmp_path: Path) -> None:
+    """A real channel: v0 anchors, v1 a bf16 delta (3 elements changed) beside an fp8 anchor, v2 anchors,
+    then v0 and v1 deleted by retention. Each version is read once as it appears, so the report keeps
+    them; the sums, shares, weights.csv and the summary line are exact."""
+    channel = WeightChannel(FilesystemStore(tmp_path / "store", create=True))
+    traffic = WeightTraffic()
+    rng = np.random.default_rng(0)
+    w0 = rng.integers(0, 2**16, 4096, dtype=np.uint16)
+    w1 = w0.copy()
+    w1[[1, 100, 4000]] ^= 1
+    codes = rng.integers(0, 256, 4096, dtype=np.uint8)
+    channel.publish({"bf16": _view(tmp_path / "0" / "bf16", w0), "fp8": _view(tmp_path / "0" / "fp8", codes)})
+    traffic.observe(channel)
+    bf16_1, fp8_1 = _view(tmp_path / "1" / "bf16", w1), _view(tmp_path / "1" / "fp8", codes)
+    payload = tmp_path / "model.safetensors.delta"
+    assert encode_delta(tmp_path / "0" / "bf16" / "model.safetensors", bf16_1 / "model.safetensors", payload)
+    channel.publish({"bf16": bf16_1, "fp8": fp8_1}, deltas={"bf16": DeltaSource(0, {"model.safetensors": payload})})
+    traffic.observe(channel)
+    traffic.observe(channel)  # read once: nothing new
+    channel.publish({"bf16": _view(tmp_path / "2" / "bf16", w1), "fp8": _view(tmp_path / "2" / "fp8", codes)})
+    channel.retain(keep=1)
+    assert channel.versions() == [2]
+    traffic.observe(channel)
+
+    full_bf16 = (bf16_1 / "model.safetensors").stat().st_size + 2  # + config.json "{}"
+    full_fp8 = (fp8_1 / "model.safetensors").stat().st_size + 2
+    delta = payload.stat().st_size + 2  # the payload and config.json, stored whole
+    rows = traffic.rows()
+    assert [(r["version"], r["view"], r["kind"], r["base"], r["stored_bytes"], r["bytes"]) for r in rows] == [
+        (0, "bf16", "anchor", None, full_bf16, full_bf16),
+        (0, "fp8", "anchor", None, full_fp8, full_fp8),
+        (1, "bf16", "delta", 0, delta, full_bf16),
+        (1, "fp8", "anchor", None, full_fp8, full_fp8),
+        (2, "bf16", "anchor", None, full_bf16, full_bf16),
+        (2, "fp8", "anchor", None, full_fp8, full_fp8),
+    ]
+    summary = weight_traffic(rows)
+    assert summary["bf16"] == {
+        "versions": 3, "anchors": 2, "deltas": 1, "stored_bytes": 2 * full_bf16 + delta, "bytes": 3 * full_bf16,
+        "stored_share": (2 * full_bf16 + delta) / (3 * full_bf16),
+        "mean_delta_share": delta / full_bf16, "worst_delta_share": delta / full_bf16,
+    }  # fmt: skip
+    assert summary["fp8"]["stored_share"] == 1.0 and summary["fp8"]["mean_delta_share"] is None
+    paths = write_metrics([], tmp_path / "report", {"weights": summary, "weight_versions": rows})
+    with open(paths["weights"]) as fh:
+        written = list(csv.DictReader(fh))
+    assert [(r["version"], r["kind"], r["base"], r["stored_bytes"]) for r in written[2:3]] == [
+        ("1", "delta", "0", str(delta))
+    ]
+    assert json.loads(paths["json"].read_text())["summary"]["weights"]["bf16"]["deltas"] == 1
+    assert weights_line("bf16", summary["bf16"]) == (
+        f"weights bf16: 3 versions (2 anchors, 1 deltas), {(2 * full_bf16 + delta) / 1e6:.2f} MB stored of "
+        f"{3 * full_bf16 / 1e6:.2f} MB as full versions ({summary['bf16']['stored_share']:.1%}); a delta "
+        f"{delta / full_bf16:.2%} of the view on average (worst {delta / full_bf16:.2%})"
+    )
+    assert weights_line("fp8", summary["fp8"]).endswith("as full versions (100.0%)")
