@@ -55,7 +55,7 @@ import shutil
 import socket
 import struct
 import uuid
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.api.common import SUBSCRIBERS_DIR
-from rlfleet.deltas import DELTA_SUFFIX
+from rlfleet.deltas import DELTA_SUFFIX, DeltaError, apply_delta
 from rlfleet.store import (
     DIGEST_ALGORITHMS,
     FileDigest,
@@ -115,6 +115,12 @@ boto's retries, a slow checkpoint to a busy volume, GC pauses, NTP clock skew be
 compare the renewer's wall clock with the reader's), and short enough that a replacement job on the
 channel (the old one deleted without a clean stop) waits minutes, not forever. docs/weights.md,
 "One writer per channel"."""
+READ_KINDS = ("anchor", "delta", "whole-file")
+"""What a reader reads from the store, by kind (the `kind` label of the sidecar's
+rlfleet_weight_sync_read_bytes_total): the files of an anchor (a version stored whole), delta payloads,
+and the files a delta version stores whole (config, tokenizer, a safetensors file whose header changed)."""
+ReadCallback = Callable[[str, int], None]
+"""Called with (kind, bytes) after each file read from the store (`READ_KINDS`), whether or not it verifies."""
 _VERSION_KEY = re.compile(r"^v(\d+)/")
 _CLAIM_KEY = re.compile(r"^claims/v(\d+)$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
@@ -142,6 +148,12 @@ class ChecksumMismatchError(ChannelError):
     """Downloaded bytes do not match the manifest (corrupted or tampered). Never use them."""
 
 
+class RebuildError(ChannelError):
+    """A view stored as a delta cannot be rebuilt: its chain back to an anchor (or to a copy the reader holds)
+    is broken (a version or a payload of it gone from the channel), or a payload does not fit its base
+    (`rlfleet.deltas.DeltaError`). A byte that differs is a ChecksumMismatchError instead."""
+
+
 class UnknownDigestError(ChecksumMismatchError):
     """A manifest entry names a digest algorithm this reader does not know: its file cannot be
     verified, so it is refused like a mismatch (a newer publisher than this reader?)."""
@@ -158,6 +170,21 @@ def check_name(kind: str, name: str) -> str:
             f"invalid {kind} name {name!r} (letters, digits, '_', '.', '-'; starts alphanumeric)"
         )
     return name
+
+
+def check_relative_path(path: str) -> str:
+    """A path a manifest names, which readers create under their own directory: a plain relative name only
+    (components separated by '/', none empty, '.' or '..'; not absolute; no backslash or NUL), so a name
+    planted in a manifest never becomes a path outside the view's directory. ChannelError otherwise."""
+    if (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or "\0" in path
+        or any(part in ("", ".", "..") for part in path.split("/"))
+    ):
+        raise ChannelError(f"{path!r} is not a plain relative path (no absolute path, '..', '.' or empty part)")
+    return path
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -357,7 +384,11 @@ class Manifest:
             version = int(raw["version"])
             views = {}
             for name, v in raw["views"].items():
-                files = {p: file_entry_from_dict(p, e) for p, e in v["files"].items()}
+                try:
+                    paths = [check_relative_path(p) for p in v["files"]]
+                except ChannelError as e:
+                    raise ChannelError(f"manifest of v{version}: view {name}: {e}") from None
+                files = {p: file_entry_from_dict(p, v["files"][p]) for p in paths}
                 delta = None if v.get("delta") is None else _view_delta_from_dict(name, version, v["delta"], files)
                 views[name] = ViewManifest(name, files, dict(v.get("tensors", {})), delta)
             return cls(
@@ -464,6 +495,46 @@ class WriterLease:
     def describe(self, now: datetime) -> str:
         return (f"{self.holder!r} (generation {self.generation}, last renewed {self.renewed_at}, "
                 f"{self.age_seconds(now):.0f}s ago; the lease expires {self.ttl_seconds:.0f}s after a renewal)")  # fmt: skip
+
+
+class _BaseRefused(Exception):
+    """A file made from a rebuild step's base (applied to or copied from it) was refused: the base copy's
+    fault when it is the reader's local copy (it may be torn), the channel's when it was just built and
+    verified here."""
+
+    def __init__(self, error: ChecksumMismatchError | RebuildError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _LocalCopyRefused(_BaseRefused):
+    """_BaseRefused where the base was the reader's local copy: `obtain_view` reseeds from the anchor."""
+
+
+@dataclass(frozen=True)
+class ObtainedView:
+    """One view of one version in a local directory, every file verified against its manifest
+    (`WeightChannel.obtain_view`)."""
+
+    directory: Path
+    version: int
+    seed: str
+    """Where it was rebuilt from: "anchor vA" (downloaded from the channel) or "local vL" (a verified copy the
+    reader held)."""
+    deltas: tuple[int, ...]
+    """The delta versions applied after the seed, in order (empty: the version is its seed)."""
+    read_bytes: dict[str, int]
+    """Bytes read from the store, by kind (READ_KINDS)."""
+    fallback: StoreError | None = field(default=None, compare=False)
+    """Why rebuilding from the reader's local copy failed, so the view was reseeded from the anchor (a
+    ChecksumMismatchError, RebuildError or KeyNotFoundError of one line); None when the first way worked."""
+
+    def describe(self) -> str:
+        """E.g. "anchor v4 + deltas v5, v6, v7" or "local v6 + delta v7"."""
+        if not self.deltas:
+            return self.seed
+        named = ", ".join(f"v{v}" for v in self.deltas)
+        return f"{self.seed} + delta{'s' if len(self.deltas) > 1 else ''} {named}"
 
 
 @dataclass(frozen=True)
@@ -756,44 +827,234 @@ class WeightChannel:
                 return True
         raise ChannelError("pointer compare-and-swap kept failing")
 
-    # -- downloading (sidecar side)
-    def download_view(self, version: int, view: str, dest: Path, *, manifest: Manifest | None = None) -> Path:
-        """Download one view of a version into `dest` and verify every file against the manifest.
+    # -- downloading and rebuilding (sidecar side)
+    def download_view(
+        self,
+        version: int,
+        view: str,
+        dest: Path,
+        *,
+        manifest: Manifest | None = None,
+        local: Mapping[int, Path] | None = None,
+        on_read: ReadCallback | None = None,
+    ) -> Path:
+        """`obtain_view(...).directory`: the view of `version` in `dest`, every file verified."""
+        return self.obtain_view(version, view, dest, manifest=manifest, local=local, on_read=on_read).directory
 
-        Every file is hashed (streaming, with the algorithm its manifest entry names) as it lands.
-        Raises ChecksumMismatchError (and leaves nothing at `dest`) if any byte differs. Files are
-        written to a temporary sibling directory that is renamed to `dest` only after verification."""
+    def obtain_view(
+        self,
+        version: int,
+        view: str,
+        dest: Path,
+        *,
+        manifest: Manifest | None = None,
+        local: Mapping[int, Path] | None = None,
+        on_read: ReadCallback | None = None,
+    ) -> ObtainedView:
+        """The complete view of `version` in `dest`, every file verified against the manifest's digest of the
+        COMPLETE file (streaming, with the algorithm its entry names) (docs/weights.md, "Rebuilding a view").
+
+        An anchor is downloaded. A delta version is rebuilt: walking back through `delta.base` to the first
+        version the caller holds in `local` (version -> a directory it verified earlier, e.g. the sidecar's
+        previous copy) or to an anchor, then, in order, each later version is built from the one before
+        (its payloads applied with `rlfleet.deltas.apply_delta`, its other files downloaded, or copied from
+        the one before when their manifest entries are equal) and verified file by file before it becomes
+        the base of the next. If the way from a local copy fails (a copy that no longer verifies, a payload
+        refused), the view is reseeded once from the anchor of the chain, with a one-line WARNING.
+
+        Everything happens in a hidden temporary sibling of `dest` (`.<name>.partial-<id>`), renamed to
+        `dest` only once the version verified; nothing is left on failure (a process killed meanwhile leaves
+        the hidden directory, which no reader takes for a view). Raises ChecksumMismatchError (a byte
+        differs), RebuildError (the chain is broken or a payload does not fit its base), KeyNotFoundError (a
+        file of an anchor is missing) or StoreUnavailableError; when both ways failed, the message says both."""
         manifest = manifest or self.manifest(version)
         if view not in manifest.views:
             raise ChannelError(f"version {version} has no view {view!r} (has {sorted(manifest.views)})")
         dest = Path(dest)
-        tmp = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
+        local = dict(local or {})
+        read_bytes = dict.fromkeys(READ_KINDS, 0)
+
+        def counted(kind: str, nbytes: int) -> None:
+            read_bytes[kind] += nbytes
+            if on_read is not None:
+                on_read(kind, nbytes)
+
+        manifests: dict[int, Manifest] = {version: manifest}  # each base manifest read once per call
+        work = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
         try:
-            for rel, entry in sorted(manifest.views[view].files.items()):
-                digest = self.store.get_file(
-                    f"{_version_key(version)}/{view}/{rel}", tmp / rel, algorithm=entry.algorithm
-                )
-                if digest != entry:
-                    raise ChecksumMismatchError(f"v{version}/{view}/{rel}: {digest} != manifest {entry}")
+            fallback: StoreError | None = None
+            seed, steps = self._rebuild_plan(version, view, manifests, local)
+            try:
+                built = self._build(view, seed, steps, work, counted)
+            except _LocalCopyRefused as refused:
+                assert seed is not None  # only a local seed is refused this way
+                failed = f"rebuilding from the local copy of v{seed[0]} failed ({refused.error})"
+                fallback = type(refused.error)(failed)
+                try:
+                    seed, steps = self._rebuild_plan(version, view, manifests, {})
+                    log.warning("v%d/%s: %s; reseeding from the anchor v%d", version, view, failed, steps[0][0])
+                    shutil.rmtree(work, ignore_errors=True)
+                    built = self._build(view, None, steps, work, counted)
+                except (ChecksumMismatchError, RebuildError, KeyNotFoundError) as again:
+                    raise type(again)(f"{again}; before that, {failed}") from None
             if dest.exists():
                 shutil.rmtree(dest)
-            os.replace(tmp, dest)
+            os.replace(built, dest)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return dest
+            shutil.rmtree(work, ignore_errors=True)
+        seed_name = f"local v{seed[0]}" if seed is not None else f"anchor v{steps[0][0]}"
+        deltas = tuple(v for v, vm in steps if vm.delta is not None)
+        return ObtainedView(dest, version, seed_name, deltas, read_bytes, fallback)
 
-    def verify_view_in_place(self, version: int, view: str, *, manifest: Manifest | None = None) -> Path:
+    def _rebuild_plan(
+        self, version: int, view: str, manifests: dict[int, Manifest], local: Mapping[int, Path]
+    ) -> tuple[tuple[int, ViewManifest, Path] | None, list[tuple[int, ViewManifest]]]:
+        """(the local copy to start from or None, the versions to build in order): walking back from
+        `version` through `delta.base` to the first version in `local` or an anchor (then the first step).
+        RebuildError if a version of the chain is gone or lacks the view."""
+        steps: list[tuple[int, ViewManifest]] = []
+        at, vm = version, manifests[version].views[view]
+        while True:
+            if at in local:
+                return (at, vm, Path(local[at])), steps[::-1]
+            steps.append((at, vm))
+            if vm.delta is None:
+                return None, steps[::-1]
+            base = vm.delta.base
+            if base not in manifests:
+                try:
+                    manifests[base] = self.manifest(base)
+                except (KeyNotFoundError, ChannelError) as e:
+                    gone = isinstance(e, KeyNotFoundError)
+                    raise RebuildError(
+                        f"v{version}/{view}: v{base}, the base of v{at}, is "
+                        + ("gone from the channel (no manifest)" if gone else f"unreadable ({e})")
+                    ) from None
+            if view not in manifests[base].views:
+                raise RebuildError(f"v{version}/{view}: v{base}, the base of v{at}, has no view {view}")
+            at, vm = base, manifests[base].views[view]
+
+    def _build(
+        self,
+        view: str,
+        seed: tuple[int, ViewManifest, Path] | None,
+        steps: list[tuple[int, ViewManifest]],
+        work: Path,
+        on_read: ReadCallback,
+    ) -> Path:
+        """Build `steps` in order under `work`, each from the one before (the first from `seed`, or an anchor),
+        each verified before the next; returns the last one's directory. With a seed and no steps, the seed
+        is the version itself: copied, verified."""
+        base = seed
+        todo = steps or ([] if seed is None else [(seed[0], seed[1])])
+        built = work
+        for at, vm in todo:
+            built = work / f"v{at}"
+            try:
+                self._build_step(at, view, vm, base, built, work, on_read)
+            except _BaseRefused as refused:
+                if base is not None and base is seed:
+                    raise _LocalCopyRefused(refused.error) from None  # the local copy may be torn: reseed
+                raise refused.error from None  # built from verified bytes: the channel's fault
+            if base is not None and base[2].parent == work:
+                shutil.rmtree(base[2])  # an intermediate version, done with
+            base = (at, vm, built)
+        return built
+
+    def _build_step(
+        self,
+        version: int,
+        view: str,
+        vm: ViewManifest,
+        base: tuple[int, ViewManifest, Path] | None,
+        out: Path,
+        work: Path,
+        on_read: ReadCallback,
+    ) -> None:
+        """Version `version` of `view` into `out`, every file verified: a file whose manifest entry equals the
+        base's copied from it (all of them when the base is this version), a payload applied to the base's
+        file, any other file downloaded. A file made from the base's bytes that is refused raises
+        _BaseRefused (whose fault it is depends on where the base came from, `_build`)."""
+        prefix = f"{_version_key(version)}/{view}"
+        rebuilt = set() if vm.delta is None else set(vm.delta.rebuilt())
+        whole = "anchor" if vm.delta is None else "whole-file"
+        for rel, entry in sorted(vm.files.items()):
+            target = out / rel
+            if base is not None and base[1].files.get(rel) == entry and (base[2] / rel).is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(base[2] / rel, target)  # unchanged since the base: no read from the store
+                digest = hash_file(target, entry.algorithm)
+                if digest != entry:
+                    raise _BaseRefused(ChecksumMismatchError(
+                        f"{prefix}/{rel} copied from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
+                    ))  # fmt: skip
+            elif rel in rebuilt:
+                assert vm.delta is not None  # rebuilt files come from a delta entry
+                if base is None or base[0] != vm.delta.base:
+                    raise RebuildError(f"{prefix}/{rel}: its base v{vm.delta.base} is not at hand")
+                base_file = base[2] / rel
+                if not base_file.is_file():
+                    raise _BaseRefused(ChecksumMismatchError(f"{prefix}/{rel}: the copy of its base v{base[0]} lacks the file"))
+                payload_rel = rel + DELTA_SUFFIX
+                payload = work / "payloads" / payload_rel
+                self._get_verified(f"{prefix}/{payload_rel}", payload, vm.delta.files[payload_rel], "delta",
+                                   on_read, missing=RebuildError)  # fmt: skip
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    apply_delta(base_file, payload, target)
+                except DeltaError as e:
+                    raise _BaseRefused(RebuildError(f"{prefix}/{payload_rel} does not fit v{base[0]}: {e}")) from None
+                payload.unlink()
+                digest = hash_file(target, entry.algorithm)
+                if digest != entry:
+                    raise _BaseRefused(ChecksumMismatchError(
+                        f"{prefix}/{rel} rebuilt from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
+                    ))  # fmt: skip
+            else:
+                missing = KeyNotFoundError if vm.delta is None else RebuildError
+                self._get_verified(f"{prefix}/{rel}", target, entry, whole, on_read, missing=missing)
+
+    def _get_verified(
+        self,
+        key: str,
+        path: Path,
+        entry: FileDigest,
+        kind: str,
+        on_read: ReadCallback,
+        *,
+        missing: type[StoreError],
+    ) -> None:
+        """Download `key` to `path` hashing it as it lands; ChecksumMismatchError unless it is `entry`. A key
+        that is gone raises `missing` (KeyNotFoundError for an anchor's file, RebuildError in a delta's)."""
+        try:
+            digest = self.store.get_file(key, path, algorithm=entry.algorithm)
+        except KeyNotFoundError as e:
+            if missing is KeyNotFoundError:
+                raise
+            raise missing(f"{key} is gone from the channel ({e})") from None
+        on_read(kind, digest.bytes)
+        if digest != entry:
+            raise ChecksumMismatchError(f"{key}: {digest} != manifest {entry}")
+
+    def verify_view_in_place(
+        self, version: int, view: str, *, manifest: Manifest | None = None, on_read: ReadCallback | None = None
+    ) -> Path:
         """The directory where a filesystem store holds one view of a version, after hashing every file
         there (streaming, with the algorithm its manifest entry names) against the manifest: what an
         engine that sees the store loads instead of a downloaded copy (docs/weights.md, "Loading in
-        place"). Raises ChecksumMismatchError if any byte differs or the directory holds a file the
-        manifest does not list, KeyNotFoundError if a listed file is missing, ChannelError if the store
-        is not a filesystem store."""
+        place"). Only an anchor is held whole: a view stored as a delta is rebuilt (`obtain_view`). Raises
+        ChecksumMismatchError if any byte differs or the directory holds a file the manifest does not list,
+        KeyNotFoundError if a listed file is missing, ChannelError if the store is not a filesystem store or
+        the view is stored as a delta. `on_read("anchor", bytes)` after each file hashed (read from the store)."""
         manifest = manifest or self.manifest(version)
         if view not in manifest.views:
             raise ChannelError(f"version {version} has no view {view!r} (has {sorted(manifest.views)})")
         if not isinstance(self.store, FilesystemStore):
             raise ChannelError(f"{self.store.uri} is not a filesystem store: a view can only be downloaded")
+        delta = manifest.views[view].delta
+        if delta is not None:
+            raise ChannelError(f"v{version}/{view} is stored as a delta against v{delta.base}: it is rebuilt, "
+                               "not loaded in place")  # fmt: skip
         prefix = f"{_version_key(version)}/{view}"
         directory = Path(self.store.uri_of(prefix))
         files = manifest.views[view].files
@@ -802,6 +1063,8 @@ class WeightChannel:
                 digest = hash_file(directory / rel, entry.algorithm)
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
                 raise KeyNotFoundError(f"{prefix}/{rel} not found in {self.store.uri}") from e
+            if on_read is not None:
+                on_read("anchor", digest.bytes)
             if digest != entry:
                 raise ChecksumMismatchError(f"v{version}/{view}/{rel}: {digest} != manifest {entry}")
         # the engine loads the whole directory: a file the manifest does not vouch for must not be there

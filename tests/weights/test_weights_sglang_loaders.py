@@ -3,7 +3,9 @@
 A tiny Qwen3 (dense) and a tiny Qwen3-MoE are built with transformers, saved with `save_pretrained`
 (plus a tokenizer built with the `tokenizers` library) as the BASE checkpoint; their weights go
 through our `WeightPublisher` into a filesystem channel (two versions); each view is downloaded
-(sha256-verified) and then:
+(BLAKE3-verified); version 2 of each view is then also published into a second channel as a DELTA against
+version 1 (`rlfleet.deltas.encode_delta` per safetensors file) and REBUILT from there (anchor v1 + delta v2,
+`WeightChannel.obtain_view`, verified): that rebuilt version 2 is what every test below loads. Then:
 
 - its `quantization_config` is parsed by SGLang's launch path (`ModelConfig` + `get_quant_config`,
   which call `Fp8Config` / `ModelOptFp4Config.from_config`; hf_quant_config.json parsed too);
@@ -55,7 +57,8 @@ import blake3
 import pytest
 import torch
 
-from rlfleet.channel import SubscriberReport, WeightChannel
+from rlfleet.channel import DeltaSource, SubscriberReport, WeightChannel
+from rlfleet.deltas import DELTA_SUFFIX, encode_delta
 from rlfleet.numerics.views import calibrate_activation_amax, checkpoint_tensors, save_view
 from rlfleet.store import FileDigest, FilesystemStore
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
@@ -176,7 +179,33 @@ def published(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             dirs[(version, view)] = publisher.channel.download_view(
                 version, view, root / "dl" / f"v{version}-{view}"
             )
+    for view in VIEWS_OF[kind]:
+        dirs[(2, view)] = rebuilt_from_a_delta(root / "deltas" / view, view, dirs[(1, view)], dirs[(2, view)])
     return Published(kind, base, model, trained, amax, dirs, publisher.channel)
+
+
+def rebuilt_from_a_delta(work: Path, view: str, first: Path, second: Path) -> Path:
+    """`second` as a sampler of a channel with deltas gets it: `first` published as an anchor (v1), `second`
+    as a delta against it (v2: per safetensors file, the changed elements), then v2 rebuilt by the channel's
+    reader (anchor v1 + delta v2, every file verified). Returns the rebuilt directory, checked to be
+    `second` byte for byte."""
+    channel = WeightChannel(FilesystemStore(work / "store", create=True), publisher_id="deltas")
+    channel.publish({view: first}, version=1)
+    payloads = {}
+    for shard in sorted(second.glob("*.safetensors")):
+        out = work / "payloads" / (shard.name + DELTA_SUFFIX)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if encode_delta(first / shard.name, shard, out) is not None:
+            payloads[shard.name] = out
+    assert payloads, "versions 1 and 2 of a view have the same safetensors headers"
+    channel.publish({view: second}, version=2, deltas={view: DeltaSource(1, payloads)})
+    rebuilt = channel.obtain_view(2, view, work / "rebuilt")
+    assert rebuilt.describe() == "anchor v1 + delta v2" and rebuilt.read_bytes["delta"] > 0
+    files = sorted(p.relative_to(second).as_posix() for p in second.rglob("*") if p.is_file())
+    assert sorted(p.relative_to(rebuilt.directory).as_posix() for p in rebuilt.directory.rglob("*") if p.is_file()) == files
+    for rel in files:
+        assert (rebuilt.directory / rel).read_bytes() == (second / rel).read_bytes(), rel
+    return rebuilt.directory
 
 
 # ---------------------------------------------------------------------------------- complete checkpoint
