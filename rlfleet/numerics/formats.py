@@ -17,11 +17,24 @@ tests. Definitions (references.md):
 
 `fake_quantize(w, fmt)` is the round trip used by the emulation; it pads shapes that do not fit the
 blocks internally (zeros never change a block's amax) and accepts any rank (last dim = K).
+
+Kept scales (`quantize_fp8_block_kept`, `quantize_nvfp4_fused_kept`, `kept_global_scale`; the rule is
+stated in docs/weights.md, "Kept scales"): between two versions a block keeps the previous version's
+scale while its values still fit under it, so a block whose values did not change keeps its codes bit
+for bit (a fresh amax scale moves with any change of the block's largest value, and with it every code
+near a rounding boundary; nvfp4's global scale moves whole fused layers). Fits: the block's largest
+value x = amax / scale rounds to the top code no worse than on the grid continued above it (x <= top
+code + half its spacing: 464 for E4M3, 7 for E2M1) and the scale is not too coarse (x >= top code /
+window: FP8_KEPT_WINDOW, NVFP4_KEPT_WINDOW). Per tensor, the squared error against the weights is at
+most KEPT_SCALE_ERROR_BOUND x that of the fresh quantization (today's, from the amax), else the blocks
+whose kept scale costs the most error are renewed, largest excess first, until it is.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -94,6 +107,43 @@ def dequantize_fp8_block(
     return w_e4m3.float() * scale_full
 
 
+def quantize_fp8_block_kept(
+    w: torch.Tensor, previous_scale_inv: torch.Tensor | None, block: int = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_block` keeping `previous_scale_inv` (the previous version's, same shape) in every
+    block whose values fit under it (module doc: 224 <= amax / scale <= 464); a block that does not
+    fit is renewed with headroom, amax * RENEWED_HEADROOM / 448, so that it fits again next version
+    (E4M3's relative precision is the same a binade down). Then, while the tensor's squared error
+    exceeds KEPT_SCALE_ERROR_BOUND x the fresh quantization's, the blocks costing the most error over
+    their fresh quantization take it, largest excess first. None or another shape: fresh."""
+    _check_2d(w)
+    n, k = w.shape
+    nb, kb = math.ceil(n / block), math.ceil(k / block)
+    if previous_scale_inv is None or tuple(previous_scale_inv.shape) != (nb, kb):
+        return quantize_fp8_block(w, block)
+    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(nb, block, kb, block)
+    block_amax = blocks.abs().amax(dim=(1, 3))  # [nb, kb]
+    fresh = block_amax / FP8_E4M3_MAX  # quantize_fp8_block's own scale
+    previous = previous_scale_inv.to(device=w.device, dtype=torch.float32)
+    keep = _keeps_block_scale(block_amax, previous, FP8_E4M3_MAX, FP8_E4M3_TOP_HALF_SPACING, FP8_KEPT_WINDOW)
+    chosen = torch.where(keep, previous, (block_amax * RENEWED_HEADROOM) / FP8_E4M3_MAX)
+
+    def quantized(scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [nb, block, kb, block], squared error per block [nb, kb] float64) under these scales."""
+        codes = cast_fp8_e4m3(_safe_div(blocks, scale_inv[:, None, :, None]))
+        return codes, _block_sse(codes.float() * scale_inv[:, None, :, None], blocks, dims=(1, 3))
+
+    chosen_codes, chosen_sse = quantized(chosen)
+    fresh_codes, fresh_sse = quantized(fresh)
+    renew = _blocks_to_renew(chosen_sse, fresh_sse, float(fresh_sse.sum()))
+    assert renew is not None  # renewing every costly block is at most the fresh quantization's error
+    scale_inv = torch.where(renew, fresh, chosen)
+    codes = torch.where(renew[:, None, :, None], fresh_codes, chosen_codes)
+    return codes.view(nb * block, kb * block)[:n, :k].contiguous(), scale_inv
+
+
 # ----------------------------------------------------------------------------------------- FP4 E2M1
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 code (uint8 nibble, bit 3 = sign) for each element of x (already scaled).
@@ -160,6 +210,94 @@ def quantize_nvfp4(
     eff_scale = weight_scale.float() * weight_scale_2  # [N, K/16] the scale really applied
     codes = e2m1_codes(_safe_div(blocks, eff_scale[..., None])).view(n, k)
     return pack_fp4(codes), weight_scale, weight_scale_2.reshape(())
+
+
+def quantize_nvfp4_fused_kept(
+    members: Sequence[torch.Tensor], previous: Sequence[tuple[torch.Tensor, torch.Tensor]] | None
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """NVFP4 of the members of ONE fused layer (q/k/v, gate/up; or one unfused linear), sharing one
+    `weight_scale_2`, keeping the previous version's scales where they fit (module doc).
+
+    `previous`: per member, its previous (weight_scale e4m3 [N, K/16], weight_scale_2 fp32 []); None:
+    the fresh quantization (`quantize_nvfp4` with the layer's amax). The global scale is kept while the
+    top block scale under it, (layer amax / 6) / weight_scale_2, is within [448 / GLOBAL_KEPT_WINDOW,
+    464] (`_keeps_global`; members whose previous global scales differ cannot keep it); else it is
+    renewed with headroom (layer amax * RENEWED_HEADROOM / (448 * 6)) and every block scale with it
+    (block scales are multiples of it). Under a kept global scale a block keeps its E4M3 block scale
+    where its values fit (4.8 <= amax / (block scale * weight_scale_2) <= 7), else takes a fresh E4M3
+    block scale under that global (round to nearest, as `quantize_nvfp4`). A member whose squared error
+    then exceeds KEPT_SCALE_ERROR_BOUND x the fresh quantization's renews its costliest blocks first;
+    if even that does not bring it within the bound, the whole layer is the fresh quantization."""
+    amax = torch.stack([m.detach().float().abs().amax() for m in members]).amax()
+    if previous is None or len(previous) != len(members):
+        return [quantize_nvfp4(m, amax) for m in members]
+    global_scales = [
+        ws2.detach().to(device=amax.device, dtype=torch.float32).reshape(()) for _, ws2 in previous
+    ]
+    same = all(torch.equal(g, global_scales[0]) for g in global_scales[1:])
+    keep_global = same and _keeps_global(amax, global_scales[0])
+    weight_scale_2 = global_scales[0] if keep_global else nvfp4_global_scale(amax * RENEWED_HEADROOM)
+    fresh_scale_2 = nvfp4_global_scale(amax)
+    out = []
+    for w, (prev_scale, _) in zip(members, previous, strict=True):
+        n, k = w.shape
+        if k % NVFP4_BLOCK:
+            raise ValueError(f"nvfp4 needs K divisible by {NVFP4_BLOCK}, got shape {tuple(w.shape)}")
+        blocks = w.float().view(n, k // NVFP4_BLOCK, NVFP4_BLOCK)
+        block_amax = blocks.abs().amax(dim=-1)  # [N, K/16]
+        fresh = _NvFp4Blocks.of(
+            blocks, cast_fp8_e4m3(_safe_div(block_amax / FP4_E2M1_MAX, fresh_scale_2)), fresh_scale_2
+        )
+        if torch.equal(weight_scale_2, fresh_scale_2):
+            renewed = fresh  # quantize_nvfp4's own blocks under the same global scale
+        else:
+            renewed_scale = cast_fp8_e4m3(_safe_div(block_amax / FP4_E2M1_MAX, weight_scale_2))
+            renewed = _NvFp4Blocks.of(blocks, renewed_scale, weight_scale_2)
+        chosen = renewed
+        if keep_global and tuple(prev_scale.shape) == tuple(block_amax.shape):
+            kept = prev_scale.to(device=w.device, dtype=torch.float32)
+            keep = _keeps_block_scale(
+                block_amax, kept * weight_scale_2, FP4_E2M1_MAX, FP4_E2M1_TOP_HALF_SPACING, NVFP4_KEPT_WINDOW
+            )
+            chosen_scale = torch.where(keep, kept, renewed.scale.float()).to(torch.float8_e4m3fn)
+            if not torch.equal(chosen_scale.view(torch.uint8), renewed.scale.view(torch.uint8)):
+                chosen = _NvFp4Blocks.of(blocks, chosen_scale, weight_scale_2)
+        renew = _blocks_to_renew(chosen.sse, renewed.sse, float(fresh.sse.sum()))
+        if renew is None:  # not within the bound under this global scale: the layer is quantized fresh
+            return [quantize_nvfp4(m, amax) for m in members]
+        scale = torch.where(renew, renewed.scale.float(), chosen.scale.float()).to(torch.float8_e4m3fn)
+        codes = torch.where(renew[..., None], renewed.codes, chosen.codes).view(n, k)
+        out.append((pack_fp4(codes), scale, weight_scale_2.clone()))
+    return out
+
+
+def kept_global_scale(previous: torch.Tensor | None, amax: torch.Tensor | float) -> torch.Tensor:
+    """An NVFP4 per-tensor scale from an amax (`input_scale`, from a calibrated activation amax) keeping
+    `previous` while the amax fits under it as `weight_scale_2` does (`_keeps_global`), else renewed
+    with headroom, `nvfp4_global_scale(amax * RENEWED_HEADROOM)`. None: `nvfp4_global_scale(amax)`."""
+    amax_t = torch.as_tensor(amax, dtype=torch.float32).reshape(())
+    if previous is None:
+        return nvfp4_global_scale(amax_t)
+    kept = previous.detach().to(device=amax_t.device, dtype=torch.float32).reshape(())
+    return kept.clone() if _keeps_global(amax_t, kept) else nvfp4_global_scale(amax_t * RENEWED_HEADROOM)
+
+
+@dataclass(frozen=True)
+class _NvFp4Blocks:
+    """One NVFP4 quantization of a member's blocks: E4M3 block scales [N, K/16], E2M1 codes [N, K/16, 16]
+    and the squared error per block [N, K/16] (float64), as `quantize_nvfp4` / `dequantize_nvfp4` compute."""
+
+    scale: torch.Tensor
+    codes: torch.Tensor
+    sse: torch.Tensor
+
+    @staticmethod
+    def of(blocks: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor) -> _NvFp4Blocks:
+        eff_scale = (weight_scale.float() * weight_scale_2)[..., None]
+        codes = e2m1_codes(_safe_div(blocks, eff_scale))
+        return _NvFp4Blocks(
+            weight_scale, codes, _block_sse(e2m1_values(codes) * eff_scale, blocks, dims=(-1,))
+        )
 
 
 def dequantize_nvfp4(
@@ -230,6 +368,82 @@ def fake_quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
         else:
             out = dequantize_mxfp4(*quantize_mxfp4(padded))[:, :k]
     return out.reshape(shape).contiguous()
+
+
+# ------------------------------------------------------------------------------------- kept scales
+KEPT_SCALE_ERROR_BOUND = 1.01
+"""Per quantized tensor: squared error with kept scales <= this x the fresh quantization's of the same weights."""
+FP8_KEPT_WINDOW = 2.0
+"""An fp8 block keeps its scale while its amax reaches 448 / 2 under it: a binade down, E4M3 keeps the
+same relative precision (measured: the error is within about 1% either way, docs/benchmarks.md)."""
+NVFP4_KEPT_WINDOW = 1.25
+"""An nvfp4 block keeps its E4M3 block scale while its amax reaches 6 / 1.25 = 4.8 under it: E2M1's eight
+magnitudes are a fixed grid, so a coarser scale costs error in proportion (the tensor bound decides)."""
+GLOBAL_KEPT_WINDOW = 2.0
+"""nvfp4 `weight_scale_2` / `input_scale` are kept while the top block scale under them reaches 448 / 2:
+a coarser global scale only moves the E4M3 block scales down their range (same relative precision)."""
+RENEWED_HEADROOM = math.sqrt(2.0)
+"""A renewed fp8 block scale or nvfp4 global scale puts the amax at 1/sqrt(2) of the top code, the
+middle of its window in log scale, so small moves either way keep it."""
+FP8_E4M3_TOP_HALF_SPACING = 16.0
+"""Half the spacing of E4M3's top binade (416, 448, (480)): up to 448 + 16 rounds to 448 anyway."""
+FP4_E2M1_TOP_HALF_SPACING = 1.0
+"""Half the spacing of E2M1's top step (4, 6, (8)): up to 6 + 1 is no farther from 6 than from 8."""
+
+
+def _keeps_block_scale(
+    block_amax: torch.Tensor, scale: torch.Tensor, max_code: float, half_top_spacing: float, window: float
+) -> torch.Tensor:
+    """Per block: whether `scale` (the dequantization multiplier really applied) may be kept: the
+    block's largest value x = amax / scale (the quantizer's own division) is within [max_code / window,
+    max_code + half_top_spacing]: no clipping beyond rounding, and not too coarse. An all-zero block
+    keeps a zero scale."""
+    top_code = _safe_div(block_amax, scale)
+    fits = (top_code <= max_code + half_top_spacing) & (top_code >= max_code / window)
+    return torch.where(scale > 0, fits, block_amax == 0)
+
+
+def _keeps_global(amax: torch.Tensor, weight_scale_2: torch.Tensor) -> bool:
+    """Whether an nvfp4 global scale may be kept for this amax: the top block scale under it, (amax /
+    6) / weight_scale_2 (the quantizer's arithmetic), is within [448 / GLOBAL_KEPT_WINDOW, 448 + 16]."""
+    if not bool(weight_scale_2 > 0):
+        return False
+    top = (amax / FP4_E2M1_MAX) / weight_scale_2
+    return bool(
+        (top <= FP8_E4M3_MAX + FP8_E4M3_TOP_HALF_SPACING) & (top >= FP8_E4M3_MAX / GLOBAL_KEPT_WINDOW)
+    )
+
+
+def _block_sse(dequantized: torch.Tensor, w: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Sum of squared errors per block, float64 (the fp32 difference is exact: a quantized value is
+    zero or within a factor 2 of its weight; its square is exact in float64)."""
+    return (dequantized - w).double().square().sum(dim=dims)
+
+
+def _blocks_to_renew(
+    chosen_sse: torch.Tensor, renewed_sse: torch.Tensor, fresh_total: float
+) -> torch.Tensor | None:
+    """The fewest blocks to renew so that the tensor's squared error is within KEPT_SCALE_ERROR_BOUND x
+    `fresh_total`: those whose chosen scale costs the most error over their renewed one, largest first
+    (each renewal lowers the total by exactly its block's excess). None when renewing every block
+    whose chosen scale costs error still exceeds the bound."""
+    bound = KEPT_SCALE_ERROR_BOUND * fresh_total
+    excess = (chosen_sse - renewed_sse).flatten()
+    renew = torch.zeros_like(excess, dtype=torch.bool)
+    if float(chosen_sse.sum()) <= bound:
+        return renew.view(chosen_sse.shape)
+    order = torch.argsort(excess, descending=True, stable=True)
+    costly = int((excess > 0).sum())
+    remaining = float(chosen_sse.sum()) - torch.cumsum(excess[order[:costly]], dim=0)
+    within = (remaining <= bound).nonzero()
+    if within.numel() == 0:
+        return None
+    chosen_flat, renewed_flat = chosen_sse.flatten(), renewed_sse.flatten()
+    for count in range(int(within[0]) + 1, costly + 1):  # the cumulative sum's rounding, made exact
+        renew[order[:count]] = True
+        if float(torch.where(renew, renewed_flat, chosen_flat).sum()) <= bound:
+            return renew.view(chosen_sse.shape)
+    return None
 
 
 def _check_2d(w: torch.Tensor) -> None:

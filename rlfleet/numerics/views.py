@@ -231,17 +231,30 @@ def _quantization_config(view: str, excluded: list[str]) -> dict[str, Any] | Non
     return None
 
 
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".input_scale")
+"""The scale companions of a quantized `X.weight` (fp8: weight_scale_inv; nvfp4: the other three)."""
+
+
+def scale_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The scale tensors of a view's tensors (copies on CPU): what the next version's `previous_scales` takes."""
+    return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items() if n.endswith(SCALE_SUFFIXES)}
+
+
 def view_tensors(
     state_dict: Mapping[str, torch.Tensor],
     view: str,
     *,
     hf: bool = False,
     activation_amax: Mapping[str, float] | None = None,
+    previous_scales: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """The tensors of one view (checkpoint names) and the names of the quantized weights.
 
     `activation_amax`: module name (e.g. `model.layers.0.self_attn.q_proj`) -> calibrated amax of its
-    input; required for nvfp4 HF checkpoints (written as `input_scale`)."""
+    input; required for nvfp4 HF checkpoints (written as `input_scale`).
+    `previous_scales`: the scale tensors of the previous version of this view (`scale_tensors`); fp8
+    and nvfp4 keep them where the kept-scale rule allows (rlfleet.numerics.formats, docs/weights.md
+    "Kept scales"), so unchanged blocks keep their codes. None: every scale fresh from the amax."""
     check_view(view)
     state = {n: t.detach().to("cpu") for n, t in checkpoint_tensors(state_dict).items()}
     quantized = [n for n, t in state.items() if is_quantized_in(n, t, view)]
@@ -259,6 +272,8 @@ def view_tensors(
                 f"nvfp4 checkpoint needs a calibrated activation amax > 0 per quantized linear "
                 f"(input_scale); missing or zero for {len(missing)} modules, e.g. {missing[:3]} (see calibrate_activation_amax)"
             )
+    previous = previous_scales or {}
+    nvfp4 = _nvfp4_kept(state, quantized, previous) if view == "nvfp4" and previous_scales is not None else {}
     out: dict[str, torch.Tensor] = {}
     qset = set(quantized)
     for name, t in state.items():
@@ -268,18 +283,43 @@ def view_tensors(
         w = t.float()  # [N, K]
         base = name[: -len(".weight")]
         if view == "fp8":
-            w_e4m3, scale_inv = formats.quantize_fp8_block(w)
+            w_e4m3, scale_inv = formats.quantize_fp8_block_kept(w, previous.get(f"{base}.weight_scale_inv"))
             out[name], out[f"{base}.weight_scale_inv"] = w_e4m3, scale_inv
         elif view == "nvfp4":
-            packed, scale, scale_2 = formats.quantize_nvfp4(w, fused_amax[fused_layer_of(name) or name])
+            if name in nvfp4:
+                packed, scale, scale_2 = nvfp4[name]
+            else:
+                packed, scale, scale_2 = formats.quantize_nvfp4(w, fused_amax[fused_layer_of(name) or name])
             out[name], out[f"{base}.weight_scale"], out[f"{base}.weight_scale_2"] = packed, scale, scale_2
             if hf:
                 assert activation_amax is not None
-                out[f"{base}.input_scale"] = formats.nvfp4_global_scale(float(activation_amax[base]))
+                out[f"{base}.input_scale"] = formats.kept_global_scale(
+                    previous.get(f"{base}.input_scale"), float(activation_amax[base])
+                )
         else:
             packed, scales = formats.quantize_mxfp4(w)
             out[name], out[f"{base}.weight_scale"] = packed, scales
     return {k: v.contiguous() for k, v in out.items()}, quantized
+
+
+def _nvfp4_kept(
+    state: Mapping[str, torch.Tensor], quantized: Iterable[str], previous: Mapping[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """nvfp4 of every quantized weight with the previous version's scales kept where the rule allows,
+    one fused layer at a time (its members share one weight_scale_2, kept or renewed together)."""
+    layers: dict[str, list[str]] = {}
+    for name in quantized:
+        layers.setdefault(fused_layer_of(name) or name, []).append(name)
+    out: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for members in layers.values():
+        bases = [m[: -len(".weight")] for m in members]
+        kept = [(previous.get(f"{b}.weight_scale"), previous.get(f"{b}.weight_scale_2")) for b in bases]
+        pairs = [(s, s2) for s, s2 in kept if s is not None and s2 is not None]
+        quantized_layer = formats.quantize_nvfp4_fused_kept(
+            [state[m].float() for m in members], pairs if len(pairs) == len(members) else None
+        )
+        out.update(zip(members, quantized_layer, strict=True))
+    return out
 
 
 # -------------------------------------------------------------------------------------- safetensors
@@ -352,18 +392,27 @@ def save_view(
     base_checkpoint: str | Path | None = None,
     activation_amax: Mapping[str, float] | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    previous_scales: Mapping[str, torch.Tensor] | None = None,
+    scales_used: dict[str, torch.Tensor] | None = None,
 ) -> dict[Path, FileDigest]:
     """Write one precision view of `state_dict` into `directory`; return every file written with its
     BLAKE3 digest and size (hashed while written; pass them to `WeightChannel.publish(digests=...)`).
 
     `base_checkpoint`: the HF checkpoint directory the model was loaded from (config.json, tokenizer,
     generation config). Given: the view is a complete HF checkpoint SGLang launches from. Absent: a
-    tensor-only view (reference sampler only)."""
+    tensor-only view (reference sampler only).
+    `previous_scales`: the previous version's scale tensors of this view, kept where the rule allows
+    (`view_tensors`); `scales_used`: filled with this version's scale tensors as written (CPU copies),
+    the next version's `previous_scales`."""
     check_view(view)
     config = read_base_config(base_checkpoint) if base_checkpoint is not None else None
     hf = config is not None
     check_view_for_model(view, config)
-    tensors, quantized = view_tensors(state_dict, view, hf=hf, activation_amax=activation_amax)
+    tensors, quantized = view_tensors(
+        state_dict, view, hf=hf, activation_amax=activation_amax, previous_scales=previous_scales
+    )
+    if scales_used is not None:
+        scales_used.update(scale_tensors(tensors))
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     qset = set(quantized)
