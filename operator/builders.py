@@ -69,6 +69,8 @@ def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, 
     }
     if group.tensor_parallel is not None:
         spec["tensorParallel"] = group.tensor_parallel
+    if group.egress_price_per_gb is not None:
+        spec["egressPricePerGb"] = group.egress_price_per_gb
     spec.update(group.placement_wire())
     return {
         "apiVersion": API_VERSION,

@@ -7,6 +7,9 @@ module chooses replicas too.
 - `cost_per_1m_usable_tokens` / `fleet_cost_per_1m_usable_tokens`: USD per million USABLE tokens (inside
   the MIS band: tokens outside it are masked by the objective and teach nothing, docs/objective.md) from
   tokens/s per replica, replicas, cost per replica-hour and out-of-range share.
+- `weight_egress_cost_per_hour`: what a replica's weight traffic costs per hour where its group pays an
+  egress price per GB (a group in another region than the store): bytes it reads per version x versions
+  per hour x price; part of the group's cost per replica-hour wherever it is set.
 - `measured_economics(groups, reference_accelerator)`: a running fleet's figures per interval (per group
   and fleet: tokens/s, USD/h, usable share, USD per 1M usable tokens; the reference's and the saving):
   the operator's rebalancer and a local run's report both take them from here. A reference class the
@@ -42,6 +45,7 @@ from pydantic.alias_generators import to_camel
 from rlfleet.catalog import Catalog, CatalogError, check_group, get_catalog
 
 SECONDS_PER_HOUR = 3600.0
+BYTES_PER_GB = 1e9  # egress is priced per GB (10^9 bytes), as clouds bill it
 ReferenceBasis = Literal["given", "measured", "estimated"]
 REFERENCE_WEIGHT_FORMAT = "bf16"  # the trainer's own precision: the reference fleet makes tokens as it trains
 _REL_TOL = 1e-9  # relative cost difference below which two plans cost the same (solver round-off)
@@ -78,6 +82,13 @@ def fleet_cost_per_1m_usable_tokens(groups: Iterable[tuple[float, int, float, fl
     return cost if math.isfinite(cost) else None
 
 
+def weight_egress_cost_per_hour(bytes_per_version: float, versions_per_hour: float, price_per_gb: float) -> float:
+    """USD per hour one replica pays for its weight traffic: the bytes it reads per version (its view's
+    stored bytes: the whole view for an anchor, the payloads for a delta; with deltas, their mean over
+    versions) x the versions published per hour x the egress price per GB (1e9 bytes)."""
+    return bytes_per_version / BYTES_PER_GB * versions_per_hour * price_per_gb
+
+
 # --- a running fleet's figures (the operator's rebalance interval, a local run's step) ------------------
 
 
@@ -95,6 +106,16 @@ class MeasuredGroup:
     # share of the tokens it sampled that the trainer trained on (the rest answered invalid: NaN, positive
     # or out-of-support logprobs, ...; trainer/metrics.py `trained_fraction`); None: not reported (all)
     trained_fraction: float | None = None
+    # USD/h of the weight traffic of all its replicas (`weight_egress_cost_per_hour` x replicas; 0: none
+    # priced): added to its GPUs' cost wherever their price is known
+    egress_cost_per_hour: float = 0.0
+
+    @property
+    def cost_per_hour(self) -> float | None:
+        """Its GPUs and its weight traffic, USD/h; None: no GPU price."""
+        if self.cost_per_gpu_hour <= 0 or self.gpus <= 0:
+            return None
+        return self.cost_per_gpu_hour * self.gpus + max(self.egress_cost_per_hour, 0.0)
 
     @property
     def usable_fraction(self) -> float:
@@ -146,9 +167,10 @@ class FleetEconomics:
 
 
 def _priced_cost_per_1m(g: MeasuredGroup, oor_fraction: float) -> float | None:
-    if g.tokens_per_second is None or g.cost_per_gpu_hour <= 0 or g.gpus <= 0:
+    cost = g.cost_per_hour
+    if g.tokens_per_second is None or cost is None:
         return None
-    return fleet_cost_per_1m_usable_tokens([(g.tokens_per_second, 1, g.cost_per_gpu_hour * g.gpus, oor_fraction)])
+    return fleet_cost_per_1m_usable_tokens([(g.tokens_per_second, 1, cost, oor_fraction)])
 
 
 def estimated_reference_tokens_per_gpu_second(
@@ -190,7 +212,7 @@ def measured_economics(
     per_group = {
         g.name: GroupEconomics(
             tokens_per_second=g.tokens_per_second,
-            cost_per_hour=g.cost_per_gpu_hour * g.gpus if g.cost_per_gpu_hour > 0 else None,
+            cost_per_hour=g.cost_per_hour,
             usable_fraction=g.usable_fraction,
             cost_per_1m_tokens=_priced_cost_per_1m(g, 0.0),
             cost_per_1m_usable_tokens=_priced_cost_per_1m(g, 1.0 - g.usable_fraction),
@@ -203,7 +225,7 @@ def measured_economics(
     fleet = None
     if any(g.cost_per_gpu_hour > 0 for g in paying):
         fleet = fleet_cost_per_1m_usable_tokens(
-            [(max(g.tokens_per_second or 0.0, 0.0), 1, max(g.cost_per_gpu_hour, 0.0) * g.gpus, 1.0 - g.usable_fraction)
+            [(max(g.tokens_per_second or 0.0, 0.0), 1, g.cost_per_hour or 0.0, 1.0 - g.usable_fraction)
              for g in paying]
         )  # fmt: skip
     same = [
@@ -232,7 +254,7 @@ def measured_economics(
     return FleetEconomics(
         groups=per_group,
         tokens_per_second=tokens,
-        cost_per_hour=sum(max(g.cost_per_gpu_hour, 0.0) * g.gpus for g in paying),
+        cost_per_hour=sum(g.cost_per_hour or 0.0 for g in paying),
         usable_fraction=usable / tokens if tokens > 0 else None,
         cost_per_1m_usable_tokens=fleet,
         reference_accelerator=reference_accelerator,
@@ -267,6 +289,11 @@ class GroupFigures(_Model):
     max_kl: float | None = Field(default=None, ge=0.0)  # this group's budget (default: budgets.groupMaxKl)
     max_oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     spot: bool = False  # spot capacity: among the cheapest plans, the one with the fewest spot replicas
+    # its weight traffic, where it pays for it (a group in another region than the store): USD per GB its
+    # replicas read, and the bytes one replica reads per version (its view's stored bytes; with deltas the
+    # mean over versions); with the request's versionsPerHour, part of its cost per replica-hour
+    egress_price_per_gb: float | None = Field(default=None, ge=0.0, le=1000.0)
+    weight_bytes_per_version: float | None = Field(default=None, ge=0.0, le=1e15)
 
     @model_validator(mode="after")
     def _check_bounds(self) -> GroupFigures:
@@ -312,6 +339,7 @@ class FleetPlanRequest(_Model):
     hysteresis: float = Field(default=0.05, ge=0.0, lt=1.0)  # the relative cost gain a change must beat
     groups: list[GroupFigures] = Field(min_length=1)
     reference: Reference = Field(default_factory=Reference)
+    versions_per_hour: float | None = Field(default=None, ge=0.0, le=1e6)  # weight versions published per hour
 
     @model_validator(mode="after")
     def _check_names(self) -> FleetPlanRequest:
@@ -319,6 +347,12 @@ class FleetPlanRequest(_Model):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"duplicate group names: {', '.join(duplicates)}")
+        for g in self.groups:
+            if g.egress_price_per_gb and (g.weight_bytes_per_version is None or self.versions_per_hour is None):
+                raise ValueError(
+                    f"group {g.name}: egressPricePerGb needs its weightBytesPerVersion and the request's "
+                    "versionsPerHour (the weight traffic it pays for)"
+                )
         return self
 
 
@@ -351,8 +385,9 @@ class GroupPlan:
     within_budget: bool
     tokens_per_second: float  # at the planned replicas, every replica busy
     usable_tokens_per_second: float  # 0 for a group over its budget (no share)
-    cost_per_hour: float
+    cost_per_hour: float  # its GPUs and its weight traffic
     cost_per_1m_usable_tokens: float | None  # the group's own price of a usable token
+    egress_cost_per_hour: float = 0.0  # the weight traffic's share of cost_per_hour
 
 
 @dataclass(frozen=True)
@@ -388,6 +423,7 @@ class FleetPlan:
                     "usableTokensPerSecond": _round(g.usable_tokens_per_second, 3),
                     "costPerHour": _round(g.cost_per_hour, 6),
                     "costPer1MUsableTokens": _round(g.cost_per_1m_usable_tokens, 6),
+                    **({"egressCostPerHour": _round(g.egress_cost_per_hour, 6)} if g.egress_cost_per_hour else {}),
                 }
                 for g in self.groups
             },
@@ -423,7 +459,7 @@ class _Group:
 
     name: str
     tokens_per_second: float  # per replica
-    cost_per_hour: float  # per replica
+    cost_per_hour: float  # per replica: its GPUs and its weight traffic
     kl: float
     oor_fraction: float
     within_budget: bool
@@ -432,6 +468,7 @@ class _Group:
     min_replicas: int
     max_replicas: int
     spot: bool = False
+    egress_cost_per_hour: float = 0.0  # per replica, included in cost_per_hour
 
     @property
     def usable_per_replica(self) -> float:
@@ -576,6 +613,9 @@ def _resolve_group(g: GroupFigures, request: FleetPlanRequest, catalog: Catalog)
     cost = g.cost_per_replica_hour
     if cost is None:
         cost = catalog.get(g.accelerator).cost_per_gpu_hour * g.gpus_per_replica
+    egress = 0.0
+    if g.egress_price_per_gb and g.weight_bytes_per_version is not None and request.versions_per_hour is not None:
+        egress = weight_egress_cost_per_hour(g.weight_bytes_per_version, request.versions_per_hour, g.egress_price_per_gb)
     max_kl = g.max_kl if g.max_kl is not None else request.budgets.group_max_kl
     max_oor = g.max_oor_fraction if g.max_oor_fraction is not None else request.budgets.group_max_oor_fraction
     over = []
@@ -586,7 +626,7 @@ def _resolve_group(g: GroupFigures, request: FleetPlanRequest, catalog: Catalog)
     return _Group(
         name=g.name,
         tokens_per_second=g.tokens_per_second_per_replica,
-        cost_per_hour=cost,
+        cost_per_hour=cost + egress,
         kl=g.kl,
         oor_fraction=g.oor_fraction,
         within_budget=not over,
@@ -595,6 +635,7 @@ def _resolve_group(g: GroupFigures, request: FleetPlanRequest, catalog: Catalog)
         min_replicas=g.min_replicas,
         max_replicas=g.max_replicas,
         spot=g.spot,
+        egress_cost_per_hour=egress,
     )
 
 
@@ -754,6 +795,7 @@ def _fleet_plan(
             usable_tokens_per_second=g.usable_per_replica * x,
             cost_per_hour=g.cost_per_hour * x,
             cost_per_1m_usable_tokens=cost_per_1m_usable_tokens(g.tokens_per_second, 1, g.cost_per_hour, g.oor_fraction),
+            egress_cost_per_hour=g.egress_cost_per_hour * x,
         )
         for g, x in zip(problem.groups, replicas, strict=True)
     )

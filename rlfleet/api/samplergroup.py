@@ -115,6 +115,8 @@ class SamplerGroupTemplate(PodPlacement):
     """Manually quarantine the group: the router sends it no new sessions (its pods keep running)."""
     spot: bool = False
     """Run the group on spot / preemptible capacity: its pods also require a spot node and tolerate the spot taints (the catalog's spot flavor: GKE, EKS, Karpenter and AKS labels by default, docs/scheduling.md "Spot groups")."""
+    egress_price_per_gb: float | None = Field(default=None, ge=0.0, le=1000.0)
+    """USD per GB (10^9 bytes) of weights its replicas read from the weight channel, for a group that pays for that traffic (in another region or cloud than the store): the bytes each replica reads per version x versions per hour x this price is part of its cost per hour and per usable token (docs/economics.md, "Weight traffic"). Unset: its weight traffic is free."""
 
     @model_validator(mode="after")
     def _check_against_catalog(self) -> SamplerGroupTemplate:
