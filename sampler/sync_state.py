@@ -8,10 +8,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rlfleet.channel import SUBSCRIBER_HEARTBEAT_SECONDS
+from rlfleet.channel import READ_KINDS, SUBSCRIBER_HEARTBEAT_SECONDS
 
-FAILURE_REASONS = ("store", "checksum", "engine", "internal")
-"""Why a sync attempt failed (the `reason` label of rlfleet_weight_sync_failures_total)."""
+FAILURE_REASONS = ("store", "checksum", "delta", "engine", "internal")
+"""Why a sync attempt failed (the `reason` label of rlfleet_weight_sync_failures_total); "delta": a delta
+version could not be rebuilt (its chain broken, a payload that does not fit its base)."""
 
 
 @dataclass
@@ -50,7 +51,13 @@ class LastApply:
     apply_seconds: float
     total_seconds: float
     bytes: int
+    """Size of the complete view applied."""
     at: str
+    read_bytes: int = 0
+    """Bytes read from the store to obtain it (a delta version: its payloads and whole files, and its
+    chain's when it was rebuilt from further back)."""
+    source: str = ""
+    """How it was obtained, e.g. "anchor v4 + deltas v5, v6", "local v6 + delta v7", "anchor v8 in place"."""
 
 
 @dataclass
@@ -62,6 +69,8 @@ class SyncState:
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
     last_error: str | None = None
     last_apply: LastApply | None = None
+    read_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(READ_KINDS, 0))
+    """Bytes read from the store since start, by kind (rlfleet.channel.READ_KINDS)."""
     next_attempt_at: float = 0.0
     report_failures: int = 0
     """Failed writes of the subscriber report (total)."""
@@ -117,6 +126,14 @@ class SyncMetrics:
             list(labels),
             registry=self.registry,
         ).labels(**labels)
+        read_bytes = Counter(
+            "rlfleet_weight_sync_read_bytes",
+            "Bytes read from the weight channel's store, by kind: anchor (files of a version stored whole), "
+            "delta (delta payloads), whole-file (files a delta version stores whole).",
+            [*labels, "kind"],
+            registry=self.registry,
+        )
+        self.read_bytes = {kind: read_bytes.labels(**labels, kind=kind) for kind in READ_KINDS}
         buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
         self.download = Histogram(
             "rlfleet_weight_sync_download_seconds",

@@ -7,13 +7,18 @@ unreachable, checksum mismatch, engine error) is counted by reason, the engine k
 version it has, and the loop retries with exponential backoff (with jitter).
 
 Obtaining a version, verified BEFORE the engine sees the directory (the manifest against the
-pointer's sha256, every file against the manifest's digest; an entry naming an algorithm this sidecar
-does not know is refused, reason "checksum"):
-- by default: downloaded into `cache_dir` (an emptyDir shared with the engine container), each file
-  hashed (BLAKE3, streamed) as it lands; the newest `keep_local` copies are kept;
-- `in_place` (a filesystem store the engine also sees): every file hashed where the channel holds it,
-  and the engine loads that directory; no copy. Retention keeps it while it is served: the version
-  stays in this replica's report (`applied_version`, `in_use`) (docs/weights.md, "Loading in place").
+pointer's sha256, every file against the manifest's digest of the complete file; an entry naming an
+algorithm this sidecar does not know is refused, reason "checksum"):
+- by default: into `cache_dir` (the pod's local volume, an emptyDir shared with the engine container):
+  an anchor downloaded, a delta version rebuilt from this sidecar's newest local copy on its chain (or,
+  for a new replica or one that was down across an anchor, from the anchor at or below it) plus the
+  deltas after it, every step verified (`WeightChannel.obtain_view`; docs/weights.md, "Rebuilding a
+  view"); the newest `keep_local` copies are kept, the bases of the next versions;
+- `in_place` (a filesystem store the engine also sees): an anchor's files hashed where the channel holds
+  them, and the engine loads that directory; no copy (a delta version is rebuilt into `cache_dir` as
+  above). Retention keeps it while it is served: the version stays in this replica's report
+  (`applied_version`, `in_use`) (docs/weights.md, "Loading in place").
+A hidden partial directory an earlier run left in `cache_dir` (killed while it rebuilt) is removed at start.
 
 `fetch_for_launch` is the init container's mode (`--fetch-only`): wait for the newest version of the
 view, obtain it verified, write the cache's launch file and return.
@@ -34,7 +39,16 @@ from typing import Any
 import httpx
 
 from rlfleet.api.common import FOREIGN_WEIGHTS_PREFIX
-from rlfleet.channel import ChannelError, ChecksumMismatchError, Manifest, WeightChannel, now_iso
+from rlfleet.channel import (
+    READ_KINDS,
+    ChannelError,
+    ChecksumMismatchError,
+    Manifest,
+    ObtainedView,
+    RebuildError,
+    WeightChannel,
+    now_iso,
+)
 from rlfleet.sampler.engine_clients import DiskEngine, EngineError, engine_weight_version
 from rlfleet.sampler.launch_checkpoint import (
     NotLaunchableError,
@@ -62,6 +76,7 @@ class Syncer:
         if config.initial_version is not None:
             self.metrics.applied.set(config.initial_version)
         self.config.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._remove_partial_copies()
         self.reporter = SubscriberReporter(self.channel, config, self.state, self.metrics)
 
     # -- one reconciliation step
@@ -91,7 +106,7 @@ class Syncer:
         await self.reporter.report(target=version)
         t0 = time.perf_counter()
         try:
-            target = await asyncio.to_thread(self._obtain_verified, version, manifest)
+            obtained = await asyncio.to_thread(self._obtain_verified, version, manifest)
         except (StoreError, OSError, ValueError) as e:
             self._failed(_obtain_failure_reason(e), f"v{version}: {e}")
             await self.reporter.report()
@@ -99,12 +114,12 @@ class Syncer:
         t1 = time.perf_counter()
         state.phase = "applying"
         try:
-            await self.engine.apply(version, target, manifest, self.config.view)
+            await self.engine.apply(version, obtained.directory, manifest, self.config.view)
         except (EngineError, httpx.HTTPError) as e:
             self._failed("engine", f"v{version}: {e}")
             await self.reporter.report()
             return False
-        self._applied(version, target, manifest, t0, t1, time.perf_counter())
+        self._applied(obtained, manifest, t0, t1, time.perf_counter())
         await self.reporter.report()
         return True
 
@@ -137,9 +152,8 @@ class Syncer:
         self.metrics.foreign_versions.inc()
         log.warning("%s", state.foreign_message)
 
-    def _applied(
-        self, version: int, target: Path, manifest: Manifest, t0: float, t1: float, t2: float
-    ) -> None:
+    def _applied(self, obtained: ObtainedView, manifest: Manifest, t0: float, t1: float, t2: float) -> None:
+        version, target = obtained.version, obtained.directory
         state = self.state
         if version != state.applied_version:
             state.foreign_message = None  # a newer version applied: a restored foreign load is history
@@ -148,8 +162,9 @@ class Syncer:
         state.last_error = None
         state.phase = "in-sync"
         state.last_apply = LastApply(
-            version, t1 - t0, t2 - t1, t2 - t0, manifest.views[self.config.view].bytes, now_iso()
-        )
+            version, t1 - t0, t2 - t1, t2 - t0, manifest.views[self.config.view].bytes, now_iso(),
+            sum(obtained.read_bytes.values()), obtained.describe(),
+        )  # fmt: skip
         self.metrics.applied.set(version)
         self.metrics.applies.inc()
         self.metrics.download.observe(t1 - t0)
@@ -158,27 +173,64 @@ class Syncer:
         write_launch_file(self.config.cache_dir, version, target)  # a restarted engine starts here
         self._prune_local()
         log.info(
-            "applied weights v%d (%s) %s %.2fs apply %.2fs", version, self.config.view,
-            "verify in place" if self.config.in_place else "download", t1 - t0, t2 - t1,
+            "applied weights v%d (%s) from %s, %d bytes read: obtain %.2fs apply %.2fs", version,
+            self.config.view, obtained.describe(), sum(obtained.read_bytes.values()), t1 - t0, t2 - t1,
         )  # fmt: skip
 
-    def _obtain_verified(self, version: int, manifest: Manifest) -> Path:
+    def _obtain_verified(self, version: int, manifest: Manifest) -> ObtainedView:
         """This pod's view of `version` with every file verified (BLAKE3) and checked to be a checkpoint
-        SGLang would load in the view's format: the channel's own directory (`in_place`) or a verified
-        copy in the cache; a directory that fails is never handed to the engine."""
+        SGLang would load in the view's format: the channel's own directory (`in_place`, an anchor) or a
+        verified copy in the cache (downloaded, or rebuilt from a local copy or an anchor plus deltas); a
+        directory that fails is never handed to the engine. A rebuild that had to reseed from the anchor
+        is counted as a failure of its reason (the view is still obtained)."""
         view = self.config.view
-        if self.config.in_place:
-            target = self.channel.verify_view_in_place(version, view, manifest=manifest)
+        if self.config.in_place and manifest.views[view].delta is None:
+            read = dict.fromkeys(READ_KINDS, 0)
+
+            def count(kind: str, nbytes: int) -> None:
+                read[kind] += nbytes
+                self._count_read(kind, nbytes)
+
+            target = self.channel.verify_view_in_place(version, view, manifest=manifest, on_read=count)
             check_launchable(target, view, require_config=self.config.require_checkpoint)
-            return target
+            return ObtainedView(target, version, f"anchor v{version} in place", (), read)
         target = self.config.cache_dir / f"v{version}-{view}"
-        self.channel.download_view(version, view, target, manifest=manifest)
+        obtained = self.channel.obtain_view(
+            version, view, target, manifest=manifest, local=self._local_copies(), on_read=self._count_read
+        )
+        if obtained.fallback is not None:
+            self._recovered(_obtain_failure_reason(obtained.fallback), f"v{version}: {obtained.fallback}")
         try:
             check_launchable(target, view, require_config=self.config.require_checkpoint)
         except NotLaunchableError:
             shutil.rmtree(target, ignore_errors=True)
             raise
-        return target
+        return obtained
+
+    def _count_read(self, kind: str, nbytes: int) -> None:
+        """Bytes read from the store, by kind (rlfleet.channel.READ_KINDS): /status and /metrics."""
+        self.state.read_bytes[kind] += nbytes
+        self.metrics.read_bytes[kind].inc(nbytes)
+
+    def _local_copies(self) -> dict[int, Path]:
+        """Version -> this sidecar's verified copy of it in the cache (`v<N>-<view>`, renamed into place only
+        once verified): the bases a delta version is rebuilt from."""
+        copies = {}
+        for directory in self.config.cache_dir.glob(f"v*-{self.config.view}"):
+            number = directory.name[1:].removesuffix(f"-{self.config.view}")
+            if number.isdigit() and directory.is_dir():
+                copies[int(number)] = directory
+        return copies
+
+    def _remove_partial_copies(self) -> None:
+        """Remove the hidden partial directories (`.v<N>-<view>.partial-<id>`, WeightChannel.obtain_view) an
+        earlier run of this sidecar left in the cache when it was killed while it downloaded or rebuilt:
+        never a view (only a verified directory is renamed to `v<N>-<view>`), only its disk space."""
+        for partial in self.config.cache_dir.glob(f".v*-{self.config.view}.partial-*"):
+            log.info(
+                "removing %s, a partial copy left by an earlier run (killed while obtaining it)", partial
+            )
+            shutil.rmtree(partial, ignore_errors=True)
 
     async def fetch_for_launch(self, stop: asyncio.Event) -> tuple[int, Path] | None:
         """Init-container mode: wait for the newest version of the view, obtain it verified, write the
@@ -197,10 +249,7 @@ class Syncer:
                         "waiting for version 0 of view %s in %s", self.config.view, self.channel.store.uri
                     )
                 except (StoreError, OSError, ValueError) as e:
-                    reason = (
-                        "checksum" if isinstance(e, ChecksumMismatchError | NotLaunchableError) else "store"
-                    )
-                    self._failed(reason, str(e))
+                    self._failed(_obtain_failure_reason(e), str(e))
                 await self.reporter.report()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=self.backoff_seconds())
@@ -211,10 +260,17 @@ class Syncer:
         state.latest_version = version
         state.phase = "downloading"
         await self.reporter.report(target=version)
-        target = await asyncio.to_thread(self._obtain_verified, version, manifest)
+        obtained = await asyncio.to_thread(self._obtain_verified, version, manifest)
+        target = obtained.directory
         write_launch_file(self.config.cache_dir, version, target)
         state.phase = "fetched"
-        log.info("launch checkpoint: v%d (%s) at %s", version, self.config.view, target)
+        log.info(
+            "launch checkpoint: v%d (%s) at %s, from %s",
+            version,
+            self.config.view,
+            target,
+            obtained.describe(),
+        )
         # applied_version stays None (the engine is not up yet); in_use keeps v from retention
         await self.reporter.report(target=version)
         return version, target
@@ -227,6 +283,13 @@ class Syncer:
         state.phase = "backoff"
         self.metrics.failures[reason].inc()
         log.warning("weight sync failed (%s), keeping v%s: %s", reason, state.applied_version, message)
+
+    def _recovered(self, reason: str, message: str) -> None:
+        """Count a failure the step recovered from by itself (a local copy that no longer verified: the view
+        was reseeded from the anchor): counted and logged like a failure, no backoff."""
+        self.state.failures[reason] += 1
+        self.metrics.failures[reason].inc()
+        log.warning("weight sync recovered (%s): %s", reason, message)
 
     def _update_lag(self) -> None:
         s = self.state
@@ -292,6 +355,7 @@ class Syncer:
             "foreign_versions": s.foreign_versions,
             "foreign": s.foreign_message,
             "last_apply": asdict(s.last_apply) if s.last_apply else None,
+            "read_bytes": dict(s.read_bytes),
             "next_attempt_in_seconds": max(0.0, round(s.next_attempt_at - time.time(), 3))
             if s.next_attempt_at
             else None,
@@ -310,8 +374,11 @@ def foreign_version_message(serving: int, applied: int | None, version: int, cou
 
 
 def _obtain_failure_reason(error: Exception) -> str:
-    """A bad byte, an unknown digest algorithm, a refused checkpoint or a bad manifest is "checksum";
-    the store being unreachable, a missing file or a version without the view is "store"."""
+    """A bad byte, an unknown digest algorithm, a refused checkpoint or a bad manifest is "checksum"; a
+    delta version that cannot be rebuilt (its chain broken, a payload that does not fit its base) is
+    "delta"; the store being unreachable, a missing file or a version without the view is "store"."""
+    if isinstance(error, RebuildError):
+        return "delta"
     if isinstance(error, ChecksumMismatchError | NotLaunchableError):
         return "checksum"
     if isinstance(error, ChannelError) and "no view" not in str(error):

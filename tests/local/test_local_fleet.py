@@ -70,3 +70,67 @@ async def test_each_engine_loads_once_and_later_versions_load_in_place(
     finally:
         stop.set()
         await stop_fleet(fleet, tasks)
+
+
+async def test_delta_versions_are_rebuilt_into_the_cache_and_loaded(
+    tmp_path: Path, tiny_qwen3_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A channel of an anchor (v0) and a delta (v1: the changed elements of each view's model.safetensors
+    against v0's, as the trainer publishes with deltas, docs/weights.md "Deltas between versions"): each
+    engine starts from v0 in the channel's directory, and loads v1 rebuilt (anchor v0 + delta v1) into its
+    group's cache directory, every file verified against v1's manifest, so it serves v1's weights."""
+    from rlfleet.channel import DeltaSource
+    from rlfleet.deltas import DELTA_SUFFIX, encode_delta
+    from rlfleet.numerics.views import load_view, save_view
+    from rlfleet.store import hash_file
+
+    caplog.set_level(logging.INFO, logger="rlfleet.sampler.server")
+    channel_dir, cache = tmp_path / "channel", tmp_path / "cache"
+    store = FilesystemStore(channel_dir, create=True)
+    channel = WeightChannel(store, publisher_id="local/test")
+    groups = [GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")]
+    model = tiny_model(TinyQwen3(seed=1))
+
+    def views_of(version: int) -> dict[str, Path]:
+        """Each group's view of the model as it is now, as the publisher writes it (an HF checkpoint)."""
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        directories = {}
+        for g in groups:
+            directory = tmp_path / f"v{version}" / g.weight_format
+            save_view(state, g.weight_format, directory, base_checkpoint=tiny_qwen3_dir)
+            directories[g.weight_format] = directory
+        return directories
+
+    v0 = views_of(0)
+    channel.publish(v0, version=0)
+    spec = FleetSpec(groups=groups, store=str(channel_dir), cache_dir=str(cache), model_path=str(tiny_qwen3_dir),
+                     poll_interval=0.05)  # fmt: skip
+    stop = asyncio.Event()
+    fleet, tasks = await start_fleet(spec, stop)
+    try:
+        import torch
+
+        with torch.no_grad():  # a training step's worth: a few rows change
+            model.lm_head.weight[:3] += 0.01
+        v1 = views_of(1)
+        payloads = {}
+        for view, directory in v1.items():
+            out = tmp_path / f"v1-{view}{DELTA_SUFFIX}"
+            assert encode_delta(v0[view] / "model.safetensors", directory / "model.safetensors", out) is not None
+            payloads[view] = DeltaSource(0, {"model.safetensors": out})
+        manifest = channel.publish(v1, version=1, deltas=payloads).manifest
+        assert all(manifest.views[g.weight_format].delta is not None for g in groups)
+        await wait_until_serving(fleet, 1, timeout=60)
+        rebuilt = {g.weight_format: cache / g.name / f"v1-{g.weight_format}" for g in groups}
+        assert weight_loads(caplog) == sorted(
+            f"weights {rebuilt[view]} (view {view}) -> version 1" for view in ("bf16", "fp8")
+        )
+        for view, directory in rebuilt.items():
+            files = manifest.views[view].files
+            assert sorted(p.name for p in directory.iterdir()) == sorted(files)
+            assert all(hash_file(directory / rel, entry.algorithm) == entry for rel, entry in files.items())
+            assert load_view(directory)[1].keys() == load_view(v1[view])[1].keys()
+            assert (directory / "model.safetensors").read_bytes() == (v1[view] / "model.safetensors").read_bytes()
+    finally:
+        stop.set()
+        await stop_fleet(fleet, tasks)

@@ -18,12 +18,16 @@ SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code
 class S3FaultProxy:
     """Forwards every request to `upstream_port`; a request whose method and path match `fail` (set at any
     time: (method, or methods joined by "|", regex of the path) or None) is answered 503 SlowDown instead
-    and counted in `failed`."""
+    and counted in `failed`; one that matches `hold` (the same form) is held unanswered (`held` is set)
+    until `release` is set, so a client can be stopped at a known point of its work."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.fail: tuple[str, re.Pattern[str]] | None = None
         self.failed: list[str] = []
+        self.hold: tuple[str, re.Pattern[str]] | None = None
+        self.held = threading.Event()
+        self.release = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,6 +49,12 @@ class S3FaultProxy:
 
             def _relay(self) -> None:
                 body = self._body()
+                hold = proxy.hold
+                if hold is not None and self.command in hold[0].split("|") and hold[1].search(self.path):
+                    proxy.held.set()
+                    proxy.release.wait(120)
+                    self.close_connection = True
+                    return  # the client's request is never answered
                 rule = proxy.fail
                 if rule is not None and self.command in rule[0].split("|") and rule[1].search(self.path):
                     proxy.failed.append(f"{self.command} {self.path}")
