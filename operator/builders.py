@@ -93,6 +93,7 @@ def build_weightchannel(job: RLJob, namespace: str, owner: Manifest | None) -> M
             "jobName": job.name,
             "store": wc.store.to_wire(),
             "retention": wc.retention.to_wire(),
+            "deltas": wc.deltas.to_wire(),
         },
     }
 

@@ -37,7 +37,8 @@ Guarantees (see docs/weights.md for the argument):
 - `retain` deletes old versions but never the latest, an in-flight (higher) one, or any version a
   subscriber reports as in use (in a report not older than SUBSCRIBER_STALE_AFTER_SECONDS, aged from
   the store's own time of its write when its date is later; at most its MAX_PINNED_PER_REPORT newest
-  versions at or below the pointer).
+  versions at or below the pointer), nor a version any of those is rebuilt from (a view stored as a
+  delta: its base, down to an anchor).
 
 Pure of torch (safetensors headers are parsed as JSON), so the operator can read channel status.
 """
@@ -559,6 +560,38 @@ def manifest_key(version: int) -> str:
     return f"{_version_key(version)}/manifest.json"
 
 
+def _local_view_files(view_dirs: Mapping[str, Path]) -> list[tuple[str, str, Path]]:
+    """(view, relative path, local path) of every file of the views to publish; ValueError for a bad name,
+    a missing or empty directory."""
+    if not view_dirs:
+        raise ValueError("publish needs at least one view")
+    files: list[tuple[str, str, Path]] = []
+    for view, directory in sorted(view_dirs.items()):
+        check_name("view", view)
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ValueError(f"view {view}: {directory} is not a directory")
+        found = [(view, p.relative_to(directory).as_posix(), p) for p in sorted(directory.rglob("*")) if p.is_file()]
+        if not found:
+            raise ValueError(f"view {view}: {directory} has no files")
+        files.extend(found)
+    return files
+
+
+def _check_delta_sources(
+    deltas: Mapping[str, DeltaSource], files: list[tuple[str, str, Path]], version: int | None
+) -> None:
+    """ValueError unless every payload stands for a safetensors file of a published view, against an
+    earlier version."""
+    for view, source in deltas.items():
+        listed = {rel for v, rel, _ in files if v == view and rel.endswith(".safetensors")}
+        unknown = sorted(set(source.payloads) - listed)
+        if not any(v == view for v, _, _ in files) or unknown:
+            raise ValueError(f"view {view}: delta payloads for files the view does not have: {unknown or '(no such view)'}")
+        if version is not None and not 0 <= source.base < version:
+            raise ValueError(f"view {view}: delta base v{source.base} is not below v{version}")
+
+
 class WeightChannel:
     """Publish and read versions of precision views in a Store."""
 
@@ -736,28 +769,9 @@ class WeightChannel:
         `rlfleet.deltas.encode_delta` against version `base`'s same file): such a file is hashed for the
         manifest (the complete checkpoint's digest) but only its payload `<rel>.delta` is uploaded; the file
         stays where it is (with `move`, the caller still owns it)."""
-        if not view_dirs:
-            raise ValueError("publish needs at least one view")
-        files: list[tuple[str, str, Path]] = []  # (view, relative path, local path)
-        for view, directory in sorted(view_dirs.items()):
-            check_name("view", view)
-            directory = Path(directory)
-            if not directory.is_dir():
-                raise ValueError(f"view {view}: {directory} is not a directory")
-            for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-                rel = path.relative_to(directory).as_posix()
-                files.append((view, rel, path))
-            if not any(v == view for v, _, _ in files):
-                raise ValueError(f"view {view}: {directory} has no files")
-
+        files = _local_view_files(view_dirs)
         deltas = dict(deltas or {})
-        for view, source in deltas.items():
-            listed = {rel for v, rel, _ in files if v == view}
-            unknown = sorted(set(source.payloads) - {rel for rel in listed if rel.endswith(".safetensors")})
-            if view not in view_dirs or unknown:
-                raise ValueError(f"view {view}: delta payloads for files the view does not have: {unknown or '(no such view)'}")
-            if version is not None and not 0 <= source.base < version:
-                raise ValueError(f"view {view}: delta base v{source.base} is not below v{version}")
+        _check_delta_sources(deltas, files, version)
 
         # dtype + shape of every tensor, read before any file may be moved into the store
         headers = {(v, rel): safetensors_header(p) for v, rel, p in files if rel.endswith(".safetensors")}
@@ -1130,8 +1144,9 @@ class WeightChannel:
     ) -> list[int]:
         """Delete versions beyond the newest `keep` complete ones, never the pointer's version, a
         version above it (in flight), or one a subscriber reports in use (`in_use` or applied) in a
-        report not older than `stale_after_seconds` (None: every report pins, however old). Returns
-        deleted versions.
+        report not older than `stale_after_seconds` (None: every report pins, however old), nor any
+        version one of those is rebuilt from: per view, its delta base, that version's base, ... down to
+        an anchor (docs/weights.md, "Deltas between versions"). Returns deleted versions.
 
         Why an aged-out report may stop pinning: a sidecar rewrites its report every
         SUBSCRIBER_HEARTBEAT_SECONDS, during downloads too, so a report that stopped is a replica that
@@ -1153,6 +1168,9 @@ class WeightChannel:
         complete = sorted(v for v, ks in by_version.items() if manifest_key(v) in ks and v <= pointer.version)
         protected = set(complete[-keep:]) | {pointer.version}
         protected |= self._pinned_by_subscribers(now, stale_after_seconds, pointer.version)
+        manifested = {v for v, ks in by_version.items() if manifest_key(v) in ks}
+        in_flight = {v for v in manifested if v > pointer.version}
+        protected |= self._delta_bases(protected | in_flight, manifested)
         doomed = sorted(
             v for v in set(by_version) | set(claims) if v < pointer.version and v not in protected
         )
@@ -1166,6 +1184,41 @@ class WeightChannel:
             if v in claims:
                 self.store.delete(claims[v])
         return doomed
+
+    def _delta_bases(self, versions: Collection[int], manifested: Collection[int]) -> set[int]:
+        """Every version a view of `versions` is rebuilt from: per view, `delta.base` followed through the
+        manifests down to an anchor. A base whose manifest is gone or damaged ends its chain (the versions
+        after it cannot be rebuilt anyway: logged); any other store error propagates, so retention deletes
+        nothing on a guess."""
+        manifests: dict[int, Manifest | None] = {}
+
+        def read(version: int) -> Manifest | None:
+            if version not in manifests:
+                manifests[version] = None
+                if version in manifested:
+                    try:
+                        manifests[version] = self.manifest(version)
+                    except (KeyNotFoundError, ChannelError) as e:
+                        log.warning("retention: the manifest of v%d is unreadable (%s)", version, e)
+            return manifests[version]
+
+        bases: set[int] = set()
+        walked: set[tuple[int, str]] = set()
+        for top in sorted(versions):
+            manifest = read(top)
+            for view, vm in sorted(manifest.views.items()) if manifest is not None else ():
+                version = top
+                while vm.delta is not None and (vm.delta.base, view) not in walked:
+                    base = vm.delta.base
+                    walked.add((base, view))
+                    bases.add(base)
+                    below = read(base)
+                    if below is None or view not in below.views:
+                        log.warning("retention: view %s of v%d is a delta against v%d, which the channel no longer "
+                                    "holds: versions after it cannot be rebuilt", view, version, base)  # fmt: skip
+                        break
+                    version, vm = base, below.views[view]
+        return bases
 
     def _pinned_by_subscribers(self, now: datetime, stale_after_seconds: float | None, pointer: int) -> set[int]:
         """The versions subscribers report in use or applied, in reports not older than

@@ -16,6 +16,7 @@ from rlfleet.api.rljob import (
     SafetySpec,
     SandboxSpec,
 )
+from rlfleet.api.weightchannel import DeltaSpec
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.tiny_qwen3 import TinyQwen3
@@ -66,11 +67,13 @@ class RunConfig:
     routing_replay: bool = False  # RLJob correction.routingReplay (trainer/routing_replay.py)
     sandbox: SandboxSpec = field(default_factory=SandboxSpec)  # RLJob rollout.sandbox (local mode: always local)
     keep_versions: int = 3  # RLJob weightChannel.retention.keepVersions (the versions retention keeps)
+    deltas: DeltaSpec = field(default_factory=DeltaSpec)  # RLJob weightChannel.deltas (anchors every K, max delta share)
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
         return asdict(self) | {"safety": self.safety.model_dump(mode="json", by_alias=True),
-                               "sandbox": self.sandbox.model_dump(mode="json", by_alias=True)}
+                               "sandbox": self.sandbox.model_dump(mode="json", by_alias=True),
+                               "deltas": self.deltas.model_dump(mode="json", by_alias=True)}
 
 
 def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
@@ -125,6 +128,7 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         routing_replay=spec.correction.routing_replay,
         sandbox=SandboxSpec() if local else spec.rollout.sandbox,  # local mode has no cluster to make pods in
         keep_versions=spec.weight_channel.retention.keep_versions,
+        deltas=spec.weight_channel.deltas,
     )
 
 

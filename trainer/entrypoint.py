@@ -208,6 +208,7 @@ def _train_rank0(
         def on_step(metrics: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
             exporter.update(int(metrics["step"]), metrics)  # its weight_version: step + the version offset
             exporter.update_collapse(decision.alerts, sorted(detector.quarantined), decision.pause)
+            exporter.update_published(publisher.last_published.values())  # this step's version, per view
 
         loop = run_training(rc, base.backend, ChannelSink(publisher), detector, make_driver,
                             checkpoint=checkpoints, resume=state, on_step=on_step)  # fmt: skip
@@ -229,7 +230,9 @@ def _channel_writer(job: RLJob, views: list[str], base_checkpoint: Path | None, 
     from rlfleet.channel import WRITER_LEASE_TTL_SECONDS
     from rlfleet.trainer.publisher import WeightPublisher
 
-    return WeightPublisher(store, views=views, keep_versions=job.spec.weight_channel.retention.keep_versions,
+    wc = job.spec.weight_channel
+    return WeightPublisher(store, views=views, keep_versions=wc.retention.keep_versions,
+                           anchor_every=wc.deltas.anchor_every, max_delta_share=wc.deltas.max_delta_share,
                            base_checkpoint=base_checkpoint, writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
                            allowed_views=views,
                            publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}")  # fmt: skip

@@ -18,14 +18,17 @@ share breakdowns, and computes the rollout-side metrics.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rlfleet.records import INVALID_METRIC_PREFIX
 from rlfleet.trainer.environments import EpisodeOutcome
 from rlfleet.trainer.objective import MEAN_METRICS
+
+if TYPE_CHECKING:
+    from rlfleet.trainer.publisher import ViewPublished
 
 
 def objective_metrics(
@@ -225,6 +228,24 @@ class PrometheusExporter:
         for group in quarantined:
             self._gauges["quarantine_requested"].labels(group=group).set(1.0)
         self._gauges["pause_requested"].set(1.0 if pause else 0.0)
+
+    def update_published(self, views: Iterable[ViewPublished]) -> None:
+        """How the latest published version stores each view (trainer/publisher.py `ViewPublished`):
+        `rlfleet_trainer_weights_published_bytes{view,kind}` the bytes the channel holds for it, kind
+        `anchor` (the whole view) or `delta` (the other kind reads 0, so the sum over kinds is that
+        version's bytes), `rlfleet_trainer_weights_view_bytes{view}` the complete view's size and
+        `rlfleet_trainer_weights_encode_seconds{view}` the time its comparison with the previous version took."""
+        from prometheus_client import Gauge
+
+        if "weights_published_bytes" not in self._gauges:
+            self._gauges["weights_published_bytes"] = Gauge("rlfleet_trainer_weights_published_bytes", "bytes the channel stores for the view at the latest version", ["view", "kind"], registry=self.registry)  # fmt: skip
+            self._gauges["weights_view_bytes"] = Gauge("rlfleet_trainer_weights_view_bytes", "size of the complete view at the latest version", ["view"], registry=self.registry)  # fmt: skip
+            self._gauges["weights_encode_seconds"] = Gauge("rlfleet_trainer_weights_encode_seconds", "time comparing the view with its previous version", ["view"], registry=self.registry)  # fmt: skip
+        for v in views:
+            for kind in ("anchor", "delta"):
+                self._gauges["weights_published_bytes"].labels(v.view, kind).set(float(v.stored_bytes if v.kind == kind else 0))
+            self._gauges["weights_view_bytes"].labels(v.view).set(float(v.full_bytes))
+            self._gauges["weights_encode_seconds"].labels(v.view).set(float(v.encode_seconds))
 
     def close(self) -> None:
         self._server.shutdown()

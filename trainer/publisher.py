@@ -14,6 +14,16 @@ linear's `input_scale`, from the activation amax the publisher calibrates on the
 The set of views is the configured one plus any view a subscribed sidecar reports following, so a
 group added later gets its precision from the next version on.
 
+Each view of a version is an anchor (every file stored whole) or a delta against the version this
+publisher published just before (docs/weights.md, "Deltas between versions"). The publisher keeps the
+complete safetensors files of the last version it published of each view (`<staging>/rlfleet-last-<id>/
+<view>/`: hardlinks of the staged files, so an anchor renamed into a filesystem store costs no copy) and
+encodes each view against them (`rlfleet.deltas.encode_delta`), in the pool that converts the views. A view
+is an anchor when there is no such copy (the first publish, a restart, a view the previous version did
+not have), every `anchor_every` versions, when a file's layout changed, or when a file's delta would
+exceed `max_delta_share` of the file. The kept copy moves on only once the pointer names the new version:
+after a publish that raised, the next delta is against the version the channel still serves.
+
 With `writer_lease_ttl_seconds` (the cluster trainer and local mode pass WRITER_LEASE_TTL_SECONDS) the
 publisher is the channel's one writer: it takes the channel's writer lease when it is made (a second
 trainer with another id is refused then, `LeaseHeldError` naming the first) and a thread renews it every
@@ -25,18 +35,22 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from rlfleet.channel import LeaseLostError, PublishResult, WeightChannel
+from rlfleet.api.weightchannel import DEFAULT_ANCHOR_EVERY, DEFAULT_MAX_DELTA_SHARE
+from rlfleet.channel import DeltaSource, LeaseLostError, PublishResult, WeightChannel
+from rlfleet.deltas import DELTA_SUFFIX, DeltaError, encode_delta, read_header
 from rlfleet.numerics.views import (
     VIEWS,
     calibrate_weights,
@@ -50,12 +64,65 @@ from rlfleet.store import FileDigest, Store, StoreError
 log = logging.getLogger(__name__)
 
 
+SNAPSHOT_PREFIX = "rlfleet-last-"
+"""`<staging>/rlfleet-last-<id>/<view>/`: the complete safetensors files of the last version a publisher
+published of each view (the bases of its next deltas). In a filesystem store's `.staging/` a killed
+publisher's copy goes with the store's staging leftovers (`FilesystemStore.clean_staging`)."""
+
+
 @dataclass(frozen=True)
 class PublishTimings:
     calibrate_seconds: float  # 0 when no view needs the activation amax
     convert_seconds: float
+    encode_seconds: float  # the deltas of every view against the previous version (wall time; 0: all anchors)
     upload_seconds: float
     retain_seconds: float
+
+
+@dataclass(frozen=True)
+class ViewPublished:
+    """How one view of a published version is stored (the publish log and the trainer's metrics)."""
+
+    view: str
+    kind: Literal["anchor", "delta"]
+    base: int | None
+    """The version a delta applies to (None: an anchor)."""
+    stored_bytes: int
+    """Bytes the channel holds for this view of this version (what a following replica reads)."""
+    full_bytes: int
+    """Size of the complete view."""
+    reason: str
+    """Why the view is an anchor ("" for a delta)."""
+    encode_seconds: float
+    """Time spent comparing this view with its previous version (also when that ended in an anchor)."""
+
+    def describe(self) -> str:
+        share = self.stored_bytes / self.full_bytes if self.full_bytes else 0.0
+        stored = f"{self.stored_bytes / 1e6:.2f} MB of {self.full_bytes / 1e6:.2f} MB ({share:.1%})"
+        if self.kind == "delta":
+            return f"delta against v{self.base}: {stored}, encoded in {self.encode_seconds:.2f}s"
+        tried = f", compared in {self.encode_seconds:.2f}s" if self.encode_seconds else ""
+        return f"anchor ({self.reason}): {stored}{tried}"
+
+
+@dataclass(frozen=True)
+class _ViewSnapshot:
+    """The complete safetensors files of the last published version of one view."""
+
+    version: int
+    directory: Path
+    deltas_since_anchor: int
+    """Deltas published of this view after its last anchor (0: `version` is the anchor)."""
+
+
+@dataclass(frozen=True)
+class _ViewPlan:
+    """A view of the version being published: an anchor (`base` None, with why) or a delta."""
+
+    base: int | None
+    payloads: dict[str, Path]
+    reason: str
+    encode_seconds: float
 
 
 class WeightPublisher:
@@ -75,6 +142,8 @@ class WeightPublisher:
         max_shard_bytes: int | None = None,
         writer_lease_ttl_seconds: float | None = None,
         allowed_views: Iterable[str] | None = None,
+        anchor_every: int = DEFAULT_ANCHOR_EVERY,
+        max_delta_share: float = DEFAULT_MAX_DELTA_SHARE,
     ) -> None:
         """`base_checkpoint`: HF checkpoint directory of the model (config.json, tokenizer files,
         generation_config.json); local mode and the cluster entrypoint always pass it (None writes
@@ -85,7 +154,20 @@ class WeightPublisher:
         `allowed_views`: the only views a subscriber's report may add (the cluster trainer passes its
         RLJob's views: a report is written by a sampler pod, and a view it names that the job does not
         publish is ignored with a log line, never converted and uploaded every step); None: any known
-        view."""
+        view.
+        `anchor_every`, `max_delta_share`: the RLJob's weightChannel.deltas (rlfleet.api.weightchannel
+        DeltaSpec): a view is stored whole at least every `anchor_every` versions (1: always, no deltas)
+        and whenever the delta of one of its files would exceed `max_delta_share` of the file."""
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1 (1: every version whole), got {anchor_every}")
+        if not 0.0 < max_delta_share <= 1.0:
+            raise ValueError(f"max_delta_share must be in (0, 1], got {max_delta_share}")
+        self.anchor_every = anchor_every
+        self.max_delta_share = max_delta_share
+        self._snapshots: dict[str, _ViewSnapshot] = {}
+        self._snapshot_root: Path | None = None  # made at the first publish, on the staging filesystem
+        self.last_published: dict[str, ViewPublished] = {}
+        """How each view of the last version this publisher published is stored."""
         self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
         self.model_config = read_base_config(self.base_checkpoint) if self.base_checkpoint else None
         self.views = [check_view(v) for v in dict.fromkeys(views)]
@@ -122,8 +204,11 @@ class WeightPublisher:
 
     def close(self) -> None:
         """Stop renewing the writer lease (it stays in the store: the same id takes it over at once,
-        another after its TTL)."""
+        another after its TTL) and remove the copies of the last published views."""
         self._stop_renewing.set()
+        if self._snapshot_root is not None:
+            shutil.rmtree(self._snapshot_root, ignore_errors=True)
+        self._snapshots = {}
 
     def check_lease(self) -> None:
         """Raise LeaseLostError if the writer lease was taken over (renewing it when held): a checkpoint
@@ -181,12 +266,58 @@ class WeightPublisher:
             t_cal = time.perf_counter()
             activation_amax = calibrate_weights(cpu_state, self.base_checkpoint)
             calibrate_seconds = time.perf_counter() - t_cal
-        # Stage on the store's own filesystem when it has one: the view files are then written once
-        # and renamed into place (no second copy of the bytes).
+        result, plans, (convert_seconds, encode_seconds, upload_seconds) = self._write_and_upload(
+            cpu_state, views, activation_amax, version=version, metadata={"views": views, **(metadata or {})}
+        )
+        t0 = time.perf_counter()
+        if self.keep_versions is not None:
+            try:
+                self.channel.retain(self.keep_versions)
+            except StoreError as e:  # retention is best effort; the next publish retries it
+                log.warning("retention failed: %s", e)
+        retain_seconds = time.perf_counter() - t0
+        self.last_timings = PublishTimings(
+            calibrate_seconds, convert_seconds, encode_seconds, upload_seconds, retain_seconds
+        )
+        self.last_published = {
+            view: ViewPublished(
+                view,
+                "anchor" if vm.delta is None else "delta",
+                None if vm.delta is None else vm.delta.base,
+                vm.stored_bytes,
+                vm.bytes,
+                plans[view].reason,
+                plans[view].encode_seconds,
+            )
+            for view, vm in sorted(result.manifest.views.items())
+        }
+        self._log_published(result)
+        return result
+
+    def _staging(self) -> Path | None:
+        """Where views are staged (None: the system's temporary directory), and the snapshot root beside it.
+        On the store's own filesystem when it has one: the view files are then written once and renamed
+        into place (no second copy of the bytes), and the kept copies are hardlinks of them."""
         staging = self.staging_dir or self.channel.store.staging_dir()
         if staging is not None:
             staging.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="rlfleet-publish-", dir=staging) as tmp:
+        if self._snapshot_root is None:
+            parent = staging or Path(tempfile.gettempdir())
+            self._snapshot_root = parent / f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:12]}"
+        return staging
+
+    def _write_and_upload(
+        self,
+        cpu_state: Mapping[str, torch.Tensor],
+        views: list[str],
+        activation_amax: Mapping[str, float] | None,
+        *,
+        version: int | None,
+        metadata: Mapping[str, Any],
+    ) -> tuple[PublishResult, dict[str, _ViewPlan], tuple[float, float, float]]:
+        """Write every view, plan each as an anchor or a delta, publish; (result, plans, (convert, encode,
+        upload seconds))."""
+        with tempfile.TemporaryDirectory(prefix="rlfleet-publish-", dir=self._staging()) as tmp:
             t0 = time.perf_counter()
             dirs = {view: Path(tmp) / view for view in views}
             shard = {} if self.max_shard_bytes is None else {"max_shard_bytes": self.max_shard_bytes}
@@ -201,36 +332,127 @@ class WeightPublisher:
                     **shard,
                 )
 
-            # Views convert and hash in parallel: torch kernels, BLAKE3 and write(2) release the GIL,
-            # and one file's write + hash is about one core's work (docs/benchmarks.md, "Weights").
+            def plan(view: str) -> _ViewPlan:
+                return self._plan(view, dirs[view], Path(tmp) / ".deltas" / view)
+
+            # Views convert, hash and encode in parallel: torch kernels, BLAKE3, numpy compares and
+            # write(2) release the GIL, and one file's write + hash is about one core's work
+            # (docs/benchmarks.md, "Weights").
             digests: dict[Path, FileDigest] = {}
             with ThreadPoolExecutor(max_workers=max(1, min(len(views), os.cpu_count() or 1))) as pool:
                 for written in pool.map(write, views):
                     digests.update(written)
-            t1 = time.perf_counter()
-            result = self.channel.publish(
-                dirs,
-                version=version,
-                metadata={"views": views, **(metadata or {})},
-                move=True,
-                digests=digests,
-            )
+                t1 = time.perf_counter()
+                plans = dict(zip(views, pool.map(plan, views), strict=True))
             t2 = time.perf_counter()
-        if self.keep_versions is not None:
+            deltas = {v: DeltaSource(p.base, p.payloads) for v, p in plans.items() if p.base is not None}
+            pending = self._keep_complete_files(dirs)  # before `move` renames the files into the store
             try:
-                self.channel.retain(self.keep_versions)
-            except StoreError as e:  # retention is best effort; the next publish retries it
-                log.warning("retention failed: %s", e)
-        t3 = time.perf_counter()
-        self.last_timings = PublishTimings(calibrate_seconds, t1 - t0, t2 - t1, t3 - t2)
+                result = self.channel.publish(
+                    dirs, version=version, metadata=metadata, move=True, digests=digests, deltas=deltas
+                )
+            except BaseException:
+                shutil.rmtree(pending, ignore_errors=True)  # the bases stay those of the version still served
+                raise
+            t3 = time.perf_counter()
+            self._advance_snapshots(result, pending)
+        return result, plans, (t1 - t0, t2 - t1, t3 - t2)
+
+    def _log_published(self, result: PublishResult) -> None:
+        timings = self.last_timings
+        assert timings is not None
+        for stats in self.last_published.values():
+            log.info("weights v%d %s: %s", result.version, stats.view, stats.describe())
         log.info(
-            "published weights v%d (%s, %.1f MB, advanced=%s) calibrate %.2fs convert %.2fs upload %.2fs",
+            "published weights v%d (%s, %.1f MB stored of %.1f MB, advanced=%s) calibrate %.2fs convert %.2fs "
+            "encode %.2fs upload %.2fs",
             result.version,
-            ",".join(views),
+            ",".join(self.last_published),
             result.bytes / 1e6,
+            sum(vm.bytes for vm in result.manifest.views.values()) / 1e6,
             result.advanced,
-            calibrate_seconds,
-            t1 - t0,
-            t2 - t1,
+            timings.calibrate_seconds,
+            timings.convert_seconds,
+            timings.encode_seconds,
+            timings.upload_seconds,
         )
-        return result
+
+    def snapshot_dir(self, view: str) -> Path | None:
+        """The complete files of the last version this publisher published of `view` (None: none kept)."""
+        kept = self._snapshots.get(view)
+        return None if kept is None else kept.directory
+
+    def _plan(self, view: str, directory: Path, out: Path) -> _ViewPlan:
+        """Anchor or delta for the freshly written view in `directory` (delta payloads go under `out`)."""
+        kept = self._snapshots.get(view)
+        if self.anchor_every == 1:
+            return _ViewPlan(None, {}, "anchorEvery 1: deltas off", 0.0)
+        if kept is None:
+            return _ViewPlan(None, {}, "no earlier version of the view kept", 0.0)
+        if kept.deltas_since_anchor + 1 >= self.anchor_every:
+            return _ViewPlan(None, {}, f"every {self.anchor_every} versions", 0.0)
+        files = sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*.safetensors"))
+        if not files:
+            return _ViewPlan(None, {}, "no safetensors file", 0.0)
+        t0 = time.perf_counter()
+        payloads: dict[str, Path] = {}
+        for rel in files:
+            payload = out / f"{rel}{DELTA_SUFFIX}"
+            try:
+                why_whole = self._encode_file(kept, rel, directory / rel, payload)
+            except (OSError, DeltaError) as e:  # e.g. the kept copy was removed: storing whole is always right
+                log.warning("view %s: cannot compare with v%d (%s): stored whole", view, kept.version, e)
+                why_whole = f"v{kept.version}'s copy unreadable"
+            if why_whole is not None:
+                return _ViewPlan(None, {}, why_whole, time.perf_counter() - t0)
+            payloads[rel] = payload
+        return _ViewPlan(kept.version, payloads, "", time.perf_counter() - t0)
+
+    def _encode_file(self, kept: _ViewSnapshot, rel: str, target: Path, payload: Path) -> str | None:
+        """Write the delta of `target` against the kept file `rel` to `payload`; or why the view must be
+        stored whole instead."""
+        base = kept.directory / rel
+        if not base.is_file():
+            return f"v{kept.version} has no {rel}"
+        size = target.stat().st_size
+        if read_header(base).raw != read_header(target).raw or base.stat().st_size != size:
+            return f"the layout of {rel} changed"
+        payload.parent.mkdir(parents=True, exist_ok=True)
+        if encode_delta(base, target, payload, max_delta_bytes=int(self.max_delta_share * size)) is None:
+            return f"the delta of {rel} exceeds {self.max_delta_share:g} of the file"
+        return None
+
+    def _keep_complete_files(self, dirs: Mapping[str, Path]) -> Path:
+        """Hardlink (or copy, where links fail) each view's safetensors files under a pending directory of
+        the snapshot root: they become the bases of the next deltas once this publish succeeded."""
+        assert self._snapshot_root is not None
+        pending = self._snapshot_root / f".pending-{uuid.uuid4().hex[:8]}"
+        for view, directory in dirs.items():
+            for path in directory.rglob("*.safetensors"):
+                kept = pending / view / path.relative_to(directory)
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(path, kept)
+                except OSError:
+                    shutil.copyfile(path, kept)
+        return pending
+
+    def _advance_snapshots(self, result: PublishResult, pending: Path) -> None:
+        """The published version's complete files become the bases of the next deltas, if the pointer
+        names it (not advanced: a higher version was published by another writer, and this one's files
+        may go at its next retention: the next publish anchors)."""
+        assert self._snapshot_root is not None
+        previous = self._snapshots
+        self._snapshots = {}
+        for kept in previous.values():
+            shutil.rmtree(kept.directory, ignore_errors=True)
+        if result.advanced:
+            for view, vm in result.manifest.views.items():
+                before = previous.get(view)
+                since = 0 if vm.delta is None or before is None else before.deltas_since_anchor + 1
+                directory = self._snapshot_root / view
+                if (pending / view).is_dir():
+                    shutil.rmtree(directory, ignore_errors=True)  # a copy a failed earlier move left
+                    os.replace(pending / view, directory)
+                    self._snapshots[view] = _ViewSnapshot(result.version, directory, since)
+        shutil.rmtree(pending, ignore_errors=True)

@@ -50,6 +50,7 @@ from rlfleet.api.samplergroup import (
     ShareChange,
 )
 from rlfleet.api.weightchannel import (
+    DeltaSpec,
     GroupVersion,
     RetentionSpec,
     StoreSpec,
@@ -68,6 +69,7 @@ __all__ = [
     "ApiModel",
     "Condition",
     "CorrectionSpec",
+    "DeltaSpec",
     "GroupModelRef",
     "GroupSummary",
     "GroupVersion",

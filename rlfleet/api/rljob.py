@@ -31,7 +31,7 @@ from rlfleet.api.meta import ObjectMeta
 from rlfleet.api.podfields import POD_FIELDS_RULES, Quantity
 from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
 from rlfleet.api.scheduling import PodPlacement
-from rlfleet.api.weightchannel import RetentionSpec, StoreSpec
+from rlfleet.api.weightchannel import DeltaSpec, RetentionSpec, StoreSpec
 
 # Cross-field rules: the CEL rule in the CRD and the Python check share the message, so a user sees
 # the same words from `kubectl apply` and from `rlfleet run --local`.
@@ -726,6 +726,8 @@ class WeightChannelTemplate(ApiModel):
     """Where versions live."""
     retention: RetentionSpec = Field(default_factory=RetentionSpec, json_schema_extra={"default": {}})
     """Retention of old versions."""
+    deltas: DeltaSpec = Field(default_factory=DeltaSpec, json_schema_extra={"default": {}})
+    """Anchors and deltas between versions."""
 
 
 class SafetySpec(ApiModel):

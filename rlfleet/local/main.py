@@ -550,6 +550,7 @@ def _run_locked(
     store = open_store(str(channel_dir.resolve()))
     try:  # stable id: --resume takes over its own claims and writer lease; another run on this store is refused
         publisher = WeightPublisher(store, views=rc.views, keep_versions=rc.keep_versions, follow_subscribers=False,
+                                    anchor_every=rc.deltas.anchor_every, max_delta_share=rc.deltas.max_delta_share,
                                     base_checkpoint=base.base_checkpoint, writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
                                     publisher_id=f"local/{rc.job_name}")  # fmt: skip
     except LeaseHeldError as exc:
@@ -598,6 +599,7 @@ def _run_locked(
         progress.stop()
         fleet_death = rollouts.stop()
         traffic.observe(reader)
+        publisher.close()  # also removes its copies of the last published views (the bases of its deltas)
         store.close()
     driver = rollouts.driver
 

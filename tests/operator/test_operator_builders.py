@@ -138,6 +138,7 @@ def test_weightchannel_publishes_the_views_the_groups_need(job: RLJob) -> None:
     assert wc["spec"]["store"] == {"type": "filesystem", "path": "/weights/reference-fleet",
                                    "volumeClaimName": "rlfleet-weights", "prefix": "", "sharedCredentials": False}  # fmt: skip
     assert wc["spec"]["retention"] == {"keepVersions": 3} and wc["spec"]["jobName"] == "reference-fleet"
+    assert wc["spec"]["deltas"] == {"anchorEvery": 16, "maxDeltaShare": 0.5}  # the RLJob's weightChannel.deltas
 
 
 def test_trainer_statefulset_torchrun_gpus_and_b200_affinity(job: RLJob) -> None:

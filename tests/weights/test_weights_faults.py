@@ -169,9 +169,10 @@ def test_publishers_racing_from_two_processes(tmp_path: Path, tiny_qwen3_dir: Pa
             # the bytes under v{N}/ are exactly the manifest's (one publisher), for every view
             for view in ("bf16", "fp8"):
                 channel.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)
-    # A and B publish different weights: a version's bf16 view matches its publisher's seed
-    a_file = {v: store.get(f"v{v}/bf16/model.safetensors") for v in published["A"]}
-    b_file = {v: store.get(f"v{v}/bf16/model.safetensors") for v in published["B"]}
+    # A and B publish different weights: a version's bf16 view (downloaded, or rebuilt where its publisher
+    # stored it as a delta) matches its publisher's seed
+    a_file = {v: (tmp_path / "dl" / f"{v}-bf16" / "model.safetensors").read_bytes() for v in published["A"]}
+    b_file = {v: (tmp_path / "dl" / f"{v}-bf16" / "model.safetensors").read_bytes() for v in published["B"]}
     assert len(set(a_file.values())) == 1 and len(set(b_file.values())) == 1
     assert set(a_file.values()) != set(b_file.values())
 
