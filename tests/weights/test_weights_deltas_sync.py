@@ -509,6 +509,9 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
             assert proxy.held.wait(120), "the rebuild never asked for v3's payload"
             [partial] = [p for p in cache.iterdir() if p.name.startswith(f".v3-{VIEW}.partial-")]
             assert_bit_exact(partial / "v2", publisher, 2)  # v2 was rebuilt and verified before v3 began
+            # meanwhile its report names the version it rebuilds, so retention keeps it (and its chain)
+            [report] = WeightChannel(direct).subscribers()
+            assert (report.replica, report.applied_version, report.in_use) == ("pod-0", None, [3])
             os.kill(killed.pid, signal.SIGKILL)
             killed.wait(30)
         finally:
