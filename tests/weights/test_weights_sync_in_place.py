@@ -140,3 +140,41 @@ def test_verify_in_place_refuses_an_unlisted_file_and_a_non_filesystem_store(
     s3 = S3Store(s3_bucket, "job", endpoint_url=s3_endpoint, conditional_writes=False)
     with pytest.raises(ChannelError, match="not a filesystem store"):
         WeightChannel(s3).verify_view_in_place(0, "fp8", manifest=channel.manifest(0))
+
+
+async def test_in_place_loads_anchors_where_they_are_and_rebuilds_deltas_into_the_cache(
+    engine: RecordingEngine,  # noqa: F811 - the fixture
+    tmp_path: Path,
+    tiny_qwen3_dir: Path,
+) -> None:
+    """A channel of anchors and deltas (test_weights_deltas_sync.py's DeltaPublisher): an anchor has a
+    complete directory in the store and is loaded there; a delta version has none, so it is rebuilt into
+    the cache (from the anchor, then from the copy of the version before) and the engine loads that copy.
+    The bytes hashed in place count as anchor bytes read."""
+    from test_weights_deltas_sync import DeltaPublisher, assert_bit_exact, assert_engine_serves
+
+    root, cache = tmp_path / "store", tmp_path / "cache"
+    store = FilesystemStore(root, create=True)
+    publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
+    expected = {0: (root / "v0" / "fp8", "anchor v0 in place"), 1: (cache / "v1-fp8", "anchor v0 + delta v1"),
+                2: (cache / "v2-fp8", "local v1 + delta v2"), 3: (root / "v3" / "fp8", "anchor v3 in place")}  # fmt: skip
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        syncer = in_place_syncer(store, engine.url, client, cache)
+        for version, (directory, source) in expected.items():
+            publisher.publish(version, anchor=version in (0, 3))
+            assert await syncer.reconcile_once() is True
+            assert disk_updates(engine)[-1] == (str(version), str(directory))
+            assert_engine_serves(engine, publisher, version)
+            assert_bit_exact(directory, publisher, version)
+            assert syncer.status()["last_apply"]["source"] == source
+            assert read_launch_file(cache) == (version, directory)
+    v1_delta = publisher.manifests[1].views["fp8"].delta
+    v2_delta = publisher.manifests[2].views["fp8"].delta
+    assert v1_delta is not None and v2_delta is not None
+    # v0 hashed in place, read again as v1's seed; v3 hashed in place; only payloads for v1 and v2
+    assert syncer.status()["read_bytes"] == {
+        "anchor": 2 * publisher.stored_bytes(0) + publisher.stored_bytes(3),
+        "delta": v1_delta.bytes + v2_delta.bytes,
+        "whole-file": 0,
+    }
+    assert sorted(p.name for p in cache.iterdir()) == ["launch", "v1-fp8", "v2-fp8"]
