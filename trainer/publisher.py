@@ -18,7 +18,9 @@ Each view of a version is an anchor (every file stored whole) or a delta against
 publisher published just before (docs/weights.md, "Deltas between versions"). The publisher keeps the
 complete safetensors files of the last version it published of each view (`<staging>/rlfleet-last-<id>/
 <view>/`: hardlinks of the staged files, so an anchor renamed into a filesystem store costs no copy) and
-encodes each view against them (`rlfleet.deltas.encode_delta`), in the pool that converts the views. A view
+the scale tensors it was written with (the next fp8 / nvfp4 view keeps them where the rule allows, so
+unchanged blocks keep their codes), and encodes each view against those files
+(`rlfleet.deltas.encode_delta`), in the pool that converts the views. A view
 is an anchor when there is no such copy (the first publish, a restart, a view the previous version did
 not have), every `anchor_every` versions, when a file's layout changed, or when a file's delta would
 exceed `max_delta_share` of the file. The kept copy moves on only once the pointer names the new version:
@@ -113,6 +115,10 @@ class _ViewSnapshot:
     directory: Path
     deltas_since_anchor: int
     """Deltas published of this view after its last anchor (0: `version` is the anchor)."""
+    scales: dict[str, torch.Tensor]
+    """The scale tensors the view was written with (`save_view(scales_used=)`): the next version's
+    `previous_scales`, so a block whose values did not change keeps its codes (docs/weights.md, "Kept
+    scales"); empty for bf16."""
 
 
 @dataclass(frozen=True)
@@ -321,14 +327,18 @@ class WeightPublisher:
             t0 = time.perf_counter()
             dirs = {view: Path(tmp) / view for view in views}
             shard = {} if self.max_shard_bytes is None else {"max_shard_bytes": self.max_shard_bytes}
+            scales: dict[str, dict[str, torch.Tensor]] = {view: {} for view in views}
 
             def write(view: str) -> dict[Path, FileDigest]:
+                kept = self._snapshots.get(view)
                 return save_view(
                     cpu_state,
                     view,
                     dirs[view],
                     base_checkpoint=self.base_checkpoint,
                     activation_amax=activation_amax,
+                    previous_scales=None if kept is None else kept.scales,
+                    scales_used=scales[view],
                     **shard,
                 )
 
@@ -355,7 +365,7 @@ class WeightPublisher:
                 shutil.rmtree(pending, ignore_errors=True)  # the bases stay those of the version still served
                 raise
             t3 = time.perf_counter()
-            self._advance_snapshots(result, pending)
+            self._advance_snapshots(result, pending, scales)
         return result, plans, (t1 - t0, t2 - t1, t3 - t2)
 
     def _log_published(self, result: PublishResult) -> None:
@@ -427,6 +437,8 @@ class WeightPublisher:
         the snapshot root: they become the bases of the next deltas once this publish succeeded."""
         assert self._snapshot_root is not None
         pending = self._snapshot_root / f".pending-{uuid.uuid4().hex[:8]}"
+        if self.anchor_every == 1:  # deltas off: nothing is compared, so nothing kept (and scales fresh)
+            return pending
         for view, directory in dirs.items():
             for path in directory.rglob("*.safetensors"):
                 kept = pending / view / path.relative_to(directory)
@@ -437,7 +449,9 @@ class WeightPublisher:
                     shutil.copyfile(path, kept)
         return pending
 
-    def _advance_snapshots(self, result: PublishResult, pending: Path) -> None:
+    def _advance_snapshots(
+        self, result: PublishResult, pending: Path, scales: Mapping[str, dict[str, torch.Tensor]]
+    ) -> None:
         """The published version's complete files become the bases of the next deltas, if the pointer
         names it (not advanced: a higher version was published by another writer, and this one's files
         may go at its next retention: the next publish anchors)."""
@@ -454,5 +468,5 @@ class WeightPublisher:
                 if (pending / view).is_dir():
                     shutil.rmtree(directory, ignore_errors=True)  # a copy a failed earlier move left
                     os.replace(pending / view, directory)
-                    self._snapshots[view] = _ViewSnapshot(result.version, directory, since)
+                    self._snapshots[view] = _ViewSnapshot(result.version, directory, since, scales[view])
         shutil.rmtree(pending, ignore_errors=True)
