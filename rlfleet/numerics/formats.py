@@ -52,6 +52,7 @@ FORMATS = ("fp32", "bf16", "fp8", "fp8_block", "nvfp4", "mxfp4")
 
 _GRID_T = torch.tensor(E2M1_GRID, dtype=torch.float32)
 _MIDPOINTS_T = (_GRID_T[1:] + _GRID_T[:-1]) / 2  # [7] decision boundaries between neighbouring codes
+_E2M1_VALUES_T = torch.cat([_GRID_T, -_GRID_T])  # [16] the value of each code, sign bit 3 (code 8: -0.0)
 
 
 # ----------------------------------------------------------------------------------------- FP8 E4M3
@@ -161,10 +162,8 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of E2M1 codes (uint8 nibbles)."""
-    c = codes.to(torch.int64)
-    mag = _GRID_T.to(c.device)[c & 7]
-    return torch.where((c & 8) != 0, -mag, mag)
+    """float32 values of E2M1 codes (uint8 nibbles; code 8 is -0.0), one table lookup per element."""
+    return _E2M1_VALUES_T.to(codes.device)[codes.to(torch.int64) & 15]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -248,21 +247,30 @@ def quantize_nvfp4_fused_kept(
         fresh = _NvFp4Blocks.of(
             blocks, cast_fp8_e4m3(_safe_div(block_amax / FP4_E2M1_MAX, fresh_scale_2)), fresh_scale_2
         )
-        if torch.equal(weight_scale_2, fresh_scale_2):
-            renewed = fresh  # quantize_nvfp4's own blocks under the same global scale
-        else:
-            renewed_scale = cast_fp8_e4m3(_safe_div(block_amax / FP4_E2M1_MAX, weight_scale_2))
-            renewed = _NvFp4Blocks.of(blocks, renewed_scale, weight_scale_2)
-        chosen = renewed
+        same_global = torch.equal(weight_scale_2, fresh_scale_2)
+        renewed_scale = (
+            fresh.scale
+            if same_global
+            else cast_fp8_e4m3(_safe_div(block_amax / FP4_E2M1_MAX, weight_scale_2))
+        )
+        chosen_scale = renewed_scale
         if keep_global and tuple(prev_scale.shape) == tuple(block_amax.shape):
             kept = prev_scale.to(device=w.device, dtype=torch.float32)
             keep = _keeps_block_scale(
                 block_amax, kept * weight_scale_2, FP4_E2M1_MAX, FP4_E2M1_TOP_HALF_SPACING, NVFP4_KEPT_WINDOW
             )
-            chosen_scale = torch.where(keep, kept, renewed.scale.float()).to(torch.float8_e4m3fn)
-            if not torch.equal(chosen_scale.view(torch.uint8), renewed.scale.view(torch.uint8)):
-                chosen = _NvFp4Blocks.of(blocks, chosen_scale, weight_scale_2)
-        renew = _blocks_to_renew(chosen.sse, renewed.sse, float(fresh.sse.sum()))
+            chosen_scale = torch.where(keep, kept, renewed_scale.float()).to(torch.float8_e4m3fn)
+        if same_global and torch.equal(chosen_scale.view(torch.uint8), fresh.scale.view(torch.uint8)):
+            chosen = fresh  # the fresh quantization itself
+        else:
+            chosen = _NvFp4Blocks.of(blocks, chosen_scale, weight_scale_2)
+        fresh_total = float(fresh.sse.sum())
+        if float(chosen.sse.sum()) <= KEPT_SCALE_ERROR_BOUND * fresh_total:
+            out.append((pack_fp4(chosen.codes.view(n, k)), chosen.scale, weight_scale_2.clone()))
+            continue
+        # over the bound: blocks are renewed (a fresh E4M3 block scale under this global), costliest first
+        renewed = fresh if same_global else _NvFp4Blocks.of(blocks, renewed_scale, weight_scale_2)
+        renew = _blocks_to_renew(chosen.sse, renewed.sse, fresh_total)
         if renew is None:  # not within the bound under this global scale: the layer is quantized fresh
             return [quantize_nvfp4(m, amax) for m in members]
         scale = torch.where(renew, renewed.scale.float(), chosen.scale.float()).to(torch.float8_e4m3fn)
