@@ -5,7 +5,10 @@ A tiny Qwen3 (dense) and a tiny Qwen3-MoE are built with transformers, saved wit
 through our `WeightPublisher` into a filesystem channel (two versions); each view is downloaded
 (BLAKE3-verified); version 2 of each view is then also published into a second channel as a DELTA against
 version 1 (`rlfleet.deltas.encode_delta` per safetensors file) and REBUILT from there (anchor v1 + delta v2,
-`WeightChannel.obtain_view`, verified): that rebuilt version 2 is what every test below loads. Then:
+`WeightChannel.obtain_view`, verified): that rebuilt version 2 is what every test below loads. The
+publisher keeps the scales it published (docs/weights.md, "Kept scales"): version 2's fp8 and nvfp4 views
+are quantized with version 1's scales kept where its values fit them (`test_version_2_keeps_version_1s_scales`
+holds them against a fresh quantization of the same weights). Then:
 
 - its `quantization_config` is parsed by SGLang's launch path (`ModelConfig` + `get_quant_config`,
   which call `Fp8Config` / `ModelOptFp4Config.from_config`; hf_quant_config.json parsed too);
@@ -59,7 +62,14 @@ import torch
 
 from rlfleet.channel import DeltaSource, SubscriberReport, WeightChannel
 from rlfleet.deltas import DELTA_SUFFIX, encode_delta
-from rlfleet.numerics.views import calibrate_activation_amax, checkpoint_tensors, save_view
+from rlfleet.numerics import formats
+from rlfleet.numerics.views import (
+    calibrate_activation_amax,
+    checkpoint_tensors,
+    read_view_tensors,
+    save_view,
+    view_tensors,
+)
 from rlfleet.store import FileDigest, FilesystemStore
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import WeightPublisher
@@ -519,8 +529,13 @@ def e2m1_half_spacing(x: torch.Tensor) -> torch.Tensor:
     return torch.where(a <= 2, 0.25, torch.where(a <= 4, 0.5, torch.clamp(a - 6, min=1.0)))
 
 
-def within_bound(view: str, w: torch.Tensor, deq: torch.Tensor, scale: torch.Tensor) -> None:
-    """`scale`: the per-element dequantization scale actually applied (broadcast to w's shape)."""
+def within_bound(
+    view: str, w: torch.Tensor, deq: torch.Tensor, scale: torch.Tensor, kept_scales: bool = False
+) -> None:
+    """`scale`: the per-element dequantization scale actually applied (broadcast to w's shape);
+    `kept_scales`: a version quantized with an earlier version's scales kept (docs/weights.md, "Kept
+    scales"), whose largest values may reach the top code + half its spacing (fp8 464: still within
+    2^-4 relative; nvfp4 7)."""
     err = (w - deq).abs()
     if view == "bf16":  # 8 significant bits: round to nearest is within 2^-8 relative
         assert bool((err <= w.abs() * 2.0**-8).all())
@@ -528,8 +543,10 @@ def within_bound(view: str, w: torch.Tensor, deq: torch.Tensor, scale: torch.Ten
         assert bool((err <= torch.maximum(w.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-6)).all())
     else:
         x = w / scale
-        # nvfp4: the E4M3 block scale rounds to nearest (<= 2^-4 relative), so |x| <= 6 / (1 - 2^-4)
-        assert float(x.abs().max()) <= 6 / (1 - 2.0**-4) * (1 + 1e-6)
+        # nvfp4: a fresh E4M3 block scale rounds to nearest (<= 2^-4 relative), so |x| <= 6 / (1 - 2^-4);
+        # a kept one is kept while |x| <= 6 + 1 (as near 6 as 8, the next value of the grid continued)
+        top = 7.0 if kept_scales else 6 / (1 - 2.0**-4)
+        assert float(x.abs().max()) <= top * (1 + 1e-6)
         assert bool((err <= scale * (e2m1_half_spacing(x) + 1e-5)).all())
 
 
@@ -615,6 +632,8 @@ def test_a_group_cannot_take_another_views_version(published: Published) -> None
 def check_values(published: Published, group: Group, view: str, version: int) -> None:
     trained, params, amax = published.trained[version], group.params(), published.amax[version]
     dense_view = view
+    kept = version > 1  # quantized with version 1's scales kept where they fit
+    first = read_view_tensors(published.dirs[(1, view)])[1] if kept and view == "nvfp4" else {}
     for i in range(LAYERS):
         p = f"model.layers.{i}"
         fused = {
@@ -627,14 +646,26 @@ def check_values(published: Published, group: Group, view: str, version: int) ->
         for sglang_name, members in fused.items():
             w = torch.cat([trained[f"{m}.weight"] for m in members])
             deq, scale = dequant_linear(dense_view, params, sglang_name)
-            within_bound(dense_view, w, deq, scale)
+            within_bound(dense_view, w, deq, scale, kept_scales=kept)
             if dense_view == "nvfp4":
                 ws2, inp = params[f"{sglang_name}.weight_scale_2"], params[f"{sglang_name}.input_scale"]
                 group_amax = max(float(trained[f"{m}.weight"].abs().amax()) for m in members)
-                assert torch.equal(ws2, torch.full_like(ws2, group_amax / 2688.0))  # one per fused layer
-                assert torch.equal(
-                    inp, torch.tensor([amax[m] / 2688.0 for m in members], dtype=torch.float32)
-                )
+                if not kept:  # fresh: amax / (448 * 6), one per fused layer; input_scale from the amax
+                    assert torch.equal(ws2, torch.full_like(ws2, group_amax / 2688.0))
+                    assert torch.equal(
+                        inp, torch.tensor([amax[m] / 2688.0 for m in members], dtype=torch.float32)
+                    )
+                    continue
+                # kept from version 1 or renewed with headroom; either way one per fused layer, with its
+                # top E4M3 block scale (amax / 6) / scale within [224, 464]
+                assert torch.equal(ws2, torch.full_like(ws2, float(ws2[0])))
+                checks = [(float(ws2[0]), group_amax, "weight_scale_2")]
+                checks += [(float(s), amax[m], "input_scale") for s, m in zip(inp.tolist(), members, strict=True)]
+                for value, module_amax, stored in checks:
+                    earlier = {float(first[f"{m}.{stored}"]) for m in members}
+                    renewed = float(torch.tensor(module_amax, dtype=torch.float32) * math.sqrt(2.0) / 2688.0)
+                    assert value in earlier | {renewed, float(torch.tensor(module_amax / 2688.0))}
+                    assert 224.0 <= module_amax / 6 / value <= 464.0 * (1 + 1e-6)
         if published.kind == "moe":
             assert params[f"{p}.mlp.gate.weight"].dtype == torch.bfloat16
             within_bound(
@@ -648,12 +679,51 @@ def check_values(published: Published, group: Group, view: str, version: int) ->
                     (f"{p}.mlp.experts.w2", trained[f"{ex}.down_proj.weight"]),
                 ):
                     deq, scale = dequant_experts(view, w, params, prefix, e)
-                    within_bound(view, w, deq, scale)
+                    within_bound(view, w, deq, scale, kept_scales=kept)
                 if view == "nvfp4":
                     ws2 = params[f"{p}.mlp.experts.w13_weight_scale_2"][e]
                     assert float(ws2[0]) == float(ws2[1])  # gate/up share it (SGLang warns otherwise)
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
         within_bound("bf16", trained[name], params[name].float(), torch.ones(1))
+
+
+def test_version_2_keeps_version_1s_scales(published: Published) -> None:
+    """The publisher quantized version 2 with version 1's scales kept where they fit (docs/weights.md,
+    "Kept scales"), against a fresh quantization of version 2's weights (`view_tensors` without them):
+    scale elements of version 1 that a fresh quantization moves are still there, fewer stored elements
+    differ from version 1, and every quantized tensor's squared error is within 1.01x the fresh one's."""
+    for view in ("fp8", "nvfp4"):
+        _, first = read_view_tensors(published.dirs[(1, view)])
+        config, second = read_view_tensors(published.dirs[(2, view)])
+        fresh, quantized = view_tensors(published.trained[2], view, hf=True, activation_amax=published.amax[2])
+        assert set(fresh) == set(second) and sorted(quantized) == sorted(config["quantized"])
+
+        def bits(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(-1).view(torch.uint8).view(-1, t.element_size())
+
+        def differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # per element, bit for bit
+            return (bits(a) != bits(b)).any(dim=-1)
+
+        scales = [n for n in second if n.endswith(("weight_scale_inv", "weight_scale", "weight_scale_2"))]
+        kept = sum(int((~differ(second[n], first[n]) & differ(fresh[n], first[n])).sum()) for n in scales)
+        assert kept > 0, view
+        changed = sum(int(differ(second[n], first[n]).sum()) for n in second)
+        changed_fresh = sum(int(differ(fresh[n], first[n]).sum()) for n in second)
+        assert changed < changed_fresh, (view, changed, changed_fresh)
+        for name in quantized:
+            w = published.trained[2][name]
+            kept_error, fresh_error = (squared_error(view, t, name, w) for t in (second, fresh))
+            assert kept_error <= formats.KEPT_SCALE_ERROR_BOUND * fresh_error * (1 + 1e-12), (view, name)
+
+
+def squared_error(view: str, tensors: dict[str, torch.Tensor], name: str, w: torch.Tensor) -> float:
+    """Squared error of a view's quantized `name` (dequantized with its scales) against the weights `w`."""
+    base = name[: -len(".weight")]
+    if view == "fp8":
+        deq = formats.dequantize_fp8_block(tensors[name], tensors[f"{base}.weight_scale_inv"])
+    else:
+        deq = formats.dequantize_nvfp4(tensors[name], tensors[f"{base}.weight_scale"], tensors[f"{base}.weight_scale_2"])
+    return float((deq.double() - w.double()).square().sum())
 
 
 def test_input_scale_is_the_calibrated_activation_amax(published: Published) -> None:
