@@ -173,8 +173,8 @@ class Syncer:
         write_launch_file(self.config.cache_dir, version, target)  # a restarted engine starts here
         self._prune_local()
         log.info(
-            "applied weights v%d (%s) from %s, %d bytes read: obtain %.2fs apply %.2fs", version,
-            self.config.view, obtained.describe(), sum(obtained.read_bytes.values()), t1 - t0, t2 - t1,
+            "applied weights v%d (%s) from %s, %s: obtain %.2fs apply %.2fs", version,
+            self.config.view, obtained.describe(), _bytes_read(obtained), t1 - t0, t2 - t1,
         )  # fmt: skip
 
     def _obtain_verified(self, version: int, manifest: Manifest) -> ObtainedView:
@@ -265,11 +265,12 @@ class Syncer:
         write_launch_file(self.config.cache_dir, version, target)
         state.phase = "fetched"
         log.info(
-            "launch checkpoint: v%d (%s) at %s, from %s",
+            "launch checkpoint: v%d (%s) at %s, from %s, %s",
             version,
             self.config.view,
             target,
             obtained.describe(),
+            _bytes_read(obtained),
         )
         # applied_version stays None (the engine is not up yet); in_use keeps v from retention
         await self.reporter.report(target=version)
@@ -371,6 +372,13 @@ def foreign_version_message(serving: int, applied: int | None, version: int, cou
         f"(another client called its weight-update API, or it restarted from other weights); re-applied the "
         f"channel's v{version} ({count} since start, last at {at})"
     )
+
+
+def _bytes_read(obtained: ObtainedView) -> str:
+    """What obtaining a version read from the store, for its log line: "1234 bytes read (anchor 0, delta 1200,
+    whole-file 34)" (the kinds of rlfleet.channel.READ_KINDS)."""
+    kinds = ", ".join(f"{kind} {obtained.read_bytes.get(kind, 0)}" for kind in READ_KINDS)
+    return f"{sum(obtained.read_bytes.values())} bytes read ({kinds})"
 
 
 def _obtain_failure_reason(error: Exception) -> str:

@@ -160,11 +160,13 @@ async def test_deltas_are_applied_in_order_bit_exact(
     engine: RecordingEngine,  # noqa: F811 - the fixture
     tmp_path: Path,
     tiny_qwen3_dir: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Anchor v0, deltas v1 v2, anchor v3, delta v4, each applied as it is published: a delta version is
     rebuilt from the sidecar's own copy of the version before (only its payloads are read from the store;
     the files it stores whole but that did not change are copied from that copy), an anchor downloaded.
     Every applied directory is the publisher's complete checkpoint, byte for byte."""
+    caplog.set_level(logging.INFO, logger="rlfleet.sampler.sync")
     publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
     cache = tmp_path / "cache"
     sources = {0: "anchor v0", 1: "local v0 + delta v1", 2: "local v1 + delta v2", 3: "anchor v3",
@@ -181,6 +183,11 @@ async def test_deltas_are_applied_in_order_bit_exact(
             # an anchor is read whole; a delta version only its payloads (its other files did not change)
             expected = publisher.stored_bytes(version) if delta is None else delta.bytes
             assert syncer.status()["last_apply"]["read_bytes"] == expected
+            # the sidecar's log line: how it was obtained and the bytes it read, per kind
+            kinds = (expected, 0) if delta is None else (0, expected)
+            line = (f"applied weights v{version} (fp8) from {sources[version]}, {expected} bytes read "
+                    f"(anchor {kinds[0]}, delta {kinds[1]}, whole-file 0): obtain ")  # fmt: skip
+            assert any(line in r.getMessage() for r in caplog.records), line
             assert read_launch_file(cache) == (version, cache / f"v{version}-{VIEW}")
         body = (await _get_metrics(syncer)).decode()
     assert [b["weight_version"] for p, b in engine.requests if p == "/update_weights_from_disk"] == list(
@@ -502,6 +509,10 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
         out, _ = first.communicate(timeout=120)
         assert first.returncode == 0, out
         assert read_launch_file(cache) == (1, cache / f"v1-{VIEW}")
+        # a new replica seeds from the anchor: its line says so, with the bytes it read per kind
+        anchor, delta = publisher.stored_bytes(0), publisher.manifests[1].views[VIEW].delta.bytes  # type: ignore[union-attr]
+        assert (f"from anchor v0 + delta v1, {anchor + delta} bytes read (anchor {anchor}, delta {delta}, "
+                "whole-file 0)") in out, out  # fmt: skip
         publisher.publish_chain(range(2, 4), anchors=set())
         proxy.hold = ("GET", re.compile(rf"/job/v3/{VIEW}/model\.safetensors\.delta"))
         killed = fetch_only(uri, cache)
@@ -529,7 +540,9 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
         assert "a partial copy left by an earlier run" in out and partial.name in out
         assert read_launch_file(cache) == (3, cache / f"v3-{VIEW}")
         assert_bit_exact(cache / f"v3-{VIEW}", publisher, 3)
-        assert f"launch checkpoint: v3 (fp8) at {cache / 'v3-fp8'}, from local v1 + deltas v2, v3" in out
+        payloads = sum(publisher.manifests[v].views[VIEW].delta.bytes for v in (2, 3))  # type: ignore[union-attr]
+        assert (f"launch checkpoint: v3 (fp8) at {cache / 'v3-fp8'}, from local v1 + deltas v2, v3, {payloads} "
+                f"bytes read (anchor 0, delta {payloads}, whole-file 0)") in out, out  # fmt: skip
         assert cache_entries(cache) == [LAUNCH_FILE, f"v1-{VIEW}", f"v3-{VIEW}"]
     finally:
         proxy.close()
