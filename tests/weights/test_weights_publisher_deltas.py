@@ -118,6 +118,40 @@ def test_anchors_every_k_versions_and_deltas_against_the_previous_one_rebuild_ex
     assert [p.name for p in root.parent.iterdir()] == ["bf16"]  # no pending copy of a publish left
     publisher.close()
     assert not root.parent.exists()
+    restarted = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir)
+    restarted.publish(state)  # a restarted trainer holds no copy of what its predecessor published
+    assert (restarted.last_published["bf16"].kind, restarted.last_published["bf16"].reason) == (
+        "anchor",
+        "no earlier version of the view kept",
+    )
+
+
+def test_a_view_a_subscriber_adds_starts_with_an_anchor_and_one_it_leaves_out_loses_its_base(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
+    store = FilesystemStore(tmp_path / "store", create=True)
+    channel = WeightChannel(store)
+    publisher = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir)
+    state = tiny_state()
+    bases: list[dict[str, int | None]] = []
+
+    def publish(step: int) -> None:
+        manifest = publisher.publish(state).manifest
+        bases.append({view: None if vm.delta is None else vm.delta.base for view, vm in manifest.views.items()})
+        nudge(state, step)
+
+    publish(0)
+    channel.report(SubscriberReport("h100-fp8", "pod-a", "fp8", applied_version=None, in_use=[]))
+    publish(1)  # fp8 newly needed: an anchor
+    publish(2)
+    channel.remove_subscriber("h100-fp8", "pod-a")
+    publish(3)  # no fp8
+    channel.report(SubscriberReport("h100-fp8", "pod-a", "fp8", applied_version=None, in_use=[]))
+    publish(4)  # fp8 again: v2 is not the version before, so an anchor
+    assert bases == [{"bf16": None}, {"bf16": 0, "fp8": None}, {"bf16": 1, "fp8": 1}, {"bf16": 2},
+                     {"bf16": 3, "fp8": None}]  # fmt: skip
+    for version in (2, 4):
+        rebuild(store, version, "fp8", tmp_path / "rebuilt")
 
 
 def test_anchor_every_1_stores_every_version_whole(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
