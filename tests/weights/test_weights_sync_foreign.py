@@ -104,9 +104,12 @@ def test_a_foreign_weight_load_needs_the_key_and_is_undone_and_counted(
                             "the sidecar to count the foreign version")  # fmt: skip
         assert status["applied_version"] == 1 and status["lag"] == 0
         assert status["foreign"].startswith("foreign weight version: the engine served v1000000, not v1")
+        # a generation in flight while the weights are swapped is made of both (its `weight_versions` spans
+        # say so): wait for one made of v1 alone (the sidecar re-applies v1 from its local copy at once)
         restored = wait_until(
             lambda: (b := client.post(f"{engine}/generate", json=PROMPT, headers=auth).json())["meta_info"][
-                "weight_version"] == "1" and b, "the engine to serve v1 again")  # fmt: skip
+                "weight_versions"] == [{"version": "1", "start": 0, "end": 6}] and b,
+            "the engine to serve v1 again")  # fmt: skip
         assert restored["output_ids"] == channel_tokens["output_ids"]  # the channel's weights, not a label
         metrics = client.get(f"{sidecar}/metrics").text
         assert f'rlfleet_weight_sync_foreign_versions_total{{group="{GROUP}",view="bf16"}} 1.0' in metrics
