@@ -154,6 +154,23 @@ def test_a_view_a_subscriber_adds_starts_with_an_anchor_and_one_it_leaves_out_lo
         rebuild(store, version, "fp8", tmp_path / "rebuilt")
 
 
+def test_a_restarted_trainer_replaces_its_predecessors_copy(tmp_path: Path) -> None:
+    """The copies live in the staging directory (a trainer pod's /tmp emptyDir outlives its container):
+    a publisher with the same id removes its predecessor's copy instead of leaving a second one."""
+    store = FilesystemStore(tmp_path / "store", create=True)
+    staging = tmp_path / "staging"
+    first = WeightPublisher(store, views=["bf16"], keep_versions=None, publisher_id="trainer/ns/job", staging_dir=staging)
+    first.publish({"w": torch.zeros(4, 128)})
+    killed = first.snapshot_dir("bf16")  # never closed: the process was killed
+    assert killed is not None and killed.is_dir()
+    second = WeightPublisher(store, views=["bf16"], keep_versions=None, publisher_id="trainer/ns/job", staging_dir=staging)
+    second.publish({"w": torch.ones(4, 128)})
+    assert second.last_published["bf16"].kind == "anchor"
+    assert [p.name for p in staging.iterdir() if p.name.startswith(SNAPSHOT_PREFIX)] == [killed.parent.name]
+    assert second.snapshot_dir("bf16") == killed
+    assert hash_file(killed / "model.safetensors") == WeightChannel(store).manifest(1).views["bf16"].files["model.safetensors"]
+
+
 def test_anchor_every_1_stores_every_version_whole(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     store = FilesystemStore(tmp_path / "store", create=True)
     publisher = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
