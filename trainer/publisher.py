@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 SNAPSHOT_PREFIX = "rlfleet-last-"
 """`<staging>/rlfleet-last-<id>/<view>/`: the complete safetensors files of the last version a publisher
-published of each view (the bases of its next deltas); <id> from the publisher id, so a restarted trainer
+published of each view (the bases of its next deltas); <id> from the store and the publisher id, so a restarted trainer
 (same id: the cluster's and local mode's are stable) removes its predecessor's copy before it keeps its
 own (the trainer pod's /tmp emptyDir outlives a container restart). In a filesystem store's `.staging/`
 any other publisher's leftover goes with the store's staging leftovers (`FilesystemStore.clean_staging`)."""
@@ -311,7 +311,9 @@ class WeightPublisher:
         if staging is not None:
             staging.mkdir(parents=True, exist_ok=True)
         if self._snapshot_root is None:
-            name = hashlib.sha256(self.channel.publisher_id.encode()).hexdigest()[:16]
+            # one directory per (channel, publisher id): another channel's publisher on this machine never shares it
+            key = f"{self.channel.store.uri}\n{self.channel.publisher_id}"
+            name = hashlib.sha256(key.encode()).hexdigest()[:16]
             self._snapshot_root = (staging or Path(tempfile.gettempdir())) / f"{SNAPSHOT_PREFIX}{name}"
             shutil.rmtree(self._snapshot_root, ignore_errors=True)  # a predecessor's: it is no base of ours
         return staging
