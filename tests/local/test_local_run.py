@@ -316,6 +316,15 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
     assert (f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; task success "
             f"{summary['success_rate_first']:.0%} -> {summary['success_rate_last']:.0%}") in resumed.stdout  # fmt: skip
 
+    # the channel's traffic: every version the resumed part saw (each step publishes one), per view, in
+    # weights.csv, the summary and one line each at the end (docs/local.md)
+    weights, rows = summary["weights"], summary["weight_versions"]
+    assert set(weights) == {"bf16", "nvfp4"} and len(rows) == sum(w["versions"] for w in weights.values())
+    for view, w in weights.items():
+        assert w["versions"] >= 8 - stopped_at and w["anchors"] + w["deltas"] == w["versions"] and w["anchors"] >= 1
+        assert w["stored_bytes"] == sum(r["stored_bytes"] for r in rows if r["view"] == view) > 0
+        assert f"weights {view}: {w['versions']} versions ({w['anchors']} anchors, {w['deltas']} deltas)" in resumed.stdout
+    assert len((out / "report" / "weights.csv").read_text().splitlines()) == len(rows) + 1
     # a resume without --steps keeps the run's target (8), not the manifest's local.steps (12)
     assert local.cli([str(manifest), "--local", "--out", str(out), "--resume"]) == 2
     assert "is complete (step 8 of 8)" in capsys.readouterr().err
