@@ -417,9 +417,10 @@ ANCHOR_EVERY = 16
 
 def scaled(results: dict[str, Any], link_gbps: float) -> list[dict[str, Any]]:
     """Per view and for the fleet: GB read per version (full; a delta; the mean with an anchor every
-    ANCHOR_EVERY) and seconds until a replica holds the verified version: full = download at the link's
-    rate + BLAKE3 at the measured rate; delta = download + apply at the measured rate (GB/s of full view,
-    at the measured rate nearest the view's byte share) + BLAKE3 of the rebuilt view."""
+    ANCHOR_EVERY) and seconds until a replica holds the verified version: full = download at the slower of
+    the link and the measured copy + fsync (the bytes land on its disk), + BLAKE3 at the measured rate;
+    delta = download of the delta + apply at the measured rate (GB/s of full view, of the measured change
+    rate nearest the view's byte share) + BLAKE3 of the rebuilt view."""
     codec_rows = results["codec"]
     link = link_gbps / 8  # GB/s
     rows = []
@@ -427,7 +428,7 @@ def scaled(results: dict[str, Any], link_gbps: float) -> list[dict[str, Any]]:
         share = changed * (4 + width) / width
         row = min(codec_rows, key=lambda r: abs(r["delta_share"] - share))
         hash_gbps = row["hash_gbps"]
-        full_s = gb / link + gb / hash_gbps
+        full_s = gb / min(link, row["copy_gbps"]) + gb / hash_gbps
         delta_s = gb * share / link + gb / row["apply_gbps"] + gb / hash_gbps
         rows.append({
             "view": view, "replicas": replicas, "view_gb": gb, "delta_share": share,
