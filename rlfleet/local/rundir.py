@@ -36,6 +36,9 @@ LOCK = ".rlfleet-lock"
 OWN_NAMES = ("checkpoints", "channel", "cache", "report", "fleet.log", "fleet.json", "run.json")
 _PLOTS = "|".join(re.escape(plot.file) for plot in PLOTS)
 _STORE_DIRS = r"channel/(?:v\d+|claims|subscribers|\.staging)"  # the filesystem store's folders (rlfleet/channel.py)
+# per group, a version of its view rebuilt from deltas (rlfleet.sampler.syncer: `v<N>-<view>`) and the hidden
+# partial directory it is rebuilt in (WeightChannel.obtain_view: `.v<N>-<view>.partial-<hex>`)
+_REBUILT_DIRS = r"cache/[^/]+/(?:v\d+-[a-z0-9]+|\.v\d+-[a-z0-9]+\.partial-[0-9a-f]+)"
 # relative paths (with '/') of the files a run writes, after the temporary or lock suffix is taken off
 OWN_FILES = re.compile(
     r"fleet\.log|fleet\.json|run\.json"
@@ -43,10 +46,11 @@ OWN_FILES = re.compile(
     r"|channel/(?:pointer|lease)\.json"
     rf"|{_STORE_DIRS}/.+"
     r"|cache/[^/]+/launch"  # per group, the version its engine starts from (rlfleet.sampler.syncer)
-    rf"|report/(?:metrics\.json|metrics\.csv|{_PLOTS})"  # rlfleet/local/report.py
+    rf"|{_REBUILT_DIRS}/.+"
+    rf"|report/(?:metrics\.json|metrics\.csv|weights\.csv|{_PLOTS})"  # rlfleet/local/report.py
 )
 # the folders that hold such files: the only ones a clean walks into or removes once empty
-OWN_DIRS = re.compile(rf"checkpoints|channel|cache|report|cache/[^/]+|{_STORE_DIRS}(?:/.+)?")
+OWN_DIRS = re.compile(rf"checkpoints|channel|cache|report|cache/[^/]+|{_STORE_DIRS}(?:/.+)?|{_REBUILT_DIRS}(?:/.+)?")
 # a writer's temporary file (`.<name>.tmp-<hex>` of the store, `<name>.tmp` of checkpoints and reports) or
 # the store's lock file of a name (`.<name>.lock`): rlfleet's when the name is
 _COMPANION = re.compile(r"\.(?P<a>.+)\.(?:tmp-[0-9a-f]+|lock)|(?P<b>.+)\.tmp")

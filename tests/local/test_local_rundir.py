@@ -86,8 +86,9 @@ def test_what_a_run_may_remove_is_only_the_shape_it_writes(tmp_path):
            "channel/.pointer.json.lock", "channel/.lease.json.tmp-0123abcd", "channel/v0/manifest.json",
            "channel/v12/bf16/model.safetensors", "channel/v12/bf16/.config.json.tmp-99ff", "channel/claims/v12",
            "channel/subscribers/g/replica-0.json", "channel/.staging/abc/part", "cache/h100-bf16/launch",
-           "cache/h100-bf16/.launch.tmp-0a", "report/metrics.json", "report/metrics.csv", "report/reward.png",
-           "report/routing.png"]  # fmt: skip
+           "cache/h100-bf16/.launch.tmp-0a", "cache/h100-bf16/v12-bf16/model.safetensors",
+           "cache/h100-bf16/.v13-bf16.partial-0a1b2c3d/v13/model.safetensors.delta", "report/metrics.json",
+           "report/metrics.csv", "report/weights.csv", "report/reward.png", "report/routing.png"]  # fmt: skip
     user = ["report/notes.tex", "report/figures/plot.png", "cache/notes.txt", "cache/h100-bf16/mine.txt",
             "channel/notes.txt", "checkpoints/ckpt-best.pt", "checkpoints/latest.bak", "models/tiny/config.json",
             "thesis.tex", "fleet.log.1"]  # fmt: skip
