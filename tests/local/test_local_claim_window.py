@@ -54,7 +54,7 @@ def test_a_local_run_killed_inside_its_claim_window_resumes_and_publishes_on(tmp
     for version in kept:
         m = channel.manifest(version)
         assert m.publisher == pointer.publisher
-        listed = {f"v{version}/{view}/{rel}" for view, vm in m.views.items() for rel in vm.files}
+        listed = {f"v{version}/{view}/{rel}" for view, vm in m.views.items() for rel in vm.stored_files()}
         assert set(channel.store.list(f"v{version}/")) == listed | {manifest_key(version)}
         for view in m.views:
             channel.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=m)  # verifies

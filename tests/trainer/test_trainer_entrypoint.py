@@ -210,7 +210,7 @@ def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_
     for version in range(steps + 1):
         m = channel.manifest(version)
         assert m.publisher == pointer.publisher and sorted(m.views) == ["bf16", "fp8"]
-        listed = {f"v{version}/{view}/{rel}" for view, vm in m.views.items() for rel in vm.files}
+        listed = {f"v{version}/{view}/{rel}" for view, vm in m.views.items() for rel in vm.stored_files()}
         assert set(channel.store.list(f"v{version}/")) == listed | {manifest_key(version)}  # nothing else left
         for view in m.views:
             channel.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=m)  # verifies

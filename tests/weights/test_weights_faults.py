@@ -264,7 +264,7 @@ def test_s3_failing_mid_publish_then_the_restarted_trainer_publishes_on(
     for version in range(4):
         manifest = observer.manifest(version)
         assert manifest.publisher == trainer_id and sorted(manifest.views) == ["bf16", "fp8"]
-        listed = {f"v{version}/{view}/{rel}" for view, vm in manifest.views.items() for rel in vm.files}
+        listed = {f"v{version}/{view}/{rel}" for view, vm in manifest.views.items() for rel in vm.stored_files()}
         assert set(observer.store.list(f"v{version}/")) == listed | {manifest_key(version)}
         for view in manifest.views:
             observer.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)
