@@ -13,6 +13,9 @@ import pytest
 import yaml
 from safetensors import safe_open
 
+from rlfleet.channel import WeightChannel
+from rlfleet.store import FilesystemStore
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rljob.yaml"
 STEPS = 3
@@ -34,8 +37,9 @@ def test_a_local_run_trains_and_serves_the_tiny_qwen3_moe(tmp_path: Path) -> Non
     # every step trained on rollouts the groups' engines sampled from the MoE's published versions
     assert report["summary"]["rollouts_trained"] == STEPS * local["promptsPerStep"] * local["samplesPerPrompt"]
     groups = {g["weightFormat"] for g in doc["spec"]["samplerGroups"]}
-    for view in groups:
-        published = tmp_path / "run" / "channel" / f"v{STEPS}" / view
+    channel = WeightChannel(FilesystemStore(tmp_path / "run" / "channel"))
+    for view in groups:  # the last version's view, downloaded (rebuilt where it is stored as a delta) and verified
+        published = channel.download_view(STEPS, view, tmp_path / "published" / view)
         config = json.loads((published / "config.json").read_text())
         assert config["model_type"] == "qwen3_moe" and config["num_experts_per_tok"] == 2, view
         with safe_open(str(published / "model.safetensors"), "pt") as f:
