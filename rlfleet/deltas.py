@@ -33,9 +33,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import blake3
 import numpy as np
@@ -266,22 +267,29 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 def apply_delta(base: Path, delta: Path, out: Path) -> None:
     """Write `base` with the delta's elements set into `out` (fsynced). DeltaError if the delta is malformed
-    or was not made against a file with `base`'s header and size; a base with other DATA gives a file whose
+    or was not made against a file with `base`'s header and size (nothing written: the file is built under
+    a temporary name and renamed only when every entry fitted); a base with other DATA gives a file whose
     digest the caller's verification refuses.
 
     Streaming, in file order: the bytes of unchanged tensors are copied in the kernel, each changed tensor
     is read CHUNK_BYTES at a time, its elements set in memory and written: one sequential read of the base
     and one write, like a copy (setting the elements through a mapping of the copy would fault in and dirty
-    every page: at 0.4% of bf16 elements changed, every 4 KiB page holds about 8)."""
+    every page: at 0.4% of bf16 elements changed, every 4 KiB page holds about 8). One tensor's entries
+    are in memory at a time."""
+    from safetensors import SafetensorError, safe_open
+
     header = read_header(base)
     size = os.path.getsize(base)
-    patches = _read_patches(base, delta, header, size)  # every check before anything is written
     tmp = out.parent / f".{out.name}.applying"
     try:
-        with open(base, "rb") as src, open(tmp, "wb") as dst:
-            _write_patched(src.fileno(), dst.fileno(), patches, size)
-            os.fsync(dst.fileno())
+        with safe_open(str(delta), framework="numpy") as d:
+            names = _checked_names(d, base, delta, header, size)
+            with open(base, "rb") as src, open(tmp, "wb") as dst:
+                _write_patched(src.fileno(), dst.fileno(), size, (_patch(d, delta, name, header) for name in names))
+                os.fsync(dst.fileno())
         os.replace(tmp, out)
+    except SafetensorError as e:
+        raise DeltaError(f"{delta.name}: not a readable safetensors file ({e})") from None
     except _ShortSource:
         raise DeltaError(f"{base.name}: shorter than its header says (changed while applying?)") from None
     finally:
@@ -291,40 +299,34 @@ def apply_delta(base: Path, delta: Path, out: Path) -> None:
 _Patch = tuple[int, int, np.dtype, np.ndarray, np.ndarray]  # file begin, file end, unit, indices, values
 
 
-def _read_patches(base: Path, delta: Path, header: _Header, size: int) -> list[_Patch]:
-    """The delta's entries, each checked against `base`'s header, in file order; DeltaError if any fails."""
-    from safetensors import SafetensorError, safe_open
+def _checked_names(d: Any, base: Path, delta: Path, header: _Header, size: int) -> list[str]:
+    """The tensors the delta changes, in file order, once its metadata names `base`'s header and size and
+    its keys are exactly one index and one value entry per tensor of the base; DeltaError otherwise."""
+    metadata = d.metadata() or {}
+    keys = list(d.keys())
+    if metadata.get("format") != DELTA_FORMAT:
+        raise DeltaError(f"{delta.name}: not an {DELTA_FORMAT} file (format {metadata.get('format')!r})")
+    if (
+        metadata.get("header_bytes") != str(header.data_start)
+        or metadata.get("file_bytes") != str(size)
+        or metadata.get("header_blake3") != blake3.blake3(header.raw).hexdigest()
+    ):
+        raise DeltaError(f"{delta.name}: made against another file than the base {base.name}")
+    names = sorted({k.removesuffix(INDEX_SUFFIX) for k in keys if k.endswith(INDEX_SUFFIX)})
+    if sorted(keys) != sorted([n + INDEX_SUFFIX for n in names] + [n + VALUE_SUFFIX for n in names]):
+        raise DeltaError(f"{delta.name}: every tensor needs exactly one {INDEX_SUFFIX} and one {VALUE_SUFFIX}")
+    for name in names:
+        if name not in header.tensors:
+            raise DeltaError(f"{delta.name}: tensor {name!r} is not in the base file")
+    return sorted(names, key=lambda n: header.tensors[n][1])
 
-    patches = []
+
+def _patch(d: Any, delta: Path, name: str, header: _Header) -> _Patch:
+    """One tensor's entries, read and checked against its place in the base; DeltaError if they do not fit."""
     try:
-        with safe_open(str(delta), framework="numpy") as d:
-            metadata = d.metadata() or {}
-            keys = list(d.keys())
-            if metadata.get("format") != DELTA_FORMAT:
-                raise DeltaError(f"{delta.name}: not an {DELTA_FORMAT} file (format {metadata.get('format')!r})")
-            if (
-                metadata.get("header_bytes") != str(header.data_start)
-                or metadata.get("file_bytes") != str(size)
-                or metadata.get("header_blake3") != blake3.blake3(header.raw).hexdigest()
-            ):
-                raise DeltaError(f"{delta.name}: made against another file than the base {base.name}")
-            names = sorted({k.removesuffix(INDEX_SUFFIX) for k in keys if k.endswith(INDEX_SUFFIX)})
-            if sorted(keys) != sorted([n + INDEX_SUFFIX for n in names] + [n + VALUE_SUFFIX for n in names]):
-                raise DeltaError(f"{delta.name}: every tensor needs exactly one {INDEX_SUFFIX} and one {VALUE_SUFFIX}")
-            for name in names:
-                if name not in header.tensors:
-                    raise DeltaError(f"{delta.name}: tensor {name!r} is not in the base file")
-                try:
-                    index, values = d.get_tensor(name + INDEX_SUFFIX), d.get_tensor(name + VALUE_SUFFIX)
-                except (TypeError, ValueError) as e:  # a dtype numpy has no type for (e.g. BF16)
-                    raise DeltaError(f"{delta.name}: the entry of {name!r} is not U8..U64 ({e})") from None
-                patches.append(_checked_patch(delta, name, header, index, values))
-    except SafetensorError as e:
-        raise DeltaError(f"{delta.name}: not a readable safetensors file ({e})") from None
-    return sorted(patches, key=lambda p: p[0])
-
-
-def _checked_patch(delta: Path, name: str, header: _Header, index: np.ndarray, values: np.ndarray) -> _Patch:
+        index, values = d.get_tensor(name + INDEX_SUFFIX), d.get_tensor(name + VALUE_SUFFIX)
+    except (TypeError, ValueError) as e:  # a dtype numpy has no type for (e.g. BF16)
+        raise DeltaError(f"{delta.name}: the entry of {name!r} is not U8..U64 ({e})") from None
     dtype, begin, end = header.tensors[name]
     unit = _unit(dtype, end - begin)
     count = (end - begin) // unit.itemsize
@@ -343,7 +345,7 @@ def _checked_patch(delta: Path, name: str, header: _Header, index: np.ndarray, v
     return header.data_start + begin, header.data_start + end, unit, index, values
 
 
-def _write_patched(src: int, dst: int, patches: list[_Patch], size: int) -> None:
+def _write_patched(src: int, dst: int, size: int, patches: Iterable[_Patch]) -> None:
     """The source's bytes into `dst` at the same offsets, each patch's elements set (patches in file order,
     apart: read_header refuses overlapping tensors)."""
     buffer = bytearray(CHUNK_BYTES)
