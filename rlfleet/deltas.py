@@ -358,7 +358,8 @@ def _write_patched(src: int, dst: int, size: int, patches: Iterable[_Patch]) -> 
             if os.preadv(src, [view], chunk) != n:
                 raise _ShortSource
             first = (chunk - begin) // unit.itemsize
-            lo, hi = np.searchsorted(index, [first, first + n // unit.itemsize])
+            # bounds in the index's own dtype: mixed dtypes would cast the whole index on every chunk
+            lo, hi = np.searchsorted(index, np.array([first, first + n // unit.itemsize], dtype=index.dtype))
             np.frombuffer(view, dtype=unit)[index[lo:hi] - first] = values[lo:hi]
             _pwrite_all(dst, view, chunk)
         at = end
