@@ -28,6 +28,12 @@ The rules, in order:
    capacity share, a group twice as expensive half of it; `static`: the configured shares; `plan`:
    the fleet-mix optimizer's shares (operator/fleetplan.py, `spec.router.optimize`).
    Every eligible group gets at least `min_share`. Ineligible groups get 0.
+   A group with an egress price (`egressPricePerGb`, a group in another region than the weight store)
+   pays for its weight traffic: the rate of the trainer's `rlfleet_trainer_weights_stored_bytes_total
+   {view}` (the bytes the channel stored for its view over every version: what each of its replicas
+   reads) since the previous reading, smoothed alike (a counter that went down: the trainer restarted,
+   what it stored since), x 3600 / 1e9 x the price x its ready replicas, USD/h; part of its cost per
+   hour and per usable token (so the `cost` policy weighs it). No price, or no reading yet: 0.
 3. Quarantined or replica-less groups drop to 0 at once; everything else moves from the current
    shares toward the target along a straight line, as far as `max_share_change` allows for the
    group that moves most (so shares keep summing to 1 and no share moves more than the bound).
@@ -47,7 +53,14 @@ from typing import Literal
 from prometheus_client.parser import text_string_to_metric_families
 
 from rlfleet.catalog import Catalog
-from rlfleet.fleet import REFERENCE_WEIGHT_FORMAT, FleetEconomics, MeasuredGroup, measured_economics
+from rlfleet.fleet import (
+    BYTES_PER_GB,
+    REFERENCE_WEIGHT_FORMAT,
+    SECONDS_PER_HOUR,
+    FleetEconomics,
+    MeasuredGroup,
+    measured_economics,
+)
 
 # "plan": the fleet-mix optimizer's shares (operator/fleetplan.py), carried in GroupInput.static_share
 Policy = Literal["throughput", "cost", "static", "plan"]
@@ -59,6 +72,8 @@ THROUGHPUT_GAUGE = "sglang:gen_throughput"
 RUNNING_GAUGE = "sglang:num_running_reqs"
 QUEUE_GAUGE = "sglang:num_queue_reqs"
 REQUESTS_COUNTER = "sglang:num_requests"
+# the trainer's bytes stored per view over every version it published (trainer/metrics.py `update_published`)
+WEIGHTS_STORED_COUNTER = "rlfleet_trainer_weights_stored_bytes_total"
 
 
 # --- parsing ----------------------------------------------------------------------------------
@@ -116,6 +131,17 @@ def parse_trainer_group_metrics(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def parse_trainer_stored_bytes(text: str) -> dict[str, float]:
+    """The trainer's `rlfleet_trainer_weights_stored_bytes_total{view}`: {view: bytes the channel stored
+    for it over every version this trainer process published} (empty: it published none yet)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == WEIGHTS_STORED_COUNTER and math.isfinite(sample.value) and "view" in sample.labels:
+                out[sample.labels["view"]] = sample.value
+    return out
+
+
 # --- inputs, state, outputs -------------------------------------------------------------------
 
 
@@ -142,6 +168,9 @@ class GroupInput:
     quarantined: bool = False
     static_share: float | None = None
     tokens_per_second: float | None = None  # a direct reading (e.g. from Prometheus) instead of pods
+    # USD per GB of weights its replicas read (SamplerGroup spec.egressPricePerGb); None: its traffic is free.
+    # Its replicas read the view of its weight_format (the trainer's stored bytes of that view)
+    egress_price_per_gb: float | None = None
 
 
 @dataclass
@@ -157,19 +186,32 @@ class GroupMemory:
 
 
 @dataclass
+class ViewMemory:
+    """The trainer's stored bytes of one view at the last reading, and their smoothed rate (JSON-serialisable)."""
+
+    counter: float | None = None  # rlfleet_trainer_weights_stored_bytes_total{view}
+    time: float | None = None
+    ema_bytes_per_second: float | None = None
+
+
+@dataclass
 class RebalanceState:
     groups: dict[str, GroupMemory] = field(default_factory=dict)
+    views: dict[str, ViewMemory] = field(default_factory=dict)  # view -> the trainer's stored bytes
 
     def to_dict(self) -> dict[str, object]:
-        return {"groups": {name: asdict(m) for name, m in self.groups.items()}}
+        return {"groups": {name: asdict(m) for name, m in self.groups.items()},
+                "views": {view: asdict(m) for view, m in self.views.items()}}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object] | None) -> RebalanceState:
         if not data:
             return cls()
         groups = data.get("groups", {})
-        assert isinstance(groups, Mapping)
-        return cls(groups={name: GroupMemory(**dict(m)) for name, m in groups.items()})
+        views = data.get("views", {})
+        assert isinstance(groups, Mapping) and isinstance(views, Mapping)
+        return cls(groups={name: GroupMemory(**dict(m)) for name, m in groups.items()},
+                   views={view: ViewMemory(**dict(m)) for view, m in views.items()})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -207,7 +249,7 @@ class GroupResult:
     previous_share: float | None
     target_share: float
     reason: str
-    cost_per_hour: float | None  # USD per hour of the group's GPUs (None: no price)
+    cost_per_hour: float | None  # USD per hour of the group's GPUs and its weight traffic (None: no GPU price)
     usable_fraction: float  # the share of its tokens trained on and inside the MIS band, as its costs count them
     cost_per_1m_tokens: float | None  # USD per 1M tokens, all tokens
     cost_per_1m_useful_tokens: float | None  # USD per 1M in-band tokens
@@ -223,6 +265,8 @@ class GroupResult:
     # this interval's own reading, before the EMA (None: none this interval): the fleet-mix optimizer's
     # tokens/s per replica, which an EMA across a replica change would mix up
     measured_tokens_per_second: float | None = None
+    # USD per hour of its replicas' weight traffic, part of cost_per_hour (None: no egress price or no reading yet)
+    egress_cost_per_hour: float | None = None
 
     @property
     def reported(self) -> bool:
@@ -235,6 +279,7 @@ class GroupResult:
             "tokensPerSecond": _round(self.tokens_per_second, 1),
             "share": _round(self.share, 4),
             "costPerHour": _round(self.cost_per_hour, 4),
+            "egressCostPerHour": _round(self.egress_cost_per_hour, 4),
             "costPer1MTokens": _round(self.cost_per_1m_useful_tokens, 4),
             "kl": _round(self.kl, 6),
             "oorFraction": _round(self.oor_fraction, 6),
@@ -317,6 +362,46 @@ def group_rate(pods: Mapping[str, PodSample], memory: GroupMemory, now: float) -
     return total if known else None
 
 
+def view_rate(counter: float | None, memory: ViewMemory, now: float) -> float | None:
+    """Bytes/s the trainer stored for a view since the last reading: the counter's increase over the
+    elapsed time; a counter that went down (the trainer restarted) counts what it stored since the
+    restart. None: no reading now, or none before."""
+    if counter is None or memory.counter is None or memory.time is None or now <= memory.time:
+        return None
+    increase = counter - memory.counter if counter >= memory.counter else counter
+    return increase / (now - memory.time)
+
+
+def egress_cost_per_hour(bytes_per_second: float, price_per_gb: float, replicas: int) -> float:
+    """USD per hour of a group's weight traffic: each of its replicas reads its view's stored bytes,
+    `bytes_per_second` x 3600 / 1e9 GB per hour at `price_per_gb`."""
+    return bytes_per_second * SECONDS_PER_HOUR / BYTES_PER_GB * price_per_gb * max(replicas, 0)
+
+
+def _observe_views(
+    stored_bytes: Mapping[str, float] | None, previous_state: RebalanceState, new_state: RebalanceState,
+    now: float, config: RebalanceConfig,
+) -> None:
+    """Each view's stored bytes/s (EMA, as the groups' tokens/s) into `new_state`; a view not read this
+    interval keeps its memory (a trainer unreadable this tick)."""
+    new_state.views = dict(previous_state.views)
+    for view, counter in (stored_bytes or {}).items():
+        memory = previous_state.views.get(view, ViewMemory())
+        rate, ema = view_rate(counter, memory, now), memory.ema_bytes_per_second
+        if rate is not None:
+            ema = rate if ema is None else config.smoothing * rate + (1.0 - config.smoothing) * ema
+        new_state.views[view] = ViewMemory(counter=counter, time=now, ema_bytes_per_second=ema)
+
+
+def _egress(g: GroupInput, state: RebalanceState) -> float | None:
+    """The group's weight traffic, USD/h (None: no price, or its view's rate not read yet)."""
+    if not g.egress_price_per_gb:
+        return None
+    memory = state.views.get(g.weight_format)
+    rate = memory.ema_bytes_per_second if memory is not None else None
+    return None if rate is None else egress_cost_per_hour(rate, g.egress_price_per_gb, g.ready_replicas)
+
+
 def _target_shares(
     eligible: list[str],
     raw: Mapping[str, float],
@@ -339,16 +424,21 @@ def rebalance(
     now: float,
     config: RebalanceConfig,
     current_shares: Mapping[str, float] | None = None,
+    weights_stored_bytes: Mapping[str, float] | None = None,
 ) -> RebalanceResult:
     """One rebalance step. `now` is epoch seconds; `current_shares` (optional) are the router's
-    shares if known (else the previous result's, else equal)."""
+    shares if known (else the previous result's, else equal); `weights_stored_bytes` the trainer's
+    `rlfleet_trainer_weights_stored_bytes_total` per view read now (`parse_trainer_stored_bytes`; None:
+    not read this interval), whose rate prices the weight traffic of groups with an egress price."""
     inputs = list(groups)
     previous_state = state or RebalanceState()
     new_state = RebalanceState()
 
-    # 1. Throughput (EMA) per group.
+    # 1. Throughput (EMA) per group; the weights stored per view (EMA) and each group's egress.
     readings = {g.name: _observe_throughput(g, previous_state, new_state, now, config) for g in inputs}
     tps = {name: smoothed for name, (_, smoothed) in readings.items()}
+    _observe_views(weights_stored_bytes, previous_state, new_state, now, config)
+    egress = {g.name: _egress(g, new_state) for g in inputs}
 
     # 2. Targets by policy.
     names = [g.name for g in inputs]
@@ -356,7 +446,7 @@ def rebalance(
     eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
     economics = measured_economics(
         [MeasuredGroup(g.name, g.accelerator, g.weight_format, g.gpus, g.price_per_gpu_hour, tps[g.name], g.oor_fraction,
-                       g.trained_fraction) for g in inputs],
+                       g.trained_fraction, egress[g.name] or 0.0) for g in inputs],
         config.reference_accelerator, config.reference_price_per_gpu_hour, config.reference_tokens_per_gpu_second,
         config.reference_oor_fraction, config.catalog,
     )  # fmt: skip
@@ -409,6 +499,7 @@ def rebalance(
             trained_fraction=g.trained_fraction,
             invalid_tokens=dict(g.invalid_tokens),
             measured_tokens_per_second=readings[name][0],
+            egress_cost_per_hour=egress[name],
         )
 
     return RebalanceResult(

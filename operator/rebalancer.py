@@ -58,6 +58,7 @@ from rlfleet.operator.rebalance import (
     RebalanceState,
     parse_sglang_metrics,
     parse_trainer_group_metrics,
+    parse_trainer_stored_bytes,
     rebalance,
 )
 from rlfleet.operator.trainer_report import TrainerReport, parse_trainer_report, trainer_job_status
@@ -78,6 +79,8 @@ class JobMemory:
     token: str | None = None
     result: RebalanceResult | None = None  # None: not rebalanced since the operator started
     report: TrainerReport | None = None  # the trainer's last readable report
+    # the trainer's stored bytes per view at this tick (rebalance.py `parse_trainer_stored_bytes`; None: unreadable)
+    weights_stored_bytes: dict[str, float] | None = None
     fleet: fleetplan.FleetMemory = field(default_factory=fleetplan.FleetMemory)  # tokens/s per replica
     plan: fleetplan.FleetDecision | None = None  # the optimizer's last decision (router.optimize)
     precision: autopilot.AutopilotMemory = field(default_factory=autopilot.AutopilotMemory)  # the autopilot's
@@ -92,7 +95,7 @@ _GROUP_LABELS = ("namespace", "rljob", "group")
 _JOB_LABELS = ("namespace", "rljob")
 GROUP_GAUGES = {
     "tokens_per_second": Gauge("rlfleet_operator_group_tokens_per_second", "Decode tokens/s of the group", _GROUP_LABELS),
-    "cost_per_hour": Gauge("rlfleet_operator_group_cost_per_hour_usd", "USD per hour of the group's GPUs", _GROUP_LABELS),
+    "cost_per_hour": Gauge("rlfleet_operator_group_cost_per_hour_usd", "USD per hour of the group's GPUs and weight traffic", _GROUP_LABELS),
     "usable_fraction": Gauge("rlfleet_operator_group_usable_token_fraction",
                              "Share of the group's tokens trained on and inside the MIS band", _GROUP_LABELS),
     "cost_per_1m_usable_tokens": Gauge("rlfleet_operator_group_cost_per_1m_usable_tokens_usd",
@@ -100,7 +103,7 @@ GROUP_GAUGES = {
 }  # fmt: skip
 JOB_GAUGES = {
     "tokens_per_second": Gauge("rlfleet_operator_job_tokens_per_second", "Decode tokens/s of the fleet", _JOB_LABELS),
-    "cost_per_hour": Gauge("rlfleet_operator_job_cost_per_hour_usd", "USD per hour of the fleet's GPUs", _JOB_LABELS),
+    "cost_per_hour": Gauge("rlfleet_operator_job_cost_per_hour_usd", "USD per hour of the fleet's GPUs and weight traffic", _JOB_LABELS),
     "usable_fraction": Gauge("rlfleet_operator_job_usable_token_fraction",
                              "Share of the fleet's tokens trained on and inside the MIS band", _JOB_LABELS),
     "cost_per_1m_usable_tokens": Gauge("rlfleet_operator_job_cost_per_1m_usable_tokens_usd",
@@ -310,6 +313,7 @@ def group_input(
         quarantined=st.quarantine_reason(dict(sg), collapse_quarantine) is not None,
         static_share=job.spec.router.static_shares.get(name),
         tokens_per_second=tokens_per_second,
+        egress_price_per_gb=spec.get("egressPricePerGb"),
     )
 
 
@@ -423,12 +427,14 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
         if job.spec.router.autopilot.enabled:
             inputs = await run_autopilot(job, namespace, samplergroups, inputs, memory)
         config = job_config(job)
-        result = rebalance(inputs, memory.state, now, config)
+        stored = memory.weights_stored_bytes
+        result = rebalance(inputs, memory.state, now, config, weights_stored_bytes=stored)
         if job.spec.router.optimize.enabled:
             decision = plan_fleet_mix(job, samplergroups, inputs, result, memory, config)
             if decision.shares is not None:  # the plan's shares instead of the policy's, bounded alike
                 planned = [replace(g, static_share=decision.shares.get(g.name, 0.0)) for g in inputs]
-                result = rebalance(planned, memory.state, now, replace(config, policy="plan", min_share=0.0))
+                result = rebalance(planned, memory.state, now, replace(config, policy="plan", min_share=0.0),
+                                   weights_stored_bytes=stored)  # fmt: skip
             await _scale(namespace, samplergroups, decision)
         memory.state = result.state
 
@@ -565,9 +571,9 @@ def _due(memory: JobMemory, samplergroups: Sequence[Mapping[str, Any]], now: flo
 async def _read_trainer(
     http: aiohttp.ClientSession, job: RLJob, pods_of: PodsOf, memory: JobMemory
 ) -> dict[str, dict[str, float]]:
-    """The trainer's per-group metrics, keeping its report in `memory` (None when unreadable this tick:
-    the pipeline keeps the observed step and metrics)."""
-    memory.report = None
+    """The trainer's per-group metrics, keeping its report and its stored bytes per view in `memory`
+    (None when unreadable this tick: the pipeline keeps the observed step and metrics)."""
+    memory.report, memory.weights_stored_bytes = None, None
     trainer_pod = next((p for p in pods_of("trainer", job.name) if p["name"] == f"{n.trainer_name(job.name)}-0"), None)
     if trainer_pod is None or not pod_ready(trainer_pod):
         return {}
@@ -576,6 +582,7 @@ async def _read_trainer(
         return {}
     try:
         trainer_metrics, memory.report = parse_trainer_group_metrics(text), parse_trainer_report(text)
+        memory.weights_stored_bytes = parse_trainer_stored_bytes(text)
     except ValueError:
         return {}
     return trainer_metrics

@@ -46,8 +46,8 @@ ANN_QUARANTINED = f"{GROUP}/quarantined"
 FOREIGN_WEIGHTS_REASON = "ForeignWeightVersion"
 NO_REPORT_REASON = "NoSubscriberReport"
 # SamplerGroup status fields that come from the rebalance tick (operator/rebalance.py GroupResult)
-REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPerHour", "costPer1MTokens", "kl", "oorFraction", "tokenShare", "oorShare",
-                    "routingMismatch", "usableFraction", "invalidTokens", "shareHistory")  # fmt: skip
+REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPerHour", "egressCostPerHour", "costPer1MTokens", "kl", "oorFraction",
+                    "tokenShare", "oorShare", "routingMismatch", "usableFraction", "invalidTokens", "shareHistory")  # fmt: skip
 # SamplerGroup status fields that keep the rebalance tick's memory over an operator restart (the status is
 # the store of truth): the optimizer's last steady figure, the precision autopilot's step-down state
 REMEMBERED_FIELDS = ("steadyThroughput", "precisionCooldown")

@@ -208,7 +208,8 @@ def _train_rank0(
         def on_step(metrics: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
             exporter.update(int(metrics["step"]), metrics)  # its weight_version: step + the version offset
             exporter.update_collapse(decision.alerts, sorted(detector.quarantined), decision.pause)
-            exporter.update_published(publisher.last_published.values())  # this step's version, per view
+            # this step's version, per view, and the bytes stored per view over every version published
+            exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)
 
         loop = run_training(rc, base.backend, ChannelSink(publisher), detector, make_driver,
                             checkpoint=checkpoints, resume=state, on_step=on_step)  # fmt: skip

@@ -171,6 +171,7 @@ class PrometheusExporter:
         self.registry = CollectorRegistry()
         self._gauges: dict[str, Any] = {}
         self._risk_labels: set[tuple[str, str]] = set()
+        self._stored_counted: dict[str, int] = {}  # per view, the stored bytes already added to the counter
         self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         self.port = int(self._server.server_address[1])
 
@@ -229,14 +230,27 @@ class PrometheusExporter:
             self._gauges["quarantine_requested"].labels(group=group).set(1.0)
         self._gauges["pause_requested"].set(1.0 if pause else 0.0)
 
-    def update_published(self, views: Iterable[ViewPublished]) -> None:
+    def update_published(self, views: Iterable[ViewPublished], stored_bytes_total: Mapping[str, int] | None = None) -> None:
         """How the latest published version stores each view (trainer/publisher.py `ViewPublished`):
         `rlfleet_trainer_weights_published_bytes{view,kind}` the bytes the channel holds for it, kind
         `anchor` (the whole view) or `delta` (the other kind reads 0, so the sum over kinds is that
         version's bytes), `rlfleet_trainer_weights_view_bytes{view}` the complete view's size and
-        `rlfleet_trainer_weights_encode_seconds{view}` the time its comparison with the previous version took."""
-        from prometheus_client import Gauge
+        `rlfleet_trainer_weights_encode_seconds{view}` the time its comparison with the previous version took.
+        `stored_bytes_total` (the publisher's `stored_bytes_total`: per view, the bytes stored over every
+        version it published) sets the counter `rlfleet_trainer_weights_stored_bytes_total{view}`: what each
+        replica following the view has read since this trainer process started (the operator's rate of it
+        charges a group's weight egress, docs/economics.md "Weight traffic"). Called again without a new
+        version, the counter stays where it is."""
+        from prometheus_client import Counter, Gauge
 
+        if stored_bytes_total is not None:
+            if "weights_stored_bytes" not in self._gauges:
+                self._gauges["weights_stored_bytes"] = Counter("rlfleet_trainer_weights_stored_bytes", "bytes the channel stored for the view, summed over the versions this trainer published", ["view"], registry=self.registry)  # fmt: skip
+            for view, total in stored_bytes_total.items():
+                counted = self._stored_counted.get(view, 0)
+                if total > counted:
+                    self._gauges["weights_stored_bytes"].labels(view).inc(float(total - counted))
+                    self._stored_counted[view] = total
         if "weights_published_bytes" not in self._gauges:
             self._gauges["weights_published_bytes"] = Gauge("rlfleet_trainer_weights_published_bytes", "bytes the channel stores for the view at the latest version", ["view", "kind"], registry=self.registry)  # fmt: skip
             self._gauges["weights_view_bytes"] = Gauge("rlfleet_trainer_weights_view_bytes", "size of the complete view at the latest version", ["view"], registry=self.registry)  # fmt: skip

@@ -177,6 +177,10 @@ class WeightPublisher:
         self._snapshot_root: Path | None = None  # made at the first publish, on the staging filesystem
         self.last_published: dict[str, ViewPublished] = {}
         """How each view of the last version this publisher published is stored."""
+        self.stored_bytes_total: dict[str, int] = {}
+        """Bytes the channel stored for each view, summed over every version this publisher published
+        (what a replica following the view reads: anchors whole, deltas as payloads; the trainer's
+        `rlfleet_trainer_weights_stored_bytes_total`, which the operator charges a group's egress from)."""
         self.base_checkpoint = Path(base_checkpoint) if base_checkpoint is not None else None
         self.model_config = read_base_config(self.base_checkpoint) if self.base_checkpoint else None
         self.views = [check_view(v) for v in dict.fromkeys(views)]
@@ -300,6 +304,8 @@ class WeightPublisher:
             )
             for view, vm in sorted(result.manifest.views.items())
         }
+        for view, published in self.last_published.items():
+            self.stored_bytes_total[view] = self.stored_bytes_total.get(view, 0) + published.stored_bytes
         self._log_published(result)
         return result
 

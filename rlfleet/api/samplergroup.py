@@ -291,9 +291,11 @@ class SamplerGroupStatus(ApiModel):
     invalid_tokens: dict[str, int] | None = Field(default=None, max_length=64)
     """The group's tokens at the trainer's latest step that failed validation, by reason (a token failing several checks counts under each; rejected_by_objective: the objective could not use it); absent: none."""
     cost_per_hour: float | None = Field(default=None, ge=0.0)
-    """USD per hour of the group's GPUs (replicas x tensorParallel) at the catalog's price per GPU-hour."""
+    """USD per hour of the group's GPUs (replicas x tensorParallel) at the catalog's price per GPU-hour, and of its weight traffic (egressCostPerHour) where it pays for it."""
+    egress_cost_per_hour: float | None = Field(default=None, ge=0.0)
+    """With spec.egressPricePerGb: USD per hour its ready replicas pay for the weights they read (the trainer's stored bytes of its view per second, smoothed, x 3600 / 1e9 x the price x ready replicas; docs/economics.md "Weight traffic"), part of costPerHour and costPer1MTokens; absent: no price, or no reading yet."""
     cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")
-    """USD per million usable tokens (trained on and inside the MIS band: tokens/s x usableFraction) at the catalog's price per GPU-hour."""
+    """USD per million usable tokens (trained on and inside the MIS band: tokens/s x usableFraction) at the catalog's price per GPU-hour (and its weight traffic, egressCostPerHour)."""
     quarantined: bool | None = None
     """True when the group gets no new sessions (manual or by the collapse detector)."""
     share_history: list[ShareChange] = Field(default_factory=list, max_length=5)

@@ -412,6 +412,42 @@ def test_the_trainer_exports_each_views_stored_bytes_by_kind(tmp_path: Path, tin
         exporter.close()
 
 
+def test_the_trainer_counts_each_views_stored_bytes_over_its_versions(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    """`rlfleet_trainer_weights_stored_bytes_total{view}`: the anchor's bytes plus each delta's payloads, as
+    the manifests say the channel stores them; a call without a new version adds nothing."""
+    import httpx
+
+    from rlfleet.trainer.metrics import PrometheusExporter
+
+    store = FilesystemStore(tmp_path / "store", create=True)
+    publisher = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir)
+    state = tiny_state()
+    exporter = PrometheusExporter(port=0)
+
+    def counter() -> str:
+        text = httpx.get(f"http://127.0.0.1:{exporter.port}/metrics").text
+        return next(line for line in text.splitlines() if line.startswith("rlfleet_trainer_weights_stored_bytes_total{"))
+
+    try:
+        exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)  # nothing yet
+        assert "rlfleet_trainer_weights_stored_bytes_total{" not in httpx.get(f"http://127.0.0.1:{exporter.port}/metrics").text
+        anchor = publisher.publish(state).manifest.views["bf16"].stored_bytes
+        nudge(state, 0)
+        delta = publisher.publish(state).manifest.views["bf16"].stored_bytes
+        assert 0 < delta < anchor
+        assert publisher.stored_bytes_total == {"bf16": anchor + delta}
+        exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)
+        assert counter() == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta)}'
+        exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)  # same version
+        assert counter() == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta)}'
+        nudge(state, 1)
+        third = publisher.publish(state).manifest.views["bf16"].stored_bytes
+        exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)
+        assert counter() == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta + third)}'
+    finally:
+        exporter.close()
+
+
 def test_the_rljobs_deltas_reach_the_cluster_and_the_local_publisher(tmp_path: Path) -> None:
     """weightChannel.deltas -> the cluster trainer's publisher (trainer/entrypoint.py) and local mode's
     RunConfig (trainer/config.py `resolve_run`, which rlfleet/local/main.py passes on)."""

@@ -1,0 +1,141 @@
+"""The operator charges a group's weight traffic (issue 40 item 5, docs/economics.md "Weight traffic"):
+the rate of the trainer's `rlfleet_trainer_weights_stored_bytes_total{view}` x 3600 / 1e9 x the group's
+egressPricePerGb x its ready replicas, in its cost per hour and per usable token. Every expected number
+below is worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlfleet.api import RLJob
+from rlfleet.operator import rebalancer as timer
+from rlfleet.operator.rebalance import (
+    GroupInput,
+    RebalanceConfig,
+    RebalanceResult,
+    RebalanceState,
+    ViewMemory,
+    egress_cost_per_hour,
+    parse_trainer_stored_bytes,
+    rebalance,
+    view_rate,
+)
+
+# smoothing 0.5: the EMA is the mean of the newest rate and the previous EMA
+CONFIG = RebalanceConfig(smoothing=0.5, reference_accelerator="h100", reference_price_per_gpu_hour=3.0)
+
+
+def groups() -> list[GroupInput]:
+    # remote: 2 ready replicas of 1 GPU at $3/GPU-h, bf16, paying $0.02/GB; local: the same, paying nothing
+    remote = GroupInput("remote", 2, 2, 3.0, accelerator="h100", weight_format="bf16", tokens_per_second=1000.0,
+                        egress_price_per_gb=0.02)  # fmt: skip
+    local = GroupInput("local", 2, 2, 3.0, accelerator="h100", weight_format="bf16", tokens_per_second=1000.0)
+    return [remote, local]
+
+
+def step(state: RebalanceState | None, now: float, bf16: float | None) -> RebalanceResult:
+    return rebalance(groups(), state, now, CONFIG, weights_stored_bytes=None if bf16 is None else {"bf16": bf16})
+
+
+def test_the_rate_of_two_intervals_a_restart_and_a_missed_reading_price_the_remote_group() -> None:
+    # t=0: an anchor of 61 GB stored; no earlier reading, so no rate and no egress yet
+    first = step(None, 0.0, 61e9)
+    assert first.groups["remote"].egress_cost_per_hour is None
+    assert first.groups["remote"].cost_per_hour == 6.0  # 2 GPUs x $3
+    assert "egressCostPerHour" not in first.groups["remote"].status_patch()
+
+    # t=600: +1.2 GB -> 2e6 B/s (the first rate: the EMA) -> 7.2 GB/h per replica x $0.02 = $0.144 x 2 = $0.288/h
+    second = step(first.state, 600.0, 62.2e9)
+    remote = second.groups["remote"]
+    assert remote.egress_cost_per_hour == pytest.approx(0.288)
+    assert remote.cost_per_hour == pytest.approx(6.288)
+    # 6.288 USD/h / 3600 s / 1000 tok/s x 1e6 = 1.746666.. USD per 1M (all usable: nothing reported out of band)
+    assert remote.cost_per_1m_useful_tokens == pytest.approx(1.7466666667)
+    patch = remote.status_patch()
+    assert (patch["egressCostPerHour"], patch["costPerHour"], patch["costPer1MTokens"]) == (0.288, 6.288, 1.7467)
+    # the fleet: 12.288 USD/h / 2000 tok/s -> 12.288 / 3600 / 2000 x 1e6 = 1.706666.. USD per 1M
+    assert second.economics.cost_per_hour == pytest.approx(12.288)
+    assert second.fleet_cost_per_1m_usable_tokens == pytest.approx(1.7066666667)
+
+    # t=1200: +0.6 GB -> 1e6 B/s; EMA 0.5 x 1e6 + 0.5 x 2e6 = 1.5e6 B/s -> 5.4 GB/h x $0.02 x 2 = $0.216/h
+    third = step(second.state, 1200.0, 62.8e9)
+    assert third.groups["remote"].egress_cost_per_hour == pytest.approx(0.216)
+
+    # t=1800: the trainer restarted, its counter reads 0.3 GB (< 62.8 GB): what it stored since, 0.3e9 / 600 =
+    # 0.5e6 B/s; EMA 0.5 x 0.5e6 + 0.5 x 1.5e6 = 1e6 B/s -> 3.6 GB/h x $0.02 x 2 = $0.144/h
+    fourth = step(third.state, 1800.0, 0.3e9)
+    assert fourth.groups["remote"].egress_cost_per_hour == pytest.approx(0.144)
+    assert fourth.state.views["bf16"] == ViewMemory(counter=0.3e9, time=1800.0, ema_bytes_per_second=pytest.approx(1e6))
+
+    # t=2400: the trainer unreadable: the view keeps its memory and the group its last egress
+    fifth = step(fourth.state, 2400.0, None)
+    assert fifth.groups["remote"].egress_cost_per_hour == pytest.approx(0.144)
+    assert fifth.state.views["bf16"].time == 1800.0
+    # t=3000: +0.6 GB since t=1800 (1200 s) -> 0.5e6 B/s; EMA 0.5 x 0.5e6 + 0.5 x 1e6 = 0.75e6 -> 2.7 GB/h x $0.02 x 2 = $0.108/h
+    sixth = step(fifth.state, 3000.0, 0.9e9)
+    assert sixth.groups["remote"].egress_cost_per_hour == pytest.approx(0.108)
+
+    # the memory survives the JSON the rebalancer keeps
+    restored = RebalanceState.from_dict(json.loads(json.dumps(third.state.to_dict())))
+    assert step(restored, 1800.0, 0.3e9).groups["remote"].egress_cost_per_hour == pytest.approx(0.144)
+
+
+def test_a_group_without_a_price_pays_nothing_and_costs_as_before() -> None:
+    second = step(step(None, 0.0, 61e9).state, 600.0, 62.2e9)
+    local = second.groups["local"]
+    assert local.egress_cost_per_hour is None and "egressCostPerHour" not in local.status_patch()
+    assert local.cost_per_hour == 6.0
+    # 6 / 3600 / 1000 x 1e6 = 1.666.. USD per 1M usable tokens, as without any weight reading
+    assert local.cost_per_1m_useful_tokens == pytest.approx(1.6666666667)
+    without = rebalance(groups(), None, 600.0, CONFIG)
+    assert without.groups["local"].cost_per_hour == 6.0 and without.groups["remote"].egress_cost_per_hour is None
+
+
+def test_a_group_pays_for_its_own_views_traffic_and_its_ready_replicas() -> None:
+    # an fp8 group reads the fp8 view: 0.3 GB over 600 s = 0.5e6 B/s -> 1.8 GB/h x $0.05 x 3 ready = $0.27/h
+    fp8 = GroupInput("fp8", 3, 4, 2.0, accelerator="h100", weight_format="fp8", tokens_per_second=500.0,
+                     egress_price_per_gb=0.05)  # fmt: skip
+    first = rebalance([fp8], None, 0.0, CONFIG, weights_stored_bytes={"bf16": 0.0, "fp8": 1e9})
+    second = rebalance([fp8], first.state, 600.0, CONFIG, weights_stored_bytes={"bf16": 60e9, "fp8": 1.3e9})
+    assert second.groups["fp8"].egress_cost_per_hour == pytest.approx(0.27)
+    assert second.groups["fp8"].cost_per_hour == pytest.approx(8.27)  # 4 GPUs x $2 + $0.27
+    # no ready replica: no traffic
+    idle = GroupInput("fp8", 0, 4, 2.0, accelerator="h100", weight_format="fp8", egress_price_per_gb=0.05)
+    assert rebalance([idle], first.state, 600.0, CONFIG, weights_stored_bytes={"fp8": 1.3e9}).groups["fp8"].egress_cost_per_hour == 0.0
+
+
+def test_view_rate_and_the_cost_formula() -> None:
+    assert view_rate(5e9, ViewMemory(), 60.0) is None  # no earlier reading
+    assert view_rate(None, ViewMemory(1e9, 0.0), 60.0) is None  # no reading now
+    assert view_rate(4e9, ViewMemory(1e9, 0.0), 60.0) == 5e7  # 3e9 / 60
+    assert view_rate(6e8, ViewMemory(1e9, 0.0), 60.0) == 1e7  # restarted: 6e8 since, / 60
+    assert view_rate(4e9, ViewMemory(1e9, 60.0), 60.0) is None  # no time elapsed
+    # 1e6 B/s = 3.6 GB/h; x $0.02 = $0.072 per replica, x 5 = $0.36
+    assert egress_cost_per_hour(1e6, 0.02, 5) == pytest.approx(0.36)
+
+
+def test_the_trainers_counter_is_parsed_and_the_groups_price_taken_from_its_spec() -> None:
+    text = """# HELP rlfleet_trainer_weights_stored_bytes bytes stored
+# TYPE rlfleet_trainer_weights_stored_bytes counter
+rlfleet_trainer_weights_stored_bytes_total{view="bf16"} 6.22e+10
+rlfleet_trainer_weights_stored_bytes_created{view="bf16"} 1.7e+09
+rlfleet_trainer_weights_stored_bytes_total{view="fp8"} 3.1e+10
+# HELP rlfleet_trainer_kl_k3 kl
+# TYPE rlfleet_trainer_kl_k3 gauge
+rlfleet_trainer_kl_k3{key="a",scope="group"} 0.01
+"""
+    assert parse_trainer_stored_bytes(text) == {"bf16": 6.22e10, "fp8": 3.1e10}
+    assert parse_trainer_stored_bytes('rlfleet_trainer_kl_k3{key="a",scope="group"} 0.01\n') == {}
+    job = RLJob.from_manifest({
+        "apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "j", "namespace": "ns"},
+        "spec": {"model": {"name": "m", "path": "/m"},
+                 "samplerGroups": [{"name": "remote", "accelerator": "h100", "replicas": 2, "egressPricePerGb": 0.02}],
+                 "weightChannel": {"store": {"type": "filesystem", "path": "/w"}}},
+    })  # fmt: skip
+    sg = {"metadata": {"name": "j-remote"}, "spec": {"name": "remote", "accelerator": "h100", "replicas": 2,
+                                                      "egressPricePerGb": 0.02}, "status": {"readyReplicas": 2}}  # fmt: skip
+    assert timer.group_input(job, sg, {}, {}, None).egress_price_per_gb == 0.02
+    sg["spec"].pop("egressPricePerGb")
+    assert timer.group_input(job, sg, {}, {}, None).egress_price_per_gb is None
