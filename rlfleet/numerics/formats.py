@@ -141,7 +141,10 @@ def quantize_fp8_block_kept(
     renew = _blocks_to_renew(chosen_sse, fresh_sse, float(fresh_sse.sum()))
     assert renew is not None  # renewing every costly block is at most the fresh quantization's error
     scale_inv = torch.where(renew, fresh, chosen)
-    codes = torch.where(renew[:, None, :, None], fresh_codes, chosen_codes)
+    # chosen on the codes' bytes: torch 2.6's CPU `where` has no Float8_e4m3fn kernel ("where_cpu" not
+    # implemented), and the CPU images run Debian's torch 2.6 (the trainer crashed at its first kept scale)
+    byte = torch.where(renew[:, None, :, None], fresh_codes.view(torch.uint8), chosen_codes.view(torch.uint8))
+    codes = byte.view(fresh_codes.dtype)
     return codes.view(nb * block, kb * block)[:n, :k].contiguous(), scale_inv
 
 

@@ -82,6 +82,25 @@ def test_fp8_error_bound_renews_a_kept_scale_that_costs_error() -> None:
     assert sse(fm.dequantize_fp8_block(codes2, scale2), w2) == 0.0
 
 
+def test_fp8_kept_codes_are_chosen_without_a_float8_where(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.6's CPU `torch.where` (Debian's torch, in the CPU images) has no Float8_e4m3fn kernel: the
+    trainer pod crashed ("where_cpu" not implemented) at its first kept scale on the real node. The codes
+    are chosen on their bytes; a `where` given float8 tensors fails this test on any torch."""
+    real_where = torch.where
+
+    def where(condition: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        assert all(a.dtype != torch.float8_e4m3fn for a in args if isinstance(a, torch.Tensor)), "float8 where"
+        return real_where(condition, *args)
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 384, generator=g) * 0.02
+    codes0, scale0 = fm.quantize_fp8_block(w, 128)
+    monkeypatch.setattr(torch, "where", where)
+    codes, scale = fm.quantize_fp8_block_kept(w, scale0)
+    assert codes.dtype == torch.float8_e4m3fn and torch.equal(scale, scale0)
+    assert torch.equal(codes.view(torch.uint8), codes0.view(torch.uint8))  # same weights, same scales: same codes
+
+
 def test_fp8_without_previous_scales_or_of_another_shape_is_fresh() -> None:
     w = torch.randn(200, 300, generator=torch.Generator().manual_seed(2))
     fresh_codes, fresh_scale = fm.quantize_fp8_block(w)
