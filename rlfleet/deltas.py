@@ -10,20 +10,30 @@ base gives a digest mismatch, never a silently wrong file).
 
 A delta is itself a safetensors file (`<file>.delta` in the channel), torch-free (numpy):
 
-    "<tensor>:idx"   U32 (U64 above 2^32 elements) [k]  flat indices of the changed elements, ascending
-    "<tensor>:val"   U8 / U16 / U32 / U64 [k]            their new values, raw bits of the stored dtype
-    __metadata__     {"format": "rlfleet.delta/v1", "header_bytes": "<8 + n>", "file_bytes": "<size>",
+    "<tensor>:gap"   U8 [m >= k]                 the changed elements' flat indices, gap coded (below)
+    "<tensor>:val"   U8 / U16 / U32 / U64 [k]    their new values, raw bits of the stored dtype
+    __metadata__     {"format": "rlfleet.delta/v2", "header_bytes": "<8 + n>", "file_bytes": "<size>",
                       "header_blake3": "<hex of the shared safetensors header>"}
+
+Gap coding (v2; v1 stored U32 indices, 4 bytes per changed element): the gaps between consecutive changed
+indices, the first from -1 (so every gap g >= 1), each written as floor((g - 1) / 255) bytes 0 ("+255,
+go on") and one byte (g - 1) % 255 + 1 in 1..255. A nonzero byte ends an element: index = the running sum
+of (byte or 255 for a 0) at each nonzero byte, minus 1. An element costs one byte where its gap is at most
+255 (bf16 at lr 1e-6 changes ~1.7% of its elements: mean gap ~60), and a tensor's zero bytes are at most
+its elements / 255 whatever the rate.
 
 A delta exists only between two files with the SAME safetensors header (names, dtypes, shapes, offsets,
 metadata: the case of consecutive versions of one view) and the same bytes outside every tensor (a file
 whose tensors do not cover its data has such bytes; safetensors' own reader refuses it); otherwise the file
 is stored whole. `apply_delta` refuses (DeltaError) a delta that is not exactly this layout: another format,
-another base's header or size, an entry of a tensor the base lacks, an index out of its tensor or not
-strictly ascending, a value of another width than the tensor's stored element, an index without its values.
+another base's header or size, an entry of a tensor the base lacks, a gap stream that is not U8, runs past
+its tensor, ends in a 0 byte (an unfinished gap) or codes another count of elements than its values, a
+value of another width than the tensor's stored element.
 
-Both directions stream (memory: a few chunks, whatever the view's size): `encode_delta` writes every index
-block, then every value block, a chunk at a time, and puts the header in front; `apply_delta` copies the
+Both directions stream (memory: a few chunks, whatever the view's size): `encode_delta` writes every gap
+block, then every value block, a chunk at a time (a chunk's first gap continues from the previous chunk's
+last index), and puts the header in front; `apply_delta` decodes one tensor's gaps at a time (a block of
+bytes at a time, into U32 indices, U64 above 2^32 elements), copies the
 unchanged bytes in the kernel and reads, sets and writes each changed tensor 1 MiB at a time, so applying
 costs about a copy of the view (benchmarks/weight_deltas.py, docs/benchmarks.md "Lossless sparse deltas").
 """
@@ -41,15 +51,19 @@ from typing import Any, BinaryIO
 import blake3
 import numpy as np
 
-DELTA_FORMAT = "rlfleet.delta/v1"
+DELTA_FORMAT = "rlfleet.delta/v2"
 DELTA_SUFFIX = ".delta"
 """A file `<rel>` of a view stored as a delta is the channel key `v{N}/{view}/<rel>.delta`."""
-INDEX_SUFFIX = ":idx"
+GAP_SUFFIX = ":gap"
+GAP_STEP = 255
+"""What a 0 byte of a gap stream adds before the gap goes on (the largest gap one byte ends)."""
 VALUE_SUFFIX = ":val"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """safetensors' own bound on a header (the Rust reader refuses larger)."""
 CHUNK_ELEMENTS = 1 << 24
 """Elements compared per numpy pass (bounds the temporary boolean mask to 16 MiB)."""
+GAP_DECODE_BYTES = 1 << 20
+"""Bytes of a gap stream decoded per numpy pass (bounds the int64 temporaries to a few times 8 MiB)."""
 CHUNK_BYTES = 1 << 20
 """Bytes of a changed tensor read, set and written per pass when a delta is applied (a multiple of 8). 1 MiB:
 on the benchmark's box, pread + pwrite of 16 MiB buffers ran 4-5x slower than of 1 MiB ones (which match
@@ -152,7 +166,7 @@ def encode_delta(base: Path, target: Path, out: Path, *, max_delta_bytes: int | 
     as soon as it does, CHUNK_ELEMENTS at a time: an anchor is cheaper). DeltaError if either is not a
     safetensors file.
 
-    Streaming: the changed elements go to disk a chunk at a time (every index block, then every value
+    Streaming: the changed elements go to disk a chunk at a time (every gap block, then every value
     block, then the header in front), so its memory is a few chunks', whatever the view's size."""
     base_header, target_header = read_header(base), read_header(target)
     file_bytes = os.path.getsize(target)
@@ -162,7 +176,7 @@ def encode_delta(base: Path, target: Path, out: Path, *, max_delta_bytes: int | 
     new = np.memmap(target, dtype=np.uint8, mode="r")
     if any(not np.array_equal(old[a:b], new[a:b]) for a, b in _uncovered(target_header, file_bytes)):
         return None
-    indices_tmp, values_tmp, tmp = (out.parent / f".{out.name}.{part}" for part in ("idx", "val", "writing"))
+    indices_tmp, values_tmp, tmp = (out.parent / f".{out.name}.{part}" for part in ("gap", "val", "writing"))
     try:
         with open(indices_tmp, "wb") as fi, open(values_tmp, "wb") as fv:
             found = _changes(old, new, target_header, fi, fv, max_delta_bytes)
@@ -198,7 +212,7 @@ def encode_delta(base: Path, target: Path, out: Path, *, max_delta_bytes: int | 
         file_bytes=file_bytes,
         delta_bytes=os.path.getsize(out),
         elements=elements,
-        changed_elements=sum(k for key, _, k, _ in blocks if key.endswith(INDEX_SUFFIX)),
+        changed_elements=sum(k for key, _, k, _ in blocks if key.endswith(VALUE_SUFFIX)),
         tensors=len(target_header.tensors),
         changed_tensors=len(blocks) // 2,
     )
@@ -207,9 +221,9 @@ def encode_delta(base: Path, target: Path, out: Path, *, max_delta_bytes: int | 
 def _changes(
     old: np.memmap, new: np.memmap, header: _Header, fi: BinaryIO, fv: BinaryIO, max_delta_bytes: int | None
 ) -> tuple[list[tuple[str, str, int, int]], int] | None:
-    """Write the changed elements' indices to `fi` and their new values to `fv`, tensor by tensor in name
-    order; return the blocks (key, dtype, elements, bytes: every index block, then every value block) and
-    the elements compared, or None as soon as the payload exceeds `max_delta_bytes`."""
+    """Write the changed elements' gap-coded indices to `fi` and their new values to `fv`, tensor by tensor
+    in name order; return the blocks (key, dtype, elements, bytes: every gap block, then every value block)
+    and the elements compared, or None as soon as the payload exceeds `max_delta_bytes`."""
     indices: list[tuple[str, str, int, int]] = []
     values: list[tuple[str, str, int, int]] = []
     elements = payload_bytes = 0
@@ -217,21 +231,55 @@ def _changes(
         unit = _unit(dtype, end - begin)
         a, b = _elements(old, header, begin, end, unit), _elements(new, header, begin, end, unit)
         elements += len(b)
-        index_dtype = np.dtype("<u4") if len(b) <= 1 << 32 else np.dtype("<u8")
-        k = 0
+        k = m = 0
+        last = -1  # the previous changed index of this tensor: gaps go on across chunks
         for i in range(0, len(b), CHUNK_ELEMENTS):
             new_part = b[i : i + CHUNK_ELEMENTS]
             local = np.flatnonzero(a[i : i + CHUNK_ELEMENTS] != new_part)
-            payload_bytes += len(local) * (index_dtype.itemsize + unit.itemsize)
+            if not len(local):
+                continue
+            gaps = _gap_bytes(local + i, last)
+            payload_bytes += len(gaps) + len(local) * unit.itemsize
             if max_delta_bytes is not None and payload_bytes > max_delta_bytes:
                 return None
             fv.write(np.ascontiguousarray(new_part[local]).data)
-            fi.write((local + i).astype(index_dtype).data)
-            k += len(local)
+            fi.write(gaps.data)
+            k, m, last = k + len(local), m + len(gaps), int(local[-1]) + i
         if k:
-            indices.append((name + INDEX_SUFFIX, f"U{8 * index_dtype.itemsize}", k, k * index_dtype.itemsize))
+            indices.append((name + GAP_SUFFIX, "U8", m, m))
             values.append((name + VALUE_SUFFIX, f"U{8 * unit.itemsize}", k, k * unit.itemsize))
     return indices + values, elements
+
+
+def _gap_bytes(index: np.ndarray, last: int) -> np.ndarray:
+    """The gap coding (module docstring) of the ascending `index` following the changed index `last` (-1:
+    none before): per gap g, (g - 1) // 255 bytes 0, then (g - 1) % 255 + 1."""
+    q, r = np.divmod(np.diff(index, prepend=last) - 1, GAP_STEP)
+    ends = np.cumsum(q + 1) - 1  # where each element's last byte goes
+    out = np.zeros(int(ends[-1]) + 1 if len(ends) else 0, dtype=np.uint8)
+    out[ends] = r + 1
+    return out
+
+
+def _gap_index(gaps: np.ndarray, count: int) -> np.ndarray | None:
+    """The ascending indices a gap stream codes (U32 below 2^32 elements, else U64), GAP_DECODE_BYTES at a
+    time; None if it runs past `count` or ends in a 0 byte (an unfinished gap)."""
+    index = np.empty(np.count_nonzero(gaps), dtype=np.uint32 if count <= 1 << 32 else np.uint64)
+    if len(gaps) and gaps[-1] == 0:
+        return None
+    last, last_end, done = -1, -1, 0  # the previous index, the position of its byte, elements decoded
+    for start in range(0, len(gaps), GAP_DECODE_BYTES):
+        block = gaps[start : start + GAP_DECODE_BYTES]
+        ends = np.flatnonzero(block) + start
+        if not len(ends):
+            continue
+        # an element's gap: 255 per 0 byte since the previous element's byte, plus its own byte
+        local = np.cumsum((np.diff(ends, prepend=last_end) - 1) * GAP_STEP + gaps[ends]) + last
+        if int(local[-1]) >= count:
+            return None
+        index[done : done + len(local)] = local
+        last, last_end, done = int(local[-1]), int(ends[-1]), done + len(local)
+    return index
 
 
 class _ShortSource(Exception):
@@ -301,7 +349,7 @@ _Patch = tuple[int, int, np.dtype, np.ndarray, np.ndarray]  # file begin, file e
 
 def _checked_names(d: Any, base: Path, delta: Path, header: _Header, size: int) -> list[str]:
     """The tensors the delta changes, in file order, once its metadata names `base`'s header and size and
-    its keys are exactly one index and one value entry per tensor of the base; DeltaError otherwise."""
+    its keys are exactly one gap and one value entry per tensor of the base; DeltaError otherwise."""
     metadata = d.metadata() or {}
     keys = list(d.keys())
     if metadata.get("format") != DELTA_FORMAT:
@@ -312,9 +360,9 @@ def _checked_names(d: Any, base: Path, delta: Path, header: _Header, size: int) 
         or metadata.get("header_blake3") != blake3.blake3(header.raw).hexdigest()
     ):
         raise DeltaError(f"{delta.name}: made against another file than the base {base.name}")
-    names = sorted({k.removesuffix(INDEX_SUFFIX) for k in keys if k.endswith(INDEX_SUFFIX)})
-    if sorted(keys) != sorted([n + INDEX_SUFFIX for n in names] + [n + VALUE_SUFFIX for n in names]):
-        raise DeltaError(f"{delta.name}: every tensor needs exactly one {INDEX_SUFFIX} and one {VALUE_SUFFIX}")
+    names = sorted({k.removesuffix(GAP_SUFFIX) for k in keys if k.endswith(GAP_SUFFIX)})
+    if sorted(keys) != sorted([n + GAP_SUFFIX for n in names] + [n + VALUE_SUFFIX for n in names]):
+        raise DeltaError(f"{delta.name}: every tensor needs exactly one {GAP_SUFFIX} and one {VALUE_SUFFIX}")
     for name in names:
         if name not in header.tensors:
             raise DeltaError(f"{delta.name}: tensor {name!r} is not in the base file")
@@ -324,23 +372,20 @@ def _checked_names(d: Any, base: Path, delta: Path, header: _Header, size: int) 
 def _patch(d: Any, delta: Path, name: str, header: _Header) -> _Patch:
     """One tensor's entries, read and checked against its place in the base; DeltaError if they do not fit."""
     try:
-        index, values = d.get_tensor(name + INDEX_SUFFIX), d.get_tensor(name + VALUE_SUFFIX)
+        gaps, values = d.get_tensor(name + GAP_SUFFIX), d.get_tensor(name + VALUE_SUFFIX)
     except (TypeError, ValueError) as e:  # a dtype numpy has no type for (e.g. BF16)
         raise DeltaError(f"{delta.name}: the entry of {name!r} is not U8..U64 ({e})") from None
     dtype, begin, end = header.tensors[name]
     unit = _unit(dtype, end - begin)
     count = (end - begin) // unit.itemsize
-    if (
-        index.ndim != 1
-        or values.shape != index.shape
-        or index.dtype.kind != "u"
-        or values.dtype != unit
-        or (len(index) and int(index[-1]) >= count)
-        or (len(index) > 1 and not bool(np.all(index[1:] > index[:-1])))
-    ):
+    index = None
+    if gaps.ndim == 1 and gaps.dtype == np.uint8 and values.ndim == 1 and values.dtype == unit:
+        if np.count_nonzero(gaps) == len(values):
+            index = _gap_index(gaps, count)
+    if index is None:
         raise DeltaError(
-            f"{delta.name}: the entry of {name!r} does not fit its tensor (indices below "
-            f"{count}, strictly ascending, and as many values of {unit.itemsize} bytes)"
+            f"{delta.name}: the entry of {name!r} does not fit its tensor (U8 gaps ending in a nonzero byte, "
+            f"indices below {count}, and as many values of {unit.itemsize} bytes)"
         )
     return header.data_start + begin, header.data_start + end, unit, index, values
 

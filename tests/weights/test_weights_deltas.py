@@ -25,7 +25,7 @@ from rlfleet import deltas
 from rlfleet.deltas import (
     DELTA_FORMAT,
     ELEMENT_BYTES,
-    INDEX_SUFFIX,
+    GAP_SUFFIX,
     VALUE_SUFFIX,
     DeltaError,
     apply_delta,
@@ -76,6 +76,26 @@ def read_delta(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         return {k: d.get_tensor(k) for k in d.keys()}, d.metadata()
 
 
+def gap_code(indices: list[int]) -> bytes:
+    """The gap coding of the module docstring, written plainly: per gap g (the first from -1), (g - 1) // 255
+    bytes 0, then one byte (g - 1) % 255 + 1."""
+    out, last = bytearray(), -1
+    for i in indices:
+        g, last = i - last, i
+        out += bytes((g - 1) // 255) + bytes([(g - 1) % 255 + 1])
+    return bytes(out)
+
+
+def gap_decode(raw: bytes) -> list[int]:
+    """Its inverse, written plainly: a 0 byte adds 255, a nonzero byte adds itself and ends an element."""
+    out, at = [], -1
+    for byte in raw:
+        at += byte if byte else 255
+        if byte:
+            out.append(at)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ round trip
 
 
@@ -94,9 +114,10 @@ def test_round_trip_is_bit_exact_for_every_stored_width(tmp_path: Path, dtype: s
     assert (stats.elements, stats.changed_elements, stats.tensors, stats.changed_tensors) == (1064, 5, 2, 1)
     assert stats.file_bytes == target.stat().st_size and stats.delta_bytes == (tmp_path / "d").stat().st_size
     entries, metadata = read_delta(tmp_path / "d")
-    assert sorted(entries) == ["w" + INDEX_SUFFIX, "w" + VALUE_SUFFIX]
-    assert entries["w" + INDEX_SUFFIX].tolist() == positions
-    assert entries["w" + INDEX_SUFFIX].dtype == np.uint32
+    assert sorted(entries) == ["w" + GAP_SUFFIX, "w" + VALUE_SUFFIX]
+    # gaps 1, 7, 1, 492, 499: the last two over 255, one 0 byte each
+    assert entries["w" + GAP_SUFFIX].tobytes() == bytes([1, 7, 1, 0, 237, 0, 244]) == gap_code(positions)
+    assert entries["w" + GAP_SUFFIX].dtype == np.uint8
     assert entries["w" + VALUE_SUFFIX].dtype == np.dtype(f"<u{width}")
     new_values = np.frombuffer(b["w"][2], dtype=f"<u{width}")[positions]
     assert entries["w" + VALUE_SUFFIX].tolist() == new_values.tolist()
@@ -156,10 +177,9 @@ def test_apply_of_encode_is_the_target_and_the_delta_lists_exactly_the_changed_e
     assert stats.changed_elements == sum(len(p) for p in positions.values())
     assert stats.elements == sum(len(t[2]) // ELEMENT_BYTES[t[0]] for t in a.values())
     entries, _ = read_delta(tmp / "d")
-    listed = {
-        k.removesuffix(INDEX_SUFFIX): v.tolist() for k, v in entries.items() if k.endswith(INDEX_SUFFIX)
-    }
-    assert listed == {name: p for name, p in positions.items() if p}
+    listed = {k.removesuffix(GAP_SUFFIX): v.tobytes() for k, v in entries.items() if k.endswith(GAP_SUFFIX)}
+    assert listed == {name: gap_code(p) for name, p in positions.items() if p}
+    assert {name: gap_decode(raw) for name, raw in listed.items()} == {n: p for n, p in positions.items() if p}
     for name in listed:
         dtype, _, raw = b[name]
         expected = np.frombuffer(raw, dtype=f"<u{ELEMENT_BYTES[dtype]}")[positions[name]]
@@ -177,11 +197,13 @@ def test_round_trip_across_chunk_boundaries(
     chunk_bytes: int,
     copy_file_range: bool,
 ) -> None:
-    """Encode compares CHUNK_ELEMENTS at a time and apply sets CHUNK_BYTES at a time (16 Mi in production:
-    set small here so that every tensor spans many chunks, and changes fall on both sides of each boundary);
+    """Encode compares CHUNK_ELEMENTS at a time (a chunk's first gap continues from the previous chunk's last
+    index), apply decodes GAP_DECODE_BYTES of gaps and sets CHUNK_BYTES at a time (set small here so that
+    every tensor spans many chunks, and changes fall on both sides of each boundary);
     without copy_file_range (another OS) the unchanged bytes are copied through a buffer."""
     monkeypatch.setattr(deltas, "CHUNK_ELEMENTS", chunk_elements)
     monkeypatch.setattr(deltas, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(deltas, "GAP_DECODE_BYTES", chunk_elements)
     if not copy_file_range:
         monkeypatch.delattr(deltas.os, "copy_file_range")
     rng = np.random.default_rng(chunk_bytes)
@@ -204,6 +226,57 @@ def test_round_trip_across_chunk_boundaries(
     assert stats is not None and (stats.changed_elements, stats.changed_tensors) == (16, 3)
     apply_delta(base, tmp_path / "d", tmp_path / "out")
     assert (tmp_path / "out").read_bytes() == target.read_bytes()
+
+
+GAPS = [1, 255, 256, 510, 511, 65536, 1, 255 * 300, 255 * 300 + 1]
+"""One byte up to 255, then one 0 byte more per 255: 1 / 1 / 2 / 2 / 3 / 258 / 1 / 300 / 301 bytes."""
+
+
+@pytest.mark.parametrize(("chunk_elements", "decode_bytes"), [(1 << 24, 1 << 20), (1000, 7), (65536, 1)])
+def test_gap_coding_is_exact_for_gaps_at_and_far_above_each_byte_boundary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_elements: int, decode_bytes: int
+) -> None:
+    """The exact bytes of gaps 1, 255, 256, 510, 511, 65536, 76500, 76501, and a last gap of ~900,000 (the
+    last element of a 2^20-element tensor: 3,500+ 0 bytes), encoded CHUNK_ELEMENTS and decoded
+    GAP_DECODE_BYTES at a time (a run of 0 bytes across decode blocks; a gap across compare chunks)."""
+    monkeypatch.setattr(deltas, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(deltas, "GAP_DECODE_BYTES", decode_bytes)
+    count = 1 << 20
+    positions = [int(p) for p in np.cumsum(GAPS) - 1] + [count - 1]
+    rng = np.random.default_rng(9)
+    a = {"codes": random_tensor(rng, "U8", count), "scale": random_tensor(rng, "F32", 3)}
+    b = dict(a, codes=changed(a["codes"], positions, rng), scale=changed(a["scale"], [2], rng))
+    base, target = write_st(tmp_path / "a", a), write_st(tmp_path / "b", b)
+    stats = encode_delta(base, target, tmp_path / "d")
+    assert stats is not None and stats.changed_elements == len(positions) + 1
+    entries, _ = read_delta(tmp_path / "d")
+    raw = entries["codes" + GAP_SUFFIX].tobytes()
+    expected = (b"\x01" + b"\xff" + b"\x00\x01" + b"\x00\xff" + b"\x00\x00\x01" + b"\x00" * 257 + b"\x01"
+                + b"\x01" + b"\x00" * 299 + b"\xff" + b"\x00" * 300 + b"\x01")  # fmt: skip
+    last_gap = count - 1 - positions[-2]
+    assert raw == expected + b"\x00" * ((last_gap - 1) // 255) + bytes([(last_gap - 1) % 255 + 1])
+    assert raw == gap_code(positions) and gap_decode(raw) == positions
+    assert entries["scale" + GAP_SUFFIX].tobytes() == b"\x03"
+    assert stats.delta_bytes - (tmp_path / "d").stat().st_size == 0
+    apply_delta(base, tmp_path / "d", tmp_path / "out")
+    assert (tmp_path / "out").read_bytes() == target.read_bytes()
+
+
+def test_gap_coding_bytes_per_element_is_one_where_gaps_are_at_most_255(tmp_path: Path) -> None:
+    """The size v2 is for: 1% of a bf16 tensor changed at random (mean gap 100), 1 + 0.99^255 / (1 - 0.99^255)
+    = 1.08 gap bytes per changed element expected (v1: 4 bytes), and a tensor's 0 bytes never more than its
+    elements / 255 (a sparse one)."""
+    rng = np.random.default_rng(4)
+    count = 1 << 16
+    a = {"dense": random_tensor(rng, "BF16", count), "sparse": random_tensor(rng, "U8", count)}
+    dense = sorted(int(p) for p in rng.choice(count, count // 100, replace=False))
+    sparse = [0, count - 1]
+    b = dict(a, dense=changed(a["dense"], dense, rng), sparse=changed(a["sparse"], sparse, rng))
+    base, target = write_st(tmp_path / "a", a), write_st(tmp_path / "b", b)
+    assert encode_delta(base, target, tmp_path / "d") is not None
+    entries, _ = read_delta(tmp_path / "d")
+    assert len(dense) <= len(entries["dense" + GAP_SUFFIX]) < 1.15 * len(dense)
+    assert len(entries["sparse" + GAP_SUFFIX]) == 2 + (count - 2) // 255 <= 2 + count / 255
 
 
 # ------------------------------------------------------------------------------------- stored whole
@@ -247,7 +320,7 @@ def test_no_delta_above_max_delta_bytes(tmp_path: Path) -> None:
     a, rng = _pair(tmp_path)
     b = dict(a, w=changed(a["w"], list(range(10)), rng), s=changed(a["s"], [3], rng))
     base, target = write_st(tmp_path / "a", a), write_st(tmp_path / "b", b)
-    payload = 10 * (4 + 2) + 1 * (4 + 4)  # indices U32 + values in the stored width
+    payload = 10 * (1 + 2) + 1 * (1 + 4)  # per element a gap byte (gaps 1..4) + its value in the stored width
     assert encode_delta(base, target, tmp_path / "d", max_delta_bytes=payload - 1) is None
     assert not (tmp_path / "d").exists()
     stats = encode_delta(base, target, tmp_path / "d", max_delta_bytes=payload)
@@ -299,7 +372,7 @@ def test_a_delta_whose_metadata_names_another_format_or_base_is_refused(made: Ma
     metadata[field] = "rlfleet.delta/v0" if field == "format" else "0"
     planted = plant(delta.with_name("planted"), entries, metadata)
     refused(
-        base, planted, "not an rlfleet.delta/v1 file" if field == "format" else "made against another file"
+        base, planted, "not an rlfleet.delta/v2 file" if field == "format" else "made against another file"
     )
 
 
@@ -308,41 +381,56 @@ def test_a_safetensors_file_without_metadata_is_refused(made: Made) -> None:
     entries, _ = read_delta(delta)
     path = delta.with_name("bare")
     save_file(entries, str(path))
-    refused(base, path, "not an rlfleet.delta/v1 file")
+    refused(base, path, "not an rlfleet.delta/v2 file")
 
 
 @pytest.mark.parametrize(
     "attack",
     [
-        "index out of range",
-        "index unsorted",
-        "index repeated",
-        "index signed",
-        "index 2-d",
+        "gap past the tensor",
+        "gap far past the tensor",
+        "gap unfinished",
+        "gap only zeros",
+        "gaps fewer than values",
+        "gaps more than values",
+        "gap signed",
+        "gap too wide",
+        "gap 2-d",
         "value too narrow",
         "value too wide",
         "value signed",
         "value count",
         "missing val",
-        "missing idx",
+        "missing gap",
+        "v1 index entry",
         "unknown entry",
         "tensor not in base",
     ],
 )
 def test_every_malformed_entry_is_refused(made: Made, attack: str) -> None:
+    """The made delta's w entry codes indices 1, 5, 9 of w's 256 elements: gap bytes 2, 4, 4."""
     base, _, delta, _ = made
     entries, metadata = read_delta(delta)
-    idx, val = "w" + INDEX_SUFFIX, "w" + VALUE_SUFFIX
-    if attack == "index out of range":
-        entries[idx] = np.array([1, 5, 256], dtype=np.uint32)  # w has 256 elements
-    elif attack == "index unsorted":
-        entries[idx] = np.array([5, 1, 9], dtype=np.uint32)
-    elif attack == "index repeated":
-        entries[idx] = np.array([1, 5, 5], dtype=np.uint32)
-    elif attack == "index signed":
-        entries[idx] = entries[idx].astype(np.int32)
-    elif attack == "index 2-d":
-        entries[idx], entries[val] = entries[idx].reshape(1, 3), entries[val].reshape(1, 3)
+    gap, val = "w" + GAP_SUFFIX, "w" + VALUE_SUFFIX
+    assert entries[gap].tolist() == [2, 4, 4]
+    if attack == "gap past the tensor":
+        entries[gap] = np.array([2, 4, 251], dtype=np.uint8)  # indices 1, 5, 256: w has 256 elements
+    elif attack == "gap far past the tensor":
+        entries[gap] = np.array([2, 4] + [0] * 5000 + [4], dtype=np.uint8)
+    elif attack == "gap unfinished":  # as many nonzero bytes as values, then a 0 that ends nothing
+        entries[gap] = np.array([2, 4, 4, 0], dtype=np.uint8)
+    elif attack == "gap only zeros":
+        entries[gap] = np.zeros(3, dtype=np.uint8)
+    elif attack == "gaps fewer than values":
+        entries[gap] = np.array([2, 0, 4], dtype=np.uint8)  # one element (index 260 would be past, too)
+    elif attack == "gaps more than values":
+        entries[gap] = np.array([2, 4, 4, 1], dtype=np.uint8)
+    elif attack == "gap signed":
+        entries[gap] = entries[gap].astype(np.int8)
+    elif attack == "gap too wide":  # v1's U32 indices under the v2 name
+        entries[gap] = np.array([1, 5, 9], dtype=np.uint32)
+    elif attack == "gap 2-d":
+        entries[gap], entries[val] = entries[gap].reshape(1, 3), entries[val].reshape(1, 3)
     elif attack == "value too narrow":
         entries[val] = entries[val].astype(np.uint8)  # w is BF16: 2-byte values
     elif attack == "value too wide":
@@ -353,21 +441,46 @@ def test_every_malformed_entry_is_refused(made: Made, attack: str) -> None:
         entries[val] = entries[val][:2]
     elif attack == "missing val":
         del entries[val]
-    elif attack == "missing idx":
-        del entries[idx]
+    elif attack == "missing gap":
+        del entries[gap]
+    elif attack == "v1 index entry":
+        del entries[gap]
+        entries["w:idx"] = np.array([1, 5, 9], dtype=np.uint32)
     elif attack == "unknown entry":
         entries["w:sum"] = np.zeros(1, dtype=np.uint8)
     else:
-        entries["x" + INDEX_SUFFIX] = np.array([0], dtype=np.uint32)
+        entries["x" + GAP_SUFFIX] = np.array([1], dtype=np.uint8)
         entries["x" + VALUE_SUFFIX] = np.array([0], dtype=np.uint16)
     planted = plant(delta.with_name("planted"), entries, metadata)
     match = {
         "missing val": "exactly one",
-        "missing idx": "exactly one",
+        "missing gap": "exactly one",
+        "v1 index entry": "exactly one",
         "unknown entry": "exactly one",
         "tensor not in base": "not in the base file",
     }.get(attack, "does not fit its tensor")
     refused(base, planted, match)
+
+
+def test_a_gap_stream_may_end_on_the_tensors_last_element(made: Made) -> None:
+    """The bound of the check above: index 255 of w's 256 elements (gap 250 from 5) is applied."""
+    base, _, delta, a = made
+    entries, metadata = read_delta(delta)
+    entries["w" + GAP_SUFFIX] = np.array([2, 4, 250], dtype=np.uint8)
+    planted = plant(delta.with_name("planted"), entries, metadata)
+    apply_delta(base, planted, base.with_name("out"))
+    rebuilt = np.frombuffer(base.with_name("out").read_bytes()[-256 * 2 :], dtype="<u2")  # w: the last tensor
+    assert rebuilt[[1, 5, 255]].tolist() == entries["w" + VALUE_SUFFIX].tolist()
+
+
+def test_a_v1_delta_is_refused_as_another_format(made: Made) -> None:
+    """A delta of the previous format (U32 indices under :idx, format v1): refused, never read as v2."""
+    base, _, delta, _ = made
+    entries, metadata = read_delta(delta)
+    v1 = {k.replace(GAP_SUFFIX, ":idx"): np.array(gap_decode(v.tobytes()), dtype=np.uint32) if k.endswith(GAP_SUFFIX)
+          else v for k, v in entries.items()}  # fmt: skip
+    planted = plant(delta.with_name("planted"), v1, dict(metadata, format="rlfleet.delta/v1"))
+    refused(base, planted, "not an rlfleet.delta/v2 file")
 
 
 def test_a_value_entry_of_a_dtype_numpy_lacks_is_refused(made: Made) -> None:

@@ -391,6 +391,7 @@ async def test_a_payload_that_does_not_fit_its_base_is_refused_in_one_line(
     """An attack by whoever writes the store: a payload whose indices point past its tensor, with a manifest
     and pointer that vouch for it (consistent digests). It is never applied: reason delta, one line, the
     engine keeps v1 and nothing is written outside a hidden work directory, which is gone."""
+    import numpy as np
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
@@ -408,9 +409,9 @@ async def test_a_payload_that_does_not_fit_its_base_is_refused_in_one_line(
         with safe_open(str(real), framework="numpy") as d:
             metadata = d.metadata()
             tensors = {k: d.get_tensor(k) for k in d.keys()}
-        index_name = next(k for k in tensors if k.endswith(":idx"))
-        tensors[index_name] = tensors[index_name].copy()
-        tensors[index_name][-1] = 2**31  # far past the tensor's elements
+        index_name = next(k for k in tensors if k.endswith(":gap"))
+        # 2^20 bytes 0 in front: the first gap grows by 255 * 2^20, every index far past the tensor's elements
+        tensors[index_name] = np.concatenate([np.zeros(1 << 20, dtype=np.uint8), tensors[index_name]])
         forged = tmp_path / "forged.delta"
         save_file(tensors, str(forged), metadata=metadata)
         store.put(key, forged.read_bytes())
@@ -428,7 +429,7 @@ async def test_a_payload_that_does_not_fit_its_base_is_refused_in_one_line(
     assert (
         error.startswith("delta: v2: v2/fp8/model.safetensors.delta does not fit v1: ") and "\n" not in error
     )
-    assert f"entry of {index_name.removesuffix(':idx')!r} does not fit its tensor" in error
+    assert f"entry of {index_name.removesuffix(':gap')!r} does not fit its tensor" in error
     assert engine.version == "1" and cache_entries(cache) == [LAUNCH_FILE, f"v1-{VIEW}"]
 
 

@@ -227,20 +227,21 @@ def test_a_view_whose_layout_changes_is_stored_whole(tmp_path: Path) -> None:
 
 
 def test_the_share_bound_is_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A delta's payload of k changed bf16 elements is 6k bytes (U32 index + U16 value): with
-    max_delta_share * file size = 6k exactly, k changed elements are a delta and k + 1 an anchor."""
+    """A delta's payload of k changed bf16 elements, each at most 255 after the previous, is 3k bytes (a gap
+    byte + a U16 value): with max_delta_share * file size = 3k exactly, k changed elements are a delta and
+    k + 1 an anchor."""
     store = FilesystemStore(tmp_path / "store", create=True)
     k = 10
     weights = torch.zeros(64, 128)
     first = WeightPublisher(store, views=["bf16"], keep_versions=None).publish({"w": weights})
     file_bytes = first.manifest.views["bf16"].files["model.safetensors"].bytes
-    share = (6 * k + 0.5) / file_bytes
+    share = (3 * k + 0.5) / file_bytes
     publisher = WeightPublisher(store, views=["bf16"], keep_versions=None, max_delta_share=share)
     publisher.publish({"w": weights})  # v1: an anchor (this publisher has no earlier version)
     weights.view(-1)[:k] = 100.0
     publisher.publish({"w": weights})  # v2: k elements changed
     assert publisher.last_published["bf16"].kind == "delta"
-    weights.view(-1)[1000 : 1000 + k + 1] = 100.0
+    weights.view(-1)[k : 2 * k + 1] = 100.0  # first gap k + 1 (from -1): one byte, as the others
     caplog.set_level(logging.INFO, logger="rlfleet.trainer.publisher")
     publisher.publish({"w": weights})  # v3: k + 1
     assert kinds(store, range(4)) == [None, None, 1, None]
