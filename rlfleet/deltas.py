@@ -254,10 +254,15 @@ def _changes(
 def _gap_bytes(index: np.ndarray, last: int) -> np.ndarray:
     """The gap coding (module docstring) of the ascending `index` following the changed index `last` (-1:
     none before): per gap g, (g - 1) // 255 bytes 0, then (g - 1) % 255 + 1."""
-    q, r = np.divmod(np.diff(index, prepend=last) - 1, GAP_STEP)
-    ends = np.cumsum(q + 1) - 1  # where each element's last byte goes
-    out = np.zeros(int(ends[-1]) + 1 if len(ends) else 0, dtype=np.uint8)
-    out[ends] = r + 1
+    g = np.diff(index, prepend=last)
+    if not len(g) or int(g.max()) <= GAP_STEP:  # one byte each (a dense chunk): no 0 bytes to place
+        return g.astype(np.uint8)
+    g -= 1
+    ends = np.cumsum(g // GAP_STEP + 1) - 1  # where each element's last byte goes
+    out = np.zeros(int(ends[-1]) + 1, dtype=np.uint8)
+    g %= GAP_STEP
+    g += 1
+    out[ends] = g
     return out
 
 
@@ -270,11 +275,16 @@ def _gap_index(gaps: np.ndarray, count: int) -> np.ndarray | None:
     last, last_end, done = -1, -1, 0  # the previous index, the position of its byte, elements decoded
     for start in range(0, len(gaps), GAP_DECODE_BYTES):
         block = gaps[start : start + GAP_DECODE_BYTES]
-        ends = np.flatnonzero(block) + start
-        if not len(ends):
-            continue
-        # an element's gap: 255 per 0 byte since the previous element's byte, plus its own byte
-        local = np.cumsum((np.diff(ends, prepend=last_end) - 1) * GAP_STEP + gaps[ends]) + last
+        if np.count_nonzero(block) == len(block) and last_end == start - 1:  # no 0 byte: each byte a gap
+            local = np.cumsum(block, dtype=np.int64)
+            local += last
+            ends = np.array([start + len(block) - 1])
+        else:
+            ends = np.flatnonzero(block) + start
+            if not len(ends):
+                continue
+            # an element's gap: 255 per 0 byte since the previous element's byte, plus its own byte
+            local = np.cumsum((np.diff(ends, prepend=last_end) - 1) * GAP_STEP + gaps[ends]) + last
         if int(local[-1]) >= count:
             return None
         index[done : done + len(local)] = local
