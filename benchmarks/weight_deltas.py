@@ -45,7 +45,7 @@ on a real model's), the anchors it stored instead, and the publisher's encode ti
 Scaled (`--scale-from RESULTS.json`, the `--json` of a run): the measured rates applied to a
 Qwen3-30B-A3B-sized fleet of 8 groups x 2 replicas (four bf16 groups, two fp8, two nvfp4: `FLEET`), the
 views' sizes the issue's 35B figures scaled by 30.5/35, the delta shares from the issue's measured
-element rates at lr 1e-6 (a changed element costs its index, 4 bytes, and its value), an anchor every
+element rates at lr 1e-6 (a changed element costs its value and its gap-coded index: `gap_bytes`), an anchor every
 16 versions: bytes moved and seconds per version, full against deltas, per replica link `--link-gbps`.
 """
 
@@ -415,6 +415,14 @@ FLEET = {  # view: (replicas, GB of the complete view, share of elements changed
 ANCHOR_EVERY = 16
 
 
+def gap_bytes(changed: float) -> float:
+    """Expected gap bytes per changed element (rlfleet/deltas.py, v2) when a share `changed` of the elements
+    changes at random places: the gaps are geometric, P(g > 255 j) = q^j with q = (1 - changed)^255, and a
+    gap costs 1 + floor((g - 1) / 255) bytes: 1 + q / (1 - q)."""
+    q = (1 - changed) ** 255
+    return 1 + q / (1 - q)
+
+
 def scaled(results: dict[str, Any], link_gbps: float) -> list[dict[str, Any]]:
     """Per view and for the fleet: GB read per version (full; a delta; the mean with an anchor every
     ANCHOR_EVERY) and seconds until a replica holds the verified version: full = download at the slower of
@@ -425,7 +433,7 @@ def scaled(results: dict[str, Any], link_gbps: float) -> list[dict[str, Any]]:
     link = link_gbps / 8  # GB/s
     rows = []
     for view, (replicas, gb, changed, width) in FLEET.items():
-        share = changed * (4 + width) / width
+        share = changed * (gap_bytes(changed) + width) / width
         row = min(codec_rows, key=lambda r: abs(r["delta_share"] - share))
         hash_gbps = row["hash_gbps"]
         full_s = gb / min(link, row["copy_gbps"]) + gb / hash_gbps
