@@ -1,10 +1,11 @@
 """The CPU example fleet on the real node: `helm install` of charts/rlfleet (its own RBAC, the store's PVC
 mounted into the operator), then `kubectl apply -f examples/rljob-cpu.yaml` as it is: three `cpu` sampler
 groups (bf16, fp8 with an fp8 KV cache, nvfp4) and a megatron trainer at tensor parallel 2 on two gloo
-ranks. It trains, the cockpit fills from real scrapes of real pods, and faults are survived: a sampler
-pod deleted, the operator pod deleted, a corrupted view, the trainer pod killed, the store's volume
-full; deleting the RLJob leaves no pod. The store is a small tmpfs on the node (a PV of it) so that
-it can be filled.
+ranks. It trains, the cockpit fills from real scrapes of real pods, versions between anchors are
+stored and read as deltas (every group rebuilds them, verified), and faults are survived: a sampler
+pod deleted (it comes back from an anchor plus deltas), the operator pod deleted, a corrupted view,
+the trainer pod killed, the store's volume full; deleting the RLJob leaves no pod. The store is a
+small tmpfs on the node (a PV of it) so that it can be filled.
 
 The tests share one fleet (module scope) and run in file order: each phase starts from the state the
 previous one left, as an operator's day would. Each asserts its own outcome; a phase that fails leaves
@@ -30,6 +31,7 @@ import pytest
 import yaml
 from cluster_wait import wait_for
 
+from rlfleet.channel import ChannelError, Manifest
 from rlfleet.operator import naming
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.timeout(1800)]
@@ -42,6 +44,15 @@ CLAIM = "rlfleet-cpu-weights"
 STORE_PATH = "/weights/cpu"
 TOTAL_STEPS = 2000
 STORE_VOLUME_SIZE = "128m"  # a few versions (1.3 MB each, 3 views) and two checkpoints of the tiny model
+# The example's learning rate (2e-4, so that the demo learns within its 50 steps) moves nearly every bf16
+# element at every step: each bf16 delta would exceed maxDeltaShare and every bf16 version is stored whole
+# (`rlfleet run examples/rljob-cpu.yaml --local`: 9 anchors of 9 bf16 versions; fp8 and nvfp4 deltas 11-46%
+# of the view). The fleet here trains at an RL learning rate, examples/rljob.yaml's 1e-6, where the
+# versions between anchors are deltas of 2-5% of each view (the same local run at 1e-6, 20 steps: a bf16
+# delta 2.1% of the view on average, fp8 2.6%, nvfp4 3.1%).
+LEARNING_RATE = 1e-6
+ANCHOR_EVERY = 16  # the example leaves weightChannel.deltas at its defaults (rlfleet.api DEFAULT_ANCHOR_EVERY)
+DELTA_SHARE_AT_MOST = 0.10  # a delta version stores (and a replica following every version reads) this share of the view, at most
 
 
 @dataclass
@@ -50,6 +61,8 @@ class Fleet:
     ns: str
     started: float
     versions_seen: list[int] = field(default_factory=list)  # the channel's latest version, polled
+    manifests: dict[int, Manifest] = field(default_factory=dict)  # every version's manifest, read as it lands
+    _store: Path | None = None
 
     def rljob(self) -> dict[str, Any]:
         return self.kube.get_json("rljob", JOB, "-n", self.ns)
@@ -75,10 +88,37 @@ class Fleet:
         return self.kube.kubectl("logs", "-n", self.ns, pod, "-c", container, *extra).stdout
 
     def store_dir(self) -> Path:
-        """The store's directory on the host: the local-path PV behind the example's claim."""
-        volume = self.kube.get_json("pvc", CLAIM, "-n", self.ns)["spec"]["volumeName"]
-        pv = self.kube.get_json("pv", volume)["spec"]
-        return Path((pv.get("hostPath") or pv.get("local"))["path"])
+        """The store's directory on the host: the PV behind the example's claim (bound once, read once)."""
+        if self._store is None:
+            volume = self.kube.get_json("pvc", CLAIM, "-n", self.ns)["spec"]["volumeName"]
+            pv = self.kube.get_json("pv", volume)["spec"]
+            self._store = Path((pv.get("hostPath") or pv.get("local"))["path"])
+        return self._store
+
+    def read_new_manifests(self) -> None:
+        """Keep the manifest of every version in the store not read yet (retention deletes old versions: the
+        tests compare what the sidecars read with versions that may be gone by then)."""
+        for directory in self.store_dir().glob("v*"):
+            number = directory.name[1:]
+            if number.isdigit() and int(number) not in self.manifests:
+                try:  # not there yet while the version's files upload
+                    self.manifests[int(number)] = Manifest.from_bytes((directory / "manifest.json").read_bytes())
+                except (OSError, ValueError, ChannelError):
+                    continue
+
+    def sidecar(self, pod: str) -> dict[str, Any]:
+        """What a sampler pod's weight-sync sidecar serves on its port (read from inside the pod): its
+        /metrics' bytes read per kind and applies, then its /status."""
+        out = self.kube.kubectl("exec", "-n", self.ns, pod, "-c", "weight-sync", "--", "python3", "-I", "-c",
+                                SIDECAR_PROBE).stdout  # fmt: skip
+        got = json.loads(out.strip().splitlines()[-1])
+        read, applies = {}, None
+        for line in got["metrics"].splitlines():
+            if m := re.match(r'^rlfleet_weight_sync_read_bytes_total\{.*kind="([^"]+)".*\} (\S+)$', line):
+                read[m.group(1)] = int(float(m.group(2)))
+            elif m := re.match(r"^rlfleet_weight_sync_applies_total\{.*\} (\S+)$", line):
+                applies = int(float(m.group(1)))
+        return {"read_bytes": read, "applies": applies, "status": got["status"], "settled": got["settled"]}
 
     def latest_version(self) -> int | None:
         pointer = self.store_dir() / "pointer.json"  # rlfleet.channel.POINTER_KEY
@@ -151,10 +191,12 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv_name,
                  "resources": {"requests": {"storage": "2Gi"}}}}))  # fmt: skip
     # the example as users apply it (the PVC with it), with more steps: the faults below need a run that
-    # is still training (the example's 50 steps take about two minutes here)
+    # is still training (the example's 50 steps take about two minutes here); at an RL learning rate
     docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
     [job] = [d for d in docs if d["kind"] == "RLJob"]
     job["spec"]["trainer"]["totalSteps"] = TOTAL_STEPS
+    job["spec"]["trainer"]["optimizer"]["learningRate"] = LEARNING_RATE  # deltas between anchors (above)
+    assert "deltas" not in job["spec"]["weightChannel"]  # the defaults: an anchor every ANCHOR_EVERY versions
     kube.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
     fleet = Fleet(kube, ns, time.monotonic())
     stop = threading.Event()
@@ -163,6 +205,8 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
         while not stop.wait(0.5):
             try:
                 version = fleet.latest_version()
+                if version is not None:
+                    fleet.read_new_manifests()
             except Exception:  # noqa: BLE001 - the PVC is not bound yet
                 continue
             if version is not None and (not fleet.versions_seen or fleet.versions_seen[-1] != version):
@@ -215,6 +259,186 @@ def test_the_cpu_example_trains_and_fills_the_cockpit(fleet: Fleet) -> None:
         for container in spec.get("initContainers", []) + spec["containers"]:
             out = fleet.logs(pod["metadata"]["name"], container["name"])
             assert out.strip() or container["name"] == "router", (pod["metadata"]["name"], container["name"])
+
+
+# Read from inside a sampler pod (`kubectl exec`): its sidecar's /status, /metrics, /status again (Fleet.sidecar):
+# the metrics belong to the second status when nothing was applied between (`settled`).
+SIDECAR_PROBE = (
+    "import json, urllib.request\n"
+    f"base = 'http://127.0.0.1:{naming.SYNC_PORT}'\n"
+    "before = json.load(urllib.request.urlopen(base + '/status', timeout=30))\n"
+    "metrics = urllib.request.urlopen(base + '/metrics', timeout=30).read().decode()\n"
+    "status = json.load(urllib.request.urlopen(base + '/status', timeout=30))\n"
+    "settled = all(s['phase'] == 'in-sync' for s in (before, status)) and before['applied_version'] == "
+    "status['applied_version']\n"
+    "print(json.dumps({'metrics': metrics, 'status': status, 'settled': settled}))\n"
+)
+# The sidecar's line per version it applied and the init container's launch line (sampler/syncer.py): how the
+# version was obtained and the bytes read from the store per kind.
+APPLIED = re.compile(r"applied weights v(\d+) \((\w+)\) from (.+?), (\d+) bytes read "
+                     r"\(anchor (\d+), delta (\d+), whole-file (\d+)\): obtain")  # fmt: skip
+LAUNCHED = re.compile(r"launch checkpoint: v(\d+) \((\w+)\) at \S+, from (.+?), (\d+) bytes read "
+                      r"\(anchor (\d+), delta (\d+), whole-file (\d+)\)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Obtained:
+    """One version a sidecar (or init container) obtained, as its log line says."""
+
+    version: int
+    source: str  # e.g. "anchor v16 + deltas v17, v18", "local v18 + delta v19"
+    read: dict[str, int]  # bytes read from the store per kind (anchor, delta, whole-file)
+
+
+def _obtained(log: str, line: re.Pattern[str]) -> list[Obtained]:
+    got = []
+    for m in line.finditer(log):
+        read = {"anchor": int(m.group(5)), "delta": int(m.group(6)), "whole-file": int(m.group(7))}
+        assert sum(read.values()) == int(m.group(4)), m.group(0)
+        got.append(Obtained(int(m.group(1)), m.group(3), read))
+    return got
+
+
+def _expected(manifests: dict[int, Manifest], view: str, version: int, local: set[int]) -> Obtained:
+    """What obtaining `version` of `view` holding verified copies of the versions `local` must say and read,
+    from the manifests alone: back through each delta's base to a local copy or the anchor, then every version
+    after it built in order; per version its payloads read, its other files read whole unless the same file
+    (same digest) was in the version before (docs/weights.md, "Rebuilding a view")."""
+    built, at = [], version
+    while at not in local:
+        built.insert(0, at)
+        if manifests[at].views[view].delta is None:
+            break
+        at = manifests[at].views[view].delta.base  # type: ignore[union-attr]
+    seed = f"local v{at}" if at in local else f"anchor v{at}"
+    base = manifests[at].views[view] if at in local else None
+    read = {"anchor": 0, "delta": 0, "whole-file": 0}
+    for at in built:
+        vm = manifests[at].views[view]
+        rebuilt = set() if vm.delta is None else set(vm.delta.rebuilt())
+        for rel, entry in vm.files.items():
+            if base is not None and base.files.get(rel) == entry:
+                continue  # copied from the version before
+            if vm.delta is not None and rel in rebuilt:
+                read["delta"] += vm.delta.files[rel + ".delta"].bytes
+            else:
+                read["anchor" if vm.delta is None else "whole-file"] += entry.bytes
+        base = vm
+    deltas = [v for v in built if manifests[v].views[view].delta is not None]
+    named = ", ".join(f"v{v}" for v in deltas)
+    return Obtained(version, f"{seed} + delta{'s' if len(deltas) > 1 else ''} {named}" if deltas else seed, read)
+
+
+def _since_anchor(manifests: dict[int, Manifest], view: str, version: int) -> int:
+    """Deltas from `version` of `view` back to its anchor (0: an anchor)."""
+    deltas = 0
+    while (delta := manifests[version].views[view].delta) is not None:
+        version, deltas = delta.base, deltas + 1
+    return deltas
+
+
+def test_versions_between_anchors_are_deltas_that_every_group_rebuilds_verified(fleet: Fleet) -> None:
+    """issue 40 item 7: the trainer stores each view whole every ANCHOR_EVERY versions (the example's default)
+    and as a delta of a few % of the view between (every manifest, read as it landed); the WeightChannel's
+    status and `kubectl get wc` say so. Each group's sidecar rebuilds the delta versions from its previous
+    copy, every one verified (no checksum or delta failure), and reads exactly the payloads the manifests
+    list (its log line per version); its /metrics' bytes read per kind are the sum of those lines; and one
+    version's bytes per group, read from the /metrics of each sidecar just before and just after it applied
+    that version, are its delta payloads: a few % of the full views."""
+    [wc] = fleet.kube.get_json("weightchannels", "-n", fleet.ns)["items"]
+    assert (wc["spec"].get("deltas") or {}).get("anchorEvery", ANCHOR_EVERY) == ANCHOR_EVERY, wc["spec"]
+    wait_for(f"version {ANCHOR_EVERY + 3}: the second anchor and deltas after it",
+             lambda: max(fleet.manifests, default=-1) >= ANCHOR_EVERY + 3, timeout=900)  # fmt: skip
+    _assert_anchors_every_k_and_deltas_between(dict(fleet.manifests))
+    _assert_the_channel_status_names_a_delta_version(fleet)
+    one_version = {group: _assert_the_sidecar_rebuilds_verified(fleet, group) for group in GROUPS}
+    full = {g: fleet.manifests[v].views[g].bytes for g, (v, _) in one_version.items()}
+    read_total = sum(sum(r.values()) for _, r in one_version.values())
+    for group, (version, read) in one_version.items():
+        print(f"{group}: v{version} read {sum(read.values())} B of its {full[group]} B view ({read})")
+    print(f"a version's bytes over the {len(GROUPS)} groups: {read_total} B of {sum(full.values())} B as full views")
+    assert 0 < read_total <= DELTA_SHARE_AT_MOST * sum(full.values()), (one_version, full)
+
+
+def _assert_anchors_every_k_and_deltas_between(manifests: dict[int, Manifest]) -> None:
+    assert sorted(manifests) == list(range(max(manifests) + 1)), sorted(manifests)  # each read as it landed
+    for view in GROUPS:
+        anchors = [v for v, m in sorted(manifests.items()) if m.views[view].delta is None]
+        assert anchors == list(range(0, max(manifests) + 1, ANCHOR_EVERY)), (view, anchors)
+        for version, manifest in sorted(manifests.items()):
+            vm = manifest.views[view]
+            if vm.delta is not None:
+                assert vm.delta.base == version - 1 and vm.delta.bytes > 0, (view, version, vm.delta)
+                assert vm.stored_bytes <= DELTA_SHARE_AT_MOST * vm.bytes, (view, version, vm.stored_bytes, vm.bytes)
+
+
+def _assert_the_channel_status_names_a_delta_version(fleet: Fleet) -> None:
+    """The WeightChannel's status of a delta version (the latest is one 15 times in 16): per view its kind,
+    base and stored bytes, as the manifest says; Stored% a few %, in `kubectl get wc` too."""
+
+    def delta_version() -> dict[str, Any] | None:
+        status = fleet.kube.get_json("weightchannels", "-n", fleet.ns)["items"][0].get("status", {})
+        artifacts = status.get("artifacts") or []
+        views = sorted(a["view"] for a in artifacts)
+        deltas = all(a.get("kind") == "delta" and a["version"] in fleet.manifests for a in artifacts)
+        return status if views == sorted(GROUPS) and deltas else None
+
+    status = wait_for("the WeightChannel's status naming a delta version", delta_version, timeout=600)
+    for artifact in status["artifacts"]:
+        vm = fleet.manifests[artifact["version"]].views[artifact["view"]]
+        assert (artifact["storedBytes"], artifact["bytes"], artifact["base"]) == (
+            vm.stored_bytes, vm.bytes, artifact["version"] - 1), artifact  # fmt: skip
+    assert 0 < status["storedPercent"] <= 100 * DELTA_SHARE_AT_MOST, status
+    table = fleet.kube.kubectl("get", "wc", "-n", fleet.ns).stdout
+    print(table)
+    header, row = table.strip().splitlines()[:2]
+    stored = float(row.split()[header.split().index("STORED%")])  # a version read later: still a delta or 100
+    assert 0 < stored <= 100 * DELTA_SHARE_AT_MOST or stored == 100, table
+
+
+def _settled(fleet: Fleet, pod: str) -> tuple[dict[str, Any], list[Obtained]] | None:
+    """A sidecar's /metrics and /status while it obtains nothing, and its log's lines up to the version it
+    serves (the log is read after: a version applied since is left out)."""
+    snap = fleet.sidecar(pod)
+    if not snap["settled"]:  # in sync before and after its /metrics were read, the same version applied
+        return None
+    serving = snap["status"]["applied_version"]
+    return snap, [o for o in _obtained(fleet.logs(pod, "weight-sync"), APPLIED) if o.version <= serving]
+
+
+def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int, dict[str, int]]:
+    """Every version the group's sidecar applied was obtained as the manifests say, with exactly their bytes
+    read, none refused; its counters are the sum of its lines. Returns (a delta version, the bytes the sidecar
+    read for it: the difference of its counters just before and just after it applied it)."""
+    [pod] = fleet.sampler_pods(group)
+    name = pod["metadata"]["name"]
+
+    def rebuilt_three() -> list[Obtained] | None:
+        got = _obtained(fleet.logs(name, "weight-sync"), APPLIED)
+        return got if sum(o.source.startswith("local v") and " + delta v" in o.source for o in got) >= 3 else None
+
+    for got in wait_for(f"the {group} sidecar applying 3 versions rebuilt from its copy plus a delta",
+                        rebuilt_three, timeout=600):  # fmt: skip
+        local = {int(got.source.split()[1][1:])} if got.source.startswith("local v") else set()
+        assert got == _expected(fleet.manifests, group, got.version, local), (group, got)
+    snap, lines = wait_for(f"the {group} sidecar in sync", lambda: _settled(fleet, name), timeout=300, interval=0.2)
+    status = snap["status"]
+    assert status["failures"]["checksum"] == 0 and status["failures"]["delta"] == 0, status
+    logged = {kind: sum(o.read[kind] for o in lines) for kind in ("anchor", "delta", "whole-file")}
+    assert snap["read_bytes"] == status["read_bytes"] == logged, (group, snap["read_bytes"], logged)
+    assert snap["applies"] == len(lines) and logged["delta"] > 0, (group, snap["applies"], len(lines))
+    deadline = time.monotonic() + 600
+    before = snap
+    while True:  # two settled readings one delta version apart
+        assert time.monotonic() < deadline, f"the {group} sidecar was never read just before and after a version"
+        after, _ = wait_for(f"the {group} sidecar in sync", lambda: _settled(fleet, name), timeout=300, interval=0.2)
+        version = after["status"]["applied_version"]
+        if version == before["status"]["applied_version"] + 1 and fleet.manifests[version].views[group].delta:
+            break
+        before = after
+    read = {kind: after["read_bytes"][kind] - before["read_bytes"][kind] for kind in before["read_bytes"]}
+    assert read == _expected(fleet.manifests, group, version, {version - 1}).read, (group, version, read)
+    return version, read
 
 
 # A pod on the pod network without the job's key (sys.argv: a sampler pod's engine URL, the router's URL):
@@ -370,13 +594,20 @@ def test_the_charts_webhook_refuses_a_job_whose_group_name_is_taken(fleet: Fleet
 
 def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet) -> None:
     """The replacement's init container fetches and verifies the channel's newest version (not version
-    0); the deleted pod's subscriber report is gone (its sidecar withdrew it on SIGTERM); training goes on."""
+    0), a delta version: seeded from its anchor plus every delta after it (issue 40 item 7), reading exactly
+    the anchor's view and those payloads; its sidecar goes on from that copy. The deleted pod's subscriber
+    report is gone (its sidecar withdrew it on SIGTERM); training goes on."""
     [old] = fleet.sampler_pods("bf16")
     old_name = old["metadata"]["name"]
     report = fleet.store_dir() / "subscribers" / f"{JOB}-bf16" / f"{old_name}.json"
     assert report.exists(), sorted(p.name for p in report.parent.glob("*"))
+
+    def just_past_an_anchor() -> int | None:  # deleted then, the pod is back before the next anchor
+        latest = fleet.latest_version()
+        return latest if latest in fleet.manifests and 1 <= _since_anchor(fleet.manifests, "bf16", latest) <= 2 else None
+
+    latest = wait_for("a bf16 delta version just past an anchor", just_past_an_anchor, timeout=600, interval=0.2)
     step = fleet.step()
-    latest = fleet.latest_version()
     drops_before = fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ")
     fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, old_name, "--wait=true", "--timeout=120s")
     assert not report.exists()  # withdrawn by the stopping sidecar, not aged out
@@ -405,8 +636,22 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     assert exec_out.count("REFUSED EROFS") == 3 and "WROTE" not in exec_out, exec_out
     assert "REPORTS-WRITABLE" in exec_out, exec_out
     fetched = fleet.logs(new["metadata"]["name"], "weight-fetch")
-    [launched] = [int(v) for v in re.findall(r"launch checkpoint: v(\d+)", fetched)]
-    assert launched >= (latest or 1), fetched[-3000:]
+    [launched] = _obtained(fetched, LAUNCHED)
+    assert launched.version >= latest, fetched[-3000:]
+    assert fleet.manifests[launched.version].views["bf16"].delta is not None, (
+        f"v{launched.version}, the newest version when the replacement started, is an anchor: the pod took "
+        f"{ANCHOR_EVERY - 2} versions or more to come back; nothing seeded from deltas")  # fmt: skip
+    seeded = _expected(fleet.manifests, "bf16", launched.version, set())
+    assert launched == seeded and launched.source.startswith("anchor v") and launched.read["delta"] > 0, launched
+    # the sidecar goes on from the seeded copy (a delta on it, or the next anchor downloaded)
+    new_name = new["metadata"]["name"]
+    [first, *_] = wait_for("the replacement's sidecar applying a version", lambda: _obtained(
+        fleet.logs(new_name, "weight-sync"), APPLIED), timeout=600)  # fmt: skip
+    # built on a copy this pod holds verified (the seeded one, or one its sidecar rebuilt since: one node run
+    # saw 'local v373 + delta v374' first with a launch below v373) or on the next anchor, read exactly as the
+    # manifests say from there
+    held = int(first.source.split()[1].removeprefix("v")) if first.source.startswith("local v") else launched.version
+    assert held >= launched.version and first == _expected(fleet.manifests, "bf16", first.version, {held}), first
     fleet.wait_step(step + 2)
     assert (fleet.store_dir() / "subscribers" / f"{JOB}-bf16" / f"{new['metadata']['name']}.json").exists()
     # no rollout lost (the router moved the deleted pod's requests: the driver dropped no prompt group)
@@ -477,23 +722,27 @@ def test_a_corrupted_view_is_refused_and_the_group_keeps_serving(fleet: Fleet) -
     """A byte flipped in the nvfp4 view of new versions as they land (before the pointer moves): the
     nvfp4 sidecar refuses one by checksum, keeps serving the version it has, and says why; the other
     groups apply it. The sidecar syncs to the newest version it sees, so on a fast node a version can be
-    skipped: every landing version is flipped until the sidecar has refused one."""
+    skipped: every landing version is flipped until the sidecar has refused one. The flipped file is the
+    view's delta payload (`model.safetensors.delta`) or, for an anchor, its `model.safetensors`. Every
+    later nvfp4 version is built on the refused one until the next anchor: the sidecar comes back by
+    downloading that anchor (issue 40 item 4)."""
     store = fleet.store_dir()
     # the counts are cumulative over the pods' lives (an earlier test replaced a pod): this test's
     # refusals are what it adds
     failures_before = {g: _sync_failures(fleet, g) for g in ("bf16", "nvfp4")}
     [pod] = fleet.sampler_pods("nvfp4")
     name = pod["metadata"]["name"]
-    # the sidecar's line: "... v64/nvfp4/model.safetensors: blake3:0375aa83bf8a.. (226000 B) != manifest blake3:..."
-    refusal = re.compile(r"v(\d+)/nvfp4/model\.safetensors: [^\n]*? != manifest")
+    # the sidecar's line: "... v64/nvfp4/model.safetensors.delta: blake3:0375aa83bf8a.. (2260 B) != manifest blake3:..."
+    refusal = re.compile(r"v(\d+)/nvfp4/model\.safetensors(?:\.delta)?: [^\n]*? != manifest")
     flipped: list[int] = []
     version = (fleet.latest_version() or 0) + 1
     deadline = time.monotonic() + 600
     while not (refused := refusal.search(fleet.logs(name, "weight-sync"))):
         assert time.monotonic() < deadline, f"no checksum refusal by the nvfp4 sidecar; flipped {flipped}"
         version = max(version, (fleet.latest_version() or 0) + 1)  # never behind the pointer
-        view_file = store / f"v{version}" / "nvfp4" / "model.safetensors"  # the channel's layout (docs/weights.md)
-        if wait_for(f"version {version}'s nvfp4 file", lambda f=view_file: _flip_a_byte(f), timeout=300, interval=0.02):
+        view = store / f"v{version}" / "nvfp4"  # the channel's layout (docs/weights.md)
+        if wait_for(f"version {version}'s nvfp4 payload or file", lambda d=view: _flip_a_byte(
+                d / "model.safetensors.delta") or _flip_a_byte(d / "model.safetensors"), timeout=300, interval=0.02):  # fmt: skip
             flipped.append(version)
         version += 1
     target = int(refused.group(1))
@@ -504,10 +753,15 @@ def test_a_corrupted_view_is_refused_and_the_group_keeps_serving(fleet: Fleet) -
     wait_for("bf16 past the corrupted version", lambda: (
         fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0) >= target, timeout=600)  # fmt: skip
     # the status counts the refusal (the reason is in the message and the WeightsSynced condition only
-    # while the replica still fails: the next good version clears it, which here is seconds later)
+    # while the replica still fails: the next anchor clears it)
     wait_for("the nvfp4 group's status counting the refusal", lambda: (
         _sync_failures(fleet, "nvfp4") > failures_before["nvfp4"]), timeout=300)  # fmt: skip
     assert _sync_failures(fleet, "bf16") == failures_before["bf16"]  # bf16's files were not touched
+    wait_for("the nvfp4 group past the corrupted versions", lambda: (
+        fleet.groups()[f"{JOB}-nvfp4"]["status"].get("appliedWeightVersion") or 0) > max(flipped), timeout=900)  # fmt: skip
+    [recovered, *_] = _obtained(fleet.logs(name, "weight-sync")[refused.start() :], APPLIED)
+    assert recovered.source.startswith("anchor v") and int(recovered.source.split()[1][1:]) > target, recovered
+    assert recovered == _expected(fleet.manifests, "nvfp4", recovered.version, set()), recovered
 
 
 def _sync_failures(fleet: Fleet, group: str) -> int:
