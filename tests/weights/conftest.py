@@ -84,6 +84,19 @@ def s3_bucket(s3_endpoint: str) -> str:
     return make_bucket(s3_endpoint)
 
 
+@pytest.fixture(params=["filesystem", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FilesystemStore | S3Store]:
+    """A filesystem store and an S3 store (moto_server, conditional writes): the two kinds a sampler pulls from
+    (`any_store` adds the lock-free S3 mode, for what writers do)."""
+    if request.param == "filesystem":
+        yield FilesystemStore(tmp_path / "store", create=True)
+        return
+    endpoint = request.getfixturevalue("s3_endpoint")
+    s3 = S3Store(make_bucket(endpoint), "channel", endpoint_url=endpoint)
+    yield s3
+    s3.close()
+
+
 @pytest.fixture(params=["filesystem", "s3-conditional", "s3-lock-free"])
 def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FilesystemStore | S3Store]:
     if request.param == "filesystem":

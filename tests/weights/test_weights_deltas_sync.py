@@ -19,7 +19,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -96,17 +95,6 @@ class DeltaPublisher:
 
     def stored_bytes(self, *versions: int) -> int:
         return sum(self.manifests[v].views[VIEW].stored_bytes for v in versions)
-
-
-@pytest.fixture(params=["filesystem", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "filesystem":
-        yield FilesystemStore(tmp_path / "store", create=True)
-        return
-    endpoint = request.getfixturevalue("s3_endpoint")
-    s3 = S3Store(make_bucket(endpoint), "job", endpoint_url=endpoint)
-    yield s3
-    s3.close()
 
 
 def delta_syncer(

@@ -9,33 +9,21 @@ each file then hashed (`rlfleet.store.hash_file`) against the manifest's digest 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_bucket
 from test_weights_channel import make_view
 
 from rlfleet.channel import DeltaSource, SubscriberReport, WeightChannel, manifest_key
 from rlfleet.deltas import DELTA_SUFFIX, apply_delta, encode_delta
 from rlfleet.numerics.views import save_view
-from rlfleet.store import FilesystemStore, S3Store, Store, StoreError, hash_file
+from rlfleet.store import FilesystemStore, Store, StoreError, hash_file
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publisher import SNAPSHOT_PREFIX, WeightPublisher
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(params=["filesystem", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "filesystem":
-        yield FilesystemStore(tmp_path / "store", create=True)
-        return
-    endpoint = request.getfixturevalue("s3_endpoint")
-    s3 = S3Store(make_bucket(endpoint), "channel", endpoint_url=endpoint)
-    yield s3
-    s3.close()
 
 
 def rebuild(store: Store, version: int, view: str, dest: Path) -> Path:
