@@ -22,6 +22,11 @@ docs/economics.md has the formulation ("The optimizer") and what the status show
 - A group with neither (replicas not steady yet, no group measured yet, or no catalog ratio for its
   class and format), quarantined, or settling after a precision change (autopilot.py) is LEFT OUT: it
   keeps its replicas and the share policy's share; the groups in the plan must make the whole demand.
+- A group with an egress price (`spec.egressPricePerGb`) pays for its weight traffic per replica-hour on
+  top of its GPUs (`GroupFigures.egress_cost_per_replica_hour`): the rebalance's smoothed rate of its
+  view's stored bytes x 3600 / 1e9 x the price (rebalance.py `replica_egress_cost_per_hour`, the figure
+  the share policy charges per ready replica), so the plan's cost and its choice weigh it; until that rate
+  is read it is planned without it, and the reason says so (`egress_notes`).
 - A group `optimize.groups` does not name is in the plan with its replicas fixed (minReplicas =
   maxReplicas = its replicas): it counts toward the demand and the budgets, the optimizer never scales it.
 - KL / out-of-range share the trainer has not reported count as 0.
@@ -71,6 +76,10 @@ class FleetReading:
     oor_fraction: float | None
     quarantined: bool
     spot: bool = False  # spec.spot: the optimizer's tie-break removes its replicas first
+    egress_price_per_gb: float | None = None  # spec.egressPricePerGb: it pays for the weights it reads
+    # USD/h one replica pays for them (rebalance.py `replica_egress_cost_per_hour`); None: no price, or its
+    # view's stored bytes not read yet (then planned without it)
+    egress_cost_per_replica_hour: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,9 +176,10 @@ def _clip(text: str) -> str:
 
 def fleet_reading(
     sg: Mapping[str, Any], price_per_gpu_hour: float, default_tensor_parallel: int, tokens_per_second: float | None,
-    kl: float | None, oor_fraction: float | None, quarantined: bool,
+    kl: float | None, oor_fraction: float | None, quarantined: bool, egress_cost_per_replica_hour: float | None = None,
 ) -> FleetReading:  # fmt: skip
-    """A SamplerGroup object (spec, status) with the interval's figures."""
+    """A SamplerGroup object (spec, status) with the interval's figures (`egress_cost_per_replica_hour`: its
+    weight traffic per replica, from the rebalance's reading of its view; None: none read, or no price)."""
     spec, status = sg.get("spec") or {}, sg.get("status") or {}
     tp = int(spec.get("tensorParallel") or default_tensor_parallel)
     return FleetReading(
@@ -185,6 +195,8 @@ def fleet_reading(
         oor_fraction=oor_fraction,
         quarantined=quarantined,
         spot=bool(spec.get("spot", False)),
+        egress_price_per_gb=spec.get("egressPricePerGb"),
+        egress_cost_per_replica_hour=egress_cost_per_replica_hour,
     )
 
 
@@ -318,6 +330,7 @@ def fleet_request(
             max_kl=bounds.max_kl if bounds else None,
             max_oor_fraction=bounds.max_oor_fraction if bounds else None,
             spot=r.spot,
+            egress_cost_per_replica_hour=r.egress_cost_per_replica_hour,
         ))  # fmt: skip
     demand, _ = demand_of(spec, trainer or {})
     if not figures or demand is None:
@@ -364,7 +377,8 @@ def decide(
     used = {g: f for g, f in (figures or {}).items() if g in planned}
     estimates = "; ".join(f"{g} planned at an estimated {f.tokens_per_second_per_replica:.0f} tokens/s per replica "
                           f"(no steady reading of its own: {f.detail})" for g, f in used.items() if f.basis == "estimated")  # fmt: skip
-    out = "; ".join(p for p in (estimates, *(f"{g} keeps its replicas ({why})" for g, why in left_out.items())) if p)
+    egress = egress_notes(readings, planned)
+    out = "; ".join(p for p in (estimates, egress, *(f"{g} keeps its replicas ({why})" for g, why in left_out.items())) if p)
 
     def unchanged(decision: Decision, reason: str) -> FleetDecision:
         return FleetDecision(decision, "; ".join(p for p in (reason, out) if p), dict(current), current, figures=used)
@@ -397,6 +411,23 @@ def decide(
         plan=plan,
         figures=used,
     )
+
+
+def egress_notes(readings: Sequence[FleetReading], planned: set[str]) -> str:
+    """For the reason: what each planned group with an egress price is charged per replica for its weight
+    traffic, or that it is planned without it (its view's stored bytes not read yet). A group without a
+    price pays none and is not named."""
+    notes = []
+    for r in readings:
+        if r.name not in planned or not r.egress_price_per_gb:
+            continue
+        if r.egress_cost_per_replica_hour is None:
+            notes.append(f"{r.name} planned without its weight traffic (egress ${r.egress_price_per_gb:g}/GB: its "
+                         f"{r.weight_format} view's stored bytes not read yet)")  # fmt: skip
+        else:
+            notes.append(f"{r.name} pays ${r.egress_cost_per_replica_hour:.4f}/h per replica for its weight traffic "
+                         f"(egress ${r.egress_price_per_gb:g}/GB), in its cost")  # fmt: skip
+    return "; ".join(notes)
 
 
 def _step_toward_unstepped_optimum(

@@ -393,13 +393,22 @@ def _observe_views(
         new_state.views[view] = ViewMemory(counter=counter, time=now, ema_bytes_per_second=ema)
 
 
-def _egress(g: GroupInput, state: RebalanceState) -> float | None:
-    """The group's weight traffic, USD/h (None: no price, or its view's rate not read yet)."""
-    if not g.egress_price_per_gb:
+def replica_egress_cost_per_hour(price_per_gb: float | None, view: str, state: RebalanceState) -> float | None:
+    """USD per hour ONE replica reading `view` pays for its weight traffic at `price_per_gb`: the view's
+    smoothed stored bytes/s in `state` (`egress_cost_per_hour` of one replica). None: no price, or the
+    view's rate not read yet. The share policy charges it per ready replica (`_egress`), the fleet-mix
+    optimizer per planned replica (rebalancer.py `plan_fleet_mix`)."""
+    if not price_per_gb:
         return None
-    memory = state.views.get(g.weight_format)
+    memory = state.views.get(view)
     rate = memory.ema_bytes_per_second if memory is not None else None
-    return None if rate is None else egress_cost_per_hour(rate, g.egress_price_per_gb, g.ready_replicas)
+    return None if rate is None else egress_cost_per_hour(rate, price_per_gb, 1)
+
+
+def _egress(g: GroupInput, state: RebalanceState) -> float | None:
+    """The group's weight traffic, USD/h: its ready replicas' (None: no price, or its view's rate not read yet)."""
+    per_replica = replica_egress_cost_per_hour(g.egress_price_per_gb, g.weight_format, state)
+    return None if per_replica is None else per_replica * max(g.ready_replicas, 0)
 
 
 def _target_shares(

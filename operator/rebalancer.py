@@ -60,6 +60,7 @@ from rlfleet.operator.rebalance import (
     parse_trainer_group_metrics,
     parse_trainer_stored_bytes,
     rebalance,
+    replica_egress_cost_per_hour,
 )
 from rlfleet.operator.trainer_report import TrainerReport, parse_trainer_report, trainer_job_status
 from rlfleet.records import INVALID_METRIC_PREFIX
@@ -453,8 +454,8 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
 def plan_fleet_mix(job: RLJob, samplergroups: Sequence[Mapping[str, Any]], inputs: Sequence[GroupInput],
                    result: RebalanceResult, memory: JobMemory, config: RebalanceConfig) -> fleetplan.FleetDecision:  # fmt: skip
     """The optimizer's decision of this interval from the share policy's readings (`result`: this
-    interval's tokens/s per group, the reference fleet's figures, the policy's shares); kept in `memory`
-    for the status."""
+    interval's tokens/s per group, its views' stored bytes/s that price a group's weight traffic, the
+    reference fleet's figures, the policy's shares); kept in `memory` for the status."""
     by_name = {g.name: g for g in inputs}
     catalog = config.catalog or get_catalog()
     readings = []
@@ -464,9 +465,10 @@ def plan_fleet_mix(job: RLJob, samplergroups: Sequence[Mapping[str, Any]], input
             default_tp = catalog.get(g.accelerator).default_tensor_parallel
         except (CatalogError, KeyError):
             default_tp = 1
+        egress = replica_egress_cost_per_hour(g.egress_price_per_gb, g.weight_format, result.state)
         readings.append(fleetplan.fleet_reading(sg, g.price_per_gpu_hour, default_tp,
                                                 result.groups[g.name].measured_tokens_per_second,
-                                                g.kl, g.oor_fraction, g.quarantined))  # fmt: skip
+                                                g.kl, g.oor_fraction, g.quarantined, egress))  # fmt: skip
     router = job.spec.router
     # a Prometheus rate spans its window: a replica change shows in it for that long (rebalancer's window)
     settle = math.ceil(rate_window(router.rebalance_interval_seconds) / router.rebalance_interval_seconds) if router.prometheus_url else 1

@@ -294,11 +294,16 @@ class GroupFigures(_Model):
     # mean over versions); with the request's versionsPerHour, part of its cost per replica-hour
     egress_price_per_gb: float | None = Field(default=None, ge=0.0, le=1000.0)
     weight_bytes_per_version: float | None = Field(default=None, ge=0.0, le=1e15)
+    # or that cost as measured, USD per replica-hour (the operator: the rate of its view's stored bytes x
+    # its egress price, operator/rebalance.py `replica_egress_cost_per_hour`), instead of the two above
+    egress_cost_per_replica_hour: float | None = Field(default=None, ge=0.0)
 
     @model_validator(mode="after")
     def _check_bounds(self) -> GroupFigures:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
+        if self.egress_cost_per_replica_hour is not None and (self.egress_price_per_gb or self.weight_bytes_per_version is not None):
+            raise ValueError("egressCostPerReplicaHour (measured) or egressPricePerGb with weightBytesPerVersion, not both")
         return self
 
 
@@ -468,7 +473,7 @@ class _Group:
     min_replicas: int
     max_replicas: int
     spot: bool = False
-    egress_cost_per_hour: float = 0.0  # per replica, included in cost_per_hour
+    egress_cost_per_replica_hour: float = 0.0  # included in cost_per_hour
 
     @property
     def usable_per_replica(self) -> float:
@@ -613,7 +618,7 @@ def _resolve_group(g: GroupFigures, request: FleetPlanRequest, catalog: Catalog)
     cost = g.cost_per_replica_hour
     if cost is None:
         cost = catalog.get(g.accelerator).cost_per_gpu_hour * g.gpus_per_replica
-    egress = 0.0
+    egress = g.egress_cost_per_replica_hour or 0.0
     if g.egress_price_per_gb and g.weight_bytes_per_version is not None and request.versions_per_hour is not None:
         egress = weight_egress_cost_per_hour(g.weight_bytes_per_version, request.versions_per_hour, g.egress_price_per_gb)
     max_kl = g.max_kl if g.max_kl is not None else request.budgets.group_max_kl
@@ -635,7 +640,7 @@ def _resolve_group(g: GroupFigures, request: FleetPlanRequest, catalog: Catalog)
         min_replicas=g.min_replicas,
         max_replicas=g.max_replicas,
         spot=g.spot,
-        egress_cost_per_hour=egress,
+        egress_cost_per_replica_hour=egress,
     )
 
 
@@ -749,11 +754,11 @@ def _reference_cost(request: FleetPlanRequest, groups: Sequence[_Group], catalog
         if figures.accelerator == accelerator and figures.weight_format == REFERENCE_WEIGHT_FORMAT
     ]
     tokens, oor, cost = ref.tokens_per_second_per_replica, ref.oor_fraction, ref.cost_per_replica_hour
-    if same and tokens is None:  # the group's figures, per replica of its size and at its cost
-        _, resolved = same[0]
+    if same and tokens is None:  # the group's figures, per replica of its size and at its GPUs' cost
+        _, resolved = same[0]  # (the reference is next to the store: it pays no weight traffic)
         tokens = resolved.tokens_per_second
         oor = resolved.oor_fraction if oor is None else oor
-        cost = resolved.cost_per_hour if cost is None else cost
+        cost = resolved.cost_per_hour - resolved.egress_cost_per_replica_hour if cost is None else cost
     if tokens is None:
         raise CatalogError(
             f"reference: no group runs {accelerator} at {REFERENCE_WEIGHT_FORMAT}; give "
@@ -795,7 +800,7 @@ def _fleet_plan(
             usable_tokens_per_second=g.usable_per_replica * x,
             cost_per_hour=g.cost_per_hour * x,
             cost_per_1m_usable_tokens=cost_per_1m_usable_tokens(g.tokens_per_second, 1, g.cost_per_hour, g.oor_fraction),
-            egress_cost_per_hour=g.egress_cost_per_hour * x,
+            egress_cost_per_hour=g.egress_cost_per_replica_hour * x,
         )
         for g, x in zip(problem.groups, replicas, strict=True)
     )

@@ -116,7 +116,7 @@ class SamplerGroupTemplate(PodPlacement):
     spot: bool = False
     """Run the group on spot / preemptible capacity: its pods also require a spot node and tolerate the spot taints (the catalog's spot flavor: GKE, EKS, Karpenter and AKS labels by default, docs/scheduling.md "Spot groups")."""
     egress_price_per_gb: float | None = Field(default=None, ge=0.0, le=1000.0)
-    """USD per GB (10^9 bytes) of weights its replicas read from the weight channel, for a group that pays for that traffic (in another region or cloud than the store): the bytes each replica reads per version x versions per hour x this price is its weight traffic's cost per replica-hour, counted in its cost per usable token by `rlfleet fleet plan` and `measured_economics` (docs/economics.md, "Weight traffic"); the operator carries it to the SamplerGroup but its rebalancer does not charge it yet. Unset: its weight traffic is free."""
+    """USD per GB (10^9 bytes) of weights its replicas read from the weight channel, for a group that pays for that traffic (in another region or cloud than the store): the bytes each replica reads per version x versions per hour x this price is its weight traffic's cost per replica-hour, counted in its cost per usable token by `rlfleet fleet plan` and `measured_economics` (docs/economics.md, "Weight traffic"), and by the operator from the trainer's stored bytes of the group's view: in its status costs (the share policy) and per replica in the fleet-mix optimizer's plan. Unset: its weight traffic is free."""
 
     @model_validator(mode="after")
     def _check_against_catalog(self) -> SamplerGroupTemplate:

@@ -95,6 +95,35 @@ def test_the_plan_counts_egress_in_each_replicas_cost() -> None:
     assert (out["costPerHour"], out["egressCostPerHour"]) == (2.125, 0.125)
 
 
+def test_a_measured_egress_cost_per_replica_hour_counts_as_the_computed_one() -> None:
+    """egressCostPerReplicaHour (what the operator measures) in place of price x bytes x versions: $1/h per
+    replica makes the remote group's $2/h against the local one's $1.50/h, as above."""
+    paying = plan_fleet(request_from_mapping({
+        "demand": {"usableTokensPerSecond": 2000}, "reference": REFERENCE,
+        "groups": [group("remote", 1.0, egressCostPerReplicaHour=1.0), group("local", 1.5)],
+    }))  # fmt: skip
+    assert paying.replicas() == {"remote": 0, "local": 2} and paying.cost_per_hour == 3.0
+    # at 0.25 it stays the cheaper ($1.25/h): 2 replicas, $0.50/h of them traffic
+    cheap = plan_fleet(request_from_mapping({
+        "demand": {"usableTokensPerSecond": 2000}, "reference": REFERENCE,
+        "groups": [group("remote", 1.0, egressCostPerReplicaHour=0.25), group("local", 1.5)],
+    }))  # fmt: skip
+    out = cheap.to_dict()["groups"]["remote"]
+    assert cheap.replicas() == {"remote": 2, "local": 0} and (out["costPerHour"], out["egressCostPerHour"]) == (2.5, 0.5)
+
+
+def test_a_reference_taken_from_a_group_pays_none_of_its_traffic() -> None:
+    """No reference cost given: the reference is an h100 bf16 group's figures at its GPUs' cost ($1/h for
+    1000 tok/s: 1 / 3600 / 1000 x 1e6 = $0.2777.. per 1M), not with the $1/h of weight traffic that group
+    pays."""
+    plan = plan_fleet(request_from_mapping({
+        "trainerAccelerator": "h100", "demand": {"usableTokensPerSecond": 1000}, "reference": {},
+        "groups": [group("remote", 1.0, weightFormat="bf16", egressCostPerReplicaHour=1.0)],
+    }))  # fmt: skip
+    assert plan.reference_cost_per_1m_usable_tokens == 1.0 / 3600.0 / 1000.0 * 1e6
+    assert plan.cost_per_1m_usable_tokens == 2.0 / 3600.0 / 1000.0 * 1e6 and plan.saving == -1.0
+
+
 @pytest.mark.parametrize(
     ("extra", "top", "message"),
     [
@@ -104,6 +133,9 @@ def test_the_plan_counts_egress_in_each_replicas_cost() -> None:
         ({"egressPricePerGb": 1001}, {}, "groups.0.egressPricePerGb: Input should be less than or equal to 1000"),
         ({"weightBytesPerVersion": -1}, {}, "groups.0.weightBytesPerVersion: Input should be greater than or equal"),
         ({}, {"versionsPerHour": -1}, "versionsPerHour: Input should be greater than or equal to 0"),
+        ({"egressCostPerReplicaHour": 1.0, "egressPricePerGb": 0.05, "weightBytesPerVersion": 1e9}, {"versionsPerHour": 2},
+         "egressCostPerReplicaHour \\(measured\\) or egressPricePerGb with weightBytesPerVersion, not both"),
+        ({"egressCostPerReplicaHour": -1}, {}, "groups.0.egressCostPerReplicaHour: Input should be greater than or equal to 0"),
     ],
 )
 def test_bad_egress_figures_are_refused_with_the_field(extra: dict[str, Any], top: dict[str, Any], message: str) -> None:

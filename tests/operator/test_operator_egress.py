@@ -1,7 +1,8 @@
 """The operator charges a group's weight traffic (issue 40 item 5, docs/economics.md "Weight traffic"):
 the rate of the trainer's `rlfleet_trainer_weights_stored_bytes_total{view}` x 3600 / 1e9 x the group's
-egressPricePerGb x its ready replicas, in its cost per hour and per usable token. Every expected number
-below is worked out by hand in the comments."""
+egressPricePerGb x its ready replicas, in its cost per hour and per usable token; and per planned replica
+in the fleet-mix optimizer's cost (spec.router.optimize). Every expected number below is worked out by
+hand in the comments."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import pytest
 
 from rlfleet.api import RLJob
+from rlfleet.operator import fleetplan
 from rlfleet.operator import rebalancer as timer
 from rlfleet.operator.rebalance import (
     GroupInput,
@@ -20,6 +22,7 @@ from rlfleet.operator.rebalance import (
     egress_cost_per_hour,
     parse_trainer_stored_bytes,
     rebalance,
+    replica_egress_cost_per_hour,
     view_rate,
 )
 
@@ -139,3 +142,109 @@ rlfleet_trainer_kl_k3{key="a",scope="group"} 0.01
     assert timer.group_input(job, sg, {}, {}, None).egress_price_per_gb == 0.02
     sg["spec"].pop("egressPricePerGb")
     assert timer.group_input(job, sg, {}, {}, None).egress_price_per_gb is None
+
+
+# --- the fleet-mix optimizer (spec.router.optimize) charges it per planned replica -------------------------
+#
+# Two h100 fp8 groups of one GPU at the catalog's $2.99/GPU-h, each 1000 tok/s per replica, one replica each;
+# demand 2000 usable tok/s, bounds [0, 4]. "remote" pays $0.08/GB for its view: between two readings 1800 s
+# apart the trainer stored 3 versions of the fp8 view at 1.5 GB each (anchors and deltas averaged), so
+# 1.5 GB/version x 6 versions/h x $0.08/GB = $0.72/h per replica (the rate: 4.5e9 B / 1800 s = 2.5e6 B/s).
+# Free of egress every plan of 2 replicas costs $5.98/h: the current (1, 1) is kept. Paying it, (1, 1)
+# costs $6.70/h and (0, 2) $5.98/h: the optimum saves 0.72 / 6.70 = 10.75% > the hysteresis 5%, and
+# the optimizer moves remote's replica to local.
+
+BYTES_PER_VERSION, VERSIONS_PER_HOUR, PRICE_PER_GB = 1.5e9, 6.0, 0.08
+EGRESS_PER_REPLICA_HOUR = 0.72  # 1.5 x 6 x 0.08, by hand
+
+OPTIMIZED_JOB = {
+    "apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "j", "namespace": "ns", "uid": "u"},
+    "spec": {
+        "model": {"name": "m", "path": "/m"},
+        "trainer": {"accelerator": "h100"},
+        "samplerGroups": [
+            {"name": "remote", "accelerator": "h100", "weightFormat": "fp8", "replicas": 1, "egressPricePerGb": PRICE_PER_GB},
+            {"name": "local", "accelerator": "h100", "weightFormat": "fp8", "replicas": 1},
+        ],
+        "router": {"optimize": {"enabled": True, "demand": {"usableTokensPerSecond": 2000},
+                                "groups": {"remote": {"maxReplicas": 4}, "local": {"maxReplicas": 4}}}},
+        "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
+    },
+}  # fmt: skip
+
+
+def samplergroups(price: float | None = PRICE_PER_GB) -> list[dict]:
+    remote = {"name": "remote", "accelerator": "h100", "weightFormat": "fp8", "replicas": 1}
+    if price is not None:
+        remote["egressPricePerGb"] = price
+    local = {"name": "local", "accelerator": "h100", "weightFormat": "fp8", "replicas": 1}
+    return [{"metadata": {"name": f"j-{s['name']}"}, "spec": s, "status": {"readyReplicas": 1}} for s in (remote, local)]
+
+
+def stored_state() -> RebalanceState:
+    """The rebalance state after the two readings of the fp8 view, 1800 s apart."""
+    first = RebalanceState(views={"fp8": ViewMemory(counter=10e9, time=0.0)})
+    remote = GroupInput("remote", 1, 1, 2.99, accelerator="h100", weight_format="fp8", tokens_per_second=1000.0,
+                        egress_price_per_gb=PRICE_PER_GB)  # fmt: skip
+    stored = 10e9 + BYTES_PER_VERSION * VERSIONS_PER_HOUR / 2  # half an hour: 3 versions
+    return rebalance([remote], first, 1800.0, CONFIG, weights_stored_bytes={"fp8": stored}).state
+
+
+def optimizer_decision(egress: float | None, price: float | None = PRICE_PER_GB) -> fleetplan.FleetDecision:
+    spec = RLJob.from_manifest(OPTIMIZED_JOB).spec.router.optimize
+    readings = [fleetplan.fleet_reading(sg, 2.99, 1, 1000.0, None, None, False,
+                                        egress if sg["spec"]["name"] == "remote" else None)
+                for sg in samplergroups(price)]  # fmt: skip
+    reference = fleetplan.ReferenceFigures("h100", 1000.0, 2.99, None)
+    request, left_out = fleetplan.fleet_request(spec, "h100", reference, readings, {"remote": 1000.0, "local": 1000.0})
+    return fleetplan.decide(request, left_out, readings, {"remote": 0.5, "local": 0.5})
+
+
+def test_the_optimizers_egress_per_replica_is_bytes_per_version_x_versions_per_hour_x_price() -> None:
+    state = stored_state()
+    assert state.views["fp8"].ema_bytes_per_second == 2.5e6
+    egress = replica_egress_cost_per_hour(PRICE_PER_GB, "fp8", state)
+    assert egress == pytest.approx(BYTES_PER_VERSION * VERSIONS_PER_HOUR * PRICE_PER_GB / 1e9, rel=1e-12)
+    assert egress == pytest.approx(EGRESS_PER_REPLICA_HOUR, rel=1e-12)
+    # no price, another view not read, no state read yet: none
+    assert replica_egress_cost_per_hour(None, "fp8", state) is None
+    assert replica_egress_cost_per_hour(PRICE_PER_GB, "bf16", state) is None
+    assert replica_egress_cost_per_hour(PRICE_PER_GB, "fp8", RebalanceState()) is None
+
+
+def test_of_two_groups_alike_the_optimizer_scales_up_the_one_that_pays_no_egress() -> None:
+    paying = optimizer_decision(replica_egress_cost_per_hour(PRICE_PER_GB, "fp8", stored_state()))
+    assert paying.decision == "Scaled" and paying.changes() == {"remote": (1, 0), "local": (1, 2)}
+    assert paying.plan is not None and paying.plan.cost_per_hour == pytest.approx(5.98, rel=1e-12)
+    assert paying.shares == {"remote": 0.0, "local": 1.0}
+    # the request carries the figure; the solver charges it per replica on top of the GPUs
+    assert paying.reason.startswith("the optimum saves 10.75% of $6.70/h (> hysteresis 5.00%); plan $5.98/h, "
+                                    "$0.8306 per 1M usable tokens")  # 5.98 / 3600 / 2000 x 1e6  # fmt: skip
+    assert paying.reason.endswith("remote pays $0.7200/h per replica for its weight traffic (egress $0.08/GB), in its cost")
+    # free of egress (no price): every 2-replica plan costs the same, the current one is kept
+    free = optimizer_decision(None, price=None)
+    assert free.decision == "Kept" and free.changes() == {} and "weight traffic" not in free.reason
+    assert free.plan is not None and free.plan.cost_per_hour == pytest.approx(5.98, rel=1e-12)
+    # a price but no reading of its view yet: planned at 0 egress, and the reason says so
+    unread = optimizer_decision(None)
+    assert unread.decision == "Kept" and unread.changes() == {}
+    assert unread.reason.endswith("remote planned without its weight traffic (egress $0.08/GB: its fp8 view's "
+                                  "stored bytes not read yet)")  # fmt: skip
+
+
+def test_the_rebalancer_gives_the_optimizer_each_groups_egress_from_its_views_reading() -> None:
+    """plan_fleet_mix end to end on the share policy's result: the first interval has one reading of the
+    view (no rate: planned without egress, kept), the second its rate (remote drained, local scaled up)."""
+    job = RLJob.from_manifest(OPTIMIZED_JOB)
+    sgs = samplergroups()
+    inputs = [timer.group_input(job, sg, {}, {}, 1000.0) for sg in sgs]
+    config = timer.job_config(job)
+    memory = timer.JobMemory()
+    first = rebalance(inputs, None, 0.0, config, weights_stored_bytes={"fp8": 10e9})
+    kept = timer.plan_fleet_mix(job, sgs, inputs, first, memory, config)
+    assert kept.decision == "Kept" and "remote planned without its weight traffic" in kept.reason
+    second = rebalance(inputs, first.state, 1800.0, config, weights_stored_bytes={"fp8": 10e9 + 4.5e9})
+    assert second.groups["remote"].egress_cost_per_hour == pytest.approx(EGRESS_PER_REPLICA_HOUR, rel=1e-12)
+    scaled = timer.plan_fleet_mix(job, sgs, inputs, second, memory, config)
+    assert scaled.decision == "Scaled" and scaled.changes() == {"remote": (1, 0), "local": (1, 2)}
+    assert "remote pays $0.7200/h per replica for its weight traffic" in scaled.reason
