@@ -7,20 +7,25 @@ Codec (`--only codec`, torch-free): a synthetic bf16 safetensors view of `--gb` 
 58%: the issue's measured bf16 rates at lr 1e-6 and 5e-4, and the share a 1.98%-per-step production run
 ships). Per rate:
 
-- encode (`encode_delta`, base and target in the page cache) and apply (`apply_delta`: copy of the base,
-  the changed elements written, fsync) in GB/s of FULL view;
-- baselines: a plain copy of the full file (`shutil.copyfile` + fsync, what a sampler that already holds
-  the bytes pays to place them) and download + verify (that copy plus the BLAKE3 of the full file, what a
-  sidecar pays per full version with the store on the same filesystem); a sidecar applying a delta also
-  verifies the rebuilt file: "apply + verify" is apply plus the same BLAKE3;
-- ratios: apply / copy, (apply + verify) / (download + verify), delta bytes / full bytes;
+- encode (`encode_delta`, base and target in the page cache) and apply + verify (`apply_delta` with a
+  BLAKE3 hasher fed in its own pass: what `WeightChannel.obtain_view` does per rebuilt file) in GB/s of
+  FULL view;
+- baselines: a plain copy of the full file (`shutil.copyfile`, page cache), the BLAKE3 of it (one
+  thread), and download + verify: `Store.get_file` of the full file (what a sidecar pays per full
+  version) from a filesystem store on the same disk, and with `--s3` from a moto_server S3 store;
+- ratios: apply + verify / copy, apply + verify / download + verify, delta bytes / full bytes, and the
+  link speed up to which apply + verify stays at most 0.3x a download over that link (size / link);
 - memory of encode: the peak of the process's anonymous resident memory (RssAnon, sampled every 5 ms)
   above its level before, and numpy's peak allocation (tracemalloc): the mapped files' page-cache pages
   are not counted (they are the kernel's, shared, and dropped under pressure).
 
 The timings of one rate are taken round-robin (copy, hash, encode, apply, then again), the median of
-`--reps` shown, so that a neighbour's burst of disk or CPU hits every operation alike. `--no-fsync` also
-times apply and the copy with fsync made a no-op (the page cache only: the CPU path without the disk).
+`--reps` shown, so that a neighbour's burst of disk or CPU hits every operation alike. Nothing is fsynced
+(a download is not either: the sidecar's copy is a cache verified at every use).
+
+Shards (`--only shards`): a view of `--shards` files (`--gb` in all) in one store, v0 an anchor, v1 a delta
+of every shard at the first `--rates`: `WeightChannel.obtain_view` of v1 from a held v0 (apply + verify)
+and of v0 fresh (download + verify), with 1 and `--workers` files at once (`download_workers`).
 
 Fan-out (`--only fanout`): one store (a filesystem directory, or `--s3`: a moto_server process over real
 HTTP), `--subscribers` processes that each hold the previous version (as sidecars do), and a view of
@@ -29,7 +34,7 @@ elements changed (`encode_delta` + `WeightChannel.publish(deltas=)`, as the trai
 for each, the time from the start of the publish until every subscriber holds the verified version
 (`WeightChannel.obtain_view` with its previous copy as `local`), and the bytes each read from the store.
 
-    nice -n 5 .venv/bin/python -P benchmarks/weight_deltas.py --only codec             # 1 GB view, 3 rates
+    nice -n 5 .venv/bin/python -P benchmarks/weight_deltas.py --only codec --s3        # 1 GB view, 3 rates
     nice -n 5 .venv/bin/python -P benchmarks/weight_deltas.py --only codec --gb 0.25 --reps 1   # quick
     nice -n 5 .venv/bin/python -P benchmarks/weight_deltas.py --only fanout --subscribers 16
 
@@ -46,7 +51,9 @@ Scaled (`--scale-from RESULTS.json`, the `--json` of a run): the measured rates 
 Qwen3-30B-A3B-sized fleet of 8 groups x 2 replicas (four bf16 groups, two fp8, two nvfp4: `FLEET`), the
 views' sizes the issue's 35B figures scaled by 30.5/35, the delta shares from the issue's measured
 element rates at lr 1e-6 (a changed element costs its value and its gap-coded index: `gap_bytes`), an anchor every
-16 versions: bytes moved and seconds per version, full against deltas, per replica link `--link-gbps`.
+16 versions: bytes moved and seconds per version, full against deltas, per replica link `--link-gbps`; the
+fleet's row: every replica at once, bounded by the slowest replica or by the store's total egress
+`--store-gbps` (an object store's bucket or an NFS server serving all 16).
 """
 
 from __future__ import annotations
@@ -121,14 +128,20 @@ def write_target(base: Path, target: Path, rate: float, seed: int) -> int:
     return changed
 
 
-def fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def copy(src: Path, dst: Path) -> None:
     shutil.copyfile(src, dst)
-    fsync(dst)
+
+
+def into_new(dst: Path, fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` (which writes `dst`) with `dst` removed first, as a sidecar writes each version into a new
+    directory: renaming a file over an existing one makes ext4 flush the new one first (auto_da_alloc),
+    which here cost 0.18 s of a 0.27 GB apply, so every timed op writes a new file."""
+
+    def run() -> object:
+        dst.unlink(missing_ok=True)
+        return fn()
+
+    return run
 
 
 def b3(path: Path) -> str:
@@ -148,17 +161,6 @@ def round_robin(ops: dict[str, Callable[[], object]], reps: int) -> dict[str, fl
         for name, fn in ops.items():
             times[name].append(seconds(fn))
     return {name: statistics.median(t) for name, t in times.items()}
-
-
-@contextlib.contextmanager
-def no_fsync() -> Iterator[None]:
-    """fsync a no-op (the page-cache rows: what the CPU path costs without the disk)."""
-    real = os.fsync
-    os.fsync = lambda fd: None
-    try:
-        yield
-    finally:
-        os.fsync = real
 
 
 def rss_anon_bytes() -> int:
@@ -194,13 +196,31 @@ def peak_memory(fn: Callable[[], object]) -> tuple[int, int]:
     return max(0, max(peak, rss_anon_bytes()) - before), traced
 
 
+def applied_digest(base: Path, delta: Path, out: Path) -> str:
+    """Apply + verify, as WeightChannel.obtain_view does per rebuilt file: the digest fed in the apply's pass."""
+    hasher = blake3.blake3()
+    apply_delta(base, delta, out, hasher=hasher)
+    return hasher.hexdigest()
+
+
 def codec(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    from rlfleet.store import FilesystemStore, open_store
+
     work.mkdir(parents=True)
     base = work / "base.safetensors"
     size = write_view(base, args.gb, args.tensor_mb)
     header = read_header(base)
     elements = (size - header.data_start) // 2
     print(f"synthetic bf16 view: {size / GB:.3f} GB, {len(header.tensors)} tensors of {args.tensor_mb} MiB", flush=True)
+    # the full view in a store on this filesystem (and with --s3 in moto's): what a sidecar downloads
+    (work / "store").mkdir()
+    stores: dict[str, Any] = {"filesystem": FilesystemStore(work / "store")}
+    if args.store_uri:
+        stores["s3"] = open_store(args.store_uri)
+    for store in stores.values():
+        store.put_file("v1/model.safetensors", base)
+    download = {name: into_new(work / f"download-{name}", functools.partial(store.get_file, "v1/model.safetensors", work / f"download-{name}"))
+                for name, store in stores.items()}  # fmt: skip
     rows = []
     for rate in args.rates:
         target = work / "target.safetensors"
@@ -209,57 +229,59 @@ def codec(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         stats = encode_delta(base, target, out)
         assert stats is not None and stats.changed_elements == changed, "the delta lists every changed element"
         encode = functools.partial(encode_delta, base, target, out)
-        apply = functools.partial(apply_delta, base, out, rebuilt)
-        t = round_robin({"copy": functools.partial(copy, base, work / "copy"), "hash": functools.partial(b3, work / "copy"),
-                         "encode": encode, "apply": apply}, args.reps)  # fmt: skip
-        t_copy, t_hash, t_encode, t_apply = t["copy"], t["hash"], t["encode"], t["apply"]
-        assert b3(rebuilt) == b3(target), "apply(encode) is the target, byte for byte"
+        apply_verify = into_new(rebuilt, functools.partial(applied_digest, base, out, rebuilt))
+        ops = {"copy": into_new(work / "copy", functools.partial(copy, base, work / "copy")), "hash": functools.partial(b3, work / "copy"),
+               "encode": encode, "apply_verify": apply_verify,
+               **{f"download_verify_{name}": fn for name, fn in download.items()}}  # fmt: skip
+        t = round_robin(ops, args.reps)
+        assert apply_verify() == b3(target), "apply(encode) is the target, byte for byte, and so is its digest"
         rss, traced = peak_memory(encode)
         # what a publisher with maxDeltaShare 0.5 pays before it stores an anchor instead
         t_capped = statistics.median(
             seconds(functools.partial(encode_delta, base, target, out, max_delta_bytes=size // 2)) for _ in range(args.reps)
         )
-        cached: dict[str, float] = {}
-        if args.no_fsync:
-            with no_fsync():
-                cached = round_robin({"copy": functools.partial(copy, base, work / "copy"), "apply": apply}, args.reps)
+        t_apply, t_fs = t["apply_verify"], t["download_verify_filesystem"]
         row = {
             "rate": rate,
             "changed": changed / elements,
             "delta_share": stats.delta_bytes / size,
-            "encode_gbps": size / GB / t_encode,
-            "apply_gbps": size / GB / t_apply,
-            "copy_gbps": size / GB / t_copy,
-            "apply_vs_copy": t_apply / t_copy,
-            "apply_verify_vs_download_verify": (t_apply + t_hash) / (t_copy + t_hash),
-            "encode_vs_copy": t_encode / t_copy,
+            "encode_gbps": size / GB / t["encode"],
+            "encode_vs_copy": t["encode"] / t["copy"],
+            "apply_verify_gbps": size / GB / t_apply,
+            "apply_verify_vs_copy": t_apply / t["copy"],
+            "apply_verify_vs_download_verify": t_apply / t_fs,
+            # a download over a link of L GB/s hashed as it lands takes about size / L: at most 0.3x below this
+            "link_gb_per_s_for_0_3x": size / GB / (t_apply / 0.3),
             "encode_capped_s": t_capped,
-            "hash_gbps": size / GB / t_hash,
-            "download_verify_gbps": size / GB / (t_copy + t_hash),
-            "cached_apply_vs_copy": cached["apply"] / cached["copy"] if cached else None,
-            "cached_apply_gbps": size / GB / cached["apply"] if cached else None,
-            "cached_copy_gbps": size / GB / cached["copy"] if cached else None,
+            "copy_gbps": size / GB / t["copy"],
+            "hash_gbps": size / GB / t["hash"],
+            "download_verify_gbps": size / GB / t_fs,
             "encode_rss_mb": rss / 2**20,
             "encode_traced_mb": traced / 2**20,
             "encode_rss_per_gb": rss / 2**20 / (size / GB),
         }
+        if "download_verify_s3" in t:
+            row["s3_download_verify_gbps"] = size / GB / t["download_verify_s3"]
+            row["apply_verify_vs_s3_download_verify"] = t_apply / t["download_verify_s3"]
         rows.append(row)
+        s3 = (f", {row['apply_verify_vs_s3_download_verify']:.2f}x an S3 download+verify"
+              if "apply_verify_vs_s3_download_verify" in row else "")  # fmt: skip
         print(
             f"changed {row['changed']:7.3%}  delta {row['delta_share']:7.3%} of the view  "
             f"encode {row['encode_gbps']:5.2f} GB/s ({row['encode_vs_copy']:.2f}x copy)  "
-            f"apply {row['apply_gbps']:5.2f} GB/s ({row['apply_vs_copy']:.2f}x copy, "
-            f"apply+verify {row['apply_verify_vs_download_verify']:.2f}x download+verify)  "
+            f"apply+verify {row['apply_verify_gbps']:5.2f} GB/s ({row['apply_verify_vs_copy']:.2f}x copy, "
+            f"{row['apply_verify_vs_download_verify']:.2f}x download+verify from a filesystem store{s3}; "
+            f"0.3x of a download over links up to {row['link_gb_per_s_for_0_3x'] * 8:.1f} Gbit/s)  "
             f"encode memory +{row['encode_rss_mb']:.0f} MB anon (numpy peak {row['encode_traced_mb']:.0f} MB)  "
-            f"capped at 50% of the view: {t_capped / t_encode:.2f}x the full encode",
+            f"capped at 50% of the view: {t_capped / t['encode']:.2f}x the full encode",
             flush=True,
         )
         print(
-            f"    baselines: copy+fsync {row['copy_gbps']:.2f} GB/s, BLAKE3 (1 thread) {row['hash_gbps']:.2f} GB/s, "
-            f"download+verify {row['download_verify_gbps']:.2f} GB/s"
-            + (f"; page cache only: apply {row['cached_apply_gbps']:.2f} GB/s = {row['cached_apply_vs_copy']:.2f}x "
-               f"copy {row['cached_copy_gbps']:.2f} GB/s" if cached else ""),
+            f"    baselines: copy {row['copy_gbps']:.2f} GB/s, BLAKE3 (1 thread) {row['hash_gbps']:.2f} GB/s, "
+            f"download+verify {row['download_verify_gbps']:.2f} GB/s (filesystem store)"
+            + (f", {row['s3_download_verify_gbps']:.2f} GB/s (S3)" if "s3_download_verify_gbps" in row else ""),
             flush=True,
-        )  # fmt: skip
+        )
         for p in (target, out, rebuilt):
             p.unlink(missing_ok=True)
     return rows
@@ -339,6 +361,54 @@ def fanout(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return out
     finally:
         pool.shutdown()
+
+
+def shards(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """A view of `--shards` files (`--gb` in all) in a filesystem store (or --s3), v0 an anchor and v1 a
+    delta of each shard at the first `--rates`; a subscriber holding v0 obtains v1 (apply + verify of every
+    shard) and a fresh one obtains v0 (download + verify), with 1 and with `--workers` files at once."""
+    from rlfleet.channel import DeltaSource, WeightChannel
+    from rlfleet.store import open_store
+
+    store_uri = args.store_uri or str(work / "store")
+    if not args.store_uri:
+        (work / "store").mkdir(parents=True)
+    v0, v1 = work / "v0", work / "v1"
+    v0.mkdir(parents=True)
+    v1.mkdir()
+    payloads = {}
+    for i in range(args.shards):
+        name = f"model-{i + 1:05d}-of-{args.shards:05d}.safetensors"
+        write_view(v0 / name, args.gb / args.shards, min(args.tensor_mb, int(args.gb / args.shards * 1000)), seed=i)
+        write_target(v0 / name, v1 / name, args.rates[0], seed=100 + i)
+        payloads[name] = work / "payloads" / (name + ".delta")
+        payloads[name].parent.mkdir(exist_ok=True)
+        assert encode_delta(v0 / name, v1 / name, payloads[name]) is not None
+    size = sum(p.stat().st_size for p in v0.iterdir())
+    publisher = WeightChannel(open_store(store_uri), publisher_id="bench")
+    publisher.publish({"bf16": v0}, version=0)
+    publisher.publish({"bf16": v1}, version=1, deltas={"bf16": DeltaSource(0, payloads)})
+    held = WeightChannel(open_store(store_uri)).obtain_view(0, "bf16", work / "held").directory
+    ops: dict[str, Callable[[], object]] = {}
+    for workers in (1, args.workers):
+        reader = WeightChannel(open_store(store_uri), download_workers=workers)
+        ops[f"download_verify_{workers}"] = functools.partial(
+            reader.obtain_view, 0, "bf16", work / f"full-{workers}")
+        ops[f"apply_verify_{workers}"] = functools.partial(
+            reader.obtain_view, 1, "bf16", work / f"delta-{workers}", local={0: held})  # fmt: skip
+    t = round_robin(ops, args.reps)
+    out = {"view_bytes": size, "shards": args.shards, "workers": args.workers, "rate": args.rates[0],
+           **{k: size / GB / v for k, v in t.items()}}  # fmt: skip
+    w = args.workers
+    print(
+        f"{args.shards} shards, {size / GB:.2f} GB, {args.rates[0]:.1%} changed: GB/s of full view with 1 / {w} "
+        f"files at once: download+verify {out['download_verify_1']:.2f} / {out[f'download_verify_{w}']:.2f}, "
+        f"apply+verify {out['apply_verify_1']:.2f} / {out[f'apply_verify_{w}']:.2f} "
+        f"(apply+verify / download+verify: {t['apply_verify_1'] / t['download_verify_1']:.2f}x / "
+        f"{t[f'apply_verify_{w}'] / t[f'download_verify_{w}']:.2f}x)",
+        flush=True,
+    )
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ a run
@@ -425,19 +495,18 @@ def gap_bytes(changed: float) -> float:
 
 def scaled(results: dict[str, Any], link_gbps: float) -> list[dict[str, Any]]:
     """Per view and for the fleet: GB read per version (full; a delta; the mean with an anchor every
-    ANCHOR_EVERY) and seconds until a replica holds the verified version: full = download at the slower of
-    the link and the measured copy + fsync (the bytes land on its disk), + BLAKE3 at the measured rate;
-    delta = download of the delta + apply at the measured rate (GB/s of full view, of the measured change
-    rate nearest the view's byte share) + BLAKE3 of the rebuilt view."""
+    ANCHOR_EVERY) and seconds until a replica holds the verified version: full = the slower of the link
+    and the measured download + verify from a store on the replica's own disk (the bytes land there and
+    are hashed as they land); delta = download of the delta over the link + apply + verify at the
+    measured rate (GB/s of full view, of the measured change rate nearest the view's byte share)."""
     codec_rows = results["codec"]
     link = link_gbps / 8  # GB/s
     rows = []
     for view, (replicas, gb, changed, width) in FLEET.items():
         share = changed * (gap_bytes(changed) + width) / width
         row = min(codec_rows, key=lambda r: abs(r["delta_share"] - share))
-        hash_gbps = row["hash_gbps"]
-        full_s = gb / min(link, row["copy_gbps"]) + gb / hash_gbps
-        delta_s = gb * share / link + gb / row["apply_gbps"] + gb / hash_gbps
+        full_s = max(gb / link, gb / row["download_verify_gbps"])
+        delta_s = gb * share / link + gb / row["apply_verify_gbps"]
         rows.append({
             "view": view, "replicas": replicas, "view_gb": gb, "delta_share": share,
             "full_gb": replicas * gb, "delta_gb": replicas * gb * share,
@@ -447,8 +516,9 @@ def scaled(results: dict[str, Any], link_gbps: float) -> list[dict[str, Any]]:
     return rows
 
 
-def print_scaled(rows: list[dict[str, Any]], link_gbps: float) -> None:
-    print(f"Qwen3-30B-A3B-sized fleet, 8 groups x 2 replicas, {link_gbps:g} Gb/s per replica:")
+def print_scaled(rows: list[dict[str, Any]], link_gbps: float, store_gbps: float) -> None:
+    print(f"Qwen3-30B-A3B-sized fleet, 8 groups x 2 replicas, {link_gbps:g} Gb/s per replica, the store serving "
+          f"{store_gbps:g} Gb/s in all:")  # fmt: skip
     print("| view | replicas | view GB | delta share | GB read per version: full | delta | mean, anchor every 16 "
           "| s per version per replica: full | delta |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -456,8 +526,11 @@ def print_scaled(rows: list[dict[str, Any]], link_gbps: float) -> None:
         print(f"| {r['view']} | {r['replicas']} | {r['view_gb']:.0f} | {r['delta_share']:.2%} | {r['full_gb']:.0f} | "
               f"{r['delta_gb']:.2f} | {r['mean_gb']:.1f} | {r['full_s']:.0f} | {r['delta_s']:.0f} |")
     total = {k: sum(r[k] for r in rows) for k in ("full_gb", "delta_gb", "mean_gb")}
+    # every replica at once: the slowest replica, or the store's total egress when it is the narrower pipe
+    full_s = max(max(r["full_s"] for r in rows), total["full_gb"] / (store_gbps / 8))
+    delta_s = max(max(r["delta_s"] for r in rows), total["delta_gb"] / (store_gbps / 8))
     print(f"| fleet | {sum(r['replicas'] for r in rows)} | | | {total['full_gb']:.0f} | {total['delta_gb']:.2f} | "
-          f"{total['mean_gb']:.1f} | {max(r['full_s'] for r in rows):.0f} | {max(r['delta_s'] for r in rows):.0f} |")
+          f"{total['mean_gb']:.1f} | {full_s:.0f} | {delta_s:.0f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,31 +539,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-mb", type=int, default=128, help="size of each tensor (MiB)")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.004, 0.02, 0.58])
     parser.add_argument("--reps", type=int, default=3, help="runs per timing (the median is shown)")
-    parser.add_argument("--only", choices=["codec", "fanout", "run"], default=None, help="one part (default: all)")
+    parser.add_argument("--only", choices=["codec", "shards", "fanout", "run"], default=None, help="one part (default: all)")
+    parser.add_argument("--shards", type=int, default=4, help="files of the shards' view (shards)")
+    parser.add_argument("--workers", type=int, default=4, help="files obtained at once against 1 (shards)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per learning rate (run)")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 5e-4])
     parser.add_argument("--hidden", type=int, default=512, help="the run's tiny Qwen3 hidden size")
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--no-fsync", action="store_true", help="also time apply and copy on the page cache only")
     parser.add_argument("--subscribers", type=int, default=16)
     parser.add_argument("--fanout-mb", type=int, default=128, help="size of the fan-out's view (MB)")
     parser.add_argument("--s3", action="store_true", help="fan-out from a moto_server S3 store")
     parser.add_argument("--scale-from", type=Path, default=None, help="print the fleet table from a run's --json")
     parser.add_argument("--link-gbps", type=float, nargs="+", default=[10.0, 100.0])
+    parser.add_argument("--store-gbps", type=float, default=100.0, help="the store's egress to all replicas (Gb/s)")
     parser.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     if args.scale_from:
         for link in args.link_gbps:
-            print_scaled(scaled(json.loads(args.scale_from.read_text()), link), link)
+            print_scaled(scaled(json.loads(args.scale_from.read_text()), link), link, args.store_gbps)
         return 0
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rlfleet-deltas-", dir=args.dir) as tmp:
         if args.only in (None, "codec"):
-            results["codec"] = codec(args, Path(tmp) / "codec")
+            with s3_store(args) as uri:
+                args.store_uri = uri
+                results["codec"] = codec(args, Path(tmp) / "codec")
+        if args.only in (None, "shards"):
+            with s3_store(args) as uri:
+                args.store_uri = uri
+                results["shards"] = shards(args, Path(tmp) / "shards")
         if args.only in (None, "fanout"):
-            args.store_uri = None
             with s3_store(args) as uri:
                 args.store_uri = uri
                 results["fanout"] = fanout(args, Path(tmp) / "fanout")

@@ -55,6 +55,7 @@ import re
 import shutil
 import socket
 import struct
+import threading
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +75,7 @@ from rlfleet.store import (
     Store,
     StoreError,
     hash_file,
+    new_hasher,
 )
 
 log = logging.getLogger(__name__)
@@ -116,6 +118,8 @@ boto's retries, a slow checkpoint to a busy volume, GC pauses, NTP clock skew be
 compare the renewer's wall clock with the reader's), and short enough that a replacement job on the
 channel (the old one deleted without a clean stop) waits minutes, not forever. docs/weights.md,
 "One writer per channel"."""
+DOWNLOAD_WORKERS = min(8, os.cpu_count() or 1)
+"""Files of a view a subscriber builds at once by default (WeightChannel.download_workers)."""
 READ_KINDS = ("anchor", "delta", "whole-file")
 """What a reader reads from the store, by kind (the `kind` label of the sidecar's
 rlfleet_weight_sync_read_bytes_total): the files of an anchor (a version stored whole), delta payloads,
@@ -595,10 +599,19 @@ def _check_delta_sources(
 class WeightChannel:
     """Publish and read versions of precision views in a Store."""
 
-    def __init__(self, store: Store, *, publisher_id: str | None = None, upload_workers: int = 2) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        publisher_id: str | None = None,
+        upload_workers: int = 2,
+        download_workers: int = DOWNLOAD_WORKERS,
+    ) -> None:
         self.store = store
         self.publisher_id = publisher_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.upload_workers = max(1, upload_workers)
+        self.download_workers = max(1, download_workers)
+        """Files of a view a subscriber builds at once (obtain_view: downloads, copies, applied deltas)."""
         self.lease: WriterLease | None = None
         """The writer lease this channel object holds (`acquire_lease`); None: it publishes unfenced."""
 
@@ -988,45 +1001,85 @@ class WeightChannel:
         """Version `version` of `view` into `out`, every file verified: a file whose manifest entry equals the
         base's copied from it (all of them when the base is this version), a payload applied to the base's
         file, any other file downloaded. A file made from the base's bytes that is refused raises
-        _BaseRefused (whose fault it is depends on where the base came from, `_build`)."""
+        _BaseRefused (whose fault it is depends on where the base came from, `_build`).
+
+        The files are built by `download_workers` threads at once (copies, applies, downloads and their
+        hashing release the GIL; a real view is many shards, one thread builds one at about the speed of a
+        copy); after a failure no further file is started, and the first failure in file order is raised
+        once the files started are done (the same one a build file by file raises)."""
+        read_lock = threading.Lock()
+
+        def counted(kind: str, nbytes: int) -> None:  # on_read adds to shared totals
+            with read_lock:
+                on_read(kind, nbytes)
+
+        failed = threading.Event()
+
+        def build(item: tuple[str, FileDigest]) -> BaseException | None:
+            if failed.is_set():  # the step fails anyway: start no more reads (files are taken in order)
+                return None
+            try:
+                self._build_file(version, view, vm, base, out, work, counted, *item)
+            except (StoreError, _BaseRefused, OSError) as e:
+                failed.set()
+                return e
+            return None
+
+        files = sorted(vm.files.items())
+        with ThreadPoolExecutor(max_workers=max(1, min(self.download_workers, len(files)))) as pool:
+            failures = [e for e in pool.map(build, files) if e is not None]
+        if failures:
+            raise failures[0]
+
+    def _build_file(
+        self,
+        version: int,
+        view: str,
+        vm: ViewManifest,
+        base: tuple[int, ViewManifest, Path] | None,
+        out: Path,
+        work: Path,
+        on_read: ReadCallback,
+        rel: str,
+        entry: FileDigest,
+    ) -> None:
+        """One file of `_build_step`."""
         prefix = f"{_version_key(version)}/{view}"
-        rebuilt = set() if vm.delta is None else set(vm.delta.rebuilt())
-        whole = "anchor" if vm.delta is None else "whole-file"
-        for rel, entry in sorted(vm.files.items()):
-            target = out / rel
-            if base is not None and base[1].files.get(rel) == entry and (base[2] / rel).is_file():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(base[2] / rel, target)  # unchanged since the base: no read from the store
-                digest = hash_file(target, entry.algorithm)
-                if digest != entry:
-                    raise _BaseRefused(ChecksumMismatchError(
-                        f"{prefix}/{rel} copied from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
-                    ))  # fmt: skip
-            elif rel in rebuilt:
-                assert vm.delta is not None  # rebuilt files come from a delta entry
-                if base is None or base[0] != vm.delta.base:
-                    raise RebuildError(f"{prefix}/{rel}: its base v{vm.delta.base} is not at hand")
-                base_file = base[2] / rel
-                if not base_file.is_file():
-                    raise _BaseRefused(ChecksumMismatchError(f"{prefix}/{rel}: the copy of its base v{base[0]} lacks the file"))
-                payload_rel = rel + DELTA_SUFFIX
-                payload = work / "payloads" / payload_rel
-                self._get_verified(f"{prefix}/{payload_rel}", payload, vm.delta.files[payload_rel], "delta",
-                                   on_read, missing=RebuildError)  # fmt: skip
-                target.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    apply_delta(base_file, payload, target)
-                except DeltaError as e:
-                    raise _BaseRefused(RebuildError(f"{prefix}/{payload_rel} does not fit v{base[0]}: {e}")) from None
-                payload.unlink()
-                digest = hash_file(target, entry.algorithm)
-                if digest != entry:
-                    raise _BaseRefused(ChecksumMismatchError(
-                        f"{prefix}/{rel} rebuilt from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
-                    ))  # fmt: skip
-            else:
-                missing = KeyNotFoundError if vm.delta is None else RebuildError
-                self._get_verified(f"{prefix}/{rel}", target, entry, whole, on_read, missing=missing)
+        target = out / rel
+        if base is not None and base[1].files.get(rel) == entry and (base[2] / rel).is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(base[2] / rel, target)  # unchanged since the base: no read from the store
+            digest = hash_file(target, entry.algorithm)
+            if digest != entry:
+                raise _BaseRefused(ChecksumMismatchError(
+                    f"{prefix}/{rel} copied from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
+                ))  # fmt: skip
+        elif vm.delta is not None and rel in vm.delta.rebuilt():
+            if base is None or base[0] != vm.delta.base:
+                raise RebuildError(f"{prefix}/{rel}: its base v{vm.delta.base} is not at hand")
+            base_file = base[2] / rel
+            if not base_file.is_file():
+                raise _BaseRefused(ChecksumMismatchError(f"{prefix}/{rel}: the copy of its base v{base[0]} lacks the file"))
+            payload_rel = rel + DELTA_SUFFIX
+            payload = work / "payloads" / payload_rel
+            self._get_verified(f"{prefix}/{payload_rel}", payload, vm.delta.files[payload_rel], "delta",
+                               on_read, missing=RebuildError)  # fmt: skip
+            target.parent.mkdir(parents=True, exist_ok=True)
+            hasher = new_hasher(entry.algorithm)  # fed in the apply's own pass: no second read
+            try:
+                size = apply_delta(base_file, payload, target, hasher=hasher)
+            except DeltaError as e:
+                raise _BaseRefused(RebuildError(f"{prefix}/{payload_rel} does not fit v{base[0]}: {e}")) from None
+            payload.unlink()
+            digest = FileDigest(entry.algorithm, hasher.hexdigest(), size)
+            if digest != entry:
+                raise _BaseRefused(ChecksumMismatchError(
+                    f"{prefix}/{rel} rebuilt from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
+                ))  # fmt: skip
+        else:
+            missing = KeyNotFoundError if vm.delta is None else RebuildError
+            whole = "anchor" if vm.delta is None else "whole-file"
+            self._get_verified(f"{prefix}/{rel}", target, entry, whole, on_read, missing=missing)
 
     def _get_verified(
         self,

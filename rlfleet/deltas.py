@@ -33,9 +33,8 @@ value of another width than the tensor's stored element.
 Both directions stream (memory: a few chunks, whatever the view's size): `encode_delta` writes every gap
 block, then every value block, a chunk at a time (a chunk's first gap continues from the previous chunk's
 last index), and puts the header in front; `apply_delta` decodes one tensor's gaps at a time (a block of
-bytes at a time, into U32 indices, U64 above 2^32 elements), copies the
-unchanged bytes in the kernel and reads, sets and writes each changed tensor 1 MiB at a time, so applying
-costs about a copy of the view (benchmarks/weight_deltas.py, docs/benchmarks.md "Lossless sparse deltas").
+bytes at a time, into U32 indices, U64 above 2^32 elements) and reads, sets, hashes and writes the file
+1 MiB at a time, so applying and verifying cost about one copy of the view (benchmarks/weight_deltas.py, docs/benchmarks.md "Lossless sparse deltas").
 """
 
 from __future__ import annotations
@@ -43,10 +42,11 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import blake3
 import numpy as np
@@ -65,9 +65,9 @@ CHUNK_ELEMENTS = 1 << 24
 GAP_DECODE_BYTES = 1 << 20
 """Bytes of a gap stream decoded per numpy pass (bounds the int64 temporaries to a few times 8 MiB)."""
 CHUNK_BYTES = 1 << 20
-"""Bytes of a changed tensor read, set and written per pass when a delta is applied (a multiple of 8). 1 MiB:
-on the benchmark's box, pread + pwrite of 16 MiB buffers ran 4-5x slower than of 1 MiB ones (which match
-the kernel's copy_file_range), benchmarks/weight_deltas.py."""
+"""Bytes read, set, hashed and written per pass when a delta is applied (a multiple of 8). 1 MiB: on the
+benchmark's box, pread + pwrite of 16 MiB buffers ran 4-5x slower than of 1 MiB ones (which match the
+kernel's copy_file_range), benchmarks/weight_deltas.py."""
 ELEMENT_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
@@ -296,6 +296,12 @@ class _ShortSource(Exception):
     """The file being read ended before the bytes its header promises (it changed under the reader)."""
 
 
+class Hasher(Protocol):
+    """A streaming digest (blake3.blake3, hashlib.sha256: both release the GIL on large buffers)."""
+
+    def update(self, data: memoryview, /) -> object: ...
+
+
 def _copy_range(src: int, dst: int, src_offset: int, dst_offset: int, count: int) -> None:
     """Copy `count` bytes between two file descriptors at the given offsets: in the kernel where it can
     (copy_file_range), else through a buffer. _ShortSource if the source ends first."""
@@ -323,17 +329,20 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def apply_delta(base: Path, delta: Path, out: Path) -> None:
-    """Write `base` with the delta's elements set into `out` (fsynced). DeltaError if the delta is malformed
-    or was not made against a file with `base`'s header and size (nothing written: the file is built under
-    a temporary name and renamed only when every entry fitted); a base with other DATA gives a file whose
-    digest the caller's verification refuses.
+def apply_delta(base: Path, delta: Path, out: Path, *, hasher: Hasher | None = None) -> int:
+    """Write `base` with the delta's elements set into `out` and return its size; `hasher` (if given) is
+    fed every byte of `out` in order, in the same pass, so the caller verifies the rebuilt file without
+    reading it again. DeltaError if the delta is malformed or was not made against a file with `base`'s
+    header and size (nothing written: the file is built under a temporary name and renamed only when every
+    entry fitted); a base with other DATA gives a file whose digest the caller's verification refuses.
 
-    Streaming, in file order: the bytes of unchanged tensors are copied in the kernel, each changed tensor
-    is read CHUNK_BYTES at a time, its elements set in memory and written: one sequential read of the base
-    and one write, like a copy (setting the elements through a mapping of the copy would fault in and dirty
-    every page: at 0.4% of bf16 elements changed, every 4 KiB page holds about 8). One tensor's entries
-    are in memory at a time."""
+    One sequential pass over the base, CHUNK_BYTES at a time (read, set the chunk's elements in memory,
+    hash it in a second thread while it is written): the bytes are read from memory once for the write
+    and the digest, so applying + verifying costs about one copy (docs/benchmarks.md, "Lossless sparse
+    deltas"). Setting the elements through a mapping of a copy would fault in and dirty every page anyway
+    (at 0.4% of bf16 elements changed, every 4 KiB page holds about 8). One tensor's entries are in memory
+    at a time. Not fsynced, like a download (`Store.get_file`): the rebuilt file is a cache whose every use
+    as a base is verified again (WeightChannel.obtain_view)."""
     from safetensors import SafetensorError, safe_open
 
     header = read_header(base)
@@ -343,8 +352,8 @@ def apply_delta(base: Path, delta: Path, out: Path) -> None:
         with safe_open(str(delta), framework="numpy") as d:
             names = _checked_names(d, base, delta, header, size)
             with open(base, "rb") as src, open(tmp, "wb") as dst:
-                _write_patched(src.fileno(), dst.fileno(), size, (_patch(d, delta, name, header) for name in names))
-                os.fsync(dst.fileno())
+                patches = (_patch(d, delta, name, header) for name in names)
+                _write_patched(src.fileno(), dst.fileno(), size, patches, hasher)
         os.replace(tmp, out)
     except SafetensorError as e:
         raise DeltaError(f"{delta.name}: not a readable safetensors file ({e})") from None
@@ -352,6 +361,7 @@ def apply_delta(base: Path, delta: Path, out: Path) -> None:
         raise DeltaError(f"{base.name}: shorter than its header says (changed while applying?)") from None
     finally:
         tmp.unlink(missing_ok=True)
+    return size
 
 
 _Patch = tuple[int, int, np.dtype, np.ndarray, np.ndarray]  # file begin, file end, unit, indices, values
@@ -400,22 +410,40 @@ def _patch(d: Any, delta: Path, name: str, header: _Header) -> _Patch:
     return header.data_start + begin, header.data_start + end, unit, index, values
 
 
-def _write_patched(src: int, dst: int, size: int, patches: Iterable[_Patch]) -> None:
-    """The source's bytes into `dst` at the same offsets, each patch's elements set (patches in file order,
-    apart: read_header refuses overlapping tensors)."""
-    buffer = bytearray(CHUNK_BYTES)
+def _chunks(size: int, patches: Iterable[_Patch]) -> Iterator[tuple[int, int, _Patch | None]]:
+    """(offset, bytes, the patch whose elements it holds or None) covering a file of `size` bytes in order,
+    CHUNK_BYTES at most; a chunk ends where a patched tensor begins or ends (patches in file order, apart:
+    read_header refuses overlapping tensors)."""
     at = 0
-    for begin, end, unit, index, values in patches:
-        _copy_range(src, dst, at, at, begin - at)
-        for chunk in range(begin, end, CHUNK_BYTES):
-            n = min(CHUNK_BYTES, end - chunk)
-            view = memoryview(buffer)[:n]
-            if os.preadv(src, [view], chunk) != n:
-                raise _ShortSource
-            first = (chunk - begin) // unit.itemsize
-            # bounds in the index's own dtype: mixed dtypes would cast the whole index on every chunk
-            lo, hi = np.searchsorted(index, np.array([first, first + n // unit.itemsize], dtype=index.dtype))
-            np.frombuffer(view, dtype=unit)[index[lo:hi] - first] = values[lo:hi]
-            _pwrite_all(dst, view, chunk)
+    for patch in patches:
+        begin, end = patch[0], patch[1]
+        yield from ((c, min(CHUNK_BYTES, begin - c), None) for c in range(at, begin, CHUNK_BYTES))
+        yield from ((c, min(CHUNK_BYTES, end - c), patch) for c in range(begin, end, CHUNK_BYTES))
         at = end
-    _copy_range(src, dst, at, at, size - at)
+    yield from ((c, min(CHUNK_BYTES, size - c), None) for c in range(at, size, CHUNK_BYTES))
+
+
+def _write_patched(src: int, dst: int, size: int, patches: Iterable[_Patch], hasher: Hasher | None) -> None:
+    """The source's bytes into `dst` at the same offsets, each patch's elements set, each chunk fed to
+    `hasher` in order while it is written."""
+    buffers = (bytearray(CHUNK_BYTES), bytearray(CHUNK_BYTES))  # one is hashed while the other is filled
+    with ThreadPoolExecutor(max_workers=1) as hashing:
+        pending: Future[object] | None = None
+        for turn, (at, n, patch) in enumerate(_chunks(size, patches)):
+            view = memoryview(buffers[turn % 2])[:n]
+            if os.preadv(src, [view], at) != n:
+                raise _ShortSource
+            if patch is not None:
+                begin, _, unit, index, values = patch
+                first = (at - begin) // unit.itemsize
+                # bounds in the index's own dtype: mixed dtypes would cast the whole index on every chunk
+                lo, hi = np.searchsorted(index, np.array([first, first + n // unit.itemsize], dtype=index.dtype))
+                np.frombuffer(view, dtype=unit)[index[lo:hi] - first] = values[lo:hi]
+            if pending is not None:
+                pending.result()  # byte order; and the buffer the next chunk fills is free again
+                pending = None
+            if hasher is not None:
+                pending = hashing.submit(hasher.update, view)
+            _pwrite_all(dst, view, at)
+        if pending is not None:
+            pending.result()

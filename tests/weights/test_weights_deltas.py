@@ -14,6 +14,7 @@ import struct
 from collections.abc import Mapping
 from pathlib import Path
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import given
@@ -184,8 +185,10 @@ def test_apply_of_encode_is_the_target_and_the_delta_lists_exactly_the_changed_e
         dtype, _, raw = b[name]
         expected = np.frombuffer(raw, dtype=f"<u{ELEMENT_BYTES[dtype]}")[positions[name]]
         assert entries[name + VALUE_SUFFIX].tobytes() == expected.tobytes()
-    apply_delta(base, tmp / "d", tmp / "out")
+    hasher = blake3.blake3()
+    assert apply_delta(base, tmp / "d", tmp / "out", hasher=hasher) == target.stat().st_size
     assert (tmp / "out").read_bytes() == target.read_bytes()
+    assert hasher.hexdigest() == blake3.blake3(target.read_bytes()).hexdigest()  # fed in the apply's pass
 
 
 @pytest.mark.parametrize(("chunk_elements", "chunk_bytes"), [(1, 8), (3, 24), (64, 64)])
@@ -199,8 +202,9 @@ def test_round_trip_across_chunk_boundaries(
 ) -> None:
     """Encode compares CHUNK_ELEMENTS at a time (a chunk's first gap continues from the previous chunk's last
     index), apply decodes GAP_DECODE_BYTES of gaps and sets CHUNK_BYTES at a time (set small here so that
-    every tensor spans many chunks, and changes fall on both sides of each boundary);
-    without copy_file_range (another OS) the unchanged bytes are copied through a buffer."""
+    every tensor spans many chunks, and changes fall on both sides of each boundary), hashing each chunk in
+    order while it is written; without copy_file_range (another OS) encode copies its blocks through a
+    buffer."""
     monkeypatch.setattr(deltas, "CHUNK_ELEMENTS", chunk_elements)
     monkeypatch.setattr(deltas, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(deltas, "GAP_DECODE_BYTES", chunk_elements)
@@ -224,8 +228,10 @@ def test_round_trip_across_chunk_boundaries(
     base, target = write_st(tmp_path / "a", a), write_st(tmp_path / "b", b)
     stats = encode_delta(base, target, tmp_path / "d")
     assert stats is not None and (stats.changed_elements, stats.changed_tensors) == (16, 3)
-    apply_delta(base, tmp_path / "d", tmp_path / "out")
+    hasher = blake3.blake3()  # fed chunk by chunk from two alternating buffers, in a second thread
+    apply_delta(base, tmp_path / "d", tmp_path / "out", hasher=hasher)
     assert (tmp_path / "out").read_bytes() == target.read_bytes()
+    assert hasher.hexdigest() == blake3.blake3(target.read_bytes()).hexdigest()
 
 
 GAPS = [1, 255, 256, 510, 511, 65536, 1, 255 * 300, 255 * 300 + 1]

@@ -16,12 +16,14 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from conftest import make_bucket
@@ -536,3 +538,54 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
     finally:
         proxy.close()
         direct.close()
+
+
+def sharded_view(directory: Path, seed: int, shards: int = 4) -> Path:
+    """A view of `shards` safetensors files (a real view's shard layout) plus a config, seeded values."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    directory.mkdir(parents=True)
+    for i in range(shards):
+        weights = {f"model.layers.{i}.w": rng.integers(0, 2**16, size=4096, dtype=np.uint16).view(np.float16)}
+        save_file(weights, str(directory / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_the_shards_of_a_view_are_built_at_once_and_the_first_failure_in_file_order_is_raised(
+    tmp_path: Path, workers: int
+) -> None:
+    """obtain_view builds a view's files `download_workers` at a time: v1 (a delta of every shard) is rebuilt
+    from the local v0 bit exact with the same bytes read whatever the count; with the payloads of shards 2
+    and 4 flipped in the store, the error names shard 2's (the one a build file by file meets first)."""
+    store = FilesystemStore(tmp_path / "store", create=True)
+    channel = WeightChannel(store, publisher_id="trainer/test")
+    v0 = sharded_view(tmp_path / "src" / "v0", seed=0)
+    v1 = tmp_path / "src" / "v1"
+    shutil.copytree(v0, v1)
+    payloads = {}
+    for shard in sorted(v1.glob("*.safetensors")):
+        data = bytearray(shard.read_bytes())
+        data[-2] ^= 0x40  # one element of each shard's only tensor changes
+        shard.write_bytes(bytes(data))
+        payloads[shard.name] = tmp_path / "payloads" / (shard.name + DELTA_SUFFIX)
+        payloads[shard.name].parent.mkdir(exist_ok=True)
+        assert encode_delta(v0 / shard.name, shard, payloads[shard.name]) is not None
+    channel.publish({"bf16": v0}, version=0)
+    channel.publish({"bf16": v1}, version=1, deltas={"bf16": DeltaSource(0, payloads)})
+    reader = WeightChannel(store, download_workers=workers)
+    local = reader.obtain_view(0, "bf16", tmp_path / "cache" / "v0").directory
+    got = reader.obtain_view(1, "bf16", tmp_path / "cache" / "v1", local={0: local})
+    for path in sorted(v1.iterdir()):
+        assert (got.directory / path.name).read_bytes() == path.read_bytes(), path.name
+    assert got.read_bytes == {"anchor": 0, "delta": sum(p.stat().st_size for p in payloads.values()), "whole-file": 0}
+    for shard in (2, 4):
+        key = f"v1/bf16/model-{shard:05d}-of-00004.safetensors{DELTA_SUFFIX}"
+        store.put(key, flip_a_bit(store.get(key)))
+    with pytest.raises(ChannelError) as refused:
+        reader.obtain_view(1, "bf16", tmp_path / "cache" / "again", local={0: local})
+    assert "v1/bf16/model-00002-of-00004.safetensors.delta: blake3:" in str(refused.value)
+    assert "model-00004" not in str(refused.value)
+    assert not (tmp_path / "cache" / "again").exists()
