@@ -8,9 +8,9 @@ KV-cache dtype) and the weight channel publishes (the formats the RLJob's groups
 publishes those views only); a group with no step left (at bf16, or at a format off the ladder such as
 mxfp4) is quarantined. After a change the group is not judged for `patience` intervals (the trainer's
 figures still hold the old format's tokens, and its pods restart): the hysteresis. Groups quarantined
-already and groups without a budget or a report are not judged; a quarantine ends when an on-call
-human removes the annotation, and the override when the RLJob's own weightFormat for the group changes
-(operator/builders.py).
+already and groups without a budget or a report are not judged. The decisions (decide.py) hold a step
+and a quarantine until the RLJob's own weightFormat for the group changes, a quarantine also until an
+on-call human annotates the group rlfleet.dev/quarantined=false.
 
 Back down (`StepDown`, spec `stepDown`): a group above its floor (the RLJob's own weightFormat for it)
 that has stayed within its budget for a cool-down (`cooldownIntervals` judged intervals with a report,
@@ -20,9 +20,8 @@ a cool-down at the cheaper format: a breach before (over for `patience` interval
 up again and DOUBLES its cool-down, up to `maxCooldownIntervals`, so a group that breaches at the
 cheaper format tries it again ever later, at most once per `maxCooldownIntervals`: it cannot flap. A
 probation passed resets the cool-down to `cooldownIntervals`; a breach not on probation keeps it. A
-doubled cool-down and a probation are kept in the SamplerGroup's `status.precisionCooldown`
-(`cooldown_status`) and restored from it after an operator restart (`restore`); the count of intervals
-within budget starts again (never an early step down).
+doubled cool-down and a probation (`cooldown_status`), like the counts, are kept in the RLJob's
+`status.decisions` (decide.py) and read back from it after an operator restart.
 
 Invalid answers: a group whose invalid share (1 - the trainer's `trained_fraction` of it: tokens it
 sampled that failed validation, NaN / positive / out-of-support logprobs and the like, or that the
@@ -258,22 +257,6 @@ def cooldown_status(memory: AutopilotMemory, group: str) -> dict[str, Any] | Non
     out: dict[str, Any] = {"onProbation": group in memory.probation}
     if group in memory.cooldown:
         out["cooldownIntervals"] = memory.cooldown[group]
-    return out
-
-
-def restore(samplergroups: Sequence[Mapping[str, Any]]) -> AutopilotMemory:
-    """At first sight of a job (new, or the operator restarted): each group's doubled cool-down and
-    probation from its SamplerGroup's `status.precisionCooldown`."""
-    out = AutopilotMemory()
-    for sg in samplergroups:
-        name, state = (sg.get("spec") or {}).get("name"), (sg.get("status") or {}).get("precisionCooldown") or {}
-        if not name:
-            continue
-        cooldown = state.get("cooldownIntervals")
-        if isinstance(cooldown, int) and cooldown > 0:
-            out.cooldown[name] = cooldown
-        if state.get("onProbation") is True:
-            out.probation.add(name)
     return out
 
 

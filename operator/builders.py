@@ -35,28 +35,24 @@ Manifest = dict[str, Any]
 
 
 def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, owner: Manifest | None,
-                       observed: Manifest | None = None) -> Manifest:  # fmt: skip
-    """The SamplerGroup of one group. A `kubectl scale` override (or the fleet-mix optimizer's) survives
-    until the group's replicas change in the RLJob, and the precision autopilot's weightFormat until the
-    group's weightFormat changes there (the annotations remember which RLJob values the operator last
-    applied)."""
+                       observed: Manifest | None = None, weight_format: str | None = None) -> Manifest:  # fmt: skip
+    """The SamplerGroup of one group, from the RLJob and its decisions (decide.py): `weight_format` is the
+    decided one (None: the RLJob's). A `kubectl scale` override (or the fleet-mix optimizer's /scale)
+    survives until the group's replicas change in the RLJob (the annotation remembers which RLJob value the
+    operator last applied)."""
     name = n.samplergroup_name(job.name, group.name)
     replicas = group.replicas
-    weight_format: str = group.weight_format
     if observed is not None:
         annotations = observed.get("metadata", {}).get("annotations", {}) or {}
         current = observed.get("spec", {}).get("replicas")
         if annotations.get(n.ANN_JOB_REPLICAS) == str(group.replicas) and isinstance(current, int):
             replicas = current
-        current_format = observed.get("spec", {}).get("weightFormat")
-        if annotations.get(n.ANN_JOB_WEIGHT_FORMAT) == group.weight_format and isinstance(current_format, str):
-            weight_format = current_format
     labels = {**n.job_labels(job.name, "sampler"), n.LABEL_GROUP: group.name}
     spec: dict[str, Any] = {
         "name": group.name,
         "accelerator": group.accelerator,
         "replicas": replicas,
-        "weightFormat": weight_format,
+        "weightFormat": weight_format or group.weight_format,
         "kvCacheDtype": group.kv_cache_dtype,
         "extraArgs": list(group.extra_args),
         "quarantined": group.quarantined,
@@ -75,8 +71,7 @@ def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, 
     return {
         "apiVersion": API_VERSION,
         "kind": "SamplerGroup",
-        "metadata": n.object_meta(name, namespace, labels, owner, {n.ANN_JOB_REPLICAS: str(group.replicas),
-                                                                 n.ANN_JOB_WEIGHT_FORMAT: group.weight_format}),
+        "metadata": n.object_meta(name, namespace, labels, owner, {n.ANN_JOB_REPLICAS: str(group.replicas)}),
         "spec": spec,
     }
 
@@ -173,12 +168,14 @@ def build_router_service(job: RLJob, namespace: str, owner: Manifest | None) -> 
 def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catalog: Catalog,
                        observed_groups: dict[str, Manifest] | None = None,
                        network: NetworkPolicySettings | None = None,
-                       sandbox_roles: Mapping[str, Manifest] | None = None) -> list[Manifest]:  # fmt: skip
+                       sandbox_roles: Mapping[str, Manifest] | None = None,
+                       weight_formats: Mapping[str, str] | None = None) -> list[Manifest]:  # fmt: skip
     """Every child of an RLJob in apply order (config and trainer before samplers: the trainer asks for
     whole GPU nodes, so it should reach the scheduler before the sampler pods fragment them; the
     NetworkPolicies, with `network`, before any pod; with sandboxes in the cluster, the trainer's account,
     its RoleBinding to its backend's role (`sandbox_roles`: backend -> roleRef, operator/sandboxes.py) and
-    the sandbox pods' policy before the trainer).
+    the sandbox pods' policy before the trainer). `weight_formats`: the decided weightFormat per group
+    (decide.py `Decisions.weight_formats`).
     The Secrets are created apart, once."""
     observed_groups = observed_groups or {}
     children = [
@@ -193,7 +190,8 @@ def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catal
     ]
     for g in job.spec.sampler_groups:
         name = n.samplergroup_name(job.name, g.name)
-        children.append(build_samplergroup(job, g, namespace, owner, observed_groups.get(name)))
+        children.append(build_samplergroup(job, g, namespace, owner, observed_groups.get(name),
+                                           (weight_formats or {}).get(g.name)))  # fmt: skip
     return children
 
 

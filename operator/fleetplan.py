@@ -12,9 +12,9 @@ docs/economics.md has the formulation ("The optimizer") and what the status show
   the Prometheus rate window over the interval for `prometheusUrl`), or first seen since the operator
   started; a rate read while pods start or stop is of another replica count. Else the last steady
   figure is kept, unless the group's weightFormat changed since (a figure of another format is dropped).
-  The figure is persisted in the SamplerGroup's `status.steadyThroughput` (`SteadyFigure.status`) and
-  restored from it when the operator first sees the job (`restore`): a group at 0 replicas is never
-  steady, so without it a restart would leave such a group out until someone scaled it by hand.
+  The figure is kept in the RLJob's `status.decisions` (decide.py) and read back from it after an
+  operator restart: a group at 0 replicas is never steady, so without it a restart would leave such a
+  group out until someone scaled it by hand.
 - A group at 0 replicas with no figure (never steady: created at 0 replicas, or its format changed) is
   planned at an ESTIMATE when another group has a figure (`plan_figures`): the measured groups' tokens/s per GPU
   carried to its class and format by the catalog's relative decode throughputs (as the reference
@@ -94,21 +94,13 @@ class ReferenceFigures:
 
 @dataclass(frozen=True)
 class SteadyFigure:
-    """A group's last steady tokens/s per replica and what it was read at (its SamplerGroup's
-    `status.steadyThroughput`, so that it survives an operator restart)."""
+    """A group's last steady tokens/s per replica and what it was read at (kept in the RLJob's
+    `status.decisions`, so that it survives an operator restart)."""
 
     tokens_per_second_per_replica: float
     replicas: int  # the ready replicas it was read over
     weight_format: str
     measured_at: str | None = None  # RFC 3339 (None: not known)
-
-    def status(self) -> dict[str, Any]:
-        """SamplerGroup `status.steadyThroughput` (camelCase, None dropped)."""
-        out: dict[str, Any] = {"tokensPerSecondPerReplica": round(self.tokens_per_second_per_replica, 1),
-                               "replicas": self.replicas, "weightFormat": self.weight_format}  # fmt: skip
-        if self.measured_at is not None:
-            out["measuredAt"] = self.measured_at
-        return out
 
 
 @dataclass(frozen=True)
@@ -217,21 +209,6 @@ def observe(memory: FleetMemory, readings: Sequence[FleetReading], settle_interv
         elif kept is not None and kept.weight_format == r.weight_format:
             out.steady[r.name] = kept
         out.ready[r.name] = (r.ready_replicas, unchanged)
-    return out
-
-
-def restore(samplergroups: Sequence[Mapping[str, Any]]) -> FleetMemory:
-    """At first sight of a job (new, or the operator restarted): each group's last steady figure from its
-    SamplerGroup's `status.steadyThroughput`, if it is of the group's current weightFormat."""
-    out = FleetMemory()
-    for sg in samplergroups:
-        spec, figure = sg.get("spec") or {}, (sg.get("status") or {}).get("steadyThroughput") or {}
-        try:
-            tokens, replicas, fmt = float(figure["tokensPerSecondPerReplica"]), int(figure["replicas"]), str(figure["weightFormat"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if tokens > 0 and replicas > 0 and fmt == spec.get("weightFormat", "bf16") and spec.get("name"):
-            out.steady[spec["name"]] = SteadyFigure(tokens, replicas, fmt, figure.get("measuredAt"))
     return out
 
 

@@ -468,9 +468,10 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
         for sg in view.all(view.samplergroups_by_job, (namespace, name))
         if _owned_by(sg, body)
     }
+    decisions = rebalancer.decisions_of(body)  # the decided weight formats (decide.py), else the RLJob's
     children = builders.build_job_children(job, namespace, body, get_catalog(), observed,
-                                           network_policies.settings_from_env(),
-                                           sandboxes.role_refs_from_env())  # fmt: skip
+                                           network_policies.settings_from_env(), sandboxes.role_refs_from_env(),
+                                           decisions.weight_formats(job) if decisions is not None else None)  # fmt: skip
     if not job.spec.router.admin_token_secret:
         token = tokens.new_admin_token(body["metadata"]["uid"])
         await api.create(builders.build_router_secret(job, namespace, body, token))
@@ -532,10 +533,11 @@ async def _refresh_job_status(
         job, groups, trainer, channel, now=now, invalid=invalid,
         trainer_pods=view.pods_of(namespace)("trainer", name),
         trainer_create_failure=latest_event_message(view.all(view.create_failures, (namespace, n.trainer_name(name)))),
-        costs=rebalancer.fleet_costs(memory.result) if memory.result else None,
+        costs=rebalancer.fleet_costs(result) if (result := memory.decisions and memory.decisions.result) else None,
         trainer_report=trainer_job_status(job, groups, memory.report, now).status,
         fleet_plan=rebalancer.fleet_plan_status(memory),
         precision_autopilot=rebalancer.precision_autopilot_status(memory),
+        decisions=rebalancer.decisions_status(memory),
         trainer_admission=latest_event_message(view.all(view.kueue_pending, (namespace, n.trainer_name(name)))),
     )  # fmt: skip
     await _write_status(job, desired, "RLJob")
@@ -621,14 +623,17 @@ async def _refresh_samplergroup_status(
     job_name = sg.get("spec", {}).get("jobName")
     job = view.one(view.rljobs, (namespace, job_name)) if job_name else None
     memory = rebalancer.observed(job) if job else rebalancer.JobMemory()
-    group = memory.result.groups.get(sg.get("spec", {}).get("name")) if memory.result else None
+    group_name = sg.get("spec", {}).get("name")
+    result = memory.decisions.result if memory.decisions is not None else None
+    group = result.groups.get(group_name) if result is not None and group_name else None
     collapse = trainer_job_status(job, [], memory.report, st.now_iso()).quarantine if job else frozenset()
+    decided = (rebalancer.decisions_of(job) if job else None) or None
+    decision = decided.groups.get(group_name) if decided is not None and group_name else None
     desired = st.samplergroup_status(
         sg, deployment, get_catalog(), (wc or {}).get("status"),
         pods=view.pods_of(namespace)("sampler", name),
         rebalance=group.status_patch() if group is not None else None,
-        quarantine=st.quarantine_reason(sg, collapse),
-        remembered=rebalancer.remembered_status(memory, sg.get("spec", {}).get("name", "")),
+        quarantine=st.quarantine_reason(sg, collapse, decision.held_quarantine if decision is not None else None),
     )  # fmt: skip
     await _write_status(sg, desired, "SamplerGroup")
 
@@ -906,11 +911,14 @@ async def weightchannel_timer(name: str, namespace: str | None, body: kopf.Body,
         return
     groups = [g for g in view.all(view.samplergroups_by_job, (namespace, job_name)) if _owned_by(g, job)]
     try:
-        ran = await rebalancer.rebalance_job(copy.deepcopy(job), namespace, groups, view.pods_of(namespace))
+        decided = await rebalancer.rebalance_job(copy.deepcopy(job), namespace, groups, view.pods_of(namespace))
+        if decided is not None:  # written into the RLJob's status first, then carried out
+            await _quietly(refresh_job_status(namespace, job_name, view))
+            await rebalancer.act(copy.deepcopy(job), namespace, groups, view.pods_of(namespace), decided)
     except kube.KubeError as exc:
         log.warning("rebalance of %s/%s failed: %s", namespace, job_name, exc)
-        ran = None
-    if ran is not None:
+        decided = None
+    if decided is not None:
         for sg in groups:
             await _quietly(refresh_samplergroup_status(namespace, sg["metadata"]["name"], view))
     await _quietly(refresh_job_status(namespace, job_name, view))  # also the safety net of the roll-up

@@ -36,9 +36,6 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 # The group's replicas in the RLJob when the operator last applied the SamplerGroup: if the RLJob value
 # is unchanged, a `kubectl scale sg/...` override is kept (the RLJob is the source only of changes).
 ANN_JOB_REPLICAS = f"{GROUP}/job-replicas"
-# the RLJob's weightFormat of a group the operator last applied: the precision autopilot's override of the
-# SamplerGroup's weightFormat stands until the RLJob's own value changes (builders.build_samplergroup)
-ANN_JOB_WEIGHT_FORMAT = f"{GROUP}/job-weight-format"
 ANN_SPEC_HASH = f"{GROUP}/spec-hash"  # hash of the pod-relevant spec (rolls pods on change)
 ANN_CONFIG_HASH = f"{GROUP}/config-hash"  # hash of the router's config file (rolls router pods on change)
 ANN_PROM_SCRAPE = "prometheus.io/scrape"

@@ -1,27 +1,22 @@
-"""The rebalancer: the I/O around the pure share policy (`rebalance.py`) for one RLJob: scrapes, the
-policy, the router push. It writes no status and holds no timer.
+"""The rebalance tick of one RLJob: the I/O around its pure decide stage (`decide.py`): observe, decide,
+then act on the decisions. It writes no status and holds no timer.
 
 Called on each tick of the job's pipelines (handlers.py: the WeightChannel timer, every
-RLFLEET_REBALANCE_TICK seconds). At every tick it reads the trainer's report and per-group KL /
-out-of-range metrics (rank 0's exporter: step, weight version, metrics, the collapse detector's state),
-so that the status shows them from the first step; it acts when the job's
-`spec.router.rebalanceIntervalSeconds` has elapsed. Per interval: read each SamplerGroup's live
-throughput (its ready pods' SGLang /metrics, or `spec.router.prometheusUrl`), call the pure `rebalance.py`,
-push quarantine and shares to every router pod's admin API, and post a Kubernetes Event per share change.
-Replicas only with the fleet-mix optimizer on (`spec.router.optimize.enabled`, fleetplan.py): it
-decides replicas and shares per group from the same readings, writes replicas through each SamplerGroup's
-scale subresource (never the RLJob's spec; builders.py keeps the override until the RLJob's own replicas
-change) with a FleetScaled Event, and its shares replace the share policy's. The router follows each
-group's headless Service itself (router/membership.py), so a pod added or replaced between two ticks is
-routed to as soon as it is ready. SamplerGroups and pods come from the
-operator's kopf indexes (no listing per tick). The result and the trainer's report stay in memory
-(`observed(...)`, dropped by `forget` when the RLJob is deleted): the pipeline computes the WHOLE status
-of the groups and the job from them (status.py) and applies it once, under the operator's one status
-field manager. State (counters, EMA, history) is seeded from the SamplerGroups' status when
-a job is first seen (new, or after an operator restart), and the first step comes one interval later.
-
-Quarantine has one path: `status.quarantine_reason` (spec, annotation, or the collapse detector with
-`spec.safety.action: quarantine-group`).
+RLFLEET_REBALANCE_TICK seconds). At every tick it reads the trainer's report and per-group metrics (rank
+0's exporter: step, weight version, metrics, the collapse detector's state), so that the status shows
+them from the first step. When the job's `spec.router.rebalanceIntervalSeconds` has elapsed since its
+last decision (`Decisions.time`), `rebalance_job` observes each SamplerGroup (its ready pods' SGLang
+/metrics, or `spec.router.prometheusUrl`; SamplerGroups and pods from the operator's kopf indexes, no
+listing per tick) and calls the pure `decide.decide` with the previous decisions: the ones of this
+process, else the RLJob's `status.decisions` (an operator restart goes on from them, nothing else is
+restored). The decisions stay in memory for the status pipeline, which writes them into the RLJob's
+status with the rest of it (the one status writer); then `act` carries them out: each SamplerGroup whose
+decided weightFormat is not the one it has is applied again from the builder (spec + decisions; the one
+apply of the pipeline's field manager), the fleet-mix optimizer's replicas go through each SamplerGroup's
+scale subresource (FleetScaled Events), quarantine and shares are pushed to every router pod's admin
+API, and Events say what moved (ShareChanged, Quarantined, PrecisionStepped, PrecisionSteppedDown,
+PrecisionQuarantined). The router follows each group's headless Service itself (router/membership.py),
+so a pod added or replaced between two ticks is routed to as soon as it is ready.
 """
 
 from __future__ import annotations
@@ -30,11 +25,10 @@ import asyncio
 import base64
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -43,27 +37,21 @@ import kopf
 from prometheus_client import Gauge
 
 from rlfleet.api import RLJob
-from rlfleet.api.common import views_to_publish
-from rlfleet.catalog import CatalogError, get_catalog
-from rlfleet.operator import autopilot, fleetplan, kube, parsed_jobs
+from rlfleet.catalog import get_catalog
+from rlfleet.operator import fleetplan, kube, parsed_jobs
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
+from rlfleet.operator.builders import build_samplergroup
+from rlfleet.operator.decide import Decisions, GroupObservation, Observations, decide, rate_window
 from rlfleet.operator.pods import pod_ready
 from rlfleet.operator.rebalance import (
-    GroupInput,
-    GroupMemory,
     PodSample,
-    RebalanceConfig,
     RebalanceResult,
-    RebalanceState,
     parse_sglang_metrics,
     parse_trainer_group_metrics,
     parse_trainer_stored_bytes,
-    rebalance,
-    replica_egress_cost_per_hour,
 )
 from rlfleet.operator.trainer_report import TrainerReport, parse_trainer_report, trainer_job_status
-from rlfleet.records import INVALID_METRIC_PREFIX
 
 log = logging.getLogger("rlfleet.operator.rebalance")
 
@@ -73,19 +61,13 @@ HTTP_TIMEOUT = aiohttp.ClientTimeout(total=5, connect=2)
 
 @dataclass
 class JobMemory:
-    """What the last rebalance tick of a job observed and decided (the pipeline's input)."""
+    """What the tick read and decided for a job since the operator started (the pipeline's input)."""
 
-    last_run: float | None = None
-    state: RebalanceState | None = None
-    token: str | None = None
-    result: RebalanceResult | None = None  # None: not rebalanced since the operator started
+    token: str | None = None  # the router's admin token
     report: TrainerReport | None = None  # the trainer's last readable report
     # the trainer's stored bytes per view at this tick (rebalance.py `parse_trainer_stored_bytes`; None: unreadable)
     weights_stored_bytes: dict[str, float] | None = None
-    fleet: fleetplan.FleetMemory = field(default_factory=fleetplan.FleetMemory)  # tokens/s per replica
-    plan: fleetplan.FleetDecision | None = None  # the optimizer's last decision (router.optimize)
-    precision: autopilot.AutopilotMemory = field(default_factory=autopilot.AutopilotMemory)  # the autopilot's
-    precision_changes: dict[str, str] = field(default_factory=dict)  # group -> the autopilot's last change, why
+    decisions: Decisions | None = None  # the latest decisions (None: none since the operator started)
 
 
 _JOBS: dict[tuple[str, str, str], JobMemory] = {}
@@ -202,29 +184,6 @@ def fleet_costs(result: RebalanceResult) -> dict[str, float | str]:
 # --- pure helpers ------------------------------------------------------------------------------------
 
 
-def seed_state(samplergroups: Sequence[Mapping[str, Any]]) -> RebalanceState:
-    """After an operator restart: continue from the shares, throughput and history in status."""
-    state = RebalanceState()
-    for sg in samplergroups:
-        status = sg.get("status") or {}
-        name = (sg.get("spec") or {}).get("name")
-        if not name or status.get("share") is None:
-            continue
-        history = [dict(h) for h in status.get("shareHistory") or []]
-        state.groups[name] = GroupMemory(
-            ema_tokens_per_second=status.get("tokensPerSecond"),
-            share=status.get("share"),
-            recorded_share=history[-1]["to"] if history else status.get("share"),
-            history=history,
-        )
-    return state
-
-
-def rate_window(interval_seconds: int) -> int:
-    """Seconds of the Prometheus rate a group's throughput is read over (`spec.router.prometheusUrl`)."""
-    return max(2 * interval_seconds, 60)
-
-
 def prometheus_query(namespace: str, samplergroup: str, window_seconds: int) -> str:
     """Decode tokens/s of a group's pods (Deployment pods are <samplergroup>-<rs hash>-<pod hash>), from
     SGLang's per-step `realtime_tokens_total{mode="decode"}`, not the finish-time
@@ -235,93 +194,24 @@ def prometheus_query(namespace: str, samplergroup: str, window_seconds: int) -> 
 
 def fleet_plan_status(memory: JobMemory) -> dict[str, Any] | None:
     """RLJob `status.fleetPlan` of the optimizer's last decision (None: none since the operator started)."""
-    return memory.plan.status() if memory.plan is not None else None
-
-
-def remembered_status(memory: JobMemory, group: str) -> dict[str, Any] | None:
-    """A group's SamplerGroup status fields that keep this memory over a restart (status.REMEMBERED_FIELDS):
-    `steadyThroughput` (the optimizer's last steady figure) and `precisionCooldown` (the autopilot's
-    step-down state), each absent when there is none; None before the job's first sight since the
-    operator started (the observed ones are kept: the memory is restored from them then, `_due`)."""
-    if memory.state is None:
-        return None
-    figure, cooldown = memory.fleet.steady.get(group), autopilot.cooldown_status(memory.precision, group)
-    return {k: v for k, v in (("steadyThroughput", figure.status() if figure else None), ("precisionCooldown", cooldown)) if v}
+    plan = memory.decisions.plan if memory.decisions is not None else None
+    return plan.status() if plan is not None else None
 
 
 def precision_autopilot_status(memory: JobMemory) -> dict[str, str] | None:
-    """RLJob `status.precisionAutopilot`: the autopilot's last change per group since the operator started
-    (None: none)."""
-    return dict(memory.precision_changes) or None
+    """RLJob `status.precisionAutopilot`: the autopilot's last change per group (None: none decided since
+    the operator started)."""
+    return dict(memory.decisions.precision_changes) or None if memory.decisions is not None else None
 
 
-def job_config(job: RLJob) -> RebalanceConfig:
-    r = job.spec.router
-    reference = r.reference
-    accelerator = reference.accelerator or job.spec.trainer.accelerator
-    price: float | None = reference.cost_per_gpu_hour
-    if price is None:
-        try:
-            price = get_catalog().get(accelerator).cost_per_gpu_hour
-        except (CatalogError, KeyError):
-            price = None
-    return RebalanceConfig(
-        policy=r.policy,
-        max_share_change=r.max_share_change,
-        min_share=r.min_share,
-        smoothing=r.smoothing,
-        reference_accelerator=accelerator,
-        reference_price_per_gpu_hour=price,
-        reference_tokens_per_gpu_second=reference.tokens_per_gpu_second,
-        reference_oor_fraction=reference.oor_fraction,
-        catalog=get_catalog(),
-    )
+def decisions_status(memory: JobMemory) -> dict[str, Any] | None:
+    """RLJob `status.decisions` (None: none since the operator started: the observed one stands)."""
+    return memory.decisions.status() if memory.decisions is not None else None
 
 
-def group_input(
-    job: RLJob,
-    sg: Mapping[str, Any],
-    pods: Mapping[str, PodSample],
-    trainer: Mapping[str, float],
-    tokens_per_second: float | None,
-    collapse_quarantine: frozenset[str] = frozenset(),
-) -> GroupInput:
-    spec = sg.get("spec") or {}
-    status = sg.get("status") or {}
-    accelerator = spec.get("accelerator", "")
-    try:
-        cls = get_catalog().get(accelerator)
-        price, default_tp = cls.cost_per_gpu_hour, cls.default_tensor_parallel
-    except (CatalogError, KeyError):
-        price, default_tp = 0.0, 1
-    tp = spec.get("tensorParallel") or default_tp
-    name = spec.get("name", "")
-    return GroupInput(
-        name=name,
-        ready_replicas=int(status.get("readyReplicas") or 0),
-        gpus=int(spec.get("replicas", 1)) * int(tp),
-        price_per_gpu_hour=float(price),
-        pods=dict(pods),
-        accelerator=accelerator,
-        weight_format=spec.get("weightFormat", "bf16"),
-        kl=trainer.get("kl_k3"),
-        oor_fraction=trainer.get("oor_fraction"),
-        token_share=trainer.get("token_share"),
-        oor_share=trainer.get("oor_share"),
-        routing_mismatch=trainer.get("routing_mismatch_tokens"),
-        trained_fraction=trainer.get("trained_fraction"),
-        invalid_tokens=invalid_tokens(trainer),
-        quarantined=st.quarantine_reason(dict(sg), collapse_quarantine) is not None,
-        static_share=job.spec.router.static_shares.get(name),
-        tokens_per_second=tokens_per_second,
-        egress_price_per_gb=spec.get("egressPricePerGb"),
-    )
-
-
-def invalid_tokens(trainer: Mapping[str, float]) -> dict[str, float]:
-    """A group's invalid tokens by validation reason from its trainer metrics (`invalid_reason_<reason>`,
-    trainer/metrics.py `invalid_token_metrics`), the counts > 0."""
-    return {k[len(INVALID_METRIC_PREFIX) :]: v for k, v in trainer.items() if k.startswith(INVALID_METRIC_PREFIX) and v > 0}
+def decisions_of(job: Mapping[str, Any]) -> Decisions | None:
+    """The job's latest decisions: this process's, else the ones in its status (after a restart)."""
+    return observed(job).decisions or Decisions.from_status(job.get("status"))
 
 
 def trainer_metrics_url(pod: Mapping[str, Any]) -> str:
@@ -373,24 +263,20 @@ async def admin_token(api: kube.KubeApi, job: RLJob, namespace: str) -> str | No
     return base64.b64decode(data["token"]).decode().strip() or None
 
 
-async def push_to_router(
-    http: aiohttp.ClientSession,
-    router_url: str,
-    token: str,
-    result: RebalanceResult,
-    quarantined: Mapping[str, bool],
-) -> bool:
-    """Quarantine per group, then all shares at once. False when the router refused or is unreachable."""
+async def push_to_router(http: aiohttp.ClientSession, router_url: str, token: str, decisions: Decisions) -> bool:
+    """The decisions' quarantine per group, then all their shares at once. False when the router refused or
+    is unreachable."""
     headers = {"Authorization": f"Bearer {token}"}
+    changes = decisions.result.changes if decisions.result is not None else ()
     try:
-        for group, quarantine in quarantined.items():
+        for group, quarantine in decisions.quarantined.items():
             async with http.put(f"{router_url}/admin/groups/{quote(group)}", json={"quarantined": quarantine},
                                 headers=headers, timeout=HTTP_TIMEOUT) as response:  # fmt: skip
                 if response.status != 200:
                     log.warning("router %s refused group %s: HTTP %s", router_url, group, response.status)
                     return False
-        reason = "; ".join(result.changes)[:500] or "rebalance"
-        async with http.put(f"{router_url}/admin/shares", json={"shares": result.shares, "reason": reason},
+        reason = "; ".join(changes)[:500] or "rebalance"
+        async with http.put(f"{router_url}/admin/shares", json={"shares": decisions.shares, "reason": reason},
                             headers=headers, timeout=HTTP_TIMEOUT) as response:  # fmt: skip
             return response.status == 200
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -402,11 +288,10 @@ PodsOf = Callable[[str, str], list[dict[str, Any]]]  # (component, owner name) -
 
 
 async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[Mapping[str, Any]],
-                        pods_of: PodsOf, now: float | None = None) -> RebalanceResult | None:  # fmt: skip
-    """The trainer's report read (at every call), then one rebalance of one RLJob (if its interval has
-    elapsed): scrape, decide, push to the routers, post
-    share-change Events, and keep the result and the trainer's report in memory for the status pipeline.
-    `samplergroups` and `pods_of` come from the operator's indexes. Returns the result when it ran."""
+                        pods_of: PodsOf, now: float | None = None) -> Decisions | None:  # fmt: skip
+    """The trainer's report read (at every call), then, when the job's interval has elapsed since its last
+    decision, one observation and decision of the job, kept in memory for the status pipeline and `act`.
+    `samplergroups` and `pods_of` come from the operator's indexes. Returns the decisions when it decided."""
     job = parsed_jobs.parse(body)
     if isinstance(job, str):
         return None  # the RLJob handlers report invalid specs
@@ -416,128 +301,62 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     key = (namespace, job.name, str(body.get("metadata", {}).get("uid", "")))
     memory = _JOBS.setdefault(key, JobMemory())
     samplergroups = [sg for sg in samplergroups if not sg["metadata"].get("deletionTimestamp")]
+    previous = memory.decisions or Decisions.from_status(body.get("status"))
     async with aiohttp.ClientSession() as http:
         # At every tick, not only when shares are due: the status shows the trainer's step, reward and KL
-        # from its first step (the first rebalance comes one interval after the job is first seen).
+        # from its first step.
         trainer_metrics = await _read_trainer(http, job, pods_of, memory)
-        if not samplergroups or not _due(memory, samplergroups, now, job.spec.router.rebalance_interval_seconds):
+        interval = job.spec.router.rebalance_interval_seconds
+        if not samplergroups or (previous is not None and now - previous.time < interval - TICK_SECONDS / 2):
             return None
-        memory.last_run = now
         collapse = trainer_job_status(body, samplergroups, memory.report, st.now_iso()).quarantine
-        inputs = await _group_inputs(http, job, namespace, samplergroups, pods_of, trainer_metrics, collapse)
-        if job.spec.router.autopilot.enabled:
-            inputs = await run_autopilot(job, namespace, samplergroups, inputs, memory)
-        config = job_config(job)
-        stored = memory.weights_stored_bytes
-        result = rebalance(inputs, memory.state, now, config, weights_stored_bytes=stored)
-        if job.spec.router.optimize.enabled:
-            decision = plan_fleet_mix(job, samplergroups, inputs, result, memory, config)
-            if decision.shares is not None:  # the plan's shares instead of the policy's, bounded alike
-                planned = [replace(g, static_share=decision.shares.get(g.name, 0.0)) for g in inputs]
-                result = rebalance(planned, memory.state, now, replace(config, policy="plan", min_share=0.0),
-                                   weights_stored_bytes=stored)  # fmt: skip
-            await _scale(namespace, samplergroups, decision)
-        memory.state = result.state
-
-        memory.token = memory.token or await admin_token(kube.api(), job, namespace)
-        if memory.token:
-            quarantined = {g.name: g.quarantined for g in inputs}
-            for pod in (p for p in pods_of("router", job.name) if pod_ready(p)):
-                url = f"http://{pod['podIP']}:{n.ROUTER_PORT}"
-                await push_to_router(http, url, memory.token, result, quarantined)
-    memory.result = result
-    export_economics(namespace, job.name, result)
-    _post_share_events(samplergroups, result)
-    return result
+        groups = await _observe_groups(http, job, namespace, samplergroups, pods_of, trainer_metrics)
+    fleet = memory.report.fleet if memory.report is not None else {}
+    observations = Observations(groups, collapse, fleet, memory.weights_stored_bytes)
+    memory.decisions = decide(job, observations, previous, now, get_catalog())
+    if memory.decisions.result is not None:
+        export_economics(namespace, job.name, memory.decisions.result)
+    return memory.decisions
 
 
-def plan_fleet_mix(job: RLJob, samplergroups: Sequence[Mapping[str, Any]], inputs: Sequence[GroupInput],
-                   result: RebalanceResult, memory: JobMemory, config: RebalanceConfig) -> fleetplan.FleetDecision:  # fmt: skip
-    """The optimizer's decision of this interval from the share policy's readings (`result`: this
-    interval's tokens/s per group, its views' stored bytes/s that price a group's weight traffic, the
-    reference fleet's figures, the policy's shares); kept in `memory` for the status."""
-    by_name = {g.name: g for g in inputs}
-    catalog = config.catalog or get_catalog()
-    readings = []
-    for sg in samplergroups:
-        g = by_name[(sg.get("spec") or {}).get("name", "")]
-        try:
-            default_tp = catalog.get(g.accelerator).default_tensor_parallel
-        except (CatalogError, KeyError):
-            default_tp = 1
-        egress = replica_egress_cost_per_hour(g.egress_price_per_gb, g.weight_format, result.state)
-        readings.append(fleetplan.fleet_reading(sg, g.price_per_gpu_hour, default_tp,
-                                                result.groups[g.name].measured_tokens_per_second,
-                                                g.kl, g.oor_fraction, g.quarantined, egress))  # fmt: skip
-    router = job.spec.router
-    # a Prometheus rate spans its window: a replica change shows in it for that long (rebalancer's window)
-    settle = math.ceil(rate_window(router.rebalance_interval_seconds) / router.rebalance_interval_seconds) if router.prometheus_url else 1
-    memory.fleet = fleetplan.observe(memory.fleet, readings, settle, st.now_iso())
-    figures = fleetplan.plan_figures(readings, memory.fleet, catalog)
-    economics = result.economics
-    reference = fleetplan.ReferenceFigures(
-        accelerator=config.reference_accelerator,
-        tokens_per_gpu_second=economics.reference_tokens_per_gpu_second,
-        cost_per_gpu_hour=config.reference_price_per_gpu_hour,
-        oor_fraction=config.reference_oor_fraction,
-    )
-    held = {g: "precision autopilot: settling after a precision change" for g in memory.precision.settling}
-    trainer = memory.report.fleet if memory.report is not None else {}
-    request, left_out = fleetplan.fleet_request(job.spec.router.optimize, job.spec.trainer.accelerator, reference,
-                                                readings, {g: f.tokens_per_second_per_replica for g, f in figures.items()},
-                                                held, trainer)  # fmt: skip
-    _, demand_source = fleetplan.demand_of(job.spec.router.optimize, trainer)
-    memory.plan = fleetplan.decide(request, left_out, readings, result.shares, catalog, demand_source, figures)
-    return memory.plan
-
-
-async def run_autopilot(job: RLJob, namespace: str, samplergroups: Sequence[Mapping[str, Any]],
-                        inputs: Sequence[GroupInput], memory: JobMemory) -> list[GroupInput]:  # fmt: skip
-    """The precision autopilot's interval (autopilot.py): each step patches the SamplerGroup's weightFormat
-    (an override the RLJob's spec does not own: builders.build_samplergroup keeps it), each quarantine
-    sets its `rlfleet.dev/quarantined` annotation (the one quarantine path, status.quarantine_reason); an
-    Event each. Returns the inputs with this interval's quarantines applied."""
-    optimize = job.spec.router.optimize
-    by_name = {g.name: g for g in inputs}
-    floors = {group.name: group.weight_format for group in job.spec.sampler_groups}  # no step down below the RLJob's
-    readings = []
-    for sg in samplergroups:
-        spec = sg.get("spec") or {}
-        g = by_name[spec.get("name", "")]
-        max_kl, max_oor = autopilot.group_budgets(optimize, g.name)
-        readings.append(autopilot.AutopilotReading(
-            name=g.name, accelerator=g.accelerator, weight_format=g.weight_format,
-            kv_cache_dtype=spec.get("kvCacheDtype", "auto"), kl=g.kl, oor_fraction=g.oor_fraction,
-            max_kl=max_kl, max_oor_fraction=max_oor, quarantined=g.quarantined,
-            floor_format=floors.get(g.name), trained_fraction=g.trained_fraction, invalid_tokens=g.invalid_tokens,
-            max_invalid_fraction=job.spec.router.autopilot.max_invalid_fraction,
-        ))  # fmt: skip
-    published = views_to_publish(group.weight_format for group in job.spec.sampler_groups)
-    spec = job.spec.router.autopilot
-    step_down = autopilot.StepDown(spec.cooldown_intervals, spec.max_cooldown_intervals) if spec.step_down else None
-    actions, memory.precision = autopilot.autopilot(readings, memory.precision, spec.patience, published,
-                                                    get_catalog(), step_down)  # fmt: skip
-    quarantined: set[str] = set()
+async def act(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[Mapping[str, Any]],
+              pods_of: PodsOf, decisions: Decisions) -> None:  # fmt: skip
+    """Carry out a job's decisions (after the status pipeline wrote them): each SamplerGroup whose decided
+    weightFormat it does not have yet is applied again from the builder, the optimizer's replicas go
+    through /scale, the routers are told the shares and quarantines, and Events say what moved."""
+    job = parsed_jobs.parse(body)
+    if isinstance(job, str):
+        return
     by_group = {(sg.get("spec") or {}).get("name", ""): sg for sg in samplergroups}
-    for action in actions:
-        sg = by_group[action.group]
-        if action.kind in ("step", "step-down"):
-            body: dict[str, Any] = {"spec": {"weightFormat": action.to_format}}
-            event_type, reason = "Normal", "PrecisionStepped" if action.kind == "step" else "PrecisionSteppedDown"
-        else:
-            body = {"metadata": {"annotations": {st.ANN_QUARANTINED: "true"}}}
-            event_type, reason = "Warning", "PrecisionQuarantined"
-        try:
-            await kube.api().patch(sg["apiVersion"], sg["kind"], namespace, sg["metadata"]["name"], body)
-        except kube.KubeError as exc:
-            kopf.event(kube.event_target(sg), type="Warning", reason="PrecisionChangeFailed",
-                       message=f"{action.reason}: {exc}"[:1000])  # fmt: skip
+    templates = {g.name: g for g in job.spec.sampler_groups}
+    formats = decisions.weight_formats(job)
+    for name, sg in by_group.items():
+        if name in formats and name in templates and (sg.get("spec") or {}).get("weightFormat") != formats[name]:
+            await kube.api().apply(build_samplergroup(job, templates[name], namespace, dict(body), dict(sg), formats[name]))
+    _post_precision_events(by_group, decisions)
+    if decisions.plan is not None:
+        await _scale(namespace, samplergroups, decisions.plan)
+    memory = observed(body)
+    memory.token = memory.token or await admin_token(kube.api(), job, namespace)
+    if memory.token:
+        async with aiohttp.ClientSession() as http:
+            for pod in (p for p in pods_of("router", job.name) if pod_ready(p)):
+                await push_to_router(http, f"http://{pod['podIP']}:{n.ROUTER_PORT}", memory.token, decisions)
+    if decisions.result is not None:
+        _post_share_events(samplergroups, decisions.result)
+
+
+def _post_precision_events(by_group: Mapping[str, Mapping[str, Any]], decisions: Decisions) -> None:
+    """An Event per precision autopilot action of this decision on its SamplerGroup."""
+    for action in decisions.actions:
+        sg = by_group.get(action.group)
+        if sg is None:
             continue
-        kopf.event(kube.event_target(sg), type=event_type, reason=reason, message=action.reason[:1000])
-        memory.precision_changes[action.group] = st.clip(action.reason)
         if action.kind == "quarantine":
-            quarantined.add(action.group)
-    return [replace(g, quarantined=True) if g.name in quarantined else g for g in inputs]
+            event_type, reason = "Warning", "PrecisionQuarantined"
+        else:
+            event_type, reason = "Normal", "PrecisionStepped" if action.kind == "step" else "PrecisionSteppedDown"
+        kopf.event(kube.event_target(sg), type=event_type, reason=reason, message=action.reason[:1000])
 
 
 async def _scale(namespace: str, samplergroups: Sequence[Mapping[str, Any]], decision: fleetplan.FleetDecision) -> None:
@@ -557,17 +376,6 @@ async def _scale(namespace: str, samplergroups: Sequence[Mapping[str, Any]], dec
             continue
         kopf.event(kube.event_target(sg), type="Normal", reason="FleetScaled",
                    message=f"replicas {before} -> {after} ({decision.decision}): {decision.reason}"[:1000])  # fmt: skip
-
-
-def _due(memory: JobMemory, samplergroups: Sequence[Mapping[str, Any]], now: float, interval: float) -> bool:
-    """Whether the job's rebalance interval has elapsed. At first sight of the job (new, or the operator
-    restarted) it continues from its status and takes the first step one full interval later, so that a
-    restart never moves shares early."""
-    if memory.state is None:
-        memory.state, memory.last_run = seed_state(samplergroups), now
-        memory.fleet, memory.precision = fleetplan.restore(samplergroups), autopilot.restore(samplergroups)
-        return False
-    return memory.last_run is None or now - memory.last_run >= interval - TICK_SECONDS / 2
 
 
 async def _read_trainer(
@@ -590,20 +398,19 @@ async def _read_trainer(
     return trainer_metrics
 
 
-async def _group_inputs(
+async def _observe_groups(
     http: aiohttp.ClientSession,
     job: RLJob,
     namespace: str,
     samplergroups: Sequence[Mapping[str, Any]],
     pods_of: PodsOf,
     trainer_metrics: Mapping[str, dict[str, float]],
-    collapse: frozenset[str],
-) -> list[GroupInput]:
-    """Each group's rebalance input (throughput from Prometheus when configured, else scraped from
+) -> tuple[GroupObservation, ...]:
+    """Each group as the decision reads it (throughput from Prometheus when configured, else scraped from
     its ready pods)."""
     prometheus = job.spec.router.prometheus_url
     window = rate_window(job.spec.router.rebalance_interval_seconds)
-    inputs: list[GroupInput] = []
+    out: list[GroupObservation] = []
     for sg in samplergroups:
         spec = sg.get("spec") or {}
         sg_name = sg["metadata"]["name"]
@@ -614,8 +421,14 @@ async def _group_inputs(
             tps = await prometheus_tokens_per_second(http, prometheus, prometheus_query(namespace, sg_name, window))
         else:
             samples, tps = await scrape_pods(http, pods, port), None
-        inputs.append(group_input(job, sg, samples, trainer_metrics.get(spec.get("name", ""), {}), tps, collapse))
-    return inputs
+        name = spec.get("name", "")
+        out.append(GroupObservation(
+            name=name, replicas=int(spec.get("replicas", 1)),
+            ready_replicas=int((sg.get("status") or {}).get("readyReplicas") or 0), pods=samples,
+            tokens_per_second=tps, trainer=trainer_metrics.get(name, {}),
+            annotation=(sg["metadata"].get("annotations") or {}).get(st.ANN_QUARANTINED),
+        ))  # fmt: skip
+    return tuple(out)
 
 
 def _post_share_events(samplergroups: Sequence[Mapping[str, Any]], result: RebalanceResult) -> None:

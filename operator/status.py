@@ -48,9 +48,6 @@ NO_REPORT_REASON = "NoSubscriberReport"
 # SamplerGroup status fields that come from the rebalance tick (operator/rebalance.py GroupResult)
 REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPerHour", "egressCostPerHour", "costPer1MTokens", "kl", "oorFraction",
                     "tokenShare", "oorShare", "routingMismatch", "usableFraction", "invalidTokens", "shareHistory")  # fmt: skip
-# SamplerGroup status fields that keep the rebalance tick's memory over an operator restart (the status is
-# the store of truth): the optimizer's last steady figure, the precision autopilot's step-down state
-REMEMBERED_FIELDS = ("steadyThroughput", "precisionCooldown")
 # RLJob status fields that come from the rebalance tick (fleet cost) and the trainer's exporter
 JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens", "savingPercent", "baselineSource")
 # A condition's message and an RLJob's status.message stay short: `kubectl describe` and Argo CD show them
@@ -107,17 +104,28 @@ def _deployment_condition(deployment: Manifest | None, type_: str) -> dict[str, 
     return None
 
 
-def quarantine_reason(sg: Manifest, collapse_quarantine: frozenset[str] = frozenset()) -> str | None:
-    """THE quarantine decision of a group (share 0, no new sessions), or None. One path for every source:
-    the group's spec (`spec.quarantined`, which the RLJob's samplerGroups[].quarantined sets), the
-    annotation `rlfleet.dev/quarantined: "true"` (on-call: `kubectl annotate sg/...`), or the trainer's
-    collapse detector with `safety.action: quarantine-group` (`collapse_quarantine`: group spec names)."""
-    if _get(sg, "spec", "quarantined"):
+def quarantine_reason(sg: Manifest, collapse_quarantine: frozenset[str] = frozenset(), held: str | None = None) -> str | None:
+    """THE quarantine decision of a group (share 0, no new sessions), or None: `quarantine_source` of a
+    SamplerGroup object (its `spec.quarantined`, which the RLJob's samplerGroups[].quarantined sets, and its
+    annotation), the trainer's collapse detector with `safety.action: quarantine-group`
+    (`collapse_quarantine`: group spec names) and the precision autopilot's `held` quarantine (decide.py)."""
+    annotation = (_get(sg, "metadata", "annotations", default={}) or {}).get(ANN_QUARANTINED)
+    return quarantine_source(bool(_get(sg, "spec", "quarantined")), annotation,
+                             _get(sg, "spec", "name") in collapse_quarantine, held)  # fmt: skip
+
+
+def quarantine_source(spec: bool, annotation: str | None, collapse: bool, held: str | None) -> str | None:
+    """Which source quarantines a group, the first that holds (None: none): the spec, the annotation
+    `rlfleet.dev/quarantined: "true"` (on call: `kubectl annotate sg/...`), the collapse detector, the
+    precision autopilot's held quarantine (`held`: its reason)."""
+    if spec:
         return "spec.quarantined"
-    if (_get(sg, "metadata", "annotations", default={}) or {}).get(ANN_QUARANTINED) == "true":
+    if annotation == "true":
         return f"annotation {ANN_QUARANTINED}"
-    if _get(sg, "spec", "name") in collapse_quarantine:
+    if collapse:
         return "the trainer's collapse detector"
+    if held is not None:
+        return f"the precision autopilot: {held}"
     return None
 
 
@@ -167,12 +175,10 @@ def _rollout(spec: Manifest, deployment: Manifest | None) -> _Rollout:
 def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Catalog,
                         channel_status: Manifest | None = None, now: str | None = None,
                         pods: list[Manifest] | tuple[Manifest, ...] = (), rebalance: Manifest | None = None,
-                        quarantine: str | None = None, remembered: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
+                        quarantine: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole status of a SamplerGroup from the SG, its Deployment, its pods (`pods.pod_view`s), its
     WeightChannel status, the rebalance tick's fields for it (`GroupResult.status_patch()`; None: not
-    rebalanced since the operator started: the observed values are kept), `quarantine_reason` and what
-    the rebalance tick's memory keeps over a restart (`rebalancer.remembered_status`, REMEMBERED_FIELDS;
-    None before its first sight of the job: the observed ones are kept; a field absent: none)."""
+    rebalanced since the operator started: the observed values are kept) and `quarantine_reason`."""
     now = now or now_iso()
     name = _get(sg, "metadata", "name", default="")
     generation = _get(sg, "metadata", "generation")
@@ -181,8 +187,6 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     balanced = {k: old[k] for k in REBALANCE_FIELDS if old.get(k) is not None} if rebalance is None else {
         k: rebalance[k] for k in REBALANCE_FIELDS if rebalance.get(k) is not None
     }  # fmt: skip
-    kept = old if remembered is None else remembered
-    balanced.update({k: kept[k] for k in REMEMBERED_FIELDS if kept.get(k)})
     r = _rollout(spec, deployment)
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -422,6 +426,11 @@ def _owned_by_block(spec: Manifest, old: Manifest, block: str, key: str, value: 
     restart); none when the block is off."""
     if not _get(spec, "router", block, "enabled"):
         return {}
+    return _kept(old, key, value)
+
+
+def _kept(old: Manifest, key: str, value: Manifest | None) -> dict[str, Any]:
+    """A status field from this operator's `value`, else the observed one (after a restart); none if neither."""
     current = value if value is not None else old.get(key)
     return {key: current} if current is not None else {}
 
@@ -432,7 +441,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
                  trainer_report: Manifest | None = None,
                  trainer_create_failure: str | None = None, fleet_plan: Manifest | None = None,
                  precision_autopilot: Manifest | None = None,
-                 trainer_admission: str | None = None) -> dict[str, Any]:  # fmt: skip
+                 trainer_admission: str | None = None, decisions: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
     """The whole status of an RLJob: rolled up from its SamplerGroups, trainer StatefulSet and its pods
     (`pods.pod_view`s: why the trainer does not run; `trainer_create_failure`: the message of the
     StatefulSet's latest FailedCreate Event, e.g. a ResourceQuota's refusal; `trainer_admission`: the
@@ -443,8 +452,9 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     report (`trainer_report.trainer_job_status(...).status`: step, metrics, weightVersion, CollapseRisk)
     and the fleet-mix optimizer's last decision (`fleet_plan`, rebalancer.fleet_plan_status; None: none
     since the operator started: the observed one is kept while `router.optimize` is enabled), and the
-    precision autopilot's last change per group (`precision_autopilot`, the same way under `router.autopilot`).
-    `groups` are the SamplerGroups the spec asks for (missing ones count as not ready)."""
+    precision autopilot's last change per group (`precision_autopilot`, the same way under `router.autopilot`),
+    and the job's decisions (`decisions`, decide.py `Decisions.status`; None: none since the operator
+    started: the observed ones are kept, the next decision goes on from them). `groups` are the SamplerGroups the spec asks for (missing ones count as not ready)."""
     now = now or now_iso()
     generation = _get(job, "metadata", "generation")
     old = job.get("status") or {}
@@ -482,6 +492,7 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     status.update(observed_costs if costs is None else {k: costs[k] for k in JOB_COST_FIELDS if costs.get(k) is not None})
     status.update(_owned_by_block(spec, old, "optimize", "fleetPlan", fleet_plan))
     status.update(_owned_by_block(spec, old, "autopilot", "precisionAutopilot", precision_autopilot))
+    status.update(_kept(old, "decisions", decisions))
     report = dict(trainer_report or {})
     report_conditions = report.pop("conditions", [])
     status.update(report)

@@ -29,7 +29,13 @@ from rlfleet.api.common import (
 )
 from rlfleet.api.meta import ObjectMeta
 from rlfleet.api.podfields import POD_FIELDS_RULES, Quantity
-from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
+from rlfleet.api.samplergroup import (
+    PrecisionCooldown,
+    SamplerGroupTemplate,
+    SamplerImages,
+    ShareChange,
+    SteadyThroughput,
+)
 from rlfleet.api.scheduling import PodPlacement
 from rlfleet.api.weightchannel import DeltaSpec, RetentionSpec, StoreSpec
 
@@ -1033,7 +1039,7 @@ class FleetThroughputStatus(ApiModel):
     tokens_per_second_per_replica: float = Field(ge=0.0)
     """Decode tokens/s of one replica."""
     basis: Literal["measured", "estimated"]
-    """measured: the group's last steady reading (its SamplerGroup's status.steadyThroughput); estimated: none yet, carried from the measured groups by the catalog's decodeThroughput ratios."""
+    """measured: the group's last steady reading (status.decisions.groups[].memory.steadyThroughput); estimated: none yet, carried from the measured groups by the catalog's decodeThroughput ratios."""
     detail: str = Field(default="", max_length=256)
     """The reading (replicas, format, when) or the groups the estimate comes from."""
 
@@ -1055,6 +1061,84 @@ class FleetPlanStatus(ApiModel):
     """USD per hour of the plan's replicas."""
     cost_per_1m_usable_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MUsableTokens")
     """USD per million usable tokens of the plan, its replicas busy."""
+
+
+class GroupPolicyMemory(ApiModel):
+    """What the policies remember of a group from one decision to the next."""
+
+    counters: dict[str, float] = Field(default_factory=dict, max_length=256)
+    """The share policy: each ready pod's sglang:realtime_tokens_total{mode="decode"} at the decision (the next rate starts from it)."""
+    tokens_per_second: float | None = Field(default=None, ge=0.0)
+    """The share policy: the group's smoothed decode tokens/s."""
+    recorded_share: float | None = Field(default=None, ge=0.0, le=1.0)
+    """The share policy: the share of the group's last history entry."""
+    share_history: list[ShareChange] = Field(default_factory=list, max_length=5)
+    """The share policy: the group's last (at most 5) share changes, newest last."""
+    steady_throughput: SteadyThroughput | None = None
+    """The fleet-mix optimizer: the group's last steady tokens/s per replica (it plans a group at 0 replicas from it)."""
+    ready_replicas: int | None = Field(default=None, ge=0)
+    """The fleet-mix optimizer: the group's ready replicas at the decision."""
+    ready_unchanged: int | None = Field(default=None, ge=0)
+    """The fleet-mix optimizer: for how many decisions before they had not changed."""
+    over_budget: int | None = Field(default=None, ge=0)
+    """The precision autopilot: decisions in a row the group was over its budget."""
+    settling: int | None = Field(default=None, ge=0)
+    """The precision autopilot: decisions still to wait after a change before the group is judged again."""
+    within_budget: int | None = Field(default=None, ge=0)
+    """The precision autopilot: judged decisions in a row within its budget (its cool-down counts them)."""
+    precision_cooldown: PrecisionCooldown | None = None
+    """The precision autopilot: the group's doubled cool-down and probation after a step down (absent: neither)."""
+
+
+class GroupDecisionStatus(ApiModel):
+    """One group's decision, with the reason of each field."""
+
+    name: str = Field(max_length=63)
+    """Group name."""
+    replicas: int = Field(ge=0, le=1024)
+    """Replicas: the SamplerGroup's (the RLJob's, or a kubectl scale), or the fleet-mix optimizer's."""
+    replicas_reason: str = Field(default="", max_length=1024)
+    """Why."""
+    weight_format: str = Field(max_length=16)
+    """The weight format its SamplerGroup is built with: the RLJob's, or the precision autopilot's step."""
+    weight_format_reason: str = Field(default="", max_length=1024)
+    """Why."""
+    share: float = Field(ge=0.0, le=1.0)
+    """Routing share of new sessions pushed to the routers."""
+    share_reason: str = Field(default="", max_length=1024)
+    """Why."""
+    quarantined: bool = False
+    """True: share 0, no new sessions."""
+    quarantine_reason: str = Field(default="", max_length=1024)
+    """By what (spec.quarantined, the annotation rlfleet.dev/quarantined, the trainer's collapse detector, the precision autopilot); empty when not quarantined."""
+    job_weight_format: str = Field(max_length=16)
+    """The RLJob's weightFormat of the group when this was decided: a new one ends the autopilot's step and quarantine."""
+    held_quarantine: str | None = Field(default=None, max_length=1024)
+    """The precision autopilot's quarantine, held until the RLJob's weightFormat of the group changes or the SamplerGroup is annotated rlfleet.dev/quarantined=false."""
+    memory: GroupPolicyMemory = Field(default_factory=GroupPolicyMemory)
+    """What the policies remember of the group for the next decision."""
+
+
+class ViewTrafficMemory(ApiModel):
+    """The trainer's stored bytes of one view at the last reading, and their smoothed rate."""
+
+    counter: float | None = Field(default=None, ge=0.0)
+    """rlfleet_trainer_weights_stored_bytes_total{view} when read."""
+    time: float | None = None
+    """When read, epoch seconds."""
+    ema_bytes_per_second: float | None = Field(default=None, ge=0.0)
+    """Smoothed bytes/s stored for the view (prices a group's weight traffic)."""
+
+
+class DecisionsStatus(ApiModel):
+    """The operator's decisions of the job at its last rebalance interval (operator/decide.py): per group its replicas, weight format, share and quarantine with the reason of each, and what the policies remember; a restarted operator goes on from them."""
+
+    time: float
+    """When decided, epoch seconds (the next decision is due router.rebalanceIntervalSeconds later)."""
+    groups: list[GroupDecisionStatus] = Field(default_factory=list, max_length=32)
+    """One decision per SamplerGroup of the job."""
+    views: dict[str, ViewTrafficMemory] = Field(default_factory=dict, max_length=16)
+    """The share policy's reading of the trainer's stored bytes per view."""
 
 
 class RLJobStatus(ApiModel):
@@ -1092,6 +1176,8 @@ class RLJobStatus(ApiModel):
     """The fleet-mix optimizer's last decision (router.optimize)."""
     precision_autopilot: dict[str, Annotated[str, Field(max_length=1024)]] = Field(default_factory=dict, max_length=32)
     """The precision autopilot's last change per group and why (router.autopilot)."""
+    decisions: DecisionsStatus | None = None
+    """The operator's decisions of the job (operator/decide.py)."""
     conditions: list[Condition] = conditions_field()
     """Ready, Progressing, Degraded and CollapseRisk conditions."""
 

@@ -227,7 +227,7 @@ class SteadyThroughput(ApiModel):
 
 
 class PrecisionCooldown(ApiModel):
-    """The precision autopilot's step-down state of the group, kept over operator restarts."""
+    """The precision autopilot's step-down state of a group (in the RLJob's status.decisions)."""
 
     cooldown_intervals: int | None = Field(default=None, ge=1, le=100000)
     """The group's cool-down, doubled by a breach after a step down (absent: the RLJob's router.autopilot.cooldownIntervals)."""
@@ -262,10 +262,6 @@ class SamplerGroupStatus(ApiModel):
     """What the degraded form means (kernels, compute dtype)."""
     tokens_per_second: float | None = Field(default=None, ge=0.0)
     """Decode throughput, tokens/s: the per-interval increase of sglang:realtime_tokens_total{mode="decode"} (the sglang:gen_throughput gauge for a pod seen the first time). Not generation_tokens_total, which SGLang counts only when a request finishes."""
-    steady_throughput: SteadyThroughput | None = None
-    """With router.optimize: the last steady tokens/s per replica, kept over operator restarts (the optimizer plans a group at 0 replicas from it)."""
-    precision_cooldown: PrecisionCooldown | None = None
-    """With router.autopilot: the group's doubled cool-down and probation after a step down (absent: neither)."""
     share: float | None = Field(default=None, ge=0.0, le=1.0)
     """Current routing share of new sessions (0..1)."""
     share_percent: float | None = Field(default=None, ge=0.0, le=100.0)

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from rlfleet.api import RLJob
-from rlfleet.operator import fleetplan
-from rlfleet.operator import rebalancer as timer
+from rlfleet.catalog import get_catalog
+from rlfleet.operator import decide, fleetplan
 from rlfleet.operator.rebalance import (
     GroupInput,
     RebalanceConfig,
@@ -139,9 +139,9 @@ rlfleet_trainer_kl_k3{key="a",scope="group"} 0.01
     })  # fmt: skip
     sg = {"metadata": {"name": "j-remote"}, "spec": {"name": "remote", "accelerator": "h100", "replicas": 2,
                                                       "egressPricePerGb": 0.02}, "status": {"readyReplicas": 2}}  # fmt: skip
-    assert timer.group_input(job, sg, {}, {}, None).egress_price_per_gb == 0.02
+    assert decide.group_input(job, sg, {}, {}, None).egress_price_per_gb == 0.02
     sg["spec"].pop("egressPricePerGb")
-    assert timer.group_input(job, sg, {}, {}, None).egress_price_per_gb is None
+    assert decide.group_input(job, sg, {}, {}, None).egress_price_per_gb is None
 
 
 # --- the fleet-mix optimizer (spec.router.optimize) charges it per planned replica -------------------------
@@ -232,19 +232,20 @@ def test_of_two_groups_alike_the_optimizer_scales_up_the_one_that_pays_no_egress
                                   "stored bytes not read yet)")  # fmt: skip
 
 
-def test_the_rebalancer_gives_the_optimizer_each_groups_egress_from_its_views_reading() -> None:
-    """plan_fleet_mix end to end on the share policy's result: the first interval has one reading of the
-    view (no rate: planned without egress, kept), the second its rate (remote drained, local scaled up)."""
+def test_the_decision_gives_the_optimizer_each_groups_egress_from_its_views_reading() -> None:
+    """decide.py end to end: the first decision has one reading of the view (no rate: planned without
+    egress, kept), the second its rate (remote drained, local scaled up)."""
     job = RLJob.from_manifest(OPTIMIZED_JOB)
-    sgs = samplergroups()
-    inputs = [timer.group_input(job, sg, {}, {}, 1000.0) for sg in sgs]
-    config = timer.job_config(job)
-    memory = timer.JobMemory()
-    first = rebalance(inputs, None, 0.0, config, weights_stored_bytes={"fp8": 10e9})
-    kept = timer.plan_fleet_mix(job, sgs, inputs, first, memory, config)
-    assert kept.decision == "Kept" and "remote planned without its weight traffic" in kept.reason
-    second = rebalance(inputs, first.state, 1800.0, config, weights_stored_bytes={"fp8": 10e9 + 4.5e9})
-    assert second.groups["remote"].egress_cost_per_hour == pytest.approx(EGRESS_PER_REPLICA_HOUR, rel=1e-12)
-    scaled = timer.plan_fleet_mix(job, sgs, inputs, second, memory, config)
-    assert scaled.decision == "Scaled" and scaled.changes() == {"remote": (1, 0), "local": (1, 2)}
-    assert "remote pays $0.7200/h per replica for its weight traffic" in scaled.reason
+    groups = tuple(decide.GroupObservation(name, 1, 1, tokens_per_second=1000.0) for name in ("remote", "local"))
+    first = decide.decide(job, decide.Observations(groups, weights_stored_bytes={"fp8": 10e9}), None, 0.0, get_catalog())
+    assert first.plan is not None and first.plan.decision == "Kept"
+    assert "remote planned without its weight traffic" in first.plan.reason
+    second = decide.decide(job, decide.Observations(groups, weights_stored_bytes={"fp8": 10e9 + 4.5e9}), first, 1800.0,
+                           get_catalog())  # fmt: skip
+    assert second.result is not None
+    assert second.result.groups["remote"].egress_cost_per_hour == pytest.approx(EGRESS_PER_REPLICA_HOUR, rel=1e-12)
+    assert second.plan is not None and second.plan.decision == "Scaled"
+    assert second.plan.changes() == {"remote": (1, 0), "local": (1, 2)}
+    assert "remote pays $0.7200/h per replica for its weight traffic" in second.plan.reason
+    assert {g: d.replicas for g, d in second.groups.items()} == {"remote": 0, "local": 2}
+    assert second.groups["local"].replicas_reason.startswith("fleet plan (Scaled): the optimum saves 10.75%")

@@ -422,35 +422,42 @@ async def test_kueues_pending_event_on_the_trainers_workload_reaches_the_job_sta
 # --- the rebalancer after a restart ----------------------------------------------------------------------
 
 
-def with_history(name: str, job: dict[str, Any], history: list[tuple[float, float]], tps: float) -> dict[str, Any]:
-    shares = [{"time": f"2026-01-01T00:0{i}:00Z", "from": a, "to": b, "reason": "throughput"}
-              for i, (a, b) in enumerate(history)]  # fmt: skip
-    status = {"share": history[-1][1], "tokensPerSecond": tps, "shareHistory": shares, "readyReplicas": 1}
-    return samplergroup(name, job, status)
+def decided(job: dict[str, Any], shares: dict[str, tuple[float, list[tuple[float, float]], float]], time: float) -> dict[str, Any]:
+    """`job` with decisions in its status, as the pipeline writes them: per group (share, share history
+    (from, to), smoothed tokens/s)."""
+    groups = [{"name": g, "replicas": 1, "weightFormat": "bf16", "share": share, "quarantined": False, "jobWeightFormat": "bf16",
+               "memory": {"counters": {}, "tokensPerSecond": tps, "recordedShare": share,
+                          "shareHistory": [{"time": f"2026-01-01T00:0{i}:00Z", "from": a, "to": b, "reason": "throughput"}
+                                           for i, (a, b) in enumerate(history)]}}
+              for g, (share, history, tps) in shares.items()]  # fmt: skip
+    return {**job, "status": {"decisions": {"time": time, "groups": groups}}}
 
 
-async def test_after_a_restart_shares_continue_from_the_newest_history_entry(api: FakeKube) -> None:
-    """Kills the mutant that seeds each group's last recorded share from the OLDEST history entry
-    (`history[0]["to"]` for `history[-1]["to"]` in `rebalancer.seed_state`): then the first move after the
-    restart is recorded (history, ShareChanged Event) as starting from 0.6 / 0.4 instead of 0.65 / 0.35."""
+async def test_after_a_restart_the_tick_goes_on_from_the_decisions_in_the_rljobs_status(api: FakeKube) -> None:
+    """A restarted operator (nothing in memory) reads the previous decisions from the RLJob's status: the
+    next decision is due one interval (30 s) after the last one, the shares move on from the decided ones
+    (throughput 300 : 100 with the 0.02 floor -> 0.74 / 0.26, within the bounded change of 0.1 from
+    0.65 / 0.35) and the share history and ShareChanged Events continue from them. Deciding writes
+    nothing; acting on it pushes and posts, the SamplerGroups already run the decided format."""
     events = posted()
-    job = rljob(groups=("a", "b"))
-    groups = [with_history("a", job, [(0.5, 0.6), (0.6, 0.65)], tps=300.0),
-              with_history("b", job, [(0.5, 0.4), (0.4, 0.35)], tps=100.0)]  # fmt: skip
+    job = decided(rljob(groups=("a", "b")), {"a": (0.65, [(0.5, 0.6), (0.6, 0.65)], 300.0),
+                                             "b": (0.35, [(0.5, 0.4), (0.4, 0.35)], 100.0)}, time=1000.0)  # fmt: skip
+    groups = [samplergroup(g, job, {"readyReplicas": 1}) for g in ("a", "b")]
 
     def no_pods(component: str, owner: str) -> list[dict[str, Any]]:
         return []
 
-    assert await rebalancer.rebalance_job(job, NS, groups, no_pods, now=1000.0) is None  # seeds, moves nothing
-    result = await rebalancer.rebalance_job(job, NS, groups, no_pods, now=1030.0)  # one interval later
-    assert result is not None
-    # throughput 300 : 100 with the 0.02 floor -> 0.74 / 0.26, within the bounded change of 0.1 from 0.65 / 0.35
-    assert result.shares == pytest.approx({"a": 0.74, "b": 0.26})
-    assert [(h["from"], h["to"]) for h in result.groups["a"].history] == [(0.5, 0.6), (0.6, 0.65), (0.65, 0.74)]
-    assert [(h["from"], h["to"]) for h in result.groups["b"].history] == [(0.5, 0.4), (0.4, 0.35), (0.35, 0.26)]
+    assert await rebalancer.rebalance_job(job, NS, groups, no_pods, now=1020.0) is None  # not due yet
+    decisions = await rebalancer.rebalance_job(job, NS, groups, no_pods, now=1030.0)
+    assert decisions is not None and decisions.result is not None
+    assert decisions.shares == pytest.approx({"a": 0.74, "b": 0.26})
+    assert [(h["from"], h["to"]) for h in decisions.state.groups["a"].history] == [(0.5, 0.6), (0.6, 0.65), (0.65, 0.74)]
+    assert [(h["from"], h["to"]) for h in decisions.state.groups["b"].history] == [(0.5, 0.4), (0.4, 0.35), (0.35, 0.26)]
+    assert api.applied == [] and api.statuses == []  # deciding writes nothing to the API
+    await rebalancer.act(job, NS, groups, no_pods, decisions)
     messages = sorted(e.message for e in drain(events) if e.reason == "ShareChanged")
     assert [m.split(" (")[0] for m in messages] == ["a: share 0.650 -> 0.740", "b: share 0.350 -> 0.260"]
-    assert api.applied == [] and api.statuses == []  # the rebalancer writes nothing to the API
+    assert api.applied == []  # both groups run the decided weightFormat already
 
 
 # --- runtime state per object ----------------------------------------------------------------------------
@@ -459,15 +466,14 @@ async def test_after_a_restart_shares_continue_from_the_newest_history_entry(api
 async def test_the_rebalancer_memory_of_a_deleted_job_is_dropped(api: FakeKube) -> None:
     posted()
     job = rljob(groups=("a",))
-    groups = [with_history("a", job, [(0.0, 1.0)], tps=100.0)]
-    await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1000.0)
-    assert await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1030.0) is not None
-    assert rebalancer.observed(job).result is not None
+    groups = [samplergroup("a", job, {"readyReplicas": 1})]
+    assert await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1000.0) is not None
+    assert rebalancer.observed(job).decisions is not None
 
     await handlers.rljob_event(name="j", namespace=NS, type="MODIFIED", body=kopf.Body(job))
-    assert rebalancer.observed(job).result is not None  # only a deletion forgets
+    assert rebalancer.observed(job).decisions is not None  # only a deletion forgets
     await handlers.rljob_event(name="j", namespace=NS, type="DELETED", body=kopf.Body(job))
-    assert rebalancer.observed(job).result is None and not [k for k in rebalancer._JOBS if k[:2] == (NS, "j")]
+    assert rebalancer.observed(job).decisions is None and not [k for k in rebalancer._JOBS if k[:2] == (NS, "j")]
 
 
 async def test_an_rljob_is_parsed_once_per_generation_and_its_parse_forgotten_on_deletion(
@@ -487,7 +493,7 @@ async def test_an_rljob_is_parsed_once_per_generation_and_its_parse_forgotten_on
 
     monkeypatch.setattr(RLJob, "from_manifest", counting)
     job = rljob(groups=("a",))
-    groups = [with_history("a", job, [(0.0, 1.0)], tps=100.0)]
+    groups = [samplergroup("a", job, {"readyReplicas": 1})]
     view = handlers.View.of(indexes(job, *groups))
     await handlers.reconcile_job(copy.deepcopy(job), NS, view)
     for _ in range(4):

@@ -287,17 +287,6 @@ def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before
     ticked = st.samplergroup_status(sg, deployment, CATALOG, now=T0, rebalance={"share": 0.5, "tokensPerSecond": 300.0})
     assert (ticked["share"], ticked["tokensPerSecond"], ticked["sharePercent"]) == (0.5, 300.0, 50.0)
     assert "shareHistory" not in ticked  # the tick's result is the whole truth once there is one
-    # what the tick's memory keeps over a restart: the observed fields until the job's memory is seeded,
-    # then the memory's (a field it lacks goes)
-    figure = {"tokensPerSecondPerReplica": 100.0, "replicas": 1, "weightFormat": "bf16"}
-    cooldown = {"cooldownIntervals": 40, "onProbation": False}
-    sg["status"] |= {"steadyThroughput": figure, "precisionCooldown": cooldown}
-    kept = st.samplergroup_status(sg, deployment, CATALOG, now=T0)
-    assert (kept["steadyThroughput"], kept["precisionCooldown"]) == (figure, cooldown)
-    newer = {**figure, "tokensPerSecondPerReplica": 120.0}
-    remembered = st.samplergroup_status(sg, deployment, CATALOG, now=T0, remembered={"steadyThroughput": newer})
-    assert remembered["steadyThroughput"] == newer and "precisionCooldown" not in remembered
-    assert not {"steadyThroughput", "precisionCooldown"} & set(st.samplergroup_status(sg, deployment, CATALOG, now=T0, remembered={}))
 
     observed = job() | {"status": {"costPer1MTokens": 1.5, "step": 7, "weightVersion": 9}}
     report = trainer_job_status(observed, [], TrainerReport(step=8, weight_version=4), T0).status
@@ -328,6 +317,22 @@ def test_the_fleet_plan_is_the_last_decision_kept_over_a_restart_and_gone_when_t
     assert plan(on | {"status": {"fleetPlan": observed}}, decided) == decided
     assert plan(job() | {"status": {"fleetPlan": observed}}, decided) is None  # off: no plan shown
     assert plan(on, None) is None
+
+
+def test_the_decisions_are_written_by_the_one_status_pipeline_and_kept_until_the_next_one() -> None:
+    """`status.decisions` (decide.py): this operator's latest, else the observed ones (restarted, nothing
+    decided yet: the next decision goes on from them), none before the job's first."""
+    observed = {"time": 1000.0, "groups": [{"name": "g", "replicas": 1, "weightFormat": "fp8", "share": 1.0,
+                                            "quarantined": False, "jobWeightFormat": "nvfp4"}]}  # fmt: skip
+    newer = observed | {"time": 1030.0}
+
+    def decisions(body: dict, value: dict | None) -> dict | None:
+        return st.rljob_status(body, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
+                               decisions=value).get("decisions")  # fmt: skip
+
+    assert decisions(job() | {"status": {"decisions": observed}}, None) == observed
+    assert decisions(job() | {"status": {"decisions": observed}}, newer) == newer
+    assert decisions(job(), None) is None
 
 
 # The kubelet's FailedMount Event message (pkg/kubelet/volumemanager: `MountVolume.SetUp failed for volume

@@ -51,8 +51,9 @@ async def test_the_first_tick_after_the_first_step_reads_the_report(exporter: Pr
         return pods.get(component, []) if owner == "j" else []
 
     exporter.update(1, {"reward_mean": 0.25, "kl_k3": 0.0125, "weight_version": 1.0})
-    # the job's first tick: no rebalance yet (it seeds its state, the first comes one interval later) ...
-    assert await rebalancer.rebalance_job(job, NS, groups, pods_of, now=1000.0) is None
+    # the job's first tick: its first decision (none before it) ...
+    decided = await rebalancer.rebalance_job(job, NS, groups, pods_of, now=1000.0)
+    assert decided is not None and decided.time == 1000.0
     report = rebalancer.observed(job).report
     assert report is not None and (report.step, report.weight_version) == (1, 1)
     status = trainer_job_status(job, groups, report, NOW).status

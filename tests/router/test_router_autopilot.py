@@ -16,6 +16,7 @@ from rlfleet.catalog import load_catalog
 from rlfleet.operator import autopilot, builders
 from rlfleet.operator import naming as n
 from rlfleet.operator.autopilot import AutopilotAction, AutopilotMemory, AutopilotReading, StepDown
+from rlfleet.operator.decide import Decisions, GroupDecision
 
 ALL_VIEWS = ("bf16", "fp8", "nvfp4")
 
@@ -106,40 +107,6 @@ def test_a_group_steps_back_down_after_a_cool_down_and_each_breach_on_probation_
     ]  # fmt: skip
 
 
-def test_a_probation_and_a_doubled_cool_down_survive_a_restart_through_the_samplergroups_status() -> None:
-    """Cool-down 3, bound 8, patience 1: up, 3 within, down (on probation). The operator restarts: its
-    memory is what the status kept, so a breach still doubles the cool-down (3 -> 6), and after one more
-    restart the doubled 6 still holds (5 intervals within budget are not enough to step down)."""
-    ok, bad, step_down = 0.005, 0.02, StepDown(cooldown=3, max_cooldown=8)
-    memory, fmt = AutopilotMemory(), "nvfp4"
-
-    def interval(kl: float) -> list[AutopilotAction]:
-        nonlocal memory, fmt
-        actions, memory = autopilot.autopilot([reading(fmt, kl, floor_format="nvfp4")], memory, 1, ALL_VIEWS, None,
-                                              step_down)  # fmt: skip
-        fmt = next((a.to_format for a in actions if a.to_format), fmt)
-        return actions
-
-    def restart() -> None:
-        nonlocal memory
-        state = autopilot.cooldown_status(memory, "b200-nvfp4")
-        memory = autopilot.restore([{"spec": {"name": "b200-nvfp4"}, "status": {"precisionCooldown": state}}])
-
-    for kl in (bad, ok, ok, ok, ok):  # up, settling, 3 within: down
-        interval(kl)
-    assert fmt == "nvfp4" and autopilot.cooldown_status(memory, "b200-nvfp4") == {"onProbation": True}
-    restart()
-    assert memory == AutopilotMemory(probation={"b200-nvfp4"})
-    (up,) = interval(bad)
-    assert up.reason.startswith("KL 0.02 > 0.01 for 1 intervals after a step down: the cool-down doubles, 3 -> 6")
-    assert autopilot.cooldown_status(memory, "b200-nvfp4") == {"onProbation": False, "cooldownIntervals": 6}
-    restart()
-    assert memory == AutopilotMemory(cooldown={"b200-nvfp4": 6})
-    assert [interval(ok) for _ in range(5)] == [[]] * 5  # no settling after a restart: 5 within < 6
-    assert [(a.kind, a.to_format) for a in interval(ok)] == [("step-down", "nvfp4")]
-    assert autopilot.cooldown_status(AutopilotMemory(), "b200-nvfp4") is None  # neither: nothing in status
-
-
 def test_a_step_down_stops_at_the_rljobs_format_and_never_without_step_down_or_a_floor() -> None:
     ok, bad = 0.005, 0.02
     # the RLJob says fp8: up to bf16, back to fp8 after the cool-down, never to nvfp4
@@ -200,24 +167,20 @@ def test_the_budgets_are_the_optimizers_and_the_block_is_off_by_default() -> Non
         RLJob.from_manifest(bad)
 
 
-def test_the_samplergroup_keeps_the_autopilots_weight_format_until_the_rljob_changes_its_own() -> None:
+def test_the_samplergroup_is_built_with_the_decided_weight_format_until_the_rljob_changes_its_own() -> None:
     job = RLJob.from_manifest(JOB)
     group = job.spec.sampler_groups[0]
     fresh = builders.build_samplergroup(job, group, "ns", None)
-    assert fresh["spec"]["weightFormat"] == "nvfp4"
-    assert fresh["metadata"]["annotations"][n.ANN_JOB_WEIGHT_FORMAT] == "nvfp4"
-    stepped = {"metadata": {"annotations": {n.ANN_JOB_WEIGHT_FORMAT: "nvfp4", n.ANN_JOB_REPLICAS: "2"}},
-               "spec": {"weightFormat": "fp8", "replicas": 2}}  # fmt: skip
-    assert builders.build_samplergroup(job, group, "ns", None, stepped)["spec"]["weightFormat"] == "fp8"
+    assert fresh["spec"]["weightFormat"] == "nvfp4" and n.ANN_JOB_REPLICAS in fresh["metadata"]["annotations"]
+    assert builders.build_samplergroup(job, group, "ns", None, weight_format="fp8")["spec"]["weightFormat"] == "fp8"
+    stepped = Decisions(0.0, {group.name: GroupDecision(group.name, 2, "", "fp8", "stepped", 1.0, "", False, "", "nvfp4")})
+    assert stepped.weight_formats(job) == {group.name: "fp8"}
     changed = copy.deepcopy(JOB)
-    changed["spec"]["samplerGroups"][0]["weightFormat"] = "fp8"  # the RLJob's own value changed: it wins
+    changed["spec"]["samplerGroups"][0]["weightFormat"] = "bf16"  # the RLJob's own value changed: it wins
     job2 = RLJob.from_manifest(changed)
-    again = builders.build_samplergroup(job2, job2.spec.sampler_groups[0], "ns", None, stepped)
-    assert again["spec"]["weightFormat"] == "fp8" and again["metadata"]["annotations"][n.ANN_JOB_WEIGHT_FORMAT] == "fp8"
-    back = copy.deepcopy(changed)
-    back["spec"]["samplerGroups"][0]["weightFormat"] = "bf16"
-    job3 = RLJob.from_manifest(back)
-    assert builders.build_samplergroup(job3, job3.spec.sampler_groups[0], "ns", None, stepped)["spec"]["weightFormat"] == "bf16"
+    assert stepped.weight_formats(job2) == {}
+    children = builders.build_job_children(job2, "ns", None, load_catalog(None), weight_formats=stepped.weight_formats(job2))
+    assert next(c for c in children if c["kind"] == "SamplerGroup")["spec"]["weightFormat"] == "bf16"
 
 
 @pytest.mark.parametrize("patience", [0, 1001])

@@ -1,6 +1,6 @@
 """Against the real control plane: the precision autopilot (`spec.router.autopilot`) moves a group whose
 reported mismatch is made worse up nvfp4 -> fp8 -> bf16 on its SamplerGroup (Events, the RLJob's
-status), then quarantines it at the top; the RLJob's spec is never written, its own changes keep the
+status and its decisions), then quarantines it at the top; the RLJob's spec is never written, its own changes keep the
 override, and a new weightFormat in the RLJob ends it. With `stepDown`, a group made worse and then
 better steps up, back down after its cool-down, and up again with the cool-down doubled when it
 breaches at the cheaper format. A group answering invalid tokens is quarantined at its format (issue 39
@@ -56,6 +56,12 @@ def prepare(kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pyt
     return get
 
 
+def decision(get: Callable[[str, str], dict], group: str) -> dict:
+    """The group's decision in the RLJob's status.decisions (operator/decide.py; {} before the first)."""
+    groups = (get("rljob", JOB).get("status", {}).get("decisions") or {}).get("groups") or []
+    return next((g for g in groups if g["name"] == group), {})
+
+
 def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1, **autopilot: object) -> dict:
     return {
         "apiVersion": "rlfleet.dev/v1alpha1",
@@ -100,8 +106,7 @@ def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_
         generation = get("rljob", JOB)["metadata"]["generation"]
         exporter.update(2, {"kl_k3": 0.05, "group/fast/kl_k3": 0.05})  # made worse
 
-        wait_for("quarantined at the top", lambda: fast()["metadata"].get("annotations", {}).get(
-            "rlfleet.dev/quarantined") == "true")  # fmt: skip
+        wait_for("quarantined at the top", lambda: decision(get, "fast").get("quarantined") is True)
         assert fast()["spec"]["weightFormat"] == "bf16"
         assert sorted(events("PrecisionStepped")) == ["KL 0.05 > 0.01 for 1 intervals: weightFormat fp8 -> bf16",
                                                       "KL 0.05 > 0.01 for 1 intervals: weightFormat nvfp4 -> fp8"]  # fmt: skip
@@ -167,8 +172,8 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
         ]  # fmt: skip
         status = wait_for("the status", lambda: (s := get("rljob", JOB)["status"].get("precisionAutopilot")) == {"fast": doubled} and s)
         assert status == {"fast": doubled}
-        # the doubled cool-down is in the SamplerGroup's status (an operator restart restores it from there)
-        wait_for("the cool-down in status", lambda: get("samplergroup", f"{JOB}-fast")["status"].get("precisionCooldown")
+        # the doubled cool-down is in the RLJob's status.decisions (a restarted operator goes on from there)
+        wait_for("the cool-down in status", lambda: decision(get, "fast").get("memory", {}).get("precisionCooldown")
                  == {"cooldownIntervals": 4, "onProbation": False})  # fmt: skip
         job = get("rljob", JOB)
         assert job["metadata"]["generation"] == 1 and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
@@ -195,7 +200,7 @@ def test_a_group_answering_invalid_tokens_is_quarantined_at_its_format_and_kubec
                             "group/fast/invalid_reason_logprob_not_finite_or_positive": 40.0,
                             "group/fast/invalid_reason_sampled_token_not_in_support": 8.0})  # fmt: skip
         kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(manifest()))
-        wait_for("quarantined", lambda: fast()["metadata"].get("annotations", {}).get("rlfleet.dev/quarantined") == "true")
+        wait_for("quarantined", lambda: decision(get, "fast").get("quarantined") is True)
         assert fast()["spec"]["weightFormat"] == "nvfp4"  # no step up: a precision does not repair garbage
         reason = ("invalid share 0.75 > 0.05 (top reason logprob_not_finite_or_positive: 40 tokens) for 1 intervals: "
                   "quarantined (invalid answers are not a precision to step up from)")  # fmt: skip

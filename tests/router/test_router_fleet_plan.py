@@ -106,29 +106,12 @@ def test_tokens_per_replica_are_taken_only_from_a_steady_group_and_kept_otherwis
 def test_a_steady_figure_keeps_what_it_was_read_at_and_is_dropped_when_the_format_changes() -> None:
     first = fleetplan.observe(FleetMemory(), [reading("b200-nvfp4", 2, tps=8000.0)], now="2026-12-05T10:00:00Z")
     assert first.steady == {"b200-nvfp4": SteadyFigure(4000.0, 2, "nvfp4", "2026-12-05T10:00:00Z")}
-    assert first.steady["b200-nvfp4"].status() == {"tokensPerSecondPerReplica": 4000.0, "replicas": 2,
-                                                   "weightFormat": "nvfp4", "measuredAt": "2026-12-05T10:00:00Z"}  # fmt: skip
     # scaled to 0: never steady again, the figure stays (of the same format)
     zero = fleetplan.observe(first, [reading("b200-nvfp4", 0)], now="2026-12-05T10:01:00Z")
     assert zero.steady == first.steady
     # the autopilot moved it to fp8: a figure of nvfp4 says nothing of fp8
     moved = fleetplan.observe(zero, [FleetReading("b200-nvfp4", "b200", "fp8", 1, 5.99, 0, 0, None, None, None, False)])
     assert moved.steady == {}
-
-
-def test_a_restart_restores_each_groups_steady_figure_from_its_samplergroup_status() -> None:
-    def sg(name: str, fmt: str, figure: object) -> dict:
-        return {"spec": {"name": name, "weightFormat": fmt, "replicas": 0}, "status": {"steadyThroughput": figure}}
-
-    figure = {"tokensPerSecondPerReplica": 1000.0, "replicas": 1, "weightFormat": "bf16", "measuredAt": "2026-12-05T10:00:00Z"}
-    restored = fleetplan.restore([
-        sg("a100-bf16", "bf16", figure),
-        sg("b200-fp8", "fp8", {**figure, "weightFormat": "nvfp4"}),  # read at another format: not used
-        sg("h100-fp8", "fp8", {"replicas": 1}),  # not a figure
-        {"spec": {"name": "b200-nvfp4"}},  # none yet
-    ])  # fmt: skip
-    assert restored.steady == {"a100-bf16": SteadyFigure(1000.0, 1, "bf16", "2026-12-05T10:00:00Z")}
-    assert restored.ready == {}  # every group first seen again
 
 
 def test_a_group_without_a_figure_is_planned_at_an_estimate_from_the_catalogs_ratios(tmp_path) -> None:

@@ -1,7 +1,7 @@
 """Against the real control plane: a group the fleet-mix optimizer scaled to 0 replicas comes back after an
 operator restart. A group at 0 replicas is never measured, and the operator's memory of its tokens/s per
-replica dies with the process: the figure is persisted in the SamplerGroup's `status.steadyThroughput`
-and restored from it (operator/fleetplan.py `restore`), and RLJob `status.fleetPlan.throughput` says
+replica dies with the process: the figure is kept in the RLJob's `status.decisions` and the
+restarted operator goes on from it (operator/decide.py), and RLJob `status.fleetPlan.throughput` says
 which figure the group was planned at.
 
 The operator runs as `rlfleet operator run` subprocesses, the first one killed (SIGKILL) and a second one
@@ -91,6 +91,11 @@ def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_pe
     def apply(body: dict) -> None:
         kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(body))
 
+    def steady(group: str) -> dict | None:
+        """The group's steady figure in the RLJob's status.decisions (operator/decide.py)."""
+        groups = (get("rljob", JOB).get("status", {}).get("decisions") or {}).get("groups") or []
+        return next((g.get("memory", {}).get("steadyThroughput") for g in groups if g["name"] == group), None)
+
     def plan() -> dict:
         return get("rljob", JOB).get("status", {}).get("fleetPlan") or {}
 
@@ -105,21 +110,20 @@ def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_pe
         try:
             apply(manifest(url, 5000))
             # a100 is measured at 1 replica (steady over the Prometheus window) and kept: the plan needs it
-            figure = wait_for("a100's steady figure in its status", lambda: get("samplergroup", A100)
-                              .get("status", {}).get("steadyThroughput"))  # fmt: skip
+            figure = wait_for("a100's steady figure in the decisions", lambda: steady("a100-bf16"))
             assert {k: figure[k] for k in ("tokensPerSecondPerReplica", "replicas", "weightFormat")} == {
                 "tokensPerSecondPerReplica": 1000.0, "replicas": 1, "weightFormat": "bf16"}  # fmt: skip
-            # the demand falls: a100 goes to 0 and its figure stays in its status
+            # the demand falls: a100 goes to 0 and its figure stays in the decisions
             apply(manifest(url, 4000))
             wait_for("a100 at 0 replicas", lambda: get("samplergroup", A100)["spec"]["replicas"] == 0
                      and (get("samplergroup", A100).get("status", {}).get("readyReplicas") or 0) == 0)  # fmt: skip
             assert fleet_scaled(A100) == ["replicas 1 -> 0 (Scaled)"]
-            assert get("samplergroup", A100)["status"]["steadyThroughput"] == figure
+            assert steady("a100-bf16") == figure
         finally:
             os.killpg(operator.pid, signal.SIGKILL)
             operator.wait(10)
 
-        # The restart: the new process knows nothing of a100 but its status; a100 makes nothing from now on,
+        # The restart: the new process knows nothing of a100 but the RLJob's status.decisions; a100 makes nothing from now on,
         # so the figure the optimizer plans it at can only be the restored one.
         per_replica[A100] = 0.0
         apply(manifest(url, 5000))
@@ -133,7 +137,7 @@ def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_pe
                 "tokensPerSecondPerReplica": 1000.0, "basis": "measured",
                 "detail": f"steady reading over 1 replica(s) at bf16, {figure['measuredAt']}"}  # fmt: skip
             assert back["throughput"]["b200-nvfp4"]["basis"] == "measured"
-            assert get("samplergroup", A100)["status"]["steadyThroughput"] == figure
+            assert steady("a100-bf16") == figure
             kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
         finally:
             os.killpg(operator.pid, signal.SIGKILL)

@@ -14,7 +14,7 @@ from rlfleet.api import RLJob
 from rlfleet.api.crdgen import generate
 from rlfleet.catalog import load_catalog
 from rlfleet.fleet import MeasuredGroup
-from rlfleet.operator import autopilot, rebalancer
+from rlfleet.operator import autopilot, decide
 from rlfleet.operator import status as st
 from rlfleet.operator.autopilot import AutopilotMemory, AutopilotReading
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, parse_trainer_group_metrics, rebalance
@@ -62,14 +62,14 @@ def drive(readings: list[AutopilotReading], patience: int = 2) -> list[list[auto
 def test_the_exporters_per_group_invalid_tokens_parse_into_the_groups_input() -> None:
     trainer = parse_trainer_group_metrics(EXPORTER_TEXT)
     # the objective's own `invalid_tokens` count is not a reason, and a 0 count is no reason either
-    assert rebalancer.invalid_tokens(trainer["bad"]) == {"logprob_not_finite_or_positive": 24.0,
+    assert decide.invalid_tokens(trainer["bad"]) == {"logprob_not_finite_or_positive": 24.0,
                                                          "sampled_token_not_in_support": 16.0}  # fmt: skip
     job = RLJob.from_manifest(JOB)
     sg = {"metadata": {"name": "j-bad"}, "spec": {"name": "bad", "accelerator": "b200", "replicas": 1},
           "status": {"readyReplicas": 1}}  # fmt: skip
-    g = rebalancer.group_input(job, sg, {}, trainer["bad"], 100.0)
-    assert g.trained_fraction == 1 / 6 and dict(g.invalid_tokens) == rebalancer.invalid_tokens(trainer["bad"])
-    assert rebalancer.group_input(job, sg, {}, {}, 100.0).trained_fraction is None  # no report: none
+    g = decide.group_input(job, sg, {}, trainer["bad"], 100.0)
+    assert g.trained_fraction == 1 / 6 and dict(g.invalid_tokens) == decide.invalid_tokens(trainer["bad"])
+    assert decide.group_input(job, sg, {}, {}, 100.0).trained_fraction is None  # no report: none
 
 
 def test_an_invalid_share_over_the_bound_quarantines_at_any_format_without_a_step_up() -> None:

@@ -1,4 +1,4 @@
-"""The rebalance tick's pieces that need no cluster: the quarantine path, fleet costs, state seeding, catalog inputs,
+"""The rebalance tick's pieces that need no cluster: the quarantine path, fleet costs, catalog inputs,
 the Prometheus query, and pushing a result to a real router service over its admin API."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from aiohttp import web
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
+from rlfleet.operator import decide
 from rlfleet.operator import rebalancer as timer
+from rlfleet.operator.decide import Decisions, GroupDecision
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.core import Router
@@ -46,13 +48,13 @@ def test_group_input_takes_price_gpus_quarantine_and_trainer_metrics_from_the_ri
     job = RLJob.from_manifest(JOB)
     sg = samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1, tensorParallel=2,
                       annotations={"rlfleet.dev/quarantined": "true"})  # fmt: skip
-    inp = timer.group_input(job, sg, {}, {"kl_k3": 0.01, "oor_fraction": 0.002}, tokens_per_second=123.0)
+    inp = decide.group_input(job, sg, {}, {"kl_k3": 0.01, "oor_fraction": 0.002}, tokens_per_second=123.0)
     assert inp.price_per_gpu_hour == get_catalog().get("a100").cost_per_gpu_hour
     assert (inp.gpus, inp.ready_replicas, inp.quarantined) == (2, 1, True)
     assert (inp.kl, inp.oor_fraction, inp.tokens_per_second) == (0.01, 0.002, 123.0)
-    plain = timer.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, {}, None)
+    plain = decide.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, {}, None)
     assert (plain.gpus, plain.ready_replicas, plain.quarantined) == (2, 0, False)
-    config = timer.job_config(job)
+    config = decide.job_config(job, get_catalog())
     assert config.reference_accelerator == "b200" and config.max_share_change == 0.1
     assert config.reference_price_per_gpu_hour == get_catalog().get("b200").cost_per_gpu_hour
 
@@ -60,8 +62,8 @@ def test_group_input_takes_price_gpus_quarantine_and_trainer_metrics_from_the_ri
 def test_collapse_quarantine_goes_through_the_one_quarantine_path() -> None:
     job = RLJob.from_manifest(JOB)
     sg = samplergroup("h100-fp8", {"readyReplicas": 2}, accelerator="h100", replicas=2)
-    assert not timer.group_input(job, sg, {}, {}, None).quarantined
-    assert timer.group_input(job, sg, {}, {}, None, frozenset({"h100-fp8"})).quarantined
+    assert not decide.group_input(job, sg, {}, {}, None).quarantined
+    assert decide.group_input(job, sg, {}, {}, None, frozenset({"h100-fp8"})).quarantined
 
 
 def test_a_groups_routing_mismatch_goes_from_the_trainers_metrics_to_its_status() -> None:
@@ -69,8 +71,8 @@ def test_a_groups_routing_mismatch_goes_from_the_trainers_metrics_to_its_status(
     the SamplerGroup's status.routingMismatch; a dense model's trainer reports none, and the status has none."""
     job = RLJob.from_manifest(JOB)
     moe = {"kl_k3": 0.01, "oor_fraction": 0.002, "routing_mismatch_tokens": 0.0625, "routing_mismatch_layers": 0.03125}
-    inputs = [timer.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, moe, 10.0),
-              timer.group_input(job, samplergroup("a100-bf16", {}, accelerator="a100"), {}, {"kl_k3": 0.01}, 10.0)]
+    inputs = [decide.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, moe, 10.0),
+              decide.group_input(job, samplergroup("a100-bf16", {}, accelerator="a100"), {}, {"kl_k3": 0.01}, 10.0)]
     assert inputs[0].routing_mismatch == 0.0625 and inputs[1].routing_mismatch is None
     result = rebalance(inputs, None, 0.0, RebalanceConfig())
     assert result.groups["h100-fp8"].status_patch()["routingMismatch"] == 0.0625
@@ -111,18 +113,6 @@ def test_fleet_costs_count_usable_tokens_and_the_saving_against_the_trainer_clas
     assert patch["costPerHour"] == 6.0 and patch["costPer1MTokens"] == round(6 / 3600 / 2400 * 1e6, 4)
 
 
-def test_state_is_reseeded_from_status_after_a_restart() -> None:
-    history = [{"time": "2026-01-01T00:00:00Z", "from": 0.5, "to": 0.6, "reason": "throughput"}]
-    sgs = [samplergroup("a", {"share": 0.6, "tokensPerSecond": 300.0, "shareHistory": history}),
-           samplergroup("b", {"share": 0.4, "tokensPerSecond": 100.0}), samplergroup("c", {})]  # fmt: skip
-    state = timer.seed_state(sgs)
-    assert set(state.groups) == {"a", "b"}
-    inputs = [GroupInput(n, 1, 1, 1.0, tokens_per_second=t) for n, t in (("a", 300.0), ("b", 100.0))]
-    result = rebalance(inputs, state, 0.0, RebalanceConfig())
-    # Continues from 0.6 / 0.4 toward 0.75 / 0.25 (bounded), keeping the history.
-    assert result.shares["a"] == pytest.approx(0.7) and result.groups["a"].history[0] == history[0]
-
-
 def test_pod_ready() -> None:
     from rlfleet.operator.pods import pod_ready, pod_view
 
@@ -161,7 +151,7 @@ async def test_prometheus_rate_is_read_from_a_real_http_api() -> None:
 
 
 async def test_push_to_router_sends_quarantine_and_shares_and_no_replicas(monkeypatch) -> None:
-    """The push's bodies, as a real router app receives them: each group's quarantine, then every share; the
+    """The push's bodies, as a real router app receives them: each decided quarantine, then every share; the
     replicas are the router's own (router/membership.py), so the push leaves them as they are."""
     monkeypatch.setenv("RLFLEET_ROUTER_ADMIN_TOKEN", "tok")
     config = RouterConfig(groups=[GroupConfig(name="a", replicas=["http://10.0.0.1:30000", "http://10.0.0.2:30000"]),
@@ -182,12 +172,14 @@ async def test_push_to_router_sends_quarantine_and_shares_and_no_replicas(monkey
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
     result = rebalance(inputs, None, 0.0, RebalanceConfig(max_share_change=1.0, min_share=0.0))
+    decisions = Decisions(0.0, {g: GroupDecision(g, 1, "", "bf16", "", result.shares[g], "", g == "b", "", "bf16") for g in "ab"},
+                          result=result)  # fmt: skip
     try:
         async with aiohttp.ClientSession() as http:
-            assert await timer.push_to_router(http, url, "tok", result, {"a": False, "b": True})
+            assert await timer.push_to_router(http, url, "tok", decisions)
             pushed = list(received)
-            assert not await timer.push_to_router(http, url, "wrong", result, {"a": False})
-            assert not await timer.push_to_router(http, "http://127.0.0.1:1", "tok", result, {"a": False})
+            assert not await timer.push_to_router(http, url, "wrong", decisions)
+            assert not await timer.push_to_router(http, "http://127.0.0.1:1", "tok", decisions)
         assert pushed == [
             ("PUT", "/admin/groups/a", {"quarantined": False}),
             ("PUT", "/admin/groups/b", {"quarantined": True}),
@@ -264,12 +256,12 @@ def test_the_default_reference_is_estimated_from_the_catalogs_ratios_and_says_so
     from prometheus_client import REGISTRY
 
     job = RLJob.from_manifest(JOB)
-    config = timer.job_config(job)
+    config = decide.job_config(job, get_catalog())
     assert config.catalog is get_catalog() and config.reference_accelerator == "b200"
     inputs = [
-        timer.group_input(job, samplergroup("h100-fp8", {"readyReplicas": 2}, accelerator="h100", replicas=2,
+        decide.group_input(job, samplergroup("h100-fp8", {"readyReplicas": 2}, accelerator="h100", replicas=2,
                                             weightFormat="fp8"), {}, {"oor_fraction": 0.0}, 1000.0),
-        timer.group_input(job, samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1,
+        decide.group_input(job, samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1,
                                             tensorParallel=2), {}, {"oor_fraction": 0.1}, 400.0),
     ]  # fmt: skip
     result = rebalance(inputs, None, 0.0, config)
@@ -295,7 +287,7 @@ def test_the_rljob_names_the_reference_fleet_and_its_figures_win_over_the_measur
 
     named = copy.deepcopy(JOB)
     named["spec"]["router"] = {"reference": {"accelerator": "h200", "tokensPerGpuSecond": 1500, "oorFraction": 0.1}}
-    config = timer.job_config(RLJob.from_manifest(named))
+    config = decide.job_config(RLJob.from_manifest(named), get_catalog())
     assert (config.reference_accelerator, config.reference_price_per_gpu_hour) == ("h200", 3.79)  # the catalog's h200
     assert (config.reference_tokens_per_gpu_second, config.reference_oor_fraction) == (1500.0, 0.1)
     inputs = [
@@ -310,13 +302,13 @@ def test_the_rljob_names_the_reference_fleet_and_its_figures_win_over_the_measur
     assert costs["savingPercent"] == 10.77
     priced = copy.deepcopy(named)
     priced["spec"]["router"]["reference"]["costPerGpuHour"] = 4.5
-    assert timer.job_config(RLJob.from_manifest(priced)).reference_price_per_gpu_hour == 4.5
+    assert decide.job_config(RLJob.from_manifest(priced), get_catalog()).reference_price_per_gpu_hour == 4.5
 
     for bad, message in (("nope", "unknown accelerator 'nope'"), ("cpu", None)):
         wrong = copy.deepcopy(JOB)
         wrong["spec"]["router"] = {"reference": {"accelerator": bad}}
         if message is None:  # a class that runs bf16 is a valid reference
-            assert timer.job_config(RLJob.from_manifest(wrong)).reference_accelerator == "cpu"
+            assert decide.job_config(RLJob.from_manifest(wrong), get_catalog()).reference_accelerator == "cpu"
             continue
         with pytest.raises(ValidationError, match=message):
             RLJob.from_manifest(wrong)
