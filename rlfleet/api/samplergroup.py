@@ -293,7 +293,7 @@ class SamplerGroupStatus(ApiModel):
     cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")
     """USD per million usable tokens (trained on and inside the MIS band: tokens/s x usableFraction) at the catalog's price per GPU-hour (and its weight traffic, egressCostPerHour)."""
     quarantined: bool | None = None
-    """True when the group gets no new sessions (manual or by the collapse detector)."""
+    """True when the group gets no new sessions (manual, by the collapse detector or held by the precision autopilot: the RLJob's status.decisions says which)."""
     share_history: list[ShareChange] = Field(default_factory=list, max_length=5)
     """The last (at most 5) share changes, newest last."""
     conditions: list[Condition] = conditions_field()
