@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "tests" / "cluster"))
 sys.path.insert(0, str(REPO / "tests"))
 
 import controlplane  # noqa: E402 - tests/cluster, put on sys.path just above
-from cluster_wait import wait_for  # noqa: E402
+from support.waits import wait_for  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "rljob-cpu.yaml"
 JOB, CLAIM, STORE_PATH = "cpu", "rlfleet-cpu-weights", "/weights/cpu"

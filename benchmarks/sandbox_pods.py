@@ -54,8 +54,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import controlplane  # noqa: E402 - tests/cluster, put on sys.path just above
 import nodeimages  # noqa: E402
 import realnode  # noqa: E402
-from cluster_wait import wait_for  # noqa: E402
 from sandbox import HostBox, loadavg, ms, pct, shipped_files  # noqa: E402 - benchmarks/sandbox.py
+from support.waits import wait_for  # noqa: E402
 
 from rlfleet.sandbox import SandboxLimits  # noqa: E402
 from rlfleet.sandbox.local import LocalSandbox, bwrap_problem  # noqa: E402

@@ -4,12 +4,12 @@
 kube-scheduler, kwok fake GPU/CPU nodes) built from Go modules by tests/cluster/controlplane.py. It is
 started lazily, once per session, on free ports in a temp dir, and stopped at session end. Set
 RLFLEET_KUBE_WORKDIR=<dir of a `controlplane.py up`> to reuse a running one instead (fast iteration).
-`namespace` (function scope): a fresh namespace, deleted afterwards. See docs/testing.md.
+`namespace` (function scope): a fresh namespace, deleted afterwards. `crds` (session scope): rlfleet's CRDs
+installed on it. Helpers the test files share are in tests/support/. See docs/testing.md.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -20,27 +20,13 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
+from support.cluster_modules import cluster_module
 
 # Property tests are derandomised (a fixed example sequence per test, no example database), so CI is
 # deterministic: a failure found once is found on every run. HYPOTHESIS_PROFILE=explore searches anew.
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-_CONTROLPLANE_PY = Path(__file__).resolve().parent / "cluster" / "controlplane.py"
-
-
-def _controlplane_module():
-    """tests/ is not a package (and the repo root must not go on sys.path): load the file directly."""
-    name = "rlfleet_tests_controlplane"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _CONTROLPLANE_PY)
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
 
 @pytest.fixture(scope="session")
 def kube() -> Iterator:
@@ -49,7 +35,7 @@ def kube() -> Iterator:
     Attributes: kubeconfig, kubectl_bin, bin_dir, server, gpu_nodes {class: [node, ...]}, cpu_nodes,
     start_seconds; methods env(), kubectl(*args, input=None, check=True), api_client(), get_json(*args).
     """
-    cp = _controlplane_module()
+    cp = cluster_module("controlplane")
     attach = os.environ.get("RLFLEET_KUBE_WORKDIR")
     if attach:
         yield cp.KubeCluster.from_state(Path(attach))
@@ -67,6 +53,14 @@ def kube() -> Iterator:
             plane.stop()
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def crds(kube) -> None:
+    """rlfleet's CRDs installed and Established on the control plane (support/control_plane.py)."""
+    from support.control_plane import install_crds
+
+    install_crds(kube)
 
 
 @pytest.fixture

@@ -3,12 +3,12 @@ rejected by pydantic with the same words the CRD's CEL uses."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import yaml
 from pydantic import ValidationError
+from support.invalid_rljobs import CASES, apply_case
 
 from rlfleet.api import (
     RLJob,
@@ -22,26 +22,10 @@ from rlfleet.api import (
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rljob.yaml"
-CASES = yaml.safe_load((Path(__file__).parent / "invalid_rljobs.yaml").read_text())
 
 
 def example_manifest() -> dict:
     return yaml.safe_load(EXAMPLE.read_text())
-
-
-def apply_case(manifest: dict, case: dict) -> dict:
-    out = copy.deepcopy(manifest)
-    for dotted, value in case["set"].items():
-        *parents, leaf = dotted.split(".")
-        node = out
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        key = int(leaf) if isinstance(node, list) else leaf
-        if case.get("delete"):
-            del node[key]
-        else:
-            node[key] = value
-    return out
 
 
 def test_example_is_the_reference_fleet() -> None:

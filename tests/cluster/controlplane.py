@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import ctypes
 import datetime as dt
 import fcntl
 import hashlib
@@ -35,7 +34,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -52,6 +50,11 @@ from typing import Any
 import yaml
 
 CLUSTER_DIR = Path(__file__).resolve().parent
+if str(CLUSTER_DIR.parent) not in sys.path:  # run as a script (`controlplane.py up`): tests/, for support/
+    sys.path.append(str(CLUSTER_DIR.parent))
+from support.ports import free_port  # noqa: E402 - tests/, put on sys.path just above
+from support.processes import die_with_parent  # noqa: E402
+
 GO_DIR = CLUSTER_DIR / "go"
 # Binaries live in the user's cache, keyed by component, version and a hash of the wrapper module,
 # so a fresh clone on a machine that built them before starts warm (never required: cold builds).
@@ -533,18 +536,6 @@ def _write_kubeconfig(path: Path, server: str, pki: Path, user: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it when the process that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Proc:
     name: str
@@ -700,7 +691,7 @@ class ControlPlane:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: stop() signals the whole group
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 cwd=self.workdir,
                 env=env or os.environ.copy(),
             )

@@ -181,7 +181,7 @@ class Kueue:
                     "--zap-log-level=2",
                 ],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=cp._die_with_parent, cwd=self.dir,
+                start_new_session=True, preexec_fn=cp.die_with_parent, cwd=self.dir,
             )  # fmt: skip
         self.proc = cp.Proc("kueue", popen, log)
         self._wait_ready(health_port, timeout)

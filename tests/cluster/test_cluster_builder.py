@@ -3,27 +3,12 @@ except the cache test, which needs the binaries `scripts/test` builds first)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
+from support.cluster_modules import cluster_module
 
-
-def _controlplane():
-    name = "rlfleet_tests_controlplane"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parent / "controlplane.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-cp = _controlplane()
+cp = cluster_module("controlplane")
 
 STAGING = (
     "api apiextensions-apiserver apimachinery apiserver cli-runtime client-go cloud-provider cluster-bootstrap "

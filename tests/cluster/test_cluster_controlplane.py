@@ -8,28 +8,16 @@ import json
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import yaml
+from support.waits import wait_for
 
 pytestmark = pytest.mark.cluster
 
 H100_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def gpu_pod_template(app: str, gpus: int, product: str) -> dict[str, Any]:

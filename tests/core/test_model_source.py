@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.ports import free_port
 
 from rlfleet.model_source import CHECKSUMS_FILE, ModelSourceError, is_hf_checkpoint, resolve_model_source
 from rlfleet.tiny_qwen3 import build_tiny_qwen3, vocabulary
@@ -34,7 +35,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     for k, v in weights_conftest.CREDS.items():
         os.environ.setdefault(k, v)
-    port = weights_conftest.free_port()
+    port = free_port()
     proc = weights_conftest.start_moto(port)
     try:
         yield f"http://127.0.0.1:{port}"

@@ -16,30 +16,16 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_fleet_plan import REFERENCE, group, request
 
-from rlfleet.fleet import plan_fleet, request_from_mapping
+from rlfleet.fleet import plan_fleet
 from rlfleet.operator.fleetplan import fleet_reading
 
 REPO = Path(__file__).resolve().parents[2]
-REFERENCE = {"tokensPerSecondPerReplica": 1000, "costPerReplicaHour": 3.6, "oorFraction": 0.0}
-
-
-def group(name: str, tps: float, cost: float, max_replicas: int = 10, **extra: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "accelerator": "h100",
-        "weightFormat": "fp8",
-        "tokensPerSecondPerReplica": tps,
-        "costPerReplicaHour": cost,
-        "kl": 0.0,
-        "oorFraction": extra.pop("oor", 0.0),
-        "maxReplicas": max_replicas,
-        **extra,
-    }
 
 
 def plan(groups: list[dict[str, Any]], demand: float, **extra: Any) -> Any:
-    return plan_fleet(request_from_mapping({"demand": {"usableTokensPerSecond": demand}, "groups": groups, "reference": REFERENCE, **extra}))
+    return plan_fleet(request(groups, demand, **extra))
 
 
 @pytest.mark.parametrize("spot_first_in_the_file", [False, True])

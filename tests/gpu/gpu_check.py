@@ -50,7 +50,6 @@ import importlib.util
 import json
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -221,9 +220,8 @@ def _rel_l2(candidate: Any, reference: Any) -> float:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """tests/support/ports.py's, loaded by path (this script runs alone: tests/ is not on sys.path)."""
+    return int(_load_by_path("rlfleet_gpu_check_ports", REPO / "tests" / "support" / "ports.py").free_port())
 
 
 def _ensure_process_group(ctx: Context) -> None:

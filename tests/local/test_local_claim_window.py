@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from claim_window import kill_inside_the_claim_window
-from cluster_wait import wait_for
+from support.claim_window import kill_inside_the_claim_window
+from support.waits import wait_for
 from test_local_run import fleet_hosts, small_manifest
 
 from rlfleet.channel import WeightChannel, manifest_key
@@ -19,7 +19,7 @@ from rlfleet.trainer import checkpoint as ckpt
 
 def test_a_local_run_killed_inside_its_claim_window_resumes_and_publishes_on(tmp_path: Path) -> None:
     """The whole run (trainer; its fleet host notices its stdin close) is SIGKILLed while version 2 is
-    claimed, written and its manifest too, the pointer still at 1 (tests/claim_window.py). `--resume` loads
+    claimed, written and its manifest too, the pointer still at 1 (tests/support/claim_window.py). `--resume` loads
     the step-2 checkpoint, publishes version 2 again over its own claim (its id local/<job>, its writer
     lease), trains to step 4 and exits 0; every kept version is the run's and verifies file by file."""
     manifest = small_manifest(tmp_path)

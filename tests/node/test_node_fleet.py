@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cluster_wait import wait_for
+from support.waits import wait_for
 
 from rlfleet.channel import ChannelError, Manifest
 from rlfleet.operator import naming

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import realnode
-from cluster_wait import wait_for
+from support.waits import wait_for
 
 # a cold session builds the images in its first test's setup (scripts/test builds them before pytest)
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.timeout(1800)]

@@ -34,7 +34,7 @@ from typing import Any
 import nodeimages
 import pytest
 import yaml
-from cluster_wait import wait_for
+from support.waits import wait_for
 
 from rlfleet.api import RLJob
 from rlfleet.operator import sandboxes

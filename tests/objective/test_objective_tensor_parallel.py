@@ -7,22 +7,15 @@ computation (done in the same process) within 1e-10, in every mode, with padding
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support.ports import free_port
 
 from rlfleet.trainer.objective import ObjectiveConfig, TokenBatch, policy_loss
 
 WORLD = 2
 DTYPE = torch.float64
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def problem(seed: int, support: bool, num_tokens: int = 13, vocab: int = 18, k: int = 5, hidden_size: int = 6):
@@ -113,4 +106,4 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_sharded_loss_and_gradient_equal_unsharded():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)

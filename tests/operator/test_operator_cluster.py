@@ -11,16 +11,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from cluster_wait import wait_for
-from kopf.testing import KopfRunner
+from support.control_plane import bind_claim, get, operator_in_process
+from support.processes import start_operator
+from support.waits import wait_for
 from test_operator_builders import LAUNCH_KEY, launched_argv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,26 +38,9 @@ FLAGS = {
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def crds(kube) -> None:
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-
-
 @pytest.fixture(autouse=True)
 def fast_timers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLFLEET_CHANNEL_STATUS_INTERVAL", "2")
-
-
-@contextmanager
-def operator(kube, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
-    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
-        yield runner
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output
 
 
 def store_dir(namespace: str) -> Path:
@@ -87,18 +67,7 @@ def apply_example(kube, namespace: str) -> None:
 def shared_volume(kube, namespace: str) -> None:
     """The example's weights PVC (`rlfleet-weights`), statically bound to a hostPath PV: on a real cluster
     this is a ReadWriteMany volume the user provides; kwok never mounts it."""
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"weights-{namespace}"},
-        "spec": {
-            "capacity": {"storage": "1Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "",
-            "hostPath": {"path": str(store_dir(namespace))},
-            "claimRef": {"namespace": namespace, "name": "rlfleet-weights"},
-        },
-    }
+    pv = bind_claim(kube, namespace, "rlfleet-weights", store_dir(namespace), "ReadWriteMany", "1Gi")
     pvc = {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -106,13 +75,11 @@ def shared_volume(kube, namespace: str) -> None:
         "spec": {
             "accessModes": ["ReadWriteMany"],
             "storageClassName": "",
-            "volumeName": pv["metadata"]["name"],
+            "volumeName": pv,
             "resources": {"requests": {"storage": "1Gi"}},
         },  # fmt: skip
     }
-    kube.kubectl(
-        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [pv, pvc]})
-    )
+    kube.kubectl("apply", "-f", "-", input=json.dumps(pvc))
 
 
 def column(table: list[str], name: str, row: int = 1) -> str:
@@ -122,11 +89,6 @@ def column(table: list[str], name: str, row: int = 1) -> str:
     rest = header[start + len(name) :]
     end = start + len(name) + (len(rest) - len(rest.lstrip())) if rest.strip() else None
     return table[row][start:end].strip()
-
-
-def get(kube, namespace: str, *what: str) -> Any:
-    result = kube.kubectl("get", *what, "-n", namespace, "-o", "json", check=False)
-    return json.loads(result.stdout) if result.returncode == 0 else None
 
 
 def job_phase(kube, namespace: str) -> str | None:
@@ -155,7 +117,7 @@ def items(kube, namespace: str, kind: str, selector: str = f"rlfleet.dev/job={JO
 def test_example_job_creates_a_placed_ready_fleet(
     kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with operator(kube, namespace, monkeypatch):
+    with operator_in_process(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
         apply_example(kube, namespace)
         job = wait_running(kube, namespace)
@@ -253,7 +215,7 @@ def test_example_job_creates_a_placed_ready_fleet(
 def test_spec_update_group_removal_suspend_resume_and_deletion(
     kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with operator(kube, namespace, monkeypatch):
+    with operator_in_process(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
         apply_example(kube, namespace)
         wait_running(kube, namespace)
@@ -321,7 +283,7 @@ def test_cockpit_columns_and_deletion_without_the_operator(
     RLJob carries no finalizer, so it deletes while the operator is stopped (docs/operations.md)."""
     manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
     manifest["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # readable by the operator
-    with operator(kube, namespace, monkeypatch):
+    with operator_in_process(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
         wait_for("small Running", lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
@@ -354,32 +316,10 @@ def test_cockpit_columns_and_deletion_without_the_operator(
     wait_for("groups collected", lambda: not items(kube, namespace, "samplergroups", "rlfleet.dev/job=small"))
 
 
-def _start_operator(kube, namespace: str, log: Path) -> subprocess.Popen:
-    """`rlfleet operator run` as a subprocess, its log (verbose: kopf's handler lines) in `log`."""
-    env = {**kube.env(), "RLFLEET_CHANNEL_STATUS_INTERVAL": "2"}
-    return subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "rlfleet"),
-            "operator",
-            "run",
-            "--namespace",
-            namespace,
-            "--kubeconfig",
-            str(kube.kubeconfig),
-            "--standalone",
-            "--verbose",
-        ],  # fmt: skip
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("w"),
-        start_new_session=True,
-    )
-
-
 def test_operator_killed_mid_reconcile_converges_without_duplicates(
     kube, crds, namespace: str, tmp_path: Path
 ) -> None:
-    proc = _start_operator(kube, namespace, tmp_path / "operator-1.log")
+    proc = start_operator(kube, namespace, tmp_path / "operator-1.log", "--standalone", "--verbose")
     try:
         shared_volume(kube, namespace)
         apply_example(kube, namespace)
@@ -393,7 +333,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         partial = len(items(kube, namespace, "samplergroups"))
-        proc = _start_operator(kube, namespace, tmp_path / "operator-2.log")
+        proc = start_operator(kube, namespace, tmp_path / "operator-2.log", "--standalone", "--verbose")
         job = wait_running(kube, namespace, timeout=120)
         assert job["status"]["readyGroups"] == "8/8"
         assert len(items(kube, namespace, "samplergroups")) == 8
@@ -414,7 +354,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         third = tmp_path / "operator-3.log"
-        proc = _start_operator(kube, namespace, third)
+        proc = start_operator(kube, namespace, third, "--standalone", "--verbose")
 
         def resumed() -> bool:  # the restarted operator has handled the job and every group (resume)
             text = third.read_text()
@@ -470,7 +410,7 @@ def test_weightchannel_and_group_versions_from_a_real_store(
         (d / "config.json").write_text(json.dumps({"view": view}))
         views[view] = d
     channel.publish(views, version=1)
-    with operator(kube, namespace, monkeypatch):
+    with operator_in_process(kube, namespace, monkeypatch):
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
 
         def wc_status() -> dict | None:
@@ -525,17 +465,9 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
     manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
     manifest["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # readable by the operator
 
-    logs = {}
-
     def start(priority: int) -> subprocess.Popen:
-        env = {**kube.env(), "RLFLEET_PEERING_LIFETIME": "6"}
-        logs[priority] = open(tmp_path / f"operator-{priority}.log", "w")  # noqa: SIM115 - closed below
-        return subprocess.Popen(
-            [str(Path(sys.executable).parent / "rlfleet"), "operator", "run", "--namespace", namespace,
-             "--kubeconfig", str(kube.kubeconfig), "--peering", "rlfleet", "--priority", str(priority),
-             "--verbose"],  # fmt: skip
-            env=env, stdout=subprocess.DEVNULL, stderr=logs[priority], start_new_session=True,
-        )  # fmt: skip
+        return start_operator(kube, namespace, tmp_path / f"operator-{priority}.log", "--peering", "rlfleet",
+                              "--priority", str(priority), "--verbose", env={"RLFLEET_PEERING_LIFETIME": "6"})  # fmt: skip
 
     def peers() -> int:
         return len((get(kube, namespace, "kopfpeering", "rlfleet") or {}).get("status", {}) or {})
@@ -576,8 +508,6 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
         )
         assert "Handler 'reconcile_rljob' is invoked" in standby_log.read_text()
     finally:
-        for f in logs.values():
-            f.close()
         for proc in (leader, standby):
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -11,21 +11,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster_wait import wait_for
-from test_operator_cluster import get, operator
+from support.control_plane import bind_claim, get, operator_in_process
+from support.waits import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rljob-cpu.yaml"
 JOB = "cpu"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def crds(kube) -> None:
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
 
 
 def store_dir(namespace: str) -> Path:
@@ -39,24 +32,12 @@ def store_dir(namespace: str) -> Path:
 def bind_the_examples_claim(kube, namespace: str) -> None:
     """The test control plane has no provisioner: a PV statically bound to the example's claim."""
     claim = next(d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d["kind"] == "PersistentVolumeClaim")
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"cpu-weights-{namespace}"},
-        "spec": {
-            "capacity": {"storage": "2Gi"},
-            "accessModes": ["ReadWriteOnce"],
-            "storageClassName": "",
-            "hostPath": {"path": str(store_dir(namespace))},
-            "claimRef": {"namespace": namespace, "name": claim["metadata"]["name"]},
-        },
-    }
-    kube.kubectl("apply", "-f", "-", input=json.dumps(pv))
+    bind_claim(kube, namespace, claim["metadata"]["name"], store_dir(namespace), "ReadWriteOnce", "2Gi")
 
 
 def test_the_cpu_example_runs_on_cpu_nodes_without_gpus(kube, crds, namespace: str,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    with operator(kube, namespace, monkeypatch):
+    with operator_in_process(kube, namespace, monkeypatch):
         bind_the_examples_claim(kube, namespace)
         docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
         job = next(d for d in docs if d["kind"] == "RLJob")

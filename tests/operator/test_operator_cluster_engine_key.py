@@ -10,8 +10,9 @@ import base64
 import json
 
 import pytest
-from cluster_wait import wait_for
-from test_operator_cluster import JOB, apply_example, crds, get, items, operator, shared_volume  # noqa: F401
+from support.control_plane import get, operator_in_process
+from support.waits import wait_for
+from test_operator_cluster import JOB, apply_example, items, shared_volume
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -19,12 +20,12 @@ OPERATOR_LABELS = {"app.kubernetes.io/name": "rlfleet", "app.kubernetes.io/insta
 
 
 def test_the_key_secret_and_policies_are_owned_and_every_pod_references_the_key(
-    kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+    kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # as the chart's operator is told who it is (templates/deployment.yaml)
     monkeypatch.setenv("POD_NAMESPACE", "rlfleet-system")
     monkeypatch.setenv("RLFLEET_OPERATOR_POD_LABELS", ",".join(f"{k}={v}" for k, v in OPERATOR_LABELS.items()))
-    with operator(kube, namespace, monkeypatch):
+    with operator_in_process(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
         apply_example(kube, namespace)
         job = wait_for("the RLJob", lambda: get(kube, namespace, "rljob", JOB), 60)

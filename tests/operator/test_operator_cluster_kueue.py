@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster_wait import wait_for
-from test_operator_cluster import crds, example, get, operator, shared_volume  # noqa: F401 - crds: a fixture
+from support.control_plane import SPOT_LABEL, SPOT_TAINT, get, operator_in_process, spot_h100_node
+from support.waits import wait_for
+from test_operator_cluster import example, shared_volume
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
 from kueue import ADMISSION_GATE, Kueue, KueueNeedsRoot  # noqa: E402 - tests/cluster, put on sys.path just above
@@ -30,27 +31,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("cr
 JOB = "queued"
 QUEUE = "team-a"
 SPOT_NODE = "gpu-h100-spot-kueue"
-SPOT_LABEL = "cloud.google.com/gke-spot"  # the catalog's GKE spot label and taint (rlfleet/catalog/classes.py)
 ON_DEMAND_LABEL = "nvidia.com/gpu.present"  # GFD's label on every kwok GPU node (tests/cluster/controlplane.py)
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
-SPOT_TAINT = {"key": SPOT_LABEL, "value": "true", "effect": "NoSchedule"}
 TRAINER_GPUS = 2 * 4
-
-
-def spot_node() -> dict:
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"}
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": SPOT_NODE,
-            "labels": {"kubernetes.io/hostname": SPOT_NODE, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-                       "type": "kwok", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", SPOT_LABEL: "true"},
-            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-        },
-        "spec": {"taints": [GPU_TAINT, SPOT_TAINT]},
-        "status": {"allocatable": resources, "capacity": resources},
-    }  # fmt: skip
 
 
 def flavors() -> list[dict]:
@@ -130,13 +112,13 @@ def test_the_trainer_gang_waits_for_quota_as_one_workload_then_is_admitted_whole
     kube, namespace: str, kueue: Kueue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cq = f"{namespace}-cq"
-    kube.kubectl("apply", "-f", "-", input=json.dumps(spot_node()))
+    kube.kubectl("apply", "-f", "-", input=json.dumps(spot_h100_node(SPOT_NODE)))
     try:
         kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([*flavors(), cluster_queue(cq, on_demand_gpus=4)]))
         local_queue = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
                        "metadata": {"name": QUEUE, "namespace": namespace}, "spec": {"clusterQueue": cq}}  # fmt: skip
         kube.kubectl("apply", "-f", "-", input=json.dumps(local_queue))
-        with operator(kube, namespace, monkeypatch):
+        with operator_in_process(kube, namespace, monkeypatch):
             shared_volume(kube, namespace)
             kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(rljob(example(namespace))))
 

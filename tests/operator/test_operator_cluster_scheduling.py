@@ -12,8 +12,9 @@ import json
 
 import pytest
 import yaml
-from cluster_wait import wait_for
-from test_operator_cluster import EXAMPLE, crds, get, operator, shared_volume  # noqa: F401 - crds: a fixture
+from support.control_plane import get, operator_in_process
+from support.waits import wait_for
+from test_operator_cluster import EXAMPLE, shared_volume
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("crds")]
 
@@ -48,7 +49,7 @@ def test_every_pod_of_the_reference_example_schedules_on_the_fleet(
     samplers = sum(g["replicas"] for g in groups)
     held = copy.deepcopy(example)
     held["spec"]["trainer"]["nodeSelector"] = {"example.com/hold-trainer": "true"}
-    with operator(kube, namespace, monkeypatch):
+    with operator_in_process(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(held))
 
@@ -152,7 +153,7 @@ def test_trainer_gang_and_placement_fields_reach_the_scheduled_pods(
     )
     job["spec"]["router"] = {"policy": "throughput", "nodeSelector": {"kubernetes.io/os": "linux"}}
     try:
-        with operator(kube, namespace, monkeypatch):
+        with operator_in_process(kube, namespace, monkeypatch):
             shared_volume(kube, namespace)
             kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job))
             pods = wait_for(

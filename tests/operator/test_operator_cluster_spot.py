@@ -8,35 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from cluster_wait import wait_for
-from test_operator_cluster import crds, get, operator  # noqa: F401 - crds: a fixture
+from support.control_plane import get, operator_in_process, spot_h100_node
+from support.waits import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("crds")]
 
 SPOT_NODE = "gpu-h100-spot"
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
-
-
-def spot_node() -> dict:
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"}
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": SPOT_NODE,
-            "labels": {
-                "kubernetes.io/hostname": SPOT_NODE,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-                "type": "kwok",
-                "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
-                "cloud.google.com/gke-spot": "true",
-            },
-            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-        },
-        "spec": {"taints": [GPU_TAINT, {"key": "cloud.google.com/gke-spot", "value": "true", "effect": "NoSchedule"}]},
-        "status": {"allocatable": resources, "capacity": resources},
-    }
 
 
 def samplergroup(name: str, spot: bool, replicas: int) -> dict:
@@ -52,9 +29,9 @@ def samplergroup(name: str, spot: bool, replicas: int) -> dict:
 def test_a_spot_group_lands_on_the_spot_node_and_an_on_demand_group_never_does(
     kube, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kube.kubectl("apply", "-f", "-", input=json.dumps(spot_node()))
+    kube.kubectl("apply", "-f", "-", input=json.dumps(spot_h100_node(SPOT_NODE)))
     try:
-        with operator(kube, namespace, monkeypatch):
+        with operator_in_process(kube, namespace, monkeypatch):
             for sg in (samplergroup("spot", True, 3), samplergroup("ondemand", False, 3)):
                 kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg))
 

@@ -15,21 +15,19 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
-import cluster_wait
 import pytest
 import yaml
-from kopf.testing import KopfRunner
+from support import waits
+from support.control_plane import operator_in_process, rljob
 
 from rlfleet.operator import rebalancer
 from rlfleet.trainer.collapse import Alert
 from rlfleet.trainer.metrics import PrometheusExporter
 
 # these tests wait on rebalance intervals: longer timeout, coarser polling than the default
-wait_for = functools.partial(cluster_wait.wait_for, timeout=120.0, interval=1.0)
+wait_for = functools.partial(waits.wait_for, timeout=120.0, interval=1.0)
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = "tstat"
 
 pytestmark = pytest.mark.cluster  # ~30 s: runs with -m "not slow"
@@ -43,31 +41,13 @@ def exporter() -> Iterator[PrometheusExporter]:
 
 
 def manifest() -> dict:
-    return {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
-            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
-            "samplerGroups": [
-                {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
-                {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "weightFormat": "bf16"},
-            ],
-            "router": {"policy": "throughput", "rebalanceIntervalSeconds": 5},
-            "safety": {"action": "quarantine-group"},
-            "weightChannel": {"store": {"type": "filesystem", "path": "/weights/tstat"}},
-        },
-    }
+    return rljob(JOB, router={"policy": "throughput", "rebalanceIntervalSeconds": 5},
+                 safety={"action": "quarantine-group"})  # fmt: skip
 
 
 def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
-    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+    kube, crds, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
     asked: list[str] = []
 
     def local_exporter(pod: dict) -> str:  # `pod` is the operator's view of the pod (its pod index)
@@ -81,16 +61,15 @@ def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
     exporter.update_collapse([], [], pause=False)
 
     def job() -> dict:
-        return json.loads(kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "json").stdout)
+        return kube.get_json("rljob", JOB, "-n", namespace)
 
     def sg(name: str) -> dict:
-        return json.loads(kube.kubectl("get", "samplergroup", f"{JOB}-{name}", "-n", namespace, "-o", "json").stdout)
+        return kube.get_json("samplergroup", f"{JOB}-{name}", "-n", namespace)
 
     def risk() -> dict:
         return next(c for c in job()["status"]["conditions"] if c["type"] == "CollapseRisk")
 
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
+    with operator_in_process(kube, namespace, monkeypatch):
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest()))
         status = wait_for("step and metrics from the exporter", lambda: (s := job().get("status", {})).get("step") == 12 and s)
         assert status["metrics"]["reward"] == 0.42 and status["metrics"]["kl"] == 0.031
@@ -121,5 +100,3 @@ def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
         wait_for("CollapseRisk cleared", lambda: risk()["status"] == "False", timeout=60)
         assert sg("b200-nvfp4")["status"]["quarantined"] is True
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output

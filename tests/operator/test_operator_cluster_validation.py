@@ -3,40 +3,17 @@ every invalid case of tests/api/invalid_rljobs.yaml is rejected by `kubectl appl
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import yaml
+from support.invalid_rljobs import CASES, apply_case
 
 REPO = Path(__file__).resolve().parents[2]
-CASES = yaml.safe_load((REPO / "tests" / "api" / "invalid_rljobs.yaml").read_text())
 EXAMPLE = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def crds(kube) -> None:
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-
-
-def apply_case(manifest: dict, case: dict) -> dict:
-    out = copy.deepcopy(manifest)
-    for dotted, value in case["set"].items():
-        *parents, leaf = dotted.split(".")
-        node = out
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        key = int(leaf) if isinstance(node, list) else leaf
-        if case.get("delete"):
-            del node[key]
-        else:
-            node[key] = value
-    return out
 
 
 def test_crds_install_and_example_is_accepted_with_defaults(kube, crds, namespace: str) -> None:

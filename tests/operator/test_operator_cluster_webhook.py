@@ -14,11 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
+from support.ports import free_port
+from support.waits import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
@@ -26,20 +27,12 @@ EXAMPLE = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
-    kube, namespace: str, tmp_path: Path
+    kube, crds, namespace: str, tmp_path: Path
 ) -> None:
     from rlfleet.catalog import check_group, load_catalog
     from rlfleet.operator.certs import self_signed
 
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "crd/rljobs.rlfleet.dev", "--timeout=60s")
     # this cluster's H100 nodes may not keep an FP8 KV cache (an operator-side policy the CRD cannot know)
     catalog = tmp_path / "catalog.yaml"
     catalog.write_text("classes:\n  h100:\n    kvCacheDtypes: [auto, bf16]\n")
@@ -88,13 +81,12 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
     )
     try:
         if True:  # the operator subprocess runs for the whole block
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
+            def listening() -> bool:
                 assert operator.poll() is None, log.read_text()
                 with socket.socket() as s:
-                    if s.connect_ex(("127.0.0.1", port)) == 0:
-                        break
-                time.sleep(0.2)
+                    return s.connect_ex(("127.0.0.1", port)) == 0
+
+            wait_for("the operator's webhook port", listening, timeout=60, interval=0.2)
             kube.kubectl("apply", "-f", "-", input=json.dumps(webhook))
             bad = json.loads(json.dumps(EXAMPLE))
             bad["metadata"]["name"] = "h100-kv-fp8"
@@ -110,10 +102,8 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
             # child names colliding with another job's (CEL sees one object; the webhook the namespace):
             # job "reference" + group "fleet-h100-fp8" would be reference-fleet's group h100-fp8
             sg = "reference-fleet-h100-fp8"
-            deadline = time.monotonic() + 60
-            while kube.kubectl("get", "sg", sg, "-n", namespace, check=False).returncode != 0:
-                assert time.monotonic() < deadline, f"the operator never created {sg}"
-                time.sleep(0.5)
+            wait_for(f"the operator to create {sg}",
+                     lambda: kube.kubectl("get", "sg", sg, "-n", namespace, check=False).returncode == 0)  # fmt: skip
             clash = json.loads(json.dumps(EXAMPLE))
             clash["metadata"]["name"] = "reference"
             clash["spec"]["samplerGroups"][2]["name"] = "fleet-h100-fp8"

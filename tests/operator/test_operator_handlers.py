@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
 from kopf._core.engines import posting
+from support.fake_kube import FakeKube
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
@@ -28,48 +29,6 @@ from rlfleet.operator import status as st
 
 NS = "team-a"
 API = "rlfleet.dev/v1alpha1"
-
-
-class FakeKube:
-    """The operator's `KubeApi` surface over a dict: writes are recorded, reads answered from `objects`."""
-
-    def __init__(self, objects: Mapping[tuple[str, str], dict[str, Any]] | None = None) -> None:
-        self.objects = dict(objects or {})  # (kind, name) -> body
-        self.applied: list[dict[str, Any]] = []
-        self.statuses: list[tuple[str, str, dict[str, Any]]] = []  # (kind, name, status)
-        self.created: list[dict[str, Any]] = []
-        self.deleted: list[tuple[str, str]] = []
-        self.refuse: dict[str, kube.KubeError] = {}  # kind -> the error `apply` raises for it
-
-    async def apply(self, body: Mapping[str, Any], **_: Any) -> dict[str, Any]:
-        await asyncio.sleep(0)  # a real await: concurrent applies interleave as they would
-        if body["kind"] in self.refuse:
-            raise self.refuse[body["kind"]]
-        self.applied.append(copy.deepcopy(dict(body)))
-        self.objects[(body["kind"], body["metadata"]["name"])] = copy.deepcopy(dict(body))
-        return dict(body)
-
-    async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any] | None:
-        self.statuses.append((obj["kind"], obj["metadata"]["name"], copy.deepcopy(dict(status))))
-        return {**obj, "status": dict(status)}
-
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return copy.deepcopy(self.objects.get((kind, name)))
-
-    async def create(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
-        key = (body["kind"], body["metadata"]["name"])
-        if key in self.objects:
-            return None
-        self.created.append(copy.deepcopy(dict(body)))
-        self.objects[key] = copy.deepcopy(dict(body))
-        return dict(body)
-
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        self.deleted.append((kind, name))
-        return self.objects.pop((kind, name), None) is not None
-
-    def kinds_applied(self) -> list[str]:
-        return [b["kind"] for b in self.applied]
 
 
 @pytest.fixture()

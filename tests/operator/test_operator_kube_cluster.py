@@ -5,7 +5,6 @@ under its own manager, get/create/delete on plain dicts, and the API's refusal a
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import kopf
 import pytest
@@ -17,11 +16,8 @@ pytestmark = pytest.mark.cluster
 
 
 async def test_apply_status_get_create_delete(
-    kube, namespace: str, monkeypatch: pytest.MonkeyPatch
+    kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    repo = Path(__file__).resolve().parents[2]
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(repo / "crds"))
-    kube.kubectl("wait", "--for=condition=Established", "crd/weightchannels.rlfleet.dev", "--timeout=60s")
     monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
     info = kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())  # what the login handler returns
     assert info is not None

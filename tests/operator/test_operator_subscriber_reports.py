@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.fake_kube import FakeKube
 
 from rlfleet.channel import SubscriberReport, WeightChannel
 from rlfleet.operator.pods import pod_view
 from rlfleet.store import FilesystemStore
 
 NS = "ns"
+API = "rlfleet.dev/v1alpha1"
 GROUP = "job-h100-fp8"
 
 
@@ -141,25 +143,17 @@ def test_a_store_that_refuses_the_delete_leaves_the_status_right(
     assert [(g.group, g.applied_version, g.lag) for g in read.status.groups] == [(GROUP, 2, 0)]
 
 
-class FakeApi:
-    def __init__(self) -> None:
-        self.patches: list[tuple[dict, dict]] = []
-
-    async def patch_status(self, obj: dict, desired: dict) -> dict:
-        self.patches.append((obj, desired))
-        return obj
-
-
 async def test_the_weightchannel_pipeline_removes_logs_counts_and_writes_status(
     channel_store: tuple, handlers: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     store, spec, _ = channel_store
-    api = FakeApi()
+    api = FakeKube()
     monkeypatch.setattr(handlers.kube, "api", lambda: api)
     monkeypatch.setattr(handlers.kopf, "event", lambda *a, **k: None)
     caplog.set_level(logging.INFO, logger="rlfleet.operator")
     view = view_with_pods({(NS, "sampler", GROUP): [sampler_pod("live-fresh"), sampler_pod("live-stuck")]})
-    wc = {"metadata": {"name": "job-weights", "namespace": NS, "generation": 1}, "spec": {**spec, "jobName": "job"}}
+    wc = {"apiVersion": API, "kind": "WeightChannel", "metadata": {"name": "job-weights", "namespace": NS, "generation": 1},
+          "spec": {**spec, "jobName": "job"}}  # fmt: skip
     before = removals("removed")
 
     await handlers.refresh_weightchannel_status(NS, "job-weights", view, wc)
@@ -169,7 +163,8 @@ async def test_the_weightchannel_pipeline_removes_logs_counts_and_writes_status(
                                  f"subscribers/{GROUP}/newborn.json"]  # fmt: skip
     logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "removed the subscriber" in r.getMessage()]
     assert len(logged) == 2 and any(f"{GROUP}/replaced" in m and "applied v1" in m for m in logged), logged
-    [(_, status)] = api.patches
+    [(kind, name, status)] = api.statuses
+    assert (kind, name) == ("WeightChannel", "job-weights")
     assert status["latestVersion"] == 2 and status["phase"] == "Ready"
     assert status["groups"] == [{"group": GROUP, "view": "fp8", "appliedVersion": 2, "lag": 0,
                                  "replicas": ["live-fresh", "newborn"]}]  # fmt: skip (live-stuck's report is stale)
@@ -179,7 +174,7 @@ async def test_a_refused_delete_warns_once_per_streak(
     channel_store: tuple, handlers: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     store, spec, _ = channel_store
-    monkeypatch.setattr(handlers.kube, "api", lambda: FakeApi())
+    monkeypatch.setattr(handlers.kube, "api", lambda: FakeKube())
     monkeypatch.setattr(handlers.kopf, "event", lambda *a, **k: None)
     monkeypatch.setattr(handlers, "_removal_failing", set())
     caplog.set_level(logging.INFO, logger="rlfleet.operator")
@@ -190,7 +185,8 @@ async def test_a_refused_delete_warns_once_per_streak(
 
     monkeypatch.setattr(FilesystemStore, "delete", read_only)
     view = view_with_pods({(NS, "sampler", GROUP): [sampler_pod("live-fresh")]})
-    wc = {"metadata": {"name": "w", "namespace": NS, "generation": 1}, "spec": spec}
+    wc = {"apiVersion": API, "kind": "WeightChannel", "metadata": {"name": "w", "namespace": NS, "generation": 1},
+          "spec": spec}  # fmt: skip
     before = removals("error")
 
     def warnings() -> int:

@@ -10,6 +10,7 @@ import copy
 from pathlib import Path
 
 import pytest
+from support.manifests import rljob
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import load_catalog
@@ -137,19 +138,10 @@ def test_the_ladder_is_what_the_class_runs_and_the_channel_publishes(tmp_path: P
     assert (action.kind, action.to_format) == ("quarantine", None)
 
 
-JOB = {
-    "apiVersion": "rlfleet.dev/v1alpha1",
-    "kind": "RLJob",
-    "metadata": {"name": "j", "namespace": "ns"},
-    "spec": {
-        "model": {"name": "m", "path": "/m"},
-        "samplerGroups": [{"name": "b200-nvfp4", "accelerator": "b200", "replicas": 2, "weightFormat": "nvfp4"},
-                          {"name": "b200-bf16", "accelerator": "b200", "replicas": 0}],  # fmt: skip
-        "router": {"autopilot": {"enabled": True, "patience": 2},
-                   "optimize": {"budgets": {"groupMaxKl": 0.01}, "groups": {"b200-bf16": {"maxReplicas": 0, "maxKl": 0.5}}}},
-        "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
-    },
-}  # fmt: skip
+JOB = rljob("j", [{"name": "b200-nvfp4", "accelerator": "b200", "replicas": 2, "weightFormat": "nvfp4"},
+                 {"name": "b200-bf16", "accelerator": "b200", "replicas": 0}], "ns",
+           router={"autopilot": {"enabled": True, "patience": 2},
+                   "optimize": {"budgets": {"groupMaxKl": 0.01}, "groups": {"b200-bf16": {"maxReplicas": 0, "maxKl": 0.5}}}})  # fmt: skip
 
 
 def test_the_budgets_are_the_optimizers_and_the_block_is_off_by_default() -> None:

@@ -15,20 +15,18 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import cluster_wait
 import pytest
 import yaml
-from kopf.testing import KopfRunner
+from support import waits
+from support.control_plane import operator_in_process, rljob
 
 from rlfleet.operator import naming as n
 from rlfleet.operator import rebalancer
 from rlfleet.trainer.metrics import PrometheusExporter
 
-wait_for = functools.partial(cluster_wait.wait_for, timeout=120.0, interval=1.0)
+wait_for = functools.partial(waits.wait_for, timeout=120.0, interval=1.0)
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = "autop"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -42,16 +40,11 @@ def exporter() -> Iterator[PrometheusExporter]:
 
 
 def prepare(kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], dict]:
-    """The CRDs established, the operator's kubeconfig, the trainer's metrics read from `exporter`;
-    returns `get(kind, name)` of the namespace's objects as JSON."""
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    """The trainer's metrics read from `exporter`; returns `get(kind, name)` of the namespace's objects as JSON."""
     monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
 
     def get(kind: str, name: str) -> dict:
-        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+        return kube.get_json(kind, name, "-n", namespace)
 
     return get
 
@@ -63,28 +56,17 @@ def decision(get: Callable[[str, str], dict], group: str) -> dict:
 
 
 def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1, **autopilot: object) -> dict:
-    return {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
-            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
-            "samplerGroups": [  # the 0-replica groups make the channel publish the fp8 and bf16 views
-                {"name": "fast", "accelerator": "b200", "replicas": 1, "weightFormat": weight_format},
-                {"name": "spare-fp8", "accelerator": "b200", "replicas": 0, "weightFormat": "fp8"},
-                {"name": "spare-bf16", "accelerator": "b200", "replicas": 0, "weightFormat": "bf16"},
-            ],
-            "router": {"rebalanceIntervalSeconds": 5, "maxShareChange": max_share_change,
-                       "autopilot": {"enabled": True, "patience": 1, **autopilot},
-                       "optimize": {"budgets": {"groupMaxKl": 0.01}}},
-            "weightChannel": {"store": {"type": "filesystem", "path": "/weights/autop"}},
-        },
-    }  # fmt: skip
+    return rljob(JOB, [  # the 0-replica groups make the channel publish the fp8 and bf16 views
+        {"name": "fast", "accelerator": "b200", "replicas": 1, "weightFormat": weight_format},
+        {"name": "spare-fp8", "accelerator": "b200", "replicas": 0, "weightFormat": "fp8"},
+        {"name": "spare-bf16", "accelerator": "b200", "replicas": 0, "weightFormat": "bf16"},
+    ], router={"rebalanceIntervalSeconds": 5, "maxShareChange": max_share_change,
+               "autopilot": {"enabled": True, "patience": 1, **autopilot},
+               "optimize": {"budgets": {"groupMaxKl": 0.01}}})  # fmt: skip
 
 
 def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_ends_the_override(
-    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+    kube, crds, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     get = prepare(kube, namespace, exporter, monkeypatch)
 
@@ -98,8 +80,7 @@ def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_
     def apply(body: dict) -> None:
         kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(body))
 
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
+    with operator_in_process(kube, namespace, monkeypatch):
         exporter.update(1, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004})  # within the budget 0.01
         apply(manifest())
         wait_for("the group's Deployment", lambda: get("deployment", f"{JOB}-fast"))
@@ -128,12 +109,10 @@ def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_
         apply(manifest(weight_format="fp8", max_share_change=0.2))
         wait_for("the RLJob's value", lambda: fast()["spec"]["weightFormat"] == "fp8")
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output
 
 
 def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_cool_down_doubled(
-    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+    kube, crds, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Patience 1, cool-down 2 intervals (bound 8): over budget -> nvfp4 -> fp8; within it for the cool-down
     (after the one interval not judged) -> fp8 -> nvfp4, the RLJob's own format (the floor); over again
@@ -148,8 +127,7 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
         ours = [e for e in items if e.get("reason", "").startswith("Precision") and e["involvedObject"]["name"] == f"{JOB}-fast"]
         return [(e["reason"], e["message"]) for e in sorted(ours, key=lambda e: e.get("firstTimestamp") or e["eventTime"])]
 
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
+    with operator_in_process(kube, namespace, monkeypatch):
         exporter.update(1, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004})  # within the budget 0.01
         kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-",
                      input=yaml.safe_dump(manifest(stepDown=True, cooldownIntervals=2, maxCooldownIntervals=8)))  # fmt: skip
@@ -178,12 +156,10 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
         job = get("rljob", JOB)
         assert job["metadata"]["generation"] == 1 and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output
 
 
 def test_a_group_answering_invalid_tokens_is_quarantined_at_its_format_and_kubectl_shows_its_usable_share(
-    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+    kube, crds, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 39 item 7: the trainer reports the group's tokens mostly invalid (trained fraction 0.25, the
     reasons by count) while its KL is within budget: the autopilot quarantines it at nvfp4 (no step up),
@@ -193,8 +169,7 @@ def test_a_group_answering_invalid_tokens_is_quarantined_at_its_format_and_kubec
     def fast() -> dict:
         return get("samplergroup", f"{JOB}-fast")
 
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
+    with operator_in_process(kube, namespace, monkeypatch):
         exporter.update(1, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004, "group/fast/oor_fraction": 0.0,
                             "group/fast/trained_fraction": 0.25, "group/fast/sampled_tokens": 64.0,
                             "group/fast/invalid_reason_logprob_not_finite_or_positive": 40.0,
@@ -214,5 +189,3 @@ def test_a_group_answering_invalid_tokens_is_quarantined_at_its_format_and_kubec
         start = head.index("USABLE")  # columns are aligned; an empty one (no reading) leaves blanks
         assert row[start:].split()[0] == "0.25" and head[start:].split()[1] == "REASON"
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output

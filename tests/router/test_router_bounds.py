@@ -5,7 +5,7 @@ generating replica keeps its request; a client that disconnects cancels its upst
 body is a 413; bodies over the byte budget wait and then get a 503; a body or a header that does not
 arrive in time ends its connection; connections beyond the cap read EOF at once (a source's beyond
 its own cap always; beyond the total cap the oldest idle one is closed instead, if any); JSON nested too
-deep is a 400. Upstreams are real aiohttp servers (router_upstreams.py); a hung one accepts and never answers."""
+deep is a 400. Upstreams are real aiohttp servers (tests/support/upstreams.py); a hung one accepts and never answers."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from functools import partial
 
 import aiohttp
 import pytest
-import router_upstreams
-from router_upstreams import InProcessUpstream, UpstreamState
+from support import waits
+from support.upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.router import hashing
 from rlfleet.router.bounds import BoundedTCPSite, _awaits_request_headers
@@ -26,7 +26,7 @@ from rlfleet.router.service import BUDGET_KEY, start_service
 BOUND_S = 30.0  # the longest any condition below may take to come true before the test fails
 
 
-eventually = partial(router_upstreams.eventually, bound_s=BOUND_S)
+eventually = partial(waits.eventually, bound_s=BOUND_S)
 
 
 class Bench:

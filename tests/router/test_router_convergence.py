@@ -8,9 +8,9 @@ import asyncio
 
 import aiohttp
 import pytest
-from router_upstreams import InProcessUpstream, UpstreamState
+from support.upstreams import InProcessUpstream, UpstreamState, rebalance_inputs
 
-from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, parse_sglang_metrics, rebalance
+from rlfleet.operator.rebalance import RebalanceConfig, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
 
@@ -48,14 +48,6 @@ async def test_shares_converge_to_the_throughput_ratio_within_3_intervals(monkey
                 await response.read()
                 statuses.append(response.status)
 
-    async def scrape() -> list[GroupInput]:
-        inputs = []
-        for name, upstream in upstreams.items():
-            async with http.get(upstream.url + "/metrics") as response:
-                sample = parse_sglang_metrics(await response.text())
-            inputs.append(GroupInput(name, ready_replicas=1, gpus=1, price_per_gpu_hour=1.0, pods={upstream.url: sample}))
-        return inputs
-
     workers = [asyncio.create_task(worker(i)) for i in range(48)]
     try:
         # The RLJob defaults (max change 0.1 per interval, EMA 0.5) without the 0.02 share floor, which
@@ -67,7 +59,8 @@ async def test_shares_converge_to_the_throughput_ratio_within_3_intervals(monkey
         for interval in range(4):  # interval 0 only takes the first counter reading
             if interval:
                 await asyncio.sleep(INTERVAL)
-            result = rebalance(await scrape(), state, loop.time(), rebalance_config)
+            inputs = await rebalance_inputs(http, {name: u.url for name, u in upstreams.items()})
+            result = rebalance(inputs, state, loop.time(), rebalance_config)
             state = result.state
             async with http.put(
                 url + "/admin/shares",

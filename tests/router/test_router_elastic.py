@@ -32,7 +32,9 @@ import aiohttp
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from router_upstreams import eventually, free_port
+from support.ports import free_port
+from support.processes import die_with_parent
+from support.waits import eventually
 
 from rlfleet.records import SampledTurn
 from rlfleet.retries import ClientRetryPolicy
@@ -50,12 +52,6 @@ A, B, C = VERSIONS
 TOKENS_PER_SECOND = 20  # each replica's throttle: a 3-token turn among a dozen sessions takes ~1 s
 
 
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class Replica:
     """One sampler pod: `rlfleet sampler serve --engine reference` on address:port, its own process."""
 
@@ -71,7 +67,7 @@ class Replica:
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        preexec_fn=_die_with_parent)  # fmt: skip
+                                        preexec_fn=die_with_parent)  # fmt: skip
 
     def listening(self) -> bool:
         assert self.process.poll() is None, self.process.stderr.read().decode() if self.process.stderr else ""

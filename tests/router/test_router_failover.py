@@ -10,7 +10,8 @@ from collections import defaultdict
 
 import aiohttp
 import pytest
-from router_upstreams import SubprocessUpstream
+from support.upstreams import SubprocessUpstream
+from support.waits import eventually
 
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
@@ -63,7 +64,8 @@ class Load:
 
     async def wait_records(self, phase: int, count: int = 60, timeout: float = 60.0) -> None:
         """Until `count` answers of `phase` are in (a bounded wait on traffic, not a sleep)."""
-        await _wait_until(lambda: sum(1 for r in self.records if r[0] == phase) >= count, timeout)
+        await eventually(lambda: sum(1 for r in self.records if r[0] == phase) >= count,
+                         f"{count} answers of phase {phase}", timeout)  # fmt: skip
 
     def groups_by_session(self, phase: int) -> dict[str, set[str | None]]:
         seen: dict[str, set[str | None]] = defaultdict(set)
@@ -94,13 +96,6 @@ async def fleet():
                 u.kill()
 
 
-async def _wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.slow
 async def test_killing_a_replica_then_a_group_loses_nothing_and_sessions_re_stick(fleet) -> None:
     upstreams, router, url = fleet
@@ -125,7 +120,7 @@ async def test_killing_a_replica_then_a_group_loses_nothing_and_sessions_re_stic
     upstreams["b200-nvfp4"] = [
         SubprocessUpstream(u.name, tokens_per_second=2000, port=u.port) for u in upstreams["b200-nvfp4"]
     ]
-    await _wait_until(lambda: router.table.groups["b200-nvfp4"].routable())
+    await eventually(lambda: router.table.groups["b200-nvfp4"].routable(), "b200-nvfp4 routable", 30)
     load.phase = 4
     await load.wait_records(4, count=load.sessions)
     await load.stop()

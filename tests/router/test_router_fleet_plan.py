@@ -14,6 +14,7 @@ import copy
 
 import pytest
 from pydantic import ValidationError
+from support.manifests import rljob
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import load_catalog
@@ -28,28 +29,18 @@ from rlfleet.operator import fleetplan
 from rlfleet.operator.fleetplan import FleetMemory, FleetReading, PlanFigure, ReferenceFigures, SteadyFigure
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 
-JOB = {
-    "apiVersion": "rlfleet.dev/v1alpha1",
-    "kind": "RLJob",
-    "metadata": {"name": "j", "namespace": "ns"},
-    "spec": {
-        "model": {"name": "m", "path": "/m"},
-        "samplerGroups": [
-            {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
-            {"name": "a100-bf16", "accelerator": "a100", "replicas": 1},
-            {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8", "tensorParallel": 2},
-        ],
-        "router": {"optimize": {
-            "enabled": True,
-            "demand": {"usableTokensPerSecond": 13000},
-            "budgets": {"maxKl": 0.01, "groupMaxOorFraction": 0.2},
-            "groups": {"b200-nvfp4": {"maxReplicas": 3}, "a100-bf16": {"minReplicas": 0, "maxReplicas": 4, "maxKl": 0.05}},
-            "maxStepReplicas": 1,
-            "hysteresis": 0.1,
-        }},
-        "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
-    },
-}  # fmt: skip
+JOB = rljob("j", [
+    {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
+    {"name": "a100-bf16", "accelerator": "a100", "replicas": 1},
+    {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8", "tensorParallel": 2},
+], "ns", router={"optimize": {
+    "enabled": True,
+    "demand": {"usableTokensPerSecond": 13000},
+    "budgets": {"maxKl": 0.01, "groupMaxOorFraction": 0.2},
+    "groups": {"b200-nvfp4": {"maxReplicas": 3}, "a100-bf16": {"minReplicas": 0, "maxReplicas": 4, "maxKl": 0.05}},
+    "maxStepReplicas": 1,
+    "hysteresis": 0.1,
+}})  # fmt: skip
 REFERENCE = ReferenceFigures(accelerator="b200", tokens_per_gpu_second=2500.0, cost_per_gpu_hour=5.99, oor_fraction=None)
 
 

@@ -3,28 +3,26 @@ through their scale subresource to a hand-computed optimum, one bounded step per
 never writing the RLJob's spec; an infeasible demand changes nothing and the status says why.
 
 Sampler pods are kwok fakes, so throughput comes from `spec.router.prometheusUrl`, served by
-fake_prometheus.py: each group makes its per-replica rate times its ready replicas (b200-nvfp4 4000
-tok/s per replica at the catalog's $5.99/h, a100-bf16 1000 at $1.79/h). Demand 13000 usable tok/s,
-bounds b200 [0, 3], a100 [0, 4], one replica per step. By hand: b200 x3 + a100 x1 ($19.76/h) is the only
-plan; from the RLJob's (1, 1) no plan within one step reaches the demand (2 x 4000 + 2 x 1000 = 10000),
-so b200 steps 1 -> 2 (Stepping), then 2 -> 3 (Scaled, the optimum), then stays (Kept).
+tests/support/fake_prometheus.py: each group makes its per-replica rate times its ready replicas
+(b200-nvfp4 4000 tok/s per replica at the catalog's $5.99/h, a100-bf16 1000 at $1.79/h). Demand 13000
+usable tok/s, bounds b200 [0, 3], a100 [0, 4], one replica per step. By hand: b200 x3 + a100 x1 ($19.76/h)
+is the only plan; from the RLJob's (1, 1) no plan within one step reaches the demand (2 x 4000 + 2 x 1000
+= 10000), so b200 steps 1 -> 2 (Stepping), then 2 -> 3 (Scaled, the optimum), then stays (Kept).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 
-import cluster_wait
 import pytest
 import yaml
-from fake_prometheus import fake_prometheus
-from kopf.testing import KopfRunner
+from support import waits
+from support.control_plane import events, operator_in_process, optimized_rljob
+from support.fake_prometheus import fake_prometheus
 
-wait_for = functools.partial(cluster_wait.wait_for, timeout=180.0, interval=1.0)
+wait_for = functools.partial(waits.wait_for, timeout=180.0, interval=1.0)
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = "fleet"
 PER_REPLICA = {f"{JOB}-b200-nvfp4": 4000.0, f"{JOB}-a100-bf16": 1000.0}
 
@@ -32,42 +30,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def manifest(prometheus_url: str, demand: float) -> dict:
-    return {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
-            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
-            "samplerGroups": [
-                {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
-                {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "weightFormat": "bf16"},
-            ],
-            "router": {
-                "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url,
-                "reference": {"tokensPerGpuSecond": 2500},
-                "optimize": {
-                    "enabled": True,
-                    "demand": {"usableTokensPerSecond": demand},
-                    "groups": {"b200-nvfp4": {"maxReplicas": 3}, "a100-bf16": {"maxReplicas": 4}},
-                    "maxStepReplicas": 1,
-                },
-            },
-            "weightChannel": {"store": {"type": "filesystem", "path": "/weights/fleet"}},
-        },
-    }  # fmt: skip
+    return optimized_rljob(JOB, prometheus_url, demand, {"b200-nvfp4": 3, "a100-bf16": 4}, maxStepReplicas=1)
 
 
 def test_the_optimizer_scales_groups_to_the_optimum_through_scale_and_an_infeasible_demand_changes_nothing(
-    kube, namespace: str, monkeypatch: pytest.MonkeyPatch
+    kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
-
     def get(kind: str, name: str) -> dict:
-        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+        return kube.get_json(kind, name, "-n", namespace)
 
     def rate(samplergroup: str) -> float:  # per replica x ready replicas, as the SamplerGroup's status says
         ready = get("samplergroup", samplergroup).get("status", {}).get("readyReplicas") or 0
@@ -77,12 +47,10 @@ def test_the_optimizer_scales_groups_to_the_optimum_through_scale_and_an_infeasi
         return tuple(get("samplergroup", f"{JOB}-{g}")["spec"]["replicas"] for g in ("b200-nvfp4", "a100-bf16"))
 
     def fleet_scaled() -> list[tuple[str, str]]:
-        events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
-        return sorted((e["involvedObject"]["name"], e["message"].split(":")[0]) for e in events
-                      if e.get("reason") == "FleetScaled")  # fmt: skip
+        return sorted((e["involvedObject"]["name"], e["message"].split(":")[0])
+                      for e in events(kube, namespace, "FleetScaled"))  # fmt: skip
 
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
-    with fake_prometheus(rate) as (url, _), KopfRunner(args, timeout=60) as runner:
+    with fake_prometheus(rate) as (url, _), operator_in_process(kube, namespace, monkeypatch):
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest(url, 13000)))
         generation = wait_for("the RLJob", lambda: get("rljob", JOB)["metadata"].get("generation"))
 
@@ -121,5 +89,3 @@ def test_the_optimizer_scales_groups_to_the_optimum_through_scale_and_an_infeasi
         assert len(fleet_scaled()) == 2
         assert [g["replicas"] for g in get("rljob", JOB)["spec"]["samplerGroups"]] == [1, 1]
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output

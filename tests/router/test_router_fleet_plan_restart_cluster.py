@@ -6,30 +6,28 @@ which figure the group was planned at.
 
 The operator runs as `rlfleet operator run` subprocesses, the first one killed (SIGKILL) and a second one
 started: a real restart. Sampler pods are kwok fakes, so throughput comes from `spec.router.prometheusUrl`
-(fake_prometheus.py): b200-nvfp4 4000 tok/s per ready replica, a100-bf16 1000 before the restart and 0
-after it (so the figure the second operator plans with can only be the restored one). Bounds b200
-[0, 1], a100 [0, 1]. Demand 5000: b200 x1 + a100 x1 is the only plan; demand 4000: b200 x1 alone ($5.99/h
+(tests/support/fake_prometheus.py): b200-nvfp4 4000 tok/s per ready replica, a100-bf16 1000 before the
+restart and 0 after it (so the figure the second operator plans with can only be the restored one). Bounds
+b200 [0, 1], a100 [0, 1]. Demand 5000: b200 x1 + a100 x1 is the only plan; demand 4000: b200 x1 alone ($5.99/h
 against $7.78/h, beyond the 5% hysteresis), so a100 goes 1 -> 0.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import cluster_wait
 import pytest
 import yaml
-from fake_prometheus import fake_prometheus
+from support import waits
+from support.control_plane import events, optimized_rljob
+from support.fake_prometheus import fake_prometheus
+from support.processes import start_operator
 
-wait_for = functools.partial(cluster_wait.wait_for, timeout=240.0, interval=1.0)
+wait_for = functools.partial(waits.wait_for, timeout=240.0, interval=1.0)
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = "comeback"
 B200, A100 = f"{JOB}-b200-nvfp4", f"{JOB}-a100-bf16"
 
@@ -37,50 +35,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def manifest(prometheus_url: str, demand: float) -> dict:
-    return {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
-            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
-            "samplerGroups": [
-                {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
-                {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "weightFormat": "bf16"},
-            ],
-            "router": {
-                "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url,
-                "reference": {"tokensPerGpuSecond": 2500},
-                "optimize": {
-                    "enabled": True,
-                    "demand": {"usableTokensPerSecond": demand},
-                    "groups": {"b200-nvfp4": {"maxReplicas": 1}, "a100-bf16": {"maxReplicas": 1}},
-                },
-            },
-            "weightChannel": {"store": {"type": "filesystem", "path": "/weights/comeback"}},
-        },
-    }  # fmt: skip
-
-
-def start_operator(kube, namespace: str, log: Path) -> subprocess.Popen:
-    """`rlfleet operator run` as a subprocess (its own process group), its log in `log`."""
-    return subprocess.Popen(
-        [str(Path(sys.executable).parent / "rlfleet"), "operator", "run", "--namespace", namespace,
-         "--kubeconfig", str(kube.kubeconfig), "--standalone"],
-        env=kube.env(), stdout=subprocess.DEVNULL, stderr=log.open("w"),
-        start_new_session=True,
-    )  # fmt: skip
+    return optimized_rljob(JOB, prometheus_url, demand, {"b200-nvfp4": 1, "a100-bf16": 1})
 
 
 def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_persisted_figure(
-    kube, namespace: str, tmp_path: Path
+    kube, crds, namespace: str, tmp_path: Path
 ) -> None:
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-
     def get(kind: str, name: str) -> dict:
-        return json.loads(kube.kubectl("get", kind, name, "-n", namespace, "-o", "json").stdout)
+        return kube.get_json(kind, name, "-n", namespace)
 
     per_replica = {B200: 4000.0, A100: 1000.0}
 
@@ -100,13 +62,12 @@ def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_pe
         return get("rljob", JOB).get("status", {}).get("fleetPlan") or {}
 
     def fleet_scaled(group: str) -> list[str]:
-        events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
-        return sorted(e["message"].split(":")[0] for e in events
-                      if e.get("reason") == "FleetScaled" and e["involvedObject"]["name"] == group)  # fmt: skip
+        return sorted(e["message"].split(":")[0] for e in events(kube, namespace, "FleetScaled")
+                      if e["involvedObject"]["name"] == group)  # fmt: skip
 
     first_log, second_log = tmp_path / "operator-1.log", tmp_path / "operator-2.log"
     with fake_prometheus(rate) as (url, _):
-        operator = start_operator(kube, namespace, first_log)
+        operator = start_operator(kube, namespace, first_log, "--standalone")
         try:
             apply(manifest(url, 5000))
             # a100 is measured at 1 replica (steady over the Prometheus window) and kept: the plan needs it
@@ -127,7 +88,7 @@ def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_pe
         # so the figure the optimizer plans it at can only be the restored one.
         per_replica[A100] = 0.0
         apply(manifest(url, 5000))
-        operator = start_operator(kube, namespace, second_log)
+        operator = start_operator(kube, namespace, second_log, "--standalone")
         try:
             back = wait_for("a100 back at 1 replica, kept", lambda: (p := plan()).get("decision") == "Kept"
                             and p["replicas"] == {"b200-nvfp4": 1, "a100-bf16": 1} and p)  # fmt: skip

@@ -10,7 +10,7 @@ from functools import partial
 
 import aiohttp
 import pytest
-import router_upstreams
+from support import waits
 
 from rlfleet.router import hashing
 from rlfleet.router.config import GroupConfig, RouterConfig
@@ -25,7 +25,7 @@ BOUND_S = 60.0
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-eventually = partial(router_upstreams.eventually, bound_s=BOUND_S)
+eventually = partial(waits.eventually, bound_s=BOUND_S)
 
 
 async def test_a_paused_engine_is_ejected_its_requests_move_and_it_returns_when_it_generates() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from support.manifests import rljob
 
 from rlfleet.api import RLJob
 from rlfleet.api.crdgen import generate
@@ -143,15 +144,6 @@ def test_kubectl_get_sg_shows_usable_and_the_bound_is_the_autopilots_with_a_one_
     assert "less than or equal to 1" in str(info.value)
 
 
-JOB = {
-    "apiVersion": "rlfleet.dev/v1alpha1",
-    "kind": "RLJob",
-    "metadata": {"name": "j", "namespace": "ns"},
-    "spec": {
-        "model": {"name": "m", "path": "/m"},
-        "samplerGroups": [{"name": "bad", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
-                          {"name": "good", "accelerator": "b200", "replicas": 1}],  # fmt: skip
-        "router": {"autopilot": {"enabled": True, "patience": 2}},
-        "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
-    },
-}  # fmt: skip
+JOB = rljob("j", [{"name": "bad", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
+                 {"name": "good", "accelerator": "b200", "replicas": 1}], "ns",
+           router={"autopilot": {"enabled": True, "patience": 2}})  # fmt: skip

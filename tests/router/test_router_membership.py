@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from router_upstreams import InProcessUpstream, UpstreamState
+from support.upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.router import membership
 from rlfleet.router.config import GroupConfig, RouterConfig

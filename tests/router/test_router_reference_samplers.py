@@ -9,8 +9,9 @@ import asyncio
 
 import aiohttp
 import pytest
+from support.upstreams import rebalance_inputs
 
-from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, parse_sglang_metrics, rebalance
+from rlfleet.operator.rebalance import RebalanceConfig, rebalance
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
@@ -61,14 +62,6 @@ async def test_reference_samplers_shares_converge_and_a_stopped_group_loses_noth
                 await response.read()
                 answers.append((response.status, response.headers.get("X-RLFleet-Group")))
 
-    async def scrape() -> list[GroupInput]:
-        inputs = []
-        for name, server in servers.items():
-            async with http.get(server.url + "/metrics") as response:
-                sample = parse_sglang_metrics(await response.text())
-            inputs.append(GroupInput(name, ready_replicas=1, gpus=1, price_per_gpu_hour=1.0, pods={server.url: sample}))
-        return inputs
-
     workers = [asyncio.create_task(worker(i)) for i in range(64)]
     try:
         rebalance_config = RebalanceConfig(min_share=0.0)  # defaults otherwise: 0.1 per interval, EMA 0.5
@@ -78,7 +71,7 @@ async def test_reference_samplers_shares_converge_and_a_stopped_group_loses_noth
         for interval in range(6):  # interval 0 only takes the first counter reading
             if interval:
                 await asyncio.sleep(INTERVAL)
-            inputs = await scrape()
+            inputs = await rebalance_inputs(http, {name: u.url for name, u in servers.items()})
             now = loop.time()
             readings.append((now, {g.name: next(iter(g.pods.values())).realtime_decode_tokens_total for g in inputs}))
             result = rebalance(inputs, state, now, rebalance_config)

@@ -1,6 +1,6 @@
 """The router service over real HTTP: stickiness, shares, annotations, admin auth, metrics,
 minimum weight version, retries, streaming, CLI errors. Upstreams are small real aiohttp servers
-(router_upstreams.py) on 127.0.0.1 free ports."""
+(tests/support/upstreams.py) on 127.0.0.1 free ports."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from router_upstreams import InProcessUpstream, UpstreamState
+from support.upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service

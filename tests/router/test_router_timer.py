@@ -6,6 +6,9 @@ from __future__ import annotations
 import aiohttp
 import pytest
 from aiohttp import web
+from support.fake_prometheus import fake_prometheus
+from support.manifests import rljob
+from support.upstreams import serving
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
@@ -17,19 +20,10 @@ from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.core import Router
 from rlfleet.router.service import TokenSource, build_app
 
-JOB = {
-    "apiVersion": "rlfleet.dev/v1alpha1",
-    "kind": "RLJob",
-    "metadata": {"name": "j", "namespace": "ns"},
-    "spec": {
-        "model": {"name": "m", "path": "/m"},
-        "samplerGroups": [
-            {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8"},
-            {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "tensorParallel": 2},
-        ],
-        "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
-    },
-}
+JOB = rljob("j", [
+    {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8"},
+    {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "tensorParallel": 2},
+], "ns")
 
 
 def samplergroup(name: str, status: dict | None = None, **spec) -> dict:
@@ -124,27 +118,11 @@ def test_pod_ready() -> None:
 
 
 async def test_prometheus_rate_is_read_from_a_real_http_api() -> None:
-    seen: list[str] = []
-
-    async def query(request: web.Request) -> web.Response:
-        seen.append(request.query["query"])
-        return web.json_response({"status": "success", "data": {"resultType": "vector",
-                                  "result": [{"metric": {}, "value": [1.0, "1234.5"]}]}})  # fmt: skip
-
-    app = web.Application()
-    app.router.add_get("/api/v1/query", query)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    with fake_prometheus(lambda samplergroup: 1234.5 if samplergroup == "j-h100-fp8" else 0.0) as (url, seen):
         async with aiohttp.ClientSession() as http:
             q = timer.prometheus_query("ns", "j-h100-fp8", 60)
             assert await timer.prometheus_tokens_per_second(http, url, q) == 1234.5
             assert await timer.prometheus_tokens_per_second(http, "http://127.0.0.1:1", q) is None
-    finally:
-        await runner.cleanup()
     # the per-step decode counter, not the finish-time sglang:generation_tokens_total (rebalance.py)
     assert seen == ['sum(rate(sglang:realtime_tokens_total{mode="decode",namespace="ns",'
                     'pod=~"j-h100-fp8-[a-z0-9]+-[a-z0-9]+"}[60s]))']
@@ -166,15 +144,11 @@ async def test_push_to_router_sends_quarantine_and_shares_and_no_replicas(monkey
         return await handler(request)
 
     app.middlewares.append(record)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
     result = rebalance(inputs, None, 0.0, RebalanceConfig(max_share_change=1.0, min_share=0.0))
     decisions = Decisions(0.0, {g: GroupDecision(g, 1, "", "bf16", "", result.shares[g], "", g == "b", "", "bf16") for g in "ab"},
                           result=result)  # fmt: skip
-    try:
+    async with serving(app) as url:
         async with aiohttp.ClientSession() as http:
             assert await timer.push_to_router(http, url, "tok", decisions)
             pushed = list(received)
@@ -190,8 +164,6 @@ async def test_push_to_router_sends_quarantine_and_shares_and_no_replicas(monkey
         assert table.groups["b"].quarantined and table.effective_shares() == {"a": 1.0, "b": 0.0}
         assert table.groups["a"].share == pytest.approx(0.75)
         assert {g: list(table.groups[g].replicas) for g in "ab"} == {g.name: g.replicas for g in config.groups}
-    finally:
-        await runner.cleanup()
 
 
 def test_the_operators_router_config_is_a_valid_router_config() -> None:

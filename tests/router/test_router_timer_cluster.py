@@ -3,7 +3,8 @@
 
 Sampler pods are kwok fakes (no process behind their IPs), so throughput comes from the
 `spec.router.prometheusUrl` path, served by a small real Prometheus-API HTTP server on 127.0.0.1
-(fake_prometheus.py) that reports 3000 tok/s for the b200 group and 1000 tok/s for the a100 group.
+(tests/support/fake_prometheus.py) that reports 3000 tok/s for the b200 group and 1000 tok/s for the a100
+group.
 """
 
 from __future__ import annotations
@@ -11,18 +12,16 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
-import cluster_wait
 import pytest
 import yaml
-from fake_prometheus import fake_prometheus
-from kopf.testing import KopfRunner
+from support import waits
+from support.control_plane import events, operator_in_process, rljob
+from support.fake_prometheus import fake_prometheus
 
 # these tests wait on rebalance intervals: longer timeout, coarser polling than the default
-wait_for = functools.partial(cluster_wait.wait_for, timeout=120.0, interval=1.0)
+wait_for = functools.partial(waits.wait_for, timeout=120.0, interval=1.0)
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = "rebal"
 TPS = {f"{JOB}-b200-nvfp4": 3000.0, f"{JOB}-a100-bf16": 1000.0}
 
@@ -36,39 +35,20 @@ def prometheus() -> Iterator[tuple[str, list[str]]]:
 
 
 def manifest(prometheus_url: str) -> dict:
-    return {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": JOB},
-        "spec": {
-            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
-            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
-            "samplerGroups": [
-                {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
-                {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "weightFormat": "bf16"},
-            ],
-            # no b200 group at bf16: the reference fleet's throughput is given
-            "router": {"policy": "throughput", "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url,
-                       "reference": {"tokensPerGpuSecond": 2500}},
-            "weightChannel": {"store": {"type": "filesystem", "path": "/weights/rebal"}},
-        },
-    }
+    # no b200 group at bf16: the reference fleet's throughput is given
+    return rljob(JOB, router={"policy": "throughput", "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url,
+                              "reference": {"tokensPerGpuSecond": 2500}})  # fmt: skip
 
 
 def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
-    kube, namespace: str, prometheus: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
+    kube, crds, namespace: str, prometheus: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url, queries = prometheus
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    for name in ("rljobs", "samplergroups", "weightchannels"):
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{name}.rlfleet.dev", "--timeout=60s")
-    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
 
     def sg(name: str) -> dict:
         return json.loads(kube.kubectl("get", "samplergroup", f"{JOB}-{name}", "-n", namespace, "-o", "json").stdout)
 
-    args = ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"]
-    with KopfRunner(args, timeout=60) as runner:
+    with operator_in_process(kube, namespace, monkeypatch):
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest(url)))
 
         def converged() -> dict | None:
@@ -106,8 +86,7 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
         wide = kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "wide").stdout
         header, row = wide.strip().splitlines()
         assert "SAVING%" in header and "18.82" in row.split(), wide
-        events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
-        assert any(e.get("reason") == "ShareChanged" for e in events)
+        assert events(kube, namespace, "ShareChanged")
 
         # Quarantine by annotation: the group drops to share 0 at the next interval.
         kube.kubectl("annotate", "samplergroup", f"{JOB}-a100-bf16", "-n", namespace, "rlfleet.dev/quarantined=true")
@@ -115,6 +94,4 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
                  and sg("a100-bf16")["status"]["share"] == 0.0, timeout=60)  # fmt: skip
         assert sg("b200-nvfp4")["status"]["share"] == 1.0
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
-    assert runner.exception is None, runner.output
-    assert "Traceback" not in runner.output, runner.output
     assert queries and all('sglang:realtime_tokens_total{mode="decode",' in q for q in queries)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from router_upstreams import InProcessUpstream, UpstreamState
+from support.upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.records import SampledTurn
 from rlfleet.retries import ROUTER_MAX_ATTEMPTS, ClientRetryPolicy, OutagePolicy, turn_upstream_posts

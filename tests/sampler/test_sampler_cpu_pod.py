@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from support.ports import free_port
+from support.processes import stop
+from support.waits import wait_for
 
 from rlfleet.api import SamplerGroup, load_rljob
 from rlfleet.catalog import load_catalog
@@ -32,12 +32,6 @@ from rlfleet.operator import naming as n
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's bin: `rlfleet` (the images' ENTRYPOINT) lives there
 POD = "cpu-group-7d9f-abcde"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pod_for(tmp: Path, group: str, port: int) -> dict:
@@ -82,32 +76,7 @@ def as_kubelet_runs(container: dict, cache: Path, sync_port: int) -> tuple[list[
 def processes() -> Iterator[list[subprocess.Popen]]:
     procs: list[subprocess.Popen] = []
     yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]) -> object:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                out = p.stdout.read() if p.stdout else ""
-                raise AssertionError(f"{what}: {p.args[:3]} exited {p.returncode}:\n{out[-3000:]}")
-        try:
-            value = check()
-            if value:
-                return value
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    stop(procs)
 
 
 def generate(url: str) -> dict:
@@ -157,7 +126,8 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Pa
     assert argv[:2] == ["/bin/sh", "-c"] and "rlfleet sampler serve --engine reference" in argv[2]
     processes.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     url = f"http://127.0.0.1:{port}"
-    wait_for("engine /health", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 300, processes)
+    wait_for("engine /health", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+             timeout=300, interval=0.2, running=processes)  # fmt: skip
     info = httpx.get(f"{url}/model_info", headers=AUTH, timeout=10).json()
     assert (info["weight_version"], info["weight_format"], info["kv_cache_dtype"]) == ("0", group, kv)
     assert info["model_path"] == str(cache / f"v0-{group}") and info["served_model_name"] == "tiny-qwen3"
@@ -169,10 +139,11 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Pa
     argv, env = as_kubelet_runs(sidecar, cache, sync_port)
     processes.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     wait_for("sidecar /health", lambda: httpx.get(f"http://127.0.0.1:{sync_port}/health", timeout=2).status_code
-             == 200, 120, processes)  # fmt: skip
+             == 200, timeout=120, interval=0.2, running=processes)  # fmt: skip
     publisher.publish({k: v + 0.01 * torch.randn_like(v) for k, v in weights.items()}, version=1)
     wait_for("version 1 applied",
-             lambda: httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()["weight_version"] == "1", 120, processes)  # fmt: skip
+             lambda: httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()["weight_version"] == "1",
+             timeout=120, interval=0.2, running=processes)  # fmt: skip
     assert read_launch_file(cache) == (1, cache / f"v1-{group}")  # a restarted engine launches from what it serves
     info = httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()
     assert (info["model_path"], info["weight_format"]) == (str(cache / f"v1-{group}"), group)

@@ -10,6 +10,7 @@ import pytest
 import sglang_made as sm
 from aiohttp import web
 from sglang.srt.sampling.sampling_params import TOP_K_ALL
+from support.upstreams import serving
 
 from rlfleet import records as rec
 from rlfleet.sampler import protocol as proto
@@ -82,17 +83,9 @@ async def test_client_learns_a_smaller_servers_cap_from_sglangs_400_and_is_then_
 
     app = web.Application()
     app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with SamplerClient(f"http://127.0.0.1:{port}") as client:
-            turn = await client.generate([1, 2], {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 2})
-            again = await client.generate([1, 2], {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 2})
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, SamplerClient(url) as client:
+        turn = await client.generate([1, 2], {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 2})
+        again = await client.generate([1, 2], {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 2})
     assert seen == [1024, 256, 256]  # the learnt cap is kept for later requests
     assert client.mask_cap == 256 and client.stats.retries["shrink_top_k"] == 1
     assert turn.valid.all() and again.valid.all() and turn.output_ids.tolist() == [t.id for t in TOKENS]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import sglang_made as sm
 from aiohttp import web
+from support.upstreams import serving
 
 from rlfleet.sampler import protocol as proto
 from rlfleet.sampler.client import SamplerClient, TurnFailed
@@ -91,18 +92,10 @@ async def test_the_client_requests_and_parses_routed_experts_over_http() -> None
 
     app = web.Application()
     app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with SamplerClient(f"http://127.0.0.1:{port}") as client:
-            turn = await client.generate(PROMPT, MOE)
-            flagged["on"] = False
-            with pytest.raises(TurnFailed, match="--enable-return-routed-experts") as failed:
-                await client.generate(PROMPT, MOE)
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, SamplerClient(url) as client:
+        turn = await client.generate(PROMPT, MOE)
+        flagged["on"] = False
+        with pytest.raises(TurnFailed, match="--enable-return-routed-experts") as failed:
+            await client.generate(PROMPT, MOE)
     assert turn.valid.all() and np.array_equal(turn.routed_experts, want)
     assert failed.value.reason == "malformed_response"

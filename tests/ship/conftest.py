@@ -3,7 +3,6 @@ cached) and a renderer of the chart."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,26 +12,15 @@ from typing import Any
 
 import pytest
 import yaml
+from support.cluster_modules import cluster_module
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rlfleet"
 KUBE_VERSION = "v1.36.3"  # the control plane the cluster tests run (tests/cluster/go/kubernetes)
 
 
-def _cluster_module(file: str):
-    """tests/cluster/<file>.py, loaded by path once (tests/ is not a package)."""
-    name = f"rlfleet_tests_{file}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "tests" / "cluster" / f"{file}.py")
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def _controlplane():
-    return _cluster_module("controlplane")
+    return cluster_module("controlplane")
 
 
 def _go_tool(name: str) -> Path:
@@ -56,7 +44,7 @@ def actionlint_bin() -> Path:
 @pytest.fixture(scope="session")
 def nodeimages() -> Any:
     """tests/cluster/nodeimages.py: what the dev cluster's real node builds from images/Dockerfile.*."""
-    return _cluster_module("nodeimages")
+    return cluster_module("nodeimages")
 
 
 class HelmError(RuntimeError):

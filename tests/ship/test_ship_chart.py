@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.example_children import example_workloads
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rlfleet"
@@ -496,17 +497,7 @@ def test_auto_priorities_of_two_replicas_differ() -> None:
 def test_podmonitor_selects_and_scrapes_the_pods_the_operator_builds(render) -> None:
     """The PodMonitor's selector, ports and relabelled labels match the pod templates of the operator's
     real builders (trainer, router, sampler + weight-sync sidecar) for the example job."""
-    from rlfleet.api import RLJob, SamplerGroup, StoreSpec
-    from rlfleet.catalog import get_catalog
-    from rlfleet.operator import builders
-
-    job = RLJob.from_manifest(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text()))
-    catalog = get_catalog()
-    objs = builders.build_job_children(job, "rl", None, catalog)
-    store = StoreSpec.model_validate(job.spec.weight_channel.store.model_dump())
-    for sg in [o for o in objs if o["kind"] == "SamplerGroup"]:
-        objs += builders.build_samplergroup_children(SamplerGroup.from_manifest(sg), "rl", None, catalog, store)
-    templates = {o["metadata"]["name"]: o["spec"]["template"] for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+    templates = {o["metadata"]["name"]: o["spec"]["template"] for o in example_workloads()}
 
     (monitor,) = find(render({"metrics": {"serviceMonitor": {"enabled": True}}}), "PodMonitor")
     selector = monitor["spec"]["selector"]["matchLabels"]
@@ -518,7 +509,7 @@ def test_podmonitor_selects_and_scrapes_the_pods_the_operator_builds(render) -> 
         assert selector.items() <= labels.items(), name
         named = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
         assert named & ports, f"{name}: no container port in {sorted(ports)}"
-        assert "rlfleet.dev/job" in labels and labels["rlfleet.dev/job"] == job.name
+        assert "rlfleet.dev/job" in labels and labels["rlfleet.dev/job"] == "reference-fleet"  # the example's name
         scraped_components.add(labels["app.kubernetes.io/component"])
         if labels["app.kubernetes.io/component"] == "sampler":
             assert {"http", "sync"} <= named and "rlfleet.dev/group" in labels

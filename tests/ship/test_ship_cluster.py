@@ -25,29 +25,14 @@ from typing import Any
 
 import pytest
 import yaml
+from support.ports import free_port
+from support.waits import wait_for
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rlfleet"
 EXAMPLE = REPO / "examples" / "rljob.yaml"
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def helm_template(helm, release: str, namespace: str, values: dict[str, Any], tmp: Path, crds: bool = False) -> str:
@@ -828,7 +813,7 @@ def test_weightchannel_versions_with_the_charts_store_access(kube, helm, tmp_pat
     tmp = tmp_path_factory.mktemp("stores")
     mount_path = tmp / "mnt" / "weights"  # what the chart mounts in the operator pod
     moto = _moto()
-    s3_port = moto.free_port()
+    s3_port = free_port()
     s3 = moto.start_moto(s3_port)
     endpoint = f"http://127.0.0.1:{s3_port}"
     values = {"weightStores": {"filesystem": [{"name": "weights", "mountPath": str(mount_path),

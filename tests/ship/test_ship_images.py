@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.example_children import example_workloads
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = {p.name.split(".")[1]: p for p in sorted((REPO / "images").glob("Dockerfile.*")) if p.suffix != ".dockerignore"}
@@ -145,21 +146,6 @@ def test_dockerignore_keeps_only_the_package_sources() -> None:
             assert f"!{source}" in ignore or f"!{source}/" in ignore, (name, source)
 
 
-def _example_workloads() -> list[dict]:
-    """Every Deployment / StatefulSet the operator builds for examples/rljob.yaml (real builders)."""
-    from rlfleet.api import RLJob, SamplerGroup, StoreSpec
-    from rlfleet.catalog import get_catalog
-    from rlfleet.operator import builders
-
-    job = RLJob.from_manifest(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text()))
-    catalog = get_catalog()
-    objs = builders.build_job_children(job, "rl", None, catalog)
-    store = StoreSpec.model_validate(job.spec.weight_channel.store.model_dump())
-    for sg in [o for o in objs if o["kind"] == "SamplerGroup"]:
-        objs += builders.build_samplergroup_children(SamplerGroup.from_manifest(sg), "rl", None, catalog, store)
-    return [o for o in objs if o["kind"] in ("Deployment", "StatefulSet")]
-
-
 def _shell_exec_argv(argv: list[str]) -> list[str]:
     """The command a `/bin/sh -c '...; exec CMD ...'` wrapper finally runs (placeholders kept)."""
     import shlex
@@ -171,22 +157,11 @@ def _shell_exec_argv(argv: list[str]) -> list[str]:
 
 def _container_commands() -> list[tuple[str, str, list[str]]]:
     """(image, container name, command + args) of every container the operator builds for the example."""
-    from rlfleet.api import RLJob, SamplerGroup, StoreSpec
-    from rlfleet.catalog import get_catalog
-    from rlfleet.operator import builders
-
-    job = RLJob.from_manifest(yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text()))
-    catalog = get_catalog()
-    objs = builders.build_job_children(job, "rl", None, catalog)
-    store = StoreSpec.model_validate(job.spec.weight_channel.store.model_dump())
-    for sg in [o for o in objs if o["kind"] == "SamplerGroup"]:
-        objs += builders.build_samplergroup_children(SamplerGroup.from_manifest(sg), "rl", None, catalog, store)
     out = []
-    for obj in objs:
-        if obj["kind"] in ("Deployment", "StatefulSet"):
-            pod = obj["spec"]["template"]["spec"]
-            for c in [*pod.get("initContainers", []), *pod["containers"]]:
-                out.append((c["image"], c["name"], _shell_exec_argv([*c.get("command", []), *c.get("args", [])])))
+    for obj in example_workloads():
+        pod = obj["spec"]["template"]["spec"]
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            out.append((c["image"], c["name"], _shell_exec_argv([*c.get("command", []), *c.get("args", [])])))
     return out
 
 
@@ -216,7 +191,7 @@ def test_every_container_the_operator_builds_runs_a_command_its_image_has() -> N
             assert kind == "sampler" and resolved_bases(IMAGES["sampler"]) == ["lmsysorg/sglang:v0.5.23-cu130"]
     assert {("sampler", "python3"), ("sampler", "rlfleet"), ("trainer", "rlfleet"), ("operator", "rlfleet")} <= seen
     # the SGLang wrapper's /bin/sh exists in the SGLang base (Ubuntu) and is what the pods run
-    sampler_pods = [w["spec"]["template"]["spec"] for w in _example_workloads() if "sglang" in
+    sampler_pods = [w["spec"]["template"]["spec"] for w in example_workloads() if "sglang" in
                     {c["name"] for c in w["spec"]["template"]["spec"]["containers"]}]  # fmt: skip
     assert sampler_pods and all(p["containers"][0]["command"] == ["/bin/sh", "-c"] for p in sampler_pods)
 
@@ -250,7 +225,7 @@ def test_pods_and_images_agree_on_one_uid_and_every_written_path_is_writable() -
     repository_of = {"ghcr.io/rlfleet/operator": "operator", "ghcr.io/rlfleet/sampler": "sampler",
                      "ghcr.io/rlfleet/trainer": "trainer"}  # fmt: skip
     checked = 0
-    for workload in _example_workloads():
+    for workload in example_workloads():
         pod = workload["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod.get("volumes", [])}
         for c in [*pod.get("initContainers", []), *pod["containers"]]:

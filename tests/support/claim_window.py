@@ -1,4 +1,4 @@
-"""Killing a real trainer process INSIDE its claim window (tests/ is on sys.path under pytest; not a test file).
+"""Killing a real trainer process INSIDE its claim window.
 
 The window: `claims/v{N}` exists, version N's files and manifest may be written, the pointer still names
 N-1 (rlfleet/channel.py `publish`). On a filesystem store the pointer's compare-and-swap holds an
@@ -14,10 +14,9 @@ import signal
 import subprocess
 from pathlib import Path
 
-from cluster_wait import wait_for
-
 from rlfleet.channel import WeightChannel, manifest_key
 from rlfleet.store import FilesystemStore
+from support.waits import wait_for
 
 
 def kill_inside_the_claim_window(proc: subprocess.Popen, store_dir: Path, version: int, timeout: float = 300) -> None:

@@ -1,5 +1,5 @@
-"""A small real Prometheus-API HTTP server for the rebalancer's `spec.router.prometheusUrl` path on the test
-control plane (kwok's sampler pods run no process to scrape): it answers the rebalancer's instant query
+"""A small real Prometheus-API HTTP server for the rebalancer's `spec.router.prometheusUrl` path (on the test
+control plane kwok's sampler pods run no process to scrape): it answers the rebalancer's instant query
 with the decode tokens/s `rate(samplergroup)` gives for the SamplerGroup the query's pod regex names, and
 records every query."""
 

@@ -8,27 +8,37 @@ absolute schedule) and a queue forms beyond that. `/metrics` exposes
 `sglang:generation_tokens_total`, `sglang:num_requests_total`, `sglang:gen_throughput` and
 `sglang:num_running_reqs` with SGLang's label names.
 
-Run as a script (`python router_upstreams.py --tps 2000`) to get a process that a test can SIGKILL.
+`SubprocessUpstream` runs this module (`python -m support.upstreams --tps 2000` in tests/) as a process a
+test can SIGKILL. `serving(app)` serves any aiohttp app on a free port for the length of a block: the
+tests' own small fakes of an engine, Prometheus or the router's admin API.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
-import os
-import socket
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from support.processes import die_with_parent
+
+if TYPE_CHECKING:
+    from rlfleet.operator.rebalance import GroupInput
+
+TESTS = Path(__file__).resolve().parents[1]  # the folder `python -m support.upstreams` runs in
 
 
 @dataclass
@@ -203,17 +213,31 @@ class InProcessUpstream:
             self.runner = None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+async def rebalance_inputs(http: aiohttp.ClientSession, urls: Mapping[str, str]) -> list[GroupInput]:
+    """The rebalancer's inputs from each group's one replica at `urls` (group -> base URL): its /metrics
+    scraped and parsed as the operator's rebalancer reads them, 1 ready replica of 1 GPU at $1/h."""
+    # imported here: an upstream process (`python -m support.upstreams`) starts without the operator
+    from rlfleet.operator.rebalance import GroupInput, parse_sglang_metrics
+
+    inputs = []
+    for name, url in urls.items():
+        async with http.get(url + "/metrics") as response:
+            sample = parse_sglang_metrics(await response.text())
+        inputs.append(GroupInput(name, ready_replicas=1, gpus=1, price_per_gpu_hour=1.0, pods={url: sample}))
+    return inputs
 
 
-def _die_with_parent() -> None:
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+@asynccontextmanager
+async def serving(app: web.Application, **runner: Any) -> AsyncIterator[str]:
+    """`app` served on a free 127.0.0.1 port while the block runs: yields its base URL. `runner`: the
+    AppRunner's options (access_log=None, ...)."""
+    app_runner = web.AppRunner(app, **runner)
+    await app_runner.setup()
+    await web.TCPSite(app_runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{app_runner.addresses[0][1]}"
+    finally:
+        await app_runner.cleanup()
 
 
 class SubprocessUpstream:
@@ -223,11 +247,12 @@ class SubprocessUpstream:
         self, name: str, tokens_per_second: float | None = None, weight_version: int = 0, port: int = 0
     ) -> None:
         self.name = name
-        args = [sys.executable, os.path.abspath(__file__), "--name", name, "--version", str(weight_version)]
+        args = [sys.executable, "-m", "support.upstreams", "--name", name, "--version", str(weight_version)]
         args += ["--port", str(port)]
         if tokens_per_second:
             args += ["--tps", str(tokens_per_second)]
-        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
+                                        cwd=TESTS)  # fmt: skip
         line = self.process.stdout.readline()
         self.port = int(json.loads(line)["port"])
 
@@ -246,22 +271,6 @@ async def _main(args: argparse.Namespace) -> None:
     await upstream.start(args.port)
     print(json.dumps({"port": upstream.port}), flush=True)
     await asyncio.Event().wait()
-
-
-async def eventually(condition: Callable[[], bool | Awaitable[bool]], what: str, bound_s: float) -> None:
-    """Wait (at most `bound_s`) until `condition()` holds: a bool, or an awaitable of one; fail naming
-    `what` otherwise (the router tests' one poll)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + bound_s
-    while True:
-        held = condition()
-        if inspect.isawaitable(held):
-            held = await held
-        if held:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {bound_s} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 if __name__ == "__main__":

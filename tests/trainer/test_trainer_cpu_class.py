@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from support.ports import free_port
 
 from rlfleet.api import RLJob, load_rljob
 from rlfleet.catalog import load_catalog
@@ -31,12 +31,6 @@ from rlfleet.operator import naming as n
 REPO = Path(__file__).resolve().parents[2]
 CATALOG = load_catalog(None)
 TRAINER_DEPS = "import megatron.core, httpx, aiohttp, prometheus_client, boto3, transformers, blake3"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_trainer_device_comes_from_the_env_the_operator_sets(monkeypatch: pytest.MonkeyPatch) -> None:

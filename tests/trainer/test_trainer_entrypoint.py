@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,10 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from claim_window import kill_inside_the_claim_window
-from cluster_wait import wait_for
-from test_trainer_cpu_class import free_port  # the trainer tests' one copy
+from support.claim_window import kill_inside_the_claim_window
+from support.ports import free_port
+from support.processes import RLFLEET, start_trainer
+from support.waits import wait_for
 
 from rlfleet.channel import WeightChannel, manifest_key
 from rlfleet.local.fleet import FleetSpec, GroupSpec
@@ -60,34 +60,37 @@ def job_manifest(tmp_path: Path, base: Path, channel: Path, steps: int = STEPS) 
     return path
 
 
+BF16_AND_FP8 = (GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8"))
+
+
+def local_fleet(tmp_path: Path, channel: Path, model: Path,
+                groups: tuple[GroupSpec, ...] = BF16_AND_FP8) -> tuple[str, FleetProcess]:  # fmt: skip
+    """The sampler fleet of `groups` started on this machine (rlfleet/local/fleet.py: reference engines,
+    their weight-sync loops, the router) on the channel at `channel`: the router's URL, known before any
+    sampler is up as on a cluster, and the fleet (`wait_ready`, `stop`)."""
+    router_port = free_port()
+    spec = FleetSpec(groups=list(groups), store=str(channel), cache_dir=str(tmp_path / "cache"),
+                     model_path=str(model), seed=0, router_port=router_port)  # fmt: skip
+    (tmp_path / "fleet.json").write_text(spec.to_json())
+    return f"http://127.0.0.1:{router_port}", FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log",
+                                                           secrets.token_hex(8))  # fmt: skip
+
+
 @pytest.mark.slow
 def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     base = tiny_qwen3_dir  # the default sizes: every projection a multiple of 128, so the fp8 view publishes
     base_weights = read_safetensors_dir(base)  # bf16, as save_pretrained wrote them
     channel_dir = tmp_path / "channel"
     channel_dir.mkdir()
-    # As on a cluster: the router's address is known before any sampler is up, and the samplers wait
-    # for the channel's first version, which only the trainer publishes.
-    router_port = free_port()
-    fleet_spec = FleetSpec(
-        groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")],
-        store=str(channel_dir), cache_dir=str(tmp_path / "cache"), model_path=str(base), seed=0,
-        router_port=router_port,
-    )
-    (tmp_path / "fleet.json").write_text(fleet_spec.to_json())
-    fleet = FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8))
+    # As on a cluster: the samplers wait for the channel's first version, which only the trainer publishes.
+    router_url, fleet = local_fleet(tmp_path, channel_dir, base)
     try:
         assert WeightChannel(FilesystemStore(channel_dir)).latest() is None
-        trainer_run = subprocess.Popen(
-            [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run",
-             "--config", str(job_manifest(tmp_path, base, channel_dir)),
-             "--router-url", f"http://127.0.0.1:{router_port}", "--metrics-port", "0"],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"},
-        )  # fmt: skip
+        trainer_run = start_trainer(job_manifest(tmp_path, base, channel_dir), router_url, tmp_path,
+                                    stdout=subprocess.PIPE)  # fmt: skip
         try:
             urls = fleet.wait_ready()  # ready only once the engines loaded the trainer's version 0
-            assert urls["router"] == f"http://127.0.0.1:{router_port}"
+            assert urls["router"] == router_url
             _, trainer_stderr = trainer_run.communicate(timeout=300)
         finally:
             if trainer_run.poll() is None:
@@ -120,12 +123,7 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     # again nor exits into a restart loop; it exports the finished run (step, `rlfleet_trainer_finished`)
     # until stopped, and publishes nothing (no router needed: the fleet is gone).
     port = free_port()
-    restarted = subprocess.Popen(
-        [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run",
-         "--config", str(job_manifest(tmp_path, base, channel_dir)),
-         "--router-url", "http://127.0.0.1:9", "--metrics-port", str(port)],
-        cwd=tmp_path, stderr=subprocess.PIPE, text=True, env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"},
-    )  # fmt: skip
+    restarted = start_trainer(job_manifest(tmp_path, base, channel_dir), "http://127.0.0.1:9", tmp_path, port)
     try:
         metrics = wait_for("the restarted trainer's finished gauge", lambda: _scrape(port, restarted), timeout=240)
     finally:
@@ -146,7 +144,7 @@ def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_
        test_a_full_volume_fails_a_checkpoint_with_enospc...): one line naming the store, no traceback, the
        channel still at version 1;
     2. SIGKILLed INSIDE the claim window of version 3 (claims/v3, v3's files and manifest written, the
-       pointer at 2: tests/claim_window.py holds the pointer's lock so the kill lands there every time);
+       pointer at 2: tests/support/claim_window.py holds the pointer's lock so the kill lands there every time);
     3. the restart resumes from the step-3 checkpoint, publishes version 3 again over its own claim (the
        same publisher id and writer lease) and version 4, and exits 0.
     Every version 0-4 is then the trainer's, complete, and every file of every view verifies."""
@@ -154,25 +152,13 @@ def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_
     channel_dir = tmp_path / "channel"
     checkpoints = channel_dir / "checkpoints"
     checkpoints.mkdir(parents=True)
-    router_port = free_port()
-    fleet_spec = FleetSpec(
-        groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")],
-        store=str(channel_dir), cache_dir=str(tmp_path / "cache"), model_path=str(tiny_qwen3_dir), seed=0,
-        router_port=router_port,
-    )
-    (tmp_path / "fleet.json").write_text(fleet_spec.to_json())
     manifest = job_manifest(tmp_path, tiny_qwen3_dir, channel_dir, steps=steps)
     channel = WeightChannel(FilesystemStore(channel_dir), publisher_id="test-observer")
 
     def trainer() -> subprocess.Popen:
-        return subprocess.Popen(
-            [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run", "--config", str(manifest),
-             "--router-url", f"http://127.0.0.1:{router_port}", "--metrics-port", "0"],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"}, start_new_session=True,
-        )  # fmt: skip
+        return start_trainer(manifest, router_url, tmp_path)
 
-    fleet = FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8))
+    router_url, fleet = local_fleet(tmp_path, channel_dir, tiny_qwen3_dir)
     runs: list[subprocess.Popen] = []
     try:
         (checkpoints / "ckpt-00000002-g1.pt.tmp").symlink_to("/dev/full")  # -g1: the writer lease's first generation
@@ -235,7 +221,7 @@ def test_trainer_entrypoint_refuses_a_model_path_that_is_not_a_checkpoint(tmp_pa
     (tmp_path / "empty").mkdir()
     (tmp_path / "channel").mkdir()
     run = subprocess.run(
-        [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run",
+        [RLFLEET, "trainer", "run",
          "--config", str(job_manifest(tmp_path, tmp_path / "empty", tmp_path / "channel")),
          "--router-url", "http://127.0.0.1:9"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,

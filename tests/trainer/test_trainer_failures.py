@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_trainer_cpu_class import free_port  # the trainer tests' one copy
+from support.ports import free_port
 from test_trainer_entrypoint import job_manifest  # the trainer tests' one copy
 
 from rlfleet.channel import VersionConflictError, WeightChannel

@@ -15,21 +15,18 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import secrets
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from cluster_wait import wait_for
-from test_trainer_cpu_class import free_port
-from test_trainer_entrypoint import job_manifest
+from support.processes import start_trainer
+from support.waits import wait_for
+from test_trainer_entrypoint import job_manifest, local_fleet
 
 from rlfleet.channel import WeightChannel
-from rlfleet.local.fleet import FleetSpec, GroupSpec
-from rlfleet.local.main import FleetProcess
+from rlfleet.local.fleet import GroupSpec
 from rlfleet.store import FilesystemStore
 from rlfleet.trainer import checkpoint
 
@@ -78,29 +75,18 @@ def test_a_paused_then_continued_fenced_trainer_changes_nothing(tmp_path: Path, 
     steps = 4
     channel_dir = tmp_path / "channel"
     channel_dir.mkdir()
-    router_port = free_port()
-    fleet_spec = FleetSpec(
-        groups=[GroupSpec("h100-bf16", "h100", "bf16")], store=str(channel_dir), cache_dir=str(tmp_path / "cache"),
-        model_path=str(tiny_qwen3_dir), seed=0, router_port=router_port,
-    )  # fmt: skip
-    (tmp_path / "fleet.json").write_text(fleet_spec.to_json())
     manifest = job_manifest(tmp_path, tiny_qwen3_dir, channel_dir, steps=steps)
     channel = WeightChannel(FilesystemStore(channel_dir), publisher_id="test-observer")
 
     def trainer() -> subprocess.Popen:
-        return subprocess.Popen(
-            [str(Path(sys.executable).with_name("rlfleet")), "trainer", "run", "--config", str(manifest),
-             "--router-url", f"http://127.0.0.1:{router_port}", "--metrics-port", "0"],
-            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"}, start_new_session=True,
-        )  # fmt: skip
+        return start_trainer(manifest, router_url, tmp_path)
 
     def pointer_at_least(version: int, proc: subprocess.Popen) -> bool:
         assert proc.poll() is None, f"the trainer exited ({proc.returncode}) before version {version}"
         pointer = channel.latest()
         return pointer is not None and pointer.version >= version
 
-    fleet = FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8))
+    router_url, fleet = local_fleet(tmp_path, channel_dir, tiny_qwen3_dir, (GroupSpec("h100-bf16", "h100", "bf16"),))
     first = second = None
     try:
         first = trainer()

@@ -13,12 +13,11 @@ data position the driver consumed produced exactly one complete group."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
+from support.ports import free_port
+from support.waits import wait_for
 
 from rlfleet.retries import ClientRetryPolicy, OutagePolicy
 from rlfleet.router.config import GroupConfig, RouterConfig
@@ -36,17 +35,14 @@ MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidd
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+def copy_digit_driver(client: SamplerClient, max_ahead: int) -> RolloutDriver:
+    """The trainer's rollout driver on copy_digit prompts (2 samples each, 2 new tokens), its outage
+    backoff short (20 to 100 ms): its circuit opens and its probes run within a test."""
+    return RolloutDriver(
+        client, copy_digit, GeneratedPromptSource("copy_digit"), samples_per_prompt=2,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=2), max_seq_len=32,
+        max_ahead_prompts=max_ahead, outage_policy=OutagePolicy(backoff_initial_s=0.02, backoff_max_s=0.1),
+    )  # fmt: skip
 
 
 async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
@@ -62,11 +58,7 @@ async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
     client = SamplerClient(f"http://127.0.0.1:{port}",
                            policy=ClientRetryPolicy(backoff_initial_s=0.001, backoff_max_s=0.002))  # fmt: skip
     max_ahead = 4
-    driver = RolloutDriver(
-        client, copy_digit, GeneratedPromptSource("copy_digit"), samples_per_prompt=2,
-        sampling=SamplingConfig(temperature=1.0, max_new_tokens=2), max_seq_len=32,
-        max_ahead_prompts=max_ahead, outage_policy=OutagePolicy(backoff_initial_s=0.02, backoff_max_s=0.1),
-    )  # fmt: skip
+    driver = copy_digit_driver(client, max_ahead)
     taken: list[PromptGroup] = []
     stop = threading.Event()
 
@@ -80,18 +72,18 @@ async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
 
         # Phase 1: the sampler is down, so the router answers 503 to every request.
         await sampler.stop()
-        await asyncio.to_thread(_wait, "the circuit to open", lambda: driver.outage is not None)
+        await asyncio.to_thread(wait_for, "the circuit to open", lambda: driver.outage is not None, interval=0.01)
         held_at_open = driver.stats.held_groups
         await asyncio.to_thread(
-            _wait, "two failed probes", lambda: driver.stats.held_groups >= held_at_open + 2
+            wait_for, "two failed probes", lambda: driver.stats.held_groups >= held_at_open + 2, interval=0.01
         )
         position = driver.next_position
         # Phase 2: the router is down (refused); the circuit stays open, probes keep failing.
         await runner.cleanup()
         await router.close()
         held = driver.stats.held_groups
-        await asyncio.to_thread(_wait, "two probes against the closed port",
-                                lambda: driver.stats.held_groups >= held + 2)  # fmt: skip
+        await asyncio.to_thread(wait_for, "two probes against the closed port",
+                                lambda: driver.stats.held_groups >= held + 2, interval=0.01)  # fmt: skip
         assert driver.outage is not None and driver.stats.router_outages == 1
         # no data position consumed while the circuit was open: the probes were the held groups
         assert driver.next_position == position
@@ -104,8 +96,9 @@ async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
         router, runner, _ = await start_service(config)
         await asyncio.to_thread(take, 6)
         assert len(taken) == 12, (driver.stats, driver.outage, driver._in_flight, driver.held_prompts)
-        await asyncio.to_thread(_wait, "the driver's look-ahead to fill (nothing in flight)",
-                                lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0, timeout=20)  # fmt: skip
+        await asyncio.to_thread(wait_for, "the driver's look-ahead to fill (nothing in flight)",
+                                lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0, timeout=20,
+                                interval=0.01)  # fmt: skip
     finally:
         stop.set()
         driver.stop()

@@ -20,42 +20,26 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 from aiohttp import web
+from support.ports import free_port
+from support.waits import wait_for
+from test_trainer_rollout_outage import MODEL, copy_digit_driver
 
-from rlfleet.retries import ClientRetryPolicy, OutagePolicy
+from rlfleet.retries import ClientRetryPolicy
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
 from rlfleet.sampler.client import SamplerClient, TurnFailed
 from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.protocol import SamplingConfig
-from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
-from rlfleet.trainer.environments import copy_digit
-from rlfleet.trainer.prompts import GeneratedPromptSource
-from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
+from rlfleet.trainer.rollout import PromptGroup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
-MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
 SERVICE = "cpu-bf16.rlfleet-cpu.svc"  # the group's headless Service, as the operator writes it
 FAST = ClientRetryPolicy(backoff_initial_s=0.001, backoff_max_s=0.002)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(what: str, ready: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 class Dns:
@@ -123,11 +107,7 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
     not_found = await NotFound().start(port)
     client = SamplerClient(f"http://127.0.0.1:{port}", policy=FAST)
     max_ahead = 4
-    driver = RolloutDriver(
-        client, copy_digit, GeneratedPromptSource("copy_digit"), samples_per_prompt=2,
-        sampling=SamplingConfig(temperature=1.0, max_new_tokens=2), max_seq_len=32,
-        max_ahead_prompts=max_ahead, outage_policy=OutagePolicy(backoff_initial_s=0.02, backoff_max_s=0.1),
-    )  # fmt: skip
+    driver = copy_digit_driver(client, max_ahead)
     taken: list[PromptGroup] = []
     stop = threading.Event()
     runner = router = None
@@ -138,9 +118,11 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
     driver.start()
     try:
         # Phase 1: 404 from the router's address. The first groups fail with it and are held.
-        await asyncio.to_thread(_wait, "the circuit to open on 404", lambda: driver.outage is not None)
+        await asyncio.to_thread(wait_for, "the circuit to open on 404", lambda: driver.outage is not None,
+                                interval=0.01)  # fmt: skip
         held = held_at_the_outage = driver.stats.held_groups
-        await asyncio.to_thread(_wait, "two failed probes", lambda: driver.stats.held_groups >= held + 2)
+        await asyncio.to_thread(wait_for, "two failed probes", lambda: driver.stats.held_groups >= held + 2,
+                                interval=0.01)  # fmt: skip
         assert "404" in driver.outage_note()
         position = driver.next_position
         assert position == max_ahead  # the groups dispatched before the circuit opened, and no more
@@ -154,7 +136,8 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
         message = answer.json()["error"]["message"]
         assert f"cannot look up {SERVICE} ([Errno {socket.EAI_AGAIN}] Temporary failure in name resolution)" in message
         held = driver.stats.held_groups
-        await asyncio.to_thread(_wait, "two probes answered 503", lambda: driver.stats.held_groups >= held + 2)
+        await asyncio.to_thread(wait_for, "two probes answered 503", lambda: driver.stats.held_groups >= held + 2,
+                                interval=0.01)  # fmt: skip
         assert "Temporary failure in name resolution" in driver.outage_note()
         assert driver.next_position == position and driver.stats.failed_groups == 0
         assert driver.stats.router_outages == 1
@@ -163,8 +146,9 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
         dns.up = True
         await asyncio.to_thread(take, 6)
         assert len(taken) == 6, (driver.stats, driver.outage, driver.held_prompts)
-        await asyncio.to_thread(_wait, "the driver's look-ahead to fill (nothing in flight)",
-                                lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0, timeout=20)  # fmt: skip
+        await asyncio.to_thread(wait_for, "the driver's look-ahead to fill (nothing in flight)",
+                                lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0, timeout=20,
+                                interval=0.01)  # fmt: skip
     finally:
         stop.set()
         driver.stop()

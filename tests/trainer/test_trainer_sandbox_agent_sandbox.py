@@ -12,6 +12,7 @@ kube-controller-manager, so its garbage collector follows the claims' ownerRefer
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -21,19 +22,21 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import waits
+from support.ports import free_port
 
 from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.agent_sandbox import AgentSandboxes, command_line
 
 HERE = Path(__file__).resolve().parent / "agent_sandbox"
 GROUP, VERSION = "extensions.agents.x-k8s.io", "v1beta1"
+wait_for = functools.partial(waits.wait_for, timeout=30.0, interval=0.05)
 
 
 def test_the_command_line_carries_stdin_and_merges_stderr_through_a_real_shell(tmp_path: Path) -> None:
@@ -95,17 +98,6 @@ def replicas(api: Any, namespace: str, pool: str) -> int:
     return int(scale["spec"].get("replicas", 0))  # a Scale's spec leaves 0 out
 
 
-def wait_for(what: str, check: Any, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-
 @pytest.mark.cluster
 def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_deleted(kube, crds, namespace: str) -> None:
     api = objects(kube)
@@ -154,12 +146,6 @@ def test_a_pool_of_another_template_is_refused(kube, crds, namespace: str) -> No
     AgentSandboxes(namespace, "j", "python-task", warm_pool=1, api_client=kube.api_client(), **owner)
     with pytest.raises(SandboxUnavailable, match="exists for template 'python-task', not rollout.sandbox.template 'go-task'"):
         AgentSandboxes(namespace, "j", "go-task", warm_pool=1, api_client=kube.api_client(), **owner)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -283,7 +269,7 @@ def test_deleting_the_trainer_pod_garbage_collects_its_claims(kube, crds, namesp
     controller.join(timeout=30)
     assert owned_claims(api, namespace, "j-trainer-0") == {handle.claim_name}
     kube.kubectl("delete", "pod", "j-trainer-0", "-n", namespace, "--wait=true", "--timeout=60s")
-    wait_for("the claim garbage-collected", lambda: not claims(api, namespace), timeout_s=120)
+    wait_for("the claim garbage-collected", lambda: not claims(api, namespace), timeout=120)
 
 
 TRAINER = """
@@ -343,7 +329,7 @@ def test_a_restarted_trainer_deletes_the_claims_its_killed_run_left_with_the_ope
         return ids if len(ids) == 2 else None
 
     try:
-        left = wait_for("the killed run's two claims", two_claims, timeout_s=60)
+        left = wait_for("the killed run's two claims", two_claims, timeout=60)
         assert replicas(api, namespace, "swe-claims-sandboxes") == 2  # scaled by the trainer, as its account
     finally:
         os.kill(proc.pid, signal.SIGKILL)  # no close(), no finalizer: as a killed trainer

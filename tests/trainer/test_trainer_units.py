@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.ports import free_port
 
 from rlfleet.api import SafetySpec
 from rlfleet.trainer import advantages, checkpoint, collapse, environments, metrics, prompts
@@ -545,7 +546,7 @@ def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
     spec.loader.exec_module(wc)
     for k, v in wc.CREDS.items():
         os.environ.setdefault(k, v)
-    port = wc.free_port()
+    port = free_port()
     proc = wc.start_moto(port)
     try:
         from rlfleet.store import S3Store

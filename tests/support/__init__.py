@@ -1,0 +1,23 @@
+"""What the test files share, one copy of each, by job (issue 41 item 3).
+
+tests/ is on sys.path under pytest (tests/conftest.py sits in it and tests/ is no package), so a test file
+imports `from support.ports import free_port`; a script that runs alone puts tests/ on sys.path first
+(tests/cluster/controlplane.py) or loads the module by path (tests/gpu/gpu_check.py). Not test files:
+pytest collects nothing here.
+
+- ports: a free 127.0.0.1 port
+- waits: polling until a condition holds (blocking `wait_for`, asyncio `eventually`)
+- processes: child processes (dying with the test, stopped at teardown, `rlfleet operator run`,
+  `rlfleet trainer run`)
+- upstreams: real HTTP upstreams speaking SGLang's API subset to the router; `serving(app)` for any
+  aiohttp fake
+- fake_prometheus: a real Prometheus-API server answering the rebalancer's query
+- fake_kube: the operator's KubeApi over a dict, for the handlers without a cluster
+- control_plane: rlfleet on the test control plane (CRDs, the operator in process, RLJobs, Events,
+  a spot node)
+- cluster_modules: tests/cluster/*.py loaded by path for pytest's side
+- manifests: RLJob manifests as plain dicts
+- example_children: what the operator's builders make for examples/rljob.yaml
+- claim_window: a real trainer SIGKILLed inside its claim window
+- invalid_rljobs: tests/api/invalid_rljobs.yaml's cases applied to the example
+"""
