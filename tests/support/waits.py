@@ -21,10 +21,10 @@ def wait_for(
 ) -> Any:
     """Poll `check` until it returns something truthy and return that.
 
-    Any exception but AssertionError counts as "not yet" (the objects may not exist yet, the server may not
-    listen yet); an AssertionError is what must hold while waiting (the process still runs) and ends the
-    wait at once. A process of `running` that exited ends it too, with its output. On timeout the last
-    value or exception is in the message."""
+    An exception counts as "not yet" (the objects may not exist yet, the server may not listen yet; an
+    AssertionError too: the cluster and node tests assert inside their checks what must eventually hold).
+    A process of `running` that exited ends the wait at once, with its output. On timeout the last value
+    or exception is in the message."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
@@ -33,8 +33,6 @@ def wait_for(
                 raise AssertionError(f"{what}: {proc.args!r} exited {proc.returncode}:\n{_output_tail(proc)}")
         try:
             last = check()
-        except AssertionError:
-            raise
         except Exception as exc:  # noqa: BLE001 - not yet
             last = exc
         if last and not isinstance(last, Exception):
