@@ -11,7 +11,7 @@ routing mismatch (trainer/routing.py) in every run's metrics, and each arm has a
 (`<arm>+r3`: routing replay, RLJob `correction.routingReplay`).
 
 How it runs (stated because it differs from local mode): in ONE process, without HTTP, with the
-in-process emulated samplers of experiments/emulated.py (the reference server's engine itself, serving
+in-process emulated samplers of rlfleet/local/emulated.py (the reference server's engine itself, serving
 the views the channel publishes, driven without HTTP), and deterministic
 asynchrony: the samplers always serve the weights of `lag` steps ago (a fully asynchronous run on a
 real fleet sees a spread of staleness; a fixed lag makes the arms comparable and the run seeded).
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from rlfleet.local.emulated import EmulatedSampler, SnapshotSink
     from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.tiny_qwen3 import TinyQwen3
     from rlfleet.trainer.backend_hf import HFBackend
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
     from rlfleet.trainer.config import RunConfig
     from rlfleet.trainer.loop import TrainingLoop
     from rlfleet.trainer.rollout import PromptGroup
-    from rlfleet_experiments.emulated import EmulatedSampler
 
 ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask replay)
     "pg": ("pg", False),
@@ -195,22 +195,6 @@ class ArmResult:
     """The same, the share of compared (token, layer) pairs."""
 
 
-class SnapshotSink:
-    """The ablation's VersionSink (trainer/run.py): published versions stay in memory, no channel."""
-
-    def __init__(self) -> None:
-        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
-
-    def latest_version(self) -> int | None:
-        return max(self.snapshots) if self.snapshots else None
-
-    def publish(self, weights: dict[str, torch.Tensor], version: int, *, step: int) -> None:
-        self.snapshots[version] = weights
-
-    def fence(self) -> None:
-        """No writer lease: the snapshots are this process's own."""
-
-
 class LockstepRollouts:
     """The ablation's rollout source in place of the HTTP rollout driver: when the loop takes a step's
     prompt groups, they are generated right then by the in-process emulated samplers serving the
@@ -238,10 +222,10 @@ class LockstepRollouts:
         pass
 
     def take(self, n: int, timeout: float, stop: threading.Event | None = None) -> list[PromptGroup]:
+        from rlfleet.local.emulated import Request
         from rlfleet.numerics.views import view_weights
         from rlfleet.router.hashing import pick
         from rlfleet.trainer.rollout import Episode, PromptGroup, Rollout, turn_stop_ids
-        from rlfleet_experiments.emulated import Request
 
         cfg, env, sampling = self.cfg, self.env, self.rc.sampling
         step = self.sink.latest_version() or 0  # the trainer's version = steps done
@@ -336,9 +320,9 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
 def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str, EmulatedSampler]:
     """{group name: EmulatedSampler} of `fleet`: each group's weight format, KV cache dtype and GPU
     class's kernel (bf16 activations, its split-K reduction order), seeded from cfg.seed."""
+    from rlfleet.local.emulated import EmulatedSampler
     from rlfleet.local.fleet import SPLIT_K
     from rlfleet.numerics.engine_model import KernelConfig, ModelShape
-    from rlfleet_experiments.emulated import EmulatedSampler
 
     model_cfg = ModelShape.from_checkpoint(model_dir)
     return {
@@ -387,6 +371,7 @@ def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progre
     one that keeps every version)."""
     import torch
 
+    from rlfleet.local.emulated import SnapshotSink
     from rlfleet.trainer.backend_hf import HFBackend
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds, Decision
     from rlfleet.trainer.run import run_training

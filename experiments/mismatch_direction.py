@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlfleet.local.emulated import SnapshotSink
 from rlfleet.numerics.engine_model import is_quantizable
 from rlfleet.numerics.views import view_weights
 from rlfleet.sampler.reference_engine import ENGINE_KV
@@ -46,7 +47,6 @@ from rlfleet_experiments.ablation import (
     FLEETS,
     AblationConfig,
     LockstepRollouts,
-    SnapshotSink,
     fleet_samplers,
     parse_seeds,
     run_config,

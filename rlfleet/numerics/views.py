@@ -624,7 +624,7 @@ def view_weights(state_dict: Mapping[str, torch.Tensor], view: str) -> dict[str,
     """The float32 weights a sampler serving `view` of `state_dict` computes with: the publisher's own
     quantization (`view_tensors`: block-128 FP8, NVFP4 with one global scale per fused layer, ...)
     dequantized as `load_view` reads it back, without the disk. In-process samplers use it
-    (rlfleet_experiments' emulated groups)."""
+    (rlfleet/local/emulated.py)."""
     tensors, quantized = view_tensors(state_dict, view)
     return _dequantize(view, tensors, set(quantized), f"{view} view")
 

@@ -93,18 +93,18 @@ def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torc
     """The ablation's rollout source runs multi-turn episodes (tool_add) as the HTTP driver does: every
     turn is generated from the exact ids so far (prompt + sampled ids + the environment's ids), a
     session's turns all come from its one sampler group, and each trajectory is scored once."""
+    from rlfleet.local.emulated import EmulatedSampler, SnapshotSink
     from rlfleet.model_source import read_safetensors_dir
     from rlfleet.numerics.engine_model import ModelShape
     from rlfleet.router.hashing import pick
     from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
     from rlfleet.trainer.environments import ToyVocab
-    from rlfleet_experiments.emulated import EmulatedSampler
 
     cfg = ablation.AblationConfig(task="tool_add", prompts=4, samples=8, lag=0, logit_std=4.0)
     assert cfg.max_seq_len == 8 + 4 * (cfg.max_new_tokens + 3)  # every turn of an episode fits the context
     model_dir = cached_tiny_qwen3(tmp_path / "models", cfg.tiny_model())
-    sink = ablation.SnapshotSink()
+    sink = SnapshotSink()
     sink.publish(read_safetensors_dir(model_dir), 0, step=0)
     groups = ablation.FLEETS["mixed"]
     samplers = {name: EmulatedSampler(name, fmt, kv, ModelShape.from_checkpoint(model_dir), seed=i)

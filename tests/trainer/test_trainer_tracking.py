@@ -3,7 +3,7 @@ the fan-out, and each backend for real: metrics written through `open_tracker` a
 library's own reader (TensorBoard's EventAccumulator on the event files; MLflow's client on a local file
 store; W&B's offline transaction log decoded with W&B's own protobuf records). The three packages are
 in the `dev` extra (scripts/bootstrap test), so these tests never skip: a missing one fails here.
-`run_training`'s use of the tracker, on in-process samplers: tests/experiments/test_experiments_trainer_tracking.py."""
+`run_training`'s use of the tracker, on in-process samplers: tests/trainer/test_trainer_run_tracking.py."""
 
 from __future__ import annotations
 

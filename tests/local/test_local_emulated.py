@@ -1,8 +1,9 @@
-"""The in-process emulated samplers are the reference server's engine: for every weight format a dense
-Qwen3 is published in and every SGLang KV-cache dtype, an emulated group fed the trainer's weights
-computes the same logits as a reference engine configured as local mode configures a group's server
-(`rlfleet/local/fleet.py`) serving the view the trainer publishes for that format (written by the
-publisher's `save_view`, read back by `load_checkpoint` as the server's weight update does)."""
+"""The in-process emulated samplers (rlfleet/local/emulated.py) are the reference server's engine: for
+every weight format a dense Qwen3 is published in and every SGLang KV-cache dtype, an emulated group fed
+the trainer's weights computes the same logits as a reference engine configured as local mode configures
+a group's server (`rlfleet/local/fleet.py`) serving the view the trainer publishes for that format
+(written by the publisher's `save_view`, read back by `load_checkpoint` as the server's weight update
+does)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 from rlfleet.api.common import KV_CACHE_DTYPES
+from rlfleet.local.emulated import EmulatedSampler, Request
 from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
 from rlfleet.numerics.views import calibrate_weights, save_view
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.sampler.reference_engine import ENGINE_KV, EngineConfig, ReferenceEngine
-from rlfleet_experiments.emulated import EmulatedSampler, Request
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 FORMATS = ("bf16", "fp8", "nvfp4")  # mxfp4 views are refused for dense models (docs/weights.md)

@@ -1,6 +1,9 @@
-"""In-process emulated samplers (no HTTP) for the ablation and the research scripts.
+"""The in-process fleet: sampler groups driven in this process without HTTP, and an in-memory version
+sink, for the runs that need a whole fleet on 2 cores and no servers: the loop tests
+(tests/trainer/test_trainer_loop.py, test_trainer_run_tracking.py) and the experiments' ablation and research
+scripts (`rlfleet_experiments`, which import it from here).
 
-Local mode (`rlfleet run --local`) never uses this: it starts the real reference sampler servers.
+`rlfleet run --local` never uses this: it starts the real reference sampler servers (`fleet.py`).
 The ablation makes 80 runs of 120 steps (6 arms x 2 fleets x 5 seeds and the null-arm control) on
 2 cores and uses this path for speed (docs/ablation.md). Each sampler IS the reference server's
 engine (`rlfleet.sampler.reference_engine.ReferenceEngine`: the Qwen3 of rlfleet/numerics/engine_model.py held against transformers, its scheduler
@@ -8,7 +11,7 @@ steps, SGLang's torch sampling reference) driven in process by `run_batch`, with
 format / KV table: the group's weights are the view the channel would publish for its weight format
 (`rlfleet.numerics.views.view_weights`: the publisher's quantization, served as stored), its KV cache `ENGINE_KV[kvCacheDtype]` ("auto" is the model dtype,
 bf16, as in SGLang), its kernel the GPU class's (bf16 activations, a split-K reduction order).
-tests/experiments/test_experiments_emulated.py holds it to the reference server's logits for every
+tests/local/test_local_emulated.py holds it to the reference server's logits for every
 weight format and KV dtype.
 
 Records are `SampledTurn`s exactly as the client builds them from SGLang: the engine's /generate answer
@@ -165,3 +168,20 @@ class EmulatedFleet:
     def _run(self, group: str, requests: list[Request], sampling: SamplingConfig) -> list[SampledTurn]:
         with self._lock:
             return self.samplers[group].generate_batch(requests, sampling)
+
+
+class SnapshotSink:
+    """A VersionSink (trainer/run.py) for the in-process fleet: published versions stay in memory, no
+    channel."""
+
+    def __init__(self) -> None:
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}
+
+    def latest_version(self) -> int | None:
+        return max(self.snapshots) if self.snapshots else None
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int, *, step: int) -> None:
+        self.snapshots[version] = weights
+
+    def fence(self) -> None:
+        """No writer lease: the snapshots are this process's own."""

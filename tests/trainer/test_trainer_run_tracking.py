@@ -1,7 +1,6 @@
 """`run_training` and the experiment tracker (trainer/tracking.py) on the smallest real composition:
-the transformers trainer backend on a tiny Qwen3, the experiments' in-process samplers (the reference
-engine without HTTP), the async rollout driver. Here because those samplers are the experiments' (the
-product's tests do not import `rlfleet_experiments`)."""
+the transformers trainer backend on a tiny Qwen3, the in-process samplers (rlfleet/local/emulated.py: the
+reference engine without HTTP), the async rollout driver."""
 
 from __future__ import annotations
 
@@ -30,11 +29,12 @@ class RecordingTracker:
 
 
 def _composition_root_parts(model_dir: Path, example_run):
-    """The loop tests' smallest real setup (tests/experiments/test_experiments_trainer_loop.py): the transformers
+    """The loop tests' smallest real setup (tests/trainer/test_trainer_loop.py): the transformers
     trainer backend on a tiny Qwen3 checkpoint, emulated low-precision samplers of its shape, the async
     rollout driver, tool_add prompts."""
     import torch
 
+    from rlfleet.local.emulated import EmulatedFleet, EmulatedSampler, SnapshotSink
     from rlfleet.numerics.engine_model import ModelShape
     from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
@@ -42,8 +42,6 @@ def _composition_root_parts(model_dir: Path, example_run):
     from rlfleet.trainer.objective import ObjectiveConfig
     from rlfleet.trainer.prompts import GeneratedPromptSource
     from rlfleet.trainer.rollout import RolloutDriver
-    from rlfleet_experiments.ablation import SnapshotSink
-    from rlfleet_experiments.emulated import EmulatedFleet, EmulatedSampler
 
     torch.manual_seed(0)
     shape = ModelShape.from_checkpoint(model_dir)

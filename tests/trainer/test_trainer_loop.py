@@ -1,10 +1,9 @@
 """Loop invariants on real parts in one process: the transformers trainer backend (HFBackend) on a tiny
 Qwen3 checkpoint built with `save_pretrained` (rlfleet/tiny_qwen3.py, as local mode and a cluster load
-it), emulated low-precision sampler engines of that checkpoint's shape (the reference engine's Qwen3,
-real fake-quantised weights, the sampler's SGLang sampling; only HTTP is absent, local mode tests cover
-it), the async rollout driver in its own thread, the corrected objective, checkpoints. The in-process
-samplers are the experiments' (`rlfleet_experiments.emulated`: the reference engine driven without
-HTTP), so these product-loop tests live with the experiments' tests."""
+it), emulated low-precision sampler engines of that checkpoint's shape (rlfleet/local/emulated.py: the
+reference engine's Qwen3, real fake-quantised weights, the sampler's SGLang sampling; only HTTP is
+absent, local mode tests cover it), the async rollout driver in its own thread, the corrected objective,
+checkpoints."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlfleet.local.emulated import EmulatedFleet, EmulatedSampler
 from rlfleet.numerics.engine_model import ModelShape
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.trainer import checkpoint
@@ -28,7 +28,6 @@ from rlfleet.trainer.loop import LoopConfig, TrainingLoop, split_by_staleness
 from rlfleet.trainer.objective import ObjectiveConfig
 from rlfleet.trainer.prompts import GeneratedPromptSource
 from rlfleet.trainer.rollout import RolloutDriver
-from rlfleet_experiments.emulated import EmulatedFleet, EmulatedSampler
 
 # the smallest tiny Qwen3 the loop needs (no fp8 view is published here: sizes need not be multiples of 128)
 SIZES = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
