@@ -37,7 +37,7 @@ from typing import Any
 from rlfleet.api import RLJob, SamplerGroupTemplate
 from rlfleet.api.common import views_to_publish
 from rlfleet.catalog import Catalog, CatalogError, get_catalog
-from rlfleet.operator import autopilot, fleetplan
+from rlfleet.operator import autopilot, fleetplan, group_status
 from rlfleet.operator import status as st
 from rlfleet.operator.builders import build_samplergroup
 from rlfleet.operator.rebalance import (
@@ -55,7 +55,7 @@ from rlfleet.records import INVALID_METRIC_PREFIX
 
 RLJOB_FORMAT = "the RLJob's samplerGroups[].weightFormat"
 SG_REPLICAS = "the SamplerGroup's spec.replicas (the RLJob's samplerGroups[].replicas, or a kubectl scale)"
-RELEASED = f"annotation {st.ANN_QUARANTINED}=false"
+RELEASED = f"annotation {group_status.ANN_QUARANTINED}=false"
 REASON_LIMIT = 1024  # each reason in status.decisions
 
 
@@ -299,7 +299,7 @@ def group_input(job: RLJob, sg: Mapping[str, Any], pods: Mapping[str, PodSample]
         routing_mismatch=trainer.get("routing_mismatch_tokens"),
         trained_fraction=trainer.get("trained_fraction"),
         invalid_tokens=invalid_tokens(trainer),
-        quarantined=st.quarantine_reason(dict(sg), collapse_quarantine, held) is not None,
+        quarantined=group_status.quarantine_reason(dict(sg), collapse_quarantine, held) is not None,
         static_share=job.spec.router.static_shares.get(name),
         tokens_per_second=tokens_per_second,
         egress_price_per_gb=spec.get("egressPricePerGb"),
@@ -312,7 +312,7 @@ def child(job: RLJob, group: SamplerGroupTemplate, observed: GroupObservation, w
     sg = build_samplergroup(job, group, "", None, weight_format=weight_format)
     sg["spec"]["replicas"] = observed.replicas
     if observed.annotation is not None:
-        sg["metadata"]["annotations"] = {st.ANN_QUARANTINED: observed.annotation}
+        sg["metadata"]["annotations"] = {group_status.ANN_QUARANTINED: observed.annotation}
     sg["status"] = {"readyReplicas": observed.ready_replicas}
     return sg
 
@@ -386,7 +386,7 @@ def _group_decision(group: SamplerGroupTemplate, o: GroupObservation, carried: _
     replicas, replicas_reason = o.replicas, SG_REPLICAS
     if plan is not None and o.name in plan.changes():
         replicas, replicas_reason = plan.replicas[o.name], f"fleet plan ({plan.decision}): {plan.reason}"
-    quarantine = st.quarantine_source(group.quarantined, o.annotation, o.name in collapse, held)
+    quarantine = group_status.quarantine_source(group.quarantined, o.annotation, o.name in collapse, held)
     return GroupDecision(
         name=o.name, replicas=replicas, replicas_reason=st.clip(replicas_reason, REASON_LIMIT),
         weight_format=weight_format, weight_format_reason=st.clip(format_reason, REASON_LIMIT),
@@ -418,7 +418,7 @@ def _autopilot(job: RLJob, inputs: Sequence[GroupInput], children: Mapping[str, 
 
 def _released(sg: Mapping[str, Any]) -> bool:
     """An on-call human holds the group in rotation (annotation "false"): the autopilot does not judge it."""
-    return ((sg.get("metadata") or {}).get("annotations") or {}).get(st.ANN_QUARANTINED) == "false"
+    return ((sg.get("metadata") or {}).get("annotations") or {}).get(group_status.ANN_QUARANTINED) == "false"
 
 
 def _fleet_plan(job: RLJob, observed: Sequence[GroupObservation], children: Mapping[str, Mapping[str, Any]],

@@ -5,7 +5,7 @@ The API server bumps `metadata.generation` on every change of an RLJob's spec (t
 subresource, so status writes do not), and of the parsed job the operator reads only its spec and name:
 a (uid, generation) pair names one parse. The memo holds one entry per job name, the parse of the
 newest (uid, generation) seen (a new generation replaces it, so it stays as small as the set of jobs),
-and the job's DELETED event drops it (`forget`, next to the rebalancer's, in handlers.rljob_event).
+and the job's DELETED event drops it (`forget`, next to the rebalancer's, in rljob_pipeline.rljob_event).
 A body without uid or generation (never from the API server) is parsed every time.
 """
 

@@ -1,7 +1,7 @@
 """The rebalance tick of one RLJob: the I/O around its pure decide stage (`decide.py`): observe, decide,
 then act on the decisions. It writes no status and holds no timer.
 
-Called on each tick of the job's pipelines (handlers.py: the WeightChannel timer, every
+Called on each tick of the job's pipelines (timer.py: the WeightChannel timer, every
 RLFLEET_REBALANCE_TICK seconds). At every tick it reads the trainer's report and per-group metrics (rank
 0's exporter: step, weight version, metrics, the collapse detector's state), so that the status shows
 them from the first step. When the job's `spec.router.rebalanceIntervalSeconds` has elapsed since its
@@ -38,7 +38,7 @@ from prometheus_client import Gauge
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
-from rlfleet.operator import fleetplan, kube, parsed_jobs
+from rlfleet.operator import fleetplan, group_status, kube, parsed_jobs
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.builders import build_samplergroup
@@ -426,7 +426,7 @@ async def _observe_groups(
             name=name, replicas=int(spec.get("replicas", 1)),
             ready_replicas=int((sg.get("status") or {}).get("readyReplicas") or 0), pods=samples,
             tokens_per_second=tps, trainer=trainer_metrics.get(name, {}),
-            annotation=(sg["metadata"].get("annotations") or {}).get(st.ANN_QUARANTINED),
+            annotation=(sg["metadata"].get("annotations") or {}).get(group_status.ANN_QUARANTINED),
         ))  # fmt: skip
     return tuple(out)
 

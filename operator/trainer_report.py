@@ -4,7 +4,7 @@ The trainer has no Kubernetes API rights (least privilege: its pods mount no Ser
 exports its step, the weight version it published, the fleet metrics and the collapse detector's state
 (`rlfleet.trainer.metrics.PrometheusExporter`); the operator's tick (every 5 s) scrapes trainer pod 0
 (`rebalancer.py`) and the RLJob's reconcile pipeline puts these fields into the job's whole status
-(`status.rljob_status(..., trainer_report=...)`, one apply, only on change):
+(`job_status.rljob_status(..., trainer_report=...)`, one apply, only on change):
 
 - `status.step`, `status.weightVersion` (never lowered: the WeightChannel status is the other source),
   `status.metrics` (reward, kl, oorFraction, entropy, scTailRatio, updatedAt);
@@ -13,7 +13,7 @@ exports its step, the weight version it published, the fleet metrics and the col
   conditions (reason `GroupCollapseRisk`), else False / `NoSignal`; observedGeneration = the job's;
 - the quarantine decision: with `spec.safety.action: quarantine-group`, the groups the detector
   quarantined (`rlfleet_trainer_quarantine_requested{group}`) are quarantined through the one quarantine
-  path (`status.quarantine_reason`: share 0, the router sends them no new sessions, status.quarantined);
+  path (`group_status.quarantine_reason`: share 0, the router sends them no new sessions, status.quarantined);
 - `pause`: the trainer stops stepping by itself; the operator reports it (CollapseRisk reason
   `TrainingPaused` + a Warning Event) and never writes the RLJob spec (resume = fix, then restart the
   trainer pod or set `spec.suspend`).

@@ -58,7 +58,7 @@ RESERVED_GROUP_NAMES: tuple[str, ...] = ("trainer", "router", "router-admin", "c
 ENGINE_API_KEY_ENV = "RLFLEET_API_KEY"
 # How a sidecar's subscriber report (last_error) begins when its engine served weights the sidecar had not
 # applied and it applied the channel's version again (sampler/syncer.py); the operator's SamplerGroup
-# status shows it as reason ForeignWeightVersion (operator/status.py).
+# status shows it as reason ForeignWeightVersion (operator/group_status.py).
 FOREIGN_WEIGHTS_PREFIX = "foreign weight version:"
 # The channel's directory of subscriber reports (subscribers/<group>/<replica>.json, rlfleet/channel.py):
 # the only part of a filesystem store a sampler pod may write (operator/podspec.py sampler_store_volume).

@@ -24,8 +24,25 @@ from support.fake_kube import FakeKube
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
-from rlfleet.operator import handlers, kube, parsed_jobs, rebalancer
-from rlfleet.operator import status as st
+from rlfleet.operator import (
+    kube,
+    parsed_jobs,
+    pipelines,
+    rebalancer,
+    rljob_pipeline,
+    samplergroup_pipeline,
+    timer,
+    weightchannel_pipeline,
+)
+from rlfleet.operator.group_status import samplergroup_status
+from rlfleet.operator.indexes import (
+    View,
+    create_failures_idx,
+    is_failed_create,
+    is_kueue_pending,
+    kueue_pending_idx,
+    pods_idx,
+)
 
 NS = "team-a"
 API = "rlfleet.dev/v1alpha1"
@@ -36,7 +53,7 @@ async def api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeKube]:
     fake = FakeKube()
     monkeypatch.setattr(kube, "api", lambda: fake)
     yield fake
-    await handlers.rljob_event(name="j", namespace=NS, type="DELETED")  # what the operator keeps of job j goes
+    await rljob_pipeline.rljob_event(name="j", namespace=NS, type="DELETED")  # what the operator keeps of job j goes
 
 
 def posted() -> asyncio.Queue:
@@ -121,9 +138,9 @@ async def test_reconcile_job_applies_children_in_order_creates_the_secret_and_de
     removed = samplergroup("old", job)  # owned, no longer in the spec: deleted
     foreign = samplergroup("x", {**job, "metadata": {**job["metadata"], "uid": "another-job"}})  # kept
     api.objects.update({("SamplerGroup", "j-old"): removed, ("SamplerGroup", "j-x"): foreign})
-    view = handlers.View.of(indexes(job, removed, foreign))
+    view = View.of(indexes(job, removed, foreign))
 
-    await handlers.reconcile_job(copy.deepcopy(job), NS, view)
+    await rljob_pipeline.reconcile_job(copy.deepcopy(job), NS, view)
 
     kinds = api.kinds_applied()
     assert sorted(kinds[:8]) == sorted(["NetworkPolicy", "NetworkPolicy", "ConfigMap", "WeightChannel", "Service",
@@ -141,7 +158,7 @@ async def test_reconcile_job_applies_children_in_order_creates_the_secret_and_de
     assert (kind, name, status["phase"]) == ("RLJob", "j", "Pending")
 
     secret, key = api.objects[("Secret", "j-router-admin")], api.objects[("Secret", "j-api-key")]
-    await handlers.reconcile_job(copy.deepcopy(job), NS, view)
+    await rljob_pipeline.reconcile_job(copy.deepcopy(job), NS, view)
     # never replaced: the key is never rotated by a reconcile
     assert api.objects[("Secret", "j-router-admin")] == secret and len(api.created) == 2
     assert api.objects[("Secret", "j-api-key")] == key
@@ -152,7 +169,7 @@ async def test_an_invalid_rljob_ends_in_a_failed_status_and_a_warning(api: FakeK
     job = rljob()
     job["spec"]["samplerGroups"][1]["name"] = "a"  # two groups of one name: two SamplerGroups j-a
     with pytest.raises(kopf.PermanentError, match="invalid RLJob"):
-        await handlers.reconcile_job(copy.deepcopy(job), NS, handlers.View.of(indexes(job)))
+        await rljob_pipeline.reconcile_job(copy.deepcopy(job), NS, View.of(indexes(job)))
     assert api.applied == [] and api.created == []
     ((_, _, status),) = api.statuses
     assert status["phase"] == "Failed" and status["message"].startswith("invalid RLJob")
@@ -168,18 +185,18 @@ async def test_a_job_whose_group_name_another_jobs_group_took_is_failed_naming_t
     taken = samplergroup("cd-ef", first)
     taken["metadata"]["name"] = "ab-cd-ef"
     taken["spec"]["jobName"] = "ab"
-    view = handlers.View.of(indexes(first, second, taken))
+    view = View.of(indexes(first, second, taken))
     with pytest.raises(kopf.PermanentError, match="taken by SamplerGroup ab-cd-ef of RLJob ab"):
-        await handlers.reconcile_job(copy.deepcopy(second), NS, view)
+        await rljob_pipeline.reconcile_job(copy.deepcopy(second), NS, view)
     assert api.applied == [] and api.created == []
     ((kind, name, status),) = api.statuses
     assert (kind, name, status["phase"]) == ("RLJob", "ab-cd", "Failed")
     assert "taken by SamplerGroup ab-cd-ef of RLJob ab: rename this job or its group" in status["message"]
     assert [(e.type, e.reason) for e in drain(events)] == [("Warning", "NameCollision"), ("Warning", "PhaseFailed")]
-    await handlers.reconcile_job(copy.deepcopy(first), NS, view)  # the owner is not refused
+    await rljob_pipeline.reconcile_job(copy.deepcopy(first), NS, view)  # the owner is not refused
     assert ("SamplerGroup", "ab-cd-ef") in [(b["kind"], b["metadata"]["name"]) for b in api.applied]
     for name in ("ab", "ab-cd"):
-        await handlers.rljob_event(name=name, namespace=NS, type="DELETED")
+        await rljob_pipeline.rljob_event(name=name, namespace=NS, type="DELETED")
 
 
 async def test_a_child_the_api_server_refuses_stops_the_job_with_the_api_s_reason(api: FakeKube) -> None:
@@ -187,7 +204,7 @@ async def test_a_child_the_api_server_refuses_stops_the_job_with_the_api_s_reaso
     job = rljob()
     api.refuse["SamplerGroup"] = kube.KubeError(422, 'SamplerGroup "j-a" is invalid: spec.accelerator', "Invalid")
     with pytest.raises(kopf.PermanentError, match="the API server refused a child"):
-        await handlers.reconcile_job(copy.deepcopy(job), NS, handlers.View.of(indexes(job)))
+        await rljob_pipeline.reconcile_job(copy.deepcopy(job), NS, View.of(indexes(job)))
     ((_, _, status),) = api.statuses
     assert status["phase"] == "Failed" and 'SamplerGroup "j-a" is invalid' in status["message"]
 
@@ -198,7 +215,7 @@ async def test_a_transient_api_error_is_retried_by_kopf_not_reported_as_invalid(
     api.refuse["ConfigMap"] = kube.KubeError(503, "etcd leader changed", "ServiceUnavailable")
     body = kopf.Body(copy.deepcopy(job))
     with pytest.raises(kopf.TemporaryError) as retried:
-        await handlers.reconcile_rljob(body=body, namespace=NS, **indexes(job))
+        await rljob_pipeline.reconcile_rljob(body=body, namespace=NS, **indexes(job))
     assert retried.value.delay == 2 and api.statuses == []
 
 
@@ -209,7 +226,7 @@ async def test_a_group_of_the_spec_deleted_by_someone_else_is_applied_again_by_t
     job = rljob(groups=("a",))
     for deleted, applied in ((samplergroup("a", job), True), (samplergroup("old", job), False)):
         api.applied.clear()
-        await handlers.samplergroup_event(body=kopf.Body(deleted), name=deleted["metadata"]["name"], namespace=NS,
+        await samplergroup_pipeline.samplergroup_event(body=kopf.Body(deleted), name=deleted["metadata"]["name"], namespace=NS,
                                           type="DELETED", **indexes(job))  # fmt: skip
         names = {b["metadata"]["name"] for b in api.applied if b["kind"] == "SamplerGroup"}
         assert names == ({"j-a"} if applied else set()), deleted["metadata"]["name"]
@@ -223,7 +240,7 @@ async def test_reconcile_group_takes_the_store_from_the_index_or_the_api(api: Fa
     job = rljob()
     sg = samplergroup("a", job)
     wc = weightchannel(str(tmp_path))
-    await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(job, sg, wc)))
+    await samplergroup_pipeline.reconcile_group(copy.deepcopy(sg), NS, View.of(indexes(job, sg, wc)))
     assert api.kinds_applied() == ["Service", "Deployment"]
     deployment = api.applied[1]
     sync = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "weight-sync")
@@ -231,13 +248,13 @@ async def test_reconcile_group_takes_the_store_from_the_index_or_the_api(api: Fa
 
     api.applied.clear()
     api.objects[("WeightChannel", "j-weights")] = wc  # not in the index yet: read from the API
-    await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(job, sg)))
+    await samplergroup_pipeline.reconcile_group(copy.deepcopy(sg), NS, View.of(indexes(job, sg)))
     assert api.kinds_applied() == ["Service", "Deployment"]
 
     api.applied.clear()
     del api.objects[("WeightChannel", "j-weights")]
     with pytest.raises(kopf.TemporaryError, match="WeightChannel j-weights not found yet"):
-        await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(job, sg)))
+        await samplergroup_pipeline.reconcile_group(copy.deepcopy(sg), NS, View.of(indexes(job, sg)))
     assert api.applied == []
     assert api.created == []  # a job's group uses the job's key Secret
 
@@ -246,7 +263,7 @@ async def test_a_group_outside_any_job_gets_its_own_key_secret_once(api: FakeKub
     posted()
     sg = samplergroup("solo")
     for _ in range(2):
-        await handlers.reconcile_group(copy.deepcopy(sg), NS, handlers.View.of(indexes(sg)))
+        await samplergroup_pipeline.reconcile_group(copy.deepcopy(sg), NS, View.of(indexes(sg)))
     ((secret),) = api.created  # created once, never replaced
     assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "j-solo-api-key")
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-sg-solo"
@@ -263,7 +280,7 @@ async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_g
     gone = {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": {"name": "j-a", "namespace": NS, "labels": {"rlfleet.dev/samplergroup": "j-a"}}}  # fmt: skip
     idx = indexes(job, sg, weightchannel(str(tmp_path)))
-    await handlers.sampler_deployment_event(body=kopf.Body(gone), namespace=NS, type="DELETED", **idx)
+    await samplergroup_pipeline.sampler_deployment_event(body=kopf.Body(gone), namespace=NS, type="DELETED", **idx)
     assert api.kinds_applied() == ["Service", "Deployment"]
     assert api.applied[1]["metadata"]["ownerReferences"][0]["uid"] == "uid-sg-a"
     assert [k for k, _, _ in api.statuses] == ["SamplerGroup"]
@@ -271,9 +288,9 @@ async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_g
     api.applied.clear()
     deleting = samplergroup("a", job, deletionTimestamp="2026-01-01T00:00:00Z")  # the group itself is going
     idx = indexes(job, deleting, weightchannel(str(tmp_path)))
-    await handlers.sampler_deployment_event(body=kopf.Body(gone), namespace=NS, type="DELETED", **idx)
+    await samplergroup_pipeline.sampler_deployment_event(body=kopf.Body(gone), namespace=NS, type="DELETED", **idx)
     modified = {**gone, "status": {"readyReplicas": 1}}
-    await handlers.sampler_deployment_event(body=kopf.Body(modified), namespace=NS, type="MODIFIED",
+    await samplergroup_pipeline.sampler_deployment_event(body=kopf.Body(modified), namespace=NS, type="MODIFIED",
                                             **indexes(job, sg, weightchannel(str(tmp_path))))  # fmt: skip
     assert api.applied == []  # neither a deleting group nor a Deployment that only changed is re-applied
 
@@ -283,7 +300,7 @@ async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_g
 
 def current_status(sg: dict[str, Any]) -> dict[str, Any]:
     """What the group's pipeline computes for `sg` with nothing else observed."""
-    return st.samplergroup_status(sg, None, get_catalog(), None, pods=[], rebalance=None, quarantine=None)
+    return samplergroup_status(sg, None, get_catalog(), None, pods=[], rebalance=None, quarantine=None)
 
 
 async def test_a_status_differing_only_in_one_condition_is_written_and_an_equal_one_is_not(api: FakeKube) -> None:
@@ -293,14 +310,14 @@ async def test_a_status_differing_only_in_one_condition_is_written_and_an_equal_
     posted()
     sg = samplergroup("a")
     sg["status"] = current_status(sg)
-    view = handlers.View.of(indexes(sg))
-    await handlers.refresh_samplergroup_status(NS, "j-a", view)
+    view = View.of(indexes(sg))
+    await samplergroup_pipeline.refresh_samplergroup_status(NS, "j-a", view)
     assert api.statuses == []  # nothing changed: no write
 
     stale = copy.deepcopy(sg)
     ready = next(c for c in stale["status"]["conditions"] if c["type"] == "Ready")
     ready["message"], ready["reason"] = "0/1 replicas ready (before)", "Starting"  # the only difference
-    await handlers.refresh_samplergroup_status(NS, "j-a", handlers.View.of(indexes(stale)))
+    await samplergroup_pipeline.refresh_samplergroup_status(NS, "j-a", View.of(indexes(stale)))
     ((kind, name, written),) = api.statuses
     assert (kind, name) == ("SamplerGroup", "j-a")
     assert next(c for c in written["conditions"] if c["type"] == "Ready") == next(
@@ -321,19 +338,19 @@ async def test_a_trainer_pod_the_quota_refuses_reaches_the_job_status_from_the_s
              "involvedObject": {"kind": "StatefulSet", "name": "j-trainer", "namespace": NS},
              "lastTimestamp": "2026-01-01T00:00:00Z"}  # fmt: skip
     foreign = {**event, "involvedObject": {"kind": "StatefulSet", "name": "db", "namespace": NS}}
-    assert handlers._is_failed_create(event) and handlers._is_failed_create(foreign)
-    assert not handlers._is_failed_create({**event, "reason": "SuccessfulCreate"})
+    assert is_failed_create(event) and is_failed_create(foreign)
+    assert not is_failed_create({**event, "reason": "SuccessfulCreate"})
     idx = indexes(job)
     idx["trainers_idx"][(NS, "j-trainer")] = [
         {"metadata": {"name": "j-trainer", "generation": 1}, "spec": {"replicas": 1}, "status": {"replicas": 0}}
     ]
     for body in (event, foreign):
-        for key, value in handlers.create_failures_idx(NS, body).items():
+        for key, value in create_failures_idx(NS, body).items():
             idx["create_failures_idx"].setdefault(key, []).append(value)
 
-    await handlers.create_failure_event(foreign, NS, **idx)  # another StatefulSet's Event: no job to refresh
+    await rljob_pipeline.create_failure_event(foreign, NS, **idx)  # another StatefulSet's Event: no job to refresh
     assert api.statuses == []
-    await handlers.create_failure_event(event, NS, **idx)
+    await rljob_pipeline.create_failure_event(event, NS, **idx)
     ((kind, name, status),) = api.statuses
     assert (kind, name, status["phase"], status["reason"]) == ("RLJob", "j", "Degraded", "ReplicaFailure")
     assert "exceeded quota: compute" in status["message"]
@@ -352,9 +369,9 @@ async def test_kueues_pending_event_on_the_trainers_workload_reaches_the_job_sta
                                 "namespace": NS},
              "lastTimestamp": "2026-01-01T00:00:00Z"}  # fmt: skip
     other = {**event, "involvedObject": {**event["involvedObject"], "name": "pod-j-a-5d8f-x2-1a2b3"}}
-    assert handlers._is_kueue_pending(event) and handlers._is_kueue_pending(other)
-    assert not handlers._is_kueue_pending({**event, "reason": "QuotaReserved"})
-    assert not handlers._is_kueue_pending({**event, "involvedObject": {"kind": "Pod", "name": "j-trainer-0"}})
+    assert is_kueue_pending(event) and is_kueue_pending(other)
+    assert not is_kueue_pending({**event, "reason": "QuotaReserved"})
+    assert not is_kueue_pending({**event, "involvedObject": {"kind": "Pod", "name": "j-trainer-0"}})
     idx = indexes(job)
     idx["trainers_idx"][(NS, "j-trainer")] = [
         {"metadata": {"name": "j-trainer", "generation": 1}, "spec": {"replicas": 1}, "status": {"replicas": 1}}
@@ -362,15 +379,15 @@ async def test_kueues_pending_event_on_the_trainers_workload_reaches_the_job_sta
     gated = {"metadata": {"name": "j-trainer-0", "labels": {"app.kubernetes.io/component": "trainer",
                                                             "rlfleet.dev/job": "j", "kueue.x-k8s.io/queue-name": "q"}},
              "spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}, "status": {"phase": "Pending"}}  # fmt: skip
-    for key, value in handlers.pods_idx(NS, gated).items():
+    for key, value in pods_idx(NS, gated).items():
         idx["pods_idx"].setdefault(key, []).append(value)
     for body in (event, other):
-        for key, value in handlers.kueue_pending_idx(NS, body).items():
+        for key, value in kueue_pending_idx(NS, body).items():
             idx["kueue_pending_idx"].setdefault(key, []).append(value)
 
-    await handlers.kueue_pending_event(other, NS, **idx)  # a sampler pod's Workload: no job to refresh
+    await rljob_pipeline.kueue_pending_event(other, NS, **idx)  # a sampler pod's Workload: no job to refresh
     assert api.statuses == []
-    await handlers.kueue_pending_event(event, NS, **idx)
+    await rljob_pipeline.kueue_pending_event(event, NS, **idx)
     ((kind, name, status),) = api.statuses
     assert (kind, name, status["phase"], status["reason"]) == ("RLJob", "j", "Pending", "WaitingForAdmission")
     assert status["message"].endswith(
@@ -429,9 +446,9 @@ async def test_the_rebalancer_memory_of_a_deleted_job_is_dropped(api: FakeKube) 
     assert await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1000.0) is not None
     assert rebalancer.observed(job).decisions is not None
 
-    await handlers.rljob_event(name="j", namespace=NS, type="MODIFIED", body=kopf.Body(job))
+    await rljob_pipeline.rljob_event(name="j", namespace=NS, type="MODIFIED", body=kopf.Body(job))
     assert rebalancer.observed(job).decisions is not None  # only a deletion forgets
-    await handlers.rljob_event(name="j", namespace=NS, type="DELETED", body=kopf.Body(job))
+    await rljob_pipeline.rljob_event(name="j", namespace=NS, type="DELETED", body=kopf.Body(job))
     assert rebalancer.observed(job).decisions is None and not [k for k in rebalancer._JOBS if k[:2] == (NS, "j")]
 
 
@@ -453,11 +470,11 @@ async def test_an_rljob_is_parsed_once_per_generation_and_its_parse_forgotten_on
     monkeypatch.setattr(RLJob, "from_manifest", counting)
     job = rljob(groups=("a",))
     groups = [samplergroup("a", job, {"readyReplicas": 1})]
-    view = handlers.View.of(indexes(job, *groups))
-    await handlers.reconcile_job(copy.deepcopy(job), NS, view)
+    view = View.of(indexes(job, *groups))
+    await rljob_pipeline.reconcile_job(copy.deepcopy(job), NS, view)
     for _ in range(4):
-        await handlers.refresh_job_status(NS, "j", view)
-        await handlers.refresh_samplergroup_status(NS, "j-a", view)
+        await rljob_pipeline.refresh_job_status(NS, "j", view)
+        await samplergroup_pipeline.refresh_samplergroup_status(NS, "j-a", view)
     await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1000.0)
     assert await rebalancer.rebalance_job(job, NS, groups, lambda c, o: [], now=1030.0) is not None
     assert generations == [1]
@@ -465,10 +482,10 @@ async def test_an_rljob_is_parsed_once_per_generation_and_its_parse_forgotten_on
     scaled = copy.deepcopy(job)
     scaled["metadata"]["generation"] = 2
     scaled["spec"]["samplerGroups"][0]["replicas"] = 3
-    view = handlers.View.of(indexes(scaled, *groups))
-    await handlers.reconcile_job(copy.deepcopy(scaled), NS, view)
+    view = View.of(indexes(scaled, *groups))
+    await rljob_pipeline.reconcile_job(copy.deepcopy(scaled), NS, view)
     for _ in range(4):
-        await handlers.refresh_job_status(NS, "j", view)
+        await rljob_pipeline.refresh_job_status(NS, "j", view)
     assert await rebalancer.rebalance_job(scaled, NS, groups, lambda c, o: [], now=1060.0) is not None
     assert generations == [1, 2]
     assert api.objects[("SamplerGroup", "j-a")]["spec"]["replicas"] == 3  # the new generation's parse was used
@@ -476,28 +493,28 @@ async def test_an_rljob_is_parsed_once_per_generation_and_its_parse_forgotten_on
     invalid = copy.deepcopy(scaled)
     invalid["metadata"]["generation"] = 3
     invalid["spec"]["samplerGroups"].append(dict(invalid["spec"]["samplerGroups"][0]))  # two groups named a
-    view = handlers.View.of(indexes(invalid, *groups))
+    view = View.of(indexes(invalid, *groups))
     with pytest.raises(kopf.PermanentError, match="invalid RLJob"):
-        await handlers.reconcile_job(copy.deepcopy(invalid), NS, view)
+        await rljob_pipeline.reconcile_job(copy.deepcopy(invalid), NS, view)
     for _ in range(4):
-        await handlers.refresh_job_status(NS, "j", view)
+        await rljob_pipeline.refresh_job_status(NS, "j", view)
     assert await rebalancer.rebalance_job(invalid, NS, groups, lambda c, o: [], now=1090.0) is None
     assert generations == [1, 2, 3]
     assert api.statuses[-1][2]["phase"] == "Failed" and "invalid RLJob" in api.statuses[-1][2]["message"]
 
     assert (NS, "j") in parsed_jobs._PARSED
-    await handlers.rljob_event(name="j", namespace=NS, type="DELETED")
+    await rljob_pipeline.rljob_event(name="j", namespace=NS, type="DELETED")
     assert (NS, "j") not in parsed_jobs._PARSED
 
 
 async def test_locks_exist_only_while_a_pipeline_runs(api: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
     posted()
     sg = samplergroup("a")
-    view = handlers.View.of(indexes(sg))
+    view = View.of(indexes(sg))
     running = asyncio.Event()
     release = asyncio.Event()
     writes = 0
-    real = handlers._write_status
+    real = pipelines.write_status
 
     async def slow_write(obj: dict[str, Any], desired: dict[str, Any], kind: str) -> bool:
         nonlocal writes
@@ -506,33 +523,33 @@ async def test_locks_exist_only_while_a_pipeline_runs(api: FakeKube, monkeypatch
         await release.wait()
         return await real(obj, desired, kind)
 
-    monkeypatch.setattr(handlers, "_write_status", slow_write)
-    burst = [asyncio.create_task(handlers.refresh_samplergroup_status(NS, "j-a", view)) for _ in range(5)]
+    monkeypatch.setattr(samplergroup_pipeline, "write_status", slow_write)
+    burst = [asyncio.create_task(samplergroup_pipeline.refresh_samplergroup_status(NS, "j-a", view)) for _ in range(5)]
     def mine(keys: Any) -> list[Any]:  # (other tests may have run an operator in this process)
         return [k for k in keys if k[1:] == ("SamplerGroup", NS, "j-a")]
 
     await running.wait()
-    assert len(mine(handlers._locks)) == 1  # held by the one in flight, waited for by one queued
+    assert len(mine(pipelines._locks)) == 1  # held by the one in flight, waited for by one queued
     release.set()
     await asyncio.gather(*burst)
     assert writes == 2  # a burst of five: one in flight + one queued, the rest coalesced
-    assert mine(handlers._locks) == mine(handlers._lock_users) == mine(handlers._queued) == []
+    assert mine(pipelines._locks) == mine(pipelines._lock_users) == mine(pipelines._queued) == []
 
 
 async def test_a_deleted_channel_leaves_no_timer_state(api: FakeKube, tmp_path: Path) -> None:
     posted()
     wc = weightchannel(str(tmp_path))
     idx = indexes(wc)
-    await handlers.weightchannel_timer(name="j-weights", namespace=NS, body=kopf.Body(wc), **idx)
+    await timer.weightchannel_timer(name="j-weights", namespace=NS, body=kopf.Body(wc), **idx)
     def read_times() -> list[tuple[str, str]]:  # (other tests may have run an operator in this process)
-        return [k[1:] for k in handlers._channel_read if k[1:] == (NS, "j-weights")]
+        return [k[1:] for k in weightchannel_pipeline._channel_read if k[1:] == (NS, "j-weights")]
 
     assert read_times() == [(NS, "j-weights")]  # the store was read: remembered
     assert [k for k, _, _ in api.statuses] == ["WeightChannel"]
-    handlers._removal_failing.add((NS, "j-weights"))  # a streak of refused deletes in progress
+    weightchannel_pipeline._removal_failing.add((NS, "j-weights"))  # a streak of refused deletes in progress
 
-    await handlers.weightchannel_event(body=kopf.Body(wc), name="j-weights", namespace=NS, type="DELETED", **idx)
-    assert read_times() == [] and (NS, "j-weights") not in handlers._removal_failing
+    await weightchannel_pipeline.weightchannel_event(body=kopf.Body(wc), name="j-weights", namespace=NS, type="DELETED", **idx)
+    assert read_times() == [] and (NS, "j-weights") not in weightchannel_pipeline._removal_failing
 
 
 async def test_the_channel_pipeline_reads_the_models_config_once_and_keeps_it(api: FakeKube, tmp_path: Path) -> None:
@@ -555,11 +572,11 @@ async def test_the_channel_pipeline_reads_the_models_config_once_and_keeps_it(ap
     store.close()
     wc = weightchannel(str(tmp_path / "w"))
 
-    await handlers.refresh_weightchannel_status(NS, "j-weights", handlers.View.of(indexes(wc)))
+    await weightchannel_pipeline.refresh_weightchannel_status(NS, "j-weights", View.of(indexes(wc)))
     ((_, _, first),) = api.statuses
     assert first["model"] == {"attentionHeads": 16, "keyValueHeads": 8, "version": 0, "architecture": "Qwen3ForCausalLM"}
     (tmp_path / "w" / "v0" / "bf16" / "config.json").unlink()
     stale = {**wc, "status": {**first, "conditions": []}}  # a change, so the next status is written
-    await handlers.refresh_weightchannel_status(NS, "j-weights", handlers.View.of(indexes(stale)))
+    await weightchannel_pipeline.refresh_weightchannel_status(NS, "j-weights", View.of(indexes(stale)))
     (_, (_, _, second)) = api.statuses
     assert second["model"] == first["model"] and second["phase"] == "Ready"

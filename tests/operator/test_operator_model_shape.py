@@ -12,8 +12,10 @@ import pytest
 from rlfleet.api import StoreSpec
 from rlfleet.catalog import load_catalog
 from rlfleet.channel import WeightChannel
-from rlfleet.operator import handlers
-from rlfleet.operator import status as st
+from rlfleet.operator.channel_read import read_channel
+from rlfleet.operator.channel_status import weightchannel_status
+from rlfleet.operator.group_status import samplergroup_status
+from rlfleet.operator.job_status import rljob_status
 from rlfleet.operator.model_shape import model_shape, tensor_parallel_problem
 from rlfleet.store import store_from_spec
 
@@ -66,15 +68,15 @@ def publish(tmp_path: Path, files: dict[str, bytes]) -> dict:
 
 def test_the_operator_reads_the_published_config_once_and_refuses_a_group_it_cannot_split(tmp_path: Path) -> None:
     spec = publish(tmp_path, {"config.json": json.dumps(QWEN3_8B).encode(), "model.bin": b"\0" * 64})
-    read = handlers.read_channel(spec, None, want_model=True)
+    read = read_channel(spec, None, want_model=True)
     assert read.error is None and read.model == {
         "attentionHeads": 32, "keyValueHeads": 8, "version": 0, "architecture": "Qwen3ForCausalLM"}  # fmt: skip
-    assert handlers.read_channel(spec, None).model is None  # not asked (the status has it): not read
+    assert read_channel(spec, None).model is None  # not asked (the status has it): not read
 
     wc = {"metadata": {"name": "j-weights", "generation": 1}, "spec": spec}
-    wc_status = st.weightchannel_status(wc, read.status, None, now=T0, model=read.model)
+    wc_status = weightchannel_status(wc, read.status, None, now=T0, model=read.model)
     assert wc_status["model"]["attentionHeads"] == 32
-    kept = st.weightchannel_status({**wc, "status": wc_status}, read.status, None, now=T0)  # a later read
+    kept = weightchannel_status({**wc, "status": wc_status}, read.status, None, now=T0)  # a later read
     assert kept["model"] == wc_status["model"]
 
     def group(tp: int | None) -> dict:
@@ -85,14 +87,14 @@ def test_the_operator_reads_the_published_config_once_and_refuses_a_group_it_can
         return {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
                 "metadata": {"name": "j-h100-bf16", "generation": 1}, "spec": spec}  # fmt: skip
 
-    refused = st.samplergroup_status(group(3), None, CATALOG, wc_status, now=T0)
+    refused = samplergroup_status(group(3), None, CATALOG, wc_status, now=T0)
     assert (refused["phase"], refused["reason"]) == ("Failed", "InvalidSpec")
     assert refused["message"].startswith("tensorParallel 3 does not split Qwen3ForCausalLM's 32 attention heads and 8")
     assert "config.json of weight version 0" in refused["message"]
     for tp in (None, 2):  # the class default (1) and a TP that splits the heads
-        assert st.samplergroup_status(group(tp), None, CATALOG, wc_status, now=T0)["phase"] != "Failed"
+        assert samplergroup_status(group(tp), None, CATALOG, wc_status, now=T0)["phase"] != "Failed"
     # before version 0 the model is unknown: no verdict yet
-    assert st.samplergroup_status(group(3), None, CATALOG, None, now=T0)["phase"] != "Failed"
+    assert samplergroup_status(group(3), None, CATALOG, None, now=T0)["phase"] != "Failed"
     job = {"metadata": {"name": "j", "generation": 1}, "spec": {"samplerGroups": [{"name": "h100-bf16"}]}}
-    r = st.rljob_status(job, [{**group(3), "status": refused}], {"status": {"readyReplicas": 1}}, None, now=T0)
+    r = rljob_status(job, [{**group(3), "status": refused}], {"status": {"readyReplicas": 1}}, None, now=T0)
     assert (r["phase"], r["reason"]) == ("Degraded", "GroupsDegraded") and "tensorParallel 3" in r["message"]

@@ -12,6 +12,9 @@ import pytest
 
 from rlfleet.catalog import load_catalog
 from rlfleet.operator import status as st
+from rlfleet.operator.channel_status import weightchannel_status
+from rlfleet.operator.group_status import samplergroup_status
+from rlfleet.operator.job_status import rljob_status
 from rlfleet.operator.pods import (
     PodProblem,
     event_view,
@@ -114,13 +117,13 @@ def conds(status: dict) -> dict[str, dict]:
 def test_unschedulable_trainer_degrades_the_job_with_the_schedulers_message() -> None:
     trainer = {"status": {"readyReplicas": 0, "replicas": 1}}
     views = [pod_view(pod(conditions=[unschedulable(NO_GPUS)]))]
-    s = st.rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views)
+    s = rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views)
     degraded = conds(s)["Degraded"]
     assert s["phase"] == "Degraded" and degraded["status"] == "True" and degraded["reason"] == "Unschedulable"
     assert degraded["message"].startswith("trainer StatefulSet j-trainer: pod j-trainer-0 cannot be scheduled: 0/20")
     assert conds(s)["Ready"]["status"] == "False"
     # once the trainer is ready its pods' past does not matter
-    s = st.rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0, trainer_pods=views)
+    s = rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0, trainer_pods=views)
     assert s["phase"] == "Running" and conds(s)["Degraded"]["status"] == "False"
 
 
@@ -165,7 +168,7 @@ def test_a_crash_looping_trainer_degrades_the_job_in_every_window_of_the_loop(
     the RLJob stays Degraded quoting its last words until it has run 600 s since the last error."""
     views = [pod_view(pod(phase="Running", containers=[container]))]
     trainer = {"status": {"readyReplicas": trainer_ready, "replicas": 1}}
-    s = st.rljob_status(job(), [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views)
+    s = rljob_status(job(), [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views)
     if expected is None:
         assert (s["phase"], s["reason"]) == ("Running", "AllReady"), s["message"]
         return
@@ -183,11 +186,11 @@ def test_a_restarted_trainer_that_reports_progress_is_settled(reported_at: str, 
     trainer = {"status": {"readyReplicas": 1, "replicas": 1}}
     old = job()
     old["status"] = {"metrics": {"reward": 0.5, "updatedAt": reported_at}}
-    s = st.rljob_status(old, [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views)
+    s = rljob_status(old, [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views)
     assert s["phase"] == phase, s["message"]
     # the same from this refresh's report (the tick read new metrics just now)
     fresh = {"metrics": {"reward": 0.6, "updatedAt": reported_at}}
-    s = st.rljob_status(job(), [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views,
+    s = rljob_status(job(), [running_group()], trainer, None, now="2026-01-01T00:05:00Z", trainer_pods=views,
                         trainer_report=fresh)  # fmt: skip
     assert s["phase"] == phase, s["message"]
 
@@ -199,12 +202,12 @@ def test_a_group_whose_pods_cannot_start_is_degraded_and_the_job_says_which() ->
                    "model": {"name": "m", "path": "p"}}}  # fmt: skip
     deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 1}}
     views = [pod_view(pod("j-g-5d8f-x2", conditions=[unschedulable(NO_PVC)]))]
-    s = st.samplergroup_status(sg, deployment, CATALOG, now=T0, pods=views)
+    s = samplergroup_status(sg, deployment, CATALOG, now=T0, pods=views)
     assert (s["phase"], s["reason"]) == ("Degraded", "MissingPersistentVolumeClaim")
     assert conds(s)["Degraded"]["status"] == "True"
     assert s["message"].startswith("0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 cannot be scheduled")
     group = {"metadata": {"name": "j-g", "generation": 1}, "spec": {"name": "g"}, "status": {**s}}
-    r = st.rljob_status(job(), [group], {"status": {"readyReplicas": 1}}, None, now=T0)
+    r = rljob_status(job(), [group], {"status": {"readyReplicas": 1}}, None, now=T0)
     assert r["phase"] == "Degraded" and r["reason"] == "GroupsDegraded"
     assert 'g (MissingPersistentVolumeClaim: 0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 cannot' in r["message"]
 
@@ -227,7 +230,7 @@ def kueue_gated(name: str, queue: str = "team-a") -> dict:
 def test_a_trainer_queued_by_kueue_is_pending_with_kueues_reason_not_degraded() -> None:
     trainer = {"status": {"readyReplicas": 0, "replicas": 2}}
     views = [pod_view(kueue_gated("j-trainer-1")), pod_view(kueue_gated("j-trainer-0"))]
-    s = st.rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views,
+    s = rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views,
                         trainer_admission=KUEUE_PENDING)  # fmt: skip
     assert (s["phase"], s["reason"]) == ("Pending", "WaitingForAdmission")
     assert s["message"] == (
@@ -237,11 +240,11 @@ def test_a_trainer_queued_by_kueue_is_pending_with_kueues_reason_not_degraded() 
     )
     assert conds(s)["Degraded"]["status"] == "False" and conds(s)["Progressing"]["reason"] == "WaitingForAdmission"
     # before Kueue's first Event: the gate and the queue still say where the trainer waits
-    s = st.rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views)
+    s = rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=views)
     assert s["message"].endswith("from LocalQueue team-a (scheduling gate kueue.x-k8s.io/admission)")
     # admitted (gate removed, pods scheduled): no longer waiting
     admitted = [pod_view(pod("j-trainer-0", conditions=[{"type": "PodScheduled", "status": "True"}]))]
-    s = st.rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=admitted,
+    s = rljob_status(job(), [running_group()], trainer, None, now=T0, trainer_pods=admitted,
                         trainer_admission=KUEUE_PENDING)  # fmt: skip
     assert s["reason"] == "Reconciling"
 
@@ -252,25 +255,25 @@ def test_a_group_whose_pods_are_gated_is_pending_and_says_by_what() -> None:
           "spec": {"name": "g", "accelerator": "h100", "weightFormat": "bf16", "replicas": 1,
                    "model": {"name": "m", "path": "p"}}}  # fmt: skip
     deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 1}}
-    s = st.samplergroup_status(sg, deployment, CATALOG, now=T0, pods=[pod_view(kueue_gated("j-g-5d8f-x2", "spot"))])
+    s = samplergroup_status(sg, deployment, CATALOG, now=T0, pods=[pod_view(kueue_gated("j-g-5d8f-x2", "spot"))])
     assert (s["phase"], s["reason"]) == ("Pending", "WaitingForAdmission")
     assert s["message"] == ("0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 waits for Kueue to admit its Workload "
                             "from LocalQueue spot (scheduling gate kueue.x-k8s.io/admission)")  # fmt: skip
     other = pod("j-g-5d8f-x2", conditions=[GATED])
     other["spec"] = {"schedulingGates": [{"name": "example.com/hold"}]}
-    s = st.samplergroup_status(sg, deployment, CATALOG, now=T0, pods=[pod_view(other)])
+    s = samplergroup_status(sg, deployment, CATALOG, now=T0, pods=[pod_view(other)])
     assert (s["reason"], s["message"]) == (
         "SchedulingGated", "0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 held by scheduling gates: example.com/hold")
 
 
 def test_unreachable_store_degrades_the_weightchannel_naming_the_store() -> None:
     wc = {"metadata": {"generation": 1}, "spec": {"store": {"type": "s3", "bucket": "ckpt", "prefix": "run1"}}}
-    s = st.weightchannel_status(wc, None, "EndpointConnectionError: Could not connect", now=T0)
+    s = weightchannel_status(wc, None, "EndpointConnectionError: Could not connect", now=T0)
     degraded = conds(s)["Degraded"]
     assert (degraded["status"], degraded["reason"]) == ("True", "StoreUnreachable")
     assert degraded["message"] == "store s3://ckpt/run1 unreachable from the operator: EndpointConnectionError: Could not connect"
     fs = {"metadata": {"generation": 1}, "spec": {"store": {"type": "filesystem", "path": "/w"}}}
-    assert "store filesystem /w unreachable" in conds(st.weightchannel_status(fs, None, "gone", now=T0))["Degraded"]["message"]
+    assert "store filesystem /w unreachable" in conds(weightchannel_status(fs, None, "gone", now=T0))["Degraded"]["message"]
 
 
 def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before_the_first_tick() -> None:
@@ -281,21 +284,21 @@ def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before
           "status": {"share": 0.25, "tokensPerSecond": 100.0, "shareHistory": [{"to": 0.25}]}}  # fmt: skip
     deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "readyReplicas": 1, "replicas": 1,
                                                             "updatedReplicas": 1}}  # fmt: skip
-    kept = st.samplergroup_status(sg, deployment, CATALOG, now=T0)  # operator restarted: no tick yet
+    kept = samplergroup_status(sg, deployment, CATALOG, now=T0)  # operator restarted: no tick yet
     assert (kept["share"], kept["tokensPerSecond"], kept["sharePercent"]) == (0.25, 100.0, 25.0)
     assert kept["phase"] == "Running" and kept["quarantined"] is False
-    ticked = st.samplergroup_status(sg, deployment, CATALOG, now=T0, rebalance={"share": 0.5, "tokensPerSecond": 300.0})
+    ticked = samplergroup_status(sg, deployment, CATALOG, now=T0, rebalance={"share": 0.5, "tokensPerSecond": 300.0})
     assert (ticked["share"], ticked["tokensPerSecond"], ticked["sharePercent"]) == (0.5, 300.0, 50.0)
     assert "shareHistory" not in ticked  # the tick's result is the whole truth once there is one
 
     observed = job() | {"status": {"costPer1MTokens": 1.5, "step": 7, "weightVersion": 9}}
     report = trainer_job_status(observed, [], TrainerReport(step=8, weight_version=4), T0).status
-    s = st.rljob_status(observed, [running_group()], {"status": {"readyReplicas": 1}},
+    s = rljob_status(observed, [running_group()], {"status": {"readyReplicas": 1}},
                         {"status": {"latestVersion": 6}}, now=T0, trainer_report=report)  # fmt: skip
     assert (s["costPer1MTokens"], s["step"]) == (1.5, 8)
     assert s["weightVersion"] == 9  # never lowered: max of the channel (6), the report (4) and the observed (9)
     assert set(conds(s)) == {"Ready", "Progressing", "Degraded", "CollapseRisk"}
-    s = st.rljob_status(observed, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
+    s = rljob_status(observed, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
                         costs={"costPer1MTokens": 2.0, "baselineCostPer1MTokens": 3.0,
                                "baselineSource": "b200 bf16 estimated from catalog throughput ratios"})  # fmt: skip
     assert (s["costPer1MTokens"], s["baselineCostPer1MTokens"]) == (2.0, 3.0)
@@ -310,7 +313,7 @@ def test_the_fleet_plan_is_the_last_decision_kept_over_a_restart_and_gone_when_t
     decided = {"decision": "Infeasible", "reason": "no plan meets the budgets: ...", "replicas": {"g": 2}, "binding": []}
 
     def plan(body: dict, fleet_plan: dict | None) -> dict | None:
-        return st.rljob_status(body, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
+        return rljob_status(body, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
                                fleet_plan=fleet_plan).get("fleetPlan")  # fmt: skip
 
     assert plan(on | {"status": {"fleetPlan": observed}}, None) == observed
@@ -327,7 +330,7 @@ def test_the_decisions_are_written_by_the_one_status_pipeline_and_kept_until_the
     newer = observed | {"time": 1030.0}
 
     def decisions(body: dict, value: dict | None) -> dict | None:
-        return st.rljob_status(body, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
+        return rljob_status(body, [running_group()], {"status": {"readyReplicas": 1}}, None, now=T0,
                                decisions=value).get("decisions")  # fmt: skip
 
     assert decisions(job() | {"status": {"decisions": observed}}, None) == observed
@@ -387,7 +390,7 @@ def test_a_trainer_pod_the_api_refuses_degrades_the_job_as_a_sampler_group_is(re
              + refusal.format(pod="j-trainer-0"), "lastTimestamp": T0}  # fmt: skip
     message = latest_event_message([event_view(event)])
     no_pods = {"metadata": {"name": "j-trainer"}, "spec": {"replicas": 1}, "status": {"replicas": 0}}
-    s = st.rljob_status(job(), [running_group()], no_pods, None, now=T0, trainer_create_failure=message)
+    s = rljob_status(job(), [running_group()], no_pods, None, now=T0, trainer_create_failure=message)
     assert (s["phase"], s["reason"]) == ("Degraded", "ReplicaFailure")
     assert s["message"].startswith("trainer StatefulSet j-trainer: 0/1 pods created: FailedCreate: create Pod j-trainer-0")
     assert refusal.format(pod="j-trainer-0") in s["message"]
@@ -403,24 +406,24 @@ def test_a_trainer_pod_the_api_refuses_degrades_the_job_as_a_sampler_group_is(re
                "message": refusal.format(pod="j-g-5d8f-x2")}  # fmt: skip
     deployment = {"metadata": {"generation": 1},
                   "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 0, "conditions": [failure]}}  # fmt: skip
-    g = st.samplergroup_status(sg, deployment, CATALOG, now=T0)
+    g = samplergroup_status(sg, deployment, CATALOG, now=T0)
     assert (g["phase"], g["reason"]) == ("Degraded", s["reason"]) and refusal.format(pod="j-g-5d8f-x2") in g["message"]
     # once the pod exists (the quota was raised) the Event, still in the index for its TTL, no longer counts
     created = {**no_pods, "status": {"replicas": 1, "readyReplicas": 0}}
-    s = st.rljob_status(job(), [running_group()], created, None, now=T0, trainer_create_failure=message)
+    s = rljob_status(job(), [running_group()], created, None, now=T0, trainer_create_failure=message)
     assert (s["phase"], s["reason"]) == ("Pending", "Reconciling")
 
 
 def test_a_job_is_not_ready_while_its_weight_channel_is_degraded() -> None:
     wc = {"metadata": {"name": "j-weights", "generation": 1}, "spec": {"store": {"type": "filesystem", "path": "/w"}}}
-    channel = {**wc, "status": st.weightchannel_status(wc, None, "OSError: [Errno 5] Input/output error", now=T0)}
-    s = st.rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, channel, now=T0)
+    channel = {**wc, "status": weightchannel_status(wc, None, "OSError: [Errno 5] Input/output error", now=T0)}
+    s = rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, channel, now=T0)
     assert (s["phase"], s["reason"]) == ("Degraded", "StoreUnreachable")
     assert conds(s)["Ready"]["status"] == "False" and conds(s)["Degraded"]["status"] == "True"
     assert s["message"] == ("WeightChannel j-weights: store filesystem /w unreachable from the operator: "
                             "OSError: [Errno 5] Input/output error")  # fmt: skip
     healthy = {**wc, "status": {"conditions": [{"type": "Degraded", "status": "False", "reason": "AsExpected"}]}}
-    assert st.rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, healthy, now=T0)["phase"] == "Running"
+    assert rljob_status(job(), [running_group()], {"status": {"readyReplicas": 1}}, healthy, now=T0)["phase"] == "Running"
 
 
 def test_one_missing_claim_for_every_pod_and_group_is_said_once_with_counts_and_a_bounded_status() -> None:
@@ -434,11 +437,11 @@ def test_one_missing_claim_for_every_pod_and_group_is_said_once_with_counts_and_
                        "model": {"name": "m", "path": "p"}}}  # fmt: skip
         deployment = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 3}}
         pods = [pod_view(pod(f"j-{g}-5d8f-x{i}", conditions=[unschedulable(NO_PVC)])) for i in range(3)]
-        status = st.samplergroup_status(sg, deployment, CATALOG, now=T0, pods=pods)
+        status = samplergroup_status(sg, deployment, CATALOG, now=T0, pods=pods)
         assert status["message"].endswith("(and 2 more pods: MissingPersistentVolumeClaim)")
         groups.append({**sg, "status": status})
     trainer_pods = [pod_view(pod(conditions=[unschedulable(NO_PVC)]))]
-    s = st.rljob_status(rl, groups, {"status": {"replicas": 1}}, None, now=T0, trainer_pods=trainer_pods)
+    s = rljob_status(rl, groups, {"status": {"replicas": 1}}, None, now=T0, trainer_pods=trainer_pods)
     assert (s["phase"], s["reason"]) == ("Degraded", "MissingPersistentVolumeClaim")
     claim = 'persistentvolumeclaim "rlfleet-weights" not found'
     assert s["message"].count(claim) == 2  # the trainer's pod, then every group at once

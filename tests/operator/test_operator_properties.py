@@ -9,6 +9,7 @@ from rlfleet.api import KV_CACHE_DTYPES, WEIGHT_FORMATS, SamplerGroup
 from rlfleet.catalog import CatalogError, check_group, load_catalog
 from rlfleet.operator import status as st
 from rlfleet.operator import workloads
+from rlfleet.operator.group_status import samplergroup_status
 
 CATALOG = load_catalog(None)
 
@@ -81,7 +82,7 @@ def test_sampler_deployment_invariants(combo, replicas, tp, suspend, ready) -> N
                 "status": {"observedGeneration": 1, "replicas": min(ready, dep["spec"]["replicas"]),
                            "readyReplicas": min(ready, dep["spec"]["replicas"]),
                            "updatedReplicas": min(ready, dep["spec"]["replicas"])}}  # fmt: skip
-    s = st.samplergroup_status(manifest, observed, CATALOG, now="2026-01-01T00:00:00Z")
+    s = samplergroup_status(manifest, observed, CATALOG, now="2026-01-01T00:00:00Z")
     desired = dep["spec"]["replicas"]
     ready_n = min(ready, desired)
     assert s["ready"] == f"{ready_n}/{desired}"
@@ -89,7 +90,7 @@ def test_sampler_deployment_invariants(combo, replicas, tp, suspend, ready) -> N
     assert (ready_cond["status"] == "True") == (not suspend and ready_n >= desired)
     assert s["degradedPrecision"] == (CATALOG.get(cls).weight_formats[fmt].mode == "degraded")
     assert not st.status_changed(
-        s, st.samplergroup_status(manifest | {"status": s}, observed, CATALOG, now="2026-02-01T00:00:00Z")
+        s, samplergroup_status(manifest | {"status": s}, observed, CATALOG, now="2026-02-01T00:00:00Z")
     )
 
 

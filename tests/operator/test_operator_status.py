@@ -6,6 +6,9 @@ from rlfleet.api.weightchannel import WeightChannelStatus
 from rlfleet.catalog import load_catalog
 from rlfleet.channel import ChannelStatus, GroupVersionStatus, ViewArtifactStatus
 from rlfleet.operator import status as st
+from rlfleet.operator.channel_status import weightchannel_status
+from rlfleet.operator.group_status import quarantine_reason, samplergroup_status
+from rlfleet.operator.job_status import rljob_status
 
 CATALOG = load_catalog(None)
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -48,13 +51,13 @@ def conds(status: dict) -> dict[str, dict]:
 
 
 def test_pending_then_running_with_generation_and_selector() -> None:
-    s = st.samplergroup_status(sg(), None, CATALOG, now=T0)
+    s = samplergroup_status(sg(), None, CATALOG, now=T0)
     assert (s["phase"], s["ready"], s["observedGeneration"]) == ("Pending", "0/2", 3)
     assert s["selector"] == "rlfleet.dev/samplergroup=job-g"
-    s = st.samplergroup_status(sg(), deployment(1, 2), CATALOG, now=T0)
+    s = samplergroup_status(sg(), deployment(1, 2), CATALOG, now=T0)
     assert s["phase"] == "Pending" and conds(s)["Ready"]["status"] == "False"
     assert conds(s)["Progressing"]["status"] == "True"
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
     c = conds(s)
     assert s["phase"] == "Running" and s["readyReplicas"] == 2 and s["ready"] == "2/2"
     assert c["Ready"] == {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "2/2 replicas ready",
@@ -65,22 +68,22 @@ def test_pending_then_running_with_generation_and_selector() -> None:
 
 
 def test_degraded_precision_is_flagged_for_fp8_on_a100() -> None:
-    s = st.samplergroup_status(sg(accelerator="a100", fmt="fp8"), deployment(2, 2), CATALOG, now=T0)
+    s = samplergroup_status(sg(accelerator="a100", fmt="fp8"), deployment(2, 2), CATALOG, now=T0)
     assert s["degradedPrecision"] is True and "W8A16" in s["precisionNote"]
     assert s["phase"] == "Running" and "runs degraded on a100" in s["message"]
 
 
 def test_suspended_quarantined_and_deadline() -> None:
-    s = st.samplergroup_status(sg(suspend=True), deployment(2, 2), CATALOG, now=T0)
+    s = samplergroup_status(sg(suspend=True), deployment(2, 2), CATALOG, now=T0)
     assert (s["phase"], conds(s)["Ready"]["reason"]) == ("Pending", "Suspending")  # pods still up
     down = deployment(0, 0) | {"spec": {"replicas": 0}}
-    s = st.samplergroup_status(sg(suspend=True), down, CATALOG, now=T0)
+    s = samplergroup_status(sg(suspend=True), down, CATALOG, now=T0)
     assert s["phase"] == "Suspended" and s["ready"] == "0/0" and conds(s)["Progressing"]["status"] == "False"
-    s = st.samplergroup_status(sg(quarantined=True), deployment(2, 2), CATALOG, now=T0,
-                               quarantine=st.quarantine_reason(sg(quarantined=True)))  # fmt: skip
+    s = samplergroup_status(sg(quarantined=True), deployment(2, 2), CATALOG, now=T0,
+                               quarantine=quarantine_reason(sg(quarantined=True)))  # fmt: skip
     assert s["phase"] == "Quarantined" and conds(s)["Ready"]["status"] == "True" and s["quarantined"] is True
     assert "quarantined by spec.quarantined" in s["message"]
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0, quarantine=None)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0, quarantine=None)
     assert s["phase"] == "Running" and s["quarantined"] is False
     stalled = [
         {
@@ -90,29 +93,29 @@ def test_suspended_quarantined_and_deadline() -> None:
             "message": "timed out",
         }
     ]
-    s = st.samplergroup_status(sg(), deployment(1, 2, conditions=stalled), CATALOG, now=T0)
+    s = samplergroup_status(sg(), deployment(1, 2, conditions=stalled), CATALOG, now=T0)
     assert s["phase"] == "Degraded" and conds(s)["Degraded"]["reason"] == "ProgressDeadlineExceeded"
     assert "timed out" in s["message"]
 
 
 def test_class_the_runtime_catalog_cannot_run_fails_clearly() -> None:
-    s = st.samplergroup_status(sg(accelerator="h100", fmt="nvfp4"), None, CATALOG, now=T0)
+    s = samplergroup_status(sg(accelerator="h100", fmt="nvfp4"), None, CATALOG, now=T0)
     assert s["phase"] == "Failed" and "native NVFP4 needs Blackwell" in s["message"]
     assert conds(s)["Ready"]["reason"] == "InvalidSpec"
 
 
 def test_transition_time_kept_while_status_unchanged() -> None:
-    first = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
+    first = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
     obj = sg() | {"status": first}
-    again = st.samplergroup_status(obj, deployment(2, 2), CATALOG, now=T1)
+    again = samplergroup_status(obj, deployment(2, 2), CATALOG, now=T1)
     assert conds(again)["Ready"]["lastTransitionTime"] == T0
     assert not st.status_changed(first, again)  # nothing to write
-    down = st.samplergroup_status(obj, deployment(1, 2), CATALOG, now=T1)
+    down = samplergroup_status(obj, deployment(1, 2), CATALOG, now=T1)
     assert conds(down)["Ready"]["lastTransitionTime"] == T1 and st.status_changed(first, down)
 
 
 def test_status_changed_ignores_fields_and_conditions_owned_by_others() -> None:
-    mine = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
+    mine = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
     observed = {**mine, "share": 0.3, "tokensPerSecond": 1234.0,
                 "conditions": [*mine["conditions"], {"type": "CollapseRisk", "status": "True"}]}  # fmt: skip
     assert not st.status_changed(observed, mine)
@@ -122,7 +125,7 @@ def test_status_changed_ignores_fields_and_conditions_owned_by_others() -> None:
 def test_a_status_differing_only_in_one_condition_has_changed() -> None:
     """Kills the mutant of the change gate whose condition branch never returns True (or compares only the
     condition types): each of these differs from `mine` in one field of one condition and nothing else."""
-    mine = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
+    mine = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
     for field_, value in (("status", "True"), ("reason", "Other"), ("message", "other"), ("observedGeneration", 2)):
         observed = {**mine, "conditions": [{**c, field_: value} if c["type"] == "Degraded" else c
                                            for c in mine["conditions"]]}  # fmt: skip
@@ -136,9 +139,9 @@ def test_applied_version_and_lag_from_the_channel() -> None:
         "latestVersion": 9,
         "groups": [{"group": "job-g", "appliedVersion": 7, "lag": 2}, {"group": "x", "appliedVersion": 1}],
     }
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=channel, now=T0)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=channel, now=T0)
     assert (s["appliedWeightVersion"], s["versionLag"]) == (7, 2)
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": []}, now=T0)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": []}, now=T0)
     assert "appliedWeightVersion" not in s
 
 
@@ -150,14 +153,14 @@ def test_a_foreign_weight_load_shows_as_the_groups_reason_until_a_newer_version(
 
     message = foreign_version_message(1000000, 7, 7, 1, T0)
     report = {"group": "job-g", "appliedVersion": 7, "lag": 0, "lastError": message}
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [report]}, now=T0)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [report]}, now=T0)
     assert (s["phase"], s["reason"]) == ("Running", "ForeignWeightVersion")
     assert "; foreign weight version: the engine served v1000000, not v7 that this sidecar applied" in s["message"]
     assert "weight sync failing" not in s["message"]
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
     assert (synced["status"], synced["reason"]) == ("True", "ForeignWeightVersion")
     newer = {"group": "job-g", "appliedVersion": 8, "lag": 0}  # the next publish applied: the note is gone
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [newer]}, now=T0)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [newer]}, now=T0)
     assert s["reason"] == "AllReplicasReady" and "foreign" not in s["message"]
 
 
@@ -166,13 +169,13 @@ def test_a_failing_weight_sync_is_said_while_the_group_keeps_running() -> None:
     its message and WeightsSynced condition say what was refused; the count stays after recovery."""
     failing = {"group": "job-g", "appliedVersion": 7, "lag": 1, "syncFailures": 1,
                "lastError": "checksum: v8: v8/nvfp4/model.safetensors: blake3:aa != manifest blake3:bb"}  # fmt: skip
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [failing]}, now=T0)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [failing]}, now=T0)
     assert s["phase"] == "Running" and s["weightSyncFailures"] == 1
     assert "weight sync failing (serving v7): checksum: v8: v8/nvfp4" in s["message"]
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
     assert (synced["status"], synced["reason"]) == ("False", "SyncFailing") and "checksum" in synced["message"]
     recovered = {"group": "job-g", "appliedVersion": 9, "lag": 0, "syncFailures": 1}
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [recovered]}, now=T0)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [recovered]}, now=T0)
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
     assert synced["status"] == "True" and "failing" not in s["message"] and s["weightSyncFailures"] == 1
 
@@ -197,7 +200,7 @@ def test_a_ready_replica_without_a_fresh_report_is_named_with_where_to_look() ->
                "groups": [{"group": "job-g", "appliedVersion": 7, "lag": 0, "replicas": ["job-g-a"]}]}  # fmt: skip
     started_long_ago, started_now = "2025-12-31T23:57:29Z", "2025-12-31T23:57:31Z"  # 151 s and 149 s before T0
     pods = [sampler_pod("job-g-a", started_long_ago), sampler_pod("job-g-b", started_long_ago)]
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=channel, now=T0, pods=pods)
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=channel, now=T0, pods=pods)
     assert (s["phase"], s["reason"]) == ("Running", "NoSubscriberReport")
     assert "no subscriber report from pod job-g-b for 150s" in s["message"]
     assert "cannot write subscribers/job-g/ in the store" in s["message"]
@@ -205,7 +208,7 @@ def test_a_ready_replica_without_a_fresh_report_is_named_with_where_to_look() ->
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
     assert (synced["status"], synced["reason"]) == ("False", "NoSubscriberReport")
     # two silent pods: the first named, the others counted
-    s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={**channel, "groups": []},
+    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={**channel, "groups": []},
                                now=T0, pods=pods)  # fmt: skip
     assert "no subscriber report from pod job-g-a (and 1 more) for 150s" in s["message"]
     # a sidecar younger than the bound, a pod being deleted, or a channel the operator could not read: no claim
@@ -214,7 +217,7 @@ def test_a_ready_replica_without_a_fresh_report_is_named_with_where_to_look() ->
         ([sampler_pod("job-g-a", started_long_ago), sampler_pod("job-g-b", started_long_ago, deleting=True)], channel),
         (pods, {"phase": "Degraded", "groups": []}),
     ):
-        s = st.samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=judged_channel, now=T0,
+        s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=judged_channel, now=T0,
                                    pods=judged_pods)  # fmt: skip
         assert s["reason"] == "AllReplicasReady" and "subscriber report" not in s["message"], s["message"]
         [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
@@ -257,7 +260,7 @@ def trainer(ready: int) -> dict:
 
 def test_job_rollup_running_pending_degraded_suspended() -> None:
     groups = [group_obj("a", "Running"), group_obj("b", "Running")]
-    s = st.rljob_status(job(["a", "b"]), groups, trainer(1), {"status": {"latestVersion": 5}}, now=T0)
+    s = rljob_status(job(["a", "b"]), groups, trainer(1), {"status": {"latestVersion": 5}}, now=T0)
     assert (s["phase"], s["readyGroups"], s["weightVersion"], s["observedGeneration"]) == (
         "Running",
         "2/2",
@@ -268,21 +271,21 @@ def test_job_rollup_running_pending_degraded_suspended() -> None:
     assert s["groups"] == [{"name": "a", "phase": "Running", "ready": "2/2", "share": 0.5},
                            {"name": "b", "phase": "Running", "ready": "2/2", "share": 0.5}]  # fmt: skip
     # a stale group status (older generation) does not count as ready; nor does a missing group
-    s = st.rljob_status(
+    s = rljob_status(
         job(["a", "b", "c"]), [groups[0], group_obj("b", "Running", stale=True)], trainer(1), None, now=T0
     )
     assert (s["phase"], s["readyGroups"]) == ("Pending", "1/3") and "weightVersion" not in s
     assert s["groups"][2] == {"name": "c", "phase": "Pending"}
-    s = st.rljob_status(job(["a", "b"]), groups, trainer(0), None, now=T0)
+    s = rljob_status(job(["a", "b"]), groups, trainer(0), None, now=T0)
     assert s["phase"] == "Pending" and "trainer 0/1" in s["message"]
-    s = st.rljob_status(
+    s = rljob_status(
         job(["a", "b"]), [groups[0], group_obj("b", "Degraded", "1/2")], trainer(1), None, now=T0
     )
     assert s["phase"] == "Degraded" and conds(s)["Degraded"]["status"] == "True" and "b" in s["message"]
-    s = st.rljob_status(job(["a", "b"], suspend=True), groups, trainer(0), None, now=T0)
+    s = rljob_status(job(["a", "b"], suspend=True), groups, trainer(0), None, now=T0)
     assert (s["phase"], s["reason"]) == ("Pending", "Suspending")  # groups still running
     down = [group_obj("a", "Suspended", "0/0"), group_obj("b", "Suspended", "0/0")]
-    s = st.rljob_status(job(["a", "b"], suspend=True), down, trainer(0), None, now=T0)
+    s = rljob_status(job(["a", "b"], suspend=True), down, trainer(0), None, now=T0)
     assert s["phase"] == "Suspended" and s["trainer"] == {"replicas": 0, "readyReplicas": 0, "ready": "0/0"}
 
 
@@ -295,7 +298,7 @@ def test_job_collapse_risk_rolls_up_from_groups_and_invalid_spec_fails() -> None
     assert (
         risk["status"] == "True" and "b: kl surge 4.1x" in risk["message"] and risk["observedGeneration"] == 4
     )
-    s = st.rljob_status(job(["a"]), [], None, None, now=T0, invalid="invalid RLJob: bad")
+    s = rljob_status(job(["a"]), [], None, None, now=T0, invalid="invalid RLJob: bad")
     assert (s["phase"], s["reason"]) == ("Failed", "InvalidSpec") and conds(s)["Degraded"]["status"] == "True"
 
 
@@ -309,10 +312,10 @@ def artifact(view: str, version: int, **kw: object) -> ViewArtifactStatus:
 
 def test_weightchannel_status_known_unknown_and_empty() -> None:
     wc = {"metadata": {"generation": 1}}
-    s = st.weightchannel_status(wc, None, "store /w not mounted", now=T0)
+    s = weightchannel_status(wc, None, "store /w not mounted", now=T0)
     assert s["phase"] == "Pending" and s["message"] == "latest version unknown: store /w not mounted"
     assert "latestVersion" not in s and conds(s)["Ready"]["reason"] == "StoreUnreadable"
-    s = st.weightchannel_status(wc, channel_status(None, [], []), None, now=T0)
+    s = weightchannel_status(wc, channel_status(None, [], []), None, now=T0)
     assert s["phase"] == "Pending" and conds(s)["Ready"]["reason"] == "NothingPublished"
     assert "storedPercent" not in s
     ch = channel_status(
@@ -321,7 +324,7 @@ def test_weightchannel_status_known_unknown_and_empty() -> None:
         [GroupVersionStatus("job-g", "fp8", 3, 1, {"p": 3}, sync_failures=2, last_error="checksum: v4/fp8: x"),
          GroupVersionStatus("job-h", "bf16", None, None, {})],
     )  # fmt: skip
-    s = st.weightchannel_status(wc, ch, None, now=T0)
+    s = weightchannel_status(wc, ch, None, now=T0)
     assert (s["phase"], s["latestVersion"]) == ("Ready", 4)
     assert s["artifacts"] == [
         {"view": "bf16", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10, "kind": "delta", "storedBytes": 1,
@@ -339,12 +342,12 @@ def test_weightchannel_status_known_unknown_and_empty() -> None:
 
 def test_one_quarantine_path_for_spec_annotation_and_collapse_detector() -> None:
     annotated = sg() | {"metadata": {"name": "job-g", "annotations": {"rlfleet.dev/quarantined": "true"}}}
-    assert st.quarantine_reason(sg(quarantined=True)) == "spec.quarantined"
-    assert st.quarantine_reason(annotated) == "annotation rlfleet.dev/quarantined"
-    assert st.quarantine_reason(sg(), frozenset({"g"})) == "the trainer's collapse detector"
-    assert st.quarantine_reason(sg(), frozenset({"other"})) is None
+    assert quarantine_reason(sg(quarantined=True)) == "spec.quarantined"
+    assert quarantine_reason(annotated) == "annotation rlfleet.dev/quarantined"
+    assert quarantine_reason(sg(), frozenset({"g"})) == "the trainer's collapse detector"
+    assert quarantine_reason(sg(), frozenset({"other"})) is None
     not_true = sg() | {"metadata": {"name": "job-g", "annotations": {"rlfleet.dev/quarantined": "false"}}}
-    assert st.quarantine_reason(not_true) is None
+    assert quarantine_reason(not_true) is None
 
 
 def test_webhook_admission_message_uses_the_runtime_catalog(monkeypatch, tmp_path) -> None:
@@ -374,28 +377,28 @@ def test_group_waiting_for_its_views_first_version_says_so() -> None:
     """The pods' init container waits for the newest version of the group's view: until the channel
     has one, the group's status names the view, the channel and why (from the WeightChannel status)."""
     pending_channel = {"phase": "Pending", "message": "no version published yet"}
-    s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, pending_channel, now=T0)
+    s = samplergroup_status(sg(), deployment(0, 2), CATALOG, pending_channel, now=T0)
     assert s["phase"] == "Pending" and conds(s)["Ready"]["reason"] == "WaitingForWeights"
     assert s["message"] == (
         "0/2 replicas ready: waiting for version 0 of view fp8 in channel job-weights: no version published "
         "yet (the trainer publishes version 0 of every view before step 1)"
     )
     # an mxfp4 group waits on a view the trainer may refuse outright: the group points at the job's reason
-    s = st.samplergroup_status(sg(fmt="mxfp4"), deployment(0, 2), CATALOG, pending_channel, now=T0)
+    s = samplergroup_status(sg(fmt="mxfp4"), deployment(0, 2), CATALOG, pending_channel, now=T0)
     assert "the trainer refuses an mxfp4 view of a dense or Qwen3-family model before publishing anything" in s["message"]
     unreadable = {"phase": "Pending", "message": "latest version unknown: store directory /w does not exist"}
-    s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, unreadable, now=T0)
+    s = samplergroup_status(sg(), deployment(0, 2), CATALOG, unreadable, now=T0)
     assert "store directory /w does not exist" in s["message"]
-    s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, None, now=T0)
+    s = samplergroup_status(sg(), deployment(0, 2), CATALOG, None, now=T0)
     assert "channel status not read yet" in s["message"] and conds(s)["Ready"]["reason"] == "WaitingForWeights"
     # a version without this group's view
     bf16_only = {"latestVersion": 4, "artifacts": [{"view": "bf16", "version": 4}]}
-    s = st.samplergroup_status(sg(), deployment(0, 2), CATALOG, bf16_only, now=T0)
+    s = samplergroup_status(sg(), deployment(0, 2), CATALOG, bf16_only, now=T0)
     assert s["message"].endswith("waiting for view fp8 in channel job-weights: version 4 has views bf16")
     # the view is published: the pods are merely starting (SGLang loading)
     published = {"latestVersion": 0, "artifacts": [{"view": "bf16", "version": 0}, {"view": "fp8", "version": 0}]}
-    s = st.samplergroup_status(sg(), deployment(1, 2), CATALOG, published, now=T0)
+    s = samplergroup_status(sg(), deployment(1, 2), CATALOG, published, now=T0)
     assert conds(s)["Ready"]["reason"] == "ReplicasNotReady" and s["message"] == "1/2 replicas ready"
     # a group without a channel never waits for one
-    s = st.samplergroup_status(sg(weightChannel=None), deployment(0, 2), CATALOG, None, now=T0)
+    s = samplergroup_status(sg(weightChannel=None), deployment(0, 2), CATALOG, None, now=T0)
     assert conds(s)["Ready"]["reason"] == "ReplicasNotReady"

@@ -13,10 +13,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 from support.fake_kube import FakeKube
 
 from rlfleet.channel import SubscriberReport, WeightChannel
+from rlfleet.operator import kube
+from rlfleet.operator.channel_read import read_channel
 from rlfleet.operator.pods import pod_view
 from rlfleet.store import FilesystemStore
 
@@ -48,16 +51,16 @@ def sampler_pod(name: str, group: str = GROUP) -> dict[str, Any]:
 
 
 @pytest.fixture
-def handlers() -> Any:
-    """The handlers module, imported when a test runs, not at collection: its timer interval is read
-    from the environment at import, which the cluster tests of this folder set first."""
-    from rlfleet.operator import handlers
+def pipeline() -> Any:
+    """The WeightChannel pipeline's module, imported when a test runs, not at collection: its store-read
+    interval is read from the environment at import, which the cluster tests of this folder set first."""
+    from rlfleet.operator import weightchannel_pipeline
 
-    return handlers
+    return weightchannel_pipeline
 
 
 def view_with_pods(pods: dict[tuple[str, str, str], list[dict[str, Any]]]) -> Any:
-    from rlfleet.operator.handlers import View
+    from rlfleet.operator.indexes import View
 
     return View(rljobs={}, samplergroups={}, samplergroups_by_job={}, weightchannels={}, sampler_deployments={},
                 trainers={}, pods=pods, mount_failures={}, create_failures={}, kueue_pending={})  # fmt: skip
@@ -103,10 +106,10 @@ def test_view_lists_the_live_pods_of_each_sampler_group() -> None:
     assert view.sampler_replicas("empty") == {}
 
 
-def test_read_channel_removes_aged_reports_of_gone_replicas_only(channel_store: tuple, handlers: Any) -> None:
+def test_read_channel_removes_aged_reports_of_gone_replicas_only(channel_store: tuple) -> None:
     store, spec, now = channel_store
     live = {GROUP: frozenset({"live-fresh", "live-stuck"})}
-    read = handlers.read_channel(spec, live, now)
+    read = read_channel(spec, live, now)
     assert read.error is None and (read.removal_failures, read.removal_error) == (0, None)
     assert [(r.group, r.replica) for r in read.removed] == [(GROUP, "replaced"), ("job-removed", "pod-x")]
     assert reports_in(store) == [f"subscribers/{GROUP}/live-fresh.json", f"subscribers/{GROUP}/live-stuck.json",
@@ -116,19 +119,19 @@ def test_read_channel_removes_aged_reports_of_gone_replicas_only(channel_store: 
     assert (group.group, group.applied_version, group.lag) == (GROUP, 2, 0)
     assert group.replicas == {"live-fresh": 2, "newborn": 2}
     # a second read removes nothing more
-    again = handlers.read_channel(spec, live, now)
+    again = read_channel(spec, live, now)
     assert again.removed == () and len(reports_in(store)) == 3
 
 
-def test_read_channel_without_live_pods_removes_nothing(channel_store: tuple, handlers: Any) -> None:
+def test_read_channel_without_live_pods_removes_nothing(channel_store: tuple) -> None:
     store, spec, now = channel_store
-    read = handlers.read_channel(spec, None, now)
+    read = read_channel(spec, None, now)
     assert read.removed == () and len(reports_in(store)) == 5
     assert [(g.group, g.applied_version) for g in read.status.groups] == [(GROUP, 2)]
 
 
 def test_a_store_that_refuses_the_delete_leaves_the_status_right(
-    channel_store: tuple, handlers: Any, monkeypatch: pytest.MonkeyPatch
+    channel_store: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store, spec, now = channel_store
 
@@ -136,7 +139,7 @@ def test_a_store_that_refuses_the_delete_leaves_the_status_right(
         raise OSError(30, "Read-only file system", key)
 
     monkeypatch.setattr(FilesystemStore, "delete", read_only)
-    read = handlers.read_channel(spec, {GROUP: frozenset({"live-fresh"})}, now)
+    read = read_channel(spec, {GROUP: frozenset({"live-fresh"})}, now)
     assert read.removed == () and read.removal_failures == 3  # live-stuck, replaced, pod-x
     assert read.removal_error is not None and "Read-only file system" in read.removal_error
     assert len(reports_in(store)) == 5
@@ -144,19 +147,19 @@ def test_a_store_that_refuses_the_delete_leaves_the_status_right(
 
 
 async def test_the_weightchannel_pipeline_removes_logs_counts_and_writes_status(
-    channel_store: tuple, handlers: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    channel_store: tuple, pipeline: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     store, spec, _ = channel_store
     api = FakeKube()
-    monkeypatch.setattr(handlers.kube, "api", lambda: api)
-    monkeypatch.setattr(handlers.kopf, "event", lambda *a, **k: None)
+    monkeypatch.setattr(kube, "api", lambda: api)
+    monkeypatch.setattr(kopf, "event", lambda *a, **k: None)
     caplog.set_level(logging.INFO, logger="rlfleet.operator")
     view = view_with_pods({(NS, "sampler", GROUP): [sampler_pod("live-fresh"), sampler_pod("live-stuck")]})
     wc = {"apiVersion": API, "kind": "WeightChannel", "metadata": {"name": "job-weights", "namespace": NS, "generation": 1},
           "spec": {**spec, "jobName": "job"}}  # fmt: skip
     before = removals("removed")
 
-    await handlers.refresh_weightchannel_status(NS, "job-weights", view, wc)
+    await pipeline.refresh_weightchannel_status(NS, "job-weights", view, wc)
 
     assert removals("removed") - before == 2
     assert reports_in(store) == [f"subscribers/{GROUP}/live-fresh.json", f"subscribers/{GROUP}/live-stuck.json",
@@ -171,12 +174,12 @@ async def test_the_weightchannel_pipeline_removes_logs_counts_and_writes_status(
 
 
 async def test_a_refused_delete_warns_once_per_streak(
-    channel_store: tuple, handlers: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    channel_store: tuple, pipeline: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     store, spec, _ = channel_store
-    monkeypatch.setattr(handlers.kube, "api", lambda: FakeKube())
-    monkeypatch.setattr(handlers.kopf, "event", lambda *a, **k: None)
-    monkeypatch.setattr(handlers, "_removal_failing", set())
+    monkeypatch.setattr(kube, "api", lambda: FakeKube())
+    monkeypatch.setattr(kopf, "event", lambda *a, **k: None)
+    monkeypatch.setattr(pipeline, "_removal_failing", set())
     caplog.set_level(logging.INFO, logger="rlfleet.operator")
     real_delete = FilesystemStore.delete
 
@@ -194,10 +197,10 @@ async def test_a_refused_delete_warns_once_per_streak(
                    for r in caplog.records)  # fmt: skip
 
     for _ in range(3):
-        await handlers.refresh_weightchannel_status(NS, "w", view, dict(wc))
+        await pipeline.refresh_weightchannel_status(NS, "w", view, dict(wc))
     # three reads, each refused three deletes (live-stuck, replaced, pod-x): one warning
     assert warnings() == 1 and removals("error") - before == 9 and len(reports_in(store)) == 5
     monkeypatch.setattr(FilesystemStore, "delete", real_delete)
-    await handlers.refresh_weightchannel_status(NS, "w", view, dict(wc))
+    await pipeline.refresh_weightchannel_status(NS, "w", view, dict(wc))
     assert any("removing subscriber reports works again" in r.getMessage() for r in caplog.records)
     assert reports_in(store) == [f"subscribers/{GROUP}/live-fresh.json", f"subscribers/{GROUP}/newborn.json"]

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from rlfleet.api.rljob import RLJobStatus
 from rlfleet.operator import status as ops
+from rlfleet.operator.job_status import rljob_status
 from rlfleet.operator.trainer_report import (
     CollapseSignal,
     TrainerReport,
@@ -158,12 +159,12 @@ def test_a_finished_run_reads_succeeded_and_stays_so_while_the_trainer_is_unread
                                                                              "training finished at step 50")  # fmt: skip
     RLJobStatus.model_validate(out.status)
     trainer = {"status": {"readyReplicas": 1}}
-    s = ops.rljob_status(job(), [], trainer, None, now=T0, trainer_report=out.status)
+    s = rljob_status(job(), [], trainer, None, now=T0, trainer_report=out.status)
     assert (s["phase"], s["reason"]) == ("Succeeded", "TrainingFinished") and "step 50" in s["message"]
     assert s["step"] == 50
     unreadable = trainer_job_status(job(status=s), [], None, T1)  # the trainer pod restarting, say
     assert [c for c in unreadable.status["conditions"] if c["type"] == "Complete"] == [complete]
     running = trainer_job_status(job(), [], parse_trainer_report(EXPORT), T0)
     assert [c["type"] for c in running.status["conditions"]] == ["CollapseRisk"]
-    s = ops.rljob_status(job(), [], trainer, None, now=T0, trainer_report=running.status)
+    s = rljob_status(job(), [], trainer, None, now=T0, trainer_report=running.status)
     assert s["phase"] != "Succeeded"

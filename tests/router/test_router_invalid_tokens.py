@@ -16,8 +16,8 @@ from rlfleet.api.crdgen import generate
 from rlfleet.catalog import load_catalog
 from rlfleet.fleet import MeasuredGroup
 from rlfleet.operator import autopilot, decide
-from rlfleet.operator import status as st
 from rlfleet.operator.autopilot import AutopilotMemory, AutopilotReading
+from rlfleet.operator.group_status import samplergroup_status
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, parse_trainer_group_metrics, rebalance
 
 VIEWS = ("bf16", "fp8", "nvfp4")
@@ -126,9 +126,9 @@ def test_the_usable_fraction_counts_only_trained_tokens_in_band_in_the_economics
     sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup", "metadata": {"name": "j-bad", "generation": 1},
           "spec": {"name": "bad", "accelerator": "b200", "weightFormat": "bf16", "replicas": 1,
                    "model": {"name": "m", "path": "p"}, "weightChannel": "j-weights"}}  # fmt: skip
-    status = st.samplergroup_status(sg, None, load_catalog(None), rebalance=patch)
+    status = samplergroup_status(sg, None, load_catalog(None), rebalance=patch)
     assert (status["usableFraction"], status["invalidTokens"]) == (0.4, patch["invalidTokens"])
-    kept = st.samplergroup_status({**sg, "status": status}, None, load_catalog(None), rebalance=None)
+    kept = samplergroup_status({**sg, "status": status}, None, load_catalog(None), rebalance=None)
     assert (kept["usableFraction"], kept["invalidTokens"]) == (0.4, patch["invalidTokens"])  # not rebalanced yet
 
 
