@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlfleet.api.rljob import FleetOptimizeSpec
+from rlfleet.api.router_spec import FleetOptimizeSpec
 from rlfleet.catalog import Catalog, CatalogError, check_group
 
 LADDER = ("nvfp4", "fp8", "bf16")  # lowest precision (cheapest, most mismatch) first

@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlfleet.api.rljob import FleetOptimizeSpec
+from rlfleet.api.router_spec import FleetOptimizeSpec
 from rlfleet.catalog import Catalog, CatalogError
 from rlfleet.fleet import (
     Budgets,

@@ -17,29 +17,25 @@ from rlfleet.api.common import (
 from rlfleet.api.meta import ObjectMeta
 from rlfleet.api.rljob import (
     CorrectionSpec,
-    GroupSummary,
     LocalSpec,
     ModelSpec,
     OptimizerSpec,
     ParallelismSpec,
-    ReferenceFleetSpec,
     RLJob,
     RLJobLoadError,
     RLJobSpec,
-    RLJobStatus,
     RolloutSpec,
-    RouterSpec,
-    RunMetrics,
     SafetySpec,
     SandboxSpec,
     StalenessSpec,
     TinyModelSpec,
     TrainerSpec,
-    TrainerStatus,
     WeightChannelTemplate,
     format_validation_error,
     load_rljob,
 )
+from rlfleet.api.rljob_status import GroupSummary, RLJobStatus, RunMetrics, TrainerStatus
+from rlfleet.api.router_spec import ReferenceFleetSpec, RouterSpec
 from rlfleet.api.samplergroup import (
     GroupModelRef,
     SamplerGroup,

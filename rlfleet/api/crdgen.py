@@ -24,15 +24,15 @@ from rlfleet.api.rljob import (
     JOB_NAME_MESSAGE,
     JOB_NAME_RULE,
     PARALLEL_FIT_MESSAGE,
-    STATIC_SHARES_MESSAGE,
     TRAINER_CPU_GPUS_MESSAGE,
     TRAINER_GPU_PROCESSES_MESSAGE,
     RLJobSpec,
-    RLJobStatus,
     expert_fit_rule,
     parallel_fit_rule,
     trainer_device_rules,
 )
+from rlfleet.api.rljob_status import RLJobStatus
+from rlfleet.api.router_spec import STATIC_SHARES_MESSAGE
 from rlfleet.api.samplergroup import (
     OWNED_REFERENCE_FLAGS,
     REFERENCE_EXTRA_ARGS_MESSAGE,

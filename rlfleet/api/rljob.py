@@ -1,10 +1,10 @@
-"""RLJob: one asynchronous RL run (trainer + heterogeneous sampler fleet + router + weight channel)."""
+"""RLJob: one asynchronous RL run (trainer + heterogeneous sampler fleet + router + weight channel). Its
+router part is in router_spec.py, its status in rljob_status.py."""
 
 from __future__ import annotations
 
 import math
 import re
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,27 +15,25 @@ from rlfleet.api.common import (
     API_VERSION,
     DNS_LABEL_PATTERN,
     DNS_SUBDOMAIN_PATTERN,
-    HTTP_URL_PATTERN,
     MAX_JOB_NAME,
     MAX_TOP_K,
     ApiModel,
-    Condition,
     CorrectionMode,
-    RouterPolicy,
     SafetyAction,
     cel_list,
-    conditions_field,
     kube_manifest_check,
 )
 from rlfleet.api.meta import ObjectMeta
 from rlfleet.api.podfields import POD_FIELDS_RULES, Quantity
-from rlfleet.api.samplergroup import (
-    PrecisionCooldown,
-    SamplerGroupTemplate,
-    SamplerImages,
-    ShareChange,
-    SteadyThroughput,
+from rlfleet.api.rljob_status import RLJobStatus
+from rlfleet.api.router_spec import (
+    FLEET_GROUPS_MESSAGE,
+    FLEET_GROUPS_RULE,
+    STATIC_SHARES_GROUPS_MESSAGE,
+    STATIC_SHARES_GROUPS_RULE,
+    RouterSpec,
 )
+from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
 from rlfleet.api.scheduling import PodPlacement
 from rlfleet.api.weightchannel import DeltaSpec, RetentionSpec, StoreSpec
 
@@ -57,12 +55,6 @@ JOB_NAME_DNS_MESSAGE = (
     "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a letter; no "
     "dots): it prefixes the names of the job's Services <job>-trainer, <job>-router and <job>-<group>"
 )
-STATIC_SHARES_RULE = "self.policy != 'static' || size(self.staticShares) > 0"
-STATIC_SHARES_MESSAGE = "router: policy static needs staticShares"
-STATIC_SHARES_POSITIVE_RULE = "!has(self.staticShares) || size(self.staticShares) == 0 || self.staticShares.exists(k, self.staticShares[k] > 0.0)"
-STATIC_SHARES_POSITIVE_MESSAGE = "router.staticShares: at least one share must be > 0"
-STATIC_SHARES_GROUPS_RULE = "!has(self.router.staticShares) || self.router.staticShares.all(k, self.samplerGroups.exists(g, g.name == k))"
-STATIC_SHARES_GROUPS_MESSAGE = "router.staticShares: every key must be the name of a group in samplerGroups"
 PIPELINE_RULE = "self.pipeline == 1"
 PIPELINE_MESSAGE = (
     "trainer.parallelism: pipeline parallelism is not supported yet (the megatron backend loads and "
@@ -545,184 +537,6 @@ class StalenessSpec(ApiModel):
     """Drop samples generated with weights more than this many versions old (none: unbounded, fully async)."""
 
 
-class ReferenceFleetSpec(ApiModel):
-    """The fleet the saving per usable token is measured against: every token made on one class in BF16."""
-
-    accelerator: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    """Its accelerator class (default: trainer.accelerator); it must run BF16."""
-    tokens_per_gpu_second: float | None = Field(default=None, gt=0.0, le=1e9)
-    """Its BF16 decode tokens/s per GPU (default: measured on the job's BF16 groups of that class, else estimated from the other groups through the catalog's decodeThroughput ratios; status.baselineSource says which)."""
-    oor_fraction: float | None = Field(default=None, ge=0.0, lt=1.0)
-    """Share of its tokens outside the MIS band (default: that of the job's BF16 groups of the class, else 0)."""
-    cost_per_gpu_hour: float | None = Field(default=None, gt=0.0, le=1e6)
-    """USD per GPU-hour (default: the catalog's price of the class)."""
-
-    @model_validator(mode="after")
-    def _check_class(self) -> ReferenceFleetSpec:
-        if self.accelerator is not None:
-            from rlfleet import catalog
-
-            try:
-                catalog.check_group(self.accelerator, "bf16")
-            except (catalog.CatalogError, KeyError) as exc:
-                raise ValueError(f"router.reference.accelerator: {exc}") from None
-        return self
-
-
-FLEET_BOUNDS_RULE = "self.minReplicas <= self.maxReplicas"
-FLEET_BOUNDS_MESSAGE = "router.optimize.groups: minReplicas must be <= maxReplicas"
-FLEET_DEMAND_RULE = "!self.enabled || has(self.demand)"
-FLEET_DEMAND_MESSAGE = "router.optimize: enabled needs demand.usableTokensPerSecond (what the trainer consumes), or demand: {} to derive it from the trainer's steps"
-FLEET_GROUPS_RULE = "!has(self.router.optimize) || !has(self.router.optimize.groups) || self.router.optimize.groups.all(k, self.samplerGroups.exists(g, g.name == k))"
-FLEET_GROUPS_MESSAGE = "router.optimize.groups: every key must be the name of a group in samplerGroups"
-
-
-class FleetGroupBounds(ApiModel):
-    """One group's replica bounds and mismatch budget for the fleet-mix optimizer."""
-
-    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": FLEET_BOUNDS_RULE, "message": FLEET_BOUNDS_MESSAGE}]}}
-
-    min_replicas: int = Field(default=0, ge=0, le=1024)
-    """Fewest replicas the optimizer leaves the group (not held while the group is over its own mismatch budget: it is drained)."""
-    max_replicas: int = Field(ge=0, le=1024)
-    """Most replicas the optimizer gives the group."""
-    max_kl: float | None = Field(default=None, ge=0.0, le=1e6)
-    """The group's own KL budget (the trainer's kl_k3 of its tokens); default: budgets.groupMaxKl."""
-    max_oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
-    """The group's own budget of tokens outside the MIS band; default: budgets.groupMaxOorFraction."""
-
-    @model_validator(mode="after")
-    def _check_bounds(self) -> FleetGroupBounds:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"{FLEET_BOUNDS_MESSAGE} (got {self.min_replicas} > {self.max_replicas})")
-        return self
-
-
-class FleetBudgetsSpec(ApiModel):
-    """Mismatch budgets of the fleet-mix optimizer (none: unbounded)."""
-
-    max_kl: float | None = Field(default=None, ge=0.0, le=1e6)
-    """Fleet-wide KL budget, token-weighted over the groups with a share."""
-    max_oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Fleet-wide budget of the share of tokens outside the MIS band, token-weighted."""
-    group_max_kl: float | None = Field(default=None, ge=0.0, le=1e6)
-    """Each group's KL budget (a group over it gets no share and is drained to 0 replicas)."""
-    group_max_oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Each group's budget of tokens outside the MIS band."""
-
-
-class FleetDemandSpec(ApiModel):
-    """What the trainer consumes."""
-
-    usable_tokens_per_second: float | None = Field(default=None, ge=0.0, le=1e9)
-    """Usable (in-band) tokens per second the sampler fleet must make. Unset: derived each interval from the trainer's last step, as the tokens it samples per step (episodes x mean response length) over its training seconds per step, times the in-band share (1 - its out-of-range share), times headroom: the rate at which the trainer, never waiting on rollouts, consumes them (docs/economics.md)."""
-    headroom: float = Field(default=1.1, ge=1.0, le=4.0)
-    """The derived demand's margin over the trainer's consumption (unused when usableTokensPerSecond is given)."""
-
-
-class FleetOptimizeSpec(ApiModel):
-    """The fleet-mix optimizer (docs/economics.md): each rebalance interval, replicas and shares per group that minimise the cost per usable token under the demand, the mismatch budgets and the bounds. Replicas go through each SamplerGroup's scale subresource; the RLJob's spec is never written."""
-
-    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": FLEET_DEMAND_RULE, "message": FLEET_DEMAND_MESSAGE}]}}
-
-    enabled: bool = False
-    """Off (default): the share policy sets shares and replicas stay as the spec says."""
-    demand: FleetDemandSpec | None = None
-    """The trainer's demand (needed when enabled)."""
-    budgets: FleetBudgetsSpec = Field(default_factory=FleetBudgetsSpec, json_schema_extra={"default": {}})
-    """Mismatch budgets."""
-    groups: dict[str, FleetGroupBounds] = Field(default_factory=dict, max_length=32)
-    """Replica bounds per group name; a group not named here keeps its replicas (it still counts toward the demand)."""
-    max_step_replicas: int = Field(default=1, ge=1, le=1024)
-    """Most replicas a group gains or loses per rebalance interval."""
-    hysteresis: float = Field(default=0.05, ge=0.0, lt=1.0)
-    """The current replicas stay unless the optimum saves more than this share of their cost per hour."""
-
-    @model_validator(mode="after")
-    def _check_demand(self) -> FleetOptimizeSpec:
-        if self.enabled and self.demand is None:
-            raise ValueError(FLEET_DEMAND_MESSAGE)
-        return self
-
-
-AUTOPILOT_COOLDOWN_RULE = "self.cooldownIntervals <= self.maxCooldownIntervals"
-AUTOPILOT_COOLDOWN_MESSAGE = "router.autopilot: cooldownIntervals must be <= maxCooldownIntervals"
-
-
-class PrecisionAutopilotSpec(ApiModel):
-    """The precision autopilot (docs/economics.md): a group over its own mismatch budget (router.optimize.groups[name].maxKl / maxOorFraction, else router.optimize.budgets.groupMaxKl / groupMaxOorFraction) moves one step up nvfp4 -> fp8 -> bf16 within what its class runs and the weight channel publishes, or is quarantined at the top (a group answering invalid tokens over maxInvalidFraction is quarantined at once); within its budget for a cool-down it steps back down, never below the RLJob's own weightFormat. Set on the SamplerGroup; the RLJob's spec is never written."""
-
-    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": AUTOPILOT_COOLDOWN_RULE, "message": AUTOPILOT_COOLDOWN_MESSAGE}]}}
-
-    enabled: bool = False
-    """Off (default): a group's weightFormat is the RLJob's."""
-    patience: int = Field(default=3, ge=1, le=1000)
-    """Rebalance intervals in a row a group must be over its budget before it moves; also the intervals after a move before it is judged again (its pods restart, and the trainer's figures still hold the old format's tokens)."""
-    step_down: bool = True
-    """A group the autopilot moved up tries the next cheaper format again (never below the RLJob's own weightFormat) after it has stayed within its budget for cooldownIntervals; false: never down."""
-    cooldown_intervals: int = Field(default=20, ge=1, le=100000)
-    """Judged rebalance intervals in a row (the trainer reported, none over budget) before a step down; a step down that breaches within as many intervals at the cheaper format goes back up and doubles the group's cool-down."""
-    max_cooldown_intervals: int = Field(default=320, ge=1, le=100000)
-    """The bound of the doubled cool-down: a group that keeps breaching at the cheaper format tries it again at most once per this many intervals."""
-    max_invalid_fraction: float = Field(default=0.05, ge=0.0, le=1.0)
-    """A group whose share of sampled tokens the trainer could not train on (invalid answers: NaN, positive or out-of-support logprobs, wrong lengths, ...) is over this for patience intervals is quarantined at any format, the reason naming the share and the top validation reason (a higher precision does not repair an engine that answers garbage)."""
-
-    @model_validator(mode="after")
-    def _check_cooldown(self) -> PrecisionAutopilotSpec:
-        if self.cooldown_intervals > self.max_cooldown_intervals:
-            raise ValueError(f"{AUTOPILOT_COOLDOWN_MESSAGE} (got {self.cooldown_intervals} > {self.max_cooldown_intervals})")
-        return self
-
-
-class RouterSpec(PodPlacement):
-    """Router and rebalancer."""
-
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": STATIC_SHARES_RULE, "message": STATIC_SHARES_MESSAGE},
-                {"rule": STATIC_SHARES_POSITIVE_RULE, "message": STATIC_SHARES_POSITIVE_MESSAGE},
-                *POD_FIELDS_RULES,
-            ]
-        }
-    }
-
-    policy: RouterPolicy = "throughput"
-    """throughput (share proportional to delivered tokens/s), cost (cheapest useful tokens) or static."""
-    rebalance_interval_seconds: int = Field(default=30, ge=5, le=86400)
-    """How often the operator recomputes shares."""
-    max_share_change: float = Field(default=0.1, gt=0.0, le=1.0)
-    """Largest change of any group's share per interval."""
-    min_share: float = Field(default=0.02, ge=0.0, le=0.5)
-    """Smallest share of a healthy, non-quarantined group."""
-    smoothing: float = Field(default=0.5, gt=0.0, le=1.0)
-    """EMA weight of the newest throughput sample."""
-    static_shares: dict[str, Annotated[float, Field(ge=0.0, le=1000000.0)]] = Field(
-        default_factory=dict, max_length=64
-    )
-    """policy static: share per group name (normalised)."""
-    prometheus_url: str | None = Field(default=None, max_length=1024, pattern=HTTP_URL_PATTERN)
-    """Read throughput from this Prometheus instead of scraping the sampler pods."""
-    replicas: int = Field(default=1, ge=1, le=16)
-    """Router replicas."""
-    image: str = Field(default="ghcr.io/rlfleet/operator:0.1.0", min_length=1, max_length=512)
-    """Router image (runs `rlfleet router serve`)."""
-    admin_token_secret: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
-    """Secret (key `token`) with the router admin token (none: the operator creates one)."""
-    reference: ReferenceFleetSpec = Field(default_factory=ReferenceFleetSpec, json_schema_extra={"default": {}})
-    """The reference fleet of status.savingPercent (default: trainer.accelerator in BF16, as the job's groups of that class measure it, else as the catalog's throughput ratios estimate it from the other groups)."""
-    optimize: FleetOptimizeSpec = Field(default_factory=FleetOptimizeSpec, json_schema_extra={"default": {}})
-    """The fleet-mix optimizer: replicas and shares per group from measured throughput, cost and mismatch (off by default)."""
-    autopilot: PrecisionAutopilotSpec = Field(default_factory=PrecisionAutopilotSpec, json_schema_extra={"default": {}})
-    """The precision autopilot: a group over its own mismatch budget moves up a precision step or is quarantined (off by default)."""
-
-    @model_validator(mode="after")
-    def _check_static(self) -> RouterSpec:
-        if self.policy == "static" and not self.static_shares:
-            raise ValueError(STATIC_SHARES_MESSAGE)
-        if self.static_shares and not any(v > 0 for v in self.static_shares.values()):
-            raise ValueError(STATIC_SHARES_POSITIVE_MESSAGE)
-        return self
 
 
 class WeightChannelTemplate(ApiModel):
@@ -992,194 +806,6 @@ class RLJobSpec(ApiModel):
         return self
 
 
-class TrainerStatus(ApiModel):
-    """Observed trainer."""
-
-    replicas: int | None = Field(default=None, ge=0)
-    """Desired trainer pods."""
-    ready_replicas: int | None = Field(default=None, ge=0)
-    """Ready trainer pods."""
-    ready: str | None = Field(default=None, max_length=32)
-    """Ready over desired trainer pods, e.g. "1/1" (printer column)."""
-
-
-class GroupSummary(ApiModel):
-    """One line per sampler group in the RLJob status."""
-
-    name: str = Field(max_length=63)
-    """Group name."""
-    phase: str | None = Field(default=None, max_length=32)
-    """SamplerGroup phase."""
-    ready: str | None = Field(default=None, max_length=32)
-    """Ready/desired replicas."""
-    share: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Routing share."""
-
-
-class RunMetrics(ApiModel):
-    """Latest training metrics (reported by the trainer)."""
-
-    reward: float | None = None
-    """Mean reward of the last batch."""
-    kl: float | None = None
-    """Mean sampler/trainer KL (kl_k3)."""
-    oor_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
-    """Share of tokens outside the MIS band."""
-    entropy: float | None = None
-    """Mean token entropy."""
-    sc_tail_ratio: float | None = None
-    """Score-centering tail ratio rho."""
-    updated_at: datetime | None = None
-    """When these metrics were reported."""
-
-
-class FleetThroughputStatus(ApiModel):
-    """The tokens/s per replica the optimizer planned a group at, and from what."""
-
-    tokens_per_second_per_replica: float = Field(ge=0.0)
-    """Decode tokens/s of one replica."""
-    basis: Literal["measured", "estimated"]
-    """measured: the group's last steady reading (status.decisions.groups[].memory.steadyThroughput); estimated: none yet, carried from the measured groups by the catalog's decodeThroughput ratios."""
-    detail: str = Field(default="", max_length=256)
-    """The reading (replicas, format, when) or the groups the estimate comes from."""
-
-
-class FleetPlanStatus(ApiModel):
-    """What the fleet-mix optimizer decided at its last rebalance interval, and why."""
-
-    decision: Literal["Scaled", "Kept", "Stepping", "Infeasible", "Waiting"]
-    """Scaled: replicas changed to the plan; Kept: the plan keeps the current replicas (hysteresis, or they are the optimum); Stepping: no plan within one step meets the demand, groups below the unstepped optimum go up one step; Infeasible: no plan meets the budgets, nothing changed; Waiting: no plan yet (no throughput reading), nothing changed."""
-    reason: str = Field(max_length=2048)
-    """Why (the solver's verdict, the groups left out and why, the constraint no plan meets)."""
-    replicas: dict[str, int] = Field(default_factory=dict, max_length=32)
-    """Replicas per group after this decision."""
-    binding: list[Annotated[str, Field(max_length=512)]] = Field(default_factory=list, max_length=64)
-    """The constraints whose removal alone would make the plan cheaper, each with what it costs."""
-    throughput: dict[str, FleetThroughputStatus] = Field(default_factory=dict, max_length=32)
-    """The tokens/s per replica each planned group was planned at (measured or estimated)."""
-    cost_per_hour: float | None = Field(default=None, ge=0.0)
-    """USD per hour of the plan's replicas."""
-    cost_per_1m_usable_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MUsableTokens")
-    """USD per million usable tokens of the plan, its replicas busy."""
-
-
-class GroupPolicyMemory(ApiModel):
-    """What the policies remember of a group from one decision to the next."""
-
-    counters: dict[str, float] = Field(default_factory=dict, max_length=256)
-    """The share policy: each ready pod's sglang:realtime_tokens_total{mode="decode"} at the decision (the next rate starts from it)."""
-    tokens_per_second: float | None = Field(default=None, ge=0.0)
-    """The share policy: the group's smoothed decode tokens/s."""
-    recorded_share: float | None = Field(default=None, ge=0.0, le=1.0)
-    """The share policy: the share of the group's last history entry."""
-    share_history: list[ShareChange] = Field(default_factory=list, max_length=5)
-    """The share policy: the group's last (at most 5) share changes, newest last."""
-    steady_throughput: SteadyThroughput | None = None
-    """The fleet-mix optimizer: the group's last steady tokens/s per replica (it plans a group at 0 replicas from it)."""
-    ready_replicas: int | None = Field(default=None, ge=0)
-    """The fleet-mix optimizer: the group's ready replicas at the decision."""
-    ready_unchanged: int | None = Field(default=None, ge=0)
-    """The fleet-mix optimizer: for how many decisions before they had not changed."""
-    over_budget: int | None = Field(default=None, ge=0)
-    """The precision autopilot: decisions in a row the group was over its budget."""
-    settling: int | None = Field(default=None, ge=0)
-    """The precision autopilot: decisions still to wait after a change before the group is judged again."""
-    within_budget: int | None = Field(default=None, ge=0)
-    """The precision autopilot: judged decisions in a row within its budget (its cool-down counts them)."""
-    precision_cooldown: PrecisionCooldown | None = None
-    """The precision autopilot: the group's doubled cool-down and probation after a step down (absent: neither)."""
-
-
-class GroupDecisionStatus(ApiModel):
-    """One group's decision, with the reason of each field."""
-
-    name: str = Field(max_length=63)
-    """Group name."""
-    replicas: int = Field(ge=0, le=1024)
-    """Replicas: the SamplerGroup's (the RLJob's, or a kubectl scale), or the fleet-mix optimizer's."""
-    replicas_reason: str = Field(default="", max_length=1024)
-    """Why."""
-    weight_format: str = Field(max_length=16)
-    """The weight format its SamplerGroup is built with: the RLJob's, or the precision autopilot's step."""
-    weight_format_reason: str = Field(default="", max_length=1024)
-    """Why."""
-    share: float = Field(ge=0.0, le=1.0)
-    """Routing share of new sessions pushed to the routers."""
-    share_reason: str = Field(default="", max_length=1024)
-    """Why."""
-    quarantined: bool = False
-    """True: share 0, no new sessions."""
-    quarantine_reason: str = Field(default="", max_length=1024)
-    """By what (spec.quarantined, the annotation rlfleet.dev/quarantined, the trainer's collapse detector, the precision autopilot); empty when not quarantined."""
-    job_weight_format: str = Field(max_length=16)
-    """The RLJob's weightFormat of the group when this was decided: a new one ends the autopilot's step and quarantine."""
-    held_quarantine: str | None = Field(default=None, max_length=1024)
-    """The precision autopilot's quarantine, held until the RLJob's weightFormat of the group changes or the SamplerGroup is annotated rlfleet.dev/quarantined=false."""
-    memory: GroupPolicyMemory = Field(default_factory=GroupPolicyMemory)
-    """What the policies remember of the group for the next decision."""
-
-
-class ViewTrafficMemory(ApiModel):
-    """The trainer's stored bytes of one view at the last reading, and their smoothed rate."""
-
-    counter: float | None = Field(default=None, ge=0.0)
-    """rlfleet_trainer_weights_stored_bytes_total{view} when read."""
-    time: float | None = None
-    """When read, epoch seconds."""
-    ema_bytes_per_second: float | None = Field(default=None, ge=0.0)
-    """Smoothed bytes/s stored for the view (prices a group's weight traffic)."""
-
-
-class DecisionsStatus(ApiModel):
-    """The operator's decisions of the job at its last rebalance interval (operator/decide.py): per group its replicas, weight format, share and quarantine with the reason of each, and what the policies remember; a restarted operator goes on from them."""
-
-    time: float
-    """When decided, epoch seconds (the next decision is due router.rebalanceIntervalSeconds later)."""
-    groups: list[GroupDecisionStatus] = Field(default_factory=list, max_length=32)
-    """One decision per SamplerGroup of the job."""
-    views: dict[str, ViewTrafficMemory] = Field(default_factory=dict, max_length=16)
-    """The share policy's reading of the trainer's stored bytes per view."""
-
-
-class RLJobStatus(ApiModel):
-    """Observed state of an RLJob."""
-
-    phase: Literal["Pending", "Running", "Degraded", "Suspended", "Failed", "Succeeded"] | None = None
-    """Pending, Running, Degraded, Suspended, Failed or Succeeded."""
-    observed_generation: int | None = Field(default=None, ge=0)
-    """metadata.generation the status was computed from."""
-    reason: str | None = Field(default=None, max_length=128)
-    """Machine-readable reason of the phase."""
-    message: str | None = Field(default=None, max_length=4096)
-    """Human-readable summary."""
-    ready_groups: str | None = Field(default=None, max_length=32)
-    """Ready sampler groups over all groups, e.g. "8/8"."""
-    groups: list[GroupSummary] = Field(default_factory=list, max_length=32)
-    """Per-group summary."""
-    trainer: TrainerStatus | None = None
-    """Trainer pods."""
-    step: int | None = Field(default=None, ge=0)
-    """Last optimizer step (reported by the trainer)."""
-    weight_version: int | None = Field(default=None, ge=0)
-    """Latest published weight version."""
-    metrics: RunMetrics | None = None
-    """Latest training metrics."""
-    cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")
-    """USD per million usable tokens (inside the MIS band) of the whole sampler fleet: its USD per hour over its usable tokens per hour."""
-    baseline_cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="baselineCostPer1MTokens")
-    """The same for the reference fleet: every token made in BF16 on the class router.reference names (default trainer.accelerator)."""
-    saving_percent: float | None = None
-    """100 x (1 - costPer1MTokens / baselineCostPer1MTokens): what the mixed fleet saves per usable token against the reference fleet (negative: it costs more)."""
-    baseline_source: str | None = Field(default=None, max_length=256)
-    """Where the reference fleet's tokens/s per GPU come from: router.reference.tokensPerGpuSecond ("given"), the job's BF16 groups of the class ("measured"), or the other groups through the catalog's decodeThroughput ratios ("estimated from catalog throughput ratios")."""
-    fleet_plan: FleetPlanStatus | None = None
-    """The fleet-mix optimizer's last decision (router.optimize)."""
-    precision_autopilot: dict[str, Annotated[str, Field(max_length=1024)]] = Field(default_factory=dict, max_length=32)
-    """The precision autopilot's last change per group and why (router.autopilot)."""
-    decisions: DecisionsStatus | None = None
-    """The operator's decisions of the job (operator/decide.py)."""
-    conditions: list[Condition] = conditions_field()
-    """Ready, Progressing, Degraded and CollapseRisk conditions."""
 
 
 class RLJob(ApiModel):

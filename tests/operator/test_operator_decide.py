@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from rlfleet.api import RLJob
-from rlfleet.api.rljob import DecisionsStatus
+from rlfleet.api.rljob_status import DecisionsStatus
 from rlfleet.catalog import get_catalog
 from rlfleet.operator.decide import (
     RLJOB_FORMAT,

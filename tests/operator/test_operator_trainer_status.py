@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlfleet.api.rljob import RLJobStatus
+from rlfleet.api.rljob_status import RLJobStatus
 from rlfleet.operator import status as ops
 from rlfleet.operator.job_status import rljob_status
 from rlfleet.operator.trainer_report import (
