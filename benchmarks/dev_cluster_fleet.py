@@ -162,7 +162,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--workdir", default=str(REPO / "tests" / "cluster" / ".work" / "dev-cluster"))
     args = parser.parse_args()
-    from rlfleet.trainer import checkpoint
+    from rlfleet.trainer.publish import checkpoint
 
     kube = controlplane.KubeCluster.from_state(Path(args.workdir))
     operator_ref = "ghcr.io/rlfleet/operator:0.1.0-cpu"

@@ -78,7 +78,7 @@ def one_run(work: Path, versions: int, pythonpath: str | None, sizes: dict[str, 
     from rlfleet.store import open_store
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3, tiny_model
     from rlfleet.trainer.config import resolve_run
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
 
     torch.set_num_threads(1)
     rc = resolve_run(load_rljob(REPO / "examples" / "rljob.yaml"))

@@ -15,7 +15,7 @@ Both counts are summed from the real models' parameters (transformers' Qwen3ForC
 Qwen3MoeForCausalLM, experts' fused [experts, ...] tensors counted top_k / num_experts) and checked
 against a hand count from the config; the difference (the routers) is printed.
 
-(a) `step`: `HFBackend.train_step` (trainer/backend_hf.py: packed micro-batches, fused lm_head +
+(a) `step`: `HFBackend.train_step` (trainer/backends/backend_hf.py: packed micro-batches, fused lm_head +
 objective, for the MoE the router's load-balancing loss, clip, AdamW) on the same batch for both
 models (benchmarks/train_step.py `make_flat_batch`: --trajectories trajectories, lognormal lengths,
 seeded), each repetition in a fresh process (dense and MoE alternating, so the shared machine's load
@@ -183,8 +183,8 @@ def step_case(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
     from rlfleet.tiny_qwen3 import tiny_model
-    from rlfleet.trainer.backend_common import OptimConfig
-    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.backends.backend_common import OptimConfig
+    from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
 
     torch.set_num_threads(args.threads)

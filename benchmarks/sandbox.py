@@ -19,7 +19,7 @@ subprocess of this script. Baselines are measured in the same run:
 - per core: K sandboxes, one thread each, each calling `true` every 100 ms for a few seconds, the
   driver and every bwrap pinned to one CPU (sched_setaffinity, inherited); K grows (1, 2, 4, 8, 12,
   16, ...) until the round-trip p90 is over twice K=1's (or the calls fall behind their schedule).
-- grading: per shipped task (trainer/swe_tasks.py SHIPPED), its reference fix made in a working
+- grading: per shipped task (trainer/envs/swe_tasks.py SHIPPED), its reference fix made in a working
   sandbox, then SweEnv._grade: the diff, the working sandbox closed, a fresh sandbox, git apply,
   the hidden tests written, the test command. Reward must be 1.
 
@@ -61,7 +61,7 @@ def ms(x: float) -> str:
 
 
 def shipped_files() -> Mapping[str, str]:
-    from rlfleet.trainer.swe_tasks import SHIPPED
+    from rlfleet.trainer.envs.swe_tasks import SHIPPED
 
     return SHIPPED[0][0].files
 
@@ -141,7 +141,7 @@ def case_acquire(files_name: str, acquires: int) -> dict[str, object]:
 
 def case_round_trip(calls: int) -> dict[str, list[float]]:
     from rlfleet.sandbox.local import LocalSandbox
-    from rlfleet.trainer.swe_env import SweEnv
+    from rlfleet.trainer.envs.swe_env import SweEnv
 
     files = shipped_files()
     path = next(p for p in files if p.endswith("__init__.py") and files[p])
@@ -216,8 +216,8 @@ def case_grading() -> list[dict[str, object]]:
     from rlfleet.sandbox import SandboxLimits
     from rlfleet.sandbox.local import LocalSandbox
     from rlfleet.trainer.env_try import byte_chat_tokenizer
-    from rlfleet.trainer.swe_env import EpisodeState, SweEnv
-    from rlfleet.trainer.swe_tasks import SHIPPED
+    from rlfleet.trainer.envs.swe_env import EpisodeState, SweEnv
+    from rlfleet.trainer.envs.swe_tasks import SHIPPED
 
     acquires: list[float] = []
     fresh: list[LocalSandbox] = []

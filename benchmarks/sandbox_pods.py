@@ -61,7 +61,7 @@ from rlfleet.sandbox import SandboxLimits  # noqa: E402
 from rlfleet.sandbox.local import LocalSandbox, bwrap_problem  # noqa: E402
 from rlfleet.sandbox.pods import PodSandbox, PodSandboxes  # noqa: E402
 from rlfleet.sandbox.podspec import SandboxPodConfig, owner_selector  # noqa: E402
-from rlfleet.trainer.swe_env import SweEnv  # noqa: E402
+from rlfleet.trainer.envs.swe_env import SweEnv  # noqa: E402
 
 LIMITS = SandboxLimits(max_timeout_s=60)
 

@@ -2,7 +2,7 @@
 on the tiny Qwen3 geometry (rlfleet/tiny_qwen3.py: 2 layers, hidden 128) with the real Qwen3 vocabulary
 (151,936), before vs after, in the same run:
 
-- `after`: the backend's real step (trainer/backend_hf.py `HFBackend.train_step`): packed token-budget
+- `after`: the backend's real step (trainer/backends/backend_hf.py `HFBackend.train_step`): packed token-budget
   micro-batches, the fused lm_head + objective (never [T, V]), gradient accumulation, clip, AdamW;
 - `before`: the step the backend took before issue 28, rebuilt here from its parts: ONE forward of the
   whole batch padded to its longest sequence, the logits of every position from the first sampled one
@@ -16,7 +16,7 @@ on the tiny Qwen3 geometry (rlfleet/tiny_qwen3.py: 2 layers, hidden 128) with th
   separate the cost of padding from the cost of the logits;
 - `packed-mask` (batch only): the backend's step with transformers' own sdpa on the packed row (a dense
   [L, L] block-causal mask, every pair of positions computed) instead of the backend's per-sequence
-  attention (trainer/attention.py): what packing cost before that.
+  attention (trainer/backends/attention.py): what packing cost before that.
 
 Every case runs in a FRESH subprocess (peak memory is a per-process high-water mark). Memory: the
 Linux peak resident set (VmHWM, reset through /proc/self/clear_refs) during the measured step minus
@@ -63,7 +63,7 @@ def make_flat_batch(lengths: list[int], vocab: int, seed: int):
     import numpy as np
 
     from rlfleet.records import SUPPORT_MODE
-    from rlfleet.trainer.batching import FlatBatch
+    from rlfleet.trainer.rollout.batching import FlatBatch
 
     rng = np.random.default_rng(seed)
     lens = np.asarray(lengths, dtype=np.int64)
@@ -103,7 +103,7 @@ def padding_waste(lengths: list[int], max_tokens: int) -> dict[str, float]:
     """Padded tokens / real tokens of one padded forward of the batch, and of the packed micro-batches."""
     import numpy as np
 
-    from rlfleet.trainer.batching import needed_lengths, plan_micro_batches
+    from rlfleet.trainer.rollout.batching import needed_lengths, plan_micro_batches
 
     flat = make_flat_batch(lengths, vocab=64, seed=0)
     needed = needed_lengths(flat)
@@ -138,12 +138,12 @@ def _model(vocab: int, max_len: int):
 
 
 def _before_step(model, optimizer, flat, objective, max_grad_norm: float) -> None:
-    """The step before issue 28 (trainer/backend_hf.py at 204addb^ `row_logits` + `_train_step`)."""
+    """The step before issue 28 (trainer/backends/backend_hf.py at 204addb^ `row_logits` + `_train_step`)."""
     import numpy as np
     import torch
     from materialized import materialized_policy_loss
 
-    from rlfleet.trainer.backend_common import to_token_batch
+    from rlfleet.trainer.backends.backend_common import to_token_batch
 
     optimizer.zero_grad(set_to_none=True)
     first = int(flat.row_pos.min())
@@ -163,7 +163,7 @@ def _padded_fused_step(model, optimizer, flat, objective, max_grad_norm: float) 
     import numpy as np
     import torch
 
-    from rlfleet.trainer.backend_common import to_token_batch
+    from rlfleet.trainer.backends.backend_common import to_token_batch
     from rlfleet.trainer.objective import policy_loss
 
     optimizer.zero_grad(set_to_none=True)
@@ -180,7 +180,7 @@ def _decoder_step(model, flat) -> None:
     import numpy as np
     import torch
 
-    from rlfleet.trainer.batching import plan_micro_batches
+    from rlfleet.trainer.rollout.batching import plan_micro_batches
 
     model.zero_grad(set_to_none=True)
     (mb,) = plan_micro_batches(flat, np.arange(flat.input_ids.shape[0]), 1 << 30)
@@ -193,9 +193,9 @@ def _decoder_step(model, flat) -> None:
 def run_case(args) -> dict:
     import torch
 
-    from rlfleet.trainer.attention import use_varlen_attention
-    from rlfleet.trainer.backend_common import OptimConfig
-    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.backends.attention import use_varlen_attention
+    from rlfleet.trainer.backends.backend_common import OptimConfig
+    from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
 
     torch.set_num_threads(args.threads)

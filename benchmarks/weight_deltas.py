@@ -421,7 +421,7 @@ def training_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from rlfleet.channel import WeightChannel
     from rlfleet.store import FilesystemStore
     from rlfleet.tiny_qwen3 import TinyQwen3, build_tiny_qwen3
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
 
     torch.set_num_threads(1)
     spec = TinyQwen3(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers)

@@ -353,7 +353,7 @@ def bench_apply(
     from rlfleet.sampler.sync_state import SyncConfig
     from rlfleet.sampler.syncer import Syncer
     from rlfleet.tiny_qwen3 import TinyQwen3, build_tiny_qwen3, tiny_model
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
 
     heads = max(1, d_model // 64)
     spec = TinyQwen3(vocab_size=vocab, hidden_size=d_model, intermediate_size=4 * d_model,

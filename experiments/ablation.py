@@ -7,7 +7,7 @@ homogeneous fleet (all B200 BF16) and on a mixed fleet with every precision of e
 
 The model (`--model`): the tiny dense Qwen3, or the tiny Qwen3-MoE of local mode (the same builder,
 rlfleet/tiny_qwen3.py): then every sampler returns each token's routed experts, the trainer measures the
-routing mismatch (trainer/routing.py) in every run's metrics, and each arm has an R3 variant
+routing mismatch (trainer/backends/routing.py) in every run's metrics, and each arm has an R3 variant
 (`<arm>+r3`: routing replay, RLJob `correction.routingReplay`).
 
 How it runs (stated because it differs from local mode): in ONE process, without HTTP, with the
@@ -43,11 +43,11 @@ if TYPE_CHECKING:
     from rlfleet.local.emulated import EmulatedSampler, SnapshotSink
     from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.tiny_qwen3 import TinyQwen3
-    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.config import RunConfig
     from rlfleet.trainer.loop import TrainingLoop
-    from rlfleet.trainer.rollout import PromptGroup
+    from rlfleet.trainer.rollout.driver import PromptGroup
 
 ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask replay)
     "pg": ("pg", False),
@@ -59,7 +59,7 @@ ARMS: dict[str, tuple[str, bool]] = {  # arm -> (objective mode, top-p mask repl
 }
 R3 = "+r3"
 """An arm's routing-replay variant, `<arm>+r3` (a mixture of experts only): the trainer routes each token
-to the experts its sampler chose (trainer/routing_replay.py), the arm otherwise unchanged."""
+to the experts its sampler chose (trainer/backends/routing_replay.py), the arm otherwise unchanged."""
 MODELS = ("qwen3", "qwen3_moe")
 """`--model`: the tiny dense Qwen3 or the tiny Qwen3-MoE (rlfleet/tiny_qwen3.py ARCHITECTURES)."""
 
@@ -161,7 +161,7 @@ class AblationConfig:
     def max_seq_len(self) -> int:
         """The tiny Qwen3's context: one reply after a short prompt, or (multi-turn: tool_add,
         retry_digit) every turn of an episode, each followed by the environment's answer (<= 3 ids)."""
-        from rlfleet.trainer.environments import load_environment
+        from rlfleet.trainer.envs.environments import load_environment
 
         turns = load_environment(self.task).max_turns
         if turns > 1:
@@ -188,7 +188,7 @@ class ArmResult:
     seconds: float
     history: list[dict[str, float]] = field(default_factory=list)
     routing_mismatch_tokens: float | None = None
-    """A mixture of experts: the share of compared tokens (trainer/routing.py: sampled at the trainer's
+    """A mixture of experts: the share of compared tokens (trainer/backends/routing.py: sampled at the trainer's
     version) whose routed experts differ from the trainer's in some layer, over the whole run (steps
     weighted by their compared tokens); None for the dense model or when no token was compared."""
     routing_mismatch_layers: float | None = None
@@ -204,7 +204,7 @@ class LockstepRollouts:
     def __init__(self, cfg: AblationConfig, rc: RunConfig, sink: SnapshotSink,
                  samplers: dict[str, EmulatedSampler]) -> None:
         from rlfleet.trainer.config import build_environment
-        from rlfleet.trainer.prompts import GeneratedPromptSource
+        from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 
         self.cfg, self.rc, self.sink, self.samplers = cfg, rc, sink, samplers
         self.env = build_environment(rc)
@@ -225,7 +225,7 @@ class LockstepRollouts:
         from rlfleet.local.emulated import Request
         from rlfleet.numerics.views import view_weights
         from rlfleet.router.hashing import pick
-        from rlfleet.trainer.rollout import Episode, PromptGroup, Rollout, turn_stop_ids
+        from rlfleet.trainer.rollout.driver import Episode, PromptGroup, Rollout, turn_stop_ids
 
         cfg, env, sampling = self.cfg, self.env, self.rc.sampling
         step = self.sink.latest_version() or 0  # the trainer's version = steps done
@@ -342,9 +342,9 @@ def run_config(arm: str, fleet: str, cfg: AblationConfig) -> RunConfig:
     from rlfleet.api.rljob import SafetySpec
     from rlfleet.records import HEAD_MODE, SUPPORT_MODE
     from rlfleet.sampler.protocol import SamplingConfig
-    from rlfleet.trainer.backend_common import OptimConfig
+    from rlfleet.trainer.backends.backend_common import OptimConfig
     from rlfleet.trainer.config import GroupSpec, RunConfig
-    from rlfleet.trainer.environments import load_environment
+    from rlfleet.trainer.envs.environments import load_environment
     from rlfleet.trainer.objective import ObjectiveConfig
 
     mode, replay, routing_replay = arm_parts(arm)
@@ -372,7 +372,7 @@ def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progre
     import torch
 
     from rlfleet.local.emulated import SnapshotSink
-    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds, Decision
     from rlfleet.trainer.run import run_training
 

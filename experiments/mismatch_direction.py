@@ -124,7 +124,7 @@ def rounding_error_cosine(weights: list[dict], views: list[dict], k: int) -> flo
 
 
 def measure(cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list[int]) -> dict[str, dict] | None:
-    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
 
     start = start_checkpoint(replace(cfg, lag=0))

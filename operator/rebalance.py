@@ -159,7 +159,7 @@ class GroupInput:
     token_share: float | None = None  # trainer's view: share of trained tokens from this group
     oor_share: float | None = None  # trainer's view: share of all out-of-range tokens
     # a mixture of experts: share of this group's tokens routed to other experts than the trainer's
-    # (the trainer's routing_mismatch_tokens, trainer/routing.py); None for a dense model
+    # (the trainer's routing_mismatch_tokens, trainer/backends/routing.py); None for a dense model
     routing_mismatch: float | None = None
     # trainer's view: share of the tokens this group sampled that were trained on (the rest answered
     # invalid), and its invalid tokens by validation reason at the trainer's latest step (trainer/metrics.py)

@@ -29,7 +29,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("trainer", "run"): ("rlfleet.trainer.entrypoint", "trainer pod entrypoint (rank 0 drives rollouts)"),
     ("trainer", "launch"): ("rlfleet.trainer.launch", "torchrun, exiting with the failed rank's own code (the trainer pod's command)"),
     ("env", "try"): ("rlfleet.trainer.env_try", "run an environment's episodes with a scripted policy (JSON lines)"),
-    ("env", "swe-bench"): ("rlfleet.trainer.swe_bench", "convert a SWE-bench-style JSONL to an SWE task file (a prompt set)"),
+    ("env", "swe-bench"): ("rlfleet.trainer.envs.swe_bench", "convert a SWE-bench-style JSONL to an SWE task file (a prompt set)"),
     ("fleet", "plan"): ("rlfleet.fleet", "replicas and shares per group at the least cost per usable token (JSON)"),
 }
 

@@ -1,7 +1,7 @@
 """Token records: what a sampler produced, token-exact, as the trainer must score it.
 
 This is the contract between the sampler side (which fills it from SGLang's `meta_info`), the rollout
-(whose `Episode`, trainer/rollout.py, keeps a multi-turn trajectory token-exact) and the objective
+(whose `Episode`, trainer/rollout/driver.py, keeps a multi-turn trajectory token-exact) and the objective
 (which turns a batch into a `TokenBatch`).
 Arrays are numpy so that the core and the operator never import torch.
 

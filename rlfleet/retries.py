@@ -1,6 +1,6 @@
 """The retry policy of one rollout turn: one owner per concern, stated here and nowhere else.
 
-One turn is one call of the sampler client by the rollout driver (`trainer/rollout.py`): the client
+One turn is one call of the sampler client by the rollout driver (`trainer/rollout/driver.py`): the client
 posts `/generate` to the router (`sampler/client.py`), the router forwards it to a sampler replica
 (`router/core.py`). Each kind of failure has ONE owner, the layer that can act on it, and no layer
 re-retries what the layer below it has already bounded (docs/architecture.md, "Retries"):

@@ -6,7 +6,7 @@ which each token uses the top `num_experts_per_tok`, no shared expert, as Qwen3-
 Built locally, no download: transformers' `Qwen3ForCausalLM` (or `Qwen3MoeForCausalLM`) with tiny sizes, initialised from a seed
 and saved with `save_pretrained` (config.json + model.safetensors + generation_config.json), plus a
 word-level tokenizer built with the `tokenizers` library over the toy environments' alphabet
-(trainer/environments.py `ToyVocab`: ids 0..9 are PAD BOS EOS SEP CALL END_CALL RESULT END_RESULT ERR
+(trainer/envs/environments.py `ToyVocab`: ids 0..9 are PAD BOS EOS SEP CALL END_CALL RESULT END_RESULT ERR
 and one spare, 10..19 the digits, the rest fillers) saved as tokenizer.json + tokenizer_config.json with
 a chat template, and `SHA256SUMS` (so the directory can be uploaded as an s3:// model source, see
 rlfleet/model_source.py). The same seed gives the same bytes.

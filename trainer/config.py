@@ -20,12 +20,12 @@ from rlfleet.api.weightchannel import DeltaSpec
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.tiny_qwen3 import TinyQwen3
-from rlfleet.trainer.backend_common import OptimConfig
+from rlfleet.trainer.backends.backend_common import OptimConfig
 from rlfleet.trainer.objective import ObjectiveConfig
 
 if TYPE_CHECKING:
     from rlfleet.api.rljob import RLJob
-    from rlfleet.trainer.environments import Environment
+    from rlfleet.trainer.envs.environments import Environment
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class RunConfig:
     activation_checkpointing: bool = False  # RLJob trainer.activationCheckpointing
     # the reference fleet of the cost figures: RLJob router.reference.accelerator, else trainer.accelerator
     reference_accelerator: str = "b200"
-    routing_replay: bool = False  # RLJob correction.routingReplay (trainer/routing_replay.py)
+    routing_replay: bool = False  # RLJob correction.routingReplay (trainer/backends/routing_replay.py)
     sandbox: SandboxSpec = field(default_factory=SandboxSpec)  # RLJob rollout.sandbox (local mode: always local)
     keep_versions: int = 3  # RLJob weightChannel.retention.keepVersions (the versions retention keeps)
     deltas: DeltaSpec = field(default_factory=DeltaSpec)  # RLJob weightChannel.deltas (anchors every K, max delta share)
@@ -134,7 +134,7 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
 
 def build_environment(rc: RunConfig, tokenizer: Any = None) -> Environment:
     """`tokenizer`: the model's (trainer/run.py `load_tokenizer`), for environments that take one."""
-    from rlfleet.trainer.environments import load_environment
+    from rlfleet.trainer.envs.environments import load_environment
 
     env = copy.copy(load_environment(rc.environment, tokenizer=tokenizer))  # never mutate a shared built-in instance
     if env.max_turns != 1:
@@ -142,7 +142,7 @@ def build_environment(rc: RunConfig, tokenizer: Any = None) -> Environment:
     if rc.sandbox.backend != "local":
         if not hasattr(env, "sandbox"):
             raise ValueError(f"rollout.sandbox.backend {rc.sandbox.backend}: environment {rc.environment!r} runs no "
-                             "sandboxes (it has no `sandbox` factory, as rlfleet.trainer.swe_env:SweEnv has)")
+                             "sandboxes (it has no `sandbox` factory, as rlfleet.trainer.envs.swe_env:SweEnv has)")
         if rc.sandbox.backend == "pods":
             from rlfleet.sandbox.pods import PodSandboxes
 

@@ -14,7 +14,7 @@ collapse detector's state (`rlfleet_trainer_collapse_risk{signal,group}`, `..._q
 `..._pause_requested`) are exported, and the operator's rebalance timer writes them into the RLJob status
 and acts on them. After a `pause` decision the process stops stepping but keeps exporting until the pod
 is stopped. Every other rank (megatron, or torch's FSDP2 data parallel on one node) runs
-`backend.follow()` and executes rank 0's broadcast commands (trainer/backend_common.py RankCommands).
+`backend.follow()` and executes rank 0's broadcast commands (trainer/backends/backend_common.py RankCommands).
 RLFLEET_TRAINER_DEVICE (the operator sets it from the trainer's catalog class) is "cpu" on a CPU class:
 either backend then runs on the CPU with a gloo process group (megatron in fp32, local layer spec).
 Exit codes: 0 finished, 2 the job cannot start as configured, and one code per runtime failure (a full,
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from rlfleet.trainer.collapse import Decision
     from rlfleet.trainer.config import RunConfig
     from rlfleet.trainer.metrics import PrometheusExporter
-    from rlfleet.trainer.publisher import WeightPublisher
-    from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+    from rlfleet.trainer.publish.publisher import WeightPublisher
+    from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
     from rlfleet.trainer.run import BaseModel, TrainerBackend
 
 log = logging.getLogger("rlfleet.trainer")
@@ -116,10 +116,10 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     training spec (trainer/config.py `resolve_run`)."""
     from rlfleet.model_source import ModelSourceError, resolve_model_source
     from rlfleet.store import store_from_spec
-    from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.config import resolve_run
+    from rlfleet.trainer.envs.prompts import PromptFileError
     from rlfleet.trainer.failures import EXIT_BAD_INPUT, FailureContext, describe_failure
-    from rlfleet.trainer.prompts import PromptFileError
+    from rlfleet.trainer.publish import checkpoint as ckpt
     from rlfleet.trainer.run import TrainingStartError, build_backend, checkpoint_target
 
     rc = resolve_run(job, local=False)
@@ -134,7 +134,7 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if rank != 0:
         backend.follow()  # execute rank 0's commands until it closes the backend (the stop handshake)
-        return 0  # ended at once by exit_now, the process group with it (trainer/backend_common.py)
+        return 0  # ended at once by exit_now, the process group with it (trainer/backends/backend_common.py)
 
     store = store_from_spec(job.spec.weight_channel.store)
     checkpoints = checkpoint_target(store, args.checkpoint_dir)
@@ -180,10 +180,10 @@ def _train_rank0(
     described by `run`; the rollout driver it builds goes in `started` (what it knows of the router)."""
     from rlfleet.api.common import ENGINE_API_KEY_ENV
     from rlfleet.sampler.client import SamplerClient
-    from rlfleet.trainer import checkpoint as ckpt
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.metrics import PrometheusExporter
-    from rlfleet.trainer.rollout import RolloutDriver
+    from rlfleet.trainer.publish import checkpoint as ckpt
+    from rlfleet.trainer.rollout.driver import RolloutDriver
     from rlfleet.trainer.run import ChannelSink, rollout_inputs, rollout_sampling, run_training
 
     publisher = _channel_writer(job, rc.views, base.base_checkpoint, store)  # LeaseHeldError: another trainer
@@ -229,7 +229,7 @@ def _channel_writer(job: RLJob, views: list[str], base_checkpoint: Path | None, 
     (the writer lease refuses a second trainer with another id: LeaseHeldError; docs/weights.md, "One
     writer per channel")."""
     from rlfleet.channel import WRITER_LEASE_TTL_SECONDS
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
 
     wc = job.spec.weight_channel
     return WeightPublisher(store, views=views, keep_versions=wc.retention.keep_versions,

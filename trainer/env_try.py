@@ -20,11 +20,11 @@ import numpy as np
 
 from rlfleet.records import SampledTurn
 from rlfleet.sampler.protocol import SamplingConfig
-from rlfleet.trainer.environments import ChatTurnEncoder
-from rlfleet.trainer.prompts import Prompt
-from rlfleet.trainer.rollout import RolloutDriver
-from rlfleet.trainer.swe_bench import is_swe_bench_file, load_swe_bench
-from rlfleet.trainer.swe_env import SweEnv, load_tasks, require_local_snapshot
+from rlfleet.trainer.envs.environments import ChatTurnEncoder
+from rlfleet.trainer.envs.prompts import Prompt
+from rlfleet.trainer.envs.swe_bench import is_swe_bench_file, load_swe_bench
+from rlfleet.trainer.envs.swe_env import SweEnv, load_tasks, require_local_snapshot
+from rlfleet.trainer.rollout.driver import RolloutDriver
 
 ENVIRONMENTS = ("swe",)
 CHATML = (
@@ -124,7 +124,7 @@ def cli(argv: list[str]) -> int:
     parser.add_argument(
         "--tasks", required=True, type=Path,
         help="JSONL of tasks (examples/swe/tasks.jsonl), or of SWE-bench-style instances (detected by their "
-        "fields problem_statement, base_commit, FAIL_TO_PASS: trainer/swe_bench.py)",
+        "fields problem_statement, base_commit, FAIL_TO_PASS: trainer/envs/swe_bench.py)",
     )  # fmt: skip
     parser.add_argument("--policy", required=True, type=Path, help="JSONL of scripted replies per task")
     parser.add_argument("--tokenizer", help="a model's tokenizer directory (default: a byte-level ChatML one)")

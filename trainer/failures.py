@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from rlfleet.channel import ChannelError, LeaseHeldError, LeaseLostError, VersionConflictError
 from rlfleet.store.errors import StoreUnavailableError
-from rlfleet.trainer.checkpoint import CheckpointError
-from rlfleet.trainer.rollout import RolloutStallError
+from rlfleet.trainer.publish.checkpoint import CheckpointError
+from rlfleet.trainer.rollout.driver import RolloutStallError
 
 EXIT_BAD_INPUT = 2  # the run cannot start as configured (manifest, model, prompts): before any failure below
 

@@ -6,7 +6,7 @@ catch up. Staleness is measured per token and corrected by the objective, not pr
 One step:
 1. take `prompts_per_step` complete prompt groups from the buffer (blocks until they exist);
 2. (optional) drop groups older than `max_staleness` versions (counted);
-3. GRPO advantages per group, flatten to one row per sampled token (batching.py);
+3. GRPO advantages per group, flatten to one row per sampled token (rollout/batching.py);
 4. forward + corrected loss + backward + clip + AdamW (the backend);
 5. metrics: the objective's (fleet / per group / per staleness bucket) + per view + rollout side;
 6. collapse detector -> alert / quarantine a group / pause;
@@ -34,20 +34,20 @@ from typing import Any, Protocol
 import torch
 
 from rlfleet.store import Store
-from rlfleet.trainer import checkpoint as ckpt
 from rlfleet.trainer.advantages import uniform_group_fraction
-from rlfleet.trainer.batching import FlatBatch, flatten_groups
 from rlfleet.trainer.collapse import CollapseDetector, Decision
 from rlfleet.trainer.metrics import finite, invalid_token_metrics, objective_metrics, rollout_metrics
 from rlfleet.trainer.objective import LossOutput
-from rlfleet.trainer.rollout import PromptGroup, RolloutStallError
+from rlfleet.trainer.publish import checkpoint as ckpt
+from rlfleet.trainer.rollout.batching import FlatBatch, flatten_groups
+from rlfleet.trainer.rollout.driver import PromptGroup, RolloutStallError
 
 log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
-    """What the loop needs of a trainer backend (trainer/backend_hf.py `HFBackend`,
-    trainer/backend_megatron.py `MegatronBackend`)."""
+    """What the loop needs of a trainer backend (trainer/backends/backend_hf.py `HFBackend`,
+    trainer/backends/backend_megatron.py `MegatronBackend`)."""
 
     def train_step(self, flat: FlatBatch, group_index: dict[str, int]) -> tuple[LossOutput, float]: ...
 
@@ -59,7 +59,7 @@ class Backend(Protocol):
 
 
 class RolloutSource(Protocol):
-    """Where the loop takes complete prompt groups from: trainer/rollout.py `RolloutDriver` (HTTP, its own
+    """Where the loop takes complete prompt groups from: trainer/rollout/driver.py `RolloutDriver` (HTTP, its own
     thread), or the ablation's lockstep in-process samplers (experiments/ablation.py `LockstepRollouts`)."""
 
     @property
@@ -84,7 +84,7 @@ class LoopConfig:
     total_steps: int
     prompts_per_step: int
     max_staleness: int | None = None  # None: unbounded (fully asynchronous)
-    checkpoint_dir: Path | Store | None = None  # a directory, or the channel's store (trainer/checkpoint.py)
+    checkpoint_dir: Path | Store | None = None  # a directory, or the channel's store (trainer/publish/checkpoint.py)
     checkpoint_fence: ckpt.WriterFence | None = None  # the channel's writer lease: fenced like publishes
     take_timeout: float = 900.0  # seconds without a complete group before the run fails
 

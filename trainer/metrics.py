@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlfleet.records import INVALID_METRIC_PREFIX
-from rlfleet.trainer.environments import EpisodeOutcome
+from rlfleet.trainer.envs.environments import EpisodeOutcome
 from rlfleet.trainer.objective import MEAN_METRICS
 
 if TYPE_CHECKING:
-    from rlfleet.trainer.publisher import ViewPublished
+    from rlfleet.trainer.publish.publisher import ViewPublished
 
 
 def objective_metrics(
@@ -82,7 +82,7 @@ def invalid_token_metrics(
     reasons: Mapping[str, Mapping[str, int]],
     metrics: Mapping[str, float],
 ) -> dict[str, float]:
-    """What each group's invalid tokens cost, from one batch's counts (trainer/batching.py FlatBatch
+    """What each group's invalid tokens cost, from one batch's counts (trainer/rollout/batching.py FlatBatch
     `sampled_by_group`, `dropped_by_group`, `invalid_reasons_by_group`) and the objective's per-group
     `group/<g>/num_tokens` (trained) and `invalid_tokens` in `metrics`. Per group that sampled tokens:
     `sampled_tokens`, `dropped_invalid_tokens`, `trained_fraction` = tokens trained / tokens sampled (a
@@ -231,7 +231,7 @@ class PrometheusExporter:
         self._gauges["pause_requested"].set(1.0 if pause else 0.0)
 
     def update_published(self, views: Iterable[ViewPublished], stored_bytes_total: Mapping[str, int] | None = None) -> None:
-        """How the latest published version stores each view (trainer/publisher.py `ViewPublished`):
+        """How the latest published version stores each view (trainer/publish/publisher.py `ViewPublished`):
         `rlfleet_trainer_weights_published_bytes{view,kind}` the bytes the channel holds for it, kind
         `anchor` (the whole view) or `delta` (the other kind reads 0, so the sum over kinds is that
         version's bytes), `rlfleet_trainer_weights_view_bytes{view}` the complete view's size and

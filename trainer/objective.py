@@ -562,7 +562,7 @@ def _per_token_metrics(
 
 
 # Metrics that are plain token means of a per-token value (the oor_* shares are too, summed below);
-# backends combine them across ranks weighted by num_tokens (trainer/backend_common.py combine_metrics).
+# backends combine them across ranks weighted by num_tokens (trainer/backends/backend_common.py combine_metrics).
 TOKEN_MEAN_METRICS = (
     "kl_k3",
     "logprob_abs_diff",

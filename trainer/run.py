@@ -37,20 +37,20 @@ from rlfleet.api.rljob import ROUTING_REPLAY_MEGATRON_MESSAGE
 from rlfleet.hf_config import is_moe_config
 from rlfleet.model_source import is_hf_checkpoint
 from rlfleet.store import Store
-from rlfleet.trainer.checkpoint import WriterFence
 from rlfleet.trainer.collapse import CollapseDetector, Decision
 from rlfleet.trainer.config import RunConfig, build_environment
 from rlfleet.trainer.loop import Backend, LoopConfig, RolloutSource, TrainingLoop
-from rlfleet.trainer.rollout import PromptGroup
+from rlfleet.trainer.publish.checkpoint import WriterFence
+from rlfleet.trainer.rollout.driver import PromptGroup
 from rlfleet.trainer.tracking import Tracker, TrackingError, open_tracker
 
 if TYPE_CHECKING:
     from rlfleet.api.rljob import ParallelismSpec
     from rlfleet.sampler.protocol import SamplingConfig
-    from rlfleet.trainer.backend_megatron import MegatronModelConfig
-    from rlfleet.trainer.environments import Environment
-    from rlfleet.trainer.prompts import PromptSource
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.backends.backend_megatron import MegatronModelConfig
+    from rlfleet.trainer.envs.environments import Environment
+    from rlfleet.trainer.envs.prompts import PromptSource
+    from rlfleet.trainer.publish.publisher import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class VersionSink(Protocol):
 
 
 class ChannelSink:
-    """The weight channel as a VersionSink, through trainer/publisher.py's `WeightPublisher` (which
+    """The weight channel as a VersionSink, through trainer/publish/publisher.py's `WeightPublisher` (which
     calibrates nvfp4's activation amax on the published weights themselves, whatever the backend)."""
 
     def __init__(self, publisher: WeightPublisher) -> None:
@@ -93,7 +93,7 @@ class ChannelSink:
 
 class TrainerBackend(Backend, Protocol):
     """A backend as the cluster entrypoint drives it: the loop's `Backend`, and rank 0 commanding the
-    other ranks (trainer/backend_common.py `RankCommands`: `follow` on the others, `close` on rank 0)."""
+    other ranks (trainer/backends/backend_common.py `RankCommands`: `follow` on the others, `close` on rank 0)."""
 
     def follow(self) -> None: ...
 
@@ -118,7 +118,7 @@ class BaseModel:
     def routed_experts_top_k(self) -> int:
         """The experts each token uses when the checkpoint is a mixture of experts (its config's
         `num_experts_per_tok`: what a rollout asks its samplers to return, `SamplingConfig.routed_experts_top_k`,
-        so that the trainer measures the routing mismatch, trainer/routing.py); 0 for a dense model."""
+        so that the trainer measures the routing mismatch, trainer/backends/routing.py); 0 for a dense model."""
         if not is_hf_checkpoint(self.source_dir):
             return 0
         config = json.loads((self.source_dir / "config.json").read_text())
@@ -131,7 +131,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 def load_tokenizer(base: BaseModel) -> Any | None:
     """The base HF checkpoint's tokenizer (AutoTokenizer) for text prompt sets and chat environments;
     None for a checkpoint without tokenizer files:
-    prompts are then token ids, as without a tokenizer (trainer/prompts.py)."""
+    prompts are then token ids, as without a tokenizer (trainer/envs/prompts.py)."""
     directory = base.base_checkpoint
     if directory is None or not any((directory / name).is_file() for name in TOKENIZER_FILES):
         return None
@@ -143,7 +143,7 @@ def load_tokenizer(base: BaseModel) -> Any | None:
 def rollout_inputs(rc: RunConfig, base: BaseModel) -> tuple[Environment, PromptSource]:
     """The run's environment and prompt source (local mode and the cluster entrypoint alike), both
     given the base checkpoint's tokenizer where it has one (text prompt sets, chat environments)."""
-    from rlfleet.trainer.prompts import open_prompt_source
+    from rlfleet.trainer.envs.prompts import open_prompt_source
 
     tokenizer = load_tokenizer(base)
     prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size,
@@ -154,7 +154,7 @@ def rollout_inputs(rc: RunConfig, base: BaseModel) -> tuple[Environment, PromptS
 def rollout_sampling(rc: RunConfig, base: BaseModel) -> SamplingConfig:
     """The sampling parameters of every turn (local mode and the cluster entrypoint alike): the job's,
     and for a mixture of experts each turn asks for the experts its tokens were routed to
-    (`routed_experts_top_k`), which the trainer compares with its own routing (trainer/routing.py) and
+    (`routed_experts_top_k`), which the trainer compares with its own routing (trainer/backends/routing.py) and
     routing replay uses. Samplers return them: the reference engine always, SGLang groups because their
     launch adds `--enable-return-routed-experts` for such a checkpoint (docs/sampler.md)."""
     return replace(rc.sampling, routed_experts_top_k=base.routed_experts_top_k)
@@ -182,7 +182,7 @@ def build_backend(
 ) -> BaseModel:
     """The backend for `rc` from the Hugging Face checkpoint `source_dir` (local
     mode: the tiny Qwen3 it built; a cluster: the resolved `spec.model.path`): `torch` = transformers'
-    AutoModelForCausalLM (trainer/backend_hf.py), `megatron` = megatron-core from config.json
+    AutoModelForCausalLM (trainer/backends/backend_hf.py), `megatron` = megatron-core from config.json
     (`MegatronModelConfig.from_hf_config`). `device`: "cuda" or "cpu" (a trainer on a CPU class: gloo;
     megatron in fp32 with the local layer spec, as the torch backend trains fp32 on CPU); None: the
     torch backend picks CUDA when there is one, megatron needs CUDA."""
@@ -195,7 +195,7 @@ def build_backend(
     hf_config = json.loads((source_dir / "config.json").read_text())
     seq = int(max_seq_len or hf_config.get("max_position_embeddings") or 2048)
     if backend == "torch":
-        from rlfleet.trainer.backend_hf import HFBackend
+        from rlfleet.trainer.backends.backend_hf import HFBackend
 
         model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature, device=device,
                                           max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
@@ -204,7 +204,7 @@ def build_backend(
         return BaseModel(model, int(hf_config["vocab_size"]), seq, source_dir)
     if rc.routing_replay:  # the API refuses it too (rlfleet/api/rljob.py ROUTING_REPLAY_MEGATRON_MESSAGE)
         raise TrainingStartError(ROUTING_REPLAY_MEGATRON_MESSAGE)
-    from rlfleet.trainer.backend_megatron import MegatronBackend
+    from rlfleet.trainer.backends.backend_megatron import MegatronBackend
 
     cfg = megatron_model_config(rc, hf_config, max_seq_len=max_seq_len, parallelism=parallelism, device=device)
     megatron = MegatronBackend(cfg, objective, optim, temperature, initial_hf_weights=load_base_weights(source_dir))
@@ -224,7 +224,7 @@ def megatron_model_config(
     included), micro-batch budget and activation
     checkpointing (megatron's full, uniform recompute); `device` "cpu": fp32 on CPU."""
     from rlfleet.api.rljob import ParallelismSpec
-    from rlfleet.trainer.backend_megatron import MegatronModelConfig
+    from rlfleet.trainer.backends.backend_megatron import MegatronModelConfig
 
     p = parallelism or ParallelismSpec()
     return MegatronModelConfig.from_hf_config(
@@ -238,7 +238,7 @@ def megatron_model_config(
 
 def checkpoint_target(store: Store, override: str | Path | None = None) -> Path | Store:
     """Checkpoints go next to the channel: `<channel dir>/checkpoints` on a filesystem store, the
-    `checkpoints/` keys under the channel's prefix on an S3 store (trainer/checkpoint.py)."""
+    `checkpoints/` keys under the channel's prefix on an S3 store (trainer/publish/checkpoint.py)."""
     if override is not None:
         return Path(override)
     from rlfleet.store import FilesystemStore
@@ -289,7 +289,7 @@ def run_training(
 ) -> TrainingLoop:
     """Train `rc.steps` steps (see the module docstring for the order). `make_driver(position)` builds
     the rollout source (the HTTP driver, or the ablation's lockstep samplers) starting at data position `position` (called after the first publish);
-    `resume`: a checkpoint state (trainer/checkpoint.py); `tracker`: where each step's metrics go
+    `resume`: a checkpoint state (trainer/publish/checkpoint.py); `tracker`: where each step's metrics go
     besides `on_step` (default: `open_tracker()`, from RLFLEET_TRACKING), closed when training ends.
     Returns the loop (state, history)."""
     start_step = int(resume["step"]) if resume is not None else 0

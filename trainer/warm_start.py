@@ -9,8 +9,8 @@ into a call and then the tool's result into the answer); docs/local.md records t
 get task success off 0%.
 
 How: demonstrations built from the environment's own rules (the task's prompt generator, `ToolAddEnv`
-answering the call, trainer/environments.py), trained through the trainer's own torch backend
-(trainer/backend_hf.py) with the `pg` objective at advantage 1 on the model's tokens, which is exactly
+answering the call, trainer/envs/environments.py), trained through the trainer's own torch backend
+(trainer/backends/backend_hf.py) with the `pg` objective at advantage 1 on the model's tokens, which is exactly
 cross-entropy: no second training loop. The recipe (steps, batch, learning rate) and the knob
 (`WARM_START_NOISE`) are in rlfleet/tiny_qwen3.py, part of the model's cache key. Why this lives here and
 not in rlfleet/tiny_qwen3.py: that module is imported by the sampler side, which may not import the
@@ -38,13 +38,13 @@ from rlfleet.tiny_qwen3 import (
     build_tiny_qwen3,
     cached_tiny_qwen3,
 )
-from rlfleet.trainer.backend_common import OptimConfig
-from rlfleet.trainer.backend_hf import HFBackend
-from rlfleet.trainer.batching import FlatBatch
-from rlfleet.trainer.environments import ToolAddEnv
-from rlfleet.trainer.environments import ToyVocab as V
+from rlfleet.trainer.backends.backend_common import OptimConfig
+from rlfleet.trainer.backends.backend_hf import HFBackend
+from rlfleet.trainer.envs.environments import ToolAddEnv
+from rlfleet.trainer.envs.environments import ToyVocab as V
+from rlfleet.trainer.envs.prompts import GeneratedPromptSource, Prompt
 from rlfleet.trainer.objective import ObjectiveConfig
-from rlfleet.trainer.prompts import GeneratedPromptSource, Prompt
+from rlfleet.trainer.rollout.batching import FlatBatch
 
 
 def tool_add_demonstration(prompt: Prompt, rng: np.random.Generator, noise: float) -> tuple[list[int], list[int]]:

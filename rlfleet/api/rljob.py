@@ -113,7 +113,7 @@ def trainer_device_rules(cpu_classes: tuple[str, ...] | list[str]) -> list[dict[
             "fieldPath": ".processesPerReplica",
         },
     ]
-# The torch backend (trainer/backend_hf.py) is FSDP2 data parallel: one rank per GPU of ONE pod.
+# The torch backend (trainer/backends/backend_hf.py) is FSDP2 data parallel: one rank per GPU of ONE pod.
 TORCH_ONE_NODE_RULE = (
     "self.backend != 'torch' || (self.replicas == 1 && "
     "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.context == 1)"
@@ -144,7 +144,7 @@ TORCH_NO_EXPERT_PARALLEL_MESSAGE = (
     "trainer: parallelism expert / expertTensor are megatron's expert parallelism; backend torch has none (FSDP2 "
     "shards every expert's parameters over its ranks): use backend megatron, or leave them unset"
 )
-# Built-in environments of the trainer (rlfleet/trainer/environments.py BUILTIN; a test keeps them equal).
+# Built-in environments of the trainer (rlfleet/trainer/envs/environments.py BUILTIN; a test keeps them equal).
 BUILTIN_ENVIRONMENTS: tuple[str, ...] = ("copy_digit", "same_parity", "tool_add", "retry_digit", "math")
 # Built-ins that read their prompts (and answers) from a prompt set, not generated ones.
 DATASET_ENVIRONMENTS: tuple[str, ...] = ("math",)
@@ -213,7 +213,7 @@ TINY_MOE_MESSAGE = (
     "local.model: numExpertsPerTok must be <= numExperts, and moeIntermediateSize a multiple of 128 (each "
     "expert's projections then fit the fp8 view's 128 x 128 blocks)"
 )
-# Routing replay (R3, trainer/routing_replay.py) hooks transformers' Qwen3-MoE router; the megatron backend
+# Routing replay (R3, trainer/backends/routing_replay.py) hooks transformers' Qwen3-MoE router; the megatron backend
 # routes with megatron-core's own TopKRouter, which takes no replayed experts, and the built-in model on a
 # cluster is the dense tiny Qwen3.
 ROUTING_REPLAY_MEGATRON_RULE = "!has(self.correction.routingReplay) || !self.correction.routingReplay || self.trainer.backend == 'torch'"
@@ -488,7 +488,7 @@ class RolloutSpec(ApiModel):
     environment: str = Field(default="copy_digit", min_length=1, max_length=512)
     """Reward / environment entry point: module:attr, or a built-in name (copy_digit, same_parity, tool_add, retry_digit, math)."""
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
-    """Where the environment's sandboxes run (environments with a `sandbox`, e.g. rlfleet.trainer.swe_env:SweEnv)."""
+    """Where the environment's sandboxes run (environments with a `sandbox`, e.g. rlfleet.trainer.envs.swe_env:SweEnv)."""
 
     @model_validator(mode="after")
     def _check_top_p(self) -> RolloutSpec:

@@ -45,9 +45,9 @@ from rlfleet.trainer.config import RunConfig, build_environment, resolve_run
 
 if TYPE_CHECKING:
     from rlfleet.trainer.collapse import Decision
-    from rlfleet.trainer.environments import Environment
-    from rlfleet.trainer.prompts import PromptSource
-    from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+    from rlfleet.trainer.envs.environments import Environment
+    from rlfleet.trainer.envs.prompts import PromptSource
+    from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
     from rlfleet.trainer.run import BaseModel
 
 FLEET_LOG = "fleet.log"
@@ -371,7 +371,7 @@ class FleetRollouts:
 
         from rlfleet.local.fleet import RunningFleet, wait_until_serving
         from rlfleet.sampler.client import SamplerClient
-        from rlfleet.trainer.rollout import RolloutDriver
+        from rlfleet.trainer.rollout.driver import RolloutDriver
         from rlfleet.trainer.run import rollout_sampling
 
         fleet = self.fleet = FleetProcess(self.out / "fleet.json", self.out / FLEET_LOG, self.admin_token, self.api_key)
@@ -447,7 +447,7 @@ def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[
     """Check and prepare the run directory, its lock held; returns the checkpoint state to resume from
     (None: a fresh run). A fresh run never silently replaces a run's checkpoints (--force does) nor
     removes anything but rlfleet's own files; a resume needs a checkpoint, and a target beyond its step."""
-    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.publish import checkpoint as ckpt
 
     ckpt_dir = out / "checkpoints"
     if resume:
@@ -516,8 +516,8 @@ def _run_locked(
     from rlfleet.local.report import WeightTraffic, group_tokens, weight_traffic, write_report
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
-    from rlfleet.trainer.prompts import PromptFileError
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.envs.prompts import PromptFileError
+    from rlfleet.trainer.publish.publisher import WeightPublisher
     from rlfleet.trainer.run import (
         ChannelSink,
         TrainingStartError,
@@ -656,7 +656,7 @@ def resume_command(args: argparse.Namespace, out: Path, rc: RunConfig) -> str:
 
 def check_runnable(rc: RunConfig) -> None:
     """Problems of the resolved run that would otherwise surface late or as a stack trace."""
-    from rlfleet.trainer.prompts import GeneratedPromptSource
+    from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 
     if not rc.groups:
         raise LocalRunError("every sampler group has replicas: 0, so nothing would generate rollouts; "

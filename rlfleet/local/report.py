@@ -38,7 +38,7 @@ PLOTS: tuple[Plot, ...] = (
     Plot("entropy.png", "entropy of p (nats)", ("entropy",), "entropy (nats)"),
     Plot("grad_norm.png", "grad norm", ("grad_norm",), "grad norm (before clipping)"),
     Plot("sc_tail_ratio.png", "sc_tail_ratio (rho)", ("sc_tail_ratio",), "rho = q tail mass / p tail mass"),
-    # a mixture of experts only (trainer/routing.py): tokens routed to other experts than the trainer's
+    # a mixture of experts only (trainer/backends/routing.py): tokens routed to other experts than the trainer's
     Plot("routing.png", "routing mismatch (mixture of experts)", ("routing_mismatch_tokens",),
          "share of tokens whose experts differ"),
     # a group answering invalid tokens (NaN, positive or out-of-support logprobs, ...): they are dropped

@@ -42,7 +42,7 @@ _REBUILT_DIRS = r"cache/[^/]+/(?:v\d+-[a-z0-9]+|\.v\d+-[a-z0-9]+\.partial-[0-9a-
 # relative paths (with '/') of the files a run writes, after the temporary or lock suffix is taken off
 OWN_FILES = re.compile(
     r"fleet\.log|fleet\.json|run\.json"
-    r"|checkpoints/latest"  # and the checkpoints trainer/checkpoint.py names (is_own_file)
+    r"|checkpoints/latest"  # and the checkpoints trainer/publish/checkpoint.py names (is_own_file)
     r"|channel/(?:pointer|lease)\.json"
     rf"|{_STORE_DIRS}/.+"
     r"|cache/[^/]+/launch"  # per group, the version its engine starts from (rlfleet.sampler.syncer)
@@ -71,8 +71,8 @@ def is_own_file(rel: str) -> bool:
 
 def _is_checkpoint_name(name: str) -> bool:
     """A name exactly as the trainer writes a checkpoint (`ckpt-<step:08d>[-g<G>].pt`)."""
-    # imported here: trainer/checkpoint.py imports torch, which a refusal before the lock needs not
-    from rlfleet.trainer.checkpoint import CheckpointError, parse_checkpoint_name
+    # imported here: trainer/publish/checkpoint.py imports torch, which a refusal before the lock needs not
+    from rlfleet.trainer.publish.checkpoint import CheckpointError, parse_checkpoint_name
 
     try:
         parse_checkpoint_name(name)

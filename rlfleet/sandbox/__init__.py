@@ -1,4 +1,4 @@
-"""Sandboxes: where an agent's commands run (the SWE environment, trainer/swe_env.py).
+"""Sandboxes: where an agent's commands run (the SWE environment, trainer/envs/swe_env.py).
 
 One small interface, `Sandbox`, and its backends. A sandbox starts from a repository snapshot
 (files), runs commands with a timeout, reads and writes files, reports the diff against the

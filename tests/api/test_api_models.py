@@ -316,7 +316,7 @@ def test_parallelism_and_budgets_name_the_numbers() -> None:
 
 def test_builtin_environments_are_the_trainers() -> None:
     from rlfleet.api.rljob import BUILTIN_ENVIRONMENTS
-    from rlfleet.trainer.environments import BUILTIN
+    from rlfleet.trainer.envs.environments import BUILTIN
 
     assert set(BUILTIN_ENVIRONMENTS) == set(BUILTIN)
     manifest = apply_case(example_manifest(), {"set": {"spec.rollout.environment": "my_pkg.envs:Maze"}})

@@ -107,8 +107,8 @@ def test_a_warm_start_is_refused_without_its_trainer() -> None:
 def _tool_add_success(model: torch.nn.Module, greedy: bool, prompts: int = 400) -> float:
     """Share of tool_add episodes the environment scores as solved, the model sampling at temperature 1
     (greedy: argmax), all episodes stepped together (left-padded batch, one token per forward)."""
-    from rlfleet.trainer.environments import ToolAddEnv
-    from rlfleet.trainer.prompts import GeneratedPromptSource
+    from rlfleet.trainer.envs.environments import ToolAddEnv
+    from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 
     env, source = ToolAddEnv(), GeneratedPromptSource("tool_add", seed=12345)
     gen = torch.Generator().manual_seed(7)

@@ -56,7 +56,7 @@ def test_tiny_qwen3_is_a_real_qwen3_checkpoint_transformers_loads_and_seeded(tin
     model = AutoModelForCausalLM.from_pretrained(tiny)
     assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.vocab_size == 64
     tok = AutoTokenizer.from_pretrained(tiny)
-    # the toy environments' ids (trainer/environments.py ToyVocab): BOS 1, EOS 2, SEP 3, digit d = 10 + d
+    # the toy environments' ids (trainer/envs/environments.py ToyVocab): BOS 1, EOS 2, SEP 3, digit d = 10 + d
     assert tok.convert_tokens_to_ids(["<s>", "</s>", "<sep>", "0", "7", "w20"]) == [1, 2, 3, 10, 17, 20]
     text = tok.apply_chat_template([{"role": "user", "content": "3 4"}], tokenize=False, add_generation_prompt=True)
     assert text == "<s> user 3 4 <sep> <s> assistant "

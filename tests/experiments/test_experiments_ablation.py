@@ -99,7 +99,7 @@ def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torc
     from rlfleet.router.hashing import pick
     from rlfleet.sampler.protocol import SamplingConfig
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
-    from rlfleet.trainer.environments import ToyVocab
+    from rlfleet.trainer.envs.environments import ToyVocab
 
     cfg = ablation.AblationConfig(task="tool_add", prompts=4, samples=8, lag=0, logit_std=4.0)
     assert cfg.max_seq_len == 8 + 4 * (cfg.max_new_tokens + 3)  # every turn of an episode fits the context

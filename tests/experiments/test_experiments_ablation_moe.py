@@ -61,8 +61,8 @@ def test_r3_trains_each_token_through_its_samplers_experts(tmp_path: Path, monke
     packed ids and position ids, each router's own top-k and the experts each expert block was handed.
     Every trained token of every packed sequence (the positions whose logits give its reply tokens) goes
     to the experts its sampler's router returned, including tokens whose trainer router chose others."""
-    from rlfleet.trainer.backend_hf import HFBackend
-    from rlfleet.trainer.routing_replay import moe_routers
+    from rlfleet.trainer.backends.backend_hf import HFBackend
+    from rlfleet.trainer.backends.routing_replay import moe_routers
 
     forwards: list[dict[str, Any]] = []
     original = HFBackend.from_pretrained.__func__  # type: ignore[attr-defined]

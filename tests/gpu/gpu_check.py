@@ -5,14 +5,14 @@ summary line ends the run; the exit status is 0 only when every check that ran h
 when the run itself could not start).
 
 Checks (the product code each one runs):
-- `torch_step/qwen3`, `torch_step/qwen3_moe`: one step of the torch backend (trainer/backend_hf.py
+- `torch_step/qwen3`, `torch_step/qwen3_moe`: one step of the torch backend (trainer/backends/backend_hf.py
   `HFBackend.train_step`: bf16 autocast on a GPU) against the same step in fp32 on the same device, on
   a small Qwen3 and the tiny Qwen3-MoE (rlfleet/tiny_qwen3.py): the loss, the pre-clip gradient norm
   and the whole gradient (relative L2 error) within the bf16 tolerances below.
-- `attention/varlen_bf16`: the packed per-sequence attention (trainer/attention.py) under bf16 autocast
+- `attention/varlen_bf16`: the packed per-sequence attention (trainer/backends/attention.py) under bf16 autocast
   against an fp32 reference with an explicit block-causal mask (output and input gradients), and no
   leak across sequences (changing one sequence's keys and values leaves the others' outputs bit-equal).
-- `routing/replay_bf16`: the MoE routing-replay hook (trainer/routing_replay.py) under bf16 autocast:
+- `routing/replay_bf16`: the MoE routing-replay hook (trainer/backends/routing_replay.py) under bf16 autocast:
   every replayed position is routed to exactly the replayed experts, and the router gets a finite,
   non-zero gradient through the replayed gate weights.
 - `fsdp2/fused_adamw`: the torch backend on FSDP2 (one rank: nccl on a GPU, gloo on CPU; bf16
@@ -260,8 +260,8 @@ def _perturb(model: Any, seed: int = 1) -> None:
 
 
 def _backend(ctx: Context, model: Any, *, bf16: bool, distributed: bool = False) -> Any:
-    from rlfleet.trainer.backend_common import OptimConfig
-    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.backends.backend_common import OptimConfig
+    from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
 
     objective = ObjectiveConfig(mode="sc_mis", chunk_tokens=ctx.sizes.chunk_tokens, chunk_vocab=ctx.sizes.chunk_vocab)
@@ -377,7 +377,7 @@ def _block_causal_reference(q: Any, k: Any, v: Any, sizes: list[int]) -> Any:
 def check_attention(ctx: Context, name: str) -> Outcome:
     import torch
 
-    from rlfleet.trainer.attention import causal_attention_per_sequence
+    from rlfleet.trainer.backends.attention import causal_attention_per_sequence
 
     a = ctx.sizes.attention
     sizes, length = a["sizes"], sum(a["sizes"])
@@ -416,7 +416,7 @@ def check_attention(ctx: Context, name: str) -> Outcome:
 def check_routing(ctx: Context, name: str) -> Outcome:
     import torch
 
-    from rlfleet.trainer.routing_replay import moe_routers, replay_routing
+    from rlfleet.trainer.backends.routing_replay import moe_routers, replay_routing
 
     model = _model(ctx, "qwen3_moe").to(ctx.device).train()
     spec = _spec(ctx, "qwen3_moe")
@@ -608,8 +608,8 @@ def check_megatron(ctx: Context, name: str) -> Outcome:
         import megatron.core  # noqa: F401
     except ImportError as e:
         raise Skip(f"megatron-core is not importable ({e}): carry its wheel (scripts/gpu-check-wheels.txt)") from e
-    from rlfleet.trainer.backend_common import OptimConfig
-    from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
+    from rlfleet.trainer.backends.backend_common import OptimConfig
+    from rlfleet.trainer.backends.backend_megatron import MegatronBackend, MegatronModelConfig
     from rlfleet.trainer.objective import ObjectiveConfig
 
     _ensure_process_group(ctx)

@@ -14,7 +14,7 @@ from test_local_run import fleet_hosts, small_manifest
 
 from rlfleet.channel import WeightChannel, manifest_key
 from rlfleet.store import FilesystemStore
-from rlfleet.trainer import checkpoint as ckpt
+from rlfleet.trainer.publish import checkpoint as ckpt
 
 
 def test_a_local_run_killed_inside_its_claim_window_resumes_and_publishes_on(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from rlfleet.channel import WeightChannel
 from rlfleet.local.fleet import FleetSpec, GroupSpec, start_fleet, stop_fleet, wait_until_serving
 from rlfleet.store import FilesystemStore
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 

@@ -46,7 +46,7 @@ def test_a_local_run_trains_and_serves_the_tiny_qwen3_moe(tmp_path: Path) -> Non
             names = set(f.keys())
         assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
     # the samplers returned each token's routed experts and the trainer measured its routing against them
-    # (trainer/routing.py): in the report, fleet-wide and per group, and its plot
+    # (trainer/backends/routing.py): in the report, fleet-wide and per group, and its plot
     compared = [row for row in report["steps"] if row.get("routing_tokens", 0) > 0]
     assert compared, "no step compared the samplers' routing with the trainer's"
     for row in compared:

@@ -17,7 +17,7 @@ from test_local_run import fleet_hosts, small_manifest
 
 from rlfleet.channel import WeightChannel
 from rlfleet.store import FilesystemStore
-from rlfleet.trainer import checkpoint as ckpt
+from rlfleet.trainer.publish import checkpoint as ckpt
 
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_above_the_pointer(tmp_path: Path) -> None:

@@ -152,7 +152,7 @@ def test_cli_refuses_runs_that_cannot_work(tmp_path, capsys, monkeypatch):
 def test_cli_never_replaces_a_run_without_force(tmp_path, capsys):
     """A run directory with a checkpoint: without --resume or --force the command refuses and leaves it
     as it was; --resume of a run already at its target says so (a real checkpoint file, no run needed)."""
-    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.publish import checkpoint as ckpt
 
     out = tmp_path / "run"
     ckpt.save_checkpoint(out / "checkpoints", {"step": 5})
@@ -247,7 +247,7 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
     benchmarks): the resumed run continues at the checkpointed step and data position and ends at the
     run's target; the report's numbers are the checkpoint's; the files written are docs/local.md's;
     no process outlives either part."""
-    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.publish import checkpoint as ckpt
 
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"

@@ -165,7 +165,7 @@ def test_an_empty_or_new_directory_becomes_a_run_directory(tmp_path):
 def test_a_run_from_before_markers_resumes_and_is_marked(tmp_path, capsys):
     """A run directory made before issue 39 (its checkpoints, no marker): --resume continues it and marks it;
     a fresh run without --force is refused as holding a run, and nothing in it is touched."""
-    from rlfleet.trainer import checkpoint as ckpt
+    from rlfleet.trainer.publish import checkpoint as ckpt
 
     rc = resolve_run(load_rljob(str(EXAMPLE)), local=True)
     out = tmp_path / "old"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from test_local_run import fleet_hosts, small_manifest, start_until_step  # the local tests' one copy
 
-from rlfleet.trainer import checkpoint as ckpt
+from rlfleet.trainer.publish import checkpoint as ckpt
 
 
 @pytest.mark.slow

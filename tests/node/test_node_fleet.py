@@ -657,7 +657,7 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     # no rollout lost (the router moved the deleted pod's requests: the driver dropped no prompt group)
     # or counted twice (every step trained exactly promptsPerStep x samplesPerPrompt episodes)
     assert fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ") == drops_before
-    from rlfleet.trainer import checkpoint
+    from rlfleet.trainer.publish import checkpoint
 
     history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
     episodes = {int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
@@ -689,7 +689,7 @@ def test_a_spot_reclaimed_sampler_pod_loses_no_episode(fleet: Fleet, dev_cluster
     killed = fleet.step()
     fleet.wait_step(killed + 2)
     assert fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ") == drops_before
-    from rlfleet.trainer import checkpoint
+    from rlfleet.trainer.publish import checkpoint
 
     history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
     episodes = {int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
@@ -826,7 +826,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_above_the_poi
 
     from rlfleet.channel import WeightChannel
     from rlfleet.store import FilesystemStore
-    from rlfleet.trainer import checkpoint
+    from rlfleet.trainer.publish import checkpoint
 
     checkpoints = fleet.store_dir() / "checkpoints"
     channel = WeightChannel(FilesystemStore(fleet.store_dir()), publisher_id="test-observer")

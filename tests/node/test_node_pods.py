@@ -127,7 +127,7 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
         "sampler": "import torch, rlfleet.sampler.reference_engine; print('torch', torch.__version__)",
         # torchrun (the trainer pod's command) must see rlfleet, and its ranks must form a gloo group
         # through its c10d rendezvous and their env:// stores (as the trainer's ranks do)
-        "trainer": "import shutil, subprocess, torch, megatron.core, rlfleet.trainer.backend_megatron;"
+        "trainer": "import shutil, subprocess, torch, megatron.core, rlfleet.trainer.backends.backend_megatron;"
                    "print('torchrun', shutil.which('torchrun'));"
                    # each rank's line in ONE write(2) (atomic on the pipe; print's pieces interleaved once)
                    "open('/tmp/ranks.py', 'w').write(\"import os, torch, torch.distributed as d; d.init_process_group('gloo');"

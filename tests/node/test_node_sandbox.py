@@ -356,8 +356,8 @@ def test_the_shipped_tasks_earn_their_reward_in_sandbox_pods(trainer: Trainer) -
     scripted correct policy earns 1 on every shipped task, graded in a fresh pod; an endless loop is
     killed at its timeout and the episode goes on to its end (0: nothing changed)."""
     from rlfleet.trainer.env_try import ScriptedSampler, byte_chat_tokenizer, load_policy, try_episodes
-    from rlfleet.trainer.swe_env import SweEnv, load_tasks
-    from rlfleet.trainer.swe_tasks import tool_call
+    from rlfleet.trainer.envs.swe_env import SweEnv, load_tasks
+    from rlfleet.trainer.envs.swe_tasks import tool_call
 
     owner = trainer.owner_pod("swe-trainer-5")
     factory = PodSandboxes(trainer.config(owner, warm_pool=1), kubeconfig=str(trainer.kubeconfig))

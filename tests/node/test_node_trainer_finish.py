@@ -4,7 +4,7 @@ After "training finished at step 50" of the CPU example one rank of its 2-rank t
 the pod stayed Running and the RLJob never read Succeeded. The trainer image's torch (Debian's 2.6, gloo)
 loses the end of a 2-rank run in about one run of four when rank 0 broadcasts the stop and ends at once
 (the stop lost, or rank 0 stuck in its broadcast as the follower ended). The end is now a handshake through
-the rendezvous store (trainer/backend_common.py `RankCommands`). This pod runs the trainer's own finish
+the rendezvous store (trainer/backends/backend_common.py `RankCommands`). This pod runs the trainer's own finish
 (the FINISH script of tests/trainer/test_trainer_launch.py: a step, `close()`, `exit_now(0)`) under the trainer pod's command, `rlfleet trainer launch`, RUNS times in a row: every run
 exits 0, every rank confirmed, within the time a finish takes.
 

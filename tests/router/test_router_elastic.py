@@ -42,9 +42,9 @@ from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
 from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.protocol import SamplingConfig
-from rlfleet.trainer.environments import RetryDigitEnv
-from rlfleet.trainer.prompts import GeneratedPromptSource
-from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+from rlfleet.trainer.envs.environments import RetryDigitEnv
+from rlfleet.trainer.envs.prompts import GeneratedPromptSource
+from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
 
 SERVICE = "samplers"  # the group's headless Service name
 VERSIONS = {"127.0.0.1": 3, "127.0.0.2": 4, "127.0.0.3": 5}  # A, B, C (C joins with the newest)

@@ -61,7 +61,7 @@ def test_collapse_quarantine_goes_through_the_one_quarantine_path() -> None:
 
 
 def test_a_groups_routing_mismatch_goes_from_the_trainers_metrics_to_its_status() -> None:
-    """A mixture of experts: the trainer's per-group routing_mismatch_tokens (trainer/routing.py) becomes
+    """A mixture of experts: the trainer's per-group routing_mismatch_tokens (trainer/backends/routing.py) becomes
     the SamplerGroup's status.routingMismatch; a dense model's trainer reports none, and the status has none."""
     job = RLJob.from_manifest(JOB)
     moe = {"kl_k3": 0.01, "oor_fraction": 0.002, "routing_mismatch_tokens": 0.0625, "routing_mismatch_layers": 0.03125}

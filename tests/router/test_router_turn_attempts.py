@@ -23,8 +23,8 @@ from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.service import start_service
 from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.protocol import SamplingConfig
-from rlfleet.trainer.environments import copy_digit, copy_digit_prompt
-from rlfleet.trainer.rollout import RolloutDriver
+from rlfleet.trainer.envs.environments import copy_digit, copy_digit_prompt
+from rlfleet.trainer.rollout.driver import RolloutDriver
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "sampler" / "fixtures"

@@ -96,7 +96,7 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Pa
     from rlfleet.model_source import resolve_model_source
     from rlfleet.sampler.launch_checkpoint import read_launch_file
     from rlfleet.store import FilesystemStore
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
 
     # the trainer's side: the built-in tiny Qwen3 (what `model.path: builtin:tiny-qwen3` resolves to), and
     # version 0 of every view the example's groups serve, published by the trainer's publisher

@@ -1,5 +1,5 @@
 """The megatron CPU tier: the REAL megatron-core 0.19.2 GPTModel, built by our backend
-(`rlfleet.trainer.backend_megatron.MegatronBackend`, device "cpu", gloo), against transformers 5.19's
+(`rlfleet.trainer.backends.backend_megatron.MegatronBackend`, device "cpu", gloo), against transformers 5.19's
 Qwen3 on tiny checkpoints made here with `Qwen3Config` + `save_pretrained`.
 
 Runs under .venv312 (CPython 3.12; scripts/bootstrap) as `python megatron_cpu_checks.py OUT.json`;
@@ -10,7 +10,7 @@ included); phase 2 spawns 2 processes (TP=2, sequence parallel, gloo); phase 3
 spawns 4 (TP=2 x DP=2: two data-parallel replicas, the distributed optimizer sharded over them).
 
 Stubs, only for CUDA-only calls that megatron-core makes unconditionally (nothing else is replaced); they
-are the product's (`rlfleet.trainer.megatron_cpu.install_cpu_shims`, which a trainer on the cpu class runs):
+are the product's (`rlfleet.trainer.backends.megatron_cpu.install_cpu_shims`, which a trainer on the cpu class runs):
 - `CudaDevicesOnCpu` (a TorchFunctionMode): tensors megatron creates with `device="cuda"` /
   `torch.cuda.current_device()` (the schedule's token counter, the optimizer's found-inf and scale
   tensors, grad-norm buffers) are created on the CPU instead; `Tensor.cuda()` is the identity;
@@ -51,8 +51,8 @@ UPDATE_ATOL = 1e-4
 
 
 def install_stubs() -> contextlib.AbstractContextManager:
-    """The product's CPU shims (trainer/megatron_cpu.py), the same ones a cpu-class trainer runs."""
-    from rlfleet.trainer.megatron_cpu import install_cpu_shims
+    """The product's CPU shims (trainer/backends/megatron_cpu.py), the same ones a cpu-class trainer runs."""
+    from rlfleet.trainer.backends.megatron_cpu import install_cpu_shims
 
     return install_cpu_shims()
 
@@ -105,8 +105,8 @@ def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def build(directory: Path, tp: int, dtype: str = "float32", **config: Any):
-    from rlfleet.trainer.backend_common import OptimConfig
-    from rlfleet.trainer.backend_megatron import MegatronBackend, MegatronModelConfig
+    from rlfleet.trainer.backends.backend_common import OptimConfig
+    from rlfleet.trainer.backends.backend_megatron import MegatronBackend, MegatronModelConfig
     from rlfleet.trainer.objective import ObjectiveConfig
 
     hf_cfg = json.loads((directory / "config.json").read_text())
@@ -141,7 +141,7 @@ def flat_batch(seed: int, lens: list[int] | None = None):
     """Sequences of SEQ + 1 tokens whose rows are logit positions 0..SEQ-1: the backend forwards SEQ
     (odd) tokens of each (cut after the last sampled one). `lens`: ragged sequences of these token
     counts instead (rows through each one's last token)."""
-    from rlfleet.trainer.batching import FlatBatch
+    from rlfleet.trainer.rollout.batching import FlatBatch
 
     rng = np.random.default_rng(seed)
     lens = lens or [SEQ + 1] * 4
@@ -213,7 +213,7 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.config import GroupSpec, resolve_run
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
     from rlfleet.trainer.run import ChannelSink, run_training
 
     class NoRollouts:  # steps=0: the loop takes no rollout (the entrypoint test's stand-in)
@@ -296,7 +296,7 @@ def hf_step(directory: Path, flat) -> tuple[float, float]:
     gradient norm)."""
     from transformers import AutoModelForCausalLM
 
-    from rlfleet.trainer.backend_common import to_token_batch
+    from rlfleet.trainer.backends.backend_common import to_token_batch
     from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
@@ -315,7 +315,7 @@ def token_budget_checks(directory: Path) -> dict[str, Any]:
     and activation checkpointing (megatron's full recompute) against the same step without it."""
     flat = flat_batch(11, lens=RAGGED)
     want_loss, want_norm = hf_step(directory, flat)
-    from rlfleet.trainer.megatron_packed import PackedDotProductAttention
+    from rlfleet.trainer.backends.megatron_packed import PackedDotProductAttention
 
     runs = {}
     rows_seen: list[list[int]] = []  # the sequence lengths of each packed row the attention took
@@ -428,7 +428,7 @@ def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
 def restore_check(rank: int, work_dir: Path, tp: int) -> dict[str, Any] | None:
     """save -> restore -> one step == uninterrupted, on every rank, bf16 (separate fp32 main params).
     Run B starts from OTHER weights, so everything it ends with must come from the restore."""
-    from rlfleet.trainer import checkpoint
+    from rlfleet.trainer.publish import checkpoint
 
     directory = work_dir / f"ckpt-{tp}-{torch.distributed.get_world_size()}"
 

@@ -164,7 +164,7 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.config import GroupSpec, resolve_run
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
     from rlfleet.trainer.run import ChannelSink, run_training
 
     class NoRollouts:
@@ -227,8 +227,8 @@ def phase_ep1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 def hf_backend_step(directory: Path, flat) -> tuple[float, float, dict[str, Any]]:
     """The reference: the transformers backend's step (its load-balancing term is tested against a
     hand-written one in tests/trainer/test_trainer_backend_hf.py) at the same micro-batch budget."""
-    from rlfleet.trainer.backend_common import OptimConfig
-    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.backends.backend_common import OptimConfig
+    from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
 
     backend = HFBackend.from_pretrained(directory, ObjectiveConfig(mode="sc_mis", replay=True), optim=OptimConfig(learning_rate=1e-2),
@@ -299,7 +299,7 @@ def restore_check(rank: int, work_dir: Path) -> dict[str, Any] | None:
     state of the dense and the expert parameters: megatron chains one distributed optimizer for each),
     bf16 with the load-balancing term on. Run B starts from other weights (another seed), so everything
     it ends with must come from the restore."""
-    from rlfleet.trainer import checkpoint
+    from rlfleet.trainer.publish import checkpoint
 
     directory = work_dir / "ckpt-ep2"
 
@@ -366,7 +366,7 @@ def other_layout_refused(rank: int, work_dir: Path) -> dict[str, Any] | None:
     `local_experts.{0,1}` would be other experts, so the restore is refused, naming both layouts."""
     from megatron.core import parallel_state
 
-    from rlfleet.trainer import checkpoint
+    from rlfleet.trainer.publish import checkpoint
 
     parallel_state.destroy_model_parallel()
     backend = build(work_dir / "moe_aux_other_init", tp=1, dtype="bfloat16")

@@ -1,4 +1,4 @@
-"""The per-sequence attention of a packed row (trainer/attention.py) against transformers' own attention:
+"""The per-sequence attention of a packed row (trainer/backends/attention.py) against transformers' own attention:
 each sequence forwarded alone with transformers' sdpa is the oracle (its causal and sliding-window masks)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rlfleet.trainer.attention import (
+from rlfleet.trainer.backends.attention import (
     VARLEN_SDPA,
     sequence_bounds,
     use_varlen_attention,
     varlen_sdpa_attention,
 )
-from rlfleet.trainer.backend_hf import HFBackend
+from rlfleet.trainer.backends.backend_hf import HFBackend
 from rlfleet.trainer.objective import ObjectiveConfig
 
 LENGTHS = [7, 1, 12, 4]

@@ -1,4 +1,4 @@
-"""The `hf` backend (trainer/backend_hf.py) on real transformers models saved as real HF checkpoints
+"""The `hf` backend (trainer/backends/backend_hf.py) on real transformers models saved as real HF checkpoints
 (the project's tiny Qwen3, rlfleet/tiny_qwen3.py at small sizes, and a Llama built from its config),
 fp32 on CPU.
 
@@ -28,11 +28,11 @@ import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rlfleet.records import SUPPORT_MODE
-from rlfleet.trainer.attention import VARLEN_SDPA, use_varlen_attention
-from rlfleet.trainer.backend_common import OptimConfig, combine_metrics, to_token_batch
-from rlfleet.trainer.backend_hf import HFBackend
-from rlfleet.trainer.batching import FlatBatch, plan_micro_batches
+from rlfleet.trainer.backends.attention import VARLEN_SDPA, use_varlen_attention
+from rlfleet.trainer.backends.backend_common import OptimConfig, combine_metrics, to_token_batch
+from rlfleet.trainer.backends.backend_hf import HFBackend
 from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
+from rlfleet.trainer.rollout.batching import FlatBatch, plan_micro_batches
 
 VOCAB = 96
 OBJECTIVE = ObjectiveConfig(mode="sc_mis", replay=True)
@@ -208,13 +208,13 @@ def trainer_state(backend: HFBackend) -> dict:
 
 def _resume_job(rank: int, ckpts: list[str], out_dir: str) -> dict:
     """Per checkpoint: train step 1, `state_dict()`, and rank 0 writes it to a file (the training loop
-    runs on rank 0: trainer/loop.py `checkpoint()` -> trainer/checkpoint.py `torch.save`; read back
+    runs on rank 0: trainer/loop.py `checkpoint()` -> trainer/publish/checkpoint.py `torch.save`; read back
     weights-only, as `load_latest` does). Then step 2
     three ways on this rank: uninterrupted; a FRESH backend built from the same base checkpoint that
     `load_state_dict`s what rank 0 read back from the file while the other ranks pass what their own
     `state_dict()` returned; and a fresh one where every rank reads the file (a shared volume). One
     process (rank 0, no process group) runs the same job."""
-    from rlfleet.trainer.checkpoint import load_checkpoint_file
+    from rlfleet.trainer.publish.checkpoint import load_checkpoint_file
 
     distributed = torch.distributed.is_initialized()
     first, second = make_batch(seed=1), make_batch(seed=2)
@@ -229,7 +229,7 @@ def _resume_job(rank: int, ckpts: list[str], out_dir: str) -> dict:
         if distributed:
             torch.distributed.barrier()
         runs: dict = {"after_step_1": trainer_state(uninterrupted)}
-        # read back as a resume reads a checkpoint: weights only (trainer/checkpoint.py, no allowlist entry)
+        # read back as a resume reads a checkpoint: weights only (trainer/publish/checkpoint.py, no allowlist entry)
         restores = {
             "rank0_reads": load_checkpoint_file(path) if rank == 0 else own_state,
             "every_rank_reads": load_checkpoint_file(path),
@@ -323,7 +323,7 @@ def test_fsdp2_restore_on_two_gloo_processes_equals_the_uninterrupted_run(
 
 def _drive_or_follow_job(rank: int, ckpt: str) -> dict:
     """What the trainer entrypoint does (trainer/entrypoint.py): rank 0 drives, every other rank only
-    calls `follow()`. Rank 0: step 1, `state_dict()` (serialised, as trainer/checkpoint.py saves it),
+    calls `follow()`. Rank 0: step 1, `state_dict()` (serialised, as trainer/publish/checkpoint.py saves it),
     step 2, `weights()`, `load_state_dict(step-1 state)`, step 2 again, `weights()`, `close()`: every
     command kind. Rank 1 returns its own shards once `follow()` has returned."""
     import io
@@ -386,7 +386,7 @@ import torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
 import torch.distributed as dist
-from rlfleet.trainer.backend_hf import HFBackend
+from rlfleet.trainer.backends.backend_hf import HFBackend
 from rlfleet.trainer.entrypoint import exit_now
 from test_trainer_backend_hf import GROUPS, OBJECTIVE, OPTIM, make_batch
 assert not dist.is_initialized()
@@ -521,15 +521,15 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
 
     from rlfleet.records import SampledTurn
     from rlfleet.sampler.protocol import SamplingConfig
-    from rlfleet.trainer.batching import flatten_groups
-    from rlfleet.trainer.environments import load_environment
-    from rlfleet.trainer.prompts import open_prompt_source
-    from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+    from rlfleet.trainer.envs.environments import load_environment
+    from rlfleet.trainer.envs.prompts import open_prompt_source
+    from rlfleet.trainer.rollout.batching import flatten_groups
+    from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
 
     tok = build_chat_tokenizer()
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "What is 2 + 3?", "answer": "5"}) + "\n")
     prompts = open_prompt_source(str(tmp_path / "p.jsonl"), "math", tokenizer=tok, vocab_size=len(tok))
-    env = load_environment("rlfleet.trainer.environments:MathEnv", tokenizer=tok)
+    env = load_environment("rlfleet.trainer.envs.environments:MathEnv", tokenizer=tok)
     replies = [tok.encode(t) + [tok.eos_token_id] for t in ("The answer is \\boxed{5}.", "It is 7")]
 
     async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
@@ -586,7 +586,7 @@ def test_micro_batch_plan_covers_every_sequence_within_the_budget() -> None:
 @pytest.mark.parametrize("attn", ["sdpa", "eager", VARLEN_SDPA])
 def test_packed_forward_equals_each_sequence_alone(tiny_qwen3_factory, attn: str) -> None:
     """Position ids that restart at each sequence keep attention within each: transformers' block-causal
-    mask (sdpa, eager) and the backend's per-sequence attention (trainer/attention.py). Every packed logit
+    mask (sdpa, eager) and the backend's per-sequence attention (trainer/backends/attention.py). Every packed logit
     equals that sequence's own forward with transformers' sdpa (and without use_cache=False they would
     not: the guard)."""
     from transformers import AutoModelForCausalLM

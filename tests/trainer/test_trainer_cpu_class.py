@@ -4,7 +4,7 @@ engines of the example's three groups, their weight-sync loops and the router), 
 
 - torch backend (examples/rljob-cpu-torch.yaml): FSDP2 data parallel over 2 processes, in the main venv;
 - megatron backend (examples/rljob-cpu.yaml): tensor parallel 2 over 2 processes, with the product's CPU
-  shims (trainer/megatron_cpu.py) and nothing of the test tier's, under an interpreter with megatron-core
+  shims (trainer/backends/megatron_cpu.py) and nothing of the test tier's, under an interpreter with megatron-core
   AND the trainer's dependencies: .venv312 (scripts/megatron-cpu.txt), or `RLFLEET_MEGATRON_PYTHON`.
 
 Only what the kubelet does is done here: `$(VAR)` references expanded from the container's env, the

@@ -34,7 +34,7 @@ from rlfleet.local.main import FleetProcess
 from rlfleet.model_source import read_safetensors_dir
 from rlfleet.numerics.views import load_view
 from rlfleet.store import FilesystemStore
-from rlfleet.trainer import checkpoint
+from rlfleet.trainer.publish import checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 64
@@ -241,7 +241,7 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
     loaded with the weights the backend publishes, on the publisher's calibration batch (exact)."""
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
     from rlfleet.trainer.run import ChannelSink, build_backend, run_training
 
     source = tiny_qwen3_dir

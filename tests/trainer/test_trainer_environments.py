@@ -1,4 +1,4 @@
-"""Environments for real models (trainer/environments.py): the math final-answer environment, the
+"""Environments for real models (trainer/envs/environments.py): the math final-answer environment, the
 token-in / token-out multi-turn append (ChatTurnEncoder) with a real tokenizer and chat template, and
 a full multi-turn episode through the real RolloutDriver whose trajectory is checked to be exactly
 the ids the (fake, in-process) sampler produced plus the appended ids — never re-rendered. The
@@ -16,7 +16,7 @@ from chat_tokenizer import build_chat_tokenizer
 
 from rlfleet.records import SampledTurn
 from rlfleet.sampler.protocol import SamplingConfig
-from rlfleet.trainer.environments import (
+from rlfleet.trainer.envs.environments import (
     ChatTurnEncoder,
     Environment,
     EnvironmentLoadError,
@@ -28,8 +28,8 @@ from rlfleet.trainer.environments import (
     extract_final_answer,
     load_environment,
 )
-from rlfleet.trainer.prompts import Prompt, render_chat_prompt
-from rlfleet.trainer.rollout import RolloutDriver
+from rlfleet.trainer.envs.prompts import Prompt, render_chat_prompt
+from rlfleet.trainer.rollout.driver import RolloutDriver
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def _reply(tok, text: str) -> list[int]:
 
 def test_math_env_rewards_and_format_errors() -> None:
     tok = build_chat_tokenizer()
-    env = load_environment("rlfleet.trainer.environments:MathEnv", tokenizer=tok)
+    env = load_environment("rlfleet.trainer.envs.environments:MathEnv", tokenizer=tok)
     assert isinstance(env, MathEnv) and env.stop_token_ids == (tok.eos_token_id,)
     prompt = Prompt(index=0, input_ids=[1], meta={"answer": "Natalia sold 48 + 24 = 72 clips. #### 72"})
     cases = {
@@ -83,7 +83,7 @@ def test_math_env_rewards_and_format_errors() -> None:
     with pytest.raises(KeyError, match="has no 'answer'"):
         env.score(Prompt(index=3, input_ids=[1]), {}, [_reply(tok, "5")])
     with pytest.raises(EnvironmentLoadError, match="needs the model's tokenizer"):
-        load_environment("rlfleet.trainer.environments:MathEnv")
+        load_environment("rlfleet.trainer.envs.environments:MathEnv")
 
 
 def test_chat_turn_encoder_appends_the_template_delta() -> None:

@@ -22,10 +22,10 @@ from test_trainer_entrypoint import job_manifest  # the trainer tests' one copy
 
 from rlfleet.channel import VersionConflictError, WeightChannel
 from rlfleet.store import FilesystemStore
-from rlfleet.trainer import checkpoint
 from rlfleet.trainer.failures import FAILURES, FailureContext, describe_failure
 from rlfleet.trainer.loop import LoopConfig, TrainingLoop
-from rlfleet.trainer.rollout import RolloutStallError
+from rlfleet.trainer.publish import checkpoint
+from rlfleet.trainer.rollout.driver import RolloutStallError
 
 PREFIX = "rlfleet trainer run: "
 

@@ -28,7 +28,7 @@ from test_trainer_entrypoint import job_manifest, local_fleet
 from rlfleet.channel import WeightChannel
 from rlfleet.local.fleet import GroupSpec
 from rlfleet.store import FilesystemStore
-from rlfleet.trainer import checkpoint
+from rlfleet.trainer.publish import checkpoint
 
 
 def channel_files(channel_dir: Path) -> dict[str, str]:

@@ -39,7 +39,7 @@ from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds, Decision
 from rlfleet.trainer.metrics import PrometheusExporter
-from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
 from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

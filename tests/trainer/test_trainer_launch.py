@@ -73,7 +73,7 @@ import json, os, sys, time
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
-from rlfleet.trainer.backend_common import RankCommands
+from rlfleet.trainer.backends.backend_common import RankCommands
 from rlfleet.trainer.entrypoint import exit_now
 
 class Ranks(RankCommands):

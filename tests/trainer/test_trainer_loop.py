@@ -19,15 +19,15 @@ import torch
 from rlfleet.local.emulated import EmulatedFleet, EmulatedSampler
 from rlfleet.numerics.engine_model import ModelShape
 from rlfleet.sampler.protocol import SamplingConfig
-from rlfleet.trainer import checkpoint
-from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
-from rlfleet.trainer.batching import flatten_groups
+from rlfleet.trainer.backends.backend_hf import HFBackend, OptimConfig
 from rlfleet.trainer.collapse import CollapseDetector
-from rlfleet.trainer.environments import ToolAddEnv
+from rlfleet.trainer.envs.environments import ToolAddEnv
+from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 from rlfleet.trainer.loop import LoopConfig, TrainingLoop, split_by_staleness
 from rlfleet.trainer.objective import ObjectiveConfig
-from rlfleet.trainer.prompts import GeneratedPromptSource
-from rlfleet.trainer.rollout import RolloutDriver
+from rlfleet.trainer.publish import checkpoint
+from rlfleet.trainer.rollout.batching import flatten_groups
+from rlfleet.trainer.rollout.driver import RolloutDriver
 
 # the smallest tiny Qwen3 the loop needs (no fp8 view is published here: sizes need not be multiples of 128)
 SIZES = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,

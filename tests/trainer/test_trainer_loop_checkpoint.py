@@ -20,9 +20,9 @@ import torch
 
 from rlfleet.records import SampledTurn
 from rlfleet.sampler.protocol import SamplingConfig
-from rlfleet.trainer import checkpoint
 from rlfleet.trainer.collapse import CollapseDetector
-from rlfleet.trainer.rollout import RolloutDriver
+from rlfleet.trainer.publish import checkpoint
+from rlfleet.trainer.rollout.driver import RolloutDriver
 from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
 
 

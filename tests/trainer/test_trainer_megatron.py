@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-from rlfleet.trainer import backend_megatron as bm
-from rlfleet.trainer import megatron_support as ms
-from rlfleet.trainer.backend_common import merge_loss_outputs, to_token_batch
+from rlfleet.trainer.backends import backend_megatron as bm
+from rlfleet.trainer.backends import megatron_support as ms
+from rlfleet.trainer.backends.backend_common import merge_loss_outputs, to_token_batch
 from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
 CFG = bm.MegatronModelConfig(vocab_size=32, num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -156,7 +156,7 @@ def test_expert_names_move_between_local_and_global_indices():
 
 
 def _flat_batch():
-    from rlfleet.trainer.batching import FlatBatch
+    from rlfleet.trainer.rollout.batching import FlatBatch
 
     rng = np.random.default_rng(0)
     t, k = 12, 4

@@ -1,4 +1,4 @@
-"""Prompt sets through HF datasets (trainer/prompts.py DatasetPromptSource): JSONL and Parquet files
+"""Prompt sets through HF datasets (trainer/envs/prompts.py DatasetPromptSource): JSONL and Parquet files
 (real files written here), text rendered ONCE with the model's chat template through transformers'
 own `apply_chat_template`, the index / epoch / seeded-order semantics of the JSONL token-id source,
 and clear errors."""
@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from chat_tokenizer import build_chat_tokenizer
 
-from rlfleet.trainer.prompts import (
+from rlfleet.trainer.envs.prompts import (
     DatasetPromptSource,
     JsonlPromptSource,
     PromptFileError,

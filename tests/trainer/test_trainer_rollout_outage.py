@@ -26,9 +26,9 @@ from rlfleet.sampler.client import SamplerClient
 from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
-from rlfleet.trainer.environments import copy_digit
-from rlfleet.trainer.prompts import GeneratedPromptSource
-from rlfleet.trainer.rollout import PromptGroup, RolloutDriver
+from rlfleet.trainer.envs.environments import copy_digit
+from rlfleet.trainer.envs.prompts import GeneratedPromptSource
+from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -35,7 +35,7 @@ from rlfleet.sampler.client import SamplerClient, TurnFailed
 from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine
-from rlfleet.trainer.rollout import PromptGroup
+from rlfleet.trainer.rollout.driver import PromptGroup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 SERVICE = "cpu-bf16.rlfleet-cpu.svc"  # the group's headless Service, as the operator writes it

@@ -1,4 +1,4 @@
-"""Routing mismatch of a mixture of experts (trainer/routing.py): the exact shares on hand-made arrays
+"""Routing mismatch of a mixture of experts (trainer/backends/routing.py): the exact shares on hand-made arrays
 (top-k sets compared as sets), the sampler's routing carried from the turns to the batch rows, and the
 transformers backend's step on the real tiny Qwen3-MoE measuring it against the experts transformers'
 own router picks, overall and per group."""
@@ -22,15 +22,15 @@ from test_trainer_backend_hf import (
 )
 
 from rlfleet.records import SampledTurn
-from rlfleet.trainer.backend_common import combine_metrics
-from rlfleet.trainer.backend_hf import HFBackend
-from rlfleet.trainer.batching import FlatBatch, flatten_groups
-from rlfleet.trainer.environments import EpisodeOutcome
+from rlfleet.trainer.backends.backend_common import combine_metrics
+from rlfleet.trainer.backends.backend_hf import HFBackend
+from rlfleet.trainer.backends.routing import routing_metrics, routing_mismatch
+from rlfleet.trainer.envs.environments import EpisodeOutcome
+from rlfleet.trainer.envs.prompts import Prompt
 from rlfleet.trainer.metrics import objective_metrics
 from rlfleet.trainer.objective import LossOutput
-from rlfleet.trainer.prompts import Prompt
-from rlfleet.trainer.rollout import PromptGroup, Rollout
-from rlfleet.trainer.routing import routing_metrics, routing_mismatch
+from rlfleet.trainer.rollout.batching import FlatBatch, flatten_groups
+from rlfleet.trainer.rollout.driver import PromptGroup, Rollout
 
 ROUTING_KEYS = ("routing_tokens", "routing_mismatch_tokens", "routing_mismatch_layers")
 

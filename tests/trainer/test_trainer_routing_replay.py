@@ -1,4 +1,4 @@
-"""Routing replay (R3, trainer/routing_replay.py, RLJob correction.routingReplay) on the real tiny Qwen3-MoE:
+"""Routing replay (R3, trainer/backends/routing_replay.py, RLJob correction.routingReplay) on the real tiny Qwen3-MoE:
 replaying the trainer's own choice changes nothing; a replayed (altered) token's MoE output and its router
 gradient are exactly those computed by hand from the expert weights and the router softmax; the backend's
 step replays the sampler's experts while the routing-mismatch metric stays measured against the trainer's
@@ -24,8 +24,8 @@ from test_trainer_backend_hf import (
 )
 from test_trainer_routing import ROUTING_KEYS, transformers_routing
 
-from rlfleet.trainer.backend_hf import HFBackend
-from rlfleet.trainer.routing_replay import replay_routing
+from rlfleet.trainer.backends.backend_hf import HFBackend
+from rlfleet.trainer.backends.routing_replay import replay_routing
 
 SEQ = 12
 

@@ -37,11 +37,11 @@ def _composition_root_parts(model_dir: Path, example_run):
     from rlfleet.local.emulated import EmulatedFleet, EmulatedSampler, SnapshotSink
     from rlfleet.numerics.engine_model import ModelShape
     from rlfleet.sampler.protocol import SamplingConfig
-    from rlfleet.trainer.backend_hf import HFBackend, OptimConfig
-    from rlfleet.trainer.environments import ToolAddEnv
+    from rlfleet.trainer.backends.backend_hf import HFBackend, OptimConfig
+    from rlfleet.trainer.envs.environments import ToolAddEnv
+    from rlfleet.trainer.envs.prompts import GeneratedPromptSource
     from rlfleet.trainer.objective import ObjectiveConfig
-    from rlfleet.trainer.prompts import GeneratedPromptSource
-    from rlfleet.trainer.rollout import RolloutDriver
+    from rlfleet.trainer.rollout.driver import RolloutDriver
 
     torch.manual_seed(0)
     shape = ModelShape.from_checkpoint(model_dir)

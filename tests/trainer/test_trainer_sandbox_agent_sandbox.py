@@ -237,7 +237,7 @@ def test_the_trainer_builds_the_backend_from_the_rljob(kube, crds, namespace: st
     from rlfleet.trainer.config import build_environment, resolve_run
 
     raw = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml").read_text())
-    raw["spec"]["rollout"]["environment"] = "rlfleet.trainer.swe_env:SweEnv"
+    raw["spec"]["rollout"]["environment"] = "rlfleet.trainer.envs.swe_env:SweEnv"
     raw["spec"]["rollout"]["sandbox"] = {"backend": "agent-sandbox", "template": "python-task", "warmPool": 3}
     rc = resolve_run(RLJob.model_validate(raw), local=False)
     # the SDK's own client: in a pod, its ServiceAccount token; here the test cluster's kubeconfig, which

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def job(sandbox: dict | None) -> RLJob:
     raw = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
-    raw["spec"]["rollout"]["environment"] = "rlfleet.trainer.swe_env:SweEnv"
+    raw["spec"]["rollout"]["environment"] = "rlfleet.trainer.envs.swe_env:SweEnv"
     if sandbox is not None:
         raw["spec"]["rollout"]["sandbox"] = sandbox
     return RLJob.model_validate(raw)

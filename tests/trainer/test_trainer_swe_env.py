@@ -4,7 +4,7 @@ the shipped tasks, and scripted policies through the rollout driver's episode lo
 (`rlfleet env try`). The correct policy earns 1 on every shipped task; a wrong patch, a patch that
 edits the tests, a fork bomb, an endless loop and a network call earn 0 with their reason, and the
 host is untouched: no process of a sandbox's uid is left, no work dir remains, nothing outside
-the work dir was written. The grader cannot be fooled (trainer/swe_grade.py): patches that pass
+the work dir was written. The grader cannot be fooled (trainer/envs/swe_grade.py): patches that pass
 without fixing, by unittest and by pytest, each earn 0 with their reason."""
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import pytest
 from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.local import UID_BASE, LocalSandbox
 from rlfleet.trainer.env_try import ScriptedSampler, byte_chat_tokenizer, try_episodes
-from rlfleet.trainer.environments import load_environment
-from rlfleet.trainer.prompts import DatasetPromptSource
-from rlfleet.trainer.swe_env import (
+from rlfleet.trainer.envs.environments import load_environment
+from rlfleet.trainer.envs.prompts import DatasetPromptSource
+from rlfleet.trainer.envs.swe_env import (
     NO_TOOL_MESSAGE,
     OUTPUT_HEAD_CHARS,
     SweEnv,
@@ -34,7 +34,7 @@ from rlfleet.trainer.swe_env import (
     load_tasks,
     truncate_output,
 )
-from rlfleet.trainer.swe_tasks import SHIPPED, build, tool_call
+from rlfleet.trainer.envs.swe_tasks import SHIPPED, build, tool_call
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "examples" / "swe" / "tasks.jsonl"
@@ -313,10 +313,10 @@ def test_a_dropped_sandbox_is_cleaned_up(bwrap) -> None:
 
 
 def test_the_task_file_is_a_prompt_set_for_the_environment() -> None:
-    """What a run's `rollout.dataset` + `rollout.environment: rlfleet.trainer.swe_env:SweEnv` give:
+    """What a run's `rollout.dataset` + `rollout.environment: rlfleet.trainer.envs.swe_env:SweEnv` give:
     the prompt source renders `messages` as SweEnv.prompt does and the rest is the task."""
     tok = byte_chat_tokenizer()
-    env = load_environment("rlfleet.trainer.swe_env:SweEnv", tokenizer=tok)
+    env = load_environment("rlfleet.trainer.envs.swe_env:SweEnv", tokenizer=tok)
     assert isinstance(env, SweEnv) and env.stop_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
     source = DatasetPromptSource(TASKS, tokenizer=tok, shuffle=False)
     for i, (task, _) in enumerate(SHIPPED):
@@ -368,7 +368,7 @@ def test_max_turns_without_submit_scores_0_and_closes_the_sandbox(bwrap) -> None
     assert line["reason"] == "max_turns (10) reached without submit()"
 
 
-# SWE-bench-style task files (trainer/swe_bench.py): a real git repository made here, a bug planted
+# SWE-bench-style task files (trainer/envs/swe_bench.py): a real git repository made here, a bug planted
 # at base_commit, a test_patch that adds the failing test, the reference fix as the policy's edit.
 
 CALC_BUGGY = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
@@ -429,7 +429,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def test_a_swe_bench_row_maps_to_a_task_exactly(tmp_path) -> None:
-    from rlfleet.trainer.swe_bench import load_swe_bench
+    from rlfleet.trainer.envs.swe_bench import load_swe_bench
 
     repo, base, tree = calc_repo(tmp_path)
     test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
@@ -535,7 +535,7 @@ def test_swe_bench_tasks_through_env_try_reward_exactly_the_right_patch(bwrap, t
 
 def test_a_converted_swe_bench_file_is_a_prompt_set_for_the_environment(tmp_path) -> None:
     """`rlfleet env swe-bench FILE --out TASKS`: the task file an RLJob's rollout.dataset reads."""
-    from rlfleet.trainer.swe_bench import cli, load_swe_bench
+    from rlfleet.trainer.envs.swe_bench import cli, load_swe_bench
 
     repo, base, _ = calc_repo(tmp_path)
     test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
@@ -543,7 +543,7 @@ def test_a_converted_swe_bench_file_is_a_prompt_set_for_the_environment(tmp_path
     out = tmp_path / "tasks.jsonl"
     assert cli([str(path), "--out", str(out)]) == 0
     tok = byte_chat_tokenizer()
-    env = load_environment("rlfleet.trainer.swe_env:SweEnv", tokenizer=tok)
+    env = load_environment("rlfleet.trainer.envs.swe_env:SweEnv", tokenizer=tok)
     source = DatasetPromptSource(out, tokenizer=tok, shuffle=False)
     for i, task in enumerate(load_swe_bench(path)):
         prompt = source.get(i)
@@ -551,7 +551,7 @@ def test_a_converted_swe_bench_file_is_a_prompt_set_for_the_environment(tmp_path
         assert SweTask.from_row(prompt.meta) == task
 
 
-# A grader an agent cannot fool (trainer/swe_grade.py): each patch below leaves stats.mean's bug in place
+# A grader an agent cannot fool (trainer/envs/swe_grade.py): each patch below leaves stats.mean's bug in place
 # and tries to pass anyway, a way an RL policy finds when the reward trusts the test command's exit code
 # (each of them earned 1 under the old grader but the settrace / gc / assert ones, which a plain test
 # run would not catch either). Each earns 0 with its reason, and the paths it touched among the test
@@ -680,7 +680,7 @@ def test_the_test_infra_touched_share_is_a_trainer_metric_on_its_exporter() -> N
     real exporter."""
     import urllib.request
 
-    from rlfleet.trainer.environments import EpisodeOutcome
+    from rlfleet.trainer.envs.environments import EpisodeOutcome
     from rlfleet.trainer.metrics import PrometheusExporter, rollout_metrics
 
     def outcome(touched: bool | None) -> EpisodeOutcome:
@@ -704,7 +704,7 @@ def test_the_test_infra_touched_share_is_a_trainer_metric_on_its_exporter() -> N
 def test_diff_paths_reads_spaces_and_git_quoted_paths() -> None:
     """The metric counts what the diff touches: a path with a space and a C-quoted one (git's form for
     unusual bytes, `core.quotePath`) are read whole, not skipped."""
-    from rlfleet.trainer.swe_env import diff_paths
+    from rlfleet.trainer.envs.swe_env import diff_paths
 
     diff = ('diff --git a/x.py b/x.py\n+x\ndiff --git a/te st/conftest.py b/te st/conftest.py\n'
             'diff --git "a/t\\303\\251st/con\\"f.py" "b/t\\303\\251st/con\\"f.py"\n')  # fmt: skip
@@ -732,7 +732,7 @@ def sandbox_pytest(bwrap) -> None:
 
 
 def pytest_task(tmp_path: Path) -> SweTask:
-    from rlfleet.trainer.swe_bench import load_swe_bench
+    from rlfleet.trainer.envs.swe_bench import load_swe_bench
 
     repo = tmp_path / "calc-repo"
     tree = {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": PYTEST_TESTS}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.trainer import environments as env_mod
-from rlfleet.trainer.environments import ToyVocab, copy_digit_prompt, same_parity_reward, tool_add_prompt
+from rlfleet.trainer.envs import environments as env_mod
+from rlfleet.trainer.envs.environments import ToyVocab, copy_digit_prompt, same_parity_reward, tool_add_prompt
 
 D = ToyVocab.digit
 EOS, CALL, END = ToyVocab.EOS, ToyVocab.CALL, ToyVocab.END_CALL
@@ -85,7 +85,7 @@ def test_retry_digit_episode(turns: list[list[int]], appended: list[list[int]], 
 
 
 def test_retry_digit_prompts_hide_the_shown_digit_in_60_percent() -> None:
-    from rlfleet.trainer.prompts import GeneratedPromptSource
+    from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 
     source = GeneratedPromptSource("retry_digit", seed=3)
     prompts = [source.get(i) for i in range(4000)]

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlfleet.trainer.config import RunConfig
-from rlfleet.trainer.prompts import PromptFileError
+from rlfleet.trainer.envs.prompts import PromptFileError
 from rlfleet.trainer.run import BaseModel, load_tokenizer, rollout_inputs
 
 
@@ -32,7 +32,7 @@ def test_hf_base_tokenizer_reaches_the_prompt_source_and_the_environment(
     dataset = tmp_path / "math.jsonl"
     dataset.write_text(json.dumps({"messages": chat, "answer": "5"}) + "\n")
 
-    env, prompts = rollout_inputs(example_run(environment="rlfleet.trainer.environments:MathEnv", dataset=str(dataset), seed=0, max_turns=1), base)
+    env, prompts = rollout_inputs(example_run(environment="rlfleet.trainer.envs.environments:MathEnv", dataset=str(dataset), seed=0, max_turns=1), base)
     assert env.tokenizer is prompts.tokenizer is not None  # one tokenizer, from the base checkpoint
     assert env.tokenizer.name_or_path == str(source)
     prompt = prompts.get(0)
@@ -71,7 +71,7 @@ def test_an_environment_without_built_in_prompts_and_no_dataset_says_to_set_one(
     tiny_model(TinyQwen3(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16,
                          max_position_embeddings=48)).save_pretrained(checkpoint)
     base = BaseModel(backend=None, vocab_size=32, max_seq_len=48, source_dir=checkpoint)
-    plugin = "rlfleet.trainer.environments:MathEnv"
+    plugin = "rlfleet.trainer.envs.environments:MathEnv"
     for dataset in (None, "", "builtin"):
         with pytest.raises(PromptFileError) as err:
             rollout_inputs(example_run(environment=plugin, dataset=dataset, seed=0, max_turns=1), base)

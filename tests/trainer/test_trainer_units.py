@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from support.ports import free_port
 
 from rlfleet.api import SafetySpec
-from rlfleet.trainer import advantages, checkpoint, collapse, environments, metrics, prompts
-from rlfleet.trainer.environments import ToyVocab as V
+from rlfleet.trainer import advantages, collapse, metrics
+from rlfleet.trainer.envs import environments, prompts
+from rlfleet.trainer.envs.environments import ToyVocab as V
+from rlfleet.trainer.publish import checkpoint
 
 
 # ---------------------------------------------------------------- environments
@@ -62,14 +64,14 @@ def test_tool_add_malformed_call_gets_err_and_counts():
 
 def test_load_environment_entry_points(tmp_path, monkeypatch):
     assert environments.load_environment("copy_digit") is environments.copy_digit
-    env = environments.load_environment("rlfleet.trainer.environments:ToolAddEnv", max_turns=2)
+    env = environments.load_environment("rlfleet.trainer.envs.environments:ToolAddEnv", max_turns=2)
     assert isinstance(env, environments.ToolAddEnv) and env.max_turns == 2
     (tmp_path / "myreward.py").write_text("def reward(prompt, ids):\n    return float(len(ids))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     env = environments.load_environment("myreward:reward")
     p = environments.copy_digit_prompt(0, 1)
     assert env.score(p, {}, [[5, 6, 7]]).reward == 3.0
-    for bad in ("nocolon", "no_such_module_xyz:f", "rlfleet.trainer.environments:nope"):
+    for bad in ("nocolon", "no_such_module_xyz:f", "rlfleet.trainer.envs.environments:nope"):
         with pytest.raises(environments.EnvironmentLoadError):
             environments.load_environment(bad)
 
@@ -154,7 +156,7 @@ def test_objective_metrics_flatten_groups_views_and_shares():
 
 
 def test_rollout_metrics_rates():
-    from rlfleet.trainer.environments import EpisodeOutcome
+    from rlfleet.trainer.envs.environments import EpisodeOutcome
 
     outs = [EpisodeOutcome(1.0, 2, False, False, 0, 1), EpisodeOutcome(0.0, 3, True, True, 1, 0)]
     m = metrics.rollout_metrics(outs, [[5, 5, 5, 6], [7]], ["a", "b"])
@@ -462,7 +464,7 @@ def test_a_damaged_newest_checkpoint_is_refused_and_the_previous_one_resumes(tmp
         newest.unlink()
     else:  # the right size and digest of other bytes cannot be faked by accident: a foreign file
         newest.write_bytes(b"x" * newest.stat().st_size)
-    with caplog.at_level("WARNING", logger="rlfleet.trainer.checkpoint"):
+    with caplog.at_level("WARNING", logger="rlfleet.trainer.publish.checkpoint"):
         state = checkpoint.load_latest(tmp_path)
     assert state["step"] == 1 and state["w"].tolist() == [1.0, 1.0]
     assert any("ckpt-00000002.pt" in r.getMessage() and "not loaded" in r.getMessage() for r in caplog.records)
@@ -488,7 +490,7 @@ def test_a_checkpoint_whose_pickle_calls_a_function_is_refused_not_run(tmp_path,
     directory = tmp_path / "ckpts"
     checkpoint.save_checkpoint(directory, {"step": 1, "w": torch.full((2,), 1.0)})
     checkpoint.save_checkpoint(directory, {"step": 2, "w": _RunsACommand(marker)})
-    with caplog.at_level("WARNING", logger="rlfleet.trainer.checkpoint"):
+    with caplog.at_level("WARNING", logger="rlfleet.trainer.publish.checkpoint"):
         state = checkpoint.load_latest(directory)
     assert state["step"] == 1 and state["w"].tolist() == [1.0, 1.0]
     assert not marker.exists()
@@ -622,7 +624,7 @@ def test_build_backend_trains_an_hf_checkpoint_source_with_the_hf_backend(tmp_pa
     from safetensors.torch import load_file
 
     from rlfleet.tiny_qwen3 import build_tiny_qwen3
-    from rlfleet.trainer.backend_hf import HFBackend
+    from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.run import build_backend
 
     source = build_tiny_qwen3(tmp_path / "qwen3")
@@ -671,7 +673,7 @@ def test_expert_parallelism_from_the_manifest_reaches_the_megatron_config(tmp_pa
 
     from rlfleet.api.rljob import ParallelismSpec
     from rlfleet.tiny_qwen3 import TinyQwen3, build_tiny_qwen3
-    from rlfleet.trainer.backend_megatron import UnsupportedModel
+    from rlfleet.trainer.backends.backend_megatron import UnsupportedModel
     from rlfleet.trainer.run import megatron_model_config
 
     rc = SimpleNamespace(max_tokens_per_micro_batch=4096, activation_checkpointing=False)

@@ -42,7 +42,7 @@ from rlfleet.sampler.sync_state import SyncConfig
 from rlfleet.sampler.syncer import Syncer
 from rlfleet.store import FilesystemStore, ObjectTooLargeError, S3Store, Store, StoreUnavailableError
 from rlfleet.trainer.failures import FailureContext, describe_failure
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 FAR_FUTURE = "2099-01-01T00:00:00+00:00"
 
@@ -142,7 +142,7 @@ def test_the_trainer_publishes_only_its_jobs_views(
     store = FilesystemStore(tmp_path / "store", create=True)
     WeightChannel(store).report(SubscriberReport("g", "r", "fp8", None, []))
     publisher = WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir, allowed_views=["bf16"])
-    with caplog.at_level(logging.WARNING, logger="rlfleet.trainer.publisher"):
+    with caplog.at_level(logging.WARNING, logger="rlfleet.trainer.publish.publisher"):
         first = publisher.publish(tiny_state(0), version=0)
         second = publisher.publish(tiny_state(1), version=1)
     assert sorted(first.manifest.views) == sorted(second.manifest.views) == ["bf16"]

@@ -1,5 +1,5 @@
 """Checkpoints next to the weight channel, as an adversary and a fenced trainer would meet them
-(trainer/checkpoint.py), on every store kind (filesystem, S3 with conditional writes, S3 lock-free: moto's
+(trainer/publish/checkpoint.py), on every store kind (filesystem, S3 with conditional writes, S3 lock-free: moto's
 real server) and on a checkpoint directory (local mode, a filesystem channel's `checkpoints/`).
 
 1. Names are names: `latest` is data from the store; an entry that is not exactly a name the trainer
@@ -23,8 +23,8 @@ import torch
 
 from rlfleet.channel import LeaseLostError
 from rlfleet.store import FilesystemStore, S3Store, Store
-from rlfleet.trainer import checkpoint
-from rlfleet.trainer.checkpoint import CheckpointError, WriterFence
+from rlfleet.trainer.publish import checkpoint
+from rlfleet.trainer.publish.checkpoint import CheckpointError, WriterFence
 
 ATTACKS = ("{victim}", "../../victim", "ckpt-00000001.pt/../../x", "/", "", ".", "ckpt-00000001.pt\n",
            "ckpt-1.pt", "ckpt-00000001-g0.pt", "ckpt-00000001-g01.pt", "ckpt-０００００００１.pt", 7, None)  # fmt: skip
@@ -109,7 +109,7 @@ def test_names_in_latest_are_names_never_paths(
     crafted = [{"name": a.format(victim=tmp_path / "abs-victim") if isinstance(a, str) else a, "digest": digest,
                 "bytes": 8} for a in ATTACKS]  # fmt: skip
     write_latest(target, {"checkpoints": good + crafted})  # newest last: every attack is tried before step 1
-    with caplog.at_level(logging.WARNING, logger="rlfleet.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlfleet.trainer.publish.checkpoint"):
         resumed = checkpoint.load_latest(target)
     assert resumed is not None and resumed["step"] == 1
     for path, data in victims.items():
@@ -138,7 +138,7 @@ def test_a_symbolic_link_in_the_checkpoint_directory_is_refused_and_its_target_u
     victim = tmp_path / "victim.pt"
     (directory / "ckpt-00000002.pt").replace(victim)  # a real checkpoint's bytes: its digest matches
     (directory / "ckpt-00000002.pt").symlink_to(victim)
-    with caplog.at_level(logging.WARNING, logger="rlfleet.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="rlfleet.trainer.publish.checkpoint"):
         resumed = checkpoint.load_latest(directory)
     assert resumed is not None and resumed["step"] == 1
     assert any("ckpt-00000002.pt" in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records)

@@ -19,7 +19,7 @@ import torch
 from rlfleet.channel import read_channel_status
 from rlfleet.store import FilesystemStore
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 GROUPS = {"a100-bf16": "bf16", "h100-fp8": "fp8", "b200-nvfp4": "nvfp4"}
 

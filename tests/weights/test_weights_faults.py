@@ -17,7 +17,7 @@ import torch
 from rlfleet.channel import WeightChannel
 from rlfleet.store import FilesystemStore
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 # A publisher in its own process. Its store sleeps after each durable file (a slow shared volume),
 # so the test can SIGKILL it with some bytes written and the manifest / pointer not yet.
@@ -28,7 +28,7 @@ SLOW_PUBLISHER = textwrap.dedent(
     from rlfleet.numerics.views import calibrate_activation_amax
     from rlfleet.store import FilesystemStore
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-    from rlfleet.trainer.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import WeightPublisher
 
     class SlowStore(FilesystemStore):
         def put_file(self, key, path, **kwargs):

@@ -21,7 +21,7 @@ from rlfleet.channel import (
 )
 from rlfleet.store import Store
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 
 def stored_lease(store: Store) -> WriterLease:

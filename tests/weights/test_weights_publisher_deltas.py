@@ -1,4 +1,4 @@
-"""The trainer's publisher stores each view as an anchor or a delta (trainer/publisher.py; docs/weights.md,
+"""The trainer's publisher stores each view as an anchor or a delta (trainer/publish/publisher.py; docs/weights.md,
 "Deltas between versions"), and retention keeps every version a kept one is rebuilt from.
 
 Real publishers (the tiny Qwen3 of `tiny_qwen3_dir`, or tensor-only views) on a real directory and a real
@@ -21,7 +21,7 @@ from rlfleet.deltas import DELTA_SUFFIX, apply_delta, encode_delta
 from rlfleet.numerics.views import save_view
 from rlfleet.store import FilesystemStore, Store, StoreError, hash_file
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-from rlfleet.trainer.publisher import SNAPSHOT_PREFIX, WeightPublisher
+from rlfleet.trainer.publish.publisher import SNAPSHOT_PREFIX, WeightPublisher
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -230,7 +230,7 @@ def test_the_share_bound_is_exact(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     publisher.publish({"w": weights})  # v2: k elements changed
     assert publisher.last_published["bf16"].kind == "delta"
     weights.view(-1)[k : 2 * k + 1] = 100.0  # first gap k + 1 (from -1): one byte, as the others
-    caplog.set_level(logging.INFO, logger="rlfleet.trainer.publisher")
+    caplog.set_level(logging.INFO, logger="rlfleet.trainer.publish.publisher")
     publisher.publish({"w": weights})  # v3: k + 1
     assert kinds(store, range(4)) == [None, None, 1, None]
     stats = publisher.last_published["bf16"]

@@ -72,7 +72,7 @@ from rlfleet.numerics.views import (
 )
 from rlfleet.store import FileDigest, FilesystemStore
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

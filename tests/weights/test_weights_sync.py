@@ -32,7 +32,7 @@ from rlfleet.sampler.sync_state import SyncConfig
 from rlfleet.sampler.syncer import Syncer
 from rlfleet.store import FilesystemStore, S3Store, Store, StoreUnavailableError
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 
 def tiny_state(seed: int) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from test_weights_e2e import stop_processes, trained, wait_port
 
 from rlfleet.channel import WeightChannel
 from rlfleet.store import FilesystemStore
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 KEY = "test-engine-key-0123456789"
 GROUP = "cpu-bf16"

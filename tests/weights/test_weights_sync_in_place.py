@@ -26,7 +26,7 @@ from rlfleet.sampler.launch_checkpoint import read_launch_file
 from rlfleet.sampler.sync_state import SyncConfig
 from rlfleet.sampler.syncer import Syncer
 from rlfleet.store import FilesystemStore, S3Store
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 
 def in_place_syncer(

@@ -14,7 +14,7 @@ from test_weights_sync import RecordingEngine, engine, make_syncer, tiny_state  
 from rlfleet.channel import SubscriberReport, WeightChannel
 from rlfleet.sampler.launch_checkpoint import read_launch_file
 from rlfleet.store import FilesystemStore
-from rlfleet.trainer.publisher import WeightPublisher
+from rlfleet.trainer.publish.publisher import WeightPublisher
 
 
 def _views(root: Path) -> dict[str, Path]:

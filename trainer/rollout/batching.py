@@ -18,7 +18,7 @@ import numpy as np
 
 from rlfleet.records import HEAD_MODE, SUPPORT_MODE, SampledTurn
 from rlfleet.trainer.advantages import grpo_advantages
-from rlfleet.trainer.rollout import PromptGroup, Rollout
+from rlfleet.trainer.rollout.driver import PromptGroup, Rollout
 
 
 @dataclass
@@ -49,7 +49,7 @@ class FlatBatch:
     invalid_reasons_by_group: dict[str, dict[str, int]] = field(default_factory=dict)
     # int32 [T, layers, top_k] (a mixture of experts whose samplers returned routing; None otherwise):
     # the experts the sampler's router chose at each row's logit position, every id -1 for a row whose
-    # turn carried none (trainer/routing.py compares them with the trainer's own)
+    # turn carried none (trainer/backends/routing.py compares them with the trainer's own)
     routed_experts: np.ndarray | None = None
     trainer_version: int = 0  # the weight version the trainer holds while it trains on this batch
 

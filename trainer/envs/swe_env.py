@@ -1,9 +1,9 @@
 """The SWE environment: an agent fixes a bug in a repository with tools, and earns 1 only if the
 task's hidden tests pass in a FRESH sandbox built from the snapshot + its submitted diff (the
-working sandbox never grades itself). Entry point `rlfleet.trainer.swe_env:SweEnv`; the protocol,
+working sandbox never grades itself). Entry point `rlfleet.trainer.envs.swe_env:SweEnv`; the protocol,
 the limits and what the sandbox isolates are in docs/environments.md 'The SWE environment'.
 
-Token-in / token-out like every multi-turn environment (trainer/environments.py): the prompt (the
+Token-in / token-out like every multi-turn environment (trainer/envs/environments.py): the prompt (the
 system message with the tool protocol + the task statement) is rendered by the model's chat
 template once; every tool result is a `tool` message whose ids `ChatTurnEncoder` appends after the
 model's turn. A model turn calls at most one tool, Hermes/Qwen style:
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-from rlfleet.trainer.environments import ChatTurnEncoder, Environment, EnvStep, EpisodeOutcome
-from rlfleet.trainer.prompts import Prompt, render_chat_prompt
-from rlfleet.trainer.swe_grade import (
+from rlfleet.trainer.envs.environments import ChatTurnEncoder, Environment, EnvStep, EpisodeOutcome
+from rlfleet.trainer.envs.prompts import Prompt, render_chat_prompt
+from rlfleet.trainer.envs.swe_grade import (
     GradeResult,
     git_apply,
     grading_plan,
@@ -387,7 +387,7 @@ class SweEnv(Environment):
 
     def _grade(self, ep: EpisodeState) -> None:
         """The submitted diff, applied in a fresh sandbox from the snapshot, graded by the hidden tests
-        through the grader's own runner (trainer/swe_grade.py)."""
+        through the grader's own runner (trainer/envs/swe_grade.py)."""
         assert ep.sandbox is not None
         task, diff = ep.task, ep.sandbox.diff()
         self._close(ep)  # the working sandbox never grades itself

@@ -1,4 +1,4 @@
-"""What both trainer backends (trainer/backend_hf.py, trainer/backend_megatron.py) share: the optimizer
+"""What both trainer backends (trainer/backends/backend_hf.py, trainer/backends/backend_megatron.py) share: the optimizer
 configuration, the conversion of a FlatBatch into the objective's TokenBatch, and `RankCommands`, the
 way rank 0 drives the other ranks of a multi-process trainer.
 
@@ -17,9 +17,14 @@ import numpy as np
 import torch
 
 from rlfleet.records import SUPPORT_MODE
-from rlfleet.trainer.batching import FlatBatch
+from rlfleet.trainer.backends.routing import (
+    ROUTING_COUNT,
+    combine_routing_metrics,
+    routing_metrics,
+    routing_mismatch,
+)
 from rlfleet.trainer.objective import MEAN_METRICS, LossOutput, TokenBatch
-from rlfleet.trainer.routing import ROUTING_COUNT, combine_routing_metrics, routing_metrics, routing_mismatch
+from rlfleet.trainer.rollout.batching import FlatBatch
 
 _log = logging.getLogger(__name__)
 
@@ -74,7 +79,7 @@ def to_token_batch(flat: FlatBatch, group_index: dict[str, int]) -> TokenBatch:
 def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """Metric dicts of one scope over disjoint token sets (micro-batches, ranks) -> the union's: counts
     add, token means are token-weighted, maxima take the max, a mixture of experts' routing mismatch is
-    weighted by its compared tokens (trainer/routing.py); all exact. One part is returned as is; with
+    weighted by its compared tokens (trainer/backends/routing.py); all exact. One part is returned as is; with
     several the non-decomposable `ess` is dropped."""
     if len(parts) == 1:
         return dict(parts[0])
@@ -227,7 +232,7 @@ def trainer_experts(router_logits: list[torch.Tensor], positions: torch.Tensor, 
 
 def add_routing_metrics(out: LossOutput, flat: FlatBatch, full: TokenBatch, rows: np.ndarray, trainer: np.ndarray,
                         compared: np.ndarray) -> None:
-    """The routing mismatch (trainer/routing.py) of a micro-batch's compared `rows` into `out`'s metrics
+    """The routing mismatch (trainer/backends/routing.py) of a micro-batch's compared `rows` into `out`'s metrics
     and per-group metrics; `trainer`: the trainer's experts of each row [R, layers, k]."""
     sampler = flat.routed_experts
     assert sampler is not None  # routing_compared_rows said so

@@ -1,6 +1,6 @@
 """The `megatron` backend: megatron-core (0.19) GPTModel, its schedules and the distributed optimizer,
 with the vocab-parallel corrected objective. Runs on CUDA GPUs, or on CPU (device "cpu", gloo, fp32,
-local layer spec, the shims of trainer/megatron_cpu.py) for a trainer on a CPU class; megatron is
+local layer spec, the shims of trainer/backends/megatron_cpu.py) for a trainer on a CPU class; megatron is
 imported lazily so this module imports (and its pure parts are tested) anywhere. The CPU tier
 (docs/testing.md) runs it for real on CPU against transformers' Qwen3.
 
@@ -12,7 +12,7 @@ How a step runs (documented megatron-core API, nothing private):
   `megatron_support.parallelism_support` (PP > 1, CP > 1) are refused before anything is built.
 - Qwen3-MoE (`model_type: qwen3_moe`): every layer's MLP is megatron-core's MoELayer (TopKRouter,
   SequentialMLP experts, alltoall token dispatcher, no shared expert), routing as Qwen3-MoE's router
-  (`_moe_config`), transformers' load-balancing loss (trainer/megatron_moe.py) when the config sets
+  (`_moe_config`), transformers' load-balancing loss (trainer/backends/megatron_moe.py) when the config sets
   `output_router_logits`; expert parallelism EP splits the experts over ranks (`expert_parallel`).
 - `parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=1, expert_model_parallel_size=ep)`
   once, under torchrun.
@@ -25,12 +25,12 @@ How a step runs (documented megatron-core API, nothing private):
 - Rank 0 drives the rollouts and the loop; every other rank runs `follow()`, executing the commands
   rank 0 broadcasts (`step` with the batch, `weights`, `state`, `load`, `stop`). Each data-parallel
   rank takes its share of the batch's sequences (b % dp) and packs it into micro-batches of at most
-  `max_tokens_per_micro_batch` tokens (trainer/batching.py `plan_micro_batches`, first-fit
+  `max_tokens_per_micro_batch` tokens (trainer/rollout/batching.py `plan_micro_batches`, first-fit
   decreasing, every sequence cut after its last sampled token; one longer than the budget trains
   alone): one row of sequences back to back, no padding, in megatron-core's THD layout
   (`PackedSeqParams` with the cumulative lengths: rotary positions restart at each sequence,
   attention stays within each). TransformerEngine's attention takes THD natively; the local spec's
-  core attention is trainer/megatron_packed.py `PackedDotProductAttention` (megatron's own refuses
+  core attention is trainer/backends/megatron_packed.py `PackedDotProductAttention` (megatron's own refuses
   THD). The loss and metrics rank 0 returns are merged over all micro-batches and data-parallel
   replicas (backend_common `merge_loss_outputs`).
 - Sequence parallelism is on when TP > 1; it needs T % TP == 0, so a packed row is right-padded to a
@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
-from rlfleet.trainer.backend_common import (
+from rlfleet.trainer.backends.backend_common import (
     OptimConfig,
     RankCommands,
     add_routing_metrics,
@@ -84,13 +84,18 @@ from rlfleet.trainer.backend_common import (
     to_token_batch,
     trainer_experts,
 )
-from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
-from rlfleet.trainer.checkpoint import load_checkpoint_file
-from rlfleet.trainer.megatron_support import expert_support, parallelism_support, shape_support, world_support
+from rlfleet.trainer.backends.megatron_support import (
+    expert_support,
+    parallelism_support,
+    shape_support,
+    world_support,
+)
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
+from rlfleet.trainer.publish.checkpoint import load_checkpoint_file
+from rlfleet.trainer.rollout.batching import FlatBatch, MicroBatch, plan_micro_batches
 
 if TYPE_CHECKING:
-    from rlfleet.trainer.megatron_moe import RouterAuxLoss, RouterLogits
+    from rlfleet.trainer.backends.megatron_moe import RouterAuxLoss, RouterLogits
 
 
 class BackendUnavailable(RuntimeError):
@@ -131,7 +136,7 @@ class MegatronModelConfig:
     activation_checkpointing: bool = False  # recompute every layer in backward (megatron's full, uniform recompute)
     seed: int = 0
     params_dtype: str = "bfloat16"  # the trainer's precision; "float32" in the CPU parity tier
-    device: str = "cuda"  # "cpu": a CPU class or the CPU test tier (gloo, local layer spec, trainer/megatron_cpu.py shims)
+    device: str = "cuda"  # "cpu": a CPU class or the CPU test tier (gloo, local layer spec, trainer/backends/megatron_cpu.py shims)
 
     @property
     def head_dim(self) -> int:
@@ -450,7 +455,7 @@ def _megatron(allow_te: bool = True) -> Any:
         if te:
             return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
                                                               qk_layernorm=qk_layernorm)
-        from rlfleet.trainer.megatron_packed import PackedDotProductAttention
+        from rlfleet.trainer.backends.megatron_packed import PackedDotProductAttention
 
         layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
                                          normalization="RMSNorm")
@@ -518,7 +523,7 @@ class MegatronBackend(RankCommands):
         on_cpu = model_config.device == "cpu"
         mg = _megatron(allow_te=not on_cpu)
         if on_cpu:  # a CPU class (gloo): megatron-core's unconditional CUDA calls land on the CPU
-            from rlfleet.trainer.megatron_cpu import install_cpu_shims
+            from rlfleet.trainer.backends.megatron_cpu import install_cpu_shims
 
             install_cpu_shims()
         self.mg = mg
@@ -588,7 +593,7 @@ class MegatronBackend(RankCommands):
         self.router_aux: RouterAuxLoss | None = None
         self.router_logits: RouterLogits | None = None
         if c.num_experts is not None:
-            from rlfleet.trainer.megatron_moe import RouterAuxLoss, RouterLogits, attach
+            from rlfleet.trainer.backends.megatron_moe import RouterAuxLoss, RouterLogits, attach
 
             self.router_logits = RouterLogits()  # the routing mismatch against the samplers' experts
             if c.router_aux_loss_coef > 0:  # transformers' load-balancing loss
@@ -776,7 +781,7 @@ class MegatronBackend(RankCommands):
     def _packed(self, flat: FlatBatch, full: TokenBatch, mb: MicroBatch, tp: int) -> PackedMicroBatch:
         """`mb` as one packed row on the device. Under sequence parallelism the row is split over the TP
         ranks (T % TP == 0): a last sequence of padding tokens fills it up, read by no loss row."""
-        from rlfleet.trainer.megatron_packed import packed_seq_params
+        from rlfleet.trainer.backends.megatron_packed import packed_seq_params
 
         if len(mb.seqs):
             input_ids, position_ids, row_index = mb.packed(flat)
@@ -882,7 +887,7 @@ class MegatronBackend(RankCommands):
         with tempfile.TemporaryDirectory(prefix="rlfleet-mg-") as tmp:
             path = os.path.join(tmp, "param_state.pt")
             self.optimizer.save_parameter_state(path)  # collective over the DP group; writes on DP rank 0
-            # weights only (trainer/checkpoint.py, SAFE_GLOBALS): the same state is unpickled from the store on resume
+            # weights only (trainer/publish/checkpoint.py, SAFE_GLOBALS): the same state is unpickled from the store on resume
             param_state = load_checkpoint_file(path) if os.path.exists(path) else None
         local = {"model": model, "optimizer": self.optimizer.state_dict(), "param_state": param_state}
         rank = torch.distributed.get_rank()

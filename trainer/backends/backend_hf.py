@@ -11,10 +11,10 @@ forward runs in bf16 (autocast on one GPU, FSDP2's MixedPrecisionPolicy with fp3
 reduction on several); the objective's logit tiles are computed and reduced in fp32.
 
 Micro-batches: each rank's sequences are packed (back to back, no padding, position ids restarting at
-each sequence) into micro-batches of at most `max_tokens_per_micro_batch` tokens (trainer/batching.py
+each sequence) into micro-batches of at most `max_tokens_per_micro_batch` tokens (trainer/rollout/batching.py
 `plan_micro_batches`; a longer sequence trains alone), each forwarded and backwarded in turn, its
 gradient accumulated. A sequence is cut after its last sampled token (causal attention: what follows
-changes no trained row). Attention over a packed row runs per sequence (trainer/attention.py, the
+changes no trained row). Attention over a packed row runs per sequence (trainer/backends/attention.py, the
 variable-length path: no pair across sequences is computed, no [L, L] mask exists); a model whose
 attention does not go through transformers' AttentionInterface keeps its own, with transformers'
 block-causal mask. The model's forward projects no position to the vocabulary
@@ -41,7 +41,7 @@ config sets `output_router_logits`, the model's router load-balancing loss (tran
 every token of the packed micro-batch) times the config's `router_aux_loss_coef` is added to the policy
 loss, each micro-batch's weighted by its valid tokens (docs/objective.md "Mixture of experts"). The reported
 loss is the policy loss alone. With `routing_replay` (RLJob `correction.routingReplay`) each trained token's
-logit position is routed to the experts its sampler chose (trainer/routing_replay.py, docs/objective.md
+logit position is routed to the experts its sampler chose (trainer/backends/routing_replay.py, docs/objective.md
 "Routing replay").
 """
 
@@ -59,8 +59,8 @@ import torch.distributed as dist
 
 from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
 from rlfleet.hf_config import is_moe_config
-from rlfleet.trainer.attention import use_varlen_attention
-from rlfleet.trainer.backend_common import (
+from rlfleet.trainer.backends.attention import use_varlen_attention
+from rlfleet.trainer.backends.backend_common import (
     OptimConfig,
     RankCommands,
     add_routing_metrics,
@@ -69,9 +69,9 @@ from rlfleet.trainer.backend_common import (
     to_token_batch,
     trainer_experts,
 )
-from rlfleet.trainer.batching import FlatBatch, MicroBatch, plan_micro_batches
+from rlfleet.trainer.backends.routing_replay import check_replayable, replay_routing
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
-from rlfleet.trainer.routing_replay import check_replayable, replay_routing
+from rlfleet.trainer.rollout.batching import FlatBatch, MicroBatch, plan_micro_batches
 
 
 class HFBackend(RankCommands):
@@ -96,7 +96,7 @@ class HFBackend(RankCommands):
         `trainer.maxTokensPerMicroBatch`). `activation_checkpointing`: keep only each decoder layer's
         input and recompute the layer in backward (transformers' gradient checkpointing).
         `routing_replay`: route each token to the experts its sampler's router chose (RLJob
-        `correction.routingReplay`, trainer/routing_replay.py); refused for a model with no Qwen3-MoE router."""
+        `correction.routingReplay`, trainer/backends/routing_replay.py); refused for a model with no Qwen3-MoE router."""
         if max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
         self.max_tokens = max_tokens_per_micro_batch
@@ -194,7 +194,7 @@ class HFBackend(RankCommands):
 
     def _micro_batch_backward(self, flat: FlatBatch, full: TokenBatch, mb: MicroBatch) -> LossOutput:
         """Forward the micro-batch's sequences packed into one row (position ids restart at each
-        sequence: attention stays within each, trainer/attention.py), the fused lm_head + objective on the final hidden states of its rows,
+        sequence: attention stays within each, trainer/backends/attention.py), the fused lm_head + objective on the final hidden states of its rows,
         backward of its loss SUM."""
         input_ids, position_ids, row_index = mb.packed(flat)
         batch = full.select(torch.from_numpy(mb.rows))
@@ -227,7 +227,7 @@ class HFBackend(RankCommands):
     ) -> AbstractContextManager[None]:
         """With routing replay on and routing in the batch: the forward routes each row's logit position
         (`row_index`, where `_add_routing_metrics` reads the trainer's own choice) to the row's sampler
-        experts (trainer/routing_replay.py); positions of no row, and rows of -1, route as usual."""
+        experts (trainer/backends/routing_replay.py); positions of no row, and rows of -1, route as usual."""
         if not self.routing_replay or flat.routed_experts is None:
             return nullcontext()
         routed = flat.routed_experts[mb.rows]
@@ -252,7 +252,7 @@ class HFBackend(RankCommands):
         router_logits: tuple[torch.Tensor, ...],
         compared: np.ndarray,
     ) -> None:
-        """The routing mismatch of the micro-batch's compared rows (trainer/routing.py) into `out`'s
+        """The routing mismatch of the micro-batch's compared rows (trainer/backends/routing.py) into `out`'s
         metrics and per-group metrics. The trainer's experts are its router's own choice: the top-k of
         the float32 softmax of each layer's router logits at the row's position."""
         assert flat.routed_experts is not None  # _routing_compared said so
@@ -343,7 +343,7 @@ class HFBackend(RankCommands):
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint state {"model", "optimizer"}. One process: the module's and optimizer's own
-        state dicts (live tensors: save them before the next step, as trainer/checkpoint.py does).
+        state dicts (live tensors: save them before the next step, as trainer/publish/checkpoint.py does).
         Several: a collective; rank 0 gets the FULL (unsharded, CPU) model and optimizer state, keyed by
         parameter name (torch.distributed.checkpoint), every other rank (through `follow()`) empty dicts;
         rank 0 saves it."""

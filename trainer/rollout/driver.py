@@ -46,8 +46,8 @@ from rlfleet.records import SampledTurn
 from rlfleet.retries import OutagePolicy
 from rlfleet.sampler.client import TurnFailed
 from rlfleet.sampler.protocol import SamplingConfig
-from rlfleet.trainer.environments import Environment, EpisodeOutcome
-from rlfleet.trainer.prompts import Prompt, PromptSource
+from rlfleet.trainer.envs.environments import Environment, EpisodeOutcome
+from rlfleet.trainer.envs.prompts import Prompt, PromptSource
 
 log = logging.getLogger(__name__)
 

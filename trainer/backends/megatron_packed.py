@@ -3,10 +3,10 @@ back to back, `PackedSeqParams` with their cumulative lengths) on every layer sp
 
 TransformerEngine's attention takes THD natively. megatron-core 0.19.2's local (pure PyTorch) core
 attention, the CPU tier's, asserts `packed_seq_params is None`; `PackedDotProductAttention` takes its
-place in the local spec: for a packed row it runs trainer/attention.py's per-sequence causal
+place in the local spec: for a packed row it runs trainer/backends/attention.py's per-sequence causal
 attention (the sequences from `cu_seqlens_q`), anything else goes to megatron's own DotProductAttention.
 Rotary embeddings of a packed row restart at each sequence in megatron's own code (`apply_rotary_pos_emb`
-with `cu_seqlens`), as TE's do. Imported by trainer/backend_megatron.py where megatron-core is installed.
+with `cu_seqlens`), as TE's do. Imported by trainer/backends/backend_megatron.py where megatron-core is installed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from rlfleet.trainer.attention import causal_attention_per_sequence
+from rlfleet.trainer.backends.attention import causal_attention_per_sequence
 
 
 class PackedDotProductAttention(DotProductAttention):

@@ -8,7 +8,7 @@ position i continues the exact stream without re-serving consumed prompts.
 
 Text prompts are rendered ONCE, here, with `tokenizer.apply_chat_template(messages, tokenize=True,
 add_generation_prompt=True)`; from then on the trajectory is token ids only (the sampler extends the
-ids, environments append ids: trainer/environments.py ChatTurnEncoder), so the trainer scores
+ids, environments append ids: trainer/envs/environments.py ChatTurnEncoder), so the trainer scores
 exactly the ids the sampler produced (docs/environments.md).
 """
 
@@ -215,7 +215,7 @@ class GeneratedPromptSource:
         self.seed = seed
 
     def get(self, index: int) -> Prompt:
-        from rlfleet.trainer.environments import copy_digit_prompt, retry_digit_prompt, tool_add_prompt
+        from rlfleet.trainer.envs.environments import copy_digit_prompt, retry_digit_prompt, tool_add_prompt
 
         rng = np.random.default_rng([self.seed, index])
         if self.task in ("copy_digit", "same_parity"):  # both: one digit to answer about

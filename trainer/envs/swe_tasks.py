@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rlfleet.trainer.swe_env import SweTask
+from rlfleet.trainer.envs.swe_env import SweTask
 
 TEST_COMMAND = "python3 -m unittest discover -s tests -t . -q"
 
@@ -106,7 +106,7 @@ SHIPPED: list[tuple[SweTask, tuple[str, str, str]]] = [
 
 
 def tool_call(name: str, **arguments: object) -> str:
-    """A reply that calls one tool, in the protocol's format (trainer/swe_env.py)."""
+    """A reply that calls one tool, in the protocol's format (trainer/envs/swe_env.py)."""
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 

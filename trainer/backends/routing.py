@@ -10,7 +10,7 @@ SGLang or the trainer lists the ids in does not matter):
 - `routing_mismatch_tokens`: share of compared tokens where the set of at least one layer differs;
 - `routing_mismatch_layers`: share of compared (token, layer) pairs whose sets differ;
 - `routing_tokens`: how many tokens were compared (the weight of both means when parts are combined,
-  trainer/backend_common.py `combine_metrics`).
+  trainer/backends/backend_common.py `combine_metrics`).
 
 Compared tokens: trained tokens whose sampler returned routing and that were sampled with the weight
 version the trainer holds at the step (older tokens differ by the update too, not by numerics).

@@ -1,5 +1,5 @@
 """SWE-bench-style task files: a JSONL read with HF `datasets` (`load_dataset("json")`), one
-instance a row with SWE-bench's field names, mapped to `SweTask` (trainer/swe_env.py). The steps
+instance a row with SWE-bench's field names, mapped to `SweTask` (trainer/envs/swe_env.py). The steps
 from such a file to `rlfleet env try` and to an RLJob are in docs/environments.md 'SWE-bench-style
 tasks'.
 
@@ -11,7 +11,7 @@ reference fix, never shown to the agent nor used to grade):
 - `FAIL_TO_PASS`, `PASS_TO_PASS`: test ids, as JSON-encoded lists (SWE-bench's own files, and
   `swebench.harness.utils.make_test_spec`'s convention) or lists;
 - `test_command`: `python3 -m unittest` or `pytest` (+ the ids: how the agent may run them); the
-  grader runs the ids through its own runner of that framework (trainer/swe_grade.py), so the ids
+  grader runs the ids through its own runner of that framework (trainer/envs/swe_grade.py), so the ids
   are unittest names (`tests.test_calc.CalcTest.test_add`) or pytest node ids
   (`tests/test_calc.py::test_add`), and the reward is 1 iff each is reported run and passed;
 - where the repository comes from, exactly one of: `repo_path` (a local git repository holding
@@ -34,8 +34,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from rlfleet.trainer.swe_env import SweTask
-from rlfleet.trainer.swe_grade import test_framework, test_name_error
+from rlfleet.trainer.envs.swe_env import SweTask
+from rlfleet.trainer.envs.swe_grade import test_framework, test_name_error
 
 MODULE_HELP = "convert a SWE-bench-style JSONL to an SWE task file (a prompt set for SweEnv)"
 SWE_BENCH_FIELDS = frozenset({"problem_statement", "base_commit", "FAIL_TO_PASS"})  # a row with these is one

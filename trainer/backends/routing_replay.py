@@ -9,7 +9,7 @@ config sets `norm_topk_prob` (Qwen3-MoE does), exactly as transformers weights i
 router still gets gradients, through the gate weights of the replayed experts; only the (discontinuous,
 gradient-free) choice of the experts is the sampler's. Tokens without routing (rows of -1) route as
 usual. The router logits the model records (`output_router_logits`: the load-balancing loss and the
-routing-mismatch metric, trainer/routing.py) stay the trainer's own.
+routing-mismatch metric, trainer/backends/routing.py) stay the trainer's own.
 
 The hook: a forward hook on each transformers `Qwen3MoeTopKRouter` (the `gate` of a
 `Qwen3MoeSparseMoeBlock`) replacing its output `(router_logits, top_k_weights, top_k_index)` on the

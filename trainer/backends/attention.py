@@ -1,7 +1,7 @@
 """Attention over a packed row that computes only the pairs within each sequence.
 
 The transformers backend forwards a micro-batch as ONE row of sequences back to back, the position ids
-restarting at 0 at each (trainer/batching.py). Left to transformers' `sdpa`, that row gets a dense
+restarting at 0 at each (trainer/rollout/batching.py). Left to transformers' `sdpa`, that row gets a dense
 [L, L] block-causal mask: every pair of the L positions is scored, then masked, so a 13K-token row of
 64 short sequences costs (and holds, for the scores) L^2 although only sum(n_i^2 / 2) pairs count
 (docs/benchmarks.md "One train step"). `varlen_sdpa_attention` is the variable-length path flash
@@ -42,7 +42,7 @@ def causal_attention_per_sequence(
     back to back -> [1, heads, L, D]: causal attention within each sequence, nothing across them
     (grouped-query heads repeated here); a sliding window also bounds how far back a token sees. The
     one per-sequence loop of both backends (this module's transformers attention function, and
-    trainer/megatron_packed.py's core attention for megatron's THD layout)."""
+    trainer/backends/megatron_packed.py's core attention for megatron's THD layout)."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)

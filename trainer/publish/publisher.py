@@ -225,7 +225,7 @@ class WeightPublisher:
 
     def check_lease(self) -> None:
         """Raise LeaseLostError if the writer lease was taken over (renewing it when held): a checkpoint
-        is fenced like a publish (trainer/checkpoint.py `WriterFence`)."""
+        is fenced like a publish (trainer/publish/checkpoint.py `WriterFence`)."""
         if self._lease_lost is not None:
             raise self._lease_lost
         if self.channel.lease is not None:

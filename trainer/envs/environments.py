@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.trainer.prompts import Prompt
+from rlfleet.trainer.envs.prompts import Prompt
 
 
 class ToyVocab:
@@ -488,7 +488,7 @@ class MathEnv(Environment):
     (`extract_final_answer`) equals the prompt's `meta["answer"]` (a GSM8K-style "... #### 42" answer
     is reduced to its final number), else 0; a reply without any parsable answer is a format error.
     Needs the model's tokenizer (to read the reply's text; the ids themselves are never re-encoded).
-    Entry point: `rlfleet.trainer.environments:MathEnv`."""
+    Entry point: `rlfleet.trainer.envs.environments:MathEnv`."""
 
     max_turns = 1
 
@@ -527,11 +527,11 @@ tool_add = ToolAddEnv()
 retry_digit = RetryDigitEnv()
 
 BUILTIN: dict[str, str] = {
-    "copy_digit": "rlfleet.trainer.environments:copy_digit",
-    "same_parity": "rlfleet.trainer.environments:same_parity",
-    "tool_add": "rlfleet.trainer.environments:tool_add",
-    "retry_digit": "rlfleet.trainer.environments:retry_digit",
-    "math": "rlfleet.trainer.environments:MathEnv",
+    "copy_digit": "rlfleet.trainer.envs.environments:copy_digit",
+    "same_parity": "rlfleet.trainer.envs.environments:same_parity",
+    "tool_add": "rlfleet.trainer.envs.environments:tool_add",
+    "retry_digit": "rlfleet.trainer.envs.environments:retry_digit",
+    "math": "rlfleet.trainer.envs.environments:MathEnv",
 }
 
 
