@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.ports import free_port
 
 from rlfleet.api import SafetySpec
 from rlfleet.trainer import advantages, collapse, metrics
@@ -537,24 +536,14 @@ def test_a_damaged_checkpoint_on_a_store_falls_back_too(tmp_path):
 
 
 def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
-    """The same on the REAL S3-compatible server of the weight tests (moto_server, started with
-    tests/weights/conftest.py's helpers): keys under the channel's prefix, next to its versions."""
-    import importlib.util
-    import os
+    """The same on the REAL S3-compatible server of the weight tests (moto_server, tests/support/moto.py):
+    keys under the channel's prefix, next to its versions."""
+    from support.moto import make_bucket, moto_endpoint
 
-    spec = importlib.util.spec_from_file_location("weights_conftest", Path(__file__).parents[1] / "weights" / "conftest.py")
-    assert spec is not None and spec.loader is not None
-    wc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wc)
-    for k, v in wc.CREDS.items():
-        os.environ.setdefault(k, v)
-    port = free_port()
-    proc = wc.start_moto(port)
-    try:
-        from rlfleet.store import S3Store
+    from rlfleet.store import S3Store
 
-        endpoint = f"http://127.0.0.1:{port}"
-        store = S3Store(wc.make_bucket(endpoint), "jobs/a/channel", endpoint_url=endpoint)
+    with moto_endpoint() as endpoint:
+        store = S3Store(make_bucket(endpoint), "jobs/a/channel", endpoint_url=endpoint)
         assert checkpoint.load_latest(store) is None
         for step in (1, 2):
             checkpoint.save_checkpoint(store, {"step": step, "w": torch.full((3,), float(step))}, keep=1)
@@ -563,9 +552,6 @@ def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
         assert [e["name"] for e in json.loads(latest)["checkpoints"]] == ["ckpt-00000002.pt"]
         assert checkpoint.load_latest(store)["w"].tolist() == [2.0, 2.0, 2.0]
         store.close()
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_run_training_refuses_a_channel_ahead_of_the_trainer(example_run):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import make_bucket
+from support.moto import make_bucket
 from test_weights_channel import make_view
 from test_weights_lease import stored_lease
 from test_weights_sync import tiny_state

@@ -11,6 +11,7 @@ recovered from an anchor, with its one-line reason in `last_error`, the log and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,14 +21,15 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import make_bucket
 from s3_fault_proxy import S3FaultProxy
+from support.moto import make_bucket
 from test_weights_sync import (  # noqa: F401 - engine: fixture
     RecordingEngine,
     _get_metrics,
@@ -99,12 +101,44 @@ class DeltaPublisher:
         return sum(self.manifests[v].views[VIEW].stored_bytes for v in versions)
 
 
-def delta_syncer(
-    store: Store, engine_url: str, client: httpx.AsyncClient, cache: Path, replica: str = "pod-0"
-) -> Syncer:
+@pytest.fixture
+def publisher(store: Store, tmp_path: Path, tiny_qwen3_dir: Path) -> DeltaPublisher:
+    """The trainer's side on the `store` fixture's channel (a filesystem store and an S3 one)."""
+    return DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
+
+
+@contextlib.asynccontextmanager
+async def delta_syncer(store: Store, engine_url: str, cache: Path, replica: str = "pod-0") -> AsyncIterator[Syncer]:
+    """A sidecar of group h100-fp8 on `store`'s fp8 view, its cache `cache`, in front of the engine at
+    `engine_url` (its HTTP client open until exit)."""
     config = SyncConfig(store="unused", view=VIEW, engine_url=engine_url, group="h100-fp8", replica=replica,
                         cache_dir=cache, poll_interval=0.05, backoff_base=0.05, backoff_max=0.5)  # fmt: skip
-    return Syncer(config, store, DiskEngine(client))
+    async with httpx.AsyncClient(base_url=engine_url) as client:
+        yield Syncer(config, store, DiskEngine(client))
+
+
+@pytest.fixture
+async def syncer(store: Store, engine: RecordingEngine, tmp_path: Path) -> AsyncIterator[Syncer]:  # noqa: F811
+    """The sidecar (`delta_syncer`) on the `store` fixture's channel in front of `engine`, its cache
+    tmp_path / "cache"."""
+    async with delta_syncer(store, engine.url, tmp_path / "cache") as made:
+        yield made
+
+
+async def serving_v1(publisher: DeltaPublisher, syncer: Syncer) -> None:
+    """Anchor v0 and delta v1 published; the sidecar applies v1 (its own copy of v1 is in its cache)."""
+    publisher.publish_chain(range(2), anchors={0})
+    assert await syncer.reconcile_once() is True
+
+
+def vouch_for_manifest(store: Store, version: int, raw: dict) -> None:
+    """Write `raw` as the manifest of `version` and the pointer's digest of it: what anyone who can write
+    the store can do (digests consistent, only the content lies)."""
+    manifest_bytes = json.dumps(raw).encode()
+    store.put(manifest_key(version), manifest_bytes)
+    pointer = json.loads(store.get(POINTER_KEY))
+    pointer["manifest_sha256"] = hashlib.sha256(manifest_bytes).hexdigest()
+    store.put(POINTER_KEY, json.dumps(pointer).encode())
 
 
 def assert_bit_exact(directory: Path, publisher: DeltaPublisher, version: int) -> None:
@@ -146,10 +180,9 @@ def metric(body: str, name: str, **labels: str) -> float:
 
 
 async def test_deltas_are_applied_in_order_bit_exact(
-    store: Store,
     engine: RecordingEngine,  # noqa: F811 - the fixture
-    tmp_path: Path,
-    tiny_qwen3_dir: Path,
+    publisher: DeltaPublisher,
+    syncer: Syncer,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Anchor v0, deltas v1 v2, anchor v3, delta v4, each applied as it is published: a delta version is
@@ -157,29 +190,26 @@ async def test_deltas_are_applied_in_order_bit_exact(
     the files it stores whole but that did not change are copied from that copy), an anchor downloaded.
     Every applied directory is the publisher's complete checkpoint, byte for byte."""
     caplog.set_level(logging.INFO, logger="rlfleet.sampler.sync")
-    publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
-    cache = tmp_path / "cache"
+    cache = syncer.config.cache_dir
     sources = {0: "anchor v0", 1: "local v0 + delta v1", 2: "local v1 + delta v2", 3: "anchor v3",
                4: "local v3 + delta v4"}  # fmt: skip
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = delta_syncer(store, engine.url, client, cache)
-        for version in range(5):
-            publisher.publish(version, anchor=version in (0, 3))
-            assert await syncer.reconcile_once() is True
-            assert_engine_serves(engine, publisher, version)
-            assert_bit_exact(cache / f"v{version}-{VIEW}", publisher, version)
-            assert syncer.status()["last_apply"]["source"] == sources[version]
-            delta = publisher.manifests[version].views[VIEW].delta
-            # an anchor is read whole; a delta version only its payloads (its other files did not change)
-            expected = publisher.stored_bytes(version) if delta is None else delta.bytes
-            assert syncer.status()["last_apply"]["read_bytes"] == expected
-            # the sidecar's log line: how it was obtained and the bytes it read, per kind
-            kinds = (expected, 0) if delta is None else (0, expected)
-            line = (f"applied weights v{version} (fp8) from {sources[version]}, {expected} bytes read "
-                    f"(anchor {kinds[0]}, delta {kinds[1]}, whole-file 0): obtain ")  # fmt: skip
-            assert any(line in r.getMessage() for r in caplog.records), line
-            assert read_launch_file(cache) == (version, cache / f"v{version}-{VIEW}")
-        body = (await _get_metrics(syncer)).decode()
+    for version in range(5):
+        publisher.publish(version, anchor=version in (0, 3))
+        assert await syncer.reconcile_once() is True
+        assert_engine_serves(engine, publisher, version)
+        assert_bit_exact(cache / f"v{version}-{VIEW}", publisher, version)
+        assert syncer.status()["last_apply"]["source"] == sources[version]
+        delta = publisher.manifests[version].views[VIEW].delta
+        # an anchor is read whole; a delta version only its payloads (its other files did not change)
+        expected = publisher.stored_bytes(version) if delta is None else delta.bytes
+        assert syncer.status()["last_apply"]["read_bytes"] == expected
+        # the sidecar's log line: how it was obtained and the bytes it read, per kind
+        kinds = (expected, 0) if delta is None else (0, expected)
+        line = (f"applied weights v{version} (fp8) from {sources[version]}, {expected} bytes read "
+                f"(anchor {kinds[0]}, delta {kinds[1]}, whole-file 0): obtain ")  # fmt: skip
+        assert any(line in r.getMessage() for r in caplog.records), line
+        assert read_launch_file(cache) == (version, cache / f"v{version}-{VIEW}")
+    body = (await _get_metrics(syncer)).decode()
     assert [b["weight_version"] for p, b in engine.requests if p == "/update_weights_from_disk"] == list(
         "01234"
     )
@@ -197,21 +227,18 @@ async def test_a_replica_started_at_v7_seeds_from_anchor_v4_and_the_deltas_after
     store: Store,
     engine: RecordingEngine,  # noqa: F811 - the fixture
     tmp_path: Path,
-    tiny_qwen3_dir: Path,
+    publisher: DeltaPublisher,
 ) -> None:
     """Anchors v0 and v4, deltas between. A new replica (an empty cache) and one that applied v1 and was
     down across v2..v7 both obtain v7 from the newest anchor at or below it, v4, plus deltas v5 v6 v7: they
     read v4 whole and three payloads, never the older chain."""
-    publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
     publisher.publish_chain(range(2), anchors={0})
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        returning = delta_syncer(store, engine.url, client, tmp_path / "cache-returning", "pod-1")
+    async with delta_syncer(store, engine.url, tmp_path / "cache-returning", "pod-1") as returning:
         assert await returning.reconcile_once() is True and engine.version == "1"
         publisher.publish_chain(range(2, 8), anchors={4})
         fresh_engine = await RecordingEngine().start()
         try:
-            async with httpx.AsyncClient(base_url=fresh_engine.url) as fresh_client:
-                fresh = delta_syncer(store, fresh_engine.url, fresh_client, tmp_path / "cache-new", "pod-2")
+            async with delta_syncer(store, fresh_engine.url, tmp_path / "cache-new", "pod-2") as fresh:
                 assert await fresh.reconcile_once() is True
                 assert_engine_serves(fresh_engine, publisher, 7)
         finally:
@@ -251,8 +278,8 @@ async def test_a_damaged_delta_is_refused_and_the_next_anchor_recovers(
     fault: str,
     store: Store,
     engine: RecordingEngine,  # noqa: F811 - the fixture
-    tmp_path: Path,
-    tiny_qwen3_dir: Path,
+    publisher: DeltaPublisher,
+    syncer: Syncer,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """v2's payload damaged in the store (a flipped bit, deleted, truncated): v2, and v3 whose chain runs
@@ -260,35 +287,31 @@ async def test_a_damaged_delta_is_refused_and_the_next_anchor_recovers(
     keeps serving v1; the next anchor, v4, is applied, bit exact."""
     damage, reason, message = FAULTS[fault]
     caplog.set_level(logging.WARNING, logger="rlfleet.sampler.sync")
-    publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
-    cache = tmp_path / "cache"
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = delta_syncer(store, engine.url, client, cache)
-        publisher.publish_chain(range(2), anchors={0})
-        assert await syncer.reconcile_once() is True
-        publisher.publish(2, anchor=False)
-        damage(store, f"v2/{VIEW}/model.safetensors{DELTA_SUFFIX}")
-        for attempt, version in ((1, 2), (2, 3)):
-            if version == 3:
-                publisher.publish(3, anchor=False)
-            assert await syncer.reconcile_once() is False
-            assert syncer.state.failures[reason] == attempt and sum(syncer.state.failures.values()) == attempt
-            error = syncer.status()["last_error"]
-            assert error.startswith(f"{reason}: v{version}: ") and message in error and "\n" not in error
-            # the payload lies on every way to v2, so the anchor is not read again to try another
-            assert "before that" not in error and syncer.state.read_bytes["anchor"] == publisher.stored_bytes(0)
-            assert any(message in r.getMessage() for r in caplog.records)
-            assert engine.version == "1" and syncer.state.applied_version == 1
-            assert cache_entries(cache) == [LAUNCH_FILE, f"v1-{VIEW}"]  # nothing half-built left
-        assert_engine_serves(engine, publisher, 1)
-        body = (await _get_metrics(syncer)).decode()
-        assert metric(body, "rlfleet_weight_sync_failures_total", reason=reason) == 2
-        publisher.publish(4, anchor=True)
-        assert await syncer.reconcile_once() is True
-        assert_engine_serves(engine, publisher, 4)
-        assert_bit_exact(cache / f"v4-{VIEW}", publisher, 4)
-        assert syncer.status()["last_apply"]["source"] == "anchor v4"
-        assert syncer.status()["last_error"] is None and syncer.state.consecutive_failures == 0
+    cache = syncer.config.cache_dir
+    await serving_v1(publisher, syncer)
+    publisher.publish(2, anchor=False)
+    damage(store, f"v2/{VIEW}/model.safetensors{DELTA_SUFFIX}")
+    for attempt, version in ((1, 2), (2, 3)):
+        if version == 3:
+            publisher.publish(3, anchor=False)
+        assert await syncer.reconcile_once() is False
+        assert syncer.state.failures[reason] == attempt and sum(syncer.state.failures.values()) == attempt
+        error = syncer.status()["last_error"]
+        assert error.startswith(f"{reason}: v{version}: ") and message in error and "\n" not in error
+        # the payload lies on every way to v2, so the anchor is not read again to try another
+        assert "before that" not in error and syncer.state.read_bytes["anchor"] == publisher.stored_bytes(0)
+        assert any(message in r.getMessage() for r in caplog.records)
+        assert engine.version == "1" and syncer.state.applied_version == 1
+        assert cache_entries(cache) == [LAUNCH_FILE, f"v1-{VIEW}"]  # nothing half-built left
+    assert_engine_serves(engine, publisher, 1)
+    body = (await _get_metrics(syncer)).decode()
+    assert metric(body, "rlfleet_weight_sync_failures_total", reason=reason) == 2
+    publisher.publish(4, anchor=True)
+    assert await syncer.reconcile_once() is True
+    assert_engine_serves(engine, publisher, 4)
+    assert_bit_exact(cache / f"v4-{VIEW}", publisher, 4)
+    assert syncer.status()["last_apply"]["source"] == "anchor v4"
+    assert syncer.status()["last_error"] is None and syncer.state.consecutive_failures == 0
 
 
 async def test_a_torn_local_copy_is_refused_by_digest_and_reseeded_from_the_anchor(
@@ -304,10 +327,8 @@ async def test_a_torn_local_copy_is_refused_by_digest_and_reseeded_from_the_anch
     store = FilesystemStore(tmp_path / "store", create=True)
     publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
     cache = tmp_path / "cache"
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = delta_syncer(store, engine.url, client, cache)
-        publisher.publish_chain(range(2), anchors={0})
-        assert await syncer.reconcile_once() is True
+    async with delta_syncer(store, engine.url, cache) as syncer:
+        await serving_v1(publisher, syncer)
         torn = cache / f"v1-{VIEW}" / "model.safetensors"
         torn.write_bytes(flip_a_bit(torn.read_bytes()))
         publisher.publish(2, anchor=False)
@@ -334,16 +355,14 @@ async def test_an_anchor_deleted_under_a_subscriber(
     store: Store,
     engine: RecordingEngine,  # noqa: F811 - the fixture
     tmp_path: Path,
-    tiny_qwen3_dir: Path,
+    publisher: DeltaPublisher,
 ) -> None:
     """The anchor v0 is deleted from the channel while a replica serves v1 (rebuilt from it). That replica
     rebuilds v2 from its own copy of v1 and needs no anchor; a new replica cannot rebuild v2 (its chain is
     broken: reason delta, one line, nothing applied) until the anchor v3 is published, then it seeds from
     v3 (v4 = anchor v3 + delta v4), as does the first replica."""
-    publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
     publisher.publish_chain(range(2), anchors={0})
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        serving = delta_syncer(store, engine.url, client, tmp_path / "cache-serving", "pod-1")
+    async with delta_syncer(store, engine.url, tmp_path / "cache-serving", "pod-1") as serving:
         assert await serving.reconcile_once() is True
         store.delete_many(sorted(store.list("v0/"), key=lambda k: k != manifest_key(0)))
         assert WeightChannel(store).versions() == [1]
@@ -353,8 +372,7 @@ async def test_an_anchor_deleted_under_a_subscriber(
         assert_engine_serves(engine, publisher, 2)
         new_engine = await RecordingEngine().start()
         try:
-            async with httpx.AsyncClient(base_url=new_engine.url) as new_client:
-                new = delta_syncer(store, new_engine.url, new_client, tmp_path / "cache-new", "pod-2")
+            async with delta_syncer(store, new_engine.url, tmp_path / "cache-new", "pod-2") as new:
                 assert await new.reconcile_once() is False
                 error = new.status()["last_error"]
                 assert (
@@ -388,10 +406,8 @@ async def test_a_payload_that_does_not_fit_its_base_is_refused_in_one_line(
     store = FilesystemStore(tmp_path / "store", create=True)
     publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
     cache = tmp_path / "cache"
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = delta_syncer(store, engine.url, client, cache)
-        publisher.publish_chain(range(2), anchors={0})
-        assert await syncer.reconcile_once() is True
+    async with delta_syncer(store, engine.url, cache) as syncer:
+        await serving_v1(publisher, syncer)
         publisher.publish(2, anchor=False)
         key = f"v2/{VIEW}/model.safetensors{DELTA_SUFFIX}"
         real = tmp_path / "real.delta"
@@ -409,11 +425,7 @@ async def test_a_payload_that_does_not_fit_its_base_is_refused_in_one_line(
         digest = hash_file(forged)
         raw["views"][VIEW]["delta"]["files"]["model.safetensors.delta"] = {
             "digest": f"{digest.algorithm}:{digest.hexdigest}", "bytes": digest.bytes}  # fmt: skip
-        manifest_bytes = json.dumps(raw).encode()
-        store.put(manifest_key(2), manifest_bytes)
-        pointer = json.loads(store.get(POINTER_KEY))
-        pointer["manifest_sha256"] = hashlib.sha256(manifest_bytes).hexdigest()
-        store.put(POINTER_KEY, json.dumps(pointer).encode())
+        vouch_for_manifest(store, 2, raw)
         assert await syncer.reconcile_once() is False
     error = syncer.status()["last_error"]
     assert (
@@ -450,18 +462,13 @@ async def test_a_planted_path_never_leaves_the_cache(
     store = FilesystemStore(tmp_path / "store", create=True)
     publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
     cache = tmp_path / "deep" / "cache"
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = delta_syncer(store, engine.url, client, cache)
+    async with delta_syncer(store, engine.url, cache) as syncer:
         publisher.publish_chain(range(2), anchors={0})
         raw = json.loads(store.get(manifest_key(1)))
         files = raw["views"][VIEW]["files"]
         files["../../escape.safetensors"] = files["config.json"]
         store.put(f"v1/{VIEW}/escape.safetensors", b"planted")
-        manifest_bytes = json.dumps(raw).encode()
-        store.put(manifest_key(1), manifest_bytes)
-        pointer = json.loads(store.get(POINTER_KEY))
-        pointer["manifest_sha256"] = hashlib.sha256(manifest_bytes).hexdigest()
-        store.put(POINTER_KEY, json.dumps(pointer).encode())
+        vouch_for_manifest(store, 1, raw)
         assert await syncer.reconcile_once() is False
     error = syncer.status()["last_error"]
     assert "'../../escape.safetensors' is not a plain relative path" in error and "\n" not in error

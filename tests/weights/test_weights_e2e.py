@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -64,6 +64,19 @@ def trained(step: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def start_each(
+    tmp_path: Path, procs: list[subprocess.Popen[bytes]], role: str, argv: Callable[[str, str], list[str]]
+) -> dict[str, str]:
+    """`rlfleet <argv(group, view)> --port 0 --port-file FILE` for every group at once (each appended to
+    `procs`, its output in tmp_path/<group>-<role>.log), then each one's URL once it listens."""
+    started = []
+    for group, view in GROUPS.items():
+        log, port_file = tmp_path / f"{group}-{role}.log", tmp_path / f"{group}-{role}.port"
+        procs.append(rlfleet(*argv(group, view), "--port", "0", "--port-file", str(port_file), log=log))
+        started.append((group, procs[-1], port_file, log))
+    return {group: f"http://127.0.0.1:{wait_port(port_file, proc, log)}" for group, proc, port_file, log in started}
+
+
 @pytest.fixture
 def fleet(tmp_path: Path, tiny_qwen3_dir: Path) -> Iterator[tuple[Path, dict[str, str], dict[str, str]]]:
     """Servers (serving the tiny Qwen3 checkpoint until the first update) + sidecars; yields
@@ -71,65 +84,14 @@ def fleet(tmp_path: Path, tiny_qwen3_dir: Path) -> Iterator[tuple[Path, dict[str
     store_dir = tmp_path / "channel"
     store_dir.mkdir()
     procs: list[subprocess.Popen[bytes]] = []
-    servers: dict[str, str] = {}
-    sidecars: dict[str, str] = {}
     try:
-        started = []
-        for group, view in GROUPS.items():
-            log, port_file = tmp_path / f"{group}-server.log", tmp_path / f"{group}-server.port"
-            proc = rlfleet(
-                "sampler",
-                "serve",
-                "--engine",
-                "reference",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--weight-format",
-                view,
-                "--weight-version",
-                "0",
-                "--model-path",
-                str(tiny_qwen3_dir),
-                log=log,
-            )
-            procs.append(proc)
-            started.append((group, proc, port_file, log))
-        for group, proc, port_file, log in started:
-            servers[group] = f"http://127.0.0.1:{wait_port(port_file, proc, log)}"
-        started = []
-        for group, view in GROUPS.items():
-            log, port_file = tmp_path / f"{group}-sync.log", tmp_path / f"{group}-sync.port"
-            proc = rlfleet(
-                "sampler",
-                "sync",
-                "--store",
-                str(store_dir),
-                "--view",
-                view,
-                "--engine-url",
-                servers[group],
-                "--group",
-                group,
-                "--replica",
-                f"{group}-0",
-                "--cache-dir",
-                str(tmp_path / f"{group}-cache"),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--poll-interval",
-                "0.2",
-                log=log,
-            )
-            procs.append(proc)
-            started.append((group, proc, port_file, log))
-        for group, proc, port_file, log in started:
-            sidecars[group] = f"http://127.0.0.1:{wait_port(port_file, proc, log)}"
+        servers = start_each(tmp_path, procs, "server", lambda group, view: [
+            "sampler", "serve", "--engine", "reference", "--weight-format", view, "--weight-version", "0",
+            "--model-path", str(tiny_qwen3_dir)])  # fmt: skip
+        sidecars = start_each(tmp_path, procs, "sync", lambda group, view: [
+            "sampler", "sync", "--store", str(store_dir), "--view", view, "--engine-url", servers[group],
+            "--group", group, "--replica", f"{group}-0", "--cache-dir", str(tmp_path / f"{group}-cache"),
+            "--host", "127.0.0.1", "--poll-interval", "0.2"])  # fmt: skip
         yield store_dir, servers, sidecars
     finally:
         stop_processes(procs)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import blake3
 import pytest
-from conftest import free_port
+from support.ports import free_port
 
 from rlfleet.store import (
     FileDigest,
@@ -90,7 +90,7 @@ def test_concurrent_compare_and_swap_loses_no_update(
     if kind == "filesystem":
         store: Store = FilesystemStore(tmp_path / "s", create=True)
     else:
-        from conftest import make_bucket
+        from support.moto import make_bucket
 
         endpoint = request.getfixturevalue("s3_endpoint")
         store = S3Store(make_bucket(endpoint), endpoint_url=endpoint, conditional_writes=False)

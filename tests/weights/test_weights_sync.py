@@ -7,11 +7,13 @@ as the reference sampler server does, and it records every request (contract tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,9 @@ import httpx
 import pytest
 import torch
 from aiohttp import web
-from conftest import free_port, make_bucket
+from support.moto import make_bucket
+from support.ports import free_port
+from support.waits import eventually, wait_for
 
 from rlfleet.channel import POINTER_KEY, SubscriberReport, WeightChannel, manifest_key, now_iso
 from rlfleet.numerics import formats
@@ -133,6 +137,18 @@ def make_syncer(
     return Syncer(config, store, DiskEngine(client))
 
 
+@contextlib.asynccontextmanager
+async def fp8_sidecar(
+    engine: RecordingEngine, tmp_path: Path, base_checkpoint: Path
+) -> AsyncIterator[tuple[FilesystemStore, WeightPublisher, Syncer]]:
+    """A filesystem channel, its fp8 publisher (nothing published yet) and the sidecar of `make_syncer` on
+    it in front of `engine` (its HTTP client open until exit)."""
+    store = FilesystemStore(tmp_path / "store", create=True)
+    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=base_checkpoint)
+    async with httpx.AsyncClient(base_url=engine.url) as client:
+        yield store, publisher, make_syncer(store, engine, client, tmp_path)
+
+
 def expected_fp8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {
         k: formats.fake_quantize(v, "fp8_block")
@@ -202,10 +218,7 @@ async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_pa
 async def test_tampered_file_refused_counted_old_version_kept(
     engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
-    store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = make_syncer(store, engine, client, tmp_path)
+    async with fp8_sidecar(engine, tmp_path, tiny_qwen3_dir) as (store, publisher, syncer):
         first = tiny_state(1)
         publisher.publish(first)
         assert await syncer.reconcile_once()
@@ -241,10 +254,7 @@ async def test_unknown_digest_algorithm_refused_as_checksum_old_version_kept(
     """A manifest consistent with the pointer (as a newer publisher would write it) whose file entry
     names a digest algorithm this sidecar cannot verify: refused before download, counted as
     reason="checksum", the engine keeps v0 and nothing lands in the cache."""
-    store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = make_syncer(store, engine, client, tmp_path)
+    async with fp8_sidecar(engine, tmp_path, tiny_qwen3_dir) as (store, publisher, syncer):
         publisher.publish(tiny_state(1))
         assert await syncer.reconcile_once()
         publisher.publish(tiny_state(2))
@@ -279,10 +289,7 @@ async def _get_metrics(syncer: Syncer) -> bytes:
 async def test_engine_restart_is_detected_and_reapplied(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     """The engine container restarts with its initial weights: the sidecar notices (/model_info
     weight_version) and brings it back to the pointer instead of believing its own bookkeeping."""
-    store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = make_syncer(store, engine, client, tmp_path)
+    async with fp8_sidecar(engine, tmp_path, tiny_qwen3_dir) as (store, publisher, syncer):
         publisher.publish(tiny_state(1))
         publisher.publish(tiny_state(2))
         assert await syncer.reconcile_once() and engine.version == "1"
@@ -297,10 +304,7 @@ async def test_engine_restart_is_detected_and_reapplied(engine: RecordingEngine,
 async def test_engine_failure_keeps_old_version_then_retries(
     engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
-    store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir)
-    async with httpx.AsyncClient(base_url=engine.url) as client:
-        syncer = make_syncer(store, engine, client, tmp_path)
+    async with fp8_sidecar(engine, tmp_path, tiny_qwen3_dir) as (store, publisher, syncer):
         publisher.publish(tiny_state(1))
         assert await syncer.reconcile_once()
         publisher.publish(tiny_state(2))
@@ -388,26 +392,37 @@ async def test_store_unreachable_then_back(
         direct.close()
 
 
-async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+def published_bf16(tmp_path: Path, base_checkpoint: Path) -> Path:
+    """A filesystem channel holding version 0 of the bf16 view; its directory."""
     store_dir = tmp_path / "store"
     store = FilesystemStore(store_dir, create=True)
-    WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
-    engine.version = None
-    config = SyncConfig(
-        store=str(store_dir),
-        view="bf16",
-        engine_url=engine.url,
-        group="a100",
-        replica="pod-9",
-        cache_dir=tmp_path / "cache",
-        host="127.0.0.1",
-        port=0,
-        poll_interval=0.05,
-    )
+    WeightPublisher(store, views=["bf16"], base_checkpoint=base_checkpoint).publish(tiny_state(1))
+    return store_dir
+
+
+@contextlib.asynccontextmanager
+async def serving_sidecar(
+    store_dir: Path, engine: RecordingEngine, cache: Path, group: str = "a100", replica: str = "pod-9"
+) -> AsyncIterator[list[int]]:
+    """The sidecar as its pod runs it (`serve`: the sync loop and its HTTP endpoints on a free port) on the
+    bf16 view of the channel in `store_dir`, in front of `engine`: yields the list its port is appended to
+    once it listens; stopped (SIGTERM's path) at exit."""
+    config = SyncConfig(store=str(store_dir), view="bf16", engine_url=engine.url, group=group, replica=replica,
+                        cache_dir=cache, host="127.0.0.1", port=0, poll_interval=0.05)  # fmt: skip
     stop = asyncio.Event()
     ports: list[int] = []
     task = asyncio.create_task(serve(config, stop=stop, ready=ports.append))
     try:
+        yield ports
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+    store_dir = published_bf16(tmp_path, tiny_qwen3_dir)
+    engine.version = None
+    async with serving_sidecar(store_dir, engine, tmp_path / "cache") as ports:
         async with httpx.AsyncClient() as client:
             for _ in range(200):
                 if ports and engine.version == "0":
@@ -421,9 +436,6 @@ async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_pat
             assert 'rlfleet_weight_sync_applies_total{group="a100",view="bf16"} 1.0' in metrics
             assert "rlfleet_weight_sync_apply_seconds_bucket" in metrics
             assert (await client.get(f"http://127.0.0.1:{ports[0]}/health")).json() == {"ok": True}
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
 
 
 async def test_a_replica_that_stops_cleanly_removes_its_own_report(
@@ -431,123 +443,57 @@ async def test_a_replica_that_stops_cleanly_removes_its_own_report(
 ) -> None:
     """SIGTERM (its pod deleted or replaced) stops the sidecar: its report goes with it, so a replaced
     pod pins no version and counts in no status; another replica's report stays."""
-    store_dir = tmp_path / "store"
-    store = FilesystemStore(store_dir, create=True)
-    WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
-    channel = WeightChannel(store)
+    store_dir = published_bf16(tmp_path, tiny_qwen3_dir)
+    channel = WeightChannel(FilesystemStore(store_dir))
     channel.report(SubscriberReport(group="a100", replica="pod-8", view="bf16", applied_version=0, in_use=[0],
                                     updated_at=now_iso()))  # fmt: skip
-    config = SyncConfig(store=str(store_dir), view="bf16", engine_url=engine.url, group="a100", replica="pod-9",
-                        cache_dir=tmp_path / "cache", host="127.0.0.1", port=0, poll_interval=0.05)  # fmt: skip
-    stop = asyncio.Event()
-    task = asyncio.create_task(serve(config, stop=stop))
-    try:
+    async with serving_sidecar(store_dir, engine, tmp_path / "cache"):
         for _ in range(200):
             if any(r.replica == "pod-9" and r.applied_version == 0 for r in channel.subscribers()):
                 break
             await asyncio.sleep(0.05)
         assert {(r.replica, r.applied_version) for r in channel.subscribers()} == {("pod-8", 0), ("pod-9", 0)}
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
     assert [r.replica for r in channel.subscribers()] == ["pod-8"]
 
 
 async def test_initial_version_from_engine_is_not_reapplied(
     engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
-    store = FilesystemStore(tmp_path / "store", create=True)
-    WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
+    store_dir = published_bf16(tmp_path, tiny_qwen3_dir)
     engine.version = "0"  # the engine was started with --weight-version 0
-    config = SyncConfig(
-        store=str(tmp_path / "store"),
-        view="bf16",
-        engine_url=engine.url,
-        group="g",
-        replica="r",
-        cache_dir=tmp_path / "cache",
-        host="127.0.0.1",
-        port=0,
-        poll_interval=0.05,
-    )
-    stop = asyncio.Event()
-    ports: list[int] = []
-    task = asyncio.create_task(serve(config, stop=stop, ready=ports.append))
-    await asyncio.sleep(0.5)
-    stop.set()
-    await asyncio.wait_for(task, 10)
+    async with serving_sidecar(store_dir, engine, tmp_path / "cache", group="g", replica="r") as ports:
+        async with httpx.AsyncClient() as client:
+
+            async def in_sync_at_v0() -> bool:  # it has compared v0 with what the engine serves
+                if not ports:
+                    return False
+                status = (await client.get(f"http://127.0.0.1:{ports[0]}/status")).json()
+                return (status["phase"], status["applied_version"], status["latest_version"]) == ("in-sync", 0, 0)
+
+            await eventually(in_sync_at_v0, "the sidecar in sync at v0", 30)
     assert ports and not [p for p, _ in engine.requests if p == "/update_weights_from_disk"]
+
+
+def sync_argv(*extra: str, **flags: str | None) -> list[str]:
+    """Arguments of `rlfleet sampler sync`: a valid set (store /tmp/x, view fp8, engine URL http://x, group
+    g, replica r) with `flags` replaced (engine_url is --engine-url; None leaves the flag out), then `extra`."""
+    valid: dict[str, str | None] = {"store": "/tmp/x", "view": "fp8", "engine_url": "http://x", "group": "g",
+                                    "replica": "r"}  # fmt: skip
+    argv = [part for name, value in (valid | flags).items() if value is not None
+            for part in ("--" + name.replace("_", "-"), value)]  # fmt: skip
+    return argv + list(extra)
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--view", "fp8", "--engine-url", "http://x", "--group", "g", "--replica", "r"], "--store"),
-        (
-            [
-                "--store",
-                "/tmp/x",
-                "--view",
-                "int3",
-                "--engine-url",
-                "http://x",
-                "--group",
-                "g",
-                "--replica",
-                "r",
-            ],
-            "invalid choice",
-        ),
-        (
-            [
-                "--store",
-                "gs://b",
-                "--view",
-                "fp8",
-                "--engine-url",
-                "http://x",
-                "--group",
-                "g",
-                "--replica",
-                "r",
-            ],
-            "unsupported store URI",
-        ),
-        (
-            ["--store", "s3://bucket/job", "--view", "fp8", "--engine-url", "http://x", "--group", "g",
-             "--replica", "r", "--in-place"],
-            "--in-place needs a filesystem store (a path or file://), not s3://bucket/job",
-        ),  # fmt: skip
-        (
-            [
-                "--store",
-                "/tmp/x",
-                "--view",
-                "fp8",
-                "--engine-url",
-                "localhost:1",
-                "--group",
-                "g",
-                "--replica",
-                "r",
-            ],
-            "http(s) URL",
-        ),
-        (
-            [
-                "--store",
-                "/tmp/x",
-                "--view",
-                "fp8",
-                "--engine-url",
-                "http://x",
-                "--group",
-                "../g",
-                "--replica",
-                "r",
-            ],
-            "invalid group",
-        ),
+        (sync_argv(store=None), "--store"),
+        (sync_argv(view="int3"), "invalid choice"),
+        (sync_argv(store="gs://b"), "unsupported store URI"),
+        (sync_argv("--in-place", store="s3://bucket/job"),
+         "--in-place needs a filesystem store (a path or file://), not s3://bucket/job"),  # fmt: skip
+        (sync_argv(engine_url="localhost:1"), "http(s) URL"),
+        (sync_argv(group="../g"), "invalid group"),
     ],
 )
 def test_cli_bad_input_is_one_clear_line(
@@ -606,17 +552,6 @@ def publish_hf(store: Store, state: dict[str, torch.Tensor], views: list[str], t
     return WeightChannel(store).publish({v: hf_view(state, v, base / v) for v in views}).version
 
 
-def _wait(check: Any, timeout: float = 30.0) -> Any:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        time.sleep(0.05)
-    return value
-
-
 def test_fetch_only_waits_for_version_0_then_writes_the_launch_file(tmp_path: Path) -> None:
     """The real CLI as the init container runs it: it waits (reporting in the store) until version 0
     exists, downloads + verifies the fp8 view, checks it is a block-FP8 checkpoint, writes the launch
@@ -637,7 +572,8 @@ def test_fetch_only_waits_for_version_0_then_writes_the_launch_file(tmp_path: Pa
     )  # fmt: skip
     try:
         # waiting is visible: its subscriber report exists, with nothing applied and nothing in use
-        _wait(lambda: WeightChannel(store).subscribers())
+        wait_for("the waiting init container's report", lambda: WeightChannel(store).subscribers(), timeout=30,
+                 interval=0.05, running=[proc])  # fmt: skip
         [report] = WeightChannel(store).subscribers()
         assert (report.view, report.applied_version, report.in_use) == ("fp8", None, [])
         assert proc.poll() is None and not (cache / LAUNCH_FILE).exists()
