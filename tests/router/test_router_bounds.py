@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from functools import partial
 
 import aiohttp
 import pytest
 from support import waits
+from support.router_bench import RouterBench
 from support.upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.router import hashing
 from rlfleet.router.bounds import BoundedTCPSite, _awaits_request_headers
 from rlfleet.router.config import GroupConfig, RouterConfig
-from rlfleet.router.service import BUDGET_KEY, start_service
+from rlfleet.router.service import BUDGET_KEY
 
 BOUND_S = 30.0  # the longest any condition below may take to come true before the test fails
 
@@ -29,28 +31,20 @@ BOUND_S = 30.0  # the longest any condition below may take to come true before t
 eventually = partial(waits.eventually, bound_s=BOUND_S)
 
 
-class Bench:
-    """A router service in front of named in-process upstreams, and an HTTP client."""
+class Bench(RouterBench):
+    """A router service in front of named in-process upstreams (one group, g), and an HTTP client."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.upstreams: dict[str, InProcessUpstream] = {}
-        self.router = None
-        self.runner = None
-        self.port = 0
-        self.http: aiohttp.ClientSession | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     async def start(self, states: list[UpstreamState], health_checks: bool = False, **config) -> Bench:
         for state in states:
-            self.upstreams[state.name] = await InProcessUpstream(state).start()
+            self.upstreams[state.name] = self.stop_at_close(await InProcessUpstream(state).start())
         router_config = RouterConfig(
             port=0, groups=[GroupConfig(name="g", replicas=[u.url for u in self.upstreams.values()])], **config
         )
-        self.router, self.runner, self.port = await start_service(router_config, health_checks=health_checks)
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        await self.start_router(router_config, health_checks=health_checks, connections=0)
         return self
 
     def state(self, name: str) -> UpstreamState:
@@ -68,19 +62,9 @@ class Bench:
         await writer.drain()
         return reader, writer
 
-    async def close(self) -> None:
-        if self.http:
-            await self.http.close()
-        if self.runner:
-            await self.runner.cleanup()
-        if self.router:
-            await self.router.close()
-        for upstream in self.upstreams.values():
-            await upstream.stop()
-
 
 @pytest.fixture
-async def bench():
+async def bench() -> AsyncIterator[Bench]:
     made = Bench()
     yield made
     await made.close()

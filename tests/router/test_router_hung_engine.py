@@ -6,15 +6,19 @@ side of the contract: /health_generate as SGLang 0.5.23 answers it, and JSON nes
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import aiohttp
 import pytest
 from support import waits
+from support.router_bench import RouterBench, router_bench
 
 from rlfleet.router import hashing
 from rlfleet.router.config import GroupConfig, RouterConfig
-from rlfleet.router.service import start_service
+from rlfleet.sampler.http_app import RunningServer
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.sampler.server import start_reference_server
 
@@ -28,30 +32,34 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 eventually = partial(waits.eventually, bound_s=BOUND_S)
 
 
+@asynccontextmanager
+async def two_engines_behind_a_router(**timeouts: Any) -> AsyncIterator[tuple[RouterBench, list[RunningServer]]]:
+    """Two reference samplers (seeds 1 and 2) as the replicas of group g behind the router service, its
+    health probes every 0.2 s with `timeouts` (RouterConfig fields)."""
+    async with router_bench() as bench:
+        servers = [bench.stop_at_close(await start_reference_server(ReferenceEngine(EngineConfig(model=MODEL, seed=s))))
+                   for s in (1, 2)]  # fmt: skip
+        await bench.start_router(RouterConfig(port=0, groups=[GroupConfig(name="g", replicas=[s.url for s in servers])],
+                                              health_interval_seconds=0.2, **timeouts))  # fmt: skip
+        yield bench, servers
+
+
 async def test_a_paused_engine_is_ejected_its_requests_move_and_it_returns_when_it_generates() -> None:
-    servers = [await start_reference_server(ReferenceEngine(EngineConfig(model=MODEL, seed=s))) for s in (1, 2)]
-    config = RouterConfig(
-        port=0,
-        groups=[GroupConfig(name="g", replicas=[s.url for s in servers])],
-        health_interval_seconds=0.2,
-        health_timeout_seconds=2.0,
-        request_timeout_seconds=2.0,
-        hung_after_seconds=2.0,
-    )
-    router, runner, port = await start_service(config)
-    http = aiohttp.ClientSession()
-    hung, other = servers
-    group = router.table.groups["g"]
-    sessions = [f"s{i}" for i in range(200)]
-    on_hung = [s for s in sessions if router.table.choose_replica(group, hashing.key_hash(s), set(), None, 99, False).url == hung.url]  # fmt: skip
+    async with two_engines_behind_a_router(health_timeout_seconds=2.0, request_timeout_seconds=2.0,
+                                           hung_after_seconds=2.0) as (bench, servers):  # fmt: skip
+        hung, other = servers
+        router, http = bench.router, bench.http
+        assert router is not None and http is not None
+        group = router.table.groups["g"]
+        sessions = [f"s{i}" for i in range(200)]
+        on_hung = [s for s in sessions if router.table.choose_replica(group, hashing.key_hash(s), set(), None, 99, False).url == hung.url]  # fmt: skip
 
-    async def generate(session: str) -> tuple[int, str]:
-        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}}
-        async with http.post(f"http://127.0.0.1:{port}/generate", json=body, headers={"X-Session-Id": session}) as r:
-            await r.read()
-            return r.status, r.headers.get("X-RLFleet-Replica", "")
+        async def generate(session: str) -> tuple[int, str]:
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}}
+            async with http.post(bench.url + "/generate", json=body, headers={"X-Session-Id": session}) as r:
+                await r.read()
+                return r.status, r.headers.get("X-RLFleet-Replica", "")
 
-    try:
         async with http.post(hung.url + "/pause_generation", json={"mode": "in_place"}) as r:
             assert r.status == 200
         # Right away, before any probe has failed: sessions of the hung replica post there, hang, move.
@@ -71,40 +79,25 @@ async def test_a_paused_engine_is_ejected_its_requests_move_and_it_returns_when_
 
         await eventually(back, "the replica is routable again once it generates")
         assert await generate(on_hung[0]) == (200, hung.url)  # its sessions come back
-    finally:
-        await http.close()
-        await runner.cleanup()
-        await router.close()
-        for server in servers:
-            await server.stop()
 
 
 async def test_an_engine_paused_shorter_than_hung_after_keeps_its_request() -> None:
     """A pause like a weight load (update_weights_from_disk blocks SGLang's scheduler): its probes fail,
     so the replica takes no new request, but the request in flight on it is not moved (not run twice)
     and is answered there once the engine generates again."""
-    servers = [await start_reference_server(ReferenceEngine(EngineConfig(model=MODEL, seed=s))) for s in (1, 2)]
-    config = RouterConfig(
-        port=0,
-        groups=[GroupConfig(name="g", replicas=[s.url for s in servers])],
-        health_interval_seconds=0.2,
-        health_timeout_seconds=0.5,
-        failure_threshold=1,
-        request_timeout_seconds=0.5,
-        hung_after_seconds=BOUND_S,
-    )
-    router, runner, port = await start_service(config)
-    http = aiohttp.ClientSession()
-    paused, other = servers
-    group = router.table.groups["g"]
-    session = next(f"s{i}" for i in range(200) if router.table.choose_replica(
-        group, hashing.key_hash(f"s{i}"), set(), None, 2, False).url == paused.url)  # fmt: skip
-    try:
+    async with two_engines_behind_a_router(health_timeout_seconds=0.5, failure_threshold=1,
+                                           request_timeout_seconds=0.5, hung_after_seconds=BOUND_S) as (bench, servers):  # fmt: skip
+        router, http = bench.router, bench.http
+        assert router is not None and http is not None
+        paused, _ = servers
+        group = router.table.groups["g"]
+        session = next(f"s{i}" for i in range(200) if router.table.choose_replica(
+            group, hashing.key_hash(f"s{i}"), set(), None, 2, False).url == paused.url)  # fmt: skip
         async with http.post(paused.url + "/pause_generation", json={"mode": "in_place"}) as r:
             assert r.status == 200
         body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
         answer = asyncio.ensure_future(
-            http.post(f"http://127.0.0.1:{port}/generate", json=body, headers={"X-Session-Id": session})
+            http.post(bench.url + "/generate", json=body, headers={"X-Session-Id": session})
         )
 
         async def out() -> bool:
@@ -119,12 +112,6 @@ async def test_an_engine_paused_shorter_than_hung_after_keeps_its_request() -> N
         assert response.headers["X-RLFleet-Replica"] == paused.url
         assert response.headers["X-RLFleet-Attempts"] == "1"
         response.release()
-    finally:
-        await http.close()
-        await runner.cleanup()
-        await router.close()
-        for server in servers:
-            await server.stop()
 
 
 async def _all_cancelled(engine: ReferenceEngine) -> bool:

@@ -1,7 +1,7 @@
 """The router's membership over real HTTP (router/membership.py): a group's replica URL names a host, as the
 operator's headless Service does, and the router looks it up itself. The lookup is the only fake: a
 function injected at the Router's boundary, answering as the cluster's DNS would (the ready pods'
-addresses). The router app (aiohttp's test server), its upstreams (real aiohttp servers, one per loopback
+addresses). The router service, its upstreams (real aiohttp servers, one per loopback
 address on one shared port, as a Service's pods share its port) and the connections between them are real."""
 
 from __future__ import annotations
@@ -9,16 +9,15 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
+from support.router_bench import RouterBench
 from support.upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.router import membership
 from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.core import Router
-from rlfleet.router.service import TokenSource, build_app
 
 SERVICE = "j-g.team-a.svc"
 ADDRESSES = ("127.0.0.1", "127.0.0.2")
@@ -38,28 +37,21 @@ class Lookups:
         return list(self.answer)
 
 
-class Fleet:
-    """Two upstreams on one port (the Service's pods) and a router whose group names the Service."""
+class Fleet(RouterBench):
+    """Two upstreams on one port (the Service's pods) and a router service whose group names the Service."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.upstreams: list[InProcessUpstream] = []
-        self.router: Router | None = None
-        self.server: TestServer | None = None
-        self.http: aiohttp.ClientSession | None = None
 
-    async def start(self, lookups: Lookups, **config: object) -> Fleet:
-        first = await InProcessUpstream(UpstreamState("pod-0"), ADDRESSES[0]).start()
+    async def start(self, lookups: Lookups, **config: Any) -> Fleet:
+        first = self.stop_at_close(await InProcessUpstream(UpstreamState("pod-0"), ADDRESSES[0]).start())
         self.upstreams = [first] + [
-            await InProcessUpstream(UpstreamState(f"pod-{i}"), host).start(first.port)
+            self.stop_at_close(await InProcessUpstream(UpstreamState(f"pod-{i}"), host).start(first.port))
             for i, host in enumerate(ADDRESSES[1:], start=1)
         ]
         group = GroupConfig(name="g", replicas=[f"http://{SERVICE}:{first.port}"])
-        self.router = Router(RouterConfig(port=0, groups=[group], **config), resolve=lookups)
-        app = build_app(self.router, TokenSource(None, None))
-        await self.router.start(health_checks=False)
-        self.server = TestServer(app, host="127.0.0.1")
-        await self.server.start_server()
-        self.http = aiohttp.ClientSession()
+        await self.start_router(RouterConfig(port=0, groups=[group], **config), health_checks=False, resolve=lookups)
         return self
 
     def url_of(self, address: str) -> str:
@@ -67,9 +59,9 @@ class Fleet:
 
     async def replica_of(self, session: str) -> str:
         """The replica that answered one request of the session (its upstream says who it is, too)."""
-        assert self.server is not None and self.http is not None
+        assert self.http is not None
         async with self.http.post(
-            str(self.server.make_url("/generate")), json={"input_ids": [1, 2]}, headers={"X-Session-Id": session}
+            self.url + "/generate", json={"input_ids": [1, 2]}, headers={"X-Session-Id": session}
         ) as response:
             body = await response.json()
             assert response.status == 200, body
@@ -77,16 +69,6 @@ class Fleet:
         pod = body["meta_info"]["upstream"]
         assert replica == self.upstreams[int(pod.split("-")[1])].url  # the address named is the pod that answered
         return replica
-
-    async def close(self) -> None:
-        if self.http:
-            await self.http.close()
-        if self.server:
-            await self.server.close()
-        if self.router:
-            await self.router.close()
-        for upstream in self.upstreams:
-            await upstream.stop()
 
 
 @pytest.fixture
@@ -130,7 +112,7 @@ async def test_a_name_without_an_address_empties_the_group_and_a_failed_lookup_k
     lookups.answer = socket.gaierror(socket.EAI_NONAME, "Name or service not known")  # no ready pod
     await fleet.router.resolve_replicas()
     assert list(fleet.router.table.groups["g"].replicas) == []
-    async with fleet.http.post(str(fleet.server.make_url("/generate")), json={"input_ids": [1]}) as response:
+    async with fleet.http.post(fleet.url + "/generate", json={"input_ids": [1]}) as response:
         assert response.status == 503 and response.headers["Retry-After"] == "1"
 
 

@@ -15,38 +15,33 @@ from collections import Counter, defaultdict
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.router_bench import RouterBench
 from support.upstreams import InProcessUpstream, UpstreamState
 
 from rlfleet.router.config import GroupConfig, RouterConfig
-from rlfleet.router.service import start_service
 
 TOKEN = "s3cret-token"
 
 
-class Fleet:
-    def __init__(self) -> None:
-        self.upstreams: dict[str, list[InProcessUpstream]] = {}
-        self.router = None
-        self.runner = None
-        self.port = 0
-        self.http: aiohttp.ClientSession | None = None
+class Fleet(RouterBench):
+    """Groups of in-process upstreams (`{group: replicas}`) behind a router service, and an HTTP client."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self) -> None:
+        super().__init__()
+        self.upstreams: dict[str, list[InProcessUpstream]] = {}
 
     async def start(self, groups: dict[str, int], config_extra: dict | None = None, **state_kw) -> Fleet:
         for name, n in groups.items():
             self.upstreams[name] = [
-                await InProcessUpstream(UpstreamState(f"{name}-{i}", **state_kw)).start() for i in range(n)
+                self.stop_at_close(await InProcessUpstream(UpstreamState(f"{name}-{i}", **state_kw)).start())
+                for i in range(n)
             ]
         config = RouterConfig(
             port=0,
             groups=[GroupConfig(name=g, replicas=[u.url for u in ups]) for g, ups in self.upstreams.items()],
             **(config_extra or {}),
         )
-        self.router, self.runner, self.port = await start_service(config, health_checks=False)
-        self.http = aiohttp.ClientSession()
+        await self.start_router(config, health_checks=False)
         return self
 
     async def generate(self, session: str | None, headers: dict | None = None, **body) -> aiohttp.ClientResponse:
@@ -61,17 +56,6 @@ class Fleet:
         response = await self.http.request(method, self.url + path, headers=headers, **kw)
         await response.read()
         return response
-
-    async def close(self) -> None:
-        if self.http:
-            await self.http.close()
-        if self.runner:
-            await self.runner.cleanup()
-        if self.router:
-            await self.router.close()
-        for ups in self.upstreams.values():
-            for u in ups:
-                await u.stop()
 
 
 @pytest.fixture
