@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_local_run import fleet_hosts, small_manifest, start_until_step  # the local tests' one copy
+from test_local_run import fleet_hosts, small_manifest, started_until_step  # the local tests' one copy
 
 # Long enough that the calls below (about 20, each well under a second) find the fleet serving: the CI-like
 # run at d414a73 trained 4 steps in 2 s and had stopped its engines before the last call.
@@ -40,13 +40,12 @@ def serving_urls(log: Path) -> tuple[str, dict[str, str]]:
 def test_a_local_run_refuses_engine_and_router_calls_without_its_key(tmp_path: Path) -> None:
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
-    proc, lines = start_until_step(tmp_path, manifest, out, STEPS)
-    try:
+    with started_until_step(tmp_path, manifest, out, STEPS) as run:
         hosts = fleet_hosts(out / "fleet.json")
-        assert len(hosts) == 1, "".join(lines)
+        assert len(hosts) == 1, "".join(run.lines)
         key = host_environ(hosts[0]).get("RLFLEET_API_KEY", "")
         assert len(key) == 43, "the host has no key of secrets.token_urlsafe(32)"  # 32 bytes, base64url
-        assert key not in cmdline(hosts[0]) and key not in cmdline(proc.pid)
+        assert key not in cmdline(hosts[0]) and key not in cmdline(run.proc.pid)
         router, servers = serving_urls(out / "fleet.log")
         assert sorted(servers) == ["b200-nvfp4", "h100-bf16"]
 
@@ -65,13 +64,8 @@ def test_a_local_run_refuses_engine_and_router_calls_without_its_key(tmp_path: P
         assert answer.status_code == 200, answer.text
         info = httpx.get(servers["h100-bf16"] + "/model_info", headers=with_key, timeout=30)
         assert info.status_code == 200, info.text
-        rest, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    output = "".join(lines) + rest
-    assert proc.returncode == 0, output[-3000:]
+        output = run.finish(timeout=600)
+    assert run.proc.returncode == 0, output[-3000:]
     assert f"step {STEPS}/{STEPS} " in output and key not in output
     assert fleet_hosts(out / "fleet.json") == []
     # every engine loaded the trainer's later versions, which only its sync loop (presenting the key) loads,

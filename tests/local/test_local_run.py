@@ -6,6 +6,7 @@ is built or overwritten."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,8 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -38,25 +41,39 @@ def small_manifest(tmp_path: Path) -> Path:
     return path
 
 
-def start_until_step(tmp_path: Path, manifest: Path, out: Path, steps: int, step: int = 1
-                     ) -> tuple[subprocess.Popen[str], list[str]]:  # fmt: skip
+@dataclass
+class LocalRun:
+    """A running `rlfleet run --local` and its output lines read so far."""
+
+    proc: subprocess.Popen[str]
+    lines: list[str]
+
+    def finish(self, timeout: float) -> str:
+        """Wait for the run to end (at most `timeout` s): its whole output."""
+        rest, _ = self.proc.communicate(timeout=timeout)
+        return "".join(self.lines) + rest
+
+
+@contextlib.contextmanager
+def started_until_step(tmp_path: Path, manifest: Path, out: Path, steps: int, step: int = 1) -> Iterator[LocalRun]:
     """`rlfleet run MANIFEST --local --steps STEPS --out OUT` as a user runs it, read until it prints step
-    `step`: (the process, its output lines so far). The caller stops it (communicate, or kill on failure)."""
+    `step`. The block lets it finish (`LocalRun.finish`); a run still going when the block ends (a failed
+    assertion) is killed."""
     cmd = [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--steps", str(steps),
            "--out", str(out), "--no-live"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    lines: list[str] = []
+    run = LocalRun(proc, [])
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
-            lines.append(line)
+            run.lines.append(line)
             if line.startswith(f"step {step}/{steps}"):
                 break
-    except BaseException:
-        proc.kill()
-        proc.communicate()
-        raise
-    return proc, lines
+        yield run
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def fleet_hosts(spec_path: Path) -> list[int]:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_local_run import fleet_hosts, small_manifest, start_until_step  # the local tests' one copy
+from test_local_run import fleet_hosts, small_manifest, started_until_step  # the local tests' one copy
 
 from rlfleet.trainer.publish import checkpoint as ckpt
 
@@ -29,20 +29,14 @@ from rlfleet.trainer.publish import checkpoint as ckpt
 def test_a_killed_fleet_host_ends_the_run_in_seconds_with_its_signal_and_the_resume_command(tmp_path: Path) -> None:
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
-    proc, lines = start_until_step(tmp_path, manifest, out, 6)
-    try:
+    with started_until_step(tmp_path, manifest, out, 6) as run:
         hosts = fleet_hosts(out / "fleet.json")
-        assert len(hosts) == 1, "".join(lines)
+        assert len(hosts) == 1, "".join(run.lines)
         os.kill(hosts[0], signal.SIGKILL)
         killed_at = time.monotonic()
-        rest, _ = proc.communicate(timeout=180)
+        output = run.finish(timeout=180)
         ended_in = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    output = "".join(lines) + rest
-    assert proc.returncode == 8, output[-3000:]
+    assert run.proc.returncode == 8, output[-3000:]
     assert ended_in < 60, output[-3000:]  # the loop stops at the next step boundary; measured: a few seconds
     assert "Traceback" not in output
 

@@ -11,6 +11,7 @@ while version 2 is published, i.e. after the step-2 checkpoint and before the po
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ import torch
 from rlfleet.records import SampledTurn
 from rlfleet.sampler.protocol import SamplingConfig
 from rlfleet.trainer.collapse import CollapseDetector
+from rlfleet.trainer.config import RunConfig
+from rlfleet.trainer.loop import TrainingLoop
 from rlfleet.trainer.publish import checkpoint
 from rlfleet.trainer.rollout.driver import RolloutDriver
 from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
@@ -63,61 +66,82 @@ async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> Sa
                        group="cpu-bf16", finish_reason="stop")  # fmt: skip
 
 
-def test_the_checkpoint_before_version_n_holds_step_n_and_a_killed_run_resumes_without_a_hole(
+@dataclass
+class Run:
+    """The copy_digit run both tests kill and resume: its config, the tiny Qwen3 it starts from and where
+    its checkpoints go."""
+
+    rc: RunConfig
+    model: Path
+    checkpoints: Path
+
+    def train(self, sink: RecordingSink, resume: dict | None = None) -> TrainingLoop:
+        """One trainer process: a backend of its own from the model, the stand-in sampler, the composition
+        root publishing into `sink` (resuming from `resume`, a loaded checkpoint)."""
+        rc = self.rc
+        base = build_backend(rc, backend="torch", source_dir=self.model, max_seq_len=48)
+
+        def make_driver(position: int) -> RolloutDriver:
+            env, prompts = rollout_inputs(rc, base)
+            return RolloutDriver(generate, env, prompts, samples_per_prompt=rc.samples_per_prompt,
+                                 sampling=rc.sampling, max_seq_len=48, start_position=position)  # fmt: skip
+
+        return run_training(rc, base.backend, sink, CollapseDetector(), make_driver, checkpoint=self.checkpoints,
+                            resume=resume)  # fmt: skip
+
+    def killed_at_version_2(self) -> None:
+        """A first process, SIGKILLed while it publishes version 2 (after the step-2 checkpoint)."""
+        sink = RecordingSink(kill_at=2)
+        with pytest.raises(Killed):
+            self.train(sink)
+        assert sink.versions == [0, 1]  # the pointer never moved to 2
+
+
+@pytest.fixture
+def copy_digit_run(
     tmp_path: Path, tiny_qwen3_factory: Callable[..., Path], example_run: Callable[..., Any]
-) -> None:
+) -> Callable[[int], Run]:
+    """`make(steps)`: a Run of `steps` steps, one prompt of two samples a step, on one bf16 group."""
     model = tiny_qwen3_factory(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                head_dim=16, max_position_embeddings=48)  # fmt: skip
-    rc = example_run(steps=3, prompts_per_step=1, samples_per_prompt=2, max_staleness=None, environment="copy_digit",
-                     dataset=None, groups=[("cpu-bf16", "bf16")])  # fmt: skip
-    ckpts = tmp_path / "checkpoints"
 
-    def make_driver(position: int) -> RolloutDriver:
-        env, prompts = rollout_inputs(rc, base)
-        return RolloutDriver(generate, env, prompts, samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling,
-                             max_seq_len=48, start_position=position)  # fmt: skip
+    def make(steps: int) -> Run:
+        rc = example_run(steps=steps, prompts_per_step=1, samples_per_prompt=2, max_staleness=None,
+                         environment="copy_digit", dataset=None, groups=[("cpu-bf16", "bf16")])  # fmt: skip
+        return Run(rc, model, tmp_path / "checkpoints")
 
-    base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)
-    sink = RecordingSink(kill_at=2)
-    with pytest.raises(Killed):
-        run_training(rc, base.backend, sink, CollapseDetector(), make_driver, checkpoint=ckpts)
-    assert sink.versions == [0, 1]  # the pointer never moved to 2
+    return make
+
+
+def test_the_checkpoint_before_version_n_holds_step_n_and_a_killed_run_resumes_without_a_hole(
+    copy_digit_run: Callable[[int], Run],
+) -> None:
+    run = copy_digit_run(3)
+    ckpts = run.checkpoints
+    run.killed_at_version_2()
     state = checkpoint.load_latest(ckpts)
     assert state is not None and state["step"] == 2
     assert [h["step"] for h in state["history"]] == [1.0, 2.0]  # step 2's metrics are in step 2's checkpoint
     assert all(h["trained_tokens"] > 0 for h in state["history"])
 
-    base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)  # the restarted process
     resumed = RecordingSink(latest=1)
-    loop = run_training(rc, base.backend, resumed, CollapseDetector(), make_driver, checkpoint=ckpts, resume=state)
+    loop = run.train(resumed, resume=state)  # the restarted process
     assert resumed.versions == [1, 2, 3]  # version 2 republished from the checkpoint, then step 3
     assert [h["step"] for h in loop.state.history] == [1.0, 2.0, 3.0]
     assert loop.state.history[:2] == state["history"]
 
 
 def test_a_checkpoint_older_than_the_pointer_resumes_and_publishes_above_it(
-    tmp_path: Path, tiny_qwen3_factory: Callable[..., Path], example_run: Callable[..., Any]
+    copy_digit_run: Callable[[int], Run],
 ) -> None:
     """The newest checkpoints were lost (damaged, refused): the loaded one is of step 1 while the channel
     is at version 5. The composition root resumes from step 1, publishes its weights as version 6 and
     step 2 as version 7 (version = step + 5, recorded in the checkpoint), and staleness is measured
     against those versions: the stand-in sampler's tokens say version 0, so step 2 (trained while the
     trainer holds version 6) sees them 6 versions behind, not 1."""
-    model = tiny_qwen3_factory(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               head_dim=16, max_position_embeddings=48)  # fmt: skip
-    rc = example_run(steps=2, prompts_per_step=1, samples_per_prompt=2, max_staleness=None, environment="copy_digit",
-                     dataset=None, groups=[("cpu-bf16", "bf16")])  # fmt: skip
-    ckpts = tmp_path / "checkpoints"
-
-    def make_driver(position: int) -> RolloutDriver:
-        env, prompts = rollout_inputs(rc, base)
-        return RolloutDriver(generate, env, prompts, samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling,
-                             max_seq_len=48, start_position=position)  # fmt: skip
-
-    base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)
-    first = RecordingSink(kill_at=2)
-    with pytest.raises(Killed):
-        run_training(rc, base.backend, first, CollapseDetector(), make_driver, checkpoint=ckpts)
+    run = copy_digit_run(2)
+    ckpts = run.checkpoints
+    run.killed_at_version_2()
     state = checkpoint.load_latest(ckpts)
     assert state is not None and (state["step"], state["version_offset"]) == (2, 0)
     older = [e for e in checkpoint._read_latest(checkpoint._place(ckpts)[0], "latest")[0].entries]  # newest first
@@ -125,9 +149,8 @@ def test_a_checkpoint_older_than_the_pointer_resumes_and_publishes_above_it(
     state = checkpoint.load_latest(ckpts)
     assert state is not None and state["step"] == 1
 
-    base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)
     ahead = RecordingSink(latest=5)
-    loop = run_training(rc, base.backend, ahead, CollapseDetector(), make_driver, checkpoint=ckpts, resume=state)
+    loop = run.train(ahead, resume=state)
     assert (ahead.versions, ahead.steps) == ([5, 6, 7], [1, 2])
     assert (loop.state.step, loop.state.version_offset, loop.state.version) == (2, 5, 7)
     assert loop.state.history[-1]["weight_version"] == 7.0 and loop.state.history[-1]["step"] == 2.0

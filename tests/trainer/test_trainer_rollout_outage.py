@@ -45,6 +45,20 @@ def copy_digit_driver(client: SamplerClient, max_ahead: int) -> RolloutDriver:
     )  # fmt: skip
 
 
+async def probes_fail(driver: RolloutDriver, what: str, probes: int = 2) -> None:
+    """Wait (off the event loop the servers run on) until `probes` more of the driver's probes have failed:
+    each failed probe is one more held group."""
+    held = driver.stats.held_groups
+    await asyncio.to_thread(wait_for, what, lambda: driver.stats.held_groups >= held + probes, interval=0.01)
+
+
+async def look_ahead_filled(driver: RolloutDriver, max_ahead: int) -> None:
+    """Wait until the driver's look-ahead is full with nothing in flight: all it produced is in its buffer."""
+    await asyncio.to_thread(wait_for, "the driver's look-ahead to fill (nothing in flight)",
+                            lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0, timeout=20,
+                            interval=0.01)  # fmt: skip
+
+
 async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
     sampler_port = free_port()
     sampler = await start_reference_server(
@@ -73,17 +87,12 @@ async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
         # Phase 1: the sampler is down, so the router answers 503 to every request.
         await sampler.stop()
         await asyncio.to_thread(wait_for, "the circuit to open", lambda: driver.outage is not None, interval=0.01)
-        held_at_open = driver.stats.held_groups
-        await asyncio.to_thread(
-            wait_for, "two failed probes", lambda: driver.stats.held_groups >= held_at_open + 2, interval=0.01
-        )
+        await probes_fail(driver, "two failed probes")
         position = driver.next_position
         # Phase 2: the router is down (refused); the circuit stays open, probes keep failing.
         await runner.cleanup()
         await router.close()
-        held = driver.stats.held_groups
-        await asyncio.to_thread(wait_for, "two probes against the closed port",
-                                lambda: driver.stats.held_groups >= held + 2, interval=0.01)  # fmt: skip
+        await probes_fail(driver, "two probes against the closed port")
         assert driver.outage is not None and driver.stats.router_outages == 1
         # no data position consumed while the circuit was open: the probes were the held groups
         assert driver.next_position == position
@@ -96,9 +105,7 @@ async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
         router, runner, _ = await start_service(config)
         await asyncio.to_thread(take, 6)
         assert len(taken) == 12, (driver.stats, driver.outage, driver._in_flight, driver.held_prompts)
-        await asyncio.to_thread(wait_for, "the driver's look-ahead to fill (nothing in flight)",
-                                lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0, timeout=20,
-                                interval=0.01)  # fmt: skip
+        await look_ahead_filled(driver, max_ahead)
     finally:
         stop.set()
         driver.stop()

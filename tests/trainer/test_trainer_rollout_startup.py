@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 from support.ports import free_port
 from support.waits import wait_for
-from test_trainer_rollout_outage import MODEL, copy_digit_driver
+from test_trainer_rollout_outage import MODEL, copy_digit_driver, look_ahead_filled, probes_fail
 
 from rlfleet.retries import ClientRetryPolicy
 from rlfleet.router.config import GroupConfig, RouterConfig
@@ -120,9 +120,8 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
         # Phase 1: 404 from the router's address. The first groups fail with it and are held.
         await asyncio.to_thread(wait_for, "the circuit to open on 404", lambda: driver.outage is not None,
                                 interval=0.01)  # fmt: skip
-        held = held_at_the_outage = driver.stats.held_groups
-        await asyncio.to_thread(wait_for, "two failed probes", lambda: driver.stats.held_groups >= held + 2,
-                                interval=0.01)  # fmt: skip
+        held_at_the_outage = driver.stats.held_groups
+        await probes_fail(driver, "two failed probes")
         assert "404" in driver.outage_note()
         position = driver.next_position
         assert position == max_ahead  # the groups dispatched before the circuit opened, and no more
@@ -135,9 +134,7 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
         assert answer.status_code == 503
         message = answer.json()["error"]["message"]
         assert f"cannot look up {SERVICE} ([Errno {socket.EAI_AGAIN}] Temporary failure in name resolution)" in message
-        held = driver.stats.held_groups
-        await asyncio.to_thread(wait_for, "two probes answered 503", lambda: driver.stats.held_groups >= held + 2,
-                                interval=0.01)  # fmt: skip
+        await probes_fail(driver, "two probes answered 503")
         assert "Temporary failure in name resolution" in driver.outage_note()
         assert driver.next_position == position and driver.stats.failed_groups == 0
         assert driver.stats.router_outages == 1
@@ -146,9 +143,7 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
         dns.up = True
         await asyncio.to_thread(take, 6)
         assert len(taken) == 6, (driver.stats, driver.outage, driver.held_prompts)
-        await asyncio.to_thread(wait_for, "the driver's look-ahead to fill (nothing in flight)",
-                                lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0, timeout=20,
-                                interval=0.01)  # fmt: skip
+        await look_ahead_filled(driver, max_ahead)
     finally:
         stop.set()
         driver.stop()

@@ -394,18 +394,24 @@ def diff_of(repo: Path, path: str, content: str) -> str:
     return out
 
 
-def calc_repo(root: Path) -> tuple[Path, str, dict[str, str]]:
-    """A git repository whose base commit has the bug in `add`, and a later commit besides (the
-    snapshot must be base_commit's tree, not HEAD's). Returns it, base_commit and that tree."""
-    repo = root / "calc-repo"
-    tree = {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": CALC_TESTS}
+def buggy_calc_commit(repo: Path, tests: str) -> tuple[str, dict[str, str]]:
+    """A new git repository at `repo` whose one commit has the bug in `add` and `tests` as
+    tests/test_calc.py: that commit and its tree."""
+    tree = {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": tests}
     for path, content in tree.items():
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
         (repo / path).write_text(content)
     git(repo, "init", "-q")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "base")
-    base = git(repo, "rev-parse", "HEAD").strip()
+    return git(repo, "rev-parse", "HEAD").strip(), tree
+
+
+def calc_repo(root: Path) -> tuple[Path, str, dict[str, str]]:
+    """A git repository whose base commit has the bug in `add`, and a later commit besides (the
+    snapshot must be base_commit's tree, not HEAD's). Returns it, base_commit and that tree."""
+    repo = root / "calc-repo"
+    base, tree = buggy_calc_commit(repo, CALC_TESTS)
     (repo / "LATER.md").write_text("after base_commit\n")
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "later")
@@ -735,14 +741,7 @@ def pytest_task(tmp_path: Path) -> SweTask:
     from rlfleet.trainer.envs.swe_bench import load_swe_bench
 
     repo = tmp_path / "calc-repo"
-    tree = {"calc/__init__.py": CALC_BUGGY, "tests/__init__.py": "", "tests/test_calc.py": PYTEST_TESTS}
-    for path, content in tree.items():
-        (repo / path).parent.mkdir(parents=True, exist_ok=True)
-        (repo / path).write_text(content)
-    git(repo, "init", "-q")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "base")
-    base = git(repo, "rev-parse", "HEAD").strip()
+    base, _ = buggy_calc_commit(repo, PYTEST_TESTS)
     test_patch = diff_of(repo, "tests/test_calc.py", PYTEST_TESTS + PYTEST_ADD)
     row = {**swe_bench_row("calc-pytest", base, test_patch), "test_command": "pytest",
            "FAIL_TO_PASS": ["tests/test_calc.py::test_add"], "PASS_TO_PASS": ["tests/test_calc.py::test_mul"]}
