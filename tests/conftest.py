@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -102,13 +101,11 @@ def tiny_qwen3_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 
 @pytest.fixture
 def namespace(kube) -> Iterator[str]:
-    """A fresh namespace for one test; deleted (without waiting) afterwards."""
-    name = f"t-{uuid.uuid4().hex[:10]}"
-    kube.kubectl("create", "namespace", name)
-    # Pods need the namespace's default ServiceAccount (created by kube-controller-manager).
-    kube.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=30s")
-    yield name
-    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    """A fresh namespace for one test (support/control_plane.py); deleted (without waiting) afterwards."""
+    from support.control_plane import fresh_namespace
+
+    with fresh_namespace(kube, "t") as name:
+        yield name
 
 
 @pytest.fixture

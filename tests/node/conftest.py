@@ -58,6 +58,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture
+def ns(dev_cluster: DevCluster) -> Iterator[str]:
+    """A fresh namespace on the dev cluster for one test (support/control_plane.py); deleted afterwards."""
+    from support.control_plane import fresh_namespace
+
+    with fresh_namespace(dev_cluster.kube, "n", ready_s=60) as name:
+        yield name
+
+
 @pytest.fixture(scope="session")
 def dev_cluster() -> Iterator[DevCluster]:
     log = lambda msg: print(f"[dev-cluster] {msg}", file=sys.stderr, flush=True)  # noqa: E731

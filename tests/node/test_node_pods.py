@@ -12,8 +12,6 @@ import json
 import re
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,16 +58,6 @@ def pod(name: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, A
             **spec,
         },
     }
-
-
-@pytest.fixture
-def ns(dev_cluster) -> Iterator[str]:
-    name = f"n-{uuid.uuid4().hex[:8]}"
-    kube = dev_cluster.kube
-    kube.kubectl("create", "namespace", name)
-    kube.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
-    yield name
-    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def apply(kube, *objects: dict[str, Any], namespace: str) -> None:

@@ -25,7 +25,6 @@ import sys
 import textwrap
 import time
 import urllib.parse
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 import nodeimages
 import pytest
 import yaml
+from support.control_plane import applies_children_by_bind_alone, fresh_namespace
 from support.waits import wait_for
 
 from rlfleet.api import RLJob
@@ -93,22 +93,20 @@ def trainer(dev_cluster, tmp_path_factory) -> Iterator[Trainer]:
     kube = dev_cluster.kube
     built = nodeimages.sandbox_image(log=lambda msg: print(f"[sandbox-image] {msg}", file=sys.stderr, flush=True))
     dev_cluster.node.load_images([built])
-    namespace = f"sbx-{uuid.uuid4().hex[:8]}"
-    kube.kubectl("create", "namespace", namespace)
-    kube.kubectl("wait", "--for=create", "serviceaccount/default", "-n", namespace, "--timeout=60s")
     raw = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     raw["metadata"]["name"] = "swe"
     raw["spec"]["rollout"]["sandbox"] = {"backend": "pods", "image": built.ref}
     job = RLJob.model_validate(raw)
-    # what the operator applies for this job (and what the chart installs as the role), as a Role here
-    role_ref = sandboxes.parse_role_ref(f"Role/{ROLE}")
-    objects = [sandboxes.build_sandbox_role(ROLE, namespace), *sandboxes.build_sandbox_children(job, namespace, None, role_ref)]
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects))
-    token = kube.kubectl("create", "token", sandboxes.trainer_service_account(job), "-n", namespace,
-                         "--duration=2h").stdout.strip()  # fmt: skip
-    kubeconfig = kube.token_kubeconfig(token, tmp_path_factory.mktemp("trainer") / "kubeconfig")
-    yield Trainer(namespace, job, kubeconfig, built.ref, kube)
-    kube.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    with fresh_namespace(kube, "sbx", ready_s=60) as namespace:
+        # what the operator applies for this job (and what the chart installs as the role), as a Role here
+        role_ref = sandboxes.parse_role_ref(f"Role/{ROLE}")
+        objects = [sandboxes.build_sandbox_role(ROLE, namespace),
+                   *sandboxes.build_sandbox_children(job, namespace, None, role_ref)]  # fmt: skip
+        kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects))
+        token = kube.kubectl("create", "token", sandboxes.trainer_service_account(job), "-n", namespace,
+                             "--duration=2h").stdout.strip()  # fmt: skip
+        kubeconfig = kube.token_kubeconfig(token, tmp_path_factory.mktemp("trainer") / "kubeconfig")
+        yield Trainer(namespace, job, kubeconfig, built.ref, kube)
 
 
 def test_commands_files_limits_and_the_diff_in_a_real_sandbox_pod(trainer: Trainer) -> None:
@@ -391,38 +389,10 @@ def test_the_operator_grants_the_sandbox_role_by_bind_alone(trainer: Trainer, tm
     raw["metadata"]["name"] = "swe-granted"
     raw["spec"]["rollout"]["sandbox"] = {"backend": "pods", "image": trainer.image}
     job = RLJob.model_validate(raw)
-    grants = [
-        {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["create", "patch"]},
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["rolebindings"], "verbs": ["create", "patch"]},
-    ]
-    bind = {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["bind"], "resourceNames": [ROLE]}
-
-    def account(name: str, rules: list[dict[str, Any]]) -> dict[str, str]:
-        objects = [
-            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
-            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name}, "rules": rules},
-            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": name},
-             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
-        ]  # fmt: skip
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects))
-        token = kube.kubectl("create", "token", name, "-n", namespace, "--duration=1h").stdout.strip()
-        return {**kube.env(), "KUBECONFIG": str(kube.token_kubeconfig(token, tmp_path / f"{name}.kubeconfig"))}
-
-    def apply_as(env: dict[str, str], objects: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(kube.kubectl_bin), "apply", "--server-side", "--field-manager=rlfleet-operator",
-                               "-n", namespace, "-f", "-"], input="\n---\n".join(json.dumps(o) for o in objects),
-                              env=env, text=True, capture_output=True, timeout=60)  # fmt: skip
-
     children = [c for c in sandboxes.build_sandbox_children(job, namespace, None, sandboxes.parse_role_ref(f"Role/{ROLE}"))
                 if c["kind"] in ("ServiceAccount", "RoleBinding")]  # the policy: networkpolicies, granted apart
     assert [c["kind"] for c in children] == ["ServiceAccount", "RoleBinding"]
-    without_bind = account("op-without-bind", grants)
-    refused = apply_as(without_bind, children)
-    assert refused.returncode != 0 and "attempting to grant RBAC permissions not currently held" in refused.stderr, refused.stderr
-    operator_env = account("op", [*grants, bind])
-    applied = apply_as(operator_env, children)
-    assert applied.returncode == 0, applied.stderr
+    operator_env = applies_children_by_bind_alone(kube, namespace, children, ROLE, tmp_path)
     binding = kube.get_json("rolebinding", "swe-granted-sandboxes", "-n", namespace)
     assert binding["roleRef"]["name"] == ROLE and binding["subjects"][0]["name"] == "swe-granted-trainer"
     can_exec = subprocess.run([str(kube.kubectl_bin), "auth", "can-i", "create", "pods", "--subresource=exec",

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,16 +45,6 @@ for run in range({RUNS}):
     ranks = [json.load(open(os.path.join(out, f))) for f in sorted(os.listdir(out))]
     print(json.dumps({{"run": run, "rc": rc, "seconds": round(time.time() - started, 1), "ranks": ranks}}), flush=True)
 """
-
-
-@pytest.fixture
-def ns(dev_cluster) -> Iterator[str]:
-    name = f"f-{uuid.uuid4().hex[:8]}"
-    kube = dev_cluster.kube
-    kube.kubectl("create", "namespace", name)
-    kube.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, "--timeout=60s")
-    yield name
-    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def test_every_rank_of_a_finished_trainer_ends_run_after_run_in_the_trainer_image(dev_cluster, ns: str) -> None:

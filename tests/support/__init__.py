@@ -11,10 +11,13 @@ pytest collects nothing here.
   `rlfleet trainer run`)
 - upstreams: real HTTP upstreams speaking SGLang's API subset to the router; `serving(app)` for any
   aiohttp fake
+- router_bench: the router service in front of upstreams with a client (`router_bench()`), and
+  concurrent sessions through it (`sessions_load`)
+- moto: a real S3-compatible server (moto_server) and its buckets
 - fake_prometheus: a real Prometheus-API server answering the rebalancer's query
 - fake_kube: the operator's KubeApi over a dict, for the handlers without a cluster
 - control_plane: rlfleet on the test control plane (CRDs, the operator in process, RLJobs, Events,
-  a spot node)
+  a spot node, fresh namespaces, ServiceAccounts of given rules, the sandbox grants by `bind`)
 - cluster_modules: tests/cluster/*.py loaded by path for pytest's side
 - manifests: RLJob manifests as plain dicts
 - example_children: what the operator's builders make for examples/rljob.yaml

@@ -4,6 +4,8 @@ cluster tests set up alike, before each test's own objects."""
 from __future__ import annotations
 
 import json
+import subprocess
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -120,3 +122,67 @@ def bind_claim(kube: Any, namespace: str, claim: str, host_path: Path, access_mo
     }
     kube.kubectl("apply", "-f", "-", input=json.dumps(pv))
     return pv["metadata"]["name"]
+
+
+@contextmanager
+def fresh_namespace(kube: Any, prefix: str, ready_s: int = 30) -> Iterator[str]:
+    """A new namespace `<prefix>-<random>`, yielded once its default ServiceAccount exists (the
+    kube-controller-manager makes it; pods need it); deleted (without waiting) when the block ends."""
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+    kube.kubectl("create", "namespace", name)
+    try:
+        kube.kubectl("wait", "--for=create", "serviceaccount/default", "-n", name, f"--timeout={ready_s}s")
+        yield name
+    finally:
+        kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+# The chart's grants for the operator's sandbox children of a job (tests/ship/test_ship_chart.py pins them),
+# besides `bind` on the sandbox role (`bind_rule`).
+SANDBOX_CHILD_GRANTS = [
+    {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["create", "patch"]},
+    {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["rolebindings"], "verbs": ["create", "patch"]},
+]
+
+
+def bind_rule(role: str) -> dict[str, Any]:
+    """`bind` on the Role `role`: what lets an account create a RoleBinding to it without holding its rights."""
+    return {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["bind"], "resourceNames": [role]}
+
+
+def account_env(kube: Any, namespace: str, name: str, rules: list[dict[str, Any]], directory: Path) -> dict[str, str]:
+    """A ServiceAccount `name` of `namespace` holding a Role of `rules` (its own name): the environment in
+    which kubectl acts as it (a kubeconfig of its token, written in `directory`)."""
+    objects = [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name}, "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": name},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
+    ]  # fmt: skip
+    kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects))
+    token = kube.kubectl("create", "token", name, "-n", namespace, "--duration=1h").stdout.strip()
+    return {**kube.env(), "KUBECONFIG": str(kube.token_kubeconfig(token, directory / f"{name}.kubeconfig"))}
+
+
+def applies_children_by_bind_alone(
+    kube: Any, namespace: str, children: list[dict[str, Any]], role: str, directory: Path
+) -> dict[str, str]:
+    """The operator's sandbox `children` (its ServiceAccount and RoleBinding to the sandbox Role `role`) as
+    the operator applies them (server-side apply, its field manager), by an account holding none of the
+    role's rights: with the chart's grants but no `bind` on the role the API server refuses the RoleBinding
+    (it would grant rights the account does not hold); with `bind` as well they apply. Returns that second
+    account's kubectl environment."""
+
+    def apply_as(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(kube.kubectl_bin), "apply", "--server-side", "--field-manager=rlfleet-operator",
+                               "-n", namespace, "-f", "-"], input="\n---\n".join(json.dumps(o) for o in children),
+                              env=env, text=True, capture_output=True, timeout=60)  # fmt: skip
+
+    refused = apply_as(account_env(kube, namespace, "op-without-bind", SANDBOX_CHILD_GRANTS, directory))
+    assert refused.returncode != 0, refused.stdout
+    assert "attempting to grant RBAC permissions not currently held" in refused.stderr, refused.stderr
+    operator = account_env(kube, namespace, "op", [*SANDBOX_CHILD_GRANTS, bind_rule(role)], directory)
+    applied = apply_as(operator)
+    assert applied.returncode == 0, applied.stderr
+    return operator

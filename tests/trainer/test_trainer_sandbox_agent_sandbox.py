@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 from support import waits
+from support.control_plane import applies_children_by_bind_alone
 from support.ports import free_port
 
 from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
@@ -371,30 +372,7 @@ def test_the_operator_grants_the_agent_sandbox_role_by_bind_alone(kube, crds, na
     kube.kubectl("apply", "-n", namespace, "-f", "-",
                  input=json.dumps(sandboxes.build_sandbox_role("agent-sandboxes", namespace, backend="agent-sandbox")))  # fmt: skip
     children = sandboxes.build_sandbox_children(job, namespace, None, sandboxes.parse_role_ref("Role/agent-sandboxes"))
-    grants = [{"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["create", "patch"]},
-              {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["rolebindings"], "verbs": ["create", "patch"]}]  # fmt: skip
-    bind = {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["bind"],
-            "resourceNames": ["agent-sandboxes"]}  # fmt: skip
-
-    def apply_as(name: str, rules: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
-        account = [
-            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
-            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name}, "rules": rules},
-            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": name},
-             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
-        ]  # fmt: skip
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in account))
-        token = kube.kubectl("create", "token", name, "-n", namespace, "--duration=1h").stdout.strip()
-        env = {**kube.env(), "KUBECONFIG": str(kube.token_kubeconfig(token, tmp_path / f"{name}.kubeconfig"))}
-        return subprocess.run([str(kube.kubectl_bin), "apply", "--server-side", "--field-manager=rlfleet-operator",
-                               "-n", namespace, "-f", "-"], input="\n---\n".join(json.dumps(o) for o in children),
-                              env=env, text=True, capture_output=True, timeout=60)  # fmt: skip
-
     assert [c["kind"] for c in children] == ["ServiceAccount", "RoleBinding"]  # no NetworkPolicy for this backend
-    refused = apply_as("op-without-bind", grants)
-    assert refused.returncode != 0 and "attempting to grant RBAC permissions not currently held" in refused.stderr, refused.stderr
-    applied = apply_as("op", [*grants, bind])
-    assert applied.returncode == 0, applied.stderr
+    applies_children_by_bind_alone(kube, namespace, children, "agent-sandboxes", tmp_path)
     binding = kube.get_json("rolebinding", "swe-granted-sandboxes", "-n", namespace)
     assert binding["roleRef"]["name"] == "agent-sandboxes" and binding["subjects"][0]["name"] == "swe-granted-trainer"
