@@ -336,17 +336,23 @@ CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def megatron_cpu_tier(tmp_path_factory) -> dict:
+def run_cpu_tier(tmp_path_factory, script: str, label: str) -> dict:
+    """`script` (beside this file) run by .venv312's Python: the JSON it writes ({"checks": {name: {"ok":
+    bool, ...}}, "wall_s": float}); its wall time goes to stderr, labelled."""
     python = REPO / ".venv312" / "bin" / "python"
     assert python.exists(), "the megatron CPU tier needs .venv312: run scripts/bootstrap"
-    out = tmp_path_factory.mktemp("megatron") / "checks.json"
-    proc = subprocess.run([str(python), str(Path(__file__).with_name("megatron_cpu_checks.py")), str(out)],
+    out = tmp_path_factory.mktemp(Path(script).stem) / "checks.json"
+    proc = subprocess.run([str(python), str(Path(__file__).with_name(script)), str(out)],
                           cwd=out.parent, capture_output=True, text=True, timeout=540)
-    assert out.exists(), f"megatron_cpu_checks.py wrote no result (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    assert out.exists(), f"{script} wrote no result (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
     result = json.loads(out.read_text())
-    sys.stderr.write(f"megatron CPU tier: {result['wall_s']:.1f} s\n")
+    sys.stderr.write(f"{label}: {result['wall_s']:.1f} s\n")
     return result
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu_tier(tmp_path_factory) -> dict:
+    return run_cpu_tier(tmp_path_factory, "megatron_cpu_checks.py", "megatron CPU tier")
 
 
 @pytest.mark.slow
@@ -412,15 +418,7 @@ MOE_CHECKS = [
 
 @pytest.fixture(scope="module")
 def megatron_moe_cpu_tier(tmp_path_factory) -> dict:
-    python = REPO / ".venv312" / "bin" / "python"
-    assert python.exists(), "the megatron CPU tier needs .venv312: run scripts/bootstrap"
-    out = tmp_path_factory.mktemp("megatron-moe") / "checks.json"
-    proc = subprocess.run([str(python), str(Path(__file__).with_name("megatron_moe_cpu_checks.py")), str(out)],
-                          cwd=out.parent, capture_output=True, text=True, timeout=540)
-    assert out.exists(), f"megatron_moe_cpu_checks.py wrote no result (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    result = json.loads(out.read_text())
-    sys.stderr.write(f"megatron MoE CPU tier: {result['wall_s']:.1f} s\n")
-    return result
+    return run_cpu_tier(tmp_path_factory, "megatron_moe_cpu_checks.py", "megatron MoE CPU tier")
 
 
 @pytest.mark.slow
