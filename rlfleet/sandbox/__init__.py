@@ -15,6 +15,7 @@ docs/environments.md 'Sandboxes' says what each isolates.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
@@ -93,26 +94,57 @@ class Sandbox(Protocol):
 
 class ExecSandbox(ABC):
     """A `Sandbox` whose every operation is a command run in it by `exec`: reads, writes and the diff go
-    through the sandbox (a path the agent made a symlink resolves inside it, never on the host)."""
+    through the sandbox (a path the agent made a symlink resolves inside it, never on the host). A
+    backend runs one command (`_run_command`) and frees what the sandbox holds (`_release`, once)."""
 
+    limits: SandboxLimits
     seconds: float
+    closed: bool
 
-    @abstractmethod
     def exec(self, argv: list[str], timeout_s: float, stdin: bytes = b"") -> CommandResult:
-        """`argv` in the repository's root, `stdin` on its standard input."""
+        """`argv` in the repository's root, `stdin` on its standard input, killed with everything it
+        started after `timeout_s` (at most the limits' max_timeout_s, at least 0.1 s); its wall time
+        counts in `seconds`. A closed sandbox runs nothing (RuntimeError)."""
+        if self.closed:
+            raise RuntimeError("the sandbox is closed")
+        timeout = max(0.1, min(float(timeout_s), self.limits.max_timeout_s))
+        t0 = time.monotonic()
+        code, output, timed_out = self._run_command(argv, timeout, stdin)
+        seconds = time.monotonic() - t0
+        self.seconds += seconds
+        return CommandResult(code, output, timed_out, seconds)
 
     @abstractmethod
-    def close(self) -> None: ...
+    def _run_command(self, argv: list[str], timeout: float, stdin: bytes) -> tuple[int, str, bool]:
+        """The backend's run of one command: (its exit code, -9 when the timeout killed it; its output;
+        whether the timeout killed it)."""
+
+    def close(self) -> None:
+        """Kill everything the sandbox started and free what it holds (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._release()
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free what the sandbox holds (its work dir, pod or claim); called once, by `close`."""
 
     def run(self, command: str, timeout_s: float, stdin: bytes = b"") -> CommandResult:
         return self.exec(["sh", "-c", command], timeout_s, stdin)
 
     def unpack_snapshot(self, tar: bytes, directory: str, owner: str) -> None:
         """A remote backend's start: the repository's files (a tar on the command's stdin) unpacked into
-        `directory` and committed as the snapshot; SandboxUnavailable naming `owner` if that fails."""
-        snap = self.exec(["sh", "-c", f"tar -x -f - -C {directory} && {SNAPSHOT_SCRIPT}"], timeout_s=120, stdin=tar)
-        if snap.exit_code != 0:
-            raise SandboxUnavailable(f"{owner}: the snapshot failed: {snap.output.strip()[-500:]}")
+        `directory` and committed as the snapshot; SandboxUnavailable naming `owner` if that fails. On any
+        failure the sandbox is closed before the error is raised: nothing of it is left behind."""
+        try:
+            snap = self.exec(["sh", "-c", f"tar -x -f - -C {directory} && {SNAPSHOT_SCRIPT}"], timeout_s=120,
+                             stdin=tar)  # fmt: skip
+            if snap.exit_code != 0:
+                raise SandboxUnavailable(f"{owner}: the snapshot failed: {snap.output.strip()[-500:]}")
+        except BaseException:
+            self.close()
+            raise
 
     def read_file(self, path: str) -> str:
         result = self.exec(["cat", "--", path], timeout_s=30)

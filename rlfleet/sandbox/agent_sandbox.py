@@ -44,7 +44,7 @@ from k8s_agent_sandbox.models import SandboxConnectionConfig, SandboxInClusterCo
 from k8s_agent_sandbox.sandbox import Sandbox as SdkSandbox
 from kubernetes.client import ApiClient, ApiException
 
-from rlfleet.sandbox import CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox import ExecSandbox, SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.local import MAX_OUTPUT_BYTES
 from rlfleet.sandbox.pods import _tar
 from rlfleet.sandbox.podspec import (
@@ -52,9 +52,7 @@ from rlfleet.sandbox.podspec import (
     LABEL_COMPONENT,
     LABEL_JOB,
     LABEL_OWNER,
-    NAMESPACE_ENV,
-    POD_NAME_ENV,
-    POD_UID_ENV,
+    own_pod,
     owner_selector,
     sandbox_pod_name,
     warm_pool_target,
@@ -118,15 +116,8 @@ class AgentSandboxes:
         """In the trainer pod: the RLJob's rollout.sandbox (`spec`, rlfleet.api.SandboxSpec) and the pod's own
         identity from the downward API (the operator sets it for this backend as for the pods backend); the
         SDK authenticates with the pod's ServiceAccount token."""
-        env = os.environ if environ is None else environ
-        missing = [k for k in (POD_NAME_ENV, POD_UID_ENV, NAMESPACE_ENV) if not env.get(k)]
-        if missing:
-            raise SandboxUnavailable(
-                f"rollout.sandbox.backend agent-sandbox: the trainer does not know its own pod ({', '.join(missing)} "
-                "unset; the operator sets them from the downward API)"
-            )
-        return cls(env[NAMESPACE_ENV], job, spec.template, spec.warm_pool, owner_pod=env[POD_NAME_ENV],
-                   owner_uid=env[POD_UID_ENV])  # fmt: skip
+        pod = own_pod("agent-sandbox", os.environ if environ is None else environ)
+        return cls(pod.namespace, job, spec.template, spec.warm_pool, owner_pod=pod.name, owner_uid=pod.uid)
 
     def _claim_call(self, method: str, **kwargs: Any) -> Any:
         return getattr(self.objects, method)(group=CLAIM_API_GROUP, version=CLAIM_API_VERSION,
@@ -249,24 +240,14 @@ class AgentSandbox(ExecSandbox):
         self.start_seconds = time.monotonic() - t0
         self.claim_name: str = self.handle.claim_name or ""  # the SDK clears it once deleted
         self.closed = False
-        try:
-            self.unpack_snapshot(_tar(files), ".", f"SandboxClaim {self.claim_name}")  # commands run in the work dir
-        except BaseException:
-            self.close()
-            raise
+        self.unpack_snapshot(_tar(files), ".", f"SandboxClaim {self.claim_name}")  # commands run in the work dir
 
-    def exec(self, argv: list[str], timeout_s: float, stdin: bytes = b"") -> CommandResult:
-        if self.closed:
-            raise RuntimeError("the sandbox is closed")
-        timeout = max(0.1, min(float(timeout_s), self.limits.max_timeout_s))
+    def _run_command(self, argv: list[str], timeout: float, stdin: bytes) -> tuple[int, str, bool]:
         commands = self.handle.commands
         if commands is None:
             raise RuntimeError(f"SandboxClaim {self.claim_name}: the SDK's connection is closed")
-        t0 = time.monotonic()
         result = commands.run(command_line(argv, stdin, self.limits, self.sandboxes.workdir), timeout=math.ceil(timeout) + 30,
                               command_timeout=timeout)  # fmt: skip
-        seconds = time.monotonic() - t0
-        self.seconds += seconds
         output = (result.stdout + result.stderr).encode()
         if len(output) > MAX_OUTPUT_BYTES:  # as the local sandbox keeps it: the first and last half
             half = MAX_OUTPUT_BYTES // 2
@@ -276,13 +257,10 @@ class AgentSandbox(ExecSandbox):
                 + output[-half:]
             )
         code = -9 if result.timed_out else result.exit_code
-        return CommandResult(code, output.decode("utf-8", errors="replace"), result.timed_out, seconds)
+        return code, output.decode("utf-8", errors="replace"), result.timed_out
 
-    def close(self) -> None:
-        """Delete the SandboxClaim (idempotent); agent-sandbox's controller deletes its sandbox with it."""
-        if self.closed:
-            return
-        self.closed = True
+    def _release(self) -> None:
+        """Delete the SandboxClaim; agent-sandbox's controller deletes its sandbox with it."""
         try:
             self.handle.terminate()  # raises if the DELETE fails (a 404 is success)
         finally:

@@ -29,12 +29,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 
-from rlfleet.sandbox import SNAPSHOT_SCRIPT, CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox import SNAPSHOT_SCRIPT, ExecSandbox, SandboxLimits, SandboxUnavailable
 
 UID_BASE = 200_000
 UID_SPAN = 1 << 20
@@ -138,15 +137,11 @@ class LocalSandbox(ExecSandbox):
             "--", *argv,
         ]  # fmt: skip
 
-    def exec(self, argv: list[str], timeout_s: float, stdin: bytes = b"") -> CommandResult:
+    def _run_command(self, argv: list[str], timeout: float, stdin: bytes) -> tuple[int, str, bool]:
         """`argv` inside the sandbox, its output in a host file outside the work dir (bounded by
         RLIMIT_FSIZE, so a flood of output cannot fill the trainer's memory)."""
-        if self.closed:
-            raise RuntimeError("the sandbox is closed")
-        timeout = max(0.1, min(float(timeout_s), self.limits.max_timeout_s))
         out_path, in_path = self.root / "output", self.root / "input"
         in_path.write_bytes(stdin)
-        t0 = time.monotonic()
         timed_out = False
         with open(in_path, "rb") as fin, open(out_path, "wb") as fout:
             proc = subprocess.Popen(
@@ -158,15 +153,9 @@ class LocalSandbox(ExecSandbox):
             except subprocess.TimeoutExpired:
                 timed_out = True
                 code = _kill_command(proc)
-        seconds = time.monotonic() - t0
-        self.seconds += seconds
-        return CommandResult(-9 if timed_out else code, _read_bounded(out_path), timed_out, seconds)
+        return -9 if timed_out else code, _read_bounded(out_path), timed_out
 
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+    def _release(self) -> None:
         self._cleanup()
 
 

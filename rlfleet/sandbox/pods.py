@@ -29,18 +29,16 @@ from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from rlfleet.sandbox import CommandResult, ExecSandbox, SandboxLimits, SandboxUnavailable
+from rlfleet.sandbox import ExecSandbox, SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.local import MAX_OUTPUT_BYTES, checked_relative
 from rlfleet.sandbox.podspec import (
     CONTAINER,
     KILL_ARGV,
-    NAMESPACE_ENV,
-    POD_NAME_ENV,
-    POD_UID_ENV,
     WORKDIR,
     SandboxPodConfig,
     build_sandbox_pod,
     exec_argv,
+    own_pod,
     owner_selector,
     sandbox_pod_name,
     warm_pool_target,
@@ -124,15 +122,9 @@ class PodSandboxes:
     def from_environment(cls, spec: Any, job: str, environ: Mapping[str, str] | None = None) -> PodSandboxes:
         """In the trainer pod: the RLJob's rollout.sandbox (`spec`, rlfleet.api.SandboxSpec) and the pod's
         own identity from the downward API."""
-        env = os.environ if environ is None else environ
-        missing = [k for k in (POD_NAME_ENV, POD_UID_ENV, NAMESPACE_ENV) if not env.get(k)]
-        if missing:
-            raise SandboxUnavailable(
-                f"rollout.sandbox.backend pods: the trainer does not know its own pod ({', '.join(missing)} unset; "
-                "the operator sets them from the downward API)"
-            )
+        pod = own_pod("pods", os.environ if environ is None else environ)
         config = SandboxPodConfig(
-            namespace=env[NAMESPACE_ENV], job=job, owner_pod=env[POD_NAME_ENV], owner_uid=env[POD_UID_ENV],
+            namespace=pod.namespace, job=job, owner_pod=pod.name, owner_uid=pod.uid,
             image=spec.image, runtime_class_name=spec.runtime_class_name, cpu=spec.cpu, memory=spec.memory,
             work_dir_size=spec.work_dir_size, max_seconds=spec.max_seconds, node_selector=dict(spec.node_selector),
             warm_pool=spec.warm_pool,
@@ -339,30 +331,13 @@ class PodSandbox(ExecSandbox):
         self.name, self.warm = pods._call(pods._acquire())  # warm: an idle pod of the pool
         self.start_seconds = time.monotonic() - t0
         self.closed = False
-        try:
-            self.unpack_snapshot(_tar(files), WORKDIR, f"sandbox pod {self.name}")
-        except BaseException:
-            self.close()
-            raise
+        self.unpack_snapshot(_tar(files), WORKDIR, f"sandbox pod {self.name}")
 
-    def exec(self, argv: list[str], timeout_s: float, stdin: bytes = b"") -> CommandResult:
-        if self.closed:
-            raise RuntimeError("the sandbox is closed")
-        timeout = max(0.1, min(float(timeout_s), self.limits.max_timeout_s))
-        t0 = time.monotonic()
-        code, output, timed_out = self.pods._call(
-            self.pods._exec(self.name, exec_argv(argv, len(stdin), self.limits), stdin, timeout)
-        )
-        seconds = time.monotonic() - t0
-        self.seconds += seconds
-        return CommandResult(code, output, timed_out, seconds)
+    def _run_command(self, argv: list[str], timeout: float, stdin: bytes) -> tuple[int, str, bool]:
+        return self.pods._call(self.pods._exec(self.name, exec_argv(argv, len(stdin), self.limits), stdin, timeout))
 
-
-    def close(self) -> None:
-        """Delete the pod (idempotent); its processes die with it."""
-        if self.closed:
-            return
-        self.closed = True
+    def _release(self) -> None:
+        """Delete the pod; its processes die with it."""
         self.pods._call(self.pods._release(self.name))
 
 

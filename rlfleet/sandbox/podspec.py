@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.sandbox import SandboxLimits
+from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
 
 GROUP = "rlfleet.dev"
 LABEL_JOB = f"{GROUP}/job"  # = operator/naming.py LABEL_JOB (the NetworkPolicy selects on it)
@@ -34,6 +34,27 @@ CONTAINER = "sandbox"
 MAX_NAME = 63
 # the trainer pod's identity, from the downward API (operator/sandboxes.py sets them)
 POD_NAME_ENV, POD_UID_ENV, NAMESPACE_ENV = "RLFLEET_POD_NAME", "RLFLEET_POD_UID", "RLFLEET_POD_NAMESPACE"
+
+
+@dataclass(frozen=True)
+class OwnPod:
+    """The trainer pod a sandbox backend runs in: what its sandboxes are owned by and live beside."""
+
+    namespace: str
+    name: str
+    uid: str
+
+
+def own_pod(backend: str, environ: Mapping[str, str]) -> OwnPod:
+    """The trainer pod's identity from the downward API in `environ`; SandboxUnavailable naming the
+    `backend` (rollout.sandbox.backend) and each variable unset."""
+    missing = [k for k in (POD_NAME_ENV, POD_UID_ENV, NAMESPACE_ENV) if not environ.get(k)]
+    if missing:
+        raise SandboxUnavailable(
+            f"rollout.sandbox.backend {backend}: the trainer does not know its own pod ({', '.join(missing)} unset; "
+            "the operator sets them from the downward API)"
+        )
+    return OwnPod(environ[NAMESPACE_ENV], environ[POD_NAME_ENV], environ[POD_UID_ENV])
 
 # pid 1: reaps every orphan (a killed command's children are re-parented to it), exits on SIGTERM
 REAPER = """import os, signal, time
