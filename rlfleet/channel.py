@@ -855,19 +855,6 @@ class WeightChannel:
         raise ChannelError("pointer compare-and-swap kept failing")
 
     # -- downloading and rebuilding (sidecar side)
-    def download_view(
-        self,
-        version: int,
-        view: str,
-        dest: Path,
-        *,
-        manifest: Manifest | None = None,
-        local: Mapping[int, Path] | None = None,
-        on_read: ReadCallback | None = None,
-    ) -> Path:
-        """`obtain_view(...).directory`: the view of `version` in `dest`, every file verified."""
-        return self.obtain_view(version, view, dest, manifest=manifest, local=local, on_read=on_read).directory
-
     def obtain_view(
         self,
         version: int,

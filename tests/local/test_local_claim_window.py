@@ -57,7 +57,7 @@ def test_a_local_run_killed_inside_its_claim_window_resumes_and_publishes_on(tmp
         listed = {f"v{version}/{view}/{rel}" for view, vm in m.views.items() for rel in vm.stored_files()}
         assert set(channel.store.list(f"v{version}/")) == listed | {manifest_key(version)}
         for view in m.views:
-            channel.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=m)  # verifies
+            channel.obtain_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=m)  # verifies
     final = ckpt.load_latest(out / "checkpoints")
     assert final is not None and final["step"] == 4
     assert [int(h["step"]) for h in final["history"]] == [1, 2, 3, 4]

@@ -39,7 +39,7 @@ def test_a_local_run_trains_and_serves_the_tiny_qwen3_moe(tmp_path: Path) -> Non
     groups = {g["weightFormat"] for g in doc["spec"]["samplerGroups"]}
     channel = WeightChannel(FilesystemStore(tmp_path / "run" / "channel"))
     for view in groups:  # the last version's view, downloaded (rebuilt where it is stored as a delta) and verified
-        published = channel.download_view(STEPS, view, tmp_path / "published" / view)
+        published = channel.obtain_view(STEPS, view, tmp_path / "published" / view).directory
         config = json.loads((published / "config.json").read_text())
         assert config["model_type"] == "qwen3_moe" and config["num_experts_per_tok"] == 2, view
         with safe_open(str(published / "model.safetensors"), "pt") as f:

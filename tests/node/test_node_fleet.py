@@ -906,7 +906,7 @@ def test_a_full_store_volume_stops_publishing_with_a_clear_reason_and_names_noth
         assert latest is not None
         channel = WeightChannel(FilesystemStore(store))
         for view in GROUPS:  # every file of the named version is there, with its digest (verified)
-            channel.download_view(latest, view, tmp_path / view)
+            channel.obtain_view(latest, view, tmp_path / view)
     finally:
         filler.unlink()
     wait_for("a new version once there is room", lambda: (fleet.latest_version() or 0) > latest, timeout=900)

@@ -239,7 +239,7 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
     publish_s = time.monotonic() - t0
     latest = publisher.channel.latest()
-    config, tensors = read_view_tensors(publisher.channel.download_view(0, "nvfp4", work / "nvfp4"))
+    config, tensors = read_view_tensors(publisher.channel.obtain_view(0, "nvfp4", work / "nvfp4").directory)
     weights = backend.weights()
     dtype = weights["model.embed_tokens.weight"].dtype
     reference = Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype)

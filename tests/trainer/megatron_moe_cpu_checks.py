@@ -188,7 +188,7 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
     latest = publisher.channel.latest()
-    config, tensors = read_view_tensors(publisher.channel.download_view(0, "nvfp4", work / "nvfp4"))
+    config, tensors = read_view_tensors(publisher.channel.obtain_view(0, "nvfp4", work / "nvfp4").directory)
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)  # = version 0 (the export is exact)
     amax = calibrate_activation_amax(reference, [calibration_batch(VOCAB)])
     modules = [n[: -len(".weight")] for n in config["quantized"]]

@@ -108,7 +108,7 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     log = trainer_stderr
     assert log.index("published the trainer's weights as version 0 before step 1") < log.index("published weights v1 ")
     # version 0 is the base checkpoint's weights (bf16 in, bf16 view out: exact)
-    _, v0_bf16 = load_view(channel.download_view(0, "bf16", tmp_path / "dl" / "v0"))
+    _, v0_bf16 = load_view(channel.obtain_view(0, "bf16", tmp_path / "dl" / "v0").directory)
     assert sorted(v0_bf16) == sorted(base_weights)
     for name, tensor in base_weights.items():
         assert torch.equal(v0_bf16[name], tensor.to(torch.bfloat16).float()), name
@@ -199,7 +199,7 @@ def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_
         listed = {f"v{version}/{view}/{rel}" for view, vm in m.views.items() for rel in vm.stored_files()}
         assert set(channel.store.list(f"v{version}/")) == listed | {manifest_key(version)}  # nothing else left
         for view in m.views:
-            channel.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=m)  # verifies
+            channel.obtain_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=m)  # verifies
     final = checkpoint.load_latest(checkpoints)
     assert final is not None and final["step"] == steps
     assert [int(h["step"]) for h in final["history"]] == list(range(1, steps + 1))
@@ -277,7 +277,7 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
     manifest = channel.manifest(0)
     assert sorted(manifest.views) == ["bf16", "fp8", "nvfp4"]
     for view in ("bf16", "fp8", "nvfp4"):
-        got = channel.download_view(0, view, tmp_path / "dl" / view)
+        got = channel.obtain_view(0, view, tmp_path / "dl" / view).directory
         config = json.loads((got / "config.json").read_text())
         assert config["model_type"] == "qwen3"
         assert ("quantization_config" in config) == (view != "bf16")

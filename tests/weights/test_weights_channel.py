@@ -94,7 +94,7 @@ def test_publish_download_roundtrip(any_store: Store, tmp_path: Path) -> None:
     assert fp8.tensors["model.layers.0.mlp.up_proj.weight"] == {"dtype": "F32", "shape": [4, 16]}
     assert fp8.tensors["tag"] == {"dtype": "U8", "shape": [64]}
 
-    out = channel.download_view(1, "bf16", tmp_path / "dl" / "v1-bf16")
+    out = channel.obtain_view(1, "bf16", tmp_path / "dl" / "v1-bf16").directory
     assert tag_of(out) == "b"
     assert (out / "model.safetensors").read_bytes() == (
         tmp_path / "b" / "bf16" / "model.safetensors"
@@ -113,7 +113,7 @@ def test_tampered_file_is_refused_and_nothing_is_left(any_store: Store, tmp_path
     with pytest.raises(
         ChecksumMismatchError, match=r"model.safetensors: blake3:\w{12}.. .* != manifest blake3:"
     ):
-        channel.download_view(0, "bf16", dest)
+        channel.obtain_view(0, "bf16", dest)
     assert not dest.exists()
     assert not list((tmp_path / "dl").iterdir())  # no partial directory either
 
@@ -135,7 +135,7 @@ def test_unknown_digest_algorithm_is_refused(any_store: Store, tmp_path: Path) -
     with pytest.raises(UnknownDigestError, match=r"unknown digest algorithm 'md5' .*blake3, sha256"):
         channel.manifest(0)
     with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
-        channel.download_view(0, "bf16", tmp_path / "dl" / "v0")
+        channel.obtain_view(0, "bf16", tmp_path / "dl" / "v0")
     assert not (tmp_path / "dl").exists() or not list((tmp_path / "dl").iterdir())
     _rewrite_entry(any_store, 0, "blake3:" + "0" * 63)  # known algorithm, malformed hex
     with pytest.raises(ChannelError, match="not blake3:<64 hex digits>"):
@@ -149,13 +149,13 @@ def test_an_entry_verifies_with_the_algorithm_it_names(any_store: Store, tmp_pat
     channel.publish({"bf16": make_view(tmp_path / "bf16", "bf16", "x")})
     data = (tmp_path / "bf16" / "model.safetensors").read_bytes()
     _rewrite_entry(any_store, 0, "sha256:" + hashlib.sha256(data).hexdigest())
-    out = channel.download_view(0, "bf16", tmp_path / "dl" / "ok")
+    out = channel.obtain_view(0, "bf16", tmp_path / "dl" / "ok").directory
     assert (out / "model.safetensors").read_bytes() == data
     wrong = bytearray(hashlib.sha256(data).digest())
     wrong[0] ^= 1
     _rewrite_entry(any_store, 0, "sha256:" + wrong.hex())
     with pytest.raises(ChecksumMismatchError, match="sha256:"):
-        channel.download_view(0, "bf16", tmp_path / "dl" / "bad")
+        channel.obtain_view(0, "bf16", tmp_path / "dl" / "bad")
     assert not (tmp_path / "dl" / "bad").exists()
 
 
@@ -173,7 +173,7 @@ def test_digests_from_the_writer_are_used_and_still_verified(any_store: Store, t
     assert result.manifest.views["bf16"].files["model.safetensors"] == real
     wrong = channel.publish({"bf16": view}, digests={weights: FileDigest("blake3", "0" * 64, size)})
     with pytest.raises(ChecksumMismatchError, match="model.safetensors"):
-        channel.download_view(wrong.version, "bf16", tmp_path / "dl")
+        channel.obtain_view(wrong.version, "bf16", tmp_path / "dl")
 
 
 def test_tampered_manifest_is_refused(any_store: Store, tmp_path: Path) -> None:
@@ -241,7 +241,7 @@ def test_retention_keeps_latest_and_what_subscribers_use(any_store: Store, tmp_p
     assert deleted == [0, 2, 3]
     assert channel.versions() == [1, 4, 5]
     assert [k for k in any_store.list("claims/")] == ["claims/v1", "claims/v4", "claims/v5"]
-    assert tag_of(channel.download_view(1, "bf16", tmp_path / "dl1")) == "1"
+    assert tag_of(channel.obtain_view(1, "bf16", tmp_path / "dl1").directory) == "1"
     # the subscriber moves on: v1 is no longer protected
     channel.report(SubscriberReport("h100-fp8", "pod-a", "bf16", applied_version=5, in_use=[5]))
     assert channel.retain(keep=2) == [1]
@@ -325,7 +325,7 @@ def test_racing_publishers_monotonic_and_never_mixed(
         owner = manifest.publisher
         assert version in results[owner]
         tags = {
-            tag_of(channel.download_view(version, v, tmp_path / "dl" / f"{version}-{v}"))
+            tag_of(channel.obtain_view(version, v, tmp_path / "dl" / f"{version}-{v}").directory)
             for v in ("bf16", "fp8")
         }
         assert len(tags) == 1 and tags.pop().startswith(f"{owner}-")  # one publisher's bytes only
@@ -521,7 +521,7 @@ def test_retain_deletes_a_version_only_an_aged_out_report_pinned(any_store: Stor
     assert channel.retain(keep=2, now=now) == [1]
     assert channel.versions() == [2, 3, 4]
     assert any_store.list("v1/") == [] and any_store.list("claims/v1") == []
-    assert tag_of(channel.download_view(2, "bf16", tmp_path / "dl2")) == "2"
+    assert tag_of(channel.obtain_view(2, "bf16", tmp_path / "dl2").directory) == "2"
     # once the live report ages out too, v2 goes as well (keep=2 keeps v3 and v4)
     later = now + timedelta(seconds=2)
     assert channel.retain(keep=2, now=later) == [2]
@@ -609,4 +609,4 @@ def test_property_publish_report_retain_invariants(ops: list[tuple], tmp_path: P
             pointer = channel.latest()
             assert pointer is not None and pointer.version == published[-1]
     for version in channel.versions():
-        channel.download_view(version, "bf16", tmp_path / "dl" / uuid.uuid4().hex)  # verifies every sha256
+        channel.obtain_view(version, "bf16", tmp_path / "dl" / uuid.uuid4().hex)  # verifies every sha256

@@ -95,7 +95,7 @@ def test_publisher_sigkilled_mid_write_leaves_pointer_unchanged(tmp_path: Path, 
     pointer = channel.latest()
     assert pointer is not None and pointer.version == 0  # readers still see v0 ...
     assert channel.versions() == [0]
-    channel.download_view(0, "bf16", tmp_path / "dl")  # ... and it is intact
+    channel.obtain_view(0, "bf16", tmp_path / "dl")  # ... and it is intact
     # the next publish succeeds (v1 is the dead publisher's number) and retention removes the debris
     result = WeightPublisher(store, views=["bf16"], keep_versions=3, base_checkpoint=tiny_qwen3_dir).publish(tiny_state(2))
     assert (result.version, result.advanced) == (2, True)
@@ -168,7 +168,7 @@ def test_publishers_racing_from_two_processes(tmp_path: Path, tiny_qwen3_dir: Pa
             assert manifest.publisher == name
             # the bytes under v{N}/ are exactly the manifest's (one publisher), for every view
             for view in ("bf16", "fp8"):
-                channel.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)
+                channel.obtain_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)
     # A and B publish different weights: a version's bf16 view (downloaded, or rebuilt where its publisher
     # stored it as a delta) matches its publisher's seed
     a_file = {v: (tmp_path / "dl" / f"{v}-bf16" / "model.safetensors").read_bytes() for v in published["A"]}
@@ -215,7 +215,7 @@ def test_a_restarted_trainer_takes_over_its_own_claim_of_an_interrupted_publish(
     manifest = channel.manifest(1)
     listed = {f"v1/bf16/{rel}" for rel in manifest.views["bf16"].files}
     assert set(store.list("v1/")) == listed | {"v1/manifest.json"}  # nothing of the killed publish left
-    channel.download_view(1, "bf16", tmp_path / "dl")  # every file verifies
+    channel.obtain_view(1, "bf16", tmp_path / "dl")  # every file verifies
 
 
 @pytest.mark.parametrize("conditional", [True, False], ids=["s3-conditional", "s3-lock-free"])
@@ -267,4 +267,4 @@ def test_s3_failing_mid_publish_then_the_restarted_trainer_publishes_on(
         listed = {f"v{version}/{view}/{rel}" for view, vm in manifest.views.items() for rel in vm.stored_files()}
         assert set(observer.store.list(f"v{version}/")) == listed | {manifest_key(version)}
         for view in manifest.views:
-            observer.download_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)
+            observer.obtain_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)

@@ -85,7 +85,7 @@ def test_an_expired_lease_is_taken_over_with_the_stale_claims_of_its_holder(
     assert any("taking over the claim of 'trainer/ns/old'" in r.getMessage() for r in caplog.records)
     assert any_store.get("claims/v2") == b"trainer/ns/new"
     assert "v2/bf16/partial.bin" not in any_store.list("v2/")
-    new.download_view(2, "bf16", tmp_path / "dl")  # every file verifies
+    new.obtain_view(2, "bf16", tmp_path / "dl")  # every file verifies
     with pytest.raises(LeaseLostError, match="'trainer/ns/new'"):
         old.publish(view, version=3)
     # without the lease, another id's claim above the pointer is still refused (rlfleet/channel.py)

@@ -186,9 +186,9 @@ def published(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         assert publisher.publish(state, version=version).advanced
         trained[version] = {k: v.float() for k, v in checkpoint_tensors(state).items()}
         for view in VIEWS_OF[kind]:
-            dirs[(version, view)] = publisher.channel.download_view(
+            dirs[(version, view)] = publisher.channel.obtain_view(
                 version, view, root / "dl" / f"v{version}-{view}"
-            )
+            ).directory
     for view in VIEWS_OF[kind]:
         dirs[(2, view)] = rebuilt_from_a_delta(root / "deltas" / view, view, dirs[(1, view)], dirs[(2, view)])
     return Published(kind, base, model, trained, amax, dirs, publisher.channel)

@@ -174,7 +174,7 @@ async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_pa
             # what the publisher wrote, read back by the channel on its own: from version 1 on the fp8
             # publisher keeps a block's previous scale while its values fit (docs/weights.md, "Kept scales"),
             # so only the first version is a fresh quantization of the state
-            oracle = WeightChannel(store).download_view(version, "fp8", tmp_path / "oracle" / str(version))
+            oracle = WeightChannel(store).obtain_view(version, "fp8", tmp_path / "oracle" / str(version)).directory
             published = load_view(oracle)[1]
             if version == 0:
                 assert published.keys() == expected_fp8(state).keys()
@@ -782,7 +782,7 @@ async def test_fetch_launches_from_the_publishers_real_hf_checkpoint(view: str, 
     declared = json.loads((directory / "config.json").read_text()).get("quantization_config")
     assert (declared is None) == (view == "bf16")
     for other in {"fp8", "nvfp4"} - {view}:
-        WeightChannel(store).download_view(0, other, tmp_path / other)
+        WeightChannel(store).obtain_view(0, other, tmp_path / other)
         with pytest.raises(NotLaunchableError):
             check_launchable(tmp_path / other, view)
 
