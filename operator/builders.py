@@ -35,23 +35,16 @@ Manifest = dict[str, Any]
 
 
 def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, owner: Manifest | None,
-                       observed: Manifest | None = None, weight_format: str | None = None) -> Manifest:  # fmt: skip
+                       weight_format: str | None = None, replicas: int | None = None) -> Manifest:  # fmt: skip
     """The SamplerGroup of one group, from the RLJob and its decisions (decide.py): `weight_format` is the
-    decided one (None: the RLJob's). A `kubectl scale` override (or the fleet-mix optimizer's /scale)
-    survives until the group's replicas change in the RLJob (the annotation remembers which RLJob value the
-    operator last applied)."""
+    decided one (None: the RLJob's). `replicas` only to create it (the RLJob's): after that its scale
+    subresource owns them (replicas.py), and the builder leaves them out."""
     name = n.samplergroup_name(job.name, group.name)
-    replicas = group.replicas
-    if observed is not None:
-        annotations = observed.get("metadata", {}).get("annotations", {}) or {}
-        current = observed.get("spec", {}).get("replicas")
-        if annotations.get(n.ANN_JOB_REPLICAS) == str(group.replicas) and isinstance(current, int):
-            replicas = current
     labels = {**n.job_labels(job.name, "sampler"), n.LABEL_GROUP: group.name}
     spec: dict[str, Any] = {
         "name": group.name,
         "accelerator": group.accelerator,
-        "replicas": replicas,
+        **({"replicas": replicas} if replicas is not None else {}),
         "weightFormat": weight_format or group.weight_format,
         "kvCacheDtype": group.kv_cache_dtype,
         "extraArgs": list(group.extra_args),
@@ -71,7 +64,7 @@ def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, 
     return {
         "apiVersion": API_VERSION,
         "kind": "SamplerGroup",
-        "metadata": n.object_meta(name, namespace, labels, owner, {n.ANN_JOB_REPLICAS: str(group.replicas)}),
+        "metadata": n.object_meta(name, namespace, labels, owner),
         "spec": spec,
     }
 
@@ -175,7 +168,8 @@ def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catal
     NetworkPolicies, with `network`, before any pod; with sandboxes in the cluster, the trainer's account,
     its RoleBinding to its backend's role (`sandbox_roles`: backend -> roleRef, operator/sandboxes.py) and
     the sandbox pods' policy before the trainer). `weight_formats`: the decided weightFormat per group
-    (decide.py `Decisions.weight_formats`).
+    (decide.py `Decisions.weight_formats`). A group not in `observed_groups` is created with the RLJob's
+    replicas; an observed one is built without them (replicas.py).
     The Secrets are created apart, once."""
     observed_groups = observed_groups or {}
     children = [
@@ -190,8 +184,8 @@ def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catal
     ]
     for g in job.spec.sampler_groups:
         name = n.samplergroup_name(job.name, g.name)
-        children.append(build_samplergroup(job, g, namespace, owner, observed_groups.get(name),
-                                           (weight_formats or {}).get(g.name)))  # fmt: skip
+        children.append(build_samplergroup(job, g, namespace, owner, (weight_formats or {}).get(g.name),
+                                           None if name in observed_groups else g.replicas))  # fmt: skip
     return children
 
 

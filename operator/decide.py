@@ -3,7 +3,7 @@
     observe (rebalancer.py: each group's pods and metrics, the trainer's report) -> decide (here) ->
     RLJob status.decisions (the one status writer) -> each SamplerGroup derived from spec + decisions
     (builders.py, the one apply) -> the routers told the decisions' shares and quarantines, the
-    optimizer's replicas through each SamplerGroup's /scale
+    decided replicas through each SamplerGroup's /scale
 
 `decide(job, observations, previous, now)` gives, per group, its replicas, weight format, share and
 quarantine, each with the reason, and what the policies remember (the share policy's counters, EMA and
@@ -23,7 +23,11 @@ Per group:
   RLJob's weightFormat of the group changes, or the annotation says "false" (an on-call human takes the
   group back: released, and not quarantined by the autopilot while the annotation stays).
 - share: the share policy's (rebalance.py), or the fleet-mix optimizer's plan (`router.optimize`).
-- replicas: the SamplerGroup's (the RLJob's, or a `kubectl scale` override), or the optimizer's plan.
+- replicas: the RLJob's `samplerGroups[].replicas` when it changed since the last decision (`jobReplicas`:
+  the value that decision was made under), else the optimizer's plan, else the SamplerGroup's own: what
+  the RLJob created it with, the last decision's, or a `kubectl scale` since (an observation: its reason
+  says so, and it stays until the RLJob's value changes). Carried out through each SamplerGroup's /scale
+  (replicas.py: after its creation, the builders do not write them).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ from rlfleet.operator.rebalance import (
 from rlfleet.records import INVALID_METRIC_PREFIX
 
 RLJOB_FORMAT = "the RLJob's samplerGroups[].weightFormat"
-SG_REPLICAS = "the SamplerGroup's spec.replicas (the RLJob's samplerGroups[].replicas, or a kubectl scale)"
+SG_REPLICAS = "the SamplerGroup's spec.replicas (the RLJob's samplerGroups[].replicas, or the last decision's)"
+SCALED_BY_HAND = "scaled on the SamplerGroup (kubectl scale)"
 RELEASED = f"annotation {group_status.ANN_QUARANTINED}=false"
 REASON_LIMIT = 1024  # each reason in status.decisions
 
@@ -103,6 +108,7 @@ class GroupDecision:
     quarantine_reason: str  # "" when not quarantined
     job_weight_format: str  # the RLJob's weightFormat this decision was made under (a new one resets it)
     held_quarantine: str | None = None  # the autopilot's quarantine, held until released (module docstring)
+    job_replicas: int | None = None  # the RLJob's replicas this decision was made under (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,7 @@ class Decisions:
                 weight_format=g["weightFormat"], weight_format_reason=g.get("weightFormatReason", ""),
                 share=float(g["share"]), share_reason=g.get("shareReason", ""), quarantined=bool(g["quarantined"]),
                 quarantine_reason=g.get("quarantineReason", ""), job_weight_format=g["jobWeightFormat"],
-                held_quarantine=g.get("heldQuarantine"),
+                held_quarantine=g.get("heldQuarantine"), job_replicas=g.get("jobReplicas"),
             )  # fmt: skip
             _read_memory(name, g.get("memory") or {}, time, float(g["share"]), state, fleet, precision)
         for view, m in (data.get("views") or {}).items():
@@ -184,6 +190,8 @@ def _group_status(d: GroupDecision, decisions: Decisions) -> dict[str, Any]:
     }  # fmt: skip
     if d.held_quarantine is not None:
         out["heldQuarantine"] = d.held_quarantine
+    if d.job_replicas is not None:
+        out["jobReplicas"] = d.job_replicas
     memory: dict[str, Any] = {}
     rebalanced = decisions.state.groups.get(d.name)
     if rebalanced is not None:
@@ -309,8 +317,7 @@ def group_input(job: RLJob, sg: Mapping[str, Any], pods: Mapping[str, PodSample]
 def child(job: RLJob, group: SamplerGroupTemplate, observed: GroupObservation, weight_format: str) -> dict[str, Any]:
     """The SamplerGroup the builder derives from the RLJob and the decided weight format, at its observed
     replicas, ready replicas and annotation: the group as the policies judge it."""
-    sg = build_samplergroup(job, group, "", None, weight_format=weight_format)
-    sg["spec"]["replicas"] = observed.replicas
+    sg = build_samplergroup(job, group, "", None, weight_format, observed.replicas)
     if observed.annotation is not None:
         sg["metadata"]["annotations"] = {group_status.ANN_QUARANTINED: observed.annotation}
     sg["status"] = {"readyReplicas": observed.ready_replicas}
@@ -369,12 +376,13 @@ def decide(job: RLJob, observations: Observations, previous: Decisions | None, n
                                weights_stored_bytes=observations.weights_stored_bytes)  # fmt: skip
     changes = dict(previous.precision_changes) if previous is not None else {}
     changes.update({a.group: st.clip(a.reason) for a in actions})
-    groups = {o.name: _group_decision(templates[o.name], o, carried[o.name], result, plan, actions,
-                                      observations.collapse_quarantine) for o in observed}  # fmt: skip
+    groups = {o.name: _group_decision(templates[o.name], o, carried[o.name], before.get(o.name), result, plan,
+                                      actions, observations.collapse_quarantine) for o in observed}  # fmt: skip
     return Decisions(now, groups, result.state, fleet, memory, changes, result, plan, tuple(actions))
 
 
-def _group_decision(group: SamplerGroupTemplate, o: GroupObservation, carried: _Carried, result: RebalanceResult, plan: fleetplan.FleetDecision | None,
+def _group_decision(group: SamplerGroupTemplate, o: GroupObservation, carried: _Carried, previous: GroupDecision | None,
+                    result: RebalanceResult, plan: fleetplan.FleetDecision | None,
                     actions: Sequence[autopilot.AutopilotAction], collapse: frozenset[str]) -> GroupDecision:  # fmt: skip
     """One group's decision from the policies' outcomes."""
     weight_format, format_reason, held = carried.weight_format, carried.weight_format_reason, carried.held
@@ -383,9 +391,7 @@ def _group_decision(group: SamplerGroupTemplate, o: GroupObservation, carried: _
             weight_format, format_reason = action.to_format, action.reason
         else:
             held = action.reason
-    replicas, replicas_reason = o.replicas, SG_REPLICAS
-    if plan is not None and o.name in plan.changes():
-        replicas, replicas_reason = plan.replicas[o.name], f"fleet plan ({plan.decision}): {plan.reason}"
+    replicas, replicas_reason = _replicas(group, o, previous, plan)
     quarantine = group_status.quarantine_source(group.quarantined, o.annotation, o.name in collapse, held)
     return GroupDecision(
         name=o.name, replicas=replicas, replicas_reason=st.clip(replicas_reason, REASON_LIMIT),
@@ -393,7 +399,39 @@ def _group_decision(group: SamplerGroupTemplate, o: GroupObservation, carried: _
         share=result.shares[o.name], share_reason=st.clip(result.groups[o.name].reason, REASON_LIMIT),
         quarantined=quarantine is not None, quarantine_reason=st.clip(quarantine or "", REASON_LIMIT),
         job_weight_format=group.weight_format, held_quarantine=held and st.clip(held, REASON_LIMIT),
+        job_replicas=group.replicas,
     )  # fmt: skip
+
+
+def _replicas(group: SamplerGroupTemplate, o: GroupObservation, previous: GroupDecision | None,
+              plan: fleetplan.FleetDecision | None) -> tuple[int, str]:  # fmt: skip
+    """A group's replicas and why (module docstring): the RLJob's change, the plan's, else the observed."""
+    if previous is not None and previous.job_replicas is not None and previous.job_replicas != group.replicas:
+        return group.replicas, rljob_replicas_reason(previous.job_replicas, group.replicas)
+    if plan is not None and o.name in plan.changes():
+        return plan.replicas[o.name], f"fleet plan ({plan.decision}): {plan.reason}"
+    expected, whose = (previous.replicas, "the last decision's") if previous is not None else (group.replicas, "the RLJob's")
+    if o.replicas != expected:
+        return o.replicas, (f"{SCALED_BY_HAND} to {o.replicas}, not {whose} {expected}: kept until the RLJob's "
+                            "samplerGroups[].replicas changes")  # fmt: skip
+    if previous is not None and previous.replicas_reason.startswith(SCALED_BY_HAND):
+        return o.replicas, previous.replicas_reason  # still the hand's
+    return o.replicas, SG_REPLICAS
+
+
+def rljob_replicas_reason(before: int, after: int) -> str:
+    return f"the RLJob's samplerGroups[].replicas changed: {before} -> {after}"
+
+
+def replicas_changed_in_rljob(old_spec: Mapping[str, Any] | None, job: RLJob) -> dict[str, tuple[int, int]]:
+    """Group name -> (before, after) for each group whose `replicas` the RLJob's spec changed from
+    `old_spec` (the spec kopf last handled; None: nothing to compare, as at creation or resume). The
+    reconcile scales them at once (the RLJob's change wins); the next decision says why."""
+    if not old_spec:
+        return {}
+    before = {g.get("name"): int(g.get("replicas", 1)) for g in old_spec.get("samplerGroups") or []}
+    return {g.name: (before[g.name], g.replicas) for g in job.spec.sampler_groups
+            if g.name in before and before[g.name] != g.replicas}  # fmt: skip
 
 
 def _autopilot(job: RLJob, inputs: Sequence[GroupInput], children: Mapping[str, Mapping[str, Any]],

@@ -14,6 +14,8 @@ from rlfleet.api.common import API_VERSION, ENGINE_API_KEY_ENV, GROUP, SYNC_SIDE
 # --- ownership and bookkeeping ------------------------------------------------------------------------
 FIELD_MANAGER = "rlfleet-operator"  # server-side apply of children
 STATUS_FIELD_MANAGER = "rlfleet-operator-status"  # server-side apply of the status subresource
+# holds a SamplerGroup's spec.replicas between the operator's apply and the scale subresource (replicas.py)
+REPLICAS_HANDOVER_MANAGER = "rlfleet-replicas-handover"
 # kopf's finalizer name: kopf puts it on objects with a timer (WeightChannels only; RLJobs and SamplerGroups
 # carry none, so they delete without the operator: docs/operations.md)
 FINALIZER = f"{GROUP}/finalizer"
@@ -33,9 +35,6 @@ LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 
 # --- annotations -------------------------------------------------------------------------------------
-# The group's replicas in the RLJob when the operator last applied the SamplerGroup: if the RLJob value
-# is unchanged, a `kubectl scale sg/...` override is kept (the RLJob is the source only of changes).
-ANN_JOB_REPLICAS = f"{GROUP}/job-replicas"
 ANN_SPEC_HASH = f"{GROUP}/spec-hash"  # hash of the pod-relevant spec (rolls pods on change)
 ANN_CONFIG_HASH = f"{GROUP}/config-hash"  # hash of the router's config file (rolls router pods on change)
 ANN_PROM_SCRAPE = "prometheus.io/scrape"

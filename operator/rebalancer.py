@@ -12,8 +12,8 @@ process, else the RLJob's `status.decisions` (an operator restart goes on from t
 restored). The decisions stay in memory for the status pipeline, which writes them into the RLJob's
 status with the rest of it (the one status writer); then `act` carries them out: each SamplerGroup whose
 decided weightFormat is not the one it has is applied again from the builder (spec + decisions; the one
-apply of the pipeline's field manager), the fleet-mix optimizer's replicas go through each SamplerGroup's
-scale subresource (FleetScaled Events), quarantine and shares are pushed to every router pod's admin
+apply of the pipeline's field manager), the decided replicas go through each SamplerGroup's scale
+subresource (FleetScaled Events: the fleet-mix optimizer's; Scaled: the RLJob's change), quarantine and shares are pushed to every router pod's admin
 API, and Events say what moved (ShareChanged, Quarantined, PrecisionStepped, PrecisionSteppedDown,
 PrecisionQuarantined). The router follows each group's headless Service itself (router/membership.py),
 so a pod added or replaced between two ticks is routed to as soon as it is ready.
@@ -38,7 +38,7 @@ from prometheus_client import Gauge
 
 from rlfleet.api import RLJob
 from rlfleet.catalog import get_catalog
-from rlfleet.operator import fleetplan, group_status, kube, parsed_jobs
+from rlfleet.operator import group_status, kube, parsed_jobs, replicas
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.builders import build_samplergroup
@@ -322,8 +322,8 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
 async def act(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[Mapping[str, Any]],
               pods_of: PodsOf, decisions: Decisions) -> None:  # fmt: skip
     """Carry out a job's decisions (after the status pipeline wrote them): each SamplerGroup whose decided
-    weightFormat it does not have yet is applied again from the builder, the optimizer's replicas go
-    through /scale, the routers are told the shares and quarantines, and Events say what moved."""
+    weightFormat it does not have yet is applied again from the builder, the decided replicas go through
+    /scale, the routers are told the shares and quarantines, and Events say what moved."""
     job = parsed_jobs.parse(body)
     if isinstance(job, str):
         return
@@ -332,10 +332,10 @@ async def act(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[M
     formats = decisions.weight_formats(job)
     for name, sg in by_group.items():
         if name in formats and name in templates and (sg.get("spec") or {}).get("weightFormat") != formats[name]:
-            await kube.api().apply(build_samplergroup(job, templates[name], namespace, dict(body), dict(sg), formats[name]))
+            await replicas.hand_over(sg)  # an older operator's apply owns them: before an apply without them
+            await kube.api().apply(build_samplergroup(job, templates[name], namespace, dict(body), formats[name]))
     _post_precision_events(by_group, decisions)
-    if decisions.plan is not None:
-        await _scale(namespace, samplergroups, decisions.plan)
+    await _scale(namespace, samplergroups, decisions)
     memory = observed(body)
     memory.token = memory.token or await admin_token(kube.api(), job, namespace)
     if memory.token:
@@ -359,23 +359,27 @@ def _post_precision_events(by_group: Mapping[str, Mapping[str, Any]], decisions:
         kopf.event(kube.event_target(sg), type=event_type, reason=reason, message=action.reason[:1000])
 
 
-async def _scale(namespace: str, samplergroups: Sequence[Mapping[str, Any]], decision: fleetplan.FleetDecision) -> None:
-    """Each SamplerGroup whose replicas the decision changes, through its scale subresource, with a
-    FleetScaled Event saying from, to and why."""
-    changes = decision.changes()
+async def _scale(namespace: str, samplergroups: Sequence[Mapping[str, Any]], decisions: Decisions) -> None:
+    """Each SamplerGroup whose spec.replicas is not the decided, through its scale subresource, with an
+    Event saying from, to and why: FleetScaled (the optimizer's plan), else Scaled (the RLJob's change)."""
+    plan = decisions.plan
+    planned = plan.changes() if plan is not None else {}
     for sg in samplergroups:
         name = (sg.get("spec") or {}).get("name", "")
-        if name not in changes:
+        decided = decisions.groups.get(name)
+        before = int((sg.get("spec") or {}).get("replicas", 1))
+        if decided is None or decided.replicas == before:
             continue
-        before, after = changes[name]
+        after, fleet = decided.replicas, name in planned
         try:
             await kube.api().scale(sg["apiVersion"], sg["kind"], namespace, sg["metadata"]["name"], after)
         except kube.KubeError as exc:
-            kopf.event(kube.event_target(sg), type="Warning", reason="FleetScaleFailed",
+            kopf.event(kube.event_target(sg), type="Warning", reason="FleetScaleFailed" if fleet else "ScaleFailed",
                        message=f"replicas {before} -> {after}: {exc}"[:1000])  # fmt: skip
             continue
-        kopf.event(kube.event_target(sg), type="Normal", reason="FleetScaled",
-                   message=f"replicas {before} -> {after} ({decision.decision}): {decision.reason}"[:1000])  # fmt: skip
+        why = f" ({plan.decision}): {plan.reason}" if fleet and plan is not None else f": {decided.replicas_reason}"
+        kopf.event(kube.event_target(sg), type="Normal", reason="FleetScaled" if fleet else "Scaled",
+                   message=f"replicas {before} -> {after}{why}"[:1000])  # fmt: skip
 
 
 async def _read_trainer(

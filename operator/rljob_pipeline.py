@@ -9,16 +9,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
+from rlfleet.api import RLJob
 from rlfleet.api.common import API_VERSION, GROUP, VERSION
 from rlfleet.catalog import get_catalog
-from rlfleet.operator import builders, kube, network_policies, parsed_jobs, rebalancer, sandboxes, tokens
+from rlfleet.operator import (
+    builders,
+    kube,
+    network_policies,
+    parsed_jobs,
+    rebalancer,
+    replicas,
+    sandboxes,
+    tokens,
+)
 from rlfleet.operator import naming as n
 from rlfleet.operator import status as st
 from rlfleet.operator.admission import collision_message, in_namespace
+from rlfleet.operator.decide import replicas_changed_in_rljob, rljob_replicas_reason
 from rlfleet.operator.indexes import (
     TRAINER_LABELS,
     View,
@@ -41,11 +53,13 @@ log = logging.getLogger("rlfleet.operator")
 @kopf.on.resume(GROUP, VERSION, "rljobs")
 @kopf.on.create(GROUP, VERSION, "rljobs")
 @kopf.on.update(GROUP, VERSION, "rljobs", field="spec")
-async def reconcile_rljob(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
+async def reconcile_rljob(body: kopf.Body, namespace: str | None, reason: str, **kwargs: Any) -> None:
     namespace = namespaced(namespace)
     started = time.perf_counter()
+    # an update handler on field "spec" is given that field: `old` is the spec kopf last handled
+    old_spec = kwargs.get("old") if reason == kopf.Reason.UPDATE else None
     try:
-        await reconcile_job(plain(body), namespace, View.of(kwargs))
+        await reconcile_job(plain(body), namespace, View.of(kwargs), old_spec)
         count(RECONCILES, "RLJob", "ok")
     except kopf.PermanentError:
         count(RECONCILES, "RLJob", "invalid")
@@ -59,8 +73,10 @@ async def reconcile_rljob(body: kopf.Body, namespace: str | None, **kwargs: Any)
             RECONCILE_SECONDS.labels("RLJob").observe(time.perf_counter() - started)
 
 
-async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> None:
-    """Apply every child of the job, delete removed groups, refresh the status."""
+async def reconcile_job(body: dict[str, Any], namespace: str, view: View,
+                        old_spec: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+    """Apply every child of the job, delete removed groups, scale the groups whose replicas the RLJob
+    changed since `old_spec` (its spec as kopf last handled it), refresh the status."""
     api = kube.api()
     name = body["metadata"]["name"]
     job = parsed_jobs.parse(body)
@@ -94,7 +110,7 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
     try:
         # config, channel and trainer first (the trainer asks for whole GPU nodes), then the groups at once
         await asyncio.gather(*(api.apply(c) for c in first))
-        await asyncio.gather(*(api.apply(g) for g in groups))
+        await _apply_groups(groups, observed)
     except kube.KubeError as exc:
         # 422: the API server refuses a child (e.g. an older CRD without today's admission rules, or the
         # live CRD's CEL rejecting what the runtime catalog allowed). Retrying cannot help: say why in
@@ -111,7 +127,35 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View) -> Non
             kopf.info(
                 kube.event_target(body), reason="GroupRemoved", message=f"deleted SamplerGroup {sg_name} (removed from spec)"
             )
+    await _scale_changed(job, namespace, old_spec, observed)
     await refresh_job_status(namespace, name, view)
+
+
+async def _apply_groups(groups: list[dict[str, Any]], observed: Mapping[str, Mapping[str, Any]]) -> None:
+    """The job's SamplerGroups, at once. An existing one is built without replicas: first the operator's
+    apply hands them over if it still owns them (an older operator's); a new one is created with the
+    RLJob's and released right after (replicas.py)."""
+    api = kube.api()
+    await asyncio.gather(*(replicas.hand_over(observed[g["metadata"]["name"]]) for g in groups
+                           if g["metadata"]["name"] in observed))  # fmt: skip
+    applied = await asyncio.gather(*(api.apply(g) for g in groups))
+    await asyncio.gather(*(replicas.release_after_creation(g, sg) for g, sg in zip(groups, applied, strict=True)
+                           if "replicas" in g["spec"]))  # fmt: skip
+
+
+async def _scale_changed(job: RLJob, namespace: str, old_spec: Mapping[str, Any] | None,
+                         observed: Mapping[str, Mapping[str, Any]]) -> None:  # fmt: skip
+    """The RLJob's change of a group's replicas wins over the group's own (a kubectl scale, the optimizer's):
+    through its scale subresource, with a Scaled Event."""
+    for group, (before, after) in replicas_changed_in_rljob(old_spec, job).items():
+        sg = observed.get(n.samplergroup_name(job.name, group))
+        current = ((sg or {}).get("spec") or {}).get("replicas")
+        if sg is None or current == after:
+            continue
+        if await kube.api().scale(API_VERSION, "SamplerGroup", namespace, sg["metadata"]["name"], after) is not None:
+            # kopf.event, not kopf.info: info is dropped below the operator's posting level (WARNING)
+            kopf.event(kube.event_target(sg), type="Normal", reason="Scaled",
+                       message=f"replicas {current} -> {after}: {rljob_replicas_reason(before, after)}")  # fmt: skip
 
 
 def _name_collision(body: dict[str, Any], namespace: str, view: View) -> str | None:

@@ -117,7 +117,7 @@ class GroupDecisionStatus(ApiModel):
     name: str = Field(max_length=63)
     """Group name."""
     replicas: int = Field(ge=0, le=1024)
-    """Replicas: the SamplerGroup's (the RLJob's, or a kubectl scale), or the fleet-mix optimizer's."""
+    """Replicas, set through the SamplerGroup's scale subresource: the RLJob's when it changed since the last decision, the fleet-mix optimizer's, else the SamplerGroup's own (what the RLJob created it with, or a kubectl scale since: the reason says so)."""
     replicas_reason: str = Field(default="", max_length=1024)
     """Why."""
     weight_format: str = Field(max_length=16)
@@ -136,6 +136,8 @@ class GroupDecisionStatus(ApiModel):
     """The RLJob's weightFormat of the group when this was decided: a new one ends the autopilot's step and quarantine."""
     held_quarantine: str | None = Field(default=None, max_length=1024)
     """The precision autopilot's quarantine, held until the RLJob's weightFormat of the group changes or the SamplerGroup is annotated rlfleet.dev/quarantined=false."""
+    job_replicas: int | None = Field(default=None, ge=0, le=1024)
+    """The RLJob's replicas of the group when this was decided: a new value wins over the SamplerGroup's own."""
     memory: GroupPolicyMemory = Field(default_factory=GroupPolicyMemory)
     """What the policies remember of the group for the next decision."""
 

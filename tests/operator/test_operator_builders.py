@@ -108,18 +108,17 @@ def test_samplergroups_carry_the_group_and_are_valid(job: RLJob) -> None:
         )
         assert sg.spec.replicas == group.replicas and sg.spec.weight_channel == "reference-fleet-weights"
         assert sg.spec.model.path == "Qwen/Qwen3-8B" and sg.spec.suspend is False
-        assert manifest["metadata"]["annotations"][n.ANN_JOB_REPLICAS] == str(group.replicas)
+        assert "annotations" not in manifest["metadata"]  # no bookkeeping on the child
 
 
-def test_kubectl_scale_override_is_kept_until_the_job_changes_the_group(job: RLJob) -> None:
+def test_an_existing_samplergroup_is_built_without_replicas_its_scale_subresource_owns_them(job: RLJob) -> None:
+    """Created with the RLJob's replicas; once it exists (observed), its apply leaves them out, so a
+    kubectl scale or the decisions' /scale is never undone by a reconcile (operator/replicas.py)."""
     name = "reference-fleet-h100-fp8"
-    observed = {
-        name: {"metadata": {"name": name, "annotations": {n.ANN_JOB_REPLICAS: "2"}}, "spec": {"replicas": 5}}
-    }
-    assert children(job, observed)[("SamplerGroup", name)]["spec"]["replicas"] == 5
-    changed = copy.deepcopy(job)
-    changed.spec.sampler_groups[2].replicas = 3
-    assert children(changed, observed)[("SamplerGroup", name)]["spec"]["replicas"] == 3
+    observed = {name: {"metadata": {"name": name}, "spec": {"replicas": 5}}}
+    assert children(job)[("SamplerGroup", name)]["spec"]["replicas"] == 2
+    assert "replicas" not in children(job, observed)[("SamplerGroup", name)]["spec"]
+    assert children(job, observed)[("SamplerGroup", "reference-fleet-a100-bf16")]["spec"]["replicas"] == 2  # new
 
 
 def test_suspend_scales_trainer_and_samplers_to_zero(job: RLJob) -> None:

@@ -21,6 +21,7 @@ from rlfleet.operator.decide import (
     GroupObservation,
     Observations,
     decide,
+    replicas_changed_in_rljob,
 )
 from rlfleet.operator.rebalance import PodSample
 
@@ -92,6 +93,63 @@ def test_a_static_policy_gives_the_configured_shares() -> None:
     # 0.02 + 0.96 x 0.8 = 0.788, 0.02 + 0.96 x 0.2 = 0.212: the floor holds under the static policy too
     assert decided.shares == {"a": pytest.approx(0.788, rel=1e-12), "b": pytest.approx(0.212, rel=1e-12)}
     assert decided.groups["a"].share_reason == "static"
+
+
+# --- replicas ----------------------------------------------------------------------------------------------
+
+
+def test_a_kubectl_scale_is_an_observation_kept_until_the_rljobs_replicas_change_which_win() -> None:
+    """The RLJob says 2. A kubectl scale to 4 is decided as observed, its reason says so, and it stays
+    through the next decision and a restart (read back from status); the RLJob's change to 3 wins over it
+    (the reconcile scaled the group already, or it is at 4 still: 3 either way), and one decision later the
+    replicas are the SamplerGroup's again."""
+    def job(replicas: int) -> RLJob:
+        return rljob([{"name": "a", "accelerator": "h100", "replicas": replicas}])
+
+    def seen(replicas: int) -> Observations:
+        return Observations((GroupObservation("a", replicas, replicas),))
+
+    first = decide(job(2), seen(2), None, 0.0, CATALOG)
+    assert (first.groups["a"].replicas, first.groups["a"].replicas_reason, first.groups["a"].job_replicas) == (2, SG_REPLICAS, 2)
+    scaled = decide(job(2), seen(4), restarted(first), 30.0, CATALOG)
+    by_hand = ("scaled on the SamplerGroup (kubectl scale) to 4, not the last decision's 2: kept until the RLJob's "
+               "samplerGroups[].replicas changes")  # fmt: skip
+    assert (scaled.groups["a"].replicas, scaled.groups["a"].replicas_reason) == (4, by_hand)
+    kept = decide(job(2), seen(4), restarted(scaled), 60.0, CATALOG)
+    assert (kept.groups["a"].replicas, kept.groups["a"].replicas_reason) == (4, by_hand)
+    assert kept.status()["groups"][0]["jobReplicas"] == 2
+    for observed in (4, 3):
+        changed = decide(job(3), seen(observed), restarted(kept), 90.0, CATALOG)
+        assert (changed.groups["a"].replicas, changed.groups["a"].replicas_reason, changed.groups["a"].job_replicas) == (
+            3, "the RLJob's samplerGroups[].replicas changed: 2 -> 3", 3)  # fmt: skip
+    after = decide(job(3), seen(3), changed, 120.0, CATALOG)
+    assert (after.groups["a"].replicas, after.groups["a"].replicas_reason) == (3, SG_REPLICAS)
+
+
+def test_replicas_before_the_first_decision_and_from_decisions_that_did_not_record_the_rljobs() -> None:
+    """No decision yet: a group not at the RLJob's replicas was scaled by hand. Decisions written before
+    `jobReplicas` existed (an upgraded operator): the group's own replicas stay, whatever the RLJob says."""
+    job = rljob([{"name": "a", "accelerator": "h100", "replicas": 2}])
+    first = decide(job, Observations((GroupObservation("a", 5, 5),)), None, 0.0, CATALOG)
+    assert (first.groups["a"].replicas, first.groups["a"].replicas_reason) == (
+        5, "scaled on the SamplerGroup (kubectl scale) to 5, not the RLJob's 2: kept until the RLJob's "
+           "samplerGroups[].replicas changes")  # fmt: skip
+    older = first.status()
+    for g in older["groups"]:
+        del g["jobReplicas"]
+        g["replicasReason"] = "the SamplerGroup's spec.replicas (the RLJob's samplerGroups[].replicas, or a kubectl scale)"
+    upgraded = Decisions.from_status({"decisions": older})
+    assert upgraded is not None and upgraded.groups["a"].job_replicas is None
+    kept = decide(job, Observations((GroupObservation("a", 5, 5),)), upgraded, 30.0, CATALOG)
+    assert (kept.groups["a"].replicas, kept.groups["a"].replicas_reason, kept.groups["a"].job_replicas) == (5, SG_REPLICAS, 2)
+
+
+def test_the_rljobs_replica_changes_against_the_spec_kopf_last_handled() -> None:
+    job = rljob([{"name": "a", "accelerator": "h100", "replicas": 3}, {"name": "b", "accelerator": "h100", "replicas": 1},
+                 {"name": "new", "accelerator": "h100", "replicas": 2}])  # fmt: skip
+    old = {"samplerGroups": [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}, {"name": "gone", "replicas": 4}]}
+    assert replicas_changed_in_rljob(old, job) == {"a": (2, 3)}  # b unchanged, new created, gone deleted
+    assert replicas_changed_in_rljob(None, job) == {}  # created or resumed: nothing to compare
 
 
 # --- quarantine --------------------------------------------------------------------------------------------

@@ -215,8 +215,28 @@ async def test_a_transient_api_error_is_retried_by_kopf_not_reported_as_invalid(
     api.refuse["ConfigMap"] = kube.KubeError(503, "etcd leader changed", "ServiceUnavailable")
     body = kopf.Body(copy.deepcopy(job))
     with pytest.raises(kopf.TemporaryError) as retried:
-        await rljob_pipeline.reconcile_rljob(body=body, namespace=NS, **indexes(job))
+        await rljob_pipeline.reconcile_rljob(body=body, namespace=NS, reason="create", old=None, **indexes(job))
     assert retried.value.delay == 2 and api.statuses == []
+
+
+async def test_the_rljobs_change_of_a_groups_replicas_scales_it_at_once_other_reconciles_leave_them(api: FakeKube) -> None:
+    """kopf hands the update handler (field "spec") the spec it last handled as `old`: a group whose replicas
+    the RLJob changed is scaled through /scale (a Scaled Event), whatever it runs now (a kubectl scale to
+    5 here); a create or resume (old: none, or the whole body) scales nothing, and no apply carries them."""
+    events = posted()
+    job = rljob(groups=("a", "b"))
+    groups = [samplergroup(g, job) for g in ("a", "b")]
+    groups[0]["spec"]["replicas"] = 5
+    changed = copy.deepcopy(job)
+    changed["spec"]["samplerGroups"][0]["replicas"] = 3
+    await rljob_pipeline.reconcile_rljob(body=kopf.Body(copy.deepcopy(changed)), namespace=NS, reason="resume",
+                                         old=copy.deepcopy(job), **indexes(changed, *groups))  # fmt: skip
+    assert api.scaled == [] and all("replicas" not in b["spec"] for b in api.applied if b["kind"] == "SamplerGroup")
+    await rljob_pipeline.reconcile_rljob(body=kopf.Body(copy.deepcopy(changed)), namespace=NS, reason="update",
+                                         old=copy.deepcopy(job["spec"]), **indexes(changed, *groups))  # fmt: skip
+    assert api.scaled == [("SamplerGroup", "j-a", 3)]
+    scaled = [e.message for e in drain(events) if e.reason == "Scaled"]
+    assert scaled == ["replicas 5 -> 3: the RLJob's samplerGroups[].replicas changed: 1 -> 3"]
 
 
 async def test_a_group_of_the_spec_deleted_by_someone_else_is_applied_again_by_the_job_pipeline(
@@ -483,12 +503,12 @@ async def test_an_rljob_is_parsed_once_per_generation_and_its_parse_forgotten_on
     scaled["metadata"]["generation"] = 2
     scaled["spec"]["samplerGroups"][0]["replicas"] = 3
     view = View.of(indexes(scaled, *groups))
-    await rljob_pipeline.reconcile_job(copy.deepcopy(scaled), NS, view)
+    await rljob_pipeline.reconcile_job(copy.deepcopy(scaled), NS, view, old_spec=job["spec"])
     for _ in range(4):
         await rljob_pipeline.refresh_job_status(NS, "j", view)
     assert await rebalancer.rebalance_job(scaled, NS, groups, lambda c, o: [], now=1060.0) is not None
     assert generations == [1, 2]
-    assert api.objects[("SamplerGroup", "j-a")]["spec"]["replicas"] == 3  # the new generation's parse was used
+    assert api.scaled == [("SamplerGroup", "j-a", 3)]  # the new generation's parse was used (its replicas)
 
     invalid = copy.deepcopy(scaled)
     invalid["metadata"]["generation"] = 3

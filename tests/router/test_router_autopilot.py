@@ -15,7 +15,6 @@ from support.manifests import rljob
 from rlfleet.api import RLJob
 from rlfleet.catalog import load_catalog
 from rlfleet.operator import autopilot, builders
-from rlfleet.operator import naming as n
 from rlfleet.operator.autopilot import AutopilotAction, AutopilotMemory, AutopilotReading, StepDown
 from rlfleet.operator.decide import Decisions, GroupDecision
 
@@ -163,7 +162,7 @@ def test_the_samplergroup_is_built_with_the_decided_weight_format_until_the_rljo
     job = RLJob.from_manifest(JOB)
     group = job.spec.sampler_groups[0]
     fresh = builders.build_samplergroup(job, group, "ns", None)
-    assert fresh["spec"]["weightFormat"] == "nvfp4" and n.ANN_JOB_REPLICAS in fresh["metadata"]["annotations"]
+    assert fresh["spec"]["weightFormat"] == "nvfp4" and "replicas" not in fresh["spec"]  # replicas only to create it
     assert builders.build_samplergroup(job, group, "ns", None, weight_format="fp8")["spec"]["weightFormat"] == "fp8"
     stepped = Decisions(0.0, {group.name: GroupDecision(group.name, 2, "", "fp8", "stepped", 1.0, "", False, "", "nvfp4")})
     assert stepped.weight_formats(job) == {group.name: "fp8"}

@@ -21,6 +21,7 @@ class FakeKube:
         self.statuses: list[tuple[str, str, dict[str, Any]]] = []  # (kind, name, status)
         self.created: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str]] = []
+        self.scaled: list[tuple[str, str, int]] = []  # (kind, name, replicas) through the scale subresource
         self.refuse: dict[str, kube.KubeError] = {}  # kind -> the error `apply` raises for it
 
     async def apply(self, body: Mapping[str, Any], **_: Any) -> dict[str, Any]:
@@ -28,8 +29,13 @@ class FakeKube:
         if body["kind"] in self.refuse:
             raise self.refuse[body["kind"]]
         self.applied.append(copy.deepcopy(dict(body)))
-        self.objects[(body["kind"], body["metadata"]["name"])] = copy.deepcopy(dict(body))
-        return dict(body)
+        key = (body["kind"], body["metadata"]["name"])
+        merged = copy.deepcopy(dict(body))
+        kept = (self.objects.get(key) or {}).get("spec") or {}
+        if "replicas" in kept and "replicas" not in merged.get("spec", {"replicas": None}):
+            merged["spec"]["replicas"] = kept["replicas"]  # left out of the apply: the scale subresource's
+        self.objects[key] = merged
+        return copy.deepcopy(merged)
 
     async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any] | None:
         self.statuses.append((obj["kind"], obj["metadata"]["name"], copy.deepcopy(dict(status))))
@@ -45,6 +51,14 @@ class FakeKube:
         self.created.append(copy.deepcopy(dict(body)))
         self.objects[key] = copy.deepcopy(dict(body))
         return dict(body)
+
+    async def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+        self.scaled.append((kind, name, replicas))
+        obj = self.objects.get((kind, name))
+        if obj is None:
+            return None
+        obj.setdefault("spec", {})["replicas"] = replicas
+        return copy.deepcopy(obj)
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         self.deleted.append((kind, name))
