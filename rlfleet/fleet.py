@@ -38,11 +38,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from rlfleet.catalog import Catalog, CatalogError, check_group, get_catalog
+from rlfleet.yamlfile import read_yaml
 
 SECONDS_PER_HOUR = 3600.0
 BYTES_PER_GB = 1e9  # egress is priced per GB (10^9 bytes), as clouds bill it
@@ -833,13 +833,7 @@ def _shares(groups: Sequence[_Group], replicas: Sequence[int]) -> dict[str, floa
 
 def load_request(path: Path) -> FleetPlanRequest:
     """The request in a YAML or JSON file (JSON is YAML); ValueError with a one-line reason."""
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"not valid YAML or JSON: {' '.join(str(exc).split())}") from None
-    return request_from_mapping(data)
+    return request_from_mapping(read_yaml(path))
 
 
 def request_from_mapping(data: Any) -> FleetPlanRequest:

@@ -8,7 +8,6 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from rlfleet.api.common import (
@@ -36,6 +35,7 @@ from rlfleet.api.router_spec import (
 from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
 from rlfleet.api.scheduling import PodPlacement
 from rlfleet.api.weightchannel import DeltaSpec, RetentionSpec, StoreSpec
+from rlfleet.yamlfile import read_yaml
 
 # Cross-field rules: the CEL rule in the CRD and the Python check share the message, so a user sees
 # the same words from `kubectl apply` and from `rlfleet run --local`.
@@ -846,13 +846,9 @@ def load_rljob(path: str | Path) -> RLJob:
     """Read and validate an RLJob YAML file. Raises RLJobLoadError with a readable message."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise RLJobLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        raise RLJobLoadError(f"{path}: not valid YAML: {exc}") from None
+        docs = read_yaml(path, all_documents=True)
+    except ValueError as exc:
+        raise RLJobLoadError(f"{path}: {exc}") from None
     jobs = [d for d in docs if isinstance(d, dict) and d.get("kind") == "RLJob"]
     if len(jobs) != 1:
         raise RLJobLoadError(f"{path}: expected exactly one RLJob document, found {len(jobs)}")

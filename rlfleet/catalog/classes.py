@@ -50,9 +50,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
+
+from rlfleet.yamlfile import read_yaml
 
 CATALOG_ENV = "RLFLEET_CATALOG"
 PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -535,11 +536,9 @@ def load_catalog(path: str | Path | None = None) -> Catalog:
         return Catalog(classes=builtin_classes())
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise CatalogError(f"catalog {path}: cannot read: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        raise CatalogError(f"catalog {path}: not valid YAML: {exc}") from None
+        data = read_yaml(path)
+    except ValueError as exc:
+        raise CatalogError(f"catalog {path}: {exc}") from None
     return catalog_from_mapping(data, source=str(path))
 
 
