@@ -517,6 +517,24 @@ class _LocalCopyRefused(_BaseRefused):
 
 
 @dataclass(frozen=True)
+class _Step:
+    """One version of a view being rebuilt (`WeightChannel._build`): into `out` from `base` (its version,
+    manifest and directory; None: nothing at hand, every file is read), payloads landing under `work`."""
+
+    version: int
+    view: str
+    vm: ViewManifest
+    base: tuple[int, ViewManifest, Path] | None
+    out: Path
+    work: Path
+
+    @property
+    def prefix(self) -> str:
+        """Its files' keys in the channel: `v<version>/<view>`."""
+        return f"{_version_key(self.version)}/{self.view}"
+
+
+@dataclass(frozen=True)
 class ObtainedView:
     """One view of one version in a local directory, every file verified against its manifest
     (`WeightChannel.obtain_view`)."""
@@ -965,7 +983,7 @@ class WeightChannel:
         for at, vm in todo:
             built = work / f"v{at}"
             try:
-                self._build_step(at, view, vm, base, built, work, on_read)
+                self._build_step(_Step(at, view, vm, base, built, work), on_read)
             except _BaseRefused as refused:
                 if base is not None and base is seed:
                     raise _LocalCopyRefused(refused.error) from None  # the local copy may be torn: reseed
@@ -975,19 +993,10 @@ class WeightChannel:
             base = (at, vm, built)
         return built
 
-    def _build_step(
-        self,
-        version: int,
-        view: str,
-        vm: ViewManifest,
-        base: tuple[int, ViewManifest, Path] | None,
-        out: Path,
-        work: Path,
-        on_read: ReadCallback,
-    ) -> None:
-        """Version `version` of `view` into `out`, every file verified: a file whose manifest entry equals the
-        base's copied from it (all of them when the base is this version), a payload applied to the base's
-        file, any other file downloaded. A file made from the base's bytes that is refused raises
+    def _build_step(self, step: _Step, on_read: ReadCallback) -> None:
+        """The step's version of its view into `step.out`, every file verified: a file whose manifest entry
+        equals the base's copied from it (all of them when the base is this version), a payload applied to the
+        base's file, any other file downloaded. A file made from the base's bytes that is refused raises
         _BaseRefused (whose fault it is depends on where the base came from, `_build`).
 
         The files are built by `download_workers` threads at once (copies, applies, downloads and their
@@ -1006,33 +1015,22 @@ class WeightChannel:
             if failed.is_set():  # the step fails anyway: start no more reads (files are taken in order)
                 return None
             try:
-                self._build_file(version, view, vm, base, out, work, counted, *item)
+                self._build_file(step, counted, *item)
             except (StoreError, _BaseRefused, OSError) as e:
                 failed.set()
                 return e
             return None
 
-        files = sorted(vm.files.items())
+        files = sorted(step.vm.files.items())
         with ThreadPoolExecutor(max_workers=max(1, min(self.download_workers, len(files)))) as pool:
             failures = [e for e in pool.map(build, files) if e is not None]
         if failures:
             raise failures[0]
 
-    def _build_file(
-        self,
-        version: int,
-        view: str,
-        vm: ViewManifest,
-        base: tuple[int, ViewManifest, Path] | None,
-        out: Path,
-        work: Path,
-        on_read: ReadCallback,
-        rel: str,
-        entry: FileDigest,
-    ) -> None:
+    def _build_file(self, step: _Step, on_read: ReadCallback, rel: str, entry: FileDigest) -> None:
         """One file of `_build_step`."""
-        prefix = f"{_version_key(version)}/{view}"
-        target = out / rel
+        vm, base, prefix = step.vm, step.base, step.prefix
+        target = step.out / rel
         if base is not None and base[1].files.get(rel) == entry and (base[2] / rel).is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(base[2] / rel, target)  # unchanged since the base: no read from the store
@@ -1048,7 +1046,7 @@ class WeightChannel:
             if not base_file.is_file():
                 raise _BaseRefused(ChecksumMismatchError(f"{prefix}/{rel}: the copy of its base v{base[0]} lacks the file"))
             payload_rel = rel + DELTA_SUFFIX
-            payload = work / "payloads" / payload_rel
+            payload = step.work / "payloads" / payload_rel
             self._get_verified(f"{prefix}/{payload_rel}", payload, vm.delta.files[payload_rel], "delta",
                                on_read, missing=RebuildError)  # fmt: skip
             target.parent.mkdir(parents=True, exist_ok=True)
