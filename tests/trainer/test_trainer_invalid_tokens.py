@@ -29,7 +29,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from rlfleet.operator import autopilot, rebalancer
+from rlfleet.operator import autopilot, decide
 from rlfleet.operator.rebalance import parse_trainer_group_metrics
 from rlfleet.records import INVALID_METRIC_PREFIX, R_BAD_LOGPROB, R_NOT_IN_SUPPORT, R_RENORM_BELOW_FULL
 from rlfleet.router.config import GroupConfig, RouterConfig
@@ -212,7 +212,7 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
     finally:
         exporter.close()
     parsed = parse_trainer_group_metrics(text)[BAD]
-    invalid = rebalancer.invalid_tokens(parsed)
+    invalid = decide.invalid_tokens(parsed)
     bad_logprob = want["nan"] + want["positive"]
     assert invalid[R_BAD_LOGPROB] == bad_logprob and parsed["trained_fraction"] == last[f"group/{BAD}/trained_fraction"]
     reading = autopilot.AutopilotReading(
