@@ -297,17 +297,21 @@ class ResourceRequirements(ApiModel):
         return self
 
 
+def _label_map(keys_message: str, *rules: tuple[str, str]) -> Any:
+    """The field of a map of labels or annotations (empty by default, at most 32 entries) whose keys must be
+    qualified names (CEL: `keys_message` when one is not), with the CEL `rules` ((rule, message)) besides."""
+    validations: list[Any] = [{"rule": LABEL_KEYS_RULE, "message": keys_message},
+                              *({"rule": rule, "message": message} for rule, message in rules)]
+    return Field(default_factory=dict, max_length=32, json_schema_extra={"x-kubernetes-validations": validations})
+
+
 class PodPlacement(PodTemplateFields):
     """Scheduling fields of one pod role (base of TrainerSpec, RouterSpec and SamplerGroupTemplate), with
     its env, identity and volumes (PodTemplateFields, rlfleet/api/podfields.py)."""
 
     model_config = {"json_schema_extra": {"x-kubernetes-validations": [*POD_FIELDS_RULES]}}
 
-    node_selector: dict[str, LabelValue] = Field(
-        default_factory=dict,
-        max_length=32,
-        json_schema_extra={"x-kubernetes-validations": [{"rule": LABEL_KEYS_RULE, "message": LABEL_KEYS_MESSAGE}]},
-    )
+    node_selector: dict[str, LabelValue] = _label_map(LABEL_KEYS_MESSAGE)
     """Node labels the pods require, on top of the accelerator class (e.g. a node pool or zone)."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Tolerations added to the operator's nvidia.com/gpu toleration (e.g. a dedicated-pool taint)."""
@@ -317,26 +321,10 @@ class PodPlacement(PodTemplateFields):
     """PriorityClass of the pods (it must exist in the cluster)."""
     resources: ResourceRequirements | None = None
     """CPU / memory / ephemeral-storage requests and limits of the main container (never nvidia.com/gpu)."""
-    pod_labels: dict[str, LabelValue] = Field(
-        default_factory=dict,
-        max_length=32,
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {"rule": LABEL_KEYS_RULE, "message": POD_LABEL_KEYS_MESSAGE},
-                {"rule": POD_LABELS_RULE, "message": POD_LABELS_MESSAGE},
-            ]
-        },
-    )
+    pod_labels: dict[str, LabelValue] = _label_map(POD_LABEL_KEYS_MESSAGE, (POD_LABELS_RULE, POD_LABELS_MESSAGE))
     """Extra pod labels, e.g. kueue.x-k8s.io/queue-name: <LocalQueue> (not the operator's rlfleet.dev/* or app.kubernetes.io/* labels)."""
-    pod_annotations: dict[str, Annotated[str, Field(max_length=4096)]] = Field(
-        default_factory=dict,
-        max_length=32,
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {"rule": LABEL_KEYS_RULE, "message": POD_ANNOTATION_KEYS_MESSAGE},
-                {"rule": POD_ANNOTATIONS_RULE, "message": POD_ANNOTATIONS_MESSAGE},
-            ]
-        },
+    pod_annotations: dict[str, Annotated[str, Field(max_length=4096)]] = _label_map(
+        POD_ANNOTATION_KEYS_MESSAGE, (POD_ANNOTATIONS_RULE, POD_ANNOTATIONS_MESSAGE)
     )
     """Extra pod annotations (not the operator's rlfleet.dev/*, prometheus.io/* or Kueue pod-group keys)."""
 
