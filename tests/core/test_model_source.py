@@ -6,7 +6,6 @@ path is tested up to the `snapshot_download` call with `stub_snapshot_download` 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,15 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.moto import CREDS, make_bucket, start_moto
 from support.ports import free_port
 
 from rlfleet.model_source import CHECKSUMS_FILE, ModelSourceError, is_hf_checkpoint, resolve_model_source
 from rlfleet.tiny_qwen3 import build_tiny_qwen3, vocabulary
-
-_spec = importlib.util.spec_from_file_location("weights_conftest", Path(__file__).parents[1] / "weights" / "conftest.py")
-assert _spec is not None and _spec.loader is not None
-weights_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(weights_conftest)
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +28,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    for k, v in weights_conftest.CREDS.items():
+    for k, v in CREDS.items():
         os.environ.setdefault(k, v)
     port = free_port()
-    proc = weights_conftest.start_moto(port)
+    proc = start_moto(port)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -121,7 +116,7 @@ def test_hf_id_goes_to_snapshot_download_with_the_revision(tiny: Path, tmp_path:
 def _upload(endpoint: str, directory: Path, skip: set[str] = frozenset()) -> str:  # type: ignore[assignment]
     import boto3
 
-    bucket = weights_conftest.make_bucket(endpoint)
+    bucket = make_bucket(endpoint)
     client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     for p in directory.iterdir():
         if p.name not in skip:
