@@ -7,15 +7,13 @@ path is tested up to the `snapshot_download` call with `stub_snapshot_download` 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.moto import CREDS, make_bucket, start_moto
-from support.ports import free_port
+from support.moto import make_bucket, moto_endpoint
 
 from rlfleet.model_source import CHECKSUMS_FILE, ModelSourceError, is_hf_checkpoint, resolve_model_source
 from rlfleet.tiny_qwen3 import build_tiny_qwen3, vocabulary
@@ -28,15 +26,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    for k, v in CREDS.items():
-        os.environ.setdefault(k, v)
-    port = free_port()
-    proc = start_moto(port)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with moto_endpoint() as endpoint:
+        yield endpoint
 
 
 # ------------------------------------------------------------------------------------ tiny Qwen3
