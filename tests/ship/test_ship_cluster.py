@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.moto import start_moto
 from support.ports import free_port
 from support.waits import wait_for
 
@@ -762,16 +763,6 @@ def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(kub
 # --- weight stores: WeightChannel status with the chart as shipped ----------------------------------------
 
 
-def _moto() -> Any:
-    """tests/weights/conftest.py's moto_server starter (one way to run the S3 test server)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("weights_conftest", REPO / "tests" / "weights" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
 def _pod_env(kube, namespace: str, container: dict[str, Any]) -> dict[str, str]:
     """The container's env as the kubelet resolves it: literal values and secretKeyRefs (read from the
     real Secret); downward-API fields are set by start_operator."""
@@ -812,9 +803,8 @@ def test_weightchannel_versions_with_the_charts_store_access(kube, helm, tmp_pat
 
     tmp = tmp_path_factory.mktemp("stores")
     mount_path = tmp / "mnt" / "weights"  # what the chart mounts in the operator pod
-    moto = _moto()
     s3_port = free_port()
-    s3 = moto.start_moto(s3_port)
+    s3 = start_moto(s3_port)
     endpoint = f"http://127.0.0.1:{s3_port}"
     values = {"weightStores": {"filesystem": [{"name": "weights", "mountPath": str(mount_path),
                                                "claimName": "rlfleet-weights-ro"}],

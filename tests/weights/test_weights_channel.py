@@ -271,7 +271,7 @@ def test_racing_publishers_monotonic_and_never_mixed(
     if kind == "filesystem":
         store: Store = FilesystemStore(tmp_path / "s", create=True)
     else:
-        from conftest import make_bucket
+        from support.moto import make_bucket
 
         from rlfleet.store import S3Store
 
