@@ -63,7 +63,9 @@ class Fleet:
         self.kube, self.ns = kube, ns
 
     def sampler_pods(self) -> list[dict[str, Any]]:
-        items = self.kube.get_json("pods", "-n", self.ns, "-l", "app.kubernetes.io/component=sampler")["items"]
+        items = self.kube.get_json("pods", "-n", self.ns, "-l", "app.kubernetes.io/component=sampler")[
+            "items"
+        ]
         return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
     def store_dir(self) -> Path:
@@ -98,12 +100,31 @@ def apply_fleet(kube: Any, ns: str, operator_ref: str, steps: int) -> None:
     repository, tag = operator_ref.rsplit(":", 1)
     stores = [{"name": "cpu", "claimName": CLAIM, "mountPath": STORE_PATH}]
     subprocess.run(
-        [str(kube.bin_dir / "helm"), "install", "rlfleet", str(REPO / "charts" / "rlfleet"), "-n", ns,
-         "--create-namespace", "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-         "--set", "image.pullPolicy=Never", "--set", "operator.replicas=1",
-         "--set-json", f"weightStores.filesystem={json.dumps(stores)}"],
-        env=kube.env(), check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            str(kube.bin_dir / "helm"),
+            "install",
+            "rlfleet",
+            str(REPO / "charts" / "rlfleet"),
+            "-n",
+            ns,
+            "--create-namespace",
+            "--set",
+            f"image.repository={repository}",
+            "--set",
+            f"image.tag={tag}",
+            "--set",
+            "image.pullPolicy=Never",
+            "--set",
+            "operator.replicas=1",
+            "--set-json",
+            f"weightStores.filesystem={json.dumps(stores)}",
+        ],
+        env=kube.env(),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
     [job] = [d for d in docs if d["kind"] == "RLJob"]
     job["spec"]["trainer"]["totalSteps"] = steps
@@ -138,7 +159,9 @@ def sync_latencies(fleet: Fleet, published: dict[int, float]) -> list[float]:
 
 def steps_per_second(rows: list[dict[str, Any]]) -> float:
     rows = [r for r in rows if int(r["step"]) > WARMUP_STEPS]
-    seconds = sum(float(r.get(k, 0.0)) for r in rows for k in ("time/wait_rollouts", "time/train", "time/publish"))
+    seconds = sum(
+        float(r.get(k, 0.0)) for r in rows for k in ("time/wait_rollouts", "time/train", "time/publish")
+    )
     return len(rows) / seconds
 
 
@@ -147,13 +170,28 @@ def local_rows(steps: int) -> list[dict[str, Any]]:
     docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
     [job] = [d for d in docs if d["kind"] == "RLJob"]
     rollout = job["spec"]["rollout"]
-    job["spec"]["local"] = {"steps": steps, "promptsPerStep": rollout["promptsPerStep"],
-                            "samplesPerPrompt": rollout["samplesPerPrompt"], "maxNewTokens": rollout["maxNewTokens"]}  # fmt: skip
+    job["spec"]["local"] = {
+        "steps": steps,
+        "promptsPerStep": rollout["promptsPerStep"],
+        "samplesPerPrompt": rollout["samplesPerPrompt"],
+        "maxNewTokens": rollout["maxNewTokens"],
+    }
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-local-") as tmp:
         manifest = Path(tmp) / "rljob.yaml"
         manifest.write_text(yaml.safe_dump(job))
-        subprocess.run([str(REPO / "scripts" / "rlfleet"), "run", str(manifest), "--local", "--no-live",
-                        "--out", str(Path(tmp) / "run")], check=True, timeout=3600)  # fmt: skip
+        subprocess.run(
+            [
+                str(REPO / "scripts" / "rlfleet"),
+                "run",
+                str(manifest),
+                "--local",
+                "--no-live",
+                "--out",
+                str(Path(tmp) / "run"),
+            ],
+            check=True,
+            timeout=3600,
+        )
         return json.loads((Path(tmp) / "run" / "report" / "metrics.json").read_text())["steps"]
 
 
@@ -174,19 +212,31 @@ def main() -> int:
     stop = threading.Event()
     threading.Thread(target=watch_published, args=(fleet, published, stop), daemon=True).start()
     try:
-        names = wait_for("three sampler pods", lambda: (p := fleet.sampler_pods()) and len(p) == 3 and
-                         {x["metadata"]["name"] for x in p}, timeout=300)  # fmt: skip
+        names = wait_for(
+            "three sampler pods",
+            lambda: (p := fleet.sampler_pods()) and len(p) == 3 and {x["metadata"]["name"] for x in p},
+            timeout=300,
+        )
         first = fleet.first_tokens(names)
         step = lambda: int(kube.get_json("rljob", JOB, "-n", ns).get("status", {}).get("step") or 0)  # noqa: E731
         wait_for("step 10", lambda: step() >= 10, timeout=1800)
         [old] = [p for p in fleet.sampler_pods() if p["metadata"]["labels"]["rlfleet.dev/group"] == "bf16"]
         kube.kubectl("delete", "pod", "-n", ns, old["metadata"]["name"], "--wait=false")
-        new = wait_for("the replacement pod", lambda: {p["metadata"]["name"] for p in fleet.sampler_pods()} - names,
-                       timeout=300)  # fmt: skip
+        new = wait_for(
+            "the replacement pod",
+            lambda: {p["metadata"]["name"] for p in fleet.sampler_pods()} - names,
+            timeout=300,
+        )
         replacement = fleet.first_tokens(new)
         store = fleet.store_dir()
-        wait_for("the trainer's last step", lambda: (
-            (s := checkpoint.load_latest(store / "checkpoints")) is not None and int(s["step"]) >= args.steps), timeout=3600)  # fmt: skip
+        wait_for(
+            "the trainer's last step",
+            lambda: (
+                (s := checkpoint.load_latest(store / "checkpoints")) is not None
+                and int(s["step"]) >= args.steps
+            ),
+            timeout=3600,
+        )
         print(f"fleet: {args.steps} steps, {time.monotonic() - t0:.0f}s from helm install")
         phase = lambda: kube.get_json("rljob", JOB, "-n", ns).get("status", {}).get("phase")  # noqa: E731
         wait_for("the RLJob Succeeded", lambda: phase() == "Succeeded", timeout=600)
@@ -196,8 +246,13 @@ def main() -> int:
     finally:  # the job first, while the operator runs (it releases the WeightChannel's finalizer)
         stop.set()
         kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
-        subprocess.run([str(kube.bin_dir / "helm"), "uninstall", "rlfleet", "-n", ns, "--wait"], env=kube.env(),
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+        subprocess.run(
+            [str(kube.bin_dir / "helm"), "uninstall", "rlfleet", "-n", ns, "--wait"],
+            env=kube.env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     cluster_rate = steps_per_second(cluster_rows)
     print("pod start -> first generated token (s):")
@@ -208,11 +263,15 @@ def main() -> int:
     if latencies:
         ordered = sorted(latencies)
         p90 = ordered[max(0, -(-9 * len(ordered) // 10) - 1)]  # nearest rank
-        print(f"weight sync, publish -> every group applied (s), {len(latencies)} versions: "
-              f"p50 {statistics.median(latencies):.2f}  p90 {p90:.2f}  max {ordered[-1]:.2f}")  # fmt: skip
+        print(
+            f"weight sync, publish -> every group applied (s), {len(latencies)} versions: "
+            f"p50 {statistics.median(latencies):.2f}  p90 {p90:.2f}  max {ordered[-1]:.2f}"
+        )
     print(f"steps/s after step {WARMUP_STEPS}: cluster {cluster_rate:.3f}", flush=True)
     local_rate = steps_per_second(local_rows(args.steps))
-    print(f"steps/s after step {WARMUP_STEPS}: local {local_rate:.3f}  cluster/local {cluster_rate / local_rate:.2f}x")
+    print(
+        f"steps/s after step {WARMUP_STEPS}: local {local_rate:.3f}  cluster/local {cluster_rate / local_rate:.2f}x"
+    )
     return 0
 
 

@@ -43,7 +43,10 @@ import controlplane  # noqa: E402 - tests/cluster, put on sys.path just above
 import nodeimages  # noqa: E402
 import realnode  # noqa: E402
 
-DEVCLUSTER = [sys.executable, str(REPO / "tests" / "cluster" / "devcluster.py")]  # scripts/dev-cluster, minus bootstrap
+DEVCLUSTER = [
+    sys.executable,
+    str(REPO / "tests" / "cluster" / "devcluster.py"),
+]  # scripts/dev-cluster, minus bootstrap
 WORKDIR = controlplane.WORK_ROOT / "dev-cluster"
 NAMESPACE, JOB = "rlfleet-cpu", "cpu"
 EXAMPLE = REPO / "examples" / "rljob-cpu.yaml"
@@ -87,11 +90,29 @@ def install(kube: controlplane.KubeCluster) -> None:
     """docs/dev-cluster.md, "The operator and the CPU example on it", word for word."""
     stores = [{"name": "cpu", "claimName": "rlfleet-cpu-weights", "mountPath": "/weights/cpu"}]
     subprocess.run(
-        [str(kube.bin_dir / "helm"), "install", "rlfleet", str(REPO / "charts" / "rlfleet"), "-n", NAMESPACE,
-         "--create-namespace", "--set", "image.tag=0.1.0-cpu", "--set", "image.pullPolicy=Never",
-         "--set", "operator.replicas=1", "--set-json", f"weightStores.filesystem={json.dumps(stores)}"],
-        env=kube.env(), check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            str(kube.bin_dir / "helm"),
+            "install",
+            "rlfleet",
+            str(REPO / "charts" / "rlfleet"),
+            "-n",
+            NAMESPACE,
+            "--create-namespace",
+            "--set",
+            "image.tag=0.1.0-cpu",
+            "--set",
+            "image.pullPolicy=Never",
+            "--set",
+            "operator.replicas=1",
+            "--set-json",
+            f"weightStores.filesystem={json.dumps(stores)}",
+        ],
+        env=kube.env(),
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     kube.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
 
 
@@ -103,10 +124,17 @@ def observe(kube: controlplane.KubeCluster, run: Run, started: float, timeout: f
         status = (json.loads(got.stdout).get("status") or {}) if got.returncode == 0 else {}
         metrics = status.get("metrics") or {}
         now = round(time.monotonic() - started, 1)
-        row = (status.get("phase"), status.get("reason"), status.get("step"), metrics.get("reward"), metrics.get("kl"))
+        row = (
+            status.get("phase"),
+            status.get("reason"),
+            status.get("step"),
+            metrics.get("reward"),
+            metrics.get("kl"),
+        )
         if row != last:
-            run.timeline.append({"t": now, "phase": row[0], "reason": row[1], "step": row[2], "reward": row[3],
-                                 "kl": row[4]})  # fmt: skip
+            run.timeline.append(
+                {"t": now, "phase": row[0], "reason": row[1], "step": row[2], "reward": row[3], "kl": row[4]}
+            )
             last = row
         if run.first_step_s is None and None not in row[2:]:
             run.first_step_s = now
@@ -134,12 +162,16 @@ def collect(kube: controlplane.KubeCluster, run: Run, out: Path) -> None:
     if pod.returncode == 0:
         statuses = json.loads(pod.stdout).get("status", {}).get("containerStatuses") or []
         run.trainer_restarts = sum(int(s.get("restartCount", 0)) for s in statuses)
-    for what, args in (("router", ["-l", "app.kubernetes.io/component=router"]),
-                       ("operator", ["-l", "app.kubernetes.io/name=rlfleet"])):  # fmt: skip
-        (out / f"{what}.log").write_text(kube.kubectl("logs", "-n", NAMESPACE, *args, "--all-containers",
-                                                      "--tail=-1", check=False).stdout)  # fmt: skip
-    (out / "status.yaml").write_text(kube.kubectl("get", "rljob,sg,pods", "-n", NAMESPACE, "-o", "wide",
-                                                  check=False).stdout)  # fmt: skip
+    for what, args in (
+        ("router", ["-l", "app.kubernetes.io/component=router"]),
+        ("operator", ["-l", "app.kubernetes.io/name=rlfleet"]),
+    ):
+        (out / f"{what}.log").write_text(
+            kube.kubectl("logs", "-n", NAMESPACE, *args, "--all-containers", "--tail=-1", check=False).stdout
+        )
+    (out / "status.yaml").write_text(
+        kube.kubectl("get", "rljob,sg,pods", "-n", NAMESPACE, "-o", "wide", check=False).stdout
+    )
 
 
 def log(msg: str) -> None:
@@ -200,8 +232,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds from apply to Succeeded, per run")
     parser.add_argument("--out", type=Path, default=REPO / "tests" / "cluster" / ".work" / "example-runs")
     parser.add_argument("--lock", default=None, help="a lock file held during each run (/tmp/node-tier.lock)")
-    parser.add_argument("--images", type=Path, default=None,
-                        help="load the images an earlier invocation saved (its --out/images) instead of building")  # fmt: skip
+    parser.add_argument(
+        "--images",
+        type=Path,
+        default=None,
+        help="load the images an earlier invocation saved (its --out/images) instead of building",
+    )
     args = parser.parse_args()
     images = saved_images(args.images) if args.images else build_once(args.lock, args.out / "images")
     runs = []
@@ -209,14 +245,21 @@ def main() -> int:
         with node_lock(args.lock):
             run = one_run(index, args.out, args.timeout, images)
         runs.append(run)
-        print(f"run {run.run}: {'holds' if run.held else 'FAILS: ' + run.why}; first step shown "
-              f"{run.first_step_s} s, Succeeded {run.succeeded_s} s after apply; {run.dropped_prompts} dropped, "
-              f"{run.outages} outages, {run.trainer_restarts} trainer restarts", flush=True)  # fmt: skip
-    print("| run | holds | status shows step/reward/KL (s) | Succeeded (s) | prompts dropped | outages | trainer restarts |")
+        print(
+            f"run {run.run}: {'holds' if run.held else 'FAILS: ' + run.why}; first step shown "
+            f"{run.first_step_s} s, Succeeded {run.succeeded_s} s after apply; {run.dropped_prompts} dropped, "
+            f"{run.outages} outages, {run.trainer_restarts} trainer restarts",
+            flush=True,
+        )
+    print(
+        "| run | holds | status shows step/reward/KL (s) | Succeeded (s) | prompts dropped | outages | trainer restarts |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in runs:
-        print(f"| {r.run} | {'yes' if r.held else 'no: ' + r.why} | {r.first_step_s} | {r.succeeded_s} | "
-              f"{r.dropped_prompts} | {r.outages} | {r.trainer_restarts} |")  # fmt: skip
+        print(
+            f"| {r.run} | {'yes' if r.held else 'no: ' + r.why} | {r.first_step_s} | {r.succeeded_s} | "
+            f"{r.dropped_prompts} | {r.outages} | {r.trainer_restarts} |"
+        )
     return 0 if all(r.held for r in runs) else 1
 
 

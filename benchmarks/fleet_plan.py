@@ -29,14 +29,24 @@ from rlfleet.fleet import FleetPlanRequest, fleet_cost_per_1m_usable_tokens, pla
 
 # (class, format): simulated decode tokens/s of one replica
 THROUGHPUT = {
-    ("b200", "bf16"): 6000, ("b200", "fp8"): 9000, ("b200", "nvfp4"): 11000,
-    ("b300", "bf16"): 7000, ("b300", "nvfp4"): 13000,
-    ("h200", "bf16"): 3800, ("h200", "fp8"): 5000,
-    ("h100", "bf16"): 3200, ("h100", "fp8"): 4200,
+    ("b200", "bf16"): 6000,
+    ("b200", "fp8"): 9000,
+    ("b200", "nvfp4"): 11000,
+    ("b300", "bf16"): 7000,
+    ("b300", "nvfp4"): 13000,
+    ("h200", "bf16"): 3800,
+    ("h200", "fp8"): 5000,
+    ("h100", "bf16"): 3200,
+    ("h100", "fp8"): 4200,
     ("a100", "bf16"): 1800,
-    ("rtx-pro-6000", "fp8"): 2600, ("rtx-pro-6000", "nvfp4"): 3500,
+    ("rtx-pro-6000", "fp8"): 2600,
+    ("rtx-pro-6000", "nvfp4"): 3500,
 }
-MISMATCH = {"bf16": (6.6e-5, 0.002), "fp8": (7.6e-4, 0.01), "nvfp4": (9.1e-3, 0.06)}  # (KL, out-of-range share)
+MISMATCH = {
+    "bf16": (6.6e-5, 0.002),
+    "fp8": (7.6e-4, 0.01),
+    "nvfp4": (9.1e-3, 0.06),
+}  # (KL, out-of-range share)
 
 
 def fleet_spec(demand: float, scale: int, budgets: dict[str, float]) -> dict[str, Any]:
@@ -44,17 +54,27 @@ def fleet_spec(demand: float, scale: int, budgets: dict[str, float]) -> dict[str
     for pool in range(scale):
         for (accelerator, fmt), tps in THROUGHPUT.items():
             kl, oor = MISMATCH[fmt]
-            groups.append({
-                "name": f"{accelerator}-{fmt}-{pool}", "accelerator": accelerator, "weightFormat": fmt,
-                "tokensPerSecondPerReplica": tps, "kl": kl, "oorFraction": oor, "maxReplicas": 16,
-            })
+            groups.append(
+                {
+                    "name": f"{accelerator}-{fmt}-{pool}",
+                    "accelerator": accelerator,
+                    "weightFormat": fmt,
+                    "tokensPerSecondPerReplica": tps,
+                    "kl": kl,
+                    "oorFraction": oor,
+                    "maxReplicas": 16,
+                }
+            )
     usable_per_round = sum(g["tokensPerSecondPerReplica"] * (1 - g["oorFraction"]) for g in groups)
     current = -(-demand // usable_per_round)  # the same count everywhere, the fewest meeting the demand
     for g in groups:
         g["replicas"] = int(current)
     return {
-        "trainerAccelerator": "b200", "demand": {"usableTokensPerSecond": demand}, "budgets": budgets,
-        "hysteresis": 0.0, "groups": groups,
+        "trainerAccelerator": "b200",
+        "demand": {"usableTokensPerSecond": demand},
+        "budgets": budgets,
+        "hysteresis": 0.0,
+        "groups": groups,
     }
 
 
@@ -65,8 +85,12 @@ def current_figures(spec: dict[str, Any]) -> tuple[float | None, float]:
     max_kl = spec["budgets"].get("groupMaxKl", float("inf"))
     served = [g for g in spec["groups"] if g["kl"] <= max_kl]
     cost = fleet_cost_per_1m_usable_tokens(
-        (g["tokensPerSecondPerReplica"] if g in served else 0.0, g["replicas"],
-         catalog.get(g["accelerator"]).cost_per_gpu_hour, g["oorFraction"])
+        (
+            g["tokensPerSecondPerReplica"] if g in served else 0.0,
+            g["replicas"],
+            catalog.get(g["accelerator"]).cost_per_gpu_hour,
+            g["oorFraction"],
+        )
         for g in spec["groups"]
     )
     tokens = sum(g["tokensPerSecondPerReplica"] * g["replicas"] for g in served)
@@ -94,7 +118,9 @@ def main() -> None:
         ("fleet out-of-range <= 0.03", {"maxOorFraction": 0.03}),
         ("nvfp4 out (group KL <= 0.005)", {"groupMaxKl": 0.005}),
     ]
-    print("| fleet | budget | current (throughput shares) $/1M usable | optimizer $/1M usable | all-bf16 b200 $/1M usable | vs current | vs bf16 | out-of-range current -> plan | replicas current -> plan | decide ms | with binding ms |")
+    print(
+        "| fleet | budget | current (throughput shares) $/1M usable | optimizer $/1M usable | all-bf16 b200 $/1M usable | vs current | vs bf16 | out-of-range current -> plan | replicas current -> plan | decide ms | with binding ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for scale in (int(s) for s in args.scale.split(",")):
         for label, budgets in cases:

@@ -83,27 +83,39 @@ def one_run(work: Path, versions: int, pythonpath: str | None, sizes: dict[str, 
     torch.set_num_threads(1)
     rc = resolve_run(load_rljob(REPO / "examples" / "rljob.yaml"))
     assert rc.model is not None  # resolve_run(local=True): the RLJob's tiny model
-    spec_model = replace(rc.model, warm_start="none", **sizes)  # the fleet's start does not depend on the weights
+    spec_model = replace(
+        rc.model, warm_start="none", **sizes
+    )  # the fleet's start does not depend on the weights
     model_dir = cached_tiny_qwen3(work.parent / "models", spec_model)
     channel, cache = work / "channel", work / "cache"
     channel.mkdir(parents=True)
     store = open_store(str(channel))
-    publisher = WeightPublisher(store, views=rc.views, keep_versions=4, follow_subscribers=False,
-                                base_checkpoint=model_dir)  # fmt: skip
+    publisher = WeightPublisher(
+        store, views=rc.views, keep_versions=4, follow_subscribers=False, base_checkpoint=model_dir
+    )
     model = tiny_model(spec_model)
     publisher.publish({k: v.detach() for k, v in model.state_dict().items()}, version=0)
     spec = FleetSpec(
         groups=[GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype) for g in rc.groups],
-        store=str(channel), cache_dir=str(cache), model_path=str(model_dir), seed=rc.seed,
-    )  # fmt: skip
+        store=str(channel),
+        cache_dir=str(cache),
+        model_path=str(model_dir),
+        seed=rc.seed,
+    )
     spec_path = work / "fleet.json"
     spec_path.write_text(spec.to_json())
     env = {**os.environ, "RLFLEET_ROUTER_ADMIN_TOKEN": "bench", "PYTHONUNBUFFERED": "1"}
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     log = open(work / "fleet.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-c", HOST, str(spec_path)], cwd=work, env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOST, str(spec_path)],
+        cwd=work,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+    )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == b"imported"
@@ -130,10 +142,16 @@ def one_run(work: Path, versions: int, pythonpath: str | None, sizes: dict[str, 
         proc.wait(30)
         log.close()
         store.close()
-    return {"ready_s": t_ready, "serving_v0_s": t_serving, "first_rollout_s": t_rollout,
-            "host_cpu_to_first_rollout_s": cpu_rollout,
-            "cache_bytes_v0": bytes_v0, "cache_bytes_total": sum(seen.values()), "groups": len(rc.groups),
-            "versions": versions + 1}  # fmt: skip
+    return {
+        "ready_s": t_ready,
+        "serving_v0_s": t_serving,
+        "first_rollout_s": t_rollout,
+        "host_cpu_to_first_rollout_s": cpu_rollout,
+        "cache_bytes_v0": bytes_v0,
+        "cache_bytes_total": sum(seen.values()),
+        "groups": len(rc.groups),
+        "versions": versions + 1,
+    }
 
 
 def main() -> None:
@@ -145,8 +163,11 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, help="override the example's tiny model")
     parser.add_argument("--num-hidden-layers", type=int, help="override the example's tiny model")
     args = parser.parse_args()
-    sizes = {k: getattr(args, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")
-             if getattr(args, k) is not None}  # fmt: skip
+    sizes = {
+        k: getattr(args, k)
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers")
+        if getattr(args, k) is not None
+    }
     if "hidden_size" in sizes:
         sizes["intermediate_size"] = 2 * sizes["hidden_size"]
     runs = []

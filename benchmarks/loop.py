@@ -67,7 +67,9 @@ def main(argv: list[str]) -> int:
     publish = statistics.mean(r["time/publish"] for r in rows)
     step = wait + train + publish
     tokens = statistics.mean(r["trained_tokens"] for r in rows)
-    print(f"groups={args.groups} environment={args.environment} steps={summary['steps']} (first step excluded)")
+    print(
+        f"groups={args.groups} environment={args.environment} steps={summary['steps']} (first step excluded)"
+    )
     print(f"steps/s                    {1 / step:.3f}")
     print(f"trained tokens/s           {tokens / step:.0f}")
     print(f"share waiting for rollouts {wait / step:.1%}")
@@ -78,8 +80,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-ROWS = ("steps/s", "trained tokens/s", "share waiting for rollouts", "share training", "share publishing",
-        "step / train-only", "reward first -> last")  # the lines main() prints, parsed by compare()
+ROWS = (
+    "steps/s",
+    "trained tokens/s",
+    "share waiting for rollouts",
+    "share training",
+    "share publishing",
+    "step / train-only",
+    "reward first -> last",
+)  # the lines main() prints, parsed by compare()
 
 
 def _checkout(rev: str) -> tuple[Path, Path]:
@@ -89,8 +98,11 @@ def _checkout(rev: str) -> tuple[Path, Path]:
     instead of the editable install. Returns (worktree, shim)."""
     tree = Path(tempfile.gettempdir()) / f"rlfleet-bench-{rev}"
     if not tree.exists():
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev],
+            check=True,
+            capture_output=True,
+        )
     for folder in ("operator", "sampler", "trainer", "router"):
         link = tree / "rlfleet" / folder
         if not link.exists():
@@ -108,9 +120,22 @@ def _measure(script: Path, args: argparse.Namespace, pythonpath: Path | None) ->
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     proc = subprocess.Popen(
-        [sys.executable, "-P", str(script), "--steps", str(args.steps), "--groups", str(args.groups),
-         "--environment", args.environment],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=tempfile.gettempdir(), text=True,
+        [
+            sys.executable,
+            "-P",
+            str(script),
+            "--steps",
+            str(args.steps),
+            "--groups",
+            str(args.groups),
+            "--environment",
+            args.environment,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=tempfile.gettempdir(),
+        text=True,
     )
     out = proc.stdout.read() if proc.stdout else ""
     _, status, usage = os.wait4(proc.pid, 0)
@@ -120,7 +145,7 @@ def _measure(script: Path, args: argparse.Namespace, pythonpath: Path | None) ->
     for line in out.splitlines():
         for name in ROWS:
             if line.startswith(name + " "):
-                rows[name] = line[len(name):].strip()
+                rows[name] = line[len(name) :].strip()
     return rows, usage.ru_maxrss / 1024  # Linux: KiB
 
 
@@ -128,8 +153,10 @@ def compare(args: argparse.Namespace) -> int:
     tree, shim = _checkout(args.baseline_rev)
     before, rss_before = _measure(tree / "benchmarks" / "loop.py", args, shim)
     after, rss_after = _measure(Path(__file__).resolve(), args, None)
-    print(f"groups={args.groups} environment={args.environment} steps={args.steps} (first step excluded); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"groups={args.groups} environment={args.environment} steps={args.steps} (first step excluded); "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'':27}{args.baseline_rev:>14}{'working tree':>16}{'after/before':>14}")
     for name in ("steps/s", "trained tokens/s"):
         b, a = float(before[name]), float(after[name])

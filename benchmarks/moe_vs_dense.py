@@ -195,8 +195,7 @@ def step_case(args: argparse.Namespace) -> dict[str, float]:
     model = tiny_model(spec).train()
     if args.experts:
         model.set_experts_implementation(args.experts)
-    backend = HFBackend(model, ObjectiveConfig(), optim=OptimConfig(learning_rate=1e-5),
-                        device="cpu")  # fmt: skip
+    backend = HFBackend(model, ObjectiveConfig(), optim=OptimConfig(learning_rate=1e-5), device="cpu")
     groups = {"bench": 0}
     backend.train_step(warm, groups)
     rss_before_kib = _status_kib("VmRSS")
@@ -209,9 +208,12 @@ def step_case(args: argparse.Namespace) -> dict[str, float]:
         if i == 0:
             peak_kib = _status_kib("VmHWM")
     step_s = min(wall for wall, _ in times)  # the least disturbed step (the machine is shared)
-    return {"steps_per_s": 1 / step_s, "tokens_per_s": sum(lengths) / step_s,
-            "cpu_s": min(cpu for _, cpu in times),
-            "extra_peak_mib": (peak_kib - rss_before_kib) / 1024}  # fmt: skip
+    return {
+        "steps_per_s": 1 / step_s,
+        "tokens_per_s": sum(lengths) / step_s,
+        "cpu_s": min(cpu for _, cpu in times),
+        "extra_peak_mib": (peak_kib - rss_before_kib) / 1024,
+    }
 
 
 def local_case(args: argparse.Namespace) -> dict[str, float]:
@@ -230,11 +232,14 @@ def local_case(args: argparse.Namespace) -> dict[str, float]:
         raise RuntimeError(f"the run reported {len(rows)} steps, not {args.steps}")
     rows = rows[1:]  # step 1 includes the fleet's first weight load and warm-up
     step = statistics.mean(r["time/wait_rollouts"] + r["time/train"] + r["time/publish"] for r in rows)
-    return {"steps_per_s": 1 / step, "train_s": statistics.mean(r["time/train"] for r in rows),
-            "wait_s": statistics.mean(r["time/wait_rollouts"] for r in rows),
-            "publish_s": statistics.mean(r["time/publish"] for r in rows),
-            "trainer_peak_mib": _status_kib("VmHWM") / 1024,
-            "fleet_peak_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}  # fmt: skip
+    return {
+        "steps_per_s": 1 / step,
+        "train_s": statistics.mean(r["time/train"] for r in rows),
+        "wait_s": statistics.mean(r["time/wait_rollouts"] for r in rows),
+        "publish_s": statistics.mean(r["time/publish"] for r in rows),
+        "trainer_peak_mib": _status_kib("VmHWM") / 1024,
+        "fleet_peak_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,10 +258,28 @@ LOCAL_VARIANTS = {"dense qwen3": ("qwen3", ""), "qwen3_moe": ("qwen3_moe", "")}
 
 def _run(case: str, variant: tuple[str, str], args: argparse.Namespace) -> dict[str, float]:
     arch, experts = variant
-    command = [sys.executable, os.path.abspath(__file__), "--case", case, "--architecture", arch,
-               "--experts", experts, "--steps", str(args.steps), "--step-reps", str(args.step_reps),
-               "--threads", str(args.threads), "--trajectories", str(args.trajectories), "--median", str(args.median),
-               "--max-len", str(args.max_len)]  # fmt: skip
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--case",
+        case,
+        "--architecture",
+        arch,
+        "--experts",
+        experts,
+        "--steps",
+        str(args.steps),
+        "--step-reps",
+        str(args.step_reps),
+        "--threads",
+        str(args.threads),
+        "--trajectories",
+        str(args.trajectories),
+        "--median",
+        str(args.median),
+        "--max-len",
+        str(args.max_len),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if done.returncode != 0:
         raise SystemExit(
@@ -279,9 +302,14 @@ def compare(
             runs[label].append(_run(case, variant, args))
     median = {label: {k: statistics.median(r[k] for r in runs[label]) for k in metrics} for label in variants}
     baseline, *others = variants
-    rows = [[name, *(f"{median[label][k]:.3f}" for label in variants),
-             *(f"{median[label][k] / median[baseline][k]:.2f}x" for label in others)]
-            for k, name in metrics.items()]  # fmt: skip
+    rows = [
+        [
+            name,
+            *(f"{median[label][k]:.3f}" for label in variants),
+            *(f"{median[label][k] / median[baseline][k]:.2f}x" for label in others),
+        ]
+        for k, name in metrics.items()
+    ]
     header = ["metric (median)", *variants, *(f"{label} / dense" for label in others)]
     _print_table(header, rows, args.markdown)
 
@@ -314,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parameter_table(args.markdown)
     tokens = sum(batch_lengths(args.trajectories, args.median, 1.0, args.max_len, seed=0))
-    print(f"\n(a) One train step (HFBackend.train_step, {args.trajectories} trajectories, {tokens} tokens, "
-          f"{args.threads} torch threads; {args.reps} processes x fastest of {args.step_reps} steps)")  # fmt: skip
+    print(
+        f"\n(a) One train step (HFBackend.train_step, {args.trajectories} trajectories, {tokens} tokens, "
+        f"{args.threads} torch threads; {args.reps} processes x fastest of {args.step_reps} steps)"
+    )
     compare(
         "step",
         STEP_VARIANTS,
@@ -328,11 +358,23 @@ def main(argv: list[str] | None = None) -> int:
         args,
     )
     if not args.no_local:
-        print(f"\n(b) Local mode (examples/rljob.yaml, 2 groups, {args.steps} steps, step 1 excluded; "
-              f"{args.reps} runs per model)")  # fmt: skip
-        compare("local", LOCAL_VARIANTS, {"steps_per_s": "steps/s", "train_s": "train s/step", "wait_s": "wait for rollouts s/step", "publish_s": "publish s/step",
-                          "trainer_peak_mib": "trainer peak RSS (MiB)",
-                          "fleet_peak_mib": "fleet host peak RSS (MiB)"}, args)  # fmt: skip
+        print(
+            f"\n(b) Local mode (examples/rljob.yaml, 2 groups, {args.steps} steps, step 1 excluded; "
+            f"{args.reps} runs per model)"
+        )
+        compare(
+            "local",
+            LOCAL_VARIANTS,
+            {
+                "steps_per_s": "steps/s",
+                "train_s": "train s/step",
+                "wait_s": "wait for rollouts s/step",
+                "publish_s": "publish s/step",
+                "trainer_peak_mib": "trainer peak RSS (MiB)",
+                "fleet_peak_mib": "fleet host peak RSS (MiB)",
+            },
+            args,
+        )
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     return 0
 

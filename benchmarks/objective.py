@@ -108,8 +108,12 @@ def _loss_fn(case: str, args):
     if case == "pg_plain":
         return _pg_plain
     path, mode, variant = case.split("/")
-    config = ObjectiveConfig(mode=mode, replay=variant == "support-replay", chunk_tokens=args.chunk_tokens,
-                             chunk_vocab=args.chunk_vocab)
+    config = ObjectiveConfig(
+        mode=mode,
+        replay=variant == "support-replay",
+        chunk_tokens=args.chunk_tokens,
+        chunk_vocab=args.chunk_vocab,
+    )
     if path == "fused":
         return lambda h, w, b: policy_loss(h, w, b, config).loss
     # the path the fused one replaced, kept as the tests' reference
@@ -195,11 +199,29 @@ def _run_cases(cases: list[str], tokens: int, args: argparse.Namespace) -> dict[
     results: dict[str, dict] = {}
     for case in cases:
         command = [
-            sys.executable, os.path.abspath(__file__), "--case", case, "--tokens", str(tokens),
-            "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--support-k", str(args.support_k),
-            "--head-k", str(args.head_k), "--reps", str(args.reps), "--threads", str(args.threads),
-            "--chunk-tokens", str(args.chunk_tokens), "--chunk-vocab", str(args.chunk_vocab),
-        ]  # fmt: skip
+            sys.executable,
+            os.path.abspath(__file__),
+            "--case",
+            case,
+            "--tokens",
+            str(tokens),
+            "--vocab",
+            str(args.vocab),
+            "--hidden",
+            str(args.hidden),
+            "--support-k",
+            str(args.support_k),
+            "--head-k",
+            str(args.head_k),
+            "--reps",
+            str(args.reps),
+            "--threads",
+            str(args.threads),
+            "--chunk-tokens",
+            str(args.chunk_tokens),
+            "--chunk-vocab",
+            str(args.chunk_vocab),
+        ]
         completed = subprocess.run(command, capture_output=True, text=True)
         if completed.returncode != 0:
             print(f"error: case {case} failed:\n{completed.stderr[-2000:]}", file=sys.stderr)
@@ -226,17 +248,25 @@ def _print_table(header: list[str], rows: list[list[str]], markdown: bool) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=2048, help="T (halved automatically if memory is short)")
+    parser.add_argument(
+        "--tokens", type=int, default=2048, help="T (halved automatically if memory is short)"
+    )
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--hidden", type=int, default=128, help="H (the tiny Qwen3's; Qwen3-0.6B has 1024)")
     parser.add_argument("--support-k", type=int, default=64)
     parser.add_argument("--head-k", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per case (the machine is shared)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per case (the machine is shared)"
+    )
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--chunk-vocab", type=int, default=8192)
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
-    parser.add_argument("--no-shrink", action="store_true", help="run the requested T even if memory looks short")
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES)
+    )
+    parser.add_argument(
+        "--no-shrink", action="store_true", help="run the requested T even if memory looks short"
+    )
     parser.add_argument("--markdown", action="store_true", help="print the result table as markdown")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print JSON
     args = parser.parse_args(argv)
@@ -254,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         cases.insert(0, "pg_plain")
     tokens = args.tokens if args.no_shrink else _choose_tokens(args)
     if tokens != args.tokens:
-        print(f"note: T shrunk from {args.tokens} to {tokens} to fit half of MemAvailable ({_gib(_mem_available_bytes())} GiB)")
+        print(
+            f"note: T shrunk from {args.tokens} to {tokens} to fit half of MemAvailable ({_gib(_mem_available_bytes())} GiB)"
+        )
     results = _run_cases(cases, tokens, args)
     if results is None:
         return 1
@@ -267,21 +299,33 @@ def _print_results(results: dict[str, dict], tokens: int, args: argparse.Namespa
     rows = []
     for case, r in results.items():
         twin = results.get(case.replace("fused/", "materialized/")) if case.startswith("fused/") else None
-        rows.append([
-            case,
-            f"{r['cpu_s']:.2f}",
-            f"{r['cpu_s'] / r['pg_plain_cpu_s']:.2f}x",
-            f"{r['wall_s'] / r['pg_plain_wall_s']:.2f}x",
-            _gib(r["extra_peak_bytes"]),
-            f"{r['extra_peak_bytes'] / pg['extra_peak_bytes']:.2f}x",
-            f"{r['cpu_s'] / twin['cpu_s']:.2f}x" if twin else "",
-            f"{r['extra_peak_bytes'] / twin['extra_peak_bytes']:.2f}x" if twin else "",
-        ])  # fmt: skip
-    header = ["case", "CPU s", "CPU / pg_plain", "wall / pg_plain", "extra peak GiB", "extra / pg_plain",
-              "CPU fused / materialized", "extra fused / materialized"]  # fmt: skip
-    print(f"T={tokens} V={args.vocab} H={args.hidden} support K={args.support_k} head K={args.head_k} float32 "
-          f"threads={args.threads} tile={args.chunk_tokens}x{args.chunk_vocab} logits {_gib(pg['logits_bytes'])} GiB "
-          f"weight {_gib(pg['weight_bytes'])} GiB")  # fmt: skip
+        rows.append(
+            [
+                case,
+                f"{r['cpu_s']:.2f}",
+                f"{r['cpu_s'] / r['pg_plain_cpu_s']:.2f}x",
+                f"{r['wall_s'] / r['pg_plain_wall_s']:.2f}x",
+                _gib(r["extra_peak_bytes"]),
+                f"{r['extra_peak_bytes'] / pg['extra_peak_bytes']:.2f}x",
+                f"{r['cpu_s'] / twin['cpu_s']:.2f}x" if twin else "",
+                f"{r['extra_peak_bytes'] / twin['extra_peak_bytes']:.2f}x" if twin else "",
+            ]
+        )
+    header = [
+        "case",
+        "CPU s",
+        "CPU / pg_plain",
+        "wall / pg_plain",
+        "extra peak GiB",
+        "extra / pg_plain",
+        "CPU fused / materialized",
+        "extra fused / materialized",
+    ]
+    print(
+        f"T={tokens} V={args.vocab} H={args.hidden} support K={args.support_k} head K={args.head_k} float32 "
+        f"threads={args.threads} tile={args.chunk_tokens}x{args.chunk_vocab} logits {_gib(pg['logits_bytes'])} GiB "
+        f"weight {_gib(pg['weight_bytes'])} GiB"
+    )
     _print_table(header, rows, args.markdown)
 
 

@@ -61,13 +61,29 @@ def kubectl(cluster: Any, *args: str, input: str | None = None) -> str:
 
 
 def shared_volume(cluster: Any, namespace: str) -> None:
-    pv = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"weights-{namespace}"},
-          "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
-                   "hostPath": {"path": f"/tmp/rlfleet-weights-{namespace}"},
-                   "claimRef": {"namespace": namespace, "name": "rlfleet-weights"}}}  # fmt: skip
-    pvc = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "rlfleet-weights", "namespace": namespace},
-           "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": f"weights-{namespace}",
-                    "resources": {"requests": {"storage": "1Gi"}}}}  # fmt: skip
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"weights-{namespace}"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "hostPath": {"path": f"/tmp/rlfleet-weights-{namespace}"},
+            "claimRef": {"namespace": namespace, "name": "rlfleet-weights"},
+        },
+    }
+    pvc = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "rlfleet-weights", "namespace": namespace},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "volumeName": f"weights-{namespace}",
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
     kubectl(
         cluster,
         "apply",
@@ -88,7 +104,7 @@ def start_operator(cluster: Any, namespace: str) -> subprocess.Popen:
             "--kubeconfig",
             str(cluster.kubeconfig),
             "--standalone",
-        ],  # fmt: skip
+        ],
         env=cluster.env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -106,9 +122,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 async def children_exist(api: KubeApi, namespace: str, job: str, groups: list[str]) -> bool:
-    needed = [("v1", "ConfigMap", f"{job}-config"), (API, "WeightChannel", f"{job}-weights"),
-              ("v1", "Service", f"{job}-trainer"), ("apps/v1", "StatefulSet", f"{job}-trainer"),
-              ("v1", "Service", f"{job}-router"), ("apps/v1", "Deployment", f"{job}-router")]  # fmt: skip
+    needed = [
+        ("v1", "ConfigMap", f"{job}-config"),
+        (API, "WeightChannel", f"{job}-weights"),
+        ("v1", "Service", f"{job}-trainer"),
+        ("apps/v1", "StatefulSet", f"{job}-trainer"),
+        ("v1", "Service", f"{job}-router"),
+        ("apps/v1", "Deployment", f"{job}-router"),
+    ]
     for g in groups:
         needed += [
             (API, "SamplerGroup", f"{job}-{g}"),
@@ -122,8 +143,13 @@ async def children_exist(api: KubeApi, namespace: str, job: str, groups: list[st
 async def group_states(api: KubeApi, namespace: str, job: str, groups: list[str]) -> list[dict]:
     found = await asyncio.gather(*(api.get(API, "SamplerGroup", namespace, f"{job}-{g}") for g in groups))
     sgs = [sg for sg in found if sg is not None]
-    return [{"observed": (sg.get("status") or {}).get("observedGeneration") == sg["metadata"]["generation"],
-             "ready": (sg.get("status") or {}).get("phase") == "Running"} for sg in sgs]  # fmt: skip
+    return [
+        {
+            "observed": (sg.get("status") or {}).get("observedGeneration") == sg["metadata"]["generation"],
+            "ready": (sg.get("status") or {}).get("phase") == "Running",
+        }
+        for sg in sgs
+    ]
 
 
 async def one_job(api: KubeApi, cluster: Any, namespace: str) -> dict[str, float]:
@@ -180,8 +206,12 @@ async def many_jobs(api: KubeApi, cluster: Any, namespace: str, count: int) -> d
         await asyncio.sleep(0.2)
     for name in names:
         ready_groups += sum(s["ready"] for s in await group_states(api, namespace, name, groups))
-    return {"children": list(children.values()), "observed": list(observed.values()), "ready_groups": ready_groups,
-            "total": max(observed.values()) if len(observed) == count else float("nan")}  # fmt: skip
+    return {
+        "children": list(children.values()),
+        "observed": list(observed.values()),
+        "ready_groups": ready_groups,
+        "total": max(observed.values()) if len(observed) == count else float("nan"),
+    }
 
 
 async def direct_apply_baseline(api: KubeApi, namespace: str) -> float:
@@ -210,7 +240,9 @@ def summary(values: list[float]) -> str:
 
 async def run(cluster: Any, repeats: int, jobs: int) -> None:
     os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
-    api = KubeApi(kopf.login_with_kubeconfig(settings=kopf.OperatorSettings()))  # what the operator logs in with
+    api = KubeApi(
+        kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+    )  # what the operator logs in with
     try:
         kubectl(cluster, "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
         for crd in ("rljobs", "samplergroups", "weightchannels"):
@@ -259,8 +291,10 @@ async def run(cluster: Any, repeats: int, jobs: int) -> None:
             print(f"{jobs} jobs x 8 groups applied at once:")
             print(f"  children      {summary(many['children'])}")
             print(f"  reconciled    {summary(many['observed'])}   (every SamplerGroup status observed)")
-            print(f"  all {jobs} reconciled after {many['total']:.2f} s; {many['ready_groups']}/{jobs * 8} groups Ready "
-                  f"(96 fake GPUs)")  # fmt: skip
+            print(
+                f"  all {jobs} reconciled after {many['total']:.2f} s; {many['ready_groups']}/{jobs * 8} groups Ready "
+                f"(96 fake GPUs)"
+            )
             print(
                 f"  ratio total / ({jobs} x direct-apply baseline): {many['total'] / (jobs * baseline):.2f}x"
             )

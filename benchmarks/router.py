@@ -58,8 +58,12 @@ def response_body(n_tokens: int = OUTPUT_TOKENS, top: int = 0) -> bytes:
         "output_token_logprobs": logprobs,
     }
     if top:
-        meta["output_top_logprobs"] = [[[-1.0 - j * 1e-2, 2000 + j, None] for j in range(top)] for _ in range(n_tokens)]
-    return json.dumps({"text": "x" * n_tokens, "output_ids": list(range(n_tokens)), "meta_info": meta}).encode()
+        meta["output_top_logprobs"] = [
+            [[-1.0 - j * 1e-2, 2000 + j, None] for j in range(top)] for _ in range(n_tokens)
+        ]
+    return json.dumps(
+        {"text": "x" * n_tokens, "output_ids": list(range(n_tokens)), "meta_info": meta}
+    ).encode()
 
 
 # --- the fast upstream (its own process) -------------------------------------------------------
@@ -116,7 +120,9 @@ async def _serve_upstream(port_file: str, delay: float = 0.0) -> None:
     _UpstreamProtocol.generate = response_body()
     _UpstreamProtocol.delay = delay
     loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(_UpstreamProtocol, "127.0.0.1", 0, backlog=1024) for _ in range(N_PORTS)]
+    servers = [
+        await loop.create_server(_UpstreamProtocol, "127.0.0.1", 0, backlog=1024) for _ in range(N_PORTS)
+    ]
     ports = [s.sockets[0].getsockname()[1] for s in servers]
     Path(port_file).write_text(json.dumps(ports))
     await asyncio.Event().wait()
@@ -155,7 +161,9 @@ PIN = True
 
 
 class Proc:
-    def __init__(self, argv: list[str], cpu: int, env: dict[str, str] | None = None, stderr: int = subprocess.PIPE) -> None:
+    def __init__(
+        self, argv: list[str], cpu: int, env: dict[str, str] | None = None, stderr: int = subprocess.PIPE
+    ) -> None:
         self.process = subprocess.Popen(
             (["taskset", "-c", str(cpu)] if PIN else []) + argv,
             stdout=subprocess.DEVNULL,
@@ -186,7 +194,9 @@ async def latency_run(url: str, n: int, header: str, client: str = "aiohttp") ->
         for i in range(n + 200):  # 200 warm-up requests
             t0 = time.perf_counter()
             async with http.post(
-                url + "/generate", data=body, headers={"Content-Type": "application/json", header: f"s{i % 500}"}
+                url + "/generate",
+                data=body,
+                headers={"Content-Type": "application/json", header: f"s{i % 500}"},
             ) as r:
                 await r.read()
                 assert r.status == 200, r.status
@@ -195,7 +205,9 @@ async def latency_run(url: str, n: int, header: str, client: str = "aiohttp") ->
     return out
 
 
-async def throughput_run(url: str, seconds: float, concurrency: int, header: str, pid: int | None) -> tuple[float, float | None]:
+async def throughput_run(
+    url: str, seconds: float, concurrency: int, header: str, pid: int | None
+) -> tuple[float, float | None]:
     import aiohttp
 
     body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": OUTPUT_TOKENS}}).encode()
@@ -288,17 +300,30 @@ def meta_microbench() -> None:
         decoded["meta_info"].update({"rlfleet_group": "h100-fp8", "rlfleet_replica": "x"})
         json.dumps(decoded).encode()
     json_ms = (time.perf_counter() - t0) / n * 1e3
-    print(f"\nresponse of {len(body) / 1e6:.2f} MB (1024 tokens, 20 top logprobs): read+annotate on bytes "
-          f"{bytes_ms:.2f} ms vs json decode+encode {json_ms:.2f} ms ({json_ms / bytes_ms:.0f}x)")  # fmt: skip
+    print(
+        f"\nresponse of {len(body) / 1e6:.2f} MB (1024 tokens, 20 top logprobs): read+annotate on bytes "
+        f"{bytes_ms:.2f} ms vs json decode+encode {json_ms:.2f} ms ({json_ms / bytes_ms:.0f}x)"
+    )
 
 
-def _start_routers(loops: list[str], urls: list[str], procs: list[Proc]) -> list[tuple[str, str, str, int | None]]:
+def _start_routers(
+    loops: list[str], urls: list[str], procs: list[Proc]
+) -> list[tuple[str, str, str, int | None]]:
     """One rlfleet router per event loop over the upstreams, two per group (added to `procs`)."""
     targets: list[tuple[str, str, str, int | None]] = []
     for loop in loops:
         port = _free_port()
-        argv = [sys.executable, "-m", "rlfleet.cli", "router", "serve", "--port", str(port),
-                "--loop", loop or "auto"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "router",
+            "serve",
+            "--port",
+            str(port),
+            "--loop",
+            loop or "auto",
+        ]
         for g in range(N_PORTS // 2):
             argv += ["--group", f"g{g}={urls[2 * g]},{urls[2 * g + 1]}"]
         proc = Proc(argv, cpu=0)
@@ -313,17 +338,40 @@ def _start_smg(smg: str | None, urls: list[str], procs: list[Proc]) -> list[tupl
     """SGLang's Rust router over the same upstreams when its binary is there (added to `procs`)."""
     if smg and os.path.exists(smg):
         port = _free_port()
-        argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
-                "--policy", "consistent_hashing", "--log-level", "error", "--disable-health-check",
-                "--prometheus-port", str(_free_port())]  # fmt: skip
+        argv = [
+            smg,
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            "consistent_hashing",
+            "--log-level",
+            "error",
+            "--disable-health-check",
+            "--prometheus-port",
+            str(_free_port()),
+        ]
         proc = Proc(argv, cpu=0)
         procs.append(proc)
         try:
             _wait_port(port)
             time.sleep(2.0)  # smg registers workers asynchronously after binding
-            return [("smg (SGLang router, Rust)", f"http://127.0.0.1:{port}", "X-SMG-Routing-Key", proc.process.pid)]
+            return [
+                (
+                    "smg (SGLang router, Rust)",
+                    f"http://127.0.0.1:{port}",
+                    "X-SMG-Routing-Key",
+                    proc.process.pid,
+                )
+            ]
         except RuntimeError:
-            print(f"smg did not start: {proc.process.stderr.read(2000) if proc.process.poll() is not None else ''}")
+            print(
+                f"smg did not start: {proc.process.stderr.read(2000) if proc.process.poll() is not None else ''}"
+            )
     else:
         print("smg not found: pass --smg /path/to/smg (pip install smg into a separate venv)")
     return []
@@ -360,7 +408,9 @@ def _start_configured_router(
 
 def _memory_mib(pid: int) -> tuple[float, float]:
     """Peak RSS (VmHWM) and RSS now of a process, MiB."""
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    status = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
     return int(status["VmHWM"].split()[0]) / 1024, int(status["VmRSS"].split()[0]) / 1024
 
 
@@ -373,7 +423,9 @@ async def _post_all(url: str, n: int, body: bytes) -> dict[str, int]:
 
         async def one() -> str:
             try:
-                async with http.post(url + "/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+                async with http.post(
+                    url + "/generate", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     await r.read()
                     return str(r.status)
             except aiohttp.ClientError as exc:
@@ -401,10 +453,15 @@ async def _slow_connections(url: str, n: int, wait_s: float, pid: int) -> tuple[
     body = json.dumps({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4}}).encode()
     try:
         timeout = aiohttp.ClientTimeout(total=10)
-        async with aiohttp.ClientSession(timeout=timeout) as http, http.post(url + "/generate", data=body) as r:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as http,
+            http.post(url + "/generate", data=body) as r,
+        ):
             normal = str(r.status)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        normal = f"{type(exc).__name__} (none in 10 s)" if isinstance(exc, TimeoutError) else type(exc).__name__
+        normal = (
+            f"{type(exc).__name__} (none in 10 s)" if isinstance(exc, TimeoutError) else type(exc).__name__
+        )
     for writer in writers:
         writer.close()
     return connected, later, normal
@@ -420,16 +477,26 @@ def bounds_benchmark(args: argparse.Namespace, procs: list[Proc], tmp: str) -> N
 
     defaults = RouterConfig()
     port_file = os.path.join(tmp, "slow-ports.json")
-    procs.append(Proc([sys.executable, __file__, "--serve-upstream", port_file, "--upstream-delay", "1.0"], cpu=1))
+    procs.append(
+        Proc([sys.executable, __file__, "--serve-upstream", port_file, "--upstream-delay", "1.0"], cpu=1)
+    )
     while not os.path.exists(port_file) or not Path(port_file).read_text():
         time.sleep(0.05)
     urls = [f"http://127.0.0.1:{p}" for p in json.loads(Path(port_file).read_text())[:2]]
     scenarios = [
-        (f"{args.big_posts} x {args.big_mb} MB posts", lambda url, proc: asyncio.run(
-            _post_all(url, args.big_posts, _json_body(args.big_mb * 1000 * 1000)))),
-        (f"{args.legit_posts} x {defaults.max_body_bytes / MIB:.0f} MiB (largest legit) posts, upstream 1 s",
-         lambda url, proc: asyncio.run(_post_all(url, args.legit_posts, _json_body(defaults.max_body_bytes - 64)))),
-    ]  # fmt: skip
+        (
+            f"{args.big_posts} x {args.big_mb} MB posts",
+            lambda url, proc: asyncio.run(
+                _post_all(url, args.big_posts, _json_body(args.big_mb * 1000 * 1000))
+            ),
+        ),
+        (
+            f"{args.legit_posts} x {defaults.max_body_bytes / MIB:.0f} MiB (largest legit) posts, upstream 1 s",
+            lambda url, proc: asyncio.run(
+                _post_all(url, args.legit_posts, _json_body(defaults.max_body_bytes - 64))
+            ),
+        ),
+    ]
     print(f"\n{'scenario':52} {'bounds':8} {'peak MiB':>9} {'after MiB':>10}  answers")
     for name, run in scenarios:
         peaks = {}
@@ -443,11 +510,15 @@ def bounds_benchmark(args: argparse.Namespace, procs: list[Proc], tmp: str) -> N
             proc.stop()
         print(f"{'':52} {'ratio':8} {peaks['now'] / peaks['before']:9.2f}")
     wait_s = defaults.header_timeout_seconds + 2.0
-    print(f"\n{args.slow_connections} slow connections (half a header each), router fd limit {args.fd_limit}: "
-          f"router fds connected / {wait_s:.0f} s later")  # fmt: skip
+    print(
+        f"\n{args.slow_connections} slow connections (half a header each), router fd limit {args.fd_limit}: "
+        f"router fds connected / {wait_s:.0f} s later"
+    )
     for label, bounds in (("before", BEFORE_BOUNDS), ("now", {})):
         url, proc = _start_configured_router(bounds, urls, procs, args.fd_limit)
-        connected, later, normal = asyncio.run(_slow_connections(url, args.slow_connections, wait_s, proc.process.pid))
+        connected, later, normal = asyncio.run(
+            _slow_connections(url, args.slow_connections, wait_s, proc.process.pid)
+        )
         print(f"  {label:8} {connected:6} / {later:6} fds; a normal request then: {normal}")
         proc.stop()
 
@@ -460,7 +531,9 @@ def main() -> int:
     parser.add_argument("--loops", default="uvloop,asyncio", help="the router's event loops to measure")
     parser.add_argument("--smg", default=shutil.which("smg") or SMG_VENV + "/bin/smg")
     parser.add_argument(
-        "--install-smg", action="store_true", help=f"pip install smg into {SMG_VENV} first (kept out of .venv)"
+        "--install-smg",
+        action="store_true",
+        help=f"pip install smg into {SMG_VENV} first (kept out of .venv)",
     )
     parser.add_argument("--no-pin", action="store_true", help="let the scheduler place every process")
     parser.add_argument("--serve-upstream", help=argparse.SUPPRESS)
@@ -470,7 +543,9 @@ def main() -> int:
     parser.add_argument("--big-mb", type=int, default=200)
     parser.add_argument("--legit-posts", type=int, default=200)
     parser.add_argument("--slow-connections", type=int, default=2000)
-    parser.add_argument("--fd-limit", type=int, default=1024, help="the router's open-file limit (slow connections)")
+    parser.add_argument(
+        "--fd-limit", type=int, default=1024, help="the router's open-file limit (slow connections)"
+    )
     args = parser.parse_args()
     global PIN
     PIN = not args.no_pin
@@ -505,7 +580,9 @@ def main() -> int:
         if PIN:
             os.sched_setaffinity(0, {1})  # the load generator shares CPU 1 with the upstream
 
-        targets: list[tuple[str, str, str, int | None]] = [("direct (no router)", urls[0], "X-Session-Id", None)]
+        targets: list[tuple[str, str, str, int | None]] = [
+            ("direct (no router)", urls[0], "X-Session-Id", None)
+        ]
         targets += _start_routers(args.loops.split(","), urls, procs)
         targets += _start_smg(args.smg, urls, procs)
 
@@ -515,15 +592,19 @@ def main() -> int:
             rps, per_core = asyncio.run(throughput_run(url, args.duration, args.concurrency, header, pid))
             results[name] = (pct(lat, 0.5), pct(lat, 0.99), statistics.mean(lat), rps, per_core)
         base50, base99, _, base_rps, _ = results["direct (no router)"]
-        print(f"\n{'target':34} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8} {'req/s/core':>11} {'vs direct':>9}")
+        print(
+            f"\n{'target':34} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8} {'req/s':>8} {'req/s/core':>11} {'vs direct':>9}"
+        )
         for name, (p50, p99, _mean, rps, per_core) in results.items():
             print(
                 f"{name:34} {p50 * 1e3:8.3f} {p99 * 1e3:8.3f} {(p50 - base50) * 1e3:8.3f} {(p99 - base99) * 1e3:8.3f} "
                 f"{rps:8.0f} {per_core if per_core else float('nan'):11.0f} {rps / base_rps:9.2f}"
             )
         lib50, lib99 = asyncio.run(library_overhead(urls[0], args.requests))
-        print(f"\nrouting library in-process (Router.route vs direct, same client): +p50 {lib50 * 1e3:.3f} ms, "
-              f"+p99 {lib99 * 1e3:.3f} ms")  # fmt: skip
+        print(
+            f"\nrouting library in-process (Router.route vs direct, same client): +p50 {lib50 * 1e3:.3f} ms, "
+            f"+p99 {lib99 * 1e3:.3f} ms"
+        )
         meta_microbench()
         print(f"load average during the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     finally:

@@ -45,11 +45,17 @@ def synthetic_response(n: int, k: int, vocab: int = 151_936, seed: int = 0) -> d
         masks.append(ids.tolist())
         lps.append([float(x) for x in ren])
     meta = {
-        "id": "x", "finish_reason": {"type": "length", "length": n}, "prompt_tokens": 4, "weight_version": "3",
-        "completion_tokens": n, "cached_tokens": 0, "output_token_logprobs": out,
-        "output_token_sampling_mask": masks, "output_token_sampling_logprobs": lps,
+        "id": "x",
+        "finish_reason": {"type": "length", "length": n},
+        "prompt_tokens": 4,
+        "weight_version": "3",
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "output_token_logprobs": out,
+        "output_token_sampling_mask": masks,
+        "output_token_sampling_logprobs": lps,
         "output_token_sampling_mask_length": n,  # one int, the number of mask rows, as SGLang writes it
-    }  # fmt: skip
+    }
     return {"text": "", "output_ids": [t[1] for t in out], "meta_info": meta}
 
 
@@ -199,15 +205,19 @@ def main() -> None:
         )
         for label in ("bf16_kernel", "fp32_kernel"):
             (seq_w, seq_c), (conc_w, conc_c) = s[f"{label}_tok_s_sequential"], s[f"{label}_tok_s_concurrent"]
-            print(f"  {label}: sequential {seq_w:,.0f} tok/s wall ({seq_c:,.0f} per CPU-s), "
-                  f"concurrent/batched {conc_w:,.0f} tok/s wall ({conc_c:,.0f} per CPU-s); "
-                  f"batching ratio {conc_c / seq_c:.2f}x per CPU-s, {conc_w / seq_w:.2f}x wall")  # fmt: skip
+            print(
+                f"  {label}: sequential {seq_w:,.0f} tok/s wall ({seq_c:,.0f} per CPU-s), "
+                f"concurrent/batched {conc_w:,.0f} tok/s wall ({conc_c:,.0f} per CPU-s); "
+                f"batching ratio {conc_c / seq_c:.2f}x per CPU-s, {conc_w / seq_w:.2f}x wall"
+            )
         ratio = s["bf16_kernel_tok_s_concurrent"][1] / s["fp32_kernel_tok_s_concurrent"][1]
         print(f"  bf16-emulating kernel / fp32 kernel (concurrent, per CPU-s): {ratio:.2f}x")
     if args.kl:
         rows = bench_kl()
         base = rows[2][1]
-        print("== mean KL(q || p) vs the fp32 trainer (tiny Qwen3 2 x 128, V=64, 8 x 32 decoded positions) ==")
+        print(
+            "== mean KL(q || p) vs the fp32 trainer (tiny Qwen3 2 x 128, V=64, 8 x 32 decoded positions) =="
+        )
         for label, kl in rows:
             print(f"  {label:<42} {kl:.3e}  ({kl / base:7.2f}x kernel-only)")
 

@@ -133,9 +133,15 @@ def case_acquire(files_name: str, acquires: int) -> dict[str, object]:
         host_total = time.perf_counter() - t
         host.close()
         rows.append(
-            {"total": total, "materialise": total - snapshot, "snapshot": snapshot, "bare_bwrap": bare,
-             "close": close, "host": host_total}
-        )  # fmt: skip
+            {
+                "total": total,
+                "materialise": total - snapshot,
+                "snapshot": snapshot,
+                "bare_bwrap": bare,
+                "close": close,
+                "host": host_total,
+            }
+        )
     return {"import_s": import_s, "rows": rows}
 
 
@@ -240,8 +246,16 @@ def case_grading() -> list[dict[str, object]]:
         t = time.perf_counter()
         env._grade(ep)
         total = time.perf_counter() - t
-        rows.append({"task": task.instance_id, "reward": ep.reward, "reason": ep.reason, "total": total,
-                     "fresh_acquire": acquires[0], "fresh_commands": fresh[0].seconds})  # fmt: skip
+        rows.append(
+            {
+                "task": task.instance_id,
+                "reward": ep.reward,
+                "reason": ep.reason,
+                "total": total,
+                "fresh_acquire": acquires[0],
+                "fresh_commands": fresh[0].seconds,
+            }
+        )
     return rows
 
 
@@ -255,8 +269,20 @@ CASES: dict[str, Callable[[argparse.Namespace], object]] = {
 
 
 def child(case: str, args: argparse.Namespace, **extra: object) -> object:
-    argv = [sys.executable, __file__, "--case", case, "--calls", str(args.calls), "--acquires", str(args.acquires),
-            "--per-core-seconds", str(args.per_core_seconds), "--cpu", str(args.cpu)]  # fmt: skip
+    argv = [
+        sys.executable,
+        __file__,
+        "--case",
+        case,
+        "--calls",
+        str(args.calls),
+        "--acquires",
+        str(args.acquires),
+        "--per-core-seconds",
+        str(args.per_core_seconds),
+        "--cpu",
+        str(args.cpu),
+    ]
     for k, v in extra.items():
         argv += [f"--{k}", str(v)]
     out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, cwd=REPO).stdout
@@ -267,10 +293,14 @@ def child(case: str, args: argparse.Namespace, **extra: object) -> object:
 
 
 def report_acquire(args: argparse.Namespace) -> None:
-    print("\nAcquire (ms): cold = the first `LocalSandbox(files)` of a fresh process (median of "
-          f"{args.cold} processes), warm = median of the next {args.acquires} in one process")  # fmt: skip
-    print("| repository | acquire | total | files written (+chown) | snapshot (bwrap + git) | of it bare bwrap "
-          "| close | host: files + same git | total / host |")  # fmt: skip
+    print(
+        "\nAcquire (ms): cold = the first `LocalSandbox(files)` of a fresh process (median of "
+        f"{args.cold} processes), warm = median of the next {args.acquires} in one process"
+    )
+    print(
+        "| repository | acquire | total | files written (+chown) | snapshot (bwrap + git) | of it bare bwrap "
+        "| close | host: files + same git | total / host |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     imports = []
     for name, label in (("shipped", "stats-mean (4 files, 0.5 kB)"), ("big", "200 files x 4 kB")):
@@ -279,9 +309,11 @@ def report_acquire(args: argparse.Namespace) -> None:
         warm = [row for r in results for row in r["rows"][1:]]  # type: ignore[index]
         for kind, rows in (("cold", cold), ("warm", warm)):
             med = {k: statistics.median(float(r[k]) for r in rows) for k in rows[0]}
-            print(f"| {label} | {kind} | {ms(med['total'])} | {ms(med['materialise'])} | {ms(med['snapshot'])} "
-                  f"| {ms(med['bare_bwrap'])} | {ms(med['close'])} | {ms(med['host'])} "
-                  f"| {med['total'] / med['host']:.2f}x |")  # fmt: skip
+            print(
+                f"| {label} | {kind} | {ms(med['total'])} | {ms(med['materialise'])} | {ms(med['snapshot'])} "
+                f"| {ms(med['bare_bwrap'])} | {ms(med['close'])} | {ms(med['host'])} "
+                f"| {med['total'] / med['host']:.2f}x |"
+            )
         imports += [float(r["import_s"]) for r in results]  # type: ignore[index]
     print(f"(cold excludes `import rlfleet.sandbox.local`: {ms(statistics.median(imports))} ms)")
 
@@ -292,17 +324,24 @@ def report_round_trip(args: argparse.Namespace) -> None:
     print(f"\nTool-call round trip (ms, {args.calls} calls each, sandbox and host alternating)")
     print("| tool call | sandbox p50 | sandbox p90 | host p50 | host p90 | p50 ratio | added p50 |")
     print("|---|---|---|---|---|---|---|")
-    for name, label in (("true", "bash `true`"), ("echo", f"bash `{ECHO}` (8.9 kB out)"),
-                        ("edit", "edit (read_file + write_file)")):  # fmt: skip
+    for name, label in (
+        ("true", "bash `true`"),
+        ("echo", f"bash `{ECHO}` (8.9 kB out)"),
+        ("edit", "edit (read_file + write_file)"),
+    ):
         s, h = times[f"sandbox {name}"], times[f"host {name}"]
         sp50, hp50 = statistics.median(s), statistics.median(h)
-        print(f"| {label} | {ms(sp50)} | {ms(pct(s, 0.9))} | {ms(hp50)} | {ms(pct(h, 0.9))} "
-              f"| {sp50 / hp50:.1f}x | {ms(sp50 - hp50)} |")  # fmt: skip
+        print(
+            f"| {label} | {ms(sp50)} | {ms(pct(s, 0.9))} | {ms(hp50)} | {ms(pct(h, 0.9))} "
+            f"| {sp50 / hp50:.1f}x | {ms(sp50 - hp50)} |"
+        )
 
 
 def report_per_core(args: argparse.Namespace) -> None:
-    print(f"\nSandboxes per core: K sandboxes each calling bash `true` every {PERIOD_S * 1e3:.0f} ms for "
-          f"{args.per_core_seconds:g} s, driver + bwrap pinned to CPU {args.cpu}")  # fmt: skip
+    print(
+        f"\nSandboxes per core: K sandboxes each calling bash `true` every {PERIOD_S * 1e3:.0f} ms for "
+        f"{args.per_core_seconds:g} s, driver + bwrap pinned to CPU {args.cpu}"
+    )
     print(
         "| K | calls/s (target K x 10) | p50 ms | p90 ms | p90 / K=1 | late calls | CPU ms per call | CPU share |"
     )
@@ -316,9 +355,11 @@ def report_per_core(args: argparse.Namespace) -> None:
         rts = r["round_trips"]
         p90 = pct(rts, 0.9)
         base_p90 = base_p90 or p90
-        print(f"| {k} | {r['calls'] / r['wall']:.0f} ({k * 10}) | {ms(statistics.median(rts))} | {ms(p90)} "
-              f"| {p90 / base_p90:.2f}x | {r['late']} | {ms(r['cpu_s'] / r['calls'])} "
-              f"| {r['cpu_s'] / r['wall']:.2f} |")  # fmt: skip
+        print(
+            f"| {k} | {r['calls'] / r['wall']:.0f} ({k * 10}) | {ms(statistics.median(rts))} | {ms(p90)} "
+            f"| {p90 / base_p90:.2f}x | {r['late']} | {ms(r['cpu_s'] / r['calls'])} "
+            f"| {r['cpu_s'] / r['wall']:.2f} |"
+        )
         if p90 > 2 * base_p90 or r["late"]:
             break
 
@@ -326,8 +367,10 @@ def report_per_core(args: argparse.Namespace) -> None:
 def report_grading(args: argparse.Namespace) -> None:
     rows = child("grading", args)
     assert isinstance(rows, list)
-    print("\nGrading (SweEnv._grade: diff + close of the working sandbox, fresh sandbox, git apply, hidden "
-          "tests, close), one run per shipped task, ms")  # fmt: skip
+    print(
+        "\nGrading (SweEnv._grade: diff + close of the working sandbox, fresh sandbox, git apply, hidden "
+        "tests, close), one run per shipped task, ms"
+    )
     print(
         "| task | reward | grading total | fresh acquire | fresh sandbox's commands (snapshot, apply, writes, tests) |"
     )

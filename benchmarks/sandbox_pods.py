@@ -73,16 +73,28 @@ def log(msg: str) -> None:
 def owner_pod(kube: Any, namespace: str, name: str) -> str:
     """A running pod standing for the trainer pod; its uid (the sandboxes' ownerReference)."""
     body = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
         "spec": {
-            "nodeSelector": {"rlfleet.dev/dev-node": "true"}, "restartPolicy": "Never",
+            "nodeSelector": {"rlfleet.dev/dev-node": "true"},
+            "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 0,
-            "containers": [{"name": "trainer", "image": nodeimages.HELPER_IMAGE, "imagePullPolicy": "Never",
-                            "command": ["sleep", "86400"],
-                            "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
-                                                "allowPrivilegeEscalation": False}}],
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": nodeimages.HELPER_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sleep", "86400"],
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 10001,
+                        "allowPrivilegeEscalation": False,
+                    },
+                }
+            ],
         },
-    }  # fmt: skip
+    }
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
     kube.kubectl(
         "wait", "-n", namespace, "--for=jsonpath={.status.phase}=Running", f"pod/{name}", "--timeout=180s"
@@ -145,16 +157,22 @@ def acquire_and_round_trip(kube: Any, config: SandboxPodConfig, args: argparse.N
     finally:
         pool.shutdown()
 
-    print(f"\nAcquire, ms (median; cold: {args.cold} acquires with no pool, warm: {args.warm} from a pool of 1), "
-          "stats-mean (4 files, 0.5 kB)")  # fmt: skip
-    print("| acquire | pod: total | of it pod start (create -> running; warm: taken from the pool) "
-          "| of it snapshot exec | pod close | local: total | of it snapshot (bwrap + git) | pod / local |")  # fmt: skip
+    print(
+        f"\nAcquire, ms (median; cold: {args.cold} acquires with no pool, warm: {args.warm} from a pool of 1), "
+        "stats-mean (4 files, 0.5 kB)"
+    )
+    print(
+        "| acquire | pod: total | of it pod start (create -> running; warm: taken from the pool) "
+        "| of it snapshot exec | pod close | local: total | of it snapshot (bwrap + git) | pod / local |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, rows in (("cold", cold), ("warm", warm)):
         ratio = statistics.median(rows["pod total"]) / statistics.median(rows["local total"])
-        print(f"| {name} | {med(rows['pod total'])} | {med(rows['pod start'])} | {med(rows['pod snapshot'])} "
-              f"| {med(rows['pod close'])} | {med(rows['local total'])} | {med(rows['local snapshot'])} "
-              f"| {ratio:.1f}x |")  # fmt: skip
+        print(
+            f"| {name} | {med(rows['pod total'])} | {med(rows['pod start'])} | {med(rows['pod snapshot'])} "
+            f"| {med(rows['pod close'])} | {med(rows['local total'])} | {med(rows['local snapshot'])} "
+            f"| {ratio:.1f}x |"
+        )
     print(f"(cold pod total, each: {', '.join(ms(x) for x in cold['pod total'])})")
     print_round_trips(times, args.calls)
 
@@ -211,12 +229,18 @@ def print_round_trips(times: dict[str, list[float]], calls: int) -> None:
         "| tool call | pod p50 | pod p90 | local p50 | local p90 | host p50 | pod / local p50 | pod / host p50 |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for name, label in (("true", "bash `true`"), ("read", "file read (`read_file`)"),
-                        ("write", "file write (`write_file`)"), ("edit", "edit (read + write)")):  # fmt: skip
+    for name, label in (
+        ("true", "bash `true`"),
+        ("read", "file read (`read_file`)"),
+        ("write", "file write (`write_file`)"),
+        ("edit", "edit (read + write)"),
+    ):
         p, lo, h = times[f"pod {name}"], times[f"local {name}"], times[f"host {name}"]
-        print(f"| {label} | {med(p)} | {ms(pct(p, 0.9))} | {med(lo)} | {ms(pct(lo, 0.9))} | {med(h)} "
-              f"| {statistics.median(p) / statistics.median(lo):.1f}x "
-              f"| {statistics.median(p) / statistics.median(h):.1f}x |")  # fmt: skip
+        print(
+            f"| {label} | {med(p)} | {ms(pct(p, 0.9))} | {med(lo)} | {ms(pct(lo, 0.9))} | {med(h)} "
+            f"| {statistics.median(p) / statistics.median(lo):.1f}x "
+            f"| {statistics.median(p) / statistics.median(h):.1f}x |"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -224,8 +248,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cold", type=int, default=5)
     p.add_argument("--warm", type=int, default=10)
     p.add_argument("--calls", type=int, default=100)
-    p.add_argument("--workdir", default=os.environ.get("RLFLEET_DEV_CLUSTER_WORKDIR"),
-                   help="a running `scripts/dev-cluster up`'s directory (default: start one, stop it after)")  # fmt: skip
+    p.add_argument(
+        "--workdir",
+        default=os.environ.get("RLFLEET_DEV_CLUSTER_WORKDIR"),
+        help="a running `scripts/dev-cluster up`'s directory (default: start one, stop it after)",
+    )
     args = p.parse_args(argv)
     problem = bwrap_problem()
     if problem:
@@ -251,16 +278,27 @@ def main(argv: list[str]) -> int:
         log(f"cluster ready in {time.perf_counter() - t:.0f} s")
         kube.kubectl("create", "namespace", namespace)
         uid = owner_pod(kube, namespace, "bench-trainer-0")
-        config = SandboxPodConfig(namespace=namespace, job="bench", owner_pod="bench-trainer-0", owner_uid=uid,
-                                  image=image.ref, image_pull_policy="Never", cpu="500m", memory="256Mi",
-                                  node_selector={"rlfleet.dev/dev-node": "true"}, max_seconds=1800)  # fmt: skip
+        config = SandboxPodConfig(
+            namespace=namespace,
+            job="bench",
+            owner_pod="bench-trainer-0",
+            owner_uid=uid,
+            image=image.ref,
+            image_pull_policy="Never",
+            cpu="500m",
+            memory="256Mi",
+            node_selector={"rlfleet.dev/dev-node": "true"},
+            max_seconds=1800,
+        )
         version = kube.kubectl("version", "-o", "json").stdout
         server = json.loads(version).get("serverVersion", {}).get("gitVersion", "?")
         containerd = subprocess.run(
             ["containerd", "--version"], capture_output=True, text=True
         ).stdout.strip()
-        print(f"{platform.node()}: {os.cpu_count()} CPUs, {platform.release()}, euid {os.geteuid()}, "
-              f"Kubernetes {server}, {containerd}, load average before: {loadavg()}")  # fmt: skip
+        print(
+            f"{platform.node()}: {os.cpu_count()} CPUs, {platform.release()}, euid {os.geteuid()}, "
+            f"Kubernetes {server}, {containerd}, load average before: {loadavg()}"
+        )
         acquire_and_round_trip(kube, config, args)
         print(f"\nload average after: {loadavg()}")
     finally:

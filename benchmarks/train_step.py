@@ -80,15 +80,26 @@ def make_flat_batch(lengths: list[int], vocab: int, seed: int):
     cand_ids = (targets[:, None] + np.arange(SUPPORT_K)[None, :]) % vocab  # distinct, the target first
     logits = rng.normal(size=(rows, SUPPORT_K)).astype(np.float32)
     cand_logq = logits - np.log(np.exp(logits).sum(1, keepdims=True))
-    advantages = np.repeat(rng.normal(size=len(lens)).astype(np.float32), lens - np.minimum(PROMPT, lens // 2))
+    advantages = np.repeat(
+        rng.normal(size=len(lens)).astype(np.float32), lens - np.minimum(PROMPT, lens // 2)
+    )
     return FlatBatch(
-        input_ids=input_ids, seq_lens=lens, row_seq=row_seq, row_pos=row_pos, target_ids=targets,
-        advantages=advantages, logq=cand_logq[:, 0] - 0.1, logq_support=cand_logq[:, 0],
-        cand_offsets=np.arange(rows + 1, dtype=np.int64) * SUPPORT_K, cand_ids=cand_ids.reshape(-1),
-        cand_logq=cand_logq.reshape(-1), candidate_mode=SUPPORT_MODE,
-        versions=np.zeros(rows, dtype=np.int64), staleness=np.zeros(rows, dtype=np.int64),
+        input_ids=input_ids,
+        seq_lens=lens,
+        row_seq=row_seq,
+        row_pos=row_pos,
+        target_ids=targets,
+        advantages=advantages,
+        logq=cand_logq[:, 0] - 0.1,
+        logq_support=cand_logq[:, 0],
+        cand_offsets=np.arange(rows + 1, dtype=np.int64) * SUPPORT_K,
+        cand_ids=cand_ids.reshape(-1),
+        cand_logq=cand_logq.reshape(-1),
+        candidate_mode=SUPPORT_MODE,
+        versions=np.zeros(rows, dtype=np.int64),
+        staleness=np.zeros(rows, dtype=np.int64),
         groups=np.full(rows, GROUP, dtype=object),
-    )  # fmt: skip
+    )
 
 
 def batch_lengths(count: int, median: int, sigma: float, max_len: int, seed: int) -> list[int]:
@@ -185,8 +196,11 @@ def _decoder_step(model, flat) -> None:
     model.zero_grad(set_to_none=True)
     (mb,) = plan_micro_batches(flat, np.arange(flat.input_ids.shape[0]), 1 << 30)
     input_ids, position_ids, _ = mb.packed(flat)
-    hidden = model.model(input_ids=torch.from_numpy(input_ids)[None], position_ids=torch.from_numpy(position_ids)[None],
-                         use_cache=False).last_hidden_state  # fmt: skip
+    hidden = model.model(
+        input_ids=torch.from_numpy(input_ids)[None],
+        position_ids=torch.from_numpy(position_ids)[None],
+        use_cache=False,
+    ).last_hidden_state
     hidden.sum().backward()
 
 
@@ -204,7 +218,9 @@ def run_case(args) -> dict:
     objective, optim = ObjectiveConfig(), OptimConfig(learning_rate=1e-5)
     model = _model(args.vocab, max(lengths))
     if path in ("after", "packed-mask"):
-        backend = HFBackend(model, objective, optim=optim, device="cpu", max_tokens_per_micro_batch=args.max_tokens)
+        backend = HFBackend(
+            model, objective, optim=optim, device="cpu", max_tokens_per_micro_batch=args.max_tokens
+        )
         if path == "packed-mask":
             backend.model.set_attn_implementation("sdpa")
             assert backend.model.config._attn_implementation == "sdpa"
@@ -217,7 +233,9 @@ def run_case(args) -> dict:
         def step(batch) -> None:
             _decoder_step(model, batch)
     else:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "objective"))
+        sys.path.insert(
+            0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "objective")
+        )
         optimizer = optim.adamw(model.parameters())
         one = _before_step if path == "before" else _padded_fused_step
 
@@ -236,9 +254,14 @@ def run_case(args) -> dict:
             peak_kib = _status_kib("VmHWM")
     cpu_s, wall_s = min(cpu for cpu, _ in times), min(wall for _, wall in times)
     return {
-        "case": path, "tokens": int(sum(lengths)), "vocab": args.vocab, "cpu_s": cpu_s, "wall_s": wall_s,
-        "extra_peak_bytes": (peak_kib - rss_before_kib) * 1024, "rss_before_bytes": rss_before_kib * 1024,
-    }  # fmt: skip
+        "case": path,
+        "tokens": int(sum(lengths)),
+        "vocab": args.vocab,
+        "cpu_s": cpu_s,
+        "wall_s": wall_s,
+        "extra_peak_bytes": (peak_kib - rss_before_kib) * 1024,
+        "rss_before_bytes": rss_before_kib * 1024,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -248,20 +271,39 @@ def run_case(args) -> dict:
 
 def _run(case: str, lengths: list[int], args: argparse.Namespace) -> dict | None:
     """One case in its own process; None (after printing why) if it failed or ran past --case-timeout."""
-    command = [sys.executable, os.path.abspath(__file__), "--case", case, "--lengths", ",".join(map(str, lengths)),
-               "--vocab", str(args.vocab), "--threads", str(args.threads), "--max-tokens", str(args.max_tokens),
-               "--reps", str(args.reps)]  # fmt: skip
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--case",
+        case,
+        "--lengths",
+        ",".join(map(str, lengths)),
+        "--vocab",
+        str(args.vocab),
+        "--threads",
+        str(args.threads),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--reps",
+        str(args.reps),
+    ]
     try:
         completed = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
     except subprocess.TimeoutExpired:
         print(f"  {case} T={sum(lengths)}: over {args.case_timeout} s, stopped", file=sys.stderr)
         return None
     if completed.returncode != 0:
-        print(f"  {case} T={sum(lengths)} failed (exit {completed.returncode}):\n{completed.stderr[-1500:]}", file=sys.stderr)
+        print(
+            f"  {case} T={sum(lengths)} failed (exit {completed.returncode}):\n{completed.stderr[-1500:]}",
+            file=sys.stderr,
+        )
         return None
     result = json.loads(completed.stdout.strip().splitlines()[-1])
-    print(f"  done {case} T={result['tokens']}: {result['wall_s']:.1f} s wall, extra peak "
-          f"{_gib(result['extra_peak_bytes'])} GiB", file=sys.stderr)  # fmt: skip
+    print(
+        f"  done {case} T={result['tokens']}: {result['wall_s']:.1f} s wall, extra peak "
+        f"{_gib(result['extra_peak_bytes'])} GiB",
+        file=sys.stderr,
+    )
     return result
 
 
@@ -281,8 +323,17 @@ def _ratio(a: dict | None, b: dict | None, key: str, invert: bool = False) -> st
 
 
 def single_trajectory_table(args: argparse.Namespace) -> None:
-    header = ["T", "after GiB", "after tok/s", "decoder GiB", "after / decoder", "before GiB", "before tok/s",
-              "after / before peak", "after / before tok/s"]  # fmt: skip
+    header = [
+        "T",
+        "after GiB",
+        "after tok/s",
+        "decoder GiB",
+        "after / decoder",
+        "before GiB",
+        "before tok/s",
+        "after / before peak",
+        "after / before tok/s",
+    ]
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         lengths = [tokens]
@@ -292,15 +343,23 @@ def single_trajectory_table(args: argparse.Namespace) -> None:
         for r in (after, before):
             if r is not None:
                 r["tok_s"] = r["tokens"] / r["wall_s"]
-        rows.append([
-            str(tokens), _gib(after["extra_peak_bytes"]) if after else "-",
-            _cell(after, "tok_s", ".0f"), _gib(decoder["extra_peak_bytes"]) if decoder else "-",
-            _ratio(after, decoder, "extra_peak_bytes"),
-            _gib(before["extra_peak_bytes"]) if before else f"not run: needs {_gib(need)} GiB",
-            _cell(before, "tok_s", ".0f"), _ratio(after, before, "extra_peak_bytes"), _ratio(after, before, "tok_s"),
-        ])  # fmt: skip
-    print(f"\nOne trajectory: V={args.vocab} tiny Qwen3 (H=128, 2 layers) float32 CPU threads={args.threads} "
-          f"maxTokensPerMicroBatch={args.max_tokens}; GiB = extra peak RSS of the step")  # fmt: skip
+        rows.append(
+            [
+                str(tokens),
+                _gib(after["extra_peak_bytes"]) if after else "-",
+                _cell(after, "tok_s", ".0f"),
+                _gib(decoder["extra_peak_bytes"]) if decoder else "-",
+                _ratio(after, decoder, "extra_peak_bytes"),
+                _gib(before["extra_peak_bytes"]) if before else f"not run: needs {_gib(need)} GiB",
+                _cell(before, "tok_s", ".0f"),
+                _ratio(after, before, "extra_peak_bytes"),
+                _ratio(after, before, "tok_s"),
+            ]
+        )
+    print(
+        f"\nOne trajectory: V={args.vocab} tiny Qwen3 (H=128, 2 layers) float32 CPU threads={args.threads} "
+        f"maxTokensPerMicroBatch={args.max_tokens}; GiB = extra peak RSS of the step"
+    )
     _print_table(header, rows, args.markdown)
 
 
@@ -308,30 +367,54 @@ def batch_table(args: argparse.Namespace) -> None:
     lengths = batch_lengths(64, args.batch_median, args.batch_sigma, args.batch_max, seed=0)
     waste = padding_waste(lengths, args.max_tokens)
     real = waste["real_tokens"]
-    print(f"\nBatch: 64 trajectories, lognormal(median {args.batch_median}, sigma {args.batch_sigma}, seed 0, "
-          f"in [16, {args.batch_max}]): {real} tokens trained through, longest {waste['longest']}")  # fmt: skip
-    print(f"padding waste (padded / real - 1): one padded forward {waste['one_forward_tokens'] / real - 1:.2f} "
-          f"({waste['one_forward_tokens']} tokens), packed micro-batches {waste['packed_tokens'] / real - 1:.2f} "
-          f"({waste['packed_tokens']} tokens in {waste['micro_batches']} micro-batches of <= {args.max_tokens})")  # fmt: skip
+    print(
+        f"\nBatch: 64 trajectories, lognormal(median {args.batch_median}, sigma {args.batch_sigma}, seed 0, "
+        f"in [16, {args.batch_max}]): {real} tokens trained through, longest {waste['longest']}"
+    )
+    print(
+        f"padding waste (padded / real - 1): one padded forward {waste['one_forward_tokens'] / real - 1:.2f} "
+        f"({waste['one_forward_tokens']} tokens), packed micro-batches {waste['packed_tokens'] / real - 1:.2f} "
+        f"({waste['packed_tokens']} tokens in {waste['micro_batches']} micro-batches of <= {args.max_tokens})"
+    )
     fits, need = _fits(lengths, args)
-    results = {"after": _run("after", lengths, args), "packed-mask": _run("packed-mask", lengths, args),
-               "padded-fused": _run("padded-fused", lengths, args),
-               "before": _run("before", lengths, args) if fits else None}  # fmt: skip
+    results = {
+        "after": _run("after", lengths, args),
+        "packed-mask": _run("packed-mask", lengths, args),
+        "padded-fused": _run("padded-fused", lengths, args),
+        "before": _run("before", lengths, args) if fits else None,
+    }
     after = results["after"]
     rows = []
     for case, r in results.items():
-        peak = _gib(r["extra_peak_bytes"]) if r else (f"not run: needs {_gib(need)} GiB" if case == "before" else "-")
-        rows.append([case, peak, _cell(r, "wall_s", ".1f"), _cell(r, "cpu_s", ".1f"),
-                     _ratio(r, after, "wall_s") if case != "after" else "1.00x"])  # fmt: skip
+        peak = (
+            _gib(r["extra_peak_bytes"])
+            if r
+            else (f"not run: needs {_gib(need)} GiB" if case == "before" else "-")
+        )
+        rows.append(
+            [
+                case,
+                peak,
+                _cell(r, "wall_s", ".1f"),
+                _cell(r, "cpu_s", ".1f"),
+                _ratio(r, after, "wall_s") if case != "after" else "1.00x",
+            ]
+        )
     _print_table(["step", "extra peak GiB", "wall s", "CPU s", "time / after"], rows, args.markdown)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="4096,16384,65536", help="comma-separated T of the one-trajectory cases")
+    parser.add_argument(
+        "--tokens", default="4096,16384,65536", help="comma-separated T of the one-trajectory cases"
+    )
     parser.add_argument("--vocab", type=int, default=VOCAB)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per case (the machine is shared)")
-    parser.add_argument("--reps", type=int, default=2, help="steps timed per case up to 16K tokens (the minimum)")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="torch threads per case (the machine is shared)"
+    )
+    parser.add_argument(
+        "--reps", type=int, default=2, help="steps timed per case up to 16K tokens (the minimum)"
+    )
     parser.add_argument("--max-tokens", type=int, default=16384, help="trainer.maxTokensPerMicroBatch")
     parser.add_argument("--batch-median", type=int, default=256)
     parser.add_argument("--batch-sigma", type=float, default=1.0)

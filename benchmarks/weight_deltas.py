@@ -211,7 +211,10 @@ def codec(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     size = write_view(base, args.gb, args.tensor_mb)
     header = read_header(base)
     elements = (size - header.data_start) // 2
-    print(f"synthetic bf16 view: {size / GB:.3f} GB, {len(header.tensors)} tensors of {args.tensor_mb} MiB", flush=True)
+    print(
+        f"synthetic bf16 view: {size / GB:.3f} GB, {len(header.tensors)} tensors of {args.tensor_mb} MiB",
+        flush=True,
+    )
     # the full view in a store on this filesystem (and with --s3 in moto's): what a sidecar downloads
     (work / "store").mkdir()
     stores: dict[str, Any] = {"filesystem": FilesystemStore(work / "store")}
@@ -219,26 +222,40 @@ def codec(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         stores["s3"] = open_store(args.store_uri)
     for store in stores.values():
         store.put_file("v1/model.safetensors", base)
-    download = {name: into_new(work / f"download-{name}", functools.partial(store.get_file, "v1/model.safetensors", work / f"download-{name}"))
-                for name, store in stores.items()}  # fmt: skip
+    download = {
+        name: into_new(
+            work / f"download-{name}",
+            functools.partial(store.get_file, "v1/model.safetensors", work / f"download-{name}"),
+        )
+        for name, store in stores.items()
+    }
     rows = []
     for rate in args.rates:
         target = work / "target.safetensors"
         changed = write_target(base, target, rate, seed=int(rate * 1e6))
         out, rebuilt = work / "delta", work / "rebuilt"
         stats = encode_delta(base, target, out)
-        assert stats is not None and stats.changed_elements == changed, "the delta lists every changed element"
+        assert stats is not None and stats.changed_elements == changed, (
+            "the delta lists every changed element"
+        )
         encode = functools.partial(encode_delta, base, target, out)
         apply_verify = into_new(rebuilt, functools.partial(applied_digest, base, out, rebuilt))
-        ops = {"copy": into_new(work / "copy", functools.partial(copy, base, work / "copy")), "hash": functools.partial(b3, work / "copy"),
-               "encode": encode, "apply_verify": apply_verify,
-               **{f"download_verify_{name}": fn for name, fn in download.items()}}  # fmt: skip
+        ops = {
+            "copy": into_new(work / "copy", functools.partial(copy, base, work / "copy")),
+            "hash": functools.partial(b3, work / "copy"),
+            "encode": encode,
+            "apply_verify": apply_verify,
+            **{f"download_verify_{name}": fn for name, fn in download.items()},
+        }
         t = round_robin(ops, args.reps)
-        assert apply_verify() == b3(target), "apply(encode) is the target, byte for byte, and so is its digest"
+        assert apply_verify() == b3(target), (
+            "apply(encode) is the target, byte for byte, and so is its digest"
+        )
         rss, traced = peak_memory(encode)
         # what a publisher with maxDeltaShare 0.5 pays before it stores an anchor instead
         t_capped = statistics.median(
-            seconds(functools.partial(encode_delta, base, target, out, max_delta_bytes=size // 2)) for _ in range(args.reps)
+            seconds(functools.partial(encode_delta, base, target, out, max_delta_bytes=size // 2))
+            for _ in range(args.reps)
         )
         t_apply, t_fs = t["apply_verify"], t["download_verify_filesystem"]
         row = {
@@ -264,8 +281,11 @@ def codec(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             row["s3_download_verify_gbps"] = size / GB / t["download_verify_s3"]
             row["apply_verify_vs_s3_download_verify"] = t_apply / t["download_verify_s3"]
         rows.append(row)
-        s3 = (f", {row['apply_verify_vs_s3_download_verify']:.2f}x an S3 download+verify"
-              if "apply_verify_vs_s3_download_verify" in row else "")  # fmt: skip
+        s3 = (
+            f", {row['apply_verify_vs_s3_download_verify']:.2f}x an S3 download+verify"
+            if "apply_verify_vs_s3_download_verify" in row
+            else ""
+        )
         print(
             f"changed {row['changed']:7.3%}  delta {row['delta_share']:7.3%} of the view  "
             f"encode {row['encode_gbps']:5.2f} GB/s ({row['encode_vs_copy']:.2f}x copy)  "
@@ -279,7 +299,11 @@ def codec(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         print(
             f"    baselines: copy {row['copy_gbps']:.2f} GB/s, BLAKE3 (1 thread) {row['hash_gbps']:.2f} GB/s, "
             f"download+verify {row['download_verify_gbps']:.2f} GB/s (filesystem store)"
-            + (f", {row['s3_download_verify_gbps']:.2f} GB/s (S3)" if "s3_download_verify_gbps" in row else ""),
+            + (
+                f", {row['s3_download_verify_gbps']:.2f} GB/s (S3)"
+                if "s3_download_verify_gbps" in row
+                else ""
+            ),
             flush=True,
         )
         for p in (target, out, rebuilt):
@@ -290,7 +314,9 @@ def codec(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------ fan-out
 
 
-def _subscriber(store_uri: str, version: int, previous: int | None, root: str, index: int) -> tuple[float, dict[str, int]]:
+def _subscriber(
+    store_uri: str, version: int, previous: int | None, root: str, index: int
+) -> tuple[float, dict[str, int]]:
     """One sidecar's pull: the verified view of `version` from its copy of `previous`; (the time it
     finished, bytes read by kind)."""
     from rlfleet.channel import WeightChannel
@@ -333,17 +359,27 @@ def fanout(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if kind == "delta":
                 payload = work / "model.safetensors.delta"
                 assert encode_delta(views / "1" / weights, views / "2" / weights, payload) is not None
-                result = channel.publish({"bf16": views / "2"}, version=2,
-                                         deltas={"bf16": DeltaSource(1, {weights: payload})})  # fmt: skip
+                result = channel.publish(
+                    {"bf16": views / "2"}, version=2, deltas={"bf16": DeltaSource(1, {weights: payload})}
+                )
             else:
                 result = channel.publish({"bf16": views / "1"}, version=1)
             published = time.time()
-            done = list(pool.map(functools.partial(_subscriber, store_uri, version, version - 1, str(subs)),
-                                 range(args.subscribers)))  # fmt: skip
+            done = list(
+                pool.map(
+                    functools.partial(_subscriber, store_uri, version, version - 1, str(subs)),
+                    range(args.subscribers),
+                )
+            )
             last = max(t for t, _ in done)
             read = [sum(r.values()) for _, r in done]
-            out[kind] = {"publish_s": published - start, "fanout_s": last - published, "total_s": last - start,
-                         "stored_bytes": result.bytes, "read_bytes_per_subscriber": statistics.mean(read)}  # fmt: skip
+            out[kind] = {
+                "publish_s": published - start,
+                "fanout_s": last - published,
+                "total_s": last - start,
+                "stored_bytes": result.bytes,
+                "read_bytes_per_subscriber": statistics.mean(read),
+            }
             print(
                 f"{kind:5s} v{version}: stored {result.bytes / 1e6:8.2f} MB ({result.bytes / size:.2%} of the view); "
                 f"publish {published - start:6.2f}s, then all {args.subscribers} subscribers hold it verified "
@@ -379,7 +415,9 @@ def shards(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     payloads = {}
     for i in range(args.shards):
         name = f"model-{i + 1:05d}-of-{args.shards:05d}.safetensors"
-        write_view(v0 / name, args.gb / args.shards, min(args.tensor_mb, int(args.gb / args.shards * 1000)), seed=i)
+        write_view(
+            v0 / name, args.gb / args.shards, min(args.tensor_mb, int(args.gb / args.shards * 1000)), seed=i
+        )
         write_target(v0 / name, v1 / name, args.rates[0], seed=100 + i)
         payloads[name] = work / "payloads" / (name + ".delta")
         payloads[name].parent.mkdir(exist_ok=True)
@@ -393,12 +431,19 @@ def shards(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for workers in (1, args.workers):
         reader = WeightChannel(open_store(store_uri), download_workers=workers)
         ops[f"download_verify_{workers}"] = functools.partial(
-            reader.obtain_view, 0, "bf16", work / f"full-{workers}")
+            reader.obtain_view, 0, "bf16", work / f"full-{workers}"
+        )
         ops[f"apply_verify_{workers}"] = functools.partial(
-            reader.obtain_view, 1, "bf16", work / f"delta-{workers}", local={0: held})  # fmt: skip
+            reader.obtain_view, 1, "bf16", work / f"delta-{workers}", local={0: held}
+        )
     t = round_robin(ops, args.reps)
-    out = {"view_bytes": size, "shards": args.shards, "workers": args.workers, "rate": args.rates[0],
-           **{k: size / GB / v for k, v in t.items()}}  # fmt: skip
+    out = {
+        "view_bytes": size,
+        "shards": args.shards,
+        "workers": args.workers,
+        "rate": args.rates[0],
+        **{k: size / GB / v for k, v in t.items()},
+    }
     w = args.workers
     print(
         f"{args.shards} shards, {size / GB:.2f} GB, {args.rates[0]:.1%} changed: GB/s of full view with 1 / {w} "
@@ -424,7 +469,9 @@ def training_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from rlfleet.trainer.publish.publisher import WeightPublisher
 
     torch.set_num_threads(1)
-    spec = TinyQwen3(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers)
+    spec = TinyQwen3(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers
+    )
     model_dir = build_tiny_qwen3(work / "model", spec)
     out: dict[str, Any] = {}
     for lr in args.lrs:
@@ -432,15 +479,24 @@ def training_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         optimizer = torch.optim.Adam(model.parameters(), lr=lr)
         store = FilesystemStore(work / f"store-{lr:g}", create=True)
-        publisher = WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], keep_versions=None, base_checkpoint=model_dir,
-                                    follow_subscribers=False, anchor_every=16, max_delta_share=0.5)  # fmt: skip
+        publisher = WeightPublisher(
+            store,
+            views=["bf16", "fp8", "nvfp4"],
+            keep_versions=None,
+            base_checkpoint=model_dir,
+            follow_subscribers=False,
+            anchor_every=16,
+            max_delta_share=0.5,
+        )
         encode: dict[str, float] = {}
         try:
             for step in range(args.steps + 1):
                 publisher.publish(model.state_dict(), version=step)
                 for v in publisher.last_published.values():
                     encode[v.view] = encode.get(v.view, 0.0) + v.encode_seconds
-                tokens = torch.randint(3, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(step))
+                tokens = torch.randint(
+                    3, model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(step)
+                )
                 loss = model(input_ids=tokens, labels=tokens).loss
                 optimizer.zero_grad()
                 loss.backward()
@@ -451,7 +507,9 @@ def training_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         per_view: dict[str, Any] = {}
         for version in channel.versions():
             for view, vm in channel.manifest(version).views.items():
-                v = per_view.setdefault(view, {"shares": [], "weight_shares": [], "anchors": 0, "full_bytes": vm.bytes})
+                v = per_view.setdefault(
+                    view, {"shares": [], "weight_shares": [], "anchors": 0, "full_bytes": vm.bytes}
+                )
                 if vm.delta is None:
                     v["anchors"] += 1
                 else:
@@ -460,17 +518,25 @@ def training_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     v["weight_shares"].append(vm.delta.bytes / rebuilt)
         for view, v in sorted(per_view.items()):
             shares, weight_shares = v.pop("shares"), v.pop("weight_shares")
-            v.update(deltas=len(shares), mean=statistics.mean(shares) if shares else None, worst=max(shares, default=None),
-                     weights_mean=statistics.mean(weight_shares) if shares else None,
-                     weights_worst=max(weight_shares, default=None),
-                     encode_s_per_gb=encode[view] / (v["full_bytes"] * (args.steps + 1) / GB))  # fmt: skip
+            v.update(
+                deltas=len(shares),
+                mean=statistics.mean(shares) if shares else None,
+                worst=max(shares, default=None),
+                weights_mean=statistics.mean(weight_shares) if shares else None,
+                weights_worst=max(weight_shares, default=None),
+                encode_s_per_gb=encode[view] / (v["full_bytes"] * (args.steps + 1) / GB),
+            )
             print(
                 f"lr {lr:g} {view:5s}: view {v['full_bytes'] / 1e6:6.2f} MB, {v['anchors']} anchors + {v['deltas']} deltas; "
-                + (f"a delta stores {v['mean']:.2%} of the view on average, worst {v['worst']:.2%} (of the safetensors "
-                   f"files alone {v['weights_mean']:.2%}, worst {v['weights_worst']:.2%})" if shares else "no delta")
+                + (
+                    f"a delta stores {v['mean']:.2%} of the view on average, worst {v['worst']:.2%} (of the safetensors "
+                    f"files alone {v['weights_mean']:.2%}, worst {v['weights_worst']:.2%})"
+                    if shares
+                    else "no delta"
+                )
                 + f"; encode {v['encode_s_per_gb']:.2f} s per GB of view",
                 flush=True,
-            )  # fmt: skip
+            )
         out[f"{lr:g}"] = per_view
     return out
 
@@ -507,39 +573,59 @@ def scaled(results: dict[str, Any], link_gbps: float) -> list[dict[str, Any]]:
         row = min(codec_rows, key=lambda r: abs(r["delta_share"] - share))
         full_s = max(gb / link, gb / row["download_verify_gbps"])
         delta_s = gb * share / link + gb / row["apply_verify_gbps"]
-        rows.append({
-            "view": view, "replicas": replicas, "view_gb": gb, "delta_share": share,
-            "full_gb": replicas * gb, "delta_gb": replicas * gb * share,
-            "mean_gb": replicas * gb * (1 / ANCHOR_EVERY + (1 - 1 / ANCHOR_EVERY) * share),
-            "full_s": full_s, "delta_s": delta_s, "apply_rate_from": row["rate"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "view": view,
+                "replicas": replicas,
+                "view_gb": gb,
+                "delta_share": share,
+                "full_gb": replicas * gb,
+                "delta_gb": replicas * gb * share,
+                "mean_gb": replicas * gb * (1 / ANCHOR_EVERY + (1 - 1 / ANCHOR_EVERY) * share),
+                "full_s": full_s,
+                "delta_s": delta_s,
+                "apply_rate_from": row["rate"],
+            }
+        )
     return rows
 
 
 def print_scaled(rows: list[dict[str, Any]], link_gbps: float, store_gbps: float) -> None:
-    print(f"Qwen3-30B-A3B-sized fleet, 8 groups x 2 replicas, {link_gbps:g} Gb/s per replica, the store serving "
-          f"{store_gbps:g} Gb/s in all:")  # fmt: skip
-    print("| view | replicas | view GB | delta share | GB read per version: full | delta | mean, anchor every 16 "
-          "| s per version per replica: full | delta |")
+    print(
+        f"Qwen3-30B-A3B-sized fleet, 8 groups x 2 replicas, {link_gbps:g} Gb/s per replica, the store serving "
+        f"{store_gbps:g} Gb/s in all:"
+    )
+    print(
+        "| view | replicas | view GB | delta share | GB read per version: full | delta | mean, anchor every 16 "
+        "| s per version per replica: full | delta |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['view']} | {r['replicas']} | {r['view_gb']:.0f} | {r['delta_share']:.2%} | {r['full_gb']:.0f} | "
-              f"{r['delta_gb']:.2f} | {r['mean_gb']:.1f} | {r['full_s']:.0f} | {r['delta_s']:.0f} |")
+        print(
+            f"| {r['view']} | {r['replicas']} | {r['view_gb']:.0f} | {r['delta_share']:.2%} | {r['full_gb']:.0f} | "
+            f"{r['delta_gb']:.2f} | {r['mean_gb']:.1f} | {r['full_s']:.0f} | {r['delta_s']:.0f} |"
+        )
     total = {k: sum(r[k] for r in rows) for k in ("full_gb", "delta_gb", "mean_gb")}
     # every replica at once: the slowest replica, or the store's total egress when it is the narrower pipe
     full_s = max(max(r["full_s"] for r in rows), total["full_gb"] / (store_gbps / 8))
     delta_s = max(max(r["delta_s"] for r in rows), total["delta_gb"] / (store_gbps / 8))
-    print(f"| fleet | {sum(r['replicas'] for r in rows)} | | | {total['full_gb']:.0f} | {total['delta_gb']:.2f} | "
-          f"{total['mean_gb']:.1f} | {full_s:.0f} | {delta_s:.0f} |")
+    print(
+        f"| fleet | {sum(r['replicas'] for r in rows)} | | | {total['full_gb']:.0f} | {total['delta_gb']:.2f} | "
+        f"{total['mean_gb']:.1f} | {full_s:.0f} | {delta_s:.0f} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gb", type=float, default=1.07, help="size of the synthetic bf16 view (GB)")
     parser.add_argument("--tensor-mb", type=int, default=128, help="size of each tensor (MiB)")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.004, 0.02, 0.58])
     parser.add_argument("--reps", type=int, default=3, help="runs per timing (the median is shown)")
-    parser.add_argument("--only", choices=["codec", "shards", "fanout", "run"], default=None, help="one part (default: all)")
+    parser.add_argument(
+        "--only", choices=["codec", "shards", "fanout", "run"], default=None, help="one part (default: all)"
+    )
     parser.add_argument("--shards", type=int, default=4, help="files of the shards' view (shards)")
     parser.add_argument("--workers", type=int, default=4, help="files obtained at once against 1 (shards)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per learning rate (run)")
@@ -550,9 +636,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subscribers", type=int, default=16)
     parser.add_argument("--fanout-mb", type=int, default=128, help="size of the fan-out's view (MB)")
     parser.add_argument("--s3", action="store_true", help="fan-out from a moto_server S3 store")
-    parser.add_argument("--scale-from", type=Path, default=None, help="print the fleet table from a run's --json")
+    parser.add_argument(
+        "--scale-from", type=Path, default=None, help="print the fleet table from a run's --json"
+    )
     parser.add_argument("--link-gbps", type=float, nargs="+", default=[10.0, 100.0])
-    parser.add_argument("--store-gbps", type=float, default=100.0, help="the store's egress to all replicas (Gb/s)")
+    parser.add_argument(
+        "--store-gbps", type=float, default=100.0, help="the store's egress to all replicas (Gb/s)"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
@@ -593,13 +683,20 @@ def s3_store(args: argparse.Namespace) -> Iterator[str | None]:
     import boto3
     import httpx
 
-    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    creds = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     os.environ.update(creds)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    server = subprocess.Popen(
+        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         endpoint = f"http://127.0.0.1:{port}"
         for _ in range(300):

@@ -231,9 +231,13 @@ def bench_write_publish(
 
     tensors = {v: view_tensors(state, v)[0] for v in view_dirs}
     runs: dict[str, list[float]] = {
-        "copy": [], "copy_fsync": [], "plain_write": [], "publisher": [], "publisher_page_cache": [],
+        "copy": [],
+        "copy_fsync": [],
+        "plain_write": [],
+        "publisher": [],
+        "publisher_page_cache": [],
         "publisher_page_cache_sha256": [],
-    }  # fmt: skip
+    }
     durable = FilesystemStore(work / "wp-store", create=True)
     volatile = FilesystemStore(work / "wp-store-nofsync", create=True, fsync=False)
 
@@ -325,8 +329,23 @@ def start_reference_server(work: Path, checkpoint: Path, weight_format: str) -> 
     """`rlfleet sampler serve --engine reference` (the sampler engineer's server) on a free port."""
     port_file = work / f"server-{weight_format}.port"
     log = work / f"server-{weight_format}.log"
-    cmd = [sys.executable, "-m", "rlfleet.cli", "sampler", "serve", "--engine", "reference", "--port", "0",
-           "--port-file", str(port_file), "--model-path", str(checkpoint), "--weight-format", weight_format]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "sampler",
+        "serve",
+        "--engine",
+        "reference",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--model-path",
+        str(checkpoint),
+        "--weight-format",
+        weight_format,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -356,9 +375,15 @@ def bench_apply(
     from rlfleet.trainer.publish.publisher import WeightPublisher
 
     heads = max(1, d_model // 64)
-    spec = TinyQwen3(vocab_size=vocab, hidden_size=d_model, intermediate_size=4 * d_model,
-                     num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                     head_dim=64)  # fmt: skip
+    spec = TinyQwen3(
+        vocab_size=vocab,
+        hidden_size=d_model,
+        intermediate_size=4 * d_model,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=64,
+    )
     checkpoint = build_tiny_qwen3(work / "qwen3-base", spec)
     model = tiny_model(spec)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -368,8 +393,14 @@ def bench_apply(
 
     async def apply_once(url: str, view: str, version: int) -> tuple[float, float]:
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-            config = SyncConfig(store="", view=view, engine_url=url, group="bench", replica="r0",
-                                cache_dir=work / "cache" / view)  # fmt: skip
+            config = SyncConfig(
+                store="",
+                view=view,
+                engine_url=url,
+                group="bench",
+                replica="r0",
+                cache_dir=work / "cache" / view,
+            )
             syncer = Syncer(config, store, DiskEngine(client))
             syncer.state.applied_version = version - 1
             ok = await syncer.reconcile_once()

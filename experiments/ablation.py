@@ -92,13 +92,17 @@ FLEETS: dict[str, list[tuple[str, str, str, str]]] = {
     # every precision / KV / kernel combination of examples/rljob.yaml's eight groups, one group each
     # (b300-nvfp4, h200-fp8, h200-bf16 and a100-bf16 duplicate a format + kernel already present)
     "mixed": [
-        ("b200-nvfp4", "b200", "nvfp4", "auto"), ("h100-fp8", "h100", "fp8", "auto"),
-        ("h100-bf16", "h100", "bf16", "auto"), ("rtx-pro-6000-bf16", "rtx-pro-6000", "bf16", "fp8_e4m3"),
+        ("b200-nvfp4", "b200", "nvfp4", "auto"),
+        ("h100-fp8", "h100", "fp8", "auto"),
+        ("h100-bf16", "h100", "bf16", "auto"),
+        ("rtx-pro-6000-bf16", "rtx-pro-6000", "bf16", "fp8_e4m3"),
     ],
     # the positive-control lever "most tokens from 4-bit groups": 3 of 4 groups NVFP4 (docs/ablation.md)
     "mixed_4bit": [
-        ("b200-nvfp4", "b200", "nvfp4", "auto"), ("b300-nvfp4", "b300", "nvfp4", "auto"),
-        ("b200-nvfp4-b", "b200", "nvfp4", "fp8_e4m3"), ("h100-fp8", "h100", "fp8", "auto"),
+        ("b200-nvfp4", "b200", "nvfp4", "auto"),
+        ("b300-nvfp4", "b300", "nvfp4", "auto"),
+        ("b200-nvfp4-b", "b200", "nvfp4", "fp8_e4m3"),
+        ("h100-fp8", "h100", "fp8", "auto"),
     ],
     # every token from NVFP4 (with --precision-error-scale: the fifth search of docs/ablation.md)
     "nvfp4": [("b200-nvfp4", "b200", "nvfp4", "auto"), ("b300-nvfp4", "b300", "nvfp4", "auto")],
@@ -140,16 +144,26 @@ class AblationConfig:
         if self.architecture == "qwen3_moe" and self.precision_error_scale != 1.0:
             # scaled_view pairs the trainer's tensors with the view's by name; a Qwen3-MoE view names each
             # expert apart where the trainer keeps them fused (rlfleet/numerics/views.py)
-            raise ValueError("--precision-error-scale is for the dense model only (a Qwen3-MoE's formats run as they are)")
+            raise ValueError(
+                "--precision-error-scale is for the dense model only (a Qwen3-MoE's formats run as they are)"
+            )
 
     def tiny_model(self) -> TinyQwen3:
         from rlfleet.tiny_qwen3 import TinyQwen3
 
-        return TinyQwen3(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                         intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
-                         num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_attention_heads,
-                         head_dim=self.head_dim, max_position_embeddings=self.max_seq_len,
-                         logit_std=self.logit_std, seed=self.seed, architecture=self.architecture)
+        return TinyQwen3(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_attention_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_seq_len,
+            logit_std=self.logit_std,
+            seed=self.seed,
+            architecture=self.architecture,
+        )
 
     @property
     def routed_experts_top_k(self) -> int:
@@ -201,8 +215,9 @@ class LockstepRollouts:
     weights of `lag` versions before the trainer's (deterministic asynchrony). A `RolloutSource` of the
     loop (trainer/loop.py), as the HTTP driver is."""
 
-    def __init__(self, cfg: AblationConfig, rc: RunConfig, sink: SnapshotSink,
-                 samplers: dict[str, EmulatedSampler]) -> None:
+    def __init__(
+        self, cfg: AblationConfig, rc: RunConfig, sink: SnapshotSink, samplers: dict[str, EmulatedSampler]
+    ) -> None:
         from rlfleet.trainer.config import build_environment
         from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 
@@ -232,8 +247,10 @@ class LockstepRollouts:
         version = max(0, step - cfg.lag)
         if version != self.serving:
             snapshot = self.sink.snapshots[version]
-            views = {fmt: scaled_view(snapshot, view_weights(snapshot, fmt), fmt,
-                                      cfg.precision_error_scale) for fmt in self.rc.views}
+            views = {
+                fmt: scaled_view(snapshot, view_weights(snapshot, fmt), fmt, cfg.precision_error_scale)
+                for fmt in self.rc.views
+            }
             for g in self.rc.groups:
                 self.samplers[g.name].load_weights(snapshot, version, view=views[g.weight_format])
             self.serving = version
@@ -242,15 +259,22 @@ class LockstepRollouts:
         batch_prompts = [self.prompts.get(self.next_position + i) for i in range(n)]
         self.next_position += n
         shares = {g.name: 1.0 for g in self.rc.groups}
-        episodes = {(pi, k): Episode(env, Rollout(prompt=p, sample=k))
-                    for pi, p in enumerate(batch_prompts) for k in range(self.rc.samples_per_prompt)}
+        episodes = {
+            (pi, k): Episode(env, Rollout(prompt=p, sample=k))
+            for pi, p in enumerate(batch_prompts)
+            for k in range(self.rc.samples_per_prompt)
+        }
         # a session stays on its group for every turn (the router's rendezvous hash of `p<index>/<k>`)
         group_of = {key: pick(e.rollout.uid, shares) for key, e in episodes.items()}
         stop_ids = tuple(turn_stop_ids(env, sampling))
         max_seq_len = cfg.max_seq_len
         for _turn_index in range(env.max_turns):
             # one batched turn per sampler group over the episodes that go on (multi-turn tasks)
-            budgets = {key: e.budget(sampling.max_new_tokens, max_seq_len) for key, e in episodes.items() if not e.done}
+            budgets = {
+                key: e.budget(sampling.max_new_tokens, max_seq_len)
+                for key, e in episodes.items()
+                if not e.done
+            }
             going = {key: b for key, b in budgets.items() if b > 0}
             if not going:
                 break
@@ -263,12 +287,15 @@ class LockstepRollouts:
                     episodes[key].add_turn(turn)
         for e in episodes.values():
             e.score()  # exactly once per trajectory, whatever ended it
-        return [PromptGroup(p, [episodes[(pi, k)].rollout for k in range(self.rc.samples_per_prompt)])
-                for pi, p in enumerate(batch_prompts)]
+        return [
+            PromptGroup(p, [episodes[(pi, k)].rollout for k in range(self.rc.samples_per_prompt)])
+            for pi, p in enumerate(batch_prompts)
+        ]
 
 
-def scaled_view(weights: dict[str, torch.Tensor], view: dict[str, torch.Tensor], weight_format: str,
-                scale: float) -> dict[str, torch.Tensor]:
+def scaled_view(
+    weights: dict[str, torch.Tensor], view: dict[str, torch.Tensor], weight_format: str, scale: float
+) -> dict[str, torch.Tensor]:
     """`view` (`view_weights`: the published view of `weights` in `weight_format`) with the quantised tensors'
     rounding error times `scale`: weights + scale * (view - weights) where the format quantises
     (`is_quantizable`: the projections of an fp8 / nvfp4 / mxfp4 view), the view elsewhere; `view` itself at scale 1
@@ -278,8 +305,10 @@ def scaled_view(weights: dict[str, torch.Tensor], view: dict[str, torch.Tensor],
 
     if scale == 1.0 or weight_format == "bf16":
         return view
-    return {name: weights[name] + scale * (v - weights[name]) if is_quantizable(name, weights[name]) else v
-            for name, v in view.items()}
+    return {
+        name: weights[name] + scale * (v - weights[name]) if is_quantizable(name, weights[name]) else v
+        for name, v in view.items()
+    }
 
 
 def start_checkpoint(cfg: AblationConfig) -> Path:
@@ -300,7 +329,9 @@ def start_checkpoint(cfg: AblationConfig) -> Path:
         return base
     # the warm start's own config; model_cache=None keeps the cache's location out of its digest
     # (it trains on the bf16 fleet, so the precision lever stays out of it too)
-    warm = replace(cfg, steps=cfg.warm_start, lag=0, warm_start=0, model_cache=None, precision_error_scale=1.0)
+    warm = replace(
+        cfg, steps=cfg.warm_start, lag=0, warm_start=0, model_cache=None, precision_error_scale=1.0
+    )
 
     def build(tmp: Path) -> None:
         import shutil
@@ -326,9 +357,15 @@ def fleet_samplers(fleet: str, cfg: AblationConfig, model_dir: Path) -> dict[str
 
     model_cfg = ModelShape.from_checkpoint(model_dir)
     return {
-        name: EmulatedSampler(name, fmt, kv, model_cfg, seed=cfg.seed + i,
-                              kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)),
-                              max_running_requests=cfg.prompts * cfg.samples)
+        name: EmulatedSampler(
+            name,
+            fmt,
+            kv,
+            model_cfg,
+            seed=cfg.seed + i,
+            kernel=KernelConfig(act_dtype="bfloat16", split_k=SPLIT_K.get(acc, 1)),
+            max_running_requests=cfg.prompts * cfg.samples,
+        )
         for i, (name, acc, fmt, kv) in enumerate(FLEETS[fleet])
     }
 
@@ -349,23 +386,43 @@ def run_config(arm: str, fleet: str, cfg: AblationConfig) -> RunConfig:
 
     mode, replay, routing_replay = arm_parts(arm)
     sampling: SamplingConfig = SamplingConfig(
-        temperature=1.0, top_p=cfg.top_p, top_k=-1, max_new_tokens=cfg.max_new_tokens,
-        candidate_mode=SUPPORT_MODE if replay else HEAD_MODE, head_size=cfg.head_size,
+        temperature=1.0,
+        top_p=cfg.top_p,
+        top_k=-1,
+        max_new_tokens=cfg.max_new_tokens,
+        candidate_mode=SUPPORT_MODE if replay else HEAD_MODE,
+        head_size=cfg.head_size,
         routed_experts_top_k=cfg.routed_experts_top_k,
     )
     return RunConfig(
-        job_name=f"ablation-{arm}-{fleet}", steps=cfg.steps, prompts_per_step=cfg.prompts,
-        samples_per_prompt=cfg.samples, sampling=sampling, objective=ObjectiveConfig(mode=mode, replay=replay),
-        optim=OptimConfig(learning_rate=cfg.learning_rate), max_staleness=None, environment=cfg.task,
-        max_turns=load_environment(cfg.task).max_turns, dataset=None, seed=cfg.seed, model=cfg.tiny_model(),
+        job_name=f"ablation-{arm}-{fleet}",
+        steps=cfg.steps,
+        prompts_per_step=cfg.prompts,
+        samples_per_prompt=cfg.samples,
+        sampling=sampling,
+        objective=ObjectiveConfig(mode=mode, replay=replay),
+        optim=OptimConfig(learning_rate=cfg.learning_rate),
+        max_staleness=None,
+        environment=cfg.task,
+        max_turns=load_environment(cfg.task).max_turns,
+        dataset=None,
+        seed=cfg.seed,
+        model=cfg.tiny_model(),
         views=views_to_publish(fmt for _, _, fmt, _ in FLEETS[fleet]),
-        groups=[GroupSpec(name, acc, fmt, kv) for name, acc, fmt, kv in FLEETS[fleet]], safety=SafetySpec(),
+        groups=[GroupSpec(name, acc, fmt, kv) for name, acc, fmt, kv in FLEETS[fleet]],
+        safety=SafetySpec(),
         routing_replay=routing_replay,
     )
 
 
-def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progress: bool = False,
-              sink: SnapshotSink | None = None) -> tuple[HFBackend, TrainingLoop, CollapseDetector]:
+def train_arm(
+    arm: str,
+    fleet: str,
+    cfg: AblationConfig,
+    model_dir: Path,
+    progress: bool = False,
+    sink: SnapshotSink | None = None,
+) -> tuple[HFBackend, TrainingLoop, CollapseDetector]:
     """Train `arm` on `fleet` from `model_dir` for cfg.steps: (backend, loop, collapse detector).
     `sink`: where versions go (default a fresh SnapshotSink; experiments/mismatch_direction.py passes
     one that keeps every version)."""
@@ -378,18 +435,30 @@ def train_arm(arm: str, fleet: str, cfg: AblationConfig, model_dir: Path, progre
 
     torch.manual_seed(cfg.seed)
     rc = run_config(arm, fleet, cfg)
-    backend = HFBackend.from_pretrained(model_dir, rc.objective, optim=rc.optim, routing_replay=rc.routing_replay)
+    backend = HFBackend.from_pretrained(
+        model_dir, rc.objective, optim=rc.optim, routing_replay=rc.routing_replay
+    )
     samplers = fleet_samplers(fleet, cfg, model_dir)
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety))
     snapshots = sink if sink is not None else SnapshotSink()
 
     def on_step(metrics: dict[str, float], decision: Decision, step_groups: list[PromptGroup]) -> None:
         if progress and int(metrics["step"]) % 10 == 0:
-            print(f"  {arm}/{fleet} step {int(metrics['step'])}: reward {metrics.get('reward_mean', 0):.3f} "
-                  f"kl {metrics.get('kl_k3', 0):.4f}", flush=True)
+            print(
+                f"  {arm}/{fleet} step {int(metrics['step'])}: reward {metrics.get('reward_mean', 0):.3f} "
+                f"kl {metrics.get('kl_k3', 0):.4f}",
+                flush=True,
+            )
 
-    loop = run_training(rc, backend, snapshots, detector, lambda position: LockstepRollouts(cfg, rc, snapshots, samplers),
-                        checkpoint=None, on_step=on_step)
+    loop = run_training(
+        rc,
+        backend,
+        snapshots,
+        detector,
+        lambda position: LockstepRollouts(cfg, rc, snapshots, samplers),
+        checkpoint=None,
+        on_step=on_step,
+    )
     return backend, loop, detector
 
 
@@ -401,15 +470,20 @@ def run_arm(arm: str, fleet: str, cfg: AblationConfig, progress: bool = False) -
     hist = loop.state.history
     rewards = np.array([h.get("reward_mean", 0.0) for h in hist])
     kls = np.array([h.get("kl_k3", 0.0) for h in hist])
-    start = max(1e-9, float(kls[cfg.lag : cfg.lag + 3].mean()) if len(kls) > cfg.lag else float(kls[:3].mean()))
+    start = max(
+        1e-9, float(kls[cfg.lag : cfg.lag + 3].mean()) if len(kls) > cfg.lag else float(kls[:3].mean())
+    )
     rhos = [h["sc_tail_ratio_max"] for h in hist if "sc_tail_ratio_max" in h]
     tail = max(1, len(rewards) // 10)
     compared = [h for h in hist if h.get("routing_tokens", 0) > 0]
     count = sum(h["routing_tokens"] for h in compared)
-    routing = {key: sum(h[key] * h["routing_tokens"] for h in compared) / count if count else None
-               for key in ("routing_mismatch_tokens", "routing_mismatch_layers")}
+    routing = {
+        key: sum(h[key] * h["routing_tokens"] for h in compared) / count if count else None
+        for key in ("routing_mismatch_tokens", "routing_mismatch_layers")
+    }
     return ArmResult(
-        arm=arm, fleet=fleet,
+        arm=arm,
+        fleet=fleet,
         final_reward=float(rewards[-tail:].mean()),
         peak_reward=float(rewards.max()),
         kl_start=start,
@@ -445,9 +519,15 @@ def runs_table(results: list[ArmResult]) -> str:
         other = by.get((r.arm, "homogeneous"))
         ratio = ""
         if r.fleet != "homogeneous" and other and other.kl_mean > 0:
-            first = (r.history[0].get("kl_k3", 0.0) / other.history[0]["kl_k3"]) if other.history and other.history[0].get("kl_k3") else float("nan")
+            first = (
+                (r.history[0].get("kl_k3", 0.0) / other.history[0]["kl_k3"])
+                if other.history and other.history[0].get("kl_k3")
+                else float("nan")
+            )
             ratio = f"{r.kl_mean / other.kl_mean:.1f}x / {first:.1f}x"
-        alert = f"{r.first_alert_step}: {', '.join(r.alert_signals)}" if r.first_alert_step is not None else "no"
+        alert = (
+            f"{r.first_alert_step}: {', '.join(r.alert_signals)}" if r.first_alert_step is not None else "no"
+        )
         rho = f"{r.max_sc_tail_ratio:.2f}" if r.max_sc_tail_ratio is not None else "-"
         lines.append(
             f"| {r.arm} | {r.fleet} | {r.final_reward:.3f} | {r.peak_reward:.3f} | {r.kl_peak_ratio:.1f}x | {r.kl_mean:.4f} | "
@@ -470,8 +550,11 @@ def routing_table(results: list[ArmResult], cfgs: list[AblationConfig]) -> str:
     for (arm, fleet, lag), runs in cells.items():
         tokens = [r.routing_mismatch_tokens for r in runs if r.routing_mismatch_tokens is not None]
         layers = [r.routing_mismatch_layers for r in runs if r.routing_mismatch_layers is not None]
-        first = [r.history[0]["routing_mismatch_tokens"] for r in runs
-                 if r.history and "routing_mismatch_tokens" in r.history[0]]
+        first = [
+            r.history[0]["routing_mismatch_tokens"]
+            for r in runs
+            if r.history and "routing_mismatch_tokens" in r.history[0]
+        ]
         lines.append(
             f"| {arm} | {fleet} | {lag} | {len(runs)} | {_mean_range(tokens)} | "
             f"{f'{sum(layers) / len(layers):.2%}' if layers else '-'} | {_mean_range(first)} |"
@@ -492,8 +575,14 @@ def plots(results: list[ArmResult], out: Path, low_fleet: str = "mixed") -> list
     import matplotlib.pyplot as plt
 
     written = []
-    for key, title in (("reward_mean", "reward"), ("kl_k3", "sampler/trainer KL (k3)"), ("oor_fraction", "OOR fraction"),
-                       ("grad_norm", "grad norm"), ("entropy", "entropy"), ("sc_tail_ratio", "sc_tail_ratio")):
+    for key, title in (
+        ("reward_mean", "reward"),
+        ("kl_k3", "sampler/trainer KL (k3)"),
+        ("oor_fraction", "OOR fraction"),
+        ("grad_norm", "grad norm"),
+        ("entropy", "entropy"),
+        ("sc_tail_ratio", "sc_tail_ratio"),
+    ):
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
         for ax, fleet in zip(axes, ("homogeneous", low_fleet), strict=True):
             for r in results:
@@ -517,7 +606,12 @@ def plots(results: list[ArmResult], out: Path, low_fleet: str = "mixed") -> list
     return written
 
 
-TASK_CHANCE = {"copy_digit": 0.1, "same_parity": 0.5, "tool_add": 0.0, "retry_digit": 0.1 * (1 + 1 / 2 + 1 / 3 + 1 / 4)}
+TASK_CHANCE = {
+    "copy_digit": 0.1,
+    "same_parity": 0.5,
+    "tool_add": 0.0,
+    "retry_digit": 0.1 * (1 + 1 / 2 + 1 / 3 + 1 / 4),
+}
 """Chance-level reward of each ablation task: what a policy ignoring the prompt earns (copy_digit: a
 uniformly random digit, 0.1; same_parity: any digits, 0.5; retry_digit: four distinct guesses, 0.208).
 tool_add (multi-turn): 0, since the protocol itself is what is learned (a uniformly random reply
@@ -541,8 +635,9 @@ def _pool_map(fn: Callable[[Any], Any], items: list, workers: int) -> list:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_quiet_worker) as pool:
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_quiet_worker
+    ) as pool:
         return list(pool.map(fn, items))
 
 
@@ -563,27 +658,32 @@ def run_grid(jobs: list[tuple[str, str, AblationConfig]], workers: int) -> list[
     return _pool_map(_run_job, jobs, workers)
 
 
-def grid(arms: list[str], fleets: list[str], seeds: list[int], cfg: AblationConfig, null_control: bool
-         ) -> list[tuple[str, str, AblationConfig]]:
+def grid(
+    arms: list[str], fleets: list[str], seeds: list[int], cfg: AblationConfig, null_control: bool
+) -> list[tuple[str, str, AblationConfig]]:
     """The runs of an ablation: every arm x fleet x seed at `cfg.lag`, plus (null_control) the null-arm
     cells (experiments/claims.py NULL_ARMS on the homogeneous fleet at lag 0) unless they are already in."""
     from rlfleet_experiments.claims import NULL_ARMS, NULL_FLEET, NULL_LAG
 
     jobs = [(arm, fleet, replace(cfg, seed=seed)) for seed in seeds for fleet in fleets for arm in arms]
     if null_control and cfg.lag != NULL_LAG:
-        jobs += [(arm, NULL_FLEET, replace(cfg, seed=seed, lag=NULL_LAG)) for seed in seeds for arm in NULL_ARMS]
+        jobs += [
+            (arm, NULL_FLEET, replace(cfg, seed=seed, lag=NULL_LAG)) for seed in seeds for arm in NULL_ARMS
+        ]
     return jobs
 
 
 def records_of(results: list[ArmResult], cfgs: list[AblationConfig]) -> list[Any]:
     from rlfleet_experiments.claims import RunRecord
 
-    return [RunRecord(arm=r.arm, fleet=r.fleet, seed=c.seed, lag=c.lag, history=r.history)
-            for r, c in zip(results, cfgs, strict=True)]
+    return [
+        RunRecord(arm=r.arm, fleet=r.fleet, seed=c.seed, lag=c.lag, history=r.history)
+        for r, c in zip(results, cfgs, strict=True)
+    ]
 
 
 def parse_seeds(text: str) -> list[int]:
-    """"5" -> seeds 0..4; "0,3,7" -> those seeds."""
+    """ "5" -> seeds 0..4; "0,3,7" -> those seeds."""
     parts = [p for p in text.split(",") if p.strip()]
     if len(parts) == 1 and "," not in text:
         n = int(parts[0])
@@ -611,17 +711,32 @@ def write_docs_block(path: Path, body: str) -> None:
 
 def cli(argv: Sequence[str]) -> int:
     d = AblationConfig()
-    p = argparse.ArgumentParser(prog="rlfleet ablate", description="Correction ablation: pg, mis, sc, pg+topp, sc_mis, sc_mis+topp on a homogeneous and a mixed fleet, several seeds, pre-registered claims (docs/ablation.md).")
-    p.add_argument("--arms", default=",".join(ARMS),
-                   help=f"comma list of {', '.join(ARMS)}; with --model qwen3_moe also each arm's R3 variant <arm>{R3}")
-    p.add_argument("--model", default=d.architecture, choices=MODELS,
-                   help="the tiny dense Qwen3 or the tiny Qwen3-MoE (routing mismatch measured, R3 arms offered)")
-    p.add_argument("--fleets", default="homogeneous,mixed",
-                   help=f"comma list of {', '.join(FLEETS)}; the claims compare homogeneous with mixed, "
-                        "or with the first other fleet when mixed does not run")
+    p = argparse.ArgumentParser(
+        prog="rlfleet ablate",
+        description="Correction ablation: pg, mis, sc, pg+topp, sc_mis, sc_mis+topp on a homogeneous and a mixed fleet, several seeds, pre-registered claims (docs/ablation.md).",
+    )
+    p.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"comma list of {', '.join(ARMS)}; with --model qwen3_moe also each arm's R3 variant <arm>{R3}",
+    )
+    p.add_argument(
+        "--model",
+        default=d.architecture,
+        choices=MODELS,
+        help="the tiny dense Qwen3 or the tiny Qwen3-MoE (routing mismatch measured, R3 arms offered)",
+    )
+    p.add_argument(
+        "--fleets",
+        default="homogeneous,mixed",
+        help=f"comma list of {', '.join(FLEETS)}; the claims compare homogeneous with mixed, "
+        "or with the first other fleet when mixed does not run",
+    )
     p.add_argument("--seeds", default="5", help="N (seeds 0..N-1) or a comma list of seeds (default 5)")
     p.add_argument("--jobs", type=int, default=None, help="parallel worker processes (default: CPU cores)")
-    p.add_argument("--no-null-control", action="store_true", help="skip the null-arm cells (homogeneous, lag 0)")
+    p.add_argument(
+        "--no-null-control", action="store_true", help="skip the null-arm cells (homogeneous, lag 0)"
+    )
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--prompts", type=int, default=d.prompts)
     p.add_argument("--samples", type=int, default=d.samples)
@@ -632,33 +747,64 @@ def cli(argv: Sequence[str]) -> int:
     p.add_argument("--head-size", type=int, default=d.head_size)
     p.add_argument("--logit-std", type=float, default=d.logit_std, help="std of the untrained model's logits")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help="the tiny Qwen3's vocabulary (>= 32)")
-    p.add_argument("--hidden-size", type=int, default=d.hidden_size,
-                   help="the tiny Qwen3's hidden size (a multiple of 128, so every precision view publishes; MLP 2x)")
+    p.add_argument(
+        "--hidden-size",
+        type=int,
+        default=d.hidden_size,
+        help="the tiny Qwen3's hidden size (a multiple of 128, so every precision view publishes; MLP 2x)",
+    )
     p.add_argument("--layers", type=int, default=d.num_hidden_layers, help="the tiny Qwen3's decoder layers")
     p.add_argument("--task", default=d.task, choices=tuple(TASK_CHANCE))
-    p.add_argument("--warm-start", type=int, default=d.warm_start,
-                   help="every arm starts from the tiny Qwen3 after this many steps of on-policy GRPO (default 0: untrained)")
-    p.add_argument("--precision-error-scale", type=float, default=d.precision_error_scale,
-                   help="multiply the fp8/nvfp4 groups' rounding error by this (default 1: the formats as they are)")
+    p.add_argument(
+        "--warm-start",
+        type=int,
+        default=d.warm_start,
+        help="every arm starts from the tiny Qwen3 after this many steps of on-policy GRPO (default 0: untrained)",
+    )
+    p.add_argument(
+        "--precision-error-scale",
+        type=float,
+        default=d.precision_error_scale,
+        help="multiply the fp8/nvfp4 groups' rounding error by this (default 1: the formats as they are)",
+    )
     p.add_argument("--out", default="rlfleet-ablation")
-    p.add_argument("--docs", help="also write the results between the ablation markers of this file (docs/ablation.md)")
+    p.add_argument(
+        "--docs", help="also write the results between the ablation markers of this file (docs/ablation.md)"
+    )
     args = p.parse_args(list(argv))
     arms = [a for a in args.arms.split(",") if a]
     fleets = [f for f in args.fleets.split(",") if f]
     bad = unknown_arms(arms, args.model) + [f for f in fleets if f not in FLEETS]
     if bad:
-        print(f"rlfleet ablate: unknown arm/fleet {', '.join(bad)} (arms: {', '.join(ARMS)}, and <arm>{R3} with "
-              f"--model qwen3_moe; fleets: {', '.join(FLEETS)})", file=sys.stderr)
+        print(
+            f"rlfleet ablate: unknown arm/fleet {', '.join(bad)} (arms: {', '.join(ARMS)}, and <arm>{R3} with "
+            f"--model qwen3_moe; fleets: {', '.join(FLEETS)})",
+            file=sys.stderr,
+        )
         return 2
     if args.model == "qwen3_moe" and args.precision_error_scale != 1.0:
         print("rlfleet ablate: --precision-error-scale is for --model qwen3 only", file=sys.stderr)
         return 2
-    if (args.steps < 4 or args.prompts < 1 or args.samples < 2 or args.lag < 0 or not 0 < args.top_p <= 1
-            or args.vocab_size < 32 or args.max_new_tokens < 1 or args.hidden_size < 128 or args.hidden_size % 128
-            or args.layers < 1 or args.warm_start < 0 or not 0 <= args.precision_error_scale < float("inf")):
-        print("rlfleet ablate: need --steps >= 4, --prompts >= 1, --samples >= 2, --lag >= 0, 0 < --top-p <= 1, "
-              "--vocab-size >= 32, --max-new-tokens >= 1, --hidden-size a multiple of 128, --layers >= 1, --warm-start >= 0, "
-              "a finite --precision-error-scale >= 0", file=sys.stderr)
+    if (
+        args.steps < 4
+        or args.prompts < 1
+        or args.samples < 2
+        or args.lag < 0
+        or not 0 < args.top_p <= 1
+        or args.vocab_size < 32
+        or args.max_new_tokens < 1
+        or args.hidden_size < 128
+        or args.hidden_size % 128
+        or args.layers < 1
+        or args.warm_start < 0
+        or not 0 <= args.precision_error_scale < float("inf")
+    ):
+        print(
+            "rlfleet ablate: need --steps >= 4, --prompts >= 1, --samples >= 2, --lag >= 0, 0 < --top-p <= 1, "
+            "--vocab-size >= 32, --max-new-tokens >= 1, --hidden-size a multiple of 128, --layers >= 1, --warm-start >= 0, "
+            "a finite --precision-error-scale >= 0",
+            file=sys.stderr,
+        )
         return 2
     try:
         seeds = parse_seeds(args.seeds)
@@ -680,19 +826,35 @@ def cli(argv: Sequence[str]) -> int:
         summary_table,
     )
 
-    cfg = AblationConfig(steps=args.steps, prompts=args.prompts, samples=args.samples, max_new_tokens=args.max_new_tokens,
-                         lag=args.lag, learning_rate=args.lr, top_p=args.top_p, head_size=args.head_size,
-                         task=args.task, logit_std=args.logit_std, vocab_size=args.vocab_size,
-                         hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-                         num_hidden_layers=args.layers, warm_start=args.warm_start,
-                         precision_error_scale=args.precision_error_scale, architecture=args.model)
+    cfg = AblationConfig(
+        steps=args.steps,
+        prompts=args.prompts,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        lag=args.lag,
+        learning_rate=args.lr,
+        top_p=args.top_p,
+        head_size=args.head_size,
+        task=args.task,
+        logit_std=args.logit_std,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=args.layers,
+        warm_start=args.warm_start,
+        precision_error_scale=args.precision_error_scale,
+        architecture=args.model,
+    )
     hf_logging.disable_progress_bar()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = grid(arms, fleets, seeds, cfg, null_control=not args.no_null_control)
     workers = max(1, args.jobs or os.cpu_count() or 1)
-    print(f"rlfleet ablate: {len(jobs)} runs ({len(arms)} arms x {len(fleets)} fleets x {len(seeds)} seeds"
-          f"{' + null-arm control' if len(jobs) > len(arms) * len(fleets) * len(seeds) else ''}), {workers} workers", flush=True)
+    print(
+        f"rlfleet ablate: {len(jobs)} runs ({len(arms)} arms x {len(fleets)} fleets x {len(seeds)} seeds"
+        f"{' + null-arm control' if len(jobs) > len(arms) * len(fleets) * len(seeds) else ''}), {workers} workers",
+        flush=True,
+    )
     t0 = time.monotonic()
     # every seed's start checkpoint once, here, before the workers race for it (warm starts in parallel)
     start_checkpoints([replace(cfg, seed=seed) for seed in seeds], workers)
@@ -703,30 +865,64 @@ def cli(argv: Sequence[str]) -> int:
     definition = CollapseDefinition(chance=TASK_CHANCE[cfg.task])
     low_fleet = claims_fleet(fleets)
     claims = evaluate_claims(paper_claims(definition, lag=cfg.lag, low_fleet=low_fleet), records)
-    first_seed_runs = [r for r, (_, _, c) in zip(results, jobs, strict=True) if c.seed == seeds[0] and c.lag == cfg.lag]
+    first_seed_runs = [
+        r for r, (_, _, c) in zip(results, jobs, strict=True) if c.seed == seeds[0] and c.lag == cfg.lag
+    ]
     cpu = sum(r.seconds for r in results)
-    md = "\n\n".join([
-        f"Runs: {len(jobs)}; wall {wall / 60:.1f} min with {workers} workers"
-        + (f" ({warm_wall / 60:.1f} of them training the warm starts: every arm starts from {cfg.warm_start} steps "
-           "of on-policy pg)" if cfg.warm_start else "")
-        + f"; {cpu / 60:.1f} CPU-minutes of runs.",
-        "### Claims\n\n" + (f"The mixed fleet of the claims: `{low_fleet}`.\n\n" if low_fleet != "mixed" else "")
-        + claims_table(claims),
-        "### Per cell (all seeds)\n\n" + summary_table(records, definition),
-        "### Collapse detector against the pre-registered definition\n\n" + detector_table(score_detector(
-            records, [DetectorAlerts(r.first_alert_step, tuple(r.alert_signals)) for r in results], definition)),
-        f"### Seed {seeds[0]}, lag {cfg.lag}\n\n" + runs_table(first_seed_runs),
-    ] + (["### Routing mismatch (Qwen3-MoE), per cell over its seeds\n\n"
-          + routing_table(results, [c for _, _, c in jobs])] if cfg.architecture == "qwen3_moe" else []))
+    md = "\n\n".join(
+        [
+            f"Runs: {len(jobs)}; wall {wall / 60:.1f} min with {workers} workers"
+            + (
+                f" ({warm_wall / 60:.1f} of them training the warm starts: every arm starts from {cfg.warm_start} steps "
+                "of on-policy pg)"
+                if cfg.warm_start
+                else ""
+            )
+            + f"; {cpu / 60:.1f} CPU-minutes of runs.",
+            "### Claims\n\n"
+            + (f"The mixed fleet of the claims: `{low_fleet}`.\n\n" if low_fleet != "mixed" else "")
+            + claims_table(claims),
+            "### Per cell (all seeds)\n\n" + summary_table(records, definition),
+            "### Collapse detector against the pre-registered definition\n\n"
+            + detector_table(
+                score_detector(
+                    records,
+                    [DetectorAlerts(r.first_alert_step, tuple(r.alert_signals)) for r in results],
+                    definition,
+                )
+            ),
+            f"### Seed {seeds[0]}, lag {cfg.lag}\n\n" + runs_table(first_seed_runs),
+        ]
+        + (
+            [
+                "### Routing mismatch (Qwen3-MoE), per cell over its seeds\n\n"
+                + routing_table(results, [c for _, _, c in jobs])
+            ]
+            if cfg.architecture == "qwen3_moe"
+            else []
+        )
+    )
     print(md)
     (out / "ablation.md").write_text(md + "\n")
     if args.docs:
         command = "rlfleet ablate " + " ".join(argv)
-        write_docs_block(Path(args.docs), f"Generated by `{command}` (load average {os.getloadavg()[0]:.1f}).\n\n{md}")
-    (out / "ablation.json").write_text(json.dumps({
-        "config": asdict(cfg), "seeds": seeds, "claims_fleet": low_fleet,
-        "runs": [{"seed": c.seed, "lag": c.lag, **asdict(r)} for r, (_, _, c) in zip(results, jobs, strict=True)],
-        "claims": [{"id": c.id, "status": res.status, "evidence": res.evidence} for c, res in claims],
-    }, indent=1))
+        write_docs_block(
+            Path(args.docs), f"Generated by `{command}` (load average {os.getloadavg()[0]:.1f}).\n\n{md}"
+        )
+    (out / "ablation.json").write_text(
+        json.dumps(
+            {
+                "config": asdict(cfg),
+                "seeds": seeds,
+                "claims_fleet": low_fleet,
+                "runs": [
+                    {"seed": c.seed, "lag": c.lag, **asdict(r)}
+                    for r, (_, _, c) in zip(results, jobs, strict=True)
+                ],
+                "claims": [{"id": c.id, "status": res.status, "evidence": res.evidence} for c, res in claims],
+            },
+            indent=1,
+        )
+    )
     plots(first_seed_runs, out, low_fleet)
     return 0

@@ -88,8 +88,9 @@ def rolling_means(values: Sequence[float], window: int) -> list[float]:
     return [math.fsum(values[j : j + window]) / window for j in range(len(values) - window + 1)]
 
 
-def collapse_step(rewards: Sequence[float], window: int = WINDOW, *, chance: float,
-                  peak_margin: float = PEAK_MARGIN) -> int | None:
+def collapse_step(
+    rewards: Sequence[float], window: int = WINDOW, *, chance: float, peak_margin: float = PEAK_MARGIN
+) -> int | None:
     """The first step t (1-based, t >= window) such that, with m the rolling-`window` mean reward and
     P_t = max(m_window..m_t) its running peak: P_t >= chance + peak_margin and m_u < P_t / 2 for every
     u from t to the end of the run. None if no step qualifies (also when the run is shorter than `window`).
@@ -165,8 +166,10 @@ class RunRecord:
             raise ValueError(f"{self.cell} seed {self.seed}: empty history")
         for i, h in enumerate(self.history):
             if h.get("step") != i + 1:
-                raise ValueError(f"{self.cell} seed {self.seed}: history entry {i} has step {h.get('step')}, "
-                                 f"expected {i + 1} (a run's steps are 1..n)")
+                raise ValueError(
+                    f"{self.cell} seed {self.seed}: history entry {i} has step {h.get('step')}, "
+                    f"expected {i + 1} (a run's steps are 1..n)"
+                )
             for key in ("reward_mean", "kl_k3"):
                 if not isinstance(h.get(key), (int, float)) or not math.isfinite(h[key]):
                     raise ValueError(f"{self.cell} seed {self.seed}: step {i + 1} has no finite {key!r}")
@@ -255,8 +258,10 @@ class PairedDifference:
         return max(self.differences)
 
     def describe(self) -> str:
-        return (f"{self.a} - {self.b} on {self.fleet}/lag {self.lag} over seeds {list(self.seeds)}: mean {self.mean:.3f}, "
-                f"std {self.std:.3f}, min {self.min:.3f}, max {self.max:.3f}, n {self.n}")
+        return (
+            f"{self.a} - {self.b} on {self.fleet}/lag {self.lag} over seeds {list(self.seeds)}: mean {self.mean:.3f}, "
+            f"std {self.std:.3f}, min {self.min:.3f}, max {self.max:.3f}, n {self.n}"
+        )
 
 
 class _Index:
@@ -288,15 +293,23 @@ class _Index:
             elif n < min_seeds:
                 out.append(f"{cell_name(*c)} ({n} seeds < {min_seeds})")
         if not out and len(cells) > 1 and len(self.seeds(cells)) < min_seeds:
-            out.append(f"{', '.join(cell_name(*c) for c in cells)} share {len(self.seeds(cells))} seeds < {min_seeds}")
+            out.append(
+                f"{', '.join(cell_name(*c) for c in cells)} share {len(self.seeds(cells))} seeds < {min_seeds}"
+            )
         return out
 
     def get(self, cell: tuple[str, str, int], seeds: Sequence[int]) -> list[RunRecord]:
         return [self.runs[cell][s] for s in seeds]
 
 
-def paired_difference(records: Sequence[RunRecord], a: str, b: str, fleet: str, lag: int,
-                      measure: Callable[[RunRecord], float] = record_final_reward) -> PairedDifference:
+def paired_difference(
+    records: Sequence[RunRecord],
+    a: str,
+    b: str,
+    fleet: str,
+    lag: int,
+    measure: Callable[[RunRecord], float] = record_final_reward,
+) -> PairedDifference:
     """measure(arm a) - measure(arm b) on `fleet` at `lag`, paired by seed over the seeds both arms have
     (final reward by default). ValueError when they share no seed."""
     index = _Index(records)
@@ -305,7 +318,9 @@ def paired_difference(records: Sequence[RunRecord], a: str, b: str, fleet: str, 
     if not seeds:
         raise ValueError(f"{cell_name(*cells[0])} and {cell_name(*cells[1])} share no seed")
     ra, rb = index.get(cells[0], seeds), index.get(cells[1], seeds)
-    return PairedDifference(a, b, fleet, lag, tuple(seeds), tuple(measure(x) - measure(y) for x, y in zip(ra, rb, strict=True)))
+    return PairedDifference(
+        a, b, fleet, lag, tuple(seeds), tuple(measure(x) - measure(y) for x, y in zip(ra, rb, strict=True))
+    )
 
 
 @dataclass(frozen=True)
@@ -329,8 +344,10 @@ class NoiseFloor:
         return math.sqrt(math.fsum((p.n - 1) * p.variance for p in self.pairs) / df)
 
     def describe(self) -> str:
-        return (f"null-arm floor ({', '.join(NULL_ARMS)} on {NULL_FLEET}/lag {NULL_LAG}, {len(self.pairs)} pairs over seeds "
-                f"{list(self.pairs[0].seeds)}): largest absolute mean paired difference {self.max_abs_mean:.3f}, pooled std {self.pooled_std:.3f}")
+        return (
+            f"null-arm floor ({', '.join(NULL_ARMS)} on {NULL_FLEET}/lag {NULL_LAG}, {len(self.pairs)} pairs over seeds "
+            f"{list(self.pairs[0].seeds)}): largest absolute mean paired difference {self.max_abs_mean:.3f}, pooled std {self.pooled_std:.3f}"
+        )
 
 
 NULL_CELLS = [(arm, NULL_FLEET, NULL_LAG) for arm in NULL_ARMS]
@@ -345,8 +362,16 @@ def null_noise_floor(records: Sequence[RunRecord]) -> NoiseFloor:
     seeds = index.seeds(NULL_CELLS)
     runs = {arm: index.get((arm, NULL_FLEET, NULL_LAG), seeds) for arm in NULL_ARMS}
     pairs = tuple(
-        PairedDifference(a, b, NULL_FLEET, NULL_LAG, tuple(seeds),
-                         tuple(record_final_reward(x) - record_final_reward(y) for x, y in zip(runs[a], runs[b], strict=True)))
+        PairedDifference(
+            a,
+            b,
+            NULL_FLEET,
+            NULL_LAG,
+            tuple(seeds),
+            tuple(
+                record_final_reward(x) - record_final_reward(y) for x, y in zip(runs[a], runs[b], strict=True)
+            ),
+        )
         for a, b in combinations(NULL_ARMS, 2)
     )
     return NoiseFloor(pairs)
@@ -402,7 +427,9 @@ class _PaperClaims:
     def _cell(self, arm: str, fleet: str) -> tuple[str, str, int]:
         return (arm, fleet, self.lag)
 
-    def _collapses(self, index: _Index, c: tuple[str, str, int], seeds: Sequence[int]) -> tuple[list[int | None], int, float]:
+    def _collapses(
+        self, index: _Index, c: tuple[str, str, int], seeds: Sequence[int]
+    ) -> tuple[list[int | None], int, float]:
         """Collapse step per seed, collapsed count, mean censored collapse step."""
         runs = index.get(c, seeds)
         steps = [self.definition.step(r.rewards) for r in runs]
@@ -415,9 +442,11 @@ class _PaperClaims:
             return _not_run(missing)
         seeds = index.seeds([c])
         steps, k, _ = self._collapses(index, c, seeds)
-        return ClaimResult(_two_thirds(k, len(seeds)),
-                           f"{cell_name(*c)} collapsed in {k}/{len(seeds)} seeds (need 3k >= 2n); "
-                           f"collapse step by seed: {_steps_text(steps, seeds)}")
+        return ClaimResult(
+            _two_thirds(k, len(seeds)),
+            f"{cell_name(*c)} collapsed in {k}/{len(seeds)} seeds (need 3k >= 2n); "
+            f"collapse step by seed: {_steps_text(steps, seeds)}",
+        )
 
     def c2(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
@@ -426,10 +455,12 @@ class _PaperClaims:
             return _not_run(missing)
         seeds = index.seeds(cells)
         (sh, kh, mh), (sm, km, mm) = (self._collapses(index, c, seeds) for c in cells)
-        return ClaimResult(mh > mm or kh < km,
-                           f"pg over seeds {seeds}: homogeneous collapsed {kh}/{len(seeds)}, mean step {mh:.1f} (by seed: "
-                           f"{_steps_text(sh, seeds)}); {self.low_fleet} collapsed {km}/{len(seeds)}, mean step {mm:.1f} "
-                           f"(by seed: {_steps_text(sm, seeds)}); never = steps + 1 in the means")
+        return ClaimResult(
+            mh > mm or kh < km,
+            f"pg over seeds {seeds}: homogeneous collapsed {kh}/{len(seeds)}, mean step {mh:.1f} (by seed: "
+            f"{_steps_text(sh, seeds)}); {self.low_fleet} collapsed {km}/{len(seeds)}, mean step {mm:.1f} "
+            f"(by seed: {_steps_text(sm, seeds)}); never = steps + 1 in the means",
+        )
 
     def c3(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
@@ -441,7 +472,9 @@ class _PaperClaims:
             seeds = index.seeds([c])
             steps, k, _ = self._collapses(index, c, seeds)
             ok = ok and k == 0
-            parts.append(f"{cell_name(*c)} {k}/{len(seeds)}" + (f" ({_steps_text(steps, seeds)})" if k else ""))
+            parts.append(
+                f"{cell_name(*c)} {k}/{len(seeds)}" + (f" ({_steps_text(steps, seeds)})" if k else "")
+            )
         return ClaimResult(ok, "collapsed: " + "; ".join(parts))
 
     def c4(self, records: Sequence[RunRecord]) -> ClaimResult:
@@ -455,32 +488,56 @@ class _PaperClaims:
         (kp, mp), (ks, ms) = stats["pg"], stats["sc_mis"]
         interval = kp > ks or mp < ms
         between = {arm: kp >= stats[arm][0] >= ks and mp <= stats[arm][1] <= ms for arm in SINGLE_CORRECTIONS}
-        text = "; ".join(f"{arm} {stats[arm][0]}/{len(seeds)} collapsed, mean step {stats[arm][1]:.1f}"
-                         + ("" if arm in ("pg", "sc_mis") else (" (between)" if between[arm] else " (NOT between)"))
-                         for arm in arms)
+        text = "; ".join(
+            f"{arm} {stats[arm][0]}/{len(seeds)} collapsed, mean step {stats[arm][1]:.1f}"
+            + ("" if arm in ("pg", "sc_mis") else (" (between)" if between[arm] else " (NOT between)"))
+            for arm in arms
+        )
         note = "" if interval else "; pg is no worse than sc_mis, so there is nothing in between"
-        return ClaimResult(interval and all(between.values()), f"{self.low_fleet}/lag {self.lag} over seeds {seeds}: {text}{note}")
+        return ClaimResult(
+            interval and all(between.values()),
+            f"{self.low_fleet}/lag {self.lag} over seeds {seeds}: {text}{note}",
+        )
 
     def c5(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
-        both = sorted({a for (a, f, g) in index.runs if g == self.lag and (a, HOMOGENEOUS, self.lag) in index.runs
-                       and (a, self.low_fleet, self.lag) in index.runs} | {"pg"}, key=_arm_key)
-        missing = [m for a in both for m in index.missing([self._cell(a, f) for f in self.fleets], self.min_seeds)]
+        both = sorted(
+            {
+                a
+                for (a, f, g) in index.runs
+                if g == self.lag
+                and (a, HOMOGENEOUS, self.lag) in index.runs
+                and (a, self.low_fleet, self.lag) in index.runs
+            }
+            | {"pg"},
+            key=_arm_key,
+        )
+        missing = [
+            m for a in both for m in index.missing([self._cell(a, f) for f in self.fleets], self.min_seeds)
+        ]
         if missing:
             return _not_run(missing)
         ratios: list[float] = []
         low: list[str] = []
         for a in both:
             seeds = index.seeds([self._cell(a, HOMOGENEOUS), self._cell(a, self.low_fleet)])
-            for s, h, m in zip(seeds, index.get(self._cell(a, HOMOGENEOUS), seeds), index.get(self._cell(a, self.low_fleet), seeds), strict=True):
+            for s, h, m in zip(
+                seeds,
+                index.get(self._cell(a, HOMOGENEOUS), seeds),
+                index.get(self._cell(a, self.low_fleet), seeds),
+                strict=True,
+            ):
                 kh, km = on_policy_kl(h), on_policy_kl(m)
                 ratio = km / kh if kh > 0 else (math.inf if km > 0 else math.nan)
                 ratios.append(ratio)
                 if not ratio > 1:
                     low.append(f"{a} seed {s}: {ratio:.3g}")
-        return ClaimResult(not low, f"step-1 kl_k3 {self.low_fleet} / homogeneous over {len(ratios)} (arm, seed) pairs of "
-                           f"{', '.join(both)}: median {median(ratios):.3g}x, range {min(ratios):.3g}x..{max(ratios):.3g}x "
-                           f"(paper, run mean on real GPUs: 4.7x)" + (f"; not > 1: {', '.join(low)}" if low else ""))
+        return ClaimResult(
+            not low,
+            f"step-1 kl_k3 {self.low_fleet} / homogeneous over {len(ratios)} (arm, seed) pairs of "
+            f"{', '.join(both)}: median {median(ratios):.3g}x, range {min(ratios):.3g}x..{max(ratios):.3g}x "
+            f"(paper, run mean on real GPUs: 4.7x)" + (f"; not > 1: {', '.join(low)}" if low else ""),
+        )
 
     def c6(self, records: Sequence[RunRecord]) -> ClaimResult:
         index = _Index(records)
@@ -506,14 +563,20 @@ class _PaperClaims:
             except ValueError as e:
                 return _not_run([f"{cell_name(*c)}: {e}"])
         k = sum(p > s for p, s in zip(growth["pg"], growth["sc_mis"], strict=True))
-        by_seed = ", ".join(f"{s}: {p:.2f}x vs {q:.2f}x" for s, p, q in zip(seeds, growth["pg"], growth["sc_mis"], strict=True))
-        return ClaimResult(_two_thirds(k, len(seeds)),
-                           f"{self.low_fleet}/lag {self.lag}: pg's kl_growth > sc_mis's in {k}/{len(seeds)} seeds (need 3k >= 2n); "
-                           f"median pg {median(growth['pg']):.2f}x, sc_mis {median(growth['sc_mis']):.2f}x; by seed: {by_seed}")
+        by_seed = ", ".join(
+            f"{s}: {p:.2f}x vs {q:.2f}x"
+            for s, p, q in zip(seeds, growth["pg"], growth["sc_mis"], strict=True)
+        )
+        return ClaimResult(
+            _two_thirds(k, len(seeds)),
+            f"{self.low_fleet}/lag {self.lag}: pg's kl_growth > sc_mis's in {k}/{len(seeds)} seeds (need 3k >= 2n); "
+            f"median pg {median(growth['pg']):.2f}x, sc_mis {median(growth['sc_mis']):.2f}x; by seed: {by_seed}",
+        )
 
 
-def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_SEEDS,
-                 low_fleet: str = MIXED) -> list[Claim]:
+def paper_claims(
+    definition: CollapseDefinition, lag: int, min_seeds: int = MIN_SEEDS, low_fleet: str = MIXED
+) -> list[Claim]:
     """method.md's ablation as claims C1..C7 on the runs at `lag` (the null-arm control at lag 0).
     Every cell a claim reads needs >= min_seeds seeds, and cells compared with each other are paired
     over the seeds they share (>= min_seeds too); otherwise the claim is not run. `low_fleet`: the
@@ -522,23 +585,53 @@ def paper_claims(definition: CollapseDefinition, lag: int, min_seeds: int = MIN_
     if min_seeds < 1:
         raise ValueError("min_seeds must be >= 1")
     if low_fleet == HOMOGENEOUS:
-        raise ValueError("the claims hold a low-precision fleet against the homogeneous one, not against itself")
+        raise ValueError(
+            "the claims hold a low-precision fleet against the homogeneous one, not against itself"
+        )
     claims = _PaperClaims(definition, lag, min_seeds, low_fleet)
 
     return [
-        Claim("C1", "Positive control: uncorrected pg on the mixed fleet collapses in at least 2/3 of seeds.", claims.c1),
-        Claim("C2", "pg on the homogeneous fleet collapses later than on the mixed fleet on average (mean collapse "
-              "step, a seed that never collapses counted at steps + 1), or in fewer seeds.", claims.c2),
-        Claim("C3", "sc_mis and sc_mis+topp never collapse on either fleet (0 of N seeds in each of the four cells).", claims.c3),
-        Claim("C4", "Single corrections (mis, sc, pg+topp) on the mixed fleet are in between: each collapses in no "
-              "more seeds than pg and no earlier on average (censored), and in no fewer seeds than sc_mis and no "
-              "later on average; and pg is worse than sc_mis on at least one of the two (else nothing is in between).", claims.c4),
-        Claim("C5", "On-policy KL (step 1, before any staleness), mixed over homogeneous, is > 1 for every seed of "
-              "every arm run on both fleets (reported: median and range; the paper's 4.7x is for reference).", claims.c5),
-        Claim("C6", "Final reward on the mixed fleet, sc_mis+topp minus pg paired by seed: the mean difference is "
-              "> 0 and > the null-arm noise floor (the largest absolute mean paired difference among the null pairs).", claims.c6),
-        Claim("C7", "KL growth on the mixed fleet: pg's kl_growth exceeds sc_mis's in at least 2/3 of seeds "
-              "(paired by seed).", claims.c7),
+        Claim(
+            "C1",
+            "Positive control: uncorrected pg on the mixed fleet collapses in at least 2/3 of seeds.",
+            claims.c1,
+        ),
+        Claim(
+            "C2",
+            "pg on the homogeneous fleet collapses later than on the mixed fleet on average (mean collapse "
+            "step, a seed that never collapses counted at steps + 1), or in fewer seeds.",
+            claims.c2,
+        ),
+        Claim(
+            "C3",
+            "sc_mis and sc_mis+topp never collapse on either fleet (0 of N seeds in each of the four cells).",
+            claims.c3,
+        ),
+        Claim(
+            "C4",
+            "Single corrections (mis, sc, pg+topp) on the mixed fleet are in between: each collapses in no "
+            "more seeds than pg and no earlier on average (censored), and in no fewer seeds than sc_mis and no "
+            "later on average; and pg is worse than sc_mis on at least one of the two (else nothing is in between).",
+            claims.c4,
+        ),
+        Claim(
+            "C5",
+            "On-policy KL (step 1, before any staleness), mixed over homogeneous, is > 1 for every seed of "
+            "every arm run on both fleets (reported: median and range; the paper's 4.7x is for reference).",
+            claims.c5,
+        ),
+        Claim(
+            "C6",
+            "Final reward on the mixed fleet, sc_mis+topp minus pg paired by seed: the mean difference is "
+            "> 0 and > the null-arm noise floor (the largest absolute mean paired difference among the null pairs).",
+            claims.c6,
+        ),
+        Claim(
+            "C7",
+            "KL growth on the mixed fleet: pg's kl_growth exceeds sc_mis's in at least 2/3 of seeds "
+            "(paired by seed).",
+            claims.c7,
+        ),
     ]
 
 
@@ -554,7 +647,9 @@ def claims_table(results: Sequence[tuple[Claim, ClaimResult]]) -> str:
     """Markdown: claim id, statement, PASS / FAIL / not run, evidence."""
     lines = ["| claim | statement | result | evidence |", "|---|---|---|---|"]
     for claim, result in results:
-        lines.append(f"| {claim.id} | {_cell_text(claim.text)} | {result.status} | {_cell_text(result.evidence)} |")
+        lines.append(
+            f"| {claim.id} | {_cell_text(claim.text)} | {result.status} | {_cell_text(result.evidence)} |"
+        )
     return "\n".join(lines)
 
 
@@ -595,9 +690,11 @@ def summary_table(records: Sequence[RunRecord], definition: CollapseDefinition) 
     final reward mean ± sample std over seeds, and medians over seeds of kl_growth, on-policy (step-1)
     KL and final entropy (mean entropy of the last 10% of steps)."""
     index = _Index(records)
-    lines = ["| arm | fleet | lag | seeds | collapsed | locked in | mean collapse step (censored) | final reward (mean ± std) "
-             "| kl_growth (median) | on-policy KL (median) | final entropy (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | fleet | lag | seeds | collapsed | locked in | mean collapse step (censored) | final reward (mean ± std) "
+        "| kl_growth (median) | on-policy KL (median) | final entropy (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for arm, fleet, lag in sorted(index.runs, key=lambda c: (c[2], _fleet_key(c[1]), _arm_key(c[0]))):
         runs = index.get((arm, fleet, lag), sorted(index.runs[(arm, fleet, lag)]))
         n = len(runs)
@@ -618,7 +715,9 @@ def summary_table(records: Sequence[RunRecord], definition: CollapseDefinition) 
 def is_stable_run(record: RunRecord) -> bool:
     """A run the collapse detector should stay quiet on: an arm the paper finds stable (`STABLE_ARMS`),
     or a null-arm cell (homogeneous fleet, lag 0: no mismatch for a correction to matter)."""
-    return record.arm in STABLE_ARMS or (record.fleet == NULL_FLEET and record.lag == NULL_LAG and record.arm in NULL_ARMS)
+    return record.arm in STABLE_ARMS or (
+        record.fleet == NULL_FLEET and record.lag == NULL_LAG and record.arm in NULL_ARMS
+    )
 
 
 @dataclass(frozen=True)
@@ -652,19 +751,34 @@ class DetectorScore:
     false_alarm_signals: dict[str, int]
 
 
-def score_detector(records: Sequence[RunRecord], alerts: Sequence[DetectorAlerts],
-                   definition: CollapseDefinition) -> DetectorScore:
+def score_detector(
+    records: Sequence[RunRecord], alerts: Sequence[DetectorAlerts], definition: CollapseDefinition
+) -> DetectorScore:
     if len(records) != len(alerts):
         raise ValueError(f"{len(records)} runs but {len(alerts)} detector results")
-    n = dict.fromkeys(("collapsed", "collapsed_ahead", "collapsed_fired", "locked", "locked_fired",
-                       "stable", "stable_fired", "other", "other_fired"), 0)
+    n = dict.fromkeys(
+        (
+            "collapsed",
+            "collapsed_ahead",
+            "collapsed_fired",
+            "locked",
+            "locked_fired",
+            "stable",
+            "stable_fired",
+            "other",
+            "other_fired",
+        ),
+        0,
+    )
     signals: dict[str, int] = {}
     for record, alert in zip(records, alerts, strict=True):
         fired = alert.first_alert_step is not None
         collapsed_at = definition.step(record.rewards)
         if collapsed_at is not None:
             row = "collapsed"
-            n["collapsed_ahead"] += alert.first_alert_step is not None and alert.first_alert_step <= collapsed_at
+            n["collapsed_ahead"] += (
+                alert.first_alert_step is not None and alert.first_alert_step <= collapsed_at
+            )
         elif lock_step(record.uniform_fractions) is not None:
             row = "locked"
         elif is_stable_run(record):
@@ -675,7 +789,9 @@ def score_detector(records: Sequence[RunRecord], alerts: Sequence[DetectorAlerts
             row = "other"
         n[row] += 1
         n[row + "_fired"] += fired
-    return DetectorScore(**n, false_alarm_signals=dict(sorted(signals.items(), key=lambda kv: (-kv[1], kv[0]))))
+    return DetectorScore(
+        **n, false_alarm_signals=dict(sorted(signals.items(), key=lambda kv: (-kv[1], kv[0])))
+    )
 
 
 def detector_table(score: DetectorScore) -> str:

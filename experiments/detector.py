@@ -48,8 +48,10 @@ def recorded(run: dict) -> DetectorAlerts:
 
 def line(name: str, s: DetectorScore) -> str:
     signals = ", ".join(f"{k} {v}" for k, v in s.false_alarm_signals.items()) or "none"
-    return (f"| {name} | {s.collapsed_fired}/{s.collapsed} ({s.collapsed_ahead} ahead) | {s.locked_fired}/{s.locked} "
-            f"| {s.stable_fired}/{s.stable} | {s.other_fired}/{s.other} | {signals} |")
+    return (
+        f"| {name} | {s.collapsed_fired}/{s.collapsed} ({s.collapsed_ahead} ahead) | {s.locked_fired}/{s.locked} "
+        f"| {s.stable_fired}/{s.stable} | {s.other_fired}/{s.other} | {signals} |"
+    )
 
 
 def total(scores: list[DetectorScore]) -> DetectorScore:
@@ -58,8 +60,10 @@ def total(scores: list[DetectorScore]) -> DetectorScore:
         for k, v in s.false_alarm_signals.items():
             signals[k] = signals.get(k, 0) + v
     fields = [f for f in DetectorScore.__dataclass_fields__ if f != "false_alarm_signals"]
-    return DetectorScore(**{f: sum(getattr(s, f) for s in scores) for f in fields},
-                         false_alarm_signals=dict(sorted(signals.items(), key=lambda kv: (-kv[1], kv[0]))))
+    return DetectorScore(
+        **{f: sum(getattr(s, f) for s in scores) for f in fields},
+        false_alarm_signals=dict(sorted(signals.items(), key=lambda kv: (-kv[1], kv[0]))),
+    )
 
 
 def main() -> None:
@@ -76,14 +80,23 @@ def main() -> None:
         records = [RunRecord(r["arm"], r["fleet"], r["seed"], r["lag"], r["history"]) for r in runs]
         replayed = [replay(r["history"], thresholds) for r in runs]
         name = f"{path.parent.name}: {cfg['task']}, lag {cfg['lag']}, {cfg['steps']} steps" + (
-            f", warm start {cfg['warm_start']}" if cfg.get("warm_start") else "")
+            f", warm start {cfg['warm_start']}" if cfg.get("warm_start") else ""
+        )
         rows["baseline"].append((name, score_detector(records, [recorded(r) for r in runs], definition)))
         rows["current"].append((name, score_detector(records, replayed, definition)))
     for which, scored in rows.items():
-        print(f"\n{which}: " + ("alerts recorded when the runs were made" if which == "baseline" else
-                                "histories replayed through this commit's detector (default RLJob thresholds)"))
-        print("\n| runs | collapsed: fired | locked in: fired | stable: fired (false alarms) | other: fired "
-              "| signals in the false alarms |\n|---|---|---|---|---|---|")
+        print(
+            f"\n{which}: "
+            + (
+                "alerts recorded when the runs were made"
+                if which == "baseline"
+                else "histories replayed through this commit's detector (default RLJob thresholds)"
+            )
+        )
+        print(
+            "\n| runs | collapsed: fired | locked in: fired | stable: fired (false alarms) | other: fired "
+            "| signals in the false alarms |\n|---|---|---|---|---|---|"
+        )
         for name, score in scored:
             print(line(name, score))
         print(line("**all**", total([s for _, s in scored])))

@@ -69,13 +69,19 @@ class KeepingSink(SnapshotSink):
         self.kept[version] = weights
 
 
-def probe_set(cfg: AblationConfig, start: Path, version0: dict[str, torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+def probe_set(
+    cfg: AblationConfig, start: Path, version0: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, np.ndarray]:
     """The first step's episodes at version 0: ids [B, S] (right-padded with 0) and the (row, column)
     of every position whose logits predicted a sampled token [N, 2]."""
     sink = SnapshotSink()
     sink.publish(version0, 0, step=0)
-    rollouts = LockstepRollouts(cfg, run_config("pg", "homogeneous", cfg), sink,  # pg's samples
-                                fleet_samplers("homogeneous", cfg, start))
+    rollouts = LockstepRollouts(
+        cfg,
+        run_config("pg", "homogeneous", cfg),
+        sink,  # pg's samples
+        fleet_samplers("homogeneous", cfg, start),
+    )
     episodes = [r for g in rollouts.take(cfg.prompts, timeout=0) for r in g.rollouts]
     width = max(len(r.token_ids()) for r in episodes)
     ids = torch.zeros(len(episodes), width, dtype=torch.long)
@@ -88,7 +94,9 @@ def probe_set(cfg: AblationConfig, start: Path, version0: dict[str, torch.Tensor
 
 
 @torch.no_grad()
-def trainer_probs(model: torch.nn.Module, weights: dict, ids: torch.Tensor, where: np.ndarray) -> torch.Tensor:
+def trainer_probs(
+    model: torch.nn.Module, weights: dict, ids: torch.Tensor, where: np.ndarray
+) -> torch.Tensor:
     loaded = model.load_state_dict(weights, strict=False)  # a tied lm_head is stored once
     if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:
         raise ValueError(f"weights do not fit the trainer's model: {loaded}")
@@ -102,7 +110,8 @@ def sampler_probs(sampler: object, view: dict, ids: torch.Tensor, where: np.ndar
     rounds K and V as it does when sampling)."""
     model = sampler.model  # type: ignore[attr-defined]
     model.load_weights(view)
-    cache = model.new_cache(ids.shape[0], capacity=ids.shape[1], kv_dtype=sampler.engine.config.kv_cache_dtype)  # type: ignore[attr-defined]
+    kv_dtype = sampler.engine.config.kv_cache_dtype  # type: ignore[attr-defined]
+    cache = model.new_cache(ids.shape[0], capacity=ids.shape[1], kv_dtype=kv_dtype)
     logits = model(ids, cache, rows=torch.arange(ids.shape[0]))
     return torch.softmax(logits[where[:, 0], where[:, 1]].float(), dim=-1)
 
@@ -118,12 +127,16 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def rounding_error_cosine(weights: list[dict], views: list[dict], k: int) -> float:
     """Mean over t of the cosine between the projection weights' rounding error (view - weight) at
     version t and at t + k: does the weights' quantisation error keep its direction as they train."""
-    errors = [torch.cat([(view[n] - w[n]).flatten() for n in sorted(w) if is_quantizable(n, w[n])])
-              for w, view in zip(weights, views, strict=True)]
+    errors = [
+        torch.cat([(view[n] - w[n]).flatten() for n in sorted(w) if is_quantizable(n, w[n])])
+        for w, view in zip(weights, views, strict=True)
+    ]
     return float(np.mean([cosine(errors[t], errors[t + k]) for t in range(len(errors) - k)]))
 
 
-def measure(cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list[int]) -> dict[str, dict] | None:
+def measure(
+    cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list[int]
+) -> dict[str, dict] | None:
     from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
 
@@ -131,13 +144,18 @@ def measure(cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list
     sink = KeepingSink()
     t0 = time.monotonic()
     train_arm("pg", "homogeneous", replace(cfg, lag=0), start, sink=sink)
-    print(f"seed {cfg.seed}: {cfg.steps} steps of pg (homogeneous, lag 0) in {time.monotonic() - t0:.0f} s", flush=True)
+    print(
+        f"seed {cfg.seed}: {cfg.steps} steps of pg (homogeneous, lag 0) in {time.monotonic() - t0:.0f} s",
+        flush=True,
+    )
     versions = [sink.kept[v] for v in sorted(sink.kept)]
     ids, where = probe_set(cfg, start, versions[0])
     trainer = HFBackend.from_pretrained(start, ObjectiveConfig(mode="pg")).model.eval()
     p = [trainer_probs(trainer, w, ids, where) for w in versions]
     if all(torch.equal(x, p[0]) for x in p):  # every group scores alike from the start: no gradient
-        print(f"seed {cfg.seed}: the policy never moves (locked in from the warm start): left out", flush=True)
+        print(
+            f"seed {cfg.seed}: the policy never moves (locked in from the warm start): left out", flush=True
+        )
         return None
 
     d: dict[str, list[torch.Tensor | None]] = {}
@@ -170,9 +188,19 @@ def measure(cfg: AblationConfig, lags: list[int], gaps: list[int], windows: list
             row[f"cos {k}"] = float(np.mean([cosine(diffs[t], diffs[t + k]) for t in ts if t + k in diffs]))
         for w in windows:
             chunks = [ts[i : i + w] for i in range(0, len(ts) - w + 1, w)]
-            row[f"coherence {w}"] = float(np.mean([
-                float(torch.stack([diffs[t] for t in c]).sum(0).norm()) / sum(float(diffs[t].norm()) for t in c)
-                for c in chunks])) if chunks else float("nan")
+            row[f"coherence {w}"] = (
+                float(
+                    np.mean(
+                        [
+                            float(torch.stack([diffs[t] for t in c]).sum(0).norm())
+                            / sum(float(diffs[t].norm()) for t in c)
+                            for c in chunks
+                        ]
+                    )
+                )
+                if chunks
+                else float("nan")
+            )
         out[label] = {"row": row, "weight_cos": weight_cos.get(label, {})}
     return out
 
@@ -194,8 +222,15 @@ def main() -> None:
     lags, gaps, windows = ([int(x) for x in s.split(",")] for s in (args.lags, args.gaps, args.windows))
     per_seed = []
     for seed in parse_seeds(args.seeds):
-        cfg = AblationConfig(task=args.task, max_new_tokens=args.max_new_tokens, warm_start=args.warm_start,
-                             learning_rate=args.lr, logit_std=args.logit_std, steps=args.steps, seed=seed)
+        cfg = AblationConfig(
+            task=args.task,
+            max_new_tokens=args.max_new_tokens,
+            warm_start=args.warm_start,
+            learning_rate=args.lr,
+            logit_std=args.logit_std,
+            steps=args.steps,
+            seed=seed,
+        )
         measured = measure(cfg, lags, gaps, windows)
         if measured is not None:
             per_seed.append(measured)
@@ -203,23 +238,34 @@ def main() -> None:
         raise SystemExit("no seed's policy moved: nothing to measure")
     labels = list(per_seed[0])
     columns = list(per_seed[0][labels[0]]["row"])
-    print(f"\nmismatch direction, mean over {len(per_seed)} seeds of {args.seeds} ({args.task}, logit std {args.logit_std}, "
-          f"warm start {args.warm_start}, "
-          f"{args.steps} steps of on-policy pg; random directions give coherence W ~ 1/sqrt(W): "
-          + ", ".join(f"{1 / math.sqrt(w):.2f} at {w}" for w in windows) + ")\n")
+    print(
+        f"\nmismatch direction, mean over {len(per_seed)} seeds of {args.seeds} ({args.task}, logit std {args.logit_std}, "
+        f"warm start {args.warm_start}, "
+        f"{args.steps} steps of on-policy pg; random directions give coherence W ~ 1/sqrt(W): "
+        + ", ".join(f"{1 / math.sqrt(w):.2f} at {w}" for w in windows)
+        + ")\n"
+    )
     print("| source | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for label in labels:
         values = [np.mean([s[label]["row"][c] for s in per_seed]) for c in columns]
-        print(f"| {label} | " + " | ".join(f"{v:.2e}" if c in ("kl", "tv") else f"{v:.2f}"
-                                           for c, v in zip(columns, values, strict=True)) + " |")
+        print(
+            f"| {label} | "
+            + " | ".join(
+                f"{v:.2e}" if c in ("kl", "tv") else f"{v:.2f}" for c, v in zip(columns, values, strict=True)
+            )
+            + " |"
+        )
     print("\nweights' rounding error: cosine between (view - weight) of the projections at t and t + k\n")
     print("| format | " + " | ".join(f"k = {k}" for k in gaps) + " |")
     print("|---" * (len(gaps) + 1) + "|")
     for label in labels:
         if per_seed[0][label]["weight_cos"]:
-            print(f"| {label} | " + " | ".join(f"{np.mean([s[label]['weight_cos'][k] for s in per_seed]):.2f}"
-                                               for k in gaps) + " |")
+            print(
+                f"| {label} | "
+                + " | ".join(f"{np.mean([s[label]['weight_cos'][k] for s in per_seed]):.2f}" for k in gaps)
+                + " |"
+            )
 
 
 if __name__ == "__main__":

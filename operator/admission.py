@@ -48,8 +48,13 @@ def admission_message(kind: str, manifest: dict[str, Any]) -> str | None:
 
 def own_child_names(job: str) -> set[str]:
     """Names of a job's own children (besides its groups): <job>-trainer, -router, -config, ..."""
-    return {n.trainer_name(job), n.router_name(job), n.config_name(job), n.weightchannel_name(job),
-            n.router_secret_name(job)}  # fmt: skip
+    return {
+        n.trainer_name(job),
+        n.router_name(job),
+        n.config_name(job),
+        n.weightchannel_name(job),
+        n.router_secret_name(job),
+    }
 
 
 def in_namespace(index: Any, namespace: str | None) -> list[dict[str, Any]]:
@@ -117,7 +122,9 @@ def _store_words(store: Mapping[str, Any]) -> str:
     return f"path {store.get('path')}"
 
 
-def stores_overlap(a: Mapping[str, Any], a_namespace: str | None, b: Mapping[str, Any], b_namespace: str | None) -> bool:
+def stores_overlap(
+    a: Mapping[str, Any], a_namespace: str | None, b: Mapping[str, Any], b_namespace: str | None
+) -> bool:
     """Pure: two RLJobs' weight stores (`spec.weightChannel.store`) are one channel or nested in each other.
 
     - S3: the same bucket (bucket names are global, so across namespaces) and prefixes of which one is the
@@ -132,13 +139,17 @@ def stores_overlap(a: Mapping[str, Any], a_namespace: str | None, b: Mapping[str
     if kind != (b.get("type") or "filesystem"):
         return False
     if kind == "s3":
-        return a.get("bucket") == b.get("bucket") and _nested(_parts(a.get("prefix") or ""), _parts(b.get("prefix") or ""))
+        return a.get("bucket") == b.get("bucket") and _nested(
+            _parts(a.get("prefix") or ""), _parts(b.get("prefix") or "")
+        )
     if a_namespace != b_namespace or a.get("volumeClaimName") != b.get("volumeClaimName"):
         return False
     return bool(a.get("volumeClaimName")) or _nested(_parts(a.get("path") or ""), _parts(b.get("path") or ""))
 
 
-def shared_store_message(job: Mapping[str, Any], namespace: str | None, other_jobs: Iterable[Mapping[str, Any]]) -> str | None:
+def shared_store_message(
+    job: Mapping[str, Any], namespace: str | None, other_jobs: Iterable[Mapping[str, Any]]
+) -> str | None:
     """Why `job` may not use its weight store (None: no other RLJob's store overlaps it): two trainers on
     one channel would interleave two models' versions (the trainer's writer lease refuses the second one
     at start; this refuses it at `kubectl apply`). `other_jobs`: RLJobs as the API lists them (every

@@ -93,8 +93,13 @@ class AutopilotAction:
     reason: str
 
 
-def _first_runnable(candidates: Iterable[str], accelerator: str, kv_cache_dtype: str, published: Iterable[str],
-                    catalog: Catalog | None) -> str | None:  # fmt: skip
+def _first_runnable(
+    candidates: Iterable[str],
+    accelerator: str,
+    kv_cache_dtype: str,
+    published: Iterable[str],
+    catalog: Catalog | None,
+) -> str | None:
     """The first of `candidates` the channel publishes and the class runs with this KV-cache dtype."""
     views = set(published)
     for candidate in candidates:
@@ -108,8 +113,13 @@ def _first_runnable(candidates: Iterable[str], accelerator: str, kv_cache_dtype:
     return None
 
 
-def next_format(accelerator: str, weight_format: str, kv_cache_dtype: str, published: Iterable[str],
-                catalog: Catalog | None = None) -> str | None:  # fmt: skip
+def next_format(
+    accelerator: str,
+    weight_format: str,
+    kv_cache_dtype: str,
+    published: Iterable[str],
+    catalog: Catalog | None = None,
+) -> str | None:
     """The next format up the ladder that the class runs with this KV-cache dtype and the channel
     publishes; None: no step left (at the top, or off the ladder)."""
     if weight_format not in LADDER:
@@ -118,8 +128,14 @@ def next_format(accelerator: str, weight_format: str, kv_cache_dtype: str, publi
     return _first_runnable(above, accelerator, kv_cache_dtype, published, catalog)
 
 
-def cheaper_format(accelerator: str, weight_format: str, floor_format: str | None, kv_cache_dtype: str,
-                   published: Iterable[str], catalog: Catalog | None = None) -> str | None:  # fmt: skip
+def cheaper_format(
+    accelerator: str,
+    weight_format: str,
+    floor_format: str | None,
+    kv_cache_dtype: str,
+    published: Iterable[str],
+    catalog: Catalog | None = None,
+) -> str | None:
     """The next format down the ladder, not below `floor_format`, that the class runs with this KV-cache
     dtype and the channel publishes; None: none (at or below the floor, or either off the ladder)."""
     if weight_format not in LADDER or floor_format not in LADDER:
@@ -164,9 +180,13 @@ def over_budget(r: AutopilotReading) -> str | None:
 
 
 def autopilot(
-    readings: Sequence[AutopilotReading], memory: AutopilotMemory, patience: int, published: Iterable[str],
-    catalog: Catalog | None = None, step_down: StepDown | None = None,
-) -> tuple[list[AutopilotAction], AutopilotMemory]:  # fmt: skip
+    readings: Sequence[AutopilotReading],
+    memory: AutopilotMemory,
+    patience: int,
+    published: Iterable[str],
+    catalog: Catalog | None = None,
+    step_down: StepDown | None = None,
+) -> tuple[list[AutopilotAction], AutopilotMemory]:
     """This interval's actions and the memory after it (module docstring). `step_down` None: never down."""
     views = list(published)
     actions: list[AutopilotAction] = []
@@ -195,8 +215,14 @@ def autopilot(
     return actions, out
 
 
-def _within(r: AutopilotReading, memory: AutopilotMemory, out: AutopilotMemory, views: Sequence[str],
-            catalog: Catalog | None, step_down: StepDown | None) -> AutopilotAction | None:  # fmt: skip
+def _within(
+    r: AutopilotReading,
+    memory: AutopilotMemory,
+    out: AutopilotMemory,
+    views: Sequence[str],
+    catalog: Catalog | None,
+    step_down: StepDown | None,
+) -> AutopilotAction | None:
     """An interval not over budget: the cool-down counts (with a report), and once it is over, a
     probation passes and the group tries the next cheaper format (module docstring)."""
     within = memory.within.get(r.name, 0) + (within_budget(r) is not None)
@@ -215,15 +241,27 @@ def _within(r: AutopilotReading, memory: AutopilotMemory, out: AutopilotMemory, 
         return None
     out.probation.add(r.name)
     return AutopilotAction(
-        r.name, "step-down", r.weight_format, target,
+        r.name,
+        "step-down",
+        r.weight_format,
+        target,
         f"within its budget ({within_budget(r)}) for {within} intervals (the cool-down {cooldown}): "
         f"weightFormat {r.weight_format} -> {target}; back to {r.weight_format} if over it again "
-        f"within the next {cooldown} intervals, with the cool-down doubled")  # fmt: skip
+        f"within the next {cooldown} intervals, with the cool-down doubled",
+    )
 
 
-def _over(r: AutopilotReading, why: str, memory: AutopilotMemory, out: AutopilotMemory, patience: int,
-          views: Sequence[str], catalog: Catalog | None, step_down: StepDown | None,
-          step_up: bool = True) -> AutopilotAction | None:  # fmt: skip
+def _over(
+    r: AutopilotReading,
+    why: str,
+    memory: AutopilotMemory,
+    out: AutopilotMemory,
+    patience: int,
+    views: Sequence[str],
+    catalog: Catalog | None,
+    step_down: StepDown | None,
+    step_up: bool = True,
+) -> AutopilotAction | None:
     """An interval over budget: after `patience` in a row a step up (its cool-down doubled when it breaches
     on probation), or a quarantine with no step left or none to take (`step_up` False: invalid answers)."""
     count = memory.over.get(r.name, 0) + 1
@@ -238,15 +276,29 @@ def _over(r: AutopilotReading, why: str, memory: AutopilotMemory, out: Autopilot
         held += f" after a step down: the cool-down doubles, {cooldown} -> {doubled} intervals{bound}"
         out.probation.discard(r.name)
         out.cooldown[r.name] = doubled
-    target = next_format(r.accelerator, r.weight_format, r.kv_cache_dtype, views, catalog) if step_up else None
+    target = (
+        next_format(r.accelerator, r.weight_format, r.kv_cache_dtype, views, catalog) if step_up else None
+    )
     if not step_up:
-        return AutopilotAction(r.name, "quarantine", r.weight_format, None,
-                               f"{held}: quarantined (invalid answers are not a precision to step up from)")
+        return AutopilotAction(
+            r.name,
+            "quarantine",
+            r.weight_format,
+            None,
+            f"{held}: quarantined (invalid answers are not a precision to step up from)",
+        )
     if target is None:
-        return AutopilotAction(r.name, "quarantine", r.weight_format, None,
-                               f"{held}, no step up from {r.weight_format} (the ladder {' -> '.join(LADDER)} within "
-                               f"what {r.accelerator} runs and the channel publishes: {', '.join(views)}): quarantined")  # fmt: skip
-    return AutopilotAction(r.name, "step", r.weight_format, target, f"{held}: weightFormat {r.weight_format} -> {target}")
+        return AutopilotAction(
+            r.name,
+            "quarantine",
+            r.weight_format,
+            None,
+            f"{held}, no step up from {r.weight_format} (the ladder {' -> '.join(LADDER)} within "
+            f"what {r.accelerator} runs and the channel publishes: {', '.join(views)}): quarantined",
+        )
+    return AutopilotAction(
+        r.name, "step", r.weight_format, target, f"{held}: weightFormat {r.weight_format} -> {target}"
+    )
 
 
 def cooldown_status(memory: AutopilotMemory, group: str) -> dict[str, Any] | None:
@@ -265,5 +317,7 @@ def group_budgets(optimize: FleetOptimizeSpec, name: str) -> tuple[float | None,
     bounds = optimize.groups.get(name)
     max_kl = bounds.max_kl if bounds is not None else None
     max_oor = bounds.max_oor_fraction if bounds is not None else None
-    return (max_kl if max_kl is not None else optimize.budgets.group_max_kl,
-            max_oor if max_oor is not None else optimize.budgets.group_max_oor_fraction)  # fmt: skip
+    return (
+        max_kl if max_kl is not None else optimize.budgets.group_max_kl,
+        max_oor if max_oor is not None else optimize.budgets.group_max_oor_fraction,
+    )

@@ -34,8 +34,14 @@ Manifest = dict[str, Any]
 # --- RLJob children ------------------------------------------------------------------------------------
 
 
-def build_samplergroup(job: RLJob, group: SamplerGroupTemplate, namespace: str, owner: Manifest | None,
-                       weight_format: str | None = None, replicas: int | None = None) -> Manifest:  # fmt: skip
+def build_samplergroup(
+    job: RLJob,
+    group: SamplerGroupTemplate,
+    namespace: str,
+    owner: Manifest | None,
+    weight_format: str | None = None,
+    replicas: int | None = None,
+) -> Manifest:
     """The SamplerGroup of one group, from the RLJob and its decisions (decide.py): `weight_format` is the
     decided one (None: the RLJob's). `replicas` only to create it (the RLJob's): after that its scale
     subresource owns them (replicas.py), and the builder leaves them out."""
@@ -90,7 +96,9 @@ def build_config_map(job: RLJob, namespace: str, owner: Manifest | None) -> Mani
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": n.object_meta(n.config_name(job.name), namespace, n.job_labels(job.name, "config"), owner),
+        "metadata": n.object_meta(
+            n.config_name(job.name), namespace, n.job_labels(job.name, "config"), owner
+        ),
         "data": {
             n.CONFIG_FILE: yaml.safe_dump(run_config(job, namespace), sort_keys=False),
             n.ROUTER_CONFIG_FILE: yaml.safe_dump(router_config(job, namespace), sort_keys=False),
@@ -103,14 +111,17 @@ def build_router_secret(job: RLJob, namespace: str, owner: Manifest | None, toke
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": n.object_meta(n.router_secret_name(job.name), namespace, n.job_labels(job.name, "router"), owner),
+        "metadata": n.object_meta(
+            n.router_secret_name(job.name), namespace, n.job_labels(job.name, "router"), owner
+        ),
         "type": "Opaque",
         "stringData": {"token": token},
     }
 
 
-def build_api_key_secret(owner_name: str, namespace: str, labels: dict[str, str], owner: Manifest | None,
-                         key: str) -> Manifest:  # fmt: skip
+def build_api_key_secret(
+    owner_name: str, namespace: str, labels: dict[str, str], owner: Manifest | None, key: str
+) -> Manifest:
     """The engine API key Secret of a job (or of a SamplerGroup outside any job), created once (never
     re-applied: the key is stable). Every pod reads it by secretKeyRef (workloads.api_key_env)."""
     return {
@@ -158,11 +169,16 @@ def build_router_service(job: RLJob, namespace: str, owner: Manifest | None) -> 
     }
 
 
-def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catalog: Catalog,
-                       observed_groups: dict[str, Manifest] | None = None,
-                       network: NetworkPolicySettings | None = None,
-                       sandbox_roles: Mapping[str, Manifest] | None = None,
-                       weight_formats: Mapping[str, str] | None = None) -> list[Manifest]:  # fmt: skip
+def build_job_children(
+    job: RLJob,
+    namespace: str,
+    owner: Manifest | None,
+    catalog: Catalog,
+    observed_groups: dict[str, Manifest] | None = None,
+    network: NetworkPolicySettings | None = None,
+    sandbox_roles: Mapping[str, Manifest] | None = None,
+    weight_formats: Mapping[str, str] | None = None,
+) -> list[Manifest]:
     """Every child of an RLJob in apply order (config and trainer before samplers: the trainer asks for
     whole GPU nodes, so it should reach the scheduler before the sampler pods fragment them; the
     NetworkPolicies, with `network`, before any pod; with sandboxes in the cluster, the trainer's account,
@@ -174,7 +190,9 @@ def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catal
     observed_groups = observed_groups or {}
     children = [
         *build_network_policies(job, namespace, owner, network),
-        *build_sandbox_children(job, namespace, owner, (sandbox_roles or {}).get(job.spec.rollout.sandbox.backend)),
+        *build_sandbox_children(
+            job, namespace, owner, (sandbox_roles or {}).get(job.spec.rollout.sandbox.backend)
+        ),
         build_config_map(job, namespace, owner),
         build_weightchannel(job, namespace, owner),
         build_trainer_service(job, namespace, owner),
@@ -184,8 +202,16 @@ def build_job_children(job: RLJob, namespace: str, owner: Manifest | None, catal
     ]
     for g in job.spec.sampler_groups:
         name = n.samplergroup_name(job.name, g.name)
-        children.append(build_samplergroup(job, g, namespace, owner, (weight_formats or {}).get(g.name),
-                                           None if name in observed_groups else g.replicas))  # fmt: skip
+        children.append(
+            build_samplergroup(
+                job,
+                g,
+                namespace,
+                owner,
+                (weight_formats or {}).get(g.name),
+                None if name in observed_groups else g.replicas,
+            )
+        )
     return children
 
 
@@ -211,13 +237,16 @@ def build_sampler_service(sg: SamplerGroup, namespace: str, owner: Manifest | No
     }
 
 
-def build_group_api_key_secret(sg: SamplerGroup, namespace: str, owner: Manifest | None, key: str) -> Manifest:
+def build_group_api_key_secret(
+    sg: SamplerGroup, namespace: str, owner: Manifest | None, key: str
+) -> Manifest:
     """The API key Secret of a SamplerGroup outside any job (a job's groups use the job's)."""
     return build_api_key_secret(sg.metadata.name or "", namespace, sampler_labels(sg), owner, key)
 
 
-def build_samplergroup_children(sg: SamplerGroup, namespace: str, owner: Manifest | None, catalog: Catalog,
-                                store: StoreSpec | None) -> list[Manifest]:  # fmt: skip
+def build_samplergroup_children(
+    sg: SamplerGroup, namespace: str, owner: Manifest | None, catalog: Catalog, store: StoreSpec | None
+) -> list[Manifest]:
     return [
         build_sampler_service(sg, namespace, owner),
         build_sampler_deployment(sg, namespace, owner, catalog, store),

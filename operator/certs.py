@@ -88,7 +88,7 @@ def new_ca(now: datetime.datetime) -> tuple[bytes, bytes]:
                 decipher_only=False,
             ),
             critical=True,
-        )  # fmt: skip
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
@@ -221,8 +221,10 @@ def _fresh(
     ca_pem, ca_key_pem = new_ca(now)
     cert_pem, key_pem = issue_serving(ca_pem, ca_key_pem, hosts, now)
     bundle = ca_pem + b"".join(_cert_pem(c) for c in keep if c.not_valid_after_utc > now)
-    return CertPlan(reason, {CA_CERT: _b64(bundle), CA_KEY: _b64(ca_key_pem), TLS_CERT: _b64(cert_pem),
-                             TLS_KEY: _b64(key_pem)})  # fmt: skip
+    return CertPlan(
+        reason,
+        {CA_CERT: _b64(bundle), CA_KEY: _b64(ca_key_pem), TLS_CERT: _b64(cert_pem), TLS_KEY: _b64(key_pem)},
+    )
 
 
 def plan_secret(
@@ -249,17 +251,28 @@ def plan_secret(
     return CertPlan(problem, {**data, TLS_CERT: _b64(cert_pem), TLS_KEY: _b64(key_pem)})
 
 
-def secret_body(name: str, namespace: str, data: Mapping[str, str], owner: Mapping[str, Any],
-                resource_version: str | None = None) -> dict[str, Any]:  # fmt: skip
+def secret_body(
+    name: str,
+    namespace: str,
+    data: Mapping[str, str],
+    owner: Mapping[str, Any],
+    resource_version: str | None = None,
+) -> dict[str, Any]:
     """The webhook Secret, owned by the ValidatingWebhookConfiguration it serves (deleting that, e.g.
     `helm uninstall`, garbage-collects the Secret). `resource_version`: write only over that version."""
     meta: dict[str, Any] = {
         "name": name,
         "namespace": namespace,
         "labels": {"app.kubernetes.io/part-of": "rlfleet", "app.kubernetes.io/component": "webhook"},
-        "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                             "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"]}],
-    }  # fmt: skip
+        "ownerReferences": [
+            {
+                "apiVersion": owner["apiVersion"],
+                "kind": owner["kind"],
+                "name": owner["metadata"]["name"],
+                "uid": owner["metadata"]["uid"],
+            }
+        ],
+    }
     if resource_version:
         meta["resourceVersion"] = resource_version
     return {"apiVersion": "v1", "kind": "Secret", "type": SECRET_TYPE, "metadata": meta, "data": dict(data)}

@@ -28,8 +28,12 @@ class ChannelRead:
     model: dict[str, Any] | None = None  # model_shape.model_shape of a published config.json, when read now
 
 
-def read_channel(spec: Mapping[str, Any], live_replicas: Mapping[str, frozenset[str]] | None = None,
-                 now: datetime | None = None, want_model: bool = False) -> ChannelRead:  # fmt: skip
+def read_channel(
+    spec: Mapping[str, Any],
+    live_replicas: Mapping[str, frozenset[str]] | None = None,
+    now: datetime | None = None,
+    want_model: bool = False,
+) -> ChannelRead:
     """Read a channel's status (groups from reports not older than SUBSCRIBER_STALE_AFTER_SECONDS) and,
     given the live pods of each sampler group, delete the reports `subscribers_to_remove` picks (each
     only if not rewritten since it was read); with `want_model`, the published model's head counts from a

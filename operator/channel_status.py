@@ -10,7 +10,11 @@ from rlfleet.operator.status import Manifest, condition, merge_conditions, neste
 
 
 def weightchannel_status(
-    wc: Manifest, channel: Any | None, error: str | None, now: str | None = None, model: Manifest | None = None
+    wc: Manifest,
+    channel: Any | None,
+    error: str | None,
+    now: str | None = None,
+    model: Manifest | None = None,
 ) -> dict[str, Any]:
     """Status of a WeightChannel from `rlfleet.channel.read_channel_status(...)` (or the error reading it)
     and the published model's head counts (`model_shape.model_shape`; None: not read now, the observed
@@ -27,7 +31,9 @@ def weightchannel_status(
         message = f"latest version unknown: {error or 'store not readable from the operator'}"[:4096]
         status.update(phase="Pending", message=message)
         ok, reason = False, "StoreUnreadable"
-        unreachable = f"store {store_description(wc)} unreachable from the operator: {error or 'not readable'}"
+        unreachable = (
+            f"store {store_description(wc)} unreachable from the operator: {error or 'not readable'}"
+        )
     else:
         latest = channel.latest_version
         status["artifacts"] = [
@@ -45,7 +51,7 @@ def weightchannel_status(
                     "base": a.base,
                 }.items()
                 if v is not None
-            }  # fmt: skip
+            }
             for a in channel.artifacts
         ][:16]
         share = channel.stored_share
@@ -64,7 +70,7 @@ def weightchannel_status(
                     "replicas": sorted(g.replicas)[:256] or None,
                 }.items()
                 if v is not None
-            }  # fmt: skip
+            }
             for g in channel.groups
         ][:64]
         if latest is None:
@@ -77,8 +83,13 @@ def weightchannel_status(
         old.get("conditions"),
         [
             condition("Ready", ok, reason, status["message"], generation),
-            condition("Degraded", unreachable is not None, "StoreUnreachable" if unreachable else "AsExpected",
-                      (unreachable or "store readable")[:4096], generation),  # fmt: skip
+            condition(
+                "Degraded",
+                unreachable is not None,
+                "StoreUnreachable" if unreachable else "AsExpected",
+                (unreachable or "store readable")[:4096],
+                generation,
+            ),
         ],
         now,
     )

@@ -58,7 +58,9 @@ from rlfleet.operator.rebalance import (
 from rlfleet.records import INVALID_METRIC_PREFIX
 
 RLJOB_FORMAT = "the RLJob's samplerGroups[].weightFormat"
-SG_REPLICAS = "the SamplerGroup's spec.replicas (the RLJob's samplerGroups[].replicas, or the last decision's)"
+SG_REPLICAS = (
+    "the SamplerGroup's spec.replicas (the RLJob's samplerGroups[].replicas, or the last decision's)"
+)
 SCALED_BY_HAND = "scaled on the SamplerGroup (kubectl scale)"
 RELEASED = f"annotation {group_status.ANN_QUARANTINED}=false"
 REASON_LIMIT = 1024  # each reason in status.decisions
@@ -147,9 +149,13 @@ class Decisions:
         return {
             "time": self.time,
             "groups": [_group_status(d, self) for d in self.groups.values()],
-            "views": {view: _present({"counter": m.counter, "time": m.time, "emaBytesPerSecond": m.ema_bytes_per_second})
-                      for view, m in self.state.views.items()},
-        }  # fmt: skip
+            "views": {
+                view: _present(
+                    {"counter": m.counter, "time": m.time, "emaBytesPerSecond": m.ema_bytes_per_second}
+                )
+                for view, m in self.state.views.items()
+            },
+        }
 
     @classmethod
     def from_status(cls, status: Mapping[str, Any] | None) -> Decisions | None:
@@ -164,16 +170,24 @@ class Decisions:
         for g in data.get("groups") or []:
             name = g["name"]
             groups[name] = GroupDecision(
-                name=name, replicas=int(g["replicas"]), replicas_reason=g.get("replicasReason", ""),
-                weight_format=g["weightFormat"], weight_format_reason=g.get("weightFormatReason", ""),
-                share=float(g["share"]), share_reason=g.get("shareReason", ""), quarantined=bool(g["quarantined"]),
-                quarantine_reason=g.get("quarantineReason", ""), job_weight_format=g["jobWeightFormat"],
-                held_quarantine=g.get("heldQuarantine"), job_replicas=g.get("jobReplicas"),
-            )  # fmt: skip
+                name=name,
+                replicas=int(g["replicas"]),
+                replicas_reason=g.get("replicasReason", ""),
+                weight_format=g["weightFormat"],
+                weight_format_reason=g.get("weightFormatReason", ""),
+                share=float(g["share"]),
+                share_reason=g.get("shareReason", ""),
+                quarantined=bool(g["quarantined"]),
+                quarantine_reason=g.get("quarantineReason", ""),
+                job_weight_format=g["jobWeightFormat"],
+                held_quarantine=g.get("heldQuarantine"),
+                job_replicas=g.get("jobReplicas"),
+            )
             _read_memory(name, g.get("memory") or {}, time, float(g["share"]), state, fleet, precision)
         for view, m in (data.get("views") or {}).items():
-            state.views[view] = ViewMemory(counter=m.get("counter"), time=m.get("time"),
-                                           ema_bytes_per_second=m.get("emaBytesPerSecond"))  # fmt: skip
+            state.views[view] = ViewMemory(
+                counter=m.get("counter"), time=m.get("time"), ema_bytes_per_second=m.get("emaBytesPerSecond")
+            )
         changes = dict((status or {}).get("precisionAutopilot") or {})
         return cls(time, groups, state, fleet, precision, changes)
 
@@ -182,12 +196,16 @@ def _group_status(d: GroupDecision, decisions: Decisions) -> dict[str, Any]:
     """One group of `status.decisions`: the decision and its policies' memory."""
     out: dict[str, Any] = {
         "name": d.name,
-        "replicas": d.replicas, "replicasReason": d.replicas_reason,
-        "weightFormat": d.weight_format, "weightFormatReason": d.weight_format_reason,
-        "share": d.share, "shareReason": d.share_reason,
-        "quarantined": d.quarantined, "quarantineReason": d.quarantine_reason,
+        "replicas": d.replicas,
+        "replicasReason": d.replicas_reason,
+        "weightFormat": d.weight_format,
+        "weightFormatReason": d.weight_format_reason,
+        "share": d.share,
+        "shareReason": d.share_reason,
+        "quarantined": d.quarantined,
+        "quarantineReason": d.quarantine_reason,
         "jobWeightFormat": d.job_weight_format,
-    }  # fmt: skip
+    }
     if d.held_quarantine is not None:
         out["heldQuarantine"] = d.held_quarantine
     if d.job_replicas is not None:
@@ -195,18 +213,31 @@ def _group_status(d: GroupDecision, decisions: Decisions) -> dict[str, Any]:
     memory: dict[str, Any] = {}
     rebalanced = decisions.state.groups.get(d.name)
     if rebalanced is not None:
-        memory.update(counters=dict(rebalanced.counters), tokensPerSecond=rebalanced.ema_tokens_per_second,
-                      recordedShare=rebalanced.recorded_share, shareHistory=[dict(h) for h in rebalanced.history])  # fmt: skip
+        memory.update(
+            counters=dict(rebalanced.counters),
+            tokensPerSecond=rebalanced.ema_tokens_per_second,
+            recordedShare=rebalanced.recorded_share,
+            shareHistory=[dict(h) for h in rebalanced.history],
+        )
     steady = decisions.fleet.steady.get(d.name)
     if steady is not None:
-        memory["steadyThroughput"] = _present({"tokensPerSecondPerReplica": steady.tokens_per_second_per_replica,
-                                               "replicas": steady.replicas, "weightFormat": steady.weight_format,
-                                               "measuredAt": steady.measured_at})  # fmt: skip
+        memory["steadyThroughput"] = _present(
+            {
+                "tokensPerSecondPerReplica": steady.tokens_per_second_per_replica,
+                "replicas": steady.replicas,
+                "weightFormat": steady.weight_format,
+                "measuredAt": steady.measured_at,
+            }
+        )
     if d.name in decisions.fleet.ready:
         memory["readyReplicas"], memory["readyUnchanged"] = decisions.fleet.ready[d.name]
     precision = decisions.precision
-    memory.update(overBudget=precision.over.get(d.name), settling=precision.settling.get(d.name),
-                  withinBudget=precision.within.get(d.name), precisionCooldown=autopilot.cooldown_status(precision, d.name))  # fmt: skip
+    memory.update(
+        overBudget=precision.over.get(d.name),
+        settling=precision.settling.get(d.name),
+        withinBudget=precision.within.get(d.name),
+        precisionCooldown=autopilot.cooldown_status(precision, d.name),
+    )
     out["memory"] = _present(memory)
     return out
 
@@ -216,20 +247,39 @@ def _present(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _read_memory(name: str, m: Mapping[str, Any], time: float, share: float, state: RebalanceState,
-                 fleet: fleetplan.FleetMemory, precision: autopilot.AutopilotMemory) -> None:  # fmt: skip
+def _read_memory(
+    name: str,
+    m: Mapping[str, Any],
+    time: float,
+    share: float,
+    state: RebalanceState,
+    fleet: fleetplan.FleetMemory,
+    precision: autopilot.AutopilotMemory,
+) -> None:
     """One group's policy memory from `status.decisions` into the three policies' memories."""
     if "counters" in m:
-        state.groups[name] = GroupMemory(counters={k: float(v) for k, v in m["counters"].items()}, time=time,
-                                         ema_tokens_per_second=m.get("tokensPerSecond"), share=share,
-                                         recorded_share=m.get("recordedShare"),
-                                         history=[dict(h) for h in m.get("shareHistory") or []])  # fmt: skip
+        state.groups[name] = GroupMemory(
+            counters={k: float(v) for k, v in m["counters"].items()},
+            time=time,
+            ema_tokens_per_second=m.get("tokensPerSecond"),
+            share=share,
+            recorded_share=m.get("recordedShare"),
+            history=[dict(h) for h in m.get("shareHistory") or []],
+        )
     if (steady := m.get("steadyThroughput")) is not None:
-        fleet.steady[name] = fleetplan.SteadyFigure(float(steady["tokensPerSecondPerReplica"]), int(steady["replicas"]),
-                                                    steady["weightFormat"], steady.get("measuredAt"))  # fmt: skip
+        fleet.steady[name] = fleetplan.SteadyFigure(
+            float(steady["tokensPerSecondPerReplica"]),
+            int(steady["replicas"]),
+            steady["weightFormat"],
+            steady.get("measuredAt"),
+        )
     if "readyReplicas" in m:
         fleet.ready[name] = (int(m["readyReplicas"]), int(m.get("readyUnchanged", 0)))
-    for key, counts in (("overBudget", precision.over), ("settling", precision.settling), ("withinBudget", precision.within)):
+    for key, counts in (
+        ("overBudget", precision.over),
+        ("settling", precision.settling),
+        ("withinBudget", precision.within),
+    ):
         if m.get(key) is not None:
             counts[name] = int(m[key])
     cooldown = m.get("precisionCooldown") or {}
@@ -274,12 +324,23 @@ def rate_window(interval_seconds: int) -> int:
 def invalid_tokens(trainer: Mapping[str, float]) -> dict[str, float]:
     """A group's invalid tokens by validation reason from its trainer metrics (`invalid_reason_<reason>`,
     trainer/metrics.py `invalid_token_metrics`), the counts > 0."""
-    return {k[len(INVALID_METRIC_PREFIX) :]: v for k, v in trainer.items() if k.startswith(INVALID_METRIC_PREFIX) and v > 0}
+    return {
+        k[len(INVALID_METRIC_PREFIX) :]: v
+        for k, v in trainer.items()
+        if k.startswith(INVALID_METRIC_PREFIX) and v > 0
+    }
 
 
-def group_input(job: RLJob, sg: Mapping[str, Any], pods: Mapping[str, PodSample], trainer: Mapping[str, float],
-                tokens_per_second: float | None, collapse_quarantine: frozenset[str] = frozenset(),
-                catalog: Catalog | None = None, held: str | None = None) -> GroupInput:  # fmt: skip
+def group_input(
+    job: RLJob,
+    sg: Mapping[str, Any],
+    pods: Mapping[str, PodSample],
+    trainer: Mapping[str, float],
+    tokens_per_second: float | None,
+    collapse_quarantine: frozenset[str] = frozenset(),
+    catalog: Catalog | None = None,
+    held: str | None = None,
+) -> GroupInput:
     """The share policy's input of one SamplerGroup (`sg`: as `child` derives it) with this interval's
     readings; `held`: the precision autopilot's held quarantine of the group."""
     spec = sg.get("spec") or {}
@@ -314,7 +375,9 @@ def group_input(job: RLJob, sg: Mapping[str, Any], pods: Mapping[str, PodSample]
     )
 
 
-def child(job: RLJob, group: SamplerGroupTemplate, observed: GroupObservation, weight_format: str) -> dict[str, Any]:
+def child(
+    job: RLJob, group: SamplerGroupTemplate, observed: GroupObservation, weight_format: str
+) -> dict[str, Any]:
     """The SamplerGroup the builder derives from the RLJob and the decided weight format, at its observed
     replicas, ready replicas and annotation: the group as the policies judge it."""
     sg = build_samplergroup(job, group, "", None, weight_format, observed.replicas)
@@ -345,8 +408,9 @@ def _carry(group: SamplerGroupTemplate, previous: GroupDecision | None, annotati
     return _Carried(previous.weight_format, previous.weight_format_reason, held)
 
 
-def decide(job: RLJob, observations: Observations, previous: Decisions | None, now: float,
-           catalog: Catalog) -> Decisions:  # fmt: skip
+def decide(
+    job: RLJob, observations: Observations, previous: Decisions | None, now: float, catalog: Catalog
+) -> Decisions:
     """This interval's decisions of `job` from `observations` and the `previous` decisions (None: the job's
     first). Module docstring: the rules."""
     templates = {g.name: g for g in job.spec.sampler_groups}
@@ -354,36 +418,74 @@ def decide(job: RLJob, observations: Observations, previous: Decisions | None, n
     before = previous.groups if previous is not None else {}
     carried = {o.name: _carry(templates[o.name], before.get(o.name), o.annotation) for o in observed}
     children = {o.name: child(job, templates[o.name], o, carried[o.name].weight_format) for o in observed}
-    inputs = [group_input(job, children[o.name], o.pods, o.trainer, o.tokens_per_second,
-                          observations.collapse_quarantine, catalog, carried[o.name].held) for o in observed]  # fmt: skip
+    inputs = [
+        group_input(
+            job,
+            children[o.name],
+            o.pods,
+            o.trainer,
+            o.tokens_per_second,
+            observations.collapse_quarantine,
+            catalog,
+            carried[o.name].held,
+        )
+        for o in observed
+    ]
     memory = previous.precision if previous is not None else autopilot.AutopilotMemory()
     actions: list[autopilot.AutopilotAction] = []
     if job.spec.router.autopilot.enabled:
         actions, memory = _autopilot(job, inputs, children, memory, catalog)
         stepped = {a.group: a for a in actions}
-        inputs = [replace(g, quarantined=True) if g.name in stepped and stepped[g.name].kind == "quarantine" else g
-                  for g in inputs]  # fmt: skip
+        inputs = [
+            replace(g, quarantined=True) if g.name in stepped and stepped[g.name].kind == "quarantine" else g
+            for g in inputs
+        ]
     config = job_config(job, catalog)
     state = previous.state if previous is not None else None
     result = rebalance(inputs, state, now, config, weights_stored_bytes=observations.weights_stored_bytes)
     fleet = previous.fleet if previous is not None else fleetplan.FleetMemory()
     plan: fleetplan.FleetDecision | None = None
     if job.spec.router.optimize.enabled:
-        plan, fleet = _fleet_plan(job, observed, children, inputs, result, fleet, memory, observations, config, now)
+        plan, fleet = _fleet_plan(
+            job, observed, children, inputs, result, fleet, memory, observations, config, now
+        )
         if plan.shares is not None:  # the plan's shares instead of the policy's, bounded alike
             planned = [replace(g, static_share=plan.shares.get(g.name, 0.0)) for g in inputs]
-            result = rebalance(planned, state, now, replace(config, policy="plan", min_share=0.0),
-                               weights_stored_bytes=observations.weights_stored_bytes)  # fmt: skip
+            result = rebalance(
+                planned,
+                state,
+                now,
+                replace(config, policy="plan", min_share=0.0),
+                weights_stored_bytes=observations.weights_stored_bytes,
+            )
     changes = dict(previous.precision_changes) if previous is not None else {}
     changes.update({a.group: st.clip(a.reason) for a in actions})
-    groups = {o.name: _group_decision(templates[o.name], o, carried[o.name], before.get(o.name), result, plan,
-                                      actions, observations.collapse_quarantine) for o in observed}  # fmt: skip
+    groups = {
+        o.name: _group_decision(
+            templates[o.name],
+            o,
+            carried[o.name],
+            before.get(o.name),
+            result,
+            plan,
+            actions,
+            observations.collapse_quarantine,
+        )
+        for o in observed
+    }
     return Decisions(now, groups, result.state, fleet, memory, changes, result, plan, tuple(actions))
 
 
-def _group_decision(group: SamplerGroupTemplate, o: GroupObservation, carried: _Carried, previous: GroupDecision | None,
-                    result: RebalanceResult, plan: fleetplan.FleetDecision | None,
-                    actions: Sequence[autopilot.AutopilotAction], collapse: frozenset[str]) -> GroupDecision:  # fmt: skip
+def _group_decision(
+    group: SamplerGroupTemplate,
+    o: GroupObservation,
+    carried: _Carried,
+    previous: GroupDecision | None,
+    result: RebalanceResult,
+    plan: fleetplan.FleetDecision | None,
+    actions: Sequence[autopilot.AutopilotAction],
+    collapse: frozenset[str],
+) -> GroupDecision:
     """One group's decision from the policies' outcomes."""
     weight_format, format_reason, held = carried.weight_format, carried.weight_format_reason, carried.held
     for action in (a for a in actions if a.group == o.name):
@@ -394,26 +496,42 @@ def _group_decision(group: SamplerGroupTemplate, o: GroupObservation, carried: _
     replicas, replicas_reason = _replicas(group, o, previous, plan)
     quarantine = group_status.quarantine_source(group.quarantined, o.annotation, o.name in collapse, held)
     return GroupDecision(
-        name=o.name, replicas=replicas, replicas_reason=st.clip(replicas_reason, REASON_LIMIT),
-        weight_format=weight_format, weight_format_reason=st.clip(format_reason, REASON_LIMIT),
-        share=result.shares[o.name], share_reason=st.clip(result.groups[o.name].reason, REASON_LIMIT),
-        quarantined=quarantine is not None, quarantine_reason=st.clip(quarantine or "", REASON_LIMIT),
-        job_weight_format=group.weight_format, held_quarantine=held and st.clip(held, REASON_LIMIT),
+        name=o.name,
+        replicas=replicas,
+        replicas_reason=st.clip(replicas_reason, REASON_LIMIT),
+        weight_format=weight_format,
+        weight_format_reason=st.clip(format_reason, REASON_LIMIT),
+        share=result.shares[o.name],
+        share_reason=st.clip(result.groups[o.name].reason, REASON_LIMIT),
+        quarantined=quarantine is not None,
+        quarantine_reason=st.clip(quarantine or "", REASON_LIMIT),
+        job_weight_format=group.weight_format,
+        held_quarantine=held and st.clip(held, REASON_LIMIT),
         job_replicas=group.replicas,
-    )  # fmt: skip
+    )
 
 
-def _replicas(group: SamplerGroupTemplate, o: GroupObservation, previous: GroupDecision | None,
-              plan: fleetplan.FleetDecision | None) -> tuple[int, str]:  # fmt: skip
+def _replicas(
+    group: SamplerGroupTemplate,
+    o: GroupObservation,
+    previous: GroupDecision | None,
+    plan: fleetplan.FleetDecision | None,
+) -> tuple[int, str]:
     """A group's replicas and why (module docstring): the RLJob's change, the plan's, else the observed."""
     if previous is not None and previous.job_replicas is not None and previous.job_replicas != group.replicas:
         return group.replicas, rljob_replicas_reason(previous.job_replicas, group.replicas)
     if plan is not None and o.name in plan.changes():
         return plan.replicas[o.name], f"fleet plan ({plan.decision}): {plan.reason}"
-    expected, whose = (previous.replicas, "the last decision's") if previous is not None else (group.replicas, "the RLJob's")
+    expected, whose = (
+        (previous.replicas, "the last decision's")
+        if previous is not None
+        else (group.replicas, "the RLJob's")
+    )
     if o.replicas != expected:
-        return o.replicas, (f"{SCALED_BY_HAND} to {o.replicas}, not {whose} {expected}: kept until the RLJob's "
-                            "samplerGroups[].replicas changes")  # fmt: skip
+        return o.replicas, (
+            f"{SCALED_BY_HAND} to {o.replicas}, not {whose} {expected}: kept until the RLJob's "
+            "samplerGroups[].replicas changes"
+        )
     if previous is not None and previous.replicas_reason.startswith(SCALED_BY_HAND):
         return o.replicas, previous.replicas_reason  # still the hand's
     return o.replicas, SG_REPLICAS
@@ -430,27 +548,49 @@ def replicas_changed_in_rljob(old_spec: Mapping[str, Any] | None, job: RLJob) ->
     if not old_spec:
         return {}
     before = {g.get("name"): int(g.get("replicas", 1)) for g in old_spec.get("samplerGroups") or []}
-    return {g.name: (before[g.name], g.replicas) for g in job.spec.sampler_groups
-            if g.name in before and before[g.name] != g.replicas}  # fmt: skip
+    return {
+        g.name: (before[g.name], g.replicas)
+        for g in job.spec.sampler_groups
+        if g.name in before and before[g.name] != g.replicas
+    }
 
 
-def _autopilot(job: RLJob, inputs: Sequence[GroupInput], children: Mapping[str, Mapping[str, Any]],
-               memory: autopilot.AutopilotMemory, catalog: Catalog) -> tuple[list[autopilot.AutopilotAction], autopilot.AutopilotMemory]:  # fmt: skip
+def _autopilot(
+    job: RLJob,
+    inputs: Sequence[GroupInput],
+    children: Mapping[str, Mapping[str, Any]],
+    memory: autopilot.AutopilotMemory,
+    catalog: Catalog,
+) -> tuple[list[autopilot.AutopilotAction], autopilot.AutopilotMemory]:
     """The precision autopilot's interval (autopilot.py) over the groups as decided so far."""
     optimize, spec = job.spec.router.optimize, job.spec.router.autopilot
-    floors = {group.name: group.weight_format for group in job.spec.sampler_groups}  # no step down below the RLJob's
+    floors = {
+        group.name: group.weight_format for group in job.spec.sampler_groups
+    }  # no step down below the RLJob's
     readings = []
     for g in inputs:
         max_kl, max_oor = autopilot.group_budgets(optimize, g.name)
-        readings.append(autopilot.AutopilotReading(
-            name=g.name, accelerator=g.accelerator, weight_format=g.weight_format,
-            kv_cache_dtype=children[g.name]["spec"].get("kvCacheDtype", "auto"), kl=g.kl, oor_fraction=g.oor_fraction,
-            max_kl=max_kl, max_oor_fraction=max_oor, quarantined=g.quarantined or _released(children[g.name]),
-            floor_format=floors.get(g.name), trained_fraction=g.trained_fraction, invalid_tokens=g.invalid_tokens,
-            max_invalid_fraction=spec.max_invalid_fraction,
-        ))  # fmt: skip
+        readings.append(
+            autopilot.AutopilotReading(
+                name=g.name,
+                accelerator=g.accelerator,
+                weight_format=g.weight_format,
+                kv_cache_dtype=children[g.name]["spec"].get("kvCacheDtype", "auto"),
+                kl=g.kl,
+                oor_fraction=g.oor_fraction,
+                max_kl=max_kl,
+                max_oor_fraction=max_oor,
+                quarantined=g.quarantined or _released(children[g.name]),
+                floor_format=floors.get(g.name),
+                trained_fraction=g.trained_fraction,
+                invalid_tokens=g.invalid_tokens,
+                max_invalid_fraction=spec.max_invalid_fraction,
+            )
+        )
     published = views_to_publish(group.weight_format for group in job.spec.sampler_groups)
-    step_down = autopilot.StepDown(spec.cooldown_intervals, spec.max_cooldown_intervals) if spec.step_down else None
+    step_down = (
+        autopilot.StepDown(spec.cooldown_intervals, spec.max_cooldown_intervals) if spec.step_down else None
+    )
     return autopilot.autopilot(readings, memory, spec.patience, published, catalog, step_down)
 
 
@@ -459,10 +599,18 @@ def _released(sg: Mapping[str, Any]) -> bool:
     return ((sg.get("metadata") or {}).get("annotations") or {}).get(group_status.ANN_QUARANTINED) == "false"
 
 
-def _fleet_plan(job: RLJob, observed: Sequence[GroupObservation], children: Mapping[str, Mapping[str, Any]],
-                inputs: Sequence[GroupInput], result: RebalanceResult, fleet: fleetplan.FleetMemory,
-                precision: autopilot.AutopilotMemory, observations: Observations,
-                config: RebalanceConfig, now: float) -> tuple[fleetplan.FleetDecision, fleetplan.FleetMemory]:  # fmt: skip
+def _fleet_plan(
+    job: RLJob,
+    observed: Sequence[GroupObservation],
+    children: Mapping[str, Mapping[str, Any]],
+    inputs: Sequence[GroupInput],
+    result: RebalanceResult,
+    fleet: fleetplan.FleetMemory,
+    precision: autopilot.AutopilotMemory,
+    observations: Observations,
+    config: RebalanceConfig,
+    now: float,
+) -> tuple[fleetplan.FleetDecision, fleetplan.FleetMemory]:
     """The optimizer's decision of this interval from the share policy's readings (`result`: this
     interval's tokens/s per group, its views' stored bytes/s that price a group's weight traffic, the
     reference fleet's figures, the policy's shares), and its memory after it."""
@@ -477,12 +625,25 @@ def _fleet_plan(job: RLJob, observed: Sequence[GroupObservation], children: Mapp
         except (CatalogError, KeyError):
             default_tp = 1
         egress = replica_egress_cost_per_hour(g.egress_price_per_gb, g.weight_format, result.state)
-        readings.append(fleetplan.fleet_reading(children[o.name], g.price_per_gpu_hour, default_tp,
-                                                result.groups[g.name].measured_tokens_per_second,
-                                                g.kl, g.oor_fraction, g.quarantined, egress))  # fmt: skip
+        readings.append(
+            fleetplan.fleet_reading(
+                children[o.name],
+                g.price_per_gpu_hour,
+                default_tp,
+                result.groups[g.name].measured_tokens_per_second,
+                g.kl,
+                g.oor_fraction,
+                g.quarantined,
+                egress,
+            )
+        )
     router = job.spec.router
     # a Prometheus rate spans its window: a replica change shows in it for that long
-    settle = math.ceil(rate_window(router.rebalance_interval_seconds) / router.rebalance_interval_seconds) if router.prometheus_url else 1
+    settle = (
+        math.ceil(rate_window(router.rebalance_interval_seconds) / router.rebalance_interval_seconds)
+        if router.prometheus_url
+        else 1
+    )
     fleet = fleetplan.observe(fleet, readings, settle, st.now_iso(datetime.fromtimestamp(now, tz=UTC)))
     figures = fleetplan.plan_figures(readings, fleet, catalog)
     economics = result.economics
@@ -494,8 +655,16 @@ def _fleet_plan(job: RLJob, observed: Sequence[GroupObservation], children: Mapp
     )
     held = {g: "precision autopilot: settling after a precision change" for g in precision.settling}
     trainer = observations.trainer_fleet
-    request, left_out = fleetplan.fleet_request(router.optimize, job.spec.trainer.accelerator, reference, readings,
-                                                {g: f.tokens_per_second_per_replica for g, f in figures.items()},
-                                                held, trainer)  # fmt: skip
+    request, left_out = fleetplan.fleet_request(
+        router.optimize,
+        job.spec.trainer.accelerator,
+        reference,
+        readings,
+        {g: f.tokens_per_second_per_replica for g, f in figures.items()},
+        held,
+        trainer,
+    )
     _, demand_source = fleetplan.demand_of(router.optimize, trainer)
-    return fleetplan.decide(request, left_out, readings, result.shares, catalog, demand_source, figures), fleet
+    return fleetplan.decide(
+        request, left_out, readings, result.shares, catalog, demand_source, figures
+    ), fleet

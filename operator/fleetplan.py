@@ -113,8 +113,11 @@ class PlanFigure:
 
     def status(self) -> dict[str, Any]:
         """One group of RLJob `status.fleetPlan.throughput`."""
-        return {"tokensPerSecondPerReplica": round(self.tokens_per_second_per_replica, 1), "basis": self.basis,
-                "detail": self.detail[:256]}  # fmt: skip
+        return {
+            "tokensPerSecondPerReplica": round(self.tokens_per_second_per_replica, 1),
+            "basis": self.basis,
+            "detail": self.detail[:256],
+        }
 
 
 @dataclass
@@ -167,9 +170,15 @@ def _clip(text: str) -> str:
 
 
 def fleet_reading(
-    sg: Mapping[str, Any], price_per_gpu_hour: float, default_tensor_parallel: int, tokens_per_second: float | None,
-    kl: float | None, oor_fraction: float | None, quarantined: bool, egress_cost_per_replica_hour: float | None = None,
-) -> FleetReading:  # fmt: skip
+    sg: Mapping[str, Any],
+    price_per_gpu_hour: float,
+    default_tensor_parallel: int,
+    tokens_per_second: float | None,
+    kl: float | None,
+    oor_fraction: float | None,
+    quarantined: bool,
+    egress_cost_per_replica_hour: float | None = None,
+) -> FleetReading:
     """A SamplerGroup object (spec, status) with the interval's figures (`egress_cost_per_replica_hour`: its
     weight traffic per replica, from the rebalance's reading of its view; None: none read, or no price)."""
     spec, status = sg.get("spec") or {}, sg.get("status") or {}
@@ -192,8 +201,9 @@ def fleet_reading(
     )
 
 
-def observe(memory: FleetMemory, readings: Sequence[FleetReading], settle_intervals: int = 1,
-            now: str | None = None) -> FleetMemory:  # fmt: skip
+def observe(
+    memory: FleetMemory, readings: Sequence[FleetReading], settle_intervals: int = 1, now: str | None = None
+) -> FleetMemory:
     """The memory after this interval: a group's tokens/s per replica is taken when it is steady (ready =
     replicas > 0, and ready unchanged for `settle_intervals` intervals, or first seen) and made tokens
     (`now`: its measuredAt); else the last steady figure stays while it is of the group's weightFormat.
@@ -204,15 +214,24 @@ def observe(memory: FleetMemory, readings: Sequence[FleetReading], settle_interv
         unchanged = previous[1] + 1 if previous is not None and previous[0] == r.ready_replicas else 0
         settled = previous is None or unchanged >= settle_intervals
         kept = memory.steady.get(r.name)
-        if r.ready_replicas == r.replicas > 0 and settled and r.tokens_per_second is not None and r.tokens_per_second > 0:
-            out.steady[r.name] = SteadyFigure(r.tokens_per_second / r.ready_replicas, r.ready_replicas, r.weight_format, now)
+        if (
+            r.ready_replicas == r.replicas > 0
+            and settled
+            and r.tokens_per_second is not None
+            and r.tokens_per_second > 0
+        ):
+            out.steady[r.name] = SteadyFigure(
+                r.tokens_per_second / r.ready_replicas, r.ready_replicas, r.weight_format, now
+            )
         elif kept is not None and kept.weight_format == r.weight_format:
             out.steady[r.name] = kept
         out.ready[r.name] = (r.ready_replicas, unchanged)
     return out
 
 
-def plan_figures(readings: Sequence[FleetReading], memory: FleetMemory, catalog: Catalog) -> dict[str, PlanFigure]:
+def plan_figures(
+    readings: Sequence[FleetReading], memory: FleetMemory, catalog: Catalog
+) -> dict[str, PlanFigure]:
     """The tokens/s per replica each group is planned at: its last steady figure (`measured`), else, for
     a group at 0 replicas, an estimate from the groups with one through the catalog's relative decode
     throughputs (`estimated`; none without a measured group or a ratio for the group's class and
@@ -225,20 +244,35 @@ def plan_figures(readings: Sequence[FleetReading], memory: FleetMemory, catalog:
         if figure is None:
             continue
         at = f", {figure.measured_at}" if figure.measured_at else ""
-        out[r.name] = PlanFigure(figure.tokens_per_second_per_replica, "measured",
-                                 f"steady reading over {figure.replicas} replica(s) at {figure.weight_format}{at}")  # fmt: skip
+        out[r.name] = PlanFigure(
+            figure.tokens_per_second_per_replica,
+            "measured",
+            f"steady reading over {figure.replicas} replica(s) at {figure.weight_format}{at}",
+        )
         if catalog.decode_throughput(r.accelerator, r.weight_format) is not None:
-            measured.append(MeasuredGroup(r.name, r.accelerator, r.weight_format, r.gpus_per_replica, 0.0,
-                                          figure.tokens_per_second_per_replica, None))  # fmt: skip
+            measured.append(
+                MeasuredGroup(
+                    r.name,
+                    r.accelerator,
+                    r.weight_format,
+                    r.gpus_per_replica,
+                    0.0,
+                    figure.tokens_per_second_per_replica,
+                    None,
+                )
+            )
     for r in readings:
         if r.name in out or r.quarantined or r.replicas > 0 or not measured:
             continue
         per_gpu = estimated_reference_tokens_per_gpu_second(measured, r.accelerator, catalog, r.weight_format)
         if per_gpu is None or per_gpu <= 0:
             continue
-        out[r.name] = PlanFigure(per_gpu * r.gpus_per_replica, "estimated",
-                                 f"estimated from catalog throughput ratios ({r.accelerator} {r.weight_format} "
-                                 f"against the measured {', '.join(g.name for g in measured)})")  # fmt: skip
+        out[r.name] = PlanFigure(
+            per_gpu * r.gpus_per_replica,
+            "estimated",
+            f"estimated from catalog throughput ratios ({r.accelerator} {r.weight_format} "
+            f"against the measured {', '.join(g.name for g in measured)})",
+        )
     return out
 
 
@@ -249,7 +283,11 @@ def trainer_demand(trainer: Mapping[str, float], headroom: float) -> float | Non
     (`time_train`), so the rate at which a trainer that never waits on rollouts takes them, times the
     in-band share (1 - `oor_fraction`: the plan's demand counts usable tokens) and `headroom`. None
     before the trainer has reported a step."""
-    episodes, length, seconds = trainer.get("episodes"), trainer.get("response_length"), trainer.get("time_train")
+    episodes, length, seconds = (
+        trainer.get("episodes"),
+        trainer.get("response_length"),
+        trainer.get("time_train"),
+    )
     if episodes is None or length is None or seconds is None or seconds <= 0 or episodes * length <= 0:
         return None
     usable = 1.0 - min(max(trainer.get("oor_fraction", 0.0), 0.0), 1.0)
@@ -265,16 +303,22 @@ def demand_of(spec: FleetOptimizeSpec, trainer: Mapping[str, float]) -> tuple[fl
     derived = trainer_demand(trainer, spec.demand.headroom)
     if derived is None:
         return None, "derived from the trainer's steps, none reported yet"
-    return derived, (f"derived: {trainer['episodes'] * trainer['response_length']:.0f} tokens per step over "
-                     f"{trainer['time_train']:.2f} s of training, x {1.0 - min(max(trainer.get('oor_fraction', 0.0), 0.0), 1.0):.3f} "
-                     f"in band x headroom {spec.demand.headroom:g}")  # fmt: skip
+    return derived, (
+        f"derived: {trainer['episodes'] * trainer['response_length']:.0f} tokens per step over "
+        f"{trainer['time_train']:.2f} s of training, x {1.0 - min(max(trainer.get('oor_fraction', 0.0), 0.0), 1.0):.3f} "
+        f"in band x headroom {spec.demand.headroom:g}"
+    )
 
 
 def fleet_request(
-    spec: FleetOptimizeSpec, trainer_accelerator: str, reference: ReferenceFigures,
-    readings: Sequence[FleetReading], per_replica: Mapping[str, float], held: Mapping[str, str] | None = None,
+    spec: FleetOptimizeSpec,
+    trainer_accelerator: str,
+    reference: ReferenceFigures,
+    readings: Sequence[FleetReading],
+    per_replica: Mapping[str, float],
+    held: Mapping[str, str] | None = None,
     trainer: Mapping[str, float] | None = None,
-) -> tuple[FleetPlanRequest | None, dict[str, str]]:  # fmt: skip
+) -> tuple[FleetPlanRequest | None, dict[str, str]]:
     """The request of `plan_fleet` for this interval, and the groups left out of it with why (None: no
     group is in it, or the demand is not known yet). `held`: groups another controller is changing (the
     precision autopilot), left out with its reason. `trainer`: the trainer's last fleet metrics, for a
@@ -292,23 +336,25 @@ def fleet_request(
             left_out[r.name] = "no throughput reading yet"
             continue
         bounds = spec.groups.get(r.name)
-        figures.append(GroupFigures(
-            name=r.name,
-            accelerator=r.accelerator,
-            weight_format=r.weight_format,
-            gpus_per_replica=r.gpus_per_replica,
-            cost_per_replica_hour=r.cost_per_replica_hour,
-            tokens_per_second_per_replica=per_replica[r.name],
-            kl=r.kl or 0.0,
-            oor_fraction=min(max(r.oor_fraction or 0.0, 0.0), 1.0),
-            min_replicas=bounds.min_replicas if bounds else r.replicas,
-            max_replicas=bounds.max_replicas if bounds else r.replicas,
-            replicas=r.replicas,
-            max_kl=bounds.max_kl if bounds else None,
-            max_oor_fraction=bounds.max_oor_fraction if bounds else None,
-            spot=r.spot,
-            egress_cost_per_replica_hour=r.egress_cost_per_replica_hour,
-        ))  # fmt: skip
+        figures.append(
+            GroupFigures(
+                name=r.name,
+                accelerator=r.accelerator,
+                weight_format=r.weight_format,
+                gpus_per_replica=r.gpus_per_replica,
+                cost_per_replica_hour=r.cost_per_replica_hour,
+                tokens_per_second_per_replica=per_replica[r.name],
+                kl=r.kl or 0.0,
+                oor_fraction=min(max(r.oor_fraction or 0.0, 0.0), 1.0),
+                min_replicas=bounds.min_replicas if bounds else r.replicas,
+                max_replicas=bounds.max_replicas if bounds else r.replicas,
+                replicas=r.replicas,
+                max_kl=bounds.max_kl if bounds else None,
+                max_oor_fraction=bounds.max_oor_fraction if bounds else None,
+                spot=r.spot,
+                egress_cost_per_replica_hour=r.egress_cost_per_replica_hour,
+            )
+        )
     demand, _ = demand_of(spec, trainer or {})
     if not figures or demand is None:
         return None, left_out
@@ -316,8 +362,12 @@ def fleet_request(
     request = FleetPlanRequest(
         trainer_accelerator=trainer_accelerator,
         demand=Demand(usable_tokens_per_second=demand),
-        budgets=Budgets(max_kl=budgets.max_kl, max_oor_fraction=budgets.max_oor_fraction,
-                        group_max_kl=budgets.group_max_kl, group_max_oor_fraction=budgets.group_max_oor_fraction),
+        budgets=Budgets(
+            max_kl=budgets.max_kl,
+            max_oor_fraction=budgets.max_oor_fraction,
+            group_max_kl=budgets.group_max_kl,
+            group_max_oor_fraction=budgets.group_max_oor_fraction,
+        ),
         max_step_replicas=spec.max_step_replicas,
         hysteresis=spec.hysteresis,
         groups=figures,
@@ -326,9 +376,11 @@ def fleet_request(
             gpus_per_replica=1,
             cost_per_replica_hour=reference.cost_per_gpu_hour,
             tokens_per_second_per_replica=reference.tokens_per_gpu_second,
-            oor_fraction=reference.oor_fraction if reference.oor_fraction is None or reference.oor_fraction < 1 else None,
+            oor_fraction=reference.oor_fraction
+            if reference.oor_fraction is None or reference.oor_fraction < 1
+            else None,
         ),
-    )  # fmt: skip
+    )
     return request, left_out
 
 
@@ -343,29 +395,53 @@ def merged_shares(
 
 
 def decide(
-    request: FleetPlanRequest | None, left_out: Mapping[str, str], readings: Sequence[FleetReading],
-    policy_shares: Mapping[str, float], catalog: Catalog | None = None, demand_source: str = "given",
+    request: FleetPlanRequest | None,
+    left_out: Mapping[str, str],
+    readings: Sequence[FleetReading],
+    policy_shares: Mapping[str, float],
+    catalog: Catalog | None = None,
+    demand_source: str = "given",
     figures: Mapping[str, PlanFigure] | None = None,
-) -> FleetDecision:  # fmt: skip
+) -> FleetDecision:
     """One interval's decision (module docstring). `demand_source`: `demand_of`'s account of the demand;
     `figures`: `plan_figures` (the planned ones go to the status; an estimate is named in the reason)."""
     current = {r.name: r.replicas for r in readings}
     planned = {g.name for g in request.groups} if request is not None else set()
     used = {g: f for g, f in (figures or {}).items() if g in planned}
-    estimates = "; ".join(f"{g} planned at an estimated {f.tokens_per_second_per_replica:.0f} tokens/s per replica "
-                          f"(no steady reading of its own: {f.detail})" for g, f in used.items() if f.basis == "estimated")  # fmt: skip
+    estimates = "; ".join(
+        f"{g} planned at an estimated {f.tokens_per_second_per_replica:.0f} tokens/s per replica "
+        f"(no steady reading of its own: {f.detail})"
+        for g, f in used.items()
+        if f.basis == "estimated"
+    )
     egress = egress_notes(readings, planned)
-    out = "; ".join(p for p in (estimates, egress, *(f"{g} keeps its replicas ({why})" for g, why in left_out.items())) if p)
+    out = "; ".join(
+        p
+        for p in (estimates, egress, *(f"{g} keeps its replicas ({why})" for g, why in left_out.items()))
+        if p
+    )
 
     def unchanged(decision: Decision, reason: str) -> FleetDecision:
-        return FleetDecision(decision, "; ".join(p for p in (reason, out) if p), dict(current), current, figures=used)
+        return FleetDecision(
+            decision, "; ".join(p for p in (reason, out) if p), dict(current), current, figures=used
+        )
 
     if request is None:
-        waiting = ("no group has a throughput reading yet" if len(left_out) == len(readings)
-                   else f"the demand is not known yet ({demand_source})")  # fmt: skip
+        waiting = (
+            "no group has a throughput reading yet"
+            if len(left_out) == len(readings)
+            else f"the demand is not known yet ({demand_source})"
+        )
         return unchanged("Waiting", f"{waiting}: replicas kept, shares by the share policy")
     if demand_source != "given":
-        out = "; ".join(p for p in (f"demand {request.demand.usable_tokens_per_second:.0f} usable tokens/s {demand_source}", out) if p)
+        out = "; ".join(
+            p
+            for p in (
+                f"demand {request.demand.usable_tokens_per_second:.0f} usable tokens/s {demand_source}",
+                out,
+            )
+            if p
+        )
     try:
         plan = plan_fleet(request, catalog)
     except PlanInfeasible as exc:
@@ -399,31 +475,44 @@ def egress_notes(readings: Sequence[FleetReading], planned: set[str]) -> str:
         if r.name not in planned or not r.egress_price_per_gb:
             continue
         if r.egress_cost_per_replica_hour is None:
-            notes.append(f"{r.name} planned without its weight traffic (egress ${r.egress_price_per_gb:g}/GB: its "
-                         f"{r.weight_format} view's stored bytes not read yet)")  # fmt: skip
+            notes.append(
+                f"{r.name} planned without its weight traffic (egress ${r.egress_price_per_gb:g}/GB: its "
+                f"{r.weight_format} view's stored bytes not read yet)"
+            )
         else:
-            notes.append(f"{r.name} pays ${r.egress_cost_per_replica_hour:.4f}/h per replica for its weight traffic "
-                         f"(egress ${r.egress_price_per_gb:g}/GB), in its cost")  # fmt: skip
+            notes.append(
+                f"{r.name} pays ${r.egress_cost_per_replica_hour:.4f}/h per replica for its weight traffic "
+                f"(egress ${r.egress_price_per_gb:g}/GB), in its cost"
+            )
     return "; ".join(notes)
 
 
 def _step_toward_unstepped_optimum(
-    request: FleetPlanRequest, infeasible: PlanInfeasible, current: Mapping[str, int], out: str,
-    catalog: Catalog | None, figures: Mapping[str, PlanFigure],
-) -> FleetDecision | None:  # fmt: skip
+    request: FleetPlanRequest,
+    infeasible: PlanInfeasible,
+    current: Mapping[str, int],
+    out: str,
+    catalog: Catalog | None,
+    figures: Mapping[str, PlanFigure],
+) -> FleetDecision | None:
     """`Stepping` when the step bound alone makes the request infeasible (module docstring), else None."""
     step = request.max_step_replicas
     if step is None:
         return None
     try:
-        target = plan_fleet(request.model_copy(update={"max_step_replicas": None}), catalog, explain=False).replicas()
+        target = plan_fleet(
+            request.model_copy(update={"max_step_replicas": None}), catalog, explain=False
+        ).replicas()
     except (PlanInfeasible, CatalogError):
         return None
     replicas = {g: (min(target[g], x + step) if target.get(g, x) > x else x) for g, x in current.items()}
     if replicas == dict(current):
         return None
-    reason = (f"no plan within {step} replica(s) per group of the current ones meets the constraints ({infeasible}); "
-              f"the optimum without the step bound is {target}: the groups below it go up by at most {step}, "
-              "none goes down; shares by the share policy")  # fmt: skip
-    return FleetDecision("Stepping", "; ".join(p for p in (reason, out) if p), replicas, dict(current),
-                         figures=dict(figures))
+    reason = (
+        f"no plan within {step} replica(s) per group of the current ones meets the constraints ({infeasible}); "
+        f"the optimum without the step bound is {target}: the groups below it go up by at most {step}, "
+        "none goes down; shares by the share policy"
+    )
+    return FleetDecision(
+        "Stepping", "; ".join(p for p in (reason, out) if p), replicas, dict(current), figures=dict(figures)
+    )

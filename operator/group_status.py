@@ -27,14 +27,20 @@ REBALANCE_FIELDS = ("tokensPerSecond", "share", "costPerHour", "egressCostPerHou
                     "tokenShare", "oorShare", "routingMismatch", "usableFraction", "invalidTokens", "shareHistory")  # fmt: skip
 
 
-def quarantine_reason(sg: Manifest, collapse_quarantine: frozenset[str] = frozenset(), held: str | None = None) -> str | None:
+def quarantine_reason(
+    sg: Manifest, collapse_quarantine: frozenset[str] = frozenset(), held: str | None = None
+) -> str | None:
     """THE quarantine decision of a group (share 0, no new sessions), or None: `quarantine_source` of a
     SamplerGroup object (its `spec.quarantined`, which the RLJob's samplerGroups[].quarantined sets, and its
     annotation), the trainer's collapse detector with `safety.action: quarantine-group`
     (`collapse_quarantine`: group spec names) and the precision autopilot's `held` quarantine (decide.py)."""
     annotation = (nested(sg, "metadata", "annotations", default={}) or {}).get(ANN_QUARANTINED)
-    return quarantine_source(bool(nested(sg, "spec", "quarantined")), annotation,
-                             nested(sg, "spec", "name") in collapse_quarantine, held)  # fmt: skip
+    return quarantine_source(
+        bool(nested(sg, "spec", "quarantined")),
+        annotation,
+        nested(sg, "spec", "name") in collapse_quarantine,
+        held,
+    )
 
 
 def quarantine_source(spec: bool, annotation: str | None, collapse: bool, held: str | None) -> str | None:
@@ -74,9 +80,9 @@ def _rollout(spec: Manifest, deployment: Manifest | None) -> _Rollout:
     ready = int(nested(deployment, "status", "readyReplicas", default=0) or 0)
     replicas = int(nested(deployment, "status", "replicas", default=0) or 0)
     updated = int(nested(deployment, "status", "updatedReplicas", default=0) or 0)
-    dep_generation_seen = deployment is not None and nested(deployment, "status", "observedGeneration") == nested(
-        deployment, "metadata", "generation"
-    )
+    dep_generation_seen = deployment is not None and nested(
+        deployment, "status", "observedGeneration"
+    ) == nested(deployment, "metadata", "generation")
     deadline = object_condition(deployment, "Progressing")
     stalled = bool(deadline and deadline.get("reason") == "ProgressDeadlineExceeded")
     failure = object_condition(deployment, "ReplicaFailure")
@@ -95,10 +101,16 @@ def _rollout(spec: Manifest, deployment: Manifest | None) -> _Rollout:
     )
 
 
-def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Catalog,
-                        channel_status: Manifest | None = None, now: str | None = None,
-                        pods: list[Manifest] | tuple[Manifest, ...] = (), rebalance: Manifest | None = None,
-                        quarantine: str | None = None) -> dict[str, Any]:  # fmt: skip
+def samplergroup_status(
+    sg: Manifest,
+    deployment: Manifest | None,
+    catalog: Catalog,
+    channel_status: Manifest | None = None,
+    now: str | None = None,
+    pods: list[Manifest] | tuple[Manifest, ...] = (),
+    rebalance: Manifest | None = None,
+    quarantine: str | None = None,
+) -> dict[str, Any]:
     """The whole status of a SamplerGroup from the SG, its Deployment, its pods (`pods.pod_view`s), its
     WeightChannel status, the rebalance tick's fields for it (`GroupResult.status_patch()`; None: not
     rebalanced since the operator started: the observed values are kept) and `quarantine_reason`."""
@@ -107,9 +119,11 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
     generation = nested(sg, "metadata", "generation")
     spec = sg.get("spec", {})
     old = sg.get("status") or {}
-    balanced = {k: old[k] for k in REBALANCE_FIELDS if old.get(k) is not None} if rebalance is None else {
-        k: rebalance[k] for k in REBALANCE_FIELDS if rebalance.get(k) is not None
-    }  # fmt: skip
+    balanced = (
+        {k: old[k] for k in REBALANCE_FIELDS if old.get(k) is not None}
+        if rebalance is None
+        else {k: rebalance[k] for k in REBALANCE_FIELDS if rebalance.get(k) is not None}
+    )
     r = _rollout(spec, deployment)
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -154,7 +168,9 @@ def samplergroup_status(sg: Manifest, deployment: Manifest | None, catalog: Cata
         message += f"; {sync_error}"
         reason = FOREIGN_WEIGHTS_REASON if phase == "Running" else reason
         synced = (True, FOREIGN_WEIGHTS_REASON, str(sync_error))
-    elif sync_error:  # the replicas keep serving the version they have (sampler/sync.py): say what they refused
+    elif (
+        sync_error
+    ):  # the replicas keep serving the version they have (sampler/sync.py): say what they refused
         message += f"; weight sync failing (serving v{status.get('appliedWeightVersion')}): {sync_error}"
         synced = (False, "SyncFailing", sync_error)
     elif silent:  # serving, but invisible to retention and VERSION/LAG: say which pod and where to look
@@ -214,7 +230,11 @@ def _weight_sync(status: dict[str, Any], channel_status: Manifest | None, name: 
 
 
 def _group_phase(
-    r: _Rollout, no_deployment: bool, name: str, spec: Manifest, pods: list[Manifest] | tuple[Manifest, ...],
+    r: _Rollout,
+    no_deployment: bool,
+    name: str,
+    spec: Manifest,
+    pods: list[Manifest] | tuple[Manifest, ...],
     channel_status: Manifest | None,
 ) -> tuple[str, str, str]:
     """(phase, reason, message) of the group's rollout, before quarantine and notes are added."""
@@ -231,7 +251,11 @@ def _group_phase(
     if ready >= desired:
         return "Running", "AllReplicasReady", f"{ready}/{desired} replicas ready"
     if (problem := workload_problem(pods)) is not None:
-        return "Degraded", problem.reason, f"{ready}/{desired} replicas ready: Deployment {name}: {problem.message}"
+        return (
+            "Degraded",
+            problem.reason,
+            f"{ready}/{desired} replicas ready: Deployment {name}: {problem.message}",
+        )
     message = f"{ready}/{desired} replicas ready"
     if (queued := admission_wait(pods)) is not None:  # e.g. Kueue's gate: queued for quota, not broken
         return "Pending", queued.reason, f"{message}: Deployment {name}: {queued.message}"
@@ -321,8 +345,9 @@ def weights_wait_reason(spec: Manifest, channel_status: Manifest | None) -> str 
         refused = (  # its refusal is the trainer's exit message, in the RLJob's status (CrashLoopBackOff)
             "; the trainer refuses an mxfp4 view of a dense or Qwen3-family model before publishing anything "
             "(docs/weights.md): see the RLJob's status"
-            if view == "mxfp4" else ""
-        )  # fmt: skip
+            if view == "mxfp4"
+            else ""
+        )
         return (
             f"waiting for version 0 of view {view} in channel {channel}: {why} "
             f"(the trainer publishes version 0 of every view before step 1){refused}"
@@ -334,5 +359,3 @@ def weights_wait_reason(spec: Manifest, channel_status: Manifest | None) -> str 
             f"has views {', '.join(views) or 'none'}"
         )
     return None
-
-

@@ -93,4 +93,3 @@ def login(settings: kopf.OperatorSettings, **kwargs: Any) -> kopf.ConnectionInfo
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
     await kube.close_api()
-

@@ -98,7 +98,9 @@ def pods_idx(namespace: str | None, body: kopf.Body, **_: Any) -> dict | None:
 
 def is_failed_mount(body: Mapping[str, Any], **_: Any) -> bool:
     involved = body.get("involvedObject") or {}
-    return body.get("reason") == "FailedMount" and involved.get("kind") == "Pod" and bool(involved.get("name"))
+    return (
+        body.get("reason") == "FailedMount" and involved.get("kind") == "Pod" and bool(involved.get("name"))
+    )
 
 
 # Events carry no labels: keyed by the involved pod; only FailedMount (a Secret or ConfigMap missing from a
@@ -110,7 +112,11 @@ def mount_failures_idx(namespace: str | None, body: kopf.Body, **_: Any) -> dict
 
 def is_failed_create(body: Mapping[str, Any], **_: Any) -> bool:
     involved = body.get("involvedObject") or {}
-    return body.get("reason") == "FailedCreate" and involved.get("kind") == "StatefulSet" and bool(involved.get("name"))
+    return (
+        body.get("reason") == "FailedCreate"
+        and involved.get("kind") == "StatefulSet"
+        and bool(involved.get("name"))
+    )
 
 
 # The StatefulSet controller's refusals to create a pod (a ResourceQuota, a missing PriorityClass, a
@@ -175,7 +181,12 @@ class View:
 
         def of(component: str, owner: str) -> list[dict[str, Any]]:
             return [
-                {**pod, "mountFailure": latest_event_message(self.all(self.mount_failures, (namespace, pod["name"])))}
+                {
+                    **pod,
+                    "mountFailure": latest_event_message(
+                        self.all(self.mount_failures, (namespace, pod["name"]))
+                    ),
+                }
                 for pod in self.all(self.pods, (namespace, component, owner))
             ]
 

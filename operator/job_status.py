@@ -33,7 +33,9 @@ from rlfleet.operator.status import (
 JOB_COST_FIELDS = ("costPer1MTokens", "baselineCostPer1MTokens", "savingPercent", "baselineSource")
 
 
-def _owned_by_block(spec: Manifest, old: Manifest, block: str, key: str, value: Manifest | None) -> dict[str, Any]:
+def _owned_by_block(
+    spec: Manifest, old: Manifest, block: str, key: str, value: Manifest | None
+) -> dict[str, Any]:
     """A status field of an opt-in `router.<block>` (fleetPlan: the optimizer; precisionAutopilot: the
     autopilot) while the block is enabled: this operator's value, else the observed one (after a
     restart); none when the block is off."""
@@ -48,13 +50,22 @@ def _kept(old: Manifest, key: str, value: Manifest | None) -> dict[str, Any]:
     return {key: current} if current is not None else {}
 
 
-def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None, channel: Manifest | None,
-                 now: str | None = None, invalid: str | None = None,
-                 trainer_pods: list[Manifest] | tuple[Manifest, ...] = (), costs: Manifest | None = None,
-                 trainer_report: Manifest | None = None,
-                 trainer_create_failure: str | None = None, fleet_plan: Manifest | None = None,
-                 precision_autopilot: Manifest | None = None,
-                 trainer_admission: str | None = None, decisions: Manifest | None = None) -> dict[str, Any]:  # fmt: skip
+def rljob_status(
+    job: Manifest,
+    groups: list[Manifest],
+    trainer: Manifest | None,
+    channel: Manifest | None,
+    now: str | None = None,
+    invalid: str | None = None,
+    trainer_pods: list[Manifest] | tuple[Manifest, ...] = (),
+    costs: Manifest | None = None,
+    trainer_report: Manifest | None = None,
+    trainer_create_failure: str | None = None,
+    fleet_plan: Manifest | None = None,
+    precision_autopilot: Manifest | None = None,
+    trainer_admission: str | None = None,
+    decisions: Manifest | None = None,
+) -> dict[str, Any]:
     """The whole status of an RLJob: rolled up from its SamplerGroups, trainer StatefulSet and its pods
     (`pods.pod_view`s: why the trainer does not run; `trainer_create_failure`: the message of the
     StatefulSet's latest FailedCreate Event, e.g. a ResourceQuota's refusal; `trainer_admission`: the
@@ -84,14 +95,19 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         created = int(nested(trainer, "status", "replicas", default=0) or 0)
         # a trainer that crashes a while after each start is Ready (no readiness probe) between crashes:
         # CrashSettle keeps it Degraded until it runs steadily or reports new metrics (operator/pods.py)
-        reported = [parse_time(nested(source, "metrics", "updatedAt")) for source in (old, trainer_report or {})]
-        settle = CrashSettle(now=parse_time(now) or datetime.now(UTC),
-                             progress_at=max((t for t in reported if t is not None), default=None))  # fmt: skip
+        reported = [
+            parse_time(nested(source, "metrics", "updatedAt")) for source in (old, trainer_report or {})
+        ]
+        settle = CrashSettle(
+            now=parse_time(now) or datetime.now(UTC),
+            progress_at=max((t for t in reported if t is not None), default=None),
+        )
         if trainer_ready:
             trainer_problem = workload_crash(trainer_pods, settle)
         else:
-            trainer_problem = (creation_failure(created, t_desired, trainer_create_failure) if trainer is not None
-                               else None) or workload_problem(trainer_pods, settle)  # fmt: skip
+            trainer_problem = (
+                creation_failure(created, t_desired, trainer_create_failure) if trainer is not None else None
+            ) or workload_problem(trainer_pods, settle)
     channel_degraded = object_condition(channel, "Degraded")
     if channel_degraded is not None and channel_degraded.get("status") != "True":
         channel_degraded = None
@@ -102,7 +118,11 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         "trainer": {"replicas": t_desired, "readyReplicas": t_ready, "ready": f"{t_ready}/{t_desired}"},
     }
     observed_costs = {k: old[k] for k in JOB_COST_FIELDS if old.get(k) is not None}
-    status.update(observed_costs if costs is None else {k: costs[k] for k in JOB_COST_FIELDS if costs.get(k) is not None})
+    status.update(
+        observed_costs
+        if costs is None
+        else {k: costs[k] for k in JOB_COST_FIELDS if costs.get(k) is not None}
+    )
     status.update(_owned_by_block(spec, old, "optimize", "fleetPlan", fleet_plan))
     status.update(_owned_by_block(spec, old, "autopilot", "precisionAutopilot", precision_autopilot))
     status.update(_kept(old, "decisions", decisions))
@@ -113,13 +133,17 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
     if latest is not None or report.get("weightVersion") is not None:
         # the channel's pointer or the trainer's report, whichever is newer (never lowered)
         status["weightVersion"] = max(v for v in (latest, report.get("weightVersion")) if v is not None)
-    complete = next((c for c in report_conditions if c.get("type") == "Complete" and c.get("status") == "True"), None)
+    complete = next(
+        (c for c in report_conditions if c.get("type") == "Complete" and c.get("status") == "True"), None
+    )
     if invalid:
         phase, reason, message = "Failed", "InvalidSpec", invalid
     elif complete is not None and not suspended:
         phase, reason = "Succeeded", "TrainingFinished"
-        message = (f"{complete.get('message', 'training finished')}; the sampler groups keep running until the "
-                   "RLJob is deleted or suspended (spec.suspend: true)")  # fmt: skip
+        message = (
+            f"{complete.get('message', 'training finished')}; the sampler groups keep running until the "
+            "RLJob is deleted or suspended (spec.suspend: true)"
+        )
     elif suspended:
         phase, reason, message = _suspension_phase(wanted, by_group, trainer)
     elif trainer_problem is not None or degraded_groups or channel_degraded is not None:
@@ -133,12 +157,15 @@ def rljob_status(job: Manifest, groups: list[Manifest], trainer: Manifest | None
         )
     else:
         queued = None if trainer_ready else admission_wait(trainer_pods, trainer_admission)
-        phase, reason, message = _pending(job, f"{ready_groups}/{len(wanted)} groups ready, trainer {t_ready}/{t_desired}", queued)
+        phase, reason, message = _pending(
+            job, f"{ready_groups}/{len(wanted)} groups ready, trainer {t_ready}/{t_desired}", queued
+        )
     message = clip(message)
     status.update(phase=phase, reason=reason, message=message)
     conditions = _job_conditions(phase, reason, message, generation)
     status["conditions"] = merge_conditions(old.get("conditions"), conditions, now) + [
-        dict(c) for c in report_conditions  # CollapseRisk: its transition time is kept by trainer_report.py
+        dict(c)
+        for c in report_conditions  # CollapseRisk: its transition time is kept by trainer_report.py
     ]
     return status
 
@@ -163,7 +190,9 @@ def _group_summaries(
     for name in wanted:
         sg = by_group.get(name)
         phase = nested(sg, "status", "phase")
-        stale = sg is None or nested(sg, "status", "observedGeneration") != nested(sg, "metadata", "generation")
+        stale = sg is None or nested(sg, "status", "observedGeneration") != nested(
+            sg, "metadata", "generation"
+        )
         entry: dict[str, Any] = {"name": name, "phase": phase or "Pending"}
         if nested(sg, "status", "ready") is not None:
             entry["ready"] = nested(sg, "status", "ready")
@@ -174,12 +203,20 @@ def _group_summaries(
             ready_groups += 1
         if phase in ("Degraded", "Failed"):
             why = str(nested(sg, "status", "message", default="") or "")
-            masked = re.sub(rf"\b{re.escape(str(nested(sg, 'metadata', 'name', default=name)))}(?:-[a-z0-9]+)*(?![a-z0-9])", "<group>", why)
-            degraded_groups.append((name, str(nested(sg, "status", "reason", default="") or phase), masked, why))
+            masked = re.sub(
+                rf"\b{re.escape(str(nested(sg, 'metadata', 'name', default=name)))}(?:-[a-z0-9]+)*(?![a-z0-9])",
+                "<group>",
+                why,
+            )
+            degraded_groups.append(
+                (name, str(nested(sg, "status", "reason", default="") or phase), masked, why)
+            )
     return summaries, ready_groups, degraded_groups
 
 
-def _suspension_phase(wanted: list[Any], by_group: dict[Any, Manifest], trainer: Manifest | None) -> tuple[str, str, str]:
+def _suspension_phase(
+    wanted: list[Any], by_group: dict[Any, Manifest], trainer: Manifest | None
+) -> tuple[str, str, str]:
     """Suspended once every group and the trainer are at zero pods, else Suspending."""
     groups_down = all(nested(by_group.get(g), "status", "phase") == "Suspended" for g in wanted)
     t_pods = int(nested(trainer, "status", "replicas", default=0) or 0)
@@ -204,7 +241,9 @@ def _degradation(
     if degraded_groups:
         parts.append(f"degraded groups: {_merge_groups(degraded_groups)}")
     if channel_degraded is not None:
-        parts.append(f"WeightChannel {nested(channel, 'metadata', 'name')}: {channel_degraded.get('message', '')}")
+        parts.append(
+            f"WeightChannel {nested(channel, 'metadata', 'name')}: {channel_degraded.get('message', '')}"
+        )
     if trainer_problem is not None:
         reason = trainer_problem.reason
     elif degraded_groups:
@@ -221,8 +260,11 @@ def _job_conditions(phase: str, reason: str, message: str, generation: Any) -> l
     return [
         condition("Ready", phase == "Running", reason, message, generation),
         condition(  # a blocked job is not "Stable": it names the reason and leaves the text to Degraded
-            "Progressing", phase == "Pending", reason if phase == "Pending" or blocked else "Stable",
-            "blocked: see the Degraded condition" if blocked else message, generation,
+            "Progressing",
+            phase == "Pending",
+            reason if phase == "Pending" or blocked else "Stable",
+            "blocked: see the Degraded condition" if blocked else message,
+            generation,
         ),
         condition(
             "Degraded",
@@ -230,7 +272,7 @@ def _job_conditions(phase: str, reason: str, message: str, generation: Any) -> l
             reason if phase in ("Degraded", "Failed") else "AsExpected",
             message,
             generation,
-        ),  # fmt: skip
+        ),
     ]
 
 

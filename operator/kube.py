@@ -104,7 +104,9 @@ class KubeApi:
                 rest = self.client.rest_client
                 await rest.pool_manager.close()
                 rest.pool_manager = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=32, ssl=self._ssl), trust_env=True, read_bufsize=2**21
+                    connector=aiohttp.TCPConnector(limit=32, ssl=self._ssl),
+                    trust_env=True,
+                    read_bufsize=2**21,
                 )
                 self._dynamic = await DynamicClient(self.client, cache_file=self._cache)
         return self._dynamic
@@ -114,7 +116,9 @@ class KubeApi:
         try:
             resource = await dyn.resources.get(api_version=api_version, kind=kind)
         except ResourceNotFoundError:
-            raise KubeError(404, f"kind {api_version}/{kind} is not served by the API server", "NotFound") from None
+            raise KubeError(
+                404, f"kind {api_version}/{kind} is not served by the API server", "NotFound"
+            ) from None
         return resource.subresources[subresource] if subresource else resource
 
     async def close(self) -> None:
@@ -122,56 +126,96 @@ class KubeApi:
         with contextlib.suppress(OSError):
             os.remove(self._cache)
 
-    async def apply(self, body: Mapping[str, Any], *, field_manager: str = FIELD_MANAGER,
-                    subresource: str | None = None, force: bool = True) -> dict[str, Any]:  # fmt: skip
+    async def apply(
+        self,
+        body: Mapping[str, Any],
+        *,
+        field_manager: str = FIELD_MANAGER,
+        subresource: str | None = None,
+        force: bool = True,
+    ) -> dict[str, Any]:
         """Server-side apply of `body` (as `field_manager`, taking over conflicting fields when forced)."""
         meta = body["metadata"]
         resource = await self._resource(body["apiVersion"], body["kind"], subresource)
-        return await _result((await self._dyn()).server_side_apply(
-            resource, body=dict(body), name=meta["name"], namespace=meta.get("namespace"),
-            field_manager=field_manager, force_conflicts=force, query_params=[("fieldValidation", "Strict")],
-            serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS,
-        ))  # fmt: skip
+        return await _result(
+            (await self._dyn()).server_side_apply(
+                resource,
+                body=dict(body),
+                name=meta["name"],
+                namespace=meta.get("namespace"),
+                field_manager=field_manager,
+                force_conflicts=force,
+                query_params=[("fieldValidation", "Strict")],
+                serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_SECONDS,
+            )
+        )
 
-    async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any],
-                           field_manager: str = STATUS_FIELD_MANAGER) -> dict[str, Any] | None:  # fmt: skip
+    async def patch_status(
+        self, obj: Mapping[str, Any], status: Mapping[str, Any], field_manager: str = STATUS_FIELD_MANAGER
+    ) -> dict[str, Any] | None:
         """Server-side apply of `status` on the object's status subresource; None if the object is gone."""
         try:
-            return await self.apply(status_apply_body(obj, status), field_manager=field_manager, subresource="status")
+            return await self.apply(
+                status_apply_body(obj, status), field_manager=field_manager, subresource="status"
+            )
         except KubeError as exc:
             if exc.status == 404:
                 return None
             raise
 
-    async def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Mapping[str, Any],
-                    subresource: str | None = None) -> dict[str, Any] | None:  # fmt: skip
+    async def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        body: Mapping[str, Any],
+        subresource: str | None = None,
+    ) -> dict[str, Any] | None:
         """A JSON merge patch of the object (or its subresource); None if the object is gone. For a field
         the operator changes on its own (a scale, the precision autopilot's override), not a child's
         desired state (that is `apply`)."""
         resource = await self._resource(api_version, kind, subresource)
         try:
-            return await _result((await self._dyn()).patch(
-                resource, body=dict(body), name=name, namespace=namespace,
-                content_type="application/merge-patch+json", serialize=False,
-                _request_timeout=REQUEST_TIMEOUT_SECONDS,
-            ))  # fmt: skip
+            return await _result(
+                (await self._dyn()).patch(
+                    resource,
+                    body=dict(body),
+                    name=name,
+                    namespace=namespace,
+                    content_type="application/merge-patch+json",
+                    serialize=False,
+                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
+                )
+            )
         except KubeError as exc:
             if exc.status == 404:
                 return None
             raise
 
-    async def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int
+    ) -> dict[str, Any] | None:
         """Set spec.replicas through the object's scale subresource (a merge patch of /scale, as `kubectl
         scale` does); None if the object is gone."""
         return await self.patch(api_version, kind, namespace, name, {"spec": {"replicas": replicas}}, "scale")
 
-    async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+    async def get(
+        self, api_version: str, kind: str, namespace: str | None, name: str
+    ) -> dict[str, Any] | None:
         """The object (namespace None: a cluster-scoped one); None if it does not exist."""
         resource = await self._resource(api_version, kind)
         try:
-            return await _result((await self._dyn()).get(
-                resource, name=name, namespace=namespace, serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS
-            ))  # fmt: skip
+            return await _result(
+                (await self._dyn()).get(
+                    resource,
+                    name=name,
+                    namespace=namespace,
+                    serialize=False,
+                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
+                )
+            )
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -180,33 +224,47 @@ class KubeApi:
     async def list(self, api_version: str, kind: str, namespace: str | None) -> list[dict[str, Any]]:
         """The objects of one kind in one namespace (None: in every namespace)."""
         resource = await self._resource(api_version, kind)
-        listed = await _result((await self._dyn()).get(
-            resource, namespace=namespace, serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS
-        ))  # fmt: skip
+        listed = await _result(
+            (await self._dyn()).get(
+                resource, namespace=namespace, serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS
+            )
+        )
         return list(listed.get("items") or [])
 
     async def create(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create; None if it already exists (for objects created once, e.g. a generated Secret)."""
         resource = await self._resource(body["apiVersion"], body["kind"])
         try:
-            return await _result((await self._dyn()).create(
-                resource, body=dict(body), namespace=body["metadata"].get("namespace"), serialize=False,
-                _request_timeout=REQUEST_TIMEOUT_SECONDS,
-            ))  # fmt: skip
+            return await _result(
+                (await self._dyn()).create(
+                    resource,
+                    body=dict(body),
+                    namespace=body["metadata"].get("namespace"),
+                    serialize=False,
+                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
+                )
+            )
         except KubeError as exc:
             if exc.status == 409:
                 return None
             raise
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str,
-                     propagation: str = "Background") -> bool:  # fmt: skip
+    async def delete(
+        self, api_version: str, kind: str, namespace: str, name: str, propagation: str = "Background"
+    ) -> bool:
         """Delete; False if it was already gone."""
         resource = await self._resource(api_version, kind)
         try:
-            await _result((await self._dyn()).delete(
-                resource, name=name, namespace=namespace, propagation_policy=propagation, serialize=False,
-                _request_timeout=REQUEST_TIMEOUT_SECONDS,
-            ))  # fmt: skip
+            await _result(
+                (await self._dyn()).delete(
+                    resource,
+                    name=name,
+                    namespace=namespace,
+                    propagation_policy=propagation,
+                    serialize=False,
+                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
+                )
+            )
             return True
         except KubeError as exc:
             if exc.status == 404:

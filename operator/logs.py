@@ -23,7 +23,9 @@ PEERING_LOGGER = "kopf._core.engines.peering"
 WATCHING_LOGGER = "kopf._cogs.clients.watching"
 # the name kopf gives the toggle that pauses everything while a mandatory peering has no CRD
 PEERING_CRD_MISSING = "peering CRD is missing"
-_PAUSE = re.compile(r"^(Pausing|Resuming) the watch-stream for .*?(?: \((?:blockers|resolved): (?P<names>.*)\))?\.$")
+_PAUSE = re.compile(
+    r"^(Pausing|Resuming) the watch-stream for .*?(?: \((?:blockers|resolved): (?P<names>.*)\))?\.$"
+)
 
 
 class PauseReasons(logging.Filter):

@@ -55,17 +55,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--webhook-cert", help="TLS certificate (PEM) of the webhook; default: self-signed")
     parser.add_argument("--webhook-key", help="TLS private key (PEM) of the webhook")
-    parser.add_argument("--webhook-cert-secret", metavar="NAME",
-                        help="keep the webhook's CA and certificate in this Secret (created if missing, renewed "
-                             "before expiry, shared by every replica); needs --webhook-configuration")  # fmt: skip
-    parser.add_argument("--webhook-cert-secret-namespace", default=os.environ.get("POD_NAMESPACE"),
-                        help="namespace of --webhook-cert-secret (default: $POD_NAMESPACE)")  # fmt: skip
-    parser.add_argument("--webhook-configuration", metavar="NAME",
-                        help="ValidatingWebhookConfiguration whose caBundle the operator sets from that Secret")  # fmt: skip
-    parser.add_argument("--webhook-cert-check-interval", type=float, default=60.0, metavar="SECONDS",
-                        help="how often each replica re-reads that Secret and the caBundle (default 60)")  # fmt: skip
-    parser.add_argument("--webhook-managed", action="store_true",
-                        help="let the operator create the ValidatingWebhookConfiguration rlfleet.dev")  # fmt: skip
+    parser.add_argument(
+        "--webhook-cert-secret",
+        metavar="NAME",
+        help="keep the webhook's CA and certificate in this Secret (created if missing, renewed "
+        "before expiry, shared by every replica); needs --webhook-configuration",
+    )
+    parser.add_argument(
+        "--webhook-cert-secret-namespace",
+        default=os.environ.get("POD_NAMESPACE"),
+        help="namespace of --webhook-cert-secret (default: $POD_NAMESPACE)",
+    )
+    parser.add_argument(
+        "--webhook-configuration",
+        metavar="NAME",
+        help="ValidatingWebhookConfiguration whose caBundle the operator sets from that Secret",
+    )
+    parser.add_argument(
+        "--webhook-cert-check-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how often each replica re-reads that Secret and the caBundle (default 60)",
+    )
+    parser.add_argument(
+        "--webhook-managed",
+        action="store_true",
+        help="let the operator create the ValidatingWebhookConfiguration rlfleet.dev",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
 

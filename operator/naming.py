@@ -138,7 +138,9 @@ def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-def sampler_labels(job: str, group: str, samplergroup: str, accelerator: str, weight_format: str) -> dict[str, str]:
+def sampler_labels(
+    job: str, group: str, samplergroup: str, accelerator: str, weight_format: str
+) -> dict[str, str]:
     """Labels of a sampler group's Deployment, Service and pods (the job's common labels plus the group)."""
     return {
         **job_labels(job, "sampler"),
@@ -161,8 +163,13 @@ def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def object_meta(name: str, namespace: str, labels: Mapping[str, str], owner: Mapping[str, Any] | None,
-                annotations: Mapping[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+def object_meta(
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    owner: Mapping[str, Any] | None,
+    annotations: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """metadata of a child: its name and labels, annotations when any, and the owner reference (children
     of a job or group are garbage-collected with it)."""
     meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}

@@ -65,7 +65,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> NetworkPolicy
         except ValueError as exc:
             raise ValueError(f"{METRICS_FROM_ENV}: not JSON ({exc})") from None
         if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
-            raise ValueError(f"{METRICS_FROM_ENV}: expected a JSON list of NetworkPolicyPeers, got {raw[:200]!r}")
+            raise ValueError(
+                f"{METRICS_FROM_ENV}: expected a JSON list of NetworkPolicyPeers, got {raw[:200]!r}"
+            )
         metrics_from = tuple(peers)
     return NetworkPolicySettings(env.get(NAMESPACE_ENV) or None, labels, metrics_from)
 
@@ -81,14 +83,17 @@ def _operator(settings: NetworkPolicySettings) -> list[Manifest]:
         return []
     return [
         {
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": settings.operator_namespace}},
+            "namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": settings.operator_namespace}
+            },
             "podSelector": {"matchLabels": dict(settings.operator_pod_labels)},
         }
     ]
 
 
-def _policy(name: str, job: RLJob, namespace: str, owner: Manifest | None, component: str,
-            ingress: list[Manifest]) -> Manifest:  # fmt: skip
+def _policy(
+    name: str, job: RLJob, namespace: str, owner: Manifest | None, component: str, ingress: list[Manifest]
+) -> Manifest:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -101,8 +106,9 @@ def _policy(name: str, job: RLJob, namespace: str, owner: Manifest | None, compo
     }
 
 
-def build_network_policies(job: RLJob, namespace: str, owner: Manifest | None,
-                           settings: NetworkPolicySettings | None) -> list[Manifest]:  # fmt: skip
+def build_network_policies(
+    job: RLJob, namespace: str, owner: Manifest | None, settings: NetworkPolicySettings | None
+) -> list[Manifest]:
     """The job's sampler and router policies (none when `settings` is None: policies off)."""
     if settings is None:
         return []

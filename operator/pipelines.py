@@ -100,9 +100,12 @@ async def write_status(obj: dict[str, Any], desired: dict[str, Any], kind: str) 
     if risk_after and (risk_before or {}).get("status", "False") != risk_after["status"]:
         on = risk_after["status"] == "True"
         if on or risk_before:
-            kopf.event(kube.event_target(obj), type="Warning" if on else "Normal",
-                       reason=risk_after["reason"] if on else "CollapseRiskCleared",
-                       message=risk_after.get("message", "")[:1000])  # fmt: skip
+            kopf.event(
+                kube.event_target(obj),
+                type="Warning" if on else "Normal",
+                reason=risk_after["reason"] if on else "CollapseRiskCleared",
+                message=risk_after.get("message", "")[:1000],
+            )
     obj["status"] = {**old, **desired}  # our copy now reflects the write (the index catches up on the event)
     return True
 
@@ -111,12 +114,15 @@ def _condition(status: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
     return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
 
 
-async def rerun(pipeline: Callable[[dict[str, Any], str, View], Awaitable[None]], body: Mapping[str, Any],
-                namespace: str, view: View) -> None:  # fmt: skip
+async def rerun(
+    pipeline: Callable[[dict[str, Any], str, View], Awaitable[None]],
+    body: Mapping[str, Any],
+    namespace: str,
+    view: View,
+) -> None:
     """A pipeline run by an event: an invalid spec or a missing channel is the kopf handler's to report
     (and retry); here it is logged."""
     try:
         await pipeline(copy.deepcopy(dict(body)), namespace, view)
     except (kopf.PermanentError, kopf.TemporaryError) as exc:
         log.info("%s/%s not re-applied: %s", namespace, body["metadata"]["name"], exc)
-

@@ -66,15 +66,17 @@ def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
         out = []
         for c in status.get(key) or []:
             state, last = c.get("state") or {}, c.get("lastState") or {}
-            out.append({
-                "name": c.get("name"),
-                "ready": bool(c.get("ready")),
-                "restartCount": int(c.get("restartCount") or 0),
-                "waiting": dict(state["waiting"]) if state.get("waiting") else None,
-                "startedAt": (state.get("running") or {}).get("startedAt"),
-                "terminated": _termination(state.get("terminated")),
-                "lastTerminated": _termination(last.get("terminated")),
-            })  # fmt: skip
+            out.append(
+                {
+                    "name": c.get("name"),
+                    "ready": bool(c.get("ready")),
+                    "restartCount": int(c.get("restartCount") or 0),
+                    "waiting": dict(state["waiting"]) if state.get("waiting") else None,
+                    "startedAt": (state.get("running") or {}).get("startedAt"),
+                    "terminated": _termination(state.get("terminated")),
+                    "lastTerminated": _termination(last.get("terminated")),
+                }
+            )
         return out
 
     return {
@@ -88,7 +90,8 @@ def pod_view(body: Mapping[str, Any]) -> dict[str, Any]:
         "phase": status.get("phase"),
         "podIP": status.get("podIP"),
         "conditions": [
-            {k: c.get(k) for k in ("type", "status", "reason", "message")} for c in status.get("conditions") or []
+            {k: c.get(k) for k in ("type", "status", "reason", "message")}
+            for c in status.get("conditions") or []
         ],
         "initContainers": containers("initContainerStatuses"),
         "containers": containers("containerStatuses"),
@@ -157,10 +160,16 @@ def pod_problem(pod: Mapping[str, Any], crash_settle: CrashSettle | None = None)
 def _unschedulable(pod: Mapping[str, Any]) -> PodProblem | None:
     """The scheduler found no node for the pod (PodScheduled False, Unschedulable)."""
     for c in pod.get("conditions") or []:
-        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+        if (
+            c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ):
             message = c.get("message") or "no node fits"
-            return PodProblem(_missing("Unschedulable", message),
-                              _clip(f"pod {pod.get('name')} cannot be scheduled: {message}"))  # fmt: skip
+            return PodProblem(
+                _missing("Unschedulable", message),
+                _clip(f"pod {pod.get('name')} cannot be scheduled: {message}"),
+            )
     return None
 
 
@@ -170,7 +179,9 @@ def _container_problem(pod: Mapping[str, Any], crash_settle: CrashSettle | None)
     for kind, key in (("init container", "initContainers"), ("container", "containers")):
         for c in pod.get(key) or []:
             where = f"pod {pod.get('name')} {kind} {c.get('name')}"
-            problem = _waiting_problem(c, where) or (_unsettled_crash(c, where, crash_settle) if crash_settle else None)
+            problem = _waiting_problem(c, where) or (
+                _unsettled_crash(c, where, crash_settle) if crash_settle else None
+            )
             if problem is not None:
                 return problem
     return None
@@ -205,12 +216,20 @@ def _unsettled_crash(c: Mapping[str, Any], where: str, settle: CrashSettle) -> P
     settled = c.get("ready") and (steady or progressed)
     if settled:
         return None
-    state = "restarting" if c.get("terminated") or not c.get("startedAt") else f"running again since {c.get('startedAt')}"
+    state = (
+        "restarting"
+        if c.get("terminated") or not c.get("startedAt")
+        else f"running again since {c.get('startedAt')}"
+    )
     said = _last_line(failed.get("message"))
     said = f"; it said: {said}" if said else ""
-    return PodProblem("CrashLoopBackOff", _clip(
-        f"{where}: CrashLoopBackOff (exit: {failed.get('reason') or 'Error'}, code {failed.get('exitCode')}; "
-        f"{c.get('restartCount', 0)} restarts; {state}){said}"))  # fmt: skip
+    return PodProblem(
+        "CrashLoopBackOff",
+        _clip(
+            f"{where}: CrashLoopBackOff (exit: {failed.get('reason') or 'Error'}, code {failed.get('exitCode')}; "
+            f"{c.get('restartCount', 0)} restarts; {state}){said}"
+        ),
+    )
 
 
 def parse_time(text: Any) -> datetime | None:
@@ -234,8 +253,9 @@ def _waiting_problem(c: Mapping[str, Any], where: str) -> PodProblem | None:
         exited = f" (last exit: {last.get('reason') or 'Error'}, code {last.get('exitCode')})" if last else ""
         said = _last_line(last.get("message"))  # the log's tail (FallbackToLogsOnError): the error
         said = f"; it said: {said}" if said else ""
-        return PodProblem("CrashLoopBackOff",
-                          _clip(f"{where}: CrashLoopBackOff{exited}: {message}".rstrip(": ") + said))  # fmt: skip
+        return PodProblem(
+            "CrashLoopBackOff", _clip(f"{where}: CrashLoopBackOff{exited}: {message}".rstrip(": ") + said)
+        )
     return None
 
 
@@ -245,7 +265,9 @@ def _mount_problem(pod: Mapping[str, Any]) -> PodProblem | None:
     if mount and pod.get("phase") == "Pending" and _creating(pod):
         found = _MISSING.search(mount)
         if found and found.group(1).lower() in ("secret", "configmap"):
-            return PodProblem(_MISSING_REASON[found.group(1).lower()], _clip(f"pod {pod.get('name')} FailedMount: {mount}"))
+            return PodProblem(
+                _MISSING_REASON[found.group(1).lower()], _clip(f"pod {pod.get('name')} FailedMount: {mount}")
+            )
     return None
 
 
@@ -257,7 +279,9 @@ def _creating(pod: Mapping[str, Any]) -> bool:
     )
 
 
-def workload_problem(pods: Iterable[Mapping[str, Any]], crash_settle: CrashSettle | None = None) -> PodProblem | None:
+def workload_problem(
+    pods: Iterable[Mapping[str, Any]], crash_settle: CrashSettle | None = None
+) -> PodProblem | None:
     """The first problem among a workload's pods (by pod name, so the message is stable), saying how many
     other pods have the same reason (one line for the workload, not one per pod)."""
     ordered = sorted(pods, key=lambda p: str(p.get("name")))
@@ -266,7 +290,10 @@ def workload_problem(pods: Iterable[Mapping[str, Any]], crash_settle: CrashSettl
         return None
     first, same = problems[0], sum(p.reason == problems[0].reason for p in problems[1:])
     if same:
-        return PodProblem(first.reason, _clip(f"{first.message} (and {same} more pod{'s' if same > 1 else ''}: {first.reason})"))
+        return PodProblem(
+            first.reason,
+            _clip(f"{first.message} (and {same} more pod{'s' if same > 1 else ''}: {first.reason})"),
+        )
     return first
 
 
@@ -275,7 +302,10 @@ def admission_wait(pods: Iterable[Mapping[str, Any]], kueue_message: str | None 
     skips a gated pod). Kueue's gate names the LocalQueue (the pod's queue label) and, with
     `kueue_message` (the latest `Pending` Event of the pods' Workload), Kueue's reason, e.g. `insufficient
     quota for nvidia.com/gpu in flavor on-demand ...`. None: no pod is gated."""
-    gated = sorted((p for p in pods if p.get("schedulingGates") and not p.get("deleting")), key=lambda p: str(p.get("name")))
+    gated = sorted(
+        (p for p in pods if p.get("schedulingGates") and not p.get("deleting")),
+        key=lambda p: str(p.get("name")),
+    )
     if not gated:
         return None
     names = ", ".join(str(p.get("name")) for p in gated)
@@ -285,9 +315,13 @@ def admission_wait(pods: Iterable[Mapping[str, Any]], kueue_message: str | None 
         queue = first.get("kueueQueue")
         where = f" from LocalQueue {queue}" if queue else ""
         said = f": Kueue: {kueue_message}" if kueue_message else ""
-        return PodProblem("WaitingForAdmission", _clip(
-            f"{pods_word} wait{'' if len(gated) > 1 else 's'} for Kueue to admit {'their' if len(gated) > 1 else 'its'} "
-            f"Workload{where} (scheduling gate {KUEUE_ADMISSION_GATE}){said}"))  # fmt: skip
+        return PodProblem(
+            "WaitingForAdmission",
+            _clip(
+                f"{pods_word} wait{'' if len(gated) > 1 else 's'} for Kueue to admit {'their' if len(gated) > 1 else 'its'} "
+                f"Workload{where} (scheduling gate {KUEUE_ADMISSION_GATE}){said}"
+            ),
+        )
     gates = ", ".join(str(g) for g in first["schedulingGates"])
     return PodProblem("SchedulingGated", _clip(f"{pods_word} held by scheduling gates: {gates}"))
 

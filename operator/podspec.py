@@ -60,9 +60,13 @@ def _and_terms(catalog_terms: list[dict[str, Any]], user_terms: list[dict[str, A
     return out
 
 
-def pod_affinity(placement: PodPlacement, catalog: Catalog | None, accelerator: str | None,
-                 own_anti_affinity: list[dict[str, Any]] | None = None,
-                 spot: bool = False) -> dict[str, Any] | None:  # fmt: skip
+def pod_affinity(
+    placement: PodPlacement,
+    catalog: Catalog | None,
+    accelerator: str | None,
+    own_anti_affinity: list[dict[str, Any]] | None = None,
+    spot: bool = False,
+) -> dict[str, Any] | None:
     """The pods' affinity: the catalog's accelerator node terms AND (with `spot`) the catalog's spot node
     terms AND the user's required node terms (the class is never replaced), the user's preferences, and
     pod (anti-)affinity terms of user and operator."""
@@ -98,8 +102,9 @@ def pod_affinity(placement: PodPlacement, catalog: Catalog | None, accelerator: 
     return affinity or None
 
 
-def pod_tolerations(placement: PodPlacement, gpu: bool,
-                    spot: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def pod_tolerations(
+    placement: PodPlacement, gpu: bool, spot: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """The GPU toleration (GPU pods), the spot flavor's (a spot group's: `spot`), then the user's,
     without duplicates."""
     out = [dict(GPU_TOLERATION)] if gpu else []
@@ -131,8 +136,9 @@ def class_resources(defaults: dict[str, dict[str, str]], gpus: int) -> dict[str,
     return out
 
 
-def pod_template_metadata(labels: dict[str, str], annotations: dict[str, str],
-                          placement: PodPlacement) -> dict[str, Any]:  # fmt: skip
+def pod_template_metadata(
+    labels: dict[str, str], annotations: dict[str, str], placement: PodPlacement
+) -> dict[str, Any]:
     """Pod template labels and annotations: the user's extras, then the operator's (which win; the API
     refuses user keys that collide with them)."""
     return {
@@ -220,7 +226,9 @@ def store_env(store: StoreSpec, sampler: bool = False) -> list[dict[str, Any]]:
             secret_ref = store.secret_ref
         if secret_ref is not None:
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-                env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret_ref.name, "key": key}}})
+                env.append(
+                    {"name": key, "valueFrom": {"secretKeyRef": {"name": secret_ref.name, "key": key}}}
+                )
         if store.region:
             env.append({"name": "AWS_DEFAULT_REGION", "value": store.region})
         if store.endpoint:

@@ -137,7 +137,11 @@ def parse_trainer_stored_bytes(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == WEIGHTS_STORED_COUNTER and math.isfinite(sample.value) and "view" in sample.labels:
+            if (
+                sample.name == WEIGHTS_STORED_COUNTER
+                and math.isfinite(sample.value)
+                and "view" in sample.labels
+            ):
                 out[sample.labels["view"]] = sample.value
     return out
 
@@ -200,8 +204,10 @@ class RebalanceState:
     views: dict[str, ViewMemory] = field(default_factory=dict)  # view -> the trainer's stored bytes
 
     def to_dict(self) -> dict[str, object]:
-        return {"groups": {name: asdict(m) for name, m in self.groups.items()},
-                "views": {view: asdict(m) for view, m in self.views.items()}}  # fmt: skip
+        return {
+            "groups": {name: asdict(m) for name, m in self.groups.items()},
+            "views": {view: asdict(m) for view, m in self.views.items()},
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object] | None) -> RebalanceState:
@@ -210,8 +216,10 @@ class RebalanceState:
         groups = data.get("groups", {})
         views = data.get("views", {})
         assert isinstance(groups, Mapping) and isinstance(views, Mapping)
-        return cls(groups={name: GroupMemory(**dict(m)) for name, m in groups.items()},
-                   views={view: ViewMemory(**dict(m)) for view, m in views.items()})  # fmt: skip
+        return cls(
+            groups={name: GroupMemory(**dict(m)) for name, m in groups.items()},
+            views={view: ViewMemory(**dict(m)) for view, m in views.items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -249,8 +257,12 @@ class GroupResult:
     previous_share: float | None
     target_share: float
     reason: str
-    cost_per_hour: float | None  # USD per hour of the group's GPUs and its weight traffic (None: no GPU price)
-    usable_fraction: float  # the share of its tokens trained on and inside the MIS band, as its costs count them
+    cost_per_hour: (
+        float | None
+    )  # USD per hour of the group's GPUs and its weight traffic (None: no GPU price)
+    usable_fraction: (
+        float  # the share of its tokens trained on and inside the MIS band, as its costs count them
+    )
     cost_per_1m_tokens: float | None  # USD per 1M tokens, all tokens
     cost_per_1m_useful_tokens: float | None  # USD per 1M in-band tokens
     token_share: float | None
@@ -350,7 +362,13 @@ def group_rate(pods: Mapping[str, PodSample], memory: GroupMemory, now: float) -
     for pod, sample in pods.items():
         previous = memory.counters.get(pod)
         counter = sample.realtime_decode_tokens_total
-        if counter is not None and previous is not None and elapsed is not None and elapsed > 0 and counter >= previous:
+        if (
+            counter is not None
+            and previous is not None
+            and elapsed is not None
+            and elapsed > 0
+            and counter >= previous
+        ):
             total += (counter - previous) / elapsed
             known = True
         elif sample.gen_throughput is not None:
@@ -379,8 +397,11 @@ def egress_cost_per_hour(bytes_per_second: float, price_per_gb: float, replicas:
 
 
 def _observe_views(
-    stored_bytes: Mapping[str, float] | None, previous_state: RebalanceState, new_state: RebalanceState,
-    now: float, config: RebalanceConfig,
+    stored_bytes: Mapping[str, float] | None,
+    previous_state: RebalanceState,
+    new_state: RebalanceState,
+    now: float,
+    config: RebalanceConfig,
 ) -> None:
     """Each view's stored bytes/s (EMA, as the groups' tokens/s) into `new_state`; a view not read this
     interval keeps its memory (a trainer unreadable this tick)."""
@@ -393,7 +414,9 @@ def _observe_views(
         new_state.views[view] = ViewMemory(counter=counter, time=now, ema_bytes_per_second=ema)
 
 
-def replica_egress_cost_per_hour(price_per_gb: float | None, view: str, state: RebalanceState) -> float | None:
+def replica_egress_cost_per_hour(
+    price_per_gb: float | None, view: str, state: RebalanceState
+) -> float | None:
     """USD per hour ONE replica reading `view` pays for its weight traffic at `price_per_gb`: the view's
     smoothed stored bytes/s in `state` (`egress_cost_per_hour` of one replica). None: no price, or the
     view's rate not read yet. The share policy charges it per ready replica (`_egress`), the fleet-mix
@@ -454,11 +477,26 @@ def rebalance(
     by_name = {g.name: g for g in inputs}
     eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
     economics = measured_economics(
-        [MeasuredGroup(g.name, g.accelerator, g.weight_format, g.gpus, g.price_per_gpu_hour, tps[g.name], g.oor_fraction,
-                       g.trained_fraction, egress[g.name] or 0.0) for g in inputs],
-        config.reference_accelerator, config.reference_price_per_gpu_hour, config.reference_tokens_per_gpu_second,
-        config.reference_oor_fraction, config.catalog,
-    )  # fmt: skip
+        [
+            MeasuredGroup(
+                g.name,
+                g.accelerator,
+                g.weight_format,
+                g.gpus,
+                g.price_per_gpu_hour,
+                tps[g.name],
+                g.oor_fraction,
+                g.trained_fraction,
+                egress[g.name] or 0.0,
+            )
+            for g in inputs
+        ],
+        config.reference_accelerator,
+        config.reference_price_per_gpu_hour,
+        config.reference_tokens_per_gpu_second,
+        config.reference_oor_fraction,
+        config.catalog,
+    )
     useful = {n: (tps[n] or 0.0) * economics.groups[n].usable_fraction for n in names}
     useful_cost = {n: economics.groups[n].cost_per_1m_usable_tokens for n in names}
     raw = _policy_weights(eligible, by_name, tps, useful, useful_cost, config.policy)
@@ -521,7 +559,11 @@ def rebalance(
 
 
 def _observe_throughput(
-    g: GroupInput, previous_state: RebalanceState, new_state: RebalanceState, now: float, config: RebalanceConfig
+    g: GroupInput,
+    previous_state: RebalanceState,
+    new_state: RebalanceState,
+    now: float,
+    config: RebalanceConfig,
 ) -> tuple[float | None, float | None]:
     """The group's tokens/s read this interval and smoothed after this reading (None: no reading this
     interval / yet); records its counters and carries its memory into `new_state`."""
@@ -587,14 +629,20 @@ def _old_shares(
 
 
 def _bounded_move(
-    names: list[str], eligible: list[str], old: Mapping[str, float], target: Mapping[str, float],
+    names: list[str],
+    eligible: list[str],
+    old: Mapping[str, float],
+    target: Mapping[str, float],
     max_share_change: float,
 ) -> tuple[dict[str, float], float]:
     """Move from the old shares (renormalised over the eligible groups) toward the targets, no share
     by more than max_share_change: (the new shares, the fraction of the way moved)."""
     base = {n: (old[n] if n in eligible else 0.0) for n in names}
     base_total = sum(base.values())
-    base = {n: (v / base_total if base_total > 0 else (1.0 / len(eligible) if n in eligible else 0.0)) for n, v in base.items()}
+    base = {
+        n: (v / base_total if base_total > 0 else (1.0 / len(eligible) if n in eligible else 0.0))
+        for n, v in base.items()
+    }
     if not eligible:
         base = {n: 0.0 for n in names}
     largest = max((abs(target[n] - base[n]) for n in names), default=0.0)
@@ -618,7 +666,12 @@ def _share_reason(g: GroupInput, tps: float | None, useful_cost: float | None, p
 
 
 def _record_share(
-    memory: GroupMemory, share: float, old_normalised: float, reason: str, timestamp: str, config: RebalanceConfig
+    memory: GroupMemory,
+    share: float,
+    old_normalised: float,
+    reason: str,
+    timestamp: str,
+    config: RebalanceConfig,
 ) -> str | None:
     """Set the group's share in its memory and, when it moved at least history_min_change from the
     last recorded one, append it to the history: the change ("share a -> b (reason)"), or None."""
@@ -642,7 +695,9 @@ def _traffic_shares(
 ) -> tuple[float | None, float | None]:
     """The group's share of the fleet's tokens and of its out-of-range tokens: as the trainer
     reported them, else estimated from the throughputs."""
-    token_share = g.token_share if g.token_share is not None else ((tps or 0.0) / total_tps if total_tps else None)
+    token_share = (
+        g.token_share if g.token_share is not None else ((tps or 0.0) / total_tps if total_tps else None)
+    )
     if g.oor_share is not None:
         oor_share: float | None = g.oor_share
     elif total_oor_tokens > 0:

@@ -145,7 +145,11 @@ def export_economics(namespace: str, job_name: str, result: RebalanceResult) -> 
         labels = (namespace, job_name, name)
         _set(GROUP_GAUGES["tokens_per_second"], g.tokens_per_second, *labels)
         _set(GROUP_GAUGES["cost_per_hour"], g.cost_per_hour, *labels)
-        _set(GROUP_GAUGES["usable_fraction"], g.usable_fraction if g.tokens_per_second is not None else None, *labels)
+        _set(
+            GROUP_GAUGES["usable_fraction"],
+            g.usable_fraction if g.tokens_per_second is not None else None,
+            *labels,
+        )
         _set(GROUP_GAUGES["cost_per_1m_usable_tokens"], g.cost_per_1m_usable_tokens, *labels)
     names = set(economics.groups)
     for gone in _EXPORTED_GROUPS.get((namespace, job_name), set()) - names:
@@ -159,7 +163,9 @@ def export_economics(namespace: str, job_name: str, result: RebalanceResult) -> 
         "cost_per_1m_usable_tokens": economics.cost_per_1m_usable_tokens,
         "reference_cost_per_1m_usable_tokens": economics.reference_cost_per_1m_usable_tokens,
         "saving": economics.saving,
-        "reference_estimated": None if economics.reference_basis is None else float(economics.reference_basis == "estimated"),
+        "reference_estimated": None
+        if economics.reference_basis is None
+        else float(economics.reference_basis == "estimated"),
     }
     for key, value in job.items():
         _set(JOB_GAUGES[key], value, namespace, job_name)
@@ -174,7 +180,9 @@ def fleet_costs(result: RebalanceResult) -> dict[str, float | str]:
         "baselineCostPer1MTokens": (result.baseline_cost_per_1m_usable_tokens, 4),
         "savingPercent": (None if saving is None else 100.0 * saving, 2),
     }
-    figures: dict[str, float | str] = {k: round(v, digits) for k, (v, digits) in costs.items() if v is not None}
+    figures: dict[str, float | str] = {
+        k: round(v, digits) for k, (v, digits) in costs.items() if v is not None
+    }
     source = result.economics.reference_source
     if source is not None:
         figures["baselineSource"] = source
@@ -230,7 +238,9 @@ async def _get_text(http: aiohttp.ClientSession, url: str) -> str | None:
         return None
 
 
-async def scrape_pods(http: aiohttp.ClientSession, pods: Sequence[Mapping[str, Any]], port: int) -> dict[str, PodSample]:
+async def scrape_pods(
+    http: aiohttp.ClientSession, pods: Sequence[Mapping[str, Any]], port: int
+) -> dict[str, PodSample]:
     async def one(pod: Mapping[str, Any]) -> tuple[str, PodSample | None]:
         text = await _get_text(http, f"http://{pod['podIP']}:{port}/metrics")
         try:
@@ -242,9 +252,7 @@ async def scrape_pods(http: aiohttp.ClientSession, pods: Sequence[Mapping[str, A
     return {name: sample for name, sample in results if sample is not None}
 
 
-async def prometheus_tokens_per_second(
-    http: aiohttp.ClientSession, url: str, query: str
-) -> float | None:
+async def prometheus_tokens_per_second(http: aiohttp.ClientSession, url: str, query: str) -> float | None:
     text = await _get_text(http, f"{url.rstrip('/')}/api/v1/query?query={quote(query)}")
     if text is None:
         return None
@@ -256,28 +264,40 @@ async def prometheus_tokens_per_second(
 
 
 async def admin_token(api: kube.KubeApi, job: RLJob, namespace: str) -> str | None:
-    secret = await api.get("v1", "Secret", namespace, job.spec.router.admin_token_secret or n.router_secret_name(job.name))
+    secret = await api.get(
+        "v1", "Secret", namespace, job.spec.router.admin_token_secret or n.router_secret_name(job.name)
+    )
     data = (secret or {}).get("data") or {}
     if "token" not in data:
         return None
     return base64.b64decode(data["token"]).decode().strip() or None
 
 
-async def push_to_router(http: aiohttp.ClientSession, router_url: str, token: str, decisions: Decisions) -> bool:
+async def push_to_router(
+    http: aiohttp.ClientSession, router_url: str, token: str, decisions: Decisions
+) -> bool:
     """The decisions' quarantine per group, then all their shares at once. False when the router refused or
     is unreachable."""
     headers = {"Authorization": f"Bearer {token}"}
     changes = decisions.result.changes if decisions.result is not None else ()
     try:
         for group, quarantine in decisions.quarantined.items():
-            async with http.put(f"{router_url}/admin/groups/{quote(group)}", json={"quarantined": quarantine},
-                                headers=headers, timeout=HTTP_TIMEOUT) as response:  # fmt: skip
+            async with http.put(
+                f"{router_url}/admin/groups/{quote(group)}",
+                json={"quarantined": quarantine},
+                headers=headers,
+                timeout=HTTP_TIMEOUT,
+            ) as response:
                 if response.status != 200:
                     log.warning("router %s refused group %s: HTTP %s", router_url, group, response.status)
                     return False
         reason = "; ".join(changes)[:500] or "rebalance"
-        async with http.put(f"{router_url}/admin/shares", json={"shares": decisions.shares, "reason": reason},
-                            headers=headers, timeout=HTTP_TIMEOUT) as response:  # fmt: skip
+        async with http.put(
+            f"{router_url}/admin/shares",
+            json={"shares": decisions.shares, "reason": reason},
+            headers=headers,
+            timeout=HTTP_TIMEOUT,
+        ) as response:
             return response.status == 200
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         log.info("router %s unreachable: %s", router_url, exc)
@@ -287,8 +307,13 @@ async def push_to_router(http: aiohttp.ClientSession, router_url: str, token: st
 PodsOf = Callable[[str, str], list[dict[str, Any]]]  # (component, owner name) -> pod views of the namespace
 
 
-async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[Mapping[str, Any]],
-                        pods_of: PodsOf, now: float | None = None) -> Decisions | None:  # fmt: skip
+async def rebalance_job(
+    body: Mapping[str, Any],
+    namespace: str,
+    samplergroups: Sequence[Mapping[str, Any]],
+    pods_of: PodsOf,
+    now: float | None = None,
+) -> Decisions | None:
     """The trainer's report read (at every call), then, when the job's interval has elapsed since its last
     decision, one observation and decision of the job, kept in memory for the status pipeline and `act`.
     `samplergroups` and `pods_of` come from the operator's indexes. Returns the decisions when it decided."""
@@ -319,8 +344,13 @@ async def rebalance_job(body: Mapping[str, Any], namespace: str, samplergroups: 
     return memory.decisions
 
 
-async def act(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[Mapping[str, Any]],
-              pods_of: PodsOf, decisions: Decisions) -> None:  # fmt: skip
+async def act(
+    body: Mapping[str, Any],
+    namespace: str,
+    samplergroups: Sequence[Mapping[str, Any]],
+    pods_of: PodsOf,
+    decisions: Decisions,
+) -> None:
     """Carry out a job's decisions (after the status pipeline wrote them): each SamplerGroup whose decided
     weightFormat it does not have yet is applied again from the builder, the decided replicas go through
     /scale, the routers are told the shares and quarantines, and Events say what moved."""
@@ -331,9 +361,15 @@ async def act(body: Mapping[str, Any], namespace: str, samplergroups: Sequence[M
     templates = {g.name: g for g in job.spec.sampler_groups}
     formats = decisions.weight_formats(job)
     for name, sg in by_group.items():
-        if name in formats and name in templates and (sg.get("spec") or {}).get("weightFormat") != formats[name]:
+        if (
+            name in formats
+            and name in templates
+            and (sg.get("spec") or {}).get("weightFormat") != formats[name]
+        ):
             await replicas.hand_over(sg)  # an older operator's apply owns them: before an apply without them
-            await kube.api().apply(build_samplergroup(job, templates[name], namespace, dict(body), formats[name]))
+            await kube.api().apply(
+                build_samplergroup(job, templates[name], namespace, dict(body), formats[name])
+            )
     _post_precision_events(by_group, decisions)
     await _scale(namespace, samplergroups, decisions)
     memory = observed(body)
@@ -355,7 +391,10 @@ def _post_precision_events(by_group: Mapping[str, Mapping[str, Any]], decisions:
         if action.kind == "quarantine":
             event_type, reason = "Warning", "PrecisionQuarantined"
         else:
-            event_type, reason = "Normal", "PrecisionStepped" if action.kind == "step" else "PrecisionSteppedDown"
+            event_type, reason = (
+                "Normal",
+                "PrecisionStepped" if action.kind == "step" else "PrecisionSteppedDown",
+            )
         kopf.event(kube.event_target(sg), type=event_type, reason=reason, message=action.reason[:1000])
 
 
@@ -374,12 +413,24 @@ async def _scale(namespace: str, samplergroups: Sequence[Mapping[str, Any]], dec
         try:
             await kube.api().scale(sg["apiVersion"], sg["kind"], namespace, sg["metadata"]["name"], after)
         except kube.KubeError as exc:
-            kopf.event(kube.event_target(sg), type="Warning", reason="FleetScaleFailed" if fleet else "ScaleFailed",
-                       message=f"replicas {before} -> {after}: {exc}"[:1000])  # fmt: skip
+            kopf.event(
+                kube.event_target(sg),
+                type="Warning",
+                reason="FleetScaleFailed" if fleet else "ScaleFailed",
+                message=f"replicas {before} -> {after}: {exc}"[:1000],
+            )
             continue
-        why = f" ({plan.decision}): {plan.reason}" if fleet and plan is not None else f": {decided.replicas_reason}"
-        kopf.event(kube.event_target(sg), type="Normal", reason="FleetScaled" if fleet else "Scaled",
-                   message=f"replicas {before} -> {after}{why}"[:1000])  # fmt: skip
+        why = (
+            f" ({plan.decision}): {plan.reason}"
+            if fleet and plan is not None
+            else f": {decided.replicas_reason}"
+        )
+        kopf.event(
+            kube.event_target(sg),
+            type="Normal",
+            reason="FleetScaled" if fleet else "Scaled",
+            message=f"replicas {before} -> {after}{why}"[:1000],
+        )
 
 
 async def _read_trainer(
@@ -388,7 +439,9 @@ async def _read_trainer(
     """The trainer's per-group metrics, keeping its report and its stored bytes per view in `memory`
     (None when unreadable this tick: the pipeline keeps the observed step and metrics)."""
     memory.report, memory.weights_stored_bytes = None, None
-    trainer_pod = next((p for p in pods_of("trainer", job.name) if p["name"] == f"{n.trainer_name(job.name)}-0"), None)
+    trainer_pod = next(
+        (p for p in pods_of("trainer", job.name) if p["name"] == f"{n.trainer_name(job.name)}-0"), None
+    )
     if trainer_pod is None or not pod_ready(trainer_pod):
         return {}
     text = await _get_text(http, trainer_metrics_url(trainer_pod))
@@ -422,16 +475,23 @@ async def _observe_groups(
         pods = [p for p in pods_of("sampler", sg_name) if pod_ready(p)]
         if prometheus:
             samples: dict[str, PodSample] = {}
-            tps = await prometheus_tokens_per_second(http, prometheus, prometheus_query(namespace, sg_name, window))
+            tps = await prometheus_tokens_per_second(
+                http, prometheus, prometheus_query(namespace, sg_name, window)
+            )
         else:
             samples, tps = await scrape_pods(http, pods, port), None
         name = spec.get("name", "")
-        out.append(GroupObservation(
-            name=name, replicas=int(spec.get("replicas", 1)),
-            ready_replicas=int((sg.get("status") or {}).get("readyReplicas") or 0), pods=samples,
-            tokens_per_second=tps, trainer=trainer_metrics.get(name, {}),
-            annotation=(sg["metadata"].get("annotations") or {}).get(group_status.ANN_QUARANTINED),
-        ))  # fmt: skip
+        out.append(
+            GroupObservation(
+                name=name,
+                replicas=int(spec.get("replicas", 1)),
+                ready_replicas=int((sg.get("status") or {}).get("readyReplicas") or 0),
+                pods=samples,
+                tokens_per_second=tps,
+                trainer=trainer_metrics.get(name, {}),
+                annotation=(sg["metadata"].get("annotations") or {}).get(group_status.ANN_QUARANTINED),
+            )
+        )
     return tuple(out)
 
 
@@ -442,5 +502,9 @@ def _post_share_events(samplergroups: Sequence[Mapping[str, Any]], result: Rebal
         group = result.groups.get(name) if name is not None else None
         for line in result.changes:
             if group is not None and line.startswith(f"{name}: "):
-                kopf.event(kube.event_target(sg), type="Warning" if group.quarantined else "Normal",
-                           reason="Quarantined" if group.quarantined else "ShareChanged", message=line[:1000])  # fmt: skip
+                kopf.event(
+                    kube.event_target(sg),
+                    type="Warning" if group.quarantined else "Normal",
+                    reason="Quarantined" if group.quarantined else "ShareChanged",
+                    message=line[:1000],
+                )

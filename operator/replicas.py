@@ -27,7 +27,11 @@ def applies_replicas(sg: Mapping[str, Any]) -> bool:
     """Whether the operator's server-side apply (`FIELD_MANAGER`, not its /scale) owns the object's
     spec.replicas, from `metadata.managedFields`."""
     for entry in (sg.get("metadata") or {}).get("managedFields") or []:
-        if entry.get("manager") == FIELD_MANAGER and entry.get("operation") == "Apply" and not entry.get("subresource"):
+        if (
+            entry.get("manager") == FIELD_MANAGER
+            and entry.get("operation") == "Apply"
+            and not entry.get("subresource")
+        ):
             if "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {}):
                 return True
     return False
@@ -62,4 +66,3 @@ async def release_after_creation(body: Mapping[str, Any], created: Mapping[str, 
     replicas (`created`: the API's answer): handed over, then `body` applied again without them."""
     if await hand_over(created):
         await kube.api().apply({**body, "spec": {k: v for k, v in body["spec"].items() if k != "replicas"}})
-

@@ -73,8 +73,9 @@ async def reconcile_rljob(body: kopf.Body, namespace: str | None, reason: str, *
             RECONCILE_SECONDS.labels("RLJob").observe(time.perf_counter() - started)
 
 
-async def reconcile_job(body: dict[str, Any], namespace: str, view: View,
-                        old_spec: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+async def reconcile_job(
+    body: dict[str, Any], namespace: str, view: View, old_spec: Mapping[str, Any] | None = None
+) -> None:
     """Apply every child of the job, delete removed groups, scale the groups whose replicas the RLJob
     changed since `old_spec` (its spec as kopf last handled it), refresh the status."""
     api = kube.api()
@@ -97,9 +98,16 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View,
         if owned_by(sg, body)
     }
     decisions = rebalancer.decisions_of(body)  # the decided weight formats (decide.py), else the RLJob's
-    children = builders.build_job_children(job, namespace, body, get_catalog(), observed,
-                                           network_policies.settings_from_env(), sandboxes.role_refs_from_env(),
-                                           decisions.weight_formats(job) if decisions is not None else None)  # fmt: skip
+    children = builders.build_job_children(
+        job,
+        namespace,
+        body,
+        get_catalog(),
+        observed,
+        network_policies.settings_from_env(),
+        sandboxes.role_refs_from_env(),
+        decisions.weight_formats(job) if decisions is not None else None,
+    )
     if not job.spec.router.admin_token_secret:
         token = tokens.new_admin_token(body["metadata"]["uid"])
         await api.create(builders.build_router_secret(job, namespace, body, token))
@@ -125,7 +133,9 @@ async def reconcile_job(body: dict[str, Any], namespace: str, view: View,
     for sg_name in sorted(set(observed) - wanted):
         if await api.delete(API_VERSION, "SamplerGroup", namespace, sg_name):
             kopf.info(
-                kube.event_target(body), reason="GroupRemoved", message=f"deleted SamplerGroup {sg_name} (removed from spec)"
+                kube.event_target(body),
+                reason="GroupRemoved",
+                message=f"deleted SamplerGroup {sg_name} (removed from spec)",
             )
     await _scale_changed(job, namespace, old_spec, observed)
     await refresh_job_status(namespace, name, view)
@@ -136,15 +146,26 @@ async def _apply_groups(groups: list[dict[str, Any]], observed: Mapping[str, Map
     apply hands them over if it still owns them (an older operator's); a new one is created with the
     RLJob's and released right after (replicas.py)."""
     api = kube.api()
-    await asyncio.gather(*(replicas.hand_over(observed[g["metadata"]["name"]]) for g in groups
-                           if g["metadata"]["name"] in observed))  # fmt: skip
+    await asyncio.gather(
+        *(
+            replicas.hand_over(observed[g["metadata"]["name"]])
+            for g in groups
+            if g["metadata"]["name"] in observed
+        )
+    )
     applied = await asyncio.gather(*(api.apply(g) for g in groups))
-    await asyncio.gather(*(replicas.release_after_creation(g, sg) for g, sg in zip(groups, applied, strict=True)
-                           if "replicas" in g["spec"]))  # fmt: skip
+    await asyncio.gather(
+        *(
+            replicas.release_after_creation(g, sg)
+            for g, sg in zip(groups, applied, strict=True)
+            if "replicas" in g["spec"]
+        )
+    )
 
 
-async def _scale_changed(job: RLJob, namespace: str, old_spec: Mapping[str, Any] | None,
-                         observed: Mapping[str, Mapping[str, Any]]) -> None:  # fmt: skip
+async def _scale_changed(
+    job: RLJob, namespace: str, old_spec: Mapping[str, Any] | None, observed: Mapping[str, Mapping[str, Any]]
+) -> None:
     """The RLJob's change of a group's replicas wins over the group's own (a kubectl scale, the optimizer's):
     through its scale subresource, with a Scaled Event."""
     for group, (before, after) in replicas_changed_in_rljob(old_spec, job).items():
@@ -152,10 +173,17 @@ async def _scale_changed(job: RLJob, namespace: str, old_spec: Mapping[str, Any]
         current = ((sg or {}).get("spec") or {}).get("replicas")
         if sg is None or current == after:
             continue
-        if await kube.api().scale(API_VERSION, "SamplerGroup", namespace, sg["metadata"]["name"], after) is not None:
+        if (
+            await kube.api().scale(API_VERSION, "SamplerGroup", namespace, sg["metadata"]["name"], after)
+            is not None
+        ):
             # kopf.event, not kopf.info: info is dropped below the operator's posting level (WARNING)
-            kopf.event(kube.event_target(sg), type="Normal", reason="Scaled",
-                       message=f"replicas {current} -> {after}: {rljob_replicas_reason(before, after)}")  # fmt: skip
+            kopf.event(
+                kube.event_target(sg),
+                type="Normal",
+                reason="Scaled",
+                message=f"replicas {current} -> {after}: {rljob_replicas_reason(before, after)}",
+            )
 
 
 def _name_collision(body: dict[str, Any], namespace: str, view: View) -> str | None:
@@ -163,7 +191,9 @@ def _name_collision(body: dict[str, Any], namespace: str, view: View) -> str | N
     under a name this job wants, or a group named like another job's trainer, router, ...), from the
     operator's indexes of the namespace: job `ab` with group `cd-ef` and job `ab-cd` with group `ef` both
     want SamplerGroup `ab-cd-ef`. The job that finds the name taken is the one refused."""
-    return collision_message(body, in_namespace(view.rljobs, namespace), in_namespace(view.samplergroups, namespace))
+    return collision_message(
+        body, in_namespace(view.rljobs, namespace), in_namespace(view.samplergroups, namespace)
+    )
 
 
 async def refresh_job_status(namespace: str, name: str, view: View) -> None:
@@ -186,16 +216,27 @@ async def _refresh_job_status(
     memory = rebalancer.observed(job)
     now = st.now_iso()
     desired = rljob_status(
-        job, groups, trainer, channel, now=now, invalid=invalid,
+        job,
+        groups,
+        trainer,
+        channel,
+        now=now,
+        invalid=invalid,
         trainer_pods=view.pods_of(namespace)("trainer", name),
-        trainer_create_failure=latest_event_message(view.all(view.create_failures, (namespace, n.trainer_name(name)))),
-        costs=rebalancer.fleet_costs(result) if (result := memory.decisions and memory.decisions.result) else None,
+        trainer_create_failure=latest_event_message(
+            view.all(view.create_failures, (namespace, n.trainer_name(name)))
+        ),
+        costs=rebalancer.fleet_costs(result)
+        if (result := memory.decisions and memory.decisions.result)
+        else None,
         trainer_report=trainer_job_status(job, groups, memory.report, now).status,
         fleet_plan=rebalancer.fleet_plan_status(memory),
         precision_autopilot=rebalancer.precision_autopilot_status(memory),
         decisions=rebalancer.decisions_status(memory),
-        trainer_admission=latest_event_message(view.all(view.kueue_pending, (namespace, n.trainer_name(name)))),
-    )  # fmt: skip
+        trainer_admission=latest_event_message(
+            view.all(view.kueue_pending, (namespace, n.trainer_name(name)))
+        ),
+    )
     await write_status(job, desired, "RLJob")
 
 
@@ -251,4 +292,3 @@ async def kueue_pending_event(body: kopf.Body, namespace: str | None, **kwargs: 
     job = workload.removesuffix("-trainer")
     if n.trainer_name(job) == workload and view.one(view.rljobs, (namespace, job)) is not None:
         await quietly(refresh_job_status(namespace, job, view))
-

@@ -113,11 +113,16 @@ async def _refresh_samplergroup_status(
     decided = (rebalancer.decisions_of(job) if job else None) or None
     decision = decided.groups.get(group_name) if decided is not None and group_name else None
     desired = samplergroup_status(
-        sg, deployment, get_catalog(), (wc or {}).get("status"),
+        sg,
+        deployment,
+        get_catalog(),
+        (wc or {}).get("status"),
         pods=view.pods_of(namespace)("sampler", name),
         rebalance=group.status_patch() if group is not None else None,
-        quarantine=quarantine_reason(sg, collapse, decision.held_quarantine if decision is not None else None),
-    )  # fmt: skip
+        quarantine=quarantine_reason(
+            sg, collapse, decision.held_quarantine if decision is not None else None
+        ),
+    )
     await write_status(sg, desired, "SamplerGroup")
 
 
@@ -126,11 +131,15 @@ async def heal_group(namespace: str, name: str, view: View) -> None:
     sg = view.one(view.samplergroups, (namespace, name))
     if alive(sg):
         log.warning("Deployment of SamplerGroup %s/%s deleted: re-applying it", namespace, name)
-        await coalesced("SamplerGroup-heal", namespace, name, lambda: rerun(reconcile_group, sg, namespace, view))
+        await coalesced(
+            "SamplerGroup-heal", namespace, name, lambda: rerun(reconcile_group, sg, namespace, view)
+        )
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=SAMPLER_LABELS)
-async def sampler_deployment_event(body: kopf.Body, namespace: str | None, type: str | None, **kwargs: Any) -> None:
+async def sampler_deployment_event(
+    body: kopf.Body, namespace: str | None, type: str | None, **kwargs: Any
+) -> None:
     namespace = namespaced(namespace)
     sg_name = body.get("metadata", {}).get("labels", {}).get(n.LABEL_SAMPLERGROUP)
     if sg_name:
@@ -188,4 +197,3 @@ async def mount_failure_event(body: kopf.Body, namespace: str | None, **kwargs: 
         await quietly(refresh_samplergroup_status(namespace, name, view))
     elif component == "trainer":
         await quietly(refresh_job_status(namespace, name, view))
-

@@ -107,12 +107,17 @@ def trainer_service_account(job: RLJob) -> str:
 def build_sandbox_role(name: str, namespace: str | None = None, backend: str = "pods") -> Manifest:
     """`backend`'s sandbox role itself (a ClusterRole, or a Role in `namespace`): what the chart installs."""
     meta: Manifest = {"name": name, **({"namespace": namespace} if namespace else {})}
-    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role" if namespace else "ClusterRole",
-            "metadata": meta, "rules": [dict(r) for r in BACKEND_ROLES[backend][2]]}  # fmt: skip
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role" if namespace else "ClusterRole",
+        "metadata": meta,
+        "rules": [dict(r) for r in BACKEND_ROLES[backend][2]],
+    }
 
 
-def build_sandbox_children(job: RLJob, namespace: str, owner: Manifest | None,
-                           role_ref: Manifest | None = None) -> list[Manifest]:  # fmt: skip
+def build_sandbox_children(
+    job: RLJob, namespace: str, owner: Manifest | None, role_ref: Manifest | None = None
+) -> list[Manifest]:
     """The ServiceAccount (when the user names none), the RoleBinding to `role_ref` (the job's backend's
     role; None: that backend's default) and, for pods, the NetworkPolicy; none unless the job's sandboxes
     are in the cluster."""
@@ -123,30 +128,36 @@ def build_sandbox_children(job: RLJob, namespace: str, owner: Manifest | None,
     account = trainer_service_account(job)
     children: list[Manifest] = []
     if job.spec.trainer.service_account_name is None:
-        children.append({
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": n.object_meta(account, namespace, n.job_labels(job.name, "trainer"), owner),
-            "automountServiceAccountToken": False,  # mounted by the trainer pods alone (pod_identity)
-        })  # fmt: skip
-    children.append({
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": n.object_meta(n.sandboxes_name(job.name), namespace, labels, owner),
-        "roleRef": dict(role_ref),
-        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
-    })  # fmt: skip
+        children.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": n.object_meta(account, namespace, n.job_labels(job.name, "trainer"), owner),
+                "automountServiceAccountToken": False,  # mounted by the trainer pods alone (pod_identity)
+            }
+        )
+    children.append(
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": n.object_meta(n.sandboxes_name(job.name), namespace, labels, owner),
+            "roleRef": dict(role_ref),
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+        }
+    )
     if not pods_backend(job):
         return children
-    children.append({
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": n.object_meta(n.sandboxes_name(job.name), namespace, labels, owner),
-        "spec": {
-            "podSelector": {"matchLabels": {LABEL_JOB: job.name, LABEL_COMPONENT: COMPONENT}},
-            "policyTypes": ["Ingress", "Egress"],  # and no rule: nothing in, nothing out
-        },
-    })  # fmt: skip
+    children.append(
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": n.object_meta(n.sandboxes_name(job.name), namespace, labels, owner),
+            "spec": {
+                "podSelector": {"matchLabels": {LABEL_JOB: job.name, LABEL_COMPONENT: COMPONENT}},
+                "policyTypes": ["Ingress", "Egress"],  # and no rule: nothing in, nothing out
+            },
+        }
+    )
     return children
 
 
@@ -159,7 +170,10 @@ def trainer_pod_identity(job: RLJob) -> tuple[Manifest, list[Manifest]]:
     identity = {"serviceAccountName": trainer_service_account(job), "automountServiceAccountToken": True}
     env = [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-        for name, path in ((POD_NAME_ENV, "metadata.name"), (POD_UID_ENV, "metadata.uid"),
-                           (NAMESPACE_ENV, "metadata.namespace"))  # fmt: skip
+        for name, path in (
+            (POD_NAME_ENV, "metadata.name"),
+            (POD_UID_ENV, "metadata.uid"),
+            (NAMESPACE_ENV, "metadata.namespace"),
+        )
     ]
     return identity, env

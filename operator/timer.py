@@ -42,7 +42,9 @@ async def weightchannel_timer(name: str, namespace: str | None, body: kopf.Body,
         return
     groups = [g for g in view.all(view.samplergroups_by_job, (namespace, job_name)) if owned_by(g, job)]
     try:
-        decided = await rebalancer.rebalance_job(copy.deepcopy(job), namespace, groups, view.pods_of(namespace))
+        decided = await rebalancer.rebalance_job(
+            copy.deepcopy(job), namespace, groups, view.pods_of(namespace)
+        )
         if decided is not None:  # written into the RLJob's status first, then carried out
             await quietly(refresh_job_status(namespace, job_name, view))
             await rebalancer.act(copy.deepcopy(job), namespace, groups, view.pods_of(namespace), decided)

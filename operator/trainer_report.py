@@ -157,7 +157,9 @@ def trainer_job_status(
     wanted = {g.get("name") for g in _get(job, "spec", "samplerGroups") or []}
     # one server-side apply owns all of these fields: what is not re-sent would be removed, so a
     # trainer that cannot be read right now leaves the last reported values in place
-    status: dict[str, Any] = {k: old[k] for k in ("step", "metrics") if report is None and old.get(k) is not None}
+    status: dict[str, Any] = {
+        k: old[k] for k in ("step", "metrics") if report is None and old.get(k) is not None
+    }
     if report is not None:
         status.update(_reported_progress(report, old, now))
     reason, parts = _risk_reason(report, samplergroups)
@@ -174,7 +176,9 @@ def trainer_job_status(
         "status": "True" if risk_on else "False",
         "reason": reason,
         "message": "; ".join(parts)[:4000] if parts else "no collapse precursor reported",
-        "lastTransitionTime": (previous or {}).get("lastTransitionTime") if previous and was_on == risk_on else now,
+        "lastTransitionTime": (previous or {}).get("lastTransitionTime")
+        if previous and was_on == risk_on
+        else now,
     }
     if condition["lastTransitionTime"] is None:
         condition["lastTransitionTime"] = now
@@ -221,7 +225,9 @@ def _risk_reason(
         reason = reason if reason != "NoSignal" else _camel(report.signals[0].signal)
         parts.extend(s.message() for s in report.signals)
     for sg in samplergroups:
-        risk = next((c for c in _get(sg, "status", "conditions") or [] if c.get("type") == "CollapseRisk"), None)
+        risk = next(
+            (c for c in _get(sg, "status", "conditions") or [] if c.get("type") == "CollapseRisk"), None
+        )
         if risk and risk.get("status") == "True":
             reason = reason if reason != "NoSignal" else "GroupCollapseRisk"
             parts.append(f"{_get(sg, 'spec', 'name')}: {risk.get('message', '')}".strip())
@@ -235,12 +241,19 @@ def _complete_condition(
     trainer cannot be read (a finished run does not become unfinished)."""
     old_complete = next((c for c in old.get("conditions") or [] if c.get("type") == "Complete"), None)
     if report is not None and report.finished:
-        since = old_complete.get("lastTransitionTime") if old_complete and old_complete.get("status") == "True" else None
+        since = (
+            old_complete.get("lastTransitionTime")
+            if old_complete and old_complete.get("status") == "True"
+            else None
+        )
         return {
-            "type": "Complete", "status": "True", "reason": "TrainingFinished",
-            "message": f"training finished at step {report.step}", "lastTransitionTime": since or now,
+            "type": "Complete",
+            "status": "True",
+            "reason": "TrainingFinished",
+            "message": f"training finished at step {report.step}",
+            "lastTransitionTime": since or now,
             **({"observedGeneration": generation} if generation is not None else {}),
-        }  # fmt: skip
+        }
     if report is None and old_complete is not None and old_complete.get("status") == "True":
         return dict(old_complete)
     return None

@@ -94,9 +94,13 @@ async def _jobs_sharing_the_store(manifest: dict[str, Any], namespace: str | Non
         except kube.KubeError as exc:
             if not (s3 and exc.status == 403):
                 raise
-            log.warning("webhook: RLJobs cannot be listed cluster-wide (RBAC of watchNamespaces): the S3 "
-                        "store of %s/%s is checked against namespace %s only", namespace,
-                        manifest.get("metadata", {}).get("name"), namespace)  # fmt: skip
+            log.warning(
+                "webhook: RLJobs cannot be listed cluster-wide (RBAC of watchNamespaces): the S3 "
+                "store of %s/%s is checked against namespace %s only",
+                namespace,
+                manifest.get("metadata", {}).get("name"),
+                namespace,
+            )
             jobs = await api.list(API_VERSION, "RLJob", namespace)
     except API_FAILURES as exc:
         log.warning("webhook: could not list RLJobs (%s): shared weight stores not checked", exc)
@@ -106,8 +110,13 @@ async def _jobs_sharing_the_store(manifest: dict[str, Any], namespace: str | Non
 
 @kopf.on.validate(GROUP, VERSION, "rljobs", id="validate-rljob", operation="CREATE")
 @kopf.on.validate(GROUP, VERSION, "rljobs", id="validate-rljob-update", operation="UPDATE")
-async def validate_rljob(body: kopf.Body, old: kopf.Body | None = None, operation: str | None = None,
-                         namespace: str | None = None, **_: Any) -> None:  # fmt: skip
+async def validate_rljob(
+    body: kopf.Body,
+    old: kopf.Body | None = None,
+    operation: str | None = None,
+    namespace: str | None = None,
+    **_: Any,
+) -> None:
     if _spec_unchanged(operation, old, body):
         return
     manifest = _manifest(body)
@@ -123,8 +132,9 @@ async def validate_rljob(body: kopf.Body, old: kopf.Body | None = None, operatio
 
 @kopf.on.validate(GROUP, VERSION, "samplergroups", id="validate-samplergroup", operation="CREATE")
 @kopf.on.validate(GROUP, VERSION, "samplergroups", id="validate-samplergroup-update", operation="UPDATE")
-def validate_samplergroup(body: kopf.Body, old: kopf.Body | None = None, operation: str | None = None,
-                          **_: Any) -> None:  # fmt: skip
+def validate_samplergroup(
+    body: kopf.Body, old: kopf.Body | None = None, operation: str | None = None, **_: Any
+) -> None:
     if _spec_unchanged(operation, old, body):
         return
     message = admission_message("SamplerGroup", _manifest(body))
@@ -174,8 +184,12 @@ class CertKeeper:
         patch = certs.ca_bundle_patch(configuration, data[certs.CA_CERT])
         if patch is not None:
             await api.apply(patch)
-            log.info("webhook: caBundle of ValidatingWebhookConfiguration %s set from Secret %s/%s",
-                     self.configuration, self.namespace, self.secret)  # fmt: skip
+            log.info(
+                "webhook: caBundle of ValidatingWebhookConfiguration %s set from Secret %s/%s",
+                self.configuration,
+                self.namespace,
+                self.secret,
+            )
 
     async def _secret_data(self, api: kube.KubeApi, configuration: Mapping[str, Any]) -> dict[str, str]:
         for _ in range(3):
@@ -266,8 +280,13 @@ def configure_webhook(settings: kopf.OperatorSettings, **_: Any) -> None:
         return
     addr, port, host = env["addr"] or "0.0.0.0", int(env["port"]), env["host"] or "127.0.0.1"
     if env["secret"]:
-        keeper = CertKeeper(secret=env["secret"], namespace=env["secret_namespace"], configuration=env["configuration"],
-                            hosts=[host], interval=float(env["check_interval"] or 60))  # fmt: skip
+        keeper = CertKeeper(
+            secret=env["secret"],
+            namespace=env["secret_namespace"],
+            configuration=env["configuration"],
+            hosts=[host],
+            interval=float(env["check_interval"] or 60),
+        )
         settings.admission.server = SecretCertServer(keeper, addr=addr, port=port, host=host)
     else:
         if env["cert"] and env["key"]:

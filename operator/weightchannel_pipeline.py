@@ -45,9 +45,13 @@ def _log_removals(namespace: str, name: str, read: ChannelRead, now: datetime) -
         log.info(
             "WeightChannel %s/%s: removed the subscriber report of %s/%s (no such pod in its group, last "
             "report %.0f s ago, applied v%s)",
-            namespace, name, report.group, report.replica, report_age_seconds(report, now),
+            namespace,
+            name,
+            report.group,
+            report.replica,
+            report_age_seconds(report, now),
             report.applied_version,
-        )  # fmt: skip
+        )
     key = (namespace, name)
     for _ in range(read.removal_failures):
         count(SUBSCRIBER_REMOVALS, "error")
@@ -58,8 +62,10 @@ def _log_removals(namespace: str, name: str, read: ChannelRead, now: datetime) -
                 "WeightChannel %s/%s: cannot remove subscriber reports of gone replicas from the store: %s "
                 "(the operator needs write access to subscribers/; those reports pin nothing and count in "
                 "no status meanwhile; retried at every read, logged again once it works)",
-                namespace, name, read.removal_error,
-            )  # fmt: skip
+                namespace,
+                name,
+                read.removal_error,
+            )
     elif key in _removal_failing and read.status is not None:
         _removal_failing.discard(key)  # nothing refused this time: a later failure warns again
         if read.removed:
@@ -104,7 +110,9 @@ async def refresh_weightchannel_status(
 
 
 @kopf.on.event(GROUP, VERSION, "weightchannels")
-async def weightchannel_event(body: kopf.Body, name: str, namespace: str | None, type: str | None, **kwargs: Any) -> None:
+async def weightchannel_event(
+    body: kopf.Body, name: str, namespace: str | None, type: str | None, **kwargs: Any
+) -> None:
     """Channel status moved (new version, a group applied one): group lags and the job's version follow.
     Deleted: what the operator kept for the channel (its timer's last store read, a removal failure
     streak) is dropped."""

@@ -67,7 +67,10 @@ TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 
 def api_key_env(secret: str) -> dict[str, Any]:
     """RLFLEET_API_KEY by reference to the key Secret (the pod waits for the Secret if it is not there yet)."""
-    return {"name": n.API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": n.API_KEY_SECRET_KEY}}}
+    return {
+        "name": n.API_KEY_ENV,
+        "valueFrom": {"secretKeyRef": {"name": secret, "key": n.API_KEY_SECRET_KEY}},
+    }
 
 
 def sampler_api_key_secret(sg: SamplerGroup) -> str:
@@ -78,7 +81,9 @@ def sampler_api_key_secret(sg: SamplerGroup) -> str:
 def sampler_labels(sg: SamplerGroup) -> dict[str, str]:
     """The labels of a group's Deployment, Service and pods."""
     job = sg.spec.job_name or sg.metadata.name or ""
-    return n.sampler_labels(job, sg.spec.name, sg.metadata.name or "", sg.spec.accelerator, sg.spec.weight_format)
+    return n.sampler_labels(
+        job, sg.spec.name, sg.metadata.name or "", sg.spec.accelerator, sg.spec.weight_format
+    )
 
 
 # --- trainer -------------------------------------------------------------------------------------------
@@ -128,7 +133,10 @@ def build_trainer_statefulset(
     env: list[dict[str, Any]] = [
         {"name": "RLFLEET_JOB", "value": job.name},  # the rendezvous id ($(RLFLEET_JOB) in the args)
         {"name": "RLFLEET_CONFIG", "value": f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}"},  # trainer/entrypoint.py
-        {"name": "RLFLEET_ROUTER_URL", "value": f"http://{n.router_name(job.name)}.{namespace}.svc:{n.ROUTER_PORT}"},
+        {
+            "name": "RLFLEET_ROUTER_URL",
+            "value": f"http://{n.router_name(job.name)}.{namespace}.svc:{n.ROUTER_PORT}",
+        },
         api_key_env(n.api_key_secret_name(job.name)),  # the router requires it (trainer/entrypoint.py)
         {"name": "NNODES", "value": str(t.replicas)},
         {"name": "NPROC_PER_NODE", "value": str(ranks)},
@@ -165,7 +173,7 @@ def build_trainer_statefulset(
             "run",
             "--config",
             f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}",
-        ],  # fmt: skip
+        ],
         **container_env(env, t),
         "ports": [
             {"name": "rdzv", "containerPort": n.TRAINER_RDZV_PORT},
@@ -202,7 +210,9 @@ def build_trainer_statefulset(
                     t,
                 ),
                 "spec": {
-                    **optional("affinity", pod_affinity(t, catalog, t.accelerator, own_anti_affinity=gang_anti)),
+                    **optional(
+                        "affinity", pod_affinity(t, catalog, t.accelerator, own_anti_affinity=gang_anti)
+                    ),
                     **optional("tolerations", pod_tolerations(t, gpu=cls.gpu)),
                     **pod_placement_spec(t),
                     "securityContext": pod_security_context(),
@@ -212,7 +222,10 @@ def build_trainer_statefulset(
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": n.config_name(job.name)}},
-                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi" if cls.gpu else "1Gi"}},
+                        {
+                            "name": "dshm",
+                            "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi" if cls.gpu else "1Gi"},
+                        },
                         {"name": "tmp", "emptyDir": {}},
                         *volumes,
                         *extra_volumes,
@@ -296,8 +309,9 @@ def build_router_deployment(job: RLJob, namespace: str, owner: Manifest | None) 
 # --- sampler group -------------------------------------------------------------------------------------
 
 
-def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest | None, catalog: Catalog,
-                             store: StoreSpec | None) -> Manifest:  # fmt: skip
+def build_sampler_deployment(
+    sg: SamplerGroup, namespace: str, owner: Manifest | None, catalog: Catalog, store: StoreSpec | None
+) -> Manifest:
     """SGLang pods of one group: class affinity + GPU toleration, TP GPUs, flags from the catalog,
     health probes, Prometheus annotations, the weight-sync sidecar, restricted security context."""
     name = sg.metadata.name or ""
@@ -317,7 +331,9 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
             spec, catalog, model_path=MODEL_DIR_REF, weight_version=WEIGHT_VERSION_REF
         )
         engine_command = launch_from_file(
-            [*launch.argv, *key_args], f"{n.WEIGHTS_CACHE}/{LAUNCH_FILE}", checkpoint_flags=cls.engine == "sglang"
+            [*launch.argv, *key_args],
+            f"{n.WEIGHTS_CACHE}/{LAUNCH_FILE}",
+            checkpoint_flags=cls.engine == "sglang",
         )
         command, args = engine_command[:2], engine_command[2:]
     else:  # a standalone group serves one fixed checkpoint, which must already be in its format
@@ -416,7 +432,7 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
             "--cache-dir",
             n.WEIGHTS_CACHE,
             "--require-checkpoint",
-        ]  # fmt: skip
+        ]
         sync_env: list[dict[str, Any]] = [
             {"name": "HOME", "value": "/tmp"},
             {"name": "HF_HOME", "value": HF_HOME},
@@ -477,7 +493,9 @@ def build_sampler_deployment(sg: SamplerGroup, namespace: str, owner: Manifest |
                     **optional("affinity", pod_affinity(spec, catalog, spec.accelerator, spot=spec.spot)),
                     **optional(
                         "tolerations",
-                        pod_tolerations(spec, gpu=cls.gpu, spot=catalog.spot.toleration_wire() if spec.spot else None),
+                        pod_tolerations(
+                            spec, gpu=cls.gpu, spot=catalog.spot.toleration_wire() if spec.spot else None
+                        ),
                     ),
                     **pod_placement_spec(spec),
                     "securityContext": pod_security_context(),

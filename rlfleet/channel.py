@@ -188,7 +188,9 @@ def check_relative_path(path: str) -> str:
         or "\0" in path
         or any(part in ("", ".", "..") for part in path.split("/"))
     ):
-        raise ChannelError(f"{path!r} is not a plain relative path (no absolute path, '..', '.' or empty part)")
+        raise ChannelError(
+            f"{path!r} is not a plain relative path (no absolute path, '..', '.' or empty part)"
+        )
     return path
 
 
@@ -394,7 +396,11 @@ class Manifest:
                 except ChannelError as e:
                     raise ChannelError(f"manifest of v{version}: view {name}: {e}") from None
                 files = {p: file_entry_from_dict(p, v["files"][p]) for p in paths}
-                delta = None if v.get("delta") is None else _view_delta_from_dict(name, version, v["delta"], files)
+                delta = (
+                    None
+                    if v.get("delta") is None
+                    else _view_delta_from_dict(name, version, v["delta"], files)
+                )
                 views[name] = ViewManifest(name, files, dict(v.get("tensors", {})), delta)
             return cls(
                 version,
@@ -414,7 +420,9 @@ def _view_delta_from_dict(
     safetensors file the view lists (a name planted in a manifest never becomes another path)."""
     base = int(raw["base"])
     if not 0 <= base < version:
-        raise ChannelError(f"manifest of v{version}: view {view}'s delta base v{base} is not an earlier version")
+        raise ChannelError(
+            f"manifest of v{version}: view {view}'s delta base v{base} is not an earlier version"
+        )
     files = {p: file_entry_from_dict(p, e) for p, e in raw["files"].items()}
     if not files:
         raise ChannelError(f"manifest of v{version}: view {view}'s delta has no payload")
@@ -484,7 +492,9 @@ class WriterLease:
     @classmethod
     def from_bytes(cls, data: bytes) -> WriterLease:
         raw = json.loads(data)
-        return cls(str(raw["holder"]), int(raw["generation"]), str(raw["renewed_at"]), float(raw["ttl_seconds"]))
+        return cls(
+            str(raw["holder"]), int(raw["generation"]), str(raw["renewed_at"]), float(raw["ttl_seconds"])
+        )
 
     def age_seconds(self, now: datetime) -> float:
         """Seconds since the last renewal: by the store's clock when read from it (`stored_age_seconds`),
@@ -498,8 +508,10 @@ class WriterLease:
         return (now - (at if at.tzinfo else at.replace(tzinfo=UTC))).total_seconds()
 
     def describe(self, now: datetime) -> str:
-        return (f"{self.holder!r} (generation {self.generation}, last renewed {self.renewed_at}, "
-                f"{self.age_seconds(now):.0f}s ago; the lease expires {self.ttl_seconds:.0f}s after a renewal)")  # fmt: skip
+        return (
+            f"{self.holder!r} (generation {self.generation}, last renewed {self.renewed_at}, "
+            f"{self.age_seconds(now):.0f}s ago; the lease expires {self.ttl_seconds:.0f}s after a renewal)"
+        )
 
 
 class _BaseRefused(Exception):
@@ -593,7 +605,11 @@ def _local_view_files(view_dirs: Mapping[str, Path]) -> list[tuple[str, str, Pat
         directory = Path(directory)
         if not directory.is_dir():
             raise ValueError(f"view {view}: {directory} is not a directory")
-        found = [(view, p.relative_to(directory).as_posix(), p) for p in sorted(directory.rglob("*")) if p.is_file()]
+        found = [
+            (view, p.relative_to(directory).as_posix(), p)
+            for p in sorted(directory.rglob("*"))
+            if p.is_file()
+        ]
         if not found:
             raise ValueError(f"view {view}: {directory} has no files")
         files.extend(found)
@@ -609,7 +625,9 @@ def _check_delta_sources(
         listed = {rel for v, rel, _ in files if v == view and rel.endswith(".safetensors")}
         unknown = sorted(set(source.payloads) - listed)
         if not any(v == view for v, _, _ in files) or unknown:
-            raise ValueError(f"view {view}: delta payloads for files the view does not have: {unknown or '(no such view)'}")
+            raise ValueError(
+                f"view {view}: delta payloads for files the view does not have: {unknown or '(no such view)'}"
+            )
         if version is not None and not 0 <= source.base < version:
             raise ValueError(f"view {view}: delta base v{source.base} is not below v{version}")
 
@@ -639,9 +657,13 @@ class WeightChannel:
         if value is None:
             return None, None
         try:
-            return replace(WriterLease.from_bytes(value.data), stored_age_seconds=value.age_seconds), value.token
+            return replace(
+                WriterLease.from_bytes(value.data), stored_age_seconds=value.age_seconds
+            ), value.token
         except _RECORD_ERRORS as e:  # unreadable: nobody can prove they hold it
-            log.warning("writer lease %s is unreadable (%s): treating it as expired", self.store.uri_of(LEASE_KEY), e)
+            log.warning(
+                "writer lease %s is unreadable (%s): treating it as expired", self.store.uri_of(LEASE_KEY), e
+            )
             return None, value.token
 
     def acquire_lease(self, ttl_seconds: float = WRITER_LEASE_TTL_SECONDS) -> WriterLease:
@@ -652,8 +674,14 @@ class WeightChannel:
             held, token = self._read_lease()
             now = datetime.now(UTC)
             pointer = self.latest()  # its generation too: an unreadable lease must not restart the count
-            newest = max(0 if held is None else held.generation, 0 if pointer is None else pointer.lease_generation)
-            if held is not None and held.holder != self.publisher_id and held.age_seconds(now) <= held.ttl_seconds:
+            newest = max(
+                0 if held is None else held.generation, 0 if pointer is None else pointer.lease_generation
+            )
+            if (
+                held is not None
+                and held.holder != self.publisher_id
+                and held.age_seconds(now) <= held.ttl_seconds
+            ):
                 raise LeaseHeldError(
                     f"the weight channel {self.store.uri} is written by {held.describe(now)}; this is "
                     f"{self.publisher_id!r}. One trainer per channel: stop the other one, or give this job "
@@ -718,8 +746,10 @@ class WeightChannel:
         try:
             data = self.store.get(manifest_key(version), max_bytes=MAX_MANIFEST_BYTES)
         except ObjectTooLargeError as e:
-            raise ChannelError(f"manifest of v{version} refused as damaged: {e} (the bound is "
-                               f"MAX_MANIFEST_BYTES, {MAX_MANIFEST_BYTES} bytes)") from None  # fmt: skip
+            raise ChannelError(
+                f"manifest of v{version} refused as damaged: {e} (the bound is "
+                f"MAX_MANIFEST_BYTES, {MAX_MANIFEST_BYTES} bytes)"
+            ) from None
         if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
             raise ChecksumMismatchError(f"manifest of v{version} does not match the pointer's sha256")
         manifest = Manifest.from_bytes(data)
@@ -774,9 +804,12 @@ class WeightChannel:
             self.store.delete(key)
         if holder != self.publisher_id:  # we hold the lease (checked): the claim's publisher lost it
             self.store.put(claim, self.publisher_id.encode())
-        log.warning("version %d: taking over the claim of %s of an interrupted publish (%d partial files removed)",
-                    version, "this publisher" if holder == self.publisher_id else f"{holder!r}, a former lease holder",
-                    len(partial))  # fmt: skip
+        log.warning(
+            "version %d: taking over the claim of %s of an interrupted publish (%d partial files removed)",
+            version,
+            "this publisher" if holder == self.publisher_id else f"{holder!r}, a former lease holder",
+            len(partial),
+        )
 
     def publish(
         self,
@@ -833,7 +866,9 @@ class WeightChannel:
             if rel.endswith(".safetensors"):
                 tensors.update(headers[(view, rel)])
         views = {
-            view: ViewManifest(view, complete, tensors, ViewDelta(deltas[view].base, payloads) if payloads else None)
+            view: ViewManifest(
+                view, complete, tensors, ViewDelta(deltas[view].base, payloads) if payloads else None
+            )
             for view, (complete, tensors, payloads) in entries.items()
         }
         manifest = Manifest(number, now_iso(), self.publisher_id, views, dict(metadata or {}))
@@ -924,7 +959,9 @@ class WeightChannel:
                 fallback = type(refused.error)(failed)
                 try:
                     seed, steps = self._rebuild_plan(version, view, manifests, {})
-                    log.warning("v%d/%s: %s; reseeding from the anchor v%d", version, view, failed, steps[0][0])
+                    log.warning(
+                        "v%d/%s: %s; reseeding from the anchor v%d", version, view, failed, steps[0][0]
+                    )
                     shutil.rmtree(work, ignore_errors=True)
                     built = self._build(view, None, steps, work, counted)
                 except (ChecksumMismatchError, RebuildError, KeyNotFoundError) as again:
@@ -1036,31 +1073,45 @@ class WeightChannel:
             shutil.copyfile(base[2] / rel, target)  # unchanged since the base: no read from the store
             digest = hash_file(target, entry.algorithm)
             if digest != entry:
-                raise _BaseRefused(ChecksumMismatchError(
-                    f"{prefix}/{rel} copied from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
-                ))  # fmt: skip
+                raise _BaseRefused(
+                    ChecksumMismatchError(
+                        f"{prefix}/{rel} copied from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
+                    )
+                )
         elif vm.delta is not None and rel in vm.delta.rebuilt():
             if base is None or base[0] != vm.delta.base:
                 raise RebuildError(f"{prefix}/{rel}: its base v{vm.delta.base} is not at hand")
             base_file = base[2] / rel
             if not base_file.is_file():
-                raise _BaseRefused(ChecksumMismatchError(f"{prefix}/{rel}: the copy of its base v{base[0]} lacks the file"))
+                raise _BaseRefused(
+                    ChecksumMismatchError(f"{prefix}/{rel}: the copy of its base v{base[0]} lacks the file")
+                )
             payload_rel = rel + DELTA_SUFFIX
             payload = step.work / "payloads" / payload_rel
-            self._get_verified(f"{prefix}/{payload_rel}", payload, vm.delta.files[payload_rel], "delta",
-                               on_read, missing=RebuildError)  # fmt: skip
+            self._get_verified(
+                f"{prefix}/{payload_rel}",
+                payload,
+                vm.delta.files[payload_rel],
+                "delta",
+                on_read,
+                missing=RebuildError,
+            )
             target.parent.mkdir(parents=True, exist_ok=True)
             hasher = new_hasher(entry.algorithm)  # fed in the apply's own pass: no second read
             try:
                 size = apply_delta(base_file, payload, target, hasher=hasher)
             except DeltaError as e:
-                raise _BaseRefused(RebuildError(f"{prefix}/{payload_rel} does not fit v{base[0]}: {e}")) from None
+                raise _BaseRefused(
+                    RebuildError(f"{prefix}/{payload_rel} does not fit v{base[0]}: {e}")
+                ) from None
             payload.unlink()
             digest = FileDigest(entry.algorithm, hasher.hexdigest(), size)
             if digest != entry:
-                raise _BaseRefused(ChecksumMismatchError(
-                    f"{prefix}/{rel} rebuilt from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
-                ))  # fmt: skip
+                raise _BaseRefused(
+                    ChecksumMismatchError(
+                        f"{prefix}/{rel} rebuilt from v{base[0]}: {digest} != manifest {entry} (a torn base?)"
+                    )
+                )
         else:
             missing = KeyNotFoundError if vm.delta is None else RebuildError
             whole = "anchor" if vm.delta is None else "whole-file"
@@ -1089,7 +1140,12 @@ class WeightChannel:
             raise ChecksumMismatchError(f"{key}: {digest} != manifest {entry}")
 
     def verify_view_in_place(
-        self, version: int, view: str, *, manifest: Manifest | None = None, on_read: ReadCallback | None = None
+        self,
+        version: int,
+        view: str,
+        *,
+        manifest: Manifest | None = None,
+        on_read: ReadCallback | None = None,
     ) -> Path:
         """The directory where a filesystem store holds one view of a version, after hashing every file
         there (streaming, with the algorithm its manifest entry names) against the manifest: what an
@@ -1105,8 +1161,10 @@ class WeightChannel:
             raise ChannelError(f"{self.store.uri} is not a filesystem store: a view can only be downloaded")
         delta = manifest.views[view].delta
         if delta is not None:
-            raise ChannelError(f"v{version}/{view} is stored as a delta against v{delta.base}: it is rebuilt, "
-                               "not loaded in place")  # fmt: skip
+            raise ChannelError(
+                f"v{version}/{view} is stored as a delta against v{delta.base}: it is rebuilt, "
+                "not loaded in place"
+            )
         prefix = f"{_version_key(version)}/{view}"
         directory = Path(self.store.uri_of(prefix))
         files = manifest.views[view].files
@@ -1252,13 +1310,20 @@ class WeightChannel:
                     bases.add(base)
                     below = read(base)
                     if below is None or view not in below.views:
-                        log.warning("retention: view %s of v%d is a delta against v%d, which the channel no longer "
-                                    "holds: versions after it cannot be rebuilt", view, version, base)  # fmt: skip
+                        log.warning(
+                            "retention: view %s of v%d is a delta against v%d, which the channel no longer "
+                            "holds: versions after it cannot be rebuilt",
+                            view,
+                            version,
+                            base,
+                        )
                         break
                     version, vm = base, below.views[view]
         return bases
 
-    def _pinned_by_subscribers(self, now: datetime, stale_after_seconds: float | None, pointer: int) -> set[int]:
+    def _pinned_by_subscribers(
+        self, now: datetime, stale_after_seconds: float | None, pointer: int
+    ) -> set[int]:
         """The versions subscribers report in use or applied, in reports not older than
         `stale_after_seconds` (None: every report counts): per report, at most its
         MAX_PINNED_PER_REPORT newest versions at or below the `pointer` (a replica serves one version
@@ -1416,7 +1481,9 @@ def group_versions(
                 lag=lag,
                 replicas={r.replica: r.applied_version for r in sorted(rs, key=lambda r: r.replica)},
                 sync_failures=sum(r.failures for r in rs),
-                last_error=max(((r.updated_at, r.last_error) for r in rs if r.last_error), default=(None, None))[1],
+                last_error=max(
+                    ((r.updated_at, r.last_error) for r in rs if r.last_error), default=(None, None)
+                )[1],
             )
         )
     return groups

@@ -20,17 +20,32 @@ from pathlib import Path
 # command words -> (module, one-line help). The module's `cli(argv)` parses the rest.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("run",): ("rlfleet.local.main", "run an RLJob manifest (--local: everything on this machine)"),
-    ("model", "tiny-qwen3"): ("rlfleet.trainer.warm_start", "write the project's tiny Qwen3 HF checkpoint (tests, local runs)"),
+    ("model", "tiny-qwen3"): (
+        "rlfleet.trainer.warm_start",
+        "write the project's tiny Qwen3 HF checkpoint (tests, local runs)",
+    ),
     ("crds",): ("rlfleet.api.crdgen", "write (or --check) the CRD YAML generated from the API models"),
     ("operator", "run"): ("rlfleet.operator.main", "run the operator (in or out of a cluster)"),
     ("sampler", "serve"): ("rlfleet.sampler.server", "serve a sampler (--engine reference | sglang)"),
     ("sampler", "sync"): ("rlfleet.sampler.sync", "weight-sync sidecar: reconcile an engine to the channel"),
     ("router", "serve"): ("rlfleet.router.service", "serve the session-affine weighted router"),
     ("trainer", "run"): ("rlfleet.trainer.entrypoint", "trainer pod entrypoint (rank 0 drives rollouts)"),
-    ("trainer", "launch"): ("rlfleet.trainer.launch", "torchrun, exiting with the failed rank's own code (the trainer pod's command)"),
-    ("env", "try"): ("rlfleet.trainer.env_try", "run an environment's episodes with a scripted policy (JSON lines)"),
-    ("env", "swe-bench"): ("rlfleet.trainer.envs.swe_bench", "convert a SWE-bench-style JSONL to an SWE task file (a prompt set)"),
-    ("fleet", "plan"): ("rlfleet.fleet", "replicas and shares per group at the least cost per usable token (JSON)"),
+    ("trainer", "launch"): (
+        "rlfleet.trainer.launch",
+        "torchrun, exiting with the failed rank's own code (the trainer pod's command)",
+    ),
+    ("env", "try"): (
+        "rlfleet.trainer.env_try",
+        "run an environment's episodes with a scripted policy (JSON lines)",
+    ),
+    ("env", "swe-bench"): (
+        "rlfleet.trainer.envs.swe_bench",
+        "convert a SWE-bench-style JSONL to an SWE task file (a prompt set)",
+    ),
+    ("fleet", "plan"): (
+        "rlfleet.fleet",
+        "replicas and shares per group at the least cost per usable token (JSON)",
+    ),
 }
 
 

@@ -158,7 +158,9 @@ def _uncovered(header: _Header, file_bytes: int) -> list[tuple[int, int]]:
     return gaps
 
 
-def encode_delta(base: Path, target: Path, out: Path, *, max_delta_bytes: int | None = None) -> DeltaStats | None:
+def encode_delta(
+    base: Path, target: Path, out: Path, *, max_delta_bytes: int | None = None
+) -> DeltaStats | None:
     """Write the delta taking `base` to `target` into `out` (a safetensors file, module docstring).
 
     None (and nothing written) when the two headers or sizes differ, or bytes outside every tensor differ,
@@ -437,7 +439,9 @@ def _write_patched(src: int, dst: int, size: int, patches: Iterable[_Patch], has
                 begin, _, unit, index, values = patch
                 first = (at - begin) // unit.itemsize
                 # bounds in the index's own dtype: mixed dtypes would cast the whole index on every chunk
-                lo, hi = np.searchsorted(index, np.array([first, first + n // unit.itemsize], dtype=index.dtype))
+                lo, hi = np.searchsorted(
+                    index, np.array([first, first + n // unit.itemsize], dtype=index.dtype)
+                )
                 np.frombuffer(view, dtype=unit)[index[lo:hi] - first] = values[lo:hi]
             if pending is not None:
                 pending.result()  # byte order; and the buffer the next chunk fills is free again

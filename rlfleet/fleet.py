@@ -82,7 +82,9 @@ def fleet_cost_per_1m_usable_tokens(groups: Iterable[tuple[float, int, float, fl
     return cost if math.isfinite(cost) else None
 
 
-def weight_egress_cost_per_hour(bytes_per_version: float, versions_per_hour: float, price_per_gb: float) -> float:
+def weight_egress_cost_per_hour(
+    bytes_per_version: float, versions_per_hour: float, price_per_gb: float
+) -> float:
     """USD per hour one replica pays for its weight traffic: the bytes it reads per version (its view's
     stored bytes: the whole view for an anchor, the payloads for a delta; with deltas, their mean over
     versions) x the versions published per hour x the egress price per GB (1e9 bytes)."""
@@ -174,9 +176,11 @@ def _priced_cost_per_1m(g: MeasuredGroup, oor_fraction: float) -> float | None:
 
 
 def estimated_reference_tokens_per_gpu_second(
-    groups: Sequence[MeasuredGroup], reference_accelerator: str, catalog: Catalog,
+    groups: Sequence[MeasuredGroup],
+    reference_accelerator: str,
+    catalog: Catalog,
     weight_format: str = REFERENCE_WEIGHT_FORMAT,
-) -> float | None:  # fmt: skip
+) -> float | None:
     """Tokens/s per GPU of `reference_accelerator` at `weight_format` (default bf16: the reference fleet)
     as the measured groups imply it through the catalog's relative decode throughputs: a group of `gpus`
     GPUs making X tokens/s on class A at format p would make X * ratio(reference, format) / ratio(A, p) on
@@ -225,14 +229,18 @@ def measured_economics(
     fleet = None
     if any(g.cost_per_gpu_hour > 0 for g in paying):
         fleet = fleet_cost_per_1m_usable_tokens(
-            [(max(g.tokens_per_second or 0.0, 0.0), 1, g.cost_per_hour or 0.0, 1.0 - g.usable_fraction)
-             for g in paying]
-        )  # fmt: skip
+            [
+                (max(g.tokens_per_second or 0.0, 0.0), 1, g.cost_per_hour or 0.0, 1.0 - g.usable_fraction)
+                for g in paying
+            ]
+        )
     same = [
-        g for g in paying
-        if g.accelerator == reference_accelerator and g.weight_format == REFERENCE_WEIGHT_FORMAT
+        g
+        for g in paying
+        if g.accelerator == reference_accelerator
+        and g.weight_format == REFERENCE_WEIGHT_FORMAT
         and (g.tokens_per_second or 0.0) > 0
-    ]  # fmt: skip
+    ]
     per_gpu, oor = reference_tokens_per_gpu_second, reference_oor_fraction
     basis: ReferenceBasis = "given"
     if same:
@@ -242,7 +250,10 @@ def measured_economics(
         if oor is None:
             oor = 1.0 - sum((g.tokens_per_second or 0.0) * g.usable_fraction for g in same) / same_tokens
     if per_gpu is None and catalog is not None:
-        per_gpu, basis = estimated_reference_tokens_per_gpu_second(paying, reference_accelerator, catalog), "estimated"
+        per_gpu, basis = (
+            estimated_reference_tokens_per_gpu_second(paying, reference_accelerator, catalog),
+            "estimated",
+        )
     price = reference_cost_per_gpu_hour
     if price is None and same:
         price = same[0].cost_per_gpu_hour
@@ -302,8 +313,12 @@ class GroupFigures(_Model):
     def _check_bounds(self) -> GroupFigures:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
-        if self.egress_cost_per_replica_hour is not None and (self.egress_price_per_gb or self.weight_bytes_per_version is not None):
-            raise ValueError("egressCostPerReplicaHour (measured) or egressPricePerGb with weightBytesPerVersion, not both")
+        if self.egress_cost_per_replica_hour is not None and (
+            self.egress_price_per_gb or self.weight_bytes_per_version is not None
+        ):
+            raise ValueError(
+                "egressCostPerReplicaHour (measured) or egressPricePerGb with weightBytesPerVersion, not both"
+            )
         return self
 
 
@@ -344,7 +359,9 @@ class FleetPlanRequest(_Model):
     hysteresis: float = Field(default=0.05, ge=0.0, lt=1.0)  # the relative cost gain a change must beat
     groups: list[GroupFigures] = Field(min_length=1)
     reference: Reference = Field(default_factory=Reference)
-    versions_per_hour: float | None = Field(default=None, ge=0.0, le=1e6)  # weight versions published per hour
+    versions_per_hour: float | None = Field(
+        default=None, ge=0.0, le=1e6
+    )  # weight versions published per hour
 
     @model_validator(mode="after")
     def _check_names(self) -> FleetPlanRequest:
@@ -353,7 +370,9 @@ class FleetPlanRequest(_Model):
         if duplicates:
             raise ValueError(f"duplicate group names: {', '.join(duplicates)}")
         for g in self.groups:
-            if g.egress_price_per_gb and (g.weight_bytes_per_version is None or self.versions_per_hour is None):
+            if g.egress_price_per_gb and (
+                g.weight_bytes_per_version is None or self.versions_per_hour is None
+            ):
                 raise ValueError(
                     f"group {g.name}: egressPricePerGb needs its weightBytesPerVersion and the request's "
                     "versionsPerHour (the weight traffic it pays for)"
@@ -372,7 +391,9 @@ class PlanInfeasible(ValueError):
 class Binding:
     """A constraint whose removal alone would make the plan cheaper."""
 
-    constraint: str  # demand | fleetMaxKl | fleetMaxOorFraction | maxStep | maxReplicas | minReplicas | groupBudget
+    constraint: (
+        str  # demand | fleetMaxKl | fleetMaxOorFraction | maxStep | maxReplicas | minReplicas | groupBudget
+    )
     # (the first four are fleet-wide: group None)
     group: str | None
     message: str
@@ -428,7 +449,11 @@ class FleetPlan:
                     "usableTokensPerSecond": _round(g.usable_tokens_per_second, 3),
                     "costPerHour": _round(g.cost_per_hour, 6),
                     "costPer1MUsableTokens": _round(g.cost_per_1m_usable_tokens, 6),
-                    **({"egressCostPerHour": _round(g.egress_cost_per_hour, 6)} if g.egress_cost_per_hour else {}),
+                    **(
+                        {"egressCostPerHour": _round(g.egress_cost_per_hour, 6)}
+                        if g.egress_cost_per_hour
+                        else {}
+                    ),
                 }
                 for g in self.groups
             },
@@ -510,11 +535,15 @@ class _Problem:
             low, high = self.bounds(g)
             if not low <= x <= high:
                 return False
-        return all(value <= limit + _REL_TOL * max(abs(limit), 1.0) for value, limit in self._rows_at(replicas))
+        return all(
+            value <= limit + _REL_TOL * max(abs(limit), 1.0) for value, limit in self._rows_at(replicas)
+        )
 
     def _rows_at(self, replicas: Sequence[int]) -> list[tuple[float, float]]:
         """(value, limit) of each linear constraint written as value <= limit."""
-        rows = [(-sum(g.usable_per_replica * x for g, x in zip(self.groups, replicas, strict=True)), -self.demand)]
+        rows = [
+            (-sum(g.usable_per_replica * x for g, x in zip(self.groups, replicas, strict=True)), -self.demand)
+        ]
         for attr, budget in (("kl", self.fleet_max_kl), ("oor_fraction", self.fleet_max_oor)):
             if budget is not None:
                 value = sum(
@@ -565,7 +594,12 @@ def _solve_milp(problem: _Problem, max_cost: float | None) -> tuple[int, ...] | 
     upper = [np.inf]
     for attr, budget in (("kl", problem.fleet_max_kl), ("oor_fraction", problem.fleet_max_oor)):
         if budget is not None:
-            rows.append([g.tokens_per_second * (getattr(g, attr) - budget) if g.within_budget else 0.0 for g in problem.groups])
+            rows.append(
+                [
+                    g.tokens_per_second * (getattr(g, attr) - budget) if g.within_budget else 0.0
+                    for g in problem.groups
+                ]
+            )
             lower.append(-np.inf)
             upper.append(0.0)
     objective = [g.cost_per_hour for g in problem.groups]
@@ -619,8 +653,14 @@ def _resolve_group(g: GroupFigures, request: FleetPlanRequest, catalog: Catalog)
     if cost is None:
         cost = catalog.get(g.accelerator).cost_per_gpu_hour * g.gpus_per_replica
     egress = g.egress_cost_per_replica_hour or 0.0
-    if g.egress_price_per_gb and g.weight_bytes_per_version is not None and request.versions_per_hour is not None:
-        egress = weight_egress_cost_per_hour(g.weight_bytes_per_version, request.versions_per_hour, g.egress_price_per_gb)
+    if (
+        g.egress_price_per_gb
+        and g.weight_bytes_per_version is not None
+        and request.versions_per_hour is not None
+    ):
+        egress = weight_egress_cost_per_hour(
+            g.weight_bytes_per_version, request.versions_per_hour, g.egress_price_per_gb
+        )
     max_kl = g.max_kl if g.max_kl is not None else request.budgets.group_max_kl
     max_oor = g.max_oor_fraction if g.max_oor_fraction is not None else request.budgets.group_max_oor_fraction
     over = []
@@ -660,10 +700,18 @@ def _apply_hysteresis(
     current_cost = _cost(problem, current_replicas)
     gain = (current_cost - optimal_cost) / current_cost if current_cost > 0 else 0.0
     if gain <= hysteresis:
-        return current_replicas, "kept", (
-            f"the optimum saves {gain:.2%} of ${current_cost:.2f}/h, not more than the hysteresis {hysteresis:.2%}"
+        return (
+            current_replicas,
+            "kept",
+            (
+                f"the optimum saves {gain:.2%} of ${current_cost:.2f}/h, not more than the hysteresis {hysteresis:.2%}"
+            ),
         )
-    return optimum, "optimal", f"the optimum saves {gain:.2%} of ${current_cost:.2f}/h (> hysteresis {hysteresis:.2%})"
+    return (
+        optimum,
+        "optimal",
+        f"the optimum saves {gain:.2%} of ${current_cost:.2f}/h (> hysteresis {hysteresis:.2%})",
+    )
 
 
 def _relaxations(problem: _Problem) -> list[tuple[str, str | None, _Problem]]:
@@ -698,7 +746,13 @@ def _binding_constraints(problem: _Problem, optimal_cost: float) -> list[Binding
             continue
         relaxed_cost = _cost(relaxed, cheaper)
         if relaxed_cost < optimal_cost - _REL_TOL * max(optimal_cost, 1.0):
-            out.append(Binding(constraint, group, _binding_message(problem, constraint, group, optimal_cost - relaxed_cost)))
+            out.append(
+                Binding(
+                    constraint,
+                    group,
+                    _binding_message(problem, constraint, group, optimal_cost - relaxed_cost),
+                )
+            )
     return out
 
 
@@ -742,7 +796,9 @@ def _infeasible_reason(problem: _Problem) -> str:
     return "no plan meets the budgets: " + "; ".join(parts)
 
 
-def _reference_cost(request: FleetPlanRequest, groups: Sequence[_Group], catalog: Catalog) -> tuple[str, float]:
+def _reference_cost(
+    request: FleetPlanRequest, groups: Sequence[_Group], catalog: Catalog
+) -> tuple[str, float]:
     """(accelerator, USD per 1M usable tokens) of the reference fleet: the reference's figures, else a
     bf16 group of its class in the request, else CatalogError saying what to give."""
     ref = request.reference
@@ -799,7 +855,9 @@ def _fleet_plan(
             tokens_per_second=g.tokens_per_second * x,
             usable_tokens_per_second=g.usable_per_replica * x,
             cost_per_hour=g.cost_per_hour * x,
-            cost_per_1m_usable_tokens=cost_per_1m_usable_tokens(g.tokens_per_second, 1, g.cost_per_hour, g.oor_fraction),
+            cost_per_1m_usable_tokens=cost_per_1m_usable_tokens(
+                g.tokens_per_second, 1, g.cost_per_hour, g.oor_fraction
+            ),
             egress_cost_per_hour=g.egress_cost_per_replica_hour * x,
         )
         for g, x in zip(problem.groups, replicas, strict=True)
@@ -812,7 +870,9 @@ def _fleet_plan(
         usable_tokens_per_second=sum(g.usable_per_replica * x for g, x in served),
         cost_per_1m_usable_tokens=fleet_cost,
         kl=sum(g.tokens_per_second * x * g.kl for g, x in served) / tokens if tokens > 0 else None,
-        oor_fraction=sum(g.tokens_per_second * x * g.oor_fraction for g, x in served) / tokens if tokens > 0 else None,
+        oor_fraction=sum(g.tokens_per_second * x * g.oor_fraction for g, x in served) / tokens
+        if tokens > 0
+        else None,
         optimal_cost_per_hour=optimal_cost,
         reference_accelerator=reference_accelerator,
         reference_cost_per_1m_usable_tokens=reference_cost,
@@ -823,7 +883,10 @@ def _fleet_plan(
 
 def _shares(groups: Sequence[_Group], replicas: Sequence[int]) -> dict[str, float]:
     """Routing shares: proportional to the throughput of the replicas of groups within budget."""
-    weights = {g.name: (g.tokens_per_second * x if g.within_budget else 0.0) for g, x in zip(groups, replicas, strict=True)}
+    weights = {
+        g.name: (g.tokens_per_second * x if g.within_budget else 0.0)
+        for g, x in zip(groups, replicas, strict=True)
+    }
     total = sum(weights.values())
     return {name: (w / total if total > 0 else 0.0) for name, w in weights.items()}
 
@@ -855,7 +918,9 @@ def cli(argv: list[str]) -> int:
         "under mismatch budgets (docs/economics.md). Prints the plan as JSON; exit 2 when no plan meets "
         "the budgets or the input is bad.",
     )
-    parser.add_argument("file", type=Path, help="groups' measured figures, costs, bounds, budgets and demand (YAML or JSON)")
+    parser.add_argument(
+        "file", type=Path, help="groups' measured figures, costs, bounds, budgets and demand (YAML or JSON)"
+    )
     args = parser.parse_args(argv)
     prog = "rlfleet fleet plan"
     try:

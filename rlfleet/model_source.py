@@ -95,10 +95,14 @@ def parse_checksums(text: str, source: str) -> dict[str, str]:
             continue
         parts = line.split(maxsplit=1)
         if len(parts) != 2 or not re.fullmatch(r"[0-9a-f]{64}", parts[0]):
-            raise ModelSourceError(f"model source {source}: {CHECKSUMS_FILE} line {number} is not '<sha256>  <file>'")
+            raise ModelSourceError(
+                f"model source {source}: {CHECKSUMS_FILE} line {number} is not '<sha256>  <file>'"
+            )
         name = parts[1].strip().lstrip("*").removeprefix("./")
         if name.startswith("/") or ".." in Path(name).parts:
-            raise ModelSourceError(f"model source {source}: {CHECKSUMS_FILE} names {name!r} outside the prefix")
+            raise ModelSourceError(
+                f"model source {source}: {CHECKSUMS_FILE} names {name!r} outside the prefix"
+            )
         sums[name] = parts[0]
     return sums
 
@@ -168,7 +172,9 @@ def _download_s3(uri: str, cache_dir: Path, **s3_options: Any) -> Path:
         keys = set(store.list())
         missing = sorted(set(sums) - keys)
         if missing:
-            raise ModelSourceError(f"model source {uri}: {CHECKSUMS_FILE} names files not in the prefix: {missing[:3]}")
+            raise ModelSourceError(
+                f"model source {uri}: {CHECKSUMS_FILE} names files not in the prefix: {missing[:3]}"
+            )
         if _intact(dest, sums):
             return dest  # already downloaded and still intact
         # A private staging directory per process: torchrun's ranks on one pod resolve the same source
@@ -234,7 +240,9 @@ def _builtin(source: str, name: str, query: str, cache: Path) -> Path:
     from urllib.parse import parse_qs
 
     if name != "tiny-qwen3":
-        raise ModelSourceError(f"model source {source}: unknown built-in model {name!r} (built in: tiny-qwen3)")
+        raise ModelSourceError(
+            f"model source {source}: unknown built-in model {name!r} (built in: tiny-qwen3)"
+        )
     params = parse_qs(query, keep_blank_values=True)
     unknown = sorted(set(params) - {"seed"})
     if unknown:
@@ -294,5 +302,7 @@ def _hub_snapshot(path: str, revision: str | None, snapshot_download: SnapshotDo
         # cache_dir None: the hub's own cache under HF_HOME, shared with SGLang on the same pod
         fetched = snapshot_download(repo_id=path, revision=revision)
     except Exception as e:  # the hub raises many types (offline, 404, gated): one clear line
-        raise ModelSourceError(f"model source {path}: Hugging Face download failed: {type(e).__name__}: {e}") from e
+        raise ModelSourceError(
+            f"model source {path}: Hugging Face download failed: {type(e).__name__}: {e}"
+        ) from e
     return Path(fetched)

@@ -100,7 +100,11 @@ def build_tokenizer(directory: Path, vocab_size: int = VOCAB_SIZE) -> None:
     tok = Tokenizer(models.WordLevel(vocabulary(vocab_size), unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         sep_token="<sep>",
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -139,13 +143,17 @@ class TinyQwen3:
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}, got {self.architecture!r}")
+            raise ValueError(
+                f"architecture must be one of {', '.join(ARCHITECTURES)}, got {self.architecture!r}"
+            )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
             )
         if self.warm_start not in WARM_START_TASKS:
-            raise ValueError(f"warm start must be one of {', '.join(WARM_START_TASKS)}, got {self.warm_start!r}")
+            raise ValueError(
+                f"warm start must be one of {', '.join(WARM_START_TASKS)}, got {self.warm_start!r}"
+            )
         if not 0.0 <= self.warm_start_noise <= 1.0:
             raise ValueError(f"warm start noise must be in [0, 1], got {self.warm_start_noise}")
         if self.warm_start != "none" and self.max_position_embeddings < TOOL_ADD_DEMONSTRATION_TOKENS:
@@ -162,7 +170,9 @@ class TinyQwen3:
         if self.architecture == "qwen3":
             return Qwen3Config(bos_token_id=1, eos_token_id=2, pad_token_id=0, **sizes)
         moe = {k: fields[k] for k in _MOE_CONFIG}
-        return Qwen3MoeConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0, mlp_only_layers=[], **sizes, **moe)
+        return Qwen3MoeConfig(
+            bos_token_id=1, eos_token_id=2, pad_token_id=0, mlp_only_layers=[], **sizes, **moe
+        )
 
 
 _NOT_CONFIG = ("logit_std", "seed", "warm_start", "warm_start_noise", "architecture")
@@ -231,7 +241,11 @@ def tiny_model(spec: TinyQwen3 | None = None, warm_start: WarmStart | None = Non
 
 
 def build_tiny_qwen3(
-    out: str | Path, spec: TinyQwen3 | None = None, *, seed: int | None = None, warm_start: WarmStart | None = None
+    out: str | Path,
+    spec: TinyQwen3 | None = None,
+    *,
+    seed: int | None = None,
+    warm_start: WarmStart | None = None,
 ) -> Path:
     """Write the tiny Qwen3 (or Qwen3-MoE) checkpoint (bf16 safetensors, config, tokenizer, SHA256SUMS) into `out`."""
     import torch

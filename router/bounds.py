@@ -187,7 +187,9 @@ class BoundedTCPSite(web.TCPSite):
 
     def _close_oldest_idle(self) -> bool:
         """Close the oldest connection waiting for its request header; False when there is none."""
-        idle = next((g for g in self._admitted if g.handler is not None and _awaits_request_headers(g.handler)), None)
+        idle = next(
+            (g for g in self._admitted if g.handler is not None and _awaits_request_headers(g.handler)), None
+        )
         if idle is None or idle.handler is None:
             return False
         self.release(idle)  # now, not when its transport reports it lost: the new connection takes its place
@@ -198,6 +200,10 @@ class BoundedTCPSite(web.TCPSite):
     async def start(self) -> None:
         self._runner._reg_site(self)  # what BaseSite.start does; TCPSite.start is replaced below
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _Gate(self), self._host, self._port, backlog=self._backlog, reuse_address=self._reuse_address
+            lambda: _Gate(self),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
         )
         self._bound_port = self._server.sockets[0].getsockname()[1]

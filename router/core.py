@@ -112,7 +112,10 @@ def _json_error(status: int, message: str, **extra: object) -> RouteResult:
 
 class Router:
     def __init__(
-        self, config: RouterConfig, transport: Transport | None = None, resolve: membership.Resolve | None = None
+        self,
+        config: RouterConfig,
+        transport: Transport | None = None,
+        resolve: membership.Resolve | None = None,
     ) -> None:
         self.config = config
         self.table = RoutingTable()
@@ -275,7 +278,9 @@ class Router:
         try:
             while True:
                 done, _ = await asyncio.wait(
-                    (send, hung), timeout=self.config.request_timeout_seconds, return_when=asyncio.FIRST_COMPLETED
+                    (send, hung),
+                    timeout=self.config.request_timeout_seconds,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if send in done:
                     return send.result()
@@ -292,9 +297,7 @@ class Router:
             if not send.cancelled():
                 send.exception()  # retrieved: an error after the replica was given up is not news
 
-    async def _send(
-        self, req: _Request, url: str
-    ) -> tuple[int, str, bytes, StreamingResponse | None]:
+    async def _send(self, req: _Request, url: str) -> tuple[int, str, bytes, StreamingResponse | None]:
         """Post the request, or open it as a stream: (status, content type, body, open stream)."""
         if req.stream:
             opened = await self.transport.open_stream(url, req.body, req.headers)
@@ -381,7 +384,13 @@ class Router:
         return result
 
     def _finish(
-        self, result: RouteResult, group: str, replica: Replica, attempts: int, started: float, keep_inflight: bool
+        self,
+        result: RouteResult,
+        group: str,
+        replica: Replica,
+        attempts: int,
+        started: float,
+        keep_inflight: bool,
     ) -> RouteResult:
         result.group = group
         result.replica = replica.url
@@ -554,12 +563,19 @@ class Router:
                 return "ok" if self._generated_at.get(replica.url, -1.0) >= started else "silent"
             return "refused" if exc.hard else "dropped"
         if response.status == 404 and not no_probe:
-            log.warning("%s has no %s: its readiness is %s (a hang goes unseen)", replica.url, path, FALLBACK_HEALTH_PATH)
+            log.warning(
+                "%s has no %s: its readiness is %s (a hang goes unseen)",
+                replica.url,
+                path,
+                FALLBACK_HEALTH_PATH,
+            )
             self._no_generation_probe.add(replica.url)
             return await self._ask_probe(replica, started)
         return "ok" if response.status == 200 else "unready"
 
-    async def _refresh_version(self, replica: Replica, timeout: float, headers: dict[str, str] | None) -> None:
+    async def _refresh_version(
+        self, replica: Replica, timeout: float, headers: dict[str, str] | None
+    ) -> None:
         # SGLang serves /model_info (newer) and /get_model_info (older); both carry weight_version.
         while replica.model_info_path is not None:
             try:
@@ -567,7 +583,9 @@ class Router:
             except UpstreamError:
                 return
             if response.status == 404:
-                replica.model_info_path = "/get_model_info" if replica.model_info_path == "/model_info" else None
+                replica.model_info_path = (
+                    "/get_model_info" if replica.model_info_path == "/model_info" else None
+                )
                 continue
             if response.status == 200:
                 replica.observe_version(_parse_version(response.body))

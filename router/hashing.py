@@ -35,7 +35,9 @@ def key_hash(key: str | bytes) -> int:
 
 def member_seed(member: str) -> int:
     """64-bit seed of a member name; precompute it once per member."""
-    return int.from_bytes(hashlib.blake2b(member.encode(), digest_size=8, person=b"rlfleet-rdv").digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(member.encode(), digest_size=8, person=b"rlfleet-rdv").digest(), "little"
+    )
 
 
 def _mix64(x: int) -> int:
@@ -58,7 +60,9 @@ def race_time(key_h: int, seed: int, weight: float) -> float:
     return -math.log(unit_value(key_h, seed)) / weight
 
 
-def rank(key: str | bytes | int, weights: Mapping[str, float], seeds: Mapping[str, int] | None = None) -> list[str]:
+def rank(
+    key: str | bytes | int, weights: Mapping[str, float], seeds: Mapping[str, int] | None = None
+) -> list[str]:
     """Members with weight > 0, best first (the fallback order when the first choice is down)."""
     key_h = key if isinstance(key, int) else key_hash(key)
     scored: list[tuple[float, str]] = []
@@ -70,7 +74,9 @@ def rank(key: str | bytes | int, weights: Mapping[str, float], seeds: Mapping[st
     return [member for _, member in scored]
 
 
-def pick(key: str | bytes | int, weights: Mapping[str, float], seeds: Mapping[str, int] | None = None) -> str | None:
+def pick(
+    key: str | bytes | int, weights: Mapping[str, float], seeds: Mapping[str, int] | None = None
+) -> str | None:
     """The winning member for a key, or None when no member has a positive weight."""
     key_h = key if isinstance(key, int) else key_hash(key)
     best: str | None = None

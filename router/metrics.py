@@ -15,7 +15,26 @@ from prometheus_client.registry import Collector
 
 from rlfleet.router.table import RoutingTable
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+    600,
+)
 
 
 class _TableCollector(Collector):
@@ -23,7 +42,9 @@ class _TableCollector(Collector):
         self._table = table
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        share = GaugeMetricFamily("rlfleet_router_group_share", "configured share (weight) of a group", labels=["group"])
+        share = GaugeMetricFamily(
+            "rlfleet_router_group_share", "configured share (weight) of a group", labels=["group"]
+        )
         effective = GaugeMetricFamily(
             "rlfleet_router_group_effective_share",
             "fraction of new sessions the group gets now (0 when quarantined or down)",
@@ -36,7 +57,9 @@ class _TableCollector(Collector):
             "rlfleet_router_replica_inflight", "requests in flight to a replica", labels=["group", "replica"]
         )
         version = GaugeMetricFamily(
-            "rlfleet_router_replica_weight_version", "weight version a replica serves", labels=["group", "replica"]
+            "rlfleet_router_replica_weight_version",
+            "weight version a replica serves",
+            labels=["group", "replica"],
         )
         shares = self._table.effective_shares()
         for group in self._table.groups.values():
@@ -79,7 +102,9 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.retries = Counter(
-            "rlfleet_router_retries", "attempts after the first one, by the group retried on", ["group"],
+            "rlfleet_router_retries",
+            "attempts after the first one, by the group retried on",
+            ["group"],
             registry=self.registry,
         )
         self.refused = Counter(

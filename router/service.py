@@ -95,7 +95,9 @@ BUDGET_KEY: web.AppKey[ByteBudget] = web.AppKey("body_budget", ByteBudget)
 
 
 def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json", headers=headers)
+    return web.Response(
+        status=status, body=json.dumps(payload).encode(), content_type="application/json", headers=headers
+    )
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -168,7 +170,9 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     upstream = routed.stream
     if upstream is None:
         return web.Response(
-            status=routed.status, body=routed.body, headers={**routed.headers, "Content-Type": routed.content_type}
+            status=routed.status,
+            body=routed.body,
+            headers={**routed.headers, "Content-Type": routed.content_type},
         )
     return await _relay_stream(request, router, routed, upstream)
 
@@ -180,7 +184,10 @@ def _closing(response: web.Response) -> web.Response:
 
 
 def _too_large(limit: int) -> web.Response:
-    return _error(413, f"request body is larger than maxBodyBytes ({limit} bytes), the largest request of the job's context")
+    return _error(
+        413,
+        f"request body is larger than maxBodyBytes ({limit} bytes), the largest request of the job's context",
+    )
 
 
 async def _read_body(request: web.Request, limit: int) -> bytearray | None:
@@ -202,7 +209,11 @@ async def _read_and_route(request: web.Request, router: Router) -> RouteResult |
             body = await _read_body(request, config.max_body_bytes)
     except TimeoutError:
         router.metrics.refuse("body_timeout")
-        return _closing(_error(408, f"request body not received within bodyTimeoutSeconds ({config.body_timeout_seconds} s)"))
+        return _closing(
+            _error(
+                408, f"request body not received within bodyTimeoutSeconds ({config.body_timeout_seconds} s)"
+            )
+        )
     if body is None:  # a body without Content-Length that grew past the limit
         router.metrics.refuse("body_too_large")
         return _closing(_too_large(config.max_body_bytes))
@@ -219,7 +230,9 @@ async def _read_and_route(request: web.Request, router: Router) -> RouteResult |
         stream = _wants_stream(body)
     except RecursionError:
         router.metrics.refuse("deep_json")
-        return _error(400, "request body is JSON nested too deeply to decode (a generation request nests a few levels)")
+        return _error(
+            400, "request body is JSON nested too deeply to decode (a generation request nests a few levels)"
+        )
     return await router.route(request.path, body, session_key, min_version, upstream_headers, stream)
 
 
@@ -227,7 +240,9 @@ async def _relay_stream(
     request: web.Request, router: Router, result: RouteResult, upstream: StreamingResponse
 ) -> web.StreamResponse:
     """Copy a streamed upstream answer to the caller, then release it (ok only if it all went out)."""
-    response = web.StreamResponse(status=result.status, headers={**result.headers, "Content-Type": result.content_type})
+    response = web.StreamResponse(
+        status=result.status, headers={**result.headers, "Content-Type": result.content_type}
+    )
     ok = False
     hung = asyncio.ensure_future(_release_when_hung(router, result, upstream))
     try:
@@ -260,7 +275,9 @@ async def _health(request: web.Request) -> web.Response:
 
 async def _metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
-    return web.Response(body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(
+        body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
 
 
 # --- admin ------------------------------------------------------------------------------------
@@ -274,7 +291,9 @@ def _bearer_matches(headers, expected: str) -> bool:
 def _authorised(request: web.Request) -> web.Response | None:
     expected = request.app[TOKEN_KEY].token()
     if expected is None:
-        return _error(403, "admin API disabled: no token configured (adminTokenFile or the token env variable)")
+        return _error(
+            403, "admin API disabled: no token configured (adminTokenFile or the token env variable)"
+        )
     if not _bearer_matches(request.headers, expected):
         return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
     return None
@@ -359,14 +378,24 @@ async def start_service(
     # handler_cancellation: a client that disconnects cancels its handler, and so its upstream request
     # (aiohttp >= 3.9 does not cancel by default). keepalive_timeout: the header deadline (router/bounds.py).
     runner = web.AppRunner(
-        app, access_log=None, handle_signals=False, handler_cancellation=True, keepalive_timeout=config.header_timeout_seconds
+        app,
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=True,
+        keepalive_timeout=config.header_timeout_seconds,
     )
     await runner.setup()
     max_connections = config.max_client_connections or default_max_connections()
     max_per_source = config.max_client_connections_per_source or default_max_per_source(max_connections)
     site = BoundedTCPSite(
-        runner, config.host, config.port, max_connections, backlog=1024, max_per_source=max_per_source,
-        on_refused=router.metrics.refuse_connection, on_closed_idle=router.metrics.closed_idle_connections.inc,
+        runner,
+        config.host,
+        config.port,
+        max_connections,
+        backlog=1024,
+        max_per_source=max_per_source,
+        on_refused=router.metrics.refuse_connection,
+        on_closed_idle=router.metrics.closed_idle_connections.inc,
     )
     await site.start()
     port = runner.addresses[0][1]
@@ -395,7 +424,9 @@ def _parse_group_flag(value: str) -> GroupConfig:
         raise ValueError(f"--group expects NAME=URL[,URL...][@SHARE], got {value!r}")
     urls, _, share = rest.partition("@")
     try:
-        return GroupConfig(name=name, replicas=[u for u in urls.split(",") if u], share=float(share) if share else 1.0)
+        return GroupConfig(
+            name=name, replicas=[u for u in urls.split(",") if u], share=float(share) if share else 1.0
+        )
     except ValidationError as exc:
         raise ValueError(f"--group {value!r}: {format_validation_error(exc)}") from None
     except ValueError:
@@ -423,7 +454,10 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--group", action="append", default=[], help="NAME=URL[,URL...][@SHARE] (repeatable)")
     parser.add_argument("--admin-token-file", help="file holding the admin bearer token")
     parser.add_argument(
-        "--loop", choices=["auto", "uvloop", "asyncio"], default="auto", help="event loop (auto: uvloop if installed)"
+        "--loop",
+        choices=["auto", "uvloop", "asyncio"],
+        default="auto",
+        help="event loop (auto: uvloop if installed)",
     )
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
@@ -458,6 +492,9 @@ def cli(argv: list[str]) -> int:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(serve(config))
     except OSError as exc:
-        print(f"rlfleet router serve: cannot listen on {config.host}:{config.port}: {exc.strerror}", file=sys.stderr)
+        print(
+            f"rlfleet router serve: cannot listen on {config.host}:{config.port}: {exc.strerror}",
+            file=sys.stderr,
+        )
         return 1
     return 0

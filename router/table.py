@@ -105,7 +105,8 @@ class RoutingTable:
             # Keep what we know (health, version, in-flight count) about replicas that stay.
             kept = {url: group.replicas[url] for url in replicas if url in group.replicas}
             group.replicas = {
-                url: kept.get(url) or Replica(url=url, group=name, seed=hashing.member_seed(url)) for url in replicas
+                url: kept.get(url) or Replica(url=url, group=name, seed=hashing.member_seed(url))
+                for url in replicas
             }
         self.changed()
         return group

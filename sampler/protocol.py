@@ -217,7 +217,9 @@ def token_weight_versions(meta: Mapping[str, Any], n: int) -> np.ndarray | None:
             return None
         versions[start:end] = weight_version_of(span.get("version"))
         position = end
-    if position != n or str(spans[-1].get("version")) != str(meta.get("weight_version", spans[-1].get("version"))):
+    if position != n or str(spans[-1].get("version")) != str(
+        meta.get("weight_version", spans[-1].get("version"))
+    ):
         return None
     return versions
 

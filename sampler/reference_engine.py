@@ -59,7 +59,9 @@ def tiny_shape(**sizes: Any) -> ModelShape:
 
     try:
         config = TinyQwen3(**sizes).hf_config()
-    except StrictDataclassError as exc:  # transformers' config validators (e.g. an odd head_dim): not a ValueError
+    except (
+        StrictDataclassError
+    ) as exc:  # transformers' config validators (e.g. an odd head_dim): not a ValueError
         raise ValueError(f"invalid tiny Qwen3 sizes: {exc.__cause__ or exc}") from None
     return ModelShape.from_hf_config(config.to_dict())
 
@@ -71,20 +73,32 @@ def seeded_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
     moe: dict[str, Any] = (
-        {"architecture": "qwen3_moe", "num_experts": shape.num_experts, "num_experts_per_tok": shape.num_experts_per_tok,
-         "moe_intermediate_size": shape.moe_intermediate_size, "norm_topk_prob": shape.norm_topk_prob}
+        {
+            "architecture": "qwen3_moe",
+            "num_experts": shape.num_experts,
+            "num_experts_per_tok": shape.num_experts_per_tok,
+            "moe_intermediate_size": shape.moe_intermediate_size,
+            "norm_topk_prob": shape.norm_topk_prob,
+        }
         if shape.is_moe
         else {}
-    )  # fmt: skip
+    )
     spec = TinyQwen3(
-        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_position_embeddings, tie_word_embeddings=shape.tie_word_embeddings,
-        seed=seed, **moe,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        seed=seed,
+        **moe,
     )
     # checkpoint names: a Qwen3-MoE's experts one by one, as its checkpoints and views hold them
     return {k: v.detach() for k, v in checkpoint_tensors(tiny_model(spec).state_dict()).items()}
+
 
 WEIGHT_FORMATS = ("fp32", "bf16", "fp8", "fp8_block", "nvfp4", "mxfp4")
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
@@ -93,8 +107,14 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8_e4m3")
 # weight format needs none: a group serves the channel's view of its weightFormat as stored (view names
 # are the formats; `rlfleet.numerics.views.view_weights` is that view in memory).
 # SGLang --kv-cache-dtype -> the engine's KV cache: dtypes it cannot emulate exactly round like fp8 e4m3.
-ENGINE_KV = {"auto": "auto", "bf16": "bf16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e4m3", "mxfp8": "fp8_e4m3",
-             "nvfp4": "fp8_e4m3"}
+ENGINE_KV = {
+    "auto": "auto",
+    "bf16": "bf16",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e4m3",
+    "mxfp8": "fp8_e4m3",
+    "nvfp4": "fp8_e4m3",
+}
 THROTTLE_BURST_S = 0.1  # budget (in seconds of the cap) the throttle may bank
 
 
@@ -161,7 +181,9 @@ class GenRequest:
     cancelled: bool = False  # the client went away: free the slot at the next step (SGLang aborts too)
     return_routed_experts: bool = False  # a mixture of experts only (SGLang omits them for others too)
     routed_experts_start_len: int = 0
-    routed: list[torch.Tensor] = field(default_factory=list)  # per forward of this request, [tokens, layers, k]
+    routed: list[torch.Tensor] = field(
+        default_factory=list
+    )  # per forward of this request, [tokens, layers, k]
 
     @property
     def error_status(self) -> int | None:
@@ -215,7 +237,9 @@ class ReferenceEngine:
         self.effective_format = config.weight_format
         self.weight_version = config.weight_version
         self.load_weights(
-            weights if weights is not None else seeded_weights(config.model, config.seed), view, config.weight_version
+            weights if weights is not None else seeded_weights(config.model, config.seed),
+            view,
+            config.weight_version,
         )
         self.cache = self.model.new_cache(config.max_running_requests, kv_dtype=config.kv_cache_dtype)
         self.free_slots = list(range(config.max_running_requests))[::-1]

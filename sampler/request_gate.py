@@ -242,9 +242,14 @@ def verify_sampling(sp: dict[str, Any]) -> CheckedSampling:
         if sp.get(key) not in (None, neutral):
             raise value_error(f"sampling_params.{key} is not supported by the reference server")
     return CheckedSampling(
-        float(temperature), float(top_p), int(top_k), float(min_p), max_new_tokens,
-        frozenset(int(t) for t in sp.get("stop_token_ids") or ()), seed,
-    )  # fmt: skip
+        float(temperature),
+        float(top_p),
+        int(top_k),
+        float(min_p),
+        max_new_tokens,
+        frozenset(int(t) for t in sp.get("stop_token_ids") or ()),
+        seed,
+    )
 
 
 def _check_ranges(temperature: float, top_p: float, min_p: float, top_k: int) -> None:
@@ -295,8 +300,12 @@ def gate_generate(raw: Any, cfg: EngineConfig) -> tuple[list[GenRequest], bool]:
     items, batched = normalise_generate(body)
     if body.stream:
         raise value_error("stream=true is not supported by the reference server")
-    for name, neutral in (("logprob_start_len", -1), ("return_text_in_logprobs", False),
-                          ("token_ids_logprob", None), ("return_hidden_states", False)):  # fmt: skip
+    for name, neutral in (
+        ("logprob_start_len", -1),
+        ("return_text_in_logprobs", False),
+        ("token_ids_logprob", None),
+        ("return_hidden_states", False),
+    ):
         value = raw.get(name)
         if value not in (None, neutral, []) and not (
             isinstance(value, list) and all(v in (None, neutral) for v in value)

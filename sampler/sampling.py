@@ -139,9 +139,14 @@ def sample(
     order: torch.Tensor | None = None
     if backend == "flashinfer":  # full-vocabulary weights, packed by torch.topk (SGLang's token_ids=None)
         weights = flashinfer_filtered_probs(
-            probs, top_ks, top_ps, min_ps, any(p.top_k != TOP_K_ALL for p in ps),
-            any(p.top_p != 1.0 for p in ps), need_min_p,
-        )  # fmt: skip
+            probs,
+            top_ks,
+            top_ps,
+            min_ps,
+            any(p.top_k != TOP_K_ALL for p in ps),
+            any(p.top_p != 1.0 for p in ps),
+            need_min_p,
+        )
     else:
         weights, order = filtered_probs(probs, top_ks, top_ps, min_ps, need_min_p)
     sampled_index = torch.cat(

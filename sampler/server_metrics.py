@@ -17,13 +17,40 @@ class ServerMetrics:
     tokenizer manager's (model_name, engine_type, is_streaming), counted when a request finishes."""
 
     TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
-    E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600,
-                   1200, 1800, 2400)  # fmt: skip
+    E2E_BUCKETS = (
+        0.1,
+        0.2,
+        0.4,
+        0.6,
+        0.8,
+        1,
+        2,
+        4,
+        6,
+        8,
+        10,
+        20,
+        40,
+        60,
+        80,
+        100,
+        200,
+        400,
+        600,
+        1200,
+        1800,
+        2400,
+    )
 
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
-        self.sched = {"model_name": model_name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0",
-                      "moe_ep_rank": "0"}  # fmt: skip
+        self.sched = {
+            "model_name": model_name,
+            "engine_type": "unified",
+            "tp_rank": "0",
+            "pp_rank": "0",
+            "moe_ep_rank": "0",
+        }
         self.tok = {"model_name": model_name, "engine_type": "unified"}
         self.streamed = {**self.tok, "is_streaming": "false"}
         s, t = list(self.sched), [*self.tok, "is_streaming"]
@@ -51,13 +78,19 @@ class ServerMetrics:
         )
         self.num_requests = Counter("sglang:num_requests", "Number of requests processed.", t, registry=r)
         self.ttft = Histogram(
-            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", t,
-            registry=r, buckets=self.TTFT_BUCKETS,
-        )  # fmt: skip
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            t,
+            registry=r,
+            buckets=self.TTFT_BUCKETS,
+        )
         self.e2e = Histogram(
-            "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds", t,
-            registry=r, buckets=self.E2E_BUCKETS,
-        )  # fmt: skip
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            t,
+            registry=r,
+            buckets=self.E2E_BUCKETS,
+        )
         self._exported = {"gen": 0, "prompt": 0, "req": 0, "rt_prefill": 0, "rt_decode": 0}
 
     def refresh(self, engine: ReferenceEngine) -> None:
@@ -73,9 +106,13 @@ class ServerMetrics:
             ("gen", st.generation_tokens_total, self.gen_tokens.labels(**streamed)),
             ("prompt", st.prompt_tokens_total, self.prompt_tokens.labels(**streamed)),
             ("req", st.requests_total, self.num_requests.labels(**streamed)),
-            ("rt_prefill", st.realtime_prefill_tokens, self.realtime_tokens.labels(**sched, mode="prefill_compute")),
+            (
+                "rt_prefill",
+                st.realtime_prefill_tokens,
+                self.realtime_tokens.labels(**sched, mode="prefill_compute"),
+            ),
             ("rt_decode", st.realtime_decode_tokens, self.realtime_tokens.labels(**sched, mode="decode")),
-        ):  # fmt: skip
+        ):
             counter.inc(total - self._exported[key])
             self._exported[key] = total
         while st.finished:

@@ -82,7 +82,9 @@ async def fetch(config: SyncConfig, *, stop: asyncio.Event | None = None) -> tup
     """Init-container mode (`--fetch-only`): the launch checkpoint, or None if stopped first."""
     store = open_store(config.store)
     try:
-        async with httpx.AsyncClient(base_url=config.engine_url.rstrip("/"), headers=engine_headers(config)) as client:
+        async with httpx.AsyncClient(
+            base_url=config.engine_url.rstrip("/"), headers=engine_headers(config)
+        ) as client:
             syncer = Syncer(config, store, DiskEngine(client))
             return await syncer.fetch_for_launch(stop or asyncio.Event())
     finally:

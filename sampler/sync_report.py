@@ -95,11 +95,17 @@ class SubscriberReporter:
                 "could not write the subscriber report %s to %s: %s. Until it is written, retention may "
                 "delete a version this replica downloads and the operator shows no version for it once "
                 "the last report ages out; retrying at every step (logged again once it succeeds)",
-                key, self.channel.store.uri, error,
-            )  # fmt: skip
+                key,
+                self.channel.store.uri,
+                error,
+            )
         else:
-            log.debug("could not write the subscriber report %s (%d in a row): %s", key,
-                      state.report_failure_streak, error)  # fmt: skip
+            log.debug(
+                "could not write the subscriber report %s (%d in a row): %s",
+                key,
+                state.report_failure_streak,
+                error,
+            )
 
     async def _heartbeat(self, stop: asyncio.Event) -> None:
         """Rewrite the report every `report_interval` even while a step runs for longer (a download of a
@@ -136,5 +142,9 @@ class SubscriberReporter:
                     self.channel.remove_subscriber, self.config.group, self.config.replica
                 )
             except (StoreError, OSError) as e:
-                log.warning("could not remove this replica's subscriber report on shutdown (%s); it ages "
-                            "out after %d s", e, SUBSCRIBER_STALE_AFTER_SECONDS)  # fmt: skip
+                log.warning(
+                    "could not remove this replica's subscriber report on shutdown (%s); it ages "
+                    "out after %d s",
+                    e,
+                    SUBSCRIBER_STALE_AFTER_SECONDS,
+                )

@@ -162,9 +162,15 @@ class Syncer:
         state.last_error = None
         state.phase = "in-sync"
         state.last_apply = LastApply(
-            version, t1 - t0, t2 - t1, t2 - t0, manifest.views[self.config.view].bytes, now_iso(),
-            sum(obtained.read_bytes.values()), obtained.describe(),
-        )  # fmt: skip
+            version,
+            t1 - t0,
+            t2 - t1,
+            t2 - t0,
+            manifest.views[self.config.view].bytes,
+            now_iso(),
+            sum(obtained.read_bytes.values()),
+            obtained.describe(),
+        )
         self.metrics.applied.set(version)
         self.metrics.applies.inc()
         self.metrics.download.observe(t1 - t0)
@@ -173,9 +179,14 @@ class Syncer:
         write_launch_file(self.config.cache_dir, version, target)  # a restarted engine starts here
         self._prune_local()
         log.info(
-            "applied weights v%d (%s) from %s, %s: obtain %.2fs apply %.2fs", version,
-            self.config.view, obtained.describe(), _bytes_read(obtained), t1 - t0, t2 - t1,
-        )  # fmt: skip
+            "applied weights v%d (%s) from %s, %s: obtain %.2fs apply %.2fs",
+            version,
+            self.config.view,
+            obtained.describe(),
+            _bytes_read(obtained),
+            t1 - t0,
+            t2 - t1,
+        )
 
     def _obtain_verified(self, version: int, manifest: Manifest) -> ObtainedView:
         """This pod's view of `version` with every file verified (BLAKE3) and checked to be a checkpoint

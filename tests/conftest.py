@@ -27,6 +27,7 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.register_profile("explore", derandomize=False, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+
 @pytest.fixture(scope="session")
 def kube() -> Iterator:
     """The running control plane: a `controlplane.KubeCluster`.
@@ -118,11 +119,15 @@ def example_run() -> Callable[..., Any]:
     from rlfleet.api import load_rljob
     from rlfleet.trainer.config import GroupSpec, resolve_run
 
-    base = resolve_run(load_rljob(Path(__file__).resolve().parents[1] / "examples" / "rljob.yaml"), local=True)
+    base = resolve_run(
+        load_rljob(Path(__file__).resolve().parents[1] / "examples" / "rljob.yaml"), local=True
+    )
 
     def make(**fields: Any) -> Any:
         if "groups" in fields:
-            fields["groups"] = [g if isinstance(g, GroupSpec) else GroupSpec(g[0], "cpu", g[1]) for g in fields["groups"]]
+            fields["groups"] = [
+                g if isinstance(g, GroupSpec) else GroupSpec(g[0], "cpu", g[1]) for g in fields["groups"]
+            ]
         return replace(base, **fields)
 
     return make

@@ -160,7 +160,9 @@ class CollapseDetector:
         if not math.isfinite(value):
             return
         old = self.baselines.get(key)
-        self.baselines[key] = value if old is None else self.t.ema_decay * old + (1 - self.t.ema_decay) * value
+        self.baselines[key] = (
+            value if old is None else self.t.ema_decay * old + (1 - self.t.ema_decay) * value
+        )
 
     def _check(self, key: str, raised: bool) -> bool:
         """Count consecutive raised steps; True once the streak reaches `patience` (after warmup)."""
@@ -196,9 +198,16 @@ class CollapseDetector:
         peak = self.reward_peak
         raised = peak is not None and (peak - mean) > max(t.cliff_abs, t.cliff_rel * abs(peak))
         if self._check("reward_cliff", raised):
-            alerts.append(Alert(step, "reward_cliff", mean, peak or 0.0,
-                                message=f"mean reward of the last {t.window} steps {mean:.3f} fell "
-                                f"below its peak {peak:.3f}"))
+            alerts.append(
+                Alert(
+                    step,
+                    "reward_cliff",
+                    mean,
+                    peak or 0.0,
+                    message=f"mean reward of the last {t.window} steps {mean:.3f} fell "
+                    f"below its peak {peak:.3f}",
+                )
+            )
         self.reward_peak = mean if peak is None else max(peak, mean)
         return alerts
 
@@ -237,9 +246,17 @@ class CollapseDetector:
             and oor > t.oor_ratio * max(oor_base, t.oor_floor)
         )
         if self._check(pre + "kl_surge", raised):
-            alerts.append(Alert(step, "kl_surge", kl, kl_base or 0.0, group=g or None,
-                                message=f"{'group ' + g if g else 'fleet'} KL {kl:.4g} > {t.kl_ratio}x "
-                                f"baseline {kl_base:.4g} with OOR {oor:.3g} > {t.oor_ratio}x {oor_base:.3g}"))
+            alerts.append(
+                Alert(
+                    step,
+                    "kl_surge",
+                    kl,
+                    kl_base or 0.0,
+                    group=g or None,
+                    message=f"{'group ' + g if g else 'fleet'} KL {kl:.4g} > {t.kl_ratio}x "
+                    f"baseline {kl_base:.4g} with OOR {oor:.3g} > {t.oor_ratio}x {oor_base:.3g}",
+                )
+            )
         if ramp:  # the samples just got older: the baseline is this step's mismatch
             self.baselines[pre + "kl_k3"], self.baselines[pre + "oor_fraction"] = kl, oor
         elif not raised or self._warming():
@@ -247,7 +264,9 @@ class CollapseDetector:
             self._ema(pre + "oor_fraction", oor)
         return alerts
 
-    def _rate_surge(self, step: int, metrics: dict[str, float], key: str, signal: str, rate_abs: float) -> list[Alert]:
+    def _rate_surge(
+        self, step: int, metrics: dict[str, float], key: str, signal: str, rate_abs: float
+    ) -> list[Alert]:
         """A share of episodes (`key`) above `rate_abs` and rate_ratio x its baseline + 0.05 (the 0.05 so
         that a baseline of 0 does not make every small rate a surge); signals 3 and 7."""
         t = self.t
@@ -258,7 +277,9 @@ class CollapseDetector:
         base = self.baselines.get(key)
         raised = base is not None and rate > rate_abs and rate > t.rate_ratio * base + 0.05
         if self._check(key, raised):
-            alerts.append(Alert(step, signal, rate, base or 0.0, message=f"{key} {rate:.2f} (baseline {base:.2f})"))
+            alerts.append(
+                Alert(step, signal, rate, base or 0.0, message=f"{key} {rate:.2f} (baseline {base:.2f})")
+            )
         if not raised or self._warming():
             self._ema(key, rate)
         return alerts
@@ -288,8 +309,15 @@ class CollapseDetector:
         base = self.baselines.get("grad_norm")
         raised = base is not None and base > 0 and gn > t.grad_ratio * base
         if self._check("grad_norm_spike", raised):
-            alerts.append(Alert(step, "grad_norm_spike", gn, base or 0.0,
-                                message=f"grad norm {gn:.3g} > {t.grad_ratio}x baseline {base:.3g}"))
+            alerts.append(
+                Alert(
+                    step,
+                    "grad_norm_spike",
+                    gn,
+                    base or 0.0,
+                    message=f"grad norm {gn:.3g} > {t.grad_ratio}x baseline {base:.3g}",
+                )
+            )
         if not raised or self._warming():
             self._ema("grad_norm", gn)
         return alerts
@@ -299,7 +327,9 @@ class CollapseDetector:
         t = self.t
         rho = _finite(metrics, "sc_tail_ratio")
         if rho is not None and self._check("rho_blowup", rho > t.rho_max):
-            return [Alert(step, "rho_blowup", rho, t.rho_max, message=f"sc_tail_ratio {rho:.3g} > {t.rho_max}")]
+            return [
+                Alert(step, "rho_blowup", rho, t.rho_max, message=f"sc_tail_ratio {rho:.3g} > {t.rho_max}")
+            ]
         return []
 
     def _format_errors(self, step: int, metrics: dict[str, float]) -> list[Alert]:
@@ -309,7 +339,9 @@ class CollapseDetector:
     def _invalid_tokens(self, step: int, metrics: dict[str, float]) -> list[Alert]:
         """8. invalid tokens, per group that sampled tokens this step (its `trained_fraction`)."""
         alerts: list[Alert] = []
-        groups = sorted({k.split("/")[1] for k in metrics if k.startswith("group/") and k.endswith("/trained_fraction")})
+        groups = sorted(
+            {k.split("/")[1] for k in metrics if k.startswith("group/") and k.endswith("/trained_fraction")}
+        )
         for g in groups:
             trained = _finite(metrics, f"group/{g}/trained_fraction")
             invalid = 1.0 - trained if trained is not None else 0.0
@@ -317,9 +349,17 @@ class CollapseDetector:
                 prefix = f"group/{g}/{INVALID_METRIC_PREFIX}"
                 reasons = sorted((k[len(prefix) :], v) for k, v in metrics.items() if k.startswith(prefix))
                 top = max(reasons, key=lambda kv: kv[1], default=None)
-                alerts.append(Alert(step, "invalid_tokens", invalid, self.t.invalid_max, group=g,
-                                    message=f"group {g}: {invalid:.1%} of its sampled tokens not trained on (invalid)"
-                                    + (f", top reason {top[0]}: {top[1]:g} tokens" if top else "")))  # fmt: skip
+                alerts.append(
+                    Alert(
+                        step,
+                        "invalid_tokens",
+                        invalid,
+                        self.t.invalid_max,
+                        group=g,
+                        message=f"group {g}: {invalid:.1%} of its sampled tokens not trained on (invalid)"
+                        + (f", top reason {top[0]}: {top[1]:g} tokens" if top else ""),
+                    )
+                )
         return alerts
 
     # -- the action --
@@ -343,9 +383,12 @@ class CollapseDetector:
         culprits = {a.group for a in alerts if a.group}
         if any(a.signal == "kl_surge" and a.group is None for a in alerts):
             culprits |= {
-                k.split("/")[1] for k in metrics
-                if k.startswith("group/") and k.endswith("/oor_share")
-                and metrics[k] > self.t.oor_share_factor * metrics.get(k.replace("/oor_share", "/token_share"), 1.0)
+                k.split("/")[1]
+                for k in metrics
+                if k.startswith("group/")
+                and k.endswith("/oor_share")
+                and metrics[k]
+                > self.t.oor_share_factor * metrics.get(k.replace("/oor_share", "/token_share"), 1.0)
             }
         return culprits
 

@@ -65,24 +65,33 @@ class RunConfig:
     # the reference fleet of the cost figures: RLJob router.reference.accelerator, else trainer.accelerator
     reference_accelerator: str = "b200"
     routing_replay: bool = False  # RLJob correction.routingReplay (trainer/backends/routing_replay.py)
-    sandbox: SandboxSpec = field(default_factory=SandboxSpec)  # RLJob rollout.sandbox (local mode: always local)
+    sandbox: SandboxSpec = field(
+        default_factory=SandboxSpec
+    )  # RLJob rollout.sandbox (local mode: always local)
     keep_versions: int = 3  # RLJob weightChannel.retention.keepVersions (the versions retention keeps)
-    deltas: DeltaSpec = field(default_factory=DeltaSpec)  # RLJob weightChannel.deltas (anchors every K, max delta share)
+    deltas: DeltaSpec = field(
+        default_factory=DeltaSpec
+    )  # RLJob weightChannel.deltas (anchors every K, max delta share)
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
-        return asdict(self) | {"safety": self.safety.model_dump(mode="json", by_alias=True),
-                               "sandbox": self.sandbox.model_dump(mode="json", by_alias=True),
-                               "deltas": self.deltas.model_dump(mode="json", by_alias=True)}
+        return asdict(self) | {
+            "safety": self.safety.model_dump(mode="json", by_alias=True),
+            "sandbox": self.sandbox.model_dump(mode="json", by_alias=True),
+            "deltas": self.deltas.model_dump(mode="json", by_alias=True),
+        }
 
 
 def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
     """RLJob -> RunConfig. `local` swaps in the `local` block (sizes, tiny model, seed, LR)."""
     spec = job.spec
     lo = spec.local
-    objective = ObjectiveConfig.from_correction(spec.correction.mode, mis_low=spec.correction.mis_low,
-                                                mis_high=spec.correction.mis_high)
-    head = spec.correction.sc_head_size if not local else min(spec.correction.sc_head_size, lo.model.vocab_size)
+    objective = ObjectiveConfig.from_correction(
+        spec.correction.mode, mis_low=spec.correction.mis_low, mis_high=spec.correction.mis_high
+    )
+    head = (
+        spec.correction.sc_head_size if not local else min(spec.correction.sc_head_size, lo.model.vocab_size)
+    )
     sampling = SamplingConfig(
         temperature=spec.rollout.temperature,
         top_p=spec.rollout.top_p,
@@ -105,7 +114,9 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         sampling=sampling,
         objective=objective,
         optim=OptimConfig(
-            learning_rate=float(lo.learning_rate) if local else opt.learning_rate,  # local: sized for the tiny model
+            learning_rate=float(lo.learning_rate)
+            if local
+            else opt.learning_rate,  # local: sized for the tiny model
             weight_decay=opt.weight_decay,
             max_grad_norm=opt.max_grad_norm,
         ),
@@ -117,7 +128,9 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         model=TinyQwen3(**lo.model.model_dump(), seed=lo.seed) if local else None,
         views=views_to_publish(g.weight_format for g in spec.sampler_groups),  # 0-replica groups too
         groups=[
-            GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, g.quarantined, g.tensor_parallel)
+            GroupSpec(
+                g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, g.quarantined, g.tensor_parallel
+            )
             for g in spec.sampler_groups
             if g.replicas > 0
         ],
@@ -136,13 +149,17 @@ def build_environment(rc: RunConfig, tokenizer: Any = None) -> Environment:
     """`tokenizer`: the model's (trainer/run.py `load_tokenizer`), for environments that take one."""
     from rlfleet.trainer.envs.environments import load_environment
 
-    env = copy.copy(load_environment(rc.environment, tokenizer=tokenizer))  # never mutate a shared built-in instance
+    env = copy.copy(
+        load_environment(rc.environment, tokenizer=tokenizer)
+    )  # never mutate a shared built-in instance
     if env.max_turns != 1:
         env.max_turns = rc.max_turns
     if rc.sandbox.backend != "local":
         if not hasattr(env, "sandbox"):
-            raise ValueError(f"rollout.sandbox.backend {rc.sandbox.backend}: environment {rc.environment!r} runs no "
-                             "sandboxes (it has no `sandbox` factory, as rlfleet.trainer.envs.swe_env:SweEnv has)")
+            raise ValueError(
+                f"rollout.sandbox.backend {rc.sandbox.backend}: environment {rc.environment!r} runs no "
+                "sandboxes (it has no `sandbox` factory, as rlfleet.trainer.envs.swe_env:SweEnv has)"
+            )
         if rc.sandbox.backend == "pods":
             from rlfleet.sandbox.pods import PodSandboxes
 

@@ -51,7 +51,7 @@ DEVICE_ENV = "RLFLEET_TRAINER_DEVICE"  # set by the operator from the trainer's 
 
 
 def trainer_device() -> str | None:
-    """"cpu" (a CPU class: gloo, no GPU), "cuda", or None (unset: the backend's own choice)."""
+    """ "cpu" (a CPU class: gloo, no GPU), "cuda", or None (unset: the backend's own choice)."""
     value = os.environ.get(DEVICE_ENV, "").strip().lower()
     if value in ("", "auto"):
         return None
@@ -65,7 +65,11 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--config", default=os.environ.get("RLFLEET_CONFIG"), help="resolved RLJob YAML")
     parser.add_argument("--router-url", default=os.environ.get("RLFLEET_ROUTER_URL"))
     parser.add_argument("--metrics-port", type=int, default=METRICS_PORT)
-    parser.add_argument("--checkpoint-dir", default=None, help="default: next to the channel (<channel path>/checkpoints, or checkpoints/ under an S3 prefix)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="default: next to the channel (<channel path>/checkpoints, or checkpoints/ under an S3 prefix)",
+    )
     args = parser.parse_args(argv)
     if not args.config:
         print("rlfleet trainer run: --config (or RLFLEET_CONFIG) is required", file=sys.stderr)
@@ -125,9 +129,14 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
     rc = resolve_run(job, local=False)
     try:  # a directory on the shared volume, s3://, or a Hugging Face id (fetched into HF_HOME)
         source = resolve_model_source(job.spec.model.path, revision=job.spec.model.revision)
-        base = build_backend(rc, backend=job.spec.trainer.backend, source_dir=source,
-                             max_seq_len=job.spec.model.max_seq_len, parallelism=job.spec.trainer.parallelism,
-                             device=trainer_device())
+        base = build_backend(
+            rc,
+            backend=job.spec.trainer.backend,
+            source_dir=source,
+            max_seq_len=job.spec.model.max_seq_len,
+            parallelism=job.spec.trainer.parallelism,
+            device=trainer_device(),
+        )
     except (ModelSourceError, TrainingStartError) as exc:
         return fail(str(exc), EXIT_BAD_INPUT)
     backend = base.backend
@@ -148,12 +157,20 @@ def run(job: RLJob, args: argparse.Namespace) -> int:
         # exit code (trainer/failures.py); the pod's termination message, hence the RLJob's
         # CrashLoopBackOff reason. Anything else is a bug and keeps its traceback.
         driver = started.get("driver")
-        described = describe_failure(exc, FailureContext(
-            store=store.uri, checkpoints=str(checkpoints) if isinstance(checkpoints, Path) else store.uri_of(ckpt.STORE_PREFIX),
-            router=args.router_url, rollout_logs="kubectl get samplergroups, and the logs of their pods",
-            own_store="its own spec.weightChannel.store path", continue_with="the trainer resumes from its last "
-            "checkpoint when its pod restarts", detail=driver.outage_note() if driver is not None else "",
-        ))  # fmt: skip
+        described = describe_failure(
+            exc,
+            FailureContext(
+                store=store.uri,
+                checkpoints=str(checkpoints)
+                if isinstance(checkpoints, Path)
+                else store.uri_of(ckpt.STORE_PREFIX),
+                router=args.router_url,
+                rollout_logs="kubectl get samplergroups, and the logs of their pods",
+                own_store="its own spec.weightChannel.store path",
+                continue_with="the trainer resumes from its last checkpoint when its pod restarts",
+                detail=driver.outage_note() if driver is not None else "",
+            ),
+        )
         if described is None:
             raise
         code, line = described
@@ -197,12 +214,19 @@ def _train_rank0(
             env, prompts = rollout_inputs(rc, base)
             driver = started["driver"] = RolloutDriver(
                 # the job's key (RLFLEET_API_KEY, from its Secret by reference): the router refuses requests without it
-                SamplerClient(args.router_url, vocab_size=base.vocab_size,
-                              api_key=os.environ.get(ENGINE_API_KEY_ENV) or None),
-                env, prompts,
-                samples_per_prompt=rc.samples_per_prompt, sampling=rollout_sampling(rc, base), max_seq_len=base.max_seq_len,
-                start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
-            )  # fmt: skip
+                SamplerClient(
+                    args.router_url,
+                    vocab_size=base.vocab_size,
+                    api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
+                ),
+                env,
+                prompts,
+                samples_per_prompt=rc.samples_per_prompt,
+                sampling=rollout_sampling(rc, base),
+                max_seq_len=base.max_seq_len,
+                start_position=position,
+                max_ahead_prompts=2 * rc.prompts_per_step,
+            )
             return driver
 
         def on_step(metrics: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
@@ -211,8 +235,16 @@ def _train_rank0(
             # this step's version, per view, and the bytes stored per view over every version published
             exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)
 
-        loop = run_training(rc, base.backend, ChannelSink(publisher), detector, make_driver,
-                            checkpoint=checkpoints, resume=state, on_step=on_step)  # fmt: skip
+        loop = run_training(
+            rc,
+            base.backend,
+            ChannelSink(publisher),
+            detector,
+            make_driver,
+            checkpoint=checkpoints,
+            resume=state,
+            on_step=on_step,
+        )
         log.info("training finished at step %d", loop.state.step)
         if loop.state.paused:  # keep exporting the pause (and why) for the operator until the pod is stopped
             log.warning("training paused by the collapse detector; exporting metrics until stopped")
@@ -222,7 +254,9 @@ def _train_rank0(
     return 0
 
 
-def _channel_writer(job: RLJob, views: list[str], base_checkpoint: Path | None, store: Store) -> WeightPublisher:
+def _channel_writer(
+    job: RLJob, views: list[str], base_checkpoint: Path | None, store: Store
+) -> WeightPublisher:
     """The job's publisher: one id per job, the same across pod restarts (a restarted trainer takes over
     its own claim of a publish that was interrupted, killed or on a full store: rlfleet/channel.py),
     publishing the RLJob's views only (a sampler's report cannot add one), and the channel's one writer
@@ -232,11 +266,17 @@ def _channel_writer(job: RLJob, views: list[str], base_checkpoint: Path | None, 
     from rlfleet.trainer.publish.publisher import WeightPublisher
 
     wc = job.spec.weight_channel
-    return WeightPublisher(store, views=views, keep_versions=wc.retention.keep_versions,
-                           anchor_every=wc.deltas.anchor_every, max_delta_share=wc.deltas.max_delta_share,
-                           base_checkpoint=base_checkpoint, writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
-                           allowed_views=views,
-                           publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}")  # fmt: skip
+    return WeightPublisher(
+        store,
+        views=views,
+        keep_versions=wc.retention.keep_versions,
+        anchor_every=wc.deltas.anchor_every,
+        max_delta_share=wc.deltas.max_delta_share,
+        base_checkpoint=base_checkpoint,
+        writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
+        allowed_views=views,
+        publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}",
+    )
 
 
 def _serve_if_finished_else_resume(
@@ -256,12 +296,24 @@ def _serve_if_finished_else_resume(
         backend.close()  # the followers confirm the stop and end; this rank keeps its group, idle
         store.close()
         step = int(state["step"])
-        exporter.update(step, {**(state.get("history") or [{}])[-1],
-                               "weight_version": step + int(state.get("version_offset", 0))})  # fmt: skip
+        exporter.update(
+            step,
+            {
+                **(state.get("history") or [{}])[-1],
+                "weight_version": step + int(state.get("version_offset", 0)),
+            },
+        )
         exporter.update_finished()
-        log.info("training finished at step %d (spec.trainer.totalSteps %d): exporting its final metrics until "
-                 "the pod is stopped", step, total_steps)  # fmt: skip
+        log.info(
+            "training finished at step %d (spec.trainer.totalSteps %d): exporting its final metrics until "
+            "the pod is stopped",
+            step,
+            total_steps,
+        )
         threading.Event().wait()
     if state is not None:  # a restarted pod: the step and data position the last publish checkpointed
-        log.info("resuming from the checkpoint at step %d (data position %d)", int(state["step"]),
-                 int(state["data_position"]))  # fmt: skip
+        log.info(
+            "resuming from the checkpoint at step %d (data position %d)",
+            int(state["step"]),
+            int(state["data_position"]),
+        )

@@ -60,8 +60,14 @@ def load_policy(path: Path) -> dict[str, list[str]]:
         except ValueError as exc:
             raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from None
         # a JSON line that is not an object ([1, 2], 3, "text") is refused here, never indexed
-        if not (isinstance(row, dict) and isinstance(row.get("instance_id"), str) and isinstance(row.get("replies"), list)):
-            raise ValueError(f"{path}:{lineno}: a policy line is {{'instance_id': str, 'replies': [str, ...]}}")
+        if not (
+            isinstance(row, dict)
+            and isinstance(row.get("instance_id"), str)
+            and isinstance(row.get("replies"), list)
+        ):
+            raise ValueError(
+                f"{path}:{lineno}: a policy line is {{'instance_id': str, 'replies': [str, ...]}}"
+            )
         policy[row["instance_id"]] = [str(r) for r in row["replies"]]
     return policy
 
@@ -84,19 +90,29 @@ class ScriptedSampler:
         out = [*self.tokenizer.encode(text, add_special_tokens=False), self.end_of_turn_id]
         n = len(out)
         return SampledTurn(
-            prompt_ids=np.asarray(ids, dtype=np.int32), output_ids=np.asarray(out, dtype=np.int32),
-            logprobs=np.zeros(n, np.float32), sampled_logprobs=np.zeros(n, np.float32),
-            support_offsets=np.arange(n + 1, dtype=np.int32), support_ids=np.asarray(out, dtype=np.int32),
-            support_logprobs=np.zeros(n, np.float32), weight_versions=np.zeros(n, np.int64),
-            finish_reason="stop", group="scripted", replica="scripted",
-        )  # fmt: skip
+            prompt_ids=np.asarray(ids, dtype=np.int32),
+            output_ids=np.asarray(out, dtype=np.int32),
+            logprobs=np.zeros(n, np.float32),
+            sampled_logprobs=np.zeros(n, np.float32),
+            support_offsets=np.arange(n + 1, dtype=np.int32),
+            support_ids=np.asarray(out, dtype=np.int32),
+            support_logprobs=np.zeros(n, np.float32),
+            weight_versions=np.zeros(n, np.int64),
+            finish_reason="stop",
+            group="scripted",
+            replica="scripted",
+        )
 
 
 def try_episodes(env: SweEnv, prompts: list[Prompt], sampler: ScriptedSampler) -> list[dict[str, Any]]:
     driver = RolloutDriver(
-        sampler, env, prompts=None,  # type: ignore[arg-type]  # run_episode never reads the prompt source
-        samples_per_prompt=1, sampling=SamplingConfig(max_new_tokens=1 << 16), max_seq_len=1 << 24,
-    )  # fmt: skip
+        sampler,
+        env,
+        prompts=None,  # type: ignore[arg-type]  # run_episode never reads the prompt source
+        samples_per_prompt=1,
+        sampling=SamplingConfig(max_new_tokens=1 << 16),
+        max_seq_len=1 << 24,
+    )
     lines = []
     for prompt in prompts:
         rollout = asyncio.run(driver.run_episode(prompt, 0))
@@ -122,14 +138,20 @@ def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlfleet env try", description=__doc__.splitlines()[0])
     parser.add_argument("--environment", required=True, choices=ENVIRONMENTS)
     parser.add_argument(
-        "--tasks", required=True, type=Path,
+        "--tasks",
+        required=True,
+        type=Path,
         help="JSONL of tasks (examples/swe/tasks.jsonl), or of SWE-bench-style instances (detected by their "
         "fields problem_statement, base_commit, FAIL_TO_PASS: trainer/envs/swe_bench.py)",
-    )  # fmt: skip
+    )
     parser.add_argument("--policy", required=True, type=Path, help="JSONL of scripted replies per task")
-    parser.add_argument("--tokenizer", help="a model's tokenizer directory (default: a byte-level ChatML one)")
+    parser.add_argument(
+        "--tokenizer", help="a model's tokenizer directory (default: a byte-level ChatML one)"
+    )
     parser.add_argument("--max-turns", type=int, default=50)
-    parser.add_argument("--grade-timeout", type=float, default=None, help="cap on the hidden tests' timeout (s)")
+    parser.add_argument(
+        "--grade-timeout", type=float, default=None, help="cap on the hidden tests' timeout (s)"
+    )
     args = parser.parse_args(argv)
     from rlfleet.sandbox import SandboxUnavailable
 

@@ -118,6 +118,11 @@ def describe_failure(exc: BaseException, ctx: FailureContext) -> tuple[int, str]
         path = f": {error.filename}" if error.filename else ""
     else:
         message, path = str(error), ""
-    fields = {**ctx.__dict__, "error": message, "path": path, "detail": f" ({ctx.detail})" if ctx.detail else ""}
+    fields = {
+        **ctx.__dict__,
+        "error": message,
+        "path": path,
+        "detail": f" ({ctx.detail})" if ctx.detail else "",
+    }
     line = f"{row.what.format(**fields)}. Fix: {row.fix.format(**fields)}"
     return row.code, " ".join(line.split())  # one line, whatever the messages held

@@ -84,7 +84,9 @@ class LoopConfig:
     total_steps: int
     prompts_per_step: int
     max_staleness: int | None = None  # None: unbounded (fully asynchronous)
-    checkpoint_dir: Path | Store | None = None  # a directory, or the channel's store (trainer/publish/checkpoint.py)
+    checkpoint_dir: Path | Store | None = (
+        None  # a directory, or the channel's store (trainer/publish/checkpoint.py)
+    )
     checkpoint_fence: ckpt.WriterFence | None = None  # the channel's writer lease: fenced like publishes
     take_timeout: float = 900.0  # seconds without a complete group before the run fails
 
@@ -217,10 +219,16 @@ class TrainingLoop:
         rollouts = [r for g in groups for r in g.rollouts]
         metrics = objective_metrics(loss_out, self.group_names, self.group_views)
         metrics.update(
-            rollout_metrics([r.scored for r in rollouts], [r.completion_ids() for r in rollouts], [r.group for r in rollouts])
+            rollout_metrics(
+                [r.scored for r in rollouts],
+                [r.completion_ids() for r in rollouts],
+                [r.group for r in rollouts],
+            )
         )
         metrics.update(
-            invalid_token_metrics(flat.sampled_by_group, flat.dropped_by_group, flat.invalid_reasons_by_group, metrics)
+            invalid_token_metrics(
+                flat.sampled_by_group, flat.dropped_by_group, flat.invalid_reasons_by_group, metrics
+            )
         )
         metrics.update(
             {
@@ -229,7 +237,9 @@ class TrainingLoop:
                 "trained_tokens": float(flat.num_tokens),
                 "dropped_invalid_tokens": float(flat.dropped_invalid_tokens),
                 "dropped_stale_groups": float(self.state.dropped_stale_groups),
-                "uniform_group_fraction": uniform_group_fraction([[r.scored.reward for r in g.rollouts] for g in groups]),
+                "uniform_group_fraction": uniform_group_fraction(
+                    [[r.scored.reward for r in g.rollouts] for g in groups]
+                ),
                 "staleness_mean": float(flat.staleness.mean()) if flat.num_tokens else 0.0,
                 "staleness_max": float(flat.staleness.max()) if flat.num_tokens else 0.0,
                 "time/train": t_train,
@@ -267,6 +277,10 @@ class TrainingLoop:
             if decision.pause:
                 self.state.paused = True
                 self.state.pause_reason = "; ".join(a.message for a in decision.alerts)
-                log.warning("collapse detector paused training at step %d: %s", self.state.step, self.state.pause_reason)
+                log.warning(
+                    "collapse detector paused training at step %d: %s",
+                    self.state.step,
+                    self.state.pause_reason,
+                )
                 break
         return self.state

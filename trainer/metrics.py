@@ -106,7 +106,9 @@ def invalid_token_metrics(
             fleet[key] = fleet.get(key, 0.0) + value
         if count:
             out[p + "trained_fraction"] = trained / count
-    out.update({k: v for k, v in fleet.items() if k != "dropped_invalid_tokens"})  # the loop's own, fleet-wide
+    out.update(
+        {k: v for k, v in fleet.items() if k != "dropped_invalid_tokens"}
+    )  # the loop's own, fleet-wide
     if fleet.get("sampled_tokens"):
         out["trained_fraction"] = trained_total / fleet["sampled_tokens"]
     return out
@@ -156,7 +158,9 @@ def rollout_metrics(
 
 def finite(metrics: dict[str, float]) -> dict[str, float]:
     """Drop NaN/inf values (JSON and Prometheus friendly)."""
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+    return {
+        k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))
+    }
 
 
 class PrometheusExporter:
@@ -187,7 +191,9 @@ class PrometheusExporter:
             metric = "rlfleet_trainer_" + "".join(c if c.isalnum() else "_" for c in name)
             gauge = self._gauges.get(metric)
             if gauge is None:
-                gauge = Gauge(metric, f"rlfleet trainer metric {name}", ["scope", "key"], registry=self.registry)
+                gauge = Gauge(
+                    metric, f"rlfleet trainer metric {name}", ["scope", "key"], registry=self.registry
+                )
                 self._gauges[metric] = gauge
             gauge.labels(scope=scope, key=label).set(value)
 
@@ -197,7 +203,9 @@ class PrometheusExporter:
         from prometheus_client import Gauge
 
         if "finished" not in self._gauges:
-            self._gauges["finished"] = Gauge("rlfleet_trainer_finished", "training reached its total steps", registry=self.registry)  # fmt: skip
+            self._gauges["finished"] = Gauge(
+                "rlfleet_trainer_finished", "training reached its total steps", registry=self.registry
+            )
         self._gauges["finished"].set(1.0)
 
     def update_collapse(self, alerts: Sequence[Any], quarantined: Sequence[str], pause: bool) -> None:
@@ -210,11 +218,33 @@ class PrometheusExporter:
 
         if "collapse_risk" not in self._gauges:
             names = ["signal", "group"]
-            self._gauges["collapse_risk"] = Gauge("rlfleet_trainer_collapse_risk", "collapse signal raised at the latest step", names, registry=self.registry)  # fmt: skip
-            self._gauges["collapse_value"] = Gauge("rlfleet_trainer_collapse_value", "value of the raised collapse signal", names, registry=self.registry)  # fmt: skip
-            self._gauges["collapse_baseline"] = Gauge("rlfleet_trainer_collapse_baseline", "baseline of the raised collapse signal", names, registry=self.registry)  # fmt: skip
-            self._gauges["quarantine_requested"] = Gauge("rlfleet_trainer_quarantine_requested", "group quarantined by the collapse detector", ["group"], registry=self.registry)  # fmt: skip
-            self._gauges["pause_requested"] = Gauge("rlfleet_trainer_pause_requested", "collapse detector paused training", registry=self.registry)  # fmt: skip
+            self._gauges["collapse_risk"] = Gauge(
+                "rlfleet_trainer_collapse_risk",
+                "collapse signal raised at the latest step",
+                names,
+                registry=self.registry,
+            )
+            self._gauges["collapse_value"] = Gauge(
+                "rlfleet_trainer_collapse_value",
+                "value of the raised collapse signal",
+                names,
+                registry=self.registry,
+            )
+            self._gauges["collapse_baseline"] = Gauge(
+                "rlfleet_trainer_collapse_baseline",
+                "baseline of the raised collapse signal",
+                names,
+                registry=self.registry,
+            )
+            self._gauges["quarantine_requested"] = Gauge(
+                "rlfleet_trainer_quarantine_requested",
+                "group quarantined by the collapse detector",
+                ["group"],
+                registry=self.registry,
+            )
+            self._gauges["pause_requested"] = Gauge(
+                "rlfleet_trainer_pause_requested", "collapse detector paused training", registry=self.registry
+            )
         risk = self._gauges["collapse_risk"]
         for labels in list(self._risk_labels):  # signals that stopped read 0 (a transition the operator sees)
             risk.labels(*labels).set(0.0)
@@ -230,7 +260,9 @@ class PrometheusExporter:
             self._gauges["quarantine_requested"].labels(group=group).set(1.0)
         self._gauges["pause_requested"].set(1.0 if pause else 0.0)
 
-    def update_published(self, views: Iterable[ViewPublished], stored_bytes_total: Mapping[str, int] | None = None) -> None:
+    def update_published(
+        self, views: Iterable[ViewPublished], stored_bytes_total: Mapping[str, int] | None = None
+    ) -> None:
         """How the latest published version stores each view (trainer/publish/publisher.py `ViewPublished`):
         `rlfleet_trainer_weights_published_bytes{view,kind}` the bytes the channel holds for it, kind
         `anchor` (the whole view) or `delta` (the other kind reads 0, so the sum over kinds is that
@@ -245,19 +277,41 @@ class PrometheusExporter:
 
         if stored_bytes_total is not None:
             if "weights_stored_bytes" not in self._gauges:
-                self._gauges["weights_stored_bytes"] = Counter("rlfleet_trainer_weights_stored_bytes", "bytes the channel stored for the view, summed over the versions this trainer published", ["view"], registry=self.registry)  # fmt: skip
+                self._gauges["weights_stored_bytes"] = Counter(
+                    "rlfleet_trainer_weights_stored_bytes",
+                    "bytes the channel stored for the view, summed over the versions this trainer published",
+                    ["view"],
+                    registry=self.registry,
+                )
             for view, total in stored_bytes_total.items():
                 counted = self._stored_counted.get(view, 0)
                 if total > counted:
                     self._gauges["weights_stored_bytes"].labels(view).inc(float(total - counted))
                     self._stored_counted[view] = total
         if "weights_published_bytes" not in self._gauges:
-            self._gauges["weights_published_bytes"] = Gauge("rlfleet_trainer_weights_published_bytes", "bytes the channel stores for the view at the latest version", ["view", "kind"], registry=self.registry)  # fmt: skip
-            self._gauges["weights_view_bytes"] = Gauge("rlfleet_trainer_weights_view_bytes", "size of the complete view at the latest version", ["view"], registry=self.registry)  # fmt: skip
-            self._gauges["weights_encode_seconds"] = Gauge("rlfleet_trainer_weights_encode_seconds", "time comparing the view with its previous version", ["view"], registry=self.registry)  # fmt: skip
+            self._gauges["weights_published_bytes"] = Gauge(
+                "rlfleet_trainer_weights_published_bytes",
+                "bytes the channel stores for the view at the latest version",
+                ["view", "kind"],
+                registry=self.registry,
+            )
+            self._gauges["weights_view_bytes"] = Gauge(
+                "rlfleet_trainer_weights_view_bytes",
+                "size of the complete view at the latest version",
+                ["view"],
+                registry=self.registry,
+            )
+            self._gauges["weights_encode_seconds"] = Gauge(
+                "rlfleet_trainer_weights_encode_seconds",
+                "time comparing the view with its previous version",
+                ["view"],
+                registry=self.registry,
+            )
         for v in views:
             for kind in ("anchor", "delta"):
-                self._gauges["weights_published_bytes"].labels(v.view, kind).set(float(v.stored_bytes if v.kind == kind else 0))
+                self._gauges["weights_published_bytes"].labels(v.view, kind).set(
+                    float(v.stored_bytes if v.kind == kind else 0)
+                )
             self._gauges["weights_view_bytes"].labels(v.view).set(float(v.full_bytes))
             self._gauges["weights_encode_seconds"].labels(v.view).set(float(v.encode_seconds))
 

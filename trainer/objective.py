@@ -86,7 +86,9 @@ class TokenBatch:
     def to(self, device: torch.device | str) -> TokenBatch:
         """The batch with every tensor field on `device` (the flag kept)."""
         moved: dict[str, Any] = {
-            f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), Tensor)
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
         }
         return replace(self, **moved)
 
@@ -100,7 +102,9 @@ class ObjectiveConfig:
     ppo_clip: bool = False  # clip the sampled-token term against batch.old_logprobs (batch reuse)
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.28
-    chunk_tokens: int = 512  # rows of one logits tile of the fused lm_head (extra memory ~ chunk_tokens x chunk_vocab)
+    chunk_tokens: int = (
+        512  # rows of one logits tile of the fused lm_head (extra memory ~ chunk_tokens x chunk_vocab)
+    )
     chunk_vocab: int = 8192  # vocabulary columns of one logits tile
 
     def __post_init__(self) -> None:
@@ -113,7 +117,9 @@ class ObjectiveConfig:
                 f"need 0 <= clip_eps_low < 1 and clip_eps_high >= 0, got {self.clip_eps_low}, {self.clip_eps_high}"
             )
         if self.chunk_tokens < 1 or self.chunk_vocab < 1:
-            raise ValueError(f"chunk_tokens and chunk_vocab must be >= 1, got {self.chunk_tokens}, {self.chunk_vocab}")
+            raise ValueError(
+                f"chunk_tokens and chunk_vocab must be >= 1, got {self.chunk_tokens}, {self.chunk_vocab}"
+            )
 
     @classmethod
     def from_correction(cls, correction_mode: str, **overrides: object) -> ObjectiveConfig:
@@ -357,10 +363,21 @@ def policy_loss(
     local_vocab = output_weight.shape[0]
 
     def project(ids: Tensor, normalise: bool) -> tuple[Tensor, Tensor, Tensor]:
-        return fused_log_softmax_at(hidden, output_weight, ids, rank * local_vocab, process_group, temperature,
-                                    config.chunk_tokens, config.chunk_vocab, normalise)
+        return fused_log_softmax_at(
+            hidden,
+            output_weight,
+            ids,
+            rank * local_vocab,
+            process_group,
+            temperature,
+            config.chunk_tokens,
+            config.chunk_vocab,
+            normalise,
+        )
 
-    return corrected_loss(project, hidden.shape[0], world * local_vocab, compute_dtype(hidden.dtype), batch, config)
+    return corrected_loss(
+        project, hidden.shape[0], world * local_vocab, compute_dtype(hidden.dtype), batch, config
+    )
 
 
 def corrected_loss(

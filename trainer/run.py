@@ -83,7 +83,9 @@ class ChannelSink:
         return None if pointer is None else pointer.version
 
     def publish(self, weights: dict[str, torch.Tensor], version: int, *, step: int) -> None:
-        self.publisher.publish(weights, version=version, metadata={"step": step})  # version != step after a fallback
+        self.publisher.publish(
+            weights, version=version, metadata={"step": step}
+        )  # version != step after a fallback
 
     def fence(self) -> WriterFence | None:
         """The publisher's writer lease, checked (and renewed) before each checkpoint is written."""
@@ -146,8 +148,9 @@ def rollout_inputs(rc: RunConfig, base: BaseModel) -> tuple[Environment, PromptS
     from rlfleet.trainer.envs.prompts import open_prompt_source
 
     tokenizer = load_tokenizer(base)
-    prompts = open_prompt_source(rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size,
-                                 tokenizer=tokenizer)
+    prompts = open_prompt_source(
+        rc.dataset, rc.environment, seed=rc.seed, vocab_size=base.vocab_size, tokenizer=tokenizer
+    )
     return build_environment(rc, tokenizer=tokenizer), prompts
 
 
@@ -197,17 +200,27 @@ def build_backend(
     if backend == "torch":
         from rlfleet.trainer.backends.backend_hf import HFBackend
 
-        model = HFBackend.from_pretrained(source_dir, objective, optim=optim, temperature=temperature, device=device,
-                                          max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
-                                          activation_checkpointing=rc.activation_checkpointing,
-                                          routing_replay=rc.routing_replay)
+        model = HFBackend.from_pretrained(
+            source_dir,
+            objective,
+            optim=optim,
+            temperature=temperature,
+            device=device,
+            max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
+            activation_checkpointing=rc.activation_checkpointing,
+            routing_replay=rc.routing_replay,
+        )
         return BaseModel(model, int(hf_config["vocab_size"]), seq, source_dir)
     if rc.routing_replay:  # the API refuses it too (rlfleet/api/rljob.py ROUTING_REPLAY_MEGATRON_MESSAGE)
         raise TrainingStartError(ROUTING_REPLAY_MEGATRON_MESSAGE)
     from rlfleet.trainer.backends.backend_megatron import MegatronBackend
 
-    cfg = megatron_model_config(rc, hf_config, max_seq_len=max_seq_len, parallelism=parallelism, device=device)
-    megatron = MegatronBackend(cfg, objective, optim, temperature, initial_hf_weights=load_base_weights(source_dir))
+    cfg = megatron_model_config(
+        rc, hf_config, max_seq_len=max_seq_len, parallelism=parallelism, device=device
+    )
+    megatron = MegatronBackend(
+        cfg, objective, optim, temperature, initial_hf_weights=load_base_weights(source_dir)
+    )
     return BaseModel(megatron, cfg.vocab_size, cfg.max_seq_len, source_dir)
 
 
@@ -228,8 +241,13 @@ def megatron_model_config(
 
     p = parallelism or ParallelismSpec()
     return MegatronModelConfig.from_hf_config(
-        hf_config, max_seq_len=max_seq_len, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
-        context_parallel=p.context, expert_parallel=p.expert, expert_tensor_parallel=p.expert_tensor,
+        hf_config,
+        max_seq_len=max_seq_len,
+        tensor_parallel=p.tensor,
+        pipeline_parallel=p.pipeline,
+        context_parallel=p.context,
+        expert_parallel=p.expert,
+        expert_tensor_parallel=p.expert_tensor,
         max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
         activation_checkpointing=rc.activation_checkpointing,
         **({"device": "cpu", "params_dtype": "float32"} if device == "cpu" else {}),
@@ -268,8 +286,14 @@ def resume_version(resume: dict[str, Any] | None, latest: int | None) -> int:
     log.warning(
         "the weight channel is at version %d, ahead of the checkpoint of step %d (version %d; the newer "
         "checkpoints were refused): resuming from step %d and publishing its weights as version %d "
-        "(version = step + %d from now on)", latest, step, version, step, latest + 1, latest + 1 - step,
-    )  # fmt: skip
+        "(version = step + %d from now on)",
+        latest,
+        step,
+        version,
+        step,
+        latest + 1,
+        latest + 1 - step,
+    )
     return latest + 1
 
 
@@ -312,11 +336,22 @@ def run_training(
         sink.publish(weights, version, step=loop.state.step)
 
     loop = TrainingLoop(
-        LoopConfig(total_steps=rc.steps, prompts_per_step=rc.prompts_per_step, max_staleness=rc.max_staleness,
-                   checkpoint_dir=checkpoint, checkpoint_fence=sink.fence()),
-        backend, None, publish, detector,  # the rollout source comes after version `step` is published
-        group_names=[g.name for g in rc.groups], group_views={g.name: g.weight_format for g in rc.groups},
-        on_step=step_done, on_quarantine=on_quarantine, stop=stop,
+        LoopConfig(
+            total_steps=rc.steps,
+            prompts_per_step=rc.prompts_per_step,
+            max_staleness=rc.max_staleness,
+            checkpoint_dir=checkpoint,
+            checkpoint_fence=sink.fence(),
+        ),
+        backend,
+        None,
+        publish,
+        detector,  # the rollout source comes after version `step` is published
+        group_names=[g.name for g in rc.groups],
+        group_views={g.name: g.weight_format for g in rc.groups},
+        on_step=step_done,
+        on_quarantine=on_quarantine,
+        stop=stop,
     )
     try:  # the tracker is closed in every case from here on
         if resume is not None:

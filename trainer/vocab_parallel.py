@@ -118,8 +118,18 @@ class _FusedLogSoftmaxAt(torch.autograd.Function):
     embedding, the logits made one tile at a time in forward and again in backward."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, ids: Tensor, vocab_start: int, group, temperature: float,
-                chunk_tokens: int, chunk_vocab: int, normalise: bool):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        ids: Tensor,
+        vocab_start: int,
+        group,
+        temperature: float,
+        chunk_tokens: int,
+        chunk_vocab: int,
+        normalise: bool,
+    ):
         dtype = compute_dtype(hidden.dtype)
         num_rows, local_vocab = hidden.shape[0], weight.shape[0]
         local_ids, in_shard = _local_columns(ids, vocab_start, local_vocab)
@@ -184,7 +194,17 @@ class _FusedLogSoftmaxAt(torch.autograd.Function):
                 grad_z /= temperature  # z = h W^T / temperature
                 grad_hidden[rows] += grad_z @ w
                 grad_weight[lo:hi] += grad_z.T @ h
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+        return (
+            grad_hidden.to(hidden.dtype),
+            grad_weight.to(weight.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def fused_log_softmax_at(
@@ -204,5 +224,6 @@ def fused_log_softmax_at(
     normaliser, lse and entropy zeros): the replay path, where only those logits get a gradient.
     Reductions in float64 for float64 inputs, else float32. Extra memory: O(chunk_tokens *
     chunk_vocab + T * M) besides the gradients of the inputs."""
-    return _FusedLogSoftmaxAt.apply(hidden, weight, ids, vocab_start, group, temperature, chunk_tokens,
-                                    chunk_vocab, normalise)
+    return _FusedLogSoftmaxAt.apply(
+        hidden, weight, ids, vocab_start, group, temperature, chunk_tokens, chunk_vocab, normalise
+    )

@@ -47,7 +47,9 @@ from rlfleet.trainer.objective import ObjectiveConfig
 from rlfleet.trainer.rollout.batching import FlatBatch
 
 
-def tool_add_demonstration(prompt: Prompt, rng: np.random.Generator, noise: float) -> tuple[list[int], list[int]]:
+def tool_add_demonstration(
+    prompt: Prompt, rng: np.random.Generator, noise: float
+) -> tuple[list[int], list[int]]:
     """One tool_add episode as the protocol wants it, imperfect on purpose: (ids, positions of the model's
     tokens). The call copies the prompt's two digits and the answer copies the tool's result, each copy
     replaced, independently with probability `noise`, by a uniformly random digit; the result between
@@ -119,12 +121,19 @@ def train_warm_start(model: Any, spec: TinyQwen3) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        backend = HFBackend(model, ObjectiveConfig(mode="pg"), OptimConfig(learning_rate=recipe.learning_rate),
-                            device="cpu", distributed=False)  # fmt: skip
+        backend = HFBackend(
+            model,
+            ObjectiveConfig(mode="pg"),
+            OptimConfig(learning_rate=recipe.learning_rate),
+            device="cpu",
+            distributed=False,
+        )
         for step in range(recipe.steps):
             first = step * recipe.batch
-            demonstrations = [tool_add_demonstration(prompts.get(i), rng, spec.warm_start_noise)
-                              for i in range(first, first + recipe.batch)]  # fmt: skip
+            demonstrations = [
+                tool_add_demonstration(prompts.get(i), rng, spec.warm_start_noise)
+                for i in range(first, first + recipe.batch)
+            ]
             backend.train_step(demonstration_batch(demonstrations), {})
     finally:
         torch.set_num_threads(threads)
@@ -145,21 +154,32 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     parser.add_argument(
-        "--architecture", choices=ARCHITECTURES, default="qwen3",
+        "--architecture",
+        choices=ARCHITECTURES,
+        default="qwen3",
         help="qwen3 (dense) or qwen3_moe (routed experts, rlfleet/tiny_qwen3.py MOE_SIZES)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--warm-start", choices=WARM_START_TASKS, default="none",
+        "--warm-start",
+        choices=WARM_START_TASKS,
+        default="none",
         help="supervise the seeded init on this task's noisy demonstrations first (docs/local.md)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--warm-start-noise", type=float, default=WARM_START_NOISE,
+        "--warm-start-noise",
+        type=float,
+        default=WARM_START_NOISE,
         help=f"share of the demonstrations' copied digits replaced by random ones (default {WARM_START_NOISE})",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     try:
-        spec = TinyQwen3(vocab_size=args.vocab_size, seed=args.seed, warm_start=args.warm_start,
-                         warm_start_noise=args.warm_start_noise, architecture=args.architecture)  # fmt: skip
+        spec = TinyQwen3(
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+            warm_start=args.warm_start,
+            warm_start_noise=args.warm_start_noise,
+            architecture=args.architecture,
+        )
         path = build_tiny_qwen3(args.out, spec, warm_start=train_warm_start)
     except ValueError as e:
         print(f"rlfleet model tiny-qwen3: {e}", file=sys.stderr)

@@ -16,7 +16,9 @@ from pydantic.alias_generators import to_camel
 
 GROUP = "rlfleet.dev"
 VERSION = "v1alpha1"
-API_VERSION: Literal["rlfleet.dev/v1alpha1"] = "rlfleet.dev/v1alpha1"  # GROUP/VERSION, typed as the models' apiVersion
+API_VERSION: Literal["rlfleet.dev/v1alpha1"] = (
+    "rlfleet.dev/v1alpha1"  # GROUP/VERSION, typed as the models' apiVersion
+)
 
 # Weight formats a sampler group can serve (each is a published precision view of the channel).
 WeightFormat = Literal["bf16", "fp8", "nvfp4", "mxfp4"]
@@ -33,6 +35,8 @@ def views_to_publish(weight_formats: Iterable[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown weight format(s) {sorted(unknown)}; known: {list(WEIGHT_FORMATS)}")
     return [f for f in WEIGHT_FORMATS if f in wanted]
+
+
 # SGLang --kv-cache-dtype values (auto = the model dtype).
 KvCacheDtype = Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4"]
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4")

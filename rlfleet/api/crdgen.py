@@ -121,8 +121,11 @@ def cpu_classes(catalog: Catalog) -> list[str]:
 def _apply_catalog_to_trainer(trainer_schema: dict[str, Any], catalog: Catalog) -> None:
     trainer_schema["properties"]["accelerator"]["enum"] = catalog.names()
     cpus = cpu_classes(catalog)
-    rules = [r for r in trainer_schema["x-kubernetes-validations"]
-             if r["message"] not in (TRAINER_CPU_GPUS_MESSAGE, TRAINER_GPU_PROCESSES_MESSAGE)]  # fmt: skip
+    rules = [
+        r
+        for r in trainer_schema["x-kubernetes-validations"]
+        if r["message"] not in (TRAINER_CPU_GPUS_MESSAGE, TRAINER_GPU_PROCESSES_MESSAGE)
+    ]
     for rule in rules:
         if rule["message"] == PARALLEL_FIT_MESSAGE:
             rule["rule"] = parallel_fit_rule(cpus)
@@ -159,8 +162,14 @@ def _root_schema(spec: dict[str, Any], status: dict[str, Any], kind: str) -> dic
     }
 
 
-def _crd(kind: str, plural: str, short: str, schema: dict[str, Any], columns: list[dict[str, Any]],
-         scale: bool = False) -> dict[str, Any]:  # fmt: skip
+def _crd(
+    kind: str,
+    plural: str,
+    short: str,
+    schema: dict[str, Any],
+    columns: list[dict[str, Any]],
+    scale: bool = False,
+) -> dict[str, Any]:
     subresources: dict[str, Any] = {"status": {}}
     if scale:
         subresources["scale"] = {
@@ -236,12 +245,27 @@ def rljob_crd(catalog: Catalog) -> dict[str, Any]:
         {"name": "Reward", "type": "number", "jsonPath": ".status.metrics.reward"},
         {"name": "KL", "type": "number", "jsonPath": ".status.metrics.kl"},
         {"name": "Reason", "type": "string", "jsonPath": ".status.reason"},
-        {"name": "$/1M", "type": "number", "jsonPath": ".status.costPer1MTokens", "priority": 1,
-         "description": "USD per 1M usable tokens of the sampler fleet"},
-        {"name": "Saving%", "type": "number", "jsonPath": ".status.savingPercent", "priority": 1,
-         "description": "Saving per usable token against the reference fleet (default: the trainer's class at BF16)"},
-        {"name": "Baseline", "type": "string", "jsonPath": ".status.baselineSource", "priority": 1,
-         "description": "The reference fleet and whether its throughput is given, measured or estimated"},
+        {
+            "name": "$/1M",
+            "type": "number",
+            "jsonPath": ".status.costPer1MTokens",
+            "priority": 1,
+            "description": "USD per 1M usable tokens of the sampler fleet",
+        },
+        {
+            "name": "Saving%",
+            "type": "number",
+            "jsonPath": ".status.savingPercent",
+            "priority": 1,
+            "description": "Saving per usable token against the reference fleet (default: the trainer's class at BF16)",
+        },
+        {
+            "name": "Baseline",
+            "type": "string",
+            "jsonPath": ".status.baselineSource",
+            "priority": 1,
+            "description": "The reference fleet and whether its throughput is given, measured or estimated",
+        },
         {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         _age(),
     ]
@@ -271,10 +295,20 @@ def samplergroup_crd(catalog: Catalog) -> dict[str, Any]:
         {"name": "Reason", "type": "string", "jsonPath": ".status.reason"},
         {"name": "KV", "type": "string", "jsonPath": ".spec.kvCacheDtype", "priority": 1},
         {"name": "$/h", "type": "number", "jsonPath": ".status.costPerHour", "priority": 1},
-        {"name": "Routing", "type": "number", "jsonPath": ".status.routingMismatch", "priority": 1,
-         "description": "Share of tokens routed to other experts than the trainer's (mixture of experts)"},
-        {"name": "$/1M", "type": "number", "jsonPath": ".status.costPer1MTokens", "priority": 1,
-         "description": "USD per 1M usable tokens"},
+        {
+            "name": "Routing",
+            "type": "number",
+            "jsonPath": ".status.routingMismatch",
+            "priority": 1,
+            "description": "Share of tokens routed to other experts than the trainer's (mixture of experts)",
+        },
+        {
+            "name": "$/1M",
+            "type": "number",
+            "jsonPath": ".status.costPer1MTokens",
+            "priority": 1,
+            "description": "USD per 1M usable tokens",
+        },
         {"name": "Degraded", "type": "boolean", "jsonPath": ".status.degradedPrecision", "priority": 1},
         {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         _age(),
@@ -291,8 +325,12 @@ def weightchannel_crd() -> dict[str, Any]:
     columns: list[dict[str, Any]] = [
         {"name": "Store", "type": "string", "jsonPath": ".spec.store.type"},
         {"name": "Latest", "type": "integer", "jsonPath": ".status.latestVersion"},
-        {"name": "Stored%", "type": "number", "jsonPath": ".status.storedPercent",
-         "description": "Bytes stored for the latest version (delta payloads and whole files) over its complete views, in %"},
+        {
+            "name": "Stored%",
+            "type": "number",
+            "jsonPath": ".status.storedPercent",
+            "description": "Bytes stored for the latest version (delta payloads and whole files) over its complete views, in %",
+        },
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
         _age(),

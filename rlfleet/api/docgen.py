@@ -111,19 +111,23 @@ def _catalog_table(catalog: Catalog) -> list[str]:
             f"{', '.join(c.kv_cache_dtypes)} | {c.default_tensor_parallel} | {c.cost_per_gpu_hour:.2f} |"
         )
     lines.append("")
-    lines.append("Engine and device per class: " + ", ".join(
-        f"`{n}` {catalog.get(n).engine} on {catalog.get(n).device}" for n in catalog.names()
-    ) + ". A cpu class's pods request no GPU, carry no GPU toleration and no GPU node affinity; "
-        "their default requests are the class's (below), merged under a group's or the trainer's `resources`.")
+    lines.append(
+        "Engine and device per class: "
+        + ", ".join(f"`{n}` {catalog.get(n).engine} on {catalog.get(n).device}" for n in catalog.names())
+        + ". A cpu class's pods request no GPU, carry no GPU toleration and no GPU node affinity; "
+        "their default requests are the class's (below), merged under a group's or the trainer's `resources`."
+    )
     lines.append("")
     lines.append("Default container resources per class (engine, trainer, weight-fetch / weight-sync):")
     lines.append("")
     for name in catalog.names():
         c = catalog.get(name)
-        lines.append(f"- `{name}`: engine `{json.dumps(c.sampler_resources, sort_keys=True)}`, "
-                     f"trainer `{json.dumps(c.trainer_resources, sort_keys=True)}`"
-                     + (" (both plus nvidia.com/gpu)" if c.gpu else "")
-                     + f", sync `{json.dumps(c.sync_resources, sort_keys=True)}`")
+        lines.append(
+            f"- `{name}`: engine `{json.dumps(c.sampler_resources, sort_keys=True)}`, "
+            f"trainer `{json.dumps(c.trainer_resources, sort_keys=True)}`"
+            + (" (both plus nvidia.com/gpu)" if c.gpu else "")
+            + f", sync `{json.dumps(c.sync_resources, sort_keys=True)}`"
+        )
     lines.append("")
     lines.append("Node labels (required node affinity, terms ORed):")
     lines.append("")

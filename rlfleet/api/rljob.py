@@ -82,7 +82,9 @@ def parallel_fit_rule(cpu_classes: tuple[str, ...] | list[str]) -> str:
     )
 
 
-BUILTIN_CPU_CLASSES: tuple[str, ...] = ("cpu",)  # the built-in catalog's CPU classes (a test keeps them equal)
+BUILTIN_CPU_CLASSES: tuple[str, ...] = (
+    "cpu",
+)  # the built-in catalog's CPU classes (a test keeps them equal)
 PARALLEL_FIT_RULE = parallel_fit_rule(BUILTIN_CPU_CLASSES)
 PARALLEL_FIT_MESSAGE = (
     "trainer: parallelism tensor x pipeline x context must divide gpusPerReplica (processesPerReplica on a CPU "
@@ -113,6 +115,8 @@ def trainer_device_rules(cpu_classes: tuple[str, ...] | list[str]) -> list[dict[
             "fieldPath": ".processesPerReplica",
         },
     ]
+
+
 # The torch backend (trainer/backends/backend_hf.py) is FSDP2 data parallel: one rank per GPU of ONE pod.
 TORCH_ONE_NODE_RULE = (
     "self.backend != 'torch' || (self.replicas == 1 && "
@@ -127,7 +131,9 @@ TORCH_ONE_NODE_MESSAGE = (
 
 def expert_fit_rule(cpu_classes: tuple[str, ...] | list[str]) -> str:
     """CEL: the trainer's ranks (every pod's) hold whole expert grids, expert tensor x expert parallelism."""
-    expert_tp = "(has(self.parallelism.expertTensor) ? self.parallelism.expertTensor : self.parallelism.tensor)"
+    expert_tp = (
+        "(has(self.parallelism.expertTensor) ? self.parallelism.expertTensor : self.parallelism.tensor)"
+    )
     return f"({ranks_expr(cpu_classes)} * self.replicas) % ({expert_tp} * self.parallelism.expert) == 0"
 
 
@@ -177,7 +183,9 @@ LOCAL_CONTEXT_MESSAGE = (
 BUILTIN_MODEL = "builtin:tiny-qwen3"
 # rlfleet/tiny_qwen3.py SIZES (not imported: that module reaches torch; tests/api checks they agree)
 _TINY_HEADS, _TINY_KV_HEADS = 2, 2
-BUILTIN_MXFP4_RULE = f"!self.model.path.startsWith('{BUILTIN_MODEL}') || self.samplerGroups.all(g, g.weightFormat != 'mxfp4')"
+BUILTIN_MXFP4_RULE = (
+    f"!self.model.path.startsWith('{BUILTIN_MODEL}') || self.samplerGroups.all(g, g.weightFormat != 'mxfp4')"
+)
 BUILTIN_MXFP4_MESSAGE = (
     f"model {BUILTIN_MODEL} is a dense Qwen3: it has no mxfp4 view (SGLang's mxfp4 quantizes MoE experts only and "
     "the trainer refuses the view, docs/weights.md); serve it in bf16, fp8 or nvfp4"
@@ -203,7 +211,9 @@ TINY_HEADS_MESSAGE = (
 )
 # rlfleet/tiny_qwen3.py `tool_add_demonstration`: BOS a b SEP, CALL x y END_CALL, RESULT s END_RESULT, answer EOS
 WARM_START_CONTEXT = 13
-WARM_START_RULE = f"!has(self.warmStart) || self.warmStart == 'none' || self.maxPositionEmbeddings >= {WARM_START_CONTEXT}"
+WARM_START_RULE = (
+    f"!has(self.warmStart) || self.warmStart == 'none' || self.maxPositionEmbeddings >= {WARM_START_CONTEXT}"
+)
 WARM_START_MESSAGE = (
     f"local.model.warmStart: a tool_add demonstration is {WARM_START_CONTEXT} tokens: maxPositionEmbeddings must be "
     f">= {WARM_START_CONTEXT}"
@@ -216,14 +226,14 @@ TINY_MOE_MESSAGE = (
 # Routing replay (R3, trainer/backends/routing_replay.py) hooks transformers' Qwen3-MoE router; the megatron backend
 # routes with megatron-core's own TopKRouter, which takes no replayed experts, and the built-in model on a
 # cluster is the dense tiny Qwen3.
-ROUTING_REPLAY_MEGATRON_RULE = "!has(self.correction.routingReplay) || !self.correction.routingReplay || self.trainer.backend == 'torch'"
+ROUTING_REPLAY_MEGATRON_RULE = (
+    "!has(self.correction.routingReplay) || !self.correction.routingReplay || self.trainer.backend == 'torch'"
+)
 ROUTING_REPLAY_MEGATRON_MESSAGE = (
     "correction.routingReplay needs trainer.backend: torch (transformers' Qwen3-MoE, as local mode trains): "
     "the megatron backend routes with megatron-core's own router, which has no routing replay"
 )
-ROUTING_REPLAY_DENSE_RULE = (
-    f"!has(self.correction.routingReplay) || !self.correction.routingReplay || !self.model.path.startsWith('{BUILTIN_MODEL}')"
-)
+ROUTING_REPLAY_DENSE_RULE = f"!has(self.correction.routingReplay) || !self.correction.routingReplay || !self.model.path.startsWith('{BUILTIN_MODEL}')"
 ROUTING_REPLAY_DENSE_MESSAGE = (
     f"correction.routingReplay: model {BUILTIN_MODEL} is a dense Qwen3 (no experts, no routing to replay); "
     "replay needs a mixture of experts (Qwen3-MoE)"
@@ -319,7 +329,11 @@ class TrainerSpec(PodPlacement):
                 {"rule": PARALLEL_FIT_RULE, "message": PARALLEL_FIT_MESSAGE, "fieldPath": ".parallelism"},
                 {"rule": TORCH_ONE_NODE_RULE, "message": TORCH_ONE_NODE_MESSAGE, "fieldPath": ".backend"},
                 {"rule": EXPERT_FIT_RULE, "message": EXPERT_FIT_MESSAGE, "fieldPath": ".parallelism"},
-                {"rule": TORCH_NO_EXPERT_PARALLEL_RULE, "message": TORCH_NO_EXPERT_PARALLEL_MESSAGE, "fieldPath": ".backend"},
+                {
+                    "rule": TORCH_NO_EXPERT_PARALLEL_RULE,
+                    "message": TORCH_NO_EXPERT_PARALLEL_MESSAGE,
+                    "fieldPath": ".backend",
+                },
                 *trainer_device_rules(BUILTIN_CPU_CLASSES),
                 *POD_FIELDS_RULES,
             ]
@@ -379,7 +393,9 @@ class TrainerSpec(PodPlacement):
 
         on_cpu = not catalog.get_catalog().get(self.accelerator).gpu
         if on_cpu and self.gpus_per_replica is not None:
-            raise ValueError(f"{TRAINER_CPU_GPUS_MESSAGE} (accelerator {self.accelerator}, gpusPerReplica {self.gpus_per_replica})")
+            raise ValueError(
+                f"{TRAINER_CPU_GPUS_MESSAGE} (accelerator {self.accelerator}, gpusPerReplica {self.gpus_per_replica})"
+            )
         if not on_cpu and self.processes_per_replica is not None:
             raise ValueError(f"{TRAINER_GPU_PROCESSES_MESSAGE} (accelerator {self.accelerator})")
         size = self.parallelism.size
@@ -416,7 +432,11 @@ class SandboxSpec(ApiModel):
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 {"rule": SANDBOX_IMAGE_RULE, "message": SANDBOX_IMAGE_MESSAGE, "fieldPath": ".image"},
-                {"rule": SANDBOX_TEMPLATE_RULE, "message": SANDBOX_TEMPLATE_MESSAGE, "fieldPath": ".template"},
+                {
+                    "rule": SANDBOX_TEMPLATE_RULE,
+                    "message": SANDBOX_TEMPLATE_MESSAGE,
+                    "fieldPath": ".template",
+                },
             ]
         }
     }
@@ -537,8 +557,6 @@ class StalenessSpec(ApiModel):
     """Drop samples generated with weights more than this many versions old (none: unbounded, fully async)."""
 
 
-
-
 class WeightChannelTemplate(ApiModel):
     """The run's weight channel."""
 
@@ -573,7 +591,11 @@ class TinyModelSpec(ApiModel):
         "json_schema_extra": {
             "x-kubernetes-validations": [
                 {"rule": TINY_HEADS_RULE, "message": TINY_HEADS_MESSAGE},
-                {"rule": WARM_START_RULE, "message": WARM_START_MESSAGE, "fieldPath": ".maxPositionEmbeddings"},
+                {
+                    "rule": WARM_START_RULE,
+                    "message": WARM_START_MESSAGE,
+                    "fieldPath": ".maxPositionEmbeddings",
+                },
                 {"rule": TINY_MOE_RULE, "message": TINY_MOE_MESSAGE},
             ]
         }
@@ -666,7 +688,9 @@ class LocalSpec(ApiModel):
     """Generated tokens per turn (replaces rollout.maxNewTokens locally)."""
     # No `maximum` in the CRD: the API server reads schema bounds as float64, and 2^63 - 1 is no float64
     # integer ("Maximum boundary value must be of type integer"); format int64 bounds it there.
-    seed: Annotated[int, AfterValidator(_int64)] = Field(default=0, ge=0, json_schema_extra={"format": "int64"})
+    seed: Annotated[int, AfterValidator(_int64)] = Field(
+        default=0, ge=0, json_schema_extra={"format": "int64"}
+    )
     """Seed of the tiny model, prompts and sampling (an int64, as Kubernetes stores integers; torch takes at most 2^64 - 1)."""
     learning_rate: float = Field(default=2e-4, gt=0, le=1.0)
     """Learning rate of the tiny model (trainer.optimizer.learningRate is sized for the real model)."""
@@ -693,7 +717,11 @@ class RLJobSpec(ApiModel):
                     "message": STATIC_SHARES_GROUPS_MESSAGE,
                     "fieldPath": ".router.staticShares",
                 },
-                {"rule": FLEET_GROUPS_RULE, "message": FLEET_GROUPS_MESSAGE, "fieldPath": ".router.optimize.groups"},
+                {
+                    "rule": FLEET_GROUPS_RULE,
+                    "message": FLEET_GROUPS_MESSAGE,
+                    "fieldPath": ".router.optimize.groups",
+                },
                 {"rule": CONTEXT_RULE, "message": CONTEXT_MESSAGE, "fieldPath": ".rollout.maxNewTokens"},
                 {
                     "rule": TRAINER_ACCELERATOR_RULE,
@@ -773,8 +801,10 @@ class RLJobSpec(ApiModel):
     @model_validator(mode="after")
     def _check_group_keys(self) -> RLJobSpec:
         names = {g.name for g in self.sampler_groups}
-        for keys, message in ((self.router.static_shares, STATIC_SHARES_GROUPS_MESSAGE),
-                              (self.router.optimize.groups, FLEET_GROUPS_MESSAGE)):  # fmt: skip
+        for keys, message in (
+            (self.router.static_shares, STATIC_SHARES_GROUPS_MESSAGE),
+            (self.router.optimize.groups, FLEET_GROUPS_MESSAGE),
+        ):
             unknown = sorted(set(keys) - names)
             if unknown:
                 raise ValueError(f"{message} (unknown: {', '.join(unknown)})")
@@ -804,8 +834,6 @@ class RLJobSpec(ApiModel):
             if self.model.path.startswith(BUILTIN_MODEL):
                 raise ValueError(ROUTING_REPLAY_DENSE_MESSAGE)
         return self
-
-
 
 
 class RLJob(ApiModel):

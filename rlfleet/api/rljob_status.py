@@ -197,7 +197,9 @@ class RLJobStatus(ApiModel):
     """Where the reference fleet's tokens/s per GPU come from: router.reference.tokensPerGpuSecond ("given"), the job's BF16 groups of the class ("measured"), or the other groups through the catalog's decodeThroughput ratios ("estimated from catalog throughput ratios")."""
     fleet_plan: FleetPlanStatus | None = None
     """The fleet-mix optimizer's last decision (router.optimize)."""
-    precision_autopilot: dict[str, Annotated[str, Field(max_length=1024)]] = Field(default_factory=dict, max_length=32)
+    precision_autopilot: dict[str, Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=dict, max_length=32
+    )
     """The precision autopilot's last change per group and why (router.autopilot)."""
     decisions: DecisionsStatus | None = None
     """The operator's decisions of the job (operator/decide.py)."""

@@ -24,7 +24,9 @@ STATIC_SHARES_GROUPS_MESSAGE = "router.staticShares: every key must be the name 
 class ReferenceFleetSpec(ApiModel):
     """The fleet the saving per usable token is measured against: every token made on one class in BF16."""
 
-    accelerator: str | None = Field(default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    accelerator: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+    )
     """Its accelerator class (default: trainer.accelerator); it must run BF16."""
     tokens_per_gpu_second: float | None = Field(default=None, gt=0.0, le=1e9)
     """Its BF16 decode tokens/s per GPU (default: measured on the job's BF16 groups of that class, else estimated from the other groups through the catalog's decodeThroughput ratios; status.baselineSource says which)."""
@@ -56,7 +58,11 @@ FLEET_GROUPS_MESSAGE = "router.optimize.groups: every key must be the name of a 
 class FleetGroupBounds(ApiModel):
     """One group's replica bounds and mismatch budget for the fleet-mix optimizer."""
 
-    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": FLEET_BOUNDS_RULE, "message": FLEET_BOUNDS_MESSAGE}]}}
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [{"rule": FLEET_BOUNDS_RULE, "message": FLEET_BOUNDS_MESSAGE}]
+        }
+    }
 
     min_replicas: int = Field(default=0, ge=0, le=1024)
     """Fewest replicas the optimizer leaves the group (not held while the group is over its own mismatch budget: it is drained)."""
@@ -99,7 +105,11 @@ class FleetDemandSpec(ApiModel):
 class FleetOptimizeSpec(ApiModel):
     """The fleet-mix optimizer (docs/economics.md): each rebalance interval, replicas and shares per group that minimise the cost per usable token under the demand, the mismatch budgets and the bounds. Replicas go through each SamplerGroup's scale subresource; the RLJob's spec is never written."""
 
-    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": FLEET_DEMAND_RULE, "message": FLEET_DEMAND_MESSAGE}]}}
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [{"rule": FLEET_DEMAND_RULE, "message": FLEET_DEMAND_MESSAGE}]
+        }
+    }
 
     enabled: bool = False
     """Off (default): the share policy sets shares and replicas stay as the spec says."""
@@ -128,7 +138,13 @@ AUTOPILOT_COOLDOWN_MESSAGE = "router.autopilot: cooldownIntervals must be <= max
 class PrecisionAutopilotSpec(ApiModel):
     """The precision autopilot (docs/economics.md): a group over its own mismatch budget (router.optimize.groups[name].maxKl / maxOorFraction, else router.optimize.budgets.groupMaxKl / groupMaxOorFraction) moves one step up nvfp4 -> fp8 -> bf16 within what its class runs and the weight channel publishes, or is quarantined at the top (a group answering invalid tokens over maxInvalidFraction is quarantined at once); within its budget for a cool-down it steps back down, never below the RLJob's own weightFormat. Set on the SamplerGroup; the RLJob's spec is never written."""
 
-    model_config = {"json_schema_extra": {"x-kubernetes-validations": [{"rule": AUTOPILOT_COOLDOWN_RULE, "message": AUTOPILOT_COOLDOWN_MESSAGE}]}}
+    model_config = {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                {"rule": AUTOPILOT_COOLDOWN_RULE, "message": AUTOPILOT_COOLDOWN_MESSAGE}
+            ]
+        }
+    }
 
     enabled: bool = False
     """Off (default): a group's weightFormat is the RLJob's."""
@@ -146,7 +162,9 @@ class PrecisionAutopilotSpec(ApiModel):
     @model_validator(mode="after")
     def _check_cooldown(self) -> PrecisionAutopilotSpec:
         if self.cooldown_intervals > self.max_cooldown_intervals:
-            raise ValueError(f"{AUTOPILOT_COOLDOWN_MESSAGE} (got {self.cooldown_intervals} > {self.max_cooldown_intervals})")
+            raise ValueError(
+                f"{AUTOPILOT_COOLDOWN_MESSAGE} (got {self.cooldown_intervals} > {self.max_cooldown_intervals})"
+            )
         return self
 
 
@@ -185,11 +203,15 @@ class RouterSpec(PodPlacement):
     """Router image (runs `rlfleet router serve`)."""
     admin_token_secret: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)
     """Secret (key `token`) with the router admin token (none: the operator creates one)."""
-    reference: ReferenceFleetSpec = Field(default_factory=ReferenceFleetSpec, json_schema_extra={"default": {}})
+    reference: ReferenceFleetSpec = Field(
+        default_factory=ReferenceFleetSpec, json_schema_extra={"default": {}}
+    )
     """The reference fleet of status.savingPercent (default: trainer.accelerator in BF16, as the job's groups of that class measure it, else as the catalog's throughput ratios estimate it from the other groups)."""
     optimize: FleetOptimizeSpec = Field(default_factory=FleetOptimizeSpec, json_schema_extra={"default": {}})
     """The fleet-mix optimizer: replicas and shares per group from measured throughput, cost and mismatch (off by default)."""
-    autopilot: PrecisionAutopilotSpec = Field(default_factory=PrecisionAutopilotSpec, json_schema_extra={"default": {}})
+    autopilot: PrecisionAutopilotSpec = Field(
+        default_factory=PrecisionAutopilotSpec, json_schema_extra={"default": {}}
+    )
     """The precision autopilot: a group over its own mismatch budget moves up a precision step or is quarantined (off by default)."""
 
     @model_validator(mode="after")

@@ -61,7 +61,7 @@ OWNED_REFERENCE_FLAGS: tuple[str, ...] = ("--engine", "--weight-format", "--kv-c
 REFERENCE_EXTRA_ARGS_MESSAGE = (
     "extraArgs of a reference-engine class (cpu) go to `rlfleet sampler serve --engine reference` and must not "
     "set the flags the operator derives from the spec (--engine, --weight-format, --kv-cache-dtype, "
-    "--port-file, --model-path, --port, ...); e.g. [\"--threads\", \"2\"] or [\"--max-tokens-per-second\", \"400\"]"
+    '--port-file, --model-path, --port, ...); e.g. ["--threads", "2"] or ["--max-tokens-per-second", "400"]'
 )
 PORT_RULE = f"self.port != {SYNC_SIDECAR_PORT}"
 PORT_MESSAGE = f"port {SYNC_SIDECAR_PORT} is the weight-sync sidecar's port in the same pod: pick another"

@@ -93,7 +93,9 @@ LABEL_KEYS_MESSAGE = f"nodeSelector keys must be Kubernetes label keys: {_QUALIF
 # the same rule for the pod labels and annotations (Kubernetes refuses a bad key only when the operator
 # creates the pods, after apply)
 POD_LABEL_KEYS_MESSAGE = f"podLabels keys must be Kubernetes label keys: {_QUALIFIED_NAME_WORDS}"
-POD_ANNOTATION_KEYS_MESSAGE = f"podAnnotations keys must be Kubernetes qualified names: {_QUALIFIED_NAME_WORDS}"
+POD_ANNOTATION_KEYS_MESSAGE = (
+    f"podAnnotations keys must be Kubernetes qualified names: {_QUALIFIED_NAME_WORDS}"
+)
 TOLERATION_RULE = "self.operator != 'Exists' || !has(self.value) || self.value == ''"
 TOLERATION_MESSAGE = "toleration: operator Exists takes no value"
 
@@ -300,9 +302,13 @@ class ResourceRequirements(ApiModel):
 def _label_map(keys_message: str, *rules: tuple[str, str]) -> Any:
     """The field of a map of labels or annotations (empty by default, at most 32 entries) whose keys must be
     qualified names (CEL: `keys_message` when one is not), with the CEL `rules` ((rule, message)) besides."""
-    validations: list[Any] = [{"rule": LABEL_KEYS_RULE, "message": keys_message},
-                              *({"rule": rule, "message": message} for rule, message in rules)]
-    return Field(default_factory=dict, max_length=32, json_schema_extra={"x-kubernetes-validations": validations})
+    validations: list[Any] = [
+        {"rule": LABEL_KEYS_RULE, "message": keys_message},
+        *({"rule": rule, "message": message} for rule, message in rules),
+    ]
+    return Field(
+        default_factory=dict, max_length=32, json_schema_extra={"x-kubernetes-validations": validations}
+    )
 
 
 class PodPlacement(PodTemplateFields):
@@ -321,7 +327,9 @@ class PodPlacement(PodTemplateFields):
     """PriorityClass of the pods (it must exist in the cluster)."""
     resources: ResourceRequirements | None = None
     """CPU / memory / ephemeral-storage requests and limits of the main container (never nvidia.com/gpu)."""
-    pod_labels: dict[str, LabelValue] = _label_map(POD_LABEL_KEYS_MESSAGE, (POD_LABELS_RULE, POD_LABELS_MESSAGE))
+    pod_labels: dict[str, LabelValue] = _label_map(
+        POD_LABEL_KEYS_MESSAGE, (POD_LABELS_RULE, POD_LABELS_MESSAGE)
+    )
     """Extra pod labels, e.g. kueue.x-k8s.io/queue-name: <LocalQueue> (not the operator's rlfleet.dev/* or app.kubernetes.io/* labels)."""
     pod_annotations: dict[str, Annotated[str, Field(max_length=4096)]] = _label_map(
         POD_ANNOTATION_KEYS_MESSAGE, (POD_ANNOTATIONS_RULE, POD_ANNOTATIONS_MESSAGE)

@@ -95,7 +95,9 @@ def _inline_ref(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     target = _resolve(ref_node["$ref"], defs) if isinstance(ref_node, dict) else _resolve(ref_node, defs)
     merged = {**copy.deepcopy(target), **{k: v for k, v in node.items()}}
     if "x-kubernetes-validations" in target and "x-kubernetes-validations" in node:
-        merged["x-kubernetes-validations"] = target["x-kubernetes-validations"] + node["x-kubernetes-validations"]
+        merged["x-kubernetes-validations"] = (
+            target["x-kubernetes-validations"] + node["x-kubernetes-validations"]
+        )
     return merged
 
 

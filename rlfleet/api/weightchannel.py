@@ -61,10 +61,21 @@ class StoreSpec(ApiModel):
             "x-kubernetes-validations": [
                 {"rule": STORE_RULE, "message": STORE_MESSAGE},
                 {"rule": STORE_PATH_RULE, "message": STORE_PATH_MESSAGE, "fieldPath": ".path"},
-                {"rule": SAMPLER_SECRET_RULE, "message": SAMPLER_SECRET_MESSAGE, "fieldPath": ".samplerSecretRef"},
-                {"rule": SHARED_CREDENTIALS_RULE, "message": SHARED_CREDENTIALS_MESSAGE, "fieldPath": ".secretRef"},
-                {"rule": SHARED_CREDENTIALS_SCOPE_RULE, "message": SHARED_CREDENTIALS_SCOPE_MESSAGE,
-                 "fieldPath": ".sharedCredentials"},
+                {
+                    "rule": SAMPLER_SECRET_RULE,
+                    "message": SAMPLER_SECRET_MESSAGE,
+                    "fieldPath": ".samplerSecretRef",
+                },
+                {
+                    "rule": SHARED_CREDENTIALS_RULE,
+                    "message": SHARED_CREDENTIALS_MESSAGE,
+                    "fieldPath": ".secretRef",
+                },
+                {
+                    "rule": SHARED_CREDENTIALS_SCOPE_RULE,
+                    "message": SHARED_CREDENTIALS_SCOPE_MESSAGE,
+                    "fieldPath": ".sharedCredentials",
+                },
             ]
         }
     }

@@ -81,7 +81,10 @@ class FormatProfile(_Model):
 
 GPU_SAMPLER_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "4", "memory": "32Gi"}}
 GPU_TRAINER_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "8", "memory": "64Gi"}}
-GPU_SYNC_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
+GPU_SYNC_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "500m", "memory": "1Gi"},
+    "limits": {"memory": "4Gi"},
+}
 # A CPU class's pods share a few cores (a one-machine dev cluster has 2): small requests, memory limits
 # sized for the tiny Qwen3 with headroom; raise them with a group's / the trainer's `resources`.
 CPU_SAMPLER_RESOURCES: dict[str, dict[str, str]] = {
@@ -92,7 +95,10 @@ CPU_TRAINER_RESOURCES: dict[str, dict[str, str]] = {
     "requests": {"cpu": "500m", "memory": "2Gi"},
     "limits": {"memory": "8Gi"},
 }
-CPU_SYNC_RESOURCES: dict[str, dict[str, str]] = {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+CPU_SYNC_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "50m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
 
 
 class AcceleratorClass(_Model):
@@ -118,10 +124,16 @@ class AcceleratorClass(_Model):
     env: dict[str, str] = Field(default_factory=dict)  # env for every engine server of the class
     # default requests/limits of the engine container and of the trainer container (the GPU count is
     # added for GPU classes; a group's / the trainer's `resources` are merged over these)
-    sampler_resources: dict[str, dict[str, str]] = Field(default_factory=lambda: copy.deepcopy(GPU_SAMPLER_RESOURCES))
-    trainer_resources: dict[str, dict[str, str]] = Field(default_factory=lambda: copy.deepcopy(GPU_TRAINER_RESOURCES))
+    sampler_resources: dict[str, dict[str, str]] = Field(
+        default_factory=lambda: copy.deepcopy(GPU_SAMPLER_RESOURCES)
+    )
+    trainer_resources: dict[str, dict[str, str]] = Field(
+        default_factory=lambda: copy.deepcopy(GPU_TRAINER_RESOURCES)
+    )
     # the weight-fetch init container and the weight-sync sidecar of a sampler pod
-    sync_resources: dict[str, dict[str, str]] = Field(default_factory=lambda: copy.deepcopy(GPU_SYNC_RESOURCES))
+    sync_resources: dict[str, dict[str, str]] = Field(
+        default_factory=lambda: copy.deepcopy(GPU_SYNC_RESOURCES)
+    )
 
     @model_validator(mode="after")
     def _check_device(self) -> AcceleratorClass:
@@ -366,10 +378,14 @@ def builtin_classes() -> dict[str, AcceleratorClass]:
             device="cpu",
             engine="reference",
             weight_formats={
-                "bf16": FormatProfile(flags=["--weight-format", "bf16"], note=_REFERENCE_NOTE.format(what="BF16 weights")),
+                "bf16": FormatProfile(
+                    flags=["--weight-format", "bf16"], note=_REFERENCE_NOTE.format(what="BF16 weights")
+                ),
                 "fp8": FormatProfile(
                     flags=["--weight-format", "fp8"],
-                    note=_REFERENCE_NOTE.format(what="the fp8 view's block-128 FP8 weights (served as stored)"),
+                    note=_REFERENCE_NOTE.format(
+                        what="the fp8 view's block-128 FP8 weights (served as stored)"
+                    ),
                 ),
                 "nvfp4": FormatProfile(
                     flags=["--weight-format", "nvfp4"],
@@ -466,7 +482,9 @@ class Catalog:
 
     classes: Mapping[str, AcceleratorClass]
     source: str = "built-in"
-    spot: SpotFlavor = field(default_factory=lambda: BUILTIN_SPOT_FLAVOR)  # where `spot: true` groups' pods go
+    spot: SpotFlavor = field(
+        default_factory=lambda: BUILTIN_SPOT_FLAVOR
+    )  # where `spot: true` groups' pods go
 
     def names(self) -> list[str]:
         return sorted(self.classes)
@@ -623,4 +641,6 @@ def group_precision(group: Any, catalog: Catalog | None = None) -> GroupPrecisio
     cat = catalog or get_catalog()
     cls = cat.get(group.accelerator)
     profile = check_group(cls.name, group.weight_format, group.kv_cache_dtype, catalog=cat)
-    return GroupPrecision(cls.name, profile.mode, profile.note, selection_reason(cls, group.weight_format, profile))
+    return GroupPrecision(
+        cls.name, profile.mode, profile.note, selection_reason(cls, group.weight_format, profile)
+    )

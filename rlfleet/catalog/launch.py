@@ -59,6 +59,8 @@ def checkpoint_engine_flags(config: Mapping[str, Any] | None) -> list[str]:
     if config is not None and is_moe_config(config):
         return [RETURN_ROUTED_EXPERTS_FLAG]
     return []
+
+
 REFERENCE_PROGRAM = "rlfleet"
 """argv[0] of a reference-engine group's engine container (the rlfleet console script of the image)."""
 
@@ -117,17 +119,27 @@ def sglang_launch(
     if kv_cache_dtype != "auto":
         precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
     argv = [
-        python, "-m", "sglang.launch_server",
-        "--model-path", model_path,
-        "--served-model-name", served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--tp-size", str(tp),
-        "--dtype", "bfloat16",
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(tp),
+        "--dtype",
+        "bfloat16",
         "--enable-metrics",
-        "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
-        "--weight-version", str(weight_version),
-    ]  # fmt: skip
+        "--sampling-mask-max-tokens",
+        str(sampling_mask_max_tokens),
+        "--weight-version",
+        str(weight_version),
+    ]
     argv += precision_flags
     argv += list(extra_args)
     env = {**cls.env, **profile.env}
@@ -172,14 +184,24 @@ def reference_launch(
     if kv_cache_dtype != "auto":
         precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
     argv = [
-        program, "sampler", "serve", "--engine", "reference",
-        "--model-path", model_path,
-        "--served-model-name", served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--sampling-mask-max-tokens", str(sampling_mask_max_tokens),
-        "--weight-version", str(weight_version),
-    ]  # fmt: skip
+        program,
+        "sampler",
+        "serve",
+        "--engine",
+        "reference",
+        "--model-path",
+        model_path,
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--sampling-mask-max-tokens",
+        str(sampling_mask_max_tokens),
+        "--weight-version",
+        str(weight_version),
+    ]
     argv += precision_flags
     argv += list(extra_args)
     return SGLangLaunch(

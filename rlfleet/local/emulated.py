@@ -83,7 +83,9 @@ class EmulatedSampler:
     def version(self) -> int:
         return self.engine.weight_version
 
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int, view: dict[str, torch.Tensor] | None = None) -> None:
+    def load_weights(
+        self, weights: dict[str, torch.Tensor], version: int, view: dict[str, torch.Tensor] | None = None
+    ) -> None:
         """Serve the view the channel publishes for this group's format, made from `weights`; `view`: that
         view already made (shared between groups, or the ablation's scaled one)."""
         if view is None:
@@ -115,9 +117,15 @@ class EmulatedSampler:
         ]
         self.engine.run_batch(reqs)
         return [
-            parse_generate_response(self.engine.response(req), req.input_ids, group=self.name,
-                                    replica=f"{self.name}-0", vocab_size=vocab, untruncated=not cfg.truncates,
-                                    routed_experts_top_k=cfg.routed_experts_top_k)
+            parse_generate_response(
+                self.engine.response(req),
+                req.input_ids,
+                group=self.name,
+                replica=f"{self.name}-0",
+                vocab_size=vocab,
+                untruncated=not cfg.truncates,
+                routed_experts_top_k=cfg.routed_experts_top_k,
+            )
             for req in reqs
         ]
 

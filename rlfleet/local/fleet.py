@@ -117,16 +117,28 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
 
     def sync_config(g: GroupSpec, engine_url: str, initial_version: int | None) -> SyncConfig:
         # in place: the channel is a directory this process sees (docs/weights.md, "Loading in place")
-        return SyncConfig(store=spec.store, view=g.weight_format, engine_url=engine_url, group=g.name,
-                          replica=f"{g.name}-0", cache_dir=Path(spec.cache_dir) / g.name,
-                          poll_interval=spec.poll_interval, backoff_base=spec.poll_interval,
-                          initial_version=initial_version, in_place=True, api_key=api_key)  # fmt: skip
+        return SyncConfig(
+            store=spec.store,
+            view=g.weight_format,
+            engine_url=engine_url,
+            group=g.name,
+            replica=f"{g.name}-0",
+            cache_dir=Path(spec.cache_dir) / g.name,
+            poll_interval=spec.poll_interval,
+            backoff_base=spec.poll_interval,
+            initial_version=initial_version,
+            in_place=True,
+            api_key=api_key,
+        )
 
     fleet = RunningFleet(router_url="", api_key=api_key)
     store = open_store(spec.store)
     fleet.closers.append(store.close)
     # one client per group, for its sync loop (presenting the key); base_url set once its server listens
-    clients = [httpx.AsyncClient(timeout=120.0, headers=engine_headers(sync_config(g, "", None))) for g in spec.groups]
+    clients = [
+        httpx.AsyncClient(timeout=120.0, headers=engine_headers(sync_config(g, "", None)))
+        for g in spec.groups
+    ]
     fleet.closers.extend(c.aclose for c in clients)
     # As a pod's init container (`--fetch-only`): the newest version of each group's view, verified, its
     # launch file written. The engine is not up yet and the fetch never calls it (engine_url "").
@@ -236,8 +248,12 @@ async def _host(spec: FleetSpec) -> int:
         fleet, tasks = await start_fleet(spec, stop)
     except FleetStopped:
         return 0
-    log.info("serving: router %s, servers %s (%s)", fleet.router_url, fleet.servers,
-             "closed with the run's key" if fleet.api_key else f"open: no {ENGINE_API_KEY_ENV}")  # fmt: skip
+    log.info(
+        "serving: router %s, servers %s (%s)",
+        fleet.router_url,
+        fleet.servers,
+        "closed with the run's key" if fleet.api_key else f"open: no {ENGINE_API_KEY_ENV}",
+    )
     print(json.dumps({"router": fleet.router_url, "servers": fleet.servers}), flush=True)
     await stop.wait()
     await stop_fleet(fleet, tasks)

@@ -53,15 +53,20 @@ if TYPE_CHECKING:
 FLEET_LOG = "fleet.log"
 RUN_JSON = "run.json"
 # per-episode task figures of the run summary: (metric, label); trainer/metrics.py rollout_metrics
-TASK_FIGURES = (("success_rate", "task success"), ("format_error_rate", "episodes with a malformed turn"),
-                ("test_infra_touched_rate", "graded patches touching test files"))  # SWE: a reward-hacking precursor
+TASK_FIGURES = (
+    ("success_rate", "task success"),
+    ("format_error_rate", "episodes with a malformed turn"),
+    ("test_infra_touched_rate", "graded patches touching test files"),
+)  # SWE: a reward-hacking precursor
 # summary key prefix -> the per-step metric averaged over the first and last window (`<prefix>_first`, `_last`)
 SUMMARY_METRICS = {"reward": "reward_mean", "entropy": "entropy", **{key: key for key, _ in TASK_FIGURES},
                    "cost_per_1m_usable_tokens": "cost_per_1m_usable_tokens",
                    "estimated_saving": "estimated_saving"}  # fmt: skip
 
 
-EXIT_FLEET_DIED = 8  # the fleet host died during the run (docs/local.md, "Exit codes"; the others: trainer/failures.py)
+EXIT_FLEET_DIED = (
+    8  # the fleet host died during the run (docs/local.md, "Exit codes"; the others: trainer/failures.py)
+)
 FLEET_LOG_TAIL = 12  # lines of fleet.log quoted when the fleet host dies
 
 
@@ -100,7 +105,9 @@ class Progress:
 
         rc = self.rc
         if m is None:
-            return Text(f"{rc.job_name}: starting {len(rc.groups)} sampler groups, router and weight channel ...")
+            return Text(
+                f"{rc.job_name}: starting {len(rc.groups)} sampler groups, router and weight channel ..."
+            )
         head = Text(
             f"{rc.job_name}  step {int(m['step'])}/{rc.steps}  reward {m.get('reward_mean', 0):.3f}  "
             f"KL {m.get('kl_k3', 0):.4f}  OOR {m.get('oor_fraction', 0):.3%}  entropy {m.get('entropy', 0):.3f}  "
@@ -116,11 +123,17 @@ class Progress:
             n = m.get(p + "num_tokens", 0.0)
             version = m.get(p + "version_max")
             table.add_row(
-                g.name, g.weight_format, g.kv_cache_dtype,
-                f"{m.get(p + 'tokens_per_second', 0):.0f}", f"{m.get(p + 'token_share', 0):.0%}",
+                g.name,
+                g.weight_format,
+                g.kv_cache_dtype,
+                f"{m.get(p + 'tokens_per_second', 0):.0f}",
+                f"{m.get(p + 'token_share', 0):.0%}",
                 "-" if version is None else f"{version:.0f}",
-                "-" if version is None else f"{m.get('weight_version', m['step']) - 1 - version:.0f}",  # version != step after a fallback
-                f"{m.get(p + 'kl_k3', 0):.4f}" if n else "-", f"{m.get(p + 'oor_fraction', 0):.2%}" if n else "-",
+                "-"
+                if version is None
+                else f"{m.get('weight_version', m['step']) - 1 - version:.0f}",  # version != step after a fallback
+                f"{m.get(p + 'kl_k3', 0):.4f}" if n else "-",
+                f"{m.get(p + 'oor_fraction', 0):.2%}" if n else "-",
                 f"{m[p + 'usable_fraction']:.0%}" if p + "usable_fraction" in m else "-",
                 _dollars(m.get(p + "cost_per_1m_usable_tokens")),
                 f"{m.get(p + 'reward_mean', 0):.2f}" if p + "reward_mean" in m else "-",
@@ -138,7 +151,11 @@ class Progress:
                 f"step {int(m['step'])}/{self.rc.steps} reward={m.get('reward_mean', 0):.3f} kl={m.get('kl_k3', 0):.4f} "
                 f"oor={m.get('oor_fraction', 0):.4f} entropy={m.get('entropy', 0):.3f} grad_norm={m.get('grad_norm', 0):.3g} "
                 f"staleness={m.get('staleness_mean', 0):.2f}"
-                + ("" if (cost := m.get("cost_per_1m_usable_tokens")) is None else f" usd_per_1m_usable={cost:.4g}")
+                + (
+                    ""
+                    if (cost := m.get("cost_per_1m_usable_tokens")) is None
+                    else f" usd_per_1m_usable={cost:.4g}"
+                )
                 + (f" ALERT {'; '.join(alerts)}" if alerts else ""),
                 flush=True,
             )
@@ -165,7 +182,7 @@ def cost_line(rc: RunConfig, m: dict[str, float]) -> str:
 
 
 def estimated_saving_text(rc: RunConfig, saving: float | None) -> str:
-    """"; estimated saving S against <reference> bf16 (catalog throughput ratios)", or "" without one."""
+    """ "; estimated saving S against <reference> bf16 (catalog throughput ratios)", or "" without one."""
     if saving is None:
         return ""
     return f"; estimated saving {saving:.1%} against {rc.reference_accelerator} {REFERENCE_WEIGHT_FORMAT} (catalog throughput ratios)"
@@ -189,11 +206,24 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
     for g in rc.groups:
         cls = catalog.get(g.accelerator)
         p = f"group/{g.name}/"
-        groups.append(MeasuredGroup(g.name, g.accelerator, g.weight_format, g.tensor_parallel or cls.default_tensor_parallel,
-                                    cls.cost_per_gpu_hour, m.get(p + "tokens_per_second"), m.get(p + "oor_fraction"),
-                                    m.get(p + "trained_fraction")))  # fmt: skip
-    e = measured_economics(groups, rc.reference_accelerator, catalog.get(rc.reference_accelerator).cost_per_gpu_hour,
-                           catalog=catalog)  # fmt: skip
+        groups.append(
+            MeasuredGroup(
+                g.name,
+                g.accelerator,
+                g.weight_format,
+                g.tensor_parallel or cls.default_tensor_parallel,
+                cls.cost_per_gpu_hour,
+                m.get(p + "tokens_per_second"),
+                m.get(p + "oor_fraction"),
+                m.get(p + "trained_fraction"),
+            )
+        )
+    e = measured_economics(
+        groups,
+        rc.reference_accelerator,
+        catalog.get(rc.reference_accelerator).cost_per_gpu_hour,
+        catalog=catalog,
+    )
     figures: dict[str, float | None] = {
         "cost_per_hour": e.cost_per_hour,
         "usable_fraction": e.usable_fraction,
@@ -204,12 +234,16 @@ def step_economics(rc: RunConfig, m: dict[str, float]) -> dict[str, float]:
     }
     for name, ge in e.groups.items():
         figures[f"group/{name}/cost_per_hour"] = ge.cost_per_hour
-        figures[f"group/{name}/usable_fraction"] = ge.usable_fraction if ge.tokens_per_second is not None else None
+        figures[f"group/{name}/usable_fraction"] = (
+            ge.usable_fraction if ge.tokens_per_second is not None else None
+        )
         figures[f"group/{name}/cost_per_1m_usable_tokens"] = ge.cost_per_1m_usable_tokens
     return {k: v for k, v in figures.items() if v is not None}
 
 
-def fleet_at_catalog_speed(groups: list[MeasuredGroup], reference_accelerator: str, catalog: Catalog) -> FleetEconomics:
+def fleet_at_catalog_speed(
+    groups: list[MeasuredGroup], reference_accelerator: str, catalog: Catalog
+) -> FleetEconomics:
     """The fleet's economics at the speeds of its GPU classes: each group making the catalog's relative
     decode throughput of its class and format per GPU (H100 bf16 = 1), the reference its class's at
     bf16, at the catalog's prices, with the usable shares measured (a group without a reading this step
@@ -218,11 +252,19 @@ def fleet_at_catalog_speed(groups: list[MeasuredGroup], reference_accelerator: s
     (the `cpu` class)."""
     ratios = [catalog.decode_throughput(g.accelerator, g.weight_format) for g in groups]
     reference = catalog.decode_throughput(reference_accelerator, REFERENCE_WEIGHT_FORMAT)
-    at_speed = [replace(g, tokens_per_second=None if r is None else r * g.gpus) for g, r in zip(groups, ratios, strict=True)]
+    at_speed = [
+        replace(g, tokens_per_second=None if r is None else r * g.gpus)
+        for g, r in zip(groups, ratios, strict=True)
+    ]
     if reference is None or any(r is None for r in ratios):
         at_speed = []  # an estimate without one of the groups would price a smaller fleet
-    return measured_economics(at_speed, reference_accelerator, catalog.get(reference_accelerator).cost_per_gpu_hour,
-                              reference_tokens_per_gpu_second=reference, catalog=catalog)
+    return measured_economics(
+        at_speed,
+        reference_accelerator,
+        catalog.get(reference_accelerator).cost_per_gpu_hour,
+        reference_tokens_per_gpu_second=reference,
+        catalog=catalog,
+    )
 
 
 def group_rollout_extras(groups: list[PromptGroup], dt: float) -> dict[str, float]:
@@ -259,7 +301,11 @@ class FleetProcess:
         # there (its operator/ folder would shadow the standard library).
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlfleet.local.fleet", str(spec_path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=spec_path.parent, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            cwd=spec_path.parent,
+            env=env,
             start_new_session=True,  # our Ctrl-C goes to the trainer, which stops the fleet in order
         )
         self.log_path = log_path
@@ -296,9 +342,14 @@ class FleetProcess:
             tail = self.log_path.read_text(errors="replace").splitlines()[-FLEET_LOG_TAIL:]
         except OSError as exc:
             tail = [f"(unreadable: {exc.strerror})"]
-        lines = [f"the fleet host (pid {self.proc.pid}: the sampler servers, the router and the weight sync) "
-                 f"{how} {when}. The end of its log {self.log_path}:", *(f"    {line}" for line in tail)]  # fmt: skip
-        lines.append(f"resume with: {resume_hint}" if resume_hint else "resume: run the same command with --resume")
+        lines = [
+            f"the fleet host (pid {self.proc.pid}: the sampler servers, the router and the weight sync) "
+            f"{how} {when}. The end of its log {self.log_path}:",
+            *(f"    {line}" for line in tail),
+        ]
+        lines.append(
+            f"resume with: {resume_hint}" if resume_hint else "resume: run the same command with --resume"
+        )
         return "\n".join(lines)
 
     def wait_ready(self, timeout: float = 180.0, resume_hint: str = "") -> dict[str, Any]:
@@ -374,7 +425,9 @@ class FleetRollouts:
         from rlfleet.trainer.rollout.driver import RolloutDriver
         from rlfleet.trainer.run import rollout_sampling
 
-        fleet = self.fleet = FleetProcess(self.out / "fleet.json", self.out / FLEET_LOG, self.admin_token, self.api_key)
+        fleet = self.fleet = FleetProcess(
+            self.out / "fleet.json", self.out / FLEET_LOG, self.admin_token, self.api_key
+        )
         fleet.watch(self.stop_event.set)  # its death stops the loop at once; `stop()` then says so
         urls = fleet.wait_ready(resume_hint=self.resume_hint)
         self.router = urls["router"]
@@ -382,14 +435,20 @@ class FleetRollouts:
         asyncio.run(wait_until_serving(serving, self.start_step, alive=lambda: fleet.proc.poll() is None))
         how = fleet.died()
         if how is not None:
-            raise LocalRunError(fleet.death_message(how, "while it started", self.resume_hint), EXIT_FLEET_DIED)
+            raise LocalRunError(
+                fleet.death_message(how, "while it started", self.resume_hint), EXIT_FLEET_DIED
+            )
         rc, base = self.rc, self.base
         self.driver = RolloutDriver(
-            SamplerClient(self.router, vocab_size=base.vocab_size, api_key=self.api_key), self.env, self.prompts,
-            samples_per_prompt=rc.samples_per_prompt, max_seq_len=base.max_seq_len,
+            SamplerClient(self.router, vocab_size=base.vocab_size, api_key=self.api_key),
+            self.env,
+            self.prompts,
+            samples_per_prompt=rc.samples_per_prompt,
+            max_seq_len=base.max_seq_len,
             sampling=rollout_sampling(rc, base),
-            start_position=position, max_ahead_prompts=2 * rc.prompts_per_step,
-        )  # fmt: skip
+            start_position=position,
+            max_ahead_prompts=2 * rc.prompts_per_step,
+        )
         return self.driver
 
     def quarantine(self, groups: list[str]) -> None:
@@ -397,8 +456,12 @@ class FleetRollouts:
         import httpx
 
         for group in groups:
-            httpx.put(f"{self.router}/admin/groups/{group}", json={"quarantined": True},
-                      headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5)  # fmt: skip
+            httpx.put(
+                f"{self.router}/admin/groups/{group}",
+                json={"quarantined": True},
+                headers={"Authorization": f"Bearer {self.admin_token}"},
+                timeout=5,
+            )
 
     def failure(self, exc: Exception) -> Exception:
         """`run_failure` with what the rollout side knows (the router, the driver's outage)."""
@@ -431,12 +494,20 @@ def run_failure(exc: Exception, out: Path, resume_hint: str, router: str = "", d
     error as it is (a bug: its traceback)."""
     from rlfleet.trainer.failures import FailureContext, describe_failure
 
-    described = describe_failure(exc, FailureContext(
-        store=str(out / "channel"), checkpoints=str(out / "checkpoints"), router=router or "of the fleet host",
-        rollout_logs=str(out / FLEET_LOG), own_store="its own --out directory",
-        continue_with=f"resume with: {resume_hint}" if resume_hint else "run the same command with --resume",
-        detail=detail,
-    ))  # fmt: skip
+    described = describe_failure(
+        exc,
+        FailureContext(
+            store=str(out / "channel"),
+            checkpoints=str(out / "checkpoints"),
+            router=router or "of the fleet host",
+            rollout_logs=str(out / FLEET_LOG),
+            own_store="its own --out directory",
+            continue_with=f"resume with: {resume_hint}"
+            if resume_hint
+            else "run the same command with --resume",
+            detail=detail,
+        ),
+    )
     if described is None:
         return exc
     code, line = described
@@ -459,9 +530,15 @@ def prepare_out(out: Path, rc: RunConfig, *, resume: bool, force: bool) -> dict[
             raise LocalRunError(f"nothing to resume in {out} (no checkpoint); run without --resume to start")
         step = int(state["step"])
         if step >= rc.steps:
-            where = f"is complete (step {step} of {rc.steps})" if step == rc.steps else f"is at step {step}, past --steps {rc.steps}"
+            where = (
+                f"is complete (step {step} of {rc.steps})"
+                if step == rc.steps
+                else f"is at step {step}, past --steps {rc.steps}"
+            )
             raise LocalRunError(f"the run in {out} {where}; --steps N with N > {step} continues it")
-        rundir.write_marker(out, rc.job_name)  # a run made before markers existed is one: its checkpoints say so
+        rundir.write_marker(
+            out, rc.job_name
+        )  # a run made before markers existed is one: its checkpoints say so
         return state
     try:  # under the run's lock (run_local): nothing removed but rlfleet's own files (rlfleet/local/rundir.py)
         rundir.check_replaceable(out, force=force)
@@ -539,7 +616,9 @@ def _run_locked(
     hf_logging.disable_progress_bar()  # the run prints its own progress
     # the tiny Qwen3 checkpoint of local.model: the model source, as spec.model.path is on a cluster
     if rc.model is None:
-        raise LocalRunError(f"{rc.job_name}: local mode trains the tiny model of the RLJob's local block (resolve_run(local=True))")
+        raise LocalRunError(
+            f"{rc.job_name}: local mode trains the tiny model of the RLJob's local block (resolve_run(local=True))"
+        )
     model_dir = cached_model(out / "models", rc.model)  # warm-started when local.model.warmStart says so
     try:
         base = build_backend(rc, backend="torch", source_dir=model_dir)
@@ -549,26 +628,45 @@ def _run_locked(
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     store = open_store(str(channel_dir.resolve()))
     try:  # stable id: --resume takes over its own claims and writer lease; another run on this store is refused
-        publisher = WeightPublisher(store, views=rc.views, keep_versions=rc.keep_versions, follow_subscribers=False,
-                                    anchor_every=rc.deltas.anchor_every, max_delta_share=rc.deltas.max_delta_share,
-                                    base_checkpoint=base.base_checkpoint, writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
-                                    publisher_id=f"local/{rc.job_name}")  # fmt: skip
+        publisher = WeightPublisher(
+            store,
+            views=rc.views,
+            keep_versions=rc.keep_versions,
+            follow_subscribers=False,
+            anchor_every=rc.deltas.anchor_every,
+            max_delta_share=rc.deltas.max_delta_share,
+            base_checkpoint=base.base_checkpoint,
+            writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
+            publisher_id=f"local/{rc.job_name}",
+        )
     except LeaseHeldError as exc:
         raise run_failure(exc, out, resume_hint) from None
 
     spec = FleetSpec(
-        groups=[FleetGroup(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, quarantined=g.quarantined)
-                for g in rc.groups],
-        store=str(channel_dir.resolve()), cache_dir=str((out / "cache").resolve()),
-        model_path=str(model_dir), seed=rc.seed,
+        groups=[
+            FleetGroup(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, quarantined=g.quarantined)
+            for g in rc.groups
+        ],
+        store=str(channel_dir.resolve()),
+        cache_dir=str((out / "cache").resolve()),
+        model_path=str(model_dir),
+        seed=rc.seed,
     )
     (out / "fleet.json").write_text(spec.to_json())
     (out / RUN_JSON).write_text(json.dumps({"job": rc.job_name, "config": rc.as_json()}, indent=1))
 
     progress = Progress(rc, live)
     traffic, reader = WeightTraffic(), WeightChannel(store, publisher_id=f"local/{rc.job_name}/report")
-    rollouts = FleetRollouts(out, rc, base, env, prompts, stop, resume_hint,
-                             start_step=int(state["step"]) if state is not None else 0)  # fmt: skip
+    rollouts = FleetRollouts(
+        out,
+        rc,
+        base,
+        env,
+        prompts,
+        stop,
+        resume_hint,
+        start_step=int(state["step"]) if state is not None else 0,
+    )
     last = {"t": time.monotonic()}
 
     def on_step(m: dict[str, float], decision: Decision, groups: list[PromptGroup]) -> None:
@@ -581,9 +679,16 @@ def _run_locked(
 
     try:
         loop = run_training(
-            rc, base.backend, ChannelSink(publisher), detector, rollouts.make_driver,
-            checkpoint=ckpt_dir, resume=state,
-            stop=stop, on_step=on_step, on_quarantine=rollouts.quarantine,
+            rc,
+            base.backend,
+            ChannelSink(publisher),
+            detector,
+            rollouts.make_driver,
+            checkpoint=ckpt_dir,
+            resume=state,
+            stop=stop,
+            on_step=on_step,
+            on_quarantine=rollouts.quarantine,
         )
         interrupted = stop.is_set() and loop.state.step < rc.steps
     except TrainingStartError as exc:
@@ -613,8 +718,11 @@ def _run_locked(
         "paused_by_detector": loop.state.paused,
         "pause_reason": loop.state.pause_reason,
         "summary_window_steps": k,
-        **{f"{name}_{end}": window_mean(history, key, k, end)
-           for name, key in SUMMARY_METRICS.items() for end in ("first", "last")},
+        **{
+            f"{name}_{end}": window_mean(history, key, k, end)
+            for name, key in SUMMARY_METRICS.items()
+            for end in ("first", "last")
+        },
         "collapse_alerts": [a.__dict__ for a in detector.history],
         "groups": group_tokens(history),
         "rollouts_trained": len(loop.state.trained_uids),
@@ -646,7 +754,17 @@ def resume_command(args: argparse.Namespace, out: Path, rc: RunConfig) -> str:
     program (rlfleet/cli.py `invocation`), manifest and run directory, and the run's target steps."""
     from rlfleet.cli import invocation
 
-    words = [*invocation(), "run", args.manifest, "--local", "--resume", "--out", str(out), "--steps", str(rc.steps)]
+    words = [
+        *invocation(),
+        "run",
+        args.manifest,
+        "--local",
+        "--resume",
+        "--out",
+        str(out),
+        "--steps",
+        str(rc.steps),
+    ]
     if args.environment:
         words += ["--environment", rc.environment]
     if args.no_live:
@@ -659,8 +777,10 @@ def check_runnable(rc: RunConfig) -> None:
     from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 
     if not rc.groups:
-        raise LocalRunError("every sampler group has replicas: 0, so nothing would generate rollouts; "
-                            "give at least one group replicas >= 1")
+        raise LocalRunError(
+            "every sampler group has replicas: 0, so nothing would generate rollouts; "
+            "give at least one group replicas >= 1"
+        )
     if rc.dataset in (None, "", "builtin") and rc.environment not in GeneratedPromptSource.TASKS:
         raise LocalRunError(
             f"rollout.environment {rc.environment!r} has no built-in prompts: set rollout.dataset to a prompt "
@@ -671,9 +791,11 @@ def check_runnable(rc: RunConfig) -> None:
 def weights_line(view: str, w: dict[str, Any]) -> str:
     """One line of the summary per view (rlfleet/local/report.py `weight_traffic`): what the channel
     stored over the run against full versions, and the share of the view a delta stored."""
-    line = (f"weights {view}: {w['versions']} versions ({w['anchors']} anchors, {w['deltas']} deltas), "
-            f"{w['stored_bytes'] / 1e6:.2f} MB stored of {w['bytes'] / 1e6:.2f} MB as full versions "
-            f"({w['stored_share']:.1%})")  # fmt: skip
+    line = (
+        f"weights {view}: {w['versions']} versions ({w['anchors']} anchors, {w['deltas']} deltas), "
+        f"{w['stored_bytes'] / 1e6:.2f} MB stored of {w['bytes'] / 1e6:.2f} MB as full versions "
+        f"({w['stored_share']:.1%})"
+    )
     if w["mean_delta_share"] is not None:
         line += f"; a delta {w['mean_delta_share']:.2%} of the view on average (worst {w['worst_delta_share']:.2%})"
     return line
@@ -685,15 +807,21 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
     if first is None:
         print(f"{rc.job_name}: no step completed; report: {out / 'report'}")
         return
-    parts = [f"{rc.job_name}: {n} steps in {summary['seconds']:.0f}s; mean over the first {k} steps -> the last {k}: "
-             f"reward {first:.3f} -> {last:.3f}"]
+    parts = [
+        f"{rc.job_name}: {n} steps in {summary['seconds']:.0f}s; mean over the first {k} steps -> the last {k}: "
+        f"reward {first:.3f} -> {last:.3f}"
+    ]
     for key, label in TASK_FIGURES:
         if summary.get(key + "_first") is not None:
             parts.append(f"{label} {summary[key + '_first']:.0%} -> {summary[key + '_last']:.0%}")
     if summary["entropy_first"] is not None:
-        parts.append(f"policy entropy {summary['entropy_first']:.2f} -> {summary['entropy_last']:.2f} nats/token")
+        parts.append(
+            f"policy entropy {summary['entropy_first']:.2f} -> {summary['entropy_last']:.2f} nats/token"
+        )
     if summary.get("cost_per_1m_usable_tokens_last") is not None:
-        parts.append(f"{_dollars(summary['cost_per_1m_usable_tokens_last'])} per 1M usable tokens at CPU speed and list prices")
+        parts.append(
+            f"{_dollars(summary['cost_per_1m_usable_tokens_last'])} per 1M usable tokens at CPU speed and list prices"
+        )
     if summary.get("estimated_saving_last") is not None:
         parts.append(estimated_saving_text(rc, summary["estimated_saving_last"]).removeprefix("; "))
     print("; ".join(parts) + f"; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}")
@@ -702,25 +830,36 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
     for name, g in summary.get("groups", {}).items():  # a group answering invalid tokens, by name
         if g["dropped_invalid_tokens"]:
             top = max(sorted(g["invalid_tokens"].items()), key=lambda kv: kv[1], default=("?", 0))
-            print(f"group {name}: {g['dropped_invalid_tokens']} of its {g['sampled_tokens']} sampled tokens dropped "
-                  f"as invalid, {g['trained_fraction']:.1%} trained on (top reason {top[0]}: {top[1]} tokens)")
+            print(
+                f"group {name}: {g['dropped_invalid_tokens']} of its {g['sampled_tokens']} sampled tokens dropped "
+                f"as invalid, {g['trained_fraction']:.1%} trained on (top reason {top[0]}: {top[1]} tokens)"
+            )
 
 
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="rlfleet run", description="Run an RLJob manifest.")
     parser.add_argument("manifest", help="RLJob YAML (the same file `kubectl apply -f` takes)")
-    parser.add_argument("--local", action="store_true", help="run everything on this machine (tiny model, CPU)")
-    parser.add_argument("--steps", type=int, help="override local.steps (with --resume: the run's own target)")
+    parser.add_argument(
+        "--local", action="store_true", help="run everything on this machine (tiny model, CPU)"
+    )
+    parser.add_argument(
+        "--steps", type=int, help="override local.steps (with --resume: the run's own target)"
+    )
     parser.add_argument("--out", help="run directory (default: ./rlfleet-runs/<job name>)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    mode.add_argument("--force", action="store_true", help="replace the run in --out (its checkpoints and channel)")
+    mode.add_argument(
+        "--force", action="store_true", help="replace the run in --out (its checkpoints and channel)"
+    )
     parser.add_argument("--environment", help="override rollout.environment (module:attr or a built-in name)")
     parser.add_argument("--no-live", action="store_true", help="one line per step instead of the live table")
     args = parser.parse_args(argv)
     if not args.local:
-        print(f"rlfleet run: cluster runs are applied, not run: `kubectl apply -f {args.manifest}` (the operator "
-              "runs it); add --local to run it on this machine", file=sys.stderr)
+        print(
+            f"rlfleet run: cluster runs are applied, not run: `kubectl apply -f {args.manifest}` (the operator "
+            "runs it); add --local to run it on this machine",
+            file=sys.stderr,
+        )
         return 2
     if args.steps is not None and args.steps < 1:
         print("rlfleet run: --steps must be >= 1", file=sys.stderr)
@@ -736,7 +875,9 @@ def cli(argv: list[str]) -> int:
     # absolute: the fleet subprocess runs with the run directory as its cwd (see the fleet start)
     out = Path(args.out or Path("rlfleet-runs") / job.name).resolve()
     try:
-        rc = resolve_run(job, local=True)  # refuses what only the local block decides (routingReplay, dense model)
+        rc = resolve_run(
+            job, local=True
+        )  # refuses what only the local block decides (routingReplay, dense model)
         saved = saved_target(out) if args.resume else {}
         rc.steps = args.steps if args.steps is not None else saved.get("steps", rc.steps)
         rc.environment = args.environment or saved.get("environment", rc.environment)
@@ -753,15 +894,20 @@ def cli(argv: list[str]) -> int:
         presses["n"] += 1
         stop.set()
         if presses["n"] == 1:
-            print("\nstopping at the next step boundary (Ctrl-C again to stop now) ...", file=sys.stderr, flush=True)
+            print(
+                "\nstopping at the next step boundary (Ctrl-C again to stop now) ...",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     signal.signal(signal.SIGTERM, on_sigint)
     try:
-        summary = run_local(rc, out, resume=args.resume, live=not args.no_live, stop=stop, force=args.force,
-                            resume_hint=hint)  # fmt: skip
+        summary = run_local(
+            rc, out, resume=args.resume, live=not args.no_live, stop=stop, force=args.force, resume_hint=hint
+        )
     except LocalRunError as exc:
         print(f"rlfleet run: {exc}", file=sys.stderr)
         return exc.code

@@ -24,25 +24,42 @@ from rlfleet.store import StoreError
 class Plot(NamedTuple):
     file: str
     title: str
-    metrics: tuple[str, ...]  # one: the fleet's series plus one per group (`group/<g>/<metric>`); more: one each
+    metrics: tuple[
+        str, ...
+    ]  # one: the fleet's series plus one per group (`group/<g>/<metric>`); more: one each
     ylabel: str
 
 
 PLOTS: tuple[Plot, ...] = (
     Plot("reward.png", "reward (mean per step)", ("reward_mean",), "mean reward"),
     # the environment's own pass/fail beside its (shaped) reward: a shaped reward can rise on partial credit
-    Plot("task.png", "task: shaped reward, success, malformed turns",
-         ("reward_mean", "success_rate", "format_error_rate", "test_infra_touched_rate"), "mean reward / share of episodes"),
+    Plot(
+        "task.png",
+        "task: shaped reward, success, malformed turns",
+        ("reward_mean", "success_rate", "format_error_rate", "test_infra_touched_rate"),
+        "mean reward / share of episodes",
+    ),
     Plot("kl.png", "sampler/trainer KL (k3)", ("kl_k3",), "KL(q || p), k3 estimator (nats)"),
-    Plot("oor.png", "out-of-range share of tokens", ("oor_fraction",), "share of tokens outside the MIS band"),
+    Plot(
+        "oor.png", "out-of-range share of tokens", ("oor_fraction",), "share of tokens outside the MIS band"
+    ),
     Plot("entropy.png", "entropy of p (nats)", ("entropy",), "entropy (nats)"),
     Plot("grad_norm.png", "grad norm", ("grad_norm",), "grad norm (before clipping)"),
     Plot("sc_tail_ratio.png", "sc_tail_ratio (rho)", ("sc_tail_ratio",), "rho = q tail mass / p tail mass"),
     # a mixture of experts only (trainer/backends/routing.py): tokens routed to other experts than the trainer's
-    Plot("routing.png", "routing mismatch (mixture of experts)", ("routing_mismatch_tokens",),
-         "share of tokens whose experts differ"),
+    Plot(
+        "routing.png",
+        "routing mismatch (mixture of experts)",
+        ("routing_mismatch_tokens",),
+        "share of tokens whose experts differ",
+    ),
     # a group answering invalid tokens (NaN, positive or out-of-support logprobs, ...): they are dropped
-    Plot("trained.png", "tokens trained on / tokens sampled", ("trained_fraction",), "share of sampled tokens trained on"),
+    Plot(
+        "trained.png",
+        "tokens trained on / tokens sampled",
+        ("trained_fraction",),
+        "share of sampled tokens trained on",
+    ),
 )
 ALERT_GID = "collapse-alert"  # matplotlib gid of the alert markers (tests find them by it)
 
@@ -74,9 +91,18 @@ def group_tokens(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if len(parts) != 3 or parts[0] != "group" or value is None:
                 continue
             _, group, name = parts
-            if name in ("sampled_tokens", "dropped_invalid_tokens", "num_tokens") or name.startswith(INVALID_METRIC_PREFIX):
-                g = out.setdefault(group, {"sampled_tokens": 0, "trained_tokens": 0, "dropped_invalid_tokens": 0,
-                                           "invalid_tokens": {}})  # fmt: skip
+            if name in ("sampled_tokens", "dropped_invalid_tokens", "num_tokens") or name.startswith(
+                INVALID_METRIC_PREFIX
+            ):
+                g = out.setdefault(
+                    group,
+                    {
+                        "sampled_tokens": 0,
+                        "trained_tokens": 0,
+                        "dropped_invalid_tokens": 0,
+                        "invalid_tokens": {},
+                    },
+                )
                 if name.startswith(INVALID_METRIC_PREFIX):
                     reason = name[len(INVALID_METRIC_PREFIX) :]
                     g["invalid_tokens"][reason] = g["invalid_tokens"].get(reason, 0) + int(value)
@@ -113,8 +139,10 @@ def weight_traffic(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     worst share of the view a delta stores (None: no delta)."""
     out: dict[str, dict[str, Any]] = {}
     for row in sorted(rows, key=lambda r: (r["view"], r["version"])):
-        v = out.setdefault(row["view"], {"versions": 0, "anchors": 0, "deltas": 0, "stored_bytes": 0, "bytes": 0,
-                                         "delta_shares": []})  # fmt: skip
+        v = out.setdefault(
+            row["view"],
+            {"versions": 0, "anchors": 0, "deltas": 0, "stored_bytes": 0, "bytes": 0, "delta_shares": []},
+        )
         v["versions"] += 1
         v["anchors" if row["kind"] == "anchor" else "deltas"] += 1
         v["stored_bytes"] += row["stored_bytes"]
@@ -208,8 +236,16 @@ def build_figures(rows: Sequence[dict[str, Any]], alerts: Sequence[Any] = ()) ->
             alert_label = "collapse alert" if i == 0 else None  # one legend entry for all markers
             line = ax.axvline(step, color="red", linestyle="--", linewidth=0.8, alpha=0.7, label=alert_label)
             line.set_gid(ALERT_GID)
-            ax.annotate(signal + (f" ({group})" if group else ""), (step, 1.0), xycoords=("data", "axes fraction"),
-                        rotation=90, fontsize=6, color="red", va="top", ha="right")  # fmt: skip
+            ax.annotate(
+                signal + (f" ({group})" if group else ""),
+                (step, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                fontsize=6,
+                color="red",
+                va="top",
+                ha="right",
+            )
         ax.set_title(plot.title)
         ax.set_xlabel("step")
         ax.set_ylabel(plot.ylabel)

@@ -35,7 +35,9 @@ LOCK = ".rlfleet-lock"
 # the top-level names a run writes (models/ is a cache of built models, reused and never removed)
 OWN_NAMES = ("checkpoints", "channel", "cache", "report", "fleet.log", "fleet.json", "run.json")
 _PLOTS = "|".join(re.escape(plot.file) for plot in PLOTS)
-_STORE_DIRS = r"channel/(?:v\d+|claims|subscribers|\.staging)"  # the filesystem store's folders (rlfleet/channel.py)
+_STORE_DIRS = (
+    r"channel/(?:v\d+|claims|subscribers|\.staging)"  # the filesystem store's folders (rlfleet/channel.py)
+)
 # per group, a version of its view rebuilt from deltas (rlfleet.sampler.syncer: `v<N>-<view>`) and the hidden
 # partial directory it is rebuilt in (WeightChannel.obtain_view: `.v<N>-<view>.partial-<hex>`)
 _REBUILT_DIRS = r"cache/[^/]+/(?:v\d+-[a-z0-9]+|\.v\d+-[a-z0-9]+\.partial-[0-9a-f]+)"
@@ -50,7 +52,9 @@ OWN_FILES = re.compile(
     rf"|report/(?:metrics\.json|metrics\.csv|weights\.csv|{_PLOTS})"  # rlfleet/local/report.py
 )
 # the folders that hold such files: the only ones a clean walks into or removes once empty
-OWN_DIRS = re.compile(rf"checkpoints|channel|cache|report|cache/[^/]+|{_STORE_DIRS}(?:/.+)?|{_REBUILT_DIRS}(?:/.+)?")
+OWN_DIRS = re.compile(
+    rf"checkpoints|channel|cache|report|cache/[^/]+|{_STORE_DIRS}(?:/.+)?|{_REBUILT_DIRS}(?:/.+)?"
+)
 # a writer's temporary file (`.<name>.tmp-<hex>` of the store, `<name>.tmp` of checkpoints and reports) or
 # the store's lock file of a name (`.<name>.lock`): rlfleet's when the name is
 _COMPANION = re.compile(r"\.(?P<a>.+)\.(?:tmp-[0-9a-f]+|lock)|(?P<b>.+)\.tmp")
@@ -137,7 +141,13 @@ def locked(out: Path) -> Iterator[None]:
                 "to end or stop it, or choose another --out"
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "since": datetime.now(UTC).isoformat(timespec="seconds")}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {"pid": os.getpid(), "since": datetime.now(UTC).isoformat(timespec="seconds")}
+            ).encode(),
+            0,
+        )
         yield
     finally:
         os.close(fd)  # releases the lock
@@ -201,7 +211,9 @@ def mount_points() -> set[str]:
     except OSError:
         return set()
     unescape = re.compile(r"\\([0-7]{3})")
-    return {unescape.sub(lambda m: chr(int(m[1], 8)), line.split()[4]) for line in lines if len(line.split()) > 4}
+    return {
+        unescape.sub(lambda m: chr(int(m[1], 8)), line.split()[4]) for line in lines if len(line.split()) > 4
+    }
 
 
 def clean(out: Path) -> list[str]:

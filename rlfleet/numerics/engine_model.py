@@ -73,13 +73,23 @@ class ModelShape:
     norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+        if self.num_experts and not (
+            1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0
+        ):
             raise ValueError(
                 f"a mixture of experts needs 1 <= num_experts_per_tok <= num_experts ({self.num_experts}) and "
                 f"moe_intermediate_size > 0, got {self.num_experts_per_tok} and {self.moe_intermediate_size}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -101,13 +111,17 @@ class ModelShape:
             )
         rope = config.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
-            raise UnsupportedModelError(f"rope scaling {rope or config.get('rope_scaling')} is not implemented")
+            raise UnsupportedModelError(
+                f"rope scaling {rope or config.get('rope_scaling')} is not implemented"
+            )
         if config.get("use_sliding_window"):
             raise UnsupportedModelError("sliding-window attention is not implemented")
         if config.get("attention_bias"):  # the engine's q/k/v/o projections have no bias
             raise UnsupportedModelError("attention_bias (biased q/k/v/o projections) is not implemented")
         if config.get("hidden_act", "silu") != "silu":  # the MLP is SwiGLU: silu(gate) * up
-            raise UnsupportedModelError(f"hidden_act {config.get('hidden_act')!r} is not implemented (only silu)")
+            raise UnsupportedModelError(
+                f"hidden_act {config.get('hidden_act')!r} is not implemented (only silu)"
+            )
         heads = int(config["num_attention_heads"])
         return cls(
             **_moe_fields(config) if model_type == "qwen3_moe" else {},
@@ -148,7 +162,9 @@ def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """A Qwen3-MoE config's expert fields (transformers 5 writes num_experts as num_local_experts); only
     every-layer-sparse models (no shared expert in Qwen3-MoE)."""
     if int(config.get("decoder_sparse_step", 1)) != 1 or config.get("mlp_only_layers"):
-        raise UnsupportedModelError("a Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not implemented")
+        raise UnsupportedModelError(
+            "a Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is not implemented"
+        )
     return {
         "num_experts": int(config.get("num_experts") or config["num_local_experts"]),
         "num_experts_per_tok": int(config["num_experts_per_tok"]),
@@ -267,7 +283,9 @@ class _SparseMoe(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
         self.gate = nn.Linear(s.hidden_size, s.num_experts, bias=False)
-        self.experts = nn.ModuleList(_MLP(s.hidden_size, s.moe_intermediate_size) for _ in range(s.num_experts))
+        self.experts = nn.ModuleList(
+            _MLP(s.hidden_size, s.moe_intermediate_size) for _ in range(s.num_experts)
+        )
 
 
 class _Layer(nn.Module):
@@ -403,7 +421,10 @@ class EngineModel(nn.Module):
         if s.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat, out = x.reshape(-1, x.shape[-1]), torch.zeros(x.numel() // x.shape[-1], x.shape[-1])
-        flat_chosen, flat_weights = chosen.reshape(-1, s.num_experts_per_tok), weights.reshape(-1, s.num_experts_per_tok)
+        flat_chosen, flat_weights = (
+            chosen.reshape(-1, s.num_experts_per_tok),
+            weights.reshape(-1, s.num_experts_per_tok),
+        )
         for e in torch.unique(flat_chosen).tolist():
             token, slot = torch.where(flat_chosen == e)
             expert = moe.experts[e]

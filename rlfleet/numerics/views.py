@@ -545,7 +545,9 @@ def calibration_batch(vocab_size: int) -> torch.Tensor:
     return (torch.arange(CALIBRATION_TOKENS) % vocab_size).reshape(2, -1)
 
 
-def calibrate_weights(state_dict: Mapping[str, torch.Tensor], base_checkpoint: str | Path) -> dict[str, float]:
+def calibrate_weights(
+    state_dict: Mapping[str, torch.Tensor], base_checkpoint: str | Path
+) -> dict[str, float]:
     """`calibrate_activation_amax` on `calibration_batch` of the model that HF-named weights make, so
     every trainer backend calibrates the same way from what it publishes (docs/weights.md, "nvfp4").
 
@@ -629,7 +631,9 @@ def view_weights(state_dict: Mapping[str, torch.Tensor], view: str) -> dict[str,
     return _dequantize(view, tensors, set(quantized), f"{view} view")
 
 
-def _dequantize(view: str, raw: Mapping[str, torch.Tensor], quantized: set[str], where: str) -> dict[str, torch.Tensor]:
+def _dequantize(
+    view: str, raw: Mapping[str, torch.Tensor], quantized: set[str], where: str
+) -> dict[str, torch.Tensor]:
     """Float32 weights of a view's stored tensors (scale companions consumed, not returned)."""
     companions = {
         f"{n[: -len('.weight')]}.{s}"

@@ -20,7 +20,15 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-GIT = ["git", "-c", "user.name=rlfleet", "-c", "user.email=rlfleet@localhost", "-c", "core.hooksPath=/dev/null"]
+GIT = [
+    "git",
+    "-c",
+    "user.name=rlfleet",
+    "-c",
+    "user.email=rlfleet@localhost",
+    "-c",
+    "core.hooksPath=/dev/null",
+]
 _GIT = " ".join(GIT)
 # The grader's git: the agent can write the working sandbox's .git/config and a .gitattributes, so every
 # setting that changes what a diff looks like or runs a program is overridden here (`-c` wins over the
@@ -138,8 +146,9 @@ class ExecSandbox(ABC):
         `directory` and committed as the snapshot; SandboxUnavailable naming `owner` if that fails. On any
         failure the sandbox is closed before the error is raised: nothing of it is left behind."""
         try:
-            snap = self.exec(["sh", "-c", f"tar -x -f - -C {directory} && {SNAPSHOT_SCRIPT}"], timeout_s=120,
-                             stdin=tar)  # fmt: skip
+            snap = self.exec(
+                ["sh", "-c", f"tar -x -f - -C {directory} && {SNAPSHOT_SCRIPT}"], timeout_s=120, stdin=tar
+            )
             if snap.exit_code != 0:
                 raise SandboxUnavailable(f"{owner}: the snapshot failed: {snap.output.strip()[-500:]}")
         except BaseException:
@@ -159,7 +168,9 @@ class ExecSandbox(ABC):
             raise OSError(result.output.strip() or f"cannot write {path}")
 
     def diff(self) -> str:
-        result = self.run(f"{_SAFE_GIT} add -A >/dev/null 2>&1 && {_SAFE_GIT} {SAFE_DIFF} 2>/dev/null", timeout_s=60)
+        result = self.run(
+            f"{_SAFE_GIT} add -A >/dev/null 2>&1 && {_SAFE_GIT} {SAFE_DIFF} 2>/dev/null", timeout_s=60
+        )
         return result.output if result.exit_code == 0 else ""
 
     def __enter__(self) -> ExecSandbox:

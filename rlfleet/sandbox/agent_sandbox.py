@@ -75,8 +75,13 @@ def command_line(argv: list[str], stdin: bytes, limits: SandboxLimits, workdir: 
     """The one shell line `commands.run` gets: `argv` in the work dir under the limits, `stdin` decoded
     from base64 onto its standard input, stderr merged into stdout."""
     feed = f"printf %s {base64.b64encode(stdin).decode()} | base64 -d | " if stdin else "</dev/null "
-    script = EXEC_WRAPPER.format(workdir=shlex.quote(workdir), cpu=int(limits.cpu_seconds),
-                                 files=int(limits.open_files), stdin=feed, argv=shlex.join(argv))  # fmt: skip
+    script = EXEC_WRAPPER.format(
+        workdir=shlex.quote(workdir),
+        cpu=int(limits.cpu_seconds),
+        files=int(limits.open_files),
+        stdin=feed,
+        argv=shlex.join(argv),
+    )
     return shlex.join(["sh", "-c", script])
 
 
@@ -85,17 +90,29 @@ class AgentSandboxes:
     Made at the trainer's start, before its first episode, it deletes every claim its trainer pod's previous
     run left (`removed_leftovers`)."""
 
-    def __init__(self, namespace: str, job: str, template: str, warm_pool: int, owner_pod: str, owner_uid: str,
-                 api_client: ApiClient | None = None, connection: SandboxConnectionConfig | None = None,
-                 ready_timeout_s: int = READY_TIMEOUT_S, workdir: str = WORKDIR) -> None:  # fmt: skip
+    def __init__(
+        self,
+        namespace: str,
+        job: str,
+        template: str,
+        warm_pool: int,
+        owner_pod: str,
+        owner_uid: str,
+        api_client: ApiClient | None = None,
+        connection: SandboxConnectionConfig | None = None,
+        ready_timeout_s: int = READY_TIMEOUT_S,
+        workdir: str = WORKDIR,
+    ) -> None:
         """`owner_pod`, `owner_uid`: the trainer pod (every claim's owner and cleanup label).
         `api_client`: None in a pod (its ServiceAccount token), else one from a kubeconfig (tests).
         `connection`: how the SDK reaches a sandbox's runtime; default: in-cluster (the pod's IP).
         `workdir`: the repository's root inside each sandbox (made by every command)."""
         for what, value in (("namespace", namespace), ("owner_pod", owner_pod), ("owner_uid", owner_uid)):
             if not value:
-                raise SandboxUnavailable(f"rollout.sandbox.backend agent-sandbox: no {what} (the trainer pod's downward "
-                                         "API sets it)")  # fmt: skip
+                raise SandboxUnavailable(
+                    f"rollout.sandbox.backend agent-sandbox: no {what} (the trainer pod's downward "
+                    "API sets it)"
+                )
         self.workdir = workdir
         self.namespace, self.job, self.template = namespace, job, template
         self.owner_pod, self.owner_uid = owner_pod, owner_uid
@@ -112,7 +129,9 @@ class AgentSandboxes:
         self.removed_leftovers = self._delete_owned()
 
     @classmethod
-    def from_environment(cls, spec: Any, job: str, environ: Mapping[str, str] | None = None) -> AgentSandboxes:
+    def from_environment(
+        cls, spec: Any, job: str, environ: Mapping[str, str] | None = None
+    ) -> AgentSandboxes:
         """In the trainer pod: the RLJob's rollout.sandbox (`spec`, rlfleet.api.SandboxSpec) and the pod's own
         identity from the downward API (the operator sets it for this backend as for the pods backend); the
         SDK authenticates with the pod's ServiceAccount token."""
@@ -120,12 +139,19 @@ class AgentSandboxes:
         return cls(pod.namespace, job, spec.template, spec.warm_pool, owner_pod=pod.name, owner_uid=pod.uid)
 
     def _claim_call(self, method: str, **kwargs: Any) -> Any:
-        return getattr(self.objects, method)(group=CLAIM_API_GROUP, version=CLAIM_API_VERSION,
-                                             namespace=self.namespace, plural=CLAIM_PLURAL_NAME, **kwargs)  # fmt: skip
+        return getattr(self.objects, method)(
+            group=CLAIM_API_GROUP,
+            version=CLAIM_API_VERSION,
+            namespace=self.namespace,
+            plural=CLAIM_PLURAL_NAME,
+            **kwargs,
+        )
 
     def _delete_owned(self) -> list[str]:
         """Every claim of this trainer pod (a previous run's, after a restart): deleted now."""
-        found = self._claim_call("list_namespaced_custom_object", label_selector=owner_selector(self.owner_pod))
+        found = self._claim_call(
+            "list_namespaced_custom_object", label_selector=owner_selector(self.owner_pod)
+        )
         names = [c["metadata"]["name"] for c in found.get("items", [])]
         for name in names:
             self.k8s.delete_sandbox_claim(name, self.namespace)  # a 404 (gone meanwhile) is success
@@ -141,22 +167,36 @@ class AgentSandboxes:
             "metadata": {
                 "name": name,
                 "annotations": {CLIENT_REQUEST_TIME_ANNOTATION: datetime.now(UTC).isoformat()},
-                "labels": {LABEL_JOB: self.job, LABEL_COMPONENT: COMPONENT, LABEL_OWNER: self.owner_pod,
-                           CREATED_BY_LABEL: "python-client"},  # fmt: skip
-                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": self.owner_pod, "uid": self.owner_uid}],
+                "labels": {
+                    LABEL_JOB: self.job,
+                    LABEL_COMPONENT: COMPONENT,
+                    LABEL_OWNER: self.owner_pod,
+                    CREATED_BY_LABEL: "python-client",
+                },
+                "ownerReferences": [
+                    {"apiVersion": "v1", "kind": "Pod", "name": self.owner_pod, "uid": self.owner_uid}
+                ],
             },
             "spec": {"warmPoolRef": {"name": self.pool}},
         }
 
     def _pool_call(self, method: str, **kwargs: Any) -> Any:
-        return getattr(self.objects, method)(group=CLAIM_API_GROUP, version=CLAIM_API_VERSION,
-                                             namespace=self.namespace, plural=WARM_POOL_PLURAL, **kwargs)  # fmt: skip
+        return getattr(self.objects, method)(
+            group=CLAIM_API_GROUP,
+            version=CLAIM_API_VERSION,
+            namespace=self.namespace,
+            plural=WARM_POOL_PLURAL,
+            **kwargs,
+        )
 
     def _ensure_pool(self) -> None:
         """Make the SandboxWarmPool of the template (replicas 0), or check the one there names it."""
-        body = {"apiVersion": f"{CLAIM_API_GROUP}/{CLAIM_API_VERSION}", "kind": WARM_POOL_KIND,
-                "metadata": {"name": self.pool, "labels": {LABEL_JOB: self.job, LABEL_COMPONENT: COMPONENT}},
-                "spec": {"replicas": 0, "sandboxTemplateRef": {"name": self.template}}}  # fmt: skip
+        body = {
+            "apiVersion": f"{CLAIM_API_GROUP}/{CLAIM_API_VERSION}",
+            "kind": WARM_POOL_KIND,
+            "metadata": {"name": self.pool, "labels": {LABEL_JOB: self.job, LABEL_COMPONENT: COMPONENT}},
+            "spec": {"replicas": 0, "sandboxTemplateRef": {"name": self.template}},
+        }
         try:
             self._pool_call("create_namespaced_custom_object", body=body)
             self._replicas = 0
@@ -195,11 +235,21 @@ class AgentSandboxes:
         try:
             created = self._claim_call("create_namespaced_custom_object", body=self.claim_manifest(name))
             uid = created["metadata"]["uid"]
-            sandbox_id = self.k8s.wait_for_claim_ready(name, self.namespace, self.ready_timeout_s,
-                                                       resource_version=created["metadata"]["resourceVersion"],
-                                                       expected_uid=uid, initial_claim=created)  # fmt: skip
-            return SdkSandbox(claim_name=name, sandbox_id=sandbox_id, namespace=self.namespace,
-                              connection_config=self.connection, k8s_helper=self.k8s)  # fmt: skip
+            sandbox_id = self.k8s.wait_for_claim_ready(
+                name,
+                self.namespace,
+                self.ready_timeout_s,
+                resource_version=created["metadata"]["resourceVersion"],
+                expected_uid=uid,
+                initial_claim=created,
+            )
+            return SdkSandbox(
+                claim_name=name,
+                sandbox_id=sandbox_id,
+                namespace=self.namespace,
+                connection_config=self.connection,
+                k8s_helper=self.k8s,
+            )
         except BaseException as error:
             try:
                 if uid is not None:  # only this claim (a precondition on its uid), never a namesake
@@ -240,14 +290,19 @@ class AgentSandbox(ExecSandbox):
         self.start_seconds = time.monotonic() - t0
         self.claim_name: str = self.handle.claim_name or ""  # the SDK clears it once deleted
         self.closed = False
-        self.unpack_snapshot(_tar(files), ".", f"SandboxClaim {self.claim_name}")  # commands run in the work dir
+        self.unpack_snapshot(
+            _tar(files), ".", f"SandboxClaim {self.claim_name}"
+        )  # commands run in the work dir
 
     def _run_command(self, argv: list[str], timeout: float, stdin: bytes) -> tuple[int, str, bool]:
         commands = self.handle.commands
         if commands is None:
             raise RuntimeError(f"SandboxClaim {self.claim_name}: the SDK's connection is closed")
-        result = commands.run(command_line(argv, stdin, self.limits, self.sandboxes.workdir), timeout=math.ceil(timeout) + 30,
-                              command_timeout=timeout)  # fmt: skip
+        result = commands.run(
+            command_line(argv, stdin, self.limits, self.sandboxes.workdir),
+            timeout=math.ceil(timeout) + 30,
+            command_timeout=timeout,
+        )
         output = (result.stdout + result.stderr).encode()
         if len(output) > MAX_OUTPUT_BYTES:  # as the local sandbox keeps it: the first and last half
             half = MAX_OUTPUT_BYTES // 2

@@ -115,27 +115,56 @@ class LocalSandbox(ExecSandbox):
                     os.chown(p, self.uid, self.uid)
             snap = self.run(SNAPSHOT_SCRIPT, timeout_s=60)
             if snap.exit_code != 0:
-                raise SandboxUnavailable(f"the sandbox cannot start here (bwrap: {snap.output.strip()[-500:]})")
+                raise SandboxUnavailable(
+                    f"the sandbox cannot start here (bwrap: {snap.output.strip()[-500:]})"
+                )
         except BaseException:
             self.close()
             raise
 
     def _argv(self, argv: list[str]) -> list[str]:
         return [
-            "bwrap", *_root_binds(),
-            "--bind", str(self.repo), WORKDIR, "--chdir", WORKDIR,
-            "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev",
+            "bwrap",
+            *_root_binds(),
+            "--bind",
+            str(self.repo),
+            WORKDIR,
+            "--chdir",
+            WORKDIR,
+            "--tmpfs",
+            "/tmp",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
             # --as-pid-1: the command is its pid namespace's init, no bwrap reaper process. bwrap's
             # reaper outlives the outer bwrap, which exits without waiting for it: it became a zombie
             # of the sandbox's uid under the host's init, counted by RLIMIT_NPROC until reaped (a
             # trainer that is pid 1 never reaps it), so a sandbox failed "Can't fork" after about
             # `processes` commands (benchmarks/sandbox.py found it).
-            "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--clearenv",
-            "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-            "--setenv", "LANG", "C.UTF-8", "--setenv", "GIT_CONFIG_NOSYSTEM", "1",
-            "--setenv", "PYTHONDONTWRITEBYTECODE", "1",
-            "--", *argv,
-        ]  # fmt: skip
+            "--unshare-all",
+            "--as-pid-1",
+            "--die-with-parent",
+            "--new-session",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/local/bin:/usr/bin:/bin",
+            "--setenv",
+            "HOME",
+            "/tmp",
+            "--setenv",
+            "LANG",
+            "C.UTF-8",
+            "--setenv",
+            "GIT_CONFIG_NOSYSTEM",
+            "1",
+            "--setenv",
+            "PYTHONDONTWRITEBYTECODE",
+            "1",
+            "--",
+            *argv,
+        ]
 
     def _run_command(self, argv: list[str], timeout: float, stdin: bytes) -> tuple[int, str, bool]:
         """`argv` inside the sandbox, its output in a host file outside the work dir (bounded by
@@ -145,9 +174,13 @@ class LocalSandbox(ExecSandbox):
         timed_out = False
         with open(in_path, "rb") as fin, open(out_path, "wb") as fout:
             proc = subprocess.Popen(
-                self._argv(argv), stdin=fin, stdout=fout, stderr=subprocess.STDOUT,
-                preexec_fn=_limits_preexec(self.limits, self.uid), start_new_session=True,
-            )  # fmt: skip
+                self._argv(argv),
+                stdin=fin,
+                stdout=fout,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_limits_preexec(self.limits, self.uid),
+                start_new_session=True,
+            )
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -191,8 +224,13 @@ def _children(pid: int) -> list[int]:
 
 def _remove_sandbox(root: Path, uid: int | None) -> None:
     if uid is not None:  # every process of the sandbox's own uid, wherever it is
-        subprocess.run(["kill", "-9", "-1"], preexec_fn=_limits_preexec(SandboxLimits(), uid),
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)  # fmt: skip
+        subprocess.run(
+            ["kill", "-9", "-1"],
+            preexec_fn=_limits_preexec(SandboxLimits(), uid),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
     shutil.rmtree(root, onerror=_force_remove)
 
 

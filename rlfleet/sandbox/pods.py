@@ -48,8 +48,16 @@ T = TypeVar("T")
 STDIN, STDOUT, STDERR, STATUS = 0, 1, 2, 3  # the exec websocket's channels (v4.channel.k8s.io)
 START_TIMEOUT_S = 300.0
 # a container that will not start: reported at once, not after the start timeout
-START_FAILURES = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError",
-                            "CreateContainerError", "RunContainerError"})  # fmt: skip
+START_FAILURES = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
 
 
 class SandboxPodError(RuntimeError):
@@ -79,7 +87,11 @@ class _BoundedOutput:
             data = bytes(self.head + self.tail)
         else:
             tail = bytes(self.tail[-(MAX_OUTPUT_BYTES // 2) :])
-            data = bytes(self.head) + f"\n[... {self.total - MAX_OUTPUT_BYTES} bytes omitted ...]\n".encode() + tail
+            data = (
+                bytes(self.head)
+                + f"\n[... {self.total - MAX_OUTPUT_BYTES} bytes omitted ...]\n".encode()
+                + tail
+            )
         return data.decode("utf-8", errors="replace")
 
 
@@ -96,8 +108,12 @@ def exit_code(status: Mapping[str, Any]) -> int:
 class PodSandboxes:
     """The factory of sandbox pods for one trainer: `(files, limits) -> PodSandbox` (SweEnv's `sandbox`)."""
 
-    def __init__(self, config: SandboxPodConfig, kubeconfig: str | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: SandboxPodConfig,
+        kubeconfig: str | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
+    ) -> None:
         """`kubeconfig`: None in a pod (its ServiceAccount token), else a kubeconfig file (tests)."""
         self.config = config
         self.start_timeout_s = start_timeout_s
@@ -116,7 +132,9 @@ class PodSandboxes:
         except BaseException:
             self.shutdown()
             raise
-        atexit.register(self.shutdown)  # the trainer's exit deletes the pool's idle pods (a kill: the next run does)
+        atexit.register(
+            self.shutdown
+        )  # the trainer's exit deletes the pool's idle pods (a kill: the next run does)
 
     @classmethod
     def from_environment(cls, spec: Any, job: str, environ: Mapping[str, str] | None = None) -> PodSandboxes:
@@ -124,11 +142,19 @@ class PodSandboxes:
         own identity from the downward API."""
         pod = own_pod("pods", os.environ if environ is None else environ)
         config = SandboxPodConfig(
-            namespace=pod.namespace, job=job, owner_pod=pod.name, owner_uid=pod.uid,
-            image=spec.image, runtime_class_name=spec.runtime_class_name, cpu=spec.cpu, memory=spec.memory,
-            work_dir_size=spec.work_dir_size, max_seconds=spec.max_seconds, node_selector=dict(spec.node_selector),
+            namespace=pod.namespace,
+            job=job,
+            owner_pod=pod.name,
+            owner_uid=pod.uid,
+            image=spec.image,
+            runtime_class_name=spec.runtime_class_name,
+            cpu=spec.cpu,
+            memory=spec.memory,
+            work_dir_size=spec.work_dir_size,
+            max_seconds=spec.max_seconds,
+            node_selector=dict(spec.node_selector),
             warm_pool=spec.warm_pool,
-        )  # fmt: skip
+        )
         return cls(config)
 
     # --- the loop thread ---------------------------------------------------------------------------
@@ -143,7 +169,9 @@ class PodSandboxes:
 
         api_configuration = client.Configuration()
         if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_incluster_config(client_configuration=api_configuration)  # the token is re-read as it rotates
+            config.load_incluster_config(
+                client_configuration=api_configuration
+            )  # the token is re-read as it rotates
         else:
             await config.load_kube_config(config_file=kubeconfig, client_configuration=api_configuration)
         self._api = client.ApiClient(api_configuration)
@@ -164,7 +192,9 @@ class PodSandboxes:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             if hasattr(self, "core"):  # the warm pool's idle pods: nobody will take them now
-                await asyncio.gather(*(self._delete_pod(name) for name, _ in self._idle), return_exceptions=True)
+                await asyncio.gather(
+                    *(self._delete_pod(name) for name, _ in self._idle), return_exceptions=True
+                )
             self._idle.clear()
             for c in (getattr(self, "_api", None), getattr(self, "_ws", None)):
                 if c is not None:
@@ -180,7 +210,9 @@ class PodSandboxes:
 
     async def _delete_owned(self) -> list[str]:
         """Every sandbox pod of this trainer pod (a previous run's, after a restart): deleted now."""
-        pods = await self.core.list_namespaced_pod(self.config.namespace, label_selector=owner_selector(self.config.owner_pod))
+        pods = await self.core.list_namespaced_pod(
+            self.config.namespace, label_selector=owner_selector(self.config.owner_pod)
+        )
         names = [p.metadata.name for p in pods.items]
         await asyncio.gather(*(self._delete_pod(name) for name in names))
         return names
@@ -210,7 +242,9 @@ class PodSandboxes:
                 if status.state and status.state.running and phase == "Running":
                     return
             if phase in ("Failed", "Succeeded"):
-                raise SandboxUnavailable(f"sandbox pod {name} ended at its start ({phase}: {pod.status.message or ''})")
+                raise SandboxUnavailable(
+                    f"sandbox pod {name} ended at its start ({phase}: {pod.status.message or ''})"
+                )
             for cond in pod.status.conditions or []:
                 if cond.type == "PodScheduled" and cond.status == "False":
                     why = f"unschedulable: {cond.message}"
@@ -282,7 +316,9 @@ class PodSandboxes:
 
         return self._call(read())
 
-    async def _exec(self, name: str, argv: list[str], stdin: bytes, timeout_s: float) -> tuple[int, str, bool]:
+    async def _exec(
+        self, name: str, argv: list[str], stdin: bytes, timeout_s: float
+    ) -> tuple[int, str, bool]:
         """(exit code, output, timed out) of `argv` in the sandbox pod; on its timeout, every process of
         the container but pid 1 is killed by a second exec."""
         output = _BoundedOutput()
@@ -290,9 +326,16 @@ class PodSandboxes:
 
         async def stream() -> None:
             ws_ctx = await self._exec_api.connect_get_namespaced_pod_exec(
-                name, self.config.namespace, container=CONTAINER, command=argv, stdin=bool(stdin),
-                stdout=True, stderr=True, tty=False, _preload_content=False,
-            )  # fmt: skip
+                name,
+                self.config.namespace,
+                container=CONTAINER,
+                command=argv,
+                stdin=bool(stdin),
+                stdout=True,
+                stderr=True,
+                tty=False,
+                _preload_content=False,
+            )
             async with ws_ctx as ws:
                 for start in range(0, len(stdin), 1 << 20):
                     await ws.send_bytes(bytes([STDIN]) + stdin[start : start + (1 << 20)])
@@ -323,7 +366,9 @@ class PodSandboxes:
 class PodSandbox(ExecSandbox):
     """One sandbox pod: the snapshot in /work (a git commit), every call an exec."""
 
-    def __init__(self, pods: PodSandboxes, files: Mapping[str, str], limits: SandboxLimits | None = None) -> None:
+    def __init__(
+        self, pods: PodSandboxes, files: Mapping[str, str], limits: SandboxLimits | None = None
+    ) -> None:
         self.pods = pods
         self.limits = limits or SandboxLimits()
         self.seconds = 0.0
@@ -334,7 +379,9 @@ class PodSandbox(ExecSandbox):
         self.unpack_snapshot(_tar(files), WORKDIR, f"sandbox pod {self.name}")
 
     def _run_command(self, argv: list[str], timeout: float, stdin: bytes) -> tuple[int, str, bool]:
-        return self.pods._call(self.pods._exec(self.name, exec_argv(argv, len(stdin), self.limits), stdin, timeout))
+        return self.pods._call(
+            self.pods._exec(self.name, exec_argv(argv, len(stdin), self.limits), stdin, timeout)
+        )
 
     def _release(self) -> None:
         """Delete the pod; its processes die with it."""

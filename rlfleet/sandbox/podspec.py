@@ -56,6 +56,7 @@ def own_pod(backend: str, environ: Mapping[str, str]) -> OwnPod:
         )
     return OwnPod(environ[NAMESPACE_ENV], environ[POD_NAME_ENV], environ[POD_UID_ENV])
 
+
 # pid 1: reaps every orphan (a killed command's children are re-parented to it), exits on SIGTERM
 REAPER = """import os, signal, time
 signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -87,8 +88,13 @@ class SandboxPodConfig:
     warm_pool: int = 0  # most idle pods kept started ahead of demand (warm_pool_target); 0: none
 
     def __post_init__(self) -> None:
-        for what, value in (("namespace", self.namespace), ("job", self.job), ("owner_pod", self.owner_pod),
-                            ("owner_uid", self.owner_uid), ("image", self.image)):  # fmt: skip
+        for what, value in (
+            ("namespace", self.namespace),
+            ("job", self.job),
+            ("owner_pod", self.owner_pod),
+            ("owner_uid", self.owner_uid),
+            ("image", self.image),
+        ):
             if not value:
                 raise ValueError(f"a sandbox pod needs its {what} (the trainer pod's downward API sets it)")
 
@@ -167,7 +173,10 @@ def build_sandbox_pod(config: SandboxPodConfig, name: str) -> dict[str, Any]:
                     "readOnlyRootFilesystem": True,
                     "runAsNonRoot": True,
                 },
-                "volumeMounts": [{"name": "work", "mountPath": WORKDIR}, {"name": "tmp", "mountPath": "/tmp"}],
+                "volumeMounts": [
+                    {"name": "work", "mountPath": WORKDIR},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                ],
             }
         ],
         "volumes": [
@@ -199,15 +208,17 @@ def build_sandbox_pod(config: SandboxPodConfig, name: str) -> dict[str, Any]:
 # command through `sh -c` in the work dir, then every other process of the container killed (pid 1, the
 # reaper, is spared by kill -1): nothing a command starts outlives it, as in the local sandbox.
 EXEC_WRAPPER = (
-    'n=$1; shift; cd {workdir} || exit 126; ulimit -t {cpu}; ulimit -n {files}; '
+    "n=$1; shift; cd {workdir} || exit 126; ulimit -t {cpu}; ulimit -n {files}; "
     'if [ "$n" -gt 0 ]; then head -c "$n" | "$@"; else "$@" </dev/null; fi; '
-    'rc=$?; kill -9 -1 2>/dev/null; exit $rc'
+    "rc=$?; kill -9 -1 2>/dev/null; exit $rc"
 )
 
 
 def exec_argv(argv: list[str], stdin_bytes: int, limits: SandboxLimits) -> list[str]:
     """The exec command of `argv` with `stdin_bytes` of stdin to follow on the stream."""
-    script = EXEC_WRAPPER.format(workdir=shlex.quote(WORKDIR), cpu=int(limits.cpu_seconds), files=int(limits.open_files))
+    script = EXEC_WRAPPER.format(
+        workdir=shlex.quote(WORKDIR), cpu=int(limits.cpu_seconds), files=int(limits.open_files)
+    )
     return ["sh", "-c", script, "sandbox", str(int(stdin_bytes)), *argv]
 
 

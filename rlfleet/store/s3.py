@@ -300,15 +300,18 @@ class S3Store(Store):
                 self.client.put_object(Bucket=self.bucket, Key=self._k(mine), Body=b"")
             items = self._list_full(claim_prefix)
             # The claim's age is by the store's clock: "now" is our own claim's Last-Modified.
-            now = next((i["LastModified"].timestamp() for i in items if self._rel(i["Key"]) == mine), time.time())
+            now = next(
+                (i["LastModified"].timestamp() for i in items if self._rel(i["Key"]) == mine), time.time()
+            )
             with self._abandoned_lock:
                 abandoned = set(self._abandoned)
             listed = [item for item in items if self._rel(item["Key"]) != mine]
             others = [
-                item for item in listed
+                item
+                for item in listed
                 if now - item["LastModified"].timestamp() < self.claim_ttl_seconds
                 and self._rel(item["Key"]) not in abandoned
-            ]  # fmt: skip
+            ]
             stale = [self._rel(item["Key"]) for item in listed if item not in others]
             if stale:  # claims of writers that died between claim and write (or ours, abandoned): cleaned up
                 with contextlib.suppress(StoreError):

@@ -71,7 +71,9 @@ def kv_ok(cls: str, kv: str) -> bool:
 
 def test_classes_and_node_labels() -> None:
     assert CATALOG.names() == sorted([*SM, "cpu"])
-    assert [n for n in CATALOG.names() if CATALOG.get(n).gpu] == sorted(SM)  # every other class is a GPU class
+    assert [n for n in CATALOG.names() if CATALOG.get(n).gpu] == sorted(
+        SM
+    )  # every other class is a GPU class
     for name, sm in SM.items():
         assert CATALOG.get(name).sm == sm
     a100 = CATALOG.get("a100")
@@ -110,14 +112,19 @@ def test_classes_and_node_labels() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cls", "fmt", "kv"), list(itertools.product(sorted(SM), WEIGHT_FORMATS, KV_CACHE_DTYPES)),
+    ("cls", "fmt", "kv"),
+    list(itertools.product(sorted(SM), WEIGHT_FORMATS, KV_CACHE_DTYPES)),
     ids=lambda v: str(v),
-)  # fmt: skip
+)
 def test_every_class_format_kv_combination(cls: str, fmt: str, kv: str) -> None:
     accel = CATALOG.get(cls)
     kwargs = dict(
-        accelerator=accel, weight_format=fmt, kv_cache_dtype=kv, model_path=f"/weights-cache/v3-{fmt}",
-        served_model_name="m", weight_version=3,
+        accelerator=accel,
+        weight_format=fmt,
+        kv_cache_dtype=kv,
+        model_path=f"/weights-cache/v3-{fmt}",
+        served_model_name="m",
+        weight_version=3,
     )
     if (cls, fmt) in EXPECTED and kv_ok(cls, kv):
         launch = sglang_launch(**kwargs)
@@ -148,20 +155,47 @@ def test_every_class_format_kv_combination(cls: str, fmt: str, kv: str) -> None:
 def test_launch_for_group_spec_full_command_line() -> None:
     spec = SamplerGroupSpec.model_validate(
         {
-            "name": "h100-fp8", "accelerator": "h100", "weightFormat": "fp8", "kvCacheDtype": "fp8_e4m3",
-            "tensorParallel": 2, "extraArgs": ["--mem-fraction-static", "0.8"],
-            "model": {"name": "qwen", "path": "Qwen/Qwen3-8B"}, "port": 31000,
+            "name": "h100-fp8",
+            "accelerator": "h100",
+            "weightFormat": "fp8",
+            "kvCacheDtype": "fp8_e4m3",
+            "tensorParallel": 2,
+            "extraArgs": ["--mem-fraction-static", "0.8"],
+            "model": {"name": "qwen", "path": "Qwen/Qwen3-8B"},
+            "port": 31000,
         }
-    )  # fmt: skip
+    )
     launch = engine_launch_for_group(spec, model_path="/weights/v0/fp8", weight_version=7)
     assert launch.argv == [
-        "python3", "-m", "sglang.launch_server",
-        "--model-path", "/weights/v0/fp8", "--served-model-name", "qwen",
-        "--host", "0.0.0.0", "--port", "31000", "--tp-size", "2", "--dtype", "bfloat16", "--enable-metrics",
-        "--sampling-mask-max-tokens", "4096", "--weight-version", "7",
-        "--quantization", "fp8", "--fp8-gemm-backend", "deep_gemm", "--kv-cache-dtype", "fp8_e4m3",
-        "--mem-fraction-static", "0.8",
-    ]  # fmt: skip
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/weights/v0/fp8",
+        "--served-model-name",
+        "qwen",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "31000",
+        "--tp-size",
+        "2",
+        "--dtype",
+        "bfloat16",
+        "--enable-metrics",
+        "--sampling-mask-max-tokens",
+        "4096",
+        "--weight-version",
+        "7",
+        "--quantization",
+        "fp8",
+        "--fp8-gemm-backend",
+        "deep_gemm",
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+        "--mem-fraction-static",
+        "0.8",
+    ]
     assert launch.tensor_parallel == 2 and not launch.degraded
     assert "NVIDIA-H100-80GB-HBM3" in launch.selection_reason and "native" in launch.selection_reason
 
@@ -221,8 +255,18 @@ SGLANG = Path(__file__).resolve().parents[2] / ".venv/lib/python3.11/site-packag
 # config.json quantization_config per view as docs/weights.md publishes it
 VIEW_QUANT = {
     "bf16": None,
-    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-    "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    "fp8": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+    "nvfp4": {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "exclude_modules": ["lm_head"],
+    },
     "mxfp4": {"quant_method": "mxfp4", "group_size": 32, "modules_to_not_convert": ["lm_head"]},
 }
 
@@ -264,13 +308,20 @@ def test_precision_flags_confirm_the_views_checkpoint_in_sglang(
     from rlfleet.sampler.launch_checkpoint import VIEW_QUANT_METHODS
 
     source = (SGLANG / "srt/layers/quantization/__init__.py").read_text()
-    assert 'if is_cpu() or is_cuda() or _is_gfx95_supported or is_xpu():' in source
+    assert "if is_cpu() or is_cuda() or _is_gfx95_supported or is_xpu():" in source
     assert '"mxfp4": Mxfp4Config,' in source
     monkeypatch.setitem(q.QUANTIZATION_METHODS, "mxfp4", Mxfp4Config)
 
-    launch = sglang_launch(accelerator=CATALOG.get(cls), weight_format=fmt, model_path=str(tmp_path),
-                           served_model_name="m", weight_version=0)  # fmt: skip
-    flag = launch.flags[launch.flags.index("--quantization") + 1] if "--quantization" in launch.flags else None
+    launch = sglang_launch(
+        accelerator=CATALOG.get(cls),
+        weight_format=fmt,
+        model_path=str(tmp_path),
+        served_model_name="m",
+        weight_version=0,
+    )
+    flag = (
+        launch.flags[launch.flags.index("--quantization") + 1] if "--quantization" in launch.flags else None
+    )
     detected = sglang_resolve(None, VIEW_QUANT[fmt], tmp_path)
     assert detected == VIEW_QUANT_METHODS[fmt] == flag
     assert sglang_resolve(flag, VIEW_QUANT[fmt], tmp_path) == detected
@@ -361,29 +412,49 @@ def test_launch_from_file_runs_the_argv_with_the_files_version_and_dir(tmp_path:
     (shim / "python3").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     (shim / "python3").chmod(0o755)
     accel = CATALOG.get("b200")
-    placeholder = sglang_launch(accelerator=accel, weight_format="nvfp4", model_path=MODEL_DIR_REF,
-                                served_model_name="m", weight_version=WEIGHT_VERSION_REF,
-                                extra_args=["--chat-template", "it's $HOME *"])  # fmt: skip
+    placeholder = sglang_launch(
+        accelerator=accel,
+        weight_format="nvfp4",
+        model_path=MODEL_DIR_REF,
+        served_model_name="m",
+        weight_version=WEIGHT_VERSION_REF,
+        extra_args=["--chat-template", "it's $HOME *"],
+    )
     launch_file = tmp_path / "cache" / "launch"
     command = launch_from_file(placeholder.argv, str(launch_file), checkpoint_flags=True)
     unflagged = launch_from_file(placeholder.argv, str(launch_file), checkpoint_flags=False)
     env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
     for script in (command, unflagged):
         missing = subprocess.run(script, capture_output=True, text=True, env=env)
-        assert missing.returncode == 1 and missing.stderr.strip() == f"no verified weights: {launch_file} missing"
+        assert (
+            missing.returncode == 1
+            and missing.stderr.strip() == f"no verified weights: {launch_file} missing"
+        )
     launch_file.parent.mkdir()
-    real = sglang_launch(accelerator=accel, weight_format="nvfp4", model_path=f"{tmp_path}/cache/v12-nvfp4",
-                         served_model_name="m", weight_version=12, extra_args=["--chat-template", "it's $HOME *"])
+    real = sglang_launch(
+        accelerator=accel,
+        weight_format="nvfp4",
+        model_path=f"{tmp_path}/cache/v12-nvfp4",
+        served_model_name="m",
+        weight_version=12,
+        extra_args=["--chat-template", "it's $HOME *"],
+    )
     expected = real.argv[1:]
 
     def launched(script: list[str], text: str) -> list[str]:
         launch_file.write_text(text)
         return json.loads(subprocess.run(script, capture_output=True, text=True, env=env, check=True).stdout)
 
-    dense, moe = f"12 {tmp_path}/cache/v12-nvfp4\n", f"12 {tmp_path}/cache/v12-nvfp4\n--enable-return-routed-experts\n"
+    dense, moe = (
+        f"12 {tmp_path}/cache/v12-nvfp4\n",
+        f"12 {tmp_path}/cache/v12-nvfp4\n--enable-return-routed-experts\n",
+    )
     assert launched(command, dense) == expected
     assert launched(command, moe) == [*expected, "--enable-return-routed-experts"]
-    assert launched(command, moe.rstrip("\n")) == [*expected, "--enable-return-routed-experts"]  # no last newline
+    assert launched(command, moe.rstrip("\n")) == [
+        *expected,
+        "--enable-return-routed-experts",
+    ]  # no last newline
     assert launched(unflagged, dense) == launched(unflagged, moe) == expected
     # a flag line is split into words, never globbed (a `*` stays a `*`)
     assert launched(command, f"{dense}--a *\n") == [*expected, "--a", "*"]

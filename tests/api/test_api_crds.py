@@ -71,16 +71,29 @@ def test_names_subresources_and_columns() -> None:
     visible = [c["name"] for c in sg["additionalPrinterColumns"] if not c.get("priority")]
     # the cockpit: what a group does and why, without -o wide (share as a percentage)
     assert visible == [
-        "Accelerator", "Weights", "Phase", "Ready", "Tok/s", "Share%", "Version", "Lag", "KL", "OOR", "Usable",
-        "Reason", "Age",
-    ]  # fmt: skip
+        "Accelerator",
+        "Weights",
+        "Phase",
+        "Ready",
+        "Tok/s",
+        "Share%",
+        "Version",
+        "Lag",
+        "KL",
+        "OOR",
+        "Usable",
+        "Reason",
+        "Age",
+    ]
     rlj = crd("RLJob")["spec"]["versions"][0]
     visible = [c["name"] for c in rlj["additionalPrinterColumns"] if not c.get("priority")]
     assert visible == ["Phase", "Groups", "Trainer", "Step", "Version", "Reward", "KL", "Reason", "Age"]
     # -o wide: the economics (docs/economics.md, "Where the figures show")
     wide = {c["name"]: c["jsonPath"] for c in rlj["additionalPrinterColumns"] if c.get("priority") == 1}
     assert (wide["$/1M"], wide["Saving%"], wide["Baseline"]) == (
-        ".status.costPer1MTokens", ".status.savingPercent", ".status.baselineSource"
+        ".status.costPer1MTokens",
+        ".status.savingPercent",
+        ".status.baselineSource",
     )
     wide = {c["name"]: c["jsonPath"] for c in sg["additionalPrinterColumns"] if c.get("priority") == 1}
     assert (wide["$/h"], wide["$/1M"]) == (".status.costPerHour", ".status.costPer1MTokens")
@@ -144,10 +157,14 @@ def test_catalog_override_extends_the_enum_and_rules() -> None:
     base = load_catalog(None)
     l40s = base.get("h100").model_dump(by_alias=True)
     l40s.update(
-        name="l40s", displayName="NVIDIA L40S", productLabels=["NVIDIA-L40S"], gkeAccelerators=[],
-        computeCapability="8.9", weightFormats={"bf16": {}, "fp8": {"flags": ["--quantization", "fp8"]}},
+        name="l40s",
+        displayName="NVIDIA L40S",
+        productLabels=["NVIDIA-L40S"],
+        gkeAccelerators=[],
+        computeCapability="8.9",
+        weightFormats={"bf16": {}, "fp8": {"flags": ["--quantization", "fp8"]}},
         unsupported={},
-    )  # fmt: skip
+    )
     cat = catalog_from_mapping({"classes": {"l40s": l40s}})
     generated = crdgen.generate(cat)
     item = generated["rlfleet.dev_rljobs.yaml"]["spec"]["versions"][0]["schema"]["openAPIV3Schema"][

@@ -79,8 +79,11 @@ def test_defaults_of_a_minimal_job() -> None:
         -1,
     )
     assert (s.correction.mode, s.correction.mis_low, s.correction.mis_high, s.correction.sc_head_size) == (
-        "sc-mis-topp", 0.2, 5.0, 128,
-    )  # fmt: skip
+        "sc-mis-topp",
+        0.2,
+        5.0,
+        128,
+    )
     assert s.staleness.max_steps is None
     assert (s.router.policy, s.router.rebalance_interval_seconds) == ("throughput", 30)
     assert s.weight_channel.store.type == "filesystem"
@@ -174,7 +177,12 @@ def test_samplergroup_and_weightchannel_parse_api_objects() -> None:
             "kind": "WeightChannel",
             "metadata": {"name": "w"},
             "spec": {
-                "store": {"type": "s3", "bucket": "weights", "secretRef": {"name": "s3"}, "sharedCredentials": True},
+                "store": {
+                    "type": "s3",
+                    "bucket": "weights",
+                    "secretRef": {"name": "s3"},
+                    "sharedCredentials": True,
+                },
             },
         }
     )
@@ -258,8 +266,13 @@ def test_reserved_group_names_are_the_suffixes_of_every_child_name() -> None:
     from rlfleet.api.common import RESERVED_GROUP_NAMES
     from rlfleet.operator import naming
 
-    children = [naming.trainer_name, naming.router_name, naming.config_name, naming.weightchannel_name,
-                naming.router_secret_name]  # fmt: skip
+    children = [
+        naming.trainer_name,
+        naming.router_name,
+        naming.config_name,
+        naming.weightchannel_name,
+        naming.router_secret_name,
+    ]
     suffixes = {f("job").removeprefix("job-") for f in children}
     assert suffixes == set(RESERVED_GROUP_NAMES)
     for suffix in suffixes:
@@ -283,8 +296,14 @@ def test_owned_sglang_flags_are_every_spelling_sglang_parses_for_what_the_operat
     set_by_launch: set[str] = set()
     for cls in (n for n in catalog.names() if catalog.get(n).engine == "sglang"):  # every SGLang class and
         for fmt in catalog.get(cls).weight_formats:  # format: the precision flags differ (GEMM backends)
-            launch = sglang_launch(accelerator=catalog.get(cls), weight_format=fmt, kv_cache_dtype="fp8_e4m3",
-                                   model_path="/m", served_model_name="m", weight_version=0)  # fmt: skip
+            launch = sglang_launch(
+                accelerator=catalog.get(cls),
+                weight_format=fmt,
+                kv_cache_dtype="fp8_e4m3",
+                model_path="/m",
+                served_model_name="m",
+                weight_version=0,
+            )
             set_by_launch |= {by_flag[a] for a in launch.argv if a.startswith("--")} - {"enable_metrics"}
     owned_dests = set_by_launch | {"dp_size", "pp_size", "nnodes"}
     expected = {opt for opt, dest in by_flag.items() if dest in owned_dests}
@@ -309,8 +328,15 @@ def test_parallelism_and_budgets_name_the_numbers() -> None:
         example_manifest(), {"set": {"spec.trainer": {"backend": "torch", "gpusPerReplica": 8}}}
     )
     assert RLJob.from_manifest(manifest).spec.trainer.gpus_per_replica == 8
-    manifest = apply_case(example_manifest(), {"set": {"spec.router.policy": "static",
-                                                       "spec.router.staticShares": {"h200-fp8": 0.0, "a100-bf16": 1.0}}})  # fmt: skip
+    manifest = apply_case(
+        example_manifest(),
+        {
+            "set": {
+                "spec.router.policy": "static",
+                "spec.router.staticShares": {"h200-fp8": 0.0, "a100-bf16": 1.0},
+            }
+        },
+    )
     assert RLJob.from_manifest(manifest).spec.router.static_shares["a100-bf16"] == 1.0
 
 
@@ -329,7 +355,10 @@ def test_what_the_builtin_model_cannot_run_is_refused_and_what_it_can_is_accepte
     from rlfleet.api import rljob
     from rlfleet.tiny_qwen3 import SIZES
 
-    assert (rljob._TINY_HEADS, rljob._TINY_KV_HEADS) == (SIZES["num_attention_heads"], SIZES["num_key_value_heads"])
+    assert (rljob._TINY_HEADS, rljob._TINY_KV_HEADS) == (
+        SIZES["num_attention_heads"],
+        SIZES["num_key_value_heads"],
+    )
     manifest = example_manifest()
     manifest["spec"]["model"]["path"] = "builtin:tiny-qwen3?seed=3"
     manifest["spec"]["trainer"]["parallelism"]["tensor"] = 1
@@ -353,16 +382,30 @@ def test_routing_replay_is_off_by_default_and_refused_where_no_routing_exists() 
     from rlfleet.api import rljob
     from rlfleet.trainer.config import resolve_run
 
-    def job(correction: dict, backend: str = "torch", path: str = "/models/m", local: dict | None = None) -> RLJob:
-        return RLJob.from_manifest({
-            "apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "tiny"},
-            "spec": {"model": {"name": "m", "path": path}, "trainer": {"backend": backend},
-                     "correction": correction, "samplerGroups": [{"name": "g", "accelerator": "h100"}],
-                     "weightChannel": {"store": {"path": "/weights"}}, "local": local or {}},
-        })  # fmt: skip
+    def job(
+        correction: dict, backend: str = "torch", path: str = "/models/m", local: dict | None = None
+    ) -> RLJob:
+        return RLJob.from_manifest(
+            {
+                "apiVersion": "rlfleet.dev/v1alpha1",
+                "kind": "RLJob",
+                "metadata": {"name": "tiny"},
+                "spec": {
+                    "model": {"name": "m", "path": path},
+                    "trainer": {"backend": backend},
+                    "correction": correction,
+                    "samplerGroups": [{"name": "g", "accelerator": "h100"}],
+                    "weightChannel": {"store": {"path": "/weights"}},
+                    "local": local or {},
+                },
+            }
+        )
 
     plain = job({}, backend="megatron")
-    assert plain.spec.correction.routing_replay is False and resolve_run(plain, local=False).routing_replay is False
+    assert (
+        plain.spec.correction.routing_replay is False
+        and resolve_run(plain, local=False).routing_replay is False
+    )
     with pytest.raises(ValidationError, match="correction.routingReplay needs trainer.backend: torch"):
         job({"routingReplay": True}, backend="megatron")
     with pytest.raises(ValidationError, match="model builtin:tiny-qwen3 is a dense Qwen3"):

@@ -21,19 +21,30 @@ def example() -> dict:
 
 @pytest.mark.parametrize(
     ("name", "secret"),
-    [("HF_TOKEN", True), ("hf_token", True), ("WANDB_API_KEY", True), ("DB_PASSWORD", True),
-     ("AWS_SECRET_ACCESS_KEY", True), ("GOOGLE_APPLICATION_CREDENTIALS", True), ("TOKEN", True),
-     ("TOKENIZERS_PARALLELISM", False), ("HF_HUB_ENABLE_HF_TRANSFER", False), ("NCCL_DEBUG", False),
-     ("KEYRING", False)],
-)  # fmt: skip
+    [
+        ("HF_TOKEN", True),
+        ("hf_token", True),
+        ("WANDB_API_KEY", True),
+        ("DB_PASSWORD", True),
+        ("AWS_SECRET_ACCESS_KEY", True),
+        ("GOOGLE_APPLICATION_CREDENTIALS", True),
+        ("TOKEN", True),
+        ("TOKENIZERS_PARALLELISM", False),
+        ("HF_HUB_ENABLE_HF_TRANSFER", False),
+        ("NCCL_DEBUG", False),
+        ("KEYRING", False),
+    ],
+)
 def test_which_env_names_look_like_secrets(name: str, secret: bool) -> None:
     assert looks_like_secret(name) is secret
 
 
 def test_literal_values_of_ordinary_names_are_kept_as_written() -> None:
     m = example()
-    m["spec"]["trainer"]["env"] = [{"name": "TOKENIZERS_PARALLELISM", "value": "false"},
-                                   {"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]  # fmt: skip
+    m["spec"]["trainer"]["env"] = [
+        {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
+        {"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
     job = RLJob.from_manifest(m)
     assert job.to_wire()["spec"]["trainer"]["env"] == m["spec"]["trainer"]["env"]
 
@@ -48,9 +59,18 @@ def test_a_trainer_mount_at_the_weight_store_path_is_refused() -> None:
 
 
 def test_a_mount_path_with_a_trailing_slash_is_still_the_operators() -> None:
-    sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup", "metadata": {"name": "solo"},
-          "spec": {"name": "solo", "accelerator": "h100", "model": {"name": "m", "path": "org/gated"},
-                   "volumes": [{"name": "t", "emptyDir": {}}], "volumeMounts": [{"name": "t", "mountPath": "/tmp/"}]}}  # fmt: skip
+    sg = {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": "solo"},
+        "spec": {
+            "name": "solo",
+            "accelerator": "h100",
+            "model": {"name": "m", "path": "org/gated"},
+            "volumes": [{"name": "t", "emptyDir": {}}],
+            "volumeMounts": [{"name": "t", "mountPath": "/tmp/"}],
+        },
+    }
     with pytest.raises(ValidationError, match="volumeMounts must not mount at the operator's paths"):
         SamplerGroup.from_manifest(sg)
     sg["spec"]["volumeMounts"][0]["mountPath"] = "/tmp/huggingface"

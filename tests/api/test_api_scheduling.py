@@ -45,8 +45,15 @@ def test_every_label_the_operator_puts_on_pods_is_refused_as_a_user_label() -> N
         manifest["spec"]["trainer"]["podLabels"] = {key: "x"}
         with pytest.raises(ValidationError, match="podLabels must not set the operator's own labels"):
             RLJob.from_manifest(manifest)
-    for key in (n.ANN_PROM_SCRAPE, n.ANN_PROM_PORT, n.ANN_PROM_PATH, n.ANN_SPEC_HASH, "rlfleet.dev/config-hash",
-                s.KUEUE_POD_GROUP_COUNT_ANNOTATION, s.KUEUE_POD_GROUP_SERVING_ANNOTATION):  # fmt: skip
+    for key in (
+        n.ANN_PROM_SCRAPE,
+        n.ANN_PROM_PORT,
+        n.ANN_PROM_PATH,
+        n.ANN_SPEC_HASH,
+        "rlfleet.dev/config-hash",
+        s.KUEUE_POD_GROUP_COUNT_ANNOTATION,
+        s.KUEUE_POD_GROUP_SERVING_ANNOTATION,
+    ):
         manifest = example()
         manifest["spec"]["router"]["podAnnotations"] = {key: "x"}
         with pytest.raises(
@@ -80,17 +87,27 @@ def test_kueue_queue_label_and_foreign_keys_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("podLabels", {"bad key!": "x"}, "label and annotation keys must be Kubernetes qualified names: got bad key!"),
+        (
+            "podLabels",
+            {"bad key!": "x"},
+            "label and annotation keys must be Kubernetes qualified names: got bad key!",
+        ),
         ("nodeSelector", {"pool": "not a value"}, "String should match pattern"),
         ("podLabels", {"team": "x" * 64}, "at most 63 characters"),
         ("resources", {"requests": {"cpu": 16}}, "Input should be a valid string"),
         ("tolerations", [{"operator": "Exists", "value": "v"}], "toleration: operator Exists takes no value"),
-        ("affinity", {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {}}]}},
-         "topologyKey"),
-        ("affinity", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}},
-         "at least 1 item"),
+        (
+            "affinity",
+            {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {}}]}},
+            "topologyKey",
+        ),
+        (
+            "affinity",
+            {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}},
+            "at least 1 item",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_placement_is_refused_with_the_field_named(field: str, value: object, message: str) -> None:
     for where in ("trainer", "router", "group"):
         manifest = example()
@@ -126,10 +143,14 @@ def test_a_standalone_samplergroup_takes_the_same_fields() -> None:
                 "apiVersion": "rlfleet.dev/v1alpha1",
                 "kind": "SamplerGroup",
                 "metadata": {"name": "solo-h100"},
-                "spec": {"name": "h100", "accelerator": "h100", "model": {"name": "m", "path": "p"},
-                         "resources": {"limits": {"nvidia.com/gpu": "8"}}},
+                "spec": {
+                    "name": "h100",
+                    "accelerator": "h100",
+                    "model": {"name": "m", "path": "p"},
+                    "resources": {"limits": {"nvidia.com/gpu": "8"}},
+                },
             }
-        )  # fmt: skip
+        )
 
 
 def test_every_role_has_the_placement_fields_and_rules_in_the_crds() -> None:
@@ -145,8 +166,15 @@ def test_every_role_has_the_placement_fields_and_rules_in_the_crds() -> None:
     }
     for role, schema in roles.items():
         props = schema["properties"]
-        assert {"nodeSelector", "tolerations", "affinity", "priorityClassName", "resources", "podLabels",
-                "podAnnotations"} <= set(props), role  # fmt: skip
+        assert {
+            "nodeSelector",
+            "tolerations",
+            "affinity",
+            "priorityClassName",
+            "resources",
+            "podLabels",
+            "podAnnotations",
+        } <= set(props), role
         found = {
             v["rule"]
             for key in ("resources", "podLabels", "podAnnotations")
@@ -158,7 +186,9 @@ def test_every_role_has_the_placement_fields_and_rules_in_the_crds() -> None:
             == QUANTITY_PATTERN
         )
         # the pod template fields (rlfleet/api/podfields.py) and their rules, on every role
-        assert {"env", "envFrom", "imagePullSecrets", "serviceAccountName", "volumes", "volumeMounts"} <= set(props)
+        assert {"env", "envFrom", "imagePullSecrets", "serviceAccountName", "volumes", "volumeMounts"} <= set(
+            props
+        )
         assert MOUNT_VOLUME_RULE in {v["rule"] for v in schema["x-kubernetes-validations"]}, role
         env_rules = {v["rule"] for v in props["env"]["items"]["x-kubernetes-validations"]}
         assert {ENV_RESERVED_RULE, ENV_SECRET_RULE} <= env_rules, role

@@ -66,7 +66,12 @@ SERVICE_CIDR = "10.0.0.0/24"
 POD_CIDR = "10.244.0.1/16"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
 CONTROL_PLANE_COMPONENTS = ("kubernetes", "etcd", "kwok")  # what ControlPlane.start() needs
-NODE_COMPONENTS = ("node", "coredns", "local-path-provisioner", "kube-router")  # and with the real node (realnode.py)
+NODE_COMPONENTS = (
+    "node",
+    "coredns",
+    "local-path-provisioner",
+    "kube-router",
+)  # and with the real node (realnode.py)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -374,7 +379,9 @@ def node_manifests(cpu_nodes: bool = True) -> list[dict[str, Any]]:
 def _key_pem(key: Any) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _x509_name(cn: str, org: str | None = None) -> Any:
@@ -387,7 +394,9 @@ def _x509_name(cn: str, org: str | None = None) -> Any:
     return x509.Name(attrs)
 
 
-def _sign_leaf(out: Path, file: str, subject: Any, ca_cert: Any, ca_key: Any, server_names: Sequence[str] | None) -> None:
+def _sign_leaf(
+    out: Path, file: str, subject: Any, ca_cert: Any, ca_key: Any, server_names: Sequence[str] | None
+) -> None:
     """`out/<file>.crt` + `.key`, signed by the CA: a serving cert for `server_names` (DNS names and IPs),
     or a client cert when None."""
     from cryptography import x509
@@ -407,10 +416,16 @@ def _sign_leaf(out: Path, file: str, subject: Any, ca_cert: Any, ca_key: Any, se
         .not_valid_after(now + dt.timedelta(days=7))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
         .add_extension(
             x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH if server_names is not None else ExtendedKeyUsageOID.CLIENT_AUTH]
+                [
+                    ExtendedKeyUsageOID.SERVER_AUTH
+                    if server_names is not None
+                    else ExtendedKeyUsageOID.CLIENT_AUTH
+                ]
             ),
             critical=False,
         )
@@ -440,7 +455,9 @@ def write_serving_cert(pki: Path, out: Path, file: str, server_names: Sequence[s
     _sign_leaf(out, file, _x509_name(file), ca_cert, ca_key, server_names)
 
 
-def _write_pki(pki: Path, server_ips: Sequence[str] = (), extra_leaves: dict[str, tuple[str, str | None]] | None = None) -> None:
+def _write_pki(
+    pki: Path, server_ips: Sequence[str] = (), extra_leaves: dict[str, tuple[str, str | None]] | None = None
+) -> None:
     """The CA, the API server's serving cert (also valid for `server_ips`) and the client certs
     (`extra_leaves`: file -> (CN, O), e.g. the real node's kubelet)."""
     from cryptography import x509
@@ -667,7 +684,9 @@ class ControlPlane:
     `real_node`, also the dev cluster's real node (realnode.py: containerd, kubelet, kube-proxy, CoreDNS,
     local-path storage), and the API server listens on the node's bridge so pods reach it."""
 
-    def __init__(self, workdir: Path, log: Callable[[str], None] = lambda msg: None, real_node: bool = False) -> None:
+    def __init__(
+        self, workdir: Path, log: Callable[[str], None] = lambda msg: None, real_node: bool = False
+    ) -> None:
         self.workdir = Path(workdir)
         self.log = log
         self.procs: list[Proc] = []
@@ -810,7 +829,9 @@ class ControlPlane:
                 ],
                 env={**os.environ, "HOME": str(kwok_home)},
             )
-            self.cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(node_manifests(cpu_nodes=not self.node)))
+            self.cluster.kubectl(
+                "apply", "-f", "-", input=yaml.safe_dump_all(node_manifests(cpu_nodes=not self.node))
+            )
             self._wait("nodes Ready and untainted", self._nodes_ready, timeout=120)
             self._wait("default ServiceAccount and kube-root-ca.crt", self._namespace_ready, timeout=60)
             if self.node:
@@ -1051,7 +1072,10 @@ def cmd_up(workdir: Path, foreground: bool, real_node: bool = False, timeout: fl
         print(f"already running; KUBECONFIG={workdir / 'kubeconfig'}", file=sys.stderr)
         print(workdir / "kubeconfig")
         return 0
-    build(CONTROL_PLANE_COMPONENTS + (NODE_COMPONENTS if real_node else ()), log=lambda msg: print(msg, file=sys.stderr))
+    build(
+        CONTROL_PLANE_COMPONENTS + (NODE_COMPONENTS if real_node else ()),
+        log=lambda msg: print(msg, file=sys.stderr),
+    )
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
@@ -1060,8 +1084,14 @@ def cmd_up(workdir: Path, foreground: bool, real_node: bool = False, timeout: fl
         return _supervise(workdir, real_node)
     with open(workdir / "supervisor.log", "ab") as out:
         popen = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "_supervise", "--workdir", str(workdir),
-             *(["--real-node"] if real_node else [])],
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "_supervise",
+                "--workdir",
+                str(workdir),
+                *(["--real-node"] if real_node else []),
+            ],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -1149,7 +1179,9 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--workdir", type=Path, default=WORK_ROOT / "default")
         if name in ("up", "_supervise"):
-            p.add_argument("--real-node", action="store_true", help="also run a real node (scripts/dev-cluster)")
+            p.add_argument(
+                "--real-node", action="store_true", help="also run a real node (scripts/dev-cluster)"
+            )
         if name == "up":
             p.add_argument("--foreground", action="store_true", help="run in this process until Ctrl-C")
     args = parser.parse_args(argv)

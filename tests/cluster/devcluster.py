@@ -56,8 +56,10 @@ def take_up_lock(workdir: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise Busy(f"another scripts/dev-cluster up (pid {holder}) is starting the dev cluster in {workdir} "
-                   f"(it holds {path}); wait for it, or stop it with scripts/dev-cluster down") from None
+        raise Busy(
+            f"another scripts/dev-cluster up (pid {holder}) is starting the dev cluster in {workdir} "
+            f"(it holds {path}); wait for it, or stop it with scripts/dev-cluster down"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -87,9 +89,15 @@ def cmd_images(workdir: Path, names: list[str]) -> int:
     node.load_images(built)
     for image in built:
         print(image.ref)
-    (workdir / "images.json").write_text(json.dumps(
-        {b.name: {"ref": b.ref, "archive": str(b.archive), "build_seconds": round(b.seconds, 1)} for b in built},
-        indent=2))
+    (workdir / "images.json").write_text(
+        json.dumps(
+            {
+                b.name: {"ref": b.ref, "archive": str(b.archive), "build_seconds": round(b.seconds, 1)}
+                for b in built
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -99,10 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="start the control plane and the real node; prints the KUBECONFIG path")
     p_images = sub.add_parser("images", help="build the CPU images and load them into the node")
-    p_images.add_argument("names", nargs="*", default=list(nodeimages.CPU_TAGS), help="operator, sampler, trainer")
+    p_images.add_argument(
+        "names", nargs="*", default=list(nodeimages.CPU_TAGS), help="operator, sampler, trainer"
+    )
     sub.add_parser("status", help="is it running? lists the nodes")
     sub.add_parser("down", help="stop it; leaves no process, mount, bridge or iptables rule")
-    sub.add_parser("prepare", help="install the Debian packages, build the binaries and images (cached); start nothing")
+    sub.add_parser(
+        "prepare", help="install the Debian packages, build the binaries and images (cached); start nothing"
+    )
     args = parser.parse_args(argv)
     workdir = args.workdir.resolve()
     try:
@@ -123,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return controlplane.cmd_status(workdir)
         return controlplane.cmd_down(workdir)
-    except (controlplane.BuildError, controlplane.ControlPlaneError, realnode.NodeError, nodeimages.ImageError) as err:
+    except (
+        controlplane.BuildError,
+        controlplane.ControlPlaneError,
+        realnode.NodeError,
+        nodeimages.ImageError,
+    ) as err:
         log(f"error: {err}")
         return 2
 

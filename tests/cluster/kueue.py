@@ -43,10 +43,17 @@ ADMISSION_GATE = "kueue.x-k8s.io/admission"  # the scheduling gate on a pod unti
 FRAMEWORKS = ("pod", "deployment")
 # webhook paths to install: Kueue's own kinds and the enabled integrations (the others have no handler)
 _WEBHOOK_PATHS = ("kueue-x-k8s-io", "-v1-pod", "apps-v1-deployment")
-WEBHOOK_CONFIGURATIONS = {"MutatingWebhookConfiguration": "rlfleet-test-kueue", "ValidatingWebhookConfiguration": "rlfleet-test-kueue"}
+WEBHOOK_CONFIGURATIONS = {
+    "MutatingWebhookConfiguration": "rlfleet-test-kueue",
+    "ValidatingWebhookConfiguration": "rlfleet-test-kueue",
+}
 # finalizers Kueue puts on what it manages; a stopped manager removes none of them
 _FINALIZED = ("pods", "workloads.kueue.x-k8s.io", "localqueues.kueue.x-k8s.io")
-_FINALIZED_CLUSTER = ("clusterqueues.kueue.x-k8s.io", "resourceflavors.kueue.x-k8s.io", "cohorts.kueue.x-k8s.io")
+_FINALIZED_CLUSTER = (
+    "clusterqueues.kueue.x-k8s.io",
+    "resourceflavors.kueue.x-k8s.io",
+    "cohorts.kueue.x-k8s.io",
+)
 
 
 # With internal cert management off, cmd/kueue/main.go loads a metrics serving cert from this fixed path at
@@ -71,8 +78,10 @@ def ensure_metrics_cert(pki: Path) -> None:
         METRICS_CERT_DIR.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".kueue-metrics-", dir=METRICS_CERT_DIR))
     except PermissionError as exc:
-        raise KueueNeedsRoot(f"Kueue {cp.COMPONENTS[COMPONENT].version()} reads its metrics cert from "
-                         f"{METRICS_CERT_DIR}, which this user cannot create ({exc}): run as root") from exc  # fmt: skip
+        raise KueueNeedsRoot(
+            f"Kueue {cp.COMPONENTS[COMPONENT].version()} reads its metrics cert from "
+            f"{METRICS_CERT_DIR}, which this user cannot create ({exc}): run as root"
+        ) from exc
     cp.write_serving_cert(pki, staging, "tls", ["127.0.0.1"])
     os.replace(staging / "tls.key", METRICS_CERT_DIR / "tls.key")  # the key first: a crt means both are there
     os.replace(staging / "tls.crt", METRICS_CERT_DIR / "tls.crt")
@@ -82,24 +91,38 @@ def ensure_metrics_cert(pki: Path) -> None:
 def module_dir() -> Path:
     """The Kueue module's source in the Go module cache, at the version the wrapper module pins."""
     component = cp.COMPONENTS[COMPONENT]
-    env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": f"{os.environ.get('GOFLAGS', '')} -mod=readonly".strip()}
+    env = {
+        **os.environ,
+        "GOTOOLCHAIN": "local",
+        "GOFLAGS": f"{os.environ.get('GOFLAGS', '')} -mod=readonly".strip(),
+    }
     result = subprocess.run(
         [cp.go_binary(), "list", "-m", "-f", "{{.Dir}}", MODULE],
-        cwd=component.wrapper_dir, env=env, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        cwd=component.wrapper_dir,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     directory = Path(result.stdout.strip())
     if result.returncode != 0 or not (directory / "config" / "components").is_dir():
-        raise KueueError(f"no source of {MODULE} in the module cache ({result.stderr.strip()}): build it first")
+        raise KueueError(
+            f"no source of {MODULE} in the module cache ({result.stderr.strip()}): build it first"
+        )
     return directory
 
 
 def crd_manifests(source: Path) -> list[dict[str, Any]]:
     """Kueue's CRDs as its release ships them, without the conversion-webhook patches (only v1beta2,
     the storage version, is used here: no conversion is needed)."""
-    return [yaml.safe_load(f.read_text()) for f in sorted((source / "config/components/crd/bases").glob("*.yaml"))]
+    return [
+        yaml.safe_load(f.read_text()) for f in sorted((source / "config/components/crd/bases").glob("*.yaml"))
+    ]
 
 
-def webhook_manifests(source: Path, port: int, ca_bundle: bytes, namespaces: Sequence[str]) -> list[dict[str, Any]]:
+def webhook_manifests(
+    source: Path, port: int, ca_bundle: bytes, namespaces: Sequence[str]
+) -> list[dict[str, Any]]:
     """Kueue's webhook configurations (config/components/webhook/manifests.yaml), calling the manager on
     127.0.0.1:`port` and limited to `namespaces`."""
     import base64
@@ -147,7 +170,9 @@ class Kueue:
     """The Kueue manager beside a running control plane (a test's; nothing here is test-only): see the
     module docstring."""
 
-    def __init__(self, cluster: Any, namespaces: Sequence[str], log: Callable[[str], None] = lambda msg: None) -> None:
+    def __init__(
+        self, cluster: Any, namespaces: Sequence[str], log: Callable[[str], None] = lambda msg: None
+    ) -> None:
         self.cluster = cluster
         self.namespaces = list(namespaces)
         self.log = log
@@ -160,13 +185,17 @@ class Kueue:
         pki = Path(self.cluster.workdir) / "pki"
         cert_dir = self.dir / "certs"
         cert_dir.mkdir(parents=True, exist_ok=True)
-        cp.write_serving_cert(pki, cert_dir, "tls", ["127.0.0.1"])  # controller-runtime reads tls.crt / tls.key
+        cp.write_serving_cert(
+            pki, cert_dir, "tls", ["127.0.0.1"]
+        )  # controller-runtime reads tls.crt / tls.key
         ensure_metrics_cert(pki)
         webhook_port, health_port = cp.free_port(), cp.free_port()
         config = self.dir / "config.yaml"
         config.write_text(yaml.safe_dump(configuration(webhook_port, health_port, cert_dir), sort_keys=False))
         kubectl = self.cluster.kubectl
-        crds = crd_manifests(source)  # the Workload CRD alone is 1.4 MB: server-side (no last-applied annotation)
+        crds = crd_manifests(
+            source
+        )  # the Workload CRD alone is 1.4 MB: server-side (no last-applied annotation)
         kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all(crds))
         self._wait_established([c["metadata"]["name"] for c in crds], timeout)
         kubectl("create", "namespace", NAMESPACE, check=False)  # exists from an earlier start
@@ -180,9 +209,13 @@ class Kueue:
                     "--feature-gates=VisibilityOnDemand=false",  # its API server extension needs an APIService
                     "--zap-log-level=2",
                 ],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=cp.die_with_parent, cwd=self.dir,
-            )  # fmt: skip
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=cp.die_with_parent,
+                cwd=self.dir,
+            )
         self.proc = cp.Proc("kueue", popen, log)
         self._wait_ready(health_port, timeout)
         hooks = webhook_manifests(source, webhook_port, (pki / "ca.crt").read_bytes(), self.namespaces)
@@ -193,12 +226,19 @@ class Kueue:
         """`kubectl wait` refuses a CRD the API server has not given a status yet: asked again until then."""
         deadline = time.monotonic() + timeout
         while True:
-            result = self.cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                                          *(f"crd/{name}" for name in crds), check=False)  # fmt: skip
+            result = self.cluster.kubectl(
+                "wait",
+                "--for=condition=Established",
+                "--timeout=30s",
+                *(f"crd/{name}" for name in crds),
+                check=False,
+            )
             if result.returncode == 0:
                 return
             if time.monotonic() > deadline:
-                raise KueueError(f"Kueue's CRDs not Established after {timeout:.0f}s: {result.stderr.strip()}")
+                raise KueueError(
+                    f"Kueue's CRDs not Established after {timeout:.0f}s: {result.stderr.strip()}"
+                )
             time.sleep(0.5)
 
     def _wait_ready(self, health_port: int, timeout: float) -> None:
@@ -207,7 +247,9 @@ class Kueue:
         deadline = time.monotonic() + timeout
         while True:
             if not self.proc.alive():
-                raise KueueError(f"kueue exited ({self.proc.popen.returncode}); log {self.proc.log}:\n{self.proc.tail()}")
+                raise KueueError(
+                    f"kueue exited ({self.proc.popen.returncode}); log {self.proc.log}:\n{self.proc.tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/readyz", timeout=2) as response:
                     if response.status == 200:
@@ -215,7 +257,9 @@ class Kueue:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise KueueError(f"kueue not ready after {timeout:.0f}s; log {self.proc.log}:\n{self.proc.tail()}")
+                raise KueueError(
+                    f"kueue not ready after {timeout:.0f}s; log {self.proc.log}:\n{self.proc.tail()}"
+                )
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -225,7 +269,9 @@ class Kueue:
         for kind, name in WEBHOOK_CONFIGURATIONS.items():
             kubectl("delete", kind.lower(), name, "--ignore-not-found", check=False)
         if self.proc is not None:
-            cp._stop_group(self.proc.popen.pid, lambda t: cp._wait_popen(self.proc.popen, t) if self.proc else True)
+            cp._stop_group(
+                self.proc.popen.pid, lambda t: cp._wait_popen(self.proc.popen, t) if self.proc else True
+            )
             self.proc = None
         unfinalize = json.dumps({"metadata": {"finalizers": None}})
         targets = [(resource, ["-n", ns]) for ns in self.namespaces for resource in _FINALIZED]

@@ -117,14 +117,27 @@ def _run(cmd: list[str], *, log: Path | None = None) -> str:
         with open(log, "a") as out:
             out.write(f"$ {' '.join(cmd)}\n{result.stdout}{result.stderr}\n")
     if result.returncode != 0:
-        raise ImageError(f"{' '.join(cmd[:6])} ... failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}")
+        raise ImageError(
+            f"{' '.join(cmd[:6])} ... failed ({result.returncode}):\n{(result.stdout + result.stderr)[-3000:]}"
+        )
     return result.stdout.strip()
 
 
 def buildah(*args: str, log: Path | None = None) -> str:
     """buildah on the project's own storage (overlay, under CACHE): the machine's default is untouched."""
-    return _run(["buildah", "--root", str(BUILDAH_ROOT / "root"), "--runroot", str(BUILDAH_ROOT / "run"),
-                 "--storage-driver", "overlay", *args], log=log)
+    return _run(
+        [
+            "buildah",
+            "--root",
+            str(BUILDAH_ROOT / "root"),
+            "--runroot",
+            str(BUILDAH_ROOT / "run"),
+            "--storage-driver",
+            "overlay",
+            *args,
+        ],
+        log=log,
+    )
 
 
 def debian_mirror() -> str:
@@ -139,7 +152,9 @@ def debian_mirror() -> str:
         ):
             if uri.rstrip("/").endswith("/debian"):
                 return uri
-    raise ImageError("no Debian archive in /etc/apt/sources.list(.d): the base image needs one for debootstrap")
+    raise ImageError(
+        "no Debian archive in /etc/apt/sources.list(.d): the base image needs one for debootstrap"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,8 +173,14 @@ def _source_bytes(paths: Iterable[str]) -> Iterable[bytes]:
     """Every file of the build context that matters (sorted; caches and bytecode skipped)."""
     for rel in paths:
         path = REPO / rel
-        files = [path] if path.is_file() else sorted(
-            p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+        files = (
+            [path]
+            if path.is_file()
+            else sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+            )
         )
         for file in files:
             yield str(file.relative_to(REPO)).encode()
@@ -174,7 +195,9 @@ class Built:
     seconds: float  # 0.0: from the cache
 
 
-def _cached(name: str, ref: str, digest: str, make: Callable[[Path], None], log: Callable[[str], None]) -> Built:
+def _cached(
+    name: str, ref: str, digest: str, make: Callable[[Path], None], log: Callable[[str], None]
+) -> Built:
     """The archive of `ref` for these inputs: from the cache, else built by `make(workdir)` (which must
     leave `ref` in buildah's storage) and pushed to an OCI archive. buildah 1.28 still gzips the layers
     despite --disable-compression (measured: 1.24 GB base -> 401 MiB archive), so the node's import
@@ -199,8 +222,13 @@ def _cached(name: str, ref: str, digest: str, make: Callable[[Path], None], log:
     return Built(name, ref, archive, seconds)
 
 
-def _from_scratch(ref: str, files: dict[str, Path], entrypoint: list[str], user: str | None = None,
-                  links: dict[str, str] | None = None) -> None:
+def _from_scratch(
+    ref: str,
+    files: dict[str, Path],
+    entrypoint: list[str],
+    user: str | None = None,
+    links: dict[str, str] | None = None,
+) -> None:
     container = buildah("from", "scratch")
     try:
         for dest, source in files.items():
@@ -236,10 +264,16 @@ def helper_image(log: Callable[[str], None] = print) -> Built:
     applets = ("sh", "mkdir", "rm", "chmod", "ls", "cat", "echo", "sleep", "test")
 
     def make(tmp: Path) -> None:
-        _from_scratch(HELPER_IMAGE, {"/bin/busybox": busybox}, ["/bin/sh"],
-                      links={f"/bin/{a}": "busybox" for a in applets})
+        _from_scratch(
+            HELPER_IMAGE,
+            {"/bin/busybox": busybox},
+            ["/bin/sh"],
+            links={f"/bin/{a}": "busybox" for a in applets},
+        )
 
-    return _cached("helper", HELPER_IMAGE, _digest([busybox.read_bytes(), " ".join(applets).encode()]), make, log)
+    return _cached(
+        "helper", HELPER_IMAGE, _digest([busybox.read_bytes(), " ".join(applets).encode()]), make, log
+    )
 
 
 def base_image(log: Callable[[str], None] = print) -> Built:
@@ -247,8 +281,17 @@ def base_image(log: Callable[[str], None] = print) -> Built:
 
     def make(tmp: Path) -> None:
         rootfs = tmp / "rootfs"
-        _run(["debootstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}", DEBIAN_SUITE,
-              str(rootfs), mirror], log=tmp / "debootstrap.log")
+        _run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(BASE_PACKAGES)}",
+                DEBIAN_SUITE,
+                str(rootfs),
+                mirror,
+            ],
+            log=tmp / "debootstrap.log",
+        )
         # pip must keep Debian's CPU torch: a requirement it does not satisfy fails the build instead of
         # pulling PyPI's CUDA build (several GB)
         [torch_info] = (rootfs / "usr/lib/python3/dist-packages").glob("torch-*.egg-info")
@@ -256,9 +299,12 @@ def base_image(log: Callable[[str], None] = print) -> Built:
         (rootfs / "etc/rlfleet").mkdir(parents=True, exist_ok=True)
         minor = ".".join(torch_version.split(".")[:2])
         if minor not in TRITON_FOR_TORCH:
-            raise ImageError(f"Debian's torch {torch_version}: add the triton release its PyPI twin pins to TRITON_FOR_TORCH")
+            raise ImageError(
+                f"Debian's torch {torch_version}: add the triton release its PyPI twin pins to TRITON_FOR_TORCH"
+            )
         (rootfs / "etc/rlfleet/pip-constraints.txt").write_text(
-            f"torch=={torch_version}\ntriton=={TRITON_FOR_TORCH[minor]}\n")
+            f"torch=={torch_version}\ntriton=={TRITON_FOR_TORCH[minor]}\n"
+        )
         # The images' Python is a venv over Debian's: pip installs into it and never has to remove a
         # Debian-installed package (it cannot: no RECORD files), while Debian's torch stays visible.
         _run(["chroot", str(rootfs), "python3", "-m", "venv", "--system-site-packages", VENV])
@@ -269,7 +315,9 @@ def base_image(log: Callable[[str], None] = print) -> Built:
         torchrun.chmod(0o755)
         [site_packages] = (rootfs / VENV.lstrip("/") / "lib").glob("python3*/site-packages")
         (site_packages / "rlfleet_tcpstore_without_libuv.py").write_text(TCPSTORE_WITHOUT_LIBUV)
-        (site_packages / "rlfleet-tcpstore-without-libuv.pth").write_text("import rlfleet_tcpstore_without_libuv\n")
+        (site_packages / "rlfleet-tcpstore-without-libuv.pth").write_text(
+            "import rlfleet_tcpstore_without_libuv\n"
+        )
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for path in (rootfs / junk).glob("*"):
                 if path.is_file():
@@ -280,18 +328,39 @@ def base_image(log: Callable[[str], None] = print) -> Built:
             # tar keeps owners, modes and links as debootstrap made them (buildah copy would chown to root)
             _run(["sh", "-c", f"tar -C {rootfs} -cf - . | tar -C {mount} -xpf -"])
             buildah("umount", container)
-            buildah("config", "--env", f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-                    "--env", f"VIRTUAL_ENV={VENV}", "--env", "LANG=C.UTF-8",
-                    # torch's env:// rendezvous (init_process_group in each rank) reads it; the c10d store
-                    # of torchrun's agent does not (TCPSTORE_WITHOUT_LIBUV)
-                    "--env", "USE_LIBUV=0", "--env", "PIP_CONSTRAINT=/etc/rlfleet/pip-constraints.txt",
-                    "--cmd", "/bin/bash", container)
+            buildah(
+                "config",
+                "--env",
+                f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "--env",
+                f"VIRTUAL_ENV={VENV}",
+                "--env",
+                "LANG=C.UTF-8",
+                # torch's env:// rendezvous (init_process_group in each rank) reads it; the c10d store
+                # of torchrun's agent does not (TCPSTORE_WITHOUT_LIBUV)
+                "--env",
+                "USE_LIBUV=0",
+                "--env",
+                "PIP_CONSTRAINT=/etc/rlfleet/pip-constraints.txt",
+                "--cmd",
+                "/bin/bash",
+                container,
+            )
             buildah("commit", "--quiet", container, BASE_IMAGE)
         finally:
             buildah("rm", container)
 
-    recipe = [DEBIAN_SUITE, " ".join(BASE_PACKAGES), VENV, "venv --system-site-packages", "PIP_CONSTRAINT torch",
-              repr(sorted(TRITON_FOR_TORCH.items())), TORCHRUN, TCPSTORE_WITHOUT_LIBUV, "USE_LIBUV=0"]
+    recipe = [
+        DEBIAN_SUITE,
+        " ".join(BASE_PACKAGES),
+        VENV,
+        "venv --system-site-packages",
+        "PIP_CONSTRAINT torch",
+        repr(sorted(TRITON_FOR_TORCH.items())),
+        TORCHRUN,
+        TCPSTORE_WITHOUT_LIBUV,
+        "USE_LIBUV=0",
+    ]
     return _cached("base-cpu", BASE_IMAGE, _digest(r.encode() for r in recipe), make, log)
 
 
@@ -308,8 +377,14 @@ def rlfleet_image(name: str, base: Built, log: Callable[[str], None] = print) ->
     dockerfile = REPO / "images" / f"Dockerfile.{name}"
     ref = CPU_TAGS[name]
     build_args = DOCKERFILE_BASE_ARGS[name]
-    digest = _digest([base.archive.name.encode(), repr(sorted(build_args.items())).encode(), dockerfile.read_bytes(),
-                      *_source_bytes(SOURCES)])
+    digest = _digest(
+        [
+            base.archive.name.encode(),
+            repr(sorted(build_args.items())).encode(),
+            dockerfile.read_bytes(),
+            *_source_bytes(SOURCES),
+        ]
+    )
 
     def make(tmp: Path) -> None:
         context = tmp / "context"  # what the .dockerignore lets through: the package sources
@@ -320,8 +395,18 @@ def rlfleet_image(name: str, base: Built, log: Callable[[str], None] = print) ->
                 shutil.copytree(source, context / rel, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
             else:
                 shutil.copy2(source, context / rel)
-        args = ["bud", "--isolation", "chroot", "--network", "host", "--layers=false", "-f", str(dockerfile),
-                "-t", ref]
+        args = [
+            "bud",
+            "--isolation",
+            "chroot",
+            "--network",
+            "host",
+            "--layers=false",
+            "-f",
+            str(dockerfile),
+            "-t",
+            ref,
+        ]
         for key, value in build_args.items():
             args += ["--build-arg", f"{key}={value}"]
         if HOST_CA_BUNDLE.is_file():
@@ -345,20 +430,43 @@ def sandbox_image(log: Callable[[str], None] = print) -> Built:
             buildah("tag", buildah("pull", "-q", f"oci-archive:{base.archive}"), BASE_IMAGE)
         container = buildah("from", BASE_IMAGE)
         try:
-            volume = ["--volume", f"{HOST_CA_BUNDLE}:/etc/ssl/certs/ca-certificates.crt:ro"] if HOST_CA_BUNDLE.is_file() else []
-            buildah("run", "--isolation", "chroot", "--network", "host", *volume, container, "--", "sh", "-c",
-                    "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "
-                    f"{' '.join(SANDBOX_PACKAGES)} && rm -rf /var/lib/apt/lists/*", log=tmp / "sandbox.log")
+            volume = (
+                ["--volume", f"{HOST_CA_BUNDLE}:/etc/ssl/certs/ca-certificates.crt:ro"]
+                if HOST_CA_BUNDLE.is_file()
+                else []
+            )
+            buildah(
+                "run",
+                "--isolation",
+                "chroot",
+                "--network",
+                "host",
+                *volume,
+                container,
+                "--",
+                "sh",
+                "-c",
+                "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "
+                f"{' '.join(SANDBOX_PACKAGES)} && rm -rf /var/lib/apt/lists/*",
+                log=tmp / "sandbox.log",
+            )
             buildah("config", "--user", "10001:10001", "--workingdir", "/work", "--cmd", "/bin/sh", container)
             buildah("commit", "--quiet", container, SANDBOX_IMAGE)
         finally:
             buildah("rm", container)
 
-    return _cached("sandbox", SANDBOX_IMAGE, _digest([base.archive.name.encode(), " ".join(SANDBOX_PACKAGES).encode()]),
-                   make, log)
+    return _cached(
+        "sandbox",
+        SANDBOX_IMAGE,
+        _digest([base.archive.name.encode(), " ".join(SANDBOX_PACKAGES).encode()]),
+        make,
+        log,
+    )
 
 
-def build_all(names: Iterable[str] = ("operator", "sampler", "trainer"), log: Callable[[str], None] = print) -> list[Built]:
+def build_all(
+    names: Iterable[str] = ("operator", "sampler", "trainer"), log: Callable[[str], None] = print
+) -> list[Built]:
     """Every image the dev cluster loads: pause, helper, the CPU base (needed by the others but not
     loaded) and the named rlfleet images."""
     built = [pause_image(log), helper_image(log)]

@@ -114,10 +114,15 @@ def ensure_host_packages(log: Callable[[str], None] = print) -> None:
     if not missing:
         return
     if os.geteuid() != 0:
-        raise NodeError(f"missing Debian packages {missing}: run as root or `apt-get install {' '.join(missing)}`")
+        raise NodeError(
+            f"missing Debian packages {missing}: run as root or `apt-get install {' '.join(missing)}`"
+        )
     log(f"installing Debian packages {missing} ...")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]):
+    for cmd in (
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing],
+    ):
         result = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise NodeError(f"{' '.join(cmd)} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
@@ -172,7 +177,11 @@ def _sweep_iptables() -> None:
         for line in saved.splitlines():
             if line.startswith("*"):
                 table = line[1:]
-            elif line.startswith("-A ") and re.search(r" -j (KUBE-|CNI-)", line) and not re.match(r"-A (KUBE-|CNI-)", line):
+            elif (
+                line.startswith("-A ")
+                and re.search(r" -j (KUBE-|CNI-)", line)
+                and not re.match(r"-A (KUBE-|CNI-)", line)
+            ):
                 _run(binary, "-w", "-t", table, *shlex.split(line.replace("-A ", "-D ", 1)), check=False)
         for table, names in chains.items():
             for name in names:
@@ -239,7 +248,8 @@ def sweep(workdir: Path, log: Callable[[str], None] = lambda msg: None) -> None:
             pass
     for point in _mounts():
         if point.startswith(str(workdir) + "/") or (
-            point.startswith(str(NETNS_DIR) + "/") and Path(point).name not in state.get("netns_before", [])
+            point.startswith(str(NETNS_DIR) + "/")
+            and Path(point).name not in state.get("netns_before", [])
             and Path(point).name.startswith("cni-")
         ):
             _run("umount", "-l", point, check=False)
@@ -332,11 +342,15 @@ class RealNode:
             raise NodeError("; ".join(problems))
         ensure_host_packages(self.log)
         self.dir.mkdir(parents=True, exist_ok=True)
-        if not LOCK_FILE.exists() and (any(_iptables_chains(b) for b in ("iptables", "ip6tables")) or _ipsets()):
+        if not LOCK_FILE.exists() and (
+            any(_iptables_chains(b) for b in ("iptables", "ip6tables")) or _ipsets()
+        ):
             # never ours (a node of ours leaves its lock until swept): the sweep would delete them
-            raise NodeError("this machine already has KUBE-*/CNI-* iptables chains or KUBE-* ipsets (a kubelet, "
-                            "kube-proxy or kube-router of another cluster?): the dev cluster's cleanup would delete "
-                            "them, so it does not start")
+            raise NodeError(
+                "this machine already has KUBE-*/CNI-* iptables chains or KUBE-* ipsets (a kubelet, "
+                "kube-proxy or kube-router of another cluster?): the dev cluster's cleanup would delete "
+                "them, so it does not start"
+            )
         _take_lock()
         sweep(self.workdir)  # a previous node of ours that died without `down`
         (self.workdir / "node.json").write_text(json.dumps({"netns_before": sorted(_netns())}))
@@ -349,9 +363,15 @@ class RealNode:
             bridge_nf.write_text("1")
 
     # ---- after the API server ----
-    def start(self, spawn_process: Callable[..., Any], bin_dir: Path, pki: Path,
-              kubectl: Callable[..., subprocess.CompletedProcess], free_port: Callable[[], int],
-              service_cidr: str) -> None:
+    def start(
+        self,
+        spawn_process: Callable[..., Any],
+        bin_dir: Path,
+        pki: Path,
+        kubectl: Callable[..., subprocess.CompletedProcess],
+        free_port: Callable[[], int],
+        service_cidr: str,
+    ) -> None:
         """Start the node's processes (the control plane has written the kubeconfigs of `client_certs`
         into `self.dir`) and wait for the node to be Ready, its NetworkPolicy firewall installed and DNS to
         answer."""
@@ -374,8 +394,15 @@ class RealNode:
         self._wait("CoreDNS ready", lambda: _http_ok(f"http://127.0.0.1:{ports.dns_ready}/ready"), 60)
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return _run("ctr", "--address", str(self.dir / "containerd" / "containerd.sock"), "-n", "k8s.io", *args,
-                    check=check)
+        return _run(
+            "ctr",
+            "--address",
+            str(self.dir / "containerd" / "containerd.sock"),
+            "-n",
+            "k8s.io",
+            *args,
+            check=check,
+        )
 
     def _wait(self, what: str, check: Callable[[], bool], timeout: float) -> None:
         """Poll `check` until it holds; fail at once with its log if one of the node's processes died."""
@@ -383,8 +410,10 @@ class RealNode:
         while time.monotonic() < deadline:
             for proc in self.procs:
                 if not proc.alive():
-                    raise NodeError(f"{proc.name} exited ({proc.popen.returncode}) while waiting for {what}; "
-                                    f"log {proc.log}:\n{proc.tail()}")
+                    raise NodeError(
+                        f"{proc.name} exited ({proc.popen.returncode}) while waiting for {what}; "
+                        f"log {proc.log}:\n{proc.tail()}"
+                    )
             try:
                 if check():
                     return
@@ -421,28 +450,35 @@ state = "{d}/containerd/state"
     conf_dir = "{d}/cni/net.d"
 """
         (d / "containerd.toml").write_text(config)
-        (d / "cni" / "net.d" / "10-rlfleet.conflist").write_text(json.dumps({
-            "cniVersion": "1.0.0",
-            "name": "rlfleet",
-            "plugins": [
+        (d / "cni" / "net.d" / "10-rlfleet.conflist").write_text(
+            json.dumps(
                 {
-                    "type": "bridge",
-                    "bridge": BRIDGE,
-                    "isGateway": True,
-                    "ipMasq": True,
-                    "hairpinMode": True,
-                    "ipam": {
-                        "type": "host-local",
-                        "ranges": [[{"subnet": str(POD_SUBNET), "gateway": NODE_IP}]],
-                        "routes": [{"dst": "0.0.0.0/0"}],
-                        "dataDir": str(d / "cni" / "ipam"),
-                    },
+                    "cniVersion": "1.0.0",
+                    "name": "rlfleet",
+                    "plugins": [
+                        {
+                            "type": "bridge",
+                            "bridge": BRIDGE,
+                            "isGateway": True,
+                            "ipMasq": True,
+                            "hairpinMode": True,
+                            "ipam": {
+                                "type": "host-local",
+                                "ranges": [[{"subnet": str(POD_SUBNET), "gateway": NODE_IP}]],
+                                "routes": [{"dst": "0.0.0.0/0"}],
+                                "dataDir": str(d / "cni" / "ipam"),
+                            },
+                        },
+                        {"type": "portmap", "capabilities": {"portMappings": True}},
+                        {"type": "loopback"},
+                    ],
                 },
-                {"type": "portmap", "capabilities": {"portMappings": True}},
-                {"type": "loopback"},
-            ],
-        }, indent=2))
-        spawn("containerd", [shutil.which("containerd") or "containerd", "--config", str(d / "containerd.toml")])
+                indent=2,
+            )
+        )
+        spawn(
+            "containerd", [shutil.which("containerd") or "containerd", "--config", str(d / "containerd.toml")]
+        )
         self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 60)
         return sock
 
@@ -478,8 +514,12 @@ state = "{d}/containerd/state"
             "serializeImagePulls": False,
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
-                             "nodefs.inodesFree": "1%"},
+            "evictionHard": {
+                "memory.available": "100Mi",
+                "nodefs.available": "1%",
+                "imagefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+            },
             "protectKernelDefaults": False,
             "staticPodPath": "",
             "resolvConf": str(self._resolv_conf()),
@@ -490,17 +530,20 @@ state = "{d}/containerd/state"
         }
         (d / "kubelet.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         labels = ",".join(f"{k}={v}" for k, v in NODE_LABELS.items())
-        spawn("kubelet", [
-            str(bin_dir / "kubelet"),
-            f"--config={d / 'kubelet.yaml'}",
-            f"--kubeconfig={d / 'kubelet.kubeconfig'}",
-            f"--root-dir={d / 'kubelet'}",
-            f"--cert-dir={d / 'kubelet-pki'}",
-            f"--hostname-override={NODE_NAME}",
-            f"--node-ip={NODE_IP}",
-            f"--node-labels={labels}",
-            "--v=1",
-        ])
+        spawn(
+            "kubelet",
+            [
+                str(bin_dir / "kubelet"),
+                f"--config={d / 'kubelet.yaml'}",
+                f"--kubeconfig={d / 'kubelet.kubeconfig'}",
+                f"--root-dir={d / 'kubelet'}",
+                f"--cert-dir={d / 'kubelet-pki'}",
+                f"--hostname-override={NODE_NAME}",
+                f"--node-ip={NODE_IP}",
+                f"--node-labels={labels}",
+                "--v=1",
+            ],
+        )
 
     def _resolv_conf(self) -> Path:
         """Pods with dnsPolicy Default get this: no upstream resolver (the node serves cluster names only)."""
@@ -533,19 +576,22 @@ state = "{d}/containerd/state"
         is REJECTed. It needs the Node object (after the kubelet registered it). Waits until its chains hook
         the host's FORWARD, INPUT and OUTPUT chains."""
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(kube_router_rbac()))
-        spawn("kube-router", [
-            str(bin_dir / "kube-router"),
-            f"--kubeconfig={self.dir / 'kube-router.kubeconfig'}",
-            f"--hostname-override={NODE_NAME}",
-            "--run-firewall=true",
-            "--run-router=false",  # the bridge CNI routes the pods
-            "--run-service-proxy=false",  # kube-proxy serves the Services
-            "--enable-cni=false",
-            f"--service-cluster-ip-range={service_cidr}",
-            f"--health-port={ports.router_health}",
-            "--metrics-port=0",
-            "--v=1",
-        ])
+        spawn(
+            "kube-router",
+            [
+                str(bin_dir / "kube-router"),
+                f"--kubeconfig={self.dir / 'kube-router.kubeconfig'}",
+                f"--hostname-override={NODE_NAME}",
+                "--run-firewall=true",
+                "--run-router=false",  # the bridge CNI routes the pods
+                "--run-service-proxy=false",  # kube-proxy serves the Services
+                "--enable-cni=false",
+                f"--service-cluster-ip-range={service_cidr}",
+                f"--health-port={ports.router_health}",
+                "--metrics-port=0",
+                "--v=1",
+            ],
+        )
 
         def hooked() -> bool:
             rules = _run("iptables-save", "-t", "filter").stdout
@@ -561,7 +607,7 @@ state = "{d}/containerd/state"
     health 127.0.0.1:{ports.dns_health}
     ready 127.0.0.1:{ports.dns_ready}
     kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
-        kubeconfig {self.workdir / 'kubeconfig'} rlfleet-test
+        kubeconfig {self.workdir / "kubeconfig"} rlfleet-test
         pods insecure
         fallthrough in-addr.arpa ip6.arpa
     }}
@@ -579,19 +625,25 @@ state = "{d}/containerd/state"
         storage = self.dir / "storage"
         storage.mkdir(exist_ok=True)
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(storage_manifests(storage)))
-        spawn("local-path-provisioner", [
-            str(bin_dir / "local-path-provisioner"), "start",
-            f"--kubeconfig={self.workdir / 'kubeconfig'}",
-            f"--namespace={STORAGE_NAMESPACE}",
-            "--configmap-name=local-path-config",
-            f"--service-account-name={STORAGE_SERVICE_ACCOUNT}",
-            f"--helper-image={images.HELPER_IMAGE}",
-            f"--provisioner-name={STORAGE_PROVISIONER}",
-        ])
+        spawn(
+            "local-path-provisioner",
+            [
+                str(bin_dir / "local-path-provisioner"),
+                "start",
+                f"--kubeconfig={self.workdir / 'kubeconfig'}",
+                f"--namespace={STORAGE_NAMESPACE}",
+                "--configmap-name=local-path-config",
+                f"--service-account-name={STORAGE_SERVICE_ACCOUNT}",
+                f"--helper-image={images.HELPER_IMAGE}",
+                f"--provisioner-name={STORAGE_PROVISIONER}",
+            ],
+        )
 
     def _node_ready(self) -> bool:
         node = json.loads(self.kubectl("get", "node", NODE_NAME, "-o", "json").stdout)
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", []))
+        return any(
+            c["type"] == "Ready" and c["status"] == "True" for c in node["status"].get("conditions", [])
+        )
 
     # ---- teardown ----
     def sweep(self) -> None:
@@ -601,8 +653,17 @@ state = "{d}/containerd/state"
     def drain(self, timeout: float = 60) -> None:
         """Delete every pod bound to the node while the API server is still up, so the kubelet tears
         them down properly (CNI DEL, unmounts), and wait until containerd runs no task."""
-        self.kubectl("delete", "pods", "-A", "--field-selector", f"spec.nodeName={NODE_NAME}",
-                     "--grace-period=0", "--force", "--wait=false", check=False)
+        self.kubectl(
+            "delete",
+            "pods",
+            "-A",
+            "--field-selector",
+            f"spec.nodeName={NODE_NAME}",
+            "--grace-period=0",
+            "--force",
+            "--wait=false",
+            check=False,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             tasks = self.ctr("tasks", "ls", "-q", check=False)
@@ -613,8 +674,11 @@ state = "{d}/containerd/state"
 
 
 KUBE_ROUTER_RULES: list[dict[str, Any]] = [  # its upstream ClusterRole, less what the router and proxy need
-    {"apiGroups": [""], "resources": ["namespaces", "pods", "services", "nodes", "endpoints"],
-     "verbs": ["get", "list", "watch"]},
+    {
+        "apiGroups": [""],
+        "resources": ["namespaces", "pods", "services", "nodes", "endpoints"],
+        "verbs": ["get", "list", "watch"],
+    },
     {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
 ]
@@ -624,11 +688,21 @@ def kube_router_rbac() -> list[dict[str, Any]]:
     """What kube-router's client certificate (user system:kube-router, `client_certs`) may read."""
     name = "rlfleet-dev-kube-router"
     return [
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
-         "rules": KUBE_ROUTER_RULES},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:kube-router"}]},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": name},
+            "rules": KUBE_ROUTER_RULES,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [
+                {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:kube-router"}
+            ],
+        },
     ]
 
 
@@ -639,14 +713,19 @@ def storage_manifests(storage: Path) -> list[dict[str, Any]]:
         "kind": "Pod",
         "metadata": {"name": "helper-pod"},
         "spec": {
-            "tolerations": [{"key": "node.kubernetes.io/disk-pressure", "operator": "Exists", "effect": "NoSchedule"}],
+            "tolerations": [
+                {"key": "node.kubernetes.io/disk-pressure", "operator": "Exists", "effect": "NoSchedule"}
+            ],
             "containers": [{"name": "helper-pod", "image": images.HELPER_IMAGE, "imagePullPolicy": "Never"}],
         },
     }
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": STORAGE_NAMESPACE}},
-        {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": {"name": STORAGE_SERVICE_ACCOUNT, "namespace": STORAGE_NAMESPACE}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": STORAGE_SERVICE_ACCOUNT, "namespace": STORAGE_NAMESPACE},
+        },
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -663,8 +742,10 @@ def storage_manifests(storage: Path) -> list[dict[str, Any]]:
         {
             "apiVersion": "storage.k8s.io/v1",
             "kind": "StorageClass",
-            "metadata": {"name": STORAGE_CLASS,
-                         "annotations": {"storageclass.kubernetes.io/is-default-class": "true"}},
+            "metadata": {
+                "name": STORAGE_CLASS,
+                "annotations": {"storageclass.kubernetes.io/is-default-class": "true"},
+            },
             "provisioner": STORAGE_PROVISIONER,
             "volumeBindingMode": "WaitForFirstConsumer",
             "reclaimPolicy": "Delete",
@@ -689,7 +770,9 @@ def _take_lock() -> None:
     except (OSError, ValueError):
         owner = 0
     if owner and owner != os.getpid() and Path(f"/proc/{owner}").exists():
-        raise NodeError(f"a dev-cluster node is already running (pid {owner}); stop it with scripts/dev-cluster down")
+        raise NodeError(
+            f"a dev-cluster node is already running (pid {owner}); stop it with scripts/dev-cluster down"
+        )
     LOCK_FILE.write_text(str(os.getpid()))
 
 
@@ -701,5 +784,3 @@ def release_lock() -> None:
         return
     if owner == os.getpid() or not Path(f"/proc/{owner}").exists():
         LOCK_FILE.unlink(missing_ok=True)
-
-

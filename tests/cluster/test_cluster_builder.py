@@ -36,7 +36,9 @@ def test_every_component_has_a_tidy_wrapper_module(name: str) -> None:
     assert f"{component.module} {component.version()} h1:" in gosum  # pinned by hash, offline-verifiable
     own = re.search(r"^module (\S+)$", (component.wrapper_dir / "go.mod").read_text(), re.MULTILINE).group(1)
     for package in component.binaries.values():
-        if package == own:  # the wrapper's own main package (coredns: the plugins we use) built from the module
+        if (
+            package == own
+        ):  # the wrapper's own main package (coredns: the plugins we use) built from the module
             assert f'"{component.module}/' in (component.wrapper_dir / "main.go").read_text()
         else:
             assert package.startswith(component.module)

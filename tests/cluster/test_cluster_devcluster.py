@@ -39,7 +39,9 @@ def test_a_second_up_while_one_holds_the_work_dir_is_refused_at_once_in_one_line
         held.flush()
         result = subprocess.run(
             [*without_root(), sys.executable, str(CLI), "--workdir", str(workdir), "up"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert (result.returncode, result.stdout) == (2, ""), result.stderr
     assert result.stderr.splitlines() == [
@@ -47,7 +49,11 @@ def test_a_second_up_while_one_holds_the_work_dir_is_refused_at_once_in_one_line
         f"(it holds {lock}); wait for it, or stop it with scripts/dev-cluster down"
     ]
     assert (workdir / "supervisor.log").read_text() == "the first up's log\n"
-    assert sorted(path.name for path in tmp_path.rglob("*")) == ["dev-cluster", "dev-cluster.lock", "supervisor.log"]
+    assert sorted(path.name for path in tmp_path.rglob("*")) == [
+        "dev-cluster",
+        "dev-cluster.lock",
+        "supervisor.log",
+    ]
 
 
 def test_the_lock_is_free_once_its_holder_lets_go_and_names_its_new_holder(tmp_path: Path) -> None:
@@ -60,7 +66,9 @@ def test_the_lock_is_free_once_its_holder_lets_go_and_names_its_new_holder(tmp_p
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("999999999\n")
         held.flush()
-        with pytest.raises(devcluster.Busy, match=r"^another scripts/dev-cluster up \(pid 999999999\) is starting"):
+        with pytest.raises(
+            devcluster.Busy, match=r"^another scripts/dev-cluster up \(pid 999999999\) is starting"
+        ):
             devcluster.take_up_lock(workdir)
     fd = devcluster.take_up_lock(workdir)
     try:
@@ -86,5 +94,8 @@ def test_the_sweep_removes_empty_cgroup_trees_and_never_raises_on_what_is_missin
     (root / "burstable" / "pod-c" / "cgroup.procs").write_text("42\n")
     realnode._remove_tree_bottom_up(root)
     assert sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*")) == [
-        "kubepods", "kubepods/burstable", "kubepods/burstable/pod-c", "kubepods/burstable/pod-c/cgroup.procs"
+        "kubepods",
+        "kubepods/burstable",
+        "kubepods/burstable/pod-c",
+        "kubepods/burstable/pod-c/cgroup.procs",
     ]

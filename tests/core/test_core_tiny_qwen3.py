@@ -87,11 +87,16 @@ def test_warm_start_is_the_same_bytes_for_the_same_seed_whatever_the_thread_coun
         torch.set_num_threads(threads)
     other_seed = cached_model(tmp_path, replace(WARM, seed=1))
     random_init = cached_tiny_qwen3(tmp_path, replace(WARM, warm_start="none"))
-    sums = {d: parse_checksums((d / "SHA256SUMS").read_text(), str(d)) for d in (warm_checkpoint, again, other_seed, random_init)}
+    sums = {
+        d: parse_checksums((d / "SHA256SUMS").read_text(), str(d))
+        for d in (warm_checkpoint, again, other_seed, random_init)
+    }
     assert sums[again] == sums[warm_checkpoint]
     assert sums[other_seed]["model.safetensors"] != sums[warm_checkpoint]["model.safetensors"]
     assert sums[random_init]["model.safetensors"] != sums[warm_checkpoint]["model.safetensors"]
-    assert warm_checkpoint.name.startswith("tiny-qwen3-tool_add-") and random_init.name.startswith("tiny-qwen3-")
+    assert warm_checkpoint.name.startswith("tiny-qwen3-tool_add-") and random_init.name.startswith(
+        "tiny-qwen3-"
+    )
     assert other_seed.name != warm_checkpoint.name
 
 
@@ -112,8 +117,10 @@ def _tool_add_success(model: torch.nn.Module, greedy: bool, prompts: int = 400) 
 
     env, source = ToolAddEnv(), GeneratedPromptSource("tool_add", seed=12345)
     gen = torch.Generator().manual_seed(7)
-    episodes = [{"prompt": p, "state": env.start(p), "ids": list(p.input_ids), "turn": [], "replies": []}
-                for p in map(source.get, range(prompts))]  # fmt: skip
+    episodes = [
+        {"prompt": p, "state": env.start(p), "ids": list(p.input_ids), "turn": [], "replies": []}
+        for p in map(source.get, range(prompts))
+    ]
     active = list(episodes)
     while active:
         seqs = [e["ids"] + e["turn"] for e in active]
@@ -121,7 +128,9 @@ def _tool_add_success(model: torch.nn.Module, greedy: bool, prompts: int = 400) 
         mask = torch.tensor([[0] * (width - len(q)) + [1] * len(q) for q in seqs])
         ids = torch.tensor([[0] * (width - len(q)) + q for q in seqs])
         with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+            logits = model(
+                input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+            ).logits
         probs = torch.softmax(logits[:, -1].float(), dim=-1)
         tokens = probs.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=gen)[:, 0]
         for e, token in zip(active, tokens.tolist(), strict=True):
@@ -169,8 +178,18 @@ def test_the_moe_is_the_same_bytes_for_the_same_seed_and_a_loadable_qwen3_moe(tm
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"), dtype=torch.float32)
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     c = model.config
-    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.decoder_sparse_step) == (4, 2, 128, 1)
-    assert c.norm_topk_prob and c.output_router_logits and c.router_aux_loss_coef == 0.001 and c.mlp_only_layers == []
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.decoder_sparse_step) == (
+        4,
+        2,
+        128,
+        1,
+    )
+    assert (
+        c.norm_topk_prob
+        and c.output_router_logits
+        and c.router_aux_loss_coef == 0.001
+        and c.mlp_only_layers == []
+    )
     assert not any("shared_expert" in k for k in model.state_dict())
     # what was saved is the (bf16-rounded) model the builder makes in memory
     built = tiny_model(MOE).state_dict()
@@ -186,7 +205,9 @@ def test_the_moe_init_is_the_stated_one() -> None:
     gate_up = state["model.layers.0.mlp.experts.gate_up_proj"]
     assert tuple(gate_up.shape) == (4, 256, 128)
     assert float(gate_up.std()) == pytest.approx(1 / math.sqrt(128), rel=0.1)
-    assert float(state["model.layers.1.mlp.experts.down_proj"].std()) == pytest.approx(1 / math.sqrt(128) / 2, rel=0.1)
+    assert float(state["model.layers.1.mlp.experts.down_proj"].std()) == pytest.approx(
+        1 / math.sqrt(128) / 2, rel=0.1
+    )
     assert float(state["model.layers.0.mlp.gate.weight"].std()) == pytest.approx(1 / math.sqrt(128), rel=0.2)
     assert not torch.equal(gate_up[0], gate_up[1])
 
@@ -195,7 +216,10 @@ def test_the_moe_init_is_the_stated_one() -> None:
     ("fields", "message"),
     [
         ({"architecture": "mixtral"}, "architecture must be one of qwen3, qwen3_moe"),
-        ({"architecture": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok must be in"),
+        (
+            {"architecture": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 5},
+            "num_experts_per_tok must be in",
+        ),
     ],
 )
 def test_a_bad_moe_spec_is_refused(fields: dict, message: str) -> None:

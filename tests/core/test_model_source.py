@@ -31,12 +31,19 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 # ------------------------------------------------------------------------------------ tiny Qwen3
-def test_tiny_qwen3_is_a_real_qwen3_checkpoint_transformers_loads_and_seeded(tiny: Path, tmp_path: Path) -> None:
+def test_tiny_qwen3_is_a_real_qwen3_checkpoint_transformers_loads_and_seeded(
+    tiny: Path, tmp_path: Path
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", CHECKSUMS_FILE} <= {
-        p.name for p in tiny.iterdir()}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        CHECKSUMS_FILE,
+    } <= {p.name for p in tiny.iterdir()}
     config = json.loads((tiny / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
     model = AutoModelForCausalLM.from_pretrained(tiny)
@@ -44,7 +51,9 @@ def test_tiny_qwen3_is_a_real_qwen3_checkpoint_transformers_loads_and_seeded(tin
     tok = AutoTokenizer.from_pretrained(tiny)
     # the toy environments' ids (trainer/envs/environments.py ToyVocab): BOS 1, EOS 2, SEP 3, digit d = 10 + d
     assert tok.convert_tokens_to_ids(["<s>", "</s>", "<sep>", "0", "7", "w20"]) == [1, 2, 3, 10, 17, 20]
-    text = tok.apply_chat_template([{"role": "user", "content": "3 4"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "3 4"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<s> user 3 4 <sep> <s> assistant "
     with torch.no_grad():
         logits = model(torch.tensor([[1, 13, 14, 3]])).logits
@@ -57,8 +66,13 @@ def test_tiny_qwen3_is_a_real_qwen3_checkpoint_transformers_loads_and_seeded(tin
 
 def test_tiny_qwen3_cli_and_vocab_floor(tmp_path: Path) -> None:
     out = tmp_path / "cli"
-    run = subprocess.run([Path(sys.executable).with_name("rlfleet"), "model", "tiny-qwen3", "--out", str(out)],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    run = subprocess.run(
+        [Path(sys.executable).with_name("rlfleet"), "model", "tiny-qwen3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert is_hf_checkpoint(out)
     with pytest.raises(ValueError, match="vocab_size must be >= 32"):
@@ -92,7 +106,9 @@ def test_hf_id_goes_to_snapshot_download_with_the_revision(tiny: Path, tmp_path:
     def stub_offline(**kwargs: object) -> str:  # STUB: what the hub raises when offline
         raise OSError("offline")
 
-    with pytest.raises(ModelSourceError, match="Qwen/Qwen3-8B: Hugging Face download failed: OSError: offline"):
+    with pytest.raises(
+        ModelSourceError, match="Qwen/Qwen3-8B: Hugging Face download failed: OSError: offline"
+    ):
         resolve_model_source("Qwen/Qwen3-8B", snapshot_download=stub_offline)
 
     def stub_not_a_checkpoint(**kwargs: object) -> str:  # STUB: a repo without config.json
@@ -156,12 +172,16 @@ def test_builtin_tiny_qwen3_is_built_once_in_the_cache_and_equals_the_cli_checkp
     cache = tmp_path / "cache"
     first = resolve_model_source("builtin:tiny-qwen3", cache_dir=cache)
     assert first.parent == cache and is_hf_checkpoint(first)
-    assert resolve_model_source("builtin:tiny-qwen3?seed=0", cache_dir=cache) == first  # seed 0 is the default
+    assert (
+        resolve_model_source("builtin:tiny-qwen3?seed=0", cache_dir=cache) == first
+    )  # seed 0 is the default
     other = resolve_model_source("builtin:tiny-qwen3?seed=3", cache_dir=cache)
     assert other != first
     cli = build_tiny_qwen3(tmp_path / "cli")
     sums = parse_checksums((first / CHECKSUMS_FILE).read_text(), "builtin")
-    assert sums == parse_checksums((cli / CHECKSUMS_FILE).read_text(), "cli")  # byte for byte, weights included
+    assert sums == parse_checksums(
+        (cli / CHECKSUMS_FILE).read_text(), "cli"
+    )  # byte for byte, weights included
     for source, message in (
         ("builtin:llama", "unknown built-in model 'llama' (built in: tiny-qwen3)"),
         ("builtin:tiny-qwen3?size=big", "unknown parameter size (only seed)"),

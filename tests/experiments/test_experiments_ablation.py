@@ -38,10 +38,31 @@ def test_ablate_rejects_unknown_arms_and_bad_budgets(tmp_path, capsys):
 
 
 def test_tiny_ablation_is_seeded_and_writes_table_and_plots(tmp_path, monkeypatch, one_torch_thread):
-    monkeypatch.setenv("RLFLEET_MODEL_CACHE", str(tmp_path / "models"))  # the tiny Qwen3 is built here, not in ~/.cache
+    monkeypatch.setenv(
+        "RLFLEET_MODEL_CACHE", str(tmp_path / "models")
+    )  # the tiny Qwen3 is built here, not in ~/.cache
     # one seed, no null-arm cells, in this process (one torch thread)
-    args = ["--arms", "pg,sc_mis+topp", "--fleets", "homogeneous,mixed", "--steps", "4", "--prompts", "2",
-            "--samples", "4", "--lag", "1", "--seeds", "1", "--no-null-control", "--jobs", "1", "--lr", "1e-3"]
+    args = [
+        "--arms",
+        "pg,sc_mis+topp",
+        "--fleets",
+        "homogeneous,mixed",
+        "--steps",
+        "4",
+        "--prompts",
+        "2",
+        "--samples",
+        "4",
+        "--lag",
+        "1",
+        "--seeds",
+        "1",
+        "--no-null-control",
+        "--jobs",
+        "1",
+        "--lr",
+        "1e-3",
+    ]
     assert ablation.cli([*args, "--out", str(tmp_path / "a")]) == 0
     report = (tmp_path / "a" / "ablation.md").read_text()
     table = report.split("### Seed 0, lag 1\n\n")[1]
@@ -49,7 +70,11 @@ def test_tiny_ablation_is_seeded_and_writes_table_and_plots(tmp_path, monkeypatc
     data = json.loads((tmp_path / "a" / "ablation.json").read_text())
     assert data["seeds"] == [0] and {r["seed"] for r in data["runs"]} == {0}
     assert {(r["arm"], r["fleet"]) for r in data["runs"]} == {
-        ("pg", "homogeneous"), ("sc_mis+topp", "homogeneous"), ("pg", "mixed"), ("sc_mis+topp", "mixed")}
+        ("pg", "homogeneous"),
+        ("sc_mis+topp", "homogeneous"),
+        ("pg", "mixed"),
+        ("sc_mis+topp", "mixed"),
+    }
     for r in data["runs"]:
         assert len(r["history"]) == 4 and r["history"][0]["staleness_mean"] == 0  # lag: step 1 is on-policy
         assert r["history"][-1]["staleness_mean"] == 1
@@ -77,9 +102,11 @@ def test_tiny_ablation_is_seeded_and_writes_table_and_plots(tmp_path, monkeypatc
     # (ATen's SIMD width, MKL's kernels), and an AMD EPYC with AVX-512 gives kl_k3 1.6e-4 relative off
     # the recording machine's at step 3 (3.5e-5 at step 1 under ATEN_CPU_CAPABILITY=avx2); rewards,
     # which count sampled tokens, are equal (docs/ablation.md, "Reproducing a run").
-    pinned = {"reward_mean": [0.020833333333333332, 0.0, 0.020833333333333332, 0.0],
-              "kl_k3": [7.54502084520128e-05, 0.3081720272699992, 0.10264668862024943, 0.07425868511199951],
-              "grad_norm": [0.2762294411659241, 0.0, 0.27907517552375793, 0.0]}
+    pinned = {
+        "reward_mean": [0.020833333333333332, 0.0, 0.020833333333333332, 0.0],
+        "kl_k3": [7.54502084520128e-05, 0.3081720272699992, 0.10264668862024943, 0.07425868511199951],
+        "grad_norm": [0.2762294411659241, 0.0, 0.27907517552375793, 0.0],
+    }
     for key, values in pinned.items():
         assert [h[key] for h in homog["pg"]["history"]] == pytest.approx(values, rel=1e-3, abs=1e-12), key
     # seeded: the same arguments give the same numbers
@@ -107,10 +134,18 @@ def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torc
     sink = SnapshotSink()
     sink.publish(read_safetensors_dir(model_dir), 0, step=0)
     groups = ablation.FLEETS["mixed"]
-    samplers = {name: EmulatedSampler(name, fmt, kv, ModelShape.from_checkpoint(model_dir), seed=i)
-                for i, (name, _, fmt, kv) in enumerate(groups)}
-    sampling = SamplingConfig(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=cfg.max_new_tokens,
-                              candidate_mode="head", head_size=8)
+    samplers = {
+        name: EmulatedSampler(name, fmt, kv, ModelShape.from_checkpoint(model_dir), seed=i)
+        for i, (name, _, fmt, kv) in enumerate(groups)
+    }
+    sampling = SamplingConfig(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        max_new_tokens=cfg.max_new_tokens,
+        candidate_mode="head",
+        head_size=8,
+    )
     rc = replace(ablation.run_config("pg", "mixed", cfg), sampling=sampling)
     assert (rc.environment, rc.seed, rc.samples_per_prompt) == ("tool_add", 0, cfg.samples)
     source = ablation.LockstepRollouts(cfg, rc, sink, samplers)
@@ -130,7 +165,11 @@ def test_lockstep_rollouts_run_tool_add_episodes_turn_by_turn(tmp_path, one_torc
             if ToyVocab.CALL in out and env_ids:  # the tool answered (checked here from the ids)
                 calls += 1
                 args = out[out.index(ToyVocab.CALL) + 1 :]
-                if out[-1] == ToyVocab.END_CALL and len(args) == 3 and all(ToyVocab.is_digit(t) for t in args[:2]):
+                if (
+                    out[-1] == ToyVocab.END_CALL
+                    and len(args) == 3
+                    and all(ToyVocab.is_digit(t) for t in args[:2])
+                ):
                     s = (ToyVocab.value(args[0]) + ToyVocab.value(args[1])) % 10
                     assert env_ids == [ToyVocab.RESULT, ToyVocab.digit(s), ToyVocab.END_RESULT]
                 else:

@@ -25,9 +25,16 @@ def test_grid_adds_the_null_arm_cells_once() -> None:
     cfg = AblationConfig(lag=2)
     jobs = grid(["pg", "sc_mis"], ["mixed"], [0, 1], cfg, null_control=True)
     cells = [(arm, fleet, c.seed, c.lag) for arm, fleet, c in jobs]
-    assert cells[:4] == [("pg", "mixed", 0, 2), ("sc_mis", "mixed", 0, 2), ("pg", "mixed", 1, 2), ("sc_mis", "mixed", 1, 2)]
+    assert cells[:4] == [
+        ("pg", "mixed", 0, 2),
+        ("sc_mis", "mixed", 0, 2),
+        ("pg", "mixed", 1, 2),
+        ("sc_mis", "mixed", 1, 2),
+    ]
     null = sorted(c for c in cells if c[3] == 0)
-    assert null == sorted((arm, "homogeneous", seed, 0) for seed in (0, 1) for arm in ("pg", "mis", "sc", "sc_mis"))
+    assert null == sorted(
+        (arm, "homogeneous", seed, 0) for seed in (0, 1) for arm in ("pg", "mis", "sc", "sc_mis")
+    )
     # at lag 0 the asked cells already include the null control's lag
     assert len(grid(["pg"], ["homogeneous"], [0], replace(cfg, lag=0), null_control=True)) == 1
 
@@ -44,7 +51,9 @@ def test_worker_processes_give_the_serial_results(tmp_path: Path) -> None:
         assert [h["kl_k3"] for h in p.history] == [h["kl_k3"] for h in s.history]
     records = ablation.records_of(parallel, [c for _, _, c in jobs])
     assert [(r.arm, r.fleet, r.seed, r.lag, r.steps) for r in records] == [
-        ("pg", "mixed", 0, 1, 4), ("sc_mis+topp", "homogeneous", 1, 1, 4)]
+        ("pg", "mixed", 0, 1, 4),
+        ("sc_mis+topp", "homogeneous", 1, 1, 4),
+    ]
 
 
 def test_docs_block_is_replaced_between_the_markers(tmp_path: Path) -> None:
@@ -57,7 +66,9 @@ def test_docs_block_is_replaced_between_the_markers(tmp_path: Path) -> None:
         write_docs_block(doc, "x")
 
 
-def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`--warm-start N`: every arm starts from the tiny Qwen3 after N steps of pg on the homogeneous fleet
     at lag 0. The checkpoint holds those trained weights (bf16, as every checkpoint here), its
     SHA256SUMS match its files, one checkpoint serves every lag and step count of the config (not
@@ -68,8 +79,16 @@ def test_warm_start_checkpoint_is_the_trained_policy_and_is_built_once(tmp_path:
     from rlfleet.store import hash_file
     from rlfleet.tiny_qwen3 import cached_tiny_qwen3
 
-    cfg = AblationConfig(steps=5, prompts=2, samples=4, max_new_tokens=4, lag=3, warm_start=2, task="retry_digit",
-                         model_cache=str(tmp_path))
+    cfg = AblationConfig(
+        steps=5,
+        prompts=2,
+        samples=4,
+        max_new_tokens=4,
+        lag=3,
+        warm_start=2,
+        task="retry_digit",
+        model_cache=str(tmp_path),
+    )
     base = cached_tiny_qwen3(tmp_path, cfg.tiny_model())
     warm = ablation.start_checkpoint(cfg)
     assert warm != base and ablation.start_checkpoint(replace(cfg, warm_start=0)) == base
@@ -106,7 +125,9 @@ def test_scaled_view_multiplies_the_rounding_error_of_quantised_tensors_only() -
     weights = {proj: torch.tensor([[1.0, 2.0]]), norm: torch.tensor([1.0])}
     view = {proj: torch.tensor([[1.5, 1.0]]), norm: torch.tensor([1.25])}
     scaled = ablation.scaled_view(weights, view, "nvfp4", 3.0)
-    assert torch.equal(scaled[proj], torch.tensor([[2.5, -1.0]])) and torch.equal(scaled[norm], torch.tensor([1.25]))
+    assert torch.equal(scaled[proj], torch.tensor([[2.5, -1.0]])) and torch.equal(
+        scaled[norm], torch.tensor([1.25])
+    )
     assert torch.equal(ablation.scaled_view(weights, view, "fp8", 0.0)[proj], weights[proj])
     assert ablation.scaled_view(weights, view, "nvfp4", 1.0) is view
     assert ablation.scaled_view(weights, view, "bf16", 3.0) is view
@@ -120,6 +141,10 @@ def test_precision_error_scale_reaches_the_samplers(tmp_path: Path) -> None:
 
     cfg = AblationConfig(steps=1, prompts=2, samples=4, max_new_tokens=3, lag=0, model_cache=str(tmp_path))
     base = cached_tiny_qwen3(tmp_path, cfg.tiny_model())
-    kl = {scale: ablation.train_arm("pg", "nvfp4", replace(cfg, precision_error_scale=scale), base)[1]
-          .state.history[0]["kl_k3"] for scale in (0.0, 1.0, 3.0)}
+    kl = {
+        scale: ablation.train_arm("pg", "nvfp4", replace(cfg, precision_error_scale=scale), base)[
+            1
+        ].state.history[0]["kl_k3"]
+        for scale in (0.0, 1.0, 3.0)
+    }
     assert kl[0.0] < kl[1.0] / 10 and kl[3.0] > 4 * kl[1.0], kl

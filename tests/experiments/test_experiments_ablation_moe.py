@@ -13,14 +13,19 @@ import torch
 
 from rlfleet_experiments import ablation
 
-TINY_MOE = ablation.AblationConfig(steps=2, prompts=4, samples=4, lag=0, learning_rate=1e-3, architecture="qwen3_moe")
+TINY_MOE = ablation.AblationConfig(
+    steps=2, prompts=4, samples=4, lag=0, learning_rate=1e-3, architecture="qwen3_moe"
+)
 
 
 def test_moe_arms_and_options_are_checked_before_any_run(tmp_path: Path, capsys: Any) -> None:
     # R3 needs a router to replay: refused for the dense model, accepted (as an arm) for the MoE
     assert ablation.cli(["--arms", "pg+r3", "--out", str(tmp_path)]) == 2
     assert "unknown arm/fleet pg+r3" in capsys.readouterr().err
-    assert ablation.unknown_arms(["pg+r3", "sc_mis+topp+r3", "pg+r3+r3", "nope+r3"], "qwen3_moe") == ["pg+r3+r3", "nope+r3"]
+    assert ablation.unknown_arms(["pg+r3", "sc_mis+topp+r3", "pg+r3+r3", "nope+r3"], "qwen3_moe") == [
+        "pg+r3+r3",
+        "nope+r3",
+    ]
     assert ablation.arm_parts("sc_mis+topp+r3") == ("sc_mis", True, True)
     assert ablation.arm_parts("sc_mis+topp") == ("sc_mis", True, False)
     assert ablation.cli(["--model", "qwen3_moe", "--precision-error-scale", "2", "--out", str(tmp_path)]) == 2
@@ -38,7 +43,14 @@ def test_a_moe_run_is_seeded_and_reports_its_routing_mismatch(tmp_path: Path, on
     again = ablation.run_arm("pg", "mixed", cfg)
     assert len(first.history) == cfg.steps
     # same seed, same numbers, to the bit (timers aside)
-    for key in ("reward_mean", "kl_k3", "grad_norm", "routing_mismatch_tokens", "routing_mismatch_layers", "routing_tokens"):
+    for key in (
+        "reward_mean",
+        "kl_k3",
+        "grad_norm",
+        "routing_mismatch_tokens",
+        "routing_mismatch_layers",
+        "routing_tokens",
+    ):
         assert [h[key] for h in first.history] == [h[key] for h in again.history], key
     groups = [name for name, _, _, _ in ablation.FLEETS["mixed"]]
     for h in first.history:
@@ -55,8 +67,9 @@ def test_a_moe_run_is_seeded_and_reports_its_routing_mismatch(tmp_path: Path, on
     assert dense.routing_mismatch_tokens is None and "routing_tokens" not in dense.history[0]
 
 
-def test_r3_trains_each_token_through_its_samplers_experts(tmp_path: Path, monkeypatch: Any,
-                                                             one_torch_thread: None) -> None:
+def test_r3_trains_each_token_through_its_samplers_experts(
+    tmp_path: Path, monkeypatch: Any, one_torch_thread: None
+) -> None:
     """Observed from outside the backend: hooks on the transformers model see each training forward's
     packed ids and position ids, each router's own top-k and the experts each expert block was handed.
     Every trained token of every packed sequence (the positions whose logits give its reply tokens) goes
@@ -73,19 +86,31 @@ def test_r3_trains_each_token_through_its_samplers_experts(tmp_path: Path, monke
 
         def on_model(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
             if torch.is_grad_enabled():  # a training forward (not a no-grad evaluation)
-                forwards.append({"ids": kwargs["input_ids"][0].tolist(), "pos": kwargs["position_ids"][0].tolist(),
-                                 "own": [], "used": []})
+                forwards.append(
+                    {
+                        "ids": kwargs["input_ids"][0].tolist(),
+                        "pos": kwargs["position_ids"][0].tolist(),
+                        "own": [],
+                        "used": [],
+                    }
+                )
 
         model.register_forward_pre_hook(on_model, with_kwargs=True)
         # registered before the backend's replay hooks (added per forward), so these see the router's own choice
         for router in moe_routers(model):
-            router.register_forward_hook(lambda _m, _a, out: forwards[-1]["own"].append(out[2].clone())
-                                         if torch.is_grad_enabled() else None)
+            router.register_forward_hook(
+                lambda _m, _a, out: (
+                    forwards[-1]["own"].append(out[2].clone()) if torch.is_grad_enabled() else None
+                )
+            )
         experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
         assert len(experts) == len(moe_routers(model)) == TINY_MOE.num_hidden_layers
         for block in experts:  # Qwen3MoeExperts.forward(hidden_states, top_k_index, top_k_weights)
-            block.register_forward_pre_hook(lambda _m, args: forwards[-1]["used"].append(args[1].clone())
-                                            if torch.is_grad_enabled() else None)
+            block.register_forward_pre_hook(
+                lambda _m, args: (
+                    forwards[-1]["used"].append(args[1].clone()) if torch.is_grad_enabled() else None
+                )
+            )
         return backend
 
     monkeypatch.setattr(HFBackend, "from_pretrained", classmethod(observed))
@@ -116,7 +141,11 @@ def test_r3_trains_each_token_through_its_samplers_experts(tmp_path: Path, monke
             for r in matches:
                 (turn,) = r.turns
                 p, n = len(turn.prompt_ids), turn.num_tokens
-                assert turn.routed_experts is not None and turn.routed_experts.shape == (p + n - 1, cfg.num_hidden_layers, 2)
+                assert turn.routed_experts is not None and turn.routed_experts.shape == (
+                    p + n - 1,
+                    cfg.num_hidden_layers,
+                    2,
+                )
                 options.append((p, n, np.sort(turn.routed_experts[p - 1 : p + n - 1], axis=-1)))
             p, n, _ = options[0]
             rows = slice(start + p - 1, start + p + n - 1)  # the logits of the reply's n tokens

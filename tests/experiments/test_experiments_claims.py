@@ -103,8 +103,12 @@ grid = st.integers(0, 64).map(lambda i: i / 64)  # rewards in [0, 1] on a binary
 
 
 @settings(max_examples=150, deadline=None)
-@given(prefix=st.lists(grid, max_size=20), window=st.integers(1, 5), zeros=st.integers(1, 10),
-       chance=st.sampled_from([0.0, 0.125]))
+@given(
+    prefix=st.lists(grid, max_size=20),
+    window=st.integers(1, 5),
+    zeros=st.integers(1, 10),
+    chance=st.sampled_from([0.0, 0.125]),
+)
 def test_appending_zeros_after_a_collapse_changes_nothing(prefix, window, zeros, chance):
     # By definition: a window of ones makes the peak 1 >= chance + 0.2 and a window of zeros ends the
     # run below half of it, so the run collapses; appended zeros (rewards are >= 0) only add rolling
@@ -120,7 +124,8 @@ def test_appending_zeros_after_a_collapse_changes_nothing(prefix, window, zeros,
 def test_collapse_step_is_invariant_to_the_reward_scale(rewards, window):
     # doubling rewards, chance and margin doubles every mean and threshold exactly (binary floats)
     assert collapse_step([2 * r for r in rewards], window, chance=0.25, peak_margin=0.5) == collapse_step(
-        rewards, window, chance=0.125, peak_margin=0.25)
+        rewards, window, chance=0.125, peak_margin=0.25
+    )
 
 
 # -------------------------------------------------------------------- kl_growth, final_reward
@@ -144,14 +149,24 @@ def test_tail_steps_final_reward_and_kl_growth_by_hand():
 # ------------------------------------------------------------------------- records and pairs
 def history(rewards, kls=None, entropy=1.0):
     kls = kls or [0.0625] * len(rewards)
-    return [{"step": float(i + 1), "reward_mean": r, "kl_k3": k, "entropy": entropy}
-            for i, (r, k) in enumerate(zip(rewards, kls, strict=True))]
+    return [
+        {"step": float(i + 1), "reward_mean": r, "kl_k3": k, "entropy": entropy}
+        for i, (r, k) in enumerate(zip(rewards, kls, strict=True))
+    ]
 
 
 def test_run_records_are_validated():
     with pytest.raises(ValueError, match="expected 2"):
-        RunRecord("pg", "mixed", 0, 1, [{"step": 1.0, "reward_mean": 0.0, "kl_k3": 0.0},
-                                         {"step": 3.0, "reward_mean": 0.0, "kl_k3": 0.0}])
+        RunRecord(
+            "pg",
+            "mixed",
+            0,
+            1,
+            [
+                {"step": 1.0, "reward_mean": 0.0, "kl_k3": 0.0},
+                {"step": 3.0, "reward_mean": 0.0, "kl_k3": 0.0},
+            ],
+        )
     with pytest.raises(ValueError, match="'kl_k3'"):
         RunRecord("pg", "mixed", 0, 1, [{"step": 1.0, "reward_mean": 0.0}])
     with pytest.raises(ValueError, match="empty history"):
@@ -221,7 +236,9 @@ def world(**cells):
         arm, where = key.split("/")
         fleet, lag = ("homogeneous", 0) if where == "null" else (where, LAG)
         for seed, run in zip(SEEDS, runs, strict=True):
-            rewards, kls = run if isinstance(run, tuple) else (run, mixed_kls() if fleet == "mixed" else HOMOG_KLS)
+            rewards, kls = (
+                run if isinstance(run, tuple) else (run, mixed_kls() if fleet == "mixed" else HOMOG_KLS)
+            )
             records.append(RunRecord(arm, fleet, seed, lag, history(rewards, kls)))
     return records
 
@@ -242,7 +259,9 @@ def test_every_claim_passes_on_the_papers_story():
     assert "mis 2/3 collapsed, mean step 8.3 (between)" in res["C4"].evidence
     assert "sc 3/3 collapsed, mean step 7.0 (between)" in res["C4"].evidence
     # pg, sc_mis, sc_mis+topp on both fleets x 3 seeds, each 0.25 / 0.0625
-    assert "over 9 (arm, seed) pairs of pg, sc_mis, sc_mis+topp: median 4x, range 4x..4x" in res["C5"].evidence
+    assert (
+        "over 9 (arm, seed) pairs of pg, sc_mis, sc_mis+topp: median 4x, range 4x..4x" in res["C5"].evidence
+    )
     # sc_mis+topp - pg: 0.75, 0.5, 1.0 -> mean 0.75, std 0.25; null floor max |mean| = 1/12 = 0.083 (see below)
     assert "mean 0.750, std 0.250, min 0.500, max 1.000, n 3" in res["C6"].evidence
     assert "largest absolute mean paired difference 0.083" in res["C6"].evidence
@@ -255,13 +274,23 @@ def test_claims_read_the_low_precision_fleet_they_are_given():
     low_fleet="nvfp4" every claim passes with the same evidence, the fleet's name in it; with the
     default ("mixed") the cells are missing and no claim that reads them runs."""
     renamed = [replace(r, fleet="nvfp4") if r.fleet == "mixed" else r for r in world()]
-    res = {c.id: r for c, r in evaluate_claims(paper_claims(DEF, LAG, min_seeds=3, low_fleet="nvfp4"), renamed)}
+    res = {
+        c.id: r for c, r in evaluate_claims(paper_claims(DEF, LAG, min_seeds=3, low_fleet="nvfp4"), renamed)
+    }
     assert {k: r.status for k, r in res.items()} == {f"C{i}": "PASS" for i in range(1, 8)}
     assert "pg/nvfp4/lag 1 collapsed in 3/3 seeds" in res["C1"].evidence
     assert "nvfp4 collapsed 3/3, mean step 5.0" in res["C2"].evidence
     assert "step-1 kl_k3 nvfp4 / homogeneous over 9" in res["C5"].evidence
     default = results(renamed)
-    assert {k for k, r in default.items() if r.status == "not run"} == {"C1", "C2", "C4", "C5", "C6", "C7", "C3"}
+    assert {k for k, r in default.items() if r.status == "not run"} == {
+        "C1",
+        "C2",
+        "C4",
+        "C5",
+        "C6",
+        "C7",
+        "C3",
+    }
     assert "pg/mixed/lag 1 (no runs)" in default["C1"].evidence
     with pytest.raises(ValueError, match="not against itself"):
         paper_claims(DEF, LAG, low_fleet="homogeneous")
@@ -271,8 +300,14 @@ def test_null_arm_noise_floor_by_hand():
     floor = null_noise_floor(world())
     # final rewards by seed: pg .5 .5 .5, mis .5 .75 .25, sc .75 .5 .5, sc_mis .5 .5 .75; pair means:
     # pg-mis 0, pg-sc -1/12, pg-sc_mis -1/12, mis-sc -1/12, mis-sc_mis -1/12, sc-sc_mis 0
-    assert [(p.a, p.b) for p in floor.pairs] == [("pg", "mis"), ("pg", "sc"), ("pg", "sc_mis"), ("mis", "sc"),
-                                                 ("mis", "sc_mis"), ("sc", "sc_mis")]
+    assert [(p.a, p.b) for p in floor.pairs] == [
+        ("pg", "mis"),
+        ("pg", "sc"),
+        ("pg", "sc_mis"),
+        ("mis", "sc"),
+        ("mis", "sc_mis"),
+        ("sc", "sc_mis"),
+    ]
     assert [p.mean for p in floor.pairs] == pytest.approx([0, -1 / 12, -1 / 12, -1 / 12, -1 / 12, 0])
     assert floor.max_abs_mean == pytest.approx(1 / 12)
     # sample variances 3/48, 1/48, 1/48, 4/48, 7/48, 3/48 with 2 df each: pooled 19/288
@@ -291,8 +326,12 @@ def test_c2_later_on_average_or_in_fewer_seeds():
     assert results(world(pg__homogeneous=same))["C2"].status == "FAIL"  # 5.0 vs 5.0, 3 vs 3
     # mixed 8, 9, 9 (mean 8.7, 3 seeds); homogeneous 3, 3, never (mean (3 + 3 + 11) / 3 = 5.7, 2 seeds):
     # earlier on average but in fewer seeds
-    r = results(world(pg__mixed=[collapse_after(c) for c in (6, 7, 7)],
-                      pg__homogeneous=[collapse_after(1), collapse_after(1), stable()]))["C2"]
+    r = results(
+        world(
+            pg__mixed=[collapse_after(c) for c in (6, 7, 7)],
+            pg__homogeneous=[collapse_after(1), collapse_after(1), stable()],
+        )
+    )["C2"]
     assert r.status == "PASS" and "mean step 5.7" in r.evidence and "mean step 8.7" in r.evidence
 
 
@@ -322,8 +361,14 @@ def test_c5_every_seed_above_one():
 
 def test_c6_against_zero_and_the_noise_floor():
     # null pg ends at 1, the others at 0: pg - mis has mean 1 > the effect 0.75
-    r = results(world(pg__null=[stable(1.0)] * 3, mis__null=[stable(0.0)] * 3, sc__null=[stable(0.0)] * 3,
-                      sc_mis__null=[stable(0.0)] * 3))["C6"]
+    r = results(
+        world(
+            pg__null=[stable(1.0)] * 3,
+            mis__null=[stable(0.0)] * 3,
+            sc__null=[stable(0.0)] * 3,
+            sc_mis__null=[stable(0.0)] * 3,
+        )
+    )["C6"]
     assert r.status == "FAIL" and "largest absolute mean paired difference 1.000" in r.evidence
     # sc_mis+topp ends at 0.5, pg (stable) at 1: mean -0.5
     r = results(world(pg__mixed=[stable()] * 3, sc_mis_plus_topp__mixed=[stable(0.5)] * 3))["C6"]
@@ -370,7 +415,9 @@ def test_claims_table_and_summary_table():
     assert len(rows) == 2 + 13
     # lag 0 first, then homogeneous before mixed, arms in the ablation's order; null pg: finals .5 x 3,
     # KL flat at 1/16 (growth 1), entropy 1
-    assert rows[2] == "| pg | homogeneous | 0 | 3 | 0/3 | 0/3 | 11.0 | 0.500 ± 0.000 | 1.00 | 0.0625 | 1.000 |"
+    assert (
+        rows[2] == "| pg | homogeneous | 0 | 3 | 0/3 | 0/3 | 11.0 | 0.500 ± 0.000 | 1.00 | 0.0625 | 1.000 |"
+    )
     assert "| pg | mixed | 1 | 3 | 3/3 | 0/3 | 5.0 | 0.000 ± 0.000 | 4.00 | 0.25 | 1.000 |" in rows
     assert "| sc_mis+topp | mixed | 1 | 3 | 0/3 | 0/3 | 11.0 | 0.750 ± 0.250 | 1.00 | 0.25 | 1.000 |" in rows
 
@@ -384,17 +431,21 @@ def test_lock_step_is_the_start_of_a_uniform_tail_of_at_least_min_steps():
     assert lock_step([None] * 3 + [1.0] * 10) == 4  # a step without the metric is not uniform
     with pytest.raises(ValueError, match="min_steps"):
         lock_step([1.0], min_steps=0)
-    uniform_tail = [{"step": i + 1, "reward_mean": 0.1, "kl_k3": 0.0, "uniform_group_fraction": 1.0 if i >= 2 else 0.5}
-                    for i in range(12)]
+    uniform_tail = [
+        {"step": i + 1, "reward_mean": 0.1, "kl_k3": 0.0, "uniform_group_fraction": 1.0 if i >= 2 else 0.5}
+        for i in range(12)
+    ]
     assert RunRecord("pg", "mixed", 0, 4, uniform_tail).uniform_fractions[:3] == [0.5, 0.5, 1.0]
     rows = summary_table([RunRecord("pg", "mixed", 0, 4, uniform_tail)], DEF).splitlines()
-    assert rows[2].startswith("| pg | mixed | 4 | 1 | 0/1 | 1/1 |")  # locked in, not collapsed (never learned)
+    assert rows[2].startswith(
+        "| pg | mixed | 4 | 1 | 0/1 | 1/1 |"
+    )  # locked in, not collapsed (never learned)
 
 
 def test_names_match_the_ablation_and_the_doc_states_every_claim():
     assert set(ARM_ORDER) <= set(ablation.ARMS) and set(FLEET_ORDER) <= set(ablation.FLEETS)
     doc = DOC.read_text()
-    section = doc[doc.index("## Pre-registered claims"):]
+    section = doc[doc.index("## Pre-registered claims") :]
     for claim in paper_claims(CollapseDefinition(chance=0.1), lag=4):
         assert f"| {claim.id} | {claim.text} |" in section
 

@@ -19,7 +19,10 @@ EXAMPLE = REPO / "examples" / "fleet-plan.yaml"
 def run_plan(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "rlfleet.cli", "fleet", "plan", str(path)],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
 
 
@@ -37,7 +40,9 @@ def test_example_plan_prints_json_with_replicas_shares_costs_and_binding() -> No
     for g in spec["groups"]:  # the change bound from the current replicas
         assert abs(plan["groups"][g["name"]]["replicas"] - g["replicas"]) <= spec["maxStepReplicas"]
     # b200 at bf16 from the example's own b200-bf16 group: $5.99/h over 6000 x 0.998 usable tok/s
-    assert plan["reference"]["costPer1MUsableTokens"] == pytest.approx(5.99 / 3600 / (6000 * 0.998) * 1e6, rel=1e-5)
+    assert plan["reference"]["costPer1MUsableTokens"] == pytest.approx(
+        5.99 / 3600 / (6000 * 0.998) * 1e6, rel=1e-5
+    )
     assert 0 < plan["reference"]["saving"] < 1
     assert {"constraint", "group", "message"} <= set(plan["binding"][0])
 
@@ -60,7 +65,10 @@ def test_infeasible_demand_exits_2_with_one_line(tmp_path: Path) -> None:
     [
         (lambda s: s["groups"][0].pop("maxReplicas"), "groups.0.maxReplicas: Field required"),
         (lambda s: s["groups"][1].update(accelerator="tpu"), "unknown accelerator 'tpu'"),
-        (lambda s: s["budgets"].update(maxOorFraction=2), "budgets.maxOorFraction: Input should be less than or equal to 1"),
+        (
+            lambda s: s["budgets"].update(maxOorFraction=2),
+            "budgets.maxOorFraction: Input should be less than or equal to 1",
+        ),
         (lambda s: s.update(extra=1), "extra: Extra inputs are not permitted"),
     ],
 )

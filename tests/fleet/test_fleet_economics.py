@@ -35,7 +35,9 @@ def test_groups_fleet_reference_and_saving_by_hand() -> None:
     assert g.usable_fraction == pytest.approx(0.9, rel=1e-12)
     assert g.cost_per_1m_tokens == pytest.approx(11.98 / 3600 / 2000 * 1e6, rel=1e-12)
     assert g.cost_per_1m_usable_tokens == pytest.approx(11.98 / 3600 / 1800 * 1e6, rel=1e-12)
-    assert e.groups["h100-fp8"].cost_per_1m_usable_tokens == pytest.approx(11.96 / 3600 / 3000 * 1e6, rel=1e-12)
+    assert e.groups["h100-fp8"].cost_per_1m_usable_tokens == pytest.approx(
+        11.96 / 3600 / 3000 * 1e6, rel=1e-12
+    )
     assert e.groups["a100-idle"].cost_per_1m_usable_tokens is None  # no token, no price per token
     # fleet: 11.98 + 5.99 + 11.96 + 1.79 = $31.72/h; 8000 tok/s of which 1800 + 2400 + 3000 = 7200 usable
     assert e.cost_per_hour == pytest.approx(31.72, rel=1e-12)
@@ -53,7 +55,9 @@ def test_groups_fleet_reference_and_saving_by_hand() -> None:
 def test_reference_from_an_estimate_and_a_fleet_dearer_than_it() -> None:
     # no b200 group: the estimate gives the reference (no token out of range), at the given price
     groups = [MeasuredGroup("h100-bf16", "h100", "bf16", 1, H100, 500.0, 0.5)]
-    e = measured_economics(groups, "b200", reference_cost_per_gpu_hour=B200, reference_tokens_per_gpu_second=1500.0)
+    e = measured_economics(
+        groups, "b200", reference_cost_per_gpu_hour=B200, reference_tokens_per_gpu_second=1500.0
+    )
     assert e.reference_cost_per_1m_usable_tokens == pytest.approx(5.99 / 3600 / 1500 * 1e6, rel=1e-12)
     assert e.cost_per_1m_usable_tokens == pytest.approx(2.99 / 3600 / 250 * 1e6, rel=1e-12)
     assert e.saving == pytest.approx(1 - (2.99 / 250) / (5.99 / 1500), rel=1e-12)
@@ -81,23 +85,36 @@ def test_unknown_prices_and_readings_give_no_figure_not_zero() -> None:
     assert only_unpriced.cost_per_1m_usable_tokens is None and only_unpriced.saving is None
 
 
-def test_the_catalogs_decode_throughput_ratios_are_bandwidth_over_h100s_times_bf16_bytes_over_the_formats() -> None:
+def test_the_catalogs_decode_throughput_ratios_are_bandwidth_over_h100s_times_bf16_bytes_over_the_formats() -> (
+    None
+):
     catalog = load_catalog()
     # bytes per weight: bf16 2, fp8 1, nvfp4 0.5 + an FP8 scale per 16 = 0.5625, mxfp4 as bf16 (dense layers)
     expected = {
-        ("h100", "bf16"): 1.0, ("h100", "fp8"): 2.0, ("h100", "mxfp4"): 1.0,
-        ("a100", "bf16"): BW_A100 / BW_H100, ("a100", "fp8"): BW_A100 / BW_H100 * 2,
-        ("h200", "bf16"): BW_H200 / BW_H100, ("h200", "fp8"): BW_H200 / BW_H100 * 2,
-        ("b200", "bf16"): BW_B200 / BW_H100, ("b200", "nvfp4"): BW_B200 / BW_H100 * 2 / 0.5625,
-        ("b300", "fp8"): BW_B200 / BW_H100 * 2, ("rtx-pro-6000", "nvfp4"): BW_RTX / BW_H100 * 2 / 0.5625,
-    }  # fmt: skip
+        ("h100", "bf16"): 1.0,
+        ("h100", "fp8"): 2.0,
+        ("h100", "mxfp4"): 1.0,
+        ("a100", "bf16"): BW_A100 / BW_H100,
+        ("a100", "fp8"): BW_A100 / BW_H100 * 2,
+        ("h200", "bf16"): BW_H200 / BW_H100,
+        ("h200", "fp8"): BW_H200 / BW_H100 * 2,
+        ("b200", "bf16"): BW_B200 / BW_H100,
+        ("b200", "nvfp4"): BW_B200 / BW_H100 * 2 / 0.5625,
+        ("b300", "fp8"): BW_B200 / BW_H100 * 2,
+        ("rtx-pro-6000", "nvfp4"): BW_RTX / BW_H100 * 2 / 0.5625,
+    }
     for (cls, fmt), ratio in expected.items():
         assert catalog.decode_throughput(cls, fmt) == pytest.approx(ratio, rel=1e-12), (cls, fmt)
     # no figure: a format the class does not run, the CPU class, an unknown class
-    assert [catalog.decode_throughput(c, f) for c, f in [("a100", "nvfp4"), ("cpu", "bf16"), ("x", "bf16")]] == [None] * 3
+    assert [
+        catalog.decode_throughput(c, f) for c, f in [("a100", "nvfp4"), ("cpu", "bf16"), ("x", "bf16")]
+    ] == [None] * 3
     # a catalog override replaces one figure and keeps the others; a figure must be positive
     measured = catalog_from_mapping({"classes": {"h100": {"decodeThroughput": {"fp8": 1.6}}}})
-    assert (measured.decode_throughput("h100", "fp8"), measured.decode_throughput("h100", "bf16")) == (1.6, 1.0)
+    assert (measured.decode_throughput("h100", "fp8"), measured.decode_throughput("h100", "bf16")) == (
+        1.6,
+        1.0,
+    )
     with pytest.raises(CatalogError, match="decodeThroughput.fp8"):
         catalog_from_mapping({"classes": {"h100": {"decodeThroughput": {"fp8": 0}}}})
 
@@ -113,9 +130,13 @@ def test_without_a_bf16_group_of_the_class_the_reference_is_estimated_by_the_cat
     # a100-bf16 group's 600 would be 600 x (8/3.35) / (2.039/3.35) on 1: per GPU, their sum over 5 GPUs
     per_gpu = (3000 * (BW_B200 / BW_H100) / 2 + 600 * BW_B200 / BW_A100) / 5  # 1187.237 tok/s
     catalog = load_catalog()
-    assert estimated_reference_tokens_per_gpu_second(groups, "b200", catalog) == pytest.approx(per_gpu, rel=1e-12)
+    assert estimated_reference_tokens_per_gpu_second(groups, "b200", catalog) == pytest.approx(
+        per_gpu, rel=1e-12
+    )
     e = measured_economics(groups, "b200", catalog=catalog)  # the price: the catalog's b200
-    assert e.reference_basis == "estimated" and e.reference_tokens_per_gpu_second == pytest.approx(per_gpu, rel=1e-12)
+    assert e.reference_basis == "estimated" and e.reference_tokens_per_gpu_second == pytest.approx(
+        per_gpu, rel=1e-12
+    )
     assert e.reference_source == "b200 bf16 estimated from catalog throughput ratios"
     # no bf16 group of the class: no token of the reference counted out of range
     assert e.reference_cost_per_1m_usable_tokens == pytest.approx(B200 / 3600 / per_gpu * 1e6, rel=1e-12)
@@ -127,4 +148,6 @@ def test_without_a_bf16_group_of_the_class_the_reference_is_estimated_by_the_cat
     assert a100 == pytest.approx(600.0, rel=1e-12)
     # no group with a ratio, or no ratio for the reference class: no estimate, no reference
     assert estimated_reference_tokens_per_gpu_second(groups[3:], "b200", catalog) is None
-    assert measured_economics(groups[:3], "cpu", reference_cost_per_gpu_hour=1.0, catalog=catalog).saving is None
+    assert (
+        measured_economics(groups[:3], "cpu", reference_cost_per_gpu_hour=1.0, catalog=catalog).saving is None
+    )

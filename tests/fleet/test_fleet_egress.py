@@ -28,8 +28,17 @@ REFERENCE = {"tokensPerSecondPerReplica": 1000, "costPerReplicaHour": 3.6, "oorF
 
 
 def group(name: str, cost: float, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "accelerator": "h100", "weightFormat": "fp8", "tokensPerSecondPerReplica": 1000,
-            "costPerReplicaHour": cost, "kl": 0.0, "oorFraction": 0.0, "maxReplicas": 4, **extra}  # fmt: skip
+    return {
+        "name": name,
+        "accelerator": "h100",
+        "weightFormat": "fp8",
+        "tokensPerSecondPerReplica": 1000,
+        "costPerReplicaHour": cost,
+        "kl": 0.0,
+        "oorFraction": 0.0,
+        "maxReplicas": 4,
+        **extra,
+    }
 
 
 def test_weight_egress_cost_per_hour_is_bytes_times_versions_times_price() -> None:
@@ -56,13 +65,17 @@ def test_measured_economics_charges_a_groups_weight_traffic() -> None:
     assert e.cost_per_hour == 2.99 * 2 + 1.0 + 2.99
     # fleet: $9.97/h over 500 + 500 usable tok/s
     assert e.cost_per_1m_usable_tokens == (2.99 * 2 + 1.0 + 2.99) / (1000.0 * 3600.0) * 1e6
-    without = measured_economics([MeasuredGroup("remote", "h100", "fp8", 2, 2.99, 1000.0, 0.5), local], "h100")
+    without = measured_economics(
+        [MeasuredGroup("remote", "h100", "fp8", 2, 2.99, 1000.0, 0.5), local], "h100"
+    )
     assert without.groups["remote"].cost_per_1m_usable_tokens < g.cost_per_1m_usable_tokens
     # the reference (the fleet's h100 bf16 group) pays no egress: the saving shrinks by the traffic
     assert e.reference_cost_per_1m_usable_tokens == without.reference_cost_per_1m_usable_tokens
     assert e.saving is not None and without.saving is not None and e.saving < without.saving
     # no GPU price: no price at all (not the traffic's alone)
-    unknown = measured_economics([MeasuredGroup("x", "h100", "fp8", 2, 0.0, 1000.0, 0.0, egress_cost_per_hour=1.0)], "h100")
+    unknown = measured_economics(
+        [MeasuredGroup("x", "h100", "fp8", 2, 0.0, 1000.0, 0.0, egress_cost_per_hour=1.0)], "h100"
+    )
     assert unknown.groups["x"].cost_per_hour is None and unknown.groups["x"].cost_per_1m_usable_tokens is None
 
 
@@ -70,26 +83,50 @@ def test_the_plan_counts_egress_in_each_replicas_cost() -> None:
     """Two groups making 1000 usable tok/s per replica for a demand of 2000: the remote one at $1/h is the
     cheaper until it pays for its weights: 8 GB per version x 2 versions/h x $0.0625/GB = $1/h per replica
     makes it $2/h against the local one's $1.50/h, and the plan moves to the local group."""
-    free = plan_fleet(request_from_mapping({
-        "demand": {"usableTokensPerSecond": 2000}, "reference": REFERENCE, "versionsPerHour": 2,
-        "groups": [group("remote", 1.0, weightBytesPerVersion=8e9), group("local", 1.5)],
-    }))  # fmt: skip
+    free = plan_fleet(
+        request_from_mapping(
+            {
+                "demand": {"usableTokensPerSecond": 2000},
+                "reference": REFERENCE,
+                "versionsPerHour": 2,
+                "groups": [group("remote", 1.0, weightBytesPerVersion=8e9), group("local", 1.5)],
+            }
+        )
+    )
     assert free.replicas() == {"remote": 2, "local": 0} and free.cost_per_hour == 2.0
     assert "egressCostPerHour" not in free.to_dict()["groups"]["remote"]
-    paying = plan_fleet(request_from_mapping({
-        "demand": {"usableTokensPerSecond": 2000}, "reference": REFERENCE, "versionsPerHour": 2,
-        "groups": [group("remote", 1.0, weightBytesPerVersion=8e9, egressPricePerGb=0.0625), group("local", 1.5)],
-    }))  # fmt: skip
+    paying = plan_fleet(
+        request_from_mapping(
+            {
+                "demand": {"usableTokensPerSecond": 2000},
+                "reference": REFERENCE,
+                "versionsPerHour": 2,
+                "groups": [
+                    group("remote", 1.0, weightBytesPerVersion=8e9, egressPricePerGb=0.0625),
+                    group("local", 1.5),
+                ],
+            }
+        )
+    )
     assert paying.replicas() == {"remote": 0, "local": 2} and paying.cost_per_hour == 3.0
     # at the same replicas the remote group's usable token costs its GPUs and its traffic
     remote = next(g for g in paying.groups if g.name == "remote")
     assert remote.cost_per_1m_usable_tokens == cost_per_1m_usable_tokens(1000, 1, 2.0, 0.0)
     assert remote.egress_cost_per_hour == 0.0  # no replica, no traffic
     # the traffic at deltas' size (1/16 of the view) keeps the remote group the cheaper: $1.0625/h
-    deltas = plan_fleet(request_from_mapping({
-        "demand": {"usableTokensPerSecond": 2000}, "reference": REFERENCE, "versionsPerHour": 2,
-        "groups": [group("remote", 1.0, weightBytesPerVersion=0.5e9, egressPricePerGb=0.0625), group("local", 1.5)],
-    }))  # fmt: skip
+    deltas = plan_fleet(
+        request_from_mapping(
+            {
+                "demand": {"usableTokensPerSecond": 2000},
+                "reference": REFERENCE,
+                "versionsPerHour": 2,
+                "groups": [
+                    group("remote", 1.0, weightBytesPerVersion=0.5e9, egressPricePerGb=0.0625),
+                    group("local", 1.5),
+                ],
+            }
+        )
+    )
     assert deltas.replicas() == {"remote": 2, "local": 0} and deltas.cost_per_hour == 2.125
     out = deltas.to_dict()["groups"]["remote"]
     assert (out["costPerHour"], out["egressCostPerHour"]) == (2.125, 0.125)
@@ -98,28 +135,47 @@ def test_the_plan_counts_egress_in_each_replicas_cost() -> None:
 def test_a_measured_egress_cost_per_replica_hour_counts_as_the_computed_one() -> None:
     """egressCostPerReplicaHour (what the operator measures) in place of price x bytes x versions: $1/h per
     replica makes the remote group's $2/h against the local one's $1.50/h, as above."""
-    paying = plan_fleet(request_from_mapping({
-        "demand": {"usableTokensPerSecond": 2000}, "reference": REFERENCE,
-        "groups": [group("remote", 1.0, egressCostPerReplicaHour=1.0), group("local", 1.5)],
-    }))  # fmt: skip
+    paying = plan_fleet(
+        request_from_mapping(
+            {
+                "demand": {"usableTokensPerSecond": 2000},
+                "reference": REFERENCE,
+                "groups": [group("remote", 1.0, egressCostPerReplicaHour=1.0), group("local", 1.5)],
+            }
+        )
+    )
     assert paying.replicas() == {"remote": 0, "local": 2} and paying.cost_per_hour == 3.0
     # at 0.25 it stays the cheaper ($1.25/h): 2 replicas, $0.50/h of them traffic
-    cheap = plan_fleet(request_from_mapping({
-        "demand": {"usableTokensPerSecond": 2000}, "reference": REFERENCE,
-        "groups": [group("remote", 1.0, egressCostPerReplicaHour=0.25), group("local", 1.5)],
-    }))  # fmt: skip
+    cheap = plan_fleet(
+        request_from_mapping(
+            {
+                "demand": {"usableTokensPerSecond": 2000},
+                "reference": REFERENCE,
+                "groups": [group("remote", 1.0, egressCostPerReplicaHour=0.25), group("local", 1.5)],
+            }
+        )
+    )
     out = cheap.to_dict()["groups"]["remote"]
-    assert cheap.replicas() == {"remote": 2, "local": 0} and (out["costPerHour"], out["egressCostPerHour"]) == (2.5, 0.5)
+    assert cheap.replicas() == {"remote": 2, "local": 0} and (
+        out["costPerHour"],
+        out["egressCostPerHour"],
+    ) == (2.5, 0.5)
 
 
 def test_a_reference_taken_from_a_group_pays_none_of_its_traffic() -> None:
     """No reference cost given: the reference is an h100 bf16 group's figures at its GPUs' cost ($1/h for
     1000 tok/s: 1 / 3600 / 1000 x 1e6 = $0.2777.. per 1M), not with the $1/h of weight traffic that group
     pays."""
-    plan = plan_fleet(request_from_mapping({
-        "trainerAccelerator": "h100", "demand": {"usableTokensPerSecond": 1000}, "reference": {},
-        "groups": [group("remote", 1.0, weightFormat="bf16", egressCostPerReplicaHour=1.0)],
-    }))  # fmt: skip
+    plan = plan_fleet(
+        request_from_mapping(
+            {
+                "trainerAccelerator": "h100",
+                "demand": {"usableTokensPerSecond": 1000},
+                "reference": {},
+                "groups": [group("remote", 1.0, weightFormat="bf16", egressCostPerReplicaHour=1.0)],
+            }
+        )
+    )
     assert plan.reference_cost_per_1m_usable_tokens == 1.0 / 3600.0 / 1000.0 * 1e6
     assert plan.cost_per_1m_usable_tokens == 2.0 / 3600.0 / 1000.0 * 1e6 and plan.saving == -1.0
 
@@ -127,21 +183,52 @@ def test_a_reference_taken_from_a_group_pays_none_of_its_traffic() -> None:
 @pytest.mark.parametrize(
     ("extra", "top", "message"),
     [
-        ({"egressPricePerGb": 0.05}, {"versionsPerHour": 2}, "egressPricePerGb needs its weightBytesPerVersion"),
+        (
+            {"egressPricePerGb": 0.05},
+            {"versionsPerHour": 2},
+            "egressPricePerGb needs its weightBytesPerVersion",
+        ),
         ({"egressPricePerGb": 0.05, "weightBytesPerVersion": 1e9}, {}, "and the request's versionsPerHour"),
-        ({"egressPricePerGb": -0.01}, {}, "groups.0.egressPricePerGb: Input should be greater than or equal to 0"),
-        ({"egressPricePerGb": 1001}, {}, "groups.0.egressPricePerGb: Input should be less than or equal to 1000"),
-        ({"weightBytesPerVersion": -1}, {}, "groups.0.weightBytesPerVersion: Input should be greater than or equal"),
+        (
+            {"egressPricePerGb": -0.01},
+            {},
+            "groups.0.egressPricePerGb: Input should be greater than or equal to 0",
+        ),
+        (
+            {"egressPricePerGb": 1001},
+            {},
+            "groups.0.egressPricePerGb: Input should be less than or equal to 1000",
+        ),
+        (
+            {"weightBytesPerVersion": -1},
+            {},
+            "groups.0.weightBytesPerVersion: Input should be greater than or equal",
+        ),
         ({}, {"versionsPerHour": -1}, "versionsPerHour: Input should be greater than or equal to 0"),
-        ({"egressCostPerReplicaHour": 1.0, "egressPricePerGb": 0.05, "weightBytesPerVersion": 1e9}, {"versionsPerHour": 2},
-         "egressCostPerReplicaHour \\(measured\\) or egressPricePerGb with weightBytesPerVersion, not both"),
-        ({"egressCostPerReplicaHour": -1}, {}, "groups.0.egressCostPerReplicaHour: Input should be greater than or equal to 0"),
+        (
+            {"egressCostPerReplicaHour": 1.0, "egressPricePerGb": 0.05, "weightBytesPerVersion": 1e9},
+            {"versionsPerHour": 2},
+            "egressCostPerReplicaHour \\(measured\\) or egressPricePerGb with weightBytesPerVersion, not both",
+        ),
+        (
+            {"egressCostPerReplicaHour": -1},
+            {},
+            "groups.0.egressCostPerReplicaHour: Input should be greater than or equal to 0",
+        ),
     ],
 )
-def test_bad_egress_figures_are_refused_with_the_field(extra: dict[str, Any], top: dict[str, Any], message: str) -> None:
+def test_bad_egress_figures_are_refused_with_the_field(
+    extra: dict[str, Any], top: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
-        request_from_mapping({"demand": {"usableTokensPerSecond": 1}, "reference": REFERENCE,
-                              "groups": [group("g", 1.0, **extra)], **top})  # fmt: skip
+        request_from_mapping(
+            {
+                "demand": {"usableTokensPerSecond": 1},
+                "reference": REFERENCE,
+                "groups": [group("g", 1.0, **extra)],
+                **top,
+            }
+        )
 
 
 def test_a_sampler_groups_egress_price_is_bounded() -> None:

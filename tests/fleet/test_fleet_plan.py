@@ -122,8 +122,12 @@ def test_fleet_out_of_range_budget_limits_the_mix() -> None:
 
 
 def test_infeasible_demand_names_the_most_the_groups_can_make() -> None:
-    with pytest.raises(PlanInfeasible, match=r"no plan meets the budgets: demand 5000 usable tokens/s; .* at most 3000"):
-        plan_fleet(request([group("a", 1000, 1.0, max_replicas=1), group("b", 1000, 2.0, max_replicas=2)], 5000))
+    with pytest.raises(
+        PlanInfeasible, match=r"no plan meets the budgets: demand 5000 usable tokens/s; .* at most 3000"
+    ):
+        plan_fleet(
+            request([group("a", 1000, 1.0, max_replicas=1), group("b", 1000, 2.0, max_replicas=2)], 5000)
+        )
 
 
 def test_infeasible_budget_names_the_constraint_whose_removal_helps() -> None:
@@ -180,11 +184,15 @@ def test_group_over_budget_is_drained_at_the_change_bound() -> None:
 
 def test_reference_defaults_to_a_bf16_group_of_the_trainer_class() -> None:
     ref = group("b200-bf16", 2000, 6.0, oor=0.1, accelerator="b200", weightFormat="bf16")
-    req = request_from_mapping({"demand": {"usableTokensPerSecond": 1000}, "groups": [ref, group("a", 1000, 1.0)]})
+    req = request_from_mapping(
+        {"demand": {"usableTokensPerSecond": 1000}, "groups": [ref, group("a", 1000, 1.0)]}
+    )
     plan = plan_fleet(req)
     # $6/h over 1800 usable tok/s = 6.48M/h
     assert plan.reference_cost_per_1m_usable_tokens == pytest.approx(6 / 6.48)
-    no_ref = request_from_mapping({"demand": {"usableTokensPerSecond": 1000}, "groups": [group("a", 1000, 1.0)]})
+    no_ref = request_from_mapping(
+        {"demand": {"usableTokensPerSecond": 1000}, "groups": [group("a", 1000, 1.0)]}
+    )
     with pytest.raises(CatalogError, match="reference.tokensPerSecondPerReplica"):
         plan_fleet(no_ref)
 
@@ -224,7 +232,9 @@ def brute_force_cost(spec: dict[str, Any]) -> float | None:
         if step is not None and g.get("replicas") is not None:
             window = range(max(0, g["replicas"] - step), g["replicas"] + step + 1)
             # within one step of the current replicas; the step nearest the bounds when none is inside
-            allowed = [x for x in window if x in allowed] or [min(window, key=lambda x: abs(x - allowed[0]) + abs(x - allowed[-1]))]
+            allowed = [x for x in window if x in allowed] or [
+                min(window, key=lambda x: abs(x - allowed[0]) + abs(x - allowed[-1]))
+            ]
         ranges.append(allowed)
     best = None
     for xs in itertools.product(*ranges):
@@ -233,11 +243,17 @@ def brute_force_cost(spec: dict[str, Any]) -> float | None:
         tokens = sum(g["tokensPerSecondPerReplica"] * x for g, x in served)
         if usable < spec["demand"]["usableTokensPerSecond"] * (1 - 1e-9):
             continue
-        if "maxKl" in budgets and sum(g["tokensPerSecondPerReplica"] * x * g["kl"] for g, x in served) > budgets["maxKl"] * tokens + 1e-9:
+        if (
+            "maxKl" in budgets
+            and sum(g["tokensPerSecondPerReplica"] * x * g["kl"] for g, x in served)
+            > budgets["maxKl"] * tokens + 1e-9
+        ):
             continue
-        if "maxOorFraction" in budgets and sum(
-            g["tokensPerSecondPerReplica"] * x * g["oorFraction"] for g, x in served
-        ) > budgets["maxOorFraction"] * tokens + 1e-9:
+        if (
+            "maxOorFraction" in budgets
+            and sum(g["tokensPerSecondPerReplica"] * x * g["oorFraction"] for g, x in served)
+            > budgets["maxOorFraction"] * tokens + 1e-9
+        ):
             continue
         cost = sum(g["costPerReplicaHour"] * x for g, x in zip(spec["groups"], xs, strict=True))
         best = cost if best is None else min(best, cost)

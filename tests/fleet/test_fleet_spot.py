@@ -32,7 +32,10 @@ def plan(groups: list[dict[str, Any]], demand: float, **extra: Any) -> Any:
 def test_at_equal_cost_the_spot_replicas_are_the_ones_left_out(spot_first_in_the_file: bool) -> None:
     # 4000 tok/s from two identical $2/h x 1000 tok/s groups of at most 3: every split of 4 costs $8/h;
     # the plan keeps the on-demand group whole and takes one spot replica
-    on_demand, spot = group("od", 1000, 2.0, max_replicas=3), group("sp", 1000, 2.0, max_replicas=3, spot=True)
+    on_demand, spot = (
+        group("od", 1000, 2.0, max_replicas=3),
+        group("sp", 1000, 2.0, max_replicas=3, spot=True),
+    )
     groups = [spot, on_demand] if spot_first_in_the_file else [on_demand, spot]
     result = plan(groups, 4000)
     assert result.replicas() == {"od": 3, "sp": 1}
@@ -81,20 +84,31 @@ def test_a_cheaper_spot_group_still_wins_and_fills_what_on_demand_cannot() -> No
 def enumerate_plans(groups: list[dict[str, Any]], demand: float) -> list[tuple[int, ...]]:
     """Every integer plan meeting the demand within the bounds."""
     ranges = [range(0, g["maxReplicas"] + 1) for g in groups]
-    return [xs for xs in itertools.product(*ranges) if sum(g["tokensPerSecondPerReplica"] * x for g, x in zip(groups, xs, strict=True)) >= demand]
+    return [
+        xs
+        for xs in itertools.product(*ranges)
+        if sum(g["tokensPerSecondPerReplica"] * x for g, x in zip(groups, xs, strict=True)) >= demand
+    ]
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(0, 3), st.booleans()),  # tok/s x1000, $/h, max, spot
+        st.tuples(
+            st.integers(1, 4), st.integers(1, 4), st.integers(0, 3), st.booleans()
+        ),  # tok/s x1000, $/h, max, spot
         min_size=2,
         max_size=4,
     ),
     st.integers(1, 8),
 )
-def test_the_plan_is_the_cheapest_with_the_fewest_spot_replicas(specs: list[tuple[int, int, int, bool]], demand_k: int) -> None:
-    groups = [group(f"g{i}", tps * 1000, float(cost), max_replicas=m, spot=spot) for i, (tps, cost, m, spot) in enumerate(specs)]
+def test_the_plan_is_the_cheapest_with_the_fewest_spot_replicas(
+    specs: list[tuple[int, int, int, bool]], demand_k: int
+) -> None:
+    groups = [
+        group(f"g{i}", tps * 1000, float(cost), max_replicas=m, spot=spot)
+        for i, (tps, cost, m, spot) in enumerate(specs)
+    ]
     feasible = enumerate_plans(groups, demand_k * 1000)
     if not feasible:
         return  # infeasible instances: test_fleet_plan.py
@@ -116,17 +130,32 @@ def test_the_plan_file_takes_spot_per_group(tmp_path: Path) -> None:
     }
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(spec))
-    result = subprocess.run([sys.executable, "-m", "rlfleet.cli", "fleet", "plan", str(path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "fleet", "plan", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert {name: g["replicas"] for name, g in out["groups"].items()} == {"od": 3, "sp": 1}
     path.write_text(yaml.safe_dump({**spec, "groups": [{**spec["groups"][0], "spot": "sometimes"}]}))
-    bad = subprocess.run([sys.executable, "-m", "rlfleet.cli", "fleet", "plan", str(path)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    bad = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "fleet", "plan", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert bad.returncode == 2 and "spot" in bad.stderr
 
 
 def test_the_operator_reads_spot_from_the_samplergroup() -> None:
-    sg = {"spec": {"name": "sp", "accelerator": "h100", "weightFormat": "fp8", "replicas": 2, "spot": True}, "status": {"readyReplicas": 2}}
+    sg = {
+        "spec": {"name": "sp", "accelerator": "h100", "weightFormat": "fp8", "replicas": 2, "spot": True},
+        "status": {"readyReplicas": 2},
+    }
     assert fleet_reading(sg, 2.0, 1, 2000.0, 0.0, 0.0, False).spot is True
     del sg["spec"]["spot"]
     assert fleet_reading(sg, 2.0, 1, 2000.0, 0.0, 0.0, False).spot is False

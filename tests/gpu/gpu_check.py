@@ -93,8 +93,16 @@ class Sizes:
 
 GPU_SIZES = Sizes(
     # a small Qwen3 with the real vocabulary (Qwen3-0.6B's widths, 4 of its 28 layers)
-    dense={"vocab_size": 151_936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4,
-           "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096},
+    dense={
+        "vocab_size": 151_936,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 4096,
+    },
     moe={"architecture": "qwen3_moe", "max_position_embeddings": 4096},  # the tiny Qwen3-MoE's widths
     step_lengths=[512, 384, 1024, 256, 768, 640, 896, 448] * 2,
     max_tokens=4096,
@@ -104,7 +112,7 @@ GPU_SIZES = Sizes(
     memory_hidden=2048,  # Qwen3-1.7B's
     chunk_tokens=512,
     chunk_vocab=8192,
-)  # fmt: skip
+)
 CPU_SIZES = Sizes(
     dense={"max_position_embeddings": 256},
     moe={"architecture": "qwen3_moe"},
@@ -169,7 +177,9 @@ def import_product() -> None:
     for name in [m for m in sys.modules if m == "rlfleet" or m.startswith("rlfleet.")]:
         del sys.modules[name]
     spec = importlib.util.spec_from_file_location(
-        "rlfleet", REPO / "rlfleet" / "__init__.py", submodule_search_locations=[str(REPO / "rlfleet"), str(REPO)]
+        "rlfleet",
+        REPO / "rlfleet" / "__init__.py",
+        submodule_search_locations=[str(REPO / "rlfleet"), str(REPO)],
     )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -216,7 +226,9 @@ def _rel_l2(candidate: Any, reference: Any) -> float:
     import torch
 
     ref = reference.double()
-    return float(torch.linalg.vector_norm(candidate.double() - ref) / max(float(torch.linalg.vector_norm(ref)), 1e-30))
+    return float(
+        torch.linalg.vector_norm(candidate.double() - ref) / max(float(torch.linalg.vector_norm(ref)), 1e-30)
+    )
 
 
 def _free_port() -> int:
@@ -230,7 +242,9 @@ def _ensure_process_group(ctx: Context) -> None:
 
     if dist.is_initialized():
         return
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+    )
     dist.init_process_group(backend="nccl" if ctx.on_gpu else "gloo", rank=0, world_size=1)
 
 
@@ -264,11 +278,19 @@ def _backend(ctx: Context, model: Any, *, bf16: bool, distributed: bool = False)
     from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
 
-    objective = ObjectiveConfig(mode="sc_mis", chunk_tokens=ctx.sizes.chunk_tokens, chunk_vocab=ctx.sizes.chunk_vocab)
+    objective = ObjectiveConfig(
+        mode="sc_mis", chunk_tokens=ctx.sizes.chunk_tokens, chunk_vocab=ctx.sizes.chunk_vocab
+    )
     # no clipping: the gradients compared are the raw token-mean gradients
     optim = OptimConfig(learning_rate=LR, max_grad_norm=1e9)
-    backend = HFBackend(model, objective, optim, device=ctx.device, distributed=distributed,
-                        max_tokens_per_micro_batch=ctx.sizes.max_tokens)
+    backend = HFBackend(
+        model,
+        objective,
+        optim,
+        device=ctx.device,
+        distributed=distributed,
+        max_tokens_per_micro_batch=ctx.sizes.max_tokens,
+    )
     # The fp32 reference on a GPU: the backend's own switch (on a GPU it autocasts its forward to bf16)
     backend.bf16 = bf16 and ctx.on_gpu
     return backend
@@ -297,7 +319,12 @@ def _fp32_reference(ctx: Context, kind: str) -> dict[str, Any]:
         flat = _flat_batch(ctx.sizes.step_lengths, _spec(ctx, kind).vocab_size, seed=0)
         backend = _backend(ctx, _model(ctx, kind), bf16=False)
         out, grad_norm = backend.train_step(flat, {"bench": 0})
-        ctx.reference_cache[key] = {"flat": flat, "loss": float(out.loss), "grad_norm": grad_norm, "grads": _grads(backend)}
+        ctx.reference_cache[key] = {
+            "flat": flat,
+            "loss": float(out.loss),
+            "grad_norm": grad_norm,
+            "grads": _grads(backend),
+        }
         del backend
         _empty_cache(ctx)
     return ctx.reference_cache[key]
@@ -313,16 +340,23 @@ def _empty_cache(ctx: Context) -> None:
         torch.cuda.empty_cache()
 
 
-def _compare_step(reference: dict[str, Any], loss: float, grad_norm: float, grads: dict[str, Any] | None) -> Outcome:
+def _compare_step(
+    reference: dict[str, Any], loss: float, grad_norm: float, grads: dict[str, Any] | None
+) -> Outcome:
     import torch
 
     tol = STEP_TOLERANCE
     measured: dict[str, Any] = {
-        "loss": loss, "loss_fp32": reference["loss"], "grad_norm": grad_norm, "grad_norm_fp32": reference["grad_norm"],
-    }  # fmt: skip
+        "loss": loss,
+        "loss_fp32": reference["loss"],
+        "grad_norm": grad_norm,
+        "grad_norm_fp32": reference["grad_norm"],
+    }
     loss_err = abs(loss - reference["loss"])
     measured["loss_abs_err"] = loss_err
-    measured["grad_norm_rel_err"] = abs(grad_norm - reference["grad_norm"]) / max(reference["grad_norm"], 1e-30)
+    measured["grad_norm_rel_err"] = abs(grad_norm - reference["grad_norm"]) / max(
+        reference["grad_norm"], 1e-30
+    )
     bad = []
     if not loss_err <= tol["loss_abs"] + tol["loss_rel"] * abs(reference["loss"]):
         bad.append("loss")
@@ -366,7 +400,9 @@ def _block_causal_reference(q: Any, k: Any, v: Any, sizes: list[int]) -> Any:
 
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    seq = torch.repeat_interleave(torch.arange(len(sizes), device=q.device), torch.tensor(sizes, device=q.device))
+    seq = torch.repeat_interleave(
+        torch.arange(len(sizes), device=q.device), torch.tensor(sizes, device=q.device)
+    )
     pos = torch.arange(q.shape[2], device=q.device)
     allowed = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
     scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
@@ -382,7 +418,10 @@ def check_attention(ctx: Context, name: str) -> Outcome:
     a = ctx.sizes.attention
     sizes, length = a["sizes"], sum(a["sizes"])
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, length, a["head_dim"], generator=gen) for h in (a["heads"], a["kv_heads"], a["kv_heads"]))
+    q, k, v = (
+        torch.randn(1, h, length, a["head_dim"], generator=gen)
+        for h in (a["heads"], a["kv_heads"], a["kv_heads"])
+    )
     q, k, v = (t.to(ctx.device).requires_grad_() for t in (q, k, v))
     probe = torch.randn(1, a["heads"], length, a["head_dim"], generator=gen).to(ctx.device)
     reference = _block_causal_reference(q, k, v, sizes)
@@ -394,17 +433,23 @@ def check_attention(ctx: Context, name: str) -> Outcome:
     with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
         out = causal_attention_per_sequence(q_in, k, v, sizes, scale=None)
     (out.float() * probe).sum().backward()
-    measured: dict[str, Any] = {"dtype": str(out.dtype).removeprefix("torch."), "tokens": length, "sequences": len(sizes)}
+    measured: dict[str, Any] = {
+        "dtype": str(out.dtype).removeprefix("torch."),
+        "tokens": length,
+        "sequences": len(sizes),
+    }
     measured["out_rel_l2"] = _rel_l2(out.detach().float(), reference.detach())
     measured["grad_rel_l2"] = max(_rel_l2(t.grad, r) for t, r in zip((q, k, v), ref_grads, strict=True))
     # No leak: new keys and values for the LAST sequence change nobody else's output, to the bit.
     with torch.no_grad(), torch.autocast(ctx.device.type, dtype=torch.bfloat16):
         k2, v2 = k.detach().clone(), v.detach().clone()
-        k2[:, :, -sizes[-1]:] += 1.0
-        v2[:, :, -sizes[-1]:] -= 1.0
+        k2[:, :, -sizes[-1] :] += 1.0
+        v2[:, :, -sizes[-1] :] -= 1.0
         before = causal_attention_per_sequence(q.detach(), k.detach(), v.detach(), sizes, scale=None)
         after = causal_attention_per_sequence(q.detach(), k2, v2, sizes, scale=None)
-    measured["other_sequences_unchanged"] = bool(torch.equal(before[:, :, : -sizes[-1]], after[:, :, : -sizes[-1]]))
+    measured["other_sequences_unchanged"] = bool(
+        torch.equal(before[:, :, : -sizes[-1]], after[:, :, : -sizes[-1]])
+    )
     bad = [key for key, limit in ATTENTION_TOLERANCE.items() if not measured[key] <= limit]
     if ctx.on_gpu and measured["dtype"] != "bfloat16":
         bad.append("attention did not run in bf16 under autocast")
@@ -422,7 +467,9 @@ def check_routing(ctx: Context, name: str) -> Outcome:
     spec = _spec(ctx, "qwen3_moe")
     routers = moe_routers(model)
     length = 64
-    ids = torch.randint(0, spec.vocab_size, (1, length), generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    ids = torch.randint(0, spec.vocab_size, (1, length), generator=torch.Generator().manual_seed(0)).to(
+        ctx.device
+    )
     # replayed experts: the experts the router ranks LAST (never its own top-k), on every other position
     with torch.no_grad():
         logits = model(input_ids=ids, output_router_logits=True, use_cache=False).router_logits
@@ -447,8 +494,14 @@ def check_routing(ctx: Context, name: str) -> Outcome:
     gate_grads = [r.weight.grad for r in routers]
     finite = all(g is not None and bool(torch.isfinite(g).all()) for g in gate_grads)
     nonzero = all(g is not None and float(g.abs().sum()) > 0 for g in gate_grads)
-    measured = {"replayed_positions": length // 2, "layers": len(routers), "routed_as_replayed": same,
-                "router_grad_finite": finite, "router_grad_nonzero": nonzero, "logits_dtype": str(out.logits.dtype)}
+    measured = {
+        "replayed_positions": length // 2,
+        "layers": len(routers),
+        "routed_as_replayed": same,
+        "router_grad_finite": finite,
+        "router_grad_nonzero": nonzero,
+        "logits_dtype": str(out.logits.dtype),
+    }
     bad = [k for k in ("routed_as_replayed", "router_grad_finite", "router_grad_nonzero") if not measured[k]]
     return Outcome(not bad, measured, {"routed_as_replayed": True}, ", ".join(f"not {b}" for b in bad))
 
@@ -476,9 +529,11 @@ def check_fsdp2(ctx: Context, name: str) -> Outcome:
         worst = max(worst, float(((after[n].double() - expected).abs() / slack).max()))
     param = next(iter(backend.model.parameters()))
     outcome.measured |= {
-        "fused": bool(backend.optimizer.defaults.get("fused")), "dtensor": hasattr(param, "full_tensor"),
-        "param_device": str(getattr(param, "device", "")), "adam_update_err_over_slack": worst,
-    }  # fmt: skip
+        "fused": bool(backend.optimizer.defaults.get("fused")),
+        "dtensor": hasattr(param, "full_tensor"),
+        "param_device": str(getattr(param, "device", "")),
+        "adam_update_err_over_slack": worst,
+    }
     outcome.tolerance["adam_update"] = "|w1 - (w0 - lr g / (|g| + eps))| <= 2e-6 max(1, |w0|)"
     bad = [outcome.reason] if outcome.reason else []
     if worst > 1.0:
@@ -500,15 +555,23 @@ def _objective_inputs(ctx: Context, tokens: int) -> tuple[Any, Any, Any]:
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
     hidden = torch.randn(tokens, s.memory_hidden, generator=gen).to(ctx.device, dtype)
-    weight = (torch.randn(s.memory_vocab, s.memory_hidden, generator=gen) * (2.0 / s.memory_hidden**0.5)).to(ctx.device)
+    weight = (torch.randn(s.memory_vocab, s.memory_hidden, generator=gen) * (2.0 / s.memory_hidden**0.5)).to(
+        ctx.device
+    )
     k = 8
     cand = torch.randint(0, s.memory_vocab, (tokens, k), generator=gen)
     logq = torch.log_softmax(torch.randn(tokens, k, generator=gen), dim=1)
     batch = TokenBatch(
-        tokens=cand[:, 0].clone(), advantages=torch.randn(tokens, generator=gen), loss_mask=torch.ones(tokens, dtype=torch.bool),
-        sampler_logprobs=logq[:, 0].clone(), candidate_ids=cand, candidate_logprobs=logq, candidates_are_support=True,
-        group_ids=torch.zeros(tokens, dtype=torch.long), staleness=torch.zeros(tokens, dtype=torch.long),
-    ).to(ctx.device)  # fmt: skip
+        tokens=cand[:, 0].clone(),
+        advantages=torch.randn(tokens, generator=gen),
+        loss_mask=torch.ones(tokens, dtype=torch.bool),
+        sampler_logprobs=logq[:, 0].clone(),
+        candidate_ids=cand,
+        candidate_logprobs=logq,
+        candidates_are_support=True,
+        group_ids=torch.zeros(tokens, dtype=torch.long),
+        staleness=torch.zeros(tokens, dtype=torch.long),
+    ).to(ctx.device)
     return hidden, weight, batch
 
 
@@ -555,7 +618,9 @@ def _objective_step(ctx: Context, path: str, tokens: int) -> int | None:
     from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
 
     hidden, weight, batch = _objective_inputs(ctx, tokens)
-    cfg = ObjectiveConfig(mode="sc_mis", chunk_tokens=ctx.sizes.chunk_tokens, chunk_vocab=ctx.sizes.chunk_vocab)
+    cfg = ObjectiveConfig(
+        mode="sc_mis", chunk_tokens=ctx.sizes.chunk_tokens, chunk_vocab=ctx.sizes.chunk_vocab
+    )
     hidden.requires_grad_()
     weight.requires_grad_()
     try:
@@ -579,7 +644,10 @@ def _objective_step(ctx: Context, path: str, tokens: int) -> int | None:
 def check_objective_memory(ctx: Context, name: str) -> Outcome:
     s = ctx.sizes
     tokens = s.memory_tokens[name]
-    for path in ("fused", "materialized"):  # warm-up: one-time buffers (cuBLAS workspace, thread pools) are no step's
+    for path in (
+        "fused",
+        "materialized",
+    ):  # warm-up: one-time buffers (cuBLAS workspace, thread pools) are no step's
         _objective_step(ctx, path, 64)
     # a fault runs the materialised objective where the fused one should be
     fused = _objective_step(ctx, "materialized" if ctx.fault(name) else "fused", tokens)
@@ -588,12 +656,14 @@ def check_objective_memory(ctx: Context, name: str) -> Outcome:
     bound = s.memory_vocab * s.memory_hidden * 4 + 2 * tokens * s.memory_hidden * 4 + 8 * tile + 64 * 2**20
     gib = 2.0**30
     measured = {
-        "tokens": tokens, "vocab": s.memory_vocab, "hidden": s.memory_hidden,
+        "tokens": tokens,
+        "vocab": s.memory_vocab,
+        "hidden": s.memory_hidden,
         "fused_gib": None if fused is None else fused / gib,
         "materialized_gib": None if materialized is None else materialized / gib,
         "materialized_logits_gib": tokens * s.memory_vocab * (2 if ctx.on_gpu else 4) / gib,
         "measure": "torch.cuda.max_memory_allocated" if ctx.on_gpu else "VmHWM",
-    }  # fmt: skip
+    }
     bad = []
     if fused is None or fused > bound:
         bad.append("fused objective above its bound")
@@ -607,7 +677,9 @@ def check_megatron(ctx: Context, name: str) -> Outcome:
     try:
         import megatron.core  # noqa: F401
     except ImportError as e:
-        raise Skip(f"megatron-core is not importable ({e}): carry its wheel (scripts/gpu-check-wheels.txt)") from e
+        raise Skip(
+            f"megatron-core is not importable ({e}): carry its wheel (scripts/gpu-check-wheels.txt)"
+        ) from e
     from rlfleet.trainer.backends.backend_common import OptimConfig
     from rlfleet.trainer.backends.backend_megatron import MegatronBackend, MegatronModelConfig
     from rlfleet.trainer.objective import ObjectiveConfig
@@ -618,12 +690,20 @@ def check_megatron(ctx: Context, name: str) -> Outcome:
     if ctx.fault(name):
         _perturb(model)
     cfg = MegatronModelConfig.from_hf_config(
-        model.config.to_dict(), device=ctx.device.type, params_dtype="bfloat16" if ctx.on_gpu else "float32",
+        model.config.to_dict(),
+        device=ctx.device.type,
+        params_dtype="bfloat16" if ctx.on_gpu else "float32",
         max_tokens_per_micro_batch=ctx.sizes.max_tokens,
     )
-    objective = ObjectiveConfig(mode="sc_mis", chunk_tokens=ctx.sizes.chunk_tokens, chunk_vocab=ctx.sizes.chunk_vocab)
-    backend = MegatronBackend(cfg, objective, OptimConfig(learning_rate=LR, max_grad_norm=1e9),
-                              initial_hf_weights={k: v.detach().clone() for k, v in model.state_dict().items()})
+    objective = ObjectiveConfig(
+        mode="sc_mis", chunk_tokens=ctx.sizes.chunk_tokens, chunk_vocab=ctx.sizes.chunk_vocab
+    )
+    backend = MegatronBackend(
+        cfg,
+        objective,
+        OptimConfig(learning_rate=LR, max_grad_norm=1e9),
+        initial_hf_weights={k: v.detach().clone() for k, v in model.state_dict().items()},
+    )
     out, grad_norm = backend.train_step(reference["flat"], {"bench": 0})
     return _compare_step(reference, float(out.loss), float(grad_norm), None)
 
@@ -639,14 +719,18 @@ def _view_bound(view: str, w: Any, deq_scale: Any) -> Any:
     return deq_scale * (half + (x - 6).clamp(min=0)) * (1 + 1e-4) + 1e-12
 
 
-def _dequantize_on_device(view: str, tensors: dict[str, Any], base: str, device: Any, scale: float) -> tuple[Any, Any]:
+def _dequantize_on_device(
+    view: str, tensors: dict[str, Any], base: str, device: Any, scale: float
+) -> tuple[Any, Any]:
     """The view's stored tensors of one weight, dequantised on `device` -> (weight, the per-element scale)."""
     from rlfleet.numerics import formats
 
     q = tensors[f"{base}.weight"].to(device)
     if view == "fp8":
         s = tensors[f"{base}.weight_scale_inv"].to(device) * scale
-        per_element = s.repeat_interleave(formats.FP8_BLOCK, 0).repeat_interleave(formats.FP8_BLOCK, 1)[: q.shape[0], : q.shape[1]]
+        per_element = s.repeat_interleave(formats.FP8_BLOCK, 0).repeat_interleave(formats.FP8_BLOCK, 1)[
+            : q.shape[0], : q.shape[1]
+        ]
         return formats.dequantize_fp8_block(q, s), per_element
     ws, ws2 = tensors[f"{base}.weight_scale"].to(device), tensors[f"{base}.weight_scale_2"].to(device) * scale
     per_element = (ws.float() * ws2).repeat_interleave(formats.NVFP4_BLOCK, 1)
@@ -674,11 +758,17 @@ def check_views(ctx: Context, name: str) -> Outcome:
         worst = max(worst, float(((deq - w).abs() / _view_bound(view, w, per_element)).max()))
         if view == "fp8":
             q, s = formats.quantize_fp8_block(w)
-            if not (torch.equal(q.cpu().view(torch.uint8), tensors[n].view(torch.uint8))
-                    and torch.equal(s.cpu(), tensors[f"{base}.weight_scale_inv"])):
+            if not (
+                torch.equal(q.cpu().view(torch.uint8), tensors[n].view(torch.uint8))
+                and torch.equal(s.cpu(), tensors[f"{base}.weight_scale_inv"])
+            ):
                 bytes_differ.append(n)
-    measured = {"quantized_weights": len(quantized), "err_over_bound": worst, "unequal_to_cpu": unequal[:3],
-                "device_quantization_differs": bytes_differ[:3]}
+    measured = {
+        "quantized_weights": len(quantized),
+        "err_over_bound": worst,
+        "unequal_to_cpu": unequal[:3],
+        "device_quantization_differs": bytes_differ[:3],
+    }
     bad = []
     if not quantized:
         bad.append("no quantized weight")
@@ -688,7 +778,10 @@ def check_views(ctx: Context, name: str) -> Outcome:
         bad.append("device dequantisation differs from the publisher's")
     if bytes_differ:
         bad.append("device quantisation differs from the published bytes")
-    tolerance = {"err_over_bound_max": 1.0, "bound": "fp8: max(|w|/16, scale/1024); nvfp4: scale x half the E2M1 step"}
+    tolerance = {
+        "err_over_bound_max": 1.0,
+        "bound": "fp8: max(|w|/16, scale/1024); nvfp4: scale x half the E2M1 step",
+    }
     return Outcome(not bad, measured, tolerance, ", ".join(bad))
 
 
@@ -716,13 +809,20 @@ def run_check(ctx: Context, name: str) -> dict[str, Any]:
     line: dict[str, Any] = {"check": name, "device": str(ctx.device)}
     try:
         outcome = CHECKS[name](ctx, name)
-        line |= {"status": "ok" if outcome.held else "failed", "measured": outcome.measured,
-                 "tolerance": outcome.tolerance, "reason": outcome.reason}
+        line |= {
+            "status": "ok" if outcome.held else "failed",
+            "measured": outcome.measured,
+            "tolerance": outcome.tolerance,
+            "reason": outcome.reason,
+        }
     except Skip as skip:
         line |= {"status": "skipped", "reason": str(skip)}
     except Exception as e:  # a check that breaks has not held: its error is its reason
         last = traceback.extract_tb(e.__traceback__)[-1]
-        line |= {"status": "failed", "reason": f"error: {type(e).__name__}: {e} ({Path(last.filename).name}:{last.lineno})"}
+        line |= {
+            "status": "failed",
+            "reason": f"error: {type(e).__name__}: {e} ({Path(last.filename).name}:{last.lineno})",
+        }
     line["seconds"] = round(time.monotonic() - started, 2)
     _empty_cache(ctx)
     return line
@@ -743,7 +843,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="dry run: the same checks on CPU at small sizes")
     parser.add_argument("--only", default="", help="comma-separated check names (default: all)")
-    parser.add_argument("--fault", default="", help="comma-separated checks (or 'all') fed a deliberately wrong input")
+    parser.add_argument(
+        "--fault", default="", help="comma-separated checks (or 'all') fed a deliberately wrong input"
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(CHECKS)
     unknown = [n for n in names + [f for f in args.fault.split(",") if f and f != "all"] if n not in CHECKS]
@@ -760,7 +862,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu:
             _exact_cpu_peaks()
     except ImportError as e:
-        print(f"gpu-check: cannot import the product ({e}); carry the wheels of scripts/gpu-check-wheels.txt", file=sys.stderr)
+        print(
+            f"gpu-check: cannot import the product ({e}); carry the wheels of scripts/gpu-check-wheels.txt",
+            file=sys.stderr,
+        )
         return 2
     except Unavailable as e:
         print(f"gpu-check: {e}", file=sys.stderr)
@@ -768,18 +873,25 @@ def main(argv: list[str] | None = None) -> int:
     counts = {"ok": 0, "failed": 0, "skipped": 0}
     failed = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as work:
-        ctx = Context(device=device, sizes=CPU_SIZES if args.cpu else GPU_SIZES,
-                      faults={f for f in args.fault.split(",") if f}, work=Path(work))
+        ctx = Context(
+            device=device,
+            sizes=CPU_SIZES if args.cpu else GPU_SIZES,
+            faults={f for f in args.fault.split(",") if f},
+            work=Path(work),
+        )
         for name in names:
             line = run_check(ctx, name)
             counts[line["status"]] += 1
             failed += [name] if line["status"] == "failed" else []
             print(json.dumps(line), flush=True)
     summary = {
-        "summary": counts, "device": str(device), "seconds": round(time.monotonic() - started, 1),
-        "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
+        "summary": counts,
+        "device": str(device),
+        "seconds": round(time.monotonic() - started, 1),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
         "failed": failed,
-    }  # fmt: skip
+    }
     print(json.dumps(summary), flush=True)
     return 1 if counts["failed"] else 0
 

@@ -25,25 +25,49 @@ def test_a_local_run_killed_inside_its_claim_window_resumes_and_publishes_on(tmp
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run = [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--out", str(out), "--steps", "4",
-           "--no-live"]  # fmt: skip
-    proc = subprocess.Popen(run, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+    run = [
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "run",
+        str(manifest),
+        "--local",
+        "--out",
+        str(out),
+        "--steps",
+        "4",
+        "--no-live",
+    ]
+    proc = subprocess.Popen(
+        run,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         kill_inside_the_claim_window(proc, out / "channel", version=2)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    wait_for("the fleet host to exit after its trainer", lambda: fleet_hosts(out / "fleet.json") == [], timeout=60)
+    wait_for(
+        "the fleet host to exit after its trainer", lambda: fleet_hosts(out / "fleet.json") == [], timeout=60
+    )
     killed = ckpt.load_latest(out / "checkpoints")
     assert killed is not None and killed["step"] == 2
 
-    resumed = subprocess.run([*run, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(
+        [*run, "--resume"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     step_lines = [line for line in resumed.stdout.splitlines() if line.startswith("step ")]
     assert step_lines[0].startswith("step 3/4 ") and step_lines[-1].startswith("step 4/4 ")
-    assert "version 2: taking over the claim of this publisher of an interrupted publish" in resumed.stderr + resumed.stdout
+    assert (
+        "version 2: taking over the claim of this publisher of an interrupted publish"
+        in resumed.stderr + resumed.stdout
+    )
 
     channel = WeightChannel(FilesystemStore(out / "channel"), publisher_id="test-observer")
     pointer = channel.latest()

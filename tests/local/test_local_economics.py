@@ -26,9 +26,11 @@ def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
     rc = example_run(groups=GROUPS, reference_accelerator="b200")
     m = {
         "step": 1.0,
-        "group/b200-bf16/tokens_per_second": 100.0, "group/b200-bf16/oor_fraction": 0.2,
-        "group/h100-fp8/tokens_per_second": 300.0, "group/h100-fp8/oor_fraction": 0.0,
-    }  # fmt: skip
+        "group/b200-bf16/tokens_per_second": 100.0,
+        "group/b200-bf16/oor_fraction": 0.2,
+        "group/h100-fp8/tokens_per_second": 300.0,
+        "group/h100-fp8/oor_fraction": 0.0,
+    }
     e = step_economics(rc, m)
     # b200-bf16: 1 GPU at $5.99 over 80 usable tok/s; h100-fp8: 2 GPUs at $2.99 over 300
     assert e["group/b200-bf16/cost_per_hour"] == 5.99 and e["group/h100-fp8/cost_per_hour"] == 5.98
@@ -37,7 +39,9 @@ def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
     assert e["group/h100-fp8/cost_per_1m_usable_tokens"] == pytest.approx(5.98 / 3600 / 300 * 1e6, rel=1e-12)
     # no tokens this step: it pays ($5.99/h) but has no price per token and no usable share
     assert e["group/b200-nvfp4/cost_per_hour"] == 5.99
-    assert "group/b200-nvfp4/cost_per_1m_usable_tokens" not in e and "group/b200-nvfp4/usable_fraction" not in e
+    assert (
+        "group/b200-nvfp4/cost_per_1m_usable_tokens" not in e and "group/b200-nvfp4/usable_fraction" not in e
+    )
     # fleet: $17.96/h over 380 usable of 400 tok/s; reference: the b200-bf16 group, $5.99 over 80 usable
     assert e["cost_per_hour"] == pytest.approx(17.96, rel=1e-12)
     assert e["usable_fraction"] == pytest.approx(0.95, rel=1e-12)
@@ -49,13 +53,19 @@ def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
     # out-of-range share of the run's b200-bf16 group
     assert "saving" not in e
     fleet = 17.96 / (B200_BF16 * 0.8 + H100_FP8 * 2 + B200_NVFP4 * 1)
-    assert e["estimated_saving"] == pytest.approx(1 - fleet / (5.99 / (B200_BF16 * 0.8)), rel=1e-12)  # 0.6022...
+    assert e["estimated_saving"] == pytest.approx(
+        1 - fleet / (5.99 / (B200_BF16 * 0.8)), rel=1e-12
+    )  # 0.6022...
     line = cost_line(rc, m | e)
-    assert line == ("fleet $18/h, $13.1 per 1M usable tokens at CPU speed; b200 bf16 $20.8; "
-                    "estimated saving 60.2% against b200 bf16 (catalog throughput ratios)")
+    assert line == (
+        "fleet $18/h, $13.1 per 1M usable tokens at CPU speed; b200 bf16 $20.8; "
+        "estimated saving 60.2% against b200 bf16 (catalog throughput ratios)"
+    )
 
 
-def test_no_group_of_the_trainer_class_at_bf16_gives_a_reference_estimated_by_the_catalogs_ratios(example_run) -> None:
+def test_no_group_of_the_trainer_class_at_bf16_gives_a_reference_estimated_by_the_catalogs_ratios(
+    example_run,
+) -> None:
     rc = example_run(groups=GROUPS[1:], reference_accelerator="b200")
     e = step_economics(rc, {"group/h100-fp8/tokens_per_second": 300.0})  # no out-of-range share yet: 0
     assert e["cost_per_1m_usable_tokens"] == pytest.approx((5.98 + 5.99) / 3600 / 300 * 1e6, rel=1e-12)
@@ -69,15 +79,26 @@ def test_no_group_of_the_trainer_class_at_bf16_gives_a_reference_estimated_by_th
     assert "saving" not in e
     fleet = (5.98 + 5.99) / (H100_FP8 * 2 + B200_NVFP4 * 1)
     assert e["estimated_saving"] == pytest.approx(1 - fleet / (5.99 / B200_BF16), rel=1e-12)  # 0.6180...
-    line = ("fleet $12/h, $11.1 per 1M usable tokens at CPU speed; b200 bf16 (estimated from catalog throughput ratios) "
-            "$9.29; estimated saving 61.8% against b200 bf16 (catalog throughput ratios)")
+    line = (
+        "fleet $12/h, $11.1 per 1M usable tokens at CPU speed; b200 bf16 (estimated from catalog throughput ratios) "
+        "$9.29; estimated saving 61.8% against b200 bf16 (catalog throughput ratios)"
+    )
     assert cost_line(rc, e) == line
     # a reference class without a ratio (the CPU class) and no bf16 group of it: no reference, no estimate
-    cpu = step_economics(example_run(groups=GROUPS[1:], reference_accelerator="cpu"), {"group/h100-fp8/tokens_per_second": 300.0})
-    assert "reference_cost_per_1m_usable_tokens" not in cpu and "estimated_saving" not in cpu and "reference_estimated" not in cpu
+    cpu = step_economics(
+        example_run(groups=GROUPS[1:], reference_accelerator="cpu"),
+        {"group/h100-fp8/tokens_per_second": 300.0},
+    )
+    assert (
+        "reference_cost_per_1m_usable_tokens" not in cpu
+        and "estimated_saving" not in cpu
+        and "reference_estimated" not in cpu
+    )
     # a group on a class without a ratio: no estimate (it would price a smaller fleet than the one paid)
-    mixed = step_economics(example_run(groups=[*GROUPS[1:], GroupSpec("cpu-bf16", "cpu", "bf16")], reference_accelerator="b200"),
-                           {"group/h100-fp8/tokens_per_second": 300.0})
+    mixed = step_economics(
+        example_run(groups=[*GROUPS[1:], GroupSpec("cpu-bf16", "cpu", "bf16")], reference_accelerator="b200"),
+        {"group/h100-fp8/tokens_per_second": 300.0},
+    )
     assert "estimated_saving" not in mixed and "cost_per_1m_usable_tokens" in mixed
 
 
@@ -88,17 +109,30 @@ def test_the_summary_averages_the_cost_and_the_estimated_saving_over_the_first_a
     assert window_mean(history, SUMMARY_METRICS["estimated_saving"], 1, "last") == 0.4
 
 
-def test_the_summary_line_states_the_estimated_saving_and_the_cpu_figure_for_what_it_is(example_run, capsys, tmp_path) -> None:
+def test_the_summary_line_states_the_estimated_saving_and_the_cpu_figure_for_what_it_is(
+    example_run, capsys, tmp_path
+) -> None:
     from rlfleet.local.main import _print_summary
 
     rc = example_run(groups=GROUPS, reference_accelerator="b200")
-    summary = {"reward_first": 0.1, "reward_last": 0.5, "summary_window_steps": 2, "steps": 4, "seconds": 12.0,
-               "entropy_first": None, "cost_per_1m_usable_tokens_last": 37.04, "estimated_saving_last": 0.6022,
-               "collapse_alerts": [], "groups": {}}  # fmt: skip
+    summary = {
+        "reward_first": 0.1,
+        "reward_last": 0.5,
+        "summary_window_steps": 2,
+        "steps": 4,
+        "seconds": 12.0,
+        "entropy_first": None,
+        "cost_per_1m_usable_tokens_last": 37.04,
+        "estimated_saving_last": 0.6022,
+        "collapse_alerts": [],
+        "groups": {},
+    }
     _print_summary(rc, summary, tmp_path)
     line = capsys.readouterr().out.strip()
-    assert ("; $37 per 1M usable tokens at CPU speed and list prices; estimated saving 60.2% against b200 bf16 "
-            "(catalog throughput ratios); 0 collapse alerts;") in line
+    assert (
+        "; $37 per 1M usable tokens at CPU speed and list prices; estimated saving 60.2% against b200 bf16 "
+        "(catalog throughput ratios); 0 collapse alerts;"
+    ) in line
     assert "saving -" not in line
 
 
@@ -110,11 +144,13 @@ def test_the_live_table_shows_each_groups_cost_per_usable_token_and_the_fleet_li
     rc = example_run(groups=GROUPS, reference_accelerator="b200")
     m = {
         "step": 1.0,
-        "group/b200-bf16/num_tokens": 100.0, "group/b200-bf16/tokens_per_second": 100.0,
+        "group/b200-bf16/num_tokens": 100.0,
+        "group/b200-bf16/tokens_per_second": 100.0,
         "group/b200-bf16/oor_fraction": 0.2,
-        "group/h100-fp8/num_tokens": 300.0, "group/h100-fp8/tokens_per_second": 300.0,
+        "group/h100-fp8/num_tokens": 300.0,
+        "group/h100-fp8/tokens_per_second": 300.0,
         "group/h100-fp8/oor_fraction": 0.0,
-    }  # fmt: skip
+    }
     m.update(step_economics(rc, m))
     console = Console(record=True, width=200)
     console.print(Progress(rc, live=False)._render(m, []))
@@ -127,16 +163,22 @@ def test_the_live_table_shows_each_groups_cost_per_usable_token_and_the_fleet_li
 
     # 5.99 / 3600 / 80 * 1e6 = 20.80, 5.98 / 3600 / 300 * 1e6 = 5.537; no tokens: no price
     assert (cost_cell("b200-bf16"), cost_cell("h100-fp8"), cost_cell("b200-nvfp4")) == ("$20.8", "$5.54", "-")
-    assert ("fleet $18/h, $13.1 per 1M usable tokens at CPU speed; b200 bf16 $20.8; estimated saving 60.2% against "
-            "b200 bf16 (catalog throughput ratios)") in lines
+    assert (
+        "fleet $18/h, $13.1 per 1M usable tokens at CPU speed; b200 bf16 $20.8; estimated saving 60.2% against "
+        "b200 bf16 (catalog throughput ratios)"
+    ) in lines
 
 
 def test_the_plain_step_line_ends_with_the_fleet_cost_per_usable_token(example_run, capsys) -> None:
     from rlfleet.local.main import Progress
 
     rc = example_run(groups=GROUPS, reference_accelerator="b200")
-    m = {"step": 2.0, "group/b200-bf16/tokens_per_second": 100.0, "group/b200-bf16/oor_fraction": 0.2,
-         "group/h100-fp8/tokens_per_second": 300.0}  # fmt: skip
+    m = {
+        "step": 2.0,
+        "group/b200-bf16/tokens_per_second": 100.0,
+        "group/b200-bf16/oor_fraction": 0.2,
+        "group/h100-fp8/tokens_per_second": 300.0,
+    }
     progress = Progress(rc, live=False)
     progress.update(m | step_economics(rc, m), [])
     progress.update({"step": 3.0}, [])  # no tokens: no figure

@@ -33,7 +33,9 @@ def published(tiny_qwen3_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("views")
     amax = calibrate_weights(trained, base)
     for fmt in FORMATS:
-        save_view(trained, fmt, root / fmt, base_checkpoint=base, activation_amax=amax if fmt == "nvfp4" else None)
+        save_view(
+            trained, fmt, root / fmt, base_checkpoint=base, activation_amax=amax if fmt == "nvfp4" else None
+        )
     return shape, trained, root
 
 
@@ -54,8 +56,15 @@ def test_emulated_group_computes_the_reference_servers_logits(published, fmt, kv
     shape, trained, root = published
     emulated = EmulatedSampler("g", fmt, kv, shape, seed=0, kernel=KERNEL)
     emulated.load_weights(trained, 3)
-    server = ReferenceEngine(EngineConfig(model=shape, weight_format=fmt, kv_cache_dtype=ENGINE_KV[kv],
-                                          kernel=KERNEL, max_running_requests=1))
+    server = ReferenceEngine(
+        EngineConfig(
+            model=shape,
+            weight_format=fmt,
+            kv_cache_dtype=ENGINE_KV[kv],
+            kernel=KERNEL,
+            max_running_requests=1,
+        )
+    )
     view, _, weights = load_checkpoint(root / fmt)
     assert view == fmt
     server.load_weights(weights, view, 3)
@@ -63,10 +72,14 @@ def test_emulated_group_computes_the_reference_servers_logits(published, fmt, kv
     expected = _logits(server, ids, 4)
     assert torch.equal(_logits(emulated.engine, ids, 4), expected)
     # the same engine end to end: seeded, both sample the same tokens with the same log q
-    a = emulated.generate_batch([Request(ids[:4], 6)], SamplingConfig(temperature=1.0, top_p=0.95, top_k=16))[0]
+    a = emulated.generate_batch([Request(ids[:4], 6)], SamplingConfig(temperature=1.0, top_p=0.95, top_k=16))[
+        0
+    ]
     emulated_again = EmulatedSampler("g", fmt, kv, shape, seed=0, kernel=KERNEL)
     emulated_again.engine.load_weights(weights, view, 3)  # the published view, loaded as the server loads it
-    b = emulated_again.generate_batch([Request(ids[:4], 6)], SamplingConfig(temperature=1.0, top_p=0.95, top_k=16))[0]
+    b = emulated_again.generate_batch(
+        [Request(ids[:4], 6)], SamplingConfig(temperature=1.0, top_p=0.95, top_k=16)
+    )[0]
     assert a.output_ids.tolist() == b.output_ids.tolist() and a.logprobs.tolist() == b.logprobs.tolist()
 
 
@@ -86,6 +99,9 @@ def test_kv_auto_is_the_model_dtype_as_in_sglang(published):
 
     cache = KVCache(shape, 1, len(ids), kv_dtype="float32")
     rows = torch.tensor([0])
-    fp32 = torch.cat([engine.model(torch.tensor([ids[:3]]), cache, rows)]
-                     + [engine.model(torch.tensor([[t]]), cache, rows) for t in ids[3:]], 1)
+    fp32 = torch.cat(
+        [engine.model(torch.tensor([ids[:3]]), cache, rows)]
+        + [engine.model(torch.tensor([[t]]), cache, rows) for t in ids[3:]],
+        1,
+    )
     assert not torch.equal(fp32, auto)

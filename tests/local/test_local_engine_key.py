@@ -31,7 +31,9 @@ def cmdline(pid: int) -> str:
 
 def serving_urls(log: Path) -> tuple[str, dict[str, str]]:
     """The router's and the servers' URLs, as the fleet host logs them once it serves."""
-    found = re.search(r"serving: router (\S+), servers (\{[^}]*\}) \(closed with the run's key\)", log.read_text())
+    found = re.search(
+        r"serving: router (\S+), servers (\{[^}]*\}) \(closed with the run's key\)", log.read_text()
+    )
     assert found is not None, log.read_text()[-3000:]
     return found.group(1), ast.literal_eval(found.group(2))
 
@@ -51,13 +53,19 @@ def test_a_local_run_refuses_engine_and_router_calls_without_its_key(tmp_path: P
 
         generate = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
         update = {"model_path": str(out / "channel" / "v0" / "bf16"), "weight_version": "1000000"}
-        for auth in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": key}):  # none, wrong, no scheme
+        for auth in (
+            {},
+            {"Authorization": "Bearer not-the-key"},
+            {"Authorization": key},
+        ):  # none, wrong, no scheme
             answer = httpx.post(router + "/generate", json=generate, headers=auth, timeout=30)
             assert answer.status_code == 401, (auth, answer.text)
             for url in servers.values():
                 answer = httpx.post(url + "/update_weights_from_disk", json=update, headers=auth, timeout=30)
                 assert answer.status_code == 401, (url, auth, answer.text)
-                assert httpx.post(url + "/generate", json=generate, headers=auth, timeout=30).status_code == 401
+                assert (
+                    httpx.post(url + "/generate", json=generate, headers=auth, timeout=30).status_code == 401
+                )
         # the key opens them: the router generates, and an engine answers its model info
         with_key = {"Authorization": f"Bearer {key}"}
         answer = httpx.post(router + "/generate", json=generate, headers=with_key, timeout=30)

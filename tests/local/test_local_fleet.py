@@ -37,8 +37,13 @@ async def test_each_engine_loads_once_and_later_versions_load_in_place(
     model = tiny_model(TinyQwen3(seed=1))
     publisher.publish(model.state_dict(), version=0)  # the trainer's version 0, before the host starts
     groups = [GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")]
-    spec = FleetSpec(groups=groups, store=str(channel_dir), cache_dir=str(cache), model_path=str(tiny_qwen3_dir),
-                     poll_interval=0.05)  # fmt: skip
+    spec = FleetSpec(
+        groups=groups,
+        store=str(channel_dir),
+        cache_dir=str(cache),
+        model_path=str(tiny_qwen3_dir),
+        poll_interval=0.05,
+    )
     stop = asyncio.Event()
     fleet, tasks = await start_fleet(spec, stop)
     try:
@@ -47,12 +52,15 @@ async def test_each_engine_loads_once_and_later_versions_load_in_place(
                 info = (await client.get(fleet.servers[g.name] + "/model_info")).json()
                 expected = str(channel_dir / "v0" / g.weight_format)
                 assert (info["weight_version"], info["model_path"], info["weight_format"]) == (
-                    "0", expected, g.weight_format
-                )  # fmt: skip
+                    "0",
+                    expected,
+                    g.weight_format,
+                )
             deadline = time.monotonic() + 30
             while {r.group: r.applied_version for r in WeightChannel(store).subscribers()} != {
-                "h100-bf16": 0, "h100-fp8": 0
-            }:  # fmt: skip
+                "h100-bf16": 0,
+                "h100-fp8": 0,
+            }:
                 assert time.monotonic() < deadline, "the sync loops did not report version 0 applied"
                 await asyncio.sleep(0.05)
             assert weight_loads(caplog) == []  # in sync with v0: no second load of the same weights
@@ -103,8 +111,13 @@ async def test_delta_versions_are_rebuilt_into_the_cache_and_loaded(
 
     v0 = views_of(0)
     channel.publish(v0, version=0)
-    spec = FleetSpec(groups=groups, store=str(channel_dir), cache_dir=str(cache), model_path=str(tiny_qwen3_dir),
-                     poll_interval=0.05)  # fmt: skip
+    spec = FleetSpec(
+        groups=groups,
+        store=str(channel_dir),
+        cache_dir=str(cache),
+        model_path=str(tiny_qwen3_dir),
+        poll_interval=0.05,
+    )
     stop = asyncio.Event()
     fleet, tasks = await start_fleet(spec, stop)
     try:
@@ -116,7 +129,9 @@ async def test_delta_versions_are_rebuilt_into_the_cache_and_loaded(
         payloads = {}
         for view, directory in v1.items():
             out = tmp_path / f"v1-{view}{DELTA_SUFFIX}"
-            assert encode_delta(v0[view] / "model.safetensors", directory / "model.safetensors", out) is not None
+            assert (
+                encode_delta(v0[view] / "model.safetensors", directory / "model.safetensors", out) is not None
+            )
             payloads[view] = DeltaSource(0, {"model.safetensors": out})
         manifest = channel.publish(v1, version=1, deltas=payloads).manifest
         assert all(manifest.views[g.weight_format].delta is not None for g in groups)
@@ -130,7 +145,9 @@ async def test_delta_versions_are_rebuilt_into_the_cache_and_loaded(
             assert sorted(p.name for p in directory.iterdir()) == sorted(files)
             assert all(hash_file(directory / rel, entry.algorithm) == entry for rel, entry in files.items())
             assert load_view(directory)[1].keys() == load_view(v1[view])[1].keys()
-            assert (directory / "model.safetensors").read_bytes() == (v1[view] / "model.safetensors").read_bytes()
+            assert (directory / "model.safetensors").read_bytes() == (
+                v1[view] / "model.safetensors"
+            ).read_bytes()
     finally:
         stop.set()
         await stop_fleet(fleet, tasks)

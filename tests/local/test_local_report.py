@@ -37,7 +37,7 @@ ROWS = [
         "group/h100-fp8/kl_k3": 0.02 * s,
         "grad_norm": 1.0 + s,
         "entropy": 2.0 - 0.1 * s,
-    }  # fmt: skip
+    }
     for s in range(1, 9)
 ]
 
@@ -47,12 +47,21 @@ def _markers(fig) -> list:
 
 
 def test_every_plot_has_axis_labels_and_one_marker_per_alert() -> None:
-    alerts = [Alert(3, "kl_surge", 0.5, 0.1, group="h100-fp8"), Alert(6, "reward_cliff", 0.1, 0.6),
-              {"step": 7, "signal": "rho_blowup", "value": 60.0, "baseline": 50.0, "group": None}]  # fmt: skip
+    alerts = [
+        Alert(3, "kl_surge", 0.5, 0.1, group="h100-fp8"),
+        Alert(6, "reward_cliff", 0.1, 0.6),
+        {"step": 7, "signal": "rho_blowup", "value": 60.0, "baseline": 50.0, "group": None},
+    ]
     figures = build_figures(ROWS, alerts)
     try:
         # ROWS have no oor_fraction and no sc_tail_ratio: those plots are left out, not drawn empty
-        assert [name for name, _ in figures] == ["reward.png", "task.png", "kl.png", "entropy.png", "grad_norm.png"]
+        assert [name for name, _ in figures] == [
+            "reward.png",
+            "task.png",
+            "kl.png",
+            "entropy.png",
+            "grad_norm.png",
+        ]
         ylabels = {p.file: p.ylabel for p in PLOTS}
         for name, fig in figures:
             ax = fig.axes[0]
@@ -76,13 +85,17 @@ def test_every_plot_has_axis_labels_and_one_marker_per_alert() -> None:
 
 
 def test_task_plot_draws_success_and_malformed_turns_beside_the_reward() -> None:
-    rows = [{"step": 1.0, "reward_mean": 0.3, "success_rate": 0.0, "format_error_rate": 1.0},
-            {"step": 2.0, "reward_mean": 0.4, "success_rate": 0.25, "format_error_rate": 0.5},
-            {"step": 3.0, "reward_mean": 0.5, "format_error_rate": 0.25}]  # fmt: skip
+    rows = [
+        {"step": 1.0, "reward_mean": 0.3, "success_rate": 0.0, "format_error_rate": 1.0},
+        {"step": 2.0, "reward_mean": 0.4, "success_rate": 0.25, "format_error_rate": 0.5},
+        {"step": 3.0, "reward_mean": 0.5, "format_error_rate": 0.25},
+    ]
     figures = build_figures(rows)
     try:
         ax = dict(figures)["task.png"].axes[0]
-        lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+        lines = {
+            line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()
+        }
         assert lines == {
             "reward_mean": ([1.0, 2.0, 3.0], [0.3, 0.4, 0.5]),
             "success_rate": ([1.0, 2.0], [0.0, 0.25]),  # a step without the metric is skipped, not zero
@@ -126,18 +139,28 @@ def test_write_report_draws_the_summary_alerts(tmp_path: Path, monkeypatch) -> N
     alert = Alert(4, "grad_norm_spike", 9.0, 1.0)
     write_report(ROWS, tmp_path, {"collapse_alerts": [alert.__dict__]})
     assert seen == [1] * 5  # the five plots ROWS have data for
-    assert all((tmp_path / name).stat().st_size > 0 for name in ("reward.png", "task.png", "kl.png", "entropy.png"))
+    assert all(
+        (tmp_path / name).stat().st_size > 0 for name in ("reward.png", "task.png", "kl.png", "entropy.png")
+    )
     assert (tmp_path / "metrics.json").is_file()
 
 
 def test_report_writes_json_csv_and_plots(tmp_path):
-    rows = [{"step": s, "reward_mean": 0.1 * s, "kl_k3": 0.01, "group/a/kl_k3": 0.02, "grad_norm": 1.0} for s in range(5)]
+    rows = [
+        {"step": s, "reward_mean": 0.1 * s, "kl_k3": 0.01, "group/a/kl_k3": 0.02, "grad_norm": 1.0}
+        for s in range(5)
+    ]
     write_report(rows, tmp_path, {"final_reward": 0.4})
     data = json.loads((tmp_path / "metrics.json").read_text())
     assert data["summary"]["final_reward"] == 0.4 and len(data["steps"]) == 5
     header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
     assert header[0] == "step" and "group/a/kl_k3" in header
-    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["grad_norm.png", "kl.png", "reward.png", "task.png"]
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "grad_norm.png",
+        "kl.png",
+        "reward.png",
+        "task.png",
+    ]
     for name in ("reward.png", "task.png", "kl.png", "grad_norm.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert math.isclose(data["steps"][4]["reward_mean"], 0.4)
@@ -166,7 +189,9 @@ def test_weight_traffic_over_anchors_and_deltas(tmp_path: Path) -> None:
     bf16_1, fp8_1 = _view(tmp_path / "1" / "bf16", w1), _view(tmp_path / "1" / "fp8", codes)
     payload = tmp_path / "model.safetensors.delta"
     assert encode_delta(tmp_path / "0" / "bf16" / "model.safetensors", bf16_1 / "model.safetensors", payload)
-    channel.publish({"bf16": bf16_1, "fp8": fp8_1}, deltas={"bf16": DeltaSource(0, {"model.safetensors": payload})})
+    channel.publish(
+        {"bf16": bf16_1, "fp8": fp8_1}, deltas={"bf16": DeltaSource(0, {"model.safetensors": payload})}
+    )
     traffic.observe(channel)
     traffic.observe(channel)  # read once: nothing new
     channel.publish({"bf16": _view(tmp_path / "2" / "bf16", w1), "fp8": _view(tmp_path / "2" / "fp8", codes)})
@@ -188,10 +213,15 @@ def test_weight_traffic_over_anchors_and_deltas(tmp_path: Path) -> None:
     ]
     summary = weight_traffic(rows)
     assert summary["bf16"] == {
-        "versions": 3, "anchors": 2, "deltas": 1, "stored_bytes": 2 * full_bf16 + delta, "bytes": 3 * full_bf16,
+        "versions": 3,
+        "anchors": 2,
+        "deltas": 1,
+        "stored_bytes": 2 * full_bf16 + delta,
+        "bytes": 3 * full_bf16,
         "stored_share": (2 * full_bf16 + delta) / (3 * full_bf16),
-        "mean_delta_share": delta / full_bf16, "worst_delta_share": delta / full_bf16,
-    }  # fmt: skip
+        "mean_delta_share": delta / full_bf16,
+        "worst_delta_share": delta / full_bf16,
+    }
     assert summary["fp8"]["stored_share"] == 1.0 and summary["fp8"]["mean_delta_share"] is None
     paths = write_metrics([], tmp_path / "report", {"weights": summary, "weight_versions": rows})
     with open(paths["weights"]) as fh:

@@ -28,8 +28,20 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_above_the_poi
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run = [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--out", str(out), "--no-live"]
-    first = subprocess.run([*run, "--steps", "3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    run = [
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "run",
+        str(manifest),
+        "--local",
+        "--out",
+        str(out),
+        "--no-live",
+    ]
+    first = subprocess.run(
+        [*run, "--steps", "3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     channel = WeightChannel(FilesystemStore(out / "channel"), publisher_id="test-observer")
     assert channel.latest().version == 3  # type: ignore[union-attr]
@@ -42,14 +54,17 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_above_the_poi
     data[len(data) // 2] ^= 0xFF  # one bit flipped in the middle of the step-3 checkpoint
     (checkpoints / names[-1]).write_bytes(bytes(data))
 
-    resumed = subprocess.run([*run, "--resume", "--steps", "5"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=900)  # fmt: skip
+    resumed = subprocess.run(
+        [*run, "--resume", "--steps", "5"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
     said = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, said[-4000:]
     assert "ahead of the trainer" not in said
     assert f"checkpoint {names[-1]} in {checkpoints} not loaded" in said
-    assert ("the weight channel is at version 3, ahead of the checkpoint of step 2 (version 2; the newer "
-            "checkpoints were refused): resuming from step 2 and publishing its weights as version 4") in said
+    assert (
+        "the weight channel is at version 3, ahead of the checkpoint of step 2 (version 2; the newer "
+        "checkpoints were refused): resuming from step 2 and publishing its weights as version 4"
+    ) in said
     step_lines = [line for line in resumed.stdout.splitlines() if line.startswith("step ")]
     assert step_lines[0].startswith("step 3/5 ") and step_lines[-1].startswith("step 5/5 "), step_lines
 

@@ -34,7 +34,13 @@ def small_manifest(tmp_path: Path) -> Path:
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["samplerGroups"] = [
         {"name": "h100-bf16", "accelerator": "h100", "replicas": 1, "weightFormat": "bf16"},
-        {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4", "kvCacheDtype": "fp8_e4m3"},
+        {
+            "name": "b200-nvfp4",
+            "accelerator": "b200",
+            "replicas": 1,
+            "weightFormat": "nvfp4",
+            "kvCacheDtype": "fp8_e4m3",
+        },
     ]
     path = tmp_path / "rljob.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -55,14 +61,33 @@ class LocalRun:
 
 
 @contextlib.contextmanager
-def started_until_step(tmp_path: Path, manifest: Path, out: Path, steps: int, step: int = 1) -> Iterator[LocalRun]:
+def started_until_step(
+    tmp_path: Path, manifest: Path, out: Path, steps: int, step: int = 1
+) -> Iterator[LocalRun]:
     """`rlfleet run MANIFEST --local --steps STEPS --out OUT` as a user runs it, read until it prints step
     `step`. The block lets it finish (`LocalRun.finish`); a run still going when the block ends (a failed
     assertion) is killed."""
-    cmd = [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--steps", str(steps),
-           "--out", str(out), "--no-live"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "run",
+        str(manifest),
+        "--local",
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--no-live",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = LocalRun(proc, [])
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -104,11 +129,17 @@ def test_cli_rejects_bad_input_with_one_line(tmp_path, capsys):
     assert local.cli([str(EXAMPLE), "--local", "--environment", "nope:nothing"]) == 2
     assert local.cli([str(EXAMPLE), "--local", "--resume", "--out", str(tmp_path / "empty")]) == 2
     assert "nothing to resume" in capsys.readouterr().err
-    replay = [d for d in yaml.safe_load_all((REPO / "examples" / "rljob-cpu-torch.yaml").read_text()) if d["kind"] == "RLJob"][0]
+    replay = [
+        d
+        for d in yaml.safe_load_all((REPO / "examples" / "rljob-cpu-torch.yaml").read_text())
+        if d["kind"] == "RLJob"
+    ][0]
     replay["spec"]["model"]["path"] = "/models/a-moe"  # a model the API does not know: accepted at apply
     replay["spec"]["correction"] = {"routingReplay": True}
     (tmp_path / "replay.yaml").write_text(yaml.safe_dump(replay))
-    assert local.cli([str(tmp_path / "replay.yaml"), "--local"]) == 2  # local mode trains the dense local.model
+    assert (
+        local.cli([str(tmp_path / "replay.yaml"), "--local"]) == 2
+    )  # local mode trains the dense local.model
     assert "local.model.architecture qwen3 is dense" in capsys.readouterr().err
 
 
@@ -130,8 +161,10 @@ def test_a_seed_beyond_int64_is_refused_by_the_api(tmp_path, capsys, seed):
     manifest.write_text(yaml.safe_dump(doc))
     assert local.cli([str(manifest), "--local", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert err == (f"rlfleet run: {manifest}: invalid RLJob:\n"
-                   "  spec.local.seed: must be at most 9223372036854775807 (an int64)\n")  # fmt: skip
+    assert err == (
+        f"rlfleet run: {manifest}: invalid RLJob:\n"
+        "  spec.local.seed: must be at most 9223372036854775807 (an int64)\n"
+    )
     assert not (tmp_path / "run").exists()
     doc["spec"]["local"]["seed"] = 2**63 - 1  # the largest accepted
     manifest.write_text(yaml.safe_dump(doc))
@@ -146,18 +179,24 @@ def test_cli_refuses_runs_that_cannot_work(tmp_path, capsys, monkeypatch):
         g["replicas"] = 0
     idle = tmp_path / "idle.yaml"
     idle.write_text(yaml.safe_dump(doc))
-    assert "every sampler group has replicas: 0" in _one_line_error(capsys, [str(idle), "--local", "--out", str(tmp_path / "r")])
+    assert "every sampler group has replicas: 0" in _one_line_error(
+        capsys, [str(idle), "--local", "--out", str(tmp_path / "r")]
+    )
 
     plugin = tmp_path / "plugins" / "my_reward.py"  # a real, importable reward function
     plugin.parent.mkdir()
     plugin.write_text("def reward(prompt, completion_ids):\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(plugin.parent))
-    err = _one_line_error(capsys, [str(EXAMPLE), "--local", "--environment", "my_reward:reward", "--out", str(tmp_path / "r")])
+    err = _one_line_error(
+        capsys, [str(EXAMPLE), "--local", "--environment", "my_reward:reward", "--out", str(tmp_path / "r")]
+    )
     assert "'my_reward:reward' has no built-in prompts: set rollout.dataset" in err
 
     a_file = tmp_path / "a-file"
     a_file.write_text("not a run directory")
-    assert "is a file, not a directory" in _one_line_error(capsys, [str(EXAMPLE), "--local", "--out", str(a_file)])
+    assert "is a file, not a directory" in _one_line_error(
+        capsys, [str(EXAMPLE), "--local", "--out", str(a_file)]
+    )
     err = _one_line_error(capsys, [str(EXAMPLE), "--local", "--out", str(a_file / "run")])
     assert f"--out {a_file / 'run'}: cannot write the run directory (Not a directory)" in err
     assert a_file.read_text() == "not a run directory" and not (tmp_path / "r").exists()
@@ -186,9 +225,13 @@ def test_cli_never_replaces_a_run_without_force(tmp_path, capsys):
     # its only checkpoint damaged: one line naming why, no traceback
     newest = out / "checkpoints" / "ckpt-00000005.pt"
     newest.write_bytes(newest.read_bytes()[:-1])
-    err = _one_line_error(capsys, [str(EXAMPLE), "--local", "--out", str(out), "--resume", "--steps", "9"], code=6)
-    assert err.startswith(f"rlfleet run: cannot resume from the checkpoints in {out / 'checkpoints'}: no checkpoint in "
-                          f"{out / 'checkpoints'} could be loaded: ckpt-00000005.pt: blake3:")  # fmt: skip
+    err = _one_line_error(
+        capsys, [str(EXAMPLE), "--local", "--out", str(out), "--resume", "--steps", "9"], code=6
+    )
+    assert err.startswith(
+        f"rlfleet run: cannot resume from the checkpoints in {out / 'checkpoints'}: no checkpoint in "
+        f"{out / 'checkpoints'} could be loaded: ckpt-00000005.pt: blake3:"
+    )
     assert "Fix: put back a good checkpoint there" in err
 
 
@@ -231,9 +274,18 @@ def test_resolve_run_uses_the_local_block_and_the_correction_mode():
 
     rc = resolve_run(load_rljob(EXAMPLE), local=True)
     assert rc.steps == 12 and rc.prompts_per_step == 8 and rc.samples_per_prompt == 4
-    assert rc.sampling.candidate_mode == "support" and rc.sampling.top_k == 64 and rc.sampling.max_new_tokens == 8
+    assert (
+        rc.sampling.candidate_mode == "support"
+        and rc.sampling.top_k == 64
+        and rc.sampling.max_new_tokens == 8
+    )
     assert rc.objective.mode == "sc_mis" and rc.objective.replay
-    assert rc.model is not None and rc.model.vocab_size == 64 and len(rc.groups) == 8 and rc.max_staleness is None
+    assert (
+        rc.model is not None
+        and rc.model.vocab_size == 64
+        and len(rc.groups) == 8
+        and rc.max_staleness is None
+    )
     env = build_environment(rc)
     assert env.max_turns == 4
 
@@ -269,9 +321,23 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
     # --out relative to the cwd, as a user types it (the fleet subprocess runs in another directory)
-    cmd = [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--steps", "8", "--out", "run", "--no-live"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "run",
+        str(manifest),
+        "--local",
+        "--steps",
+        "8",
+        "--out",
+        "run",
+        "--no-live",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines = []
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -297,8 +363,20 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
     assert len(hints) == 1, output
     hint = shlex.split(hints[0])
     # runnable as printed: this interpreter, the manifest, the absolute run directory, the run's target
-    assert hint == [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--resume",
-                    "--out", str(out), "--steps", "8", "--no-live"]  # fmt: skip
+    assert hint == [
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "run",
+        str(manifest),
+        "--local",
+        "--resume",
+        "--out",
+        str(out),
+        "--steps",
+        "8",
+        "--no-live",
+    ]
     resumed = subprocess.run(hint, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     step_lines = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]
@@ -317,7 +395,9 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
     # resume continued at the checkpoint's data position: every prompt trained after it is a new one,
     # at or after that position, and each prompt group was trained whole (4 samples), exactly once
     before, after = set(stopped["trained_uids"]), set(final["trained_uids"])
-    assert before < after and len(after) == summary["rollouts_trained"] == 8 * 8 * 4  # steps x prompts x samples
+    assert (
+        before < after and len(after) == summary["rollouts_trained"] == 8 * 8 * 4
+    )  # steps x prompts x samples
     new_prompts = {int(uid.split("/")[0][1:]) for uid in after - before}
     assert min(new_prompts) >= stopped["data_position"]
     by_prompt: dict[str, int] = {}
@@ -326,21 +406,34 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
     assert set(by_prompt.values()) == {4}
     # the summary's windows (8 steps: the first and last 2) are means of the steps' metrics
     assert summary["summary_window_steps"] == 2
-    for name, key in (("reward", "reward_mean"), ("success_rate", "success_rate"), ("format_error_rate", "format_error_rate")):
+    for name, key in (
+        ("reward", "reward_mean"),
+        ("success_rate", "success_rate"),
+        ("format_error_rate", "format_error_rate"),
+    ):
         values = [r[key] for r in steps]
         assert summary[f"{name}_first"] == pytest.approx(_mean(values[:2]), rel=1e-12)
         assert summary[f"{name}_last"] == pytest.approx(_mean(values[-2:]), rel=1e-12)
-    assert (f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; task success "
-            f"{summary['success_rate_first']:.0%} -> {summary['success_rate_last']:.0%}") in resumed.stdout  # fmt: skip
+    assert (
+        f"reward {summary['reward_first']:.3f} -> {summary['reward_last']:.3f}; task success "
+        f"{summary['success_rate_first']:.0%} -> {summary['success_rate_last']:.0%}"
+    ) in resumed.stdout
 
     # the channel's traffic: every version the resumed part saw (each step publishes one), per view, in
     # weights.csv, the summary and one line each at the end (docs/local.md)
     weights, rows = summary["weights"], summary["weight_versions"]
     assert set(weights) == {"bf16", "nvfp4"} and len(rows) == sum(w["versions"] for w in weights.values())
     for view, w in weights.items():
-        assert w["versions"] >= 8 - stopped_at and w["anchors"] + w["deltas"] == w["versions"] and w["anchors"] >= 1
+        assert (
+            w["versions"] >= 8 - stopped_at
+            and w["anchors"] + w["deltas"] == w["versions"]
+            and w["anchors"] >= 1
+        )
         assert w["stored_bytes"] == sum(r["stored_bytes"] for r in rows if r["view"] == view) > 0
-        assert f"weights {view}: {w['versions']} versions ({w['anchors']} anchors, {w['deltas']} deltas)" in resumed.stdout
+        assert (
+            f"weights {view}: {w['versions']} versions ({w['anchors']} anchors, {w['deltas']} deltas)"
+            in resumed.stdout
+        )
     assert len((out / "report" / "weights.csv").read_text().splitlines()) == len(rows) + 1
     # a resume without --steps keeps the run's target (8), not the manifest's local.steps (12)
     assert local.cli([str(manifest), "--local", "--out", str(out), "--resume"]) == 2
@@ -368,8 +461,12 @@ def test_live_table_shows_every_group_of_the_resolved_run():
 
     rc = resolve_run(load_rljob(EXAMPLE), local=True)
     g = rc.groups[0]
-    metrics = {"step": 3.0, f"group/{g.name}/num_tokens": 40.0, f"group/{g.name}/version_max": 2.0,
-               f"group/{g.name}/token_share": 0.25}
+    metrics = {
+        "step": 3.0,
+        f"group/{g.name}/num_tokens": 40.0,
+        f"group/{g.name}/version_max": 2.0,
+        f"group/{g.name}/token_share": 0.25,
+    }
     console = Console(record=True, width=200)
     console.print(local.Progress(rc, live=False)._render(metrics, []))
     text = console.export_text()

@@ -80,22 +80,58 @@ def test_what_a_run_may_remove_is_only_the_shape_it_writes(tmp_path):
     temporary and lock files, a checkpoint's .tmp) goes; a user's file at any depth of rlfleet's folders,
     a folder of its own, models/ and anything beside rlfleet's names stay, byte for byte."""
     out = tmp_path / "run"
-    own = ["fleet.log", "fleet.json", "run.json", "checkpoints/ckpt-00000003.pt", "checkpoints/ckpt-00000005-g2.pt",
-           "checkpoints/latest",
-           "checkpoints/ckpt-00000004.pt.tmp", "checkpoints/latest.tmp", "channel/pointer.json", "channel/lease.json",
-           "channel/.pointer.json.lock", "channel/.lease.json.tmp-0123abcd", "channel/v0/manifest.json",
-           "channel/v12/bf16/model.safetensors", "channel/v12/bf16/.config.json.tmp-99ff", "channel/claims/v12",
-           "channel/subscribers/g/replica-0.json", "channel/.staging/abc/part", "cache/h100-bf16/launch",
-           "cache/h100-bf16/.launch.tmp-0a", "cache/h100-bf16/v12-bf16/model.safetensors",
-           "cache/h100-bf16/.v13-bf16.partial-0a1b2c3d/v13/model.safetensors.delta", "report/metrics.json",
-           "report/metrics.csv", "report/weights.csv", "report/reward.png", "report/routing.png"]  # fmt: skip
-    user = ["report/notes.tex", "report/figures/plot.png", "cache/notes.txt", "cache/h100-bf16/mine.txt",
-            "channel/notes.txt", "checkpoints/ckpt-best.pt", "checkpoints/latest.bak", "models/tiny/config.json",
-            "thesis.tex", "fleet.log.1"]  # fmt: skip
+    own = [
+        "fleet.log",
+        "fleet.json",
+        "run.json",
+        "checkpoints/ckpt-00000003.pt",
+        "checkpoints/ckpt-00000005-g2.pt",
+        "checkpoints/latest",
+        "checkpoints/ckpt-00000004.pt.tmp",
+        "checkpoints/latest.tmp",
+        "channel/pointer.json",
+        "channel/lease.json",
+        "channel/.pointer.json.lock",
+        "channel/.lease.json.tmp-0123abcd",
+        "channel/v0/manifest.json",
+        "channel/v12/bf16/model.safetensors",
+        "channel/v12/bf16/.config.json.tmp-99ff",
+        "channel/claims/v12",
+        "channel/subscribers/g/replica-0.json",
+        "channel/.staging/abc/part",
+        "cache/h100-bf16/launch",
+        "cache/h100-bf16/.launch.tmp-0a",
+        "cache/h100-bf16/v12-bf16/model.safetensors",
+        "cache/h100-bf16/.v13-bf16.partial-0a1b2c3d/v13/model.safetensors.delta",
+        "report/metrics.json",
+        "report/metrics.csv",
+        "report/weights.csv",
+        "report/reward.png",
+        "report/routing.png",
+    ]
+    user = [
+        "report/notes.tex",
+        "report/figures/plot.png",
+        "cache/notes.txt",
+        "cache/h100-bf16/mine.txt",
+        "channel/notes.txt",
+        "checkpoints/ckpt-best.pt",
+        "checkpoints/latest.bak",
+        "models/tiny/config.json",
+        "thesis.tex",
+        "fleet.log.1",
+    ]
     write(out, {rel: f"own {rel}" for rel in own} | {rel: f"user {rel}" for rel in user})
     kept = rundir.clean(out)
-    assert kept == ["checkpoints/ckpt-best.pt", "checkpoints/latest.bak", "channel/notes.txt",
-                    "cache/h100-bf16/mine.txt", "cache/notes.txt", "report/figures/", "report/notes.tex"]  # fmt: skip
+    assert kept == [
+        "checkpoints/ckpt-best.pt",
+        "checkpoints/latest.bak",
+        "channel/notes.txt",
+        "cache/h100-bf16/mine.txt",
+        "cache/notes.txt",
+        "report/figures/",
+        "report/notes.tex",
+    ]
     left = {rel: text for rel, text in tree(out).items() if not rel.endswith("/")}
     assert left == {rel: f"user {rel}" for rel in user}
     assert not (out / "channel" / "v12").exists() and not (out / "channel" / ".staging").exists()
@@ -125,9 +161,13 @@ def test_a_mount_point_is_never_emptied(tmp_path, capsys):
     write(volume, {"v3/manifest.json": "{}", "pointer.json": "{}"})
     write(out, {".rlfleet-run": "{}", "fleet.log": "log"})
     (out / "channel").mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(volume), str(out / "channel")], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "--bind", str(volume), str(out / "channel")], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot make a bind mount here (needs root with CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+        pytest.skip(
+            f"cannot make a bind mount here (needs root with CAP_SYS_ADMIN): {mounted.stderr.strip()}"
+        )
     try:
         before = tree(volume)
         err = one_line(capsys, [str(EXAMPLE), "--local", "--out", str(out), "--force", "--steps", "2"])
@@ -173,7 +213,9 @@ def test_a_run_from_before_markers_resumes_and_is_marked(tmp_path, capsys):
     write(out, {"report/notes.tex": "mine"})
     before = tree(out)
     err = one_line(capsys, [str(EXAMPLE), "--local", "--out", str(out)])
-    assert err.startswith(f"rlfleet run: {out} holds a run (its checkpoints in {out / 'checkpoints'}): --resume continues it")
+    assert err.startswith(
+        f"rlfleet run: {out} holds a run (its checkpoints in {out / 'checkpoints'}): --resume continues it"
+    )
     assert tree(out) == before
     with rundir.locked(out):
         state = local.prepare_out(out, rc, resume=True, force=False)
@@ -203,8 +245,12 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path, capsys):
         t0 = time.monotonic()
         err = one_line(capsys, [str(EXAMPLE), "--local", "--out", str(out), "--resume", "--steps", "2"])
         assert time.monotonic() - t0 < 10
-        assert err.startswith(f"rlfleet run: --out {out} is in use by another rlfleet run (pid {holder.pid} since ")
-        assert err.endswith(f"; its lock {out / '.rlfleet-lock'}): wait for it to end or stop it, or choose another --out\n")
+        assert err.startswith(
+            f"rlfleet run: --out {out} is in use by another rlfleet run (pid {holder.pid} since "
+        )
+        assert err.endswith(
+            f"; its lock {out / '.rlfleet-lock'}): wait for it to end or stop it, or choose another --out\n"
+        )
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -226,17 +272,38 @@ def test_a_second_run_is_refused_at_once_and_the_first_keeps_the_users_files(tmp
     manifest = tmp_path / "rljob.yaml"
     manifest.write_text(yaml.safe_dump(doc))
     out = tmp_path / "run"
-    users = {rel: f"the user's {rel}\n" for rel in ("report/notes.tex", "cache/notes.txt", "channel/notes.txt",
-                                                       "checkpoints/notes.txt", "thesis.tex")}  # fmt: skip
+    users = {
+        rel: f"the user's {rel}\n"
+        for rel in (
+            "report/notes.tex",
+            "cache/notes.txt",
+            "channel/notes.txt",
+            "checkpoints/notes.txt",
+            "thesis.tex",
+        )
+    }
     write(out, users | {"fleet.log": "a stale log\n", "checkpoints/ckpt-00000099.pt": "stale"})
 
     def command(*flags: str) -> list[str]:
-        return [sys.executable, "-m", "rlfleet.cli", "run", str(manifest), "--local", "--steps", "4", "--out", str(out),
-                "--no-live", *flags]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "run",
+            str(manifest),
+            "--local",
+            "--steps",
+            "4",
+            "--out",
+            str(out),
+            "--no-live",
+            *flags,
+        ]
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    first = subprocess.Popen(command("--force"), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        command("--force"), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         lines = []
         for line in first.stdout:  # type: ignore[union-attr]
@@ -249,13 +316,18 @@ def test_a_second_run_is_refused_at_once_and_the_first_keeps_the_users_files(tmp
         try:
             for flags in (["--resume"], ["--force"]):
                 t0 = time.monotonic()
-                second = subprocess.run(command(*flags), cwd=tmp_path, env=env, capture_output=True, text=True,
-                                        timeout=120)  # fmt: skip
+                second = subprocess.run(
+                    command(*flags), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+                )
                 took = time.monotonic() - t0
                 assert second.returncode == 2 and first.poll() is None, second.stderr
-                assert second.stderr.startswith(f"rlfleet run: --out {out} is in use by another rlfleet run (pid {first.pid} ")
+                assert second.stderr.startswith(
+                    f"rlfleet run: --out {out} is in use by another rlfleet run (pid {first.pid} "
+                )
                 assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
-                assert took < 60, took  # at once: before any model is built (measured: 8 s at a load of 14 on 2 cores, imports)
+                assert took < 60, (
+                    took
+                )  # at once: before any model is built (measured: 8 s at a load of 14 on 2 cores, imports)
         finally:
             first.send_signal(signal.SIGCONT)
         rest, err = first.communicate(timeout=600)
@@ -264,18 +336,27 @@ def test_a_second_run_is_refused_at_once_and_the_first_keeps_the_users_files(tmp
             first.kill()
             first.communicate()
     assert first.returncode == 0, "".join(lines) + rest + err[-3000:]
-    assert [line.split()[1] for line in [*lines, *rest.splitlines(keepends=True)] if line.startswith("step ")] == [
-        "1/4", "2/4", "3/4", "4/4"]  # fmt: skip
-    assert (f"rlfleet run: kept what rlfleet did not write in {out}: checkpoints/notes.txt, channel/notes.txt, "
-            "cache/notes.txt, report/notes.tex\n") in err  # fmt: skip
+    assert [
+        line.split()[1] for line in [*lines, *rest.splitlines(keepends=True)] if line.startswith("step ")
+    ] == ["1/4", "2/4", "3/4", "4/4"]
+    assert (
+        f"rlfleet run: kept what rlfleet did not write in {out}: checkpoints/notes.txt, channel/notes.txt, "
+        "cache/notes.txt, report/notes.tex\n"
+    ) in err
     for rel, text in users.items():
         assert (out / rel).read_text() == text
-    assert "a stale log" not in (out / "fleet.log").read_text() and not (out / "checkpoints/ckpt-00000099.pt").exists()
+    assert (
+        "a stale log" not in (out / "fleet.log").read_text()
+        and not (out / "checkpoints/ckpt-00000099.pt").exists()
+    )
     assert json.loads((out / ".rlfleet-run").read_text())["job"] == doc["metadata"]["name"]
-    versions = sorted(int(p.name[1:]) for p in (out / "channel").glob("v*") if (p / "manifest.json").is_file())
+    versions = sorted(
+        int(p.name[1:]) for p in (out / "channel").glob("v*") if (p / "manifest.json").is_file()
+    )
     assert versions == [0, 1, 2, 3, 4]
 
     kept = rundir.clean(out)
     assert kept == ["checkpoints/notes.txt", "channel/notes.txt", "cache/notes.txt", "report/notes.tex"]
-    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.parts[len(out.parts)] != "models"
-                  ) == sorted([".rlfleet-lock", ".rlfleet-run", *users])  # fmt: skip
+    assert sorted(
+        str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.parts[len(out.parts)] != "models"
+    ) == sorted([".rlfleet-lock", ".rlfleet-run", *users])

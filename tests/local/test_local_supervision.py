@@ -26,7 +26,9 @@ from rlfleet.trainer.publish import checkpoint as ckpt
 
 
 @pytest.mark.slow
-def test_a_killed_fleet_host_ends_the_run_in_seconds_with_its_signal_and_the_resume_command(tmp_path: Path) -> None:
+def test_a_killed_fleet_host_ends_the_run_in_seconds_with_its_signal_and_the_resume_command(
+    tmp_path: Path,
+) -> None:
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
     with started_until_step(tmp_path, manifest, out, 6) as run:
@@ -43,7 +45,11 @@ def test_a_killed_fleet_host_ends_the_run_in_seconds_with_its_signal_and_the_res
     report = json.loads((out / "report" / "metrics.json").read_text())
     summary = report["summary"]
     done = summary["steps"]
-    assert 1 <= done < 6 and summary["interrupted"] and [int(r["step"]) for r in report["steps"]] == list(range(1, done + 1))
+    assert (
+        1 <= done < 6
+        and summary["interrupted"]
+        and [int(r["step"]) for r in report["steps"]] == list(range(1, done + 1))
+    )
     state = ckpt.load_latest(out / "checkpoints")
     assert state is not None and state["step"] == done
     assert summary["driver"]["failed_groups"] == 0  # the dead router's groups were held, not dropped
@@ -73,7 +79,7 @@ def test_a_killed_fleet_host_ends_the_run_in_seconds_with_its_signal_and_the_res
         f"rlfleet run: the weight store {out / 'channel'} is full (No space left on device). Fix: free space on "
         "its volume or grow it; nothing partial is named (bytes are written before the pointer moves), so resume "
         f"with: {hint}"
-    ]  # fmt: skip
+    ]
     assert not next_checkpoint.is_symlink()  # the failed write removed its temporary file: room again
     state = ckpt.load_latest(out / "checkpoints")
     assert state is not None and state["step"] == done

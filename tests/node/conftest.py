@@ -77,7 +77,9 @@ def dev_cluster() -> Iterator[DevCluster]:
     built = {b.name: b for b in nodeimages.build_all([n for n in names.split(",") if n.strip()], log=log)}
     if attach:
         workdir = Path(attach)
-        yield DevCluster(controlplane.KubeCluster.from_state(workdir), realnode.RealNode(workdir, log), built, None)
+        yield DevCluster(
+            controlplane.KubeCluster.from_state(workdir), realnode.RealNode(workdir, log), built, None
+        )
         return
     workdir = controlplane.scratch_dir("rlfleet-dev-")
     plane = controlplane.ControlPlane(workdir, log=log, real_node=True)

@@ -51,7 +51,9 @@ STORE_VOLUME_SIZE = "128m"  # a few versions (1.3 MB each, 3 views) and two chec
 # versions between anchors are deltas of 2-5% of each view (the same local run at 1e-6, 20 steps: a bf16
 # delta 2.1% of the view on average, fp8 2.6%, nvfp4 3.1%).
 LEARNING_RATE = 1e-6
-ANCHOR_EVERY = 16  # the example leaves weightChannel.deltas at its defaults (rlfleet.api DEFAULT_ANCHOR_EVERY)
+ANCHOR_EVERY = (
+    16  # the example leaves weightChannel.deltas at its defaults (rlfleet.api DEFAULT_ANCHOR_EVERY)
+)
 DELTA_SHARE_AT_MOST = 0.10  # a delta version stores (and a replica following every version reads) this share of the view, at most
 
 
@@ -81,8 +83,11 @@ class Fleet:
         return self.kube.get_json("pods", "-n", self.ns, "-l", selector)["items"]
 
     def sampler_pods(self, group: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods(f"rlfleet.dev/samplergroup={JOB}-{group}")
-                if not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+        return [
+            p
+            for p in self.pods(f"rlfleet.dev/samplergroup={JOB}-{group}")
+            if not p["metadata"].get("deletionTimestamp")
+        ]
 
     def logs(self, pod: str, container: str, *extra: str) -> str:
         return self.kube.kubectl("logs", "-n", self.ns, pod, "-c", container, *extra).stdout
@@ -102,15 +107,18 @@ class Fleet:
             number = directory.name[1:]
             if number.isdigit() and int(number) not in self.manifests:
                 try:  # not there yet while the version's files upload
-                    self.manifests[int(number)] = Manifest.from_bytes((directory / "manifest.json").read_bytes())
+                    self.manifests[int(number)] = Manifest.from_bytes(
+                        (directory / "manifest.json").read_bytes()
+                    )
                 except (OSError, ValueError, ChannelError):
                     continue
 
     def sidecar(self, pod: str) -> dict[str, Any]:
         """What a sampler pod's weight-sync sidecar serves on its port (read from inside the pod): its
         /metrics' bytes read per kind and applies, then its /status."""
-        out = self.kube.kubectl("exec", "-n", self.ns, pod, "-c", "weight-sync", "--", "python3", "-I", "-c",
-                                SIDECAR_PROBE).stdout  # fmt: skip
+        out = self.kube.kubectl(
+            "exec", "-n", self.ns, pod, "-c", "weight-sync", "--", "python3", "-I", "-c", SIDECAR_PROBE
+        ).stdout
         got = json.loads(out.strip().splitlines()[-1])
         read, applies = {}, None
         for line in got["metrics"].splitlines():
@@ -134,13 +142,17 @@ class Fleet:
         for pod in self.pods(f"rlfleet.dev/job={JOB}"):
             name = pod["metadata"]["name"]
             if "trainer" in name:
-                states = [{k: c.get(k) for k in ("name", "ready", "restartCount", "state", "lastState")}
-                          for c in pod["status"].get("containerStatuses", [])]  # fmt: skip
+                states = [
+                    {k: c.get(k) for k in ("name", "ready", "restartCount", "state", "lastState")}
+                    for c in pod["status"].get("containerStatuses", [])
+                ]
                 parts.append(f"pod {name}: phase {pod['status'].get('phase')}, containers {states}")
         for label, pod, container in (("trainer", f"{JOB}-trainer-0", "trainer"),):
             parts.append(f"{label} log tail:\n{self._log_tail(pod, container)}")
         for op in self.pods("app.kubernetes.io/name=rlfleet"):
-            parts.append(f"operator {op['metadata']['name']} log tail:\n{self._log_tail(op['metadata']['name'], None)}")
+            parts.append(
+                f"operator {op['metadata']['name']} log tail:\n{self._log_tail(op['metadata']['name'], None)}"
+            )
         return "\n".join(parts)
 
     def _log_tail(self, pod: str, container: str | None, lines: int = 40) -> str:
@@ -151,7 +163,9 @@ class Fleet:
             return f"(no log: {exc})"
 
     def wait_step(self, at_least: int, timeout: float = 900) -> int:
-        return wait_for(f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout=timeout)
+        return wait_for(
+            f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout=timeout
+        )
 
 
 def _ready(pod: dict[str, Any]) -> bool:
@@ -168,28 +182,80 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
     # runs in the job's namespace, as a PVC cannot be mounted from another one.
     stores = [{"name": "cpu", "claimName": CLAIM, "mountPath": STORE_PATH}]
     install = subprocess.run(
-        [str(helm), "install", "rlfleet", str(REPO / "charts" / "rlfleet"), "-n", ns, "--create-namespace",
-         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-         "--set", "operator.replicas=1", "--set-json", f"weightStores.filesystem={json.dumps(stores)}"],
-        env=kube.env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            str(helm),
+            "install",
+            "rlfleet",
+            str(REPO / "charts" / "rlfleet"),
+            "-n",
+            ns,
+            "--create-namespace",
+            "--set",
+            f"image.repository={repository}",
+            "--set",
+            f"image.tag={tag}",
+            "--set",
+            "image.pullPolicy=Never",
+            "--set",
+            "operator.replicas=1",
+            "--set-json",
+            f"weightStores.filesystem={json.dumps(stores)}",
+        ],
+        env=kube.env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     # The store's volume: a small tmpfs on the node, so that a test can fill it (a local-path volume is a
     # directory on the host's big disk). A PV of it, and the example's claim bound to it; the example's
     # own PVC then applies as a no-op (created here without kubectl's last-applied annotation).
     volume = Path(tempfile.mkdtemp(prefix="rlfleet-fleet-store-"))
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={STORE_VOLUME_SIZE},mode=0777", "tmpfs", str(volume)],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={STORE_VOLUME_SIZE},mode=0777", "tmpfs", str(volume)],
+        check=True,
+    )
     pv_name = f"{ns}-store"
-    kube.kubectl("create", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
-        "spec": {"capacity": {"storage": "2Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
-                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(volume), "type": "Directory"},
-                 "claimRef": {"namespace": ns, "name": CLAIM}}}))  # fmt: skip
-    kube.kubectl("create", "-n", ns, "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CLAIM},
-        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv_name,
-                 "resources": {"requests": {"storage": "2Gi"}}}}))  # fmt: skip
+    kube.kubectl(
+        "create",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": pv_name},
+                "spec": {
+                    "capacity": {"storage": "2Gi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "",
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "hostPath": {"path": str(volume), "type": "Directory"},
+                    "claimRef": {"namespace": ns, "name": CLAIM},
+                },
+            }
+        ),
+    )
+    kube.kubectl(
+        "create",
+        "-n",
+        ns,
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": CLAIM},
+                "spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": "",
+                    "volumeName": pv_name,
+                    "resources": {"requests": {"storage": "2Gi"}},
+                },
+            }
+        ),
+    )
     # the example as users apply it (the PVC with it), with more steps: the faults below need a run that
     # is still training (the example's 50 steps take about two minutes here); at an RL learning rate
     docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
@@ -221,8 +287,13 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
         watcher.join(timeout=5)
         # the job first, while the operator runs (it releases the WeightChannel's finalizer)
         kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
-        subprocess.run([str(helm), "uninstall", "rlfleet", "-n", ns, "--wait"], env=kube.env(),
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+        subprocess.run(
+            [str(helm), "uninstall", "rlfleet", "-n", ns, "--wait"],
+            env=kube.env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         kube.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=100s", check=False)
         kube.kubectl("delete", "pv", pv_name, "--wait=false", check=False)
         subprocess.run(["umount", "-l", str(volume)], check=False)
@@ -240,13 +311,21 @@ def test_the_cpu_example_trains_and_fills_the_cockpit(fleet: Fleet) -> None:
             return None
         for sg in groups.values():
             s = sg.get("status", {})
-            if not (s.get("readyReplicas") == 1 and (s.get("tokensPerSecond") or 0) > 0 and s.get("sharePercent") is not None
-                    and (s.get("appliedWeightVersion") or 0) >= 1 and s.get("versionLag") is not None
-                    and s.get("kl") is not None and s.get("oorFraction") is not None):  # fmt: skip
+            if not (
+                s.get("readyReplicas") == 1
+                and (s.get("tokensPerSecond") or 0) > 0
+                and s.get("sharePercent") is not None
+                and (s.get("appliedWeightVersion") or 0) >= 1
+                and s.get("versionLag") is not None
+                and s.get("kl") is not None
+                and s.get("oorFraction") is not None
+            ):
                 return None
         return groups
 
-    groups = wait_for("every SamplerGroup Ready with Tok/s, Share%, Version, Lag, KL and OOR", cockpit_full, timeout=600)
+    groups = wait_for(
+        "every SamplerGroup Ready with Tok/s, Share%, Version, Lag, KL and OOR", cockpit_full, timeout=600
+    )
     shares = [float(sg["status"]["sharePercent"]) for sg in groups.values()]
     assert abs(sum(shares) - 100) < 1.5, shares
     status = fleet.status()
@@ -275,10 +354,14 @@ SIDECAR_PROBE = (
 )
 # The sidecar's line per version it applied and the init container's launch line (sampler/syncer.py): how the
 # version was obtained and the bytes read from the store per kind.
-APPLIED = re.compile(r"applied weights v(\d+) \((\w+)\) from (.+?), (\d+) bytes read "
-                     r"\(anchor (\d+), delta (\d+), whole-file (\d+)\): obtain")  # fmt: skip
-LAUNCHED = re.compile(r"launch checkpoint: v(\d+) \((\w+)\) at \S+, from (.+?), (\d+) bytes read "
-                      r"\(anchor (\d+), delta (\d+), whole-file (\d+)\)")  # fmt: skip
+APPLIED = re.compile(
+    r"applied weights v(\d+) \((\w+)\) from (.+?), (\d+) bytes read "
+    r"\(anchor (\d+), delta (\d+), whole-file (\d+)\): obtain"
+)
+LAUNCHED = re.compile(
+    r"launch checkpoint: v(\d+) \((\w+)\) at \S+, from (.+?), (\d+) bytes read "
+    r"\(anchor (\d+), delta (\d+), whole-file (\d+)\)"
+)
 
 
 @dataclass(frozen=True)
@@ -326,7 +409,9 @@ def _expected(manifests: dict[int, Manifest], view: str, version: int, local: se
         base = vm
     deltas = [v for v in built if manifests[v].views[view].delta is not None]
     named = ", ".join(f"v{v}" for v in deltas)
-    return Obtained(version, f"{seed} + delta{'s' if len(deltas) > 1 else ''} {named}" if deltas else seed, read)
+    return Obtained(
+        version, f"{seed} + delta{'s' if len(deltas) > 1 else ''} {named}" if deltas else seed, read
+    )
 
 
 def _since_anchor(manifests: dict[int, Manifest], view: str, version: int) -> int:
@@ -347,8 +432,11 @@ def test_versions_between_anchors_are_deltas_that_every_group_rebuilds_verified(
     that version, are its delta payloads: a few % of the full views."""
     [wc] = fleet.kube.get_json("weightchannels", "-n", fleet.ns)["items"]
     assert (wc["spec"].get("deltas") or {}).get("anchorEvery", ANCHOR_EVERY) == ANCHOR_EVERY, wc["spec"]
-    wait_for(f"version {ANCHOR_EVERY + 3}: the second anchor and deltas after it",
-             lambda: max(fleet.manifests, default=-1) >= ANCHOR_EVERY + 3, timeout=900)  # fmt: skip
+    wait_for(
+        f"version {ANCHOR_EVERY + 3}: the second anchor and deltas after it",
+        lambda: max(fleet.manifests, default=-1) >= ANCHOR_EVERY + 3,
+        timeout=900,
+    )
     _assert_anchors_every_k_and_deltas_between(dict(fleet.manifests))
     _assert_the_channel_status_names_a_delta_version(fleet)
     one_version = {group: _assert_the_sidecar_rebuilds_verified(fleet, group) for group in GROUPS}
@@ -356,7 +444,9 @@ def test_versions_between_anchors_are_deltas_that_every_group_rebuilds_verified(
     read_total = sum(sum(r.values()) for _, r in one_version.values())
     for group, (version, read) in one_version.items():
         print(f"{group}: v{version} read {sum(read.values())} B of its {full[group]} B view ({read})")
-    print(f"a version's bytes over the {len(GROUPS)} groups: {read_total} B of {sum(full.values())} B as full views")
+    print(
+        f"a version's bytes over the {len(GROUPS)} groups: {read_total} B of {sum(full.values())} B as full views"
+    )
     assert 0 < read_total <= DELTA_SHARE_AT_MOST * sum(full.values()), (one_version, full)
 
 
@@ -369,7 +459,12 @@ def _assert_anchors_every_k_and_deltas_between(manifests: dict[int, Manifest]) -
             vm = manifest.views[view]
             if vm.delta is not None:
                 assert vm.delta.base == version - 1 and vm.delta.bytes > 0, (view, version, vm.delta)
-                assert vm.stored_bytes <= DELTA_SHARE_AT_MOST * vm.bytes, (view, version, vm.stored_bytes, vm.bytes)
+                assert vm.stored_bytes <= DELTA_SHARE_AT_MOST * vm.bytes, (
+                    view,
+                    version,
+                    vm.stored_bytes,
+                    vm.bytes,
+                )
 
 
 def _assert_the_channel_status_names_a_delta_version(fleet: Fleet) -> None:
@@ -387,7 +482,10 @@ def _assert_the_channel_status_names_a_delta_version(fleet: Fleet) -> None:
     for artifact in status["artifacts"]:
         vm = fleet.manifests[artifact["version"]].views[artifact["view"]]
         assert (artifact["storedBytes"], artifact["bytes"], artifact["base"]) == (
-            vm.stored_bytes, vm.bytes, artifact["version"] - 1), artifact  # fmt: skip
+            vm.stored_bytes,
+            vm.bytes,
+            artifact["version"] - 1,
+        ), artifact
     assert 0 < status["storedPercent"] <= 100 * DELTA_SHARE_AT_MOST, status
     table = fleet.kube.kubectl("get", "wc", "-n", fleet.ns).stdout
     print(table)
@@ -415,13 +513,22 @@ def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int
 
     def rebuilt_three() -> list[Obtained] | None:
         got = _obtained(fleet.logs(name, "weight-sync"), APPLIED)
-        return got if sum(o.source.startswith("local v") and " + delta v" in o.source for o in got) >= 3 else None
+        return (
+            got
+            if sum(o.source.startswith("local v") and " + delta v" in o.source for o in got) >= 3
+            else None
+        )
 
-    for got in wait_for(f"the {group} sidecar applying 3 versions rebuilt from its copy plus a delta",
-                        rebuilt_three, timeout=600):  # fmt: skip
+    for got in wait_for(
+        f"the {group} sidecar applying 3 versions rebuilt from its copy plus a delta",
+        rebuilt_three,
+        timeout=600,
+    ):
         local = {int(got.source.split()[1][1:])} if got.source.startswith("local v") else set()
         assert got == _expected(fleet.manifests, group, got.version, local), (group, got)
-    snap, lines = wait_for(f"the {group} sidecar in sync", lambda: _settled(fleet, name), timeout=300, interval=0.2)
+    snap, lines = wait_for(
+        f"the {group} sidecar in sync", lambda: _settled(fleet, name), timeout=300, interval=0.2
+    )
     status = snap["status"]
     assert status["failures"]["checksum"] == 0 and status["failures"]["delta"] == 0, status
     logged = {kind: sum(o.read[kind] for o in lines) for kind in ("anchor", "delta", "whole-file")}
@@ -430,8 +537,12 @@ def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int
     deadline = time.monotonic() + 600
     before = snap
     while True:  # two settled readings one delta version apart
-        assert time.monotonic() < deadline, f"the {group} sidecar was never read just before and after a version"
-        after, _ = wait_for(f"the {group} sidecar in sync", lambda: _settled(fleet, name), timeout=300, interval=0.2)
+        assert time.monotonic() < deadline, (
+            f"the {group} sidecar was never read just before and after a version"
+        )
+        after, _ = wait_for(
+            f"the {group} sidecar in sync", lambda: _settled(fleet, name), timeout=300, interval=0.2
+        )
         version = after["status"]["applied_version"]
         if version == before["status"]["applied_version"] + 1 and fleet.manifests[version].views[group].delta:
             break
@@ -477,28 +588,45 @@ print(json.dumps({
 """
 
 
-def _run_client_pod(fleet: Fleet, image: str, name: str, labels: dict[str, str], args: list[str]) -> dict[str, Any]:
+def _run_client_pod(
+    fleet: Fleet, image: str, name: str, labels: dict[str, str], args: list[str]
+) -> dict[str, Any]:
     """UNKEYED_CLIENT in a pod of the fleet's namespace with `labels`; its printed answers. args: the engine's,
     the router's and the sidecar's URLs, and how many seconds it waits for the network to let it in."""
     kube, ns = fleet.kube, fleet.ns
     client = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
         "spec": {
-            "nodeSelector": {"rlfleet.dev/dev-node": "true"}, "restartPolicy": "Never",
-            "containers": [{
-                "name": "client", "image": image, "imagePullPolicy": "Never",
-                "command": ["/opt/rlfleet/bin/python", "-c", UNKEYED_CLIENT, *args],
-                "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                                    "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False,
-                                    "capabilities": {"drop": ["ALL"]}},
-                "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
-            }],
+            "nodeSelector": {"rlfleet.dev/dev-node": "true"},
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "client",
+                    "image": image,
+                    "imagePullPolicy": "Never",
+                    "command": ["/opt/rlfleet/bin/python", "-c", UNKEYED_CLIENT, *args],
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": 10001,
+                        "runAsGroup": 10001,
+                        "readOnlyRootFilesystem": True,
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                    },
+                    "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+                }
+            ],
         },
-    }  # fmt: skip
+    }
     kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(client))
     try:
-        wait_for(f"the {name} pod done", lambda: kube.get_json("pod", name, "-n", ns)["status"].get(
-            "phase") in ("Succeeded", "Failed"), timeout=300)  # fmt: skip
+        wait_for(
+            f"the {name} pod done",
+            lambda: kube.get_json("pod", name, "-n", ns)["status"].get("phase") in ("Succeeded", "Failed"),
+            timeout=300,
+        )
         out = kube.kubectl("logs", "-n", ns, name).stdout
     finally:
         kube.kubectl("delete", "pod", name, "-n", ns, "--wait=false", check=False)
@@ -523,30 +651,46 @@ def test_the_engines_and_the_router_refuse_a_caller_without_the_jobs_key(fleet: 
     for pod in pods:
         for container in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:
             [ref] = [e for e in container.get("env", []) if e["name"] == "RLFLEET_API_KEY"]
-            assert ref["valueFrom"]["secretKeyRef"] == {"name": f"{JOB}-api-key", "key": "key"}, container["name"]
+            assert ref["valueFrom"]["secretKeyRef"] == {"name": f"{JOB}-api-key", "key": "key"}, container[
+                "name"
+            ]
 
     [sampler] = fleet.sampler_pods("bf16")
     applied_before = fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0
     step = fleet.step()
     pod_ip = sampler["status"]["podIP"]
-    args = [f"http://{pod_ip}:{naming.SGLANG_PORT}", f"http://{JOB}-router.{ns}.svc:{naming.ROUTER_PORT}",
-            f"http://{pod_ip}:{naming.SYNC_PORT}"]  # fmt: skip
+    args = [
+        f"http://{pod_ip}:{naming.SGLANG_PORT}",
+        f"http://{JOB}-router.{ns}.svc:{naming.ROUTER_PORT}",
+        f"http://{pod_ip}:{naming.SYNC_PORT}",
+    ]
     image = dev_cluster.images["operator"].ref
     outsider = _run_client_pod(fleet, image, "unlisted-client", {"role": "outsider"}, [*args, "0"])
     refused = {k: v for k, v in outsider.items() if k != "sidecar_health"}
     assert all(isinstance(v, str) and v.startswith("no answer") for v in refused.values()), outsider
     assert outsider["sidecar_health"] == 200, outsider  # the same pod, the same node: only the policy differs
-    scraper = _run_client_pod(fleet, image, "unkeyed-client", {"app.kubernetes.io/name": "prometheus"}, [*args, "120"])
+    scraper = _run_client_pod(
+        fleet, image, "unkeyed-client", {"app.kubernetes.io/name": "prometheus"}, [*args, "120"]
+    )
     assert scraper == {
-        "update_no_key": 401, "update_wrong_key": 401, "pause_no_key": 401, "generate_no_key": 401,
-        "engine_health": 200, "engine_metrics": 200, "router_no_key": 401, "router_health": 200,
+        "update_no_key": 401,
+        "update_wrong_key": 401,
+        "pause_no_key": 401,
+        "generate_no_key": 401,
+        "engine_health": 200,
+        "engine_metrics": 200,
+        "router_no_key": 401,
+        "router_health": 200,
         "sidecar_health": 200,
-    }, scraper  # fmt: skip
+    }, scraper
     # the fleet holds the key: it trains on, the bf16 engine applies new versions, and nothing foreign was
     # loaded (the sidecar would have said so)
     fleet.wait_step(step + 2)
-    wait_for("the bf16 group applying a newer version", lambda: (
-        fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0) > applied_before, timeout=600)  # fmt: skip
+    wait_for(
+        "the bf16 group applying a newer version",
+        lambda: (fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0) > applied_before,
+        timeout=600,
+    )
     assert "foreign weight version" not in fleet.logs(sampler["metadata"]["name"], "weight-sync")
     assert fleet.groups()[f"{JOB}-bf16"]["status"]["reason"] != "ForeignWeightVersion"
 
@@ -570,22 +714,41 @@ def test_the_charts_webhook_refuses_a_job_whose_group_name_is_taken(fleet: Fleet
     secret = kube.get_json("secret", "rlfleet-webhook-cert", "-n", ns)
     configuration = kube.get_json("validatingwebhookconfiguration", f"rlfleet-{ns}")
     ca = secret["data"]["ca.crt"]
-    wait_for("the caBundle the operator patches", lambda: all(
-        w.get("clientConfig", {}).get("caBundle") == ca
-        for w in kube.get_json("validatingwebhookconfiguration", f"rlfleet-{ns}")["webhooks"]), timeout=120)  # fmt: skip
+    wait_for(
+        "the caBundle the operator patches",
+        lambda: all(
+            w.get("clientConfig", {}).get("caBundle") == ca
+            for w in kube.get_json("validatingwebhookconfiguration", f"rlfleet-{ns}")["webhooks"]
+        ),
+        timeout=120,
+    )
     assert len(configuration["webhooks"]) == 4
     kube.kubectl("apply", "-n", ns, "-f", "-", input=_suspended_job("ab", "cd-ef"))
     try:
-        wait_for("SamplerGroup ab-cd-ef", lambda: kube.get_json("samplergroup", "ab-cd-ef", "-n", ns), timeout=120)
+        wait_for(
+            "SamplerGroup ab-cd-ef", lambda: kube.get_json("samplergroup", "ab-cd-ef", "-n", ns), timeout=120
+        )
         colliding = _suspended_job("ab-cd", "ef")
         # failurePolicy Ignore admits while the webhook is not serving yet: a server-side dry run (admission
         # runs, nothing is stored) until it answers, then the real apply
-        denied = wait_for("the webhook refusing the colliding job (dry run)", lambda: (
-            r := kube.kubectl("apply", "--dry-run=server", "-n", ns, "-f", "-", input=colliding, check=False)
-        ).returncode != 0 and r.stderr, timeout=180)  # fmt: skip
+        denied = wait_for(
+            "the webhook refusing the colliding job (dry run)",
+            lambda: (
+                (
+                    r := kube.kubectl(
+                        "apply", "--dry-run=server", "-n", ns, "-f", "-", input=colliding, check=False
+                    )
+                ).returncode
+                != 0
+                and r.stderr
+            ),
+            timeout=180,
+        )
         assert "denied the request" in denied and "RLJob ab" in denied and "ab-cd-ef" in denied, denied
         applied = kube.kubectl("apply", "-n", ns, "-f", "-", input=colliding, check=False)
-        assert applied.returncode != 0 and "denied the request" in applied.stderr, applied.stdout + applied.stderr
+        assert applied.returncode != 0 and "denied the request" in applied.stderr, (
+            applied.stdout + applied.stderr
+        )
         missing = kube.kubectl("get", "rljob", "ab-cd", "-n", ns, check=False)
         assert missing.returncode != 0 and "NotFound" in missing.stderr
     finally:
@@ -604,9 +767,15 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
 
     def just_past_an_anchor() -> int | None:  # deleted then, the pod is back before the next anchor
         latest = fleet.latest_version()
-        return latest if latest in fleet.manifests and 1 <= _since_anchor(fleet.manifests, "bf16", latest) <= 2 else None
+        return (
+            latest
+            if latest in fleet.manifests and 1 <= _since_anchor(fleet.manifests, "bf16", latest) <= 2
+            else None
+        )
 
-    latest = wait_for("a bf16 delta version just past an anchor", just_past_an_anchor, timeout=600, interval=0.2)
+    latest = wait_for(
+        "a bf16 delta version just past an anchor", just_past_an_anchor, timeout=600, interval=0.2
+    )
     step = fleet.step()
     drops_before = fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ")
     fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, old_name, "--wait=true", "--timeout=120s")
@@ -631,8 +800,19 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
         f"mine = root + '/subscribers/{JOB}-bf16/probe'\n"
         "open(mine, 'w').close(); os.remove(mine); print('REPORTS-WRITABLE')\n"
     )
-    exec_out = fleet.kube.kubectl("exec", "-n", fleet.ns, new["metadata"]["name"], "-c", "weight-sync", "--",
-                                  "python3", "-I", "-c", probe).stdout  # fmt: skip
+    exec_out = fleet.kube.kubectl(
+        "exec",
+        "-n",
+        fleet.ns,
+        new["metadata"]["name"],
+        "-c",
+        "weight-sync",
+        "--",
+        "python3",
+        "-I",
+        "-c",
+        probe,
+    ).stdout
     assert exec_out.count("REFUSED EROFS") == 3 and "WROTE" not in exec_out, exec_out
     assert "REPORTS-WRITABLE" in exec_out, exec_out
     fetched = fleet.logs(new["metadata"]["name"], "weight-fetch")
@@ -640,18 +820,30 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     assert launched.version >= latest, fetched[-3000:]
     assert fleet.manifests[launched.version].views["bf16"].delta is not None, (
         f"v{launched.version}, the newest version when the replacement started, is an anchor: the pod took "
-        f"{ANCHOR_EVERY - 2} versions or more to come back; nothing seeded from deltas")  # fmt: skip
+        f"{ANCHOR_EVERY - 2} versions or more to come back; nothing seeded from deltas"
+    )
     seeded = _expected(fleet.manifests, "bf16", launched.version, set())
-    assert launched == seeded and launched.source.startswith("anchor v") and launched.read["delta"] > 0, launched
+    assert launched == seeded and launched.source.startswith("anchor v") and launched.read["delta"] > 0, (
+        launched
+    )
     # the sidecar goes on from the seeded copy (a delta on it, or the next anchor downloaded)
     new_name = new["metadata"]["name"]
-    [first, *_] = wait_for("the replacement's sidecar applying a version", lambda: _obtained(
-        fleet.logs(new_name, "weight-sync"), APPLIED), timeout=600)  # fmt: skip
+    [first, *_] = wait_for(
+        "the replacement's sidecar applying a version",
+        lambda: _obtained(fleet.logs(new_name, "weight-sync"), APPLIED),
+        timeout=600,
+    )
     # built on a copy this pod holds verified (the seeded one, or one its sidecar rebuilt since: one node run
     # saw 'local v373 + delta v374' first with a launch below v373) or on the next anchor, read exactly as the
     # manifests say from there
-    held = int(first.source.split()[1].removeprefix("v")) if first.source.startswith("local v") else launched.version
-    assert held >= launched.version and first == _expected(fleet.manifests, "bf16", first.version, {held}), first
+    held = (
+        int(first.source.split()[1].removeprefix("v"))
+        if first.source.startswith("local v")
+        else launched.version
+    )
+    assert held >= launched.version and first == _expected(fleet.manifests, "bf16", first.version, {held}), (
+        first
+    )
     fleet.wait_step(step + 2)
     assert (fleet.store_dir() / "subscribers" / f"{JOB}-bf16" / f"{new['metadata']['name']}.json").exists()
     # no rollout lost (the router moved the deleted pod's requests: the driver dropped no prompt group)
@@ -660,8 +852,10 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     from rlfleet.trainer.publish import checkpoint
 
     history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
-    episodes = {int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
-                for row in history}  # fmt: skip
+    episodes = {
+        int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
+        for row in history
+    }
     assert len(episodes) >= step + 1 and set(episodes.values()) == {8 * 4}, episodes  # the example's sizes
 
 
@@ -679,7 +873,9 @@ def test_a_spot_reclaimed_sampler_pod_loses_no_episode(fleet: Fleet, dev_cluster
     container_ids = [c["containerID"].split("://", 1)[1] for c in old["status"]["containerStatuses"]]
     for container_id in container_ids:
         dev_cluster.node.ctr("tasks", "kill", "-s", "SIGKILL", container_id)
-    fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, old_name, "--grace-period=0", "--force", "--wait=false")
+    fleet.kube.kubectl(
+        "delete", "pod", "-n", fleet.ns, old_name, "--grace-period=0", "--force", "--wait=false"
+    )
 
     def replacement() -> dict[str, Any] | None:
         pods = [p for p in fleet.sampler_pods("fp8") if p["metadata"]["name"] != old_name]
@@ -692,14 +888,21 @@ def test_a_spot_reclaimed_sampler_pod_loses_no_episode(fleet: Fleet, dev_cluster
     from rlfleet.trainer.publish import checkpoint
 
     history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
-    episodes = {int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
-                for row in history}  # fmt: skip
+    episodes = {
+        int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
+        for row in history
+    }
     assert len(episodes) >= killed + 1 and set(episodes.values()) == {8 * 4}, episodes  # the example's sizes
 
     def fp8_trains_again() -> float | None:  # the replacement serves: fp8 episodes in a step after the kill
         rows = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
-        after = sum(v for row in rows if int(row["step"]) > killed for k, v in row.items()
-                    if k.startswith("group/") and k.endswith("fp8/episodes"))  # fmt: skip
+        after = sum(
+            v
+            for row in rows
+            if int(row["step"]) > killed
+            for k, v in row.items()
+            if k.startswith("group/") and k.endswith("fp8/episodes")
+        )
         return after or None
 
     wait_for("the fp8 group's episodes trained again", fp8_trains_again, timeout=600)
@@ -708,13 +911,21 @@ def test_a_spot_reclaimed_sampler_pod_loses_no_episode(fleet: Fleet, dev_cluster
 def test_training_goes_on_without_the_operator_and_status_converges(fleet: Fleet) -> None:
     [op] = fleet.pods("app.kubernetes.io/name=rlfleet")
     step = fleet.step()
-    fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, op["metadata"]["name"], "--wait=true", "--timeout=120s")
+    fleet.kube.kubectl(
+        "delete", "pod", "-n", fleet.ns, op["metadata"]["name"], "--wait=true", "--timeout=120s"
+    )
     # the trainer and the samplers do not need the operator: the channel moves on while it is gone
     version = fleet.latest_version() or 0
-    wait_for("a new version published while the operator restarts",
-             lambda: (fleet.latest_version() or 0) > version, timeout=600)  # fmt: skip
-    wait_for("the new operator pod Ready", lambda: any(
-        _ready(p) for p in fleet.pods("app.kubernetes.io/name=rlfleet")), timeout=300)  # fmt: skip
+    wait_for(
+        "a new version published while the operator restarts",
+        lambda: (fleet.latest_version() or 0) > version,
+        timeout=600,
+    )
+    wait_for(
+        "the new operator pod Ready",
+        lambda: any(_ready(p) for p in fleet.pods("app.kubernetes.io/name=rlfleet")),
+        timeout=300,
+    )
     fleet.wait_step(step + 2)  # the new operator reads the trainer and writes the status again
 
 
@@ -741,8 +952,14 @@ def test_a_corrupted_view_is_refused_and_the_group_keeps_serving(fleet: Fleet) -
         assert time.monotonic() < deadline, f"no checksum refusal by the nvfp4 sidecar; flipped {flipped}"
         version = max(version, (fleet.latest_version() or 0) + 1)  # never behind the pointer
         view = store / f"v{version}" / "nvfp4"  # the channel's layout (docs/weights.md)
-        if wait_for(f"version {version}'s nvfp4 payload or file", lambda d=view: _flip_a_byte(
-                d / "model.safetensors.delta") or _flip_a_byte(d / "model.safetensors"), timeout=300, interval=0.02):  # fmt: skip
+        if wait_for(
+            f"version {version}'s nvfp4 payload or file",
+            lambda d=view: (
+                _flip_a_byte(d / "model.safetensors.delta") or _flip_a_byte(d / "model.safetensors")
+            ),
+            timeout=300,
+            interval=0.02,
+        ):
             flipped.append(version)
         version += 1
     target = int(refused.group(1))
@@ -750,17 +967,28 @@ def test_a_corrupted_view_is_refused_and_the_group_keeps_serving(fleet: Fleet) -
     applied = fleet.groups()[f"{JOB}-nvfp4"]["status"].get("appliedWeightVersion")
     assert applied is None or applied not in flipped
     assert _ready(fleet.sampler_pods("nvfp4")[0])  # still serving
-    wait_for("bf16 past the corrupted version", lambda: (
-        fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0) >= target, timeout=600)  # fmt: skip
+    wait_for(
+        "bf16 past the corrupted version",
+        lambda: (fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0) >= target,
+        timeout=600,
+    )
     # the status counts the refusal (the reason is in the message and the WeightsSynced condition only
     # while the replica still fails: the next anchor clears it)
-    wait_for("the nvfp4 group's status counting the refusal", lambda: (
-        _sync_failures(fleet, "nvfp4") > failures_before["nvfp4"]), timeout=300)  # fmt: skip
+    wait_for(
+        "the nvfp4 group's status counting the refusal",
+        lambda: _sync_failures(fleet, "nvfp4") > failures_before["nvfp4"],
+        timeout=300,
+    )
     assert _sync_failures(fleet, "bf16") == failures_before["bf16"]  # bf16's files were not touched
-    wait_for("the nvfp4 group past the corrupted versions", lambda: (
-        fleet.groups()[f"{JOB}-nvfp4"]["status"].get("appliedWeightVersion") or 0) > max(flipped), timeout=900)  # fmt: skip
+    wait_for(
+        "the nvfp4 group past the corrupted versions",
+        lambda: (fleet.groups()[f"{JOB}-nvfp4"]["status"].get("appliedWeightVersion") or 0) > max(flipped),
+        timeout=900,
+    )
     [recovered, *_] = _obtained(fleet.logs(name, "weight-sync")[refused.start() :], APPLIED)
-    assert recovered.source.startswith("anchor v") and int(recovered.source.split()[1][1:]) > target, recovered
+    assert recovered.source.startswith("anchor v") and int(recovered.source.split()[1][1:]) > target, (
+        recovered
+    )
     assert recovered == _expected(fleet.manifests, "nvfp4", recovered.version, set()), recovered
 
 
@@ -786,16 +1014,25 @@ def test_a_killed_trainer_resumes_at_its_checkpoint_and_versions_never_go_back(f
     trainer = f"{JOB}-trainer-0"
     fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, trainer, "--grace-period=0", "--force", "--wait=true")
 
-    def resumed_log() -> str | None:  # the NEW pod's log (the old container may still publish once as it dies)
+    def resumed_log() -> (
+        str | None
+    ):  # the NEW pod's log (the old container may still publish once as it dies)
         got = fleet.kube.kubectl("logs", "-n", fleet.ns, trainer, "-c", "trainer", check=False)
-        return got.stdout if got.returncode == 0 and "resuming from the checkpoint at step" in got.stdout else None
+        return (
+            got.stdout
+            if got.returncode == 0 and "resuming from the checkpoint at step" in got.stdout
+            else None
+        )
 
     log = wait_for("the restarted trainer resuming at its checkpoint", resumed_log, timeout=900)
     resumed = re.search(r"resuming from the checkpoint at step (\d+)", log)
     assert resumed and int(resumed.group(1)) >= before, log[-3000:]
     resumed_at = int(resumed.group(1))
-    wait_for("a new version from the restarted trainer",
-             lambda: (fleet.latest_version() or 0) > max(before, resumed_at), timeout=900)  # fmt: skip
+    wait_for(
+        "a new version from the restarted trainer",
+        lambda: (fleet.latest_version() or 0) > max(before, resumed_at),
+        timeout=900,
+    )
     seen = fleet.versions_seen
     assert seen == sorted(seen), seen  # never backwards, across the kill
 
@@ -840,15 +1077,23 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_above_the_poi
         entries = json.loads((checkpoints / "latest").read_text())["checkpoints"]
         newest = checkpoint.load_latest(checkpoints)
         pointer = channel.latest()
-        if len(entries) >= 2 and newest is not None and pointer is not None and \
-                pointer.version == newest["step"] + int(newest.get("version_offset", 0)):
+        if (
+            len(entries) >= 2
+            and newest is not None
+            and pointer is not None
+            and pointer.version == newest["step"] + int(newest.get("version_offset", 0))
+        ):
             return pids, entries[-1]["name"], pointer.version
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
         return None
 
-    pids, damaged, pointer_at = wait_for("the trainer frozen with its newest checkpoint published",
-                                         frozen_at_its_pointer, timeout=300, interval=0.3)  # fmt: skip
+    pids, damaged, pointer_at = wait_for(
+        "the trainer frozen with its newest checkpoint published",
+        frozen_at_its_pointer,
+        timeout=300,
+        interval=0.3,
+    )
     step = checkpoint.parse_checkpoint_name(damaged)[0]
     data = bytearray((checkpoints / damaged).read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -859,17 +1104,27 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_above_the_poi
 
     def resumed_log() -> str | None:
         got = fleet.kube.kubectl("logs", "-n", fleet.ns, trainer, "-c", "trainer", check=False)
-        return got.stdout if got.returncode == 0 and "resuming from the checkpoint at step" in got.stdout else None
+        return (
+            got.stdout
+            if got.returncode == 0 and "resuming from the checkpoint at step" in got.stdout
+            else None
+        )
 
     try:
-        log = wait_for("the restarted trainer resuming from the previous checkpoint", resumed_log, timeout=900)
+        log = wait_for(
+            "the restarted trainer resuming from the previous checkpoint", resumed_log, timeout=900
+        )
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{fleet.diagnosis()}") from None
     assert f"checkpoint {damaged} in " in log and "not loaded" in log, log[-3000:]
     assert f"resuming from the checkpoint at step {step - 1} " in log, log[-3000:]
-    assert (f"the weight channel is at version {pointer_at}, ahead of the checkpoint of step {step - 1}" in log
-            and f"publishing its weights as version {pointer_at + 1}" in log), log[-3000:]  # fmt: skip
-    wait_for("versions above the pointer", lambda: (fleet.latest_version() or 0) >= pointer_at + 2, timeout=900)
+    assert (
+        f"the weight channel is at version {pointer_at}, ahead of the checkpoint of step {step - 1}" in log
+        and f"publishing its weights as version {pointer_at + 1}" in log
+    ), log[-3000:]
+    wait_for(
+        "versions above the pointer", lambda: (fleet.latest_version() or 0) >= pointer_at + 2, timeout=900
+    )
     offset = pointer_at + 1 - (step - 1)
     for version in range(pointer_at + 1, (fleet.latest_version() or 0) + 1):
         if version in channel.versions():
@@ -889,17 +1144,24 @@ def test_a_full_store_volume_stops_publishing_with_a_clear_reason_and_names_noth
 
     store = fleet.store_dir()
     filler = store / "filler"  # root's file: nothing in the pods can remove it
-    subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, check=False)  # to ENOSPC
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, check=False
+    )  # to ENOSPC
     try:
         # between the trainer's restarts (the kubelet's back-off) the RLJob is Degraded and quotes it
         try:
-            status = wait_for("the RLJob saying the store is full", lambda: "is full" in (
-                s := fleet.status()).get("message", "") and s, timeout=900)  # fmt: skip
+            status = wait_for(
+                "the RLJob saying the store is full",
+                lambda: "is full" in (s := fleet.status()).get("message", "") and s,
+                timeout=900,
+            )
         except AssertionError as exc:  # say what the job, the trainer and the operator said instead
             raise AssertionError(f"{exc}\n{fleet.diagnosis()}") from None
         why = status["message"]
         assert "No space left on device" in why and status["phase"] == "Degraded", status
-        assert status["reason"] == "CrashLoopBackOff" and "it said: rlfleet trainer run: the weight store" in why
+        assert (
+            status["reason"] == "CrashLoopBackOff" and "it said: rlfleet trainer run: the weight store" in why
+        )
         assert "Fix: free space on its volume or grow it" in why, why
         assert "code 3;" in why, why  # the store-full class's own exit code (rlfleet trainer launch), not 1
         latest = fleet.latest_version()

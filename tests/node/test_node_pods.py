@@ -69,8 +69,10 @@ def wait_phase(kube, namespace: str, name: str, phases: set[str], timeout: float
         obj = kube.get_json("pod", name, "-n", namespace)
         phase = obj["status"].get("phase")
         if phase == "Failed" and "Failed" not in phases:
-            raise AssertionError(f"pod {name} failed: {json.dumps(obj['status'])[:2000]}\n"
-                                 f"{kube.kubectl('logs', '-n', namespace, name, check=False).stdout}")
+            raise AssertionError(
+                f"pod {name} failed: {json.dumps(obj['status'])[:2000]}\n"
+                f"{kube.kubectl('logs', '-n', namespace, name, check=False).stdout}"
+            )
         return obj if phase in phases else None
 
     try:
@@ -98,8 +100,11 @@ def test_the_node_is_a_real_kubelet_on_containerd(dev_cluster) -> None:
     ready = [c for c in node["status"]["conditions"] if c["type"] == "Ready"]
     assert ready and ready[0]["status"] == "True", ready
     # kwok's fake GPU nodes stay beside it for scheduling tests
-    fake = [n for n in dev_cluster.kube.get_json("nodes")["items"]
-            if n["metadata"].get("annotations", {}).get("kwok.x-k8s.io/node") == "fake"]
+    fake = [
+        n
+        for n in dev_cluster.kube.get_json("nodes")["items"]
+        if n["metadata"].get("annotations", {}).get("kwok.x-k8s.io/node") == "fake"
+    ]
     assert any("nvidia.com/gpu.product" in n["metadata"]["labels"] for n in fake)
 
 
@@ -116,14 +121,14 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
         # torchrun (the trainer pod's command) must see rlfleet, and its ranks must form a gloo group
         # through its c10d rendezvous and their env:// stores (as the trainer's ranks do)
         "trainer": "import shutil, subprocess, torch, megatron.core, rlfleet.trainer.backends.backend_megatron;"
-                   "print('torchrun', shutil.which('torchrun'));"
-                   # each rank's line in ONE write(2) (atomic on the pipe; print's pieces interleaved once)
-                   "open('/tmp/ranks.py', 'w').write(\"import os, torch, torch.distributed as d; d.init_process_group('gloo');"
-                   " t = torch.ones(1); d.all_reduce(t); os.write(1, ('all_reduce %d' % int(t.item()) + chr(10)).encode());"
-                   " d.destroy_process_group()\");"
-                   "r = subprocess.run(['torchrun', '--standalone', '--nproc-per-node=2', '/tmp/ranks.py'],"
-                   " capture_output=True, text=True); print(r.stdout, r.stderr[-3000:]);"
-                   "print('megatron', megatron.core.__version__)",
+        "print('torchrun', shutil.which('torchrun'));"
+        # each rank's line in ONE write(2) (atomic on the pipe; print's pieces interleaved once)
+        "open('/tmp/ranks.py', 'w').write(\"import os, torch, torch.distributed as d; d.init_process_group('gloo');"
+        " t = torch.ones(1); d.all_reduce(t); os.write(1, ('all_reduce %d' % int(t.item()) + chr(10)).encode());"
+        ' d.destroy_process_group()");'
+        "r = subprocess.run(['torchrun', '--standalone', '--nproc-per-node=2', '/tmp/ranks.py'],"
+        " capture_output=True, text=True); print(r.stdout, r.stderr[-3000:]);"
+        "print('megatron', megatron.core.__version__)",
     }[image]
     python = "/opt/rlfleet/bin/python" if image == "operator" else "python3"
     script = (
@@ -133,9 +138,18 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
         f"{probe}"
     )
     name = f"img-{image}"
-    apply(kube, pod(name, [restricted_container(name, ref, [python, "-c", script],
-                                                  volumeMounts=[{"name": "tmp", "mountPath": "/tmp"}])]),
-          namespace=ns)
+    apply(
+        kube,
+        pod(
+            name,
+            [
+                restricted_container(
+                    name, ref, [python, "-c", script], volumeMounts=[{"name": "tmp", "mountPath": "/tmp"}]
+                )
+            ],
+        ),
+        namespace=ns,
+    )
     wait_phase(kube, ns, name, {"Succeeded"}, timeout=300)
     out = logs(kube, ns, name)
     assert f"uid {UID} gid {UID}" in out, out
@@ -148,7 +162,9 @@ def test_each_image_runs_as_uid_10001_on_a_read_only_root(dev_cluster, ns: str, 
     del entrypoint["command"]
     apply(kube, pod(f"{name}-entrypoint", [entrypoint]), namespace=ns)
     wait_phase(kube, ns, f"{name}-entrypoint", {"Succeeded"})
-    assert re.search(r"\d+\.\d+\.\d+", logs(kube, ns, f"{name}-entrypoint")), "rlfleet --version printed no version"
+    assert re.search(r"\d+\.\d+\.\d+", logs(kube, ns, f"{name}-entrypoint")), (
+        "rlfleet --version printed no version"
+    )
 
 
 def test_pods_reach_each_other_through_a_service_by_dns_name(dev_cluster, ns: str) -> None:
@@ -158,21 +174,46 @@ def test_pods_reach_each_other_through_a_service_by_dns_name(dev_cluster, ns: st
     image = dev_cluster.images["operator"].ref
     python = "/opt/rlfleet/bin/python"
     server = restricted_container(
-        "server", image, [python, "-m", "http.server", "8080", "--directory", "/tmp"],
+        "server",
+        image,
+        [python, "-m", "http.server", "8080", "--directory", "/tmp"],
         ports=[{"containerPort": 8080}],
         readinessProbe={"httpGet": {"path": "/hello.txt", "port": 8080}, "periodSeconds": 1},
         volumeMounts=[{"name": "tmp", "mountPath": "/tmp"}],
     )
-    writer = restricted_container("writer", image, ["sh", "-c", "echo hello-from-the-server > /tmp/hello.txt"],
-                                  volumeMounts=[{"name": "tmp", "mountPath": "/tmp"}])
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
-               "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}}
+    writer = restricted_container(
+        "writer",
+        image,
+        ["sh", "-c", "echo hello-from-the-server > /tmp/hello.txt"],
+        volumeMounts=[{"name": "tmp", "mountPath": "/tmp"}],
+    )
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
     apply(kube, pod("web", [server], initContainers=[writer], restartPolicy="Always"), service, namespace=ns)
-    web = wait_for("web Ready", lambda: (o := kube.get_json("pod", "web", "-n", ns)) and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in o["status"].get("conditions", [])) and o, timeout=180)
+    web = wait_for(
+        "web Ready",
+        lambda: (
+            (o := kube.get_json("pod", "web", "-n", ns))
+            and any(c["type"] == "Ready" and c["status"] == "True" for c in o["status"].get("conditions", []))
+            and o
+        ),
+        timeout=180,
+    )
     assert ipaddress.ip_address(web["status"]["podIP"]) in realnode.POD_SUBNET
     url = f"http://web.{ns}.svc.cluster.local/hello.txt"
-    client = restricted_container("client", image, [python, "-c", f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"])
+    client = restricted_container(
+        "client",
+        image,
+        [
+            python,
+            "-c",
+            f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())",
+        ],
+    )
     apply(kube, pod("client", [client]), namespace=ns)
     wait_phase(kube, ns, "client", {"Succeeded"})
     assert "hello-from-the-server" in logs(kube, ns, "client")
@@ -191,8 +232,11 @@ def test_a_pod_reaches_the_api_server_with_its_service_account(dev_cluster, ns: 
         " headers={'Authorization': 'Bearer ' + open(sa + '/token').read()})\n"
         "print(urllib.request.urlopen(req, context=ctx, timeout=10).read().decode())\n"
     )
-    apply(kube, pod("api", [restricted_container("api", image, ["/opt/rlfleet/bin/python", "-c", script])]),
-          namespace=ns)
+    apply(
+        kube,
+        pod("api", [restricted_container("api", image, ["/opt/rlfleet/bin/python", "-c", script])]),
+        namespace=ns,
+    )
     wait_phase(kube, ns, "api", {"Succeeded"})
     assert json.loads(logs(kube, ns, "api"))["gitVersion"] == "v1.36.3"
 
@@ -202,12 +246,17 @@ def test_a_volume_claim_of_the_default_class_outlives_its_pod(dev_cluster, ns: s
     pod reads what the first wrote."""
     kube = dev_cluster.kube
     image = dev_cluster.images["operator"].ref
-    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data"},
-             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "16Mi"}}}}
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "data"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "16Mi"}}},
+    }
     volume = {"name": "data", "persistentVolumeClaim": {"claimName": "data"}}
     mount = [{"name": "data", "mountPath": "/data"}]
-    writer = restricted_container("w", image, ["sh", "-c", "id -u > /data/who && echo kept > /data/file"],
-                                  volumeMounts=mount)
+    writer = restricted_container(
+        "w", image, ["sh", "-c", "id -u > /data/who && echo kept > /data/file"], volumeMounts=mount
+    )
     apply(kube, claim, pod("writer", [writer], volumes=[volume]), namespace=ns)
     wait_phase(kube, ns, "writer", {"Succeeded"}, timeout=240)
     pvc = kube.get_json("pvc", "data", "-n", ns)
@@ -230,10 +279,30 @@ def test_the_chart_installs_an_operator_that_reconciles_an_rljob(dev_cluster, ns
     operator_image = dev_cluster.images["operator"].ref
     repository, tag = operator_image.rsplit(":", 1)
     install = subprocess.run(
-        [str(helm), "install", "rlfleet", str(chart), "-n", release_ns, "--create-namespace",
-         "--set", f"image.repository={repository}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=Never",
-         "--set", "operator.replicas=1", "--wait", "--timeout", "5m"],
-        env=kube.env(), capture_output=True, text=True, timeout=400,
+        [
+            str(helm),
+            "install",
+            "rlfleet",
+            str(chart),
+            "-n",
+            release_ns,
+            "--create-namespace",
+            "--set",
+            f"image.repository={repository}",
+            "--set",
+            f"image.tag={tag}",
+            "--set",
+            "image.pullPolicy=Never",
+            "--set",
+            "operator.replicas=1",
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
+        env=kube.env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     try:
         assert install.returncode == 0, install.stdout + install.stderr
@@ -248,14 +317,26 @@ def test_the_chart_installs_an_operator_that_reconciles_an_rljob(dev_cluster, ns
             "spec": {
                 "model": {"name": "tiny", "path": "/weights/models/tiny"},
                 "trainer": {"accelerator": "b200", "gpusPerReplica": 1, "backend": "torch"},
-                "samplerGroups": [{"name": "h100-bf16", "accelerator": "h100", "replicas": 1, "weightFormat": "bf16"}],
+                "samplerGroups": [
+                    {"name": "h100-bf16", "accelerator": "h100", "replicas": 1, "weightFormat": "bf16"}
+                ],
                 "router": {"image": operator_image},
-                "weightChannel": {"store": {"type": "filesystem", "path": "/weights/tiny", "volumeClaimName": "weights"}},
+                "weightChannel": {
+                    "store": {"type": "filesystem", "path": "/weights/tiny", "volumeClaimName": "weights"}
+                },
             },
         }
         apply(kube, job, namespace=ns)
-        status = wait_for("the RLJob's status from the in-cluster operator", lambda: (
-            s := kube.get_json("rljob", "tiny", "-n", ns).get("status", {})) and s.get("conditions") and s, timeout=180)
+        status = wait_for(
+            "the RLJob's status from the in-cluster operator",
+            lambda: (
+                (s := kube.get_json("rljob", "tiny", "-n", ns).get("status", {}))
+                and s.get("conditions")
+                and s
+            ),
+            timeout=180,
+        )
+
         # the children may come a moment after the first status (a fresh CRD's storage answers 429 while it
         # initialises, and the operator retries): wait for them, saying what the operator logged if not
         def group_made() -> dict[str, Any] | None:
@@ -265,15 +346,28 @@ def test_the_chart_installs_an_operator_that_reconciles_an_rljob(dev_cluster, ns
         try:
             group = wait_for("the SamplerGroup from the in-cluster operator", group_made, timeout=120)
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{status}\n{logs(kube, release_ns, op['metadata']['name'])[-6000:]}") from None
+            raise AssertionError(
+                f"{exc}\n{status}\n{logs(kube, release_ns, op['metadata']['name'])[-6000:]}"
+            ) from None
         assert group["metadata"]["ownerReferences"]
-        wait_for("the trainer StatefulSet", lambda: kube.get_json("statefulset", "tiny-trainer", "-n", ns), timeout=60)
+        wait_for(
+            "the trainer StatefulSet",
+            lambda: kube.get_json("statefulset", "tiny-trainer", "-n", ns),
+            timeout=60,
+        )
         reasons = {c.get("reason") for c in status["conditions"]}
         assert reasons - {None, ""}, status  # every condition says why, never a bare Pending
-        assert '"GET /healthz HTTP/1.1" 200' in logs(kube, release_ns, op["metadata"]["name"])  # the probe, logged
+        assert '"GET /healthz HTTP/1.1" 200' in logs(
+            kube, release_ns, op["metadata"]["name"]
+        )  # the probe, logged
     finally:
-        subprocess.run([str(helm), "uninstall", "rlfleet", "-n", release_ns, "--wait"], env=kube.env(),
-                       capture_output=True, text=True, timeout=300)
+        subprocess.run(
+            [str(helm), "uninstall", "rlfleet", "-n", release_ns, "--wait"],
+            env=kube.env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         kube.kubectl("delete", "namespace", release_ns, "--wait=false", check=False)
 
 
@@ -283,8 +377,16 @@ def test_the_chart_installs_an_operator_that_reconciles_an_rljob(dev_cluster, ns
 def _host_snapshot(workdir: Path) -> dict[str, Any]:
     """What the node may leave on the host: processes of its binaries, mounts, network namespaces,
     links, iptables rules (both families), ipsets (kube-router's)."""
-    names = ("containerd", "containerd-shim", "kubelet", "kube-proxy", "kube-router", "coredns", "local-path-provisioner",
-             "pause")
+    names = (
+        "containerd",
+        "containerd-shim",
+        "kubelet",
+        "kube-proxy",
+        "kube-router",
+        "coredns",
+        "local-path-provisioner",
+        "pause",
+    )
     processes = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -312,14 +414,20 @@ def test_down_leaves_no_process_mount_bridge_or_iptables_rule(dev_cluster) -> No
         pytest.skip("attached to a running dev cluster (RLFLEET_DEV_CLUSTER_WORKDIR): it is not ours to stop")
     workdir = dev_cluster.plane.workdir
     # a policy: kube-router keeps its pod sets in ipsets, which the sweep must destroy too
-    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "deny-all"},
-              "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}}
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "deny-all"},
+        "spec": {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]},
+    }
     dev_cluster.kube.kubectl("apply", "-n", "default", "-f", "-", input=json.dumps(policy))
     wait_for("kube-router's ipsets of the policy", lambda: realnode._ipsets() or None, timeout=60)
     during = _host_snapshot(workdir)
     assert realnode.BRIDGE in during["links"] and during["processes"], during  # the check can fail
     assert any(r.startswith(":KUBE-SERVICES") for r in during["iptables"]["iptables-save"])
-    assert any(r.startswith(":KUBE-ROUTER-FORWARD") for r in during["iptables"]["iptables-save"])  # the policies'
+    assert any(
+        r.startswith(":KUBE-ROUTER-FORWARD") for r in during["iptables"]["iptables-save"]
+    )  # the policies'
     assert any(p[1] == "kube-router" for p in during["processes"]), during["processes"]
     started = time.monotonic()
     dev_cluster.plane.stop()

@@ -61,9 +61,19 @@ class Trainer:
 
     def config(self, owner: str, **extra: Any) -> SandboxPodConfig:
         uid = self.kube.get_json("pod", owner, "-n", self.namespace)["metadata"]["uid"]
-        return SandboxPodConfig(namespace=self.namespace, job=self.job.name, owner_pod=owner, owner_uid=uid,
-                                image=self.image, image_pull_policy="Never", cpu="500m", memory="256Mi",
-                                node_selector={"rlfleet.dev/dev-node": "true"}, max_seconds=600, **extra)  # fmt: skip
+        return SandboxPodConfig(
+            namespace=self.namespace,
+            job=self.job.name,
+            owner_pod=owner,
+            owner_uid=uid,
+            image=self.image,
+            image_pull_policy="Never",
+            cpu="500m",
+            memory="256Mi",
+            node_selector={"rlfleet.dev/dev-node": "true"},
+            max_seconds=600,
+            **extra,
+        )
 
     def pods(self, selector: str) -> set[str]:
         got = self.kube.get_json("pods", "-n", self.namespace, "-l", selector)["items"]
@@ -72,26 +82,46 @@ class Trainer:
     def owner_pod(self, name: str) -> str:
         """A running pod standing for the trainer pod (the sandboxes' owner)."""
         body = {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
             "spec": {
-                "nodeSelector": {"rlfleet.dev/dev-node": "true"}, "restartPolicy": "Never",
+                "nodeSelector": {"rlfleet.dev/dev-node": "true"},
+                "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": 0,
-                "containers": [{"name": "trainer", "image": nodeimages.HELPER_IMAGE, "imagePullPolicy": "Never",
-                                "command": ["sleep", "86400"],
-                                "securityContext": {"runAsNonRoot": True, "runAsUser": UID,
-                                                    "allowPrivilegeEscalation": False}}],
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": nodeimages.HELPER_IMAGE,
+                        "imagePullPolicy": "Never",
+                        "command": ["sleep", "86400"],
+                        "securityContext": {
+                            "runAsNonRoot": True,
+                            "runAsUser": UID,
+                            "allowPrivilegeEscalation": False,
+                        },
+                    }
+                ],
             },
-        }  # fmt: skip
+        }
         self.kube.kubectl("apply", "-n", self.namespace, "-f", "-", input=json.dumps(body))
-        self.kube.kubectl("wait", "-n", self.namespace, "--for=jsonpath={.status.phase}=Running", f"pod/{name}",
-                          "--timeout=180s")  # fmt: skip
+        self.kube.kubectl(
+            "wait",
+            "-n",
+            self.namespace,
+            "--for=jsonpath={.status.phase}=Running",
+            f"pod/{name}",
+            "--timeout=180s",
+        )
         return name
 
 
 @pytest.fixture(scope="module")
 def trainer(dev_cluster, tmp_path_factory) -> Iterator[Trainer]:
     kube = dev_cluster.kube
-    built = nodeimages.sandbox_image(log=lambda msg: print(f"[sandbox-image] {msg}", file=sys.stderr, flush=True))
+    built = nodeimages.sandbox_image(
+        log=lambda msg: print(f"[sandbox-image] {msg}", file=sys.stderr, flush=True)
+    )
     dev_cluster.node.load_images([built])
     raw = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     raw["metadata"]["name"] = "swe"
@@ -100,11 +130,16 @@ def trainer(dev_cluster, tmp_path_factory) -> Iterator[Trainer]:
     with fresh_namespace(kube, "sbx", ready_s=60) as namespace:
         # what the operator applies for this job (and what the chart installs as the role), as a Role here
         role_ref = sandboxes.parse_role_ref(f"Role/{ROLE}")
-        objects = [sandboxes.build_sandbox_role(ROLE, namespace),
-                   *sandboxes.build_sandbox_children(job, namespace, None, role_ref)]  # fmt: skip
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects))
-        token = kube.kubectl("create", "token", sandboxes.trainer_service_account(job), "-n", namespace,
-                             "--duration=2h").stdout.strip()  # fmt: skip
+        objects = [
+            sandboxes.build_sandbox_role(ROLE, namespace),
+            *sandboxes.build_sandbox_children(job, namespace, None, role_ref),
+        ]
+        kube.kubectl(
+            "apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects)
+        )
+        token = kube.kubectl(
+            "create", "token", sandboxes.trainer_service_account(job), "-n", namespace, "--duration=2h"
+        ).stdout.strip()
         kubeconfig = kube.token_kubeconfig(token, tmp_path_factory.mktemp("trainer") / "kubeconfig")
         yield Trainer(namespace, job, kubeconfig, built.ref, kube)
 
@@ -128,11 +163,14 @@ def test_commands_files_limits_and_the_diff_in_a_real_sandbox_pod(trainer: Train
         # a read-only root, no ServiceAccount token, no resolver
         assert "Read-only file system" in box.run("touch /usr/x", timeout_s=30).output
         assert box.run("ls /var/run/secrets/kubernetes.io", timeout_s=30).exit_code != 0
-        resolve = box.run("python3 -c \"import socket; socket.getaddrinfo('kubernetes.default.svc.cluster.local', 443)\"",
-                          timeout_s=30)  # fmt: skip
+        resolve = box.run(
+            "python3 -c \"import socket; socket.getaddrinfo('kubernetes.default.svc.cluster.local', 443)\"",
+            timeout_s=30,
+        )
         assert resolve.exit_code != 0 and "gaierror" in resolve.output, resolve.output
         # the pod's limits are its cgroup's (v2 or v1)
-        limits = box.run(textwrap.dedent("""\
+        limits = box.run(
+            textwrap.dedent("""\
             python3 - <<'EOF'
             from pathlib import Path
             v2 = Path('/sys/fs/cgroup/memory.max')
@@ -143,7 +181,9 @@ def test_commands_files_limits_and_the_diff_in_a_real_sandbox_pod(trainer: Train
                 cg = Path('/sys/fs/cgroup')
                 print((cg / 'memory/memory.limit_in_bytes').read_text().strip(),
                       (cg / 'cpu/cpu.cfs_quota_us').read_text().strip(), (cg / 'cpu/cpu.cfs_period_us').read_text().strip())
-            EOF"""), timeout_s=30)  # fmt: skip
+            EOF"""),
+            timeout_s=30,
+        )
         assert limits.output.split() == [str(256 << 20), "50000", "100000"], limits.output
         # memory beyond the limit: the kernel kills the command, the sandbox lives on
         oom = box.run("python3 -c 'b = bytearray(512 << 20); print(len(b))'", timeout_s=30)
@@ -153,8 +193,11 @@ def test_commands_files_limits_and_the_diff_in_a_real_sandbox_pod(trainer: Train
         slow = box.run("sleep 100 & sleep 100", timeout_s=2)
         assert (slow.exit_code, slow.timed_out) == (-9, True)
         assert box.run("sleep 200 &", timeout_s=30).exit_code == 0
-        left = box.run("python3 -c \"import os; print([open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc')"
-                       " if p.isdigit() and open(f'/proc/{p}/cmdline').read().startswith('sleep')])\"", timeout_s=30)  # fmt: skip
+        left = box.run(
+            "python3 -c \"import os; print([open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc')"
+            " if p.isdigit() and open(f'/proc/{p}/cmdline').read().startswith('sleep')])\"",
+            timeout_s=30,
+        )
         assert left.output.strip() == "[]", left.output
         # files through exec, and the diff applies in a fresh sandbox pod from the snapshot
         box.write_file("calc/ops.py", box.read_file("calc/ops.py").replace("a - b", "a + b"))
@@ -164,13 +207,18 @@ def test_commands_files_limits_and_the_diff_in_a_real_sandbox_pod(trainer: Train
         with factory(files, SandboxLimits()) as fresh:
             assert fresh.run("git apply --binary -", timeout_s=30, stdin=diff.encode()).exit_code == 0
             assert fresh.read_file("calc/ops.py") == "def add(a, b):\n    return a + b\n"
-            assert fresh.run("python3 -c 'import calc.new as n; print(n.X)'", timeout_s=30).output.strip() == "1"
+            assert (
+                fresh.run("python3 -c 'import calc.new as n; print(n.X)'", timeout_s=30).output.strip() == "1"
+            )
         # close() deletes the pod
         name = box.name
         box.close()
         box.close()  # idempotent
-        wait_for(f"sandbox pod {name} deleted", lambda: name not in trainer.pods(owner_selector(owner)) or None,
-                 timeout=60)  # fmt: skip
+        wait_for(
+            f"sandbox pod {name} deleted",
+            lambda: name not in trainer.pods(owner_selector(owner)) or None,
+            timeout=60,
+        )
         assert trainer.pods(owner_selector(owner)) == set()  # the fresh one too
     finally:
         factory.shutdown()
@@ -194,8 +242,11 @@ def test_a_restarted_trainer_deletes_what_its_killed_run_left(trainer: Trainer) 
     owner = trainer.owner_pod("swe-trainer-1")
     config = trainer.config(owner)
     payload = {k: v for k, v in config.__dict__.items()} | {"node_selector": dict(config.node_selector)}
-    proc = subprocess.Popen([sys.executable, "-I", "-c", TRAINER_SCRIPT, json.dumps(payload), str(trainer.kubeconfig)],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-c", TRAINER_SCRIPT, json.dumps(payload), str(trainer.kubeconfig)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         assert line, f"the trainer process exited ({proc.wait()}) before it made its sandboxes"
@@ -207,8 +258,11 @@ def test_a_restarted_trainer_deletes_what_its_killed_run_left(trainer: Trainer) 
     factory = PodSandboxes(config, kubeconfig=str(trainer.kubeconfig))  # the restarted trainer
     try:
         assert set(factory.removed_leftovers) == names
-        wait_for("the killed run's sandbox pods gone", lambda: not trainer.pods(owner_selector(owner)) or None,
-                 timeout=60)  # fmt: skip
+        wait_for(
+            "the killed run's sandbox pods gone",
+            lambda: not trainer.pods(owner_selector(owner)) or None,
+            timeout=60,
+        )
     finally:
         factory.shutdown()
 
@@ -222,8 +276,11 @@ def test_deleting_the_trainer_pod_deletes_its_sandbox_pods(trainer: Trainer) -> 
         trainer.kube.kubectl("delete", "pod", owner, "-n", trainer.namespace, "--wait=false")
         # the garbage collector follows the ownerReference (the RLJob -> StatefulSet -> trainer pod chain
         # ends here)
-        wait_for("the sandbox pod garbage-collected", lambda: not trainer.pods(owner_selector(owner)) or None,
-                 timeout=120)  # fmt: skip
+        wait_for(
+            "the sandbox pod garbage-collected",
+            lambda: not trainer.pods(owner_selector(owner)) or None,
+            timeout=120,
+        )
         box.close()  # already gone: still fine
     finally:
         factory.shutdown()
@@ -234,7 +291,9 @@ def test_the_network_policy_selects_exactly_the_sandbox_pods(trainer: Trainer) -
     factory = PodSandboxes(trainer.config(owner), kubeconfig=str(trainer.kubeconfig))
     try:
         with factory({"a.py": "A = 1\n"}, SandboxLimits()) as box:
-            policy = trainer.kube.get_json("networkpolicy", f"{trainer.job.name}-sandboxes", "-n", trainer.namespace)
+            policy = trainer.kube.get_json(
+                "networkpolicy", f"{trainer.job.name}-sandboxes", "-n", trainer.namespace
+            )
             assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
             assert not policy["spec"].get("egress") and not policy["spec"].get("ingress")
             selector = ",".join(f"{k}={v}" for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
@@ -258,7 +317,9 @@ SERVER_PORT = 8080
 def _node_filter_table() -> str:
     """The node's iptables filter table, where kube-router names each pod it firewalls
     (`name:<pod> namespace: <namespace>`)."""
-    return subprocess.run(["iptables-save", "-t", "filter"], capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["iptables-save", "-t", "filter"], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def test_a_sandbox_pod_cannot_connect_to_an_ip_address_a_control_pod_reaches(trainer: Trainer) -> None:
@@ -268,22 +329,36 @@ def test_a_sandbox_pod_cannot_connect_to_an_ip_address_a_control_pod_reaches(tra
     kube, namespace = trainer.kube, trainer.namespace
     owner = trainer.owner_pod("swe-trainer-6")
     server = {
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "tcp-server"},
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "tcp-server"},
         "spec": {
-            "nodeSelector": {"rlfleet.dev/dev-node": "true"}, "restartPolicy": "Never",
+            "nodeSelector": {"rlfleet.dev/dev-node": "true"},
+            "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 0,
-            "containers": [{"name": "server", "image": trainer.image, "imagePullPolicy": "Never",
-                            "command": ["python3", "-m", "http.server", str(SERVER_PORT), "--directory", "/tmp"],
-                            "readinessProbe": {"tcpSocket": {"port": SERVER_PORT}, "periodSeconds": 1},
-                            "securityContext": {"runAsNonRoot": True, "runAsUser": UID,
-                                                "allowPrivilegeEscalation": False}}],
+            "containers": [
+                {
+                    "name": "server",
+                    "image": trainer.image,
+                    "imagePullPolicy": "Never",
+                    "command": ["python3", "-m", "http.server", str(SERVER_PORT), "--directory", "/tmp"],
+                    "readinessProbe": {"tcpSocket": {"port": SERVER_PORT}, "periodSeconds": 1},
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": UID,
+                        "allowPrivilegeEscalation": False,
+                    },
+                }
+            ],
         },
-    }  # fmt: skip
+    }
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(server))
     kube.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/tcp-server", "--timeout=180s")
     api_server = urllib.parse.urlsplit(kube.server)
-    targets = [(kube.get_json("pod", "tcp-server", "-n", namespace)["status"]["podIP"], SERVER_PORT),
-               (api_server.hostname, api_server.port)]  # fmt: skip
+    targets = [
+        (kube.get_json("pod", "tcp-server", "-n", namespace)["status"]["podIP"], SERVER_PORT),
+        (api_server.hostname, api_server.port),
+    ]
     config = trainer.config(owner)
     factory = PodSandboxes(config, kubeconfig=str(trainer.kubeconfig))
     try:
@@ -292,30 +367,62 @@ def test_a_sandbox_pod_cannot_connect_to_an_ip_address_a_control_pod_reaches(tra
             policy = kube.get_json("networkpolicy", f"{trainer.job.name}-sandboxes", "-n", namespace)
             selected = policy["spec"]["podSelector"]["matchLabels"]
             control = build_sandbox_pod(config, f"{owner}-control")
-            control["metadata"]["labels"] = {k: v for k, v in control["metadata"]["labels"].items() if k not in selected}
+            control["metadata"]["labels"] = {
+                k: v for k, v in control["metadata"]["labels"].items() if k not in selected
+            }
             kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(control))
-            kube.kubectl("wait", "-n", namespace, "--for=jsonpath={.status.phase}=Running", f"pod/{owner}-control",
-                         "--timeout=180s")  # fmt: skip
+            kube.kubectl(
+                "wait",
+                "-n",
+                namespace,
+                "--for=jsonpath={.status.phase}=Running",
+                f"pod/{owner}-control",
+                "--timeout=180s",
+            )
             selector = ",".join(f"{k}={v}" for k, v in selected.items())
             assert trainer.pods(selector) == {box.name}  # the control pod is not the policy's
-            wait_for(f"the node's firewall for {box.name}",
-                     lambda: f"name:{box.name} namespace: {namespace}" in _node_filter_table(), timeout=60)  # fmt: skip
-            print(f"the sandbox pod firewalled {time.monotonic() - created:.1f}s after its creation began", file=sys.stderr)
+            wait_for(
+                f"the node's firewall for {box.name}",
+                lambda: f"name:{box.name} namespace: {namespace}" in _node_filter_table(),
+                timeout=60,
+            )
+            print(
+                f"the sandbox pod firewalled {time.monotonic() - created:.1f}s after its creation began",
+                file=sys.stderr,
+            )
 
             def from_control(ip: str, port: int) -> str:
-                return kube.kubectl("exec", "-n", namespace, f"{owner}-control", "-c", CONTAINER, "--",
-                                    "python3", "-c", CONNECT, ip, str(port)).stdout.strip()  # fmt: skip
+                return kube.kubectl(
+                    "exec",
+                    "-n",
+                    namespace,
+                    f"{owner}-control",
+                    "-c",
+                    CONTAINER,
+                    "--",
+                    "python3",
+                    "-c",
+                    CONNECT,
+                    ip,
+                    str(port),
+                ).stdout.strip()
 
             assert [from_control(*t) for t in targets] == ["connected"] * len(targets), targets
-            from_sandbox = [box.run(f"python3 -c {shlex.quote(CONNECT)} {ip} {port}", timeout_s=30).output.strip()
-                            for ip, port in targets]  # fmt: skip
+            from_sandbox = [
+                box.run(f"python3 -c {shlex.quote(CONNECT)} {ip} {port}", timeout_s=30).output.strip()
+                for ip, port in targets
+            ]
             print(f"the sandbox pod's connections to {targets}: {from_sandbox}", file=sys.stderr)
             # kube-router REJECTs what no policy allows (ICMP port unreachable: connection refused at once)
-            assert [r.split()[:2] for r in from_sandbox] == [["failed:", "ECONNREFUSED"]] * len(targets), from_sandbox
+            assert [r.split()[:2] for r in from_sandbox] == [["failed:", "ECONNREFUSED"]] * len(targets), (
+                from_sandbox
+            )
             assert [from_control(*t) for t in targets] == ["connected"] * len(targets), targets  # still up
     finally:
         factory.shutdown()
-        kube.kubectl("delete", "pod", "tcp-server", f"{owner}-control", "-n", namespace, "--wait=false", check=False)
+        kube.kubectl(
+            "delete", "pod", "tcp-server", f"{owner}-control", "-n", namespace, "--wait=false", check=False
+        )
 
 
 def test_the_warm_pool_follows_the_open_sandboxes(trainer: Trainer) -> None:
@@ -343,7 +450,11 @@ def test_the_warm_pool_follows_the_open_sandboxes(trainer: Trainer) -> None:
         (kept,) = wait_for("one idle pod for one open sandbox", lambda: idle_when(1, 1), timeout=60)
         second.close()
         wait_for("no idle pod for no open sandbox", lambda: idle_when(0, 0) is not None, timeout=60)
-        wait_for("every pod of the pool deleted", lambda: not trainer.pods(owner_selector(owner)) or None, timeout=60)
+        wait_for(
+            "every pod of the pool deleted",
+            lambda: not trainer.pods(owner_selector(owner)) or None,
+            timeout=60,
+        )
         assert kept in two
     finally:
         factory.shutdown()
@@ -370,8 +481,14 @@ def test_the_shipped_tasks_earn_their_reward_in_sandbox_pods(trainer: Trainer) -
         replies[len(tasks)] = loop
         prompts.append(env.prompt(tasks[0], index=len(tasks)))
         lines = try_episodes(env, prompts, ScriptedSampler(tokenizer, replies))
-        assert [(line["task"], line["reward"]) for line in lines[:-1]] == [(t.instance_id, 1.0) for t in tasks], lines
-        assert (lines[-1]["reward"], lines[-1]["reason"], lines[-1]["turns"]) == (0.0, "submitted an empty diff", 2)
+        assert [(line["task"], line["reward"]) for line in lines[:-1]] == [
+            (t.instance_id, 1.0) for t in tasks
+        ], lines
+        assert (lines[-1]["reward"], lines[-1]["reason"], lines[-1]["turns"]) == (
+            0.0,
+            "submitted an empty diff",
+            2,
+        )
         wait_for("no sandbox pod open after the episodes", lambda: factory.pool()[2] == 0 or None, timeout=30)
     finally:
         factory.shutdown()
@@ -389,12 +506,22 @@ def test_the_operator_grants_the_sandbox_role_by_bind_alone(trainer: Trainer, tm
     raw["metadata"]["name"] = "swe-granted"
     raw["spec"]["rollout"]["sandbox"] = {"backend": "pods", "image": trainer.image}
     job = RLJob.model_validate(raw)
-    children = [c for c in sandboxes.build_sandbox_children(job, namespace, None, sandboxes.parse_role_ref(f"Role/{ROLE}"))
-                if c["kind"] in ("ServiceAccount", "RoleBinding")]  # the policy: networkpolicies, granted apart
+    children = [
+        c
+        for c in sandboxes.build_sandbox_children(
+            job, namespace, None, sandboxes.parse_role_ref(f"Role/{ROLE}")
+        )
+        if c["kind"] in ("ServiceAccount", "RoleBinding")
+    ]  # the policy: networkpolicies, granted apart
     assert [c["kind"] for c in children] == ["ServiceAccount", "RoleBinding"]
     operator_env = applies_children_by_bind_alone(kube, namespace, children, ROLE, tmp_path)
     binding = kube.get_json("rolebinding", "swe-granted-sandboxes", "-n", namespace)
     assert binding["roleRef"]["name"] == ROLE and binding["subjects"][0]["name"] == "swe-granted-trainer"
-    can_exec = subprocess.run([str(kube.kubectl_bin), "auth", "can-i", "create", "pods", "--subresource=exec",
-                               "-n", namespace], env=operator_env, text=True, capture_output=True, timeout=60)  # fmt: skip
+    can_exec = subprocess.run(
+        [str(kube.kubectl_bin), "auth", "can-i", "create", "pods", "--subresource=exec", "-n", namespace],
+        env=operator_env,
+        text=True,
+        capture_output=True,
+        timeout=60,
+    )
     assert can_exec.stdout.strip() == "no"  # it granted what it does not hold

@@ -47,10 +47,16 @@ for run in range({RUNS}):
 """
 
 
-def test_every_rank_of_a_finished_trainer_ends_run_after_run_in_the_trainer_image(dev_cluster, ns: str) -> None:
+def test_every_rank_of_a_finished_trainer_ends_run_after_run_in_the_trainer_image(
+    dev_cluster, ns: str
+) -> None:
     kube = dev_cluster.kube
-    container = restricted_container("finish", dev_cluster.images["trainer"].ref, ["python3", "-c", DRIVER],
-                                     volumeMounts=[{"name": "tmp", "mountPath": "/tmp"}])  # fmt: skip
+    container = restricted_container(
+        "finish",
+        dev_cluster.images["trainer"].ref,
+        ["python3", "-c", DRIVER],
+        volumeMounts=[{"name": "tmp", "mountPath": "/tmp"}],
+    )
     container["resources"] = {"requests": {"cpu": "500m", "memory": "512Mi"}}
     container["env"] = [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "HOME", "value": "/tmp"}]
     apply(kube, pod("finish", [container]), namespace=ns)

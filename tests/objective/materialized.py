@@ -158,4 +158,6 @@ def materialized_policy_loss(
         empty = torch.zeros(0)
         return gather_logits(logits, ids, rank * local_vocab, process_group), empty, empty
 
-    return objective.corrected_loss(project, logits.shape[0], world * local_vocab, compute_dtype(logits.dtype), batch, config)
+    return objective.corrected_loss(
+        project, logits.shape[0], world * local_vocab, compute_dtype(logits.dtype), batch, config
+    )

@@ -30,17 +30,23 @@ def close(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(abs(a[key] - b[key]) <= TOL for key in a)
 
 
-def assert_fused_equals_materialized(seed: int, case: tuple, hidden_size: int, tiles: tuple[int, int], t: float):
+def assert_fused_equals_materialized(
+    seed: int, case: tuple, hidden_size: int, tiles: tuple[int, int], t: float
+):
     mode, support, replay, ppo = case
     hidden, weight, batch = problem(seed, support, hidden_size=hidden_size)
-    config = ObjectiveConfig(mode=mode, replay=replay, ppo_clip=ppo, chunk_tokens=tiles[0], chunk_vocab=tiles[1])
+    config = ObjectiveConfig(
+        mode=mode, replay=replay, ppo_clip=ppo, chunk_tokens=tiles[0], chunk_vocab=tiles[1]
+    )
     h_ref, w_ref = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     reference = materialized_policy_loss(h_ref @ w_ref.T / t, batch, config)
     reference.loss.backward()
     h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     fused = policy_loss(h, w, batch, config, temperature=t)
     fused.loss.backward()
-    assert reference.metrics["invalid_tokens"] >= 2 and float(w_ref.grad.abs().max()) > 0  # the problem exercises both
+    assert (
+        reference.metrics["invalid_tokens"] >= 2 and float(w_ref.grad.abs().max()) > 0
+    )  # the problem exercises both
     assert abs(float(fused.loss.detach()) - float(reference.loss.detach())) <= TOL, case
     assert float((h.grad - h_ref.grad).abs().max()) <= TOL, case
     assert float((w.grad - w_ref.grad).abs().max()) <= TOL, case
@@ -48,12 +54,16 @@ def assert_fused_equals_materialized(seed: int, case: tuple, hidden_size: int, t
     assert fused.per_group.keys() == reference.per_group.keys()
     assert all(close(fused.per_group[g], reference.per_group[g]) for g in reference.per_group), case
     assert fused.per_staleness.keys() == reference.per_staleness.keys()
-    assert all(close(fused.per_staleness[b], reference.per_staleness[b]) for b in reference.per_staleness), case
+    assert all(close(fused.per_staleness[b], reference.per_staleness[b]) for b in reference.per_staleness), (
+        case
+    )
     if replay:  # rows of the weight outside every support get exactly nothing
         touched = torch.zeros(weight.shape[0], dtype=torch.bool)
         touched[batch.candidate_ids[batch.candidate_ids >= 0]] = True
         touched[batch.tokens] = True
-        assert bool((~touched).any()) and float(w.grad[~touched].abs().sum()) == 0.0  # row V - 1 is never a candidate
+        assert (
+            bool((~touched).any()) and float(w.grad[~touched].abs().sum()) == 0.0
+        )  # row V - 1 is never a candidate
 
 
 @settings(max_examples=24, deadline=None)
@@ -96,11 +106,18 @@ def exact_logit_gradient(z: torch.Tensor, ids: torch.Tensor, grad_out: torch.Ten
 
 
 def largest_error(gradient: torch.Tensor, exact: list[list[Decimal]]) -> float:
-    return float(max(abs(Decimal(value) - want) for row, want_row in zip(gradient.tolist(), exact, strict=True)
-                     for value, want in zip(row, want_row, strict=True)))
+    return float(
+        max(
+            abs(Decimal(value) - want)
+            for row, want_row in zip(gradient.tolist(), exact, strict=True)
+            for value, want in zip(row, want_row, strict=True)
+        )
+    )
 
 
-def extreme_ratio_problem(dtype: torch.dtype, offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def extreme_ratio_problem(
+    dtype: torch.dtype, offset: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """64 positions whose 4-id head holds all but ~1e-6 of p (its logits 20 above the rest, all shifted
     by `offset`), and the gradient the sc objective sends into log p(ids) there: for the sampled id
     (column 0) -A, for each head id +A c_v with c_v = q_v - rho p_v, rho = 6.6e5 (q's tail 0.66 over
@@ -115,14 +132,18 @@ def extreme_ratio_problem(dtype: torch.dtype, offset: float) -> tuple[torch.Tens
     q_head = torch.rand(rows, head_size, generator=gen, dtype=torch.float64)
     q_head = q_head / q_head.sum(dim=1, keepdim=True) * 0.34
     ids = torch.cat([head[:, :1], head], dim=1)  # the objective's layout: the sampled id, then the head
-    grad_out = torch.cat([torch.full((rows, 1), -advantage, dtype=torch.float64), advantage * (q_head - rho * p_head)], 1)
+    grad_out = torch.cat(
+        [torch.full((rows, 1), -advantage, dtype=torch.float64), advantage * (q_head - rho * p_head)], 1
+    )
     return z, ids, grad_out.to(dtype)
 
 
 @pytest.mark.parametrize("chunk_vocab", [8192, 7])
 @pytest.mark.parametrize("offset", [0.0, 30.0])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_fused_backward_is_as_accurate_as_the_softmax_form_at_an_extreme_ratio(dtype, offset, chunk_vocab):
+def test_the_fused_backward_is_as_accurate_as_the_softmax_form_at_an_extreme_ratio(
+    dtype, offset, chunk_vocab
+):
     """Issue 39: the fused backward formed p as exp(z - lse), whose rounding of lse (eps |lse|) exp turns
     into a relative error of p, which the row's coefficient (~1.6e6 here) multiplies: its logit gradient
     was 8-16 eps |sum g| from exact, the softmax form's (torch.softmax: exp(z - max) / S) 1-2. Both
@@ -141,7 +162,9 @@ def test_the_fused_backward_is_as_accurate_as_the_softmax_form_at_an_extreme_rat
     hidden = torch.eye(z.shape[0], dtype=dtype).requires_grad_(True)
     weight = z.T.clone().requires_grad_(True)
     fused_log_p, _, _ = fused_log_softmax_at(hidden, weight, ids, chunk_vocab=chunk_vocab)
-    if chunk_vocab >= z.shape[1]:  # one tile: the same forward (and lse) as the softmax form, only backward differs
+    if (
+        chunk_vocab >= z.shape[1]
+    ):  # one tile: the same forward (and lse) as the softmax form, only backward differs
         assert torch.equal(fused_log_p.detach(), log_p.detach())
     fused_log_p.backward(grad_out)
     fused_error = largest_error(weight.grad.T, exact)

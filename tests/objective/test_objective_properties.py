@@ -169,7 +169,9 @@ def test_uncorrected_pg_on_stale_samples_keeps_moving_where_the_advantage_is_neg
     vocab = z.shape[0]
     q = torch.softmax(z - d, 0)
     assume(float(q.min()) > 1e-12)
-    grad = expected_grad_support(z, torch.arange(vocab), q, 0, ObjectiveConfig(mode="pg"), lambda _y: advantage)
+    grad = expected_grad_support(
+        z, torch.arange(vocab), q, 0, ObjectiveConfig(mode="pg"), lambda _y: advantage
+    )
     update = -grad  # one step of gradient descent on the loss, learning rate 1
     p = torch.softmax(z, 0)
     assert torch.allclose(update, advantage * (q - p), atol=1e-12)
@@ -279,8 +281,9 @@ def test_replay_gives_no_gradient_where_the_kept_set_is_one_token(position, mode
     y = int(support[0])
     kept = support[:1]
     one = torch.zeros(1, dtype=DTYPE)  # log q = 0: q is 1 on the single kept token
-    grad, loss = one_token_grad(logits, y, 0.0, advantage, kept, one, padding, True,
-                                ObjectiveConfig(mode=mode, replay=True))
+    grad, loss = one_token_grad(
+        logits, y, 0.0, advantage, kept, one, padding, True, ObjectiveConfig(mode=mode, replay=True)
+    )
     assert torch.all(grad == 0.0) and loss == 0.0
     full, _ = one_token_grad(logits, y, 0.0, advantage, kept, one, padding, True, ObjectiveConfig(mode="pg"))
     p = torch.softmax(logits, dim=0)

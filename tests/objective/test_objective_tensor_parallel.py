@@ -18,7 +18,9 @@ WORLD = 2
 DTYPE = torch.float64
 
 
-def problem(seed: int, support: bool, num_tokens: int = 13, vocab: int = 18, k: int = 5, hidden_size: int = 6):
+def problem(
+    seed: int, support: bool, num_tokens: int = 13, vocab: int = 18, k: int = 5, hidden_size: int = 6
+):
     """(hidden [T, H], output weight [V, H], batch) with padding and one invalid record of each kind."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(num_tokens, hidden_size, generator=gen, dtype=DTYPE)
@@ -38,17 +40,21 @@ def problem(seed: int, support: bool, num_tokens: int = 13, vocab: int = 18, k: 
         cand_ids[2, 4] = -1  # sampled token outside its support
     else:
         cand_ids[2, 4] = cand_ids[2, 3]  # duplicate candidate id
-    return hidden, weight, TokenBatch(
-        tokens=tokens,
-        advantages=torch.randn(num_tokens, generator=gen, dtype=DTYPE),
-        loss_mask=torch.tensor([True] * (num_tokens - 1) + [False]),
-        sampler_logprobs=sampler_logprobs,
-        candidate_ids=cand_ids,
-        candidate_logprobs=cand_logq,
-        candidates_are_support=support,
-        group_ids=torch.arange(num_tokens) % 3,
-        staleness=torch.arange(num_tokens),
-        old_logprobs=sampler_logprobs + 0.3 * torch.randn(num_tokens, generator=gen, dtype=DTYPE),
+    return (
+        hidden,
+        weight,
+        TokenBatch(
+            tokens=tokens,
+            advantages=torch.randn(num_tokens, generator=gen, dtype=DTYPE),
+            loss_mask=torch.tensor([True] * (num_tokens - 1) + [False]),
+            sampler_logprobs=sampler_logprobs,
+            candidate_ids=cand_ids,
+            candidate_logprobs=cand_logq,
+            candidates_are_support=support,
+            group_ids=torch.arange(num_tokens) % 3,
+            staleness=torch.arange(num_tokens),
+            old_logprobs=sampler_logprobs + 0.3 * torch.randn(num_tokens, generator=gen, dtype=DTYPE),
+        ),
     )
 
 
@@ -80,9 +86,13 @@ def _worker(rank: int, port: int) -> None:
             sharded = policy_loss(h, w, batch, config, process_group=dist.group.WORLD, temperature=0.8)
             sharded.loss.backward()
             grad_hidden = h.grad.clone()
-            dist.all_reduce(grad_hidden)  # each shard's partial sum: the caller's reduction (megatron's mapping)
-            grad_error = max(float((w.grad - w_full.grad[rank * local : (rank + 1) * local]).abs().max()),
-                             float((grad_hidden - h_full.grad).abs().max()))
+            dist.all_reduce(
+                grad_hidden
+            )  # each shard's partial sum: the caller's reduction (megatron's mapping)
+            grad_error = max(
+                float((w.grad - w_full.grad[rank * local : (rank + 1) * local]).abs().max()),
+                float((grad_hidden - h_full.grad).abs().max()),
+            )
             loss_error = abs(float(sharded.loss.detach()) - float(reference.loss.detach()))
             full = w_full  # the gradient check below
             case = f"rank {rank} {mode} support={support} replay={replay} ppo={ppo}"

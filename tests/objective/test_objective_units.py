@@ -109,9 +109,13 @@ def test_fused_log_softmax_at_matches_torch_and_passes_gradcheck(chunk_tokens, c
     assert torch.allclose(log_p, reference.gather(1, ids), atol=1e-13)
     assert torch.allclose(lse, torch.logsumexp(z, 1), atol=1e-13)
     assert torch.allclose(entropy, -(reference.exp() * reference).sum(1), atol=1e-13)
-    assert torch.allclose(fused_log_softmax_at(h, w, ids, normalise=False, **kw)[0], z.gather(1, ids), atol=1e-13)
+    assert torch.allclose(
+        fused_log_softmax_at(h, w, ids, normalise=False, **kw)[0], z.gather(1, ids), atol=1e-13
+    )
     assert torch.autograd.gradcheck(lambda a, b: fused_log_softmax_at(a, b, ids, **kw)[0], (h, w))
-    assert torch.autograd.gradcheck(lambda a, b: fused_log_softmax_at(a, b, ids, normalise=False, **kw)[0], (h, w))
+    assert torch.autograd.gradcheck(
+        lambda a, b: fused_log_softmax_at(a, b, ids, normalise=False, **kw)[0], (h, w)
+    )
 
 
 def test_bf16_logits_are_reduced_in_float32_and_get_a_bf16_gradient():
@@ -298,11 +302,23 @@ def test_single_token_support_counts_one_token_supports_in_support_mode_only():
     logits = torch.zeros(3, 6, dtype=DTYPE)
     ninf = float("-inf")
     ids = torch.tensor([[4, -1, -1, -1], [0, 1, 2, 5], [3, 1, -1, -1]])
-    logq = torch.tensor([[0.0, ninf, ninf, ninf], [math.log(0.5), math.log(0.3), math.log(0.2), ninf],
-                         [0.0, ninf, ninf, ninf]], dtype=DTYPE)
-    batch = TokenBatch(tokens=ids[:, 0].clone(), advantages=torch.tensor([1.0, -1.0, -2.0], dtype=DTYPE),
-                       loss_mask=torch.ones(3, dtype=torch.bool), sampler_logprobs=logq[:, 0].clone(),
-                       candidate_ids=ids, candidate_logprobs=logq, candidates_are_support=True)
+    logq = torch.tensor(
+        [
+            [0.0, ninf, ninf, ninf],
+            [math.log(0.5), math.log(0.3), math.log(0.2), ninf],
+            [0.0, ninf, ninf, ninf],
+        ],
+        dtype=DTYPE,
+    )
+    batch = TokenBatch(
+        tokens=ids[:, 0].clone(),
+        advantages=torch.tensor([1.0, -1.0, -2.0], dtype=DTYPE),
+        loss_mask=torch.ones(3, dtype=torch.bool),
+        sampler_logprobs=logq[:, 0].clone(),
+        candidate_ids=ids,
+        candidate_logprobs=logq,
+        candidates_are_support=True,
+    )
     for config in (ObjectiveConfig(mode="sc_mis", replay=True), ObjectiveConfig(mode="pg")):
         out, grad = run(logits, batch, config)
         assert out.metrics["num_tokens"] == 3 and math.isclose(out.metrics["single_token_support"], 2 / 3)
@@ -448,6 +464,8 @@ def test_no_vocabulary_sized_tensor_is_saved_for_backward(config):
         out = fused_policy_loss(hidden, weight, batch, replace(config, chunk_tokens=4, chunk_vocab=512))
     inputs = {hidden.untyped_storage().data_ptr(), weight.untyped_storage().data_ptr()}
     others = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
-    assert max((t.numel() for t in others), default=0) <= num_tokens * (k + 1), [tuple(t.shape) for t in others]
+    assert max((t.numel() for t in others), default=0) <= num_tokens * (k + 1), [
+        tuple(t.shape) for t in others
+    ]
     out.loss.backward()
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()

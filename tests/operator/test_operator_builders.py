@@ -44,7 +44,9 @@ def children(job: RLJob, observed: dict | None = None) -> dict[tuple[str, str], 
 LAUNCH_KEY = "k3y_from-the-Secret"  # what the kubelet puts for $(RLFLEET_API_KEY) in launched_argv
 
 
-def launched_argv(engine: dict, version: int, directory: str, tmp: Path | None = None, flags: str = "") -> list[str]:
+def launched_argv(
+    engine: dict, version: int, directory: str, tmp: Path | None = None, flags: str = ""
+) -> list[str]:
     """The argv the engine container's /bin/sh wrapper execs, run for real with `python3` replaced by
     a shim printing its arguments and the launch file holding `version directory` (then `flags`, when
     given, as the weight sync writes a checkpoint's SGLang flags); the kubelet's expansion of
@@ -65,8 +67,13 @@ def launched_argv(engine: dict, version: int, directory: str, tmp: Path | None =
         key_ref = next(e["valueFrom"]["secretKeyRef"] for e in engine["env"] if e["name"] == n.API_KEY_ENV)
         assert key_ref["key"] == n.API_KEY_SECRET_KEY and key_ref["name"].endswith("-api-key")
         script = script.replace(f"$({n.API_KEY_ENV})", LAUNCH_KEY)
-        out = subprocess.run([*engine["command"], script], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"})  # fmt: skip
+        out = subprocess.run(
+            [*engine["command"], script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"},
+        )
     argv = json.loads(out.stdout)
     return ["python3", *argv[1:]]
 
@@ -75,8 +82,9 @@ def sampler_deployment(job: RLJob, group: str, store=None) -> dict:
     sg_manifest = children(job)[("SamplerGroup", f"reference-fleet-{group}")]
     sg = SamplerGroup.from_manifest(sg_manifest)
     store = store if store is not None else job.spec.weight_channel.store
-    return workloads.build_sampler_deployment(sg, NS, sg_manifest | {"metadata": {**sg_manifest["metadata"], "uid": "sg"}},
-                                             CATALOG, store)  # fmt: skip
+    return workloads.build_sampler_deployment(
+        sg, NS, sg_manifest | {"metadata": {**sg_manifest["metadata"], "uid": "sg"}}, CATALOG, store
+    )
 
 
 def test_every_child_exists_in_order_with_owner_and_labels(job: RLJob) -> None:
@@ -88,9 +96,15 @@ def test_every_child_exists_in_order_with_owner_and_labels(job: RLJob) -> None:
         meta = c["metadata"]
         assert meta["namespace"] == NS
         assert meta["ownerReferences"] == [
-            {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "name": "reference-fleet", "uid": "u-1",
-             "controller": True, "blockOwnerDeletion": True}
-        ]  # fmt: skip
+            {
+                "apiVersion": "rlfleet.dev/v1alpha1",
+                "kind": "RLJob",
+                "name": "reference-fleet",
+                "uid": "u-1",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert meta["labels"][n.LABEL_JOB] == "reference-fleet"
         assert meta["labels"][n.LABEL_MANAGED_BY] == n.MANAGED_BY
     names = [c["metadata"]["name"] for c in out if c["kind"] == "SamplerGroup"]
@@ -111,14 +125,18 @@ def test_samplergroups_carry_the_group_and_are_valid(job: RLJob) -> None:
         assert "annotations" not in manifest["metadata"]  # no bookkeeping on the child
 
 
-def test_an_existing_samplergroup_is_built_without_replicas_its_scale_subresource_owns_them(job: RLJob) -> None:
+def test_an_existing_samplergroup_is_built_without_replicas_its_scale_subresource_owns_them(
+    job: RLJob,
+) -> None:
     """Created with the RLJob's replicas; once it exists (observed), its apply leaves them out, so a
     kubectl scale or the decisions' /scale is never undone by a reconcile (operator/replicas.py)."""
     name = "reference-fleet-h100-fp8"
     observed = {name: {"metadata": {"name": name}, "spec": {"replicas": 5}}}
     assert children(job)[("SamplerGroup", name)]["spec"]["replicas"] == 2
     assert "replicas" not in children(job, observed)[("SamplerGroup", name)]["spec"]
-    assert children(job, observed)[("SamplerGroup", "reference-fleet-a100-bf16")]["spec"]["replicas"] == 2  # new
+    assert (
+        children(job, observed)[("SamplerGroup", "reference-fleet-a100-bf16")]["spec"]["replicas"] == 2
+    )  # new
 
 
 def test_suspend_scales_trainer_and_samplers_to_zero(job: RLJob) -> None:
@@ -134,10 +152,18 @@ def test_suspend_scales_trainer_and_samplers_to_zero(job: RLJob) -> None:
 def test_weightchannel_publishes_the_views_the_groups_need(job: RLJob) -> None:
     wc = children(job)[("WeightChannel", "reference-fleet-weights")]
     assert "views" not in wc["spec"]  # the trainer publishes views_to_publish(...) of the RLJob's groups
-    assert wc["spec"]["store"] == {"type": "filesystem", "path": "/weights/reference-fleet",
-                                   "volumeClaimName": "rlfleet-weights", "prefix": "", "sharedCredentials": False}  # fmt: skip
+    assert wc["spec"]["store"] == {
+        "type": "filesystem",
+        "path": "/weights/reference-fleet",
+        "volumeClaimName": "rlfleet-weights",
+        "prefix": "",
+        "sharedCredentials": False,
+    }
     assert wc["spec"]["retention"] == {"keepVersions": 3} and wc["spec"]["jobName"] == "reference-fleet"
-    assert wc["spec"]["deltas"] == {"anchorEvery": 16, "maxDeltaShare": 0.5}  # the RLJob's weightChannel.deltas
+    assert wc["spec"]["deltas"] == {
+        "anchorEvery": 16,
+        "maxDeltaShare": 0.5,
+    }  # the RLJob's weightChannel.deltas
 
 
 def test_trainer_statefulset_torchrun_gpus_and_b200_affinity(job: RLJob) -> None:
@@ -162,7 +188,10 @@ def test_trainer_statefulset_torchrun_gpus_and_b200_affinity(job: RLJob) -> None
     assert env["MASTER_ADDR"] == f"reference-fleet-trainer-0.reference-fleet-trainer.{NS}.svc"
     assert env["NNODES"] == "1" and env["NPROC_PER_NODE"] == "8" and env["MASTER_PORT"] == "29500"
     assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
-    assert c["command"] == ["rlfleet", "trainer", "launch"] and "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in c["args"]
+    assert (
+        c["command"] == ["rlfleet", "trainer", "launch"]
+        and "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in c["args"]
+    )
     assert c["args"][-6:] == [
         "-m",
         "rlfleet.cli",
@@ -188,11 +217,21 @@ def test_every_rlfleet_env_var_the_operator_sets_has_a_reader(job: RLJob) -> Non
     from rlfleet.api import StoreSpec
 
     readers = "\n".join(
-        path.read_text() for folder in ("trainer", "sampler", "router", "rlfleet") for path in (REPO / folder).rglob("*.py")
+        path.read_text()
+        for folder in ("trainer", "sampler", "router", "rlfleet")
+        for path in (REPO / folder).rglob("*.py")
     )
     workloads_ = [c for c in children(job).values() if c["kind"] in ("StatefulSet", "Deployment")]
-    s3 = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "prefix": "runs/a/", "endpoint": "http://minio:9000",
-                                   "secretRef": {"name": "s3-creds"}, "samplerSecretRef": {"name": "s3-read"}})  # fmt: skip
+    s3 = StoreSpec.model_validate(
+        {
+            "type": "s3",
+            "bucket": "wts",
+            "prefix": "runs/a/",
+            "endpoint": "http://minio:9000",
+            "secretRef": {"name": "s3-creds"},
+            "samplerSecretRef": {"name": "s3-read"},
+        }
+    )
     workloads_.append(sampler_deployment(job, "h100-fp8", store=s3))
     checked = set()
     for workload in workloads_:
@@ -202,7 +241,9 @@ def test_every_rlfleet_env_var_the_operator_sets_has_a_reader(job: RLJob) -> Non
             for name in (e["name"] for e in container.get("env", []) if e["name"].startswith("RLFLEET_")):
                 checked.add(name)
                 read = name in expanded or re.search(rf"[\"']{name}[\"']", readers) is not None
-                assert read, f"{workload['kind']} {workload['metadata']['name']}: {container['name']} sets {name}, nothing reads it"
+                assert read, (
+                    f"{workload['kind']} {workload['metadata']['name']}: {container['name']} sets {name}, nothing reads it"
+                )
     assert {"RLFLEET_JOB", "RLFLEET_CONFIG", "RLFLEET_ROUTER_URL", "RLFLEET_TRAINER_DEVICE"} <= checked
 
 
@@ -301,7 +342,9 @@ def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, 
     assert tail == [*flags, "--api-key", LAUNCH_KEY]  # the engine's API closed by the job's key
     # a mixture of experts' launch file names SGLang's routed-experts switch, which SGLang takes (the
     # operator cannot know the model; the weight sync writes it from the view's config.json)
-    moe = launched_argv(engine, version=5, directory=f"{n.WEIGHTS_CACHE}/v5-x", flags="--enable-return-routed-experts")
+    moe = launched_argv(
+        engine, version=5, directory=f"{n.WEIGHTS_CACHE}/v5-x", flags="--enable-return-routed-experts"
+    )
     assert moe == [*argv, "--enable-return-routed-experts"]
     assert argv[argv.index("--weight-version") + 1] == "5"
     assert argv[argv.index("--model-path") + 1] == f"{n.WEIGHTS_CACHE}/v5-x"
@@ -326,7 +369,11 @@ def test_sampler_deployment_per_group(job: RLJob, group: str, accelerator: str, 
     assert vols["weights"]["persistentVolumeClaim"] == {"claimName": "rlfleet-weights"}
     assert [m for m in sidecar["volumeMounts"] if m["name"] == "weights"] == [
         {"name": "weights", "mountPath": "/weights/reference-fleet", "readOnly": True},
-        {"name": "weights", "mountPath": f"/weights/reference-fleet/subscribers/{name}", "subPath": f"subscribers/{name}"},
+        {
+            "name": "weights",
+            "mountPath": f"/weights/reference-fleet/subscribers/{name}",
+            "subPath": f"subscribers/{name}",
+        },
     ]
     assert sidecar["name"] == "weight-sync" and sidecar["command"] == ["rlfleet"]
     args = sidecar["args"]
@@ -354,8 +401,16 @@ def test_s3_store_secrets_by_reference(job: RLJob) -> None:
     """sharedCredentials: true (one identity for every role, on purpose): the sampler pods get secretRef."""
     from rlfleet.api import StoreSpec
 
-    store = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "prefix": "runs/a/", "endpoint": "http://minio:9000",
-                                      "secretRef": {"name": "s3-creds"}, "sharedCredentials": True})  # fmt: skip
+    store = StoreSpec.model_validate(
+        {
+            "type": "s3",
+            "bucket": "wts",
+            "prefix": "runs/a/",
+            "endpoint": "http://minio:9000",
+            "secretRef": {"name": "s3-creds"},
+            "sharedCredentials": True,
+        }
+    )
     dep = sampler_deployment(job, "h100-fp8", store=store)
     sidecar = dep["spec"]["template"]["spec"]["containers"][1]
     assert (
@@ -375,17 +430,31 @@ def test_s3_sampler_pods_take_the_sampler_secret_and_the_trainer_its_own(job: RL
     sampler pods' sync containers, secretRef the trainer."""
     from rlfleet.api import StoreSpec
 
-    store = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "secretRef": {"name": "writer"},
-                                      "samplerSecretRef": {"name": "reader"}})  # fmt: skip
+    store = StoreSpec.model_validate(
+        {
+            "type": "s3",
+            "bucket": "wts",
+            "secretRef": {"name": "writer"},
+            "samplerSecretRef": {"name": "reader"},
+        }
+    )
     dep = sampler_deployment(job, "h100-fp8", store=store)
     pod = dep["spec"]["template"]["spec"]
     for container in [*pod["initContainers"], pod["containers"][1]]:
-        refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if e["name"].startswith("AWS_")}
+        refs = {
+            e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+            for e in container["env"]
+            if e["name"].startswith("AWS_")
+        }
         assert refs == {"AWS_ACCESS_KEY_ID": "reader", "AWS_SECRET_ACCESS_KEY": "reader"}
     job.spec.weight_channel.store = store
     sts = workloads.build_trainer_statefulset(job, NS, None, CATALOG)
     (trainer,) = sts["spec"]["template"]["spec"]["containers"]
-    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"] if e["name"].startswith("AWS_")}
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+        for e in trainer["env"]
+        if e["name"].startswith("AWS_")
+    }
     assert refs == {"AWS_ACCESS_KEY_ID": "writer", "AWS_SECRET_ACCESS_KEY": "writer"}
 
 
@@ -398,24 +467,51 @@ def test_the_trainer_secret_alone_is_refused_and_never_reaches_a_sampler_pod(job
     from rlfleet.api import StoreSpec
     from rlfleet.api.common import LocalObjectReference
 
-    with pytest.raises(ValidationError, match="store.secretRef alone would give every sampler pod the trainer's write "
-                                              "credentials to the channel: set store.samplerSecretRef .* or, for one "
-                                              "identity in every role on purpose, store.sharedCredentials: true"):  # fmt: skip
+    with pytest.raises(
+        ValidationError,
+        match="store.secretRef alone would give every sampler pod the trainer's write "
+        "credentials to the channel: set store.samplerSecretRef .* or, for one "
+        "identity in every role on purpose, store.sharedCredentials: true",
+    ):
         StoreSpec.model_validate({"type": "s3", "bucket": "wts", "secretRef": {"name": "writer"}})
     for both in ({"samplerSecretRef": {"name": "reader"}}, {}):
-        with pytest.raises(ValidationError, match="sharedCredentials is for type s3 with secretRef and without samplerSecretRef"):
-            StoreSpec.model_validate({"type": "s3", "bucket": "wts", "sharedCredentials": True, **both,
-                                      **({"secretRef": {"name": "writer"}} if both else {})})  # fmt: skip
+        with pytest.raises(
+            ValidationError,
+            match="sharedCredentials is for type s3 with secretRef and without samplerSecretRef",
+        ):
+            StoreSpec.model_validate(
+                {
+                    "type": "s3",
+                    "bucket": "wts",
+                    "sharedCredentials": True,
+                    **both,
+                    **({"secretRef": {"name": "writer"}} if both else {}),
+                }
+            )
     with pytest.raises(ValidationError, match="sharedCredentials is for type s3"):
         StoreSpec.model_validate({"type": "filesystem", "path": "/w", "sharedCredentials": True})
-    unchecked = StoreSpec.model_construct(type="s3", bucket="wts", prefix="", secret_ref=LocalObjectReference(name="writer"),
-                                          sampler_secret_ref=None, shared_credentials=False)  # fmt: skip
+    unchecked = StoreSpec.model_construct(
+        type="s3",
+        bucket="wts",
+        prefix="",
+        secret_ref=LocalObjectReference(name="writer"),
+        sampler_secret_ref=None,
+        shared_credentials=False,
+    )
     pod = sampler_deployment(job, "h100-fp8", store=unchecked)["spec"]["template"]["spec"]
     for container in [*pod["initContainers"], *pod["containers"]]:
-        assert not [e for e in container.get("env", []) if e["name"].startswith("AWS_ACCESS") or e["name"].startswith("AWS_SECRET")]
+        assert not [
+            e
+            for e in container.get("env", [])
+            if e["name"].startswith("AWS_ACCESS") or e["name"].startswith("AWS_SECRET")
+        ]
     job.spec.weight_channel.store = unchecked
-    (trainer,) = workloads.build_trainer_statefulset(job, NS, None, CATALOG)["spec"]["template"]["spec"]["containers"]
-    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"] if e["name"].startswith("AWS_")} == {"writer"}
+    (trainer,) = workloads.build_trainer_statefulset(job, NS, None, CATALOG)["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert {
+        e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"] if e["name"].startswith("AWS_")
+    } == {"writer"}
 
 
 def test_a_sampler_secret_is_refused_on_a_filesystem_store() -> None:
@@ -557,11 +653,15 @@ def test_trainer_is_one_kueue_pod_group_with_one_replica_per_node(job: RLJob) ->
     assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == "reference-fleet-trainer"
     assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"
     assert meta["annotations"]["kueue.x-k8s.io/pod-group-serving"] == "true"
-    assert sts["spec"]["selector"]["matchLabels"] == {"rlfleet.dev/job": "reference-fleet",
-                                                      "app.kubernetes.io/component": "trainer"}  # fmt: skip
+    assert sts["spec"]["selector"]["matchLabels"] == {
+        "rlfleet.dev/job": "reference-fleet",
+        "app.kubernetes.io/component": "trainer",
+    }
     (own,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert own == {"labelSelector": {"matchLabels": sts["spec"]["selector"]["matchLabels"]},
-                   "topologyKey": "kubernetes.io/hostname"}  # fmt: skip
+    assert own == {
+        "labelSelector": {"matchLabels": sts["spec"]["selector"]["matchLabels"]},
+        "topologyKey": "kubernetes.io/hostname",
+    }
     # the user's preferred anti-affinity is kept next to the operator's required term
     assert (
         pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["weight"]
@@ -618,8 +718,12 @@ def test_router_placement_fields_and_no_gpu_toleration(job: RLJob) -> None:
     template = children(placed)[("Deployment", "reference-fleet-router")]["spec"]["template"]
     assert_placed(template, "router", {"memory": "256Mi"}, gpus=None)
     terms = template["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"] == PLACEMENT["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]  # fmt: skip
+    assert (
+        terms["nodeSelectorTerms"]
+        == PLACEMENT["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+    )
     assert all(t["key"] != "nvidia.com/gpu" for t in template["spec"]["tolerations"])
     plain = children(job)[("Deployment", "reference-fleet-router")]["spec"]["template"]["spec"]
     assert "affinity" not in plain and "tolerations" not in plain

@@ -131,7 +131,10 @@ def test_ca_bundle_patch_sets_every_webhook_and_only_when_it_differs() -> None:
         "metadata": {"name": "rlfleet", "uid": "u1"},
         "webhooks": [
             {"name": "rljobs.rlfleet.dev", "clientConfig": {"service": {"name": "s"}}},
-            {"name": "samplergroups.rlfleet.dev", "clientConfig": {"service": {"name": "s"}, "caBundle": bundle}},
+            {
+                "name": "samplergroups.rlfleet.dev",
+                "clientConfig": {"service": {"name": "s"}, "caBundle": bundle},
+            },
         ],
     }
     assert certs.ca_bundle_patch(configuration, bundle) == {
@@ -148,15 +151,22 @@ def test_ca_bundle_patch_sets_every_webhook_and_only_when_it_differs() -> None:
 
 
 def test_secret_body_is_owned_by_the_configuration_and_guards_the_version_it_read() -> None:
-    owner = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-             "metadata": {"name": "rlfleet", "uid": "u1"}}  # fmt: skip
+    owner = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": "rlfleet", "uid": "u1"},
+    }
     body = certs.secret_body("rlfleet-webhook-cert", "ops", {"ca.crt": "x"}, owner, "42")
     assert body["type"] == "kubernetes.io/tls" and body["data"] == {"ca.crt": "x"}
     assert body["metadata"]["resourceVersion"] == "42" and body["metadata"]["namespace"] == "ops"
     assert body["metadata"]["ownerReferences"] == [
-        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-         "name": "rlfleet", "uid": "u1"}
-    ]  # fmt: skip
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingWebhookConfiguration",
+            "name": "rlfleet",
+            "uid": "u1",
+        }
+    ]
     assert "resourceVersion" not in certs.secret_body("s", "ops", {}, owner)["metadata"]
 
 
@@ -190,7 +200,9 @@ def handshake(cert_pem: bytes, key_pem: bytes, bundle_pem: bytes, tmp_path: Path
             thread.join(10)
 
 
-def test_after_a_ca_renewal_the_bundle_trusts_both_the_old_and_the_new_serving_certificate(tmp_path: Path) -> None:
+def test_after_a_ca_renewal_the_bundle_trusts_both_the_old_and_the_new_serving_certificate(
+    tmp_path: Path,
+) -> None:
     """Why caBundle never flaps: a replica that has not re-read the Secret yet still serves the serving
     certificate of the old CA, and the API server (trusting the new bundle) still accepts it. Real TLS
     handshakes, so the certificates are made around the real clock: a CA 20 days from its end."""
@@ -199,18 +211,36 @@ def test_after_a_ca_renewal_the_bundle_trusts_both_the_old_and_the_new_serving_c
     old_cert, old_key = certs.issue_serving(
         certs.pem_of(old, "ca.crt"), certs.pem_of(old, "ca.key"), ["127.0.0.1"], now - DAY
     )
-    old = {**old, "tls.crt": base64.b64encode(old_cert).decode(), "tls.key": base64.b64encode(old_key).decode()}
+    old = {
+        **old,
+        "tls.crt": base64.b64encode(old_cert).decode(),
+        "tls.key": base64.b64encode(old_key).decode(),
+    }
     assert handshake(old_cert, old_key, certs.pem_of(old, "ca.crt"), tmp_path) == b"ok"
     rotated = certs.plan_secret(old, ["127.0.0.1"], now)
     assert rotated is not None and rotated.reason.startswith("the CA expires at")
     bundle = certs.pem_of(rotated.data, "ca.crt")
-    assert handshake(certs.pem_of(rotated.data, "tls.crt"), certs.pem_of(rotated.data, "tls.key"), bundle, tmp_path) == b"ok"
+    assert (
+        handshake(
+            certs.pem_of(rotated.data, "tls.crt"), certs.pem_of(rotated.data, "tls.key"), bundle, tmp_path
+        )
+        == b"ok"
+    )
     assert handshake(old_cert, old_key, bundle, tmp_path) == b"ok"  # the replica not yet switched
     # a client trusting only the old CA refuses the new certificate (the bundle matters), and the
     # serving certificate is refused for a host it does not name
     with pytest.raises(ssl.SSLCertVerificationError):
-        handshake(certs.pem_of(rotated.data, "tls.crt"), certs.pem_of(rotated.data, "tls.key"),
-                  certs.pem_of(old, "ca.crt"), tmp_path)  # fmt: skip
+        handshake(
+            certs.pem_of(rotated.data, "tls.crt"),
+            certs.pem_of(rotated.data, "tls.key"),
+            certs.pem_of(old, "ca.crt"),
+            tmp_path,
+        )
     named = certs.plan_secret(None, ["rlfleet-webhook.ops.svc"], now).data
     with pytest.raises(ssl.SSLCertVerificationError, match="127.0.0.1"):
-        handshake(certs.pem_of(named, "tls.crt"), certs.pem_of(named, "tls.key"), certs.pem_of(named, "ca.crt"), tmp_path)
+        handshake(
+            certs.pem_of(named, "tls.crt"),
+            certs.pem_of(named, "tls.key"),
+            certs.pem_of(named, "ca.crt"),
+            tmp_path,
+        )

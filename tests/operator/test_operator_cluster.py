@@ -77,7 +77,7 @@ def shared_volume(kube, namespace: str) -> None:
             "storageClassName": "",
             "volumeName": pv,
             "resources": {"requests": {"storage": "1Gi"}},
-        },  # fmt: skip
+        },
     }
     kube.kubectl("apply", "-f", "-", input=json.dumps(pvc))
 
@@ -128,10 +128,14 @@ def test_example_job_creates_a_placed_ready_fleet(
         assert ready["status"] == "True" and ready["observedGeneration"] == job["metadata"]["generation"]
         # every child
         for kind, name in [
-            ("configmap", f"{JOB}-config"), ("weightchannel", f"{JOB}-weights"), ("service", f"{JOB}-trainer"),
-            ("statefulset", f"{JOB}-trainer"), ("service", f"{JOB}-router"), ("deployment", f"{JOB}-router"),
+            ("configmap", f"{JOB}-config"),
+            ("weightchannel", f"{JOB}-weights"),
+            ("service", f"{JOB}-trainer"),
+            ("statefulset", f"{JOB}-trainer"),
+            ("service", f"{JOB}-router"),
+            ("deployment", f"{JOB}-router"),
             ("secret", f"{JOB}-router-admin"),
-        ]:  # fmt: skip
+        ]:
             assert get(kube, namespace, kind, name) is not None, (kind, name)
         sgs = {sg["spec"]["name"]: sg for sg in items(kube, namespace, "samplergroups")}
         assert sorted(sgs) == sorted(GROUPS)
@@ -150,7 +154,11 @@ def test_example_job_creates_a_placed_ready_fleet(
                 engine = pod["spec"]["containers"][0]
                 # the engine execs SGLang from the launch file the weight fetch writes: run the wrapper
                 argv = launched_argv(engine, version=0, directory="/var/lib/rlfleet/weights/v0")
-                assert argv[argv.index("--weight-version") + 2 :] == [*FLAGS[group], "--api-key", LAUNCH_KEY], group
+                assert argv[argv.index("--weight-version") + 2 :] == [
+                    *FLAGS[group],
+                    "--api-key",
+                    LAUNCH_KEY,
+                ], group
                 assert [c["name"] for c in pod["spec"]["containers"]] == ["sglang", "weight-sync"]
             assert sg["status"]["phase"] == "Running" and sg["status"]["ready"] == "2/2"
             assert sg["status"]["selectedAccelerator"] == accelerator
@@ -159,8 +167,22 @@ def test_example_job_creates_a_placed_ready_fleet(
         assert trainer_pod["spec"]["nodeName"] in kube.gpu_nodes["b200"]
         # kubectl get samplergroups: the columns, with values
         table = kube.kubectl("get", "samplergroups", "-n", namespace).stdout.splitlines()
-        assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "PHASE", "READY", "TOK/S", "SHARE%", "VERSION",
-                                    "LAG", "KL", "OOR", "USABLE", "REASON", "AGE"]  # fmt: skip
+        assert table[0].split() == [
+            "NAME",
+            "ACCELERATOR",
+            "WEIGHTS",
+            "PHASE",
+            "READY",
+            "TOK/S",
+            "SHARE%",
+            "VERSION",
+            "LAG",
+            "KL",
+            "OOR",
+            "USABLE",
+            "REASON",
+            "AGE",
+        ]
         row = next(line.split() for line in table if line.startswith(f"{JOB}-rtx-pro-6000-bf16"))
         assert row[1:5] == ["rtx-pro-6000", "bf16", "Running", "2/2"]
         # the channel: its store readable and empty -> nothing published yet, said clearly (an unreadable
@@ -271,9 +293,16 @@ def test_spec_update_group_removal_suspend_resume_and_deletion(
         assert not any("rlfleet" in m or "kopf" in m for m in managers), managers
         # deletion cascades through owner references (garbage collector)
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
-        wait_for("children collected", lambda: not items(kube, namespace, "samplergroups")
-                 and not items(kube, namespace, "deployments") and not items(kube, namespace, "statefulsets")
-                 and not items(kube, namespace, "configmaps") and not items(kube, namespace, "weightchannels"))  # fmt: skip
+        wait_for(
+            "children collected",
+            lambda: (
+                not items(kube, namespace, "samplergroups")
+                and not items(kube, namespace, "deployments")
+                and not items(kube, namespace, "statefulsets")
+                and not items(kube, namespace, "configmaps")
+                and not items(kube, namespace, "weightchannels")
+            ),
+        )
 
 
 def test_cockpit_columns_and_deletion_without_the_operator(
@@ -286,14 +315,31 @@ def test_cockpit_columns_and_deletion_without_the_operator(
     with operator_in_process(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
-        wait_for("small Running", lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
-                 timeout=120)  # fmt: skip
+        wait_for(
+            "small Running",
+            lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
+            timeout=120,
+        )
         table = kube.kubectl("get", "rlj", "small", "-n", namespace).stdout.splitlines()
-        assert table[0].split() == ["NAME", "PHASE", "GROUPS", "TRAINER", "STEP", "VERSION", "REWARD", "KL",
-                                    "REASON", "AGE"]  # fmt: skip
+        assert table[0].split() == [
+            "NAME",
+            "PHASE",
+            "GROUPS",
+            "TRAINER",
+            "STEP",
+            "VERSION",
+            "REWARD",
+            "KL",
+            "REASON",
+            "AGE",
+        ]
         assert [column(table, c) for c in ("PHASE", "GROUPS", "TRAINER", "REASON")] == [
-            "Running", "2/2", "1/1", "AllReady",
-        ]  # fmt: skip
+            "Running",
+            "2/2",
+            "1/1",
+            "AllReady",
+        ]
+
         # the rebalance tick's share (0..1) is in the group's one status; the column shows percent
         def balanced() -> dict | None:
             status = (get(kube, namespace, "sg", "small-h200-fp8") or {}).get("status", {})
@@ -303,16 +349,40 @@ def test_cockpit_columns_and_deletion_without_the_operator(
 
         def sg_table() -> list[str] | None:
             table = kube.kubectl("get", "sg", "small-h200-fp8", "-n", namespace).stdout.splitlines()
-            return table if column(table, "SHARE%") and float(column(table, "SHARE%")) == round(100 * share, 1) else None
+            return (
+                table
+                if column(table, "SHARE%") and float(column(table, "SHARE%")) == round(100 * share, 1)
+                else None
+            )
 
         table = wait_for("share in percent", sg_table)
-        assert table[0].split() == ["NAME", "ACCELERATOR", "WEIGHTS", "PHASE", "READY", "TOK/S", "SHARE%", "VERSION",
-                                    "LAG", "KL", "OOR", "USABLE", "REASON", "AGE"]  # fmt: skip
-        assert [column(table, c) for c in ("PHASE", "READY", "REASON")] == ["Running", "1/1", "AllReplicasReady"]
+        assert table[0].split() == [
+            "NAME",
+            "ACCELERATOR",
+            "WEIGHTS",
+            "PHASE",
+            "READY",
+            "TOK/S",
+            "SHARE%",
+            "VERSION",
+            "LAG",
+            "KL",
+            "OOR",
+            "USABLE",
+            "REASON",
+            "AGE",
+        ]
+        assert [column(table, c) for c in ("PHASE", "READY", "REASON")] == [
+            "Running",
+            "1/1",
+            "AllReplicasReady",
+        ]
         assert not get(kube, namespace, "rlj", "small")["metadata"].get("finalizers")
     # the operator is stopped: the job still deletes (the garbage collector takes its children)
     kube.kubectl("delete", "rlj", "small", "-n", namespace, "--wait=false")
-    wait_for("RLJob gone without the operator", lambda: get(kube, namespace, "rlj", "small") is None, timeout=30)
+    wait_for(
+        "RLJob gone without the operator", lambda: get(kube, namespace, "rlj", "small") is None, timeout=30
+    )
     wait_for("groups collected", lambda: not items(kube, namespace, "samplergroups", "rlfleet.dev/job=small"))
 
 
@@ -368,7 +438,9 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
         changed = [
             (name, part, key, was.get(key), now.get(key))
             for name in sorted(set(before) | set(after))
-            for part, was, now in zip(("spec", "status"), before.get(name, ({}, {})), after.get(name, ({}, {})), strict=True)
+            for part, was, now in zip(
+                ("spec", "status"), before.get(name, ({}, {})), after.get(name, ({}, {})), strict=True
+            )
             for key in sorted(set(was) | set(now))
             if was.get(key) != now.get(key)
         ]
@@ -429,12 +501,24 @@ def test_weightchannel_and_group_versions_from_a_real_store(
         # both views stored whole (anchors): the stored bytes are the complete view's, Stored% 100
         assert all(a["kind"] == "anchor" and a["storedBytes"] == a["bytes"] > 0 for a in status["artifacts"])
         assert status["storedPercent"] == 100.0
-        assert column(kube.kubectl("get", "wc", "small-weights", "-n", namespace).stdout.splitlines(), "STORED%") == "100"
-        assert {"group": "small-h100-fp8", "view": "fp8", "appliedVersion": 1, "lag": 1, "replicas": ["pod-a"]} in status["groups"]
+        assert (
+            column(kube.kubectl("get", "wc", "small-weights", "-n", namespace).stdout.splitlines(), "STORED%")
+            == "100"
+        )
+        assert {
+            "group": "small-h100-fp8",
+            "view": "fp8",
+            "appliedVersion": 1,
+            "lag": 1,
+            "replicas": ["pod-a"],
+        } in status["groups"]
         sg = wait_for(
-            "group version", lambda: (get(kube, namespace, "sg", "small-h100-fp8") or {}).get("status", {}).get("versionLag") == 1
-            and get(kube, namespace, "sg", "small-h100-fp8")["status"]
-        )  # fmt: skip
+            "group version",
+            lambda: (
+                (get(kube, namespace, "sg", "small-h100-fp8") or {}).get("status", {}).get("versionLag") == 1
+                and get(kube, namespace, "sg", "small-h100-fp8")["status"]
+            ),
+        )
         assert sg["appliedWeightVersion"] == 1
         table = kube.kubectl("get", "sg", "small-h100-fp8", "-n", namespace).stdout.splitlines()
         assert (
@@ -459,15 +543,32 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
         str(REPO / "charts" / "rlfleet" / "crds" / "kopf.dev_peerings.yaml"),
     )
     kube.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=60s")
-    kube.kubectl("apply", "-n", namespace, "-f", "-",
-                 input=json.dumps({"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlfleet"}}))  # fmt: skip
+    kube.kubectl(
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps(
+            {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlfleet"}}
+        ),
+    )
     shared_volume(kube, namespace)
     manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
     manifest["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # readable by the operator
 
     def start(priority: int) -> subprocess.Popen:
-        return start_operator(kube, namespace, tmp_path / f"operator-{priority}.log", "--peering", "rlfleet",
-                              "--priority", str(priority), "--verbose", env={"RLFLEET_PEERING_LIFETIME": "6"})  # fmt: skip
+        return start_operator(
+            kube,
+            namespace,
+            tmp_path / f"operator-{priority}.log",
+            "--peering",
+            "rlfleet",
+            "--priority",
+            str(priority),
+            "--verbose",
+            env={"RLFLEET_PEERING_LIFETIME": "6"},
+        )
 
     def peers() -> int:
         return len((get(kube, namespace, "kopfpeering", "rlfleet") or {}).get("status", {}) or {})
@@ -480,8 +581,11 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
     leader = start(200)
     standby = None
     try:
-        wait_for("leader active", lambda: peers() >= 1 and "Resuming operations" in leader_log.read_text(),
-                 timeout=120)  # fmt: skip
+        wait_for(
+            "leader active",
+            lambda: peers() >= 1 and "Resuming operations" in leader_log.read_text(),
+            timeout=120,
+        )
         standby = start(100)
         wait_for("standby announced", lambda: peers() >= 2, timeout=120)
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))

@@ -35,15 +35,22 @@ def bind_the_examples_claim(kube, namespace: str) -> None:
     bind_claim(kube, namespace, claim["metadata"]["name"], store_dir(namespace), "ReadWriteOnce", "2Gi")
 
 
-def test_the_cpu_example_runs_on_cpu_nodes_without_gpus(kube, crds, namespace: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_cpu_example_runs_on_cpu_nodes_without_gpus(
+    kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with operator_in_process(kube, namespace, monkeypatch):
         bind_the_examples_claim(kube, namespace)
         docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
         job = next(d for d in docs if d["kind"] == "RLJob")
         job["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # /weights/cpu in the pods
-        kube.kubectl("apply", "-n", namespace, "-f", "-",
-                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [d for d in docs if d]}))  # fmt: skip
+        kube.kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [d for d in docs if d]}),
+        )
 
         def running() -> dict | None:
             job = get(kube, namespace, "rljob", JOB) or {}
@@ -52,7 +59,10 @@ def test_the_cpu_example_runs_on_cpu_nodes_without_gpus(kube, crds, namespace: s
             return job if ok and (status.get("trainer") or {}).get("ready") == "1/1" else None
 
         job = wait_for("the cpu RLJob Running", running, 120)
-        assert job["spec"]["trainer"]["processesPerReplica"] == 2 and "gpusPerReplica" not in job["spec"]["trainer"]
+        assert (
+            job["spec"]["trainer"]["processesPerReplica"] == 2
+            and "gpusPerReplica" not in job["spec"]["trainer"]
+        )
         pods = get(kube, namespace, "pods", "-l", f"rlfleet.dev/job={JOB}")["items"]
         roles = sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods)
         assert roles == ["router", "sampler", "sampler", "sampler", "trainer"]
@@ -65,7 +75,11 @@ def test_the_cpu_example_runs_on_cpu_nodes_without_gpus(kube, crds, namespace: s
             sg = get(kube, namespace, "sg", f"{JOB}-{group}")
             assert sg["spec"]["accelerator"] == "cpu" and sg["spec"]["weightFormat"] == fmt
             status = sg["status"]
-            assert (status["phase"], status["ready"], status["selectedAccelerator"]) == ("Running", "1/1", "cpu")
+            assert (status["phase"], status["ready"], status["selectedAccelerator"]) == (
+                "Running",
+                "1/1",
+                "cpu",
+            )
             assert status["degradedPrecision"] is False and "emulated on CPU" in status["precisionNote"]
             assert "no GPU" in status["selectionReason"]
             (pod,) = get(kube, namespace, "pods", "-l", f"rlfleet.dev/samplergroup={JOB}-{group}")["items"]

@@ -31,17 +31,27 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("cr
 JOB = "queued"
 QUEUE = "team-a"
 SPOT_NODE = "gpu-h100-spot-kueue"
-ON_DEMAND_LABEL = "nvidia.com/gpu.present"  # GFD's label on every kwok GPU node (tests/cluster/controlplane.py)
+ON_DEMAND_LABEL = (
+    "nvidia.com/gpu.present"  # GFD's label on every kwok GPU node (tests/cluster/controlplane.py)
+)
 TRAINER_GPUS = 2 * 4
 
 
 def flavors() -> list[dict]:
     return [
-        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "spot"},
-         "spec": {"nodeLabels": {SPOT_LABEL: "true"}, "nodeTaints": [SPOT_TAINT]}},
-        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "on-demand"},
-         "spec": {"nodeLabels": {ON_DEMAND_LABEL: "true"}}},
-    ]  # fmt: skip
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "ResourceFlavor",
+            "metadata": {"name": "spot"},
+            "spec": {"nodeLabels": {SPOT_LABEL: "true"}, "nodeTaints": [SPOT_TAINT]},
+        },
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "ResourceFlavor",
+            "metadata": {"name": "on-demand"},
+            "spec": {"nodeLabels": {ON_DEMAND_LABEL: "true"}},
+        },
+    ]
 
 
 def cluster_queue(name: str, on_demand_gpus: int) -> dict:
@@ -49,9 +59,14 @@ def cluster_queue(name: str, on_demand_gpus: int) -> dict:
     goes on to on-demand. CPU and memory are covered too (Kueue refuses a pod asking for an uncovered one)."""
 
     def flavor(flavor_name: str, gpus: int) -> dict:
-        return {"name": flavor_name, "resources": [
-            {"name": "cpu", "nominalQuota": "1000"}, {"name": "memory", "nominalQuota": "10Ti"},
-            {"name": "nvidia.com/gpu", "nominalQuota": str(gpus)}]}  # fmt: skip
+        return {
+            "name": flavor_name,
+            "resources": [
+                {"name": "cpu", "nominalQuota": "1000"},
+                {"name": "memory", "nominalQuota": "10Ti"},
+                {"name": "nvidia.com/gpu", "nominalQuota": str(gpus)},
+            ],
+        }
 
     return {
         "apiVersion": "kueue.x-k8s.io/v1beta2",
@@ -59,9 +74,13 @@ def cluster_queue(name: str, on_demand_gpus: int) -> dict:
         "metadata": {"name": name},
         "spec": {
             "namespaceSelector": {},
-            "resourceGroups": [{"coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
-                                "flavors": [flavor("spot", 8), flavor("on-demand", on_demand_gpus)]}],
-        },  # fmt: skip
+            "resourceGroups": [
+                {
+                    "coveredResources": ["cpu", "memory", "nvidia.com/gpu"],
+                    "flavors": [flavor("spot", 8), flavor("on-demand", on_demand_gpus)],
+                }
+            ],
+        },
     }
 
 
@@ -72,13 +91,24 @@ def rljob(base: dict) -> dict:
     job["metadata"]["name"] = JOB
     queue = {"kueue.x-k8s.io/queue-name": QUEUE}
     job["spec"]["samplerGroups"] = [
-        {"name": "h100-spot", "accelerator": "h100", "replicas": 1, "weightFormat": "fp8", "spot": True,
-         "podLabels": queue},
-    ]  # fmt: skip
+        {
+            "name": "h100-spot",
+            "accelerator": "h100",
+            "replicas": 1,
+            "weightFormat": "fp8",
+            "spot": True,
+            "podLabels": queue,
+        },
+    ]
     job["spec"]["trainer"].update(
-        {"accelerator": "h200", "replicas": 2, "gpusPerReplica": 4,
-         "parallelism": {"tensor": 2, "pipeline": 1, "context": 1}, "podLabels": queue}
-    )  # fmt: skip
+        {
+            "accelerator": "h200",
+            "replicas": 2,
+            "gpusPerReplica": 4,
+            "parallelism": {"tensor": 2, "pipeline": 1, "context": 1},
+            "podLabels": queue,
+        }
+    )
     return job
 
 
@@ -97,7 +127,9 @@ def kueue(kube, namespace: str) -> Iterator[Kueue]:
 
 
 def pods_of(kube, namespace: str, component: str) -> list[dict]:
-    return get(kube, namespace, "pods", "-l", f"rlfleet.dev/job={JOB},app.kubernetes.io/component={component}")["items"]
+    return get(
+        kube, namespace, "pods", "-l", f"rlfleet.dev/job={JOB},app.kubernetes.io/component={component}"
+    )["items"]
 
 
 def workload_of(kube, namespace: str, name: str) -> dict | None:
@@ -114,9 +146,15 @@ def test_the_trainer_gang_waits_for_quota_as_one_workload_then_is_admitted_whole
     cq = f"{namespace}-cq"
     kube.kubectl("apply", "-f", "-", input=json.dumps(spot_h100_node(SPOT_NODE)))
     try:
-        kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([*flavors(), cluster_queue(cq, on_demand_gpus=4)]))
-        local_queue = {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
-                       "metadata": {"name": QUEUE, "namespace": namespace}, "spec": {"clusterQueue": cq}}  # fmt: skip
+        kube.kubectl(
+            "apply", "-f", "-", input=yaml.safe_dump_all([*flavors(), cluster_queue(cq, on_demand_gpus=4)])
+        )
+        local_queue = {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "LocalQueue",
+            "metadata": {"name": QUEUE, "namespace": namespace},
+            "spec": {"clusterQueue": cq},
+        }
         kube.kubectl("apply", "-f", "-", input=json.dumps(local_queue))
         with operator_in_process(kube, namespace, monkeypatch):
             shared_volume(kube, namespace)
@@ -126,7 +164,9 @@ def test_the_trainer_gang_waits_for_quota_as_one_workload_then_is_admitted_whole
             def queued() -> dict | None:
                 wl = workload_of(kube, namespace, f"{JOB}-trainer")
                 reserved = condition(wl or {}, "QuotaReserved")
-                return wl if reserved.get("status") == "False" and reserved.get("reason") == "Pending" else None
+                return (
+                    wl if reserved.get("status") == "False" and reserved.get("reason") == "Pending" else None
+                )
 
             workload = wait_for("the trainer's Workload pending on quota", queued, timeout=120)
             assert [p["count"] for p in workload["spec"]["podSets"]] == [2]  # both replicas, one pod set
@@ -135,10 +175,16 @@ def test_the_trainer_gang_waits_for_quota_as_one_workload_then_is_admitted_whole
             assert "insufficient quota for nvidia.com/gpu in flavor on-demand" in message, message
             assert condition(workload, "Admitted").get("status") != "True"
             trainer_workloads = [
-                w for w in get(kube, namespace, "workloads.kueue.x-k8s.io")["items"]
-                if any(o["kind"] == "Pod" and o["name"].startswith(f"{JOB}-trainer-") for o in w["metadata"].get("ownerReferences", []))
-            ]  # fmt: skip
-            assert [w["metadata"]["name"] for w in trainer_workloads] == [f"{JOB}-trainer"]  # one gang, not one per pod
+                w
+                for w in get(kube, namespace, "workloads.kueue.x-k8s.io")["items"]
+                if any(
+                    o["kind"] == "Pod" and o["name"].startswith(f"{JOB}-trainer-")
+                    for o in w["metadata"].get("ownerReferences", [])
+                )
+            ]
+            assert [w["metadata"]["name"] for w in trainer_workloads] == [
+                f"{JOB}-trainer"
+            ]  # one gang, not one per pod
             trainers = pods_of(kube, namespace, "trainer")
             assert sorted(p["metadata"]["name"] for p in trainers) == [f"{JOB}-trainer-0", f"{JOB}-trainer-1"]
             for pod in trainers:
@@ -147,18 +193,27 @@ def test_the_trainer_gang_waits_for_quota_as_one_workload_then_is_admitted_whole
 
             def says_why() -> dict | None:
                 status = (get(kube, namespace, "rljob", JOB) or {}).get("status", {})
-                return status if status.get("reason") == "WaitingForAdmission" and "Kueue: " in status.get("message", "") else None
+                return (
+                    status
+                    if status.get("reason") == "WaitingForAdmission"
+                    and "Kueue: " in status.get("message", "")
+                    else None
+                )
 
             status = wait_for("the RLJob saying why the trainer waits", says_why, timeout=60)
             assert status["phase"] == "Pending"
-            assert (f"trainer StatefulSet {JOB}-trainer: pods {JOB}-trainer-0, {JOB}-trainer-1 wait for Kueue to "
-                    f"admit their Workload from LocalQueue {QUEUE} (scheduling gate {ADMISSION_GATE})") in status["message"]  # fmt: skip
+            assert (
+                f"trainer StatefulSet {JOB}-trainer: pods {JOB}-trainer-0, {JOB}-trainer-1 wait for Kueue to "
+                f"admit their Workload from LocalQueue {QUEUE} (scheduling gate {ADMISSION_GATE})"
+            ) in status["message"]
             assert "insufficient quota for nvidia.com/gpu in flavor on-demand" in status["message"]
 
             # --- the spot group is admitted on the spot flavor at once and lands on the spot node ---
             def spot_running() -> list[dict] | None:
                 pods = pods_of(kube, namespace, "sampler")
-                ok = pods and all(p["spec"].get("nodeName") and p["status"].get("phase") == "Running" for p in pods)
+                ok = pods and all(
+                    p["spec"].get("nodeName") and p["status"].get("phase") == "Running" for p in pods
+                )
                 return pods if ok else None
 
             (sampler,) = wait_for("the spot sampler running", spot_running, timeout=120)
@@ -166,18 +221,34 @@ def test_the_trainer_gang_waits_for_quota_as_one_workload_then_is_admitted_whole
             assert not sampler["spec"].get("schedulingGates")
             assert sampler["spec"]["nodeSelector"][SPOT_LABEL] == "true"  # the flavor's nodeLabels, injected
             (spot_workload,) = [
-                w for w in get(kube, namespace, "workloads.kueue.x-k8s.io")["items"]
-                if any(o["name"] == sampler["metadata"]["name"] for o in w["metadata"].get("ownerReferences", []))
-            ]  # fmt: skip
+                w
+                for w in get(kube, namespace, "workloads.kueue.x-k8s.io")["items"]
+                if any(
+                    o["name"] == sampler["metadata"]["name"] for o in w["metadata"].get("ownerReferences", [])
+                )
+            ]
             assignment = spot_workload["status"]["admission"]["podSetAssignments"][0]
             assert assignment["flavors"]["nvidia.com/gpu"] == "spot"
             assert condition(spot_workload, "Admitted")["status"] == "True"
             assert all("nodeName" not in p["spec"] for p in pods_of(kube, namespace, "trainer"))  # still held
 
             # --- enough quota: the whole gang is admitted together and scheduled on on-demand nodes ---
-            kube.kubectl("patch", "clusterqueue", cq, "--type=json", "-p", json.dumps([{
-                "op": "replace", "path": "/spec/resourceGroups/0/flavors/1/resources/2/nominalQuota",
-                "value": str(TRAINER_GPUS)}]))  # fmt: skip
+            kube.kubectl(
+                "patch",
+                "clusterqueue",
+                cq,
+                "--type=json",
+                "-p",
+                json.dumps(
+                    [
+                        {
+                            "op": "replace",
+                            "path": "/spec/resourceGroups/0/flavors/1/resources/2/nominalQuota",
+                            "value": str(TRAINER_GPUS),
+                        }
+                    ]
+                ),
+            )
 
             def admitted() -> dict | None:
                 wl = workload_of(kube, namespace, f"{JOB}-trainer")
@@ -190,7 +261,9 @@ def test_the_trainer_gang_waits_for_quota_as_one_workload_then_is_admitted_whole
 
             def trainers_running() -> list[dict] | None:
                 pods = pods_of(kube, namespace, "trainer")
-                ok = len(pods) == 2 and all(p["spec"].get("nodeName") and p["status"].get("phase") == "Running" for p in pods)
+                ok = len(pods) == 2 and all(
+                    p["spec"].get("nodeName") and p["status"].get("phase") == "Running" for p in pods
+                )
                 return pods if ok else None
 
             trainers = wait_for("both trainer pods running", trainers_running, timeout=120)
@@ -199,9 +272,14 @@ def test_the_trainer_gang_waits_for_quota_as_one_workload_then_is_admitted_whole
                 assert not pod["spec"].get("schedulingGates")
                 assert pod["spec"]["nodeSelector"][ON_DEMAND_LABEL] == "true"  # the on-demand flavor's label
 
-            def gpus_in_use() -> dict | None:  # the ClusterQueue's status follows its Workloads' (asynchronously)
+            def gpus_in_use() -> (
+                dict | None
+            ):  # the ClusterQueue's status follows its Workloads' (asynchronously)
                 cq_status = get(kube, namespace, "clusterqueue", cq)["status"]
-                usage = {f["name"]: {r["name"]: r.get("total") for r in f["resources"]} for f in cq_status.get("flavorsUsage", [])}
+                usage = {
+                    f["name"]: {r["name"]: r.get("total") for r in f["resources"]}
+                    for f in cq_status.get("flavorsUsage", [])
+                }
                 gpus = {flavor: used.get("nvidia.com/gpu") for flavor, used in usage.items()}
                 return cq_status if gpus.get("on-demand") == str(TRAINER_GPUS) else None
 

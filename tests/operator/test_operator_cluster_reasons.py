@@ -25,8 +25,12 @@ def store(tmp_path: Path, name: str, **more: str) -> dict:
 
 
 def manifest(name: str, trainer: dict, store: dict) -> dict:
-    return rljob(name, [{"name": "h200-bf16", "accelerator": "h200", "replicas": 1, "weightFormat": "bf16"}],
-                 trainer=trainer, weightChannel={"store": store})  # fmt: skip
+    return rljob(
+        name,
+        [{"name": "h200-bf16", "accelerator": "h200", "replicas": 1, "weightFormat": "bf16"}],
+        trainer=trainer,
+        weightChannel={"store": store},
+    )
 
 
 def degraded(kube, namespace: str, job: str) -> dict | None:
@@ -41,13 +45,23 @@ def test_unschedulable_trainer_and_missing_pvc_are_named_in_degraded(
 ) -> None:
     assert len(kube.gpu_nodes["b200"]) == 2  # the fleet: 8 GPUs per node, so 3 x 8 GPUs cannot fit
 
-    big = manifest("nogpu", {"accelerator": "b200", "replicas": 3, "gpusPerReplica": 8},
-                   store(tmp_path, "nogpu"))  # fmt: skip
-    nopvc = manifest("nopvc", {"accelerator": "h100", "replicas": 1, "gpusPerReplica": 8},
-                     store(tmp_path, "nopvc", volumeClaimName="no-such-claim"))  # fmt: skip
+    big = manifest(
+        "nogpu", {"accelerator": "b200", "replicas": 3, "gpusPerReplica": 8}, store(tmp_path, "nogpu")
+    )
+    nopvc = manifest(
+        "nopvc",
+        {"accelerator": "h100", "replicas": 1, "gpusPerReplica": 8},
+        store(tmp_path, "nopvc", volumeClaimName="no-such-claim"),
+    )
     with operator_in_process(kube, namespace, monkeypatch):
-        kube.kubectl("apply", "-n", namespace, "-f", "-",
-                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [big, nopvc]}))  # fmt: skip
+        kube.kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [big, nopvc]}),
+        )
 
         cond = wait_for("nogpu Degraded", lambda: degraded(kube, namespace, "nogpu"), timeout=90)
         assert cond["reason"] == "Unschedulable", cond
@@ -62,11 +76,20 @@ def test_unschedulable_trainer_and_missing_pvc_are_named_in_degraded(
         assert 'persistentvolumeclaim "no-such-claim" not found' in cond["message"], cond
         assert "nopvc-trainer" in cond["message"]
         # the group's own status names its Deployment and the claim too
-        wait_for("group Degraded", lambda: json.loads(
-            kube.kubectl("get", "sg", "nopvc-h200-bf16", "-n", namespace, "-o", "json").stdout
-        )["status"].get("reason") == "MissingPersistentVolumeClaim", timeout=60)  # fmt: skip
+        wait_for(
+            "group Degraded",
+            lambda: (
+                json.loads(
+                    kube.kubectl("get", "sg", "nopvc-h200-bf16", "-n", namespace, "-o", "json").stdout
+                )["status"].get("reason")
+                == "MissingPersistentVolumeClaim"
+            ),
+            timeout=60,
+        )
         sg = json.loads(kube.kubectl("get", "sg", "nopvc-h200-bf16", "-n", namespace, "-o", "json").stdout)
-        assert sg["status"]["message"].startswith("0/1 replicas ready: Deployment nopvc-h200-bf16: pod nopvc-h200-bf16-")
+        assert sg["status"]["message"].startswith(
+            "0/1 replicas ready: Deployment nopvc-h200-bf16: pod nopvc-h200-bf16-"
+        )
         events = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
         assert any(e["reason"] == "PhaseDegraded" and e["involvedObject"]["name"] == "nogpu" for e in events)
         kube.kubectl("delete", "rljob", "nogpu", "nopvc", "-n", namespace, "--wait=false")
@@ -78,24 +101,45 @@ def test_trainer_pods_the_api_refuses_are_named_in_degraded(
     """The real StatefulSet controller cannot create the trainer pod (a ResourceQuota on GPUs, a PriorityClass
     that does not exist): its FailedCreate Event is the only trace, and the RLJob says it, as a sampler group
     says its Deployment's ReplicaFailure."""
-    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpus"},
-             "spec": {"hard": {"requests.nvidia.com/gpu": "4"}}}  # fmt: skip
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "gpus"},
+        "spec": {"hard": {"requests.nvidia.com/gpu": "4"}},
+    }
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(quota))
     # until the quota controller has computed its status, admission says "status unknown", not the limit
-    kube.kubectl("wait", "-n", namespace, "--for=jsonpath={.status.hard.requests\\.nvidia\\.com/gpu}=4",
-                 "resourcequota/gpus", "--timeout=60s")
+    kube.kubectl(
+        "wait",
+        "-n",
+        namespace,
+        "--for=jsonpath={.status.hard.requests\\.nvidia\\.com/gpu}=4",
+        "resourcequota/gpus",
+        "--timeout=60s",
+    )
 
-    over = manifest("overquota", {"accelerator": "h200", "replicas": 1, "gpusPerReplica": 8},
-                    store(tmp_path, "overquota"))  # fmt: skip
-    noclass = manifest("noclass", {"accelerator": "h200", "replicas": 1, "gpusPerReplica": 1,
-                                   "priorityClassName": "no-such-class"},
-                       store(tmp_path, "noclass"))  # fmt: skip
+    over = manifest(
+        "overquota", {"accelerator": "h200", "replicas": 1, "gpusPerReplica": 8}, store(tmp_path, "overquota")
+    )
+    noclass = manifest(
+        "noclass",
+        {"accelerator": "h200", "replicas": 1, "gpusPerReplica": 1, "priorityClassName": "no-such-class"},
+        store(tmp_path, "noclass"),
+    )
     with operator_in_process(kube, namespace, monkeypatch):
-        kube.kubectl("apply", "-n", namespace, "-f", "-",
-                     input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [over, noclass]}))  # fmt: skip
+        kube.kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [over, noclass]}),
+        )
         cond = wait_for("overquota Degraded", lambda: degraded(kube, namespace, "overquota"), timeout=90)
         assert cond["reason"] == "ReplicaFailure", cond
-        assert cond["message"].startswith("trainer StatefulSet overquota-trainer: 0/1 pods created: FailedCreate:"), cond
+        assert cond["message"].startswith(
+            "trainer StatefulSet overquota-trainer: 0/1 pods created: FailedCreate:"
+        ), cond
         assert "exceeded quota: gpus" in cond["message"], cond
         cond = wait_for("noclass Degraded", lambda: degraded(kube, namespace, "noclass"), timeout=90)
         assert cond["reason"] == "ReplicaFailure", cond

@@ -43,9 +43,20 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def manifest(fresh_replicas: int = 1, max_steps: int = 2, interval: int = 5) -> dict[str, Any]:
-    return rljob(JOB, ({"name": "b200-nvfp4", "accelerator": "b200", "replicas": fresh_replicas, "weightFormat": "nvfp4"},
-                       {"name": "a100-bf16", "accelerator": "a100", "replicas": 2, "weightFormat": "bf16"}),
-                 router={"rebalanceIntervalSeconds": interval}, staleness={"maxSteps": max_steps})  # fmt: skip
+    return rljob(
+        JOB,
+        (
+            {
+                "name": "b200-nvfp4",
+                "accelerator": "b200",
+                "replicas": fresh_replicas,
+                "weightFormat": "nvfp4",
+            },
+            {"name": "a100-bf16", "accelerator": "a100", "replicas": 2, "weightFormat": "bf16"},
+        ),
+        router={"rebalanceIntervalSeconds": interval},
+        staleness={"maxSteps": max_steps},
+    )
 
 
 def test_replicas_belong_to_the_scale_subresource_after_creation_a_kubectl_scale_is_kept_the_rljobs_change_wins(
@@ -56,15 +67,21 @@ def test_replicas_belong_to_the_scale_subresource_after_creation_a_kubectl_scale
 
     def managed(name: str) -> dict[tuple[str, str, str], dict[str, Any]]:
         """(manager, operation, subresource) -> the spec fields it owns, from the SamplerGroup's managedFields."""
-        sg = json.loads(kube.kubectl("get", "samplergroup", name, "-n", namespace, "-o", "json",
-                                     "--show-managed-fields").stdout)  # fmt: skip
-        return {(m["manager"], m["operation"], m.get("subresource", "")): m.get("fieldsV1", {}).get("f:spec", {})
-                for m in sg["metadata"]["managedFields"]}  # fmt: skip
+        sg = json.loads(
+            kube.kubectl(
+                "get", "samplergroup", name, "-n", namespace, "-o", "json", "--show-managed-fields"
+            ).stdout
+        )
+        return {
+            (m["manager"], m["operation"], m.get("subresource", "")): m.get("fieldsV1", {}).get("f:spec", {})
+            for m in sg["metadata"]["managedFields"]
+        }
 
     def handed_over(name: str) -> bool:
         owners = managed(name)
         return "f:replicas" not in owners[(FIELD_MANAGER, "Apply", "")] and any(
-            "f:replicas" in fields for (manager, _, _), fields in owners.items() if manager != FIELD_MANAGER)
+            "f:replicas" in fields for (manager, _, _), fields in owners.items() if manager != FIELD_MANAGER
+        )
 
     def replicas(name: str) -> tuple[int, int]:
         return get("samplergroup", name)["spec"]["replicas"], get("deployment", name)["spec"]["replicas"]
@@ -72,7 +89,9 @@ def test_replicas_belong_to_the_scale_subresource_after_creation_a_kubectl_scale
     def apply_rljob(job: dict[str, Any]) -> None:
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job))
 
-    def reconciled(max_steps: int) -> bool:  # the job's ConfigMap (applied by the reconcile only) has the spec
+    def reconciled(
+        max_steps: int,
+    ) -> bool:  # the job's ConfigMap (applied by the reconcile only) has the spec
         config = yaml.safe_load(get("configmap", f"{JOB}-config")["data"]["rljob.yaml"])
         return config["spec"]["staleness"]["maxSteps"] == max_steps
 
@@ -85,17 +104,32 @@ def test_replicas_belong_to_the_scale_subresource_after_creation_a_kubectl_scale
     parsed = RLJob.from_manifest(body)
     old = builders.build_samplergroup(parsed, parsed.spec.sampler_groups[1], namespace, body, replicas=2)
     old["metadata"]["annotations"] = {OLD_ANNOTATION: "2"}
-    kube.kubectl("apply", "--server-side", f"--field-manager={FIELD_MANAGER}", "-n", namespace, "-f", "-",
-                 input=json.dumps(old))  # fmt: skip
+    kube.kubectl(
+        "apply",
+        "--server-side",
+        f"--field-manager={FIELD_MANAGER}",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps(old),
+    )
     assert "f:replicas" in managed(UPGRADED)[(FIELD_MANAGER, "Apply", "")]
 
     operator = start_operator(kube, namespace, tmp_path / "first.log", "--standalone")
     try:
         # migrated: applied by this operator (the annotation gone), its replicas handed over, unchanged
-        wait_for("the older group applied again",
-                 lambda: OLD_ANNOTATION not in (get("samplergroup", UPGRADED)["metadata"].get("annotations") or {}))
+        wait_for(
+            "the older group applied again",
+            lambda: (
+                OLD_ANNOTATION not in (get("samplergroup", UPGRADED)["metadata"].get("annotations") or {})
+            ),
+        )
         assert get("samplergroup", UPGRADED)["spec"]["replicas"] == 2  # not the CRD's default, 1
-        assert handed_over(UPGRADED) and managed(UPGRADED).get((REPLICAS_HANDOVER_MANAGER, "Apply", ""), {}).get("f:replicas") == {}
+        assert (
+            handed_over(UPGRADED)
+            and managed(UPGRADED).get((REPLICAS_HANDOVER_MANAGER, "Apply", ""), {}).get("f:replicas") == {}
+        )
         assert wait_for("the older group's Deployment", lambda: replicas(UPGRADED)) == (2, 2)
         # created at the RLJob's replicas, then handed over
         wait_for("the new group handed over", lambda: handed_over(FRESH))
@@ -104,7 +138,10 @@ def test_replicas_belong_to_the_scale_subresource_after_creation_a_kubectl_scale
         # a kubectl scale: the decide stage records it as an observation
         kube.kubectl("scale", "-n", namespace, f"samplergroup/{FRESH}", "--replicas=3")
         wait_for("the Deployment scaled by hand", lambda: replicas(FRESH) == (3, 3))
-        by_hand = wait_for("the manual scale decided", lambda: (r := decision("b200-nvfp4"))["replicasReason"].startswith(BY_HAND) and r)
+        by_hand = wait_for(
+            "the manual scale decided",
+            lambda: (r := decision("b200-nvfp4"))["replicasReason"].startswith(BY_HAND) and r,
+        )
         assert (by_hand["replicas"], by_hand["jobReplicas"]) == (3, 1)
         # a reconcile of the RLJob (another field of its spec) keeps it
         apply_rljob(manifest(max_steps=3))
@@ -121,21 +158,35 @@ def test_replicas_belong_to_the_scale_subresource_after_creation_a_kubectl_scale
     try:
         wait_for("the RLJob reconciled after the restart", lambda: reconciled(4))
         assert replicas(FRESH) == (3, 3) and replicas(UPGRADED) == (2, 2)
-        wait_for("a decision after the restart", lambda: get("rljob", JOB)["status"]["decisions"]["time"] > decided_at)
+        wait_for(
+            "a decision after the restart",
+            lambda: get("rljob", JOB)["status"]["decisions"]["time"] > decided_at,
+        )
         assert decision("b200-nvfp4")["replicasReason"].startswith(BY_HAND)  # read back from status, kept
         assert replicas(FRESH) == (3, 3)
         # the RLJob's own change wins, at once: by its reconcile (no decision is due for an hour: the act
         # stage cannot have scaled it), and the next decision says why
         apply_rljob(manifest(fresh_replicas=2, max_steps=4, interval=3600))
         wait_for("the RLJob's replicas", lambda: replicas(FRESH) == (2, 2))
-        scaled = wait_for("the Scaled Event", lambda: [e["message"] for e in events(kube, namespace, "Scaled")
-                                                       if e["involvedObject"]["name"] == FRESH])  # fmt: skip
+        scaled = wait_for(
+            "the Scaled Event",
+            lambda: [
+                e["message"]
+                for e in events(kube, namespace, "Scaled")
+                if e["involvedObject"]["name"] == FRESH
+            ],
+        )
         assert scaled == ["replicas 3 -> 2: the RLJob's samplerGroups[].replicas changed: 1 -> 2"]
         apply_rljob(manifest(fresh_replicas=2, max_steps=4))
-        changed = wait_for("the change decided",
-                           lambda: (r := decision("b200-nvfp4"))["replicasReason"].startswith("the RLJob's") and r)  # fmt: skip
+        changed = wait_for(
+            "the change decided",
+            lambda: (r := decision("b200-nvfp4"))["replicasReason"].startswith("the RLJob's") and r,
+        )
         assert (changed["replicas"], changed["jobReplicas"], changed["replicasReason"]) == (
-            2, 2, "the RLJob's samplerGroups[].replicas changed: 1 -> 2")  # fmt: skip
+            2,
+            2,
+            "the RLJob's samplerGroups[].replicas changed: 1 -> 2",
+        )
         assert replicas(UPGRADED) == (2, 2)
     finally:
         os.killpg(operator.pid, signal.SIGKILL)

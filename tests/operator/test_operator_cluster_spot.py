@@ -21,9 +21,15 @@ def samplergroup(name: str, spot: bool, replicas: int) -> dict:
         "apiVersion": "rlfleet.dev/v1alpha1",
         "kind": "SamplerGroup",
         "metadata": {"name": name},
-        "spec": {"name": name, "accelerator": "h100", "weightFormat": "fp8", "replicas": replicas, "spot": spot,
-                 "model": {"name": "m", "path": "Qwen/Qwen3-0.6B"}},
-    }  # fmt: skip
+        "spec": {
+            "name": name,
+            "accelerator": "h100",
+            "weightFormat": "fp8",
+            "replicas": replicas,
+            "spot": spot,
+            "model": {"name": "m", "path": "Qwen/Qwen3-0.6B"},
+        },
+    }
 
 
 def test_a_spot_group_lands_on_the_spot_node_and_an_on_demand_group_never_does(
@@ -37,11 +43,15 @@ def test_a_spot_group_lands_on_the_spot_node_and_an_on_demand_group_never_does(
 
             def placed() -> dict[str, list[str]] | None:
                 pods = get(kube, namespace, "pods")["items"]
-                if len(pods) != 6 or not all(p["status"].get("phase") == "Running" and p["spec"].get("nodeName") for p in pods):
+                if len(pods) != 6 or not all(
+                    p["status"].get("phase") == "Running" and p["spec"].get("nodeName") for p in pods
+                ):
                     return None
                 nodes: dict[str, list[str]] = {}
                 for p in pods:
-                    nodes.setdefault(p["metadata"]["labels"]["rlfleet.dev/group"], []).append(p["spec"]["nodeName"])
+                    nodes.setdefault(p["metadata"]["labels"]["rlfleet.dev/group"], []).append(
+                        p["spec"]["nodeName"]
+                    )
                 return nodes
 
             nodes = wait_for("the 6 sampler pods running", placed, timeout=120)

@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 def removals() -> float:
     from prometheus_client import REGISTRY
 
-    value = REGISTRY.get_sample_value("rlfleet_operator_subscriber_reports_removed_total", {"result": "removed"})
+    value = REGISTRY.get_sample_value(
+        "rlfleet_operator_subscriber_reports_removed_total", {"result": "removed"}
+    )
     return value or 0.0
 
 
@@ -52,7 +54,9 @@ def test_reports_of_gone_pods_are_removed_and_stop_freezing_the_group_version(
     manifest["spec"]["weightChannel"]["store"] = {"type": "filesystem", "path": str(store_dir)}
 
     def running_pod() -> str | None:
-        pods = (get(kube, namespace, "pods", "-l", f"rlfleet.dev/samplergroup={GROUP}") or {}).get("items", [])
+        pods = (get(kube, namespace, "pods", "-l", f"rlfleet.dev/samplergroup={GROUP}") or {}).get(
+            "items", []
+        )
         running = [p["metadata"]["name"] for p in pods if p.get("status", {}).get("phase") == "Running"]
         return running[0] if len(running) == 1 else None
 
@@ -62,8 +66,11 @@ def test_reports_of_gone_pods_are_removed_and_stop_freezing_the_group_version(
         """A pod the operator's index does not hold (as one created an instant ago): its sidecar keeps
         its report fresh, every second."""
         while not stop.is_set():
-            channel.report(SubscriberReport(GROUP, f"{GROUP}-newborn", "fp8", 2, [2],
-                                            updated_at=datetime.now(UTC).isoformat()))  # fmt: skip
+            channel.report(
+                SubscriberReport(
+                    GROUP, f"{GROUP}-newborn", "fp8", 2, [2], updated_at=datetime.now(UTC).isoformat()
+                )
+            )
             stop.wait(1.0)
 
     before = removals()
@@ -78,19 +85,30 @@ def test_reports_of_gone_pods_are_removed_and_stop_freezing_the_group_version(
             channel.report(SubscriberReport(GROUP, pod, "fp8", 0, [0], updated_at=hour_ago))
             channel.report(SubscriberReport(GROUP, f"{GROUP}-replaced", "fp8", 1, [1], updated_at=hour_ago))
             heartbeat.start()
-            wait_for("the replaced pod's report removed",
-                     lambda: not (store_dir / "subscribers" / GROUP / f"{GROUP}-replaced.json").exists(),
-                     timeout=120)  # fmt: skip
+            wait_for(
+                "the replaced pod's report removed",
+                lambda: not (store_dir / "subscribers" / GROUP / f"{GROUP}-replaced.json").exists(),
+                timeout=120,
+            )
             # (a dot-file is the heartbeat's write in flight: the store writes a hidden temporary, then renames)
             reports = (store_dir / "subscribers" / GROUP).iterdir()
             assert sorted(p.name for p in reports if not p.name.startswith(".")) == sorted(
                 [f"{GROUP}-newborn.json", f"{pod}.json"]
             )
-            status = wait_for("channel status from the fresh report only",
-                              lambda: (get(kube, namespace, "wc", "small-weights") or {}).get("status", {}).get("groups"),
-                              timeout=60)  # fmt: skip
-            assert status == [{"group": GROUP, "view": "fp8", "appliedVersion": 2, "lag": 0,
-                               "replicas": [f"{GROUP}-newborn"]}]  # fmt: skip
+            status = wait_for(
+                "channel status from the fresh report only",
+                lambda: (get(kube, namespace, "wc", "small-weights") or {}).get("status", {}).get("groups"),
+                timeout=60,
+            )
+            assert status == [
+                {
+                    "group": GROUP,
+                    "view": "fp8",
+                    "appliedVersion": 2,
+                    "lag": 0,
+                    "replicas": [f"{GROUP}-newborn"],
+                }
+            ]
 
             def group_status() -> dict | None:
                 sg_status = (get(kube, namespace, "sg", GROUP) or {}).get("status", {})

@@ -41,8 +41,11 @@ def exporter() -> Iterator[PrometheusExporter]:
 
 
 def manifest() -> dict:
-    return rljob(JOB, router={"policy": "throughput", "rebalanceIntervalSeconds": 5},
-                 safety={"action": "quarantine-group"})  # fmt: skip
+    return rljob(
+        JOB,
+        router={"policy": "throughput", "rebalanceIntervalSeconds": 5},
+        safety={"action": "quarantine-group"},
+    )
 
 
 def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
@@ -56,8 +59,18 @@ def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
         return f"http://127.0.0.1:{exporter.port}/metrics"
 
     monkeypatch.setattr(rebalancer, "trainer_metrics_url", local_exporter)
-    exporter.update(12, {"reward_mean": 0.42, "kl_k3": 0.031, "oor_fraction": 0.07, "entropy": 1.5,
-                         "sc_tail_ratio": 1.3, "weight_version": 11.0, "group/b200-nvfp4/kl_k3": 0.2})  # fmt: skip
+    exporter.update(
+        12,
+        {
+            "reward_mean": 0.42,
+            "kl_k3": 0.031,
+            "oor_fraction": 0.07,
+            "entropy": 1.5,
+            "sc_tail_ratio": 1.3,
+            "weight_version": 11.0,
+            "group/b200-nvfp4/kl_k3": 0.2,
+        },
+    )
     exporter.update_collapse([], [], pause=False)
 
     def job() -> dict:
@@ -71,7 +84,10 @@ def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
 
     with operator_in_process(kube, namespace, monkeypatch):
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest()))
-        status = wait_for("step and metrics from the exporter", lambda: (s := job().get("status", {})).get("step") == 12 and s)
+        status = wait_for(
+            "step and metrics from the exporter",
+            lambda: (s := job().get("status", {})).get("step") == 12 and s,
+        )
         assert status["metrics"]["reward"] == 0.42 and status["metrics"]["kl"] == 0.031
         assert status["metrics"]["oorFraction"] == 0.07 and status["metrics"]["updatedAt"]
         assert status["weightVersion"] >= 11
@@ -87,8 +103,14 @@ def test_operator_writes_trainer_status_collapse_risk_and_quarantines(
         assert cond["reason"] == "KlSurge" and "kl_surge (group b200-nvfp4)" in cond["message"]
         assert cond["observedGeneration"] == job()["metadata"]["generation"]
         assert job()["status"]["step"] == 13 and job()["status"]["weightVersion"] >= 12
-        wait_for("quarantine", lambda: sg("b200-nvfp4")["status"].get("quarantined") is True
-                 and sg("b200-nvfp4")["status"].get("share") == 0.0, timeout=60)  # fmt: skip
+        wait_for(
+            "quarantine",
+            lambda: (
+                sg("b200-nvfp4")["status"].get("quarantined") is True
+                and sg("b200-nvfp4")["status"].get("share") == 0.0
+            ),
+            timeout=60,
+        )
         assert sg("a100-bf16")["status"].get("quarantined") is False
         assert not sg("b200-nvfp4")["spec"].get("quarantined")  # status only; the spec stays the user's
         assert not job()["spec"]["samplerGroups"][0].get("quarantined")

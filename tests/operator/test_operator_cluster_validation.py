@@ -108,13 +108,30 @@ def test_crd_cel_matches_the_catalog_for_every_class_format_kv(kube, crds, names
             expected[name] = True
         except CatalogError:
             expected[name] = False
-        items.append({"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup", "metadata": {"name": name},
-                      "spec": {"name": "g", "accelerator": cls, "weightFormat": fmt, "kvCacheDtype": kv,
-                               "model": {"name": "m", "path": "p"}}})  # fmt: skip
+        items.append(
+            {
+                "apiVersion": "rlfleet.dev/v1alpha1",
+                "kind": "SamplerGroup",
+                "metadata": {"name": name},
+                "spec": {
+                    "name": "g",
+                    "accelerator": cls,
+                    "weightFormat": fmt,
+                    "kvCacheDtype": kv,
+                    "model": {"name": "m", "path": "p"},
+                },
+            }
+        )
     result = kube.kubectl(
-        "apply", "--dry-run=server", "-n", namespace, "-f", "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
-    )  # fmt: skip
+        "apply",
+        "--dry-run=server",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
+        check=False,
+    )
     accepted = {line.split("/")[1].split()[0] for line in result.stdout.splitlines() if "created" in line}
     assert len(expected) == 7 * 4 * 6 and sum(expected.values()) == len(accepted) > 0  # 6 GPU classes + cpu
     assert {n for n, ok in expected.items() if ok} == accepted
@@ -165,5 +182,11 @@ def test_samplergroup_names_ports_and_moves_are_refused(kube, crds, namespace: s
     assert ACCELERATOR_CHANGE_MESSAGE in _refused(
         kube, namespace, {**sg, "spec": {**sg["spec"], "accelerator": "h200"}}
     )
-    kube.kubectl("apply", "-n", namespace, "-f", "-",
-                 input=json.dumps({**sg, "spec": {**sg["spec"], "accelerator": "h200", "suspend": True}}))  # fmt: skip
+    kube.kubectl(
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps({**sg, "spec": {**sg["spec"], "accelerator": "h200", "suspend": True}}),
+    )

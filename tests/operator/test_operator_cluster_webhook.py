@@ -58,7 +58,7 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
                         "operations": ["CREATE"],
                         "resources": ["rljobs"],
                     }
-                ],  # fmt: skip
+                ],
                 # only this test's namespace: other tests share the control plane
                 "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
                 "failurePolicy": "Fail",
@@ -69,11 +69,27 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
         ],
     }
     argv = [
-        sys.executable, "-c", "from rlfleet.cli import main; raise SystemExit(main())",
-        "operator", "run", "--standalone", "--namespace", namespace, "--kubeconfig", str(kube.kubeconfig),
-        "--webhook-port", str(port), "--webhook-address", "127.0.0.1", "--webhook-host", "127.0.0.1",
-        "--webhook-cert", str(certfile), "--webhook-key", str(keyfile),
-    ]  # fmt: skip
+        sys.executable,
+        "-c",
+        "from rlfleet.cli import main; raise SystemExit(main())",
+        "operator",
+        "run",
+        "--standalone",
+        "--namespace",
+        namespace,
+        "--kubeconfig",
+        str(kube.kubeconfig),
+        "--webhook-port",
+        str(port),
+        "--webhook-address",
+        "127.0.0.1",
+        "--webhook-host",
+        "127.0.0.1",
+        "--webhook-cert",
+        str(certfile),
+        "--webhook-key",
+        str(keyfile),
+    ]
     log = tmp_path / "operator.log"
     other_namespace = f"{namespace}-other"  # no webhook there (namespaceSelector): another team's job
     operator = subprocess.Popen(  # noqa: S603
@@ -81,6 +97,7 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
     )
     try:
         if True:  # the operator subprocess runs for the whole block
+
             def listening() -> bool:
                 assert operator.poll() is None, log.read_text()
                 with socket.socket() as s:
@@ -102,8 +119,10 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
             # child names colliding with another job's (CEL sees one object; the webhook the namespace):
             # job "reference" + group "fleet-h100-fp8" would be reference-fleet's group h100-fp8
             sg = "reference-fleet-h100-fp8"
-            wait_for(f"the operator to create {sg}",
-                     lambda: kube.kubectl("get", "sg", sg, "-n", namespace, check=False).returncode == 0)  # fmt: skip
+            wait_for(
+                f"the operator to create {sg}",
+                lambda: kube.kubectl("get", "sg", sg, "-n", namespace, check=False).returncode == 0,
+            )
             clash = json.loads(json.dumps(EXAMPLE))
             clash["metadata"]["name"] = "reference"
             clash["spec"]["samplerGroups"][2]["name"] = "fleet-h100-fp8"
@@ -113,7 +132,9 @@ def test_webhook_rejects_what_the_runtime_catalog_cannot_run(
             refuses_a_second_job_on_one_weight_store(kube, namespace, other_namespace)
         assert operator.poll() is None, log.read_text()
     finally:
-        kube.kubectl("delete", "namespace", other_namespace, "--ignore-not-found", "--wait=false", check=False)
+        kube.kubectl(
+            "delete", "namespace", other_namespace, "--ignore-not-found", "--wait=false", check=False
+        )
         if operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)
             try:
@@ -142,16 +163,26 @@ def refuses_a_second_job_on_one_weight_store(kube, namespace: str, other_namespa
     claim = {"type": "filesystem", "path": "/weights/second", "volumeClaimName": "rlfleet-weights"}
     result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=job("second", claim), check=False)
     assert result.returncode != 0, "the webhook let a second job onto reference-fleet's weight store"
-    assert (f"its weight store PersistentVolumeClaim rlfleet-weights (mounted at /weights/second) overlaps the "
-            f"store PersistentVolumeClaim rlfleet-weights (mounted at /weights/reference-fleet) of RLJob "
-            f"{namespace}/reference-fleet: one trainer per weight channel") in result.stderr, result.stderr  # fmt: skip
+    assert (
+        f"its weight store PersistentVolumeClaim rlfleet-weights (mounted at /weights/second) overlaps the "
+        f"store PersistentVolumeClaim rlfleet-weights (mounted at /weights/reference-fleet) of RLJob "
+        f"{namespace}/reference-fleet: one trainer per weight channel"
+    ) in result.stderr, result.stderr
     kube.kubectl("create", "namespace", other_namespace)
-    kube.kubectl("apply", "-n", other_namespace, "-f", "-",
-                 input=job("holder", {"type": "s3", "bucket": "rlfleet-shared", "prefix": "jobs"}))  # fmt: skip
+    kube.kubectl(
+        "apply",
+        "-n",
+        other_namespace,
+        "-f",
+        "-",
+        input=job("holder", {"type": "s3", "bucket": "rlfleet-shared", "prefix": "jobs"}),
+    )
     nested = job("nested", {"type": "s3", "bucket": "rlfleet-shared", "prefix": "jobs/run-1"})
     result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=nested, check=False)
     assert result.returncode != 0, "the webhook let a job under another namespace's S3 prefix through"
-    assert (f"its weight store s3://rlfleet-shared/jobs/run-1 overlaps the store s3://rlfleet-shared/jobs of "
-            f"RLJob {other_namespace}/holder") in result.stderr, result.stderr  # fmt: skip
+    assert (
+        f"its weight store s3://rlfleet-shared/jobs/run-1 overlaps the store s3://rlfleet-shared/jobs of "
+        f"RLJob {other_namespace}/holder"
+    ) in result.stderr, result.stderr
     sibling = job("sibling", {"type": "s3", "bucket": "rlfleet-shared", "prefix": "runs/run-1"})
     kube.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", "-", input=sibling)

@@ -31,7 +31,9 @@ def job(request: pytest.FixtureRequest) -> RLJob:
 
 
 def children(job: RLJob) -> dict[tuple[str, str], dict]:
-    return {(c["kind"], c["metadata"]["name"]): c for c in builders.build_job_children(job, NS, OWNER, CATALOG)}
+    return {
+        (c["kind"], c["metadata"]["name"]): c for c in builders.build_job_children(job, NS, OWNER, CATALOG)
+    }
 
 
 def sampler_deployment(job: RLJob, group: str) -> dict:
@@ -52,15 +54,22 @@ def launched(engine: dict, version: int, directory: str, flags: str = "") -> lis
         script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
         assert script != engine["args"][0] and len(engine["args"]) == 1
         script = script.replace(f"$({n.API_KEY_ENV})", LAUNCH_KEY)  # the kubelet's expansion from the Secret
-        out = subprocess.run([*engine["command"], script], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"})  # fmt: skip
+        out = subprocess.run(
+            [*engine["command"], script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"},
+        )
     return ["rlfleet", *json.loads(out.stdout)[1:]]
 
 
-@pytest.mark.parametrize(("group", "fmt", "kv"), [("bf16", "bf16", None), ("fp8", "fp8", "fp8_e4m3"),
-                                                  ("nvfp4", "nvfp4", None)])  # fmt: skip
-def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(job: RLJob, group: str, fmt: str,
-                                                                       kv: str | None) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("group", "fmt", "kv"), [("bf16", "bf16", None), ("fp8", "fp8", "fp8_e4m3"), ("nvfp4", "nvfp4", None)]
+)
+def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(
+    job: RLJob, group: str, fmt: str, kv: str | None
+) -> None:
     dep = sampler_deployment(job, group)
     pod = dep["spec"]["template"]["spec"]
     store = job.spec.weight_channel.store
@@ -71,9 +80,23 @@ def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(job: RLJo
     engine, sidecar = pod["containers"]
     assert (fetch["name"], engine["name"], sidecar["name"]) == ("weight-fetch", "reference", "weight-sync")
     # the init container: `rlfleet sampler sync --fetch-only` of THIS group's view from the channel's store
-    sync_args = ["sampler", "sync", "--store", store.path, "--view", fmt, "--engine-url", "http://127.0.0.1:30000",
-                 "--group", f"{job.name}-{group}", "--replica", "$(POD_NAME)", "--cache-dir", n.WEIGHTS_CACHE,
-                 "--require-checkpoint"]  # fmt: skip
+    sync_args = [
+        "sampler",
+        "sync",
+        "--store",
+        store.path,
+        "--view",
+        fmt,
+        "--engine-url",
+        "http://127.0.0.1:30000",
+        "--group",
+        f"{job.name}-{group}",
+        "--replica",
+        "$(POD_NAME)",
+        "--cache-dir",
+        n.WEIGHTS_CACHE,
+        "--require-checkpoint",
+    ]
     assert fetch["command"] == ["rlfleet"] and fetch["args"] == [*sync_args, "--fetch-only"]
     assert sidecar["command"] == ["rlfleet"] and sidecar["args"] == [*sync_args, "--port", str(n.SYNC_PORT)]
     assert fetch["image"] == sidecar["image"] == engine["image"] == "ghcr.io/rlfleet/sampler:0.1.0-cpu"
@@ -81,11 +104,29 @@ def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(job: RLJo
     assert engine["command"] == ["/bin/sh", "-c"]
     argv = launched(engine, 7, f"{n.WEIGHTS_CACHE}/v7-{fmt}")
     expected = [
-        "rlfleet", "sampler", "serve", "--engine", "reference",
-        "--model-path", f"{n.WEIGHTS_CACHE}/v7-{fmt}", "--served-model-name", "tiny-qwen3",
-        "--host", "0.0.0.0", "--port", "30000", "--sampling-mask-max-tokens", "4096", "--weight-version", "7",
-        "--weight-format", fmt, *(["--kv-cache-dtype", kv] if kv else []), "--api-key", LAUNCH_KEY,
-    ]  # fmt: skip
+        "rlfleet",
+        "sampler",
+        "serve",
+        "--engine",
+        "reference",
+        "--model-path",
+        f"{n.WEIGHTS_CACHE}/v7-{fmt}",
+        "--served-model-name",
+        "tiny-qwen3",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "30000",
+        "--sampling-mask-max-tokens",
+        "4096",
+        "--weight-version",
+        "7",
+        "--weight-format",
+        fmt,
+        *(["--kv-cache-dtype", kv] if kv else []),
+        "--api-key",
+        LAUNCH_KEY,
+    ]
     assert argv == expected
     # a mixture of experts' launch file names SGLang's routed-experts switch: the reference engine takes
     # none of SGLang's checkpoint flags (it returns a MoE's routed experts unasked)
@@ -95,9 +136,15 @@ def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(job: RLJo
     # the channel read-only in the sync containers; writable only the group's subscriber reports
     for c in (fetch, sidecar):
         assert {"name": "weights", "mountPath": store.path, "readOnly": True} in c["volumeMounts"]
-        assert {"name": "weights", "mountPath": f"{store.path}/subscribers/{job.name}-{group}",
-                "subPath": f"subscribers/{job.name}-{group}"} in c["volumeMounts"]  # fmt: skip
-    assert pod["volumes"][-1] == {"name": "weights", "persistentVolumeClaim": {"claimName": store.volume_claim_name}}
+        assert {
+            "name": "weights",
+            "mountPath": f"{store.path}/subscribers/{job.name}-{group}",
+            "subPath": f"subscribers/{job.name}-{group}",
+        } in c["volumeMounts"]
+    assert pod["volumes"][-1] == {
+        "name": "weights",
+        "persistentVolumeClaim": {"claimName": store.volume_claim_name},
+    }
     # the class's small CPU/memory requests (a 2-core dev node holds three groups and the trainer)
     cpu = CATALOG.get("cpu")
     assert engine["resources"] == cpu.sampler_resources
@@ -114,7 +161,10 @@ def test_a_cpu_groups_resources_override_the_class_defaults(job: RLJob) -> None:
     dep = sampler_deployment(RLJob.from_manifest(wire), "bf16")
     pod = dep["spec"]["template"]["spec"]
     engine = pod["containers"][0]
-    assert engine["resources"] == {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"cpu": "4", "memory": "4Gi"}}
+    assert engine["resources"] == {
+        "requests": {"cpu": "2", "memory": "1Gi"},
+        "limits": {"cpu": "4", "memory": "4Gi"},
+    }
     assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]  # the user's only: no GPU one
 
 
@@ -128,7 +178,10 @@ def test_cpu_trainer_statefulset_runs_ranks_on_cpu_without_a_gpu(job: RLJob) -> 
     env = {e["name"]: e.get("value") for e in trainer["env"]}
     assert env["NPROC_PER_NODE"] == "2" and env["NNODES"] == "1"
     assert env["RLFLEET_TRAINER_DEVICE"] == "cpu"
-    assert trainer["command"] == ["rlfleet", "trainer", "launch"] and "--nproc-per-node=$(NPROC_PER_NODE)" in trainer["args"]
+    assert (
+        trainer["command"] == ["rlfleet", "trainer", "launch"]
+        and "--nproc-per-node=$(NPROC_PER_NODE)" in trainer["args"]
+    )
     assert trainer["resources"] == CATALOG.get("cpu").trainer_resources
     assert trainer["image"] == "ghcr.io/rlfleet/trainer:0.1.0-cpu"
     # the resolved config the trainer reads still says what the user wrote
@@ -143,7 +196,9 @@ def test_gpu_classes_keep_their_gpu_request_toleration_and_affinity() -> None:
     pod = sts["spec"]["template"]["spec"]
     trainer = pod["containers"][0]
     env = {e["name"]: e.get("value") for e in trainer["env"]}
-    assert env["RLFLEET_TRAINER_DEVICE"] == "cuda" and env["NPROC_PER_NODE"] == str(job.spec.trainer.ranks_per_replica)
+    assert env["RLFLEET_TRAINER_DEVICE"] == "cuda" and env["NPROC_PER_NODE"] == str(
+        job.spec.trainer.ranks_per_replica
+    )
     assert trainer["resources"]["requests"]["nvidia.com/gpu"] == str(job.spec.trainer.ranks_per_replica)
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["affinity"]["nodeAffinity"]

@@ -32,14 +32,24 @@ CONFIG = RebalanceConfig(smoothing=0.5, reference_accelerator="h100", reference_
 
 def groups() -> list[GroupInput]:
     # remote: 2 ready replicas of 1 GPU at $3/GPU-h, bf16, paying $0.02/GB; local: the same, paying nothing
-    remote = GroupInput("remote", 2, 2, 3.0, accelerator="h100", weight_format="bf16", tokens_per_second=1000.0,
-                        egress_price_per_gb=0.02)  # fmt: skip
+    remote = GroupInput(
+        "remote",
+        2,
+        2,
+        3.0,
+        accelerator="h100",
+        weight_format="bf16",
+        tokens_per_second=1000.0,
+        egress_price_per_gb=0.02,
+    )
     local = GroupInput("local", 2, 2, 3.0, accelerator="h100", weight_format="bf16", tokens_per_second=1000.0)
     return [remote, local]
 
 
 def step(state: RebalanceState | None, now: float, bf16: float | None) -> RebalanceResult:
-    return rebalance(groups(), state, now, CONFIG, weights_stored_bytes=None if bf16 is None else {"bf16": bf16})
+    return rebalance(
+        groups(), state, now, CONFIG, weights_stored_bytes=None if bf16 is None else {"bf16": bf16}
+    )
 
 
 def test_the_rate_of_two_intervals_a_restart_and_a_missed_reading_price_the_remote_group() -> None:
@@ -57,7 +67,11 @@ def test_the_rate_of_two_intervals_a_restart_and_a_missed_reading_price_the_remo
     # 6.288 USD/h / 3600 s / 1000 tok/s x 1e6 = 1.746666.. USD per 1M (all usable: nothing reported out of band)
     assert remote.cost_per_1m_useful_tokens == pytest.approx(1.7466666667)
     patch = remote.status_patch()
-    assert (patch["egressCostPerHour"], patch["costPerHour"], patch["costPer1MTokens"]) == (0.288, 6.288, 1.7467)
+    assert (patch["egressCostPerHour"], patch["costPerHour"], patch["costPer1MTokens"]) == (
+        0.288,
+        6.288,
+        1.7467,
+    )
     # the fleet: 12.288 USD/h / 2000 tok/s -> 12.288 / 3600 / 2000 x 1e6 = 1.706666.. USD per 1M
     assert second.economics.cost_per_hour == pytest.approx(12.288)
     assert second.fleet_cost_per_1m_usable_tokens == pytest.approx(1.7066666667)
@@ -70,7 +84,9 @@ def test_the_rate_of_two_intervals_a_restart_and_a_missed_reading_price_the_remo
     # 0.5e6 B/s; EMA 0.5 x 0.5e6 + 0.5 x 1.5e6 = 1e6 B/s -> 3.6 GB/h x $0.02 x 2 = $0.144/h
     fourth = step(third.state, 1800.0, 0.3e9)
     assert fourth.groups["remote"].egress_cost_per_hour == pytest.approx(0.144)
-    assert fourth.state.views["bf16"] == ViewMemory(counter=0.3e9, time=1800.0, ema_bytes_per_second=pytest.approx(1e6))
+    assert fourth.state.views["bf16"] == ViewMemory(
+        counter=0.3e9, time=1800.0, ema_bytes_per_second=pytest.approx(1e6)
+    )
 
     # t=2400: the trainer unreadable: the view keeps its memory and the group its last egress
     fifth = step(fourth.state, 2400.0, None)
@@ -93,20 +109,35 @@ def test_a_group_without_a_price_pays_nothing_and_costs_as_before() -> None:
     # 6 / 3600 / 1000 x 1e6 = 1.666.. USD per 1M usable tokens, as without any weight reading
     assert local.cost_per_1m_useful_tokens == pytest.approx(1.6666666667)
     without = rebalance(groups(), None, 600.0, CONFIG)
-    assert without.groups["local"].cost_per_hour == 6.0 and without.groups["remote"].egress_cost_per_hour is None
+    assert (
+        without.groups["local"].cost_per_hour == 6.0 and without.groups["remote"].egress_cost_per_hour is None
+    )
 
 
 def test_a_group_pays_for_its_own_views_traffic_and_its_ready_replicas() -> None:
     # an fp8 group reads the fp8 view: 0.3 GB over 600 s = 0.5e6 B/s -> 1.8 GB/h x $0.05 x 3 ready = $0.27/h
-    fp8 = GroupInput("fp8", 3, 4, 2.0, accelerator="h100", weight_format="fp8", tokens_per_second=500.0,
-                     egress_price_per_gb=0.05)  # fmt: skip
+    fp8 = GroupInput(
+        "fp8",
+        3,
+        4,
+        2.0,
+        accelerator="h100",
+        weight_format="fp8",
+        tokens_per_second=500.0,
+        egress_price_per_gb=0.05,
+    )
     first = rebalance([fp8], None, 0.0, CONFIG, weights_stored_bytes={"bf16": 0.0, "fp8": 1e9})
     second = rebalance([fp8], first.state, 600.0, CONFIG, weights_stored_bytes={"bf16": 60e9, "fp8": 1.3e9})
     assert second.groups["fp8"].egress_cost_per_hour == pytest.approx(0.27)
     assert second.groups["fp8"].cost_per_hour == pytest.approx(8.27)  # 4 GPUs x $2 + $0.27
     # no ready replica: no traffic
     idle = GroupInput("fp8", 0, 4, 2.0, accelerator="h100", weight_format="fp8", egress_price_per_gb=0.05)
-    assert rebalance([idle], first.state, 600.0, CONFIG, weights_stored_bytes={"fp8": 1.3e9}).groups["fp8"].egress_cost_per_hour == 0.0
+    assert (
+        rebalance([idle], first.state, 600.0, CONFIG, weights_stored_bytes={"fp8": 1.3e9})
+        .groups["fp8"]
+        .egress_cost_per_hour
+        == 0.0
+    )
 
 
 def test_view_rate_and_the_cost_formula() -> None:
@@ -131,14 +162,25 @@ rlfleet_trainer_kl_k3{key="a",scope="group"} 0.01
 """
     assert parse_trainer_stored_bytes(text) == {"bf16": 6.22e10, "fp8": 3.1e10}
     assert parse_trainer_stored_bytes('rlfleet_trainer_kl_k3{key="a",scope="group"} 0.01\n') == {}
-    job = RLJob.from_manifest({
-        "apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "j", "namespace": "ns"},
-        "spec": {"model": {"name": "m", "path": "/m"},
-                 "samplerGroups": [{"name": "remote", "accelerator": "h100", "replicas": 2, "egressPricePerGb": 0.02}],
-                 "weightChannel": {"store": {"type": "filesystem", "path": "/w"}}},
-    })  # fmt: skip
-    sg = {"metadata": {"name": "j-remote"}, "spec": {"name": "remote", "accelerator": "h100", "replicas": 2,
-                                                      "egressPricePerGb": 0.02}, "status": {"readyReplicas": 2}}  # fmt: skip
+    job = RLJob.from_manifest(
+        {
+            "apiVersion": "rlfleet.dev/v1alpha1",
+            "kind": "RLJob",
+            "metadata": {"name": "j", "namespace": "ns"},
+            "spec": {
+                "model": {"name": "m", "path": "/m"},
+                "samplerGroups": [
+                    {"name": "remote", "accelerator": "h100", "replicas": 2, "egressPricePerGb": 0.02}
+                ],
+                "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
+            },
+        }
+    )
+    sg = {
+        "metadata": {"name": "j-remote"},
+        "spec": {"name": "remote", "accelerator": "h100", "replicas": 2, "egressPricePerGb": 0.02},
+        "status": {"readyReplicas": 2},
+    }
     assert decide.group_input(job, sg, {}, {}, None).egress_price_per_gb == 0.02
     sg["spec"].pop("egressPricePerGb")
     assert decide.group_input(job, sg, {}, {}, None).egress_price_per_gb is None
@@ -178,25 +220,41 @@ def samplergroups(price: float | None = PRICE_PER_GB) -> list[dict]:
     if price is not None:
         remote["egressPricePerGb"] = price
     local = {"name": "local", "accelerator": "h100", "weightFormat": "fp8", "replicas": 1}
-    return [{"metadata": {"name": f"j-{s['name']}"}, "spec": s, "status": {"readyReplicas": 1}} for s in (remote, local)]
+    return [
+        {"metadata": {"name": f"j-{s['name']}"}, "spec": s, "status": {"readyReplicas": 1}}
+        for s in (remote, local)
+    ]
 
 
 def stored_state() -> RebalanceState:
     """The rebalance state after the two readings of the fp8 view, 1800 s apart."""
     first = RebalanceState(views={"fp8": ViewMemory(counter=10e9, time=0.0)})
-    remote = GroupInput("remote", 1, 1, 2.99, accelerator="h100", weight_format="fp8", tokens_per_second=1000.0,
-                        egress_price_per_gb=PRICE_PER_GB)  # fmt: skip
+    remote = GroupInput(
+        "remote",
+        1,
+        1,
+        2.99,
+        accelerator="h100",
+        weight_format="fp8",
+        tokens_per_second=1000.0,
+        egress_price_per_gb=PRICE_PER_GB,
+    )
     stored = 10e9 + BYTES_PER_VERSION * VERSIONS_PER_HOUR / 2  # half an hour: 3 versions
     return rebalance([remote], first, 1800.0, CONFIG, weights_stored_bytes={"fp8": stored}).state
 
 
 def optimizer_decision(egress: float | None, price: float | None = PRICE_PER_GB) -> fleetplan.FleetDecision:
     spec = RLJob.from_manifest(OPTIMIZED_JOB).spec.router.optimize
-    readings = [fleetplan.fleet_reading(sg, 2.99, 1, 1000.0, None, None, False,
-                                        egress if sg["spec"]["name"] == "remote" else None)
-                for sg in samplergroups(price)]  # fmt: skip
+    readings = [
+        fleetplan.fleet_reading(
+            sg, 2.99, 1, 1000.0, None, None, False, egress if sg["spec"]["name"] == "remote" else None
+        )
+        for sg in samplergroups(price)
+    ]
     reference = fleetplan.ReferenceFigures("h100", 1000.0, 2.99, None)
-    request, left_out = fleetplan.fleet_request(spec, "h100", reference, readings, {"remote": 1000.0, "local": 1000.0})
+    request, left_out = fleetplan.fleet_request(
+        spec, "h100", reference, readings, {"remote": 1000.0, "local": 1000.0}
+    )
     return fleetplan.decide(request, left_out, readings, {"remote": 0.5, "local": 0.5})
 
 
@@ -218,9 +276,12 @@ def test_of_two_groups_alike_the_optimizer_scales_up_the_one_that_pays_no_egress
     assert paying.plan is not None and paying.plan.cost_per_hour == pytest.approx(5.98, rel=1e-12)
     assert paying.shares == {"remote": 0.0, "local": 1.0}
     # the request carries the figure; the solver charges it per replica on top of the GPUs
-    assert paying.reason.startswith("the optimum saves 10.75% of $6.70/h (> hysteresis 5.00%); plan $5.98/h, "
-                                    "$0.8306 per 1M usable tokens")  # 5.98 / 3600 / 2000 x 1e6  # fmt: skip
-    assert paying.reason.endswith("remote pays $0.7200/h per replica for its weight traffic (egress $0.08/GB), in its cost")
+    assert paying.reason.startswith(
+        "the optimum saves 10.75% of $6.70/h (> hysteresis 5.00%); plan $5.98/h, $0.8306 per 1M usable tokens"
+    )  # 5.98 / 3600 / 2000 x 1e6
+    assert paying.reason.endswith(
+        "remote pays $0.7200/h per replica for its weight traffic (egress $0.08/GB), in its cost"
+    )
     # free of egress (no price): every 2-replica plan costs the same, the current one is kept
     free = optimizer_decision(None, price=None)
     assert free.decision == "Kept" and free.changes() == {} and "weight traffic" not in free.reason
@@ -228,22 +289,35 @@ def test_of_two_groups_alike_the_optimizer_scales_up_the_one_that_pays_no_egress
     # a price but no reading of its view yet: planned at 0 egress, and the reason says so
     unread = optimizer_decision(None)
     assert unread.decision == "Kept" and unread.changes() == {}
-    assert unread.reason.endswith("remote planned without its weight traffic (egress $0.08/GB: its fp8 view's "
-                                  "stored bytes not read yet)")  # fmt: skip
+    assert unread.reason.endswith(
+        "remote planned without its weight traffic (egress $0.08/GB: its fp8 view's "
+        "stored bytes not read yet)"
+    )
 
 
 def test_the_decision_gives_the_optimizer_each_groups_egress_from_its_views_reading() -> None:
     """decide.py end to end: the first decision has one reading of the view (no rate: planned without
     egress, kept), the second its rate (remote drained, local scaled up)."""
     job = RLJob.from_manifest(OPTIMIZED_JOB)
-    groups = tuple(decide.GroupObservation(name, 1, 1, tokens_per_second=1000.0) for name in ("remote", "local"))
-    first = decide.decide(job, decide.Observations(groups, weights_stored_bytes={"fp8": 10e9}), None, 0.0, get_catalog())
+    groups = tuple(
+        decide.GroupObservation(name, 1, 1, tokens_per_second=1000.0) for name in ("remote", "local")
+    )
+    first = decide.decide(
+        job, decide.Observations(groups, weights_stored_bytes={"fp8": 10e9}), None, 0.0, get_catalog()
+    )
     assert first.plan is not None and first.plan.decision == "Kept"
     assert "remote planned without its weight traffic" in first.plan.reason
-    second = decide.decide(job, decide.Observations(groups, weights_stored_bytes={"fp8": 10e9 + 4.5e9}), first, 1800.0,
-                           get_catalog())  # fmt: skip
+    second = decide.decide(
+        job,
+        decide.Observations(groups, weights_stored_bytes={"fp8": 10e9 + 4.5e9}),
+        first,
+        1800.0,
+        get_catalog(),
+    )
     assert second.result is not None
-    assert second.result.groups["remote"].egress_cost_per_hour == pytest.approx(EGRESS_PER_REPLICA_HOUR, rel=1e-12)
+    assert second.result.groups["remote"].egress_cost_per_hour == pytest.approx(
+        EGRESS_PER_REPLICA_HOUR, rel=1e-12
+    )
     assert second.plan is not None and second.plan.decision == "Scaled"
     assert second.plan.changes() == {"remote": (1, 0), "local": (1, 2)}
     assert "remote pays $0.7200/h per replica for its weight traffic" in second.plan.reason

@@ -53,7 +53,9 @@ async def api(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[FakeKube]:
     fake = FakeKube()
     monkeypatch.setattr(kube, "api", lambda: fake)
     yield fake
-    await rljob_pipeline.rljob_event(name="j", namespace=NS, type="DELETED")  # what the operator keeps of job j goes
+    await rljob_pipeline.rljob_event(
+        name="j", namespace=NS, type="DELETED"
+    )  # what the operator keeps of job j goes
 
 
 def posted() -> asyncio.Queue:
@@ -79,38 +81,79 @@ def rljob(name: str = "j", groups: tuple[str, ...] = ("a", "b"), **spec: Any) ->
         "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1},
         "spec": {
             "model": {"name": "m", "path": "/m"},
-            "samplerGroups": [{"name": g, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16"} for g in groups],
+            "samplerGroups": [
+                {"name": g, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16"} for g in groups
+            ],
             "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
             **spec,
         },
     }
 
 
-def samplergroup(name: str, job: dict[str, Any] | None = None, status: dict[str, Any] | None = None,
-                 **meta: Any) -> dict[str, Any]:  # fmt: skip
+def samplergroup(
+    name: str, job: dict[str, Any] | None = None, status: dict[str, Any] | None = None, **meta: Any
+) -> dict[str, Any]:
     """A SamplerGroup as the job's builder makes it (owned by `job` when given)."""
-    spec = {"name": name, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16",
-            "model": {"name": "m", "path": "/m"}}  # fmt: skip
-    metadata: dict[str, Any] = {"name": f"j-{name}", "namespace": NS, "uid": f"uid-sg-{name}", "generation": 1, **meta}
+    spec = {
+        "name": name,
+        "accelerator": "h100",
+        "replicas": 1,
+        "weightFormat": "bf16",
+        "model": {"name": "m", "path": "/m"},
+    }
+    metadata: dict[str, Any] = {
+        "name": f"j-{name}",
+        "namespace": NS,
+        "uid": f"uid-sg-{name}",
+        "generation": 1,
+        **meta,
+    }
     if job is not None:
         spec |= {"jobName": job["metadata"]["name"], "weightChannel": "j-weights"}
-        metadata["ownerReferences"] = [{"apiVersion": API, "kind": "RLJob", "name": job["metadata"]["name"],
-                                        "uid": job["metadata"]["uid"], "controller": True}]  # fmt: skip
-    return {"apiVersion": API, "kind": "SamplerGroup", "metadata": metadata, "spec": spec, "status": status or {}}
+        metadata["ownerReferences"] = [
+            {
+                "apiVersion": API,
+                "kind": "RLJob",
+                "name": job["metadata"]["name"],
+                "uid": job["metadata"]["uid"],
+                "controller": True,
+            }
+        ]
+    return {
+        "apiVersion": API,
+        "kind": "SamplerGroup",
+        "metadata": metadata,
+        "spec": spec,
+        "status": status or {},
+    }
 
 
 def weightchannel(path: str = "/w") -> dict[str, Any]:
-    return {"apiVersion": API, "kind": "WeightChannel",
-            "metadata": {"name": "j-weights", "namespace": NS, "uid": "uid-wc", "generation": 1},
-            "spec": {"jobName": "j", "store": {"type": "filesystem", "path": path}}}  # fmt: skip
+    return {
+        "apiVersion": API,
+        "kind": "WeightChannel",
+        "metadata": {"name": "j-weights", "namespace": NS, "uid": "uid-wc", "generation": 1},
+        "spec": {"jobName": "j", "store": {"type": "filesystem", "path": path}},
+    }
 
 
 def indexes(*objects: dict[str, Any]) -> dict[str, dict]:
     """The handlers' index kwargs (named as kopf passes them) holding `objects`."""
-    idx: dict[str, dict] = {name: {} for name in (
-        "rljobs_idx", "samplergroups_idx", "samplergroups_by_job_idx", "weightchannels_idx",
-        "sampler_deployments_idx", "trainers_idx", "pods_idx", "mount_failures_idx", "create_failures_idx",
-        "kueue_pending_idx")}  # fmt: skip
+    idx: dict[str, dict] = {
+        name: {}
+        for name in (
+            "rljobs_idx",
+            "samplergroups_idx",
+            "samplergroups_by_job_idx",
+            "weightchannels_idx",
+            "sampler_deployments_idx",
+            "trainers_idx",
+            "pods_idx",
+            "mount_failures_idx",
+            "create_failures_idx",
+            "kueue_pending_idx",
+        )
+    }
     for obj in objects:
         key = (obj["metadata"].get("namespace", NS), obj["metadata"]["name"])
         kind = obj["kind"]
@@ -143,13 +186,25 @@ async def test_reconcile_job_applies_children_in_order_creates_the_secret_and_de
     await rljob_pipeline.reconcile_job(copy.deepcopy(job), NS, view)
 
     kinds = api.kinds_applied()
-    assert sorted(kinds[:8]) == sorted(["NetworkPolicy", "NetworkPolicy", "ConfigMap", "WeightChannel", "Service",
-                                        "StatefulSet", "Service", "Deployment"])  # fmt: skip
+    assert sorted(kinds[:8]) == sorted(
+        [
+            "NetworkPolicy",
+            "NetworkPolicy",
+            "ConfigMap",
+            "WeightChannel",
+            "Service",
+            "StatefulSet",
+            "Service",
+            "Deployment",
+        ]
+    )
     assert kinds[8:] == ["SamplerGroup", "SamplerGroup"]  # the groups only once the trainer was applied
     assert {b["metadata"]["name"] for b in api.applied[8:]} == {"j-a", "j-b"}
     assert all(b["metadata"]["ownerReferences"][0]["uid"] == "uid-j" for b in api.applied)
-    assert [(b["kind"], b["metadata"]["name"]) for b in api.created] == [("Secret", "j-router-admin"),
-                                                                         ("Secret", "j-api-key")]  # fmt: skip
+    assert [(b["kind"], b["metadata"]["name"]) for b in api.created] == [
+        ("Secret", "j-router-admin"),
+        ("Secret", "j-api-key"),
+    ]
     assert all(b["metadata"]["ownerReferences"][0]["uid"] == "uid-j" for b in api.created)
     assert len(api.created[1]["stringData"]["key"]) >= 43  # 32 random bytes
     assert api.deleted == [("SamplerGroup", "j-old")]
@@ -173,10 +228,15 @@ async def test_an_invalid_rljob_ends_in_a_failed_status_and_a_warning(api: FakeK
     assert api.applied == [] and api.created == []
     ((_, _, status),) = api.statuses
     assert status["phase"] == "Failed" and status["message"].startswith("invalid RLJob")
-    assert [(e.type, e.reason) for e in drain(events)] == [("Warning", "InvalidSpec"), ("Warning", "PhaseFailed")]
+    assert [(e.type, e.reason) for e in drain(events)] == [
+        ("Warning", "InvalidSpec"),
+        ("Warning", "PhaseFailed"),
+    ]
 
 
-async def test_a_job_whose_group_name_another_jobs_group_took_is_failed_naming_the_owner(api: FakeKube) -> None:
+async def test_a_job_whose_group_name_another_jobs_group_took_is_failed_naming_the_owner(
+    api: FakeKube,
+) -> None:
     """Job `ab` with group `cd-ef` and job `ab-cd` with group `ef` both want SamplerGroup `ab-cd-ef`. Without
     the webhook, the job that finds it taken applies nothing and is Failed naming the owner; the owner's
     next reconcile goes on (no ownership flip on every reconcile)."""
@@ -192,7 +252,10 @@ async def test_a_job_whose_group_name_another_jobs_group_took_is_failed_naming_t
     ((kind, name, status),) = api.statuses
     assert (kind, name, status["phase"]) == ("RLJob", "ab-cd", "Failed")
     assert "taken by SamplerGroup ab-cd-ef of RLJob ab: rename this job or its group" in status["message"]
-    assert [(e.type, e.reason) for e in drain(events)] == [("Warning", "NameCollision"), ("Warning", "PhaseFailed")]
+    assert [(e.type, e.reason) for e in drain(events)] == [
+        ("Warning", "NameCollision"),
+        ("Warning", "PhaseFailed"),
+    ]
     await rljob_pipeline.reconcile_job(copy.deepcopy(first), NS, view)  # the owner is not refused
     assert ("SamplerGroup", "ab-cd-ef") in [(b["kind"], b["metadata"]["name"]) for b in api.applied]
     for name in ("ab", "ab-cd"):
@@ -202,7 +265,9 @@ async def test_a_job_whose_group_name_another_jobs_group_took_is_failed_naming_t
 async def test_a_child_the_api_server_refuses_stops_the_job_with_the_api_s_reason(api: FakeKube) -> None:
     posted()
     job = rljob()
-    api.refuse["SamplerGroup"] = kube.KubeError(422, 'SamplerGroup "j-a" is invalid: spec.accelerator', "Invalid")
+    api.refuse["SamplerGroup"] = kube.KubeError(
+        422, 'SamplerGroup "j-a" is invalid: spec.accelerator', "Invalid"
+    )
     with pytest.raises(kopf.PermanentError, match="the API server refused a child"):
         await rljob_pipeline.reconcile_job(copy.deepcopy(job), NS, View.of(indexes(job)))
     ((_, _, status),) = api.statuses
@@ -215,11 +280,15 @@ async def test_a_transient_api_error_is_retried_by_kopf_not_reported_as_invalid(
     api.refuse["ConfigMap"] = kube.KubeError(503, "etcd leader changed", "ServiceUnavailable")
     body = kopf.Body(copy.deepcopy(job))
     with pytest.raises(kopf.TemporaryError) as retried:
-        await rljob_pipeline.reconcile_rljob(body=body, namespace=NS, reason="create", old=None, **indexes(job))
+        await rljob_pipeline.reconcile_rljob(
+            body=body, namespace=NS, reason="create", old=None, **indexes(job)
+        )
     assert retried.value.delay == 2 and api.statuses == []
 
 
-async def test_the_rljobs_change_of_a_groups_replicas_scales_it_at_once_other_reconciles_leave_them(api: FakeKube) -> None:
+async def test_the_rljobs_change_of_a_groups_replicas_scales_it_at_once_other_reconciles_leave_them(
+    api: FakeKube,
+) -> None:
     """kopf hands the update handler (field "spec") the spec it last handled as `old`: a group whose replicas
     the RLJob changed is scaled through /scale (a Scaled Event), whatever it runs now (a kubectl scale to
     5 here); a create or resume (old: none, or the whole body) scales nothing, and no apply carries them."""
@@ -229,11 +298,23 @@ async def test_the_rljobs_change_of_a_groups_replicas_scales_it_at_once_other_re
     groups[0]["spec"]["replicas"] = 5
     changed = copy.deepcopy(job)
     changed["spec"]["samplerGroups"][0]["replicas"] = 3
-    await rljob_pipeline.reconcile_rljob(body=kopf.Body(copy.deepcopy(changed)), namespace=NS, reason="resume",
-                                         old=copy.deepcopy(job), **indexes(changed, *groups))  # fmt: skip
-    assert api.scaled == [] and all("replicas" not in b["spec"] for b in api.applied if b["kind"] == "SamplerGroup")
-    await rljob_pipeline.reconcile_rljob(body=kopf.Body(copy.deepcopy(changed)), namespace=NS, reason="update",
-                                         old=copy.deepcopy(job["spec"]), **indexes(changed, *groups))  # fmt: skip
+    await rljob_pipeline.reconcile_rljob(
+        body=kopf.Body(copy.deepcopy(changed)),
+        namespace=NS,
+        reason="resume",
+        old=copy.deepcopy(job),
+        **indexes(changed, *groups),
+    )
+    assert api.scaled == [] and all(
+        "replicas" not in b["spec"] for b in api.applied if b["kind"] == "SamplerGroup"
+    )
+    await rljob_pipeline.reconcile_rljob(
+        body=kopf.Body(copy.deepcopy(changed)),
+        namespace=NS,
+        reason="update",
+        old=copy.deepcopy(job["spec"]),
+        **indexes(changed, *groups),
+    )
     assert api.scaled == [("SamplerGroup", "j-a", 3)]
     scaled = [e.message for e in drain(events) if e.reason == "Scaled"]
     assert scaled == ["replicas 5 -> 3: the RLJob's samplerGroups[].replicas changed: 1 -> 3"]
@@ -246,8 +327,13 @@ async def test_a_group_of_the_spec_deleted_by_someone_else_is_applied_again_by_t
     job = rljob(groups=("a",))
     for deleted, applied in ((samplergroup("a", job), True), (samplergroup("old", job), False)):
         api.applied.clear()
-        await samplergroup_pipeline.samplergroup_event(body=kopf.Body(deleted), name=deleted["metadata"]["name"], namespace=NS,
-                                          type="DELETED", **indexes(job))  # fmt: skip
+        await samplergroup_pipeline.samplergroup_event(
+            body=kopf.Body(deleted),
+            name=deleted["metadata"]["name"],
+            namespace=NS,
+            type="DELETED",
+            **indexes(job),
+        )
         names = {b["metadata"]["name"] for b in api.applied if b["kind"] == "SamplerGroup"}
         assert names == ({"j-a"} if applied else set()), deleted["metadata"]["name"]
 
@@ -255,7 +341,9 @@ async def test_a_group_of_the_spec_deleted_by_someone_else_is_applied_again_by_t
 # --- the SamplerGroup pipeline ---------------------------------------------------------------------------
 
 
-async def test_reconcile_group_takes_the_store_from_the_index_or_the_api(api: FakeKube, tmp_path: Path) -> None:
+async def test_reconcile_group_takes_the_store_from_the_index_or_the_api(
+    api: FakeKube, tmp_path: Path
+) -> None:
     posted()
     job = rljob()
     sg = samplergroup("a", job)
@@ -288,7 +376,10 @@ async def test_a_group_outside_any_job_gets_its_own_key_secret_once(api: FakeKub
     assert (secret["kind"], secret["metadata"]["name"]) == ("Secret", "j-solo-api-key")
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-sg-solo"
     engine = api.applied[-1]["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "RLFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "j-solo-api-key", "key": "key"}}} in engine["env"]
+    assert {
+        "name": "RLFLEET_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "j-solo-api-key", "key": "key"}},
+    } in engine["env"]
 
 
 async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_group_pipeline(
@@ -297,10 +388,15 @@ async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_g
     posted()
     job = rljob()
     sg = samplergroup("a", job)
-    gone = {"apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "j-a", "namespace": NS, "labels": {"rlfleet.dev/samplergroup": "j-a"}}}  # fmt: skip
+    gone = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "j-a", "namespace": NS, "labels": {"rlfleet.dev/samplergroup": "j-a"}},
+    }
     idx = indexes(job, sg, weightchannel(str(tmp_path)))
-    await samplergroup_pipeline.sampler_deployment_event(body=kopf.Body(gone), namespace=NS, type="DELETED", **idx)
+    await samplergroup_pipeline.sampler_deployment_event(
+        body=kopf.Body(gone), namespace=NS, type="DELETED", **idx
+    )
     assert api.kinds_applied() == ["Service", "Deployment"]
     assert api.applied[1]["metadata"]["ownerReferences"][0]["uid"] == "uid-sg-a"
     assert [k for k, _, _ in api.statuses] == ["SamplerGroup"]
@@ -308,10 +404,16 @@ async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_g
     api.applied.clear()
     deleting = samplergroup("a", job, deletionTimestamp="2026-01-01T00:00:00Z")  # the group itself is going
     idx = indexes(job, deleting, weightchannel(str(tmp_path)))
-    await samplergroup_pipeline.sampler_deployment_event(body=kopf.Body(gone), namespace=NS, type="DELETED", **idx)
+    await samplergroup_pipeline.sampler_deployment_event(
+        body=kopf.Body(gone), namespace=NS, type="DELETED", **idx
+    )
     modified = {**gone, "status": {"readyReplicas": 1}}
-    await samplergroup_pipeline.sampler_deployment_event(body=kopf.Body(modified), namespace=NS, type="MODIFIED",
-                                            **indexes(job, sg, weightchannel(str(tmp_path))))  # fmt: skip
+    await samplergroup_pipeline.sampler_deployment_event(
+        body=kopf.Body(modified),
+        namespace=NS,
+        type="MODIFIED",
+        **indexes(job, sg, weightchannel(str(tmp_path))),
+    )
     assert api.applied == []  # neither a deleting group nor a Deployment that only changed is re-applied
 
 
@@ -323,7 +425,9 @@ def current_status(sg: dict[str, Any]) -> dict[str, Any]:
     return samplergroup_status(sg, None, get_catalog(), None, pods=[], rebalance=None, quarantine=None)
 
 
-async def test_a_status_differing_only_in_one_condition_is_written_and_an_equal_one_is_not(api: FakeKube) -> None:
+async def test_a_status_differing_only_in_one_condition_is_written_and_an_equal_one_is_not(
+    api: FakeKube,
+) -> None:
     """Kills the mutant of the change gate that never compares conditions (in `status.status_changed`,
     the `if key == "conditions"` branch not returning True, or comparing only condition types): then the
     second refresh below writes nothing and the group keeps saying the old reason."""
@@ -352,23 +456,37 @@ async def test_a_trainer_pod_the_quota_refuses_reaches_the_job_status_from_the_s
     pipeline, which reads it from the index: the job says the quota's words, not `Pending / Reconciling`."""
     posted()
     job = rljob(groups=("a",))
-    quota = ('create Pod j-trainer-0 in StatefulSet j-trainer failed error: pods "j-trainer-0" is forbidden: '
-             "exceeded quota: compute, requested: nvidia.com/gpu=8, used: nvidia.com/gpu=0, limited: nvidia.com/gpu=4")  # fmt: skip
-    event = {"apiVersion": "v1", "kind": "Event", "reason": "FailedCreate", "type": "Warning", "message": quota,
-             "involvedObject": {"kind": "StatefulSet", "name": "j-trainer", "namespace": NS},
-             "lastTimestamp": "2026-01-01T00:00:00Z"}  # fmt: skip
+    quota = (
+        'create Pod j-trainer-0 in StatefulSet j-trainer failed error: pods "j-trainer-0" is forbidden: '
+        "exceeded quota: compute, requested: nvidia.com/gpu=8, used: nvidia.com/gpu=0, limited: nvidia.com/gpu=4"
+    )
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "reason": "FailedCreate",
+        "type": "Warning",
+        "message": quota,
+        "involvedObject": {"kind": "StatefulSet", "name": "j-trainer", "namespace": NS},
+        "lastTimestamp": "2026-01-01T00:00:00Z",
+    }
     foreign = {**event, "involvedObject": {"kind": "StatefulSet", "name": "db", "namespace": NS}}
     assert is_failed_create(event) and is_failed_create(foreign)
     assert not is_failed_create({**event, "reason": "SuccessfulCreate"})
     idx = indexes(job)
     idx["trainers_idx"][(NS, "j-trainer")] = [
-        {"metadata": {"name": "j-trainer", "generation": 1}, "spec": {"replicas": 1}, "status": {"replicas": 0}}
+        {
+            "metadata": {"name": "j-trainer", "generation": 1},
+            "spec": {"replicas": 1},
+            "status": {"replicas": 0},
+        }
     ]
     for body in (event, foreign):
         for key, value in create_failures_idx(NS, body).items():
             idx["create_failures_idx"].setdefault(key, []).append(value)
 
-    await rljob_pipeline.create_failure_event(foreign, NS, **idx)  # another StatefulSet's Event: no job to refresh
+    await rljob_pipeline.create_failure_event(
+        foreign, NS, **idx
+    )  # another StatefulSet's Event: no job to refresh
     assert api.statuses == []
     await rljob_pipeline.create_failure_event(event, NS, **idx)
     ((kind, name, status),) = api.statuses
@@ -382,23 +500,48 @@ async def test_kueues_pending_event_on_the_trainers_workload_reaches_the_job_sta
     as Kueue v0.17.0 wrote it in tests/operator/test_operator_cluster_kueue.py)."""
     posted()
     job = rljob(groups=("a",))
-    said = ("couldn't assign flavors to pod set 17cc84b9: insufficient quota for nvidia.com/gpu in flavor on-demand, "
-            "previously considered podsets requests (0) + current podset request (8) > maximum capacity (4)")  # fmt: skip
-    event = {"apiVersion": "v1", "kind": "Event", "reason": "Pending", "type": "Warning", "message": said,
-             "involvedObject": {"kind": "Workload", "apiVersion": "kueue.x-k8s.io/v1beta2", "name": "j-trainer",
-                                "namespace": NS},
-             "lastTimestamp": "2026-01-01T00:00:00Z"}  # fmt: skip
+    said = (
+        "couldn't assign flavors to pod set 17cc84b9: insufficient quota for nvidia.com/gpu in flavor on-demand, "
+        "previously considered podsets requests (0) + current podset request (8) > maximum capacity (4)"
+    )
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "reason": "Pending",
+        "type": "Warning",
+        "message": said,
+        "involvedObject": {
+            "kind": "Workload",
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "name": "j-trainer",
+            "namespace": NS,
+        },
+        "lastTimestamp": "2026-01-01T00:00:00Z",
+    }
     other = {**event, "involvedObject": {**event["involvedObject"], "name": "pod-j-a-5d8f-x2-1a2b3"}}
     assert is_kueue_pending(event) and is_kueue_pending(other)
     assert not is_kueue_pending({**event, "reason": "QuotaReserved"})
     assert not is_kueue_pending({**event, "involvedObject": {"kind": "Pod", "name": "j-trainer-0"}})
     idx = indexes(job)
     idx["trainers_idx"][(NS, "j-trainer")] = [
-        {"metadata": {"name": "j-trainer", "generation": 1}, "spec": {"replicas": 1}, "status": {"replicas": 1}}
+        {
+            "metadata": {"name": "j-trainer", "generation": 1},
+            "spec": {"replicas": 1},
+            "status": {"replicas": 1},
+        }
     ]
-    gated = {"metadata": {"name": "j-trainer-0", "labels": {"app.kubernetes.io/component": "trainer",
-                                                            "rlfleet.dev/job": "j", "kueue.x-k8s.io/queue-name": "q"}},
-             "spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]}, "status": {"phase": "Pending"}}  # fmt: skip
+    gated = {
+        "metadata": {
+            "name": "j-trainer-0",
+            "labels": {
+                "app.kubernetes.io/component": "trainer",
+                "rlfleet.dev/job": "j",
+                "kueue.x-k8s.io/queue-name": "q",
+            },
+        },
+        "spec": {"schedulingGates": [{"name": "kueue.x-k8s.io/admission"}]},
+        "status": {"phase": "Pending"},
+    }
     for key, value in pods_idx(NS, gated).items():
         idx["pods_idx"].setdefault(key, []).append(value)
     for body in (event, other):
@@ -412,32 +555,55 @@ async def test_kueues_pending_event_on_the_trainers_workload_reaches_the_job_sta
     assert (kind, name, status["phase"], status["reason"]) == ("RLJob", "j", "Pending", "WaitingForAdmission")
     assert status["message"].endswith(
         "trainer StatefulSet j-trainer: pod j-trainer-0 waits for Kueue to admit its Workload from LocalQueue q "
-        f"(scheduling gate kueue.x-k8s.io/admission): Kueue: {said}")
+        f"(scheduling gate kueue.x-k8s.io/admission): Kueue: {said}"
+    )
 
 
 # --- the rebalancer after a restart ----------------------------------------------------------------------
 
 
-def decided(job: dict[str, Any], shares: dict[str, tuple[float, list[tuple[float, float]], float]], time: float) -> dict[str, Any]:
+def decided(
+    job: dict[str, Any], shares: dict[str, tuple[float, list[tuple[float, float]], float]], time: float
+) -> dict[str, Any]:
     """`job` with decisions in its status, as the pipeline writes them: per group (share, share history
     (from, to), smoothed tokens/s)."""
-    groups = [{"name": g, "replicas": 1, "weightFormat": "bf16", "share": share, "quarantined": False, "jobWeightFormat": "bf16",
-               "memory": {"counters": {}, "tokensPerSecond": tps, "recordedShare": share,
-                          "shareHistory": [{"time": f"2026-01-01T00:0{i}:00Z", "from": a, "to": b, "reason": "throughput"}
-                                           for i, (a, b) in enumerate(history)]}}
-              for g, (share, history, tps) in shares.items()]  # fmt: skip
+    groups = [
+        {
+            "name": g,
+            "replicas": 1,
+            "weightFormat": "bf16",
+            "share": share,
+            "quarantined": False,
+            "jobWeightFormat": "bf16",
+            "memory": {
+                "counters": {},
+                "tokensPerSecond": tps,
+                "recordedShare": share,
+                "shareHistory": [
+                    {"time": f"2026-01-01T00:0{i}:00Z", "from": a, "to": b, "reason": "throughput"}
+                    for i, (a, b) in enumerate(history)
+                ],
+            },
+        }
+        for g, (share, history, tps) in shares.items()
+    ]
     return {**job, "status": {"decisions": {"time": time, "groups": groups}}}
 
 
-async def test_after_a_restart_the_tick_goes_on_from_the_decisions_in_the_rljobs_status(api: FakeKube) -> None:
+async def test_after_a_restart_the_tick_goes_on_from_the_decisions_in_the_rljobs_status(
+    api: FakeKube,
+) -> None:
     """A restarted operator (nothing in memory) reads the previous decisions from the RLJob's status: the
     next decision is due one interval (30 s) after the last one, the shares move on from the decided ones
     (throughput 300 : 100 with the 0.02 floor -> 0.74 / 0.26, within the bounded change of 0.1 from
     0.65 / 0.35) and the share history and ShareChanged Events continue from them. Deciding writes
     nothing; acting on it pushes and posts, the SamplerGroups already run the decided format."""
     events = posted()
-    job = decided(rljob(groups=("a", "b")), {"a": (0.65, [(0.5, 0.6), (0.6, 0.65)], 300.0),
-                                             "b": (0.35, [(0.5, 0.4), (0.4, 0.35)], 100.0)}, time=1000.0)  # fmt: skip
+    job = decided(
+        rljob(groups=("a", "b")),
+        {"a": (0.65, [(0.5, 0.6), (0.6, 0.65)], 300.0), "b": (0.35, [(0.5, 0.4), (0.4, 0.35)], 100.0)},
+        time=1000.0,
+    )
     groups = [samplergroup(g, job, {"readyReplicas": 1}) for g in ("a", "b")]
 
     def no_pods(component: str, owner: str) -> list[dict[str, Any]]:
@@ -447,8 +613,16 @@ async def test_after_a_restart_the_tick_goes_on_from_the_decisions_in_the_rljobs
     decisions = await rebalancer.rebalance_job(job, NS, groups, no_pods, now=1030.0)
     assert decisions is not None and decisions.result is not None
     assert decisions.shares == pytest.approx({"a": 0.74, "b": 0.26})
-    assert [(h["from"], h["to"]) for h in decisions.state.groups["a"].history] == [(0.5, 0.6), (0.6, 0.65), (0.65, 0.74)]
-    assert [(h["from"], h["to"]) for h in decisions.state.groups["b"].history] == [(0.5, 0.4), (0.4, 0.35), (0.35, 0.26)]
+    assert [(h["from"], h["to"]) for h in decisions.state.groups["a"].history] == [
+        (0.5, 0.6),
+        (0.6, 0.65),
+        (0.65, 0.74),
+    ]
+    assert [(h["from"], h["to"]) for h in decisions.state.groups["b"].history] == [
+        (0.5, 0.4),
+        (0.4, 0.35),
+        (0.35, 0.26),
+    ]
     assert api.applied == [] and api.statuses == []  # deciding writes nothing to the API
     await rebalancer.act(job, NS, groups, no_pods, decisions)
     messages = sorted(e.message for e in drain(events) if e.reason == "ShareChanged")
@@ -469,7 +643,9 @@ async def test_the_rebalancer_memory_of_a_deleted_job_is_dropped(api: FakeKube) 
     await rljob_pipeline.rljob_event(name="j", namespace=NS, type="MODIFIED", body=kopf.Body(job))
     assert rebalancer.observed(job).decisions is not None  # only a deletion forgets
     await rljob_pipeline.rljob_event(name="j", namespace=NS, type="DELETED", body=kopf.Body(job))
-    assert rebalancer.observed(job).decisions is None and not [k for k in rebalancer._JOBS if k[:2] == (NS, "j")]
+    assert rebalancer.observed(job).decisions is None and not [
+        k for k in rebalancer._JOBS if k[:2] == (NS, "j")
+    ]
 
 
 async def test_an_rljob_is_parsed_once_per_generation_and_its_parse_forgotten_on_deletion(
@@ -544,7 +720,11 @@ async def test_locks_exist_only_while_a_pipeline_runs(api: FakeKube, monkeypatch
         return await real(obj, desired, kind)
 
     monkeypatch.setattr(samplergroup_pipeline, "write_status", slow_write)
-    burst = [asyncio.create_task(samplergroup_pipeline.refresh_samplergroup_status(NS, "j-a", view)) for _ in range(5)]
+    burst = [
+        asyncio.create_task(samplergroup_pipeline.refresh_samplergroup_status(NS, "j-a", view))
+        for _ in range(5)
+    ]
+
     def mine(keys: Any) -> list[Any]:  # (other tests may have run an operator in this process)
         return [k for k in keys if k[1:] == ("SamplerGroup", NS, "j-a")]
 
@@ -561,6 +741,7 @@ async def test_a_deleted_channel_leaves_no_timer_state(api: FakeKube, tmp_path: 
     wc = weightchannel(str(tmp_path))
     idx = indexes(wc)
     await timer.weightchannel_timer(name="j-weights", namespace=NS, body=kopf.Body(wc), **idx)
+
     def read_times() -> list[tuple[str, str]]:  # (other tests may have run an operator in this process)
         return [k[1:] for k in weightchannel_pipeline._channel_read if k[1:] == (NS, "j-weights")]
 
@@ -568,11 +749,15 @@ async def test_a_deleted_channel_leaves_no_timer_state(api: FakeKube, tmp_path: 
     assert [k for k, _, _ in api.statuses] == ["WeightChannel"]
     weightchannel_pipeline._removal_failing.add((NS, "j-weights"))  # a streak of refused deletes in progress
 
-    await weightchannel_pipeline.weightchannel_event(body=kopf.Body(wc), name="j-weights", namespace=NS, type="DELETED", **idx)
+    await weightchannel_pipeline.weightchannel_event(
+        body=kopf.Body(wc), name="j-weights", namespace=NS, type="DELETED", **idx
+    )
     assert read_times() == [] and (NS, "j-weights") not in weightchannel_pipeline._removal_failing
 
 
-async def test_the_channel_pipeline_reads_the_models_config_once_and_keeps_it(api: FakeKube, tmp_path: Path) -> None:
+async def test_the_channel_pipeline_reads_the_models_config_once_and_keeps_it(
+    api: FakeKube, tmp_path: Path
+) -> None:
     """Version 0's config.json gives the WeightChannel status its `model`; once there it is not read again
     (here: the file is gone from the store, and the next status still has it and no read error)."""
     import json
@@ -585,8 +770,11 @@ async def test_the_channel_pipeline_reads_the_models_config_once_and_keeps_it(ap
     (tmp_path / "w").mkdir()
     view = tmp_path / "bf16"
     view.mkdir()
-    (view / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 16,
-                                                  "num_key_value_heads": 8}))  # fmt: skip
+    (view / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 16, "num_key_value_heads": 8}
+        )
+    )
     store = store_from_spec(StoreSpec.model_validate({"type": "filesystem", "path": str(tmp_path / "w")}))
     WeightChannel(store, publisher_id="trainer").publish({"bf16": view}, version=0)
     store.close()
@@ -594,7 +782,12 @@ async def test_the_channel_pipeline_reads_the_models_config_once_and_keeps_it(ap
 
     await weightchannel_pipeline.refresh_weightchannel_status(NS, "j-weights", View.of(indexes(wc)))
     ((_, _, first),) = api.statuses
-    assert first["model"] == {"attentionHeads": 16, "keyValueHeads": 8, "version": 0, "architecture": "Qwen3ForCausalLM"}
+    assert first["model"] == {
+        "attentionHeads": 16,
+        "keyValueHeads": 8,
+        "version": 0,
+        "architecture": "Qwen3ForCausalLM",
+    }
     (tmp_path / "w" / "v0" / "bf16" / "config.json").unlink()
     stale = {**wc, "status": {**first, "conditions": []}}  # a change, so the next status is written
     await weightchannel_pipeline.refresh_weightchannel_status(NS, "j-weights", View.of(indexes(stale)))

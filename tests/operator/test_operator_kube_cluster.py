@@ -23,8 +23,12 @@ async def test_apply_status_get_create_delete(
     assert info is not None
     api = client.KubeApi(info)
     try:
-        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": namespace},
-              "data": {"a": "1"}}  # fmt: skip
+        cm = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "c", "namespace": namespace},
+            "data": {"a": "1"},
+        }
         first = await api.apply(cm)
         again = await api.apply(cm)
         assert (
@@ -44,9 +48,12 @@ async def test_apply_status_get_create_delete(
         assert await api.get("v1", "ConfigMap", namespace, "nope") is None
         assert await api.create(cm) is None  # already there
 
-        wc = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "WeightChannel",
-              "metadata": {"name": "w", "namespace": namespace},
-              "spec": {"store": {"type": "filesystem", "path": "/w"}}}  # fmt: skip
+        wc = {
+            "apiVersion": "rlfleet.dev/v1alpha1",
+            "kind": "WeightChannel",
+            "metadata": {"name": "w", "namespace": namespace},
+            "spec": {"store": {"type": "filesystem", "path": "/w"}},
+        }
         await api.apply(wc)
         written = await api.patch_status(wc, {"phase": "Pending", "message": "m"})
         assert written is not None and written["status"]["phase"] == "Pending"

@@ -75,17 +75,26 @@ async def test_pausing_for_a_peer_of_higher_priority_is_logged_at_info(operator_
     settings = kopf.OperatorSettings()
     settings.peering.name, settings.peering.priority = "rlfleet", 10
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S")
-    event = bodies.RawEvent(type="MODIFIED", object={
-        "metadata": {"name": "rlfleet"},
-        "status": {"old-pod": {"priority": 99, "lifetime": 60, "lastseen": now}},  # an unclean restart's
-    })  # fmt: skip
+    event = bodies.RawEvent(
+        type="MODIFIED",
+        object={
+            "metadata": {"name": "rlfleet"},
+            "status": {"old-pod": {"priority": 99, "lifetime": 60, "lastseen": now}},  # an unclean restart's
+        },
+    )
     conflicts = aiotoggles.Toggle(False)
     pressure = asyncio.Event()
     pressure.set()  # kopf waits for the peer's deadline or new events: wake it at once
     await peering.process_peering_event(
-        raw_event=event, namespace=None, resource=CLUSTER_PEERING, identity=peering.Identity("me"),
-        settings=settings, autoclean=False, stream_pressure=pressure, conflicts_found=conflicts,
-    )  # fmt: skip
+        raw_event=event,
+        namespace=None,
+        resource=CLUSTER_PEERING,
+        identity=peering.Identity("me"),
+        settings=settings,
+        autoclean=False,
+        stream_pressure=pressure,
+        conflicts_found=conflicts,
+    )
     assert conflicts.is_on()
     (line,) = _kopf_records(operator_logging)
     assert line.levelno == logging.INFO and line.name == PEERING_LOGGER

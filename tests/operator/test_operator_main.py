@@ -29,18 +29,66 @@ def test_auto_priority_is_stable_in_range_and_distinct() -> None:
         ),
         ([], "give --namespace NS (repeatable) or --all-namespaces"),
         # the webhook's certificate comes from files or from a Secret the operator keeps, never both
-        (["-n", "x", "--webhook-port", "9443", "--webhook-cert", "c.pem"], "--webhook-cert and --webhook-key go together"),
-        (["-n", "x", "--webhook-port", "9443", "--webhook-configuration", "rlfleet"],
-         "--webhook-configuration needs --webhook-cert-secret"),
-        (["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s"],
-         "--webhook-cert-secret needs --webhook-configuration (whose caBundle the operator sets)"),
-        (["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s", "--webhook-configuration", "c",
-          "--webhook-cert", "c.pem", "--webhook-key", "k.pem"], "two ways to give the certificate: pick one"),
-        (["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s", "--webhook-configuration", "c",
-          "--webhook-managed"], "--webhook-managed would create another"),
-        (["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s", "--webhook-configuration", "c"],
-         "--webhook-cert-secret needs --webhook-cert-secret-namespace (or $POD_NAMESPACE)"),
-        (["-n", "x", "--webhook-cert-check-interval", "0"], "--webhook-cert-check-interval must be positive, got 0"),
+        (
+            ["-n", "x", "--webhook-port", "9443", "--webhook-cert", "c.pem"],
+            "--webhook-cert and --webhook-key go together",
+        ),
+        (
+            ["-n", "x", "--webhook-port", "9443", "--webhook-configuration", "rlfleet"],
+            "--webhook-configuration needs --webhook-cert-secret",
+        ),
+        (
+            ["-n", "x", "--webhook-port", "9443", "--webhook-cert-secret", "s"],
+            "--webhook-cert-secret needs --webhook-configuration (whose caBundle the operator sets)",
+        ),
+        (
+            [
+                "-n",
+                "x",
+                "--webhook-port",
+                "9443",
+                "--webhook-cert-secret",
+                "s",
+                "--webhook-configuration",
+                "c",
+                "--webhook-cert",
+                "c.pem",
+                "--webhook-key",
+                "k.pem",
+            ],
+            "two ways to give the certificate: pick one",
+        ),
+        (
+            [
+                "-n",
+                "x",
+                "--webhook-port",
+                "9443",
+                "--webhook-cert-secret",
+                "s",
+                "--webhook-configuration",
+                "c",
+                "--webhook-managed",
+            ],
+            "--webhook-managed would create another",
+        ),
+        (
+            [
+                "-n",
+                "x",
+                "--webhook-port",
+                "9443",
+                "--webhook-cert-secret",
+                "s",
+                "--webhook-configuration",
+                "c",
+            ],
+            "--webhook-cert-secret needs --webhook-cert-secret-namespace (or $POD_NAMESPACE)",
+        ),
+        (
+            ["-n", "x", "--webhook-cert-check-interval", "0"],
+            "--webhook-cert-check-interval must be positive, got 0",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_errors(
@@ -58,7 +106,9 @@ def test_bad_network_policy_settings_stop_the_operator_at_start_with_one_line(
     monkeypatch.setenv("RLFLEET_METRICS_FROM", '{"podSelector": {}}')  # a peer, not a list of peers
     assert cli(["-n", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("rlfleet operator run: RLFLEET_METRICS_FROM: expected a JSON list of NetworkPolicyPeers")
+    assert err.startswith(
+        "rlfleet operator run: RLFLEET_METRICS_FROM: expected a JSON list of NetworkPolicyPeers"
+    )
     assert len(err.strip().splitlines()) == 1
 
 
@@ -76,7 +126,10 @@ def test_router_admin_tokens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert t1 == tokens.new_admin_token("uid-1")
     assert t1 != tokens.admin_token_for("uid-2") and len(t1) == 64
     monkeypatch.setenv(tokens.KEY_ENV, "other")  # the value wins over the file
-    assert tokens.admin_token_for("uid-1") == hmac.new(b"other", b"router-admin:uid-1", hashlib.sha256).hexdigest()
+    assert (
+        tokens.admin_token_for("uid-1")
+        == hmac.new(b"other", b"router-admin:uid-1", hashlib.sha256).hexdigest()
+    )
 
 
 def test_collision_message_sees_child_names_taken_by_other_jobs() -> None:
@@ -110,14 +163,38 @@ def _job_on(name: str, namespace: str, **store: str) -> dict:
     ("mine", "theirs", "overlap"),
     [
         # S3: a bucket is global (another namespace counts); prefixes nest by '/' components
-        ({"type": "s3", "bucket": "w", "prefix": "jobs/a"}, ("other", {"type": "s3", "bucket": "w", "prefix": "jobs/a"}), True),
-        ({"type": "s3", "bucket": "w", "prefix": "jobs/a/b"}, ("other", {"type": "s3", "bucket": "w", "prefix": "jobs/a/"}), True),
-        ({"type": "s3", "bucket": "w", "prefix": "jobs/a"}, ("ns", {"type": "s3", "bucket": "w", "prefix": ""}), True),
-        ({"type": "s3", "bucket": "w", "prefix": "jobs/a"}, ("ns", {"type": "s3", "bucket": "w", "prefix": "jobs/ab"}), False),
-        ({"type": "s3", "bucket": "w", "prefix": "jobs/a"}, ("ns", {"type": "s3", "bucket": "x", "prefix": "jobs/a"}), False),
+        (
+            {"type": "s3", "bucket": "w", "prefix": "jobs/a"},
+            ("other", {"type": "s3", "bucket": "w", "prefix": "jobs/a"}),
+            True,
+        ),
+        (
+            {"type": "s3", "bucket": "w", "prefix": "jobs/a/b"},
+            ("other", {"type": "s3", "bucket": "w", "prefix": "jobs/a/"}),
+            True,
+        ),
+        (
+            {"type": "s3", "bucket": "w", "prefix": "jobs/a"},
+            ("ns", {"type": "s3", "bucket": "w", "prefix": ""}),
+            True,
+        ),
+        (
+            {"type": "s3", "bucket": "w", "prefix": "jobs/a"},
+            ("ns", {"type": "s3", "bucket": "w", "prefix": "jobs/ab"}),
+            False,
+        ),
+        (
+            {"type": "s3", "bucket": "w", "prefix": "jobs/a"},
+            ("ns", {"type": "s3", "bucket": "x", "prefix": "jobs/a"}),
+            False,
+        ),
         # a claim's root is mounted at `path`: one claim is one channel, whatever the paths; claims are per namespace
         ({"path": "/w/a", "volumeClaimName": "c"}, ("ns", {"path": "/w/b", "volumeClaimName": "c"}), True),
-        ({"path": "/w/a", "volumeClaimName": "c"}, ("other", {"path": "/w/a", "volumeClaimName": "c"}), False),
+        (
+            {"path": "/w/a", "volumeClaimName": "c"},
+            ("other", {"path": "/w/a", "volumeClaimName": "c"}),
+            False,
+        ),
         ({"path": "/w/a", "volumeClaimName": "c"}, ("ns", {"path": "/w/a", "volumeClaimName": "d"}), False),
         # no claim: a directory on the nodes; nested paths overlap
         ({"type": "filesystem", "path": "/w/a/b"}, ("ns", {"path": "/w/a"}), True),
@@ -125,14 +202,17 @@ def _job_on(name: str, namespace: str, **store: str) -> dict:
         ({"path": "/w/a"}, ("ns", {"type": "s3", "bucket": "w", "prefix": "w/a"}), False),
     ],
 )
-def test_shared_store_message_refuses_a_store_another_job_writes(mine: dict, theirs: tuple, overlap: bool) -> None:
+def test_shared_store_message_refuses_a_store_another_job_writes(
+    mine: dict, theirs: tuple, overlap: bool
+) -> None:
     """Two RLJobs on one weight channel (the same store, or one nested in the other) would have two
     trainers interleave their versions: the webhook refuses the second, naming the first."""
     from rlfleet.operator.admission import shared_store_message
 
     other_ns, other_store = theirs
-    message = shared_store_message(_job_on("b", "ns", **mine), "ns",
-                                   [_job_on("b", "ns", **mine), _job_on("a", other_ns, **other_store)])  # fmt: skip
+    message = shared_store_message(
+        _job_on("b", "ns", **mine), "ns", [_job_on("b", "ns", **mine), _job_on("a", other_ns, **other_store)]
+    )
     if overlap:
         assert message is not None and f"of RLJob {other_ns}/a: one trainer per weight channel" in message
     else:

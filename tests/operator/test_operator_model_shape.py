@@ -33,7 +33,12 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": 32, "n
         (16, 8, [1, 2, 4, 8], [3, 5, 6, 7]),  # Qwen3-0.6B / 1.7B
         (64, 4, [1, 2, 4, 8], [3, 5, 6, 7]),  # kv heads replicated on 8 ranks (8 % 4 == 0)
         (40, 8, [1, 2, 4, 8], [3, 5, 6, 7]),  # Qwen3-14B
-        (12, 2, [1, 2, 4, 6], [3, 5, 7, 8]),  # 8 does not divide 12; 3 splits the query heads, not the 2 kv heads
+        (
+            12,
+            2,
+            [1, 2, 4, 6],
+            [3, 5, 7, 8],
+        ),  # 8 does not divide 12; 3 splits the query heads, not the 2 kv heads
     ],
 )
 def test_sglangs_head_split_rule(heads: int, kv: int, fits: list[int], refused: list[int]) -> None:
@@ -47,7 +52,11 @@ def test_sglangs_head_split_rule(heads: int, kv: int, fits: list[int], refused: 
 
 
 def test_a_config_without_kv_heads_uses_the_attention_heads_and_one_without_heads_is_no_shape() -> None:
-    assert model_shape({"num_attention_heads": 4}, 2) == {"attentionHeads": 4, "keyValueHeads": 4, "version": 2}
+    assert model_shape({"num_attention_heads": 4}, 2) == {
+        "attentionHeads": 4,
+        "keyValueHeads": 4,
+        "version": 2,
+    }
     assert model_shape({"model_type": "x"}, 0) is None
 
 
@@ -66,11 +75,17 @@ def publish(tmp_path: Path, files: dict[str, bytes]) -> dict:
     return spec
 
 
-def test_the_operator_reads_the_published_config_once_and_refuses_a_group_it_cannot_split(tmp_path: Path) -> None:
+def test_the_operator_reads_the_published_config_once_and_refuses_a_group_it_cannot_split(
+    tmp_path: Path,
+) -> None:
     spec = publish(tmp_path, {"config.json": json.dumps(QWEN3_8B).encode(), "model.bin": b"\0" * 64})
     read = read_channel(spec, None, want_model=True)
     assert read.error is None and read.model == {
-        "attentionHeads": 32, "keyValueHeads": 8, "version": 0, "architecture": "Qwen3ForCausalLM"}  # fmt: skip
+        "attentionHeads": 32,
+        "keyValueHeads": 8,
+        "version": 0,
+        "architecture": "Qwen3ForCausalLM",
+    }
     assert read_channel(spec, None).model is None  # not asked (the status has it): not read
 
     wc = {"metadata": {"name": "j-weights", "generation": 1}, "spec": spec}
@@ -80,16 +95,28 @@ def test_the_operator_reads_the_published_config_once_and_refuses_a_group_it_can
     assert kept["model"] == wc_status["model"]
 
     def group(tp: int | None) -> dict:
-        spec = {"name": "h100-bf16", "accelerator": "h100", "weightFormat": "bf16", "replicas": 2,
-                "model": {"name": "m", "path": "Qwen/Qwen3-8B"}, "weightChannel": "j-weights"}  # fmt: skip
+        spec = {
+            "name": "h100-bf16",
+            "accelerator": "h100",
+            "weightFormat": "bf16",
+            "replicas": 2,
+            "model": {"name": "m", "path": "Qwen/Qwen3-8B"},
+            "weightChannel": "j-weights",
+        }
         if tp is not None:
             spec["tensorParallel"] = tp
-        return {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
-                "metadata": {"name": "j-h100-bf16", "generation": 1}, "spec": spec}  # fmt: skip
+        return {
+            "apiVersion": "rlfleet.dev/v1alpha1",
+            "kind": "SamplerGroup",
+            "metadata": {"name": "j-h100-bf16", "generation": 1},
+            "spec": spec,
+        }
 
     refused = samplergroup_status(group(3), None, CATALOG, wc_status, now=T0)
     assert (refused["phase"], refused["reason"]) == ("Failed", "InvalidSpec")
-    assert refused["message"].startswith("tensorParallel 3 does not split Qwen3ForCausalLM's 32 attention heads and 8")
+    assert refused["message"].startswith(
+        "tensorParallel 3 does not split Qwen3ForCausalLM's 32 attention heads and 8"
+    )
     assert "config.json of weight version 0" in refused["message"]
     for tp in (None, 2):  # the class default (1) and a TP that splits the heads
         assert samplergroup_status(group(tp), None, CATALOG, wc_status, now=T0)["phase"] != "Failed"

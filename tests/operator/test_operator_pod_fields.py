@@ -113,7 +113,10 @@ def test_router_fields_land_on_its_pod_and_container(job: RLJob) -> None:
         "template"
     ]["spec"]
     (router,) = pod["containers"]
-    key = {"name": "RLFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": "reference-fleet-api-key", "key": "key"}}}
+    key = {
+        "name": "RLFLEET_API_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "reference-fleet-api-key", "key": "key"}},
+    }
     assert router["env"] == [{"name": "HOME", "value": "/tmp"}, key, *FIELDS["env"]]
     assert router["envFrom"] == WIRE_ENV_FROM
     assert router["volumeMounts"][-2:] == WIRE_MOUNTS and pod["volumes"][-2:] == WIRE_VOLUMES
@@ -153,8 +156,16 @@ def test_a_user_env_name_replaces_the_catalog_launch_env_of_that_name(job: RLJob
 def test_the_refused_names_cover_everything_the_operator_sets(job: RLJob) -> None:
     """Every env name, volume and mount path of every workload (filesystem and S3 stores, with and without
     a channel) is one the API refuses to users, so a user field can never collide with the operator's."""
-    s3 = StoreSpec.model_validate({"type": "s3", "bucket": "wts", "endpoint": "http://minio:9000", "region": "r",
-                                   "secretRef": {"name": "s3"}, "samplerSecretRef": {"name": "s3-read"}})  # fmt: skip
+    s3 = StoreSpec.model_validate(
+        {
+            "type": "s3",
+            "bucket": "wts",
+            "endpoint": "http://minio:9000",
+            "region": "r",
+            "secretRef": {"name": "s3"},
+            "samplerSecretRef": {"name": "s3-read"},
+        }
+    )
     out = children(job)
     pods = [
         out[("StatefulSet", "reference-fleet-trainer")]["spec"]["template"]["spec"],

@@ -31,12 +31,23 @@ COMBOS = _valid_combos()
 
 
 def sg_manifest(cls: str, fmt: str, kv: str, replicas: int, tp: int | None, suspend: bool) -> dict:
-    spec = {"name": "g", "accelerator": cls, "weightFormat": fmt, "kvCacheDtype": kv, "replicas": replicas,
-            "model": {"name": "m", "path": "/m"}, "suspend": suspend}  # fmt: skip
+    spec = {
+        "name": "g",
+        "accelerator": cls,
+        "weightFormat": fmt,
+        "kvCacheDtype": kv,
+        "replicas": replicas,
+        "model": {"name": "m", "path": "/m"},
+        "suspend": suspend,
+    }
     if tp is not None:
         spec["tensorParallel"] = tp
-    return {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup",
-            "metadata": {"name": "job-g", "namespace": "ns", "uid": "u", "generation": 1}, "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": "job-g", "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": spec,
+    }
 
 
 @settings(max_examples=150, deadline=None)
@@ -78,10 +89,16 @@ def test_sampler_deployment_invariants(combo, replicas, tp, suspend, ready) -> N
         # a quantization flag iff not bf16
         assert ("--quantization" in engine["args"]) == (fmt != "bf16")
     # status: ready never exceeds what the Deployment reports, phase consistent with readiness
-    observed = {"metadata": {"generation": 1}, "spec": {"replicas": dep["spec"]["replicas"]},
-                "status": {"observedGeneration": 1, "replicas": min(ready, dep["spec"]["replicas"]),
-                           "readyReplicas": min(ready, dep["spec"]["replicas"]),
-                           "updatedReplicas": min(ready, dep["spec"]["replicas"])}}  # fmt: skip
+    observed = {
+        "metadata": {"generation": 1},
+        "spec": {"replicas": dep["spec"]["replicas"]},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": min(ready, dep["spec"]["replicas"]),
+            "readyReplicas": min(ready, dep["spec"]["replicas"]),
+            "updatedReplicas": min(ready, dep["spec"]["replicas"]),
+        },
+    }
     s = samplergroup_status(manifest, observed, CATALOG, now="2026-01-01T00:00:00Z")
     desired = dep["spec"]["replicas"]
     ready_n = min(ready, desired)

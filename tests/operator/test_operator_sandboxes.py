@@ -17,10 +17,18 @@ from rlfleet.sandbox.podspec import SandboxPodConfig, build_sandbox_pod
 
 REPO = Path(__file__).resolve().parents[2]
 CATALOG = load_catalog(None)
-OWNER = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "reference-fleet", "uid": "u-1"}}
+OWNER = {
+    "apiVersion": "rlfleet.dev/v1alpha1",
+    "kind": "RLJob",
+    "metadata": {"name": "reference-fleet", "uid": "u-1"},
+}
 NS = "team-a"
 ROLE_REF = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "ops-sandboxes"}
-AGENT_ROLE_REF = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "ops-agent-sandboxes"}
+AGENT_ROLE_REF = {
+    "apiGroup": "rbac.authorization.k8s.io",
+    "kind": "ClusterRole",
+    "name": "ops-agent-sandboxes",
+}
 
 
 def job_with(sandbox: dict[str, Any] | None = None, **trainer: Any) -> RLJob:
@@ -32,8 +40,9 @@ def job_with(sandbox: dict[str, Any] | None = None, **trainer: Any) -> RLJob:
 
 
 def children(job: RLJob) -> dict[tuple[str, str], dict[str, Any]]:
-    out = builders.build_job_children(job, NS, OWNER, CATALOG,
-                                      sandbox_roles={"pods": ROLE_REF, "agent-sandbox": AGENT_ROLE_REF})  # fmt: skip
+    out = builders.build_job_children(
+        job, NS, OWNER, CATALOG, sandbox_roles={"pods": ROLE_REF, "agent-sandbox": AGENT_ROLE_REF}
+    )
     return {(c["kind"], c["metadata"]["name"]): c for c in out}
 
 
@@ -64,7 +73,9 @@ def test_sandbox_pods_bind_the_trainers_own_account_to_the_sandbox_role() -> Non
     assert binding["apiVersion"] == "rbac.authorization.k8s.io/v1"
     assert binding["metadata"]["namespace"] == NS  # a RoleBinding: the role's rights in this namespace only
     assert binding["roleRef"] == ROLE_REF
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "reference-fleet-trainer", "namespace": NS}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "reference-fleet-trainer", "namespace": NS}
+    ]
     pod = trainer_pod(kids)
     assert pod["serviceAccountName"] == "reference-fleet-trainer"
     assert pod["automountServiceAccountToken"] is True
@@ -79,11 +90,16 @@ def test_agent_sandbox_binds_the_trainers_own_account_to_the_agent_sandbox_role(
     assert kids[("ServiceAccount", "reference-fleet-trainer")]["metadata"]["namespace"] == NS
     binding = kids[("RoleBinding", "reference-fleet-sandboxes")]
     assert binding["metadata"]["namespace"] == NS and binding["roleRef"] == AGENT_ROLE_REF
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "reference-fleet-trainer", "namespace": NS}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "reference-fleet-trainer", "namespace": NS}
+    ]
     # agent-sandbox's sandbox pods are its SandboxTemplate's: their network policy is the template's
     assert ("NetworkPolicy", "reference-fleet-sandboxes") not in kids
     pod = trainer_pod(kids)
-    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("reference-fleet-trainer", True)
+    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == (
+        "reference-fleet-trainer",
+        True,
+    )
     env = {e["name"]: e.get("valueFrom") for e in pod["containers"][0]["env"]}
     assert env["RLFLEET_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # the claims' owner
     assert env["RLFLEET_POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
@@ -110,25 +126,44 @@ def test_a_user_named_account_is_bound_and_not_created() -> None:
 def test_the_sandbox_role_is_exactly_pods_and_their_exec() -> None:
     role = sandboxes.build_sandbox_role("rlfleet-sandboxes")
     assert role["kind"] == "ClusterRole"
-    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}  # fmt: skip
+    granted = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     assert granted == {
-        ("", "pods", "create"), ("", "pods", "delete"), ("", "pods", "get"), ("", "pods", "list"),
-        ("", "pods/exec", "create"), ("", "pods/exec", "get"),
-    }  # fmt: skip
+        ("", "pods", "create"),
+        ("", "pods", "delete"),
+        ("", "pods", "get"),
+        ("", "pods", "list"),
+        ("", "pods/exec", "create"),
+        ("", "pods/exec", "get"),
+    }
     assert sandboxes.build_sandbox_role("s", namespace="team-a")["kind"] == "Role"
 
 
 def test_the_agent_sandbox_role_is_exactly_what_the_backend_and_the_sdk_call() -> None:
     role = sandboxes.build_sandbox_role("rlfleet-agent-sandboxes", backend="agent-sandbox")
-    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-               for v in rule["verbs"]}  # fmt: skip
+    granted = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     ext = "extensions.agents.x-k8s.io"
     assert granted == {
-        (ext, "sandboxclaims", "create"), (ext, "sandboxclaims", "delete"), (ext, "sandboxclaims", "list"),
-        (ext, "sandboxclaims", "watch"), (ext, "sandboxwarmpools", "create"), (ext, "sandboxwarmpools", "get"),
-        (ext, "sandboxwarmpools/scale", "patch"), ("agents.x-k8s.io", "sandboxes", "get"),
-    }  # fmt: skip
+        (ext, "sandboxclaims", "create"),
+        (ext, "sandboxclaims", "delete"),
+        (ext, "sandboxclaims", "list"),
+        (ext, "sandboxclaims", "watch"),
+        (ext, "sandboxwarmpools", "create"),
+        (ext, "sandboxwarmpools", "get"),
+        (ext, "sandboxwarmpools/scale", "patch"),
+        ("agents.x-k8s.io", "sandboxes", "get"),
+    }
 
 
 def test_the_policy_denies_every_sandbox_pod_all_traffic() -> None:
@@ -137,12 +172,18 @@ def test_the_policy_denies_every_sandbox_pod_all_traffic() -> None:
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert "ingress" not in policy["spec"] and "egress" not in policy["spec"]  # no rule: nothing allowed
     # it selects the pods the trainer makes (rlfleet/sandbox/podspec.py), and only this job's
-    pod = build_sandbox_pod(SandboxPodConfig(namespace=NS, job=job.name, owner_pod="reference-fleet-trainer-0",
-                                             owner_uid="p-1", image="x"), "s-1")  # fmt: skip
+    pod = build_sandbox_pod(
+        SandboxPodConfig(
+            namespace=NS, job=job.name, owner_pod="reference-fleet-trainer-0", owner_uid="p-1", image="x"
+        ),
+        "s-1",
+    )
     selector = policy["spec"]["podSelector"]["matchLabels"]
     assert selector.items() <= pod["metadata"]["labels"].items()
-    other = build_sandbox_pod(SandboxPodConfig(namespace=NS, job="other", owner_pod="other-trainer-0",
-                                               owner_uid="p-2", image="x"), "s-2")  # fmt: skip
+    other = build_sandbox_pod(
+        SandboxPodConfig(namespace=NS, job="other", owner_pod="other-trainer-0", owner_uid="p-2", image="x"),
+        "s-2",
+    )
     assert not selector.items() <= other["metadata"]["labels"].items()
 
 
@@ -155,7 +196,10 @@ def test_the_policy_does_not_wait_for_the_operators_other_policies() -> None:
     ("value", "expected"),
     [
         (None, {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "rlfleet-sandboxes"}),
-        ("Role/my-sandboxes", {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "my-sandboxes"}),
+        (
+            "Role/my-sandboxes",
+            {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "my-sandboxes"},
+        ),
     ],
 )
 def test_the_role_comes_from_the_operators_settings(value: str | None, expected: dict[str, str]) -> None:
@@ -164,9 +208,13 @@ def test_the_role_comes_from_the_operators_settings(value: str | None, expected:
 
 
 def test_the_agent_sandbox_role_comes_from_its_own_setting() -> None:
-    refs = sandboxes.role_refs_from_env({"RLFLEET_AGENT_SANDBOX_ROLE": "Role/agents", "RLFLEET_SANDBOX_ROLE": "Role/pods"})
-    assert refs == {"pods": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
-                    "agent-sandbox": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "agents"}}  # fmt: skip
+    refs = sandboxes.role_refs_from_env(
+        {"RLFLEET_AGENT_SANDBOX_ROLE": "Role/agents", "RLFLEET_SANDBOX_ROLE": "Role/pods"}
+    )
+    assert refs == {
+        "pods": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pods"},
+        "agent-sandbox": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "agents"},
+    }
     assert sandboxes.role_refs_from_env({})["agent-sandbox"]["name"] == "rlfleet-agent-sandboxes"
     with pytest.raises(ValueError, match="RLFLEET_AGENT_SANDBOX_ROLE"):
         sandboxes.role_refs_from_env({"RLFLEET_AGENT_SANDBOX_ROLE": "agents"})
@@ -192,4 +240,6 @@ def test_the_documented_role_is_the_one_the_operator_binds() -> None:
 def test_the_documented_agent_sandbox_role_is_the_one_the_operator_binds() -> None:
     text = (REPO / "docs" / "environments.md").read_text()
     block = text.split('backend="agent-sandbox")`):\n\n  ```yaml\n', 1)[1].split("```", 1)[0]
-    assert yaml.safe_load(block) == sandboxes.build_sandbox_role("rlfleet-agent-sandboxes", backend="agent-sandbox")
+    assert yaml.safe_load(block) == sandboxes.build_sandbox_role(
+        "rlfleet-agent-sandboxes", backend="agent-sandbox"
+    )

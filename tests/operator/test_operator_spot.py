@@ -14,7 +14,11 @@ from rlfleet.operator import builders, workloads
 
 REPO = Path(__file__).resolve().parents[2]
 CATALOG = load_catalog(None)
-OWNER = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "reference-fleet", "uid": "u-1"}}
+OWNER = {
+    "apiVersion": "rlfleet.dev/v1alpha1",
+    "kind": "RLJob",
+    "metadata": {"name": "reference-fleet", "uid": "u-1"},
+}
 NS = "team-a"
 
 GPU = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -31,8 +35,16 @@ SPOT_LABELS = [
     {"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["spot"]},
     {"key": "kubernetes.azure.com/scalesetpriority", "operator": "In", "values": ["spot"]},
 ]
-H100_PRODUCT = {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-SXM5-80GB", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL"]}  # fmt: skip
-H100_GKE = {"key": "cloud.google.com/gke-accelerator", "operator": "In", "values": ["nvidia-h100-80gb", "nvidia-h100-mega-80gb"]}  # fmt: skip
+H100_PRODUCT = {
+    "key": "nvidia.com/gpu.product",
+    "operator": "In",
+    "values": ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-SXM5-80GB", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL"],
+}
+H100_GKE = {
+    "key": "cloud.google.com/gke-accelerator",
+    "operator": "In",
+    "values": ["nvidia-h100-80gb", "nvidia-h100-mega-80gb"],
+}
 
 
 def job_with(group_fields: dict[str, Any], name: str = "h100-fp8") -> RLJob:
@@ -46,22 +58,35 @@ def job_with(group_fields: dict[str, Any], name: str = "h100-fp8") -> RLJob:
 
 def pod_spec(job: RLJob, group: str = "h100-fp8", catalog=CATALOG) -> tuple[dict, dict]:
     """(SamplerGroup manifest, the Deployment's pod spec) of `group`."""
-    sgs = {c["metadata"]["name"]: c for c in builders.build_job_children(job, NS, OWNER, catalog) if c["kind"] == "SamplerGroup"}
+    sgs = {
+        c["metadata"]["name"]: c
+        for c in builders.build_job_children(job, NS, OWNER, catalog)
+        if c["kind"] == "SamplerGroup"
+    }
     sg_manifest = sgs[f"reference-fleet-{group}"]
     sg = SamplerGroup.from_manifest(sg_manifest)
     deployment = workloads.build_sampler_deployment(
-        sg, NS, sg_manifest | {"metadata": {**sg_manifest["metadata"], "uid": "sg"}}, catalog, job.spec.weight_channel.store
+        sg,
+        NS,
+        sg_manifest | {"metadata": {**sg_manifest["metadata"], "uid": "sg"}},
+        catalog,
+        job.spec.weight_channel.store,
     )
     return sg_manifest, deployment["spec"]["template"]["spec"]
 
 
 def required_terms(spec: dict) -> list[dict]:
-    return spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    return spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
 
 
 def test_the_catalog_names_h100_nodes_as_these_tests_expect() -> None:
     # the expected terms below are written out by hand; this pins the class's two terms they build on
-    assert CATALOG.get("h100").node_selector_terms() == [{"matchExpressions": [H100_PRODUCT]}, {"matchExpressions": [H100_GKE]}]
+    assert CATALOG.get("h100").node_selector_terms() == [
+        {"matchExpressions": [H100_PRODUCT]},
+        {"matchExpressions": [H100_GKE]},
+    ]
 
 
 def test_an_on_demand_group_has_no_spot_flavor() -> None:
@@ -100,7 +125,13 @@ def test_the_users_placement_is_anded_with_the_spot_flavor_and_its_tolerations_f
             "spot": True,
             "tolerations": [user_toleration, GKE_TAINT],  # the GKE one again: not duplicated
             "nodeSelector": {"cloud.google.com/gke-nodepool": "spot-h100"},
-            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [zone]}]}}},
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [zone]}]
+                    }
+                }
+            },
         }
     )
     _, spec = pod_spec(job)
@@ -117,21 +148,32 @@ def test_a_catalog_override_replaces_the_spot_flavor_whole() -> None:
         {
             "spot": {
                 "nodeLabels": [{"key": "example.com/capacity", "values": ["preemptible"]}],
-                "tolerations": [{"key": "example.com/preemptible", "operator": "Exists", "effect": "NoExecute"}],
+                "tolerations": [
+                    {"key": "example.com/preemptible", "operator": "Exists", "effect": "NoExecute"}
+                ],
             }
         }
     )
     _, spec = pod_spec(job_with({"spot": True}), catalog=catalog)
-    assert spec["tolerations"] == [GPU, {"key": "example.com/preemptible", "operator": "Exists", "effect": "NoExecute"}]
+    assert spec["tolerations"] == [
+        GPU,
+        {"key": "example.com/preemptible", "operator": "Exists", "effect": "NoExecute"},
+    ]
     label = {"key": "example.com/capacity", "operator": "In", "values": ["preemptible"]}
-    assert required_terms(spec) == [{"matchExpressions": [H100_PRODUCT, label]}, {"matchExpressions": [H100_GKE, label]}]
+    assert required_terms(spec) == [
+        {"matchExpressions": [H100_PRODUCT, label]},
+        {"matchExpressions": [H100_GKE, label]},
+    ]
 
 
 @pytest.mark.parametrize(
     ("spot", "message"),
     [
         ({"nodeLabels": []}, "spot is invalid: nodeLabels"),
-        ({"nodeLabels": [{"key": "a/b", "operator": "Exists", "values": ["x"]}]}, "operator In takes values, Exists none"),
+        (
+            {"nodeLabels": [{"key": "a/b", "operator": "Exists", "values": ["x"]}]},
+            "operator In takes values, Exists none",
+        ),
         ({"nodeLabels": [{"key": "a/b"}]}, "operator In takes values, Exists none"),
         ({"nodeLabels": [{"key": "a/b", "values": ["x"]}], "taints": []}, "spot is invalid: taints"),
     ],
@@ -148,7 +190,12 @@ def test_a_spot_group_on_the_cpu_class_requires_only_a_spot_node() -> None:
         {"name": "cpu", "accelerator": "cpu", "spot": True, "model": {"name": "m", "path": "/m"}}
     )
     sg = SamplerGroup.from_manifest(
-        {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup", "metadata": {"name": "cpu-spot", "namespace": NS}, "spec": spec.to_wire()}
+        {
+            "apiVersion": "rlfleet.dev/v1alpha1",
+            "kind": "SamplerGroup",
+            "metadata": {"name": "cpu-spot", "namespace": NS},
+            "spec": spec.to_wire(),
+        }
     )
     deployment = workloads.build_sampler_deployment(sg, NS, None, CATALOG, None)
     pod = deployment["spec"]["template"]["spec"]

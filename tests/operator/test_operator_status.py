@@ -29,7 +29,7 @@ def sg(
             "model": {"name": "m", "path": "p"},
             "weightChannel": "job-weights",
             **spec,
-        },  # fmt: skip
+        },
     }
 
 
@@ -42,7 +42,7 @@ def deployment(ready: int, replicas: int, updated: int | None = None, conditions
             "replicas": replicas,
             "updatedReplicas": replicas if updated is None else updated,
             "conditions": conditions or [],
-        },  # fmt: skip
+        },
     }
 
 
@@ -60,8 +60,14 @@ def test_pending_then_running_with_generation_and_selector() -> None:
     s = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
     c = conds(s)
     assert s["phase"] == "Running" and s["readyReplicas"] == 2 and s["ready"] == "2/2"
-    assert c["Ready"] == {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "2/2 replicas ready",
-                          "observedGeneration": 3, "lastTransitionTime": T0}  # fmt: skip
+    assert c["Ready"] == {
+        "type": "Ready",
+        "status": "True",
+        "reason": "AllReplicasReady",
+        "message": "2/2 replicas ready",
+        "observedGeneration": 3,
+        "lastTransitionTime": T0,
+    }
     assert c["Progressing"]["status"] == "False" and c["Degraded"]["status"] == "False"
     assert s["selectedAccelerator"] == "h100" and "NVIDIA-H100-80GB-HBM3" in s["selectionReason"]
     assert s["degradedPrecision"] is False
@@ -79,8 +85,13 @@ def test_suspended_quarantined_and_deadline() -> None:
     down = deployment(0, 0) | {"spec": {"replicas": 0}}
     s = samplergroup_status(sg(suspend=True), down, CATALOG, now=T0)
     assert s["phase"] == "Suspended" and s["ready"] == "0/0" and conds(s)["Progressing"]["status"] == "False"
-    s = samplergroup_status(sg(quarantined=True), deployment(2, 2), CATALOG, now=T0,
-                               quarantine=quarantine_reason(sg(quarantined=True)))  # fmt: skip
+    s = samplergroup_status(
+        sg(quarantined=True),
+        deployment(2, 2),
+        CATALOG,
+        now=T0,
+        quarantine=quarantine_reason(sg(quarantined=True)),
+    )
     assert s["phase"] == "Quarantined" and conds(s)["Ready"]["status"] == "True" and s["quarantined"] is True
     assert "quarantined by spec.quarantined" in s["message"]
     s = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0, quarantine=None)
@@ -116,8 +127,12 @@ def test_transition_time_kept_while_status_unchanged() -> None:
 
 def test_status_changed_ignores_fields_and_conditions_owned_by_others() -> None:
     mine = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
-    observed = {**mine, "share": 0.3, "tokensPerSecond": 1234.0,
-                "conditions": [*mine["conditions"], {"type": "CollapseRisk", "status": "True"}]}  # fmt: skip
+    observed = {
+        **mine,
+        "share": 0.3,
+        "tokensPerSecond": 1234.0,
+        "conditions": [*mine["conditions"], {"type": "CollapseRisk", "status": "True"}],
+    }
     assert not st.status_changed(observed, mine)
     assert st.status_changed({**observed, "readyReplicas": 1}, mine)
 
@@ -126,9 +141,18 @@ def test_a_status_differing_only_in_one_condition_has_changed() -> None:
     """Kills the mutant of the change gate whose condition branch never returns True (or compares only the
     condition types): each of these differs from `mine` in one field of one condition and nothing else."""
     mine = samplergroup_status(sg(), deployment(2, 2), CATALOG, now=T0)
-    for field_, value in (("status", "True"), ("reason", "Other"), ("message", "other"), ("observedGeneration", 2)):
-        observed = {**mine, "conditions": [{**c, field_: value} if c["type"] == "Degraded" else c
-                                           for c in mine["conditions"]]}  # fmt: skip
+    for field_, value in (
+        ("status", "True"),
+        ("reason", "Other"),
+        ("message", "other"),
+        ("observedGeneration", 2),
+    ):
+        observed = {
+            **mine,
+            "conditions": [
+                {**c, field_: value} if c["type"] == "Degraded" else c for c in mine["conditions"]
+            ],
+        }
         assert st.status_changed(observed, mine), field_
     missing = {**mine, "conditions": [c for c in mine["conditions"] if c["type"] != "Degraded"]}
     assert st.status_changed(missing, mine)
@@ -155,7 +179,10 @@ def test_a_foreign_weight_load_shows_as_the_groups_reason_until_a_newer_version(
     report = {"group": "job-g", "appliedVersion": 7, "lag": 0, "lastError": message}
     s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [report]}, now=T0)
     assert (s["phase"], s["reason"]) == ("Running", "ForeignWeightVersion")
-    assert "; foreign weight version: the engine served v1000000, not v7 that this sidecar applied" in s["message"]
+    assert (
+        "; foreign weight version: the engine served v1000000, not v7 that this sidecar applied"
+        in s["message"]
+    )
     assert "weight sync failing" not in s["message"]
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
     assert (synced["status"], synced["reason"]) == ("True", "ForeignWeightVersion")
@@ -167,13 +194,20 @@ def test_a_foreign_weight_load_shows_as_the_groups_reason_until_a_newer_version(
 def test_a_failing_weight_sync_is_said_while_the_group_keeps_running() -> None:
     """A replica that refused a version (checksum) keeps serving the one it has: the group stays Running,
     its message and WeightsSynced condition say what was refused; the count stays after recovery."""
-    failing = {"group": "job-g", "appliedVersion": 7, "lag": 1, "syncFailures": 1,
-               "lastError": "checksum: v8: v8/nvfp4/model.safetensors: blake3:aa != manifest blake3:bb"}  # fmt: skip
+    failing = {
+        "group": "job-g",
+        "appliedVersion": 7,
+        "lag": 1,
+        "syncFailures": 1,
+        "lastError": "checksum: v8: v8/nvfp4/model.safetensors: blake3:aa != manifest blake3:bb",
+    }
     s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [failing]}, now=T0)
     assert s["phase"] == "Running" and s["weightSyncFailures"] == 1
     assert "weight sync failing (serving v7): checksum: v8: v8/nvfp4" in s["message"]
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
-    assert (synced["status"], synced["reason"]) == ("False", "SyncFailing") and "checksum" in synced["message"]
+    assert (synced["status"], synced["reason"]) == ("False", "SyncFailing") and "checksum" in synced[
+        "message"
+    ]
     recovered = {"group": "job-g", "appliedVersion": 9, "lag": 0, "syncFailures": 1}
     s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={"groups": [recovered]}, now=T0)
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
@@ -185,20 +219,34 @@ def sampler_pod(name: str, sync_started: str, deleting: bool = False) -> dict:
     from rlfleet.operator.pods import pod_view
 
     ready = {"ready": True, "restartCount": 0, "state": {"running": {"startedAt": sync_started}}}
-    return pod_view({
-        "metadata": {"name": name, "labels": {"rlfleet.dev/samplergroup": "job-g"},
-                     **({"deletionTimestamp": T1} if deleting else {})},
-        "status": {"phase": "Running", "containerStatuses": [{"name": "sglang", **ready}, {"name": "weight-sync", **ready}]},
-    })  # fmt: skip
+    return pod_view(
+        {
+            "metadata": {
+                "name": name,
+                "labels": {"rlfleet.dev/samplergroup": "job-g"},
+                **({"deletionTimestamp": T1} if deleting else {}),
+            },
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [{"name": "sglang", **ready}, {"name": "weight-sync", **ready}],
+            },
+        }
+    )
 
 
 def test_a_ready_replica_without_a_fresh_report_is_named_with_where_to_look() -> None:
     """Report writes that fail (a store the sidecar cannot write, S3 credentials without PutObject on
     subscribers/) were seen only as an empty VERSION column: a pod whose sidecar has run for the report's
     age-out bound (150 s) with no fresh report in the channel's status is named, WeightsSynced=False."""
-    channel = {"phase": "Ready", "latestVersion": 7,
-               "groups": [{"group": "job-g", "appliedVersion": 7, "lag": 0, "replicas": ["job-g-a"]}]}  # fmt: skip
-    started_long_ago, started_now = "2025-12-31T23:57:29Z", "2025-12-31T23:57:31Z"  # 151 s and 149 s before T0
+    channel = {
+        "phase": "Ready",
+        "latestVersion": 7,
+        "groups": [{"group": "job-g", "appliedVersion": 7, "lag": 0, "replicas": ["job-g-a"]}],
+    }
+    started_long_ago, started_now = (
+        "2025-12-31T23:57:29Z",
+        "2025-12-31T23:57:31Z",
+    )  # 151 s and 149 s before T0
     pods = [sampler_pod("job-g-a", started_long_ago), sampler_pod("job-g-b", started_long_ago)]
     s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=channel, now=T0, pods=pods)
     assert (s["phase"], s["reason"]) == ("Running", "NoSubscriberReport")
@@ -208,17 +256,25 @@ def test_a_ready_replica_without_a_fresh_report_is_named_with_where_to_look() ->
     [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
     assert (synced["status"], synced["reason"]) == ("False", "NoSubscriberReport")
     # two silent pods: the first named, the others counted
-    s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status={**channel, "groups": []},
-                               now=T0, pods=pods)  # fmt: skip
+    s = samplergroup_status(
+        sg(), deployment(2, 2), CATALOG, channel_status={**channel, "groups": []}, now=T0, pods=pods
+    )
     assert "no subscriber report from pod job-g-a (and 1 more) for 150s" in s["message"]
     # a sidecar younger than the bound, a pod being deleted, or a channel the operator could not read: no claim
     for judged_pods, judged_channel in (
         ([sampler_pod("job-g-a", started_long_ago), sampler_pod("job-g-b", started_now)], channel),
-        ([sampler_pod("job-g-a", started_long_ago), sampler_pod("job-g-b", started_long_ago, deleting=True)], channel),
+        (
+            [
+                sampler_pod("job-g-a", started_long_ago),
+                sampler_pod("job-g-b", started_long_ago, deleting=True),
+            ],
+            channel,
+        ),
         (pods, {"phase": "Degraded", "groups": []}),
     ):
-        s = samplergroup_status(sg(), deployment(2, 2), CATALOG, channel_status=judged_channel, now=T0,
-                                   pods=judged_pods)  # fmt: skip
+        s = samplergroup_status(
+            sg(), deployment(2, 2), CATALOG, channel_status=judged_channel, now=T0, pods=judged_pods
+        )
         assert s["reason"] == "AllReplicasReady" and "subscriber report" not in s["message"], s["message"]
         [synced] = [c for c in s["conditions"] if c["type"] == "WeightsSynced"]
         assert synced["status"] == "True"
@@ -268,8 +324,10 @@ def test_job_rollup_running_pending_degraded_suspended() -> None:
         4,
     )
     assert conds(s)["Ready"]["status"] == "True" and "CollapseRisk" not in conds(s)  # the rebalancer's
-    assert s["groups"] == [{"name": "a", "phase": "Running", "ready": "2/2", "share": 0.5},
-                           {"name": "b", "phase": "Running", "ready": "2/2", "share": 0.5}]  # fmt: skip
+    assert s["groups"] == [
+        {"name": "a", "phase": "Running", "ready": "2/2", "share": 0.5},
+        {"name": "b", "phase": "Running", "ready": "2/2", "share": 0.5},
+    ]
     # a stale group status (older generation) does not count as ready; nor does a missing group
     s = rljob_status(
         job(["a", "b", "c"]), [groups[0], group_obj("b", "Running", stale=True)], trainer(1), None, now=T0
@@ -302,12 +360,16 @@ def test_job_collapse_risk_rolls_up_from_groups_and_invalid_spec_fails() -> None
     assert (s["phase"], s["reason"]) == ("Failed", "InvalidSpec") and conds(s)["Degraded"]["status"] == "True"
 
 
-def channel_status(latest: int | None, artifacts: list[ViewArtifactStatus], groups: list[GroupVersionStatus]) -> ChannelStatus:
+def channel_status(
+    latest: int | None, artifacts: list[ViewArtifactStatus], groups: list[GroupVersionStatus]
+) -> ChannelStatus:
     return ChannelStatus(latest, None, artifacts, groups, [], [])
 
 
 def artifact(view: str, version: int, **kw: object) -> ViewArtifactStatus:
-    return ViewArtifactStatus(**{"view": view, "version": version, "uri": "u", "sha256": "ab", "bytes": 10, "time": None, **kw})  # type: ignore[arg-type]
+    return ViewArtifactStatus(
+        **{"view": view, "version": version, "uri": "u", "sha256": "ab", "bytes": 10, "time": None, **kw}
+    )  # type: ignore[arg-type]
 
 
 def test_weightchannel_status_known_unknown_and_empty() -> None:
@@ -320,22 +382,52 @@ def test_weightchannel_status_known_unknown_and_empty() -> None:
     assert "storedPercent" not in s
     ch = channel_status(
         4,
-        [artifact("bf16", 4, kind="delta", stored_bytes=1, base=3), artifact("fp8", 4, kind="anchor", stored_bytes=10)],
-        [GroupVersionStatus("job-g", "fp8", 3, 1, {"p": 3}, sync_failures=2, last_error="checksum: v4/fp8: x"),
-         GroupVersionStatus("job-h", "bf16", None, None, {})],
-    )  # fmt: skip
+        [
+            artifact("bf16", 4, kind="delta", stored_bytes=1, base=3),
+            artifact("fp8", 4, kind="anchor", stored_bytes=10),
+        ],
+        [
+            GroupVersionStatus(
+                "job-g", "fp8", 3, 1, {"p": 3}, sync_failures=2, last_error="checksum: v4/fp8: x"
+            ),
+            GroupVersionStatus("job-h", "bf16", None, None, {}),
+        ],
+    )
     s = weightchannel_status(wc, ch, None, now=T0)
     assert (s["phase"], s["latestVersion"]) == ("Ready", 4)
     assert s["artifacts"] == [
-        {"view": "bf16", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10, "kind": "delta", "storedBytes": 1,
-         "base": 3},
-        {"view": "fp8", "version": 4, "uri": "u", "sha256": "ab", "bytes": 10, "kind": "anchor", "storedBytes": 10},
-    ]  # fmt: skip
+        {
+            "view": "bf16",
+            "version": 4,
+            "uri": "u",
+            "sha256": "ab",
+            "bytes": 10,
+            "kind": "delta",
+            "storedBytes": 1,
+            "base": 3,
+        },
+        {
+            "view": "fp8",
+            "version": 4,
+            "uri": "u",
+            "sha256": "ab",
+            "bytes": 10,
+            "kind": "anchor",
+            "storedBytes": 10,
+        },
+    ]
     assert s["storedPercent"] == 55.0  # (1 + 10) stored of (10 + 10)
     WeightChannelStatus.model_validate(s)  # what the CRD's schema holds
     assert s["groups"] == [
-        {"group": "job-g", "view": "fp8", "appliedVersion": 3, "lag": 1, "syncFailures": 2,
-         "lastError": "checksum: v4/fp8: x", "replicas": ["p"]},  # the replicas with a fresh report
+        {
+            "group": "job-g",
+            "view": "fp8",
+            "appliedVersion": 3,
+            "lag": 1,
+            "syncFailures": 2,
+            "lastError": "checksum: v4/fp8: x",
+            "replicas": ["p"],
+        },  # the replicas with a fresh report
         {"group": "job-h", "view": "bf16"},
     ]
 
@@ -366,8 +458,17 @@ def test_webhook_admission_message_uses_the_runtime_catalog(monkeypatch, tmp_pat
     monkeypatch.setenv("RLFLEET_CATALOG", str(catalog))
     message = admission_message("RLJob", copy.deepcopy(example))
     assert message is not None and "accelerator h100 (sm90) cannot run weightFormat fp8" in message
-    sg = {"apiVersion": "rlfleet.dev/v1alpha1", "kind": "SamplerGroup", "metadata": {"name": "x"},
-          "spec": {"name": "g", "accelerator": "h100", "weightFormat": "bf16", "model": {"name": "m", "path": "p"}}}  # fmt: skip
+    sg = {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": "x"},
+        "spec": {
+            "name": "g",
+            "accelerator": "h100",
+            "weightFormat": "bf16",
+            "model": {"name": "m", "path": "p"},
+        },
+    }
     assert admission_message("SamplerGroup", sg) is None
     sg["spec"]["weightFormat"] = "fp8"
     assert "cannot run weightFormat fp8" in admission_message("SamplerGroup", sg)
@@ -385,18 +486,26 @@ def test_group_waiting_for_its_views_first_version_says_so() -> None:
     )
     # an mxfp4 group waits on a view the trainer may refuse outright: the group points at the job's reason
     s = samplergroup_status(sg(fmt="mxfp4"), deployment(0, 2), CATALOG, pending_channel, now=T0)
-    assert "the trainer refuses an mxfp4 view of a dense or Qwen3-family model before publishing anything" in s["message"]
+    assert (
+        "the trainer refuses an mxfp4 view of a dense or Qwen3-family model before publishing anything"
+        in s["message"]
+    )
     unreadable = {"phase": "Pending", "message": "latest version unknown: store directory /w does not exist"}
     s = samplergroup_status(sg(), deployment(0, 2), CATALOG, unreadable, now=T0)
     assert "store directory /w does not exist" in s["message"]
     s = samplergroup_status(sg(), deployment(0, 2), CATALOG, None, now=T0)
-    assert "channel status not read yet" in s["message"] and conds(s)["Ready"]["reason"] == "WaitingForWeights"
+    assert (
+        "channel status not read yet" in s["message"] and conds(s)["Ready"]["reason"] == "WaitingForWeights"
+    )
     # a version without this group's view
     bf16_only = {"latestVersion": 4, "artifacts": [{"view": "bf16", "version": 4}]}
     s = samplergroup_status(sg(), deployment(0, 2), CATALOG, bf16_only, now=T0)
     assert s["message"].endswith("waiting for view fp8 in channel job-weights: version 4 has views bf16")
     # the view is published: the pods are merely starting (SGLang loading)
-    published = {"latestVersion": 0, "artifacts": [{"view": "bf16", "version": 0}, {"view": "fp8", "version": 0}]}
+    published = {
+        "latestVersion": 0,
+        "artifacts": [{"view": "bf16", "version": 0}, {"view": "fp8", "version": 0}],
+    }
     s = samplergroup_status(sg(), deployment(1, 2), CATALOG, published, now=T0)
     assert conds(s)["Ready"]["reason"] == "ReplicasNotReady" and s["message"] == "1/2 replicas ready"
     # a group without a channel never waits for one

@@ -38,16 +38,21 @@ def publish(store: FilesystemStore, tmp_path: Path, versions: int) -> None:
 
 
 def report(replica: str, age: float, applied: int, now: datetime, group: str = GROUP) -> SubscriberReport:
-    return SubscriberReport(group, replica, "fp8", applied, [applied],
-                            updated_at=(now - timedelta(seconds=age)).isoformat())  # fmt: skip
+    return SubscriberReport(
+        group, replica, "fp8", applied, [applied], updated_at=(now - timedelta(seconds=age)).isoformat()
+    )
 
 
 def sampler_pod(name: str, group: str = GROUP) -> dict[str, Any]:
-    return pod_view({
-        "metadata": {"name": name, "labels": {"rlfleet.dev/samplergroup": group,
-                                              "app.kubernetes.io/component": "sampler"}},
-        "status": {"phase": "Running"},
-    })  # fmt: skip
+    return pod_view(
+        {
+            "metadata": {
+                "name": name,
+                "labels": {"rlfleet.dev/samplergroup": group, "app.kubernetes.io/component": "sampler"},
+            },
+            "status": {"phase": "Running"},
+        }
+    )
 
 
 @pytest.fixture
@@ -62,8 +67,18 @@ def pipeline() -> Any:
 def view_with_pods(pods: dict[tuple[str, str, str], list[dict[str, Any]]]) -> Any:
     from rlfleet.operator.indexes import View
 
-    return View(rljobs={}, samplergroups={}, samplergroups_by_job={}, weightchannels={}, sampler_deployments={},
-                trainers={}, pods=pods, mount_failures={}, create_failures={}, kueue_pending={})  # fmt: skip
+    return View(
+        rljobs={},
+        samplergroups={},
+        samplergroups_by_job={},
+        weightchannels={},
+        sampler_deployments={},
+        trainers={},
+        pods=pods,
+        mount_failures={},
+        create_failures={},
+        kueue_pending={},
+    )
 
 
 @pytest.fixture
@@ -96,12 +111,14 @@ def reports_in(store: FilesystemStore) -> list[str]:
 
 
 def test_view_lists_the_live_pods_of_each_sampler_group() -> None:
-    view = view_with_pods({
-        (NS, "sampler", GROUP): [sampler_pod("a"), sampler_pod("b")],
-        (NS, "sampler", "job-b200"): [sampler_pod("c", "job-b200")],
-        (NS, "trainer", "job"): [{"name": "job-trainer-0"}],
-        ("other", "sampler", GROUP): [sampler_pod("d")],
-    })  # fmt: skip
+    view = view_with_pods(
+        {
+            (NS, "sampler", GROUP): [sampler_pod("a"), sampler_pod("b")],
+            (NS, "sampler", "job-b200"): [sampler_pod("c", "job-b200")],
+            (NS, "trainer", "job"): [{"name": "job-trainer-0"}],
+            ("other", "sampler", GROUP): [sampler_pod("d")],
+        }
+    )
     assert view.sampler_replicas(NS) == {GROUP: frozenset({"a", "b"}), "job-b200": frozenset({"c"})}
     assert view.sampler_replicas("empty") == {}
 
@@ -112,8 +129,11 @@ def test_read_channel_removes_aged_reports_of_gone_replicas_only(channel_store: 
     read = read_channel(spec, live, now)
     assert read.error is None and (read.removal_failures, read.removal_error) == (0, None)
     assert [(r.group, r.replica) for r in read.removed] == [(GROUP, "replaced"), ("job-removed", "pod-x")]
-    assert reports_in(store) == [f"subscribers/{GROUP}/live-fresh.json", f"subscribers/{GROUP}/live-stuck.json",
-                                 f"subscribers/{GROUP}/newborn.json"]  # fmt: skip
+    assert reports_in(store) == [
+        f"subscribers/{GROUP}/live-fresh.json",
+        f"subscribers/{GROUP}/live-stuck.json",
+        f"subscribers/{GROUP}/newborn.json",
+    ]
     # the group's version counts fresh reports only: neither the dead replica's v1 nor the stuck one's v0
     [group] = read.status.groups
     assert (group.group, group.applied_version, group.lag) == (GROUP, 2, 0)
@@ -155,22 +175,34 @@ async def test_the_weightchannel_pipeline_removes_logs_counts_and_writes_status(
     monkeypatch.setattr(kopf, "event", lambda *a, **k: None)
     caplog.set_level(logging.INFO, logger="rlfleet.operator")
     view = view_with_pods({(NS, "sampler", GROUP): [sampler_pod("live-fresh"), sampler_pod("live-stuck")]})
-    wc = {"apiVersion": API, "kind": "WeightChannel", "metadata": {"name": "job-weights", "namespace": NS, "generation": 1},
-          "spec": {**spec, "jobName": "job"}}  # fmt: skip
+    wc = {
+        "apiVersion": API,
+        "kind": "WeightChannel",
+        "metadata": {"name": "job-weights", "namespace": NS, "generation": 1},
+        "spec": {**spec, "jobName": "job"},
+    }
     before = removals("removed")
 
     await pipeline.refresh_weightchannel_status(NS, "job-weights", view, wc)
 
     assert removals("removed") - before == 2
-    assert reports_in(store) == [f"subscribers/{GROUP}/live-fresh.json", f"subscribers/{GROUP}/live-stuck.json",
-                                 f"subscribers/{GROUP}/newborn.json"]  # fmt: skip
-    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "removed the subscriber" in r.getMessage()]
+    assert reports_in(store) == [
+        f"subscribers/{GROUP}/live-fresh.json",
+        f"subscribers/{GROUP}/live-stuck.json",
+        f"subscribers/{GROUP}/newborn.json",
+    ]
+    logged = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO and "removed the subscriber" in r.getMessage()
+    ]
     assert len(logged) == 2 and any(f"{GROUP}/replaced" in m and "applied v1" in m for m in logged), logged
     [(kind, name, status)] = api.statuses
     assert (kind, name) == ("WeightChannel", "job-weights")
     assert status["latestVersion"] == 2 and status["phase"] == "Ready"
-    assert status["groups"] == [{"group": GROUP, "view": "fp8", "appliedVersion": 2, "lag": 0,
-                                 "replicas": ["live-fresh", "newborn"]}]  # fmt: skip (live-stuck's report is stale)
+    assert status["groups"] == [
+        {"group": GROUP, "view": "fp8", "appliedVersion": 2, "lag": 0, "replicas": ["live-fresh", "newborn"]}
+    ]  # (live-stuck's report is stale)
 
 
 async def test_a_refused_delete_warns_once_per_streak(
@@ -188,13 +220,19 @@ async def test_a_refused_delete_warns_once_per_streak(
 
     monkeypatch.setattr(FilesystemStore, "delete", read_only)
     view = view_with_pods({(NS, "sampler", GROUP): [sampler_pod("live-fresh")]})
-    wc = {"apiVersion": API, "kind": "WeightChannel", "metadata": {"name": "w", "namespace": NS, "generation": 1},
-          "spec": spec}  # fmt: skip
+    wc = {
+        "apiVersion": API,
+        "kind": "WeightChannel",
+        "metadata": {"name": "w", "namespace": NS, "generation": 1},
+        "spec": spec,
+    }
     before = removals("error")
 
     def warnings() -> int:
-        return sum(r.levelno == logging.WARNING and "cannot remove subscriber reports" in r.getMessage()
-                   for r in caplog.records)  # fmt: skip
+        return sum(
+            r.levelno == logging.WARNING and "cannot remove subscriber reports" in r.getMessage()
+            for r in caplog.records
+        )
 
     for _ in range(3):
         await pipeline.refresh_weightchannel_status(NS, "w", view, dict(wc))

@@ -22,7 +22,9 @@ from rlfleet.operator.pods import pod_view
 from rlfleet.operator.trainer_report import trainer_job_status
 from rlfleet.trainer.metrics import PrometheusExporter
 
-POD_IP = "127.0.0.39"  # the trainer pod's address (a loopback address of its own: port 9500 stays free elsewhere)
+POD_IP = (
+    "127.0.0.39"  # the trainer pod's address (a loopback address of its own: port 9500 stays free elsewhere)
+)
 NOW = "2026-12-06T20:00:00Z"
 
 
@@ -35,11 +37,20 @@ def exporter() -> Iterator[PrometheusExporter]:
 
 
 def trainer_pod() -> dict[str, Any]:
-    return pod_view({
-        "metadata": {"name": f"{n.trainer_name('j')}-0", "namespace": NS,
-                     "labels": {n.LABEL_JOB: "j", n.LABEL_COMPONENT: "trainer"}},
-        "status": {"phase": "Running", "podIP": POD_IP, "conditions": [{"type": "Ready", "status": "True"}]},
-    })  # fmt: skip
+    return pod_view(
+        {
+            "metadata": {
+                "name": f"{n.trainer_name('j')}-0",
+                "namespace": NS,
+                "labels": {n.LABEL_JOB: "j", n.LABEL_COMPONENT: "trainer"},
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": POD_IP,
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+    )
 
 
 async def test_the_first_tick_after_the_first_step_reads_the_report(exporter: PrometheusExporter) -> None:

@@ -58,8 +58,14 @@ def test_parse_and_status_from_a_collapsing_trainer() -> None:
     assert report.signals == (CollapseSignal("kl_surge", "b200-nvfp4", 0.2, 0.01),)  # reward_cliff reads 0
     out = trainer_job_status(job(), [], report, T0)
     assert out.status["step"] == 12 and out.status["weightVersion"] == 11
-    assert out.status["metrics"] == {"reward": 0.42, "kl": 0.031, "oorFraction": 0.07, "entropy": 1.5,
-                                     "scTailRatio": 6.5, "updatedAt": T0}  # fmt: skip
+    assert out.status["metrics"] == {
+        "reward": 0.42,
+        "kl": 0.031,
+        "oorFraction": 0.07,
+        "entropy": 1.5,
+        "scTailRatio": 6.5,
+        "updatedAt": T0,
+    }
     risk = risk_of(out.status)
     assert (risk["status"], risk["reason"], risk["observedGeneration"]) == ("True", "KlSurge", 3)
     assert "kl_surge (group b200-nvfp4): 0.2 vs baseline 0.01" in risk["message"]
@@ -69,7 +75,9 @@ def test_parse_and_status_from_a_collapsing_trainer() -> None:
 
 
 def test_alert_and_pause_never_quarantine_and_pause_is_reported() -> None:
-    report = parse_trainer_report(EXPORT.replace("rlfleet_trainer_pause_requested 0.0", "rlfleet_trainer_pause_requested 1"))
+    report = parse_trainer_report(
+        EXPORT.replace("rlfleet_trainer_pause_requested 0.0", "rlfleet_trainer_pause_requested 1")
+    )
     assert trainer_job_status(job("alert"), [], report, T0).quarantine == frozenset()
     out = trainer_job_status(job("pause"), [], report, T0)
     assert out.quarantine == frozenset() and risk_of(out.status)["reason"] == "TrainingPaused"
@@ -93,18 +101,27 @@ def test_unchanged_report_is_a_no_op_and_transitions_keep_times() -> None:
 
 
 def test_group_collapse_risk_rolls_up_without_a_trainer() -> None:
-    sg = {"spec": {"name": "h200-fp8"}, "status": {"conditions": [
-        {"type": "CollapseRisk", "status": "True", "message": "oor share 0.4"}]}}  # fmt: skip
+    sg = {
+        "spec": {"name": "h200-fp8"},
+        "status": {"conditions": [{"type": "CollapseRisk", "status": "True", "message": "oor share 0.4"}]},
+    }
     out = trainer_job_status(job(), [sg], None, T0)
     risk = risk_of(out.status)
-    assert (risk["status"], risk["reason"]) == ("True", "GroupCollapseRisk") and "h200-fp8: oor share 0.4" in risk["message"]
+    assert (risk["status"], risk["reason"]) == (
+        "True",
+        "GroupCollapseRisk",
+    ) and "h200-fp8: oor share 0.4" in risk["message"]
     assert "step" not in out.status and "metrics" not in out.status
 
 
 signals = st.lists(
-    st.builds(CollapseSignal, st.sampled_from(["kl_surge", "reward_cliff", "rho_blowup"]),
-              st.sampled_from(["", *GROUPS, "other"])),  # fmt: skip
-    max_size=4, unique=True,
+    st.builds(
+        CollapseSignal,
+        st.sampled_from(["kl_surge", "reward_cliff", "rho_blowup"]),
+        st.sampled_from(["", *GROUPS, "other"]),
+    ),
+    max_size=4,
+    unique=True,
 )
 
 
@@ -119,10 +136,19 @@ signals = st.lists(
     was_risky=st.booleans(),
 )
 def test_invariants(action, sigs, requested, pause, version, observed_version, was_risky) -> None:
-    old = {"weightVersion": observed_version,
-           "conditions": [{"type": "CollapseRisk", "status": "True" if was_risky else "False", "lastTransitionTime": T0}]}  # fmt: skip
-    report = TrainerReport(step=version, weight_version=version, signals=tuple(sigs),
-                           quarantine_requested=tuple(sorted(requested)), pause_requested=pause)  # fmt: skip
+    old = {
+        "weightVersion": observed_version,
+        "conditions": [
+            {"type": "CollapseRisk", "status": "True" if was_risky else "False", "lastTransitionTime": T0}
+        ],
+    }
+    report = TrainerReport(
+        step=version,
+        weight_version=version,
+        signals=tuple(sigs),
+        quarantine_requested=tuple(sorted(requested)),
+        pause_requested=pause,
+    )
     out = trainer_job_status(job(action, status=old), [], report, T1)
     # quarantine only with quarantine-group, only groups of this job, exactly those the trainer asked for
     assert out.quarantine == (set(requested) & set(GROUPS) if action == "quarantine-group" else set())
@@ -155,8 +181,11 @@ def test_a_finished_run_reads_succeeded_and_stays_so_while_the_trainer_is_unread
     assert (report.finished, report.step) == (True, 50)
     out = trainer_job_status(job(), [], report, T0)
     [complete] = [c for c in out.status["conditions"] if c["type"] == "Complete"]
-    assert (complete["status"], complete["reason"], complete["message"]) == ("True", "TrainingFinished",
-                                                                             "training finished at step 50")  # fmt: skip
+    assert (complete["status"], complete["reason"], complete["message"]) == (
+        "True",
+        "TrainingFinished",
+        "training finished at step 50",
+    )
     RLJobStatus.model_validate(out.status)
     trainer = {"status": {"readyReplicas": 1}}
     s = rljob_status(job(), [], trainer, None, now=T0, trainer_report=out.status)

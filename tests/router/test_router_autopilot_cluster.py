@@ -39,9 +39,13 @@ def exporter() -> Iterator[PrometheusExporter]:
     exp.close()
 
 
-def prepare(kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], dict]:
+def prepare(
+    kube, namespace: str, exporter: PrometheusExporter, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[str, str], dict]:
     """The trainer's metrics read from `exporter`; returns `get(kind, name)` of the namespace's objects as JSON."""
-    monkeypatch.setattr(rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics")
+    monkeypatch.setattr(
+        rebalancer, "trainer_metrics_url", lambda pod: f"http://127.0.0.1:{exporter.port}/metrics"
+    )
 
     def get(kind: str, name: str) -> dict:
         return kube.get_json(kind, name, "-n", namespace)
@@ -56,13 +60,20 @@ def decision(get: Callable[[str, str], dict], group: str) -> dict:
 
 
 def manifest(weight_format: str = "nvfp4", max_share_change: float = 0.1, **autopilot: object) -> dict:
-    return rljob(JOB, [  # the 0-replica groups make the channel publish the fp8 and bf16 views
-        {"name": "fast", "accelerator": "b200", "replicas": 1, "weightFormat": weight_format},
-        {"name": "spare-fp8", "accelerator": "b200", "replicas": 0, "weightFormat": "fp8"},
-        {"name": "spare-bf16", "accelerator": "b200", "replicas": 0, "weightFormat": "bf16"},
-    ], router={"rebalanceIntervalSeconds": 5, "maxShareChange": max_share_change,
-               "autopilot": {"enabled": True, "patience": 1, **autopilot},
-               "optimize": {"budgets": {"groupMaxKl": 0.01}}})  # fmt: skip
+    return rljob(
+        JOB,
+        [  # the 0-replica groups make the channel publish the fp8 and bf16 views
+            {"name": "fast", "accelerator": "b200", "replicas": 1, "weightFormat": weight_format},
+            {"name": "spare-fp8", "accelerator": "b200", "replicas": 0, "weightFormat": "fp8"},
+            {"name": "spare-bf16", "accelerator": "b200", "replicas": 0, "weightFormat": "bf16"},
+        ],
+        router={
+            "rebalanceIntervalSeconds": 5,
+            "maxShareChange": max_share_change,
+            "autopilot": {"enabled": True, "patience": 1, **autopilot},
+            "optimize": {"budgets": {"groupMaxKl": 0.01}},
+        },
+    )
 
 
 def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_ends_the_override(
@@ -75,7 +86,11 @@ def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_
 
     def events(reason: str) -> list[str]:
         items = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
-        return [e["message"] for e in items if e.get("reason") == reason and e["involvedObject"]["name"] == f"{JOB}-fast"]
+        return [
+            e["message"]
+            for e in items
+            if e.get("reason") == reason and e["involvedObject"]["name"] == f"{JOB}-fast"
+        ]
 
     def apply(body: dict) -> None:
         kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(body))
@@ -89,8 +104,10 @@ def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_
 
         wait_for("quarantined at the top", lambda: decision(get, "fast").get("quarantined") is True)
         assert fast()["spec"]["weightFormat"] == "bf16"
-        assert sorted(events("PrecisionStepped")) == ["KL 0.05 > 0.01 for 1 intervals: weightFormat fp8 -> bf16",
-                                                      "KL 0.05 > 0.01 for 1 intervals: weightFormat nvfp4 -> fp8"]  # fmt: skip
+        assert sorted(events("PrecisionStepped")) == [
+            "KL 0.05 > 0.01 for 1 intervals: weightFormat fp8 -> bf16",
+            "KL 0.05 > 0.01 for 1 intervals: weightFormat nvfp4 -> fp8",
+        ]
         (quarantined,) = events("PrecisionQuarantined")
         assert quarantined.startswith("KL 0.05 > 0.01 for 1 intervals, no step up from bf16")
         status = wait_for("the status", lambda: get("rljob", JOB)["status"].get("precisionAutopilot"))
@@ -99,11 +116,17 @@ def test_a_group_made_worse_steps_up_then_is_quarantined_and_the_rljob_keeps_or_
         deployment = get("deployment", f"{JOB}-fast")  # the pods roll to the group's new view
         assert deployment["metadata"]["labels"][n.LABEL_WEIGHT_FORMAT] == "bf16"
         job = get("rljob", JOB)
-        assert job["metadata"]["generation"] == generation and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
+        assert (
+            job["metadata"]["generation"] == generation
+            and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
+        )
 
         # The RLJob changed elsewhere: its reconcile keeps the override (its own weightFormat did not change).
         apply(manifest(max_share_change=0.2))
-        wait_for("the RLJob's reconcile", lambda: get("rljob", JOB)["status"].get("observedGeneration") == generation + 1)
+        wait_for(
+            "the RLJob's reconcile",
+            lambda: get("rljob", JOB)["status"].get("observedGeneration") == generation + 1,
+        )
         assert fast()["spec"]["weightFormat"] == "bf16"
         # A new weightFormat in the RLJob ends the override.
         apply(manifest(weight_format="fp8", max_share_change=0.2))
@@ -124,13 +147,27 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
 
     def moves() -> list[tuple[str, str]]:  # (reason, message) of the autopilot's Events, oldest first
         items = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
-        ours = [e for e in items if e.get("reason", "").startswith("Precision") and e["involvedObject"]["name"] == f"{JOB}-fast"]
-        return [(e["reason"], e["message"]) for e in sorted(ours, key=lambda e: e.get("firstTimestamp") or e["eventTime"])]
+        ours = [
+            e
+            for e in items
+            if e.get("reason", "").startswith("Precision") and e["involvedObject"]["name"] == f"{JOB}-fast"
+        ]
+        return [
+            (e["reason"], e["message"])
+            for e in sorted(ours, key=lambda e: e.get("firstTimestamp") or e["eventTime"])
+        ]
 
     with operator_in_process(kube, namespace, monkeypatch):
         exporter.update(1, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004})  # within the budget 0.01
-        kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-",
-                     input=yaml.safe_dump(manifest(stepDown=True, cooldownIntervals=2, maxCooldownIntervals=8)))  # fmt: skip
+        kube.kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "--server-side",
+            "-f",
+            "-",
+            input=yaml.safe_dump(manifest(stepDown=True, cooldownIntervals=2, maxCooldownIntervals=8)),
+        )
         wait_for("the group's Deployment", lambda: get("deployment", f"{JOB}-fast"))
         exporter.update(2, {"kl_k3": 0.05, "group/fast/kl_k3": 0.05})  # made worse
         wait_for("the step up", lambda: weight_format() == "fp8")
@@ -138,23 +175,40 @@ def test_a_group_steps_up_recovers_steps_down_breaches_and_steps_up_with_its_coo
         wait_for("the step down", lambda: weight_format() == "nvfp4")
         exporter.update(4, {"kl_k3": 0.05, "group/fast/kl_k3": 0.05})  # worse again at the cheaper format
         wait_for("the step up again", lambda: weight_format() == "fp8")
-        exporter.update(5, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004})  # within: it stays at fp8 for 1 + 4 intervals
-        doubled = ("KL 0.05 > 0.01 for 1 intervals after a step down: the cool-down doubles, 2 -> 4 intervals: "
-                   "weightFormat nvfp4 -> fp8")  # fmt: skip
+        exporter.update(
+            5, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004}
+        )  # within: it stays at fp8 for 1 + 4 intervals
+        doubled = (
+            "KL 0.05 > 0.01 for 1 intervals after a step down: the cool-down doubles, 2 -> 4 intervals: "
+            "weightFormat nvfp4 -> fp8"
+        )
         assert moves() == [
             ("PrecisionStepped", "KL 0.05 > 0.01 for 1 intervals: weightFormat nvfp4 -> fp8"),
-            ("PrecisionSteppedDown", "within its budget (KL 0.004 <= 0.01) for 2 intervals (the cool-down 2): "
-                                     "weightFormat fp8 -> nvfp4; back to fp8 if over it again within the next 2 "
-                                     "intervals, with the cool-down doubled"),
+            (
+                "PrecisionSteppedDown",
+                "within its budget (KL 0.004 <= 0.01) for 2 intervals (the cool-down 2): "
+                "weightFormat fp8 -> nvfp4; back to fp8 if over it again within the next 2 "
+                "intervals, with the cool-down doubled",
+            ),
             ("PrecisionStepped", doubled),
-        ]  # fmt: skip
-        status = wait_for("the status", lambda: (s := get("rljob", JOB)["status"].get("precisionAutopilot")) == {"fast": doubled} and s)
+        ]
+        status = wait_for(
+            "the status",
+            lambda: (s := get("rljob", JOB)["status"].get("precisionAutopilot")) == {"fast": doubled} and s,
+        )
         assert status == {"fast": doubled}
         # the doubled cool-down is in the RLJob's status.decisions (a restarted operator goes on from there)
-        wait_for("the cool-down in status", lambda: decision(get, "fast").get("memory", {}).get("precisionCooldown")
-                 == {"cooldownIntervals": 4, "onProbation": False})  # fmt: skip
+        wait_for(
+            "the cool-down in status",
+            lambda: (
+                decision(get, "fast").get("memory", {}).get("precisionCooldown")
+                == {"cooldownIntervals": 4, "onProbation": False}
+            ),
+        )
         job = get("rljob", JOB)
-        assert job["metadata"]["generation"] == 1 and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
+        assert (
+            job["metadata"]["generation"] == 1 and job["spec"]["samplerGroups"][0]["weightFormat"] == "nvfp4"
+        )
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
 
 
@@ -170,21 +224,37 @@ def test_a_group_answering_invalid_tokens_is_quarantined_at_its_format_and_kubec
         return get("samplergroup", f"{JOB}-fast")
 
     with operator_in_process(kube, namespace, monkeypatch):
-        exporter.update(1, {"kl_k3": 0.004, "group/fast/kl_k3": 0.004, "group/fast/oor_fraction": 0.0,
-                            "group/fast/trained_fraction": 0.25, "group/fast/sampled_tokens": 64.0,
-                            "group/fast/invalid_reason_logprob_not_finite_or_positive": 40.0,
-                            "group/fast/invalid_reason_sampled_token_not_in_support": 8.0})  # fmt: skip
+        exporter.update(
+            1,
+            {
+                "kl_k3": 0.004,
+                "group/fast/kl_k3": 0.004,
+                "group/fast/oor_fraction": 0.0,
+                "group/fast/trained_fraction": 0.25,
+                "group/fast/sampled_tokens": 64.0,
+                "group/fast/invalid_reason_logprob_not_finite_or_positive": 40.0,
+                "group/fast/invalid_reason_sampled_token_not_in_support": 8.0,
+            },
+        )
         kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(manifest()))
         wait_for("quarantined", lambda: decision(get, "fast").get("quarantined") is True)
         assert fast()["spec"]["weightFormat"] == "nvfp4"  # no step up: a precision does not repair garbage
-        reason = ("invalid share 0.75 > 0.05 (top reason logprob_not_finite_or_positive: 40 tokens) for 1 intervals: "
-                  "quarantined (invalid answers are not a precision to step up from)")  # fmt: skip
+        reason = (
+            "invalid share 0.75 > 0.05 (top reason logprob_not_finite_or_positive: 40 tokens) for 1 intervals: "
+            "quarantined (invalid answers are not a precision to step up from)"
+        )
         items = json.loads(kube.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
         assert [e["message"] for e in items if e.get("reason") == "PrecisionQuarantined"] == [reason]
-        assert wait_for("the RLJob's status", lambda: get("rljob", JOB)["status"].get("precisionAutopilot")) == {"fast": reason}
-        status = wait_for("the group's figures", lambda: fast()["status"] if "usableFraction" in fast()["status"] else None)
+        assert wait_for(
+            "the RLJob's status", lambda: get("rljob", JOB)["status"].get("precisionAutopilot")
+        ) == {"fast": reason}
+        status = wait_for(
+            "the group's figures", lambda: fast()["status"] if "usableFraction" in fast()["status"] else None
+        )
         assert (status["usableFraction"], status["invalidTokens"]) == (
-            0.25, {"logprob_not_finite_or_positive": 40, "sampled_token_not_in_support": 8})
+            0.25,
+            {"logprob_not_finite_or_positive": 40, "sampled_token_not_in_support": 8},
+        )
         head, row = kube.kubectl("get", "sg", f"{JOB}-fast", "-n", namespace).stdout.splitlines()[:2]
         start = head.index("USABLE")  # columns are aligned; an empty one (no reading) leaves blanks
         assert row[start:].split()[0] == "0.25" and head[start:].split()[1] == "REASON"

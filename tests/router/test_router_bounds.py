@@ -42,7 +42,9 @@ class Bench(RouterBench):
         for state in states:
             self.upstreams[state.name] = self.stop_at_close(await InProcessUpstream(state).start())
         router_config = RouterConfig(
-            port=0, groups=[GroupConfig(name="g", replicas=[u.url for u in self.upstreams.values()])], **config
+            port=0,
+            groups=[GroupConfig(name="g", replicas=[u.url for u in self.upstreams.values()])],
+            **config,
         )
         await self.start_router(router_config, health_checks=health_checks, connections=0)
         return self
@@ -52,10 +54,14 @@ class Bench(RouterBench):
 
     async def generate(self, session: str, **sampling) -> tuple[int, dict[str, str], bytes]:
         payload = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, **sampling}}
-        async with self.http.post(self.url + "/generate", json=payload, headers={"X-Session-Id": session}) as response:
+        async with self.http.post(
+            self.url + "/generate", json=payload, headers={"X-Session-Id": session}
+        ) as response:
             return response.status, dict(response.headers), await response.read()
 
-    async def raw(self, request: bytes, source: str = "127.0.0.1") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def raw(
+        self, request: bytes, source: str = "127.0.0.1"
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection from `source` (any 127.0.0.0/8 address: Linux routes them all to loopback)."""
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port, local_addr=(source, 0))
         writer.write(request)
@@ -76,7 +82,9 @@ def refused(bench: Bench, reason: str | None = None, connections: str | None = N
         return bench.router.metrics.registry.get_sample_value(
             "rlfleet_router_refused_connections_total", {"reason": connections}
         )
-    return bench.router.metrics.registry.get_sample_value("rlfleet_router_refused_requests_total", {"reason": reason})
+    return bench.router.metrics.registry.get_sample_value(
+        "rlfleet_router_refused_requests_total", {"reason": reason}
+    )
 
 
 def closed_idle(bench: Bench) -> float | None:
@@ -133,17 +141,24 @@ async def test_a_replica_whose_generation_hangs_is_ejected_and_its_requests_succ
         request_timeout_seconds=1.0,
         hung_after_seconds=1.0,
     )
-    answers = await asyncio.wait_for(asyncio.gather(*(bench.generate(f"s{i}") for i in range(40))), 2 * BOUND_S)
+    answers = await asyncio.wait_for(
+        asyncio.gather(*(bench.generate(f"s{i}") for i in range(40))), 2 * BOUND_S
+    )
     assert [status for status, _, _ in answers] == [200] * 40
     assert {headers["X-RLFleet-Replica"] for _, headers, _ in answers} == {bench.upstreams["ok"].url}
     hung = bench.state("hung")
-    await eventually(lambda: hung.cancelled == hung.started, "every request the hung replica got is cancelled there")
+    await eventually(
+        lambda: hung.cancelled == hung.started, "every request the hung replica got is cancelled there"
+    )
     replicas = {r.url: r for r in bench.router.table.groups["g"].replicas.values()}
     assert not replicas[bench.upstreams["hung"].url].healthy
     assert replicas[bench.upstreams["hung"].url].inflight == 0
-    assert bench.router.metrics.registry.get_sample_value(
-        "rlfleet_router_upstream_errors_total", {"group": "g", "kind": "hung"}
-    ) == hung.started  # fmt: skip
+    assert (
+        bench.router.metrics.registry.get_sample_value(
+            "rlfleet_router_upstream_errors_total", {"group": "g", "kind": "hung"}
+        )
+        == hung.started
+    )
 
 
 async def test_a_request_past_its_timeout_moves_when_its_replica_stops_generating(bench) -> None:
@@ -158,13 +173,19 @@ async def test_a_request_past_its_timeout_moves_when_its_replica_stops_generatin
     hung_url = bench.upstreams["hung"].url
     sessions = [f"s{i}" for i in range(64)]
     group = bench.router.table.groups["g"]
-    session = next(s for s in sessions if bench.router.table.choose_replica(
-        group, hashing.key_hash(s), set(), None, 2, False).url == hung_url)  # fmt: skip
+    session = next(
+        s
+        for s in sessions
+        if bench.router.table.choose_replica(group, hashing.key_hash(s), set(), None, 2, False).url
+        == hung_url
+    )
     status, headers, _ = await asyncio.wait_for(bench.generate(session), BOUND_S)
     assert status == 200
     assert headers["X-RLFleet-Replica"] == bench.upstreams["ok"].url
     assert headers["X-RLFleet-Attempts"] == "2"
-    await eventually(lambda: bench.state("hung").cancelled == 1, "the hung replica's request is cancelled there")
+    await eventually(
+        lambda: bench.state("hung").cancelled == 1, "the hung replica's request is cancelled there"
+    )
 
 
 @pytest.mark.parametrize("probe_status", [200, 503])
@@ -172,11 +193,15 @@ async def test_a_slow_replica_that_still_generates_keeps_its_request(bench, prob
     """Past requestTimeoutSeconds the replica is probed and answers (200: generating; 503: starting or
     draining, whose requests in flight finish): the request stays, one post in all."""
     await bench.start(
-        [UpstreamState("slow", tokens_per_second=20.0, probe_status=probe_status),
-         UpstreamState("other", tokens_per_second=20.0, probe_status=probe_status)],
+        [
+            UpstreamState("slow", tokens_per_second=20.0, probe_status=probe_status),
+            UpstreamState("other", tokens_per_second=20.0, probe_status=probe_status),
+        ],
         request_timeout_seconds=0.2,
-    )  # fmt: skip
-    status, headers, _ = await asyncio.wait_for(bench.generate("s", max_new_tokens=20), BOUND_S)  # ~1 s of work
+    )
+    status, headers, _ = await asyncio.wait_for(
+        bench.generate("s", max_new_tokens=20), BOUND_S
+    )  # ~1 s of work
     assert status == 200
     replica = headers["X-RLFleet-Replica"]
     assert headers["X-RLFleet-Attempts"] == "1"
@@ -214,7 +239,9 @@ async def test_a_stream_whose_replica_hangs_after_its_first_bytes_ends(bench) ->
         assert first.startswith(b"data: ")
         rest = await asyncio.wait_for(response.content.read(), BOUND_S)  # returns: the stream ended
         assert b"[DONE]" not in rest  # ... without SGLang's terminator: the client knows it is cut
-    await eventually(lambda: bench.state("stalls").cancelled == 1, "the stalled stream is cancelled at the replica")
+    await eventually(
+        lambda: bench.state("stalls").cancelled == 1, "the stalled stream is cancelled at the replica"
+    )
 
 
 # --- bodies -------------------------------------------------------------------------------------
@@ -346,11 +373,18 @@ async def test_connections_that_send_headers_too_slowly_are_closed_and_others_ar
 async def test_connections_over_the_cap_read_eof_at_once_and_fds_stay_bounded(bench) -> None:
     """20 connections each in a request (its body still coming): none is idle, so the 21st is closed
     on accept."""
-    await bench.start([UpstreamState("ok")], max_client_connections=20, max_client_connections_per_source=30,
-                      header_timeout_seconds=60.0, body_timeout_seconds=60.0)
+    await bench.start(
+        [UpstreamState("ok")],
+        max_client_connections=20,
+        max_client_connections_per_source=30,
+        header_timeout_seconds=60.0,
+        body_timeout_seconds=60.0,
+    )
     held = [await bench.raw(headers_of("/generate", 100) + b'{"input_ids": ') for _ in range(20)]
     await eventually(lambda: len(bench.runner.server.connections) == 20, "20 connections held")
-    await eventually(lambda: not any(map(idle, site_of(bench).admitted)), "every held connection in its request")
+    await eventually(
+        lambda: not any(map(idle, site_of(bench).admitted)), "every held connection in its request"
+    )
     reader, _ = await bench.raw(b"")
     assert await asyncio.wait_for(reader.read(), BOUND_S) == b""  # closed on accept
     assert len(bench.runner.server.connections) == 20
@@ -382,8 +416,12 @@ async def test_a_reconnecting_flood_from_one_source_is_capped_and_another_source
     """Issue 39: connections from a source at maxClientConnectionsPerSource are closed on accept, however
     often it reconnects, and another source's request is answered meanwhile; the flood holds 8 of 20,
     so nothing idle had to be closed for it."""
-    await bench.start([UpstreamState("ok")], max_client_connections=20, max_client_connections_per_source=8,
-                      header_timeout_seconds=60.0)
+    await bench.start(
+        [UpstreamState("ok")],
+        max_client_connections=20,
+        max_client_connections_per_source=8,
+        header_timeout_seconds=60.0,
+    )
     site = site_of(bench)
     for flood_round in (1, 2):  # the flood drops what it holds and comes back
         flood = [await bench.raw(b"", source=FLOOD) for _ in range(30)]
@@ -408,13 +446,20 @@ async def test_at_the_total_cap_the_oldest_connection_waiting_for_its_header_is_
     other are each served: for each the oldest connection waiting for its header is closed (the three
     that sent nothing, in order), never the one in a request; each new client's connection, idle
     after its answer, is the newest and stays."""
-    await bench.start([UpstreamState("ok")], max_client_connections=20, max_client_connections_per_source=10,
-                      header_timeout_seconds=60.0, body_timeout_seconds=60.0)
+    await bench.start(
+        [UpstreamState("ok")],
+        max_client_connections=20,
+        max_client_connections_per_source=10,
+        header_timeout_seconds=60.0,
+        body_timeout_seconds=60.0,
+    )
     site = site_of(bench)
     busy = await bench.raw(headers_of("/generate", 100) + b'{"input_ids": ', source="127.0.0.4")
     quiet = [await bench.raw(b"", source=FLOOD) for _ in range(9)]
     slow = [await bench.raw(b"POST /generate HTTP/1.1\r\nHost: router\r\n", source=OTHER) for _ in range(10)]
-    await eventually(lambda: len(site.admitted) == 20 and sum(map(idle, site.admitted)) == 19, "19 idle, 1 in a request")
+    await eventually(
+        lambda: len(site.admitted) == 20 and sum(map(idle, site.admitted)) == 19, "19 idle, 1 in a request"
+    )
     assert held_ports(bench) == [port_of(writer) for _, writer in [busy, *quiet, *slow]]
     assert not idle(site.admitted[0])
     clients = [client_from("127.0.0.5") for _ in range(3)]

@@ -25,17 +25,23 @@ async def test_shares_converge_to_the_throughput_ratio_within_3_intervals(monkey
     statuses: list[int] = []  # every answer (checked after the run: no assertion inside a task)
     async with router_bench() as bench:
         upstreams = {
-            name: bench.stop_at_close(await InProcessUpstream(
-                UpstreamState(name, tokens_per_second=tps, tokens_per_request=TOKENS_PER_REQUEST)
-            ).start())
+            name: bench.stop_at_close(
+                await InProcessUpstream(
+                    UpstreamState(name, tokens_per_second=tps, tokens_per_request=TOKENS_PER_REQUEST)
+                ).start()
+            )
             for name, tps in CAPACITY.items()
-        }  # fmt: skip
-        config = RouterConfig(port=0, groups=[GroupConfig(name=n, replicas=[u.url]) for n, u in upstreams.items()])
+        }
+        config = RouterConfig(
+            port=0, groups=[GroupConfig(name=n, replicas=[u.url]) for n, u in upstreams.items()]
+        )
         router = await bench.start_router(config, health_checks=False, connections=0)
         http = bench.http
         assert http is not None
         body = {"input_ids": [1], "sampling_params": {"max_new_tokens": TOKENS_PER_REQUEST}}
-        async with sessions_load(bench, 48, lambda index: body, 3, lambda response: statuses.append(response.status)):
+        async with sessions_load(
+            bench, 48, lambda index: body, 3, lambda response: statuses.append(response.status)
+        ):
             # The RLJob defaults (max change 0.1 per interval, EMA 0.5) without the 0.02 share floor, which
             # deliberately keeps the smallest group above its ratio (0.02 + 0.94 x 0.143 = 0.154 here).
             rebalance_config = RebalanceConfig(min_share=0.0)
@@ -62,5 +68,7 @@ async def test_shares_converge_to_the_throughput_ratio_within_3_intervals(monkey
                 assert abs(final[name] - ratio[name]) <= 0.1 * ratio[name], (name, final, ratio)
             measured = {n: history[-1].groups[n].tokens_per_second for n in CAPACITY}
             for name in CAPACITY:  # the groups stayed saturated: delivered throughput has the capacity ratio
-                assert measured[name] / sum(measured.values()) == pytest.approx(ratio[name], rel=0.05), measured
+                assert measured[name] / sum(measured.values()) == pytest.approx(ratio[name], rel=0.05), (
+                    measured
+                )
     assert len(statuses) > 100 and set(statuses) == {200}, [s for s in statuses if s != 200][:5]

@@ -60,14 +60,36 @@ class Replica:
         self.url = f"http://{address}:{port}"
         self.port_file = tmp / f"port-{address}"
         argv = [
-            sys.executable, "-m", "rlfleet.cli", "sampler", "serve", "--engine", "reference",
-            "--host", address, "--port", str(port), "--port-file", str(self.port_file),
-            "--weight-version", str(VERSIONS[address]), "--max-tokens-per-second", str(TOKENS_PER_SECOND),
-            "--hidden-size", "32", "--head-dim", "16", "--num-hidden-layers", "1", "--seed", "3",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "sampler",
+            "serve",
+            "--engine",
+            "reference",
+            "--host",
+            address,
+            "--port",
+            str(port),
+            "--port-file",
+            str(self.port_file),
+            "--weight-version",
+            str(VERSIONS[address]),
+            "--max-tokens-per-second",
+            str(TOKENS_PER_SECOND),
+            "--hidden-size",
+            "32",
+            "--head-dim",
+            "16",
+            "--num-hidden-layers",
+            "1",
+            "--seed",
+            "3",
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        preexec_fn=die_with_parent)  # fmt: skip
+        self.process = subprocess.Popen(
+            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent
+        )
 
     def listening(self) -> bool:
         assert self.process.poll() is None, self.process.stderr.read().decode() if self.process.stderr else ""
@@ -77,7 +99,10 @@ class Replica:
         async with http.get(self.url + "/metrics") as response:
             text = await response.text()
         return sum(
-            s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "sglang:num_running_reqs"
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "sglang:num_running_reqs"
         )
 
     def stop(self) -> None:
@@ -124,15 +149,26 @@ async def test_replicas_added_scaled_down_and_reclaimed_mid_rollout_lose_no_epis
         return list(answer)
 
     await eventually(lambda: all(r.listening() for r in replicas.values()), "A and B listening", 120)
-    config = RouterConfig(port=0, resolve_interval_seconds=0.1, health_interval_seconds=0.2,
-                          groups=[GroupConfig(name="g", replicas=[f"http://{SERVICE}:{port}"])])  # fmt: skip
+    config = RouterConfig(
+        port=0,
+        resolve_interval_seconds=0.1,
+        health_interval_seconds=0.2,
+        groups=[GroupConfig(name="g", replicas=[f"http://{SERVICE}:{port}"])],
+    )
     router, runner, router_port = await start_service(config, resolve=lookup)
     router_url = f"http://127.0.0.1:{router_port}"
-    generate = RecordedGenerate(SamplerClient(router_url, policy=ClientRetryPolicy(backoff_initial_s=0.01, backoff_max_s=0.05)))
+    generate = RecordedGenerate(
+        SamplerClient(router_url, policy=ClientRetryPolicy(backoff_initial_s=0.01, backoff_max_s=0.05))
+    )
     driver = RolloutDriver(
-        generate, RetryDigitEnv(max_turns=4), GeneratedPromptSource("retry_digit"), samples_per_prompt=2,
-        sampling=SamplingConfig(temperature=1.0, max_new_tokens=3), max_seq_len=64, max_ahead_prompts=6,
-    )  # fmt: skip
+        generate,
+        RetryDigitEnv(max_turns=4),
+        GeneratedPromptSource("retry_digit"),
+        samples_per_prompt=2,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=3),
+        max_seq_len=64,
+        max_ahead_prompts=6,
+    )
     taken: list[PromptGroup] = []
     stop = threading.Event()
 
@@ -175,12 +211,19 @@ async def test_replicas_added_scaled_down_and_reclaimed_mid_rollout_lose_no_epis
         # them) reaches the trainer whole, or is dropped and counted; and groups started after it too
         dispatched_at_kill = driver.stats.dispatched_prompts
         await eventually(
-            lambda: driver.stats.failed_groups > 0
-            or (set(range(dispatched_at_kill)) <= {g.prompt.index for g in taken} and taken_past(dispatched_at_kill + 1)),
+            lambda: (
+                driver.stats.failed_groups > 0
+                or (
+                    set(range(dispatched_at_kill)) <= {g.prompt.index for g in taken}
+                    and taken_past(dispatched_at_kill + 1)
+                )
+            ),
             "every group dispatched before the kill, and one after it",
             180,
         )
-        errors = await router_counter(http, router_url, "rlfleet_router_upstream_errors_total") - errors_before
+        errors = (
+            await router_counter(http, router_url, "rlfleet_router_upstream_errors_total") - errors_before
+        )
         retries = await router_counter(http, router_url, "rlfleet_router_retries_total") - retries_before
     finally:
         stop.set()

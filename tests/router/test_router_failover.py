@@ -46,7 +46,9 @@ class Load:
                     await response.read()
                     # A turn that straddles a kill belongs to no phase.
                     tagged = phase if phase == self.phase else -1
-                    self.records.append((tagged, session, response.status, response.headers.get("X-RLFleet-Group")))
+                    self.records.append(
+                        (tagged, session, response.status, response.headers.get("X-RLFleet-Group"))
+                    )
             except aiohttp.ClientError as exc:  # a lost request: the router itself failed us
                 self.records.append((phase, session, -1, repr(exc)))
 
@@ -64,8 +66,11 @@ class Load:
 
     async def wait_records(self, phase: int, count: int = 60, timeout: float = 60.0) -> None:
         """Until `count` answers of `phase` are in (a bounded wait on traffic, not a sleep)."""
-        await eventually(lambda: sum(1 for r in self.records if r[0] == phase) >= count,
-                         f"{count} answers of phase {phase}", timeout)  # fmt: skip
+        await eventually(
+            lambda: sum(1 for r in self.records if r[0] == phase) >= count,
+            f"{count} answers of phase {phase}",
+            timeout,
+        )
 
     def groups_by_session(self, phase: int) -> dict[str, set[str | None]]:
         seen: dict[str, set[str | None]] = defaultdict(set)
@@ -77,7 +82,9 @@ class Load:
 
 @pytest.fixture
 async def fleet():
-    upstreams = {g: [SubprocessUpstream(f"{g}-{i}", tokens_per_second=2000) for i in range(2)] for g in GROUPS}
+    upstreams = {
+        g: [SubprocessUpstream(f"{g}-{i}", tokens_per_second=2000) for i in range(2)] for g in GROUPS
+    }
     config = RouterConfig(
         port=0,
         groups=[GroupConfig(name=g, replicas=[u.url for u in ups]) for g, ups in upstreams.items()],
@@ -149,5 +156,9 @@ async def test_killing_a_replica_then_a_group_loses_nothing_and_sessions_re_stic
     assert moved and returned  # the group's sessions really moved away and really came back
     # The crashes were seen and retried around (not merely avoided by luck).
     errors = router.metrics.errors
-    seen = sum(errors.labels(g, k)._value.get() for g in ("h100-fp8", "b200-nvfp4") for k in ("connect", "disconnect"))
+    seen = sum(
+        errors.labels(g, k)._value.get()
+        for g in ("h100-fp8", "b200-nvfp4")
+        for k in ("connect", "disconnect")
+    )
     assert seen >= 1

@@ -29,27 +29,60 @@ from rlfleet.operator import fleetplan
 from rlfleet.operator.fleetplan import FleetMemory, FleetReading, PlanFigure, ReferenceFigures, SteadyFigure
 from rlfleet.operator.rebalance import GroupInput, RebalanceConfig, rebalance
 
-JOB = rljob("j", [
-    {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
-    {"name": "a100-bf16", "accelerator": "a100", "replicas": 1},
-    {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8", "tensorParallel": 2},
-], "ns", router={"optimize": {
-    "enabled": True,
-    "demand": {"usableTokensPerSecond": 13000},
-    "budgets": {"maxKl": 0.01, "groupMaxOorFraction": 0.2},
-    "groups": {"b200-nvfp4": {"maxReplicas": 3}, "a100-bf16": {"minReplicas": 0, "maxReplicas": 4, "maxKl": 0.05}},
-    "maxStepReplicas": 1,
-    "hysteresis": 0.1,
-}})  # fmt: skip
-REFERENCE = ReferenceFigures(accelerator="b200", tokens_per_gpu_second=2500.0, cost_per_gpu_hour=5.99, oor_fraction=None)
+JOB = rljob(
+    "j",
+    [
+        {"name": "b200-nvfp4", "accelerator": "b200", "replicas": 1, "weightFormat": "nvfp4"},
+        {"name": "a100-bf16", "accelerator": "a100", "replicas": 1},
+        {
+            "name": "h100-fp8",
+            "accelerator": "h100",
+            "replicas": 2,
+            "weightFormat": "fp8",
+            "tensorParallel": 2,
+        },
+    ],
+    "ns",
+    router={
+        "optimize": {
+            "enabled": True,
+            "demand": {"usableTokensPerSecond": 13000},
+            "budgets": {"maxKl": 0.01, "groupMaxOorFraction": 0.2},
+            "groups": {
+                "b200-nvfp4": {"maxReplicas": 3},
+                "a100-bf16": {"minReplicas": 0, "maxReplicas": 4, "maxKl": 0.05},
+            },
+            "maxStepReplicas": 1,
+            "hysteresis": 0.1,
+        }
+    },
+)
+REFERENCE = ReferenceFigures(
+    accelerator="b200", tokens_per_gpu_second=2500.0, cost_per_gpu_hour=5.99, oor_fraction=None
+)
 
 
-def reading(name: str, replicas: int, ready: int | None = None, tps: float | None = None, **kw) -> FleetReading:
+def reading(
+    name: str, replicas: int, ready: int | None = None, tps: float | None = None, **kw
+) -> FleetReading:
     accelerator, fmt = name.split("-")
-    fields = {"gpus_per_replica": 1, "cost_per_replica_hour": {"b200": 5.99, "a100": 1.79, "h100": 5.98}[accelerator],
-              "kl": None, "oor_fraction": None, "quarantined": False, **kw}  # fmt: skip
-    return FleetReading(name, accelerator, fmt, replicas=replicas, ready_replicas=replicas if ready is None else ready,
-                        tokens_per_second=tps, **fields)  # fmt: skip
+    fields = {
+        "gpus_per_replica": 1,
+        "cost_per_replica_hour": {"b200": 5.99, "a100": 1.79, "h100": 5.98}[accelerator],
+        "kl": None,
+        "oor_fraction": None,
+        "quarantined": False,
+        **kw,
+    }
+    return FleetReading(
+        name,
+        accelerator,
+        fmt,
+        replicas=replicas,
+        ready_replicas=replicas if ready is None else ready,
+        tokens_per_second=tps,
+        **fields,
+    )
 
 
 def optimize_spec(**changes):
@@ -62,30 +95,61 @@ def optimize_spec(**changes):
 
 
 def test_a_reading_takes_class_format_tensor_parallel_price_and_replicas_from_the_samplergroup() -> None:
-    sg = {"spec": {"name": "h100-fp8", "accelerator": "h100", "weightFormat": "fp8", "replicas": 2, "tensorParallel": 2},
-          "status": {"readyReplicas": 1}}  # fmt: skip
+    sg = {
+        "spec": {
+            "name": "h100-fp8",
+            "accelerator": "h100",
+            "weightFormat": "fp8",
+            "replicas": 2,
+            "tensorParallel": 2,
+        },
+        "status": {"readyReplicas": 1},
+    }
     assert fleetplan.fleet_reading(sg, 2.99, 1, 3000.0, 0.01, 0.1, False) == FleetReading(
-        "h100-fp8", "h100", "fp8", gpus_per_replica=2, cost_per_replica_hour=5.98, replicas=2, ready_replicas=1,
-        tokens_per_second=3000.0, kl=0.01, oor_fraction=0.1, quarantined=False,
-    )  # fmt: skip
-    plain = fleetplan.fleet_reading({"spec": {"name": "a", "accelerator": "b200"}}, 5.99, 1, None, None, None, True)
-    assert (plain.weight_format, plain.gpus_per_replica, plain.replicas, plain.ready_replicas) == ("bf16", 1, 1, 0)
+        "h100-fp8",
+        "h100",
+        "fp8",
+        gpus_per_replica=2,
+        cost_per_replica_hour=5.98,
+        replicas=2,
+        ready_replicas=1,
+        tokens_per_second=3000.0,
+        kl=0.01,
+        oor_fraction=0.1,
+        quarantined=False,
+    )
+    plain = fleetplan.fleet_reading(
+        {"spec": {"name": "a", "accelerator": "b200"}}, 5.99, 1, None, None, None, True
+    )
+    assert (plain.weight_format, plain.gpus_per_replica, plain.replicas, plain.ready_replicas) == (
+        "bf16",
+        1,
+        1,
+        0,
+    )
 
 
 def test_tokens_per_replica_are_taken_only_from_a_steady_group_and_kept_otherwise() -> None:
-    first = fleetplan.observe(FleetMemory(), [
-        reading("b200-nvfp4", 2, tps=8000.0),  # first seen, ready = replicas: 4000 per replica
-        reading("a100-bf16", 2, ready=1, tps=1000.0),  # a pod not ready: no figure
-        reading("h100-fp8", 1, tps=0.0),  # made nothing: no figure
-    ])  # fmt: skip
+    first = fleetplan.observe(
+        FleetMemory(),
+        [
+            reading("b200-nvfp4", 2, tps=8000.0),  # first seen, ready = replicas: 4000 per replica
+            reading("a100-bf16", 2, ready=1, tps=1000.0),  # a pod not ready: no figure
+            reading("h100-fp8", 1, tps=0.0),  # made nothing: no figure
+        ],
+    )
     assert first.per_replica == {"b200-nvfp4": 4000.0}
     assert first.ready == {"b200-nvfp4": (2, 0), "a100-bf16": (1, 0), "h100-fp8": (1, 0)}
     # scaled to 3 and ready: the ready count changed since the last interval, so the reading (of a rate
     # that spans the change) is not taken: the last figure stays
-    second = fleetplan.observe(first, [reading("b200-nvfp4", 3, tps=11000.0), reading("a100-bf16", 2, tps=2400.0)])
+    second = fleetplan.observe(
+        first, [reading("b200-nvfp4", 3, tps=11000.0), reading("a100-bf16", 2, tps=2400.0)]
+    )
     assert second.per_replica == {"b200-nvfp4": 4000.0}  # h100-fp8 gone: dropped
     assert second.ready == {"b200-nvfp4": (3, 0), "a100-bf16": (2, 0)}
-    third = fleetplan.observe(second, [reading("b200-nvfp4", 3, tps=12600.0), reading("a100-bf16", 2, tps=2400.0)])
+    third = fleetplan.observe(
+        second, [reading("b200-nvfp4", 3, tps=12600.0), reading("a100-bf16", 2, tps=2400.0)]
+    )
     assert third.per_replica == {"b200-nvfp4": 4200.0, "a100-bf16": 1200.0}
     # a Prometheus rate spanning 3 intervals: 3 unchanged intervals before a figure is taken
     waits = [fleetplan.observe(second, [reading("a100-bf16", 2, tps=2000.0)], settle_intervals=3)]
@@ -95,13 +159,17 @@ def test_tokens_per_replica_are_taken_only_from_a_steady_group_and_kept_otherwis
 
 
 def test_a_steady_figure_keeps_what_it_was_read_at_and_is_dropped_when_the_format_changes() -> None:
-    first = fleetplan.observe(FleetMemory(), [reading("b200-nvfp4", 2, tps=8000.0)], now="2026-12-05T10:00:00Z")
+    first = fleetplan.observe(
+        FleetMemory(), [reading("b200-nvfp4", 2, tps=8000.0)], now="2026-12-05T10:00:00Z"
+    )
     assert first.steady == {"b200-nvfp4": SteadyFigure(4000.0, 2, "nvfp4", "2026-12-05T10:00:00Z")}
     # scaled to 0: never steady again, the figure stays (of the same format)
     zero = fleetplan.observe(first, [reading("b200-nvfp4", 0)], now="2026-12-05T10:01:00Z")
     assert zero.steady == first.steady
     # the autopilot moved it to fp8: a figure of nvfp4 says nothing of fp8
-    moved = fleetplan.observe(zero, [FleetReading("b200-nvfp4", "b200", "fp8", 1, 5.99, 0, 0, None, None, None, False)])
+    moved = fleetplan.observe(
+        zero, [FleetReading("b200-nvfp4", "b200", "fp8", 1, 5.99, 0, 0, None, None, None, False)]
+    )
     assert moved.steady == {}
 
 
@@ -111,44 +179,75 @@ def test_a_group_without_a_figure_is_planned_at_an_estimate_from_the_catalogs_ra
     per replica, h100-fp8 at 4 x 500 x 2 GPUs = 4000; a100-fp8 has no ratio here and gets no figure, nor
     does h100-bf16, which has replicas (its pods are about to be measured)."""
     path = tmp_path / "catalog.yaml"
-    path.write_text("classes:\n  b200: {decodeThroughput: {nvfp4: 8}}\n  a100: {decodeThroughput: {bf16: 2, fp8: null}}\n"
-                    "  h100: {decodeThroughput: {fp8: 4}}\n")  # fmt: skip
+    path.write_text(
+        "classes:\n  b200: {decodeThroughput: {nvfp4: 8}}\n  a100: {decodeThroughput: {bf16: 2, fp8: null}}\n"
+        "  h100: {decodeThroughput: {fp8: 4}}\n"
+    )
     catalog = load_catalog(path)
-    readings = [reading("b200-nvfp4", 1, tps=4000.0), reading("a100-bf16", 0), reading("h100-fp8", 0, gpus_per_replica=2),
-                reading("a100-fp8", 0), reading("b200-bf16", 0, quarantined=True),
-                reading("h100-bf16", 2, ready=1)]  # fmt: skip
+    readings = [
+        reading("b200-nvfp4", 1, tps=4000.0),
+        reading("a100-bf16", 0),
+        reading("h100-fp8", 0, gpus_per_replica=2),
+        reading("a100-fp8", 0),
+        reading("b200-bf16", 0, quarantined=True),
+        reading("h100-bf16", 2, ready=1),
+    ]
     memory = FleetMemory(steady={"b200-nvfp4": SteadyFigure(4000.0, 1, "nvfp4", "2026-12-05T10:00:00Z")})
     figures = fleetplan.plan_figures(readings, memory, catalog)
     assert figures == {
-        "b200-nvfp4": PlanFigure(4000.0, "measured", "steady reading over 1 replica(s) at nvfp4, 2026-12-05T10:00:00Z"),
-        "a100-bf16": PlanFigure(1000.0, "estimated", "estimated from catalog throughput ratios (a100 bf16 against the measured b200-nvfp4)"),
-        "h100-fp8": PlanFigure(4000.0, "estimated", "estimated from catalog throughput ratios (h100 fp8 against the measured b200-nvfp4)"),
-    }  # fmt: skip
-    assert fleetplan.plan_figures(readings, FleetMemory(), catalog) == {}  # nothing measured: nothing to carry
+        "b200-nvfp4": PlanFigure(
+            4000.0, "measured", "steady reading over 1 replica(s) at nvfp4, 2026-12-05T10:00:00Z"
+        ),
+        "a100-bf16": PlanFigure(
+            1000.0,
+            "estimated",
+            "estimated from catalog throughput ratios (a100 bf16 against the measured b200-nvfp4)",
+        ),
+        "h100-fp8": PlanFigure(
+            4000.0,
+            "estimated",
+            "estimated from catalog throughput ratios (h100 fp8 against the measured b200-nvfp4)",
+        ),
+    }
+    assert (
+        fleetplan.plan_figures(readings, FleetMemory(), catalog) == {}
+    )  # nothing measured: nothing to carry
     # the hand-solved fleet with a100-bf16 at 0 replicas and never measured: planned at its estimate of
     # 1000, the same optimum as measured; the status and the reason say it is an estimate
     readings = [reading("b200-nvfp4", 2, tps=8000.0), reading("a100-bf16", 0)]
     figures = fleetplan.plan_figures(readings, memory, catalog)
     per_replica = {g: f.tokens_per_second_per_replica for g, f in figures.items()}
-    request, left_out = fleetplan.fleet_request(optimize_spec(budgets={}), "b200", REFERENCE, readings, per_replica)
+    request, left_out = fleetplan.fleet_request(
+        optimize_spec(budgets={}), "b200", REFERENCE, readings, per_replica
+    )
     decision = fleetplan.decide(request, left_out, readings, {}, catalog, "given", figures)
     assert decision.decision == "Scaled" and decision.changes() == {"b200-nvfp4": (2, 3), "a100-bf16": (0, 1)}
     assert decision.status()["throughput"] == {
-        "b200-nvfp4": {"tokensPerSecondPerReplica": 4000.0, "basis": "measured",
-                       "detail": "steady reading over 1 replica(s) at nvfp4, 2026-12-05T10:00:00Z"},
-        "a100-bf16": {"tokensPerSecondPerReplica": 1000.0, "basis": "estimated",
-                      "detail": "estimated from catalog throughput ratios (a100 bf16 against the measured b200-nvfp4)"},
-    }  # fmt: skip
-    assert decision.reason.endswith("; a100-bf16 planned at an estimated 1000 tokens/s per replica (no steady reading "
-                                    "of its own: estimated from catalog throughput ratios (a100 bf16 against the "
-                                    "measured b200-nvfp4))")  # fmt: skip
+        "b200-nvfp4": {
+            "tokensPerSecondPerReplica": 4000.0,
+            "basis": "measured",
+            "detail": "steady reading over 1 replica(s) at nvfp4, 2026-12-05T10:00:00Z",
+        },
+        "a100-bf16": {
+            "tokensPerSecondPerReplica": 1000.0,
+            "basis": "estimated",
+            "detail": "estimated from catalog throughput ratios (a100 bf16 against the measured b200-nvfp4)",
+        },
+    }
+    assert decision.reason.endswith(
+        "; a100-bf16 planned at an estimated 1000 tokens/s per replica (no steady reading "
+        "of its own: estimated from catalog throughput ratios (a100 bf16 against the "
+        "measured b200-nvfp4))"
+    )
 
 
 def test_the_request_maps_every_measured_figure_bound_and_budget_exactly() -> None:
     readings = [
         reading("b200-nvfp4", 1, tps=4000.0, kl=0.004, oor_fraction=0.05),
         reading("a100-bf16", 2, ready=1, kl=None, oor_fraction=None),  # no trainer report yet: 0
-        reading("h100-fp8", 2, gpus_per_replica=2, kl=0.001, oor_fraction=1.0),  # not in optimize.groups: fixed
+        reading(
+            "h100-fp8", 2, gpus_per_replica=2, kl=0.001, oor_fraction=1.0
+        ),  # not in optimize.groups: fixed
         reading("b200-bf16", 1),  # no figure yet
         reading("b200-fp8", 1, quarantined=True),
     ]
@@ -162,19 +261,52 @@ def test_the_request_maps_every_measured_figure_bound_and_budget_exactly() -> No
         max_step_replicas=1,
         hysteresis=0.1,
         groups=[
-            GroupFigures(name="b200-nvfp4", accelerator="b200", weight_format="nvfp4", cost_per_replica_hour=5.99,
-                         tokens_per_second_per_replica=4000.0, kl=0.004, oor_fraction=0.05, min_replicas=0,
-                         max_replicas=3, replicas=1),
-            GroupFigures(name="a100-bf16", accelerator="a100", weight_format="bf16", cost_per_replica_hour=1.79,
-                         tokens_per_second_per_replica=1000.0, kl=0.0, oor_fraction=0.0, min_replicas=0,
-                         max_replicas=4, replicas=2, max_kl=0.05),
-            GroupFigures(name="h100-fp8", accelerator="h100", weight_format="fp8", gpus_per_replica=2,
-                         cost_per_replica_hour=5.98, tokens_per_second_per_replica=2500.0, kl=0.001, oor_fraction=1.0,
-                         min_replicas=2, max_replicas=2, replicas=2),
+            GroupFigures(
+                name="b200-nvfp4",
+                accelerator="b200",
+                weight_format="nvfp4",
+                cost_per_replica_hour=5.99,
+                tokens_per_second_per_replica=4000.0,
+                kl=0.004,
+                oor_fraction=0.05,
+                min_replicas=0,
+                max_replicas=3,
+                replicas=1,
+            ),
+            GroupFigures(
+                name="a100-bf16",
+                accelerator="a100",
+                weight_format="bf16",
+                cost_per_replica_hour=1.79,
+                tokens_per_second_per_replica=1000.0,
+                kl=0.0,
+                oor_fraction=0.0,
+                min_replicas=0,
+                max_replicas=4,
+                replicas=2,
+                max_kl=0.05,
+            ),
+            GroupFigures(
+                name="h100-fp8",
+                accelerator="h100",
+                weight_format="fp8",
+                gpus_per_replica=2,
+                cost_per_replica_hour=5.98,
+                tokens_per_second_per_replica=2500.0,
+                kl=0.001,
+                oor_fraction=1.0,
+                min_replicas=2,
+                max_replicas=2,
+                replicas=2,
+            ),
         ],
-        reference=Reference(accelerator="b200", gpus_per_replica=1, cost_per_replica_hour=5.99,
-                            tokens_per_second_per_replica=2500.0),
-    )  # fmt: skip
+        reference=Reference(
+            accelerator="b200",
+            gpus_per_replica=1,
+            cost_per_replica_hour=5.99,
+            tokens_per_second_per_replica=2500.0,
+        ),
+    )
     none, out = fleetplan.fleet_request(optimize_spec(), "b200", REFERENCE, [reading("b200-bf16", 1)], {})
     assert none is None and out == {"b200-bf16": "no throughput reading yet"}
 
@@ -183,10 +315,15 @@ def test_the_request_maps_every_measured_figure_bound_and_budget_exactly() -> No
 
 
 def decide(replicas: tuple[int, int], demand: float = 13000.0, **spec):
-    readings = [reading("b200-nvfp4", replicas[0], tps=4000.0 * replicas[0]), reading("a100-bf16", replicas[1])]
+    readings = [
+        reading("b200-nvfp4", replicas[0], tps=4000.0 * replicas[0]),
+        reading("a100-bf16", replicas[1]),
+    ]
     per_replica = {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0}
     spec = {"budgets": {}, "demand": {"usableTokensPerSecond": demand}, **spec}
-    request, left_out = fleetplan.fleet_request(optimize_spec(**spec), "b200", REFERENCE, readings, per_replica)
+    request, left_out = fleetplan.fleet_request(
+        optimize_spec(**spec), "b200", REFERENCE, readings, per_replica
+    )
     return fleetplan.decide(request, left_out, readings, {"b200-nvfp4": 0.5, "a100-bf16": 0.5})
 
 
@@ -196,7 +333,12 @@ def test_out_of_reach_within_a_step_the_groups_below_the_unstepped_optimum_go_up
     assert step.changes() == {"b200-nvfp4": (1, 2)}
     assert step.shares is None and step.plan is None  # the share policy's shares stand
     assert "{'b200-nvfp4': 3, 'a100-bf16': 1}" in step.reason and "none goes down" in step.reason
-    assert step.status() == {"decision": "Stepping", "reason": step.reason, "replicas": step.replicas, "binding": []}
+    assert step.status() == {
+        "decision": "Stepping",
+        "reason": step.reason,
+        "replicas": step.replicas,
+        "binding": [],
+    }
 
 
 def test_then_the_hand_computed_optimum_its_shares_cost_and_binding_constraints() -> None:
@@ -213,7 +355,11 @@ def test_then_the_hand_computed_optimum_its_shares_cost_and_binding_constraints(
     assert [b.split(":")[0] for b in status["binding"]] == ["usable tokens/s >= 13000"]
     assert "plan $19.76/h, $0.4222 per 1M usable tokens" in scaled.reason
     kept = decide((3, 1))
-    assert kept.decision == "Kept" and kept.changes() == {} and kept.replicas == {"b200-nvfp4": 3, "a100-bf16": 1}
+    assert (
+        kept.decision == "Kept"
+        and kept.changes() == {}
+        and kept.replicas == {"b200-nvfp4": 3, "a100-bf16": 1}
+    )
 
 
 def test_hysteresis_keeps_a_plan_that_meets_the_demand_when_the_optimum_saves_too_little() -> None:
@@ -227,18 +373,29 @@ def test_an_infeasible_demand_changes_nothing_and_says_why() -> None:
     decision = decide((3, 1), demand=20000.0)
     assert decision.decision == "Infeasible" and decision.changes() == {} and decision.shares is None
     # within a step of (3, 1): b200 <= 3, a100 <= 2: 14000; without the step bound 16000: neither is enough
-    assert decision.reason.startswith("no plan meets the budgets: demand 20000 usable tokens/s; the groups within "
-                                      "budget make at most 14000 at their replica bounds")  # fmt: skip
+    assert decision.reason.startswith(
+        "no plan meets the budgets: demand 20000 usable tokens/s; the groups within "
+        "budget make at most 14000 at their replica bounds"
+    )
     assert decision.status()["decision"] == "Infeasible" and "costPerHour" not in decision.status()
 
 
 def test_a_group_left_out_keeps_its_replicas_and_policy_share_and_the_plan_splits_the_rest() -> None:
-    readings = [reading("b200-nvfp4", 3, tps=12000.0), reading("a100-bf16", 1), reading("b200-bf16", 2, ready=0)]
-    request, left_out = fleetplan.fleet_request(optimize_spec(), "b200", REFERENCE, readings,
-                                                {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0})  # fmt: skip
-    decision = fleetplan.decide(request, left_out, readings, {"b200-nvfp4": 0.6, "a100-bf16": 0.2, "b200-bf16": 0.2})
+    readings = [
+        reading("b200-nvfp4", 3, tps=12000.0),
+        reading("a100-bf16", 1),
+        reading("b200-bf16", 2, ready=0),
+    ]
+    request, left_out = fleetplan.fleet_request(
+        optimize_spec(), "b200", REFERENCE, readings, {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0}
+    )
+    decision = fleetplan.decide(
+        request, left_out, readings, {"b200-nvfp4": 0.6, "a100-bf16": 0.2, "b200-bf16": 0.2}
+    )
     assert decision.replicas == {"b200-nvfp4": 3, "a100-bf16": 1, "b200-bf16": 2}
-    assert decision.shares == pytest.approx({"b200-nvfp4": 0.8 * 12 / 13, "a100-bf16": 0.8 / 13, "b200-bf16": 0.2})
+    assert decision.shares == pytest.approx(
+        {"b200-nvfp4": 0.8 * 12 / 13, "a100-bf16": 0.8 / 13, "b200-bf16": 0.2}
+    )
     assert decision.reason.endswith("b200-bf16 keeps its replicas (no throughput reading yet)")
     waiting = fleetplan.decide(None, {"a": "no throughput reading yet"}, [reading("b200-nvfp4", 2)], {})
     assert (waiting.decision, waiting.replicas, waiting.shares) == ("Waiting", {"b200-nvfp4": 2}, None)
@@ -246,19 +403,31 @@ def test_a_group_left_out_keeps_its_replicas_and_policy_share_and_the_plan_split
 
 def test_a_group_over_its_own_budget_is_drained_one_step_per_interval() -> None:
     readings = [reading("b200-nvfp4", 3, tps=12000.0), reading("a100-bf16", 3, kl=0.06)]  # a100's maxKl 0.05
-    request, left_out = fleetplan.fleet_request(optimize_spec(demand={"usableTokensPerSecond": 12000}), "b200",
-                                                REFERENCE, readings, {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0})  # fmt: skip
+    request, left_out = fleetplan.fleet_request(
+        optimize_spec(demand={"usableTokensPerSecond": 12000}),
+        "b200",
+        REFERENCE,
+        readings,
+        {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0},
+    )
     decision = fleetplan.decide(request, left_out, readings, {})
-    assert decision.changes() == {"a100-bf16": (3, 2)} and decision.shares == {"b200-nvfp4": 1.0, "a100-bf16": 0.0}
+    assert decision.changes() == {"a100-bf16": (3, 2)} and decision.shares == {
+        "b200-nvfp4": 1.0,
+        "a100-bf16": 0.0,
+    }
 
 
 def test_the_plans_shares_move_the_routers_shares_bounded_and_say_so() -> None:
-    inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0, static_share=0.9),
-              GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0, static_share=0.1)]  # fmt: skip
+    inputs = [
+        GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0, static_share=0.9),
+        GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0, static_share=0.1),
+    ]
     result = rebalance(inputs, None, 0.0, RebalanceConfig(policy="plan", min_share=0.0, max_share_change=0.1))
     assert result.shares == pytest.approx({"a": 0.6, "b": 0.4})  # from 0.5 each toward 0.9 / 0.1, by 0.1
-    assert result.changes == ("a: share 0.500 -> 0.600 (fleet plan 0.900; bounded toward 0.900)",
-                              "b: share 0.500 -> 0.400 (fleet plan 0.100; bounded toward 0.100)")  # fmt: skip
+    assert result.changes == (
+        "a: share 0.500 -> 0.600 (fleet plan 0.900; bounded toward 0.900)",
+        "b: share 0.500 -> 0.400 (fleet plan 0.100; bounded toward 0.100)",
+    )
     assert result.groups["a"].measured_tokens_per_second == 100.0
 
 
@@ -269,13 +438,24 @@ def test_the_block_is_off_by_default_and_refuses_what_it_cannot_plan() -> None:
     plain = copy.deepcopy(JOB)
     del plain["spec"]["router"]
     optimize = RLJob.from_manifest(plain).spec.router.optimize
-    assert (optimize.enabled, optimize.demand, optimize.groups, optimize.max_step_replicas, optimize.hysteresis) == (
-        False, None, {}, 1, 0.05)  # fmt: skip
+    assert (
+        optimize.enabled,
+        optimize.demand,
+        optimize.groups,
+        optimize.max_step_replicas,
+        optimize.hysteresis,
+    ) == (False, None, {}, 1, 0.05)
     for change, message in (
         ({"demand": None}, "enabled needs demand.usableTokensPerSecond"),
-        ({"groups": {"nope": {"maxReplicas": 1}}}, r"every key must be the name of a group in samplerGroups \(unknown: nope\)"),
-        ({"groups": {"a100-bf16": {"minReplicas": 3, "maxReplicas": 2}}}, r"minReplicas must be <= maxReplicas \(got 3 > 2\)"),
-    ):  # fmt: skip
+        (
+            {"groups": {"nope": {"maxReplicas": 1}}},
+            r"every key must be the name of a group in samplerGroups \(unknown: nope\)",
+        ),
+        (
+            {"groups": {"a100-bf16": {"minReplicas": 3, "maxReplicas": 2}}},
+            r"minReplicas must be <= maxReplicas \(got 3 > 2\)",
+        ),
+    ):
         job = copy.deepcopy(JOB)
         job["spec"]["router"]["optimize"].update(change)
         if change.get("demand", 0) is None:
@@ -321,18 +501,36 @@ def test_a_derived_demand_plans_as_the_same_given_demand_and_waits_for_the_train
     readings = [reading("b200-nvfp4", 1, tps=4000.0), reading("a100-bf16", 1)]
     per_replica = {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0}
     spec = optimize_spec(budgets={}, demand={"headroom": 1.0})
-    trainer = trainer_fleet_metrics({"episodes": 52.0, "response_length": 1000.0, "time/train": 4.0, "oor_fraction": 0.0})
+    trainer = trainer_fleet_metrics(
+        {"episodes": 52.0, "response_length": 1000.0, "time/train": 4.0, "oor_fraction": 0.0}
+    )
     request, left_out = fleetplan.fleet_request(spec, "b200", REFERENCE, readings, per_replica, None, trainer)
     assert request is not None and request.demand == Demand(usable_tokens_per_second=13000.0)
     _, source = fleetplan.demand_of(spec, trainer)
-    derived = fleetplan.decide(request, left_out, readings, {"b200-nvfp4": 0.5, "a100-bf16": 0.5}, None, source)
+    derived = fleetplan.decide(
+        request, left_out, readings, {"b200-nvfp4": 0.5, "a100-bf16": 0.5}, None, source
+    )
     given = decide((1, 1))
-    assert (derived.decision, derived.replicas) == (given.decision, given.replicas) == ("Stepping", {"b200-nvfp4": 2, "a100-bf16": 1})
-    assert derived.reason.endswith("; demand 13000 usable tokens/s derived: 52000 tokens per step over 4.00 s of training, "
-                                   "x 1.000 in band x headroom 1")  # fmt: skip
+    assert (
+        (derived.decision, derived.replicas)
+        == (given.decision, given.replicas)
+        == ("Stepping", {"b200-nvfp4": 2, "a100-bf16": 1})
+    )
+    assert derived.reason.endswith(
+        "; demand 13000 usable tokens/s derived: 52000 tokens per step over 4.00 s of training, "
+        "x 1.000 in band x headroom 1"
+    )
 
     request, left_out = fleetplan.fleet_request(spec, "b200", REFERENCE, readings, per_replica, None, {})
     _, source = fleetplan.demand_of(spec, {})
-    waiting = fleetplan.decide(request, left_out, readings, {"b200-nvfp4": 0.5, "a100-bf16": 0.5}, None, source)
-    assert request is None and waiting.decision == "Waiting" and waiting.replicas == {"b200-nvfp4": 1, "a100-bf16": 1}
-    assert waiting.reason.startswith("the demand is not known yet (derived from the trainer's steps, none reported yet)")
+    waiting = fleetplan.decide(
+        request, left_out, readings, {"b200-nvfp4": 0.5, "a100-bf16": 0.5}, None, source
+    )
+    assert (
+        request is None
+        and waiting.decision == "Waiting"
+        and waiting.replicas == {"b200-nvfp4": 1, "a100-bf16": 1}
+    )
+    assert waiting.reason.startswith(
+        "the demand is not known yet (derived from the trainer's steps, none reported yet)"
+    )

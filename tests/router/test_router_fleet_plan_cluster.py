@@ -44,11 +44,15 @@ def test_the_optimizer_scales_groups_to_the_optimum_through_scale_and_an_infeasi
         return PER_REPLICA.get(samplergroup, 0.0) * ready
 
     def replicas() -> tuple[int, int]:
-        return tuple(get("samplergroup", f"{JOB}-{g}")["spec"]["replicas"] for g in ("b200-nvfp4", "a100-bf16"))
+        return tuple(
+            get("samplergroup", f"{JOB}-{g}")["spec"]["replicas"] for g in ("b200-nvfp4", "a100-bf16")
+        )
 
     def fleet_scaled() -> list[tuple[str, str]]:
-        return sorted((e["involvedObject"]["name"], e["message"].split(":")[0])
-                      for e in events(kube, namespace, "FleetScaled"))  # fmt: skip
+        return sorted(
+            (e["involvedObject"]["name"], e["message"].split(":")[0])
+            for e in events(kube, namespace, "FleetScaled")
+        )
 
     with fake_prometheus(rate) as (url, _), operator_in_process(kube, namespace, monkeypatch):
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest(url, 13000)))
@@ -65,11 +69,25 @@ def test_the_optimizer_scales_groups_to_the_optimum_through_scale_and_an_infeasi
         assert [b.split(":")[0] for b in plan["binding"]] == ["usable tokens/s >= 13000"]
         assert plan["reason"].startswith("the current replicas are the optimum")
         # one replica per interval: a step (the demand out of reach within one), then the optimum
-        assert fleet_scaled() == [(f"{JOB}-b200-nvfp4", "replicas 1 -> 2 (Stepping)"),
-                                  (f"{JOB}-b200-nvfp4", "replicas 2 -> 3 (Scaled)")]  # fmt: skip
-        b200 = json.loads(kube.kubectl("get", "samplergroup", f"{JOB}-b200-nvfp4", "-n", namespace, "-o", "json",
-                                       "--show-managed-fields").stdout)  # fmt: skip
-        assert any(m.get("subresource") == "scale" for m in b200["metadata"]["managedFields"]), b200["metadata"]
+        assert fleet_scaled() == [
+            (f"{JOB}-b200-nvfp4", "replicas 1 -> 2 (Stepping)"),
+            (f"{JOB}-b200-nvfp4", "replicas 2 -> 3 (Scaled)"),
+        ]
+        b200 = json.loads(
+            kube.kubectl(
+                "get",
+                "samplergroup",
+                f"{JOB}-b200-nvfp4",
+                "-n",
+                namespace,
+                "-o",
+                "json",
+                "--show-managed-fields",
+            ).stdout
+        )
+        assert any(m.get("subresource") == "scale" for m in b200["metadata"]["managedFields"]), b200[
+            "metadata"
+        ]
         assert get("deployment", f"{JOB}-b200-nvfp4")["spec"]["replicas"] == 3
         # the Git-managed spec is never written
         job = get("rljob", JOB)
@@ -81,9 +99,15 @@ def test_the_optimizer_scales_groups_to_the_optimum_through_scale_and_an_infeasi
 
         # A demand no plan meets (the groups make at most 16000 at their bounds): nothing changes, and
         # the status says why. The RLJob's own change keeps the scale override (its replicas did not change).
-        kube.kubectl("apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(manifest(url, 20000)))
-        plan = wait_for("the infeasible plan", lambda: (p := get("rljob", JOB)["status"].get("fleetPlan", {}))
-                        .get("decision") == "Infeasible" and p)  # fmt: skip
+        kube.kubectl(
+            "apply", "-n", namespace, "--server-side", "-f", "-", input=yaml.safe_dump(manifest(url, 20000))
+        )
+        plan = wait_for(
+            "the infeasible plan",
+            lambda: (
+                (p := get("rljob", JOB)["status"].get("fleetPlan", {})).get("decision") == "Infeasible" and p
+            ),
+        )
         assert plan["reason"].startswith("no plan meets the budgets: demand 20000 usable tokens/s"), plan
         assert plan["replicas"] == {"b200-nvfp4": 3, "a100-bf16": 1} and replicas() == (3, 1)
         assert len(fleet_scaled()) == 2

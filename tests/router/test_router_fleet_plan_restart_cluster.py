@@ -62,8 +62,11 @@ def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_pe
         return get("rljob", JOB).get("status", {}).get("fleetPlan") or {}
 
     def fleet_scaled(group: str) -> list[str]:
-        return sorted(e["message"].split(":")[0] for e in events(kube, namespace, "FleetScaled")
-                      if e["involvedObject"]["name"] == group)  # fmt: skip
+        return sorted(
+            e["message"].split(":")[0]
+            for e in events(kube, namespace, "FleetScaled")
+            if e["involvedObject"]["name"] == group
+        )
 
     first_log, second_log = tmp_path / "operator-1.log", tmp_path / "operator-2.log"
     with fake_prometheus(rate) as (url, _):
@@ -73,11 +76,19 @@ def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_pe
             # a100 is measured at 1 replica (steady over the Prometheus window) and kept: the plan needs it
             figure = wait_for("a100's steady figure in the decisions", lambda: steady("a100-bf16"))
             assert {k: figure[k] for k in ("tokensPerSecondPerReplica", "replicas", "weightFormat")} == {
-                "tokensPerSecondPerReplica": 1000.0, "replicas": 1, "weightFormat": "bf16"}  # fmt: skip
+                "tokensPerSecondPerReplica": 1000.0,
+                "replicas": 1,
+                "weightFormat": "bf16",
+            }
             # the demand falls: a100 goes to 0 and its figure stays in the decisions
             apply(manifest(url, 4000))
-            wait_for("a100 at 0 replicas", lambda: get("samplergroup", A100)["spec"]["replicas"] == 0
-                     and (get("samplergroup", A100).get("status", {}).get("readyReplicas") or 0) == 0)  # fmt: skip
+            wait_for(
+                "a100 at 0 replicas",
+                lambda: (
+                    get("samplergroup", A100)["spec"]["replicas"] == 0
+                    and (get("samplergroup", A100).get("status", {}).get("readyReplicas") or 0) == 0
+                ),
+            )
             assert fleet_scaled(A100) == ["replicas 1 -> 0 (Scaled)"]
             assert steady("a100-bf16") == figure
         finally:
@@ -90,13 +101,21 @@ def test_a_group_scaled_to_zero_comes_back_after_an_operator_restart_from_its_pe
         apply(manifest(url, 5000))
         operator = start_operator(kube, namespace, second_log, "--standalone")
         try:
-            back = wait_for("a100 back at 1 replica, kept", lambda: (p := plan()).get("decision") == "Kept"
-                            and p["replicas"] == {"b200-nvfp4": 1, "a100-bf16": 1} and p)  # fmt: skip
+            back = wait_for(
+                "a100 back at 1 replica, kept",
+                lambda: (
+                    (p := plan()).get("decision") == "Kept"
+                    and p["replicas"] == {"b200-nvfp4": 1, "a100-bf16": 1}
+                    and p
+                ),
+            )
             assert get("samplergroup", A100)["spec"]["replicas"] == 1
             assert fleet_scaled(A100) == ["replicas 0 -> 1 (Scaled)", "replicas 1 -> 0 (Scaled)"]
             assert back["throughput"]["a100-bf16"] == {
-                "tokensPerSecondPerReplica": 1000.0, "basis": "measured",
-                "detail": f"steady reading over 1 replica(s) at bf16, {figure['measuredAt']}"}  # fmt: skip
+                "tokensPerSecondPerReplica": 1000.0,
+                "basis": "measured",
+                "detail": f"steady reading over 1 replica(s) at bf16, {figure['measuredAt']}",
+            }
             assert back["throughput"]["b200-nvfp4"]["basis"] == "measured"
             assert steady("a100-bf16") == figure
             kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")

@@ -37,7 +37,11 @@ def test_each_group_gets_its_share_of_sessions(weights: dict[str, float]) -> Non
     for name, share in shares.items():
         observed = assignment.count(name) / N_KEYS
         # 4.5 binomial standard deviations: a real bias of 2% would fail, noise does not.
-        assert abs(observed - share) <= 4.5 * math.sqrt(share * (1 - share) / N_KEYS) + 1e-9, (name, observed, share)
+        assert abs(observed - share) <= 4.5 * math.sqrt(share * (1 - share) / N_KEYS) + 1e-9, (
+            name,
+            observed,
+            share,
+        )
 
 
 @settings(max_examples=15, deadline=None)
@@ -66,7 +70,9 @@ def test_changing_one_weight_moves_at_most_delta_plus_2_percent_and_only_through
 
 @settings(max_examples=20, deadline=None)
 @given(weights_strategy, st.data())
-def test_any_weight_change_moves_the_p_minhash_optimum(weights: dict[str, float], data: st.DataObject) -> None:
+def test_any_weight_change_moves_the_p_minhash_optimum(
+    weights: dict[str, float], data: st.DataObject
+) -> None:
     """Several weights at once: the exact expectation is 1 - J_P, between TV and 2 TV / (1 + TV)."""
     factors = data.draw(st.lists(st.floats(0.5, 2.0), min_size=len(weights), max_size=len(weights)))
     after = {m: w * f for (m, w), f in zip(weights.items(), factors, strict=True)}

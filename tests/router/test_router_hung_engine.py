@@ -22,8 +22,16 @@ from rlfleet.sampler.http_app import RunningServer
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.sampler.server import start_reference_server
 
-MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+MODEL = tiny_shape(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 BOUND_S = 60.0
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -33,26 +41,43 @@ eventually = partial(waits.eventually, bound_s=BOUND_S)
 
 
 @asynccontextmanager
-async def two_engines_behind_a_router(**timeouts: Any) -> AsyncIterator[tuple[RouterBench, list[RunningServer]]]:
+async def two_engines_behind_a_router(
+    **timeouts: Any,
+) -> AsyncIterator[tuple[RouterBench, list[RunningServer]]]:
     """Two reference samplers (seeds 1 and 2) as the replicas of group g behind the router service, its
     health probes every 0.2 s with `timeouts` (RouterConfig fields)."""
     async with router_bench() as bench:
-        servers = [bench.stop_at_close(await start_reference_server(ReferenceEngine(EngineConfig(model=MODEL, seed=s))))
-                   for s in (1, 2)]  # fmt: skip
-        await bench.start_router(RouterConfig(port=0, groups=[GroupConfig(name="g", replicas=[s.url for s in servers])],
-                                              health_interval_seconds=0.2, **timeouts))  # fmt: skip
+        servers = [
+            bench.stop_at_close(
+                await start_reference_server(ReferenceEngine(EngineConfig(model=MODEL, seed=s)))
+            )
+            for s in (1, 2)
+        ]
+        await bench.start_router(
+            RouterConfig(
+                port=0,
+                groups=[GroupConfig(name="g", replicas=[s.url for s in servers])],
+                health_interval_seconds=0.2,
+                **timeouts,
+            )
+        )
         yield bench, servers
 
 
 async def test_a_paused_engine_is_ejected_its_requests_move_and_it_returns_when_it_generates() -> None:
-    async with two_engines_behind_a_router(health_timeout_seconds=2.0, request_timeout_seconds=2.0,
-                                           hung_after_seconds=2.0) as (bench, servers):  # fmt: skip
+    async with two_engines_behind_a_router(
+        health_timeout_seconds=2.0, request_timeout_seconds=2.0, hung_after_seconds=2.0
+    ) as (bench, servers):
         hung, other = servers
         router, http = bench.router, bench.http
         assert router is not None and http is not None
         group = router.table.groups["g"]
         sessions = [f"s{i}" for i in range(200)]
-        on_hung = [s for s in sessions if router.table.choose_replica(group, hashing.key_hash(s), set(), None, 99, False).url == hung.url]  # fmt: skip
+        on_hung = [
+            s
+            for s in sessions
+            if router.table.choose_replica(group, hashing.key_hash(s), set(), None, 99, False).url == hung.url
+        ]
 
         async def generate(session: str) -> tuple[int, str]:
             body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}}
@@ -85,14 +110,22 @@ async def test_an_engine_paused_shorter_than_hung_after_keeps_its_request() -> N
     """A pause like a weight load (update_weights_from_disk blocks SGLang's scheduler): its probes fail,
     so the replica takes no new request, but the request in flight on it is not moved (not run twice)
     and is answered there once the engine generates again."""
-    async with two_engines_behind_a_router(health_timeout_seconds=0.5, failure_threshold=1,
-                                           request_timeout_seconds=0.5, hung_after_seconds=BOUND_S) as (bench, servers):  # fmt: skip
+    async with two_engines_behind_a_router(
+        health_timeout_seconds=0.5,
+        failure_threshold=1,
+        request_timeout_seconds=0.5,
+        hung_after_seconds=BOUND_S,
+    ) as (bench, servers):
         router, http = bench.router, bench.http
         assert router is not None and http is not None
         paused, _ = servers
         group = router.table.groups["g"]
-        session = next(f"s{i}" for i in range(200) if router.table.choose_replica(
-            group, hashing.key_hash(f"s{i}"), set(), None, 2, False).url == paused.url)  # fmt: skip
+        session = next(
+            f"s{i}"
+            for i in range(200)
+            if router.table.choose_replica(group, hashing.key_hash(f"s{i}"), set(), None, 2, False).url
+            == paused.url
+        )
         async with http.post(paused.url + "/pause_generation", json={"mode": "in_place"}) as r:
             assert r.status == 200
         body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}
@@ -145,7 +178,9 @@ async def test_reference_sampler_answers_json_nested_too_deep_with_a_400() -> No
     try:
         async with aiohttp.ClientSession() as http:
             body = b'{"input_ids": ' + b"[" * depth + b"]" * depth + b"}"
-            async with http.post(server.url + "/generate", data=body, headers={"Content-Type": "application/json"}) as r:
+            async with http.post(
+                server.url + "/generate", data=body, headers={"Content-Type": "application/json"}
+            ) as r:
                 assert r.status == 400
                 assert "nested too deeply" in await r.text()
     finally:

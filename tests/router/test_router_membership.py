@@ -51,7 +51,9 @@ class Fleet(RouterBench):
             for i, host in enumerate(ADDRESSES[1:], start=1)
         ]
         group = GroupConfig(name="g", replicas=[f"http://{SERVICE}:{first.port}"])
-        await self.start_router(RouterConfig(port=0, groups=[group], **config), health_checks=False, resolve=lookups)
+        await self.start_router(
+            RouterConfig(port=0, groups=[group], **config), health_checks=False, resolve=lookups
+        )
         return self
 
     def url_of(self, address: str) -> str:
@@ -67,7 +69,9 @@ class Fleet(RouterBench):
             assert response.status == 200, body
             replica = response.headers["X-RLFleet-Replica"]
         pod = body["meta_info"]["upstream"]
-        assert replica == self.upstreams[int(pod.split("-")[1])].url  # the address named is the pod that answered
+        assert (
+            replica == self.upstreams[int(pod.split("-")[1])].url
+        )  # the address named is the pod that answered
         return replica
 
 
@@ -81,7 +85,9 @@ async def fleet() -> AsyncIterator[Fleet]:
 SESSIONS = [f"episode-{i}" for i in range(40)]
 
 
-async def test_a_service_name_is_routed_to_each_address_it_resolves_to_and_follows_the_answer(fleet: Fleet) -> None:
+async def test_a_service_name_is_routed_to_each_address_it_resolves_to_and_follows_the_answer(
+    fleet: Fleet,
+) -> None:
     lookups = Lookups(*ADDRESSES)
     await fleet.start(lookups, resolve_interval_seconds=3600)  # the test looks up again itself
     both = {fleet.url_of(a) for a in ADDRESSES}
@@ -165,7 +171,9 @@ async def test_an_ip_literal_is_one_replica_and_never_looked_up() -> None:
 async def test_the_event_loops_resolver_answers_for_a_real_name() -> None:
     """The default lookup (no fake): localhost's addresses, each a replica; the IPv4 one answers."""
     upstream = await InProcessUpstream(UpstreamState("local")).start()
-    router = Router(RouterConfig(groups=[GroupConfig(name="g", replicas=[f"http://localhost:{upstream.port}"])]))
+    router = Router(
+        RouterConfig(groups=[GroupConfig(name="g", replicas=[f"http://localhost:{upstream.port}"])])
+    )
     try:
         await router.start(health_checks=False)
         assert upstream.url in router.table.groups["g"].replicas
@@ -178,6 +186,11 @@ async def test_the_event_loops_resolver_answers_for_a_real_name() -> None:
 
 def test_replica_urls_of_a_name_and_which_urls_are_names() -> None:
     assert membership.replica_urls("http://svc:30000", ["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::1"]) == [
-        "http://10.0.0.1:30000", "http://10.0.0.2:30000", "http://[fd00::1]:30000"]  # fmt: skip
-    assert [membership.name_of(u) for u in ("http://svc.ns.svc:1", "http://127.0.0.1:1", "http://[::1]:1",
-                                            "https://svc.example:443")] == ["svc.ns.svc", None, None, None]  # fmt: skip
+        "http://10.0.0.1:30000",
+        "http://10.0.0.2:30000",
+        "http://[fd00::1]:30000",
+    ]
+    assert [
+        membership.name_of(u)
+        for u in ("http://svc.ns.svc:1", "http://127.0.0.1:1", "http://[::1]:1", "https://svc.example:443")
+    ] == ["svc.ns.svc", None, None, None]

@@ -17,10 +17,14 @@ meta_strategy = st.fixed_dictionaries(
     optional={
         "weight_version": st.integers(0, 10**6).map(str),
         "finish_reason": st.fixed_dictionaries({"type": st.just("length")}),
-        "output_token_logprobs": st.lists(st.tuples(st.floats(-20, 0), st.integers(0, 50_000), st.none()), max_size=5),
+        "output_token_logprobs": st.lists(
+            st.tuples(st.floats(-20, 0), st.integers(0, 50_000), st.none()), max_size=5
+        ),
     },
 )
-item_strategy = st.fixed_dictionaries({"text": text_strategy, "output_ids": st.lists(st.integers(0, 9), max_size=5), "meta_info": meta_strategy})
+item_strategy = st.fixed_dictionaries(
+    {"text": text_strategy, "output_ids": st.lists(st.integers(0, 9), max_size=5), "meta_info": meta_strategy}
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -51,7 +55,9 @@ def test_text_that_looks_like_meta_info_is_not_touched() -> None:
     body = json.dumps(payload).encode()
     result = meta.scan(body)
     assert result.completion_tokens == 3 and len(result.insert_at) == 1
-    assert json.loads(meta.annotate(body, result.insert_at, meta.annotation(FIELDS)))["text"] == payload["text"]
+    assert (
+        json.loads(meta.annotate(body, result.insert_at, meta.annotation(FIELDS)))["text"] == payload["text"]
+    )
 
 
 def test_openai_usage_is_read_when_there_is_no_meta_info() -> None:

@@ -90,8 +90,14 @@ def test_parse_trainer_group_metrics() -> None:
 def group(name: str, tokens: float | None = None, gauge: float | None = None, **kw) -> GroupInput:
     """One pod whose realtime decode counter reads `tokens` and gen_throughput gauge `gauge`."""
     pods = {f"{name}-0": PodSample(realtime_decode_tokens_total=tokens, gen_throughput=gauge)}
-    return GroupInput(name=name, ready_replicas=kw.pop("ready", 1), gpus=kw.pop("gpus", 1),
-                      price_per_gpu_hour=kw.pop("price", 0.0), pods=pods, **kw)  # fmt: skip
+    return GroupInput(
+        name=name,
+        ready_replicas=kw.pop("ready", 1),
+        gpus=kw.pop("gpus", 1),
+        price_per_gpu_hour=kw.pop("price", 0.0),
+        pods=pods,
+        **kw,
+    )
 
 
 def test_throughput_is_the_decode_counter_rate_with_gauges_for_new_and_restarted_pods() -> None:
@@ -105,11 +111,18 @@ def test_throughput_is_the_decode_counter_rate_with_gauges_for_new_and_restarted
     no_gauge = rebalance([group("a", tokens=100)], second.state, now=120.0, config=config)
     assert no_gauge.groups["a"].tokens_per_second == pytest.approx(10.0)  # restarted, no gauge: 100 / 10
     two_pods = GroupInput(
-        "a", 2, 2, 0.0,
-        pods={"a-0": PodSample(realtime_decode_tokens_total=1500),
-              "a-1": PodSample(realtime_decode_tokens_total=10, gen_throughput=70)},
-    )  # fmt: skip
-    assert rebalance([two_pods], restarted.state, now=130.0, config=config).groups["a"].tokens_per_second == pytest.approx(170.0)
+        "a",
+        2,
+        2,
+        0.0,
+        pods={
+            "a-0": PodSample(realtime_decode_tokens_total=1500),
+            "a-1": PodSample(realtime_decode_tokens_total=10, gen_throughput=70),
+        },
+    )
+    assert rebalance([two_pods], restarted.state, now=130.0, config=config).groups[
+        "a"
+    ].tokens_per_second == pytest.approx(170.0)
 
 
 def test_busy_group_with_long_rollouts_and_no_finished_request_does_not_read_zero() -> None:
@@ -118,7 +131,9 @@ def test_busy_group_with_long_rollouts_and_no_finished_request_does_not_read_zer
     config = RebalanceConfig(smoothing=1.0)
     state = None
     for i, decoded in enumerate([0.0, 10_000.0, 20_000.0, 30_000.0]):  # 1000 tok/s, nothing finished
-        pod = PodSample(generation_tokens_total=0.0, realtime_decode_tokens_total=decoded, gen_throughput=1000.0)
+        pod = PodSample(
+            generation_tokens_total=0.0, realtime_decode_tokens_total=decoded, gen_throughput=1000.0
+        )
         result = rebalance([GroupInput("busy", 1, 1, 1.0, pods={"busy-0": pod})], state, 10.0 * i, config)
         assert result.groups["busy"].tokens_per_second == pytest.approx(1000.0)
         state = result.state
@@ -126,7 +141,9 @@ def test_busy_group_with_long_rollouts_and_no_finished_request_does_not_read_zer
     gauge_only = PodSample(generation_tokens_total=0.0, gen_throughput=900.0)
     state = None
     for i in range(3):
-        result = rebalance([GroupInput("busy", 1, 1, 1.0, pods={"busy-0": gauge_only})], state, 10.0 * i, config)
+        result = rebalance(
+            [GroupInput("busy", 1, 1, 1.0, pods={"busy-0": gauge_only})], state, 10.0 * i, config
+        )
         assert result.groups["busy"].tokens_per_second == pytest.approx(900.0)
         state = result.state
     # The finish-time counter alone is no throughput reading at all (None, not 0).
@@ -145,8 +162,17 @@ def test_ema_smoothing() -> None:
 def run_constant(speeds: dict[str, float], intervals: int, config: RebalanceConfig, **kw) -> list:
     state, results = None, []
     for i in range(intervals):
-        inputs = [GroupInput(n, 1, 1, kw.get("prices", {}).get(n, 1.0), tokens_per_second=s,
-                             oor_fraction=kw.get("oor", {}).get(n)) for n, s in speeds.items()]  # fmt: skip
+        inputs = [
+            GroupInput(
+                n,
+                1,
+                1,
+                kw.get("prices", {}).get(n, 1.0),
+                tokens_per_second=s,
+                oor_fraction=kw.get("oor", {}).get(n),
+            )
+            for n, s in speeds.items()
+        ]
         result = rebalance(inputs, state, 30.0 * i, config)
         state = result.state
         results.append(result)
@@ -197,8 +223,16 @@ def test_shares_sum_to_one_and_move_at_most_the_bound(old_raw, data, policy, max
     prices = data.draw(st.lists(st.floats(0.5, 10.0), min_size=n, max_size=n))
     oor = data.draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n))
     inputs = [
-        GroupInput(name, 1, 1, prices[i], tokens_per_second=speeds[i], quarantined=quarantined[i],
-                   oor_fraction=oor[i], static_share=old_raw[(i + 1) % n])  # fmt: skip
+        GroupInput(
+            name,
+            1,
+            1,
+            prices[i],
+            tokens_per_second=speeds[i],
+            quarantined=quarantined[i],
+            oor_fraction=oor[i],
+            static_share=old_raw[(i + 1) % n],
+        )
         for i, name in enumerate(names)
     ]
     current = dict(zip(names, old_raw, strict=True))
@@ -237,9 +271,12 @@ def test_cost_policy_favours_cheap_useful_tokens() -> None:
     config = RebalanceConfig(policy="cost", min_share=0.0, max_share_change=1.0)
     # Same speed; b is twice as expensive; c is cheap but half its tokens are out of range.
     final = run_constant(
-        {"a": 1000.0, "b": 1000.0, "c": 1000.0}, 1, config,
-        prices={"a": 1.0, "b": 2.0, "c": 1.0}, oor={"c": 0.5},
-    )[-1]  # fmt: skip
+        {"a": 1000.0, "b": 1000.0, "c": 1000.0},
+        1,
+        config,
+        prices={"a": 1.0, "b": 2.0, "c": 1.0},
+        oor={"c": 0.5},
+    )[-1]
     # raw: a = 1000 * 1, b = 1000 * 1/2, c = 500 * (cost_a / cost_c = 1/2) = 250
     assert final.shares["a"] == pytest.approx(1000 / 1750)
     assert final.shares["b"] == pytest.approx(500 / 1750)
@@ -250,16 +287,23 @@ def test_cost_policy_favours_cheap_useful_tokens() -> None:
 
 
 def test_static_policy_uses_configured_shares() -> None:
-    inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=10.0, static_share=3.0),
-              GroupInput("b", 1, 1, 1.0, tokens_per_second=1e6, static_share=1.0)]  # fmt: skip
-    result = rebalance(inputs, None, 0.0, RebalanceConfig(policy="static", min_share=0.0, max_share_change=1.0))
+    inputs = [
+        GroupInput("a", 1, 1, 1.0, tokens_per_second=10.0, static_share=3.0),
+        GroupInput("b", 1, 1, 1.0, tokens_per_second=1e6, static_share=1.0),
+    ]
+    result = rebalance(
+        inputs, None, 0.0, RebalanceConfig(policy="static", min_share=0.0, max_share_change=1.0)
+    )
     assert result.shares == {"a": 0.75, "b": 0.25}
 
 
 def test_quarantine_and_dead_groups_drop_to_zero_at_once() -> None:
     config = RebalanceConfig(max_share_change=0.05)
-    inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0, quarantined=True),
-              GroupInput("c", 0, 1, 1.0, tokens_per_second=100.0)]  # fmt: skip
+    inputs = [
+        GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0),
+        GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0, quarantined=True),
+        GroupInput("c", 0, 1, 1.0, tokens_per_second=100.0),
+    ]
     result = rebalance(inputs, None, 0.0, config, current_shares={"a": 0.2, "b": 0.4, "c": 0.4})
     assert result.shares == {"a": 1.0, "b": 0.0, "c": 0.0}
     assert result.groups["c"].reason == "no ready replicas"
@@ -284,11 +328,20 @@ def test_history_keeps_the_last_five_changes_with_reasons_and_skips_noise() -> N
 def test_status_fields_and_fleet_cost_against_the_trainer_class_baseline() -> None:
     config = RebalanceConfig(reference_accelerator="b200", min_share=0.0, max_share_change=1.0)
     inputs = [
-        GroupInput("b200-bf16", 1, 8, 6.0, accelerator="b200", tokens_per_second=8000.0, oor_fraction=0.001,
-                   kl=0.001),
-        GroupInput("h100-fp8", 2, 16, 3.0, accelerator="h100", tokens_per_second=24000.0, oor_fraction=0.003,
-                   kl=0.004),
-    ]  # fmt: skip
+        GroupInput(
+            "b200-bf16", 1, 8, 6.0, accelerator="b200", tokens_per_second=8000.0, oor_fraction=0.001, kl=0.001
+        ),
+        GroupInput(
+            "h100-fp8",
+            2,
+            16,
+            3.0,
+            accelerator="h100",
+            tokens_per_second=24000.0,
+            oor_fraction=0.003,
+            kl=0.004,
+        ),
+    ]
     result = rebalance(inputs, None, 1_700_000_000.0, config)
     # Fleet: (6*8 + 3*16) $/h over 8000*0.999 + 24000*0.997 = 31920 usable tok/s. Reference: the b200
     # group at bf16 (the default weight format): 1000 tok/s per GPU, 0.1% out of range, $6/GPU-h.
@@ -306,16 +359,32 @@ def test_status_fields_and_fleet_cost_against_the_trainer_class_baseline() -> No
     # Without a group on the trainer class the baseline needs an estimate (or stays unknown).
     assert rebalance(inputs[1:], None, 0.0, config).baseline_cost_per_1m_usable_tokens is None
     estimated = RebalanceConfig(reference_price_per_gpu_hour=6.0, reference_tokens_per_gpu_second=1500.0)
-    assert rebalance(inputs[1:], None, 0.0, estimated).baseline_cost_per_1m_usable_tokens == pytest.approx(6 / 3600 / 1500 * 1e6)
+    assert rebalance(inputs[1:], None, 0.0, estimated).baseline_cost_per_1m_usable_tokens == pytest.approx(
+        6 / 3600 / 1500 * 1e6
+    )
 
 
 def test_state_survives_a_json_round_trip() -> None:
     results = run_constant({"a": 100.0, "b": 300.0}, 3, RebalanceConfig())
     restored = RebalanceState.from_dict(json.loads(json.dumps(results[-1].state.to_dict())))
-    a = rebalance([GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=300.0)],
-                  restored, 120.0, RebalanceConfig())  # fmt: skip
-    b = rebalance([GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=300.0)],
-                  results[-1].state, 120.0, RebalanceConfig())  # fmt: skip
+    a = rebalance(
+        [
+            GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0),
+            GroupInput("b", 1, 1, 1.0, tokens_per_second=300.0),
+        ],
+        restored,
+        120.0,
+        RebalanceConfig(),
+    )
+    b = rebalance(
+        [
+            GroupInput("a", 1, 1, 1.0, tokens_per_second=100.0),
+            GroupInput("b", 1, 1, 1.0, tokens_per_second=300.0),
+        ],
+        results[-1].state,
+        120.0,
+        RebalanceConfig(),
+    )
     assert a.shares == b.shares and a.groups["b"].history == b.groups["b"].history
 
 

@@ -20,8 +20,16 @@ from rlfleet.sampler.server import start_reference_server
 
 SPEEDS = {"a100-bf16": 50.0, "h100-fp8": 100.0, "b200-nvfp4": 200.0}  # tokens/s (throttle)
 FORMATS = {"a100-bf16": "bf16", "h100-fp8": "fp8", "b200-nvfp4": "nvfp4"}
-MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+MODEL = tiny_shape(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 TOKENS = 16
 INTERVAL = 3.0
 TOKEN = "ref-token"
@@ -36,11 +44,17 @@ async def test_reference_samplers_shares_converge_and_a_stopped_group_loses_noth
     answers: list[tuple[int, str | None]] = []
     async with router_bench() as bench:
         servers = {
-            name: bench.stop_at_close(await start_reference_server(
-                ReferenceEngine(EngineConfig(model=MODEL, seed=3, weight_format=FORMATS[name], max_tokens_per_second=tps))
-            ))
+            name: bench.stop_at_close(
+                await start_reference_server(
+                    ReferenceEngine(
+                        EngineConfig(
+                            model=MODEL, seed=3, weight_format=FORMATS[name], max_tokens_per_second=tps
+                        )
+                    )
+                )
+            )
             for name, tps in SPEEDS.items()
-        }  # fmt: skip
+        }
         config = RouterConfig(
             port=0,
             groups=[GroupConfig(name=n, replicas=[s.url]) for n, s in servers.items()],
@@ -51,8 +65,11 @@ async def test_reference_samplers_shares_converge_and_a_stopped_group_loses_noth
         assert http is not None
 
         def body(index: int) -> dict[str, Any]:
-            return {"input_ids": [1, 2, 3, index % 60], "sampling_params": {"max_new_tokens": TOKENS, "temperature": 1.0},
-                    "return_logprob": True}  # fmt: skip
+            return {
+                "input_ids": [1, 2, 3, index % 60],
+                "sampling_params": {"max_new_tokens": TOKENS, "temperature": 1.0},
+                "return_logprob": True,
+            }
 
         def record(response: aiohttp.ClientResponse) -> None:
             answers.append((response.status, response.headers.get("X-RLFleet-Group")))
@@ -67,11 +84,16 @@ async def test_reference_samplers_shares_converge_and_a_stopped_group_loses_noth
                     await asyncio.sleep(INTERVAL)
                 inputs = await rebalance_inputs(http, {name: u.url for name, u in servers.items()})
                 now = loop.time()
-                readings.append((now, {g.name: next(iter(g.pods.values())).realtime_decode_tokens_total for g in inputs}))
+                readings.append(
+                    (now, {g.name: next(iter(g.pods.values())).realtime_decode_tokens_total for g in inputs})
+                )
                 result = rebalance(inputs, state, now, rebalance_config)
                 state = result.state
-                async with http.put(bench.url + "/admin/shares", json={"shares": result.shares},
-                                    headers={"Authorization": f"Bearer {TOKEN}"}) as response:  # fmt: skip
+                async with http.put(
+                    bench.url + "/admin/shares",
+                    json={"shares": result.shares},
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                ) as response:
                     assert response.status == 200
             # The throughput ratio the samplers really delivered (the throttle is a ceiling: a CPU step
             # also takes time on this shared box), from the per-step decode counters (generation_tokens_total
@@ -80,10 +102,16 @@ async def test_reference_samplers_shares_converge_and_a_stopped_group_loses_noth
             (t0, first), (t1, last) = readings[2], readings[-1]
             delivered = {n: (last[n] - first[n]) / (t1 - t0) for n in SPEEDS}
             assert delivered["a100-bf16"] < delivered["h100-fp8"] < delivered["b200-nvfp4"]
-            assert delivered["b200-nvfp4"] >= 2.5 * delivered["a100-bf16"], delivered  # deliberately different
+            assert delivered["b200-nvfp4"] >= 2.5 * delivered["a100-bf16"], (
+                delivered
+            )  # deliberately different
             ratio = {n: d / sum(delivered.values()) for n, d in delivered.items()}
             for name in SPEEDS:
-                assert abs(result.shares[name] - ratio[name]) <= 0.1 * ratio[name], (result.shares, ratio, delivered)
+                assert abs(result.shares[name] - ratio[name]) <= 0.1 * ratio[name], (
+                    result.shares,
+                    ratio,
+                    delivered,
+                )
 
             # The fastest group goes away under load: its sessions move, nothing is lost.
             await servers["b200-nvfp4"].stop()  # graceful: in-flight requests finish, then it is gone

@@ -44,7 +44,9 @@ class Fleet(RouterBench):
         await self.start_router(config, health_checks=False)
         return self
 
-    async def generate(self, session: str | None, headers: dict | None = None, **body) -> aiohttp.ClientResponse:
+    async def generate(
+        self, session: str | None, headers: dict | None = None, **body
+    ) -> aiohttp.ClientResponse:
         all_headers = {**({"X-Session-Id": session} if session else {}), **(headers or {})}
         payload = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, **body}
         response = await self.http.post(self.url + "/generate", json=payload, headers=all_headers)
@@ -129,7 +131,9 @@ async def test_admin_api_requires_the_bearer_token(fleet: Fleet, tmp_path, monke
     assert (await fleet.http.get(fleet.url + "/metrics")).status == 200
 
 
-async def test_admin_api_is_disabled_without_a_token_and_rejects_bad_bodies(fleet: Fleet, monkeypatch) -> None:
+async def test_admin_api_is_disabled_without_a_token_and_rejects_bad_bodies(
+    fleet: Fleet, monkeypatch
+) -> None:
     await fleet.start({"g": 1})
     bad = await fleet.admin("PUT", "/admin/shares", json={"shares": {"g": -1}})
     assert bad.status == 400 and "share" in (await bad.json())["error"]["message"]
@@ -137,10 +141,17 @@ async def test_admin_api_is_disabled_without_a_token_and_rejects_bad_bodies(flee
     assert unknown.status == 404
     not_json = await fleet.admin("PUT", "/admin/shares", data=b"{")
     assert not_json.status == 400
-    replicas = await fleet.admin("PUT", "/admin/groups/g", json={"replicas": ["http://127.0.0.1:1"], "quarantined": False})
-    assert replicas.status == 400 and "replicas" in (await replicas.json())["error"]["message"]  # the config's
+    replicas = await fleet.admin(
+        "PUT", "/admin/groups/g", json={"replicas": ["http://127.0.0.1:1"], "quarantined": False}
+    )
+    assert (
+        replicas.status == 400 and "replicas" in (await replicas.json())["error"]["message"]
+    )  # the config's
     unknown_group = await fleet.admin("PUT", "/admin/groups/nope", json={"quarantined": True})
-    assert unknown_group.status == 404 and "unknown group: nope" in (await unknown_group.json())["error"]["message"]
+    assert (
+        unknown_group.status == 404
+        and "unknown group: nope" in (await unknown_group.json())["error"]["message"]
+    )
     monkeypatch.delenv("RLFLEET_ROUTER_ADMIN_TOKEN")
     assert (await fleet.admin("GET", "/admin/state")).status == 403
 
@@ -163,7 +174,9 @@ async def test_metrics_count_requests_tokens_latency_and_retries(fleet: Fleet) -
         assert samples[("rlfleet_router_requests_total", (("code", "200"), ("group", group)))] == n
         assert samples[("rlfleet_router_generated_tokens_total", (("group", group),))] == 5 * n
         assert samples[("rlfleet_router_request_seconds_count", (("group", group),))] == n
-    failures = samples.get(("rlfleet_router_upstream_errors_total", (("group", "g1"), ("kind", "http_5xx"))), 0)
+    failures = samples.get(
+        ("rlfleet_router_upstream_errors_total", (("group", "g1"), ("kind", "http_5xx"))), 0
+    )
     retries = samples.get(("rlfleet_router_retries_total", (("group", "g1"),)), 0)
     assert failures >= 1 and retries == failures
     assert samples[("rlfleet_router_group_healthy_replicas", (("group", "g2"),))] == 1
@@ -219,7 +232,9 @@ async def test_a_replica_that_answers_409_itself_is_retried_on_a_sibling(fleet: 
 async def test_data_plane_key_is_required_and_presented_to_replicas(fleet: Fleet, tmp_path) -> None:
     key_file = tmp_path / "api-key"
     key_file.write_text("data-key\n")
-    await fleet.start({"g": 1}, config_extra={"api_key_file": str(key_file)}, api_key="data-key", weight_version=4)
+    await fleet.start(
+        {"g": 1}, config_extra={"api_key_file": str(key_file)}, api_key="data-key", weight_version=4
+    )
     await fleet.router.check_health_once()  # /model_info needs the key too
     assert fleet.router.table.groups["g"].replicas[fleet.upstreams["g"][0].url].weight_version == 4
     assert (await fleet.generate("s")).status == 401
@@ -271,7 +286,9 @@ async def test_no_routable_group_is_a_503_with_retry_after(fleet: Fleet) -> None
 
 
 def _rlfleet(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlfleet.cli", *args], capture_output=True, text=True, timeout=60, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", *args], capture_output=True, text=True, timeout=60, **kw
+    )
 
 
 @pytest.mark.parametrize(
@@ -303,15 +320,24 @@ async def test_cli_serves_until_sigterm(tmp_path) -> None:
     config = tmp_path / "router.yaml"
     config.write_text(f"port: 0\ngroups:\n  - name: g\n    share: 1\n    replicas: ['{upstream.url}']\n")
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rlfleet.cli", "router", "serve", "--config", str(config),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "router",
+        "serve",
+        "--config",
+        str(config),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
         assert line.startswith("rlfleet router listening on http://127.0.0.1:")
         url = line.split()[-1]
         async with aiohttp.ClientSession() as http:
-            async with http.post(url + "/generate", json={"input_ids": [1]}, headers={"X-Session-Id": "s"}) as r:
+            async with http.post(
+                url + "/generate", json={"input_ids": [1]}, headers={"X-Session-Id": "s"}
+            ) as r:
                 assert r.status == 200 and r.headers["X-RLFleet-Group"] == "g"
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0

@@ -20,10 +20,14 @@ from rlfleet.router.config import GroupConfig, RouterConfig
 from rlfleet.router.core import Router
 from rlfleet.router.service import TokenSource, build_app
 
-JOB = rljob("j", [
-    {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8"},
-    {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "tensorParallel": 2},
-], "ns")
+JOB = rljob(
+    "j",
+    [
+        {"name": "h100-fp8", "accelerator": "h100", "replicas": 2, "weightFormat": "fp8"},
+        {"name": "a100-bf16", "accelerator": "a100", "replicas": 1, "tensorParallel": 2},
+    ],
+    "ns",
+)
 
 
 def samplergroup(name: str, status: dict | None = None, **spec) -> dict:
@@ -40,13 +44,21 @@ def test_group_input_takes_price_gpus_quarantine_and_trainer_metrics_from_the_ri
     from rlfleet.catalog import get_catalog
 
     job = RLJob.from_manifest(JOB)
-    sg = samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1, tensorParallel=2,
-                      annotations={"rlfleet.dev/quarantined": "true"})  # fmt: skip
+    sg = samplergroup(
+        "a100-bf16",
+        {"readyReplicas": 1},
+        accelerator="a100",
+        replicas=1,
+        tensorParallel=2,
+        annotations={"rlfleet.dev/quarantined": "true"},
+    )
     inp = decide.group_input(job, sg, {}, {"kl_k3": 0.01, "oor_fraction": 0.002}, tokens_per_second=123.0)
     assert inp.price_per_gpu_hour == get_catalog().get("a100").cost_per_gpu_hour
     assert (inp.gpus, inp.ready_replicas, inp.quarantined) == (2, 1, True)
     assert (inp.kl, inp.oor_fraction, inp.tokens_per_second) == (0.01, 0.002, 123.0)
-    plain = decide.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, {}, None)
+    plain = decide.group_input(
+        job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, {}, None
+    )
     assert (plain.gpus, plain.ready_replicas, plain.quarantined) == (2, 0, False)
     config = decide.job_config(job, get_catalog())
     assert config.reference_accelerator == "b200" and config.max_share_change == 0.1
@@ -64,9 +76,16 @@ def test_a_groups_routing_mismatch_goes_from_the_trainers_metrics_to_its_status(
     """A mixture of experts: the trainer's per-group routing_mismatch_tokens (trainer/backends/routing.py) becomes
     the SamplerGroup's status.routingMismatch; a dense model's trainer reports none, and the status has none."""
     job = RLJob.from_manifest(JOB)
-    moe = {"kl_k3": 0.01, "oor_fraction": 0.002, "routing_mismatch_tokens": 0.0625, "routing_mismatch_layers": 0.03125}
-    inputs = [decide.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, moe, 10.0),
-              decide.group_input(job, samplergroup("a100-bf16", {}, accelerator="a100"), {}, {"kl_k3": 0.01}, 10.0)]
+    moe = {
+        "kl_k3": 0.01,
+        "oor_fraction": 0.002,
+        "routing_mismatch_tokens": 0.0625,
+        "routing_mismatch_layers": 0.03125,
+    }
+    inputs = [
+        decide.group_input(job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, moe, 10.0),
+        decide.group_input(job, samplergroup("a100-bf16", {}, accelerator="a100"), {}, {"kl_k3": 0.01}, 10.0),
+    ]
     assert inputs[0].routing_mismatch == 0.0625 and inputs[1].routing_mismatch is None
     result = rebalance(inputs, None, 0.0, RebalanceConfig())
     assert result.groups["h100-fp8"].status_patch()["routingMismatch"] == 0.0625
@@ -74,7 +93,10 @@ def test_a_groups_routing_mismatch_goes_from_the_trainers_metrics_to_its_status(
 
 
 def test_fleet_costs_are_rounded_and_unknown_ones_dropped() -> None:
-    inputs = [GroupInput("a", 1, 1, 2.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
+    inputs = [
+        GroupInput("a", 1, 1, 2.0, tokens_per_second=300.0),
+        GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0),
+    ]
     result = rebalance(inputs, None, 0.0, RebalanceConfig())
     # $3/h of GPUs over 400 tok/s (no token out of range) = 3 / 3600 / 400 * 1e6 $ per 1M tokens; no
     # trainer price: no baseline, no saving
@@ -87,11 +109,27 @@ def test_fleet_costs_count_usable_tokens_and_the_saving_against_the_trainer_clas
         # the trainer's class at bf16: the reference, 2 GPUs at $6 making 2000 tok/s, 10% out of range
         GroupInput("b200-bf16", 1, 2, 6.0, accelerator="b200", tokens_per_second=2000.0, oor_fraction=0.1),
         # the trainer's class at nvfp4: not the reference
-        GroupInput("b200-nvfp4", 1, 1, 6.0, accelerator="b200", weight_format="nvfp4", tokens_per_second=3000.0,
-                   oor_fraction=0.2),
-        GroupInput("h100-fp8", 1, 4, 2.0, accelerator="h100", weight_format="fp8", tokens_per_second=3000.0,
-                   oor_fraction=0.0),
-    ]  # fmt: skip
+        GroupInput(
+            "b200-nvfp4",
+            1,
+            1,
+            6.0,
+            accelerator="b200",
+            weight_format="nvfp4",
+            tokens_per_second=3000.0,
+            oor_fraction=0.2,
+        ),
+        GroupInput(
+            "h100-fp8",
+            1,
+            4,
+            2.0,
+            accelerator="h100",
+            weight_format="fp8",
+            tokens_per_second=3000.0,
+            oor_fraction=0.0,
+        ),
+    ]
     result = rebalance(inputs, None, 0.0, RebalanceConfig(reference_accelerator="b200"))
     # fleet: $12 + $6 + $8 = $26/h over 1800 + 2400 + 3000 = 7200 usable tok/s
     # reference: $6/GPU-h over 1000 tok/s per GPU x 0.9 = 900 usable tok/s per GPU
@@ -110,8 +148,14 @@ def test_fleet_costs_count_usable_tokens_and_the_saving_against_the_trainer_clas
 def test_pod_ready() -> None:
     from rlfleet.operator.pods import pod_ready, pod_view
 
-    ready = {"metadata": {"name": "p"}, "status": {"phase": "Running", "podIP": "10.0.0.1",
-                                                   "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    ready = {
+        "metadata": {"name": "p"},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
     assert pod_ready(pod_view(ready))
     assert not pod_ready(pod_view({**ready, "metadata": {"name": "p", "deletionTimestamp": "x"}}))
     assert not pod_ready(pod_view({"metadata": {}, "status": {**ready["status"], "conditions": []}}))
@@ -124,16 +168,22 @@ async def test_prometheus_rate_is_read_from_a_real_http_api() -> None:
             assert await timer.prometheus_tokens_per_second(http, url, q) == 1234.5
             assert await timer.prometheus_tokens_per_second(http, "http://127.0.0.1:1", q) is None
     # the per-step decode counter, not the finish-time sglang:generation_tokens_total (rebalance.py)
-    assert seen == ['sum(rate(sglang:realtime_tokens_total{mode="decode",namespace="ns",'
-                    'pod=~"j-h100-fp8-[a-z0-9]+-[a-z0-9]+"}[60s]))']
+    assert seen == [
+        'sum(rate(sglang:realtime_tokens_total{mode="decode",namespace="ns",'
+        'pod=~"j-h100-fp8-[a-z0-9]+-[a-z0-9]+"}[60s]))'
+    ]
 
 
 async def test_push_to_router_sends_quarantine_and_shares_and_no_replicas(monkeypatch) -> None:
     """The push's bodies, as a real router app receives them: each decided quarantine, then every share; the
     replicas are the router's own (router/membership.py), so the push leaves them as they are."""
     monkeypatch.setenv("RLFLEET_ROUTER_ADMIN_TOKEN", "tok")
-    config = RouterConfig(groups=[GroupConfig(name="a", replicas=["http://10.0.0.1:30000", "http://10.0.0.2:30000"]),
-                                  GroupConfig(name="b", replicas=["http://10.0.1.1:30000"])])  # fmt: skip
+    config = RouterConfig(
+        groups=[
+            GroupConfig(name="a", replicas=["http://10.0.0.1:30000", "http://10.0.0.2:30000"]),
+            GroupConfig(name="b", replicas=["http://10.0.1.1:30000"]),
+        ]
+    )
     router = Router(config)
     app = build_app(router, TokenSource(None, "RLFLEET_ROUTER_ADMIN_TOKEN"))
     received: list[tuple[str, str, object]] = []
@@ -144,10 +194,16 @@ async def test_push_to_router_sends_quarantine_and_shares_and_no_replicas(monkey
         return await handler(request)
 
     app.middlewares.append(record)
-    inputs = [GroupInput("a", 1, 1, 1.0, tokens_per_second=300.0), GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0)]
+    inputs = [
+        GroupInput("a", 1, 1, 1.0, tokens_per_second=300.0),
+        GroupInput("b", 1, 1, 1.0, tokens_per_second=100.0),
+    ]
     result = rebalance(inputs, None, 0.0, RebalanceConfig(max_share_change=1.0, min_share=0.0))
-    decisions = Decisions(0.0, {g: GroupDecision(g, 1, "", "bf16", "", result.shares[g], "", g == "b", "", "bf16") for g in "ab"},
-                          result=result)  # fmt: skip
+    decisions = Decisions(
+        0.0,
+        {g: GroupDecision(g, 1, "", "bf16", "", result.shares[g], "", g == "b", "", "bf16") for g in "ab"},
+        result=result,
+    )
     async with serving(app) as url:
         async with aiohttp.ClientSession() as http:
             assert await timer.push_to_router(http, url, "tok", decisions)
@@ -157,13 +213,22 @@ async def test_push_to_router_sends_quarantine_and_shares_and_no_replicas(monkey
         assert pushed == [
             ("PUT", "/admin/groups/a", {"quarantined": False}),
             ("PUT", "/admin/groups/b", {"quarantined": True}),
-            ("PUT", "/admin/shares", {"shares": {"a": 0.75, "b": 0.25}, "reason": "a: share 0.500 -> 0.750 "
-             "(throughput 300 tok/s); b: share 0.500 -> 0.250 (throughput 100 tok/s)"}),
-        ]  # fmt: skip
+            (
+                "PUT",
+                "/admin/shares",
+                {
+                    "shares": {"a": 0.75, "b": 0.25},
+                    "reason": "a: share 0.500 -> 0.750 "
+                    "(throughput 300 tok/s); b: share 0.500 -> 0.250 (throughput 100 tok/s)",
+                },
+            ),
+        ]
         table = router.table
         assert table.groups["b"].quarantined and table.effective_shares() == {"a": 1.0, "b": 0.0}
         assert table.groups["a"].share == pytest.approx(0.75)
-        assert {g: list(table.groups[g].replicas) for g in "ab"} == {g.name: g.replicas for g in config.groups}
+        assert {g: list(table.groups[g].replicas) for g in "ab"} == {
+            g.name: g.replicas for g in config.groups
+        }
 
 
 def test_the_operators_router_config_is_a_valid_router_config() -> None:
@@ -197,8 +262,12 @@ def test_economics_gauges_per_group_and_job_and_their_removal() -> None:
     assert value("group_tokens_per_second", "b200-bf16") == 2000.0
     assert value("group_cost_per_hour_usd", "b200-bf16") == 12.0  # 2 GPUs at $6
     assert value("group_usable_token_fraction", "b200-bf16") == pytest.approx(0.9, rel=1e-12)
-    assert value("group_cost_per_1m_usable_tokens_usd", "b200-bf16") == pytest.approx(12 / 3600 / 1800 * 1e6, rel=1e-12)
-    assert value("group_cost_per_1m_usable_tokens_usd", "h100-fp8") == pytest.approx(8 / 3600 / 3000 * 1e6, rel=1e-12)
+    assert value("group_cost_per_1m_usable_tokens_usd", "b200-bf16") == pytest.approx(
+        12 / 3600 / 1800 * 1e6, rel=1e-12
+    )
+    assert value("group_cost_per_1m_usable_tokens_usd", "h100-fp8") == pytest.approx(
+        8 / 3600 / 3000 * 1e6, rel=1e-12
+    )
     assert value("group_cost_per_1m_usable_tokens_usd", "a100-idle") is None  # no usable token: no price
     # the fleet: $12 + $8 + $1.5 = $21.5/h over 1800 + 3000 = 4800 usable of 5000 tok/s; the reference:
     # $6/GPU-h over 1000 tok/s per GPU, 10% out of range
@@ -206,13 +275,18 @@ def test_economics_gauges_per_group_and_job_and_their_removal() -> None:
     assert value("job_cost_per_hour_usd") == 21.5
     assert value("job_usable_token_fraction") == pytest.approx(0.96, rel=1e-12)
     assert value("job_cost_per_1m_usable_tokens_usd") == pytest.approx(21.5 / 3600 / 4800 * 1e6, rel=1e-12)
-    assert value("job_reference_cost_per_1m_usable_tokens_usd") == pytest.approx(6 / 3600 / 900 * 1e6, rel=1e-12)
+    assert value("job_reference_cost_per_1m_usable_tokens_usd") == pytest.approx(
+        6 / 3600 / 900 * 1e6, rel=1e-12
+    )
     assert value("job_saving_ratio") == pytest.approx(0.328125, rel=1e-12)  # 1 - (21.5/4800) / (6/900)
     assert value("job_reference_estimated") == 0.0  # measured on the b200-bf16 group
 
     # a group gone from the job loses its label sets; a deleted job loses all
     timer.export_economics("ns-econ", "job-econ", rebalance(inputs[1:], None, 0.0, RebalanceConfig()))
-    assert value("group_cost_per_hour_usd", "b200-bf16") is None and value("group_cost_per_hour_usd", "h100-fp8") == 8.0
+    assert (
+        value("group_cost_per_hour_usd", "b200-bf16") is None
+        and value("group_cost_per_hour_usd", "h100-fp8") == 8.0
+    )
     assert value("job_saving_ratio") is None  # no b200 group and no configured estimate: no reference
     assert value("job_reference_estimated") is None
     assert value("job_cost_per_1m_usable_tokens_usd") == pytest.approx(9.5 / 3600 / 3000 * 1e6, rel=1e-12)
@@ -231,11 +305,23 @@ def test_the_default_reference_is_estimated_from_the_catalogs_ratios_and_says_so
     config = decide.job_config(job, get_catalog())
     assert config.catalog is get_catalog() and config.reference_accelerator == "b200"
     inputs = [
-        decide.group_input(job, samplergroup("h100-fp8", {"readyReplicas": 2}, accelerator="h100", replicas=2,
-                                            weightFormat="fp8"), {}, {"oor_fraction": 0.0}, 1000.0),
-        decide.group_input(job, samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1,
-                                            tensorParallel=2), {}, {"oor_fraction": 0.1}, 400.0),
-    ]  # fmt: skip
+        decide.group_input(
+            job,
+            samplergroup(
+                "h100-fp8", {"readyReplicas": 2}, accelerator="h100", replicas=2, weightFormat="fp8"
+            ),
+            {},
+            {"oor_fraction": 0.0},
+            1000.0,
+        ),
+        decide.group_input(
+            job,
+            samplergroup("a100-bf16", {"readyReplicas": 1}, accelerator="a100", replicas=1, tensorParallel=2),
+            {},
+            {"oor_fraction": 0.1},
+            400.0,
+        ),
+    ]
     result = rebalance(inputs, None, 0.0, config)
     # on b200 at bf16: 1000 x (8/3.35) / 2 on the h100s' 2 GPUs, 400 x 8 / 2.039 on the a100s' 2
     per_gpu = (1000 * 8 / 3.35 / 2 + 400 * 8 / 2.039) / 4  # 690.86 tok/s
@@ -248,7 +334,12 @@ def test_the_default_reference_is_estimated_from_the_catalogs_ratios_and_says_so
     }
     assert timer.fleet_costs(result)["savingPercent"] == 18.93
     timer.export_economics("ns-est", "job-est", result)
-    assert REGISTRY.get_sample_value("rlfleet_operator_job_reference_estimated", {"namespace": "ns-est", "rljob": "job-est"}) == 1.0
+    assert (
+        REGISTRY.get_sample_value(
+            "rlfleet_operator_job_reference_estimated", {"namespace": "ns-est", "rljob": "job-est"}
+        )
+        == 1.0
+    )
     timer.forget("ns-est", "job-est")
 
 
@@ -258,9 +349,14 @@ def test_the_rljob_names_the_reference_fleet_and_its_figures_win_over_the_measur
     from pydantic import ValidationError
 
     named = copy.deepcopy(JOB)
-    named["spec"]["router"] = {"reference": {"accelerator": "h200", "tokensPerGpuSecond": 1500, "oorFraction": 0.1}}
+    named["spec"]["router"] = {
+        "reference": {"accelerator": "h200", "tokensPerGpuSecond": 1500, "oorFraction": 0.1}
+    }
     config = decide.job_config(RLJob.from_manifest(named), get_catalog())
-    assert (config.reference_accelerator, config.reference_price_per_gpu_hour) == ("h200", 3.79)  # the catalog's h200
+    assert (config.reference_accelerator, config.reference_price_per_gpu_hour) == (
+        "h200",
+        3.79,
+    )  # the catalog's h200
     assert (config.reference_tokens_per_gpu_second, config.reference_oor_fraction) == (1500.0, 0.1)
     inputs = [
         GroupInput("h200-bf16", 1, 1, 3.79, accelerator="h200", tokens_per_second=900.0, oor_fraction=0.0),

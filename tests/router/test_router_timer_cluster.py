@@ -36,8 +36,15 @@ def prometheus() -> Iterator[tuple[str, list[str]]]:
 
 def manifest(prometheus_url: str) -> dict:
     # no b200 group at bf16: the reference fleet's throughput is given
-    return rljob(JOB, router={"policy": "throughput", "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url,
-                              "reference": {"tokensPerGpuSecond": 2500}})  # fmt: skip
+    return rljob(
+        JOB,
+        router={
+            "policy": "throughput",
+            "rebalanceIntervalSeconds": 5,
+            "prometheusUrl": prometheus_url,
+            "reference": {"tokensPerGpuSecond": 2500},
+        },
+    )
 
 
 def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
@@ -46,7 +53,9 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
     url, queries = prometheus
 
     def sg(name: str) -> dict:
-        return json.loads(kube.kubectl("get", "samplergroup", f"{JOB}-{name}", "-n", namespace, "-o", "json").stdout)
+        return json.loads(
+            kube.kubectl("get", "samplergroup", f"{JOB}-{name}", "-n", namespace, "-o", "json").stdout
+        )
 
     with operator_in_process(kube, namespace, monkeypatch):
         kube.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(manifest(url)))
@@ -65,8 +74,14 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
         assert fast["tokenShare"] == 0.75 and fast["quarantined"] is False
         assert fast["costPer1MTokens"] > 0 and slow["costPer1MTokens"] > 0
         # Bounded change per interval once the group is up (before its pods were ready it had 0).
-        moves = [h for h in fast["shareHistory"] if h["from"] > 0 and h["reason"].startswith("throughput 3000 tok/s")]
-        assert len(moves) >= 2 and all(0 < h["to"] - h["from"] <= 0.1 + 1e-3 for h in moves), fast["shareHistory"]
+        moves = [
+            h
+            for h in fast["shareHistory"]
+            if h["from"] > 0 and h["reason"].startswith("throughput 3000 tok/s")
+        ]
+        assert len(moves) >= 2 and all(0 < h["to"] - h["from"] <= 0.1 + 1e-3 for h in moves), fast[
+            "shareHistory"
+        ]
         # The operator's own fields survive next to the rebalancer's (separate field managers).
         assert fast.get("phase") and fast.get("ready")
 
@@ -81,17 +96,29 @@ def test_timer_writes_samplergroup_status_columns_history_events_and_job_cost(
         # trainer: no token counted out of range); the reference: b200 at bf16, 2500 tok/s per GPU.
         fleet, reference = 7.78 / 3600 / 4000 * 1e6, 5.99 / 3600 / 2500 * 1e6
         assert job["status"]["costPer1MTokens"] == pytest.approx(round(fleet, 4), abs=1e-9)  # 0.5403
-        assert job["status"]["baselineCostPer1MTokens"] == pytest.approx(round(reference, 4), abs=1e-9)  # 0.6656
-        assert job["status"]["savingPercent"] == pytest.approx(round(100 * (1 - fleet / reference), 2), abs=1e-9)
+        assert job["status"]["baselineCostPer1MTokens"] == pytest.approx(
+            round(reference, 4), abs=1e-9
+        )  # 0.6656
+        assert job["status"]["savingPercent"] == pytest.approx(
+            round(100 * (1 - fleet / reference), 2), abs=1e-9
+        )
         wide = kube.kubectl("get", "rljob", JOB, "-n", namespace, "-o", "wide").stdout
         header, row = wide.strip().splitlines()
         assert "SAVING%" in header and "18.82" in row.split(), wide
         assert events(kube, namespace, "ShareChanged")
 
         # Quarantine by annotation: the group drops to share 0 at the next interval.
-        kube.kubectl("annotate", "samplergroup", f"{JOB}-a100-bf16", "-n", namespace, "rlfleet.dev/quarantined=true")
-        wait_for("quarantine", lambda: sg("a100-bf16")["status"].get("quarantined") is True
-                 and sg("a100-bf16")["status"]["share"] == 0.0, timeout=60)  # fmt: skip
+        kube.kubectl(
+            "annotate", "samplergroup", f"{JOB}-a100-bf16", "-n", namespace, "rlfleet.dev/quarantined=true"
+        )
+        wait_for(
+            "quarantine",
+            lambda: (
+                sg("a100-bf16")["status"].get("quarantined") is True
+                and sg("a100-bf16")["status"]["share"] == 0.0
+            ),
+            timeout=60,
+        )
         assert sg("b200-nvfp4")["status"]["share"] == 1.0
         kube.kubectl("delete", "rljob", JOB, "-n", namespace, "--wait=false")
     assert queries and all('sglang:realtime_tokens_total{mode="decode",' in q for q in queries)

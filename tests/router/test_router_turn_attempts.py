@@ -49,11 +49,20 @@ async def _one_turn(
     router, runner, port = await start_service(config, health_checks=False)
     client = SamplerClient(f"http://127.0.0.1:{port}", policy=POLICY)
     try:
-        async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
-            return await client.generate(ids, sampling, session_id=session, min_weight_version=min_weight_version)
 
-        driver = RolloutDriver(generate, copy_digit, None, samples_per_prompt=1,  # type: ignore[arg-type]
-                               sampling=SAMPLING, max_seq_len=64)  # fmt: skip
+        async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
+            return await client.generate(
+                ids, sampling, session_id=session, min_weight_version=min_weight_version
+            )
+
+        driver = RolloutDriver(
+            generate,
+            copy_digit,
+            None,
+            samples_per_prompt=1,  # type: ignore[arg-type]
+            sampling=SAMPLING,
+            max_seq_len=64,
+        )
         assert await driver.run_group(copy_digit_prompt(0, 3)) is None  # the turn failed: no group
     finally:
         await client.aclose()

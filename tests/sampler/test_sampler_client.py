@@ -149,7 +149,9 @@ def test_length_disagreement_invalidates_turn_and_garbage_raises():
     whole_turn = {proto.R_LENGTH_MISMATCH: 3}
     assert broken(completion_tokens=5).invalid_reasons == whole_turn
     assert broken(output_token_sampling_mask_length=4).invalid_reasons == whole_turn
-    assert broken(output_token_sampling_mask_length=[3, 2, 1]).invalid_reasons == whole_turn  # not SGLang's shape
+    assert (
+        broken(output_token_sampling_mask_length=[3, 2, 1]).invalid_reasons == whole_turn
+    )  # not SGLang's shape
     mask = fx["response"]["meta_info"]["output_token_sampling_mask"]
     assert broken(output_token_sampling_mask=mask[:2]).invalid_reasons == whole_turn
     assert broken(weight_versions=[{"version": "11", "start": 0, "end": 2}]).invalid_reasons == whole_turn
@@ -219,7 +221,9 @@ async def test_client_ok_passes_headers_and_router_annotations():
     ok = (200, fx["response"], {"X-RLFleet-Group": "h100-fp8", "X-RLFleet-Replica": "http://r7"})
     srv = ReplayServer([ok])
     async with srv as url, SamplerClient(url, group="default", policy=FAST) as client:
-        turn = await client.generate(fx["request"]["input_ids"], SUPPORT_PARAMS, session_id="p0/1", min_weight_version=5)
+        turn = await client.generate(
+            fx["request"]["input_ids"], SUPPORT_PARAMS, session_id="p0/1", min_weight_version=5
+        )
     _check_support_turn(fx, turn)
     assert (turn.group, turn.replica) == ("h100-fp8", "http://r7")
     sent = srv.requests[0]

@@ -42,9 +42,10 @@ def pod_for(tmp: Path, group: str, port: int) -> dict:
     wire["spec"]["weightChannel"]["store"] = {"type": "filesystem", "path": str(tmp / "store")}
     job = type(job).from_manifest(wire)
     manifest = next(
-        c for c in builders.build_job_children(job, "rl", None, load_catalog(None))
+        c
+        for c in builders.build_job_children(job, "rl", None, load_catalog(None))
         if c["kind"] == "SamplerGroup" and c["spec"]["name"] == group
-    )  # fmt: skip
+    )
     manifest["spec"]["port"] = port
     sg = SamplerGroup.from_manifest(manifest)
     dep = builders.build_sampler_deployment(sg, "rl", None, load_catalog(None), job.spec.weight_channel.store)
@@ -57,8 +58,15 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 def as_kubelet_runs(container: dict, cache: Path, sync_port: int) -> tuple[list[str], dict[str, str]]:
     """argv and env of `container`: $(POD_NAME) expanded; the pod's cache path and sidecar port mapped."""
-    def fix(arg: str) -> str:  # the kubelet expands $(VAR) from the container's env, the key's Secret included
-        return arg.replace("$(POD_NAME)", POD).replace(f"$({n.API_KEY_ENV})", API_KEY).replace(n.WEIGHTS_CACHE, str(cache))
+
+    def fix(
+        arg: str,
+    ) -> str:  # the kubelet expands $(VAR) from the container's env, the key's Secret included
+        return (
+            arg.replace("$(POD_NAME)", POD)
+            .replace(f"$({n.API_KEY_ENV})", API_KEY)
+            .replace(n.WEIGHTS_CACHE, str(cache))
+        )
 
     argv = [fix(a) for a in [*container["command"], *container["args"]]]
     if "--port" in argv and argv[argv.index("--port") + 1] == str(n.SYNC_PORT):
@@ -80,16 +88,20 @@ def processes() -> Iterator[list[subprocess.Popen]]:
 
 
 def generate(url: str) -> dict:
-    body = {"input_ids": [3, 10, 11, 12], "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
-            "return_logprob": True}  # fmt: skip
+    body = {
+        "input_ids": [3, 10, 11, 12],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
+        "return_logprob": True,
+    }
     response = httpx.post(f"{url}/generate", json=body, headers=AUTH, timeout=60)
     response.raise_for_status()
     return response.json()
 
 
 @pytest.mark.parametrize(("group", "kv"), [("fp8", "fp8_e4m3"), ("nvfp4", "auto")])
-def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Path, processes, group: str,
-                                                                    kv: str) -> None:  # fmt: skip
+def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(
+    tmp_path: Path, processes, group: str, kv: str
+) -> None:
     import torch
     from safetensors.torch import load_file
 
@@ -124,10 +136,17 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Pa
     # 2. the engine container: /bin/sh execs `rlfleet sampler serve --engine reference` from the launch file
     argv, env = as_kubelet_runs(engine, cache, sync_port)
     assert argv[:2] == ["/bin/sh", "-c"] and "rlfleet sampler serve --engine reference" in argv[2]
-    processes.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    processes.append(
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    )
     url = f"http://127.0.0.1:{port}"
-    wait_for("engine /health", lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
-             timeout=300, interval=0.2, running=processes)  # fmt: skip
+    wait_for(
+        "engine /health",
+        lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+        timeout=300,
+        interval=0.2,
+        running=processes,
+    )
     info = httpx.get(f"{url}/model_info", headers=AUTH, timeout=10).json()
     assert (info["weight_version"], info["weight_format"], info["kv_cache_dtype"]) == ("0", group, kv)
     assert info["model_path"] == str(cache / f"v0-{group}") and info["served_model_name"] == "tiny-qwen3"
@@ -137,14 +156,28 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(tmp_path: Pa
 
     # 3. the sidecar: a newer version reaches the engine through /update_weights_from_disk
     argv, env = as_kubelet_runs(sidecar, cache, sync_port)
-    processes.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    wait_for("sidecar /health", lambda: httpx.get(f"http://127.0.0.1:{sync_port}/health", timeout=2).status_code
-             == 200, timeout=120, interval=0.2, running=processes)  # fmt: skip
+    processes.append(
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    )
+    wait_for(
+        "sidecar /health",
+        lambda: httpx.get(f"http://127.0.0.1:{sync_port}/health", timeout=2).status_code == 200,
+        timeout=120,
+        interval=0.2,
+        running=processes,
+    )
     publisher.publish({k: v + 0.01 * torch.randn_like(v) for k, v in weights.items()}, version=1)
-    wait_for("version 1 applied",
-             lambda: httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()["weight_version"] == "1",
-             timeout=120, interval=0.2, running=processes)  # fmt: skip
-    assert read_launch_file(cache) == (1, cache / f"v1-{group}")  # a restarted engine launches from what it serves
+    wait_for(
+        "version 1 applied",
+        lambda: httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()["weight_version"] == "1",
+        timeout=120,
+        interval=0.2,
+        running=processes,
+    )
+    assert read_launch_file(cache) == (
+        1,
+        cache / f"v1-{group}",
+    )  # a restarted engine launches from what it serves
     info = httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()
     assert (info["model_path"], info["weight_format"]) == (str(cache / f"v1-{group}"), group)
     out = generate(url)

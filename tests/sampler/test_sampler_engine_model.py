@@ -79,7 +79,12 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 MOE = {"architecture": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
-PLAIN = {"vocab_size": 80, "hidden_size": 32, "intermediate_size": 48, "max_position_embeddings": 64}  # plain configs
+PLAIN = {
+    "vocab_size": 80,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "max_position_embeddings": 64,
+}  # plain configs
 CASES = {
     # the tiny Qwen3 init (rlfleet/tiny_qwen3.py) at small sizes
     "tiny": lambda: _random_norms(tiny_model(TinyQwen3(**SMALL, seed=1)), 1),
@@ -98,16 +103,29 @@ CASES = {
             )
         ),
         2,
-    ),  # fmt: skip
+    ),
     "tied": lambda: _random_norms(tiny_model(TinyQwen3(**SMALL, tie_word_embeddings=True, seed=3)), 3),
     # the tiny Qwen3-MoE (rlfleet/tiny_qwen3.py): 4 routed experts of 16, top-2, renormalised
     "moe": lambda: _random_norms(tiny_model(TinyQwen3(**SMALL, **MOE, seed=4)), 4),
     # transformers' default init, 4 query heads on 1 KV head, head_dim 12 != 32 / 4, theta 500
-    "plain_config": lambda: _plain_qwen3(**PLAIN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                                         head_dim=12, tie_word_embeddings=False,
-                                         rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
-    "plain_config_tied": lambda: _plain_qwen3(seed=1, **PLAIN, num_hidden_layers=1, num_attention_heads=2,
-                                              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    "plain_config": lambda: _plain_qwen3(
+        **PLAIN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=12,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    ),
+    "plain_config_tied": lambda: _plain_qwen3(
+        seed=1,
+        **PLAIN,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -446,7 +464,10 @@ def test_the_moe_checkpoint_and_seeded_weights_load_by_their_names(tmp_path):
         stored = set(f.keys())
     shape = ModelShape.from_checkpoint(tmp_path)
     assert shape == tiny_shape(**SMALL, **MOE) and shape.is_moe and shape.num_experts == 4
-    assert set(EngineModel(shape).state_dict()) == stored and "model.layers.1.mlp.experts.3.down_proj.weight" in stored
+    assert (
+        set(EngineModel(shape).state_dict()) == stored
+        and "model.layers.1.mlp.experts.3.down_proj.weight" in stored
+    )
     engine = EngineModel(shape).eval()
     engine.load_weights(seeded_weights(shape, 6))
     ids = _ids(2, 8, shape.vocab_size, seed=1)

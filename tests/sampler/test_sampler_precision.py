@@ -14,8 +14,17 @@ from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
-SPEC = TinyQwen3(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=2, head_dim=32, max_position_embeddings=32, seed=3)  # fmt: skip
+SPEC = TinyQwen3(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=32,
+    seed=3,
+)
 BF16_KERNEL = KernelConfig("bfloat16")
 
 

@@ -32,7 +32,9 @@ MOE = {"temperature": 0.9, "top_p": 0.8, "top_k": 40, "max_new_tokens": 7, "rout
 def exact_moe_engine() -> ReferenceEngine:
     """The tiny Qwen3-MoE's seeded init, fp32 weights and kernel: the trainer's model."""
     return ReferenceEngine(
-        EngineConfig(model=tiny_shape(**SIZES), seed=SEED, weight_format="fp32", kernel=KernelConfig("float32"))
+        EngineConfig(
+            model=tiny_shape(**SIZES), seed=SEED, weight_format="fp32", kernel=KernelConfig("float32")
+        )
     )
 
 
@@ -58,20 +60,50 @@ async def test_the_engine_returns_the_experts_transformers_routes_each_position_
 async def test_a_start_and_a_dense_model_as_sglang_answers_them():
     """routed_experts_start_len drops the first positions; one past the prompt is refused with SGLang's
     message; a dense model returns no routing even when asked (as SGLang without a mixture of experts)."""
-    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
-            "return_routed_experts": True}  # fmt: skip
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0},
+        "return_routed_experts": True,
+    }
     async with await start_reference_server(exact_moe_engine()) as server, httpx.AsyncClient() as http:
         whole = (await http.post(server.url + "/generate", json=body)).json()
-        late = (await http.post(server.url + "/generate", json={**body, "routed_experts_start_len": 4})).json()
+        late = (
+            await http.post(server.url + "/generate", json={**body, "routed_experts_start_len": 4})
+        ).json()
         refused = await http.post(server.url + "/generate", json={**body, "routed_experts_start_len": 6})
+
     def rows(answer: dict) -> np.ndarray:
-        return np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype="<i4").reshape(-1, 2, 2)
+        return np.frombuffer(base64.b64decode(answer["meta_info"]["routed_experts"]), dtype="<i4").reshape(
+            -1, 2, 2
+        )
 
     assert rows(whole).shape[0] == len(PROMPT) + 3 - 1 and np.array_equal(rows(late), rows(whole)[4:])
-    assert refused.status_code == 400 and "routed_experts_start_len=6 is higher than the number of input tokens" in refused.text
-    dense = ReferenceEngine(EngineConfig(model=tiny_shape(**{k: v for k, v in SIZES.items() if k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings")}), seed=SEED))  # fmt: skip
+    assert (
+        refused.status_code == 400
+        and "routed_experts_start_len=6 is higher than the number of input tokens" in refused.text
+    )
+    dense = ReferenceEngine(
+        EngineConfig(
+            model=tiny_shape(
+                **{
+                    k: v
+                    for k, v in SIZES.items()
+                    if k
+                    in (
+                        "vocab_size",
+                        "hidden_size",
+                        "intermediate_size",
+                        "num_hidden_layers",
+                        "num_attention_heads",
+                        "num_key_value_heads",
+                        "head_dim",
+                        "max_position_embeddings",
+                    )
+                }
+            ),
+            seed=SEED,
+        )
+    )
     async with await start_reference_server(dense) as server, httpx.AsyncClient() as http:
         answer = (await http.post(server.url + "/generate", json=body)).json()
     assert "routed_experts" not in answer["meta_info"] and answer["meta_info"]["completion_tokens"] == 3

@@ -222,8 +222,12 @@ def test_flashinfer_backend_keeps_what_sglangs_cuda_path_captures(sglang_forward
     rng = np.random.default_rng(50 + seed)
     cap = 8
     rows = [GRID[i] for i in rng.choice(len(GRID), 20, replace=False)]
-    rows[:4] = [RowParams(1.0, 1.0, 8, 0.0), RowParams(0.7, 0.9, 8, 0.0), RowParams(1.0, 0.95, 5, 0.1),
-                RowParams(1.0, 1.0, 6, 0.3)]  # fmt: skip
+    rows[:4] = [
+        RowParams(1.0, 1.0, 8, 0.0),
+        RowParams(0.7, 0.9, 8, 0.0),
+        RowParams(1.0, 0.95, 5, 0.1),
+        RowParams(1.0, 1.0, 6, 0.3),
+    ]
     logits = _logits(rng, len(rows), 64, "integer" if seed < 2 else "normal")
     for rows_now in (rows, [r for r in rows if r.top_p == 1.0 and r.min_p == 0.0]):  # a batch without top-p
         ids, lps, _, _, mask = sglang_forward(logits[: len(rows_now)], rows_now, 0, seed, "flashinfer", cap)

@@ -111,9 +111,15 @@ async def test_support_and_logprobs_are_sglangs_sampler_on_the_model():
     probs = torch.softmax(rows, -1)
     n = probs.shape[0]
     _, weights, ids, _ = top_k_top_p_min_p_sampling_from_probs_torch(
-        probs.clone(), torch.full((n,), 40), torch.full((n,), 0.8), torch.zeros(n), False, None,
-        torch.zeros(n), return_filtered_probs=True,
-    )  # fmt: skip
+        probs.clone(),
+        torch.full((n,), 40),
+        torch.full((n,), 0.8),
+        torch.zeros(n),
+        False,
+        None,
+        torch.zeros(n),
+        return_filtered_probs=True,
+    )
     for i in range(n):
         kept = int((weights[i] > 0).sum())
         assert meta["output_token_sampling_mask"][i] == ids[i, :kept].tolist()
@@ -388,8 +394,13 @@ async def test_metrics_health_info_and_api_key():
             assert info["sampling_mask_max_tokens"] == 4096 and info["weight_version"] == "0"
             text = (await http.get(server.url + "/metrics")).text
     sched = 'engine_type="unified",model_name="tiny-qwen3",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
-    for name in ("sglang:gen_throughput", "sglang:num_running_reqs", "sglang:num_queue_reqs",
-                 "sglang:token_usage", "sglang:cache_hit_rate"):  # fmt: skip
+    for name in (
+        "sglang:gen_throughput",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:cache_hit_rate",
+    ):
         assert f"{name}{{{sched}}}" in text
     tok = '{engine_type="unified",is_streaming="false",model_name="tiny-qwen3"}'
     assert f"sglang:generation_tokens_total{tok} 3.0" in text  # health_generate is not counted (log_metrics)
@@ -465,9 +476,20 @@ def test_sglang_engine_argv_adds_the_flags_a_local_checkpoint_calls_for(capsys, 
     """`--engine sglang --model-path DIR` reads DIR's config.json as the weight sync does for a cluster
     group's launch file: a Qwen3-MoE gets `--enable-return-routed-experts` (once, also when passed after
     --), a dense Qwen3 and a hub id (no local directory) do not; a config.json that is no JSON is one line."""
+
     def argv(model_path: str, *extra: str) -> list[str]:
-        rc = srv_mod.cli(["--engine", "sglang", "--accelerator", "h100", "--model-path", model_path, "--print-argv",
-                          *extra])  # fmt: skip
+        rc = srv_mod.cli(
+            [
+                "--engine",
+                "sglang",
+                "--accelerator",
+                "h100",
+                "--model-path",
+                model_path,
+                "--print-argv",
+                *extra,
+            ]
+        )
         assert rc == 0
         return capsys.readouterr().out.split()
 
@@ -477,10 +499,17 @@ def test_sglang_engine_argv_adds_the_flags_a_local_checkpoint_calls_for(capsys, 
     assert "--enable-return-routed-experts" not in argv(str(tiny_qwen3_factory()))
     assert "--enable-return-routed-experts" not in argv("Qwen/Qwen3-30B-A3B")
     (tmp_path / "config.json").write_text("{not json")
-    assert srv_mod.cli(["--engine", "sglang", "--accelerator", "h100", "--model-path", str(tmp_path),
-                        "--print-argv"]) == 2  # fmt: skip
+    assert (
+        srv_mod.cli(
+            ["--engine", "sglang", "--accelerator", "h100", "--model-path", str(tmp_path), "--print-argv"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert err.startswith(f"rlfleet sampler serve: {tmp_path / 'config.json'}: not JSON") and err.count("\n") == 1
+    assert (
+        err.startswith(f"rlfleet sampler serve: {tmp_path / 'config.json'}: not JSON")
+        and err.count("\n") == 1
+    )
 
 
 def test_cli_refuses_bad_tiny_qwen3_sizes(capsys):

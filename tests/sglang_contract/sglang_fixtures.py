@@ -28,8 +28,12 @@ PROMPT = [1, 5, 9, 2]
 # support mode, ties at the cutoff: top_k=3 cuts inside a three-way tie (11 and 12 kept, 20 dropped by
 # sort order); second token: top_p=0.8 keeps the crossing token of a tie
 TIE_TOKENS = [
-    sm.Token(12, -2.07441782951355, [7, 11, 12], [-0.36898112297058105, -1.868981122970581, -1.868981122970581]),
-    sm.Token(9, -0.950858473777771, [4, 9, 15], [-0.7586236596107483, -0.7586236596107483, -2.7586236000061035]),
+    sm.Token(
+        12, -2.07441782951355, [7, 11, 12], [-0.36898112297058105, -1.868981122970581, -1.868981122970581]
+    ),
+    sm.Token(
+        9, -0.950858473777771, [4, 9, 15], [-0.7586236596107483, -0.7586236596107483, -2.7586236000061035]
+    ),
 ]
 TIE_PARAMS = {"temperature": 1.0, "top_p": 0.8, "top_k": 3, "max_new_tokens": 16, "stop_token_ids": [3]}
 
@@ -89,42 +93,65 @@ def _top_k_rejected() -> dict[str, Any]:
     message = sm.scheduler_mask_error(8192, 4096)
     assert message is not None
     abort = FINISH_ABORT(message, 400).to_json()  # prepare_abort(req, error_msg, status_code=BAD_REQUEST)
-    return _error("HTTP 400: return_sampling_mask with top_k above --sampling-mask-max-tokens (scheduler)",
-                  _mask_request(8192), abort)  # fmt: skip
+    return _error(
+        "HTTP 400: return_sampling_mask with top_k above --sampling-mask-max-tokens (scheduler)",
+        _mask_request(8192),
+        abort,
+    )
 
 
 BUILDERS: dict[str, Callable[[], dict[str, Any]]] = {
     "sglang_support_tie_at_cutoff.json": lambda: _ok(
         "support mode with ties at the cutoff; finish by a stop token",
-        tokens=TIE_TOKENS, sampling_params=TIE_PARAMS, current_version="12", cached_tokens=2,
+        tokens=TIE_TOKENS,
+        sampling_params=TIE_PARAMS,
+        current_version="12",
+        cached_tokens=2,
         finish_reason={"type": "stop", "matched": 3},
     ),
     "sglang_selected_mode.json": lambda: _ok(
         "sampling_logprobs_mode=selected (SGLang's default with the mask): one float per token, log q_S(y)",
-        tokens=TIE_TOKENS, mode="selected", sampling_params=TIE_PARAMS, current_version="3", cached_tokens=2,
+        tokens=TIE_TOKENS,
+        mode="selected",
+        sampling_params=TIE_PARAMS,
+        current_version="3",
+        cached_tokens=2,
     ),
     "sglang_support_straddle.json": lambda: _ok(
         "support mode, streamed to the tokenizer manager in two chunks; a weight update (11 -> 12) after "
         "token 2, so weight_versions has two spans",
-        tokens=STRADDLE_TOKENS, sampling_params=STRADDLE_PARAMS, version_events=[("11", 2)],
-        current_version="12", chunk_sizes=[2, 1], cached_tokens=2,
+        tokens=STRADDLE_TOKENS,
+        sampling_params=STRADDLE_PARAMS,
+        version_events=[("11", 2)],
+        current_version="12",
+        chunk_sizes=[2, 1],
+        cached_tokens=2,
     ),
     "sglang_head_mode.json": lambda: _ok(
         "head mode: top_logprobs_num=4, untruncated sampling; top-4 triples of the full-vocabulary q",
-        tokens=HEAD_TOKENS, mode="head", top_logprobs_num=4, sampling_params=HEAD_PARAMS, current_version="4",
+        tokens=HEAD_TOKENS,
+        mode="head",
+        top_logprobs_num=4,
+        sampling_params=HEAD_PARAMS,
+        current_version="4",
     ),
     "sglang_invalid_tokens.json": lambda: _ok(
         "defects: token 1 outside its mask, token 2 not normalised, token 3 logprob null; token 0 fine",
-        tokens=INVALID_TOKENS, sampling_params=INVALID_PARAMS, current_version="5", cached_tokens=2,
+        tokens=INVALID_TOKENS,
+        sampling_params=INVALID_PARAMS,
+        current_version="5",
+        cached_tokens=2,
     ),
     "sglang_error_400_mask_cap.json": _top_k_rejected,
     "sglang_error_400_mask_overflow.json": lambda: _error(
         "HTTP 400 mid-request: the realised support exceeded --sampling-mask-max-tokens (ties)",
-        _mask_request(4096), sm.mask_overflow_abort(),
+        _mask_request(4096),
+        sm.mask_overflow_abort(),
     ),
     "sglang_error_500_outside_mask.json": lambda: _error(
         "HTTP 500 (ErrorResponse): the sampled token fell outside the captured sampling support",
-        _mask_request(64), sm.outside_support_abort(),
+        _mask_request(64),
+        sm.outside_support_abort(),
     ),
 }
 

@@ -70,10 +70,16 @@ def model_dir() -> str:
 
     path = Path(tempfile.mkdtemp(prefix="rlfleet-sglang-contract-"))
     Qwen3Config(
-        architectures=["Qwen3ForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
         max_position_embeddings=512,
-    ).save_pretrained(path)  # fmt: skip
+    ).save_pretrained(path)
     return str(path)
 
 
@@ -83,9 +89,13 @@ def context(role: str, weight_version: str = "5", sampling_mask_max_tokens: int 
     from sglang.srt.server_args import ServerArgs
 
     args = ServerArgs(
-        model_path=model_dir(), skip_tokenizer_init=True, device="cpu", weight_version=weight_version,
-        sampling_mask_max_tokens=sampling_mask_max_tokens, enable_metrics=True,
-    )  # fmt: skip
+        model_path=model_dir(),
+        skip_tokenizer_init=True,
+        device="cpu",
+        weight_version=weight_version,
+        sampling_mask_max_tokens=sampling_mask_max_tokens,
+        enable_metrics=True,
+    )
     return create_context(args, role=role)
 
 
@@ -143,9 +153,11 @@ def scheduler_mask_rule() -> tuple[types.CodeType, ast.expr]:
     assert "top_k = req.sampling_params.top_k" in body, "SGLang's mask rule no longer reads the request top_k"
     assert "sampling_mask_cap = self.server_args.sampling_mask_max_tokens" in body
     rule = next(
-        n for n in ast.walk(fn)
-        if isinstance(n, ast.If) and ast.unparse(n.test) == "top_k != 1 and (not 1 < top_k <= sampling_mask_cap)"
-    )  # fmt: skip
+        n
+        for n in ast.walk(fn)
+        if isinstance(n, ast.If)
+        and ast.unparse(n.test) == "top_k != 1 and (not 1 < top_k <= sampling_mask_cap)"
+    )
     message = next(
         s.value for s in rule.body if isinstance(s, ast.Assign) and ast.unparse(s.targets[0]) == "error_msg"
     )
@@ -260,7 +272,8 @@ def generate_response(
     n = len(tokens)
     body: dict[str, Any] = {
         "input_ids": list(prompt),
-        "sampling_params": sampling_params or {"temperature": 1.0, "top_p": 0.9, "top_k": 8, "max_new_tokens": n},
+        "sampling_params": sampling_params
+        or {"temperature": 1.0, "top_p": 0.9, "top_k": 8, "max_new_tokens": n},
         "return_logprob": True,
         "rid": rid,
     }
@@ -281,7 +294,9 @@ def generate_response(
         import torch
         from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 
-        routed = DetokenizerManager._b64_encode_per_request([torch.from_numpy(routed_experts.astype(np.int32))])
+        routed = DetokenizerManager._b64_encode_per_request(
+            [torch.from_numpy(routed_experts.astype(np.int32))]
+        )
 
     async def run() -> dict[str, Any]:
         with use_context(ctx):
@@ -296,23 +311,38 @@ def generate_response(
                 last = c == len(sizes) - 1
                 head = mode == "head"
                 recv = BatchStrOutput(
-                    rids=[rid], finished_reasons=[finish if last else None], output_strs=[""],
-                    output_ids=[array("i", [t.id for t in part])], prompt_tokens=[len(prompt)],
-                    completion_tokens=[start + size], reasoning_tokens=[0], cached_tokens=[cached_tokens],
-                    input_token_logprobs_val=None, input_token_logprobs_idx=None,
+                    rids=[rid],
+                    finished_reasons=[finish if last else None],
+                    output_strs=[""],
+                    output_ids=[array("i", [t.id for t in part])],
+                    prompt_tokens=[len(prompt)],
+                    completion_tokens=[start + size],
+                    reasoning_tokens=[0],
+                    cached_tokens=[cached_tokens],
+                    input_token_logprobs_val=None,
+                    input_token_logprobs_idx=None,
                     output_token_logprobs_val=[[t.logprob for t in part]],
                     output_token_logprobs_idx=[[t.id for t in part]],
-                    input_top_logprobs_val=None, input_top_logprobs_idx=None,
+                    input_top_logprobs_val=None,
+                    input_top_logprobs_idx=None,
                     output_top_logprobs_val=[[[lp for lp, _ in t.top] for t in part]] if head else None,
                     output_top_logprobs_idx=[[[i for _, i in t.top] for t in part]] if head else None,
-                    input_token_ids_logprobs_val=None, input_token_ids_logprobs_idx=None,
-                    output_token_ids_logprobs_val=None, output_token_ids_logprobs_idx=None,
+                    input_token_ids_logprobs_val=None,
+                    input_token_ids_logprobs_idx=None,
+                    output_token_ids_logprobs_val=None,
+                    output_token_ids_logprobs_idx=None,
                     output_token_entropy_val=None,
                     output_token_sampling_mask=None if head else [_rows(part, mode)],
-                    output_hidden_states=None, routed_experts=routed if last else None, indexer_topk=None,
-                    placeholder_tokens_idx=None, placeholder_tokens_val=None, retraction_counts=[0],
-                    weight_versions=[compute_weight_version_spans(events, current_version, n)] if last else None,
-                )  # fmt: skip
+                    output_hidden_states=None,
+                    routed_experts=routed if last else None,
+                    indexer_topk=None,
+                    placeholder_tokens_idx=None,
+                    placeholder_tokens_val=None,
+                    retraction_counts=[0],
+                    weight_versions=[compute_weight_version_spans(events, current_version, n)]
+                    if last
+                    else None,
+                )
                 await tm._handle_batch_output(recv)
                 start += size
             assert state.finished
@@ -368,11 +398,15 @@ def error_response(finish_reason: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             state = tmm.ReqState([], True, asyncio.Event(), obj, time_stats=APIServerReqTimeStats())
             tm.rid_to_state["e"] = state
             try:
-                await tm._handle_abort_finish_reason({"meta_info": {"finish_reason": finish_reason}}, state, False)
+                await tm._handle_abort_finish_reason(
+                    {"meta_info": {"finish_reason": finish_reason}}, state, False
+                )
             except ValueError as e:  # http_server._create_error_response
                 return int(getattr(e, "status_code", 400)), {"error": {"message": str(e)}}
             except fastapi.HTTPException as e:  # http_server's HTTPException handler (non-/v1 paths)
-                err = ErrorResponse(object="error", message=e.detail, type=str(e.status_code), code=e.status_code)
+                err = ErrorResponse(
+                    object="error", message=e.detail, type=str(e.status_code), code=e.status_code
+                )
                 return e.status_code, err.model_dump()
             raise AssertionError(f"SGLang did not treat {finish_reason} as an error")
 

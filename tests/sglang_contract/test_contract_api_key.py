@@ -21,8 +21,16 @@ from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 
 KEY = "job-key"
-MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+MODEL = tiny_shape(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 # (method, path) rlfleet's parts call on an engine (the sidecar, the router, the trainer's client, probes, scrapes)
 CALLED = [("POST", "/update_weights_from_disk"), ("POST", "/pause_generation"), ("POST", "/continue_generation"),
           ("POST", "/generate"), ("GET", "/model_info"), ("GET", "/server_info"), ("GET", "/health"),
@@ -46,10 +54,17 @@ def sglang_auth_levels() -> dict[tuple[str, str], AuthLevel]:
             name = d.func.attr if isinstance(d.func, ast.Attribute) else d.func.id
             if name == "auth_level":
                 level = AuthLevel[ast.unparse(d.args[0]).split(".")[-1]]
-            elif name in ("get", "post", "put", "delete", "api_route") and d.args and isinstance(d.args[0], ast.Constant):
+            elif (
+                name in ("get", "post", "put", "delete", "api_route")
+                and d.args
+                and isinstance(d.args[0], ast.Constant)
+            ):
                 path = d.args[0].value  # a literal path (a few routes are registered from a variable)
-                methods = [name.upper()] if name != "api_route" else next(
-                    ast.literal_eval(k.value) for k in d.keywords if k.arg == "methods")  # fmt: skip
+                methods = (
+                    [name.upper()]
+                    if name != "api_route"
+                    else next(ast.literal_eval(k.value) for k in d.keywords if k.arg == "methods")
+                )
                 routes += [(m, path) for m in methods]
         for route in routes:
             levels[route] = level
@@ -57,8 +72,14 @@ def sglang_auth_levels() -> dict[tuple[str, str], AuthLevel]:
 
 
 def sglang_allows(method: str, path: str, level: AuthLevel, header: str | None) -> bool:
-    return decide_request_auth(method=method, path=path, authorization_header=header, api_key=KEY,
-                               admin_api_key=None, auth_level=level).allowed  # fmt: skip
+    return decide_request_auth(
+        method=method,
+        path=path,
+        authorization_header=header,
+        api_key=KEY,
+        admin_api_key=None,
+        auth_level=level,
+    ).allowed
 
 
 async def test_the_reference_servers_api_key_is_sglangs_for_every_path_rlfleet_uses() -> None:
@@ -66,16 +87,29 @@ async def test_the_reference_servers_api_key_is_sglangs_for_every_path_rlfleet_u
     # the weight-update API is an admin-optional route: with only --api-key, the api key opens it
     assert levels[("POST", "/update_weights_from_disk")] == AuthLevel.ADMIN_OPTIONAL
     engine = ReferenceEngine(EngineConfig(model=MODEL, seed=3))
-    async with await start_reference_server(engine, api_key=KEY) as server, httpx.AsyncClient(timeout=60) as http:
+    async with (
+        await start_reference_server(engine, api_key=KEY) as server,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
         for method, path in CALLED:
             level = levels.get((method, path), AuthLevel.NORMAL)  # /metrics is mounted apart (open by prefix)
             for header in (None, "Bearer wrong", f"Bearer {KEY}"):
                 headers = {"Authorization": header} if header else {}
-                response = await http.request(method, server.url + path, json=BODIES.get(path), headers=headers)
+                response = await http.request(
+                    method, server.url + path, json=BODIES.get(path), headers=headers
+                )
                 expected = sglang_allows(method, path, level, header)
                 assert (response.status_code != 401) == expected, (method, path, header, response.status_code)
         # the keyed calls above paused generation: continue, so the engine stops cleanly
-        await http.post(server.url + "/continue_generation", json={}, headers={"Authorization": f"Bearer {KEY}"})
+        await http.post(
+            server.url + "/continue_generation", json={}, headers={"Authorization": f"Bearer {KEY}"}
+        )
     refused = [p for m, p in CALLED if not sglang_allows(m, p, levels.get((m, p), AuthLevel.NORMAL), None)]
-    assert refused == ["/update_weights_from_disk", "/pause_generation", "/continue_generation", "/generate",
-                       "/model_info", "/server_info"]  # fmt: skip
+    assert refused == [
+        "/update_weights_from_disk",
+        "/pause_generation",
+        "/continue_generation",
+        "/generate",
+        "/model_info",
+        "/server_info",
+    ]

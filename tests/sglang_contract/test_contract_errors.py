@@ -28,7 +28,9 @@ def _functions(relative: str) -> dict[str, str]:
 
 def test_http_server_error_bodies_are_the_shapes_we_read() -> None:
     fns = _functions("srt/entrypoints/http_server.py")
-    assert "return ORJSONResponse(status_code=400, content={'error': contract_error})" in fns["generate_request"]
+    assert (
+        "return ORJSONResponse(status_code=400, content={'error': contract_error})" in fns["generate_request"]
+    )
     assert "except ValueError as e:" in fns["serve_generate_request"]
     assert "return _create_error_response(e)" in fns["serve_generate_request"]
     assert (
@@ -43,7 +45,10 @@ def test_http_server_error_bodies_are_the_shapes_we_read() -> None:
     assert "return ORJSONResponse(content=error.model_dump(), status_code=exc.status_code)" in handler
     # ... and the abort path: 400 -> ValueError, anything else -> HTTPException
     abort = _functions("srt/managers/tokenizer_manager.py")["_handle_abort_finish_reason"]
-    assert "if status_code == HTTPStatus.BAD_REQUEST:\n            raise ValueError(finish_reason['message'])" in abort
+    assert (
+        "if status_code == HTTPStatus.BAD_REQUEST:\n            raise ValueError(finish_reason['message'])"
+        in abort
+    )
     assert "raise fastapi.HTTPException(status_code=status_code, detail=finish_reason['message'])" in abort
 
 
@@ -55,7 +60,10 @@ def test_error_message_reads_every_sglang_shape() -> None:
     assert status == 400 and proto.error_message(body) == "input too long"
     status, body = sm.error_response(sm.outside_support_abort())
     assert status == 500 and body["object"] == "error" and body["code"] == 500
-    assert proto.error_message(body) == "The sampling backend selected a token outside its captured sampling support."
+    assert (
+        proto.error_message(body)
+        == "The sampling backend selected a token outside its captured sampling support."
+    )
     validation = ErrorResponse(message="bad field", type="Bad Request", code=400).model_dump()
     assert proto.error_message(validation) == "bad field"
     assert proto.error_message({"detail": "Not Found"}) == "Not Found"
@@ -69,4 +77,6 @@ def test_mask_cap_errors_are_recognised_from_sglangs_own_messages() -> None:
     assert proto.mask_cap_error(proto.error_message(body)) == ("support_overflow", 4096)
     _, body = sm.error_response(sm.outside_support_abort())
     assert proto.mask_cap_error(proto.error_message(body)) is None
-    assert proto.mask_cap_error("sampling_logprobs_mode can only be set when return_sampling_mask=true.") is None
+    assert (
+        proto.mask_cap_error("sampling_logprobs_mode can only be set when return_sampling_mask=true.") is None
+    )

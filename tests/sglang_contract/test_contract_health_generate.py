@@ -34,8 +34,16 @@ from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny
 from rlfleet.sampler.server import start_reference_server
 
 TIMEOUT_S = 1  # SGLANG_HEALTH_CHECK_TIMEOUT for both servers here
-MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+MODEL = tiny_shape(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -47,7 +55,9 @@ def _http_server_module() -> ast.Module:
 def sglang_health_generate(tokenizer_manager: object):
     """http_server.health_generate, compiled from SGLang's source (its route decorators dropped)."""
     node = next(
-        n for n in _http_server_module().body if isinstance(n, ast.AsyncFunctionDef) and n.name == "health_generate"
+        n
+        for n in _http_server_module().body
+        if isinstance(n, ast.AsyncFunctionDef) and n.name == "health_generate"
     )
     node.decorator_list = []
     names = {
@@ -74,7 +84,11 @@ def sglang_health_generate(tokenizer_manager: object):
 
 def tokenizer_manager(scheduler_answers: bool, status: ServerStatus = ServerStatus.Up, exiting: bool = False):
     tm = types.SimpleNamespace(
-        gracefully_exit=exiting, server_status=status, is_generation=True, last_receive_tstamp=0.0, rid_to_state={}
+        gracefully_exit=exiting,
+        server_status=status,
+        is_generation=True,
+        last_receive_tstamp=0.0,
+        rid_to_state={},
     )
 
     async def generate_request(obj, request):
@@ -89,7 +103,9 @@ def tokenizer_manager(scheduler_answers: bool, status: ServerStatus = ServerStat
 
 
 async def sglang_answer(tm: object) -> tuple[int, bytes]:
-    request = Request({"type": "http", "method": "GET", "path": "/health_generate", "headers": [], "query_string": b""})
+    request = Request(
+        {"type": "http", "method": "GET", "path": "/health_generate", "headers": [], "query_string": b""}
+    )
     with use_context(sm.context("tokenizer")):
         response = await sglang_health_generate(tm)(request)
     return response.status_code, bytes(response.body)
@@ -123,7 +139,10 @@ async def test_a_hung_engine_answers_503_after_the_timeout_in_sglang_and_the_ref
 @pytest.mark.parametrize(("status", "exiting"), [(ServerStatus.Starting, False), (ServerStatus.Up, True)])
 async def test_sglang_starting_or_draining_answers_503_at_once(status: ServerStatus, exiting: bool) -> None:
     """The router reads these as unready (not hung): a draining engine keeps its requests in flight."""
-    assert await sglang_answer(tokenizer_manager(scheduler_answers=True, status=status, exiting=exiting)) == (503, b"")
+    assert await sglang_answer(tokenizer_manager(scheduler_answers=True, status=status, exiting=exiting)) == (
+        503,
+        b"",
+    )
 
 
 def test_the_routers_probe_timeout_is_below_sglangs_own() -> None:
@@ -131,9 +150,10 @@ def test_the_routers_probe_timeout_is_below_sglangs_own() -> None:
     source); the router's probe gives up before, so a hang reads as no answer (hung), never as the 503
     a draining engine gives."""
     assign = next(
-        n for n in _http_server_module().body
+        n
+        for n in _http_server_module().body
         if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "HEALTH_CHECK_TIMEOUT"
-    )  # fmt: skip
+    )
     assert ast.unparse(assign.value) == "int(os.getenv('SGLANG_HEALTH_CHECK_TIMEOUT', 20))"
     assert RouterConfig().health_timeout_seconds < 20
     assert RouterConfig().health_path == "/health_generate"

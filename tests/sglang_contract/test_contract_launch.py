@@ -30,7 +30,9 @@ def combinations() -> list[tuple[str, str, str]]:
     out = []
     catalog = get_catalog()
     for name, cls in catalog.classes.items():
-        if cls.engine != "sglang":  # the cpu class runs the reference engine (tests/sampler/test_sampler_cpu_pod.py)
+        if (
+            cls.engine != "sglang"
+        ):  # the cpu class runs the reference engine (tests/sampler/test_sampler_cpu_pod.py)
             continue
         for weight_format in cls.weight_formats:
             for kv in cls.kv_cache_dtypes:
@@ -54,14 +56,22 @@ def test_every_catalog_format_is_covered() -> None:
 
 
 @pytest.mark.parametrize(("accelerator", "weight_format", "kv_cache_dtype"), combinations())
-def test_catalog_launch_parses_in_sglang_as_meant(accelerator: str, weight_format: str, kv_cache_dtype: str) -> None:
+def test_catalog_launch_parses_in_sglang_as_meant(
+    accelerator: str, weight_format: str, kv_cache_dtype: str
+) -> None:
     cls = get_catalog().get(accelerator)
     for tp in (None, 2):
         launch = sglang_launch(
-            accelerator=cls, weight_format=weight_format, kv_cache_dtype=kv_cache_dtype, tensor_parallel=tp,
-            model_path="/weights/views/fp8/v7", served_model_name="qwen3", weight_version=7,
-            sampling_mask_max_tokens=2048, port=30001,
-        )  # fmt: skip
+            accelerator=cls,
+            weight_format=weight_format,
+            kv_cache_dtype=kv_cache_dtype,
+            tensor_parallel=tp,
+            model_path="/weights/views/fp8/v7",
+            served_model_name="qwen3",
+            weight_version=7,
+            sampling_mask_max_tokens=2048,
+            port=30001,
+        )
         args = sglang_parse(launch.argv)
         assert args.model_path == "/weights/views/fp8/v7" and args.served_model_name == "qwen3"
         assert args.quantization == QUANTIZATION[weight_format]
@@ -79,7 +89,9 @@ def test_catalog_launch_parses_in_sglang_as_meant(accelerator: str, weight_forma
 
 
 @pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen3"])
-def test_a_moe_checkpoints_flag_turns_on_sglangs_routed_experts_capture(tiny_qwen3_factory, architecture: str) -> None:
+def test_a_moe_checkpoints_flag_turns_on_sglangs_routed_experts_capture(
+    tiny_qwen3_factory, architecture: str
+) -> None:
     """The checkpoint's own flags (`checkpoint_engine_flags` of the tiny model's real config.json, what the
     launch file carries and `rlfleet sampler serve` adds) on the catalog's launch, through SGLang 0.5.23's
     own argparse, ServerArgs resolution and runtime context: the feature under which SGLang builds its
@@ -95,8 +107,14 @@ def test_a_moe_checkpoints_flag_turns_on_sglangs_routed_experts_capture(tiny_qwe
 
     checkpoint = tiny_qwen3_factory(architecture=architecture)
     config = json.loads((checkpoint / "config.json").read_text())
-    launch = sglang_launch(accelerator=get_catalog().get("h100"), weight_format="bf16", model_path=str(checkpoint),
-                           served_model_name="m", weight_version=0, extra_args=checkpoint_engine_flags(config))  # fmt: skip
+    launch = sglang_launch(
+        accelerator=get_catalog().get("h100"),
+        weight_format="bf16",
+        model_path=str(checkpoint),
+        served_model_name="m",
+        weight_version=0,
+        extra_args=checkpoint_engine_flags(config),
+    )
     moe = architecture == "qwen3_moe"
     assert ("--enable-return-routed-experts" in launch.argv) is moe
     assert sglang_parse(launch.argv).enable_return_routed_experts is moe
@@ -104,8 +122,9 @@ def test_a_moe_checkpoints_flag_turns_on_sglangs_routed_experts_capture(tiny_qwe
     with use_context(create_context(args, role="scheduler")):
         assert get_exec().features.enable_return_routed_experts is moe
         if not moe:  # returns before it reads the model or its config
-            capturer = RoutedExpertsCapturer.create(model=None, model_config=None, num_tokens=8,
-                                                    max_running_requests=2, device="cpu")  # fmt: skip
+            capturer = RoutedExpertsCapturer.create(
+                model=None, model_config=None, num_tokens=8, max_running_requests=2, device="cpu"
+            )
             assert capturer is None
 
 
@@ -119,6 +138,8 @@ def test_sglangs_capturer_reads_num_experts_per_tok_which_a_dense_config_lacks(t
 
     dense = ModelConfig(str(tiny_qwen3_factory()))
     with pytest.raises(AttributeError, match="num_experts_per_tok"):
-        RoutedExpertsCapturer(dense, num_tokens=8, max_running_requests=2, num_fused_shared_experts=0, device="cpu")
+        RoutedExpertsCapturer(
+            dense, num_tokens=8, max_running_requests=2, num_fused_shared_experts=0, device="cpu"
+        )
     moe = ModelConfig(str(tiny_qwen3_factory(architecture="qwen3_moe")))
     assert moe.hf_text_config.num_experts_per_tok == 2  # rlfleet/tiny_qwen3.py MOE_SIZES: top 2 of 4

@@ -31,7 +31,12 @@ class SGLangServer:
         def injected(base: type, registry: CollectorRegistry) -> type:
             kinds = {
                 f"_{n}_cls": functools.partial(c, registry=registry)
-                for n, c in (("counter", Counter), ("gauge", Gauge), ("histogram", Histogram), ("summary", Summary))
+                for n, c in (
+                    ("counter", Counter),
+                    ("gauge", Gauge),
+                    ("histogram", Histogram),
+                    ("summary", Summary),
+                )
             }
             return type(base.__name__, (base,), kinds)
 
@@ -48,7 +53,9 @@ class SGLangServer:
 
     def decode_step(self, tokens: int, throughput: float) -> None:
         """What SGLang's metrics reporter does every decode batch / log interval."""
-        self.scheduler.increment_realtime_tokens(None, decode_tokens=tokens, prefill_compute_tokens=tokens // 4)
+        self.scheduler.increment_realtime_tokens(
+            None, decode_tokens=tokens, prefill_compute_tokens=tokens // 4
+        )
         stats = mc.SchedulerStats()
         stats.gen_throughput = throughput
         stats.num_running_reqs = mc.QueueCount(total=64)
@@ -56,9 +63,13 @@ class SGLangServer:
 
     def finish_request(self, generated: int) -> None:
         self.tokenizer.observe_one_finished_request(
-            {"model_name": "qwen3"}, prompt_tokens=100, generation_tokens=generated, cached_tokens=0,
-            e2e_latency=1.0, has_grammar=False,
-        )  # fmt: skip
+            {"model_name": "qwen3"},
+            prompt_tokens=100,
+            generation_tokens=generated,
+            cached_tokens=0,
+            e2e_latency=1.0,
+            has_grammar=False,
+        )
 
     def metrics(self) -> str:
         return "".join(generate_latest(r).decode() for r in self.registries)
@@ -78,7 +89,7 @@ def test_names_we_read_are_registered_by_sglang() -> None:
         assert families[name].type == "counter", name
     # the Prometheus query reads the decode counter by its exported sample name and `mode` label
     query = timer.prometheus_query("ns", "job-h100-fp8", 60)
-    assert f"{rb.DECODE_COUNTER}_total{{mode=\"{rb.DECODE_MODE}\"," in query
+    assert f'{rb.DECODE_COUNTER}_total{{mode="{rb.DECODE_MODE}",' in query
     source = mc.SchedulerMetricsCollector.increment_realtime_tokens.__code__.co_consts
     assert rb.DECODE_MODE in source  # SGLang's own label value for decode tokens
 
@@ -99,7 +110,9 @@ def test_busy_server_with_long_rollouts_reads_its_decode_rate_not_zero() -> None
                 srv.decode_step(tokens=1000, throughput=1000.0)
         sample = rb.parse_sglang_metrics(srv.metrics())
         assert (sample.generation_tokens_total or 0.0) == finished_before  # nothing finished
-        result = rb.rebalance([rb.GroupInput("busy", 1, 1, 1.0, pods={"busy-0": sample})], state, float(second), config)
+        result = rb.rebalance(
+            [rb.GroupInput("busy", 1, 1, 1.0, pods={"busy-0": sample})], state, float(second), config
+        )
         readings.append(result.groups["busy"].tokens_per_second)
         state = result.state
     assert readings[1:] == [1000.0, 1000.0, 1000.0]  # reading 0 has no counter history: the gauge

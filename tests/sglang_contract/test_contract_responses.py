@@ -42,7 +42,9 @@ def test_support_mode_is_parsed_exactly(chunks: list[int] | None) -> None:
         ids, lps = turn.support(i)
         assert ids.tolist() == t.support
         assert np.array_equal(lps, f32(t.support_logprobs))  # SGLang ships float32
-    assert np.array_equal(turn.sampled_logprobs, f32([t.support_logprobs[t.support.index(t.id)] for t in TOKENS]))
+    assert np.array_equal(
+        turn.sampled_logprobs, f32([t.support_logprobs[t.support.index(t.id)] for t in TOKENS])
+    )
     assert turn.weight_versions.tolist() == [5] * len(TOKENS)
     assert turn.finish_reason == "length"
 
@@ -55,7 +57,9 @@ def test_selected_mode_is_parsed_exactly_and_not_trained_on() -> None:
     turn = parse(response)
     assert turn.output_ids.tolist() == [t.id for t in TOKENS]
     assert turn.support_ids.tolist() == [i for t in TOKENS for i in t.support]
-    assert np.array_equal(turn.sampled_logprobs, f32([t.support_logprobs[t.support.index(t.id)] for t in TOKENS]))
+    assert np.array_equal(
+        turn.sampled_logprobs, f32([t.support_logprobs[t.support.index(t.id)] for t in TOKENS])
+    )
     assert np.isnan(turn.support_logprobs).all()
     assert not turn.valid.any() and turn.invalid_reasons[proto.R_SUPPORT_MISSING] == len(TOKENS)
 
@@ -80,7 +84,12 @@ def test_request_straddling_weight_updates_gets_per_token_versions_from_the_span
     SGLang reports three spans and `weight_version` "9"; every token keeps the version it was
     sampled under (not the newest)."""
     _, response = sm.generate_response(
-        PROMPT, TOKENS, mode=mode, version_events=[("7", 2), ("8", 4)], current_version="9", chunk_sizes=[2, 2, 1]
+        PROMPT,
+        TOKENS,
+        mode=mode,
+        version_events=[("7", 2), ("8", 4)],
+        current_version="9",
+        chunk_sizes=[2, 2, 1],
     )
     meta = response["meta_info"]
     assert meta["weight_versions"] == [
@@ -106,7 +115,10 @@ def test_server_without_weight_version_stamps_default_and_nothing_is_trainable()
 def test_spans_that_do_not_tile_the_tokens_invalidate_the_turn() -> None:
     _, response = sm.generate_response(PROMPT, TOKENS, version_events=[("7", 2)], current_version="8")
     broken = {**response, "meta_info": {**response["meta_info"]}}
-    broken["meta_info"]["weight_versions"] = [{"version": "7", "start": 0, "end": 2}, {"version": "8", "start": 3, "end": 5}]
+    broken["meta_info"]["weight_versions"] = [
+        {"version": "7", "start": 0, "end": 2},
+        {"version": "8", "start": 3, "end": 5},
+    ]
     assert parse(broken).invalid_reasons == {proto.R_LENGTH_MISMATCH: len(TOKENS)}
     broken["meta_info"]["weight_versions"] = response["meta_info"]["weight_versions"]
     broken["meta_info"]["weight_version"] = "7"  # must be the last span's

@@ -32,15 +32,19 @@ MOE = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": len(TOKENS), "routed_
 def routing(positions: int, seed: int = 0) -> np.ndarray:
     """What the scheduler's capturer holds for a request: per position and layer, top_k distinct experts."""
     rng = np.random.default_rng(seed)
-    return np.stack(
-        [rng.permutation(EXPERTS)[:TOP_K] for _ in range(positions * LAYERS)]
-    ).reshape(positions, LAYERS, TOP_K).astype(np.int32)
+    return (
+        np.stack([rng.permutation(EXPERTS)[:TOP_K] for _ in range(positions * LAYERS)])
+        .reshape(positions, LAYERS, TOP_K)
+        .astype(np.int32)
+    )
 
 
 def test_our_request_asks_sglang_for_the_routing_of_every_position() -> None:
     moe = sm.admit(proto.build_generate_request(PROMPT, proto.SamplingConfig(**MOE)))
     assert moe.return_routed_experts is True and moe.routed_experts_start_len == 0
-    dense_body = proto.build_generate_request(PROMPT, proto.SamplingConfig(**{**MOE, "routed_experts_top_k": 0}))
+    dense_body = proto.build_generate_request(
+        PROMPT, proto.SamplingConfig(**{**MOE, "routed_experts_top_k": 0})
+    )
     assert "return_routed_experts" not in dense_body and sm.admit(dense_body).return_routed_experts is False
     with pytest.raises(ValueError, match="routed_experts_top_k must be >= 0"):
         proto.SamplingConfig(routed_experts_top_k=-1)
@@ -72,7 +76,9 @@ def test_routing_of_another_length_makes_the_turn_untrainable() -> None:
     assert turn.routed_experts is None and not turn.valid.any()
     assert turn.invalid_reasons == {proto.R_LENGTH_MISMATCH: len(TOKENS)}
     _, response = sm.generate_response(PROMPT, TOKENS, routed_experts=routing(len(PROMPT) + len(TOKENS) - 1))
-    assert not proto.parse_generate_response(response, PROMPT, routed_experts_top_k=4).valid.any()  # 3 x 2 slots
+    assert not proto.parse_generate_response(
+        response, PROMPT, routed_experts_top_k=4
+    ).valid.any()  # 3 x 2 slots
 
 
 async def test_the_client_requests_and_parses_routed_experts_over_http() -> None:
@@ -86,8 +92,9 @@ async def test_the_client_requests_and_parses_routed_experts_over_http() -> None
         body = await request.json()
         sm.admit(body)
         routed = want if flagged["on"] and body.get("return_routed_experts") else None
-        _, answer = sm.generate_response(body["input_ids"], TOKENS, routed_experts=routed,
-                                         sampling_params=body["sampling_params"])  # fmt: skip
+        _, answer = sm.generate_response(
+            body["input_ids"], TOKENS, routed_experts=routed, sampling_params=body["sampling_params"]
+        )
         return web.json_response(answer)
 
     app = web.Application()

@@ -49,11 +49,15 @@ def manager(monkeypatch: pytest.MonkeyPatch) -> tuple[_Manager, list[tuple[Any, 
             manager.rid_to_state.clear()  # the held request is answered during the second drain poll
         await real_sleep(0)
 
-    monkeypatch.setattr(tm_module, "asyncio", types.SimpleNamespace(sleep=recorded_sleep,
-                                                                    current_task=asyncio.current_task))  # fmt: skip
+    monkeypatch.setattr(
+        tm_module, "asyncio", types.SimpleNamespace(sleep=recorded_sleep, current_task=asyncio.current_task)
+    )
     monkeypatch.setattr(tm_module, "collect_scheduler_processes", lambda: [])
-    monkeypatch.setattr(tm_module, "kill_process_tree",
-                        lambda pid, include_parent=True, **kw: events.append(("kill tree", include_parent)))  # fmt: skip
+    monkeypatch.setattr(
+        tm_module,
+        "kill_process_tree",
+        lambda pid, include_parent=True, **kw: events.append(("kill tree", include_parent)),
+    )
     return manager, events
 
 
@@ -87,5 +91,11 @@ async def test_sigterm_on_an_unhealthy_engine_exits_without_draining(manager) ->
     SignalHandler(manager).sigterm_handler()
     await asyncio.wait_for(watchdog, timeout=10)
     after = [e for e in events if e[0] != "sleep" or e[2]]
-    assert after == [("dump",), ("force exit",), ("dispatch", ShutdownReq), ("kill tree", False), ("server stopped",)]
+    assert after == [
+        ("dump",),
+        ("force exit",),
+        ("dispatch", ShutdownReq),
+        ("kill tree", False),
+        ("server stopped",),
+    ]
     assert manager.rid_to_state  # the held request was not waited for

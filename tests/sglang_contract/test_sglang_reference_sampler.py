@@ -109,8 +109,13 @@ async def test_responses_equal_what_sglang_assembles_in_every_mode():
     async with await start_reference_server(engine()) as server, httpx.AsyncClient() as http:
 
         async def generate(**extra: Any) -> dict[str, Any]:
-            body = {"input_ids": [5, 9, 2], "sampling_params": {**SAMPLING, "sampling_seed": 11},
-                    "return_logprob": True, "rid": "rlfleet-contract", **extra}  # fmt: skip
+            body = {
+                "input_ids": [5, 9, 2],
+                "sampling_params": {**SAMPLING, "sampling_seed": 11},
+                "return_logprob": True,
+                "rid": "rlfleet-contract",
+                **extra,
+            }
             r = await http.post(server.url + "/generate", json=body)
             assert r.status_code == 200, r.text
             return strip(r.json())
@@ -142,15 +147,37 @@ async def test_weight_version_flag_and_spans_across_an_update(tmp_path):
     update.save_pretrained(tmp_path / "base")
     views.save_view(update.state_dict(), "bf16", tmp_path / "v8", base_checkpoint=tmp_path / "base")
     args = srv_mod._parser().parse_args(
-        ["--vocab-size", str(sm.VOCAB), "--hidden-size", "32", "--num-hidden-layers", "1", "--num-attention-heads",
-         "2", "--head-dim", "16", "--context-length", "512", "--weight-version", "7", "--max-tokens-per-second", "40"]
-    )  # fmt: skip
+        [
+            "--vocab-size",
+            str(sm.VOCAB),
+            "--hidden-size",
+            "32",
+            "--num-hidden-layers",
+            "1",
+            "--num-attention-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--context-length",
+            "512",
+            "--weight-version",
+            "7",
+            "--max-tokens-per-second",
+            "40",
+        ]
+    )
     eng, _ = srv_mod._reference_engine(args)
     assert eng.config.model == MODEL
     async with await start_reference_server(eng) as server, httpx.AsyncClient(timeout=30) as http:
         assert (await http.get(server.url + "/model_info")).json()["weight_version"] == "7"
-        body = {"input_ids": [1, 2], "sampling_params": {**SAMPLING, "max_new_tokens": 16}, "rid": "rlfleet-contract",
-                "return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": "support"}  # fmt: skip
+        body = {
+            "input_ids": [1, 2],
+            "sampling_params": {**SAMPLING, "max_new_tokens": 16},
+            "rid": "rlfleet-contract",
+            "return_logprob": True,
+            "return_sampling_mask": True,
+            "sampling_logprobs_mode": "support",
+        }
         pending = asyncio.create_task(http.post(server.url + "/generate", json=body))
         while eng.stats.realtime_decode_tokens < 4:
             await asyncio.sleep(0.01)
@@ -158,16 +185,24 @@ async def test_weight_version_flag_and_spans_across_an_update(tmp_path):
             server.url + "/update_weights_from_disk",
             json={"model_path": str(tmp_path / "v8"), "weight_version": "8"},
         )
-        assert r.json() == {"success": True, "message": "Succeeded to update model weights. Weight version updated to 8.",
-                            "num_paused_requests": 0}  # fmt: skip
+        assert r.json() == {
+            "success": True,
+            "message": "Succeeded to update model weights. Weight version updated to 8.",
+            "num_paused_requests": 0,
+        }
         ours = strip((await pending).json())
         assert (await http.get(server.url + "/model_info")).json()["weight_version"] == "8"
     spans = ours["meta_info"]["weight_versions"]
     assert [s["version"] for s in spans] == ["7", "8"] and 4 <= spans[0]["end"] < 16
     _, expected = await asyncio.to_thread(
-        sm.generate_response, [1, 2], tokens_of(ours["meta_info"]), mode="support", version_events=version_events(spans),
-        current_version="8", finish_reason=ours["meta_info"]["finish_reason"],
-    )  # fmt: skip
+        sm.generate_response,
+        [1, 2],
+        tokens_of(ours["meta_info"]),
+        mode="support",
+        version_events=version_events(spans),
+        current_version="8",
+        finish_reason=ours["meta_info"]["finish_reason"],
+    )
     assert ours == expected
 
 
@@ -328,16 +363,20 @@ def sglang_registered() -> dict[str, tuple[str, tuple[str, ...], tuple[float, ..
 
     tree = ast.parse(Path(mc.__file__).read_text())
     site = next(
-        n for n in ast.walk(tree)
+        n
+        for n in ast.walk(tree)
         if isinstance(n, ast.Dict)
         and {"engine_type", "tp_rank"} <= {k.value for k in n.keys if isinstance(k, ast.Constant)}
-    )  # fmt: skip
+    )
     sched_labels = {k.value: "0" for k in site.keys}  # type: ignore[union-attr]
 
     class Scheduler(mc.SchedulerMetricsCollector):
         _counter_cls, _gauge_cls, _histogram_cls, _summary_cls = (
-            Record("counter"), Record("gauge"), Record("histogram"), Record("summary"),
-        )  # fmt: skip
+            Record("counter"),
+            Record("gauge"),
+            Record("histogram"),
+            Record("summary"),
+        )
 
     class Tokenizer(mc.TokenizerMetricsCollector):
         _counter_cls, _gauge_cls, _histogram_cls = Record("counter"), Record("gauge"), Record("histogram")
@@ -393,11 +432,18 @@ async def test_metrics_are_sglangs_names_labels_and_counting():
     expected = sglang_registered()
     ours_names = set(done)
     assert ours_names == {
-        "sglang:gen_throughput", "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
-        "sglang:cache_hit_rate", "sglang:realtime_tokens_total", "sglang:prompt_tokens_total",
-        "sglang:generation_tokens_total", "sglang:num_requests_total", "sglang:time_to_first_token_seconds",
+        "sglang:gen_throughput",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:cache_hit_rate",
+        "sglang:realtime_tokens_total",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:num_requests_total",
+        "sglang:time_to_first_token_seconds",
         "sglang:e2e_request_latency_seconds",
-    }  # fmt: skip
+    }
     for name in ours_names:
         kind, labels, buckets = expected[name]
         assert done[name][0] == kind and set(done[name][1]) == set(labels), name

@@ -64,53 +64,190 @@ CASES = [
     *[(k, {"observedGeneration": 3, "conditions": READY}, "Healthy", "") for k in KINDS],
     *[(k, {"observedGeneration": 2, "conditions": READY}, "Progressing", "generation 3") for k in KINDS],
     *[(k, {"conditions": READY}, "Progressing", "generation 3") for k in KINDS],
-    *[(k, {"observedGeneration": 3, "conditions": [cond("Ready", "False", "2/8 groups ready")]},
-       "Progressing", "2/8 groups ready") for k in KINDS],
+    *[
+        (
+            k,
+            {"observedGeneration": 3, "conditions": [cond("Ready", "False", "2/8 groups ready")]},
+            "Progressing",
+            "2/8 groups ready",
+        )
+        for k in KINDS
+    ],
     *[(k, {"observedGeneration": 3}, "Progressing", "") for k in KINDS],
-    *[(k, {"observedGeneration": 3, "conditions": [*READY[:1], cond("CollapseRisk", "True", "OOR share 0.4 > 0.2")]},
-       "Degraded", "OOR share 0.4") for k in KINDS],
+    *[
+        (
+            k,
+            {
+                "observedGeneration": 3,
+                "conditions": [*READY[:1], cond("CollapseRisk", "True", "OOR share 0.4 > 0.2")],
+            },
+            "Degraded",
+            "OOR share 0.4",
+        )
+        for k in KINDS
+    ],
     # collapse risk wins even while a new generation is being rolled out
-    *[(k, {"observedGeneration": 1, "conditions": [cond("CollapseRisk", "True", "KL rising")]},
-       "Degraded", "CollapseRisk: KL rising") for k in KINDS],
-    *[(k, {"observedGeneration": 3, "phase": "Failed", "conditions": [cond("Ready", "False", "trainer crashed")]},
-       "Degraded", "trainer crashed") for k in KINDS],
-    ("RLJob", {"observedGeneration": 3, "phase": "Suspended", "message": "suspended by spec",
-               "conditions": [cond("Ready", "False")]}, "Suspended", "suspended by spec"),
-    ("RLJob", {"observedGeneration": 3, "phase": "Succeeded", "conditions": [cond("Ready", "False")]},
-     "Healthy", "Succeeded"),
+    *[
+        (
+            k,
+            {"observedGeneration": 1, "conditions": [cond("CollapseRisk", "True", "KL rising")]},
+            "Degraded",
+            "CollapseRisk: KL rising",
+        )
+        for k in KINDS
+    ],
+    *[
+        (
+            k,
+            {
+                "observedGeneration": 3,
+                "phase": "Failed",
+                "conditions": [cond("Ready", "False", "trainer crashed")],
+            },
+            "Degraded",
+            "trainer crashed",
+        )
+        for k in KINDS
+    ],
+    (
+        "RLJob",
+        {
+            "observedGeneration": 3,
+            "phase": "Suspended",
+            "message": "suspended by spec",
+            "conditions": [cond("Ready", "False")],
+        },
+        "Suspended",
+        "suspended by spec",
+    ),
+    (
+        "RLJob",
+        {"observedGeneration": 3, "phase": "Succeeded", "conditions": [cond("Ready", "False")]},
+        "Healthy",
+        "Succeeded",
+    ),
     ("RLJob", {"observedGeneration": 2, "phase": "Succeeded"}, "Progressing", "generation 3"),
-    ("RLJob", {"observedGeneration": 3, "phase": "Degraded", "conditions": [cond("Ready", "False", "h100-fp8 1/2")]},
-     "Degraded", "h100-fp8 1/2"),
+    (
+        "RLJob",
+        {
+            "observedGeneration": 3,
+            "phase": "Degraded",
+            "conditions": [cond("Ready", "False", "h100-fp8 1/2")],
+        },
+        "Degraded",
+        "h100-fp8 1/2",
+    ),
     # blocked: the operator's Degraded condition (a quota, a missing PVC, the channel's store) is Argo's Degraded
-    ("RLJob", {"observedGeneration": 3, "phase": "Degraded", "reason": "ReplicaFailure", "conditions": [
-        cond("Ready", "False", "trainer"), {**cond("Degraded", "True", "0/1 pods created: exceeded quota: compute"),
-                                            "reason": "ReplicaFailure"}]}, "Degraded", "ReplicaFailure: 0/1 pods"),
-    ("RLJob", {"observedGeneration": 2, "phase": "Degraded", "conditions": [cond("Degraded", "True", "old spec")]},
-     "Progressing", "generation 3"),
-    ("SamplerGroup", {"observedGeneration": 3, "phase": "Suspended", "conditions": [cond("Ready", "False")]},
-     "Suspended", "Suspended"),
-    ("SamplerGroup", {"observedGeneration": 3, "phase": "Running", "ready": "2/2", "conditions": READY},
-     "Healthy", "Ready 2/2"),
-    ("SamplerGroup", {"observedGeneration": 3, "phase": "Degraded", "ready": "1/2",
-                      "conditions": [cond("Ready", "False", "1/2 replicas ready")]}, "Degraded", "1/2 replicas"),
-    ("SamplerGroup", {"observedGeneration": 3, "phase": "Quarantined", "quarantined": True,
-                      "message": "OOR share 3x token share", "conditions": READY}, "Degraded", "Quarantined: OOR share"),
-    ("SamplerGroup", {"observedGeneration": 3, "quarantined": False, "degradedPrecision": True,
-                      "conditions": READY}, "Healthy", ""),
-    ("WeightChannel", {"observedGeneration": 3, "phase": "Ready", "latestVersion": 17, "conditions": READY},
-     "Healthy", "Latest version 17"),
-    ("WeightChannel", {"observedGeneration": 3, "phase": "Degraded", "message": "sha256 mismatch in fp8 view",
-                       "conditions": [cond("Ready", "False")]}, "Degraded", "sha256 mismatch"),
-    ("WeightChannel", {"observedGeneration": 3, "phase": "Pending", "conditions": [cond("Ready", "False")]},
-     "Progressing", "No version published yet"),
-    ("WeightChannel", {"observedGeneration": 3, "phase": "Pending", "conditions": [
-        cond("Ready", "False"), {**cond("Degraded", "True", "store s3://ckpt/run1 unreachable from the operator"),
-                                 "reason": "StoreUnreachable"}]}, "Degraded", "StoreUnreachable: store s3://ckpt"),
+    (
+        "RLJob",
+        {
+            "observedGeneration": 3,
+            "phase": "Degraded",
+            "reason": "ReplicaFailure",
+            "conditions": [
+                cond("Ready", "False", "trainer"),
+                {
+                    **cond("Degraded", "True", "0/1 pods created: exceeded quota: compute"),
+                    "reason": "ReplicaFailure",
+                },
+            ],
+        },
+        "Degraded",
+        "ReplicaFailure: 0/1 pods",
+    ),
+    (
+        "RLJob",
+        {"observedGeneration": 2, "phase": "Degraded", "conditions": [cond("Degraded", "True", "old spec")]},
+        "Progressing",
+        "generation 3",
+    ),
+    (
+        "SamplerGroup",
+        {"observedGeneration": 3, "phase": "Suspended", "conditions": [cond("Ready", "False")]},
+        "Suspended",
+        "Suspended",
+    ),
+    (
+        "SamplerGroup",
+        {"observedGeneration": 3, "phase": "Running", "ready": "2/2", "conditions": READY},
+        "Healthy",
+        "Ready 2/2",
+    ),
+    (
+        "SamplerGroup",
+        {
+            "observedGeneration": 3,
+            "phase": "Degraded",
+            "ready": "1/2",
+            "conditions": [cond("Ready", "False", "1/2 replicas ready")],
+        },
+        "Degraded",
+        "1/2 replicas",
+    ),
+    (
+        "SamplerGroup",
+        {
+            "observedGeneration": 3,
+            "phase": "Quarantined",
+            "quarantined": True,
+            "message": "OOR share 3x token share",
+            "conditions": READY,
+        },
+        "Degraded",
+        "Quarantined: OOR share",
+    ),
+    (
+        "SamplerGroup",
+        {"observedGeneration": 3, "quarantined": False, "degradedPrecision": True, "conditions": READY},
+        "Healthy",
+        "",
+    ),
+    (
+        "WeightChannel",
+        {"observedGeneration": 3, "phase": "Ready", "latestVersion": 17, "conditions": READY},
+        "Healthy",
+        "Latest version 17",
+    ),
+    (
+        "WeightChannel",
+        {
+            "observedGeneration": 3,
+            "phase": "Degraded",
+            "message": "sha256 mismatch in fp8 view",
+            "conditions": [cond("Ready", "False")],
+        },
+        "Degraded",
+        "sha256 mismatch",
+    ),
+    (
+        "WeightChannel",
+        {"observedGeneration": 3, "phase": "Pending", "conditions": [cond("Ready", "False")]},
+        "Progressing",
+        "No version published yet",
+    ),
+    (
+        "WeightChannel",
+        {
+            "observedGeneration": 3,
+            "phase": "Pending",
+            "conditions": [
+                cond("Ready", "False"),
+                {
+                    **cond("Degraded", "True", "store s3://ckpt/run1 unreachable from the operator"),
+                    "reason": "StoreUnreachable",
+                },
+            ],
+        },
+        "Degraded",
+        "StoreUnreachable: store s3://ckpt",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("kind", "status", "expected", "message"), CASES)
-def test_health_of_sample_objects(kind: str, status: dict[str, Any] | None, expected: str, message: str) -> None:
+def test_health_of_sample_objects(
+    kind: str, status: dict[str, Any] | None, expected: str, message: str
+) -> None:
     hs = health(kind, obj_of(kind, status=copy.deepcopy(status)))
     assert hs["status"] == expected, hs
     assert message in hs["message"], hs
@@ -118,9 +255,11 @@ def test_health_of_sample_objects(kind: str, status: dict[str, Any] | None, expe
 
 
 condition_st = st.fixed_dictionaries(
-    {"type": st.sampled_from(["Ready", "Progressing", "Degraded", "CollapseRisk"]),
-     "status": st.sampled_from(["True", "False", "Unknown"]),
-     "message": st.text(max_size=20)}
+    {
+        "type": st.sampled_from(["Ready", "Progressing", "Degraded", "CollapseRisk"]),
+        "status": st.sampled_from(["True", "False", "Unknown"]),
+        "message": st.text(max_size=20),
+    }
 )
 status_st = st.none() | st.fixed_dictionaries(
     {},
@@ -140,7 +279,9 @@ status_st = st.none() | st.fixed_dictionaries(
 
 @settings(max_examples=150, deadline=None)
 @given(kind=st.sampled_from(KINDS), generation=st.integers(1, 5), status=status_st)
-def test_healthy_only_when_current_and_ready(kind: str, generation: int, status: dict[str, Any] | None) -> None:
+def test_healthy_only_when_current_and_ready(
+    kind: str, generation: int, status: dict[str, Any] | None
+) -> None:
     hs = health(kind, obj_of(kind, generation=generation, status=status))
     assert hs["status"] in ARGO_STATUSES
     conditions = {c["type"]: c["status"] for c in (status or {}).get("conditions", [])}
@@ -153,17 +294,22 @@ def test_healthy_only_when_current_and_ready(kind: str, generation: int, status:
         assert hs["status"] == "Degraded"
     # a blocked object of the current generation is Degraded, unless suspended (or, a job, finished)
     exempt = {"RLJob": ("Suspended", "Succeeded"), "SamplerGroup": ("Suspended",), "WeightChannel": ()}[kind]
-    if status is not None and status.get("observedGeneration") == generation and (
-        conditions.get("Degraded") == "True" or status.get("phase") == "Degraded"
-    ) and status.get("phase") not in exempt:
+    if (
+        status is not None
+        and status.get("observedGeneration") == generation
+        and (conditions.get("Degraded") == "True" or status.get("phase") == "Degraded")
+        and status.get("phase") not in exempt
+    ):
         assert hs["status"] == "Degraded"
 
 
 def test_argocd_cm_snippet_embeds_the_lua_files_verbatim() -> None:
     cm = yaml.safe_load((ARGOCD / "argocd-cm.yaml").read_text())
     assert cm["kind"] == "ConfigMap" and cm["metadata"]["name"] == "argocd-cm"
-    expected = {f"resource.customizations.health.rlfleet.dev_{k}": (ARGOCD / f"{k.lower()}.lua").read_text()
-                for k in KINDS}
+    expected = {
+        f"resource.customizations.health.rlfleet.dev_{k}": (ARGOCD / f"{k.lower()}.lua").read_text()
+        for k in KINDS
+    }
     assert cm["data"] == expected
 
 

@@ -59,7 +59,10 @@ def test_kopf_peering_crds_match_what_kopf_watches() -> None:
     served = {(c["spec"]["group"], c["spec"]["names"]["plural"], c["spec"]["scope"]) for c in crds}
     cluster, namespaced = references.CLUSTER_PEERINGS_K, references.NAMESPACED_PEERINGS_K
     assert (cluster.group, cluster.version) == (namespaced.group, namespaced.version) == ("kopf.dev", "v1")
-    assert {(cluster.group, cluster.any_name, "Cluster"), (namespaced.group, namespaced.any_name, "Namespaced")} == served
+    assert {
+        (cluster.group, cluster.any_name, "Cluster"),
+        (namespaced.group, namespaced.any_name, "Namespaced"),
+    } == served
     assert {c["spec"]["versions"][0]["name"] for c in crds} == {cluster.version}
     for crd in crds:  # kopf keeps its keep-alives in .status (no status subresource): it must be preserved
         status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
@@ -79,16 +82,35 @@ def test_default_render_has_the_operator_objects(render) -> None:
     objs = render()
     kinds = sorted(o["kind"] for o in objs)
     assert kinds == sorted(
-        ["ServiceAccount", "ConfigMap", "ClusterRole", "ClusterRoleBinding", "Service", "Deployment", "ClusterKopfPeering",
-         # the admission webhook (on by default): its Service, configuration, and the operator's grants for its
-         # certificate (a Role for the Secret, a ClusterRole for the configuration's caBundle)
-         "Service", "ValidatingWebhookConfiguration", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding",
-         # the sandbox roles the operator binds trainers to (sandbox pods, agent-sandbox), never bound to the
-         # operator itself
-         "ClusterRole", "ClusterRole"]
+        [
+            "ServiceAccount",
+            "ConfigMap",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Service",
+            "Deployment",
+            "ClusterKopfPeering",
+            # the admission webhook (on by default): its Service, configuration, and the operator's grants for its
+            # certificate (a Role for the Secret, a ClusterRole for the configuration's caBundle)
+            "Service",
+            "ValidatingWebhookConfiguration",
+            "Role",
+            "RoleBinding",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            # the sandbox roles the operator binds trainers to (sandbox pods, agent-sandbox), never bound to the
+            # operator itself
+            "ClusterRole",
+            "ClusterRole",
+        ]
     )
     for obj in objs:
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "ValidatingWebhookConfiguration"):
+        if obj["kind"] not in (
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ClusterKopfPeering",
+            "ValidatingWebhookConfiguration",
+        ):
             assert obj["metadata"]["namespace"] == "rlfleet-system", obj["kind"]
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlfleet"
 
@@ -113,7 +135,10 @@ def test_operator_pod_is_non_root_read_only_and_probed(render) -> None:
 
 def test_image_digest_pins_the_image(render) -> None:
     digest = "sha256:" + "ab" * 32
-    assert operator_container(render({"image": {"digest": digest}}))["image"] == f"ghcr.io/rlfleet/operator@{digest}"
+    assert (
+        operator_container(render({"image": {"digest": digest}}))["image"]
+        == f"ghcr.io/rlfleet/operator@{digest}"
+    )
 
 
 def test_ha_peering_gives_each_pod_an_identity_and_a_distinct_priority(render) -> None:
@@ -151,7 +176,11 @@ NAMESPACED_RULES = {
     *{("apps", r, v) for r in ("deployments", "statefulsets") for v in ("list", "watch", "create", "patch")},
     *{("", r, v) for r in ("services", "configmaps") for v in ("create", "patch")},
     ("", "events", "create"),
-    ("", "events", "list"),  # the kubelet's FailedMount Events, watched into an index (missing volume Secrets)
+    (
+        "",
+        "events",
+        "list",
+    ),  # the kubelet's FailedMount Events, watched into an index (missing volume Secrets)
     ("", "events", "watch"),
     ("", "secrets", "create"),  # the router's admin token and the engine API key, created once per job
     ("", "secrets", "get"),  # ... and read back by name by the rebalancer (never listed or watched)
@@ -160,16 +189,23 @@ NAMESPACED_RULES = {
     ("networking.k8s.io", "networkpolicies", "create"),  # the jobs' NetworkPolicies, server-side applied
     ("networking.k8s.io", "networkpolicies", "patch"),
     # sandbox pods (operator/sandboxes.py): the trainer's ServiceAccount and its RoleBinding
-    *{(g, r, v) for g, r in (("", "serviceaccounts"), ("rbac.authorization.k8s.io", "rolebindings"))
-      for v in ("create", "patch")},  # fmt: skip
+    *{
+        (g, r, v)
+        for g, r in (("", "serviceaccounts"), ("rbac.authorization.k8s.io", "rolebindings"))
+        for v in ("create", "patch")
+    },
 }
 SANDBOX_RULES = {("", "pods", v) for v in ("create", "delete", "get", "list")} | {
     ("", "pods/exec", v) for v in ("create", "get")
 }
-AGENT_SANDBOX_RULES = {("extensions.agents.x-k8s.io", "sandboxclaims", v) for v in ("create", "delete", "list", "watch")} | {
-    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "create"), ("extensions.agents.x-k8s.io", "sandboxwarmpools", "get"),
-    ("extensions.agents.x-k8s.io", "sandboxwarmpools/scale", "patch"), ("agents.x-k8s.io", "sandboxes", "get"),
-}  # fmt: skip
+AGENT_SANDBOX_RULES = {
+    ("extensions.agents.x-k8s.io", "sandboxclaims", v) for v in ("create", "delete", "list", "watch")
+} | {
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "create"),
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools", "get"),
+    ("extensions.agents.x-k8s.io", "sandboxwarmpools/scale", "patch"),
+    ("agents.x-k8s.io", "sandboxes", "get"),
+}
 
 
 def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
@@ -182,7 +218,10 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
     assert rules_of(role) == expected
     # `bind` of the sandbox role alone: the operator grants a trainer its rights without holding them
     (bind,) = [r for r in role["rules"] if "bind" in r["verbs"]]
-    assert bind["resourceNames"] == ["rlfleet-rlfleet-system-sandboxes", "rlfleet-rlfleet-system-agent-sandboxes"]
+    assert bind["resourceNames"] == [
+        "rlfleet-rlfleet-system-sandboxes",
+        "rlfleet-rlfleet-system-agent-sandboxes",
+    ]
     (sandbox_role,) = find(objs, "ClusterRole", "rlfleet-rlfleet-system-sandboxes")
     assert rules_of(sandbox_role) == SANDBOX_RULES
     (agent_role,) = find(objs, "ClusterRole", "rlfleet-rlfleet-system-agent-sandboxes")
@@ -192,33 +231,48 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
     assert env["RLFLEET_AGENT_SANDBOX_ROLE"] == "ClusterRole/rlfleet-rlfleet-system-agent-sandboxes"
     assert not any("*" in (g, r, v) for g, r, v in rules_of(role))
     assert not any(r in ("pods/exec", "nodes/proxy") for _, r, _ in rules_of(role))
-    assert {v for _, r, v in rules_of(role) if r == "secrets"} == {"create", "get"}  # never list/watch Secrets
+    assert {v for _, r, v in rules_of(role) if r == "secrets"} == {
+        "create",
+        "get",
+    }  # never list/watch Secrets
     (binding,) = find(objs, "ClusterRoleBinding", "rlfleet")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": find(objs, "ServiceAccount")[0]["metadata"]["name"], "namespace": "rlfleet-system"}
+        {
+            "kind": "ServiceAccount",
+            "name": find(objs, "ServiceAccount")[0]["metadata"]["name"],
+            "namespace": "rlfleet-system",
+        }
     ]
     assert "--all-namespaces" in operator_container(objs)["args"]
 
 
 def test_namespace_mode_has_no_cluster_wide_permission(render) -> None:
-    without_webhook = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}, "webhook": {"enabled": False}},
-                             namespace="ops")
+    without_webhook = render(
+        {"operator": {"watchNamespaces": ["team-a", "team-b"]}, "webhook": {"enabled": False}},
+        namespace="ops",
+    )
     assert not [o for o in without_webhook if o["kind"].startswith("Cluster")]
     objs = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}}, namespace="ops")
     assert not find(objs, "ClusterKopfPeering")
     # with the webhook (default) the one cluster-scoped grant: get/patch of its own configuration, by name
     (clusterrole,) = find(objs, "ClusterRole")
-    assert clusterrole["rules"] == [{"apiGroups": ["admissionregistration.k8s.io"],
-                                     "resources": ["validatingwebhookconfigurations"],
-                                     "resourceNames": ["rlfleet-ops"], "verbs": ["get", "patch"]}]  # fmt: skip
+    assert clusterrole["rules"] == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["validatingwebhookconfigurations"],
+            "resourceNames": ["rlfleet-ops"],
+            "verbs": ["get", "patch"],
+        }
+    ]
     (configuration,) = find(objs, "ValidatingWebhookConfiguration")
     assert configuration["metadata"]["name"] == "rlfleet-ops"
     roles = find(objs, "Role", "rlfleet")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
-        assert rules_of(role) == NAMESPACED_RULES | {("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")} | {
-            ("rbac.authorization.k8s.io", "roles", "bind")}
+        assert rules_of(role) == NAMESPACED_RULES | {
+            ("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")
+        } | {("rbac.authorization.k8s.io", "roles", "bind")}
         (bind,) = [r for r in role["rules"] if "bind" in r["verbs"]]
         assert bind["resourceNames"] == ["rlfleet-sandboxes", "rlfleet-agent-sandboxes"]
     sandbox_roles = find(objs, "Role", "rlfleet-sandboxes")  # the sandbox roles, Roles in each namespace
@@ -247,9 +301,14 @@ def test_catalog_override_reaches_the_operator_as_the_file_it_reads(render) -> N
     override = {
         "h100": {"costPerGpuHour": 1.23},
         "l40s": {
-            "name": "l40s", "displayName": "NVIDIA L40S", "productLabels": ["NVIDIA-L40S"],
-            "computeCapability": "8.9", "memoryGib": 48, "weightFormats": {"bf16": {}},
-            "kvCacheDtypes": ["auto", "bf16"], "costPerGpuHour": 0.9,
+            "name": "l40s",
+            "displayName": "NVIDIA L40S",
+            "productLabels": ["NVIDIA-L40S"],
+            "computeCapability": "8.9",
+            "memoryGib": 48,
+            "weightFormats": {"bf16": {}},
+            "kvCacheDtypes": ["auto", "bf16"],
+            "costPerGpuHour": 0.9,
         },
     }
     objs = render({"catalog": {"classes": override}})
@@ -266,7 +325,9 @@ def test_catalog_override_reaches_the_operator_as_the_file_it_reads(render) -> N
     assert loaded.get("h100").product_labels == catalog.builtin_classes()["h100"].product_labels  # merged
     assert "l40s" in loaded.names() and "b200" in loaded.names()
     # a catalog change rolls the operator pods (it reads the file at start)
-    default_checksum = find(render(), "Deployment")[0]["spec"]["template"]["metadata"]["annotations"]["checksum/catalog"]
+    default_checksum = find(render(), "Deployment")[0]["spec"]["template"]["metadata"]["annotations"][
+        "checksum/catalog"
+    ]
     assert deployment["spec"]["template"]["metadata"]["annotations"]["checksum/catalog"] != default_checksum
 
 
@@ -287,23 +348,42 @@ def test_weight_stores_reach_the_operator_read_only_and_by_reference(render) -> 
     container = operator_container(render())
     assert not [e for e in container["env"] if e["name"].startswith("AWS_")]
     assert [m["name"] for m in container["volumeMounts"]] == ["catalog", "tmp"]
-    objs = render({"weightStores": {
-        "filesystem": [{"name": "weights", "mountPath": "/weights", "claimName": "rlfleet-weights-ro"},
-                       {"name": "nfs", "mountPath": "/mnt/nfs", "volume": {"nfs": {"server": "nfs.example", "path": "/w"}}}],
-        "s3": {"secretName": "rlfleet-s3", "secretAccessKeyKey": "secret"}}})  # fmt: skip
+    objs = render(
+        {
+            "weightStores": {
+                "filesystem": [
+                    {"name": "weights", "mountPath": "/weights", "claimName": "rlfleet-weights-ro"},
+                    {
+                        "name": "nfs",
+                        "mountPath": "/mnt/nfs",
+                        "volume": {"nfs": {"server": "nfs.example", "path": "/w"}},
+                    },
+                ],
+                "s3": {"secretName": "rlfleet-s3", "secretAccessKeyKey": "secret"},
+            }
+        }
+    )
     (deployment,) = find(objs, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     container = operator_container(objs)
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["store-weights"]["persistentVolumeClaim"] == {"claimName": "rlfleet-weights-ro", "readOnly": True}
+    assert volumes["store-weights"]["persistentVolumeClaim"] == {
+        "claimName": "rlfleet-weights-ro",
+        "readOnly": True,
+    }
     assert volumes["store-nfs"]["nfs"] == {"server": "nfs.example", "path": "/w"}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
     assert mounts["store-weights"] == {"name": "store-weights", "mountPath": "/weights", "readOnly": True}
     assert mounts["store-nfs"]["readOnly"] is True and mounts["store-nfs"]["mountPath"] == "/mnt/nfs"
     env = {e["name"]: e for e in container["env"]}
-    assert env["AWS_ACCESS_KEY_ID"] == {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {
-        "name": "rlfleet-s3", "key": "AWS_ACCESS_KEY_ID"}}}  # fmt: skip
-    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "rlfleet-s3", "key": "secret"}
+    assert env["AWS_ACCESS_KEY_ID"] == {
+        "name": "AWS_ACCESS_KEY_ID",
+        "valueFrom": {"secretKeyRef": {"name": "rlfleet-s3", "key": "AWS_ACCESS_KEY_ID"}},
+    }
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "rlfleet-s3",
+        "key": "secret",
+    }
     assert all("value" not in e for e in env.values() if e["name"].startswith("AWS_"))
 
 
@@ -321,7 +401,10 @@ def test_weight_stores_reach_the_operator_read_only_and_by_reference(render) -> 
         # S3 keys only by Secret reference: an inline key is not a value the chart has
         ({"weightStores": {"s3": {"accessKey": "AKIA..."}}}, "accessKey"),
         ({"weightStores": {"filesystem": [{"name": "w", "mountPath": "/w"}]}}, "filesystem"),
-        ({"weightStores": {"filesystem": [{"name": "w", "mountPath": "rel", "claimName": "c"}]}}, "mountPath"),
+        (
+            {"weightStores": {"filesystem": [{"name": "w", "mountPath": "rel", "claimName": "c"}]}},
+            "mountPath",
+        ),
         ({"webhook": {"failurePolicy": "Sometimes"}}, "failurePolicy"),
         ({"webhook": {"timeoutSeconds": 31}}, "timeoutSeconds"),
         ({"webhook": {"port": 443}}, "port"),  # the operator runs as uid 10001: no privileged port
@@ -379,14 +462,25 @@ def exported_metric_names() -> set[str]:
         # (trainer/loop.py), exactly as the trainer feeds its exporter
         step_metrics = {k: 0.5 for k in MEAN_METRICS}
         step_metrics |= {f"group/h100-fp8/{k}": 0.5 for k in (*MEAN_METRICS, "token_share", "oor_share")}
-        step_metrics |= {k: 0.1 for k in ("reward_mean", "empty_reply_rate", "no_tool_call_rate", "format_error_rate", "grad_norm",
-                                          "test_infra_touched_rate")}
+        step_metrics |= {
+            k: 0.1
+            for k in (
+                "reward_mean",
+                "empty_reply_rate",
+                "no_tool_call_rate",
+                "format_error_rate",
+                "grad_norm",
+                "test_infra_touched_rate",
+            )
+        }
         exporter.update(7, step_metrics)
         with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as response:
             text += response.read().decode()
     finally:
         exporter.close()
-    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    names = {
+        line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")
+    }
     # SGLang's own metrics (references.md; served by the engine, not by our code)
     return names | {"sglang:gen_throughput", "sglang:generation_tokens_total"}
 
@@ -395,9 +489,18 @@ def test_alert_rules_parse_and_use_only_exported_metrics(render, exported_metric
     objs = render({"metrics": {"prometheusRule": {"enabled": True}}})
     (rule,) = find(objs, "PrometheusRule")
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
-    assert {"RLFleetKLSurge", "RLFleetRewardCliff", "RLFleetEntropyCollapse", "RLFleetGradNormSpike",
-            "RLFleetTailRatioBlowup", "RLFleetToolCallsStopped", "RLFleetFormatErrorsRepeat", "RLFleetGroupOutOfRangeShare",
-            "RLFleetWeightVersionLag", "RLFleetPatchesTouchTestInfra"} <= set(alerts)
+    assert {
+        "RLFleetKLSurge",
+        "RLFleetRewardCliff",
+        "RLFleetEntropyCollapse",
+        "RLFleetGradNormSpike",
+        "RLFleetTailRatioBlowup",
+        "RLFleetToolCallsStopped",
+        "RLFleetFormatErrorsRepeat",
+        "RLFleetGroupOutOfRangeShare",
+        "RLFleetWeightVersionLag",
+        "RLFleetPatchesTouchTestInfra",
+    } <= set(alerts)
     for name, alert in alerts.items():
         used = _promql_metric_names(alert["expr"])
         assert used and used <= exported_metric_names, (name, used - exported_metric_names)
@@ -410,10 +513,19 @@ def test_alert_thresholds_default_to_the_collapse_detector(render) -> None:
 
     defaults = CollapseThresholds()
     values = yaml.safe_load((CHART / "values.yaml").read_text())["metrics"]["prometheusRule"]["thresholds"]
-    pairs = {"klRatio": defaults.kl_ratio, "oorRatio": defaults.oor_ratio, "klFloor": defaults.kl_floor,
-             "oorFloor": defaults.oor_floor, "entropyMin": defaults.entropy_min, "gradRatio": defaults.grad_ratio,
-             "rhoMax": defaults.rho_max, "rewardCliffAbs": defaults.cliff_abs,
-             "rewardCliffRel": defaults.cliff_rel, "rateAbs": defaults.rate_abs, "formatAbs": defaults.format_abs}
+    pairs = {
+        "klRatio": defaults.kl_ratio,
+        "oorRatio": defaults.oor_ratio,
+        "klFloor": defaults.kl_floor,
+        "oorFloor": defaults.oor_floor,
+        "entropyMin": defaults.entropy_min,
+        "gradRatio": defaults.grad_ratio,
+        "rhoMax": defaults.rho_max,
+        "rewardCliffAbs": defaults.cliff_abs,
+        "rewardCliffRel": defaults.cliff_rel,
+        "rateAbs": defaults.rate_abs,
+        "formatAbs": defaults.format_abs,
+    }
     assert {k: values[k] for k in pairs} == pairs
     objs = render({"metrics": {"prometheusRule": {"enabled": True, "thresholds": {"klRatio": 7.5}}}})
     (rule,) = find(objs, "PrometheusRule")
@@ -476,7 +588,9 @@ def test_operator_cli_accepts_the_charts_arguments(render, values: dict[str, Any
     watch = values.get("operator", {}).get("watchNamespaces", [])
     assert parsed.all_namespaces is (not watch) and parsed.namespace == watch
     peering = values.get("operator", {}).get("peering", {"enabled": True})
-    assert (parsed.peering == "rlfleet") is peering["enabled"] and parsed.standalone is (not peering["enabled"])
+    assert (parsed.peering == "rlfleet") is peering["enabled"] and parsed.standalone is (
+        not peering["enabled"]
+    )
     assert parsed.verbose is (values.get("operator", {}).get("logLevel") == "debug")
     assert parsed.liveness.endswith(":8080/healthz") and parsed.metrics_port == 9090
     webhook = values.get("webhook", {})
@@ -509,7 +623,9 @@ def test_podmonitor_selects_and_scrapes_the_pods_the_operator_builds(render) -> 
         assert selector.items() <= labels.items(), name
         named = {p["name"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
         assert named & ports, f"{name}: no container port in {sorted(ports)}"
-        assert "rlfleet.dev/job" in labels and labels["rlfleet.dev/job"] == "reference-fleet"  # the example's name
+        assert (
+            "rlfleet.dev/job" in labels and labels["rlfleet.dev/job"] == "reference-fleet"
+        )  # the example's name
         scraped_components.add(labels["app.kubernetes.io/component"])
         if labels["app.kubernetes.io/component"] == "sampler":
             assert {"http", "sync"} <= named and "rlfleet.dev/group" in labels
@@ -533,24 +649,36 @@ def kopf_webhook_handlers() -> set[tuple[str, str, str]]:
         "print(json.dumps([[h.selector.any_name, op, h.id] for h in kopf.get_default_registry()._webhooks"
         ".get_all_handlers() for op in sorted(h.operations)]))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/").stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
+    ).stdout
     return {tuple(entry) for entry in json.loads(out)}
 
 
-def test_webhook_configuration_reaches_every_handler_through_the_service(render, kopf_webhook_handlers) -> None:
+def test_webhook_configuration_reaches_every_handler_through_the_service(
+    render, kopf_webhook_handlers
+) -> None:
     objs = render(namespace="ops")
     container = operator_container(objs)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     (service,) = find(objs, "Service", "rlfleet-webhook")
     (deployment,) = find(objs, "Deployment")
     assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
-    assert service["spec"]["ports"] == [{"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [
+        {"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}
+    ]
     assert ports["webhook"] == 9443 and "--webhook-port=9443" in container["args"]
     (configuration,) = find(objs, "ValidatingWebhookConfiguration", "rlfleet-ops")
     served = set()
     for webhook in configuration["webhooks"]:
-        assert webhook["clientConfig"] == {"service": {"name": "rlfleet-webhook", "namespace": "ops", "port": 443,
-                                                       "path": webhook["clientConfig"]["service"]["path"]}}
+        assert webhook["clientConfig"] == {
+            "service": {
+                "name": "rlfleet-webhook",
+                "namespace": "ops",
+                "port": 443,
+                "path": webhook["clientConfig"]["service"]["path"],
+            }
+        }
         (rule,) = webhook["rules"]
         assert rule["apiGroups"] == ["rlfleet.dev"] and rule["apiVersions"] == ["v1alpha1"]
         (resource,), (operation,) = rule["resources"], rule["operations"]
@@ -560,7 +688,9 @@ def test_webhook_configuration_reaches_every_handler_through_the_service(render,
         assert "caBundle" not in webhook["clientConfig"]  # written by the operator, never by helm
     # kopf serves handler <id> at /<id>: each (resource, operation) reaches exactly its handler
     assert served == kopf_webhook_handlers
-    assert {(r, o) for r, o, _ in served} == {(r, o) for r in ("rljobs", "samplergroups") for o in ("CREATE", "UPDATE")}
+    assert {(r, o) for r, o, _ in served} == {
+        (r, o) for r in ("rljobs", "samplergroups") for o in ("CREATE", "UPDATE")
+    }
     assert "annotations" not in configuration["metadata"]
     assert "--webhook-host=rlfleet-webhook.ops.svc" in container["args"]  # the name the API server dials
 
@@ -578,15 +708,29 @@ def test_webhook_self_signed_mode_grants_exactly_its_secret_and_configuration(re
     assert role["metadata"]["namespace"] == "ops"
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
-        {"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["rlfleet-webhook-cert"], "verbs": ["get", "patch"]},
+        {
+            "apiGroups": [""],
+            "resources": ["secrets"],
+            "resourceNames": ["rlfleet-webhook-cert"],
+            "verbs": ["get", "patch"],
+        },
     ]
     (clusterrole,) = find(objs, "ClusterRole", "rlfleet-ops-webhook")
-    assert clusterrole["rules"] == [{"apiGroups": ["admissionregistration.k8s.io"],
-                                     "resources": ["validatingwebhookconfigurations"],
-                                     "resourceNames": ["rlfleet-ops"], "verbs": ["get", "patch"]}]  # fmt: skip
+    assert clusterrole["rules"] == [
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["validatingwebhookconfigurations"],
+            "resourceNames": ["rlfleet-ops"],
+            "verbs": ["get", "patch"],
+        }
+    ]
     sa = {"kind": "ServiceAccount", "name": "rlfleet", "namespace": "ops"}
     (binding,) = find(objs, "RoleBinding", "rlfleet-webhook")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "rlfleet-webhook"}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "rlfleet-webhook",
+    }
     assert binding["subjects"] == [sa] and binding["metadata"]["namespace"] == "ops"
     (cluster_binding,) = find(objs, "ClusterRoleBinding", "rlfleet-ops-webhook")
     assert cluster_binding["roleRef"]["name"] == "rlfleet-ops-webhook" and cluster_binding["subjects"] == [sa]
@@ -604,7 +748,10 @@ def test_webhook_cert_manager_mode_mounts_the_certificate_it_renders(render) -> 
     (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-cert"]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == "webhook-cert"]
     assert mount["readOnly"] is True and "subPath" not in mount  # a subPath would never see a renewal
-    assert (args.webhook_cert, args.webhook_key) == (f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key")
+    assert (args.webhook_cert, args.webhook_key) == (
+        f"{mount['mountPath']}/tls.crt",
+        f"{mount['mountPath']}/tls.key",
+    )
     certificates = {c["metadata"]["name"]: c for c in find(objs, "Certificate")}
     issuers = {i["metadata"]["name"]: i for i in find(objs, "Issuer")}
     serving = certificates["rlfleet-webhook"]
@@ -613,34 +760,49 @@ def test_webhook_cert_manager_mode_mounts_the_certificate_it_renders(render) -> 
     # the chain: self-signed Issuer -> CA Certificate -> CA Issuer -> serving Certificate
     ca_issuer = issuers[serving["spec"]["issuerRef"]["name"]]
     ca = certificates["rlfleet-webhook-ca"]
-    assert ca["spec"]["isCA"] is True and ca_issuer["spec"] == {"ca": {"secretName": ca["spec"]["secretName"]}}
+    assert ca["spec"]["isCA"] is True and ca_issuer["spec"] == {
+        "ca": {"secretName": ca["spec"]["secretName"]}
+    }
     assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
     assert all(o["metadata"]["namespace"] == "ops" for o in [*certificates.values(), *issuers.values()])
     (configuration,) = find(objs, "ValidatingWebhookConfiguration")
-    assert configuration["metadata"]["annotations"] == {"cert-manager.io/inject-ca-from": "ops/rlfleet-webhook"}
+    assert configuration["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": "ops/rlfleet-webhook"
+    }
     # cainjector writes the caBundle and the Secret is mounted: the operator needs no grant for either
     assert not find(objs, "Role", "rlfleet-webhook") and not find(objs, "ClusterRole", "rlfleet-ops-webhook")
-    assert [r["metadata"]["name"] for r in find(objs, "ClusterRole")] == ["rlfleet", "rlfleet-ops-sandboxes",
-                                                                      "rlfleet-ops-agent-sandboxes"]
+    assert [r["metadata"]["name"] for r in find(objs, "ClusterRole")] == [
+        "rlfleet",
+        "rlfleet-ops-sandboxes",
+        "rlfleet-ops-agent-sandboxes",
+    ]
 
 
 def test_webhook_off_renders_none_of_it(render) -> None:
     objs = render({"webhook": {"enabled": False}}, namespace="ops")
     assert not find(objs, "ValidatingWebhookConfiguration") and not find(objs, "Service", "rlfleet-webhook")
     assert not find(objs, "Role") and [r["metadata"]["name"] for r in find(objs, "ClusterRole")] == [
-        "rlfleet", "rlfleet-ops-sandboxes", "rlfleet-ops-agent-sandboxes"]
+        "rlfleet",
+        "rlfleet-ops-sandboxes",
+        "rlfleet-ops-agent-sandboxes",
+    ]
     container = operator_container(objs)
     assert not [a for a in container["args"] if a.startswith("--webhook")]
     assert "webhook" not in {p["name"] for p in container["ports"]}
 
 
 def test_webhook_in_namespace_mode_sees_only_the_watched_namespaces(render) -> None:
-    objs = render({"operator": {"watchNamespaces": ["team-a", "team-b"]}, "webhook": {"failurePolicy": "Fail"}},
-                  namespace="ops")  # fmt: skip
+    objs = render(
+        {"operator": {"watchNamespaces": ["team-a", "team-b"]}, "webhook": {"failurePolicy": "Fail"}},
+        namespace="ops",
+    )
     (configuration,) = find(objs, "ValidatingWebhookConfiguration")
     for webhook in configuration["webhooks"]:
-        assert webhook["namespaceSelector"] == {"matchExpressions": [
-            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}]}  # fmt: skip
+        assert webhook["namespaceSelector"] == {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["team-a", "team-b"]}
+            ]
+        }
         assert webhook["failurePolicy"] == "Fail"
     # the Secret lives in the release namespace, whatever the operator watches
     (role,) = find(objs, "Role", "rlfleet-webhook")

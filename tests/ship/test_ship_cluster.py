@@ -36,18 +36,41 @@ CHART = REPO / "charts" / "rlfleet"
 EXAMPLE = REPO / "examples" / "rljob.yaml"
 
 
-def helm_template(helm, release: str, namespace: str, values: dict[str, Any], tmp: Path, crds: bool = False) -> str:
+def helm_template(
+    helm, release: str, namespace: str, values: dict[str, Any], tmp: Path, crds: bool = False
+) -> str:
     path = tmp / f"values-{release}.yaml"
     path.write_text(yaml.safe_dump(values))
-    args = ["template", release, str(CHART), "--namespace", namespace, "--kube-version", "v1.36.3", "--values", str(path)]
+    args = [
+        "template",
+        release,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--kube-version",
+        "v1.36.3",
+        "--values",
+        str(path),
+    ]
     return helm(*args, *(["--include-crds"] if crds else []))
 
 
 def apply_crds(kube) -> None:
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=rlfleet-ship-tests",
-                 "-f", str(CHART / "crds"))
-    for crd in ("rljobs.rlfleet.dev", "samplergroups.rlfleet.dev", "weightchannels.rlfleet.dev",
-                "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"):
+    kube.kubectl(
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "--field-manager=rlfleet-ship-tests",
+        "-f",
+        str(CHART / "crds"),
+    )
+    for crd in (
+        "rljobs.rlfleet.dev",
+        "samplergroups.rlfleet.dev",
+        "weightchannels.rlfleet.dev",
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+    ):
         kube.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
 
 
@@ -59,7 +82,9 @@ def unique(prefix: str) -> str:
 
 
 @pytest.mark.parametrize("mode", ["cluster", "namespaced"])
-def test_rendered_chart_passes_server_side_dry_run(kube, helm, namespace: str, tmp_path: Path, mode: str) -> None:
+def test_rendered_chart_passes_server_side_dry_run(
+    kube, helm, namespace: str, tmp_path: Path, mode: str
+) -> None:
     apply_crds(kube)
     release = unique("dry")
     values: dict[str, Any] = {
@@ -70,23 +95,41 @@ def test_rendered_chart_passes_server_side_dry_run(kube, helm, namespace: str, t
     if mode == "namespaced":
         values["operator"]["watchNamespaces"] = [namespace]
     rendered = helm_template(helm, release, namespace, values, tmp_path)
-    result = kube.kubectl("apply", "--dry-run=server", "--server-side", "-n", namespace, "-f", "-", input=rendered)
+    result = kube.kubectl(
+        "apply", "--dry-run=server", "--server-side", "-n", namespace, "-f", "-", input=rendered
+    )
     applied = [line for line in result.stdout.splitlines() if "(server dry run)" in line]
     assert len(applied) == len([d for d in yaml.safe_load_all(rendered) if d]), result.stdout
     # nothing was created
-    assert kube.kubectl("get", "deployment", release + "-rlfleet", "-n", namespace, check=False).returncode != 0
+    assert (
+        kube.kubectl("get", "deployment", release + "-rlfleet", "-n", namespace, check=False).returncode != 0
+    )
 
 
 def test_helm_install_brings_up_the_operator_objects(kube, helm, namespace: str, tmp_path: Path) -> None:
     """kwok marks the operator pods Running/Ready (no container runs here): this proves the objects
     the chart creates are accepted, schedulable and wired (RBAC binding, mounts), not the process."""
     release = unique("inst")
-    values = {"operator": {"peering": {"enabled": True, "name": release}}, "grafana": {"dashboard": {"enabled": True}}}
+    values = {
+        "operator": {"peering": {"enabled": True, "name": release}},
+        "grafana": {"dashboard": {"enabled": True}},
+    }
     path = tmp_path / "values.yaml"
     path.write_text(yaml.safe_dump(values))
     env = kube.env()
-    helm("install", release, str(CHART), "--namespace", namespace, "--values", str(path), "--wait", "--timeout", "120s",
-         env=env)
+    helm(
+        "install",
+        release,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--values",
+        str(path),
+        "--wait",
+        "--timeout",
+        "120s",
+        env=env,
+    )
     try:
         fullname = f"{release}-rlfleet"
         deployment = kube.get_json("deployment", fullname, "-n", namespace)
@@ -103,7 +146,9 @@ def test_helm_install_brings_up_the_operator_objects(kube, helm, namespace: str,
         kube.kubectl("get", "configmap", f"{fullname}-dashboard", "-n", namespace)
         kube.kubectl("get", "validatingwebhookconfiguration", f"{fullname}-{namespace}")
         # the ServiceAccount can do what the operator needs (real authorizer)
-        assert can_i(kube, f"system:serviceaccount:{namespace}:{fullname}", "patch", "samplergroups.rlfleet.dev/status")
+        assert can_i(
+            kube, f"system:serviceaccount:{namespace}:{fullname}", "patch", "samplergroups.rlfleet.dev/status"
+        )
     finally:
         helm("uninstall", release, "--namespace", namespace, "--wait", "--timeout", "60s", env=env)
     assert kube.kubectl("get", "clusterrole", f"{release}-rlfleet", check=False).returncode != 0
@@ -119,11 +164,17 @@ def can_i(kube, user: str, verb: str, resource: str, namespace: str | None = Non
 # --- RBAC as the ServiceAccount ---------------------------------------------------------------------
 
 
-def test_namespace_mode_grants_nothing_outside_the_watched_namespace(kube, helm, namespace: str, tmp_path: Path) -> None:
+def test_namespace_mode_grants_nothing_outside_the_watched_namespace(
+    kube, helm, namespace: str, tmp_path: Path
+) -> None:
     release = unique("nsm")
-    rendered = helm_template(helm, release, namespace,
-                             {"operator": {"watchNamespaces": [namespace], "peering": {"enabled": True, "name": release}}},
-                             tmp_path)
+    rendered = helm_template(
+        helm,
+        release,
+        namespace,
+        {"operator": {"watchNamespaces": [namespace], "peering": {"enabled": True, "name": release}}},
+        tmp_path,
+    )
     apply_crds(kube)
     kube.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=rendered)
     try:
@@ -202,10 +253,19 @@ class ApiRecorder:
 
         async def handle(request: web.Request) -> web.StreamResponse:
             body = await request.read()
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "authorization", "content-length")}
+            headers = {
+                k: v
+                for k, v in request.headers.items()
+                if k.lower() not in ("host", "authorization", "content-length")
+            }
             headers["Authorization"] = f"Bearer {self.token}"
-            async with session.request(request.method, self.server + request.path_qs, data=body or None,
-                                       headers=headers, ssl=self.ssl) as upstream:
+            async with session.request(
+                request.method,
+                self.server + request.path_qs,
+                data=body or None,
+                headers=headers,
+                ssl=self.ssl,
+            ) as upstream:
                 kind = self.classify(request.method, request.path, dict(request.query))
                 if kind and upstream.status == 403:
                     # RBAC denials say "cannot <verb> resource"; writes into a terminating namespace
@@ -248,7 +308,9 @@ class ApiRecorder:
 
         async def main() -> None:
             nonlocal session
-            session = ClientSession(connector=TCPConnector(limit=100), timeout=ClientTimeout(total=None), auto_decompress=False)
+            session = ClientSession(
+                connector=TCPConnector(limit=100), timeout=ClientTimeout(total=None), auto_decompress=False
+            )
             app = web.Application(client_max_size=64 * 1024 * 1024)
             app.router.add_route("*", "/{tail:.*}", handle)
             runner = web.AppRunner(app, handle_signals=False)
@@ -275,8 +337,9 @@ def webhook_by_url(configuration: dict[str, Any], port: int) -> dict[str, Any]:
 
 
 @contextmanager
-def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values: dict[str, Any],
-                                         values: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+def chart_objects_without_the_deployment(
+    kube, helm, tmp: Path, operator_values: dict[str, Any], values: dict[str, Any] | None = None
+) -> Iterator[dict[str, Any]]:
     """Apply everything the chart renders except the operator Deployment (its pods would be kwok's fakes),
     the webhook configuration addressed to 127.0.0.1 (webhook_by_url); yield what an out-of-cluster
     operator needs to run exactly like the Deployment's container."""
@@ -285,30 +348,51 @@ def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values:
     kube.kubectl("create", "namespace", namespace)
     apply_crds(kube)
     health, metrics, webhook = free_port(), free_port(), free_port()
-    values = {**(values or {}),
-              "webhook": {**(values or {}).get("webhook", {}), "port": webhook},
-              "operator": {"peering": {"enabled": True, "name": release}, "healthPort": health,
-                           "metricsPort": metrics, "logLevel": "debug", **operator_values}}
+    values = {
+        **(values or {}),
+        "webhook": {**(values or {}).get("webhook", {}), "port": webhook},
+        "operator": {
+            "peering": {"enabled": True, "name": release},
+            "healthPort": health,
+            "metricsPort": metrics,
+            "logLevel": "debug",
+            **operator_values,
+        },
+    }
     objs = [d for d in yaml.safe_load_all(helm_template(helm, release, namespace, values, tmp)) if d]
     deployment = next(o for o in objs if o["kind"] == "Deployment")
-    rest = [webhook_by_url(o, webhook) if o["kind"] == "ValidatingWebhookConfiguration" else o
-            for o in objs if o["kind"] != "Deployment"]
+    rest = [
+        webhook_by_url(o, webhook) if o["kind"] == "ValidatingWebhookConfiguration" else o
+        for o in objs
+        if o["kind"] != "Deployment"
+    ]
     kube.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(rest))
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     sa = deployment["spec"]["template"]["spec"]["serviceAccountName"]
     token = kube.kubectl("create", "token", sa, "-n", namespace, "--duration=2h").stdout.strip()
     admin = yaml.safe_load(Path(kube.kubeconfig).read_text())
     # The mounted catalog ConfigMap, as the pod would see it.
-    catalog_cm = next(o for o in rest if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-catalog"))
+    catalog_cm = next(
+        o for o in rest if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-catalog")
+    )
     env = {e["name"]: e.get("value") for e in container["env"]}
     catalog_file = tmp / Path(env["RLFLEET_CATALOG"]).name
     catalog_file.write_text(catalog_cm["data"][catalog_file.name])
     try:
-        yield {"release": release, "namespace": namespace, "container": container, "token": token,
-               "pod": deployment["spec"]["template"]["spec"],
-               "ca_data": admin["clusters"][0]["cluster"]["certificate-authority-data"],
-               "catalog_file": catalog_file, "objects": rest, "health": health, "metrics": metrics, "webhook": webhook,
-               "tmp": tmp}
+        yield {
+            "release": release,
+            "namespace": namespace,
+            "container": container,
+            "token": token,
+            "pod": deployment["spec"]["template"]["spec"],
+            "ca_data": admin["clusters"][0]["cluster"]["certificate-authority-data"],
+            "catalog_file": catalog_file,
+            "objects": rest,
+            "health": health,
+            "metrics": metrics,
+            "webhook": webhook,
+            "tmp": tmp,
+        }
     finally:
         kube.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
         delete_cluster_scoped(kube, rest)
@@ -317,7 +401,12 @@ def chart_objects_without_the_deployment(kube, helm, tmp: Path, operator_values:
 def delete_cluster_scoped(kube, objs: list[dict[str, Any]]) -> None:
     """Delete what a rendered chart has outside namespaces (a namespace's deletion takes the rest)."""
     for obj in objs:
-        if obj["kind"] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "ValidatingWebhookConfiguration"):
+        if obj["kind"] in (
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ClusterKopfPeering",
+            "ValidatingWebhookConfiguration",
+        ):
             kube.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--wait=false", check=False)
 
 
@@ -325,25 +414,40 @@ def write_kubeconfig(path: Path, server: str, namespace: str, token: str, ca_dat
     cluster: dict[str, Any] = {"server": server}
     if ca_data:
         cluster["certificate-authority-data"] = ca_data
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "c", "cluster": cluster}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa", "namespace": namespace}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "sa",
+                "clusters": [{"name": "c", "cluster": cluster}],
+                "users": [{"name": "sa", "user": {"token": token}}],
+                "contexts": [
+                    {"name": "sa", "context": {"cluster": "c", "user": "sa", "namespace": namespace}}
+                ],
+            }
+        )
+    )
     return path
 
 
-def start_operator(chart: dict[str, Any], kubeconfig: Path, pod_name: str, ports: tuple[int, int] | None = None,
-                   env_from_pod: dict[str, str] | None = None,
-                   webhook_port: int | None = None) -> tuple[subprocess.Popen, Path]:
+def start_operator(
+    chart: dict[str, Any],
+    kubeconfig: Path,
+    pod_name: str,
+    ports: tuple[int, int] | None = None,
+    env_from_pod: dict[str, str] | None = None,
+    webhook_port: int | None = None,
+) -> tuple[subprocess.Popen, Path]:
     """`rlfleet` with the chart container's own args (liveness, metrics and webhook bound to 127.0.0.1:
     tests never listen beyond the loopback; the webhook's certificate names 127.0.0.1, the address
     webhook_by_url gives the API server, instead of the Service's DNS name) and the pod's env
     (POD_ID/POD_NAME/POD_NAMESPACE from the downward API; `env_from_pod`: the container's other env
     resolved as the kubelet would, e.g. secretKeyRefs). `webhook_port`: another port than the chart's."""
     health, metrics = ports or (chart["health"], chart["metrics"])
-    args = [a.replace("0.0.0.0", "127.0.0.1") for a in chart["container"]["args"]] + ["--metrics-address=127.0.0.1"]
+    args = [a.replace("0.0.0.0", "127.0.0.1") for a in chart["container"]["args"]] + [
+        "--metrics-address=127.0.0.1"
+    ]
     args = [re.sub(r":\d+/healthz$", f":{health}/healthz", a) for a in args]
     args = [f"--metrics-port={metrics}" if a.startswith("--metrics-port=") else a for a in args]
     args = ["--webhook-host=127.0.0.1" if a.startswith("--webhook-host=") else a for a in args]
@@ -353,13 +457,23 @@ def start_operator(chart: dict[str, Any], kubeconfig: Path, pod_name: str, ports
     if env_from_pod is not None:  # nothing of this machine's AWS setup leaks in: only what the pod gets
         env = {k: v for k, v in env.items() if not k.startswith("AWS_")} | env_from_pod
     # the mounted catalog and the downward API, as this machine has them
-    env |= {"KUBECONFIG": str(kubeconfig), "RLFLEET_CATALOG": str(chart["catalog_file"]),
-            "POD_ID": pod_name, "POD_NAME": pod_name, "POD_NAMESPACE": chart["namespace"]}
+    env |= {
+        "KUBECONFIG": str(kubeconfig),
+        "RLFLEET_CATALOG": str(chart["catalog_file"]),
+        "POD_ID": pod_name,
+        "POD_NAME": pod_name,
+        "POD_NAMESPACE": chart["namespace"],
+    }
     env.pop("KUBERNETES_SERVICE_HOST", None)
     log_path = chart["tmp"] / f"{pod_name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "rlfleet"), *args], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "rlfleet"), *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     return proc, log_path
 
 
@@ -381,13 +495,21 @@ def operator_as_serviceaccount(kube, helm, tmp_path_factory) -> Iterator[dict[st
     with chart_objects_without_the_deployment(kube, helm, tmp, {"replicas": 1}) as chart:
         ca_pem = base64.b64decode(chart["ca_data"])
         with ApiRecorder(kube.server, ca_pem, chart["token"]) as proxy:
-            kubeconfig = write_kubeconfig(tmp / "sa.kubeconfig", f"http://127.0.0.1:{proxy.port}", chart["namespace"],
-                                          "via-proxy")
+            kubeconfig = write_kubeconfig(
+                tmp / "sa.kubeconfig", f"http://127.0.0.1:{proxy.port}", chart["namespace"], "via-proxy"
+            )
             proc, log_path = start_operator(chart, kubeconfig, f"{chart['release']}-pod")
             try:
-                yield {"namespace": chart["namespace"], "proxy": proxy, "proc": proc, "log": log_path,
-                       "health": chart["health"], "metrics": chart["metrics"], "release": chart["release"],
-                       "roles": operator_roles(chart["objects"])}
+                yield {
+                    "namespace": chart["namespace"],
+                    "proxy": proxy,
+                    "proc": proc,
+                    "log": log_path,
+                    "health": chart["health"],
+                    "metrics": chart["metrics"],
+                    "release": chart["release"],
+                    "roles": operator_roles(chart["objects"]),
+                }
             finally:
                 stop_operator(proc)
 
@@ -395,14 +517,27 @@ def operator_as_serviceaccount(kube, helm, tmp_path_factory) -> Iterator[dict[st
 def operator_roles(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chart's (Cluster)Roles bound to a ServiceAccount (the operator's): not the sandbox role, which the
     operator only binds to a job's trainer (`bind`, rollout.sandbox.backend pods) and never holds."""
-    bound = {(b["roleRef"]["kind"], b["roleRef"]["name"]) for b in objects
-             if b["kind"] in ("ClusterRoleBinding", "RoleBinding")
-             and any(subject["kind"] == "ServiceAccount" for subject in b.get("subjects") or [])}
-    return [o for o in objects if o["kind"] in ("ClusterRole", "Role") and (o["kind"], o["metadata"]["name"]) in bound]
+    bound = {
+        (b["roleRef"]["kind"], b["roleRef"]["name"])
+        for b in objects
+        if b["kind"] in ("ClusterRoleBinding", "RoleBinding")
+        and any(subject["kind"] == "ServiceAccount" for subject in b.get("subjects") or [])
+    }
+    return [
+        o
+        for o in objects
+        if o["kind"] in ("ClusterRole", "Role") and (o["kind"], o["metadata"]["name"]) in bound
+    ]
 
 
 def granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
-    return {(v, g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return {
+        (v, g, r)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
 
 
 def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_serviceaccount) -> None:
@@ -425,18 +560,45 @@ def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_ser
             raise AssertionError(f"{exc}\n" + "\n".join(ctx["log"].read_text().splitlines()[-40:])) from None
         sgs = {s["metadata"]["name"] for s in kube.get_json("samplergroups", "-n", ns)["items"]}
         assert sgs == {f"{name}-{g}" for g in groups}
-        wait_for("sampler Deployments", lambda: len(kube.get_json("deployments", "-n", ns)["items"]) >= len(groups), 90)
+        wait_for(
+            "sampler Deployments",
+            lambda: len(kube.get_json("deployments", "-n", ns)["items"]) >= len(groups),
+            90,
+        )
         wait_for("trainer StatefulSet", lambda: kube.get_json("statefulsets", "-n", ns)["items"], 60)
-        wait_for("RLJob status for the current generation", lambda: (
-            (j := kube.get_json("rljob", name, "-n", ns)).get("status", {}).get("observedGeneration")
-            == j["metadata"]["generation"]), 90)
+        wait_for(
+            "RLJob status for the current generation",
+            lambda: (
+                (j := kube.get_json("rljob", name, "-n", ns)).get("status", {}).get("observedGeneration")
+                == j["metadata"]["generation"]
+            ),
+            90,
+        )
         # the rebalancer's timer ran with the chart's grant (it writes the shares into SamplerGroup status)
-        wait_for("the rebalancer's shares", lambda: all(
-            "share" in (sg.get("status") or {}) for sg in kube.get_json("samplergroups", "-n", ns)["items"]), 90)
+        wait_for(
+            "the rebalancer's shares",
+            lambda: all(
+                "share" in (sg.get("status") or {})
+                for sg in kube.get_json("samplergroups", "-n", ns)["items"]
+            ),
+            90,
+        )
         # a group removed from the spec: the operator deletes its SamplerGroup (the one delete it does)
-        kube.kubectl("patch", "rljob", name, "-n", ns, "--type=json",
-                     "-p", json.dumps([{"op": "remove", "path": f"/spec/samplerGroups/{len(groups) - 1}"}]))
-        wait_for("removed group deleted", lambda: len(kube.get_json("samplergroups", "-n", ns)["items"]) == len(groups) - 1, 60)
+        kube.kubectl(
+            "patch",
+            "rljob",
+            name,
+            "-n",
+            ns,
+            "--type=json",
+            "-p",
+            json.dumps([{"op": "remove", "path": f"/spec/samplerGroups/{len(groups) - 1}"}]),
+        )
+        wait_for(
+            "removed group deleted",
+            lambda: len(kube.get_json("samplergroups", "-n", ns)["items"]) == len(groups) - 1,
+            60,
+        )
         assert ctx["proc"].poll() is None, ctx["log"].read_text()[-3000:]
         # the chart's liveness probe and metrics port answer (what the Deployment and ServiceMonitor use)
         with urllib.request.urlopen(f"http://127.0.0.1:{ctx['health']}/healthz", timeout=10) as response:
@@ -445,8 +607,11 @@ def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_ser
             assert "rlfleet_operator_reconciles_total" in response.read().decode()
 
         log = ctx["log"].read_text()
-        problems = [line for line in log.splitlines()
-                    if re.search(r"cannot \w+ resource", line) or "Not enough permissions" in line]
+        problems = [
+            line
+            for line in log.splitlines()
+            if re.search(r"cannot \w+ resource", line) or "Not enough permissions" in line
+        ]
         assert not problems, "\n".join(problems)[:3000]
         assert not ctx["proxy"].denials, ctx["proxy"].denials[:5]
         calls = ctx["proxy"].calls
@@ -459,16 +624,19 @@ def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_ser
         # enough: nothing it did was outside the grant; no more: every granted verb was used
         assert used <= allowed, sorted(used - allowed)
         # granted for a code path this scenario does not take (see charts/rlfleet/templates/rbac.yaml)
-        rare = {("get", "rlfleet.dev", "weightchannels"),
-                ("patch", "", "secrets"),  # the webhook Secret's renewal (a new Secret is created)
-                # opt-in paths the example does not take: the fleet-mix optimizer's replicas
-                # (spec.router.optimize, tests/router/test_router_fleet_plan_cluster.py) and a job whose
-                # sandboxes are pods (rollout.sandbox, tests/operator/test_operator_sandboxes.py)
-                ("patch", "rlfleet.dev", "samplergroups/scale"),
-                ("create", "", "serviceaccounts"), ("patch", "", "serviceaccounts"),
-                ("create", "rbac.authorization.k8s.io", "rolebindings"),
-                ("patch", "rbac.authorization.k8s.io", "rolebindings"),
-                ("bind", "rbac.authorization.k8s.io", "clusterroles")}
+        rare = {
+            ("get", "rlfleet.dev", "weightchannels"),
+            ("patch", "", "secrets"),  # the webhook Secret's renewal (a new Secret is created)
+            # opt-in paths the example does not take: the fleet-mix optimizer's replicas
+            # (spec.router.optimize, tests/router/test_router_fleet_plan_cluster.py) and a job whose
+            # sandboxes are pods (rollout.sandbox, tests/operator/test_operator_sandboxes.py)
+            ("patch", "rlfleet.dev", "samplergroups/scale"),
+            ("create", "", "serviceaccounts"),
+            ("patch", "", "serviceaccounts"),
+            ("create", "rbac.authorization.k8s.io", "rolebindings"),
+            ("patch", "rbac.authorization.k8s.io", "rolebindings"),
+            ("bind", "rbac.authorization.k8s.io", "clusterroles"),
+        }
         assert allowed - rare <= used, f"granted but never used: {sorted(allowed - rare - used)}"
     finally:
         kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -482,7 +650,11 @@ def _with_managed_fields(kube, *args: str) -> Any:
 
 
 def _applied_by(obj: dict[str, Any], manager: str) -> list[dict[str, Any]]:
-    return [m for m in obj["metadata"].get("managedFields", []) if m["manager"] == manager and m["operation"] == "Apply"]
+    return [
+        m
+        for m in obj["metadata"].get("managedFields", [])
+        if m["manager"] == manager and m["operation"] == "Apply"
+    ]
 
 
 def _assert_diff_clean(kube, namespace: str, manager: str) -> None:
@@ -491,9 +663,13 @@ def _assert_diff_clean(kube, namespace: str, manager: str) -> None:
     `kubectl diff` reads the live objects, then dry-runs the apply: a status write (an operator
     reconciling the namespace) landing in between shows up as a status-only difference. So: diff once
     the RLJobs' resourceVersions have held still for 3 s, and allow a status write to race it twice."""
+
     def settled() -> bool:
         def versions() -> list[str]:
-            return [j["metadata"]["resourceVersion"] for j in kube.get_json("rljobs", "-n", namespace)["items"]]
+            return [
+                j["metadata"]["resourceVersion"] for j in kube.get_json("rljobs", "-n", namespace)["items"]
+            ]
+
         first = versions()
         time.sleep(3)
         return versions() == first
@@ -501,8 +677,16 @@ def _assert_diff_clean(kube, namespace: str, manager: str) -> None:
     wait_for("RLJob status to settle", settled, timeout=90, interval=0)
     diffs = []
     for _ in range(3):
-        diff = kube.kubectl("diff", "--server-side", f"--field-manager={manager}", "-n", namespace, "-f", str(EXAMPLE),
-                            check=False)
+        diff = kube.kubectl(
+            "diff",
+            "--server-side",
+            f"--field-manager={manager}",
+            "-n",
+            namespace,
+            "-f",
+            str(EXAMPLE),
+            check=False,
+        )
         if diff.returncode == 0:
             return
         diffs.append(diff.stdout[-3000:] + diff.stderr[-1000:])
@@ -537,17 +721,28 @@ def test_diff_stays_clean_after_the_operator_reconciled(kube, operator_as_servic
         kube.kubectl("apply", "--server-side", "--field-manager=gitops-smoke", "-n", ns, "-f", str(EXAMPLE))
         name = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
         before = kube.get_json("rljob", name, "-n", ns)
-        wait_for("reconciled", lambda: (
-            (j := kube.get_json("rljob", name, "-n", ns)).get("status", {}).get("observedGeneration")
-            == j["metadata"]["generation"]), 90)
+        wait_for(
+            "reconciled",
+            lambda: (
+                (j := kube.get_json("rljob", name, "-n", ns)).get("status", {}).get("observedGeneration")
+                == j["metadata"]["generation"]
+            ),
+            90,
+        )
         wait_for("children", lambda: kube.get_json("samplergroups", "-n", ns)["items"], 60)
         _assert_diff_clean(kube, ns, "gitops-smoke")
         job = _with_managed_fields(kube, "rljob", name, "-n", ns)
         # the operator reconciled without touching the spec Git owns
-        assert job["spec"] == before["spec"] and job["metadata"]["generation"] == before["metadata"]["generation"]
+        assert (
+            job["spec"] == before["spec"]
+            and job["metadata"]["generation"] == before["metadata"]["generation"]
+        )
         assert job["status"]["observedGeneration"] == job["metadata"]["generation"]
-        spec_writers = {m["manager"] for m in job["metadata"]["managedFields"]
-                        if not m.get("subresource") and "f:spec" in m.get("fieldsV1", {})}
+        spec_writers = {
+            m["manager"]
+            for m in job["metadata"]["managedFields"]
+            if not m.get("subresource") and "f:spec" in m.get("fieldsV1", {})
+        }
         assert spec_writers == {"gitops-smoke"}, spec_writers
     finally:
         kube.kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -565,12 +760,16 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
     jobs = unique("ha")
     kube.kubectl("create", "namespace", jobs)
     try:
-        with chart_objects_without_the_deployment(kube, helm, tmp_path, {"replicas": 2, "watchNamespaces": [jobs]}) as chart:
-            kubeconfig = write_kubeconfig(tmp_path / "sa.kubeconfig", kube.server, chart["namespace"], chart["token"],
-                                          chart["ca_data"])
+        with chart_objects_without_the_deployment(
+            kube, helm, tmp_path, {"replicas": 2, "watchNamespaces": [jobs]}
+        ) as chart:
+            kubeconfig = write_kubeconfig(
+                tmp_path / "sa.kubeconfig", kube.server, chart["namespace"], chart["token"], chart["ca_data"]
+            )
             names = [f"{chart['release']}-rlfleet-5c8d7-{suffix}" for suffix in ("abcde", "vwxyz")]
             names.sort(key=auto_priority)  # [standby, active]
             assert auto_priority(names[0]) != auto_priority(names[1])
+
             def peers() -> dict[str, Any]:
                 obj = kube.get_json("kopfpeering", chart["release"], "-n", jobs)
                 return {k: v for k, v in (obj.get("status") or {}).items() if v}
@@ -586,30 +785,58 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
                 assert {peers()[n]["priority"] for n in names} == {auto_priority(n) for n in names}
                 # kopf starts paused until it has seen the peers: the active replica resumes, the standby
                 # (a live peer of higher priority exists) never does
-                wait_for("the higher-priority replica to resume",
-                         lambda: "Resuming operations" in active_log.read_text(), timeout=60)
+                wait_for(
+                    "the higher-priority replica to resume",
+                    lambda: "Resuming operations" in active_log.read_text(),
+                    timeout=60,
+                )
                 kube.kubectl("apply", "--server-side", "-n", jobs, "-f", str(EXAMPLE))
                 job = yaml.safe_load(EXAMPLE.read_text())
                 groups = job["spec"]["samplerGroups"]
-                wait_for("children by the active replica",
-                         lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups), timeout=90)
-                wait_for("the active replica's handler to finish",
-                         lambda: "Handler 'reconcile_rljob' succeeded" in active_log.read_text(), timeout=30)
+                wait_for(
+                    "children by the active replica",
+                    lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups),
+                    timeout=90,
+                )
+                wait_for(
+                    "the active replica's handler to finish",
+                    lambda: "Handler 'reconcile_rljob' succeeded" in active_log.read_text(),
+                    timeout=30,
+                )
                 assert "Handler 'reconcile_rljob'" not in standby_log.read_text()
                 assert "Resuming operations" not in standby_log.read_text()
 
                 stop_operator(active)  # a clean stop removes its keep-alive from the peering
-                wait_for("the standby to resume",
-                         lambda: "Resuming operations" in standby_log.read_text(), timeout=60)
-                kube.kubectl("patch", "rljob", job["metadata"]["name"], "-n", jobs, "--type=json",
-                             "-p", json.dumps([{"op": "remove", "path": f"/spec/samplerGroups/{len(groups) - 1}"}]))
-                wait_for("the former standby to reconcile the change",
-                         lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups) - 1, timeout=60)
+                wait_for(
+                    "the standby to resume",
+                    lambda: "Resuming operations" in standby_log.read_text(),
+                    timeout=60,
+                )
+                kube.kubectl(
+                    "patch",
+                    "rljob",
+                    job["metadata"]["name"],
+                    "-n",
+                    jobs,
+                    "--type=json",
+                    "-p",
+                    json.dumps([{"op": "remove", "path": f"/spec/samplerGroups/{len(groups) - 1}"}]),
+                )
+                wait_for(
+                    "the former standby to reconcile the change",
+                    lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups) - 1,
+                    timeout=60,
+                )
                 # the spec change's handler: kopf names it reconcile_rljob/spec (the update handler, field
                 # spec); reconcile_rljob is its resume handler, which kopf may or may not run at the takeover
                 # (it ran in most runs, not in one CI run where the update handler did the work)
-                wait_for("the former standby's handler to finish", lambda: re.search(
-                    r"Handler 'reconcile_rljob(/spec)?' succeeded", standby_log.read_text()), timeout=30)  # fmt: skip
+                wait_for(
+                    "the former standby's handler to finish",
+                    lambda: re.search(
+                        r"Handler 'reconcile_rljob(/spec)?' succeeded", standby_log.read_text()
+                    ),
+                    timeout=30,
+                )
                 assert standby.poll() is None
             finally:
                 stop_operator(active)
@@ -627,10 +854,14 @@ def _job(name: str, group: str, **fields: Any) -> dict[str, Any]:
     channel: the webhook refuses a second job on the example's claim)."""
     job = yaml.safe_load(EXAMPLE.read_text())
     job["metadata"]["name"] = name
-    job["spec"]["weightChannel"]["store"] = {"type": "filesystem", "path": f"/weights/{name}",
-                                             "volumeClaimName": f"{name}-weights"}  # fmt: skip
-    job["spec"]["samplerGroups"] = [{"name": group, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16",
-                                     **fields}]  # fmt: skip
+    job["spec"]["weightChannel"]["store"] = {
+        "type": "filesystem",
+        "path": f"/weights/{name}",
+        "volumeClaimName": f"{name}-weights",
+    }
+    job["spec"]["samplerGroups"] = [
+        {"name": group, "accelerator": "h100", "replicas": 1, "weightFormat": "bf16", **fields}
+    ]
     return job
 
 
@@ -646,7 +877,9 @@ def _tls_serves(port: int, ca_pem: bytes) -> bool:
         return False
 
 
-def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(kube, helm, tmp_path: Path) -> None:
+def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(
+    kube, helm, tmp_path: Path
+) -> None:
     """The chart's webhook without cert-manager, as its ServiceAccount (namespace mode, two replicas):
     the first operator creates the Secret (a CA and a serving certificate) and sets the caBundle of the
     chart's ValidatingWebhookConfiguration; the second replica serves the same certificate without
@@ -660,10 +893,13 @@ def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(kub
 
     jobs = unique("wh")
     kube.kubectl("create", "namespace", jobs)
-    catalog = {"catalog": {"classes": {"h100": {"kvCacheDtypes": ["auto", "bf16"]}}}}  # no FP8 KV cache on H100
+    catalog = {
+        "catalog": {"classes": {"h100": {"kvCacheDtypes": ["auto", "bf16"]}}}
+    }  # no FP8 KV cache on H100
     try:
-        with chart_objects_without_the_deployment(kube, helm, tmp_path, {"replicas": 2, "watchNamespaces": [jobs]},
-                                                  catalog) as chart:
+        with chart_objects_without_the_deployment(
+            kube, helm, tmp_path, {"replicas": 2, "watchNamespaces": [jobs]}, catalog
+        ) as chart:
             ns, release = chart["namespace"], chart["release"]
             configuration_name = f"{release}-rlfleet-{ns}"
             secret_name = f"{release}-rlfleet-webhook-cert"
@@ -675,31 +911,49 @@ def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(kub
             legacy = _job("legacy", "h100-kv8", kvCacheDtype="fp8_e4m3")
             kube.kubectl("apply", "-n", jobs, "-f", "-", input=json.dumps(legacy))
 
-            kubeconfig = write_kubeconfig(tmp_path / "sa.kubeconfig", kube.server, ns, chart["token"], chart["ca_data"])
+            kubeconfig = write_kubeconfig(
+                tmp_path / "sa.kubeconfig", kube.server, ns, chart["token"], chart["ca_data"]
+            )
             names = sorted((f"{release}-rlfleet-5c8d7-{s}" for s in ("abcde", "vwxyz")), key=auto_priority)
             active, active_log = start_operator(chart, kubeconfig, names[1], (free_port(), free_port()))
             standby = None
             try:
+
                 def logs() -> str:
-                    return "\n".join(p.read_text()[-3000:] for p in (active_log, *([standby_log] if standby else [])))
+                    return "\n".join(
+                        p.read_text()[-3000:] for p in (active_log, *([standby_log] if standby else []))
+                    )
 
                 def configuration() -> dict[str, Any]:
                     return kube.get_json("validatingwebhookconfiguration", configuration_name)
 
                 try:
-                    secret = wait_for("the operator's webhook Secret", lambda: _get_or_none(kube, "secret", secret_name,
-                                                                                          "-n", ns), timeout=60)
+                    secret = wait_for(
+                        "the operator's webhook Secret",
+                        lambda: _get_or_none(kube, "secret", secret_name, "-n", ns),
+                        timeout=60,
+                    )
                     bundle = secret["data"]["ca.crt"]
-                    wait_for("the caBundle of every webhook", lambda: all(
-                        w["clientConfig"].get("caBundle") == bundle for w in configuration()["webhooks"]), timeout=30)
+                    wait_for(
+                        "the caBundle of every webhook",
+                        lambda: all(
+                            w["clientConfig"].get("caBundle") == bundle for w in configuration()["webhooks"]
+                        ),
+                        timeout=30,
+                    )
                 except AssertionError as exc:
                     raise AssertionError(f"{exc}\n{logs()}") from None
                 live = configuration()
                 assert secret["type"] == "kubernetes.io/tls"
                 assert sorted(secret["data"]) == ["ca.crt", "ca.key", "tls.crt", "tls.key"]
-                assert secret["metadata"]["ownerReferences"] == [{
-                    "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-                    "name": configuration_name, "uid": live["metadata"]["uid"]}]  # fmt: skip
+                assert secret["metadata"]["ownerReferences"] == [
+                    {
+                        "apiVersion": "admissionregistration.k8s.io/v1",
+                        "kind": "ValidatingWebhookConfiguration",
+                        "name": configuration_name,
+                        "uid": live["metadata"]["uid"],
+                    }
+                ]
                 (ca,) = x509.load_pem_x509_certificates(base64.b64decode(bundle))
                 serving = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
                 serving.verify_directly_issued_by(ca)
@@ -708,46 +962,94 @@ def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(kub
                 # only the caBundle changed: the rest is the chart's (rules, paths, policy, selector)
                 for got, want in zip(live["webhooks"], rendered["webhooks"], strict=True):
                     assert {**got, "clientConfig": {"url": got["clientConfig"]["url"]}} == {
-                        **want, "matchPolicy": got["matchPolicy"], "objectSelector": got["objectSelector"]}
-                wait_for("the active replica's webhook", lambda: _tls_serves(chart["webhook"], base64.b64decode(bundle)))
+                        **want,
+                        "matchPolicy": got["matchPolicy"],
+                        "objectSelector": got["objectSelector"],
+                    }
+                wait_for(
+                    "the active replica's webhook",
+                    lambda: _tls_serves(chart["webhook"], base64.b64decode(bundle)),
+                )
 
                 # job ab with group cd-ef and job ab-cd with group ef both want SamplerGroup ab-cd-ef
                 kube.kubectl("apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab", "cd-ef")))
-                wait_for("SamplerGroup ab-cd-ef of RLJob ab",
-                         lambda: _get_or_none(kube, "sg", "ab-cd-ef", "-n", jobs).get("spec", {}).get("jobName") == "ab")
-                refused = kube.kubectl("apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab-cd", "ef")), check=False)
+                wait_for(
+                    "SamplerGroup ab-cd-ef of RLJob ab",
+                    lambda: (
+                        _get_or_none(kube, "sg", "ab-cd-ef", "-n", jobs).get("spec", {}).get("jobName")
+                        == "ab"
+                    ),
+                )
+                refused = kube.kubectl(
+                    "apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab-cd", "ef")), check=False
+                )
                 assert refused.returncode != 0, refused.stdout
-                assert "the name ab-cd-ef (Deployment and Service) is taken by SamplerGroup ab-cd-ef of RLJob ab" in (
-                    refused.stderr), refused.stderr
+                assert (
+                    "the name ab-cd-ef (Deployment and Service) is taken by SamplerGroup ab-cd-ef of RLJob ab"
+                    in (refused.stderr)
+                ), refused.stderr
                 assert kube.kubectl("get", "rljob", "ab-cd", "-n", jobs, check=False).returncode != 0
 
                 # the live catalog: legacy's spec may not change, its metadata may (kopf's own writes too)
                 kube.kubectl("annotate", "rljob", "legacy", "-n", jobs, "example.com/owner=team-a")
-                changed = kube.kubectl("patch", "rljob", "legacy", "-n", jobs, "--type=json", "-p", json.dumps(
-                    [{"op": "replace", "path": "/spec/samplerGroups/0/replicas", "value": 2}]), check=False)
+                changed = kube.kubectl(
+                    "patch",
+                    "rljob",
+                    "legacy",
+                    "-n",
+                    jobs,
+                    "--type=json",
+                    "-p",
+                    json.dumps([{"op": "replace", "path": "/spec/samplerGroups/0/replicas", "value": 2}]),
+                    check=False,
+                )
                 assert changed.returncode != 0, changed.stdout
                 assert "rejected by rlfleet (catalog in effect)" in changed.stderr, changed.stderr
-                assert "accelerator h100 (sm90) cannot use kvCacheDtype fp8_e4m3" in changed.stderr, changed.stderr
+                assert "accelerator h100 (sm90) cannot use kvCacheDtype fp8_e4m3" in changed.stderr, (
+                    changed.stderr
+                )
 
                 # a second replica (the standby: the active one has the higher priority) on a port of its own
                 standby_port = free_port()
-                standby, standby_log = start_operator(chart, kubeconfig, names[0], (free_port(), free_port()),
-                                                      webhook_port=standby_port)
+                standby, standby_log = start_operator(
+                    chart, kubeconfig, names[0], (free_port(), free_port()), webhook_port=standby_port
+                )
                 try:
-                    wait_for("the standby's webhook, trusted by the same caBundle",
-                             lambda: _tls_serves(standby_port, base64.b64decode(bundle)), timeout=60)
+                    wait_for(
+                        "the standby's webhook, trusted by the same caBundle",
+                        lambda: _tls_serves(standby_port, base64.b64decode(bundle)),
+                        timeout=60,
+                    )
                 except AssertionError as exc:
                     raise AssertionError(f"{exc}\n{logs()}") from None
                 again = kube.get_json("secret", secret_name, "-n", ns)
-                assert again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]  # not rewritten
+                assert (
+                    again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+                )  # not rewritten
                 assert all(w["clientConfig"]["caBundle"] == bundle for w in configuration()["webhooks"])
                 # only the standby answers now: its kopf indexes are empty (peering paused its watches)
-                kube.kubectl("patch", "validatingwebhookconfiguration", configuration_name, "--type=json",
-                             "-p", json.dumps([{"op": "replace", "path": f"/webhooks/{i}/clientConfig/url",
-                                                "value": w["clientConfig"]["url"].replace(f":{chart['webhook']}/",
-                                                                                          f":{standby_port}/")}
-                                               for i, w in enumerate(live["webhooks"])]))  # fmt: skip
-                refused = kube.kubectl("apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab-cd", "ef")), check=False)
+                kube.kubectl(
+                    "patch",
+                    "validatingwebhookconfiguration",
+                    configuration_name,
+                    "--type=json",
+                    "-p",
+                    json.dumps(
+                        [
+                            {
+                                "op": "replace",
+                                "path": f"/webhooks/{i}/clientConfig/url",
+                                "value": w["clientConfig"]["url"].replace(
+                                    f":{chart['webhook']}/", f":{standby_port}/"
+                                ),
+                            }
+                            for i, w in enumerate(live["webhooks"])
+                        ]
+                    ),
+                )
+                refused = kube.kubectl(
+                    "apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab-cd", "ef")), check=False
+                )
                 assert refused.returncode != 0, refused.stdout
                 assert "is taken by SamplerGroup ab-cd-ef of RLJob ab" in refused.stderr, refused.stderr
                 assert "Resuming operations" not in standby_log.read_text()  # it was the standby all along
@@ -789,8 +1091,9 @@ def _get_or_none(kube, *args: str) -> dict[str, Any]:
     return json.loads(result.stdout) if result.returncode == 0 else {}
 
 
-def test_weightchannel_versions_with_the_charts_store_access(kube, helm, tmp_path_factory,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weightchannel_versions_with_the_charts_store_access(
+    kube, helm, tmp_path_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The chart as shipped gives the operator read access to both store kinds: a filesystem store
     through a read-only volume at the channels' path, an S3 store through credentials from a Secret the
     user names (by reference). Published versions and a sidecar's report then appear as WeightChannel
@@ -806,9 +1109,14 @@ def test_weightchannel_versions_with_the_charts_store_access(kube, helm, tmp_pat
     s3_port = free_port()
     s3 = start_moto(s3_port)
     endpoint = f"http://127.0.0.1:{s3_port}"
-    values = {"weightStores": {"filesystem": [{"name": "weights", "mountPath": str(mount_path),
-                                               "claimName": "rlfleet-weights-ro"}],
-                               "s3": {"secretName": "rlfleet-s3"}}}  # fmt: skip
+    values = {
+        "weightStores": {
+            "filesystem": [
+                {"name": "weights", "mountPath": str(mount_path), "claimName": "rlfleet-weights-ro"}
+            ],
+            "s3": {"secretName": "rlfleet-s3"},
+        }
+    }
     try:
         with chart_objects_without_the_deployment(kube, helm, tmp, {"replicas": 1}, values) as chart:
             ns = chart["namespace"]
@@ -816,12 +1124,28 @@ def test_weightchannel_versions_with_the_charts_store_access(kube, helm, tmp_pat
             # the rendered Deployment: the PVC read-only at the path, the keys by reference only
             volume = next(v for v in pod["volumes"] if v["name"] == "store-weights")
             assert volume["persistentVolumeClaim"] == {"claimName": "rlfleet-weights-ro", "readOnly": True}
-            assert {"name": "store-weights", "mountPath": str(mount_path), "readOnly": True} in container["volumeMounts"]
-            refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"].startswith("AWS_")}
-            assert refs == {"AWS_ACCESS_KEY_ID": {"name": "rlfleet-s3", "key": "AWS_ACCESS_KEY_ID"},
-                            "AWS_SECRET_ACCESS_KEY": {"name": "rlfleet-s3", "key": "AWS_SECRET_ACCESS_KEY"}}
-            kube.kubectl("create", "secret", "generic", "rlfleet-s3", "-n", ns,
-                         "--from-literal=AWS_ACCESS_KEY_ID=testing", "--from-literal=AWS_SECRET_ACCESS_KEY=testing")
+            assert {"name": "store-weights", "mountPath": str(mount_path), "readOnly": True} in container[
+                "volumeMounts"
+            ]
+            refs = {
+                e["name"]: e["valueFrom"]["secretKeyRef"]
+                for e in container["env"]
+                if e["name"].startswith("AWS_")
+            }
+            assert refs == {
+                "AWS_ACCESS_KEY_ID": {"name": "rlfleet-s3", "key": "AWS_ACCESS_KEY_ID"},
+                "AWS_SECRET_ACCESS_KEY": {"name": "rlfleet-s3", "key": "AWS_SECRET_ACCESS_KEY"},
+            }
+            kube.kubectl(
+                "create",
+                "secret",
+                "generic",
+                "rlfleet-s3",
+                "-n",
+                ns,
+                "--from-literal=AWS_ACCESS_KEY_ID=testing",
+                "--from-literal=AWS_SECRET_ACCESS_KEY=testing",
+            )
             # the "PV" behind the claim, "mounted" (linked) wherever the rendered pod mounts a store volume
             pv = tmp / "pv"
             pv.mkdir()
@@ -837,8 +1161,10 @@ def test_weightchannel_versions_with_the_charts_store_access(kube, helm, tmp_pat
 
             bucket = f"wc-{uuid.uuid4().hex[:10]}"
             boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-            stores = {"fs": FilesystemStore(pv / "fs-job", create=True),
-                      "s3": S3Store(bucket, "runs/s3-job", endpoint_url=endpoint, region="us-east-1")}
+            stores = {
+                "fs": FilesystemStore(pv / "fs-job", create=True),
+                "s3": S3Store(bucket, "runs/s3-job", endpoint_url=endpoint, region="us-east-1"),
+            }
             views = {}
             for view in ("bf16", "fp8"):
                 d = tmp / "views" / view
@@ -848,42 +1174,65 @@ def test_weightchannel_versions_with_the_charts_store_access(kube, helm, tmp_pat
             jobs_ns = f"{chart['release']}-jobs"
             kube.kubectl("create", "namespace", jobs_ns)
             example = yaml.safe_load(EXAMPLE.read_text())
-            store_specs = {"fs": {"type": "filesystem", "path": str(mount_path / "fs-job")},
-                           "s3": {"type": "s3", "bucket": bucket, "prefix": "runs/s3-job", "endpoint": endpoint,
-                                  "region": "us-east-1"}}  # fmt: skip
+            store_specs = {
+                "fs": {"type": "filesystem", "path": str(mount_path / "fs-job")},
+                "s3": {
+                    "type": "s3",
+                    "bucket": bucket,
+                    "prefix": "runs/s3-job",
+                    "endpoint": endpoint,
+                    "region": "us-east-1",
+                },
+            }
             for store in stores.values():
                 WeightChannel(store).publish(views, version=0)
-            kubeconfig = write_kubeconfig(tmp / "sa.kubeconfig", kube.server, ns, chart["token"], chart["ca_data"])
-            proc, log_path = start_operator(chart, kubeconfig, f"{chart['release']}-pod",
-                                            env_from_pod=_pod_env(kube, ns, container))
+            kubeconfig = write_kubeconfig(
+                tmp / "sa.kubeconfig", kube.server, ns, chart["token"], chart["ca_data"]
+            )
+            proc, log_path = start_operator(
+                chart, kubeconfig, f"{chart['release']}-pod", env_from_pod=_pod_env(kube, ns, container)
+            )
             try:
                 for kind in stores:
                     job = copy.deepcopy(example)
                     job["metadata"]["name"] = f"{kind}-job"
-                    job["spec"]["samplerGroups"] = [{"name": "h100-fp8", "accelerator": "h100", "replicas": 1,
-                                                     "weightFormat": "fp8"}]
+                    job["spec"]["samplerGroups"] = [
+                        {"name": "h100-fp8", "accelerator": "h100", "replicas": 1, "weightFormat": "fp8"}
+                    ]
                     job["spec"]["weightChannel"]["store"] = store_specs[kind]
                     kube.kubectl("apply", "-n", jobs_ns, "-f", "-", input=json.dumps(job))
                 for kind, store in stores.items():
                     channel = WeightChannel(store)
                     channel.publish(views, version=1)
-                    channel.report(SubscriberReport(group=f"{kind}-job-h100-fp8", replica="pod-a", view="fp8",
-                                                    applied_version=0, in_use=[0]))
+                    channel.report(
+                        SubscriberReport(
+                            group=f"{kind}-job-h100-fp8",
+                            replica="pod-a",
+                            view="fp8",
+                            applied_version=0,
+                            in_use=[0],
+                        )
+                    )
 
                 def versions(kind: str) -> Callable[[], Any]:
                     def check() -> Any:
                         wc = _get_or_none(kube, "wc", f"{kind}-job-weights", "-n", jobs_ns)
                         sg = _get_or_none(kube, "sg", f"{kind}-job-h100-fp8", "-n", jobs_ns)
-                        ok = (wc.get("status", {}).get("latestVersion") == 1
-                              and sg.get("status", {}).get("versionLag") == 1)  # fmt: skip
+                        ok = (
+                            wc.get("status", {}).get("latestVersion") == 1
+                            and sg.get("status", {}).get("versionLag") == 1
+                        )
                         return (wc["status"], sg["status"]) if ok else None
+
                     return check
 
                 for kind in stores:
                     try:
                         wc, sg = wait_for(f"{kind} channel status", versions(kind), timeout=120)
                     except AssertionError as exc:
-                        raise AssertionError(f"{exc}\n" + "\n".join(log_path.read_text().splitlines()[-30:])) from None
+                        raise AssertionError(
+                            f"{exc}\n" + "\n".join(log_path.read_text().splitlines()[-30:])
+                        ) from None
                     assert wc["phase"] == "Ready" and {a["view"] for a in wc["artifacts"]} == {"bf16", "fp8"}
                     assert sg["appliedWeightVersion"] == 0
                     sg_row = _printed(kube, "sg", f"{kind}-job-h100-fp8", "-n", jobs_ns)

@@ -13,9 +13,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 # The pages this area owns (other areas' pages are checked by their owners' tests).
-PAGES = [DOCS / f"{n}.md" for n in ("index", "quickstart", "install", "operations", "gitops", "architecture")] + [
-    REPO / "images" / "README.md"
-]
+PAGES = [
+    DOCS / f"{n}.md" for n in ("index", "quickstart", "install", "operations", "gitops", "architecture")
+] + [REPO / "images" / "README.md"]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -55,7 +55,9 @@ def test_docs_only_show_real_rlfleet_commands() -> None:
             pattern = r"^\s*(?:\.venv/bin/|scripts/)?rlfleet ((?:[a-z][a-z0-9-]* ?){1,2})"
             for words in re.findall(pattern, block, re.MULTILINE):
                 parts = tuple(words.split())
-                assert any(parts[: len(w)] == w for w in commands), f"{page.name}: `rlfleet {words}` is no command"
+                assert any(parts[: len(w)] == w for w in commands), (
+                    f"{page.name}: `rlfleet {words}` is no command"
+                )
                 seen += 1
     assert seen >= 3  # the pages do show commands (run, ablate, crds)
 
@@ -76,7 +78,7 @@ def test_operations_alert_table_matches_the_chart(render) -> None:
 
 def _rbac_rows() -> set[tuple[str, str, str]]:
     text = (DOCS / "install.md").read_text()
-    section = text[text.index("## RBAC"):text.index("## High availability")]
+    section = text[text.index("## RBAC") : text.index("## High availability")]
     rows = set()
     for group, resources, verbs in re.findall(r"^\| ([^|]+) \| ([^|]+) \| ([^|]+) \|", section, re.MULTILINE):
         group = group.strip().split(" ")[0].strip('"')
@@ -93,8 +95,14 @@ def test_install_rbac_table_matches_the_chart(render) -> None:
     ClusterRole, and the two sandbox roles it binds trainers to) is a row of the table, and every row a grant."""
     roles = [o for o in render() if o["kind"] in ("ClusterRole", "Role")]
     assert len(roles) == 5
-    granted = {(g, r, v) for role in roles for rule in role["rules"] for g in rule["apiGroups"]
-               for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
+    granted = {
+        (g, r, v)
+        for role in roles
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     assert _rbac_rows() == granted
 
 
@@ -110,7 +118,7 @@ def _keys(values: dict[str, Any], prefix: str = "") -> set[str]:
 def test_install_values_table_names_real_values() -> None:
     keys = _keys(yaml.safe_load((REPO / "charts" / "rlfleet" / "values.yaml").read_text()))
     text = (DOCS / "install.md").read_text()
-    section = text[text.index("## Values"):text.index("## Uninstall")]
+    section = text[text.index("## Values") : text.index("## Uninstall")]
     for cell in re.findall(r"^\| `([^|]+)` \|", section, re.MULTILINE):
         first, *rest = [c.strip(" `") for c in cell.split("/")]
         if first.endswith(".*"):

@@ -44,9 +44,17 @@ def render_application(app: dict[str, Any], helm: Callable[..., str], tmp: Path)
         spec = source.get("helm", {})
         values = tmp / f"{app['metadata']['name']}-values.yaml"
         values.write_text(yaml.safe_dump(spec.get("valuesObject", {})))
-        args = ["template", spec.get("releaseName", app["metadata"]["name"]), str(path),
-                "--namespace", app["spec"]["destination"]["namespace"], "--kube-version", KUBE_VERSION,
-                "--values", str(values)]  # fmt: skip
+        args = [
+            "template",
+            spec.get("releaseName", app["metadata"]["name"]),
+            str(path),
+            "--namespace",
+            app["spec"]["destination"]["namespace"],
+            "--kube-version",
+            KUBE_VERSION,
+            "--values",
+            str(values),
+        ]
         if not spec.get("skipCrds"):
             args.append("--include-crds")
         text = helm(*args)
@@ -67,9 +75,11 @@ def watched_custom_resources(operator_args: list[str]) -> dict[str, list[referen
 
     registry = kopf.get_default_registry()
     handlers = [
-        *registry._indexing.get_all_handlers(), *registry._watching.get_all_handlers(),
-        *registry._spawning.get_all_handlers(), *registry._changing.get_all_handlers(),
-    ]  # fmt: skip
+        *registry._indexing.get_all_handlers(),
+        *registry._watching.get_all_handlers(),
+        *registry._spawning.get_all_handlers(),
+        *registry._changing.get_all_handlers(),
+    ]
     wanted = {
         str(h.selector): [h.selector]
         for h in handlers
@@ -89,32 +99,48 @@ def served(crd: dict[str, Any]) -> list[references.Resource]:
     names = crd["spec"]["names"]
     return [
         references.Resource(
-            group=crd["spec"]["group"], version=v["name"], plural=names["plural"], kind=names["kind"],
-            singular=names.get("singular", ""), shortcuts=frozenset(names.get("shortNames", [])),
-            categories=frozenset(names.get("categories", [])), namespaced=crd["spec"]["scope"] == "Namespaced",
+            group=crd["spec"]["group"],
+            version=v["name"],
+            plural=names["plural"],
+            kind=names["kind"],
+            singular=names.get("singular", ""),
+            shortcuts=frozenset(names.get("shortNames", [])),
+            categories=frozenset(names.get("categories", [])),
+            namespaced=crd["spec"]["scope"] == "Namespaced",
             verbs=frozenset({"list", "watch", "patch", "get"}),
-        )  # fmt: skip
+        )
         for v in crd["spec"]["versions"]
         if v.get("served", True)
     ]
 
 
 @pytest.fixture(scope="module")
-def rendered(helm: Callable[..., str], tmp_path_factory: pytest.TempPathFactory) -> list[tuple[dict, list[dict]]]:
+def rendered(
+    helm: Callable[..., str], tmp_path_factory: pytest.TempPathFactory
+) -> list[tuple[dict, list[dict]]]:
     tmp = tmp_path_factory.mktemp("argocd")
     return [(app, render_application(app, helm, tmp)) for app in applications()]
 
 
 def test_every_crd_the_operator_watches_is_synced_before_the_operator(rendered) -> None:
     ((operator_app, container),) = [
-        (app, c) for app, objs in rendered for o in objs if o["kind"] == "Deployment"
-        for c in o["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"
-    ]  # fmt: skip
+        (app, c)
+        for app, objs in rendered
+        for o in objs
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "operator"
+    ]
     assert container["args"][:2] == ["operator", "run"]
     wanted = watched_custom_resources(container["args"][2:])
     assert {s.group for selectors in wanted.values() for s in selectors} >= {"rlfleet.dev", "kopf.dev"}
-    synced = [(app, r) for app, objs in rendered for o in objs if o["kind"] == "CustomResourceDefinition"
-              for r in served(o)]  # fmt: skip
+    synced = [
+        (app, r)
+        for app, objs in rendered
+        for o in objs
+        if o["kind"] == "CustomResourceDefinition"
+        for r in served(o)
+    ]
     for what, selectors in wanted.items():
         apps = [app for app, r in synced if any(s.check(r) for s in selectors)]
         assert apps, f"{what}: no Application of the example syncs its CRD"
@@ -128,8 +154,12 @@ def test_every_custom_object_of_the_example_has_its_crd_in_an_earlier_wave(rende
     for app, objs in rendered:
         for crd in (o for o in objs if o["kind"] == "CustomResourceDefinition"):
             crd_wave[(crd["spec"]["group"], crd["spec"]["names"]["kind"])] = wave(app)
-    custom = [(app, o) for app, objs in rendered for o in objs if o["apiVersion"].split("/")[0] in
-              {group for group, _ in crd_wave}]  # fmt: skip
+    custom = [
+        (app, o)
+        for app, objs in rendered
+        for o in objs
+        if o["apiVersion"].split("/")[0] in {group for group, _ in crd_wave}
+    ]
     assert {o["kind"] for _, o in custom} >= {"RLJob", "ClusterKopfPeering"}
     for app, obj in custom:
         group = obj["apiVersion"].split("/")[0]

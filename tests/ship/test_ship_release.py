@@ -32,8 +32,13 @@ def _step(job: str, name: str) -> dict[str, Any]:
 
 
 def _lint(actionlint: Path, path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(actionlint), "-no-color", "-oneline", str(path)], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    return subprocess.run(
+        [str(actionlint), "-no-color", "-oneline", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 def test_actionlint_accepts_the_release_workflow(actionlint_bin: Path) -> None:
@@ -43,8 +48,11 @@ def test_actionlint_accepts_the_release_workflow(actionlint_bin: Path) -> None:
 
 def test_actionlint_rejects_a_broken_copy(actionlint_bin: Path, tmp_path: Path) -> None:
     """The linter really reads the workflow: an output no job defines and a misspelt input are errors."""
-    broken = WORKFLOW.read_text().replace("needs.version.outputs.owner }}/${{ matrix.image }}",
-                                          "needs.version.outputs.ownr }}/${{ matrix.image }}", 1)
+    broken = WORKFLOW.read_text().replace(
+        "needs.version.outputs.owner }}/${{ matrix.image }}",
+        "needs.version.outputs.ownr }}/${{ matrix.image }}",
+        1,
+    )
     broken = broken.replace("          provenance: mode=max", "          provenance-mode: max", 1)
     (tmp_path / ".github" / "workflows").mkdir(parents=True)
     path = tmp_path / ".github" / "workflows" / "release.yml"
@@ -73,7 +81,10 @@ def test_it_builds_the_dockerfiles_the_dev_node_builds(nodeimages: Any) -> None:
     options = build["with"]
     assert options["context"] == "." and options["file"] == "${{ matrix.dockerfile }}"
     assert options["push"] is True and options["provenance"] == "mode=max" and options["sbom"] is True
-    assert options["tags"] == f"ghcr.io/${{{{ needs.version.outputs.owner }}}}/${{{{ matrix.image }}}}:{VERSION_OUTPUT}"
+    assert (
+        options["tags"]
+        == f"ghcr.io/${{{{ needs.version.outputs.owner }}}}/${{{{ matrix.image }}}}:{VERSION_OUTPUT}"
+    )
     for name, entry in matrix.items():
         dockerfile = REPO / entry["dockerfile"]
         assert entry["dockerfile"] == f"images/Dockerfile.{name}" and dockerfile.is_file()
@@ -93,15 +104,24 @@ def _build_args(options: dict[str, Any]) -> list[str]:
 def _run_step(step: dict[str, Any], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """A step's `run` script as the runner runs it (bash -e), its `${{ }}` inputs given through `env`."""
     assert "${{" not in step["run"], "a run script takes its inputs from env:, never inline expressions"
-    return subprocess.run(["bash", "-e", "-c", step["run"]], capture_output=True, text=True, timeout=120,
-                          cwd=cwd, env={**os.environ, **env})
+    return subprocess.run(
+        ["bash", "-e", "-c", step["run"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**os.environ, **env},
+    )
 
 
 def _version_step(tag: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
     output = tmp_path / "github_output"
     output.write_text("")
-    result = _run_step(_step("version", "Check the tag against pyproject's version"),
-                       {"GITHUB_REF_NAME": tag, "GITHUB_OUTPUT": str(output), "GITHUB_REPOSITORY_OWNER": "RLFleet"}, REPO)
+    result = _run_step(
+        _step("version", "Check the tag against pyproject's version"),
+        {"GITHUB_REF_NAME": tag, "GITHUB_OUTPUT": str(output), "GITHUB_REPOSITORY_OWNER": "RLFleet"},
+        REPO,
+    )
     outputs = dict(line.split("=", 1) for line in output.read_text().splitlines())
     return result, outputs
 
@@ -130,7 +150,9 @@ def test_the_version_is_the_tag_and_pyprojects(tmp_path: Path) -> None:
         ("v1.2.3;echo version=9", "is not v<semver>"),
     ],
 )
-def test_a_tag_that_is_not_the_projects_version_stops_the_release(tag: str, error: str, tmp_path: Path) -> None:
+def test_a_tag_that_is_not_the_projects_version_stops_the_release(
+    tag: str, error: str, tmp_path: Path
+) -> None:
     result, outputs = _version_step(tag, tmp_path)
     assert result.returncode == 1 and outputs == {}
     lines = result.stdout.strip().splitlines()
@@ -155,7 +177,12 @@ def test_the_chart_is_packaged_with_the_images_tag(helm_bin: Path, tmp_path: Pat
         assert member is not None
         chart = yaml.safe_load(member.read())
     assert chart["version"] == version and chart["appVersion"] == version
-    rendered = subprocess.run([str(helm_bin), "template", "rlfleet", str(tmp_path / "dist" / f"rlfleet-{version}.tgz")],
-                              capture_output=True, text=True, timeout=120, check=True).stdout
+    rendered = subprocess.run(
+        [str(helm_bin), "template", "rlfleet", str(tmp_path / "dist" / f"rlfleet-{version}.tgz")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     images = set(re.findall(r"image: \"?([^\s\"]+)", rendered))
     assert images == {f"ghcr.io/rlfleet/operator:{version}"}, images

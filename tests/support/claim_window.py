@@ -19,7 +19,9 @@ from rlfleet.store import FilesystemStore
 from support.waits import wait_for
 
 
-def kill_inside_the_claim_window(proc: subprocess.Popen, store_dir: Path, version: int, timeout: float = 300) -> None:
+def kill_inside_the_claim_window(
+    proc: subprocess.Popen, store_dir: Path, version: int, timeout: float = 300
+) -> None:
     """Once the pointer names `version - 1`, hold the pointer's lock; once `proc` wrote version `version`'s
     manifest (its publish now waits for the lock), SIGKILL its process group (`proc` started with
     start_new_session=True: the trainer and what it started, as a node loss would); then let go."""
@@ -31,16 +33,27 @@ def kill_inside_the_claim_window(proc: subprocess.Popen, store_dir: Path, versio
         pointer = channel.latest()
         return pointer is not None and pointer.version == wanted
 
-    wait_for(f"the pointer at version {version - 1}", lambda: pointer_at(version - 1), timeout=timeout, interval=0.005)
+    wait_for(
+        f"the pointer at version {version - 1}",
+        lambda: pointer_at(version - 1),
+        timeout=timeout,
+        interval=0.005,
+    )
     fd = os.open(store_dir / ".pointer.json.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        wait_for(f"version {version}'s manifest", lambda: manifest_key(version) in store.list(f"v{version}/"),
-                 timeout=timeout, interval=0.05)  # fmt: skip
+        wait_for(
+            f"version {version}'s manifest",
+            lambda: manifest_key(version) in store.list(f"v{version}/"),
+            timeout=timeout,
+            interval=0.05,
+        )
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
         os.close(fd)  # releases the lock
     pointer = channel.latest()
-    assert pointer is not None and pointer.version == version - 1, "the pointer moved: not killed inside the window"
+    assert pointer is not None and pointer.version == version - 1, (
+        "the pointer moved: not killed inside the window"
+    )
     assert f"claims/v{version}" in store.list("claims/")

@@ -38,8 +38,9 @@ def operator_in_process(kube: Any, namespace: str, monkeypatch: pytest.MonkeyPat
     set for the test), on `namespace` only. When the block ends without an error, the operator stopped
     without an exception and logged no traceback."""
     monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
-    with KopfRunner(["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"],
-                    timeout=60) as runner:  # fmt: skip
+    with KopfRunner(
+        ["run", "--standalone", "--namespace", namespace, "-m", "rlfleet.operator.handlers"], timeout=60
+    ) as runner:
         yield runner
     assert runner.exception is None, runner.output
     assert "Traceback" not in runner.output, runner.output
@@ -54,29 +55,39 @@ def get(kube: Any, namespace: str, *what: str) -> Any:
 def rljob(name: str, sampler_groups: Any = B200_NVFP4_AND_A100_BF16, **spec: Any) -> dict[str, Any]:
     """An RLJob of Qwen3-8B trained on one 8-GPU b200 replica, its channel on the filesystem at
     /weights/<name> (a path of the pods: kwok's pods never read it); `spec` adds or replaces fields."""
-    return manifests.rljob(name, sampler_groups, **{
-        "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
-        "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
-        "weightChannel": {"store": {"type": "filesystem", "path": f"/weights/{name}"}},
-    } | spec)  # fmt: skip
+    return manifests.rljob(
+        name,
+        sampler_groups,
+        **{
+            "model": {"name": "qwen3-8b", "path": "Qwen/Qwen3-8B"},
+            "trainer": {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 8},
+            "weightChannel": {"store": {"type": "filesystem", "path": f"/weights/{name}"}},
+        }
+        | spec,
+    )
 
 
-def optimized_rljob(name: str, prometheus_url: str, demand: float, max_replicas: dict[str, int],
-                    **optimize: Any) -> dict[str, Any]:  # fmt: skip
+def optimized_rljob(
+    name: str, prometheus_url: str, demand: float, max_replicas: dict[str, int], **optimize: Any
+) -> dict[str, Any]:
     """`rljob(name)` with the fleet-mix optimizer on (spec.router.optimize): every 5 s it plans for `demand`
     usable tokens/s, each group between 0 and its `max_replicas`, from the groups' throughput at
     `prometheus_url` (kwok's pods make none) against a reference fleet of 2500 tok/s per GPU; `optimize`
     adds fields."""
-    return rljob(name, router={
-        "rebalanceIntervalSeconds": 5, "prometheusUrl": prometheus_url,
-        "reference": {"tokensPerGpuSecond": 2500},
-        "optimize": {
-            "enabled": True,
-            "demand": {"usableTokensPerSecond": demand},
-            "groups": {group: {"maxReplicas": most} for group, most in max_replicas.items()},
-            **optimize,
+    return rljob(
+        name,
+        router={
+            "rebalanceIntervalSeconds": 5,
+            "prometheusUrl": prometheus_url,
+            "reference": {"tokensPerGpuSecond": 2500},
+            "optimize": {
+                "enabled": True,
+                "demand": {"usableTokensPerSecond": demand},
+                "groups": {group: {"maxReplicas": most} for group, most in max_replicas.items()},
+                **optimize,
+            },
         },
-    })  # fmt: skip
+    )
 
 
 def events(kube: Any, namespace: str, reason: str) -> list[dict[str, Any]]:
@@ -93,16 +104,27 @@ def spot_h100_node(name: str) -> dict[str, Any]:
     """A kwok node of 8 H100s (GPU Feature Discovery's product label, the GPU taint) that is a GKE spot node:
     labelled and tainted so, as the test control plane's own nodes are not (tests/cluster/controlplane.py)."""
     resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": "8"}
-    labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-              "type": "kwok", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", SPOT_LABEL: "true"}  # fmt: skip
+    labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "type": "kwok",
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        SPOT_LABEL: "true",
+    }
     return {
         "apiVersion": "v1",
         "kind": "Node",
-        "metadata": {"name": name, "labels": labels,
-                     "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"}},
-        "spec": {"taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}, SPOT_TAINT]},
+        "metadata": {
+            "name": name,
+            "labels": labels,
+            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {
+            "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}, SPOT_TAINT]
+        },
         "status": {"allocatable": resources, "capacity": resources},
-    }  # fmt: skip
+    }
 
 
 def bind_claim(kube: Any, namespace: str, claim: str, host_path: Path, access_mode: str, size: str) -> str:
@@ -147,19 +169,35 @@ SANDBOX_CHILD_GRANTS = [
 
 def bind_rule(role: str) -> dict[str, Any]:
     """`bind` on the Role `role`: what lets an account create a RoleBinding to it without holding its rights."""
-    return {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles"], "verbs": ["bind"], "resourceNames": [role]}
+    return {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles"],
+        "verbs": ["bind"],
+        "resourceNames": [role],
+    }
 
 
-def account_env(kube: Any, namespace: str, name: str, rules: list[dict[str, Any]], directory: Path) -> dict[str, str]:
+def account_env(
+    kube: Any, namespace: str, name: str, rules: list[dict[str, Any]], directory: Path
+) -> dict[str, str]:
     """A ServiceAccount `name` of `namespace` holding a Role of `rules` (its own name): the environment in
     which kubectl acts as it (a kubeconfig of its token, written in `directory`)."""
     objects = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name}, "rules": rules},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": name},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]},
-    ]  # fmt: skip
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": {"name": name},
+            "rules": rules,
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    ]
     kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects))
     token = kube.kubectl("create", "token", name, "-n", namespace, "--duration=1h").stdout.strip()
     return {**kube.env(), "KUBECONFIG": str(kube.token_kubeconfig(token, directory / f"{name}.kubeconfig"))}
@@ -175,9 +213,23 @@ def applies_children_by_bind_alone(
     account's kubectl environment."""
 
     def apply_as(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(kube.kubectl_bin), "apply", "--server-side", "--field-manager=rlfleet-operator",
-                               "-n", namespace, "-f", "-"], input="\n---\n".join(json.dumps(o) for o in children),
-                              env=env, text=True, capture_output=True, timeout=60)  # fmt: skip
+        return subprocess.run(
+            [
+                str(kube.kubectl_bin),
+                "apply",
+                "--server-side",
+                "--field-manager=rlfleet-operator",
+                "-n",
+                namespace,
+                "-f",
+                "-",
+            ],
+            input="\n---\n".join(json.dumps(o) for o in children),
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=60,
+        )
 
     refused = apply_as(account_env(kube, namespace, "op-without-bind", SANDBOX_CHILD_GRANTS, directory))
     assert refused.returncode != 0, refused.stdout

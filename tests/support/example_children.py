@@ -22,7 +22,9 @@ def example_children() -> list[dict[str, Any]]:
     objs = builders.build_job_children(job, "rl", None, catalog)
     store = StoreSpec.model_validate(job.spec.weight_channel.store.model_dump())
     for sg in [o for o in objs if o["kind"] == "SamplerGroup"]:
-        objs += builders.build_samplergroup_children(SamplerGroup.from_manifest(sg), "rl", None, catalog, store)
+        objs += builders.build_samplergroup_children(
+            SamplerGroup.from_manifest(sg), "rl", None, catalog, store
+        )
     return objs
 
 

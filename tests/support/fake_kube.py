@@ -52,7 +52,9 @@ class FakeKube:
         self.objects[key] = copy.deepcopy(dict(body))
         return dict(body)
 
-    async def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int
+    ) -> dict[str, Any] | None:
         self.scaled.append((kind, name, replicas))
         obj = self.objects.get((kind, name))
         if obj is None:

@@ -29,8 +29,15 @@ def fake_prometheus(rate: RateOf) -> Iterator[tuple[str, list[str]]]:
             queries.append(query)
             match = re.search(r'pod=~"([a-z0-9-]+?)-\[a-z0-9\]', query)
             value = rate(match.group(1)) if match else 0.0
-            body = json.dumps({"status": "success", "data": {"resultType": "vector",
-                               "result": [{"metric": {}, "value": [time.time(), str(value)]}]}}).encode()  # fmt: skip
+            body = json.dumps(
+                {
+                    "status": "success",
+                    "data": {
+                        "resultType": "vector",
+                        "result": [{"metric": {}, "value": [time.time(), str(value)]}],
+                    },
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

@@ -8,8 +8,9 @@ from typing import Any
 API = "rlfleet.dev/v1alpha1"
 
 
-def rljob(name: str, sampler_groups: Iterable[Mapping[str, Any]], namespace: str | None = None,
-          **spec: Any) -> dict[str, Any]:  # fmt: skip
+def rljob(
+    name: str, sampler_groups: Iterable[Mapping[str, Any]], namespace: str | None = None, **spec: Any
+) -> dict[str, Any]:
     """An RLJob of model m at /m with its channel on the filesystem at /w; `spec` adds or replaces
     top-level fields of its spec."""
     return {

@@ -37,24 +37,52 @@ def stop(procs: Iterable[subprocess.Popen], grace: float = 20.0) -> None:
             proc.wait()
 
 
-def start_operator(kube: Any, namespace: str, log: Path, *flags: str, env: Mapping[str, str] | None = None) -> subprocess.Popen:
+def start_operator(
+    kube: Any, namespace: str, log: Path, *flags: str, env: Mapping[str, str] | None = None
+) -> subprocess.Popen:
     """`rlfleet operator run --namespace <namespace> --kubeconfig <the control plane's> <flags>` as a
     subprocess in its own process group, its stderr (the log) in `log`; `env` added to the control plane's."""
     with log.open("w") as stderr:  # the child holds its own copy
         return subprocess.Popen(
-            [RLFLEET, "operator", "run", "--namespace", namespace, "--kubeconfig", str(kube.kubeconfig), *flags],
-            env={**kube.env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
-        )  # fmt: skip
+            [
+                RLFLEET,
+                "operator",
+                "run",
+                "--namespace",
+                namespace,
+                "--kubeconfig",
+                str(kube.kubeconfig),
+                *flags,
+            ],
+            env={**kube.env(), **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
 
 
-def start_trainer(config: Path, router_url: str, cwd: Path, metrics_port: int = 0,
-                  stdout: int | None = subprocess.DEVNULL) -> subprocess.Popen:  # fmt: skip
+def start_trainer(
+    config: Path, router_url: str, cwd: Path, metrics_port: int = 0, stdout: int | None = subprocess.DEVNULL
+) -> subprocess.Popen:
     """`rlfleet trainer run --config <config>` against the router at `router_url`, at INFO, its stderr piped
     (text), in its own session: killing its process group kills the trainer and what it started, as a node
     loss would."""
     return subprocess.Popen(
-        [RLFLEET, "trainer", "run", "--config", str(config), "--router-url", router_url,
-         "--metrics-port", str(metrics_port)],
-        cwd=cwd, stdout=stdout, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"}, start_new_session=True,
-    )  # fmt: skip
+        [
+            RLFLEET,
+            "trainer",
+            "run",
+            "--config",
+            str(config),
+            "--router-url",
+            router_url,
+            "--metrics-port",
+            str(metrics_port),
+        ],
+        cwd=cwd,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RLFLEET_LOG_LEVEL": "INFO"},
+        start_new_session=True,
+    )

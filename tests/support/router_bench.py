@@ -58,8 +58,9 @@ class RouterBench:
     ) -> Router:
         """The service on `config` (port 0: a free one), and the client session (`connections`: its
         connection pool's size, 0 for no limit: load tests)."""
-        self.router, self.runner, self.port = await start_service(config, health_checks=health_checks,
-                                                                  resolve=resolve)  # fmt: skip
+        self.router, self.runner, self.port = await start_service(
+            config, health_checks=health_checks, resolve=resolve
+        )
         self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections))
         return self.router
 
@@ -85,7 +86,10 @@ async def router_bench() -> AsyncIterator[RouterBench]:
 
 @asynccontextmanager
 async def sessions_load(
-    bench: RouterBench, clients: int, body: Callable[[int], dict[str, Any]], turns_per_session: int,
+    bench: RouterBench,
+    clients: int,
+    body: Callable[[int], dict[str, Any]],
+    turns_per_session: int,
     record: Callable[[aiohttp.ClientResponse], None],
 ) -> AsyncIterator[None]:
     """`clients` concurrent clients posting /generate through the bench's router for the length of the

@@ -122,7 +122,9 @@ def make_app(state: UpstreamState) -> web.Application:
                 # A pipe of fixed capacity: requests finish one after another, each taking its
                 # tokens / capacity, on an absolute schedule (a late wake-up of this event loop does
                 # not lower the delivered rate: a saturated upstream delivers exactly its capacity).
-                clock["busy_until"] = max(clock["busy_until"], loop.time()) + n_tokens / state.tokens_per_second
+                clock["busy_until"] = (
+                    max(clock["busy_until"], loop.time()) + n_tokens / state.tokens_per_second
+                )
                 await asyncio.sleep(max(0.0, clock["busy_until"] - loop.time()))
         finally:
             clock["running"] -= 1
@@ -251,8 +253,9 @@ class SubprocessUpstream:
         args += ["--port", str(port)]
         if tokens_per_second:
             args += ["--tps", str(tokens_per_second)]
-        self.process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
-                                        cwd=TESTS)  # fmt: skip
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent, cwd=TESTS
+        )
         line = self.process.stdout.readline()
         self.port = int(json.loads(line)["port"])
 
@@ -267,7 +270,9 @@ class SubprocessUpstream:
 
 
 async def _main(args: argparse.Namespace) -> None:
-    upstream = InProcessUpstream(UpstreamState(args.name, tokens_per_second=args.tps, weight_version=args.version))
+    upstream = InProcessUpstream(
+        UpstreamState(args.name, tokens_per_second=args.tps, weight_version=args.version)
+    )
     await upstream.start(args.port)
     print(json.dumps({"port": upstream.port}), flush=True)
     await asyncio.Event().wait()

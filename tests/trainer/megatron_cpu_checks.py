@@ -72,9 +72,18 @@ VARIANTS = {
 def make_checkpoint(directory: Path, head_dim: int, tie_word_embeddings: bool, legacy_rope: bool) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=head_dim, tie_word_embeddings=tie_word_embeddings,
-                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, max_position_embeddings=64)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # norms away from 1 so a missing or mis-mapped norm shows in the logits
@@ -112,9 +121,15 @@ def build(directory: Path, tp: int, dtype: str = "float32", **config: Any):
     hf_cfg = json.loads((directory / "config.json").read_text())
     # two sequences of the odd-length batch (7 tokens each) per micro-batch unless told otherwise
     config = {"max_tokens_per_micro_batch": 2 * SEQ} | config
-    cfg = MegatronModelConfig.from_hf_config(hf_cfg, tensor_parallel=tp, params_dtype=dtype, device="cpu", **config)
-    return MegatronBackend(cfg, ObjectiveConfig(mode="sc_mis", replay=True), OptimConfig(learning_rate=1e-2),
-                           initial_hf_weights=hf_tensors(directory))
+    cfg = MegatronModelConfig.from_hf_config(
+        hf_cfg, tensor_parallel=tp, params_dtype=dtype, device="cpu", **config
+    )
+    return MegatronBackend(
+        cfg,
+        ObjectiveConfig(mode="sc_mis", replay=True),
+        OptimConfig(learning_rate=1e-2),
+        initial_hf_weights=hf_tensors(directory),
+    )
 
 
 def full_logits(backend, ids: torch.Tensor) -> torch.Tensor:
@@ -127,7 +142,11 @@ def full_logits(backend, ids: torch.Tensor) -> torch.Tensor:
         # the backend's GPTModel returns the output layer's input (the objective is the fused lm_head):
         # project it onto this rank's vocabulary shard here
         hidden = module(ids, torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
-        weight = module.shared_embedding_or_output_weight() if backend.cfg.tie_word_embeddings else module.output_layer.weight
+        weight = (
+            module.shared_embedding_or_output_weight()
+            if backend.cfg.tie_word_embeddings
+            else module.output_layer.weight
+        )
         local = hidden @ weight.T
     world = ps.get_tensor_model_parallel_world_size()
     if world == 1:
@@ -152,11 +171,21 @@ def flat_batch(seed: int, lens: list[int] | None = None):
     cand = np.stack([rng.permutation(VOCAB)[:k] for _ in range(t)])
     lq = np.log(rng.dirichlet(np.ones(k), size=t)).astype(np.float32)
     return FlatBatch(
-        input_ids=rng.integers(0, VOCAB, size=(b, max(lens))), seq_lens=np.array(lens), row_seq=row_seq, row_pos=row_pos,
-        target_ids=cand[:, 0], advantages=rng.normal(size=t).astype(np.float32), logq=lq[:, 0].copy(),
-        logq_support=lq[:, 0].copy(), cand_offsets=np.arange(t + 1) * k, cand_ids=cand.reshape(-1),
-        cand_logq=lq.reshape(-1), candidate_mode="support", versions=np.zeros(t, dtype=np.int64),
-        staleness=np.zeros(t, dtype=np.int64), groups=np.array(["a", "b"] * t, dtype=object)[:t],
+        input_ids=rng.integers(0, VOCAB, size=(b, max(lens))),
+        seq_lens=np.array(lens),
+        row_seq=row_seq,
+        row_pos=row_pos,
+        target_ids=cand[:, 0],
+        advantages=rng.normal(size=t).astype(np.float32),
+        logq=lq[:, 0].copy(),
+        logq_support=lq[:, 0].copy(),
+        cand_offsets=np.arange(t + 1) * k,
+        cand_ids=cand.reshape(-1),
+        cand_logq=lq.reshape(-1),
+        candidate_mode="support",
+        versions=np.zeros(t, dtype=np.int64),
+        staleness=np.zeros(t, dtype=np.int64),
+        groups=np.array(["a", "b"] * t, dtype=object)[:t],
         rollout_uids=[f"u{i}" for i in range(b)],
     )
 
@@ -179,14 +208,26 @@ def roundtrip(backend, directory: Path) -> dict[str, Any]:
         return {}
     original = hf_tensors(directory)
     bad = sorted(k for k in original if k not in exported or not torch.equal(exported[k], original[k]))
-    return {"ok": set(exported) == set(original) and not bad, "names": len(original),
-            "extra": sorted(set(exported) - set(original)), "unequal": bad}
+    return {
+        "ok": set(exported) == set(original) and not bad,
+        "names": len(original),
+        "extra": sorted(set(exported) - set(original)),
+        "unequal": bad,
+    }
 
 
 def local_state(backend) -> dict[str, torch.Tensor]:
     """This rank's model shard and its optimizer parameter state (main params, Adam moments)."""
-    out = {f"model.{k}": v.detach().clone() for k, v in backend.model.module.state_dict().items() if isinstance(v, torch.Tensor)}
-    for i, opt in enumerate(backend.optimizer.chained_optimizers if hasattr(backend.optimizer, "chained_optimizers") else [backend.optimizer]):
+    out = {
+        f"model.{k}": v.detach().clone()
+        for k, v in backend.model.module.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+    for i, opt in enumerate(
+        backend.optimizer.chained_optimizers
+        if hasattr(backend.optimizer, "chained_optimizers")
+        else [backend.optimizer]
+    ):
         for g, group in enumerate(opt.optimizer.param_groups):
             for j, p in enumerate(group["params"]):
                 out[f"main.{i}.{g}.{j}"] = p.detach().clone()
@@ -227,14 +268,32 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
 
     channel_dir = work / "channel"
     channel_dir.mkdir(parents=True)
-    publisher = WeightPublisher(open_store(str(channel_dir)), views=["bf16", "nvfp4"], follow_subscribers=False,
-                                base_checkpoint=directory)
-    example = resolve_run(load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"), local=True)
-    rc = replace(example, steps=0, prompts_per_step=1, max_staleness=None,
-                 groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("b200-nvfp4", "b200", "nvfp4")])
+    publisher = WeightPublisher(
+        open_store(str(channel_dir)),
+        views=["bf16", "nvfp4"],
+        follow_subscribers=False,
+        base_checkpoint=directory,
+    )
+    example = resolve_run(
+        load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"), local=True
+    )
+    rc = replace(
+        example,
+        steps=0,
+        prompts_per_step=1,
+        max_staleness=None,
+        groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("b200-nvfp4", "b200", "nvfp4")],
+    )
     t0 = time.monotonic()
     try:
-        run_training(rc, backend, ChannelSink(publisher), CollapseDetector(), lambda position: NoRollouts(), checkpoint=None)
+        run_training(
+            rc,
+            backend,
+            ChannelSink(publisher),
+            CollapseDetector(),
+            lambda position: NoRollouts(),
+            checkpoint=None,
+        )
     except Exception as exc:  # the bug this pins: GPTModel called with token ids only, or no amax
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
     publish_s = time.monotonic() - t0
@@ -246,14 +305,30 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
     missing, unexpected = reference.load_state_dict(weights, strict=False)  # tied: lm_head is embed_tokens
     amax = calibrate_activation_amax(reference, [calibration_batch(VOCAB)])
     modules = [n[: -len(".weight")] for n in config["quantized"]]
-    unequal = [m for m in modules if f"{m}.input_scale" not in tensors
-               or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))]
-    linears = {n for n, mod in reference.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"}
-    return {"ok": latest is not None and latest.version == 0 and set(modules) == linears and not unequal
-            and not unexpected and set(missing) <= {"lm_head.weight"},
-            "version": None if latest is None else latest.version, "dtype": str(dtype).removeprefix("torch."),
-            "quantized": len(modules), "linears": len(linears), "unequal": unequal[:5], "publish_s": publish_s,
-            "amax_range": [min(amax[m] for m in modules), max(amax[m] for m in modules)]}
+    unequal = [
+        m
+        for m in modules
+        if f"{m}.input_scale" not in tensors
+        or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))
+    ]
+    linears = {
+        n for n, mod in reference.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"
+    }
+    return {
+        "ok": latest is not None
+        and latest.version == 0
+        and set(modules) == linears
+        and not unequal
+        and not unexpected
+        and set(missing) <= {"lm_head.weight"},
+        "version": None if latest is None else latest.version,
+        "dtype": str(dtype).removeprefix("torch."),
+        "quantized": len(modules),
+        "linears": len(linears),
+        "unequal": unequal[:5],
+        "publish_s": publish_s,
+        "amax_range": [min(amax[m] for m in modules), max(amax[m] for m in modules)],
+    }
 
 
 # --------------------------------------------------------------------------- phase 1: TP=1
@@ -268,15 +343,21 @@ def phase_tp1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         backend = build(directory, tp=1)
         ours, theirs = full_logits(backend, ids), hf_logits(directory, ids)
         d = max_diff(ours, theirs)
-        checks[f"logits_match_transformers[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d,
-                                                        "logit_scale": float(theirs.abs().max())}
+        checks[f"logits_match_transformers[{name}]"] = {
+            "ok": d <= 1e-5,
+            "max_abs_diff": d,
+            "logit_scale": float(theirs.abs().max()),
+        }
         checks[f"hf_export_roundtrip_tp1[{name}]"] = roundtrip(backend, directory)
-        checks[f"publish_version_0_nvfp4[{name}]"] = publish_version_0(backend, directory, work / "publish" / name)
+        checks[f"publish_version_0_nvfp4[{name}]"] = publish_version_0(
+            backend, directory, work / "publish" / name
+        )
         refs[f"logits[{name}]"] = ours
     # the trainer's own precision (params_dtype bfloat16; the norms stay fp32): calibrated in bf16
     tied = work / "qwen3_tied"
-    checks["publish_version_0_nvfp4_bf16[qwen3_tied]"] = publish_version_0(build(tied, tp=1, dtype="bfloat16"), tied,
-                                                                           work / "publish" / "bf16")
+    checks["publish_version_0_nvfp4_bf16[qwen3_tied]"] = publish_version_0(
+        build(tied, tp=1, dtype="bfloat16"), tied, work / "publish" / "bf16"
+    )
     # the odd-length step at TP=1 (no sequence parallel): the reference for TP=2 + SP
     backend = build(work / "qwen3_head_dim_rope_parameters", tp=1)
     out, grad_norm = backend.train_step(flat_batch(7), GROUPS)
@@ -302,8 +383,12 @@ def hf_step(directory: Path, flat) -> tuple[float, float]:
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
     hidden = model.model(input_ids=torch.from_numpy(flat.input_ids), use_cache=False).last_hidden_state
     rows = hidden[torch.from_numpy(flat.row_seq), torch.from_numpy(flat.row_pos)]
-    out = policy_loss(rows, model.get_output_embeddings().weight, to_token_batch(flat, GROUPS),
-                      ObjectiveConfig(mode="sc_mis", replay=True))
+    out = policy_loss(
+        rows,
+        model.get_output_embeddings().weight,
+        to_token_batch(flat, GROUPS),
+        ObjectiveConfig(mode="sc_mis", replay=True),
+    )
     out.loss.backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
     return float(out.loss), float(norm)
@@ -328,35 +413,64 @@ def token_budget_checks(directory: Path) -> dict[str, Any]:
 
     PackedDotProductAttention.forward = watched
     try:
-        for name, config in {"one_micro_batch": {"max_tokens_per_micro_batch": 1 << 14},
-                             "budget_14": {"max_tokens_per_micro_batch": 14},
-                             "budget_14_recompute": {"max_tokens_per_micro_batch": 14, "activation_checkpointing": True}}.items():
+        for name, config in {
+            "one_micro_batch": {"max_tokens_per_micro_batch": 1 << 14},
+            "budget_14": {"max_tokens_per_micro_batch": 14},
+            "budget_14_recompute": {"max_tokens_per_micro_batch": 14, "activation_checkpointing": True},
+        }.items():
             backend = build(directory, tp=1, **config)
             rows_seen.clear()
             out, grad_norm = backend.train_step(flat, GROUPS)
-            runs[name] = {"loss": float(out.loss), "grad_norm": grad_norm, "kl_k3": out.metrics["kl_k3"],
-                          "tokens": out.num_valid_tokens, "weights": backend.weights(),
-                          "recompute": backend.tconfig.recompute_granularity, "rows": [list(r) for r in rows_seen]}
+            runs[name] = {
+                "loss": float(out.loss),
+                "grad_norm": grad_norm,
+                "kl_k3": out.metrics["kl_k3"],
+                "tokens": out.num_valid_tokens,
+                "weights": backend.weights(),
+                "recompute": backend.tconfig.recompute_granularity,
+                "rows": [list(r) for r in rows_seen],
+            }
     finally:
         PackedDotProductAttention.forward = plain_forward
     one, small, recompute = runs["one_micro_batch"], runs["budget_14"], runs["budget_14_recompute"]
 
     def compare(got: dict, want: dict) -> dict[str, Any]:
         wd = max(max_diff(got["weights"][k], want["weights"][k]) for k in want["weights"])
-        dl, dg, dk = abs(got["loss"] - want["loss"]), abs(got["grad_norm"] - want["grad_norm"]), abs(got["kl_k3"] - want["kl_k3"])
-        return {"ok": dl <= 1e-6 and dg <= 1e-5 and dk <= 1e-6 and wd <= UPDATE_ATOL and got["tokens"] == want["tokens"],
-                "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd}
+        dl, dg, dk = (
+            abs(got["loss"] - want["loss"]),
+            abs(got["grad_norm"] - want["grad_norm"]),
+            abs(got["kl_k3"] - want["kl_k3"]),
+        )
+        return {
+            "ok": dl <= 1e-6
+            and dg <= 1e-5
+            and dk <= 1e-6
+            and wd <= UPDATE_ATOL
+            and got["tokens"] == want["tokens"],
+            "loss_diff": dl,
+            "grad_norm_diff": dg,
+            "kl_k3_diff": dk,
+            "updated_weights_max_diff": wd,
+        }
 
     budget = compare(small, one)
     budget["transformers_loss_diff"] = abs(small["loss"] - want_loss)
     budget["transformers_grad_norm_diff"] = abs(small["grad_norm"] - want_norm)
-    budget["ok"] = budget["ok"] and budget["transformers_loss_diff"] <= 1e-5 and budget["transformers_grad_norm_diff"] <= 1e-4
+    budget["ok"] = (
+        budget["ok"]
+        and budget["transformers_loss_diff"] <= 1e-5
+        and budget["transformers_grad_norm_diff"] <= 1e-4
+    )
     budget["tokens"] = small["tokens"]
-    budget["packed_rows"] = small["rows"]  # per attention call (2 layers, forward and backward recompute none)
+    budget["packed_rows"] = small[
+        "rows"
+    ]  # per attention call (2 layers, forward and backward recompute none)
     ckpt = compare(recompute, small)
     ckpt["ok"] = ckpt["ok"] and recompute["recompute"] == "full" and small["recompute"] is None
-    return {"token_budget_micro_batches_equal_one_micro_batch": budget,
-            "activation_checkpointing_step_equals_plain": ckpt}
+    return {
+        "token_budget_micro_batches_equal_one_micro_batch": budget,
+        "activation_checkpointing_step_equals_plain": ckpt,
+    }
 
 
 # --------------------------------------------------------------------------- phase 2: TP=2
@@ -376,7 +490,13 @@ def drive(backend, rank: int, script) -> Any:
 
 def join_group(rank: int, world: int, port: int) -> None:
     """A spawned process: torchrun's environment (the backend initialises the gloo group), the stubs."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     install_stubs()
 
@@ -398,9 +518,20 @@ def step_equals_reference(backend, rank: int, refs: dict[str, Any]) -> dict[str,
     wd = max(max_diff(weights[k], refs["odd_weights"][k]) for k in weights)
     dl, dg = abs(float(out.loss) - refs["odd_loss"]), abs(grad_norm - refs["odd_grad_norm"])
     dk = abs(out.metrics["kl_k3"] - refs["odd_kl_k3"])
-    return {"ok": dl <= 1e-6 and dg <= 1e-5 and wd <= UPDATE_ATOL and dk <= 1e-6 and out.num_valid_tokens == refs["odd_tokens"],
-            "seq_len": SEQ, "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd,
-            "num_valid_tokens": out.num_valid_tokens, "loss": float(out.loss)}
+    return {
+        "ok": dl <= 1e-6
+        and dg <= 1e-5
+        and wd <= UPDATE_ATOL
+        and dk <= 1e-6
+        and out.num_valid_tokens == refs["odd_tokens"],
+        "seq_len": SEQ,
+        "loss_diff": dl,
+        "grad_norm_diff": dg,
+        "kl_k3_diff": dk,
+        "updated_weights_max_diff": wd,
+        "num_valid_tokens": out.num_valid_tokens,
+        "loss": float(out.loss),
+    }
 
 
 def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
@@ -451,10 +582,17 @@ def restore_check(rank: int, work_dir: Path, tp: int) -> dict[str, Any] | None:
     got = local_state(run_b)
     unequal = sorted(k for k in expected if not torch.equal(expected[k], got[k]))
     moments = [k for k in expected if k.endswith(("exp_avg", "exp_avg_sq"))]
-    local = {"ok": not unequal and bool(moments) and set(expected) == set(got), "tensors": len(expected),
-             "adam_moment_tensors": len(moments), "n_unequal": len(unequal), "unequal": unequal[:10],
-             "unequal_max_diff": max([max_diff(expected[k], got[k]) for k in unequal], default=0.0),
-             "model_tensors_changed_by_restore": sum(not torch.equal(before[k], got[k]) for k in got if k.startswith("model."))}
+    local = {
+        "ok": not unequal and bool(moments) and set(expected) == set(got),
+        "tensors": len(expected),
+        "adam_moment_tensors": len(moments),
+        "n_unequal": len(unequal),
+        "unequal": unequal[:10],
+        "unequal_max_diff": max([max_diff(expected[k], got[k]) for k in unequal], default=0.0),
+        "model_tensors_changed_by_restore": sum(
+            not torch.equal(before[k], got[k]) for k in got if k.startswith("model.")
+        ),
+    }
     world = torch.distributed.get_world_size()
     parts: list[Any] | None = [None] * world if rank == 0 else None
     torch.distributed.gather_object(local, parts, dst=0)
@@ -483,7 +621,9 @@ def free_port() -> int:
 
 def main(out: str) -> int:
     t0 = time.monotonic()
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
     install_stubs()
     with tempfile.TemporaryDirectory(prefix="rlfleet-mg-cpu-") as tmp:
         work = Path(tmp)
@@ -494,20 +634,40 @@ def main(out: str) -> int:
         source, other_dir = work / "qwen3_head_dim_rope_parameters", work / "other_init"
         other_dir.mkdir()
         (other_dir / "config.json").write_text((source / "config.json").read_text())
-        save_file({k: torch.randn_like(v) * 0.1 for k, v in hf_tensors(source).items()}, str(other_dir / "model.safetensors"))
+        save_file(
+            {k: torch.randn_like(v) * 0.1 for k, v in hf_tensors(source).items()},
+            str(other_dir / "model.safetensors"),
+        )
         torch.save(refs, work / "refs.pt")
         torch.distributed.destroy_process_group()
         t1 = time.monotonic()
         import torch.multiprocessing as mp
 
         tp2_out = work / "tp2.json"
-        mp.spawn(phase_tp2, args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_out)), nprocs=2, join=True)
+        mp.spawn(
+            phase_tp2, args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_out)), nprocs=2, join=True
+        )
         checks.update(json.loads(tp2_out.read_text()))
         dp2_out = work / "tp2_dp2.json"
-        mp.spawn(phase_tp2_dp2, args=(free_port(), str(work), str(work / "refs.pt"), str(dp2_out)), nprocs=4, join=True)
+        mp.spawn(
+            phase_tp2_dp2,
+            args=(free_port(), str(work), str(work / "refs.pt"), str(dp2_out)),
+            nprocs=4,
+            join=True,
+        )
         checks.update(json.loads(dp2_out.read_text()))
-    Path(out).write_text(json.dumps({"checks": checks, "wall_s": time.monotonic() - t0, "tp1_s": t1 - t0,
-                                     "spawned_s": time.monotonic() - t1}, indent=1, default=str))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "checks": checks,
+                "wall_s": time.monotonic() - t0,
+                "tp1_s": t1 - t0,
+                "spawned_s": time.monotonic() - t1,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     return 0 if all(c.get("ok") for c in checks.values()) else 1
 
 

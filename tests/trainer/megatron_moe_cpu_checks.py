@@ -50,14 +50,33 @@ VARIANTS = {
 AUX = dict(norm_topk_prob=True, output_router_logits=True, router_aux_loss_coef=0.5)
 
 
-def make_checkpoint(directory: Path, norm_topk_prob: bool, seed: int = 0, output_router_logits: bool = False,
-                    router_aux_loss_coef: float = 0.001) -> Path:
+def make_checkpoint(
+    directory: Path,
+    norm_topk_prob: bool,
+    seed: int = 0,
+    output_router_logits: bool = False,
+    router_aux_loss_coef: float = 0.001,
+) -> Path:
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
-    spec = TinyQwen3(architecture="qwen3_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=12, max_position_embeddings=64, num_experts=4,
-                     num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=norm_topk_prob, seed=seed,
-                     output_router_logits=output_router_logits, router_aux_loss_coef=router_aux_loss_coef)
+    spec = TinyQwen3(
+        architecture="qwen3_moe",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=norm_topk_prob,
+        seed=seed,
+        output_router_logits=output_router_logits,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )
     model = tiny_model(spec)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # norms away from 1 so a missing or mis-mapped norm shows in the logits
@@ -92,11 +111,24 @@ def roundtrip(backend, directory: Path) -> dict[str, Any]:
     original = checkpoint_names(directory)
     bad = sorted(k for k in original if k not in exported or not torch.equal(exported[k], original[k]))
     experts = sorted(k for k in original if ".mlp.experts." in k)
-    return {"ok": set(exported) == set(original) and not bad and len(experts) == 2 * 4 * 3, "names": len(original),
-            "expert_tensors": len(experts), "extra": sorted(set(exported) - set(original)), "unequal": bad[:10]}
+    return {
+        "ok": set(exported) == set(original) and not bad and len(experts) == 2 * 4 * 3,
+        "names": len(original),
+        "expert_tensors": len(experts),
+        "extra": sorted(set(exported) - set(original)),
+        "unequal": bad[:10],
+    }
 
 
-RAGGED = [12, 3, 9, 5, 7, 2, 10]  # tokens per sequence: at EP=2 (two data-parallel ranks) 3 packed micro-batches and 1
+RAGGED = [
+    12,
+    3,
+    9,
+    5,
+    7,
+    2,
+    10,
+]  # tokens per sequence: at EP=2 (two data-parallel ranks) 3 packed micro-batches and 1
 
 
 def with_routing(flat):
@@ -107,7 +139,9 @@ def with_routing(flat):
 
     rng = np.random.default_rng(3)
     rows = len(flat.row_seq)
-    routed = np.stack([np.stack([rng.permutation(4)[:2] for _ in range(2)]) for _ in range(rows)]).astype(np.int64)
+    routed = np.stack([np.stack([rng.permutation(4)[:2] for _ in range(2)]) for _ in range(rows)]).astype(
+        np.int64
+    )
     routed[::5] = -1
     return replace(flat, routed_experts=routed)
 
@@ -125,26 +159,51 @@ def routing_of(out) -> dict[str, Any]:
 def same_routing(got: dict[str, Any], want: dict[str, Any]) -> bool:
     """Equal routing metrics: the same compared-token counts and means (merged over data-parallel
     ranks they are token-weighted means of the ranks' means: equal to the last bits)."""
+
     def close(a: dict[str, float], b: dict[str, float]) -> bool:
         return set(a) == set(b) and all(abs(a[k] - b[k]) <= 1e-12 for k in a)
 
-    return close(got["batch"], want["batch"]) and set(got["groups"]) == set(want["groups"]) and all(
-        close(got["groups"][g], want["groups"][g]) for g in want["groups"])
+    return (
+        close(got["batch"], want["batch"])
+        and set(got["groups"]) == set(want["groups"])
+        and all(close(got["groups"][g], want["groups"][g]) for g in want["groups"])
+    )
 
 
 def step(backend, flat=None) -> dict[str, Any]:
     out, grad_norm = backend.train_step(flat if flat is not None else flat_batch(7), GROUPS)
-    return {"loss": float(out.loss), "grad_norm": grad_norm, "kl_k3": out.metrics["kl_k3"], "tokens": out.num_valid_tokens,
-            "weights": backend.weights(), "routing": routing_of(out)}
+    return {
+        "loss": float(out.loss),
+        "grad_norm": grad_norm,
+        "kl_k3": out.metrics["kl_k3"],
+        "tokens": out.num_valid_tokens,
+        "weights": backend.weights(),
+        "routing": routing_of(out),
+    }
 
 
 def compare_steps(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
     wd = max(max_diff(got["weights"][k], want["weights"][k]) for k in want["weights"])
-    dl, dg, dk = abs(got["loss"] - want["loss"]), abs(got["grad_norm"] - want["grad_norm"]), abs(got["kl_k3"] - want["kl_k3"])
-    return {"ok": dl <= 1e-6 and dg <= 1e-5 and dk <= 1e-6 and wd <= UPDATE_ATOL and got["tokens"] == want["tokens"]
-            and set(got["weights"]) == set(want["weights"]) and same_routing(got["routing"], want["routing"]),
-            "loss_diff": dl, "grad_norm_diff": dg, "kl_k3_diff": dk, "updated_weights_max_diff": wd, "num_valid_tokens": got["tokens"],
-            "routing": got["routing"]["batch"]}
+    dl, dg, dk = (
+        abs(got["loss"] - want["loss"]),
+        abs(got["grad_norm"] - want["grad_norm"]),
+        abs(got["kl_k3"] - want["kl_k3"]),
+    )
+    return {
+        "ok": dl <= 1e-6
+        and dg <= 1e-5
+        and dk <= 1e-6
+        and wd <= UPDATE_ATOL
+        and got["tokens"] == want["tokens"]
+        and set(got["weights"]) == set(want["weights"])
+        and same_routing(got["routing"], want["routing"]),
+        "loss_diff": dl,
+        "grad_norm_diff": dg,
+        "kl_k3_diff": dk,
+        "updated_weights_max_diff": wd,
+        "num_valid_tokens": got["tokens"],
+        "routing": got["routing"]["batch"],
+    }
 
 
 def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
@@ -178,27 +237,60 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
 
     channel_dir = work / "channel"
     channel_dir.mkdir(parents=True)
-    publisher = WeightPublisher(open_store(str(channel_dir)), views=["bf16", "nvfp4"], follow_subscribers=False,
-                                base_checkpoint=directory)
-    example = resolve_run(load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"), local=True)
-    rc = replace(example, steps=0, prompts_per_step=1, max_staleness=None,
-                 groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("b200-nvfp4", "b200", "nvfp4")])
+    publisher = WeightPublisher(
+        open_store(str(channel_dir)),
+        views=["bf16", "nvfp4"],
+        follow_subscribers=False,
+        base_checkpoint=directory,
+    )
+    example = resolve_run(
+        load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"), local=True
+    )
+    rc = replace(
+        example,
+        steps=0,
+        prompts_per_step=1,
+        max_staleness=None,
+        groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("b200-nvfp4", "b200", "nvfp4")],
+    )
     try:
-        run_training(rc, backend, ChannelSink(publisher), CollapseDetector(), lambda position: NoRollouts(), checkpoint=None)
+        run_training(
+            rc,
+            backend,
+            ChannelSink(publisher),
+            CollapseDetector(),
+            lambda position: NoRollouts(),
+            checkpoint=None,
+        )
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
     latest = publisher.channel.latest()
     config, tensors = read_view_tensors(publisher.channel.obtain_view(0, "nvfp4", work / "nvfp4").directory)
-    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)  # = version 0 (the export is exact)
+    reference = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32
+    )  # = version 0 (the export is exact)
     amax = calibrate_activation_amax(reference, [calibration_batch(VOCAB)])
     modules = [n[: -len(".weight")] for n in config["quantized"]]
-    unequal = [m for m in modules if f"{m}.input_scale" not in tensors
-               or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))]
+    unequal = [
+        m
+        for m in modules
+        if f"{m}.input_scale" not in tensors
+        or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))
+    ]
     experts = [m for m in modules if ".mlp.experts." in m]
-    return {"ok": latest is not None and latest.version == 0 and not unequal and set(modules) == set(amax) - {"lm_head"}
-            and len(experts) == 2 * 4 * 3 and not any(m.endswith("mlp.gate") for m in modules),
-            "version": None if latest is None else latest.version, "quantized": len(modules), "expert_linears": len(experts),
-            "unequal": unequal[:5], "calibrated": len(amax)}
+    return {
+        "ok": latest is not None
+        and latest.version == 0
+        and not unequal
+        and set(modules) == set(amax) - {"lm_head"}
+        and len(experts) == 2 * 4 * 3
+        and not any(m.endswith("mlp.gate") for m in modules),
+        "version": None if latest is None else latest.version,
+        "quantized": len(modules),
+        "expert_linears": len(experts),
+        "unequal": unequal[:5],
+        "calibrated": len(amax),
+    }
 
 
 # --------------------------------------------------------------------------- phase 1: EP=1
@@ -213,11 +305,16 @@ def phase_ep1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         backend = build(directory, tp=1)
         ours, theirs = full_logits(backend, ids), hf_logits(directory, ids)
         d = max_diff(ours, theirs)
-        checks[f"moe_logits_match_transformers_ep1[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d,
-                                                                "logit_scale": float(theirs.abs().max())}
+        checks[f"moe_logits_match_transformers_ep1[{name}]"] = {
+            "ok": d <= 1e-5,
+            "max_abs_diff": d,
+            "logit_scale": float(theirs.abs().max()),
+        }
         checks[f"moe_hf_export_roundtrip_ep1[{name}]"] = roundtrip(backend, directory)
         if name == "moe_norm_topk_prob":
-            checks[f"moe_publish_version_0_nvfp4[{name}]"] = publish_version_0(backend, directory, work / "publish")
+            checks[f"moe_publish_version_0_nvfp4[{name}]"] = publish_version_0(
+                backend, directory, work / "publish"
+            )
         refs[f"hf_logits[{name}]"] = theirs
     refs["step"] = step(build(work / "moe_norm_topk_prob", tp=1), with_routing(flat_batch(11, lens=RAGGED)))
     checks["moe_router_aux_step_equals_transformers_backend"], refs["aux_step"] = aux_checks(work)
@@ -231,8 +328,14 @@ def hf_backend_step(directory: Path, flat) -> tuple[float, float, dict[str, Any]
     from rlfleet.trainer.backends.backend_hf import HFBackend
     from rlfleet.trainer.objective import ObjectiveConfig
 
-    backend = HFBackend.from_pretrained(directory, ObjectiveConfig(mode="sc_mis", replay=True), optim=OptimConfig(learning_rate=1e-2),
-                                        device="cpu", distributed=False, max_tokens_per_micro_batch=2 * 7)
+    backend = HFBackend.from_pretrained(
+        directory,
+        ObjectiveConfig(mode="sc_mis", replay=True),
+        optim=OptimConfig(learning_rate=1e-2),
+        device="cpu",
+        distributed=False,
+        max_tokens_per_micro_batch=2 * 7,
+    )
     out, grad_norm = backend.train_step(flat, GROUPS)
     return float(out.loss), grad_norm, routing_of(out)
 
@@ -253,10 +356,25 @@ def aux_checks(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     odd_rows = step(build(directory, tp=1, max_tokens_per_micro_batch=7), flat)
     # activation recompute: each layer's forward (router, dispatch, experts) re-run in backward
     recompute = compare_steps(step(build(directory, tp=1, activation_checkpointing=True), flat), ours)
-    return ({"ok": dl <= 1e-6 and dg <= 1e-5 and term > 1e-3 and recompute["ok"] and ours["routing"] == want_routing,
-             "loss_diff": dl, "grad_norm_diff": dg, "grad_norm": ours["grad_norm"], "grad_norm_without_aux": off["grad_norm"],
-             "aux_grad_norm_effect": term, "activation_checkpointing": recompute, "routing": ours["routing"]["batch"],
-             "transformers_routing": want_routing["batch"], "routing_groups": sorted(ours["routing"]["groups"])}, odd_rows)
+    return (
+        {
+            "ok": dl <= 1e-6
+            and dg <= 1e-5
+            and term > 1e-3
+            and recompute["ok"]
+            and ours["routing"] == want_routing,
+            "loss_diff": dl,
+            "grad_norm_diff": dg,
+            "grad_norm": ours["grad_norm"],
+            "grad_norm_without_aux": off["grad_norm"],
+            "aux_grad_norm_effect": term,
+            "activation_checkpointing": recompute,
+            "routing": ours["routing"]["batch"],
+            "transformers_routing": want_routing["batch"],
+            "routing_groups": sorted(ours["routing"]["groups"]),
+        },
+        odd_rows,
+    )
 
 
 # --------------------------------------------------------------------------- phase 2: EP=2
@@ -271,8 +389,11 @@ def phase_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
     for name in VARIANTS:
         backend = build(work_dir / name, tp=1, expert_parallel=2)
         d = max_diff(full_logits(backend, ids), refs[f"hf_logits[{name}]"])
-        checks[f"moe_logits_match_transformers_ep2[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d,
-                                                                "local_experts": len(backend.model.module.decoder.layers[0].mlp.experts.local_experts)}
+        checks[f"moe_logits_match_transformers_ep2[{name}]"] = {
+            "ok": d <= 1e-5,
+            "max_abs_diff": d,
+            "local_experts": len(backend.model.module.decoder.layers[0].mlp.experts.local_experts),
+        }
         result = drive(backend, rank, lambda b, name=name: roundtrip(b, work_dir / name))
         if rank == 0:
             checks[f"moe_hf_export_roundtrip_ep2[{name}]"] = result
@@ -290,7 +411,9 @@ def phase_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
     backend = build(work_dir / "moe_aux", tp=2, max_tokens_per_micro_batch=7)
     result = drive(backend, rank, lambda b: step(b, with_routing(flat_batch(7))))
     if rank == 0:
-        checks["moe_router_aux_tp2_sequence_parallel_step_equals_tp1"] = compare_steps(result, refs["aux_step"])
+        checks["moe_router_aux_tp2_sequence_parallel_step_equals_tp1"] = compare_steps(
+            result, refs["aux_step"]
+        )
     leave_group(rank, checks, out_path)
 
 
@@ -321,12 +444,21 @@ def restore_check(rank: int, work_dir: Path) -> dict[str, Any] | None:
     got = local_state(run_b)
     unequal = sorted(k for k in expected if not torch.equal(expected[k], got[k]))
     moments = [k for k in expected if k.endswith(("exp_avg", "exp_avg_sq"))]
-    experts = [k for k in got if k.startswith("model.") and ".local_experts." in k and "_extra_state" not in k]
-    local = {"ok": not unequal and bool(moments) and bool(experts) and set(expected) == set(got), "tensors": len(expected),
-             "adam_moment_tensors": len(moments), "expert_tensors": len(experts), "n_unequal": len(unequal),
-             "unequal": unequal[:10],
-             "model_tensors_changed_by_restore": sum(not torch.equal(before[k], got[k]) for k in got if k.startswith("model.")),
-             "expert_tensors_changed_by_restore": sum(not torch.equal(before[k], got[k]) for k in experts)}
+    experts = [
+        k for k in got if k.startswith("model.") and ".local_experts." in k and "_extra_state" not in k
+    ]
+    local = {
+        "ok": not unequal and bool(moments) and bool(experts) and set(expected) == set(got),
+        "tensors": len(expected),
+        "adam_moment_tensors": len(moments),
+        "expert_tensors": len(experts),
+        "n_unequal": len(unequal),
+        "unequal": unequal[:10],
+        "model_tensors_changed_by_restore": sum(
+            not torch.equal(before[k], got[k]) for k in got if k.startswith("model.")
+        ),
+        "expert_tensors_changed_by_restore": sum(not torch.equal(before[k], got[k]) for k in experts),
+    }
     parts: list[Any] | None = [None] * 2 if rank == 0 else None
     torch.distributed.gather_object(local, parts, dst=0)
     return {"ok": parts is not None and all(p["ok"] for p in parts), "per_rank": parts} if rank == 0 else None
@@ -348,9 +480,12 @@ def phase_tp2_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str
     d = max_diff(full_logits(backend, token_ids(1)), refs[f"hf_logits[{name}]"])
     mlp = backend.model.module.decoder.layers[0].mlp
     checks[f"moe_logits_match_transformers_tp2_ep2[{name}]"] = {
-        "ok": d <= 1e-5, "max_abs_diff": d, "local_experts": len(mlp.experts.local_experts),
+        "ok": d <= 1e-5,
+        "max_abs_diff": d,
+        "local_experts": len(mlp.experts.local_experts),
         "expert_fc1_rows": mlp.experts.local_experts[0].linear_fc1.weight.shape[0],
-        "qkv_rows": backend.model.module.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]}
+        "qkv_rows": backend.model.module.decoder.layers[0].self_attention.linear_qkv.weight.shape[0],
+    }
     result = drive(backend, rank, lambda b: roundtrip(b, work_dir / name))
     if rank == 0:
         checks[f"moe_hf_export_roundtrip_tp2_ep2[{name}]"] = result
@@ -382,13 +517,19 @@ def other_layout_refused(rank: int, work_dir: Path) -> dict[str, Any] | None:
     parallel_state.destroy_model_parallel()
     if rank != 0:
         return None
-    return {"ok": "'ep': 2" in error and "'ep': 1" in error and "resharding a checkpoint is not supported" in error,
-            "error": error[:400]}
+    return {
+        "ok": "'ep': 2" in error
+        and "'ep': 1" in error
+        and "resharding a checkpoint is not supported" in error,
+        "error": error[:400],
+    }
 
 
 def main(out: str) -> int:
     t0 = time.monotonic()
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
     install_stubs()
     with tempfile.TemporaryDirectory(prefix="rlfleet-mg-moe-") as tmp:
         work = Path(tmp)
@@ -400,13 +541,30 @@ def main(out: str) -> int:
         import torch.multiprocessing as mp
 
         ep2_out = work / "ep2.json"
-        mp.spawn(phase_ep2, args=(free_port(), str(work), str(work / "refs.pt"), str(ep2_out)), nprocs=2, join=True)
+        mp.spawn(
+            phase_ep2, args=(free_port(), str(work), str(work / "refs.pt"), str(ep2_out)), nprocs=2, join=True
+        )
         checks.update(json.loads(ep2_out.read_text()))
         tp2_ep2_out = work / "tp2_ep2.json"
-        mp.spawn(phase_tp2_ep2, args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_ep2_out)), nprocs=4, join=True)
+        mp.spawn(
+            phase_tp2_ep2,
+            args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_ep2_out)),
+            nprocs=4,
+            join=True,
+        )
         checks.update(json.loads(tp2_ep2_out.read_text()))
-    Path(out).write_text(json.dumps({"checks": checks, "wall_s": time.monotonic() - t0, "ep1_s": t1 - t0,
-                                     "spawned_s": time.monotonic() - t1}, indent=1, default=str))
+    Path(out).write_text(
+        json.dumps(
+            {
+                "checks": checks,
+                "wall_s": time.monotonic() - t0,
+                "ep1_s": t1 - t0,
+                "spawned_s": time.monotonic() - t1,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     return 0 if all(c.get("ok") for c in checks.values()) else 1
 
 

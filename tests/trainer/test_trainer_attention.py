@@ -38,10 +38,19 @@ def test_packed_row_equals_each_sequence_alone_with_transformers_sdpa(sliding_wi
     """Grouped-query heads (4 query, 2 key/value); with a sliding window of 3 on every layer the longer
     sequences are cut by the window (transformers' sliding mask for the sequence alone)."""
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
-                         max_window_layers=0, attn_implementation="sdpa")  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window,
+        max_window_layers=0,
+        attn_implementation="sdpa",
+    )
     model = Qwen3ForCausalLM(config).eval()
     assert set(config.layer_types) == {"full_attention" if sliding_window is None else "sliding_attention"}
     input_ids, position_ids = packed_row(LENGTHS, 64, seed=1)

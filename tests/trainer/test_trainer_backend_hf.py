@@ -44,16 +44,31 @@ OPTIM = OptimConfig(learning_rate=1e-2, max_grad_norm=1e9)  # no clipping: raw g
 TWO_STEP_WEIGHTS_ATOL = 1e-5
 
 
-SMALL_QWEN3 = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)  # fmt: skip
+SMALL_QWEN3 = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 """A tiny Qwen3 (rlfleet/tiny_qwen3.py, via the `tiny_qwen3_factory` fixture) small enough for a
 two-process CPU test: no fp8 view is published here, so no 128-multiples are needed."""
 
 
 def tiny_llama(path: Path) -> Path:
     torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     return path
 
@@ -92,15 +107,22 @@ def make_batch(num_seqs: int = 5, seed: int = 0, lens: list[int] | None = None) 
     np.cumsum(cols["cnt"], out=offsets[1:])
     lq = np.array(cols["lq"], dtype=np.float32)
     return FlatBatch(
-        input_ids=input_ids, seq_lens=lens.astype(np.int64),
-        row_seq=np.array(cols["seq"], dtype=np.int64), row_pos=np.array(cols["pos"], dtype=np.int64),
-        target_ids=np.array(cols["tgt"], dtype=np.int64), advantages=np.array(cols["adv"], dtype=np.float32),
-        logq=lq - 0.1, logq_support=lq,
-        cand_offsets=offsets, cand_ids=np.concatenate(cols["ids"]).astype(np.int64),
-        cand_logq=np.concatenate(cols["clq"]).astype(np.float32), candidate_mode=SUPPORT_MODE,
-        versions=np.zeros(t, dtype=np.int64), staleness=np.array(cols["st"], dtype=np.int64),
+        input_ids=input_ids,
+        seq_lens=lens.astype(np.int64),
+        row_seq=np.array(cols["seq"], dtype=np.int64),
+        row_pos=np.array(cols["pos"], dtype=np.int64),
+        target_ids=np.array(cols["tgt"], dtype=np.int64),
+        advantages=np.array(cols["adv"], dtype=np.float32),
+        logq=lq - 0.1,
+        logq_support=lq,
+        cand_offsets=offsets,
+        cand_ids=np.concatenate(cols["ids"]).astype(np.int64),
+        cand_logq=np.concatenate(cols["clq"]).astype(np.float32),
+        candidate_mode=SUPPORT_MODE,
+        versions=np.zeros(t, dtype=np.int64),
+        staleness=np.array(cols["st"], dtype=np.int64),
         groups=np.array(cols["grp"], dtype=object),
-    )  # fmt: skip
+    )
 
 
 GROUPS = {"b200-nvfp4": 0, "h100-fp8": 1}
@@ -112,8 +134,14 @@ def one_step(backend: HFBackend, flat: FlatBatch) -> dict:
     for name, p in backend.model.named_parameters():
         g = p.grad
         grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return {"loss": float(out.loss.detach()), "metrics": out.metrics, "per_group": out.per_group,
-            "grads": grads, "weights": backend.weights(), "grad_norm": grad_norm}  # fmt: skip
+    return {
+        "loss": float(out.loss.detach()),
+        "metrics": out.metrics,
+        "per_group": out.per_group,
+        "grads": grads,
+        "weights": backend.weights(),
+        "grad_norm": grad_norm,
+    }
 
 
 def _spawned(rank: int, world: int, init_file: str, out_dir: str, job, args: tuple) -> None:
@@ -168,7 +196,9 @@ def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path, tiny_qwen3_f
     for name, g in single["grads"].items():
         assert float(g.abs().max()) > 0, name  # every parameter is really trained
         torch.testing.assert_close(multi["grads"][name], g, rtol=0, atol=1e-6, msg=name)
-    for name, w in single["weights"].items():  # Adam magnifies last-bit gradient differences (TWO_STEP_WEIGHTS_ATOL)
+    for name, w in single[
+        "weights"
+    ].items():  # Adam magnifies last-bit gradient differences (TWO_STEP_WEIGHTS_ATOL)
         torch.testing.assert_close(multi["weights"][name], w, rtol=0, atol=TWO_STEP_WEIGHTS_ATOL, msg=name)
     assert abs(multi["grad_norm"] - single["grad_norm"]) < 1e-5
     # Metrics combined over ranks equal the one-process metrics (ess is one-process only).
@@ -256,8 +286,9 @@ def assert_same_state(got: dict, want: dict, where: str, atol: float = 0.0) -> N
         assert got[scope].keys() == want[scope].keys(), where
         for name, tensors in want[scope].items():
             for key, t in tensors.items():
-                torch.testing.assert_close(got[scope][name][key], t, rtol=0, atol=atol,
-                                           msg=f"{where}: {scope} {name} {key}")  # fmt: skip
+                torch.testing.assert_close(
+                    got[scope][name][key], t, rtol=0, atol=atol, msg=f"{where}: {scope} {name} {key}"
+                )
 
 
 def assert_resumed_equals_uninterrupted(runs: dict, where: str, atol: float = 0.0) -> None:
@@ -309,7 +340,9 @@ def test_fsdp2_restore_on_two_gloo_processes_equals_the_uninterrupted_run(
         multi, one = per_rank[0][ckpt]["uninterrupted"], single[ckpt]["uninterrupted"]
         assert abs(multi["loss"] - one["loss"]) < 1e-6
         for name, w in one["weights"].items():
-            torch.testing.assert_close(multi["weights"][name], w, rtol=0, atol=TWO_STEP_WEIGHTS_ATOL, msg=name)
+            torch.testing.assert_close(
+                multi["weights"][name], w, rtol=0, atol=TWO_STEP_WEIGHTS_ATOL, msg=name
+            )
     # The ranks hold different shards (a sharded run, not two replicas).
     name = "model.layers.0.mlp.up_proj.weight"
     ckpt = ckpts[0]
@@ -332,7 +365,10 @@ def _drive_or_follow_job(rank: int, ckpt: str) -> dict:
     assert backend.distributed and backend.world == 2
     if rank != 0:
         backend.follow()
-        return {"follow_returned": True, "shards": {n: _local(p) for n, p in backend.model.named_parameters()}}
+        return {
+            "follow_returned": True,
+            "shards": {n: _local(p) for n, p in backend.model.named_parameters()},
+        }
     first, second = make_batch(seed=1), make_batch(seed=2)
     losses = [float(backend.train_step(first, GROUPS)[0].loss.detach())]
     buffer = io.BytesIO()
@@ -344,8 +380,12 @@ def _drive_or_follow_job(rank: int, ckpt: str) -> dict:
     replayed_loss = float(backend.train_step(second, GROUPS)[0].loss.detach())
     replayed_weights = backend.weights()
     backend.close()
-    return {"losses": losses, "weights": weights, "replayed_loss": replayed_loss,
-            "replayed_weights": replayed_weights}  # fmt: skip
+    return {
+        "losses": losses,
+        "weights": weights,
+        "replayed_loss": replayed_loss,
+        "replayed_weights": replayed_weights,
+    }
 
 
 @pytest.mark.timeout(240)
@@ -419,8 +459,12 @@ def test_under_torchrun_the_backend_joins_the_process_group_and_rank_1_follows(
     ckpt = str(tiny_qwen3_factory(**SMALL_QWEN3))
     script = tmp_path / "worker.py"
     script.write_text(TORCHRUN_WORKER.format(tests=str(Path(__file__).parent), ckpt=ckpt, out=str(tmp_path)))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script)], capture_output=True, text=True, timeout=200)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [(r["rank"], r["world"], r["backend"]) for r in ranks] == [(0, 2, "gloo"), (1, 2, "gloo")]
@@ -472,8 +516,10 @@ def test_weights_carry_exactly_the_hf_checkpoint_names(tiny_qwen3_factory, tie: 
 
 
 def test_combine_metrics_token_weighted() -> None:
-    parts = [{"num_tokens": 3.0, "invalid_tokens": 1.0, "kl_k3": 0.1, "sc_tail_ratio_max": 2.0, "ess": 0.9},
-             {"num_tokens": 1.0, "invalid_tokens": 0.0, "kl_k3": 0.5, "sc_tail_ratio_max": 3.0, "ess": 0.5}]  # fmt: skip
+    parts = [
+        {"num_tokens": 3.0, "invalid_tokens": 1.0, "kl_k3": 0.1, "sc_tail_ratio_max": 2.0, "ess": 0.9},
+        {"num_tokens": 1.0, "invalid_tokens": 0.0, "kl_k3": 0.5, "sc_tail_ratio_max": 3.0, "ess": 0.5},
+    ]
     out = combine_metrics(parts)
     assert out == {
         "num_tokens": 4.0,
@@ -536,14 +582,26 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
         out = np.asarray(replies[int(session.split("/")[1])])
         n = len(out)
         other = (out + 1) % len(tok)
-        return SampledTurn(prompt_ids=np.asarray(ids), output_ids=out, logprobs=np.full(n, np.log(0.5)),
-                           sampled_logprobs=np.full(n, np.log(0.6)), support_offsets=np.arange(0, 2 * n + 1, 2),
-                           support_ids=np.stack([out, other], 1).reshape(-1),
-                           support_logprobs=np.tile(np.log([0.6, 0.4]), n).astype(np.float32),
-                           weight_versions=np.zeros(n, dtype=np.int64), group="h100-fp8", finish_reason="stop")  # fmt: skip
+        return SampledTurn(
+            prompt_ids=np.asarray(ids),
+            output_ids=out,
+            logprobs=np.full(n, np.log(0.5)),
+            sampled_logprobs=np.full(n, np.log(0.6)),
+            support_offsets=np.arange(0, 2 * n + 1, 2),
+            support_ids=np.stack([out, other], 1).reshape(-1),
+            support_logprobs=np.tile(np.log([0.6, 0.4]), n).astype(np.float32),
+            weight_versions=np.zeros(n, dtype=np.int64),
+            group="h100-fp8",
+            finish_reason="stop",
+        )
 
     driver = RolloutDriver(
-        generate, env, prompts, samples_per_prompt=2, sampling=SamplingConfig(max_new_tokens=32), max_seq_len=128
+        generate,
+        env,
+        prompts,
+        samples_per_prompt=2,
+        sampling=SamplingConfig(max_new_tokens=32),
+        max_seq_len=128,
     )
     prompt = prompts.get(0)
     rollouts = [asyncio.run(driver.run_episode(prompt, k)) for k in range(2)]
@@ -552,8 +610,15 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
     assert flat.target_ids.tolist() == replies[0] + replies[1]
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
     backend = HFBackend.from_pretrained(tmp_path / "m", OBJECTIVE, optim=OPTIM, device="cpu")
     out, grad_norm = backend.train_step(flat, {"h100-fp8": 0})
@@ -606,14 +671,19 @@ def test_packed_forward_equals_each_sequence_alone(tiny_qwen3_factory, attn: str
     input_ids, position_ids, _ = mb.packed(flat)
     with torch.no_grad():
         # use_cache=False, as the backend passes it: with a cache transformers ignores the restarts
-        packed = model(input_ids=torch.from_numpy(input_ids)[None], position_ids=torch.from_numpy(position_ids)[None],
-                       use_cache=False).logits[0]
+        packed = model(
+            input_ids=torch.from_numpy(input_ids)[None],
+            position_ids=torch.from_numpy(position_ids)[None],
+            use_cache=False,
+        ).logits[0]
         start = 0
         for b, n in zip(mb.seqs.tolist(), mb.lengths.tolist(), strict=True):
             alone = alone_model(input_ids=torch.from_numpy(flat.input_ids[b, :n])[None]).logits[0]
             torch.testing.assert_close(packed[start : start + n], alone, rtol=0, atol=1e-5)
             start += n
-        leaky = model(input_ids=torch.from_numpy(input_ids)[None], position_ids=torch.from_numpy(position_ids)[None]).logits[0]
+        leaky = model(
+            input_ids=torch.from_numpy(input_ids)[None], position_ids=torch.from_numpy(position_ids)[None]
+        ).logits[0]
     if attn == VARLEN_SDPA:  # it reads the restarts from the position ids, cache or not
         torch.testing.assert_close(leaky, packed, rtol=0, atol=1e-6)
     else:  # with a cache transformers builds a plain causal mask: sequences see each other
@@ -631,7 +701,12 @@ def reference_step(ckpt: Path, flat: FlatBatch) -> dict:
     out = policy_loss(rows, model.lm_head.weight, to_token_batch(flat, GROUPS), OBJECTIVE)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {"loss": float(out.loss.detach()), "metrics": out.metrics, "per_group": out.per_group, "grads": grads}
+    return {
+        "loss": float(out.loss.detach()),
+        "metrics": out.metrics,
+        "per_group": out.per_group,
+        "grads": grads,
+    }
 
 
 def assert_step_equals_reference(got: dict, want: dict, atol: float = 1e-6) -> None:
@@ -654,7 +729,9 @@ def test_micro_batched_step_equals_the_unbatched_step(tiny_qwen3_factory, budget
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
     flat = make_batch(lens=RAGGED, seed=3)
     want = reference_step(ckpt, flat)
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget)
+    backend = HFBackend.from_pretrained(
+        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
+    )
     plan = plan_micro_batches(flat, np.arange(len(RAGGED)), budget)
     assert (len(plan) > 2) is (budget < 64)
     got = one_step(backend, flat)
@@ -668,17 +745,32 @@ def test_activation_checkpointing_gives_the_same_step(tiny_qwen3_factory) -> Non
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
     flat = make_batch(lens=RAGGED, seed=3)
     want = reference_step(ckpt, flat)
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24,
-                                        activation_checkpointing=True)  # fmt: skip
+    backend = HFBackend.from_pretrained(
+        ckpt,
+        OBJECTIVE,
+        optim=OPTIM,
+        device="cpu",
+        max_tokens_per_micro_batch=24,
+        activation_checkpointing=True,
+    )
     assert backend.model.is_gradient_checkpointing
     assert_step_equals_reference(one_step(backend, flat), want)
 
 
 def _budget_step_job(rank: int, ckpt: str, budget: int) -> dict:
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget)
+    backend = HFBackend.from_pretrained(
+        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
+    )
     assert backend.distributed and backend.world == 2
     # rank 0 gets sequences 0, 2, 4, 6 (4 micro-batches at 24), rank 1 sequences 1, 3, 5 (2): rank 1 idles twice
-    plans = [plan_micro_batches(make_batch(lens=RAGGED, seed=3), backend.local_sequences(make_batch(lens=RAGGED, seed=3), r), budget) for r in (0, 1)]
+    plans = [
+        plan_micro_batches(
+            make_batch(lens=RAGGED, seed=3),
+            backend.local_sequences(make_batch(lens=RAGGED, seed=3), r),
+            budget,
+        )
+        for r in (0, 1)
+    ]
     result = one_step(backend, make_batch(lens=RAGGED, seed=3))
     result["plan_sizes"] = [len(p) for p in plans]
     return result
@@ -686,7 +778,9 @@ def _budget_step_job(rank: int, ckpt: str, budget: int) -> dict:
 
 @pytest.mark.timeout(240)
 @pytest.mark.slow  # ~15 s on 2 shared cores: two spawned processes import torch + transformers
-def test_micro_batches_on_two_gloo_processes_equal_the_unbatched_step(tmp_path: Path, tiny_qwen3_factory) -> None:
+def test_micro_batches_on_two_gloo_processes_equal_the_unbatched_step(
+    tmp_path: Path, tiny_qwen3_factory
+) -> None:
     """Two FSDP2 ranks with unequal numbers of micro-batches (the idle rank runs zero-loss ones): the
     reduced gradient is the one-process, one-forward gradient of the whole batch."""
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
@@ -698,8 +792,14 @@ def test_micro_batches_on_two_gloo_processes_equal_the_unbatched_step(tmp_path: 
 
 
 # ------------------------------------------------------------------------------------ mixture of experts
-SMALL_MOE = dict(SMALL_QWEN3, architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                 router_aux_loss_coef=0.5)  # fmt: skip
+SMALL_MOE = dict(
+    SMALL_QWEN3,
+    architecture="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    router_aux_loss_coef=0.5,
+)
 """The project's tiny Qwen3-MoE (rlfleet/tiny_qwen3.py) at SMALL_QWEN3's sizes, 4 experts of 16, top-2; a
 large load-balancing coefficient (Qwen3-MoE's is 0.001) so that the router's loss moves every gradient it
 reaches by far more than the tolerance."""
@@ -730,17 +830,29 @@ def moe_reference_step(ckpt: Path, flat: FlatBatch, budget: int) -> dict:
     layers = [g.reshape(flat.input_ids.shape[0], flat.input_ids.shape[1], -1) for g in out.router_logits]
     aux = torch.zeros(())
     for mb in plan_micro_batches(flat, np.arange(flat.input_ids.shape[0]), budget):
-        packed = [torch.cat([g[b, :n] for b, n in zip(mb.seqs.tolist(), mb.lengths.tolist(), strict=True)]) for g in layers]
+        packed = [
+            torch.cat([g[b, :n] for b, n in zip(mb.seqs.tolist(), mb.lengths.tolist(), strict=True)])
+            for g in layers
+        ]
         weight = int(np.isin(flat.row_seq, mb.seqs).sum()) / len(flat.row_seq)
-        aux = aux + weight * switch_load_balancing_loss(packed, model.config.num_experts, model.config.num_experts_per_tok)
+        aux = aux + weight * switch_load_balancing_loss(
+            packed, model.config.num_experts, model.config.num_experts_per_tok
+        )
     (objective.loss + model.config.router_aux_loss_coef * aux).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {"loss": float(objective.loss.detach()), "metrics": objective.metrics, "per_group": objective.per_group,
-            "grads": grads, "aux": float(aux.detach())}  # fmt: skip
+    return {
+        "loss": float(objective.loss.detach()),
+        "metrics": objective.metrics,
+        "per_group": objective.per_group,
+        "grads": grads,
+        "aux": float(aux.detach()),
+    }
 
 
 @pytest.mark.parametrize("budget", [24, 1 << 14])
-def test_a_moe_step_equals_the_hand_computed_step_router_loss_included(tiny_qwen3_factory, budget: int) -> None:
+def test_a_moe_step_equals_the_hand_computed_step_router_loss_included(
+    tiny_qwen3_factory, budget: int
+) -> None:
     """Qwen3-MoE through the packed micro-batches and the fused lm_head: the loss (the policy loss), every
     gradient (experts, routers, attention, embeddings) and the metrics equal the hand-computed step,
     whose router load-balancing term is computed here from the router logits of a padded forward; the
@@ -749,13 +861,22 @@ def test_a_moe_step_equals_the_hand_computed_step_router_loss_included(tiny_qwen
     flat = make_batch(lens=RAGGED, seed=3)
     want = moe_reference_step(ckpt, flat, budget)
     assert want["aux"] > 1.0  # experts x sum f_e P_e >= 1, equality only for perfectly balanced routing
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget)
+    backend = HFBackend.from_pretrained(
+        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
+    )
     assert type(backend.model).__name__ == "Qwen3MoeForCausalLM"
     got = one_step(backend, flat)
-    assert any("experts.gate_up_proj" in n for n in want["grads"]) and any("mlp.gate.weight" in n for n in want["grads"])
+    assert any("experts.gate_up_proj" in n for n in want["grads"]) and any(
+        "mlp.gate.weight" in n for n in want["grads"]
+    )
     assert_step_equals_reference(got, want, atol=2e-6)
-    without_aux = HFBackend(tiny_qwen3_moe_without_router_loss(ckpt), OBJECTIVE, optim=OPTIM, device="cpu",
-                            max_tokens_per_micro_batch=budget)  # fmt: skip
+    without_aux = HFBackend(
+        tiny_qwen3_moe_without_router_loss(ckpt),
+        OBJECTIVE,
+        optim=OPTIM,
+        device="cpu",
+        max_tokens_per_micro_batch=budget,
+    )
     router = "model.layers.0.mlp.gate.weight"
     assert float((one_step(without_aux, flat)["grads"][router] - want["grads"][router]).abs().max()) > 1e-4
 

@@ -26,8 +26,10 @@ def test_a_garbage_pointer_stops_the_trainer_with_one_line(tmp_path: Path, tiny_
 
     channel, (code, line) = said["not utf-8"]
     assert code == 10, line
-    assert line.startswith(f"the weight channel {channel} cannot be used: {channel / POINTER_KEY}: unreadable "
-                           "pointer (UnicodeDecodeError: 'utf-8' codec can't decode byte 0x80 in position 0"), line  # fmt: skip
+    assert line.startswith(
+        f"the weight channel {channel} cannot be used: {channel / POINTER_KEY}: unreadable "
+        "pointer (UnicodeDecodeError: 'utf-8' codec can't decode byte 0x80 in position 0"
+    ), line
     assert "Fix: a record in it is damaged (restore it, or delete a damaged pointer.json" in line
     assert "the trainer resumes from its last checkpoint when its pod restarts" in line
     channel, (code, line) = said["a list"]

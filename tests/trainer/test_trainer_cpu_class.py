@@ -49,7 +49,10 @@ def test_trainer_device_comes_from_the_env_the_operator_sets(monkeypatch: pytest
 def megatron_python() -> str | None:
     candidates = [os.environ.get("RLFLEET_MEGATRON_PYTHON"), str(REPO / ".venv312" / "bin" / "python")]
     for python in filter(None, candidates):
-        if Path(python).exists() and subprocess.run([python, "-c", TRAINER_DEPS], capture_output=True).returncode == 0:
+        if (
+            Path(python).exists()
+            and subprocess.run([python, "-c", TRAINER_DEPS], capture_output=True).returncode == 0
+        ):
             return python
     return None
 
@@ -78,28 +81,50 @@ def run_trainer_pod(example: str, python: str, tmp: Path) -> tuple[subprocess.Co
     # As on a cluster, the router's address is known before any sampler is up: the fleet's engines start
     # from the channel's version 0, which only the trainer publishes (so the fleet is not waited for here)
     router_port = free_port()
-    spec = FleetSpec(groups=[GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype)
-                             for g in job.spec.sampler_groups],
-                     store=str(store), cache_dir=str(tmp / "fleet-cache"), model_path=str(base),
-                     router_port=router_port)  # fmt: skip
+    spec = FleetSpec(
+        groups=[
+            GroupSpec(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype)
+            for g in job.spec.sampler_groups
+        ],
+        store=str(store),
+        cache_dir=str(tmp / "fleet-cache"),
+        model_path=str(base),
+        router_port=router_port,
+    )
     (tmp / "fleet.json").write_text(spec.to_json())
-    fleet = subprocess.Popen([sys.executable, "-m", "rlfleet.local.fleet", str(tmp / "fleet.json")],
-                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)  # fmt: skip
+    fleet = subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.local.fleet", str(tmp / "fleet.json")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         router = f"http://127.0.0.1:{router_port}"
         container, config = trainer_container(job, store)
         config_path = tmp / "rljob.yaml"
         config_path.write_text(config)
         env = {e["name"]: e.get("value") for e in container["env"]}
-        env.update(NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RLFLEET_ROUTER_URL=router,
-                   POD_NAME=f"{job.name}-trainer-0", RLFLEET_NAMESPACE="rl", HOME=str(tmp), HF_HOME=str(tmp / "hf"),
-                   RLFLEET_MODEL_CACHE=str(models), OMP_NUM_THREADS="1")  # fmt: skip
+        env.update(
+            NODE_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            RLFLEET_ROUTER_URL=router,
+            POD_NAME=f"{job.name}-trainer-0",
+            RLFLEET_NAMESPACE="rl",
+            HOME=str(tmp),
+            HF_HOME=str(tmp / "hf"),
+            RLFLEET_MODEL_CACHE=str(models),
+            OMP_NUM_THREADS="1",
+        )
         env = {k: v for k, v in env.items() if v is not None}
 
         def expand(arg: str) -> str:  # the kubelet's $(VAR) expansion from the container's env
             return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
 
-        args = [expand(a).replace(f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}", str(config_path)) for a in container["args"]]
+        args = [
+            expand(a).replace(f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}", str(config_path))
+            for a in container["args"]
+        ]
         assert container["command"] == ["rlfleet", "trainer", "launch"]  # torchrun (trainer/launch.py)
         argv = [python, "-m", "rlfleet.cli", "trainer", "launch", *args, "--metrics-port", str(free_port())]
         done = subprocess.run(argv, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
@@ -139,7 +164,9 @@ def test_the_cpu_torch_trainer_pod_trains_two_steps_on_two_cpu_ranks(tmp_path: P
 @pytest.mark.slow
 def test_the_cpu_megatron_trainer_pod_trains_at_tensor_parallel_2_on_cpu(tmp_path: Path) -> None:
     python = megatron_python()
-    assert python is not None, ".venv312 lacks megatron-core or the trainer's dependencies: run scripts/bootstrap"
+    assert python is not None, (
+        ".venv312 lacks megatron-core or the trainer's dependencies: run scripts/bootstrap"
+    )
     done, store = run_trainer_pod("rljob-cpu.yaml", python, tmp_path)
     job = load_rljob(REPO / "examples" / "rljob-cpu.yaml")
     env = {e["name"]: e.get("value") for e in trainer_container(job, store)[0]["env"]}
@@ -147,4 +174,6 @@ def test_the_cpu_megatron_trainer_pod_trains_at_tensor_parallel_2_on_cpu(tmp_pat
     assert job.spec.trainer.parallelism.tensor == 2
     # the checkpoint holds both TP ranks' shards (rank 0's state_dict carries every rank's)
     assert (store / "checkpoints").is_dir() and any((store / "checkpoints").iterdir())
-    assert yaml.safe_load((tmp_path / "rljob.yaml").read_text())["spec"]["trainer"]["processesPerReplica"] == 2
+    assert (
+        yaml.safe_load((tmp_path / "rljob.yaml").read_text())["spec"]["trainer"]["processesPerReplica"] == 2
+    )

@@ -45,16 +45,33 @@ def job_manifest(tmp_path: Path, base: Path, channel: Path, steps: int = STEPS) 
     doc = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
     spec = doc["spec"]
     spec["model"] = {"name": "tiny-qwen3", "path": str(base), "maxSeqLen": MAX_SEQ_LEN}
-    spec["trainer"] = {"accelerator": "b200", "replicas": 1, "gpusPerReplica": 1, "backend": "torch",
-                       "totalSteps": steps, "optimizer": {"learningRate": 1.0e-3}}
-    spec["rollout"].update({"promptsPerStep": 2, "samplesPerPrompt": 2, "maxNewTokens": 4, "topK": 16,
-                            "environment": "copy_digit", "maxTurns": 1})
+    spec["trainer"] = {
+        "accelerator": "b200",
+        "replicas": 1,
+        "gpusPerReplica": 1,
+        "backend": "torch",
+        "totalSteps": steps,
+        "optimizer": {"learningRate": 1.0e-3},
+    }
+    spec["rollout"].update(
+        {
+            "promptsPerStep": 2,
+            "samplesPerPrompt": 2,
+            "maxNewTokens": 4,
+            "topK": 16,
+            "environment": "copy_digit",
+            "maxTurns": 1,
+        }
+    )
     spec["correction"]["scHeadSize"] = 16
     spec["samplerGroups"] = [
         {"name": "h100-bf16", "accelerator": "h100", "replicas": 1, "weightFormat": "bf16"},
         {"name": "h100-fp8", "accelerator": "h100", "replicas": 1, "weightFormat": "fp8"},
     ]
-    spec["weightChannel"] = {"store": {"type": "filesystem", "path": str(channel)}, "retention": {"keepVersions": 10}}
+    spec["weightChannel"] = {
+        "store": {"type": "filesystem", "path": str(channel)},
+        "retention": {"keepVersions": 10},
+    }
     path = tmp_path / "rljob.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -63,21 +80,31 @@ def job_manifest(tmp_path: Path, base: Path, channel: Path, steps: int = STEPS) 
 BF16_AND_FP8 = (GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8"))
 
 
-def local_fleet(tmp_path: Path, channel: Path, model: Path,
-                groups: tuple[GroupSpec, ...] = BF16_AND_FP8) -> tuple[str, FleetProcess]:  # fmt: skip
+def local_fleet(
+    tmp_path: Path, channel: Path, model: Path, groups: tuple[GroupSpec, ...] = BF16_AND_FP8
+) -> tuple[str, FleetProcess]:
     """The sampler fleet of `groups` started on this machine (rlfleet/local/fleet.py: reference engines,
     their weight-sync loops, the router) on the channel at `channel`: the router's URL, known before any
     sampler is up as on a cluster, and the fleet (`wait_ready`, `stop`)."""
     router_port = free_port()
-    spec = FleetSpec(groups=list(groups), store=str(channel), cache_dir=str(tmp_path / "cache"),
-                     model_path=str(model), seed=0, router_port=router_port)  # fmt: skip
+    spec = FleetSpec(
+        groups=list(groups),
+        store=str(channel),
+        cache_dir=str(tmp_path / "cache"),
+        model_path=str(model),
+        seed=0,
+        router_port=router_port,
+    )
     (tmp_path / "fleet.json").write_text(spec.to_json())
-    return f"http://127.0.0.1:{router_port}", FleetProcess(tmp_path / "fleet.json", tmp_path / "fleet.log",
-                                                           secrets.token_hex(8))  # fmt: skip
+    return f"http://127.0.0.1:{router_port}", FleetProcess(
+        tmp_path / "fleet.json", tmp_path / "fleet.log", secrets.token_hex(8)
+    )
 
 
 @pytest.mark.slow
-def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     base = tiny_qwen3_dir  # the default sizes: every projection a multiple of 128, so the fp8 view publishes
     base_weights = read_safetensors_dir(base)  # bf16, as save_pretrained wrote them
     channel_dir = tmp_path / "channel"
@@ -86,8 +113,9 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     router_url, fleet = local_fleet(tmp_path, channel_dir, base)
     try:
         assert WeightChannel(FilesystemStore(channel_dir)).latest() is None
-        trainer_run = start_trainer(job_manifest(tmp_path, base, channel_dir), router_url, tmp_path,
-                                    stdout=subprocess.PIPE)  # fmt: skip
+        trainer_run = start_trainer(
+            job_manifest(tmp_path, base, channel_dir), router_url, tmp_path, stdout=subprocess.PIPE
+        )
         try:
             urls = fleet.wait_ready()  # ready only once the engines loaded the trainer's version 0
             assert urls["router"] == router_url
@@ -106,7 +134,9 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     assert sorted(v0.views) == ["bf16", "fp8"] and sorted(v1.views) == ["bf16", "fp8"]
     assert v0.published_at <= v1.published_at
     log = trainer_stderr
-    assert log.index("published the trainer's weights as version 0 before step 1") < log.index("published weights v1 ")
+    assert log.index("published the trainer's weights as version 0 before step 1") < log.index(
+        "published weights v1 "
+    )
     # version 0 is the base checkpoint's weights (bf16 in, bf16 view out: exact)
     _, v0_bf16 = load_view(channel.obtain_view(0, "bf16", tmp_path / "dl" / "v0").directory)
     assert sorted(v0_bf16) == sorted(base_weights)
@@ -125,7 +155,9 @@ def test_trainer_entrypoint_publishes_version_0_of_every_view_then_trains(tmp_pa
     port = free_port()
     restarted = start_trainer(job_manifest(tmp_path, base, channel_dir), "http://127.0.0.1:9", tmp_path, port)
     try:
-        metrics = wait_for("the restarted trainer's finished gauge", lambda: _scrape(port, restarted), timeout=240)
+        metrics = wait_for(
+            "the restarted trainer's finished gauge", lambda: _scrape(port, restarted), timeout=240
+        )
     finally:
         restarted.terminate()
         _, stderr = restarted.communicate(timeout=60)
@@ -161,18 +193,26 @@ def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_
     router_url, fleet = local_fleet(tmp_path, channel_dir, tiny_qwen3_dir)
     runs: list[subprocess.Popen] = []
     try:
-        (checkpoints / "ckpt-00000002-g1.pt.tmp").symlink_to("/dev/full")  # -g1: the writer lease's first generation
+        (checkpoints / "ckpt-00000002-g1.pt.tmp").symlink_to(
+            "/dev/full"
+        )  # -g1: the writer lease's first generation
         runs.append(trainer())
         fleet.wait_ready()
         _, full = runs[0].communicate(timeout=300)
         assert runs[0].returncode == 3, full[-3000:]  # the full store's own exit code (trainer/failures.py)
         said = [line for line in full.splitlines() if line.startswith("rlfleet trainer run: ")]
-        assert len(said) == 1 and str(channel_dir) in said[0] and "No space left on device" in said[0], full[-3000:]
+        assert len(said) == 1 and str(channel_dir) in said[0] and "No space left on device" in said[0], full[
+            -3000:
+        ]
         assert "Traceback" not in full
         assert channel.latest().version == 1  # type: ignore[union-attr]
         # the failed write removed its temporary file (here: the link to /dev/full): room again
         assert not (checkpoints / "ckpt-00000002-g1.pt.tmp").is_symlink()
-        assert sorted(p.name for p in checkpoints.iterdir()) == [".latest.lock", "ckpt-00000001-g1.pt", "latest"]
+        assert sorted(p.name for p in checkpoints.iterdir()) == [
+            ".latest.lock",
+            "ckpt-00000001-g1.pt",
+            "latest",
+        ]
 
         runs.append(trainer())
         kill_inside_the_claim_window(runs[1], channel_dir, version=3)
@@ -197,7 +237,9 @@ def test_trainer_entrypoint_resumes_after_a_full_store_and_a_sigkill_inside_the_
         m = channel.manifest(version)
         assert m.publisher == pointer.publisher and sorted(m.views) == ["bf16", "fp8"]
         listed = {f"v{version}/{view}/{rel}" for view, vm in m.views.items() for rel in vm.stored_files()}
-        assert set(channel.store.list(f"v{version}/")) == listed | {manifest_key(version)}  # nothing else left
+        assert set(channel.store.list(f"v{version}/")) == listed | {
+            manifest_key(version)
+        }  # nothing else left
         for view in m.views:
             channel.obtain_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=m)  # verifies
     final = checkpoint.load_latest(checkpoints)
@@ -221,13 +263,24 @@ def test_trainer_entrypoint_refuses_a_model_path_that_is_not_a_checkpoint(tmp_pa
     (tmp_path / "empty").mkdir()
     (tmp_path / "channel").mkdir()
     run = subprocess.run(
-        [RLFLEET, "trainer", "run",
-         "--config", str(job_manifest(tmp_path, tmp_path / "empty", tmp_path / "channel")),
-         "--router-url", "http://127.0.0.1:9"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            RLFLEET,
+            "trainer",
+            "run",
+            "--config",
+            str(job_manifest(tmp_path, tmp_path / "empty", tmp_path / "channel")),
+            "--router-url",
+            "http://127.0.0.1:9",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert run.returncode == 2
-    assert "has no config.json (not a Hugging Face checkpoint)" in run.stderr and "Traceback" not in run.stderr
+    assert (
+        "has no config.json (not a Hugging Face checkpoint)" in run.stderr and "Traceback" not in run.stderr
+    )
 
 
 def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_checkpoint(
@@ -245,14 +298,19 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
     from rlfleet.trainer.run import ChannelSink, build_backend, run_training
 
     source = tiny_qwen3_dir
-    rc = example_run(steps=0, prompts_per_step=1, max_staleness=None,
-                     groups=[("h100-bf16", "bf16"), ("h100-fp8", "fp8"), ("b200-nvfp4", "nvfp4")])
+    rc = example_run(
+        steps=0,
+        prompts_per_step=1,
+        max_staleness=None,
+        groups=[("h100-bf16", "bf16"), ("h100-fp8", "fp8"), ("b200-nvfp4", "nvfp4")],
+    )
     base = build_backend(rc, backend="torch", source_dir=source)
     store = open_store(str(tmp_path / "channel"))
     (tmp_path / "channel").mkdir()
     assert rc.views == ["bf16", "fp8", "nvfp4"]
-    publisher = WeightPublisher(store, views=rc.views, follow_subscribers=False,
-                                base_checkpoint=base.base_checkpoint)
+    publisher = WeightPublisher(
+        store, views=rc.views, follow_subscribers=False, base_checkpoint=base.base_checkpoint
+    )
     channel = publisher.channel
     seen: dict[str, object] = {}
 
@@ -271,8 +329,14 @@ def test_composition_root_publishes_version_0_of_every_view_as_a_complete_hf_che
         return NoRollouts()
 
     sink = ChannelSink(publisher)  # calibrates nvfp4's activation amax on the published weights
-    run_training(rc, base.backend, sink, CollapseDetector(), make_driver,
-                 checkpoint=tmp_path / "channel" / "checkpoints")
+    run_training(
+        rc,
+        base.backend,
+        sink,
+        CollapseDetector(),
+        make_driver,
+        checkpoint=tmp_path / "channel" / "checkpoints",
+    )
     assert seen == {"version_when_built": 0, "started": True, "stopped": True}
     manifest = channel.manifest(0)
     assert sorted(manifest.views) == ["bf16", "fp8", "nvfp4"]

@@ -25,16 +25,32 @@ SHAPE = "a policy line is {'instance_id': str, 'replies': [str, ...]}"
         ("null", SHAPE),
         ('{"instance_id": 7, "replies": []}', SHAPE),
         ('{"instance_id": "calc-add", "replies": "fix it"}', SHAPE),
-        ("{not json", "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"),
+        (
+            "{not json",
+            "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))",
+        ),
     ],
 )
 def test_a_bad_policy_line_is_one_line_naming_the_file_and_line(tmp_path, line, error) -> None:
     policy = tmp_path / "policy.jsonl"
     policy.write_text(f"\n{line}\n")  # the blank first line is skipped; the bad one is line 2
     result = subprocess.run(
-        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe", "--tasks", str(TASKS),
-         "--policy", str(policy)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "env",
+            "try",
+            "--environment",
+            "swe",
+            "--tasks",
+            str(TASKS),
+            "--policy",
+            str(policy),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert result.stderr == f"rlfleet env try: {policy}:2: {error}\n"

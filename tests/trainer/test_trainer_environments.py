@@ -183,9 +183,14 @@ class CalculatorEnv(Environment):
 
     def score(self, prompt, state, replies) -> EpisodeOutcome:
         text = self.tokenizer.decode(replies[-1], skip_special_tokens=True)
-        return EpisodeOutcome(reward=float(extract_final_answer(text) == "5"), num_turns=len(replies),
-                              empty_final_reply=False, no_tool_call_termination=False, format_errors=0,
-                              tool_calls=len(replies) - 1)  # fmt: skip
+        return EpisodeOutcome(
+            reward=float(extract_final_answer(text) == "5"),
+            num_turns=len(replies),
+            empty_final_reply=False,
+            no_tool_call_termination=False,
+            format_errors=0,
+            tool_calls=len(replies) - 1,
+        )
 
 
 def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
@@ -201,13 +206,27 @@ def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
         sent.append(list(ids))
         out = replies[len(sent) - 1]
         n = len(out)
-        return SampledTurn(prompt_ids=np.asarray(ids), output_ids=np.asarray(out), logprobs=np.zeros(n),
-                           sampled_logprobs=np.zeros(n), support_offsets=np.arange(n + 1),
-                           support_ids=np.asarray(out), support_logprobs=np.zeros(n),
-                           weight_versions=np.zeros(n, dtype=np.int64), group="g", finish_reason="stop")  # fmt: skip
+        return SampledTurn(
+            prompt_ids=np.asarray(ids),
+            output_ids=np.asarray(out),
+            logprobs=np.zeros(n),
+            sampled_logprobs=np.zeros(n),
+            support_offsets=np.arange(n + 1),
+            support_ids=np.asarray(out),
+            support_logprobs=np.zeros(n),
+            weight_versions=np.zeros(n, dtype=np.int64),
+            group="g",
+            finish_reason="stop",
+        )
 
-    driver = RolloutDriver(generate, env, None, samples_per_prompt=1,  # type: ignore[arg-type]
-                           sampling=SamplingConfig(max_new_tokens=32), max_seq_len=512)  # fmt: skip
+    driver = RolloutDriver(
+        generate,
+        env,
+        None,
+        samples_per_prompt=1,  # type: ignore[arg-type]
+        sampling=SamplingConfig(max_new_tokens=32),
+        max_seq_len=512,
+    )
     rollout = asyncio.run(driver.run_episode(prompt, 0))
     assert rollout.outcome is not None and rollout.outcome.reward == 1.0 and rollout.outcome.tool_calls == 1
     tool = env.turns.append_ids(replies[0], "result: 5")
@@ -227,7 +246,9 @@ class _WaitForTheOtherEpisode(Environment):
         self.steps = 0
         self.lock = threading.Lock()
 
-    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+    def step(
+        self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str
+    ) -> EnvStep:
         with self.lock:
             self.steps += 1
             first = self.steps == 1
@@ -239,8 +260,14 @@ class _WaitForTheOtherEpisode(Environment):
         return EnvStep(done=True)
 
     def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
-        return EpisodeOutcome(reward=float(state["saw_the_other"]), num_turns=1, empty_final_reply=False,
-                              no_tool_call_termination=False, format_errors=0, tool_calls=0)  # fmt: skip
+        return EpisodeOutcome(
+            reward=float(state["saw_the_other"]),
+            num_turns=1,
+            empty_final_reply=False,
+            no_tool_call_termination=False,
+            format_errors=0,
+            tool_calls=0,
+        )
 
 
 def test_an_environment_step_that_blocks_does_not_hold_up_the_other_episodes() -> None:
@@ -248,13 +275,27 @@ def test_an_environment_step_that_blocks_does_not_hold_up_the_other_episodes() -
 
     async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
         out = [ToyVocab.EOS]
-        return SampledTurn(prompt_ids=np.asarray(ids), output_ids=np.asarray(out), logprobs=np.zeros(1),
-                           sampled_logprobs=np.zeros(1), support_offsets=np.arange(2), support_ids=np.asarray(out),
-                           support_logprobs=np.zeros(1), weight_versions=np.zeros(1, dtype=np.int64), group="g",
-                           finish_reason="stop")  # fmt: skip
+        return SampledTurn(
+            prompt_ids=np.asarray(ids),
+            output_ids=np.asarray(out),
+            logprobs=np.zeros(1),
+            sampled_logprobs=np.zeros(1),
+            support_offsets=np.arange(2),
+            support_ids=np.asarray(out),
+            support_logprobs=np.zeros(1),
+            weight_versions=np.zeros(1, dtype=np.int64),
+            group="g",
+            finish_reason="stop",
+        )
 
-    driver = RolloutDriver(generate, env, None, samples_per_prompt=2,  # type: ignore[arg-type]
-                           sampling=SamplingConfig(max_new_tokens=4), max_seq_len=64)  # fmt: skip
+    driver = RolloutDriver(
+        generate,
+        env,
+        None,
+        samples_per_prompt=2,  # type: ignore[arg-type]
+        sampling=SamplingConfig(max_new_tokens=4),
+        max_seq_len=64,
+    )
     prompt = Prompt(index=0, input_ids=[1, 2, 3])
 
     async def both() -> list[Any]:

@@ -42,14 +42,43 @@ def _trainer(
         doc["spec"]["weightChannel"]["store"] = store
         manifest.write_text(yaml.safe_dump(doc))
     rlfleet = str(Path(sys.executable).with_name("rlfleet"))
-    command = [rlfleet, "trainer", "launch", "--standalone", "--nproc-per-node=1", "--monitor-interval=0.1",
-               "-m", "rlfleet.cli"] if launched else [rlfleet]  # fmt: skip
+    command = (
+        [
+            rlfleet,
+            "trainer",
+            "launch",
+            "--standalone",
+            "--nproc-per-node=1",
+            "--monitor-interval=0.1",
+            "-m",
+            "rlfleet.cli",
+        ]
+        if launched
+        else [rlfleet]
+    )
     return subprocess.Popen(
-        [*command, "trainer", "run", "--config", str(manifest),
-         "--router-url", "http://127.0.0.1:9", "--metrics-port", "0"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "RLFLEET_LOG_LEVEL": "WARNING", "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"},
-    )  # fmt: skip
+        [
+            *command,
+            "trainer",
+            "run",
+            "--config",
+            str(manifest),
+            "--router-url",
+            "http://127.0.0.1:9",
+            "--metrics-port",
+            "0",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            "RLFLEET_LOG_LEVEL": "WARNING",
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+        },
+    )
 
 
 def _said(proc: subprocess.Popen) -> tuple[int, str]:
@@ -66,7 +95,9 @@ def _said(proc: subprocess.Popen) -> tuple[int, str]:
 
 
 @pytest.mark.slow
-def test_entrypoint_store_failures_are_one_line_with_their_own_exit_code(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+def test_entrypoint_store_failures_are_one_line_with_their_own_exit_code(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     # 1. the store does not answer: an S3 endpoint on a port nothing listens on
     endpoint = f"http://127.0.0.1:{free_port()}"
     s3 = {"type": "s3", "bucket": "rl-weights", "prefix": "job", "endpoint": endpoint, "region": "us-east-1"}
@@ -80,11 +111,13 @@ def test_entrypoint_store_failures_are_one_line_with_their_own_exit_code(tmp_pat
     taken.mkdir(parents=True)
     WeightChannel(FilesystemStore(taken), publisher_id="trainer/team-b/other-job").acquire_lease()
 
-    runs = {"unreachable": _trainer(tmp_path / "unreachable", tiny_qwen3_dir, tmp_path, store=s3),
-            "damaged": _trainer(tmp_path / "damaged", tiny_qwen3_dir, damaged),
-            "taken": _trainer(tmp_path / "taken", tiny_qwen3_dir, taken),
-            # the pod's command: the rank's code is the container's (torchrun alone would exit 1)
-            "taken, launched": _trainer(tmp_path / "launched", tiny_qwen3_dir, taken, launched=True)}  # fmt: skip
+    runs = {
+        "unreachable": _trainer(tmp_path / "unreachable", tiny_qwen3_dir, tmp_path, store=s3),
+        "damaged": _trainer(tmp_path / "damaged", tiny_qwen3_dir, damaged),
+        "taken": _trainer(tmp_path / "taken", tiny_qwen3_dir, taken),
+        # the pod's command: the rank's code is the container's (torchrun alone would exit 1)
+        "taken, launched": _trainer(tmp_path / "launched", tiny_qwen3_dir, taken, launched=True),
+    }
     said = {name: _said(proc) for name, proc in runs.items()}
 
     code, line = said["unreachable"]
@@ -95,12 +128,17 @@ def test_entrypoint_store_failures_are_one_line_with_their_own_exit_code(tmp_pat
 
     code, line = said["damaged"]
     assert code == 6, line
-    assert line.startswith(f"cannot resume from the checkpoints in {damaged / 'checkpoints'}: no checkpoint in ")
+    assert line.startswith(
+        f"cannot resume from the checkpoints in {damaged / 'checkpoints'}: no checkpoint in "
+    )
     assert "ckpt-00000001.pt: blake3:" in line and "Fix: put back a good checkpoint there" in line
 
     code, line = said["taken"]
     assert code == 9, line
-    assert line.startswith(f"the weight channel {taken} has another writer: ") and "trainer/team-b/other-job" in line
+    assert (
+        line.startswith(f"the weight channel {taken} has another writer: ")
+        and "trainer/team-b/other-job" in line
+    )
     assert "Fix: one trainer writes a channel: stop the other one" in line
     assert "its own spec.weightChannel.store path" in line
     code, launched_line = said["taken, launched"]  # the same line (but for the lease's age) and code
@@ -108,9 +146,17 @@ def test_entrypoint_store_failures_are_one_line_with_their_own_exit_code(tmp_pat
 
 
 def _context(**fields: str) -> FailureContext:
-    return FailureContext(**{"store": "/data/ch", "checkpoints": "/data/ch/checkpoints", "router": "http://r:30000",
-                             "rollout_logs": "the pods' logs", "own_store": "its own store",
-                             "continue_with": "restart it", **fields})  # fmt: skip
+    return FailureContext(
+        **{
+            "store": "/data/ch",
+            "checkpoints": "/data/ch/checkpoints",
+            "router": "http://r:30000",
+            "rollout_logs": "the pods' logs",
+            "own_store": "its own store",
+            "continue_with": "restart it",
+            **fields,
+        }
+    )
 
 
 def test_a_version_conflict_and_a_rollout_stall_are_described(tmp_path: Path) -> None:
@@ -126,9 +172,11 @@ def test_a_version_conflict_and_a_rollout_stall_are_described(tmp_path: Path) ->
         channel.publish({"bf16": view}, version=2)
     code, line = describe_failure(conflict.value, _context(store=store.uri)) or (0, "")
     assert code == 4
-    assert line == (f"the weight channel {store.uri} refused this trainer's publish: version 2 is not above the "
-                    "published version 3. Fix: another trainer publishes to this channel: stop it, or give this "
-                    "run its own store; then restart it")  # fmt: skip
+    assert line == (
+        f"the weight channel {store.uri} refused this trainer's publish: version 2 is not above the "
+        "published version 3. Fix: another trainer publishes to this channel: stop it, or give this "
+        "run its own store; then restart it"
+    )
 
     class NeverAGroup:
         next_position = 0
@@ -138,14 +186,25 @@ def test_a_version_conflict_and_a_rollout_stall_are_described(tmp_path: Path) ->
         def take(self, n: int, timeout: float, stop: threading.Event) -> list:
             return []
 
-    loop = TrainingLoop(LoopConfig(total_steps=1, prompts_per_step=1, take_timeout=0.05), None, NeverAGroup(),  # type: ignore[arg-type]
-                        lambda v, w: None, None, [], {})  # type: ignore[arg-type]  # fmt: skip
+    loop = TrainingLoop(
+        LoopConfig(total_steps=1, prompts_per_step=1, take_timeout=0.05),
+        None,
+        NeverAGroup(),  # type: ignore[arg-type]
+        lambda v, w: None,
+        None,
+        [],
+        {},
+    )  # type: ignore[arg-type]
     with pytest.raises(RolloutStallError) as stall:
         loop.run()
-    code, line = describe_failure(stall.value, _context(detail="the router has been unavailable for 900s")) or (0, "")
+    code, line = describe_failure(
+        stall.value, _context(detail="the router has been unavailable for 900s")
+    ) or (0, "")
     assert code == 7
-    assert line == ("no complete rollout group for 0s from the router http://r:30000 (the router has been unavailable "
-                    "for 900s). Fix: check the router and the sampler groups (the pods' logs); then restart it")
+    assert line == (
+        "no complete rollout group for 0s from the router http://r:30000 (the router has been unavailable "
+        "for 900s). Fix: check the router and the sampler groups (the pods' logs); then restart it"
+    )
 
 
 def test_every_failure_class_has_its_own_exit_code() -> None:

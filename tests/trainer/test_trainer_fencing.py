@@ -36,15 +36,22 @@ def channel_files(channel_dir: Path) -> dict[str, str]:
     found = {}
     for path in sorted(channel_dir.rglob("*")):
         rel = path.relative_to(channel_dir).as_posix()
-        if path.is_file() and not rel.startswith("subscribers/") and not any(p.startswith(".") for p in rel.split("/")):
+        if (
+            path.is_file()
+            and not rel.startswith("subscribers/")
+            and not any(p.startswith(".") for p in rel.split("/"))
+        ):
             found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
     return found
 
 
 def store_locks_free(channel_dir: Path) -> bool:
     """No process holds the filesystem store's compare-and-swap locks (pointer, lease, checkpoints' `latest`)."""
-    for lock in (channel_dir / ".pointer.json.lock", channel_dir / ".lease.json.lock",
-                 channel_dir / "checkpoints" / ".latest.lock"):  # fmt: skip
+    for lock in (
+        channel_dir / ".pointer.json.lock",
+        channel_dir / ".lease.json.lock",
+        channel_dir / "checkpoints" / ".latest.lock",
+    ):
         if not lock.exists():
             continue
         with open(lock, "a") as fh:
@@ -86,12 +93,16 @@ def test_a_paused_then_continued_fenced_trainer_changes_nothing(tmp_path: Path, 
         pointer = channel.latest()
         return pointer is not None and pointer.version >= version
 
-    router_url, fleet = local_fleet(tmp_path, channel_dir, tiny_qwen3_dir, (GroupSpec("h100-bf16", "h100", "bf16"),))
+    router_url, fleet = local_fleet(
+        tmp_path, channel_dir, tiny_qwen3_dir, (GroupSpec("h100-bf16", "h100", "bf16"),)
+    )
     first = second = None
     try:
         first = trainer()
         fleet.wait_ready()
-        wait_for("the first trainer's version 2", lambda: pointer_at_least(2, first), timeout=300, interval=0.01)
+        wait_for(
+            "the first trainer's version 2", lambda: pointer_at_least(2, first), timeout=300, interval=0.01
+        )
         pause_outside_the_store_locks(first, channel_dir)
         paused_at = channel.latest().version  # type: ignore[union-attr]
         assert paused_at in (2, 3)

@@ -43,8 +43,14 @@ from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
 from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
-SIZES = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16,
-             max_position_embeddings=48)  # fmt: skip
+SIZES = dict(
+    vocab_size=32,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    head_dim=16,
+    max_position_embeddings=48,
+)
 VOCAB = 32
 GOOD, BAD = "cpu-bf16", "cpu-garbage"
 
@@ -76,14 +82,22 @@ def corrupt(meta: dict[str, Any]) -> None:
     meta["rlfleet_group"] = GOOD
 
 
-async def garbage_proxy(upstream: str, sent: dict[tuple[tuple[int, ...], tuple[int, ...]], int]) -> web.AppRunner:
+async def garbage_proxy(
+    upstream: str, sent: dict[tuple[tuple[int, ...], tuple[int, ...]], int]
+) -> web.AppRunner:
     """A real HTTP server relaying to `upstream`; /generate answers corrupted, each recorded in `sent`."""
 
     async def relay(request: web.Request) -> web.Response:
         body = await request.read()
-        async with aiohttp.ClientSession() as http, http.request(
-            request.method, upstream + request.path_qs, data=body or None, headers={"Content-Type": "application/json"}
-        ) as answer:  # fmt: skip
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(
+                request.method,
+                upstream + request.path_qs,
+                data=body or None,
+                headers={"Content-Type": "application/json"},
+            ) as answer,
+        ):
             data, status = await answer.read(), answer.status
         if request.path == "/generate" and status == 200:
             payload = json.loads(data)
@@ -101,8 +115,10 @@ async def garbage_proxy(upstream: str, sent: dict[tuple[tuple[int, ...], tuple[i
     return runner
 
 
-def expected(steps: list[tuple[dict[str, float], list[PromptGroup]]],
-             sent: dict[tuple[tuple[int, ...], tuple[int, ...]], int]) -> list[dict[str, dict[str, int]]]:  # fmt: skip
+def expected(
+    steps: list[tuple[dict[str, float], list[PromptGroup]]],
+    sent: dict[tuple[tuple[int, ...], tuple[int, ...]], int],
+) -> list[dict[str, dict[str, int]]]:
     """Per step and group, the counts the step's batch must report, from what each replica was sent: a
     turn the proxy corrupted is the garbage group's, with its positions' reasons; any other the good one's."""
     out = []
@@ -139,10 +155,22 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
     sent: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     proxy = await garbage_proxy(bad.url, sent)
     proxy_url = f"http://127.0.0.1:{proxy.addresses[0][1]}"
-    router, runner, port = await start_service(RouterConfig(port=0, health_interval_seconds=0.5, groups=[
-        GroupConfig(name=GOOD, replicas=[good.url]), GroupConfig(name=BAD, replicas=[proxy_url])]))  # fmt: skip
-    rc = example_run(steps=3, prompts_per_step=4, samples_per_prompt=2, max_staleness=None, environment="copy_digit",
-                     dataset=None, groups=[(GOOD, "bf16"), (BAD, "bf16")])  # fmt: skip
+    router, runner, port = await start_service(
+        RouterConfig(
+            port=0,
+            health_interval_seconds=0.5,
+            groups=[GroupConfig(name=GOOD, replicas=[good.url]), GroupConfig(name=BAD, replicas=[proxy_url])],
+        )
+    )
+    rc = example_run(
+        steps=3,
+        prompts_per_step=4,
+        samples_per_prompt=2,
+        max_staleness=None,
+        environment="copy_digit",
+        dataset=None,
+        groups=[(GOOD, "bf16"), (BAD, "bf16")],
+    )
     base = build_backend(rc, backend="torch", source_dir=model, max_seq_len=48)
     client = SamplerClient(f"http://127.0.0.1:{port}")
     steps: list[tuple[dict[str, float], list[PromptGroup]]] = []
@@ -157,12 +185,28 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
 
     def make_driver(position: int) -> RolloutDriver:
         env, prompts = rollout_inputs(rc, base)
-        return RolloutDriver(client, env, prompts, samples_per_prompt=rc.samples_per_prompt, sampling=rc.sampling,
-                             max_seq_len=48, start_position=position)  # fmt: skip
+        return RolloutDriver(
+            client,
+            env,
+            prompts,
+            samples_per_prompt=rc.samples_per_prompt,
+            sampling=rc.sampling,
+            max_seq_len=48,
+            start_position=position,
+        )
 
     try:
-        await asyncio.to_thread(run_training, rc, base.backend, Sink(), detector, make_driver,
-                                checkpoint=tmp_path / "checkpoints", on_step=on_step, on_quarantine=quarantined.append)  # fmt: skip
+        await asyncio.to_thread(
+            run_training,
+            rc,
+            base.backend,
+            Sink(),
+            detector,
+            make_driver,
+            checkpoint=tmp_path / "checkpoints",
+            on_step=on_step,
+            on_quarantine=quarantined.append,
+        )
     finally:
         await runner.cleanup()
         await router.close()
@@ -177,17 +221,26 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
         g, b = w[GOOD], w[BAD]
         dropped = b["nan"] + b["not_in_support"] + b["positive"]
         if g["sampled"]:
-            assert (m[f"group/{GOOD}/sampled_tokens"], m[f"group/{GOOD}/dropped_invalid_tokens"]) == (g["sampled"], 0)
-            assert m[f"group/{GOOD}/trained_fraction"] == 1.0 and m[f"group/{GOOD}/num_tokens"] == g["sampled"]
+            assert (m[f"group/{GOOD}/sampled_tokens"], m[f"group/{GOOD}/dropped_invalid_tokens"]) == (
+                g["sampled"],
+                0,
+            )
+            assert (
+                m[f"group/{GOOD}/trained_fraction"] == 1.0 and m[f"group/{GOOD}/num_tokens"] == g["sampled"]
+            )
             assert not [k for k in m if k.startswith(f"group/{GOOD}/{INVALID_METRIC_PREFIX}")]
         if b["sampled"]:
             p = f"group/{BAD}/"
             assert (m[p + "sampled_tokens"], m[p + "dropped_invalid_tokens"]) == (b["sampled"], dropped)
-            assert {k[len(p):]: v for k, v in m.items() if k.startswith(p + INVALID_METRIC_PREFIX)} == {
+            assert {k[len(p) :]: v for k, v in m.items() if k.startswith(p + INVALID_METRIC_PREFIX)} == {
                 f"{INVALID_METRIC_PREFIX}{R_BAD_LOGPROB}": b["nan"] + b["positive"],
-                **({f"{INVALID_METRIC_PREFIX}{R_NOT_IN_SUPPORT}": b["not_in_support"]} if b["not_in_support"] else {}),
+                **(
+                    {f"{INVALID_METRIC_PREFIX}{R_NOT_IN_SUPPORT}": b["not_in_support"]}
+                    if b["not_in_support"]
+                    else {}
+                ),
                 **({f"{INVALID_METRIC_PREFIX}{R_RENORM_BELOW_FULL}": b["positive"]} if b["positive"] else {}),
-            }  # fmt: skip
+            }
             assert m.get(p + "num_tokens", 0.0) == b["sampled"] - dropped
             assert m[p + "trained_fraction"] == (b["sampled"] - dropped) / b["sampled"]
         # the fleet: every token of the step's batch, and the loop's own fleet-wide drop count
@@ -198,13 +251,16 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
     m, b = steps[first][0], wanted[first][BAD]
     (alert,) = [a for a in decisions[first].alerts if a.signal == "invalid_tokens"]
     assert (alert.group, alert.value) == (BAD, 1.0 - m[f"group/{BAD}/trained_fraction"])
-    assert alert.message == (f"group {BAD}: {alert.value:.1%} of its sampled tokens not trained on (invalid), "
-                             f"top reason {R_BAD_LOGPROB}: {b['nan'] + b['positive']} tokens")  # fmt: skip
+    assert alert.message == (
+        f"group {BAD}: {alert.value:.1%} of its sampled tokens not trained on (invalid), "
+        f"top reason {R_BAD_LOGPROB}: {b['nan'] + b['positive']} tokens"
+    )
     assert quarantined == [[BAD]] and not [a for d in decisions for a in d.alerts if a.group == GOOD]
 
     # The trainer's exporter (HTTP) -> the operator's parser -> the autopilot: quarantined, no step up.
-    last, want = next((m, w[BAD]) for (m, _), w in zip(reversed(steps), reversed(wanted), strict=True)
-                      if w[BAD]["sampled"])  # fmt: skip
+    last, want = next(
+        (m, w[BAD]) for (m, _), w in zip(reversed(steps), reversed(wanted), strict=True) if w[BAD]["sampled"]
+    )
     exporter = PrometheusExporter(port=0)
     try:
         exporter.update(int(last["step"]), last)
@@ -214,14 +270,28 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
     parsed = parse_trainer_group_metrics(text)[BAD]
     invalid = decide.invalid_tokens(parsed)
     bad_logprob = want["nan"] + want["positive"]
-    assert invalid[R_BAD_LOGPROB] == bad_logprob and parsed["trained_fraction"] == last[f"group/{BAD}/trained_fraction"]
+    assert (
+        invalid[R_BAD_LOGPROB] == bad_logprob
+        and parsed["trained_fraction"] == last[f"group/{BAD}/trained_fraction"]
+    )
     reading = autopilot.AutopilotReading(
-        name=BAD, accelerator="b200", weight_format="nvfp4", kv_cache_dtype="auto", kl=0.0, oor_fraction=0.0,
-        max_kl=1.0, max_oor_fraction=1.0, quarantined=False, trained_fraction=parsed["trained_fraction"],
-        invalid_tokens=invalid, max_invalid_fraction=0.05,
-    )  # fmt: skip
+        name=BAD,
+        accelerator="b200",
+        weight_format="nvfp4",
+        kv_cache_dtype="auto",
+        kl=0.0,
+        oor_fraction=0.0,
+        max_kl=1.0,
+        max_oor_fraction=1.0,
+        quarantined=False,
+        trained_fraction=parsed["trained_fraction"],
+        invalid_tokens=invalid,
+        max_invalid_fraction=0.05,
+    )
     (action,), _ = autopilot.autopilot([reading], autopilot.AutopilotMemory(), 1, ("bf16", "fp8", "nvfp4"))
     share = 1.0 - last[f"group/{BAD}/trained_fraction"]
     assert (action.kind, action.to_format) == ("quarantine", None)
-    assert action.reason == (f"invalid share {share:g} > 0.05 (top reason {R_BAD_LOGPROB}: {bad_logprob} tokens) "
-                             "for 1 intervals: quarantined (invalid answers are not a precision to step up from)")  # fmt: skip
+    assert action.reason == (
+        f"invalid share {share:g} > 0.05 (top reason {R_BAD_LOGPROB}: {bad_logprob} tokens) "
+        "for 1 intervals: quarantined (invalid answers are not a precision to step up from)"
+    )

@@ -36,8 +36,9 @@ def test_a_failed_ranks_code_is_the_containers_code() -> None:
 
 def _launch(command: list[str], script: Path, rank1: str) -> subprocess.CompletedProcess:
     argv = [*command, "--standalone", "--nproc-per-node=2", "--monitor-interval=0.1", str(script), rank1]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 @pytest.mark.slow
@@ -117,9 +118,22 @@ def test_a_finished_multi_rank_trainer_ends_every_rank_in_bounded_time(tmp_path:
         out = tmp_path / f"run{attempt}"
         out.mkdir()
         started = time.time()
-        done = subprocess.run([RLFLEET, "trainer", "launch", "--standalone", "--nproc-per-node=3", "--monitor-interval=0.1",
-                               str(script), str(out)], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        done = subprocess.run(
+            [
+                RLFLEET,
+                "trainer",
+                "launch",
+                "--standalone",
+                "--nproc-per-node=3",
+                "--monitor-interval=0.1",
+                str(script),
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
         assert ranks[0]["sum"] == 3.0 and ranks[0]["confirmed"] == [1, 2]

@@ -30,8 +30,17 @@ from rlfleet.trainer.rollout.batching import flatten_groups
 from rlfleet.trainer.rollout.driver import RolloutDriver
 
 # the smallest tiny Qwen3 the loop needs (no fp8 view is published here: sizes need not be multiples of 128)
-SIZES = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 48, "seed": 0}
+SIZES = {
+    "vocab_size": 32,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 48,
+    "seed": 0,
+}
 MAX_SEQ_LEN = SIZES["max_position_embeddings"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GROUPS = [("g-bf16", "bf16", "auto"), ("g-nvfp4", "nvfp4", "fp8_e4m3")]
@@ -78,13 +87,22 @@ def make(model_dir, tmp_path, env=None, start_position=0, generate=None, steps=4
     shape = ModelShape.from_checkpoint(model_dir)
     samplers = [EmulatedSampler(n, f, kv, shape, seed=i) for i, (n, f, kv) in enumerate(GROUPS)]
     fleet = EmulatedFleet(samplers)
-    backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig.from_correction("sc-mis-topp"),
-                                        optim=OptimConfig(learning_rate=1e-3))
+    backend = HFBackend.from_pretrained(
+        model_dir, ObjectiveConfig.from_correction("sc-mis-topp"), optim=OptimConfig(learning_rate=1e-3)
+    )
     fleet.load_weights(backend.weights(), 0)
     env = env or ToolAddEnv(max_turns=3)
     driver_cls = _SampleTagDriver if isinstance(env, CountingEnv) else RolloutDriver
-    driver = driver_cls(generate or fleet.generate, env, GeneratedPromptSource("tool_add", 0), samples_per_prompt=3,
-                        sampling=SAMPLING, max_seq_len=MAX_SEQ_LEN, start_position=start_position, max_ahead_prompts=6)
+    driver = driver_cls(
+        generate or fleet.generate,
+        env,
+        GeneratedPromptSource("tool_add", 0),
+        samples_per_prompt=3,
+        sampling=SAMPLING,
+        max_seq_len=MAX_SEQ_LEN,
+        start_position=start_position,
+        max_ahead_prompts=6,
+    )
 
     def publish(version, weights):
         if checkpoints:
@@ -93,8 +111,12 @@ def make(model_dir, tmp_path, env=None, start_position=0, generate=None, steps=4
 
     loop = TrainingLoop(
         LoopConfig(total_steps=steps, prompts_per_step=2, checkpoint_dir=tmp_path / "ckpt"),
-        backend, driver, publish=publish, detector=CollapseDetector(),
-        group_names=[g[0] for g in GROUPS], group_views={g[0]: g[1] for g in GROUPS},
+        backend,
+        driver,
+        publish=publish,
+        detector=CollapseDetector(),
+        group_names=[g[0] for g in GROUPS],
+        group_views={g[0]: g[1] for g in GROUPS},
     )
     return loop, driver, fleet
 
@@ -198,7 +220,9 @@ def test_staleness_is_per_token_version_under_in_flight_updates(model_dir, tmp_p
     oldest = min(g.staleness(trainer_version) for g in groups)
     kept, dropped = split_by_staleness(groups, trainer_version, max_staleness=oldest)
     assert kept and all(g.staleness(trainer_version) <= oldest for g in kept)
-    assert len(kept) + len(dropped) == len(groups) and all(g.staleness(trainer_version) > oldest for g in dropped)
+    assert len(kept) + len(dropped) == len(groups) and all(
+        g.staleness(trainer_version) > oldest for g in dropped
+    )
     assert split_by_staleness(groups, trainer_version, None) == (groups, [])
 
 

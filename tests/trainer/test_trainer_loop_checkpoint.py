@@ -58,12 +58,19 @@ async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> Sa
     out = np.array([5, 6, 2][: sampling.max_new_tokens])  # two digits' ids, then EOS
     n = len(out)
     other = (out + 1) % 32
-    return SampledTurn(prompt_ids=np.asarray(ids), output_ids=out, logprobs=np.full(n, np.log(0.5)),
-                       sampled_logprobs=np.full(n, np.log(0.6)), support_offsets=np.arange(0, 2 * n + 1, 2),
-                       support_ids=np.stack([out, other], 1).reshape(-1),
-                       support_logprobs=np.tile(np.log([0.6, 0.4]), n).astype(np.float32),
-                       weight_versions=np.zeros(n, dtype=np.int64), candidate_mode=sampling.candidate_mode,
-                       group="cpu-bf16", finish_reason="stop")  # fmt: skip
+    return SampledTurn(
+        prompt_ids=np.asarray(ids),
+        output_ids=out,
+        logprobs=np.full(n, np.log(0.5)),
+        sampled_logprobs=np.full(n, np.log(0.6)),
+        support_offsets=np.arange(0, 2 * n + 1, 2),
+        support_ids=np.stack([out, other], 1).reshape(-1),
+        support_logprobs=np.tile(np.log([0.6, 0.4]), n).astype(np.float32),
+        weight_versions=np.zeros(n, dtype=np.int64),
+        candidate_mode=sampling.candidate_mode,
+        group="cpu-bf16",
+        finish_reason="stop",
+    )
 
 
 @dataclass
@@ -83,11 +90,25 @@ class Run:
 
         def make_driver(position: int) -> RolloutDriver:
             env, prompts = rollout_inputs(rc, base)
-            return RolloutDriver(generate, env, prompts, samples_per_prompt=rc.samples_per_prompt,
-                                 sampling=rc.sampling, max_seq_len=48, start_position=position)  # fmt: skip
+            return RolloutDriver(
+                generate,
+                env,
+                prompts,
+                samples_per_prompt=rc.samples_per_prompt,
+                sampling=rc.sampling,
+                max_seq_len=48,
+                start_position=position,
+            )
 
-        return run_training(rc, base.backend, sink, CollapseDetector(), make_driver, checkpoint=self.checkpoints,
-                            resume=resume)  # fmt: skip
+        return run_training(
+            rc,
+            base.backend,
+            sink,
+            CollapseDetector(),
+            make_driver,
+            checkpoint=self.checkpoints,
+            resume=resume,
+        )
 
     def killed_at_version_2(self) -> None:
         """A first process, SIGKILLed while it publishes version 2 (after the step-2 checkpoint)."""
@@ -102,12 +123,25 @@ def copy_digit_run(
     tmp_path: Path, tiny_qwen3_factory: Callable[..., Path], example_run: Callable[..., Any]
 ) -> Callable[[int], Run]:
     """`make(steps)`: a Run of `steps` steps, one prompt of two samples a step, on one bf16 group."""
-    model = tiny_qwen3_factory(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               head_dim=16, max_position_embeddings=48)  # fmt: skip
+    model = tiny_qwen3_factory(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        head_dim=16,
+        max_position_embeddings=48,
+    )
 
     def make(steps: int) -> Run:
-        rc = example_run(steps=steps, prompts_per_step=1, samples_per_prompt=2, max_staleness=None,
-                         environment="copy_digit", dataset=None, groups=[("cpu-bf16", "bf16")])  # fmt: skip
+        rc = example_run(
+            steps=steps,
+            prompts_per_step=1,
+            samples_per_prompt=2,
+            max_staleness=None,
+            environment="copy_digit",
+            dataset=None,
+            groups=[("cpu-bf16", "bf16")],
+        )
         return Run(rc, model, tmp_path / "checkpoints")
 
     return make
@@ -144,7 +178,9 @@ def test_a_checkpoint_older_than_the_pointer_resumes_and_publishes_above_it(
     run.killed_at_version_2()
     state = checkpoint.load_latest(ckpts)
     assert state is not None and (state["step"], state["version_offset"]) == (2, 0)
-    older = [e for e in checkpoint._read_latest(checkpoint._place(ckpts)[0], "latest")[0].entries]  # newest first
+    older = [
+        e for e in checkpoint._read_latest(checkpoint._place(ckpts)[0], "latest")[0].entries
+    ]  # newest first
     (ckpts / older[0]["name"]).write_bytes(b"damaged")  # the step-2 checkpoint: refused, step 1 loads
     state = checkpoint.load_latest(ckpts)
     assert state is not None and state["step"] == 1

@@ -39,8 +39,9 @@ def test_text_prompts_are_rendered_once_with_the_chat_template(tmp_path: Path) -
     src = DatasetPromptSource(write_jsonl(tmp_path / "p.jsonl", ROWS), tokenizer=tok, shuffle=False)
     p = src.get(2)
     assert tok.decode(p.input_ids) == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
-    expected = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], tokenize=True,
-                                       add_generation_prompt=True)["input_ids"]  # fmt: skip
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], tokenize=True, add_generation_prompt=True
+    )["input_ids"]
     assert p.input_ids == list(expected)
     assert p.meta == {"answer": "5", "row": 2}
     # Rendered once: the second epoch serves the cached ids of the same row.

@@ -31,18 +31,31 @@ from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
-MODEL = tiny_shape(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)  # fmt: skip
+MODEL = tiny_shape(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 
 
 def copy_digit_driver(client: SamplerClient, max_ahead: int) -> RolloutDriver:
     """The trainer's rollout driver on copy_digit prompts (2 samples each, 2 new tokens), its outage
     backoff short (20 to 100 ms): its circuit opens and its probes run within a test."""
     return RolloutDriver(
-        client, copy_digit, GeneratedPromptSource("copy_digit"), samples_per_prompt=2,
-        sampling=SamplingConfig(temperature=1.0, max_new_tokens=2), max_seq_len=32,
-        max_ahead_prompts=max_ahead, outage_policy=OutagePolicy(backoff_initial_s=0.02, backoff_max_s=0.1),
-    )  # fmt: skip
+        client,
+        copy_digit,
+        GeneratedPromptSource("copy_digit"),
+        samples_per_prompt=2,
+        sampling=SamplingConfig(temperature=1.0, max_new_tokens=2),
+        max_seq_len=32,
+        max_ahead_prompts=max_ahead,
+        outage_policy=OutagePolicy(backoff_initial_s=0.02, backoff_max_s=0.1),
+    )
 
 
 async def probes_fail(driver: RolloutDriver, what: str, probes: int = 2) -> None:
@@ -54,9 +67,13 @@ async def probes_fail(driver: RolloutDriver, what: str, probes: int = 2) -> None
 
 async def look_ahead_filled(driver: RolloutDriver, max_ahead: int) -> None:
     """Wait until the driver's look-ahead is full with nothing in flight: all it produced is in its buffer."""
-    await asyncio.to_thread(wait_for, "the driver's look-ahead to fill (nothing in flight)",
-                            lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0, timeout=20,
-                            interval=0.01)  # fmt: skip
+    await asyncio.to_thread(
+        wait_for,
+        "the driver's look-ahead to fill (nothing in flight)",
+        lambda: driver.buffer.qsize() == max_ahead and driver._in_flight == 0,
+        timeout=20,
+        interval=0.01,
+    )
 
 
 async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
@@ -66,11 +83,16 @@ async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
     )
     port = free_port()
     # health checks readmit the replica once it is back
-    config = RouterConfig(port=port, retry_after_seconds=0, health_interval_seconds=0.2,
-                          groups=[GroupConfig(name="g", replicas=[sampler.url])])  # fmt: skip
+    config = RouterConfig(
+        port=port,
+        retry_after_seconds=0,
+        health_interval_seconds=0.2,
+        groups=[GroupConfig(name="g", replicas=[sampler.url])],
+    )
     router, runner, _ = await start_service(config)
-    client = SamplerClient(f"http://127.0.0.1:{port}",
-                           policy=ClientRetryPolicy(backoff_initial_s=0.001, backoff_max_s=0.002))  # fmt: skip
+    client = SamplerClient(
+        f"http://127.0.0.1:{port}", policy=ClientRetryPolicy(backoff_initial_s=0.001, backoff_max_s=0.002)
+    )
     max_ahead = 4
     driver = copy_digit_driver(client, max_ahead)
     taken: list[PromptGroup] = []
@@ -86,7 +108,9 @@ async def test_a_router_outage_burns_no_prompt_and_training_resumes() -> None:
 
         # Phase 1: the sampler is down, so the router answers 503 to every request.
         await sampler.stop()
-        await asyncio.to_thread(wait_for, "the circuit to open", lambda: driver.outage is not None, interval=0.01)
+        await asyncio.to_thread(
+            wait_for, "the circuit to open", lambda: driver.outage is not None, interval=0.01
+        )
         await probes_fail(driver, "two failed probes")
         position = driver.next_position
         # Phase 2: the router is down (refused); the circuit stays open, probes keep failing.

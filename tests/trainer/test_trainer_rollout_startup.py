@@ -102,8 +102,13 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
     sampler_port = int(sampler.url.rsplit(":", 1)[1])
     port = free_port()
     dns = Dns()
-    config = RouterConfig(port=port, retry_after_seconds=0, health_interval_seconds=0.2, resolve_interval_seconds=0.05,
-                          groups=[GroupConfig(name="bf16", replicas=[f"http://{SERVICE}:{sampler_port}"])])  # fmt: skip
+    config = RouterConfig(
+        port=port,
+        retry_after_seconds=0,
+        health_interval_seconds=0.2,
+        resolve_interval_seconds=0.05,
+        groups=[GroupConfig(name="bf16", replicas=[f"http://{SERVICE}:{sampler_port}"])],
+    )
     not_found = await NotFound().start(port)
     client = SamplerClient(f"http://127.0.0.1:{port}", policy=FAST)
     max_ahead = 4
@@ -118,8 +123,9 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
     driver.start()
     try:
         # Phase 1: 404 from the router's address. The first groups fail with it and are held.
-        await asyncio.to_thread(wait_for, "the circuit to open on 404", lambda: driver.outage is not None,
-                                interval=0.01)  # fmt: skip
+        await asyncio.to_thread(
+            wait_for, "the circuit to open on 404", lambda: driver.outage is not None, interval=0.01
+        )
         held_at_the_outage = driver.stats.held_groups
         await probes_fail(driver, "two failed probes")
         assert "404" in driver.outage_note()
@@ -133,7 +139,10 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
             answer = await http.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [1]})
         assert answer.status_code == 503
         message = answer.json()["error"]["message"]
-        assert f"cannot look up {SERVICE} ([Errno {socket.EAI_AGAIN}] Temporary failure in name resolution)" in message
+        assert (
+            f"cannot look up {SERVICE} ([Errno {socket.EAI_AGAIN}] Temporary failure in name resolution)"
+            in message
+        )
         await probes_fail(driver, "two probes answered 503")
         assert "Temporary failure in name resolution" in driver.outage_note()
         assert driver.next_position == position and driver.stats.failed_groups == 0
@@ -162,5 +171,8 @@ async def test_a_starting_fleet_404_then_no_dns_drops_no_prompt() -> None:
     assert (stats.failed_groups, stats.router_outages, stats.dispatched_prompts) == (0, 1, consumed)
     # every group held was dispatched again; held: those failing when the circuit opened (1 to max_ahead, as the
     # timing goes) and at least the two failed probes of each phase
-    assert stats.completed_groups == consumed and stats.redispatched_groups == stats.held_groups >= held_at_the_outage + 4
+    assert (
+        stats.completed_groups == consumed
+        and stats.redispatched_groups == stats.held_groups >= held_at_the_outage + 4
+    )
     assert dns.lookups >= 2

@@ -44,19 +44,37 @@ def test_mismatch_compares_sets_not_orders() -> None:
     assert token_differs.tolist() == [False, True, True]
     assert layer_share.tolist() == [0.0, 0.5, 1.0]
     assert routing_metrics(token_differs, layer_share, np.ones(3, dtype=bool)) == {
-        "routing_tokens": 3.0, "routing_mismatch_tokens": 2 / 3, "routing_mismatch_layers": 1.5 / 3}  # fmt: skip
+        "routing_tokens": 3.0,
+        "routing_mismatch_tokens": 2 / 3,
+        "routing_mismatch_layers": 1.5 / 3,
+    }
     assert routing_metrics(token_differs, layer_share, np.array([True, False, True])) == {
-        "routing_tokens": 2.0, "routing_mismatch_tokens": 0.5, "routing_mismatch_layers": 0.5}  # fmt: skip
+        "routing_tokens": 2.0,
+        "routing_mismatch_tokens": 0.5,
+        "routing_mismatch_layers": 0.5,
+    }
     assert routing_metrics(token_differs, layer_share, np.zeros(3, dtype=bool)) == {}  # no token: no metric
     with pytest.raises(ValueError, match=r"\[tokens, layers, top_k\]"):
         routing_mismatch(trainer, sampler[:, :1])
 
 
 def test_combined_parts_weight_the_mismatch_by_compared_tokens() -> None:
-    a = {"num_tokens": 4.0, "invalid_tokens": 0.0, "kl_k3": 0.1,
-         "routing_tokens": 1.0, "routing_mismatch_tokens": 1.0, "routing_mismatch_layers": 0.5}  # fmt: skip
-    b = {"num_tokens": 2.0, "invalid_tokens": 0.0, "kl_k3": 0.4,
-         "routing_tokens": 3.0, "routing_mismatch_tokens": 0.0, "routing_mismatch_layers": 0.25}  # fmt: skip
+    a = {
+        "num_tokens": 4.0,
+        "invalid_tokens": 0.0,
+        "kl_k3": 0.1,
+        "routing_tokens": 1.0,
+        "routing_mismatch_tokens": 1.0,
+        "routing_mismatch_layers": 0.5,
+    }
+    b = {
+        "num_tokens": 2.0,
+        "invalid_tokens": 0.0,
+        "kl_k3": 0.4,
+        "routing_tokens": 3.0,
+        "routing_mismatch_tokens": 0.0,
+        "routing_mismatch_layers": 0.25,
+    }
     dense = {"num_tokens": 2.0, "invalid_tokens": 0.0, "kl_k3": 0.4}
     got = combine_metrics([a, b, dense])
     assert got["routing_tokens"] == 4.0 and got["routing_mismatch_tokens"] == 0.25
@@ -67,9 +85,16 @@ def test_combined_parts_weight_the_mismatch_by_compared_tokens() -> None:
 def _turn(prompt: list[int], output: list[int], version: int, routed: np.ndarray | None) -> SampledTurn:
     n = len(output)
     return SampledTurn.from_lists(
-        prompt, output, [-0.5] * n, [[t] for t in output], [[0.0]] * n, version,
-        sampled_logprobs=[0.0] * n, group="g", routed_experts=routed,
-    ).validate()  # fmt: skip
+        prompt,
+        output,
+        [-0.5] * n,
+        [[t] for t in output],
+        [[0.0]] * n,
+        version,
+        sampled_logprobs=[0.0] * n,
+        group="g",
+        routed_experts=routed,
+    ).validate()
 
 
 def pattern(positions: int, layers: int = 2) -> np.ndarray:
@@ -85,8 +110,14 @@ def test_flatten_carries_each_rows_sampler_routing_at_its_logit_position() -> No
     prompt = [5, 6, 7]
     turn0 = _turn(prompt, [8, 9], 1, pattern(3 + 2 - 1))
     turn1 = _turn([5, 6, 7, 8, 9, 1, 2], [10, 11], 2, pattern(7 + 2 - 1))
-    outcome = EpisodeOutcome(reward=1.0, num_turns=2, empty_final_reply=False, no_tool_call_termination=False,
-                             format_errors=0, tool_calls=1)  # fmt: skip
+    outcome = EpisodeOutcome(
+        reward=1.0,
+        num_turns=2,
+        empty_final_reply=False,
+        no_tool_call_termination=False,
+        format_errors=0,
+        tool_calls=1,
+    )
     routed = Rollout(Prompt(0, prompt), 0, [turn0, turn1], [[1, 2], []], outcome)
     plain = Rollout(Prompt(0, prompt), 1, [_turn(prompt, [4], 2, None)], [[]], outcome)
     flat = flatten_groups([PromptGroup(Prompt(0, prompt), [routed, plain])], trainer_version=2)
@@ -110,10 +141,14 @@ def transformers_routing(ckpt: Path, flat: FlatBatch) -> tuple[np.ndarray, float
     model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     chosen: list[torch.Tensor] = []
     gaps: list[float] = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
-             for layer in model.model.layers]  # fmt: skip
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
+        for layer in model.model.layers
+    ]
     with torch.no_grad():
-        out = model.model(input_ids=torch.from_numpy(flat.input_ids), use_cache=False, output_router_logits=True)
+        out = model.model(
+            input_ids=torch.from_numpy(flat.input_ids), use_cache=False, output_router_logits=True
+        )
     for h in hooks:
         h.remove()
     b, s = flat.input_ids.shape
@@ -138,10 +173,14 @@ def test_a_moe_step_measures_routing_mismatch_exactly(tiny_qwen3_factory, budget
     flat.trainer_version, flat.versions = 1, np.ones(flat.num_tokens, dtype=np.int64)
 
     flat.routed_experts = own[:, :, ::-1].copy()  # the same sets, listed the other way round
-    out, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu",
-                                       max_tokens_per_micro_batch=budget).train_step(flat, GROUPS)  # fmt: skip
+    out, _ = HFBackend.from_pretrained(
+        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
+    ).train_step(flat, GROUPS)
     assert {k: out.metrics[k] for k in ROUTING_KEYS} == {
-        "routing_tokens": flat.num_tokens, "routing_mismatch_tokens": 0.0, "routing_mismatch_layers": 0.0}  # fmt: skip
+        "routing_tokens": flat.num_tokens,
+        "routing_mismatch_tokens": 0.0,
+        "routing_mismatch_layers": 0.0,
+    }
 
     altered = own.copy()
     rows = np.arange(flat.num_tokens)
@@ -159,12 +198,16 @@ def test_a_moe_step_measures_routing_mismatch_exactly(tiny_qwen3_factory, budget
     altered[missing] = -1
     flat.routed_experts = altered
     compared = ~stale & ~missing
-    out, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu",
-                                       max_tokens_per_micro_batch=budget).train_step(flat, GROUPS)  # fmt: skip
+    out, _ = HFBackend.from_pretrained(
+        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
+    ).train_step(flat, GROUPS)
 
     def want(sel: np.ndarray) -> dict[str, float]:
-        return {"routing_tokens": float(sel.sum()), "routing_mismatch_tokens": float(differs[sel].any(1).mean()),
-                "routing_mismatch_layers": float(differs[sel].mean())}  # fmt: skip
+        return {
+            "routing_tokens": float(sel.sum()),
+            "routing_mismatch_tokens": float(differs[sel].any(1).mean()),
+            "routing_mismatch_layers": float(differs[sel].mean()),
+        }
 
     def got(m: dict[str, float]) -> dict[str, float]:
         return {k: m[k] for k in ROUTING_KEYS}
@@ -174,7 +217,8 @@ def test_a_moe_step_measures_routing_mismatch_exactly(tiny_qwen3_factory, budget
         assert got(out.per_group[gid]) == pytest.approx(want(compared & (group == gid)), abs=1e-12)
     flat_metrics = objective_metrics(out, list(GROUPS), {})
     assert flat_metrics["group/h100-fp8/routing_mismatch_layers"] == pytest.approx(
-        want(compared & (group == 1))["routing_mismatch_layers"], abs=1e-12)  # fmt: skip
+        want(compared & (group == 1))["routing_mismatch_layers"], abs=1e-12
+    )
 
 
 def _routed_batch(routed: np.ndarray) -> FlatBatch:
@@ -184,7 +228,9 @@ def _routed_batch(routed: np.ndarray) -> FlatBatch:
 
 
 def _routing_step_job(rank: int, ckpt: str, routed: np.ndarray) -> dict:
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24)
+    backend = HFBackend.from_pretrained(
+        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24
+    )
     assert backend.distributed and backend.world == 2
     out, _ = backend.train_step(_routed_batch(routed), GROUPS)
     return {"metrics": out.metrics, "per_group": out.per_group}
@@ -192,7 +238,9 @@ def _routing_step_job(rank: int, ckpt: str, routed: np.ndarray) -> dict:
 
 @pytest.mark.timeout(240)
 @pytest.mark.slow  # two spawned processes import torch + transformers
-def test_two_gloo_ranks_measure_the_same_routing_mismatch_as_one_process(tmp_path: Path, tiny_qwen3_factory) -> None:
+def test_two_gloo_ranks_measure_the_same_routing_mismatch_as_one_process(
+    tmp_path: Path, tiny_qwen3_factory
+) -> None:
     """FSDP2 over 2 gloo ranks, each with its own sequences and micro-batches: the merged routing metrics
     equal one process's (every row at the trainer's version 0; the sampler's experts altered in every
     4th row's layer 1)."""
@@ -200,8 +248,12 @@ def test_two_gloo_ranks_measure_the_same_routing_mismatch_as_one_process(tmp_pat
     routed, _ = transformers_routing(ckpt, make_batch(lens=RAGGED, seed=3))
     for row in range(0, len(routed), 4):
         routed[row, 1, 0] = next(e for e in range(4) if e not in routed[row, 1])
-    one, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").train_step(_routed_batch(routed), GROUPS)
-    assert one.metrics["routing_mismatch_layers"] == pytest.approx(len(range(0, len(routed), 4)) / (2 * len(routed)))
+    one, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").train_step(
+        _routed_batch(routed), GROUPS
+    )
+    assert one.metrics["routing_mismatch_layers"] == pytest.approx(
+        len(range(0, len(routed), 4)) / (2 * len(routed))
+    )
     ranks = spawn(tmp_path, _routing_step_job, str(ckpt), routed)
     for key in ROUTING_KEYS:
         assert ranks[0]["metrics"][key] == pytest.approx(one.metrics[key], abs=1e-12)
@@ -213,8 +265,9 @@ def test_a_dense_model_reports_no_routing(tiny_qwen3_factory) -> None:
     """A dense Qwen3 given a batch with routing (it cannot have any): no routing metric."""
     flat = make_batch(lens=RAGGED, seed=3)
     flat.routed_experts = np.zeros((flat.num_tokens, 2, 2), dtype=np.int32)
-    out, _ = HFBackend.from_pretrained(tiny_qwen3_factory(**SMALL_QWEN3), OBJECTIVE, optim=OPTIM,
-                                       device="cpu").train_step(flat, GROUPS)  # fmt: skip
+    out, _ = HFBackend.from_pretrained(
+        tiny_qwen3_factory(**SMALL_QWEN3), OBJECTIVE, optim=OPTIM, device="cpu"
+    ).train_step(flat, GROUPS)
     assert not set(ROUTING_KEYS) & (set(out.metrics) | {k for m in out.per_group.values() for k in m})
 
 
@@ -227,8 +280,13 @@ def test_the_group_mismatch_reaches_prometheus_and_the_operators_reading() -> No
     from rlfleet.operator.rebalance import parse_trainer_group_metrics
     from rlfleet.trainer.metrics import PrometheusExporter
 
-    group = {"num_tokens": 4.0, "invalid_tokens": 0.0, "routing_tokens": 4.0,
-             "routing_mismatch_tokens": 0.25, "routing_mismatch_layers": 0.125}  # fmt: skip
+    group = {
+        "num_tokens": 4.0,
+        "invalid_tokens": 0.0,
+        "routing_tokens": 4.0,
+        "routing_mismatch_tokens": 0.25,
+        "routing_mismatch_layers": 0.125,
+    }
     out = LossOutput(loss=torch.zeros(()), metrics=dict(group), per_group={1: dict(group)})
     exporter = PrometheusExporter(port=0)
     try:

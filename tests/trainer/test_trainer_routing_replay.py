@@ -40,8 +40,10 @@ def own_routing(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.
     """The top-2 experts transformers' router picks per position and layer (hooks on each layer's gate,
     no code under test): int64 [SEQ, layers, 2], and the logits of that plain forward."""
     chosen: list[torch.Tensor] = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
-             for layer in model.model.layers]  # fmt: skip
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
+        for layer in model.model.layers
+    ]
     with torch.no_grad():
         logits = model(input_ids=input_ids, use_cache=False).logits[0]
     for h in hooks:
@@ -92,7 +94,9 @@ def test_an_altered_token_gets_the_hand_computed_moe_output_and_router_gradient(
     replayed = torch.full_like(own, -1)
     with torch.no_grad():
         captured_plain: list[torch.Tensor] = []
-        h = block.register_forward_hook(lambda _m, args, out: captured_plain.append(args[0][0, token].clone()))
+        h = block.register_forward_hook(
+            lambda _m, args, out: captured_plain.append(args[0][0, token].clone())
+        )
         model(input_ids=ids, use_cache=False)
         h.remove()
         last_two = torch.softmax(block.gate.weight @ captured_plain[0], -1).argsort()[:2].tolist()
@@ -107,7 +111,9 @@ def test_an_altered_token_gets_the_hand_computed_moe_output_and_router_gradient(
     x, out = seen[0]
     want = hand_moe(block, x[token].detach(), last_two)
     torch.testing.assert_close(out[token], want, rtol=0, atol=1e-6)
-    assert (want - hand_moe(block, x[token].detach(), own[token, 0].tolist())).abs().max() > 1e-3  # a real change
+    assert (
+        want - hand_moe(block, x[token].detach(), own[token, 0].tolist())
+    ).abs().max() > 1e-3  # a real change
     # the positions before the altered token are unchanged up to fp32 rounding: a run with a replayed route sums
     # in another order (one run here: 1.19e-6 on a logit of 3.2, 3.8e-7 relative), so float32's own rtol
     torch.testing.assert_close(logits[:token].detach(), plain[:token], rtol=1.3e-6, atol=1e-6)
@@ -121,7 +127,9 @@ def test_an_altered_token_gets_the_hand_computed_moe_output_and_router_gradient(
     weight = block.gate.weight.detach().clone().requires_grad_(True)
     probs = torch.softmax(weight @ x[token].detach(), dim=-1)
     w = probs[last_two] / probs[last_two].sum()
-    expert_out = [hand_moe(block, x[token].detach(), [e]).detach() for e in last_two]  # each expert alone, weight 1
+    expert_out = [
+        hand_moe(block, x[token].detach(), [e]).detach() for e in last_two
+    ]  # each expert alone, weight 1
     (sum(wi * (eo @ c) for wi, eo in zip(w, expert_out, strict=True))).backward()
     torch.testing.assert_close(got, weight.grad, rtol=0, atol=1e-6)
 
@@ -129,26 +137,36 @@ def test_an_altered_token_gets_the_hand_computed_moe_output_and_router_gradient(
 def test_replay_refuses_what_it_cannot_replay(moe, tiny_qwen3_factory) -> None:
     model, ids = moe
     own, _ = own_routing(model, ids)
-    with pytest.raises(ValueError, match=r"\[positions, 2 MoE layers, top_k\]"), replay_routing(model, own[:, :1]):
+    with (
+        pytest.raises(ValueError, match=r"\[positions, 2 MoE layers, top_k\]"),
+        replay_routing(model, own[:, :1]),
+    ):
         pass
     bad = own.clone()
     bad[0, 0, 0] = 4
     with pytest.raises(ValueError, match="expert id 4 >= the model's 4 experts"), replay_routing(model, bad):
         pass
     with pytest.raises(ValueError, match="has no Qwen3-MoE router"):
-        HFBackend.from_pretrained(tiny_qwen3_factory(**SMALL_QWEN3), OBJECTIVE, optim=OPTIM, device="cpu",
-                                  routing_replay=True)  # fmt: skip
+        HFBackend.from_pretrained(
+            tiny_qwen3_factory(**SMALL_QWEN3), OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=True
+        )
 
 
-def _step(ckpt: Path, flat, replay: bool, **kwargs) -> tuple[dict[str, float], float, dict[str, torch.Tensor]]:
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=replay, **kwargs)
+def _step(
+    ckpt: Path, flat, replay: bool, **kwargs
+) -> tuple[dict[str, float], float, dict[str, torch.Tensor]]:
+    backend = HFBackend.from_pretrained(
+        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=replay, **kwargs
+    )
     out, _ = backend.train_step(flat, GROUPS)
     grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if "mlp.gate" in n}
     return out.metrics, float(out.loss), grads
 
 
 @pytest.mark.parametrize("budget", [24, 1 << 14])
-def test_a_replayed_step_uses_the_samplers_experts_and_measures_the_trainers_own(tiny_qwen3_factory, budget) -> None:
+def test_a_replayed_step_uses_the_samplers_experts_and_measures_the_trainers_own(
+    tiny_qwen3_factory, budget
+) -> None:
     """The backend's step with replay: the sampler's experts = the trainer's own -> the loss and router
     gradients of a step without replay. Then layer 1 (the last, whose router input no replay changes) of
     every 3rd row altered: the loss moves, the routing mismatch is exactly those rows (against the
@@ -174,11 +192,18 @@ def test_a_replayed_step_uses_the_samplers_experts_and_measures_the_trainers_own
     metrics, loss, grads = _step(ckpt, flat, True, max_tokens_per_micro_batch=budget)
     assert abs(loss - base_loss) > 1e-6
     assert {k: metrics[k] for k in ROUTING_KEYS} == pytest.approx(
-        {"routing_tokens": flat.num_tokens, "routing_mismatch_tokens": rows.mean(),
-         "routing_mismatch_layers": rows.mean() / 2}, abs=1e-12)  # fmt: skip
+        {
+            "routing_tokens": flat.num_tokens,
+            "routing_mismatch_tokens": rows.mean(),
+            "routing_mismatch_layers": rows.mean() / 2,
+        },
+        abs=1e-12,
+    )
     assert all(g.abs().max() > 0 for g in grads.values()) and len(grads) == 2
     assert any((g - base_grads[n]).abs().max() > 1e-6 for n, g in grads.items())
-    _, ckpt_loss, ckpt_grads = _step(ckpt, flat, True, max_tokens_per_micro_batch=budget, activation_checkpointing=True)
+    _, ckpt_loss, ckpt_grads = _step(
+        ckpt, flat, True, max_tokens_per_micro_batch=budget, activation_checkpointing=True
+    )
     assert ckpt_loss == pytest.approx(loss, abs=1e-6)
     for name, g in ckpt_grads.items():
         torch.testing.assert_close(g, grads[name], rtol=0, atol=1e-6)
@@ -193,14 +218,18 @@ def _altered_routing(ckpt: Path) -> np.ndarray:
 
 
 def _replayed_step_job(rank: int, ckpt: str, routed: np.ndarray) -> dict:
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24,
-                                        routing_replay=True)  # fmt: skip
+    backend = HFBackend.from_pretrained(
+        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24, routing_replay=True
+    )
     assert backend.distributed and backend.world == 2
     flat = make_batch(lens=RAGGED, seed=3)
     flat.routed_experts = routed
     step = one_step(backend, flat)
-    return {"loss": step["loss"], "metrics": step["metrics"],
-            "grads": {n: g for n, g in step["grads"].items() if "mlp.gate" in n}}  # fmt: skip
+    return {
+        "loss": step["loss"],
+        "metrics": step["metrics"],
+        "grads": {n: g for n, g in step["grads"].items() if "mlp.gate" in n},
+    }
 
 
 @pytest.mark.timeout(240)
@@ -214,7 +243,9 @@ def test_two_gloo_ranks_replay_as_one_process(tmp_path: Path, tiny_qwen3_factory
     routed = _altered_routing(ckpt)
     flat = make_batch(lens=RAGGED, seed=3)
     flat.routed_experts = routed
-    one = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=True), flat)
+    one = one_step(
+        HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=True), flat
+    )
     plain = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu"), flat)
     assert abs(one["loss"] - plain["loss"]) > 1e-6
     ranks = spawn(tmp_path, _replayed_step_job, str(ckpt), routed)

@@ -12,8 +12,16 @@ import pytest
 @pytest.fixture
 def model_dir(tiny_qwen3_factory, one_torch_thread) -> Path:
     """The loop tests' tiny Qwen3 (no fp8 view published: small sizes); torch on one thread."""
-    return tiny_qwen3_factory(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                              num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=48)
+    return tiny_qwen3_factory(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=48,
+    )
 
 
 class RecordingTracker:
@@ -46,34 +54,56 @@ def _composition_root_parts(model_dir: Path, example_run):
     torch.manual_seed(0)
     shape = ModelShape.from_checkpoint(model_dir)
     fleet = EmulatedFleet([EmulatedSampler("g-bf16", "bf16", "auto", shape, seed=0)])
-    backend = HFBackend.from_pretrained(model_dir, ObjectiveConfig.from_correction("sc-mis-topp"),
-                                        optim=OptimConfig(learning_rate=1e-3))
+    backend = HFBackend.from_pretrained(
+        model_dir, ObjectiveConfig.from_correction("sc-mis-topp"), optim=OptimConfig(learning_rate=1e-3)
+    )
 
     class FleetSink(SnapshotSink):  # versions go to the emulated samplers
         def publish(self, weights, version, *, step):
             super().publish(weights, version, step=step)
             fleet.load_weights(weights, version)
 
-    sampling = SamplingConfig(temperature=1.0, top_p=0.97, top_k=16, max_new_tokens=4, candidate_mode="support")
+    sampling = SamplingConfig(
+        temperature=1.0, top_p=0.97, top_k=16, max_new_tokens=4, candidate_mode="support"
+    )
 
     def make_driver(position):
-        return RolloutDriver(fleet.generate, ToolAddEnv(max_turns=3), GeneratedPromptSource("tool_add", 0),
-                             samples_per_prompt=2, sampling=sampling, max_seq_len=shape.max_position_embeddings,
-                             start_position=position, max_ahead_prompts=4)
+        return RolloutDriver(
+            fleet.generate,
+            ToolAddEnv(max_turns=3),
+            GeneratedPromptSource("tool_add", 0),
+            samples_per_prompt=2,
+            sampling=sampling,
+            max_seq_len=shape.max_position_embeddings,
+            start_position=position,
+            max_ahead_prompts=4,
+        )
 
-    rc = example_run(steps=3, prompts_per_step=2, max_staleness=None, groups=[("g-bf16", "bf16")], sampling=sampling)
+    rc = example_run(
+        steps=3, prompts_per_step=2, max_staleness=None, groups=[("g-bf16", "bf16")], sampling=sampling
+    )
     return rc, backend, FleetSink(), make_driver
 
 
-def test_run_training_logs_every_step_to_the_tracker_and_closes_it(tmp_path: Path, model_dir: Path, example_run) -> None:
+def test_run_training_logs_every_step_to_the_tracker_and_closes_it(
+    tmp_path: Path, model_dir: Path, example_run
+) -> None:
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.run import run_training
 
     rc, backend, sink, make_driver = _composition_root_parts(model_dir, example_run)
     tracker = RecordingTracker()
     hooked: list[dict] = []
-    loop = run_training(rc, backend, sink, CollapseDetector(), make_driver, checkpoint=tmp_path / "ckpt",
-                        on_step=lambda m, d, g: hooked.append(dict(m)), tracker=tracker)
+    loop = run_training(
+        rc,
+        backend,
+        sink,
+        CollapseDetector(),
+        make_driver,
+        checkpoint=tmp_path / "ckpt",
+        on_step=lambda m, d, g: hooked.append(dict(m)),
+        tracker=tracker,
+    )
     assert [step for step, _ in tracker.logged] == [1, 2, 3] == [int(h["step"]) for h in loop.state.history]
     assert [metrics for _, metrics in tracker.logged] == hooked  # the very dicts the on_step hook got
     assert {"step", "reward_mean", "kl_k3", "grad_norm"} <= set(tracker.logged[0][1])
@@ -91,12 +121,21 @@ def test_run_training_closes_the_tracker_on_error(tmp_path: Path, model_dir: Pat
         raise RuntimeError("no rollouts")
 
     with pytest.raises(RuntimeError, match="no rollouts"):
-        run_training(rc, backend, sink, CollapseDetector(), broken_driver, checkpoint=tmp_path / "ckpt",
-                     tracker=tracker)
+        run_training(
+            rc,
+            backend,
+            sink,
+            CollapseDetector(),
+            broken_driver,
+            checkpoint=tmp_path / "ckpt",
+            tracker=tracker,
+        )
     assert tracker.logged == [] and tracker.closed == 1
 
 
-def test_run_training_misconfigured_tracking_is_a_start_error(tmp_path: Path, model_dir: Path, monkeypatch, example_run) -> None:
+def test_run_training_misconfigured_tracking_is_a_start_error(
+    tmp_path: Path, model_dir: Path, monkeypatch, example_run
+) -> None:
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.run import TrainingStartError, run_training
 

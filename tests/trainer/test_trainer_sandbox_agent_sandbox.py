@@ -43,13 +43,18 @@ wait_for = functools.partial(waits.wait_for, timeout=30.0, interval=0.05)
 def test_the_command_line_carries_stdin_and_merges_stderr_through_a_real_shell(tmp_path: Path) -> None:
     """What the runtime gets: one line it splits with shlex and runs (its /execute); here a real sh runs it."""
     work = tmp_path / "w o r k"
-    line = command_line(["sh", "-c", 'cat > "$1"; echo out; echo err >&2; exit 3', "sh", "f.txt"], b"a'b\n\x00c",
-                        SandboxLimits(), str(work))  # fmt: skip
+    line = command_line(
+        ["sh", "-c", 'cat > "$1"; echo out; echo err >&2; exit 3', "sh", "f.txt"],
+        b"a'b\n\x00c",
+        SandboxLimits(),
+        str(work),
+    )
     done = subprocess.run(shlex.split(line), capture_output=True, timeout=30)
     assert done.returncode == 3 and done.stdout == b"out\nerr\n" and done.stderr == b""
     assert (work / "f.txt").read_bytes() == b"a'b\n\x00c"  # made the work dir, ran in it, stdin byte-exact
-    quiet = subprocess.run(shlex.split(command_line(["cat"], b"", SandboxLimits(), str(work))),
-                           capture_output=True, timeout=30)  # fmt: skip
+    quiet = subprocess.run(
+        shlex.split(command_line(["cat"], b"", SandboxLimits(), str(work))), capture_output=True, timeout=30
+    )
     assert quiet.returncode == 0 and quiet.stdout == b""  # no stdin: /dev/null, never the runtime's own
 
 
@@ -58,7 +63,9 @@ def test_from_environment_says_what_is_missing() -> None:
         template, warm_pool = "t", 0
 
     with pytest.raises(SandboxUnavailable, match=r"does not know its own pod \(RLFLEET_POD_UID unset"):
-        AgentSandboxes.from_environment(Spec(), "j", environ={"RLFLEET_POD_NAME": "p", "RLFLEET_POD_NAMESPACE": "n"})
+        AgentSandboxes.from_environment(
+            Spec(), "j", environ={"RLFLEET_POD_NAME": "p", "RLFLEET_POD_NAMESPACE": "n"}
+        )
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +77,28 @@ def crds(kube) -> None:
 
 def trainer_pod(kube, namespace: str, name: str) -> str:
     """A pod standing for the trainer pod (the claims' owner; never scheduled: no node matches); its uid."""
-    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"nodeSelector": {"rlfleet.dev/no-such-node": "true"},
-                     "containers": [{"name": "trainer", "image": "registry.example/trainer:1"}]}}  # fmt: skip
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeSelector": {"rlfleet.dev/no-such-node": "true"},
+            "containers": [{"name": "trainer", "image": "registry.example/trainer:1"}],
+        },
+    }
     kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
     return str(kube.get_json("pod", name, "-n", namespace)["metadata"]["uid"])
 
 
 def owned_claims(api: Any, namespace: str, owner: str) -> set[str]:
     """The claims labelled with `owner` (the trainer pod), not yet being deleted."""
-    found = api.list_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxclaims",
-                                              label_selector=f"app.kubernetes.io/component=sandbox,rlfleet.dev/sandbox-owner={owner}")  # fmt: skip
+    found = api.list_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        namespace,
+        "sandboxclaims",
+        label_selector=f"app.kubernetes.io/component=sandbox,rlfleet.dev/sandbox-owner={owner}",
+    )
     return {c["metadata"]["name"] for c in found["items"] if not c["metadata"].get("deletionTimestamp")}
 
 
@@ -100,11 +118,21 @@ def replicas(api: Any, namespace: str, pool: str) -> int:
 
 
 @pytest.mark.cluster
-def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_deleted(kube, crds, namespace: str) -> None:
+def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_deleted(
+    kube, crds, namespace: str
+) -> None:
     api = objects(kube)
     uid = trainer_pod(kube, namespace, "j-trainer-0")
-    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=4, owner_pod="j-trainer-0", owner_uid=uid,
-                           api_client=kube.api_client(), ready_timeout_s=4)  # fmt: skip
+    boxes = AgentSandboxes(
+        namespace,
+        "j",
+        "python-task",
+        warm_pool=4,
+        owner_pod="j-trainer-0",
+        owner_uid=uid,
+        api_client=kube.api_client(),
+        ready_timeout_s=4,
+    )
     assert boxes.removed_leftovers == []
     pool = api.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxwarmpools", "j-sandboxes")
     assert pool["spec"] == {"replicas": 0, "sandboxTemplateRef": {"name": "python-task"}}
@@ -125,10 +153,15 @@ def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_delete
     # owned by the trainer pod
     assert claim["spec"] == {"warmPoolRef": {"name": "j-sandboxes"}}
     assert claim["metadata"]["name"].startswith("j-trainer-0-sbx-")
-    assert claim["metadata"]["labels"] == {"rlfleet.dev/job": "j", "app.kubernetes.io/component": "sandbox",
-                                           "rlfleet.dev/sandbox-owner": "j-trainer-0",
-                                           "agents.x-k8s.io/created-by": "python-client"}  # fmt: skip
-    assert claim["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "j-trainer-0", "uid": uid}]
+    assert claim["metadata"]["labels"] == {
+        "rlfleet.dev/job": "j",
+        "app.kubernetes.io/component": "sandbox",
+        "rlfleet.dev/sandbox-owner": "j-trainer-0",
+        "agents.x-k8s.io/created-by": "python-client",
+    }
+    assert claim["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "j-trainer-0", "uid": uid}
+    ]
     assert "agents.x-k8s.io/client-first-requested-at" in claim["metadata"]["annotations"]
     assert replicas(api, namespace, "j-sandboxes") == 1  # one sandbox open: one warm one ahead of it
     thread.join(timeout=60)
@@ -136,7 +169,9 @@ def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_delete
     (error,) = errors
     assert isinstance(error, SandboxUnavailable)
     message = str(error)
-    assert "\n" not in message and "not ready within 4s" in message and "agent-sandbox's controller" in message
+    assert (
+        "\n" not in message and "not ready within 4s" in message and "agent-sandbox's controller" in message
+    )
     assert claims(api, namespace) == []  # the claim deleted
     assert replicas(api, namespace, "j-sandboxes") == 0 and boxes.open == 0
 
@@ -145,7 +180,9 @@ def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_delete
 def test_a_pool_of_another_template_is_refused(kube, crds, namespace: str) -> None:
     owner = {"owner_pod": "j-trainer-0", "owner_uid": trainer_pod(kube, namespace, "j-trainer-0")}
     AgentSandboxes(namespace, "j", "python-task", warm_pool=1, api_client=kube.api_client(), **owner)
-    with pytest.raises(SandboxUnavailable, match="exists for template 'python-task', not rollout.sandbox.template 'go-task'"):
+    with pytest.raises(
+        SandboxUnavailable, match="exists for template 'python-task', not rollout.sandbox.template 'go-task'"
+    ):
         AgentSandboxes(namespace, "j", "go-task", warm_pool=1, api_client=kube.api_client(), **owner)
 
 
@@ -157,10 +194,15 @@ def runtime(tmp_path: Path) -> Iterator[str]:
     port = free_port()
     base = tmp_path / "runtime"
     base.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "runtime_main:app", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=HERE, env={"PATH": "/usr/bin:/bin", "SANDBOX_BASE_DIR": str(base), "HOME": str(tmp_path)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "runtime_main:app", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=HERE,
+        env={"PATH": "/usr/bin:/bin", "SANDBOX_BASE_DIR": str(base), "HOME": str(tmp_path)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
+
         def up() -> bool:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -185,28 +227,53 @@ def play_controller(api: Any, namespace: str, sandbox: str) -> None:
 def play_controller_of(api: Any, namespace: str, owner: str, sandbox: str) -> None:
     """play_controller for the one claim of trainer pod `owner`."""
     (name,) = wait_for("the claim", lambda: owned_claims(api, namespace, owner))
-    ready(api, namespace, api.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxclaims", name), sandbox)
+    ready(
+        api,
+        namespace,
+        api.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxclaims", name),
+        sandbox,
+    )
 
 
 def ready(api: Any, namespace: str, claim: dict[str, Any], sandbox: str) -> None:
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    claim["status"] = {"sandbox": {"name": sandbox},
-                       "conditions": [{"type": "Ready", "status": "True", "reason": "SandboxReady", "message": "",
-                                       "lastTransitionTime": now}]}  # fmt: skip
-    api.replace_namespaced_custom_object_status(GROUP, VERSION, namespace, "sandboxclaims", claim["metadata"]["name"], claim)
+    claim["status"] = {
+        "sandbox": {"name": sandbox},
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "SandboxReady",
+                "message": "",
+                "lastTransitionTime": now,
+            }
+        ],
+    }
+    api.replace_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, "sandboxclaims", claim["metadata"]["name"], claim
+    )
 
 
 @pytest.mark.cluster
-def test_an_episode_runs_through_the_sdk_and_close_deletes_its_claim(kube, crds, namespace: str, runtime: str,
-                                                                    tmp_path: Path) -> None:  # fmt: skip
+def test_an_episode_runs_through_the_sdk_and_close_deletes_its_claim(
+    kube, crds, namespace: str, runtime: str, tmp_path: Path
+) -> None:
     from k8s_agent_sandbox.models import SandboxDirectConnectionConfig
 
     api = objects(kube)
     work = tmp_path / "runtime" / "repo"
-    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=4, owner_pod="j-trainer-0",
-                           owner_uid=trainer_pod(kube, namespace, "j-trainer-0"), api_client=kube.api_client(),
-                           connection=SandboxDirectConnectionConfig(api_url=runtime), ready_timeout_s=30,
-                           workdir=str(work))  # fmt: skip
+    boxes = AgentSandboxes(
+        namespace,
+        "j",
+        "python-task",
+        warm_pool=4,
+        owner_pod="j-trainer-0",
+        owner_uid=trainer_pod(kube, namespace, "j-trainer-0"),
+        api_client=kube.api_client(),
+        connection=SandboxDirectConnectionConfig(api_url=runtime),
+        ready_timeout_s=30,
+        workdir=str(work),
+    )
     controller = threading.Thread(target=play_controller, args=(api, namespace, "sbx-1"))
     controller.start()
     box = boxes({"pkg/a.py": "x = 1\n", "README": "hi\n"}, SandboxLimits())
@@ -215,8 +282,11 @@ def test_an_episode_runs_through_the_sdk_and_close_deletes_its_claim(kube, crds,
     assert claim["metadata"]["name"] == box.claim_name and replicas(api, namespace, "j-sandboxes") == 1
     assert box.read_file("pkg/a.py") == "x = 1\n"
     box.write_file("pkg/b.py", "y = 'two'\n")
-    result = box.run("python3 -c 'import sys; print(sys.stdin.read().upper())'; echo e >&2; exit 5", timeout_s=30,
-                     stdin=b"in")  # fmt: skip
+    result = box.run(
+        "python3 -c 'import sys; print(sys.stdin.read().upper())'; echo e >&2; exit 5",
+        timeout_s=30,
+        stdin=b"in",
+    )
     assert (result.exit_code, result.output, result.timed_out) == (5, "IN\ne\n", False)
     diff = box.diff()
     assert "+++ b/pkg/b.py" in diff and "+y = 'two'" in diff and "a.py" not in diff
@@ -250,8 +320,9 @@ def test_the_trainer_builds_the_backend_from_the_rljob(kube, crds, namespace: st
     env = build_environment(rc, tokenizer=build_chat_tokenizer())
     assert isinstance(env.sandbox, AgentSandboxes) and env.sandbox.max_warm == 3
     assert (env.sandbox.owner_pod, env.sandbox.namespace) == ("t-trainer-0", namespace)
-    pool = objects(kube).get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxwarmpools",
-                                                      f"{rc.job_name}-sandboxes")  # fmt: skip
+    pool = objects(kube).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, "sandboxwarmpools", f"{rc.job_name}-sandboxes"
+    )
     assert pool["spec"]["sandboxTemplateRef"] == {"name": "python-task"}
 
 
@@ -262,8 +333,16 @@ def test_deleting_the_trainer_pod_garbage_collects_its_claims(kube, crds, namesp
     deletes the claim's sandbox)."""
     api = objects(kube)
     uid = trainer_pod(kube, namespace, "j-trainer-0")
-    boxes = AgentSandboxes(namespace, "j", "python-task", warm_pool=1, owner_pod="j-trainer-0", owner_uid=uid,
-                           api_client=kube.api_client(), ready_timeout_s=60)  # fmt: skip
+    boxes = AgentSandboxes(
+        namespace,
+        "j",
+        "python-task",
+        warm_pool=1,
+        owner_pod="j-trainer-0",
+        owner_uid=uid,
+        api_client=kube.api_client(),
+        ready_timeout_s=60,
+    )
     controller = threading.Thread(target=play_controller, args=(api, namespace, "sbx-1"))
     controller.start()
     handle = boxes.claim()  # ready: the SDK's handle (no command runs here)
@@ -307,21 +386,40 @@ def test_a_restarted_trainer_deletes_the_claims_its_killed_run_left_with_the_ope
     raw["spec"]["rollout"]["sandbox"] = {"backend": "agent-sandbox", "template": "python-task"}
     job = RLJob.model_validate(raw)
     role = sandboxes.build_sandbox_role("agent-sandboxes", namespace, backend="agent-sandbox")
-    granted = [role, *sandboxes.build_sandbox_children(job, namespace, None, sandboxes.parse_role_ref("Role/agent-sandboxes"))]
+    granted = [
+        role,
+        *sandboxes.build_sandbox_children(
+            job, namespace, None, sandboxes.parse_role_ref("Role/agent-sandboxes")
+        ),
+    ]
     assert [o["kind"] for o in granted] == ["Role", "ServiceAccount", "RoleBinding"]
     kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in granted))
-    token = kube.kubectl("create", "token", sandboxes.trainer_service_account(job), "-n", namespace,
-                         "--duration=1h").stdout.strip()  # fmt: skip
+    token = kube.kubectl(
+        "create", "token", sandboxes.trainer_service_account(job), "-n", namespace, "--duration=1h"
+    ).stdout.strip()
     kubeconfig = kube.token_kubeconfig(token, tmp_path / "trainer.kubeconfig")
     api = objects(kube)
     uid = trainer_pod(kube, namespace, "swe-claims-trainer-0")
     # another trainer pod's claim: not this trainer's to delete
-    other = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SandboxClaim",
-             "metadata": {"name": "other", "labels": {"app.kubernetes.io/component": "sandbox",
-                                                      "rlfleet.dev/sandbox-owner": "swe-claims-trainer-1"}},
-             "spec": {"warmPoolRef": {"name": "swe-claims-sandboxes"}}}  # fmt: skip
+    other = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "SandboxClaim",
+        "metadata": {
+            "name": "other",
+            "labels": {
+                "app.kubernetes.io/component": "sandbox",
+                "rlfleet.dev/sandbox-owner": "swe-claims-trainer-1",
+            },
+        },
+        "spec": {"warmPoolRef": {"name": "swe-claims-sandboxes"}},
+    }
     api.create_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxclaims", other)
-    args = {"namespace": namespace, "owner": "swe-claims-trainer-0", "uid": uid, "kubeconfig": str(kubeconfig)}
+    args = {
+        "namespace": namespace,
+        "owner": "swe-claims-trainer-0",
+        "uid": uid,
+        "kubeconfig": str(kubeconfig),
+    }
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(args)], stderr=subprocess.PIPE)
 
     def two_claims() -> set[str] | None:
@@ -336,14 +434,23 @@ def test_a_restarted_trainer_deletes_the_claims_its_killed_run_left_with_the_ope
         os.kill(proc.pid, signal.SIGKILL)  # no close(), no finalizer: as a killed trainer
         proc.wait()
     assert owned_claims(api, namespace, "swe-claims-trainer-0") == left  # left behind
-    restarted = AgentSandboxes(namespace, "swe-claims", "python-task", warm_pool=2, owner_pod="swe-claims-trainer-0",
-                               owner_uid=uid, api_client=config.new_client_from_config(config_file=str(kubeconfig)),
-                               ready_timeout_s=60)  # fmt: skip
+    restarted = AgentSandboxes(
+        namespace,
+        "swe-claims",
+        "python-task",
+        warm_pool=2,
+        owner_pod="swe-claims-trainer-0",
+        owner_uid=uid,
+        api_client=config.new_client_from_config(config_file=str(kubeconfig)),
+        ready_timeout_s=60,
+    )
     assert set(restarted.removed_leftovers) == left
     wait_for("the killed run's claims gone", lambda: not owned_claims(api, namespace, "swe-claims-trainer-0"))
     assert {c["metadata"]["name"] for c in claims(api, namespace)} == {"other"}
     # the restarted trainer's own episode, as the same account: claimed, awaited, closed
-    controller = threading.Thread(target=play_controller_of, args=(api, namespace, "swe-claims-trainer-0", "sbx-2"))
+    controller = threading.Thread(
+        target=play_controller_of, args=(api, namespace, "swe-claims-trainer-0", "sbx-2")
+    )
     controller.start()
     handle = restarted.claim()
     controller.join(timeout=30)
@@ -355,7 +462,9 @@ def test_a_restarted_trainer_deletes_the_claims_its_killed_run_left_with_the_ope
 
 
 @pytest.mark.cluster
-def test_the_operator_grants_the_agent_sandbox_role_by_bind_alone(kube, crds, namespace: str, tmp_path: Path) -> None:
+def test_the_operator_grants_the_agent_sandbox_role_by_bind_alone(
+    kube, crds, namespace: str, tmp_path: Path
+) -> None:
     """The chart's grants (serviceaccounts and rolebindings create/patch, `bind` on the agent-sandbox role;
     as a Role here) let an account holding none of the role's rights apply the operator's ServiceAccount and
     RoleBinding for a job with backend agent-sandbox by server-side apply; without `bind` the API server
@@ -369,10 +478,24 @@ def test_the_operator_grants_the_agent_sandbox_role_by_bind_alone(kube, crds, na
     raw["metadata"]["name"] = "swe-granted"
     raw["spec"]["rollout"]["sandbox"] = {"backend": "agent-sandbox", "template": "python-task"}
     job = RLJob.model_validate(raw)
-    kube.kubectl("apply", "-n", namespace, "-f", "-",
-                 input=json.dumps(sandboxes.build_sandbox_role("agent-sandboxes", namespace, backend="agent-sandbox")))  # fmt: skip
-    children = sandboxes.build_sandbox_children(job, namespace, None, sandboxes.parse_role_ref("Role/agent-sandboxes"))
-    assert [c["kind"] for c in children] == ["ServiceAccount", "RoleBinding"]  # no NetworkPolicy for this backend
+    kube.kubectl(
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps(sandboxes.build_sandbox_role("agent-sandboxes", namespace, backend="agent-sandbox")),
+    )
+    children = sandboxes.build_sandbox_children(
+        job, namespace, None, sandboxes.parse_role_ref("Role/agent-sandboxes")
+    )
+    assert [c["kind"] for c in children] == [
+        "ServiceAccount",
+        "RoleBinding",
+    ]  # no NetworkPolicy for this backend
     applies_children_by_bind_alone(kube, namespace, children, "agent-sandboxes", tmp_path)
     binding = kube.get_json("rolebinding", "swe-granted-sandboxes", "-n", namespace)
-    assert binding["roleRef"]["name"] == "agent-sandboxes" and binding["subjects"][0]["name"] == "swe-granted-trainer"
+    assert (
+        binding["roleRef"]["name"] == "agent-sandboxes"
+        and binding["subjects"][0]["name"] == "swe-granted-trainer"
+    )

@@ -20,19 +20,32 @@ from rlfleet.sandbox.podspec import (
     warm_pool_target,
 )
 
-CONFIG = SandboxPodConfig(namespace="team-a", job="j", owner_pod="j-trainer-0", owner_uid="uid-1",
-                          image="registry.example/sandbox:1", cpu="500m", memory="1Gi", work_dir_size="2Gi",
-                          max_seconds=900)  # fmt: skip
+CONFIG = SandboxPodConfig(
+    namespace="team-a",
+    job="j",
+    owner_pod="j-trainer-0",
+    owner_uid="uid-1",
+    image="registry.example/sandbox:1",
+    cpu="500m",
+    memory="1Gi",
+    work_dir_size="2Gi",
+    max_seconds=900,
+)
 
 
 def test_the_pod_runs_without_token_or_privilege_on_a_read_only_root() -> None:
     pod = build_sandbox_pod(CONFIG, "j-trainer-0-sbx-ab12")
     meta, spec = pod["metadata"], pod["spec"]
     assert meta["name"] == "j-trainer-0-sbx-ab12" and meta["namespace"] == "team-a"
-    assert meta["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "j-trainer-0", "uid": "uid-1"}]
-    assert meta["labels"] == {"app.kubernetes.io/component": "sandbox", "rlfleet.dev/job": "j",
-                              "rlfleet.dev/sandbox-owner": "j-trainer-0",
-                              "app.kubernetes.io/managed-by": "rlfleet-trainer"}  # fmt: skip
+    assert meta["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "j-trainer-0", "uid": "uid-1"}
+    ]
+    assert meta["labels"] == {
+        "app.kubernetes.io/component": "sandbox",
+        "rlfleet.dev/job": "j",
+        "rlfleet.dev/sandbox-owner": "j-trainer-0",
+        "app.kubernetes.io/managed-by": "rlfleet-trainer",
+    }
     assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
     assert spec["activeDeadlineSeconds"] == 900 and spec["restartPolicy"] == "Never"
     assert spec["dnsPolicy"] == "None" and spec["dnsConfig"] == {"nameservers": ["127.0.0.1"]}
@@ -40,19 +53,34 @@ def test_the_pod_runs_without_token_or_privilege_on_a_read_only_root() -> None:
     assert "runtimeClassName" not in spec and "serviceAccountName" not in spec
     (container,) = spec["containers"]
     assert container["image"] == "registry.example/sandbox:1"
-    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
-                                            "readOnlyRootFilesystem": True, "runAsNonRoot": True}  # fmt: skip
-    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "1Gi"},
-                                      "limits": {"cpu": "500m", "memory": "1Gi"}}  # fmt: skip
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+    }
+    assert container["resources"] == {
+        "requests": {"cpu": "500m", "memory": "1Gi"},
+        "limits": {"cpu": "500m", "memory": "1Gi"},
+    }
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert mounts == {"/work": "work", "/tmp": "tmp"}  # the only writable paths
-    assert spec["volumes"] == [{"name": "work", "emptyDir": {"sizeLimit": "2Gi"}},
-                               {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}}]  # fmt: skip
+    assert spec["volumes"] == [
+        {"name": "work", "emptyDir": {"sizeLimit": "2Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}},
+    ]
 
 
 def test_the_runtime_class_and_node_selector_are_the_jobs() -> None:
-    config = SandboxPodConfig(namespace="n", job="j", owner_pod="p", owner_uid="u", image="i",
-                              runtime_class_name="gvisor", node_selector={"pool": "cpu"})  # fmt: skip
+    config = SandboxPodConfig(
+        namespace="n",
+        job="j",
+        owner_pod="p",
+        owner_uid="u",
+        image="i",
+        runtime_class_name="gvisor",
+        node_selector={"pool": "cpu"},
+    )
     spec = build_sandbox_pod(config, "p-sbx-1")["spec"]
     assert spec["runtimeClassName"] == "gvisor" and spec["nodeSelector"] == {"pool": "cpu"}
 
@@ -61,7 +89,10 @@ def test_names_stay_dns_labels_and_the_selector_names_the_owner() -> None:
     long = "a" * 60 + "-trainer-0"
     name = sandbox_pod_name(long, "0f0f0f0f")
     assert len(name) <= 63 and name.endswith("-sbx-0f0f0f0f") and name.startswith("a" * 40)
-    assert owner_selector("j-trainer-0") == "app.kubernetes.io/component=sandbox,rlfleet.dev/sandbox-owner=j-trainer-0"
+    assert (
+        owner_selector("j-trainer-0")
+        == "app.kubernetes.io/component=sandbox,rlfleet.dev/sandbox-owner=j-trainer-0"
+    )
     with pytest.raises(ValueError, match="owner_uid"):
         SandboxPodConfig(namespace="n", job="j", owner_pod="p", owner_uid="", image="i")
 
@@ -83,11 +114,14 @@ def test_the_snapshot_tar_holds_the_files_and_refuses_escapes() -> None:
 
 def test_exit_codes_from_the_exec_status_channel() -> None:
     assert exit_code({"metadata": {}, "status": "Success"}) == 0
-    failure = {"status": "Failure", "reason": "NonZeroExitCode",
-               "details": {"causes": [{"reason": "ExitCode", "message": "3"}]}}  # fmt: skip
+    failure = {
+        "status": "Failure",
+        "reason": "NonZeroExitCode",
+        "details": {"causes": [{"reason": "ExitCode", "message": "3"}]},
+    }
     assert exit_code(failure) == 3
     with pytest.raises(SandboxPodError, match="container not found"):
-        exit_code({"status": "Failure", "message": "container not found (\"sandbox\")"})
+        exit_code({"status": "Failure", "message": 'container not found ("sandbox")'})
 
 
 def test_output_beyond_the_bound_keeps_its_first_and_last_half() -> None:
@@ -103,8 +137,10 @@ def test_output_beyond_the_bound_keeps_its_first_and_last_half() -> None:
     assert small.text() == "ok\n"
 
 
-@pytest.mark.parametrize(("open_now", "maximum", "expected"), [(0, 4, 0), (1, 4, 1), (3, 4, 3), (4, 4, 4), (9, 4, 4),
-                                                               (5, 0, 0)])  # fmt: skip
-def test_the_warm_pool_is_one_idle_pod_per_open_sandbox_up_to_its_maximum(open_now: int, maximum: int,
-                                                                          expected: int) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("open_now", "maximum", "expected"), [(0, 4, 0), (1, 4, 1), (3, 4, 3), (4, 4, 4), (9, 4, 4), (5, 0, 0)]
+)
+def test_the_warm_pool_is_one_idle_pod_per_open_sandbox_up_to_its_maximum(
+    open_now: int, maximum: int, expected: int
+) -> None:
     assert warm_pool_target(open_now, maximum) == expected

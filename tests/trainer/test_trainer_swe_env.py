@@ -47,7 +47,10 @@ def bwrap() -> None:
         if os.geteuid() != 0:
             pytest.skip("bubblewrap (bwrap) is not installed and we are not root to apt-get install it")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", "bubblewrap"]):
+        for cmd in (
+            ["apt-get", "update", "-q"],
+            ["apt-get", "install", "-y", "-q", "--no-install-recommends", "bubblewrap"],
+        ):
             result = subprocess.run(cmd, env=env, capture_output=True, text=True)
             assert result.returncode == 0, f"{' '.join(cmd)}: {result.stderr[-2000:]}"
     try:  # bwrap present, but namespaces refused (unprivileged user namespaces off, a locked-down VM)
@@ -61,15 +64,23 @@ def bwrap() -> None:
 def sandbox_uid_processes() -> list[str]:
     """Live processes of any sandbox uid (a zombie, state Z, has ended: whether one is left is
     test_a_command_killed_at_its_timeout_leaves_no_zombie's question)."""
-    out = subprocess.run(["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if int(line.split()[0]) >= UID_BASE and not line.split()[2].startswith("Z")]
+    out = subprocess.run(
+        ["ps", "-eo", "uid=,pid=,stat=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    return [
+        line
+        for line in out.splitlines()
+        if int(line.split()[0]) >= UID_BASE and not line.split()[2].startswith("Z")
+    ]
 
 
 def work_dirs() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("rlfleet-sandbox-*")}
 
 
-def run_policy(replies: list[str], grade_timeout_s: float = 60.0, limits: SandboxLimits | None = None) -> dict:
+def run_policy(
+    replies: list[str], grade_timeout_s: float = 60.0, limits: SandboxLimits | None = None
+) -> dict:
     """One episode of the first shipped task (stats-mean) with these replies."""
     tok = byte_chat_tokenizer()
     env = SweEnv(tok, max_turns=10, grade_timeout_s=grade_timeout_s, limits=limits)
@@ -80,10 +91,17 @@ def run_policy(replies: list[str], grade_timeout_s: float = 60.0, limits: Sandbo
 
 def test_shipped_tasks_are_what_the_script_builds(tmp_path) -> None:
     tasks, solutions = build(tmp_path)
-    assert tasks.read_bytes() == TASKS.read_bytes(), "examples/swe/tasks.jsonl is stale: scripts/build-swe-tasks"
+    assert tasks.read_bytes() == TASKS.read_bytes(), (
+        "examples/swe/tasks.jsonl is stale: scripts/build-swe-tasks"
+    )
     assert solutions.read_bytes() == SOLUTIONS.read_bytes()
     loaded = load_tasks(TASKS)
-    assert [t.instance_id for t in loaded] == ["stats-mean", "text-slugify", "intervals-touching", "stack-empty-pop"]
+    assert [t.instance_id for t in loaded] == [
+        "stats-mean",
+        "text-slugify",
+        "intervals-touching",
+        "stack-empty-pop",
+    ]
     assert all("tests/test_hidden.py" not in t.files and t.hidden_tests for t in loaded)
 
 
@@ -93,9 +111,14 @@ def test_a_task_file_error_names_the_line(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"tasks.jsonl:2: an SWE task needs \['statement'"):
         load_tasks(bad)
     row = json.loads(TASKS.read_text().splitlines()[0])
-    for change, error in (({"test_command": "make test"}, "test_command 'make test' runs neither"),
-                          ({"fail_to_pass": ["tests/test_hidden.py::test_mean"]}, "'tests/test_hidden.py::test_mean' is not a unittest name"),
-                          ({"pass_to_pass": "tests.test_hidden"}, "pass_to_pass: expected a list of test names")):
+    for change, error in (
+        ({"test_command": "make test"}, "test_command 'make test' runs neither"),
+        (
+            {"fail_to_pass": ["tests/test_hidden.py::test_mean"]},
+            "'tests/test_hidden.py::test_mean' is not a unittest name",
+        ),
+        ({"pass_to_pass": "tests.test_hidden"}, "pass_to_pass: expected a list of test names"),
+    ):
         bad.write_text(json.dumps({**row, **change}) + "\n")
         with pytest.raises(ValueError, match=rf"tasks.jsonl:1: {error}"):
             load_tasks(bad)
@@ -129,7 +152,9 @@ def test_sandbox_isolation_and_cleanup(bwrap, tmp_path) -> None:
         box.run(f"ln -s {secret} link", 10)
         with pytest.raises(FileNotFoundError):  # resolved inside the sandbox, where the host path is absent
             box.read_file("link")
-        net = box.run("python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=3)'", 10)
+        net = box.run(
+            "python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=3)'", 10
+        )
         assert net.exit_code != 0 and "Network is unreachable" in net.output
         bomb = box.run("python3 -c 'import os\nwhile True: os.fork()'", 20)
         assert not bomb.timed_out and "Resource temporarily unavailable" in bomb.output
@@ -146,7 +171,9 @@ def test_sandbox_isolation_and_cleanup(bwrap, tmp_path) -> None:
         box.close()
     assert not root.exists() and work_dirs() == before
     if os.geteuid() == 0:
-        assert box.uid is not None and not [p for p in sandbox_uid_processes() if p.split()[0] == str(box.uid)]
+        assert box.uid is not None and not [
+            p for p in sandbox_uid_processes() if p.split()[0] == str(box.uid)
+        ]
 
 
 def test_commands_leave_no_zombie_to_exhaust_the_process_limit(bwrap) -> None:
@@ -159,8 +186,12 @@ def test_commands_leave_no_zombie_to_exhaust_the_process_limit(bwrap) -> None:
     try:
         results = [box.run("echo ok", 10) for _ in range(24)]
         assert [(r.exit_code, r.output) for r in results] == [(0, "ok\n")] * 24
-        out = subprocess.run(["ps", "-eo", "uid=,stat=,args="], capture_output=True, text=True, check=True).stdout
-        assert [line for line in out.splitlines() if line.split()[0] == str(box.uid)] == []  # zombies included
+        out = subprocess.run(
+            ["ps", "-eo", "uid=,stat=,args="], capture_output=True, text=True, check=True
+        ).stdout
+        assert [
+            line for line in out.splitlines() if line.split()[0] == str(box.uid)
+        ] == []  # zombies included
     finally:
         box.close()
 
@@ -207,7 +238,9 @@ def test_a_command_killed_at_its_timeout_leaves_no_zombie(bwrap) -> None:
     Under a subreaper the zombie is kept where the test sees it (it printed {"7439": "Z"} before the fix)."""
     if os.geteuid() != 0:
         pytest.skip("not root: the sandbox keeps our uid, so its processes cannot be told from ours")
-    out = subprocess.run([sys.executable, "-c", TIMEOUT_PROBE], capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", TIMEOUT_PROBE], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     probe = json.loads(out.stdout)
     assert probe == {"timed_out": True, "exit_code": -9, "live": [], "children": {}}
@@ -215,10 +248,23 @@ def test_a_command_killed_at_its_timeout_leaves_no_zombie(bwrap) -> None:
 
 def test_cli_scripted_correct_policy_earns_1_on_every_shipped_task(bwrap) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe",
-         "--tasks", str(TASKS), "--policy", str(SOLUTIONS)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "env",
+            "try",
+            "--environment",
+            "swe",
+            "--tasks",
+            str(TASKS),
+            "--policy",
+            str(SOLUTIONS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(x["task"], x["reward"], x["turns"], x["reason"]) for x in lines] == [
@@ -229,36 +275,68 @@ def test_cli_scripted_correct_policy_earns_1_on_every_shipped_task(bwrap) -> Non
 
 def _patch(new: str) -> list[str]:
     """Replace stats.mean's body with `new`, then submit."""
-    return [tool_call("edit", path="stats/__init__.py", old="    return sum(values) / (len(values) - 1)\n", new=new),
-            tool_call("submit")]  # fmt: skip
+    return [
+        tool_call(
+            "edit", path="stats/__init__.py", old="    return sum(values) / (len(values) - 1)\n", new=new
+        ),
+        tool_call("submit"),
+    ]
 
 
 @pytest.mark.parametrize(
     ("replies", "reason"),
     [
-        pytest.param(_patch("    return sum(values) / len(values) + 1\n"),
-                     "tests.test_hidden.Hidden.test_mean (failed)", id="wrong-patch"),
-        pytest.param([tool_call("write", path="tests/test_hidden.py", content="import unittest\n"),
-                      tool_call("edit", path="stats/__init__.py", old="(len(values) - 1)", new="len(values) + 1"),
-                      tool_call("submit")],
-                     "tests.test_hidden.Hidden.test_mean (failed)", id="edits-tests"),
-        pytest.param([tool_call("bash", command="f(){ f|f& }; f; echo bomb", timeout=10),
-                      *_patch("    import os\n    while True:\n        os.fork()\n")],
-                     "reports (a forked copy of the runner went on)", id="fork-bomb"),
-        pytest.param([tool_call("bash", command="while :; do :; done", timeout=2),
-                      *_patch("    while True:\n        pass\n")],
-                     "the hidden tests timed out after 5 s", id="endless-loop"),
-        pytest.param(_patch("    import urllib.request\n    urllib.request.urlopen('http://1.1.1.1', timeout=5)\n"
-                            "    return sum(values) / len(values)\n"),
-                     "Network is unreachable", id="network-call"),
+        pytest.param(
+            _patch("    return sum(values) / len(values) + 1\n"),
+            "tests.test_hidden.Hidden.test_mean (failed)",
+            id="wrong-patch",
+        ),
+        pytest.param(
+            [
+                tool_call("write", path="tests/test_hidden.py", content="import unittest\n"),
+                tool_call("edit", path="stats/__init__.py", old="(len(values) - 1)", new="len(values) + 1"),
+                tool_call("submit"),
+            ],
+            "tests.test_hidden.Hidden.test_mean (failed)",
+            id="edits-tests",
+        ),
+        pytest.param(
+            [
+                tool_call("bash", command="f(){ f|f& }; f; echo bomb", timeout=10),
+                *_patch("    import os\n    while True:\n        os.fork()\n"),
+            ],
+            "reports (a forked copy of the runner went on)",
+            id="fork-bomb",
+        ),
+        pytest.param(
+            [
+                tool_call("bash", command="while :; do :; done", timeout=2),
+                *_patch("    while True:\n        pass\n"),
+            ],
+            "the hidden tests timed out after 5 s",
+            id="endless-loop",
+        ),
+        pytest.param(
+            _patch(
+                "    import urllib.request\n    urllib.request.urlopen('http://1.1.1.1', timeout=5)\n"
+                "    return sum(values) / len(values)\n"
+            ),
+            "Network is unreachable",
+            id="network-call",
+        ),
     ],
-)  # fmt: skip
-def test_bad_policies_earn_0_with_the_reason_and_leave_the_host_untouched(bwrap, replies, reason, tmp_path) -> None:
+)
+def test_bad_policies_earn_0_with_the_reason_and_leave_the_host_untouched(
+    bwrap, replies, reason, tmp_path
+) -> None:
     sentinel = tmp_path / "escaped"
     before = work_dirs()
     # every episode also tries to write outside its sandbox (a host path it cannot see)
-    line = run_policy([tool_call("bash", command=f"echo x > {sentinel}; echo x > /etc/escaped"), *replies],
-                      grade_timeout_s=5, limits=SandboxLimits(processes=32))  # fmt: skip
+    line = run_policy(
+        [tool_call("bash", command=f"echo x > {sentinel}; echo x > /etc/escaped"), *replies],
+        grade_timeout_s=5,
+        limits=SandboxLimits(processes=32),
+    )
     assert line["reward"] == 0.0
     assert reason in line["reason"], line
     assert line["turns"] == len(replies) + 1 and line["tool_calls"] == len(replies) + 1
@@ -272,10 +350,17 @@ def test_three_replies_without_a_tool_call_end_the_episode(bwrap) -> None:
     replies = ["I will think first.", "", "<tool_call>{not json</tool_call>", "Still thinking.", "", ""]
     line = run_policy(replies)
     assert line == {
-        "task": "stats-mean", "reward": 0.0, "turns": 6, "reason": "3 replies in a row without a tool call",
-        "tool_calls": 1, "format_errors": 1, "empty_replies": 3, "no_tool_call_end": True,
-        "sandbox_seconds": line["sandbox_seconds"], "touched_test_infra": [],
-    }  # fmt: skip
+        "task": "stats-mean",
+        "reward": 0.0,
+        "turns": 6,
+        "reason": "3 replies in a row without a tool call",
+        "tool_calls": 1,
+        "format_errors": 1,
+        "empty_replies": 3,
+        "no_tool_call_end": True,
+        "sandbox_seconds": line["sandbox_seconds"],
+        "touched_test_infra": [],
+    }
 
 
 def test_tool_results_are_appended_as_tool_messages(bwrap) -> None:
@@ -287,11 +372,16 @@ def test_tool_results_are_appended_as_tool_messages(bwrap) -> None:
     assert tok.decode(prompt.input_ids).startswith("<|im_start|>system\nYou fix bugs")
     state = env.start(prompt)
     try:
-        out = [*tok.encode(tool_call("bash", command="printf hi; exit 3"), add_special_tokens=False),
-               env.turns.end_of_turn_id]  # fmt: skip
+        out = [
+            *tok.encode(tool_call("bash", command="printf hi; exit 3"), add_special_tokens=False),
+            env.turns.end_of_turn_id,
+        ]
         step = env.step(prompt, state, out, "stop")
         assert not step.done and step.tool_call and not step.format_error
-        assert tok.decode(step.append_ids) == "\n<|im_start|>tool\nexit code 3\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert (
+            tok.decode(step.append_ids)
+            == "\n<|im_start|>tool\nexit code 3\nhi<|im_end|>\n<|im_start|>assistant\n"
+        )
         no_call = env.step(prompt, state, [*tok.encode("hmm", add_special_tokens=False)], "length")
         assert not no_call.done and not no_call.tool_call
         assert no_call.append_ids[0] == env.turns.end_of_turn_id  # a turn cut by the budget is closed first
@@ -381,9 +471,18 @@ CALC_TEST_IDS = ("tests.test_calc.CalcTest.test_add", "tests.test_calc.CalcTest.
 
 
 def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(repo)}  # fmt: skip
-    return subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True).stdout
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "HOME": str(repo),
+    }
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=True
+    ).stdout
 
 
 def diff_of(repo: Path, path: str, content: str) -> str:
@@ -420,13 +519,19 @@ def calc_repo(root: Path) -> tuple[Path, str, dict[str, str]]:
 
 def swe_bench_row(instance_id: str, base: str, test_patch: str, **extra: object) -> dict:
     return {
-        "instance_id": instance_id, "repo": "example/calc", "base_commit": base, "version": "0.1",
-        "problem_statement": "`calc.add(2, 3)` returns -1; it must return 5.", "patch": "",
+        "instance_id": instance_id,
+        "repo": "example/calc",
+        "base_commit": base,
+        "version": "0.1",
+        "problem_statement": "`calc.add(2, 3)` returns -1; it must return 5.",
+        "patch": "",
         "test_patch": test_patch,
         "FAIL_TO_PASS": json.dumps([CALC_TEST_IDS[0]]),  # SWE-bench's files: a JSON-encoded list
         "PASS_TO_PASS": [CALC_TEST_IDS[1]],  # a list is accepted too
-        "test_command": "python3 -m unittest", "repo_path": "calc-repo", **extra,
-    }  # fmt: skip
+        "test_command": "python3 -m unittest",
+        "repo_path": "calc-repo",
+        **extra,
+    }
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -439,8 +544,10 @@ def test_a_swe_bench_row_maps_to_a_task_exactly(tmp_path) -> None:
 
     repo, base, tree = calc_repo(tmp_path)
     test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
-    image_row = {**swe_bench_row("calc-image", base, test_patch, repo_path=None, image="registry/calc:base"),
-                 "PASS_TO_PASS": '["tests.test_x.T.test_p", "t"]'}  # fmt: skip
+    image_row = {
+        **swe_bench_row("calc-image", base, test_patch, repo_path=None, image="registry/calc:base"),
+        "PASS_TO_PASS": '["tests.test_x.T.test_p", "t"]',
+    }
     path = write_jsonl(tmp_path / "swe.jsonl", [swe_bench_row("calc-1", base, test_patch), image_row])
     local, image = load_swe_bench(path)
     assert local == SweTask(
@@ -455,7 +562,9 @@ def test_a_swe_bench_row_maps_to_a_task_exactly(tmp_path) -> None:
         pass_to_pass=(CALC_TEST_IDS[1],),
     )
     assert image.files == {} and image.image == "registry/calc:base"
-    assert image.test_command == "python3 -m unittest tests.test_calc.CalcTest.test_add tests.test_x.T.test_p t"
+    assert (
+        image.test_command == "python3 -m unittest tests.test_calc.CalcTest.test_add tests.test_x.T.test_p t"
+    )
     assert image.pass_to_pass == ("tests.test_x.T.test_p", "t")
     assert local.hidden_paths() == {"tests/test_calc.py"}
 
@@ -463,29 +572,61 @@ def test_a_swe_bench_row_maps_to_a_task_exactly(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        ({"FAIL_TO_PASS": "tests.a"}, r"row 2 \(calc-2\): FAIL_TO_PASS: Value error, a JSON-encoded list of test ids, not JSON"),
+        (
+            {"FAIL_TO_PASS": "tests.a"},
+            r"row 2 \(calc-2\): FAIL_TO_PASS: Value error, a JSON-encoded list of test ids, not JSON",
+        ),
         ({"FAIL_TO_PASS": "[]"}, r"row 2 \(calc-2\): FAIL_TO_PASS: List should have at least 1 item"),
-        ({"image": "registry/calc:base"}, r"row 2 \(calc-2\): row: Value error, give exactly one of repo_path .* and image"),
+        (
+            {"image": "registry/calc:base"},
+            r"row 2 \(calc-2\): row: Value error, give exactly one of repo_path .* and image",
+        ),
         ({"test_command": None}, r"row 2 \(calc-2\): test_command: Input should be a valid string"),
-        ({"test_command": "make test"}, r"row 2 \(calc-2\): test_command: Value error, 'make test': the grader runs unittest or pytest"),
-        ({"PASS_TO_PASS": ["tests/test_x.py::test_p"]},
-         r"row 2 \(calc-2\): row: Value error, PASS_TO_PASS: 'tests/test_x.py::test_p' is not a unittest name .*: the grader runs unittest"),
-        ({"test_command": "pytest -q", "FAIL_TO_PASS": ["tests.test_calc.CalcTest.test_add"]},
-         r"row 2 \(calc-2\): row: Value error, FAIL_TO_PASS: 'tests.test_calc.CalcTest.test_add' is not a pytest node id"),
-        ({"base_commit": "0" * 40}, rf"row 2 \(calc-2\): base_commit '{'0' * 40}' is not a commit of '.*calc-repo'"),
+        (
+            {"test_command": "make test"},
+            r"row 2 \(calc-2\): test_command: Value error, 'make test': the grader runs unittest or pytest",
+        ),
+        (
+            {"PASS_TO_PASS": ["tests/test_x.py::test_p"]},
+            r"row 2 \(calc-2\): row: Value error, PASS_TO_PASS: 'tests/test_x.py::test_p' is not a unittest name .*: the grader runs unittest",
+        ),
+        (
+            {"test_command": "pytest -q", "FAIL_TO_PASS": ["tests.test_calc.CalcTest.test_add"]},
+            r"row 2 \(calc-2\): row: Value error, FAIL_TO_PASS: 'tests.test_calc.CalcTest.test_add' is not a pytest node id",
+        ),
+        (
+            {"base_commit": "0" * 40},
+            rf"row 2 \(calc-2\): base_commit '{'0' * 40}' is not a commit of '.*calc-repo'",
+        ),
         ({"repo_path": "nowhere"}, r"row 2 \(calc-2\): repo_path '.*nowhere' is not a directory"),
     ],
-)  # fmt: skip
+)
 def test_a_bad_swe_bench_row_is_one_line_naming_the_row_and_field(tmp_path, change, error) -> None:
     repo, base, _ = calc_repo(tmp_path)
     test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
-    rows = [swe_bench_row("calc-1", base, test_patch), {**swe_bench_row("calc-2", base, test_patch), **change}]
+    rows = [
+        swe_bench_row("calc-1", base, test_patch),
+        {**swe_bench_row("calc-2", base, test_patch), **change},
+    ]
     path = write_jsonl(tmp_path / "swe.jsonl", rows)
     result = subprocess.run(
-        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe", "--tasks", str(path),
-         "--policy", str(write_jsonl(tmp_path / "policy.jsonl", []))],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "env",
+            "try",
+            "--environment",
+            "swe",
+            "--tasks",
+            str(path),
+            "--policy",
+            str(write_jsonl(tmp_path / "policy.jsonl", [])),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and result.stdout == ""
     [line] = result.stderr.splitlines()
     assert re.fullmatch(rf"rlfleet env try: {re.escape(str(path))} {error}.*", line), line
@@ -495,11 +636,23 @@ def test_an_image_task_is_refused_by_the_local_sandbox(tmp_path) -> None:
     repo, base, _ = calc_repo(tmp_path)
     row = swe_bench_row("calc-image", base, "diff", repo_path=None, image="registry/calc:base")
     result = subprocess.run(
-        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe",
-         "--tasks", str(write_jsonl(tmp_path / "swe.jsonl", [row])),
-         "--policy", str(write_jsonl(tmp_path / "policy.jsonl", []))],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "env",
+            "try",
+            "--environment",
+            "swe",
+            "--tasks",
+            str(write_jsonl(tmp_path / "swe.jsonl", [row])),
+            "--policy",
+            str(write_jsonl(tmp_path / "policy.jsonl", [])),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == (
         "rlfleet env try: task 'calc-image': its repository is the image 'registry/calc:base', and the local "
@@ -514,29 +667,57 @@ def test_swe_bench_tasks_through_env_try_reward_exactly_the_right_patch(bwrap, t
     repo, base, _ = calc_repo(tmp_path)
     test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
     fix = diff_of(repo, "calc/__init__.py", CALC_BUGGY.replace("a - b", "a + b"))
-    breaks_mul = diff_of(repo, "calc/__init__.py", CALC_BUGGY.replace("a - b", "a + b").replace("a * b", "a * b + 1"))
+    breaks_mul = diff_of(
+        repo, "calc/__init__.py", CALC_BUGGY.replace("a - b", "a + b").replace("a * b", "a * b + 1")
+    )
     no_fix = diff_of(repo, "calc/__init__.py", "# a comment\n" + CALC_BUGGY)
     patches = {"calc-fix": fix, "calc-breaks-mul": breaks_mul, "calc-no-fix": no_fix}
     tasks = write_jsonl(tmp_path / "swe.jsonl", [swe_bench_row(i, base, test_patch) for i in patches])
-    policy = write_jsonl(tmp_path / "policy.jsonl", [
-        {"instance_id": i, "replies": [tool_call("bash", command=f"git apply <<'EOF'\n{p}EOF\n"), tool_call("submit")]}
-        for i, p in patches.items()
-    ])  # fmt: skip
+    policy = write_jsonl(
+        tmp_path / "policy.jsonl",
+        [
+            {
+                "instance_id": i,
+                "replies": [tool_call("bash", command=f"git apply <<'EOF'\n{p}EOF\n"), tool_call("submit")],
+            }
+            for i, p in patches.items()
+        ],
+    )
     result = subprocess.run(
-        [sys.executable, "-m", "rlfleet.cli", "env", "try", "--environment", "swe", "--tasks", str(tasks),
-         "--policy", str(policy)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "rlfleet.cli",
+            "env",
+            "try",
+            "--environment",
+            "swe",
+            "--tasks",
+            str(tasks),
+            "--policy",
+            str(policy),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     lines = {x["task"]: x for x in map(json.loads, result.stdout.splitlines())}
     assert [(t, x["reward"], x["turns"], x["tool_calls"]) for t, x in lines.items()] == [
-        ("calc-fix", 1.0, 2, 2), ("calc-breaks-mul", 0.0, 2, 2), ("calc-no-fix", 0.0, 2, 2)
-    ]  # fmt: skip
+        ("calc-fix", 1.0, 2, 2),
+        ("calc-breaks-mul", 0.0, 2, 2),
+        ("calc-no-fix", 0.0, 2, 2),
+    ]
     assert lines["calc-fix"]["reason"] == "the hidden tests passed"
     failed = "not every required test ran and passed: "  # the FAIL_TO_PASS or the PASS_TO_PASS test
-    for task, test, assertion in (("calc-breaks-mul", "test_mul", "7 != 6"), ("calc-no-fix", "test_add", "-1 != 5")):
+    for task, test, assertion in (
+        ("calc-breaks-mul", "test_mul", "7 != 6"),
+        ("calc-no-fix", "test_add", "-1 != 5"),
+    ):
         reason = lines[task]["reason"]
-        assert reason.startswith(f"{failed}tests.test_calc.CalcTest.{test} (failed): ") and assertion in reason, reason
+        assert (
+            reason.startswith(f"{failed}tests.test_calc.CalcTest.{test} (failed): ") and assertion in reason
+        ), reason
 
 
 def test_a_converted_swe_bench_file_is_a_prompt_set_for_the_environment(tmp_path) -> None:
@@ -545,7 +726,9 @@ def test_a_converted_swe_bench_file_is_a_prompt_set_for_the_environment(tmp_path
 
     repo, base, _ = calc_repo(tmp_path)
     test_patch = diff_of(repo, "tests/test_calc.py", CALC_TESTS + ADD_TEST)
-    path = write_jsonl(tmp_path / "swe.jsonl", [swe_bench_row(i, base, test_patch) for i in ("calc-1", "calc-2")])
+    path = write_jsonl(
+        tmp_path / "swe.jsonl", [swe_bench_row(i, base, test_patch) for i in ("calc-1", "calc-2")]
+    )
     out = tmp_path / "tasks.jsonl"
     assert cli([str(path), "--out", str(out)]) == 0
     tok = byte_chat_tokenizer()
@@ -657,8 +840,15 @@ def test_a_patch_that_games_the_tests_earns_0_with_its_reason(bwrap, files, reas
 def test_the_right_fix_earns_1_even_beside_test_edits_which_are_restored(bwrap) -> None:
     """SWE-bench's rule: test files are put back, not held against the fix; the touch is still counted."""
     fixed = _unfixed_with(body="    return sum(values) / len(values)\n")
-    line = run_policy(_writes({"stats/__init__.py": fixed, "tests/test_hidden.py": "raise SystemExit(1)\n",
-                               "conftest.py": "import os\nos._exit(1)\n"}))  # fmt: skip
+    line = run_policy(
+        _writes(
+            {
+                "stats/__init__.py": fixed,
+                "tests/test_hidden.py": "raise SystemExit(1)\n",
+                "conftest.py": "import os\nos._exit(1)\n",
+            }
+        )
+    )
     assert (line["reward"], line["reason"]) == (1.0, "the hidden tests passed"), line
     assert line["touched_test_infra"] == ["conftest.py", "tests/test_hidden.py"]
 
@@ -670,12 +860,16 @@ def test_the_diff_ignores_the_agents_git_configuration(bwrap) -> None:
     hostile = (
         "cat >> .git/config <<'EOF'\n[diff]\n\texternal = /bin/true\n\tnoprefix = true\n\tmnemonicPrefix = true\n"
         "[color]\n\tui = always\n\tdiff = always\n[core]\n\tfsmonitor = /bin/false\n\tquotePath = false\n"
-        "[diff \"fake\"]\n\ttextconv = /bin/true\nEOF\n"
+        '[diff "fake"]\n\ttextconv = /bin/true\nEOF\n'
         "printf '*.py diff=fake\\n' > .gitattributes; printf '*.py diff=fake\\n' > .git/info/attributes; echo done"
     )
     fixed = _unfixed_with(body="    return sum(values) / len(values)\n")
-    line = run_policy([tool_call("bash", command=hostile),
-                       *_writes({"stats/__init__.py": fixed, "tests/test_visible.py": "import os\n"})])  # fmt: skip
+    line = run_policy(
+        [
+            tool_call("bash", command=hostile),
+            *_writes({"stats/__init__.py": fixed, "tests/test_visible.py": "import os\n"}),
+        ]
+    )
     assert (line["reward"], line["reason"]) == (1.0, "the hidden tests passed"), line
     assert line["touched_test_infra"] == ["tests/test_visible.py"]
 
@@ -690,10 +884,19 @@ def test_the_test_infra_touched_share_is_a_trainer_metric_on_its_exporter() -> N
     from rlfleet.trainer.metrics import PrometheusExporter, rollout_metrics
 
     def outcome(touched: bool | None) -> EpisodeOutcome:
-        return EpisodeOutcome(reward=0.0, num_turns=2, empty_final_reply=False, no_tool_call_termination=False,
-                              format_errors=0, tool_calls=2, touched_test_infra=touched)  # fmt: skip
+        return EpisodeOutcome(
+            reward=0.0,
+            num_turns=2,
+            empty_final_reply=False,
+            no_tool_call_termination=False,
+            format_errors=0,
+            tool_calls=2,
+            touched_test_infra=touched,
+        )
 
-    metrics = rollout_metrics([outcome(True), outcome(False), outcome(None), outcome(False)], [[1], [1], [1], [1]], ["g"] * 4)
+    metrics = rollout_metrics(
+        [outcome(True), outcome(False), outcome(None), outcome(False)], [[1], [1], [1], [1]], ["g"] * 4
+    )
     assert metrics["test_infra_touched_rate"] == 1 / 3
     assert "test_infra_touched_rate" not in rollout_metrics([outcome(None)], [[1]], ["g"])
     exporter = PrometheusExporter(port=0)
@@ -712,8 +915,10 @@ def test_diff_paths_reads_spaces_and_git_quoted_paths() -> None:
     unusual bytes, `core.quotePath`) are read whole, not skipped."""
     from rlfleet.trainer.envs.swe_env import diff_paths
 
-    diff = ('diff --git a/x.py b/x.py\n+x\ndiff --git a/te st/conftest.py b/te st/conftest.py\n'
-            'diff --git "a/t\\303\\251st/con\\"f.py" "b/t\\303\\251st/con\\"f.py"\n')  # fmt: skip
+    diff = (
+        "diff --git a/x.py b/x.py\n+x\ndiff --git a/te st/conftest.py b/te st/conftest.py\n"
+        'diff --git "a/t\\303\\251st/con\\"f.py" "b/t\\303\\251st/con\\"f.py"\n'
+    )
     assert diff_paths(diff) == ["x.py", "te st/conftest.py", 'tést/con"f.py']
 
 
@@ -727,10 +932,17 @@ PYTEST_ADD = "\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 
 @pytest.fixture(scope="module")
 def sandbox_pytest(bwrap) -> None:
-    probe = [shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3", "-I", "-c", "import pytest"]
+    probe = [
+        shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "python3",
+        "-I",
+        "-c",
+        "import pytest",
+    ]
     if subprocess.run(probe, capture_output=True, cwd="/").returncode != 0:
         if os.geteuid() != 0:
-            pytest.skip("the sandbox's python3 has no pytest and we are not root to apt-get install python3-pytest")
+            pytest.skip(
+                "the sandbox's python3 has no pytest and we are not root to apt-get install python3-pytest"
+            )
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "python3-pytest"]
         result = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -743,8 +955,12 @@ def pytest_task(tmp_path: Path) -> SweTask:
     repo = tmp_path / "calc-repo"
     base, _ = buggy_calc_commit(repo, PYTEST_TESTS)
     test_patch = diff_of(repo, "tests/test_calc.py", PYTEST_TESTS + PYTEST_ADD)
-    row = {**swe_bench_row("calc-pytest", base, test_patch), "test_command": "pytest",
-           "FAIL_TO_PASS": ["tests/test_calc.py::test_add"], "PASS_TO_PASS": ["tests/test_calc.py::test_mul"]}
+    row = {
+        **swe_bench_row("calc-pytest", base, test_patch),
+        "test_command": "pytest",
+        "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+        "PASS_TO_PASS": ["tests/test_calc.py::test_mul"],
+    }
     [task] = load_swe_bench(write_jsonl(tmp_path / "swe.jsonl", [row]))
     return task
 
@@ -771,8 +987,12 @@ PYTEST_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("files", "reward", "reason", "touched"), list(PYTEST_CASES.values()), ids=list(PYTEST_CASES))
-def test_pytest_tasks_are_graded_per_node_id_and_cannot_be_gamed(sandbox_pytest, tmp_path, files, reward, reason, touched) -> None:
+@pytest.mark.parametrize(
+    ("files", "reward", "reason", "touched"), list(PYTEST_CASES.values()), ids=list(PYTEST_CASES)
+)
+def test_pytest_tasks_are_graded_per_node_id_and_cannot_be_gamed(
+    sandbox_pytest, tmp_path, files, reward, reason, touched
+) -> None:
     tok = byte_chat_tokenizer()
     env = SweEnv(tok, max_turns=10, grade_timeout_s=60)
     [line] = try_episodes(env, [env.prompt(pytest_task(tmp_path))], ScriptedSampler(tok, {0: _writes(files)}))

@@ -64,8 +64,16 @@ ERR, SEP = ToyVocab.ERR, ToyVocab.SEP
         ([[30, D(1), D(5), EOS], [D(5)]], [[ERR, SEP]], 1 / 2),  # a turn's FIRST digit is its guess
         ([[30, EOS], [D(2), D(5)], [D(5), EOS]], [[ERR, SEP], [ERR, SEP]], 1 / 3),  # no digit: a wasted turn
         ([[EOS], [D(5), EOS]], [[ERR, SEP]], 1 / 2),  # an empty turn is answered too
-        ([[D(1)], [D(2)], [D(3)], [D(4)]], [[ERR, SEP]] * 3, 0.0),  # four misses: max_turns, no answer after the last
-        ([[D(1), D(5) , EOS], [EOS, D(5)]] + [[D(1)]] * 2, [[ERR, SEP]] * 3, 0.0),  # digits after EOS do not count
+        (
+            [[D(1)], [D(2)], [D(3)], [D(4)]],
+            [[ERR, SEP]] * 3,
+            0.0,
+        ),  # four misses: max_turns, no answer after the last
+        (
+            [[D(1), D(5), EOS], [EOS, D(5)]] + [[D(1)]] * 2,
+            [[ERR, SEP]] * 3,
+            0.0,
+        ),  # digits after EOS do not count
     ],
 )
 def test_retry_digit_episode(turns: list[list[int]], appended: list[list[int]], reward: float) -> None:

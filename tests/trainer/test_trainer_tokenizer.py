@@ -32,7 +32,12 @@ def test_hf_base_tokenizer_reaches_the_prompt_source_and_the_environment(
     dataset = tmp_path / "math.jsonl"
     dataset.write_text(json.dumps({"messages": chat, "answer": "5"}) + "\n")
 
-    env, prompts = rollout_inputs(example_run(environment="rlfleet.trainer.envs.environments:MathEnv", dataset=str(dataset), seed=0, max_turns=1), base)
+    env, prompts = rollout_inputs(
+        example_run(
+            environment="rlfleet.trainer.envs.environments:MathEnv", dataset=str(dataset), seed=0, max_turns=1
+        ),
+        base,
+    )
     assert env.tokenizer is prompts.tokenizer is not None  # one tokenizer, from the base checkpoint
     assert env.tokenizer.name_or_path == str(source)
     prompt = prompts.get(0)
@@ -42,16 +47,28 @@ def test_hf_base_tokenizer_reaches_the_prompt_source_and_the_environment(
     assert prompt.input_ids == list(expected) and prompt.meta["answer"] == "5"
 
 
-def test_checkpoint_without_tokenizer_keeps_token_id_prompts(tmp_path: Path, example_run: Callable[..., RunConfig]) -> None:
+def test_checkpoint_without_tokenizer_keeps_token_id_prompts(
+    tmp_path: Path, example_run: Callable[..., RunConfig]
+) -> None:
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
     checkpoint = tmp_path / "no-tokenizer"
-    tiny_model(TinyQwen3(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16,
-                         max_position_embeddings=48)).save_pretrained(checkpoint)  # config + weights only
+    tiny_model(
+        TinyQwen3(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            head_dim=16,
+            max_position_embeddings=48,
+        )
+    ).save_pretrained(checkpoint)  # config + weights only
     assert (checkpoint / "config.json").is_file() and not list(checkpoint.glob("tokenizer*"))
     base = BaseModel(backend=None, vocab_size=32, max_seq_len=48, source_dir=checkpoint)
     assert base.base_checkpoint == checkpoint and load_tokenizer(base) is None
-    env, prompts = rollout_inputs(example_run(environment="copy_digit", dataset=None, seed=0, max_turns=1), base)  # today's behaviour: generated token ids
+    env, prompts = rollout_inputs(
+        example_run(environment="copy_digit", dataset=None, seed=0, max_turns=1), base
+    )  # today's behaviour: generated token ids
     assert all(0 <= t < 32 for t in prompts.get(0).input_ids)
     text = tmp_path / "text.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": "2 + 3"}]), text)
@@ -68,8 +85,16 @@ def test_an_environment_without_built_in_prompts_and_no_dataset_says_to_set_one(
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
     checkpoint = tmp_path / "model"
-    tiny_model(TinyQwen3(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=16,
-                         max_position_embeddings=48)).save_pretrained(checkpoint)
+    tiny_model(
+        TinyQwen3(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            head_dim=16,
+            max_position_embeddings=48,
+        )
+    ).save_pretrained(checkpoint)
     base = BaseModel(backend=None, vocab_size=32, max_seq_len=48, source_dir=checkpoint)
     plugin = "rlfleet.trainer.envs.environments:MathEnv"
     for dataset in (None, "", "builtin"):

@@ -33,7 +33,10 @@ def test_no_spec_tracks_nothing() -> None:
 
 def test_parse_spec() -> None:
     assert parse_spec("tensorboard:/tmp/tb, wandb:proj,mlflow:file:///tmp/ml") == [
-        ("tensorboard", "/tmp/tb"), ("wandb", "proj"), ("mlflow", "file:///tmp/ml")]  # fmt: skip
+        ("tensorboard", "/tmp/tb"),
+        ("wandb", "proj"),
+        ("mlflow", "file:///tmp/ml"),
+    ]
     with pytest.raises(TrackingError, match="unknown kind 'neptune'"):
         parse_spec("neptune:x")
     with pytest.raises(TrackingError, match=r"expected tensorboard:<DIR>"):
@@ -178,9 +181,13 @@ def test_wandb_offline_run_files_read_back(tmp_path: Path, monkeypatch: pytest.M
     (run,) = [r.run for r in records if r.HasField("run")]
     assert (run.project, run.display_name) == ("rlfleet-test", "job-a")
     history = {
-        r.history.step.num: {key: json.loads(item.value_json) for item in r.history.item
-                             if not (key := wandb_key(item)).startswith("_")}  # W&B's _step, _runtime, ...
-        for r in records if r.HasField("history")
-    }  # fmt: skip
+        r.history.step.num: {
+            key: json.loads(item.value_json)
+            for item in r.history.item
+            if not (key := wandb_key(item)).startswith("_")
+        }  # W&B's _step, _runtime, ...
+        for r in records
+        if r.HasField("history")
+    }
     assert history == {1: {"kl_k3": 0.25, "group/h100-fp8/oor_share": 0.5}, 2: {"kl_k3": 0.5}}
     assert [r.WhichOneof("record_type") for r in records][-1] == "exit"  # close() finished the run

@@ -77,7 +77,10 @@ def test_load_environment_entry_points(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- prompts
 def test_generated_prompts_are_a_pure_function_of_seed_and_index():
-    a, b = prompts.GeneratedPromptSource("tool_add", seed=3), prompts.GeneratedPromptSource("tool_add", seed=3)
+    a, b = (
+        prompts.GeneratedPromptSource("tool_add", seed=3),
+        prompts.GeneratedPromptSource("tool_add", seed=3),
+    )
     assert [a.get(i).input_ids for i in range(20)] == [b.get(i).input_ids for i in reversed(range(20))][::-1]
     assert len({tuple(a.get(i).input_ids) for i in range(50)}) > 10
 
@@ -122,7 +125,9 @@ def test_uniform_group_fraction_counts_groups_whose_advantages_are_all_zero():
     assert advantages.uniform_group_fraction(groups) == 0.75
     assert advantages.uniform_group_fraction([[1.0, 0.0]]) == 0.0
     for g in groups:  # the metric's "uniform" is exactly grpo_advantages' all-zero case
-        assert (advantages.uniform_group_fraction([g]) == 1.0) == (not advantages.grpo_advantages(np.array(g)).any())
+        assert (advantages.uniform_group_fraction([g]) == 1.0) == (
+            not advantages.grpo_advantages(np.array(g)).any()
+        )
     with pytest.raises(ValueError, match="at least one group"):
         advantages.uniform_group_fraction([])
 
@@ -141,10 +146,15 @@ def test_objective_metrics_flatten_groups_views_and_shares():
         },
         per_staleness={"0-1": {"num_tokens": 70.0, "kl_k3": 0.01}, "6+": {"num_tokens": 30.0, "kl_k3": 0.05}},
     )
-    m = metrics.objective_metrics(out, ["h100-fp8", "b200-nvfp4", "b300-nvfp4"],
-                                  {"h100-fp8": "fp8", "b200-nvfp4": "nvfp4", "b300-nvfp4": "nvfp4"})
+    m = metrics.objective_metrics(
+        out,
+        ["h100-fp8", "b200-nvfp4", "b300-nvfp4"],
+        {"h100-fp8": "fp8", "b200-nvfp4": "nvfp4", "b300-nvfp4": "nvfp4"},
+    )
     assert m["group/h100-fp8/token_share"] == pytest.approx(0.1)
-    assert m["group/h100-fp8/oor_share"] == pytest.approx(0.3)  # 10% of tokens, 30% of OOR (method.md's pattern)
+    assert m["group/h100-fp8/oor_share"] == pytest.approx(
+        0.3
+    )  # 10% of tokens, 30% of OOR (method.md's pattern)
     assert m["group/b300-nvfp4/oor_share"] == pytest.approx(0.4)
     assert m["view/nvfp4/num_tokens"] == 90
     assert m["view/nvfp4/kl_k3"] == pytest.approx((30 * 0.02 + 60 * 0.01) / 90)
@@ -164,9 +174,15 @@ def test_rollout_metrics_rates():
     assert m["repetition_fraction"] == pytest.approx((2 / 3 + 0) / 2)
     assert m["group/a/reward_mean"] == 1.0
     assert "success_rate" not in m  # neither outcome was judged (a reward function has no notion of success)
-    judged = [EpisodeOutcome(0.6, 1, False, False, 0, 1, success=True), EpisodeOutcome(0.9, 1, False, False, 1, 1, success=False),
-              EpisodeOutcome(0.2, 1, False, False, 0, 0, success=True), EpisodeOutcome(0.0, 1, True, False, 0, 0)]  # fmt: skip
-    assert metrics.rollout_metrics(judged, [[5]] * 4, ["a"] * 4)["success_rate"] == pytest.approx(2 / 3)  # 2 of 3 judged
+    judged = [
+        EpisodeOutcome(0.6, 1, False, False, 0, 1, success=True),
+        EpisodeOutcome(0.9, 1, False, False, 1, 1, success=False),
+        EpisodeOutcome(0.2, 1, False, False, 0, 0, success=True),
+        EpisodeOutcome(0.0, 1, True, False, 0, 0),
+    ]
+    assert metrics.rollout_metrics(judged, [[5]] * 4, ["a"] * 4)["success_rate"] == pytest.approx(
+        2 / 3
+    )  # 2 of 3 judged
 
 
 def test_prometheus_exporter_serves_the_latest_values():
@@ -286,15 +302,47 @@ def test_steps_that_train_nothing_do_not_pull_the_grad_norm_baseline_to_zero():
     for step in range(50, 53):
         assert not det.observe(step, {"grad_norm": 1.5, "uniform_group_fraction": 0.875}).fired
     assert not det.observe(53, {"grad_norm": 25.0, "uniform_group_fraction": 0.875}).fired
-    assert [a.signal for a in det.observe(54, {"grad_norm": 25.0, "uniform_group_fraction": 0.875}).alerts] == [
-        "grad_norm_spike"]
+    assert [
+        a.signal for a in det.observe(54, {"grad_norm": 25.0, "uniform_group_fraction": 0.875}).alerts
+    ] == ["grad_norm_spike"]
 
 
 # Malformed-turn counts per step (32 episodes a step) of three 30-step local runs (`rlfleet run
 # examples/rljob.yaml --local --steps 30`, tool_add, 2026-12-05; docs/ablation.md, "Agentic precursors").
 HEALTHY_SEED0_FORMAT_ERRORS = [0] * 12 + [3, 0, 3, 4, 2, 6, 1, 0, 0, 0, 0, 0, 2, 0, 0, 2, 1, 0]
 HEALTHY_SEED1_FORMAT_ERRORS = [0] * 13 + [1] + [0] * 8 + [1, 2, 0, 0, 4, 2, 0, 1]
-LR_1E3_FORMAT_ERRORS = [0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 2, 7, 10, 1, 1, 2, 0, 0, 3, 3, 3, 6, 2, 0, 1, 0, 7, 0, 1, 1]
+LR_1E3_FORMAT_ERRORS = [
+    0,
+    0,
+    0,
+    0,
+    0,
+    0,
+    0,
+    1,
+    0,
+    0,
+    2,
+    7,
+    10,
+    1,
+    1,
+    2,
+    0,
+    0,
+    3,
+    3,
+    3,
+    6,
+    2,
+    0,
+    1,
+    0,
+    7,
+    0,
+    1,
+    1,
+]
 
 
 @pytest.mark.parametrize("counts", [HEALTHY_SEED0_FORMAT_ERRORS, HEALTHY_SEED1_FORMAT_ERRORS])
@@ -311,8 +359,11 @@ def test_format_errors_of_the_unstable_learning_rate_fire_on_their_second_step_o
     (steps 12 and 13, both above 0.2 and above 3 x their baseline 0.014 + 0.05): the alert fires at step 13,
     the second of them (patience 2), and only there."""
     det = collapse.CollapseDetector(collapse.CollapseThresholds.from_safety(SafetySpec()))
-    fired = [step for step, n in enumerate(LR_1E3_FORMAT_ERRORS, start=1)
-             if det.observe(step, {"format_error_rate": n / 32}).fired]
+    fired = [
+        step
+        for step, n in enumerate(LR_1E3_FORMAT_ERRORS, start=1)
+        if det.observe(step, {"format_error_rate": n / 32}).fired
+    ]
     assert fired == [13]
     (alert,) = det.history
     assert (alert.signal, alert.value) == ("format_errors_repeat", 10 / 32)
@@ -328,7 +379,9 @@ def test_format_errors_rising_during_warmup_do_not_fire():
         assert not det.observe(step, {"format_error_rate": rate}).fired
     assert det.streaks["format_error_rate"] == 2
     no_warmup = collapse.CollapseDetector(collapse.CollapseThresholds(warmup_steps=0))
-    fired = [step for step, rate in enumerate(rates) if no_warmup.observe(step, {"format_error_rate": rate}).fired]
+    fired = [
+        step for step, rate in enumerate(rates) if no_warmup.observe(step, {"format_error_rate": rate}).fired
+    ]
     assert fired == [4]
 
 
@@ -359,7 +412,11 @@ def test_detector_state_from_before_the_reward_window_still_loads():
     restored = collapse.CollapseDetector()
     restored.load_state_dict(old)
     assert (restored.steps_seen, restored.baselines, restored.rewards, restored.reward_peak) == (
-        20, det.baselines, [], None)
+        20,
+        det.baselines,
+        [],
+        None,
+    )
 
 
 def test_kl_surge_without_oor_surge_does_not_fire():
@@ -397,7 +454,9 @@ def test_checkpoint_roundtrip_keeps_latest_and_prunes(tmp_path):
     import torch
 
     for step in (1, 2, 3):
-        checkpoint.save_checkpoint(tmp_path, {"step": step, "w": torch.full((2,), float(step)), "data_position": 10 * step})
+        checkpoint.save_checkpoint(
+            tmp_path, {"step": step, "w": torch.full((2,), float(step)), "data_position": 10 * step}
+        )
     state = checkpoint.load_latest(tmp_path)
     assert state["step"] == 3 and state["data_position"] == 30 and state["w"].tolist() == [3.0, 3.0]
     assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == ["ckpt-00000002.pt", "ckpt-00000003.pt"]
@@ -417,8 +476,11 @@ def test_checkpoints_on_a_store_live_under_the_channel_prefix_next_to_its_versio
     assert checkpoint.load_latest(store) is None
     for step in (1, 2, 3):
         checkpoint.save_checkpoint(store, {"step": step, "w": torch.full((2,), float(step))})
-    assert store.list("checkpoints/") == ["checkpoints/ckpt-00000002.pt", "checkpoints/ckpt-00000003.pt",
-                                          "checkpoints/latest"]
+    assert store.list("checkpoints/") == [
+        "checkpoints/ckpt-00000002.pt",
+        "checkpoints/ckpt-00000003.pt",
+        "checkpoints/latest",
+    ]
     assert checkpoint.load_latest(store)["w"].tolist() == [3.0, 3.0]
     # where the entrypoint puts them: next to the channel, never /tmp
     assert checkpoint_target(store) == tmp_path / "channel" / "checkpoints"
@@ -438,7 +500,11 @@ def test_a_full_volume_fails_a_checkpoint_with_enospc_and_leaves_the_last_one_na
     with pytest.raises(OSError) as failed:
         checkpoint.save_checkpoint(tmp_path, {"step": 2, "w": torch.zeros(100_000)})
     assert failed.value.errno == errno.ENOSPC
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest.lock", "ckpt-00000001.pt", "latest"]  # the swap's lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".latest.lock",
+        "ckpt-00000001.pt",
+        "latest",
+    ]  # the swap's lock
     assert checkpoint.load_latest(tmp_path)["step"] == 1
 
 
@@ -466,7 +532,9 @@ def test_a_damaged_newest_checkpoint_is_refused_and_the_previous_one_resumes(tmp
     with caplog.at_level("WARNING", logger="rlfleet.trainer.publish.checkpoint"):
         state = checkpoint.load_latest(tmp_path)
     assert state["step"] == 1 and state["w"].tolist() == [1.0, 1.0]
-    assert any("ckpt-00000002.pt" in r.getMessage() and "not loaded" in r.getMessage() for r in caplog.records)
+    assert any(
+        "ckpt-00000002.pt" in r.getMessage() and "not loaded" in r.getMessage() for r in caplog.records
+    )
 
 
 class _RunsACommand:
@@ -493,10 +561,14 @@ def test_a_checkpoint_whose_pickle_calls_a_function_is_refused_not_run(tmp_path,
         state = checkpoint.load_latest(directory)
     assert state["step"] == 1 and state["w"].tolist() == [1.0, 1.0]
     assert not marker.exists()
-    assert any("ckpt-00000002.pt" in r.getMessage() and "unsupported GLOBAL posix.system" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "ckpt-00000002.pt" in r.getMessage() and "unsupported GLOBAL posix.system" in r.getMessage()
+        for r in caplog.records
+    )
     (directory / "ckpt-00000001.pt").unlink()
-    with pytest.raises(checkpoint.CheckpointError, match=r"ckpt-00000002.pt: refused to unpickle .*posix.system"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"ckpt-00000002.pt: refused to unpickle .*posix.system"
+    ):
         checkpoint.load_latest(directory)
     assert not marker.exists()
 
@@ -548,7 +620,9 @@ def test_checkpoints_on_a_real_s3_store_under_the_channel_prefix(tmp_path):
         for step in (1, 2):
             checkpoint.save_checkpoint(store, {"step": step, "w": torch.full((3,), float(step))}, keep=1)
         assert store.list("checkpoints/") == ["checkpoints/ckpt-00000002.pt", "checkpoints/latest"]
-        latest = store.client.get_object(Bucket=store.bucket, Key="jobs/a/channel/checkpoints/latest")["Body"].read()
+        latest = store.client.get_object(Bucket=store.bucket, Key="jobs/a/channel/checkpoints/latest")[
+            "Body"
+        ].read()
         assert [e["name"] for e in json.loads(latest)["checkpoints"]] == ["ckpt-00000002.pt"]
         assert checkpoint.load_latest(store)["w"].tolist() == [2.0, 2.0, 2.0]
         store.close()
@@ -590,16 +664,22 @@ def test_exporter_publishes_the_collapse_state_the_operator_parses():
 
     exp = metrics.PrometheusExporter(port=0)
     try:
-        alert = collapse.Alert(step=7, signal="kl_surge", value=0.3, baseline=0.01, group="h100-fp8", message="m")
+        alert = collapse.Alert(
+            step=7, signal="kl_surge", value=0.3, baseline=0.01, group="h100-fp8", message="m"
+        )
         exp.update(7, {"reward_mean": 0.5, "kl_k3": 0.02, "weight_version": 6.0, "group/h100-fp8/kl_k3": 0.3})
         exp.update_collapse([alert], ["h100-fp8"], pause=False)
         report = parse_trainer_report(httpx.get(f"http://127.0.0.1:{exp.port}/metrics").text)
         assert (report.step, report.weight_version, report.fleet["reward_mean"]) == (7, 6, 0.5)
-        assert [(s.signal, s.group, s.value, s.baseline) for s in report.signals] == [("kl_surge", "h100-fp8", 0.3, 0.01)]
+        assert [(s.signal, s.group, s.value, s.baseline) for s in report.signals] == [
+            ("kl_surge", "h100-fp8", 0.3, 0.01)
+        ]
         assert report.quarantine_requested == ("h100-fp8",) and not report.pause_requested
         exp.update_collapse([], ["h100-fp8"], pause=True)  # the signal stopped: it reads 0, quarantine stays
         report = parse_trainer_report(httpx.get(f"http://127.0.0.1:{exp.port}/metrics").text)
-        assert report.signals == () and report.quarantine_requested == ("h100-fp8",) and report.pause_requested
+        assert (
+            report.signals == () and report.quarantine_requested == ("h100-fp8",) and report.pause_requested
+        )
     finally:
         exp.close()
 
@@ -663,7 +743,9 @@ def test_expert_parallelism_from_the_manifest_reaches_the_megatron_config(tmp_pa
     from rlfleet.trainer.run import megatron_model_config
 
     rc = SimpleNamespace(max_tokens_per_micro_batch=4096, activation_checkpointing=False)
-    moe = json.loads((build_tiny_qwen3(tmp_path / "moe", TinyQwen3(architecture="qwen3_moe")) / "config.json").read_text())
+    moe = json.loads(
+        (build_tiny_qwen3(tmp_path / "moe", TinyQwen3(architecture="qwen3_moe")) / "config.json").read_text()
+    )
     experts = moe.get("num_experts", moe.get("num_local_experts"))
     parallelism = ParallelismSpec(tensor=2, expert=2, expert_tensor=1)
     cfg = megatron_model_config(rc, moe, parallelism=parallelism, device="cpu")  # type: ignore[arg-type]

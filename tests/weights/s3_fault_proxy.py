@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
-             b"<Message>Please reduce your request rate.</Message></Error>")  # fmt: skip
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 
 
 class S3FaultProxy:
@@ -64,7 +66,11 @@ class S3FaultProxy:
                     self.end_headers()
                     self.wfile.write(SLOW_DOWN)
                     return
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "expect")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("transfer-encoding", "content-length", "expect")
+                }
                 headers["Content-Length"] = str(len(body))
                 upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 try:

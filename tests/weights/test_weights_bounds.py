@@ -54,7 +54,9 @@ def publish_versions(store: Store, tmp_path: Path, count: int) -> WeightChannel:
     return channel
 
 
-def test_a_report_dated_in_the_future_ages_from_its_write_in_the_store(any_store: Store, tmp_path: Path) -> None:
+def test_a_report_dated_in_the_future_ages_from_its_write_in_the_store(
+    any_store: Store, tmp_path: Path
+) -> None:
     """The attack: a report dated 2099 used to stay fresh for good and pin its versions forever. Its age is
     now from the store's own time of its write: past the bound it pins nothing and counts nowhere."""
     channel = publish_versions(any_store, tmp_path, 4)
@@ -82,13 +84,22 @@ def test_a_stored_at_written_into_the_report_is_ignored(any_store: Store, tmp_pa
     """`stored_at` is the store's, never the report's: a pod writing one of its own into the bytes changes
     nothing (and the channel never writes it)."""
     channel = publish_versions(any_store, tmp_path, 3)
-    body = {"group": "g", "replica": "r", "view": "bf16", "applied_version": 0, "in_use": [0],
-            "updated_at": FAR_FUTURE, "stored_at": FAR_FUTURE}  # fmt: skip
+    body = {
+        "group": "g",
+        "replica": "r",
+        "view": "bf16",
+        "applied_version": 0,
+        "in_use": [0],
+        "updated_at": FAR_FUTURE,
+        "stored_at": FAR_FUTURE,
+    }
     any_store.put("subscribers/g/r.json", json.dumps(body).encode())
     [report] = channel.subscribers()
     assert report.stored_at != FAR_FUTURE
     assert datetime.fromisoformat(report.stored_at) < datetime.now(UTC) + timedelta(seconds=60)
-    assert channel.retain(keep=1, now=datetime.now(UTC) + timedelta(seconds=SUBSCRIBER_STALE_AFTER_SECONDS + 60)) == [0, 1]
+    assert channel.retain(
+        keep=1, now=datetime.now(UTC) + timedelta(seconds=SUBSCRIBER_STALE_AFTER_SECONDS + 60)
+    ) == [0, 1]
     channel.report(SubscriberReport("g", "r2", "bf16", 2, [2]))
     assert "stored_at" not in json.loads(any_store.get("subscribers/g/r2.json"))
 
@@ -109,7 +120,9 @@ def test_a_future_mtime_on_a_filesystem_report_does_not_make_it_fresh(tmp_path: 
     assert channel.retain(keep=1, now=past_bound) == [0, 1]
 
 
-def test_a_report_pins_only_its_newest_versions_at_or_below_the_pointer(any_store: Store, tmp_path: Path) -> None:
+def test_a_report_pins_only_its_newest_versions_at_or_below_the_pointer(
+    any_store: Store, tmp_path: Path
+) -> None:
     """The attack: a fresh report listing every version (and numbers far above the pointer) pinned them
     all. Now it pins at most MAX_PINNED_PER_REPORT of its listed versions, the newest at or below the
     pointer; numbers above the pointer or not in the channel pin nothing."""
@@ -125,7 +138,9 @@ def test_a_report_pins_only_its_newest_versions_at_or_below_the_pointer(any_stor
     assert channel.versions() == [5]
 
 
-def test_a_legitimate_report_still_pins_what_its_replica_serves_and_obtains(any_store: Store, tmp_path: Path) -> None:
+def test_a_legitimate_report_still_pins_what_its_replica_serves_and_obtains(
+    any_store: Store, tmp_path: Path
+) -> None:
     """What a sidecar reports (sampler/sync_report.py: `in_use` = the applied version and the one being
     obtained) stays pinned: the bound takes nothing a real replica uses."""
     channel = publish_versions(any_store, tmp_path, 5)
@@ -148,9 +163,13 @@ def test_the_trainer_publishes_only_its_jobs_views(
     assert sorted(first.manifest.views) == sorted(second.manifest.views) == ["bf16"]
     assert store.list("v1/fp8/") == []
     refused = [r.getMessage() for r in caplog.records if "names view 'fp8'" in r.getMessage()]
-    assert refused == ["a subscriber report names view 'fp8', which this job does not publish (its views: bf16): ignored"]
+    assert refused == [
+        "a subscriber report names view 'fp8', which this job does not publish (its views: bf16): ignored"
+    ]
     # a view the job has is still followed (allowed but not configured here: a tool's publisher)
-    follower = WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir, allowed_views=["bf16", "fp8"])
+    follower = WeightPublisher(
+        store, views=["bf16"], base_checkpoint=tiny_qwen3_dir, allowed_views=["bf16", "fp8"]
+    )
     assert sorted(follower.publish(tiny_state(2), version=2).manifest.views) == ["bf16", "fp8"]
 
 
@@ -179,7 +198,9 @@ def test_a_lease_dated_in_the_past_is_held_while_it_is_rewritten(any_store: Stor
     any other trainer could take over at once. By the store's clock it was just written: refused."""
     behind = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
     _store_lease(any_store, WriterLease("trainer/ns/behind", 1, behind, 300.0))
-    with pytest.raises(LeaseHeldError, match=r"'trainer/ns/behind' \(generation 1, last renewed .*, [01]s ago"):
+    with pytest.raises(
+        LeaseHeldError, match=r"'trainer/ns/behind' \(generation 1, last renewed .*, [01]s ago"
+    ):
         WeightChannel(any_store, publisher_id="trainer/ns/b").acquire_lease()
     assert stored_lease(any_store).holder == "trainer/ns/behind"
 
@@ -249,8 +270,14 @@ def test_a_channel_error_is_one_line_with_its_own_exit_code(tmp_path: Path) -> N
     store.put(POINTER_KEY, b"\x80 garbage")
     with pytest.raises(ChannelError) as damaged:
         WeightChannel(store).latest()
-    context = FailureContext(store=store.uri, checkpoints="c", router="r", rollout_logs="l",
-                             own_store="its own store", continue_with="restart it")  # fmt: skip
+    context = FailureContext(
+        store=store.uri,
+        checkpoints="c",
+        router="r",
+        rollout_logs="l",
+        own_store="its own store",
+        continue_with="restart it",
+    )
     code, line = describe_failure(damaged.value, context) or (0, "")
     assert code == 10
     assert line == (
@@ -278,15 +305,25 @@ GARBAGE_POINTERS = {
 
 
 @pytest.mark.parametrize("garbage", sorted(GARBAGE_POINTERS))
-def test_a_garbage_pointer_is_one_line_for_readers_and_publishers(any_store: Store, tmp_path: Path, garbage: str) -> None:
+def test_a_garbage_pointer_is_one_line_for_readers_and_publishers(
+    any_store: Store, tmp_path: Path, garbage: str
+) -> None:
     channel = publish_versions(any_store, tmp_path, 1)
     current = any_store.read_pointer(POINTER_KEY)
-    assert current is not None and any_store.compare_and_swap(POINTER_KEY, current.token, GARBAGE_POINTERS[garbage])
-    for call in (channel.latest, lambda: channel.publish({"bf16": make_view(tmp_path / "n", "bf16", "n")}, version=5)):
+    assert current is not None and any_store.compare_and_swap(
+        POINTER_KEY, current.token, GARBAGE_POINTERS[garbage]
+    )
+    for call in (
+        channel.latest,
+        lambda: channel.publish({"bf16": make_view(tmp_path / "n", "bf16", "n")}, version=5),
+    ):
         with pytest.raises(ChannelError) as refused:
             call()
         message = str(refused.value)
-        assert message.startswith(f"{any_store.uri_of(POINTER_KEY)}: unreadable pointer (") and "\n" not in message
+        assert (
+            message.startswith(f"{any_store.uri_of(POINTER_KEY)}: unreadable pointer (")
+            and "\n" not in message
+        )
         assert len(message) < 400
 
 
@@ -299,7 +336,9 @@ MALFORMED_MANIFESTS = {
 
 
 @pytest.mark.parametrize("garbage", sorted(MALFORMED_MANIFESTS))
-def test_a_malformed_manifest_is_a_damaged_version_in_one_line(any_store: Store, tmp_path: Path, garbage: str) -> None:
+def test_a_malformed_manifest_is_a_damaged_version_in_one_line(
+    any_store: Store, tmp_path: Path, garbage: str
+) -> None:
     channel = publish_versions(any_store, tmp_path, 1)
     any_store.put(manifest_key(0), MALFORMED_MANIFESTS[garbage])
     with pytest.raises(ChannelError, match=r"^malformed manifest: [A-Za-z]+Error: ") as refused:
@@ -322,18 +361,29 @@ def test_a_manifest_above_the_bound_is_refused_unread(tmp_path: Path) -> None:
     channel = publish_versions(store, tmp_path, 1)
     with open(tmp_path / "store" / manifest_key(0), "r+b") as f:
         f.truncate(MAX_MANIFEST_BYTES + 1)
-    with pytest.raises(ChannelError, match=r"^manifest of v0 refused as damaged: .* holds more than 67108864 bytes"):
+    with pytest.raises(
+        ChannelError, match=r"^manifest of v0 refused as damaged: .* holds more than 67108864 bytes"
+    ):
         channel.manifest(0)
 
 
 def test_an_oversized_or_malformed_report_pins_nothing(any_store: Store, tmp_path: Path) -> None:
     """MAX_REPORT_BYTES (64 KiB): a sampler pod's report larger than that, like a malformed one, is skipped."""
     channel = publish_versions(any_store, tmp_path, 3)
-    huge = {"group": "g", "replica": "big", "view": "bf16", "applied_version": 0, "in_use": [0],
-            "updated_at": FAR_FUTURE, "pad": "x" * MAX_REPORT_BYTES}  # fmt: skip
+    huge = {
+        "group": "g",
+        "replica": "big",
+        "view": "bf16",
+        "applied_version": 0,
+        "in_use": [0],
+        "updated_at": FAR_FUTURE,
+        "pad": "x" * MAX_REPORT_BYTES,
+    }
     any_store.put("subscribers/g/big.json", json.dumps(huge).encode())
     any_store.put("subscribers/g/list.json", b"[0, 1]")
-    any_store.put("subscribers/g/huge-number.json", b'{"group": "g", "replica": "n", "view": "bf16", "in_use": [1e400]}')
+    any_store.put(
+        "subscribers/g/huge-number.json", b'{"group": "g", "replica": "n", "view": "bf16", "in_use": [1e400]}'
+    )
     any_store.put("subscribers/g/text.json", "\u00e9".encode("latin-1"))
     assert channel.subscribers() == []
     assert channel.retain(keep=1) == [0, 1]
@@ -349,20 +399,30 @@ async def test_the_sidecar_reports_a_garbage_pointer_and_manifest_in_one_line(
     channel = WeightChannel(store, publisher_id="trainer")
     channel.publish({"fp8": make_view(tmp_path / "v0", "fp8", "0")}, version=0)
     channel.publish({"bf16": make_view(tmp_path / "v1", "bf16", "1")}, version=1)  # fp8 is in v0 only
-    config = SyncConfig(store="unused", view="fp8", engine_url="http://127.0.0.1:9", group="g", replica="pod-0",
-                        cache_dir=tmp_path / "cache")  # fmt: skip
+    config = SyncConfig(
+        store="unused",
+        view="fp8",
+        engine_url="http://127.0.0.1:9",
+        group="g",
+        replica="pod-0",
+        cache_dir=tmp_path / "cache",
+    )
     caplog.set_level(logging.WARNING, logger="rlfleet.sampler.sync")
     async with httpx.AsyncClient() as client:
         syncer = Syncer(config, store, DiskEngine(client))
         store.put(manifest_key(0), b'{"format": "rlfleet.weights/v3", "views": {"fp\xff8": {}}}')
         assert await syncer.reconcile_once() is False
         assert syncer.state.last_error is not None
-        assert syncer.state.last_error.startswith("store: read pointer: malformed manifest: UnicodeDecodeError: ")
+        assert syncer.state.last_error.startswith(
+            "store: read pointer: malformed manifest: UnicodeDecodeError: "
+        )
         pointer = store.read_pointer(POINTER_KEY)
         assert pointer is not None and store.compare_and_swap(POINTER_KEY, pointer.token, b"[]")
         assert await syncer.reconcile_once() is False
-        assert syncer.state.last_error == (f"store: read pointer: {store.uri_of(POINTER_KEY)}: unreadable pointer "
-                                           "(TypeError: list indices must be integers or slices, not str)")  # fmt: skip
+        assert syncer.state.last_error == (
+            f"store: read pointer: {store.uri_of(POINTER_KEY)}: unreadable pointer "
+            "(TypeError: list indices must be integers or slices, not str)"
+        )
     assert syncer.state.applied_version is None and syncer.state.failures["store"] == 2
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
     assert [r.getMessage().count("\n") for r in caplog.records] == [0, 0]

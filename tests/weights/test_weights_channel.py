@@ -202,7 +202,9 @@ def test_explicit_versions_must_increase(tmp_path: Path) -> None:
     assert pointer is not None and pointer.version == 6
 
 
-def test_a_publisher_takes_over_only_its_own_claim_above_the_pointer(any_store: Store, tmp_path: Path) -> None:
+def test_a_publisher_takes_over_only_its_own_claim_above_the_pointer(
+    any_store: Store, tmp_path: Path
+) -> None:
     """An interrupted publish left claims/v4 and partial bytes: the same publisher id publishes v4 again
     (stale files removed); another id is refused naming the holder; a claim at or below the pointer is
     never taken over."""
@@ -386,7 +388,11 @@ def test_channel_status_reports_each_views_kind_and_stored_bytes(any_store: Stor
     full_bf16 = weights.stat().st_size + (v1["bf16"] / "rlfleet_view.json").stat().st_size
     stored_bf16 = payload.stat().st_size + (v1["bf16"] / "rlfleet_view.json").stat().st_size
     assert (bf16.view, bf16.kind, bf16.base, bf16.bytes, bf16.stored_bytes) == (
-        "bf16", "delta", 0, full_bf16, stored_bf16
+        "bf16",
+        "delta",
+        0,
+        full_bf16,
+        stored_bf16,
     )
     assert bf16.bytes == manifest.views["bf16"].bytes and bf16.stored_bytes < bf16.bytes / 10
     assert (fp8.view, fp8.kind, fp8.base, fp8.stored_bytes) == ("fp8", "anchor", None, fp8.bytes)
@@ -412,10 +418,16 @@ def test_group_versions_sum_failures_and_keep_the_newest_error_of_fresh_replicas
     now = datetime(2026, 1, 1, tzinfo=UTC)
     at = lambda s: (now - timedelta(seconds=s)).isoformat()  # noqa: E731
     reports = [
-        SubscriberReport("g", "a", "nvfp4", 7, [7], updated_at=at(20), failures=1, last_error="checksum: v8 old"),
-        SubscriberReport("g", "b", "nvfp4", 7, [7], updated_at=at(5), failures=2, last_error="checksum: v8 new"),
+        SubscriberReport(
+            "g", "a", "nvfp4", 7, [7], updated_at=at(20), failures=1, last_error="checksum: v8 old"
+        ),
+        SubscriberReport(
+            "g", "b", "nvfp4", 7, [7], updated_at=at(5), failures=2, last_error="checksum: v8 new"
+        ),
         SubscriberReport("g", "c", "nvfp4", 8, [8], updated_at=at(1), failures=0),
-        SubscriberReport("g", "gone", "nvfp4", 2, [2], updated_at=at(3600), failures=9, last_error="store: old"),
+        SubscriberReport(
+            "g", "gone", "nvfp4", 2, [2], updated_at=at(3600), failures=9, last_error="store: old"
+        ),
     ]
     [g] = group_versions(reports, 8, stale_after_seconds=60, now=now)
     assert (g.sync_failures, g.last_error) == (3, "checksum: v8 new")
@@ -432,8 +444,9 @@ def aged(seconds: float) -> str:
 
 
 def report(group: str, replica: str, updated_at: str, applied: int | None = 1) -> SubscriberReport:
-    return SubscriberReport(group, replica, "fp8", applied, [] if applied is None else [applied],
-                            updated_at=updated_at)  # fmt: skip
+    return SubscriberReport(
+        group, replica, "fp8", applied, [] if applied is None else [applied], updated_at=updated_at
+    )
 
 
 def test_the_age_out_bound_is_five_heartbeats() -> None:
@@ -487,7 +500,9 @@ def test_subscribers_to_remove_exactly_the_aged_reports_of_replicas_that_are_no_
     # the default bound is SUBSCRIBER_STALE_AFTER_SECONDS
     assert subscribers_to_remove(reports, live, NOW) == removed
     # a longer bound keeps every dated report; an undated one is infinitely old
-    assert [r.replica for r in subscribers_to_remove(reports, live, NOW, stale_after_seconds=10_000)] == ["undated"]
+    assert [r.replica for r in subscribers_to_remove(reports, live, NOW, stale_after_seconds=10_000)] == [
+        "undated"
+    ]
     assert subscribers_to_remove([], {}, NOW) == []
 
 
@@ -510,8 +525,12 @@ def test_retain_deletes_a_version_only_an_aged_out_report_pinned(any_store: Stor
     for i in range(5):
         channel.publish({"bf16": make_view(tmp_path / str(i), "bf16", str(i))})
     now = datetime.now(UTC)
-    dead = SubscriberReport("g", "gone", "bf16", 1, [1, 2], updated_at=(now - timedelta(seconds=151)).isoformat())
-    live = SubscriberReport("g", "live", "bf16", 2, [2], updated_at=(now - timedelta(seconds=149)).isoformat())
+    dead = SubscriberReport(
+        "g", "gone", "bf16", 1, [1, 2], updated_at=(now - timedelta(seconds=151)).isoformat()
+    )
+    live = SubscriberReport(
+        "g", "live", "bf16", 2, [2], updated_at=(now - timedelta(seconds=149)).isoformat()
+    )
     channel.report(dead)
     channel.report(live)
     # without the bound every report pins: v1 stays for the dead replica

@@ -55,7 +55,9 @@ def latest_of(target: Path | Store) -> dict:
 def write_latest(target: Path | Store, document: dict) -> None:
     store, prefix = (target, "checkpoints/") if isinstance(target, Store) else (FilesystemStore(target), "")
     current = store.read_pointer(prefix + "latest")
-    assert store.compare_and_swap(prefix + "latest", None if current is None else current.token, json.dumps(document).encode())
+    assert store.compare_and_swap(
+        prefix + "latest", None if current is None else current.token, json.dumps(document).encode()
+    )
 
 
 def listed(target: Path | Store) -> list[str]:
@@ -81,8 +83,12 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path | St
     endpoint = request.getfixturevalue("s3_endpoint")
     bucket = f"ck-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-    store = S3Store(bucket, "channel", endpoint_url=endpoint,
-                    conditional_writes=None if request.param == "s3-conditional" else False)  # fmt: skip
+    store = S3Store(
+        bucket,
+        "channel",
+        endpoint_url=endpoint,
+        conditional_writes=None if request.param == "s3-conditional" else False,
+    )
     assert store.conditional_writes == (request.param == "s3-conditional")
     yield store
     store.close()
@@ -101,26 +107,42 @@ def test_names_in_latest_are_names_never_paths(
         (tmp_path / "sys" / "tmp").mkdir(parents=True)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "sys" / "tmp"))
         staging = tmp_path / "sys" / "tmp"
-    victims = {tmp_path / "abs-victim": b"absolute", staging.parent / "victim": b"dot-dot", staging / "x": b"inside"}
+    victims = {
+        tmp_path / "abs-victim": b"absolute",
+        staging.parent / "victim": b"dot-dot",
+        staging / "x": b"inside",
+    }
     for path, data in victims.items():
         path.write_bytes(data)
     good = latest_of(target)["checkpoints"]
     digest = good[0]["digest"]
-    crafted = [{"name": a.format(victim=tmp_path / "abs-victim") if isinstance(a, str) else a, "digest": digest,
-                "bytes": 8} for a in ATTACKS]  # fmt: skip
+    crafted = [
+        {
+            "name": a.format(victim=tmp_path / "abs-victim") if isinstance(a, str) else a,
+            "digest": digest,
+            "bytes": 8,
+        }
+        for a in ATTACKS
+    ]
     write_latest(target, {"checkpoints": good + crafted})  # newest last: every attack is tried before step 1
     with caplog.at_level(logging.WARNING, logger="rlfleet.trainer.publish.checkpoint"):
         resumed = checkpoint.load_latest(target)
     assert resumed is not None and resumed["step"] == 1
     for path, data in victims.items():
         assert path.read_bytes() == data, path
-    refusals = [r.getMessage() for r in caplog.records if "not a checkpoint name the trainer writes" in r.getMessage()]
+    refusals = [
+        r.getMessage() for r in caplog.records if "not a checkpoint name the trainer writes" in r.getMessage()
+    ]
     assert len(refusals) == len(ATTACKS)
-    assert any(str(tmp_path / "abs-victim") in m for m in refusals) and any("../../victim" in m for m in refusals)
+    assert any(str(tmp_path / "abs-victim") in m for m in refusals) and any(
+        "../../victim" in m for m in refusals
+    )
 
     # none good: the resume fails naming every refusal, and still touches nothing
     write_latest(target, {"checkpoints": crafted})
-    with pytest.raises(CheckpointError, match=r"no checkpoint in .* could be loaded: '.*abs-victim' is not a checkpoint name"):
+    with pytest.raises(
+        CheckpointError, match=r"no checkpoint in .* could be loaded: '.*abs-victim' is not a checkpoint name"
+    ):
         checkpoint.load_latest(target)
     for path, data in victims.items():
         assert path.read_bytes() == data, path
@@ -141,7 +163,9 @@ def test_a_symbolic_link_in_the_checkpoint_directory_is_refused_and_its_target_u
     with caplog.at_level(logging.WARNING, logger="rlfleet.trainer.publish.checkpoint"):
         resumed = checkpoint.load_latest(directory)
     assert resumed is not None and resumed["step"] == 1
-    assert any("ckpt-00000002.pt" in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records)
+    assert any(
+        "ckpt-00000002.pt" in r.getMessage() and "symbolic link" in r.getMessage() for r in caplog.records
+    )
     before = victim.read_bytes()
     for step in (2, 3, 4):  # the resumed run saves on: the link is replaced, then dropped
         checkpoint.save_checkpoint(directory, state(step))
@@ -189,7 +213,9 @@ def test_latest_never_names_a_lower_step_newest_and_a_newer_generation_drops_wha
     for step in (1, 2, 3):
         checkpoint.save_checkpoint(target, state(step), fence=holding(1))
     before = (listed(target), latest_of(target))
-    with pytest.raises(CheckpointError, match="refusing to name step 2 the newest checkpoint .* it names step 3"):
+    with pytest.raises(
+        CheckpointError, match="refusing to name step 2 the newest checkpoint .* it names step 3"
+    ):
         checkpoint.save_checkpoint(target, state(2), fence=holding(1))
     assert latest_of(target) == before[1]
     checkpoint.save_checkpoint(target, state(2), fence=holding(2))  # resumed from step 1 (2 and 3 refused)

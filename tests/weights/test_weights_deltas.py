@@ -181,7 +181,9 @@ def test_apply_of_encode_is_the_target_and_the_delta_lists_exactly_the_changed_e
     entries, _ = read_delta(tmp / "d")
     listed = {k.removesuffix(GAP_SUFFIX): v.tobytes() for k, v in entries.items() if k.endswith(GAP_SUFFIX)}
     assert listed == {name: gap_code(p) for name, p in positions.items() if p}
-    assert {name: gap_decode(raw) for name, raw in listed.items()} == {n: p for n, p in positions.items() if p}
+    assert {name: gap_decode(raw) for name, raw in listed.items()} == {
+        n: p for n, p in positions.items() if p
+    }
     for name in listed:
         dtype, _, raw = b[name]
         expected = np.frombuffer(raw, dtype=f"<u{ELEMENT_BYTES[dtype]}")[positions[name]]
@@ -258,8 +260,20 @@ def test_gap_coding_is_exact_for_gaps_at_and_far_above_each_byte_boundary(
     assert stats is not None and stats.changed_elements == len(positions) + 1
     entries, _ = read_delta(tmp_path / "d")
     raw = entries["codes" + GAP_SUFFIX].tobytes()
-    expected = (b"\x01" + b"\xff" + b"\x00\x01" + b"\x00\xff" + b"\x00\x00\x01" + b"\x00" * 257 + b"\x01"
-                + b"\x01" + b"\x00" * 299 + b"\xff" + b"\x00" * 300 + b"\x01")  # fmt: skip
+    expected = (
+        b"\x01"
+        + b"\xff"
+        + b"\x00\x01"
+        + b"\x00\xff"
+        + b"\x00\x00\x01"
+        + b"\x00" * 257
+        + b"\x01"
+        + b"\x01"
+        + b"\x00" * 299
+        + b"\xff"
+        + b"\x00" * 300
+        + b"\x01"
+    )
     last_gap = count - 1 - positions[-2]
     assert raw == expected + b"\x00" * ((last_gap - 1) // 255) + bytes([(last_gap - 1) % 255 + 1])
     assert raw == gap_code(positions) and gap_decode(raw) == positions
@@ -484,8 +498,12 @@ def test_a_v1_delta_is_refused_as_another_format(made: Made) -> None:
     """A delta of the previous format (U32 indices under :idx, format v1): refused, never read as v2."""
     base, _, delta, _ = made
     entries, metadata = read_delta(delta)
-    v1 = {k.replace(GAP_SUFFIX, ":idx"): np.array(gap_decode(v.tobytes()), dtype=np.uint32) if k.endswith(GAP_SUFFIX)
-          else v for k, v in entries.items()}  # fmt: skip
+    v1 = {
+        k.replace(GAP_SUFFIX, ":idx"): np.array(gap_decode(v.tobytes()), dtype=np.uint32)
+        if k.endswith(GAP_SUFFIX)
+        else v
+        for k, v in entries.items()
+    }
     planted = plant(delta.with_name("planted"), v1, dict(metadata, format="rlfleet.delta/v1"))
     refused(base, planted, "not an rlfleet.delta/v2 file")
 

@@ -108,11 +108,22 @@ def publisher(store: Store, tmp_path: Path, tiny_qwen3_dir: Path) -> DeltaPublis
 
 
 @contextlib.asynccontextmanager
-async def delta_syncer(store: Store, engine_url: str, cache: Path, replica: str = "pod-0") -> AsyncIterator[Syncer]:
+async def delta_syncer(
+    store: Store, engine_url: str, cache: Path, replica: str = "pod-0"
+) -> AsyncIterator[Syncer]:
     """A sidecar of group h100-fp8 on `store`'s fp8 view, its cache `cache`, in front of the engine at
     `engine_url` (its HTTP client open until exit)."""
-    config = SyncConfig(store="unused", view=VIEW, engine_url=engine_url, group="h100-fp8", replica=replica,
-                        cache_dir=cache, poll_interval=0.05, backoff_base=0.05, backoff_max=0.5)  # fmt: skip
+    config = SyncConfig(
+        store="unused",
+        view=VIEW,
+        engine_url=engine_url,
+        group="h100-fp8",
+        replica=replica,
+        cache_dir=cache,
+        poll_interval=0.05,
+        backoff_base=0.05,
+        backoff_max=0.5,
+    )
     async with httpx.AsyncClient(base_url=engine_url) as client:
         yield Syncer(config, store, DiskEngine(client))
 
@@ -191,8 +202,13 @@ async def test_deltas_are_applied_in_order_bit_exact(
     Every applied directory is the publisher's complete checkpoint, byte for byte."""
     caplog.set_level(logging.INFO, logger="rlfleet.sampler.sync")
     cache = syncer.config.cache_dir
-    sources = {0: "anchor v0", 1: "local v0 + delta v1", 2: "local v1 + delta v2", 3: "anchor v3",
-               4: "local v3 + delta v4"}  # fmt: skip
+    sources = {
+        0: "anchor v0",
+        1: "local v0 + delta v1",
+        2: "local v1 + delta v2",
+        3: "anchor v3",
+        4: "local v3 + delta v4",
+    }
     for version in range(5):
         publisher.publish(version, anchor=version in (0, 3))
         assert await syncer.reconcile_once() is True
@@ -205,8 +221,10 @@ async def test_deltas_are_applied_in_order_bit_exact(
         assert syncer.status()["last_apply"]["read_bytes"] == expected
         # the sidecar's log line: how it was obtained and the bytes it read, per kind
         kinds = (expected, 0) if delta is None else (0, expected)
-        line = (f"applied weights v{version} (fp8) from {sources[version]}, {expected} bytes read "
-                f"(anchor {kinds[0]}, delta {kinds[1]}, whole-file 0): obtain ")  # fmt: skip
+        line = (
+            f"applied weights v{version} (fp8) from {sources[version]}, {expected} bytes read "
+            f"(anchor {kinds[0]}, delta {kinds[1]}, whole-file 0): obtain "
+        )
         assert any(line in r.getMessage() for r in caplog.records), line
         assert read_launch_file(cache) == (version, cache / f"v{version}-{VIEW}")
     body = (await _get_metrics(syncer)).decode()
@@ -424,7 +442,9 @@ async def test_a_payload_that_does_not_fit_its_base_is_refused_in_one_line(
         raw = json.loads(store.get(manifest_key(2)))
         digest = hash_file(forged)
         raw["views"][VIEW]["delta"]["files"]["model.safetensors.delta"] = {
-            "digest": f"{digest.algorithm}:{digest.hexdigest}", "bytes": digest.bytes}  # fmt: skip
+            "digest": f"{digest.algorithm}:{digest.hexdigest}",
+            "bytes": digest.bytes,
+        }
         vouch_for_manifest(store, 2, raw)
         assert await syncer.reconcile_once() is False
     error = syncer.status()["last_error"]
@@ -436,15 +456,29 @@ async def test_a_payload_that_does_not_fit_its_base_is_refused_in_one_line(
 
 
 @pytest.mark.parametrize(
-    "path", ["/etc/escape.safetensors", "../escape.safetensors", "a/../../escape.safetensors", "", "./a", "a//b",
-             "a\\..\\b"],
-)  # fmt: skip
+    "path",
+    [
+        "/etc/escape.safetensors",
+        "../escape.safetensors",
+        "a/../../escape.safetensors",
+        "",
+        "./a",
+        "a//b",
+        "a\\..\\b",
+    ],
+)
 def test_a_manifest_path_that_is_not_a_plain_relative_name_is_refused(path: str) -> None:
     """A store writer's manifest naming a file outside the view's directory: refused when the manifest is
     read, in one line, before any reader creates a path from it."""
     entry = {"digest": "blake3:" + "0" * 64, "bytes": 1}
-    raw = {"format": "rlfleet.weights/v3", "version": 3, "published_at": "", "publisher": "x", "metadata": {},
-           "views": {VIEW: {"files": {"config.json": entry, path: entry}, "tensors": {}}}}  # fmt: skip
+    raw = {
+        "format": "rlfleet.weights/v3",
+        "version": 3,
+        "published_at": "",
+        "publisher": "x",
+        "metadata": {},
+        "views": {VIEW: {"files": {"config.json": entry, path: entry}, "tensors": {}}},
+    }
     with pytest.raises(ChannelError) as refused:
         Manifest.from_bytes(json.dumps(raw).encode())
     assert str(refused.value) == (
@@ -481,11 +515,32 @@ async def test_a_planted_path_never_leaves_the_cache(
 def fetch_only(store_uri: str, cache: Path) -> subprocess.Popen[str]:
     """The init container's real CLI: obtain the newest version of the fp8 view into `cache`, exit."""
     return subprocess.Popen(
-        [str(Path(sys.executable).parent / "rlfleet"), "sampler", "sync", "--fetch-only", "--store", store_uri,
-         "--view", VIEW, "--engine-url", "http://127.0.0.1:9", "--group", "h100-fp8", "--replica", "pod-0",
-         "--cache-dir", str(cache), "--poll-interval", "0.1", "--backoff-max", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "rlfleet"),
+            "sampler",
+            "sync",
+            "--fetch-only",
+            "--store",
+            store_uri,
+            "--view",
+            VIEW,
+            "--engine-url",
+            "http://127.0.0.1:9",
+            "--group",
+            "h100-fp8",
+            "--replica",
+            "pod-0",
+            "--cache-dir",
+            str(cache),
+            "--poll-interval",
+            "0.1",
+            "--backoff-max",
+            "0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_clean(
@@ -509,8 +564,10 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
         assert read_launch_file(cache) == (1, cache / f"v1-{VIEW}")
         # a new replica seeds from the anchor: its line says so, with the bytes it read per kind
         anchor, delta = publisher.stored_bytes(0), publisher.manifests[1].views[VIEW].delta.bytes  # type: ignore[union-attr]
-        assert (f"from anchor v0 + delta v1, {anchor + delta} bytes read (anchor {anchor}, delta {delta}, "
-                "whole-file 0)") in out, out  # fmt: skip
+        assert (
+            f"from anchor v0 + delta v1, {anchor + delta} bytes read (anchor {anchor}, delta {delta}, "
+            "whole-file 0)"
+        ) in out, out
         publisher.publish_chain(range(2, 4), anchors=set())
         proxy.hold = ("GET", re.compile(rf"/job/v3/{VIEW}/model\.safetensors\.delta"))
         killed = fetch_only(uri, cache)
@@ -539,8 +596,10 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
         assert read_launch_file(cache) == (3, cache / f"v3-{VIEW}")
         assert_bit_exact(cache / f"v3-{VIEW}", publisher, 3)
         payloads = sum(publisher.manifests[v].views[VIEW].delta.bytes for v in (2, 3))  # type: ignore[union-attr]
-        assert (f"launch checkpoint: v3 (fp8) at {cache / 'v3-fp8'}, from local v1 + deltas v2, v3, {payloads} "
-                f"bytes read (anchor 0, delta {payloads}, whole-file 0)") in out, out  # fmt: skip
+        assert (
+            f"launch checkpoint: v3 (fp8) at {cache / 'v3-fp8'}, from local v1 + deltas v2, v3, {payloads} "
+            f"bytes read (anchor 0, delta {payloads}, whole-file 0)"
+        ) in out, out
         assert cache_entries(cache) == [LAUNCH_FILE, f"v1-{VIEW}", f"v3-{VIEW}"]
     finally:
         proxy.close()
@@ -587,7 +646,11 @@ def test_the_shards_of_a_view_are_built_at_once_and_the_first_failure_in_file_or
     got = reader.obtain_view(1, "bf16", tmp_path / "cache" / "v1", local={0: local})
     for path in sorted(v1.iterdir()):
         assert (got.directory / path.name).read_bytes() == path.read_bytes(), path.name
-    assert got.read_bytes == {"anchor": 0, "delta": sum(p.stat().st_size for p in payloads.values()), "whole-file": 0}
+    assert got.read_bytes == {
+        "anchor": 0,
+        "delta": sum(p.stat().st_size for p in payloads.values()),
+        "whole-file": 0,
+    }
     for shard in (2, 4):
         key = f"v1/bf16/model-{shard:05d}-of-00004.safetensors{DELTA_SUFFIX}"
         store.put(key, flip_a_bit(store.get(key)))

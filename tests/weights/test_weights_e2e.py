@@ -74,7 +74,10 @@ def start_each(
         log, port_file = tmp_path / f"{group}-{role}.log", tmp_path / f"{group}-{role}.port"
         procs.append(rlfleet(*argv(group, view), "--port", "0", "--port-file", str(port_file), log=log))
         started.append((group, procs[-1], port_file, log))
-    return {group: f"http://127.0.0.1:{wait_port(port_file, proc, log)}" for group, proc, port_file, log in started}
+    return {
+        group: f"http://127.0.0.1:{wait_port(port_file, proc, log)}"
+        for group, proc, port_file, log in started
+    }
 
 
 @pytest.fixture
@@ -85,13 +88,48 @@ def fleet(tmp_path: Path, tiny_qwen3_dir: Path) -> Iterator[tuple[Path, dict[str
     store_dir.mkdir()
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        servers = start_each(tmp_path, procs, "server", lambda group, view: [
-            "sampler", "serve", "--engine", "reference", "--weight-format", view, "--weight-version", "0",
-            "--model-path", str(tiny_qwen3_dir)])  # fmt: skip
-        sidecars = start_each(tmp_path, procs, "sync", lambda group, view: [
-            "sampler", "sync", "--store", str(store_dir), "--view", view, "--engine-url", servers[group],
-            "--group", group, "--replica", f"{group}-0", "--cache-dir", str(tmp_path / f"{group}-cache"),
-            "--host", "127.0.0.1", "--poll-interval", "0.2"])  # fmt: skip
+        servers = start_each(
+            tmp_path,
+            procs,
+            "server",
+            lambda group, view: [
+                "sampler",
+                "serve",
+                "--engine",
+                "reference",
+                "--weight-format",
+                view,
+                "--weight-version",
+                "0",
+                "--model-path",
+                str(tiny_qwen3_dir),
+            ],
+        )
+        sidecars = start_each(
+            tmp_path,
+            procs,
+            "sync",
+            lambda group, view: [
+                "sampler",
+                "sync",
+                "--store",
+                str(store_dir),
+                "--view",
+                view,
+                "--engine-url",
+                servers[group],
+                "--group",
+                group,
+                "--replica",
+                f"{group}-0",
+                "--cache-dir",
+                str(tmp_path / f"{group}-cache"),
+                "--host",
+                "127.0.0.1",
+                "--poll-interval",
+                "0.2",
+            ],
+        )
         yield store_dir, servers, sidecars
     finally:
         stop_processes(procs)
@@ -103,7 +141,9 @@ def test_three_views_converge_to_three_versions(
 ) -> None:
     store_dir, servers, sidecars = fleet
     store = FilesystemStore(store_dir)
-    publisher = WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], keep_versions=2, base_checkpoint=tiny_qwen3_dir)
+    publisher = WeightPublisher(
+        store, views=["bf16", "fp8", "nvfp4"], keep_versions=2, base_checkpoint=tiny_qwen3_dir
+    )
     prompt = {
         "input_ids": [1, 2, 3, 4],
         "sampling_params": {"temperature": 1.0, "max_new_tokens": 4, "sampling_seed": 7},

@@ -77,7 +77,9 @@ def test_publisher_sigkilled_mid_write_leaves_pointer_unchanged(tmp_path: Path, 
     store_dir = tmp_path / "store"
     store = FilesystemStore(store_dir, create=True)
     channel = WeightChannel(store)
-    WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir).publish(tiny_state(0))
+    WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir).publish(
+        tiny_state(0)
+    )
     proc = spawn_publisher(store_dir, 1.0, 1, "doomed", 1, tiny_qwen3_dir)
     try:
         deadline = time.monotonic() + 60
@@ -97,7 +99,9 @@ def test_publisher_sigkilled_mid_write_leaves_pointer_unchanged(tmp_path: Path, 
     assert channel.versions() == [0]
     channel.obtain_view(0, "bf16", tmp_path / "dl")  # ... and it is intact
     # the next publish succeeds (v1 is the dead publisher's number) and retention removes the debris
-    result = WeightPublisher(store, views=["bf16"], keep_versions=3, base_checkpoint=tiny_qwen3_dir).publish(tiny_state(2))
+    result = WeightPublisher(store, views=["bf16"], keep_versions=3, base_checkpoint=tiny_qwen3_dir).publish(
+        tiny_state(2)
+    )
     assert (result.version, result.advanced) == (2, True)
     assert channel.latest().version == 2  # type: ignore[union-attr]
     assert store.list("v1/") == [] and channel.versions() == [0, 2]
@@ -189,8 +193,9 @@ def test_a_restarted_trainer_takes_over_its_own_claim_of_an_interrupted_publish(
     store = FilesystemStore(store_dir, create=True)
     channel = WeightChannel(store)
     trainer_id = "trainer/ns/job"  # trainer/entrypoint.py: one id per job, the same across restarts
-    WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
-                    publisher_id=trainer_id).publish(tiny_state(0), version=0)  # fmt: skip
+    WeightPublisher(
+        store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir, publisher_id=trainer_id
+    ).publish(tiny_state(0), version=0)
     proc = spawn_publisher(store_dir, 1.0, 1, trainer_id, 1, tiny_qwen3_dir, views="bf16")  # claims v1
     try:
         deadline = time.monotonic() + 60
@@ -206,10 +211,16 @@ def test_a_restarted_trainer_takes_over_its_own_claim_of_an_interrupted_publish(
     store.put("v1/bf16/stale.bin", b"left by the killed publisher")
     # another trainer on the same channel is refused, naming the holder
     with pytest.raises(VersionConflictError, match="claimed by publisher 'trainer/ns/job'"):
-        WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
-                        publisher_id="trainer/ns/other").publish(tiny_state(2), version=1)  # fmt: skip
-    restarted = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
-                                publisher_id=trainer_id)  # fmt: skip
+        WeightPublisher(
+            store,
+            views=["bf16"],
+            keep_versions=None,
+            base_checkpoint=tiny_qwen3_dir,
+            publisher_id="trainer/ns/other",
+        ).publish(tiny_state(2), version=1)
+    restarted = WeightPublisher(
+        store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir, publisher_id=trainer_id
+    )
     result = restarted.publish(tiny_state(2), version=1)
     assert (result.version, result.advanced) == (1, True)
     manifest = channel.manifest(1)
@@ -237,18 +248,31 @@ def test_s3_failing_mid_publish_then_the_restarted_trainer_publishes_on(
 
     def trainer() -> WeightPublisher:
         store = S3Store(s3_bucket, "channel", endpoint_url=proxy.url, conditional_writes=conditional)
-        return WeightPublisher(store, views=["bf16", "fp8"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
-                               publisher_id=trainer_id, writer_lease_ttl_seconds=300.0)  # fmt: skip
+        return WeightPublisher(
+            store,
+            views=["bf16", "fp8"],
+            keep_versions=None,
+            base_checkpoint=tiny_qwen3_dir,
+            publisher_id=trainer_id,
+            writer_lease_ttl_seconds=300.0,
+        )
 
-    observer = WeightChannel(S3Store(s3_bucket, "channel", endpoint_url=s3_endpoint, conditional_writes=conditional))
+    observer = WeightChannel(
+        S3Store(s3_bucket, "channel", endpoint_url=s3_endpoint, conditional_writes=conditional)
+    )
     try:
         first = trainer()
         for version in (0, 1):
             first.publish(tiny_state(version), version=version)
-        with proxy.failing("PUT", r"/channel/v2/fp8/"), pytest.raises(StoreUnavailableError, match="SlowDown"):
+        with (
+            proxy.failing("PUT", r"/channel/v2/fp8/"),
+            pytest.raises(StoreUnavailableError, match="SlowDown"),
+        ):
             first.publish(tiny_state(2), version=2)
         first.close()
-        assert len(proxy.failed) >= 3, proxy.failed  # boto retried (standard mode, 3 attempts) before giving up
+        assert len(proxy.failed) >= 3, (
+            proxy.failed
+        )  # boto retried (standard mode, 3 attempts) before giving up
         assert observer.latest().version == 1  # type: ignore[union-attr]
         assert observer.store.get("claims/v2") == trainer_id.encode()
         assert any(key.startswith("v2/bf16/") for key in observer.store.list("v2/"))  # a partial version
@@ -264,7 +288,9 @@ def test_s3_failing_mid_publish_then_the_restarted_trainer_publishes_on(
     for version in range(4):
         manifest = observer.manifest(version)
         assert manifest.publisher == trainer_id and sorted(manifest.views) == ["bf16", "fp8"]
-        listed = {f"v{version}/{view}/{rel}" for view, vm in manifest.views.items() for rel in vm.stored_files()}
+        listed = {
+            f"v{version}/{view}/{rel}" for view, vm in manifest.views.items() for rel in vm.stored_files()
+        }
         assert set(observer.store.list(f"v{version}/")) == listed | {manifest_key(version)}
         for view in manifest.views:
             observer.obtain_view(version, view, tmp_path / "dl" / f"{version}-{view}", manifest=manifest)

@@ -89,7 +89,9 @@ def test_fp8_kept_codes_are_chosen_without_a_float8_where(monkeypatch: pytest.Mo
     real_where = torch.where
 
     def where(condition: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-        assert all(a.dtype != torch.float8_e4m3fn for a in args if isinstance(a, torch.Tensor)), "float8 where"
+        assert all(a.dtype != torch.float8_e4m3fn for a in args if isinstance(a, torch.Tensor)), (
+            "float8 where"
+        )
         return real_where(condition, *args)
 
     g = torch.Generator().manual_seed(3)
@@ -98,7 +100,9 @@ def test_fp8_kept_codes_are_chosen_without_a_float8_where(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch, "where", where)
     codes, scale = fm.quantize_fp8_block_kept(w, scale0)
     assert codes.dtype == torch.float8_e4m3fn and torch.equal(scale, scale0)
-    assert torch.equal(codes.view(torch.uint8), codes0.view(torch.uint8))  # same weights, same scales: same codes
+    assert torch.equal(
+        codes.view(torch.uint8), codes0.view(torch.uint8)
+    )  # same weights, same scales: same codes
 
 
 def test_fp8_without_previous_scales_or_of_another_shape_is_fresh() -> None:

@@ -30,7 +30,9 @@ def stored_lease(store: Store) -> WriterLease:
     return WriterLease.from_bytes(value.data)
 
 
-def test_a_second_writer_is_refused_naming_the_first_and_a_restart_takes_over(any_store: Store, tmp_path: Path) -> None:
+def test_a_second_writer_is_refused_naming_the_first_and_a_restart_takes_over(
+    any_store: Store, tmp_path: Path
+) -> None:
     """Another id is refused while the lease is fresh, with the holder and its last renewal in the message;
     the same id (a restarted trainer) takes it over at once, as a new generation that fences the old
     incarnation: its next publish and renewal fail, and the pointer stays where the new one put it."""
@@ -45,13 +47,19 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_restart_takes_over(an
         other.acquire_lease()
     message = str(refused.value)
     # the age is the store's (S3: whole seconds, so 0 or 1 here)
-    assert re.search(rf"is written by 'trainer/ns/a' \(generation 1, last renewed {re.escape(lease.renewed_at)}, [01]s ago", message)
+    assert re.search(
+        rf"is written by 'trainer/ns/a' \(generation 1, last renewed {re.escape(lease.renewed_at)}, [01]s ago",
+        message,
+    )
     assert any_store.uri in message and "this is 'trainer/ns/b'" in message
     assert stored_lease(any_store) == lease  # the refusal changed nothing
 
     restarted = WeightChannel(any_store, publisher_id="trainer/ns/a")
     assert restarted.acquire_lease().generation == 2
-    with pytest.raises(LeaseLostError, match=r"generation 1 of 'trainer/ns/a'\) was taken over by 'trainer/ns/a' \(generation 2"):
+    with pytest.raises(
+        LeaseLostError,
+        match=r"generation 1 of 'trainer/ns/a'\) was taken over by 'trainer/ns/a' \(generation 2",
+    ):
         first.publish(view, version=1)
     with pytest.raises(LeaseLostError):
         first.renew_lease()
@@ -99,8 +107,14 @@ def test_the_publisher_renews_its_lease_until_closed(any_store: Store, tiny_qwen
     from a thread: past T another id is still refused; once closed, the lease expires, another id takes
     it and the closed publisher's next publish raises LeaseLostError."""
     state = dict(tiny_model(TinyQwen3(seed=0)).state_dict())
-    publisher = WeightPublisher(any_store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
-                                publisher_id="trainer/ns/a", writer_lease_ttl_seconds=1.0)  # fmt: skip
+    publisher = WeightPublisher(
+        any_store,
+        views=["bf16"],
+        keep_versions=None,
+        base_checkpoint=tiny_qwen3_dir,
+        publisher_id="trainer/ns/a",
+        writer_lease_ttl_seconds=1.0,
+    )
     try:
         first = stored_lease(any_store)
         time.sleep(1.5)
@@ -117,7 +131,9 @@ def test_the_publisher_renews_its_lease_until_closed(any_store: Store, tiny_qwen
         publisher.publish(state, version=1)
 
 
-def test_the_pointer_refuses_an_older_generation_even_past_its_lease_check(any_store: Store, tmp_path: Path) -> None:
+def test_the_pointer_refuses_an_older_generation_even_past_its_lease_check(
+    any_store: Store, tmp_path: Path
+) -> None:
     """The fence's last line: the pointer records the lease generation that moved it, and its
     compare-and-swap never lowers it. A writer paused between its lease check and its pointer swap (here:
     its check passes, as it did just before the takeover) cannot move the pointer once the new holder
@@ -132,10 +148,16 @@ def test_the_pointer_refuses_an_older_generation_even_past_its_lease_check(any_s
     assert new.acquire_lease().generation == 2
     assert new.publish(view, version=2).advanced
     old._check_lease = lambda: None  # type: ignore[method-assign,assignment,return-value]  # paused past its check
-    with pytest.raises(LeaseLostError, match=r"moved by writer lease generation 2 \('trainer/ns/new'\); this is generation 1"):
+    with pytest.raises(
+        LeaseLostError, match=r"moved by writer lease generation 2 \('trainer/ns/new'\); this is generation 1"
+    ):
         old.publish(view, version=3)
     pointer = new.latest()
-    assert pointer is not None and (pointer.version, pointer.publisher, pointer.lease_generation) == (2, "trainer/ns/new", 2)
+    assert pointer is not None and (pointer.version, pointer.publisher, pointer.lease_generation) == (
+        2,
+        "trainer/ns/new",
+        2,
+    )
     value = any_store.read_pointer(LEASE_KEY)
     assert value is not None and any_store.compare_and_swap(LEASE_KEY, value.token, b"not json")
     assert WeightChannel(any_store, publisher_id="trainer/ns/new").acquire_lease().generation == 3

@@ -71,8 +71,14 @@ def tiny_state() -> dict[str, torch.Tensor]:
 def test_anchors_every_k_versions_and_deltas_against_the_previous_one_rebuild_exactly(
     store: Store, tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
-    publisher = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
-                                anchor_every=3, staging_dir=tmp_path / "staging")  # fmt: skip
+    publisher = WeightPublisher(
+        store,
+        views=["bf16"],
+        keep_versions=None,
+        base_checkpoint=tiny_qwen3_dir,
+        anchor_every=3,
+        staging_dir=tmp_path / "staging",
+    )
     state = tiny_state()
     published = []
     for step in range(7):
@@ -82,8 +88,14 @@ def test_anchors_every_k_versions_and_deltas_against_the_previous_one_rebuild_ex
         nudge(state, step)
     assert kinds(store, range(7)) == [None, 0, 1, None, 3, 4, None]
     assert [(p.kind, p.base) for p in published] == [
-        ("anchor", None), ("delta", 0), ("delta", 1), ("anchor", None), ("delta", 3), ("delta", 4), ("anchor", None)
-    ]  # fmt: skip
+        ("anchor", None),
+        ("delta", 0),
+        ("delta", 1),
+        ("anchor", None),
+        ("delta", 3),
+        ("delta", 4),
+        ("anchor", None),
+    ]
     assert published[0].reason == "no earlier version of the view kept"
     assert published[3].reason == published[6].reason == "every 3 versions"
     manifests = [WeightChannel(store).manifest(v).views["bf16"] for v in range(7)]
@@ -100,7 +112,10 @@ def test_anchors_every_k_versions_and_deltas_against_the_previous_one_rebuild_ex
     written = save_view(state, "bf16", tmp_path / "whole", base_checkpoint=tiny_qwen3_dir)
     last = publisher.publish(state)
     assert last.manifest.views["bf16"].delta is not None and last.manifest.views["bf16"].delta.base == 6
-    assert last.manifest.views["bf16"].files["model.safetensors"] == written[tmp_path / "whole" / "model.safetensors"]
+    assert (
+        last.manifest.views["bf16"].files["model.safetensors"]
+        == written[tmp_path / "whole" / "model.safetensors"]
+    )
     root = publisher.snapshot_dir("bf16")
     assert root is not None and root.parent.name.startswith(SNAPSHOT_PREFIX)
     assert [p.name for p in root.parent.iterdir()] == ["bf16"]  # no pending copy of a publish left
@@ -125,7 +140,9 @@ def test_a_view_a_subscriber_adds_starts_with_an_anchor_and_one_it_leaves_out_lo
 
     def publish(step: int) -> None:
         manifest = publisher.publish(state).manifest
-        bases.append({view: None if vm.delta is None else vm.delta.base for view, vm in manifest.views.items()})
+        bases.append(
+            {view: None if vm.delta is None else vm.delta.base for view, vm in manifest.views.items()}
+        )
         nudge(state, step)
 
     publish(0)
@@ -136,8 +153,13 @@ def test_a_view_a_subscriber_adds_starts_with_an_anchor_and_one_it_leaves_out_lo
     publish(3)  # no fp8
     channel.report(SubscriberReport("h100-fp8", "pod-a", "fp8", applied_version=None, in_use=[]))
     publish(4)  # fp8 again: v2 is not the version before, so an anchor
-    assert bases == [{"bf16": None}, {"bf16": 0, "fp8": None}, {"bf16": 1, "fp8": 1}, {"bf16": 2},
-                     {"bf16": 3, "fp8": None}]  # fmt: skip
+    assert bases == [
+        {"bf16": None},
+        {"bf16": 0, "fp8": None},
+        {"bf16": 1, "fp8": 1},
+        {"bf16": 2},
+        {"bf16": 3, "fp8": None},
+    ]
     for version in (2, 4):
         rebuild(store, version, "fp8", tmp_path / "rebuilt")
 
@@ -147,22 +169,30 @@ def test_a_restarted_trainer_replaces_its_predecessors_copy(tmp_path: Path) -> N
     a publisher with the same id removes its predecessor's copy instead of leaving a second one."""
     store = FilesystemStore(tmp_path / "store", create=True)
     staging = tmp_path / "staging"
-    first = WeightPublisher(store, views=["bf16"], keep_versions=None, publisher_id="trainer/ns/job", staging_dir=staging)
+    first = WeightPublisher(
+        store, views=["bf16"], keep_versions=None, publisher_id="trainer/ns/job", staging_dir=staging
+    )
     first.publish({"w": torch.zeros(4, 128)})
     killed = first.snapshot_dir("bf16")  # never closed: the process was killed
     assert killed is not None and killed.is_dir()
-    second = WeightPublisher(store, views=["bf16"], keep_versions=None, publisher_id="trainer/ns/job", staging_dir=staging)
+    second = WeightPublisher(
+        store, views=["bf16"], keep_versions=None, publisher_id="trainer/ns/job", staging_dir=staging
+    )
     second.publish({"w": torch.ones(4, 128)})
     assert second.last_published["bf16"].kind == "anchor"
     assert [p.name for p in staging.iterdir() if p.name.startswith(SNAPSHOT_PREFIX)] == [killed.parent.name]
     assert second.snapshot_dir("bf16") == killed
-    assert hash_file(killed / "model.safetensors") == WeightChannel(store).manifest(1).views["bf16"].files["model.safetensors"]
+    assert (
+        hash_file(killed / "model.safetensors")
+        == WeightChannel(store).manifest(1).views["bf16"].files["model.safetensors"]
+    )
 
 
 def test_anchor_every_1_stores_every_version_whole(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
     store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir,
-                                anchor_every=1)  # fmt: skip
+    publisher = WeightPublisher(
+        store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir, anchor_every=1
+    )
     state = tiny_state()
     for step in range(3):
         publisher.publish(state)
@@ -181,7 +211,9 @@ def test_quantized_views_keep_their_scales_so_unchanged_blocks_stay_out_of_the_d
     a value sits near a rounding boundary (fp8: 5268 elements, a delta of 9% of the file); under the kept
     scales (within the rule and the 1.01x error bound) no other code changes."""
     store = FilesystemStore(tmp_path / "store", create=True)
-    publisher = WeightPublisher(store, views=["fp8", "nvfp4"], keep_versions=None, base_checkpoint=tiny_qwen3_dir)
+    publisher = WeightPublisher(
+        store, views=["fp8", "nvfp4"], keep_versions=None, base_checkpoint=tiny_qwen3_dir
+    )
     state = tiny_state()
     publisher.publish(state)
     for tensor in state.values():
@@ -234,8 +266,14 @@ def test_the_share_bound_is_exact(tmp_path: Path, caplog: pytest.LogCaptureFixtu
     publisher.publish({"w": weights})  # v3: k + 1
     assert kinds(store, range(4)) == [None, None, 1, None]
     stats = publisher.last_published["bf16"]
-    assert (stats.kind, stats.reason) == ("anchor", f"the delta of model.safetensors exceeds {share:g} of the file")
-    assert f"weights v3 bf16: anchor (the delta of model.safetensors exceeds {share:g} of the file): " in caplog.text
+    assert (stats.kind, stats.reason) == (
+        "anchor",
+        f"the delta of model.safetensors exceeds {share:g} of the file",
+    )
+    assert (
+        f"weights v3 bf16: anchor (the delta of model.safetensors exceeds {share:g} of the file): "
+        in caplog.text
+    )
     assert "encode " in caplog.text.splitlines()[-1]  # the publish line states the encode seconds
     for v in range(4):
         rebuild(store, v, "bf16", tmp_path / "rebuilt")
@@ -244,8 +282,13 @@ def test_the_share_bound_is_exact(tmp_path: Path, caplog: pytest.LogCaptureFixtu
 def test_after_a_failed_publish_the_next_delta_is_against_the_version_the_channel_serves(
     store: Store, tmp_path: Path, tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    publisher = WeightPublisher(store, views=["bf16"], keep_versions=2, base_checkpoint=tiny_qwen3_dir,
-                                staging_dir=tmp_path / "staging")  # fmt: skip
+    publisher = WeightPublisher(
+        store,
+        views=["bf16"],
+        keep_versions=2,
+        base_checkpoint=tiny_qwen3_dir,
+        staging_dir=tmp_path / "staging",
+    )
     state = tiny_state()
     for step in range(2):
         publisher.publish(state)
@@ -284,8 +327,12 @@ def test_a_version_another_publisher_outran_is_no_base(
     store = FilesystemStore(tmp_path / "store", create=True)
     state = tiny_state()
     slow = WeightPublisher(store, views=["bf16"], keep_versions=None, base_checkpoint=tiny_qwen3_dir)
-    other = WeightPublisher(FilesystemStore(tmp_path / "store"), views=["bf16"], keep_versions=None,
-                            base_checkpoint=tiny_qwen3_dir)  # fmt: skip
+    other = WeightPublisher(
+        FilesystemStore(tmp_path / "store"),
+        views=["bf16"],
+        keep_versions=None,
+        base_checkpoint=tiny_qwen3_dir,
+    )
     slow.publish(state, version=0)
     real_put = store.put
 
@@ -307,7 +354,9 @@ def test_a_version_another_publisher_outran_is_no_base(
     )
 
 
-def publish_hand_built(channel: WeightChannel, tmp_path: Path, plan: Mapping[int, Mapping[str, int | None]]) -> None:
+def publish_hand_built(
+    channel: WeightChannel, tmp_path: Path, plan: Mapping[int, Mapping[str, int | None]]
+) -> None:
     """Versions 0.. of views whose delta bases are `plan[version][view]` (None: an anchor), each file a
     real delta (`encode_delta`) against the same view's file at its base."""
     for version, views in sorted(plan.items()):
@@ -316,8 +365,11 @@ def publish_hand_built(channel: WeightChannel, tmp_path: Path, plan: Mapping[int
         for view, base in views.items():
             if base is not None:
                 payload = tmp_path / f"v{version}" / f"{view}.delta"
-                stats = encode_delta(tmp_path / f"v{base}" / view / "model.safetensors",
-                                     dirs[view] / "model.safetensors", payload)  # fmt: skip
+                stats = encode_delta(
+                    tmp_path / f"v{base}" / view / "model.safetensors",
+                    dirs[view] / "model.safetensors",
+                    payload,
+                )
                 assert stats is not None
                 deltas[view] = DeltaSource(base, {"model.safetensors": payload})
         assert channel.publish(dirs, version=version, deltas=deltas).version == version
@@ -401,7 +453,9 @@ def test_the_trainer_exports_each_views_stored_bytes_by_kind(tmp_path: Path, tin
         exporter.close()
 
 
-def test_the_trainer_counts_each_views_stored_bytes_over_its_versions(tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+def test_the_trainer_counts_each_views_stored_bytes_over_its_versions(
+    tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     """`rlfleet_trainer_weights_stored_bytes_total{view}`: the anchor's bytes plus each delta's payloads, as
     the manifests say the channel stores them; a call without a new version adds nothing."""
     import httpx
@@ -415,24 +469,42 @@ def test_the_trainer_counts_each_views_stored_bytes_over_its_versions(tmp_path: 
 
     def counter() -> str:
         text = httpx.get(f"http://127.0.0.1:{exporter.port}/metrics").text
-        return next(line for line in text.splitlines() if line.startswith("rlfleet_trainer_weights_stored_bytes_total{"))
+        return next(
+            line
+            for line in text.splitlines()
+            if line.startswith("rlfleet_trainer_weights_stored_bytes_total{")
+        )
 
     try:
-        exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)  # nothing yet
-        assert "rlfleet_trainer_weights_stored_bytes_total{" not in httpx.get(f"http://127.0.0.1:{exporter.port}/metrics").text
+        exporter.update_published(
+            publisher.last_published.values(), publisher.stored_bytes_total
+        )  # nothing yet
+        assert (
+            "rlfleet_trainer_weights_stored_bytes_total{"
+            not in httpx.get(f"http://127.0.0.1:{exporter.port}/metrics").text
+        )
         anchor = publisher.publish(state).manifest.views["bf16"].stored_bytes
         nudge(state, 0)
         delta = publisher.publish(state).manifest.views["bf16"].stored_bytes
         assert 0 < delta < anchor
         assert publisher.stored_bytes_total == {"bf16": anchor + delta}
         exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)
-        assert counter() == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta)}'
-        exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)  # same version
-        assert counter() == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta)}'
+        assert (
+            counter() == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta)}'
+        )
+        exporter.update_published(
+            publisher.last_published.values(), publisher.stored_bytes_total
+        )  # same version
+        assert (
+            counter() == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta)}'
+        )
         nudge(state, 1)
         third = publisher.publish(state).manifest.views["bf16"].stored_bytes
         exporter.update_published(publisher.last_published.values(), publisher.stored_bytes_total)
-        assert counter() == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta + third)}'
+        assert (
+            counter()
+            == f'rlfleet_trainer_weights_stored_bytes_total{{view="bf16"}} {float(anchor + delta + third)}'
+        )
     finally:
         exporter.close()
 
@@ -449,7 +521,10 @@ def test_the_rljobs_deltas_reach_the_cluster_and_the_local_publisher(tmp_path: P
     doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml").read_text())
     doc["spec"]["weightChannel"]["deltas"] = {"anchorEvery": 4, "maxDeltaShare": 0.25}
     job = RLJob.from_manifest(doc)
-    assert (resolve_run(job, local=True).deltas.anchor_every, resolve_run(job).deltas.max_delta_share) == (4, 0.25)
+    assert (resolve_run(job, local=True).deltas.anchor_every, resolve_run(job).deltas.max_delta_share) == (
+        4,
+        0.25,
+    )
     publisher = _channel_writer(job, ["bf16"], None, FilesystemStore(tmp_path / "store", create=True))
     try:
         assert (publisher.anchor_every, publisher.max_delta_share) == (4, 0.25)

@@ -143,7 +143,9 @@ def build_model(kind: str, seed: int) -> torch.nn.Module:
     if kind == "dense":
         return Qwen3ForCausalLM(Qwen3Config(**COMMON)).eval()
     # the project's tiny Qwen3-MoE (rlfleet/tiny_qwen3.py: MOE_SIZES, its seeded init) at this file's sizes
-    moe = TinyQwen3(architecture="qwen3_moe", moe_intermediate_size=MOE_INTER, num_experts=EXPERTS, seed=seed, **COMMON)
+    moe = TinyQwen3(
+        architecture="qwen3_moe", moe_intermediate_size=MOE_INTER, num_experts=EXPERTS, seed=seed, **COMMON
+    )
     return tiny_model(moe)
 
 
@@ -212,7 +214,12 @@ def rebuilt_from_a_delta(work: Path, view: str, first: Path, second: Path) -> Pa
     rebuilt = channel.obtain_view(2, view, work / "rebuilt")
     assert rebuilt.describe() == "anchor v1 + delta v2" and rebuilt.read_bytes["delta"] > 0
     files = sorted(p.relative_to(second).as_posix() for p in second.rglob("*") if p.is_file())
-    assert sorted(p.relative_to(rebuilt.directory).as_posix() for p in rebuilt.directory.rglob("*") if p.is_file()) == files
+    assert (
+        sorted(
+            p.relative_to(rebuilt.directory).as_posix() for p in rebuilt.directory.rglob("*") if p.is_file()
+        )
+        == files
+    )
     for rel in files:
         assert (rebuilt.directory / rel).read_bytes() == (second / rel).read_bytes(), rel
     return rebuilt.directory
@@ -660,7 +667,9 @@ def check_values(published: Published, group: Group, view: str, version: int) ->
                 # top E4M3 block scale (amax / 6) / scale within [224, 464]
                 assert torch.equal(ws2, torch.full_like(ws2, float(ws2[0])))
                 checks = [(float(ws2[0]), group_amax, "weight_scale_2")]
-                checks += [(float(s), amax[m], "input_scale") for s, m in zip(inp.tolist(), members, strict=True)]
+                checks += [
+                    (float(s), amax[m], "input_scale") for s, m in zip(inp.tolist(), members, strict=True)
+                ]
                 for value, module_amax, stored in checks:
                     earlier = {float(first[f"{m}.{stored}"]) for m in members}
                     renewed = float(torch.tensor(module_amax, dtype=torch.float32) * math.sqrt(2.0) / 2688.0)
@@ -695,7 +704,9 @@ def test_version_2_keeps_version_1s_scales(published: Published) -> None:
     for view in ("fp8", "nvfp4"):
         _, first = read_view_tensors(published.dirs[(1, view)])
         config, second = read_view_tensors(published.dirs[(2, view)])
-        fresh, quantized = view_tensors(published.trained[2], view, hf=True, activation_amax=published.amax[2])
+        fresh, quantized = view_tensors(
+            published.trained[2], view, hf=True, activation_amax=published.amax[2]
+        )
         assert set(fresh) == set(second) and sorted(quantized) == sorted(config["quantized"])
 
         def bits(t: torch.Tensor) -> torch.Tensor:
@@ -722,7 +733,9 @@ def squared_error(view: str, tensors: dict[str, torch.Tensor], name: str, w: tor
     if view == "fp8":
         deq = formats.dequantize_fp8_block(tensors[name], tensors[f"{base}.weight_scale_inv"])
     else:
-        deq = formats.dequantize_nvfp4(tensors[name], tensors[f"{base}.weight_scale"], tensors[f"{base}.weight_scale_2"])
+        deq = formats.dequantize_nvfp4(
+            tensors[name], tensors[f"{base}.weight_scale"], tensors[f"{base}.weight_scale_2"]
+        )
     return float((deq.double() - w.double()).square().sum())
 
 

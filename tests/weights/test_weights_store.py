@@ -223,13 +223,17 @@ def test_filesystem_write_survives_a_concurrent_prune_of_its_directory(tmp_path:
     assert store2.get("claims/x") == b"abc" and store2.get("claims/y/z") == b"defg"
 
 
-def test_lock_free_create_backs_off_from_a_live_claim_and_removes_a_dead_one(s3_endpoint: str, s3_bucket: str) -> None:
+def test_lock_free_create_backs_off_from_a_live_claim_and_removes_a_dead_one(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
     """The lock-free S3 exclusive create (servers without conditional writes): another writer's claim of the
     key younger than claim_ttl_seconds makes this create back off; once older (its writer died between its
     claim and its write) it is ignored, the create wins, and the dead claim is deleted, not left forever."""
     import time
 
-    store = S3Store(s3_bucket, "ch", endpoint_url=s3_endpoint, conditional_writes=False, claim_ttl_seconds=1.0)
+    store = S3Store(
+        s3_bucket, "ch", endpoint_url=s3_endpoint, conditional_writes=False, claim_ttl_seconds=1.0
+    )
     store.client.put_object(Bucket=s3_bucket, Key="ch/_claims/claims/v3/dead-writer", Body=b"")
     assert not store.create("claims/v3", b"me")
     time.sleep(1.5)

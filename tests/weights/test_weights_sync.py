@@ -158,7 +158,9 @@ def expected_fp8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+async def test_sidecar_applies_versions_in_order(
+    engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     store = FilesystemStore(tmp_path / "store", create=True)
     publisher = WeightPublisher(store, views=["bf16", "fp8"], base_checkpoint=tiny_qwen3_dir)
     async with httpx.AsyncClient(base_url=engine.url) as client:
@@ -174,7 +176,9 @@ async def test_sidecar_applies_versions_in_order(engine: RecordingEngine, tmp_pa
             # what the publisher wrote, read back by the channel on its own: from version 1 on the fp8
             # publisher keeps a block's previous scale while its values fit (docs/weights.md, "Kept scales"),
             # so only the first version is a fresh quantization of the state
-            oracle = WeightChannel(store).obtain_view(version, "fp8", tmp_path / "oracle" / str(version)).directory
+            oracle = (
+                WeightChannel(store).obtain_view(version, "fp8", tmp_path / "oracle" / str(version)).directory
+            )
             published = load_view(oracle)[1]
             if version == 0:
                 assert published.keys() == expected_fp8(state).keys()
@@ -286,7 +290,9 @@ async def _get_metrics(syncer: Syncer) -> bytes:
         await runner.cleanup()
 
 
-async def test_engine_restart_is_detected_and_reapplied(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+async def test_engine_restart_is_detected_and_reapplied(
+    engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     """The engine container restarts with its initial weights: the sidecar notices (/model_info
     weight_version) and brings it back to the pointer instead of believing its own bookkeeping."""
     async with fp8_sidecar(engine, tmp_path, tiny_qwen3_dir) as (store, publisher, syncer):
@@ -407,8 +413,17 @@ async def serving_sidecar(
     """The sidecar as its pod runs it (`serve`: the sync loop and its HTTP endpoints on a free port) on the
     bf16 view of the channel in `store_dir`, in front of `engine`: yields the list its port is appended to
     once it listens; stopped (SIGTERM's path) at exit."""
-    config = SyncConfig(store=str(store_dir), view="bf16", engine_url=engine.url, group=group, replica=replica,
-                        cache_dir=cache, host="127.0.0.1", port=0, poll_interval=0.05)  # fmt: skip
+    config = SyncConfig(
+        store=str(store_dir),
+        view="bf16",
+        engine_url=engine.url,
+        group=group,
+        replica=replica,
+        cache_dir=cache,
+        host="127.0.0.1",
+        port=0,
+        poll_interval=0.05,
+    )
     stop = asyncio.Event()
     ports: list[int] = []
     task = asyncio.create_task(serve(config, stop=stop, ready=ports.append))
@@ -419,7 +434,9 @@ async def serving_sidecar(
         await asyncio.wait_for(task, 10)
 
 
-async def test_serve_exposes_metrics_and_status(engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path) -> None:
+async def test_serve_exposes_metrics_and_status(
+    engine: RecordingEngine, tmp_path: Path, tiny_qwen3_dir: Path
+) -> None:
     store_dir = published_bf16(tmp_path, tiny_qwen3_dir)
     engine.version = None
     async with serving_sidecar(store_dir, engine, tmp_path / "cache") as ports:
@@ -445,8 +462,11 @@ async def test_a_replica_that_stops_cleanly_removes_its_own_report(
     pod pins no version and counts in no status; another replica's report stays."""
     store_dir = published_bf16(tmp_path, tiny_qwen3_dir)
     channel = WeightChannel(FilesystemStore(store_dir))
-    channel.report(SubscriberReport(group="a100", replica="pod-8", view="bf16", applied_version=0, in_use=[0],
-                                    updated_at=now_iso()))  # fmt: skip
+    channel.report(
+        SubscriberReport(
+            group="a100", replica="pod-8", view="bf16", applied_version=0, in_use=[0], updated_at=now_iso()
+        )
+    )
     async with serving_sidecar(store_dir, engine, tmp_path / "cache"):
         for _ in range(200):
             if any(r.replica == "pod-9" and r.applied_version == 0 for r in channel.subscribers()):
@@ -468,7 +488,11 @@ async def test_initial_version_from_engine_is_not_reapplied(
                 if not ports:
                     return False
                 status = (await client.get(f"http://127.0.0.1:{ports[0]}/status")).json()
-                return (status["phase"], status["applied_version"], status["latest_version"]) == ("in-sync", 0, 0)
+                return (status["phase"], status["applied_version"], status["latest_version"]) == (
+                    "in-sync",
+                    0,
+                    0,
+                )
 
             await eventually(in_sync_at_v0, "the sidecar in sync at v0", 30)
     assert ports and not [p for p, _ in engine.requests if p == "/update_weights_from_disk"]
@@ -477,10 +501,19 @@ async def test_initial_version_from_engine_is_not_reapplied(
 def sync_argv(*extra: str, **flags: str | None) -> list[str]:
     """Arguments of `rlfleet sampler sync`: a valid set (store /tmp/x, view fp8, engine URL http://x, group
     g, replica r) with `flags` replaced (engine_url is --engine-url; None leaves the flag out), then `extra`."""
-    valid: dict[str, str | None] = {"store": "/tmp/x", "view": "fp8", "engine_url": "http://x", "group": "g",
-                                    "replica": "r"}  # fmt: skip
-    argv = [part for name, value in (valid | flags).items() if value is not None
-            for part in ("--" + name.replace("_", "-"), value)]  # fmt: skip
+    valid: dict[str, str | None] = {
+        "store": "/tmp/x",
+        "view": "fp8",
+        "engine_url": "http://x",
+        "group": "g",
+        "replica": "r",
+    }
+    argv = [
+        part
+        for name, value in (valid | flags).items()
+        if value is not None
+        for part in ("--" + name.replace("_", "-"), value)
+    ]
     return argv + list(extra)
 
 
@@ -490,8 +523,10 @@ def sync_argv(*extra: str, **flags: str | None) -> list[str]:
         (sync_argv(store=None), "--store"),
         (sync_argv(view="int3"), "invalid choice"),
         (sync_argv(store="gs://b"), "unsupported store URI"),
-        (sync_argv("--in-place", store="s3://bucket/job"),
-         "--in-place needs a filesystem store (a path or file://), not s3://bucket/job"),  # fmt: skip
+        (
+            sync_argv("--in-place", store="s3://bucket/job"),
+            "--in-place needs a filesystem store (a path or file://), not s3://bucket/job",
+        ),
         (sync_argv(engine_url="localhost:1"), "http(s) URL"),
         (sync_argv(group="../g"), "invalid group"),
     ],
@@ -526,8 +561,18 @@ HF_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torc
 # auto-detects; tests/api/test_api_catalog.py runs SGLang's own resolution on these)
 QUANT_CONFIGS: dict[str, dict[str, Any] | None] = {
     "bf16": None,
-    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
-    "nvfp4": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]},
+    "fp8": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    },
+    "nvfp4": {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "exclude_modules": ["lm_head"],
+    },
     "mxfp4": {"quant_method": "mxfp4", "group_size": 32, "modules_to_not_convert": ["lm_head"]},
 }
 
@@ -565,15 +610,39 @@ def test_fetch_only_waits_for_version_0_then_writes_the_launch_file(tmp_path: Pa
     store = FilesystemStore(tmp_path / "store", create=True)
     cache = tmp_path / "cache"
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "rlfleet"), "sampler", "sync", "--fetch-only",
-         "--store", str(tmp_path / "store"), "--view", "fp8", "--engine-url", "http://127.0.0.1:9",
-         "--group", "h100-fp8", "--replica", "pod-0", "--cache-dir", str(cache), "--poll-interval", "0.1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "rlfleet"),
+            "sampler",
+            "sync",
+            "--fetch-only",
+            "--store",
+            str(tmp_path / "store"),
+            "--view",
+            "fp8",
+            "--engine-url",
+            "http://127.0.0.1:9",
+            "--group",
+            "h100-fp8",
+            "--replica",
+            "pod-0",
+            "--cache-dir",
+            str(cache),
+            "--poll-interval",
+            "0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         # waiting is visible: its subscriber report exists, with nothing applied and nothing in use
-        wait_for("the waiting init container's report", lambda: WeightChannel(store).subscribers(), timeout=30,
-                 interval=0.05, running=[proc])  # fmt: skip
+        wait_for(
+            "the waiting init container's report",
+            lambda: WeightChannel(store).subscribers(),
+            timeout=30,
+            interval=0.05,
+            running=[proc],
+        )
         [report] = WeightChannel(store).subscribers()
         assert (report.view, report.applied_version, report.in_use) == ("fp8", None, [])
         assert proc.poll() is None and not (cache / LAUNCH_FILE).exists()
@@ -602,10 +671,19 @@ async def test_fetch_refuses_a_bf16_checkpoint_published_as_the_fp8_view(tmp_pat
     """A BF16 checkpoint under the fp8 view would make SGLang quantize online (no later update could
     load): it never reaches the launch file."""
     from rlfleet.catalog import LAUNCH_FILE
+
     store = FilesystemStore(tmp_path / "store", create=True)
     WeightChannel(store).publish({"fp8": hf_view(tiny_state(1), "bf16", tmp_path / "bf16")})
-    config = SyncConfig(store="unused", view="fp8", engine_url="http://127.0.0.1:9", group="g", replica="r",
-                        cache_dir=tmp_path / "cache", backoff_base=0.05, backoff_max=0.1)  # fmt: skip
+    config = SyncConfig(
+        store="unused",
+        view="fp8",
+        engine_url="http://127.0.0.1:9",
+        group="g",
+        replica="r",
+        cache_dir=tmp_path / "cache",
+        backoff_base=0.05,
+        backoff_max=0.1,
+    )
     async with httpx.AsyncClient() as client:
         syncer = Syncer(config, store, DiskEngine(client))
         stop = asyncio.Event()
@@ -617,7 +695,10 @@ async def test_fetch_refuses_a_bf16_checkpoint_published_as_the_fp8_view(tmp_pat
         stop.set()
         assert await asyncio.wait_for(task, 10) is None
     assert syncer.state.failures["checksum"] >= 2
-    assert "quantization method fp8" in (syncer.state.last_error or "") and "declares none" in syncer.state.last_error
+    assert (
+        "quantization method fp8" in (syncer.state.last_error or "")
+        and "declares none" in syncer.state.last_error
+    )
     assert not (tmp_path / "cache" / LAUNCH_FILE).exists() and not (tmp_path / "cache" / "v0-fp8").exists()
 
 
@@ -639,21 +720,38 @@ async def test_the_launch_file_carries_a_moe_checkpoints_flag_into_the_sglang_la
 
     store = FilesystemStore(tmp_path / "store", create=True)
     base = tiny_qwen3_factory(architecture=architecture)
-    state = {k: v.detach().clone() for k, v in tiny_model(TinyQwen3(architecture=architecture)).state_dict().items()}
+    state = {
+        k: v.detach().clone()
+        for k, v in tiny_model(TinyQwen3(architecture=architecture)).state_dict().items()
+    }
     assert WeightPublisher(store, views=["bf16"], base_checkpoint=base).publish(state).version == 0
-    config = SyncConfig(store="unused", view="bf16", engine_url="http://127.0.0.1:9", group="h100-bf16",
-                        replica="pod-0", cache_dir=tmp_path / "cache", require_checkpoint=True)  # fmt: skip
+    config = SyncConfig(
+        store="unused",
+        view="bf16",
+        engine_url="http://127.0.0.1:9",
+        group="h100-bf16",
+        replica="pod-0",
+        cache_dir=tmp_path / "cache",
+        require_checkpoint=True,
+    )
     async with httpx.AsyncClient() as client:
         fetched = await Syncer(config, store, DiskEngine(client)).fetch_for_launch(asyncio.Event())
     assert fetched == (0, tmp_path / "cache" / "v0-bf16")
     target = fetched[1]
     moe = architecture == "qwen3_moe"
     flags = ["--enable-return-routed-experts"] if moe else []
-    assert (tmp_path / "cache" / LAUNCH_FILE).read_text() == f"0 {target}\n" + ("--enable-return-routed-experts\n" if moe else "")
+    assert (tmp_path / "cache" / LAUNCH_FILE).read_text() == f"0 {target}\n" + (
+        "--enable-return-routed-experts\n" if moe else ""
+    )
 
     h100 = load_catalog(None).get("h100")
-    placeholder = launch_of(accelerator=h100, weight_format="bf16", model_path=MODEL_DIR_REF, served_model_name="m",
-                            weight_version=WEIGHT_VERSION_REF)  # fmt: skip
+    placeholder = launch_of(
+        accelerator=h100,
+        weight_format="bf16",
+        model_path=MODEL_DIR_REF,
+        served_model_name="m",
+        weight_version=WEIGHT_VERSION_REF,
+    )
     script = launch_from_file(placeholder.argv, str(tmp_path / "cache" / LAUNCH_FILE), checkpoint_flags=True)
     stub = tmp_path / "bin" / "python3"  # the stub engine: prints the argv it was started with
     stub.parent.mkdir()
@@ -661,8 +759,13 @@ async def test_the_launch_file_carries_a_moe_checkpoints_flag_into_the_sglang_la
     stub.chmod(0o755)
     env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
     argv = json.loads(subprocess.run(script, capture_output=True, text=True, env=env, check=True).stdout)
-    direct = launch_of(accelerator=h100, weight_format="bf16", model_path=str(target), served_model_name="m",
-                       weight_version=0)  # fmt: skip
+    direct = launch_of(
+        accelerator=h100,
+        weight_format="bf16",
+        model_path=str(target),
+        served_model_name="m",
+        weight_version=0,
+    )
     assert argv == [*direct.argv[1:], *flags]
 
 
@@ -697,7 +800,9 @@ def test_newest_version_of_view_skips_versions_without_it(tmp_path: Path) -> Non
     assert newest_version_of_view(channel, "nvfp4") is None
 
 
-async def test_sidecar_starts_from_the_launch_file_and_rewrites_it(engine: RecordingEngine, tmp_path: Path) -> None:
+async def test_sidecar_starts_from_the_launch_file_and_rewrites_it(
+    engine: RecordingEngine, tmp_path: Path
+) -> None:
     """The engine is still loading (it reports no version): the sidecar believes the launch file, does
     not re-apply v0, applies v1 and names it in the launch file (a restarted engine container starts
     from v1 with --weight-version 1)."""
@@ -708,9 +813,18 @@ async def test_sidecar_starts_from_the_launch_file_and_rewrites_it(engine: Recor
     cache = tmp_path / "cache"
     cache.mkdir()
     write_launch_file(cache, 0, cache / "v0-fp8")
-    config = SyncConfig(store=str(tmp_path / "store"), view="fp8", engine_url=engine.url, group="g",
-                        replica="r", cache_dir=cache, host="127.0.0.1", port=0, poll_interval=0.05,
-                        require_checkpoint=True)  # fmt: skip
+    config = SyncConfig(
+        store=str(tmp_path / "store"),
+        view="fp8",
+        engine_url=engine.url,
+        group="g",
+        replica="r",
+        cache_dir=cache,
+        host="127.0.0.1",
+        port=0,
+        poll_interval=0.05,
+        require_checkpoint=True,
+    )
     stop = asyncio.Event()
     task = asyncio.create_task(serve(config, stop=stop))
     try:
@@ -768,16 +882,30 @@ async def test_fetch_launches_from_the_publishers_real_hf_checkpoint(view: str, 
     WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], base_checkpoint=base).publish(
         model.state_dict(), activation_amax=amax
     )
-    config = SyncConfig(store="unused", view=view, engine_url="http://127.0.0.1:9", group="g", replica="r",
-                        cache_dir=tmp_path / "cache", require_checkpoint=True)  # fmt: skip
+    config = SyncConfig(
+        store="unused",
+        view=view,
+        engine_url="http://127.0.0.1:9",
+        group="g",
+        replica="r",
+        cache_dir=tmp_path / "cache",
+        require_checkpoint=True,
+    )
     async with httpx.AsyncClient() as client:
         fetched = await Syncer(config, store, DiskEngine(client)).fetch_for_launch(asyncio.Event())
     assert fetched == (0, tmp_path / "cache" / f"v0-{view}") == read_launch_file(tmp_path / "cache")
     directory = fetched[1]
     assert (directory / "tokenizer.json").is_file() and (directory / "tokenizer_config.json").is_file()
-    launch = sglang_launch(accelerator=load_catalog(None).get("b200"), weight_format=view,
-                           model_path=str(directory), served_model_name="m", weight_version=0)  # fmt: skip
-    flag = launch.flags[launch.flags.index("--quantization") + 1] if "--quantization" in launch.flags else None
+    launch = sglang_launch(
+        accelerator=load_catalog(None).get("b200"),
+        weight_format=view,
+        model_path=str(directory),
+        served_model_name="m",
+        weight_version=0,
+    )
+    flag = (
+        launch.flags[launch.flags.index("--quantization") + 1] if "--quantization" in launch.flags else None
+    )
     assert check_launchable(directory, view) == flag
     declared = json.loads((directory / "config.json").read_text()).get("quantization_config")
     assert (declared is None) == (view == "bf16")
@@ -820,8 +948,15 @@ async def test_a_failing_report_write_warns_once_per_streak_and_is_counted(
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="rlfleet.sampler.sync")
     store = FlakyStore(tmp_path / "store")
-    config = SyncConfig(store="unused", view="fp8", engine_url="http://127.0.0.1:9", group="g", replica="pod-0",
-                        cache_dir=tmp_path / "cache", report_interval=0.0)  # fmt: skip  (every step writes)
+    config = SyncConfig(
+        store="unused",
+        view="fp8",
+        engine_url="http://127.0.0.1:9",
+        group="g",
+        replica="pod-0",
+        cache_dir=tmp_path / "cache",
+        report_interval=0.0,
+    )  # (every step writes)
     async with httpx.AsyncClient() as client:
         syncer = Syncer(config, store, DiskEngine(client))
 
@@ -831,8 +966,11 @@ async def test_a_failing_report_write_warns_once_per_streak_and_is_counted(
             )
 
         def warnings() -> list[str]:
-            return [r.getMessage() for r in caplog.records
-                    if r.levelno == logging.WARNING and "could not write the subscriber report" in r.getMessage()]  # fmt: skip
+            return [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == logging.WARNING and "could not write the subscriber report" in r.getMessage()
+            ]
 
         assert failures() == 0.0
         store.fail_reports = True
@@ -849,8 +987,10 @@ async def test_a_failing_report_write_warns_once_per_streak_and_is_counted(
         assert (syncer.state.report_failures, syncer.state.report_failure_streak) == (3, 0)
         [report] = WeightChannel(store).subscribers()
         assert (report.group, report.replica, report.applied_version) == ("g", "pod-0", None)
-        assert any("written again after 3 failed attempts" in r.getMessage() and r.levelno == logging.INFO
-                   for r in caplog.records)  # fmt: skip
+        assert any(
+            "written again after 3 failed attempts" in r.getMessage() and r.levelno == logging.INFO
+            for r in caplog.records
+        )
         store.fail_reports = True  # a second streak warns again, once
         await syncer.reconcile_once()
         await syncer.reconcile_once()
@@ -863,8 +1003,15 @@ async def test_the_report_is_rewritten_during_a_long_download(tmp_path: Path, ti
     store = FlakyStore(tmp_path / "store")
     WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
     store.download_delay = 0.25
-    config = SyncConfig(store="unused", view="fp8", engine_url="http://127.0.0.1:9", group="g", replica="pod-0",
-                        cache_dir=tmp_path / "cache", report_interval=0.2)  # fmt: skip
+    config = SyncConfig(
+        store="unused",
+        view="fp8",
+        engine_url="http://127.0.0.1:9",
+        group="g",
+        replica="pod-0",
+        cache_dir=tmp_path / "cache",
+        report_interval=0.2,
+    )
     async with httpx.AsyncClient() as client:
         syncer = Syncer(config, store, DiskEngine(client))
         syncer.channel.download_workers = 1  # one file at a time: the download lasts 0.25 s per file

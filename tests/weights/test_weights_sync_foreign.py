@@ -32,8 +32,12 @@ PROMPT = {"input_ids": [1, 2, 3, 4], "sampling_params": {"temperature": 0.0, "ma
 
 
 def rlfleet(*args: str, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "rlfleet.cli", *args], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlfleet.cli", *args],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -44,16 +48,59 @@ def keyed_sampler(tmp_path: Path, tiny_qwen3_dir: Path) -> Iterator[tuple[Path, 
     procs: list[subprocess.Popen[bytes]] = []
     try:
         log, port_file = tmp_path / "server.log", tmp_path / "server.port"
-        procs.append(rlfleet("sampler", "serve", "--engine", "reference", "--port", "0", "--port-file",
-                             str(port_file), "--weight-format", "bf16", "--weight-version", "0", "--model-path",
-                             str(tiny_qwen3_dir), "--api-key", KEY, log=log))  # fmt: skip
+        procs.append(
+            rlfleet(
+                "sampler",
+                "serve",
+                "--engine",
+                "reference",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--weight-format",
+                "bf16",
+                "--weight-version",
+                "0",
+                "--model-path",
+                str(tiny_qwen3_dir),
+                "--api-key",
+                KEY,
+                log=log,
+            )
+        )
         engine = f"http://127.0.0.1:{wait_port(port_file, procs[-1], log)}"
         log, port_file = tmp_path / "sync.log", tmp_path / "sync.port"
-        procs.append(rlfleet("sampler", "sync", "--store", str(store_dir), "--view", "bf16", "--engine-url",
-                             engine, "--group", GROUP, "--replica", f"{GROUP}-0", "--cache-dir",
-                             str(tmp_path / "cache"), "--host", "127.0.0.1", "--port", "0", "--port-file",
-                             str(port_file), "--poll-interval", "0.2", "--initial-version", "0",
-                             log=log, env={"RLFLEET_API_KEY": KEY}))  # fmt: skip
+        procs.append(
+            rlfleet(
+                "sampler",
+                "sync",
+                "--store",
+                str(store_dir),
+                "--view",
+                "bf16",
+                "--engine-url",
+                engine,
+                "--group",
+                GROUP,
+                "--replica",
+                f"{GROUP}-0",
+                "--cache-dir",
+                str(tmp_path / "cache"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--poll-interval",
+                "0.2",
+                "--initial-version",
+                "0",
+                log=log,
+                env={"RLFLEET_API_KEY": KEY},
+            )
+        )
         sidecar = f"http://127.0.0.1:{wait_port(port_file, procs[-1], log)}"
         yield store_dir, engine, sidecar
     finally:
@@ -100,27 +147,40 @@ def test_a_foreign_weight_load_needs_the_key_and_is_undone_and_counted(
         assert foreign_tokens["output_ids"] != channel_tokens["output_ids"]  # other weights, other tokens
 
         # ... until the sidecar sees a version it did not apply and applies the channel's v1 again.
-        status = wait_until(lambda: (s := client.get(f"{sidecar}/status").json())["foreign_versions"] and s,
-                            "the sidecar to count the foreign version")  # fmt: skip
+        status = wait_until(
+            lambda: (s := client.get(f"{sidecar}/status").json())["foreign_versions"] and s,
+            "the sidecar to count the foreign version",
+        )
         assert status["applied_version"] == 1 and status["lag"] == 0
         assert status["foreign"].startswith("foreign weight version: the engine served v1000000, not v1")
         # a generation in flight while the weights are swapped is made of both (its `weight_versions` spans
         # say so): wait for one made of v1 alone (the sidecar re-applies v1 from its local copy at once)
         restored = wait_until(
-            lambda: (b := client.post(f"{engine}/generate", json=PROMPT, headers=auth).json())["meta_info"][
-                "weight_versions"] == [{"version": "1", "start": 0, "end": 6}] and b,
-            "the engine to serve v1 again")  # fmt: skip
+            lambda: (
+                (b := client.post(f"{engine}/generate", json=PROMPT, headers=auth).json())["meta_info"][
+                    "weight_versions"
+                ]
+                == [{"version": "1", "start": 0, "end": 6}]
+                and b
+            ),
+            "the engine to serve v1 again",
+        )
         assert restored["output_ids"] == channel_tokens["output_ids"]  # the channel's weights, not a label
         metrics = client.get(f"{sidecar}/metrics").text
         assert f'rlfleet_weight_sync_foreign_versions_total{{group="{GROUP}",view="bf16"}} 1.0' in metrics
         assert f'rlfleet_weight_sync_applied_version{{group="{GROUP}",view="bf16"}} 1.0' in metrics
 
         # The subscriber report (hence the WeightChannel's and SamplerGroup's status) says it.
-        reports = wait_until(lambda: [r for r in WeightChannel(store).subscribers() if r.last_error], "the report")
+        reports = wait_until(
+            lambda: [r for r in WeightChannel(store).subscribers() if r.last_error], "the report"
+        )
         assert [(r.applied_version, r.last_error.split(";")[0]) for r in reports] == [
-            (1, "foreign weight version: the engine served v1000000, not v1 that this sidecar applied (another "
-                "client called its weight-update API, or it restarted from other weights)")
-        ]  # fmt: skip
+            (
+                1,
+                "foreign weight version: the engine served v1000000, not v1 that this sidecar applied (another "
+                "client called its weight-update API, or it restarted from other weights)",
+            )
+        ]
 
         # A newer publish is applied as usual and the foreign note is history.
         WeightPublisher(store, views=["bf16"], base_checkpoint=tiny_qwen3_dir).publish(trained(2), version=2)

@@ -32,9 +32,18 @@ from rlfleet.trainer.publish.publisher import WeightPublisher
 def in_place_syncer(
     store: FilesystemStore, engine_url: str, client: httpx.AsyncClient, cache: Path
 ) -> Syncer:
-    config = SyncConfig(store=str(store.root), view="fp8", engine_url=engine_url, group="h100-fp8",
-                        replica="pod-0", cache_dir=cache, poll_interval=0.05, backoff_base=0.05,
-                        backoff_max=0.5, in_place=True)  # fmt: skip
+    config = SyncConfig(
+        store=str(store.root),
+        view="fp8",
+        engine_url=engine_url,
+        group="h100-fp8",
+        replica="pod-0",
+        cache_dir=cache,
+        poll_interval=0.05,
+        backoff_base=0.05,
+        backoff_max=0.5,
+        in_place=True,
+    )
     return Syncer(config, store, DiskEngine(client))
 
 
@@ -156,8 +165,12 @@ async def test_in_place_loads_anchors_where_they_are_and_rebuilds_deltas_into_th
     root, cache = tmp_path / "store", tmp_path / "cache"
     store = FilesystemStore(root, create=True)
     publisher = DeltaPublisher(store, tmp_path / "published", tiny_qwen3_dir)
-    expected = {0: (root / "v0" / "fp8", "anchor v0 in place"), 1: (cache / "v1-fp8", "anchor v0 + delta v1"),
-                2: (cache / "v2-fp8", "local v1 + delta v2"), 3: (root / "v3" / "fp8", "anchor v3 in place")}  # fmt: skip
+    expected = {
+        0: (root / "v0" / "fp8", "anchor v0 in place"),
+        1: (cache / "v1-fp8", "anchor v0 + delta v1"),
+        2: (cache / "v2-fp8", "local v1 + delta v2"),
+        3: (root / "v3" / "fp8", "anchor v3 in place"),
+    }
     async with httpx.AsyncClient(base_url=engine.url) as client:
         syncer = in_place_syncer(store, engine.url, client, cache)
         for version, (directory, source) in expected.items():

@@ -212,8 +212,13 @@ def test_calibrate_weights_is_the_amax_of_the_model_they_make(kind: str, tmp_pat
     if kind == "moe_tied":
         assert {f"model.layers.1.mlp.experts.3.{n}_proj" for n in ("gate", "up", "down")} <= set(expected)
         config = json.loads((tmp_path / "base" / "config.json").read_text())
-        config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-                                         "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+        config["quantization_config"] = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": ["lm_head"],
+        }
         (tmp_path / "base" / "config.json").write_text(json.dumps(config))
         assert calibrate_weights(in_memory, tmp_path / "base") == expected
     missing = {k: v for k, v in in_memory.items() if k != "model.layers.0.post_attention_layernorm.weight"}
@@ -226,7 +231,10 @@ def test_calibrate_weights_runs_in_the_dtype_most_weights_have(tmp_path: Path) -
     cast), as transformers' bf16 model loaded with those weights computes; all-fp32 weights in fp32."""
     model = tiny_model(TinyQwen3(seed=5))
     model.save_pretrained(tmp_path / "base")
-    weights = {k: v.detach().clone() if "norm" in k else v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    weights = {
+        k: v.detach().clone() if "norm" in k else v.detach().to(torch.bfloat16)
+        for k, v in model.state_dict().items()
+    }
     from transformers import Qwen3ForCausalLM
 
     bf16 = Qwen3ForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.bfloat16)  # rope buffers stay fp32
@@ -235,4 +243,6 @@ def test_calibrate_weights_runs_in_the_dtype_most_weights_have(tmp_path: Path) -
     got = calibrate_weights(weights, tmp_path / "base")
     assert got == expected
     fp32 = calibrate_weights({k: v.float() for k, v in weights.items()}, tmp_path / "base")
-    assert fp32 != got and all(abs(fp32[k] - got[k]) <= 0.02 * fp32[k] for k in got)  # bf16 rounding, not another model
+    assert fp32 != got and all(
+        abs(fp32[k] - got[k]) <= 0.02 * fp32[k] for k in got
+    )  # bf16 rounding, not another model

@@ -50,13 +50,19 @@ def causal_attention_per_sequence(
     parts = []
     # split, not a slice per sequence: a slice's backward writes into a zero tensor of the whole row
     # (L x sequences of work); split's backward is one concatenation
-    for n, q, k, v in zip(sizes, query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2), strict=True):
+    for n, q, k, v in zip(
+        sizes, query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2), strict=True
+    ):
         if sliding_window is not None and n > sliding_window:
             i = torch.arange(n, device=query.device)
             seen = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < sliding_window)
-            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=dropout_p, scale=scale))
+            parts.append(
+                F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=dropout_p, scale=scale)
+            )
         else:
-            parts.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale))
+            parts.append(
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
+            )
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
@@ -77,7 +83,9 @@ def varlen_sdpa_attention(
     [1, L, heads, D] as transformers' sdpa does. Causal within each sequence, nothing across them; a
     sliding window (a layer that has one) also bounds how far back a token sees."""
     if attention_mask is not None:
-        raise ValueError(f"{VARLEN_SDPA} takes packed rows without an attention mask (got one of {tuple(attention_mask.shape)})")
+        raise ValueError(
+            f"{VARLEN_SDPA} takes packed rows without an attention mask (got one of {tuple(attention_mask.shape)})"
+        )
     if query.shape[0] != 1:
         raise ValueError(f"{VARLEN_SDPA} takes one packed row, got a batch of {query.shape[0]}")
     length = query.shape[2]

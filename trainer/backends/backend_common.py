@@ -43,8 +43,9 @@ class OptimConfig:
         """The one optimizer the transformers backend trains with. Fused (one kernel per parameter group,
         CPU and GPU): the unfused step makes a temporary the size of each parameter (the [V, H]
         embedding's is as large as a 4K-token micro-batch's activations, docs/benchmarks.md)."""
-        return torch.optim.AdamW(params, lr=self.learning_rate, weight_decay=self.weight_decay, betas=self.betas,
-                                 fused=True)
+        return torch.optim.AdamW(
+            params, lr=self.learning_rate, weight_decay=self.weight_decay, betas=self.betas, fused=True
+        )
 
 
 def to_token_batch(flat: FlatBatch, group_index: dict[str, int]) -> TokenBatch:
@@ -175,8 +176,10 @@ class RankCommands:
         """Rank 0: release the followers (their `follow()` returns) once each has confirmed the stop."""
         if self._has_followers() and torch.distributed.get_rank() == 0:
             self._command(("stop",))
-            _await_keys([_stopped_key(r) for r in range(1, torch.distributed.get_world_size())],
-                        "every follower rank to confirm the stop")  # fmt: skip
+            _await_keys(
+                [_stopped_key(r) for r in range(1, torch.distributed.get_world_size())],
+                "every follower rank to confirm the stop",
+            )
             _store().set(RELEASED_KEY, "1")
 
 
@@ -226,12 +229,21 @@ def trainer_experts(router_logits: list[torch.Tensor], positions: torch.Tensor, 
     """The trainer's own routing at `positions` of a packed row: the top-k of the float32 softmax of
     each layer's router logits ([T, E] per layer) -> [R, layers, k]."""
     with torch.no_grad():
-        per_layer = [torch.softmax(logits.float(), dim=-1)[positions].topk(k, dim=-1).indices for logits in router_logits]
+        per_layer = [
+            torch.softmax(logits.float(), dim=-1)[positions].topk(k, dim=-1).indices
+            for logits in router_logits
+        ]
     return torch.stack(per_layer, dim=1).cpu().numpy()
 
 
-def add_routing_metrics(out: LossOutput, flat: FlatBatch, full: TokenBatch, rows: np.ndarray, trainer: np.ndarray,
-                        compared: np.ndarray) -> None:
+def add_routing_metrics(
+    out: LossOutput,
+    flat: FlatBatch,
+    full: TokenBatch,
+    rows: np.ndarray,
+    trainer: np.ndarray,
+    compared: np.ndarray,
+) -> None:
     """The routing mismatch (trainer/backends/routing.py) of a micro-batch's compared `rows` into `out`'s metrics
     and per-group metrics; `trainer`: the trainer's experts of each row [R, layers, k]."""
     sampler = flat.routed_experts

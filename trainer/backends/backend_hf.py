@@ -120,10 +120,16 @@ class HFBackend(RankCommands):
             check_replayable(model)
         self.routing_replay = routing_replay
         self.varlen_attention = use_varlen_attention(model)
-        if activation_checkpointing:  # before FSDP2 wraps the layers; non-reentrant: works under FSDP2 and autocast
-            enable: Any = getattr(model, "gradient_checkpointing_enable", None)  # transformers' PreTrainedModel
+        if (
+            activation_checkpointing
+        ):  # before FSDP2 wraps the layers; non-reentrant: works under FSDP2 and autocast
+            enable: Any = getattr(
+                model, "gradient_checkpointing_enable", None
+            )  # transformers' PreTrainedModel
             if enable is None:
-                raise ValueError(f"{type(model).__name__} has no gradient checkpointing (not a transformers model)")
+                raise ValueError(
+                    f"{type(model).__name__} has no gradient checkpointing (not a transformers model)"
+                )
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.distributed:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -172,7 +178,10 @@ class HFBackend(RankCommands):
         full = to_token_batch(flat, group_index)
         # Every rank plans every rank's micro-batches (the same FlatBatch everywhere): with FSDP2 each
         # forward and backward is a collective, so a rank with fewer runs idle ones.
-        plans = [plan_micro_batches(flat, self.local_sequences(flat, r), self.max_tokens) for r in range(self.world)]
+        plans = [
+            plan_micro_batches(flat, self.local_sequences(flat, r), self.max_tokens)
+            for r in range(self.world)
+        ]
         mine = plans[self.rank]
         self.optimizer.zero_grad(set_to_none=True)
         outs = [self._micro_batch_backward(flat, full, mb) for mb in mine]
@@ -203,7 +212,9 @@ class HFBackend(RankCommands):
         # The replay stays on through the backward: activation checkpointing recomputes each layer's
         # forward there, which must route as the first forward did.
         with self._replayed_routing(flat, mb, row_index, len(input_ids)):
-            hidden, router_aux, router_logits = self._final_hidden_states(input_ids, position_ids, compared is not None)
+            hidden, router_aux, router_logits = self._final_hidden_states(
+                input_ids, position_ids, compared is not None
+            )
             rows = hidden[torch.from_numpy(row_index).to(self.device)]
             # The output embedding read after the forward: under FSDP2 the root's parameters (embedding,
             # final norm, lm_head) stay unsharded from its forward until the backward.
@@ -287,7 +298,11 @@ class HFBackend(RankCommands):
             hook.remove()
         # MoeCausalLMOutputWithPast; dense outputs have none. Asked for router logits, transformers computes
         # the aux loss too: it is trained on only when the config sets output_router_logits.
-        router_aux = getattr(output, "aux_loss", None) if getattr(self.model.config, "output_router_logits", False) else None
+        router_aux = (
+            getattr(output, "aux_loss", None)
+            if getattr(self.model.config, "output_router_logits", False)
+            else None
+        )
         logits = tuple(output.router_logits) if router_logits else None
         return captured[0][0], router_aux if isinstance(router_aux, torch.Tensor) else None, logits
 
@@ -318,7 +333,14 @@ class HFBackend(RankCommands):
         if not self.distributed:
             return local
         parts: list[Any] = [None] * self.world
-        dist.all_gather_object(parts, replace(local, loss=local.loss.cpu(), loss_sum=None if local.loss_sum is None else local.loss_sum.cpu()))
+        dist.all_gather_object(
+            parts,
+            replace(
+                local,
+                loss=local.loss.cpu(),
+                loss_sum=None if local.loss_sum is None else local.loss_sum.cpu(),
+            ),
+        )
         return merge_loss_outputs(parts)
 
     # ------------------------------------------------------------------ weights and checkpoints
@@ -412,7 +434,9 @@ def _output_weight(model: torch.nn.Module) -> torch.Tensor:
     `get_output_embeddings()`."""
     get_output: Any = getattr(model, "get_output_embeddings", None)
     if not callable(get_output):
-        raise ValueError(f"{type(model).__name__} has no get_output_embeddings() (not a transformers causal LM)")
+        raise ValueError(
+            f"{type(model).__name__} has no get_output_embeddings() (not a transformers causal LM)"
+        )
     return get_output().weight
 
 
@@ -427,7 +451,9 @@ def _router_aux_loss_coef(model: torch.nn.Module) -> float:
     (transformers' MoE configs; Qwen3-MoE: 0.001)."""
     coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
     if coef is None:
-        raise ValueError(f"{type(model).__name__} returns a router aux loss but its config has no router_aux_loss_coef")
+        raise ValueError(
+            f"{type(model).__name__} returns a router aux loss but its config has no router_aux_loss_coef"
+        )
     return float(coef)
 
 

@@ -125,22 +125,34 @@ class MegatronModelConfig:
     num_experts: int | None = None
     moe_router_topk: int = 1  # num_experts_per_tok
     moe_ffn_hidden_size: int | None = None  # moe_intermediate_size
-    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1 (Qwen3-MoE's norm_topk_prob)
-    router_aux_loss_coef: float = 0.0  # config.json router_aux_loss_coef when it sets output_router_logits, else 0
+    norm_topk_prob: bool = (
+        False  # renormalise the top-k routing weights to sum to 1 (Qwen3-MoE's norm_topk_prob)
+    )
+    router_aux_loss_coef: float = (
+        0.0  # config.json router_aux_loss_coef when it sets output_router_logits, else 0
+    )
     expert_parallel: int = 1  # experts split over this many ranks (megatron's expert_model_parallel_size)
-    expert_tensor_parallel: int | None = None  # each expert split over this many ranks; None: TP (megatron's default)
+    expert_tensor_parallel: int | None = (
+        None  # each expert split over this many ranks; None: TP (megatron's default)
+    )
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1
-    max_tokens_per_micro_batch: int = MAX_TOKENS_PER_MICRO_BATCH  # padded tokens per micro-batch (RLJob trainer.maxTokensPerMicroBatch)
-    activation_checkpointing: bool = False  # recompute every layer in backward (megatron's full, uniform recompute)
+    max_tokens_per_micro_batch: int = (
+        MAX_TOKENS_PER_MICRO_BATCH  # padded tokens per micro-batch (RLJob trainer.maxTokensPerMicroBatch)
+    )
+    activation_checkpointing: bool = (
+        False  # recompute every layer in backward (megatron's full, uniform recompute)
+    )
     seed: int = 0
     params_dtype: str = "bfloat16"  # the trainer's precision; "float32" in the CPU parity tier
     device: str = "cuda"  # "cpu": a CPU class or the CPU test tier (gloo, local layer spec, trainer/backends/megatron_cpu.py shims)
 
     @property
     def head_dim(self) -> int:
-        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        return (
+            self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        )
 
     @property
     def sequence_parallel(self) -> bool:
@@ -155,23 +167,39 @@ class MegatronModelConfig:
         return self.tensor_parallel if self.expert_tensor_parallel is None else self.expert_tensor_parallel
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], *, max_seq_len: int | None = None, tensor_parallel: int = 1,
-                       pipeline_parallel: int = 1, context_parallel: int = 1, **kwargs: Any) -> MegatronModelConfig:
+    def from_hf_config(
+        cls,
+        hf: dict[str, Any],
+        *,
+        max_seq_len: int | None = None,
+        tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
+        context_parallel: int = 1,
+        **kwargs: Any,
+    ) -> MegatronModelConfig:
         """The model of a Hugging Face config.json (Qwen3 dense, or Qwen3-MoE), written by transformers 4
         (`rope_theta`) or 5 (`rope_parameters`). Anything the megatron model would compute differently is
         refused."""
         model_type = hf.get("model_type")
         if model_type not in ("qwen3", "qwen3_moe"):
-            raise UnsupportedModel(f"megatron backend: model_type {model_type!r} is not supported (only 'qwen3' and 'qwen3_moe')")
+            raise UnsupportedModel(
+                f"megatron backend: model_type {model_type!r} is not supported (only 'qwen3' and 'qwen3_moe')"
+            )
         rope = hf.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default" or hf.get("rope_scaling"):
-            raise UnsupportedModel(f"megatron backend: rope scaling {rope_type!r} / {hf.get('rope_scaling')!r} is not supported")
+            raise UnsupportedModel(
+                f"megatron backend: rope scaling {rope_type!r} / {hf.get('rope_scaling')!r} is not supported"
+            )
         theta = rope.get("rope_theta", hf.get("rope_theta"))
         if theta is None:
-            raise UnsupportedModel("megatron backend: config.json has neither rope_parameters.rope_theta nor rope_theta")
+            raise UnsupportedModel(
+                "megatron backend: config.json has neither rope_parameters.rope_theta nor rope_theta"
+            )
         if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
-            raise UnsupportedModel("megatron backend: only hidden_act 'silu' without attention bias is supported")
+            raise UnsupportedModel(
+                "megatron backend: only hidden_act 'silu' without attention bias is supported"
+            )
         if hf.get("use_sliding_window", False):
             raise UnsupportedModel("megatron backend: sliding-window attention is not supported")
         moe: dict[str, Any] = {}
@@ -180,35 +208,67 @@ class MegatronModelConfig:
                 raise UnsupportedModel(
                     "megatron backend: Qwen3-MoE with dense MLP layers among the expert layers (mlp_only_layers "
                     f"{hf.get('mlp_only_layers')!r}, decoder_sparse_step {hf.get('decoder_sparse_step', 1)!r}) is not "
-                    "supported: every layer must be a mixture of experts")
-            experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes num_local_experts
+                    "supported: every layer must be a mixture of experts"
+                )
+            experts = hf.get(
+                "num_experts", hf.get("num_local_experts")
+            )  # transformers 5 writes num_local_experts
             if experts is None:
-                raise UnsupportedModel("megatron backend: qwen3_moe config.json has neither num_experts nor num_local_experts")
-            moe = dict(num_experts=int(experts), moe_router_topk=hf["num_experts_per_tok"],
-                       moe_ffn_hidden_size=hf["moe_intermediate_size"], norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                       # transformers adds the load-balancing loss only when the config asks for router logits
-                       router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0)
+                raise UnsupportedModel(
+                    "megatron backend: qwen3_moe config.json has neither num_experts nor num_local_experts"
+                )
+            moe = dict(
+                num_experts=int(experts),
+                moe_router_topk=hf["num_experts_per_tok"],
+                moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                # transformers adds the load-balancing loss only when the config asks for router logits
+                router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001))
+                if hf.get("output_router_logits")
+                else 0.0,
+            )
         return cls(
-            vocab_size=hf["vocab_size"], num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+            vocab_size=hf["vocab_size"],
+            num_layers=hf["num_hidden_layers"],
+            hidden_size=hf["hidden_size"],
             num_attention_heads=hf["num_attention_heads"],
             num_query_groups=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             ffn_hidden_size=hf["intermediate_size"],
             max_seq_len=max_seq_len or hf.get("max_position_embeddings", 4096),
-            rotary_base=float(theta), norm_eps=hf.get("rms_norm_eps", 1e-6), kv_channels=hf.get("head_dim"),
-            qk_layernorm=True, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, context_parallel=context_parallel,
-            **moe, **kwargs,
+            rotary_base=float(theta),
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            kv_channels=hf.get("head_dim"),
+            qk_layernorm=True,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tensor_parallel=tensor_parallel,
+            pipeline_parallel=pipeline_parallel,
+            context_parallel=context_parallel,
+            **moe,
+            **kwargs,
         )
 
     def check_supported(self) -> None:
         """Raise `UnsupportedModel` (with the reason) for a layout or shape the backend does not run."""
         for verdict in (
-            parallelism_support(self.tensor_parallel, self.pipeline_parallel, self.context_parallel, self.sequence_parallel),
-            shape_support(self.tensor_parallel, num_attention_heads=self.num_attention_heads,
-                          num_query_groups=self.num_query_groups, ffn_hidden_size=self.ffn_hidden_size,
-                          vocab_size=self.vocab_size, moe_ffn_hidden_size=self.moe_ffn_hidden_size, expert_tp=self.expert_tp),
-            expert_support(self.expert_parallel, num_experts=self.num_experts, topk=self.moe_router_topk,
-                           expert_tp=self.expert_tp, tp=self.tensor_parallel),
+            parallelism_support(
+                self.tensor_parallel, self.pipeline_parallel, self.context_parallel, self.sequence_parallel
+            ),
+            shape_support(
+                self.tensor_parallel,
+                num_attention_heads=self.num_attention_heads,
+                num_query_groups=self.num_query_groups,
+                ffn_hidden_size=self.ffn_hidden_size,
+                vocab_size=self.vocab_size,
+                moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+                expert_tp=self.expert_tp,
+            ),
+            expert_support(
+                self.expert_parallel,
+                num_experts=self.num_experts,
+                topk=self.moe_router_topk,
+                expert_tp=self.expert_tp,
+                tp=self.tensor_parallel,
+            ),
         ):
             if not verdict.ok:
                 raise UnsupportedModel(f"megatron backend: {verdict.reason}")
@@ -235,7 +295,9 @@ def with_expert_index(name: str, expert: int) -> str:
     return _LOCAL_EXPERT.sub(f".mlp.experts.local_experts.{expert}.", name, count=1)
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spec: bool = True) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spec: bool = True
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) HF state dict -> full Megatron state dict (GPTModel names; a MoE's experts by
     their global index). A Qwen3-MoE's experts may come as checkpoints name them
     (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused as transformers 5 keeps them in memory
@@ -262,12 +324,18 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], cfg: MegatronModelConfig, te_spe
             out[m + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
             for e in range(cfg.num_experts):
                 x, y = f"{p}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
-                out[y + "linear_fc1.weight"] = torch.cat([hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]], dim=0)
+                out[y + "linear_fc1.weight"] = torch.cat(
+                    [hf[x + "gate_proj.weight"], hf[x + "up_proj.weight"]], dim=0
+                )
                 out[y + "linear_fc2.weight"] = hf[x + "down_proj.weight"]
         else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0
+            )
             out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
-        if te_spec:  # TransformerEngine fuses the pre-norms into the following linear (a MoE's has its own norm)
+        if (
+            te_spec
+        ):  # TransformerEngine fuses the pre-norms into the following linear (a MoE's has its own norm)
             out[m + "self_attention.linear_qkv.layer_norm_weight"] = hf[p + "input_layernorm.weight"]
         else:
             out[m + "input_layernorm.weight"] = hf[p + "input_layernorm.weight"]
@@ -304,7 +372,9 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: MegatronModelConfig) -> dic
             out[p + "mlp.gate.weight"] = mg[m + "mlp.router.weight"]
             for e in range(cfg.num_experts):
                 x, y = f"{p}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
-                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = mg[y + "linear_fc1.weight"].chunk(2, dim=0)
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = mg[y + "linear_fc1.weight"].chunk(
+                    2, dim=0
+                )
                 out[x + "down_proj.weight"] = mg[y + "linear_fc2.weight"]
         else:
             gate, up = mg[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
@@ -313,7 +383,9 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: MegatronModelConfig) -> dic
         te = m + "self_attention.linear_qkv.layer_norm_weight"
         out[p + "input_layernorm.weight"] = mg[te] if te in mg else mg[m + "input_layernorm.weight"]
         te = m + "mlp.linear_fc1.layer_norm_weight"
-        out[p + "post_attention_layernorm.weight"] = mg[te] if te in mg else mg[m + "pre_mlp_layernorm.weight"]
+        out[p + "post_attention_layernorm.weight"] = (
+            mg[te] if te in mg else mg[m + "pre_mlp_layernorm.weight"]
+        )
     out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = mg["output_layer.weight"][: cfg.vocab_size]
@@ -324,7 +396,9 @@ def megatron_to_hf(mg: dict[str, torch.Tensor], cfg: MegatronModelConfig) -> dic
 # parallel) or replicated. linear_fc1 is column parallel over the FUSED [gate; up]: each rank holds
 # [gate_r; up_r], so gathering must un-fuse per rank first.
 def tp_split_dim(name: str) -> int | None:
-    if name.endswith(("linear_qkv.weight", "output_layer.weight", "word_embeddings.weight", "linear_fc1.weight")):
+    if name.endswith(
+        ("linear_qkv.weight", "output_layer.weight", "word_embeddings.weight", "linear_fc1.weight")
+    ):
         return 0
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return 1
@@ -353,8 +427,9 @@ def split_tp_shard(name: str, full: torch.Tensor, rank: int, world: int) -> torc
     return full.chunk(world, dim=dim)[rank]
 
 
-def _output_layer_input(layer: Any, input_: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None,
-                        **_: Any) -> tuple[torch.Tensor, None]:
+def _output_layer_input(
+    layer: Any, input_: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **_: Any
+) -> tuple[torch.Tensor, None]:
     """Stands in for the output layer's (ColumnParallelLinear) forward: its input as the layer would
     feed it to its matmul, without the matmul. Gathered from the sequence-parallel region, or copied
     into the tensor-parallel region: the same collectives the layer runs, so in backward the hidden
@@ -367,7 +442,9 @@ def _output_layer_input(layer: Any, input_: torch.Tensor, weight: Any = None, ru
     )
 
     if layer.sequence_parallel:
-        return gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=layer.tp_group), None
+        return gather_from_sequence_parallel_region(
+            input_, tensor_parallel_output_grad=True, group=layer.tp_group
+        ), None
     return copy_to_tensor_model_parallel_region(input_, group=layer.tp_group), None
 
 
@@ -386,15 +463,22 @@ class PackedMicroBatch:
     row_index: torch.Tensor  # [R] position in the row of each loss row's logit
     batch: TokenBatch  # the R loss rows
     tokens: int  # T
-    real_tokens: int  # the first T - padding tokens: the sequences (the rest pads the row to a multiple of TP)
+    real_tokens: (
+        int  # the first T - padding tokens: the sequences (the rest pads the row to a multiple of TP)
+    )
     rows: np.ndarray  # the loss rows' indices in the FlatBatch
-    compared: np.ndarray | None  # a MoE with the samplers' routing: which rows compare it (routing_compared_rows)
+    compared: (
+        np.ndarray | None
+    )  # a MoE with the samplers' routing: which rows compare it (routing_compared_rows)
 
     def routed_here(self, tp: int, tp_rank: int) -> torch.Tensor:
         """[T / tp] bool: which tokens of this TP rank's slice of the row (sequence parallel: rank r
         routes the r-th contiguous slice) are not padding."""
         per_rank = self.tokens // tp
-        return torch.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, device=self.input_ids.device) < self.real_tokens
+        return (
+            torch.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, device=self.input_ids.device)
+            < self.real_tokens
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,25 +537,39 @@ def _megatron(allow_te: bool = True) -> Any:
         # megatron's SequentialMLP (one MLP per local expert, `local_experts.{j}`) on both specs, so
         # one weight mapping serves both (grouped GEMM would name them otherwise)
         if te:
-            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=False,
-                                                              qk_layernorm=qk_layernorm)
+            return get_gpt_layer_with_transformer_engine_spec(
+                num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm
+            )
         from rlfleet.trainer.backends.megatron_packed import PackedDotProductAttention
 
-        layer = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
-                                         normalization="RMSNorm")
+        layer = get_gpt_layer_local_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            qk_layernorm=qk_layernorm,
+            normalization="RMSNorm",
+        )
         layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = LocalRMSNorm
-        layer.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # the THD layout
+        layer.submodules.self_attention.submodules.core_attention = (
+            PackedDotProductAttention  # the THD layout
+        )
         if qk_layernorm:
             attn = layer.submodules.self_attention.submodules
             attn.q_layernorm = attn.k_layernorm = LocalRMSNorm
         return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=LocalRMSNorm)
 
     ns = dict(
-        parallel_state=parallel_state, tensor_parallel=tensor_parallel, DDP=DistributedDataParallel,
-        DDPConfig=DistributedDataParallelConfig, finalize_model_grads=finalize_model_grads, GPTModel=GPTModel,
-        OptimizerConfig=OptimizerConfig, get_megatron_optimizer=get_megatron_optimizer,
-        get_forward_backward_func=get_forward_backward_func, TransformerConfig=TransformerConfig,
-        layer_spec=staticmethod(layer_spec), te=te,
+        parallel_state=parallel_state,
+        tensor_parallel=tensor_parallel,
+        DDP=DistributedDataParallel,
+        DDPConfig=DistributedDataParallelConfig,
+        finalize_model_grads=finalize_model_grads,
+        GPTModel=GPTModel,
+        OptimizerConfig=OptimizerConfig,
+        get_megatron_optimizer=get_megatron_optimizer,
+        get_forward_backward_func=get_forward_backward_func,
+        TransformerConfig=TransformerConfig,
+        layer_spec=staticmethod(layer_spec),
+        te=te,
     )
     return type("Megatron", (), ns)
 
@@ -482,15 +580,22 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def _init_model_parallel(ps: Any, c: MegatronModelConfig) -> None:
     """megatron's parallel state for `c`'s layout, once per process (the world must hold whole TP x EP
     grids; a later backend in the process must use the same layout)."""
-    verdict = world_support(torch.distributed.get_world_size(), tp=c.tensor_parallel, ep=c.expert_parallel, expert_tp=c.expert_tp)
+    verdict = world_support(
+        torch.distributed.get_world_size(), tp=c.tensor_parallel, ep=c.expert_parallel, expert_tp=c.expert_tp
+    )
     if not verdict.ok:
         raise UnsupportedModel(f"megatron backend: {verdict.reason}")
     if ps.model_parallel_is_initialized():  # an earlier backend in this process fixed the layout
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
-                ps.get_expert_tensor_parallel_world_size())
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
+        )
         if have != (c.tensor_parallel, c.expert_parallel, c.expert_tp):
-            raise UnsupportedModel(f"megatron backend: this process's model parallel state is tensor x expert x expert-tensor "
-                                   f"{have}, not {(c.tensor_parallel, c.expert_parallel, c.expert_tp)}: one layout per process")
+            raise UnsupportedModel(
+                f"megatron backend: this process's model parallel state is tensor x expert x expert-tensor "
+                f"{have}, not {(c.tensor_parallel, c.expert_parallel, c.expert_tp)}: one layout per process"
+            )
         return
     ps.initialize_model_parallel(
         tensor_model_parallel_size=c.tensor_parallel,
@@ -519,7 +624,9 @@ class MegatronBackend(RankCommands):
     ) -> None:
         model_config.check_supported()
         if model_config.device == "cuda" and not torch.cuda.is_available():
-            raise BackendUnavailable("trainer backend 'megatron' needs CUDA GPUs (use backend 'torch' on CPU)")
+            raise BackendUnavailable(
+                "trainer backend 'megatron' needs CUDA GPUs (use backend 'torch' on CPU)"
+            )
         on_cpu = model_config.device == "cpu"
         mg = _megatron(allow_te=not on_cpu)
         if on_cpu:  # a CPU class (gloo): megatron-core's unconditional CUDA calls land on the CPU
@@ -573,8 +680,11 @@ class MegatronBackend(RankCommands):
             calculate_per_token_loss=True,  # loss_func returns (sum, n_tokens): token mean over the batch
             **self._moe_config(),
             # activation checkpointing: keep each layer's input only and recompute the layer in backward
-            **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-               if c.activation_checkpointing else {}),
+            **(
+                dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                if c.activation_checkpointing
+                else {}
+            ),
         )
         model = mg.GPTModel(
             config=self.tconfig,
@@ -597,13 +707,20 @@ class MegatronBackend(RankCommands):
 
             self.router_logits = RouterLogits()  # the routing mismatch against the samplers' experts
             if c.router_aux_loss_coef > 0:  # transformers' load-balancing loss
-                self.router_aux = RouterAuxLoss(c.router_aux_loss_coef, c.num_experts, c.moe_router_topk, c.num_layers,
-                                                ps.get_tensor_model_parallel_group() if c.sequence_parallel else None)
+                self.router_aux = RouterAuxLoss(
+                    c.router_aux_loss_coef,
+                    c.num_experts,
+                    c.moe_router_topk,
+                    c.num_layers,
+                    ps.get_tensor_model_parallel_group() if c.sequence_parallel else None,
+                )
             observers = [o for o in (self.router_aux, self.router_logits) if o is not None]
             attach([layer.mlp.router for layer in model.decoder.layers], observers)
         if model.post_process:  # the objective projects to the vocabulary itself (the fused lm_head)
             model.output_layer.forward = partial(_output_layer_input, model.output_layer)
-        ddp_config = mg.DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
+        ddp_config = mg.DDPConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+        )
         self.model = mg.DDP(config=self.tconfig, ddp_config=ddp_config, module=model)
         self.tconfig.finalize_model_grads_func = mg.finalize_model_grads
         self.optimizer = mg.get_megatron_optimizer(
@@ -633,11 +750,19 @@ class MegatronBackend(RankCommands):
         c = self.cfg
         if c.num_experts is None:
             return {}
-        return dict(num_moe_experts=c.num_experts, moe_router_topk=c.moe_router_topk, moe_ffn_hidden_size=c.moe_ffn_hidden_size,
-                    moe_router_pre_softmax=not c.norm_topk_prob, moe_router_score_function="softmax",
-                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall",
-                    moe_grouped_gemm=False, expert_model_parallel_size=c.expert_parallel,
-                    expert_tensor_parallel_size=c.expert_tp)
+        return dict(
+            num_moe_experts=c.num_experts,
+            moe_router_topk=c.moe_router_topk,
+            moe_ffn_hidden_size=c.moe_ffn_hidden_size,
+            moe_router_pre_softmax=not c.norm_topk_prob,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=c.expert_parallel,
+            expert_tensor_parallel_size=c.expert_tp,
+        )
 
     # -- helpers --
     def _ep(self) -> tuple[int, int]:
@@ -648,20 +773,36 @@ class MegatronBackend(RankCommands):
 
     def _tp(self) -> tuple[Any, int, int]:
         ps = self.mg.parallel_state
-        return ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        return (
+            ps.get_tensor_model_parallel_group(),
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+        )
 
     def _load_hf(self, model: torch.nn.Module, hf: dict[str, torch.Tensor]) -> None:
         _, rank, world = self._tp()
         full = hf_to_megatron(hf, self.cfg, te_spec=self.mg.te)
-        own = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k and isinstance(v, torch.Tensor)}
+        own = {
+            k: v
+            for k, v in model.state_dict().items()
+            if "_extra_state" not in k and isinstance(v, torch.Tensor)
+        }
         if self.cfg.expert_parallel > 1:  # this rank's experts: local j is global ep_rank x E/EP + j
             ep_rank, per_rank = self._ep()
-            full = {name: t for name, t in full.items() if (e := expert_index(name)) is None or e // per_rank == ep_rank}
-            full = {(name if (e := expert_index(name)) is None else with_expert_index(name, e % per_rank)): t
-                    for name, t in full.items()}
+            full = {
+                name: t
+                for name, t in full.items()
+                if (e := expert_index(name)) is None or e // per_rank == ep_rank
+            }
+            full = {
+                (name if (e := expert_index(name)) is None else with_expert_index(name, e % per_rank)): t
+                for name, t in full.items()
+            }
         if set(own) != set(full):  # a name the mapping misses would silently stay at its random init
-            raise UnsupportedModel(f"megatron backend: HF mapping mismatch: model only {sorted(set(own) - set(full))}, "
-                                   f"mapping only {sorted(set(full) - set(own))}")
+            raise UnsupportedModel(
+                f"megatron backend: HF mapping mismatch: model only {sorted(set(own) - set(full))}, "
+                f"mapping only {sorted(set(full) - set(own))}"
+            )
         ps = self.mg.parallel_state
         expert_tp = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
         with torch.no_grad():
@@ -670,7 +811,9 @@ class MegatronBackend(RankCommands):
                 r, w = (rank, world) if expert_index(name) is None else expert_tp
                 shard = split_tp_shard(name, full[name], r, w)
                 if shard.shape != tensor.shape:
-                    raise UnsupportedModel(f"megatron backend: {name}: checkpoint shard {tuple(shard.shape)} != model {tuple(tensor.shape)}")
+                    raise UnsupportedModel(
+                        f"megatron backend: {name}: checkpoint shard {tuple(shard.shape)} != model {tuple(tensor.shape)}"
+                    )
                 tensor.copy_(shard.to(tensor.dtype))
 
     # -- the step --
@@ -690,15 +833,25 @@ class MegatronBackend(RankCommands):
         outputs: list[LossOutput] = []
 
         module = self.model.module
-        weight = module.shared_embedding_or_output_weight() if self.cfg.tie_word_embeddings else module.output_layer.weight
+        weight = (
+            module.shared_embedding_or_output_weight()
+            if self.cfg.tie_word_embeddings
+            else module.output_layer.weight
+        )
 
-        def loss_func(mb: PackedMicroBatch, hidden: torch.Tensor):  # hidden [1, T, H] (the output layer's input)
+        def loss_func(
+            mb: PackedMicroBatch, hidden: torch.Tensor
+        ):  # hidden [1, T, H] (the output layer's input)
             rows = hidden[0, mb.row_index]
             batch = mb.batch
             # the fused lm_head: this rank's vocabulary shard of the output weight, logits made tile by tile
-            out = policy_loss(rows, weight, batch, self.objective, process_group=tp_group, temperature=self.temperature)
+            out = policy_loss(
+                rows, weight, batch, self.objective, process_group=tp_group, temperature=self.temperature
+            )
             assert out.loss_sum is not None  # policy_loss always returns the sum
-            if self.router_aux is not None:  # its gradient joins in backward; the reported loss is the policy loss
+            if (
+                self.router_aux is not None
+            ):  # its gradient joins in backward; the reported loss is the policy loss
                 self.router_aux.finish(out.num_valid_tokens)
             if mb.compared is not None:
                 self._add_routing_metrics(out, flat, full, mb)
@@ -710,7 +863,9 @@ class MegatronBackend(RankCommands):
             mb: PackedMicroBatch = next(data_iterator)
             self._start_routers(mb, tp, tp_rank)
             # causal within each sequence of the row (THD); returns the output layer's input
-            hidden = model(mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params)
+            hidden = model(
+                mb.input_ids, mb.position_ids, attention_mask=None, packed_seq_params=mb.packed_seq_params
+            )
             return hidden, partial(loss_func, mb)
 
         self.model.zero_grad_buffer()
@@ -720,7 +875,9 @@ class MegatronBackend(RankCommands):
             data_iterator=iter(micro),
             model=[self.model],
             num_microbatches=len(micro),
-            seq_length=max(mb.tokens for mb in micro),  # shapes vary per micro-batch: no pipeline stages to size
+            seq_length=max(
+                mb.tokens for mb in micro
+            ),  # shapes vary per micro-batch: no pipeline stages to size
             micro_batch_size=1,  # one packed row
             forward_only=False,
         )
@@ -732,12 +889,16 @@ class MegatronBackend(RankCommands):
         if dp_world > 1:
             group = ps.get_data_parallel_group()
             parts: list[Any] | None = [None] * dp_world if dp_rank == 0 else None
-            torch.distributed.gather_object(outputs, parts, dst=torch.distributed.get_global_rank(group, 0), group=group)
+            torch.distributed.gather_object(
+                outputs, parts, dst=torch.distributed.get_global_rank(group, 0), group=group
+            )
             outputs = [o for part in parts for o in part] if parts is not None else outputs
         merged = merge_loss_outputs(outputs)
         return merged, float(grad_norm) if grad_norm is not None else float("nan")
 
-    def _micro_batches(self, flat: FlatBatch, full: TokenBatch, my_seqs: np.ndarray, tp: int) -> list[PackedMicroBatch]:
+    def _micro_batches(
+        self, flat: FlatBatch, full: TokenBatch, my_seqs: np.ndarray, tp: int
+    ) -> list[PackedMicroBatch]:
         """This data-parallel rank's sequences packed into micro-batches of the token budget."""
         plan = plan_micro_batches(flat, my_seqs, self.cfg.max_tokens_per_micro_batch)
         micro = [self._packed(flat, full, mb, tp) for mb in plan]
@@ -761,7 +922,9 @@ class MegatronBackend(RankCommands):
         if self.router_logits is not None:
             self.router_logits.start(active=mb.compared is not None)
 
-    def _add_routing_metrics(self, out: LossOutput, flat: FlatBatch, full: TokenBatch, mb: PackedMicroBatch) -> None:
+    def _add_routing_metrics(
+        self, out: LossOutput, flat: FlatBatch, full: TokenBatch, mb: PackedMicroBatch
+    ) -> None:
         """The routing mismatch of the micro-batch's compared rows, as the torch backend measures it: the
         trainer's experts are the top-k of each layer's router softmax at the row's position. Under
         sequence parallelism each TP rank routed its slice of the row: the logits are gathered first."""
@@ -825,7 +988,11 @@ class MegatronBackend(RankCommands):
         dst = torch.distributed.get_global_rank(group, 0) if world > 1 else torch.distributed.get_rank()
         full: dict[str, torch.Tensor] = {}
         for name, tensor in self.model.module.state_dict().items():
-            if "_extra_state" in name or not isinstance(tensor, torch.Tensor) or expert_index(name) is not None:
+            if (
+                "_extra_state" in name
+                or not isinstance(tensor, torch.Tensor)
+                or expert_index(name) is not None
+            ):
                 continue
             if world == 1:
                 full[name] = tensor.detach().cpu().clone()
@@ -850,9 +1017,16 @@ class MegatronBackend(RankCommands):
         mine: dict[str, tuple[int, torch.Tensor]] = {}
         if ps.get_expert_data_parallel_rank() == 0:
             for name, tensor in self.model.module.state_dict().items():
-                local = expert_index(name) if isinstance(tensor, torch.Tensor) and "_extra_state" not in name else None
+                local = (
+                    expert_index(name)
+                    if isinstance(tensor, torch.Tensor) and "_extra_state" not in name
+                    else None
+                )
                 if local is not None:
-                    mine[with_expert_index(name, ep_rank * per_rank + local)] = (etp_rank, tensor.detach().cpu().clone())
+                    mine[with_expert_index(name, ep_rank * per_rank + local)] = (
+                        etp_rank,
+                        tensor.detach().cpu().clone(),
+                    )
         rank = torch.distributed.get_rank()
         parts: list[Any] | None = [None] * torch.distributed.get_world_size() if rank == 0 else None
         torch.distributed.gather_object(mine, parts, dst=0)
@@ -862,13 +1036,21 @@ class MegatronBackend(RankCommands):
         for part in parts:
             for name, (r, tensor) in part.items():
                 shards.setdefault(name, {})[r] = tensor
-        return {name: merge_tp_shards(name, [by_rank[r] for r in sorted(by_rank)]) for name, by_rank in shards.items()}
+        return {
+            name: merge_tp_shards(name, [by_rank[r] for r in sorted(by_rank)])
+            for name, by_rank in shards.items()
+        }
 
     # -- checkpoints: global rank 0 holds every rank's part (the loop saves one file from rank 0) --
     def _layout(self) -> dict[str, int]:
         ps = self.mg.parallel_state
-        layout = {"world": torch.distributed.get_world_size(), "tp": self.cfg.tensor_parallel, "pp": self.cfg.pipeline_parallel,
-                  "cp": self.cfg.context_parallel, "dp": ps.get_data_parallel_world_size()}
+        layout = {
+            "world": torch.distributed.get_world_size(),
+            "tp": self.cfg.tensor_parallel,
+            "pp": self.cfg.pipeline_parallel,
+            "cp": self.cfg.context_parallel,
+            "dp": ps.get_data_parallel_world_size(),
+        }
         if self.cfg.is_moe:  # a rank's `local_experts.{j}` are other experts under another EP (a dense layout has no such keys)
             layout |= {"ep": self.cfg.expert_parallel, "etp": self.cfg.expert_tp}
         return layout
@@ -883,7 +1065,10 @@ class MegatronBackend(RankCommands):
     def _state_dict(self) -> dict[str, Any]:
         import tempfile
 
-        model = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in self.model.state_dict().items()}
+        model = {
+            k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+            for k, v in self.model.state_dict().items()
+        }
         with tempfile.TemporaryDirectory(prefix="rlfleet-mg-") as tmp:
             path = os.path.join(tmp, "param_state.pt")
             self.optimizer.save_parameter_state(path)  # collective over the DP group; writes on DP rank 0
@@ -898,8 +1083,10 @@ class MegatronBackend(RankCommands):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Rank 0: restore every rank from `state_dict()`'s output (same parallel layout only)."""
         if state.get("layout") != self._layout():
-            raise ValueError(f"megatron checkpoint layout {state.get('layout')} != this run's {self._layout()}: "
-                             "resharding a checkpoint is not supported")
+            raise ValueError(
+                f"megatron checkpoint layout {state.get('layout')} != this run's {self._layout()}: "
+                "resharding a checkpoint is not supported"
+            )
         self._command(("load",))
         self._load_state_dict(state["ranks"])
 
@@ -920,7 +1107,9 @@ class MegatronBackend(RankCommands):
             if local["param_state"] is not None:
                 torch.save(local["param_state"], path)
             with torch.no_grad(), self._step_tensors_set_aside():  # copies into leaf main params
-                self.optimizer.load_parameter_state(path)  # DP rank 0 reads it and scatters main params + moments
+                self.optimizer.load_parameter_state(
+                    path
+                )  # DP rank 0 reads it and scatters main params + moments
 
     def _inner_optimizers(self) -> list[Any]:
         return [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
@@ -940,7 +1129,12 @@ class MegatronBackend(RankCommands):
         tensor into every parameter's state, and `load_parameter_state` then copies every tensor of
         that state from the checkpoint, which has no `step` (KeyError). Set the steps aside while the
         parameter state loads. With TE's FusedAdam (the GPU image) there are none: a no-op."""
-        aside = [(st, st.pop("step")) for opt in self._inner_optimizers() for st in opt.state.values() if isinstance(st.get("step"), torch.Tensor)]
+        aside = [
+            (st, st.pop("step"))
+            for opt in self._inner_optimizers()
+            for st in opt.state.values()
+            if isinstance(st.get("step"), torch.Tensor)
+        ]
         try:
             yield
         finally:

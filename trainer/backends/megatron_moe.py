@@ -47,7 +47,9 @@ class _ProbSumGradient(torch.autograd.Function):
     def backward(ctx: Any, grad_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         gradient = ctx.aux.gradient
         if gradient is None:
-            raise RuntimeError("router aux loss: backward before the micro-batch's load-balancing gradient was set")
+            raise RuntimeError(
+                "router aux loss: backward before the micro-batch's load-balancing gradient was set"
+            )
         return grad_logits, gradient, None
 
 
@@ -60,9 +62,13 @@ class RouterAuxLoss:
     topk: int
     num_layers: int
     tp_group: Any = None  # the tensor-parallel group (counts are summed over it), None without TP
-    real: torch.Tensor | None = None  # [local tokens] bool: this rank's tokens of the row that are not padding
+    real: torch.Tensor | None = (
+        None  # [local tokens] bool: this rank's tokens of the row that are not padding
+    )
     counts: torch.Tensor | None = None  # [E] C of this rank's tokens, all layers so far
-    prob_sums: list[torch.Tensor] = field(default_factory=list)  # S^l of this rank's tokens (detached), per layer
+    prob_sums: list[torch.Tensor] = field(
+        default_factory=list
+    )  # S^l of this rank's tokens (detached), per layer
     gradient: torch.Tensor | None = None  # [E] d(coef n aux)/dS, set by `finish`
 
     def start(self, real: torch.Tensor) -> None:
@@ -82,7 +88,9 @@ class RouterAuxLoss:
         probs = torch.softmax(flat.float(), dim=-1)
         if self.gradient is None:  # the first forward; a recompute in backward leaves the counts as they are
             chosen = torch.topk(probs.detach(), self.topk, dim=-1).indices
-            self.counts += torch.zeros_like(self.counts).scatter_add_(0, chosen.reshape(-1), real.expand(-1, self.topk).reshape(-1))
+            self.counts += torch.zeros_like(self.counts).scatter_add_(
+                0, chosen.reshape(-1), real.expand(-1, self.topk).reshape(-1)
+            )
             self.prob_sums.append((probs.detach() * real).sum(dim=0))
         prob_sums = (probs * real).sum(dim=0)
         return _ProbSumGradient.apply(logits, prob_sums, self)
@@ -96,8 +104,13 @@ class RouterAuxLoss:
         """The micro-batch's forward is done: set the gradient of `coef x n x aux` for its backward and
         return aux (the value transformers reports)."""
         assert self.real is not None and self.counts is not None, "finish() before start()"
-        totals = torch.stack([self.counts, sum(self.prob_sums, torch.zeros_like(self.counts)),
-                              self.real.sum().to(torch.float32).expand(self.num_experts)])
+        totals = torch.stack(
+            [
+                self.counts,
+                sum(self.prob_sums, torch.zeros_like(self.counts)),
+                self.real.sum().to(torch.float32).expand(self.num_experts),
+            ]
+        )
         if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
             torch.distributed.all_reduce(totals, group=self.tp_group)
         counts, prob_sums, tokens = totals[0], totals[1], float(totals[2, 0])

@@ -57,4 +57,6 @@ def packed_seq_params(lengths: list[int], device: torch.device) -> PackedSeqPara
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     cu = cu.to(device)
     longest = max(lengths)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )

@@ -24,7 +24,9 @@ ROUTING_COUNT = "routing_tokens"
 ROUTING_MEANS = ("routing_mismatch_tokens", "routing_mismatch_layers")
 
 
-def routing_mismatch(trainer_experts: np.ndarray, sampler_experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def routing_mismatch(
+    trainer_experts: np.ndarray, sampler_experts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Two [tokens, layers, top_k] arrays of expert ids -> (bool [tokens]: some layer's set differs,
     float64 [tokens]: the share of the token's layers whose sets differ)."""
     if trainer_experts.shape != sampler_experts.shape or trainer_experts.ndim != 3:
@@ -32,13 +34,17 @@ def routing_mismatch(trainer_experts: np.ndarray, sampler_experts: np.ndarray) -
             f"routed experts must both be [tokens, layers, top_k], got {trainer_experts.shape} and {sampler_experts.shape}"
         )
     # top-k ids are distinct within a set, so equal sorted rows <=> equal sets
-    differs = (np.sort(trainer_experts, axis=-1) != np.sort(sampler_experts, axis=-1)).any(axis=-1)  # [tokens, layers]
+    differs = (np.sort(trainer_experts, axis=-1) != np.sort(sampler_experts, axis=-1)).any(
+        axis=-1
+    )  # [tokens, layers]
     if differs.shape[1] == 0:
         raise ValueError("routed experts with no layer")
     return differs.any(axis=1), differs.mean(axis=1, dtype=np.float64)
 
 
-def routing_metrics(token_differs: np.ndarray, layer_share: np.ndarray, selected: np.ndarray) -> dict[str, float]:
+def routing_metrics(
+    token_differs: np.ndarray, layer_share: np.ndarray, selected: np.ndarray
+) -> dict[str, float]:
     """The routing metrics over the `selected` (bool) tokens; {} when none is selected (no metric, not 0)."""
     count = int(selected.sum())
     if count == 0:

@@ -85,7 +85,9 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor) -> Iterator[No
         )
     num_experts = int(getattr(routers[0], "num_experts"))  # noqa: B009 (a tensor-or-module attribute to mypy)
     if int(experts.max()) >= num_experts:
-        raise ValueError(f"routing replay: expert id {int(experts.max())} >= the model's {num_experts} experts")
+        raise ValueError(
+            f"routing replay: expert id {int(experts.max())} >= the model's {num_experts} experts"
+        )
     experts = experts.long()
 
     def hook_for(layer: int) -> Any:

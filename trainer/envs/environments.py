@@ -95,7 +95,9 @@ class EpisodeOutcome:
     # the graded patch touched test files or test configuration (SweEnv: restored before grading, a
     # reward-hacking precursor); None: nothing was graded or the environment has no such notion
     touched_test_infra: bool | None = None
-    details: dict[str, Any] = field(default_factory=dict)  # environment-specific (SweEnv: reason, sandbox time)
+    details: dict[str, Any] = field(
+        default_factory=dict
+    )  # environment-specific (SweEnv: reason, sandbox time)
 
 
 class Environment:
@@ -180,7 +182,9 @@ def same_parity_reward(prompt: Prompt, completion_ids: list[int]) -> float:
     content = _strip_eos(completion_ids)
     if not content:
         return 0.0
-    return sum(1.0 for t in content if ToyVocab.is_digit(t) and ToyVocab.value(t) % 2 == parity) / len(content)
+    return sum(1.0 for t in content if ToyVocab.is_digit(t) and ToyVocab.value(t) % 2 == parity) / len(
+        content
+    )
 
 
 def copy_digit_prompt(index: int, rng_digit: int) -> Prompt:

@@ -69,7 +69,9 @@ class SweBenchRow(BaseModel):
     @classmethod
     def runs_a_known_framework(cls, value: str) -> str:
         if test_framework(value) is None:
-            raise ValueError(f"{value!r}: the grader runs unittest or pytest; give `python3 -m unittest` or `pytest`")
+            raise ValueError(
+                f"{value!r}: the grader runs unittest or pytest; give `python3 -m unittest` or `pytest`"
+            )
         return value
 
     @model_validator(mode="after")
@@ -84,7 +86,9 @@ class SweBenchRow(BaseModel):
         return self
 
     def test_ids_command(self) -> str:
-        return " ".join([self.test_command, *(shlex.quote(t) for t in [*self.FAIL_TO_PASS, *self.PASS_TO_PASS])])
+        return " ".join(
+            [self.test_command, *(shlex.quote(t) for t in [*self.FAIL_TO_PASS, *self.PASS_TO_PASS])]
+        )
 
 
 def is_swe_bench_file(path: Path) -> bool:
@@ -130,7 +134,9 @@ def snapshot_files(repo_path: Path, base_commit: str) -> dict[str, str]:
         try:
             text[name] = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"{name} in {str(repo_path)!r} is not UTF-8 text: the snapshot holds text files only") from None
+            raise ValueError(
+                f"{name} in {str(repo_path)!r} is not UTF-8 text: the snapshot holds text files only"
+            ) from None
     return text
 
 

@@ -76,7 +76,9 @@ def _file_map(value: Any, what: str) -> dict[str, str]:
     """Files as a list of {"path", "content"} (a shape `datasets` keeps across rows) or a mapping."""
     if isinstance(value, Mapping):
         return {str(k): str(v) for k, v in value.items()}
-    if isinstance(value, list) and all(isinstance(f, Mapping) and {"path", "content"} <= set(f) for f in value):
+    if isinstance(value, list) and all(
+        isinstance(f, Mapping) and {"path", "content"} <= set(f) for f in value
+    ):
         return {str(f["path"]): str(f["content"]) for f in value}
     raise ValueError(f"{what}: expected a list of {{'path', 'content'}} objects")
 
@@ -103,13 +105,20 @@ class SweTask:
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> SweTask:
-        missing = [k for k in ("instance_id", "statement", "files", "hidden_tests", "test_command") if k not in row]
+        missing = [
+            k for k in ("instance_id", "statement", "files", "hidden_tests", "test_command") if k not in row
+        ]
         if missing:
             raise ValueError(f"an SWE task needs {missing}")
         framework = test_framework(str(row["test_command"]))
         if framework is None:  # the grader runs the tests itself, with this framework's runner
-            raise ValueError(f"test_command {row['test_command']!r} runs neither `python3 -m unittest` nor `pytest`")
-        names = [*_names(row.get("fail_to_pass"), "fail_to_pass"), *_names(row.get("pass_to_pass"), "pass_to_pass")]
+            raise ValueError(
+                f"test_command {row['test_command']!r} runs neither `python3 -m unittest` nor `pytest`"
+            )
+        names = [
+            *_names(row.get("fail_to_pass"), "fail_to_pass"),
+            *_names(row.get("pass_to_pass"), "pass_to_pass"),
+        ]
         if errors := [e for n in names if (e := test_name_error(n, framework)) is not None]:
             raise ValueError(errors[0])
         return cls(
@@ -189,7 +198,12 @@ def _unquote(text: str) -> str:
     if not (text.startswith('"') and text.endswith('"')):
         return text
     # git's quoting is ASCII with C escapes (octal bytes): unicode_escape reads them as code points < 256
-    raw = text[1:-1].encode("ascii", errors="backslashreplace").decode("unicode_escape").encode("latin-1", errors="replace")
+    raw = (
+        text[1:-1]
+        .encode("ascii", errors="backslashreplace")
+        .decode("unicode_escape")
+        .encode("latin-1", errors="replace")
+    )
     return raw.decode("utf-8", errors="replace")
 
 
@@ -315,7 +329,9 @@ class SweEnv(Environment):
             )
         return {"episode": EpisodeState(task=task, sandbox=self.sandbox(task.files, self.limits))}
 
-    def step(self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str) -> EnvStep:
+    def step(
+        self, prompt: Prompt, state: dict[str, Any], output_ids: list[int], finish_reason: str
+    ) -> EnvStep:
         ep: EpisodeState = state["episode"]
         ep.turns += 1
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
@@ -342,7 +358,12 @@ class SweEnv(Environment):
         return self._reply(ep, output_ids, self._run_tool(ep, call))
 
     def _reply(
-        self, ep: EpisodeState, output_ids: list[int], content: str, tool_call: bool = True, format_error: bool = False
+        self,
+        ep: EpisodeState,
+        output_ids: list[int],
+        content: str,
+        tool_call: bool = True,
+        format_error: bool = False,
     ) -> EnvStep:
         if ep.turns >= self.max_turns:  # the driver samples no more turns: close the sandbox now
             ep.reason = f"max_turns ({self.max_turns}) reached without submit()"
@@ -367,7 +388,9 @@ class SweEnv(Environment):
             if call["name"] == "bash":
                 timeout = min(float(args.get("timeout", DEFAULT_COMMAND_TIMEOUT_S)), MAX_COMMAND_TIMEOUT_S)
                 result = box.run(args["command"], timeout_s=timeout)
-                status = f"timed out after {timeout:g} s" if result.timed_out else f"exit code {result.exit_code}"
+                status = (
+                    f"timed out after {timeout:g} s" if result.timed_out else f"exit code {result.exit_code}"
+                )
                 return f"{status}\n{truncate_output(result.output)}"
             if call["name"] == "write":
                 box.write_file(args["path"], args["content"])
@@ -394,7 +417,9 @@ class SweEnv(Environment):
         if not diff.strip():
             ep.reason = "submitted an empty diff"
             return
-        ep.touched_test_infra = [p for p in diff_paths(diff) if is_test_infrastructure(p, task.hidden_paths())]
+        ep.touched_test_infra = [
+            p for p in diff_paths(diff) if is_test_infrastructure(p, task.hidden_paths())
+        ]
         fresh = self.sandbox(task.files, self.limits)
         try:
             result = self._run_hidden_tests(fresh, task, diff)
@@ -416,9 +441,17 @@ class SweEnv(Environment):
                 return GradeResult(0.0, f"the test patch does not apply: {output.strip()[-300:]}")
         framework = test_framework(task.test_command)
         if framework is None:
-            return GradeResult(0.0, f"the task's test command {task.test_command!r} runs neither unittest nor pytest")
-        plan = grading_plan(task.files, task.hidden_tests, diff_paths(task.test_patch),
-                            [*task.fail_to_pass, *task.pass_to_pass], task.hidden_paths(), framework)  # fmt: skip
+            return GradeResult(
+                0.0, f"the task's test command {task.test_command!r} runs neither unittest nor pytest"
+            )
+        plan = grading_plan(
+            task.files,
+            task.hidden_tests,
+            diff_paths(task.test_patch),
+            [*task.fail_to_pass, *task.pass_to_pass],
+            task.hidden_paths(),
+            framework,
+        )
         if not plan.names:
             return GradeResult(0.0, "the task has no hidden test module to run")
         nonce = new_nonce()

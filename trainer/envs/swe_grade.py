@@ -49,11 +49,22 @@ from rlfleet.sandbox import GIT_SAFE_ENV, SAFE_GIT, Sandbox
 # [tool.pytest.ini_options]), by site (sitecustomize / usercustomize / .pth) or by the frameworks'
 # plugin discovery (a distribution's entry points)
 TEST_CONFIG_NAMES = frozenset(
-    {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml",
-     "sitecustomize.py", "usercustomize.py", "noxfile.py"}
-)  # fmt: skip
+    {
+        "conftest.py",
+        "pytest.ini",
+        ".pytest.ini",
+        "tox.ini",
+        "setup.cfg",
+        "pyproject.toml",
+        "sitecustomize.py",
+        "usercustomize.py",
+        "noxfile.py",
+    }
+)
 TEST_DIRS = frozenset({"tests", "test"})
-FRAMEWORK_NAMES = frozenset({"unittest", "pytest", "_pytest", "pluggy"})  # a top-level module named like the runner's
+FRAMEWORK_NAMES = frozenset(
+    {"unittest", "pytest", "_pytest", "pluggy"}
+)  # a top-level module named like the runner's
 REPORT_TAIL_CHARS = 300
 FAILED_LOAD = "unittest.loader._FailedTest."  # unittest's stand-in for a name it could not import
 
@@ -81,7 +92,7 @@ class GradeResult:
 
 # The runner: a `python3 -I -c` program (Python >= 3.8: audit hooks). Its stdin: the nonce, then one
 # JSON line {"names": [unittest names to load and run], "test_files": [the paths test classes may come from]}.
-RUNNER = r'''
+RUNNER = r"""
 import sys, os, json
 def _grade():
     write, exit_now, realpath = os.write, os._exit, os.path.realpath
@@ -275,7 +286,7 @@ def run_pytest(pytest, config, root, put, flag, fingerprint, changes, check_orig
     except BaseException as exc:  # an exit from the code under test while pytest ran
         put("<session>", "error", type(exc).__name__ + ": " + str(exc))
 _grade()
-'''
+"""
 
 
 def runner_command(python: str = "python3") -> str:
@@ -290,7 +301,7 @@ PYTEST_NODE_ID = re.compile(r"[^\s:]+\.py(::\S.*)?")
 
 
 def test_framework(command: str) -> str | None:
-    """"pytest" or "unittest": the framework a test command runs (the grader runs it itself), None: neither."""
+    """ "pytest" or "unittest": the framework a test command runs (the grader runs it itself), None: neither."""
     command = " ".join(command.split())
     if PYTEST_COMMAND.fullmatch(command):
         return "pytest"
@@ -300,8 +311,16 @@ def test_framework(command: str) -> str | None:
 def test_name_error(name: str, framework: str) -> str | None:
     """Why `name` is not a test name the framework's runner loads (None: it is)."""
     if framework == "pytest":
-        return None if PYTEST_NODE_ID.fullmatch(name) else f"{name!r} is not a pytest node id (path/to/test_x.py::test_y)"
-    return None if UNITTEST_NAME.fullmatch(name) else f"{name!r} is not a unittest name (module.Class.test_method)"
+        return (
+            None
+            if PYTEST_NODE_ID.fullmatch(name)
+            else f"{name!r} is not a pytest node id (path/to/test_x.py::test_y)"
+        )
+    return (
+        None
+        if UNITTEST_NAME.fullmatch(name)
+        else f"{name!r} is not a unittest name (module.Class.test_method)"
+    )
 
 
 def test_module(path: str) -> str | None:
@@ -321,19 +340,31 @@ class GradingPlan:
 
 
 def grading_plan(
-    files: Mapping[str, str], hidden: Mapping[str, str], test_patch_paths: list[str], named: list[str],
-    protected: set[str], framework: str,
-) -> GradingPlan:  # fmt: skip
+    files: Mapping[str, str],
+    hidden: Mapping[str, str],
+    test_patch_paths: list[str],
+    named: list[str],
+    protected: set[str],
+    framework: str,
+) -> GradingPlan:
     """Named tests (FAIL_TO_PASS + PASS_TO_PASS) if the task has them, else every test of its hidden
     test files, at least the ones their top-level classes (and, for pytest, functions) define."""
-    test_files = sorted(p for p in {*files, *hidden, *test_patch_paths} if p.endswith(".py") and is_test_infrastructure(p, protected))
+    test_files = sorted(
+        p
+        for p in {*files, *hidden, *test_patch_paths}
+        if p.endswith(".py") and is_test_infrastructure(p, protected)
+    )
     if named:
         return GradingPlan(framework, list(named), list(named), test_files)
     pytest = framework == "pytest"
     modules = {path: m for path in [*hidden, *test_patch_paths] if (m := test_module(path)) is not None}
     names = list(dict.fromkeys(modules if pytest else modules.values()))
-    static = [i for path, source in hidden.items() if path in modules
-              for i in static_test_ids(path if pytest else modules[path], source, pytest)]  # fmt: skip
+    static = [
+        i
+        for path, source in hidden.items()
+        if path in modules
+        for i in static_test_ids(path if pytest else modules[path], source, pytest)
+    ]
     return GradingPlan(framework, names, names + static, test_files)
 
 
@@ -348,7 +379,11 @@ def static_test_ids(module: str, source: str, pytest: bool = False) -> list[str]
     sep = "::" if pytest else "."
     ids = []
     for node in tree.body:
-        if pytest and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+        if (
+            pytest
+            and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name.startswith("test")
+        ):
             ids.append(f"{module}::{node.name}")
         if isinstance(node, ast.ClassDef) and (node.name.startswith("Test") if pytest else bool(node.bases)):
             for item in node.body:
@@ -378,9 +413,19 @@ def verdict(report: Mapping[str, object], required: list[str]) -> GradeResult:
         return GradeResult(0.0, f"the tests' machinery was tampered with: {what[:300]}")
     raw = report.get("results")
     results = {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
-    problems = [f"{k} (error)" for k, v in results.items() if k.startswith(FAILED_LOAD) or k.startswith("<") or (v[0] == "error" and not k.startswith(tuple(required)))]
+    problems = [
+        f"{k} (error)"
+        for k, v in results.items()
+        if k.startswith(FAILED_LOAD)
+        or k.startswith("<")
+        or (v[0] == "error" and not k.startswith(tuple(required)))
+    ]
     for name in required:
-        mine = {k: v for k, v in results.items() if k == name or k.startswith((name + ".", name + "::", name + "["))}
+        mine = {
+            k: v
+            for k, v in results.items()
+            if k == name or k.startswith((name + ".", name + "::", name + "["))
+        }
         if not mine:
             problems.append(f"{name} (not run)")
         problems += [f"{k} ({v[0]})" for k, v in mine.items() if v[0] != "passed"]
@@ -392,13 +437,17 @@ def verdict(report: Mapping[str, object], required: list[str]) -> GradeResult:
     return GradeResult(0.0, f"not every required test ran and passed: {', '.join(problems)[:400]}{tail}")
 
 
-def restore_test_infrastructure(box: Sandbox, pristine: Mapping[str, str], hidden: Mapping[str, str], protected: set[str]) -> str | None:
+def restore_test_infrastructure(
+    box: Sandbox, pristine: Mapping[str, str], hidden: Mapping[str, str], protected: set[str]
+) -> str | None:
     """Remove every test file and test configuration the tree holds now (after the agent's diff), then
     write the snapshot's own back with the hidden tests. None, or why the tree cannot be graded."""
     listing = box.run("find . -path ./.git -prune -o -mindepth 1 -printf '%y %P\\0'", timeout_s=60)
     if listing.exit_code != 0:
         return f"cannot list the patched tree: {listing.output.strip()[-300:]}"
-    if re.search(r"\n\[\.\.\. \d+ bytes omitted \.\.\.\]\n", listing.output):  # the sandbox cut a huge listing
+    if re.search(
+        r"\n\[\.\.\. \d+ bytes omitted \.\.\.\]\n", listing.output
+    ):  # the sandbox cut a huge listing
         return "the patched tree has too many paths to list (over 1 MiB of names)"
     entries = [e for e in listing.output.split("\0") if e]
     if any("\ufffd" in e for e in entries):
@@ -416,8 +465,14 @@ def restore_test_infrastructure(box: Sandbox, pristine: Mapping[str, str], hidde
             info = tarfile.TarInfo(path)
             info.size, info.mode = len(data), 0o644
             archive.addfile(info, io.BytesIO(data))
-    removed = box.run("xargs -0 -r rm -rf --", timeout_s=60, stdin="".join(p + "\0" for p in sorted(doomed)).encode())
-    done = removed if removed.exit_code != 0 else box.run("tar -x --no-same-owner -f -", timeout_s=60, stdin=tar.getvalue())
+    removed = box.run(
+        "xargs -0 -r rm -rf --", timeout_s=60, stdin="".join(p + "\0" for p in sorted(doomed)).encode()
+    )
+    done = (
+        removed
+        if removed.exit_code != 0
+        else box.run("tar -x --no-same-owner -f -", timeout_s=60, stdin=tar.getvalue())
+    )
     if done.exit_code != 0:
         return f"cannot restore the test files: {done.output.strip()[-300:]}"
     return None
@@ -430,5 +485,7 @@ def new_nonce() -> str:
 def git_apply(box: Sandbox, diff: str) -> tuple[int, str]:
     """`git apply` with no configuration the patch could bring (it never reaches .git, but a tree's
     .gitattributes could)."""
-    result = box.run(f"{GIT_SAFE_ENV} {' '.join(SAFE_GIT)} apply --binary -", timeout_s=60, stdin=diff.encode())
+    result = box.run(
+        f"{GIT_SAFE_ENV} {' '.join(SAFE_GIT)} apply --binary -", timeout_s=60, stdin=diff.encode()
+    )
     return result.exit_code, result.output

@@ -61,9 +61,9 @@ SHIPPED: list[tuple[SweTask, tuple[str, str, str]]] = [
             "text",
             'def slugify(title):\n    """A URL slug: the words of `title` in lower case, joined by dashes."""\n'
             '    return title.lower().replace(" ", "-")\n',
-            'import unittest\n\nfrom text import slugify\n\n\nclass Visible(unittest.TestCase):\n'
+            "import unittest\n\nfrom text import slugify\n\n\nclass Visible(unittest.TestCase):\n"
             '    def test_one_word(self):\n        self.assertEqual(slugify("Hello"), "hello")\n',
-            'import unittest\n\nfrom text import slugify\n\n\nclass Hidden(unittest.TestCase):\n'
+            "import unittest\n\nfrom text import slugify\n\n\nclass Hidden(unittest.TestCase):\n"
             '    def test_spaces(self):\n        self.assertEqual(slugify("  Hello   World "), "hello-world")\n'
             '        self.assertEqual(slugify("a b"), "a-b")\n        self.assertEqual(slugify(""), "")\n',
         ),
@@ -100,7 +100,11 @@ SHIPPED: list[tuple[SweTask, tuple[str, str, str]]] = [
             "import unittest\n\nfrom stack import Stack\n\n\nclass Hidden(unittest.TestCase):\n"
             "    def test_empty(self):\n        with self.assertRaises(IndexError):\n            Stack().pop()\n",
         ),
-        ("stack/__init__.py", "            return None\n", '            raise IndexError("pop from an empty stack")\n'),
+        (
+            "stack/__init__.py",
+            "            return None\n",
+            '            raise IndexError("pop from an empty stack")\n',
+        ),
     ),
 ]
 
@@ -113,7 +117,8 @@ def tool_call(name: str, **arguments: object) -> str:
 def correct_replies(fix: tuple[str, str, str]) -> list[str]:
     path, old, new = fix
     return [
-        "Let me look at the repository.\n" + tool_call("bash", command="ls -R && " + TEST_COMMAND, timeout=30),
+        "Let me look at the repository.\n"
+        + tool_call("bash", command="ls -R && " + TEST_COMMAND, timeout=30),
         tool_call("edit", path=path, old=old, new=new),
         tool_call("submit"),
     ]

@@ -161,7 +161,9 @@ def load_checkpoint_file(path: str | Path) -> Any:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # torch's weights-only unpickler refusing a global or an opcode
-        raise CheckpointError(f"refused to unpickle (not plain tensors and values): {_unpickling_reason(e)}") from None
+        raise CheckpointError(
+            f"refused to unpickle (not plain tensors and values): {_unpickling_reason(e)}"
+        ) from None
 
 
 def _unpickling_reason(error: Exception) -> str:
@@ -240,7 +242,9 @@ def _parse_latest(text: str) -> _Latest:
             raise ValueError("checkpoints must be a list and lease_generation an integer")
         return _Latest(list(reversed(entries)), generation)
     except (json.JSONDecodeError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"the checkpoint list `{LATEST}` is not readable ({e}): {text[:200]!r}") from None
+        raise CheckpointError(
+            f"the checkpoint list `{LATEST}` is not readable ({e}): {text[:200]!r}"
+        ) from None
 
 
 def _verified(path: Path, entry: dict[str, Any]) -> None:
@@ -250,7 +254,9 @@ def _verified(path: Path, entry: dict[str, Any]) -> None:
     algorithm, _, expected = str(entry["digest"]).partition(":")
     found = hash_file(path, algorithm)
     if found.bytes != entry.get("bytes") or found.hexdigest != expected:
-        raise CheckpointError(f"{found} != the recorded {str(entry['digest'])[:19]}.. ({entry.get('bytes')} B)")
+        raise CheckpointError(
+            f"{found} != the recorded {str(entry['digest'])[:19]}.. ({entry.get('bytes')} B)"
+        )
 
 
 def _load_first_good(
@@ -378,7 +384,9 @@ def save_checkpoint(
         with tempfile.TemporaryDirectory(prefix="rlfleet-ckpt-", dir=directory.staging_dir()) as tmp:
             staged = Path(tmp) / name
             digest = _atomic_write_bytes(staged, lambda fh: torch.save(state, fh))
-            directory.put_file(STORE_PREFIX + name, staged, move=True, digest=digest)  # durable before `latest`
+            directory.put_file(
+                STORE_PREFIX + name, staged, move=True, digest=digest
+            )  # durable before `latest`
         path = Path(name)
     else:
         directory = Path(directory)

@@ -199,8 +199,12 @@ class WeightPublisher:
         if writer_lease_ttl_seconds is not None:
             lease = self.channel.acquire_lease(writer_lease_ttl_seconds)
             log.info("writer lease of %s taken: %s, generation %d", store.uri, lease.holder, lease.generation)
-            threading.Thread(target=self._renew_lease, args=(writer_lease_ttl_seconds / 5,),
-                             name="writer-lease", daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._renew_lease,
+                args=(writer_lease_ttl_seconds / 5,),
+                name="writer-lease",
+                daemon=True,
+            ).start()
 
     def _renew_lease(self, interval: float) -> None:
         """Renew the writer lease every `interval` s until close(); stop for good once it was taken over
@@ -244,8 +248,12 @@ class WeightPublisher:
                 if self.allowed_views is not None and view not in self.allowed_views:
                     if view not in self._refused_views:
                         self._refused_views.add(view)
-                        log.warning("a subscriber report names view %r, which this job does not publish "
-                                    "(its views: %s): ignored", view, ", ".join(sorted(self.allowed_views)))  # fmt: skip
+                        log.warning(
+                            "a subscriber report names view %r, which this job does not publish "
+                            "(its views: %s): ignored",
+                            view,
+                            ", ".join(sorted(self.allowed_views)),
+                        )
                     continue
                 try:
                     check_view_for_model(view, self.model_config)
@@ -422,7 +430,10 @@ class WeightPublisher:
             payload = out / f"{rel}{DELTA_SUFFIX}"
             try:
                 why_whole = self._encode_file(kept, rel, directory / rel, payload)
-            except (OSError, DeltaError) as e:  # e.g. the kept copy was removed: storing whole is always right
+            except (
+                OSError,
+                DeltaError,
+            ) as e:  # e.g. the kept copy was removed: storing whole is always right
                 log.warning("view %s: cannot compare with v%d (%s): stored whole", view, kept.version, e)
                 why_whole = f"v{kept.version}'s copy unreadable"
             if why_whole is not None:

@@ -77,7 +77,9 @@ def flatten_groups(
     for b, s in enumerate(seqs):
         input_ids[b, : len(s)] = s
 
-    cols: dict[str, list] = {k: [] for k in ("seq", "pos", "tgt", "adv", "logq", "logqs", "ver", "stale", "grp")}
+    cols: dict[str, list] = {
+        k: [] for k in ("seq", "pos", "tgt", "adv", "logq", "logqs", "ver", "stale", "grp")
+    }
     cand_ids: list[np.ndarray] = []
     cand_logq: list[np.ndarray] = []
     cand_counts: list[int] = []
@@ -86,15 +88,23 @@ def flatten_groups(
     sampled_by_group: dict[str, int] = {}
     dropped_by_group: dict[str, int] = {}
     reasons_by_group: dict[str, dict[str, int]] = {}
-    routed_rows: list[np.ndarray | None] = []  # per row, its sampler routing [layers, top_k] (None: not returned)
+    routed_rows: list[
+        np.ndarray | None
+    ] = []  # per row, its sampler routing [layers, top_k] (None: not returned)
     for b, (r, adv) in enumerate(zip(rollouts, adv_per_rollout, strict=True)):
         sample_stale = max(0, trainer_version - r.min_version)
         pos = len(r.prompt.input_ids)
         for turn, env in zip(r.turns, r.env_ids, strict=True):
             modes.add(turn.candidate_mode)
-            valid = np.ones(turn.num_tokens, dtype=bool) if turn.valid is None else np.asarray(turn.valid, dtype=bool)
+            valid = (
+                np.ones(turn.num_tokens, dtype=bool)
+                if turn.valid is None
+                else np.asarray(turn.valid, dtype=bool)
+            )
             offs = np.asarray(turn.support_offsets, dtype=np.int64)
-            routed = turn.routed_experts  # row P - 1 + i for output token i, P = pos (prompt_ids = the ids so far)
+            routed = (
+                turn.routed_experts
+            )  # row P - 1 + i for output token i, P = pos (prompt_ids = the ids so far)
             _count_turn(turn, valid, sampled_by_group, dropped_by_group, reasons_by_group)
             for i in range(turn.num_tokens):
                 token_pos = pos + i
@@ -102,7 +112,9 @@ def flatten_groups(
                     dropped += 1
                     continue
                 tgt = int(turn.output_ids[i])
-                if seqs[b][token_pos] != tgt:  # the invariant: we train on the sampled ids, at their positions
+                if (
+                    seqs[b][token_pos] != tgt
+                ):  # the invariant: we train on the sampled ids, at their positions
                     raise AssertionError(f"{r.uid}: token {token_pos} is {seqs[b][token_pos]}, sampled {tgt}")
                 cols["seq"].append(b)
                 cols["pos"].append(token_pos - 1)
@@ -149,8 +161,13 @@ def flatten_groups(
     )
 
 
-def _count_turn(turn: SampledTurn, valid: np.ndarray, sampled: dict[str, int], dropped: dict[str, int],
-                reasons: dict[str, dict[str, int]]) -> None:  # fmt: skip
+def _count_turn(
+    turn: SampledTurn,
+    valid: np.ndarray,
+    sampled: dict[str, int],
+    dropped: dict[str, int],
+    reasons: dict[str, dict[str, int]],
+) -> None:
     """Add one turn's tokens to its group's sampled, dropped and per-reason counts (the per-group view
     of what a group that answers garbage costs: trainer/metrics.py `invalid_token_metrics`)."""
     sampled[turn.group] = sampled.get(turn.group, 0) + turn.num_tokens
@@ -196,10 +213,15 @@ class MicroBatch:
         """The sequences back to back: (input_ids [L], position_ids [L] restarting at 0 for each sequence,
         the index in [0, L) of each row's logit), L = `num_tokens`."""
         starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
-        input_ids = np.concatenate([flat.input_ids[b, :n] for b, n in zip(self.seqs, self.lengths, strict=True)])
+        input_ids = np.concatenate(
+            [flat.input_ids[b, :n] for b, n in zip(self.seqs, self.lengths, strict=True)]
+        )
         position_ids = np.concatenate([np.arange(n, dtype=np.int64) for n in self.lengths])
         start_of = dict(zip(self.seqs.tolist(), starts.tolist(), strict=True))
-        row_index = np.array([start_of[int(b)] for b in flat.row_seq[self.rows]], dtype=np.int64) + flat.row_pos[self.rows]
+        row_index = (
+            np.array([start_of[int(b)] for b in flat.row_seq[self.rows]], dtype=np.int64)
+            + flat.row_pos[self.rows]
+        )
         return input_ids.astype(np.int64), position_ids, row_index
 
 
@@ -239,5 +261,11 @@ def plan_micro_batches(flat: FlatBatch, seqs: np.ndarray, max_tokens: int) -> li
 
 
 __all__ = [
-    "FlatBatch", "MicroBatch", "flatten_groups", "needed_lengths", "plan_micro_batches", "HEAD_MODE", "SUPPORT_MODE",
+    "FlatBatch",
+    "MicroBatch",
+    "flatten_groups",
+    "needed_lengths",
+    "plan_micro_batches",
+    "HEAD_MODE",
+    "SUPPORT_MODE",
 ]

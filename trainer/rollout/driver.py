@@ -318,8 +318,11 @@ class RolloutDriver:
         self.stats.generate_seconds += time.monotonic() - t0
         self.stats.sampled_tokens += turn.num_tokens
         if self.outage is not None:  # the router answers again: close the circuit
-            log.warning("the router answers again after %.1fs; %d prompt groups put back are dispatched again",
-                        time.monotonic() - self.outage.since, len(self._held))  # fmt: skip
+            log.warning(
+                "the router answers again after %.1fs; %d prompt groups put back are dispatched again",
+                time.monotonic() - self.outage.since,
+                len(self._held),
+            )
             self.outage = None
         return turn
 
@@ -353,8 +356,11 @@ class RolloutDriver:
         if self.outage is None:
             self.outage = Outage(since=now, last_error=str(exc))
             self.stats.router_outages += 1
-            log.warning("the router is unavailable (%s): no new prompt until it answers; prompt groups that "
-                        "fail on it are put back, not dropped", exc)  # fmt: skip
+            log.warning(
+                "the router is unavailable (%s): no new prompt until it answers; prompt groups that "
+                "fail on it are put back, not dropped",
+                exc,
+            )
         elif self.outage.probe == prompt.index:
             self.outage.attempt += 1
             self.outage.probe = None
@@ -364,8 +370,12 @@ class RolloutDriver:
         self.outage.last_error = str(exc)
         wait = self.outage_policy.backoff(self.outage.attempt, self._rng.random())
         self.outage.retry_at = now + wait
-        log.info("router unavailable for %.1fs: next probe in %.1fs (%d prompt groups held)",
-                 now - self.outage.since, wait, len(self._held))  # fmt: skip
+        log.info(
+            "router unavailable for %.1fs: next probe in %.1fs (%d prompt groups held)",
+            now - self.outage.since,
+            wait,
+            len(self._held),
+        )
 
     def _may_dispatch(self) -> bool:
         """Backpressure, and while the circuit is open: one probe group once its wait is over."""

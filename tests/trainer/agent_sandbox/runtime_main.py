@@ -27,15 +27,20 @@ from fastapi import FastAPI, UploadFile, File
 from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel
 
+
 class ExecuteRequest(BaseModel):
     """Request model for the /execute endpoint."""
+
     command: str
+
 
 class ExecuteResponse(BaseModel):
     """Response model for the /execute endpoint."""
+
     stdout: str
     stderr: str
     exit_code: int
+
 
 def get_base_dir() -> str:
     """Reads SANDBOX_BASE_DIR, falling back to /app when it's unset or blank.
@@ -46,6 +51,7 @@ def get_base_dir() -> str:
     (e.g. an emptyDir) mounted at SANDBOX_BASE_DIR.
     """
     return os.environ.get("SANDBOX_BASE_DIR", "").strip() or "/app"
+
 
 def get_safe_path(file_path: str) -> str:
     """Sanitizes the file path to ensure it stays within the base directory."""
@@ -59,11 +65,13 @@ def get_safe_path(file_path: str) -> str:
 
     return full_path
 
+
 app = FastAPI(
     title="Agentic Sandbox Runtime",
     description="An API server for executing commands and managing files in a secure sandbox.",
     version="1.0.0",
 )
+
 
 def _get_exec_timeout_seconds() -> float:
     """Reads SANDBOX_EXEC_TIMEOUT_SECONDS, falling back to the 300s default
@@ -83,6 +91,7 @@ def _get_exec_timeout_seconds() -> float:
         )
         return 300.0
     return value
+
 
 def _run_command(args: list, timeout: float) -> subprocess.CompletedProcess:
     """Runs args as the leader of a new process group so that on timeout the
@@ -108,10 +117,12 @@ def _run_command(args: list, timeout: float) -> subprocess.CompletedProcess:
             raise
         return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
+
 @app.get("/", summary="Health Check")
 async def health_check():
     """A simple health check endpoint to confirm the server is running."""
     return {"status": "ok", "message": "Sandbox Runtime is active."}
+
 
 @app.post("/execute", summary="Execute a shell command", response_model=ExecuteResponse)
 async def execute_command(request: ExecuteRequest):
@@ -122,7 +133,7 @@ async def execute_command(request: ExecuteRequest):
     try:
         # Split the command string into a list to safely pass to subprocess
         args = shlex.split(request.command)
-        
+
         # Execute the command, always from the base directory. Run it in a
         # worker thread so a long-running or hung command doesn't block the
         # event loop (and with it, the health check and file endpoints), and
@@ -133,17 +144,10 @@ async def execute_command(request: ExecuteRequest):
             args,
             _get_exec_timeout_seconds(),
         )
-        return ExecuteResponse(
-            stdout=process.stdout,
-            stderr=process.stderr,
-            exit_code=process.returncode
-        )
+        return ExecuteResponse(stdout=process.stdout, stderr=process.stderr, exit_code=process.returncode)
     except Exception as e:
-        return ExecuteResponse(
-            stdout="",
-            stderr=f"Failed to execute command: {str(e)}",
-            exit_code=1
-        )
+        return ExecuteResponse(stdout="", stderr=f"Failed to execute command: {str(e)}", exit_code=1)
+
 
 @app.post("/upload", summary="Upload a file to the sandbox")
 async def upload_file(file: UploadFile = File(...)):
@@ -156,10 +160,7 @@ async def upload_file(file: UploadFile = File(...)):
         try:
             file_path = get_safe_path(file.filename)
         except ValueError:
-            return JSONResponse(
-                status_code=403,
-                content={"message": "Access denied"}
-            )
+            return JSONResponse(status_code=403, content={"message": "Access denied"})
 
         # The filename may carry a relative destination path (e.g.
         # "data/input.csv"); create the intermediate directories so such
@@ -169,17 +170,14 @@ async def upload_file(file: UploadFile = File(...)):
 
         with open(file_path, "wb") as f:
             f.write(await file.read())
-            
+
         return JSONResponse(
-            status_code=200,
-            content={"message": f"File '{file.filename}' uploaded successfully."}
+            status_code=200, content={"message": f"File '{file.filename}' uploaded successfully."}
         )
     except Exception as e:
-        logging.exception("An error occurred during file upload.") 
-        return JSONResponse(
-            status_code=500,
-            content={"message": f"File upload failed: {str(e)}"}
-        )
+        logging.exception("An error occurred during file upload.")
+        return JSONResponse(status_code=500, content={"message": f"File upload failed: {str(e)}"})
+
 
 @app.get("/download/{encoded_file_path:path}", summary="Download a file from the sandbox")
 async def download_file(encoded_file_path: str):
@@ -193,8 +191,9 @@ async def download_file(encoded_file_path: str):
         return JSONResponse(status_code=403, content={"message": "Access denied"})
 
     if os.path.isfile(full_path):
-        return FileResponse(path=full_path, media_type='application/octet-stream', filename=decoded_path)
+        return FileResponse(path=full_path, media_type="application/octet-stream", filename=decoded_path)
     return JSONResponse(status_code=404, content={"message": "File not found"})
+
 
 @app.get("/list/{encoded_file_path:path}", summary="List files in a directory")
 async def list_files(encoded_file_path: str):
@@ -209,21 +208,24 @@ async def list_files(encoded_file_path: str):
 
     if not os.path.isdir(full_path):
         return JSONResponse(status_code=404, content={"message": "Path is not a directory"})
-    
+
     try:
         entries = []
         with os.scandir(full_path) as it:
             for entry in it:
                 stats = entry.stat()
-                entries.append({
-                    "name": entry.name,
-                    "size": stats.st_size,
-                    "type": "directory" if entry.is_dir() else "file",
-                    "mod_time": stats.st_mtime
-                })
+                entries.append(
+                    {
+                        "name": entry.name,
+                        "size": stats.st_size,
+                        "type": "directory" if entry.is_dir() else "file",
+                        "mod_time": stats.st_mtime,
+                    }
+                )
         return JSONResponse(status_code=200, content=entries)
     except Exception as e:
         return JSONResponse(status_code=500, content={"message": f"List files failed: {str(e)}"})
+
 
 @app.get("/exists/{encoded_file_path:path}", summary="Check if the relative path exists")
 async def exists(encoded_file_path: str):
@@ -236,7 +238,4 @@ async def exists(encoded_file_path: str):
     except ValueError:
         return JSONResponse(status_code=403, content={"message": "Access denied"})
 
-    return JSONResponse(status_code=200, content={
-        "path": decoded_path,
-        "exists": os.path.exists(full_path)
-    })
+    return JSONResponse(status_code=200, content={"path": decoded_path, "exists": os.path.exists(full_path)})
