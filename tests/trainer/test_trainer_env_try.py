@@ -5,11 +5,10 @@ read before any episode runs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.env_try import env_try_swe
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "examples" / "swe" / "tasks.jsonl"
@@ -34,23 +33,6 @@ SHAPE = "a policy line is {'instance_id': str, 'replies': [str, ...]}"
 def test_a_bad_policy_line_is_one_line_naming_the_file_and_line(tmp_path, line, error) -> None:
     policy = tmp_path / "policy.jsonl"
     policy.write_text(f"\n{line}\n")  # the blank first line is skipped; the bad one is line 2
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "env",
-            "try",
-            "--environment",
-            "swe",
-            "--tasks",
-            str(TASKS),
-            "--policy",
-            str(policy),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = env_try_swe(TASKS, policy)
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert result.stderr == f"rlfleet env try: {policy}:2: {error}\n"

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from support.env_try import env_try_swe
 
 from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.local import UID_BASE, LocalSandbox
@@ -247,24 +248,7 @@ def test_a_command_killed_at_its_timeout_leaves_no_zombie(bwrap) -> None:
 
 
 def test_cli_scripted_correct_policy_earns_1_on_every_shipped_task(bwrap) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "env",
-            "try",
-            "--environment",
-            "swe",
-            "--tasks",
-            str(TASKS),
-            "--policy",
-            str(SOLUTIONS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = env_try_swe(TASKS, SOLUTIONS)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(x["task"], x["reward"], x["turns"], x["reason"]) for x in lines] == [
@@ -609,24 +593,7 @@ def test_a_bad_swe_bench_row_is_one_line_naming_the_row_and_field(tmp_path, chan
         {**swe_bench_row("calc-2", base, test_patch), **change},
     ]
     path = write_jsonl(tmp_path / "swe.jsonl", rows)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "env",
-            "try",
-            "--environment",
-            "swe",
-            "--tasks",
-            str(path),
-            "--policy",
-            str(write_jsonl(tmp_path / "policy.jsonl", [])),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = env_try_swe(path, write_jsonl(tmp_path / "policy.jsonl", []))
     assert result.returncode == 2 and result.stdout == ""
     [line] = result.stderr.splitlines()
     assert re.fullmatch(rf"rlfleet env try: {re.escape(str(path))} {error}.*", line), line
@@ -635,23 +602,8 @@ def test_a_bad_swe_bench_row_is_one_line_naming_the_row_and_field(tmp_path, chan
 def test_an_image_task_is_refused_by_the_local_sandbox(tmp_path) -> None:
     repo, base, _ = calc_repo(tmp_path)
     row = swe_bench_row("calc-image", base, "diff", repo_path=None, image="registry/calc:base")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "env",
-            "try",
-            "--environment",
-            "swe",
-            "--tasks",
-            str(write_jsonl(tmp_path / "swe.jsonl", [row])),
-            "--policy",
-            str(write_jsonl(tmp_path / "policy.jsonl", [])),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    result = env_try_swe(
+        write_jsonl(tmp_path / "swe.jsonl", [row]), write_jsonl(tmp_path / "policy.jsonl", [])
     )
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == (
@@ -683,24 +635,7 @@ def test_swe_bench_tasks_through_env_try_reward_exactly_the_right_patch(bwrap, t
             for i, p in patches.items()
         ],
     )
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "env",
-            "try",
-            "--environment",
-            "swe",
-            "--tasks",
-            str(tasks),
-            "--policy",
-            str(policy),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = env_try_swe(tasks, policy)
     assert result.returncode == 0, result.stderr
     lines = {x["task"]: x for x in map(json.loads, result.stdout.splitlines())}
     assert [(t, x["reward"], x["turns"], x["tool_calls"]) for t, x in lines.items()] == [
