@@ -20,6 +20,17 @@ OWNER = {
     "kind": "RLJob",
     "metadata": {"name": "reference-fleet", "uid": "u-1"},
 }
+# what every child of OWNER's job carries: its RLJob as the one controller, blocking its deletion
+OWNER_REFERENCES = [
+    {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "RLJob",
+        "name": "reference-fleet",
+        "uid": "u-1",
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+]
 NS = "team-a"
 PRODUCTS = {
     "a100": "NVIDIA-A100-SXM4-80GB",
@@ -45,12 +56,13 @@ LAUNCH_KEY = "k3y_from-the-Secret"  # what the kubelet puts for $(RLFLEET_API_KE
 
 
 def launched_argv(
-    engine: dict, version: int, directory: str, tmp: Path | None = None, flags: str = ""
+    engine: dict, version: int, directory: str, flags: str = "", program: str = "python3"
 ) -> list[str]:
-    """The argv the engine container's /bin/sh wrapper execs, run for real with `python3` replaced by
-    a shim printing its arguments and the launch file holding `version directory` (then `flags`, when
-    given, as the weight sync writes a checkpoint's SGLang flags); the kubelet's expansion of
-    $(RLFLEET_API_KEY) (the env's secretKeyRef to the job's key Secret) is LAUNCH_KEY."""
+    """The argv the engine container's /bin/sh wrapper execs, run for real with `program` (SGLang's
+    `python3`, the cpu class's `rlfleet`) replaced by a shim printing its arguments and the launch file
+    holding `version directory` (then `flags`, when given, as the weight sync writes a checkpoint's SGLang
+    flags); the kubelet's expansion of $(RLFLEET_API_KEY) (the env's secretKeyRef to the job's key
+    Secret) is LAUNCH_KEY."""
     import json
     import os
     import subprocess
@@ -59,8 +71,8 @@ def launched_argv(
 
     with tempfile.TemporaryDirectory() as tmpdir:
         root = Path(tmpdir)
-        (root / "python3").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv))\n")
-        (root / "python3").chmod(0o755)
+        (root / program).write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv))\n")
+        (root / program).chmod(0o755)
         (root / "launch").write_text(f"{version} {directory}\n" + (f"{flags}\n" if flags else ""))
         script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
         assert script != engine["args"][0] and len(engine["args"]) == 1
@@ -75,7 +87,7 @@ def launched_argv(
             env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"},
         )
     argv = json.loads(out.stdout)
-    return ["python3", *argv[1:]]
+    return [program, *argv[1:]]
 
 
 def sampler_deployment(job: RLJob, group: str, store=None) -> dict:
@@ -95,16 +107,7 @@ def test_every_child_exists_in_order_with_owner_and_labels(job: RLJob) -> None:
     for c in out:
         meta = c["metadata"]
         assert meta["namespace"] == NS
-        assert meta["ownerReferences"] == [
-            {
-                "apiVersion": "rlfleet.dev/v1alpha1",
-                "kind": "RLJob",
-                "name": "reference-fleet",
-                "uid": "u-1",
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ]
+        assert meta["ownerReferences"] == OWNER_REFERENCES
         assert meta["labels"][n.LABEL_JOB] == "reference-fleet"
         assert meta["labels"][n.LABEL_MANAGED_BY] == n.MANAGED_BY
     names = [c["metadata"]["name"] for c in out if c["kind"] == "SamplerGroup"]

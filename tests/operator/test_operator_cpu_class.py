@@ -5,14 +5,10 @@ reference engine, and nothing in a cpu pod asks for, tolerates or is placed by a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from test_operator_builders import LAUNCH_KEY
+from test_operator_builders import LAUNCH_KEY, launched_argv
 
 from rlfleet.api import RLJob, SamplerGroup, load_rljob
 from rlfleet.catalog import load_catalog
@@ -40,28 +36,6 @@ def sampler_deployment(job: RLJob, group: str) -> dict:
     manifest = children(job)[("SamplerGroup", f"{job.name}-{group}")]
     sg = SamplerGroup.from_manifest(manifest)  # the SamplerGroup model accepts what the RLJob builder wrote
     return workloads.build_sampler_deployment(sg, NS, None, CATALOG, job.spec.weight_channel.store)
-
-
-def launched(engine: dict, version: int, directory: str, flags: str = "") -> list[str]:
-    """What the engine container's /bin/sh wrapper execs (real sh), with `rlfleet` replaced by a shim
-    that prints its argv and the launch file holding `version directory` (then `flags`, when given, as
-    the weight sync writes a checkpoint's SGLang flags)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        (root / "rlfleet").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv))\n")
-        (root / "rlfleet").chmod(0o755)
-        (root / "launch").write_text(f"{version} {directory}\n" + (f"{flags}\n" if flags else ""))
-        script = engine["args"][0].replace(f"{n.WEIGHTS_CACHE}/launch", str(root / "launch"))
-        assert script != engine["args"][0] and len(engine["args"]) == 1
-        script = script.replace(f"$({n.API_KEY_ENV})", LAUNCH_KEY)  # the kubelet's expansion from the Secret
-        out = subprocess.run(
-            [*engine["command"], script],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, "PATH": f"{root}:{os.environ['PATH']}"},
-        )
-    return ["rlfleet", *json.loads(out.stdout)[1:]]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +76,7 @@ def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(
     assert fetch["image"] == sidecar["image"] == engine["image"] == "ghcr.io/rlfleet/sampler:0.1.0-cpu"
     # the engine: exec'd by /bin/sh from the launch file the init container wrote (verified dir + version)
     assert engine["command"] == ["/bin/sh", "-c"]
-    argv = launched(engine, 7, f"{n.WEIGHTS_CACHE}/v7-{fmt}")
+    argv = launched_argv(engine, 7, f"{n.WEIGHTS_CACHE}/v7-{fmt}", program="rlfleet")
     expected = [
         "rlfleet",
         "sampler",
@@ -130,7 +104,10 @@ def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(
     assert argv == expected
     # a mixture of experts' launch file names SGLang's routed-experts switch: the reference engine takes
     # none of SGLang's checkpoint flags (it returns a MoE's routed experts unasked)
-    assert launched(engine, 7, f"{n.WEIGHTS_CACHE}/v7-{fmt}", "--enable-return-routed-experts") == expected
+    assert (
+        launched_argv(engine, 7, f"{n.WEIGHTS_CACHE}/v7-{fmt}", "--enable-return-routed-experts", "rlfleet")
+        == expected
+    )
     # the engine reads only the verified cache; the store (PVC) is mounted in the sync containers alone
     assert {m["name"] for m in engine["volumeMounts"]} == {"dshm", "tmp", "weights-cache"}
     # the channel read-only in the sync containers; writable only the group's subscriber reports

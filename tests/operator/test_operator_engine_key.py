@@ -8,7 +8,15 @@ import json
 
 import pytest
 import yaml
-from test_operator_builders import CATALOG, NS, OWNER, children, job, sampler_deployment  # noqa: F401
+from test_operator_builders import (  # noqa: F401
+    CATALOG,
+    NS,
+    OWNER,
+    OWNER_REFERENCES,
+    children,
+    job,
+    sampler_deployment,
+)
 
 from rlfleet.api import RLJob, SamplerGroup
 from rlfleet.operator import builders, tokens, workloads
@@ -45,16 +53,7 @@ def test_the_key_secret_is_the_jobs_own_and_random(job: RLJob) -> None:  # noqa:
             "name": "reference-fleet-api-key",
             "namespace": NS,
             "labels": n.job_labels("reference-fleet", "api-key"),
-            "ownerReferences": [
-                {
-                    "apiVersion": "rlfleet.dev/v1alpha1",
-                    "kind": "RLJob",
-                    "name": "reference-fleet",
-                    "uid": "u-1",
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
+            "ownerReferences": OWNER_REFERENCES,
         },
         "type": "Opaque",
         "stringData": {"key": key},

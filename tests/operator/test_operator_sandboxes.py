@@ -4,25 +4,16 @@ identity; nothing of it otherwise."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from test_operator_builders import CATALOG, NS, OWNER, REPO  # the builder tests' one copy
 
 from rlfleet.api import RLJob
-from rlfleet.catalog import load_catalog
 from rlfleet.operator import builders, sandboxes
 from rlfleet.sandbox.podspec import SandboxPodConfig, build_sandbox_pod
 
-REPO = Path(__file__).resolve().parents[2]
-CATALOG = load_catalog(None)
-OWNER = {
-    "apiVersion": "rlfleet.dev/v1alpha1",
-    "kind": "RLJob",
-    "metadata": {"name": "reference-fleet", "uid": "u-1"},
-}
-NS = "team-a"
 ROLE_REF = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "ops-sandboxes"}
 AGENT_ROLE_REF = {
     "apiGroup": "rbac.authorization.k8s.io",

@@ -3,23 +3,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
+from test_operator_builders import CATALOG, NS, OWNER, REPO  # the builder tests' one copy
 
 from rlfleet.api import RLJob, SamplerGroup, load_rljob
-from rlfleet.catalog import CatalogError, catalog_from_mapping, load_catalog
+from rlfleet.catalog import CatalogError, catalog_from_mapping
 from rlfleet.operator import builders, workloads
-
-REPO = Path(__file__).resolve().parents[2]
-CATALOG = load_catalog(None)
-OWNER = {
-    "apiVersion": "rlfleet.dev/v1alpha1",
-    "kind": "RLJob",
-    "metadata": {"name": "reference-fleet", "uid": "u-1"},
-}
-NS = "team-a"
 
 GPU = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 GKE_TAINT = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
