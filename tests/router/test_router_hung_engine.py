@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from support import waits
 from support.router_bench import RouterBench, router_bench
+from support.tiny_models import SERVED_MODEL
 
 from rlfleet.router import hashing
 from rlfleet.router.config import GroupConfig, RouterConfig
@@ -22,16 +23,7 @@ from rlfleet.sampler.http_app import RunningServer
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.sampler.server import start_reference_server
 
-MODEL = tiny_shape(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+MODEL = tiny_shape(**SERVED_MODEL)
 BOUND_S = 60.0
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from support.router_bench import router_bench, sessions_load
+from support.tiny_models import SERVED_MODEL
 from support.upstreams import rebalance_inputs
 
 from rlfleet.operator.rebalance import RebalanceConfig, rebalance
@@ -20,16 +21,7 @@ from rlfleet.sampler.server import start_reference_server
 
 SPEEDS = {"a100-bf16": 50.0, "h100-fp8": 100.0, "b200-nvfp4": 200.0}  # tokens/s (throttle)
 FORMATS = {"a100-bf16": "bf16", "h100-fp8": "fp8", "b200-nvfp4": "nvfp4"}
-MODEL = tiny_shape(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+MODEL = tiny_shape(**SERVED_MODEL)
 TOKENS = 16
 INTERVAL = 3.0
 TOKEN = "ref-token"

@@ -16,21 +16,13 @@ import httpx
 import pytest
 import sglang_made as sm
 from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+from support.tiny_models import SERVED_MODEL
 
 from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 
 KEY = "job-key"
-MODEL = tiny_shape(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+MODEL = tiny_shape(**SERVED_MODEL)
 # (method, path) rlfleet's parts call on an engine (the sidecar, the router, the trainer's client, probes, scrapes)
 CALLED = [("POST", "/update_weights_from_disk"), ("POST", "/pause_generation"), ("POST", "/continue_generation"),
           ("POST", "/generate"), ("GET", "/model_info"), ("GET", "/server_info"), ("GET", "/health"),

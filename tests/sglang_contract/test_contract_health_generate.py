@@ -28,22 +28,14 @@ from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
 from sglang.srt.managers.tokenizer_manager import ServerStatus
 from sglang.srt.runtime_context import get_disagg, use_context
+from support.tiny_models import SERVED_MODEL
 
 from rlfleet.router.config import RouterConfig
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.sampler.server import start_reference_server
 
 TIMEOUT_S = 1  # SGLANG_HEALTH_CHECK_TIMEOUT for both servers here
-MODEL = tiny_shape(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+MODEL = tiny_shape(**SERVED_MODEL)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 

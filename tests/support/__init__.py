@@ -23,4 +23,5 @@ pytest collects nothing here.
 - example_children: what the operator's builders make for examples/rljob.yaml
 - claim_window: a real trainer SIGKILLed inside its claim window
 - invalid_rljobs: tests/api/invalid_rljobs.yaml's cases applied to the example
+- tiny_models: the tiny Qwen3 sizes the tests train (LOOP_MODEL) and serve (SERVED_MODEL) at
 """

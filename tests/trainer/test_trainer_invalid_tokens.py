@@ -28,6 +28,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from support.tiny_models import LOOP_MODEL
 
 from rlfleet.operator import autopilot, decide
 from rlfleet.operator.rebalance import parse_trainer_group_metrics
@@ -43,15 +44,7 @@ from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
 from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
-SIZES = dict(
-    vocab_size=32,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    head_dim=16,
-    max_position_embeddings=48,
-)
-VOCAB = 32
+VOCAB = LOOP_MODEL["vocab_size"]
 GOOD, BAD = "cpu-bf16", "cpu-garbage"
 
 
@@ -148,8 +141,8 @@ def scrape(port: int) -> str:
 async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the_autopilot_quarantines_it(
     tmp_path: Path, tiny_qwen3_factory: Callable[..., Path], example_run: Callable[..., Any]
 ) -> None:
-    model = tiny_qwen3_factory(**SIZES)
-    shape = tiny_shape(num_attention_heads=2, num_key_value_heads=2, **SIZES)
+    model = tiny_qwen3_factory(**LOOP_MODEL)
+    shape = tiny_shape(**LOOP_MODEL)
     good = await start_reference_server(ReferenceEngine(EngineConfig(model=shape, seed=3)))
     bad = await start_reference_server(ReferenceEngine(EngineConfig(model=shape, seed=4)))
     sent: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}

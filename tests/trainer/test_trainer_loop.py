@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from support.tiny_models import LOOP_MODEL
 
 from rlfleet.local.emulated import EmulatedFleet, EmulatedSampler
 from rlfleet.numerics.engine_model import ModelShape
@@ -29,18 +30,8 @@ from rlfleet.trainer.publish import checkpoint
 from rlfleet.trainer.rollout.batching import flatten_groups
 from rlfleet.trainer.rollout.driver import RolloutDriver
 
-# the smallest tiny Qwen3 the loop needs (no fp8 view is published here: sizes need not be multiples of 128)
-SIZES = {
-    "vocab_size": 32,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 48,
-    "seed": 0,
-}
+# the loop tests' tiny Qwen3 (support/tiny_models.py: no fp8 view is published here), seed 0
+SIZES = {**LOOP_MODEL, "seed": 0}
 MAX_SEQ_LEN = SIZES["max_position_embeddings"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GROUPS = [("g-bf16", "bf16", "auto"), ("g-nvfp4", "nvfp4", "fp8_e4m3")]

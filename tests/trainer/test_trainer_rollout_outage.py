@@ -17,6 +17,7 @@ import threading
 
 import pytest
 from support.ports import free_port
+from support.tiny_models import SERVED_MODEL
 from support.waits import wait_for
 
 from rlfleet.retries import ClientRetryPolicy, OutagePolicy
@@ -31,16 +32,7 @@ from rlfleet.trainer.envs.prompts import GeneratedPromptSource
 from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
-MODEL = tiny_shape(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-)
+MODEL = tiny_shape(**SERVED_MODEL)
 
 
 def copy_digit_driver(client: SamplerClient, max_ahead: int) -> RolloutDriver:

@@ -7,21 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.tiny_models import LOOP_MODEL
 
 
 @pytest.fixture
 def model_dir(tiny_qwen3_factory, one_torch_thread) -> Path:
     """The loop tests' tiny Qwen3 (no fp8 view published: small sizes); torch on one thread."""
-    return tiny_qwen3_factory(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=48,
-    )
+    return tiny_qwen3_factory(**LOOP_MODEL)
 
 
 class RecordingTracker:
