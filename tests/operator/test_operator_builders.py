@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
-from rlfleet.api import RLJob, SamplerGroup, load_rljob
+from rlfleet.api import RLJob, SamplerGroup, StoreSpec, load_rljob
 from rlfleet.catalog import load_catalog
 from rlfleet.operator import builders, config_files, workloads
 from rlfleet.operator import naming as n
@@ -88,6 +89,21 @@ def launched_argv(
         )
     argv = json.loads(out.stdout)
     return [program, *argv[1:]]
+
+
+def s3_store(**fields: Any) -> StoreSpec:
+    """An S3 weight store: bucket wts under runs/a/ at a MinIO endpoint, the trainer's credentials in the
+    Secret s3-creds; `fields` added or replaced."""
+    return StoreSpec.model_validate(
+        {
+            "type": "s3",
+            "bucket": "wts",
+            "prefix": "runs/a/",
+            "endpoint": "http://minio:9000",
+            "secretRef": {"name": "s3-creds"},
+            **fields,
+        }
+    )
 
 
 def sampler_deployment(job: RLJob, group: str, store=None) -> dict:
@@ -217,24 +233,13 @@ def test_every_rlfleet_env_var_the_operator_sets_has_a_reader(job: RLJob) -> Non
     a variable again fails here."""
     import re
 
-    from rlfleet.api import StoreSpec
-
     readers = "\n".join(
         path.read_text()
         for folder in ("trainer", "sampler", "router", "rlfleet")
         for path in (REPO / folder).rglob("*.py")
     )
     workloads_ = [c for c in children(job).values() if c["kind"] in ("StatefulSet", "Deployment")]
-    s3 = StoreSpec.model_validate(
-        {
-            "type": "s3",
-            "bucket": "wts",
-            "prefix": "runs/a/",
-            "endpoint": "http://minio:9000",
-            "secretRef": {"name": "s3-creds"},
-            "samplerSecretRef": {"name": "s3-read"},
-        }
-    )
+    s3 = s3_store(samplerSecretRef={"name": "s3-read"})
     workloads_.append(sampler_deployment(job, "h100-fp8", store=s3))
     checked = set()
     for workload in workloads_:
@@ -402,18 +407,7 @@ def test_tensor_parallel_sets_gpus_and_tp_size(job: RLJob) -> None:
 
 def test_s3_store_secrets_by_reference(job: RLJob) -> None:
     """sharedCredentials: true (one identity for every role, on purpose): the sampler pods get secretRef."""
-    from rlfleet.api import StoreSpec
-
-    store = StoreSpec.model_validate(
-        {
-            "type": "s3",
-            "bucket": "wts",
-            "prefix": "runs/a/",
-            "endpoint": "http://minio:9000",
-            "secretRef": {"name": "s3-creds"},
-            "sharedCredentials": True,
-        }
-    )
+    store = s3_store(sharedCredentials=True)
     dep = sampler_deployment(job, "h100-fp8", store=store)
     sidecar = dep["spec"]["template"]["spec"]["containers"][1]
     assert (
@@ -431,7 +425,6 @@ def test_s3_store_secrets_by_reference(job: RLJob) -> None:
 def test_s3_sampler_pods_take_the_sampler_secret_and_the_trainer_its_own(job: RLJob) -> None:
     """Store credentials per role: samplerSecretRef (read the channel, write subscribers/ only) reaches the
     sampler pods' sync containers, secretRef the trainer."""
-    from rlfleet.api import StoreSpec
 
     store = StoreSpec.model_validate(
         {
@@ -467,7 +460,6 @@ def test_the_trainer_secret_alone_is_refused_and_never_reaches_a_sampler_pod(job
     the builder hands them secretRef only where sharedCredentials says so; the trainer keeps its own."""
     from pydantic import ValidationError
 
-    from rlfleet.api import StoreSpec
     from rlfleet.api.common import LocalObjectReference
 
     with pytest.raises(
@@ -519,8 +511,6 @@ def test_the_trainer_secret_alone_is_refused_and_never_reaches_a_sampler_pod(job
 
 def test_a_sampler_secret_is_refused_on_a_filesystem_store() -> None:
     from pydantic import ValidationError
-
-    from rlfleet.api import StoreSpec
 
     with pytest.raises(ValidationError, match="samplerSecretRef is for type s3"):
         StoreSpec.model_validate({"type": "filesystem", "path": "/w", "samplerSecretRef": {"name": "reader"}})

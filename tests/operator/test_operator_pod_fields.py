@@ -8,6 +8,7 @@ import copy
 from pathlib import Path
 
 import pytest
+from test_operator_builders import s3_store
 
 from rlfleet.api import RLJob, SamplerGroup, StoreSpec, load_rljob
 from rlfleet.api.podfields import (
@@ -156,16 +157,7 @@ def test_a_user_env_name_replaces_the_catalog_launch_env_of_that_name(job: RLJob
 def test_the_refused_names_cover_everything_the_operator_sets(job: RLJob) -> None:
     """Every env name, volume and mount path of every workload (filesystem and S3 stores, with and without
     a channel) is one the API refuses to users, so a user field can never collide with the operator's."""
-    s3 = StoreSpec.model_validate(
-        {
-            "type": "s3",
-            "bucket": "wts",
-            "endpoint": "http://minio:9000",
-            "region": "r",
-            "secretRef": {"name": "s3"},
-            "samplerSecretRef": {"name": "s3-read"},
-        }
-    )
+    s3 = s3_store(region="r", samplerSecretRef={"name": "s3-read"})
     out = children(job)
     pods = [
         out[("StatefulSet", "reference-fleet-trainer")]["spec"]["template"]["spec"],
