@@ -193,6 +193,30 @@ def running_group(**status: object) -> dict:
     }
 
 
+def samplergroup(group: str = "g", replicas: int = 1) -> dict:
+    """Job j's SamplerGroup j-<group> in namespace ns at generation 1: `replicas` bf16 replicas on H100."""
+    return {
+        "apiVersion": "rlfleet.dev/v1alpha1",
+        "kind": "SamplerGroup",
+        "metadata": {"name": f"j-{group}", "namespace": "ns", "generation": 1},
+        "spec": {
+            "name": group,
+            "accelerator": "h100",
+            "weightFormat": "bf16",
+            "replicas": replicas,
+            "model": {"name": "m", "path": "p"},
+        },
+    }
+
+
+def deployment(ready: int, replicas: int, **status: object) -> dict:
+    """A group's Deployment at generation 1, observed: `ready` of `replicas` pods ready."""
+    return {
+        "metadata": {"generation": 1},
+        "status": {"observedGeneration": 1, "readyReplicas": ready, "replicas": replicas, **status},
+    }
+
+
 def conds(status: dict) -> dict[str, dict]:
     return {c["type"]: c for c in status["conditions"]}
 
@@ -331,24 +355,10 @@ def test_a_restarted_trainer_that_reports_progress_is_settled(reported_at: str, 
 
 
 def test_a_group_whose_pods_cannot_start_is_degraded_and_the_job_says_which() -> None:
-    sg = {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
-        "spec": {
-            "name": "g",
-            "accelerator": "h100",
-            "weightFormat": "bf16",
-            "replicas": 1,
-            "model": {"name": "m", "path": "p"},
-        },
-    }
-    deployment = {
-        "metadata": {"generation": 1},
-        "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 1},
-    }
+    sg = samplergroup()
+    dep = deployment(0, 1)
     views = [pod_view(pod("j-g-5d8f-x2", conditions=[unschedulable(NO_PVC)]))]
-    s = samplergroup_status(sg, deployment, CATALOG, now=T0, pods=views)
+    s = samplergroup_status(sg, dep, CATALOG, now=T0, pods=views)
     assert (s["phase"], s["reason"]) == ("Degraded", "MissingPersistentVolumeClaim")
     assert conds(s)["Degraded"]["status"] == "True"
     assert s["message"].startswith("0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 cannot be scheduled")
@@ -412,25 +422,9 @@ def test_a_trainer_queued_by_kueue_is_pending_with_kueues_reason_not_degraded() 
 
 
 def test_a_group_whose_pods_are_gated_is_pending_and_says_by_what() -> None:
-    sg = {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
-        "spec": {
-            "name": "g",
-            "accelerator": "h100",
-            "weightFormat": "bf16",
-            "replicas": 1,
-            "model": {"name": "m", "path": "p"},
-        },
-    }
-    deployment = {
-        "metadata": {"generation": 1},
-        "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 1},
-    }
-    s = samplergroup_status(
-        sg, deployment, CATALOG, now=T0, pods=[pod_view(kueue_gated("j-g-5d8f-x2", "spot"))]
-    )
+    sg = samplergroup()
+    dep = deployment(0, 1)
+    s = samplergroup_status(sg, dep, CATALOG, now=T0, pods=[pod_view(kueue_gated("j-g-5d8f-x2", "spot"))])
     assert (s["phase"], s["reason"]) == ("Pending", "WaitingForAdmission")
     assert s["message"] == (
         "0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 waits for Kueue to admit its Workload "
@@ -438,7 +432,7 @@ def test_a_group_whose_pods_are_gated_is_pending_and_says_by_what() -> None:
     )
     other = pod("j-g-5d8f-x2", conditions=[GATED])
     other["spec"] = {"schedulingGates": [{"name": "example.com/hold"}]}
-    s = samplergroup_status(sg, deployment, CATALOG, now=T0, pods=[pod_view(other)])
+    s = samplergroup_status(sg, dep, CATALOG, now=T0, pods=[pod_view(other)])
     assert (s["reason"], s["message"]) == (
         "SchedulingGated",
         "0/1 replicas ready: Deployment j-g: pod j-g-5d8f-x2 held by scheduling gates: example.com/hold",
@@ -465,29 +459,14 @@ def test_unreachable_store_degrades_the_weightchannel_naming_the_store() -> None
 
 
 def test_one_writer_composes_the_rebalance_fields_and_keeps_observed_ones_before_the_first_tick() -> None:
-    sg = {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
-        "spec": {
-            "name": "g",
-            "accelerator": "h100",
-            "weightFormat": "bf16",
-            "replicas": 1,
-            "model": {"name": "m", "path": "p"},
-        },
-        "status": {"share": 0.25, "tokensPerSecond": 100.0, "shareHistory": [{"to": 0.25}]},
+    sg = samplergroup() | {
+        "status": {"share": 0.25, "tokensPerSecond": 100.0, "shareHistory": [{"to": 0.25}]}
     }
-    deployment = {
-        "metadata": {"generation": 1},
-        "status": {"observedGeneration": 1, "readyReplicas": 1, "replicas": 1, "updatedReplicas": 1},
-    }
-    kept = samplergroup_status(sg, deployment, CATALOG, now=T0)  # operator restarted: no tick yet
+    dep = deployment(1, 1, updatedReplicas=1)
+    kept = samplergroup_status(sg, dep, CATALOG, now=T0)  # operator restarted: no tick yet
     assert (kept["share"], kept["tokensPerSecond"], kept["sharePercent"]) == (0.25, 100.0, 25.0)
     assert kept["phase"] == "Running" and kept["quarantined"] is False
-    ticked = samplergroup_status(
-        sg, deployment, CATALOG, now=T0, rebalance={"share": 0.5, "tokensPerSecond": 300.0}
-    )
+    ticked = samplergroup_status(sg, dep, CATALOG, now=T0, rebalance={"share": 0.5, "tokensPerSecond": 300.0})
     assert (ticked["share"], ticked["tokensPerSecond"], ticked["sharePercent"]) == (0.5, 300.0, 50.0)
     assert "shareHistory" not in ticked  # the tick's result is the whole truth once there is one
 
@@ -673,29 +652,15 @@ def test_a_trainer_pod_the_api_refuses_degrades_the_job_as_a_sampler_group_is(re
         "ReplicaFailure",
     )  # not "Stable"
     # the sampler path: the same refusal is the Deployment's ReplicaFailure condition, with the same reason
-    sg = {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": "j-g", "namespace": "ns", "generation": 1},
-        "spec": {
-            "name": "g",
-            "accelerator": "h100",
-            "weightFormat": "bf16",
-            "replicas": 1,
-            "model": {"name": "m", "path": "p"},
-        },
-    }
+    sg = samplergroup()
     failure = {
         "type": "ReplicaFailure",
         "status": "True",
         "reason": "FailedCreate",
         "message": refusal.format(pod="j-g-5d8f-x2"),
     }
-    deployment = {
-        "metadata": {"generation": 1},
-        "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 0, "conditions": [failure]},
-    }
-    g = samplergroup_status(sg, deployment, CATALOG, now=T0)
+    dep = deployment(0, 0, conditions=[failure])
+    g = samplergroup_status(sg, dep, CATALOG, now=T0)
     assert (g["phase"], g["reason"]) == ("Degraded", s["reason"]) and refusal.format(pod="j-g-5d8f-x2") in g[
         "message"
     ]
@@ -736,24 +701,10 @@ def test_one_missing_claim_for_every_pod_and_group_is_said_once_with_counts_and_
     rl = {**job(), "spec": {"trainer": {"replicas": 1}, "samplerGroups": [{"name": g} for g in names]}}
     groups = []
     for g in names:
-        sg = {
-            "apiVersion": "rlfleet.dev/v1alpha1",
-            "kind": "SamplerGroup",
-            "metadata": {"name": f"j-{g}", "namespace": "ns", "generation": 1},
-            "spec": {
-                "name": g,
-                "accelerator": "h100",
-                "weightFormat": "bf16",
-                "replicas": 3,
-                "model": {"name": "m", "path": "p"},
-            },
-        }
-        deployment = {
-            "metadata": {"generation": 1},
-            "status": {"observedGeneration": 1, "readyReplicas": 0, "replicas": 3},
-        }
+        sg = samplergroup(g, replicas=3)
+        dep = deployment(0, 3)
         pods = [pod_view(pod(f"j-{g}-5d8f-x{i}", conditions=[unschedulable(NO_PVC)])) for i in range(3)]
-        status = samplergroup_status(sg, deployment, CATALOG, now=T0, pods=pods)
+        status = samplergroup_status(sg, dep, CATALOG, now=T0, pods=pods)
         assert status["message"].endswith("(and 2 more pods: MissingPersistentVolumeClaim)")
         groups.append({**sg, "status": status})
     trainer_pods = [pod_view(pod(conditions=[unschedulable(NO_PVC)]))]
