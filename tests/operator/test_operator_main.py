@@ -159,35 +159,19 @@ def _job_on(name: str, namespace: str, **store: str) -> dict:
     return {"metadata": {"name": name, "namespace": namespace}, "spec": {"weightChannel": {"store": store}}}
 
 
+def s3(bucket: str, prefix: str) -> dict[str, str]:
+    return {"type": "s3", "bucket": bucket, "prefix": prefix}
+
+
 @pytest.mark.parametrize(
     ("mine", "theirs", "overlap"),
     [
         # S3: a bucket is global (another namespace counts); prefixes nest by '/' components
-        (
-            {"type": "s3", "bucket": "w", "prefix": "jobs/a"},
-            ("other", {"type": "s3", "bucket": "w", "prefix": "jobs/a"}),
-            True,
-        ),
-        (
-            {"type": "s3", "bucket": "w", "prefix": "jobs/a/b"},
-            ("other", {"type": "s3", "bucket": "w", "prefix": "jobs/a/"}),
-            True,
-        ),
-        (
-            {"type": "s3", "bucket": "w", "prefix": "jobs/a"},
-            ("ns", {"type": "s3", "bucket": "w", "prefix": ""}),
-            True,
-        ),
-        (
-            {"type": "s3", "bucket": "w", "prefix": "jobs/a"},
-            ("ns", {"type": "s3", "bucket": "w", "prefix": "jobs/ab"}),
-            False,
-        ),
-        (
-            {"type": "s3", "bucket": "w", "prefix": "jobs/a"},
-            ("ns", {"type": "s3", "bucket": "x", "prefix": "jobs/a"}),
-            False,
-        ),
+        (s3("w", "jobs/a"), ("other", s3("w", "jobs/a")), True),
+        (s3("w", "jobs/a/b"), ("other", s3("w", "jobs/a/")), True),
+        (s3("w", "jobs/a"), ("ns", s3("w", "")), True),
+        (s3("w", "jobs/a"), ("ns", s3("w", "jobs/ab")), False),
+        (s3("w", "jobs/a"), ("ns", s3("x", "jobs/a")), False),
         # a claim's root is mounted at `path`: one claim is one channel, whatever the paths; claims are per namespace
         ({"path": "/w/a", "volumeClaimName": "c"}, ("ns", {"path": "/w/b", "volumeClaimName": "c"}), True),
         (
@@ -199,7 +183,7 @@ def _job_on(name: str, namespace: str, **store: str) -> dict:
         # no claim: a directory on the nodes; nested paths overlap
         ({"type": "filesystem", "path": "/w/a/b"}, ("ns", {"path": "/w/a"}), True),
         ({"path": "/w/a"}, ("ns", {"path": "/w/ab"}), False),
-        ({"path": "/w/a"}, ("ns", {"type": "s3", "bucket": "w", "prefix": "w/a"}), False),
+        ({"path": "/w/a"}, ("ns", s3("w", "w/a")), False),
     ],
 )
 def test_shared_store_message_refuses_a_store_another_job_writes(
