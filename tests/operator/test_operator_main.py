@@ -19,6 +19,19 @@ def test_auto_priority_is_stable_in_range_and_distinct() -> None:
     assert all(1 <= p <= 2**30 for p in (a, b))
 
 
+# a webhook whose certificate the operator keeps in Secret s, setting the caBundle of configuration c
+CERT_IN_A_SECRET = [
+    "-n",
+    "x",
+    "--webhook-port",
+    "9443",
+    "--webhook-cert-secret",
+    "s",
+    "--webhook-configuration",
+    "c",
+]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -42,47 +55,15 @@ def test_auto_priority_is_stable_in_range_and_distinct() -> None:
             "--webhook-cert-secret needs --webhook-configuration (whose caBundle the operator sets)",
         ),
         (
-            [
-                "-n",
-                "x",
-                "--webhook-port",
-                "9443",
-                "--webhook-cert-secret",
-                "s",
-                "--webhook-configuration",
-                "c",
-                "--webhook-cert",
-                "c.pem",
-                "--webhook-key",
-                "k.pem",
-            ],
+            [*CERT_IN_A_SECRET, "--webhook-cert", "c.pem", "--webhook-key", "k.pem"],
             "two ways to give the certificate: pick one",
         ),
         (
-            [
-                "-n",
-                "x",
-                "--webhook-port",
-                "9443",
-                "--webhook-cert-secret",
-                "s",
-                "--webhook-configuration",
-                "c",
-                "--webhook-managed",
-            ],
+            [*CERT_IN_A_SECRET, "--webhook-managed"],
             "--webhook-managed would create another",
         ),
         (
-            [
-                "-n",
-                "x",
-                "--webhook-port",
-                "9443",
-                "--webhook-cert-secret",
-                "s",
-                "--webhook-configuration",
-                "c",
-            ],
+            CERT_IN_A_SECRET,
             "--webhook-cert-secret needs --webhook-cert-secret-namespace (or $POD_NAMESPACE)",
         ),
         (
