@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.scripted_turns import two_candidate_turn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rlfleet.records import SUPPORT_MODE
@@ -579,21 +580,7 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
     replies = [tok.encode(t) + [tok.eos_token_id] for t in ("The answer is \\boxed{5}.", "It is 7")]
 
     async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
-        out = np.asarray(replies[int(session.split("/")[1])])
-        n = len(out)
-        other = (out + 1) % len(tok)
-        return SampledTurn(
-            prompt_ids=np.asarray(ids),
-            output_ids=out,
-            logprobs=np.full(n, np.log(0.5)),
-            sampled_logprobs=np.full(n, np.log(0.6)),
-            support_offsets=np.arange(0, 2 * n + 1, 2),
-            support_ids=np.stack([out, other], 1).reshape(-1),
-            support_logprobs=np.tile(np.log([0.6, 0.4]), n).astype(np.float32),
-            weight_versions=np.zeros(n, dtype=np.int64),
-            group="h100-fp8",
-            finish_reason="stop",
-        )
+        return two_candidate_turn(ids, replies[int(session.split("/")[1])], len(tok), "h100-fp8")
 
     driver = RolloutDriver(
         generate,

@@ -10,9 +10,9 @@ import asyncio
 import threading
 from typing import Any
 
-import numpy as np
 import pytest
 from chat_tokenizer import build_chat_tokenizer
+from support.scripted_turns import certain_turn
 
 from rlfleet.records import SampledTurn
 from rlfleet.sampler.protocol import SamplingConfig
@@ -204,20 +204,7 @@ def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
 
     async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
         sent.append(list(ids))
-        out = replies[len(sent) - 1]
-        n = len(out)
-        return SampledTurn(
-            prompt_ids=np.asarray(ids),
-            output_ids=np.asarray(out),
-            logprobs=np.zeros(n),
-            sampled_logprobs=np.zeros(n),
-            support_offsets=np.arange(n + 1),
-            support_ids=np.asarray(out),
-            support_logprobs=np.zeros(n),
-            weight_versions=np.zeros(n, dtype=np.int64),
-            group="g",
-            finish_reason="stop",
-        )
+        return certain_turn(ids, replies[len(sent) - 1])
 
     driver = RolloutDriver(
         generate,
@@ -274,19 +261,7 @@ def test_an_environment_step_that_blocks_does_not_hold_up_the_other_episodes() -
     env = _WaitForTheOtherEpisode()
 
     async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
-        out = [ToyVocab.EOS]
-        return SampledTurn(
-            prompt_ids=np.asarray(ids),
-            output_ids=np.asarray(out),
-            logprobs=np.zeros(1),
-            sampled_logprobs=np.zeros(1),
-            support_offsets=np.arange(2),
-            support_ids=np.asarray(out),
-            support_logprobs=np.zeros(1),
-            weight_versions=np.zeros(1, dtype=np.int64),
-            group="g",
-            finish_reason="stop",
-        )
+        return certain_turn(ids, [ToyVocab.EOS])
 
     driver = RolloutDriver(
         generate,

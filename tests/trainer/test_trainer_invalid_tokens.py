@@ -28,6 +28,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from support.rollout_drivers import driver_factory
 from support.tiny_models import LOOP_MODEL
 
 from rlfleet.operator import autopilot, decide
@@ -40,8 +41,8 @@ from rlfleet.sampler.http_app import start_reference_server
 from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
 from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds, Decision
 from rlfleet.trainer.metrics import PrometheusExporter
-from rlfleet.trainer.rollout.driver import PromptGroup, RolloutDriver
-from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
+from rlfleet.trainer.rollout.driver import PromptGroup
+from rlfleet.trainer.run import build_backend, run_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 VOCAB = LOOP_MODEL["vocab_size"]
@@ -176,18 +177,6 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
         steps.append((m, groups))
         decisions.append(decision)
 
-    def make_driver(position: int) -> RolloutDriver:
-        env, prompts = rollout_inputs(rc, base)
-        return RolloutDriver(
-            client,
-            env,
-            prompts,
-            samples_per_prompt=rc.samples_per_prompt,
-            sampling=rc.sampling,
-            max_seq_len=48,
-            start_position=position,
-        )
-
     try:
         await asyncio.to_thread(
             run_training,
@@ -195,7 +184,7 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
             base.backend,
             Sink(),
             detector,
-            make_driver,
+            driver_factory(rc, base, client, max_seq_len=48),
             checkpoint=tmp_path / "checkpoints",
             on_step=on_step,
             on_quarantine=quarantined.append,

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+from support.rollout_drivers import driver_factory
+from support.scripted_turns import two_candidate_turn
+from support.tiny_models import LOOP_MODEL
 
 from rlfleet.records import SampledTurn
 from rlfleet.sampler.protocol import SamplingConfig
@@ -25,8 +27,7 @@ from rlfleet.trainer.collapse import CollapseDetector
 from rlfleet.trainer.config import RunConfig
 from rlfleet.trainer.loop import TrainingLoop
 from rlfleet.trainer.publish import checkpoint
-from rlfleet.trainer.rollout.driver import RolloutDriver
-from rlfleet.trainer.run import build_backend, rollout_inputs, run_training
+from rlfleet.trainer.run import build_backend, run_training
 
 
 class Killed(BaseException):
@@ -55,22 +56,8 @@ class RecordingSink:
 
 
 async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
-    out = np.array([5, 6, 2][: sampling.max_new_tokens])  # two digits' ids, then EOS
-    n = len(out)
-    other = (out + 1) % 32
-    return SampledTurn(
-        prompt_ids=np.asarray(ids),
-        output_ids=out,
-        logprobs=np.full(n, np.log(0.5)),
-        sampled_logprobs=np.full(n, np.log(0.6)),
-        support_offsets=np.arange(0, 2 * n + 1, 2),
-        support_ids=np.stack([out, other], 1).reshape(-1),
-        support_logprobs=np.tile(np.log([0.6, 0.4]), n).astype(np.float32),
-        weight_versions=np.zeros(n, dtype=np.int64),
-        candidate_mode=sampling.candidate_mode,
-        group="cpu-bf16",
-        finish_reason="stop",
-    )
+    out = [5, 6, 2][: sampling.max_new_tokens]  # two digits' ids, then EOS
+    return two_candidate_turn(ids, out, 32, "cpu-bf16", candidate_mode=sampling.candidate_mode)
 
 
 @dataclass
@@ -87,25 +74,12 @@ class Run:
         root publishing into `sink` (resuming from `resume`, a loaded checkpoint)."""
         rc = self.rc
         base = build_backend(rc, backend="torch", source_dir=self.model, max_seq_len=48)
-
-        def make_driver(position: int) -> RolloutDriver:
-            env, prompts = rollout_inputs(rc, base)
-            return RolloutDriver(
-                generate,
-                env,
-                prompts,
-                samples_per_prompt=rc.samples_per_prompt,
-                sampling=rc.sampling,
-                max_seq_len=48,
-                start_position=position,
-            )
-
         return run_training(
             rc,
             base.backend,
             sink,
             CollapseDetector(),
-            make_driver,
+            driver_factory(rc, base, generate, max_seq_len=48),
             checkpoint=self.checkpoints,
             resume=resume,
         )
@@ -123,14 +97,7 @@ def copy_digit_run(
     tmp_path: Path, tiny_qwen3_factory: Callable[..., Path], example_run: Callable[..., Any]
 ) -> Callable[[int], Run]:
     """`make(steps)`: a Run of `steps` steps, one prompt of two samples a step, on one bf16 group."""
-    model = tiny_qwen3_factory(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        head_dim=16,
-        max_position_embeddings=48,
-    )
+    model = tiny_qwen3_factory(**LOOP_MODEL)
 
     def make(steps: int) -> Run:
         rc = example_run(

@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.tiny_models import LOOP_MODEL
 
 from rlfleet.trainer.config import RunConfig
 from rlfleet.trainer.envs.prompts import PromptFileError
@@ -53,16 +54,7 @@ def test_checkpoint_without_tokenizer_keeps_token_id_prompts(
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
     checkpoint = tmp_path / "no-tokenizer"
-    tiny_model(
-        TinyQwen3(
-            vocab_size=32,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            head_dim=16,
-            max_position_embeddings=48,
-        )
-    ).save_pretrained(checkpoint)  # config + weights only
+    tiny_model(TinyQwen3(**LOOP_MODEL)).save_pretrained(checkpoint)  # config + weights only
     assert (checkpoint / "config.json").is_file() and not list(checkpoint.glob("tokenizer*"))
     base = BaseModel(backend=None, vocab_size=32, max_seq_len=48, source_dir=checkpoint)
     assert base.base_checkpoint == checkpoint and load_tokenizer(base) is None
@@ -85,16 +77,7 @@ def test_an_environment_without_built_in_prompts_and_no_dataset_says_to_set_one(
     from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 
     checkpoint = tmp_path / "model"
-    tiny_model(
-        TinyQwen3(
-            vocab_size=32,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            head_dim=16,
-            max_position_embeddings=48,
-        )
-    ).save_pretrained(checkpoint)
+    tiny_model(TinyQwen3(**LOOP_MODEL)).save_pretrained(checkpoint)
     base = BaseModel(backend=None, vocab_size=32, max_seq_len=48, source_dir=checkpoint)
     plugin = "rlfleet.trainer.envs.environments:MathEnv"
     for dataset in (None, "", "builtin"):
