@@ -153,6 +153,11 @@ def test_bad_settings_are_one_clear_line(env: dict[str, str], message: str) -> N
         settings_from_env(env)
 
 
+def job_pods(component: str) -> dict:
+    """The label selector of the reference job's `component` pods."""
+    return {"matchLabels": {"rlfleet.dev/job": "reference-fleet", "app.kubernetes.io/component": component}}
+
+
 def test_the_policies_of_a_job(job: RLJob) -> None:  # noqa: F811
     samplers, router = build_network_policies(job, NS, OWNER, OPERATOR)
     operator_peer = {
@@ -165,55 +170,27 @@ def test_the_policies_of_a_job(job: RLJob) -> None:  # noqa: F811
         "namespaceSelector": {},
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
     }
+
+    def ingress(component: str, caller: str, port: int, *more: dict) -> dict:
+        """A policy's spec: `component`'s pods take `caller`'s pods and the operator on `port`, Prometheus's
+        scrapes there, then `more` rules."""
+        tcp = [{"protocol": "TCP", "port": port}]
+        return {
+            "podSelector": job_pods(component),
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": job_pods(caller)}, operator_peer], "ports": tcp},
+                {"from": [prometheus], "ports": tcp},
+                *more,
+            ],
+        }
+
     assert samplers["metadata"]["name"] == "reference-fleet-samplers"
-    assert samplers["spec"] == {
-        "podSelector": {
-            "matchLabels": {"rlfleet.dev/job": "reference-fleet", "app.kubernetes.io/component": "sampler"}
-        },
-        "policyTypes": ["Ingress"],
-        "ingress": [
-            {
-                "from": [
-                    {
-                        "podSelector": {
-                            "matchLabels": {
-                                "rlfleet.dev/job": "reference-fleet",
-                                "app.kubernetes.io/component": "router",
-                            }
-                        }
-                    },
-                    operator_peer,
-                ],
-                "ports": [{"protocol": "TCP", "port": 30000}],
-            },
-            {"from": [prometheus], "ports": [{"protocol": "TCP", "port": 30000}]},
-            {"ports": [{"protocol": "TCP", "port": 9400}]},
-        ],
-    }
+    assert samplers["spec"] == ingress(
+        "sampler", "router", 30000, {"ports": [{"protocol": "TCP", "port": 9400}]}
+    )
     assert router["metadata"]["name"] == "reference-fleet-router"
-    assert router["spec"] == {
-        "podSelector": {
-            "matchLabels": {"rlfleet.dev/job": "reference-fleet", "app.kubernetes.io/component": "router"}
-        },
-        "policyTypes": ["Ingress"],
-        "ingress": [
-            {
-                "from": [
-                    {
-                        "podSelector": {
-                            "matchLabels": {
-                                "rlfleet.dev/job": "reference-fleet",
-                                "app.kubernetes.io/component": "trainer",
-                            }
-                        }
-                    },
-                    operator_peer,
-                ],
-                "ports": [{"protocol": "TCP", "port": 8000}],
-            },
-            {"from": [prometheus], "ports": [{"protocol": "TCP", "port": 8000}]},
-        ],
-    }
+    assert router["spec"] == ingress("router", "trainer", 8000)
     for policy in (samplers, router):
         assert policy["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     # without the operator's identity (run outside the cluster) and without scrapers: only the job's pods
