@@ -114,16 +114,21 @@ def test_a_user_named_account_is_bound_and_not_created() -> None:
     assert trainer_pod(kids)["serviceAccountName"] == "team-trainer"
 
 
-def test_the_sandbox_role_is_exactly_pods_and_their_exec() -> None:
-    role = sandboxes.build_sandbox_role("rlfleet-sandboxes")
-    assert role["kind"] == "ClusterRole"
-    granted = {
+def grants(role: dict) -> set[tuple[str, str, str]]:
+    """What a Role's rules grant, one (API group, resource, verb) each."""
+    return {
         (g, r, v)
         for rule in role["rules"]
         for g in rule["apiGroups"]
         for r in rule["resources"]
         for v in rule["verbs"]
     }
+
+
+def test_the_sandbox_role_is_exactly_pods_and_their_exec() -> None:
+    role = sandboxes.build_sandbox_role("rlfleet-sandboxes")
+    assert role["kind"] == "ClusterRole"
+    granted = grants(role)
     assert granted == {
         ("", "pods", "create"),
         ("", "pods", "delete"),
@@ -137,13 +142,7 @@ def test_the_sandbox_role_is_exactly_pods_and_their_exec() -> None:
 
 def test_the_agent_sandbox_role_is_exactly_what_the_backend_and_the_sdk_call() -> None:
     role = sandboxes.build_sandbox_role("rlfleet-agent-sandboxes", backend="agent-sandbox")
-    granted = {
-        (g, r, v)
-        for rule in role["rules"]
-        for g in rule["apiGroups"]
-        for r in rule["resources"]
-        for v in rule["verbs"]
-    }
+    granted = grants(role)
     ext = "extensions.agents.x-k8s.io"
     assert granted == {
         (ext, "sandboxclaims", "create"),
