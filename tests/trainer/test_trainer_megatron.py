@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,18 +34,7 @@ CFG = bm.MegatronModelConfig(
     max_seq_len=16,
 )
 # Qwen3's shape: QK-norm, head_dim (12) != hidden / heads (8), tied embeddings
-QWEN3 = bm.MegatronModelConfig(
-    vocab_size=32,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=64,
-    max_seq_len=16,
-    kv_channels=12,
-    qk_layernorm=True,
-    tie_word_embeddings=True,
-)
+QWEN3 = replace(CFG, kv_channels=12, qk_layernorm=True, tie_word_embeddings=True)
 
 
 def hf_weights(cfg: bm.MegatronModelConfig) -> dict[str, torch.Tensor]:
@@ -123,14 +113,8 @@ def test_tp_split_and_merge_are_inverse(world):
 
 
 # Qwen3-MoE's shape: 4 experts of width 16, top-2, every layer a mixture of experts
-MOE = bm.MegatronModelConfig(
-    vocab_size=32,
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=64,
-    max_seq_len=16,
+MOE = replace(
+    CFG,
     kv_channels=12,
     qk_layernorm=True,
     num_experts=4,
