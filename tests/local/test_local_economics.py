@@ -20,17 +20,19 @@ GROUPS = [
     GroupSpec("h100-fp8", "h100", "fp8", tensor_parallel=2),
     GroupSpec("b200-nvfp4", "b200", "nvfp4"),  # made no token this step
 ]
+# one step of GROUPS: b200-bf16 at 100 tok/s, a fifth of them out of range; h100-fp8 at 300, none
+STEP = {
+    "step": 1.0,
+    "group/b200-bf16/tokens_per_second": 100.0,
+    "group/b200-bf16/oor_fraction": 0.2,
+    "group/h100-fp8/tokens_per_second": 300.0,
+    "group/h100-fp8/oor_fraction": 0.0,
+}
 
 
 def test_step_figures_per_group_and_fleet_and_the_saving(example_run) -> None:
     rc = example_run(groups=GROUPS, reference_accelerator="b200")
-    m = {
-        "step": 1.0,
-        "group/b200-bf16/tokens_per_second": 100.0,
-        "group/b200-bf16/oor_fraction": 0.2,
-        "group/h100-fp8/tokens_per_second": 300.0,
-        "group/h100-fp8/oor_fraction": 0.0,
-    }
+    m = STEP
     e = step_economics(rc, m)
     # b200-bf16: 1 GPU at $5.99 over 80 usable tok/s; h100-fp8: 2 GPUs at $2.99 over 300
     assert e["group/b200-bf16/cost_per_hour"] == 5.99 and e["group/h100-fp8/cost_per_hour"] == 5.98
@@ -142,15 +144,7 @@ def test_the_live_table_shows_each_groups_cost_per_usable_token_and_the_fleet_li
     from rlfleet.local.main import Progress
 
     rc = example_run(groups=GROUPS, reference_accelerator="b200")
-    m = {
-        "step": 1.0,
-        "group/b200-bf16/num_tokens": 100.0,
-        "group/b200-bf16/tokens_per_second": 100.0,
-        "group/b200-bf16/oor_fraction": 0.2,
-        "group/h100-fp8/num_tokens": 300.0,
-        "group/h100-fp8/tokens_per_second": 300.0,
-        "group/h100-fp8/oor_fraction": 0.0,
-    }
+    m = STEP | {"group/b200-bf16/num_tokens": 100.0, "group/h100-fp8/num_tokens": 300.0}
     m.update(step_economics(rc, m))
     console = Console(record=True, width=200)
     console.print(Progress(rc, live=False)._render(m, []))
@@ -173,12 +167,7 @@ def test_the_plain_step_line_ends_with_the_fleet_cost_per_usable_token(example_r
     from rlfleet.local.main import Progress
 
     rc = example_run(groups=GROUPS, reference_accelerator="b200")
-    m = {
-        "step": 2.0,
-        "group/b200-bf16/tokens_per_second": 100.0,
-        "group/b200-bf16/oor_fraction": 0.2,
-        "group/h100-fp8/tokens_per_second": 300.0,
-    }
+    m = STEP | {"step": 2.0}
     progress = Progress(rc, live=False)
     progress.update(m | step_economics(rc, m), [])
     progress.update({"step": 3.0}, [])  # no tokens: no figure
