@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.gqa_sizes import TWO_LAYER_GQA
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from rlfleet.trainer.backends.attention import (
@@ -40,12 +41,7 @@ def test_packed_row_equals_each_sequence_alone_with_transformers_sdpa(sliding_wi
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+        **TWO_LAYER_GQA,
         use_sliding_window=sliding_window is not None,
         sliding_window=sliding_window,
         max_window_layers=0,

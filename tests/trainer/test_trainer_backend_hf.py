@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.gqa_sizes import TWO_LAYER_GQA
 from support.scripted_turns import two_candidate_turn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -45,32 +46,14 @@ OPTIM = OptimConfig(learning_rate=1e-2, max_grad_norm=1e9)  # no clipping: raw g
 TWO_STEP_WEIGHTS_ATOL = 1e-5
 
 
-SMALL_QWEN3 = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-)
-"""A tiny Qwen3 (rlfleet/tiny_qwen3.py, via the `tiny_qwen3_factory` fixture) small enough for a
-two-process CPU test: no fp8 view is published here, so no 128-multiples are needed."""
+SMALL_QWEN3 = {"vocab_size": VOCAB, "max_position_embeddings": 64, **TWO_LAYER_GQA}
+"""A tiny Qwen3 (rlfleet/tiny_qwen3.py, via the `tiny_qwen3_factory` fixture; `tiny_llama`'s sizes too)
+small enough for a two-process CPU test: no fp8 view is published here, so no 128-multiples are needed."""
 
 
 def tiny_llama(path: Path) -> Path:
     torch.manual_seed(1)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**SMALL_QWEN3)).save_pretrained(path)
     return path
 
 
