@@ -9,6 +9,7 @@ import itertools
 from pathlib import Path
 
 import pytest
+from support.quantization import QUANTIZATION_CONFIGS, launch_quantization
 
 from rlfleet.api import KV_CACHE_DTYPES, WEIGHT_FORMATS, SamplerGroupSpec
 from rlfleet.catalog import (
@@ -252,23 +253,6 @@ def test_bad_override_files_are_clear_errors(tmp_path: Path, text: str, message:
 # --- pre-quantized checkpoints: SGLang 0.5.23's own quantization resolution ---------------------------
 
 SGLANG = Path(__file__).resolve().parents[2] / ".venv/lib/python3.11/site-packages/sglang"
-# config.json quantization_config per view as docs/weights.md publishes it
-VIEW_QUANT = {
-    "bf16": None,
-    "fp8": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    },
-    "nvfp4": {
-        "quant_method": "modelopt",
-        "quant_algo": "NVFP4",
-        "group_size": 16,
-        "exclude_modules": ["lm_head"],
-    },
-    "mxfp4": {"quant_method": "mxfp4", "group_size": 32, "modules_to_not_convert": ["lm_head"]},
-}
 
 
 def sglang_resolve(quantization: str | None, quant_config: dict | None, model_dir: Path) -> str | None:
@@ -312,26 +296,17 @@ def test_precision_flags_confirm_the_views_checkpoint_in_sglang(
     assert '"mxfp4": Mxfp4Config,' in source
     monkeypatch.setitem(q.QUANTIZATION_METHODS, "mxfp4", Mxfp4Config)
 
-    launch = sglang_launch(
-        accelerator=CATALOG.get(cls),
-        weight_format=fmt,
-        model_path=str(tmp_path),
-        served_model_name="m",
-        weight_version=0,
-    )
-    flag = (
-        launch.flags[launch.flags.index("--quantization") + 1] if "--quantization" in launch.flags else None
-    )
-    detected = sglang_resolve(None, VIEW_QUANT[fmt], tmp_path)
+    flag = launch_quantization(CATALOG.get(cls), fmt, tmp_path)
+    detected = sglang_resolve(None, QUANTIZATION_CONFIGS[fmt], tmp_path)
     assert detected == VIEW_QUANT_METHODS[fmt] == flag
-    assert sglang_resolve(flag, VIEW_QUANT[fmt], tmp_path) == detected
+    assert sglang_resolve(flag, QUANTIZATION_CONFIGS[fmt], tmp_path) == detected
     # The flag on a checkpoint of ANOTHER quantized format: SGLang refuses some pairs and silently runs
     # others (ModelOpt configs override the flag; modelopt_fp4 accepts an fp8 checkpoint and
     # re-quantizes its MoE experts). The flag is no guard, hence the fetcher's check_launchable.
     for other in sorted({"fp8", "nvfp4", "mxfp4"} - {fmt}):
         if flag is not None:
             try:
-                outcome = sglang_resolve(flag, VIEW_QUANT[other], tmp_path)
+                outcome = sglang_resolve(flag, QUANTIZATION_CONFIGS[other], tmp_path)
             except ValueError as exc:
                 assert "does not match" in str(exc)
                 outcome = "refused"

@@ -13,10 +13,11 @@ import os
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 from support.moto import make_bucket
+from support.weight_sync import engineless_syncer
 from test_weights_channel import make_view
 from test_weights_lease import stored_lease
 from test_weights_sync import tiny_state
@@ -37,9 +38,6 @@ from rlfleet.channel import (
     read_channel_status,
     report_age_seconds,
 )
-from rlfleet.sampler.engine_clients import DiskEngine
-from rlfleet.sampler.sync_state import SyncConfig
-from rlfleet.sampler.syncer import Syncer
 from rlfleet.store import FilesystemStore, ObjectTooLargeError, S3Store, Store, StoreUnavailableError
 from rlfleet.trainer.failures import FailureContext, describe_failure
 from rlfleet.trainer.publish.publisher import WeightPublisher
@@ -52,6 +50,21 @@ def publish_versions(store: Store, tmp_path: Path, count: int) -> WeightChannel:
     for i in range(count):
         channel.publish({"bf16": make_view(tmp_path / f"v{i}", "bf16", str(i))}, version=i)
     return channel
+
+
+def put_far_future_report(store: Store, replica: str, **fields: Any) -> None:
+    """The subscriber report of group g's `replica` written into the store as its bytes, not through the
+    channel: applied v0, v0 in use, dated FAR_FUTURE, with `fields` added."""
+    body = {
+        "group": "g",
+        "replica": replica,
+        "view": "bf16",
+        "applied_version": 0,
+        "in_use": [0],
+        "updated_at": FAR_FUTURE,
+        **fields,
+    }
+    store.put(f"subscribers/g/{replica}.json", json.dumps(body).encode())
 
 
 def test_a_report_dated_in_the_future_ages_from_its_write_in_the_store(
@@ -84,16 +97,7 @@ def test_a_stored_at_written_into_the_report_is_ignored(any_store: Store, tmp_pa
     """`stored_at` is the store's, never the report's: a pod writing one of its own into the bytes changes
     nothing (and the channel never writes it)."""
     channel = publish_versions(any_store, tmp_path, 3)
-    body = {
-        "group": "g",
-        "replica": "r",
-        "view": "bf16",
-        "applied_version": 0,
-        "in_use": [0],
-        "updated_at": FAR_FUTURE,
-        "stored_at": FAR_FUTURE,
-    }
-    any_store.put("subscribers/g/r.json", json.dumps(body).encode())
+    put_far_future_report(any_store, "r", stored_at=FAR_FUTURE)
     [report] = channel.subscribers()
     assert report.stored_at != FAR_FUTURE
     assert datetime.fromisoformat(report.stored_at) < datetime.now(UTC) + timedelta(seconds=60)
@@ -370,16 +374,7 @@ def test_a_manifest_above_the_bound_is_refused_unread(tmp_path: Path) -> None:
 def test_an_oversized_or_malformed_report_pins_nothing(any_store: Store, tmp_path: Path) -> None:
     """MAX_REPORT_BYTES (64 KiB): a sampler pod's report larger than that, like a malformed one, is skipped."""
     channel = publish_versions(any_store, tmp_path, 3)
-    huge = {
-        "group": "g",
-        "replica": "big",
-        "view": "bf16",
-        "applied_version": 0,
-        "in_use": [0],
-        "updated_at": FAR_FUTURE,
-        "pad": "x" * MAX_REPORT_BYTES,
-    }
-    any_store.put("subscribers/g/big.json", json.dumps(huge).encode())
+    put_far_future_report(any_store, "big", pad="x" * MAX_REPORT_BYTES)
     any_store.put("subscribers/g/list.json", b"[0, 1]")
     any_store.put(
         "subscribers/g/huge-number.json", b'{"group": "g", "replica": "n", "view": "bf16", "in_use": [1e400]}'
@@ -399,17 +394,8 @@ async def test_the_sidecar_reports_a_garbage_pointer_and_manifest_in_one_line(
     channel = WeightChannel(store, publisher_id="trainer")
     channel.publish({"fp8": make_view(tmp_path / "v0", "fp8", "0")}, version=0)
     channel.publish({"bf16": make_view(tmp_path / "v1", "bf16", "1")}, version=1)  # fp8 is in v0 only
-    config = SyncConfig(
-        store="unused",
-        view="fp8",
-        engine_url="http://127.0.0.1:9",
-        group="g",
-        replica="pod-0",
-        cache_dir=tmp_path / "cache",
-    )
     caplog.set_level(logging.WARNING, logger="rlfleet.sampler.sync")
-    async with httpx.AsyncClient() as client:
-        syncer = Syncer(config, store, DiskEngine(client))
+    async with engineless_syncer(store, tmp_path / "cache") as syncer:
         store.put(manifest_key(0), b'{"format": "rlfleet.weights/v3", "views": {"fp\xff8": {}}}')
         assert await syncer.reconcile_once() is False
         assert syncer.state.last_error is not None

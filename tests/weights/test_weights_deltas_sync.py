@@ -19,8 +19,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import pytest
 import torch
 from s3_fault_proxy import S3FaultProxy
 from support.moto import make_bucket
+from support.weight_sync import fetch_only
 from test_weights_sync import (  # noqa: F401 - engine: fixture
     RecordingEngine,
     _get_metrics,
@@ -512,37 +511,6 @@ async def test_a_planted_path_never_leaves_the_cache(
     assert planted == [] and engine.version is None
 
 
-def fetch_only(store_uri: str, cache: Path) -> subprocess.Popen[str]:
-    """The init container's real CLI: obtain the newest version of the fp8 view into `cache`, exit."""
-    return subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "rlfleet"),
-            "sampler",
-            "sync",
-            "--fetch-only",
-            "--store",
-            store_uri,
-            "--view",
-            VIEW,
-            "--engine-url",
-            "http://127.0.0.1:9",
-            "--group",
-            "h100-fp8",
-            "--replica",
-            "pod-0",
-            "--cache-dir",
-            str(cache),
-            "--poll-interval",
-            "0.1",
-            "--backoff-max",
-            "0.5",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
 def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_clean(
     s3_endpoint: str, tmp_path: Path, tiny_qwen3_dir: Path
 ) -> None:
@@ -558,7 +526,7 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
     try:
         publisher = DeltaPublisher(direct, tmp_path / "published", tiny_qwen3_dir)
         publisher.publish_chain(range(2), anchors={0})
-        first = fetch_only(uri, cache)
+        first = fetch_only(uri, cache, "--backoff-max", "0.5")
         out, _ = first.communicate(timeout=120)
         assert first.returncode == 0, out
         assert read_launch_file(cache) == (1, cache / f"v1-{VIEW}")
@@ -570,7 +538,7 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
         ) in out, out
         publisher.publish_chain(range(2, 4), anchors=set())
         proxy.hold = ("GET", re.compile(rf"/job/v3/{VIEW}/model\.safetensors\.delta"))
-        killed = fetch_only(uri, cache)
+        killed = fetch_only(uri, cache, "--backoff-max", "0.5")
         try:
             assert proxy.held.wait(120), "the rebuild never asked for v3's payload"
             [partial] = [p for p in cache.iterdir() if p.name.startswith(f".v3-{VIEW}.partial-")]
@@ -589,7 +557,7 @@ def test_a_sidecar_killed_halfway_through_a_rebuild_leaves_no_copy_and_restarts_
         assert cache_entries(cache) == [partial.name, LAUNCH_FILE, f"v1-{VIEW}"]
         assert_bit_exact(cache / f"v1-{VIEW}", publisher, 1)  # the local copy was never written into
         assert read_launch_file(cache) == (1, cache / f"v1-{VIEW}")
-        restarted = fetch_only(uri, cache)
+        restarted = fetch_only(uri, cache, "--backoff-max", "0.5")
         out, _ = restarted.communicate(timeout=120)
         assert restarted.returncode == 0, out
         assert "a partial copy left by an earlier run" in out and partial.name in out

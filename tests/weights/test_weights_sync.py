@@ -24,7 +24,9 @@ import torch
 from aiohttp import web
 from support.moto import make_bucket
 from support.ports import free_port
+from support.quantization import QUANTIZATION_CONFIGS, launch_quantization
 from support.waits import eventually, wait_for
+from support.weight_sync import engineless_syncer, fetch_only
 
 from rlfleet.channel import POINTER_KEY, SubscriberReport, WeightChannel, manifest_key, now_iso
 from rlfleet.numerics import formats
@@ -557,24 +559,6 @@ def test_cli_help_runs_without_torch() -> None:
 # --- launch: the init container fetches the newest version of the pod's view before SGLang starts ------
 
 HF_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "torch_dtype": "bfloat16"}
-# config.json `quantization_config` per view as docs/weights.md publishes it (what SGLang 0.5.23
-# auto-detects; tests/api/test_api_catalog.py runs SGLang's own resolution on these)
-QUANT_CONFIGS: dict[str, dict[str, Any] | None] = {
-    "bf16": None,
-    "fp8": {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    },
-    "nvfp4": {
-        "quant_method": "modelopt",
-        "quant_algo": "NVFP4",
-        "group_size": 16,
-        "exclude_modules": ["lm_head"],
-    },
-    "mxfp4": {"quant_method": "mxfp4", "group_size": 32, "modules_to_not_convert": ["lm_head"]},
-}
 
 
 def hf_view(state: dict[str, torch.Tensor], view: str, directory: Path, declared: str | None = None) -> Path:
@@ -584,7 +568,7 @@ def hf_view(state: dict[str, torch.Tensor], view: str, directory: Path, declared
     from rlfleet.numerics.views import save_view
 
     save_view(state, view, directory)
-    quant = QUANT_CONFIGS[declared or view]
+    quant = QUANTIZATION_CONFIGS[declared or view]
     config = {**HF_CONFIG, **({"quantization_config": quant} if quant else {})}
     (directory / "config.json").write_text(json.dumps(config))
     return directory
@@ -602,38 +586,13 @@ def test_fetch_only_waits_for_version_0_then_writes_the_launch_file(tmp_path: Pa
     exists, downloads + verifies the fp8 view, checks it is a block-FP8 checkpoint, writes the launch
     file and exits 0."""
     import json
-    import subprocess
 
     from rlfleet.catalog import LAUNCH_FILE
     from rlfleet.sampler.launch_checkpoint import read_launch_file
 
     store = FilesystemStore(tmp_path / "store", create=True)
     cache = tmp_path / "cache"
-    proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "rlfleet"),
-            "sampler",
-            "sync",
-            "--fetch-only",
-            "--store",
-            str(tmp_path / "store"),
-            "--view",
-            "fp8",
-            "--engine-url",
-            "http://127.0.0.1:9",
-            "--group",
-            "h100-fp8",
-            "--replica",
-            "pod-0",
-            "--cache-dir",
-            str(cache),
-            "--poll-interval",
-            "0.1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = fetch_only(str(tmp_path / "store"), cache)
     try:
         # waiting is visible: its subscriber report exists, with nothing applied and nothing in use
         wait_for(
@@ -674,18 +633,7 @@ async def test_fetch_refuses_a_bf16_checkpoint_published_as_the_fp8_view(tmp_pat
 
     store = FilesystemStore(tmp_path / "store", create=True)
     WeightChannel(store).publish({"fp8": hf_view(tiny_state(1), "bf16", tmp_path / "bf16")})
-    config = SyncConfig(
-        store="unused",
-        view="fp8",
-        engine_url="http://127.0.0.1:9",
-        group="g",
-        replica="r",
-        cache_dir=tmp_path / "cache",
-        backoff_base=0.05,
-        backoff_max=0.1,
-    )
-    async with httpx.AsyncClient() as client:
-        syncer = Syncer(config, store, DiskEngine(client))
+    async with engineless_syncer(store, tmp_path / "cache", backoff_base=0.05, backoff_max=0.1) as syncer:
         stop = asyncio.Event()
         task = asyncio.create_task(syncer.fetch_for_launch(stop))
         for _ in range(400):
@@ -725,17 +673,10 @@ async def test_the_launch_file_carries_a_moe_checkpoints_flag_into_the_sglang_la
         for k, v in tiny_model(TinyQwen3(architecture=architecture)).state_dict().items()
     }
     assert WeightPublisher(store, views=["bf16"], base_checkpoint=base).publish(state).version == 0
-    config = SyncConfig(
-        store="unused",
-        view="bf16",
-        engine_url="http://127.0.0.1:9",
-        group="h100-bf16",
-        replica="pod-0",
-        cache_dir=tmp_path / "cache",
-        require_checkpoint=True,
-    )
-    async with httpx.AsyncClient() as client:
-        fetched = await Syncer(config, store, DiskEngine(client)).fetch_for_launch(asyncio.Event())
+    async with engineless_syncer(
+        store, tmp_path / "cache", view="bf16", group="h100-bf16", require_checkpoint=True
+    ) as syncer:
+        fetched = await syncer.fetch_for_launch(asyncio.Event())
     assert fetched == (0, tmp_path / "cache" / "v0-bf16")
     target = fetched[1]
     moe = architecture == "qwen3_moe"
@@ -869,7 +810,7 @@ async def test_fetch_launches_from_the_publishers_real_hf_checkpoint(view: str, 
 
     from test_weights_sglang_loaders import CALIBRATION, build_model, build_tokenizer
 
-    from rlfleet.catalog import load_catalog, sglang_launch
+    from rlfleet.catalog import load_catalog
     from rlfleet.numerics.views import calibrate_activation_amax
     from rlfleet.sampler.launch_checkpoint import NotLaunchableError, check_launchable, read_launch_file
 
@@ -882,31 +823,14 @@ async def test_fetch_launches_from_the_publishers_real_hf_checkpoint(view: str, 
     WeightPublisher(store, views=["bf16", "fp8", "nvfp4"], base_checkpoint=base).publish(
         model.state_dict(), activation_amax=amax
     )
-    config = SyncConfig(
-        store="unused",
-        view=view,
-        engine_url="http://127.0.0.1:9",
-        group="g",
-        replica="r",
-        cache_dir=tmp_path / "cache",
-        require_checkpoint=True,
-    )
-    async with httpx.AsyncClient() as client:
-        fetched = await Syncer(config, store, DiskEngine(client)).fetch_for_launch(asyncio.Event())
+    async with engineless_syncer(store, tmp_path / "cache", view=view, require_checkpoint=True) as syncer:
+        fetched = await syncer.fetch_for_launch(asyncio.Event())
     assert fetched == (0, tmp_path / "cache" / f"v0-{view}") == read_launch_file(tmp_path / "cache")
     directory = fetched[1]
     assert (directory / "tokenizer.json").is_file() and (directory / "tokenizer_config.json").is_file()
-    launch = sglang_launch(
-        accelerator=load_catalog(None).get("b200"),
-        weight_format=view,
-        model_path=str(directory),
-        served_model_name="m",
-        weight_version=0,
+    assert check_launchable(directory, view) == launch_quantization(
+        load_catalog(None).get("b200"), view, directory
     )
-    flag = (
-        launch.flags[launch.flags.index("--quantization") + 1] if "--quantization" in launch.flags else None
-    )
-    assert check_launchable(directory, view) == flag
     declared = json.loads((directory / "config.json").read_text()).get("quantization_config")
     assert (declared is None) == (view == "bf16")
     for other in {"fp8", "nvfp4"} - {view}:
@@ -948,17 +872,8 @@ async def test_a_failing_report_write_warns_once_per_streak_and_is_counted(
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="rlfleet.sampler.sync")
     store = FlakyStore(tmp_path / "store")
-    config = SyncConfig(
-        store="unused",
-        view="fp8",
-        engine_url="http://127.0.0.1:9",
-        group="g",
-        replica="pod-0",
-        cache_dir=tmp_path / "cache",
-        report_interval=0.0,
-    )  # (every step writes)
-    async with httpx.AsyncClient() as client:
-        syncer = Syncer(config, store, DiskEngine(client))
+    # report_interval 0: every step writes its report
+    async with engineless_syncer(store, tmp_path / "cache", report_interval=0.0) as syncer:
 
         def failures() -> float | None:
             return syncer.metrics.registry.get_sample_value(
@@ -1003,17 +918,7 @@ async def test_the_report_is_rewritten_during_a_long_download(tmp_path: Path, ti
     store = FlakyStore(tmp_path / "store")
     WeightPublisher(store, views=["fp8"], base_checkpoint=tiny_qwen3_dir).publish(tiny_state(1))
     store.download_delay = 0.25
-    config = SyncConfig(
-        store="unused",
-        view="fp8",
-        engine_url="http://127.0.0.1:9",
-        group="g",
-        replica="pod-0",
-        cache_dir=tmp_path / "cache",
-        report_interval=0.2,
-    )
-    async with httpx.AsyncClient() as client:
-        syncer = Syncer(config, store, DiskEngine(client))
+    async with engineless_syncer(store, tmp_path / "cache", report_interval=0.2) as syncer:
         syncer.channel.download_workers = 1  # one file at a time: the download lasts 0.25 s per file
         assert await syncer.fetch_for_launch(asyncio.Event()) is not None
     first_get, last_get = store.downloads[0][0], store.downloads[-1][1]
