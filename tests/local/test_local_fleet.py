@@ -6,20 +6,51 @@ the launch files (docs/weights.md, "Loading in place")."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from rlfleet.channel import WeightChannel
-from rlfleet.local.fleet import FleetSpec, GroupSpec, start_fleet, stop_fleet, wait_until_serving
+from rlfleet.local.fleet import (
+    FleetSpec,
+    GroupSpec,
+    RunningFleet,
+    start_fleet,
+    stop_fleet,
+    wait_until_serving,
+)
 from rlfleet.store import FilesystemStore
 from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
 from rlfleet.trainer.publish.publisher import WeightPublisher
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+
+@contextlib.asynccontextmanager
+async def serving_fleet(
+    groups: list[GroupSpec], channel_dir: Path, cache: Path, model_path: Path
+) -> AsyncIterator[RunningFleet]:
+    """The local fleet of `groups` (one host, the router) on the channel in `channel_dir`, each group's
+    sync loop polling every 50 ms into its directory under `cache`; stopped when the block ends."""
+    spec = FleetSpec(
+        groups=groups,
+        store=str(channel_dir),
+        cache_dir=str(cache),
+        model_path=str(model_path),
+        poll_interval=0.05,
+    )
+    stop = asyncio.Event()
+    fleet, tasks = await start_fleet(spec, stop)
+    try:
+        yield fleet
+    finally:
+        stop.set()
+        await stop_fleet(fleet, tasks)
 
 
 def weight_loads(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -37,16 +68,7 @@ async def test_each_engine_loads_once_and_later_versions_load_in_place(
     model = tiny_model(TinyQwen3(seed=1))
     publisher.publish(model.state_dict(), version=0)  # the trainer's version 0, before the host starts
     groups = [GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("h100-fp8", "h100", "fp8")]
-    spec = FleetSpec(
-        groups=groups,
-        store=str(channel_dir),
-        cache_dir=str(cache),
-        model_path=str(tiny_qwen3_dir),
-        poll_interval=0.05,
-    )
-    stop = asyncio.Event()
-    fleet, tasks = await start_fleet(spec, stop)
-    try:
+    async with serving_fleet(groups, channel_dir, cache, tiny_qwen3_dir) as fleet:
         async with httpx.AsyncClient(timeout=10) as client:
             for g in groups:  # serving version 0 as soon as the host is up, loaded from the channel
                 info = (await client.get(fleet.servers[g.name] + "/model_info")).json()
@@ -75,9 +97,6 @@ async def test_each_engine_loads_once_and_later_versions_load_in_place(
         ]
         cached = sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file())
         assert cached == ["h100-bf16/launch", "h100-fp8/launch"]  # nothing copied
-    finally:
-        stop.set()
-        await stop_fleet(fleet, tasks)
 
 
 async def test_delta_versions_are_rebuilt_into_the_cache_and_loaded(
@@ -111,16 +130,7 @@ async def test_delta_versions_are_rebuilt_into_the_cache_and_loaded(
 
     v0 = views_of(0)
     channel.publish(v0, version=0)
-    spec = FleetSpec(
-        groups=groups,
-        store=str(channel_dir),
-        cache_dir=str(cache),
-        model_path=str(tiny_qwen3_dir),
-        poll_interval=0.05,
-    )
-    stop = asyncio.Event()
-    fleet, tasks = await start_fleet(spec, stop)
-    try:
+    async with serving_fleet(groups, channel_dir, cache, tiny_qwen3_dir) as fleet:
         import torch
 
         with torch.no_grad():  # a training step's worth: a few rows change
@@ -148,6 +158,3 @@ async def test_delta_versions_are_rebuilt_into_the_cache_and_loaded(
             assert (directory / "model.safetensors").read_bytes() == (
                 v1[view] / "model.safetensors"
             ).read_bytes()
-    finally:
-        stop.set()
-        await stop_fleet(fleet, tasks)
