@@ -630,6 +630,18 @@ class KubeCluster:
             raise KubectlError(result.returncode, cmd, result.stdout, result.stderr)
         return result
 
+    def apply(
+        self, *objects: Any, namespace: str | None = None, create: bool = False, check: bool = True
+    ) -> subprocess.CompletedProcess:
+        """`kubectl apply [-n namespace] -f -` of these objects as JSON (several as one v1 List); `create`:
+        `kubectl create` instead (an existing object is an error; no last-applied annotation is written)."""
+        document = (
+            objects[0] if len(objects) == 1 else {"apiVersion": "v1", "kind": "List", "items": list(objects)}
+        )
+        scope = ["-n", namespace] if namespace else []
+        verb = "create" if create else "apply"
+        return self.kubectl(verb, *scope, "-f", "-", input=json.dumps(document), check=check)
+
     def api_client(self):  # -> kubernetes.client.ApiClient
         from kubernetes import config
 

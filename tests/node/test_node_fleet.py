@@ -216,45 +216,36 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
         check=True,
     )
     pv_name = f"{ns}-store"
-    kube.kubectl(
-        "create",
-        "-f",
-        "-",
-        input=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolume",
-                "metadata": {"name": pv_name},
-                "spec": {
-                    "capacity": {"storage": "2Gi"},
-                    "accessModes": ["ReadWriteOnce"],
-                    "storageClassName": "",
-                    "persistentVolumeReclaimPolicy": "Retain",
-                    "hostPath": {"path": str(volume), "type": "Directory"},
-                    "claimRef": {"namespace": ns, "name": CLAIM},
-                },
-            }
-        ),
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv_name},
+            "spec": {
+                "capacity": {"storage": "2Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "persistentVolumeReclaimPolicy": "Retain",
+                "hostPath": {"path": str(volume), "type": "Directory"},
+                "claimRef": {"namespace": ns, "name": CLAIM},
+            },
+        },
+        create=True,
     )
-    kube.kubectl(
-        "create",
-        "-n",
-        ns,
-        "-f",
-        "-",
-        input=json.dumps(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": CLAIM},
-                "spec": {
-                    "accessModes": ["ReadWriteOnce"],
-                    "storageClassName": "",
-                    "volumeName": pv_name,
-                    "resources": {"requests": {"storage": "2Gi"}},
-                },
-            }
-        ),
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": CLAIM},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": pv_name,
+                "resources": {"requests": {"storage": "2Gi"}},
+            },
+        },
+        namespace=ns,
+        create=True,
     )
     # the example as users apply it (the PVC with it), with more steps: the faults below need a run that
     # is still training (the example's 50 steps take about two minutes here); at an RL learning rate
@@ -620,7 +611,7 @@ def _run_client_pod(
             ],
         },
     }
-    kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(client))
+    kube.apply(client, namespace=ns)
     try:
         wait_for(
             f"the {name} pod done",

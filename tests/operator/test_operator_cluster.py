@@ -61,7 +61,7 @@ def example(namespace: str) -> dict:
 
 
 def apply_example(kube, namespace: str) -> None:
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(example(namespace)))
+    kube.apply(example(namespace), namespace=namespace)
 
 
 def shared_volume(kube, namespace: str) -> None:
@@ -79,7 +79,7 @@ def shared_volume(kube, namespace: str) -> None:
             "resources": {"requests": {"storage": "1Gi"}},
         },
     }
-    kube.kubectl("apply", "-f", "-", input=json.dumps(pvc))
+    kube.apply(pvc)
 
 
 def column(table: list[str], name: str, row: int = 1) -> str:
@@ -247,7 +247,7 @@ def test_spec_update_group_removal_suspend_resume_and_deletion(
             g for g in manifest["spec"]["samplerGroups"] if g["name"] != "a100-bf16"
         ]
         next(g for g in manifest["spec"]["samplerGroups"] if g["name"] == "h200-bf16")["replicas"] = 1
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        kube.apply(manifest, namespace=namespace)
         wait_for("a100 group deleted", lambda: get(kube, namespace, "sg", f"{JOB}-a100-bf16") is None)
         wait_for(
             "a100 deployment collected",
@@ -314,7 +314,7 @@ def test_cockpit_columns_and_deletion_without_the_operator(
     manifest["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # readable by the operator
     with operator_in_process(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        kube.apply(manifest, namespace=namespace)
         wait_for(
             "small Running",
             lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
@@ -483,7 +483,7 @@ def test_weightchannel_and_group_versions_from_a_real_store(
         views[view] = d
     channel.publish(views, version=1)
     with operator_in_process(kube, namespace, monkeypatch):
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        kube.apply(manifest, namespace=namespace)
 
         def wc_status() -> dict | None:
             status = (get(kube, namespace, "wc", "small-weights") or {}).get("status", {})
@@ -543,15 +543,9 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
         str(REPO / "charts" / "rlfleet" / "crds" / "kopf.dev_peerings.yaml"),
     )
     kube.kubectl("wait", "--for=condition=Established", "crd/kopfpeerings.kopf.dev", "--timeout=60s")
-    kube.kubectl(
-        "apply",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=json.dumps(
-            {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlfleet"}}
-        ),
+    kube.apply(
+        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rlfleet"}},
+        namespace=namespace,
     )
     shared_volume(kube, namespace)
     manifest = yaml.safe_load((REPO / "examples" / "rljob-small.yaml").read_text())
@@ -588,7 +582,7 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
         )
         standby = start(100)
         wait_for("standby announced", lambda: peers() >= 2, timeout=120)
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        kube.apply(manifest, namespace=namespace)
         wait_for(
             "small job Running",
             lambda: (get(kube, namespace, "rlj", "small") or {}).get("status", {}).get("phase") == "Running",
@@ -600,7 +594,7 @@ def test_ha_peering_standby_takes_over(kube, crds, namespace: str, tmp_path: Pat
         os.killpg(leader.pid, signal.SIGKILL)
         leader.wait(10)
         manifest["spec"]["samplerGroups"][0]["replicas"] = 2
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+        kube.apply(manifest, namespace=namespace)
         # the standby notices the leader is gone (lifetime 6 s) and reconciles the change
         wait_for(
             "standby reconciled the update",

@@ -43,14 +43,7 @@ def test_the_cpu_example_runs_on_cpu_nodes_without_gpus(
         docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
         job = next(d for d in docs if d["kind"] == "RLJob")
         job["spec"]["weightChannel"]["store"]["path"] = str(store_dir(namespace))  # /weights/cpu in the pods
-        kube.kubectl(
-            "apply",
-            "-n",
-            namespace,
-            "-f",
-            "-",
-            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [d for d in docs if d]}),
-        )
+        kube.apply(*(d for d in docs if d), namespace=namespace)
 
         def running() -> dict | None:
             job = get(kube, namespace, "rljob", JOB) or {}

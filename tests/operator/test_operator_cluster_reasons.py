@@ -54,14 +54,7 @@ def test_unschedulable_trainer_and_missing_pvc_are_named_in_degraded(
         store(tmp_path, "nopvc", volumeClaimName="no-such-claim"),
     )
     with operator_in_process(kube, namespace, monkeypatch):
-        kube.kubectl(
-            "apply",
-            "-n",
-            namespace,
-            "-f",
-            "-",
-            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [big, nopvc]}),
-        )
+        kube.apply(big, nopvc, namespace=namespace)
 
         cond = wait_for("nogpu Degraded", lambda: degraded(kube, namespace, "nogpu"), timeout=90)
         assert cond["reason"] == "Unschedulable", cond
@@ -107,7 +100,7 @@ def test_trainer_pods_the_api_refuses_are_named_in_degraded(
         "metadata": {"name": "gpus"},
         "spec": {"hard": {"requests.nvidia.com/gpu": "4"}},
     }
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(quota))
+    kube.apply(quota, namespace=namespace)
     # until the quota controller has computed its status, admission says "status unknown", not the limit
     kube.kubectl(
         "wait",
@@ -127,14 +120,7 @@ def test_trainer_pods_the_api_refuses_are_named_in_degraded(
         store(tmp_path, "noclass"),
     )
     with operator_in_process(kube, namespace, monkeypatch):
-        kube.kubectl(
-            "apply",
-            "-n",
-            namespace,
-            "-f",
-            "-",
-            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [over, noclass]}),
-        )
+        kube.apply(over, noclass, namespace=namespace)
         cond = wait_for("overquota Degraded", lambda: degraded(kube, namespace, "overquota"), timeout=90)
         assert cond["reason"] == "ReplicaFailure", cond
         assert cond["message"].startswith(

@@ -8,7 +8,6 @@ its pod-group label and annotation are checked on the pods, not Kueue's admissio
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import yaml
@@ -51,7 +50,7 @@ def test_every_pod_of_the_reference_example_schedules_on_the_fleet(
     held["spec"]["trainer"]["nodeSelector"] = {"example.com/hold-trainer": "true"}
     with operator_in_process(kube, namespace, monkeypatch):
         shared_volume(kube, namespace)
-        kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(held))
+        kube.apply(held, namespace=namespace)
 
         def samplers_first() -> list[dict] | None:
             pods = job_pods(kube, namespace, JOB)
@@ -119,18 +118,13 @@ def test_trainer_gang_and_placement_fields_reach_the_scheduled_pods(
     """Two trainer replicas of 4 GPUs on H200: one per node (the gang's anti-affinity), Kueue's pod group
     on both, and the user's nodeSelector, toleration, priority class, resources, labels and annotations."""
     priority = f"{namespace}-trainer"
-    kube.kubectl(
-        "apply",
-        "-f",
-        "-",
-        input=json.dumps(
-            {
-                "apiVersion": "scheduling.k8s.io/v1",
-                "kind": "PriorityClass",
-                "metadata": {"name": priority},
-                "value": 1000,
-            }
-        ),
+    kube.apply(
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": priority},
+            "value": 1000,
+        }
     )
     job = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
     job["metadata"]["name"] = "gang"
@@ -155,7 +149,7 @@ def test_trainer_gang_and_placement_fields_reach_the_scheduled_pods(
     try:
         with operator_in_process(kube, namespace, monkeypatch):
             shared_volume(kube, namespace)
-            kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job))
+            kube.apply(job, namespace=namespace)
             pods = wait_for(
                 "trainer x2, router and sampler Running",
                 lambda: all_running(kube, namespace, "gang", 4),

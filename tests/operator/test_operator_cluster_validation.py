@@ -34,7 +34,7 @@ def test_crds_install_and_example_is_accepted_with_defaults(kube, crds, namespac
             "weightChannel": {"store": {"path": "/w"}},
         },
     }
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(minimal))
+    kube.apply(minimal, namespace=namespace)
     spec = kube.get_json("rljob", "minimal", "-n", namespace)["spec"]
     assert spec["rollout"]["promptsPerStep"] == 128 and spec["correction"]["misHigh"] == 5.0
     assert spec["correction"]["mode"] == "sc-mis-topp" and spec["local"]["model"]["hiddenSize"] == 128
@@ -43,7 +43,7 @@ def test_crds_install_and_example_is_accepted_with_defaults(kube, crds, namespac
     a100 = apply_case(
         EXAMPLE, {"set": {"spec.samplerGroups.6.weightFormat": "fp8", "metadata.name": "a100-fp8"}}
     )
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(a100))
+    kube.apply(a100, namespace=namespace)
     # GitOps: server-side apply of the same manifest twice changes nothing; kubectl diff is clean
     gitops = apply_case(EXAMPLE, {"set": {"metadata.name": "gitops"}})
     kube.kubectl("apply", "--server-side", "-n", namespace, "-f", "-", input=json.dumps(gitops))
@@ -59,7 +59,7 @@ def test_crds_install_and_example_is_accepted_with_defaults(kube, crds, namespac
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_invalid_manifest_is_rejected_by_kubectl_apply(kube, crds, namespace: str, case: dict) -> None:
     manifest = apply_case(EXAMPLE, case)
-    result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    result = kube.apply(manifest, namespace=namespace, check=False)
     assert result.returncode != 0, f"{case['name']} was accepted"
     assert case["expect"] in result.stderr, result.stderr
     name = manifest["metadata"]["name"]
@@ -78,10 +78,10 @@ def test_samplergroup_crd_rejects_what_the_class_cannot_run(kube, crds, namespac
             "model": {"name": "m", "path": "p"},
         },
     }
-    result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg), check=False)
+    result = kube.apply(sg, namespace=namespace, check=False)
     assert result.returncode != 0 and "native NVFP4 needs Blackwell" in result.stderr
     sg["spec"]["weightFormat"] = "fp8"
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg))
+    kube.apply(sg, namespace=namespace)
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "examples").glob("rljob*.yaml")), ids=lambda p: p.name)
@@ -138,7 +138,7 @@ def test_crd_cel_matches_the_catalog_for_every_class_format_kv(kube, crds, names
 
 
 def _refused(kube, namespace: str, manifest: dict) -> str:
-    result = kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    result = kube.apply(manifest, namespace=namespace, check=False)
     assert result.returncode != 0, f"{manifest['metadata']['name']} update was accepted"
     return result.stderr
 
@@ -149,7 +149,7 @@ def test_accelerator_of_a_running_trainer_or_group_cannot_change(kube, crds, nam
     from rlfleet.api.rljob import GROUP_ACCELERATOR_MESSAGE, TRAINER_ACCELERATOR_MESSAGE
 
     job = apply_case(EXAMPLE, {"set": {"metadata.name": "moving"}})
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(job))
+    kube.apply(job, namespace=namespace)
     assert TRAINER_ACCELERATOR_MESSAGE in _refused(
         kube, namespace, apply_case(job, {"set": {"spec.trainer.accelerator": "h200"}})
     )
@@ -160,10 +160,10 @@ def test_accelerator_of_a_running_trainer_or_group_cannot_change(kube, crds, nam
     renamed = apply_case(
         job, {"set": {"spec.samplerGroups.2.name": "h200-fp8-b", "spec.samplerGroups.2.accelerator": "h200"}}
     )
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(renamed))
+    kube.apply(renamed, namespace=namespace)
     # suspending in the same change: accepted, and the object holds the new class
     moved = apply_case(renamed, {"set": {"spec.suspend": True, "spec.trainer.accelerator": "b300"}})
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(moved))
+    kube.apply(moved, namespace=namespace)
     assert kube.get_json("rljob", "moving", "-n", namespace)["spec"]["trainer"]["accelerator"] == "b300"
 
 
@@ -178,15 +178,8 @@ def test_samplergroup_names_ports_and_moves_are_refused(kube, crds, namespace: s
     }
     assert SG_NAME_MESSAGE in _refused(kube, namespace, {**sg, "metadata": {"name": "solo.h100"}})
     assert PORT_MESSAGE in _refused(kube, namespace, {**sg, "spec": {**sg["spec"], "port": 9400}})
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg))
+    kube.apply(sg, namespace=namespace)
     assert ACCELERATOR_CHANGE_MESSAGE in _refused(
         kube, namespace, {**sg, "spec": {**sg["spec"], "accelerator": "h200"}}
     )
-    kube.kubectl(
-        "apply",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=json.dumps({**sg, "spec": {**sg["spec"], "accelerator": "h200", "suspend": True}}),
-    )
+    kube.apply({**sg, "spec": {**sg["spec"], "accelerator": "h200", "suspend": True}}, namespace=namespace)

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 from support import waits
 from support.control_plane import applies_children_by_bind_alone
+from support.manifests import pod_manifest
 from support.ports import free_port
 
 from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
@@ -77,17 +78,27 @@ def crds(kube) -> None:
 
 def trainer_pod(kube, namespace: str, name: str) -> str:
     """A pod standing for the trainer pod (the claims' owner; never scheduled: no node matches); its uid."""
-    body = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"rlfleet.dev/no-such-node": "true"},
-            "containers": [{"name": "trainer", "image": "registry.example/trainer:1"}],
-        },
-    }
-    kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(body))
+    body = pod_manifest(
+        name,
+        nodeSelector={"rlfleet.dev/no-such-node": "true"},
+        containers=[{"name": "trainer", "image": "registry.example/trainer:1"}],
+    )
+    kube.apply(body, namespace=namespace)
     return str(kube.get_json("pod", name, "-n", namespace)["metadata"]["uid"])
+
+
+def job_sandboxes(kube, namespace: str, **options: Any) -> AgentSandboxes:
+    """Job "j"'s sandboxes on the python-task template, owned by a trainer pod "j-trainer-0" made here."""
+    uid = trainer_pod(kube, namespace, "j-trainer-0")
+    return AgentSandboxes(
+        namespace,
+        "j",
+        "python-task",
+        owner_pod="j-trainer-0",
+        owner_uid=uid,
+        api_client=kube.api_client(),
+        **options,
+    )
 
 
 def owned_claims(api: Any, namespace: str, owner: str) -> set[str]:
@@ -122,17 +133,7 @@ def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_delete
     kube, crds, namespace: str
 ) -> None:
     api = objects(kube)
-    uid = trainer_pod(kube, namespace, "j-trainer-0")
-    boxes = AgentSandboxes(
-        namespace,
-        "j",
-        "python-task",
-        warm_pool=4,
-        owner_pod="j-trainer-0",
-        owner_uid=uid,
-        api_client=kube.api_client(),
-        ready_timeout_s=4,
-    )
+    boxes = job_sandboxes(kube, namespace, warm_pool=4, ready_timeout_s=4)
     assert boxes.removed_leftovers == []
     pool = api.get_namespaced_custom_object(GROUP, VERSION, namespace, "sandboxwarmpools", "j-sandboxes")
     assert pool["spec"] == {"replicas": 0, "sandboxTemplateRef": {"name": "python-task"}}
@@ -160,7 +161,7 @@ def test_a_claim_that_never_gets_ready_fails_naming_the_controller_and_is_delete
         "agents.x-k8s.io/created-by": "python-client",
     }
     assert claim["metadata"]["ownerReferences"] == [
-        {"apiVersion": "v1", "kind": "Pod", "name": "j-trainer-0", "uid": uid}
+        {"apiVersion": "v1", "kind": "Pod", "name": "j-trainer-0", "uid": boxes.owner_uid}
     ]
     assert "agents.x-k8s.io/client-first-requested-at" in claim["metadata"]["annotations"]
     assert replicas(api, namespace, "j-sandboxes") == 1  # one sandbox open: one warm one ahead of it
@@ -262,14 +263,10 @@ def test_an_episode_runs_through_the_sdk_and_close_deletes_its_claim(
 
     api = objects(kube)
     work = tmp_path / "runtime" / "repo"
-    boxes = AgentSandboxes(
+    boxes = job_sandboxes(
+        kube,
         namespace,
-        "j",
-        "python-task",
         warm_pool=4,
-        owner_pod="j-trainer-0",
-        owner_uid=trainer_pod(kube, namespace, "j-trainer-0"),
-        api_client=kube.api_client(),
         connection=SandboxDirectConnectionConfig(api_url=runtime),
         ready_timeout_s=30,
         workdir=str(work),
@@ -332,17 +329,7 @@ def test_deleting_the_trainer_pod_garbage_collects_its_claims(kube, crds, namesp
     pod is gone (the RLJob -> StatefulSet -> trainer pod chain ends here; agent-sandbox's controller then
     deletes the claim's sandbox)."""
     api = objects(kube)
-    uid = trainer_pod(kube, namespace, "j-trainer-0")
-    boxes = AgentSandboxes(
-        namespace,
-        "j",
-        "python-task",
-        warm_pool=1,
-        owner_pod="j-trainer-0",
-        owner_uid=uid,
-        api_client=kube.api_client(),
-        ready_timeout_s=60,
-    )
+    boxes = job_sandboxes(kube, namespace, warm_pool=1, ready_timeout_s=60)
     controller = threading.Thread(target=play_controller, args=(api, namespace, "sbx-1"))
     controller.start()
     handle = boxes.claim()  # ready: the SDK's handle (no command runs here)
@@ -478,13 +465,9 @@ def test_the_operator_grants_the_agent_sandbox_role_by_bind_alone(
     raw["metadata"]["name"] = "swe-granted"
     raw["spec"]["rollout"]["sandbox"] = {"backend": "agent-sandbox", "template": "python-task"}
     job = RLJob.model_validate(raw)
-    kube.kubectl(
-        "apply",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=json.dumps(sandboxes.build_sandbox_role("agent-sandboxes", namespace, backend="agent-sandbox")),
+    kube.apply(
+        sandboxes.build_sandbox_role("agent-sandboxes", namespace, backend="agent-sandbox"),
+        namespace=namespace,
     )
     children = sandboxes.build_sandbox_children(
         job, namespace, None, sandboxes.parse_role_ref("Role/agent-sandboxes")
