@@ -34,6 +34,7 @@ import nodeimages
 import pytest
 import yaml
 from support.control_plane import applies_children_by_bind_alone, fresh_namespace
+from support.manifests import pod_manifest
 from support.waits import wait_for
 
 from rlfleet.api import RLJob
@@ -81,29 +82,25 @@ class Trainer:
 
     def owner_pod(self, name: str) -> str:
         """A running pod standing for the trainer pod (the sandboxes' owner)."""
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name},
-            "spec": {
-                "nodeSelector": {"rlfleet.dev/dev-node": "true"},
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 0,
-                "containers": [
-                    {
-                        "name": "trainer",
-                        "image": nodeimages.HELPER_IMAGE,
-                        "imagePullPolicy": "Never",
-                        "command": ["sleep", "86400"],
-                        "securityContext": {
-                            "runAsNonRoot": True,
-                            "runAsUser": UID,
-                            "allowPrivilegeEscalation": False,
-                        },
-                    }
-                ],
-            },
-        }
+        body = pod_manifest(
+            name,
+            nodeSelector={"rlfleet.dev/dev-node": "true"},
+            restartPolicy="Never",
+            terminationGracePeriodSeconds=0,
+            containers=[
+                {
+                    "name": "trainer",
+                    "image": nodeimages.HELPER_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sleep", "86400"],
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": UID,
+                        "allowPrivilegeEscalation": False,
+                    },
+                }
+            ],
+        )
         self.kube.kubectl("apply", "-n", self.namespace, "-f", "-", input=json.dumps(body))
         self.kube.kubectl(
             "wait",

@@ -1,4 +1,5 @@
-"""RLJob manifests as the user writes them (plain dicts), for the tests that build their own."""
+"""Manifests as the user writes them (plain dicts: RLJobs, standalone SamplerGroups, Pods), for the tests
+that build their own."""
 
 from __future__ import annotations
 
@@ -23,4 +24,20 @@ def rljob(
             "weightChannel": {"store": {"type": "filesystem", "path": "/w"}},
             **spec,
         },
+    }
+
+
+def pod_manifest(name: str, **spec: Any) -> dict[str, Any]:
+    """A bare v1 Pod named `name` with `spec` as its spec."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def samplergroup(name: str = "solo-h100", **spec: Any) -> dict[str, Any]:
+    """A standalone SamplerGroup object `name`: group h100 on the h100 class serving model m at p; `spec`
+    adds or replaces fields of its spec."""
+    return {
+        "apiVersion": API,
+        "kind": "SamplerGroup",
+        "metadata": {"name": name},
+        "spec": {"name": "h100", "accelerator": "h100", "model": {"name": "m", "path": "p"}, **spec},
     }
