@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+from dataclasses import replace
 
 import pytest
 
@@ -72,16 +73,8 @@ def test_the_pod_runs_without_token_or_privilege_on_a_read_only_root() -> None:
 
 
 def test_the_runtime_class_and_node_selector_are_the_jobs() -> None:
-    config = SandboxPodConfig(
-        namespace="n",
-        job="j",
-        owner_pod="p",
-        owner_uid="u",
-        image="i",
-        runtime_class_name="gvisor",
-        node_selector={"pool": "cpu"},
-    )
-    spec = build_sandbox_pod(config, "p-sbx-1")["spec"]
+    config = replace(CONFIG, runtime_class_name="gvisor", node_selector={"pool": "cpu"})
+    spec = build_sandbox_pod(config, "j-trainer-0-sbx-1")["spec"]
     assert spec["runtimeClassName"] == "gvisor" and spec["nodeSelector"] == {"pool": "cpu"}
 
 
