@@ -65,6 +65,17 @@ async def _result(call: Awaitable[Any]) -> Any:
     return data
 
 
+async def _none_on(status: int, request: Awaitable[Any]) -> Any:
+    """The request's answer, or None if the API answered `status` (404: the object is gone; 409: it
+    exists already); any other KubeError is raised."""
+    try:
+        return await request
+    except KubeError as exc:
+        if exc.status == status:
+            return None
+        raise
+
+
 def status_apply_body(obj: Mapping[str, Any], status: Mapping[str, Any]) -> dict[str, Any]:
     """Body of a server-side apply of the status subresource: identity + the fields this writer owns."""
     return {
@@ -111,6 +122,14 @@ class KubeApi:
                 self._dynamic = await DynamicClient(self.client, cache_file=self._cache)
         return self._dynamic
 
+    async def _call(self, method: str, resource: Any, **arguments: Any) -> Any:
+        """The API's JSON of one dynamic-client request (`method`: get, create, patch, ...) on `resource`,
+        under the operator's request timeout; KubeError if it failed."""
+        request = getattr(await self._dyn(), method)
+        return await _result(
+            request(resource, serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS, **arguments)
+        )
+
     async def _resource(self, api_version: str, kind: str, subresource: str | None = None) -> Any:
         dyn = await self._dyn()
         try:
@@ -137,32 +156,24 @@ class KubeApi:
         """Server-side apply of `body` (as `field_manager`, taking over conflicting fields when forced)."""
         meta = body["metadata"]
         resource = await self._resource(body["apiVersion"], body["kind"], subresource)
-        return await _result(
-            (await self._dyn()).server_side_apply(
-                resource,
-                body=dict(body),
-                name=meta["name"],
-                namespace=meta.get("namespace"),
-                field_manager=field_manager,
-                force_conflicts=force,
-                query_params=[("fieldValidation", "Strict")],
-                serialize=False,
-                _request_timeout=REQUEST_TIMEOUT_SECONDS,
-            )
+        return await self._call(
+            "server_side_apply",
+            resource,
+            body=dict(body),
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            field_manager=field_manager,
+            force_conflicts=force,
+            query_params=[("fieldValidation", "Strict")],
         )
 
     async def patch_status(
         self, obj: Mapping[str, Any], status: Mapping[str, Any], field_manager: str = STATUS_FIELD_MANAGER
     ) -> dict[str, Any] | None:
         """Server-side apply of `status` on the object's status subresource; None if the object is gone."""
-        try:
-            return await self.apply(
-                status_apply_body(obj, status), field_manager=field_manager, subresource="status"
-            )
-        except KubeError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return await _none_on(
+            404, self.apply(status_apply_body(obj, status), field_manager=field_manager, subresource="status")
+        )
 
     async def patch(
         self,
@@ -177,22 +188,13 @@ class KubeApi:
         the operator changes on its own (a scale, the precision autopilot's override), not a child's
         desired state (that is `apply`)."""
         resource = await self._resource(api_version, kind, subresource)
-        try:
-            return await _result(
-                (await self._dyn()).patch(
-                    resource,
-                    body=dict(body),
-                    name=name,
-                    namespace=namespace,
-                    content_type="application/merge-patch+json",
-                    serialize=False,
-                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
-                )
-            )
-        except KubeError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        merge_patch = "application/merge-patch+json"
+        return await _none_on(
+            404,
+            self._call(
+                "patch", resource, body=dict(body), name=name, namespace=namespace, content_type=merge_patch
+            ),
+        )
 
     async def scale(
         self, api_version: str, kind: str, namespace: str, name: str, replicas: int
@@ -206,70 +208,31 @@ class KubeApi:
     ) -> dict[str, Any] | None:
         """The object (namespace None: a cluster-scoped one); None if it does not exist."""
         resource = await self._resource(api_version, kind)
-        try:
-            return await _result(
-                (await self._dyn()).get(
-                    resource,
-                    name=name,
-                    namespace=namespace,
-                    serialize=False,
-                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
-                )
-            )
-        except KubeError as exc:
-            if exc.status == 404:
-                return None
-            raise
+        return await _none_on(404, self._call("get", resource, name=name, namespace=namespace))
 
     async def list(self, api_version: str, kind: str, namespace: str | None) -> list[dict[str, Any]]:
         """The objects of one kind in one namespace (None: in every namespace)."""
         resource = await self._resource(api_version, kind)
-        listed = await _result(
-            (await self._dyn()).get(
-                resource, namespace=namespace, serialize=False, _request_timeout=REQUEST_TIMEOUT_SECONDS
-            )
-        )
+        listed = await self._call("get", resource, namespace=namespace)
         return list(listed.get("items") or [])
 
     async def create(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create; None if it already exists (for objects created once, e.g. a generated Secret)."""
         resource = await self._resource(body["apiVersion"], body["kind"])
-        try:
-            return await _result(
-                (await self._dyn()).create(
-                    resource,
-                    body=dict(body),
-                    namespace=body["metadata"].get("namespace"),
-                    serialize=False,
-                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
-                )
-            )
-        except KubeError as exc:
-            if exc.status == 409:
-                return None
-            raise
+        namespace = body["metadata"].get("namespace")
+        return await _none_on(409, self._call("create", resource, body=dict(body), namespace=namespace))
 
     async def delete(
         self, api_version: str, kind: str, namespace: str, name: str, propagation: str = "Background"
     ) -> bool:
         """Delete; False if it was already gone."""
         resource = await self._resource(api_version, kind)
-        try:
-            await _result(
-                (await self._dyn()).delete(
-                    resource,
-                    name=name,
-                    namespace=namespace,
-                    propagation_policy=propagation,
-                    serialize=False,
-                    _request_timeout=REQUEST_TIMEOUT_SECONDS,
-                )
-            )
-            return True
-        except KubeError as exc:
-            if exc.status == 404:
-                return False
-            raise
+        # the API answers a delete with the object or a Status, never an empty body: None is the 404
+        deleted = await _none_on(
+            404,
+            self._call("delete", resource, name=name, namespace=namespace, propagation_policy=propagation),
+        )
+        return deleted is not None
 
 
 # --- one client per event loop, built from the credentials kopf logged in with -----------------------
