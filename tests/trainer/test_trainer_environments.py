@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from chat_tokenizer import build_chat_tokenizer
+from support.episode_outcomes import finished_outcome
 from support.scripted_turns import certain_turn
 
 from rlfleet.records import SampledTurn
@@ -183,14 +184,7 @@ class CalculatorEnv(Environment):
 
     def score(self, prompt, state, replies) -> EpisodeOutcome:
         text = self.tokenizer.decode(replies[-1], skip_special_tokens=True)
-        return EpisodeOutcome(
-            reward=float(extract_final_answer(text) == "5"),
-            num_turns=len(replies),
-            empty_final_reply=False,
-            no_tool_call_termination=False,
-            format_errors=0,
-            tool_calls=len(replies) - 1,
-        )
+        return finished_outcome(float(extract_final_answer(text) == "5"), len(replies), len(replies) - 1)
 
 
 def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
@@ -247,14 +241,7 @@ class _WaitForTheOtherEpisode(Environment):
         return EnvStep(done=True)
 
     def score(self, prompt: Prompt, state: dict[str, Any], replies: list[list[int]]) -> EpisodeOutcome:
-        return EpisodeOutcome(
-            reward=float(state["saw_the_other"]),
-            num_turns=1,
-            empty_final_reply=False,
-            no_tool_call_termination=False,
-            format_errors=0,
-            tool_calls=0,
-        )
+        return finished_outcome(float(state["saw_the_other"]), num_turns=1, tool_calls=0)
 
 
 def test_an_environment_step_that_blocks_does_not_hold_up_the_other_episodes() -> None:

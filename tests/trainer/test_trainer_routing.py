@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from support.episode_outcomes import finished_outcome
 from test_trainer_backend_hf import (
     GROUPS,
     OBJECTIVE,
@@ -25,7 +26,6 @@ from rlfleet.records import SampledTurn
 from rlfleet.trainer.backends.backend_common import combine_metrics
 from rlfleet.trainer.backends.backend_hf import HFBackend
 from rlfleet.trainer.backends.routing import routing_metrics, routing_mismatch
-from rlfleet.trainer.envs.environments import EpisodeOutcome
 from rlfleet.trainer.envs.prompts import Prompt
 from rlfleet.trainer.metrics import objective_metrics
 from rlfleet.trainer.objective import LossOutput
@@ -110,14 +110,7 @@ def test_flatten_carries_each_rows_sampler_routing_at_its_logit_position() -> No
     prompt = [5, 6, 7]
     turn0 = _turn(prompt, [8, 9], 1, pattern(3 + 2 - 1))
     turn1 = _turn([5, 6, 7, 8, 9, 1, 2], [10, 11], 2, pattern(7 + 2 - 1))
-    outcome = EpisodeOutcome(
-        reward=1.0,
-        num_turns=2,
-        empty_final_reply=False,
-        no_tool_call_termination=False,
-        format_errors=0,
-        tool_calls=1,
-    )
+    outcome = finished_outcome(1.0, num_turns=2, tool_calls=1)
     routed = Rollout(Prompt(0, prompt), 0, [turn0, turn1], [[1, 2], []], outcome)
     plain = Rollout(Prompt(0, prompt), 1, [_turn(prompt, [4], 2, None)], [[]], outcome)
     flat = flatten_groups([PromptGroup(Prompt(0, prompt), [routed, plain])], trainer_version=2)

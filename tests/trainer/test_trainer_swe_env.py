@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from support.env_try import env_try_swe
+from support.episode_outcomes import finished_outcome
 
 from rlfleet.sandbox import SandboxLimits, SandboxUnavailable
 from rlfleet.sandbox.local import UID_BASE, LocalSandbox
@@ -819,15 +820,7 @@ def test_the_test_infra_touched_share_is_a_trainer_metric_on_its_exporter() -> N
     from rlfleet.trainer.metrics import PrometheusExporter, rollout_metrics
 
     def outcome(touched: bool | None) -> EpisodeOutcome:
-        return EpisodeOutcome(
-            reward=0.0,
-            num_turns=2,
-            empty_final_reply=False,
-            no_tool_call_termination=False,
-            format_errors=0,
-            tool_calls=2,
-            touched_test_infra=touched,
-        )
+        return finished_outcome(0.0, num_turns=2, tool_calls=2, touched_test_infra=touched)
 
     metrics = rollout_metrics(
         [outcome(True), outcome(False), outcome(None), outcome(False)], [[1], [1], [1], [1]], ["g"] * 4
