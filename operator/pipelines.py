@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ import kopf
 from rlfleet.operator import kube
 from rlfleet.operator import status as st
 from rlfleet.operator.indexes import View
-from rlfleet.operator.metrics import STATUS_WRITES, count
+from rlfleet.operator.metrics import RECONCILE_SECONDS, RECONCILES, STATUS_WRITES, count
 
 log = logging.getLogger("rlfleet.operator")
 
@@ -69,6 +70,26 @@ async def coalesced(kind: str, namespace: str, name: str, refresh: Callable[[], 
 
 def temporary_error(exc: kube.KubeError) -> kopf.TemporaryError:
     return kopf.TemporaryError(str(exc), delay=2 if exc.status in (409, 429, 500, 503, 504) else 5)
+
+
+async def reconciled(kind: str, body: kopf.Body, reconcile: Awaitable[None]) -> None:
+    """Run a kopf reconcile handler's pipeline of one `kind` object, counting its result (ok, invalid: a
+    kopf.PermanentError, error: an API error) and its seconds; an API error is posted on the object as a
+    ReconcileError Event and retried (`temporary_error`)."""
+    started = time.perf_counter()
+    try:
+        await reconcile
+        count(RECONCILES, kind, "ok")
+    except kopf.PermanentError:
+        count(RECONCILES, kind, "invalid")
+        raise
+    except kube.KubeError as exc:
+        count(RECONCILES, kind, "error")
+        kopf.warn(body, reason="ReconcileError", message=str(exc)[:1000])
+        raise temporary_error(exc) from None
+    finally:
+        if RECONCILE_SECONDS is not None:
+            RECONCILE_SECONDS.labels(kind).observe(time.perf_counter() - started)
 
 
 async def quietly(coro: Awaitable[None]) -> None:

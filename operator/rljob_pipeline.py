@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,8 +41,7 @@ from rlfleet.operator.indexes import (
     plain,
 )
 from rlfleet.operator.job_status import rljob_status
-from rlfleet.operator.metrics import RECONCILE_SECONDS, RECONCILES, count
-from rlfleet.operator.pipelines import coalesced, quietly, rerun, temporary_error, write_status
+from rlfleet.operator.pipelines import coalesced, quietly, reconciled, rerun, write_status
 from rlfleet.operator.pods import latest_event_message
 from rlfleet.operator.trainer_report import trainer_job_status
 
@@ -55,22 +53,9 @@ log = logging.getLogger("rlfleet.operator")
 @kopf.on.update(GROUP, VERSION, "rljobs", field="spec")
 async def reconcile_rljob(body: kopf.Body, namespace: str | None, reason: str, **kwargs: Any) -> None:
     namespace = namespaced(namespace)
-    started = time.perf_counter()
     # an update handler on field "spec" is given that field: `old` is the spec kopf last handled
     old_spec = kwargs.get("old") if reason == kopf.Reason.UPDATE else None
-    try:
-        await reconcile_job(plain(body), namespace, View.of(kwargs), old_spec)
-        count(RECONCILES, "RLJob", "ok")
-    except kopf.PermanentError:
-        count(RECONCILES, "RLJob", "invalid")
-        raise
-    except kube.KubeError as exc:
-        count(RECONCILES, "RLJob", "error")
-        kopf.warn(body, reason="ReconcileError", message=str(exc)[:1000])
-        raise temporary_error(exc) from None
-    finally:
-        if RECONCILE_SECONDS is not None:
-            RECONCILE_SECONDS.labels("RLJob").observe(time.perf_counter() - started)
+    await reconciled("RLJob", body, reconcile_job(plain(body), namespace, View.of(kwargs), old_spec))
 
 
 async def reconcile_job(
@@ -274,21 +259,21 @@ async def trainer_event(body: kopf.Body, namespace: str | None, type: str | None
 async def create_failure_event(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
     """The StatefulSet controller cannot create a trainer pod (the StatefulSet itself does not change): the
     job's pipeline re-runs with the Event's message in the index."""
-    namespace = namespaced(namespace)
-    view = View.of(kwargs)
-    statefulset = body["involvedObject"]["name"]
-    job = statefulset.removesuffix("-trainer")
-    if n.trainer_name(job) == statefulset and view.one(view.rljobs, (namespace, job)) is not None:
-        await quietly(refresh_job_status(namespace, job, view))
+    await _trainer_event(body, namespaced(namespace), View.of(kwargs))
 
 
 @kopf.on.event("", "v1", "events", when=is_kueue_pending)
 async def kueue_pending_event(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
     """Kueue did not admit a Workload (the trainer's pods do not change while gated): when it is a trainer's
     pod group, the job's pipeline re-runs with Kueue's message in the index."""
-    namespace = namespaced(namespace)
-    view = View.of(kwargs)
-    workload = body["involvedObject"]["name"]
-    job = workload.removesuffix("-trainer")
-    if n.trainer_name(job) == workload and view.one(view.rljobs, (namespace, job)) is not None:
+    await _trainer_event(body, namespaced(namespace), View.of(kwargs))
+
+
+async def _trainer_event(body: kopf.Body, namespace: str, view: View) -> None:
+    """An Event about an object named like a job's trainer (its StatefulSet, its Kueue Workload): that job's
+    pipeline re-runs (the Event's message is in the index); any other object's Event is not the
+    operator's."""
+    involved = body["involvedObject"]["name"]
+    job = involved.removesuffix("-trainer")
+    if n.trainer_name(job) == involved and view.one(view.rljobs, (namespace, job)) is not None:
         await quietly(refresh_job_status(namespace, job, view))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import kopf
@@ -32,8 +31,7 @@ from rlfleet.operator.indexes import (
     plain,
     pod_owner,
 )
-from rlfleet.operator.metrics import RECONCILE_SECONDS, RECONCILES, count
-from rlfleet.operator.pipelines import coalesced, quietly, rerun, temporary_error, write_status
+from rlfleet.operator.pipelines import coalesced, quietly, reconciled, rerun, write_status
 from rlfleet.operator.rljob_pipeline import heal_job, refresh_job_status
 from rlfleet.operator.trainer_report import trainer_job_status
 
@@ -45,20 +43,7 @@ log = logging.getLogger("rlfleet.operator")
 @kopf.on.update(GROUP, VERSION, "samplergroups", field="spec")
 async def reconcile_samplergroup(body: kopf.Body, namespace: str | None, **kwargs: Any) -> None:
     namespace = namespaced(namespace)
-    started = time.perf_counter()
-    try:
-        await reconcile_group(plain(body), namespace, View.of(kwargs))
-        count(RECONCILES, "SamplerGroup", "ok")
-    except kopf.PermanentError:
-        count(RECONCILES, "SamplerGroup", "invalid")
-        raise
-    except kube.KubeError as exc:
-        count(RECONCILES, "SamplerGroup", "error")
-        kopf.warn(body, reason="ReconcileError", message=str(exc)[:1000])
-        raise temporary_error(exc) from None
-    finally:
-        if RECONCILE_SECONDS is not None:
-            RECONCILE_SECONDS.labels("SamplerGroup").observe(time.perf_counter() - started)
+    await reconciled("SamplerGroup", body, reconcile_group(plain(body), namespace, View.of(kwargs)))
 
 
 async def reconcile_group(raw: dict[str, Any], namespace: str, view: View) -> None:
