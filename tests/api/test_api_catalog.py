@@ -9,7 +9,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from support.quantization import QUANTIZATION_CONFIGS, launch_quantization
+from support.sglang_launches import QUANTIZATION_CONFIGS, argv_printing_path, launch_of, launch_quantization
 
 from rlfleet.api import KV_CACHE_DTYPES, WEIGHT_FORMATS, SamplerGroupSpec
 from rlfleet.catalog import (
@@ -376,29 +376,16 @@ def test_launch_from_file_runs_the_argv_with_the_files_version_and_dir(tmp_path:
     its second line for SGLang (`checkpoint_flags=True`), none for the reference engine; a missing file
     is one clear line and exit 1."""
     import json
-    import os
     import subprocess
-    import sys
 
     from rlfleet.catalog import MODEL_DIR_REF, WEIGHT_VERSION_REF, launch_from_file
 
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    (shim / "python3").write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    (shim / "python3").chmod(0o755)
-    accel = CATALOG.get("b200")
-    placeholder = sglang_launch(
-        accelerator=accel,
-        weight_format="nvfp4",
-        model_path=MODEL_DIR_REF,
-        served_model_name="m",
-        weight_version=WEIGHT_VERSION_REF,
-        extra_args=["--chat-template", "it's $HOME *"],
-    )
+    accel, template = CATALOG.get("b200"), ["--chat-template", "it's $HOME *"]
+    placeholder = launch_of(accel, "nvfp4", MODEL_DIR_REF, WEIGHT_VERSION_REF, template)
     launch_file = tmp_path / "cache" / "launch"
     command = launch_from_file(placeholder.argv, str(launch_file), checkpoint_flags=True)
     unflagged = launch_from_file(placeholder.argv, str(launch_file), checkpoint_flags=False)
-    env = {**os.environ, "PATH": f"{shim}:{os.environ['PATH']}"}
+    env = argv_printing_path(tmp_path / "bin")
     for script in (command, unflagged):
         missing = subprocess.run(script, capture_output=True, text=True, env=env)
         assert (
@@ -406,14 +393,7 @@ def test_launch_from_file_runs_the_argv_with_the_files_version_and_dir(tmp_path:
             and missing.stderr.strip() == f"no verified weights: {launch_file} missing"
         )
     launch_file.parent.mkdir()
-    real = sglang_launch(
-        accelerator=accel,
-        weight_format="nvfp4",
-        model_path=f"{tmp_path}/cache/v12-nvfp4",
-        served_model_name="m",
-        weight_version=12,
-        extra_args=["--chat-template", "it's $HOME *"],
-    )
+    real = launch_of(accel, "nvfp4", f"{tmp_path}/cache/v12-nvfp4", 12, template)
     expected = real.argv[1:]
 
     def launched(script: list[str], text: str) -> list[str]:

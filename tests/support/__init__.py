@@ -25,9 +25,11 @@ pytest collects nothing here.
 - invalid_rljobs: tests/api/invalid_rljobs.yaml's cases applied to the example
 - tiny_models: the tiny Qwen3 sizes the tests train (LOOP_MODEL) and serve (SERVED_MODEL) at
 - weight_sync: the weight-sync sidecar in process with no engine behind it, and its `--fetch-only` CLI
-- quantization: the config.json quantization_config per view, the catalog launch's `--quantization`
+- sglang_launches: the catalog's SGLang launches of model m, the quantization a checkpoint declares and a
+  launch asks for, an argv-printing stand-in for the engine program
 - env_try: `rlfleet env try --environment swe` as a subprocess
 - scripted_turns: the SampledTurns a stand-in sampler answers with (q known exactly)
 - rollout_drivers: `make_driver(position)` for run_training over a sampler of the test's own
 - gqa_sizes: the tiny two-layer grouped-query model the backend and attention tests build
+- episode_outcomes: EpisodeOutcomes of episodes that ended as planned
 """

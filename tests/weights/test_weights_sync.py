@@ -24,7 +24,7 @@ import torch
 from aiohttp import web
 from support.moto import make_bucket
 from support.ports import free_port
-from support.quantization import QUANTIZATION_CONFIGS, launch_quantization
+from support.sglang_launches import QUANTIZATION_CONFIGS, argv_printing_path, launch_of, launch_quantization
 from support.waits import eventually, wait_for
 from support.weight_sync import engineless_syncer, fetch_only
 
@@ -660,11 +660,9 @@ async def test_the_launch_file_carries_a_moe_checkpoints_flag_into_the_sglang_la
     under /bin/sh with `python3` a stub printing its argv: `--enable-return-routed-experts` is on the
     command line exactly for the mixture of experts."""
     import json
-    import os
     import subprocess
 
     from rlfleet.catalog import LAUNCH_FILE, MODEL_DIR_REF, WEIGHT_VERSION_REF, launch_from_file, load_catalog
-    from rlfleet.catalog import sglang_launch as launch_of
 
     store = FilesystemStore(tmp_path / "store", create=True)
     base = tiny_qwen3_factory(architecture=architecture)
@@ -686,27 +684,11 @@ async def test_the_launch_file_carries_a_moe_checkpoints_flag_into_the_sglang_la
     )
 
     h100 = load_catalog(None).get("h100")
-    placeholder = launch_of(
-        accelerator=h100,
-        weight_format="bf16",
-        model_path=MODEL_DIR_REF,
-        served_model_name="m",
-        weight_version=WEIGHT_VERSION_REF,
-    )
+    placeholder = launch_of(h100, "bf16", MODEL_DIR_REF, WEIGHT_VERSION_REF)
     script = launch_from_file(placeholder.argv, str(tmp_path / "cache" / LAUNCH_FILE), checkpoint_flags=True)
-    stub = tmp_path / "bin" / "python3"  # the stub engine: prints the argv it was started with
-    stub.parent.mkdir()
-    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
-    stub.chmod(0o755)
-    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    env = argv_printing_path(tmp_path / "bin")  # the stub engine: prints the argv it was started with
     argv = json.loads(subprocess.run(script, capture_output=True, text=True, env=env, check=True).stdout)
-    direct = launch_of(
-        accelerator=h100,
-        weight_format="bf16",
-        model_path=str(target),
-        served_model_name="m",
-        weight_version=0,
-    )
+    direct = launch_of(h100, "bf16", target)
     assert argv == [*direct.argv[1:], *flags]
 
 
