@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
+from support.reference_serve import SERVE_REFERENCE
 
 from rlfleet.api import RLJob, SamplerGroupSpec, load_rljob
 from rlfleet.api.crdgen import cpu_classes, generate
@@ -71,10 +72,7 @@ def test_reference_launch_is_rlfleet_sampler_serve_with_the_sglang_launch_inputs
     )
     assert launch.argv == [
         "rlfleet",
-        "sampler",
-        "serve",
-        "--engine",
-        "reference",
+        *SERVE_REFERENCE,
         "--model-path",
         "/cache/v3-fp8",
         "--served-model-name",
@@ -99,13 +97,7 @@ def test_reference_launch_is_rlfleet_sampler_serve_with_the_sglang_launch_inputs
     assert "no GPU" in launch.selection_reason and "nvidia.com/gpu.product" not in launch.selection_reason
     # engine_launch dispatches on the class's engine; each engine refuses the other's classes
     kwargs = dict(weight_format="bf16", model_path="/m", served_model_name="m", weight_version=0)
-    assert engine_launch(accelerator=CPU, **kwargs).argv[:5] == [
-        "rlfleet",
-        "sampler",
-        "serve",
-        "--engine",
-        "reference",
-    ]
+    assert engine_launch(accelerator=CPU, **kwargs).argv[:5] == ["rlfleet", *SERVE_REFERENCE]
     assert engine_launch(accelerator=CATALOG.get("h100"), **kwargs).argv[:3] == [
         "python3",
         "-m",
@@ -138,13 +130,7 @@ def test_a_cpu_group_refuses_tensor_parallelism_and_owned_reference_flags() -> N
         assert "extraArgs" in str(info.value) and flag.split("=")[0] in str(info.value)
     spec = SamplerGroupSpec.model_validate(_group(tensorParallel=1, extraArgs=["--threads", "2"]))
     launch = engine_launch_for_group(spec, CATALOG, model_path="/d", weight_version=1)
-    assert launch.argv[-2:] == ["--threads", "2"] and launch.argv[:5] == [
-        "rlfleet",
-        "sampler",
-        "serve",
-        "--engine",
-        "reference",
-    ]
+    assert launch.argv[-2:] == ["--threads", "2"] and launch.argv[:5] == ["rlfleet", *SERVE_REFERENCE]
     # --weight-format is a reference flag, not an SGLang one: a GPU group's extraArgs may carry it
     SamplerGroupSpec.model_validate(_group(accelerator="h100", extraArgs=["--weight-format", "x"]))
 

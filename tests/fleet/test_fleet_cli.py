@@ -4,30 +4,19 @@ an infeasible demand and for bad input."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from support.fleet_plan_cli import run_fleet_plan
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "fleet-plan.yaml"
 
 
-def run_plan(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rlfleet.cli", "fleet", "plan", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-
-
 def test_example_plan_prints_json_with_replicas_shares_costs_and_binding() -> None:
-    result = run_plan(EXAMPLE)
+    result = run_fleet_plan(EXAMPLE)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     spec = yaml.safe_load(EXAMPLE.read_text())
@@ -52,7 +41,7 @@ def test_infeasible_demand_exits_2_with_one_line(tmp_path: Path) -> None:
     spec["demand"]["usableTokensPerSecond"] = 10**7
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(spec))  # JSON input as well as YAML
-    result = run_plan(path)
+    result = run_fleet_plan(path)
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -77,7 +66,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, edit: Any, message: str
     edit(spec)
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(spec))
-    result = run_plan(path)
+    result = run_fleet_plan(path)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert message in result.stderr
@@ -85,9 +74,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, edit: Any, message: str
 
 
 def test_unreadable_and_non_mapping_files_exit_2(tmp_path: Path) -> None:
-    missing = run_plan(tmp_path / "nope.yaml")
+    missing = run_fleet_plan(tmp_path / "nope.yaml")
     assert missing.returncode == 2 and "cannot read" in missing.stderr
     listed = tmp_path / "list.yaml"
     listed.write_text("- 1\n")
-    result = run_plan(listed)
+    result = run_fleet_plan(listed)
     assert result.returncode == 2 and "expected a mapping" in result.stderr

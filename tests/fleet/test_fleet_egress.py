@@ -13,6 +13,7 @@ import pytest
 from rlfleet.api import SamplerGroup, load_rljob
 from rlfleet.api.samplergroup import SamplerGroupTemplate
 from rlfleet.fleet import (
+    FleetPlan,
     MeasuredGroup,
     cost_per_1m_usable_tokens,
     measured_economics,
@@ -39,6 +40,21 @@ def group(name: str, cost: float, **extra: Any) -> dict[str, Any]:
         "maxReplicas": 4,
         **extra,
     }
+
+
+def plan_against_local(remote: dict[str, Any], **request: Any) -> FleetPlan:
+    """The plan for 2000 usable tok/s between `remote` and a local group at $1.50/h (both `group`s), with
+    the other `request` fields."""
+    return plan_fleet(
+        request_from_mapping(
+            {
+                "demand": {"usableTokensPerSecond": 2000},
+                "reference": REFERENCE,
+                "groups": [remote, group("local", 1.5)],
+                **request,
+            }
+        )
+    )
 
 
 def test_weight_egress_cost_per_hour_is_bytes_times_versions_times_price() -> None:
@@ -83,30 +99,11 @@ def test_the_plan_counts_egress_in_each_replicas_cost() -> None:
     """Two groups making 1000 usable tok/s per replica for a demand of 2000: the remote one at $1/h is the
     cheaper until it pays for its weights: 8 GB per version x 2 versions/h x $0.0625/GB = $1/h per replica
     makes it $2/h against the local one's $1.50/h, and the plan moves to the local group."""
-    free = plan_fleet(
-        request_from_mapping(
-            {
-                "demand": {"usableTokensPerSecond": 2000},
-                "reference": REFERENCE,
-                "versionsPerHour": 2,
-                "groups": [group("remote", 1.0, weightBytesPerVersion=8e9), group("local", 1.5)],
-            }
-        )
-    )
+    free = plan_against_local(group("remote", 1.0, weightBytesPerVersion=8e9), versionsPerHour=2)
     assert free.replicas() == {"remote": 2, "local": 0} and free.cost_per_hour == 2.0
     assert "egressCostPerHour" not in free.to_dict()["groups"]["remote"]
-    paying = plan_fleet(
-        request_from_mapping(
-            {
-                "demand": {"usableTokensPerSecond": 2000},
-                "reference": REFERENCE,
-                "versionsPerHour": 2,
-                "groups": [
-                    group("remote", 1.0, weightBytesPerVersion=8e9, egressPricePerGb=0.0625),
-                    group("local", 1.5),
-                ],
-            }
-        )
+    paying = plan_against_local(
+        group("remote", 1.0, weightBytesPerVersion=8e9, egressPricePerGb=0.0625), versionsPerHour=2
     )
     assert paying.replicas() == {"remote": 0, "local": 2} and paying.cost_per_hour == 3.0
     # at the same replicas the remote group's usable token costs its GPUs and its traffic
@@ -114,18 +111,8 @@ def test_the_plan_counts_egress_in_each_replicas_cost() -> None:
     assert remote.cost_per_1m_usable_tokens == cost_per_1m_usable_tokens(1000, 1, 2.0, 0.0)
     assert remote.egress_cost_per_hour == 0.0  # no replica, no traffic
     # the traffic at deltas' size (1/16 of the view) keeps the remote group the cheaper: $1.0625/h
-    deltas = plan_fleet(
-        request_from_mapping(
-            {
-                "demand": {"usableTokensPerSecond": 2000},
-                "reference": REFERENCE,
-                "versionsPerHour": 2,
-                "groups": [
-                    group("remote", 1.0, weightBytesPerVersion=0.5e9, egressPricePerGb=0.0625),
-                    group("local", 1.5),
-                ],
-            }
-        )
+    deltas = plan_against_local(
+        group("remote", 1.0, weightBytesPerVersion=0.5e9, egressPricePerGb=0.0625), versionsPerHour=2
     )
     assert deltas.replicas() == {"remote": 2, "local": 0} and deltas.cost_per_hour == 2.125
     out = deltas.to_dict()["groups"]["remote"]
@@ -135,26 +122,10 @@ def test_the_plan_counts_egress_in_each_replicas_cost() -> None:
 def test_a_measured_egress_cost_per_replica_hour_counts_as_the_computed_one() -> None:
     """egressCostPerReplicaHour (what the operator measures) in place of price x bytes x versions: $1/h per
     replica makes the remote group's $2/h against the local one's $1.50/h, as above."""
-    paying = plan_fleet(
-        request_from_mapping(
-            {
-                "demand": {"usableTokensPerSecond": 2000},
-                "reference": REFERENCE,
-                "groups": [group("remote", 1.0, egressCostPerReplicaHour=1.0), group("local", 1.5)],
-            }
-        )
-    )
+    paying = plan_against_local(group("remote", 1.0, egressCostPerReplicaHour=1.0))
     assert paying.replicas() == {"remote": 0, "local": 2} and paying.cost_per_hour == 3.0
     # at 0.25 it stays the cheaper ($1.25/h): 2 replicas, $0.50/h of them traffic
-    cheap = plan_fleet(
-        request_from_mapping(
-            {
-                "demand": {"usableTokensPerSecond": 2000},
-                "reference": REFERENCE,
-                "groups": [group("remote", 1.0, egressCostPerReplicaHour=0.25), group("local", 1.5)],
-            }
-        )
-    )
+    cheap = plan_against_local(group("remote", 1.0, egressCostPerReplicaHour=0.25))
     out = cheap.to_dict()["groups"]["remote"]
     assert cheap.replicas() == {"remote": 2, "local": 0} and (
         out["costPerHour"],

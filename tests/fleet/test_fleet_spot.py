@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +14,11 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.fleet_plan_cli import run_fleet_plan
 from test_fleet_plan import REFERENCE, group, request
 
 from rlfleet.fleet import plan_fleet
 from rlfleet.operator.fleetplan import fleet_reading
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def plan(groups: list[dict[str, Any]], demand: float, **extra: Any) -> Any:
@@ -130,24 +127,12 @@ def test_the_plan_file_takes_spot_per_group(tmp_path: Path) -> None:
     }
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(spec))
-    result = subprocess.run(
-        [sys.executable, "-m", "rlfleet.cli", "fleet", "plan", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    result = run_fleet_plan(path)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert {name: g["replicas"] for name, g in out["groups"].items()} == {"od": 3, "sp": 1}
     path.write_text(yaml.safe_dump({**spec, "groups": [{**spec["groups"][0], "spot": "sometimes"}]}))
-    bad = subprocess.run(
-        [sys.executable, "-m", "rlfleet.cli", "fleet", "plan", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    bad = run_fleet_plan(path)
     assert bad.returncode == 2 and "spot" in bad.stderr
 
 

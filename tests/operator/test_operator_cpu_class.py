@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.reference_serve import SERVE_REFERENCE
 from test_operator_builders import LAUNCH_KEY, launched_argv
 
 from rlfleet.api import RLJob, SamplerGroup, load_rljob
@@ -79,10 +80,7 @@ def test_cpu_group_pod_fetches_launches_the_reference_engine_and_syncs(
     argv = launched_argv(engine, 7, f"{n.WEIGHTS_CACHE}/v7-{fmt}", program="rlfleet")
     expected = [
         "rlfleet",
-        "sampler",
-        "serve",
-        "--engine",
-        "reference",
+        *SERVE_REFERENCE,
         "--model-path",
         f"{n.WEIGHTS_CACHE}/v7-{fmt}",
         "--served-model-name",

@@ -370,16 +370,22 @@ async def test_connections_that_send_headers_too_slowly_are_closed_and_others_ar
         writer.close()
 
 
-async def test_connections_over_the_cap_read_eof_at_once_and_fds_stay_bounded(bench) -> None:
-    """20 connections each in a request (its body still coming): none is idle, so the 21st is closed
-    on accept."""
+async def start_capped_at_20(bench: Bench, per_source: int) -> None:
+    """The bench's router in front of one upstream, taking at most 20 client connections and `per_source`
+    of them from one source; header and body timeouts of 60 s (none runs out within a test)."""
     await bench.start(
         [UpstreamState("ok")],
         max_client_connections=20,
-        max_client_connections_per_source=30,
+        max_client_connections_per_source=per_source,
         header_timeout_seconds=60.0,
         body_timeout_seconds=60.0,
     )
+
+
+async def test_connections_over_the_cap_read_eof_at_once_and_fds_stay_bounded(bench) -> None:
+    """20 connections each in a request (its body still coming): none is idle, so the 21st is closed
+    on accept."""
+    await start_capped_at_20(bench, per_source=30)
     held = [await bench.raw(headers_of("/generate", 100) + b'{"input_ids": ') for _ in range(20)]
     await eventually(lambda: len(bench.runner.server.connections) == 20, "20 connections held")
     await eventually(
@@ -416,12 +422,7 @@ async def test_a_reconnecting_flood_from_one_source_is_capped_and_another_source
     """Issue 39: connections from a source at maxClientConnectionsPerSource are closed on accept, however
     often it reconnects, and another source's request is answered meanwhile; the flood holds 8 of 20,
     so nothing idle had to be closed for it."""
-    await bench.start(
-        [UpstreamState("ok")],
-        max_client_connections=20,
-        max_client_connections_per_source=8,
-        header_timeout_seconds=60.0,
-    )
+    await start_capped_at_20(bench, per_source=8)
     site = site_of(bench)
     for flood_round in (1, 2):  # the flood drops what it holds and comes back
         flood = [await bench.raw(b"", source=FLOOD) for _ in range(30)]
@@ -446,13 +447,7 @@ async def test_at_the_total_cap_the_oldest_connection_waiting_for_its_header_is_
     other are each served: for each the oldest connection waiting for its header is closed (the three
     that sent nothing, in order), never the one in a request; each new client's connection, idle
     after its answer, is the newest and stays."""
-    await bench.start(
-        [UpstreamState("ok")],
-        max_client_connections=20,
-        max_client_connections_per_source=10,
-        header_timeout_seconds=60.0,
-        body_timeout_seconds=60.0,
-    )
+    await start_capped_at_20(bench, per_source=10)
     site = site_of(bench)
     busy = await bench.raw(headers_of("/generate", 100) + b'{"input_ids": ', source="127.0.0.4")
     quiet = [await bench.raw(b"", source=FLOOD) for _ in range(9)]

@@ -87,6 +87,28 @@ def processes() -> Iterator[list[subprocess.Popen]]:
     stop(procs)
 
 
+def start_until_healthy(
+    argv: list[str],
+    env: dict[str, str],
+    processes: list[subprocess.Popen],
+    what: str,
+    url: str,
+    timeout: float,
+) -> None:
+    """Start a container's `argv` (appended to `processes`) and wait until its `url`/health answers 200,
+    failing at once if one of `processes` exits."""
+    processes.append(
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    )
+    wait_for(
+        f"{what} /health",
+        lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
+        timeout=timeout,
+        interval=0.2,
+        running=processes,
+    )
+
+
 def generate(url: str) -> dict:
     body = {
         "input_ids": [3, 10, 11, 12],
@@ -136,17 +158,8 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(
     # 2. the engine container: /bin/sh execs `rlfleet sampler serve --engine reference` from the launch file
     argv, env = as_kubelet_runs(engine, cache, sync_port)
     assert argv[:2] == ["/bin/sh", "-c"] and "rlfleet sampler serve --engine reference" in argv[2]
-    processes.append(
-        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    )
     url = f"http://127.0.0.1:{port}"
-    wait_for(
-        "engine /health",
-        lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200,
-        timeout=300,
-        interval=0.2,
-        running=processes,
-    )
+    start_until_healthy(argv, env, processes, "engine", url, timeout=300)
     info = httpx.get(f"{url}/model_info", headers=AUTH, timeout=10).json()
     assert (info["weight_version"], info["weight_format"], info["kv_cache_dtype"]) == ("0", group, kv)
     assert info["model_path"] == str(cache / f"v0-{group}") and info["served_model_name"] == "tiny-qwen3"
@@ -156,16 +169,7 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(
 
     # 3. the sidecar: a newer version reaches the engine through /update_weights_from_disk
     argv, env = as_kubelet_runs(sidecar, cache, sync_port)
-    processes.append(
-        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    )
-    wait_for(
-        "sidecar /health",
-        lambda: httpx.get(f"http://127.0.0.1:{sync_port}/health", timeout=2).status_code == 200,
-        timeout=120,
-        interval=0.2,
-        running=processes,
-    )
+    start_until_healthy(argv, env, processes, "sidecar", f"http://127.0.0.1:{sync_port}", timeout=120)
     publisher.publish({k: v + 0.01 * torch.randn_like(v) for k, v in weights.items()}, version=1)
     wait_for(
         "version 1 applied",

@@ -27,6 +27,8 @@ pytest collects nothing here.
 - weight_sync: the weight-sync sidecar in process with no engine behind it, and its `--fetch-only` CLI
 - sglang_launches: the catalog's SGLang launches of model m, the quantization a checkpoint declares and a
   launch asks for, an argv-printing stand-in for the engine program
+- reference_serve: `rlfleet sampler serve --engine reference`'s arguments
+- fleet_plan_cli: `rlfleet fleet plan FILE` as a subprocess
 - env_try: `rlfleet env try --environment swe` as a subprocess
 - scripted_turns: the SampledTurns a stand-in sampler answers with (q known exactly)
 - rollout_drivers: `make_driver(position)` for run_training over a sampler of the test's own

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.reference_serve import serve_reference_argv
 from test_weights_e2e import stop_processes, trained, wait_port
 
 from rlfleet.channel import WeightChannel
@@ -50,22 +51,17 @@ def keyed_sampler(tmp_path: Path, tiny_qwen3_dir: Path) -> Iterator[tuple[Path, 
         log, port_file = tmp_path / "server.log", tmp_path / "server.port"
         procs.append(
             rlfleet(
-                "sampler",
-                "serve",
-                "--engine",
-                "reference",
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--weight-format",
-                "bf16",
-                "--weight-version",
-                "0",
-                "--model-path",
-                str(tiny_qwen3_dir),
-                "--api-key",
-                KEY,
+                *serve_reference_argv(
+                    port_file,
+                    "--weight-format",
+                    "bf16",
+                    "--weight-version",
+                    "0",
+                    "--model-path",
+                    str(tiny_qwen3_dir),
+                    "--api-key",
+                    KEY,
+                ),
                 log=log,
             )
         )
