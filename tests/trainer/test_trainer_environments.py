@@ -30,7 +30,7 @@ from rlfleet.trainer.envs.environments import (
     load_environment,
 )
 from rlfleet.trainer.envs.prompts import Prompt, render_chat_prompt
-from rlfleet.trainer.rollout.driver import RolloutDriver
+from rlfleet.trainer.rollout.driver import GenerateFn, RolloutDriver
 
 
 @pytest.mark.parametrize(
@@ -187,6 +187,20 @@ class CalculatorEnv(Environment):
         return finished_outcome(float(extract_final_answer(text) == "5"), len(replies), len(replies) - 1)
 
 
+def episode_driver(
+    generate: GenerateFn, env: Environment, max_new_tokens: int, max_seq_len: int
+) -> RolloutDriver:
+    """A driver for the episodes a test runs itself (`run_episode(prompt, index)`): no prompt source."""
+    return RolloutDriver(
+        generate,
+        env,
+        None,  # type: ignore[arg-type]
+        samples_per_prompt=1,
+        sampling=SamplingConfig(max_new_tokens=max_new_tokens),
+        max_seq_len=max_seq_len,
+    )
+
+
 def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
     tok = build_chat_tokenizer()
     env = CalculatorEnv(tok)
@@ -200,14 +214,7 @@ def test_multi_turn_episode_is_token_in_token_out_through_the_driver() -> None:
         sent.append(list(ids))
         return certain_turn(ids, replies[len(sent) - 1])
 
-    driver = RolloutDriver(
-        generate,
-        env,
-        None,
-        samples_per_prompt=1,  # type: ignore[arg-type]
-        sampling=SamplingConfig(max_new_tokens=32),
-        max_seq_len=512,
-    )
+    driver = episode_driver(generate, env, max_new_tokens=32, max_seq_len=512)
     rollout = asyncio.run(driver.run_episode(prompt, 0))
     assert rollout.outcome is not None and rollout.outcome.reward == 1.0 and rollout.outcome.tool_calls == 1
     tool = env.turns.append_ids(replies[0], "result: 5")
@@ -250,14 +257,7 @@ def test_an_environment_step_that_blocks_does_not_hold_up_the_other_episodes() -
     async def generate(session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
         return certain_turn(ids, [ToyVocab.EOS])
 
-    driver = RolloutDriver(
-        generate,
-        env,
-        None,
-        samples_per_prompt=2,  # type: ignore[arg-type]
-        sampling=SamplingConfig(max_new_tokens=4),
-        max_seq_len=64,
-    )
+    driver = episode_driver(generate, env, max_new_tokens=4, max_seq_len=64)
     prompt = Prompt(index=0, input_ids=[1, 2, 3])
 
     async def both() -> list[Any]:
