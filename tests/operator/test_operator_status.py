@@ -458,20 +458,10 @@ def test_webhook_admission_message_uses_the_runtime_catalog(monkeypatch, tmp_pat
     monkeypatch.setenv("RLFLEET_CATALOG", str(catalog))
     message = admission_message("RLJob", copy.deepcopy(example))
     assert message is not None and "accelerator h100 (sm90) cannot run weightFormat fp8" in message
-    sg = {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": "x"},
-        "spec": {
-            "name": "g",
-            "accelerator": "h100",
-            "weightFormat": "bf16",
-            "model": {"name": "m", "path": "p"},
-        },
-    }
-    assert admission_message("SamplerGroup", sg) is None
-    sg["spec"]["weightFormat"] = "fp8"
-    assert "cannot run weightFormat fp8" in admission_message("SamplerGroup", sg)
+    group = sg(fmt="bf16")
+    assert admission_message("SamplerGroup", group) is None
+    group["spec"]["weightFormat"] = "fp8"
+    assert "cannot run weightFormat fp8" in admission_message("SamplerGroup", group)
 
 
 def test_group_waiting_for_its_views_first_version_says_so() -> None:
