@@ -9,6 +9,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 from support.invalid_rljobs import CASES, apply_case
+from support.manifests import samplergroup
 
 from rlfleet.api import (
     RLJob,
@@ -222,15 +223,6 @@ def test_every_example_rljob_is_valid(path: Path) -> None:
     assert job.spec.local.steps <= 50  # examples double as quick local runs
 
 
-def _samplergroup(name: str = "solo-h100", spec: dict | None = None) -> dict:
-    return {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": name},
-        "spec": {"name": "h100", "accelerator": "h100", "model": {"name": "m", "path": "p"}, **(spec or {})},
-    }
-
-
 def test_samplergroup_refuses_what_cannot_run() -> None:
     from rlfleet.api.samplergroup import (
         EXTRA_ARGS_MESSAGE,
@@ -239,12 +231,12 @@ def test_samplergroup_refuses_what_cannot_run() -> None:
         SG_NAME_MESSAGE,
     )
 
-    assert SamplerGroup.from_manifest(_samplergroup()).spec.port == 30000
+    assert SamplerGroup.from_manifest(samplergroup()).spec.port == 30000
     with pytest.raises(ValueError, match="must be a DNS-1035 label") as info:
-        SamplerGroup.from_manifest(_samplergroup("solo.h100"))
+        SamplerGroup.from_manifest(samplergroup("solo.h100"))
     assert SG_NAME_MESSAGE in str(info.value)
     with pytest.raises(ValueError, match="must be a DNS-1035 label"):
-        SamplerGroup.from_manifest(_samplergroup("x" * 64))
+        SamplerGroup.from_manifest(samplergroup("x" * 64))
     for spec, message in [
         ({"port": 9400}, PORT_MESSAGE),
         ({"name": "router"}, RESERVED_NAME_MESSAGE),
@@ -252,12 +244,10 @@ def test_samplergroup_refuses_what_cannot_run() -> None:
         ({"extraArgs": ["--model-path=/other"]}, EXTRA_ARGS_MESSAGE),
     ]:
         with pytest.raises(ValidationError) as err:
-            SamplerGroup.from_manifest(_samplergroup(spec=spec))
+            SamplerGroup.from_manifest(samplergroup(**spec))
         assert message in str(err.value), spec
     # flags the operator does not set pass through (a prefix of an owned flag is not the flag)
-    ok = SamplerGroup.from_manifest(
-        _samplergroup(spec={"extraArgs": ["--mem-fraction-static", "0.8", "--tp-size-x"]})
-    )
+    ok = SamplerGroup.from_manifest(samplergroup(extraArgs=["--mem-fraction-static", "0.8", "--tp-size-x"]))
     assert ok.spec.extra_args[-1] == "--tp-size-x"
 
 

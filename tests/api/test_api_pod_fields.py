@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
+from support.manifests import samplergroup
 
 from rlfleet.api import RLJob, SamplerGroup
 from rlfleet.api.podfields import looks_like_secret
@@ -59,18 +60,11 @@ def test_a_trainer_mount_at_the_weight_store_path_is_refused() -> None:
 
 
 def test_a_mount_path_with_a_trailing_slash_is_still_the_operators() -> None:
-    sg = {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": "solo"},
-        "spec": {
-            "name": "solo",
-            "accelerator": "h100",
-            "model": {"name": "m", "path": "org/gated"},
-            "volumes": [{"name": "t", "emptyDir": {}}],
-            "volumeMounts": [{"name": "t", "mountPath": "/tmp/"}],
-        },
-    }
+    sg = samplergroup(
+        model={"name": "m", "path": "org/gated"},
+        volumes=[{"name": "t", "emptyDir": {}}],
+        volumeMounts=[{"name": "t", "mountPath": "/tmp/"}],
+    )
     with pytest.raises(ValidationError, match="volumeMounts must not mount at the operator's paths"):
         SamplerGroup.from_manifest(sg)
     sg["spec"]["volumeMounts"][0]["mountPath"] = "/tmp/huggingface"

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
+from support.manifests import samplergroup
 
 from rlfleet import catalog
 from rlfleet.api import RLJob, SamplerGroup
@@ -120,37 +121,14 @@ def test_bad_placement_is_refused_with_the_field_named(field: str, value: object
 
 def test_a_standalone_samplergroup_takes_the_same_fields() -> None:
     sg = SamplerGroup.from_manifest(
-        {
-            "apiVersion": "rlfleet.dev/v1alpha1",
-            "kind": "SamplerGroup",
-            "metadata": {"name": "solo-h100"},
-            "spec": {
-                "name": "h100",
-                "accelerator": "h100",
-                "model": {"name": "m", "path": "p"},
-                "nodeSelector": {"pool": "rl"},
-                "podLabels": {s.KUEUE_QUEUE_LABEL: "serving"},
-            },
-        }
+        samplergroup(nodeSelector={"pool": "rl"}, podLabels={s.KUEUE_QUEUE_LABEL: "serving"})
     )
     assert sg.spec.placement_wire() == {
         "nodeSelector": {"pool": "rl"},
         "podLabels": {s.KUEUE_QUEUE_LABEL: "serving"},
     }
     with pytest.raises(ValidationError, match="resources must not set nvidia.com/gpu"):
-        SamplerGroup.from_manifest(
-            {
-                "apiVersion": "rlfleet.dev/v1alpha1",
-                "kind": "SamplerGroup",
-                "metadata": {"name": "solo-h100"},
-                "spec": {
-                    "name": "h100",
-                    "accelerator": "h100",
-                    "model": {"name": "m", "path": "p"},
-                    "resources": {"limits": {"nvidia.com/gpu": "8"}},
-                },
-            }
-        )
+        SamplerGroup.from_manifest(samplergroup(resources={"limits": {"nvidia.com/gpu": "8"}}))
 
 
 def test_every_role_has_the_placement_fields_and_rules_in_the_crds() -> None:

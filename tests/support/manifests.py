@@ -32,7 +32,7 @@ def pod_manifest(name: str, **spec: Any) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
 
 
-def samplergroup(name: str = "solo-h100", **spec: Any) -> dict[str, Any]:
+def samplergroup(name: str = "solo-h100", /, **spec: Any) -> dict[str, Any]:
     """A standalone SamplerGroup object `name`: group h100 on the h100 class serving model m at p; `spec`
     adds or replaces fields of its spec."""
     return {
