@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlfleet.operator.status import Manifest, condition, merge_conditions, nested, now_iso
+from rlfleet.operator.status import Manifest, condition, merge_conditions, nested, now_iso, present
 
 
 def weightchannel_status(
@@ -37,9 +37,8 @@ def weightchannel_status(
     else:
         latest = channel.latest_version
         status["artifacts"] = [
-            {
-                k: v
-                for k, v in {
+            present(
+                {
                     "view": a.view,
                     "version": a.version,
                     "uri": a.uri,
@@ -49,18 +48,16 @@ def weightchannel_status(
                     "kind": a.kind,
                     "storedBytes": a.stored_bytes,
                     "base": a.base,
-                }.items()
-                if v is not None
-            }
+                }
+            )
             for a in channel.artifacts
         ][:16]
         share = channel.stored_share
         if share is not None:
             status["storedPercent"] = round(100.0 * share, 3)
         status["groups"] = [
-            {
-                k: v
-                for k, v in {
+            present(
+                {
                     "group": g.group,
                     "view": g.view,
                     "appliedVersion": g.applied_version,
@@ -68,9 +65,8 @@ def weightchannel_status(
                     "syncFailures": g.sync_failures or None,
                     "lastError": g.last_error[:512] if g.last_error else None,
                     "replicas": sorted(g.replicas)[:256] or None,
-                }.items()
-                if v is not None
-            }
+                }
+            )
             for g in channel.groups
         ][:64]
         if latest is None:

@@ -150,7 +150,7 @@ class Decisions:
             "time": self.time,
             "groups": [_group_status(d, self) for d in self.groups.values()],
             "views": {
-                view: _present(
+                view: st.present(
                     {"counter": m.counter, "time": m.time, "emaBytesPerSecond": m.ema_bytes_per_second}
                 )
                 for view, m in self.state.views.items()
@@ -221,7 +221,7 @@ def _group_status(d: GroupDecision, decisions: Decisions) -> dict[str, Any]:
         )
     steady = decisions.fleet.steady.get(d.name)
     if steady is not None:
-        memory["steadyThroughput"] = _present(
+        memory["steadyThroughput"] = st.present(
             {
                 "tokensPerSecondPerReplica": steady.tokens_per_second_per_replica,
                 "replicas": steady.replicas,
@@ -238,13 +238,8 @@ def _group_status(d: GroupDecision, decisions: Decisions) -> dict[str, Any]:
         withinBudget=precision.within.get(d.name),
         precisionCooldown=autopilot.cooldown_status(precision, d.name),
     )
-    out["memory"] = _present(memory)
+    out["memory"] = st.present(memory)
     return out
-
-
-def _present(fields: Mapping[str, Any]) -> dict[str, Any]:
-    """`fields` without the unknown ones (None): the status schema has no nulls."""
-    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _read_memory(

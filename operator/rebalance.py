@@ -61,6 +61,7 @@ from rlfleet.fleet import (
     MeasuredGroup,
     measured_economics,
 )
+from rlfleet.operator.status import present
 
 # "plan": the fleet-mix optimizer's shares (operator/fleetplan.py), carried in GroupInput.static_share
 Policy = Literal["throughput", "cost", "static", "plan"]
@@ -304,7 +305,7 @@ class GroupResult:
             "quarantined": self.quarantined,
             "shareHistory": [dict(h) for h in self.history],
         }
-        return {k: v for k, v in fields.items() if v is not None}
+        return present(fields)
 
 
 INVALID_STATUS_REASONS = 16  # the status keeps a group's most frequent reasons (its schema allows 64)

@@ -18,6 +18,7 @@ kubelet's reason for a missing Secret, an image that does not pull or a crash lo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -67,6 +68,11 @@ def nested(d: Any, *path: str, default: Any = None) -> Any:
             return default
         d = d[key]
     return d
+
+
+def present(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """`fields` without the unknown ones (None): the status schemas have no nulls."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def object_condition(obj: Manifest | None, type_: str) -> dict[str, Any] | None:
