@@ -137,36 +137,37 @@ def build_job_api_key_secret(job: RLJob, namespace: str, owner: Manifest | None,
     return build_api_key_secret(job.name, namespace, n.job_labels(job.name, "api-key"), owner, key)
 
 
-def build_trainer_service(job: RLJob, namespace: str, owner: Manifest | None) -> Manifest:
-    """Headless Service: stable DNS for torchrun rendezvous (ready or not)."""
-    labels = n.job_labels(job.name, "trainer")
+def _service(meta: Manifest, selector: dict[str, str], ports: dict[str, int], **spec: Any) -> Manifest:
+    """A Service of `meta` over the pods of `selector`, each named port served on the same target port;
+    `spec`: the rest of its spec (a headless one's clusterIP None)."""
+    port_list = [{"name": name, "port": port, "targetPort": port} for name, port in ports.items()]
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": n.object_meta(n.trainer_name(job.name), namespace, labels, owner),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": {n.LABEL_JOB: job.name, n.LABEL_COMPONENT: "trainer"},
-            "ports": [
-                {"name": "rdzv", "port": n.TRAINER_RDZV_PORT, "targetPort": n.TRAINER_RDZV_PORT},
-                {"name": "metrics", "port": n.TRAINER_METRICS_PORT, "targetPort": n.TRAINER_METRICS_PORT},
-            ],
-        },
+        "metadata": meta,
+        "spec": {**spec, "selector": selector, "ports": port_list},
     }
+
+
+def build_trainer_service(job: RLJob, namespace: str, owner: Manifest | None) -> Manifest:
+    """Headless Service: stable DNS for torchrun rendezvous (ready or not)."""
+    labels = n.job_labels(job.name, "trainer")
+    return _service(
+        n.object_meta(n.trainer_name(job.name), namespace, labels, owner),
+        {n.LABEL_JOB: job.name, n.LABEL_COMPONENT: "trainer"},
+        {"rdzv": n.TRAINER_RDZV_PORT, "metrics": n.TRAINER_METRICS_PORT},
+        clusterIP="None",
+        publishNotReadyAddresses=True,
+    )
 
 
 def build_router_service(job: RLJob, namespace: str, owner: Manifest | None) -> Manifest:
     labels = n.job_labels(job.name, "router")
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": n.object_meta(n.router_name(job.name), namespace, labels, owner),
-        "spec": {
-            "selector": {n.LABEL_JOB: job.name, n.LABEL_COMPONENT: "router"},
-            "ports": [{"name": "http", "port": n.ROUTER_PORT, "targetPort": n.ROUTER_PORT}],
-        },
-    }
+    return _service(
+        n.object_meta(n.router_name(job.name), namespace, labels, owner),
+        {n.LABEL_JOB: job.name, n.LABEL_COMPONENT: "router"},
+        {"http": n.ROUTER_PORT},
+    )
 
 
 def build_job_children(
@@ -221,20 +222,12 @@ def build_job_children(
 def build_sampler_service(sg: SamplerGroup, namespace: str, owner: Manifest | None) -> Manifest:
     """Headless Service per group: DNS returns every ready replica (the router picks per replica)."""
     name = sg.metadata.name or ""
-    labels = sampler_labels(sg)
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": n.object_meta(name, namespace, labels, owner),
-        "spec": {
-            "clusterIP": "None",
-            "selector": n.sampler_selector(name),
-            "ports": [
-                {"name": "http", "port": sg.spec.port, "targetPort": sg.spec.port},
-                {"name": "sync", "port": n.SYNC_PORT, "targetPort": n.SYNC_PORT},
-            ],
-        },
-    }
+    return _service(
+        n.object_meta(name, namespace, sampler_labels(sg), owner),
+        n.sampler_selector(name),
+        {"http": sg.spec.port, "sync": n.SYNC_PORT},
+        clusterIP="None",
+    )
 
 
 def build_group_api_key_secret(
