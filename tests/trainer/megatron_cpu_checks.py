@@ -31,17 +31,31 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: tests/, for support/
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+from support.ports import free_port  # noqa: E402 - tests/, put on sys.path just above
+
 VOCAB = 64
+SIZES: dict[str, int] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+"""The tiny checkpoints' sizes (Hugging Face config fields), the dense ones' and the MoE tier's."""
 SEQ = 7  # odd: sequence parallel over TP=2 needs the backend's padding
 # Updated weights after one Adam step (lr 1e-2) against another layout or micro-batching: the
 # gradients differ in the last bits (other summation orders), and Adam's first step lr g / (|g| + eps)
@@ -73,23 +87,14 @@ def make_checkpoint(directory: Path, head_dim: int, tie_word_embeddings: bool, l
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SIZES,
         head_dim=head_dim,
         tie_word_embeddings=tie_word_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
-        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():  # norms away from 1 so a missing or mis-mapped norm shows in the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.3)
+    shift_norms(model)
     model.save_pretrained(directory)
     if legacy_rope:
         path = directory / "config.json"
@@ -99,10 +104,20 @@ def make_checkpoint(directory: Path, head_dim: int, tie_word_embeddings: bool, l
     return directory
 
 
-def hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import Qwen3ForCausalLM
+def shift_norms(model: torch.nn.Module, generator: torch.Generator | None = None) -> None:
+    """Norm weights + N(0, 0.3^2) noise (from `generator`, else torch's global one), away from 1 so a
+    missing or mis-mapped norm shows in the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.3)
 
-    model = Qwen3ForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+def hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits of the checkpoint (its config.json's architecture), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(ids).logits
 
@@ -202,17 +217,27 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def roundtrip(backend, directory: Path) -> dict[str, Any]:
+def logits_close(ours: torch.Tensor, want: torch.Tensor) -> dict[str, Any]:
+    """Logits equal to 1e-5 (fp32: other kernels, other summation orders)."""
+    d = max_diff(ours, want)
+    return {"ok": d <= 1e-5, "max_abs_diff": d}
+
+
+def roundtrip(
+    backend, directory: Path, original_of: Callable[[Path], dict[str, torch.Tensor]] = hf_tensors
+) -> dict[str, Any]:
+    """The backend's export (every rank takes part) against the checkpoint's tensors as `original_of`
+    reads them: the same names, each bit-equal. Rank 0's verdict; {} on the others."""
     exported = backend.weights()
     if torch.distributed.get_rank() != 0:
         return {}
-    original = hf_tensors(directory)
+    original = original_of(directory)
     bad = sorted(k for k in original if k not in exported or not torch.equal(exported[k], original[k]))
     return {
         "ok": set(exported) == set(original) and not bad,
         "names": len(original),
         "extra": sorted(set(exported) - set(original)),
-        "unequal": bad,
+        "unequal": bad[:10],
     }
 
 
@@ -237,20 +262,15 @@ def local_state(backend) -> dict[str, torch.Tensor]:
     return out
 
 
-def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
-    """What `rlfleet trainer run` does before step 1 with this backend (trainer/run.py `run_training`:
-    `ChannelSink` -> `WeightPublisher`, steps=0) into a filesystem channel with the bf16 and nvfp4
-    views: version 0 is published and its nvfp4 view gives every quantized linear an `input_scale`
-    equal to amax / (448 * 6), amax from `calibrate_activation_amax` on the same calibration batch
-    run by transformers' Qwen3 loaded (`from_pretrained` + `load_state_dict`) with the weights the
-    backend exports, in their dtype: exact."""
+def publish_version_0_views(backend, directory: Path, work: Path) -> tuple[Any, dict[str, Any], dict]:
+    """What `rlfleet trainer run` does before step 1 (trainer/run.py `run_training`: `ChannelSink` ->
+    `WeightPublisher`, steps=0) with `backend` into a filesystem channel under `work` with the bf16 and
+    nvfp4 views of `directory`'s checkpoint: the channel's latest version, and the config and tensors of
+    version 0's nvfp4 view."""
     from dataclasses import replace
 
-    from transformers import Qwen3ForCausalLM
-
     from rlfleet.api import load_rljob
-    from rlfleet.numerics import formats
-    from rlfleet.numerics.views import calibrate_activation_amax, calibration_batch, read_view_tensors
+    from rlfleet.numerics.views import read_view_tensors
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector
     from rlfleet.trainer.config import GroupSpec, resolve_run
@@ -284,33 +304,54 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
         max_staleness=None,
         groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("b200-nvfp4", "b200", "nvfp4")],
     )
+    run_training(
+        rc,
+        backend,
+        ChannelSink(publisher),
+        CollapseDetector(),
+        lambda position: NoRollouts(),
+        checkpoint=None,
+    )
+    config, tensors = read_view_tensors(publisher.channel.obtain_view(0, "nvfp4", work / "nvfp4").directory)
+    return publisher.channel.latest(), config, tensors
+
+
+def input_scales_unequal(modules: list[str], tensors: dict[str, torch.Tensor], amax: dict) -> list[str]:
+    """The quantized linears of an nvfp4 view whose input_scale is missing or not amax / (448 * 6)."""
+    from rlfleet.numerics import formats
+
+    return [
+        m
+        for m in modules
+        if f"{m}.input_scale" not in tensors
+        or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))
+    ]
+
+
+def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
+    """What `rlfleet trainer run` does before step 1 with this backend (trainer/run.py `run_training`:
+    `ChannelSink` -> `WeightPublisher`, steps=0) into a filesystem channel with the bf16 and nvfp4
+    views: version 0 is published and its nvfp4 view gives every quantized linear an `input_scale`
+    equal to amax / (448 * 6), amax from `calibrate_activation_amax` on the same calibration batch
+    run by transformers' Qwen3 loaded (`from_pretrained` + `load_state_dict`) with the weights the
+    backend exports, in their dtype: exact."""
+    from transformers import Qwen3ForCausalLM
+
+    from rlfleet.numerics.views import calibrate_activation_amax, calibration_batch
+
     t0 = time.monotonic()
     try:
-        run_training(
-            rc,
-            backend,
-            ChannelSink(publisher),
-            CollapseDetector(),
-            lambda position: NoRollouts(),
-            checkpoint=None,
-        )
+        latest, config, tensors = publish_version_0_views(backend, directory, work)
     except Exception as exc:  # the bug this pins: GPTModel called with token ids only, or no amax
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
     publish_s = time.monotonic() - t0
-    latest = publisher.channel.latest()
-    config, tensors = read_view_tensors(publisher.channel.obtain_view(0, "nvfp4", work / "nvfp4").directory)
     weights = backend.weights()
     dtype = weights["model.embed_tokens.weight"].dtype
     reference = Qwen3ForCausalLM.from_pretrained(directory, dtype=dtype)
     missing, unexpected = reference.load_state_dict(weights, strict=False)  # tied: lm_head is embed_tokens
     amax = calibrate_activation_amax(reference, [calibration_batch(VOCAB)])
     modules = [n[: -len(".weight")] for n in config["quantized"]]
-    unequal = [
-        m
-        for m in modules
-        if f"{m}.input_scale" not in tensors
-        or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))
-    ]
+    unequal = input_scales_unequal(modules, tensors, amax)
     linears = {
         n for n, mod in reference.named_modules() if isinstance(mod, torch.nn.Linear) and n != "lm_head"
     }
@@ -334,20 +375,26 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- phase 1: TP=1
 
 
+def against_transformers(
+    work: Path, variants: dict[str, dict[str, Any]], make: Callable[..., Path]
+) -> Iterator[tuple[str, Path, Any, torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    """Each variant's checkpoint made under `work` by `make`, a TP=1 backend of it, our logits of
+    token_ids(1), transformers' and how they compare (with the logits' scale): (name, directory,
+    backend, ours, theirs, match)."""
+    ids = token_ids(1)
+    for name, variant in variants.items():
+        directory = make(work / name, **variant)
+        backend = build(directory, tp=1)
+        ours, theirs = full_logits(backend, ids), hf_logits(directory, ids)
+        match = logits_close(ours, theirs) | {"logit_scale": float(theirs.abs().max())}
+        yield name, directory, backend, ours, theirs, match
+
+
 def phase_tp1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     checks: dict[str, Any] = {}
     refs: dict[str, Any] = {}
-    ids = token_ids(1)
-    for name, variant in VARIANTS.items():
-        directory = make_checkpoint(work / name, **variant)
-        backend = build(directory, tp=1)
-        ours, theirs = full_logits(backend, ids), hf_logits(directory, ids)
-        d = max_diff(ours, theirs)
-        checks[f"logits_match_transformers[{name}]"] = {
-            "ok": d <= 1e-5,
-            "max_abs_diff": d,
-            "logit_scale": float(theirs.abs().max()),
-        }
+    for name, directory, backend, ours, _, match in against_transformers(work, VARIANTS, make_checkpoint):
+        checks[f"logits_match_transformers[{name}]"] = match
         checks[f"hf_export_roundtrip_tp1[{name}]"] = roundtrip(backend, directory)
         checks[f"publish_version_0_nvfp4[{name}]"] = publish_version_0(
             backend, directory, work / "publish" / name
@@ -394,6 +441,29 @@ def hf_step(directory: Path, flat) -> tuple[float, float]:
     return float(out.loss), float(norm)
 
 
+def compare_steps(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    """Two steps ({"loss", "grad_norm", "kl_k3", "tokens", "weights"}) the same: loss and kl_k3 to 1e-6,
+    the gradient norm to 1e-5, every updated weight to UPDATE_ATOL, the same token count and weights."""
+    wd = max(max_diff(got["weights"][k], want["weights"][k]) for k in want["weights"])
+    dl, dg, dk = (
+        abs(got["loss"] - want["loss"]),
+        abs(got["grad_norm"] - want["grad_norm"]),
+        abs(got["kl_k3"] - want["kl_k3"]),
+    )
+    return {
+        "ok": dl <= 1e-6
+        and dg <= 1e-5
+        and dk <= 1e-6
+        and wd <= UPDATE_ATOL
+        and got["tokens"] == want["tokens"]
+        and set(got["weights"]) == set(want["weights"]),
+        "loss_diff": dl,
+        "grad_norm_diff": dg,
+        "kl_k3_diff": dk,
+        "updated_weights_max_diff": wd,
+    }
+
+
 def token_budget_checks(directory: Path) -> dict[str, Any]:
     """A ragged batch at a budget of 14 tokens (several packed micro-batches: THD rows of sequences back
     to back) against one micro-batch of the whole batch and against transformers' one padded forward;
@@ -433,27 +503,7 @@ def token_budget_checks(directory: Path) -> dict[str, Any]:
     finally:
         PackedDotProductAttention.forward = plain_forward
     one, small, recompute = runs["one_micro_batch"], runs["budget_14"], runs["budget_14_recompute"]
-
-    def compare(got: dict, want: dict) -> dict[str, Any]:
-        wd = max(max_diff(got["weights"][k], want["weights"][k]) for k in want["weights"])
-        dl, dg, dk = (
-            abs(got["loss"] - want["loss"]),
-            abs(got["grad_norm"] - want["grad_norm"]),
-            abs(got["kl_k3"] - want["kl_k3"]),
-        )
-        return {
-            "ok": dl <= 1e-6
-            and dg <= 1e-5
-            and dk <= 1e-6
-            and wd <= UPDATE_ATOL
-            and got["tokens"] == want["tokens"],
-            "loss_diff": dl,
-            "grad_norm_diff": dg,
-            "kl_k3_diff": dk,
-            "updated_weights_max_diff": wd,
-        }
-
-    budget = compare(small, one)
+    budget = compare_steps(small, one)
     budget["transformers_loss_diff"] = abs(small["loss"] - want_loss)
     budget["transformers_grad_norm_diff"] = abs(small["grad_norm"] - want_norm)
     budget["ok"] = (
@@ -465,7 +515,7 @@ def token_budget_checks(directory: Path) -> dict[str, Any]:
     budget["packed_rows"] = small[
         "rows"
     ]  # per attention call (2 layers, forward and backward recompute none)
-    ckpt = compare(recompute, small)
+    ckpt = compare_steps(recompute, small)
     ckpt["ok"] = ckpt["ok"] and recompute["recompute"] == "full" and small["recompute"] is None
     return {
         "token_budget_micro_batches_equal_one_micro_batch": budget,
@@ -488,8 +538,9 @@ def drive(backend, rank: int, script) -> Any:
         backend.close()
 
 
-def join_group(rank: int, world: int, port: int) -> None:
-    """A spawned process: torchrun's environment (the backend initialises the gloo group), the stubs."""
+def join_group(rank: int, world: int, port: int, refs_path: str) -> dict[str, Any]:
+    """A spawned process: torchrun's environment (the backend initialises the gloo group), the stubs;
+    the references phase 1 saved at `refs_path`."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -499,6 +550,7 @@ def join_group(rank: int, world: int, port: int) -> None:
     )
     torch.set_num_threads(1)
     install_stubs()
+    return torch.load(refs_path, weights_only=False)
 
 
 def leave_group(rank: int, checks: dict[str, Any], out_path: str) -> None:
@@ -535,15 +587,15 @@ def step_equals_reference(backend, rank: int, refs: dict[str, Any]) -> dict[str,
 
 
 def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
-    join_group(rank, 2, port)
+    refs = join_group(rank, 2, port, refs_path)
     work_dir = Path(work)
-    refs = torch.load(refs_path, weights_only=False)
     checks: dict[str, Any] = {}
     ids = token_ids(1)
     for name in VARIANTS:
         backend = build(work_dir / name, tp=2)
-        d = max_diff(full_logits(backend, ids), refs[f"logits[{name}]"])
-        checks[f"tp2_logits_equal_tp1[{name}]"] = {"ok": d <= 1e-5, "max_abs_diff": d}
+        checks[f"tp2_logits_equal_tp1[{name}]"] = logits_close(
+            full_logits(backend, ids), refs[f"logits[{name}]"]
+        )
         result = drive(backend, rank, lambda b, name=name: roundtrip(b, work_dir / name))
         if rank == 0:
             checks[f"hf_export_roundtrip_tp2[{name}]"] = result
@@ -559,13 +611,25 @@ def phase_tp2(rank: int, port: int, work: str, refs_path: str, out_path: str) ->
 def restore_check(rank: int, work_dir: Path, tp: int) -> dict[str, Any] | None:
     """save -> restore -> one step == uninterrupted, on every rank, bf16 (separate fp32 main params).
     Run B starts from OTHER weights, so everything it ends with must come from the restore."""
-    from rlfleet.trainer.publish import checkpoint
-
     directory = work_dir / f"ckpt-{tp}-{torch.distributed.get_world_size()}"
+    run_a = build(work_dir / "qwen3_head_dim_rope_parameters", tp=tp, dtype="bfloat16")
+    expected, before, got = restore_then_step(
+        rank, directory, run_a, lambda: build(work_dir / "other_init", tp=tp, dtype="bfloat16")
+    )
+    return gather_to_rank_0(rank, restore_report(expected, before, got))
+
+
+def restore_then_step(
+    rank: int, directory: Path, run_a, build_run_b: Callable[[], Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Run A steps, saves to `directory` through the loop's checkpoint files (saved, verified and unpickled
+    weights-only: no allowlist entry) and steps again; run B, built after it from other weights, restores
+    that checkpoint and takes the same second step. This rank's state (`local_state`) of A at the end,
+    of B before the restore and of B at the end."""
+    from rlfleet.trainer.publish import checkpoint
 
     def uninterrupted(b):
         b.train_step(flat_batch(11), GROUPS)
-        # through the loop's checkpoint files: saved, verified and unpickled weights-only (no allowlist entry)
         checkpoint.save_checkpoint(directory, {"step": 1, "backend": b.state_dict()})
         b.train_step(flat_batch(12), GROUPS)
 
@@ -573,16 +637,22 @@ def restore_check(rank: int, work_dir: Path, tp: int) -> dict[str, Any] | None:
         b.load_state_dict(checkpoint.load_latest(directory)["backend"])
         b.train_step(flat_batch(12), GROUPS)
 
-    run_a = build(work_dir / "qwen3_head_dim_rope_parameters", tp=tp, dtype="bfloat16")
     drive(run_a, rank, uninterrupted)
     expected = local_state(run_a)
-    run_b = build(work_dir / "other_init", tp=tp, dtype="bfloat16")
+    run_b = build_run_b()
     before = local_state(run_b)
     drive(run_b, rank, restored)
-    got = local_state(run_b)
+    return expected, before, local_state(run_b)
+
+
+def restore_report(
+    expected: dict[str, torch.Tensor], before: dict[str, torch.Tensor], got: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """One rank's verdict: every tensor of the restored run equals the uninterrupted one's, Adam moments
+    among them."""
     unequal = sorted(k for k in expected if not torch.equal(expected[k], got[k]))
     moments = [k for k in expected if k.endswith(("exp_avg", "exp_avg_sq"))]
-    local = {
+    return {
         "ok": not unequal and bool(moments) and set(expected) == set(got),
         "tensors": len(expected),
         "adam_moment_tensors": len(moments),
@@ -593,19 +663,22 @@ def restore_check(rank: int, work_dir: Path, tp: int) -> dict[str, Any] | None:
             not torch.equal(before[k], got[k]) for k in got if k.startswith("model.")
         ),
     }
+
+
+def gather_to_rank_0(rank: int, local: dict[str, Any]) -> dict[str, Any] | None:
+    """Every rank's verdict, on rank 0 (None elsewhere): ok when all are."""
     world = torch.distributed.get_world_size()
     parts: list[Any] | None = [None] * world if rank == 0 else None
     torch.distributed.gather_object(local, parts, dst=0)
-    return {"ok": all(p["ok"] for p in parts), "per_rank": parts} if rank == 0 else None
+    return {"ok": parts is not None and all(p["ok"] for p in parts), "per_rank": parts} if rank == 0 else None
 
 
 def phase_tp2_dp2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
     """Four processes, TP=2 x DP=2 (the production shape): each replica trains on half the sequences;
     the gradient, the update and the loss rank 0 reports are the whole batch's, and a restore with
     the optimizer state sharded over the replicas is exact on every rank."""
-    join_group(rank, 4, port)
+    refs = join_group(rank, 4, port, refs_path)
     work_dir = Path(work)
-    refs = torch.load(refs_path, weights_only=False)
     checks: dict[str, Any] = {}
     backend = build(work_dir / "qwen3_head_dim_rope_parameters", tp=2)
     checks["tp2_dp2_step_equals_single_process"] = step_equals_reference(backend, rank, refs)
@@ -613,13 +686,16 @@ def phase_tp2_dp2(rank: int, port: int, work: str, refs_path: str, out_path: str
     leave_group(rank, checks, out_path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main(out: str) -> int:
+def run_tier(
+    out: str,
+    phase_1: Callable[[Path], tuple[dict[str, Any], dict[str, Any]]],
+    run_b_weights: Callable[[Path], None],
+    spawned: list[tuple[Callable[..., None], int]],
+) -> int:
+    """A tier: `phase_1` in this process (world size 1) gives checks and the references the spawned
+    phases compare against; `run_b_weights` writes where the restore checks' run B starts; each spawned
+    phase runs in its number of processes, `phase(rank, port, work, refs_path, out_path)`. Writes the
+    JSON the main suite reads to `out`; exit status 0 when every check is ok."""
     t0 = time.monotonic()
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
@@ -627,41 +703,28 @@ def main(out: str) -> int:
     install_stubs()
     with tempfile.TemporaryDirectory(prefix="rlfleet-mg-cpu-") as tmp:
         work = Path(tmp)
-        checks, refs = phase_tp1(work)
-        # run B of the restore check starts from other weights of the same shapes
-        from safetensors.torch import save_file
-
-        source, other_dir = work / "qwen3_head_dim_rope_parameters", work / "other_init"
-        other_dir.mkdir()
-        (other_dir / "config.json").write_text((source / "config.json").read_text())
-        save_file(
-            {k: torch.randn_like(v) * 0.1 for k, v in hf_tensors(source).items()},
-            str(other_dir / "model.safetensors"),
-        )
+        checks, refs = phase_1(work)
+        run_b_weights(work)
         torch.save(refs, work / "refs.pt")
         torch.distributed.destroy_process_group()
         t1 = time.monotonic()
         import torch.multiprocessing as mp
 
-        tp2_out = work / "tp2.json"
-        mp.spawn(
-            phase_tp2, args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_out)), nprocs=2, join=True
-        )
-        checks.update(json.loads(tp2_out.read_text()))
-        dp2_out = work / "tp2_dp2.json"
-        mp.spawn(
-            phase_tp2_dp2,
-            args=(free_port(), str(work), str(work / "refs.pt"), str(dp2_out)),
-            nprocs=4,
-            join=True,
-        )
-        checks.update(json.loads(dp2_out.read_text()))
+        for phase, processes in spawned:
+            phase_out = work / f"{phase.__name__}.json"
+            mp.spawn(
+                phase,
+                args=(free_port(), str(work), str(work / "refs.pt"), str(phase_out)),
+                nprocs=processes,
+                join=True,
+            )
+            checks.update(json.loads(phase_out.read_text()))
     Path(out).write_text(
         json.dumps(
             {
                 "checks": checks,
                 "wall_s": time.monotonic() - t0,
-                "tp1_s": t1 - t0,
+                "phase_1_s": t1 - t0,
                 "spawned_s": time.monotonic() - t1,
             },
             indent=1,
@@ -671,5 +734,18 @@ def main(out: str) -> int:
     return 0 if all(c.get("ok") for c in checks.values()) else 1
 
 
+def other_init(work: Path) -> None:
+    """Run B of the restore check starts from other weights of the same shapes."""
+    from safetensors.torch import save_file
+
+    source, other_dir = work / "qwen3_head_dim_rope_parameters", work / "other_init"
+    other_dir.mkdir()
+    (other_dir / "config.json").write_text((source / "config.json").read_text())
+    save_file(
+        {k: torch.randn_like(v) * 0.1 for k, v in hf_tensors(source).items()},
+        str(other_dir / "model.safetensors"),
+    )
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(run_tier(sys.argv[1], phase_tp1, other_init, [(phase_tp2, 2), (phase_tp2_dp2, 4)]))

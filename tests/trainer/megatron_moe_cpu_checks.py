@@ -13,11 +13,7 @@ product's CPU shims), and so are the helpers.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,19 +21,30 @@ import numpy as np
 import torch
 from megatron_cpu_checks import (
     GROUPS,
-    UPDATE_ATOL,
+    SIZES,
     VOCAB,
+    against_transformers,
     build,
     drive,
     flat_batch,
-    free_port,
     full_logits,
-    install_stubs,
+    gather_to_rank_0,
+    input_scales_unequal,
     join_group,
     leave_group,
-    local_state,
-    max_diff,
+    logits_close,
+    publish_version_0_views,
+    restore_report,
+    restore_then_step,
+    run_tier,
+    shift_norms,
     token_ids,
+)
+from megatron_cpu_checks import (
+    compare_steps as compare_dense_steps,
+)
+from megatron_cpu_checks import (
+    roundtrip as export_roundtrip,
 )
 
 VARIANTS = {
@@ -61,14 +68,8 @@ def make_checkpoint(
 
     spec = TinyQwen3(
         architecture="qwen3_moe",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **SIZES,
         head_dim=12,
-        max_position_embeddings=64,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=16,
@@ -78,21 +79,9 @@ def make_checkpoint(
         router_aux_loss_coef=router_aux_loss_coef,
     )
     model = tiny_model(spec)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():  # norms away from 1 so a missing or mis-mapped norm shows in the logits
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    shift_norms(model, torch.Generator().manual_seed(seed + 1))
     model.save_pretrained(directory)
     return directory
-
-
-def hf_logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(ids).logits
 
 
 def checkpoint_names(directory: Path) -> dict[str, torch.Tensor]:
@@ -105,19 +94,12 @@ def checkpoint_names(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def roundtrip(backend, directory: Path) -> dict[str, Any]:
-    exported = backend.weights()
-    if torch.distributed.get_rank() != 0:
-        return {}
-    original = checkpoint_names(directory)
-    bad = sorted(k for k in original if k not in exported or not torch.equal(exported[k], original[k]))
-    experts = sorted(k for k in original if ".mlp.experts." in k)
-    return {
-        "ok": set(exported) == set(original) and not bad and len(experts) == 2 * 4 * 3,
-        "names": len(original),
-        "expert_tensors": len(experts),
-        "extra": sorted(set(exported) - set(original)),
-        "unequal": bad[:10],
-    }
+    """The export against the checkpoint's names (experts one by one): 2 layers x 4 experts x 3 linears."""
+    report = export_roundtrip(backend, directory, checkpoint_names)
+    if not report:  # not rank 0
+        return report
+    experts = sorted(k for k in checkpoint_names(directory) if ".mlp.experts." in k)
+    return report | {"ok": report["ok"] and len(experts) == 2 * 4 * 3, "expert_tensors": len(experts)}
 
 
 RAGGED = [
@@ -183,24 +165,10 @@ def step(backend, flat=None) -> dict[str, Any]:
 
 
 def compare_steps(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
-    wd = max(max_diff(got["weights"][k], want["weights"][k]) for k in want["weights"])
-    dl, dg, dk = (
-        abs(got["loss"] - want["loss"]),
-        abs(got["grad_norm"] - want["grad_norm"]),
-        abs(got["kl_k3"] - want["kl_k3"]),
-    )
-    return {
-        "ok": dl <= 1e-6
-        and dg <= 1e-5
-        and dk <= 1e-6
-        and wd <= UPDATE_ATOL
-        and got["tokens"] == want["tokens"]
-        and set(got["weights"]) == set(want["weights"])
-        and same_routing(got["routing"], want["routing"]),
-        "loss_diff": dl,
-        "grad_norm_diff": dg,
-        "kl_k3_diff": dk,
-        "updated_weights_max_diff": wd,
+    """The dense tier's step comparison, and the same routing metrics."""
+    report = compare_dense_steps(got, want)
+    return report | {
+        "ok": report["ok"] and same_routing(got["routing"], want["routing"]),
         "num_valid_tokens": got["tokens"],
         "routing": got["routing"]["batch"],
     }
@@ -213,70 +181,20 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
     in the nvfp4 view, and each one's input_scale is amax / (448 * 6) with the amax transformers'
     Qwen3-MoE of the checkpoint gives (`calibrate_activation_amax`: experts over every token entering
     the block) on the same calibration batch: exact."""
-    from dataclasses import replace
-
     from transformers import AutoModelForCausalLM
 
-    from rlfleet.api import load_rljob
-    from rlfleet.numerics import formats
-    from rlfleet.numerics.views import calibrate_activation_amax, calibration_batch, read_view_tensors
-    from rlfleet.store import open_store
-    from rlfleet.trainer.collapse import CollapseDetector
-    from rlfleet.trainer.config import GroupSpec, resolve_run
-    from rlfleet.trainer.publish.publisher import WeightPublisher
-    from rlfleet.trainer.run import ChannelSink, run_training
+    from rlfleet.numerics.views import calibrate_activation_amax, calibration_batch
 
-    class NoRollouts:
-        next_position = 0
-
-        def start(self) -> None:
-            pass
-
-        def stop(self) -> None:
-            pass
-
-    channel_dir = work / "channel"
-    channel_dir.mkdir(parents=True)
-    publisher = WeightPublisher(
-        open_store(str(channel_dir)),
-        views=["bf16", "nvfp4"],
-        follow_subscribers=False,
-        base_checkpoint=directory,
-    )
-    example = resolve_run(
-        load_rljob(Path(__file__).resolve().parents[2] / "examples" / "rljob.yaml"), local=True
-    )
-    rc = replace(
-        example,
-        steps=0,
-        prompts_per_step=1,
-        max_staleness=None,
-        groups=[GroupSpec("h100-bf16", "h100", "bf16"), GroupSpec("b200-nvfp4", "b200", "nvfp4")],
-    )
     try:
-        run_training(
-            rc,
-            backend,
-            ChannelSink(publisher),
-            CollapseDetector(),
-            lambda position: NoRollouts(),
-            checkpoint=None,
-        )
+        latest, config, tensors = publish_version_0_views(backend, directory, work)
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
-    latest = publisher.channel.latest()
-    config, tensors = read_view_tensors(publisher.channel.obtain_view(0, "nvfp4", work / "nvfp4").directory)
     reference = AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32
     )  # = version 0 (the export is exact)
     amax = calibrate_activation_amax(reference, [calibration_batch(VOCAB)])
     modules = [n[: -len(".weight")] for n in config["quantized"]]
-    unequal = [
-        m
-        for m in modules
-        if f"{m}.input_scale" not in tensors
-        or not torch.equal(tensors[f"{m}.input_scale"], formats.nvfp4_global_scale(amax[m]))
-    ]
+    unequal = input_scales_unequal(modules, tensors, amax)
     experts = [m for m in modules if ".mlp.experts." in m]
     return {
         "ok": latest is not None
@@ -299,17 +217,8 @@ def publish_version_0(backend, directory: Path, work: Path) -> dict[str, Any]:
 def phase_ep1(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     checks: dict[str, Any] = {}
     refs: dict[str, Any] = {}
-    ids = token_ids(1)
-    for name, variant in VARIANTS.items():
-        directory = make_checkpoint(work / name, **variant)
-        backend = build(directory, tp=1)
-        ours, theirs = full_logits(backend, ids), hf_logits(directory, ids)
-        d = max_diff(ours, theirs)
-        checks[f"moe_logits_match_transformers_ep1[{name}]"] = {
-            "ok": d <= 1e-5,
-            "max_abs_diff": d,
-            "logit_scale": float(theirs.abs().max()),
-        }
+    for name, directory, backend, _, theirs, match in against_transformers(work, VARIANTS, make_checkpoint):
+        checks[f"moe_logits_match_transformers_ep1[{name}]"] = match
         checks[f"moe_hf_export_roundtrip_ep1[{name}]"] = roundtrip(backend, directory)
         if name == "moe_norm_topk_prob":
             checks[f"moe_publish_version_0_nvfp4[{name}]"] = publish_version_0(
@@ -381,19 +290,15 @@ def aux_checks(work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def phase_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
-    join_group(rank, 2, port)
+    refs = join_group(rank, 2, port, refs_path)
     work_dir = Path(work)
-    refs = torch.load(refs_path, weights_only=False)
     checks: dict[str, Any] = {}
     ids = token_ids(1)
     for name in VARIANTS:
         backend = build(work_dir / name, tp=1, expert_parallel=2)
-        d = max_diff(full_logits(backend, ids), refs[f"hf_logits[{name}]"])
-        checks[f"moe_logits_match_transformers_ep2[{name}]"] = {
-            "ok": d <= 1e-5,
-            "max_abs_diff": d,
-            "local_experts": len(backend.model.module.decoder.layers[0].mlp.experts.local_experts),
-        }
+        checks[f"moe_logits_match_transformers_ep2[{name}]"] = logits_close(
+            full_logits(backend, ids), refs[f"hf_logits[{name}]"]
+        ) | {"local_experts": len(backend.model.module.decoder.layers[0].mlp.experts.local_experts)}
         result = drive(backend, rank, lambda b, name=name: roundtrip(b, work_dir / name))
         if rank == 0:
             checks[f"moe_hf_export_roundtrip_ep2[{name}]"] = result
@@ -422,46 +327,21 @@ def restore_check(rank: int, work_dir: Path) -> dict[str, Any] | None:
     state of the dense and the expert parameters: megatron chains one distributed optimizer for each),
     bf16 with the load-balancing term on. Run B starts from other weights (another seed), so everything
     it ends with must come from the restore."""
-    from rlfleet.trainer.publish import checkpoint
-
-    directory = work_dir / "ckpt-ep2"
-
-    def uninterrupted(b):
-        b.train_step(flat_batch(11), GROUPS)
-        checkpoint.save_checkpoint(directory, {"step": 1, "backend": b.state_dict()})
-        b.train_step(flat_batch(12), GROUPS)
-
-    def restored(b):
-        b.load_state_dict(checkpoint.load_latest(directory)["backend"])
-        b.train_step(flat_batch(12), GROUPS)
-
     run_a = build(work_dir / "moe_aux", tp=1, dtype="bfloat16", expert_parallel=2)
-    drive(run_a, rank, uninterrupted)
-    expected = local_state(run_a)
-    run_b = build(work_dir / "moe_aux_other_init", tp=1, dtype="bfloat16", expert_parallel=2)
-    before = local_state(run_b)
-    drive(run_b, rank, restored)
-    got = local_state(run_b)
-    unequal = sorted(k for k in expected if not torch.equal(expected[k], got[k]))
-    moments = [k for k in expected if k.endswith(("exp_avg", "exp_avg_sq"))]
+    expected, before, got = restore_then_step(
+        rank,
+        work_dir / "ckpt-ep2",
+        run_a,
+        lambda: build(work_dir / "moe_aux_other_init", tp=1, dtype="bfloat16", expert_parallel=2),
+    )
+    local = restore_report(expected, before, got)
     experts = [
         k for k in got if k.startswith("model.") and ".local_experts." in k and "_extra_state" not in k
     ]
-    local = {
-        "ok": not unequal and bool(moments) and bool(experts) and set(expected) == set(got),
-        "tensors": len(expected),
-        "adam_moment_tensors": len(moments),
-        "expert_tensors": len(experts),
-        "n_unequal": len(unequal),
-        "unequal": unequal[:10],
-        "model_tensors_changed_by_restore": sum(
-            not torch.equal(before[k], got[k]) for k in got if k.startswith("model.")
-        ),
-        "expert_tensors_changed_by_restore": sum(not torch.equal(before[k], got[k]) for k in experts),
-    }
-    parts: list[Any] | None = [None] * 2 if rank == 0 else None
-    torch.distributed.gather_object(local, parts, dst=0)
-    return {"ok": parts is not None and all(p["ok"] for p in parts), "per_rank": parts} if rank == 0 else None
+    local["ok"] = local["ok"] and bool(experts)
+    local["expert_tensors"] = len(experts)
+    local["expert_tensors_changed_by_restore"] = sum(not torch.equal(before[k], got[k]) for k in experts)
+    return gather_to_rank_0(rank, local)
 
 
 def phase_tp2_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str) -> None:
@@ -470,18 +350,16 @@ def phase_tp2_ep2(rank: int, port: int, work: str, refs_path: str, out_path: str
     of the experts. (Expert TP = TP = 2 with EP = 2 does not run on gloo: megatron's alltoall dispatcher
     all-gathers each expert's tokens over the expert-TP ranks in unequal parts, which gloo's allgather
     refuses; NCCL takes them.)"""
-    join_group(rank, 4, port)
+    refs = join_group(rank, 4, port, refs_path)
     work_dir = Path(work)
-    refs = torch.load(refs_path, weights_only=False)
     checks: dict[str, Any] = {}
     name = "moe_norm_topk_prob"
     layout = dict(tp=2, expert_parallel=2, expert_tensor_parallel=1)
     backend = build(work_dir / name, **layout)
-    d = max_diff(full_logits(backend, token_ids(1)), refs[f"hf_logits[{name}]"])
     mlp = backend.model.module.decoder.layers[0].mlp
-    checks[f"moe_logits_match_transformers_tp2_ep2[{name}]"] = {
-        "ok": d <= 1e-5,
-        "max_abs_diff": d,
+    checks[f"moe_logits_match_transformers_tp2_ep2[{name}]"] = logits_close(
+        full_logits(backend, token_ids(1)), refs[f"hf_logits[{name}]"]
+    ) | {
         "local_experts": len(mlp.experts.local_experts),
         "expert_fc1_rows": mlp.experts.local_experts[0].linear_fc1.weight.shape[0],
         "qkv_rows": backend.model.module.decoder.layers[0].self_attention.linear_qkv.weight.shape[0],
@@ -525,48 +403,10 @@ def other_layout_refused(rank: int, work_dir: Path) -> dict[str, Any] | None:
     }
 
 
-def main(out: str) -> int:
-    t0 = time.monotonic()
-    os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    )
-    install_stubs()
-    with tempfile.TemporaryDirectory(prefix="rlfleet-mg-moe-") as tmp:
-        work = Path(tmp)
-        checks, refs = phase_ep1(work)
-        make_checkpoint(work / "moe_aux_other_init", **AUX, seed=1)  # the restore check's run B starts here
-        torch.save(refs, work / "refs.pt")
-        torch.distributed.destroy_process_group()
-        t1 = time.monotonic()
-        import torch.multiprocessing as mp
-
-        ep2_out = work / "ep2.json"
-        mp.spawn(
-            phase_ep2, args=(free_port(), str(work), str(work / "refs.pt"), str(ep2_out)), nprocs=2, join=True
-        )
-        checks.update(json.loads(ep2_out.read_text()))
-        tp2_ep2_out = work / "tp2_ep2.json"
-        mp.spawn(
-            phase_tp2_ep2,
-            args=(free_port(), str(work), str(work / "refs.pt"), str(tp2_ep2_out)),
-            nprocs=4,
-            join=True,
-        )
-        checks.update(json.loads(tp2_ep2_out.read_text()))
-    Path(out).write_text(
-        json.dumps(
-            {
-                "checks": checks,
-                "wall_s": time.monotonic() - t0,
-                "ep1_s": t1 - t0,
-                "spawned_s": time.monotonic() - t1,
-            },
-            indent=1,
-            default=str,
-        )
-    )
-    return 0 if all(c.get("ok") for c in checks.values()) else 1
+def other_init(work: Path) -> None:
+    """The restore check's run B starts from other weights (another seed)."""
+    make_checkpoint(work / "moe_aux_other_init", **AUX, seed=1)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(run_tier(sys.argv[1], phase_ep1, other_init, [(phase_ep2, 2), (phase_tp2_ep2, 4)]))

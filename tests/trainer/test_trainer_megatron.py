@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -453,9 +454,9 @@ CHECKS = [
 ]
 
 
-def run_cpu_tier(tmp_path_factory, script: str, label: str) -> dict:
+def run_cpu_tier(tmp_path_factory, script: str) -> dict:
     """`script` (beside this file) run by .venv312's Python: the JSON it writes ({"checks": {name: {"ok":
-    bool, ...}}, "wall_s": float}); its wall time goes to stderr, labelled."""
+    bool, ...}}, "wall_s": float}); its wall time goes to stderr, labelled with the script."""
     python = REPO / ".venv312" / "bin" / "python"
     assert python.exists(), "the megatron CPU tier needs .venv312: run scripts/bootstrap"
     out = tmp_path_factory.mktemp(Path(script).stem) / "checks.json"
@@ -468,34 +469,27 @@ def run_cpu_tier(tmp_path_factory, script: str, label: str) -> dict:
     )
     assert out.exists(), f"{script} wrote no result (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
     result = json.loads(out.read_text())
-    sys.stderr.write(f"{label}: {result['wall_s']:.1f} s\n")
+    sys.stderr.write(f"{script}: {result['wall_s']:.1f} s\n")
     return result
 
 
 @pytest.fixture(scope="module")
-def megatron_cpu_tier(tmp_path_factory) -> dict:
-    return run_cpu_tier(tmp_path_factory, "megatron_cpu_checks.py", "megatron CPU tier")
+def cpu_tier(tmp_path_factory) -> Callable[[str], dict]:
+    """`cpu_tier(script)`: the JSON of megatron_cpu_checks.py or megatron_moe_cpu_checks.py, each run
+    once per module (when a selected test first asks for it)."""
+    results: dict[str, dict] = {}
+
+    def result(script: str) -> dict:
+        if script not in results:
+            results[script] = run_cpu_tier(tmp_path_factory, script)
+        return results[script]
+
+    return result
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", CHECKS)
-def test_megatron_cpu_tier(megatron_cpu_tier, name):
-    """Logits of the GPTModel our backend builds equal transformers' Qwen3 (fp32, 1e-5) for QK-norm +
-    custom head_dim, both rope forms and tied embeddings; TP=2 equals TP=1; HF -> megatron -> HF is
-    bit-exact at TP 1 and 2; version 0 of a bf16 + nvfp4 channel is published from the backend (the
-    path `rlfleet trainer run` takes before step 1), each quantized linear's input_scale from the
-    activation amax transformers' Qwen3 gives with the exported weights (exact; fp32, and bf16); an
-    odd sequence length under TP=2 sequence parallel gives the TP=1 loss; restore + one step is
-    bit-equal to the uninterrupted run on every rank, Adam moments included (TP=2, and TP=2 x DP=2
-    with the optimizer state sharded over the replicas); TP=2 x DP=2 gives the single process's
-    update, and rank 0 reports the whole batch's loss and metrics."""
-    check = megatron_cpu_tier["checks"][name]
-    assert check["ok"], check
-
-
-@pytest.mark.slow
-def test_megatron_cpu_tier_thresholds_are_tight(megatron_cpu_tier):
-    checks = megatron_cpu_tier["checks"]
+def test_megatron_cpu_tier_thresholds_are_tight(cpu_tier):
+    checks = cpu_tier("megatron_cpu_checks.py")["checks"]
     for name in CHECKS:
         if name.startswith(("logits_match", "tp2_logits")):
             assert checks[name]["max_abs_diff"] <= 1e-5, name
@@ -552,15 +546,24 @@ MOE_CHECKS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def megatron_moe_cpu_tier(tmp_path_factory) -> dict:
-    return run_cpu_tier(tmp_path_factory, "megatron_moe_cpu_checks.py", "megatron MoE CPU tier")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", MOE_CHECKS)
-def test_megatron_moe_cpu_tier(megatron_moe_cpu_tier, name):
-    """Qwen3-MoE in megatron-core (TopKRouter, SequentialMLP experts, alltoall dispatch over gloo):
+@pytest.mark.parametrize(
+    ("script", "name"),
+    [("megatron_cpu_checks.py", name) for name in CHECKS]
+    + [("megatron_moe_cpu_checks.py", name) for name in MOE_CHECKS],
+)
+def test_megatron_cpu_tier(cpu_tier, script, name):
+    """Logits of the GPTModel our backend builds equal transformers' Qwen3 (fp32, 1e-5) for QK-norm +
+    custom head_dim, both rope forms and tied embeddings; TP=2 equals TP=1; HF -> megatron -> HF is
+    bit-exact at TP 1 and 2; version 0 of a bf16 + nvfp4 channel is published from the backend (the
+    path `rlfleet trainer run` takes before step 1), each quantized linear's input_scale from the
+    activation amax transformers' Qwen3 gives with the exported weights (exact; fp32, and bf16); an
+    odd sequence length under TP=2 sequence parallel gives the TP=1 loss; restore + one step is
+    bit-equal to the uninterrupted run on every rank, Adam moments included (TP=2, and TP=2 x DP=2
+    with the optimizer state sharded over the replicas); TP=2 x DP=2 gives the single process's
+    update, and rank 0 reports the whole batch's loss and metrics.
+
+    Qwen3-MoE in megatron-core (TopKRouter, SequentialMLP experts, alltoall dispatch over gloo):
     logits equal transformers' (fp32, 1e-5) with and without `norm_topk_prob`, at EP=1 and EP=2 (two
     experts per rank); HF -> megatron -> HF is bit-exact at EP 1 and 2 (experts gathered from their
     ranks); version 0 is published from the backend (bf16 + nvfp4 views) with every attention and
@@ -573,13 +576,13 @@ def test_megatron_moe_cpu_tier(megatron_moe_cpu_tier, name):
     gives the same step, and TP=2 with sequence parallel (each expert split over the 2 ranks; padding
     tokens counted out of the term) equals TP=1; TP=2 x EP=2 with whole experts (4 processes) gives
     transformers' logits, the exact export and the EP=1 step."""
-    check = megatron_moe_cpu_tier["checks"][name]
+    check = cpu_tier(script)["checks"][name]
     assert check["ok"], check
 
 
 @pytest.mark.slow
-def test_megatron_moe_cpu_tier_thresholds_are_tight(megatron_moe_cpu_tier):
-    checks = megatron_moe_cpu_tier["checks"]
+def test_megatron_moe_cpu_tier_thresholds_are_tight(cpu_tier):
+    checks = cpu_tier("megatron_moe_cpu_checks.py")["checks"]
     assert set(checks) == set(MOE_CHECKS)
     for name in MOE_CHECKS:
         if name.startswith("moe_logits"):
