@@ -358,16 +358,11 @@ def fleet_request(
     demand, _ = demand_of(spec, trainer or {})
     if not figures or demand is None:
         return None, left_out
-    budgets = spec.budgets
+    # the RLJob's budgets are the optimizer's, field by field (FleetBudgetsSpec's names are Budgets')
     request = FleetPlanRequest(
         trainer_accelerator=trainer_accelerator,
         demand=Demand(usable_tokens_per_second=demand),
-        budgets=Budgets(
-            max_kl=budgets.max_kl,
-            max_oor_fraction=budgets.max_oor_fraction,
-            group_max_kl=budgets.group_max_kl,
-            group_max_oor_fraction=budgets.group_max_oor_fraction,
-        ),
+        budgets=Budgets(**spec.budgets.model_dump()),
         max_step_replicas=spec.max_step_replicas,
         hysteresis=spec.hysteresis,
         groups=figures,

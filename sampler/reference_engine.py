@@ -70,32 +70,15 @@ def seeded_weights(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
     """The tiny Qwen3 init (rlfleet/tiny_qwen3.py `init_weights`) of `shape` from `seed`: what an engine
     started without a checkpoint serves until its first weight update."""
     from rlfleet.numerics.views import checkpoint_tensors
-    from rlfleet.tiny_qwen3 import TinyQwen3, tiny_model
+    from rlfleet.tiny_qwen3 import SIZES, TinyQwen3, tiny_model
 
-    moe: dict[str, Any] = (
-        {
-            "architecture": "qwen3_moe",
-            "num_experts": shape.num_experts,
-            "num_experts_per_tok": shape.num_experts_per_tok,
-            "moe_intermediate_size": shape.moe_intermediate_size,
-            "norm_topk_prob": shape.norm_topk_prob,
-        }
-        if shape.is_moe
-        else {}
-    )
-    spec = TinyQwen3(
-        vocab_size=shape.vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_hidden_layers,
-        num_attention_heads=shape.num_attention_heads,
-        num_key_value_heads=shape.num_key_value_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=shape.max_position_embeddings,
-        tie_word_embeddings=shape.tie_word_embeddings,
-        seed=seed,
-        **moe,
-    )
+    # the shape's fields a TinyQwen3 takes under the same names (a MoE's: its experts and routing too)
+    names = ["vocab_size", *SIZES, "tie_word_embeddings"]
+    if shape.is_moe:
+        names += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
+    sizes = {name: getattr(shape, name) for name in names}
+    architecture = "qwen3_moe" if shape.is_moe else "qwen3"
+    spec = TinyQwen3(**sizes, seed=seed, architecture=architecture)
     # checkpoint names: a Qwen3-MoE's experts one by one, as its checkpoints and views hold them
     return {k: v.detach() for k, v in checkpoint_tensors(tiny_model(spec).state_dict()).items()}
 
