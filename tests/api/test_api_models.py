@@ -34,15 +34,17 @@ def test_example_is_the_reference_fleet() -> None:
     spec = job.spec
     assert job.name == "reference-fleet"
     assert (spec.trainer.accelerator, spec.trainer.precision) == ("b200", "bf16")
-    assert [(g.name, g.accelerator, g.weight_format) for g in spec.sampler_groups] == [
-        ("b200-nvfp4", "b200", "nvfp4"),
-        ("b300-nvfp4", "b300", "nvfp4"),
-        ("h100-fp8", "h100", "fp8"),
-        ("h100-bf16", "h100", "bf16"),
-        ("h200-fp8", "h200", "fp8"),
-        ("h200-bf16", "h200", "bf16"),
-        ("a100-bf16", "a100", "bf16"),
-        ("rtx-pro-6000-bf16", "rtx-pro-6000", "bf16"),
+    # each group is named <class>-<format>
+    assert all(g.name == f"{g.accelerator}-{g.weight_format}" for g in spec.sampler_groups)
+    assert [g.name for g in spec.sampler_groups] == [
+        "b200-nvfp4",
+        "b300-nvfp4",
+        "h100-fp8",
+        "h100-bf16",
+        "h200-fp8",
+        "h200-bf16",
+        "a100-bf16",
+        "rtx-pro-6000-bf16",
     ]
     assert spec.sampler_groups[-1].kv_cache_dtype == "fp8_e4m3"
     assert all(g.kv_cache_dtype == "auto" for g in spec.sampler_groups[:-1])

@@ -10,6 +10,7 @@ import copy
 from pathlib import Path
 
 import pytest
+from support.autopilot_readings import autopilot_reading
 from support.manifests import rljob
 
 from rlfleet.api import RLJob
@@ -22,16 +23,7 @@ ALL_VIEWS = ("bf16", "fp8", "nvfp4")
 
 
 def reading(weight_format: str, kl: float | None, oor: float | None = None, **kw) -> AutopilotReading:
-    fields = {
-        "name": "b200-nvfp4",
-        "accelerator": "b200",
-        "kv_cache_dtype": "auto",
-        "max_kl": 0.01,
-        "max_oor_fraction": 0.2,
-        "quarantined": False,
-        **kw,
-    }
-    return AutopilotReading(weight_format=weight_format, kl=kl, oor_fraction=oor, **fields)
+    return autopilot_reading(weight_format=weight_format, kl=kl, oor_fraction=oor, **kw)
 
 
 def drive(

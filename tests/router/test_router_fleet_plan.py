@@ -105,18 +105,15 @@ def test_a_reading_takes_class_format_tensor_parallel_price_and_replicas_from_th
         },
         "status": {"readyReplicas": 1},
     }
-    assert fleetplan.fleet_reading(sg, 2.99, 1, 3000.0, 0.01, 0.1, False) == FleetReading(
+    assert fleetplan.fleet_reading(sg, 2.99, 1, 3000.0, 0.01, 0.1, False) == reading(
         "h100-fp8",
-        "h100",
-        "fp8",
+        2,
+        ready=1,
+        tps=3000.0,
         gpus_per_replica=2,
         cost_per_replica_hour=5.98,
-        replicas=2,
-        ready_replicas=1,
-        tokens_per_second=3000.0,
         kl=0.01,
         oor_fraction=0.1,
-        quarantined=False,
     )
     plain = fleetplan.fleet_reading(
         {"spec": {"name": "a", "accelerator": "b200"}}, 5.99, 1, None, None, None, True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from support.autopilot_readings import autopilot_reading
 from support.manifests import rljob
 
 from rlfleet.api import RLJob
@@ -46,20 +47,8 @@ rlfleet_trainer_kl_k3{key="bad",scope="group"} 0.001
 
 
 def reading(trained: float | None, invalid: dict[str, float] | None = None, **kw) -> AutopilotReading:
-    fields = {
-        "name": "bad",
-        "accelerator": "b200",
-        "weight_format": "nvfp4",
-        "kv_cache_dtype": "auto",
-        "kl": 0.001,
-        "oor_fraction": 0.0,
-        "max_kl": 0.01,
-        "max_oor_fraction": 0.2,
-        "quarantined": False,
-        "max_invalid_fraction": 0.05,
-        **kw,
-    }
-    return AutopilotReading(trained_fraction=trained, invalid_tokens=invalid or {}, **fields)
+    fields = {"name": "bad", "kl": 0.001, "max_invalid_fraction": 0.05, **kw}
+    return autopilot_reading(trained_fraction=trained, invalid_tokens=invalid or {}, **fields)
 
 
 def drive(readings: list[AutopilotReading], patience: int = 2) -> list[list[autopilot.AutopilotAction]]:

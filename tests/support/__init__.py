@@ -29,6 +29,7 @@ pytest collects nothing here.
   launch asks for, an argv-printing stand-in for the engine program
 - reference_serve: `rlfleet sampler serve --engine reference`'s arguments
 - fleet_plan_cli: `rlfleet fleet plan FILE` as a subprocess
+- autopilot_readings: the precision autopilot's reading of one group within its budgets
 - env_try: `rlfleet env try --environment swe` as a subprocess
 - scripted_turns: the SampledTurns a stand-in sampler answers with (q known exactly)
 - rollout_drivers: `make_driver(position)` for run_training over a sampler of the test's own

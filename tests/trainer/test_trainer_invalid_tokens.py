@@ -28,6 +28,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from support.autopilot_readings import autopilot_reading
 from support.rollout_drivers import driver_factory
 from support.tiny_models import LOOP_MODEL
 
@@ -256,16 +257,9 @@ async def test_a_group_answering_garbage_is_counted_per_group_and_reason_and_the
         invalid[R_BAD_LOGPROB] == bad_logprob
         and parsed["trained_fraction"] == last[f"group/{BAD}/trained_fraction"]
     )
-    reading = autopilot.AutopilotReading(
+    # within its KL and OOR budgets: only the invalid share can move the autopilot
+    reading = autopilot_reading(
         name=BAD,
-        accelerator="b200",
-        weight_format="nvfp4",
-        kv_cache_dtype="auto",
-        kl=0.0,
-        oor_fraction=0.0,
-        max_kl=1.0,
-        max_oor_fraction=1.0,
-        quarantined=False,
         trained_fraction=parsed["trained_fraction"],
         invalid_tokens=invalid,
         max_invalid_fraction=0.05,
