@@ -33,7 +33,7 @@ from rlfleet.records import SUPPORT_MODE
 from rlfleet.trainer.backends.attention import VARLEN_SDPA, use_varlen_attention
 from rlfleet.trainer.backends.backend_common import OptimConfig, combine_metrics, to_token_batch
 from rlfleet.trainer.backends.backend_hf import HFBackend
-from rlfleet.trainer.objective import ObjectiveConfig, policy_loss
+from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss
 from rlfleet.trainer.rollout.batching import FlatBatch, plan_micro_batches
 
 VOCAB = 96
@@ -660,6 +660,18 @@ def test_packed_forward_equals_each_sequence_alone(tiny_qwen3_factory, attn: str
         assert float((leaky - packed).abs().max()) > 1e-2
 
 
+def stepped(model: torch.nn.Module, out: LossOutput) -> dict:
+    """A reference step after its backward: the objective's loss, metrics and per-group metrics, and
+    every parameter's gradient."""
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        "loss": float(out.loss.detach()),
+        "metrics": out.metrics,
+        "per_group": out.per_group,
+        "grads": grads,
+    }
+
+
 def reference_step(ckpt: Path, flat: FlatBatch) -> dict:
     """The unbatched step by hand: one padded forward of the whole batch, the objective on the rows'
     final hidden states and lm_head, backward of the token-mean loss (no backend code)."""
@@ -670,13 +682,7 @@ def reference_step(ckpt: Path, flat: FlatBatch) -> dict:
     rows = hidden[torch.from_numpy(flat.row_seq), torch.from_numpy(flat.row_pos)]
     out = policy_loss(rows, model.lm_head.weight, to_token_batch(flat, GROUPS), OBJECTIVE)
     out.loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {
-        "loss": float(out.loss.detach()),
-        "metrics": out.metrics,
-        "per_group": out.per_group,
-        "grads": grads,
-    }
+    return stepped(model, out)
 
 
 def assert_step_equals_reference(got: dict, want: dict, atol: float = 1e-6) -> None:
@@ -809,14 +815,7 @@ def moe_reference_step(ckpt: Path, flat: FlatBatch, budget: int) -> dict:
             packed, model.config.num_experts, model.config.num_experts_per_tok
         )
     (objective.loss + model.config.router_aux_loss_coef * aux).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {
-        "loss": float(objective.loss.detach()),
-        "metrics": objective.metrics,
-        "per_group": objective.per_group,
-        "grads": grads,
-        "aux": float(aux.detach()),
-    }
+    return stepped(model, objective) | {"aux": float(aux.detach())}
 
 
 @pytest.mark.parametrize("budget", [24, 1 << 14])
