@@ -17,12 +17,17 @@ import pytest
 import yaml
 from support.control_plane import bind_claim, get, operator_in_process
 from support.processes import start_operator
+from support.stub_views import stub_views
 from support.waits import wait_for
 from test_operator_builders import LAUNCH_KEY, launched_argv
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "rljob.yaml"
 JOB = "reference-fleet"
+# `kubectl get samplergroups`: the CRD's printer columns, in order
+SAMPLERGROUP_COLUMNS = (
+    "NAME ACCELERATOR WEIGHTS PHASE READY TOK/S SHARE% VERSION LAG KL OOR USABLE REASON AGE".split()
+)
 GROUPS = [g["name"] for g in yaml.safe_load(EXAMPLE.read_text())["spec"]["samplerGroups"]]
 FLAGS = {
     "b200-nvfp4": ["--quantization", "modelopt_fp4", "--fp4-gemm-backend", "flashinfer_cutlass"],
@@ -167,22 +172,7 @@ def test_example_job_creates_a_placed_ready_fleet(
         assert trainer_pod["spec"]["nodeName"] in kube.gpu_nodes["b200"]
         # kubectl get samplergroups: the columns, with values
         table = kube.kubectl("get", "samplergroups", "-n", namespace).stdout.splitlines()
-        assert table[0].split() == [
-            "NAME",
-            "ACCELERATOR",
-            "WEIGHTS",
-            "PHASE",
-            "READY",
-            "TOK/S",
-            "SHARE%",
-            "VERSION",
-            "LAG",
-            "KL",
-            "OOR",
-            "USABLE",
-            "REASON",
-            "AGE",
-        ]
+        assert table[0].split() == SAMPLERGROUP_COLUMNS
         row = next(line.split() for line in table if line.startswith(f"{JOB}-rtx-pro-6000-bf16"))
         assert row[1:5] == ["rtx-pro-6000", "bf16", "Running", "2/2"]
         # the channel: its store readable and empty -> nothing published yet, said clearly (an unreadable
@@ -356,22 +346,7 @@ def test_cockpit_columns_and_deletion_without_the_operator(
             )
 
         table = wait_for("share in percent", sg_table)
-        assert table[0].split() == [
-            "NAME",
-            "ACCELERATOR",
-            "WEIGHTS",
-            "PHASE",
-            "READY",
-            "TOK/S",
-            "SHARE%",
-            "VERSION",
-            "LAG",
-            "KL",
-            "OOR",
-            "USABLE",
-            "REASON",
-            "AGE",
-        ]
+        assert table[0].split() == SAMPLERGROUP_COLUMNS
         assert [column(table, c) for c in ("PHASE", "READY", "REASON")] == [
             "Running",
             "1/1",
@@ -475,12 +450,7 @@ def test_weightchannel_and_group_versions_from_a_real_store(
     ]
     manifest["spec"]["weightChannel"]["store"] = {"type": "filesystem", "path": str(store_dir)}
     channel = Channel(FilesystemStore(store_dir, create=True))
-    views = {}
-    for view in ("bf16", "fp8"):
-        d = tmp_path / "views" / view
-        d.mkdir(parents=True)
-        (d / "config.json").write_text(json.dumps({"view": view}))
-        views[view] = d
+    views = stub_views(tmp_path / "views")
     channel.publish(views, version=1)
     with operator_in_process(kube, namespace, monkeypatch):
         kube.apply(manifest, namespace=namespace)

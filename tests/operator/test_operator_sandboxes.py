@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.control_plane import role_grants
 from test_operator_builders import CATALOG, NS, OWNER, REPO  # the builder tests' one copy
 
 from rlfleet.api import RLJob
@@ -114,22 +115,10 @@ def test_a_user_named_account_is_bound_and_not_created() -> None:
     assert trainer_pod(kids)["serviceAccountName"] == "team-trainer"
 
 
-def grants(role: dict) -> set[tuple[str, str, str]]:
-    """What a Role's rules grant, one (API group, resource, verb) each."""
-    return {
-        (g, r, v)
-        for rule in role["rules"]
-        for g in rule["apiGroups"]
-        for r in rule["resources"]
-        for v in rule["verbs"]
-    }
-
-
 def test_the_sandbox_role_is_exactly_pods_and_their_exec() -> None:
     role = sandboxes.build_sandbox_role("rlfleet-sandboxes")
     assert role["kind"] == "ClusterRole"
-    granted = grants(role)
-    assert granted == {
+    assert role_grants(role) == {
         ("", "pods", "create"),
         ("", "pods", "delete"),
         ("", "pods", "get"),
@@ -142,7 +131,7 @@ def test_the_sandbox_role_is_exactly_pods_and_their_exec() -> None:
 
 def test_the_agent_sandbox_role_is_exactly_what_the_backend_and_the_sdk_call() -> None:
     role = sandboxes.build_sandbox_role("rlfleet-agent-sandboxes", backend="agent-sandbox")
-    granted = grants(role)
+    granted = role_grants(role)
     ext = "extensions.agents.x-k8s.io"
     assert granted == {
         (ext, "sandboxclaims", "create"),

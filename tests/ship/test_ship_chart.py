@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.control_plane import role_grants
 from support.example_children import example_workloads
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,16 +27,6 @@ def operator_container(objs: list[dict[str, Any]]) -> dict[str, Any]:
     (deployment,) = find(objs, "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return container
-
-
-def rules_of(role: dict[str, Any]) -> set[tuple[str, str, str]]:
-    return {
-        (group, resource, verb)
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
 
 
 # --- chart files ------------------------------------------------------------------------------------
@@ -160,7 +151,7 @@ def test_standalone_mode_has_no_peering_and_refuses_two_replicas(render, helm) -
     assert not find(objs, "ClusterKopfPeering")
     assert "--standalone" in operator_container(objs)["args"]
     (clusterrole,) = find(objs, "ClusterRole", "rlfleet")
-    assert not any(r[0] == "kopf.dev" for r in rules_of(clusterrole))
+    assert not any(r[0] == "kopf.dev" for r in role_grants(clusterrole))
     with pytest.raises(Exception, match="peering"):
         render({"operator": {"replicas": 2, "peering": {"enabled": False, "name": "rlfleet"}}})
 
@@ -215,7 +206,7 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
         *{("kopf.dev", "clusterkopfpeerings", v) for v in ("list", "watch", "patch")},
         ("rbac.authorization.k8s.io", "clusterroles", "bind"),
     }  # no CRD access: the operator disables kopf's CRD scanning (its kinds are fixed)
-    assert rules_of(role) == expected
+    assert role_grants(role) == expected
     # `bind` of the sandbox role alone: the operator grants a trainer its rights without holding them
     (bind,) = [r for r in role["rules"] if "bind" in r["verbs"]]
     assert bind["resourceNames"] == [
@@ -223,15 +214,15 @@ def test_cluster_mode_rbac_is_exactly_the_operators_calls(render) -> None:
         "rlfleet-rlfleet-system-agent-sandboxes",
     ]
     (sandbox_role,) = find(objs, "ClusterRole", "rlfleet-rlfleet-system-sandboxes")
-    assert rules_of(sandbox_role) == SANDBOX_RULES
+    assert role_grants(sandbox_role) == SANDBOX_RULES
     (agent_role,) = find(objs, "ClusterRole", "rlfleet-rlfleet-system-agent-sandboxes")
-    assert rules_of(agent_role) == AGENT_SANDBOX_RULES
+    assert role_grants(agent_role) == AGENT_SANDBOX_RULES
     env = {e["name"]: e.get("value") for e in operator_container(objs)["env"]}
     assert env["RLFLEET_SANDBOX_ROLE"] == "ClusterRole/rlfleet-rlfleet-system-sandboxes"
     assert env["RLFLEET_AGENT_SANDBOX_ROLE"] == "ClusterRole/rlfleet-rlfleet-system-agent-sandboxes"
-    assert not any("*" in (g, r, v) for g, r, v in rules_of(role))
-    assert not any(r in ("pods/exec", "nodes/proxy") for _, r, _ in rules_of(role))
-    assert {v for _, r, v in rules_of(role) if r == "secrets"} == {
+    assert not any("*" in (g, r, v) for g, r, v in role_grants(role))
+    assert not any(r in ("pods/exec", "nodes/proxy") for _, r, _ in role_grants(role))
+    assert {v for _, r, v in role_grants(role) if r == "secrets"} == {
         "create",
         "get",
     }  # never list/watch Secrets
@@ -270,17 +261,17 @@ def test_namespace_mode_has_no_cluster_wide_permission(render) -> None:
     roles = find(objs, "Role", "rlfleet")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
-        assert rules_of(role) == NAMESPACED_RULES | {
+        assert role_grants(role) == NAMESPACED_RULES | {
             ("kopf.dev", "kopfpeerings", v) for v in ("list", "watch", "patch")
         } | {("rbac.authorization.k8s.io", "roles", "bind")}
         (bind,) = [r for r in role["rules"] if "bind" in r["verbs"]]
         assert bind["resourceNames"] == ["rlfleet-sandboxes", "rlfleet-agent-sandboxes"]
     sandbox_roles = find(objs, "Role", "rlfleet-sandboxes")  # the sandbox roles, Roles in each namespace
     assert sorted(r["metadata"]["namespace"] for r in sandbox_roles) == ["team-a", "team-b"]
-    assert all(rules_of(r) == SANDBOX_RULES for r in sandbox_roles)
+    assert all(role_grants(r) == SANDBOX_RULES for r in sandbox_roles)
     agent_roles = find(objs, "Role", "rlfleet-agent-sandboxes")
     assert sorted(r["metadata"]["namespace"] for r in agent_roles) == ["team-a", "team-b"]
-    assert all(rules_of(r) == AGENT_SANDBOX_RULES for r in agent_roles)
+    assert all(role_grants(r) == AGENT_SANDBOX_RULES for r in agent_roles)
     env = {e["name"]: e.get("value") for e in operator_container(objs)["env"]}
     assert env["RLFLEET_SANDBOX_ROLE"] == "Role/rlfleet-sandboxes"
     assert env["RLFLEET_AGENT_SANDBOX_ROLE"] == "Role/rlfleet-agent-sandboxes"

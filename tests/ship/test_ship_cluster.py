@@ -25,8 +25,10 @@ from typing import Any
 
 import pytest
 import yaml
+from support.control_plane import role_grants
 from support.moto import start_moto
 from support.ports import free_port
+from support.stub_views import stub_views
 from support.waits import wait_for
 
 pytestmark = pytest.mark.cluster
@@ -530,14 +532,18 @@ def operator_roles(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
-    return {
-        (v, g, r)
-        for rule in role["rules"]
-        for g in rule["apiGroups"]
-        for r in rule["resources"]
-        for v in rule["verbs"]
-    }
+def remove_the_last_group(kube, name: str, namespace: str, groups: int, what: str) -> None:
+    """A JSON patch removes the last of the RLJob's `groups` sampler groups; wait (60 s, `what`) for the
+    operator to have deleted its SamplerGroup."""
+    remove = [{"op": "remove", "path": f"/spec/samplerGroups/{groups - 1}"}]
+    kube.kubectl("patch", "rljob", name, "-n", namespace, "--type=json", "-p", json.dumps(remove))
+    wait_for(what, lambda: len(kube.get_json("samplergroups", "-n", namespace)["items"]) == groups - 1, 60)
+
+
+def rljob_reconciled(kube, name: str, namespace: str) -> bool:
+    """The RLJob's status is the operator's for its current generation."""
+    job = kube.get_json("rljob", name, "-n", namespace)
+    return job.get("status", {}).get("observedGeneration") == job["metadata"]["generation"]
 
 
 def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_serviceaccount) -> None:
@@ -568,10 +574,7 @@ def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_ser
         wait_for("trainer StatefulSet", lambda: kube.get_json("statefulsets", "-n", ns)["items"], 60)
         wait_for(
             "RLJob status for the current generation",
-            lambda: (
-                (j := kube.get_json("rljob", name, "-n", ns)).get("status", {}).get("observedGeneration")
-                == j["metadata"]["generation"]
-            ),
+            lambda: rljob_reconciled(kube, name, ns),
             90,
         )
         # the rebalancer's timer ran with the chart's grant (it writes the shares into SamplerGroup status)
@@ -584,21 +587,7 @@ def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_ser
             90,
         )
         # a group removed from the spec: the operator deletes its SamplerGroup (the one delete it does)
-        kube.kubectl(
-            "patch",
-            "rljob",
-            name,
-            "-n",
-            ns,
-            "--type=json",
-            "-p",
-            json.dumps([{"op": "remove", "path": f"/spec/samplerGroups/{len(groups) - 1}"}]),
-        )
-        wait_for(
-            "removed group deleted",
-            lambda: len(kube.get_json("samplergroups", "-n", ns)["items"]) == len(groups) - 1,
-            60,
-        )
+        remove_the_last_group(kube, name, ns, len(groups), "removed group deleted")
         assert ctx["proc"].poll() is None, ctx["log"].read_text()[-3000:]
         # the chart's liveness probe and metrics port answer (what the Deployment and ServiceMonitor use)
         with urllib.request.urlopen(f"http://127.0.0.1:{ctx['health']}/healthz", timeout=10) as response:
@@ -619,7 +608,7 @@ def test_operator_as_serviceaccount_reconciles_the_example(kube, operator_as_ser
         assert not denied, f"operator was denied {sorted(denied)}"
         used = {(v, g, r) for v, g, r, _ in calls}
         # the operator's ClusterRole, and the webhook's grants (its Secret, its configuration's caBundle)
-        allowed = set().union(*(granted(role) for role in ctx["roles"]))
+        allowed = {(v, g, r) for role in ctx["roles"] for g, r, v in role_grants(role)}
         print("operator API calls (verb, group, resource):", *sorted(used), sep="\n  ")
         # enough: nothing it did was outside the grant; no more: every granted verb was used
         assert used <= allowed, sorted(used - allowed)
@@ -723,10 +712,7 @@ def test_diff_stays_clean_after_the_operator_reconciled(kube, operator_as_servic
         before = kube.get_json("rljob", name, "-n", ns)
         wait_for(
             "reconciled",
-            lambda: (
-                (j := kube.get_json("rljob", name, "-n", ns)).get("status", {}).get("observedGeneration")
-                == j["metadata"]["generation"]
-            ),
+            lambda: rljob_reconciled(kube, name, ns),
             90,
         )
         wait_for("children", lambda: kube.get_json("samplergroups", "-n", ns)["items"], 60)
@@ -812,20 +798,12 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
                     lambda: "Resuming operations" in standby_log.read_text(),
                     timeout=60,
                 )
-                kube.kubectl(
-                    "patch",
-                    "rljob",
+                remove_the_last_group(
+                    kube,
                     job["metadata"]["name"],
-                    "-n",
                     jobs,
-                    "--type=json",
-                    "-p",
-                    json.dumps([{"op": "remove", "path": f"/spec/samplerGroups/{len(groups) - 1}"}]),
-                )
-                wait_for(
+                    len(groups),
                     "the former standby to reconcile the change",
-                    lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups) - 1,
-                    timeout=60,
                 )
                 # the spec change's handler: kopf names it reconcile_rljob/spec (the update handler, field
                 # spec); reconcile_rljob is its resume handler, which kopf may or may not run at the takeover
@@ -1165,12 +1143,7 @@ def test_weightchannel_versions_with_the_charts_store_access(
                 "fs": FilesystemStore(pv / "fs-job", create=True),
                 "s3": S3Store(bucket, "runs/s3-job", endpoint_url=endpoint, region="us-east-1"),
             }
-            views = {}
-            for view in ("bf16", "fp8"):
-                d = tmp / "views" / view
-                d.mkdir(parents=True)
-                (d / "config.json").write_text(json.dumps({"view": view}))
-                views[view] = d
+            views = stub_views(tmp / "views")
             jobs_ns = f"{chart['release']}-jobs"
             kube.kubectl("create", "namespace", jobs_ns)
             example = yaml.safe_load(EXAMPLE.read_text())

@@ -238,3 +238,14 @@ def applies_children_by_bind_alone(
     applied = apply_as(operator)
     assert applied.returncode == 0, applied.stderr
     return operator
+
+
+def role_grants(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """What a Role's or ClusterRole's rules grant, one (API group, resource, verb) each."""
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }

@@ -5,10 +5,10 @@ Real stores and the real sidecar against the recording SGLang-API engine of test
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
+from support.stub_views import stub_views
 from test_weights_sync import RecordingEngine, engine, make_syncer, tiny_state  # noqa: F401 - engine: fixture
 
 from rlfleet.channel import SubscriberReport, WeightChannel
@@ -17,22 +17,12 @@ from rlfleet.store import FilesystemStore
 from rlfleet.trainer.publish.publisher import WeightPublisher
 
 
-def _views(root: Path) -> dict[str, Path]:
-    out = {}
-    for view in ("bf16", "fp8"):
-        d = root / view
-        d.mkdir(parents=True)
-        (d / "config.json").write_text(json.dumps({"view": view}))
-        out[view] = d
-    return out
-
-
 def test_channel_retention_keeps_every_version_a_subscriber_uses(tmp_path: Path) -> None:
     """keep=1 would leave only the latest; the reports protect more: a replica switching from 2 to 6
     (in_use [2, 6]), a new replica downloading 3 (in_use [3], nothing applied yet), and a replica that
     reports only its applied version 4 (in_use empty). Exactly the unprotected old versions go."""
     channel = WeightChannel(FilesystemStore(tmp_path / "store", create=True))
-    views = _views(tmp_path / "views")
+    views = stub_views(tmp_path / "views")
     for version in range(7):
         channel.publish(views, version=version)
     channel.report(SubscriberReport("h100-fp8", "pod-a", "fp8", applied_version=6, in_use=[2, 6]))
