@@ -746,6 +746,21 @@ def test_the_charts_webhook_refuses_a_job_whose_group_name_is_taken(fleet: Fleet
         kube.kubectl("delete", "rljob", "ab", "-n", ns, "--wait=true", "--timeout=120s", check=False)
 
 
+def assert_no_rollout_lost_or_doubled(fleet: Any, drops_before: int, through_step: int) -> None:
+    """No rollout lost (the trainer's driver dropped no prompt group since it had dropped `drops_before`)
+    or counted twice: every step up to at least `through_step` trained exactly the example's promptsPerStep
+    x samplesPerPrompt (8 x 4) episodes."""
+    assert fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ") == drops_before
+    from rlfleet.trainer.publish import checkpoint
+
+    history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
+    episodes = {
+        int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
+        for row in history
+    }
+    assert len(episodes) >= through_step + 1 and set(episodes.values()) == {8 * 4}, episodes
+
+
 def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet) -> None:
     """The replacement's init container fetches and verifies the channel's newest version (not version
     0), a delta version: seeded from its anchor plus every delta after it (issue 40 item 7), reading exactly
@@ -839,15 +854,7 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     assert (fleet.store_dir() / "subscribers" / f"{JOB}-bf16" / f"{new['metadata']['name']}.json").exists()
     # no rollout lost (the router moved the deleted pod's requests: the driver dropped no prompt group)
     # or counted twice (every step trained exactly promptsPerStep x samplesPerPrompt episodes)
-    assert fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ") == drops_before
-    from rlfleet.trainer.publish import checkpoint
-
-    history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
-    episodes = {
-        int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
-        for row in history
-    }
-    assert len(episodes) >= step + 1 and set(episodes.values()) == {8 * 4}, episodes  # the example's sizes
+    assert_no_rollout_lost_or_doubled(fleet, drops_before, step)
 
 
 def test_a_spot_reclaimed_sampler_pod_loses_no_episode(fleet: Fleet, dev_cluster) -> None:
@@ -875,15 +882,8 @@ def test_a_spot_reclaimed_sampler_pod_loses_no_episode(fleet: Fleet, dev_cluster
     wait_for("the replacement fp8 pod Ready", replacement, timeout=600)
     killed = fleet.step()
     fleet.wait_step(killed + 2)
-    assert fleet.logs(f"{JOB}-trainer-0", "trainer").count(" dropped: ") == drops_before
+    assert_no_rollout_lost_or_doubled(fleet, drops_before, killed)
     from rlfleet.trainer.publish import checkpoint
-
-    history = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
-    episodes = {
-        int(row["step"]): sum(v for k, v in row.items() if k.startswith("group/") and k.endswith("/episodes"))
-        for row in history
-    }
-    assert len(episodes) >= killed + 1 and set(episodes.values()) == {8 * 4}, episodes  # the example's sizes
 
     def fp8_trains_again() -> float | None:  # the replacement serves: fp8 episodes in a step after the kill
         rows = checkpoint.load_latest(fleet.store_dir() / "checkpoints")["history"]
