@@ -19,7 +19,7 @@ pytest collects nothing here.
 - control_plane: rlfleet on the test control plane (CRDs, the operator in process, RLJobs, Events,
   a spot node, fresh namespaces, ServiceAccounts of given rules, the sandbox grants by `bind`)
 - cluster_modules: tests/cluster/*.py loaded by path for pytest's side
-- manifests: RLJob manifests as plain dicts
+- manifests: RLJob, standalone SamplerGroup and Pod manifests as plain dicts
 - example_children: what the operator's builders make for examples/rljob.yaml
 - claim_window: a real trainer SIGKILLed inside its claim window
 - invalid_rljobs: tests/api/invalid_rljobs.yaml's cases applied to the example
