@@ -11,7 +11,6 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, ValidationError, model_validator
 
 from rlfleet.api.common import (
-    API_VERSION,
     DNS_LABEL_PATTERN,
     DNS_SUBDOMAIN_PATTERN,
     MAX_JOB_NAME,
@@ -22,7 +21,7 @@ from rlfleet.api.common import (
     cel_list,
     kube_manifest_check,
 )
-from rlfleet.api.meta import ObjectMeta
+from rlfleet.api.meta import KubeObject
 from rlfleet.api.podfields import POD_FIELDS_RULES, Quantity
 from rlfleet.api.rljob_status import RLJobStatus
 from rlfleet.api.router_spec import (
@@ -836,19 +835,11 @@ class RLJobSpec(ApiModel):
         return self
 
 
-class RLJob(ApiModel):
+class RLJob(KubeObject[RLJobSpec, RLJobStatus]):
     """An RLJob object (kind RLJob, short name rlj)."""
 
-    api_version: Literal["rlfleet.dev/v1alpha1"] = API_VERSION
-    """API version."""
     kind: Literal["RLJob"] = "RLJob"
     """Kind."""
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    """Object metadata."""
-    spec: RLJobSpec
-    """Desired state."""
-    status: RLJobStatus | None = None
-    """Observed state."""
 
     @property
     def name(self) -> str:

@@ -9,7 +9,6 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.api.common import (
-    API_VERSION,
     DNS_LABEL_PATTERN,
     DNS_SUBDOMAIN_PATTERN,
     MAX_GROUP_NAME,
@@ -23,7 +22,7 @@ from rlfleet.api.common import (
     conditions_field,
     kube_manifest_check,
 )
-from rlfleet.api.meta import ObjectMeta
+from rlfleet.api.meta import KubeObject
 from rlfleet.api.podfields import POD_FIELDS_RULES
 from rlfleet.api.scheduling import PodPlacement
 
@@ -302,19 +301,11 @@ class SamplerGroupStatus(ApiModel):
     """Human-readable summary of the state."""
 
 
-class SamplerGroup(ApiModel):
+class SamplerGroup(KubeObject[SamplerGroupSpec, SamplerGroupStatus]):
     """A SamplerGroup object (kind SamplerGroup, short name sg)."""
 
-    api_version: Literal["rlfleet.dev/v1alpha1"] = API_VERSION
-    """API version."""
     kind: Literal["SamplerGroup"] = "SamplerGroup"
     """Kind."""
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    """Object metadata."""
-    spec: SamplerGroupSpec
-    """Desired state."""
-    status: SamplerGroupStatus | None = None
-    """Observed state."""
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> SamplerGroup:

@@ -8,7 +8,6 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from rlfleet.api.common import (
-    API_VERSION,
     DNS_SUBDOMAIN_PATTERN,
     HTTP_URL_PATTERN,
     ApiModel,
@@ -18,7 +17,7 @@ from rlfleet.api.common import (
     conditions_field,
     kube_manifest_check,
 )
-from rlfleet.api.meta import ObjectMeta
+from rlfleet.api.meta import KubeObject
 
 STORE_RULE = "self.type == 'filesystem' ? has(self.path) : has(self.bucket)"
 STORE_MESSAGE = "store: type filesystem needs path; type s3 needs bucket"
@@ -235,19 +234,11 @@ class WeightChannelStatus(ApiModel):
     """The published model's head counts (kept once read: every version is the same model)."""
 
 
-class WeightChannel(ApiModel):
+class WeightChannel(KubeObject[WeightChannelSpec, WeightChannelStatus]):
     """A WeightChannel object (kind WeightChannel, short name wc)."""
 
-    api_version: Literal["rlfleet.dev/v1alpha1"] = API_VERSION
-    """API version."""
     kind: Literal["WeightChannel"] = "WeightChannel"
     """Kind."""
-    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
-    """Object metadata."""
-    spec: WeightChannelSpec
-    """Desired state."""
-    status: WeightChannelStatus | None = None
-    """Observed state."""
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> WeightChannel:
