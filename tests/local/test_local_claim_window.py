@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from support.claim_window import kill_inside_the_claim_window
 from support.waits import wait_for
-from test_local_run import fleet_hosts, small_manifest
+from test_local_run import fleet_hosts, local_run_command, small_manifest
 
 from rlfleet.channel import WeightChannel, manifest_key
 from rlfleet.store import FilesystemStore
@@ -25,19 +24,7 @@ def test_a_local_run_killed_inside_its_claim_window_resumes_and_publishes_on(tmp
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run = [
-        sys.executable,
-        "-m",
-        "rlfleet.cli",
-        "run",
-        str(manifest),
-        "--local",
-        "--out",
-        str(out),
-        "--steps",
-        "4",
-        "--no-live",
-    ]
+    run = local_run_command(manifest, out, steps=4)
     proc = subprocess.Popen(
         run,
         cwd=tmp_path,

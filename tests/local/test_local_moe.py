@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from safetensors import safe_open
+from test_local_run import EXAMPLE, local_run_command  # the local tests' one copy
 
 from rlfleet.channel import WeightChannel
 from rlfleet.store import FilesystemStore
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "rljob.yaml"
 STEPS = 3
 
 
@@ -27,19 +25,7 @@ def test_a_local_run_trains_and_serves_the_tiny_qwen3_moe(tmp_path: Path) -> Non
     doc["spec"]["local"]["model"]["architecture"] = "qwen3_moe"  # the example's warm start kept
     manifest = tmp_path / "rljob.yaml"
     manifest.write_text(yaml.safe_dump(doc))
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlfleet.cli",
-        "run",
-        str(manifest),
-        "--local",
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(tmp_path / "run"),
-        "--no-live",
-    ]
+    cmd = local_run_command(manifest, tmp_path / "run", steps=STEPS)
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "report" / "metrics.json").read_text())

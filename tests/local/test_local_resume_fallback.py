@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from test_local_run import fleet_hosts, small_manifest
+from test_local_run import fleet_hosts, local_run_command, small_manifest
 
 from rlfleet.channel import WeightChannel
 from rlfleet.store import FilesystemStore
@@ -28,17 +27,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one_above_the_poi
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run = [
-        sys.executable,
-        "-m",
-        "rlfleet.cli",
-        "run",
-        str(manifest),
-        "--local",
-        "--out",
-        str(out),
-        "--no-live",
-    ]
+    run = local_run_command(manifest, out)
     first = subprocess.run(
         [*run, "--steps", "3"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
     )

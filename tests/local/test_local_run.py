@@ -47,6 +47,26 @@ def small_manifest(tmp_path: Path) -> Path:
     return path
 
 
+def local_run_command(manifest: Path, out: Path | str, *flags: str, steps: int | None = None) -> list[str]:
+    """`rlfleet run MANIFEST --local FLAGS... --out OUT [--steps STEPS] --no-live` as a user types it, run by
+    this interpreter (`python -m rlfleet.cli`), in the order the run prints its resume command; --no-live:
+    plain step lines a test can read, not the live table."""
+    target = ["--steps", str(steps)] if steps is not None else []
+    return [
+        sys.executable,
+        "-m",
+        "rlfleet.cli",
+        "run",
+        str(manifest),
+        "--local",
+        *flags,
+        "--out",
+        str(out),
+        *target,
+        "--no-live",
+    ]
+
+
 @dataclass
 class LocalRun:
     """A running `rlfleet run --local` and its output lines read so far."""
@@ -67,21 +87,8 @@ def started_until_step(
     """`rlfleet run MANIFEST --local --steps STEPS --out OUT` as a user runs it, read until it prints step
     `step`. The block lets it finish (`LocalRun.finish`); a run still going when the block ends (a failed
     assertion) is killed."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlfleet.cli",
-        "run",
-        str(manifest),
-        "--local",
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-        "--no-live",
-    ]
     proc = subprocess.Popen(
-        cmd,
+        local_run_command(manifest, out, steps=steps),
         cwd=tmp_path,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
@@ -321,22 +328,14 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
     manifest = small_manifest(tmp_path)
     out = tmp_path / "run"
     # --out relative to the cwd, as a user types it (the fleet subprocess runs in another directory)
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlfleet.cli",
-        "run",
-        str(manifest),
-        "--local",
-        "--steps",
-        "8",
-        "--out",
-        "run",
-        "--no-live",
-    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        local_run_command(manifest, "run", steps=8),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines = []
     try:
@@ -362,21 +361,9 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
     hints = re.findall(r"^stopped early; resume with: (.+)$", output, flags=re.M)
     assert len(hints) == 1, output
     hint = shlex.split(hints[0])
-    # runnable as printed: this interpreter, the manifest, the absolute run directory, the run's target
-    assert hint == [
-        sys.executable,
-        "-m",
-        "rlfleet.cli",
-        "run",
-        str(manifest),
-        "--local",
-        "--resume",
-        "--out",
-        str(out),
-        "--steps",
-        "8",
-        "--no-live",
-    ]
+    # runnable as printed: the run's own command (this interpreter, the manifest, the run's target) with
+    # --resume and the absolute run directory
+    assert hint == local_run_command(manifest, out, "--resume", steps=8)
     resumed = subprocess.run(hint, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     step_lines = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_local_run import EXAMPLE, small_manifest  # the local tests' one copy
+from test_local_run import EXAMPLE, local_run_command, small_manifest  # the local tests' one copy
 
 from rlfleet.api import load_rljob
 from rlfleet.local import main as local
@@ -285,20 +285,7 @@ def test_a_second_run_is_refused_at_once_and_the_first_keeps_the_users_files(tmp
     write(out, users | {"fleet.log": "a stale log\n", "checkpoints/ckpt-00000099.pt": "stale"})
 
     def command(*flags: str) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "rlfleet.cli",
-            "run",
-            str(manifest),
-            "--local",
-            "--steps",
-            "4",
-            "--out",
-            str(out),
-            "--no-live",
-            *flags,
-        ]
+        return local_run_command(manifest, out, *flags, steps=4)
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     first = subprocess.Popen(
