@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from support.invalid_rljobs import CASES, apply_case
+from support.manifests import samplergroup
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((REPO / "examples" / "rljob.yaml").read_text())
@@ -67,17 +68,7 @@ def test_invalid_manifest_is_rejected_by_kubectl_apply(kube, crds, namespace: st
 
 
 def test_samplergroup_crd_rejects_what_the_class_cannot_run(kube, crds, namespace: str) -> None:
-    sg = {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": "x-h200"},
-        "spec": {
-            "name": "h200",
-            "accelerator": "h200",
-            "weightFormat": "nvfp4",
-            "model": {"name": "m", "path": "p"},
-        },
-    }
+    sg = samplergroup("x-h100", weightFormat="nvfp4")
     result = kube.apply(sg, namespace=namespace, check=False)
     assert result.returncode != 0 and "native NVFP4 needs Blackwell" in result.stderr
     sg["spec"]["weightFormat"] = "fp8"
@@ -170,12 +161,7 @@ def test_accelerator_of_a_running_trainer_or_group_cannot_change(kube, crds, nam
 def test_samplergroup_names_ports_and_moves_are_refused(kube, crds, namespace: str) -> None:
     from rlfleet.api.samplergroup import ACCELERATOR_CHANGE_MESSAGE, PORT_MESSAGE, SG_NAME_MESSAGE
 
-    sg = {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": "solo-h100"},
-        "spec": {"name": "h100", "accelerator": "h100", "model": {"name": "m", "path": "p"}},
-    }
+    sg = samplergroup()  # solo-h100
     assert SG_NAME_MESSAGE in _refused(kube, namespace, {**sg, "metadata": {"name": "solo.h100"}})
     assert PORT_MESSAGE in _refused(kube, namespace, {**sg, "spec": {**sg["spec"], "port": 9400}})
     kube.apply(sg, namespace=namespace)
