@@ -17,7 +17,7 @@ pytest collects nothing here.
 - fake_prometheus: a real Prometheus-API server answering the rebalancer's query
 - fake_kube: the operator's KubeApi over a dict, for the handlers without a cluster
 - control_plane: rlfleet on the test control plane (CRDs, the operator in process, RLJobs, Events,
-  a spot node, fresh namespaces, ServiceAccounts of given rules, the sandbox grants by `bind`)
+  a spot node, fresh namespaces, ServiceAccounts of given rules, the sandbox grants by `bind`, what a Role grants)
 - cluster_modules: tests/cluster/*.py loaded by path for pytest's side
 - manifests: RLJob, standalone SamplerGroup and Pod manifests as plain dicts
 - example_children: what the operator's builders make for examples/rljob.yaml
@@ -35,4 +35,5 @@ pytest collects nothing here.
 - rollout_drivers: `make_driver(position)` for run_training over a sampler of the test's own
 - gqa_sizes: the tiny two-layer grouped-query model the backend and attention tests build
 - episode_outcomes: EpisodeOutcomes of episodes that ended as planned
+- stub_views: directories standing for a version's published views (a config.json naming each)
 """
