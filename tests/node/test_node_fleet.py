@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.operator_chart import install_operator_chart, uninstall_operator_chart
 from support.waits import wait_for
 
 from rlfleet.channel import ChannelError, Manifest
@@ -176,34 +177,15 @@ def _ready(pod: dict[str, Any]) -> bool:
 def fleet(dev_cluster) -> Iterator[Fleet]:
     kube = dev_cluster.kube
     ns = f"fleet-{uuid.uuid4().hex[:6]}"
-    helm = kube.bin_dir / "helm"
-    repository, tag = dev_cluster.images["operator"].ref.rsplit(":", 1)
     # The operator reads the channel from the same claim (mounted read-only at the store's path): it
     # runs in the job's namespace, as a PVC cannot be mounted from another one.
     stores = [{"name": "cpu", "claimName": CLAIM, "mountPath": STORE_PATH}]
-    install = subprocess.run(
-        [
-            str(helm),
-            "install",
-            "rlfleet",
-            str(REPO / "charts" / "rlfleet"),
-            "-n",
-            ns,
-            "--create-namespace",
-            "--set",
-            f"image.repository={repository}",
-            "--set",
-            f"image.tag={tag}",
-            "--set",
-            "image.pullPolicy=Never",
-            "--set",
-            "operator.replicas=1",
-            "--set-json",
-            f"weightStores.filesystem={json.dumps(stores)}",
-        ],
-        env=kube.env(),
-        capture_output=True,
-        text=True,
+    install = install_operator_chart(
+        kube,
+        dev_cluster.images["operator"].ref,
+        ns,
+        "--set-json",
+        f"weightStores.filesystem={json.dumps(stores)}",
         timeout=300,
     )
     assert install.returncode == 0, install.stdout + install.stderr
@@ -278,13 +260,7 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
         watcher.join(timeout=5)
         # the job first, while the operator runs (it releases the WeightChannel's finalizer)
         kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
-        subprocess.run(
-            [str(helm), "uninstall", "rlfleet", "-n", ns, "--wait"],
-            env=kube.env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        uninstall_operator_chart(kube, ns)
         kube.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=100s", check=False)
         kube.kubectl("delete", "pv", pv_name, "--wait=false", check=False)
         subprocess.run(["umount", "-l", str(volume)], check=False)

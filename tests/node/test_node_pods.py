@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import realnode
+from support.operator_chart import install_operator_chart, uninstall_operator_chart
 from support.waits import wait_for
 
 # a cold session builds the images in its first test's setup (scripts/test builds them before pytest)
@@ -273,36 +274,10 @@ def test_the_chart_installs_an_operator_that_reconciles_an_rljob(dev_cluster, ns
     10001 on a read-only root, passes its liveness probe, and from inside the cluster (its ServiceAccount,
     the `kubernetes` Service) reconciles an RLJob: children created, status written with a reason."""
     kube = dev_cluster.kube
-    helm = kube.bin_dir / "helm"
-    chart = Path(__file__).resolve().parents[2] / "charts" / "rlfleet"
     release_ns = f"{ns}-op"
     operator_image = dev_cluster.images["operator"].ref
-    repository, tag = operator_image.rsplit(":", 1)
-    install = subprocess.run(
-        [
-            str(helm),
-            "install",
-            "rlfleet",
-            str(chart),
-            "-n",
-            release_ns,
-            "--create-namespace",
-            "--set",
-            f"image.repository={repository}",
-            "--set",
-            f"image.tag={tag}",
-            "--set",
-            "image.pullPolicy=Never",
-            "--set",
-            "operator.replicas=1",
-            "--wait",
-            "--timeout",
-            "5m",
-        ],
-        env=kube.env(),
-        capture_output=True,
-        text=True,
-        timeout=400,
+    install = install_operator_chart(
+        kube, operator_image, release_ns, "--wait", "--timeout", "5m", timeout=400
     )
     try:
         assert install.returncode == 0, install.stdout + install.stderr
@@ -361,13 +336,7 @@ def test_the_chart_installs_an_operator_that_reconciles_an_rljob(dev_cluster, ns
             kube, release_ns, op["metadata"]["name"]
         )  # the probe, logged
     finally:
-        subprocess.run(
-            [str(helm), "uninstall", "rlfleet", "-n", release_ns, "--wait"],
-            env=kube.env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        uninstall_operator_chart(kube, release_ns)
         kube.kubectl("delete", "namespace", release_ns, "--wait=false", check=False)
 
 
