@@ -83,7 +83,7 @@ class SGLangLaunch:
         return self.mode == "degraded"
 
 
-def sglang_launch(
+def engine_launch(
     *,
     accelerator: AcceleratorClass,
     weight_format: str,
@@ -97,31 +97,39 @@ def sglang_launch(
     port: int = 30000,
     sampling_mask_max_tokens: int = 4096,
     python: str = "python3",
+    program: str = REFERENCE_PROGRAM,
 ) -> SGLangLaunch:
-    """THE pure function: (group fields, class) -> SGLang command line + env. Raises CatalogError.
+    """THE pure function: (group fields, class) -> the command line + env of the engine the class runs
+    (`engine`). Raises CatalogError.
 
-    `model_path` is a checkpoint already in `weight_format` (the channel's view of that format, whose
-    config.json carries the quantization_config the precision flags confirm); `weight_version` is the
-    version of that checkpoint, always passed: without it SGLang labels every token "default" until
-    the first update. `sglang_launch_for_group` takes a SamplerGroup spec directly; this form takes
+    SGLang (`python -m sglang.launch_server`, `python` its interpreter): `model_path` is a checkpoint
+    already in `weight_format` (the channel's view of that format, whose config.json carries the
+    quantization_config the precision flags confirm); `weight_version` is the version of that
+    checkpoint, always passed: without it SGLang labels every token "default" until the first update.
+    The reference engine (`<program> sampler serve --engine reference`, a class with `engine:
+    reference`): the same launch inputs (a verified view directory and its version, the served name,
+    port, mask cap) and the class's precision flags (`--weight-format`, `--kv-cache-dtype`); one process,
+    no tensor parallelism. `engine_launch_for_group` takes a SamplerGroup spec directly; this form takes
     plain values so the sampler (`rlfleet sampler serve --engine sglang`) and local mode need no API
     object.
     """
     cls = accelerator
-    if cls.engine != "sglang":
-        raise CatalogError(
-            f"accelerator {cls.name} runs the {cls.engine} engine, not SGLang (use engine_launch)"
-        )
     catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
     profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
-    tp = tensor_parallel or cls.default_tensor_parallel
+    if cls.engine == "reference":
+        check_tensor_parallel(cls, tensor_parallel)
+        tp = 1
+        command = [program, "sampler", "serve", "--engine", "reference"]
+        engine_flags: list[str] = []
+    else:
+        tp = tensor_parallel or cls.default_tensor_parallel
+        command = [python, "-m", "sglang.launch_server"]
+        engine_flags = ["--tp-size", str(tp), "--dtype", "bfloat16", "--enable-metrics"]
     precision_flags = list(profile.flags)
     if kv_cache_dtype != "auto":
         precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
     argv = [
-        python,
-        "-m",
-        "sglang.launch_server",
+        *command,
         "--model-path",
         model_path,
         "--served-model-name",
@@ -130,22 +138,17 @@ def sglang_launch(
         host,
         "--port",
         str(port),
-        "--tp-size",
-        str(tp),
-        "--dtype",
-        "bfloat16",
-        "--enable-metrics",
+        *engine_flags,
         "--sampling-mask-max-tokens",
         str(sampling_mask_max_tokens),
         "--weight-version",
         str(weight_version),
+        *precision_flags,
+        *extra_args,
     ]
-    argv += precision_flags
-    argv += list(extra_args)
-    env = {**cls.env, **profile.env}
     return SGLangLaunch(
         argv=argv,
-        env=env,
+        env={**cls.env, **profile.env},
         tensor_parallel=tp,
         mode=profile.mode,
         note=profile.note,
@@ -155,74 +158,23 @@ def sglang_launch(
     )
 
 
-def reference_launch(
-    *,
-    accelerator: AcceleratorClass,
-    weight_format: str,
-    kv_cache_dtype: str = "auto",
-    tensor_parallel: int | None = None,
-    extra_args: Sequence[str] = (),
-    model_path: str,
-    served_model_name: str,
-    weight_version: int | str,
-    host: str = "0.0.0.0",
-    port: int = 30000,
-    sampling_mask_max_tokens: int = 4096,
-    program: str = REFERENCE_PROGRAM,
-) -> SGLangLaunch:
-    """(group fields, class) -> the reference engine's command line for a class with `engine:
-    reference`: `rlfleet sampler serve --engine reference` with the same launch inputs as SGLang (a
-    verified view directory and its version, the served name, port, mask cap) and the class's
-    precision flags (`--weight-format`, `--kv-cache-dtype`). Raises CatalogError."""
-    cls = accelerator
-    if cls.engine != "reference":
-        raise CatalogError(f"accelerator {cls.name} runs the {cls.engine} engine, not the reference engine")
-    catalog = Catalog(classes={cls.name: cls}, source=f"class {cls.name}")
-    profile = check_group(cls.name, weight_format, kv_cache_dtype, catalog=catalog)
-    check_tensor_parallel(cls, tensor_parallel)
-    precision_flags = list(profile.flags)
-    if kv_cache_dtype != "auto":
-        precision_flags += ["--kv-cache-dtype", kv_cache_dtype]
-    argv = [
-        program,
-        "sampler",
-        "serve",
-        "--engine",
-        "reference",
-        "--model-path",
-        model_path,
-        "--served-model-name",
-        served_model_name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--sampling-mask-max-tokens",
-        str(sampling_mask_max_tokens),
-        "--weight-version",
-        str(weight_version),
-    ]
-    argv += precision_flags
-    argv += list(extra_args)
-    return SGLangLaunch(
-        argv=argv,
-        env={**cls.env, **profile.env},
-        tensor_parallel=1,
-        mode=profile.mode,
-        note=profile.note,
-        accelerator=cls.name,
-        selection_reason=selection_reason(cls, weight_format, profile),
-        flags=precision_flags,
-    )
+def sglang_launch(*, accelerator: AcceleratorClass, **inputs: Any) -> SGLangLaunch:
+    """`engine_launch` of a class that runs SGLang (the sampler's `--engine sglang`); CatalogError for a
+    class that runs another engine."""
+    if accelerator.engine != "sglang":
+        engine = f"accelerator {accelerator.name} runs the {accelerator.engine} engine"
+        raise CatalogError(f"{engine}, not SGLang (use engine_launch)")
+    return engine_launch(accelerator=accelerator, **inputs)
 
 
-def engine_launch(*, accelerator: AcceleratorClass, **kwargs: Any) -> SGLangLaunch:
-    """The launch of the engine the class runs (`engine`): `sglang_launch` or `reference_launch`, same
-    arguments (`python` is SGLang's interpreter; a reference launch ignores it)."""
-    if accelerator.engine == "reference":
-        kwargs.pop("python", None)
-        return reference_launch(accelerator=accelerator, **kwargs)
-    return sglang_launch(accelerator=accelerator, **kwargs)
+def reference_launch(*, accelerator: AcceleratorClass, **inputs: Any) -> SGLangLaunch:
+    """`engine_launch` of a class that runs the reference engine; CatalogError for a class that runs
+    another engine."""
+    if accelerator.engine != "reference":
+        raise CatalogError(
+            f"accelerator {accelerator.name} runs the {accelerator.engine} engine, not the reference engine"
+        )
+    return engine_launch(accelerator=accelerator, **inputs)
 
 
 def launch_from_file(argv: Sequence[str], launch_file: str, *, checkpoint_flags: bool) -> list[str]:
