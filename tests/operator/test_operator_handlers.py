@@ -341,12 +341,18 @@ async def test_a_group_of_the_spec_deleted_by_someone_else_is_applied_again_by_t
 # --- the SamplerGroup pipeline ---------------------------------------------------------------------------
 
 
+def job_and_group_a_posting() -> tuple[dict[str, Any], dict[str, Any]]:
+    """Job j and its SamplerGroup a, with kopf's event poster set in the calling test's task (`posted`:
+    context variables, which a fixture's task would not pass on)."""
+    posted()
+    job = rljob()
+    return job, samplergroup("a", job)
+
+
 async def test_reconcile_group_takes_the_store_from_the_index_or_the_api(
     api: FakeKube, tmp_path: Path
 ) -> None:
-    posted()
-    job = rljob()
-    sg = samplergroup("a", job)
+    job, sg = job_and_group_a_posting()
     wc = weightchannel(str(tmp_path))
     await samplergroup_pipeline.reconcile_group(copy.deepcopy(sg), NS, View.of(indexes(job, sg, wc)))
     assert api.kinds_applied() == ["Service", "Deployment"]
@@ -385,9 +391,7 @@ async def test_a_group_outside_any_job_gets_its_own_key_secret_once(api: FakeKub
 async def test_a_deployment_deleted_under_a_live_group_is_applied_again_by_the_group_pipeline(
     api: FakeKube, tmp_path: Path
 ) -> None:
-    posted()
-    job = rljob()
-    sg = samplergroup("a", job)
+    job, sg = job_and_group_a_posting()
     gone = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
