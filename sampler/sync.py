@@ -157,6 +157,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# the flags that are SyncConfig's fields of the same name, as given
+_CONFIG_FLAGS = (
+    "store",
+    "view",
+    "engine_url",
+    "group",
+    "replica",
+    "host",
+    "port",
+    "poll_interval",
+    "backoff_max",
+    "initial_version",
+    "in_place",
+)
+
+
 def _checked_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parsed arguments; anything wrong is one line on stderr and exit 2 (parser.error)."""
     args = parser.parse_args(argv)
@@ -179,19 +195,9 @@ def cli(argv: list[str]) -> int:
     parser = _parser()
     args = _checked_args(parser, argv)
     config = SyncConfig(
-        store=args.store,
-        view=args.view,
-        engine_url=args.engine_url,
-        group=args.group,
-        replica=args.replica,
+        **{name: getattr(args, name) for name in _CONFIG_FLAGS},
         cache_dir=Path(args.cache_dir),
-        host=args.host,
-        port=args.port,
-        poll_interval=args.poll_interval,
-        backoff_max=args.backoff_max,
-        initial_version=args.initial_version,
         require_checkpoint=args.require_checkpoint or args.fetch_only,
-        in_place=args.in_place,
         api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
     )
     logging.basicConfig(

@@ -141,19 +141,15 @@ class PodSandboxes:
         """In the trainer pod: the RLJob's rollout.sandbox (`spec`, rlfleet.api.SandboxSpec) and the pod's
         own identity from the downward API."""
         pod = own_pod("pods", os.environ if environ is None else environ)
+        # the sandbox spec's fields a pod takes under the same names
+        same = ("image", "runtime_class_name", "cpu", "memory", "work_dir_size", "max_seconds", "warm_pool")
         config = SandboxPodConfig(
+            **{name: getattr(spec, name) for name in same},
             namespace=pod.namespace,
             job=job,
             owner_pod=pod.name,
             owner_uid=pod.uid,
-            image=spec.image,
-            runtime_class_name=spec.runtime_class_name,
-            cpu=spec.cpu,
-            memory=spec.memory,
-            work_dir_size=spec.work_dir_size,
-            max_seconds=spec.max_seconds,
             node_selector=dict(spec.node_selector),
-            warm_pool=spec.warm_pool,
         )
         return cls(config)
 
