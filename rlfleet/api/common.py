@@ -92,6 +92,12 @@ class ApiModel(BaseModel):
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
+def cel_rules(*rules: dict[str, Any]) -> ConfigDict:
+    """A model's config holding its CEL rules (`x-kubernetes-validations` of its schema; each rule: rule,
+    message and, where it names one field, its fieldPath)."""
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": list(rules)})
+
+
 class Condition(ApiModel):
     """A Kubernetes-style condition (metav1.Condition)."""
 

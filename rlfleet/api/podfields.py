@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from rlfleet.api.common import (
     DNS_SUBDOMAIN_PATTERN,
@@ -23,6 +23,7 @@ from rlfleet.api.common import (
     ApiModel,
     LocalObjectReference,
     cel_list,
+    cel_rules,
 )
 
 # Env the operator sets on some role's containers (operator/workloads.py; a test builds every workload
@@ -97,8 +98,8 @@ def _one_of_rule(names: list[str], message: str) -> dict[str, Any]:
     return {"rule": ONE_OF_RULE.format(", ".join(f"has(self.{n})" for n in names)), "message": message}
 
 
-def _one_of(names: list[str], message: str) -> Any:
-    return {"json_schema_extra": {"x-kubernetes-validations": [_one_of_rule(names, message)]}}
+def _one_of(names: list[str], message: str) -> ConfigDict:
+    return cel_rules(_one_of_rule(names, message))
 
 
 def _check_one_of(model: ApiModel, fields: tuple[str, ...], message: str) -> None:
@@ -159,15 +160,11 @@ class EnvVarSource(ApiModel):
 class EnvVar(ApiModel):
     """One environment variable of the role's containers (core/v1 EnvVar)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": ENV_RESERVED_RULE, "message": ENV_RESERVED_MESSAGE, "fieldPath": ".name"},
-                {"rule": ENV_SECRET_RULE, "message": ENV_SECRET_MESSAGE, "fieldPath": ".value"},
-                {"rule": ENV_ONE_SOURCE_RULE, "message": ENV_ONE_SOURCE_MESSAGE},
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": ENV_RESERVED_RULE, "message": ENV_RESERVED_MESSAGE, "fieldPath": ".name"},
+        {"rule": ENV_SECRET_RULE, "message": ENV_SECRET_MESSAGE, "fieldPath": ".value"},
+        {"rule": ENV_ONE_SOURCE_RULE, "message": ENV_ONE_SOURCE_MESSAGE},
+    )
 
     name: EnvName
     """Variable name (not RLFLEET_* nor another name the operator sets)."""
@@ -294,17 +291,13 @@ _VOLUME_SOURCES = ("secret", "config_map", "persistent_volume_claim", "empty_dir
 class Volume(ApiModel):
     """An extra pod volume (core/v1 Volume; the sources above only)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": VOLUME_RESERVED_RULE, "message": VOLUME_RESERVED_MESSAGE, "fieldPath": ".name"},
-                _one_of_rule(
-                    ["secret", "configMap", "persistentVolumeClaim", "emptyDir", "csi"],
-                    _VOLUME_SOURCE_MESSAGE,
-                ),
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": VOLUME_RESERVED_RULE, "message": VOLUME_RESERVED_MESSAGE, "fieldPath": ".name"},
+        _one_of_rule(
+            ["secret", "configMap", "persistentVolumeClaim", "emptyDir", "csi"],
+            _VOLUME_SOURCE_MESSAGE,
+        ),
+    )
 
     name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     """Volume name (a DNS label; not one of the operator's: config, admin-token, dshm, tmp, weights, weights-cache)."""
@@ -330,13 +323,9 @@ class Volume(ApiModel):
 class VolumeMount(ApiModel):
     """A mount of one of the role's volumes in its main container (core/v1 VolumeMount)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": MOUNT_RESERVED_RULE, "message": MOUNT_RESERVED_MESSAGE, "fieldPath": ".mountPath"}
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": MOUNT_RESERVED_RULE, "message": MOUNT_RESERVED_MESSAGE, "fieldPath": ".mountPath"}
+    )
 
     name: str = Field(min_length=1, max_length=63)
     """Name of a volume of the same role."""

@@ -19,6 +19,7 @@ from rlfleet.api.common import (
     CorrectionMode,
     SafetyAction,
     cel_list,
+    cel_rules,
     kube_manifest_check,
 )
 from rlfleet.api.meta import KubeObject
@@ -272,13 +273,7 @@ class ModelSpec(ApiModel):
 class ParallelismSpec(ApiModel):
     """Trainer model parallelism (Megatron-core)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": PIPELINE_RULE, "message": PIPELINE_MESSAGE, "fieldPath": ".pipeline"}
-            ]
-        }
-    }
+    model_config = cel_rules({"rule": PIPELINE_RULE, "message": PIPELINE_MESSAGE, "fieldPath": ".pipeline"})
 
     tensor: int = Field(default=1, ge=1, le=64)
     """Tensor-parallel size."""
@@ -322,22 +317,18 @@ MAX_TOKENS_PER_MICRO_BATCH = 16384
 class TrainerSpec(PodPlacement):
     """The BF16 trainer (a StatefulSet of torchrun ranks), placed as one gang (docs/scheduling.md)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": PARALLEL_FIT_RULE, "message": PARALLEL_FIT_MESSAGE, "fieldPath": ".parallelism"},
-                {"rule": TORCH_ONE_NODE_RULE, "message": TORCH_ONE_NODE_MESSAGE, "fieldPath": ".backend"},
-                {"rule": EXPERT_FIT_RULE, "message": EXPERT_FIT_MESSAGE, "fieldPath": ".parallelism"},
-                {
-                    "rule": TORCH_NO_EXPERT_PARALLEL_RULE,
-                    "message": TORCH_NO_EXPERT_PARALLEL_MESSAGE,
-                    "fieldPath": ".backend",
-                },
-                *trainer_device_rules(BUILTIN_CPU_CLASSES),
-                *POD_FIELDS_RULES,
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": PARALLEL_FIT_RULE, "message": PARALLEL_FIT_MESSAGE, "fieldPath": ".parallelism"},
+        {"rule": TORCH_ONE_NODE_RULE, "message": TORCH_ONE_NODE_MESSAGE, "fieldPath": ".backend"},
+        {"rule": EXPERT_FIT_RULE, "message": EXPERT_FIT_MESSAGE, "fieldPath": ".parallelism"},
+        {
+            "rule": TORCH_NO_EXPERT_PARALLEL_RULE,
+            "message": TORCH_NO_EXPERT_PARALLEL_MESSAGE,
+            "fieldPath": ".backend",
+        },
+        *trainer_device_rules(BUILTIN_CPU_CLASSES),
+        *POD_FIELDS_RULES,
+    )
 
     accelerator: str = Field(
         default="b200", min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -427,18 +418,10 @@ SANDBOX_TEMPLATE_MESSAGE = (
 class SandboxSpec(ApiModel):
     """Where an environment's sandboxes run (the SWE environment's, rlfleet/sandbox): `local` (bubblewrap process trees in the trainer pod) or `pods` (one pod per sandbox in the job's namespace, commands through the API's exec; the operator then gives the trainer a ServiceAccount that may create, exec into and delete pods in this namespace, and a NetworkPolicy denies the sandbox pods all egress) or `agent-sandbox` (kubernetes-sigs/agent-sandbox, where the cluster runs its controller: one SandboxClaim per sandbox, owned by the trainer pod, on a warm pool of the job's SandboxTemplate, through its Python SDK, the `agent-sandbox` extra; the operator then gives the trainer a ServiceAccount that may create, list, watch and delete SandboxClaims and scale the pool in this namespace)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": SANDBOX_IMAGE_RULE, "message": SANDBOX_IMAGE_MESSAGE, "fieldPath": ".image"},
-                {
-                    "rule": SANDBOX_TEMPLATE_RULE,
-                    "message": SANDBOX_TEMPLATE_MESSAGE,
-                    "fieldPath": ".template",
-                },
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": SANDBOX_IMAGE_RULE, "message": SANDBOX_IMAGE_MESSAGE, "fieldPath": ".image"},
+        {"rule": SANDBOX_TEMPLATE_RULE, "message": SANDBOX_TEMPLATE_MESSAGE, "fieldPath": ".template"},
+    )
 
     backend: Literal["local", "pods", "agent-sandbox"] = "local"
     """local: bubblewrap process trees in the trainer pod; pods: one sandbox pod per episode's sandbox; agent-sandbox: one SandboxClaim per episode's sandbox (needs agent-sandbox's controller in the cluster). For pods and agent-sandbox the operator gives the trainer a ServiceAccount with only the rights its backend uses, and each sandbox is owned by the trainer pod."""
@@ -473,20 +456,16 @@ class SandboxSpec(ApiModel):
 class RolloutSpec(ApiModel):
     """How rollouts are sampled."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": TOP_P_RULE, "message": TOP_P_MESSAGE},
-                {
-                    "rule": GROUP_SIZE_RULE,
-                    "message": f"rollout.{GROUP_SIZE_MESSAGE}",
-                    "fieldPath": ".samplesPerPrompt",
-                },
-                {"rule": ENVIRONMENT_RULE, "message": ENVIRONMENT_MESSAGE, "fieldPath": ".environment"},
-                {"rule": DATASET_RULE, "message": DATASET_MESSAGE, "fieldPath": ".dataset"},
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": TOP_P_RULE, "message": TOP_P_MESSAGE},
+        {
+            "rule": GROUP_SIZE_RULE,
+            "message": f"rollout.{GROUP_SIZE_MESSAGE}",
+            "fieldPath": ".samplesPerPrompt",
+        },
+        {"rule": ENVIRONMENT_RULE, "message": ENVIRONMENT_MESSAGE, "fieldPath": ".environment"},
+        {"rule": DATASET_RULE, "message": DATASET_MESSAGE, "fieldPath": ".dataset"},
+    )
 
     prompts_per_step: int = Field(default=128, ge=1, le=65536)
     """Prompts per optimizer step."""
@@ -527,9 +506,7 @@ class RolloutSpec(ApiModel):
 class CorrectionSpec(ApiModel):
     """The corrected objective (method.md)."""
 
-    model_config = {
-        "json_schema_extra": {"x-kubernetes-validations": [{"rule": MIS_RULE, "message": MIS_MESSAGE}]}
-    }
+    model_config = cel_rules({"rule": MIS_RULE, "message": MIS_MESSAGE})
 
     mode: CorrectionMode = "sc-mis-topp"
     """sc-mis-topp (score centering + masked IS + top-p mask replay), sc-mis, mis, sc, or none (plain GRPO)."""
@@ -586,19 +563,11 @@ class TinyModelSpec(ApiModel):
     """The tiny Qwen3 (or Qwen3-MoE) checkpoint `--local` builds and trains instead of `model.path` (Hugging
     Face config names; rlfleet/tiny_qwen3.py builds it with transformers and a local tokenizer)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": TINY_HEADS_RULE, "message": TINY_HEADS_MESSAGE},
-                {
-                    "rule": WARM_START_RULE,
-                    "message": WARM_START_MESSAGE,
-                    "fieldPath": ".maxPositionEmbeddings",
-                },
-                {"rule": TINY_MOE_RULE, "message": TINY_MOE_MESSAGE},
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": TINY_HEADS_RULE, "message": TINY_HEADS_MESSAGE},
+        {"rule": WARM_START_RULE, "message": WARM_START_MESSAGE, "fieldPath": ".maxPositionEmbeddings"},
+        {"rule": TINY_MOE_RULE, "message": TINY_MOE_MESSAGE},
+    )
 
     vocab_size: int = Field(default=64, ge=32, le=65536)
     """Vocabulary size (the toy environments' alphabet needs 32)."""
@@ -664,18 +633,10 @@ def _int64(value: int) -> int:
 class LocalSpec(ApiModel):
     """Knobs for `rlfleet run --local` (one CPU machine). Ignored on clusters."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {
-                    "rule": GROUP_SIZE_RULE,
-                    "message": f"local.{GROUP_SIZE_MESSAGE}",
-                    "fieldPath": ".samplesPerPrompt",
-                },
-                {"rule": LOCAL_CONTEXT_RULE, "message": LOCAL_CONTEXT_MESSAGE, "fieldPath": ".maxNewTokens"},
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": GROUP_SIZE_RULE, "message": f"local.{GROUP_SIZE_MESSAGE}", "fieldPath": ".samplesPerPrompt"},
+        {"rule": LOCAL_CONTEXT_RULE, "message": LOCAL_CONTEXT_MESSAGE, "fieldPath": ".maxNewTokens"},
+    )
 
     steps: int = Field(default=20, ge=1, le=100000)
     """Optimizer steps of the local run."""
@@ -708,45 +669,33 @@ class LocalSpec(ApiModel):
 class RLJobSpec(ApiModel):
     """Desired state of an RLJob."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {
-                    "rule": STATIC_SHARES_GROUPS_RULE,
-                    "message": STATIC_SHARES_GROUPS_MESSAGE,
-                    "fieldPath": ".router.staticShares",
-                },
-                {
-                    "rule": FLEET_GROUPS_RULE,
-                    "message": FLEET_GROUPS_MESSAGE,
-                    "fieldPath": ".router.optimize.groups",
-                },
-                {"rule": CONTEXT_RULE, "message": CONTEXT_MESSAGE, "fieldPath": ".rollout.maxNewTokens"},
-                {
-                    "rule": TRAINER_ACCELERATOR_RULE,
-                    "message": TRAINER_ACCELERATOR_MESSAGE,
-                    "fieldPath": ".trainer.accelerator",
-                },
-                {
-                    "rule": GROUP_ACCELERATOR_RULE,
-                    "message": GROUP_ACCELERATOR_MESSAGE,
-                    "fieldPath": ".samplerGroups",
-                },
-                {"rule": BUILTIN_MXFP4_RULE, "message": BUILTIN_MXFP4_MESSAGE, "fieldPath": ".samplerGroups"},
-                {"rule": BUILTIN_TP_RULE, "message": BUILTIN_TP_MESSAGE, "fieldPath": ".samplerGroups"},
-                {
-                    "rule": ROUTING_REPLAY_MEGATRON_RULE,
-                    "message": ROUTING_REPLAY_MEGATRON_MESSAGE,
-                    "fieldPath": ".correction.routingReplay",
-                },
-                {
-                    "rule": ROUTING_REPLAY_DENSE_RULE,
-                    "message": ROUTING_REPLAY_DENSE_MESSAGE,
-                    "fieldPath": ".correction.routingReplay",
-                },
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {
+            "rule": STATIC_SHARES_GROUPS_RULE,
+            "message": STATIC_SHARES_GROUPS_MESSAGE,
+            "fieldPath": ".router.staticShares",
+        },
+        {"rule": FLEET_GROUPS_RULE, "message": FLEET_GROUPS_MESSAGE, "fieldPath": ".router.optimize.groups"},
+        {"rule": CONTEXT_RULE, "message": CONTEXT_MESSAGE, "fieldPath": ".rollout.maxNewTokens"},
+        {
+            "rule": TRAINER_ACCELERATOR_RULE,
+            "message": TRAINER_ACCELERATOR_MESSAGE,
+            "fieldPath": ".trainer.accelerator",
+        },
+        {"rule": GROUP_ACCELERATOR_RULE, "message": GROUP_ACCELERATOR_MESSAGE, "fieldPath": ".samplerGroups"},
+        {"rule": BUILTIN_MXFP4_RULE, "message": BUILTIN_MXFP4_MESSAGE, "fieldPath": ".samplerGroups"},
+        {"rule": BUILTIN_TP_RULE, "message": BUILTIN_TP_MESSAGE, "fieldPath": ".samplerGroups"},
+        {
+            "rule": ROUTING_REPLAY_MEGATRON_RULE,
+            "message": ROUTING_REPLAY_MEGATRON_MESSAGE,
+            "fieldPath": ".correction.routingReplay",
+        },
+        {
+            "rule": ROUTING_REPLAY_DENSE_RULE,
+            "message": ROUTING_REPLAY_DENSE_MESSAGE,
+            "fieldPath": ".correction.routingReplay",
+        },
+    )
 
     model: ModelSpec
     """The policy model."""

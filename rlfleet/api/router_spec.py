@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from rlfleet.api.common import DNS_SUBDOMAIN_PATTERN, HTTP_URL_PATTERN, ApiModel, RouterPolicy
+from rlfleet.api.common import DNS_SUBDOMAIN_PATTERN, HTTP_URL_PATTERN, ApiModel, RouterPolicy, cel_rules
 from rlfleet.api.podfields import POD_FIELDS_RULES
 from rlfleet.api.scheduling import PodPlacement
 
@@ -58,11 +58,7 @@ FLEET_GROUPS_MESSAGE = "router.optimize.groups: every key must be the name of a 
 class FleetGroupBounds(ApiModel):
     """One group's replica bounds and mismatch budget for the fleet-mix optimizer."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [{"rule": FLEET_BOUNDS_RULE, "message": FLEET_BOUNDS_MESSAGE}]
-        }
-    }
+    model_config = cel_rules({"rule": FLEET_BOUNDS_RULE, "message": FLEET_BOUNDS_MESSAGE})
 
     min_replicas: int = Field(default=0, ge=0, le=1024)
     """Fewest replicas the optimizer leaves the group (not held while the group is over its own mismatch budget: it is drained)."""
@@ -105,11 +101,7 @@ class FleetDemandSpec(ApiModel):
 class FleetOptimizeSpec(ApiModel):
     """The fleet-mix optimizer (docs/economics.md): each rebalance interval, replicas and shares per group that minimise the cost per usable token under the demand, the mismatch budgets and the bounds. Replicas go through each SamplerGroup's scale subresource; the RLJob's spec is never written."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [{"rule": FLEET_DEMAND_RULE, "message": FLEET_DEMAND_MESSAGE}]
-        }
-    }
+    model_config = cel_rules({"rule": FLEET_DEMAND_RULE, "message": FLEET_DEMAND_MESSAGE})
 
     enabled: bool = False
     """Off (default): the share policy sets shares and replicas stay as the spec says."""
@@ -138,13 +130,7 @@ AUTOPILOT_COOLDOWN_MESSAGE = "router.autopilot: cooldownIntervals must be <= max
 class PrecisionAutopilotSpec(ApiModel):
     """The precision autopilot (docs/economics.md): a group over its own mismatch budget (router.optimize.groups[name].maxKl / maxOorFraction, else router.optimize.budgets.groupMaxKl / groupMaxOorFraction) moves one step up nvfp4 -> fp8 -> bf16 within what its class runs and the weight channel publishes, or is quarantined at the top (a group answering invalid tokens over maxInvalidFraction is quarantined at once); within its budget for a cool-down it steps back down, never below the RLJob's own weightFormat. Set on the SamplerGroup; the RLJob's spec is never written."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": AUTOPILOT_COOLDOWN_RULE, "message": AUTOPILOT_COOLDOWN_MESSAGE}
-            ]
-        }
-    }
+    model_config = cel_rules({"rule": AUTOPILOT_COOLDOWN_RULE, "message": AUTOPILOT_COOLDOWN_MESSAGE})
 
     enabled: bool = False
     """Off (default): a group's weightFormat is the RLJob's."""
@@ -171,15 +157,11 @@ class PrecisionAutopilotSpec(ApiModel):
 class RouterSpec(PodPlacement):
     """Router and rebalancer."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": STATIC_SHARES_RULE, "message": STATIC_SHARES_MESSAGE},
-                {"rule": STATIC_SHARES_POSITIVE_RULE, "message": STATIC_SHARES_POSITIVE_MESSAGE},
-                *POD_FIELDS_RULES,
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": STATIC_SHARES_RULE, "message": STATIC_SHARES_MESSAGE},
+        {"rule": STATIC_SHARES_POSITIVE_RULE, "message": STATIC_SHARES_POSITIVE_MESSAGE},
+        *POD_FIELDS_RULES,
+    )
 
     policy: RouterPolicy = "throughput"
     """throughput (share proportional to delivered tokens/s), cost (cheapest useful tokens) or static."""

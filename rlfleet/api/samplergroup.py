@@ -19,6 +19,7 @@ from rlfleet.api.common import (
     KvCacheDtype,
     WeightFormat,
     cel_list,
+    cel_rules,
     conditions_field,
     kube_manifest_check,
 )
@@ -83,18 +84,20 @@ def owned_flags_in(args: list[str]) -> list[str]:
     return [a for a in args if a.split("=", 1)[0] in OWNED_SGLANG_FLAGS]
 
 
+# a group's own CEL rules, which SamplerGroupSpec lists again (pydantic replaces a parent's json_schema_extra)
+_GROUP_RULES = (
+    {"rule": RESERVED_NAME_RULE, "message": RESERVED_NAME_MESSAGE, "fieldPath": ".name"},
+    {"rule": EXTRA_ARGS_RULE, "message": EXTRA_ARGS_MESSAGE, "fieldPath": ".extraArgs"},
+)
+
+
 class SamplerGroupTemplate(PodPlacement):
     """One sampler group of an RLJob: which GPU class, how many replicas, which precision."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": RESERVED_NAME_RULE, "message": RESERVED_NAME_MESSAGE, "fieldPath": ".name"},
-                {"rule": EXTRA_ARGS_RULE, "message": EXTRA_ARGS_MESSAGE, "fieldPath": ".extraArgs"},
-                *POD_FIELDS_RULES,
-            ]
-        }
-    }
+    model_config = cel_rules(
+        *_GROUP_RULES,
+        *POD_FIELDS_RULES,
+    )
 
     name: str = Field(min_length=1, max_length=MAX_GROUP_NAME, pattern=DNS_LABEL_PATTERN)
     """Group name, unique in the job (DNS label, <= 24 characters); the SamplerGroup is named <job>-<name>."""
@@ -161,21 +164,12 @@ class GroupModelRef(ApiModel):
 class SamplerGroupSpec(SamplerGroupTemplate):
     """Desired state of a SamplerGroup (written by the operator from its RLJob; may be created by hand)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": RESERVED_NAME_RULE, "message": RESERVED_NAME_MESSAGE, "fieldPath": ".name"},
-                {"rule": EXTRA_ARGS_RULE, "message": EXTRA_ARGS_MESSAGE, "fieldPath": ".extraArgs"},
-                {"rule": PORT_RULE, "message": PORT_MESSAGE, "fieldPath": ".port"},
-                {
-                    "rule": ACCELERATOR_CHANGE_RULE,
-                    "message": ACCELERATOR_CHANGE_MESSAGE,
-                    "fieldPath": ".accelerator",
-                },
-                *POD_FIELDS_RULES,
-            ]
-        }
-    }
+    model_config = cel_rules(
+        *_GROUP_RULES,
+        {"rule": PORT_RULE, "message": PORT_MESSAGE, "fieldPath": ".port"},
+        {"rule": ACCELERATOR_CHANGE_RULE, "message": ACCELERATOR_CHANGE_MESSAGE, "fieldPath": ".accelerator"},
+        *POD_FIELDS_RULES,
+    )
 
     job_name: str | None = Field(default=None, max_length=63, pattern=DNS_LABEL_PATTERN)
     """Name of the RLJob this group belongs to (empty for a standalone group)."""

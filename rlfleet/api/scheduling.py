@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from rlfleet.api.common import DNS_SUBDOMAIN_PATTERN, ApiModel, cel_list
+from rlfleet.api.common import DNS_SUBDOMAIN_PATTERN, ApiModel, cel_list, cel_rules
 from rlfleet.api.podfields import POD_FIELDS_RULES, PodTemplateFields, Quantity
 
 GPU_RESOURCE_NAME = "nvidia.com/gpu"  # rlfleet.catalog.GPU_RESOURCE (a test keeps them equal)
@@ -127,11 +127,7 @@ def bad_label_keys(keys: list[str] | set[str]) -> list[str]:
 class Toleration(ApiModel):
     """A pod toleration (core/v1 Toleration), added to the operator's nvidia.com/gpu toleration."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [{"rule": TOLERATION_RULE, "message": TOLERATION_MESSAGE}]
-        }
-    }
+    model_config = cel_rules({"rule": TOLERATION_RULE, "message": TOLERATION_MESSAGE})
 
     key: str | None = Field(default=None, max_length=317, pattern=QUALIFIED_NAME_PATTERN)
     """Taint key (none with operator Exists: tolerate every taint)."""
@@ -174,13 +170,9 @@ class NodeSelectorTerm(ApiModel):
 class NodeSelector(ApiModel):
     """Required node terms (ORed), each ANDed with the catalog's accelerator terms."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": EMPTY_TERM_RULE, "message": EMPTY_TERM_MESSAGE, "fieldPath": ".nodeSelectorTerms"}
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": EMPTY_TERM_RULE, "message": EMPTY_TERM_MESSAGE, "fieldPath": ".nodeSelectorTerms"}
+    )
 
     node_selector_terms: list[NodeSelectorTerm] = Field(min_length=1, max_length=16)
     """Terms; a node fits when it matches one of them AND the accelerator class."""
@@ -281,11 +273,7 @@ class Affinity(ApiModel):
 class ResourceRequirements(ApiModel):
     """CPU, memory and other non-GPU resources of the role's main container (merged over the defaults)."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [{"rule": GPU_OVERRIDE_RULE, "message": GPU_OVERRIDE_MESSAGE}]
-        }
-    }
+    model_config = cel_rules({"rule": GPU_OVERRIDE_RULE, "message": GPU_OVERRIDE_MESSAGE})
 
     requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
     """Requests by resource name (quoted quantities: cpu: "16", memory: 128Gi); replace the defaults per key."""
@@ -315,7 +303,7 @@ class PodPlacement(PodTemplateFields):
     """Scheduling fields of one pod role (base of TrainerSpec, RouterSpec and SamplerGroupTemplate), with
     its env, identity and volumes (PodTemplateFields, rlfleet/api/podfields.py)."""
 
-    model_config = {"json_schema_extra": {"x-kubernetes-validations": [*POD_FIELDS_RULES]}}
+    model_config = cel_rules(*POD_FIELDS_RULES)
 
     node_selector: dict[str, LabelValue] = _label_map(LABEL_KEYS_MESSAGE)
     """Node labels the pods require, on top of the accelerator class (e.g. a node pool or zone)."""

@@ -14,6 +14,7 @@ from rlfleet.api.common import (
     Condition,
     LocalObjectReference,
     WeightFormat,
+    cel_rules,
     conditions_field,
     kube_manifest_check,
 )
@@ -55,29 +56,17 @@ BUCKET_PATTERN = r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"
 class StoreSpec(ApiModel):
     """Where versions live: a filesystem path on a shared volume, or an S3-compatible bucket."""
 
-    model_config = {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                {"rule": STORE_RULE, "message": STORE_MESSAGE},
-                {"rule": STORE_PATH_RULE, "message": STORE_PATH_MESSAGE, "fieldPath": ".path"},
-                {
-                    "rule": SAMPLER_SECRET_RULE,
-                    "message": SAMPLER_SECRET_MESSAGE,
-                    "fieldPath": ".samplerSecretRef",
-                },
-                {
-                    "rule": SHARED_CREDENTIALS_RULE,
-                    "message": SHARED_CREDENTIALS_MESSAGE,
-                    "fieldPath": ".secretRef",
-                },
-                {
-                    "rule": SHARED_CREDENTIALS_SCOPE_RULE,
-                    "message": SHARED_CREDENTIALS_SCOPE_MESSAGE,
-                    "fieldPath": ".sharedCredentials",
-                },
-            ]
-        }
-    }
+    model_config = cel_rules(
+        {"rule": STORE_RULE, "message": STORE_MESSAGE},
+        {"rule": STORE_PATH_RULE, "message": STORE_PATH_MESSAGE, "fieldPath": ".path"},
+        {"rule": SAMPLER_SECRET_RULE, "message": SAMPLER_SECRET_MESSAGE, "fieldPath": ".samplerSecretRef"},
+        {"rule": SHARED_CREDENTIALS_RULE, "message": SHARED_CREDENTIALS_MESSAGE, "fieldPath": ".secretRef"},
+        {
+            "rule": SHARED_CREDENTIALS_SCOPE_RULE,
+            "message": SHARED_CREDENTIALS_SCOPE_MESSAGE,
+            "fieldPath": ".sharedCredentials",
+        },
+    )
 
     type: Literal["filesystem", "s3"] = "filesystem"
     """filesystem (a shared ReadWriteMany volume) or s3 (any S3-compatible object store)."""
