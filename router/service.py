@@ -55,7 +55,7 @@ from rlfleet.router.core import Router, RouteResult
 from rlfleet.router.transport import StreamingResponse
 
 log = logging.getLogger("rlfleet.router")
-BodyModel = TypeVar("BodyModel", bound=BaseModel)  # an admin request body (_read_model)
+BodyModel = TypeVar("BodyModel", bound=BaseModel)  # an admin request body (_admin_body)
 
 SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")
 MIN_VERSION_HEADER = "X-Min-Weight-Version"
@@ -299,8 +299,11 @@ def _authorised(request: web.Request) -> web.Response | None:
     return None
 
 
-async def _read_model(request: web.Request, model: type[BodyModel]) -> BodyModel | web.Response:
-    """The request's JSON body validated as `model`, or the 400 answer saying why not."""
+async def _admin_body(request: web.Request, model: type[BodyModel]) -> BodyModel | web.Response:
+    """An admin request's JSON body validated as `model`; the 403 / 401 answer when the request is not
+    authorised (`_authorised`), the 400 saying why the body is not valid."""
+    if (denied := _authorised(request)) is not None:
+        return denied
     try:
         data = await request.json()
     except ValueError:
@@ -318,9 +321,7 @@ async def _admin_state(request: web.Request) -> web.Response:
 
 
 async def _admin_shares(request: web.Request) -> web.Response:
-    if (denied := _authorised(request)) is not None:
-        return denied
-    update = await _read_model(request, SharesUpdate)
+    update = await _admin_body(request, SharesUpdate)
     if isinstance(update, web.Response):
         return update
     router = request.app[ROUTER_KEY]
@@ -333,9 +334,7 @@ async def _admin_shares(request: web.Request) -> web.Response:
 
 
 async def _admin_put_group(request: web.Request) -> web.Response:
-    if (denied := _authorised(request)) is not None:
-        return denied
-    update = await _read_model(request, GroupUpdate)
+    update = await _admin_body(request, GroupUpdate)
     if isinstance(update, web.Response):
         return update
     name = request.match_info["name"]
