@@ -849,7 +849,9 @@ class ControlPlane:
             if self.node:
                 for user in self.node.client_certs():
                     _write_kubeconfig(self.node.dir / f"{user}.kubeconfig", server, pki, user)
-                self.node.start(self._spawn, bin_dir, pki, self.cluster.kubectl, free_port, SERVICE_CIDR)
+                self.node.start(
+                    self._spawn, self._wait, bin_dir, pki, self.cluster.kubectl, free_port, SERVICE_CIDR
+                )
                 self.cluster.cpu_nodes = [self.node.name]
         except BaseException:
             self.stop()

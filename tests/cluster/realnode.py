@@ -38,10 +38,11 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import nodeimages as images  # tests/cluster/nodeimages.py (this folder is on sys.path: see controlplane.py)
 import yaml
+from support.manifests import RBAC, role_and_binding  # tests/ is on sys.path too (controlplane.py)
 
 NODE_NAME = "dev-node"
 BRIDGE = "rlfleet0"
@@ -320,7 +321,8 @@ class RealNode:
         self.log = log
         self.ip = NODE_IP
         self.name = NODE_NAME
-        self.kubectl: Callable[..., subprocess.CompletedProcess] = _no_api_server
+        self.kubectl: Callable[..., subprocess.CompletedProcess] = _not_started
+        self.wait: Callable[[str, Callable[[], bool], float], None] = _not_started
         self.ports: NodePorts | None = None
         self.procs: list[Any] = []  # controlplane.Proc of the node's processes (the control plane stops them)
 
@@ -366,6 +368,7 @@ class RealNode:
     def start(
         self,
         spawn_process: Callable[..., Any],
+        wait: Callable[[str, Callable[[], bool], float], None],
         bin_dir: Path,
         pki: Path,
         kubectl: Callable[..., subprocess.CompletedProcess],
@@ -374,10 +377,12 @@ class RealNode:
     ) -> None:
         """Start the node's processes (the control plane has written the kubeconfigs of `client_certs`
         into `self.dir`) and wait for the node to be Ready, its NetworkPolicy firewall installed and DNS to
-        answer."""
+        answer. `wait(what, check, timeout)` is the control plane's poll: it fails at once, with the log,
+        when one of its processes (the node's among them) died."""
         ports = NodePorts(*(free_port() for _ in range(7)))
         self.ports = ports
         self.kubectl = kubectl
+        self.wait = wait
 
         def spawn_node_process(name: str, argv: list[str]) -> None:
             self.procs.append(spawn_process(name, argv))
@@ -387,11 +392,11 @@ class RealNode:
         self.load_images([images.pause_image(self.log), images.helper_image(self.log)])
         self._start_kubelet(spawn, bin_dir, pki, containerd_sock, ports)
         self._start_kube_proxy(spawn, bin_dir, ports)
-        self._wait("node Ready", self._node_ready, 120)
+        self.wait("node Ready", self._node_ready, 120)
         self._start_kube_router(spawn, bin_dir, ports, service_cidr)
         self._start_coredns(spawn, bin_dir, ports)
         self._start_storage(spawn, bin_dir)
-        self._wait("CoreDNS ready", lambda: _http_ok(f"http://127.0.0.1:{ports.dns_ready}/ready"), 60)
+        self.wait("CoreDNS ready", lambda: _http_ok(f"http://127.0.0.1:{ports.dns_ready}/ready"), 60)
 
     def ctr(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return _run(
@@ -403,24 +408,6 @@ class RealNode:
             *args,
             check=check,
         )
-
-    def _wait(self, what: str, check: Callable[[], bool], timeout: float) -> None:
-        """Poll `check` until it holds; fail at once with its log if one of the node's processes died."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for proc in self.procs:
-                if not proc.alive():
-                    raise NodeError(
-                        f"{proc.name} exited ({proc.popen.returncode}) while waiting for {what}; "
-                        f"log {proc.log}:\n{proc.tail()}"
-                    )
-            try:
-                if check():
-                    return
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            time.sleep(0.5)
-        raise NodeError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.workdir / 'logs'}")
 
     def _start_containerd(self, spawn: Callable[..., Any]) -> Path:
         d = self.dir
@@ -479,7 +466,7 @@ state = "{d}/containerd/state"
         spawn(
             "containerd", [shutil.which("containerd") or "containerd", "--config", str(d / "containerd.toml")]
         )
-        self._wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 60)
+        self.wait("containerd", lambda: self.ctr("version", check=False).returncode == 0, 60)
         return sock
 
     def load_images(self, built: list[Any]) -> None:
@@ -597,7 +584,7 @@ state = "{d}/containerd/state"
             rules = _run("iptables-save", "-t", "filter").stdout
             return all(f"-j KUBE-ROUTER-{hook}" in rules for hook in ("FORWARD", "INPUT", "OUTPUT"))
 
-        self._wait("kube-router's NetworkPolicy chains", hooked, 60)
+        self.wait("kube-router's NetworkPolicy chains", hooked, 60)
 
     def _start_coredns(self, spawn, bin_dir: Path, ports: NodePorts) -> None:
         d = self.dir
@@ -686,24 +673,8 @@ KUBE_ROUTER_RULES: list[dict[str, Any]] = [  # its upstream ClusterRole, less wh
 
 def kube_router_rbac() -> list[dict[str, Any]]:
     """What kube-router's client certificate (user system:kube-router, `client_certs`) may read."""
-    name = "rlfleet-dev-kube-router"
-    return [
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": {"name": name},
-            "rules": KUBE_ROUTER_RULES,
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": name},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-            "subjects": [
-                {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "system:kube-router"}
-            ],
-        },
-    ]
+    user = {"apiGroup": RBAC, "kind": "User", "name": "system:kube-router"}
+    return role_and_binding("rlfleet-dev-kube-router", KUBE_ROUTER_RULES, user, cluster_wide=True)
 
 
 def storage_manifests(storage: Path) -> list[dict[str, Any]]:
@@ -753,7 +724,7 @@ def storage_manifests(storage: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _no_api_server(*args: str, **kwargs: Any) -> subprocess.CompletedProcess:
+def _not_started(*args: Any, **kwargs: Any) -> NoReturn:
     raise NodeError("the node is not started")
 
 

@@ -182,21 +182,10 @@ def account_env(
 ) -> dict[str, str]:
     """A ServiceAccount `name` of `namespace` holding a Role of `rules` (its own name): the environment in
     which kubectl acts as it (a kubeconfig of its token, written in `directory`)."""
+    account = {"kind": "ServiceAccount", "name": name, "namespace": namespace}
     objects = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": {"name": name},
-            "rules": rules,
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": name},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
-        },
+        *manifests.role_and_binding(name, rules, account),
     ]
     kube.kubectl("apply", "-n", namespace, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objects))
     token = kube.kubectl("create", "token", name, "-n", namespace, "--duration=1h").stdout.strip()

@@ -1,5 +1,5 @@
-"""Manifests as the user writes them (plain dicts: RLJobs, standalone SamplerGroups, Pods), for the tests
-that build their own."""
+"""Manifests as the user writes them (plain dicts: RLJobs, standalone SamplerGroups, Pods, a Role and its
+binding), for the tests that build their own."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 API = "rlfleet.dev/v1alpha1"
+RBAC = "rbac.authorization.k8s.io"
 
 
 def rljob(
@@ -41,3 +42,21 @@ def samplergroup(name: str = "solo-h100", /, **spec: Any) -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": {"name": "h100", "accelerator": "h100", "model": {"name": "m", "path": "p"}, **spec},
     }
+
+
+def role_and_binding(
+    name: str, rules: list[dict[str, Any]], subject: dict[str, str], *, cluster_wide: bool = False
+) -> list[dict[str, Any]]:
+    """A Role of `rules` (a ClusterRole when `cluster_wide`) and the RoleBinding (ClusterRoleBinding)
+    granting it to `subject`, both named `name`; namespaced ones take the namespace they are applied in."""
+    kind = "ClusterRole" if cluster_wide else "Role"
+    return [
+        {"apiVersion": f"{RBAC}/v1", "kind": kind, "metadata": {"name": name}, "rules": rules},
+        {
+            "apiVersion": f"{RBAC}/v1",
+            "kind": f"{kind}Binding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": RBAC, "kind": kind, "name": name},
+            "subjects": [subject],
+        },
+    ]
