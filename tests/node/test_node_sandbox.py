@@ -26,6 +26,7 @@ import textwrap
 import time
 import urllib.parse
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,16 @@ class Trainer:
             max_seconds=600,
             **extra,
         )
+
+    @contextmanager
+    def sandboxes(self, owner: str, **extra: Any) -> Iterator[PodSandboxes]:
+        """The trainer's sandbox factory for pods owned by `owner` (`extra`: more config fields), shut down
+        when the block ends."""
+        factory = PodSandboxes(self.config(owner, **extra), kubeconfig=str(self.kubeconfig))
+        try:
+            yield factory
+        finally:
+            factory.shutdown()
 
     def pods(self, selector: str) -> set[str]:
         got = self.kube.get_json("pods", "-n", self.namespace, "-l", selector)["items"]
@@ -143,9 +154,8 @@ def trainer(dev_cluster, tmp_path_factory) -> Iterator[Trainer]:
 
 def test_commands_files_limits_and_the_diff_in_a_real_sandbox_pod(trainer: Trainer) -> None:
     owner = trainer.owner_pod("swe-trainer-0")
-    factory = PodSandboxes(trainer.config(owner), kubeconfig=str(trainer.kubeconfig))
     files = {"calc/ops.py": "def add(a, b):\n    return a - b\n", "README.md": "calc\n"}
-    try:
+    with trainer.sandboxes(owner) as factory:
         box = factory(files, SandboxLimits(max_timeout_s=30))
         pod = trainer.kube.get_json("pod", box.name, "-n", trainer.namespace)
         assert pod["metadata"]["ownerReferences"][0]["name"] == owner
@@ -217,8 +227,6 @@ def test_commands_files_limits_and_the_diff_in_a_real_sandbox_pod(trainer: Train
             timeout=60,
         )
         assert trainer.pods(owner_selector(owner)) == set()  # the fresh one too
-    finally:
-        factory.shutdown()
 
 
 TRAINER_SCRIPT = """
@@ -252,22 +260,18 @@ def test_a_restarted_trainer_deletes_what_its_killed_run_left(trainer: Trainer) 
         os.kill(proc.pid, signal.SIGKILL)  # no close(), no finalizer: as a killed trainer
         proc.wait()
     assert len(names) == 2 and trainer.pods(owner_selector(owner)) == names  # left behind
-    factory = PodSandboxes(config, kubeconfig=str(trainer.kubeconfig))  # the restarted trainer
-    try:
+    with trainer.sandboxes(owner) as factory:  # the restarted trainer
         assert set(factory.removed_leftovers) == names
         wait_for(
             "the killed run's sandbox pods gone",
             lambda: not trainer.pods(owner_selector(owner)) or None,
             timeout=60,
         )
-    finally:
-        factory.shutdown()
 
 
 def test_deleting_the_trainer_pod_deletes_its_sandbox_pods(trainer: Trainer) -> None:
     owner = trainer.owner_pod("swe-trainer-2")
-    factory = PodSandboxes(trainer.config(owner), kubeconfig=str(trainer.kubeconfig))
-    try:
+    with trainer.sandboxes(owner) as factory:
         box = factory({"a.py": "A = 1\n"}, SandboxLimits())
         assert trainer.pods(owner_selector(owner)) == {box.name}
         trainer.kube.kubectl("delete", "pod", owner, "-n", trainer.namespace, "--wait=false")
@@ -279,14 +283,11 @@ def test_deleting_the_trainer_pod_deletes_its_sandbox_pods(trainer: Trainer) -> 
             timeout=120,
         )
         box.close()  # already gone: still fine
-    finally:
-        factory.shutdown()
 
 
 def test_the_network_policy_selects_exactly_the_sandbox_pods(trainer: Trainer) -> None:
     owner = trainer.owner_pod("swe-trainer-3")
-    factory = PodSandboxes(trainer.config(owner), kubeconfig=str(trainer.kubeconfig))
-    try:
+    with trainer.sandboxes(owner) as factory:
         with factory({"a.py": "A = 1\n"}, SandboxLimits()) as box:
             policy = trainer.kube.get_json(
                 "networkpolicy", f"{trainer.job.name}-sandboxes", "-n", trainer.namespace
@@ -295,8 +296,6 @@ def test_the_network_policy_selects_exactly_the_sandbox_pods(trainer: Trainer) -
             assert not policy["spec"].get("egress") and not policy["spec"].get("ingress")
             selector = ",".join(f"{k}={v}" for k, v in policy["spec"]["podSelector"]["matchLabels"].items())
             assert trainer.pods(selector) == {box.name}  # not the trainer (owner) pod, nothing else
-    finally:
-        factory.shutdown()
 
 
 # One TCP connection attempt to argv[1]:argv[2]: "connected", or "failed: <errno name or error type> <message>".
@@ -424,14 +423,13 @@ def test_a_sandbox_pod_cannot_connect_to_an_ip_address_a_control_pod_reaches(tra
 
 def test_the_warm_pool_follows_the_open_sandboxes(trainer: Trainer) -> None:
     owner = trainer.owner_pod("swe-trainer-4")
-    factory = PodSandboxes(trainer.config(owner, warm_pool=2), kubeconfig=str(trainer.kubeconfig))
     files = {"a.py": "A = 1\n"}
+    with trainer.sandboxes(owner, warm_pool=2) as factory:
 
-    def idle_when(count: int, open_now: int) -> list[str] | None:
-        idle, warming, opened = factory.pool()
-        return idle if (len(idle), warming, opened) == (count, 0, open_now) else None
+        def idle_when(count: int, open_now: int) -> list[str] | None:
+            idle, warming, opened = factory.pool()
+            return idle if (len(idle), warming, opened) == (count, 0, open_now) else None
 
-    try:
         assert factory.pool() == ([], 0, 0)  # nothing open: nothing started ahead
         first = factory(files, SandboxLimits())
         assert not first.warm  # a cold start
@@ -453,8 +451,6 @@ def test_the_warm_pool_follows_the_open_sandboxes(trainer: Trainer) -> None:
             timeout=60,
         )
         assert kept in two
-    finally:
-        factory.shutdown()
 
 
 def test_the_shipped_tasks_earn_their_reward_in_sandbox_pods(trainer: Trainer) -> None:
@@ -466,8 +462,7 @@ def test_the_shipped_tasks_earn_their_reward_in_sandbox_pods(trainer: Trainer) -
     from rlfleet.trainer.envs.swe_tasks import tool_call
 
     owner = trainer.owner_pod("swe-trainer-5")
-    factory = PodSandboxes(trainer.config(owner, warm_pool=1), kubeconfig=str(trainer.kubeconfig))
-    try:
+    with trainer.sandboxes(owner, warm_pool=1) as factory:
         tokenizer = byte_chat_tokenizer()
         env = SweEnv(tokenizer, sandbox=factory, grade_timeout_s=60)
         tasks = load_tasks(REPO / "examples" / "swe" / "tasks.jsonl")
@@ -487,8 +482,6 @@ def test_the_shipped_tasks_earn_their_reward_in_sandbox_pods(trainer: Trainer) -
             2,
         )
         wait_for("no sandbox pod open after the episodes", lambda: factory.pool()[2] == 0 or None, timeout=30)
-    finally:
-        factory.shutdown()
     wait_for("every sandbox pod deleted", lambda: not trainer.pods(owner_selector(owner)) or None, timeout=60)
 
 
