@@ -5,10 +5,9 @@ product label, `cloud.google.com/gke-spot: "true"` and its NoSchedule taint, the
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from support.control_plane import get, operator_in_process, spot_h100_node
+from support.manifests import samplergroup
 from support.waits import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("crds")]
@@ -16,30 +15,19 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("cr
 SPOT_NODE = "gpu-h100-spot"
 
 
-def samplergroup(name: str, spot: bool, replicas: int) -> dict:
-    return {
-        "apiVersion": "rlfleet.dev/v1alpha1",
-        "kind": "SamplerGroup",
-        "metadata": {"name": name},
-        "spec": {
-            "name": name,
-            "accelerator": "h100",
-            "weightFormat": "fp8",
-            "replicas": replicas,
-            "spot": spot,
-            "model": {"name": "m", "path": "Qwen/Qwen3-0.6B"},
-        },
-    }
-
-
 def test_a_spot_group_lands_on_the_spot_node_and_an_on_demand_group_never_does(
     kube, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kube.kubectl("apply", "-f", "-", input=json.dumps(spot_h100_node(SPOT_NODE)))
+    kube.apply(spot_h100_node(SPOT_NODE))
     try:
         with operator_in_process(kube, namespace, monkeypatch):
-            for sg in (samplergroup("spot", True, 3), samplergroup("ondemand", False, 3)):
-                kube.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(sg))
+            kube.apply(
+                *(
+                    samplergroup(name, name=name, weightFormat="fp8", replicas=3, spot=spot)
+                    for name, spot in (("spot", True), ("ondemand", False))
+                ),
+                namespace=namespace,
+            )
 
             def placed() -> dict[str, list[str]] | None:
                 pods = get(kube, namespace, "pods")["items"]
