@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -115,6 +117,16 @@ def wait_running(kube, namespace: str, timeout: float = 90.0) -> dict:
     return wait_for("RLJob Running", running, timeout)
 
 
+@contextmanager
+def example_running(kube, namespace: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
+    """The operator in process, the example's shared volume and the example RLJob applied: the job once
+    Running, the operator still running inside the block."""
+    with operator_in_process(kube, namespace, monkeypatch):
+        shared_volume(kube, namespace)
+        apply_example(kube, namespace)
+        yield wait_running(kube, namespace)
+
+
 def items(kube, namespace: str, kind: str, selector: str = f"rlfleet.dev/job={JOB}") -> list[dict]:
     return get(kube, namespace, kind, "-l", selector)["items"]
 
@@ -122,10 +134,7 @@ def items(kube, namespace: str, kind: str, selector: str = f"rlfleet.dev/job={JO
 def test_example_job_creates_a_placed_ready_fleet(
     kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with operator_in_process(kube, namespace, monkeypatch):
-        shared_volume(kube, namespace)
-        apply_example(kube, namespace)
-        job = wait_running(kube, namespace)
+    with example_running(kube, namespace, monkeypatch) as job:
         status = job["status"]
         assert status["readyGroups"] == "8/8"
         assert status["trainer"] == {"replicas": 1, "readyReplicas": 1, "ready": "1/1"}
@@ -227,10 +236,7 @@ def test_example_job_creates_a_placed_ready_fleet(
 def test_spec_update_group_removal_suspend_resume_and_deletion(
     kube, crds, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with operator_in_process(kube, namespace, monkeypatch):
-        shared_volume(kube, namespace)
-        apply_example(kube, namespace)
-        wait_running(kube, namespace)
+    with example_running(kube, namespace, monkeypatch):
         # update: one group scaled in the RLJob, one group removed
         manifest = example(namespace)
         manifest["spec"]["samplerGroups"] = [
