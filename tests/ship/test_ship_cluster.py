@@ -28,6 +28,7 @@ import yaml
 from support.control_plane import role_grants
 from support.moto import start_moto
 from support.ports import free_port
+from support.processes import stop
 from support.stub_views import stub_views
 from support.waits import wait_for
 
@@ -433,19 +434,21 @@ def write_kubeconfig(path: Path, server: str, namespace: str, token: str, ca_dat
     return path
 
 
-def start_operator(
+@contextmanager
+def running_operator(
     chart: dict[str, Any],
     kubeconfig: Path,
     pod_name: str,
     ports: tuple[int, int] | None = None,
     env_from_pod: dict[str, str] | None = None,
     webhook_port: int | None = None,
-) -> tuple[subprocess.Popen, Path]:
+) -> Iterator[tuple[subprocess.Popen, Path]]:
     """`rlfleet` with the chart container's own args (liveness, metrics and webhook bound to 127.0.0.1:
     tests never listen beyond the loopback; the webhook's certificate names 127.0.0.1, the address
     webhook_by_url gives the API server, instead of the Service's DNS name) and the pod's env
     (POD_ID/POD_NAME/POD_NAMESPACE from the downward API; `env_from_pod`: the container's other env
-    resolved as the kubelet would, e.g. secretKeyRefs). `webhook_port`: another port than the chart's."""
+    resolved as the kubelet would, e.g. secretKeyRefs). `webhook_port`: another port than the chart's.
+    Yields the process and its log; the process is stopped (support.processes.stop) when the block ends."""
     health, metrics = ports or (chart["health"], chart["metrics"])
     args = [a.replace("0.0.0.0", "127.0.0.1") for a in chart["container"]["args"]] + [
         "--metrics-address=127.0.0.1"
@@ -476,16 +479,10 @@ def start_operator(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return proc, log_path
-
-
-def stop_operator(proc: subprocess.Popen) -> None:
-    proc.terminate()
     try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+        yield proc, log_path
+    finally:
+        stop([proc])
 
 
 @pytest.fixture(scope="module")
@@ -500,8 +497,7 @@ def operator_as_serviceaccount(kube, helm, tmp_path_factory) -> Iterator[dict[st
             kubeconfig = write_kubeconfig(
                 tmp / "sa.kubeconfig", f"http://127.0.0.1:{proxy.port}", chart["namespace"], "via-proxy"
             )
-            proc, log_path = start_operator(chart, kubeconfig, f"{chart['release']}-pod")
-            try:
+            with running_operator(chart, kubeconfig, f"{chart['release']}-pod") as (proc, log_path):
                 yield {
                     "namespace": chart["namespace"],
                     "proxy": proxy,
@@ -512,8 +508,6 @@ def operator_as_serviceaccount(kube, helm, tmp_path_factory) -> Iterator[dict[st
                     "release": chart["release"],
                     "roles": operator_roles(chart["objects"]),
                 }
-            finally:
-                stop_operator(proc)
 
 
 def operator_roles(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -762,64 +756,66 @@ def test_two_replicas_elect_one_active_operator_and_fail_over(kube, helm, tmp_pa
 
             # the active replica first, then a standby joins (as in a rollout); simultaneous starts are
             # left to kopf
-            active, active_log = start_operator(chart, kubeconfig, names[1], (free_port(), free_port()))
-            standby = None
-            try:
+            with running_operator(chart, kubeconfig, names[1], (free_port(), free_port())) as (
+                active,
+                active_log,
+            ):
                 wait_for("the first replica in the KopfPeering", lambda: names[1] in peers(), timeout=60)
-                standby, standby_log = start_operator(chart, kubeconfig, names[0], (free_port(), free_port()))
-                wait_for("both replicas in the KopfPeering", lambda: set(peers()) == set(names), timeout=60)
-                assert {peers()[n]["priority"] for n in names} == {auto_priority(n) for n in names}
-                # kopf starts paused until it has seen the peers: the active replica resumes, the standby
-                # (a live peer of higher priority exists) never does
-                wait_for(
-                    "the higher-priority replica to resume",
-                    lambda: "Resuming operations" in active_log.read_text(),
-                    timeout=60,
-                )
-                kube.kubectl("apply", "--server-side", "-n", jobs, "-f", str(EXAMPLE))
-                job = yaml.safe_load(EXAMPLE.read_text())
-                groups = job["spec"]["samplerGroups"]
-                wait_for(
-                    "children by the active replica",
-                    lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups),
-                    timeout=90,
-                )
-                wait_for(
-                    "the active replica's handler to finish",
-                    lambda: "Handler 'reconcile_rljob' succeeded" in active_log.read_text(),
-                    timeout=30,
-                )
-                assert "Handler 'reconcile_rljob'" not in standby_log.read_text()
-                assert "Resuming operations" not in standby_log.read_text()
+                with running_operator(chart, kubeconfig, names[0], (free_port(), free_port())) as (
+                    standby,
+                    standby_log,
+                ):
+                    wait_for(
+                        "both replicas in the KopfPeering", lambda: set(peers()) == set(names), timeout=60
+                    )
+                    assert {peers()[n]["priority"] for n in names} == {auto_priority(n) for n in names}
+                    # kopf starts paused until it has seen the peers: the active replica resumes, the standby
+                    # (a live peer of higher priority exists) never does
+                    wait_for(
+                        "the higher-priority replica to resume",
+                        lambda: "Resuming operations" in active_log.read_text(),
+                        timeout=60,
+                    )
+                    kube.kubectl("apply", "--server-side", "-n", jobs, "-f", str(EXAMPLE))
+                    job = yaml.safe_load(EXAMPLE.read_text())
+                    groups = job["spec"]["samplerGroups"]
+                    wait_for(
+                        "children by the active replica",
+                        lambda: len(kube.get_json("samplergroups", "-n", jobs)["items"]) == len(groups),
+                        timeout=90,
+                    )
+                    wait_for(
+                        "the active replica's handler to finish",
+                        lambda: "Handler 'reconcile_rljob' succeeded" in active_log.read_text(),
+                        timeout=30,
+                    )
+                    assert "Handler 'reconcile_rljob'" not in standby_log.read_text()
+                    assert "Resuming operations" not in standby_log.read_text()
 
-                stop_operator(active)  # a clean stop removes its keep-alive from the peering
-                wait_for(
-                    "the standby to resume",
-                    lambda: "Resuming operations" in standby_log.read_text(),
-                    timeout=60,
-                )
-                remove_the_last_group(
-                    kube,
-                    job["metadata"]["name"],
-                    jobs,
-                    len(groups),
-                    "the former standby to reconcile the change",
-                )
-                # the spec change's handler: kopf names it reconcile_rljob/spec (the update handler, field
-                # spec); reconcile_rljob is its resume handler, which kopf may or may not run at the takeover
-                # (it ran in most runs, not in one CI run where the update handler did the work)
-                wait_for(
-                    "the former standby's handler to finish",
-                    lambda: re.search(
-                        r"Handler 'reconcile_rljob(/spec)?' succeeded", standby_log.read_text()
-                    ),
-                    timeout=30,
-                )
-                assert standby.poll() is None
-            finally:
-                stop_operator(active)
-                if standby is not None:
-                    stop_operator(standby)
+                    stop([active])  # a clean stop removes its keep-alive from the peering
+                    wait_for(
+                        "the standby to resume",
+                        lambda: "Resuming operations" in standby_log.read_text(),
+                        timeout=60,
+                    )
+                    remove_the_last_group(
+                        kube,
+                        job["metadata"]["name"],
+                        jobs,
+                        len(groups),
+                        "the former standby to reconcile the change",
+                    )
+                    # the spec change's handler: kopf names it reconcile_rljob/spec (the update handler,
+                    # field spec); reconcile_rljob is its resume handler, which kopf may or may not run at the
+                    # takeover (it ran in most runs, not in one CI run where the update handler did the work)
+                    wait_for(
+                        "the former standby's handler to finish",
+                        lambda: re.search(
+                            r"Handler 'reconcile_rljob(/spec)?' succeeded", standby_log.read_text()
+                        ),
+                        timeout=30,
+                    )
+                    assert standby.poll() is None
     finally:
         kube.kubectl("delete", "namespace", jobs, "--wait=false", check=False)
 
@@ -893,14 +889,14 @@ def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(
                 tmp_path / "sa.kubeconfig", kube.server, ns, chart["token"], chart["ca_data"]
             )
             names = sorted((f"{release}-rlfleet-5c8d7-{s}" for s in ("abcde", "vwxyz")), key=auto_priority)
-            active, active_log = start_operator(chart, kubeconfig, names[1], (free_port(), free_port()))
-            standby = None
-            try:
+            with running_operator(chart, kubeconfig, names[1], (free_port(), free_port())) as (
+                active,
+                active_log,
+            ):
+                operator_logs = [active_log]
 
                 def logs() -> str:
-                    return "\n".join(
-                        p.read_text()[-3000:] for p in (active_log, *([standby_log] if standby else []))
-                    )
+                    return "\n".join(p.read_text()[-3000:] for p in operator_logs)
 
                 def configuration() -> dict[str, Any]:
                     return kube.get_json("validatingwebhookconfiguration", configuration_name)
@@ -936,7 +932,8 @@ def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(
                 serving = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
                 serving.verify_directly_issued_by(ca)
                 san = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-                assert [str(n.value) for n in san] == ["127.0.0.1"]  # the --webhook-host start_operator gives
+                # the --webhook-host running_operator gives
+                assert [str(n.value) for n in san] == ["127.0.0.1"]
                 # only the caBundle changed: the rest is the chart's (rules, paths, policy, selector)
                 for got, want in zip(live["webhooks"], rendered["webhooks"], strict=True):
                     assert {**got, "clientConfig": {"url": got["clientConfig"]["url"]}} == {
@@ -989,53 +986,51 @@ def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(
 
                 # a second replica (the standby: the active one has the higher priority) on a port of its own
                 standby_port = free_port()
-                standby, standby_log = start_operator(
+                with running_operator(
                     chart, kubeconfig, names[0], (free_port(), free_port()), webhook_port=standby_port
-                )
-                try:
-                    wait_for(
-                        "the standby's webhook, trusted by the same caBundle",
-                        lambda: _tls_serves(standby_port, base64.b64decode(bundle)),
-                        timeout=60,
+                ) as (standby, standby_log):
+                    operator_logs.append(standby_log)
+                    try:
+                        wait_for(
+                            "the standby's webhook, trusted by the same caBundle",
+                            lambda: _tls_serves(standby_port, base64.b64decode(bundle)),
+                            timeout=60,
+                        )
+                    except AssertionError as exc:
+                        raise AssertionError(f"{exc}\n{logs()}") from None
+                    again = kube.get_json("secret", secret_name, "-n", ns)
+                    assert (
+                        again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+                    )  # not rewritten
+                    assert all(w["clientConfig"]["caBundle"] == bundle for w in configuration()["webhooks"])
+                    # only the standby answers now: its kopf indexes are empty (peering paused its watches)
+                    kube.kubectl(
+                        "patch",
+                        "validatingwebhookconfiguration",
+                        configuration_name,
+                        "--type=json",
+                        "-p",
+                        json.dumps(
+                            [
+                                {
+                                    "op": "replace",
+                                    "path": f"/webhooks/{i}/clientConfig/url",
+                                    "value": w["clientConfig"]["url"].replace(
+                                        f":{chart['webhook']}/", f":{standby_port}/"
+                                    ),
+                                }
+                                for i, w in enumerate(live["webhooks"])
+                            ]
+                        ),
                     )
-                except AssertionError as exc:
-                    raise AssertionError(f"{exc}\n{logs()}") from None
-                again = kube.get_json("secret", secret_name, "-n", ns)
-                assert (
-                    again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
-                )  # not rewritten
-                assert all(w["clientConfig"]["caBundle"] == bundle for w in configuration()["webhooks"])
-                # only the standby answers now: its kopf indexes are empty (peering paused its watches)
-                kube.kubectl(
-                    "patch",
-                    "validatingwebhookconfiguration",
-                    configuration_name,
-                    "--type=json",
-                    "-p",
-                    json.dumps(
-                        [
-                            {
-                                "op": "replace",
-                                "path": f"/webhooks/{i}/clientConfig/url",
-                                "value": w["clientConfig"]["url"].replace(
-                                    f":{chart['webhook']}/", f":{standby_port}/"
-                                ),
-                            }
-                            for i, w in enumerate(live["webhooks"])
-                        ]
-                    ),
-                )
-                refused = kube.kubectl(
-                    "apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab-cd", "ef")), check=False
-                )
-                assert refused.returncode != 0, refused.stdout
-                assert "is taken by SamplerGroup ab-cd-ef of RLJob ab" in refused.stderr, refused.stderr
-                assert "Resuming operations" not in standby_log.read_text()  # it was the standby all along
-                assert active.poll() is None and standby.poll() is None, logs()
-            finally:
-                stop_operator(active)
-                if standby is not None:
-                    stop_operator(standby)
+                    refused = kube.kubectl(
+                        "apply", "-n", jobs, "-f", "-", input=json.dumps(_job("ab-cd", "ef")), check=False
+                    )
+                    assert refused.returncode != 0, refused.stdout
+                    assert "is taken by SamplerGroup ab-cd-ef of RLJob ab" in refused.stderr, refused.stderr
+                    # it was the standby all along
+                    assert "Resuming operations" not in standby_log.read_text()
+                    assert active.poll() is None and standby.poll() is None, logs()
     finally:
         kube.kubectl("delete", "namespace", jobs, "--wait=false", check=False)
 
@@ -1045,7 +1040,7 @@ def test_the_charts_webhook_keeps_its_certificate_and_refuses_colliding_jobs(
 
 def _pod_env(kube, namespace: str, container: dict[str, Any]) -> dict[str, str]:
     """The container's env as the kubelet resolves it: literal values and secretKeyRefs (read from the
-    real Secret); downward-API fields are set by start_operator."""
+    real Secret); downward-API fields are set by running_operator."""
     out: dict[str, str] = {}
     for e in container.get("env", []):
         if "value" in e:
@@ -1162,57 +1157,59 @@ def test_weightchannel_versions_with_the_charts_store_access(
             kubeconfig = write_kubeconfig(
                 tmp / "sa.kubeconfig", kube.server, ns, chart["token"], chart["ca_data"]
             )
-            proc, log_path = start_operator(
-                chart, kubeconfig, f"{chart['release']}-pod", env_from_pod=_pod_env(kube, ns, container)
-            )
             try:
-                for kind in stores:
-                    job = copy.deepcopy(example)
-                    job["metadata"]["name"] = f"{kind}-job"
-                    job["spec"]["samplerGroups"] = [
-                        {"name": "h100-fp8", "accelerator": "h100", "replicas": 1, "weightFormat": "fp8"}
-                    ]
-                    job["spec"]["weightChannel"]["store"] = store_specs[kind]
-                    kube.kubectl("apply", "-n", jobs_ns, "-f", "-", input=json.dumps(job))
-                for kind, store in stores.items():
-                    channel = WeightChannel(store)
-                    channel.publish(views, version=1)
-                    channel.report(
-                        SubscriberReport(
-                            group=f"{kind}-job-h100-fp8",
-                            replica="pod-a",
-                            view="fp8",
-                            applied_version=0,
-                            in_use=[0],
+                with running_operator(
+                    chart, kubeconfig, f"{chart['release']}-pod", env_from_pod=_pod_env(kube, ns, container)
+                ) as (_, log_path):
+                    for kind in stores:
+                        job = copy.deepcopy(example)
+                        job["metadata"]["name"] = f"{kind}-job"
+                        job["spec"]["samplerGroups"] = [
+                            {"name": "h100-fp8", "accelerator": "h100", "replicas": 1, "weightFormat": "fp8"}
+                        ]
+                        job["spec"]["weightChannel"]["store"] = store_specs[kind]
+                        kube.kubectl("apply", "-n", jobs_ns, "-f", "-", input=json.dumps(job))
+                    for kind, store in stores.items():
+                        channel = WeightChannel(store)
+                        channel.publish(views, version=1)
+                        channel.report(
+                            SubscriberReport(
+                                group=f"{kind}-job-h100-fp8",
+                                replica="pod-a",
+                                view="fp8",
+                                applied_version=0,
+                                in_use=[0],
+                            )
                         )
-                    )
 
-                def versions(kind: str) -> Callable[[], Any]:
-                    def check() -> Any:
-                        wc = _get_or_none(kube, "wc", f"{kind}-job-weights", "-n", jobs_ns)
-                        sg = _get_or_none(kube, "sg", f"{kind}-job-h100-fp8", "-n", jobs_ns)
-                        ok = (
-                            wc.get("status", {}).get("latestVersion") == 1
-                            and sg.get("status", {}).get("versionLag") == 1
-                        )
-                        return (wc["status"], sg["status"]) if ok else None
+                    def versions(kind: str) -> Callable[[], Any]:
+                        def check() -> Any:
+                            wc = _get_or_none(kube, "wc", f"{kind}-job-weights", "-n", jobs_ns)
+                            sg = _get_or_none(kube, "sg", f"{kind}-job-h100-fp8", "-n", jobs_ns)
+                            ok = (
+                                wc.get("status", {}).get("latestVersion") == 1
+                                and sg.get("status", {}).get("versionLag") == 1
+                            )
+                            return (wc["status"], sg["status"]) if ok else None
 
-                    return check
+                        return check
 
-                for kind in stores:
-                    try:
-                        wc, sg = wait_for(f"{kind} channel status", versions(kind), timeout=120)
-                    except AssertionError as exc:
-                        raise AssertionError(
-                            f"{exc}\n" + "\n".join(log_path.read_text().splitlines()[-30:])
-                        ) from None
-                    assert wc["phase"] == "Ready" and {a["view"] for a in wc["artifacts"]} == {"bf16", "fp8"}
-                    assert sg["appliedWeightVersion"] == 0
-                    sg_row = _printed(kube, "sg", f"{kind}-job-h100-fp8", "-n", jobs_ns)
-                    assert (sg_row["VERSION"], sg_row["LAG"]) == ("0", "1"), sg_row
-                    assert _printed(kube, "wc", f"{kind}-job-weights", "-n", jobs_ns)["LATEST"] == "1"
+                    for kind in stores:
+                        try:
+                            wc, sg = wait_for(f"{kind} channel status", versions(kind), timeout=120)
+                        except AssertionError as exc:
+                            raise AssertionError(
+                                f"{exc}\n" + "\n".join(log_path.read_text().splitlines()[-30:])
+                            ) from None
+                        assert wc["phase"] == "Ready" and {a["view"] for a in wc["artifacts"]} == {
+                            "bf16",
+                            "fp8",
+                        }
+                        assert sg["appliedWeightVersion"] == 0
+                        sg_row = _printed(kube, "sg", f"{kind}-job-h100-fp8", "-n", jobs_ns)
+                        assert (sg_row["VERSION"], sg_row["LAG"]) == ("0", "1"), sg_row
+                        assert _printed(kube, "wc", f"{kind}-job-weights", "-n", jobs_ns)["LATEST"] == "1"
             finally:
-                stop_operator(proc)
                 kube.kubectl("delete", "namespace", jobs_ns, "--wait=false", check=False)
     finally:
         s3.terminate()
