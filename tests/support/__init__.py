@@ -19,7 +19,7 @@ pytest collects nothing here.
 - control_plane: rlfleet on the test control plane (CRDs, the operator in process, RLJobs, Events,
   a spot node, fresh namespaces, ServiceAccounts of given rules, the sandbox grants by `bind`, what a Role grants)
 - cluster_modules: tests/cluster/*.py loaded by path for pytest's side
-- manifests: RLJob, standalone SamplerGroup and Pod manifests as plain dicts
+- manifests: RLJob, standalone SamplerGroup and Pod manifests as plain dicts, a Role and its binding
 - example_children: what the operator's builders make for examples/rljob.yaml
 - claim_window: a real trainer SIGKILLed inside its claim window
 - invalid_rljobs: tests/api/invalid_rljobs.yaml's cases applied to the example
@@ -36,4 +36,5 @@ pytest collects nothing here.
 - gqa_sizes: the tiny two-layer grouped-query model the backend and attention tests build
 - episode_outcomes: EpisodeOutcomes of episodes that ended as planned
 - stub_views: directories standing for a version's published views (a config.json naming each)
+- operator_chart: charts/rlfleet installed with helm on the dev cluster (the operator from a loaded image)
 """
