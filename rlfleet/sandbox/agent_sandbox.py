@@ -139,11 +139,16 @@ class AgentSandboxes:
         return cls(pod.namespace, job, spec.template, spec.warm_pool, owner_pod=pod.name, owner_uid=pod.uid)
 
     def _claim_call(self, method: str, **kwargs: Any) -> Any:
+        return self._custom_call(CLAIM_PLURAL_NAME, method, **kwargs)
+
+    def _custom_call(self, plural: str, method: str, **kwargs: Any) -> Any:
+        """`method` of the custom objects API on the job's namespace's `plural` (SandboxClaims, warm
+        pools: both of the agent-sandbox extensions API group and version)."""
         return getattr(self.objects, method)(
             group=CLAIM_API_GROUP,
             version=CLAIM_API_VERSION,
             namespace=self.namespace,
-            plural=CLAIM_PLURAL_NAME,
+            plural=plural,
             **kwargs,
         )
 
@@ -181,13 +186,7 @@ class AgentSandboxes:
         }
 
     def _pool_call(self, method: str, **kwargs: Any) -> Any:
-        return getattr(self.objects, method)(
-            group=CLAIM_API_GROUP,
-            version=CLAIM_API_VERSION,
-            namespace=self.namespace,
-            plural=WARM_POOL_PLURAL,
-            **kwargs,
-        )
+        return self._custom_call(WARM_POOL_PLURAL, method, **kwargs)
 
     def _ensure_pool(self) -> None:
         """Make the SandboxWarmPool of the template (replicas 0), or check the one there names it."""
