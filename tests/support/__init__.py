@@ -34,6 +34,8 @@ pytest collects nothing here.
 - scripted_turns: the SampledTurns a stand-in sampler answers with (q known exactly)
 - rollout_drivers: `make_driver(position)` for run_training over a sampler of the test's own
 - gqa_sizes: the tiny two-layer grouped-query model the backend and attention tests build
+- hf_backend_steps: the transformers backend's tests' models, batches, backend on CPU, one step, gloo
+  processes
 - episode_outcomes: EpisodeOutcomes of episodes that ended as planned
 - stub_views: directories standing for a version's published views (a config.json naming each)
 - operator_chart: charts/rlfleet installed with helm on the dev cluster (the operator from a loaded image)

@@ -18,37 +18,39 @@ No stubs: real models, real torch.distributed (gloo, a file:// rendezvous).
 from __future__ import annotations
 
 import copy
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-from support.gqa_sizes import TWO_LAYER_GQA
+from support.hf_backend_steps import (
+    GROUPS,
+    OBJECTIVE,
+    OPTIM,
+    RAGGED,
+    SMALL_MOE,
+    SMALL_QWEN3,
+    VOCAB,
+    cpu_backend,
+    make_batch,
+    one_step,
+    ragged_batch,
+    spawn,
+)
 from support.scripted_turns import two_candidate_turn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from rlfleet.records import SUPPORT_MODE
 from rlfleet.trainer.backends.attention import VARLEN_SDPA, use_varlen_attention
-from rlfleet.trainer.backends.backend_common import OptimConfig, combine_metrics, to_token_batch
+from rlfleet.trainer.backends.backend_common import combine_metrics, to_token_batch
 from rlfleet.trainer.backends.backend_hf import HFBackend
-from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, policy_loss
+from rlfleet.trainer.objective import LossOutput, policy_loss
 from rlfleet.trainer.rollout.batching import FlatBatch, plan_micro_batches
 
-VOCAB = 96
-OBJECTIVE = ObjectiveConfig(mode="sc_mis", replay=True)
-OPTIM = OptimConfig(learning_rate=1e-2, max_grad_norm=1e9)  # no clipping: raw gradients are compared
 # Steps of 2 ranks against 1 process: the gradients differ in the last bits (the reduce-scatter sums
 # in another order, each rank packs its own sequences), and Adam's g / (sqrt(v) + eps) magnifies that on an element whose gradient is near 0:
 # one of 2,048 elements of a layer's gate_proj ends 2.0e-6 off on an AMD EPYC with AVX-512 (under 1e-6 on
 # other CPUs). 1e-5 is 1e-3 of one step's largest update (lr); a wrong shard or a missed step is >= lr off.
 TWO_STEP_WEIGHTS_ATOL = 1e-5
-
-
-SMALL_QWEN3 = {"vocab_size": VOCAB, "max_position_embeddings": 64, **TWO_LAYER_GQA}
-"""A tiny Qwen3 (rlfleet/tiny_qwen3.py, via the `tiny_qwen3_factory` fixture; `tiny_llama`'s sizes too)
-small enough for a two-process CPU test: no fp8 view is published here, so no 128-multiples are needed."""
 
 
 def tiny_llama(path: Path) -> Path:
@@ -57,110 +59,8 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
-def make_batch(num_seqs: int = 5, seed: int = 0, lens: list[int] | None = None) -> FlatBatch:
-    """Sequences of different lengths (right-padded; `lens`, else 7..12 tokens), a 4-token prompt,
-    sampled tokens after it, each with a support of 4 candidates (the sampled one included, q
-    renormalised on it)."""
-    rng = np.random.default_rng(seed)
-    lens = np.array(lens, dtype=np.int64) if lens is not None else rng.integers(7, 13, size=num_seqs)
-    num_seqs = len(lens)
-    input_ids = np.zeros((num_seqs, int(lens.max())), dtype=np.int64)
-    cols: dict[str, list] = {
-        k: [] for k in ("seq", "pos", "tgt", "adv", "lq", "ids", "clq", "cnt", "grp", "st")
-    }
-    for b, n in enumerate(lens):
-        input_ids[b, :n] = rng.integers(1, VOCAB, size=n)
-        adv = float(rng.normal())
-        for s in range(4, int(n)):
-            tgt = int(input_ids[b, s])
-            others = rng.choice(np.setdiff1d(np.arange(VOCAB), [tgt]), size=3, replace=False)
-            ids = np.concatenate([[tgt], others])
-            lq = np.log(rng.dirichlet(np.ones(4))).astype(np.float32)
-            cols["seq"].append(b)
-            cols["pos"].append(s - 1)
-            cols["tgt"].append(tgt)
-            cols["adv"].append(adv)
-            cols["lq"].append(lq[0])
-            cols["ids"].append(ids)
-            cols["clq"].append(lq)
-            cols["cnt"].append(4)
-            cols["grp"].append("h100-fp8" if b % 2 else "b200-nvfp4")
-            cols["st"].append(int(b % 3))
-    t = len(cols["tgt"])
-    offsets = np.zeros(t + 1, dtype=np.int64)
-    np.cumsum(cols["cnt"], out=offsets[1:])
-    lq = np.array(cols["lq"], dtype=np.float32)
-    return FlatBatch(
-        input_ids=input_ids,
-        seq_lens=lens.astype(np.int64),
-        row_seq=np.array(cols["seq"], dtype=np.int64),
-        row_pos=np.array(cols["pos"], dtype=np.int64),
-        target_ids=np.array(cols["tgt"], dtype=np.int64),
-        advantages=np.array(cols["adv"], dtype=np.float32),
-        logq=lq - 0.1,
-        logq_support=lq,
-        cand_offsets=offsets,
-        cand_ids=np.concatenate(cols["ids"]).astype(np.int64),
-        cand_logq=np.concatenate(cols["clq"]).astype(np.float32),
-        candidate_mode=SUPPORT_MODE,
-        versions=np.zeros(t, dtype=np.int64),
-        staleness=np.array(cols["st"], dtype=np.int64),
-        groups=np.array(cols["grp"], dtype=object),
-    )
-
-
-GROUPS = {"b200-nvfp4": 0, "h100-fp8": 1}
-
-
-def one_step(backend: HFBackend, flat: FlatBatch) -> dict:
-    out, grad_norm = backend.train_step(flat, GROUPS)
-    grads = {}
-    for name, p in backend.model.named_parameters():
-        g = p.grad
-        grads[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    return {
-        "loss": float(out.loss.detach()),
-        "metrics": out.metrics,
-        "per_group": out.per_group,
-        "grads": grads,
-        "weights": backend.weights(),
-        "grad_norm": grad_norm,
-    }
-
-
-def _spawned(rank: int, world: int, init_file: str, out_dir: str, job, args: tuple) -> None:
-    """The multi-process harness: one gloo process group, `job(rank, *args)` on this rank, its result
-    saved as `<out_dir>/rank<r>.pt` (asserted in the test's own process)."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    # A file:// rendezvous in the test's own tmp dir: concurrent runs cannot meet each other (a free
-    # TCP port can be taken by another run between probing and binding); a timeout turns a stuck
-    # collective into an error instead of a hang.
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=90)
-    )
-    try:
-        torch.save(job(rank, *args), Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(tmp_path: Path, job, *args: object, world: int = 2) -> list[dict]:
-    """`job(rank, *args)` in `world` gloo processes; every rank's result (rendezvous and results in
-    `tmp_path`)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    mp.spawn(
-        _spawned,
-        args=(world, str(tmp_path / "rendezvous"), str(tmp_path), job, args),
-        nprocs=world,
-        join=True,
-    )
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
 def _one_step_job(rank: int, ckpt: str) -> dict:
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    backend = cpu_backend(ckpt)
     assert backend.distributed and backend.world == 2
     result = one_step(backend, make_batch())
     sd = backend.state_dict()  # a collective: every rank calls it
@@ -172,7 +72,7 @@ def _one_step_job(rank: int, ckpt: str) -> dict:
 @pytest.mark.slow  # ~20 s on 2 shared cores: two spawned processes import torch + transformers
 def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path, tiny_qwen3_factory) -> None:
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
-    single = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu"), make_batch())
+    single = one_step(cpu_backend(ckpt), make_batch())
     multi = spawn(tmp_path, _one_step_job, str(ckpt))[0]
 
     assert abs(multi["loss"] - single["loss"]) < 1e-6
@@ -235,7 +135,7 @@ def _resume_job(rank: int, ckpts: list[str], out_dir: str) -> dict:
     out: dict = {}
     for i, ckpt in enumerate(ckpts):
         path = Path(out_dir) / f"trainer-ckpt-{i}.pt"
-        uninterrupted = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+        uninterrupted = cpu_backend(ckpt)
         uninterrupted.train_step(first, GROUPS)
         own_state = uninterrupted.state_dict()  # a collective: every rank calls it
         if rank == 0:
@@ -250,7 +150,7 @@ def _resume_job(rank: int, ckpts: list[str], out_dir: str) -> dict:
         }
         backends = {"uninterrupted": uninterrupted}
         for how, state in restores.items():
-            backends[how] = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+            backends[how] = cpu_backend(ckpt)
             backends[how].load_state_dict(state)
             runs[f"{how}_loaded"] = trainer_state(backends[how])
         for how, backend in backends.items():
@@ -345,7 +245,7 @@ def _drive_or_follow_job(rank: int, ckpt: str) -> dict:
     command kind. Rank 1 returns its own shards once `follow()` has returned."""
     import io
 
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    backend = cpu_backend(ckpt)
     assert backend.distributed and backend.world == 2
     if rank != 0:
         backend.follow()
@@ -382,7 +282,7 @@ def test_rank_0_drives_and_rank_1_follows_like_one_process(tmp_path: Path, tiny_
     returned after `close()` (the job saves its result only then; a follower stuck in the broadcast
     would time out and fail the spawn)."""
     ckpt = str(tiny_qwen3_factory(**SMALL_QWEN3))
-    single = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    single = cpu_backend(ckpt)
     want_losses = [float(single.train_step(make_batch(seed=s), GROUPS)[0].loss.detach()) for s in (1, 2)]
     want = single.weights()
     driver, follower = spawn(tmp_path, _drive_or_follow_job, ckpt)
@@ -391,7 +291,7 @@ def test_rank_0_drives_and_rank_1_follows_like_one_process(tmp_path: Path, tiny_
     for got, expected in zip(driver["losses"], want_losses, strict=True):
         assert abs(got - expected) < 1e-6
     assert driver["weights"].keys() == want.keys()
-    initial = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").weights()
+    initial = cpu_backend(ckpt).weights()
     for name, w in want.items():
         assert not torch.equal(w, initial[name]), name  # two steps moved every weight
         torch.testing.assert_close(driver["weights"][name], w, rtol=0, atol=TWO_STEP_WEIGHTS_ATOL, msg=name)
@@ -410,11 +310,10 @@ import torch
 sys.path.insert(0, {tests!r})
 torch.set_num_threads(1)
 import torch.distributed as dist
-from rlfleet.trainer.backends.backend_hf import HFBackend
 from rlfleet.trainer.entrypoint import exit_now
-from test_trainer_backend_hf import GROUPS, OBJECTIVE, OPTIM, make_batch
+from support.hf_backend_steps import GROUPS, cpu_backend, make_batch
 assert not dist.is_initialized()
-backend = HFBackend.from_pretrained({ckpt!r}, OBJECTIVE, optim=OPTIM, device="cpu")  # joins torchrun's group
+backend = cpu_backend({ckpt!r})  # joins torchrun's group
 result = {{"rank": backend.rank, "world": backend.world, "backend": dist.get_backend()}}
 if backend.rank != 0:
     backend.follow()
@@ -442,7 +341,9 @@ def test_under_torchrun_the_backend_joins_the_process_group_and_rank_1_follows(
 
     ckpt = str(tiny_qwen3_factory(**SMALL_QWEN3))
     script = tmp_path / "worker.py"
-    script.write_text(TORCHRUN_WORKER.format(tests=str(Path(__file__).parent), ckpt=ckpt, out=str(tmp_path)))
+    script.write_text(
+        TORCHRUN_WORKER.format(tests=str(Path(__file__).parents[1]), ckpt=ckpt, out=str(tmp_path))
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
         capture_output=True,
@@ -452,7 +353,7 @@ def test_under_torchrun_the_backend_joins_the_process_group_and_rank_1_follows(
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [(r["rank"], r["world"], r["backend"]) for r in ranks] == [(0, 2, "gloo"), (1, 2, "gloo")]
-    single = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    single = cpu_backend(ckpt)
     want = float(single.train_step(make_batch(seed=1), GROUPS)[0].loss.detach())
     assert abs(ranks[0]["loss"] - want) < 1e-6
     assert ranks[0]["weights"] == len(single.weights())
@@ -475,7 +376,7 @@ def test_one_process_loss_is_the_objective_on_the_model_logits_qwen3_and_llama(
     for ckpt in (tiny_qwen3_factory(**SMALL_QWEN3), tiny_llama(tmp_path / "l")):
         flat = make_batch(num_seqs=3, seed=4)
         expected = _reference_loss(AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32), flat)
-        backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, temperature=0.7, device="cpu")
+        backend = cpu_backend(ckpt, temperature=0.7)
         assert not backend.distributed
         out, grad_norm = backend.train_step(flat, GROUPS)
         assert abs(float(out.loss.detach()) - expected) < 1e-6
@@ -490,7 +391,7 @@ def test_weights_carry_exactly_the_hf_checkpoint_names(tiny_qwen3_factory, tie: 
     from safetensors import safe_open
 
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3, tie_word_embeddings=tie)
-    backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu")
+    backend = cpu_backend(ckpt)
     backend.train_step(make_batch(seed=1), GROUPS)
     weights = backend.weights()
     with safe_open(str(ckpt / "model.safetensors"), "pt") as fh:
@@ -514,9 +415,7 @@ def test_combine_metrics_token_weighted() -> None:
 
 
 def test_batch_smaller_than_world_is_a_clear_error(tiny_qwen3_factory) -> None:
-    backend = HFBackend.from_pretrained(
-        tiny_qwen3_factory(**SMALL_QWEN3), OBJECTIVE, optim=OPTIM, device="cpu"
-    )
+    backend = cpu_backend(tiny_qwen3_factory(**SMALL_QWEN3))
     backend.world = 4  # the split rule alone (no process group needed)
     try:
         backend.local_sequences(make_batch(num_seqs=3))
@@ -532,7 +431,7 @@ def test_bf16_on_gpu_tracks_the_fp32_cpu_loss(tiny_qwen3_factory) -> None:
     """On a GPU the forward runs in bf16 (fp32 master weights): the loss is the fp32 one to bf16 accuracy."""
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
     flat = make_batch(seed=5)
-    cpu, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").train_step(flat, GROUPS)
+    cpu, _ = cpu_backend(ckpt).train_step(flat, GROUPS)
     gpu_backend = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cuda")
     assert gpu_backend.bf16 and next(gpu_backend.model.parameters()).dtype == torch.float32
     gpu, grad_norm = gpu_backend.train_step(flat, GROUPS)
@@ -590,18 +489,16 @@ def test_chat_prompts_math_env_and_hf_backend_compose(tmp_path: Path) -> None:
         head_dim=8,
     )
     Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
-    backend = HFBackend.from_pretrained(tmp_path / "m", OBJECTIVE, optim=OPTIM, device="cpu")
+    backend = cpu_backend(tmp_path / "m")
     out, grad_norm = backend.train_step(flat, {"h100-fp8": 0})
     assert out.metrics["num_tokens"] == len(replies[0]) + len(replies[1]) and grad_norm > 0
 
 
 # --- token-budget micro-batches ------------------------------------------------------------------
 
-RAGGED = [30, 5, 17, 9, 24, 6, 12]  # a long-tailed batch: the longest is 6x the shortest
-
 
 def test_micro_batch_plan_covers_every_sequence_within_the_budget() -> None:
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     need = [n - 1 for n in RAGGED]  # through the last sampled token's logit position (its own position - 1)
     plan = plan_micro_batches(flat, np.arange(len(RAGGED)), 32)
     assert sorted(b for mb in plan for b in mb.seqs.tolist()) == list(range(len(RAGGED)))
@@ -635,7 +532,7 @@ def test_packed_forward_equals_each_sequence_alone(tiny_qwen3_factory, attn: str
     else:
         model.set_attn_implementation(attn)
     assert model.config._attn_implementation == attn
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     mb = plan_micro_batches(flat, np.arange(len(RAGGED)), 64)[0]
     assert len(mb.seqs) >= 3
     input_ids, position_ids, _ = mb.packed(flat)
@@ -703,11 +600,9 @@ def test_micro_batched_step_equals_the_unbatched_step(tiny_qwen3_factory, budget
     """A ragged batch cut into packed micro-batches of at most `budget` tokens: the accumulated
     gradient, the loss and the metrics equal one padded forward of the whole batch."""
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     want = reference_step(ckpt, flat)
-    backend = HFBackend.from_pretrained(
-        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
-    )
+    backend = cpu_backend(ckpt, max_tokens_per_micro_batch=budget)
     plan = plan_micro_batches(flat, np.arange(len(RAGGED)), budget)
     assert (len(plan) > 2) is (budget < 64)
     got = one_step(backend, flat)
@@ -719,35 +614,26 @@ def test_activation_checkpointing_gives_the_same_step(tiny_qwen3_factory) -> Non
     """Gradient checkpointing (each decoder layer recomputed in backward) with packed micro-batches:
     the same gradients as the unbatched reference, and the layers really are checkpointed."""
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     want = reference_step(ckpt, flat)
-    backend = HFBackend.from_pretrained(
-        ckpt,
-        OBJECTIVE,
-        optim=OPTIM,
-        device="cpu",
-        max_tokens_per_micro_batch=24,
-        activation_checkpointing=True,
-    )
+    backend = cpu_backend(ckpt, max_tokens_per_micro_batch=24, activation_checkpointing=True)
     assert backend.model.is_gradient_checkpointing
     assert_step_equals_reference(one_step(backend, flat), want)
 
 
 def _budget_step_job(rank: int, ckpt: str, budget: int) -> dict:
-    backend = HFBackend.from_pretrained(
-        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
-    )
+    backend = cpu_backend(ckpt, max_tokens_per_micro_batch=budget)
     assert backend.distributed and backend.world == 2
     # rank 0 gets sequences 0, 2, 4, 6 (4 micro-batches at 24), rank 1 sequences 1, 3, 5 (2): rank 1 idles twice
     plans = [
         plan_micro_batches(
-            make_batch(lens=RAGGED, seed=3),
-            backend.local_sequences(make_batch(lens=RAGGED, seed=3), r),
+            ragged_batch(),
+            backend.local_sequences(ragged_batch(), r),
             budget,
         )
         for r in (0, 1)
     ]
-    result = one_step(backend, make_batch(lens=RAGGED, seed=3))
+    result = one_step(backend, ragged_batch())
     result["plan_sizes"] = [len(p) for p in plans]
     return result
 
@@ -760,7 +646,7 @@ def test_micro_batches_on_two_gloo_processes_equal_the_unbatched_step(
     """Two FSDP2 ranks with unequal numbers of micro-batches (the idle rank runs zero-loss ones): the
     reduced gradient is the one-process, one-forward gradient of the whole batch."""
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
-    want = reference_step(ckpt, make_batch(lens=RAGGED, seed=3))
+    want = reference_step(ckpt, ragged_batch())
     ranks = spawn(tmp_path, _budget_step_job, str(ckpt), 24)
     assert ranks[0]["plan_sizes"][0] != ranks[0]["plan_sizes"][1]
     for got in ranks:
@@ -768,19 +654,6 @@ def test_micro_batches_on_two_gloo_processes_equal_the_unbatched_step(
 
 
 # ------------------------------------------------------------------------------------ mixture of experts
-SMALL_MOE = dict(
-    SMALL_QWEN3,
-    architecture="qwen3_moe",
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    router_aux_loss_coef=0.5,
-)
-"""The project's tiny Qwen3-MoE (rlfleet/tiny_qwen3.py) at SMALL_QWEN3's sizes, 4 experts of 16, top-2; a
-large load-balancing coefficient (Qwen3-MoE's is 0.001) so that the router's loss moves every gradient it
-reaches by far more than the tolerance."""
-
-
 def switch_load_balancing_loss(router_logits: list[torch.Tensor], experts: int, top_k: int) -> torch.Tensor:
     """The Switch Transformer's load-balancing loss over the tokens of `router_logits` (one [tokens,
     experts] per layer), written out: experts x sum_e f_e P_e, f_e the share of the (token, layer)
@@ -827,12 +700,10 @@ def test_a_moe_step_equals_the_hand_computed_step_router_loss_included(
     whose router load-balancing term is computed here from the router logits of a padded forward; the
     router's term really is in the step (without it the routers' gradients differ)."""
     ckpt = tiny_qwen3_factory(**SMALL_MOE)
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     want = moe_reference_step(ckpt, flat, budget)
     assert want["aux"] > 1.0  # experts x sum f_e P_e >= 1, equality only for perfectly balanced routing
-    backend = HFBackend.from_pretrained(
-        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
-    )
+    backend = cpu_backend(ckpt, max_tokens_per_micro_batch=budget)
     assert type(backend.model).__name__ == "Qwen3MoeForCausalLM"
     got = one_step(backend, flat)
     assert any("experts.gate_up_proj" in n for n in want["grads"]) and any(

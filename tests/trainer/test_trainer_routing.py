@@ -11,20 +11,17 @@ import numpy as np
 import pytest
 import torch
 from support.episode_outcomes import finished_outcome
-from test_trainer_backend_hf import (
+from support.hf_backend_steps import (
     GROUPS,
-    OBJECTIVE,
-    OPTIM,
-    RAGGED,
     SMALL_MOE,
     SMALL_QWEN3,
-    make_batch,
+    cpu_backend,
+    ragged_batch,
     spawn,
 )
 
 from rlfleet.records import SampledTurn
 from rlfleet.trainer.backends.backend_common import combine_metrics
-from rlfleet.trainer.backends.backend_hf import HFBackend
 from rlfleet.trainer.backends.routing import routing_metrics, routing_mismatch
 from rlfleet.trainer.envs.prompts import Prompt
 from rlfleet.trainer.metrics import objective_metrics
@@ -160,15 +157,13 @@ def test_a_moe_step_measures_routing_mismatch_exactly(tiny_qwen3_factory, budget
     per group, counting only rows sampled at the trainer's version that carry routing; across
     micro-batches (budget 24) as in one."""
     ckpt = tiny_qwen3_factory(**SMALL_MOE)
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     own, gap = transformers_routing(ckpt, flat)
     assert gap > 1e-4 and own.shape == (flat.num_tokens, 2, 2)
     flat.trainer_version, flat.versions = 1, np.ones(flat.num_tokens, dtype=np.int64)
 
     flat.routed_experts = own[:, :, ::-1].copy()  # the same sets, listed the other way round
-    out, _ = HFBackend.from_pretrained(
-        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
-    ).train_step(flat, GROUPS)
+    out, _ = cpu_backend(ckpt, max_tokens_per_micro_batch=budget).train_step(flat, GROUPS)
     assert {k: out.metrics[k] for k in ROUTING_KEYS} == {
         "routing_tokens": flat.num_tokens,
         "routing_mismatch_tokens": 0.0,
@@ -191,9 +186,7 @@ def test_a_moe_step_measures_routing_mismatch_exactly(tiny_qwen3_factory, budget
     altered[missing] = -1
     flat.routed_experts = altered
     compared = ~stale & ~missing
-    out, _ = HFBackend.from_pretrained(
-        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=budget
-    ).train_step(flat, GROUPS)
+    out, _ = cpu_backend(ckpt, max_tokens_per_micro_batch=budget).train_step(flat, GROUPS)
 
     def want(sel: np.ndarray) -> dict[str, float]:
         return {
@@ -215,15 +208,13 @@ def test_a_moe_step_measures_routing_mismatch_exactly(tiny_qwen3_factory, budget
 
 
 def _routed_batch(routed: np.ndarray) -> FlatBatch:
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     flat.routed_experts = routed
     return flat
 
 
 def _routing_step_job(rank: int, ckpt: str, routed: np.ndarray) -> dict:
-    backend = HFBackend.from_pretrained(
-        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24
-    )
+    backend = cpu_backend(ckpt, max_tokens_per_micro_batch=24)
     assert backend.distributed and backend.world == 2
     out, _ = backend.train_step(_routed_batch(routed), GROUPS)
     return {"metrics": out.metrics, "per_group": out.per_group}
@@ -238,12 +229,10 @@ def test_two_gloo_ranks_measure_the_same_routing_mismatch_as_one_process(
     equal one process's (every row at the trainer's version 0; the sampler's experts altered in every
     4th row's layer 1)."""
     ckpt = tiny_qwen3_factory(**SMALL_MOE)
-    routed, _ = transformers_routing(ckpt, make_batch(lens=RAGGED, seed=3))
+    routed, _ = transformers_routing(ckpt, ragged_batch())
     for row in range(0, len(routed), 4):
         routed[row, 1, 0] = next(e for e in range(4) if e not in routed[row, 1])
-    one, _ = HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu").train_step(
-        _routed_batch(routed), GROUPS
-    )
+    one, _ = cpu_backend(ckpt).train_step(_routed_batch(routed), GROUPS)
     assert one.metrics["routing_mismatch_layers"] == pytest.approx(
         len(range(0, len(routed), 4)) / (2 * len(routed))
     )
@@ -256,11 +245,9 @@ def test_two_gloo_ranks_measure_the_same_routing_mismatch_as_one_process(
 
 def test_a_dense_model_reports_no_routing(tiny_qwen3_factory) -> None:
     """A dense Qwen3 given a batch with routing (it cannot have any): no routing metric."""
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     flat.routed_experts = np.zeros((flat.num_tokens, 2, 2), dtype=np.int32)
-    out, _ = HFBackend.from_pretrained(
-        tiny_qwen3_factory(**SMALL_QWEN3), OBJECTIVE, optim=OPTIM, device="cpu"
-    ).train_step(flat, GROUPS)
+    out, _ = cpu_backend(tiny_qwen3_factory(**SMALL_QWEN3)).train_step(flat, GROUPS)
     assert not set(ROUTING_KEYS) & (set(out.metrics) | {k for m in out.per_group.values() for k in m})
 
 

@@ -11,20 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_trainer_backend_hf import (
+from support.hf_backend_steps import (
     GROUPS,
-    OBJECTIVE,
-    OPTIM,
-    RAGGED,
     SMALL_MOE,
     SMALL_QWEN3,
-    make_batch,
+    cpu_backend,
     one_step,
+    ragged_batch,
     spawn,
 )
 from test_trainer_routing import ROUTING_KEYS, transformers_routing
 
-from rlfleet.trainer.backends.backend_hf import HFBackend
 from rlfleet.trainer.backends.routing_replay import replay_routing
 
 SEQ = 12
@@ -147,17 +144,13 @@ def test_replay_refuses_what_it_cannot_replay(moe, tiny_qwen3_factory) -> None:
     with pytest.raises(ValueError, match="expert id 4 >= the model's 4 experts"), replay_routing(model, bad):
         pass
     with pytest.raises(ValueError, match="has no Qwen3-MoE router"):
-        HFBackend.from_pretrained(
-            tiny_qwen3_factory(**SMALL_QWEN3), OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=True
-        )
+        cpu_backend(tiny_qwen3_factory(**SMALL_QWEN3), routing_replay=True)
 
 
 def _step(
     ckpt: Path, flat, replay: bool, **kwargs
 ) -> tuple[dict[str, float], float, dict[str, torch.Tensor]]:
-    backend = HFBackend.from_pretrained(
-        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=replay, **kwargs
-    )
+    backend = cpu_backend(ckpt, routing_replay=replay, **kwargs)
     out, _ = backend.train_step(flat, GROUPS)
     grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if "mlp.gate" in n}
     return out.metrics, float(out.loss), grads
@@ -173,7 +166,7 @@ def test_a_replayed_step_uses_the_samplers_experts_and_measures_the_trainers_own
     trainer's own routing, not the replayed one, which would read 0), the routers get gradients, and
     activation checkpointing (the layer recomputed in backward) gives the same step."""
     ckpt = tiny_qwen3_factory(**SMALL_MOE)
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     own, gap = transformers_routing(ckpt, flat)
     assert gap > 1e-4
     flat.trainer_version, flat.versions = 1, np.ones(flat.num_tokens, dtype=np.int64)
@@ -211,18 +204,16 @@ def test_a_replayed_step_uses_the_samplers_experts_and_measures_the_trainers_own
 
 def _altered_routing(ckpt: Path) -> np.ndarray:
     """transformers' own routing of the RAGGED batch with layer 1 of every 3rd row moved to the other two experts."""
-    own, _ = transformers_routing(ckpt, make_batch(lens=RAGGED, seed=3))
+    own, _ = transformers_routing(ckpt, ragged_batch())
     for row in range(0, len(own), 3):
         own[row, 1] = [e for e in range(4) if e not in own[row, 1]]
     return own
 
 
 def _replayed_step_job(rank: int, ckpt: str, routed: np.ndarray) -> dict:
-    backend = HFBackend.from_pretrained(
-        ckpt, OBJECTIVE, optim=OPTIM, device="cpu", max_tokens_per_micro_batch=24, routing_replay=True
-    )
+    backend = cpu_backend(ckpt, max_tokens_per_micro_batch=24, routing_replay=True)
     assert backend.distributed and backend.world == 2
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     flat.routed_experts = routed
     step = one_step(backend, flat)
     return {
@@ -241,12 +232,10 @@ def test_two_gloo_ranks_replay_as_one_process(tmp_path: Path, tiny_qwen3_factory
     micro-batch, and the ranks' micro-batches are not the one process's, so it alone would move the gradients."""
     ckpt = tiny_qwen3_factory(**dict(SMALL_MOE, router_aux_loss_coef=0.0))
     routed = _altered_routing(ckpt)
-    flat = make_batch(lens=RAGGED, seed=3)
+    flat = ragged_batch()
     flat.routed_experts = routed
-    one = one_step(
-        HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu", routing_replay=True), flat
-    )
-    plain = one_step(HFBackend.from_pretrained(ckpt, OBJECTIVE, optim=OPTIM, device="cpu"), flat)
+    one = one_step(cpu_backend(ckpt, routing_replay=True), flat)
+    plain = one_step(cpu_backend(ckpt), flat)
     assert abs(one["loss"] - plain["loss"]) > 1e-6
     ranks = spawn(tmp_path, _replayed_step_job, str(ckpt), routed)
     assert ranks[0]["loss"] == pytest.approx(one["loss"], abs=1e-6)
