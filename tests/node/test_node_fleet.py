@@ -395,8 +395,8 @@ def test_versions_between_anchors_are_deltas_that_every_group_rebuilds_verified(
     status and `kubectl get wc` say so. Each group's sidecar rebuilds the delta versions from its previous
     copy, every one verified (no checksum or delta failure), and reads exactly the payloads the manifests
     list (its log line per version); its /metrics' bytes read per kind are the sum of those lines; and one
-    version's bytes per group (its line for a version rebuilt from the one before alone) are its delta
-    payloads: a few % of the full views."""
+    rebuild's bytes per group (its line for the versions it built from its copy) are their delta payloads: a
+    few % of those versions' full views."""
     [wc] = fleet.kube.get_json("weightchannels", "-n", fleet.ns)["items"]
     assert (wc["spec"].get("deltas") or {}).get("anchorEvery", ANCHOR_EVERY) == ANCHOR_EVERY, wc["spec"]
     wait_for(
@@ -406,15 +406,19 @@ def test_versions_between_anchors_are_deltas_that_every_group_rebuilds_verified(
     )
     _assert_anchors_every_k_and_deltas_between(dict(fleet.manifests))
     _assert_the_channel_status_names_a_delta_version(fleet)
-    one_version = {group: _assert_the_sidecar_rebuilds_verified(fleet, group) for group in GROUPS}
-    full = {g: fleet.manifests[v].views[g].bytes for g, (v, _) in one_version.items()}
-    read_total = sum(sum(r.values()) for _, r in one_version.values())
-    for group, (version, read) in one_version.items():
-        print(f"{group}: v{version} read {sum(read.values())} B of its {full[group]} B view ({read})")
-    print(
-        f"a version's bytes over the {len(GROUPS)} groups: {read_total} B of {sum(full.values())} B as full views"
-    )
-    assert 0 < read_total <= DELTA_SHARE_AT_MOST * sum(full.values()), (one_version, full)
+    rebuilds = {group: _assert_the_sidecar_rebuilds_verified(fleet, group) for group in GROUPS}
+    # what the versions each rebuild built (after its copy, up to its target) weigh as full views
+    full = {
+        g: sum(fleet.manifests[v].views[g].bytes for v in range(copy + 1, version + 1))
+        for g, (copy, version, _) in rebuilds.items()
+    }
+    read_total = sum(sum(read.values()) for *_, read in rebuilds.values())
+    for group, (copy, version, read) in rebuilds.items():
+        print(
+            f"{group}: v{copy} -> v{version} read {sum(read.values())} B of {full[group]} B as full views ({read})"
+        )
+    print(f"over the {len(GROUPS)} groups: {read_total} B of {sum(full.values())} B as full views")
+    assert 0 < read_total <= DELTA_SHARE_AT_MOST * sum(full.values()), (rebuilds, full)
 
 
 def _assert_anchors_every_k_and_deltas_between(manifests: dict[int, Manifest]) -> None:
@@ -471,10 +475,11 @@ def _settled(fleet: Fleet, pod: str) -> tuple[dict[str, Any], list[Obtained]] | 
     return snap, [o for o in _obtained(fleet.logs(pod, "weight-sync"), APPLIED) if o.version <= serving]
 
 
-def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int, dict[str, int]]:
+def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int, int, dict[str, int]]:
     """Every version the group's sidecar applied was obtained as the manifests say, with exactly their bytes
-    read, none refused; its counters are the sum of its lines. Returns (a delta version it rebuilt from the
-    version before alone, the bytes it read for it: that version's line, one term of its counters' sum)."""
+    read, none refused; its counters are the sum of its lines. Returns (the copy's version, the version
+    built, the bytes read) of its rebuild from a local copy through the fewest deltas: that version's line,
+    one term of its counters' sum."""
     [pod] = fleet.sampler_pods(group)
     name = pod["metadata"]["name"]
 
@@ -496,7 +501,7 @@ def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int
     except AssertionError as exc:
         raise AssertionError(f"{exc}; it obtained: {[(o.version, o.source) for o in seen]}") from None
     for got in obtained:
-        local = {int(got.source.split()[1][1:])} if got.source.startswith("local v") else set()
+        local = {_copy_version(got)} if got.source.startswith("local v") else set()
         assert got == _expected(fleet.manifests, group, got.version, local), (group, got)
     snap, lines = wait_for(
         f"the {group} sidecar in sync", lambda: _settled(fleet, name), timeout=300, interval=0.2
@@ -506,13 +511,18 @@ def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int
     logged = {kind: sum(o.read[kind] for o in lines) for kind in ("anchor", "delta", "whole-file")}
     assert snap["read_bytes"] == status["read_bytes"] == logged, (group, snap["read_bytes"], logged)
     assert snap["applies"] == len(lines) and logged["delta"] > 0, (group, snap["applies"], len(lines))
-    # one version's bytes: a version the sidecar rebuilt from the one before alone, as its line says (the
-    # lines are what it read, exactly, by the check above, and its counters their sum)
-    single = [o for o in lines if o.source == f"local v{o.version - 1} + delta v{o.version}"]
-    assert single, (group, [(o.version, o.source) for o in lines])
-    one = single[-1]
-    assert one == _expected(fleet.manifests, group, one.version, {one.version - 1}), (group, one)
-    return one.version, one.read
+    # one rebuild's bytes, as its line says (the lines are what it read, exactly, and its counters their sum):
+    # the rebuild from its copy that folded the fewest deltas (a sidecar behind the trainer folds several)
+    from_copy = [o for o in lines if o.source.startswith("local v") and " + delta" in o.source]
+    assert from_copy, (group, [(o.version, o.source) for o in lines])
+    one = min(from_copy, key=lambda o: (o.version - _copy_version(o), -o.version))
+    assert one == _expected(fleet.manifests, group, one.version, {_copy_version(one)}), (group, one)
+    return _copy_version(one), one.version, one.read
+
+
+def _copy_version(obtained: Obtained) -> int:
+    """The version of the local copy a rebuild started from ("local v6 + deltas v7, v8" -> 6)."""
+    return int(obtained.source.split()[1][1:])
 
 
 # A pod on the pod network without the job's key (sys.argv: a sampler pod's engine URL, the router's URL):

@@ -401,7 +401,13 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(
                 for sg in items(kube, namespace, "samplergroups")
             }
 
-        before = snapshot()
+        # converged includes the rebalance tick, which writes each group's share one group at a time after
+        # the job is Running: a snapshot between two of those writes is not converged (it failed so in CI)
+        def balanced() -> dict | None:
+            groups = snapshot()
+            return groups if all(status.get("share") is not None for _, status in groups.values()) else None
+
+        before = wait_for("every group's share from the rebalance tick", balanced, timeout=120)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         third = tmp_path / "operator-3.log"
