@@ -30,11 +30,28 @@ TIMER_INTERVAL = min(CHANNEL_STATUS_INTERVAL, rebalancer.TICK_SECONDS)
 
 
 @kopf.timer(GROUP, VERSION, "weightchannels", interval=TIMER_INTERVAL, initial_delay=TIMER_INTERVAL)
-async def weightchannel_timer(name: str, namespace: str | None, body: kopf.Body, **kwargs: Any) -> None:
-    """The tick of the job's pipelines: read the store (every CHANNEL_STATUS_INTERVAL), run the rebalance
-    tick (observe: scrapes, shares, router push), then the same status pipelines the events run."""
-    namespace = namespaced(namespace)
-    view = View.of(kwargs)
+async def weightchannel_timer(
+    name: str,
+    namespace: str | None,
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped | None = None,
+    **kwargs: Any,
+) -> None:
+    """The tick of the job's pipelines (`_tick`). A tick the operator's stop cuts short is not a failure:
+    kopf leaves a timer that is mid-tick at stop orphaned (timers have no cancellation timeout) and the
+    cleanup then closes the API client under it; the tick's writes are idempotent, the next operator's
+    first tick does them again. `stopped` is kopf's stop flag of this timer."""
+    try:
+        await _tick(name, namespaced(namespace), body, View.of(kwargs))
+    except Exception as exc:
+        if not stopped:
+            raise
+        log.info("tick of %s/%s cut short by the operator's stop: %r", namespace, name, exc)
+
+
+async def _tick(name: str, namespace: str, body: kopf.Body, view: View) -> None:
+    """Read the store (every CHANNEL_STATUS_INTERVAL), run the rebalance tick (observe: scrapes, shares,
+    router push), then the same status pipelines the events run."""
     await quietly(refresh_weightchannel_status_when_due(namespace, name, view, TIMER_INTERVAL))
     job_name = body.get("spec", {}).get("jobName")
     job = view.one(view.rljobs, (namespace, job_name)) if job_name else None

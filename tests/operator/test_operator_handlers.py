@@ -759,6 +759,37 @@ async def test_a_deleted_channel_leaves_no_timer_state(api: FakeKube, tmp_path: 
     assert read_times() == [] and (NS, "j-weights") not in weightchannel_pipeline._removal_failing
 
 
+async def test_a_tick_the_operators_stop_cuts_short_is_logged_not_raised(
+    api: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kopf orphans a timer that is mid-tick at stop and the cleanup closes the API client under it (its
+    request then fails 'Server disconnected'): with kopf's stop flag of the timer set, the tick ends with
+    one log line and no traceback; the same failure while the operator runs is raised (kopf retries it)."""
+    import aiohttp
+    from kopf._cogs.aiokits.aioenums import AsyncFlagWaiter, FlagSetter  # the flag kopf passes as `stopped`
+    from kopf._core.intents.stoppers import DaemonStoppingReason
+
+    posted()
+    wc = weightchannel(str(tmp_path))
+
+    async def disconnected(*_: Any) -> None:
+        raise aiohttp.ServerDisconnectedError()
+
+    monkeypatch.setattr(timer, "refresh_weightchannel_status_when_due", disconnected)
+    stopper: FlagSetter[DaemonStoppingReason] = FlagSetter()
+    stopped = AsyncFlagWaiter(stopper)
+    tick = dict(name="j-weights", namespace=NS, body=kopf.Body(wc), stopped=stopped, **indexes(wc))
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await timer.weightchannel_timer(**tick)
+
+    stopper.set(reason=DaemonStoppingReason.OPERATOR_EXITING)
+    with caplog.at_level("INFO", logger="rlfleet.operator"):
+        await timer.weightchannel_timer(**tick)
+    assert [r.getMessage() for r in caplog.records if "cut short" in r.getMessage()] == [
+        f"tick of {NS}/j-weights cut short by the operator's stop: ServerDisconnectedError('Server disconnected')"
+    ]
+
+
 async def test_the_channel_pipeline_reads_the_models_config_once_and_keeps_it(
     api: FakeKube, tmp_path: Path
 ) -> None:

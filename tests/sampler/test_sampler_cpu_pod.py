@@ -171,9 +171,15 @@ def test_the_builders_cpu_pod_fetches_launches_and_updates_for_real(
     argv, env = as_kubelet_runs(sidecar, cache, sync_port)
     start_until_healthy(argv, env, processes, "sidecar", f"http://127.0.0.1:{sync_port}", timeout=120)
     publisher.publish({k: v + 0.01 * torch.randn_like(v) for k, v in weights.items()}, version=1)
+    # applied: the engine serves v1 and the sidecar has recorded it (the sidecar tells the engine first, then
+    # records the version and writes the launch file in one step of its loop, which /status waits behind)
     wait_for(
         "version 1 applied",
-        lambda: httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()["weight_version"] == "1",
+        lambda: (
+            httpx.get(f"{url}/model_info", headers=AUTH, timeout=5).json()["weight_version"] == "1"
+            and httpx.get(f"http://127.0.0.1:{sync_port}/status", timeout=5).json().get("applied_version")
+            == 1
+        ),
         timeout=120,
         interval=0.2,
         running=processes,
