@@ -41,8 +41,9 @@ async def weightchannel_timer(
     kopf leaves a timer that is mid-tick at stop orphaned (timers have no cancellation timeout) and the
     cleanup then closes the API client under it; the tick's writes are idempotent, the next operator's
     first tick does them again. `stopped` is kopf's stop flag of this timer."""
+    namespace = namespaced(namespace)
     try:
-        await _tick(name, namespaced(namespace), body, View.of(kwargs))
+        await _tick(name, namespace, body, View.of(kwargs))
     except Exception as exc:
         if not stopped:
             raise

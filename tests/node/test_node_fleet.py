@@ -489,7 +489,7 @@ def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int
         # a sidecar that fell more than one version behind folds several deltas onto its copy at once
         # ("local v6 + deltas v7, v8"): a rebuild from its copy all the same
         seen[:] = _obtained(fleet.logs(name, "weight-sync"), APPLIED)
-        from_copy = sum(o.source.startswith("local v") and " + delta" in o.source for o in seen)
+        from_copy = sum(_rebuilt_from_copy(o) for o in seen)
         return seen if from_copy >= 3 else None
 
     try:
@@ -513,11 +513,16 @@ def _assert_the_sidecar_rebuilds_verified(fleet: Fleet, group: str) -> tuple[int
     assert snap["applies"] == len(lines) and logged["delta"] > 0, (group, snap["applies"], len(lines))
     # one rebuild's bytes, as its line says (the lines are what it read, exactly, and its counters their sum):
     # the rebuild from its copy that folded the fewest deltas (a sidecar behind the trainer folds several)
-    from_copy = [o for o in lines if o.source.startswith("local v") and " + delta" in o.source]
+    from_copy = [o for o in lines if _rebuilt_from_copy(o)]
     assert from_copy, (group, [(o.version, o.source) for o in lines])
     one = min(from_copy, key=lambda o: (o.version - _copy_version(o), -o.version))
     assert one == _expected(fleet.manifests, group, one.version, {_copy_version(one)}), (group, one)
     return _copy_version(one), one.version, one.read
+
+
+def _rebuilt_from_copy(obtained: Obtained) -> bool:
+    """Built from the sidecar's own verified copy plus deltas ("local v6 + deltas v7, v8")."""
+    return obtained.source.startswith("local v") and " + delta" in obtained.source
 
 
 def _copy_version(obtained: Obtained) -> int:
@@ -824,11 +829,7 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
     # built on a copy this pod holds verified (the seeded one, or one its sidecar rebuilt since: one node run
     # saw 'local v373 + delta v374' first with a launch below v373) or on the next anchor, read exactly as the
     # manifests say from there
-    held = (
-        int(first.source.split()[1].removeprefix("v"))
-        if first.source.startswith("local v")
-        else launched.version
-    )
+    held = _copy_version(first) if first.source.startswith("local v") else launched.version
     assert held >= launched.version and first == _expected(fleet.manifests, "bf16", first.version, {held}), (
         first
     )
