@@ -35,6 +35,7 @@ from rlfleet.api.router_spec import (
 from rlfleet.api.samplergroup import SamplerGroupTemplate, SamplerImages
 from rlfleet.api.scheduling import PodPlacement
 from rlfleet.api.weightchannel import DeltaSpec, RetentionSpec, StoreSpec
+from rlfleet.lora import DEFAULT_TARGET_MODULES, TARGET_MODULES
 from rlfleet.yamlfile import read_yaml
 
 # Cross-field rules: the CEL rule in the CRD and the Python check share the message, so a user sees
@@ -309,6 +310,41 @@ class OptimizerSpec(ApiModel):
     """Gradient clipping norm."""
 
 
+LoraTargetModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+assert tuple(LoraTargetModule.__args__) == TARGET_MODULES  # rlfleet/lora.py is the one list
+LORA_TARGETS_RULE = "self.targetModules.all(m, self.targetModules.exists_one(n, n == m))"
+LORA_TARGETS_MESSAGE = "trainer.lora.targetModules: each module at most once"
+LORA_BACKEND_RULE = "!has(self.lora) || self.backend == 'torch'"
+LORA_BACKEND_MESSAGE = (
+    "trainer.lora needs backend torch: the megatron backend trains full weights only (megatron-core's LoRA "
+    "is Megatron-Bridge's PEFT, which this project does not use: docs/architecture.md)"
+)
+MAX_LORA_RANK = 256
+
+
+class LoraSpec(ApiModel):
+    """LoRA: train low-rank adapters of the frozen base instead of every weight (PEFT on the torch backend). Every sampler group quantizes the base ONCE into its own format and each later version is only the bf16 adapter, loaded by the engines at run time while requests on the previous one finish (docs/weights.md, "LoRA")."""
+
+    model_config = cel_rules({"rule": LORA_TARGETS_RULE, "message": LORA_TARGETS_MESSAGE, "fieldPath": ".targetModules"})
+
+    rank: int = Field(default=16, ge=1, le=MAX_LORA_RANK)
+    """Adapter rank r (SGLang's --max-lora-rank of every group)."""
+    alpha: float = Field(default=32.0, gt=0.0, le=4096.0)
+    """LoRA alpha: the adapter's update is scaled by alpha / rank."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training (the engines never drop)."""
+    target_modules: list[LoraTargetModule] = Field(
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES), min_length=1, max_length=len(TARGET_MODULES)
+    )
+    """Projections that get an adapter: attention (q_proj, k_proj, v_proj, o_proj) and, on a dense model, the MLP (gate_proj, up_proj, down_proj). On a mixture of experts the MLP names are its experts, which the trainer refuses at start (SGLang 0.5.23 loads expert adapters only in its own fused layout)."""
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> LoraSpec:
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(LORA_TARGETS_MESSAGE)
+        return self
+
+
 # Tokens one trainer rank forwards and backwards at once (verl's ppo_max_token_len_per_gpu default): a
 # sequence longer than this still trains, alone in its micro-batch (docs/objective.md, "Trainable length").
 MAX_TOKENS_PER_MICRO_BATCH = 16384
@@ -326,6 +362,7 @@ class TrainerSpec(PodPlacement):
             "message": TORCH_NO_EXPERT_PARALLEL_MESSAGE,
             "fieldPath": ".backend",
         },
+        {"rule": LORA_BACKEND_RULE, "message": LORA_BACKEND_MESSAGE, "fieldPath": ".lora"},
         *trainer_device_rules(BUILTIN_CPU_CLASSES),
         *POD_FIELDS_RULES,
     )
@@ -356,6 +393,8 @@ class TrainerSpec(PodPlacement):
     """Token budget of one micro-batch per rank: each rank's sequences are packed back to back, without padding (both backends), into micro-batches of at most this many tokens, gradients accumulated over them into one optimizer step. A longer sequence trains alone in its own micro-batch."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input in forward and recompute the layer in backward (torch: transformers' gradient checkpointing; megatron: full, uniform recompute): activation memory per micro-batch drops to about one hidden state per layer, for roughly one more forward of compute. The step is unchanged."""
+    lora: LoraSpec | None = None
+    """Train LoRA adapters instead of full weights (backend torch). Absent: full fine-tuning."""
 
     def on_cpu(self) -> bool:
         """Whether the trainer's class is a CPU class (the catalog in effect says)."""
@@ -397,6 +436,8 @@ class TrainerSpec(PodPlacement):
         p = self.parallelism
         if self.backend == "torch" and (p.expert, p.expert_tensor) != (1, None):
             raise ValueError(TORCH_NO_EXPERT_PARALLEL_MESSAGE)
+        if self.lora is not None and self.backend != "torch":
+            raise ValueError(LORA_BACKEND_MESSAGE)
         grid = (p.tensor if p.expert_tensor is None else p.expert_tensor) * p.expert
         if (ranks * self.replicas) % grid:
             raise ValueError(f"{EXPERT_FIT_MESSAGE}: {grid} does not divide {ranks * self.replicas}")
