@@ -23,6 +23,7 @@ from rlfleet.api.common import (
     conditions_field,
     kube_manifest_check,
 )
+from rlfleet.api.lora_spec import LoraSpec
 from rlfleet.api.meta import KubeObject
 from rlfleet.api.podfields import POD_FIELDS_RULES
 from rlfleet.api.scheduling import PodPlacement
@@ -184,6 +185,8 @@ class SamplerGroupSpec(SamplerGroupTemplate):
     sampling_mask_max_tokens: int = Field(default=4096, ge=1, le=65536)
     """SGLang --sampling-mask-max-tokens: the largest kept set a request may ask for."""
     images: SamplerImages = Field(default_factory=SamplerImages, json_schema_extra={"default": {}})
+    lora: LoraSpec | None = None
+    """Serve the job's LoRA adapters (the operator copies the RLJob's trainer.lora): the engine starts from the group's base view with LoRA enabled (SGLang --enable-lora, --max-lora-rank, --lora-target-modules) and the weight-sync sidecar loads each version's adapter (docs/weights.md, "LoRA"). Absent: every version is a full view of the group's format."""
     """Container images."""
 
     @model_validator(mode="after")
