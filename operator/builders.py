@@ -66,6 +66,8 @@ def build_samplergroup(
         spec["tensorParallel"] = group.tensor_parallel
     if group.egress_price_per_gb is not None:
         spec["egressPricePerGb"] = group.egress_price_per_gb
+    if job.spec.trainer.lora is not None:  # every group serves the trainer's adapters on its own base
+        spec["lora"] = job.spec.trainer.lora.to_wire()
     spec.update(group.placement_wire())
     return {
         "apiVersion": API_VERSION,

@@ -88,14 +88,18 @@ def _remove_gone_subscribers(
 
 
 def _published_model(store: Any, version: int) -> dict[str, Any] | None:
-    """model_shape of the first view's config.json in the version's manifest (None: no config.json,
-    or one that is not an object)."""
-    from rlfleet.channel import WeightChannel, manifest_key
+    """model_shape of the first view's config.json in the version's manifest, or for a LoRA version (only
+    the adapter) in the version holding its first base view (None: no config.json, or one that is not an
+    object)."""
+    from rlfleet.channel import WeightChannel, lora_bases, manifest_key
 
-    manifest = WeightChannel(store, publisher_id="operator").manifest(version)
-    folder = manifest_key(version).rsplit("/", 1)[0]  # the version's folder in the store
-    for view, files in sorted(manifest.views.items()):
-        if CONFIG_FILE in files.files:
-            config = json.loads(store.get(f"{folder}/{view}/{CONFIG_FILE}"))
-            return model_shape(config, version) if isinstance(config, dict) else None
+    channel = WeightChannel(store, publisher_id="operator")
+    manifest = channel.manifest(version)
+    bases = sorted(set(lora_bases(manifest).values()) - {version})
+    for held in [manifest, *(channel.manifest(v) for v in bases[:1])]:
+        folder = manifest_key(held.version).rsplit("/", 1)[0]  # the version's folder in the store
+        for view, files in sorted(held.views.items()):
+            if CONFIG_FILE in files.files:
+                config = json.loads(store.get(f"{folder}/{view}/{CONFIG_FILE}"))
+                return model_shape(config, version) if isinstance(config, dict) else None
     return None

@@ -52,6 +52,8 @@ def weightchannel_status(
             )
             for a in channel.artifacts
         ][:16]
+        if channel.lora_base:
+            status["loraBase"] = dict(sorted(channel.lora_base.items()))
         share = channel.stored_share
         if share is not None:
             status["storedPercent"] = round(100.0 * share, 3)

@@ -353,6 +353,8 @@ def weights_wait_reason(spec: Manifest, channel_status: Manifest | None) -> str 
             f"(the trainer publishes version 0 of every view before step 1){refused}"
         )[:1000]
     views = sorted({a.get("view") for a in channel_status.get("artifacts") or [] if a.get("view")})
+    if view in (channel_status.get("loraBase") or {}):
+        return None  # a LoRA job's base view, stored once at an earlier version (docs/weights.md, "LoRA")
     if view not in views:
         return (
             f"waiting for view {view} in channel {channel}: version {channel_status['latestVersion']} "

@@ -432,6 +432,7 @@ def build_sampler_deployment(
             "--cache-dir",
             n.WEIGHTS_CACHE,
             "--require-checkpoint",
+            *(["--lora"] if spec.lora is not None else []),  # the view is the base; versions are adapters
         ]
         sync_env: list[dict[str, Any]] = [
             {"name": "HOME", "value": "/tmp"},

@@ -413,6 +413,52 @@ class Manifest:
             raise ChannelError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
 
 
+LORA_BASE_KEY = "lora_base"
+"""Manifest metadata of a LoRA version (rlfleet/lora.py): base view -> the version that holds it, stored
+whole once (docs/weights.md, "LoRA"). Retention keeps those versions while a version naming them is kept."""
+
+
+def lora_bases(manifest: Manifest) -> dict[str, int]:
+    """The base views a LoRA version's adapter applies to, and the versions holding them ({}: not LoRA).
+    ChannelError (one line) for an entry that names an unknown view or no earlier-or-same version."""
+    raw = manifest.metadata.get(LORA_BASE_KEY)
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ChannelError(f"manifest of v{manifest.version}: {LORA_BASE_KEY} is not a mapping")
+    bases: dict[str, int] = {}
+    for view, version in raw.items():
+        if view not in VIEW_NAMES or isinstance(version, bool) or not isinstance(version, int):
+            raise ChannelError(
+                f"manifest of v{manifest.version}: {LORA_BASE_KEY} entry {view!r}: {version!r}"
+            )
+        if not 0 <= version <= manifest.version:
+            raise ChannelError(
+                f"manifest of v{manifest.version}: base view {view} at v{version} is not an earlier version"
+            )
+        bases[view] = version
+    return bases
+
+
+def newest_version_of_view(channel: WeightChannel, view: str) -> tuple[int, Manifest] | None:
+    """The newest complete version that has `view`, with its manifest (None: none yet).
+
+    The pointer's version first (its manifest checked against the pointer's sha256); if that version
+    lacks the view, older complete versions, newest first (a LoRA job's base views are stored once, at
+    the version that first needed them)."""
+    pointer = channel.latest()
+    if pointer is None:
+        return None
+    manifest = channel.manifest(pointer.version, expected_sha256=pointer.manifest_sha256)
+    if view in manifest.views:
+        return pointer.version, manifest
+    for version in sorted((v for v in channel.versions() if v < pointer.version), reverse=True):
+        older = channel.manifest(version)
+        if view in older.views:
+            return version, older
+    return None
+
+
 def _view_delta_from_dict(
     view: str, version: int, raw: Mapping[str, Any], view_files: Mapping[str, FileDigest]
 ) -> ViewDelta:
@@ -1283,7 +1329,7 @@ class WeightChannel:
 
     def _delta_bases(self, versions: Collection[int], manifested: Collection[int]) -> set[int]:
         """Every version a view of `versions` is rebuilt from: per view, `delta.base` followed through the
-        manifests down to an anchor. A base whose manifest is gone or damaged ends its chain (the versions
+        manifests down to an anchor; and the versions holding a LoRA version's base views (`lora_bases`). A base whose manifest is gone or damaged ends its chain (the versions
         after it cannot be rebuilt anyway: logged); any other store error propagates, so retention deletes
         nothing on a guess."""
         manifests: dict[int, Manifest | None] = {}
@@ -1302,6 +1348,12 @@ class WeightChannel:
         walked: set[tuple[int, str]] = set()
         for top in sorted(versions):
             manifest = read(top)
+            try:
+                held = lora_bases(manifest) if manifest is not None else {}
+            except ChannelError as e:
+                log.warning("retention: %s", e)
+                held = {}
+            bases.update(v for v in held.values() if v != top)  # the base views a kept adapter applies to
             for view, vm in sorted(manifest.views.items()) if manifest is not None else ():
                 version = top
                 while vm.delta is not None and (vm.delta.base, view) not in walked:
@@ -1381,6 +1433,9 @@ class ChannelStatus:
     groups: list[GroupVersionStatus]
     retained_versions: list[int]
     subscribers: list[SubscriberReport]
+    lora_base: dict[str, int] = field(default_factory=dict)
+    """A LoRA job's base views and the version holding each (the latest manifest's `lora_base`; {}: not
+    LoRA): every version is the adapter, each base is stored once."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -1531,4 +1586,5 @@ def read_channel_status(
         groups=group_versions(reports, pointer.version, stale_after_seconds=stale_after_seconds, now=now),
         retained_versions=channel.versions(),
         subscribers=reports,
+        lora_base=lora_bases(manifest),
     )

@@ -16,29 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.catalog import LAUNCH_FILE, checkpoint_engine_flags
-from rlfleet.channel import Manifest, WeightChannel
+from rlfleet.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 
 class NotLaunchableError(ValueError):
     """A downloaded view is not a checkpoint SGLang would load in the view's format."""
-
-
-def newest_version_of_view(channel: WeightChannel, view: str) -> tuple[int, Manifest] | None:
-    """The newest complete version that has `view`, with its manifest (None: none yet).
-
-    The pointer's version first (its manifest checked against the pointer's sha256); if that version
-    lacks the view, older complete versions, newest first."""
-    pointer = channel.latest()
-    if pointer is None:
-        return None
-    manifest = channel.manifest(pointer.version, expected_sha256=pointer.manifest_sha256)
-    if view in manifest.views:
-        return pointer.version, manifest
-    for version in sorted((v for v in channel.versions() if v < pointer.version), reverse=True):
-        older = channel.manifest(version)
-        if view in older.views:
-            return version, older
-    return None
 
 
 def _hf_config(directory: Path) -> dict[str, Any] | None:
@@ -107,6 +89,22 @@ def check_launchable(directory: Path, view: str, *, require_config: bool = True)
     if not any(directory.glob("*.safetensors")):
         raise NotLaunchableError(f"{directory}: no *.safetensors weights")
     return method
+
+
+def check_adapter(directory: Path) -> None:
+    """Raise NotLaunchableError unless `directory` is a LoRA adapter in PEFT's layout as SGLang's
+    /load_lora_adapter reads it: adapter_config.json (a JSON object, peft_type LORA) and the weights."""
+    config_path = directory / ADAPTER_CONFIG_FILE
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise NotLaunchableError(f"{directory}: no {ADAPTER_CONFIG_FILE} (not a LoRA adapter)") from None
+    except ValueError as e:
+        raise NotLaunchableError(f"{config_path}: not JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise NotLaunchableError(f"{config_path}: not a LoRA adapter config (peft_type LORA)")
+    if not (directory / ADAPTER_WEIGHTS_FILE).is_file():
+        raise NotLaunchableError(f"{directory}: no {ADAPTER_WEIGHTS_FILE}")
 
 
 def checkpoint_flags_of(directory: Path) -> list[str]:

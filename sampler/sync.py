@@ -17,7 +17,8 @@ file after every applied version, so a restarted engine container launches from 
 
 This module composes the process; each part answers one question:
 - syncer.py: the reconcile loop (which version, verified how, applied when, retried how);
-- engine_clients.py: how a verified directory reaches the engine (`/update_weights_from_disk`);
+- engine_clients.py: how a verified directory reaches the engine (`/update_weights_from_disk`, or with
+  `--lora` `/load_lora_adapter`);
 - launch_checkpoint.py: which version of the view, whether SGLang would load it, the launch file;
 - sync_report.py: the subscriber report retention and the operator read;
 - sync_state.py: configuration, state and Prometheus metrics; sync_http.py: /metrics /status /health.
@@ -38,7 +39,7 @@ from aiohttp import web
 
 from rlfleet.api.common import ENGINE_API_KEY_ENV
 from rlfleet.channel import VIEW_NAMES, check_name
-from rlfleet.sampler.engine_clients import DiskEngine, engine_weight_version
+from rlfleet.sampler.engine_clients import DiskEngine, LoraEngine, engine_weight_version
 from rlfleet.sampler.launch_checkpoint import read_launch_file
 from rlfleet.sampler.sync_http import sidecar_app
 from rlfleet.sampler.sync_state import SyncConfig
@@ -60,10 +61,10 @@ async def serve(
     async with httpx.AsyncClient(
         base_url=config.engine_url.rstrip("/"), timeout=config.request_timeout, headers=engine_headers(config)
     ) as client:
-        if config.initial_version is None:  # the version SGLang launched from (engine may still load)
+        if config.initial_version is None and not config.lora:  # the version SGLang launched from
             launched = read_launch_file(config.cache_dir)
             config.initial_version = launched[0] if launched else await engine_weight_version(client)
-        syncer = Syncer(config, store, DiskEngine(client))
+        syncer = Syncer(config, store, LoraEngine(client) if config.lora else DiskEngine(client))
         runner = web.AppRunner(sidecar_app(syncer), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, config.host, config.port).start()
@@ -150,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
         "directory (no copy into --cache-dir); the engine must mount the store at the same path",
     )
     p.add_argument(
+        "--lora",
+        action="store_true",
+        help="the engine serves LoRA adapters: --view is the base it launches from (--fetch-only), and each "
+        "version's adapter is loaded with /load_lora_adapter (docs/weights.md, 'LoRA')",
+    )
+    p.add_argument(
         "--require-checkpoint",
         action="store_true",
         help="load only views that are HF checkpoints (config.json whose quantization matches the view)",
@@ -170,6 +177,7 @@ _CONFIG_FLAGS = (
     "backoff_max",
     "initial_version",
     "in_place",
+    "lora",
 )
 
 

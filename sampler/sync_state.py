@@ -38,6 +38,9 @@ class SyncConfig:
     after rlfleet.channel.SUBSCRIBER_STALE_AFTER_SECONDS (five default heartbeats): keep it well below."""
     require_checkpoint: bool = False
     """Refuse a view without config.json (SGLang: it launches and reloads only HF checkpoints)."""
+    lora: bool = False
+    """The engine serves LoRA adapters (a job with trainer.lora): `view` is the base it launched from, and
+    each version's `lora` view is loaded as an adapter (sampler/engine_clients.py LoraEngine)."""
     in_place: bool = False
     """Filesystem store only: verify the view's files where the channel holds them and hand the engine
     that directory (no copy into `cache_dir`); the engine must see the store at the same path

@@ -47,13 +47,15 @@ from rlfleet.channel import (
     ObtainedView,
     RebuildError,
     WeightChannel,
+    newest_version_of_view,
     now_iso,
 )
-from rlfleet.sampler.engine_clients import DiskEngine, EngineError, engine_weight_version
+from rlfleet.lora import LORA_VIEW
+from rlfleet.sampler.engine_clients import DiskEngine, EngineError, LoraEngine, engine_weight_version
 from rlfleet.sampler.launch_checkpoint import (
     NotLaunchableError,
+    check_adapter,
     check_launchable,
-    newest_version_of_view,
     read_launch_file,
     write_launch_file,
 )
@@ -67,8 +69,11 @@ log = logging.getLogger("rlfleet.sampler.sync")
 class Syncer:
     """Reconciles one engine to the channel pointer."""
 
-    def __init__(self, config: SyncConfig, store: Store, engine: DiskEngine) -> None:
+    def __init__(self, config: SyncConfig, store: Store, engine: DiskEngine | LoraEngine) -> None:
         self.config = config
+        # The view each version is applied from: the pod's own view, or with LoRA every version's adapter
+        # (the pod's view is then its base, obtained once for the engine's launch: fetch_for_launch).
+        self.followed_view = LORA_VIEW if config.lora else config.view
         self.channel = WeightChannel(store, publisher_id=f"sync-{config.group}-{config.replica}")
         self.engine = engine
         self.state = SyncState(applied_version=config.initial_version)
@@ -84,7 +89,7 @@ class Syncer:
         """Bring the engine to the pointer. True if a version was applied; raises nothing."""
         state = self.state
         try:
-            found = await asyncio.to_thread(newest_version_of_view, self.channel, self.config.view)
+            found = await asyncio.to_thread(newest_version_of_view, self.channel, self.followed_view)
         except ChecksumMismatchError as e:
             self._failed("checksum", f"manifest: {e}")
             await self.reporter.report()
@@ -114,7 +119,7 @@ class Syncer:
         t1 = time.perf_counter()
         state.phase = "applying"
         try:
-            await self.engine.apply(version, obtained.directory, manifest, self.config.view)
+            await self.engine.apply(version, obtained.directory, manifest, self.followed_view)
         except (EngineError, httpx.HTTPError) as e:
             self._failed("engine", f"v{version}: {e}")
             await self.reporter.report()
@@ -132,7 +137,13 @@ class Syncer:
         state = self.state
         if state.applied_version is None or version > state.applied_version:
             return True
-        serving = await engine_weight_version(self.engine.client)
+        if isinstance(self.engine, LoraEngine):
+            serving = await self.engine.serving()
+            if serving is None:  # a restarted engine holds no adapter: load the channel's again
+                log.info("the engine holds no adapter (restarted?): loading v%d again", version)
+                return True
+        else:
+            serving = await engine_weight_version(self.engine.client)
         if serving is None or serving == state.applied_version:
             state.phase = "in-sync"
             state.consecutive_failures = 0
@@ -166,7 +177,7 @@ class Syncer:
             t1 - t0,
             t2 - t1,
             t2 - t0,
-            manifest.views[self.config.view].bytes,
+            manifest.views[self.followed_view].bytes,
             now_iso(),
             sum(obtained.read_bytes.values()),
             obtained.describe(),
@@ -176,26 +187,28 @@ class Syncer:
         self.metrics.download.observe(t1 - t0)
         self.metrics.apply.observe(t2 - t1)
         self._update_lag()
-        write_launch_file(self.config.cache_dir, version, target)  # a restarted engine starts here
+        if not self.config.lora:  # with LoRA the engine restarts from its base, then loads the adapter
+            write_launch_file(self.config.cache_dir, version, target)  # a restarted engine starts here
         self._prune_local()
         log.info(
             "applied weights v%d (%s) from %s, %s: obtain %.2fs apply %.2fs",
             version,
-            self.config.view,
+            self.followed_view,
             obtained.describe(),
             _bytes_read(obtained),
             t1 - t0,
             t2 - t1,
         )
 
-    def _obtain_verified(self, version: int, manifest: Manifest) -> ObtainedView:
-        """This pod's view of `version` with every file verified (BLAKE3) and checked to be a checkpoint
-        SGLang would load in the view's format: the channel's own directory (`in_place`, an anchor) or a
+    def _obtain_verified(self, version: int, manifest: Manifest, view: str | None = None) -> ObtainedView:
+        """This pod's view of `version` (default: the followed one) with every file verified (BLAKE3) and
+        checked to be what the engine loads (a checkpoint SGLang would load in the view's format, or a
+        LoRA adapter): the channel's own directory (`in_place`, an anchor) or a
         verified copy in the cache (downloaded, or rebuilt from a local copy or an anchor plus deltas); a
         directory that fails is never handed to the engine. A rebuild that had to reseed from the anchor
         is counted as a failure of its reason (the view is still obtained)."""
-        view = self.config.view
-        if self.config.in_place and manifest.views[view].delta is None:
+        view = view or self.followed_view
+        if self.config.in_place and view != LORA_VIEW and manifest.views[view].delta is None:
             read = dict.fromkeys(READ_KINDS, 0)
 
             def count(kind: str, nbytes: int) -> None:
@@ -207,12 +220,15 @@ class Syncer:
             return ObtainedView(target, version, f"anchor v{version} in place", (), read)
         target = self.config.cache_dir / f"v{version}-{view}"
         obtained = self.channel.obtain_view(
-            version, view, target, manifest=manifest, local=self._local_copies(), on_read=self._count_read
+            version, view, target, manifest=manifest, local=self._local_copies(view), on_read=self._count_read
         )
         if obtained.fallback is not None:
             self._recovered(_obtain_failure_reason(obtained.fallback), f"v{version}: {obtained.fallback}")
         try:
-            check_launchable(target, view, require_config=self.config.require_checkpoint)
+            if view == LORA_VIEW:
+                check_adapter(target)
+            else:
+                check_launchable(target, view, require_config=self.config.require_checkpoint)
         except NotLaunchableError:
             shutil.rmtree(target, ignore_errors=True)
             raise
@@ -223,12 +239,12 @@ class Syncer:
         self.state.read_bytes[kind] += nbytes
         self.metrics.read_bytes[kind].inc(nbytes)
 
-    def _local_copies(self) -> dict[int, Path]:
-        """Version -> this sidecar's verified copy of it in the cache (`v<N>-<view>`, renamed into place only
-        once verified): the bases a delta version is rebuilt from."""
+    def _local_copies(self, view: str) -> dict[int, Path]:
+        """Version -> this sidecar's verified copy of `view` in the cache (`v<N>-<view>`, renamed into place
+        only once verified): the bases a delta version is rebuilt from."""
         copies = {}
-        for directory in self.config.cache_dir.glob(f"v*-{self.config.view}"):
-            number = directory.name[1:].removesuffix(f"-{self.config.view}")
+        for directory in self.config.cache_dir.glob(f"v*-{view}"):
+            number = directory.name[1:].removesuffix(f"-{view}")
             if number.isdigit() and directory.is_dir():
                 copies[int(number)] = directory
         return copies
@@ -237,11 +253,12 @@ class Syncer:
         """Remove the hidden partial directories (`.v<N>-<view>.partial-<id>`, WeightChannel.obtain_view) an
         earlier run of this sidecar left in the cache when it was killed while it downloaded or rebuilt:
         never a view (only a verified directory is renamed to `v<N>-<view>`), only its disk space."""
-        for partial in self.config.cache_dir.glob(f".v*-{self.config.view}.partial-*"):
-            log.info(
-                "removing %s, a partial copy left by an earlier run (killed while obtaining it)", partial
-            )
-            shutil.rmtree(partial, ignore_errors=True)
+        for view in dict.fromkeys((self.config.view, self.followed_view)):
+            for partial in self.config.cache_dir.glob(f".v*-{view}.partial-*"):
+                log.info(
+                    "removing %s, a partial copy left by an earlier run (killed while obtaining it)", partial
+                )
+                shutil.rmtree(partial, ignore_errors=True)
 
     async def fetch_for_launch(self, stop: asyncio.Event) -> tuple[int, Path] | None:
         """Init-container mode: wait for the newest version of the view, obtain it verified, write the
@@ -271,7 +288,7 @@ class Syncer:
         state.latest_version = version
         state.phase = "downloading"
         await self.reporter.report(target=version)
-        obtained = await asyncio.to_thread(self._obtain_verified, version, manifest)
+        obtained = await asyncio.to_thread(self._obtain_verified, version, manifest, self.config.view)
         target = obtained.directory
         write_launch_file(self.config.cache_dir, version, target)
         state.phase = "fetched"
@@ -311,7 +328,7 @@ class Syncer:
     def _prune_local(self) -> None:
         """Delete all but the newest `keep_local` cache copies (in place: there are none)."""
         dirs = sorted(
-            (p for p in self.config.cache_dir.glob(f"v*-{self.config.view}") if p.is_dir()),
+            (p for p in self.config.cache_dir.glob(f"v*-{self.followed_view}") if p.is_dir()),
             key=lambda p: int(p.name[1:].split("-", 1)[0]) if p.name[1:].split("-", 1)[0].isdigit() else -1,
         )
         launched = read_launch_file(self.config.cache_dir)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -211,6 +211,8 @@ class WeightChannelStatus(ApiModel):
     """Version the channel pointer names (none: unknown or nothing published)."""
     artifacts: list[ViewArtifact] = Field(default_factory=list, max_length=16)
     """Per-view artifacts of the latest version."""
+    lora_base: dict[str, Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=8)
+    """A LoRA job's base views and the version holding each: stored once, every version is only the adapter (docs/weights.md, "LoRA")."""
     stored_percent: float | None = Field(default=None, ge=0.0)
     """Bytes stored for the latest version over the bytes of its complete views, in % (100: every view an anchor; a bf16 delta at lr 1e-6 about 1.2)."""
     groups: list[GroupVersion] = Field(default_factory=list, max_length=64)

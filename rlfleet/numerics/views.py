@@ -490,6 +490,29 @@ def save_view(
 
 # ---------------------------------------------------------------------------------------- calibration
 @torch.no_grad()
+def save_adapter(
+    adapter: Mapping[str, torch.Tensor], config: Mapping[str, Any], directory: str | Path
+) -> dict[Path, FileDigest]:
+    """Write a LoRA adapter in PEFT's layout (the `lora` view, docs/weights.md "LoRA"): the tensors as
+    PEFT's `get_peft_model_state_dict` names them, in bf16 (what SGLang keeps an adapter in), as
+    adapter_model.safetensors, and `config` (rlfleet.lora.adapter_config) as adapter_config.json; each
+    file's digest (BLAKE3) computed while it is written."""
+    from rlfleet.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+    if not adapter:
+        raise ValueError("a LoRA adapter needs at least one tensor")
+    odd = sorted(name for name in adapter if ".lora_A." not in name and ".lora_B." not in name)
+    if odd:
+        raise ValueError(f"not LoRA adapter tensors (PEFT's lora_A / lora_B names): {odd[:3]}")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu", torch.bfloat16).contiguous() for name, t in sorted(adapter.items())}
+    return {
+        out / ADAPTER_WEIGHTS_FILE: write_safetensors(tensors, out / ADAPTER_WEIGHTS_FILE, {"format": "pt"}),
+        out / ADAPTER_CONFIG_FILE: _write_json(out / ADAPTER_CONFIG_FILE, dict(config)),
+    }
+
+
 def calibrate_activation_amax(model: torch.nn.Module, batches: Iterable[torch.Tensor]) -> dict[str, float]:
     """Amax of the input of every linear of an HF model over calibration batches of token ids, keyed
     by checkpoint module name (what nvfp4's `input_scale` = amax / (448 * 6) needs).

@@ -498,6 +498,13 @@ def test_group_waiting_for_its_views_first_version_says_so() -> None:
     }
     s = samplergroup_status(sg(), deployment(1, 2), CATALOG, published, now=T0)
     assert conds(s)["Ready"]["reason"] == "ReplicasNotReady" and s["message"] == "1/2 replicas ready"
+    # a LoRA job: the latest version is only the adapter, the group's base view was stored at version 0
+    lora = {"latestVersion": 7, "artifacts": [{"view": "lora", "version": 7}], "loraBase": {"fp8": 0}}
+    s = samplergroup_status(sg(), deployment(1, 2), CATALOG, lora, now=T0)
+    assert conds(s)["Ready"]["reason"] == "ReplicasNotReady" and s["message"] == "1/2 replicas ready"
+    lora_other = {**lora, "loraBase": {"bf16": 0}}
+    s = samplergroup_status(sg(), deployment(0, 2), CATALOG, lora_other, now=T0)
+    assert s["message"].endswith("waiting for view fp8 in channel job-weights: version 7 has views lora")
     # a group without a channel never waits for one
     s = samplergroup_status(sg(weightChannel=None), deployment(0, 2), CATALOG, None, now=T0)
     assert conds(s)["Ready"]["reason"] == "ReplicasNotReady"

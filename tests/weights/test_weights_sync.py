@@ -710,7 +710,7 @@ def test_check_launchable_per_view(tmp_path: Path) -> None:
 
 
 def test_newest_version_of_view_skips_versions_without_it(tmp_path: Path) -> None:
-    from rlfleet.sampler.launch_checkpoint import newest_version_of_view
+    from rlfleet.channel import newest_version_of_view
 
     store = FilesystemStore(tmp_path / "store", create=True)
     channel = WeightChannel(store)

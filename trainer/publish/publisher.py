@@ -52,14 +52,24 @@ from typing import Any, Literal
 import torch
 
 from rlfleet.api.weightchannel import DEFAULT_ANCHOR_EVERY, DEFAULT_MAX_DELTA_SHARE
-from rlfleet.channel import DeltaSource, LeaseLostError, PublishResult, WeightChannel
+from rlfleet.channel import (
+    LORA_BASE_KEY,
+    DeltaSource,
+    LeaseLostError,
+    PublishResult,
+    WeightChannel,
+    newest_version_of_view,
+)
 from rlfleet.deltas import DELTA_SUFFIX, DeltaError, encode_delta, read_header
+from rlfleet.lora import LORA_VIEW
 from rlfleet.numerics.views import (
     VIEWS,
     calibrate_weights,
     check_view,
     check_view_for_model,
+    load_checkpoint_weights,
     read_base_config,
+    save_adapter,
     save_view,
 )
 from rlfleet.store import FileDigest, Store, StoreError
@@ -153,6 +163,7 @@ class WeightPublisher:
         allowed_views: Iterable[str] | None = None,
         anchor_every: int = DEFAULT_ANCHOR_EVERY,
         max_delta_share: float = DEFAULT_MAX_DELTA_SHARE,
+        lora: Mapping[str, Any] | None = None,
     ) -> None:
         """`base_checkpoint`: HF checkpoint directory of the model (config.json, tokenizer files,
         generation_config.json); local mode and the cluster entrypoint always pass it (None writes
@@ -166,7 +177,16 @@ class WeightPublisher:
         view.
         `anchor_every`, `max_delta_share`: the RLJob's weightChannel.deltas (rlfleet.api.weightchannel
         DeltaSpec): a view is stored whole at least every `anchor_every` versions (1: always, no deltas)
-        and whenever the delta of one of its files would exceed `max_delta_share` of the file."""
+        and whenever the delta of one of its files would exceed `max_delta_share` of the file.
+        `lora`: the adapter_config.json of a LoRA job (rlfleet.lora.adapter_config; docs/weights.md "LoRA"):
+        `publish` then takes the adapter's tensors only (PEFT's names) and every version holds the `lora`
+        view (the adapter, stored whole: it is a few MB and every element moves each step); each base view
+        is stored once, converted from `base_checkpoint` (the frozen base), at the first version that needs
+        it, and every version's manifest names the versions holding its base views (`lora_base`)."""
+        if lora is not None and base_checkpoint is None:
+            raise ValueError("a LoRA publisher needs base_checkpoint: the base views are converted from it")
+        self.lora = None if lora is None else dict(lora)
+        self._lora_base: dict[str, int] = {}  # base view -> the version holding it (LoRA)
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1 (1: every version whole), got {anchor_every}")
         if not 0.0 < max_delta_share <= 1.0:
@@ -283,13 +303,27 @@ class WeightPublisher:
             raise ValueError("no view to publish")
         cpu_state = {name: t.detach().to("cpu") for name, t in state_dict.items()}
         calibrate_seconds = 0.0
-        if activation_amax is None and "nvfp4" in views and self.base_checkpoint is not None:
+        if (
+            self.lora is None
+            and activation_amax is None
+            and "nvfp4" in views
+            and self.base_checkpoint is not None
+        ):
             t_cal = time.perf_counter()
             activation_amax = calibrate_weights(cpu_state, self.base_checkpoint)
             calibrate_seconds = time.perf_counter() - t_cal
-        result, plans, (convert_seconds, encode_seconds, upload_seconds) = self._write_and_upload(
-            cpu_state, views, activation_amax, version=version, metadata={"views": views, **(metadata or {})}
-        )
+        if self.lora is not None:
+            result, plans, (convert_seconds, encode_seconds, upload_seconds) = self._write_and_upload_adapter(
+                cpu_state, views, version=version, metadata=metadata or {}
+            )
+        else:
+            result, plans, (convert_seconds, encode_seconds, upload_seconds) = self._write_and_upload(
+                cpu_state,
+                views,
+                activation_amax,
+                version=version,
+                metadata={"views": views, **(metadata or {})},
+            )
         t0 = time.perf_counter()
         if self.keep_versions is not None:
             try:
@@ -387,6 +421,67 @@ class WeightPublisher:
             t3 = time.perf_counter()
             self._advance_snapshots(result, pending, scales)
         return result, plans, (t1 - t0, t2 - t1, t3 - t2)
+
+    def _write_and_upload_adapter(
+        self,
+        adapter: Mapping[str, torch.Tensor],
+        views: list[str],
+        *,
+        version: int | None,
+        metadata: Mapping[str, Any],
+    ) -> tuple[PublishResult, dict[str, _ViewPlan], tuple[float, float, float]]:
+        """A LoRA version: the adapter as the `lora` view, plus each base view the channel does not hold yet
+        (converted from the base checkpoint: the trainer never changes the base); (result, plans, (convert,
+        encode, upload seconds))."""
+        if version is None:
+            raise ValueError(
+                "a LoRA version needs its number: its manifest names the versions of its base views"
+            )
+        assert self.lora is not None and self.base_checkpoint is not None
+        missing = [view for view in views if view not in self._lora_base and not self._find_base(view)]
+        with tempfile.TemporaryDirectory(prefix="rlfleet-publish-", dir=self._staging()) as tmp:
+            t0 = time.perf_counter()
+            dirs = {LORA_VIEW: Path(tmp) / LORA_VIEW}
+            digests = save_adapter(adapter, self.lora, dirs[LORA_VIEW])
+            if missing:
+                _, base_state = load_checkpoint_weights(self.base_checkpoint)
+                amax = calibrate_weights(base_state, self.base_checkpoint) if "nvfp4" in missing else None
+                for view in missing:
+                    dirs[view] = Path(tmp) / view
+                    digests.update(
+                        save_view(
+                            base_state,
+                            view,
+                            dirs[view],
+                            base_checkpoint=self.base_checkpoint,
+                            activation_amax=amax,
+                        )
+                    )
+                del base_state
+            t1 = time.perf_counter()
+            bases = {view: self._lora_base.get(view, version) for view in views}
+            result = self.channel.publish(
+                dirs,
+                version=version,
+                metadata={"views": sorted(dirs), LORA_BASE_KEY: bases, **metadata},
+                move=True,
+                digests=digests,
+            )
+            t2 = time.perf_counter()
+        if result.advanced:
+            for view in missing:
+                self._lora_base[view] = result.version
+        plans = {LORA_VIEW: _ViewPlan(None, {}, "LoRA adapter, stored whole", 0.0)}
+        plans.update({view: _ViewPlan(None, {}, "LoRA base, stored once", 0.0) for view in missing})
+        return result, plans, (t1 - t0, 0.0, t2 - t1)
+
+    def _find_base(self, view: str) -> bool:
+        """Whether the channel holds `view` (a LoRA base view a predecessor of this trainer published):
+        remembered as the version holding it."""
+        found = newest_version_of_view(self.channel, view)
+        if found is not None:
+            self._lora_base[view] = found[0]
+        return found is not None
 
     def _log_published(self, result: PublishResult) -> None:
         timings = self.last_timings
