@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.api.common import views_to_publish
+from rlfleet.api.lora_spec import LoraSpec
 from rlfleet.api.rljob import (
     MAX_TOKENS_PER_MICRO_BATCH,
     ROUTING_REPLAY_LOCAL_DENSE_MESSAGE,
@@ -72,6 +73,7 @@ class RunConfig:
     deltas: DeltaSpec = field(
         default_factory=DeltaSpec
     )  # RLJob weightChannel.deltas (anchors every K, max delta share)
+    lora: LoraSpec | None = None  # RLJob trainer.lora (docs/weights.md "LoRA"); None: full weights
 
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
@@ -79,6 +81,7 @@ class RunConfig:
             "safety": self.safety.model_dump(mode="json", by_alias=True),
             "sandbox": self.sandbox.model_dump(mode="json", by_alias=True),
             "deltas": self.deltas.model_dump(mode="json", by_alias=True),
+            "lora": None if self.lora is None else self.lora.model_dump(mode="json", by_alias=True),
         }
 
 
@@ -142,6 +145,7 @@ def resolve_run(job: RLJob, local: bool = True) -> RunConfig:
         sandbox=SandboxSpec() if local else spec.rollout.sandbox,  # local mode has no cluster to make pods in
         keep_versions=spec.weight_channel.retention.keep_versions,
         deltas=spec.weight_channel.deltas,
+        lora=spec.trainer.lora,  # local mode too: the tiny model trains the same adapter
     )
 
 

@@ -209,10 +209,15 @@ def build_backend(
             max_tokens_per_micro_batch=rc.max_tokens_per_micro_batch,
             activation_checkpointing=rc.activation_checkpointing,
             routing_replay=rc.routing_replay,
+            lora=rc.lora,
         )
         return BaseModel(model, int(hf_config["vocab_size"]), seq, source_dir)
     if rc.routing_replay:  # the API refuses it too (rlfleet/api/rljob.py ROUTING_REPLAY_MEGATRON_MESSAGE)
         raise TrainingStartError(ROUTING_REPLAY_MEGATRON_MESSAGE)
+    if rc.lora is not None:  # the API refuses it too (rlfleet/api/lora_spec.py)
+        from rlfleet.api.lora_spec import LORA_BACKEND_MESSAGE
+
+        raise TrainingStartError(LORA_BACKEND_MESSAGE)
     from rlfleet.trainer.backends.backend_megatron import MegatronBackend
 
     cfg = megatron_model_config(

@@ -43,15 +43,22 @@ loss, each micro-batch's weighted by its valid tokens (docs/objective.md "Mixtur
 loss is the policy loss alone. With `routing_replay` (RLJob `correction.routingReplay`) each trained token's
 logit position is routed to the experts its sampler chose (trainer/backends/routing_replay.py, docs/objective.md
 "Routing replay").
+
+LoRA (RLJob `trainer.lora`, docs/weights.md "LoRA"; trainer/backends/lora.py): PEFT's LoRA layers are injected
+into the model before FSDP2 shards it and the model's own weights are frozen. The forward, the objective and
+the loop are the same; the optimizer holds the adapter only, `weights()` returns the adapter only (PEFT's
+names: what the `lora` view's adapter_model.safetensors holds) and checkpoints hold the adapter and its
+optimizer state only (the base is the model source, which a resume loads again).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -73,6 +80,13 @@ from rlfleet.trainer.backends.routing_replay import check_replayable, replay_rou
 from rlfleet.trainer.objective import LossOutput, ObjectiveConfig, TokenBatch, policy_loss
 from rlfleet.trainer.rollout.batching import FlatBatch, MicroBatch, plan_micro_batches
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from rlfleet.api.lora_spec import LoraSpec
+
+log = logging.getLogger(__name__)
+
 
 class HFBackend(RankCommands):
     name = "hf"
@@ -88,6 +102,7 @@ class HFBackend(RankCommands):
         max_tokens_per_micro_batch: int = MAX_TOKENS_PER_MICRO_BATCH,
         activation_checkpointing: bool = False,
         routing_replay: bool = False,
+        lora: LoraSpec | None = None,
     ) -> None:
         """`model`: an HF causal LM in fp32 (see `from_pretrained`). `distributed`: shard with FSDP2
         over the default process group (default: when torch.distributed is initialised with > 1 rank;
@@ -96,7 +111,9 @@ class HFBackend(RankCommands):
         `trainer.maxTokensPerMicroBatch`). `activation_checkpointing`: keep only each decoder layer's
         input and recompute the layer in backward (transformers' gradient checkpointing).
         `routing_replay`: route each token to the experts its sampler's router chose (RLJob
-        `correction.routingReplay`, trainer/backends/routing_replay.py); refused for a model with no Qwen3-MoE router."""
+        `correction.routingReplay`, trainer/backends/routing_replay.py); refused for a model with no Qwen3-MoE router.
+        `lora`: train a LoRA adapter of the frozen model (RLJob `trainer.lora`, trainer/backends/lora.py);
+        targets the model lacks, and MLP targets on a mixture of experts, are refused here (ValueError)."""
         if max_tokens_per_micro_batch < 1:
             raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens_per_micro_batch}")
         self.max_tokens = max_tokens_per_micro_batch
@@ -120,6 +137,12 @@ class HFBackend(RankCommands):
             check_replayable(model)
         self.routing_replay = routing_replay
         self.varlen_attention = use_varlen_attention(model)
+        self.lora = lora
+        self.peft: PeftModel | None = None
+        if lora is not None:  # before checkpointing and FSDP2: both then see PEFT's layers like any other
+            from rlfleet.trainer.backends.lora import wrap
+
+            self.peft = wrap(model, lora)  # injects into `model`, which stays the module forwarded
         if (
             activation_checkpointing
         ):  # before FSDP2 wraps the layers; non-reentrant: works under FSDP2 and autocast
@@ -132,21 +155,17 @@ class HFBackend(RankCommands):
                 )
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.distributed:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mp = (
-                MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                if self.bf16
-                else MixedPrecisionPolicy()
-            )
-            for layer in _decoder_layers(model):
-                fully_shard(layer, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+            _fully_shard(model, self.bf16)
         self.model = model
         self.objective = objective
         self.optim_config = optim or OptimConfig()
         self.temperature = temperature
-        self.optimizer = self.optim_config.adamw(self.model.parameters())
+        # After fully_shard (it replaces the parameters by sharded ones); all of them without LoRA.
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = self.optim_config.adamw(self.trainable)
+        if self.peft is not None and self.rank == 0:
+            trained, total = self.peft.get_nb_trainable_parameters()
+            log.info("LoRA: %d of %d parameters trained (%.3f%%)", trained, total, 100.0 * trained / total)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, objective: ObjectiveConfig, **kwargs: Any) -> HFBackend:
@@ -192,10 +211,10 @@ class HFBackend(RankCommands):
         # The gradients hold d(sum of per-token losses): the token mean over the WHOLE batch divides
         # by the global count, times the world size because FSDP2 averages gradients over ranks.
         scale = self.world / max(total_valid, 1.0)
-        for p in self.model.parameters():
+        for p in self.trainable:
             if p.grad is not None:
                 p.grad.mul_(scale)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_config.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.optim_config.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if np.isfinite(grad_norm):
             self.optimizer.step()
@@ -346,11 +365,17 @@ class HFBackend(RankCommands):
     # ------------------------------------------------------------------ weights and checkpoints
     def weights(self) -> dict[str, torch.Tensor]:
         """HF-named fp32 full tensors on CPU, on rank 0 ({} on the other ranks, which take part in the
-        gather through `follow()`)."""
+        gather through `follow()`). With LoRA: the adapter's tensors only, named as PEFT's
+        `get_peft_model_state_dict` names them (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`
+        [r, in], `...lora_B.weight` [out, r]; trainer/backends/lora.py `adapter_tensors`)."""
         self._send(("weights",))
         return self._weights()
 
     def _weights(self) -> dict[str, torch.Tensor]:
+        if self.peft is not None:
+            from rlfleet.trainer.backends.lora import adapter_tensors
+
+            return adapter_tensors(self.peft, _full_tensor, keep=self.rank == 0)
         # One parameter at a time: every rank all-gathers it (full_tensor), only rank 0 keeps a CPU copy.
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
@@ -358,7 +383,7 @@ class HFBackend(RankCommands):
             if id(v) in seen:  # a tied weight (lm_head = embed_tokens): HF checkpoints store it once
                 continue
             seen.add(id(v))
-            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            full = _full_tensor(v)
             if self.rank == 0:
                 out[k] = full.detach().to("cpu", torch.float32).clone()
         return out
@@ -368,18 +393,24 @@ class HFBackend(RankCommands):
         state dicts (live tensors: save them before the next step, as trainer/publish/checkpoint.py does).
         Several: a collective; rank 0 gets the FULL (unsharded, CPU) model and optimizer state, keyed by
         parameter name (torch.distributed.checkpoint), every other rank (through `follow()`) empty dicts;
-        rank 0 saves it."""
+        rank 0 saves it. With LoRA the model state is the adapter's parameters only (the frozen base is the
+        model source, loaded again on resume)."""
         self._send(("state",))
         return self._state_dict()
 
     def _state_dict(self) -> dict[str, Any]:
         if not self.distributed:
-            return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            model_sd = self.model.state_dict()
+            if self.peft is not None:
+                trained = self._trainable_names()
+                model_sd = {k: v for k, v in model_sd.items() if k in trained}
+            return {"model": model_sd, "optimizer": self.optimizer.state_dict()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        options = StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=self.peft is not None
         )
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_sd, "optimizer": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -391,9 +422,11 @@ class HFBackend(RankCommands):
         self._load_state_dict(state)
 
     def _load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if self.peft is not None and state is not None and (not self.distributed or self.rank == 0):
+            self._check_adapter_state(state["model"])
         if not self.distributed:
             assert state is not None
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(state["model"], strict=self.peft is None)
             self.optimizer.load_state_dict(state["optimizer"])
             return
         from torch.distributed.checkpoint.state_dict import (
@@ -402,7 +435,8 @@ class HFBackend(RankCommands):
             set_optimizer_state_dict,
         )
 
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        # With LoRA not strict: the checkpoint lacks the frozen base, which every rank already holds.
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=self.peft is None)
         # Copies: these functions write their sharded tensors into the dicts they are given (the
         # caller's checkpoint stays as loaded). Two calls, not set_state_dict: that one skips the model
         # on a rank whose model dict is empty, so ranks != 0 would miss rank 0's broadcast.
@@ -410,6 +444,41 @@ class HFBackend(RankCommands):
         optim_sd = dict(state["optimizer"]) if self.rank == 0 and state is not None else {}
         set_optimizer_state_dict(self.model, self.optimizer, optim_sd, options=options)
         set_model_state_dict(self.model, model_sd, options=options)
+
+    def _trainable_names(self) -> set[str]:
+        return {name for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def _check_adapter_state(self, model_state: dict[str, Any]) -> None:
+        """A LoRA checkpoint holds exactly this adapter's parameters (the loads are not strict: they skip
+        the frozen base, so a full-weights or other-targets checkpoint is refused here)."""
+        got, want = set(model_state), self._trainable_names()
+        if got != want:
+            raise ValueError(
+                f"not a checkpoint of this LoRA adapter: {len(got - want)} unexpected tensor(s) "
+                f"(e.g. {sorted(got - want)[:3]}), {len(want - got)} missing (e.g. {sorted(want - got)[:3]})"
+            )
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a parameter (under FSDP2 a DTensor shard: an all-gather, a collective)."""
+    full: Any = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def _fully_shard(model: torch.nn.Module, bf16: bool) -> None:
+    """FSDP2 over the default process group: each decoder layer, then the root (embedding, final norm,
+    lm_head); with bf16 the forward runs in bf16 and gradients are reduced in fp32. With LoRA a unit holds
+    frozen base and trained adapter parameters together: FSDP2 reduce-scatters only the gradients there are."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
 
 
 def _join_torchrun_group(cpu: bool = False) -> None:
