@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -10,7 +10,7 @@ from rlfleet.api.common import ApiModel, cel_rules
 from rlfleet.lora import DEFAULT_TARGET_MODULES, TARGET_MODULES
 
 LoraTargetModule = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-assert tuple(LoraTargetModule.__args__) == TARGET_MODULES  # rlfleet/lora.py is the one list
+assert get_args(LoraTargetModule) == TARGET_MODULES  # rlfleet/lora.py is the one list
 LORA_TARGETS_RULE = "self.targetModules.all(m, self.targetModules.exists_one(n, n == m))"
 LORA_TARGETS_MESSAGE = "trainer.lora.targetModules: each module at most once"
 LORA_BACKEND_RULE = "!has(self.lora) || self.backend == 'torch'"
@@ -35,7 +35,9 @@ class LoraSpec(ApiModel):
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input while training (the engines never drop)."""
     target_modules: list[LoraTargetModule] = Field(
-        default_factory=lambda: list(DEFAULT_TARGET_MODULES), min_length=1, max_length=len(TARGET_MODULES)
+        default_factory=lambda: list(DEFAULT_TARGET_MODULES),  # type: ignore[arg-type]  # the same names
+        min_length=1,
+        max_length=len(TARGET_MODULES),
     )
     """Projections that get an adapter: attention (q_proj, k_proj, v_proj, o_proj) and, on a dense model, the MLP (gate_proj, up_proj, down_proj). On a mixture of experts the MLP names are its experts, which the trainer refuses at start (SGLang 0.5.23 loads expert adapters only in its own fused layout)."""
 
