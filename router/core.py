@@ -40,6 +40,14 @@ looked up again every `resolveIntervalSeconds`. A replica that leaves the answer
 request in flight on it holds its own reference and finishes (or fails over) as any other, and only the
 sessions whose rendezvous choice it was move, to their next replica; one that joins starts healthy (DNS
 lists ready pods only) and takes the sessions whose first choice it is.
+
+LoRA adapters (request header `X-RLFleet-Adapter: newest`; docs/router.md "LoRA adapters"): after the
+replica is chosen as above, the body posted to it names that replica's newest adapter, `"lora_path":
+"v<N>"` with N its weight version (a retry on another replica names that one's), and the answer says N
+in `X-RLFleet-Adapter-Version`. A replica whose version is unknown has its /model_info read first and
+is skipped like a lagging one (no post) when that does not say either; an engine's 400 for an adapter it
+does not hold (unloaded since the router last looked) has the router read that replica's version again
+and post to it once more, within maxAttempts. Without the header the body is forwarded untouched.
 """
 
 from __future__ import annotations
@@ -54,12 +62,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlfleet.lora import ADAPTER_VERSION_HEADER, adapter_name
 from rlfleet.retries import REPLICA_FAILURE_STATUSES
 from rlfleet.router import hashing, membership, meta
 from rlfleet.router.config import RouterConfig
 from rlfleet.router.metrics import RouterMetrics
 from rlfleet.router.table import Group, Replica, RoutingTable, VersionConflict
 from rlfleet.router.transport import StreamingResponse, Transport, UpstreamError, make_transport
+
+try:  # several times faster on big prompts; the router's image (the operator's) may lack it: json then
+    import orjson
+
+    def _loads_json(data: bytes) -> object:
+        return orjson.loads(data)
+
+    def _dumps_json(value: object) -> bytes:
+        return orjson.dumps(value)
+
+except ImportError:  # pragma: no cover - installed wherever the tests run
+
+    def _loads_json(data: bytes) -> object:
+        return json.loads(data)
+
+    def _dumps_json(value: object) -> bytes:
+        return json.dumps(value, separators=(",", ":")).encode()
+
 
 log = logging.getLogger("rlfleet.router")
 
@@ -68,6 +95,16 @@ HEADER_REPLICA = "X-RLFleet-Replica"
 HEADER_VERSION = "X-RLFleet-Weight-Version"
 HEADER_ATTEMPTS = "X-RLFleet-Attempts"
 FALLBACK_HEALTH_PATH = "/health"  # for an upstream without a generation probe (404 on healthPath)
+
+# SGLang 0.5.23's 400s for a `lora_path` naming an adapter the engine does not hold. srt/managers/
+# tokenizer_manager.py _resolve_lora_path: a name never loaded in this engine process, or one unloaded that
+# it failed to load again from where it was loaded (it tries: an unloaded adapter stays in its
+# lora_ref_cache); srt/lora/lora_registry.py acquire: unloaded between that check and the request's start.
+ADAPTER_NOT_LOADED = (
+    b"Got LoRA adapter that has never been loaded",
+    b"Failed to implicitly load LoRA adapter",
+    b"The following requested LoRA adapters are not loaded",
+)
 
 # A generation probe's verdict: it answered 200 (generates); another status (starting, draining); no
 # answer in time (silent: hung once that lasts hungAfterSeconds); its connection refused (down) or dropped.
@@ -103,6 +140,39 @@ class _Request:
     tried: set[str] = field(default_factory=set)
     attempts: int = 0
     last_error: str = ""
+    # With X-RLFleet-Adapter: the decoded body (each attempt's names its replica's adapter), the bodies
+    # built so far by adapter version, and the replicas posted to again after an adapter-not-loaded 400.
+    document: dict[str, object] | None = None
+    adapter_bodies: dict[int, bytes] = field(default_factory=dict)
+    reposted: set[str] = field(default_factory=set)
+
+    def body_for(self, adapter: int | None) -> bytes:
+        """The body to post: the client's own, or (adapter mode) with `lora_path` naming `adapter`'s adapter."""
+        if adapter is None or self.document is None:
+            return self.body
+        body = self.adapter_bodies.get(adapter)
+        if body is None:
+            body = _dumps_json({**self.document, "lora_path": adapter_name(adapter)})
+            self.adapter_bodies[adapter] = body
+        return body
+
+
+class _AdapterNotLoaded:
+    """An attempt's answer was the engine's 400 for an adapter it does not hold: post to it again."""
+
+
+def _adapter_document(body: bytes) -> dict[str, object] | str:
+    """The decoded body of an adapter request, or why it cannot be one (the 400's message)."""
+    try:
+        document = _loads_json(body)
+    except ValueError as exc:  # orjson.JSONDecodeError is one
+        return f"a request with X-RLFleet-Adapter needs a JSON object body (the router sets its lora_path): {exc}"
+    if not isinstance(document, dict):
+        return (
+            "a request with X-RLFleet-Adapter needs a JSON object body (the router sets its lora_path), "
+            f"got a JSON {type(document).__name__}"
+        )
+    return document
 
 
 def _json_error(status: int, message: str, **extra: object) -> RouteResult:
@@ -180,9 +250,19 @@ class Router:
         min_version: int | None = None,
         headers: dict[str, str] | None = None,
         stream: bool = False,
+        adapter: bool = False,
     ) -> RouteResult:
         """Forward one request. With `stream=True` a successful result holds an open `stream`
-        that the caller must drain and then pass to `finish_stream`."""
+        that the caller must drain and then pass to `finish_stream`. `adapter=True` (the client's
+        `X-RLFleet-Adapter: newest`): the body must be a JSON object (else a 400), posted to each replica
+        tried with `lora_path` naming that replica's newest adapter."""
+        document: dict[str, object] | None = None
+        if adapter:
+            decoded = _adapter_document(body)
+            if isinstance(decoded, str):
+                self.metrics.refuse("adapter_body")
+                return _json_error(400, decoded)
+            document = decoded
         req = _Request(
             path=path,
             body=body,
@@ -191,6 +271,7 @@ class Router:
             stream=stream,
             key_h=hashing.key_hash(session_key) if session_key else self._random.getrandbits(64),
             started=time.perf_counter(),
+            document=document,
         )
         order = self.table.group_order(req.key_h)
         if not order:
@@ -224,7 +305,16 @@ class Router:
             if isinstance(choice, VersionConflict):
                 conflict = choice
                 break
-            outcome = await self._try_replica(req, group, choice)
+            adapter: int | None = None
+            if req.document is not None:
+                found = await self._newest_adapter(req, group, choice)
+                if isinstance(found, VersionConflict):
+                    conflict = found
+                    continue
+                adapter = found
+            outcome = await self._try_replica(req, group, choice, adapter)
+            if isinstance(outcome, _AdapterNotLoaded):
+                outcome = await self._post_again(req, group, choice)
             if isinstance(outcome, RouteResult):
                 return outcome
             if outcome is not None:
@@ -233,11 +323,41 @@ class Router:
             return self._version_conflict(req, conflict)
         return None
 
-    async def _try_replica(
+    async def _newest_adapter(self, req: _Request, group: Group, replica: Replica) -> int | VersionConflict:
+        """Adapter mode: the version whose adapter to post to the replica, its weight version (read from
+        its /model_info first when unknown). A VersionConflict, the replica skipped without a post, when
+        that stays unknown or is older than the request's minimum."""
+        if replica.weight_version is None:
+            await self._refresh_version(replica, self.config.health_timeout_seconds, self._probe_headers())
+        version = replica.weight_version
+        if version is not None and (req.min_version is None or version >= req.min_version):
+            return version
+        req.tried.add(replica.url)
+        self.metrics.error(group.name, "version_conflict")
+        req.last_error = f"{replica.url}: weight version {version}: no adapter to name"
+        return VersionConflict(group.name, req.min_version or 0, (version,))
+
+    async def _post_again(
         self, req: _Request, group: Group, replica: Replica
     ) -> RouteResult | VersionConflict | None:
-        """One attempt on one replica: its answer, a VersionConflict when it lags the requested
-        version, or None when it failed (and was marked so)."""
+        """After the replica's 400 for an adapter it does not hold (unloaded since the router last read its
+        version): read its version again and post to it once more; that answer stands, a second such 400
+        included. (The first post checked that maxAttempts leaves room for this one.)"""
+        req.reposted.add(replica.url)
+        await self._refresh_version(replica, self.config.health_timeout_seconds, self._probe_headers())
+        found = await self._newest_adapter(req, group, replica)
+        if isinstance(found, VersionConflict):
+            return found
+        outcome = await self._try_replica(req, group, replica, found)
+        assert not isinstance(outcome, _AdapterNotLoaded)  # the replica is in req.reposted: its 400 stands
+        return outcome
+
+    async def _try_replica(
+        self, req: _Request, group: Group, replica: Replica, adapter: int | None = None
+    ) -> RouteResult | VersionConflict | _AdapterNotLoaded | None:
+        """One attempt on one replica (adapter mode: naming version `adapter`'s adapter): its answer, a
+        VersionConflict when it lags the requested version, _AdapterNotLoaded for the engine's 400 for
+        that adapter when it may be posted again, or None when it failed (and was marked so)."""
         req.tried.add(replica.url)
         if req.attempts:
             self.metrics.retry(group.name)
@@ -245,7 +365,7 @@ class Router:
         replica.requests += 1
         replica.inflight += 1
         try:
-            status, content_type, data, opened = await self._send_watched(req, replica)
+            status, content_type, data, opened = await self._send_watched(req, replica, req.body_for(adapter))
         except asyncio.CancelledError:  # the client went away (or shutdown): keep counts right
             replica.inflight -= 1
             raise
@@ -264,16 +384,31 @@ class Router:
         if opened is not None:
             result = RouteResult(status=status, content_type=content_type, stream=opened)
             result.weight_version = replica.weight_version
-            return self._finish(result, group.name, replica, req.attempts, req.started, keep_inflight=True)
-        return self._answered(req, group, replica, status, content_type, data)
+            self._finish(result, group.name, replica, req.attempts, req.started, keep_inflight=True)
+            return _with_adapter(result, adapter)
+        if (
+            adapter is not None
+            and status == 400
+            and any(message in data for message in ADAPTER_NOT_LOADED)
+            and replica.url not in req.reposted
+            and req.attempts < self.config.max_attempts
+        ):
+            replica.inflight -= 1
+            self.metrics.error(group.name, "adapter_not_loaded")
+            req.last_error = f"{replica.url}: HTTP 400, adapter {adapter_name(adapter)} not loaded"
+            log.info(
+                "%s does not hold adapter %s: reading its version again", replica.url, adapter_name(adapter)
+            )
+            return _AdapterNotLoaded()
+        return self._answered(req, group, replica, status, content_type, data, adapter)
 
     async def _send_watched(
-        self, req: _Request, replica: Replica
+        self, req: _Request, replica: Replica, body: bytes
     ) -> tuple[int, str, bytes, StreamingResponse | None]:
         """`_send` to the replica, given up (the upstream request cancelled) when the replica is found
         hung: by the periodic probe, or by the probe this attempt asks for after every
         `requestTimeoutSeconds` without an answer. Raises UpstreamError("hung") then."""
-        send = asyncio.ensure_future(self._send(req, replica.url + req.path))
+        send = asyncio.ensure_future(self._send(req, replica.url + req.path, body))
         hung = asyncio.ensure_future(self._hung_event(replica).wait())
         try:
             while True:
@@ -297,12 +432,14 @@ class Router:
             if not send.cancelled():
                 send.exception()  # retrieved: an error after the replica was given up is not news
 
-    async def _send(self, req: _Request, url: str) -> tuple[int, str, bytes, StreamingResponse | None]:
-        """Post the request, or open it as a stream: (status, content type, body, open stream)."""
+    async def _send(
+        self, req: _Request, url: str, body: bytes
+    ) -> tuple[int, str, bytes, StreamingResponse | None]:
+        """Post `body`, or open it as a stream: (status, content type, body, open stream)."""
         if req.stream:
-            opened = await self.transport.open_stream(url, req.body, req.headers)
+            opened = await self.transport.open_stream(url, body, req.headers)
             return opened.status, opened.content_type, b"", opened
-        response = await self.transport.post(url, req.body, req.headers)
+        response = await self.transport.post(url, body, req.headers)
         return response.status, response.content_type, response.body, None
 
     async def _refused(
@@ -323,10 +460,18 @@ class Router:
         return None
 
     def _answered(
-        self, req: _Request, group: Group, replica: Replica, status: int, content_type: str, data: bytes
+        self,
+        req: _Request,
+        group: Group,
+        replica: Replica,
+        status: int,
+        content_type: str,
+        data: bytes,
+        adapter: int | None = None,
     ) -> RouteResult | VersionConflict:
         """A whole (non-streamed) answer: discarded as a VersionConflict when its meta_info reports an
-        older version than requested, else annotated, accounted and returned."""
+        older version than requested, else annotated, accounted and returned (adapter mode: saying
+        `adapter`, the version whose adapter the post named)."""
         replica.inflight -= 1
         if status == 200:
             self._generated_at[replica.url] = time.monotonic()
@@ -344,6 +489,7 @@ class Router:
         result = RouteResult(status=status, content_type=content_type or "application/json", body=data)
         result.weight_version = version if version is not None else replica.weight_version
         self._finish(result, group.name, replica, req.attempts, req.started, keep_inflight=False)
+        _with_adapter(result, adapter)
         self.metrics.answered(
             group.name,
             status,
@@ -356,9 +502,14 @@ class Router:
     def _version_conflict(self, req: _Request, conflict: VersionConflict) -> RouteResult:
         """The 409 (with Retry-After) for a group none of whose replicas serves the version yet."""
         served = sorted({v for v in conflict.served_versions if v is not None})
+        wanted = (
+            f"weight version >= {req.min_version}"
+            if req.min_version is not None
+            else "a known weight version (its adapter's)"
+        )
         result = _json_error(
             409,
-            f"no replica of group {conflict.group!r} serves weight version >= {req.min_version} yet; retry",
+            f"no replica of group {conflict.group!r} serves {wanted} yet; retry",
             group=conflict.group,
             minWeightVersion=req.min_version,
             servedVersions=served,
@@ -590,6 +741,13 @@ class Router:
             if response.status == 200:
                 replica.observe_version(_parse_version(response.body))
             return
+
+
+def _with_adapter(result: RouteResult, adapter: int | None) -> RouteResult:
+    """Say, in X-RLFleet-Adapter-Version, which version's adapter the post named (adapter mode)."""
+    if adapter is not None:
+        result.headers[ADAPTER_VERSION_HEADER] = str(adapter)
+    return result
 
 
 def _parse_version(body: bytes) -> int | None:

@@ -3,7 +3,9 @@
 Data plane (SGLang-compatible; with `apiKeyFile`/`apiKeyEnv` it needs `Authorization: Bearer <key>`
 and the router presents the same key to the replicas, like SGLang's --api-key; without, it is open):
   POST /generate, /v1/chat/completions, /v1/completions   routed by `X-Session-Id` (or
-       `X-SMG-Routing-Key`, SGLang router's header); optional `X-Min-Weight-Version: N`.
+       `X-SMG-Routing-Key`, SGLang router's header); optional `X-Min-Weight-Version: N`; optional
+       `X-RLFleet-Adapter: newest` (LoRA: the router sets the body's `lora_path` to the chosen replica's
+       newest adapter and answers X-RLFleet-Adapter-Version; router/core.py).
        Responses carry X-RLFleet-Group / -Replica / -Weight-Version / -Attempts headers, and JSON
        bodies get `rlfleet_group` / `rlfleet_replica` inside each `meta_info`.
   GET /health, GET /metrics (Prometheus).
@@ -35,6 +37,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from rlfleet.lora import ADAPTER_NEWEST, ADAPTER_REQUEST_HEADER
 from rlfleet.router import membership
 from rlfleet.router.bounds import (
     BoundedTCPSite,
@@ -223,6 +226,9 @@ async def _read_and_route(request: web.Request, router: Router) -> RouteResult |
     min_version = _min_version_of(raw_version)
     if raw_version is not None and min_version is None:
         return _error(400, f"{MIN_VERSION_HEADER} must be a non-negative integer, got {raw_version!r}")
+    raw_adapter = headers.get(ADAPTER_REQUEST_HEADER)
+    if raw_adapter is not None and raw_adapter != ADAPTER_NEWEST:
+        return _error(400, f"{ADAPTER_REQUEST_HEADER} must be {ADAPTER_NEWEST!r}, got {raw_adapter!r}")
     upstream_headers = _upstream_headers(headers, request.app[API_KEY].token(), raw_version, session_key)
     if upstream_headers is None:
         return _error(401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
@@ -233,7 +239,15 @@ async def _read_and_route(request: web.Request, router: Router) -> RouteResult |
         return _error(
             400, "request body is JSON nested too deeply to decode (a generation request nests a few levels)"
         )
-    return await router.route(request.path, body, session_key, min_version, upstream_headers, stream)
+    return await router.route(
+        request.path,
+        body,
+        session_key,
+        min_version,
+        upstream_headers,
+        stream,
+        adapter=raw_adapter is not None,
+    )
 
 
 async def _relay_stream(

@@ -28,6 +28,12 @@ answers, srt/entrypoints/http_server.py + scheduler aborts; every outcome is cou
 - any other status fails the turn (`http_<status>`), final.
 A failed turn raises `TurnFailed(reason, ...)`; the caller does not retry it (the rollout driver drops
 the group).
+
+LoRA (`adapters=True`, a job with `trainer.lora`): every request says `X-RLFleet-Adapter: newest`, so our
+router names, in the body it posts, the newest adapter of the replica it chose (groups load a version at
+different times); every token's weight version is then the router's `X-RLFleet-Adapter-Version`, the
+adapter the whole turn ran on (meta_info's weight_versions spans only say when loads happened). A 200
+without that header fails the turn (`malformed_response`): the endpoint is not our router.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any
 
 import httpx
 
+from rlfleet.lora import ADAPTER_NEWEST, ADAPTER_REQUEST_HEADER, ADAPTER_VERSION_HEADER
 from rlfleet.records import SUPPORT_MODE, SampledTurn
 from rlfleet.retries import UNAVAILABLE_STATUSES, ClientRetryPolicy
 from rlfleet.sampler.protocol import (
@@ -120,8 +127,11 @@ class SamplerClient:
         http: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
         api_key: str | None = None,
+        adapters: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # LoRA: the router names each request's adapter (its replica's newest) and says which in a header
+        self.adapters = adapters
         # the endpoint's bearer key (the router's data-plane key or an engine's --api-key): on every call
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.group = group
@@ -166,6 +176,8 @@ class SamplerClient:
             headers[SESSION_HEADER] = str(session_id)
         if min_weight_version is not None:
             headers[MIN_VERSION_HEADER] = str(int(min_weight_version))
+        if self.adapters:
+            headers[ADAPTER_REQUEST_HEADER] = ADAPTER_NEWEST
         while True:
             tries.attempts += 1
             body = build_generate_request(ids, cfg, sampling_seed=sampling_seed, top_k_override=tries.top_k)
@@ -235,6 +247,7 @@ class SamplerClient:
         self, resp: httpx.Response, ids: list[int], cfg: SamplingConfig, attempts: int
     ) -> SampledTurn:
         try:
+            adapter = self._adapter_version(resp)
             payload = loads_json(resp.content)
             if isinstance(payload, list) and len(payload) == 1:  # batch form with one request
                 payload = payload[0]
@@ -246,6 +259,7 @@ class SamplerClient:
                 vocab_size=self.vocab_size,
                 untruncated=not cfg.truncates,
                 routed_experts_top_k=cfg.routed_experts_top_k,
+                weight_version=adapter,
             )
         except (ProtocolError, ValueError) as exc:  # orjson.JSONDecodeError and json's are ValueErrors
             raise self._fail("malformed_response", str(exc), 200, attempts) from None
@@ -259,6 +273,27 @@ class SamplerClient:
         self.stats.invalid += turn.num_invalid
         self.stats.invalid_tokens.update(turn.invalid_reasons)
         return turn
+
+    def _adapter_version(self, resp: httpx.Response) -> int | None:
+        """Adapter mode: the version of the adapter the turn ran on, the router's header (like the group and
+        replica, never read from the engine's body). ProtocolError when it is missing or not a version."""
+        if not self.adapters:
+            return None
+        raw = resp.headers.get(ADAPTER_VERSION_HEADER)
+        if raw is None:
+            raise ProtocolError(
+                f"a 200 without {ADAPTER_VERSION_HEADER}: {self.base_url} is not rlfleet's router, which "
+                "LoRA adapters need (it names each request's adapter and says which one ran)"
+            )
+        try:
+            version = int(raw)
+        except ValueError:
+            version = -1
+        if version < 0:
+            raise ProtocolError(
+                f"{ADAPTER_VERSION_HEADER} must be a weight version (an int >= 0), got {raw!r}"
+            )
+        return version
 
     def _smaller_top_k(self, message: str, top_k: int) -> int | None:
         """The top_k to resend after one of SGLang's sampling-mask 400s (None: the 400 is final)."""

@@ -284,6 +284,7 @@ def parse_generate_response(
     untruncated: bool = False,
     tol: float = LOGPROB_TOL,
     routed_experts_top_k: int = 0,
+    weight_version: int | None = None,
 ) -> SampledTurn:
     """One SGLang /generate JSON answer -> a validated SampledTurn.
 
@@ -291,9 +292,11 @@ def parse_generate_response(
     `untruncated=True` (top_p = 1, top_k = -1, min_p = 0) lets head mode fill `sampled_logprobs` with
     the full-vocabulary logprob (q_S = q then). `routed_experts_top_k` > 0: `routed_experts` is read
     (`routed_experts_of`; the server's missing flag is a ProtocolError, bytes of another shape make
-    the turn untrainable as a length mismatch). Raises ProtocolError only when there is no readable
-    token list at all (or no routing when it was asked for); every other defect becomes invalid
-    tokens counted by reason.
+    the turn untrainable as a length mismatch). `weight_version`: every token's version, given by the
+    caller (LoRA: the version of the adapter the request named, the router's X-RLFleet-Adapter-Version;
+    meta_info's `weight_versions` spans then say only when loads happened and are not read); None: the
+    spans'. Raises ProtocolError only when there is no readable token list at all (or no routing when
+    it was asked for); every other defect becomes invalid tokens counted by reason.
     """
     meta = body.get("meta_info") if isinstance(body, Mapping) else None
     if not isinstance(meta, Mapping):
@@ -309,7 +312,7 @@ def parse_generate_response(
         replica=str(meta.get("rlfleet_replica") or replica),
         cached_tokens=int(meta.get("cached_tokens") or 0),
     )
-    problems, versions = _count_problems(body, meta, output_ids)
+    problems, versions = _count_problems(body, meta, output_ids, weight_version)
     cand = _candidates(meta, n, logprobs, untruncated)
     problems += cand.problems
     routed = None
@@ -361,10 +364,11 @@ def _output_tokens(meta: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _count_problems(
-    body: Mapping[str, Any], meta: Mapping[str, Any], output_ids: np.ndarray
+    body: Mapping[str, Any], meta: Mapping[str, Any], output_ids: np.ndarray, weight_version: int | None
 ) -> tuple[list[str], np.ndarray]:
     """The fields whose token count or ids disagree with output_token_logprobs, and the per-token
-    weight versions (all -1 when the spans do not cover the output)."""
+    weight versions: `weight_version` for every token when given, else the spans' (all -1 when the
+    spans do not cover the output)."""
     n = len(output_ids)
     problems: list[str] = []
     if (
@@ -376,6 +380,8 @@ def _count_problems(
     completion = meta.get("completion_tokens")
     if completion is not None and int(completion) != n:
         problems.append("completion_tokens")
+    if weight_version is not None:
+        return problems, np.full(n, weight_version, dtype=np.int64)
     spanned = token_weight_versions(meta, n)
     if spanned is None:
         problems.append("weight_versions")
