@@ -2,6 +2,9 @@
 
 POST /update_weights_from_disk   {model_path, weight_version, flush_cache, abort_all_requests}
 POST /pause_generation, /continue_generation, /flush_cache
+POST /update_weight_version      {new_version, abort_all_requests (default true, as SGLang's)}
+POST /load_lora_adapter          {lora_name, lora_path, pinned}; /unload_lora_adapter {lora_name}
+                                 (docs/sampler.md, "LoRA"; the engine's LoraRegistry has the semantics)
 """
 
 from __future__ import annotations
@@ -72,6 +75,78 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
 
+class UpdateWeightVersionIn(BaseModel):
+    """UpdateWeightVersionReqInput: SGLang aborts every request unless abort_all_requests is false."""
+
+    model_config = ConfigDict(extra="ignore")
+    new_version: str | int
+    abort_all_requests: bool = True
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    """Relabel the served weights (LoRA: the sidecar's version N once adapter vN is loaded), so
+    /model_info and each later token's meta_info weight_version say N; the weights stay."""
+    engine = request.app[ENGINE]
+    try:
+        body = UpdateWeightVersionIn.model_validate(await read_json(request))
+    except ValidationError as exc:
+        return error_response(400, str(exc), "Bad Request").response()
+    try:  # SGLang takes any string; rlfleet versions are integers (as in update_weights_from_disk)
+        version = int(body.new_version)
+        if version < 0:
+            raise ValueError(f"a weight version is >= 0, got {version}")
+    except ValueError as exc:
+        message = f"Failed to update weight version: {exc}"
+        return web.json_response({"success": False, "message": message}, status=400)
+    async with engine.lock:  # between two scheduler steps
+        if body.abort_all_requests:
+            engine.abort_all("Aborted")  # FINISH_ABORT's default message
+        engine.weight_version = version
+    return web.json_response(
+        {
+            "success": True,
+            "message": f"Weight version updated to {body.new_version}",
+            "new_version": str(body.new_version),
+        }
+    )
+
+
+class LoadLoraIn(BaseModel):
+    """LoadLoRAAdapterReqInput's fields."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoraIn(BaseModel):
+    """UnloadLoRAAdapterReqInput's fields."""
+
+    model_config = ConfigDict(extra="ignore")
+    lora_name: str
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    try:
+        body = LoadLoraIn.model_validate(await read_json(request))
+    except ValidationError as exc:
+        return error_response(400, str(exc), "Bad Request").response()
+    result = await request.app[ENGINE].loras.load(body.lora_name, body.lora_path, body.pinned)
+    log.info("load_lora_adapter %s %s: %s", body.lora_name, body.lora_path, result["error_message"] or "ok")
+    return web.json_response(result, status=200 if result["success"] else 400)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """Answers once the requests in flight on the adapter have finished (new ones cannot take it)."""
+    try:
+        body = UnloadLoraIn.model_validate(await read_json(request))
+    except ValidationError as exc:
+        return error_response(400, str(exc), "Bad Request").response()
+    result = await request.app[ENGINE].loras.unload(body.lora_name)
+    return web.json_response(result, status=200 if result["success"] else 400)
+
+
 async def pause_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     raw = await read_json(request) if request.can_read_body else {}
@@ -102,4 +177,7 @@ ROUTES = [
     web.post("/pause_generation", pause_generation),
     web.post("/continue_generation", continue_generation),
     web.route("*", "/flush_cache", flush_cache),
+    web.post("/update_weight_version", update_weight_version),
+    web.post("/load_lora_adapter", load_lora_adapter),
+    web.post("/unload_lora_adapter", unload_lora_adapter),
 ]

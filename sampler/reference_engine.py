@@ -29,23 +29,40 @@ per request (the prefill's positions, then one per decode) and returned as SGLan
 the int32 bytes of [P + n - 1 - routed_experts_start_len, layers, top_k] in `meta_info.routed_experts`
 (SGLang needs --enable-return-routed-experts; this engine always captures for a mixture of experts and,
 like SGLang without a MoE, returns nothing for a dense model).
+
+LoRA (docs/sampler.md, "LoRA"; SGLang 0.5.23's flags `EngineConfig.lora`): `LoraRegistry` is SGLang's
+tokenizer-side registry and the scheduler's loaded adapters in one (load / unload with SGLang's answers,
+the implicit reload of an evicted adapter from its path, an unload that waits for the requests in flight
+on it); a request's adapter (`GenRequest.lora`) computes every one of its tokens, and a batch holds at
+most `max_loras_per_batch` distinct adapters, the base counting as one (SGLang's validate_lora_batch).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
+import os
 import random
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rlfleet.numerics.engine_model import EngineModel, KernelConfig, ModelShape, precision_view
+from rlfleet.lora import ADAPTER_CONFIG_FILE, TARGET_MODULES
+from rlfleet.numerics.engine_model import (
+    EngineModel,
+    KernelConfig,
+    LoraAdapter,
+    ModelShape,
+    precision_view,
+    read_lora_adapter,
+)
 from rlfleet.sampler.sampling import SAMPLING_BACKENDS, MaskStatus, RowParams, SampleResult, sample
 
 log = logging.getLogger("rlfleet.sampler.engine")
@@ -100,6 +117,59 @@ ENGINE_KV = {
 }
 THROTTLE_BURST_S = 0.1  # budget (in seconds of the cap) the throttle may bank
 
+# SGLang 0.5.23's --lora-target-modules names this engine has (srt/utils/common.py
+# SUPPORTED_LORA_TARGET_MODULES lists more, for other architectures; rlfleet/lora.py's), and "all".
+LORA_TARGET_MODULES = TARGET_MODULES
+LORA_TARGET_ALL = "all"
+# srt/lora/utils.py get_normalized_target_modules: SGLang's fused LoRA buffers (q/k/v share qkv_proj,
+# gate/up share gate_up_proj), so enabling q_proj lets an adapter of k_proj load too.
+_LORA_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+_LORA_FUSED["up_proj"] = "gate_up_proj"
+
+
+def normalized_lora_modules(names: Iterable[str]) -> set[str]:
+    """SGLang's normalized LoRA module names of `names` ("all": every module this engine has)."""
+    names = list(names)
+    if LORA_TARGET_ALL in names:
+        names = list(LORA_TARGET_MODULES)
+    return {_LORA_FUSED.get(n.rpartition(".")[2], n.rpartition(".")[2]) for n in names}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """SGLang 0.5.23's LoRA launch flags (server_args `lora` namespace, checked as its
+    check_lora_server_args does): --enable-lora with --max-lora-rank, --lora-target-modules,
+    --max-loras-per-batch (default 8; distinct adapters in one batch, the base counting as one) and
+    --max-loaded-loras (default None: no limit; over it the least recently used adapter is unloaded)."""
+
+    max_lora_rank: int
+    target_modules: tuple[str, ...]
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras_per_batch <= 0:
+            raise ValueError("max_loras_per_batch must be positive")
+        if self.max_lora_rank <= 0 or not self.target_modules:  # no --lora-paths here: both are required
+            raise ValueError(
+                "When no initial --lora-paths is provided, you need to specify both --max-lora-rank and "
+                "--lora-target-modules for LoRA initialization."
+            )
+        unknown = sorted(set(self.target_modules) - {*LORA_TARGET_MODULES, LORA_TARGET_ALL})
+        if unknown:
+            raise ValueError(
+                f"--lora-target-modules: unsupported {unknown}; choose from {LORA_TARGET_MODULES}"
+            )
+        if LORA_TARGET_ALL in self.target_modules and len(self.target_modules) != 1:
+            raise ValueError(
+                "If 'all' is specified in --lora-target-modules, it should be the only module specified."
+            )
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(
+                "max_loaded_loras should be greater than or equal to max_loras_per_batch. "
+                f"max_loaded_loras={self.max_loaded_loras}, max_loras_per_batch={self.max_loras_per_batch}"
+            )
+
 
 @dataclass
 class EngineConfig:
@@ -115,6 +185,7 @@ class EngineConfig:
     served_model_name: str = "tiny-qwen3"
     model_path: str | None = None
     seed: int = 0
+    lora: LoraSettings | None = None  # None: LoRA not enabled (SGLang without --enable-lora)
 
     def __post_init__(self) -> None:
         if self.weight_format not in WEIGHT_FORMATS:
@@ -167,6 +238,7 @@ class GenRequest:
     routed: list[torch.Tensor] = field(
         default_factory=list
     )  # per forward of this request, [tokens, layers, k]
+    lora: LoraAdapter | None = None  # the adapter every token of this request is computed with
 
     @property
     def error_status(self) -> int | None:
@@ -236,6 +308,7 @@ class ReferenceEngine:
         self._rng = random.Random(config.seed)
         self._next_step_at = 0.0
         self.stats = EngineStats()
+        self.loras = LoraRegistry(config.lora, config.model)
 
     # ------------------------------------------------------------------------------------ weights
     def load_weights(self, weights: dict[str, torch.Tensor], view: str, version: int) -> None:
@@ -360,14 +433,25 @@ class ReferenceEngine:
             await asyncio.sleep(delay)
 
     def _admit(self) -> list[GenRequest]:
-        admitted = []
+        """Waiting requests into free slots, in order; with LoRA, one whose adapter would make the batch
+        hold more than max_loras_per_batch distinct adapters (the base is one) waits (SGLang's
+        scheduler: _can_schedule_lora_req)."""
+        admitted: list[GenRequest] = []
+        deferred: list[GenRequest] = []
+        limit = self.config.lora.max_loras_per_batch if self.config.lora else None
+        in_batch = {r.lora for r in self.running}
         while self.waiting and self.free_slots:
             req = self.waiting.popleft()
             if req.cancelled:
                 continue
+            if limit is not None and req.lora not in in_batch and len(in_batch) >= limit:
+                deferred.append(req)
+                continue
+            in_batch.add(req.lora)
             req.slot = self.free_slots.pop()
             self.cache.reset([req.slot])
             admitted.append(req)
+        self.waiting.extendleft(reversed(deferred))
         return admitted
 
     @torch.no_grad()
@@ -385,12 +469,11 @@ class ReferenceEngine:
         if self.running:
             slots = torch.tensor([r.slot for r in self.running])
             nxt = torch.tensor([[r.out_ids[-1]] for r in self.running])
-            rows.extend(self.model(nxt, self.cache, slots)[:, 0])  # [B, V]
+            rows.extend(self.model(nxt, self.cache, slots, _adapters(self.running))[:, 0])  # [B, V]
             self._capture_routing(self.running)
         for req in admitted:  # ragged prompts: one prefill each
-            rows.append(
-                self.model(torch.tensor([req.input_ids]), self.cache, torch.tensor([req.slot]))[0, -1]
-            )
+            ids, slot = torch.tensor([req.input_ids]), torch.tensor([req.slot])
+            rows.append(self.model(ids, self.cache, slot, _adapters([req]))[0, -1])
             self._capture_routing([req])
             self.stats.realtime_prefill_tokens += len(req.input_ids)
         batch = self.running + admitted
@@ -520,6 +603,235 @@ class ReferenceEngine:
         return {"text": "", "output_ids": list(req.out_ids), "meta_info": meta}
 
 
+def _adapters(reqs: list[GenRequest]) -> list[LoraAdapter | None] | None:
+    """The batch rows' adapters for EngineModel.forward (None: no row has one)."""
+    adapters = [r.lora for r in reqs]
+    return adapters if any(a is not None for a in adapters) else None
+
+
+LORA_NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+
+
+@dataclass(frozen=True)
+class LoadedLora:
+    """SGLang's LoRARef (a fresh lora_id per load, so a reloaded name is a new adapter) with its weights."""
+
+    lora_id: str
+    name: str
+    path: str
+    pinned: bool
+    adapter: LoraAdapter
+
+
+def lora_update_output(
+    success: bool, error_message: str | None, loaded: dict[str, str] | None
+) -> dict[str, Any]:
+    """The body of SGLang's /load_lora_adapter and /unload_lora_adapter: msgspec_to_builtins of a
+    LoRAUpdateOutput (BaseReq's rid and http_worker_ipc included); 200 on success, else 400."""
+    return {
+        "rid": None,
+        "http_worker_ipc": None,
+        "success": success,
+        "error_message": error_message,
+        "loaded_adapters": loaded,
+    }
+
+
+class LoraRegistry:
+    """SGLang 0.5.23's dynamic LoRA, tokenizer and scheduler side in one process (srt/managers/
+    tokenizer_control_mixin.py load/unload, tokenizer_manager.py _resolve_lora_path, srt/lora/
+    lora_registry.py, lora_manager.py validate_new_adapter), with its messages:
+
+    - `registry`: name -> the adapter requests may name, in least-recently-used order (a load and a
+      request's lookup move it to the end); `serving`: lora_id -> what the scheduler holds (an
+      unregistered adapter stays there until its requests finished);
+    - `ref_cache`: every name ever loaded -> its ref, so a request naming an unloaded (or evicted)
+      adapter loads it again from its path (the reload SGLang does implicitly);
+    - an unload unregisters at once (new requests cannot take it) and returns when the requests in
+      flight on it have finished; with `max_loaded_loras`, a load over the limit unloads the least
+      recently used unpinned adapter the same way."""
+
+    def __init__(self, settings: LoraSettings | None, shape: ModelShape) -> None:
+        self.settings, self.shape = settings, shape
+        self.registry: OrderedDict[str, LoadedLora] = OrderedDict()
+        self.serving: dict[str, LoadedLora] = {}
+        self.ref_cache: dict[str, tuple[str, bool]] = {}  # name -> (path, pinned) of its last load
+        self.pending_unloads: dict[str, str] = {}
+        self.in_flight: dict[str, int] = {}  # lora_id -> requests on it
+        self._idle: dict[str, asyncio.Event] = {}  # lora_id -> set while no request is on it
+        self._update_lock = asyncio.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings is not None
+
+    def loaded_adapters(self) -> dict[str, str]:
+        return {ref.name: ref.path for ref in self.serving.values()}
+
+    async def load(self, name: str, path: str, pinned: bool = False) -> dict[str, Any]:
+        """/load_lora_adapter: the LoRAUpdateOutput body."""
+        try:
+            if self.settings is None:
+                raise ValueError(LORA_NOT_ENABLED)
+            async with self._update_lock:
+                if name in self.pending_unloads:
+                    raise ValueError(
+                        f"LoRA adapter '{name}' has an incomplete unload. Retry the unload before loading it again."
+                    )
+                error = await asyncio.to_thread(self._load_into_scheduler, name, path, pinned)
+                result = lora_update_output(error is None, error or "", self.loaded_adapters())
+                if error is None:
+                    ref = next(r for r in self.serving.values() if r.name == name)
+                    self.registry[name], self.ref_cache[name] = ref, (ref.path, ref.pinned)
+                    self.in_flight[ref.lora_id] = 0
+                    self._idle[ref.lora_id] = asyncio.Event()
+                    self._idle[ref.lora_id].set()
+                limit = self.settings.max_loaded_loras
+                while limit is not None and len(self.registry) > limit:
+                    lru = next((n for n, r in self.registry.items() if not r.pinned), None)
+                    if lru is None:
+                        raise ValueError(
+                            "Didn't find any LoRA adapters when trying to evict LRU LoRA adapter. "
+                            f"LoRA registry is: {self.registry}"
+                        )
+                    log.info("Unloading least recently used LoRA adapter '%s'", lru)
+                    await self._unload_locked(lru)
+                    result["loaded_adapters"].pop(lru, None)
+                return result
+        except ValueError as exc:
+            return lora_update_output(False, str(exc), None)
+
+    def _load_into_scheduler(self, name: str, path: str, pinned: bool) -> str | None:
+        """The scheduler's load (lora_manager._load_lora_adapter): LoRAConfig, validate_new_adapter,
+        the weights; the error message, None when loaded."""
+        assert self.settings is not None
+        try:
+            if not os.path.isdir(path):  # SGLang would try the Hugging Face hub
+                raise ValueError(
+                    f"{path} is not an adapter directory (the reference engine reads local ones)"
+                )
+            with open(os.path.join(path, ADAPTER_CONFIG_FILE)) as f:
+                config = json.load(f)
+            targets, rank = config["target_modules"], config["r"]
+            config["lora_alpha"]  # LoRAConfig reads it (KeyError when absent)
+            if config.get("use_dora", False):
+                raise ValueError(
+                    f"Failed to load {name} because LoRA serving currently doesn't support DoRA adapters"
+                )
+            for ref in self.serving.values():
+                if ref.name == name:
+                    raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
+            enabled = normalized_lora_modules(self.settings.target_modules)
+            if rank > self.settings.max_lora_rank or not normalized_lora_modules(targets) <= enabled:
+                raise ValueError(
+                    f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA memory pool "
+                    "configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                    "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`."
+                )
+            if (
+                pinned
+                and sum(r.pinned for r in self.serving.values()) >= self.settings.max_loras_per_batch - 1
+            ):
+                raise ValueError(
+                    f"Failed to load LoRA adapter {name} as a pinned adapter. It is not allowed to pin all slots "
+                    "in the LoRA memory pool to avoid starvation for unpinned adapters and base models. Please "
+                    "increase your `--max-loras-per-batch` or load it as unpinned LoRA adapters."
+                )
+            adapter = read_lora_adapter(path, self.shape)
+        except Exception as exc:  # SGLang answers any failure of the load with its text
+            return str(exc)
+        lora_id = uuid.uuid4().hex
+        self.serving[lora_id] = LoadedLora(lora_id, name, path, pinned, adapter)
+        return None
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        """/unload_lora_adapter: returns once the requests in flight on the adapter have finished."""
+        try:
+            if self.settings is None:
+                raise ValueError(LORA_NOT_ENABLED)
+            async with self._update_lock:
+                return await self._unload_locked(name)
+        except ValueError as exc:
+            return lora_update_output(False, str(exc), None)
+
+    async def _unload_locked(self, name: str) -> dict[str, Any]:
+        lora_id = self.pending_unloads.get(name)
+        if lora_id is None:
+            ref = self.registry.pop(name, None)
+            if ref is None:
+                raise ValueError(
+                    f"LoRA with name {name} does not exist. Loaded LoRAs: {self.registry.keys()}"
+                )
+            lora_id = self.pending_unloads[name] = ref.lora_id
+        await self._idle[lora_id].wait()
+        self.in_flight.pop(lora_id)
+        self._idle.pop(lora_id)
+        self.serving.pop(lora_id, None)
+        self.pending_unloads.pop(name)
+        return lora_update_output(True, "", self.loaded_adapters())
+
+    async def acquire(self, names: list[str | None]) -> list[LoadedLora | None]:
+        """A request's adapters by name (None: the base), counted in flight until `release`: SGLang's
+        _validate_and_resolve_lora (called when a request names any: its `lora_path` is not empty), an
+        adapter loaded before but not now (unloaded, evicted) loaded again from its path. Raises
+        ValueError with SGLang's messages."""
+        if self.settings is None:
+            first = next((n for n in names if n), None)
+            raise ValueError(
+                f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server with "
+                "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+            )
+        unique, limit = set(names), self.settings.max_loaded_loras
+        if limit is not None and len(unique) > limit:
+            raise ValueError(
+                f"Received request with {len(unique)} unique loras requested but max loaded loras is {limit}"
+            )
+        for name in unique - {None}:
+            assert name is not None
+            if name in self.registry:
+                self.registry.move_to_end(name)
+            else:
+                await self._reload(name)
+        refs = [self._lookup(name) for name in names]
+        for ref in refs:
+            if ref is not None:
+                self.in_flight[ref.lora_id] += 1
+                self._idle[ref.lora_id].clear()
+        return refs
+
+    async def _reload(self, name: str) -> None:
+        if name not in self.ref_cache:
+            raise ValueError(
+                f"Got LoRA adapter that has never been loaded: {name}\n"
+                f"All loaded adapters: {self.ref_cache.keys()}."
+            )
+        log.info("Reloading evicted adapter: %s", name)
+        result = await self.load(name, *self.ref_cache[name])
+        if not result["success"] and "already loaded" not in result["error_message"]:
+            raise ValueError(f"Failed to implicitly load LoRA adapter {name}: {result['error_message']}")
+
+    def _lookup(self, name: str | None) -> LoadedLora | None:
+        if name is None:
+            return None
+        ref = self.registry.get(name)
+        if ref is None:
+            raise ValueError(
+                f"The following requested LoRA adapters are not loaded: {name}\n"
+                f"Loaded adapters: {self.registry.keys()}."
+            )
+        self.registry.move_to_end(name)
+        return ref
+
+    def release(self, refs: list[LoadedLora | None]) -> None:
+        """The requests of `acquire` finished (or went away): an unload waiting on them may go on.
+        Synchronous, so that a cancelled handler's `finally` releases too."""
+        for ref in refs:
+            if ref is not None:
+                self.in_flight[ref.lora_id] -= 1
+                if self.in_flight[ref.lora_id] == 0:
+                    self._idle[ref.lora_id].set()
+
+
 @dataclass
 class EngineStats:
     """What /metrics exports (SGLang's names and labels are applied in server.py). Like SGLang's
@@ -595,6 +907,8 @@ __all__ = [
     "EngineConfig",
     "GenRequest",
     "KV_CACHE_DTYPES",
+    "LoraRegistry",
+    "LoraSettings",
     "ReferenceEngine",
     "WEIGHT_FORMATS",
     "kl_q_p",

@@ -6,8 +6,9 @@ defaults, validation order, error bodies, status codes and metrics (each checked
 code in tests/sglang_contract/test_sglang_reference_sampler.py; docs/sampler.md lists what). The
 server is made of modules that each answer one question:
 - http_app.py: the application (routes, bearer auth, the engine's lifetime) and an in-process server;
-- serving_routes.py: /generate, /health, /health_generate, /model_info, /server_info, /metrics;
-- admin_routes.py: /update_weights_from_disk, /pause_generation, /continue_generation, /flush_cache;
+- serving_routes.py: /generate, /health, /health_generate, /model_info, /server_info, /metrics, /v1/models;
+- admin_routes.py: /update_weights_from_disk, /update_weight_version, /load_lora_adapter,
+  /unload_lora_adapter, /pause_generation, /continue_generation, /flush_cache;
 - request_gate.py: SGLang's /generate validation, in its order; sglang_errors.py: its error bodies;
 - server_metrics.py: SGLang's Prometheus metrics; server_context.py: what handlers read from the app.
 
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlfleet.lora import TARGET_MODULES
 from rlfleet.sampler.http_app import start_reference_server
 
 if TYPE_CHECKING:
@@ -37,6 +39,20 @@ if TYPE_CHECKING:
 
 class CliError(Exception):
     pass
+
+
+def lora_flags(args: argparse.Namespace) -> list[str]:
+    """The LoRA flags of `args` as SGLang's command line spells them (none without --enable-lora)."""
+    if not args.enable_lora:
+        return []
+    flags = ["--enable-lora", "--max-loras-per-batch", str(args.max_loras_per_batch)]
+    if args.max_lora_rank is not None:
+        flags += ["--max-lora-rank", str(args.max_lora_rank)]
+    if args.lora_target_modules:
+        flags += ["--lora-target-modules", *args.lora_target_modules]
+    if args.max_loaded_loras is not None:
+        flags += ["--max-loaded-loras", str(args.max_loaded_loras)]
+    return flags
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +105,25 @@ def _parser() -> argparse.ArgumentParser:
         "--max-tokens-per-second", type=float, default=None, help="throttle (emulates a slower GPU)"
     )
     ref.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    lora = p.add_argument_group("LoRA (SGLang 0.5.23's flags and meaning; docs/sampler.md, 'LoRA')")
+    lora.add_argument("--enable-lora", action="store_true", help="serve adapters (/load_lora_adapter)")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (required)")
+    lora.add_argument(
+        "--lora-target-modules",
+        nargs="*",
+        default=None,
+        choices=(*TARGET_MODULES, "all"),
+        help="projections adapters may target (required); q/k/v and gate/up enable each other (fused)",
+    )
+    lora.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="distinct adapters in a batch, the base one of them",
+    )
+    lora.add_argument(
+        "--max-loaded-loras", type=int, default=None, help="over it the least recently used is unloaded"
+    )
     sg = p.add_argument_group("sglang engine")
     sg.add_argument("--accelerator", help="catalog class (a100, h100, h200, b200, b300, rtx-pro-6000)")
     sg.add_argument("--tensor-parallel", type=int, default=None)
@@ -120,7 +155,7 @@ def sglang_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
         own = checkpoint_flags_of(model_dir) if model_dir.is_dir() else []
     except NotLaunchableError as exc:
         raise CliError(str(exc)) from None
-    extra = [*(f for f in own if f not in extra), *extra]
+    extra = [*(f for f in own if f not in extra), *lora_flags(args), *extra]
     try:
         accel = catalog.get_catalog().get(args.accelerator)
         launch = catalog.sglang_launch(
@@ -149,7 +184,7 @@ def _reference_engine(args: argparse.Namespace) -> tuple[ReferenceEngine, str]:
     import torch
 
     from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
-    from rlfleet.sampler.reference_engine import EngineConfig, ReferenceEngine, tiny_shape
+    from rlfleet.sampler.reference_engine import EngineConfig, LoraSettings, ReferenceEngine, tiny_shape
 
     torch.set_num_threads(max(1, args.threads))
     weights, view = None, "fp32"
@@ -172,6 +207,14 @@ def _reference_engine(args: argparse.Namespace) -> tuple[ReferenceEngine, str]:
             )
         except ValueError as exc:
             raise CliError(str(exc)) from None
+    lora = None
+    if args.enable_lora:  # LoraSettings checks them as SGLang's check_lora_server_args does
+        lora = LoraSettings(
+            max_lora_rank=args.max_lora_rank or 0,
+            target_modules=tuple(args.lora_target_modules or ()),
+            max_loras_per_batch=args.max_loras_per_batch,
+            max_loaded_loras=args.max_loaded_loras,
+        )
     cfg = EngineConfig(
         model=model_cfg,
         weight_format=args.weight_format,
@@ -185,6 +228,7 @@ def _reference_engine(args: argparse.Namespace) -> tuple[ReferenceEngine, str]:
         served_model_name=args.served_model_name,
         model_path=args.model_path,
         seed=args.seed,
+        lora=lora,
     )
     return ReferenceEngine(cfg, weights, view), view
 

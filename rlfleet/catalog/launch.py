@@ -17,7 +17,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlfleet.catalog.classes import (
     AcceleratorClass,
@@ -29,6 +29,9 @@ from rlfleet.catalog.classes import (
     selection_reason,
 )
 from rlfleet.hf_config import is_moe_config
+
+if TYPE_CHECKING:
+    from rlfleet.api.lora_spec import LoraSpec
 
 LAUNCH_FILE = "launch"
 """File in a sampler pod's weights cache naming the checkpoint SGLang launches from: a line
@@ -59,6 +62,34 @@ def checkpoint_engine_flags(config: Mapping[str, Any] | None) -> list[str]:
     if config is not None and is_moe_config(config):
         return [RETURN_ROUTED_EXPERTS_FLAG]
     return []
+
+
+# A LoRA group's engine holds at most 3 adapters and batches at most 2 distinct ones (SGLang counts the
+# base as one of them; it serves none here, every request names its version's adapter): version N+1 loads
+# and takes new requests while requests on N finish in the same batches (2), and one more adapter has room
+# (3) for SGLang's implicit reload of a just-unloaded version a late request still names, without
+# evicting N or N+1 (docs/sampler.md, "LoRA").
+LORA_MAX_LORAS_PER_BATCH = 2
+LORA_MAX_LOADED_LORAS = 3
+
+
+def lora_engine_flags(lora: LoraSpec | None) -> list[str]:
+    """The engine flags of a group serving LoRA adapters (`spec.lora`; none without): SGLang 0.5.23's
+    (server_args `lora` namespace), which the reference engine takes with the same meaning. The rank and
+    the modules are the adapters' own, so every version's adapter fits the engine's LoRA memory pool."""
+    if lora is None:
+        return []
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(lora.rank),
+        "--lora-target-modules",
+        *lora.target_modules,
+        "--max-loras-per-batch",
+        str(LORA_MAX_LORAS_PER_BATCH),
+        "--max-loaded-loras",
+        str(LORA_MAX_LOADED_LORAS),
+    ]
 
 
 REFERENCE_PROGRAM = "rlfleet"
@@ -98,6 +129,7 @@ def engine_launch(
     sampling_mask_max_tokens: int = 4096,
     python: str = "python3",
     program: str = REFERENCE_PROGRAM,
+    lora: LoraSpec | None = None,
 ) -> SGLangLaunch:
     """THE pure function: (group fields, class) -> the command line + env of the engine the class runs
     (`engine`). Raises CatalogError.
@@ -109,7 +141,8 @@ def engine_launch(
     The reference engine (`<program> sampler serve --engine reference`, a class with `engine:
     reference`): the same launch inputs (a verified view directory and its version, the served name,
     port, mask cap) and the class's precision flags (`--weight-format`, `--kv-cache-dtype`); one process,
-    no tensor parallelism. `engine_launch_for_group` takes a SamplerGroup spec directly; this form takes
+    no tensor parallelism. `lora` (a group's `spec.lora`): both engines get `lora_engine_flags`, and
+    `model_path` is the group's base view. `engine_launch_for_group` takes a SamplerGroup spec directly; this form takes
     plain values so the sampler (`rlfleet sampler serve --engine sglang`) and local mode need no API
     object.
     """
@@ -144,6 +177,7 @@ def engine_launch(
         "--weight-version",
         str(weight_version),
         *precision_flags,
+        *lora_engine_flags(lora),
         *extra_args,
     ]
     return SGLangLaunch(
@@ -224,5 +258,6 @@ def _launch_for_group(launch: Any, group: Any, catalog: Catalog | None, **kwargs
         kv_cache_dtype=group.kv_cache_dtype,
         tensor_parallel=group.tensor_parallel,
         extra_args=group.extra_args,
+        lora=getattr(group, "lora", None),
         **kwargs,
     )

@@ -25,12 +25,18 @@ The sampler-side knobs live on the module, not in the weights: `kernel` (activat
 dtype and split-K reduction order, so even bf16-vs-bf16 differs slightly, as real kernels do) and the
 cache's `kv_dtype` (fp8_e4m3 round-trips K and V through E4M3 on write, like SGLang's fp8 KV cache with
 scale 1.0; auto is the model dtype, as in SGLang: bf16 with a bf16 kernel, float32 with the exact one). `precision_view` gives the weights a group of a weight format really computes with.
+
+LoRA (docs/sampler.md, "LoRA"): `forward(..., adapters=[LoraAdapter | None per batch row])` adds each row's
+adapter to the projections it targets, y = W_q x + (alpha / r) B (A x), on the emulated quantized base W_q,
+with A and B in bf16 (SGLang keeps adapters in the model dtype); a batch may mix adapters and rows
+without one. `read_lora_adapter` reads PEFT's adapter directory (adapter_config.json +
+adapter_model.safetensors).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,6 +202,105 @@ class KernelConfig:
         return self.act_dtype == "float32" and self.split_k == 1
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LORA_WEIGHT_PREFIX = "base_model.model."
+"""PEFT's prefix of an adapter's tensor names (`base_model.model.<module>.lora_A.weight`)."""
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, the scheduler's per-batch adapter set
+class LoraAdapter:
+    """A PEFT LoRA adapter as an engine applies it: per projection (its HF module name, e.g.
+    `model.layers.0.self_attn.q_proj`), A [r, in] and B [out, r] as float32 tensors holding bf16 values
+    (SGLang keeps adapters in the model dtype), scaled by alpha / r (SGLang's LoRAAdapter.scaling)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+_Lora = Sequence[tuple[LoraAdapter, torch.Tensor]]
+"""A forward's adapters: (adapter, the batch rows that use it), rows without one left out."""
+
+
+def _row_groups(adapters: Sequence[LoraAdapter | None] | None, bsz: int) -> _Lora:
+    if adapters is None:
+        return ()
+    if len(adapters) != bsz:
+        raise ValueError(f"{len(adapters)} adapters for a batch of {bsz} rows")
+    rows: dict[LoraAdapter, list[int]] = {}
+    for b, adapter in enumerate(adapters):
+        if adapter is not None:
+            rows.setdefault(adapter, []).append(b)
+    return [(adapter, torch.tensor(idx)) for adapter, idx in rows.items()]
+
+
+def lora_modules(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """Every projection an adapter may target on `shape`: HF module name -> (in, out) features. A mixture
+    of experts' experts are not among them (rlfleet/api/lora_spec.py: the trainer refuses them)."""
+    h, q, kv, i = shape.hidden_size, shape.q_size, shape.kv_size, shape.intermediate_size
+    out: dict[str, tuple[int, int]] = {}
+    for li in range(shape.num_hidden_layers):
+        at = f"model.layers.{li}.self_attn."
+        out |= {at + "q_proj": (h, q), at + "k_proj": (h, kv), at + "v_proj": (h, kv), at + "o_proj": (q, h)}
+        if not shape.is_moe:
+            mlp = f"model.layers.{li}.mlp."
+            out |= {mlp + "gate_proj": (h, i), mlp + "up_proj": (h, i), mlp + "down_proj": (i, h)}
+    return out
+
+
+def lora_adapter(
+    config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], shape: ModelShape
+) -> LoraAdapter:
+    """PEFT's adapter_config.json and adapter_model.safetensors tensors -> the adapter of `shape`. Every
+    tensor must be the lora_A / lora_B of a projection the model has and the config targets, in the
+    config's rank (what SGLang reads; a tensor it would silently drop is refused here)."""
+    if str(config.get("peft_type", "")).upper() != "LORA":
+        raise ValueError(f"not a LoRA adapter: peft_type {config.get('peft_type')!r}")
+    if config.get("use_rslora") or config.get("use_dora"):  # SGLang 0.5.23 scales by alpha / r only
+        raise ValueError("rsLoRA and DoRA adapters are not served (SGLang scales every adapter by alpha / r)")
+    rank, alpha, targets = int(config["r"]), float(config["lora_alpha"]), config["target_modules"]
+    if not isinstance(targets, list):
+        raise ValueError(f"target_modules must be a list of module names, got {targets!r}")
+    known, parts = lora_modules(shape), {}
+    for name, t in tensors.items():
+        module, _, part = name.removeprefix(LORA_WEIGHT_PREFIX).rpartition(".lora_")
+        if (
+            not name.startswith(LORA_WEIGHT_PREFIX)
+            or module not in known
+            or part not in ("A.weight", "B.weight")
+        ):
+            raise ValueError(f"adapter tensor {name}: not the LoRA A/B of a projection of this model")
+        if module.rpartition(".")[2] not in targets:
+            raise ValueError(f"adapter tensor {name}: its module is not in target_modules {targets}")
+        fan_in, fan_out = known[module]
+        want = (rank, fan_in) if part == "A.weight" else (fan_out, rank)
+        if tuple(t.shape) != want:
+            raise ValueError(f"adapter tensor {name}: shape {tuple(t.shape)} != {want} (rank {rank})")
+        parts[name] = t.detach().to(torch.bfloat16).float()
+    weights = {}
+    for module in {n.removeprefix(LORA_WEIGHT_PREFIX).rpartition(".lora_")[0] for n in parts}:
+        a, b = (parts.get(f"{LORA_WEIGHT_PREFIX}{module}.lora_{x}.weight") for x in "AB")
+        if a is None or b is None:
+            raise ValueError(f"adapter module {module}: lora_A and lora_B come in pairs")
+        weights[module] = (a, b)
+    return LoraAdapter(rank, alpha, tuple(targets), weights)
+
+
+def read_lora_adapter(directory: str | Path, shape: ModelShape) -> LoraAdapter:
+    """The adapter in a PEFT adapter directory (rlfleet/lora.py's files) for a model of `shape`."""
+    from safetensors.torch import load_file
+
+    from rlfleet.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+    config = json.loads((Path(directory) / ADAPTER_CONFIG_FILE).read_text())
+    return lora_adapter(config, load_file(str(Path(directory) / ADAPTER_WEIGHTS_FILE)), shape)
+
+
 class KVCache:
     """Preallocated slot cache: per layer K and V [slots, kv_heads, capacity, head_dim] (float32 storage;
     fp8_e4m3 values are rounded through E4M3 on write, bf16 through bf16) and lengths [slots]."""
@@ -353,13 +458,15 @@ class EngineModel(nn.Module):
         input_ids: torch.Tensor,
         cache: KVCache | None = None,
         rows: torch.Tensor | None = None,
+        adapters: Sequence[LoraAdapter | None] | None = None,
     ) -> torch.Tensor:
         """input_ids LongTensor [B, S] -> logits float32 [B, S, V].
 
         With `cache`, the S new tokens of batch row b are appended to cache slot rows[b] (default
         rows = 0..B-1) after its cached tokens, attention covers that slot's cache, and the slot
-        lengths advance by S."""
+        lengths advance by S. `adapters[b]`: batch row b's LoRA adapter (None: the base alone)."""
         s = self.shape
+        lora = _row_groups(adapters, input_ids.shape[0])
         bsz, seq = input_ids.shape
         rows = torch.arange(bsz) if rows is None else torch.as_tensor(rows, dtype=torch.long)
         if cache is None:
@@ -380,10 +487,13 @@ class EngineModel(nn.Module):
         for li, layer in enumerate(self.model.layers):
             assert isinstance(layer, _Layer)  # nn.ModuleList yields nn.Module
             x = _rms_norm(h, layer.input_layernorm.weight, eps)
-            att = layer.self_attn
-            q = self._linear(x, att.q_proj.weight).view(bsz, seq, s.num_attention_heads, s.head_dim)
-            k = self._linear(x, att.k_proj.weight).view(bsz, seq, s.num_key_value_heads, s.head_dim)
-            v = self._linear(x, att.v_proj.weight).view(bsz, seq, s.num_key_value_heads, s.head_dim)
+            att, at = layer.self_attn, f"model.layers.{li}.self_attn."
+            q = self._project(x, att.q_proj.weight, at + "q_proj", lora)
+            k = self._project(x, att.k_proj.weight, at + "k_proj", lora)
+            v = self._project(x, att.v_proj.weight, at + "v_proj", lora)
+            q = q.view(bsz, seq, s.num_attention_heads, s.head_dim)
+            k = k.view(bsz, seq, s.num_key_value_heads, s.head_dim)
+            v = v.view(bsz, seq, s.num_key_value_heads, s.head_dim)
             q = _rope(_rms_norm(q, att.q_norm.weight, eps).transpose(1, 2), cos, sin)  # [B, H, S, Dh]
             k = _rope(_rms_norm(k, att.k_norm.weight, eps).transpose(1, 2), cos, sin)  # [B, KVH, S, Dh]
             v = v.transpose(1, 2)
@@ -392,7 +502,7 @@ class EngineModel(nn.Module):
             else:
                 o = self._cached_attention(q, k, v, cache, li, rows, start, positions)
             o = o.transpose(1, 2).reshape(bsz, seq, s.q_size)
-            h = h + self._linear(o, att.o_proj.weight)
+            h = h + self._project(o, att.o_proj.weight, at + "o_proj", lora)
             x = _rms_norm(h, layer.post_attention_layernorm.weight, eps)
             if isinstance(layer.mlp, _SparseMoe):
                 out, chosen = self._sparse_moe(x, layer.mlp)
@@ -400,15 +510,33 @@ class EngineModel(nn.Module):
                 h = h + out
             else:
                 assert isinstance(layer.mlp, _MLP)
-                h = h + self._swiglu(x, layer.mlp)
+                h = h + self._swiglu(x, layer.mlp, f"model.layers.{li}.mlp.", lora)
         if cache is not None:
             cache.lengths[rows] += seq
         self.routed_experts = torch.stack(routed, dim=2) if routed else None
         return self._linear(_rms_norm(h, self.model.norm.weight, eps), self.output_weight).float()
 
-    def _swiglu(self, x: torch.Tensor, mlp: _MLP) -> torch.Tensor:
-        gated = F.silu(self._linear(x, mlp.gate_proj.weight)) * self._linear(x, mlp.up_proj.weight)
-        return self._linear(gated, mlp.down_proj.weight)
+    def _swiglu(self, x: torch.Tensor, mlp: _MLP, at: str = "", lora: _Lora = ()) -> torch.Tensor:
+        """SwiGLU; `at` + module name is a projection's LoRA key (a MoE's experts get none: "")."""
+        gate = self._project(x, mlp.gate_proj.weight, at + "gate_proj", lora)
+        gated = F.silu(gate) * self._project(x, mlp.up_proj.weight, at + "up_proj", lora)
+        return self._project(gated, mlp.down_proj.weight, at + "down_proj", lora)
+
+    def _project(self, x: torch.Tensor, w: torch.Tensor, module: str, lora: _Lora) -> torch.Tensor:
+        """x W^T through the engine's kernel, plus each row group's adapter of `module`, computed as
+        SGLang's LoRA kernels do: (x A^T) through the kernel, then B, times alpha / r, added to the base
+        output and rounded to the kernel's dtype (a bf16 kernel adds in bf16)."""
+        y = self._linear(x, w)
+        for adapter, rows in lora:
+            pair = adapter.weights.get(module)
+            if pair is None:
+                continue
+            xa = self._linear(x[rows], pair[0])
+            y[rows] = self._round(y[rows] + self._linear(xa, pair[1]) * adapter.scaling)
+        return y
+
+    def _round(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.kernel.is_exact else t.to(_DTYPES[self.kernel.act_dtype]).float()
 
     def _sparse_moe(self, x: torch.Tensor, moe: _SparseMoe) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, D] -> (the experts' weighted sum [B, S, D], the chosen experts [B, S, top_k]), as

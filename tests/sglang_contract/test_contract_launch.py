@@ -143,3 +143,30 @@ def test_sglangs_capturer_reads_num_experts_per_tok_which_a_dense_config_lacks(t
         )
     moe = ModelConfig(str(tiny_qwen3_factory(architecture="qwen3_moe")))
     assert moe.hf_text_config.num_experts_per_tok == 2  # rlfleet/tiny_qwen3.py MOE_SIZES: top 2 of 4
+
+
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "k_proj", "v_proj", "o_proj"], ["q_proj", "v_proj", "down_proj"]]
+)
+def test_a_lora_groups_flags_land_in_sglangs_lora_fields(targets: list[str]) -> None:
+    """A SamplerGroup's `spec.lora` through `engine_launch_for_group` into SGLang 0.5.23's own argparse and
+    ServerArgs: LoRA enabled with the adapters' rank and modules, 2 adapters a batch, 3 loaded (which its
+    check_lora_server_args accepts: max_loaded_loras >= max_loras_per_batch); the model is the base view."""
+    from rlfleet.api import SamplerGroupSpec
+    from rlfleet.api.lora_spec import LoraSpec
+    from rlfleet.catalog import engine_launch_for_group
+
+    spec = SamplerGroupSpec.model_validate(
+        {"name": "g", "model": {"name": "qwen3", "path": "s3://m"}, "accelerator": "h100", "weightFormat": "fp8",
+         "lora": {"rank": 32, "alpha": 64, "targetModules": targets}}
+    )  # fmt: skip
+    assert spec.lora == LoraSpec(rank=32, alpha=64, target_modules=targets)
+    launch = engine_launch_for_group(spec, model_path="/weights/views/fp8/v0", weight_version=0)
+    args = sglang_parse(launch.argv)
+    assert args.enable_lora is True and args.max_lora_rank == 32
+    assert set(args.lora_target_modules) == set(targets)
+    assert (args.max_loras_per_batch, args.max_loaded_loras) == (2, 3)
+    assert args.model_path == "/weights/views/fp8/v0" and args.quantization == "fp8"
+    without = spec.model_copy(update={"lora": None})
+    plain = sglang_parse(engine_launch_for_group(without, model_path="/m", weight_version=0).argv)
+    assert not plain.enable_lora and plain.max_lora_rank is None
