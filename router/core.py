@@ -47,7 +47,9 @@ replica is chosen as above, the body posted to it names that replica's newest ad
 in `X-RLFleet-Adapter-Version`. A replica whose version is unknown has its /model_info read first and
 is skipped like a lagging one (no post) when that does not say either; an engine's 400 for an adapter it
 does not hold (unloaded since the router last looked) has the router read that replica's version again
-and post to it once more, within maxAttempts. Without the header the body is forwarded untouched.
+and post to it once more, within maxAttempts; a second such 400 (or one without room to post again) makes
+the replica a lagging one, as under a minimum version (an engine just started from its base says the base's
+version before its sidecar loaded an adapter). Without the header the body is forwarded untouched.
 """
 
 from __future__ import annotations
@@ -341,8 +343,9 @@ class Router:
         self, req: _Request, group: Group, replica: Replica
     ) -> RouteResult | VersionConflict | None:
         """After the replica's 400 for an adapter it does not hold (unloaded since the router last read its
-        version): read its version again and post to it once more; that answer stands, a second such 400
-        included. (The first post checked that maxAttempts leaves room for this one.)"""
+        version): read its version again and post to it once more; that answer stands, but a second such
+        400 makes the replica a lagging one (VersionConflict). (The first post checked that maxAttempts
+        leaves room for this one.)"""
         req.reposted.add(replica.url)
         await self._refresh_version(replica, self.config.health_timeout_seconds, self._probe_headers())
         found = await self._newest_adapter(req, group, replica)
@@ -386,20 +389,20 @@ class Router:
             result.weight_version = replica.weight_version
             self._finish(result, group.name, replica, req.attempts, req.started, keep_inflight=True)
             return _with_adapter(result, adapter)
-        if (
-            adapter is not None
-            and status == 400
-            and any(message in data for message in ADAPTER_NOT_LOADED)
-            and replica.url not in req.reposted
-            and req.attempts < self.config.max_attempts
-        ):
+        if adapter is not None and status == 400 and any(message in data for message in ADAPTER_NOT_LOADED):
             replica.inflight -= 1
             self.metrics.error(group.name, "adapter_not_loaded")
             req.last_error = f"{replica.url}: HTTP 400, adapter {adapter_name(adapter)} not loaded"
-            log.info(
-                "%s does not hold adapter %s: reading its version again", replica.url, adapter_name(adapter)
-            )
-            return _AdapterNotLoaded()
+            if replica.url not in req.reposted and req.attempts < self.config.max_attempts:
+                log.info(
+                    "%s does not hold adapter %s: reading its version again",
+                    replica.url,
+                    adapter_name(adapter),
+                )
+                return _AdapterNotLoaded()
+            # It does not hold the adapter of the version it says it serves (an engine just started from its
+            # base, whose sidecar has not loaded an adapter yet): it lags, as under a minimum version.
+            return VersionConflict(group.name, req.min_version or 0, (replica.weight_version,))
         return self._answered(req, group, replica, status, content_type, data, adapter)
 
     async def _send_watched(
