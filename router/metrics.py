@@ -97,7 +97,7 @@ class RouterMetrics:
         )
         self.errors = Counter(
             "rlfleet_router_upstream_errors",
-            "failed attempts, by group and kind (connect, disconnect, timeout, hung, http_5xx, version_conflict)",
+            "failed attempts, by group and kind (connect, disconnect, timeout, hung, http_5xx, version_conflict, adapter_not_loaded)",
             ["group", "kind"],
             registry=self.registry,
         )
@@ -109,7 +109,7 @@ class RouterMetrics:
         )
         self.refused = Counter(
             "rlfleet_router_refused_requests",
-            "requests answered before routing, by reason (body_too_large, body_budget, body_timeout, deep_json)",
+            "requests answered before routing, by reason (body_too_large, body_budget, body_timeout, deep_json, adapter_body)",
             ["reason"],
             registry=self.registry,
         )
