@@ -64,13 +64,13 @@ def checkpoint_engine_flags(config: Mapping[str, Any] | None) -> list[str]:
     return []
 
 
-# A LoRA group's engine holds at most 3 adapters and batches at most 2 distinct ones (SGLang counts the
-# base as one of them; it serves none here, every request names its version's adapter): version N+1 loads
-# and takes new requests while requests on N finish in the same batches (2), and one more adapter has room
-# (3) for SGLang's implicit reload of a just-unloaded version a late request still names, without
-# evicting N or N+1 (docs/sampler.md, "LoRA").
-LORA_MAX_LORAS_PER_BATCH = 2
-LORA_MAX_LOADED_LORAS = 3
+# A LoRA group's engine holds at most 4 adapters and batches at most 3 distinct ones, SGLang counting the
+# base as one: version N+1 loads and takes new requests while requests on N finish in the same batches,
+# and the base-model generation probe (/health_generate, the router's readiness) still fits beside both
+# (with 2, it would wait behind every version handover). 4 loaded: room for SGLang's implicit reload of a
+# just-unloaded version a late request still names, without evicting N or N+1 (docs/sampler.md, "LoRA").
+LORA_MAX_LORAS_PER_BATCH = 3
+LORA_MAX_LOADED_LORAS = 4
 
 
 def lora_engine_flags(lora: LoraSpec | None) -> list[str]:

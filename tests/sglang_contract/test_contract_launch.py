@@ -165,7 +165,7 @@ def test_a_lora_groups_flags_land_in_sglangs_lora_fields(targets: list[str]) -> 
     args = sglang_parse(launch.argv)
     assert args.enable_lora is True and args.max_lora_rank == 32
     assert set(args.lora_target_modules) == set(targets)
-    assert (args.max_loras_per_batch, args.max_loaded_loras) == (2, 3)
+    assert (args.max_loras_per_batch, args.max_loaded_loras) == (3, 4)
     assert args.model_path == "/weights/views/fp8/v0" and args.quantization == "fp8"
     without = spec.model_copy(update={"lora": None})
     plain = sglang_parse(engine_launch_for_group(without, model_path="/m", weight_version=0).argv)
