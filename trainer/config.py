@@ -75,6 +75,21 @@ class RunConfig:
     )  # RLJob weightChannel.deltas (anchors every K, max delta share)
     lora: LoraSpec | None = None  # RLJob trainer.lora (docs/weights.md "LoRA"); None: full weights
 
+    def adapter_config(self) -> dict[str, Any] | None:
+        """The adapter_config.json every LoRA version is published with (rlfleet.lora.adapter_config:
+        what the backend's PEFT model trains); None: full fine-tuning."""
+        if self.lora is None:
+            return None
+        from rlfleet.lora import adapter_config
+
+        return adapter_config(
+            rank=self.lora.rank,
+            alpha=self.lora.alpha,
+            dropout=self.lora.dropout,
+            target_modules=self.lora.target_modules,
+            base_model=self.job_name,
+        )
+
     def as_json(self) -> dict[str, Any]:
         """Plain JSON values (local mode's run.json)."""
         return asdict(self) | {

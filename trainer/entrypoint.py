@@ -203,7 +203,7 @@ def _train_rank0(
     from rlfleet.trainer.rollout.driver import RolloutDriver
     from rlfleet.trainer.run import ChannelSink, rollout_inputs, rollout_sampling, run_training
 
-    publisher = _channel_writer(job, rc.views, base.base_checkpoint, store)  # LeaseHeldError: another trainer
+    publisher = _channel_writer(job, rc, base.base_checkpoint, store)  # LeaseHeldError: another trainer
     state = ckpt.load_latest(checkpoints)  # CheckpointError: no kept checkpoint loads
     exporter = PrometheusExporter(port=args.metrics_port, addr="0.0.0.0")  # metrics only, no control surface
     try:
@@ -218,6 +218,7 @@ def _train_rank0(
                     args.router_url,
                     vocab_size=base.vocab_size,
                     api_key=os.environ.get(ENGINE_API_KEY_ENV) or None,
+                    adapters=rc.lora is not None,  # the router names each replica's newest adapter
                 ),
                 env,
                 prompts,
@@ -254,9 +255,7 @@ def _train_rank0(
     return 0
 
 
-def _channel_writer(
-    job: RLJob, views: list[str], base_checkpoint: Path | None, store: Store
-) -> WeightPublisher:
+def _channel_writer(job: RLJob, rc: RunConfig, base_checkpoint: Path | None, store: Store) -> WeightPublisher:
     """The job's publisher: one id per job, the same across pod restarts (a restarted trainer takes over
     its own claim of a publish that was interrupted, killed or on a full store: rlfleet/channel.py),
     publishing the RLJob's views only (a sampler's report cannot add one), and the channel's one writer
@@ -266,9 +265,11 @@ def _channel_writer(
     from rlfleet.trainer.publish.publisher import WeightPublisher
 
     wc = job.spec.weight_channel
+    views = rc.views
     return WeightPublisher(
         store,
         views=views,
+        lora=rc.adapter_config(),  # LoRA: each version the adapter, each base view stored once
         keep_versions=wc.retention.keep_versions,
         anchor_every=wc.deltas.anchor_every,
         max_delta_share=wc.deltas.max_delta_share,

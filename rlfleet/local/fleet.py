@@ -61,6 +61,7 @@ class GroupSpec:
     kv_cache_dtype: str = "auto"
     share: float = 1.0
     quarantined: bool = False
+    lora: dict[str, Any] | None = None  # trainer.lora (LoraSpec, wire form): the engine serves its adapters
 
 
 @dataclass
@@ -105,7 +106,7 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
 
     from rlfleet.router.config import GroupConfig, RouterConfig
     from rlfleet.router.service import start_service
-    from rlfleet.sampler.engine_clients import DiskEngine
+    from rlfleet.sampler.engine_clients import DiskEngine, LoraEngine
     from rlfleet.sampler.http_app import start_reference_server
     from rlfleet.sampler.sync import engine_headers
     from rlfleet.sampler.sync_state import SyncConfig
@@ -128,8 +129,12 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
             backoff_base=spec.poll_interval,
             initial_version=initial_version,
             in_place=True,
+            lora=g.lora is not None,
             api_key=api_key,
         )
+
+    def engine_client(g: GroupSpec, client: httpx.AsyncClient) -> DiskEngine | LoraEngine:
+        return LoraEngine(client) if g.lora is not None else DiskEngine(client)
 
     fleet = RunningFleet(router_url="", api_key=api_key)
     store = open_store(spec.store)
@@ -143,7 +148,7 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
     # As a pod's init container (`--fetch-only`): the newest version of each group's view, verified, its
     # launch file written. The engine is not up yet and the fetch never calls it (engine_url "").
     fetchers = [
-        Syncer(sync_config(g, "", None), store, DiskEngine(c))
+        Syncer(sync_config(g, "", None), store, engine_client(g, c))
         for g, c in zip(spec.groups, clients, strict=True)
     ]
     launches = await asyncio.gather(*(f.fetch_for_launch(stop) for f in fetchers))
@@ -162,7 +167,9 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
         fleet.servers[g.name] = server.url
         fleet.closers.append(server.stop)
         client.base_url = httpx.URL(server.url)
-        syncer = Syncer(sync_config(g, server.url, engine.weight_version), store, DiskEngine(client))
+        # with LoRA the engine serves its base and no adapter yet: the sidecar loads the newest version's
+        initial = None if g.lora is not None else engine.weight_version
+        syncer = Syncer(sync_config(g, server.url, initial), store, engine_client(g, client))
         tasks.append(asyncio.create_task(syncer.run(stop), name=f"sync-{g.name}"))
     router, runner, port = await start_service(
         RouterConfig(
@@ -187,11 +194,22 @@ async def start_fleet(spec: FleetSpec, stop: asyncio.Event) -> tuple[RunningFlee
 
 def _engine(spec: FleetSpec, index: int, g: GroupSpec, launch: tuple[int, Path]) -> ReferenceEngine:
     """Group `g`'s reference engine, loaded once from the verified launch checkpoint (version, dir)."""
+    from rlfleet.catalog.launch import LORA_MAX_LOADED_LORAS, LORA_MAX_LORAS_PER_BATCH
     from rlfleet.numerics.engine_model import KernelConfig, load_checkpoint
-    from rlfleet.sampler.reference_engine import ENGINE_KV, EngineConfig, ReferenceEngine
+    from rlfleet.sampler.reference_engine import ENGINE_KV, EngineConfig, LoraSettings, ReferenceEngine
 
     version, directory = launch
     view, model_cfg, weights = load_checkpoint(directory)
+    lora = (  # the flags a pod's engine gets (rlfleet.catalog.launch lora_engine_flags)
+        None
+        if g.lora is None
+        else LoraSettings(
+            max_lora_rank=int(g.lora["rank"]),
+            target_modules=tuple(g.lora["targetModules"]),
+            max_loras_per_batch=LORA_MAX_LORAS_PER_BATCH,
+            max_loaded_loras=LORA_MAX_LOADED_LORAS,
+        )
+    )
     return ReferenceEngine(
         EngineConfig(
             model=model_cfg,
@@ -203,6 +221,7 @@ def _engine(spec: FleetSpec, index: int, g: GroupSpec, launch: tuple[int, Path])
             model_path=str(directory),
             weight_version=version,
             seed=spec.seed + index,
+            lora=lora,
         ),
         weights,
         view,
@@ -210,11 +229,28 @@ def _engine(spec: FleetSpec, index: int, g: GroupSpec, launch: tuple[int, Path])
 
 
 async def wait_until_serving(
-    fleet: RunningFleet, version: int, timeout: float = 120.0, alive: Callable[[], bool] | None = None
+    fleet: RunningFleet,
+    version: int,
+    timeout: float = 120.0,
+    alive: Callable[[], bool] | None = None,
+    adapters: bool = False,
 ) -> None:
     """Block until every server reports serving at least `version` (the trainer's first publish), or
-    until `alive()` says the host is gone (the caller says how it ended)."""
+    until `alive()` says the host is gone (the caller says how it ended). `adapters` (LoRA): until every
+    server holds the adapter of `version` or a newer one (its /v1/models), not merely its base."""
     import httpx
+
+    from rlfleet.lora import adapter_version
+
+    async def serves(client: httpx.AsyncClient, url: str) -> bool:
+        if adapters:
+            cards = (await client.get(url + "/v1/models")).json().get("data") or []
+            held = [
+                adapter_version(str(c.get("id"))) for c in cards if isinstance(c, dict) and c.get("parent")
+            ]
+            return any(v is not None and v >= version for v in held)
+        v = (await client.get(url + "/model_info")).json().get("weight_version")
+        return v is not None and int(v) >= version
 
     headers = {"Authorization": f"Bearer {fleet.api_key}"} if fleet.api_key else {}
     async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
@@ -222,9 +258,8 @@ async def wait_until_serving(
         pending = dict(fleet.servers)
         while pending and (alive is None or alive()):
             for name, url in list(pending.items()):
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    v = (await client.get(url + "/model_info")).json().get("weight_version")
-                    if v is not None and int(v) >= version:
+                with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+                    if await serves(client, url):
                         pending.pop(name)
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"groups {sorted(pending)} did not load weight version {version}")

@@ -432,7 +432,14 @@ class FleetRollouts:
         urls = fleet.wait_ready(resume_hint=self.resume_hint)
         self.router = urls["router"]
         serving = RunningFleet(router_url=self.router, servers=urls["servers"], api_key=self.api_key)
-        asyncio.run(wait_until_serving(serving, self.start_step, alive=lambda: fleet.proc.poll() is None))
+        asyncio.run(
+            wait_until_serving(
+                serving,
+                self.start_step,
+                alive=lambda: fleet.proc.poll() is None,
+                adapters=self.rc.lora is not None,
+            )
+        )
         how = fleet.died()
         if how is not None:
             raise LocalRunError(
@@ -440,7 +447,9 @@ class FleetRollouts:
             )
         rc, base = self.rc, self.base
         self.driver = RolloutDriver(
-            SamplerClient(self.router, vocab_size=base.vocab_size, api_key=self.api_key),
+            SamplerClient(
+                self.router, vocab_size=base.vocab_size, api_key=self.api_key, adapters=rc.lora is not None
+            ),
             self.env,
             self.prompts,
             samples_per_prompt=rc.samples_per_prompt,
@@ -590,7 +599,7 @@ def _run_locked(
     from rlfleet.channel import WRITER_LEASE_TTL_SECONDS, LeaseHeldError, WeightChannel
     from rlfleet.local.fleet import FleetSpec
     from rlfleet.local.fleet import GroupSpec as FleetGroup
-    from rlfleet.local.report import WeightTraffic, group_tokens, weight_traffic, write_report
+    from rlfleet.local.report import WeightTraffic, group_tokens, lora_traffic, weight_traffic, write_report
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.envs.prompts import PromptFileError
@@ -638,13 +647,21 @@ def _run_locked(
             base_checkpoint=base.base_checkpoint,
             writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
             publisher_id=f"local/{rc.job_name}",
+            lora=rc.adapter_config(),  # LoRA: each version the adapter, each base view stored once
         )
     except LeaseHeldError as exc:
         raise run_failure(exc, out, resume_hint) from None
 
     spec = FleetSpec(
         groups=[
-            FleetGroup(g.name, g.accelerator, g.weight_format, g.kv_cache_dtype, quarantined=g.quarantined)
+            FleetGroup(
+                g.name,
+                g.accelerator,
+                g.weight_format,
+                g.kv_cache_dtype,
+                quarantined=g.quarantined,
+                lora=None if rc.lora is None else rc.lora.to_wire(),  # every group serves the adapters
+            )
             for g in rc.groups
         ],
         store=str(channel_dir.resolve()),
@@ -729,6 +746,7 @@ def _run_locked(
         "dropped_stale_groups": loop.state.dropped_stale_groups,
         "driver": driver.stats.__dict__ if driver is not None else {},
         "weights": weight_traffic(traffic.rows()),  # per view: anchors, deltas, bytes stored / complete
+        "lora": lora_traffic(traffic.rows()),  # LoRA: bytes per version against full fine-tuning's
         "weight_versions": traffic.rows(),
         "seconds": time.monotonic() - progress.t0,
     }
@@ -801,6 +819,23 @@ def weights_line(view: str, w: dict[str, Any]) -> str:
     return line
 
 
+def weight_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary's lines on the channel's traffic: one per view, and a LoRA run's bytes per version."""
+    lines = [weights_line(view, w) for view, w in summary.get("weights", {}).items()]
+    return lines + ([lora_line(summary["lora"])] if summary.get("lora") else [])
+
+
+def lora_line(lora: dict[str, Any]) -> str:
+    """The summary's LoRA line (rlfleet/local/report.py `lora_traffic`)."""
+    full = lora["full_fine_tuning_bytes_per_version"]
+    ratio = f" ({1 / lora['ratio']:.0f}x less)" if lora["ratio"] else ""
+    return (
+        f"LoRA: each of {lora['versions']} versions stored {lora['adapter_bytes_per_version'] / 1e3:.1f} KB (the "
+        f"adapter) where full fine-tuning stores {full / 1e6:.2f} MB per version (views "
+        f"{', '.join(lora['base_views'])}, complete){ratio}; the base views once, {lora['base_bytes_once'] / 1e6:.2f} MB"
+    )
+
+
 def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
     first, last = summary["reward_first"], summary["reward_last"]
     k, n = summary["summary_window_steps"], summary["steps"]
@@ -825,8 +860,8 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
     if summary.get("estimated_saving_last") is not None:
         parts.append(estimated_saving_text(rc, summary["estimated_saving_last"]).removeprefix("; "))
     print("; ".join(parts) + f"; {len(summary['collapse_alerts'])} collapse alerts; report: {out / 'report'}")
-    for view, w in summary.get("weights", {}).items():
-        print(weights_line(view, w))
+    for line in weight_lines(summary):
+        print(line)
     for name, g in summary.get("groups", {}).items():  # a group answering invalid tokens, by name
         if g["dropped_invalid_tokens"]:
             top = max(sorted(g["invalid_tokens"].items()), key=lambda kv: kv[1], default=("?", 0))

@@ -157,6 +157,28 @@ def weight_traffic(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def lora_traffic(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """A LoRA run's bytes per version against full fine-tuning's, from `version_traffic` rows (None: no
+    `lora` view, not a LoRA run): the adapter each version stored (mean over versions), the base views
+    stored once, and what a full fine-tuning version of the same views is (their complete bytes)."""
+    from rlfleet.lora import LORA_VIEW
+
+    adapters = [r["stored_bytes"] for r in rows if r["view"] == LORA_VIEW]
+    if not adapters:
+        return None
+    bases = {r["view"]: r["bytes"] for r in rows if r["view"] != LORA_VIEW}
+    full = sum(bases.values())
+    mean = sum(adapters) / len(adapters)
+    return {
+        "versions": len(adapters),
+        "adapter_bytes_per_version": mean,
+        "base_views": sorted(bases),
+        "base_bytes_once": full,
+        "full_fine_tuning_bytes_per_version": full,
+        "ratio": mean / full if full else None,
+    }
+
+
 @dataclass
 class WeightTraffic:
     """How a run's channel stored each version: every version's manifest read once, when `observe` first
