@@ -367,6 +367,7 @@ def group_input(
         static_share=job.spec.router.static_shares.get(name),
         tokens_per_second=tokens_per_second,
         egress_price_per_gb=spec.get("egressPricePerGb"),
+        lora=bool(spec.get("lora")),
     )
 
 
@@ -619,7 +620,9 @@ def _fleet_plan(
             default_tp = catalog.get(g.accelerator).default_tensor_parallel
         except (CatalogError, KeyError):
             default_tp = 1
-        egress = replica_egress_cost_per_hour(g.egress_price_per_gb, g.weight_format, result.state)
+        egress = replica_egress_cost_per_hour(
+            g.egress_price_per_gb, g.weight_format, result.state, lora=g.lora
+        )
         readings.append(
             fleetplan.fleet_reading(
                 children[o.name],

@@ -61,6 +61,7 @@ from rlfleet.fleet import (
     MeasuredGroup,
     measured_economics,
 )
+from rlfleet.lora import LORA_VIEW
 from rlfleet.operator.status import present
 
 # "plan": the fleet-mix optimizer's shares (operator/fleetplan.py), carried in GroupInput.static_share
@@ -174,8 +175,10 @@ class GroupInput:
     static_share: float | None = None
     tokens_per_second: float | None = None  # a direct reading (e.g. from Prometheus) instead of pods
     # USD per GB of weights its replicas read (SamplerGroup spec.egressPricePerGb); None: its traffic is free.
-    # Its replicas read the view of its weight_format (the trainer's stored bytes of that view)
+    # Its replicas read the view of its weight_format (the trainer's stored bytes of that view) and, when it
+    # serves LoRA adapters (spec.lora), every version's adapter (the `lora` view; its base is stored once)
     egress_price_per_gb: float | None = None
+    lora: bool = False
 
 
 @dataclass
@@ -416,22 +419,27 @@ def _observe_views(
 
 
 def replica_egress_cost_per_hour(
-    price_per_gb: float | None, view: str, state: RebalanceState
+    price_per_gb: float | None, view: str, state: RebalanceState, *, lora: bool = False
 ) -> float | None:
     """USD per hour ONE replica reading `view` pays for its weight traffic at `price_per_gb`: the view's
-    smoothed stored bytes/s in `state` (`egress_cost_per_hour` of one replica). None: no price, or the
-    view's rate not read yet. The share policy charges it per ready replica (`_egress`), the fleet-mix
-    optimizer per planned replica (rebalancer.py `plan_fleet_mix`)."""
+    smoothed stored bytes/s in `state` (`egress_cost_per_hour` of one replica), plus with `lora` (a group
+    serving LoRA adapters) the adapters' (the `lora` view's: a replica reads every version's adapter). None:
+    no price, or a rate not read yet. The share policy charges it per ready replica (`_egress`), the
+    fleet-mix optimizer per planned replica (rebalancer.py `plan_fleet_mix`)."""
     if not price_per_gb:
         return None
-    memory = state.views.get(view)
-    rate = memory.ema_bytes_per_second if memory is not None else None
-    return None if rate is None else egress_cost_per_hour(rate, price_per_gb, 1)
+    rates = []
+    for read in (view, LORA_VIEW) if lora else (view,):
+        memory = state.views.get(read)
+        rates.append(memory.ema_bytes_per_second if memory is not None else None)
+    if any(rate is None for rate in rates):
+        return None
+    return egress_cost_per_hour(sum(r for r in rates if r is not None), price_per_gb, 1)
 
 
 def _egress(g: GroupInput, state: RebalanceState) -> float | None:
     """The group's weight traffic, USD/h: its ready replicas' (None: no price, or its view's rate not read yet)."""
-    per_replica = replica_egress_cost_per_hour(g.egress_price_per_gb, g.weight_format, state)
+    per_replica = replica_egress_cost_per_hour(g.egress_price_per_gb, g.weight_format, state, lora=g.lora)
     return None if per_replica is None else per_replica * max(g.ready_replicas, 0)
 
 

@@ -323,3 +323,25 @@ def test_the_decision_gives_the_optimizer_each_groups_egress_from_its_views_read
     assert "remote pays $0.7200/h per replica for its weight traffic" in second.plan.reason
     assert {g: d.replicas for g, d in second.groups.items()} == {"remote": 0, "local": 2}
     assert second.groups["local"].replicas_reason.startswith("fleet plan (Scaled): the optimum saves 10.75%")
+
+
+def test_a_lora_group_pays_for_its_base_views_traffic_and_every_versions_adapter() -> None:
+    # one interval of 600 s: bf16 +6e8 B (the base, stored once: 1e6 B/s over this interval), lora +1.2e8 B
+    # (the adapters: 2e5 B/s). A LoRA group reads both: 1.2e6 B/s -> 4.32 GB/h x $0.02 = $0.0864 per replica;
+    # the same group without LoRA reads the bf16 view alone: 3.6 GB/h x $0.02 = $0.072.
+    state = RebalanceState(
+        views={
+            "bf16": ViewMemory(counter=6e8, time=600.0, ema_bytes_per_second=1e6),
+            "lora": ViewMemory(counter=1.2e8, time=600.0, ema_bytes_per_second=2e5),
+        }
+    )
+    assert replica_egress_cost_per_hour(0.02, "bf16", state, lora=True) == pytest.approx(0.0864)
+    assert replica_egress_cost_per_hour(0.02, "bf16", state) == pytest.approx(0.072)
+    # the adapters' rate not read yet: no figure rather than a low one
+    no_adapters = RebalanceState(views={"bf16": state.views["bf16"]})
+    assert replica_egress_cost_per_hour(0.02, "bf16", no_adapters, lora=True) is None
+    # the decide stage takes `lora` from the SamplerGroup's spec
+    sg = {"spec": {"name": "g", "accelerator": "h100", "weightFormat": "fp8", "lora": {"rank": 8}}}
+    job = RLJob.from_manifest(OPTIMIZED_JOB)
+    assert decide.group_input(job, sg, {}, {}, None).lora
+    assert not decide.group_input(job, {"spec": {**sg["spec"], "lora": None}}, {}, {}, None).lora
