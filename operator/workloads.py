@@ -153,27 +153,40 @@ def build_trainer_statefulset(
         *store_env(store),
         *sandbox_env,
     ]
+    config_file = f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}"
+    command, args = (
+        # an external trainer (slime): the bridge publishes its versions into the channel (docs/slime.md)
+        (
+            ["rlfleet"],
+            ["slime", "bridge", "--config", config_file, "--metrics-port", str(n.TRAINER_METRICS_PORT)],
+        )
+        if t.external is not None
+        # torchrun, but the container exits with the failed rank's code (trainer/launch.py)
+        else (
+            ["rlfleet", "trainer", "launch"],
+            [
+                "--nnodes=$(NNODES)",
+                "--nproc-per-node=$(NPROC_PER_NODE)",
+                "--node-rank=$(NODE_RANK)",
+                "--rdzv-backend=c10d",
+                "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)",
+                "--rdzv-id=$(RLFLEET_JOB)",
+                "-m",
+                "rlfleet.cli",
+                "trainer",
+                "run",
+                "--config",
+                config_file,
+            ],
+        )
+    )
     container = {
         "name": "trainer",
         "image": t.image,
         "imagePullPolicy": job.spec.sampler_images.pull_policy,
         "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
-        # torchrun, but the container exits with the failed rank's code (trainer/launch.py)
-        "command": ["rlfleet", "trainer", "launch"],
-        "args": [
-            "--nnodes=$(NNODES)",
-            "--nproc-per-node=$(NPROC_PER_NODE)",
-            "--node-rank=$(NODE_RANK)",
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)",
-            "--rdzv-id=$(RLFLEET_JOB)",
-            "-m",
-            "rlfleet.cli",
-            "trainer",
-            "run",
-            "--config",
-            f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}",
-        ],
+        "command": command,
+        "args": args,
         **container_env(env, t),
         "ports": [
             {"name": "rdzv", "containerPort": n.TRAINER_RDZV_PORT},

@@ -22,6 +22,13 @@ from rlfleet.api.common import (
     cel_rules,
     kube_manifest_check,
 )
+from rlfleet.api.external_trainer import (
+    EXTERNAL_LORA_MESSAGE,
+    EXTERNAL_LORA_RULE,
+    EXTERNAL_MOUNT_MESSAGE,
+    EXTERNAL_MOUNT_RULE,
+    ExternalTrainerSpec,
+)
 from rlfleet.api.lora_spec import LORA_BACKEND_MESSAGE, LORA_BACKEND_RULE, LoraSpec
 from rlfleet.api.meta import KubeObject
 from rlfleet.api.podfields import POD_FIELDS_RULES, Quantity
@@ -86,6 +93,17 @@ def parallel_fit_rule(cpu_classes: tuple[str, ...] | list[str]) -> str:
 BUILTIN_CPU_CLASSES: tuple[str, ...] = (
     "cpu",
 )  # the built-in catalog's CPU classes (a test keeps them equal)
+EXTERNAL_CPU_MESSAGE = (
+    "trainer.external runs no training: its bridge pod (rlfleet slime bridge) runs on a CPU class: set "
+    "trainer.accelerator to one (cpu)"
+)
+
+
+def external_cpu_rule(cpu_classes: tuple[str, ...] | list[str]) -> str:
+    """CEL: an external trainer's bridge runs on a CPU class."""
+    return f"!has(self.external) || self.accelerator in {cel_list(cpu_classes)}"
+
+
 PARALLEL_FIT_RULE = parallel_fit_rule(BUILTIN_CPU_CLASSES)
 PARALLEL_FIT_MESSAGE = (
     "trainer: parallelism tensor x pipeline x context must divide gpusPerReplica (processesPerReplica on a CPU "
@@ -328,6 +346,13 @@ class TrainerSpec(PodPlacement):
             "fieldPath": ".backend",
         },
         {"rule": LORA_BACKEND_RULE, "message": LORA_BACKEND_MESSAGE, "fieldPath": ".lora"},
+        {"rule": EXTERNAL_MOUNT_RULE, "message": EXTERNAL_MOUNT_MESSAGE, "fieldPath": ".external.publishDir"},
+        {"rule": EXTERNAL_LORA_RULE, "message": EXTERNAL_LORA_MESSAGE, "fieldPath": ".external"},
+        {
+            "rule": external_cpu_rule(BUILTIN_CPU_CLASSES),
+            "message": EXTERNAL_CPU_MESSAGE,
+            "fieldPath": ".accelerator",
+        },
         *trainer_device_rules(BUILTIN_CPU_CLASSES),
         *POD_FIELDS_RULES,
     )
@@ -360,6 +385,8 @@ class TrainerSpec(PodPlacement):
     """Keep only each decoder layer's input in forward and recompute the layer in backward (torch: transformers' gradient checkpointing; megatron: full, uniform recompute): activation memory per micro-batch drops to about one hidden state per layer, for roughly one more forward of compute. The step is unchanged."""
     lora: LoraSpec | None = None
     """Train LoRA adapters instead of full weights (backend torch). Absent: full fine-tuning."""
+    external: ExternalTrainerSpec | None = None
+    """A trainer outside the job (slime): no training pods; the bridge publishes its weight versions into the job's channel (docs/slime.md). Absent: rlfleet trains."""
 
     def on_cpu(self) -> bool:
         """Whether the trainer's class is a CPU class (the catalog in effect says)."""
@@ -403,10 +430,24 @@ class TrainerSpec(PodPlacement):
             raise ValueError(TORCH_NO_EXPERT_PARALLEL_MESSAGE)
         if self.lora is not None and self.backend != "torch":
             raise ValueError(LORA_BACKEND_MESSAGE)
+        self._check_external(on_cpu)
         grid = (p.tensor if p.expert_tensor is None else p.expert_tensor) * p.expert
         if (ranks * self.replicas) % grid:
             raise ValueError(f"{EXPERT_FIT_MESSAGE}: {grid} does not divide {ranks * self.replicas}")
         return self
+
+    def _check_external(self, on_cpu: bool) -> None:
+        """The pydantic side of the external trainer's CEL rules (same messages)."""
+        if self.external is None:
+            return
+        if self.lora is not None:
+            raise ValueError(EXTERNAL_LORA_MESSAGE)
+        if not on_cpu:
+            raise ValueError(f"{EXTERNAL_CPU_MESSAGE} (accelerator {self.accelerator})")
+        publish = self.external.publish_dir
+        mounts = [m.mount_path for m in self.volume_mounts]
+        if not any(publish == m or publish.startswith(m.rstrip("/") + "/") for m in mounts):
+            raise ValueError(EXTERNAL_MOUNT_MESSAGE)
 
 
 SANDBOX_IMAGE_RULE = "self.backend != 'pods' || has(self.image)"

@@ -727,3 +727,33 @@ def test_router_placement_fields_and_no_gpu_toleration(job: RLJob) -> None:
 def test_gpu_override_in_resources_is_refused(job: RLJob, where: str, kind: str) -> None:
     with pytest.raises(ValueError, match="resources must not set nvidia.com/gpu"):
         with_placement(job, where, {"resources": {kind: {"nvidia.com/gpu": "4"}}})
+
+
+def test_an_external_trainer_runs_the_slime_bridge_and_no_training() -> None:
+    """examples/rljob-slime.yaml: the trainer StatefulSet runs one CPU pod of `rlfleet slime bridge` on the
+    job's config (no torchrun, no rendezvous, no GPU), with slime's publish directory mounted read-only
+    where the RLJob says, and the store mounted to publish; the groups and the router are as for any job."""
+    docs = [d for d in yaml.safe_load_all((REPO / "examples" / "rljob-slime.yaml").read_text())]
+    slime = RLJob.from_manifest(next(d for d in docs if d["kind"] == "RLJob"))
+    out = children(slime)
+    sts = out[("StatefulSet", "slime-trainer")]
+    assert sts["spec"]["replicas"] == 1
+    pod = sts["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["rlfleet"]
+    assert c["args"] == [
+        "slime",
+        "bridge",
+        "--config",
+        f"{n.CONFIG_MOUNT}/{n.CONFIG_FILE}",
+        "--metrics-port",
+        str(n.TRAINER_METRICS_PORT),
+    ]
+    assert "nvidia.com/gpu" not in (c["resources"].get("limits") or {})
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/slime"]["readOnly"] is True and mounts["/slime"]["name"] == "slime-updates"
+    assert mounts["/weights/slime"]["name"] and not mounts["/weights/slime"].get("readOnly")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["slime-updates"]["persistentVolumeClaim"]["claimName"] == "slime-updates"
+    assert {("SamplerGroup", f"slime-{g}") for g in ("bf16", "fp8", "nvfp4")} <= set(out)
+    assert ("Deployment", "slime-router") in out
