@@ -50,6 +50,16 @@ does not hold (unloaded since the router last looked) has the router read that r
 and post to it once more, within maxAttempts; a second such 400 (or one without room to post again) makes
 the replica a lagging one, as under a minimum version (an engine just started from its base says the base's
 version before its sidecar loaded an adapter). Without the header the body is forwarded untouched.
+
+slime's weight_version field (`--rollout-http-endpoint-url` with a request hook adding `"weight_version":
+{"exact_version": N}` or `{"min_required_version": N}` to a /generate body; docs/router.md "slime's
+weight_version field"): decoded only when the raw bytes hold `"weight_version"`; the field is removed
+from the body posted (the rest re-encoded, the same JSON). exact_version N: only a replica at exactly N is
+posted to, and an answer reporting another version is discarded and retried; min_required_version N:
+as `X-Min-Weight-Version` (the stricter of the two when both are given). In both, a replica whose version
+is unknown has its /model_info read first and is skipped when that does not say it; when no replica of
+the session's group serves it yet, the 409 with Retry-After at once (slime's POST helper retries any
+non-2xx after its retry_sleep). A malformed field is a 400.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ from rlfleet.retries import REPLICA_FAILURE_STATUSES
 from rlfleet.router import hashing, membership, meta
 from rlfleet.router.config import RouterConfig
 from rlfleet.router.metrics import RouterMetrics
-from rlfleet.router.table import Group, Replica, RoutingTable, VersionConflict
+from rlfleet.router.table import Group, Replica, RoutingTable, VersionConflict, serves
 from rlfleet.router.transport import StreamingResponse, Transport, UpstreamError, make_transport
 
 try:  # several times faster on big prompts; the router's image (the operator's) may lack it: json then
@@ -107,6 +117,16 @@ ADAPTER_NOT_LOADED = (
     b"Failed to implicitly load LoRA adapter",
     b"The following requested LoRA adapters are not loaded",
 )
+
+# slime's request-level weight constraint in a /generate body (its --custom-rollout-request-hook-path adds
+# it): `"weight_version": {"exact_version": N}` or `{"min_required_version": N}`. Only a body whose bytes
+# hold the key is decoded (a JSON encoder writes a key plainly); a body where those bytes are a string value
+# or a nested key does not carry the field and goes out untouched.
+WEIGHT_VERSION_FIELD = "weight_version"
+_WEIGHT_VERSION_KEY = b'"weight_version"'
+EXACT_VERSION = "exact_version"
+MIN_REQUIRED_VERSION = "min_required_version"
+MAX_WEIGHT_VERSION = 2**63 - 1  # a version is a signed 64-bit integer
 
 # A generation probe's verdict: it answered 200 (generates); another status (starting, draining); no
 # answer in time (silent: hung once that lasts hungAfterSeconds); its connection refused (down) or dropped.
@@ -147,6 +167,27 @@ class _Request:
     document: dict[str, object] | None = None
     adapter_bodies: dict[int, bytes] = field(default_factory=dict)
     reposted: set[str] = field(default_factory=set)
+    # slime's weight_version.exact_version (its min_required_version is folded into min_version), and
+    # whether a replica of unknown version has its /model_info read before a post (adapter mode, the field).
+    exact_version: int | None = None
+    read_versions: bool = False
+
+    @property
+    def versioned(self) -> bool:
+        """Whether the request asked for a weight version (minimum or exact)."""
+        return self.min_version is not None or self.exact_version is not None
+
+    def serves(self, version: int | None) -> bool:
+        """Whether a replica or answer at `version` (None: not said) meets the requested version."""
+        return serves(version, self.min_version, self.exact_version)
+
+    def wanted(self) -> str:
+        """The requested version in words."""
+        if self.exact_version is not None:
+            return f"weight version {self.exact_version} exactly"
+        if self.min_version is not None:
+            return f"weight version >= {self.min_version}"
+        return "a known weight version (its adapter's)"
 
     def body_for(self, adapter: int | None) -> bytes:
         """The body to post: the client's own, or (adapter mode) with `lora_path` naming `adapter`'s adapter."""
@@ -175,6 +216,88 @@ def _adapter_document(body: bytes) -> dict[str, object] | str:
             f"got a JSON {type(document).__name__}"
         )
     return document
+
+
+def _field_document(body: bytes) -> dict[str, object] | str:
+    """The decoded /generate body whose bytes hold `"weight_version"`, or why it cannot carry the field."""
+    try:
+        document = _loads_json(body)
+    except (ValueError, RecursionError) as exc:  # orjson.JSONDecodeError is a ValueError
+        return f'a /generate body with "weight_version" must be a JSON object: {_one_line(str(exc))[:200]}'
+    if not isinstance(document, dict):
+        return f'a /generate body with "weight_version" must be a JSON object, got a JSON {type(document).__name__}'
+    return document
+
+
+@dataclass(frozen=True)
+class _VersionAsked:
+    """A /generate body's slime weight_version field, read: the body without it (and decoded), the
+    request's minimum (the stricter of the header's and the field's) and its exact version."""
+
+    body: bytes
+    document: dict[str, object]
+    min_version: int | None
+    exact_version: int | None
+
+
+def _version_field(
+    path: str, body: bytes, document: dict[str, object] | None, min_version: int | None
+) -> _VersionAsked | str | None:
+    """slime's `weight_version` field of a /generate body (`document`: the body already decoded, adapter
+    mode), or why it is malformed (the 400's message), or None when the body does not carry it. Decodes
+    only a body whose bytes hold `"weight_version"`."""
+    if path != "/generate" or _WEIGHT_VERSION_KEY not in body:
+        return None
+    found = _field_document(body) if document is None else document
+    if isinstance(found, str):
+        return found
+    if WEIGHT_VERSION_FIELD not in found:  # the bytes were a string value or a nested key: not the field
+        return None
+    spec = _weight_version_spec(found[WEIGHT_VERSION_FIELD])
+    if isinstance(spec, str):
+        return spec
+    exact_version, required = spec
+    if required is not None:
+        min_version = required if min_version is None else max(min_version, required)
+    if exact_version is not None and min_version is not None and exact_version < min_version:
+        return (
+            f'"weight_version".{EXACT_VERSION} {exact_version} is below the minimum weight version '
+            f"{min_version} (X-Min-Weight-Version): no replica can serve both"
+        )
+    stripped = {key: value for key, value in found.items() if key != WEIGHT_VERSION_FIELD}
+    return _VersionAsked(_dumps_json(stripped), stripped, min_version, exact_version)
+
+
+def _weight_version_spec(value: object) -> tuple[int | None, int | None] | str:
+    """slime's `weight_version` field: (exact_version, min_required_version), one of them None, or why
+    the field is malformed (the 400's message, one line)."""
+    shape = f'"weight_version" must be {{"{EXACT_VERSION}": N}} or {{"{MIN_REQUIRED_VERSION}": N}}'
+    if not isinstance(value, dict):
+        return f"{shape}, got {_describe(value)}"
+    if len(value) != 1 or next(iter(value)) not in (EXACT_VERSION, MIN_REQUIRED_VERSION):
+        keys = ", ".join(_one_line(json.dumps(key))[:40] for key in list(value)[:4])
+        more = ", ..." if len(value) > 4 else ""
+        return f"{shape} (exactly one key), got an object with key(s) [{keys}{more}]"
+    ((key, number),) = value.items()
+    if type(number) is not int or not 0 <= number <= MAX_WEIGHT_VERSION:  # not bool (an int subclass)
+        return f'"weight_version".{key} must be an integer in [0, 2**63 - 1], got {_describe(number)}'
+    return (number, None) if key == EXACT_VERSION else (None, number)
+
+
+def _describe(value: object) -> str:
+    """A short one-line account of a JSON value a client sent (for a 400's message)."""
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int | float):
+        text = repr(value)
+        return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} characters)"
+    if isinstance(value, str):
+        return f"the string {_one_line(json.dumps(value[:40]))}"
+    return "a JSON object" if isinstance(value, dict) else f"a JSON {type(value).__name__}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _json_error(status: int, message: str, **extra: object) -> RouteResult:
@@ -257,7 +380,8 @@ class Router:
         """Forward one request. With `stream=True` a successful result holds an open `stream`
         that the caller must drain and then pass to `finish_stream`. `adapter=True` (the client's
         `X-RLFleet-Adapter: newest`): the body must be a JSON object (else a 400), posted to each replica
-        tried with `lora_path` naming that replica's newest adapter."""
+        tried with `lora_path` naming that replica's newest adapter. A /generate body with slime's
+        `weight_version` field asks for a version itself (module docstring); the field is not posted."""
         document: dict[str, object] | None = None
         if adapter:
             decoded = _adapter_document(body)
@@ -265,6 +389,12 @@ class Router:
                 self.metrics.refuse("adapter_body")
                 return _json_error(400, decoded)
             document = decoded
+        asked = _version_field(path, body, document, min_version)
+        if isinstance(asked, str):
+            self.metrics.refuse("weight_version_field")
+            return _json_error(400, asked)
+        if asked is not None:
+            body, document, min_version = asked.body, asked.document, asked.min_version
         req = _Request(
             path=path,
             body=body,
@@ -273,7 +403,9 @@ class Router:
             stream=stream,
             key_h=hashing.key_hash(session_key) if session_key else self._random.getrandbits(64),
             started=time.perf_counter(),
-            document=document,
+            document=document if adapter else None,
+            exact_version=asked.exact_version if asked is not None else None,
+            read_versions=adapter or asked is not None,
         )
         order = self.table.group_order(req.key_h)
         if not order:
@@ -300,7 +432,13 @@ class Router:
         conflict: VersionConflict | None = None
         while req.attempts < self.config.max_attempts:
             choice = self.table.choose_replica(
-                group, req.key_h, req.tried, req.min_version, self.config.load_slack, allow_unhealthy
+                group,
+                req.key_h,
+                req.tried,
+                req.min_version,
+                self.config.load_slack,
+                allow_unhealthy,
+                req.exact_version,
             )
             if choice is None:
                 break
@@ -308,12 +446,12 @@ class Router:
                 conflict = choice
                 break
             adapter: int | None = None
-            if req.document is not None:
-                found = await self._newest_adapter(req, group, choice)
+            if req.read_versions:
+                found = await self._known_version(req, group, choice)
                 if isinstance(found, VersionConflict):
                     conflict = found
                     continue
-                adapter = found
+                adapter = found if req.document is not None else None
             outcome = await self._try_replica(req, group, choice, adapter)
             if isinstance(outcome, _AdapterNotLoaded):
                 outcome = await self._post_again(req, group, choice)
@@ -325,18 +463,19 @@ class Router:
             return self._version_conflict(req, conflict)
         return None
 
-    async def _newest_adapter(self, req: _Request, group: Group, replica: Replica) -> int | VersionConflict:
-        """Adapter mode: the version whose adapter to post to the replica, its weight version (read from
-        its /model_info first when unknown). A VersionConflict, the replica skipped without a post, when
-        that stays unknown or is older than the request's minimum."""
+    async def _known_version(self, req: _Request, group: Group, replica: Replica) -> int | VersionConflict:
+        """Adapter mode or slime's weight_version field: the replica's weight version (read from its
+        /model_info first when unknown; in adapter mode the version whose adapter to post). A
+        VersionConflict, the replica skipped without a post, when that stays unknown or does not meet the
+        requested version (minimum or exact)."""
         if replica.weight_version is None:
             await self._refresh_version(replica, self.config.health_timeout_seconds, self._probe_headers())
         version = replica.weight_version
-        if version is not None and (req.min_version is None or version >= req.min_version):
+        if version is not None and req.serves(version):
             return version
         req.tried.add(replica.url)
         self.metrics.error(group.name, "version_conflict")
-        req.last_error = f"{replica.url}: weight version {version}: no adapter to name"
+        req.last_error = f"{replica.url}: weight version {version}, not {req.wanted()}"
         return VersionConflict(group.name, req.min_version or 0, (version,))
 
     async def _post_again(
@@ -348,7 +487,7 @@ class Router:
         leaves room for this one.)"""
         req.reposted.add(replica.url)
         await self._refresh_version(replica, self.config.health_timeout_seconds, self._probe_headers())
-        found = await self._newest_adapter(req, group, replica)
+        found = await self._known_version(req, group, replica)
         if isinstance(found, VersionConflict):
             return found
         outcome = await self._try_replica(req, group, replica, found)
@@ -382,7 +521,7 @@ class Router:
             return None
         # 409 is a version conflict only when the request asked for a version; otherwise
         # it is the request's own answer and passes through.
-        if status in REPLICA_FAILURE_STATUSES or (status == 409 and req.min_version is not None):
+        if status in REPLICA_FAILURE_STATUSES or (status == 409 and req.versioned):
             return await self._refused(req, group, replica, status, opened)
         if opened is not None:
             result = RouteResult(status=status, content_type=content_type, stream=opened)
@@ -452,10 +591,10 @@ class Router:
         if opened is not None:
             await opened.release()
         replica.inflight -= 1
-        if status == 409 and req.min_version is not None:
+        if status == 409 and req.versioned:
             # The replica itself says it lags the requested version: try a sibling.
             self.metrics.error(group.name, "version_conflict")
-            return VersionConflict(group.name, req.min_version, (replica.weight_version,))
+            return VersionConflict(group.name, req.min_version or 0, (replica.weight_version,))
         replica.failures += 1
         self.table.mark_result(replica, False, self.config.failure_threshold)
         self.metrics.error(group.name, "http_5xx")
@@ -473,17 +612,23 @@ class Router:
         adapter: int | None = None,
     ) -> RouteResult | VersionConflict:
         """A whole (non-streamed) answer: discarded as a VersionConflict when its meta_info reports an
-        older version than requested, else annotated, accounted and returned (adapter mode: saying
+        older version than requested (or, exact_version, any other version: the replica moved on while it
+        generated), else annotated, accounted and returned (adapter mode: saying
         `adapter`, the version whose adapter the post named)."""
         replica.inflight -= 1
         if status == 200:
             self._generated_at[replica.url] = time.monotonic()
         scan = meta.scan(data) if status == 200 else None
         version = scan.weight_version if scan is not None else None
-        if req.min_version is not None and version is not None and version < req.min_version:
-            replica.observe_version(version)
+        newest = scan.newest_version if scan is not None else None
+        if not (req.serves(version) and req.serves(newest)):
+            replica.observe_version(newest)
             self.metrics.error(group.name, "version_conflict")
-            return VersionConflict(group.name, req.min_version, (version,))
+            req.last_error = f"{replica.url}: answered at weight version {newest}, not {req.wanted()}"
+            log.info(
+                "discarded %s's answer at weight version %s: %s asked", replica.url, newest, req.wanted()
+            )
+            return VersionConflict(group.name, req.min_version or 0, (version, newest))
         self.table.mark_result(replica, True, self.config.failure_threshold)
         replica.observe_version(version)
         if scan is not None and scan.insert_at and self.config.annotate_body:
@@ -504,18 +649,25 @@ class Router:
 
     def _version_conflict(self, req: _Request, conflict: VersionConflict) -> RouteResult:
         """The 409 (with Retry-After) for a group none of whose replicas serves the version yet."""
-        served = sorted({v for v in conflict.served_versions if v is not None})
-        wanted = (
-            f"weight version >= {req.min_version}"
-            if req.min_version is not None
-            else "a known weight version (its adapter's)"
-        )
+        group = self.table.groups.get(conflict.group)
+        known = [r.weight_version for r in group.replicas.values()] if group is not None else []
+        served = sorted({v for v in [*conflict.served_versions, *known] if v is not None})
+        message = f"no replica of group {conflict.group!r} serves {req.wanted()} yet; retry"
+        extra: dict[str, object] = {}
+        if req.exact_version is not None:
+            extra["exactWeightVersion"] = req.exact_version
+            if served and None not in known and all(v > req.exact_version for v in served):
+                message = (
+                    f"every replica of group {conflict.group!r} serves a weight version past "
+                    f"{req.exact_version} (asked for exactly): it will not be served again"
+                )
         result = _json_error(
             409,
-            f"no replica of group {conflict.group!r} serves {wanted} yet; retry",
+            message,
             group=conflict.group,
             minWeightVersion=req.min_version,
             servedVersions=served,
+            **extra,
         )
         result.headers = {"Retry-After": str(self.config.retry_after_seconds), HEADER_GROUP: conflict.group}
         result.group = conflict.group

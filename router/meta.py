@@ -28,6 +28,7 @@ class MetaScan:
     completion_tokens: int
     prompt_tokens: int
     weight_version: int | None  # the smallest version any item reports (None when none does)
+    newest_version: int | None = None  # the largest (a batch's items may differ)
 
 
 def _int_after(body: bytes, key: bytes, start: int, end: int) -> int | None:
@@ -56,6 +57,7 @@ def scan(body: bytes) -> MetaScan:
         )
     completion = prompt = 0
     version: int | None = None
+    newest: int | None = None
     bounds = [*starts[1:], len(body)]
     for start, end in zip(starts, bounds, strict=True):
         completion += _int_after(body, _COMPLETION, start, end) or 0
@@ -63,7 +65,9 @@ def scan(body: bytes) -> MetaScan:
         item_version = _int_after(body, _VERSION, start, end)
         if item_version is not None and (version is None or item_version < version):
             version = item_version
-    return MetaScan(tuple(starts), completion, prompt, version)
+        if item_version is not None and (newest is None or item_version > newest):
+            newest = item_version
+    return MetaScan(tuple(starts), completion, prompt, version, newest)
 
 
 def annotation(fields: dict[str, object]) -> bytes:

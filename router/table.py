@@ -6,7 +6,8 @@ Decisions made here (all pure given the table's state):
   a group dies its sessions move to their own second choice and come back when it returns;
 - group -> replica: rendezvous over the group's replicas (prefix-cache affinity) unless that replica
   carries more than `load_slack` requests in flight above the least loaded one, then the least
-  loaded; replicas known to serve an older weight version than the request's minimum are skipped.
+  loaded; replicas known to serve an older weight version than the request's minimum (or, slime's
+  exact_version, another version than the one asked for) are skipped.
 """
 
 from __future__ import annotations
@@ -62,9 +63,19 @@ class Group:
         return self.share > 0.0 and not self.quarantined and any(r.healthy for r in self.replicas.values())
 
 
+def serves(version: int | None, min_version: int | None, exact_version: int | None = None) -> bool:
+    """Whether a replica at weight `version` may take a request asking for >= `min_version` and (slime's
+    `weight_version.exact_version`) exactly `exact_version`; an unknown version may (checked later)."""
+    if version is None:
+        return True
+    if min_version is not None and version < min_version:
+        return False
+    return exact_version is None or version == exact_version
+
+
 @dataclass(frozen=True)
 class VersionConflict:
-    """No replica of the session's group serves the requested minimum weight version yet."""
+    """No replica of the session's group serves the requested weight version (minimum or exact) yet."""
 
     group: str
     min_version: int
@@ -170,6 +181,7 @@ class RoutingTable:
         min_version: int | None,
         load_slack: int,
         allow_unhealthy: bool = True,
+        exact_version: int | None = None,
     ) -> Replica | VersionConflict | None:
         """The replica to try next in a group; None when the group has nothing left to try.
         `allow_unhealthy`: as a last resort, try replicas marked down (they may be back before the
@@ -180,13 +192,13 @@ class RoutingTable:
             candidates = [r for r in group.replicas.values() if r.url not in exclude]
         if not candidates:
             return None
-        if min_version is not None:
+        if min_version is not None or exact_version is not None:
             # Unknown versions are tried (and verified on the response's meta_info).
-            fresh = [r for r in candidates if r.weight_version is None or r.weight_version >= min_version]
+            fresh = [r for r in candidates if serves(r.weight_version, min_version, exact_version)]
             if not fresh:
                 return VersionConflict(
                     group=group.name,
-                    min_version=min_version,
+                    min_version=exact_version if exact_version is not None else min_version or 0,
                     served_versions=tuple(r.weight_version for r in group.replicas.values()),
                 )
             candidates = fresh
