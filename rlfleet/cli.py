@@ -42,6 +42,10 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
         "rlfleet.trainer.envs.swe_bench",
         "convert a SWE-bench-style JSONL to an SWE task file (a prompt set)",
     ),
+    ("slime", "bridge"): (
+        "rlfleet.trainer.slime_bridge",
+        "publish slime's disk weight versions (full or delta) into a weight channel",
+    ),
     ("fleet", "plan"): (
         "rlfleet.fleet",
         "replicas and shares per group at the least cost per usable token (JSON)",
