@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 from typing import Any
-from urllib.parse import urlencode
 
 from rlfleet.api import StoreSpec
 from rlfleet.api.common import SUBSCRIBERS_DIR
 from rlfleet.api.podfields import template_wire
 from rlfleet.api.scheduling import PodPlacement, compact
 from rlfleet.catalog import GPU_RESOURCE, GPU_TOLERATION, Catalog
+from rlfleet.store.factory import spec_uri
 
 RESTRICTED_CONTAINER: dict[str, Any] = {
     "allowPrivilegeEscalation": False,
@@ -206,12 +206,7 @@ def spec_hash(data: Any) -> str:
 
 def store_uri(store: StoreSpec) -> str:
     """The sidecar's --store argument: a filesystem path, or s3://bucket/prefix[?endpoint=URL]."""
-    if store.type == "filesystem":
-        return store.path or ""
-    uri = f"s3://{store.bucket}/{store.prefix.strip('/')}".rstrip("/")
-    if store.endpoint:
-        uri += "?" + urlencode({"endpoint": store.endpoint})
-    return uri
+    return spec_uri(store)
 
 
 def store_env(store: StoreSpec, sampler: bool = False) -> list[dict[str, Any]]:

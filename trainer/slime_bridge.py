@@ -274,15 +274,21 @@ def _parser() -> argparse.ArgumentParser:
         prog="rlfleet slime bridge",
         description="Publish slime's disk weight versions (weight_v{N:06d}/, full or delta) into a weight channel.",
     )
-    p.add_argument("--publish-dir", required=True, help="slime's --update-weight-disk-dir")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the job's resolved RLJob (its trainer.external): the publish dir, the store, the model (any "
+        "model source), the groups' views and the retention come from it (the bridge pod's way)",
+    )
+    p.add_argument("--publish-dir", default=None, help="slime's --update-weight-disk-dir")
     p.add_argument(
         "--store",
-        required=True,
+        default=None,
         help="channel store: a path, file://path or s3://bucket/prefix[?endpoint=URL]",
     )
     p.add_argument(
         "--base-checkpoint",
-        required=True,
+        default=None,
         help="the HF checkpoint directory slime started from (--hf-checkpoint)",
     )
     p.add_argument(
@@ -327,9 +333,47 @@ def _checked_views(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return views
 
 
+def _from_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the bridge's arguments from the job's RLJob (`--config`, as the operator runs it): its
+    trainer.external.publishDir, weight channel store, model (resolved as the trainer resolves it: a
+    directory, s3:// or a Hugging Face id, into the model cache), the views of its groups, its retention
+    and the trainer's publisher id (the same across restarts). A bad file or model: one line, exit 2."""
+    from rlfleet.api import load_rljob
+    from rlfleet.api.common import views_to_publish
+    from rlfleet.api.rljob import RLJobLoadError
+    from rlfleet.model_source import ModelSourceError, resolve_model_source
+    from rlfleet.store.factory import spec_uri
+
+    try:
+        job = load_rljob(args.config)
+    except RLJobLoadError as e:
+        parser.error(" ".join(str(e).split()))
+    external = job.spec.trainer.external
+    if external is None:
+        parser.error(
+            f"{args.config}: the RLJob has no trainer.external (rlfleet trains it: rlfleet trainer run)"
+        )
+    store = job.spec.weight_channel.store
+    try:
+        base = resolve_model_source(job.spec.model.path, revision=job.spec.model.revision)
+    except ModelSourceError as e:
+        parser.error(" ".join(str(e).split()))
+    args.publish_dir = args.publish_dir or external.publish_dir
+    args.store = args.store or spec_uri(store)
+    args.base_checkpoint = args.base_checkpoint or str(base)
+    args.views = ",".join(views_to_publish(g.weight_format for g in job.spec.sampler_groups))
+    args.keep_versions = job.spec.weight_channel.retention.keep_versions
+    args.publisher_id = f"trainer/{job.metadata.namespace or 'default'}/{job.name}"
+
+
 def _checked_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Parsed arguments and the views; anything wrong is one line on stderr and exit 2 (parser.error)."""
     args = parser.parse_args(argv)
+    if args.config:
+        _from_config(parser, args)
+    missing = [flag for flag in ("publish_dir", "store", "base_checkpoint") if not getattr(args, flag)]
+    if missing:
+        parser.error("needs --config or " + ", ".join("--" + m.replace("_", "-") for m in missing))
     views = _checked_views(parser, args)
     if Path(args.publish_dir).exists() and not Path(args.publish_dir).is_dir():
         parser.error(f"--publish-dir {args.publish_dir} is not a directory")

@@ -4,11 +4,22 @@ spec (`store_from_spec`: the operator and the cluster trainer)."""
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urlencode, urlparse
 
 from rlfleet.store.base import Store
 from rlfleet.store.filesystem import FilesystemStore
 from rlfleet.store.s3 import S3Store
+
+
+def spec_uri(spec: Any) -> str:
+    """The URI `open_store` takes for a WeightChannel's store spec: its filesystem path, or
+    s3://bucket/prefix[?endpoint=URL] (credentials stay in the environment): the sidecar's and the slime
+    bridge's --store."""
+    if getattr(spec, "type", "filesystem") == "filesystem":
+        return str(getattr(spec, "path", "") or "")
+    uri = f"s3://{spec.bucket}/{str(getattr(spec, 'prefix', '') or '').strip('/')}".rstrip("/")
+    endpoint = getattr(spec, "endpoint", None)
+    return uri + ("?" + urlencode({"endpoint": endpoint}) if endpoint else "")
 
 
 def open_store(uri: str, **s3_options: Any) -> Store:

@@ -465,3 +465,42 @@ def test_cli_once_publishes_and_bad_input_is_one_line(
         assert len(err) == 1 and "someone-else" in err[0], err
     finally:
         other.close()
+
+
+def test_the_bridge_pod_reads_its_job_from_the_config(
+    tmp_path: Path, tiny_qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """`rlfleet slime bridge --config <the job's RLJob>` (the operator's command, examples/rljob-slime.yaml
+    with this machine's paths): the publish dir, the store, the model source (builtin:tiny-qwen3 built into
+    the model cache: the same bytes as the stand-in's base), the views of the job's three groups, and the
+    trainer's publisher id come from the RLJob. An RLJob without trainer.external is one line, exit 2."""
+    import yaml
+
+    from rlfleet.cli import main
+
+    monkeypatch.setenv("RLFLEET_MODEL_CACHE", str(tmp_path / "models"))
+    example = Path(__file__).resolve().parents[2] / "examples" / "rljob-slime.yaml"
+    job = next(d for d in yaml.safe_load_all(example.read_text()) if d["kind"] == "RLJob")
+    job["spec"]["trainer"]["external"]["publishDir"] = str(tmp_path / "slime")
+    job["spec"]["trainer"]["volumeMounts"][0]["mountPath"] = str(tmp_path)
+    job["spec"]["weightChannel"]["store"]["path"] = str(tmp_path / "store")
+    config = tmp_path / "rljob.yaml"
+    config.write_text(yaml.safe_dump(job))
+    s = SlimeStandIn(tmp_path / "slime", tiny_qwen3_dir)
+    s.publish(s.perturbed(np.random.default_rng(5)), "delta", encoding="xor", checksum_format="blake3")
+    assert main(["slime", "bridge", "--config", str(config), "--metrics-port", "0", "--once"]) == 0
+    channel = WeightChannel(FilesystemStore(tmp_path / "store"))
+    assert channel.versions() == [0, 1]
+    manifest = channel.manifest(1)
+    assert sorted(manifest.views) == ["bf16", "fp8", "nvfp4"]
+    assert manifest.publisher == "trainer/default/slime"
+    assert bf16_view_equals(channel, 1, s.weights[1], tmp_path)
+
+    del job["spec"]["trainer"]["external"]
+    config.write_text(yaml.safe_dump(job))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(["slime", "bridge", "--config", str(config), "--once"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "has no trainer.external" in err and err.count("\n") == 1
