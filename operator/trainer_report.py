@@ -65,6 +65,7 @@ class TrainerReport:
     quarantine_requested: tuple[str, ...] = ()  # cumulative (the detector's state)
     pause_requested: bool = False
     finished: bool = False  # the run reached spec.trainer.totalSteps (`rlfleet_trainer_finished`)
+    external_version: int | None = None  # an external trainer's newest version (the slime bridge's report)
 
 
 @dataclass
@@ -113,6 +114,7 @@ def parse_trainer_report(text: str) -> TrainerReport:
     )
     step = got.fleet.get("step")
     version = got.fleet.get("weight_version")
+    external = got.fleet.get("external_version")
     return TrainerReport(
         step=int(step) if step is not None and step >= 0 else None,
         weight_version=int(version) if version is not None and version >= 0 else None,
@@ -121,6 +123,7 @@ def parse_trainer_report(text: str) -> TrainerReport:
         quarantine_requested=tuple(sorted(got.quarantine)),
         pause_requested=got.pause,
         finished=got.finished,
+        external_version=int(external) if external is not None and external >= 0 else None,
     )
 
 
@@ -158,7 +161,7 @@ def trainer_job_status(
     # one server-side apply owns all of these fields: what is not re-sent would be removed, so a
     # trainer that cannot be read right now leaves the last reported values in place
     status: dict[str, Any] = {
-        k: old[k] for k in ("step", "metrics") if report is None and old.get(k) is not None
+        k: old[k] for k in ("step", "metrics", "externalVersion") if report is None and old.get(k) is not None
     }
     if report is not None:
         status.update(_reported_progress(report, old, now))
@@ -201,6 +204,8 @@ def _reported_progress(report: TrainerReport, old: Mapping[str, Any], now: str) 
         status["step"] = report.step
     if report.weight_version is not None:
         status["weightVersion"] = max(report.weight_version, int(old.get("weightVersion") or 0))
+    if report.external_version is not None:  # slime's newest version (trainer.external), never lowered
+        status["externalVersion"] = max(report.external_version, int(old.get("externalVersion") or 0))
     metrics = {k: round(report.fleet[v], 6) for k, v in RUN_METRICS.items() if v in report.fleet}
     if "oorFraction" in metrics:
         metrics["oorFraction"] = min(max(metrics["oorFraction"], 0.0), 1.0)

@@ -30,7 +30,8 @@ still publishes.
 Metrics (trainer/metrics.py PrometheusExporter, as the trainer pod's): `rlfleet_trainer_step` and
 `rlfleet_trainer_weight_version` = the version published (what the operator's trainer report reads into
 the RLJob's status.step and status.weightVersion), the per-view bytes of `update_published`, and
-`rlfleet_trainer_slime_refused_versions` (the versions above the pointer refused at the last poll).
+`rlfleet_trainer_slime_refused_versions` (the versions above the pointer refused at the last poll) and
+`rlfleet_trainer_external_version` (slime's newest `weight_v<N>` directory: the RLJob's status.externalVersion).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class SlimeBridge:
             current = 0
         else:
             current = pointer.version
-        for version in [v for v in version_dirs(self.publish_dir) if v > current]:
+        dirs = version_dirs(self.publish_dir)
+        for version in [v for v in dirs if v > current]:
             try:
                 got = read_version(
                     self.publish_dir, version, self.base, self._previous(version, set(result.refused))
@@ -127,7 +129,13 @@ class SlimeBridge:
         if self.exporter is not None:
             self.exporter.update(
                 current,
-                {"weight_version": float(current), "slime_refused_versions": float(len(result.refused))},
+                {
+                    "weight_version": float(current),
+                    "slime_refused_versions": float(len(result.refused)),
+                    # slime's newest weight_v<N> directory, written or being written (the RLJob's
+                    # status.externalVersion; weight_version is the newest the channel serves)
+                    "external_version": float(max(dirs, default=0)),
+                },
             )
         return result
 

@@ -185,6 +185,8 @@ class RLJobStatus(ApiModel):
     """Last optimizer step (reported by the trainer)."""
     weight_version: int | None = Field(default=None, ge=0)
     """Latest published weight version."""
+    external_version: int | None = Field(default=None, ge=0)
+    """An external trainer's newest version (trainer.external: slime's newest weight_v<N> directory, written or being written; weightVersion is the newest the channel serves, each SamplerGroup's the one it serves)."""
     metrics: RunMetrics | None = None
     """Latest training metrics."""
     cost_per_1m_tokens: float | None = Field(default=None, ge=0.0, alias="costPer1MTokens")

@@ -150,8 +150,18 @@ def test_twenty_versions_full_and_delta_published_bit_exact(rig_factory, tmp_pat
 
         text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics").read().decode()
         report = parse_trainer_report(text)
-        assert report.weight_version == 20 and report.step == 20
+        assert report.weight_version == 20 and report.step == 20 and report.external_version == 20
         assert 'rlfleet_trainer_weights_view_bytes{view="nvfp4"}' in text
+        # slime writing version 21 (its index not there yet): slime's newest is 21, the channel's still 20
+        (rig.slime.publish_dir / "weight_v000021").mkdir()
+        assert rig.bridge.poll().refused
+        text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics").read().decode()
+        report = parse_trainer_report(text)
+        assert (report.weight_version, report.external_version) == (20, 21)
+        from rlfleet.operator.trainer_report import trainer_job_status
+
+        status = trainer_job_status({"spec": {}}, [], report, "2026-12-07T00:00:00Z").status
+        assert (status["weightVersion"], status["externalVersion"]) == (20, 21)
     finally:
         exporter.close()
 
