@@ -871,7 +871,45 @@ def _print_summary(rc: RunConfig, summary: dict[str, Any], out: Path) -> None:
             )
 
 
-def cli(argv: list[str]) -> int:
+def _serve_external_cli(job: Any, args: argparse.Namespace, out: Path) -> int:
+    """`rlfleet run RLJOB --local --publish-dir DIR` of a job with trainer.external (rlfleet/local/external.py):
+    serve as slime's rollout endpoint until Ctrl-C; bad input is one line, exit 2."""
+    from rlfleet.local.external import serve_external
+
+    if job.spec.trainer.external is None:
+        print(
+            f"rlfleet run: --publish-dir is for a job with trainer.external; {job.name} trains itself",
+            file=sys.stderr,
+        )
+        return 2
+    if not args.publish_dir:
+        print(
+            f"rlfleet run: {job.name}'s trainer is external (slime): give --publish-dir, the directory slime "
+            "publishes into on this machine (its --update-weight-disk-dir); the run serves its rollouts",
+            file=sys.stderr,
+        )
+        return 2
+    if args.resume or args.steps is not None or args.environment:
+        print("rlfleet run: --resume, --steps and --environment are for jobs rlfleet trains", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        served = serve_external(
+            resolve_run(job, local=True), out, Path(args.publish_dir).resolve(), stop, force=args.force
+        )
+    except (LocalRunError, ValueError) as exc:
+        print(f"rlfleet run: {' '.join(str(exc).split())}", file=sys.stderr)
+        return exc.code if isinstance(exc, LocalRunError) else 2
+    if served.get("fleet_died"):
+        print(f"rlfleet run: the fleet host {served['fleet_died']} (see {out / FLEET_LOG})", file=sys.stderr)
+        return EXIT_FLEET_DIED
+    print(f"{job.name}: stopped")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlfleet run", description="Run an RLJob manifest.")
     parser.add_argument("manifest", help="RLJob YAML (the same file `kubectl apply -f` takes)")
     parser.add_argument(
@@ -888,16 +926,31 @@ def cli(argv: list[str]) -> int:
     )
     parser.add_argument("--environment", help="override rollout.environment (module:attr or a built-in name)")
     parser.add_argument("--no-live", action="store_true", help="one line per step instead of the live table")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--publish-dir",
+        help="a job with trainer.external (slime): the directory slime publishes its weight versions into "
+        "(its --update-weight-disk-dir on this machine); the run serves as slime's rollout endpoint",
+    )
+    return parser
+
+
+def _refused_args(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot run, before the manifest is read (None: they can)."""
     if not args.local:
-        print(
-            f"rlfleet run: cluster runs are applied, not run: `kubectl apply -f {args.manifest}` (the operator "
-            "runs it); add --local to run it on this machine",
-            file=sys.stderr,
+        return (
+            f"cluster runs are applied, not run: `kubectl apply -f {args.manifest}` (the operator "
+            "runs it); add --local to run it on this machine"
         )
-        return 2
     if args.steps is not None and args.steps < 1:
-        print("rlfleet run: --steps must be >= 1", file=sys.stderr)
+        return "--steps must be >= 1"
+    return None
+
+
+def cli(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    refused = _refused_args(args)
+    if refused:
+        print(f"rlfleet run: {refused}", file=sys.stderr)
         return 2
     from rlfleet.api import load_rljob
     from rlfleet.api.rljob import RLJobLoadError
@@ -909,6 +962,8 @@ def cli(argv: list[str]) -> int:
         return 2
     # absolute: the fleet subprocess runs with the run directory as its cwd (see the fleet start)
     out = Path(args.out or Path("rlfleet-runs") / job.name).resolve()
+    if job.spec.trainer.external is not None or args.publish_dir:
+        return _serve_external_cli(job, args, out)
     try:
         rc = resolve_run(
             job, local=True

@@ -33,7 +33,16 @@ from rlfleet.local.report import PLOTS
 MARKER = ".rlfleet-run"
 LOCK = ".rlfleet-lock"
 # the top-level names a run writes (models/ is a cache of built models, reused and never removed)
-OWN_NAMES = ("checkpoints", "channel", "cache", "report", "fleet.log", "fleet.json", "run.json")
+OWN_NAMES = (
+    "checkpoints",
+    "channel",
+    "cache",
+    "report",
+    "fleet.log",
+    "fleet.json",
+    "run.json",
+    "endpoint.json",
+)
 _PLOTS = "|".join(re.escape(plot.file) for plot in PLOTS)
 _STORE_DIRS = (
     r"channel/(?:v\d+|claims|subscribers|\.staging)"  # the filesystem store's folders (rlfleet/channel.py)
@@ -43,7 +52,7 @@ _STORE_DIRS = (
 _REBUILT_DIRS = r"cache/[^/]+/(?:v\d+-[a-z0-9]+|\.v\d+-[a-z0-9]+\.partial-[0-9a-f]+)"
 # relative paths (with '/') of the files a run writes, after the temporary or lock suffix is taken off
 OWN_FILES = re.compile(
-    r"fleet\.log|fleet\.json|run\.json"
+    r"fleet\.log|fleet\.json|run\.json|endpoint\.json"  # endpoint.json: an external trainer's run (external.py)
     r"|checkpoints/latest"  # and the checkpoints trainer/publish/checkpoint.py names (is_own_file)
     r"|channel/(?:pointer|lease)\.json"
     rf"|{_STORE_DIRS}/.+"

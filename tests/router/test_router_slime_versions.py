@@ -25,6 +25,7 @@ import aiohttp
 import httpx
 import pytest
 from aiohttp import web
+from support.slime_requests import slime_post
 from support.upstreams import serving
 
 from rlfleet.lora import ADAPTER_NEWEST, ADAPTER_REQUEST_HEADER, ADAPTER_VERSION_HEADER
@@ -350,46 +351,6 @@ async def test_an_answer_from_a_version_reached_mid_request_is_discarded_and_ret
         status, headers, body = await post(http, url, exact(5))
     assert (status, headers["Retry-After"]) == (409, "0") and len(alone.bodies) == 1
     assert json.loads(body)["error"]["servedVersions"] == [6]
-
-
-async def slime_post(
-    client: httpx.AsyncClient,
-    url: str,
-    payload: dict[str, Any],
-    max_retries: int = 60,
-    retry_sleep: float = 1.0,
-    statuses: list[int] | None = None,
-) -> Any:
-    """slime's `_post` (slime/utils/http_utils.py, THUDM/slime) as read: POST the JSON payload; ANY
-    exception (a connection error, or a non-2xx through raise_for_status) counts a retry, sleeps
-    `retry_sleep` and tries again, raising once `max_retries` attempts failed; a 2xx body is decoded as JSON
-    (its text when it is not). Rewritten here, not imported: slime is not on PyPI and GitHub cannot be
-    reached from the machines the tests run on. `statuses` (the test's own addition) records every
-    status answered."""
-    retry_count = 0
-    while retry_count < max_retries:
-        response = None
-        try:
-            response = await client.post(url, json=payload or {})
-            if statuses is not None:
-                statuses.append(response.status_code)
-            response.raise_for_status()
-            content = await response.aread()
-            try:
-                output = json.loads(content)
-            except json.JSONDecodeError:
-                output = content.decode() if isinstance(content, bytes) else content
-        except Exception:
-            retry_count += 1
-            if retry_count >= max_retries:
-                raise
-            await asyncio.sleep(retry_sleep)
-            continue
-        finally:
-            if response is not None:
-                await response.aclose()
-        break
-    return output
 
 
 @pytest.mark.parametrize("kind", ["exact_version", "min_required_version"])
