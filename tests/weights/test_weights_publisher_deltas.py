@@ -525,7 +525,9 @@ def test_the_rljobs_deltas_reach_the_cluster_and_the_local_publisher(tmp_path: P
         4,
         0.25,
     )
-    publisher = _channel_writer(job, ["bf16"], None, FilesystemStore(tmp_path / "store", create=True))
+    rc = resolve_run(job, local=False)
+    rc.views = ["bf16"]
+    publisher = _channel_writer(job, rc, None, FilesystemStore(tmp_path / "store", create=True))
     try:
         assert (publisher.anchor_every, publisher.max_delta_share) == (4, 0.25)
     finally:
