@@ -12,10 +12,21 @@ and never imported or named here.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import shutil
 import sys
 from pathlib import Path
+from typing import NoReturn
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A subcommand's parser whose bad input is one clear line on stderr and exit 2 (no usage dump, no
+    stack trace): the sidecar's and the slime bridge's, whose lines end in a pod's log."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
 
 # command words -> (module, one-line help). The module's `cli(argv)` parses the rest.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from rlfleet.api.common import ENGINE_API_KEY_ENV
 from rlfleet.channel import VIEW_NAMES, check_name
+from rlfleet.cli import OneLineErrorParser
 from rlfleet.sampler.engine_clients import DiskEngine, LoraEngine, engine_weight_version
 from rlfleet.sampler.launch_checkpoint import read_launch_file
 from rlfleet.sampler.sync_http import sidecar_app
@@ -97,15 +98,8 @@ def engine_headers(config: SyncConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """Bad input: one clear line on stderr and exit 2 (no usage dump, no stack trace)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _OneLineErrorParser(
+    p = OneLineErrorParser(
         prog="rlfleet sampler sync",
         description="Weight-sync sidecar: reconcile an engine to the weight channel.",
     )

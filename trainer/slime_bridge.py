@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlfleet.cli import OneLineErrorParser
 from rlfleet.slime_publish import (
     SlimePublishError,
     SlimeVersion,
@@ -270,15 +271,8 @@ def to_torch(weights: Weights) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-class _OneLineErrorParser(argparse.ArgumentParser):
-    """Bad input: one clear line on stderr and exit 2 (no usage dump, no stack trace)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _OneLineErrorParser(
+    p = OneLineErrorParser(
         prog="rlfleet slime bridge",
         description="Publish slime's disk weight versions (weight_v{N:06d}/, full or delta) into a weight channel.",
     )
