@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,13 +19,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from support.routed_engines import post, routed, sessions_preferring
 from support.upstreams import serving
 
 from rlfleet.lora import ADAPTER_NEWEST, ADAPTER_REQUEST_HEADER, ADAPTER_VERSION_HEADER, adapter_name
 from rlfleet.retries import ClientRetryPolicy
-from rlfleet.router import hashing
-from rlfleet.router.config import GroupConfig, RouterConfig
-from rlfleet.router.service import start_service
 from rlfleet.sampler.client import SamplerClient, TurnFailed
 from rlfleet.sampler.sglang_errors import value_error
 
@@ -123,58 +119,14 @@ def engine(version: int | None, *held: int) -> Engine:
     return made
 
 
-@asynccontextmanager
-async def fleet(
-    groups: dict[str, list[Engine]], max_attempts: int = 8, **settings: Any
-) -> AsyncIterator[str]:
-    """The engines served, behind the real router (no health checks: what it knows of each replica's
-    version comes from its requests alone); yields the router's URL."""
-    async with AsyncExitStack() as stack:
-        for engines in groups.values():
-            for e in engines:
-                e.url = await stack.enter_async_context(serving(e.app(), access_log=None))
-        config = RouterConfig(
-            port=0,
-            retry_after_seconds=0,
-            max_attempts=max_attempts,
-            **settings,
-            groups=[GroupConfig(name=g, replicas=[e.url for e in es]) for g, es in groups.items()],
-        )
-        router, runner, port = await start_service(config, health_checks=False)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            await runner.cleanup()
-            await router.close()
-
-
 REQUEST = {"input_ids": [1, 5, 9, 2], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
-
-
-def sessions_preferring(first: Engine, of: list[Engine], count: int) -> list[str]:
-    """`count` session keys whose rendezvous choice among `of` is `first` (router/table.py choose_replica)."""
-    found: list[str] = []
-    for i in range(10_000):
-        key_h = hashing.key_hash(f"s{i}")
-        if min(of, key=lambda e: hashing.race_time(key_h, hashing.member_seed(e.url), 1.0)) is first:
-            found.append(f"s{i}")
-            if len(found) == count:
-                return found
-    raise AssertionError("no such sessions")
-
-
-async def post(
-    http: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]
-) -> tuple[int, dict[str, str], bytes]:
-    async with http.post(url + "/generate", data=body, headers=headers) as response:
-        return response.status, dict(response.headers), await response.read()
 
 
 async def test_each_replica_is_posted_its_own_newest_adapter() -> None:
     """Two groups at different versions (a mixed fleet mid-load): every body a replica receives names
     that replica's adapter, is otherwise the client's request, and the answer says that version."""
     old, new = engine(3, 2, 3), engine(5, 4, 5)
-    async with fleet({"a100-bf16": [old], "h100-fp8": [new]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"a100-bf16": [old], "h100-fp8": [new]}) as url, aiohttp.ClientSession() as http:
         answers = [
             await post(http, url, json.dumps(REQUEST).encode(), {**ADAPTER, "X-Session-Id": f"episode-{i}"})
             for i in range(24)
@@ -199,7 +151,7 @@ async def test_a_retry_on_another_replica_names_that_replicas_adapter() -> None:
     failing.fail_status = 503
     # failureThreshold high: the failing replica stays first choice of its sessions (not marked down)
     async with (
-        fleet({"g": [failing, sibling]}, failure_threshold=100) as url,
+        routed({"g": [failing, sibling]}, failure_threshold=100) as url,
         aiohttp.ClientSession() as http,
     ):
         sessions = sessions_preferring(failing, [failing, sibling], 4)
@@ -222,7 +174,7 @@ async def test_a_replica_at_an_unknown_version_is_skipped() -> None:
     """A replica whose /model_info does not say its version is never posted to; the sibling serves every
     session. A group with no replica at a known version answers 409 with Retry-After, posting nothing."""
     starting, ready = engine(None), engine(2, 1, 2)
-    async with fleet({"g": [starting, ready]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [starting, ready]}) as url, aiohttp.ClientSession() as http:
         sessions = sessions_preferring(starting, [starting, ready], 6)
         sessions += sessions_preferring(ready, [starting, ready], 6)
         answers = [
@@ -236,7 +188,7 @@ async def test_a_replica_at_an_unknown_version_is_skipped() -> None:
     }
 
     alone = engine(None)
-    async with fleet({"g": [alone]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [alone]}) as url, aiohttp.ClientSession() as http:
         status, headers, body = await post(http, url, json.dumps(REQUEST).encode(), ADAPTER)
         plain_status, _, _ = await post(http, url, json.dumps(REQUEST).encode(), {})
     assert status == 409 and headers["Retry-After"] == "0"
@@ -254,7 +206,7 @@ async def test_an_adapter_unloaded_since_the_router_looked_is_read_again_and_pos
     /model_info again and post v7 to it, once; the answer says 7."""
     replica = engine(5, 4, 5)
     replica.files_gone = files_gone
-    async with fleet({"g": [replica]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [replica]}) as url, aiohttp.ClientSession() as http:
         first = await post(http, url, json.dumps(REQUEST).encode(), ADAPTER)
         replica.load(6)
         replica.load(7)
@@ -273,7 +225,7 @@ async def test_a_replica_that_does_not_hold_the_adapter_it_says_it_serves_lags()
     no 400 reaches the client. Without room for a second post (maxAttempts 1) the first 400 does the same.
     Its sibling that holds its adapter serves the request instead."""
     broken = engine(3, 3)
-    async with fleet({"g": [broken]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [broken]}) as url, aiohttp.ClientSession() as http:
         await post(http, url, json.dumps(REQUEST).encode(), ADAPTER)
         broken.version, broken.loaded = 9, set()  # says 9, holds nothing
         status, headers, body = await post(http, url, json.dumps(REQUEST).encode(), ADAPTER)
@@ -282,7 +234,7 @@ async def test_a_replica_that_does_not_hold_the_adapter_it_says_it_serves_lags()
     assert "retry" in json.loads(body)["error"]["message"]
 
     once = engine(3, 3)
-    async with fleet({"g": [once]}, max_attempts=1) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [once]}, max_attempts=1) as url, aiohttp.ClientSession() as http:
         await post(http, url, json.dumps(REQUEST).encode(), ADAPTER)
         once.load(4)
         once.load(5)
@@ -291,7 +243,7 @@ async def test_a_replica_that_does_not_hold_the_adapter_it_says_it_serves_lags()
     assert status == 409 and ADAPTER_VERSION_HEADER not in headers
 
     starting, ready = engine(0), engine(0, 0)  # both say 0; only `ready` loaded adapter v0 yet
-    async with fleet({"g": [starting, ready]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [starting, ready]}) as url, aiohttp.ClientSession() as http:
         session = sessions_preferring(starting, [starting, ready], 1)[0]
         status, headers, _ = await post(
             http, url, json.dumps(REQUEST).encode(), {**ADAPTER, "X-Session-Id": session}
@@ -309,7 +261,7 @@ async def test_without_the_header_the_body_is_forwarded_byte_for_byte() -> None:
         b' "note": "caf\\u00e9" }',
         b"not json at all",
     ]
-    async with fleet({"g": [replica]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [replica]}) as url, aiohttp.ClientSession() as http:
         answers = [await post(http, url, body, {"Content-Type": "application/json"}) for body in bodies]
     assert replica.bodies == bodies
     assert [status for status, _, _ in answers] == [200, 400]
@@ -329,7 +281,7 @@ async def test_a_request_the_router_cannot_name_an_adapter_for_is_a_400(
     body: bytes, headers: dict[str, str], says: str
 ) -> None:
     replica = engine(2, 2)
-    async with fleet({"g": [replica]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [replica]}) as url, aiohttp.ClientSession() as http:
         status, _, answer = await post(http, url, body, headers)
     assert status == 400 and says in json.loads(answer)["error"]["message"]
     assert replica.bodies == []
@@ -342,7 +294,7 @@ async def test_the_client_in_adapter_mode_takes_every_tokens_version_from_the_ro
     replica.response = STRADDLE["response"]
     ids = STRADDLE["request"]["input_ids"]
     config = {"temperature": 0.8, "top_p": 0.9, "top_k": 64, "max_new_tokens": 3}
-    async with fleet({"g": [replica]}) as url:
+    async with routed({"g": [replica]}) as url:
         async with SamplerClient(url, policy=FAST, adapters=True) as client:
             turn = await client.generate(ids, config, session_id="episode-1")
         async with SamplerClient(url, policy=FAST) as plain:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,13 +23,10 @@ import aiohttp
 import httpx
 import pytest
 from aiohttp import web
+from support.routed_engines import post, routed, sessions_preferring
 from support.slime_requests import slime_post
-from support.upstreams import serving
 
 from rlfleet.lora import ADAPTER_NEWEST, ADAPTER_REQUEST_HEADER, ADAPTER_VERSION_HEADER
-from rlfleet.router import hashing
-from rlfleet.router.config import GroupConfig, RouterConfig
-from rlfleet.router.service import start_service
 
 REQUEST = {"input_ids": [1, 5, 9, 2], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
 
@@ -94,54 +89,6 @@ class Engine:
         return app
 
 
-@asynccontextmanager
-async def fleet(
-    groups: dict[str, list[Engine]], health_checks: bool = False, **settings: Any
-) -> AsyncIterator[str]:
-    """The engines served, behind the real router; yields the router's URL. Without health checks what the
-    router knows of each replica's version comes from its requests alone (its /model_info reads and
-    answers)."""
-    async with AsyncExitStack() as stack:
-        for engines in groups.values():
-            for e in engines:
-                e.url = await stack.enter_async_context(serving(e.app(), access_log=None))
-        config = RouterConfig(
-            port=0,
-            **{"retry_after_seconds": 0, **settings},
-            groups=[GroupConfig(name=g, replicas=[e.url for e in es]) for g, es in groups.items()],
-        )
-        router, runner, port = await start_service(config, health_checks=health_checks)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            await runner.cleanup()
-            await router.close()
-
-
-def sessions_preferring(first: Engine, of: list[Engine], count: int) -> list[str]:
-    """`count` session keys whose rendezvous choice among `of` is `first` (router/table.py choose_replica)."""
-    found: list[str] = []
-    for i in range(10_000):
-        key_h = hashing.key_hash(f"s{i}")
-        if min(of, key=lambda e: hashing.race_time(key_h, hashing.member_seed(e.url), 1.0)) is first:
-            found.append(f"s{i}")
-            if len(found) == count:
-                return found
-    raise AssertionError("no such sessions")
-
-
-async def post(
-    http: aiohttp.ClientSession,
-    url: str,
-    body: bytes | dict[str, Any],
-    headers: dict[str, str] | None = None,
-    path: str = "/generate",
-) -> tuple[int, dict[str, str], bytes]:
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    async with http.post(url + path, data=data, headers=headers or {}) as response:
-        return response.status, dict(response.headers), await response.read()
-
-
 def answered_version(body: bytes) -> int:
     return int(json.loads(body)["meta_info"]["weight_version"])
 
@@ -153,7 +100,7 @@ async def test_exact_version_goes_only_to_the_replica_at_that_version_in_the_ses
     a = [Engine(4), Engine(5), Engine(6)]
     b = [Engine(5), Engine(7)]
     sessions = [f"episode-{i}" for i in range(24)]
-    async with fleet({"a": a, "b": b}) as url, aiohttp.ClientSession() as http:
+    async with routed({"a": a, "b": b}) as url, aiohttp.ClientSession() as http:
         plain = {s: await post(http, url, REQUEST, {"X-Session-Id": s}) for s in sessions}
         for e in a + b:
             e.bodies.clear()
@@ -177,7 +124,7 @@ async def test_min_required_version_goes_to_a_replica_at_or_above_it() -> None:
     can never be served: a 400."""
     old, five, six = Engine(3), Engine(5), Engine(6)
     replicas = [old, five, six]
-    async with fleet({"g": replicas}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": replicas}) as url, aiohttp.ClientSession() as http:
         field_only = [await post(http, url, at_least(5), {"X-Session-Id": f"s{i}"}) for i in range(24)]
         assert old.bodies == [] and five.bodies and six.bodies
         for status, headers, body in field_only:
@@ -210,7 +157,7 @@ async def test_no_replica_at_the_version_is_a_409_at_once() -> None:
     served versions, within a fraction of a second (no engine is posted to or waited for). A group whose
     every replica is past an exact version says it will not be served again."""
     slow = [Engine(3, delay=5.0), Engine(4, delay=5.0)]
-    async with fleet({"g": slow}, retry_after_seconds=1) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": slow}, retry_after_seconds=1) as url, aiohttp.ClientSession() as http:
         timed = []
         for payload in (exact(5), at_least(5)):
             started = time.perf_counter()
@@ -230,7 +177,7 @@ async def test_no_replica_at_the_version_is_a_409_at_once() -> None:
     assert json.loads(min_answer[2])["error"]["minWeightVersion"] == 5
 
     past = [Engine(6), Engine(7)]
-    async with fleet({"g": past}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": past}) as url, aiohttp.ClientSession() as http:
         status, headers, body = await post(http, url, exact(5))
     assert (status, headers["Retry-After"]) == (409, "0")
     assert json.loads(body)["error"]["message"] == (
@@ -247,7 +194,7 @@ async def test_the_field_is_stripped_and_the_rest_of_the_body_kept() -> None:
         b' "return_logprob": true, "custom_labels": {"k": "v"} }'
     )
     replica = Engine(2)
-    async with fleet({"g": [replica]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [replica]}) as url, aiohttp.ClientSession() as http:
         status, _, _ = await post(http, url, client_body)
     assert status == 200
     [received] = replica.generate_bodies()
@@ -259,7 +206,7 @@ async def test_the_field_is_stripped_and_the_rest_of_the_body_kept() -> None:
 
     four, five, six = Engine(4), Engine(5), Engine(6)
     adapter = {ADAPTER_REQUEST_HEADER: ADAPTER_NEWEST}
-    async with fleet({"g": [four, five, six]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [four, five, six]}) as url, aiohttp.ClientSession() as http:
         answers = [await post(http, url, exact(5), {**adapter, "X-Session-Id": f"s{i}"}) for i in range(8)]
     assert four.bodies == six.bodies == []
     assert [json.loads(body) for body in five.generate_bodies()] == [{**REQUEST, "lora_path": "v5"}] * 8
@@ -282,7 +229,7 @@ async def test_a_body_without_the_field_is_forwarded_byte_for_byte() -> None:
         (b'{"input_ids": [1], "sampling_params": {"weight_version": {"exact_version": 9}}}', "/generate"),
         (b'{"prompt": "x", "weight_version": {"exact_version": 9}}', "/v1/completions"),
     ]
-    async with fleet({"g": [replica]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [replica]}) as url, aiohttp.ClientSession() as http:
         answers = [
             await post(http, url, body, {"Content-Type": "application/json"}, path) for body, path in bodies
         ]
@@ -318,7 +265,7 @@ async def test_a_malformed_field_is_a_400_from_the_router(body: bytes) -> None:
     """Every malformed field (or a body holding one that is not a JSON object) is the router's 400 with a
     one-line JSON message naming the field; no replica sees it."""
     replica = Engine(5)
-    async with fleet({"g": [replica]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [replica]}) as url, aiohttp.ClientSession() as http:
         status, headers, answer = await post(http, url, body, {"X-Session-Id": "s"})
     assert (status, headers["Content-Type"]) == (400, "application/json"), answer
     message = json.loads(answer)["error"]["message"]
@@ -333,7 +280,7 @@ async def test_an_answer_from_a_version_reached_mid_request_is_discarded_and_ret
     knows the first is at 6, and the session's next exact-5 request goes straight to the sibling. Alone in
     its group, such a replica leaves nothing to serve 5: the 409."""
     moving, steady = Engine(5, moves_to=6), Engine(5)
-    async with fleet({"g": [moving, steady]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [moving, steady]}) as url, aiohttp.ClientSession() as http:
         session = sessions_preferring(moving, [moving, steady], 1)[0]
         first = await post(http, url, exact(5), {"X-Session-Id": session})
         second = await post(http, url, exact(5), {"X-Session-Id": session})
@@ -347,7 +294,7 @@ async def test_an_answer_from_a_version_reached_mid_request_is_discarded_and_ret
     assert len(moving.bodies) == 1 and len(steady.bodies) == 2
 
     alone = Engine(5, moves_to=6)
-    async with fleet({"g": [alone]}) as url, aiohttp.ClientSession() as http:
+    async with routed({"g": [alone]}) as url, aiohttp.ClientSession() as http:
         status, headers, body = await post(http, url, exact(5))
     assert (status, headers["Retry-After"]) == (409, "0") and len(alone.bodies) == 1
     assert json.loads(body)["error"]["servedVersions"] == [6]
@@ -364,7 +311,7 @@ async def test_slimes_retry_loop_gets_the_answer_once_the_replica_reaches_the_ve
     statuses: list[int] = []
     payload = {**REQUEST, "weight_version": {kind: 4}}
     async with (
-        fleet({"g": [replica]}, health_checks=True, health_interval_seconds=0.05) as url,
+        routed({"g": [replica]}, health_checks=True, health_interval_seconds=0.05) as url,
         httpx.AsyncClient(timeout=httpx.Timeout(None), trust_env=False) as client,
     ):
         loop = asyncio.create_task(
