@@ -147,8 +147,8 @@ class WeightChannelSpec(ApiModel):
 class ViewArtifact(ApiModel):
     """One published precision view of a version."""
 
-    view: WeightFormat
-    """Precision view."""
+    view: Literal[WeightFormat, "lora"]
+    """Precision view, or `lora`: a LoRA job's adapter, every version's only view but the bases' (docs/weights.md, "LoRA")."""
     version: int = Field(ge=0)
     """Weight version."""
     uri: str = Field(default="", max_length=2048)

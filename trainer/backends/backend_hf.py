@@ -155,7 +155,7 @@ class HFBackend(RankCommands):
                 )
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.distributed:
-            _fully_shard(model, self.bf16)
+            _fully_shard(model, self.bf16, cpu=self.device.type == "cpu")
         self.model = model
         self.objective = objective
         self.optim_config = optim or OptimConfig()
@@ -465,10 +465,17 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
-def _fully_shard(model: torch.nn.Module, bf16: bool) -> None:
+def _fully_shard(model: torch.nn.Module, bf16: bool, cpu: bool = False) -> None:
     """FSDP2 over the default process group: each decoder layer, then the root (embedding, final norm,
     lm_head); with bf16 the forward runs in bf16 and gradients are reduced in fp32. With LoRA a unit holds
-    frozen base and trained adapter parameters together: FSDP2 reduce-scatters only the gradients there are."""
+    frozen base and trained adapter parameters together: FSDP2 reduce-scatters only the gradients there are.
+
+    `cpu` (ranks on a CPU class, gloo): the layers keep their gathered parameters from forward to backward
+    (`reshard_after_forward=False`; memory is not what a CPU rank runs short of), and torch's CPU stream
+    stand-in gets the no-op `record_event` / `wait_event` FSDP2 calls (`_cpu_streams_for_fsdp2`). The
+    trainer image's torch (Debian's 2.6) failed both ways in the dev cluster's trainer pod at its first
+    step: "'Stream' object has no attribute 'record_event'", and with that added, resharding after forward
+    then gathering again in backward failed autograd's check ("modified by an inplace operation")."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = (
@@ -476,9 +483,22 @@ def _fully_shard(model: torch.nn.Module, bf16: bool) -> None:
         if bf16
         else MixedPrecisionPolicy()
     )
+    if cpu:
+        _cpu_streams_for_fsdp2()
     for layer in _decoder_layers(model):
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=not cpu)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=not cpu)
+
+
+def _cpu_streams_for_fsdp2() -> None:
+    """FSDP2 records and waits on events of its streams; on CPU they are `torch.cpu.Stream`, a stand-in
+    that torch 2.6 gives neither method (newer torch has both; left as they are). CPU work is synchronous:
+    the event is already complete and a wait returns at once."""
+    stream: Any = torch.cpu.Stream
+    if not hasattr(stream, "record_event"):
+        stream.record_event = lambda self, event=None: torch.cpu.Event()
+    if not hasattr(stream, "wait_event"):
+        stream.wait_event = lambda self, event: None
 
 
 def _join_torchrun_group(cpu: bool = False) -> None:

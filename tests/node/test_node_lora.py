@@ -1,0 +1,494 @@
+"""The LoRA example fleet on the real node (issue 42 item 5): `helm install` of charts/rlfleet, then
+`kubectl apply -f examples/rljob-lora.yaml` as users apply it (its PVC on the dev cluster's default
+StorageClass): a torch-backend trainer on two gloo ranks training a PEFT adapter of the frozen tiny Qwen3,
+three `cpu` sampler groups (bf16, fp8 with an fp8 KV cache, nvfp4) that launch their engines from their
+BASE view and load every version's adapter at run time (docs/weights.md, docs/sampler.md and
+docs/router.md, "LoRA"). What the pods and the store show:
+
+- the channel: the base views stored once, at version 0 (the WeightChannel's `loraBase`), and every
+  later version only the `lora` view, a few hundred KB at most beside the base views' bytes;
+- each group's sidecar applies adapter after adapter ("applied weights vN (lora)"), its engine holds at
+  most two rlfleet adapters (the newest and the one before: `/v1/models`, read inside the pod with the
+  job's key), and no sampler container ever restarts: versions swap without a restart;
+- the trainer's rollouts come from every group with tokens of adapter versions >= 1 (its step history:
+  per-group episodes, the step's oldest token version from its staleness), and `kubectl get sg`'s VERSION
+  is an adapter version the group's sidecar applied;
+- a deleted sampler pod comes back on its base (v0) and loads the newest adapter; no version is
+  published twice and no base is stored again.
+
+The tests share one fleet (module scope) and run in file order, as test_node_fleet.py's do. The file sorts
+before test_node_pods.py, whose last test stops the node (the conftest moves it last anyway).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support.operator_chart import install_operator_chart, uninstall_operator_chart
+from support.waits import wait_for
+
+from rlfleet.channel import ChannelError, Manifest
+from rlfleet.lora import LORA_VIEW, adapter_version
+from rlfleet.operator import naming
+
+pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.timeout(2400)]
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "rljob-lora.yaml"
+JOB = "lora"  # metadata.name in the example
+GROUPS = ("bf16", "fp8", "nvfp4")
+CLAIM = "rlfleet-lora-weights"
+STORE_PATH = "/weights/lora"
+# The one change to the example: more steps. Its 50 steps take a few minutes here, and the phases below
+# (several adapter swaps per group, then a sampler pod deleted and replaced) need a run that is still
+# training; the fixture deletes the job at the end. The learning rate, the rank and the groups are the
+# example's.
+TOTAL_STEPS = 2000
+ADAPTER_BYTES_AT_MOST = 400_000  # rank 16 on 7 projections of the tiny model: 143.2 KB (the local run)
+MIN_APPLIED = 3  # adapter versions each sidecar must have applied
+
+
+@dataclass
+class Fleet:
+    kube: Any  # controlplane.KubeCluster
+    ns: str
+    started: float
+    versions_seen: list[int] = field(default_factory=list)  # the channel's latest version, polled
+    manifests: dict[int, Manifest] = field(default_factory=dict)  # every version's manifest, read as it lands
+    digests: dict[int, str] = field(default_factory=dict)  # sha256 of each manifest.json as first read
+    _store: Path | None = None
+
+    def status(self) -> dict[str, Any]:
+        return self.kube.get_json("rljob", JOB, "-n", self.ns).get("status", {})
+
+    def step(self) -> int:
+        return int(self.status().get("step") or 0)
+
+    def groups(self) -> dict[str, dict[str, Any]]:
+        items = self.kube.get_json("samplergroups", "-n", self.ns)["items"]
+        return {sg["metadata"]["name"]: sg for sg in items}
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        return self.kube.get_json("pods", "-n", self.ns, "-l", selector)["items"]
+
+    def sampler_pods(self, group: str) -> list[dict[str, Any]]:
+        return [
+            p
+            for p in self.pods(f"rlfleet.dev/samplergroup={JOB}-{group}")
+            if not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def logs(self, pod: str, container: str, *extra: str) -> str:
+        return self.kube.kubectl("logs", "-n", self.ns, pod, "-c", container, *extra).stdout
+
+    def store_dir(self) -> Path:
+        """The store's directory on the host: the PV local-path provisioned for the example's claim."""
+        if self._store is None:
+            volume = self.kube.get_json("pvc", CLAIM, "-n", self.ns)["spec"]["volumeName"]
+            pv = self.kube.get_json("pv", volume)["spec"]
+            self._store = Path((pv.get("hostPath") or pv.get("local"))["path"])
+        return self._store
+
+    def latest_version(self) -> int | None:
+        pointer = self.store_dir() / "pointer.json"  # rlfleet.channel.POINTER_KEY
+        try:
+            return int(json.loads(pointer.read_text())["version"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def read_new_manifests(self) -> None:
+        """Keep the manifest of every version not read yet, and the digest of its bytes (retention deletes
+        old versions; a version published twice would show another manifest under the same number)."""
+        for directory in self.store_dir().glob("v*"):
+            number = directory.name[1:]
+            if number.isdigit() and int(number) not in self.manifests:
+                try:  # not there yet while the version's files upload
+                    raw = (directory / "manifest.json").read_bytes()
+                    manifest = Manifest.from_bytes(raw)
+                except (OSError, ValueError, ChannelError):
+                    continue
+                self.digests[int(number)] = hashlib.sha256(raw).hexdigest()
+                self.manifests[int(number)] = manifest
+
+    def api_key(self) -> str:
+        secret = self.kube.get_json("secret", f"{JOB}-api-key", "-n", self.ns)
+        return base64.b64decode(secret["data"]["key"]).decode()
+
+    def probe(self, pod: str) -> dict[str, Any]:
+        """Inside a sampler pod (`kubectl exec` into its weight-sync container, the job's key on stdin):
+        the sidecar's /status, the engine's /v1/models, the sidecar's /status again."""
+        out = self.kube.kubectl(
+            "exec",
+            "-i",
+            "-n",
+            self.ns,
+            pod,
+            "-c",
+            "weight-sync",
+            "--",
+            "python3",
+            "-I",
+            "-c",
+            ENGINE_PROBE,
+            input=self.api_key(),
+        ).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def applied(self, pod: str) -> list[int]:
+        """The adapter versions the pod's sidecar applied, in order (its log line per version)."""
+        return [int(m.group(1)) for m in APPLIED.finditer(self.logs(pod, "weight-sync"))]
+
+    def history(self) -> list[dict[str, float]]:
+        """The trainer's per-step metrics, from its newest checkpoint in the store."""
+        from rlfleet.trainer.publish import checkpoint
+
+        latest = checkpoint.load_latest(self.store_dir() / "checkpoints")
+        return list(latest["history"]) if latest else []
+
+    def diagnosis(self) -> str:
+        """What the RLJob, the groups, the trainer and the operator say (a failure's report)."""
+        parts = [f"RLJob status: {self.status()}"]
+        try:
+            parts.append(self.kube.kubectl("get", "rlj,sg,wc,pods", "-n", self.ns, "-o", "wide").stdout)
+        except Exception as exc:  # noqa: BLE001 - a report must not hide the failure it reports
+            parts.append(f"(no table: {exc})")
+        parts.append(f"trainer log tail:\n{self._log_tail(f'{JOB}-trainer-0', 'trainer')}")
+        for group in GROUPS:
+            for pod in self.sampler_pods(group):
+                name = pod["metadata"]["name"]
+                parts.append(f"{name} weight-sync log tail:\n{self._log_tail(name, 'weight-sync')}")
+        for op in self.pods("app.kubernetes.io/name=rlfleet"):
+            parts.append(f"operator log tail:\n{self._log_tail(op['metadata']['name'], None)}")
+        return "\n".join(parts)
+
+    def _log_tail(self, pod: str, container: str | None, lines: int = 30) -> str:
+        try:
+            extra = ("-c", container) if container else ()
+            return self.kube.kubectl("logs", "-n", self.ns, pod, *extra, f"--tail={lines}").stdout
+        except Exception as exc:  # noqa: BLE001
+            return f"(no log: {exc})"
+
+    def wait(self, what: str, check: Any, timeout: float, interval: float = 1.0) -> Any:
+        """wait_for, with the fleet's diagnosis in the failure."""
+        try:
+            return wait_for(what, check, timeout=timeout, interval=interval)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnosis()}") from None
+
+    def wait_step(self, at_least: int, timeout: float = 900) -> int:
+        return self.wait(f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout)
+
+
+# The sidecar's line per version it applied (sampler/syncer.py): with LoRA the followed view is `lora`.
+APPLIED = re.compile(r"applied weights v(\d+) \(" + LORA_VIEW + r"\) from ")
+# The init container's line (sampler/syncer.py fetch_for_launch): the base view the engine launches from.
+LAUNCHED = re.compile(r"launch checkpoint: v(\d+) \((\w+)\) at \S+, from (.+?), (\d+) bytes read")
+# Run in the weight-sync container (python3 -I): the job's key on stdin (never on a command line).
+ENGINE_PROBE = (
+    "import json, sys, urllib.request\n"
+    "key = sys.stdin.read().strip()\n"
+    f"sidecar = 'http://127.0.0.1:{naming.SYNC_PORT}'\n"
+    f"engine = 'http://127.0.0.1:{naming.SGLANG_PORT}'\n"
+    "def get(url, auth=False):\n"
+    "    headers = {'Authorization': 'Bearer ' + key} if auth else {}\n"
+    "    return json.load(urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30))\n"
+    "before = get(sidecar + '/status')\n"
+    "models = get(engine + '/v1/models', auth=True)\n"
+    "after = get(sidecar + '/status')\n"
+    "print(json.dumps({'before': before, 'models': models, 'after': after}))\n"
+)
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def _restarts(pod: dict[str, Any]) -> dict[str, int]:
+    statuses = pod["status"].get("initContainerStatuses", []) + pod["status"].get("containerStatuses", [])
+    return {c["name"]: int(c.get("restartCount", 0)) for c in statuses}
+
+
+def _adapters(models: dict[str, Any]) -> list[int]:
+    """The rlfleet adapters an engine's /v1/models lists (cards with a parent named v<N>)."""
+    return sorted(
+        v
+        for card in models.get("data") or []
+        if card.get("parent") and (v := adapter_version(str(card.get("id")))) is not None
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(dev_cluster) -> Iterator[Fleet]:
+    kube = dev_cluster.kube
+    ns = f"lora-{uuid.uuid4().hex[:6]}"
+    # The operator reads the channel from the example's claim (mounted read-only at the store's path): it
+    # runs in the job's namespace, as a PVC cannot be mounted from another one. Its pod waits for the
+    # claim, which the example creates (local-path binds it for its first consumer).
+    stores = [{"name": "lora", "claimName": CLAIM, "mountPath": STORE_PATH}]
+    install = install_operator_chart(
+        kube,
+        dev_cluster.images["operator"].ref,
+        ns,
+        "--set-json",
+        f"weightStores.filesystem={json.dumps(stores)}",
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
+    [job] = [d for d in docs if d["kind"] == "RLJob"]
+    assert job["metadata"]["name"] == JOB and job["spec"]["trainer"]["lora"]["rank"] == 16
+    job["spec"]["trainer"]["totalSteps"] = TOTAL_STEPS  # the run must outlast the phases (above)
+    kube.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
+    fleet = Fleet(kube, ns, time.monotonic())
+    stop = threading.Event()
+
+    def watch_versions() -> None:  # every version the channel's pointer names, in order seen
+        while not stop.wait(0.5):
+            try:
+                version = fleet.latest_version()
+                if version is not None:
+                    fleet.read_new_manifests()
+            except Exception:  # noqa: BLE001 - the PVC is not bound yet
+                continue
+            if version is not None and (not fleet.versions_seen or fleet.versions_seen[-1] != version):
+                fleet.versions_seen.append(version)
+
+    watcher = threading.Thread(target=watch_versions, daemon=True)
+    watcher.start()
+    try:
+        yield fleet
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+        # the job first, while the operator runs (it releases the WeightChannel's finalizer)
+        kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
+        uninstall_operator_chart(kube, ns)
+        kube.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=100s", check=False)
+
+
+def test_the_trainer_publishes_adapters_over_bases_stored_once(fleet: Fleet) -> None:
+    """The torch backend on two gloo ranks trains the PEFT adapter only; version 0 holds the three base
+    views and the adapter, every later version only the adapter (a few hundred KB) naming its bases at
+    version 0; the WeightChannel's status says so (`loraBase`, the latest artifacts)."""
+    step = fleet.wait_step(2, timeout=1500)
+    print(f"step {step} after {time.monotonic() - fleet.started:.0f}s from apply")
+    trainer = fleet.kube.get_json("pod", f"{JOB}-trainer-0", "-n", fleet.ns)
+    [container] = [c for c in trainer["spec"]["containers"] if c["name"] == "trainer"]
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    assert env.get("NPROC_PER_NODE") == "2", env  # torchrun --nproc-per-node=$(NPROC_PER_NODE): 2 gloo ranks
+    log = fleet.logs(f"{JOB}-trainer-0", "trainer")
+    trained = re.search(r"LoRA: (\d+) of (\d+) parameters trained", log)
+    # the adapter only (rank 16 on 7 projections of a model this small: 69632 of 414592, 16.8%)
+    assert trained and 0 < int(trained.group(1)) < int(trained.group(2)) // 4, log[-3000:]
+
+    def channel_status() -> dict[str, Any] | None:
+        status = fleet.kube.get_json("weightchannels", "-n", fleet.ns)["items"][0].get("status", {})
+        artifacts = status.get("artifacts") or []
+        ok = (status.get("latestVersion") or 0) >= 2 and [a["view"] for a in artifacts] == [LORA_VIEW]
+        return status if ok and status.get("loraBase") else None
+
+    status = fleet.wait("the WeightChannel naming a LoRA version and its bases", channel_status, timeout=600)
+    assert status["loraBase"] == {"bf16": 0, "fp8": 0, "nvfp4": 0}, status
+    [artifact] = status["artifacts"]
+    assert 0 < artifact["bytes"] <= ADAPTER_BYTES_AT_MOST, artifact
+    fleet.wait("the manifests of versions 0 to 2", lambda: {0, 1, 2} <= set(fleet.manifests), timeout=120)
+    v0 = fleet.manifests[0]
+    assert set(v0.views) == {*GROUPS, LORA_VIEW}, sorted(v0.views)
+    base_bytes = {view: v0.views[view].bytes for view in GROUPS}
+    for version, manifest in sorted(fleet.manifests.items()):
+        assert manifest.metadata.get("lora_base") == {"bf16": 0, "fp8": 0, "nvfp4": 0}, (
+            version,
+            manifest.metadata,
+        )
+        if version == 0:
+            continue
+        assert set(manifest.views) == {LORA_VIEW}, (version, sorted(manifest.views))
+        lora = manifest.views[LORA_VIEW]
+        assert lora.delta is None and 0 < lora.bytes <= ADAPTER_BYTES_AT_MOST, (version, lora.bytes)
+        # below every base view (the smallest, nvfp4, is 231 KB here) and a fifth of full fine-tuning's
+        # version (the three views: 1.30 MB) at most
+        assert lora.bytes < min(base_bytes.values()), (version, lora.bytes, base_bytes)
+        assert lora.bytes * 5 < sum(base_bytes.values()), (version, lora.bytes, base_bytes)
+    print(
+        f"adapter {artifact['bytes']} B per version; base views stored once at v0: {base_bytes} "
+        f"({sum(base_bytes.values()) / artifact['bytes']:.1f}x the adapter); {len(fleet.manifests)} versions read"
+    )
+    print(fleet.kube.kubectl("get", "wc", "-n", fleet.ns).stdout)
+
+
+def test_every_group_swaps_adapters_without_a_restart(fleet: Fleet) -> None:
+    """Each group's sidecar applies several adapter versions; its engine lists at most two rlfleet adapters,
+    the one the sidecar applied last and the one before; no container of a sampler pod ever restarted."""
+    for group in GROUPS:
+        [pod] = fleet.sampler_pods(group)
+        name = pod["metadata"]["name"]
+        applied = fleet.wait(
+            f"the {group} sidecar applying {MIN_APPLIED} adapter versions",
+            lambda n=name: a if len(a := fleet.applied(n)) >= MIN_APPLIED else None,
+            timeout=900,
+        )
+        assert applied == sorted(set(applied)), (group, applied)  # each once, forwards
+
+        three: list[list[int]] = []  # in-sync snapshots holding more than 2 adapters (retried; reported)
+
+        def settled(n: str = name, three: list[list[int]] = three) -> tuple[dict[str, Any], list[int]] | None:
+            got = fleet.probe(n)
+            before, after = got["before"], got["after"]
+            if not (
+                before["phase"] == after["phase"] == "in-sync"
+                and before["applied_version"] == after["applied_version"]
+            ):
+                return None
+            if len(_adapters(got["models"])) > 2:
+                # SGLang (and the reference engine) load an unloaded adapter again for a late request that
+                # names it (docs/sampler.md, "LoRA"); the sidecar's next apply unloads it: not a settled state
+                three.append(_adapters(got["models"]))
+                return None
+            # the log read after: a version applied since is left out
+            return got, [v for v in fleet.applied(n) if v <= after["applied_version"]]
+
+        got, lines = fleet.wait(
+            f"the {group} sidecar in sync with its engine holding at most 2 adapters (seen with more: {three})",
+            settled,
+            timeout=300,
+            interval=0.2,
+        )
+        serving = got["after"]["applied_version"]
+        held = _adapters(got["models"])
+        print(
+            f"{group}: applied {lines[:3]}..{lines[-3:]} ({len(lines)}), engine holds {held}; "
+            f"in-sync snapshots with more than 2 adapters before: {three}"
+        )
+        assert serving == lines[-1] and serving >= 1, (group, serving, lines)
+        assert held[-1:] == [serving] and len(held) <= 2, (group, held, serving)
+        if len(held) == 2:  # the one before: what the sidecar applied before it
+            assert held[0] == lines[-2], (group, held, lines[-3:])
+        assert got["after"]["failures"].get("checksum", 0) == 0, got["after"]
+    for group in GROUPS:
+        for pod in fleet.sampler_pods(group):
+            assert set(_restarts(pod).values()) == {0}, (pod["metadata"]["name"], _restarts(pod))
+
+
+def test_rollouts_come_from_every_group_on_adapter_versions(fleet: Fleet) -> None:
+    """The trainer's steps since every group applied an adapter: each group's episodes trained, in steps
+    whose every token came from an adapter version >= 1 (the step's oldest token version is the version
+    the trainer held minus its staleness_max); the cockpit's VERSION per group is an adapter version its
+    sidecar applied."""
+
+    def adapter_steps() -> dict[str, float] | None:
+        episodes = dict.fromkeys(GROUPS, 0.0)
+        for row in fleet.history():
+            held = int(row["weight_version"]) - 1  # the version the trainer held while it took the step
+            if held - int(row.get("staleness_max", 0)) < 1 or not row.get("trained_tokens"):
+                continue  # a token of that step may be from version 0 (the untrained adapter)
+            for group in GROUPS:
+                episodes[group] += float(row.get(f"group/{JOB}-{group}/episodes", 0.0)) + float(
+                    row.get(f"group/{group}/episodes", 0.0)
+                )
+        return episodes if all(episodes.values()) else None
+
+    try:
+        episodes = fleet.wait("every group's episodes in steps on adapters >= v1", adapter_steps, timeout=900)
+    except AssertionError:
+        rows = fleet.history()
+        raise AssertionError(
+            f"no step on adapters >= v1 from every group; the last rows: {rows[-3:]}"
+        ) from None
+    print(f"episodes trained on adapter versions >= 1, per group: {episodes}")
+
+    def cockpit() -> tuple[str, dict[str, int]] | None:
+        table = fleet.kube.kubectl("get", "samplergroups", "-n", fleet.ns).stdout
+        header, *rows = table.strip().splitlines()
+        column = header.split().index("VERSION")
+        versions = {}
+        for row in rows:
+            cells = row.split()
+            group = cells[0].removeprefix(f"{JOB}-")
+            if group in GROUPS and cells[column].isdigit():
+                versions[group] = int(cells[column])
+        return (table, versions) if set(versions) == set(GROUPS) and min(versions.values()) >= 1 else None
+
+    table, versions = fleet.wait("`kubectl get sg` with a VERSION >= 1 for every group", cockpit, timeout=600)
+    print(table)
+    for group, version in versions.items():
+        [pod] = fleet.sampler_pods(group)
+        assert version in fleet.applied(pod["metadata"]["name"]), (group, version)
+
+
+def test_a_deleted_sampler_pod_comes_back_on_its_base_and_the_newest_adapter(fleet: Fleet) -> None:
+    """The bf16 pod deleted mid-run: its replacement's init container fetches the base view of version 0
+    (the only version holding it), its engine launches from it, its sidecar loads the channel's newest
+    adapter (not every version since 0), and the trainer trains on; the channel never publishes a version
+    twice nor stores a base again."""
+    [old] = fleet.sampler_pods("bf16")
+    old_name = old["metadata"]["name"]
+    fleet.wait_step(fleet.step() + 1)  # the fleet is generating
+    latest = fleet.latest_version()
+    assert latest is not None and latest >= 1
+    step = fleet.step()
+    fleet.kube.kubectl("delete", "pod", "-n", fleet.ns, old_name, "--wait=true", "--timeout=120s")
+
+    def replacement() -> dict[str, Any] | None:
+        pods = [p for p in fleet.sampler_pods("bf16") if p["metadata"]["name"] != old_name]
+        return pods[0] if pods and _ready(pods[0]) else None
+
+    new = fleet.wait("the replacement bf16 pod Ready", replacement, timeout=600)
+    name = new["metadata"]["name"]
+    fetched = fleet.logs(name, "weight-fetch")
+    launched = LAUNCHED.search(fetched)
+    assert launched, fetched[-3000:]
+    # "anchor v0", or "anchor v0 in place" where the engine reads the channel's own directory
+    assert (int(launched.group(1)), launched.group(2)) == (0, "bf16"), launched.group(0)
+    assert launched.group(3).startswith("anchor v0"), launched.group(0)
+    applied = fleet.wait(
+        "the replacement's sidecar applying an adapter", lambda: fleet.applied(name), timeout=600
+    )
+    assert applied[0] >= latest, (applied, latest)  # the newest adapter, not v1, v2, ...
+    got = fleet.wait(
+        "the replacement's engine holding the adapter its sidecar applied",
+        lambda: (g := fleet.probe(name))["after"]["phase"] == "in-sync" and _adapters(g["models"]) and g,
+        timeout=300,
+    )
+    held = _adapters(got["models"])
+    assert len(held) <= 2 and held[-1] >= applied[0], (held, applied)
+    fleet.wait_step(step + 2)
+
+    def bf16_trains_again() -> float | None:  # the replacement serves: bf16 episodes in a step after it
+        after = sum(
+            v
+            for row in fleet.history()
+            if int(row["step"]) > step
+            for k, v in row.items()
+            if k.startswith("group/") and k.endswith("bf16/episodes")
+        )
+        return after or None
+
+    fleet.wait("the bf16 group's episodes trained again", bf16_trains_again, timeout=600)
+    [new] = [p for p in fleet.sampler_pods("bf16") if p["metadata"]["name"] == name]
+    assert set(_restarts(new).values()) == {0}, _restarts(new)
+    # no version published twice: the pointer only moved forwards, and every manifest still in the store
+    # is the one read when it landed; no base view stored after version 0
+    seen = fleet.versions_seen
+    assert seen == sorted(set(seen)), seen
+    for version, digest in sorted(fleet.digests.items()):
+        try:
+            raw = (fleet.store_dir() / f"v{version}" / "manifest.json").read_bytes()
+        except OSError:
+            continue  # retention removed it
+        assert hashlib.sha256(raw).hexdigest() == digest, f"v{version}'s manifest changed since it landed"
+    again = {v: sorted(m.views) for v, m in fleet.manifests.items() if v > 0 and set(m.views) != {LORA_VIEW}}
+    assert not again, again
+    [wc] = fleet.kube.get_json("weightchannels", "-n", fleet.ns)["items"]
+    assert wc["status"]["loraBase"] == {"bf16": 0, "fp8": 0, "nvfp4": 0}, wc["status"]
