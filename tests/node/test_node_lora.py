@@ -408,23 +408,27 @@ def test_rollouts_come_from_every_group_on_adapter_versions(fleet: Fleet) -> Non
         ) from None
     print(f"episodes trained on adapter versions >= 1, per group: {episodes}")
 
-    def cockpit() -> tuple[str, dict[str, int]] | None:
-        table = fleet.kube.kubectl("get", "samplergroups", "-n", fleet.ns).stdout
-        header, *rows = table.strip().splitlines()
-        column = header.split().index("VERSION")
-        versions = {}
-        for row in rows:
-            cells = row.split()
-            group = cells[0].removeprefix(f"{JOB}-")
-            if group in GROUPS and cells[column].isdigit():
-                versions[group] = int(cells[column])
-        return (table, versions) if set(versions) == set(GROUPS) and min(versions.values()) >= 1 else None
+    # `kubectl get sg`'s VERSION column is the CRD's printer column of status.appliedWeightVersion, read here
+    # from the objects (the table's empty cells do not split into columns)
+    crd = fleet.kube.get_json("crd", "samplergroups.rlfleet.dev")
+    [served] = [v for v in crd["spec"]["versions"] if v.get("served")]
+    columns = {c["name"]: c["jsonPath"] for c in served["additionalPrinterColumns"]}
+    assert columns["Version"] == ".status.appliedWeightVersion", columns
 
-    table, versions = fleet.wait("`kubectl get sg` with a VERSION >= 1 for every group", cockpit, timeout=600)
-    print(table)
+    def cockpit() -> dict[str, int] | None:
+        versions = {
+            name.removeprefix(f"{JOB}-"): sg.get("status", {}).get("appliedWeightVersion")
+            for name, sg in fleet.groups().items()
+        }
+        ok = set(versions) == set(GROUPS) and all(isinstance(v, int) and v >= 1 for v in versions.values())
+        return versions if ok else None
+
+    versions = fleet.wait("`kubectl get sg` with a VERSION >= 1 for every group", cockpit, timeout=600)
+    print(fleet.kube.kubectl("get", "samplergroups", "-n", fleet.ns).stdout)
     for group, version in versions.items():
         [pod] = fleet.sampler_pods(group)
-        assert version in fleet.applied(pod["metadata"]["name"]), (group, version)
+        applied = fleet.applied(pod["metadata"]["name"])
+        assert version in applied, (group, version, applied)
 
 
 def test_a_deleted_sampler_pod_comes_back_on_its_base_and_the_newest_adapter(fleet: Fleet) -> None:
