@@ -17,7 +17,9 @@ from rlfleet.store import FilesystemStore
 from rlfleet.trainer.publish.publisher import WeightPublisher
 
 RANK = 4
-CONFIG = adapter_config(rank=RANK, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"], base_model="tiny")
+CONFIG = adapter_config(
+    rank=RANK, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"], base_model="tiny"
+)
 
 
 def adapter(seed: int) -> dict[str, torch.Tensor]:
