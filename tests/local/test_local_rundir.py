@@ -70,7 +70,7 @@ def test_a_directory_that_is_not_a_run_is_refused_and_left_as_it_was(tmp_path, c
     assert err == (
         f"rlfleet run: --out {out} is not an rlfleet run directory (no .rlfleet-run) and holds {listed}: choose a "
         "new or empty --out, or add --force to remove only rlfleet's own files there (checkpoints, channel, cache, "
-        "report, fleet.log, fleet.json, run.json) and keep everything else\n"
+        "report, fleet.log, fleet.json, run.json, endpoint.json) and keep everything else\n"
     )
     assert tree(out) == before  # not even the lock file was made
 
