@@ -32,19 +32,16 @@ def serve_external(
 ) -> dict[str, Any]:
     """Serve the job's fleet for its external trainer until `stop` is set; returns what endpoint.json says.
     `rc`: the job's RunConfig (trainer/config.py resolve_run(local=True)): its groups, views, local model."""
-    from rlfleet.local.main import FLEET_LOG, FleetProcess, LocalRunError
+    from rlfleet.local.main import FLEET_LOG, FleetProcess, LocalRunError, prepare_out
 
     if out.exists() and not out.is_dir():
         raise LocalRunError(f"--out {out} is a file, not a directory")
     if publish_dir.exists() and not publish_dir.is_dir():
         raise LocalRunError(f"--publish-dir {publish_dir} is not a directory")
-    try:
+    try:  # as a fresh local run: refused before the lock is made, prepared under it (rlfleet/local/rundir.py)
         rundir.check_replaceable(out, force=force)
-        out.mkdir(parents=True, exist_ok=True)
         with rundir.locked(out):
-            rundir.check_replaceable(out, force=force)
-            rundir.clean(out)  # rlfleet's own files only (rlfleet/local/rundir.py)
-            rundir.write_marker(out, rc.job_name)
+            prepare_out(out, rc, resume=False, force=force)
             return _serve(rc, out, publish_dir, stop, poll_interval, FleetProcess, FLEET_LOG)
     except rundir.RunDirError as exc:
         raise LocalRunError(str(exc)) from None
