@@ -16,7 +16,6 @@ from rlfleet.api.common import SUBSCRIBERS_DIR
 from rlfleet.api.podfields import template_wire
 from rlfleet.api.scheduling import PodPlacement, compact
 from rlfleet.catalog import GPU_RESOURCE, GPU_TOLERATION, Catalog
-from rlfleet.store.factory import spec_uri
 
 RESTRICTED_CONTAINER: dict[str, Any] = {
     "allowPrivilegeEscalation": False,
@@ -202,11 +201,6 @@ def spec_hash(data: Any) -> str:
 
 
 # --- the weight store ------------------------------------------------------------------------------
-
-
-def store_uri(store: StoreSpec) -> str:
-    """The sidecar's --store argument: a filesystem path, or s3://bucket/prefix[?endpoint=URL]."""
-    return spec_uri(store)
 
 
 def store_env(store: StoreSpec, sampler: bool = False) -> list[dict[str, Any]]:

@@ -52,11 +52,11 @@ from rlfleet.operator.podspec import (
     sampler_store_volume,
     spec_hash,
     store_env,
-    store_uri,
     store_volume,
     user_volumes,
 )
 from rlfleet.operator.sandboxes import trainer_pod_identity
+from rlfleet.store.factory import spec_uri
 
 Manifest = dict[str, Any]
 
@@ -433,7 +433,7 @@ def build_sampler_deployment(
             "sampler",
             "sync",
             "--store",
-            store_uri(store),
+            spec_uri(store),  # the sidecar's --store (credentials stay in the env)
             "--view",
             spec.weight_format,
             "--engine-url",
