@@ -61,6 +61,7 @@ from rlfleet.slime_publish import (
 if TYPE_CHECKING:
     import torch
 
+    from rlfleet.api.weightchannel import DeltaSpec
     from rlfleet.channel import WeightChannel
     from rlfleet.trainer.metrics import PrometheusExporter
     from rlfleet.trainer.publish.publisher import WeightPublisher
@@ -365,6 +366,7 @@ def _from_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     args.base_checkpoint = args.base_checkpoint or str(base)
     args.views = ",".join(views_to_publish(g.weight_format for g in job.spec.sampler_groups))
     args.keep_versions = job.spec.weight_channel.retention.keep_versions
+    args.deltas = job.spec.weight_channel.deltas
     args.publisher_id = f"trainer/{job.metadata.namespace or 'default'}/{job.name}"
 
 
@@ -389,10 +391,18 @@ def _checked_args(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[arg
 
 
 def make_publisher(
-    store_uri: str, views: Iterable[str], base_checkpoint: Path, *, keep_versions: int, publisher_id: str
+    store_uri: str,
+    views: Iterable[str],
+    base_checkpoint: Path,
+    *,
+    keep_versions: int,
+    publisher_id: str,
+    deltas: DeltaSpec | None = None,
 ) -> WeightPublisher:
     """The channel's one writer, as the trainer's (trainer/entrypoint.py `_channel_writer`): the writer lease
-    (LeaseHeldError: another writer holds it), the bridge's views only (a sampler's report cannot add one)."""
+    (LeaseHeldError: another writer holds it), the bridge's views only (a sampler's report cannot add one),
+    the job's weightChannel.deltas (None: their defaults)."""
+    from rlfleet.api.weightchannel import DeltaSpec
     from rlfleet.channel import WRITER_LEASE_TTL_SECONDS
     from rlfleet.store import FilesystemStore, open_store
     from rlfleet.trainer.publish.publisher import WeightPublisher
@@ -405,6 +415,8 @@ def make_publisher(
         store,
         views=views,
         keep_versions=keep_versions,
+        anchor_every=(deltas or DeltaSpec()).anchor_every,
+        max_delta_share=(deltas or DeltaSpec()).max_delta_share,
         base_checkpoint=base_checkpoint,
         writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
         allowed_views=views,
@@ -430,6 +442,7 @@ def cli(argv: list[str]) -> int:
             Path(args.base_checkpoint),
             keep_versions=args.keep_versions,
             publisher_id=args.publisher_id,
+            deltas=getattr(args, "deltas", None),  # the job's (--config); else the defaults
         )
     except (ValueError, StoreError) as e:  # a bad URI, LeaseHeldError (a ChannelError), an unreachable store
         print(f"{prog}: {' '.join(str(e).split())}", file=sys.stderr)

@@ -72,6 +72,7 @@ def _serve(
         model_dir,
         keep_versions=rc.keep_versions,
         publisher_id=f"local/{rc.job_name}",
+        deltas=rc.deltas,
     )
     bridge = SlimeBridge(str(publish_dir), publisher, str(model_dir))
     bridge.poll()  # version 0 (the groups start from it) and whatever slime has written already

@@ -482,8 +482,8 @@ def test_the_bridge_pod_reads_its_job_from_the_config(
 ) -> None:
     """`rlfleet slime bridge --config <the job's RLJob>` (the operator's command, examples/rljob-slime.yaml
     with this machine's paths): the publish dir, the store, the model source (builtin:tiny-qwen3 built into
-    the model cache: the same bytes as the stand-in's base), the views of the job's three groups, and the
-    trainer's publisher id come from the RLJob. An RLJob without trainer.external is one line, exit 2."""
+    the model cache: the same bytes as the stand-in's base), the views of the job's three groups, its
+    weightChannel.deltas and the trainer's publisher id come from the RLJob. An RLJob without trainer.external is one line, exit 2."""
     import yaml
 
     from rlfleet.cli import main
@@ -494,6 +494,7 @@ def test_the_bridge_pod_reads_its_job_from_the_config(
     job["spec"]["trainer"]["external"]["publishDir"] = str(tmp_path / "slime")
     job["spec"]["trainer"]["volumeMounts"][0]["mountPath"] = str(tmp_path)
     job["spec"]["weightChannel"]["store"]["path"] = str(tmp_path / "store")
+    job["spec"]["weightChannel"]["deltas"] = {"anchorEvery": 1}  # every version whole: not the default
     config = tmp_path / "rljob.yaml"
     config.write_text(yaml.safe_dump(job))
     s = SlimeStandIn(tmp_path / "slime", tiny_qwen3_dir)
@@ -504,6 +505,7 @@ def test_the_bridge_pod_reads_its_job_from_the_config(
     manifest = channel.manifest(1)
     assert sorted(manifest.views) == ["bf16", "fp8", "nvfp4"]
     assert manifest.publisher == "trainer/default/slime"
+    assert all(vm.delta is None for vm in manifest.views.values())  # the job's anchorEvery 1, not 16
     assert bf16_view_equals(channel, 1, s.weights[1], tmp_path)
 
     del job["spec"]["trainer"]["external"]
