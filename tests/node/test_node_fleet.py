@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.node_job import NodeJob, ready
 from support.operator_chart import install_operator_chart, uninstall_operator_chart
 from support.waits import wait_for
 
@@ -59,13 +60,14 @@ DELTA_SHARE_AT_MOST = 0.10  # a delta version stores (and a replica following ev
 
 
 @dataclass
-class Fleet:
+class Fleet(NodeJob):
+    job = JOB
+    claim = CLAIM
     kube: Any  # controlplane.KubeCluster
     ns: str
     started: float
     versions_seen: list[int] = field(default_factory=list)  # the channel's latest version, polled
     manifests: dict[int, Manifest] = field(default_factory=dict)  # every version's manifest, read as it lands
-    _store: Path | None = None
 
     def rljob(self) -> dict[str, Any]:
         return self.kube.get_json("rljob", JOB, "-n", self.ns)
@@ -73,33 +75,9 @@ class Fleet:
     def status(self) -> dict[str, Any]:
         return self.rljob().get("status", {})
 
-    def step(self) -> int:
-        return int(self.status().get("step") or 0)
-
     def groups(self) -> dict[str, dict[str, Any]]:
         items = self.kube.get_json("samplergroups", "-n", self.ns)["items"]
         return {sg["metadata"]["name"]: sg for sg in items}
-
-    def pods(self, selector: str) -> list[dict[str, Any]]:
-        return self.kube.get_json("pods", "-n", self.ns, "-l", selector)["items"]
-
-    def sampler_pods(self, group: str) -> list[dict[str, Any]]:
-        return [
-            p
-            for p in self.pods(f"rlfleet.dev/samplergroup={JOB}-{group}")
-            if not p["metadata"].get("deletionTimestamp")
-        ]
-
-    def logs(self, pod: str, container: str, *extra: str) -> str:
-        return self.kube.kubectl("logs", "-n", self.ns, pod, "-c", container, *extra).stdout
-
-    def store_dir(self) -> Path:
-        """The store's directory on the host: the PV behind the example's claim (bound once, read once)."""
-        if self._store is None:
-            volume = self.kube.get_json("pvc", CLAIM, "-n", self.ns)["spec"]["volumeName"]
-            pv = self.kube.get_json("pv", volume)["spec"]
-            self._store = Path((pv.get("hostPath") or pv.get("local"))["path"])
-        return self._store
 
     def read_new_manifests(self) -> None:
         """Keep the manifest of every version in the store not read yet (retention deletes old versions: the
@@ -129,13 +107,6 @@ class Fleet:
                 applies = int(float(m.group(1)))
         return {"read_bytes": read, "applies": applies, "status": got["status"], "settled": got["settled"]}
 
-    def latest_version(self) -> int | None:
-        pointer = self.store_dir() / "pointer.json"  # rlfleet.channel.POINTER_KEY
-        try:
-            return int(json.loads(pointer.read_text())["version"])
-        except (OSError, ValueError, KeyError):
-            return None
-
     def diagnosis(self) -> str:
         """What the RLJob, the trainer pod and the operator say (a failure's report: a phase that timed out
         in CI must say why there)."""
@@ -149,28 +120,17 @@ class Fleet:
                 ]
                 parts.append(f"pod {name}: phase {pod['status'].get('phase')}, containers {states}")
         for label, pod, container in (("trainer", f"{JOB}-trainer-0", "trainer"),):
-            parts.append(f"{label} log tail:\n{self._log_tail(pod, container)}")
+            parts.append(f"{label} log tail:\n{self.log_tail(pod, container, lines=40)}")
         for op in self.pods("app.kubernetes.io/name=rlfleet"):
             parts.append(
-                f"operator {op['metadata']['name']} log tail:\n{self._log_tail(op['metadata']['name'], None)}"
+                f"operator {op['metadata']['name']} log tail:\n{self.log_tail(op['metadata']['name'], None, lines=40)}"
             )
         return "\n".join(parts)
-
-    def _log_tail(self, pod: str, container: str | None, lines: int = 40) -> str:
-        try:
-            extra = ("-c", container) if container else ()
-            return self.kube.kubectl("logs", "-n", self.ns, pod, *extra, f"--tail={lines}").stdout
-        except Exception as exc:  # noqa: BLE001 - a report must not hide the failure it reports
-            return f"(no log: {exc})"
 
     def wait_step(self, at_least: int, timeout: float = 900) -> int:
         return wait_for(
             f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout=timeout
         )
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 @pytest.fixture(scope="module")
@@ -776,7 +736,7 @@ def test_a_deleted_sampler_pod_is_replaced_from_the_newest_version(fleet: Fleet)
 
     def replacement() -> dict[str, Any] | None:
         pods = [p for p in fleet.sampler_pods("bf16") if p["metadata"]["name"] != old_name]
-        return pods[0] if pods and _ready(pods[0]) else None
+        return pods[0] if pods and ready(pods[0]) else None
 
     new = wait_for("the replacement bf16 pod Ready", replacement, timeout=600)
     # credentials per role (docs/weights.md): the sync side reads the channel and writes only its group's
@@ -860,7 +820,7 @@ def test_a_spot_reclaimed_sampler_pod_loses_no_episode(fleet: Fleet, dev_cluster
 
     def replacement() -> dict[str, Any] | None:
         pods = [p for p in fleet.sampler_pods("fp8") if p["metadata"]["name"] != old_name]
-        return pods[0] if pods and _ready(pods[0]) else None
+        return pods[0] if pods and ready(pods[0]) else None
 
     wait_for("the replacement fp8 pod Ready", replacement, timeout=600)
     killed = fleet.step()
@@ -897,7 +857,7 @@ def test_training_goes_on_without_the_operator_and_status_converges(fleet: Fleet
     )
     wait_for(
         "the new operator pod Ready",
-        lambda: any(_ready(p) for p in fleet.pods("app.kubernetes.io/name=rlfleet")),
+        lambda: any(ready(p) for p in fleet.pods("app.kubernetes.io/name=rlfleet")),
         timeout=300,
     )
     fleet.wait_step(step + 2)  # the new operator reads the trainer and writes the status again
@@ -940,7 +900,7 @@ def test_a_corrupted_view_is_refused_and_the_group_keeps_serving(fleet: Fleet) -
     assert target in flipped, (target, flipped)
     applied = fleet.groups()[f"{JOB}-nvfp4"]["status"].get("appliedWeightVersion")
     assert applied is None or applied not in flipped
-    assert _ready(fleet.sampler_pods("nvfp4")[0])  # still serving
+    assert ready(fleet.sampler_pods("nvfp4")[0])  # still serving
     wait_for(
         "bf16 past the corrupted version",
         lambda: (fleet.groups()[f"{JOB}-bf16"]["status"].get("appliedWeightVersion") or 0) >= target,

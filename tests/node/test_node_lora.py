@@ -22,7 +22,6 @@ before test_node_pods.py, whose last test stops the node (the conftest moves it 
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import re
@@ -36,8 +35,8 @@ from typing import Any
 
 import pytest
 import yaml
+from support.node_job import NodeJob, ready
 from support.operator_chart import install_operator_chart, uninstall_operator_chart
-from support.waits import wait_for
 
 from rlfleet.channel import ChannelError, Manifest
 from rlfleet.lora import LORA_VIEW, adapter_version
@@ -61,52 +60,19 @@ MIN_APPLIED = 3  # adapter versions each sidecar must have applied
 
 
 @dataclass
-class Fleet:
+class Fleet(NodeJob):
+    job = JOB
+    claim = CLAIM
     kube: Any  # controlplane.KubeCluster
     ns: str
     started: float
     versions_seen: list[int] = field(default_factory=list)  # the channel's latest version, polled
     manifests: dict[int, Manifest] = field(default_factory=dict)  # every version's manifest, read as it lands
     digests: dict[int, str] = field(default_factory=dict)  # sha256 of each manifest.json as first read
-    _store: Path | None = None
-
-    def status(self) -> dict[str, Any]:
-        return self.kube.get_json("rljob", JOB, "-n", self.ns).get("status", {})
-
-    def step(self) -> int:
-        return int(self.status().get("step") or 0)
 
     def groups(self) -> dict[str, dict[str, Any]]:
         items = self.kube.get_json("samplergroups", "-n", self.ns)["items"]
         return {sg["metadata"]["name"]: sg for sg in items}
-
-    def pods(self, selector: str) -> list[dict[str, Any]]:
-        return self.kube.get_json("pods", "-n", self.ns, "-l", selector)["items"]
-
-    def sampler_pods(self, group: str) -> list[dict[str, Any]]:
-        return [
-            p
-            for p in self.pods(f"rlfleet.dev/samplergroup={JOB}-{group}")
-            if not p["metadata"].get("deletionTimestamp")
-        ]
-
-    def logs(self, pod: str, container: str, *extra: str) -> str:
-        return self.kube.kubectl("logs", "-n", self.ns, pod, "-c", container, *extra).stdout
-
-    def store_dir(self) -> Path:
-        """The store's directory on the host: the PV local-path provisioned for the example's claim."""
-        if self._store is None:
-            volume = self.kube.get_json("pvc", CLAIM, "-n", self.ns)["spec"]["volumeName"]
-            pv = self.kube.get_json("pv", volume)["spec"]
-            self._store = Path((pv.get("hostPath") or pv.get("local"))["path"])
-        return self._store
-
-    def latest_version(self) -> int | None:
-        pointer = self.store_dir() / "pointer.json"  # rlfleet.channel.POINTER_KEY
-        try:
-            return int(json.loads(pointer.read_text())["version"])
-        except (OSError, ValueError, KeyError):
-            return None
 
     def read_new_manifests(self) -> None:
         """Keep the manifest of every version not read yet, and the digest of its bytes (retention deletes
@@ -121,10 +87,6 @@ class Fleet:
                     continue
                 self.digests[int(number)] = hashlib.sha256(raw).hexdigest()
                 self.manifests[int(number)] = manifest
-
-    def api_key(self) -> str:
-        secret = self.kube.get_json("secret", f"{JOB}-api-key", "-n", self.ns)
-        return base64.b64decode(secret["data"]["key"]).decode()
 
     def probe(self, pod: str) -> dict[str, Any]:
         """Inside a sampler pod (`kubectl exec` into its weight-sync container, the job's key on stdin):
@@ -164,28 +126,14 @@ class Fleet:
             parts.append(self.kube.kubectl("get", "rlj,sg,wc,pods", "-n", self.ns, "-o", "wide").stdout)
         except Exception as exc:  # noqa: BLE001 - a report must not hide the failure it reports
             parts.append(f"(no table: {exc})")
-        parts.append(f"trainer log tail:\n{self._log_tail(f'{JOB}-trainer-0', 'trainer')}")
+        parts.append(f"trainer log tail:\n{self.log_tail(f'{JOB}-trainer-0', 'trainer')}")
         for group in GROUPS:
             for pod in self.sampler_pods(group):
                 name = pod["metadata"]["name"]
-                parts.append(f"{name} weight-sync log tail:\n{self._log_tail(name, 'weight-sync')}")
+                parts.append(f"{name} weight-sync log tail:\n{self.log_tail(name, 'weight-sync')}")
         for op in self.pods("app.kubernetes.io/name=rlfleet"):
-            parts.append(f"operator log tail:\n{self._log_tail(op['metadata']['name'], None)}")
+            parts.append(f"operator log tail:\n{self.log_tail(op['metadata']['name'], None)}")
         return "\n".join(parts)
-
-    def _log_tail(self, pod: str, container: str | None, lines: int = 30) -> str:
-        try:
-            extra = ("-c", container) if container else ()
-            return self.kube.kubectl("logs", "-n", self.ns, pod, *extra, f"--tail={lines}").stdout
-        except Exception as exc:  # noqa: BLE001
-            return f"(no log: {exc})"
-
-    def wait(self, what: str, check: Any, timeout: float, interval: float = 1.0) -> Any:
-        """wait_for, with the fleet's diagnosis in the failure."""
-        try:
-            return wait_for(what, check, timeout=timeout, interval=interval)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.diagnosis()}") from None
 
     def wait_step(self, at_least: int, timeout: float = 900) -> int:
         return self.wait(f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout)
@@ -209,10 +157,6 @@ ENGINE_PROBE = (
     "after = get(sidecar + '/status')\n"
     "print(json.dumps({'before': before, 'models': models, 'after': after}))\n"
 )
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 def _restarts(pod: dict[str, Any]) -> dict[str, int]:
@@ -446,7 +390,7 @@ def test_a_deleted_sampler_pod_comes_back_on_its_base_and_the_newest_adapter(fle
 
     def replacement() -> dict[str, Any] | None:
         pods = [p for p in fleet.sampler_pods("bf16") if p["metadata"]["name"] != old_name]
-        return pods[0] if pods and _ready(pods[0]) else None
+        return pods[0] if pods and ready(pods[0]) else None
 
     new = fleet.wait("the replacement bf16 pod Ready", replacement, timeout=600)
     name = new["metadata"]["name"]

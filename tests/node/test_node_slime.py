@@ -28,7 +28,6 @@ before test_node_pods.py, whose last test stops the node (the conftest moves it 
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import json
 import os
@@ -48,6 +47,7 @@ import numpy as np
 import pytest
 import yaml
 from support import slime_publisher as publisher
+from support.node_job import NodeJob, ready
 from support.operator_chart import install_operator_chart, uninstall_operator_chart
 from support.slime_publisher import SlimeStandIn
 from support.slime_requests import slime_post
@@ -118,7 +118,9 @@ REFUSED = re.compile(r"v(\d+) not published: (.+)$", re.M)  # trainer/slime_brid
 
 
 @dataclass
-class Slime:
+class Slime(NodeJob):
+    job = JOB
+    claim = CLAIM
     kube: Any  # controlplane.KubeCluster
     ns: str
     started: float
@@ -131,9 +133,6 @@ class Slime:
     _port_forward: subprocess.Popen | None = None
 
     # --- the cluster's objects --------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        return self.kube.get_json("rljob", JOB, "-n", self.ns).get("status", {})
-
     def channel_status(self) -> dict[str, Any]:
         [wc] = self.kube.get_json("weightchannels", "-n", self.ns)["items"]
         return wc.get("status", {})
@@ -144,13 +143,6 @@ class Slime:
             sg["metadata"]["name"].removeprefix(f"{JOB}-"): sg.get("status", {}).get("appliedWeightVersion")
             for sg in items
         }
-
-    def pods(self, selector: str | None = None) -> list[dict[str, Any]]:
-        extra = ("-l", selector) if selector else ()
-        return self.kube.get_json("pods", "-n", self.ns, *extra)["items"]
-
-    def logs(self, pod: str, container: str) -> str:
-        return self.kube.kubectl("logs", "-n", self.ns, pod, "-c", container).stdout
 
     def bridge_log(self) -> str:
         return self.logs(BRIDGE, "trainer")
@@ -171,23 +163,6 @@ class Slime:
                 return float(line.rsplit(" ", 1)[1])
         return None
 
-    def volume_dir(self, claim: str) -> Path:
-        """The directory on the host of the local-path PV bound to `claim` (the node's own disk)."""
-        volume = self.kube.get_json("pvc", claim, "-n", self.ns)["spec"]["volumeName"]
-        pv = self.kube.get_json("pv", volume)["spec"]
-        return Path((pv.get("hostPath") or pv.get("local"))["path"])
-
-    def latest_version(self) -> int | None:
-        pointer = self.volume_dir(CLAIM) / "pointer.json"  # rlfleet.channel.POINTER_KEY
-        try:
-            return int(json.loads(pointer.read_text())["version"])
-        except (OSError, ValueError, KeyError):
-            return None
-
-    def api_key(self) -> str:
-        secret = self.kube.get_json("secret", f"{JOB}-api-key", "-n", self.ns)
-        return base64.b64decode(secret["data"]["key"]).decode()
-
     # --- the router, from the host ------------------------------------------------------------------
     def router(self) -> str:
         """The router's URL from the host: its Service's cluster IP (kube-proxy's rules apply to the host's
@@ -198,7 +173,7 @@ class Slime:
         self.wait(
             "the router pod Ready",
             lambda: any(
-                _ready(p) for p in self.pods(f"rlfleet.dev/job={JOB},app.kubernetes.io/component=router")
+                ready(p) for p in self.pods(f"rlfleet.dev/job={JOB},app.kubernetes.io/component=router")
             ),
             timeout=600,
             interval=2.0,
@@ -296,30 +271,16 @@ class Slime:
             parts.append(self.kube.kubectl("get", "rlj,sg,wc,pods", "-n", self.ns, "-o", "wide").stdout)
         except Exception as exc:  # noqa: BLE001 - a report must not hide the failure it reports
             parts.append(f"(no table: {exc})")
-        parts.append(f"bridge log tail:\n{self._log_tail(BRIDGE, 'trainer')}")
+        parts.append(f"bridge log tail:\n{self.log_tail(BRIDGE, 'trainer')}")
         for group in GROUPS:
             for pod in self.pods(f"rlfleet.dev/samplergroup={JOB}-{group}"):
                 name = pod["metadata"]["name"]
-                parts.append(f"{name} weight-sync log tail:\n{self._log_tail(name, 'weight-sync')}")
+                parts.append(f"{name} weight-sync log tail:\n{self.log_tail(name, 'weight-sync')}")
         for pod in self.pods(f"rlfleet.dev/job={JOB},app.kubernetes.io/component=router"):
-            parts.append(f"router log tail:\n{self._log_tail(pod['metadata']['name'], None)}")
+            parts.append(f"router log tail:\n{self.log_tail(pod['metadata']['name'], None)}")
         for op in self.pods("app.kubernetes.io/name=rlfleet"):
-            parts.append(f"operator log tail:\n{self._log_tail(op['metadata']['name'], None)}")
+            parts.append(f"operator log tail:\n{self.log_tail(op['metadata']['name'], None)}")
         return "\n".join(parts)
-
-    def _log_tail(self, pod: str, container: str | None, lines: int = 30) -> str:
-        try:
-            extra = ("-c", container) if container else ()
-            return self.kube.kubectl("logs", "-n", self.ns, pod, *extra, f"--tail={lines}").stdout
-        except Exception as exc:  # noqa: BLE001
-            return f"(no log: {exc})"
-
-    def wait(self, what: str, check: Any, timeout: float, interval: float = 1.0) -> Any:
-        """wait_for, with the fleet's diagnosis in the failure."""
-        try:
-            return wait_for(what, check, timeout=timeout, interval=interval)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{self.diagnosis()}") from None
 
     def serve(self, version: int) -> None:
         """Ask `version` exactly until every group answered; every answer must be that version."""
@@ -337,10 +298,6 @@ def _health(url: str) -> bool:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never a proxy of the host's env
     with opener.open(url + "/health", timeout=5) as response:
         return response.status == 200
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
 
 
 def _base_digests(directory: Path) -> dict[str, list[Any]]:
@@ -466,7 +423,7 @@ def test_the_bridge_is_the_only_trainer_pod_and_publishes_version_0(slime: Slime
             return None
         for group, status in got.items():
             pods = slime.pods(f"rlfleet.dev/samplergroup={JOB}-{group}")
-            if not (pods and all(_ready(p) for p in pods)) or status.get("appliedWeightVersion") != 0:
+            if not (pods and all(ready(p) for p in pods)) or status.get("appliedWeightVersion") != 0:
                 return None
             if float(status.get("sharePercent") or 0) < SHARE_PERCENT_AT_LEAST:
                 return None

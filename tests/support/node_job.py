@@ -1,0 +1,92 @@
+"""An RLJob on the dev cluster's real node as the node tier's fleet tests read it (tests/node/test_node_lora.py,
+test_node_slime.py): its status, pods, logs, the host directory of a volume claim, the channel's pointer
+there, the job's engine key, and waits whose failure carries the test's own diagnosis."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+from support.waits import wait_for
+
+
+class NodeJob:
+    """Mixed into a test's fleet dataclass, which has `kube` (controlplane.KubeCluster) and `ns`, names the
+    job and its weight channel's claim, and says what a failure should show (`diagnosis`)."""
+
+    job: ClassVar[str]  # metadata.name of the RLJob
+    claim: ClassVar[str]  # the PersistentVolumeClaim of its weight channel's store
+    kube: Any
+    ns: str
+
+    def diagnosis(self) -> str:
+        raise NotImplementedError
+
+    def status(self) -> dict[str, Any]:
+        return self.kube.get_json("rljob", self.job, "-n", self.ns).get("status", {})
+
+    def step(self) -> int:
+        return int(self.status().get("step") or 0)
+
+    def pods(self, selector: str | None = None) -> list[dict[str, Any]]:
+        extra = ("-l", selector) if selector else ()
+        return self.kube.get_json("pods", "-n", self.ns, *extra)["items"]
+
+    def sampler_pods(self, group: str) -> list[dict[str, Any]]:
+        """The group's pods that are not being deleted."""
+        return [
+            p
+            for p in self.pods(f"rlfleet.dev/samplergroup={self.job}-{group}")
+            if not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def logs(self, pod: str, container: str, *extra: str) -> str:
+        return self.kube.kubectl("logs", "-n", self.ns, pod, "-c", container, *extra).stdout
+
+    def log_tail(self, pod: str, container: str | None, lines: int = 30) -> str:
+        """The end of a pod's log for a failure's report (never raises: a report must not hide the failure)."""
+        try:
+            extra = ("-c", container) if container else ()
+            return self.kube.kubectl("logs", "-n", self.ns, pod, *extra, f"--tail={lines}").stdout
+        except Exception as exc:  # noqa: BLE001
+            return f"(no log: {exc})"
+
+    def volume_dir(self, claim: str) -> Path:
+        """The directory on the host of the local-path PV bound to `claim` (the node's own disk; read once)."""
+        volumes: dict[str, Path] = self.__dict__.setdefault("_volume_dirs", {})
+        if claim not in volumes:
+            volume = self.kube.get_json("pvc", claim, "-n", self.ns)["spec"]["volumeName"]
+            pv = self.kube.get_json("pv", volume)["spec"]
+            volumes[claim] = Path((pv.get("hostPath") or pv.get("local"))["path"])
+        return volumes[claim]
+
+    def store_dir(self) -> Path:
+        """The weight channel's store on the host."""
+        return self.volume_dir(self.claim)
+
+    def latest_version(self) -> int | None:
+        """The version the channel's pointer names (None: none yet, or being rewritten)."""
+        pointer = self.store_dir() / "pointer.json"  # rlfleet.channel.POINTER_KEY
+        try:
+            return int(json.loads(pointer.read_text())["version"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def api_key(self) -> str:
+        """The job's engine key (its Secret `<job>-api-key`, field `key`)."""
+        secret = self.kube.get_json("secret", f"{self.job}-api-key", "-n", self.ns)
+        return base64.b64decode(secret["data"]["key"]).decode()
+
+    def wait(self, what: str, check: Any, timeout: float, interval: float = 1.0) -> Any:
+        """wait_for, with the fleet's diagnosis in the failure."""
+        try:
+            return wait_for(what, check, timeout=timeout, interval=interval)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.diagnosis()}") from None
+
+
+def ready(pod: dict[str, Any]) -> bool:
+    """The pod's Ready condition is True."""
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
