@@ -428,8 +428,13 @@ def test_local_run_interrupt_resume_and_report(tmp_path, capsys):
 
     # every file and directory the run wrote is in docs/local.md's table, and only rho's plot is missing
     # (sc-mis-topp replays the sampling mask: no rho, so no empty plot), and the routing plot (a dense
-    # model: no routed experts; tests/local/test_local_moe.py sees it written)
-    assert documented_outputs() - written_outputs(out) == {"report/sc_tail_ratio.png", "report/routing.png"}
+    # model: no routed experts; tests/local/test_local_moe.py sees it written) and endpoint.json (a job with
+    # trainer.external only; tests/local/test_local_slime.py sees it written)
+    assert documented_outputs() - written_outputs(out) == {
+        "report/sc_tail_ratio.png",
+        "report/routing.png",
+        "endpoint.json",
+    }
     assert written_outputs(out) <= documented_outputs()
     # the fleet host's log, both parts: each view's v0, and the checkpoint's version the resumed fleet had
     # to serve before training went on (wait_until_serving); later loads race the end of the run
