@@ -256,27 +256,20 @@ def _train_rank0(
 
 
 def _channel_writer(job: RLJob, rc: RunConfig, base_checkpoint: Path | None, store: Store) -> WeightPublisher:
-    """The job's publisher: one id per job, the same across pod restarts (a restarted trainer takes over
-    its own claim of a publish that was interrupted, killed or on a full store: rlfleet/channel.py),
-    publishing the RLJob's views only (a sampler's report cannot add one), and the channel's one writer
-    (the writer lease refuses a second trainer with another id: LeaseHeldError; docs/weights.md, "One
-    writer per channel")."""
-    from rlfleet.channel import WRITER_LEASE_TTL_SECONDS
-    from rlfleet.trainer.publish.publisher import WeightPublisher
+    """The job's publisher (publisher.channel_writer): one id per job, the same across pod restarts (a
+    restarted trainer takes over its own claim of a publish that was interrupted, killed or on a full
+    store: rlfleet/channel.py), the RLJob's views, retention and deltas."""
+    from rlfleet.trainer.publish.publisher import channel_writer
 
     wc = job.spec.weight_channel
-    views = rc.views
-    return WeightPublisher(
+    return channel_writer(
         store,
-        views=views,
-        lora=rc.adapter_config(),  # LoRA: each version the adapter, each base view stored once
-        keep_versions=wc.retention.keep_versions,
-        anchor_every=wc.deltas.anchor_every,
-        max_delta_share=wc.deltas.max_delta_share,
-        base_checkpoint=base_checkpoint,
-        writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
-        allowed_views=views,
+        rc.views,
         publisher_id=f"trainer/{job.metadata.namespace or 'default'}/{job.name}",
+        keep_versions=wc.retention.keep_versions,
+        deltas=wc.deltas,
+        base_checkpoint=base_checkpoint,
+        lora=rc.adapter_config(),  # LoRA: each version the adapter, each base view stored once
     )
 
 

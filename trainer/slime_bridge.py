@@ -399,28 +399,22 @@ def make_publisher(
     publisher_id: str,
     deltas: DeltaSpec | None = None,
 ) -> WeightPublisher:
-    """The channel's one writer, as the trainer's (trainer/entrypoint.py `_channel_writer`): the writer lease
-    (LeaseHeldError: another writer holds it), the bridge's views only (a sampler's report cannot add one),
-    the job's weightChannel.deltas (None: their defaults)."""
+    """The channel's one writer on `store_uri` (publisher.channel_writer, as the trainer's): the bridge's
+    views, the job's weightChannel.deltas (None: their defaults)."""
     from rlfleet.api.weightchannel import DeltaSpec
-    from rlfleet.channel import WRITER_LEASE_TTL_SECONDS
     from rlfleet.store import FilesystemStore, open_store
-    from rlfleet.trainer.publish.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import channel_writer
 
     store = open_store(store_uri)
     if isinstance(store, FilesystemStore):
         store.root.mkdir(parents=True, exist_ok=True)  # publishers may create the channel directory
-    views = list(views)
-    return WeightPublisher(
+    return channel_writer(
         store,
-        views=views,
-        keep_versions=keep_versions,
-        anchor_every=(deltas or DeltaSpec()).anchor_every,
-        max_delta_share=(deltas or DeltaSpec()).max_delta_share,
-        base_checkpoint=base_checkpoint,
-        writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
-        allowed_views=views,
+        views,
         publisher_id=publisher_id,
+        keep_versions=keep_versions,
+        deltas=deltas or DeltaSpec(),
+        base_checkpoint=base_checkpoint,
     )
 
 

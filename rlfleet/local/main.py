@@ -596,14 +596,14 @@ def _run_locked(
 ) -> dict[str, Any]:
     import torch
 
-    from rlfleet.channel import WRITER_LEASE_TTL_SECONDS, LeaseHeldError, WeightChannel
+    from rlfleet.channel import LeaseHeldError, WeightChannel
     from rlfleet.local.fleet import FleetSpec
     from rlfleet.local.fleet import GroupSpec as FleetGroup
     from rlfleet.local.report import WeightTraffic, group_tokens, lora_traffic, weight_traffic, write_report
     from rlfleet.store import open_store
     from rlfleet.trainer.collapse import CollapseDetector, CollapseThresholds
     from rlfleet.trainer.envs.prompts import PromptFileError
-    from rlfleet.trainer.publish.publisher import WeightPublisher
+    from rlfleet.trainer.publish.publisher import channel_writer
     from rlfleet.trainer.run import (
         ChannelSink,
         TrainingStartError,
@@ -637,17 +637,15 @@ def _run_locked(
     detector = CollapseDetector(CollapseThresholds.from_safety(rc.safety), action=rc.safety.action)
     store = open_store(str(channel_dir.resolve()))
     try:  # stable id: --resume takes over its own claims and writer lease; another run on this store is refused
-        publisher = WeightPublisher(
+        publisher = channel_writer(
             store,
-            views=rc.views,
-            keep_versions=rc.keep_versions,
-            follow_subscribers=False,
-            anchor_every=rc.deltas.anchor_every,
-            max_delta_share=rc.deltas.max_delta_share,
-            base_checkpoint=base.base_checkpoint,
-            writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
+            rc.views,
             publisher_id=f"local/{rc.job_name}",
+            keep_versions=rc.keep_versions,
+            deltas=rc.deltas,
+            base_checkpoint=base.base_checkpoint,
             lora=rc.adapter_config(),  # LoRA: each version the adapter, each base view stored once
+            follow_subscribers=False,  # the local fleet's views are the run's
         )
     except LeaseHeldError as exc:
         raise run_failure(exc, out, resume_hint) from None

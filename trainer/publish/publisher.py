@@ -26,7 +26,7 @@ not have), every `anchor_every` versions, when a file's layout changed, or when 
 exceed `max_delta_share` of the file. The kept copy moves on only once the pointer names the new version:
 after a publish that raised, the next delta is against the version the channel still serves.
 
-With `writer_lease_ttl_seconds` (the cluster trainer and local mode pass WRITER_LEASE_TTL_SECONDS) the
+With `writer_lease_ttl_seconds` (`channel_writer`: the cluster trainer, the slime bridge, a local run) the
 publisher is the channel's one writer: it takes the channel's writer lease when it is made (a second
 trainer with another id is refused then, `LeaseHeldError` naming the first) and a thread renews it every
 fifth of the TTL; a publish after the lease was taken over raises LeaseLostError (docs/weights.md, "One
@@ -51,9 +51,10 @@ from typing import Any, Literal
 
 import torch
 
-from rlfleet.api.weightchannel import DEFAULT_ANCHOR_EVERY, DEFAULT_MAX_DELTA_SHARE
+from rlfleet.api.weightchannel import DEFAULT_ANCHOR_EVERY, DEFAULT_MAX_DELTA_SHARE, DeltaSpec
 from rlfleet.channel import (
     LORA_BASE_KEY,
+    WRITER_LEASE_TTL_SECONDS,
     DeltaSource,
     LeaseLostError,
     PublishResult,
@@ -588,3 +589,35 @@ class WeightPublisher:
                     os.replace(pending / view, directory)
                     self._snapshots[view] = _ViewSnapshot(result.version, directory, since, scales[view])
         shutil.rmtree(pending, ignore_errors=True)
+
+
+def channel_writer(
+    store: Store,
+    views: Iterable[str],
+    *,
+    publisher_id: str,
+    keep_versions: int,
+    deltas: DeltaSpec,
+    base_checkpoint: Path | None,
+    lora: Mapping[str, Any] | None = None,
+    follow_subscribers: bool = True,
+) -> WeightPublisher:
+    """The publisher of a channel's one writer (the cluster trainer, the slime bridge, a local run): the
+    writer lease (LeaseHeldError: another writer with another id holds it; one id per job, the same across
+    restarts, so a restarted writer takes over its own claims), the given views only (a sampler's report
+    cannot add one), the job's weightChannel.deltas and retention, and with `lora` (the adapter config) each
+    version the adapter and each base view stored once (docs/weights.md, "One writer per channel")."""
+    views = list(views)
+    return WeightPublisher(
+        store,
+        views=views,
+        lora=lora,
+        keep_versions=keep_versions,
+        follow_subscribers=follow_subscribers,
+        anchor_every=deltas.anchor_every,
+        max_delta_share=deltas.max_delta_share,
+        base_checkpoint=base_checkpoint,
+        writer_lease_ttl_seconds=WRITER_LEASE_TTL_SECONDS,
+        allowed_views=views,
+        publisher_id=publisher_id,
+    )
