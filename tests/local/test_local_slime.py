@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import pytest
 from support.slime_publisher import SlimeStandIn
-from support.slime_requests import slime_post
+from support.slime_requests import rollout_meta, rollout_payload, slime_post
 from support.waits import wait_for
 
 from rlfleet.channel import WeightChannel
@@ -98,23 +98,15 @@ async def _drive(slime: SlimeStandIn, endpoint: dict) -> dict[int, set[int]]:
             encoding = "overwrite" if version % 2 else "xor"
             slime.publish(slime.perturbed(rng), kind, encoding=encoding, checksum_format="xxh3-128")
             for session in range(SESSIONS):
-                payload = {
-                    "input_ids": [1, 5, 9, 2],
-                    "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
-                    "return_logprob": True,
-                    "weight_version": {"exact_version": version},  # slime's request hook
-                }
                 output = await slime_post(
                     client,
                     endpoint["router"] + "/generate",
-                    payload,
+                    rollout_payload(version),
                     max_retries=240,
                     retry_sleep=0.25,
                     headers={**headers, "X-SMG-Routing-Key": f"episode-{version}-{session}"},
                 )
-                meta = output["meta_info"]
-                assert len(meta["output_token_logprobs"]) == len(output["output_ids"]) > 0
-                assert meta["finish_reason"]["type"] in ("length", "stop")
+                meta = rollout_meta(output)
                 answered.setdefault(version, set()).add(int(meta["weight_version"]))
     return answered
 

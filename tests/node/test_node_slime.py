@@ -50,7 +50,7 @@ from support import slime_publisher as publisher
 from support.node_job import NodeJob, ready
 from support.operator_chart import install_operator_chart, uninstall_operator_chart
 from support.slime_publisher import SlimeStandIn
-from support.slime_requests import slime_post
+from support.slime_requests import rollout_meta, rollout_payload, slime_post
 from support.waits import wait_for
 
 from rlfleet.operator import naming
@@ -228,24 +228,16 @@ class Slime(NodeJob):
         statuses: list[int] = []
 
         async def one(client: httpx.AsyncClient, session: str) -> None:
-            payload = {
-                "input_ids": [1, 5, 9, 2],
-                "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
-                "return_logprob": True,
-                "weight_version": {"exact_version": version},  # slime's request hook
-            }
             output = await slime_post(
                 client,
                 url,
-                payload,
+                rollout_payload(version),
                 max_retries=MAX_RETRIES,
                 retry_sleep=RETRY_SLEEP,
                 statuses=statuses,
                 headers={**headers, "X-SMG-Routing-Key": session},
             )
-            meta = output["meta_info"]
-            assert len(meta["output_token_logprobs"]) == len(output["output_ids"]) > 0, output
-            assert meta["finish_reason"]["type"] in ("length", "stop"), meta
+            meta = rollout_meta(output)
             group = str(meta["rlfleet_group"]).removeprefix(f"{JOB}-")
             got.setdefault(group, set()).add(int(meta["weight_version"]))
 

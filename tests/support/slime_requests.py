@@ -48,3 +48,23 @@ async def slime_post(
                 await response.aclose()
         break
     return output
+
+
+def rollout_payload(version: int) -> dict[str, Any]:
+    """A rollout request as slime's SGLang rollout sends it: token ids, sampling parameters, the tokens'
+    logprobs, and the version its request hook asks for exactly (docs/slime.md)."""
+    return {
+        "input_ids": [1, 5, 9, 2],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 1.0},
+        "return_logprob": True,
+        "weight_version": {"exact_version": version},  # slime's request hook
+    }
+
+
+def rollout_meta(output: Any) -> dict[str, Any]:
+    """The meta_info of a rollout's answer, checked as slime reads it: a logprob per generated token and a
+    finish reason slime knows."""
+    meta = output["meta_info"]
+    assert len(meta["output_token_logprobs"]) == len(output["output_ids"]) > 0, output
+    assert meta["finish_reason"]["type"] in ("length", "stop"), meta
+    return meta
