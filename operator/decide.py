@@ -368,6 +368,7 @@ def group_input(
         tokens_per_second=tokens_per_second,
         egress_price_per_gb=spec.get("egressPricePerGb"),
         lora=bool(spec.get("lora")),
+        tensor_parallel=int(tp),
     )
 
 

@@ -21,12 +21,24 @@ The rules, in order:
    `sglang:gen_throughput` gauge. `sglang:generation_tokens_total` is NOT used: SGLang counts it when
    a request FINISHES, so a busy group with long rollouts would read 0 for minutes. Then an EMA
    (`smoothing` = weight of the newest sample).
-2. Target shares by policy over eligible groups (not quarantined, >= 1 ready replica):
-   `throughput`: proportional to tokens/s; `cost`: proportional to USEFUL tokens/s (tokens/s x
+2. Capacity per group (`capacities`), tokens/s: a saturated group's smoothed tokens/s (1.). A
+   DEMAND-LIMITED group (`demand_limited`: every pod read reports `sglang:num_queue_reqs` and none has
+   a request waiting) made what it was sent, a lower bound: max(smoothed tokens/s, k x prior), prior =
+   the catalog's relative decode throughput of its (accelerator, weight_format) (H100 bf16 = 1) x the
+   GPUs of the pods read (`_serving_gpus`), k = the median over the eligible saturated groups with a
+   prior and a positive reading of tokens/s / prior; with none, the largest tokens/s / prior of the
+   eligible demand-limited groups (the least k none of their readings exceeds: their capacities are
+   proportional to their priors, in tokens/s next to the readings of groups without a prior). Unknown
+   queue (a pod without the gauge, no pods, a direct `tokens_per_second` reading), no catalog ratio,
+   or no k: the smoothed tokens/s, exactly as without this rule.
+3. Target shares by policy over eligible groups (not quarantined, >= 1 ready replica):
+   `throughput`: proportional to capacity; `cost`: proportional to USEFUL capacity (capacity x
    (1 - oor_fraction): out-of-range tokens are masked by MIS and teach nothing) times
-   cheapest_cost / own_cost, where cost = USD per 1M useful tokens - the cheapest group gets its full
-   capacity share, a group twice as expensive half of it; `static`: the configured shares; `plan`:
-   the fleet-mix optimizer's shares (operator/fleetplan.py, `spec.router.optimize`).
+   cheapest_cost / own_cost, where cost = USD per 1M useful tokens at that capacity (the reported
+   cost stays the measured one) - the cheapest group gets its full capacity share, a group twice as
+   expensive half of it; `static`: the configured shares; `plan`: the fleet-mix optimizer's shares
+   (operator/fleetplan.py, `spec.router.optimize`). A group weighed by its estimate says so in its
+   reason ("capacity estimated N tok/s: no queue"); its reported tokens/s stay the measured ones.
    Every eligible group gets at least `min_share`. Ineligible groups get 0.
    A group with an egress price (`egressPricePerGb`, a group in another region than the weight store)
    pays for its weight traffic: the rate of the trainer's `rlfleet_trainer_weights_stored_bytes_total
@@ -34,18 +46,23 @@ The rules, in order:
    reads) since the previous reading, smoothed alike (a counter that went down: the trainer restarted,
    what it stored since), x 3600 / 1e9 x the price x its ready replicas, USD/h; part of its cost per
    hour and per usable token (so the `cost` policy weighs it). No price, or no reading yet: 0.
-3. Quarantined or replica-less groups drop to 0 at once; everything else moves from the current
+4. Quarantined or replica-less groups drop to 0 at once; everything else moves from the current
    shares toward the target along a straight line, as far as `max_share_change` allows for the
    group that moves most (so shares keep summing to 1 and no share moves more than the bound).
-Shares follow DELIVERED throughput, which equals capacity when groups are busy (asynchronous RL
-keeps samplers saturated); a group starved of sessions shows low throughput and is not raised by
-this rule alone, which is why every group keeps `min_share`.
+Delivered throughput equals capacity when groups are busy (asynchronous RL keeps samplers saturated).
+Behind a light producer (slime with few concurrent requests) each group delivers what its share sends
+it, so shares from delivered throughput would be a fixed point: a group at 0 when it joined would start
+at `min_share` and creep up only by that floor (toward equal shares, never toward its capacity). Rule 2
+breaks it where the catalog knows the group's class; a group without a catalog figure starved of
+sessions is still raised by nothing but `min_share`. Rule 2 also corrects itself: a group sent more
+than it can do queues requests, counts as saturated, and is weighed (and calibrates k) by its reading.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
@@ -59,6 +76,7 @@ from rlfleet.fleet import (
     SECONDS_PER_HOUR,
     FleetEconomics,
     MeasuredGroup,
+    fleet_cost_per_1m_usable_tokens,
     measured_economics,
 )
 from rlfleet.lora import LORA_VIEW
@@ -179,6 +197,9 @@ class GroupInput:
     # serves LoRA adapters (spec.lora), every version's adapter (the `lora` view; its base is stored once)
     egress_price_per_gb: float | None = None
     lora: bool = False
+    # GPUs per replica; with it a demand-limited group's catalog prior counts the GPUs of the pods read
+    # (`_serving_gpus`), not those it pays for (a group scaling up serves from its ready replicas only)
+    tensor_parallel: int | None = None
 
 
 @dataclass
@@ -283,6 +304,10 @@ class GroupResult:
     measured_tokens_per_second: float | None = None
     # USD per hour of its replicas' weight traffic, part of cost_per_hour (None: no egress price or no reading yet)
     egress_cost_per_hour: float | None = None
+    # the tokens/s the `throughput` and `cost` policies weigh it by (`capacities`): its smoothed reading,
+    # or for a demand-limited group the catalog estimate where that is higher (None: no reading, no estimate)
+    capacity_tokens_per_second: float | None = None
+    capacity_estimated: bool = False  # capacity_tokens_per_second is the estimate, above the reading
 
     @property
     def reported(self) -> bool:
@@ -443,6 +468,85 @@ def _egress(g: GroupInput, state: RebalanceState) -> float | None:
     return None if per_replica is None else per_replica * max(g.ready_replicas, 0)
 
 
+def demand_limited(g: GroupInput) -> bool:
+    """Whether the group had less work than it could do this interval: every pod read reports
+    `sglang:num_queue_reqs` and none has a request waiting. Unknown (a pod without the gauge, no pod read,
+    a direct `tokens_per_second` reading such as Prometheus's) is not: the group counts as saturated."""
+    if g.tokens_per_second is not None or not g.pods:
+        return False
+    return all(s.num_queue_reqs is not None and s.num_queue_reqs <= 0 for s in g.pods.values())
+
+
+def _serving_gpus(g: GroupInput) -> int:
+    """The GPUs its reading comes from: the pods read x its tensor parallelism where both are known, else
+    the GPUs it pays for."""
+    if g.tensor_parallel and g.tensor_parallel > 0 and g.pods:
+        return g.tensor_parallel * len(g.pods)
+    return g.gpus
+
+
+def _prior(g: GroupInput, catalog: Catalog | None) -> float | None:
+    """The catalog's relative decode throughput of the group (H100 at bf16 per GPU = 1) x its serving GPUs;
+    None: no catalog, no ratio for its class and format, or no GPU."""
+    ratio = catalog.decode_throughput(g.accelerator, g.weight_format) if catalog is not None else None
+    gpus = _serving_gpus(g)
+    return ratio * gpus if ratio is not None and gpus > 0 else None
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """What the `throughput` and `cost` policies weigh each group by, tokens/s (`capacities`)."""
+
+    tokens_per_second: dict[str, float | None]
+    estimated: frozenset[str]  # groups whose capacity is the catalog estimate, above their reading
+    scale: float | None  # k: tokens/s per unit of catalog prior (None: no group to scale by)
+
+
+def capacities(
+    inputs: Sequence[GroupInput],
+    tps: Mapping[str, float | None],
+    eligible: Iterable[str],
+    catalog: Catalog | None,
+) -> Capacities:
+    """Each group's decode capacity, tokens/s. A saturated group (or one of unknown queue: `demand_limited`)
+    makes what it can: its smoothed reading `tps`. A demand-limited group made what it was sent, a LOWER
+    bound: max(its reading, k x its prior), prior = `_prior`, k in tokens/s per unit of prior = the median
+    over the eligible saturated groups with a prior and a positive reading of reading / prior; with none,
+    the largest reading / prior of the eligible demand-limited groups with a prior (the least k none of
+    their readings exceeds: their capacities come out proportional to their priors, in tokens/s, next to
+    the readings of groups without a prior). A group without a prior, an ineligible one, or no k (no
+    positive reading to scale by): its reading, as for a saturated group."""
+    names = set(eligible)
+    priors = {g.name: _prior(g, catalog) for g in inputs}
+    limited = {g.name for g in inputs if demand_limited(g)}
+
+    def per_unit(group_names: Iterable[str]) -> list[float]:
+        out = []
+        for n in group_names:
+            prior, rate = priors[n], tps.get(n)
+            if n in names and prior is not None and rate is not None and rate > 0:
+                out.append(rate / prior)
+        return out
+
+    saturated = per_unit(g.name for g in inputs if g.name not in limited)
+    lower = per_unit(g.name for g in inputs if g.name in limited)
+    scale = statistics.median(saturated) if saturated else (max(lower) if lower else None)
+    out: dict[str, float | None] = {}
+    estimated: set[str] = set()
+    for g in inputs:
+        rate, prior = tps.get(g.name), priors[g.name]
+        out[g.name] = rate
+        if (
+            g.name in limited & names
+            and prior is not None
+            and scale is not None
+            and scale * prior > (rate or 0.0)
+        ):
+            out[g.name] = scale * prior
+            estimated.add(g.name)
+    return Capacities(out, frozenset(estimated), scale)
+
+
 def _target_shares(
     eligible: list[str],
     raw: Mapping[str, float],
@@ -481,7 +585,7 @@ def rebalance(
     _observe_views(weights_stored_bytes, previous_state, new_state, now, config)
     egress = {g.name: _egress(g, new_state) for g in inputs}
 
-    # 2. Targets by policy.
+    # 2.-3. Capacities, targets by policy.
     names = [g.name for g in inputs]
     by_name = {g.name: g for g in inputs}
     eligible = [g.name for g in inputs if not g.quarantined and g.ready_replicas > 0]
@@ -506,17 +610,31 @@ def rebalance(
         config.reference_oor_fraction,
         config.catalog,
     )
-    useful = {n: (tps[n] or 0.0) * economics.groups[n].usable_fraction for n in names}
     useful_cost = {n: economics.groups[n].cost_per_1m_usable_tokens for n in names}
-    raw = _policy_weights(eligible, by_name, tps, useful, useful_cost, config.policy)
+    # what the throughput and cost policies weigh: capacity (a demand-limited group's may be estimated);
+    # the cost policy's cost per useful token at that capacity (the status keeps the measured cost)
+    capacity = capacities(inputs, tps, eligible, config.catalog)
+    cap = capacity.tokens_per_second
+    useful = {n: (cap[n] or 0.0) * economics.groups[n].usable_fraction for n in names}
+    weighed_cost = dict(useful_cost)
+    for n in capacity.estimated:
+        cost_per_hour = economics.groups[n].cost_per_hour
+        weighed_cost[n] = (
+            None
+            if cost_per_hour is None
+            else fleet_cost_per_1m_usable_tokens(
+                [(cap[n] or 0.0, 1, cost_per_hour, 1.0 - economics.groups[n].usable_fraction)]
+            )
+        )
+    raw = _policy_weights(eligible, by_name, cap, useful, weighed_cost, config.policy)
     target = {n: 0.0 for n in names}
     target.update(_target_shares(eligible, raw, config.min_share))
 
-    # 3. Bounded move from the current shares.
+    # 4. Bounded move from the current shares.
     old = _old_shares(names, current_shares, previous_state)
     shares, step = _bounded_move(names, eligible, old, target, config.max_share_change)
 
-    # 4. Status, history, costs.
+    # 5. Status, history, costs.
     old_total = sum(old.values())
     old_normalised = {n: (old[n] / old_total if old_total > 0 else 0.0) for n in names}
     total_tps = sum(tps[n] or 0.0 for n in names)
@@ -528,6 +646,8 @@ def rebalance(
         g = by_name[name]
         memory = new_state.groups[name]
         reason = _share_reason(g, tps[name], useful_cost[name], config.policy)
+        if name in capacity.estimated and name in eligible and config.policy in ("throughput", "cost"):
+            reason += f"; capacity estimated {cap[name] or 0.0:.0f} tok/s: no queue"
         if step < 1.0 and name in eligible:
             reason += f"; bounded toward {target[name]:.3f}"
         change = _record_share(memory, shares[name], old_normalised[name], reason, timestamp, config)
@@ -556,6 +676,8 @@ def rebalance(
             invalid_tokens=dict(g.invalid_tokens),
             measured_tokens_per_second=readings[name][0],
             egress_cost_per_hour=egress[name],
+            capacity_tokens_per_second=cap[name],
+            capacity_estimated=name in capacity.estimated,
         )
 
     return RebalanceResult(

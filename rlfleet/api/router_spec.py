@@ -164,7 +164,7 @@ class RouterSpec(PodPlacement):
     )
 
     policy: RouterPolicy = "throughput"
-    """throughput (share proportional to delivered tokens/s), cost (cheapest useful tokens) or static."""
+    """throughput (share proportional to tokens/s capacity, docs/router.md), cost (cheapest useful tokens) or static."""
     rebalance_interval_seconds: int = Field(default=30, ge=5, le=86400)
     """How often the operator recomputes shares."""
     max_share_change: float = Field(default=0.1, gt=0.0, le=1.0)

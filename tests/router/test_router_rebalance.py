@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlfleet.catalog import load_catalog
 from rlfleet.operator.rebalance import (
     GroupInput,
     PodSample,
     RebalanceConfig,
     RebalanceState,
+    demand_limited,
     parse_sglang_metrics,
     parse_trainer_group_metrics,
     rebalance,
@@ -393,3 +396,184 @@ def test_bad_config_is_rejected() -> None:
         RebalanceConfig(policy="fastest")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_share_change"):
         RebalanceConfig(max_share_change=0.0)
+
+
+# --- saturation-aware capacity: a demand-limited group's reading is a lower bound ------------------
+
+CATALOG = load_catalog()  # built-in: H100 bf16 = 1 per GPU, H100 fp8 = 2 (half the bytes per weight)
+DEMAND = 3000.0  # tokens/s the light producer asks for, spread by the router's shares
+STEP = 30.0  # seconds per rebalance interval
+
+
+def test_catalog_ratios_the_capacity_tests_compute_by_hand() -> None:
+    assert CATALOG.decode_throughput("h100", "bf16") == 1.0
+    assert CATALOG.decode_throughput("h100", "fp8") == 2.0
+
+
+def pod(rate: float, queue: float | None, counter: float | None = None) -> PodSample:
+    """A pod decoding `rate` tokens/s (its gauge; `counter`: its realtime decode counter) with `queue`
+    requests waiting (None: the gauge absent)."""
+    return PodSample(realtime_decode_tokens_total=counter, gen_throughput=rate, num_queue_reqs=queue)
+
+
+def sg(name: str, fmt: str, pods: dict[str, PodSample], gpus: int = 1, **kw) -> GroupInput:
+    return GroupInput(
+        name,
+        kw.pop("ready", 1),
+        gpus,
+        kw.pop("price", 0.0),
+        pods=pods,
+        accelerator="h100",
+        weight_format=fmt,
+        **kw,
+    )
+
+
+def starved_fleet(intervals: int, queue: float | None, catalog) -> list:
+    """Three groups behind a light producer (DEMAND tokens/s in all, each group delivering DEMAND x the
+    share it was given over the interval): h100-bf16 a and b (prior 1 each), h100-fp8 c (prior 2), which is
+    not ready at the first rebalance. Every pod reports `queue` waiting requests."""
+    config = RebalanceConfig(catalog=catalog)  # throughput, 0.1 per interval, min_share 0.02, EMA 0.5
+    counters = dict.fromkeys("abc", 0.0)
+    shares = dict.fromkeys("abc", 1 / 3)  # the router's before the first rebalance: equal
+    state, results = None, []
+    for i in range(intervals):
+        delivered = {n: DEMAND * shares[n] for n in "abc"}
+        if i:
+            counters = {n: counters[n] + delivered[n] * STEP for n in "abc"}
+        inputs = [
+            sg("a", "bf16", {"a-0": pod(delivered["a"], queue, counters["a"])}),
+            sg("b", "bf16", {"b-0": pod(delivered["b"], queue, counters["b"])}),
+            sg("c", "fp8", {"c-0": pod(delivered["c"], queue, counters["c"])} if i else {}, ready=int(i > 0)),
+        ]
+        result = rebalance(inputs, state, STEP * i, config)
+        state, shares = result.state, result.shares
+        results.append(result)
+    return results
+
+
+def test_a_late_group_behind_a_light_producer_climbs_to_its_prior_share() -> None:
+    """The fixed point the `throughput` policy had: c, not ready at the first rebalance (share 0), delivers
+    nothing, so measured throughput would keep it at the floor. No pod has a request waiting, so each
+    reading is a lower bound: with no saturated group the capacities are proportional to the priors
+    a 1 : b 1 : c 2, i.e. targets 0.02 + 0.94 x (1/4, 1/4, 2/4) = 0.255, 0.255, 0.49. From (0.5, 0.5, 0)
+    the largest move, c's 0.49, is bounded to 0.1 per interval and the others move along the same line
+    (0.245 x 0.1 / 0.49 = 0.05 each), until c is within 0.1 of its target."""
+    results = starved_fleet(8, 0.0, CATALOG)
+    expected = [
+        (0.5, 0.5, 0.0),  # c not ready: 0 at once; a and b renormalised
+        (0.45, 0.45, 0.10),
+        (0.40, 0.40, 0.20),
+        (0.35, 0.35, 0.30),
+        (0.30, 0.30, 0.40),
+        (0.255, 0.255, 0.49),  # within the bound: the target
+        (0.255, 0.255, 0.49),
+        (0.255, 0.255, 0.49),
+    ]
+    for result, (a, b, c) in zip(results, expected, strict=True):
+        assert result.shares == pytest.approx({"a": a, "b": b, "c": c}, abs=1e-12)
+        assert sum(result.shares.values()) == pytest.approx(1.0, abs=1e-12)
+    joined = results[1].groups["c"]
+    assert joined.tokens_per_second == 0.0  # the status keeps the measured rate...
+    assert joined.capacity_estimated and joined.capacity_tokens_per_second > 0
+    assert joined.reason.startswith("throughput 0 tok/s; capacity estimated ")  # ...and says why
+    assert "tok/s: no queue; bounded toward 0.490" in joined.reason
+    assert joined.status_patch()["shareHistory"][-1]["reason"] == joined.reason
+    # k = the largest reading per unit of prior (a's and b's: equal), so a and b are at their readings
+    assert not results[1].groups["a"].capacity_estimated
+
+
+def test_demand_limited_reads_sglang_num_queue_reqs_of_every_pod() -> None:
+    queued = parse_sglang_metrics(SGLANG_METRICS)  # 3 waiting
+    idle = parse_sglang_metrics(SGLANG_METRICS.replace('tp_rank="0"} 3.0', 'tp_rank="0"} 0.0'))
+    assert idle.num_queue_reqs == 0.0
+    assert demand_limited(sg("g", "bf16", {"g-0": idle, "g-1": idle}))
+    assert not demand_limited(sg("g", "bf16", {"g-0": idle, "g-1": queued}))
+    assert not demand_limited(sg("g", "bf16", {}))  # no pod read: unknown
+
+
+def test_unknown_queue_keeps_the_measured_throughput_policy_exactly() -> None:
+    """No queue reading (or no catalog): shares follow delivered throughput as before this rule, and the
+    late group starts from the floor: at its first ready interval a and b read the same rate, c 0, so the
+    targets are 0.02 + 0.94 x (1/2, 1/2, 0) = (0.49, 0.49, 0.02), all within 0.1 of (0.5, 0.5, 0)."""
+    unknown = starved_fleet(8, None, CATALOG)
+    no_catalog = starved_fleet(8, 0.0, None)
+    queued = starved_fleet(8, 2.0, CATALOG)  # requests waiting everywhere: saturated, measured
+    assert unknown[1].shares == pytest.approx({"a": 0.49, "b": 0.49, "c": 0.02}, abs=1e-12)
+    for u, n, q in zip(unknown, no_catalog, queued, strict=True):
+        assert u.shares == n.shares == q.shares
+        assert [g.reason for g in u.groups.values()] == [g.reason for g in n.groups.values()]
+        assert not any(g.capacity_estimated for g in u.groups.values())
+    assert unknown[-1].shares["c"] < 0.15  # delivered-proportional: far from its capacity share 0.49
+    # a pod without the gauge, next to one reporting 0, leaves the group's queue unknown
+    mixed = sg("m", "fp8", {"m-0": pod(100.0, 0.0), "m-1": pod(100.0, None)})
+    saturated = sg("s", "bf16", {"s-0": pod(1000.0, 3.0)})
+    config = RebalanceConfig(catalog=CATALOG, min_share=0.0, max_share_change=1.0)
+    result = rebalance([saturated, mixed], None, 0.0, config)
+    assert result.shares == pytest.approx({"s": 1000 / 1200, "m": 200 / 1200})
+    # so does a direct reading (Prometheus): no pods
+    direct = GroupInput("d", 1, 1, 0.0, accelerator="h100", weight_format="fp8", tokens_per_second=200.0)
+    result = rebalance([saturated, direct], None, 0.0, config)
+    assert result.shares == pytest.approx({"s": 1000 / 1200, "d": 200 / 1200})
+
+
+def test_saturated_groups_calibrate_a_demand_limited_one() -> None:
+    """k = the median over the saturated groups of tokens/s / (ratio x GPUs): s1 2000 / (1 x 2) = 1000,
+    s2 2000 / (2 x 1) = 1000, s3 4000 / (1 x 1) = 4000 (an outlier the median leaves out) -> 1000. d
+    (h100 fp8, 1 GPU, nothing waiting) reads 300 but could make 1000 x 2 x 1 = 2000."""
+    groups = [
+        sg("s1", "bf16", {"s1-0": pod(2000.0, 4.0)}, gpus=2),
+        sg("s2", "fp8", {"s2-0": pod(2000.0, 1.0)}),
+        sg("s3", "bf16", {"s3-0": pod(4000.0, 9.0)}),
+        sg("d", "fp8", {"d-0": pod(300.0, 0.0)}),
+    ]
+    config = RebalanceConfig(catalog=CATALOG, min_share=0.0, max_share_change=1.0)
+    result = rebalance(groups, None, 0.0, config)
+    assert result.shares == pytest.approx({"s1": 0.2, "s2": 0.2, "s3": 0.4, "d": 0.2}, abs=1e-12)
+    d = result.groups["d"]
+    assert d.tokens_per_second == 300.0 and d.status_patch()["tokensPerSecond"] == 300.0
+    assert d.capacity_tokens_per_second == pytest.approx(2000.0)
+    assert d.reason == "throughput 300 tok/s; capacity estimated 2000 tok/s: no queue"
+    assert result.groups["s1"].reason == "throughput 2000 tok/s"
+    assert result.groups["d"].token_share == pytest.approx(300 / 8300)  # what it delivered
+    # the prior counts the GPUs of the pods read (2 of 4 replicas at tensor parallel 2: 4 GPUs, not 8)
+    scaling = sg("d", "bf16", {"d-0": pod(100.0, 0.0), "d-1": pod(100.0, 0.0)}, gpus=8, tensor_parallel=2)
+    result = rebalance([groups[1], scaling], None, 0.0, config)
+    assert result.groups["d"].capacity_tokens_per_second == pytest.approx(1000.0 * 1 * 4)
+    assert result.shares == pytest.approx({"s2": 2000 / 6000, "d": 4000 / 6000}, abs=1e-12)
+
+
+def test_a_demand_limited_group_reading_above_its_prior_keeps_the_reading() -> None:
+    """k = 1000 from s; d (h100 bf16, 1 GPU, nothing waiting) reads 1500 > 1000 x 1 x 1: the reading."""
+    groups = [sg("s", "bf16", {"s-0": pod(1000.0, 2.0)}), sg("d", "bf16", {"d-0": pod(1500.0, 0.0)})]
+    config = RebalanceConfig(catalog=CATALOG, min_share=0.0, max_share_change=1.0)
+    result = rebalance(groups, None, 0.0, config)
+    assert result.shares == pytest.approx({"s": 0.4, "d": 0.6}, abs=1e-12)
+    assert not result.groups["d"].capacity_estimated
+    assert result.groups["d"].capacity_tokens_per_second == 1500.0
+    assert result.groups["d"].reason == "throughput 1500 tok/s"
+
+
+def test_cost_policy_weighs_capacity_and_reports_the_measured_cost() -> None:
+    """s (h100 bf16, $2/h, saturated) 1000 tok/s: k = 1000, $2 / 3600 / 1000 x 1e6 per 1M. d (h100 fp8, $2/h,
+    nothing waiting) reads 100 tok/s, $2 / 3600 / 100 x 1e6 as measured, but could make 2000 at
+    $2 / 3600 / 2000 x 1e6, the cheapest: raw s = 1000 x (1/2000) / (1/1000) = 500, d = 2000."""
+    groups = [
+        sg("s", "bf16", {"s-0": pod(1000.0, 5.0)}, price=2.0),
+        sg("d", "fp8", {"d-0": pod(100.0, 0.0)}, price=2.0),
+    ]
+    config = RebalanceConfig(policy="cost", catalog=CATALOG, min_share=0.0, max_share_change=1.0)
+    result = rebalance(groups, None, 0.0, config)
+    assert result.shares == pytest.approx({"s": 0.2, "d": 0.8}, abs=1e-12)
+    d = result.groups["d"]
+    assert d.cost_per_1m_useful_tokens == pytest.approx(2.0 / 3600 / 100 * 1e6)  # measured, not the estimate
+    assert d.status_patch()["costPer1MTokens"] == round(2.0 / 3600 / 100 * 1e6, 4)
+    assert (
+        d.reason
+        == f"cost ${2.0 / 3600 / 100 * 1e6:.3f}/1M useful tokens; capacity estimated 2000 tok/s: no queue"
+    )
+    # the static policy ignores capacity (and says nothing about it)
+    static = rebalance(
+        [replace(g, static_share=1.0) for g in groups], None, 0.0, replace(config, policy="static")
+    )
+    assert static.shares == {"s": 0.5, "d": 0.5} and static.groups["d"].reason == "static"

@@ -55,6 +55,7 @@ def test_group_input_takes_price_gpus_quarantine_and_trainer_metrics_from_the_ri
     inp = decide.group_input(job, sg, {}, {"kl_k3": 0.01, "oor_fraction": 0.002}, tokens_per_second=123.0)
     assert inp.price_per_gpu_hour == get_catalog().get("a100").cost_per_gpu_hour
     assert (inp.gpus, inp.ready_replicas, inp.quarantined) == (2, 1, True)
+    assert inp.tensor_parallel == 2  # a demand-limited group's capacity prior counts its pods' GPUs
     assert (inp.kl, inp.oor_fraction, inp.tokens_per_second) == (0.01, 0.002, 123.0)
     plain = decide.group_input(
         job, samplergroup("h100-fp8", {}, accelerator="h100", replicas=2), {}, {}, None
