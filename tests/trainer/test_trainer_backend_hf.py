@@ -5,7 +5,8 @@ fp32 on CPU.
 - one process: the loss equals the objective on the model's full logits (the `logits_to_keep` row
   gather is exact), for Qwen3 and Llama;
 - FSDP2 (`fully_shard`) over 2 gloo processes on CPU: the same loss, the same gradients after the
-  reduce-scatter and the same updated weights as one process, to 1e-6;
+  reduce-scatter and the same updated weights as one process, to 1e-6; also where gloo's reduce-scatter
+  sums when asked to average, as torch 2.6's does (emulated here on the newer torch);
 - restore: a checkpoint taken after step 1 (saved by rank 0) restores a fresh backend on every rank,
   weights and Adam moments, and step 2 equals the uninterrupted run bitwise (1 and 2 processes);
 - rank 0 drives, rank 1 only runs `follow()` (the trainer entrypoint's protocol, shared with the
@@ -59,22 +60,57 @@ def tiny_llama(path: Path) -> Path:
     return path
 
 
-def _one_step_job(rank: int, ckpt: str) -> dict:
+def _gloo_avg_sums_like_torch_2_6() -> list[str]:
+    """Make this process's reduce-scatters SUM where `ReduceOp.AVG` is asked for, as torch 2.6's gloo does
+    (pytorch/pytorch#162338; FSDP2 asks for AVG in fp32: torch 2.6 calls `reduce_scatter_tensor`, newer
+    torch `reduce_scatter_single`). Returns the list the changed calls are appended to."""
+    import torch.distributed as dist
+
+    changed: list[str] = []
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def summing(*args, _original=original, _name=name, op=dist.ReduceOp.SUM, **kwargs):
+            if op == dist.ReduceOp.AVG:
+                changed.append(_name)
+                op = dist.ReduceOp.SUM
+            return _original(*args, op=op, **kwargs)
+
+        setattr(dist, name, summing)
+    return changed
+
+
+def _one_step_job(rank: int, ckpt: str, avg_sums: bool = False) -> dict:
+    changed = _gloo_avg_sums_like_torch_2_6() if avg_sums else []
     backend = cpu_backend(ckpt)
     assert backend.distributed and backend.world == 2
     result = one_step(backend, make_batch())
     sd = backend.state_dict()  # a collective: every rank calls it
     result["state_keys"] = sorted(sd["model"])
+    result["grads_averaged"] = backend.grads_averaged
+    result["avg_made_sum"] = len(changed)
     return result
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.slow  # ~20 s on 2 shared cores: two spawned processes import torch + transformers
-def test_fsdp2_two_gloo_processes_match_one_process(tmp_path: Path, tiny_qwen3_factory) -> None:
+@pytest.mark.parametrize("avg_sums", [False, True], ids=["gloo", "gloo-avg-sums-like-torch-2.6"])
+def test_fsdp2_two_gloo_processes_match_one_process(
+    tmp_path: Path, tiny_qwen3_factory, avg_sums: bool
+) -> None:
+    """Full fine-tuning (every parameter trained, embedding and lm_head included). With `avg_sums` gloo's
+    reduce-scatter sums where FSDP2 asks for the average (torch 2.6's, the trainer image's torch): the
+    backend measures that at startup and scales the gradients by 1 instead of the world size; without
+    that every 2-rank gradient was 2x the one-process one (max |diff| 0.31 on torch 2.6)."""
     ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
     single = one_step(cpu_backend(ckpt), make_batch())
-    multi = spawn(tmp_path, _one_step_job, str(ckpt))[0]
+    multi = spawn(tmp_path, _one_step_job, str(ckpt), avg_sums)[0]
 
+    if avg_sums:  # the emulation really changed FSDP2's gradient reduce-scatters, and the backend saw it
+        assert multi["avg_made_sum"] > 0
+        assert multi["grads_averaged"] is False
     assert abs(multi["loss"] - single["loss"]) < 1e-6
     assert multi["grads"].keys() == single["grads"].keys()
     for name, g in single["grads"].items():

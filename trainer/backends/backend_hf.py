@@ -31,7 +31,9 @@ backward with a zero loss) so that FSDP2's collectives pair up. The loss is the 
 WHOLE batch (docs/objective.md): the backward of each micro-batch is its loss SUM, and once all are
 done the accumulated gradient is multiplied by world / (the global valid-token count), the world
 size because FSDP2 averages gradients over ranks in its reduce-scatter; the reduced gradient is then
-exactly the one-process, one-micro-batch gradient (tests pin 1e-6 in fp32 with 2 gloo processes).
+exactly the one-process, one-micro-batch gradient (tests pin 1e-6 in fp32 with 2 gloo processes). On
+gloo (CPU ranks) whether the reduce-scatter really averages is measured at startup: torch 2.6's gloo
+sums where FSDP2 asks for the average (`_fsdp2_averages_gradients`), and the multiplier is then 1.
 Reported loss and mean metrics are combined across micro-batches and ranks (backend_common
 `merge_loss_outputs`: token-weighted, exact); `ess` is not decomposable from per-part means and is
 reported only when the whole batch was one micro-batch on one process.
@@ -154,8 +156,10 @@ class HFBackend(RankCommands):
                     f"{type(model).__name__} has no gradient checkpointing (not a transformers model)"
                 )
             enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # Whether the FSDP2 reduce-scatter averages the ranks' gradients (else it sums them: gloo on torch 2.6).
+        self.grads_averaged = True
         if self.distributed:
-            _fully_shard(model, self.bf16, cpu=self.device.type == "cpu")
+            self.grads_averaged = _fully_shard(model, self.bf16, cpu=self.device.type == "cpu")
         self.model = model
         self.objective = objective
         self.optim_config = optim or OptimConfig()
@@ -209,8 +213,8 @@ class HFBackend(RankCommands):
         local = merge_loss_outputs(outs)
         total_valid = self._all_sum(float(local.num_valid_tokens))
         # The gradients hold d(sum of per-token losses): the token mean over the WHOLE batch divides
-        # by the global count, times the world size because FSDP2 averages gradients over ranks.
-        scale = self.world / max(total_valid, 1.0)
+        # by the global count, times the world size where FSDP2 averages gradients over ranks.
+        scale = (self.world if self.grads_averaged else 1) / max(total_valid, 1.0)
         for p in self.trainable:
             if p.grad is not None:
                 p.grad.mul_(scale)
@@ -465,10 +469,12 @@ def _full_tensor(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
-def _fully_shard(model: torch.nn.Module, bf16: bool, cpu: bool = False) -> None:
+def _fully_shard(model: torch.nn.Module, bf16: bool, cpu: bool = False) -> bool:
     """FSDP2 over the default process group: each decoder layer, then the root (embedding, final norm,
     lm_head); with bf16 the forward runs in bf16 and gradients are reduced in fp32. With LoRA a unit holds
     frozen base and trained adapter parameters together: FSDP2 reduce-scatters only the gradients there are.
+    Returns whether the gradient reduce-scatter averages over ranks (else it sums): measured with `cpu`
+    (`_fsdp2_averages_gradients`), True on GPUs (nccl's average).
 
     `cpu` (ranks on a CPU class, gloo): the layers keep their gathered parameters from forward to backward
     (`reshard_after_forward=False`; memory is not what a CPU rank runs short of), and torch's CPU stream
@@ -488,6 +494,31 @@ def _fully_shard(model: torch.nn.Module, bf16: bool, cpu: bool = False) -> None:
     for layer in _decoder_layers(model):
         fully_shard(layer, mp_policy=mp, reshard_after_forward=not cpu)
     fully_shard(model, mp_policy=mp, reshard_after_forward=not cpu)
+    return _fsdp2_averages_gradients(mp) if cpu else True
+
+
+def _fsdp2_averages_gradients(mp: Any) -> bool:
+    """Whether FSDP2's gradient reduce-scatter over the default process group (gloo) averages the ranks'
+    gradients (True) or sums them (False), measured (a collective): a throwaway FSDP2 module whose
+    gradient is 1 on every rank, reduced. FSDP2 asks for `ReduceOp.AVG` in fp32; torch 2.6's gloo
+    reduce-scatter silently sums instead (pytorch/pytorch#162338: FSDP2 gradients world times too large
+    on CPU ranks; newer torch averages). Built without the random generator (`skip_init`): the ranks'
+    random state stays as a process without the check has it."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    probe = torch.nn.utils.skip_init(torch.nn.Linear, 1, world, bias=False)  # weight [world, 1]: a row a rank
+    with torch.no_grad():
+        probe.weight.fill_(1.0)
+    fully_shard(probe, mp_policy=mp, reshard_after_forward=False)
+    probe(torch.ones(1, 1)).sum().backward()  # d/d(weight) = 1 everywhere, on every rank
+    grad: Any = probe.weight.grad
+    reduced = float(grad.to_local().sum())  # this rank's row: 1 if averaged, world if summed
+    if reduced in (1.0, float(world)):
+        return reduced == 1.0
+    raise RuntimeError(
+        f"FSDP2 reduced a gradient of 1 on each of {world} ranks to {reduced}: neither their mean nor their sum"
+    )
 
 
 def _cpu_streams_for_fsdp2() -> None:
