@@ -19,7 +19,6 @@ import json
 import re
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,8 +28,8 @@ from typing import Any
 
 import pytest
 import yaml
-from support.node_job import NodeJob, ready
-from support.operator_chart import install_operator_chart, uninstall_operator_chart
+from support.node_job import NodeJob, delete_job_and_operator, ready, watching_versions
+from support.operator_chart import install_operator_chart
 from support.waits import wait_for
 
 from rlfleet.channel import ChannelError, Manifest
@@ -198,30 +197,11 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
     assert "deltas" not in job["spec"]["weightChannel"]  # the defaults: an anchor every ANCHOR_EVERY versions
     kube.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
     fleet = Fleet(kube, ns, time.monotonic())
-    stop = threading.Event()
-
-    def watch_versions() -> None:  # every version the channel's pointer names, in order seen
-        while not stop.wait(0.5):
-            try:
-                version = fleet.latest_version()
-                if version is not None:
-                    fleet.read_new_manifests()
-            except Exception:  # noqa: BLE001 - the PVC is not bound yet
-                continue
-            if version is not None and (not fleet.versions_seen or fleet.versions_seen[-1] != version):
-                fleet.versions_seen.append(version)
-
-    watcher = threading.Thread(target=watch_versions, daemon=True)
-    watcher.start()
     try:
-        yield fleet
+        with watching_versions(fleet, on_version=fleet.read_new_manifests):
+            yield fleet
     finally:
-        stop.set()
-        watcher.join(timeout=5)
-        # the job first, while the operator runs (it releases the WeightChannel's finalizer)
-        kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
-        uninstall_operator_chart(kube, ns)
-        kube.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=100s", check=False)
+        delete_job_and_operator(kube, ns)
         kube.kubectl("delete", "pv", pv_name, "--wait=false", check=False)
         subprocess.run(["umount", "-l", str(volume)], check=False)
         volume.rmdir()

@@ -33,7 +33,6 @@ import json
 import os
 import re
 import subprocess
-import threading
 import time
 import urllib.request
 import uuid
@@ -47,8 +46,8 @@ import numpy as np
 import pytest
 import yaml
 from support import slime_publisher as publisher
-from support.node_job import NodeJob, ready
-from support.operator_chart import install_operator_chart, uninstall_operator_chart
+from support.node_job import NodeJob, delete_job_and_operator, ready, watching_versions
+from support.operator_chart import install_operator_chart
 from support.slime_publisher import SlimeStandIn
 from support.slime_requests import rollout_meta, rollout_payload, slime_post
 from support.waits import wait_for
@@ -334,19 +333,6 @@ def slime(dev_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sli
     job["spec"]["router"].update(STATIC_SHARES)
     kube.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
     fleet = Slime(kube, ns, time.monotonic(), base)
-    stop = threading.Event()
-
-    def watch_versions() -> None:  # every version the channel's pointer names, in order seen
-        while not stop.wait(0.5):
-            try:
-                version = fleet.latest_version()
-            except Exception:  # noqa: BLE001 - the PVC is not bound yet
-                continue
-            if version is not None and (not fleet.versions_seen or fleet.versions_seen[-1] != version):
-                fleet.versions_seen.append(version)
-
-    watcher = threading.Thread(target=watch_versions, daemon=True)
-    watcher.start()
     # slime's files readable by the bridge pod's uid 10001 (the stand-in writes as root): directories 0755
     # and the files it opens itself 0644 (umask 022), and each shard of a full version, which safetensors'
     # save_file writes 0600 (0.8: through a temporary file; the first run of this test saw the bridge
@@ -360,18 +346,13 @@ def slime(dev_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sli
         os.chmod(filename, 0o644)
 
     try:
-        with pytest.MonkeyPatch.context() as patch:
+        with watching_versions(fleet), pytest.MonkeyPatch.context() as patch:
             patch.setattr(publisher, "save_file", save_readable)
             yield fleet
     finally:
         os.umask(umask)
-        stop.set()
-        watcher.join(timeout=5)
         fleet.stop()
-        # the job first, while the operator runs (it releases the WeightChannel's finalizer)
-        kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
-        uninstall_operator_chart(kube, ns)
-        kube.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=100s", check=False)
+        delete_job_and_operator(kube, ns)
 
 
 def test_the_bridge_is_the_only_trainer_pod_and_publishes_version_0(slime: Slime) -> None:

@@ -1,14 +1,19 @@
-"""An RLJob on the dev cluster's real node as the node tier's fleet tests read it (tests/node/test_node_lora.py,
-test_node_slime.py): its status, pods, logs, the host directory of a volume claim, the channel's pointer
-there, the job's engine key, and waits whose failure carries the test's own diagnosis."""
+"""An RLJob on the dev cluster's real node as the node tier's fleet tests read it (tests/node/test_node_fleet.py,
+test_node_lora.py, test_node_slime.py): its status, pods, logs, the host directory of a volume claim, the
+channel's pointer there (and the versions it named, polled), the job's engine key, waits whose failure
+carries the test's own diagnosis, and the teardown of the job and its operator."""
 
 from __future__ import annotations
 
 import base64
 import json
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+from support.operator_chart import uninstall_operator_chart
 from support.waits import wait_for
 
 
@@ -20,6 +25,7 @@ class NodeJob:
     claim: ClassVar[str]  # the PersistentVolumeClaim of its weight channel's store
     kube: Any
     ns: str
+    versions_seen: list[int]  # the channel's pointer, polled (watching_versions)
 
     def diagnosis(self) -> str:
         raise NotImplementedError
@@ -90,3 +96,40 @@ class NodeJob:
 def ready(pod: dict[str, Any]) -> bool:
     """The pod's Ready condition is True."""
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+@contextmanager
+def watching_versions(job: NodeJob, on_version: Callable[[], None] | None = None) -> Iterator[None]:
+    """Poll the channel's pointer every 0.5 s on a thread while the block runs: each version it names is
+    appended to `job.versions_seen` in the order seen (once per change); `on_version` runs after each
+    reading that found one (e.g. keep every manifest before retention deletes it). Readings fail while the
+    claim is not bound yet: skipped."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            try:
+                version = job.latest_version()
+                if version is not None and on_version is not None:
+                    on_version()
+            except Exception:  # noqa: BLE001 - the PVC is not bound yet
+                continue
+            if version is not None and (not job.versions_seen or job.versions_seen[-1] != version):
+                job.versions_seen.append(version)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join(timeout=5)
+
+
+def delete_job_and_operator(kube: Any, ns: str) -> None:
+    """A fleet test's teardown: the RLJobs first, while the operator runs (it releases the WeightChannel's
+    finalizer), then the operator's chart and the namespace. Not checked: the test's own assertions already
+    failed or passed."""
+    kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
+    uninstall_operator_chart(kube, ns)
+    kube.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=100s", check=False)
