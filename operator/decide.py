@@ -218,6 +218,7 @@ def _group_status(d: GroupDecision, decisions: Decisions) -> dict[str, Any]:
             tokensPerSecond=rebalanced.ema_tokens_per_second,
             recordedShare=rebalanced.recorded_share,
             shareHistory=[dict(h) for h in rebalanced.history],
+            emptyQueueIntervals=rebalanced.empty_queue_intervals,
         )
     steady = decisions.fleet.steady.get(d.name)
     if steady is not None:
@@ -260,6 +261,7 @@ def _read_memory(
             share=share,
             recorded_share=m.get("recordedShare"),
             history=[dict(h) for h in m.get("shareHistory") or []],
+            empty_queue_intervals=int(m.get("emptyQueueIntervals") or 0),  # absent: written before it existed
         )
     if (steady := m.get("steadyThroughput")) is not None:
         fleet.steady[name] = fleetplan.SteadyFigure(
@@ -303,6 +305,7 @@ def job_config(job: RLJob, catalog: Catalog) -> RebalanceConfig:
         max_share_change=r.max_share_change,
         min_share=r.min_share,
         smoothing=r.smoothing,
+        demand_limited_intervals=r.demand_limited_intervals,
         reference_accelerator=accelerator,
         reference_price_per_gpu_hour=price,
         reference_tokens_per_gpu_second=reference.tokens_per_gpu_second,

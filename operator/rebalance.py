@@ -22,15 +22,19 @@ The rules, in order:
    a request FINISHES, so a busy group with long rollouts would read 0 for minutes. Then an EMA
    (`smoothing` = weight of the newest sample).
 2. Capacity per group (`capacities`), tokens/s: a saturated group's smoothed tokens/s (1.). A
-   DEMAND-LIMITED group (`demand_limited`: every pod read reports `sglang:num_queue_reqs` and none has
-   a request waiting) made what it was sent, a lower bound: max(smoothed tokens/s, k x prior), prior =
+   DEMAND-LIMITED group (`queues_empty`: every pod read reports `sglang:num_queue_reqs` and none has a
+   request waiting, at this interval and at the `demand_limited_intervals` - 1 before it in a row,
+   `GroupMemory.empty_queue_intervals`: the gauge is read once per interval, and one reading that
+   catches every queue empty for a moment - after a weight-version switch, between rollout bursts -
+   must not move shares) made what it was sent, a lower bound: max(smoothed tokens/s, k x prior), prior =
    the catalog's relative decode throughput of its (accelerator, weight_format) (H100 bf16 = 1) x the
    GPUs of the pods read (`_serving_gpus`), k = the median over the eligible saturated groups with a
    prior and a positive reading of tokens/s / prior; with none, the largest tokens/s / prior of the
    eligible demand-limited groups (the least k none of their readings exceeds: their capacities are
    proportional to their priors, in tokens/s next to the readings of groups without a prior). Unknown
    queue (a pod without the gauge, no pods, a direct `tokens_per_second` reading), no catalog ratio,
-   or no k: the smoothed tokens/s, exactly as without this rule.
+   or no k: the smoothed tokens/s, exactly as without this rule; so is a group whose queues have read
+   empty for fewer intervals in a row (a saturated or unknown reading starts the count again).
 3. Target shares by policy over eligible groups (not quarantined, >= 1 ready replica):
    `throughput`: proportional to capacity; `cost`: proportional to USEFUL capacity (capacity x
    (1 - oor_fraction): out-of-range tokens are masked by MIS and teach nothing) times
@@ -212,6 +216,9 @@ class GroupMemory:
     share: float | None = None  # the share computed last time (what the router was told)
     recorded_share: float | None = None  # the share of the last history entry
     history: list[dict[str, object]] = field(default_factory=list)
+    # intervals in a row, up to this one, at which its queues read empty (`queues_empty`); a state written
+    # before this field loads with 0
+    empty_queue_intervals: int = 0
 
 
 @dataclass
@@ -262,6 +269,9 @@ class RebalanceConfig:
     reference_oor_fraction: float | None = None  # given: wins over the class's bf16 groups (else 0)
     # given: a reference class without a bf16 group is estimated from the other groups by its ratios
     catalog: Catalog | None = None
+    # a group is demand-limited (its capacity may be the catalog estimate) once its queues read empty at
+    # this many intervals in a row (1: at a single reading)
+    demand_limited_intervals: int = 2
 
     def __post_init__(self) -> None:
         if self.policy not in ("throughput", "cost", "static", "plan"):
@@ -272,6 +282,8 @@ class RebalanceConfig:
             raise ValueError("min_share must be in [0, 0.5]")
         if not 0.0 < self.smoothing <= 1.0:
             raise ValueError("smoothing must be in (0, 1]")
+        if self.demand_limited_intervals < 1:
+            raise ValueError("demand_limited_intervals must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -468,10 +480,11 @@ def _egress(g: GroupInput, state: RebalanceState) -> float | None:
     return None if per_replica is None else per_replica * max(g.ready_replicas, 0)
 
 
-def demand_limited(g: GroupInput) -> bool:
-    """Whether the group had less work than it could do this interval: every pod read reports
+def queues_empty(g: GroupInput) -> bool:
+    """Whether the group had less work than it could do at this reading: every pod read reports
     `sglang:num_queue_reqs` and none has a request waiting. Unknown (a pod without the gauge, no pod read,
-    a direct `tokens_per_second` reading such as Prometheus's) is not: the group counts as saturated."""
+    a direct `tokens_per_second` reading such as Prometheus's) is not: the group counts as saturated. An
+    instantaneous gauge: the group is demand-limited once this held `demand_limited_intervals` in a row."""
     if g.tokens_per_second is not None or not g.pods:
         return False
     return all(s.num_queue_reqs is not None and s.num_queue_reqs <= 0 for s in g.pods.values())
@@ -507,8 +520,10 @@ def capacities(
     tps: Mapping[str, float | None],
     eligible: Iterable[str],
     catalog: Catalog | None,
+    demand_limited: Iterable[str],
 ) -> Capacities:
-    """Each group's decode capacity, tokens/s. A saturated group (or one of unknown queue: `demand_limited`)
+    """Each group's decode capacity, tokens/s. A saturated group (or one of unknown queue, or whose queues
+    have not read empty long enough: not in `demand_limited`, the groups `rebalance` counts as demand-limited)
     makes what it can: its smoothed reading `tps`. A demand-limited group made what it was sent, a LOWER
     bound: max(its reading, k x its prior), prior = `_prior`, k in tokens/s per unit of prior = the median
     over the eligible saturated groups with a prior and a positive reading of reading / prior; with none,
@@ -518,7 +533,7 @@ def capacities(
     positive reading to scale by): its reading, as for a saturated group."""
     names = set(eligible)
     priors = {g.name: _prior(g, catalog) for g in inputs}
-    limited = {g.name for g in inputs if demand_limited(g)}
+    limited = set(demand_limited)
 
     def per_unit(group_names: Iterable[str]) -> list[float]:
         out = []
@@ -613,7 +628,10 @@ def rebalance(
     useful_cost = {n: economics.groups[n].cost_per_1m_usable_tokens for n in names}
     # what the throughput and cost policies weigh: capacity (a demand-limited group's may be estimated);
     # the cost policy's cost per useful token at that capacity (the status keeps the measured cost)
-    capacity = capacities(inputs, tps, eligible, config.catalog)
+    limited = [
+        n for n in names if new_state.groups[n].empty_queue_intervals >= config.demand_limited_intervals
+    ]
+    capacity = capacities(inputs, tps, eligible, config.catalog, limited)
     cap = capacity.tokens_per_second
     useful = {n: (cap[n] or 0.0) * economics.groups[n].usable_fraction for n in names}
     weighed_cost = dict(useful_cost)
@@ -697,7 +715,8 @@ def _observe_throughput(
     config: RebalanceConfig,
 ) -> tuple[float | None, float | None]:
     """The group's tokens/s read this interval and smoothed after this reading (None: no reading this
-    interval / yet); records its counters and carries its memory into `new_state`."""
+    interval / yet); records its counters and for how many intervals in a row its queues read empty, and
+    carries its memory into `new_state`."""
     memory = previous_state.groups.get(g.name, GroupMemory())
     observed = g.tokens_per_second if g.tokens_per_second is not None else group_rate(g.pods, memory, now)
     ema = memory.ema_tokens_per_second
@@ -715,6 +734,8 @@ def _observe_throughput(
         share=memory.share,
         recorded_share=memory.recorded_share,
         history=list(memory.history),
+        # a saturated or unknown reading starts the count again
+        empty_queue_intervals=memory.empty_queue_intervals + 1 if queues_empty(g) else 0,
     )
     return observed, ema
 

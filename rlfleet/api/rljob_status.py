@@ -95,6 +95,8 @@ class GroupPolicyMemory(ApiModel):
     """The share policy: the share of the group's last history entry."""
     share_history: list[ShareChange] = Field(default_factory=list, max_length=5)
     """The share policy: the group's last (at most 5) share changes, newest last."""
+    empty_queue_intervals: int | None = Field(default=None, ge=0)
+    """The share policy: decisions in a row at which no pod of the group had a request waiting (router.demandLimitedIntervals of them: weighed by its capacity estimate)."""
     steady_throughput: SteadyThroughput | None = None
     """The fleet-mix optimizer: the group's last steady tokens/s per replica (it plans a group at 0 replicas from it)."""
     ready_replicas: int | None = Field(default=None, ge=0)

@@ -173,6 +173,8 @@ class RouterSpec(PodPlacement):
     """Smallest share of a healthy, non-quarantined group."""
     smoothing: float = Field(default=0.5, gt=0.0, le=1.0)
     """EMA weight of the newest throughput sample."""
+    demand_limited_intervals: int = Field(default=2, ge=1, le=100)
+    """Rebalance intervals in a row at which no pod of a group has a request waiting (sglang:num_queue_reqs) before the throughput and cost policies weigh it by its catalog capacity estimate instead of what it delivered (1: a single reading; docs/router.md)."""
     static_shares: dict[str, Annotated[float, Field(ge=0.0, le=1000000.0)]] = Field(
         default_factory=dict, max_length=64
     )

@@ -21,6 +21,7 @@ from rlfleet.operator.decide import (
     GroupObservation,
     Observations,
     decide,
+    job_config,
     replicas_changed_in_rljob,
 )
 from rlfleet.operator.rebalance import PodSample
@@ -458,7 +459,12 @@ def test_decisions_read_back_from_status_give_the_same_next_decision_as_the_ones
     job = autopilot_job(stepDown=True, cooldownIntervals=2, maxCooldownIntervals=8)
     previous: Decisions | None = None
     for i, kl in enumerate([0.05, 0.05, 0.004, 0.004, 0.004, 0.05, 0.004]):
-        pods = {"fast-0": PodSample(realtime_decode_tokens_total=1000.0 * i * i, gen_throughput=50.0)}
+        # nothing waiting: the share policy counts empty-queue decisions (its only eligible group: share 1)
+        pods = {
+            "fast-0": PodSample(
+                realtime_decode_tokens_total=1000.0 * i * i, gen_throughput=50.0, num_queue_reqs=0.0
+            )
+        }
         seen = Observations(
             (
                 GroupObservation("fast", 1, 1, pods=pods, trainer={"kl_k3": kl}),
@@ -476,6 +482,17 @@ def test_decisions_read_back_from_status_give_the_same_next_decision_as_the_ones
         previous = back
     assert previous is not None and previous.precision.cooldown == {"fast": 4}
     assert previous.state.groups["fast"].ema_tokens_per_second is not None
+    assert previous.state.groups["fast"].empty_queue_intervals == 7
+    # decisions written before the count existed read back with 0
+    older = previous.status()
+    for g in older["groups"]:
+        del g["memory"]["emptyQueueIntervals"]
+    upgraded = Decisions.from_status({"decisions": older})
+    assert upgraded is not None and upgraded.state.groups["fast"].empty_queue_intervals == 0
+    # the spec's router.demandLimitedIntervals (default 2) reaches the share policy
+    assert job_config(job, CATALOG).demand_limited_intervals == 2
+    three = rljob([{"name": "a", "accelerator": "h100"}], {"demandLimitedIntervals": 3})
+    assert job_config(three, CATALOG).demand_limited_intervals == 3
 
 
 def test_no_decisions_in_status_is_none() -> None:

@@ -16,9 +16,9 @@ from rlfleet.operator.rebalance import (
     PodSample,
     RebalanceConfig,
     RebalanceState,
-    demand_limited,
     parse_sglang_metrics,
     parse_trainer_group_metrics,
+    queues_empty,
     rebalance,
 )
 
@@ -429,11 +429,12 @@ def sg(name: str, fmt: str, pods: dict[str, PodSample], gpus: int = 1, **kw) -> 
     )
 
 
-def starved_fleet(intervals: int, queue: float | None, catalog) -> list:
+def starved_fleet(intervals: int, queue: float | None, catalog, **config_fields) -> list:
     """Three groups behind a light producer (DEMAND tokens/s in all, each group delivering DEMAND x the
     share it was given over the interval): h100-bf16 a and b (prior 1 each), h100-fp8 c (prior 2), which is
     not ready at the first rebalance. Every pod reports `queue` waiting requests."""
-    config = RebalanceConfig(catalog=catalog)  # throughput, 0.1 per interval, min_share 0.02, EMA 0.5
+    # throughput, 0.1 per interval, min_share 0.02, EMA 0.5, demand-limited after 2 empty readings
+    config = RebalanceConfig(catalog=catalog, **config_fields)
     counters = dict.fromkeys("abc", 0.0)
     shares = dict.fromkeys("abc", 1 / 3)  # the router's before the first rebalance: equal
     state, results = None, []
@@ -458,8 +459,9 @@ def test_a_late_group_behind_a_light_producer_climbs_to_its_prior_share() -> Non
     reading is a lower bound: with no saturated group the capacities are proportional to the priors
     a 1 : b 1 : c 2, i.e. targets 0.02 + 0.94 x (1/4, 1/4, 2/4) = 0.255, 0.255, 0.49. From (0.5, 0.5, 0)
     the largest move, c's 0.49, is bounded to 0.1 per interval and the others move along the same line
-    (0.245 x 0.1 / 0.49 = 0.05 each), until c is within 0.1 of its target."""
-    results = starved_fleet(8, 0.0, CATALOG)
+    (0.245 x 0.1 / 0.49 = 0.05 each), until c is within 0.1 of its target. Here a single empty reading
+    makes a group demand-limited (demand_limited_intervals=1); the default waits for two, below."""
+    results = starved_fleet(8, 0.0, CATALOG, demand_limited_intervals=1)
     expected = [
         (0.5, 0.5, 0.0),  # c not ready: 0 at once; a and b renormalised
         (0.45, 0.45, 0.10),
@@ -483,13 +485,50 @@ def test_a_late_group_behind_a_light_producer_climbs_to_its_prior_share() -> Non
     assert not results[1].groups["a"].capacity_estimated
 
 
+def test_by_default_the_late_group_climbs_from_its_second_empty_reading() -> None:
+    """The same fleet at the default demand_limited_intervals = 2. At its first ready interval c's queue has
+    read empty once (not ready before: no pod read, unknown), so it is weighed by its reading, 0: targets
+    0.02 + 0.94 x (1/2, 1/2, 0) = (0.49, 0.49, 0.02), within 0.1 of (0.5, 0.5, 0). a and b, empty at both
+    intervals, are demand-limited, but k = their own reading per unit of prior, so they stay at their
+    readings. From the next interval c is demand-limited too: targets (0.255, 0.255, 0.49) as above, c's
+    move from 0.02 bounded to 0.1 and a's and b's along the line (0.235 x 0.1 / 0.47 = 0.05 each)."""
+    results = starved_fleet(8, 0.0, CATALOG)
+    expected = [
+        (0.5, 0.5, 0.0),
+        (0.49, 0.49, 0.02),  # c: one empty reading, its measured 0 tok/s
+        (0.44, 0.44, 0.12),
+        (0.39, 0.39, 0.22),
+        (0.34, 0.34, 0.32),
+        (0.29, 0.29, 0.42),
+        (0.255, 0.255, 0.49),  # within the bound: the target
+        (0.255, 0.255, 0.49),
+    ]
+    for result, (a, b, c) in zip(results, expected, strict=True):
+        assert result.shares == pytest.approx({"a": a, "b": b, "c": c}, abs=1e-12)
+    assert [r.state.groups["c"].empty_queue_intervals for r in results] == [0, 1, 2, 3, 4, 5, 6, 7]
+    waiting = results[1].groups["c"]
+    assert not waiting.capacity_estimated and waiting.reason == "throughput 0 tok/s"  # says nothing yet
+    joined = results[2].groups["c"]
+    assert joined.capacity_estimated
+    assert joined.reason.startswith("throughput 30 tok/s; capacity estimated ")
+    assert joined.reason.endswith(" tok/s: no queue; bounded toward 0.490")
+
+
 def test_demand_limited_reads_sglang_num_queue_reqs_of_every_pod() -> None:
     queued = parse_sglang_metrics(SGLANG_METRICS)  # 3 waiting
     idle = parse_sglang_metrics(SGLANG_METRICS.replace('tp_rank="0"} 3.0', 'tp_rank="0"} 0.0'))
     assert idle.num_queue_reqs == 0.0
-    assert demand_limited(sg("g", "bf16", {"g-0": idle, "g-1": idle}))
-    assert not demand_limited(sg("g", "bf16", {"g-0": idle, "g-1": queued}))
-    assert not demand_limited(sg("g", "bf16", {}))  # no pod read: unknown
+    assert queues_empty(sg("g", "bf16", {"g-0": idle, "g-1": idle}))
+    assert not queues_empty(sg("g", "bf16", {"g-0": idle, "g-1": queued}))
+    assert not queues_empty(sg("g", "bf16", {}))  # no pod read: unknown
+
+
+def settled(groups: list[GroupInput], config: RebalanceConfig):
+    """The result of the second of two intervals at the same readings (gauges, no counters: the smoothed
+    rate is the gauge): with the default demand_limited_intervals = 2, a group whose queues read empty at
+    both is demand-limited at the second."""
+    first = rebalance(groups, None, 0.0, config)
+    return rebalance(groups, first.state, STEP, config)
 
 
 def test_unknown_queue_keeps_the_measured_throughput_policy_exactly() -> None:
@@ -528,7 +567,7 @@ def test_saturated_groups_calibrate_a_demand_limited_one() -> None:
         sg("d", "fp8", {"d-0": pod(300.0, 0.0)}),
     ]
     config = RebalanceConfig(catalog=CATALOG, min_share=0.0, max_share_change=1.0)
-    result = rebalance(groups, None, 0.0, config)
+    result = settled(groups, config)
     assert result.shares == pytest.approx({"s1": 0.2, "s2": 0.2, "s3": 0.4, "d": 0.2}, abs=1e-12)
     d = result.groups["d"]
     assert d.tokens_per_second == 300.0 and d.status_patch()["tokensPerSecond"] == 300.0
@@ -538,7 +577,7 @@ def test_saturated_groups_calibrate_a_demand_limited_one() -> None:
     assert result.groups["d"].token_share == pytest.approx(300 / 8300)  # what it delivered
     # the prior counts the GPUs of the pods read (2 of 4 replicas at tensor parallel 2: 4 GPUs, not 8)
     scaling = sg("d", "bf16", {"d-0": pod(100.0, 0.0), "d-1": pod(100.0, 0.0)}, gpus=8, tensor_parallel=2)
-    result = rebalance([groups[1], scaling], None, 0.0, config)
+    result = settled([groups[1], scaling], config)
     assert result.groups["d"].capacity_tokens_per_second == pytest.approx(1000.0 * 1 * 4)
     assert result.shares == pytest.approx({"s2": 2000 / 6000, "d": 4000 / 6000}, abs=1e-12)
 
@@ -547,7 +586,7 @@ def test_a_demand_limited_group_reading_above_its_prior_keeps_the_reading() -> N
     """k = 1000 from s; d (h100 bf16, 1 GPU, nothing waiting) reads 1500 > 1000 x 1 x 1: the reading."""
     groups = [sg("s", "bf16", {"s-0": pod(1000.0, 2.0)}), sg("d", "bf16", {"d-0": pod(1500.0, 0.0)})]
     config = RebalanceConfig(catalog=CATALOG, min_share=0.0, max_share_change=1.0)
-    result = rebalance(groups, None, 0.0, config)
+    result = settled(groups, config)
     assert result.shares == pytest.approx({"s": 0.4, "d": 0.6}, abs=1e-12)
     assert not result.groups["d"].capacity_estimated
     assert result.groups["d"].capacity_tokens_per_second == 1500.0
@@ -563,7 +602,7 @@ def test_cost_policy_weighs_capacity_and_reports_the_measured_cost() -> None:
         sg("d", "fp8", {"d-0": pod(100.0, 0.0)}, price=2.0),
     ]
     config = RebalanceConfig(policy="cost", catalog=CATALOG, min_share=0.0, max_share_change=1.0)
-    result = rebalance(groups, None, 0.0, config)
+    result = settled(groups, config)
     assert result.shares == pytest.approx({"s": 0.2, "d": 0.8}, abs=1e-12)
     d = result.groups["d"]
     assert d.cost_per_1m_useful_tokens == pytest.approx(2.0 / 3600 / 100 * 1e6)  # measured, not the estimate
@@ -577,3 +616,106 @@ def test_cost_policy_weighs_capacity_and_reports_the_measured_cost() -> None:
         [replace(g, static_share=1.0) for g in groups], None, 0.0, replace(config, policy="static")
     )
     assert static.shares == {"s": 0.5, "d": 0.5} and static.groups["d"].reason == "static"
+
+
+# --- demand-limited only after empty queues at demand_limited_intervals readings in a row --------------
+
+
+def queue_run(queues: list[float | None], config: RebalanceConfig) -> list:
+    """s (h100 bf16, saturated: 2 waiting) reads 1000 tok/s and d (h100 fp8, prior 2) 250 at every interval
+    (gauges), d's pod reporting `queues[i]` waiting at interval i. The router starts at the measured
+    shares 1000 : 250 = (0.8, 0.2). Demand-limited, d could make k x prior = (1000 / 1) x 2 = 2000: target
+    2000 / 3000 = 2/3, and from d = 0.2 the move 0.467 bounded to 0.1 (s along the line: -0.1)."""
+    state, shares, results = None, {"s": 0.8, "d": 0.2}, []
+    for i, queue in enumerate(queues):
+        groups = [sg("s", "bf16", {"s-0": pod(1000.0, 2.0)}), sg("d", "fp8", {"d-0": pod(250.0, queue)})]
+        result = rebalance(groups, state, STEP * i, config, current_shares=shares)
+        state, shares = result.state, result.shares
+        results.append(result)
+    return results
+
+
+def test_one_empty_queue_reading_between_saturated_ones_changes_no_share() -> None:
+    """A scrape that catches d's queue empty for a moment (e.g. right after a weight-version switch): at the
+    default 2 intervals nothing moves and nothing is said; at 1 the share churns 0.2 -> 0.3 -> 0.2."""
+    queues: list[float | None] = [2.0, 2.0, 0.0, 2.0, 2.0]
+    default = queue_run(queues, RebalanceConfig(catalog=CATALOG, min_share=0.0))
+    for result in default:
+        assert result.shares == {"s": 0.8, "d": 0.2}
+        assert result.groups["d"].reason == "throughput 250 tok/s"
+        assert not result.groups["d"].capacity_estimated and result.groups["d"].history == ()
+    assert [r.state.groups["d"].empty_queue_intervals for r in default] == [0, 0, 1, 0, 0]
+    single = queue_run(queues, RebalanceConfig(catalog=CATALOG, min_share=0.0, demand_limited_intervals=1))
+    expected = [(0.8, 0.2), (0.8, 0.2), (0.7, 0.3), (0.8, 0.2), (0.8, 0.2)]
+    for result, (s, d) in zip(single, expected, strict=True):
+        assert result.shares == pytest.approx({"s": s, "d": d}, abs=1e-12)
+    assert single[2].groups["d"].reason == (
+        "throughput 250 tok/s; capacity estimated 2000 tok/s: no queue; bounded toward 0.667"
+    )
+    assert [(h["from"], h["to"]) for h in single[-1].groups["d"].history] == [(0.2, 0.3), (0.3, 0.2)]
+
+
+def test_two_consecutive_empty_readings_engage_the_estimate() -> None:
+    """d's queue empty from interval 1: its second empty reading (interval 2) weighs it by 2000 tok/s,
+    0.2 -> 0.3, then 0.3 -> 0.4 (2/3 - 0.3 = 0.367 still over the bound)."""
+    results = queue_run([2.0, 0.0, 0.0, 0.0], RebalanceConfig(catalog=CATALOG, min_share=0.0))
+    expected = [(0.8, 0.2), (0.8, 0.2), (0.7, 0.3), (0.6, 0.4)]
+    for result, (s, d) in zip(results, expected, strict=True):
+        assert result.shares == pytest.approx({"s": s, "d": d}, abs=1e-12)
+    assert [r.state.groups["d"].empty_queue_intervals for r in results] == [0, 1, 2, 3]
+    assert [r.groups["d"].capacity_estimated for r in results] == [False, False, True, True]
+    assert results[2].groups["d"].capacity_tokens_per_second == 2000.0
+    assert results[2].groups["d"].reason == (
+        "throughput 250 tok/s; capacity estimated 2000 tok/s: no queue; bounded toward 0.667"
+    )
+    assert results[2].groups["d"].tokens_per_second == 250.0  # the status keeps the measured rate
+    # at 3 intervals the same readings engage one interval later
+    three = queue_run(
+        [2.0, 0.0, 0.0, 0.0], RebalanceConfig(catalog=CATALOG, min_share=0.0, demand_limited_intervals=3)
+    )
+    assert [r.groups["d"].capacity_estimated for r in three] == [False, False, False, True]
+    assert three[3].shares == pytest.approx({"s": 0.7, "d": 0.3}, abs=1e-12)
+
+
+def test_a_saturated_or_unknown_reading_resets_the_count() -> None:
+    """Empty, queued, empty, gauge absent, empty, empty: the queued and the unknown reading each start the
+    count again, so d is demand-limited only at the last interval (0.2 -> 0.3)."""
+    queues: list[float | None] = [0.0, 2.0, 0.0, None, 0.0, 0.0]
+    results = queue_run(queues, RebalanceConfig(catalog=CATALOG, min_share=0.0))
+    assert [r.state.groups["d"].empty_queue_intervals for r in results] == [1, 0, 1, 0, 1, 2]
+    for result in results[:-1]:
+        assert result.shares == {"s": 0.8, "d": 0.2}
+    assert results[-1].shares == pytest.approx({"s": 0.7, "d": 0.3}, abs=1e-12)
+    # once demand-limited, one queued reading weighs d by its reading again at once: back toward 0.2
+    back = queue_run([*queues, 2.0], RebalanceConfig(catalog=CATALOG, min_share=0.0))[-1]
+    assert back.shares == pytest.approx({"s": 0.8, "d": 0.2}, abs=1e-12)
+    assert back.state.groups["d"].empty_queue_intervals == 0 and not back.groups["d"].capacity_estimated
+
+
+def test_a_state_written_before_the_count_loads_and_counts_from_zero() -> None:
+    """A state dict without `empty_queue_intervals` (an operator of 02850b3) loads through from_dict with
+    the count at 0: d's first empty reading after it counts 1 (not yet demand-limited), the second 2."""
+    config = RebalanceConfig(catalog=CATALOG, min_share=0.0)
+    written = queue_run([0.0, 0.0], config)[-1]
+    assert written.state.groups["d"].empty_queue_intervals == 2
+    old = json.loads(json.dumps(written.state.to_dict()))
+    for memory in old["groups"].values():
+        del memory["empty_queue_intervals"]
+    loaded = RebalanceState.from_dict(old)
+    assert {n: m.empty_queue_intervals for n, m in loaded.groups.items()} == {"s": 0, "d": 0}
+    assert loaded.groups["d"].ema_tokens_per_second == 250.0
+    groups = [sg("s", "bf16", {"s-0": pod(1000.0, 2.0)}), sg("d", "fp8", {"d-0": pod(250.0, 0.0)})]
+    shares = {"s": 0.8, "d": 0.2}
+    first = rebalance(groups, loaded, 2 * STEP, config, current_shares=shares)
+    assert first.shares == shares and first.state.groups["d"].empty_queue_intervals == 1
+    second = rebalance(groups, first.state, 3 * STEP, config, current_shares=first.shares)
+    assert second.shares == pytest.approx({"s": 0.7, "d": 0.3}, abs=1e-12)
+    # the count survives the state's own round trip
+    again = RebalanceState.from_dict(json.loads(json.dumps(second.state.to_dict())))
+    assert again == second.state and again.groups["d"].empty_queue_intervals == 2
+
+
+def test_demand_limited_intervals_is_at_least_one() -> None:
+    assert RebalanceConfig().demand_limited_intervals == 2
+    with pytest.raises(ValueError, match="demand_limited_intervals"):
+        RebalanceConfig(demand_limited_intervals=0)
