@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
@@ -28,9 +29,11 @@ from support.hf_backend_steps import GROUPS, SMALL_MOE, SMALL_QWEN3, cpu_backend
 from transformers import AutoModelForCausalLM
 
 from rlfleet.api.lora_spec import LORA_BACKEND_MESSAGE, LoraSpec
+from rlfleet.api.rljob import MAX_TOKENS_PER_MICRO_BATCH
 from rlfleet.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, TARGET_MODULES, adapter_config
 from rlfleet.trainer.backends.backend_hf import HFBackend
 from rlfleet.trainer.publish.checkpoint import load_checkpoint_file
+from rlfleet.trainer.rollout.batching import plan_micro_batches
 
 ALL_TARGETS = LoraSpec(rank=4, alpha=8.0, target_modules=list(TARGET_MODULES))
 ATTENTION = LoraSpec(rank=4, alpha=8.0)  # the default targets: q_proj, k_proj, v_proj, o_proj
@@ -157,6 +160,78 @@ def test_a_target_the_model_lacks_is_refused_with_its_module_list(tiny_qwen3_fac
     assert "\n" not in message and "['qkv_proj']" in message
     for module in TARGET_MODULES:
         assert module in message
+
+
+# --- what the step saves for backward -----------------------------------------------------------
+
+
+def saved_for_backward(backend: HFBackend, flat: Any) -> dict[str, int]:
+    """What autograd saves for backward during one train step (one micro-batch here), by the innermost module
+    running when it was saved ('' outside every module: the objective): the bytes of each storage saved,
+    counted once (q/k/v share one saved input), parameters left out (they are held anyway). Deterministic:
+    the same graph saves the same tensors; no allocator, no RSS."""
+    running: list[str] = []
+
+    def leave(*_: Any) -> None:  # returns None: the module's output stays its own
+        running.pop()
+
+    hooks = []
+    for name, module in backend.model.named_modules():
+        hooks.append(module.register_forward_pre_hook(lambda *_, n=name: running.append(n)))
+        hooks.append(module.register_forward_hook(leave))
+    held = {p.untyped_storage().data_ptr() for p in backend.model.parameters()}
+    seen: set[int] = set()
+    saved: dict[str, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            where = running[-1] if running else ""
+            saved[where] = saved.get(where, 0) + storage.nbytes()
+        return tensor
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            backend.train_step(flat, GROUPS)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return saved
+
+
+def test_lora_saves_no_more_for_backward_than_full_fine_tuning(tiny_qwen3_factory) -> None:
+    """LoRA's step keeps no more activations than full fine-tuning's on the same micro-batch (docs/benchmarks.md
+    "LoRA": the benchmark's 1.74x larger step RSS is the allocator and its baseline, not tensors): a frozen
+    linear saves nothing for a weight gradient, lora_A saves the input the full linear would (the same
+    storage, no cast, no dropout mask at the default dropout 0), lora_B its [T, r] input; a frozen RMSNorm
+    saves less. With activation checkpointing on, nothing inside a decoder layer is saved under LoRA either
+    (checkpointing is engaged: PEFT's layers need no enable_input_require_grads with the non-reentrant one)."""
+    ckpt = tiny_qwen3_factory(**SMALL_QWEN3)
+    flat = make_batch(seed=1)
+    full = saved_for_backward(cpu_backend(ckpt), flat)
+    lora_all = saved_for_backward(cpu_backend(ckpt, lora=ALL_TARGETS), flat)
+    lora_attention = saved_for_backward(cpu_backend(ckpt, lora=ATTENTION), flat)
+    assert sum(lora_attention.values()) < sum(lora_all.values()) < sum(full.values())
+    # Each lora_A saves exactly what the full linear saves (its input, the same storage: k_proj and v_proj
+    # add nothing after q_proj, up_proj nothing after gate_proj; a cast or a dropout would save a copy per
+    # target), each lora_B its [T, r] input, each frozen base layer nothing.
+    (micro_batch,) = plan_micro_batches(flat, np.arange(len(flat.seq_lens)), MAX_TOKENS_PER_MICRO_BATCH)
+    tokens = len(micro_batch.packed(flat)[0])  # each sequence cut after its last sampled token
+    for layer in range(SMALL_QWEN3["num_hidden_layers"]):
+        for target in TARGET_MODULES:
+            block = "self_attn" if target in ATTENTION.target_modules else "mlp"
+            module = f"model.layers.{layer}.{block}.{target}"
+            assert lora_all.get(f"{module}.lora_A.default", 0) == full.get(module, 0), module
+            assert lora_all[f"{module}.lora_B.default"] == tokens * ALL_TARGETS.rank * 4, module
+            assert f"{module}.base_layer" not in lora_all and module not in lora_all, module
+    assert full[""] == lora_all[""] == lora_attention[""]  # the objective: the same tiles either way
+
+    checkpointed = saved_for_backward(
+        cpu_backend(ckpt, lora=ALL_TARGETS, activation_checkpointing=True), flat
+    )
+    assert not [where for where in checkpointed if ".layers." in where], checkpointed
+    assert sum(checkpointed.values()) < sum(lora_all.values())
 
 
 # --- checkpoint and resume ----------------------------------------------------------------------
