@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,8 +34,8 @@ from typing import Any
 
 import pytest
 import yaml
-from support.node_job import NodeJob, ready
-from support.operator_chart import install_operator_chart, uninstall_operator_chart
+from support.node_job import NodeJob, delete_job_and_operator, ready, watching_versions
+from support.operator_chart import install_operator_chart
 
 from rlfleet.channel import ChannelError, Manifest
 from rlfleet.lora import LORA_VIEW, adapter_version
@@ -196,30 +195,11 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
     job["spec"]["trainer"]["totalSteps"] = TOTAL_STEPS  # the run must outlast the phases (above)
     kube.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
     fleet = Fleet(kube, ns, time.monotonic())
-    stop = threading.Event()
-
-    def watch_versions() -> None:  # every version the channel's pointer names, in order seen
-        while not stop.wait(0.5):
-            try:
-                version = fleet.latest_version()
-                if version is not None:
-                    fleet.read_new_manifests()
-            except Exception:  # noqa: BLE001 - the PVC is not bound yet
-                continue
-            if version is not None and (not fleet.versions_seen or fleet.versions_seen[-1] != version):
-                fleet.versions_seen.append(version)
-
-    watcher = threading.Thread(target=watch_versions, daemon=True)
-    watcher.start()
     try:
-        yield fleet
+        with watching_versions(fleet, on_version=fleet.read_new_manifests):
+            yield fleet
     finally:
-        stop.set()
-        watcher.join(timeout=5)
-        # the job first, while the operator runs (it releases the WeightChannel's finalizer)
-        kube.kubectl("delete", "rljob", "--all", "-n", ns, "--wait=true", "--timeout=100s", check=False)
-        uninstall_operator_chart(kube, ns)
-        kube.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=100s", check=False)
+        delete_job_and_operator(kube, ns)
 
 
 def test_the_trainer_publishes_adapters_over_bases_stored_once(fleet: Fleet) -> None:
@@ -236,6 +216,13 @@ def test_the_trainer_publishes_adapters_over_bases_stored_once(fleet: Fleet) -> 
     trained = re.search(r"LoRA: (\d+) of (\d+) parameters trained", log)
     # the adapter only (rank 16 on 7 projections of a model this small: 69632 of 414592, 16.8%)
     assert trained and 0 < int(trained.group(1)) < int(trained.group(2)) // 4, log[-3000:]
+    # the image's torch measured whether gloo's reduce-scatter averages (Debian's torch 2.6 sums: the
+    # gradients' scale follows it, tests/trainer/test_trainer_backend_hf.py checks both ways)
+    reduce = re.search(
+        r"FSDP2 over 2 gloo ranks \(torch (\S+)\): the gradient reduce-scatter (averages|sums)", log
+    )
+    assert reduce, log[-3000:]
+    print(f"trainer image torch {reduce.group(1)}: the reduce-scatter {reduce.group(2)}")
 
     def channel_status() -> dict[str, Any] | None:
         status = fleet.kube.get_json("weightchannels", "-n", fleet.ns)["items"][0].get("status", {})

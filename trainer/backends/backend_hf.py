@@ -494,7 +494,17 @@ def _fully_shard(model: torch.nn.Module, bf16: bool, cpu: bool = False) -> bool:
     for layer in _decoder_layers(model):
         fully_shard(layer, mp_policy=mp, reshard_after_forward=not cpu)
     fully_shard(model, mp_policy=mp, reshard_after_forward=not cpu)
-    return _fsdp2_averages_gradients(mp) if cpu else True
+    if not cpu:
+        return True
+    averages = _fsdp2_averages_gradients(mp)
+    if dist.get_rank() == 0:  # what the gradients' scale assumes (HFBackend.train_step)
+        log.info(
+            "FSDP2 over %d gloo ranks (torch %s): the gradient reduce-scatter %s",
+            dist.get_world_size(),
+            torch.__version__,
+            "averages" if averages else "sums, so gradients are not multiplied by the world size",
+        )
+    return averages
 
 
 def _fsdp2_averages_gradients(mp: Any) -> bool:
