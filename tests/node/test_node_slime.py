@@ -1,6 +1,6 @@
 """slime as the trainer, on the real node (issue 43 item 5, docs/slime.md): `helm install` of charts/rlfleet,
-then `kubectl apply -f examples/rljob-slime.yaml` as users apply it (only the router's shares made static
-and equal, so that slime's few requests reach every group: STATIC_SHARES says why): no training pods, the
+then `kubectl apply -f examples/rljob-slime.yaml` as users apply it (its router's shares static and equal,
+so that slime's few requests reach every group: STATIC_SHARES says why): no training pods, the
 trainer StatefulSet's one CPU pod running `rlfleet slime bridge --config ...`, three `cpu` sampler groups
 (bf16, fp8 with an fp8 KV cache, nvfp4) behind the router, slime's publish directory on its own claim
 `slime-updates`.
@@ -80,12 +80,11 @@ PLAN: tuple[tuple[str, str, str], ...] = (  # (kind, delta encoding, checksum)
 MALFORMED = len(PLAN) + 1  # version 7
 AFTER_MALFORMED: tuple[tuple[str, str, str], ...] = (("full", "", ""), ("delta", "overwrite", "xxh3-128"))
 LAST = MALFORMED + len(AFTER_MALFORMED)  # version 9
-# The one change to the example: the router's shares static and equal. Its default policy (throughput) sets
-# each group's share from the decode tokens/s it delivered, which under these few short requests reflects
-# only the shares themselves, and a group without a ready replica at a rebalance drops to 0 and climbs back
-# to the 0.02 floor: the first run of this test saw the nvfp4 group get none of 30 sessions of v1. slime's
-# requests must reach every group (each asks its version of every precision), so each gets a third.
-STATIC_SHARES = {"policy": "static", "staticShares": dict.fromkeys(GROUPS, 1.0)}
+# The example's router shares are static and equal (its comment says why): under the throughput policy a
+# cpu group's share follows only what its share sent it, and a group without a ready replica at a rebalance
+# drops to 0 and climbs back from the 0.02 floor: a run with that policy saw the nvfp4 group get none of 30
+# sessions of v1. slime's requests must reach every group (each asks its version of every precision).
+STATIC_SHARES = {"policy": "static", "staticShares": dict.fromkeys(GROUPS, 1)}
 SHARE_PERCENT_AT_LEAST = 25  # each group's Share% before slime's first version (a third, once settled)
 SESSIONS = 6  # per batch of one version's requests; batches until every group has answered (at most 10)
 # slime's POST helper: retries any non-2xx (the router's 409 while the session's group does not serve the
@@ -321,16 +320,14 @@ def slime(dev_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sli
         timeout=300,
     )
     assert install.returncode == 0, install.stdout + install.stderr
-    # the example as users apply it (its two PVCs with it), with one change: static, equal router shares
-    # (STATIC_SHARES, above)
+    # the example as users apply it (its two PVCs with it), whose router shares are static and equal
     docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
     [job] = [d for d in docs if d["kind"] == "RLJob"]
     assert job["metadata"]["name"] == JOB and job["spec"]["trainer"]["external"] == {
         "framework": "slime",
         "publishDir": PUBLISH_DIR,
     }
-    assert "policy" not in job["spec"]["router"]  # the default, throughput
-    job["spec"]["router"].update(STATIC_SHARES)
+    assert {k: job["spec"]["router"].get(k) for k in STATIC_SHARES} == STATIC_SHARES, job["spec"]["router"]
     kube.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
     fleet = Slime(kube, ns, time.monotonic(), base)
     # slime's files readable by the bridge pod's uid 10001 (the stand-in writes as root): directories 0755
