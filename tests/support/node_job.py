@@ -1,7 +1,7 @@
 """An RLJob on the dev cluster's real node as the node tier's fleet tests read it (tests/node/test_node_fleet.py,
-test_node_lora.py, test_node_slime.py, test_node_torch.py): its status, pods, logs, the host directory of a volume claim, the
-channel's pointer there (and the versions it named, polled), the job's engine key, waits whose failure
-carries the test's own diagnosis, and the teardown of the job and its operator."""
+test_node_lora.py, test_node_slime.py, test_node_torch.py): its status, pods, logs, the host directory of a
+volume claim, the channel's pointer there (and the versions it named, polled), the job's engine key, waits
+whose failure carries the test's own diagnosis, and the teardown of the job and its operator."""
 
 from __future__ import annotations
 
