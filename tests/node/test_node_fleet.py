@@ -28,11 +28,11 @@ from typing import Any
 
 import pytest
 import yaml
-from support.node_job import NodeJob, delete_job_and_operator, ready, watching_versions
-from support.operator_chart import install_operator_chart
+from support.node_job import NodeJob, delete_job_and_operator, example_rljob, ready, watching_versions
+from support.operator_chart import install_operator_reading_claim
 from support.waits import wait_for
 
-from rlfleet.channel import ChannelError, Manifest
+from rlfleet.channel import Manifest
 from rlfleet.operator import naming
 
 pytestmark = [pytest.mark.node, pytest.mark.cluster, pytest.mark.timeout(1800)]
@@ -73,23 +73,6 @@ class Fleet(NodeJob):
 
     def status(self) -> dict[str, Any]:
         return self.rljob().get("status", {})
-
-    def groups(self) -> dict[str, dict[str, Any]]:
-        items = self.kube.get_json("samplergroups", "-n", self.ns)["items"]
-        return {sg["metadata"]["name"]: sg for sg in items}
-
-    def read_new_manifests(self) -> None:
-        """Keep the manifest of every version in the store not read yet (retention deletes old versions: the
-        tests compare what the sidecars read with versions that may be gone by then)."""
-        for directory in self.store_dir().glob("v*"):
-            number = directory.name[1:]
-            if number.isdigit() and int(number) not in self.manifests:
-                try:  # not there yet while the version's files upload
-                    self.manifests[int(number)] = Manifest.from_bytes(
-                        (directory / "manifest.json").read_bytes()
-                    )
-                except (OSError, ValueError, ChannelError):
-                    continue
 
     def sidecar(self, pod: str) -> dict[str, Any]:
         """What a sampler pod's weight-sync sidecar serves on its port (read from inside the pod): its
@@ -136,18 +119,9 @@ class Fleet(NodeJob):
 def fleet(dev_cluster) -> Iterator[Fleet]:
     kube = dev_cluster.kube
     ns = f"fleet-{uuid.uuid4().hex[:6]}"
-    # The operator reads the channel from the same claim (mounted read-only at the store's path): it
-    # runs in the job's namespace, as a PVC cannot be mounted from another one.
-    stores = [{"name": "cpu", "claimName": CLAIM, "mountPath": STORE_PATH}]
-    install = install_operator_chart(
-        kube,
-        dev_cluster.images["operator"].ref,
-        ns,
-        "--set-json",
-        f"weightStores.filesystem={json.dumps(stores)}",
-        timeout=300,
+    install_operator_reading_claim(
+        kube, dev_cluster.images["operator"].ref, ns, store="cpu", claim=CLAIM, mount_path=STORE_PATH
     )
-    assert install.returncode == 0, install.stdout + install.stderr
     # The store's volume: a small tmpfs on the node, so that a test can fill it (a local-path volume is a
     # directory on the host's big disk). A PV of it, and the example's claim bound to it; the example's
     # own PVC then applies as a no-op (created here without kubectl's last-applied annotation).
@@ -190,8 +164,7 @@ def fleet(dev_cluster) -> Iterator[Fleet]:
     )
     # the example as users apply it (the PVC with it), with more steps: the faults below need a run that
     # is still training (the example's 50 steps take about two minutes here); at an RL learning rate
-    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
-    [job] = [d for d in docs if d["kind"] == "RLJob"]
+    docs, job = example_rljob(EXAMPLE)
     job["spec"]["trainer"]["totalSteps"] = TOTAL_STEPS
     job["spec"]["trainer"]["optimizer"]["learningRate"] = LEARNING_RATE  # deltas between anchors (above)
     assert "deltas" not in job["spec"]["weightChannel"]  # the defaults: an anchor every ANCHOR_EVERY versions
@@ -615,7 +588,7 @@ def test_the_engines_and_the_router_refuse_a_caller_without_the_jobs_key(fleet: 
 
 def _suspended_job(name: str, group: str) -> str:
     """An RLJob of the example's shape, suspended (no pod), with one group and its own store path."""
-    [job] = [d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d["kind"] == "RLJob"]
+    _, job = example_rljob(EXAMPLE)
     job["metadata"]["name"] = name
     job["spec"]["suspend"] = True
     job["spec"]["samplerGroups"] = [{**job["spec"]["samplerGroups"][0], "name": group}]

@@ -34,10 +34,10 @@ from typing import Any
 
 import pytest
 import yaml
-from support.node_job import NodeJob, delete_job_and_operator, ready, watching_versions
-from support.operator_chart import install_operator_chart
+from support.node_job import NodeJob, delete_job_and_operator, example_rljob, ready, watching_versions
+from support.operator_chart import install_operator_reading_claim
 
-from rlfleet.channel import ChannelError, Manifest
+from rlfleet.channel import Manifest
 from rlfleet.lora import LORA_VIEW, adapter_version
 from rlfleet.operator import naming
 
@@ -69,23 +69,11 @@ class Fleet(NodeJob):
     manifests: dict[int, Manifest] = field(default_factory=dict)  # every version's manifest, read as it lands
     digests: dict[int, str] = field(default_factory=dict)  # sha256 of each manifest.json as first read
 
-    def groups(self) -> dict[str, dict[str, Any]]:
-        items = self.kube.get_json("samplergroups", "-n", self.ns)["items"]
-        return {sg["metadata"]["name"]: sg for sg in items}
-
-    def read_new_manifests(self) -> None:
-        """Keep the manifest of every version not read yet, and the digest of its bytes (retention deletes
-        old versions; a version published twice would show another manifest under the same number)."""
-        for directory in self.store_dir().glob("v*"):
-            number = directory.name[1:]
-            if number.isdigit() and int(number) not in self.manifests:
-                try:  # not there yet while the version's files upload
-                    raw = (directory / "manifest.json").read_bytes()
-                    manifest = Manifest.from_bytes(raw)
-                except (OSError, ValueError, ChannelError):
-                    continue
-                self.digests[int(number)] = hashlib.sha256(raw).hexdigest()
-                self.manifests[int(number)] = manifest
+    def keep_manifest(self, version: int, raw: bytes, manifest: Manifest) -> None:
+        """The manifest and the digest of its bytes (a version published twice would show another manifest
+        under the same number)."""
+        self.digests[version] = hashlib.sha256(raw).hexdigest()
+        self.manifests[version] = manifest
 
     def probe(self, pod: str) -> dict[str, Any]:
         """Inside a sampler pod (`kubectl exec` into its weight-sync container, the job's key on stdin):
@@ -176,21 +164,10 @@ def _adapters(models: dict[str, Any]) -> list[int]:
 def fleet(dev_cluster) -> Iterator[Fleet]:
     kube = dev_cluster.kube
     ns = f"lora-{uuid.uuid4().hex[:6]}"
-    # The operator reads the channel from the example's claim (mounted read-only at the store's path): it
-    # runs in the job's namespace, as a PVC cannot be mounted from another one. Its pod waits for the
-    # claim, which the example creates (local-path binds it for its first consumer).
-    stores = [{"name": "lora", "claimName": CLAIM, "mountPath": STORE_PATH}]
-    install = install_operator_chart(
-        kube,
-        dev_cluster.images["operator"].ref,
-        ns,
-        "--set-json",
-        f"weightStores.filesystem={json.dumps(stores)}",
-        timeout=300,
+    install_operator_reading_claim(
+        kube, dev_cluster.images["operator"].ref, ns, store="lora", claim=CLAIM, mount_path=STORE_PATH
     )
-    assert install.returncode == 0, install.stdout + install.stderr
-    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
-    [job] = [d for d in docs if d["kind"] == "RLJob"]
+    docs, job = example_rljob(EXAMPLE)
     assert job["metadata"]["name"] == JOB and job["spec"]["trainer"]["lora"]["rank"] == 16
     job["spec"]["trainer"]["totalSteps"] = TOTAL_STEPS  # the run must outlast the phases (above)
     kube.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(docs))
@@ -346,15 +323,11 @@ def test_rollouts_come_from_every_group_on_adapter_versions(fleet: Fleet) -> Non
     columns = {c["name"]: c["jsonPath"] for c in served["additionalPrinterColumns"]}
     assert columns["Version"] == ".status.appliedWeightVersion", columns
 
-    def cockpit() -> dict[str, int] | None:
-        versions = {
-            name.removeprefix(f"{JOB}-"): sg.get("status", {}).get("appliedWeightVersion")
-            for name, sg in fleet.groups().items()
-        }
-        ok = set(versions) == set(GROUPS) and all(isinstance(v, int) and v >= 1 for v in versions.values())
-        return versions if ok else None
-
-    versions = fleet.wait("`kubectl get sg` with a VERSION >= 1 for every group", cockpit, timeout=600)
+    versions = fleet.wait(
+        "`kubectl get sg` with a VERSION >= 1 for every group",
+        lambda: fleet.served_versions(GROUPS),
+        timeout=600,
+    )
     print(fleet.kube.kubectl("get", "samplergroups", "-n", fleet.ns).stdout)
     for group, version in versions.items():
         [pod] = fleet.sampler_pods(group)

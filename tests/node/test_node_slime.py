@@ -46,8 +46,8 @@ import numpy as np
 import pytest
 import yaml
 from support import slime_publisher as publisher
-from support.node_job import NodeJob, delete_job_and_operator, ready, watching_versions
-from support.operator_chart import install_operator_chart
+from support.node_job import NodeJob, delete_job_and_operator, example_rljob, ready, watching_versions
+from support.operator_chart import install_operator_reading_claim
 from support.slime_publisher import SlimeStandIn
 from support.slime_requests import rollout_meta, rollout_payload, slime_post
 from support.waits import wait_for
@@ -308,21 +308,11 @@ def slime(dev_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sli
     ns = f"slime-{uuid.uuid4().hex[:6]}"
     # slime's --hf-checkpoint: builtin:tiny-qwen3 as rlfleet/model_source.py builds it (seed 0, no query)
     base = cached_tiny_qwen3(tmp_path_factory.mktemp("models"), TinyQwen3(seed=0))
-    # The operator reads the channel from the example's claim (mounted read-only at the store's path): it
-    # runs in the job's namespace, as a PVC cannot be mounted from another one.
-    stores = [{"name": "slime", "claimName": CLAIM, "mountPath": STORE_PATH}]
-    install = install_operator_chart(
-        kube,
-        dev_cluster.images["operator"].ref,
-        ns,
-        "--set-json",
-        f"weightStores.filesystem={json.dumps(stores)}",
-        timeout=300,
+    install_operator_reading_claim(
+        kube, dev_cluster.images["operator"].ref, ns, store="slime", claim=CLAIM, mount_path=STORE_PATH
     )
-    assert install.returncode == 0, install.stdout + install.stderr
     # the example as users apply it (its two PVCs with it), whose router shares are static and equal
-    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
-    [job] = [d for d in docs if d["kind"] == "RLJob"]
+    docs, job = example_rljob(EXAMPLE)
     assert job["metadata"]["name"] == JOB and job["spec"]["trainer"]["external"] == {
         "framework": "slime",
         "publishDir": PUBLISH_DIR,

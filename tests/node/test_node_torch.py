@@ -35,10 +35,10 @@ from typing import Any
 
 import pytest
 import yaml
-from support.node_job import NodeJob, delete_job_and_operator, watching_versions
-from support.operator_chart import install_operator_chart
+from support.node_job import NodeJob, delete_job_and_operator, example_rljob, watching_versions
+from support.operator_chart import install_operator_reading_claim
 
-from rlfleet.channel import ChannelError, Manifest
+from rlfleet.channel import Manifest
 from rlfleet.lora import LORA_VIEW
 from rlfleet.operator import naming
 
@@ -65,22 +65,6 @@ class Fleet(NodeJob):
     started: float
     versions_seen: list[int] = field(default_factory=list)  # the channel's latest version, polled
     manifests: dict[int, Manifest] = field(default_factory=dict)  # every version's manifest, read as it lands
-
-    def groups(self) -> dict[str, dict[str, Any]]:
-        items = self.kube.get_json("samplergroups", "-n", self.ns)["items"]
-        return {sg["metadata"]["name"]: sg for sg in items}
-
-    def read_new_manifests(self) -> None:
-        """Keep the manifest of every version not read yet (retention deletes old versions)."""
-        for directory in self.store_dir().glob("v*"):
-            number = directory.name[1:]
-            if number.isdigit() and int(number) not in self.manifests:
-                try:  # not there yet while the version's files upload
-                    self.manifests[int(number)] = Manifest.from_bytes(
-                        (directory / "manifest.json").read_bytes()
-                    )
-                except (OSError, ValueError, ChannelError):
-                    continue
 
     def history(self) -> list[dict[str, float]]:
         """The trainer's per-step metrics, from its newest checkpoint in the store."""
@@ -164,21 +148,10 @@ def _restarts(pod: dict[str, Any]) -> dict[str, int]:
 def fleet(dev_cluster) -> Iterator[Fleet]:
     kube = dev_cluster.kube
     ns = f"torch-{uuid.uuid4().hex[:6]}"
-    # The operator reads the channel from the example's claim (mounted read-only at the store's path): it
-    # runs in the job's namespace, as a PVC cannot be mounted from another one. Its pod waits for the
-    # claim, which the example creates (local-path binds it for its first consumer).
-    stores = [{"name": "cpu-torch", "claimName": CLAIM, "mountPath": STORE_PATH}]
-    install = install_operator_chart(
-        kube,
-        dev_cluster.images["operator"].ref,
-        ns,
-        "--set-json",
-        f"weightStores.filesystem={json.dumps(stores)}",
-        timeout=300,
+    install_operator_reading_claim(
+        kube, dev_cluster.images["operator"].ref, ns, store="cpu-torch", claim=CLAIM, mount_path=STORE_PATH
     )
-    assert install.returncode == 0, install.stdout + install.stderr
-    docs = list(yaml.safe_load_all(EXAMPLE.read_text()))
-    [job] = [d for d in docs if d["kind"] == "RLJob"]
+    docs, job = example_rljob(EXAMPLE)
     trainer = job["spec"]["trainer"]
     assert job["metadata"]["name"] == JOB and trainer["backend"] == "torch" and "lora" not in trainer, trainer
     assert trainer["processesPerReplica"] == 2, trainer
@@ -280,15 +253,11 @@ def test_every_group_serves_a_trained_version(fleet: Fleet) -> None:
     """`kubectl get sg`'s VERSION >= 1 for every group; in each sampler pod the sidecar, in sync on its
     group's full view, applied a version >= 1 that the engine's /model_info says it serves."""
 
-    def cockpit() -> dict[str, int] | None:
-        versions = {
-            name.removeprefix(f"{JOB}-"): sg.get("status", {}).get("appliedWeightVersion")
-            for name, sg in fleet.groups().items()
-        }
-        ok = set(versions) == set(GROUPS) and all(isinstance(v, int) and v >= 1 for v in versions.values())
-        return versions if ok else None
-
-    versions = fleet.wait("`kubectl get sg` with a VERSION >= 1 for every group", cockpit, timeout=900)
+    versions = fleet.wait(
+        "`kubectl get sg` with a VERSION >= 1 for every group",
+        lambda: fleet.served_versions(GROUPS),
+        timeout=900,
+    )
     print(fleet.kube.kubectl("get", "samplergroups", "-n", fleet.ns).stdout)
     for group in GROUPS:
         [pod] = fleet.sampler_pods(group)

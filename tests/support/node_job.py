@@ -8,11 +8,14 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+import yaml
+
+from rlfleet.channel import ChannelError, Manifest
 from support.operator_chart import uninstall_operator_chart
 from support.waits import wait_for
 
@@ -26,6 +29,7 @@ class NodeJob:
     kube: Any
     ns: str
     versions_seen: list[int]  # the channel's pointer, polled (watching_versions)
+    manifests: dict[int, Manifest]  # every version's manifest, read as it lands (read_new_manifests)
 
     def diagnosis(self) -> str:
         raise NotImplementedError
@@ -39,6 +43,40 @@ class NodeJob:
     def pods(self, selector: str | None = None) -> list[dict[str, Any]]:
         extra = ("-l", selector) if selector else ()
         return self.kube.get_json("pods", "-n", self.ns, *extra)["items"]
+
+    def groups(self) -> dict[str, dict[str, Any]]:
+        """The job's SamplerGroups by name."""
+        items = self.kube.get_json("samplergroups", "-n", self.ns)["items"]
+        return {sg["metadata"]["name"]: sg for sg in items}
+
+    def served_versions(self, groups: Iterable[str], at_least: int = 1) -> dict[str, int] | None:
+        """`kubectl get sg`'s VERSION (status.appliedWeightVersion) of each group (the name after `<job>-`)
+        once every one of `groups`, and no other, shows one >= `at_least`; else None (a wait's check)."""
+        versions = {
+            name.removeprefix(f"{self.job}-"): sg.get("status", {}).get("appliedWeightVersion")
+            for name, sg in self.groups().items()
+        }
+        ok = set(versions) == set(groups) and all(
+            isinstance(v, int) and v >= at_least for v in versions.values()
+        )
+        return versions if ok else None
+
+    def read_new_manifests(self) -> None:
+        """Keep the manifest of every version in the store not read yet (retention deletes old versions:
+        the tests compare what they see with versions that may be gone by then)."""
+        for directory in self.store_dir().glob("v*"):
+            number = directory.name[1:]
+            if number.isdigit() and int(number) not in self.manifests:
+                try:  # not there yet while the version's files upload
+                    raw = (directory / "manifest.json").read_bytes()
+                    manifest = Manifest.from_bytes(raw)
+                except (OSError, ValueError, ChannelError):
+                    continue
+                self.keep_manifest(int(number), raw, manifest)
+
+    def keep_manifest(self, version: int, raw: bytes, manifest: Manifest) -> None:
+        """What read_new_manifests keeps of a version's manifest (a test may keep more: its bytes' digest)."""
+        self.manifests[version] = manifest
 
     def sampler_pods(self, group: str) -> list[dict[str, Any]]:
         """The group's pods that are not being deleted."""
@@ -91,6 +129,13 @@ class NodeJob:
             return wait_for(what, check, timeout=timeout, interval=interval)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.diagnosis()}") from None
+
+
+def example_rljob(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """An example's documents as users apply them, and its RLJob among them (to change before applying)."""
+    docs = list(yaml.safe_load_all(path.read_text()))
+    [job] = [d for d in docs if d["kind"] == "RLJob"]
+    return docs, job
 
 
 def ready(pod: dict[str, Any]) -> bool:

@@ -3,6 +3,7 @@ loaded on the node, as a user installs the chart."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,25 @@ def install_operator_chart(
         text=True,
         timeout=timeout,
     )
+
+
+def install_operator_reading_claim(
+    kube: Any, operator_image: str, namespace: str, *, store: str, claim: str, mount_path: str
+) -> None:
+    """install_operator_chart with one filesystem weight store, the job's claim `claim` mounted read-only at
+    the store's `mount_path`: the operator reads the channel from it, so it runs in the job's namespace (a
+    PVC cannot be mounted from another one). Its pod waits for the claim, which the example creates or the
+    test binds. Asserts helm succeeded."""
+    stores = [{"name": store, "claimName": claim, "mountPath": mount_path}]
+    install = install_operator_chart(
+        kube,
+        operator_image,
+        namespace,
+        "--set-json",
+        f"weightStores.filesystem={json.dumps(stores)}",
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
 
 
 def uninstall_operator_chart(kube: Any, namespace: str) -> None:
