@@ -52,6 +52,7 @@ from rlfleet.operator.rebalance import (
     RebalanceResult,
     RebalanceState,
     ViewMemory,
+    queues_empty,
     rebalance,
     replica_egress_cost_per_hour,
 )
@@ -228,6 +229,7 @@ def _group_status(d: GroupDecision, decisions: Decisions) -> dict[str, Any]:
                 "replicas": steady.replicas,
                 "weightFormat": steady.weight_format,
                 "measuredAt": steady.measured_at,
+                "saturated": steady.saturated,
             }
         )
     if d.name in decisions.fleet.ready:
@@ -269,6 +271,7 @@ def _read_memory(
             int(steady["replicas"]),
             steady["weightFormat"],
             steady.get("measuredAt"),
+            bool(steady.get("saturated", True)),  # absent: written before lower bounds were told apart
         )
     if "readyReplicas" in m:
         fleet.ready[name] = (int(m["readyReplicas"]), int(m.get("readyUnchanged", 0)))
@@ -637,6 +640,7 @@ def _fleet_plan(
                 g.oor_fraction,
                 g.quarantined,
                 egress,
+                queues_empty=queues_empty(g),
             )
         )
     router = job.spec.router
@@ -665,6 +669,7 @@ def _fleet_plan(
         {g: f.tokens_per_second_per_replica for g, f in figures.items()},
         held,
         trainer,
+        lower_bounds={g for g, f in figures.items() if f.basis == "lowerBound"},
     )
     _, demand_source = fleetplan.demand_of(router.optimize, trainer)
     return fleetplan.decide(

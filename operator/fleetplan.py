@@ -15,8 +15,16 @@ docs/economics.md has the formulation ("The optimizer") and what the status show
   The figure is kept in the RLJob's `status.decisions` (decide.py) and read back from it after an
   operator restart: a group at 0 replicas is never steady, so without it a restart would leave such a
   group out until someone scaled it by hand.
+- A group read with every queue empty (each pod's `sglang:num_queue_reqs` 0, rebalance.py `queues_empty`)
+  made what it was sent, not what it can do: behind a light producer tokens/s per replica fall as
+  replicas are added, so planning from them would scale an idle fleet UP every interval and never down.
+  Such a reading replaces the kept figure only where it is higher: an idle fleet is planned from the
+  figures of its saturated intervals (some request queued, or the queue unknown: no gauge, Prometheus),
+  and scaled down to the demand. A group never read saturated at its weightFormat has only a LOWER
+  BOUND: it is planned with its replicas fixed, counting toward the demand at that bound, until a reading
+  with requests queued (`lowerBound` in status.fleetPlan.throughput, and in the reason).
 - A group at 0 replicas with no figure (never steady: created at 0 replicas, or its format changed) is
-  planned at an ESTIMATE when another group has a figure (`plan_figures`): the measured groups' tokens/s per GPU
+  planned at an ESTIMATE when another group has a saturated figure (`plan_figures`): those groups' tokens/s per GPU
   carried to its class and format by the catalog's relative decode throughputs (as the reference
   fleet's estimate, rlfleet/fleet.py), marked `estimated` in status.fleetPlan.throughput and the reason.
 - A group with neither (replicas not steady yet, no group measured yet, or no catalog ratio for its
@@ -37,8 +45,8 @@ docs/economics.md has the formulation ("The optimizer") and what the status show
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rlfleet.api.router_spec import FleetOptimizeSpec
@@ -80,6 +88,9 @@ class FleetReading:
     # USD/h one replica pays for them (rebalance.py `replica_egress_cost_per_hour`); None: no price, or its
     # view's stored bytes not read yet (then planned without it)
     egress_cost_per_replica_hour: float | None = None
+    # every pod read reports `sglang:num_queue_reqs` 0 (rebalance.py `queues_empty`): nothing waited, so its
+    # tokens/s are what it was sent, a lower bound on what it can do (False: requests queued, or unknown)
+    queues_empty: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,9 @@ class SteadyFigure:
     replicas: int  # the ready replicas it was read over
     weight_format: str
     measured_at: str | None = None  # RFC 3339 (None: not known)
+    # a reading at saturation (some request queued, or the queue unknown) of this weightFormat is behind
+    # it; False: read only with every queue empty, a lower bound on its capacity (the plan keeps its replicas)
+    saturated: bool = True
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,9 @@ class PlanFigure:
     """The tokens/s per replica a group is planned at, and from what."""
 
     tokens_per_second_per_replica: float
-    basis: Literal["measured", "estimated"]
+    # measured: a steady reading at saturation (or above one); lowerBound: read only with queues empty;
+    # estimated: carried from the saturated groups by the catalog
+    basis: Literal["measured", "lowerBound", "estimated"]
     detail: str  # the steady reading it is, or the measured groups the estimate comes from
 
     def status(self) -> dict[str, Any]:
@@ -178,9 +194,11 @@ def fleet_reading(
     oor_fraction: float | None,
     quarantined: bool,
     egress_cost_per_replica_hour: float | None = None,
+    queues_empty: bool = False,
 ) -> FleetReading:
     """A SamplerGroup object (spec, status) with the interval's figures (`egress_cost_per_replica_hour`: its
-    weight traffic per replica, from the rebalance's reading of its view; None: none read, or no price)."""
+    weight traffic per replica, from the rebalance's reading of its view; None: none read, or no price;
+    `queues_empty`: rebalance.py `queues_empty` of its pods at this interval)."""
     spec, status = sg.get("spec") or {}, sg.get("status") or {}
     tp = int(spec.get("tensorParallel") or default_tensor_parallel)
     return FleetReading(
@@ -198,6 +216,7 @@ def fleet_reading(
         spot=bool(spec.get("spot", False)),
         egress_price_per_gb=spec.get("egressPricePerGb"),
         egress_cost_per_replica_hour=egress_cost_per_replica_hour,
+        queues_empty=queues_empty,
     )
 
 
@@ -207,23 +226,36 @@ def observe(
     """The memory after this interval: a group's tokens/s per replica is taken when it is steady (ready =
     replicas > 0, and ready unchanged for `settle_intervals` intervals, or first seen) and made tokens
     (`now`: its measuredAt); else the last steady figure stays while it is of the group's weightFormat.
-    Groups gone are dropped."""
+    A reading with every queue empty is what the group was sent, a lower bound on what it can do: it
+    replaces the figure kept only where it is higher (an idle fleet keeps the figures of its saturated
+    intervals, so that the plan can scale it down), and with no saturated reading behind it the figure is
+    marked not `saturated`. Groups gone are dropped."""
     out = FleetMemory()
     for r in readings:
         previous = memory.ready.get(r.name)
         unchanged = previous[1] + 1 if previous is not None and previous[0] == r.ready_replicas else 0
         settled = previous is None or unchanged >= settle_intervals
         kept = memory.steady.get(r.name)
+        if kept is not None and kept.weight_format != r.weight_format:
+            kept = None
         if (
             r.ready_replicas == r.replicas > 0
             and settled
             and r.tokens_per_second is not None
             and r.tokens_per_second > 0
         ):
-            out.steady[r.name] = SteadyFigure(
+            read = SteadyFigure(
                 r.tokens_per_second / r.ready_replicas, r.ready_replicas, r.weight_format, now
             )
-        elif kept is not None and kept.weight_format == r.weight_format:
+            if not r.queues_empty:
+                out.steady[r.name] = read
+            elif kept is None:
+                out.steady[r.name] = replace(read, saturated=False)
+            elif read.tokens_per_second_per_replica > kept.tokens_per_second_per_replica:
+                out.steady[r.name] = replace(read, saturated=kept.saturated)
+            else:
+                out.steady[r.name] = kept
+        elif kept is not None:
             out.steady[r.name] = kept
         out.ready[r.name] = (r.ready_replicas, unchanged)
     return out
@@ -232,11 +264,12 @@ def observe(
 def plan_figures(
     readings: Sequence[FleetReading], memory: FleetMemory, catalog: Catalog
 ) -> dict[str, PlanFigure]:
-    """The tokens/s per replica each group is planned at: its last steady figure (`measured`), else, for
-    a group at 0 replicas, an estimate from the groups with one through the catalog's relative decode
-    throughputs (`estimated`; none without a measured group or a ratio for the group's class and
-    format). A group with replicas gets none until it is measured (its pods are about to be), and a
-    quarantined group is left out of the plan anyway."""
+    """The tokens/s per replica each group is planned at: its last steady figure (`measured`, or
+    `lowerBound` when only readings with every queue empty are behind it), else, for a group at 0
+    replicas, an estimate from the saturated groups through the catalog's relative decode throughputs
+    (`estimated`; none without a saturated group or a ratio for the group's class and format). A group
+    with replicas gets none until it is measured (its pods are about to be), and a quarantined group is
+    left out of the plan anyway."""
     out: dict[str, PlanFigure] = {}
     measured: list[MeasuredGroup] = []
     for r in readings:
@@ -244,11 +277,13 @@ def plan_figures(
         if figure is None:
             continue
         at = f", {figure.measured_at}" if figure.measured_at else ""
-        out[r.name] = PlanFigure(
-            figure.tokens_per_second_per_replica,
-            "measured",
-            f"steady reading over {figure.replicas} replica(s) at {figure.weight_format}{at}",
-        )
+        read = f"steady reading over {figure.replicas} replica(s) at {figure.weight_format}{at}"
+        if not figure.saturated:
+            out[r.name] = PlanFigure(
+                figure.tokens_per_second_per_replica, "lowerBound", f"{read}, its queues empty"
+            )
+            continue  # what it was sent, not its capacity: no ground for another group's estimate
+        out[r.name] = PlanFigure(figure.tokens_per_second_per_replica, "measured", read)
         if catalog.decode_throughput(r.accelerator, r.weight_format) is not None:
             measured.append(
                 MeasuredGroup(
@@ -318,11 +353,13 @@ def fleet_request(
     per_replica: Mapping[str, float],
     held: Mapping[str, str] | None = None,
     trainer: Mapping[str, float] | None = None,
+    lower_bounds: Collection[str] = (),
 ) -> tuple[FleetPlanRequest | None, dict[str, str]]:
     """The request of `plan_fleet` for this interval, and the groups left out of it with why (None: no
     group is in it, or the demand is not known yet). `held`: groups another controller is changing (the
     precision autopilot), left out with its reason. `trainer`: the trainer's last fleet metrics, for a
-    derived demand (`demand_of`). Module docstring: the rules."""
+    derived demand (`demand_of`). `lower_bounds`: the groups whose figure is a lower bound (`plan_figures`'
+    `lowerBound`), planned with their replicas fixed. Module docstring: the rules."""
     left_out: dict[str, str] = {}
     figures: list[GroupFigures] = []
     for r in readings:
@@ -335,7 +372,9 @@ def fleet_request(
         if r.name not in per_replica:
             left_out[r.name] = "no throughput reading yet"
             continue
-        bounds = spec.groups.get(r.name)
+        # a group named in `lower_bounds` is planned at its replicas: more of them would be planned from
+        # what it was sent, and the plan would scale an idle fleet up (its readings fall as it grows)
+        bounds = None if r.name in lower_bounds else spec.groups.get(r.name)
         figures.append(
             GroupFigures(
                 name=r.name,
@@ -409,10 +448,22 @@ def decide(
         for g, f in used.items()
         if f.basis == "estimated"
     )
+    lower = "; ".join(
+        f"{g} keeps its {current[g]} replica(s), planned at {f.tokens_per_second_per_replica:.0f} tokens/s "
+        "per replica: a lower bound (read only with its queues empty: it made what it was sent) until it is "
+        "read with requests queued"
+        for g, f in used.items()
+        if f.basis == "lowerBound"
+    )
     egress = egress_notes(readings, planned)
     out = "; ".join(
         p
-        for p in (estimates, egress, *(f"{g} keeps its replicas ({why})" for g, why in left_out.items()))
+        for p in (
+            estimates,
+            lower,
+            egress,
+            *(f"{g} keeps its replicas ({why})" for g, why in left_out.items()),
+        )
         if p
     )
 

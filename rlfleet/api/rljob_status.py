@@ -59,8 +59,8 @@ class FleetThroughputStatus(ApiModel):
 
     tokens_per_second_per_replica: float = Field(ge=0.0)
     """Decode tokens/s of one replica."""
-    basis: Literal["measured", "estimated"]
-    """measured: the group's last steady reading (status.decisions.groups[].memory.steadyThroughput); estimated: none yet, carried from the measured groups by the catalog's decodeThroughput ratios."""
+    basis: Literal["measured", "lowerBound", "estimated"]
+    """measured: the group's last steady reading at saturation, or a higher one since (status.decisions.groups[].memory.steadyThroughput); lowerBound: read only while demand-limited (its queues empty), so the group keeps its replicas; estimated: none yet, carried from the saturated groups by the catalog's decodeThroughput ratios."""
     detail: str = Field(default="", max_length=256)
     """The reading (replicas, format, when) or the groups the estimate comes from."""
 

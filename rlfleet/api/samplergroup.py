@@ -220,6 +220,8 @@ class SteadyThroughput(ApiModel):
     """The weightFormat it was read at (a figure of another format is not used)."""
     measured_at: datetime | None = None
     """When it was read."""
+    saturated: bool = True
+    """A reading with requests queued (at this weightFormat) is behind it; false: read only while the group was demand-limited (its queues empty), a lower bound on its capacity."""
 
 
 class PrecisionCooldown(ApiModel):

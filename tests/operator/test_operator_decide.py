@@ -497,3 +497,46 @@ def test_decisions_read_back_from_status_give_the_same_next_decision_as_the_ones
 
 def test_no_decisions_in_status_is_none() -> None:
     assert Decisions.from_status({}) is None and Decisions.from_status(None) is None
+
+
+def test_the_optimizer_takes_a_group_read_with_its_queues_empty_as_a_lower_bound_over_a_restart() -> None:
+    """One h100 fp8 replica whose pod's counters make 1000 tok/s over each 30 s interval with nothing
+    queued: its figure is a lower bound (fleetplan.py), planned with its replica held; the flag goes into
+    `status.decisions` and a restarted operator reads it back. A reading with requests queued makes the
+    figure saturated; a figure written before the flag existed reads back as saturated (as it was used)."""
+    job = rljob(
+        [{"name": "a", "accelerator": "h100", "weightFormat": "fp8", "replicas": 1}],
+        {
+            "optimize": {
+                "enabled": True,
+                "demand": {"usableTokensPerSecond": 1000},
+                "groups": {"a": {"maxReplicas": 3}},
+            }
+        },
+    )
+
+    def seen(i: int, queued: float) -> Observations:
+        pods = {"a-0": PodSample(realtime_decode_tokens_total=30000.0 * i, num_queue_reqs=queued)}
+        return Observations((GroupObservation("a", 1, 1, pods=pods),))
+
+    previous: Decisions | None = None
+    for i in range(3):
+        in_memory = decide(job, seen(i, 0.0), previous, 1000.0 + 30.0 * i, CATALOG)
+        previous = restarted(in_memory)
+        assert previous == in_memory
+    assert previous is not None
+    steady = previous.fleet.steady["a"]
+    assert (steady.tokens_per_second_per_replica, steady.saturated) == (1000.0, False)
+    memory = next(g["memory"] for g in previous.status()["groups"] if g["name"] == "a")
+    assert memory["steadyThroughput"]["saturated"] is False
+    held = decide(job, seen(3, 0.0), previous, 1090.0, CATALOG)
+    assert held.plan is not None and held.plan.figures["a"].basis == "lowerBound"
+    assert "a keeps its 1 replica(s), planned at 1000 tokens/s per replica: a lower bound" in held.plan.reason
+    queued = decide(job, seen(4, 2.0), held, 1120.0, CATALOG)
+    assert queued.fleet.steady["a"].saturated and queued.plan is not None
+    assert queued.plan.figures["a"].basis == "measured"
+    older = held.status()
+    for g in older["groups"]:
+        del g["memory"]["steadyThroughput"]["saturated"]
+    upgraded = Decisions.from_status({"decisions": older})
+    assert upgraded is not None and upgraded.fleet.steady["a"].saturated

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from support.manifests import rljob
 
 from rlfleet.api import RLJob
-from rlfleet.catalog import load_catalog
+from rlfleet.catalog import get_catalog, load_catalog
 from rlfleet.fleet import (
     Budgets,
     Demand,
@@ -57,6 +57,7 @@ JOB = rljob(
         }
     },
 )
+CATALOG = get_catalog()
 REFERENCE = ReferenceFigures(
     accelerator="b200", tokens_per_gpu_second=2500.0, cost_per_gpu_hour=5.99, oor_fraction=None
 )
@@ -168,6 +169,148 @@ def test_a_steady_figure_keeps_what_it_was_read_at_and_is_dropped_when_the_forma
         zero, [FleetReading("b200-nvfp4", "b200", "fp8", 1, 5.99, 0, 0, None, None, None, False)]
     )
     assert moved.steady == {}
+
+
+def test_a_reading_with_every_queue_empty_only_raises_the_figure_and_alone_is_a_lower_bound() -> None:
+    """What a group made with nothing queued is what it was sent: a lower bound on its tokens/s per
+    replica. b200 read saturated at 4000 per replica keeps 4000 while idle (1500), takes 4500 when an idle
+    reading is higher (still saturated: a saturated reading is behind it), and a saturated 3800 replaces
+    it downward. a100, never read with a request queued: 800 is a lower bound, kept over 600, until a
+    queued 1000. A group whose queue is unknown (no gauge) is taken as before: saturated."""
+    b200, a100 = "b200-nvfp4", "a100-bf16"
+    memory = fleetplan.observe(
+        FleetMemory(),
+        [reading(b200, 3, tps=12000.0), reading(a100, 1, tps=800.0, queues_empty=True)],
+        now="t0",
+    )
+    assert memory.steady == {
+        b200: SteadyFigure(4000.0, 3, "nvfp4", "t0"),
+        a100: SteadyFigure(800.0, 1, "bf16", "t0", saturated=False),
+    }
+    figures = []
+    for i, (b200_tps, b200_empty, a100_tps, a100_empty) in enumerate(
+        [(4500.0, True, 600.0, True), (13500.0, True, 600.0, True), (11400.0, False, 1000.0, False)], 1
+    ):
+        memory = fleetplan.observe(
+            memory,
+            [
+                reading(b200, 3, tps=b200_tps, queues_empty=b200_empty),
+                reading(a100, 1, tps=a100_tps, queues_empty=a100_empty),
+            ],
+            now=f"t{i}",
+        )
+        figures.append((memory.steady[b200], memory.steady[a100]))
+    assert figures == [
+        (SteadyFigure(4000.0, 3, "nvfp4", "t0"), SteadyFigure(800.0, 1, "bf16", "t0", saturated=False)),
+        (SteadyFigure(4500.0, 3, "nvfp4", "t2"), SteadyFigure(800.0, 1, "bf16", "t0", saturated=False)),
+        (SteadyFigure(3800.0, 3, "nvfp4", "t3"), SteadyFigure(1000.0, 1, "bf16", "t3")),
+    ]
+    # an idle reading after a format change starts over: a lower bound of the new format
+    moved = fleetplan.observe(memory, [reading("b200-fp8", 3, tps=3000.0, queues_empty=True)], now="t4")
+    assert moved.steady == {"b200-fp8": SteadyFigure(1000.0, 3, "fp8", "t4", saturated=False)}
+    # the planned figures: measured, and lowerBound for a group with no saturated reading; a lower bound is
+    # no ground for another group's estimate
+    idle = fleetplan.observe(FleetMemory(), [reading(a100, 1, tps=800.0, queues_empty=True)], now="t0")
+    readings = [reading(a100, 1), reading("h100-fp8", 0)]
+    assert fleetplan.plan_figures(readings, idle, CATALOG) == {
+        a100: PlanFigure(
+            800.0, "lowerBound", "steady reading over 1 replica(s) at bf16, t0, its queues empty"
+        )
+    }
+
+
+def light_producer(replicas: dict[str, int], capacity: dict[str, float], sent: float) -> list[FleetReading]:
+    """Each group's reading behind a producer that sends `sent` tokens/s in all, split in proportion to
+    the groups' capacities (`capacity`: tokens/s per replica): a group makes what it is sent, and its
+    queues are empty while that is below its capacity."""
+    total = sum(capacity[g] * n for g, n in replicas.items())
+    out = []
+    for g, n in replicas.items():
+        made = min(sent * capacity[g] * n / total, capacity[g] * n)
+        out.append(reading(g, n, tps=made, queues_empty=made < capacity[g] * n))
+    return out
+
+
+def test_an_idle_fleet_is_planned_down_from_its_saturated_figures_not_up_from_what_it_was_sent() -> None:
+    """The hand-solved fleet at (3, 1), read saturated once (4000 and 1000 tok/s per replica). Then the
+    trainer takes 5000 tokens/s (50 episodes x 100 tokens per 1 s of training): demand 5000 x headroom 1.1
+    = 5500 usable tokens/s, and the fleet makes what it is sent, 5000 (b200 12/13, a100 1/13 of it), its
+    queues empty. Planned from those readings (1538 and 385 per replica), the fleet would go UP, to
+    a100 x3 (3 x 1538 + 3 x 385 = 5769) - and every replica added lowers the readings again. Planned from the saturated figures the
+    optimum for 5500 is b200 x1 + a100 x2 = 6000 tok/s at $9.57/h ((2, 0): $11.98; a100 alone makes at
+    most 4000): Scaled from $19.76/h. Behind the same producer (1, 2) reads 3333 and 1667 in all, both
+    idle: Kept, at the same figures."""
+    capacity = {"b200-nvfp4": 4000.0, "a100-bf16": 1000.0}
+    spec = optimize_spec(budgets={}, demand={"headroom": 1.1}, maxStepReplicas=4)
+    trainer = {"episodes": 50.0, "response_length": 100.0, "time_train": 1.0}
+    replicas = {"b200-nvfp4": 3, "a100-bf16": 1}
+    memory = fleetplan.observe(FleetMemory(), light_producer(replicas, capacity, 20000.0), now="t0")
+    assert memory.per_replica == capacity and all(f.saturated for f in memory.steady.values())
+
+    def interval(memory: FleetMemory, replicas: dict[str, int], now: str):
+        readings = light_producer(replicas, capacity, 5000.0)
+        memory = fleetplan.observe(memory, readings, now=now)
+        figures = fleetplan.plan_figures(readings, memory, CATALOG)
+        per_replica = {g: f.tokens_per_second_per_replica for g, f in figures.items()}
+        request, left_out = fleetplan.fleet_request(
+            spec, "b200", REFERENCE, readings, per_replica, None, trainer, lower_bounds=set()
+        )
+        return readings, memory, fleetplan.decide(request, left_out, readings, {}, None, "derived", figures)
+
+    readings, memory, first = interval(memory, replicas, "t1")
+    assert all(r.queues_empty for r in readings)
+    assert [r.tokens_per_second for r in readings] == pytest.approx(
+        [5000.0 * 12 / 13, 5000.0 / 13], rel=1e-12
+    )
+    assert memory.per_replica == capacity
+    assert first.decision == "Scaled" and first.changes() == {"b200-nvfp4": (3, 1), "a100-bf16": (1, 2)}
+    assert first.status()["costPerHour"] == round(5.99 + 2 * 1.79, 4) == 9.57
+    # the readings themselves as figures: what planning from delivered tokens did, a step UP
+    as_read = {r.name: (r.tokens_per_second or 0.0) / r.replicas for r in readings}
+    request, left_out = fleetplan.fleet_request(spec, "b200", REFERENCE, readings, as_read, None, trainer)
+    up = fleetplan.decide(request, left_out, readings, {}, None, "derived")
+    assert up.decision == "Scaled" and up.changes() == {"a100-bf16": (1, 3)}
+    readings, memory, second = interval(memory, first.replicas, "t2")
+    assert [r.tokens_per_second for r in readings] == pytest.approx(
+        [5000.0 * 4 / 6, 5000.0 * 2 / 6], rel=1e-12
+    )
+    assert second.decision == "Kept" and second.replicas == {"b200-nvfp4": 1, "a100-bf16": 2}
+    assert memory.per_replica == capacity
+
+
+def test_a_group_never_read_saturated_keeps_its_replicas_and_the_reason_says_why() -> None:
+    """b200 x3 read saturated (4000 per replica, its queue full); a100 x1 made 500 with its queue empty (the
+    router sent it little): 500 is a lower bound. Demand 13000: planned from 500, a100 would go to 2
+    replicas (12000 + 2 x 500); held at its 1 replica, 12500 is all the plan counts, so no plan meets the
+    demand: Infeasible, nothing moves, the share policy's shares stand (they send a100 more, and its next
+    reading tells its capacity)."""
+    memory = FleetMemory(steady={"b200-nvfp4": SteadyFigure(4000.0, 3, "nvfp4", "t0")})
+    readings = [
+        reading("b200-nvfp4", 3, tps=12000.0),
+        reading("a100-bf16", 1, tps=500.0, queues_empty=True),
+    ]
+    memory = fleetplan.observe(memory, readings, now="t1")
+    figures = fleetplan.plan_figures(readings, memory, CATALOG)
+    assert {g: f.basis for g, f in figures.items()} == {"b200-nvfp4": "measured", "a100-bf16": "lowerBound"}
+    per_replica = {g: f.tokens_per_second_per_replica for g, f in figures.items()}
+    spec = optimize_spec(budgets={})
+    request, left_out = fleetplan.fleet_request(
+        spec, "b200", REFERENCE, readings, per_replica, lower_bounds={"a100-bf16"}
+    )
+    assert request is not None
+    a100 = next(g for g in request.groups if g.name == "a100-bf16")
+    assert (a100.min_replicas, a100.max_replicas, a100.tokens_per_second_per_replica) == (1, 1, 500.0)
+    decision = fleetplan.decide(request, left_out, readings, {}, None, "given", figures)
+    assert decision.decision == "Infeasible" and decision.changes() == {}
+    assert decision.reason.endswith(
+        "; a100-bf16 keeps its 1 replica(s), planned at 500 tokens/s per replica: a lower bound (read only "
+        "with its queues empty: it made what it was sent) until it is read with requests queued"
+    )
+    assert decision.status()["throughput"]["a100-bf16"]["basis"] == "lowerBound"
+    # without the hold, the same figure would plan a100 up
+    free, _ = fleetplan.fleet_request(spec, "b200", REFERENCE, readings, per_replica)
+    planned = fleetplan.decide(free, {}, readings, {}, None, "given", figures)
+    assert planned.changes() == {"a100-bf16": (1, 2)}
 
 
 def test_a_group_without_a_figure_is_planned_at_an_estimate_from_the_catalogs_ratios(tmp_path) -> None:
