@@ -15,6 +15,7 @@ from rlfleet.operator.rebalance import (
     GroupInput,
     PodSample,
     RebalanceConfig,
+    RebalanceResult,
     RebalanceState,
     parse_sglang_metrics,
     parse_trainer_group_metrics,
@@ -453,6 +454,13 @@ def starved_fleet(intervals: int, queue: float | None, catalog, **config_fields)
     return results
 
 
+def assert_share_path(results: list[RebalanceResult], names: str, expected: list[tuple[float, ...]]) -> None:
+    """Interval by interval, the shares of the groups named by one letter each in `names`, within 1e-12."""
+    assert len(results) == len(expected)
+    for result, row in zip(results, expected, strict=True):
+        assert result.shares == pytest.approx(dict(zip(names, row, strict=True)), abs=1e-12)
+
+
 def test_a_late_group_behind_a_light_producer_climbs_to_its_prior_share() -> None:
     """The fixed point the `throughput` policy had: c, not ready at the first rebalance (share 0), delivers
     nothing, so measured throughput would keep it at the floor. No pod has a request waiting, so each
@@ -472,9 +480,8 @@ def test_a_late_group_behind_a_light_producer_climbs_to_its_prior_share() -> Non
         (0.255, 0.255, 0.49),
         (0.255, 0.255, 0.49),
     ]
-    for result, (a, b, c) in zip(results, expected, strict=True):
-        assert result.shares == pytest.approx({"a": a, "b": b, "c": c}, abs=1e-12)
-        assert sum(result.shares.values()) == pytest.approx(1.0, abs=1e-12)
+    assert_share_path(results, "abc", expected)
+    assert all(sum(r.shares.values()) == pytest.approx(1.0, abs=1e-12) for r in results)
     joined = results[1].groups["c"]
     assert joined.tokens_per_second == 0.0  # the status keeps the measured rate...
     assert joined.capacity_estimated and joined.capacity_tokens_per_second > 0
@@ -503,8 +510,7 @@ def test_by_default_the_late_group_climbs_from_its_second_empty_reading() -> Non
         (0.255, 0.255, 0.49),  # within the bound: the target
         (0.255, 0.255, 0.49),
     ]
-    for result, (a, b, c) in zip(results, expected, strict=True):
-        assert result.shares == pytest.approx({"a": a, "b": b, "c": c}, abs=1e-12)
+    assert_share_path(results, "abc", expected)
     assert [r.state.groups["c"].empty_queue_intervals for r in results] == [0, 1, 2, 3, 4, 5, 6, 7]
     waiting = results[1].groups["c"]
     assert not waiting.capacity_estimated and waiting.reason == "throughput 0 tok/s"  # says nothing yet
@@ -647,8 +653,7 @@ def test_one_empty_queue_reading_between_saturated_ones_changes_no_share() -> No
     assert [r.state.groups["d"].empty_queue_intervals for r in default] == [0, 0, 1, 0, 0]
     single = queue_run(queues, RebalanceConfig(catalog=CATALOG, min_share=0.0, demand_limited_intervals=1))
     expected = [(0.8, 0.2), (0.8, 0.2), (0.7, 0.3), (0.8, 0.2), (0.8, 0.2)]
-    for result, (s, d) in zip(single, expected, strict=True):
-        assert result.shares == pytest.approx({"s": s, "d": d}, abs=1e-12)
+    assert_share_path(single, "sd", expected)
     assert single[2].groups["d"].reason == (
         "throughput 250 tok/s; capacity estimated 2000 tok/s: no queue; bounded toward 0.667"
     )
@@ -660,8 +665,7 @@ def test_two_consecutive_empty_readings_engage_the_estimate() -> None:
     0.2 -> 0.3, then 0.3 -> 0.4 (2/3 - 0.3 = 0.367 still over the bound)."""
     results = queue_run([2.0, 0.0, 0.0, 0.0], RebalanceConfig(catalog=CATALOG, min_share=0.0))
     expected = [(0.8, 0.2), (0.8, 0.2), (0.7, 0.3), (0.6, 0.4)]
-    for result, (s, d) in zip(results, expected, strict=True):
-        assert result.shares == pytest.approx({"s": s, "d": d}, abs=1e-12)
+    assert_share_path(results, "sd", expected)
     assert [r.state.groups["d"].empty_queue_intervals for r in results] == [0, 1, 2, 3]
     assert [r.groups["d"].capacity_estimated for r in results] == [False, False, True, True]
     assert results[2].groups["d"].capacity_tokens_per_second == 2000.0
