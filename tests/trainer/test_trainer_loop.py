@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from support.tiny_models import LOOP_MODEL
+from support.waits import wait_for
 
 from rlfleet.local.emulated import EmulatedFleet, EmulatedSampler
 from rlfleet.numerics.engine_model import ModelShape
@@ -118,6 +119,42 @@ def run(loop, driver):
         return loop.run()
     finally:
         driver.stop()
+
+
+class HeldScoreEnv(CountingEnv):
+    """CountingEnv whose every score waits in its worker thread until the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scoring = threading.Event()  # some episode is in its score
+        self.release = threading.Event()
+        self.entered = 0
+
+    def score(self, prompt, state, replies):
+        with self._lock:
+            self.entered += 1
+        self.scoring.set()
+        assert self.release.wait(60), "never released"
+        return super().score(prompt, state, replies)
+
+
+def test_a_driver_stopped_mid_score_waits_for_the_score_and_counts_it(model_dir, tmp_path):
+    """The stop cancels the episodes' tasks, not the worker threads that run the environment: the scores
+    in flight finish after it. `stop` waits for them, and each is counted (scored_episodes was counted by
+    the cancelled task, so the environment scored episodes the driver never counted, and `stop` returned
+    while they still ran: test_every_record_scored_once_and_trained_once saw 35 scored and 32 counted)."""
+    env = HeldScoreEnv()
+    _, driver, _ = make(model_dir, tmp_path, env=env, steps=1)
+    driver.start()
+    assert env.scoring.wait(60), "no episode reached its score"
+    stopper = threading.Thread(target=driver.stop, kwargs={"timeout": 60})
+    stopper.start()
+    wait_for("the episodes' tasks cancelled", lambda: driver._in_flight == 0)  # the scores still held
+    assert env.entered >= 1 and sum(env.scored.values()) == 0
+    env.release.set()
+    stopper.join(90)
+    assert not stopper.is_alive() and driver._thread is not None and not driver._thread.is_alive()
+    assert sum(env.scored.values()) == env.entered == driver.stats.scored_episodes
 
 
 def test_every_record_scored_once_and_trained_once(model_dir, tmp_path):

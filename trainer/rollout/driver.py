@@ -271,6 +271,7 @@ class RolloutDriver:
         self.max_ahead_prompts = max_ahead_prompts
         self.buffer = buffer or RolloutBuffer()
         self.stats = DriverStats()
+        self._scored_lock = threading.Lock()  # scored_episodes is counted in the worker threads (`_score`)
         self._in_flight = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -301,10 +302,16 @@ class RolloutDriver:
             )
             if await asyncio.to_thread(episode.add_turn, turn):
                 break
-        await asyncio.to_thread(episode.score)  # exactly once, here, whatever ended the episode
-        self.stats.scored_episodes += 1
+        await asyncio.to_thread(self._score, episode)  # exactly once, here, whatever ended the episode
         rollout.finished_at = time.monotonic()
         return rollout
+
+    def _score(self, episode: Episode) -> None:
+        """In the worker thread, counted there: a driver stopped mid-score cancels the awaiting task, not
+        the thread, so an episode the environment scored is counted even then (`stop` waits for it)."""
+        episode.score()
+        with self._scored_lock:
+            self.stats.scored_episodes += 1
 
     async def _generate(self, session: str, ids: list[int], sampling: SamplingConfig) -> SampledTurn:
         """One turn, not retried here: the generate function owns its retries (rlfleet/retries.py);
@@ -451,6 +458,10 @@ class RolloutDriver:
                         self._loop.run_until_complete(closer())
                     except Exception:
                         pass
+                # the environment's work in flight (a score, a sandbox made, a tool call) outlives its
+                # cancelled task in a worker thread: it ends before the driver does (`stop` waits for it,
+                # up to its timeout), so nothing an episode started runs on after the run
+                self._loop.run_until_complete(self._loop.shutdown_default_executor())
                 self._loop.close()
 
         self._thread = threading.Thread(target=main, name="rollout-driver", daemon=True)
