@@ -24,7 +24,7 @@ from test_trainer_routing import ROUTING_KEYS, transformers_routing
 
 from rlfleet.trainer.backends.routing_replay import replay_routing
 
-# one torch thread, as every torch test file here: with two, a replayed forward sends each expert its
+# one torch thread (tests/conftest.py `one_torch_thread`): with two, a replayed forward sends each expert its
 # tokens in another composition than the plain one, the matmuls block differently, and logits moved by
 # 1.2e-6 (3 ulp; seen alone in this file, while the whole suite's order hid it)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
