@@ -109,11 +109,6 @@ class Fleet(NodeJob):
             )
         return "\n".join(parts)
 
-    def wait_step(self, at_least: int, timeout: float = 900) -> int:
-        return wait_for(
-            f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout=timeout
-        )
-
 
 @pytest.fixture(scope="module")
 def fleet(dev_cluster) -> Iterator[Fleet]:

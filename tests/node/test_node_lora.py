@@ -23,7 +23,6 @@ before test_node_pods.py, whose last test stops the node (the conftest moves it 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import time
 import uuid
@@ -62,6 +61,7 @@ MIN_APPLIED = 3  # adapter versions each sidecar must have applied
 class Fleet(NodeJob):
     job = JOB
     claim = CLAIM
+    group_names = GROUPS
     kube: Any  # controlplane.KubeCluster
     ns: str
     started: float
@@ -75,55 +75,9 @@ class Fleet(NodeJob):
         self.digests[version] = hashlib.sha256(raw).hexdigest()
         self.manifests[version] = manifest
 
-    def probe(self, pod: str) -> dict[str, Any]:
-        """Inside a sampler pod (`kubectl exec` into its weight-sync container, the job's key on stdin):
-        the sidecar's /status, the engine's /v1/models, the sidecar's /status again."""
-        out = self.kube.kubectl(
-            "exec",
-            "-i",
-            "-n",
-            self.ns,
-            pod,
-            "-c",
-            "weight-sync",
-            "--",
-            "python3",
-            "-I",
-            "-c",
-            ENGINE_PROBE,
-            input=self.api_key(),
-        ).stdout
-        return json.loads(out.strip().splitlines()[-1])
-
     def applied(self, pod: str) -> list[int]:
         """The adapter versions the pod's sidecar applied, in order (its log line per version)."""
         return [int(m.group(1)) for m in APPLIED.finditer(self.logs(pod, "weight-sync"))]
-
-    def history(self) -> list[dict[str, float]]:
-        """The trainer's per-step metrics, from its newest checkpoint in the store."""
-        from rlfleet.trainer.publish import checkpoint
-
-        latest = checkpoint.load_latest(self.store_dir() / "checkpoints")
-        return list(latest["history"]) if latest else []
-
-    def diagnosis(self) -> str:
-        """What the RLJob, the groups, the trainer and the operator say (a failure's report)."""
-        parts = [f"RLJob status: {self.status()}"]
-        try:
-            parts.append(self.kube.kubectl("get", "rlj,sg,wc,pods", "-n", self.ns, "-o", "wide").stdout)
-        except Exception as exc:  # noqa: BLE001 - a report must not hide the failure it reports
-            parts.append(f"(no table: {exc})")
-        parts.append(f"trainer log tail:\n{self.log_tail(f'{JOB}-trainer-0', 'trainer')}")
-        for group in GROUPS:
-            for pod in self.sampler_pods(group):
-                name = pod["metadata"]["name"]
-                parts.append(f"{name} weight-sync log tail:\n{self.log_tail(name, 'weight-sync')}")
-        for op in self.pods("app.kubernetes.io/name=rlfleet"):
-            parts.append(f"operator log tail:\n{self.log_tail(op['metadata']['name'], None)}")
-        return "\n".join(parts)
-
-    def wait_step(self, at_least: int, timeout: float = 900) -> int:
-        return self.wait(f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout)
 
 
 # The sidecar's line per version it applied (sampler/syncer.py): with LoRA the followed view is `lora`.
@@ -252,7 +206,7 @@ def test_every_group_swaps_adapters_without_a_restart(fleet: Fleet) -> None:
         three: list[list[int]] = []  # in-sync snapshots holding more than 2 adapters (retried; reported)
 
         def settled(n: str = name, three: list[list[int]] = three) -> tuple[dict[str, Any], list[int]] | None:
-            got = fleet.probe(n)
+            got = fleet.probe(n, ENGINE_PROBE)
             before, after = got["before"], got["after"]
             if not (
                 before["phase"] == after["phase"] == "in-sync"
@@ -366,7 +320,11 @@ def test_a_deleted_sampler_pod_comes_back_on_its_base_and_the_newest_adapter(fle
     assert applied[0] >= latest, (applied, latest)  # the newest adapter, not v1, v2, ...
     got = fleet.wait(
         "the replacement's engine holding the adapter its sidecar applied",
-        lambda: (g := fleet.probe(name))["after"]["phase"] == "in-sync" and _adapters(g["models"]) and g,
+        lambda: (
+            (g := fleet.probe(name, ENGINE_PROBE))["after"]["phase"] == "in-sync"
+            and _adapters(g["models"])
+            and g
+        ),
         timeout=300,
     )
     held = _adapters(got["models"])

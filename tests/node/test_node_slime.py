@@ -119,6 +119,7 @@ REFUSED = re.compile(r"v(\d+) not published: (.+)$", re.M)  # trainer/slime_brid
 class Slime(NodeJob):
     job = JOB
     claim = CLAIM
+    group_names = GROUPS
     kube: Any  # controlplane.KubeCluster
     ns: str
     started: float
@@ -256,16 +257,9 @@ class Slime(NodeJob):
 
     # --- a failure's report ------------------------------------------------------------------------
     def diagnosis(self) -> str:
-        parts = [f"RLJob status: {self.status()}"]
-        try:
-            parts.append(self.kube.kubectl("get", "rlj,sg,wc,pods", "-n", self.ns, "-o", "wide").stdout)
-        except Exception as exc:  # noqa: BLE001 - a report must not hide the failure it reports
-            parts.append(f"(no table: {exc})")
+        parts = self.report_head()
         parts.append(f"bridge log tail:\n{self.log_tail(BRIDGE, 'trainer')}")
-        for group in GROUPS:
-            for pod in self.pods(f"rlfleet.dev/samplergroup={JOB}-{group}"):
-                name = pod["metadata"]["name"]
-                parts.append(f"{name} weight-sync log tail:\n{self.log_tail(name, 'weight-sync')}")
+        parts += self.sampler_log_tails()
         for pod in self.pods(f"rlfleet.dev/job={JOB},app.kubernetes.io/component=router"):
             parts.append(f"router log tail:\n{self.log_tail(pod['metadata']['name'], None)}")
         for op in self.pods("app.kubernetes.io/name=rlfleet"):

@@ -23,7 +23,6 @@ whose last test stops the node (the conftest moves it last anyway).
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -60,61 +59,16 @@ MIN_VERSIONS = 3  # versions 0, 1, 2 read from the store
 class Fleet(NodeJob):
     job = JOB
     claim = CLAIM
+    group_names = GROUPS
     kube: Any  # controlplane.KubeCluster
     ns: str
     started: float
     versions_seen: list[int] = field(default_factory=list)  # the channel's latest version, polled
     manifests: dict[int, Manifest] = field(default_factory=dict)  # every version's manifest, read as it lands
 
-    def history(self) -> list[dict[str, float]]:
-        """The trainer's per-step metrics, from its newest checkpoint in the store."""
-        from rlfleet.trainer.publish import checkpoint
-
-        latest = checkpoint.load_latest(self.store_dir() / "checkpoints")
-        return list(latest["history"]) if latest else []
-
-    def probe(self, pod: str) -> dict[str, Any]:
-        """Inside a sampler pod (`kubectl exec` into its weight-sync container, the job's key on stdin): the
-        sidecar's /status, the engine's /model_info, the sidecar's /status again."""
-        out = self.kube.kubectl(
-            "exec",
-            "-i",
-            "-n",
-            self.ns,
-            pod,
-            "-c",
-            "weight-sync",
-            "--",
-            "python3",
-            "-I",
-            "-c",
-            ENGINE_PROBE,
-            input=self.api_key(),
-        ).stdout
-        return json.loads(out.strip().splitlines()[-1])
-
     def applied(self, pod: str) -> list[tuple[int, str]]:
         """(version, view) of every version the pod's sidecar applied, in order (its log line per version)."""
         return [(int(m.group(1)), m.group(2)) for m in APPLIED.finditer(self.logs(pod, "weight-sync"))]
-
-    def diagnosis(self) -> str:
-        """What the RLJob, the groups, the trainer and the operator say (a failure's report)."""
-        parts = [f"RLJob status: {self.status()}"]
-        try:
-            parts.append(self.kube.kubectl("get", "rlj,sg,wc,pods", "-n", self.ns, "-o", "wide").stdout)
-        except Exception as exc:  # noqa: BLE001 - a report must not hide the failure it reports
-            parts.append(f"(no table: {exc})")
-        parts.append(f"trainer log tail:\n{self.log_tail(f'{JOB}-trainer-0', 'trainer', lines=40)}")
-        for group in GROUPS:
-            for pod in self.sampler_pods(group):
-                name = pod["metadata"]["name"]
-                parts.append(f"{name} weight-sync log tail:\n{self.log_tail(name, 'weight-sync')}")
-        for op in self.pods("app.kubernetes.io/name=rlfleet"):
-            parts.append(f"operator log tail:\n{self.log_tail(op['metadata']['name'], None)}")
-        return "\n".join(parts)
-
-    def wait_step(self, at_least: int, timeout: float = 900) -> int:
-        return self.wait(f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout)
 
 
 # rank 0's line (trainer/backends/backend_hf.py): what the image's torch's gloo reduce-scatter does
@@ -264,7 +218,7 @@ def test_every_group_serves_a_trained_version(fleet: Fleet) -> None:
         name = pod["metadata"]["name"]
 
         def settled(n: str = name) -> dict[str, Any] | None:
-            got = fleet.probe(n)
+            got = fleet.probe(n, ENGINE_PROBE)
             before, after = got["before"], got["after"]
             same = before["phase"] == after["phase"] == "in-sync"
             same = same and before["applied_version"] == after["applied_version"]

@@ -1,7 +1,9 @@
 """An RLJob on the dev cluster's real node as the node tier's fleet tests read it (tests/node/test_node_fleet.py,
 test_node_lora.py, test_node_slime.py, test_node_torch.py): its status, pods, logs, the host directory of a
-volume claim, the channel's pointer there (and the versions it named, polled), the job's engine key, waits
-whose failure carries the test's own diagnosis, and the teardown of the job and its operator."""
+volume claim, the channel's pointer there (and the versions it named, polled), the trainer's step history,
+the job's engine key and a probe run with it in a sampler pod, waits (the step among them) whose failure
+carries a diagnosis (a trainer job's, or the test's own from the same parts), and the teardown of the job
+and its operator."""
 
 from __future__ import annotations
 
@@ -22,17 +24,44 @@ from support.waits import wait_for
 
 class NodeJob:
     """Mixed into a test's fleet dataclass, which has `kube` (controlplane.KubeCluster) and `ns`, names the
-    job and its weight channel's claim, and says what a failure should show (`diagnosis`)."""
+    job, its weight channel's claim and its groups, and may say what a failure should show (`diagnosis`)."""
 
     job: ClassVar[str]  # metadata.name of the RLJob
     claim: ClassVar[str]  # the PersistentVolumeClaim of its weight channel's store
+    group_names: ClassVar[tuple[str, ...]] = ()  # its sampler groups (the names after `<job>-`)
     kube: Any
     ns: str
     versions_seen: list[int]  # the channel's pointer, polled (watching_versions)
     manifests: dict[int, Manifest]  # every version's manifest, read as it lands (read_new_manifests)
 
     def diagnosis(self) -> str:
-        raise NotImplementedError
+        """A failure's report for a job with trainer pods: what the RLJob, the groups' sidecars, the
+        trainer and the operator say (a job with other pods says its own, from the same parts)."""
+        parts = self.report_head()
+        parts.append(f"trainer log tail:\n{self.log_tail(f'{self.job}-trainer-0', 'trainer', lines=40)}")
+        parts += self.sampler_log_tails()
+        for op in self.pods("app.kubernetes.io/name=rlfleet"):
+            parts.append(f"operator log tail:\n{self.log_tail(op['metadata']['name'], None)}")
+        return "\n".join(parts)
+
+    def report_head(self) -> list[str]:
+        """A report's first parts: the RLJob's status and `kubectl get rlj,sg,wc,pods -o wide`."""
+        parts = [f"RLJob status: {self.status()}"]
+        try:
+            parts.append(self.kube.kubectl("get", "rlj,sg,wc,pods", "-n", self.ns, "-o", "wide").stdout)
+        except Exception as exc:  # noqa: BLE001 - a report must not hide the failure it reports
+            parts.append(f"(no table: {exc})")
+        return parts
+
+    def sampler_log_tails(self) -> list[str]:
+        """The weight-sync sidecar's log tail of every pod of the job's groups."""
+        return [
+            f"{name} weight-sync log tail:\n{self.log_tail(name, 'weight-sync')}"
+            for group in self.group_names
+            for name in (
+                p["metadata"]["name"] for p in self.pods(f"rlfleet.dev/samplergroup={self.job}-{group}")
+            )
+        ]
 
     def status(self) -> dict[str, Any]:
         return self.kube.get_json("rljob", self.job, "-n", self.ns).get("status", {})
@@ -118,6 +147,33 @@ class NodeJob:
         except (OSError, ValueError, KeyError):
             return None
 
+    def history(self) -> list[dict[str, float]]:
+        """The trainer's per-step metrics, from its newest checkpoint in the store."""
+        from rlfleet.trainer.publish import checkpoint
+
+        latest = checkpoint.load_latest(self.store_dir() / "checkpoints")
+        return list(latest["history"]) if latest else []
+
+    def probe(self, pod: str, script: str) -> dict[str, Any]:
+        """Run `script` (python3 -I) in a sampler pod's weight-sync container, the job's key on its stdin
+        (never on a command line), and return the JSON of the last line it prints."""
+        out = self.kube.kubectl(
+            "exec",
+            "-i",
+            "-n",
+            self.ns,
+            pod,
+            "-c",
+            "weight-sync",
+            "--",
+            "python3",
+            "-I",
+            "-c",
+            script,
+            input=self.api_key(),
+        ).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
     def api_key(self) -> str:
         """The job's engine key (its Secret `<job>-api-key`, field `key`)."""
         secret = self.kube.get_json("secret", f"{self.job}-api-key", "-n", self.ns)
@@ -129,6 +185,10 @@ class NodeJob:
             return wait_for(what, check, timeout=timeout, interval=interval)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.diagnosis()}") from None
+
+    def wait_step(self, at_least: int, timeout: float = 900) -> int:
+        """The RLJob's step once it is `at_least`."""
+        return self.wait(f"RLJob step >= {at_least}", lambda: (s := self.step()) >= at_least and s, timeout)
 
 
 def example_rljob(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
